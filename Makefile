@@ -1,0 +1,35 @@
+# fmoe developer commands.
+#   make setup     create .venv and install what is missing (idempotent)
+#   make test      setup, then the whole suite (Triton kernels via the interpreter on CPU)
+#   make test-gpu  setup, then the tests marked `gpu` (they skip, saying why, without CUDA)
+#   make bench-smoke  every benchmark's --smoke mode (CPU, tiny shapes)
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# CPU machines get pinned CPU builds; a CUDA machine takes the registry's CUDA builds
+CPU_PINS := torch==2.13.0 triton==3.7.1
+
+.PHONY: setup test test-gpu bench-smoke clean
+
+setup:
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@if $(PY) -c "import torch, triton, einops, tensordict, pytest, fmoe" 2>/dev/null; then \
+		echo "setup: $(VENV) already has everything"; \
+	else \
+		if nvidia-smi -L >/dev/null 2>&1; then pins="torch triton"; else pins="$(CPU_PINS)"; fi; \
+		echo "setup: installing $$pins and fmoe[test] into $(VENV)"; \
+		$(PY) -m pip install -q $$pins && $(PY) -m pip install -q -e ".[test]"; \
+	fi
+
+test: setup
+	$(PY) -m pytest -q
+
+test-gpu: setup
+	TRITON_INTERPRET=0 $(PY) -m pytest -q -m gpu
+
+bench-smoke: setup
+	@for b in benchmarks/bench_*.py; do echo "== $$b --smoke"; $(PY) $$b --smoke || exit 1; done
+
+clean:
+	rm -rf $(VENV) .pytest_cache bench_out

@@ -1,0 +1,28 @@
+"""fmoe.ops: stateless, differentiable tensor -> tensor ops (SPEC.md).
+
+Each op runs fused Triton kernels on CUDA tensors and a plain-torch reference otherwise;
+`impl="auto" | "triton" | "torch"` overrides the choice. See fmoe/ops/README.md.
+"""
+
+from fmoe.ops.balance import (
+    aux_scores,
+    load_balancing_loss,
+    seq_load_balancing_loss,
+    tokens_per_expert,
+    update_expert_bias,
+    z_loss,
+)
+from fmoe.ops.routing import Routes, drop_by_capacity, random_logits, route
+
+__all__ = [
+    "Routes",
+    "aux_scores",
+    "drop_by_capacity",
+    "load_balancing_loss",
+    "random_logits",
+    "route",
+    "seq_load_balancing_loss",
+    "tokens_per_expert",
+    "update_expert_bias",
+    "z_loss",
+]

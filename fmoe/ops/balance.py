@@ -1,0 +1,409 @@
+"""Load balancing: aux-loss scores, counts, switch / sequence losses, z-loss, expert bias
+(SPEC.md section 2).
+
+    aux_scores(logits[T,E], k)          -> scores[T,E] float32, experts[T,k] (unconstrained top-k)
+    tokens_per_expert(experts[T,k], E)  -> counts[E] int64 (ids -1 skipped)
+    load_balancing_loss(scores, counts, k=, n_tokens=)
+        = E / (k * n_tokens^2) * sum_e (sum_t scores[t,e]) * counts[e]      (1 when balanced)
+    seq_load_balancing_loss(scores, experts, cu_seqlens, k=)
+        = mean_b  E / (k * S_b) * sum_e c[b,e] * mean_{t in b} scores[t,e]
+    z_loss(logits) = mean_t logsumexp_e(logits[t,e])^2
+    update_expert_bias(bias, counts, rate) = bias + rate * sign(mean(counts) - counts)
+
+aux_scores are softmax over all E (score="softmax") or sigmoid / sum of sigmoids
+(score="sigmoid"); their top-k ignores bias, groups and capacity, as in DeepSeek-V3's f.
+The losses are ordinary differentiable scalars; the caller multiplies by its coefficient.
+
+Legend: T tokens, E experts, K = k slots per token, B sequences.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Union
+
+import torch
+import triton
+import triton.language as tl
+
+from fmoe.ops._common import (
+    check_cu_seqlens,
+    check_float,
+    check_index,
+    check_positive_int,
+    next_pow2,
+    use_triton,
+)
+from fmoe.ops.routing import _rows_per_program, _sort_desc
+
+# ----------------------------------------------------------------------------------------
+# 1. Reference
+# ----------------------------------------------------------------------------------------
+
+
+def aux_scores_ref(logits_TE, k, sigmoid):
+    x_TE = logits_TE.float()
+    if sigmoid:
+        sig_TE = torch.sigmoid(x_TE)
+        scores_TE = sig_TE / sig_TE.sum(dim=-1, keepdim=True)
+    else:
+        scores_TE = torch.softmax(x_TE, dim=-1)
+    experts_TK = _sort_desc(scores_TE.detach())[:, :k]
+    return scores_TE, experts_TK
+
+
+def tokens_per_expert(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """counts[E] int64: slots routed to each expert; ids -1 (dropped) are skipped.
+
+    experts: [T, k] (any shape) int32/int64. No device->host sync.
+    """
+    if not isinstance(experts, torch.Tensor) or experts.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"experts: expected an int32/int64 tensor [T, k], got {getattr(experts, 'dtype', type(experts).__name__)}")
+    check_positive_int("n_experts", n_experts)
+    flat = experts.reshape(-1).long()
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=experts.device)
+    return counts.scatter_add_(0, flat.clamp(min=0), (flat >= 0).long())
+
+
+def z_loss_ref(logits_TE):
+    return torch.logsumexp(logits_TE.float(), dim=-1).square().mean()
+
+
+# ----------------------------------------------------------------------------------------
+# 2. Triton kernels
+# ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _aux_fwd_kernel(
+    logits_ptr, scores_ptr, experts_ptr, counts_ptr, T,
+    E: tl.constexpr, K: tl.constexpr, SIGMOID: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    """Scores, their top-k and the per-expert counts of that top-k, in one pass."""
+    BIG: tl.constexpr = 1 << 30
+    pid = tl.program_id(0)
+    rows_T = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols_E = tl.arange(0, BLOCK_E)
+    live = (rows_T[:, None] < T) & (cols_E[None, :] < E)
+    off = rows_T[:, None].to(tl.int64) * E + cols_E[None, :]
+    x = tl.load(logits_ptr + off, mask=live, other=float("-inf")).to(tl.float32)
+    if SIGMOID:
+        s = tl.where(live, tl.sigmoid(x), 0.0)
+    else:
+        s = tl.where(live, tl.exp(x - tl.max(x, axis=1)[:, None]), 0.0)
+    s = s / tl.sum(s, axis=1)[:, None]
+    tl.store(scores_ptr + off, s, mask=live)
+
+    counts_E = tl.zeros([BLOCK_E], dtype=tl.int32)
+    avail = live
+    for i in tl.static_range(K):
+        v = tl.where(avail, s, -1.0)
+        best = tl.max(v, axis=1)
+        first = tl.min(tl.where(avail & (v == best[:, None]), cols_E[None, :], BIG), axis=1)
+        hit = cols_E[None, :] == first[:, None]
+        counts_E += tl.sum(hit.to(tl.int32), axis=0)
+        avail = avail & (~hit)
+        tl.store(experts_ptr + rows_T.to(tl.int64) * K + i, first.to(tl.int64), mask=rows_T < T)
+    # one atomic per expert per program: integer adds, so the result is deterministic
+    tl.atomic_add(counts_ptr + cols_E, counts_E, mask=cols_E < E)
+
+
+@triton.jit
+def _aux_bwd_kernel(
+    logits_ptr, grad_scores_ptr, grad_logits_ptr, T,
+    E: tl.constexpr, SIGMOID: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows_T = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols_E = tl.arange(0, BLOCK_E)
+    live = (rows_T[:, None] < T) & (cols_E[None, :] < E)
+    off = rows_T[:, None].to(tl.int64) * E + cols_E[None, :]
+    x = tl.load(logits_ptr + off, mask=live, other=float("-inf")).to(tl.float32)
+    g = tl.load(grad_scores_ptr + off, mask=live, other=0.0).to(tl.float32)
+    if SIGMOID:  # q = sig / S: dsig = (g - sum(g q)) / S, dx = dsig * sig (1 - sig)
+        sig = tl.where(live, tl.sigmoid(x), 0.0)
+        denom = tl.sum(sig, axis=1)
+        q = sig / denom[:, None]
+        dx = (g - tl.sum(g * q, axis=1)[:, None]) / denom[:, None] * sig * (1.0 - sig)
+    else:  # p = softmax(x): dx = p (g - sum(g p))
+        p = tl.where(live, tl.exp(x - tl.max(x, axis=1)[:, None]), 0.0)
+        p = p / tl.sum(p, axis=1)[:, None]
+        dx = p * (g - tl.sum(g * p, axis=1)[:, None])
+    tl.store(grad_logits_ptr + off, dx.to(grad_logits_ptr.dtype.element_ty), mask=live)
+
+
+@triton.jit
+def _lse_fwd_kernel(logits_ptr, lse_ptr, T, E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    pid = tl.program_id(0)
+    rows_T = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols_E = tl.arange(0, BLOCK_E)
+    live = (rows_T[:, None] < T) & (cols_E[None, :] < E)
+    x = tl.load(logits_ptr + rows_T[:, None].to(tl.int64) * E + cols_E[None, :], mask=live, other=float("-inf")).to(tl.float32)
+    row_max = tl.max(x, axis=1)
+    row_max = tl.where(rows_T < T, row_max, 0.0)
+    lse = row_max + tl.log(tl.sum(tl.exp(x - row_max[:, None]), axis=1))
+    tl.store(lse_ptr + rows_T, lse, mask=rows_T < T)
+
+
+@triton.jit
+def _lse_bwd_kernel(
+    logits_ptr, lse_ptr, grad_lse_ptr, grad_logits_ptr, T,
+    E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows_T = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols_E = tl.arange(0, BLOCK_E)
+    row_ok = rows_T < T
+    live = row_ok[:, None] & (cols_E[None, :] < E)
+    off = rows_T[:, None].to(tl.int64) * E + cols_E[None, :]
+    x = tl.load(logits_ptr + off, mask=live, other=float("-inf")).to(tl.float32)
+    lse = tl.load(lse_ptr + rows_T, mask=row_ok, other=0.0)
+    g = tl.load(grad_lse_ptr + rows_T, mask=row_ok, other=0.0).to(tl.float32)
+    dx = g[:, None] * tl.exp(x - lse[:, None])
+    tl.store(grad_logits_ptr + off, dx.to(grad_logits_ptr.dtype.element_ty), mask=live)
+
+
+def _grid_rows(T, E):
+    block_e = next_pow2(E)
+    block_t = _rows_per_program(block_e)
+    return (triton.cdiv(T, block_t),), dict(E=E, BLOCK_T=block_t, BLOCK_E=block_e)
+
+
+# ----------------------------------------------------------------------------------------
+# 3. torch.library registration
+# ----------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("fmoe::aux_scores_fwd", mutates_args=())
+def _aux_scores_fwd(logits: torch.Tensor, k: int, sigmoid: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    T, E = logits.shape
+    scores = torch.empty(T, E, dtype=torch.float32, device=logits.device)
+    experts = torch.empty(T, k, dtype=torch.int64, device=logits.device)
+    counts = torch.zeros(E, dtype=torch.int32, device=logits.device)
+    if T > 0:
+        grid, meta = _grid_rows(T, E)
+        _aux_fwd_kernel[grid](logits.contiguous(), scores, experts, counts, T, K=k, SIGMOID=sigmoid, **meta, num_warps=4)
+    return scores, experts, counts.long()
+
+
+@_aux_scores_fwd.register_fake
+def _(logits, k, sigmoid):
+    T, E = logits.shape
+    return (
+        logits.new_empty(T, E, dtype=torch.float32),
+        logits.new_empty(T, k, dtype=torch.int64),
+        logits.new_empty(E, dtype=torch.int64),
+    )
+
+
+@torch.library.custom_op("fmoe::aux_scores_bwd", mutates_args=())
+def _aux_scores_bwd(grad_scores: torch.Tensor, logits: torch.Tensor, sigmoid: bool) -> torch.Tensor:
+    grad_logits = torch.empty_like(logits)
+    T, E = logits.shape
+    if T > 0:
+        grid, meta = _grid_rows(T, E)
+        _aux_bwd_kernel[grid](logits.contiguous(), grad_scores.contiguous(), grad_logits, T, SIGMOID=sigmoid, **meta, num_warps=4)
+    return grad_logits
+
+
+@_aux_scores_bwd.register_fake
+def _(grad_scores, logits, sigmoid):
+    return torch.empty_like(logits)
+
+
+def _aux_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+    ctx.sigmoid = inputs[2]
+
+
+def _aux_backward(ctx, grad_scores, _grad_experts, _grad_counts):
+    (logits,) = ctx.saved_tensors
+    return _aux_scores_bwd(grad_scores, logits, ctx.sigmoid), None, None
+
+
+_aux_scores_fwd.register_autograd(_aux_backward, setup_context=_aux_setup_context)
+
+
+@torch.library.custom_op("fmoe::logsumexp_fwd", mutates_args=())
+def _lse_fwd(logits: torch.Tensor) -> torch.Tensor:
+    T, E = logits.shape
+    lse = torch.empty(T, dtype=torch.float32, device=logits.device)
+    if T > 0:
+        grid, meta = _grid_rows(T, E)
+        _lse_fwd_kernel[grid](logits.contiguous(), lse, T, **meta, num_warps=4)
+    return lse
+
+
+@_lse_fwd.register_fake
+def _(logits):
+    return logits.new_empty(logits.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op("fmoe::logsumexp_bwd", mutates_args=())
+def _lse_bwd(grad_lse: torch.Tensor, logits: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    grad_logits = torch.empty_like(logits)
+    T, E = logits.shape
+    if T > 0:
+        grid, meta = _grid_rows(T, E)
+        _lse_bwd_kernel[grid](logits.contiguous(), lse, grad_lse.contiguous(), grad_logits, T, **meta, num_warps=4)
+    return grad_logits
+
+
+@_lse_bwd.register_fake
+def _(grad_lse, logits, lse):
+    return torch.empty_like(logits)
+
+
+def _lse_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], output)
+
+
+def _lse_backward(ctx, grad_lse):
+    logits, lse = ctx.saved_tensors
+    return _lse_bwd(grad_lse, logits, lse)
+
+
+_lse_fwd.register_autograd(_lse_backward, setup_context=_lse_setup_context)
+
+
+# ----------------------------------------------------------------------------------------
+# 4. Public functions
+# ----------------------------------------------------------------------------------------
+
+
+def aux_scores(logits: torch.Tensor, k: int, *, score: str = "softmax", return_counts: bool = False, impl: str = "auto"):
+    """Scores and unconstrained top-k experts for the load-balancing losses (SPEC.md 2).
+
+    Args:
+        logits: [T, E] router logits (float32 / bfloat16 / float16).
+        k: experts per token, 1..E.
+        score: "softmax" (softmax over E) or "sigmoid" (sigmoid / sum of sigmoids).
+        return_counts: also return counts[E] int64 of the returned top-k (the fused kernel
+            computes them in the same pass).
+    Returns:
+        (scores [T, E] float32, differentiable; experts [T, k] int64) and counts when asked.
+    """
+    check_float("logits", logits, 2, "[T, E]")
+    E = logits.shape[1]
+    check_positive_int("k", k, 1, E)
+    if score not in ("softmax", "sigmoid"):
+        raise ValueError(f"score: expected 'softmax' or 'sigmoid', got {score!r}")
+    sigmoid = score == "sigmoid"
+    if use_triton(impl, logits):
+        scores, experts, counts = _aux_scores_fwd(logits, k, sigmoid)
+    else:
+        scores, experts = aux_scores_ref(logits, k, sigmoid)
+        counts = tokens_per_expert(experts, E) if return_counts else None
+    return (scores, experts, counts) if return_counts else (scores, experts)
+
+
+def _check_scores_counts(scores, counts):
+    check_float("scores", scores, 2, "[T, E]")
+    E = scores.shape[1]
+    if not isinstance(counts, torch.Tensor) or counts.shape != (E,):
+        raise ValueError(f"counts: expected a tensor of shape ({E},), got {getattr(counts, 'shape', type(counts).__name__)}")
+
+
+def load_balancing_loss(
+    scores: torch.Tensor, counts: torch.Tensor, *, k: int, n_tokens: Union[int, torch.Tensor]
+) -> torch.Tensor:
+    """Switch / GShard loss E / (k n^2) * sum_e (sum_t scores[t,e]) * counts[e] (SPEC.md 2).
+
+    Equals 1 under perfect balance. With tokens split over TP/CP ranks pass the group's
+    total counts and n_tokens and the local scores: the per-rank losses add up to the
+    whole. The global-batch variant passes counts summed over data-parallel ranks and
+    micro-batches (and their token total).
+
+    Args:
+        scores: [T, E] from aux_scores (differentiable).
+        counts: [E] slots per expert (int or float).
+        k: slots per token. n_tokens: token count the counts cover (int or 0-D tensor).
+    Returns: 0-D float32 tensor.
+    """
+    _check_scores_counts(scores, counts)
+    check_positive_int("k", k)
+    if isinstance(n_tokens, torch.Tensor):
+        if n_tokens.numel() != 1:
+            raise ValueError(f"n_tokens: expected an int or a 1-element tensor, got shape {tuple(n_tokens.shape)}")
+        n = n_tokens.reshape(()).to(device=scores.device, dtype=torch.float32)
+    else:
+        n = float(check_positive_int("n_tokens", n_tokens))
+    E = scores.shape[1]
+    score_sum_E = scores.float().sum(dim=0)
+    return (score_sum_E * counts.float()).sum() * (E / k) / (n * n)
+
+
+def seq_load_balancing_loss(
+    scores: torch.Tensor, experts: torch.Tensor, cu_seqlens: torch.Tensor, *, k: int
+) -> torch.Tensor:
+    """Sequence-level loss, one term per packed sequence (DeepSeek-V2/V3; SPEC.md 2).
+
+    L_b = E / (k S_b) * sum_e c[b,e] * mean_{t in b} scores[t,e]; the loss is the mean of
+    L_b over the non-empty sequences. A fixed-length batch of B rows of S tokens is
+    cu_seqlens = [0, S, 2S, ..., B S].
+
+    Args:
+        scores: [T, E] float from aux_scores (differentiable).
+        experts: [T, k] int ids (from aux_scores; -1 skipped).
+        cu_seqlens: [B + 1] int32/int64, 0 = c_0 <= c_1 <= ... <= c_B = T.
+    Returns: 0-D float32 tensor.
+    """
+    check_float("scores", scores, 2, "[T, E]")
+    T, E = scores.shape
+    check_index("experts", experts, 2, "[T, k]")
+    check_positive_int("k", k)
+    if experts.shape != (T, k):
+        raise ValueError(f"experts: expected shape ({T}, {k}) to match scores and k, got {tuple(experts.shape)}")
+    check_cu_seqlens(cu_seqlens, T)
+    cu = cu_seqlens.to(device=scores.device, dtype=torch.int64)
+    B = cu.numel() - 1
+    lengths_B = (cu[1:] - cu[:-1]).float()
+    seq_T = torch.searchsorted(cu[1:], torch.arange(T, device=scores.device), right=True)
+    score_sum_BE = torch.zeros(B, E, dtype=torch.float32, device=scores.device).index_add_(0, seq_T, scores.float())
+    flat_e = experts.reshape(-1).long()
+    slot_seq = seq_T.repeat_interleave(k)
+    counts_BE = torch.zeros(B * E, dtype=torch.float32, device=scores.device)
+    counts_BE.scatter_add_(0, slot_seq * E + flat_e.clamp(min=0), (flat_e >= 0).float())
+    per_seq_B = (score_sum_BE * counts_BE.view(B, E)).sum(dim=1) * (E / k) / lengths_B.clamp(min=1).square()
+    nonempty = (lengths_B > 0).sum().clamp(min=1)
+    return per_seq_B.sum() / nonempty
+
+
+def z_loss(logits: torch.Tensor, *, impl: str = "auto") -> torch.Tensor:
+    """Router z-loss mean_t (logsumexp_e logits[t,e])^2 (ST-MoE), float32 0-D tensor.
+
+    logits: [T, E]. The fused kernel computes the row logsumexp in one pass and its
+    backward softmax * 2 lse / T in another.
+    """
+    check_float("logits", logits, 2, "[T, E]")
+    if logits.shape[0] == 0:
+        raise ValueError("logits: z_loss is a mean over tokens and needs T >= 1")
+    if use_triton(impl, logits):
+        return _lse_fwd(logits).square().mean()
+    return z_loss_ref(logits)
+
+
+@torch.no_grad()
+def update_expert_bias(
+    bias: torch.Tensor, counts: torch.Tensor, rate: float, *, center: bool = False
+) -> torch.Tensor:
+    """Aux-loss-free balancing step: bias + rate * sign(mean(counts) - counts), float32.
+
+    Overloaded experts (count above the mean) go down, underloaded go up; counts should be
+    the actual routing's, summed over every rank and micro-batch of the optimizer step.
+    center=True subtracts the mean of the update. Returns a new tensor.
+
+    Example: counts [10, 2, 6, 6], rate 1e-3 -> update [-1e-3, +1e-3, 0, 0].
+    """
+    if not isinstance(bias, torch.Tensor) or bias.ndim != 1 or bias.dtype != torch.float32:
+        raise ValueError(f"bias: expected a 1-D float32 tensor [E], got {getattr(bias, 'dtype', type(bias).__name__)} {tuple(getattr(bias, 'shape', ()))}")
+    if not isinstance(counts, torch.Tensor) or counts.shape != bias.shape:
+        raise ValueError(f"counts: expected a tensor of shape {tuple(bias.shape)}, got {getattr(counts, 'shape', type(counts).__name__)}")
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not (0 <= rate < math.inf):
+        raise ValueError(f"rate: expected a finite number >= 0, got {rate!r}")
+    c = counts.to(device=bias.device, dtype=torch.float32)
+    delta = torch.sign(c.mean() - c) * rate
+    if center:
+        delta = delta - delta.mean()
+    return bias + delta

@@ -1,0 +1,524 @@
+"""Routing: which k experts each token goes to, and with what gate weight (SPEC.md section 1).
+
+    route(logits[T,E], k) -> Routes(weights[T,k] float32, experts[T,k] int64)
+
+Selection score s and gate weights w, computed in float32 whatever the logits dtype:
+
+    score="softmax", pre_softmax=False   s = logits          w = softmax over the k chosen logits
+    score="softmax", pre_softmax=True    s = softmax(logits) w = s of the chosen, not renormalised
+    score="sigmoid"                      s = sigmoid(logits) + expert_bias
+                                         w = sigmoid of the chosen / (their sum + 1e-20) if k > 1
+
+Group-limited routing (n_groups=G, topk_groups=g): the score of a group of E/G contiguous
+experts is the sum of its top k//g selection scores; only experts of the g best groups can be
+chosen. `scale` multiplies the final weights. Slots are ordered by descending selection
+score; ties go to the lower expert (and group) index, in the kernels and in the reference.
+
+drop_by_capacity keeps at most ceil(T*k/E * capacity_factor) slots per expert; a dropped slot
+keeps its place with weight 0 and expert -1. random_logits replaces the logits by N(0,1)
+noise with a straight-through gradient (for benchmarks).
+
+Legend: T tokens, E experts, K = k slots per token, G groups, GS = E/G experts per group.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from fmoe.ops._common import (
+    check_float,
+    check_index,
+    check_no_nan,
+    check_positive_int,
+    checking,
+    next_pow2,
+    use_triton,
+)
+
+# score codes shared by the kernels and the custom ops (strings cannot be tl.constexpr keys
+# of a custom-op schema cheaply; ints can)
+SOFTMAX_POST, SOFTMAX_PRE, SIGMOID = 0, 1, 2
+_SIGMOID_EPS = 1e-20
+
+
+class Routes(NamedTuple):
+    """weights[T,k] float32 gate weights; experts[T,k] int64 expert ids (-1: dropped slot)."""
+
+    weights: torch.Tensor
+    experts: torch.Tensor
+
+
+# ----------------------------------------------------------------------------------------
+# 1. Reference (the definition of correctness)
+# ----------------------------------------------------------------------------------------
+
+
+def _scores_ref(logits_TE, score_code, expert_bias_E):
+    """(selection score, weight source) in float32."""
+    x_TE = logits_TE.float()
+    if score_code == SOFTMAX_POST:
+        return x_TE, x_TE
+    if score_code == SOFTMAX_PRE:
+        probs_TE = torch.softmax(x_TE, dim=-1)
+        return probs_TE, probs_TE
+    sig_TE = torch.sigmoid(x_TE)
+    sel_TE = sig_TE + expert_bias_E if expert_bias_E is not None else sig_TE
+    return sel_TE, sig_TE
+
+
+def _sort_desc(x, dim=-1):
+    """Indices that sort x descending; ties keep the lower index first."""
+    return torch.sort(x, dim=dim, descending=True, stable=True).indices
+
+
+def _topk_experts_ref(sel_TE, k, n_groups, topk_groups):
+    """Top-k experts of each row [T,k], best first, optionally group-limited."""
+    T, E = sel_TE.shape
+    order_TE = _sort_desc(sel_TE)
+    if n_groups > 1:
+        per_group = k // topk_groups
+        top_TGm = torch.topk(sel_TE.view(T, n_groups, E // n_groups), per_group, dim=-1).values
+        group_score_TG = top_TGm[..., 0]
+        for i in range(1, per_group):  # summed in descending order, as the kernel does
+            group_score_TG = group_score_TG + top_TGm[..., i]
+        kept_groups_Tg = _sort_desc(group_score_TG)[:, :topk_groups]
+        kept_TG = torch.zeros(T, n_groups, dtype=torch.int8, device=sel_TE.device)
+        kept_TG.scatter_(1, kept_groups_Tg, 1)
+        kept_TE = kept_TG.repeat_interleave(E // n_groups, dim=1)
+        # experts of kept groups first, each part still in descending-score order
+        order_TE = order_TE.gather(1, _sort_desc(kept_TE.gather(1, order_TE)))
+    return order_TE[:, :k]
+
+
+def route_ref(logits_TE, k, score_code, n_groups, topk_groups, expert_bias_E, scale):
+    """Plain-torch routing; differentiable w.r.t. the logits through torch autograd."""
+    sel_TE, src_TE = _scores_ref(logits_TE, score_code, expert_bias_E)
+    experts_TK = _topk_experts_ref(sel_TE.detach(), k, n_groups, topk_groups)
+    chosen_TK = src_TE.gather(1, experts_TK)
+    if score_code == SOFTMAX_POST:
+        weights_TK = torch.softmax(chosen_TK, dim=-1)
+    elif score_code == SOFTMAX_PRE or k == 1:
+        weights_TK = chosen_TK
+    else:
+        weights_TK = chosen_TK / (chosen_TK.sum(dim=-1, keepdim=True) + _SIGMOID_EPS)
+    return Routes(weights_TK * scale, experts_TK)
+
+
+# ----------------------------------------------------------------------------------------
+# 2. Triton kernels
+# ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _route_fwd_kernel(
+    logits_ptr, bias_ptr, weights_ptr, experts_ptr, T, scale,
+    E: tl.constexpr, K: tl.constexpr, G: tl.constexpr, GS: tl.constexpr,
+    TOPK_GROUPS: tl.constexpr, PER_GROUP: tl.constexpr,
+    SCORE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GS: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One pass over BLOCK_T rows of logits: scores, group selection, top-k, weights.
+
+    A row is held as a [BLOCK_G, BLOCK_GS] tile (group, expert in group), so group scores
+    are reductions over the last axis; without groups G = 1 and GS = E.
+    """
+    BIG: tl.constexpr = 1 << 30
+    pid = tl.program_id(0)
+    rows_T = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    g_G = tl.arange(0, BLOCK_G)
+    j_S = tl.arange(0, BLOCK_GS)
+    real_GS = (g_G[:, None] < G) & (j_S[None, :] < GS)
+    # padding lanes get id -1 so that they can never match a chosen expert's id
+    eid_GS = tl.where(real_GS, g_G[:, None] * GS + j_S[None, :], -1)
+    row_ok_T = rows_T < T
+    live = row_ok_T[:, None, None] & real_GS[None, :, :]
+
+    ptrs = logits_ptr + rows_T[:, None, None].to(tl.int64) * E + eid_GS[None, :, :]
+    x = tl.load(ptrs, mask=live, other=0.0).to(tl.float32)
+    nan = x != x
+    row_nan_T = tl.max(tl.max(nan.to(tl.int32), axis=2), axis=1) > 0
+    x = tl.where(nan, float("-inf"), x)  # route NaN rows somewhere valid; weights become NaN
+
+    if SCORE == 0:  # softmax after top-k: select on raw logits
+        src = x
+        sel = x
+    elif SCORE == 1:  # softmax before top-k
+        xm = tl.where(live, x, float("-inf"))
+        row_max = tl.max(tl.max(xm, axis=2), axis=1)
+        p = tl.exp(xm - row_max[:, None, None])
+        p = tl.where(live, p, 0.0)
+        src = p / tl.sum(tl.sum(p, axis=2), axis=1)[:, None, None]
+        sel = src
+    else:  # sigmoid, bias for selection only
+        src = tl.sigmoid(x)
+        sel = src
+        if HAS_BIAS:
+            bias_GS = tl.load(bias_ptr + eid_GS, mask=real_GS, other=0.0).to(tl.float32)
+            sel = src + bias_GS[None, :, :]
+
+    avail = live
+    if TOPK_GROUPS < G:
+        # group score = sum of the group's top PER_GROUP selection scores
+        group_score = tl.zeros([BLOCK_T, BLOCK_G], dtype=tl.float32)
+        left = avail
+        for _ in tl.static_range(PER_GROUP):
+            v = tl.where(left, sel, float("-inf"))
+            best = tl.max(v, axis=2)
+            first = tl.min(tl.where(left & (v == best[:, :, None]), j_S[None, None, :], BIG), axis=2)
+            left = left & (j_S[None, None, :] != first[:, :, None])
+            group_score += best
+        # keep the TOPK_GROUPS best groups (lower group index on ties)
+        group_left = (g_G[None, :] < G) & row_ok_T[:, None]
+        kept = g_G[None, :] < 0
+        for _ in tl.static_range(TOPK_GROUPS):
+            v = tl.where(group_left, group_score, float("-inf"))
+            best = tl.max(v, axis=1)
+            first = tl.min(tl.where(group_left & (v == best[:, None]), g_G[None, :], BIG), axis=1)
+            hit = g_G[None, :] == first[:, None]
+            kept = kept | hit
+            group_left = group_left & (~hit)
+        avail = avail & kept[:, :, None]
+
+    # top-k by repeated arg-max (lower expert id on ties), best first
+    k_K = tl.arange(0, BLOCK_K)
+    w_TK = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+    id_TK = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
+    for i in tl.static_range(K):
+        v = tl.where(avail, sel, float("-inf"))
+        best = tl.max(tl.max(v, axis=2), axis=1)
+        cand = avail & (v == best[:, None, None])
+        first = tl.min(tl.min(tl.where(cand, eid_GS[None, :, :], BIG), axis=2), axis=1)
+        hit = eid_GS[None, :, :] == first[:, None, None]
+        val = tl.sum(tl.sum(tl.where(hit, src, 0.0), axis=2), axis=1)
+        w_TK = tl.where(k_K[None, :] == i, val[:, None], w_TK)
+        id_TK = tl.where(k_K[None, :] == i, first[:, None], id_TK)
+        avail = avail & (~hit)
+
+    slot_ok = k_K[None, :] < K
+    if SCORE == 0:
+        w_TK = tl.where(slot_ok, w_TK, float("-inf"))
+        e = tl.exp(w_TK - tl.max(w_TK, axis=1)[:, None])
+        e = tl.where(slot_ok, e, 0.0)
+        w_TK = e / tl.sum(e, axis=1)[:, None]
+    elif SCORE == 2:
+        if K > 1:
+            w_TK = tl.where(slot_ok, w_TK, 0.0)
+            w_TK = w_TK / (tl.sum(w_TK, axis=1)[:, None] + 1e-20)
+    w_TK = w_TK * scale
+    w_TK = tl.where(row_nan_T[:, None], float("nan"), w_TK)
+
+    out_mask = row_ok_T[:, None] & slot_ok
+    out_off = rows_T[:, None].to(tl.int64) * K + k_K[None, :]
+    tl.store(weights_ptr + out_off, w_TK, mask=out_mask)
+    tl.store(experts_ptr + out_off, id_TK.to(tl.int64), mask=out_mask)
+
+
+@triton.jit
+def _route_bwd_kernel(
+    logits_ptr, experts_ptr, grad_w_ptr, grad_logits_ptr, T, scale,
+    E: tl.constexpr, K: tl.constexpr, SCORE: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """d logits [T,E] from d weights [T,K]: one pass, recomputing the forward's scores."""
+    pid = tl.program_id(0)
+    rows_T = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok_T = rows_T < T
+    k_K = tl.arange(0, BLOCK_K)
+    cols_E = tl.arange(0, BLOCK_E)
+    kmask = row_ok_T[:, None] & (k_K[None, :] < K)
+    koff = rows_T[:, None].to(tl.int64) * K + k_K[None, :]
+    id_TK = tl.load(experts_ptr + koff, mask=kmask, other=0).to(tl.int32)
+    gw_TK = tl.load(grad_w_ptr + koff, mask=kmask, other=0.0).to(tl.float32) * scale
+    row_off = rows_T[:, None].to(tl.int64) * E
+    emask = row_ok_T[:, None] & (cols_E[None, :] < E)
+
+    if SCORE == 1:  # weights are softmax(logits) at the chosen experts
+        x = tl.load(logits_ptr + row_off + cols_E[None, :], mask=emask, other=float("-inf")).to(tl.float32)
+        p = tl.exp(x - tl.max(x, axis=1)[:, None])
+        p = tl.where(emask, p, 0.0)
+        p = p / tl.sum(p, axis=1)[:, None]
+        dp = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+        for i in tl.static_range(K):
+            id_i = tl.sum(tl.where(k_K[None, :] == i, id_TK, 0), axis=1)
+            g_i = tl.sum(tl.where(k_K[None, :] == i, gw_TK, 0.0), axis=1)
+            dp = tl.where(cols_E[None, :] == id_i[:, None], g_i[:, None], dp)
+        dl = p * (dp - tl.sum(p * dp, axis=1)[:, None])
+    else:
+        xk = tl.load(logits_ptr + row_off + id_TK, mask=kmask, other=0.0).to(tl.float32)
+        if SCORE == 0:  # softmax over the chosen logits
+            xk = tl.where(kmask, xk, float("-inf"))
+            e = tl.exp(xk - tl.max(xk, axis=1)[:, None])
+            e = tl.where(kmask, e, 0.0)
+            w0 = e / tl.sum(e, axis=1)[:, None]
+            dk = w0 * (gw_TK - tl.sum(w0 * gw_TK, axis=1)[:, None])
+        else:  # sigmoid, normalised over the chosen when K > 1
+            s = tl.where(kmask, tl.sigmoid(xk), 0.0)
+            ds = gw_TK
+            if K > 1:
+                denom = tl.sum(s, axis=1) + 1e-20
+                w0 = s / denom[:, None]
+                ds = (gw_TK - tl.sum(gw_TK * w0, axis=1)[:, None]) / denom[:, None]
+            dk = ds * s * (1.0 - s)
+        dl = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+        for i in tl.static_range(K):
+            id_i = tl.sum(tl.where(k_K[None, :] == i, id_TK, 0), axis=1)
+            d_i = tl.sum(tl.where(k_K[None, :] == i, dk, 0.0), axis=1)
+            dl = tl.where(cols_E[None, :] == id_i[:, None], d_i[:, None], dl)
+
+    tl.store(grad_logits_ptr + row_off + cols_E[None, :], dl.to(grad_logits_ptr.dtype.element_ty), mask=emask)
+
+
+def _rows_per_program(row_elems: int) -> int:
+    """Rows per program so that a tile holds about 4096 elements."""
+    return max(1, min(64, 4096 // row_elems))
+
+
+# ----------------------------------------------------------------------------------------
+# 3. torch.library registration: opaque to torch.compile, with fake and autograd
+# ----------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("fmoe::route_fwd", mutates_args=())
+def _route_fwd(
+    logits: torch.Tensor, k: int, score_code: int, n_groups: int, topk_groups: int,
+    expert_bias: Optional[torch.Tensor], scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    T, E = logits.shape
+    weights = torch.empty(T, k, dtype=torch.float32, device=logits.device)
+    experts = torch.empty(T, k, dtype=torch.int64, device=logits.device)
+    if T == 0:
+        return weights, experts
+    logits = logits.contiguous()
+    group_size = E // n_groups
+    block_g, block_gs = next_pow2(n_groups), next_pow2(group_size)
+    block_t = _rows_per_program(block_g * block_gs)
+    _route_fwd_kernel[(triton.cdiv(T, block_t),)](
+        logits, expert_bias if expert_bias is not None else logits, weights, experts, T, scale,
+        E=E, K=k, G=n_groups, GS=group_size, TOPK_GROUPS=topk_groups,
+        PER_GROUP=k // topk_groups, SCORE=score_code, HAS_BIAS=expert_bias is not None,
+        BLOCK_T=block_t, BLOCK_G=block_g, BLOCK_GS=block_gs, BLOCK_K=next_pow2(k),
+        num_warps=4,
+    )
+    return weights, experts
+
+
+@_route_fwd.register_fake
+def _(logits, k, score_code, n_groups, topk_groups, expert_bias, scale):
+    T = logits.shape[0]
+    return (logits.new_empty(T, k, dtype=torch.float32), logits.new_empty(T, k, dtype=torch.int64))
+
+
+@torch.library.custom_op("fmoe::route_bwd", mutates_args=())
+def _route_bwd(
+    grad_weights: torch.Tensor, logits: torch.Tensor, experts: torch.Tensor, score_code: int, scale: float
+) -> torch.Tensor:
+    T, E = logits.shape
+    k = experts.shape[1]
+    grad_logits = torch.empty_like(logits)
+    if T == 0:
+        return grad_logits
+    block_e = next_pow2(E)
+    block_t = _rows_per_program(block_e)
+    _route_bwd_kernel[(triton.cdiv(T, block_t),)](
+        logits.contiguous(), experts.contiguous(), grad_weights.contiguous(), grad_logits, T, scale,
+        E=E, K=k, SCORE=score_code, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=next_pow2(k),
+        num_warps=4,
+    )
+    return grad_logits
+
+
+@_route_bwd.register_fake
+def _(grad_weights, logits, experts, score_code, scale):
+    return torch.empty_like(logits)
+
+
+def _route_setup_context(ctx, inputs, output):
+    logits, _k, score_code, *_rest, scale = inputs
+    ctx.save_for_backward(logits, output[1])
+    ctx.score_code, ctx.scale = score_code, scale
+
+
+def _route_backward(ctx, grad_weights, _grad_experts):
+    logits, experts = ctx.saved_tensors
+    grad_logits = _route_bwd(grad_weights, logits, experts, ctx.score_code, ctx.scale)
+    return grad_logits, None, None, None, None, None, None
+
+
+_route_fwd.register_autograd(_route_backward, setup_context=_route_setup_context)
+
+
+# ----------------------------------------------------------------------------------------
+# 4. Public functions
+# ----------------------------------------------------------------------------------------
+
+
+def _check_groups(E, k, n_groups, topk_groups):
+    if n_groups is None and topk_groups is None:
+        return 1, 1
+    if n_groups is None or topk_groups is None:
+        raise ValueError("n_groups and topk_groups: give both (group-limited routing) or neither")
+    check_positive_int("n_groups", n_groups)
+    if E % n_groups != 0:
+        raise ValueError(f"n_groups: the {E} experts must split evenly into groups, but {E} % {n_groups} != 0")
+    check_positive_int("topk_groups", topk_groups, 1, n_groups)
+    if k < topk_groups:
+        raise ValueError(f"k: group-limited routing takes at least one expert per kept group, needs k >= topk_groups = {topk_groups}, got k = {k}")
+    if topk_groups * (E // n_groups) < k:
+        raise ValueError(
+            f"k: the {topk_groups} kept groups of {E // n_groups} experts hold "
+            f"{topk_groups * (E // n_groups)} experts, fewer than k = {k}"
+        )
+    return n_groups, topk_groups
+
+
+def route(
+    logits: torch.Tensor,
+    k: int,
+    *,
+    score: str = "softmax",
+    pre_softmax: bool = False,
+    n_groups: Optional[int] = None,
+    topk_groups: Optional[int] = None,
+    expert_bias: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    check_nan: bool = True,
+    impl: str = "auto",
+) -> Routes:
+    """Choose k experts per token and their gate weights (SPEC.md section 1).
+
+    Args:
+        logits: [T, E] router logits, float32 / bfloat16 / float16.
+        k: experts per token, 1..E.
+        score: "softmax" or "sigmoid".
+        pre_softmax: softmax scoring only: softmax over all E before the top-k (weights not
+            renormalised); the default takes the softmax over the k chosen logits (k >= 2).
+        n_groups, topk_groups: group-limited routing: E/n_groups contiguous experts per
+            group, only the topk_groups best groups can be chosen.
+        expert_bias: [E] float32, sigmoid scoring only: added to the scores to choose the
+            experts, never to the weights (aux-loss-free balancing).
+        scale: multiplies the weights (DeepSeek-V3: 2.5).
+        check_nan: raise a ValueError on NaN logits (one device->host sync; skipped under
+            torch.compile). Unchecked NaN rows get NaN weights, never finite ones.
+        impl: "auto" (Triton on CUDA, torch otherwise), "triton" or "torch".
+
+    Returns:
+        Routes(weights [T, k] float32, experts [T, k] int64), slots by descending score.
+        Differentiable with respect to logits through the weights.
+
+    Example:
+        >>> w, e = route(torch.tensor([[1.0, 3.0, 2.0, 0.0]]), 2)
+        >>> e.tolist(), [round(v, 4) for v in w[0].tolist()]
+        ([[1, 2]], [0.7311, 0.2689])
+    """
+    check_float("logits", logits, 2, "[T, E]")
+    E = logits.shape[1]
+    check_positive_int("k", k, 1, E)
+    if score not in ("softmax", "sigmoid"):
+        raise ValueError(f"score: expected 'softmax' or 'sigmoid', got {score!r}")
+    if score == "sigmoid" and pre_softmax:
+        raise ValueError("pre_softmax: applies to score='softmax' only")
+    if score == "softmax" and not pre_softmax and k == 1:
+        raise ValueError(
+            "k: softmax after top-k with k = 1 gives weight 1 with zero gradient to the "
+            "router; use pre_softmax=True or score='sigmoid'"
+        )
+    groups, kept_groups = _check_groups(E, k, n_groups, topk_groups)
+    if expert_bias is not None:
+        if score != "sigmoid":
+            raise ValueError("expert_bias: only for score='sigmoid' (it shifts selection scores in [0, 1])")
+        if not isinstance(expert_bias, torch.Tensor) or expert_bias.shape != (E,) or expert_bias.dtype != torch.float32:
+            got = f"{tuple(expert_bias.shape)} {expert_bias.dtype}" if isinstance(expert_bias, torch.Tensor) else type(expert_bias).__name__
+            raise ValueError(f"expert_bias: expected a float32 tensor of shape ({E},), got {got}")
+        if expert_bias.device != logits.device:
+            raise ValueError(f"expert_bias: expected device {logits.device}, got {expert_bias.device}")
+    if scale is None:
+        scale = 1.0
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (0 < scale < math.inf):
+        raise ValueError(f"scale: expected a positive finite number, got {scale!r}")
+    if check_nan:
+        check_no_nan("logits", logits)
+
+    code = SIGMOID if score == "sigmoid" else (SOFTMAX_PRE if pre_softmax else SOFTMAX_POST)
+    if use_triton(impl, logits):
+        weights, experts = _route_fwd(logits, k, code, groups, kept_groups, expert_bias, float(scale))
+        return Routes(weights, experts)
+    return route_ref(logits, k, code, groups, kept_groups, expert_bias, float(scale))
+
+
+def drop_by_capacity(routes: Routes, n_experts: int, capacity_factor: float, *, policy: str = "probs") -> Routes:
+    """Keep at most ceil(T * k / E * capacity_factor) slots per expert (SPEC.md section 1).
+
+    policy "probs" keeps the slots with the largest weights (ties: earlier token first);
+    "position" keeps the earliest tokens. A dropped slot keeps its place in the [T, k]
+    tensors with weight 0 and expert -1; slots already at -1 stay dropped. Nothing is
+    rerouted. Gradients reach the kept weights. No device->host sync beyond validation.
+
+    Args:
+        routes: Routes(weights [T, k] float, experts [T, k] int32/int64).
+        n_experts: E.
+        capacity_factor: > 0.
+    Returns:
+        Routes of the same shapes and dtypes.
+    """
+    if not (isinstance(routes, tuple) and len(routes) == 2):
+        raise ValueError("routes: expected Routes(weights, experts)")
+    weights_TK, experts_TK = routes
+    check_float("routes.weights", weights_TK, 2, "[T, k]")
+    check_index("routes.experts", experts_TK, 2, "[T, k]")
+    if experts_TK.shape != weights_TK.shape:
+        raise ValueError(f"routes: weights {tuple(weights_TK.shape)} and experts {tuple(experts_TK.shape)} differ in shape")
+    check_positive_int("n_experts", n_experts)
+    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) or not (0 < capacity_factor < math.inf):
+        raise ValueError(f"capacity_factor: expected a positive finite number, got {capacity_factor!r}")
+    if policy not in ("probs", "position"):
+        raise ValueError(f"policy: expected 'probs' or 'position', got {policy!r}")
+    if checking() and experts_TK.numel() and (experts_TK.max() >= n_experts or experts_TK.min() < -1):
+        raise ValueError(f"routes.experts: ids must lie in -1..{n_experts - 1}")
+
+    T, k = weights_TK.shape
+    capacity = math.ceil(T * k / n_experts * capacity_factor)  # Megatron's get_capacity
+    flat_e = experts_TK.reshape(-1).long()
+    n = flat_e.numel()
+    # dropped slots sort into a virtual expert E, after every real one
+    key_e = torch.where(flat_e >= 0, flat_e, n_experts)
+    if policy == "probs":
+        order = _sort_desc(weights_TK.detach().reshape(-1))
+        order = order[torch.sort(key_e[order], stable=True).indices]
+    else:  # flat index order is token order
+        order = torch.sort(key_e, stable=True).indices
+    counts = torch.zeros(n_experts + 1, dtype=torch.long, device=flat_e.device)
+    counts.scatter_add_(0, key_e, torch.ones_like(key_e))
+    starts = torch.cumsum(counts, 0) - counts
+    rank_sorted = torch.arange(n, device=flat_e.device) - starts[key_e[order]]
+    rank = torch.empty_like(rank_sorted).scatter_(0, order, rank_sorted)
+    keep_TK = ((flat_e >= 0) & (rank < capacity)).view(T, k)
+    return Routes(
+        torch.where(keep_TK, weights_TK, torch.zeros_like(weights_TK)),
+        torch.where(keep_TK, experts_TK, torch.full_like(experts_TK, -1)),
+    )
+
+
+class _RandomLogits(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, generator):
+        return torch.randn(logits.shape, dtype=logits.dtype, device=logits.device, generator=generator)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def random_logits(logits: torch.Tensor, *, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Fresh N(0, 1) logits of logits' shape and dtype; the gradient passes through unchanged.
+
+    For benchmarking a model under balanced random routing while keeping the router in the
+    autograd graph (SPEC.md section 1).
+    """
+    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
+        raise ValueError(f"logits: expected a floating-point tensor, got {getattr(logits, 'dtype', type(logits).__name__)}")
+    return _RandomLogits.apply(logits, generator)

@@ -1,0 +1,1 @@
+"""fmoe.optim: see DESIGN.md; filled in by later work."""

@@ -1,0 +1,1 @@
+"""fmoe.parallel: see DESIGN.md; filled in by later work."""

@@ -1,0 +1,1 @@
+"""fmoe.train: see DESIGN.md; filled in by later work."""

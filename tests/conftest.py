@@ -1,0 +1,37 @@
+"""Test setup: Triton kernels run through the CPU interpreter unless a GPU is present.
+
+TRITON_INTERPRET must be set before triton is first imported, so it is decided here, at
+collection start. With CUDA the kernels are compiled and tests run on the GPU.
+"""
+
+import os
+
+import pytest
+import torch
+
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+HAS_CUDA = torch.cuda.is_available()
+# where the Triton-vs-reference tests run: the GPU when kernels compile for it
+DEVICE = "cuda" if HAS_CUDA and not INTERPRETING else "cpu"
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA and not INTERPRETING:
+        return
+    reason = "needs a CUDA device with compiled Triton kernels (run `make test-gpu` on a GPU machine)"
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture
+def device():
+    return DEVICE
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)

@@ -1,0 +1,341 @@
+"""route, drop_by_capacity, random_logits: kernels vs reference vs a per-token brute force."""
+
+import math
+
+import pytest
+import torch
+
+import fmoe.ops as F
+from fmoe.ops.routing import SIGMOID, SOFTMAX_POST, SOFTMAX_PRE
+
+# (T, E, k, n_groups, topk_groups): T with 1 and odd sizes, E 4..256, k = 1 and k > 1,
+# groups on and off, non-power-of-two E and group sizes
+SHAPES = [
+    (1, 4, 1, None, None),
+    (1, 4, 2, None, None),
+    (7, 6, 3, None, None),
+    (33, 16, 1, None, None),
+    (33, 16, 4, 4, 2),
+    (130, 64, 8, None, None),
+    (65, 60, 6, 6, 3),
+    (17, 256, 8, 8, 4),
+    (9, 256, 8, None, None),
+    (5, 12, 12, None, None),
+]
+MODES = [  # (score, pre_softmax, with_bias, scale)
+    ("softmax", False, False, None),
+    ("softmax", True, False, None),
+    ("sigmoid", False, False, None),
+    ("sigmoid", False, True, 2.5),
+]
+
+
+def _kwargs(E, groups, score, pre, with_bias, scale, device):
+    bias = 0.05 * torch.randn(E, device=device) if with_bias else None
+    return dict(score=score, pre_softmax=pre, n_groups=groups[0], topk_groups=groups[1], expert_bias=bias, scale=scale)
+
+
+def _brute_force(logits_TE, k, score, pre, n_groups, topk_groups, bias, scale):
+    """Per-token python loop over SPEC.md section 1, independent of the vectorised reference."""
+    out_w, out_e = [], []
+    x = logits_TE.double().tolist()
+    E = len(x[0])
+    for row in x:
+        if score == "sigmoid":
+            src = [1 / (1 + math.exp(-v)) for v in row]
+            sel = [s + (float(bias[e]) if bias is not None else 0.0) for e, s in enumerate(src)]
+        elif pre:
+            z = sum(math.exp(v) for v in row)
+            src = sel = [math.exp(v) / z for v in row]
+        else:
+            src = sel = row
+        allowed = range(E)
+        if n_groups:
+            size = E // n_groups
+            group_scores = [sum(sorted(sel[g * size:(g + 1) * size], reverse=True)[: k // topk_groups]) for g in range(n_groups)]
+            kept = sorted(range(n_groups), key=lambda g: (-group_scores[g], g))[:topk_groups]
+            allowed = [e for e in range(E) if e // size in kept]
+        chosen = sorted(allowed, key=lambda e: (-sel[e], e))[:k]
+        vals = [src[e] for e in chosen]
+        if score == "softmax" and not pre:
+            z = sum(math.exp(v - vals[0]) for v in vals)
+            vals = [math.exp(v - vals[0]) / z for v in vals]
+        elif score == "sigmoid" and k > 1:
+            z = sum(vals) + 1e-20
+            vals = [v / z for v in vals]
+        out_w.append([v * (scale or 1.0) for v in vals])
+        out_e.append(chosen)
+    return torch.tensor(out_w), torch.tensor(out_e)
+
+
+# softmax after top-k with k = 1 is rejected (test_bad_inputs), so it is not in the grid
+CASES = [(s, m) for s in SHAPES for m in MODES if not (m[0] == "softmax" and not m[1] and s[2] == 1)]
+
+
+@pytest.mark.parametrize("shape,mode", CASES, ids=str)
+def test_reference_matches_spec_brute_force(shape, mode):
+    T, E, k, G, g = shape
+    score, pre, with_bias, scale = mode
+    logits = torch.randn(T, E)
+    kw = _kwargs(E, (G, g), score, pre, with_bias, scale, "cpu")
+    w, e = F.route(logits, k, impl="torch", **kw)
+    w_bf, e_bf = _brute_force(logits, k, score, pre, G, g, kw["expert_bias"], scale)
+    assert torch.equal(e, e_bf)
+    torch.testing.assert_close(w, w_bf.float(), rtol=1e-5, atol=1e-6)
+    assert w.dtype == torch.float32 and e.dtype == torch.int64
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape,mode", CASES, ids=str)
+def test_triton_matches_reference(shape, mode, dtype, device):
+    T, E, k, G, g = shape
+    score, pre, with_bias, scale = mode
+    logits = torch.randn(T, E, device=device).to(dtype)
+    kw = _kwargs(E, (G, g), score, pre, with_bias, scale, device)
+    x_tri = logits.clone().requires_grad_()
+    x_ref = logits.clone().requires_grad_()
+    w_tri, e_tri = F.route(x_tri, k, impl="triton", **kw)
+    w_ref, e_ref = F.route(x_ref, k, impl="torch", **kw)
+    assert torch.equal(e_tri, e_ref)
+    torch.testing.assert_close(w_tri, w_ref, rtol=1e-5, atol=1e-6)
+
+    grad_w = torch.randn_like(w_ref)
+    (w_tri * grad_w).sum().backward()
+    (w_ref * grad_w).sum().backward()
+    assert x_tri.grad.dtype == dtype
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-4)
+    torch.testing.assert_close(x_tri.grad, x_ref.grad, **tol)
+
+
+def test_worked_examples():
+    # softmax after top-k: softmax of the two chosen logits (3, 2)
+    w, e = F.route(torch.tensor([[1.0, 3.0, 2.0, 0.0]]), 2)
+    assert e.tolist() == [[1, 2]]
+    torch.testing.assert_close(w, torch.tensor([[1 / (1 + math.exp(-1)), 1 / (1 + math.exp(1))]]))
+    # softmax before top-k: probs 0.1, 0.2, 0.3, 0.4, not renormalised
+    logits = torch.log(torch.tensor([[1.0, 2.0, 3.0, 4.0]]))
+    w, e = F.route(logits, 2, pre_softmax=True)
+    assert e.tolist() == [[3, 2]]
+    torch.testing.assert_close(w, torch.tensor([[0.4, 0.3]]))
+    # sigmoid: the bias picks experts 3 and 1, the weights stay the unbiased 0.5 / 1.0 * 2.5
+    bias = torch.tensor([0.0, 0.1, -0.1, 0.2])
+    w, e = F.route(torch.zeros(1, 4), 2, score="sigmoid", expert_bias=bias, scale=2.5)
+    assert e.tolist() == [[3, 1]]
+    torch.testing.assert_close(w, torch.tensor([[1.25, 1.25]]))
+    # groups {0,1} {2,3} {4,5} {6,7}: top-2 sums 0, 2, 3, 4 keep groups 3 and 2, so expert 0
+    # (the best logit) is excluded; 6 and 7 tie and the lower id comes first
+    logits = torch.tensor([[5.0, -5.0, 1.0, 1.0, 3.0, 0.0, 2.0, 2.0]])
+    w, e = F.route(logits, 4, n_groups=4, topk_groups=2)
+    assert e.tolist() == [[4, 6, 7, 5]]
+    torch.testing.assert_close(w, torch.softmax(torch.tensor([[3.0, 2.0, 2.0, 0.0]]), -1))
+    assert F.route(logits, 4).experts.tolist() == [[0, 4, 6, 7]]
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_ties_go_to_the_lower_expert(impl, device):
+    logits = torch.zeros(3, 8, device=device)
+    logits[1, 5] = 1.0
+    _, e = F.route(logits, 3, score="sigmoid", impl=impl)
+    assert e.tolist() == [[0, 1, 2], [5, 0, 1], [0, 1, 2]]
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_weights_are_normalised(impl, device):
+    logits = torch.randn(50, 32, device=device)
+    torch.testing.assert_close(F.route(logits, 4, impl=impl).weights.sum(-1), torch.ones(50, device=device))
+    w_sig = F.route(logits, 4, score="sigmoid", scale=2.5, impl=impl).weights
+    torch.testing.assert_close(w_sig.sum(-1), torch.full((50,), 2.5, device=device))
+    probs = torch.softmax(logits, -1)
+    w_pre, e_pre = F.route(logits, 4, pre_softmax=True, impl=impl)
+    torch.testing.assert_close(w_pre, probs.gather(1, e_pre))
+    # slots ordered by descending selection score
+    assert (w_pre[:, :-1] >= w_pre[:, 1:]).all()
+
+
+def test_expert_bias_changes_selection_only(device):
+    logits = torch.randn(40, 16, device=device)
+    bias = torch.zeros(16, device=device)
+    bias[3] = 10.0  # forces expert 3 into every token's top-k
+    w, e = F.route(logits, 2, score="sigmoid", expert_bias=bias, impl="torch")
+    assert (e[:, 0] == 3).all()
+    sig = torch.sigmoid(logits).gather(1, e)
+    torch.testing.assert_close(w, sig / sig.sum(-1, keepdim=True))
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_nan_logits_are_reported(impl, device):
+    logits = torch.randn(6, 8, device=device)
+    logits[4, 2] = float("nan")
+    with pytest.raises(ValueError, match=r"logits: contains NaN .* first at row 4"):
+        F.route(logits, 2, impl=impl)
+    w, e = F.route(logits, 2, impl=impl, check_nan=False)
+    assert torch.isnan(w[4]).all() and torch.isfinite(w[[0, 1, 2, 3, 5]]).all()
+    assert ((e >= 0) & (e < 8)).all()
+
+
+def test_empty_batch(device):
+    for impl in ("torch", "triton"):
+        w, e = F.route(torch.randn(0, 8, device=device), 2, impl=impl)
+        assert w.shape == (0, 2) and e.shape == (0, 2)
+
+
+def _raises(match, fn, *args, **kwargs):
+    with pytest.raises(ValueError, match=match):
+        fn(*args, **kwargs)
+
+
+def test_bad_inputs():
+    x = torch.randn(5, 8)
+    _raises("logits: expected a 2-D", F.route, torch.randn(8), 2)
+    _raises("logits: expected dtype", F.route, x.double(), 2)
+    _raises("logits: expected dtype", F.route, x.long(), 2)
+    _raises(r"k: expected 1\.\.8, got 0", F.route, x, 0)
+    _raises(r"k: expected 1\.\.8, got 9", F.route, x, 9)
+    _raises("k: softmax after top-k with k = 1", F.route, x, 1)
+    _raises("score: expected", F.route, x, 2, score="relu")
+    _raises("pre_softmax: applies to score='softmax' only", F.route, x, 2, score="sigmoid", pre_softmax=True)
+    _raises("n_groups: the 8 experts must split evenly", F.route, x, 2, n_groups=3, topk_groups=1)
+    _raises("n_groups and topk_groups: give both", F.route, x, 2, n_groups=4)
+    _raises("n_groups and topk_groups: give both", F.route, x, 2, topk_groups=2)
+    _raises(r"topk_groups: expected 1\.\.4, got 5", F.route, x, 2, n_groups=4, topk_groups=5)
+    _raises(r"topk_groups: expected 1\.\.4, got 0", F.route, x, 2, n_groups=4, topk_groups=0)
+    _raises("k: group-limited routing .* needs k >= topk_groups = 3", F.route, x, 2, n_groups=4, topk_groups=3)
+    _raises("k: the 1 kept groups of 2 experts hold 2 experts, fewer than k = 3", F.route, x, 3, n_groups=4, topk_groups=1)
+    _raises("expert_bias: only for score='sigmoid'", F.route, x, 2, expert_bias=torch.zeros(8))
+    _raises(r"expert_bias: expected a float32 tensor of shape \(8,\)", F.route, x, 2, score="sigmoid", expert_bias=torch.zeros(7))
+    _raises(r"expert_bias: expected a float32 tensor", F.route, x, 2, score="sigmoid", expert_bias=torch.zeros(8, dtype=torch.bfloat16))
+    _raises("scale: expected a positive finite number", F.route, x, 2, scale=0.0)
+    _raises("impl: expected one of", F.route, x, 2, impl="cuda")
+
+
+def test_triton_on_cpu_without_interpreter_is_refused(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    _raises("impl='triton' needs CUDA tensors", F.route, torch.randn(4, 8), 2, impl="triton")
+
+
+# ---------------------------------------------------------------------------- capacity
+
+
+def test_capacity_worked_example():
+    # T=4, k=1, E=2, factor 1: capacity ceil(4 * 1 / 2 * 1) = 2 per expert
+    routes = F.Routes(torch.tensor([[0.1], [0.9], [0.5], [0.3]]), torch.tensor([[0], [0], [0], [1]]))
+    w, e = F.drop_by_capacity(routes, 2, 1.0, policy="probs")
+    assert e.flatten().tolist() == [-1, 0, 0, 1]
+    assert w.flatten().tolist() == pytest.approx([0.0, 0.9, 0.5, 0.3])
+    w, e = F.drop_by_capacity(routes, 2, 1.0, policy="position")
+    assert e.flatten().tolist() == [0, 0, -1, 1]
+    assert w.flatten().tolist() == pytest.approx([0.1, 0.9, 0.0, 0.3])
+
+
+@pytest.mark.parametrize("policy", ["probs", "position"])
+@pytest.mark.parametrize("factor", [0.5, 1.0, 1.3, 4.0])
+def test_capacity_against_per_expert_loop(policy, factor):
+    T, E, k = 37, 8, 3
+    logits = torch.randn(T, E)
+    logits[:, 0] += 2.0  # overload expert 0 so dropping happens
+    routes = F.route(logits, k, score="sigmoid")
+    w, e = F.drop_by_capacity(routes, E, factor, policy=policy)
+    capacity = math.ceil(T * k / E * factor)
+    counts = F.tokens_per_expert(e, E)
+    assert (counts <= capacity).all()
+    for expert in range(E):
+        slots = [(t, j) for t in range(T) for j in range(k) if routes.experts[t, j] == expert]
+        if policy == "probs":
+            slots.sort(key=lambda s: (-float(routes.weights[s]), s))
+        keep = set(slots[:capacity])
+        for s in slots:
+            assert (e[s] == expert) == (s in keep)
+            assert w[s] == (routes.weights[s] if s in keep else 0.0)
+
+
+def test_capacity_keeps_dropped_and_passes_gradients():
+    weights = torch.rand(6, 2, requires_grad=True)
+    experts = torch.tensor([[0, 1], [0, -1], [0, 1], [1, 0], [-1, 0], [1, 0]], dtype=torch.int32)
+    w, e = F.drop_by_capacity(F.Routes(weights, experts), 2, 0.5, policy="position")  # capacity ceil(12 / 2 * 0.5) = 3
+    assert e.dtype == torch.int32 and e[1, 1] == -1 and e[4, 0] == -1
+    assert F.tokens_per_expert(e, 2).tolist() == [3, 3]
+    upstream = torch.randn(6, 2)
+    (w * upstream).sum().backward()
+    torch.testing.assert_close(weights.grad, torch.where(e >= 0, upstream, 0.0))
+
+
+def test_capacity_bad_inputs():
+    r = F.route(torch.randn(4, 8), 2)
+    _raises("capacity_factor: expected a positive", F.drop_by_capacity, r, 8, 0.0)
+    _raises("capacity_factor: expected a positive", F.drop_by_capacity, r, 8, -1)
+    _raises("policy: expected 'probs' or 'position'", F.drop_by_capacity, r, 8, 1.0, policy="random")
+    _raises(r"routes.experts: ids must lie in -1\.\.3", F.drop_by_capacity, r, 4, 1.0)
+    _raises("n_experts: expected", F.drop_by_capacity, r, 0, 1.0)
+    _raises("routes: weights", F.drop_by_capacity, F.Routes(r.weights, r.experts[:, :1]), 8, 1.0)
+
+
+# ---------------------------------------------------------------------------- random
+
+
+def test_random_logits_straight_through():
+    x = torch.randn(16, 8, requires_grad=True)
+    y = F.random_logits(x, generator=torch.Generator().manual_seed(3))
+    y2 = F.random_logits(x, generator=torch.Generator().manual_seed(3))
+    assert y.shape == x.shape and y.dtype == x.dtype and torch.equal(y, y2)
+    assert not torch.equal(y, x)
+    upstream = torch.randn(16, 8)
+    (y * upstream).sum().backward()
+    assert torch.equal(x.grad, upstream)
+    _raises("logits: expected a floating-point tensor", F.random_logits, torch.ones(3, dtype=torch.long))
+
+
+def test_random_logits_statistics():
+    y = F.random_logits(torch.zeros(20000, 8))
+    assert abs(float(y.mean())) < 0.02 and abs(float(y.std()) - 1.0) < 0.02
+
+
+# ---------------------------------------------------------------------------- registration
+
+
+def test_custom_ops_pass_opcheck():
+    logits = torch.randn(9, 16, requires_grad=True)
+    bias = torch.randn(16)
+    for code, bias_or_none in ((SOFTMAX_POST, None), (SOFTMAX_PRE, None), (SIGMOID, bias)):
+        torch.library.opcheck(torch.ops.fmoe.route_fwd.default, (logits, 4, code, 4, 2, bias_or_none, 1.5))
+
+
+def test_compiles_without_graph_breaks():
+    def step(logits, bias):
+        w, e = F.route(logits, 4, score="sigmoid", n_groups=4, topk_groups=2, expert_bias=bias, scale=2.5, impl="triton", check_nan=False)
+        return (w * e.float()).sum()
+
+    logits = torch.randn(12, 16)
+    bias = 0.1 * torch.randn(16)
+    x1, x2 = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    compiled(x1, bias).backward()
+    step(x2, bias).backward()
+    torch.testing.assert_close(x1.grad, x2.grad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,E,k,G,g,score", [(16384, 256, 8, 8, 4, "sigmoid"), (16384, 128, 8, None, None, "softmax")])
+def test_gpu_real_shapes(T, E, k, G, g, score):
+    logits = torch.randn(T, E, device="cuda", dtype=torch.bfloat16)
+    bias = 0.01 * torch.randn(E, device="cuda") if score == "sigmoid" else None
+    kw = dict(score=score, n_groups=G, topk_groups=g, expert_bias=bias)
+    x1, x2 = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    w1, e1 = F.route(x1, k, **kw)  # auto: Triton on CUDA
+    w2, e2 = F.route(x2, k, impl="torch", **kw)
+    assert (e1 == e2).float().mean() > 0.9999  # ties aside
+    same = (e1 == e2).all(-1)
+    torch.testing.assert_close(w1[same], w2[same], rtol=1e-5, atol=1e-6)
+    upstream = torch.randn_like(w1)
+    (w1 * upstream).sum().backward()
+    (w2 * upstream).sum().backward()
+    torch.testing.assert_close(x1.grad[same], x2.grad[same], rtol=1.6e-2, atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_gpu_inductor_compile():
+    logits = torch.randn(4096, 64, device="cuda", requires_grad=True)
+    compiled = torch.compile(lambda x: F.route(x, 6, score="sigmoid", check_nan=False).weights.square().sum(), fullgraph=True)
+    compiled(logits).backward()
+    ref = logits.detach().clone().requires_grad_()
+    F.route(ref, 6, score="sigmoid", impl="torch").weights.square().sum().backward()
+    torch.testing.assert_close(logits.grad, ref.grad, rtol=1e-5, atol=1e-6)
