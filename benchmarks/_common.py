@@ -1,0 +1,118 @@
+"""Helpers shared by the benchmark scripts (benchmarks/bench_<family>.py).
+
+Import this module before torch, triton or fmoe: with `--smoke` on the command line it sets
+TRITON_INTERPRET=1, which Triton reads once, when it is first imported, so that the kernels
+run on CPU through the interpreter.
+
+Every script: `--smoke` (CPU, tiny shapes, checks that the code runs; its times are not
+performance numbers) and `--out DIR` (where the CSV goes, default bench_out/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+SMOKE = "--smoke" in sys.argv
+if SMOKE:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402  (after TRITON_INTERPRET is decided)
+
+
+def base_parser(description: str) -> argparse.ArgumentParser:
+    """Argument parser with the flags every benchmark takes; scripts may add their own."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument(
+        "--smoke", action="store_true",
+        help="run on CPU with tiny shapes, Triton kernels through the interpreter "
+             "(checks the script runs; the times are not performance numbers)",
+    )
+    parser.add_argument("--out", default="bench_out", help="directory for the CSV (default: bench_out)")
+    return parser
+
+
+def bench_device(smoke: bool) -> torch.device:
+    """CPU for --smoke, else CUDA (exits with a hint when there is none)."""
+    if smoke:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        sys.exit("no CUDA device: the benchmark needs a GPU; use --smoke to run it on CPU")
+    return torch.device("cuda")
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's name, or "cpu (smoke)"."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (smoke)"
+
+
+def bench(fn, device: torch.device, cpu_warmup: int = 1, cpu_repeats: int = 3) -> float:
+    """Median time of fn() in milliseconds.
+
+    CUDA: triton.testing.do_bench (it flushes the L2 cache between calls). CPU:
+    cpu_warmup untimed calls, then the median of cpu_repeats calls timed with perf_counter.
+    """
+    if device.type == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    for _ in range(cpu_warmup):
+        fn()
+    times = []
+    for _ in range(cpu_repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def copy_bandwidth(device: torch.device, nbytes: int) -> float:
+    """Bytes per second of a same-device copy of an nbytes bf16 tensor (read + write)."""
+    src = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src), device)
+    return 2 * src.nbytes / (ms * 1e-3)
+
+
+def floor_fraction(nbytes: int, bandwidth: float, ms: float) -> float:
+    """Time to move nbytes at the copy bandwidth over the measured time (1.0: at the floor)."""
+    return nbytes / bandwidth * 1e3 / ms
+
+
+def _cell(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def print_table(rows: list[dict], columns: list[str]) -> None:
+    """Print the given columns of rows as an aligned text table (numbers right-aligned)."""
+    cells = [[_cell(row.get(c)) for c in columns] for row in rows]
+    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
+    numeric = [all(isinstance(row.get(c), (int, float, type(None))) for row in rows) for c in columns]
+
+    def line(values):
+        return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)).rstrip()
+
+    print(line(columns))
+    print(line(["-" * w for w in widths]))
+    for r in cells:
+        print(line(r))
+
+
+def write_csv(path: str | Path, rows: list[dict]) -> None:
+    """Write rows (dicts; columns in order of first appearance) as CSV, creating the directory."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fields = list(dict.fromkeys(key for row in rows for key in row))
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)

@@ -1,0 +1,263 @@
+"""aux_scores, tokens_per_expert, the balancing losses, z_loss, update_expert_bias."""
+
+import math
+
+import pytest
+import torch
+
+import fmoe.ops as F
+
+# (T, E, k): T with 1 and odd sizes, E 4..256, k = 1 and k > 1
+SHAPES = [(1, 4, 1), (7, 6, 2), (33, 16, 1), (65, 64, 8), (9, 256, 8), (40, 60, 6)]
+
+
+def _raises(match, fn, *args, **kwargs):
+    with pytest.raises(ValueError, match=match):
+        fn(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------------- aux_scores
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+def test_aux_scores_reference_definition(score):
+    logits = torch.randn(21, 10)
+    scores, experts, counts = F.aux_scores(logits, 3, score=score, return_counts=True, impl="torch")
+    if score == "softmax":
+        expected = torch.softmax(logits, -1)
+    else:
+        expected = torch.sigmoid(logits) / torch.sigmoid(logits).sum(-1, keepdim=True)
+    torch.testing.assert_close(scores, expected)
+    torch.testing.assert_close(scores.sum(-1), torch.ones(21))
+    for t in range(21):  # unconstrained top-k, best first, lower id on ties
+        assert experts[t].tolist() == sorted(range(10), key=lambda e: (-float(scores[t, e]), e))[:3]
+    assert counts.tolist() == [int((experts == e).sum()) for e in range(10)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_aux_scores_triton_matches_reference(shape, score, dtype, device):
+    T, E, k = shape
+    logits = torch.randn(T, E, device=device).to(dtype)
+    x_tri, x_ref = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    s_tri, e_tri, c_tri = F.aux_scores(x_tri, k, score=score, return_counts=True, impl="triton")
+    s_ref, e_ref, c_ref = F.aux_scores(x_ref, k, score=score, return_counts=True, impl="torch")
+    torch.testing.assert_close(s_tri, s_ref, rtol=1e-5, atol=1e-7)
+    assert torch.equal(e_tri, e_ref) and torch.equal(c_tri, c_ref)
+    assert c_tri.dtype == torch.int64 and int(c_tri.sum()) == T * k
+    upstream = torch.randn_like(s_ref)
+    (s_tri * upstream).sum().backward()
+    (s_ref * upstream).sum().backward()
+    tol = dict(rtol=1e-5, atol=1e-7) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-5)
+    torch.testing.assert_close(x_tri.grad, x_ref.grad, **tol)
+
+
+def test_aux_scores_bad_inputs():
+    _raises("logits: expected a 2-D", F.aux_scores, torch.randn(3, 4, 5), 2)
+    _raises(r"k: expected 1\.\.4", F.aux_scores, torch.randn(3, 4), 5)
+    _raises("score: expected", F.aux_scores, torch.randn(3, 4), 2, score="tanh")
+
+
+# ---------------------------------------------------------------------------- counts
+
+
+def test_tokens_per_expert():
+    experts = torch.tensor([[0, 2], [2, -1], [0, 2], [-1, -1]])
+    assert F.tokens_per_expert(experts, 5).tolist() == [2, 0, 3, 0, 0]  # experts 1, 3, 4 get none
+    assert F.tokens_per_expert(experts.int(), 5).dtype == torch.int64
+    _raises("experts: expected an int32/int64", F.tokens_per_expert, experts.float(), 5)
+    _raises("n_experts: expected", F.tokens_per_expert, experts, 0)
+
+
+# ---------------------------------------------------------------------------- switch loss
+
+
+def test_switch_loss_worked_numbers():
+    scores = torch.tensor([[0.9, 0.1], [0.6, 0.4]], requires_grad=True)
+    counts = torch.tensor([2, 0])
+    loss = F.load_balancing_loss(scores, counts, k=1, n_tokens=2)
+    # E / (k n^2) * sum_e P_e c_e = 2 / 4 * (1.5 * 2 + 0.5 * 0)
+    assert loss.item() == pytest.approx(1.5)
+    loss.backward()
+    torch.testing.assert_close(scores.grad, torch.tensor([[1.0, 0.0], [1.0, 0.0]]))
+
+
+def test_switch_loss_is_one_when_balanced_and_equals_E_sum_f_P():
+    T, E, k = 64, 8, 2
+    uniform = torch.full((T, E), 1.0 / E)
+    assert F.load_balancing_loss(uniform, torch.full((E,), T * k // E), k=k, n_tokens=T).item() == pytest.approx(1.0)
+    scores, experts = F.aux_scores(torch.randn(T, E), k)
+    counts = F.tokens_per_expert(experts, E)
+    f = counts.float() / (k * T)
+    P = scores.mean(0)
+    torch.testing.assert_close(F.load_balancing_loss(scores, counts, k=k, n_tokens=T), E * (f * P).sum())
+
+
+def test_switch_loss_split_over_ranks_adds_up():
+    # tokens split over two TP ranks: local scores, group-total counts and n_tokens
+    T, E, k = 30, 8, 2
+    scores, experts = F.aux_scores(torch.randn(T, E), k)
+    counts = F.tokens_per_expert(experts, E)
+    whole = F.load_balancing_loss(scores, counts, k=k, n_tokens=T)
+    parts = [F.load_balancing_loss(s, counts, k=k, n_tokens=torch.tensor(T)) for s in scores.split([11, 19])]
+    torch.testing.assert_close(sum(parts), whole)
+
+
+def test_switch_loss_bad_inputs():
+    s = torch.rand(4, 3)
+    _raises(r"counts: expected a tensor of shape \(3,\)", F.load_balancing_loss, s, torch.ones(4), k=1, n_tokens=4)
+    _raises("n_tokens: expected", F.load_balancing_loss, s, torch.ones(3), k=1, n_tokens=0)
+    _raises("k: expected", F.load_balancing_loss, s, torch.ones(3), k=0, n_tokens=4)
+    _raises("n_tokens: expected an int or a 1-element", F.load_balancing_loss, s, torch.ones(3), k=1, n_tokens=torch.ones(2))
+
+
+# ---------------------------------------------------------------------------- sequence loss
+
+
+def _seq_loss_loop(scores, experts, cu, k):
+    E = scores.shape[1]
+    terms = []
+    for b in range(len(cu) - 1):
+        lo, hi = int(cu[b]), int(cu[b + 1])
+        if hi == lo:
+            continue
+        c = F.tokens_per_expert(experts[lo:hi], E).float()
+        terms.append(E / (k * (hi - lo)) * (c * scores[lo:hi].mean(0)).sum())
+    return torch.stack(terms).mean()
+
+
+@pytest.mark.parametrize("cu", [[0, 13], [0, 3, 7, 13], [0, 3, 3, 13], [0, 1, 2, 13], [0, 13, 13]], ids=str)
+def test_seq_loss_against_per_sequence_loop(cu):
+    T, E, k = 13, 8, 2
+    logits = torch.randn(T, E, requires_grad=True)
+    scores, experts = F.aux_scores(logits, k)
+    cu_seqlens = torch.tensor(cu, dtype=torch.int32)
+    loss = F.seq_load_balancing_loss(scores, experts, cu_seqlens, k=k)
+    expected = _seq_loss_loop(scores, experts, cu, k)
+    torch.testing.assert_close(loss, expected)
+    upstream = torch.randn(())
+    (g1,) = torch.autograd.grad(loss * upstream, logits, retain_graph=True)
+    (g2,) = torch.autograd.grad(expected * upstream, logits)
+    torch.testing.assert_close(g1, g2)
+
+
+def test_seq_loss_special_cases():
+    T, E, k = 24, 6, 2
+    scores, experts = F.aux_scores(torch.randn(T, E), k)
+    counts = F.tokens_per_expert(experts, E)
+    # one sequence: the switch loss over the whole batch
+    torch.testing.assert_close(
+        F.seq_load_balancing_loss(scores, experts, torch.tensor([0, T]), k=k),
+        F.load_balancing_loss(scores, counts, k=k, n_tokens=T),
+    )
+    # fixed-length rows: mean of per-row switch losses; dropped slots (-1) do not count
+    experts = experts.clone()
+    experts[5, 1] = -1
+    rows = [F.load_balancing_loss(scores[i:i + 8], F.tokens_per_expert(experts[i:i + 8], E), k=k, n_tokens=8) for i in (0, 8, 16)]
+    torch.testing.assert_close(
+        F.seq_load_balancing_loss(scores, experts, torch.tensor([0, 8, 16, 24]), k=k), torch.stack(rows).mean()
+    )
+
+
+def test_seq_loss_bad_cu_seqlens():
+    scores, experts = F.aux_scores(torch.randn(10, 4), 2)
+    _raises("cu_seqlens: must start at 0", F.seq_load_balancing_loss, scores, experts, torch.tensor([1, 10]), k=2)
+    _raises(r"cu_seqlens: must be non-decreasing, but cu_seqlens\[2\] = 3 < cu_seqlens\[1\] = 6", F.seq_load_balancing_loss, scores, experts, torch.tensor([0, 6, 3, 10]), k=2)
+    _raises("cu_seqlens: must end at the token count 10, ends at 9", F.seq_load_balancing_loss, scores, experts, torch.tensor([0, 4, 9]), k=2)
+    _raises("cu_seqlens: expected dtype int32 or int64", F.seq_load_balancing_loss, scores, experts, torch.tensor([0.0, 10.0]), k=2)
+    _raises("cu_seqlens: expected at least 2 entries", F.seq_load_balancing_loss, scores, experts, torch.tensor([0]), k=2)
+    _raises(r"experts: expected shape \(10, 3\)", F.seq_load_balancing_loss, scores, experts, torch.tensor([0, 10]), k=3)
+
+
+# ---------------------------------------------------------------------------- z-loss
+
+
+def test_z_loss_worked_numbers():
+    # zero logits: logsumexp = ln E for every token
+    assert F.z_loss(torch.zeros(5, 8), impl="torch").item() == pytest.approx(math.log(8) ** 2)
+    logits = torch.tensor([[0.0, math.log(3.0)]])  # logsumexp = ln 4
+    assert F.z_loss(logits).item() == pytest.approx(math.log(4.0) ** 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_z_loss_triton_matches_reference(shape, dtype, device):
+    T, E, _ = shape
+    logits = (3 * torch.randn(T, E, device=device)).to(dtype)
+    x_tri, x_ref = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    z_tri, z_ref = F.z_loss(x_tri, impl="triton"), F.z_loss(x_ref, impl="torch")
+    assert z_tri.dtype == torch.float32 and z_tri.shape == ()
+    torch.testing.assert_close(z_tri, z_ref, rtol=1e-5, atol=1e-6)
+    upstream = torch.randn((), device=device)
+    (z_tri * upstream).backward()
+    (z_ref * upstream).backward()
+    tol = dict(rtol=1e-5, atol=1e-7) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-5)
+    torch.testing.assert_close(x_tri.grad, x_ref.grad, **tol)
+
+
+def test_z_loss_bad_inputs():
+    _raises("logits: expected a 2-D", F.z_loss, torch.randn(8))
+    _raises("logits: z_loss is a mean over tokens", F.z_loss, torch.randn(0, 8))
+    _raises("logits: expected dtype", F.z_loss, torch.zeros(2, 3, dtype=torch.int32))
+
+
+# ---------------------------------------------------------------------------- expert bias
+
+
+def test_update_expert_bias_spec_example():
+    bias = torch.zeros(4)
+    new = F.update_expert_bias(bias, torch.tensor([10, 2, 6, 6]), 1e-3)
+    torch.testing.assert_close(new, torch.tensor([-1e-3, 1e-3, 0.0, 0.0]))
+    assert new.dtype == torch.float32 and torch.equal(bias, torch.zeros(4))  # pure: input untouched
+
+
+def test_update_expert_bias_center_and_accumulation():
+    counts = torch.tensor([9.0, 1.0, 1.0, 1.0])  # mean 3: sign -> [-1, 1, 1, 1]
+    torch.testing.assert_close(F.update_expert_bias(torch.zeros(4), counts, 1e-3, center=True), torch.tensor([-1.5e-3, 0.5e-3, 0.5e-3, 0.5e-3]))
+    bias = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    torch.testing.assert_close(F.update_expert_bias(bias, counts, 0.01), torch.tensor([0.09, 0.21, 0.31, 0.41]))
+
+
+def test_update_expert_bias_bad_inputs():
+    _raises("bias: expected a 1-D float32", F.update_expert_bias, torch.zeros(4, dtype=torch.float64), torch.ones(4), 1e-3)
+    _raises("bias: expected a 1-D float32", F.update_expert_bias, torch.zeros(2, 2), torch.ones(4), 1e-3)
+    _raises(r"counts: expected a tensor of shape \(4,\)", F.update_expert_bias, torch.zeros(4), torch.ones(3), 1e-3)
+    _raises("rate: expected a finite number >= 0", F.update_expert_bias, torch.zeros(4), torch.ones(4), -1.0)
+
+
+# ---------------------------------------------------------------------------- registration
+
+
+def test_custom_ops_pass_opcheck():
+    logits = torch.randn(7, 12, requires_grad=True)
+    for sigmoid in (False, True):
+        torch.library.opcheck(torch.ops.fmoe.aux_scores_fwd.default, (logits, 3, sigmoid))
+    torch.library.opcheck(torch.ops.fmoe.logsumexp_fwd.default, (logits,))
+
+
+def test_losses_compile_without_graph_breaks():
+    def losses(logits):
+        scores, experts, counts = F.aux_scores(logits, 2, return_counts=True, impl="triton")
+        return F.load_balancing_loss(scores, counts, k=2, n_tokens=logits.shape[0]) + F.z_loss(logits, impl="triton")
+
+    logits = torch.randn(10, 8)
+    x1, x2 = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    torch.compile(losses, backend="aot_eager", fullgraph=True)(x1).backward()
+    losses(x2).backward()
+    torch.testing.assert_close(x1.grad, x2.grad)
+
+
+@pytest.mark.gpu
+def test_gpu_balance_real_shapes():
+    logits = torch.randn(65536, 256, device="cuda", dtype=torch.bfloat16)
+    x1, x2 = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    s1, e1, c1 = F.aux_scores(x1, 8, score="sigmoid", return_counts=True)
+    s2, e2, c2 = F.aux_scores(x2, 8, score="sigmoid", return_counts=True, impl="torch")
+    torch.testing.assert_close(s1, s2, rtol=1e-5, atol=1e-7)
+    assert int(c1.sum()) == 65536 * 8 and (e1 == e2).all(-1).float().mean() > 0.999
+    z1, z2 = F.z_loss(x1), F.z_loss(x2, impl="torch")
+    torch.testing.assert_close(z1, z2, rtol=1e-5, atol=1e-6)
+    (s1.square().sum() + z1).backward()
+    (s2.square().sum() + z2).backward()
+    torch.testing.assert_close(x1.grad, x2.grad, rtol=1.6e-2, atol=1e-5)
