@@ -23,6 +23,7 @@ if SMOKE:
     os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402  (after TRITON_INTERPRET is decided)
+import triton.testing  # noqa: E402
 
 
 def base_parser(description: str) -> argparse.ArgumentParser:
@@ -58,8 +59,6 @@ def bench(fn, device: torch.device, cpu_warmup: int = 1, cpu_repeats: int = 3) -
     cpu_warmup untimed calls, then the median of cpu_repeats calls timed with perf_counter.
     """
     if device.type == "cuda":
-        import triton.testing
-
         return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
     for _ in range(cpu_warmup):
         fn()

@@ -34,7 +34,7 @@ from fmoe.ops._common import (
     next_pow2,
     use_triton,
 )
-from fmoe.ops.routing import _rows_per_program, _sort_desc
+from fmoe.ops.routing import _NONE, _key_index, _pack_key, _rows_per_program, _sort_desc
 
 # ----------------------------------------------------------------------------------------
 # 1. Reference
@@ -81,11 +81,11 @@ def _aux_fwd_kernel(
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     """Scores, their top-k and the per-expert counts of that top-k, in one pass."""
-    BIG: tl.constexpr = 1 << 30
     pid = tl.program_id(0)
     rows_T = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     cols_E = tl.arange(0, BLOCK_E)
-    live = (rows_T[:, None] < T) & (cols_E[None, :] < E)
+    row_ok = rows_T < T
+    live = row_ok[:, None] & (cols_E[None, :] < E)
     off = rows_T[:, None].to(tl.int64) * E + cols_E[None, :]
     x = tl.load(logits_ptr + off, mask=live, other=float("-inf")).to(tl.float32)
     if SIGMOID:
@@ -95,18 +95,16 @@ def _aux_fwd_kernel(
     s = s / tl.sum(s, axis=1)[:, None]
     tl.store(scores_ptr + off, s, mask=live)
 
-    counts_E = tl.zeros([BLOCK_E], dtype=tl.int32)
-    avail = live
+    # top-k by repeated max of packed (score, lower id) keys; see routing._pack_key
+    key = tl.where(live, _pack_key(s, cols_E[None, :]), _NONE)
     for i in tl.static_range(K):
-        v = tl.where(avail, s, -1.0)
-        best = tl.max(v, axis=1)
-        first = tl.min(tl.where(avail & (v == best[:, None]), cols_E[None, :], BIG), axis=1)
-        hit = cols_E[None, :] == first[:, None]
-        counts_E += tl.sum(hit.to(tl.int32), axis=0)
-        avail = avail & (~hit)
-        tl.store(experts_ptr + rows_T.to(tl.int64) * K + i, first.to(tl.int64), mask=rows_T < T)
+        best = tl.max(key, axis=1)
+        key = tl.where(key == best[:, None], _NONE, key)
+        tl.store(experts_ptr + rows_T.to(tl.int64) * K + i, _key_index(best).to(tl.int64), mask=row_ok)
+    # the chosen lanes are the live ones now _NONE; one count reduction over the rows, then
     # one atomic per expert per program: integer adds, so the result is deterministic
-    tl.atomic_add(counts_ptr + cols_E, counts_E, mask=cols_E < E)
+    chosen = live & (key == _NONE)
+    tl.atomic_add(counts_ptr + cols_E, tl.sum(chosen.to(tl.int32), axis=0), mask=cols_E < E)
 
 
 @triton.jit
@@ -164,10 +162,13 @@ def _lse_bwd_kernel(
     tl.store(grad_logits_ptr + off, dx.to(grad_logits_ptr.dtype.element_ty), mask=live)
 
 
+def _row_blocks(E):
+    return dict(BLOCK_T=_rows_per_program(next_pow2(E)), BLOCK_E=next_pow2(E), num_warps=1)
+
+
 def _grid_rows(T, E):
-    block_e = next_pow2(E)
-    block_t = _rows_per_program(block_e)
-    return (triton.cdiv(T, block_t),), dict(E=E, BLOCK_T=block_t, BLOCK_E=block_e)
+    meta = _row_blocks(E)
+    return (triton.cdiv(T, meta["BLOCK_T"]),), dict(E=E, **meta)
 
 
 # ----------------------------------------------------------------------------------------
@@ -183,7 +184,7 @@ def _aux_scores_fwd(logits: torch.Tensor, k: int, sigmoid: bool) -> tuple[torch.
     counts = torch.zeros(E, dtype=torch.int32, device=logits.device)
     if T > 0:
         grid, meta = _grid_rows(T, E)
-        _aux_fwd_kernel[grid](logits.contiguous(), scores, experts, counts, T, K=k, SIGMOID=sigmoid, **meta, num_warps=4)
+        _aux_fwd_kernel[grid](logits.contiguous(), scores, experts, counts, T, K=k, SIGMOID=sigmoid, **meta)
     return scores, experts, counts.long()
 
 
@@ -203,7 +204,7 @@ def _aux_scores_bwd(grad_scores: torch.Tensor, logits: torch.Tensor, sigmoid: bo
     T, E = logits.shape
     if T > 0:
         grid, meta = _grid_rows(T, E)
-        _aux_bwd_kernel[grid](logits.contiguous(), grad_scores.contiguous(), grad_logits, T, SIGMOID=sigmoid, **meta, num_warps=4)
+        _aux_bwd_kernel[grid](logits.contiguous(), grad_scores.contiguous(), grad_logits, T, SIGMOID=sigmoid, **meta)
     return grad_logits
 
 
@@ -231,7 +232,7 @@ def _lse_fwd(logits: torch.Tensor) -> torch.Tensor:
     lse = torch.empty(T, dtype=torch.float32, device=logits.device)
     if T > 0:
         grid, meta = _grid_rows(T, E)
-        _lse_fwd_kernel[grid](logits.contiguous(), lse, T, **meta, num_warps=4)
+        _lse_fwd_kernel[grid](logits.contiguous(), lse, T, **meta)
     return lse
 
 
@@ -246,7 +247,7 @@ def _lse_bwd(grad_lse: torch.Tensor, logits: torch.Tensor, lse: torch.Tensor) ->
     T, E = logits.shape
     if T > 0:
         grid, meta = _grid_rows(T, E)
-        _lse_bwd_kernel[grid](logits.contiguous(), lse, grad_lse.contiguous(), grad_logits, T, **meta, num_warps=4)
+        _lse_bwd_kernel[grid](logits.contiguous(), lse, grad_lse.contiguous(), grad_logits, T, **meta)
     return grad_logits
 
 

@@ -114,6 +114,31 @@ def route_ref(logits_TE, k, score_code, n_groups, topk_groups, expert_bias_E, sc
 # ----------------------------------------------------------------------------------------
 
 
+# A (score, expert) pair packs into one int64 whose order is (score, then lower id): the
+# high word is the float32 score's bits made order-preserving, the low word 2^31-1-id. One
+# max-reduction then yields the best expert and its score, ties going to the lower id.
+_NONE = tl.constexpr(-(2**63))  # key of an unavailable lane: below any score's key, -inf included
+
+
+@triton.jit
+def _pack_key(score, idx):
+    score = tl.where(score == 0.0, 0.0, score)  # -0.0 ties with +0.0, as in the reference
+    bits = score.to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return (ordered.to(tl.int64) << 32) | (0x7FFFFFFF - idx).to(tl.int64)
+
+
+@triton.jit
+def _key_score(key):
+    ordered = (key >> 32).to(tl.int32)
+    return (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _key_index(key):
+    return 0x7FFFFFFF - (key & 0x7FFFFFFF).to(tl.int32)
+
+
 @triton.jit
 def _route_fwd_kernel(
     logits_ptr, bias_ptr, weights_ptr, experts_ptr, T, scale,
@@ -127,92 +152,80 @@ def _route_fwd_kernel(
     A row is held as a [BLOCK_G, BLOCK_GS] tile (group, expert in group), so group scores
     are reductions over the last axis; without groups G = 1 and GS = E.
     """
-    BIG: tl.constexpr = 1 << 30
     pid = tl.program_id(0)
     rows_T = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     g_G = tl.arange(0, BLOCK_G)
     j_S = tl.arange(0, BLOCK_GS)
     real_GS = (g_G[:, None] < G) & (j_S[None, :] < GS)
-    # padding lanes get id -1 so that they can never match a chosen expert's id
-    eid_GS = tl.where(real_GS, g_G[:, None] * GS + j_S[None, :], -1)
+    eid_GS = g_G[:, None] * GS + j_S[None, :]
     row_ok_T = rows_T < T
     live = row_ok_T[:, None, None] & real_GS[None, :, :]
+    row_off_T = rows_T.to(tl.int64) * E
 
-    ptrs = logits_ptr + rows_T[:, None, None].to(tl.int64) * E + eid_GS[None, :, :]
-    x = tl.load(ptrs, mask=live, other=0.0).to(tl.float32)
+    x = tl.load(logits_ptr + row_off_T[:, None, None] + eid_GS[None, :, :], mask=live, other=0.0).to(tl.float32)
     nan = x != x
     row_nan_T = tl.max(tl.max(nan.to(tl.int32), axis=2), axis=1) > 0
     x = tl.where(nan, float("-inf"), x)  # route NaN rows somewhere valid; weights become NaN
 
     if SCORE == 0:  # softmax after top-k: select on raw logits
-        src = x
         sel = x
-    elif SCORE == 1:  # softmax before top-k
+    elif SCORE == 1:  # softmax before top-k: select on probabilities
         xm = tl.where(live, x, float("-inf"))
-        row_max = tl.max(tl.max(xm, axis=2), axis=1)
-        p = tl.exp(xm - row_max[:, None, None])
+        p = tl.exp(xm - tl.max(tl.max(xm, axis=2), axis=1)[:, None, None])
         p = tl.where(live, p, 0.0)
-        src = p / tl.sum(tl.sum(p, axis=2), axis=1)[:, None, None]
-        sel = src
+        sel = p / tl.sum(tl.sum(p, axis=2), axis=1)[:, None, None]
     else:  # sigmoid, bias for selection only
-        src = tl.sigmoid(x)
-        sel = src
+        sel = tl.sigmoid(x)
         if HAS_BIAS:
-            bias_GS = tl.load(bias_ptr + eid_GS, mask=real_GS, other=0.0).to(tl.float32)
-            sel = src + bias_GS[None, :, :]
+            sel += tl.load(bias_ptr + eid_GS, mask=real_GS, other=0.0).to(tl.float32)[None, :, :]
+    key = tl.where(live, _pack_key(sel, eid_GS[None, :, :]), _NONE)
 
-    avail = live
     if TOPK_GROUPS < G:
-        # group score = sum of the group's top PER_GROUP selection scores
+        # group score = sum of the group's top PER_GROUP selection scores, best first
         group_score = tl.zeros([BLOCK_T, BLOCK_G], dtype=tl.float32)
-        left = avail
+        left = key
         for _ in tl.static_range(PER_GROUP):
-            v = tl.where(left, sel, float("-inf"))
-            best = tl.max(v, axis=2)
-            first = tl.min(tl.where(left & (v == best[:, :, None]), j_S[None, None, :], BIG), axis=2)
-            left = left & (j_S[None, None, :] != first[:, :, None])
-            group_score += best
+            best = tl.max(left, axis=2)
+            group_score += _key_score(best)
+            left = tl.where(left == best[:, :, None], _NONE, left)
         # keep the TOPK_GROUPS best groups (lower group index on ties)
-        group_left = (g_G[None, :] < G) & row_ok_T[:, None]
+        group_key = tl.where(g_G[None, :] < G, _pack_key(group_score, g_G[None, :]), _NONE)
         kept = g_G[None, :] < 0
         for _ in tl.static_range(TOPK_GROUPS):
-            v = tl.where(group_left, group_score, float("-inf"))
-            best = tl.max(v, axis=1)
-            first = tl.min(tl.where(group_left & (v == best[:, None]), g_G[None, :], BIG), axis=1)
-            hit = g_G[None, :] == first[:, None]
+            hit = group_key == tl.max(group_key, axis=1)[:, None]
             kept = kept | hit
-            group_left = group_left & (~hit)
-        avail = avail & kept[:, :, None]
+            group_key = tl.where(hit, _NONE, group_key)
+        key = tl.where(kept[:, :, None], key, _NONE)
 
-    # top-k by repeated arg-max (lower expert id on ties), best first
+    # top-k by repeated max of the packed keys, best first, over the flattened row (one
+    # reduction axis is far cheaper than two)
+    key = tl.reshape(key, [BLOCK_T, BLOCK_G * BLOCK_GS])
     k_K = tl.arange(0, BLOCK_K)
     w_TK = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
     id_TK = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
     for i in tl.static_range(K):
-        v = tl.where(avail, sel, float("-inf"))
-        best = tl.max(tl.max(v, axis=2), axis=1)
-        cand = avail & (v == best[:, None, None])
-        first = tl.min(tl.min(tl.where(cand, eid_GS[None, :, :], BIG), axis=2), axis=1)
-        hit = eid_GS[None, :, :] == first[:, None, None]
-        val = tl.sum(tl.sum(tl.where(hit, src, 0.0), axis=2), axis=1)
-        w_TK = tl.where(k_K[None, :] == i, val[:, None], w_TK)
-        id_TK = tl.where(k_K[None, :] == i, first[:, None], id_TK)
-        avail = avail & (~hit)
+        best = tl.max(key, axis=1)
+        key = tl.where(key == best[:, None], _NONE, key)
+        w_TK = tl.where(k_K[None, :] == i, _key_score(best)[:, None], w_TK)
+        id_TK = tl.where(k_K[None, :] == i, _key_index(best)[:, None], id_TK)
 
     slot_ok = k_K[None, :] < K
+    out_mask = row_ok_T[:, None] & slot_ok
     if SCORE == 0:
         w_TK = tl.where(slot_ok, w_TK, float("-inf"))
         e = tl.exp(w_TK - tl.max(w_TK, axis=1)[:, None])
         e = tl.where(slot_ok, e, 0.0)
         w_TK = e / tl.sum(e, axis=1)[:, None]
     elif SCORE == 2:
+        if HAS_BIAS:  # the weights are the unbiased sigmoids: read the k chosen logits back
+            xk = tl.load(logits_ptr + row_off_T[:, None] + id_TK, mask=out_mask, other=0.0).to(tl.float32)
+            w_TK = tl.where(slot_ok, tl.sigmoid(xk), 0.0)
         if K > 1:
             w_TK = tl.where(slot_ok, w_TK, 0.0)
             w_TK = w_TK / (tl.sum(w_TK, axis=1)[:, None] + 1e-20)
     w_TK = w_TK * scale
     w_TK = tl.where(row_nan_T[:, None], float("nan"), w_TK)
 
-    out_mask = row_ok_T[:, None] & slot_ok
     out_off = rows_T[:, None].to(tl.int64) * K + k_K[None, :]
     tl.store(weights_ptr + out_off, w_TK, mask=out_mask)
     tl.store(experts_ptr + out_off, id_TK.to(tl.int64), mask=out_mask)
@@ -273,9 +286,22 @@ def _route_bwd_kernel(
     tl.store(grad_logits_ptr + row_off + cols_E[None, :], dl.to(grad_logits_ptr.dtype.element_ty), mask=emask)
 
 
-def _rows_per_program(row_elems: int) -> int:
-    """Rows per program so that a tile holds about 4096 elements."""
-    return max(1, min(64, 4096 // row_elems))
+def _rows_per_program(row_elems: int, num_warps: int = 1) -> int:
+    """Rows per program so that each thread holds about 8 elements of a row: with one warp
+    per program a row never leaves its warp, so the many reductions of a row are warp
+    shuffles, never shared memory (benchmarks/kernel_stats.py shows the SASS)."""
+    return max(1, min(128, num_warps * 32 * 8 // row_elems))
+
+
+def _fwd_blocks(E: int, n_groups: int, k: int) -> dict:
+    block_g, block_gs = next_pow2(n_groups), next_pow2(E // n_groups)
+    return dict(BLOCK_T=_rows_per_program(block_g * block_gs), BLOCK_G=block_g, BLOCK_GS=block_gs, BLOCK_K=next_pow2(k), num_warps=1)
+
+
+def _bwd_blocks(E: int, k: int) -> dict:
+    # the backward's per-slot scatter runs cheaper on 4 warps (kernel_stats: 556 against
+    # 1181 warp-instructions per row at E=256, k=8)
+    return dict(BLOCK_T=_rows_per_program(next_pow2(E), 4), BLOCK_E=next_pow2(E), BLOCK_K=next_pow2(k), num_warps=4)
 
 
 # ----------------------------------------------------------------------------------------
@@ -293,16 +319,11 @@ def _route_fwd(
     experts = torch.empty(T, k, dtype=torch.int64, device=logits.device)
     if T == 0:
         return weights, experts
-    logits = logits.contiguous()
-    group_size = E // n_groups
-    block_g, block_gs = next_pow2(n_groups), next_pow2(group_size)
-    block_t = _rows_per_program(block_g * block_gs)
-    _route_fwd_kernel[(triton.cdiv(T, block_t),)](
-        logits, expert_bias if expert_bias is not None else logits, weights, experts, T, scale,
-        E=E, K=k, G=n_groups, GS=group_size, TOPK_GROUPS=topk_groups,
-        PER_GROUP=k // topk_groups, SCORE=score_code, HAS_BIAS=expert_bias is not None,
-        BLOCK_T=block_t, BLOCK_G=block_g, BLOCK_GS=block_gs, BLOCK_K=next_pow2(k),
-        num_warps=4,
+    meta = _fwd_blocks(E, n_groups, k)
+    _route_fwd_kernel[(triton.cdiv(T, meta["BLOCK_T"]),)](
+        logits.contiguous(), expert_bias if expert_bias is not None else logits, weights, experts, T, scale,
+        E=E, K=k, G=n_groups, GS=E // n_groups, TOPK_GROUPS=topk_groups, PER_GROUP=k // topk_groups,
+        SCORE=score_code, HAS_BIAS=expert_bias is not None, **meta,
     )
     return weights, experts
 
@@ -322,12 +343,10 @@ def _route_bwd(
     grad_logits = torch.empty_like(logits)
     if T == 0:
         return grad_logits
-    block_e = next_pow2(E)
-    block_t = _rows_per_program(block_e)
-    _route_bwd_kernel[(triton.cdiv(T, block_t),)](
+    meta = _bwd_blocks(E, k)
+    _route_bwd_kernel[(triton.cdiv(T, meta["BLOCK_T"]),)](
         logits.contiguous(), experts.contiguous(), grad_weights.contiguous(), grad_logits, T, scale,
-        E=E, K=k, SCORE=score_code, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=next_pow2(k),
-        num_warps=4,
+        E=E, K=k, SCORE=score_code, **meta,
     )
     return grad_logits
 

@@ -1,0 +1,158 @@
+"""Routing benchmark: fmoe.ops.route's fused Triton kernels against the torch reference.
+
+    .venv/bin/python benchmarks/bench_routing.py            # CUDA, bf16 logits, real shapes
+    .venv/bin/python benchmarks/bench_routing.py --smoke    # CPU + Triton interpreter, tiny shapes
+
+Cases (T tokens, E experts, k per token):
+    dsv3   DeepSeek-V3-like: E=256, k=8, sigmoid score, 8 groups keep 4, expert bias, scale 2.5
+    qwen3  Qwen3-like: E=128, k=8, softmax over the k chosen logits
+each with T = 16384 and 65536 (--smoke: 64 and 256, float32 logits).
+
+Implementations, all through route(..., check_nan=False):
+    fused     impl="triton": the fused Triton kernels
+    eager     impl="torch": the plain-torch reference
+    compiled  torch.compile(dynamic=False) of the reference, warmed up before timing
+
+Passes: fwd (the training forward: logits require grad) and fwd+bwd (then the gradient of the
+logits for a fixed random upstream gradient of the weights). Before timing, each case checks
+the fused kernels against the reference (experts, weights, logits gradient).
+
+Table: median ms per implementation; on the fused rows the speedups (baseline ms / fused ms)
+and the fraction of the bandwidth floor: (bytes moved / copy bandwidth) / fused ms, with the
+copy bandwidth measured in the same run. Bytes: forward reads the logits and the bias and
+writes weights (float32) and experts (int64); backward reads the logits, experts and weight
+gradient and writes the logits gradient. The CSV goes to OUT/bench_routing.csv.
+"""
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from _common import (  # before torch and fmoe: with --smoke it sets TRITON_INTERPRET
+    base_parser,
+    bench,
+    bench_device,
+    copy_bandwidth,
+    device_name,
+    floor_fraction,
+    print_table,
+    write_csv,
+)
+
+import torch  # noqa: E402
+from fmoe.ops import route  # noqa: E402
+
+COLUMNS = ["case", "pass", "impl", "ms", "speedup_vs_eager", "speedup_vs_compiled", "floor_fraction"]
+MIN_SAME_ROWS = 0.9999  # bf16 ties may pick a different expert on a few rows
+
+
+@dataclass
+class Case:
+    name: str
+    T: int
+    E: int
+    k: int
+    options: dict  # route() keyword arguments
+
+    def router(self, impl: str):
+        """logits -> Routes by impl, without the NaN check (it syncs with the host)."""
+        return lambda logits: route(logits, self.k, impl=impl, check_nan=False, **self.options)
+
+
+def make_cases(smoke: bool, device: torch.device) -> list[Case]:
+    bias = 0.01 * torch.randn(256, device=device)  # small, like a trained balancing bias
+    dsv3 = dict(score="sigmoid", n_groups=8, topk_groups=4, expert_bias=bias, scale=2.5)
+    cases = []
+    for T in (64, 256) if smoke else (16384, 65536):
+        cases.append(Case(f"dsv3 T={T}", T, 256, 8, dsv3))
+        cases.append(Case(f"qwen3 T={T}", T, 128, 8, dict(score="softmax", pre_softmax=False)))
+    return cases
+
+
+def check(case: Case, fused, eager, logits: torch.Tensor, grad_w: torch.Tensor) -> float:
+    """Fraction of rows where fused and eager pick the same experts; exits on a mismatch."""
+    w_f, e_f = fused(logits)
+    w_r, e_r = eager(logits)
+    (gx_f,) = torch.autograd.grad(w_f, logits, grad_w)
+    (gx_r,) = torch.autograd.grad(w_r, logits, grad_w)
+    same = (e_f == e_r).all(dim=1)
+    frac = same.float().mean().item()
+    if frac < MIN_SAME_ROWS:
+        sys.exit(f"{case.name}: fused and eager choose different experts on {1 - frac:.4%} of rows")
+    grad_tol = dict(rtol=1e-5, atol=1e-6) if logits.dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-4)
+    try:
+        torch.testing.assert_close(w_f[same], w_r[same], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(gx_f[same], gx_r[same], **grad_tol)
+    except AssertionError as err:
+        sys.exit(f"{case.name}: fused and eager disagree on rows with the same experts:\n{err}")
+    return frac
+
+
+def run_case(case: Case, device: torch.device, dtype: torch.dtype, bandwidth: float) -> list[dict]:
+    T, E, k = case.T, case.E, case.k
+    torch._dynamo.reset()  # one compile per case, never near dynamo's recompile limit
+    logits = torch.randn(T, E, device=device, dtype=dtype, requires_grad=True)
+    grad_w = torch.randn(T, k, device=device)
+    impls = {
+        "fused": case.router("triton"),
+        "eager": case.router("torch"),
+        "compiled": torch.compile(case.router("torch"), dynamic=False),
+    }
+    frac_same = check(case, impls["fused"], impls["eager"], logits, grad_w)
+    print(f"{case.name}: checked, same experts on {frac_same:.4%} of rows; timing", flush=True)
+
+    def fwd(fn):
+        return fn(logits)
+
+    def fwd_bwd(fn):
+        return torch.autograd.grad(fn(logits)[0], logits, grad_w)
+
+    fwd_bwd(impls["compiled"])  # compiles the forward and backward graphs
+    fwd(impls["compiled"])
+
+    logit_bytes = T * E * logits.element_size()
+    bias = case.options.get("expert_bias")
+    fwd_bytes = logit_bytes + T * k * (4 + 8) + (bias.nbytes if bias is not None else 0)
+    bwd_bytes = 2 * logit_bytes + T * k * (8 + 4)
+    rows = []
+    for pass_name, step, nbytes in (("fwd", fwd, fwd_bytes), ("fwd+bwd", fwd_bwd, fwd_bytes + bwd_bytes)):
+        ms = {name: bench(lambda fn=fn: step(fn), device) for name, fn in impls.items()}
+        for name in impls:
+            fused = name == "fused"
+            rows.append({
+                "case": case.name, "pass": pass_name, "impl": name, "ms": ms[name],
+                "speedup_vs_eager": ms["eager"] / ms["fused"] if fused else None,
+                "speedup_vs_compiled": ms["compiled"] / ms["fused"] if fused else None,
+                "floor_fraction": floor_fraction(nbytes, bandwidth, ms[name]) if fused else None,
+                "T": T, "E": E, "k": k, "dtype": str(dtype).removeprefix("torch."),
+                "bytes": nbytes, "floor_ms": nbytes / bandwidth * 1e3,
+            })
+    return rows
+
+
+def main() -> None:
+    args = base_parser(__doc__.splitlines()[0]).parse_args()
+    device = bench_device(args.smoke)
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    torch.manual_seed(0)
+    print(f"device: {device_name(device)}")
+    if args.smoke:
+        print("SMOKE RUN: CPU, Triton interpreter, tiny shapes; checks that the benchmark runs. "
+              "The times below are NOT performance numbers.")
+    copy_bytes = (64 << 20) if args.smoke else (1 << 30)
+    bandwidth = copy_bandwidth(device, copy_bytes)
+    print(f"copy bandwidth: {bandwidth / 1e9:.1f} GB/s (copy of {copy_bytes >> 20} MiB, read + write)", flush=True)
+
+    rows = []
+    for case in make_cases(args.smoke, device):
+        rows += run_case(case, device, dtype, bandwidth)
+    for row in rows:
+        row.update(device=device_name(device), copy_GBps=bandwidth / 1e9)
+    path = Path(args.out) / "bench_routing.csv"
+    write_csv(path, rows)
+    print(f"wrote {path}\n")
+    print_table(rows, COLUMNS)
+
+
+if __name__ == "__main__":
+    main()

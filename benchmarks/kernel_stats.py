@@ -1,0 +1,99 @@
+"""Compile fmoe's Triton kernels for Hopper (sm_90a) without a GPU and report their cost.
+
+    python benchmarks/kernel_stats.py
+
+Runs Triton's real compiler and the ptxas it ships (no device needed) at the benchmark
+shapes and prints, per kernel: registers per thread, spill bytes, and the SASS instruction
+count with the counts of shuffles and shared-memory loads (cross-lane and cross-warp
+reductions). A static read, not a timing: it shows what a change does to the generated
+code before any GPU time is spent, and catches kernels the interpreter accepts but the
+compiler rejects.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from fmoe.ops import balance, routing  # noqa: E402
+
+BIN = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def _signature(kernel, pointers, scalars, constexprs):
+    sig = {}
+    for name in kernel.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in pointers:
+            sig[name] = pointers[name]
+        else:
+            sig[name] = scalars[name]
+    return sig
+
+
+def compile_stats(kernel, pointers, scalars, constexprs, num_warps):
+    src = ASTSource(fn=kernel, signature=_signature(kernel, pointers, scalars, constexprs), constexprs=constexprs)
+    compiled = triton.compile(src, target=TARGET, options={"num_warps": num_warps})
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = pathlib.Path(tmp, "k.ptx")
+        ptx.write_text(compiled.asm["ptx"])
+        info = subprocess.run([BIN / "ptxas", "-arch=sm_90a", "-v", ptx, "-o", pathlib.Path(tmp, "k.cubin")], capture_output=True, text=True).stderr
+        cubin = pathlib.Path(tmp, "c.cubin")
+        cubin.write_bytes(compiled.asm["cubin"])
+        sass = subprocess.run([BIN / "cuobjdump", "-sass", cubin], capture_output=True, text=True).stdout
+    ops = collections.Counter(m.split(".")[0] for m in re.findall(r"/\*[0-9a-f]{4,}\*/\s+([A-Z][A-Z0-9_.]*)", sass))
+    regs = re.search(r"Used (\d+) registers", info)
+    spill = re.search(r"(\d+) bytes spill stores", info)
+    return dict(
+        regs=int(regs.group(1)) if regs else -1,
+        spill=int(spill.group(1)) if spill else 0,
+        sass=sum(ops.values()),
+        shfl=ops["SHFL"],
+        lds=ops["LDS"],
+    )
+
+
+def cases():
+    ds = dict(E=256, K=8, G=8, GS=32, TOPK_GROUPS=4, PER_GROUP=2, SCORE=routing.SIGMOID, HAS_BIAS=True)
+    qw = dict(E=128, K=8, G=1, GS=128, TOPK_GROUPS=1, PER_GROUP=8, SCORE=routing.SOFTMAX_POST, HAS_BIAS=False)
+    fwd_ptrs = dict(logits_ptr="*bf16", bias_ptr="*fp32", weights_ptr="*fp32", experts_ptr="*i64")
+    fwd_scalars = dict(T="i32", scale="fp32")
+    for name, meta in (("route_fwd deepseek", ds), ("route_fwd qwen", qw)):
+        yield name, routing._route_fwd_kernel, fwd_ptrs, fwd_scalars, {**meta, **routing._fwd_blocks(meta["E"], meta["G"], meta["K"])}
+    bwd_ptrs = dict(logits_ptr="*bf16", experts_ptr="*i64", grad_w_ptr="*fp32", grad_logits_ptr="*bf16")
+    for name, E, score in (("route_bwd deepseek", 256, routing.SIGMOID), ("route_bwd qwen", 128, routing.SOFTMAX_POST)):
+        yield name, routing._route_bwd_kernel, bwd_ptrs, fwd_scalars, dict(E=E, K=8, SCORE=score, **routing._bwd_blocks(E, 8))
+    rows = dict(E=256, **balance._row_blocks(256))
+    yield "aux_fwd", balance._aux_fwd_kernel, dict(logits_ptr="*bf16", scores_ptr="*fp32", experts_ptr="*i64", counts_ptr="*i32"), dict(T="i32"), dict(K=8, SIGMOID=True, **rows)
+    yield "aux_bwd", balance._aux_bwd_kernel, dict(logits_ptr="*bf16", grad_scores_ptr="*fp32", grad_logits_ptr="*bf16"), dict(T="i32"), dict(SIGMOID=True, **rows)
+    yield "lse_fwd", balance._lse_fwd_kernel, dict(logits_ptr="*bf16", lse_ptr="*fp32"), dict(T="i32"), rows
+    yield "lse_bwd", balance._lse_bwd_kernel, dict(logits_ptr="*bf16", lse_ptr="*fp32", grad_lse_ptr="*fp32", grad_logits_ptr="*bf16"), dict(T="i32"), rows
+
+
+def main():
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("kernel_stats compiles kernels: unset TRITON_INTERPRET")
+    # warp-instr/row: SASS executed per row by the warps of a program (straight-line kernels)
+    print(f"{'kernel':<20}{'warps':>6}{'rows/prog':>10}{'regs':>6}{'spill B':>9}{'SASS':>7}{'SHFL':>6}{'LDS':>5}{'warp-instr/row':>16}")
+    for name, kernel, ptrs, scalars, meta in cases():
+        const = dict(meta)
+        warps = const.pop("num_warps")
+        s = compile_stats(kernel, ptrs, scalars, const, num_warps=warps)
+        rows = const["BLOCK_T"]
+        print(f"{name:<20}{warps:>6}{rows:>10}{s['regs']:>6}{s['spill']:>9}{s['sass']:>7}{s['shfl']:>6}{s['lds']:>5}{s['sass'] * warps / rows:>16.0f}")
+
+
+if __name__ == "__main__":
+    main()
