@@ -40,8 +40,8 @@ from fmoe.ops._common import (
     use_triton,
 )
 
-# score codes shared by the kernels and the custom ops (strings cannot be tl.constexpr keys
-# of a custom-op schema cheaply; ints can)
+# scoring modes as ints: one tl.constexpr selects the kernel's branch and one int argument
+# of the custom-op schema carries it
 SOFTMAX_POST, SOFTMAX_PRE, SIGMOID = 0, 1, 2
 _SIGMOID_EPS = 1e-20
 
