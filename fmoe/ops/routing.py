@@ -286,11 +286,13 @@ def _route_bwd_kernel(
     tl.store(grad_logits_ptr + row_off + cols_E[None, :], dl.to(grad_logits_ptr.dtype.element_ty), mask=emask)
 
 
-def _rows_per_program(row_elems: int, num_warps: int = 1) -> int:
-    """Rows per program so that each thread holds about 8 elements of a row: with one warp
-    per program a row never leaves its warp, so the many reductions of a row are warp
-    shuffles, never shared memory (benchmarks/kernel_stats.py shows the SASS)."""
-    return max(1, min(128, num_warps * 32 * 8 // row_elems))
+def _rows_per_program(row_elems: int) -> int:
+    """Rows per one-warp program: about 16 elements of the padded rows per lane, and at
+    least 2 rows. A row then never leaves its warp, so its many reductions are shuffles,
+    never shared memory. Chosen from the SASS of benchmarks/kernel_stats.py: at E = 256,
+    k = 8 the forward takes 1166 warp-instructions per row this way against 1209-1273
+    with 1-4 warps of one row each, and the backward 226 against 332-1168."""
+    return max(2, min(128, 512 // row_elems))
 
 
 def _fwd_blocks(E: int, n_groups: int, k: int) -> dict:
@@ -299,9 +301,7 @@ def _fwd_blocks(E: int, n_groups: int, k: int) -> dict:
 
 
 def _bwd_blocks(E: int, k: int) -> dict:
-    # the backward's per-slot scatter runs cheaper on 4 warps (kernel_stats: 556 against
-    # 1181 warp-instructions per row at E=256, k=8)
-    return dict(BLOCK_T=_rows_per_program(next_pow2(E), 4), BLOCK_E=next_pow2(E), BLOCK_K=next_pow2(k), num_warps=4)
+    return dict(BLOCK_T=_rows_per_program(next_pow2(E)), BLOCK_E=next_pow2(E), BLOCK_K=next_pow2(k), num_warps=1)
 
 
 # ----------------------------------------------------------------------------------------
