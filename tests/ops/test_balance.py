@@ -229,19 +229,19 @@ def test_update_expert_bias_bad_inputs():
 # ---------------------------------------------------------------------------- registration
 
 
-def test_custom_ops_pass_opcheck():
-    logits = torch.randn(7, 12, requires_grad=True)
+def test_custom_ops_pass_opcheck(device):
+    logits = torch.randn(7, 12, device=device, requires_grad=True)
     for sigmoid in (False, True):
         torch.library.opcheck(torch.ops.fmoe.aux_scores_fwd.default, (logits, 3, sigmoid))
     torch.library.opcheck(torch.ops.fmoe.logsumexp_fwd.default, (logits,))
 
 
-def test_losses_compile_without_graph_breaks():
+def test_losses_compile_without_graph_breaks(device):
     def losses(logits):
         scores, experts, counts = F.aux_scores(logits, 2, return_counts=True, impl="triton")
         return F.load_balancing_loss(scores, counts, k=2, n_tokens=logits.shape[0]) + F.z_loss(logits, impl="triton")
 
-    logits = torch.randn(10, 8)
+    logits = torch.randn(10, 8, device=device)
     x1, x2 = logits.clone().requires_grad_(), logits.clone().requires_grad_()
     torch.compile(losses, backend="aot_eager", fullgraph=True)(x1).backward()
     losses(x2).backward()

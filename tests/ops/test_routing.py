@@ -292,20 +292,20 @@ def test_random_logits_statistics():
 # ---------------------------------------------------------------------------- registration
 
 
-def test_custom_ops_pass_opcheck():
-    logits = torch.randn(9, 16, requires_grad=True)
-    bias = torch.randn(16)
+def test_custom_ops_pass_opcheck(device):
+    logits = torch.randn(9, 16, device=device, requires_grad=True)
+    bias = torch.randn(16, device=device)
     for code, bias_or_none in ((SOFTMAX_POST, None), (SOFTMAX_PRE, None), (SIGMOID, bias)):
         torch.library.opcheck(torch.ops.fmoe.route_fwd.default, (logits, 4, code, 4, 2, bias_or_none, 1.5))
 
 
-def test_compiles_without_graph_breaks():
+def test_compiles_without_graph_breaks(device):
     def step(logits, bias):
         w, e = F.route(logits, 4, score="sigmoid", n_groups=4, topk_groups=2, expert_bias=bias, scale=2.5, impl="triton", check_nan=False)
         return (w * e.float()).sum()
 
-    logits = torch.randn(12, 16)
-    bias = 0.1 * torch.randn(16)
+    logits = torch.randn(12, 16, device=device)
+    bias = 0.1 * torch.randn(16, device=device)
     x1, x2 = logits.clone().requires_grad_(), logits.clone().requires_grad_()
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
     compiled(x1, bias).backward()
