@@ -34,7 +34,7 @@ from fmoe.ops._common import (
     next_pow2,
     use_triton,
 )
-from fmoe.ops.routing import _NONE, _key_index, _pack_key, _rows_per_program, _sort_desc
+from fmoe.ops.routing import _NO_ID, _NONE, _order, _rows_per_program, _sort_desc
 
 # ----------------------------------------------------------------------------------------
 # 1. Reference
@@ -95,12 +95,13 @@ def _aux_fwd_kernel(
     s = s / tl.sum(s, axis=1)[:, None]
     tl.store(scores_ptr + off, s, mask=live)
 
-    # top-k by repeated max of packed (score, lower id) keys; see routing._pack_key
-    key = tl.where(live, _pack_key(s, cols_E[None, :]), _NONE)
+    # top-k by repeated max of the scores' int32 images, lowest id on ties (routing._order)
+    key = tl.where(live, _order(s), _NONE)
     for i in tl.static_range(K):
         best = tl.max(key, axis=1)
-        key = tl.where(key == best[:, None], _NONE, key)
-        tl.store(experts_ptr + rows_T.to(tl.int64) * K + i, _key_index(best).to(tl.int64), mask=row_ok)
+        first = tl.min(tl.where(key == best[:, None], cols_E[None, :], _NO_ID), axis=1)
+        key = tl.where(cols_E[None, :] == first[:, None], _NONE, key)
+        tl.store(experts_ptr + rows_T.to(tl.int64) * K + i, first.to(tl.int64), mask=row_ok)
     # the chosen lanes are the live ones now _NONE; one count reduction over the rows, then
     # one atomic per expert per program: integer adds, so the result is deterministic
     chosen = live & (key == _NONE)

@@ -114,29 +114,24 @@ def route_ref(logits_TE, k, score_code, n_groups, topk_groups, expert_bias_E, sc
 # ----------------------------------------------------------------------------------------
 
 
-# A (score, expert) pair packs into one int64 whose order is (score, then lower id): the
-# high word is the float32 score's bits made order-preserving, the low word 2^31-1-id. One
-# max-reduction then yields the best expert and its score, ties going to the lower id.
-_NONE = tl.constexpr(-(2**63))  # key of an unavailable lane: below any score's key, -inf included
+# Selection works on order-preserving int32 images of the float32 scores: integer max and
+# equality are exact, and an unavailable lane (_NONE) sorts below every score, -inf
+# included. Each pick is two warp reductions: the best image, then the lowest id holding
+# it (the reference's tie rule).
+_NONE = tl.constexpr(-(2**31))
+_NO_ID = tl.constexpr(2**30)
 
 
 @triton.jit
-def _pack_key(score, idx):
+def _order(score):
     score = tl.where(score == 0.0, 0.0, score)  # -0.0 ties with +0.0, as in the reference
     bits = score.to(tl.int32, bitcast=True)
-    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    return (ordered.to(tl.int64) << 32) | (0x7FFFFFFF - idx).to(tl.int64)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
 @triton.jit
-def _key_score(key):
-    ordered = (key >> 32).to(tl.int32)
+def _unorder(ordered):
     return (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _key_index(key):
-    return 0x7FFFFFFF - (key & 0x7FFFFFFF).to(tl.int32)
 
 
 @triton.jit
@@ -178,36 +173,41 @@ def _route_fwd_kernel(
         sel = tl.sigmoid(x)
         if HAS_BIAS:
             sel += tl.load(bias_ptr + eid_GS, mask=real_GS, other=0.0).to(tl.float32)[None, :, :]
-    key = tl.where(live, _pack_key(sel, eid_GS[None, :, :]), _NONE)
-
+    avail = live
     if TOPK_GROUPS < G:
         # group score = sum of the group's top PER_GROUP selection scores, best first
         group_score = tl.zeros([BLOCK_T, BLOCK_G], dtype=tl.float32)
-        left = key
+        left = tl.where(live, _order(sel), _NONE)
         for _ in tl.static_range(PER_GROUP):
             best = tl.max(left, axis=2)
-            group_score += _key_score(best)
-            left = tl.where(left == best[:, :, None], _NONE, left)
+            first = tl.min(tl.where(left == best[:, :, None], j_S[None, None, :], _NO_ID), axis=2)
+            left = tl.where(j_S[None, None, :] == first[:, :, None], _NONE, left)
+            group_score += _unorder(best)
         # keep the TOPK_GROUPS best groups (lower group index on ties)
-        group_key = tl.where(g_G[None, :] < G, _pack_key(group_score, g_G[None, :]), _NONE)
+        group_key = tl.where(g_G[None, :] < G, _order(group_score), _NONE)
         kept = g_G[None, :] < 0
         for _ in tl.static_range(TOPK_GROUPS):
-            hit = group_key == tl.max(group_key, axis=1)[:, None]
+            best = tl.max(group_key, axis=1)
+            first = tl.min(tl.where(group_key == best[:, None], g_G[None, :], _NO_ID), axis=1)
+            hit = g_G[None, :] == first[:, None]
             kept = kept | hit
             group_key = tl.where(hit, _NONE, group_key)
-        key = tl.where(kept[:, :, None], key, _NONE)
+        avail = avail & kept[:, :, None]
 
-    # top-k by repeated max of the packed keys, best first, over the flattened row (one
-    # reduction axis is far cheaper than two)
-    key = tl.reshape(key, [BLOCK_T, BLOCK_G * BLOCK_GS])
+    # top-k over the flattened row (one reduction axis is far cheaper than two), best
+    # first: the max score, then the lowest id holding it
+    ROW: tl.constexpr = BLOCK_G * BLOCK_GS
+    key = tl.reshape(tl.where(avail, _order(sel), _NONE), [BLOCK_T, ROW])
+    eid = tl.reshape(tl.broadcast_to(eid_GS[None, :, :], [BLOCK_T, BLOCK_G, BLOCK_GS]), [BLOCK_T, ROW])
     k_K = tl.arange(0, BLOCK_K)
     w_TK = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
     id_TK = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
     for i in tl.static_range(K):
         best = tl.max(key, axis=1)
-        key = tl.where(key == best[:, None], _NONE, key)
-        w_TK = tl.where(k_K[None, :] == i, _key_score(best)[:, None], w_TK)
-        id_TK = tl.where(k_K[None, :] == i, _key_index(best)[:, None], id_TK)
+        first = tl.min(tl.where(key == best[:, None], eid, _NO_ID), axis=1)
+        key = tl.where(eid == first[:, None], _NONE, key)
+        w_TK = tl.where(k_K[None, :] == i, _unorder(best)[:, None], w_TK)
+        id_TK = tl.where(k_K[None, :] == i, first[:, None], id_TK)
 
     slot_ok = k_K[None, :] < K
     out_mask = row_ok_T[:, None] & slot_ok
@@ -289,9 +289,9 @@ def _route_bwd_kernel(
 def _rows_per_program(row_elems: int) -> int:
     """Rows per one-warp program: about 16 elements of the padded rows per lane, and at
     least 2 rows. A row then never leaves its warp, so its many reductions are shuffles,
-    never shared memory. Chosen from the SASS of benchmarks/kernel_stats.py: at E = 256,
-    k = 8 the forward takes 1166 warp-instructions per row this way against 1209-1273
-    with 1-4 warps of one row each, and the backward 226 against 332-1168."""
+    never shared memory. Chosen by the SASS per row (benchmarks/kernel_stats.py): 1-4
+    warps of one row each cost more in the forward, and one row per warp made the
+    backward 5x longer."""
     return max(2, min(128, 512 // row_elems))
 
 
