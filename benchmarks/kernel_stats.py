@@ -25,7 +25,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from fmoe.ops import balance, routing  # noqa: E402
+from fmoe.ops import balance, dispatch, routing  # noqa: E402
 
 BIN = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 TARGET = GPUTarget("cuda", 90, 32)
@@ -90,18 +90,32 @@ def cases():
     yield "aux_bwd", balance._aux_bwd_kernel, dict(logits_ptr="*bf16", grad_scores_ptr="*fp32", grad_logits_ptr="*bf16"), dict(T="i32"), dict(SIGMOID=True, **rows)
     yield "lse_fwd", balance._lse_fwd_kernel, dict(logits_ptr="*bf16", lse_ptr="*fp32"), dict(T="i32"), rows
     yield "lse_bwd", balance._lse_bwd_kernel, dict(logits_ptr="*bf16", lse_ptr="*fp32", grad_lse_ptr="*fp32", grad_logits_ptr="*bf16"), dict(T="i32"), rows
+    # dispatch at T=16384, k=8, E=128, H=2048, bf16
+    E, K, H = 128, 8, 2048
+    plan = dispatch._plan_blocks(E)
+    tile = dispatch._row_blocks(H)
+    block_rows = tile.pop("BLOCK_ROWS")
+    yield "plan_count", dispatch._plan_count_kernel, dict(experts_ptr="*i64", hist_ptr="*i32"), dict(S="i32"), dict(E=E, **plan)
+    yield "plan_rank", dispatch._plan_rank_kernel, dict(experts_ptr="*i64", base_ptr="*i32", row_of_slot_ptr="*i32", slot_of_row_ptr="*i32"), dict(S="i32"), dict(E=E, BLOCK_S=plan["BLOCK_S"], num_warps=plan["num_warps"])
+    perm_ptrs = dict(src_ptr="*bf16", slot_of_row_ptr="*i32", weights_ptr="*fp32", y_perm_ptr="*bf16", dst_ptr="*bf16", grad_w_ptr="*fp32")
+    yield "permute_fwd", dispatch._permute_rows_kernel, perm_ptrs, dict(R="i32", H="i32"), dict(K=K, WEIGHTED=False, BLOCK_R=block_rows, **tile)
+    yield "unpermute_bwd", dispatch._permute_rows_kernel, perm_ptrs, dict(R="i32", H="i32"), dict(K=K, WEIGHTED=True, BLOCK_R=block_rows, **tile)
+    unperm_ptrs = dict(y_perm_ptr="*bf16", row_of_slot_ptr="*i32", weights_ptr="*fp32", y_ptr="*bf16")
+    yield "unpermute_fwd", dispatch._unpermute_rows_kernel, unperm_ptrs, dict(T="i32", H="i32"), dict(K=K, WEIGHTED=True, BLOCK_T=block_rows, **tile)
+    yield "permute_bwd", dispatch._unpermute_rows_kernel, unperm_ptrs, dict(T="i32", H="i32"), dict(K=K, WEIGHTED=False, BLOCK_T=block_rows, **tile)
 
 
 def main():
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("kernel_stats compiles kernels: unset TRITON_INTERPRET")
-    # warp-instr/row: SASS executed per row by the warps of a program (straight-line kernels)
+    # warp-instr/row: SASS executed per row by the warps of a program; for kernels that
+    # loop over H (permute, unpermute) it counts one iteration of the loop
     print(f"{'kernel':<20}{'warps':>6}{'rows/prog':>10}{'regs':>6}{'spill B':>9}{'SASS':>7}{'SHFL':>6}{'LDS':>5}{'warp-instr/row':>16}")
     for name, kernel, ptrs, scalars, meta in cases():
         const = dict(meta)
         warps = const.pop("num_warps")
         s = compile_stats(kernel, ptrs, scalars, const, num_warps=warps)
-        rows = const["BLOCK_T"]
+        rows = next(const[b] for b in ("BLOCK_T", "BLOCK_R", "BLOCK_S") if b in const)  # rows (or slots) per program
         print(f"{name:<20}{warps:>6}{rows:>10}{s['regs']:>6}{s['spill']:>9}{s['sass']:>7}{s['shfl']:>6}{s['lds']:>5}{s['sass'] * warps / rows:>16.0f}")
 
 

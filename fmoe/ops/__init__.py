@@ -12,17 +12,21 @@ from fmoe.ops.balance import (
     update_expert_bias,
     z_loss,
 )
+from fmoe.ops.dispatch import PermutePlan, permute, unpermute
 from fmoe.ops.routing import Routes, drop_by_capacity, random_logits, route
 
 __all__ = [
+    "PermutePlan",
     "Routes",
     "aux_scores",
     "drop_by_capacity",
     "load_balancing_loss",
+    "permute",
     "random_logits",
     "route",
     "seq_load_balancing_loss",
     "tokens_per_expert",
+    "unpermute",
     "update_expert_bias",
     "z_loss",
 ]

@@ -1,0 +1,486 @@
+"""Dispatch: token rows to expert-grouped rows and back (SPEC.md section 3).
+
+    permute(x[T,H], experts[T,K], E, align) -> x_perm[R,H], PermutePlan
+    unpermute(y_perm[R,H], plan, weights[T,K] | None) -> y[T,H]
+
+permute gives every kept slot (t, j) (experts[t,j] >= 0; -1 is a dropped slot) one row of
+x_perm, x_perm[row_of_slot[t,j]] = x[t]. Rows are grouped by expert in ascending expert
+order and, inside an expert, by ascending token index (Megatron's order; two slots of one
+token to the same expert by ascending j). With align > 1 each group is padded with zero
+rows up to a multiple of align (fp8 grouped GEMMs want 16 or 32):
+
+    counts[e]  = kept slots of expert e
+    padded[e]  = ceil(counts[e] / align) * align
+    offsets[e] = padded[0] + ... + padded[e]       (group ends: torch._grouped_mm's offs)
+    row_of_slot[t,j] = offsets[e] - padded[e] + #{kept slots (t',j') of e before (t,j)}
+
+R, the number of rows, is fixed by the shapes alone, so that nothing waits on the device
+for the counts: R = T*K when align == 1 (then R == offsets[-1] unless slots are dropped)
+and R = T*K + E*(align - 1) when align > 1 (the most padding E groups can need). Rows past
+offsets[-1] are zero rows, like the padding.
+
+    unpermute: y[t] = sum_{j kept} weights[t,j] * y_perm[row_of_slot[t,j]]
+
+in float32, returned in y_perm's dtype (weights None: weight 1). Every output row gathers
+its own K rows, so the sums are deterministic (no atomics). Gradients, also gathers:
+
+    d x[t]             = sum_{j kept} d x_perm[row_of_slot[t,j]]      (unpermute, unweighted)
+    d y_perm[r]        = weights[t,j] * d y[t]   for the slot (t,j) = slot_of_row[r], else 0
+    d weights[t,j]     = <d y[t], y_perm[row_of_slot[t,j]]>  in float32 (0 if dropped)
+
+Legend: T tokens, H hidden, E experts, K = k slots per token, S = T*K flat slots
+(slot t*K + j), R rows of x_perm, C chunks of slots (the plan kernels' blocks).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from fmoe.ops._common import (
+    check_float,
+    check_index,
+    check_positive_int,
+    checking,
+    next_pow2,
+    use_triton,
+)
+
+
+class PermutePlan(NamedTuple):
+    """Where each slot's row went; shapes from T tokens, K slots, E experts, R rows.
+
+    counts: [E] int64, kept rows per expert (padding not counted).
+    offsets: [E] int32, cumulative group ends including padding (torch._grouped_mm's offs).
+    row_of_slot: [T, K] int32, the row of x_perm holding slot (t, j); -1 if dropped.
+    slot_of_row: [R] int32, the flat slot t*K + j of each row; -1 for padding and rows past
+        offsets[-1].
+    """
+
+    counts: torch.Tensor
+    offsets: torch.Tensor
+    row_of_slot: torch.Tensor
+    slot_of_row: torch.Tensor
+
+
+def n_rows(n_tokens: int, k: int, n_experts: int, align: int) -> int:
+    """R, the static row count of x_perm: T*K, plus E*(align-1) rows for padding if align > 1."""
+    return n_tokens * k if align == 1 else n_tokens * k + n_experts * (align - 1)
+
+
+# ----------------------------------------------------------------------------------------
+# 1. Reference (the definition of correctness)
+# ----------------------------------------------------------------------------------------
+
+
+def permute_plan_ref(experts_TK: torch.Tensor, n_experts: int, align: int) -> PermutePlan:
+    T, K = experts_TK.shape
+    E = n_experts
+    device = experts_TK.device
+    ids_S = experts_TK.reshape(-1).long()
+    kept_S = ids_S >= 0
+    # dropped slots go to a virtual expert E after every real one; the stable sort keeps an
+    # expert's slots in flat order t*K + j, i.e. by ascending token
+    key_S = torch.where(kept_S, ids_S, E)
+    order_S = torch.sort(key_S, stable=True).indices
+    counts_all = torch.zeros(E + 1, dtype=torch.int64, device=device)
+    counts_all.scatter_add_(0, key_S, torch.ones_like(key_S))
+    first_all = torch.cumsum(counts_all, 0) - counts_all  # each expert's first place in the order
+    rank_sorted = torch.arange(T * K, device=device) - first_all[key_S[order_S]]
+    rank_S = torch.empty_like(rank_sorted).scatter_(0, order_S, rank_sorted)
+
+    counts_E = counts_all[:E]
+    padded_E = (counts_E + align - 1) // align * align
+    ends_E = torch.cumsum(padded_E, 0)
+    starts_E = ends_E - padded_E
+    row_S = torch.where(kept_S, starts_E[key_S.clamp(max=E - 1)] + rank_S, -1)
+
+    R = n_rows(T, K, E, align)
+    # dropped slots all write the spare row R, cut off after: no data-dependent indexing
+    slot_of_row = torch.full((R + 1,), -1, dtype=torch.int64, device=device)
+    slot_of_row.scatter_(0, torch.where(kept_S, row_S, R), torch.arange(T * K, device=device))
+    return PermutePlan(
+        counts_E, ends_E.to(torch.int32), row_S.view(T, K).to(torch.int32), slot_of_row[:R].to(torch.int32)
+    )
+
+
+def permute_ref(x_TH: torch.Tensor, plan: PermutePlan) -> torch.Tensor:
+    T, K = plan.row_of_slot.shape
+    slot_R = plan.slot_of_row.long()
+    # rows of no slot read an appended zero row T; gathered in float32 (exact) so that the
+    # backward sums a token's rows in float32, as the kernels do
+    tok_R = torch.where(slot_R >= 0, slot_R // K, T)
+    padded_x = torch.cat([x_TH.float(), x_TH.new_zeros(1, x_TH.shape[1], dtype=torch.float32)])
+    return padded_x[tok_R].to(x_TH.dtype)
+
+
+def unpermute_ref(y_perm_RH: torch.Tensor, plan: PermutePlan, weights_TK: Optional[torch.Tensor]) -> torch.Tensor:
+    row_TK = plan.row_of_slot.long()
+    kept_TK = row_TK >= 0
+    y_TKH = y_perm_RH[row_TK.clamp(min=0)].float()
+    if weights_TK is not None:
+        y_TKH = y_TKH * weights_TK.float()[..., None]
+    y_TKH = torch.where(kept_TK[..., None], y_TKH, 0.0)
+    return y_TKH.sum(1).to(y_perm_RH.dtype)
+
+
+# ----------------------------------------------------------------------------------------
+# 2. Triton kernels
+# ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _plan_count_kernel(experts_ptr, hist_ptr, S, E: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr):
+    """hist[c, e] = slots of chunk c (BLOCK_S flat slots) routed to expert e."""
+    chunk = tl.program_id(0)
+    slots_S = chunk * BLOCK_S + tl.arange(0, BLOCK_S)
+    ids_S = tl.load(experts_ptr + slots_S, mask=slots_S < S, other=-1).to(tl.int32)
+    hist_E = tl.histogram(ids_S, BLOCK_E, mask=(ids_S >= 0) & (ids_S < E))
+    e_E = tl.arange(0, BLOCK_E)
+    tl.store(hist_ptr + chunk * E + e_E, hist_E.to(tl.int32), mask=e_E < E)
+
+
+@triton.jit
+def _plan_rank_kernel(
+    experts_ptr, base_ptr, row_of_slot_ptr, slot_of_row_ptr, S,
+    E: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """row of each slot of chunk c = base[c, e] (its group's start + the expert's slots in
+    earlier chunks) + the earlier slots of e inside the chunk. Integer counts only, so the
+    plan does not depend on scheduling."""
+    chunk = tl.program_id(0)
+    i_S = tl.arange(0, BLOCK_S)
+    slots_S = chunk * BLOCK_S + i_S
+    live_S = slots_S < S
+    ids_S = tl.load(experts_ptr + slots_S, mask=live_S, other=-1).to(tl.int32)
+    # ids >= E (unchecked only under torch.compile) count as dropped, never as a stray write
+    kept_S = (ids_S >= 0) & (ids_S < E)
+    # pairwise: slot i counts the slots i' < i of the chunk with its expert
+    same_SS = (ids_S[:, None] == ids_S[None, :]) & (i_S[None, :] < i_S[:, None])
+    rank_S = tl.sum(same_SS.to(tl.int32), axis=1)
+    base_S = tl.load(base_ptr + chunk * E + ids_S, mask=kept_S, other=0)
+    row_S = tl.where(kept_S, base_S + rank_S, -1)
+    tl.store(row_of_slot_ptr + slots_S, row_S.to(tl.int32), mask=live_S)
+    tl.store(slot_of_row_ptr + row_S, slots_S.to(tl.int32), mask=kept_S)
+
+
+@triton.jit
+def _permute_rows_kernel(
+    src_ptr, slot_of_row_ptr, weights_ptr, y_perm_ptr, dst_ptr, grad_w_ptr, R, H,
+    K: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """dst[r] = src[t] for the slot (t, j) of row r, zeros for rows of no slot.
+
+    permute's forward (src = x). WEIGHTED: unpermute's backward (src = d y): the row is
+    scaled by weights[t,j], and d weights[t,j] = <d y[t], y_perm[r]> comes from the same
+    pass, each slot written by its one row."""
+    pid = tl.program_id(0)
+    rows_R = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok_R = rows_R < R
+    slot_R = tl.load(slot_of_row_ptr + rows_R, mask=row_ok_R, other=-1)
+    used_R = slot_R >= 0
+    src_off_R = (tl.where(used_R, slot_R, 0) // K).to(tl.int64) * H
+    dst_off_R = rows_R.to(tl.int64) * H
+    if WEIGHTED:
+        w_R = tl.load(weights_ptr + slot_R, mask=used_R, other=0.0).to(tl.float32)
+        dot_R = tl.zeros([BLOCK_R], dtype=tl.float32)
+    h_H = tl.arange(0, BLOCK_H)
+    for h0 in range(0, H, BLOCK_H):
+        cols_H = h0 + h_H
+        col_ok_H = cols_H < H
+        src_mask = used_R[:, None] & col_ok_H[None, :]
+        v = tl.load(src_ptr + src_off_R[:, None] + cols_H[None, :], mask=src_mask, other=0.0)
+        if WEIGHTED:
+            g = v.to(tl.float32)
+            y = tl.load(y_perm_ptr + dst_off_R[:, None] + cols_H[None, :], mask=src_mask, other=0.0).to(tl.float32)
+            dot_R += tl.sum(g * y, axis=1)
+            v = g * w_R[:, None]
+        tl.store(
+            dst_ptr + dst_off_R[:, None] + cols_H[None, :], v.to(dst_ptr.dtype.element_ty),
+            mask=row_ok_R[:, None] & col_ok_H[None, :],
+        )
+    if WEIGHTED:
+        tl.store(grad_w_ptr + slot_R, dot_R.to(grad_w_ptr.dtype.element_ty), mask=used_R)
+
+
+@triton.jit
+def _unpermute_rows_kernel(
+    y_perm_ptr, row_of_slot_ptr, weights_ptr, y_ptr, T, H,
+    K: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """y[t] = sum_j weights[t,j] * y_perm[row_of_slot[t,j]] in float32, j in order.
+
+    unpermute's forward; unweighted, permute's backward."""
+    pid = tl.program_id(0)
+    toks_T = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok_ok_T = toks_T < T
+    h_H = tl.arange(0, BLOCK_H)
+    for h0 in range(0, H, BLOCK_H):
+        cols_H = h0 + h_H
+        col_ok_H = cols_H < H
+        acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
+        for j in tl.static_range(K):
+            # the K indices are reloaded per H block (L1 hits) rather than held in registers
+            row_T = tl.load(row_of_slot_ptr + toks_T * K + j, mask=tok_ok_T, other=-1)
+            kept_T = row_T >= 0
+            y = tl.load(
+                y_perm_ptr + row_T.to(tl.int64)[:, None] * H + cols_H[None, :],
+                mask=kept_T[:, None] & col_ok_H[None, :], other=0.0,
+            ).to(tl.float32)
+            if WEIGHTED:
+                y = y * tl.load(weights_ptr + toks_T * K + j, mask=kept_T, other=0.0).to(tl.float32)[:, None]
+            acc += y
+        tl.store(
+            y_ptr + toks_T.to(tl.int64)[:, None] * H + cols_H[None, :], acc.to(y_ptr.dtype.element_ty),
+            mask=tok_ok_T[:, None] & col_ok_H[None, :],
+        )
+
+
+def _plan_blocks(E: int) -> dict:
+    """BLOCK_S slots per chunk. The rank kernel's pairwise tile is BLOCK_S^2: 64 slots on
+    4 warps take 47 registers (benchmarks/kernel_stats.py), 128 slots 142; the [S/BLOCK_S, E]
+    table of per-chunk counts stays small (1 MB at S = 131072, E = 128)."""
+    return dict(BLOCK_S=64, BLOCK_E=next_pow2(E), num_warps=4)
+
+
+def _row_blocks(H: int) -> dict:
+    """A [rows, BLOCK_H] tile of 2048 elements (16 per thread of 4 warps: two 16-byte
+    accesses in bf16) and a loop over H; small H packs more rows per program."""
+    block_h = min(next_pow2(H), 1024)
+    return dict(BLOCK_ROWS=max(1, 2048 // block_h), BLOCK_H=block_h, num_warps=4)
+
+
+# ----------------------------------------------------------------------------------------
+# 3. torch.library registration
+# ----------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("fmoe::permute_plan", mutates_args=())
+def _permute_plan(
+    experts: torch.Tensor, n_experts: int, align: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    T, K = experts.shape
+    E, S = n_experts, T * K
+    device = experts.device
+    meta = _plan_blocks(E)
+    n_chunks = triton.cdiv(S, meta["BLOCK_S"])
+    hist_CE = torch.empty(n_chunks, E, dtype=torch.int32, device=device)
+    experts = experts.contiguous()
+    if n_chunks:
+        _plan_count_kernel[(n_chunks,)](experts, hist_CE, S, E=E, **meta)
+    counts_E = hist_CE.sum(0, dtype=torch.int64)
+    padded_E = (counts_E + align - 1) // align * align
+    ends_E = torch.cumsum(padded_E, 0)
+    # base[c, e]: expert e's group start + its slots in chunks before c (an exclusive scan)
+    before_CE = torch.cumsum(hist_CE, 0, dtype=torch.int32) - hist_CE
+    base_CE = before_CE + (ends_E - padded_E).to(torch.int32)
+    row_of_slot = torch.empty(T, K, dtype=torch.int32, device=device)
+    slot_of_row = torch.full((n_rows(T, K, E, align),), -1, dtype=torch.int32, device=device)
+    if n_chunks:
+        _plan_rank_kernel[(n_chunks,)](
+            experts, base_CE, row_of_slot, slot_of_row, S, E=E, BLOCK_S=meta["BLOCK_S"], num_warps=meta["num_warps"]
+        )
+    return counts_E, ends_E.to(torch.int32), row_of_slot, slot_of_row
+
+
+@_permute_plan.register_fake
+def _(experts, n_experts, align):
+    T, K = experts.shape
+    return (
+        experts.new_empty(n_experts, dtype=torch.int64),
+        experts.new_empty(n_experts, dtype=torch.int32),
+        experts.new_empty(T, K, dtype=torch.int32),
+        experts.new_empty(n_rows(T, K, n_experts, align), dtype=torch.int32),
+    )
+
+
+def _launch_permute_rows(src, slot_of_row, K, weights=None, y_perm=None):
+    """dst [R, H] in src's dtype (weighted: in y_perm's, and d weights [T, K]) from src [T, H]."""
+    R, H = slot_of_row.shape[0], src.shape[1]
+    weighted = weights is not None
+    dst = src.new_empty(R, H, dtype=y_perm.dtype if weighted else src.dtype)
+    # dropped slots have no row to write their d weights: they stay 0
+    grad_w = torch.zeros(weights.shape, dtype=weights.dtype, device=weights.device) if weighted else None
+    if R and H:
+        meta = _row_blocks(H)
+        rows = meta.pop("BLOCK_ROWS")
+        _permute_rows_kernel[(triton.cdiv(R, rows),)](
+            src.contiguous(), slot_of_row.contiguous(),
+            weights.contiguous() if weighted else src, y_perm.contiguous() if weighted else src,
+            dst, grad_w if weighted else dst, R, H, K=K, WEIGHTED=weighted, BLOCK_R=rows, **meta,
+        )
+    return dst, grad_w
+
+
+def _launch_unpermute_rows(y_perm, row_of_slot, weights):
+    T, K = row_of_slot.shape
+    H = y_perm.shape[1]
+    y = torch.empty(T, H, dtype=y_perm.dtype, device=y_perm.device)
+    if T and H:
+        meta = _row_blocks(H)
+        rows = meta.pop("BLOCK_ROWS")
+        _unpermute_rows_kernel[(triton.cdiv(T, rows),)](
+            y_perm.contiguous(), row_of_slot.contiguous(), weights.contiguous() if weights is not None else y_perm, y, T, H,
+            K=K, WEIGHTED=weights is not None, BLOCK_T=rows, **meta,
+        )
+    return y
+
+
+@torch.library.custom_op("fmoe::permute_fwd", mutates_args=())
+def _permute_fwd(x: torch.Tensor, row_of_slot: torch.Tensor, slot_of_row: torch.Tensor) -> torch.Tensor:
+    return _launch_permute_rows(x, slot_of_row, row_of_slot.shape[1])[0]
+
+
+@_permute_fwd.register_fake
+def _(x, row_of_slot, slot_of_row):
+    return x.new_empty(slot_of_row.shape[0], x.shape[1])
+
+
+@torch.library.custom_op("fmoe::unpermute_fwd", mutates_args=())
+def _unpermute_fwd(
+    y_perm: torch.Tensor, row_of_slot: torch.Tensor, slot_of_row: torch.Tensor, weights: Optional[torch.Tensor]
+) -> torch.Tensor:
+    return _launch_unpermute_rows(y_perm, row_of_slot, weights)
+
+
+@_unpermute_fwd.register_fake
+def _(y_perm, row_of_slot, slot_of_row, weights):
+    return y_perm.new_empty(row_of_slot.shape[0], y_perm.shape[1])
+
+
+@torch.library.custom_op("fmoe::unpermute_bwd", mutates_args=())
+def _unpermute_bwd(
+    grad_y: torch.Tensor, y_perm: torch.Tensor, weights: torch.Tensor, row_of_slot: torch.Tensor, slot_of_row: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _launch_permute_rows(grad_y, slot_of_row, row_of_slot.shape[1], weights, y_perm)
+
+
+@_unpermute_bwd.register_fake
+def _(grad_y, y_perm, weights, row_of_slot, slot_of_row):
+    return y_perm.new_empty(y_perm.shape), weights.new_empty(weights.shape)
+
+
+def _permute_setup_context(ctx, inputs, output):
+    _x, row_of_slot, slot_of_row = inputs
+    ctx.save_for_backward(row_of_slot, slot_of_row)
+
+
+def _permute_backward(ctx, grad_x_perm):
+    row_of_slot, slot_of_row = ctx.saved_tensors
+    return _unpermute_fwd(grad_x_perm, row_of_slot, slot_of_row, None), None, None
+
+
+_permute_fwd.register_autograd(_permute_backward, setup_context=_permute_setup_context)
+
+
+def _unpermute_setup_context(ctx, inputs, output):
+    y_perm, row_of_slot, slot_of_row, weights = inputs
+    # y_perm is needed only for d weights: unweighted, it need not outlive the forward
+    ctx.save_for_backward(y_perm if weights is not None else None, row_of_slot, slot_of_row, weights)
+
+
+def _unpermute_backward(ctx, grad_y):
+    y_perm, row_of_slot, slot_of_row, weights = ctx.saved_tensors
+    if weights is None:
+        return _permute_fwd(grad_y, row_of_slot, slot_of_row), None, None, None
+    grad_y_perm, grad_weights = _unpermute_bwd(grad_y, y_perm, weights, row_of_slot, slot_of_row)
+    return grad_y_perm, None, None, grad_weights
+
+
+_unpermute_fwd.register_autograd(_unpermute_backward, setup_context=_unpermute_setup_context)
+
+
+# ----------------------------------------------------------------------------------------
+# 4. Public functions
+# ----------------------------------------------------------------------------------------
+
+
+def _check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
+    if t.device != device:
+        raise ValueError(f"{name}: expected device {device}, got {t.device}")
+
+
+def permute(
+    x: torch.Tensor, experts: torch.Tensor, n_experts: int, *, align: int = 1, impl: str = "auto"
+) -> tuple[torch.Tensor, PermutePlan]:
+    """Gather token rows into expert-grouped rows (SPEC.md section 3).
+
+    Args:
+        x: [T, H] float32 / bfloat16 / float16.
+        experts: [T, K] int32 / int64 expert ids in -1..E-1; -1 marks a dropped slot, which
+            gets no row.
+        n_experts: E.
+        align: pad each expert's group with zero rows to a multiple of align (16 or 32 for
+            fp8 grouped GEMMs).
+        impl: "auto" (Triton on CUDA, torch otherwise), "triton" or "torch".
+
+    Returns:
+        x_perm: [R, H] in x's dtype, R = T*K if align == 1 else T*K + E*(align - 1): a
+            static count, so nothing waits on the device. Kept slots by expert, then token;
+            padding and the rows past plan.offsets[-1] are zeros. With align == 1 and no
+            dropped slot, R == offsets[-1] == T*K.
+        plan: PermutePlan(counts [E] int64, offsets [E] int32, row_of_slot [T, K] int32,
+            slot_of_row [R] int32), for unpermute and the grouped GEMM (offsets).
+        Differentiable w.r.t. x: d x[t] = sum of d x_perm over t's rows.
+
+    Example:
+        >>> x_perm, plan = permute(torch.tensor([[1.0], [2.0]]), torch.tensor([[1], [0]]), 2)
+        >>> x_perm.flatten().tolist(), plan.offsets.tolist(), plan.row_of_slot.flatten().tolist()
+        ([2.0, 1.0], [1, 2], [1, 0])
+    """
+    check_float("x", x, 2, "[T, H]")
+    check_index("experts", experts, 2, "[T, k]")
+    if experts.shape[0] != x.shape[0]:
+        raise ValueError(f"experts: expected {x.shape[0]} rows, one per token of x, got shape {tuple(experts.shape)}")
+    _check_device("experts", experts, x.device)
+    check_positive_int("n_experts", n_experts)
+    if isinstance(align, bool) or not isinstance(align, int) or align < 1:
+        raise ValueError(f"align: expected a positive integer (rows per expert group are padded to a multiple of it), got {align!r}")
+    if checking() and experts.numel() and (experts.min() < -1 or experts.max() >= n_experts):
+        raise ValueError(f"experts: ids must lie in -1..{n_experts - 1} (-1: dropped slot)")
+    if use_triton(impl, x, experts):
+        plan = PermutePlan(*_permute_plan(experts, n_experts, align))
+        return _permute_fwd(x, plan.row_of_slot, plan.slot_of_row), plan
+    plan = permute_plan_ref(experts, n_experts, align)
+    return permute_ref(x, plan), plan
+
+
+def unpermute(
+    y_perm: torch.Tensor, plan: PermutePlan, weights: Optional[torch.Tensor] = None, *, impl: str = "auto"
+) -> torch.Tensor:
+    """Sum each token's expert rows back, weighted (SPEC.md section 3).
+
+    y[t] = sum_j weights[t,j] * y_perm[plan.row_of_slot[t,j]] over kept slots, accumulated
+    in float32; deterministic (each token gathers its K rows).
+
+    Args:
+        y_perm: [R, H] float32 / bfloat16 / float16, rows as permute made them.
+        plan: the PermutePlan from permute.
+        weights: [T, K] float gate weights, or None for weight 1.
+        impl: "auto" (Triton on CUDA, torch otherwise), "triton" or "torch".
+
+    Returns:
+        y: [T, H] in y_perm's dtype. Differentiable w.r.t. y_perm (rows of no slot get zero
+        gradient) and weights (float32 dot products, returned in weights' dtype).
+    """
+    if not isinstance(plan, PermutePlan):
+        raise ValueError(f"plan: expected the PermutePlan returned by permute, got {type(plan).__name__}")
+    R = plan.slot_of_row.shape[0]
+    T, K = plan.row_of_slot.shape
+    check_float("y_perm", y_perm, 2, f"[R={R}, H]")
+    if y_perm.shape[0] != R:
+        raise ValueError(f"y_perm: expected the plan's {R} rows, got shape {tuple(y_perm.shape)}")
+    _check_device("y_perm", y_perm, plan.row_of_slot.device)
+    tensors = [y_perm, plan.row_of_slot, plan.slot_of_row]
+    if weights is not None:
+        check_float("weights", weights, 2, f"[T={T}, k={K}]")
+        if weights.shape != (T, K):
+            raise ValueError(f"weights: expected the plan's shape ({T}, {K}), got {tuple(weights.shape)}")
+        _check_device("weights", weights, y_perm.device)
+        tensors.append(weights)
+    if use_triton(impl, *tensors):
+        return _unpermute_fwd(y_perm, plan.row_of_slot, plan.slot_of_row, weights)
+    return unpermute_ref(y_perm, plan, weights)
