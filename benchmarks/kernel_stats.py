@@ -20,12 +20,13 @@ import subprocess
 import sys
 import tempfile
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from fmoe.ops import balance, dispatch, routing  # noqa: E402
+from fmoe.ops import balance, dispatch, experts, routing  # noqa: E402
 
 BIN = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 TARGET = GPUTarget("cuda", 90, 32)
@@ -103,6 +104,16 @@ def cases():
     unperm_ptrs = dict(y_perm_ptr="*bf16", row_of_slot_ptr="*i32", weights_ptr="*fp32", y_ptr="*bf16")
     yield "unpermute_fwd", dispatch._unpermute_rows_kernel, unperm_ptrs, dict(T="i32", H="i32"), dict(K=K, WEIGHTED=True, BLOCK_T=block_rows, **tile)
     yield "permute_bwd", dispatch._unpermute_rows_kernel, unperm_ptrs, dict(T="i32", H="i32"), dict(K=K, WEIGHTED=False, BLOCK_T=block_rows, **tile)
+    # experts at H=2048, F=768, E=128, bf16 (the GEMMs loop over K: no per-row count)
+    gemm_ptrs = dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", offsets_ptr="*i32")
+    gemm_scalars = dict(R="i32", K="i32", N="i32", E="i32")
+    for name, trans in (("grouped_gemm_fwd", False), ("grouped_gemm_dx", True)):
+        yield name, experts._grouped_gemm_fwd_kernel, gemm_ptrs, gemm_scalars, dict(TRANS_W=trans, BLOCK_E=128, **experts._gemm_blocks(torch.bfloat16))
+    yield "grouped_gemm_dw", experts._grouped_gemm_dw_kernel, dict(x_ptr="*bf16", dy_ptr="*bf16", dw_ptr="*bf16", offsets_ptr="*i32"), dict(R="i32", K="i32", N="i32"), experts._dw_blocks(torch.bfloat16)
+    yield "swiglu_fwd", experts._swiglu_fwd_kernel, dict(gate_ptr="*bf16", up_ptr="*bf16", h_ptr="*bf16"), dict(n="i32"), experts._SWIGLU_META
+    yield "swiglu_bwd", experts._swiglu_bwd_kernel, dict(gate_ptr="*bf16", up_ptr="*bf16", grad_h_ptr="*bf16", grad_gate_ptr="*bf16", grad_up_ptr="*bf16"), dict(n="i32"), experts._SWIGLU_META
+    for name, per_expert in (("zero_unowned rows", False), ("zero_unowned dW", True)):
+        yield name, experts._zero_unowned_kernel, dict(out_ptr="*bf16", offsets_ptr="*i32"), dict(n_rows="i32", n_cols="i32", E="i32"), dict(PER_EXPERT=per_expert, **experts._ZERO_META)
 
 
 def main():
@@ -115,8 +126,9 @@ def main():
         const = dict(meta)
         warps = const.pop("num_warps")
         s = compile_stats(kernel, ptrs, scalars, const, num_warps=warps)
-        rows = next(const[b] for b in ("BLOCK_T", "BLOCK_R", "BLOCK_S") if b in const)  # rows (or slots) per program
-        print(f"{name:<20}{warps:>6}{rows:>10}{s['regs']:>6}{s['spill']:>9}{s['sass']:>7}{s['shfl']:>6}{s['lds']:>5}{s['sass'] * warps / rows:>16.0f}")
+        rows = next((const[b] for b in ("BLOCK_T", "BLOCK_R", "BLOCK_S") if b in const), None)  # rows (slots) per program
+        per_row = f"{s['sass'] * warps / rows:.0f}" if rows else "-"
+        print(f"{name.replace(' ', '_'):<20}{warps:>6}{rows or '-':>10}{s['regs']:>6}{s['spill']:>9}{s['sass']:>7}{s['shfl']:>6}{s['lds']:>5}{per_row:>16}")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,9 @@ CONTRACT = {
     "seq_load_balancing_loss": ("scores experts cu_seqlens", "k"),
     "z_loss": ("logits", ""),
     "update_expert_bias": ("bias counts rate", "center"),
+    "permute": ("x experts n_experts", "align"),
+    "unpermute": ("y_perm plan weights", ""),
+    "grouped_mlp": ("x_perm w_gate w_up w_down offsets", ""),
 }
 
 

@@ -13,6 +13,7 @@ from fmoe.ops.balance import (
     z_loss,
 )
 from fmoe.ops.dispatch import PermutePlan, permute, unpermute
+from fmoe.ops.experts import grouped_mlp, swiglu
 from fmoe.ops.routing import Routes, drop_by_capacity, random_logits, route
 
 __all__ = [
@@ -20,11 +21,13 @@ __all__ = [
     "Routes",
     "aux_scores",
     "drop_by_capacity",
+    "grouped_mlp",
     "load_balancing_loss",
     "permute",
     "random_logits",
     "route",
     "seq_load_balancing_loss",
+    "swiglu",
     "tokens_per_expert",
     "unpermute",
     "update_expert_bias",

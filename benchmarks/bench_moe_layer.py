@@ -1,0 +1,218 @@
+"""MoE layer benchmark: fmoe.layers.moe against a per-expert torch loop and a strong baseline.
+
+    .venv/bin/python benchmarks/bench_moe_layer.py            # CUDA, bf16, real shapes
+    .venv/bin/python benchmarks/bench_moe_layer.py --smoke    # CPU + Triton interpreter, tiny shapes
+
+Shapes (T tokens, H hidden, E experts, k per token, F expert FFN, shared experts):
+    A         T=16384, H=2048, E=128, k=8, F=768                 (Qwen3-like, softmax top-k)
+    deepseek  T=16384, H=2048, E=64,  k=6, F=1408, 2 shared experts of F=1408
+
+Implementations (same softmax-top-k routing math, bf16 experts, float32 router):
+    fmoe      fmoe.layers.moe (fused router, Triton permute/unpermute, torch._grouped_mm
+              experts with the fused SwiGLU on Hopper)
+    loop      a per-expert loop in plain torch (nonzero per expert, index_add combine)
+    strong    argsort dispatch + torch._grouped_mm + scatter_add combine, the way
+              PyTorch-native trainers write it
+
+Table: median ms of the forward and forward+backward; TFLOP/s over the active parameters
+(forward: 2 T (k + n_shared) 3 H F for the experts plus 2 T H E for the router; forward+
+backward: 3x that), the fraction of the bf16 matmul rate measured in the same run, the peak memory
+of forward+backward, fmoe's speedup over each baseline; then fmoe's permute and unpermute
+alone as a fraction of the copy bandwidth measured in the same run (bytes: x read once,
+T k rows written; and back). CSV in OUT/bench_moe_layer.csv.
+"""
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from _common import (  # before torch and fmoe: with --smoke it sets TRITON_INTERPRET
+    base_parser,
+    bench,
+    bench_device,
+    copy_bandwidth,
+    device_name,
+    print_table,
+    write_csv,
+)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from fmoe.layers import MoEConfig, moe  # noqa: E402
+from fmoe.ops import permute, unpermute  # noqa: E402
+
+COLUMNS = ["shape", "pass", "impl", "ms", "TFLOP/s", "matmul_fraction", "peak_GiB", "fmoe_speedup"]
+BW_COLUMNS = ["shape", "op", "ms", "GB/s", "copy_fraction"]
+
+
+@dataclass
+class Shape:
+    name: str
+    T: int
+    H: int
+    E: int
+    k: int
+    F: int
+    n_shared: int = 0
+
+    def flops_fwd(self) -> float:
+        experts = 2 * self.T * (self.k + self.n_shared) * 3 * self.H * self.F
+        return experts + 2 * self.T * self.H * self.E  # + router
+
+
+def make_shapes(smoke: bool) -> list[Shape]:
+    if smoke:
+        return [Shape("A (smoke)", 64, 32, 8, 2, 16), Shape("deepseek (smoke)", 64, 32, 8, 3, 16, n_shared=2)]
+    return [Shape("A", 16384, 2048, 128, 8, 768), Shape("deepseek", 16384, 2048, 64, 6, 1408, n_shared=2)]
+
+
+def make_params(shape: Shape, dtype, device) -> dict:
+    E, H, Fe = shape.E, shape.H, shape.F
+    p = {
+        "router": torch.randn(E, H, device=device) * H**-0.5,
+        "w_gate": torch.randn(E, H, Fe, device=device, dtype=dtype) * H**-0.5,
+        "w_up": torch.randn(E, H, Fe, device=device, dtype=dtype) * H**-0.5,
+        "w_down": torch.randn(E, Fe, H, device=device, dtype=dtype) * Fe**-0.5,
+    }
+    if shape.n_shared:
+        Fs = shape.n_shared * Fe
+        p["shared_w_gate"] = torch.randn(H, Fs, device=device, dtype=dtype) * H**-0.5
+        p["shared_w_up"] = torch.randn(H, Fs, device=device, dtype=dtype) * H**-0.5
+        p["shared_w_down"] = torch.randn(Fs, H, device=device, dtype=dtype) * Fs**-0.5
+    return {n: t.requires_grad_() for n, t in p.items()}
+
+
+def _softmax_topk(x, p, k):
+    logits = F.linear(x.float(), p["router"])
+    top, experts = torch.topk(logits, k, dim=-1)
+    return torch.softmax(top, dim=-1), experts
+
+
+def _shared(x, p):
+    if "shared_w_gate" not in p:
+        return 0
+    return (F.silu(x @ p["shared_w_gate"]) * (x @ p["shared_w_up"])) @ p["shared_w_down"]
+
+
+def loop_moe(x, p, k):
+    """Per-expert loop: gather each expert's tokens, run its SwiGLU, index_add back."""
+    weights, experts = _softmax_topk(x, p, k)
+    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in range(p["w_gate"].shape[0]):
+        token, slot = (experts == e).nonzero(as_tuple=True)
+        h = F.silu(x[token] @ p["w_gate"][e]) * (x[token] @ p["w_up"][e])
+        y = y.index_add(0, token, (h @ p["w_down"][e]).float() * weights[token, slot, None])
+    return y.to(x.dtype) + _shared(x, p)
+
+
+def strong_moe(x, p, k):
+    """argsort dispatch + torch._grouped_mm + scatter_add combine."""
+    weights, experts = _softmax_topk(x, p, k)
+    E = p["w_gate"].shape[0]
+    order = torch.argsort(experts.flatten(), stable=True)
+    token = order // k
+    offsets = torch.cumsum(torch.bincount(experts.flatten(), minlength=E), 0).to(torch.int32)
+    x_perm = x[token]
+    h = F.silu(torch._grouped_mm(x_perm, p["w_gate"], offs=offsets)) * torch._grouped_mm(x_perm, p["w_up"], offs=offsets)
+    y_perm = torch._grouped_mm(h, p["w_down"], offs=offsets)
+    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    y = y.scatter_add(0, token[:, None].expand(-1, x.shape[1]), y_perm.float() * weights.flatten()[order, None])
+    return y.to(x.dtype) + _shared(x, p)
+
+
+def matmul_rate(device, dtype, n) -> float:
+    """FLOP/s of an n x n x n matmul in dtype, measured now."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    return 2 * n**3 / (bench(lambda: a @ b, device) * 1e-3)
+
+
+def peak_gib(fn, device) -> float | None:
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() / 2**30
+
+
+def run_shape(shape, device, dtype, impl, rate, bandwidth):
+    torch.manual_seed(0)
+    p = make_params(shape, dtype, device)
+    x = torch.randn(shape.T, shape.H, device=device, dtype=dtype, requires_grad=True)
+    cfg = MoEConfig(n_experts=shape.E, k=shape.k, aux_scores=False, impl=impl)
+    impls = {
+        "fmoe": lambda: moe(x, p, cfg)[0],
+        "loop": lambda: loop_moe(x, p, shape.k),
+        "strong": lambda: strong_moe(x, p, shape.k),
+    }
+    ref = impls["fmoe"]().detach().float()
+    for name in ("loop", "strong"):
+        err = float((impls[name]().detach().float() - ref).norm() / ref.norm())
+        if err > 2e-2:
+            sys.exit(f"{shape.name}: {name} differs from fmoe by {err:.3g} (relative norm)")
+    print(f"{shape.name}: outputs agree; timing", flush=True)
+
+    grad = torch.randn(shape.T, shape.H, device=device, dtype=dtype)
+    leaves = [x, *p.values()]
+    passes = {
+        "fwd": (lambda fn: (lambda: fn()), 1),
+        "fwd+bwd": (lambda fn: (lambda: torch.autograd.grad(fn(), leaves, grad)), 3),
+    }
+    rows = []
+    for pass_name, (wrap, factor) in passes.items():
+        ms = {name: bench(wrap(fn), device) for name, fn in impls.items()}
+        for name, fn in impls.items():
+            tflops = factor * shape.flops_fwd() / (ms[name] * 1e-3) / 1e12
+            rows.append({
+                "shape": shape.name, "pass": pass_name, "impl": name, "ms": ms[name], "TFLOP/s": tflops,
+                "matmul_fraction": tflops * 1e12 / rate,
+                "peak_GiB": peak_gib(wrap(fn), device) if pass_name == "fwd+bwd" else None,
+                "fmoe_speedup": ms[name] / ms["fmoe"] if name != "fmoe" else None,
+            })
+
+    # permute / unpermute alone: x read once and T k rows written (and back)
+    weights, experts = _softmax_topk(x.detach(), p, shape.k)
+    xd = x.detach()
+    x_perm, plan = permute(xd, experts, shape.E, impl=impl)
+    row_bytes = shape.H * xd.element_size()
+    nbytes = shape.T * row_bytes + shape.T * shape.k * row_bytes
+    bw_rows = []
+    for op, fn in (("permute", lambda: permute(xd, experts, shape.E, impl=impl)), ("unpermute", lambda: unpermute(x_perm, plan, weights, impl=impl))):
+        ms = bench(fn, device)
+        bw_rows.append({"shape": shape.name, "op": op, "ms": ms, "GB/s": nbytes / (ms * 1e-3) / 1e9, "copy_fraction": nbytes / (ms * 1e-3) / bandwidth})
+    return rows, bw_rows
+
+
+def main() -> None:
+    args = base_parser(__doc__.splitlines()[0]).parse_args()
+    device = bench_device(args.smoke)
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    impl = "triton" if args.smoke else "auto"  # the smoke run exercises the kernels
+    print(f"device: {device_name(device)}")
+    if args.smoke:
+        print("SMOKE RUN: CPU, Triton interpreter, tiny shapes, float32; checks that the benchmark runs. "
+              "The times below are NOT performance numbers.")
+    rate = matmul_rate(device, dtype, 256 if args.smoke else 8192)
+    copy_bytes = (64 << 20) if args.smoke else (1 << 30)
+    bandwidth = copy_bandwidth(device, copy_bytes)
+    print(f"matmul rate: {rate / 1e12:.3g} TFLOP/s ({dtype}); copy bandwidth: {bandwidth / 1e9:.1f} GB/s", flush=True)
+
+    rows, bw_rows = [], []
+    for shape in make_shapes(args.smoke):
+        r, b = run_shape(shape, device, dtype, impl, rate, bandwidth)
+        rows += r
+        bw_rows += b
+    for row in rows + bw_rows:
+        row.update(device=device_name(device), matmul_TFLOPs=rate / 1e12, copy_GBps=bandwidth / 1e9)
+    path = Path(args.out) / "bench_moe_layer.csv"
+    write_csv(path, rows + bw_rows)
+    print(f"wrote {path}\n")
+    print_table(bw_rows, BW_COLUMNS)
+    print()
+    print_table(rows, COLUMNS)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,512 @@
+"""Experts: a SwiGLU MLP per expert over the rows that permute grouped by expert (SPEC.md section 3).
+
+    grouped_mlp(x_perm[R,H], w_gate[E,H,F], w_up[E,H,F], w_down[E,F,H], offsets[E]) -> y_perm[R,H]
+    swiglu(gate, up) = silu(gate) * up
+
+Expert e owns rows offsets[e-1] .. offsets[e] of x_perm, expert 0 from row 0 (`offsets` are
+int32 cumulative group ends, the `offs` of torch._grouped_mm). Experts may own no rows; the
+rows past offsets[E-1] belong to none and come out as exact zeros, with zero gradient,
+whatever they hold (they are never read). For each expert
+
+    y = (silu(x W_gate[e]) * (x W_up[e])) W_down[e]
+
+with float32 accumulation; gate, up, their SwiGLU and y are rounded to x_perm's dtype,
+where every path below stores them.
+
+Paths: "torch" is a per-expert loop, the definition of correctness. On CUDA, "auto" runs
+torch._grouped_mm for the three projections where its fast path exists (bf16, sm90+, H and
+F multiples of 8), else the Triton grouped GEMM; "triton" forces the Triton grouped GEMM.
+Both put the fused Triton SwiGLU between the projections, whose backward recomputes silu
+from gate and up instead of saving the activation. torch._grouped_mm leaves the rows past
+offsets[E-1] of its output and of dX uninitialised (garbage like 1e38, seen on CPU too), so
+that path zeroes them itself.
+
+Float32 operands multiply in IEEE float32 (tl.dot input_precision="ieee"), not TF32: the
+kernels then agree with the reference to float32 rounding, on the GPU and in the
+interpreter alike. For bf16/fp16 operands the precision setting has no effect.
+
+Legend: R rows of x_perm, H hidden size, F expert FFN size, E experts; in the generic
+grouped GEMM Y[R,N] = X[R,K] @ W[e][K,N], M rows of a tile.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fmoe.ops._common import FLOAT_DTYPES, check_float, checking, interpreting, next_pow2, use_triton
+
+# ----------------------------------------------------------------------------------------
+# 1. Reference (the definition of correctness)
+# ----------------------------------------------------------------------------------------
+
+
+def swiglu_ref(gate, up):
+    """silu(gate) * up in float32, stored in gate's dtype."""
+    return (torch.nn.functional.silu(gate.float()) * up.float()).to(gate.dtype)
+
+
+def _matmul_ref(a_MK, b_KN):
+    """a @ b accumulated in float32, rounded to a's dtype as the grouped GEMMs store it."""
+    return (a_MK.float() @ b_KN.float()).to(a_MK.dtype)
+
+
+def grouped_mlp_ref(x_RH, w_gate_EHF, w_up_EHF, w_down_EFH, offsets_E):
+    """Plain-torch loop over the experts; differentiable through torch autograd.
+
+    Reads offsets on the host (one device->host sync).
+    """
+    y_RH = torch.zeros_like(x_RH)  # rows no expert owns stay zero
+    start = 0
+    for e, end in enumerate(offsets_E.tolist()):
+        x_MH = x_RH[start:end]
+        h_MF = swiglu_ref(_matmul_ref(x_MH, w_gate_EHF[e]), _matmul_ref(x_MH, w_up_EHF[e]))
+        y_RH[start:end] = _matmul_ref(h_MF, w_down_EFH[e])
+        start = end
+    return y_RH
+
+
+# ----------------------------------------------------------------------------------------
+# 2. Triton kernels
+# ----------------------------------------------------------------------------------------
+
+
+# Triton 3.7's interpreter multiplies bfloat16 tiles as their raw uint16 bits. Products of
+# 16-bit floats are exact in float32, so under the interpreter _dot multiplies the float32
+# upcasts: the same sums the tensor cores form. Fixed when triton is first imported, as
+# TRITON_INTERPRET itself is.
+_DOT_UPCAST = tl.constexpr(interpreting())
+
+
+@triton.jit
+def _dot(a, b, acc):
+    """acc + a @ b in float32; float32 operands in IEEE float32, not TF32."""
+    if _DOT_UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision="ieee")
+
+
+@triton.jit
+def _swiglu_fwd_kernel(gate_ptr, up_ptr, h_ptr, n, BLOCK: tl.constexpr):
+    """h = silu(gate) * up over n elements, float32 math."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    h = g * tl.sigmoid(g) * u
+    tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _swiglu_bwd_kernel(gate_ptr, up_ptr, grad_h_ptr, grad_gate_ptr, grad_up_ptr, n, BLOCK: tl.constexpr):
+    """d gate = dh * up * silu'(gate), d up = dh * silu(gate); silu recomputed from gate."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    dh = tl.load(grad_h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(g)
+    silu = g * sig
+    dsilu = sig * (1.0 + g * (1.0 - sig))
+    tl.store(grad_gate_ptr + offs, (dh * u * dsilu).to(grad_gate_ptr.dtype.element_ty), mask=mask)
+    tl.store(grad_up_ptr + offs, (dh * silu).to(grad_up_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _grouped_gemm_fwd_kernel(
+    x_ptr, w_ptr, y_ptr, offsets_ptr, R, K, N, E,
+    TRANS_W: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Y[r, :] = X[r, :] @ B_e for the rows r of each expert e; zeros past offsets[E-1].
+
+    B_e is W[e] of W [E, K, N], or with TRANS_W W[e]^T of W [E, N, K] (dX = dY W^T).
+    A program computes one [BLOCK_M, BLOCK_N] tile of Y. Programs run N-tile fastest, so
+    the N-tiles of a row tile run together and read its X rows from L2. Row tiles are
+    numbered expert by expert (expert e has cdiv(rows of e, BLOCK_M) of them), then come
+    the tiles of the unowned rows past offsets[E-1], which store zeros, then idle ones:
+    the launch's cdiv(R, BLOCK_M) + E row tiles cover every split of R rows into E groups.
+    The map from tile to expert is computed here from offsets: no device->host sync.
+    """
+    n_tiles_n = tl.cdiv(N, BLOCK_N)
+    pid = tl.program_id(0)
+    tile = pid // n_tiles_n
+    cols_N = (pid % n_tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+
+    e_E = tl.arange(0, BLOCK_E)
+    end_E = tl.load(offsets_ptr + e_E, mask=e_E < E, other=0)
+    start_E = tl.load(offsets_ptr + e_E - 1, mask=(e_E > 0) & (e_E < E), other=0)
+    tiles_E = tl.cdiv(end_E - start_E, BLOCK_M)
+    tiles_end_E = tl.cumsum(tiles_E, axis=0)
+    expert = tl.sum((tiles_end_E <= tile).to(tl.int32), axis=0)  # >= E: past the experts' tiles
+    owned = expert < E
+    this_E = e_E == expert
+    row_lo = tl.sum(tl.where(this_E, start_E + (tile - tiles_end_E + tiles_E) * BLOCK_M, 0), axis=0)
+    row_hi = tl.sum(tl.where(this_E, end_E, 0), axis=0)
+    unowned_lo = tl.load(offsets_ptr + E - 1) + (tile - tl.sum(tiles_E, axis=0)) * BLOCK_M
+    row_lo = tl.where(owned, row_lo, unowned_lo)
+    row_hi = tl.where(owned, row_hi, R)
+    rows_M = row_lo + tl.arange(0, BLOCK_M)
+    # bounds against R too: offsets that break the contract must not write outside Y
+    row_ok_M = (rows_M < row_hi) & (rows_M >= 0) & (rows_M < R)
+
+    acc_MN = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    x_rows_M = x_ptr + rows_M.to(tl.int64) * K
+    w_e = w_ptr + tl.minimum(expert, E - 1).to(tl.int64) * K * N
+    k_end = tl.where(owned, K, 0)  # unowned and idle tiles: no K loop, zeros stored
+    for k0 in range(0, k_end, BLOCK_K):
+        ks_K = k0 + tl.arange(0, BLOCK_K)
+        k_ok_K = ks_K < K
+        x_MK = tl.load(x_rows_M[:, None] + ks_K[None, :], mask=row_ok_M[:, None] & k_ok_K[None, :], other=0.0)
+        w_mask = k_ok_K[:, None] & (cols_N[None, :] < N)
+        if TRANS_W:
+            w_KN = tl.load(w_e + cols_N[None, :] * K + ks_K[:, None], mask=w_mask, other=0.0)
+        else:
+            w_KN = tl.load(w_e + ks_K[:, None] * N + cols_N[None, :], mask=w_mask, other=0.0)
+        acc_MN = _dot(x_MK, w_KN, acc_MN)
+    y_ptrs = y_ptr + rows_M.to(tl.int64)[:, None] * N + cols_N[None, :]
+    tl.store(y_ptrs, acc_MN.to(y_ptr.dtype.element_ty), mask=row_ok_M[:, None] & (cols_N[None, :] < N))
+
+
+@triton.jit
+def _grouped_gemm_dw_kernel(
+    x_ptr, dy_ptr, dw_ptr, offsets_ptr, R, K, N,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """dW[e] = X_e^T dY_e [K, N] over the rows of expert e; zeros for an expert with none.
+
+    A program computes one [BLOCK_K, BLOCK_N] tile of one expert's dW, looping over that
+    expert's rows BLOCK_M at a time; programs run expert-major, so the tiles of one expert
+    run together and share its rows of X and dY in L2.
+    """
+    n_tiles_n = tl.cdiv(N, BLOCK_N)
+    tiles_per_expert = tl.cdiv(K, BLOCK_K) * n_tiles_n
+    pid = tl.program_id(0)
+    expert = pid // tiles_per_expert
+    tile = pid % tiles_per_expert
+    ks_K = (tile // n_tiles_n) * BLOCK_K + tl.arange(0, BLOCK_K)
+    cols_N = (tile % n_tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_ok_K = ks_K < K
+    n_ok_N = cols_N < N
+    row_start = tl.load(offsets_ptr + expert - 1, mask=expert > 0, other=0)
+    row_end = tl.load(offsets_ptr + expert)
+
+    acc_KN = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
+    for r0 in range(row_start, row_end, BLOCK_M):
+        rows_M = r0 + tl.arange(0, BLOCK_M)
+        row_ok_M = (rows_M < row_end) & (rows_M >= 0) & (rows_M < R)
+        rows64_M = rows_M.to(tl.int64)
+        xt_KM = tl.load(x_ptr + rows64_M[None, :] * K + ks_K[:, None], mask=k_ok_K[:, None] & row_ok_M[None, :], other=0.0)
+        dy_MN = tl.load(dy_ptr + rows64_M[:, None] * N + cols_N[None, :], mask=row_ok_M[:, None] & n_ok_N[None, :], other=0.0)
+        acc_KN = _dot(xt_KM, dy_MN, acc_KN)
+    dw_ptrs = dw_ptr + expert.to(tl.int64) * K * N + ks_K[:, None] * N + cols_N[None, :]
+    tl.store(dw_ptrs, acc_KN.to(dw_ptr.dtype.element_ty), mask=k_ok_K[:, None] & n_ok_N[None, :])
+
+
+@triton.jit
+def _zero_unowned_kernel(
+    out_ptr, offsets_ptr, n_rows, n_cols, E,
+    PER_EXPERT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, CHUNK_C: tl.constexpr,
+):
+    """Zero the rows of out [n_rows, n_cols] that torch._grouped_mm leaves uninitialised.
+
+    PER_EXPERT=False: out is a grouped GEMM's output [R, N]; zero the rows past
+    offsets[E-1]. PER_EXPERT=True: out is a weight gradient viewed as [E, K*N]; zero the
+    experts that own no rows. A program covers BLOCK_R rows by CHUNK_C columns; one whose
+    rows are all owned stores nothing (its column loop runs zero times), so the cost is
+    a launch, not a pass over out.
+    """
+    rows_B = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    in_range_B = rows_B < n_rows
+    if PER_EXPERT:
+        end_B = tl.load(offsets_ptr + rows_B, mask=in_range_B, other=0)
+        start_B = tl.load(offsets_ptr + rows_B - 1, mask=in_range_B & (rows_B > 0), other=0)
+        unowned_B = in_range_B & (end_B <= start_B)
+    else:
+        unowned_B = in_range_B & (rows_B >= tl.load(offsets_ptr + E - 1))
+    c_start = tl.program_id(1) * CHUNK_C
+    c_end = tl.where(tl.max(unowned_B.to(tl.int32), axis=0) > 0, tl.minimum(c_start + CHUNK_C, n_cols), 0)
+    zeros = tl.zeros([BLOCK_R, BLOCK_C], dtype=out_ptr.dtype.element_ty)
+    row_ptrs_B = out_ptr + rows_B.to(tl.int64) * n_cols
+    for c0 in range(c_start, c_end, BLOCK_C):
+        cols_C = c0 + tl.arange(0, BLOCK_C)
+        tl.store(row_ptrs_B[:, None] + cols_C[None, :], zeros, mask=unowned_B[:, None] & (cols_C[None, :] < c_end))
+
+
+_SWIGLU_META = dict(BLOCK=1024, num_warps=4)
+_ZERO_META = dict(BLOCK_R=16, BLOCK_C=256, CHUNK_C=4096, num_warps=4)
+
+
+def _gemm_blocks(dtype: torch.dtype) -> dict:
+    """Tiles of the forward / dX kernel. Under the interpreter the smallest tiles tl.dot
+    takes, so that the small test shapes span several row, column and K tiles."""
+    if interpreting():
+        return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=4)
+    if dtype == torch.float32:  # IEEE float32 runs on FMA units: smaller tiles, no tensor cores
+        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8)
+
+
+def _dw_blocks(dtype: torch.dtype) -> dict:
+    """Tiles of the dW kernel: BLOCK_K x BLOCK_N outputs, BLOCK_M rows reduced per step."""
+    if interpreting():
+        return dict(BLOCK_M=16, BLOCK_K=16, BLOCK_N=16, num_warps=4)
+    if dtype == torch.float32:
+        return dict(BLOCK_M=32, BLOCK_K=64, BLOCK_N=64, num_warps=4)
+    return dict(BLOCK_M=64, BLOCK_K=128, BLOCK_N=128, num_warps=8)
+
+
+# ----------------------------------------------------------------------------------------
+# 3. torch.library registration: opaque to torch.compile, with fake and autograd
+# ----------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("fmoe::swiglu_fwd", mutates_args=())
+def _swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate.contiguous(), up.contiguous()
+    h = torch.empty_like(gate)
+    n = gate.numel()
+    if n:
+        _swiglu_fwd_kernel[(triton.cdiv(n, _SWIGLU_META["BLOCK"]),)](gate, up, h, n, **_SWIGLU_META)
+    return h
+
+
+@_swiglu_fwd.register_fake
+def _(gate, up):
+    return torch.empty_like(gate)
+
+
+@torch.library.custom_op("fmoe::swiglu_bwd", mutates_args=())
+def _swiglu_bwd(grad_h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    gate, up, grad_h = gate.contiguous(), up.contiguous(), grad_h.contiguous()
+    grad_gate, grad_up = torch.empty_like(gate), torch.empty_like(up)
+    n = gate.numel()
+    if n:
+        _swiglu_bwd_kernel[(triton.cdiv(n, _SWIGLU_META["BLOCK"]),)](gate, up, grad_h, grad_gate, grad_up, n, **_SWIGLU_META)
+    return grad_gate, grad_up
+
+
+@_swiglu_bwd.register_fake
+def _(grad_h, gate, up):
+    return torch.empty_like(gate), torch.empty_like(up)
+
+
+def _swiglu_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)  # gate and up only: the backward recomputes silu
+
+
+def _swiglu_backward(ctx, grad_h):
+    gate, up = ctx.saved_tensors
+    return _swiglu_bwd(grad_h, gate, up)
+
+
+_swiglu_fwd.register_autograd(_swiglu_backward, setup_context=_swiglu_setup_context)
+
+
+def _zero_unowned(out_2d: torch.Tensor, offsets_E: torch.Tensor, per_expert: bool) -> None:
+    n_rows, n_cols = out_2d.shape
+    grid = (triton.cdiv(n_rows, _ZERO_META["BLOCK_R"]), triton.cdiv(n_cols, _ZERO_META["CHUNK_C"]))
+    _zero_unowned_kernel[grid](
+        out_2d, offsets_E, n_rows, n_cols, offsets_E.shape[0], PER_EXPERT=per_expert, **_ZERO_META,
+    )
+
+
+def _gemm(a_RK: torch.Tensor, w: torch.Tensor, offsets_E: torch.Tensor, trans_w: bool, torch_gmm: bool) -> torch.Tensor:
+    """out[R, N] = a @ W[e] (or a @ W[e]^T) per expert, zeros past offsets[E-1]."""
+    if torch_gmm:
+        out_RN = torch._grouped_mm(a_RK, w.transpose(-2, -1) if trans_w else w, offs=offsets_E)
+        _zero_unowned(out_RN, offsets_E, per_expert=False)
+        return out_RN
+    R, K = a_RK.shape
+    E = w.shape[0]
+    N = w.shape[1] if trans_w else w.shape[2]
+    out_RN = torch.empty(R, N, dtype=a_RK.dtype, device=a_RK.device)
+    meta = _gemm_blocks(a_RK.dtype)
+    grid = (triton.cdiv(N, meta["BLOCK_N"]) * (triton.cdiv(R, meta["BLOCK_M"]) + E),)
+    _grouped_gemm_fwd_kernel[grid](a_RK, w, out_RN, offsets_E, R, K, N, E, TRANS_W=trans_w, BLOCK_E=next_pow2(E), **meta)
+    return out_RN
+
+
+def _gemm_dw(x_RK: torch.Tensor, dy_RN: torch.Tensor, offsets_E: torch.Tensor, torch_gmm: bool) -> torch.Tensor:
+    """dW[E, K, N]: dW[e] = x_e^T dy_e over the rows of expert e, zeros for one with none."""
+    (R, K), N, E = x_RK.shape, dy_RN.shape[1], offsets_E.shape[0]
+    if torch_gmm:
+        dw_EKN = torch._grouped_mm(x_RK.t(), dy_RN, offs=offsets_E)
+        # zero on Hopper, but left unwritten on some GPUs (pytorch/pytorch#172439)
+        _zero_unowned(dw_EKN.view(E, K * N), offsets_E, per_expert=True)
+        return dw_EKN
+    dw_EKN = torch.empty(E, K, N, dtype=x_RK.dtype, device=x_RK.device)
+    meta = _dw_blocks(x_RK.dtype)
+    grid = (E * triton.cdiv(K, meta["BLOCK_K"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+    _grouped_gemm_dw_kernel[grid](x_RK, dy_RN, dw_EKN, offsets_E, R, K, N, **meta)
+    return dw_EKN
+
+
+@torch.library.custom_op("fmoe::grouped_gemm_fwd", mutates_args=())
+def _grouped_gemm_fwd(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, torch_gmm: bool) -> torch.Tensor:
+    """y[R, N] = x[R, K] @ w[e][K, N] for the rows of each expert e; zeros past offsets[-1].
+
+    torch_gmm: torch._grouped_mm (CUDA bf16 sm90+, or CPU) instead of the Triton kernel.
+    """
+    x, w = x.contiguous(), w.contiguous()
+    if x.numel() == 0 or w.numel() == 0:  # nothing to multiply: zeros (torch._grouped_mm rejects empty operands)
+        return x.new_zeros(x.shape[0], w.shape[2])
+    return _gemm(x, w, offsets, False, torch_gmm)
+
+
+@_grouped_gemm_fwd.register_fake
+def _(x, w, offsets, torch_gmm):
+    return x.new_empty(x.shape[0], w.shape[2])
+
+
+@torch.library.custom_op("fmoe::grouped_gemm_bwd", mutates_args=())
+def _grouped_gemm_bwd(
+    grad_y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, torch_gmm: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx[R, K] = dy @ w[e]^T, zeros past offsets[-1]; dw[E, K, N] = x_e^T dy_e)."""
+    grad_y, x, w = grad_y.contiguous(), x.contiguous(), w.contiguous()
+    if x.numel() == 0 or w.numel() == 0:
+        return torch.zeros_like(x), torch.zeros_like(w)
+    return _gemm(grad_y, w, offsets, True, torch_gmm), _gemm_dw(x, grad_y, offsets, torch_gmm)
+
+
+@_grouped_gemm_bwd.register_fake
+def _(grad_y, x, w, offsets, torch_gmm):
+    return torch.empty_like(x), torch.empty_like(w)
+
+
+def _grouped_gemm_setup_context(ctx, inputs, output):
+    x, w, offsets, torch_gmm = inputs
+    ctx.save_for_backward(x, w, offsets)
+    ctx.torch_gmm = torch_gmm
+
+
+def _grouped_gemm_backward(ctx, grad_y):
+    x, w, offsets = ctx.saved_tensors
+    grad_x, grad_w = _grouped_gemm_bwd(grad_y, x, w, offsets, ctx.torch_gmm)
+    return grad_x, grad_w, None, None
+
+
+_grouped_gemm_fwd.register_autograd(_grouped_gemm_backward, setup_context=_grouped_gemm_setup_context)
+
+
+def _grouped_mlp_kernels(x_RH, w_gate_EHF, w_up_EHF, w_down_EFH, offsets_E, torch_gmm: bool):
+    """The CUDA (or interpreted) path: three grouped GEMMs around the fused SwiGLU."""
+    gate_RF = _grouped_gemm_fwd(x_RH, w_gate_EHF, offsets_E, torch_gmm)
+    up_RF = _grouped_gemm_fwd(x_RH, w_up_EHF, offsets_E, torch_gmm)
+    return _grouped_gemm_fwd(_swiglu_fwd(gate_RF, up_RF), w_down_EFH, offsets_E, torch_gmm)
+
+
+def _grouped_mm_fast(x_RH: torch.Tensor, F: int) -> bool:
+    """Whether torch._grouped_mm has its fast kernel here: bf16 on sm90+ with 16-byte
+    aligned rows (H and F multiples of 8)."""
+    return (
+        x_RH.is_cuda and x_RH.dtype == torch.bfloat16 and x_RH.shape[1] % 8 == 0 and F % 8 == 0
+        and torch.cuda.get_device_properties(x_RH.device).major >= 9
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# 4. Public functions
+# ----------------------------------------------------------------------------------------
+
+
+def _check_like(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    if t.dtype != ref.dtype:
+        raise ValueError(f"{name}: dtype {str(t.dtype).removeprefix('torch.')} differs from {ref_name}'s {str(ref.dtype).removeprefix('torch.')}")
+    if t.device != ref.device:
+        raise ValueError(f"{name}: expected device {ref.device} like {ref_name}, got {t.device}")
+
+
+def _check_offsets(offsets: torch.Tensor, E: int, R: int, x_perm: torch.Tensor, check_values: bool) -> None:
+    if not isinstance(offsets, torch.Tensor) or offsets.dtype != torch.int32 or offsets.shape != (E,):
+        got = f"{offsets.dtype} {tuple(offsets.shape)}" if isinstance(offsets, torch.Tensor) else type(offsets).__name__
+        raise ValueError(f"offsets: expected int32 [E] = ({E},) cumulative ends of the experts' rows, got {got}")
+    if offsets.device != x_perm.device:
+        raise ValueError(f"offsets: expected device {x_perm.device} like x_perm, got {offsets.device}")
+    if not (check_values and checking()):
+        return
+    ends = offsets.tolist()  # one device->host sync
+    for e, (lo, hi) in enumerate(zip([0] + ends, ends)):
+        if hi < lo:
+            raise ValueError(f"offsets: must be non-decreasing from 0, but offsets[{e}] = {hi} < {lo}")
+    if ends[-1] > R:
+        raise ValueError(f"offsets: the last expert's rows end at {ends[-1]}, past x_perm's {R} rows")
+
+
+def grouped_mlp(
+    x_perm: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    check_offsets: bool = True,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """SwiGLU expert MLPs over rows grouped by expert (SPEC.md section 3).
+
+    Args:
+        x_perm: [R, H] float32 / bfloat16 / float16, rows grouped by expert (fmoe.ops.permute).
+        w_gate, w_up: [E, H, F], x_perm's dtype and device.
+        w_down: [E, F, H].
+        offsets: [E] int32, cumulative end of each expert's rows (plan.offsets): expert e
+            owns rows offsets[e-1] .. offsets[e]; rows past offsets[-1] belong to no expert.
+        check_offsets: raise a ValueError unless offsets are non-decreasing from 0 and end
+            within R (one device->host sync; skipped under torch.compile).
+        impl: "auto" (CUDA: torch._grouped_mm where it is fast, else Triton; CPU: torch),
+            "triton" or "torch".
+
+    Returns:
+        y_perm [R, H] in x_perm's dtype: y = (silu(x W_gate[e]) * (x W_up[e])) W_down[e]
+        for each expert's rows, exact zeros (and zero gradient) for rows of no expert.
+        Differentiable with respect to x_perm and the three weights.
+
+    Example:
+        >>> x, w = torch.ones(3, 8), torch.full((2, 8, 4), 0.25)
+        >>> grouped_mlp(x, w, w, torch.full((2, 4, 8), 0.25), torch.tensor([1, 2], dtype=torch.int32))[:, 0]
+        tensor([3.5232, 3.5232, 0.0000])
+    """
+    check_float("x_perm", x_perm, 2, "[R, H]")
+    R, H = x_perm.shape
+    check_float("w_gate", w_gate, 3, "[E, H, F]")
+    E, _, F = w_gate.shape
+    if E == 0 or w_gate.shape[1] != H:
+        raise ValueError(f"w_gate: expected shape [E, H, F] with E >= 1 and H = {H} (x_perm's last dim), got {tuple(w_gate.shape)}")
+    check_float("w_up", w_up, 3, "[E, H, F]")
+    if w_up.shape != w_gate.shape:
+        raise ValueError(f"w_up: expected shape [E, H, F] = {list(w_gate.shape)} like w_gate, got {list(w_up.shape)}")
+    check_float("w_down", w_down, 3, "[E, F, H]")
+    if w_down.shape != (E, F, H):
+        raise ValueError(f"w_down: expected shape [E, F, H] = {[E, F, H]}, got {list(w_down.shape)}")
+    for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+        _check_like(name, w, "x_perm", x_perm)
+    _check_offsets(offsets, E, R, x_perm, check_offsets)
+
+    if use_triton(impl, x_perm, w_gate, w_up, w_down, offsets):
+        torch_gmm = impl == "auto" and _grouped_mm_fast(x_perm, F)
+        return _grouped_mlp_kernels(x_perm, w_gate, w_up, w_down, offsets, torch_gmm)
+    return grouped_mlp_ref(x_perm, w_gate, w_up, w_down, offsets)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, *, impl: str = "auto") -> torch.Tensor:
+    """silu(gate) * up, float32 math, in gate's dtype; any shape (gate and up alike).
+
+    The Triton backward recomputes silu from gate and up: only they are saved.
+
+    Example:
+        >>> swiglu(torch.tensor([0.0, 1.0]), torch.tensor([2.0, 2.0]))
+        tensor([0.0000, 1.4621])
+    """
+    for name, t in (("gate", gate), ("up", up)):
+        if not isinstance(t, torch.Tensor) or t.dtype not in FLOAT_DTYPES:
+            got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name}: expected a float32, bfloat16 or float16 tensor, got {got}")
+    if up.shape != gate.shape:
+        raise ValueError(f"up: expected shape {tuple(gate.shape)} like gate, got {tuple(up.shape)}")
+    _check_like("up", up, "gate", gate)
+    if use_triton(impl, gate, up):
+        return _swiglu_fwd(gate, up)
+    return swiglu_ref(gate, up)

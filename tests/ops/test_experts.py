@@ -1,0 +1,340 @@
+"""grouped_mlp, swiglu: kernels vs reference vs a per-row brute force (SPEC.md section 3)."""
+
+import doctest
+
+import pytest
+import torch
+
+from fmoe.ops import experts
+from fmoe.ops.experts import grouped_mlp, swiglu
+
+# (rows per expert, unowned rows past offsets[-1], H, F): E = 1, experts with no rows (first,
+# middle, last), R not a multiple of the 16-row interpreter tiles, H and F not multiples of
+# the 16-wide tiles (ragged K and N edges), and no unowned rows
+CASES = [
+    ([13], 0, 16, 16),
+    ([5, 0, 7], 3, 32, 16),
+    ([0, 17, 1, 9], 5, 48, 32),
+    ([20, 0, 30, 0], 10, 40, 24),
+    ([9, 16, 33], 0, 16, 32),
+]
+
+
+def _problem(counts, n_unowned, H, F, dtype=torch.float32, device="cpu"):
+    """x [R, H], the three weights scaled so activations stay O(1), int32 offsets [E]."""
+    E, R = len(counts), sum(counts) + n_unowned
+    x = torch.randn(R, H, device=device)
+    w_gate = torch.randn(E, H, F, device=device) / H**0.5
+    w_up = torch.randn(E, H, F, device=device) / H**0.5
+    w_down = torch.randn(E, F, H, device=device) / F**0.5
+    offsets = torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
+    return [t.to(dtype) for t in (x, w_gate, w_up, w_down)], offsets
+
+
+def _run(fn, tensors, offsets, grad_y, **kwargs):
+    """fn's output and the gradients of its four tensor inputs under upstream gradient grad_y."""
+    leaves = [t.detach().clone().requires_grad_() for t in tensors]
+    y = fn(*leaves, offsets, **kwargs)
+    (y * grad_y).sum().backward()
+    return y, [t.grad for t in leaves]
+
+
+def _brute_force(x, w_gate, w_up, w_down, offsets):
+    """Each row through its own expert's SwiGLU, one row at a time, float64; zero rows for none."""
+    ends = offsets.tolist()
+    rows = []
+    for r in range(x.shape[0]):
+        e = next((e for e, end in enumerate(ends) if r < end), None)
+        if e is None:
+            rows.append(torch.zeros_like(x[r]))
+            continue
+        gate, up = x[r] @ w_gate[e], x[r] @ w_up[e]
+        rows.append((gate * torch.sigmoid(gate) * up) @ w_down[e])
+    return torch.stack(rows)
+
+
+def _assert_unowned_zero(y, grad_x, offsets):
+    end = int(offsets[-1])
+    assert torch.equal(y[end:], torch.zeros_like(y[end:]))
+    assert torch.equal(grad_x[end:], torch.zeros_like(grad_x[end:]))
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_reference_matches_per_row_brute_force(case):
+    tensors, offsets = _problem(*case)
+    grad_y = torch.randn_like(tensors[0])
+    y, grads = _run(grouped_mlp, tensors, offsets, grad_y, impl="torch")
+    y64, grads64 = _run(_brute_force, [t.double() for t in tensors], offsets, grad_y.double())
+    torch.testing.assert_close(y, y64.float(), rtol=1e-5, atol=1e-5)
+    for g, g64 in zip(grads, grads64):
+        torch.testing.assert_close(g, g64.float(), rtol=1e-5, atol=1e-5)
+    _assert_unowned_zero(y, grads[0], offsets)
+    assert y.dtype == torch.float32 and y.shape == tensors[0].shape
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_padding_rows_change_nothing(impl, device):
+    """Zero rows padding each expert's group (permute's align) give zero rows and leave the
+    weight gradients as they are without them."""
+    counts, pads, H, F = [6, 0, 9], [2, 0, 7], 32, 16
+    (x, *weights), offsets = _problem(counts, 0, H, F, device=device)
+    padded_counts = [c + p for c, p in zip(counts, pads)]
+    is_pad = torch.cat([torch.arange(c + p) >= c for c, p in zip(counts, pads)]).to(device)
+    x_pad = torch.zeros(len(is_pad), H, device=device)
+    x_pad[~is_pad] = x
+    offsets_pad = torch.tensor(padded_counts, device=device).cumsum(0).to(torch.int32)
+    grad_y = torch.randn(len(is_pad), H, device=device)
+    y_pad, grads_pad = _run(grouped_mlp, [x_pad, *weights], offsets_pad, grad_y, impl=impl)
+    y, grads = _run(grouped_mlp, [x, *weights], offsets, grad_y[~is_pad], impl=impl)
+    assert torch.equal(y_pad[is_pad], torch.zeros_like(y_pad[is_pad]))
+    torch.testing.assert_close(y_pad[~is_pad], y, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grads_pad[0][~is_pad], grads[0], rtol=1e-5, atol=1e-5)
+    for g_pad, g in zip(grads_pad[1:], grads[1:]):
+        torch.testing.assert_close(g_pad, g, rtol=1e-5, atol=1e-5)
+
+
+def _assert_close(actual, expected):
+    """float32: to float32 rounding. bf16: the paths round gate, up, h and the gradients at
+    the same points but sum in different orders, so an intermediate may land one bf16 step
+    (2^-8 relative) apart and carry that on: within 2% of the tensor's largest entry."""
+    if expected.dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=2e-5)
+    else:
+        torch.testing.assert_close(actual, expected, rtol=2e-2, atol=2e-2 * float(expected.detach().abs().max()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_triton_matches_reference(case, dtype, device):
+    tensors, offsets = _problem(*case, dtype=dtype, device=device)
+    grad_y = torch.randn_like(tensors[0])
+    y_tri, grads_tri = _run(grouped_mlp, tensors, offsets, grad_y, impl="triton")
+    y_ref, grads_ref = _run(grouped_mlp, tensors, offsets, grad_y, impl="torch")
+    assert y_tri.dtype == dtype and all(g.dtype == dtype for g in grads_tri)
+    _assert_close(y_tri, y_ref)
+    for g_tri, g_ref in zip(grads_tri, grads_ref):
+        _assert_close(g_tri, g_ref)
+    _assert_unowned_zero(y_tri, grads_tri[0], offsets)
+    empty = [e for e, c in enumerate(case[0]) if c == 0]
+    for g in grads_tri[1:]:  # experts without rows get exactly zero weight gradients
+        assert torch.equal(g[empty], torch.zeros_like(g[empty]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("torch_gmm", [False, True], ids=["triton_gemm", "torch_grouped_mm"])
+def test_unowned_rows_are_never_read(torch_gmm, dtype, device):
+    """NaN in the rows past offsets[-1] reaches nothing: those rows of y and dx are exact
+    zeros, everything else finite and equal to the reference. torch_gmm runs the path that
+    impl="auto" takes on Hopper (torch._grouped_mm, which exists on CPU too) on this device,
+    checking that its uninitialised rows and empty experts are zeroed."""
+    if torch_gmm and device == "cuda" and not experts._grouped_mm_fast(torch.empty(1, 8, device=device, dtype=dtype), 8):
+        pytest.skip("torch._grouped_mm has no fast kernel for this dtype on this GPU; auto does not use it")
+    (x, *weights), offsets = _problem([7, 0, 12], 9, 32, 16, dtype=dtype, device=device)
+    x_nan = x.clone()
+    x_nan[19:] = float("nan")
+    grad_y = torch.randn_like(x)
+    y, grads = _run(experts._grouped_mlp_kernels, [x_nan, *weights], offsets, grad_y, torch_gmm=torch_gmm)
+    y_ref, grads_ref = _run(grouped_mlp, [x, *weights], offsets, grad_y, impl="torch")
+    _assert_unowned_zero(y, grads[0], offsets)
+    _assert_close(y, y_ref)
+    for g, g_ref in zip(grads, grads_ref):
+        assert torch.isfinite(g).all()
+        _assert_close(g, g_ref)
+    for g in grads[1:]:
+        assert torch.equal(g[1], torch.zeros_like(g[1]))
+
+
+def test_zero_unowned_kernel(device):
+    """What the torch._grouped_mm path relies on: rows past offsets[-1] zeroed, and the weight
+    gradients of experts without rows (left unwritten on some GPUs), nothing else touched."""
+    offsets = torch.tensor([3, 3, 20, 20], dtype=torch.int32, device=device)
+    out = torch.full((37, 300), float("nan"), device=device)
+    experts._zero_unowned(out, offsets, per_expert=False)
+    assert out[:20].isnan().all() and not out[20:].any()
+    grad_w = torch.full((4, 5000), float("nan"), device=device)  # two column chunks of 4096
+    experts._zero_unowned(grad_w, offsets, per_expert=True)
+    assert grad_w[[0, 2]].isnan().all() and not grad_w[[1, 3]].any()
+
+
+def test_all_rows_unowned_and_no_rows(device):
+    for R in (0, 5):
+        (x, *weights), _ = _problem([0, 0], R, 16, 16, device=device)
+        offsets = torch.zeros(2, dtype=torch.int32, device=device)
+        for impl in ("torch", "triton"):
+            y, grads = _run(grouped_mlp, [x, *weights], offsets, torch.randn_like(x), impl=impl)
+            assert y.shape == (R, 16) and not y.any() and not any(g.any() for g in grads)
+
+
+# ---------------------------------------------------------------------------- swiglu
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(1,), (7, 33), (3, 5, 97)], ids=str)
+def test_swiglu_triton_matches_reference(shape, dtype, device):
+    gate = (3 * torch.randn(shape, device=device)).to(dtype)
+    up = torch.randn(shape, device=device).to(dtype)
+    grad_h = torch.randn(shape, device=device).to(dtype)
+    outs = {}
+    for impl in ("triton", "torch"):
+        g, u = gate.clone().requires_grad_(), up.clone().requires_grad_()
+        h = swiglu(g, u, impl=impl)
+        (h * grad_h).sum().backward()
+        outs[impl] = (h, g.grad, u.grad)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-3)
+    for tri, ref in zip(outs["triton"], outs["torch"]):
+        assert tri.dtype == dtype
+        torch.testing.assert_close(tri, ref, **tol)
+    # silu(g) * u against its definition g * sigmoid(g) * u in float64
+    g64 = gate.double()
+    torch.testing.assert_close(outs["torch"][0].double(), g64 * torch.sigmoid(g64) * up.double(), **tol)
+
+
+def test_swiglu_backward_saves_only_gate_and_up(device):
+    gate = torch.randn(6, 40, device=device, requires_grad=True)
+    up = torch.randn(6, 40, device=device, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        swiglu(gate, up, impl="triton")
+    assert len(saved) == 2
+    assert {t.data_ptr() for t in saved} == {gate.data_ptr(), up.data_ptr()}
+
+
+# ---------------------------------------------------------------------------- validation
+
+
+def _raises(match, fn, *args, **kwargs):
+    with pytest.raises(ValueError, match=match):
+        fn(*args, **kwargs)
+
+
+def test_bad_inputs():
+    (x, wg, wu, wd), off = _problem([3, 4], 1, 16, 8)
+    _raises("x_perm: expected a 2-D", grouped_mlp, x[0], wg, wu, wd, off)
+    _raises("x_perm: expected dtype", grouped_mlp, x.long(), wg, wu, wd, off)
+    _raises("w_gate: expected a 3-D", grouped_mlp, x, wg[0], wu, wd, off)
+    _raises(r"w_gate: expected shape \[E, H, F\] with E >= 1 and H = 16", grouped_mlp, x, wg[:, :8], wu, wd, off)
+    _raises("w_gate: expected shape", grouped_mlp, x, wg[:0], wu[:0], wd[:0], off[:0])
+    _raises(r"w_up: expected shape \[E, H, F\] = \[2, 16, 8\] like w_gate, got \[2, 16, 4\]", grouped_mlp, x, wg, wu[..., :4], wd, off)
+    _raises("w_up: expected a 3-D", grouped_mlp, x, wg, wu[0], wd, off)
+    _raises(r"w_down: expected shape \[E, F, H\] = \[2, 8, 16\], got \[2, 16, 8\]", grouped_mlp, x, wg, wu, wg, off)
+    _raises("w_down: expected a 3-D", grouped_mlp, x, wg, wu, wd[0], off)
+    _raises("w_gate: dtype bfloat16 differs from x_perm's float32", grouped_mlp, x, wg.bfloat16(), wu, wd, off)
+    _raises("w_down: dtype float16 differs from x_perm's float32", grouped_mlp, x, wg, wu, wd.half(), off)
+    _raises(r"offsets: expected int32 \[E\] = \(2,\)", grouped_mlp, x, wg, wu, wd, off.long())
+    _raises(r"offsets: expected int32 \[E\] = \(2,\)", grouped_mlp, x, wg, wu, wd, off[:1])
+    _raises(r"offsets: expected int32 \[E\] = \(2,\)", grouped_mlp, x, wg, wu, wd, [3, 7])
+    _raises(r"offsets: must be non-decreasing from 0, but offsets\[1\] = 2 < 3", grouped_mlp, x, wg, wu, wd, torch.tensor([3, 2], dtype=torch.int32))
+    _raises(r"offsets: must be non-decreasing from 0, but offsets\[0\] = -1 < 0", grouped_mlp, x, wg, wu, wd, torch.tensor([-1, 2], dtype=torch.int32))
+    _raises("offsets: the last expert's rows end at 9, past x_perm's 8 rows", grouped_mlp, x, wg, wu, wd, torch.tensor([3, 9], dtype=torch.int32))
+    _raises("impl: expected one of", grouped_mlp, x, wg, wu, wd, off, impl="cuda")
+    # swiglu
+    _raises("gate: expected a float32, bfloat16 or float16 tensor", swiglu, torch.ones(3, dtype=torch.long), torch.ones(3))
+    _raises("up: expected a float32, bfloat16 or float16 tensor", swiglu, torch.ones(3), [1.0, 2.0, 3.0])
+    _raises(r"up: expected shape \(3,\) like gate, got \(4,\)", swiglu, torch.ones(3), torch.ones(4))
+    _raises("up: dtype bfloat16 differs from gate's float32", swiglu, torch.ones(3), torch.ones(3, dtype=torch.bfloat16))
+    _raises("impl: expected one of", swiglu, torch.ones(3), torch.ones(3), impl="fast")
+
+
+def test_docstring_examples():
+    assert doctest.testmod(experts).failed == 0
+
+
+def test_offset_values_unchecked_on_request():
+    (x, wg, wu, wd), _ = _problem([3, 4], 1, 16, 8)
+    bad = torch.tensor([3, 2], dtype=torch.int32)
+    assert grouped_mlp(x, wg, wu, wd, bad, check_offsets=False, impl="torch").shape == x.shape
+
+
+# ---------------------------------------------------------------------------- registration
+
+
+def test_custom_ops_pass_opcheck(device):
+    (x, wg, *_), offsets = _problem([5, 0, 8], 3, 16, 16, device=device)
+    gate, up = torch.randn(7, 33, device=device, requires_grad=True), torch.randn(7, 33, device=device, requires_grad=True)
+    torch.library.opcheck(torch.ops.fmoe.swiglu_fwd.default, (gate, up))
+    torch.library.opcheck(torch.ops.fmoe.swiglu_bwd.default, (torch.randn(7, 33, device=device), gate.detach(), up.detach()))
+    backends = [False, True] if device == "cpu" or experts._grouped_mm_fast(x.bfloat16(), 16) else [False]
+    for dtype in (torch.float32, torch.bfloat16) if device == "cpu" else (torch.bfloat16,):
+        for torch_gmm in backends:
+            xd, wd = x.to(dtype).requires_grad_(), wg.to(dtype).requires_grad_()
+            torch.library.opcheck(torch.ops.fmoe.grouped_gemm_fwd.default, (xd, wd, offsets, torch_gmm))
+            grad_y = torch.randn(x.shape[0], 16, device=device, dtype=dtype)
+            torch.library.opcheck(torch.ops.fmoe.grouped_gemm_bwd.default, (grad_y, xd.detach(), wd.detach(), offsets, torch_gmm))
+
+
+def test_compiles_without_graph_breaks(device):
+    def step(x, w_gate, w_up, w_down, offsets):
+        return grouped_mlp(x, w_gate, w_up, w_down, offsets, impl="triton")
+
+    tensors, offsets = _problem([6, 0, 11], 4, 32, 16, device=device)
+    grad_y = torch.randn_like(tensors[0])
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    y_c, grads_c = _run(compiled, tensors, offsets, grad_y)
+    y_e, grads_e = _run(step, tensors, offsets, grad_y)
+    torch.testing.assert_close(y_c, y_e)
+    for g_c, g_e in zip(grads_c, grads_e):
+        torch.testing.assert_close(g_c, g_e)
+
+
+# ---------------------------------------------------------------------------- GPU, real shape
+
+
+def _real_problem():
+    """R = 16384 tokens x 8 = 131072 rows over E = 128 experts, H = 2048, F = 768, bf16: skewed
+    counts, expert 3 without rows, 1000 unowned rows at the end (NaN, never to be read)."""
+    R, E, H, F = 131072, 128, 2048, 768
+    counts = torch.distributions.Dirichlet(torch.full((E,), 2.0)).sample()
+    counts = (counts * (R - 1000)).long()
+    counts[3] = 0
+    counts[0] += R - 1000 - counts.sum()
+    (x, *weights), offsets = _problem(counts.tolist(), 1000, H, F, dtype=torch.bfloat16, device="cuda")
+    x[-1000:] = float("nan")
+    return x, weights, offsets
+
+
+def _rel_err(a, b):
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+@pytest.mark.gpu
+def test_gpu_real_shape_auto_triton_reference():
+    x, weights, offsets = _real_problem()
+    assert experts._grouped_mm_fast(x, weights[0].shape[2]) == (torch.cuda.get_device_capability()[0] >= 9)
+    grad_y = torch.randn_like(x)
+    y_auto, grads_auto = _run(grouped_mlp, [x, *weights], offsets, grad_y)
+    y_tri, grads_tri = _run(grouped_mlp, [x, *weights], offsets, grad_y, impl="triton")
+    for y, grads in ((y_auto, grads_auto), (y_tri, grads_tri)):
+        _assert_unowned_zero(y, grads[0], offsets)
+        assert all(torch.isfinite(g).all() for g in grads)
+        for g in grads[1:]:
+            assert torch.equal(g[3], torch.zeros_like(g[3]))
+    assert _rel_err(y_auto, y_tri) < 1e-2
+    for g_auto, g_tri in zip(grads_auto, grads_tri):
+        assert _rel_err(g_auto, g_tri) < 1e-2
+
+    # the reference on a few experts: their rows, their weights, their own offsets
+    chosen = [0, 3, 64, 127]
+    starts = [0] + offsets[:-1].tolist()
+    rows = torch.cat([torch.arange(starts[e], int(offsets[e]), device="cuda") for e in chosen])
+    sub_offsets = torch.tensor([int(offsets[e]) - starts[e] for e in chosen], device="cuda").cumsum(0).to(torch.int32)
+    y_ref, grads_ref = _run(grouped_mlp, [x[rows], *(w[chosen] for w in weights)], sub_offsets, grad_y[rows], impl="torch")
+    for y, grads in ((y_auto, grads_auto), (y_tri, grads_tri)):
+        assert _rel_err(y[rows], y_ref) < 1e-2
+        assert _rel_err(grads[0][rows], grads_ref[0]) < 1e-2
+        for g, g_ref in zip(grads[1:], grads_ref[1:]):
+            assert _rel_err(g[chosen], g_ref) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_swiglu_real_shape():
+    gate = torch.randn(131072, 768, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    up = torch.randn_like(gate, requires_grad=True)
+    grad_h = torch.randn_like(gate)
+    (swiglu(gate, up) * grad_h).sum().backward()
+    g_ref, u_ref = gate.detach().clone().requires_grad_(), up.detach().clone().requires_grad_()
+    h_ref = swiglu(g_ref, u_ref, impl="torch")
+    (h_ref * grad_h).sum().backward()
+    torch.testing.assert_close(swiglu(gate, up), h_ref, rtol=1.6e-2, atol=1e-3)
+    torch.testing.assert_close(gate.grad, g_ref.grad, rtol=1.6e-2, atol=1e-3)
+    torch.testing.assert_close(up.grad, u_ref.grad, rtol=1.6e-2, atol=1e-3)

@@ -1,0 +1,208 @@
+"""fmoe.layers.moe and fmoe.model.MoE against a plain per-token loop over experts."""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fmoe.ops as ops
+from fmoe.layers import MoEConfig, moe
+from fmoe.model import MoE
+
+H, FFN, FS = 32, 16, 32
+
+CONFIGS = {
+    "softmax top-2": MoEConfig(n_experts=4, k=2),
+    "pre-softmax k=1": MoEConfig(n_experts=4, k=1, pre_softmax=True),
+    "sigmoid groups bias shared": MoEConfig(n_experts=8, k=4, score="sigmoid", n_groups=4, topk_groups=2, scale=2.5, align=16),
+    "capacity position": MoEConfig(n_experts=4, k=2, capacity_factor=0.75, capacity_policy="position"),
+    "capacity probs": MoEConfig(n_experts=4, k=2, capacity_factor=0.5),
+}
+
+
+def _params(cfg, dtype, device, shared=False, bias=False):
+    E = cfg.n_experts
+    p = {
+        "router": torch.randn(E, H, device=device) * 0.5,
+        "w_gate": torch.randn(E, H, FFN, device=device) * 0.2,
+        "w_up": torch.randn(E, H, FFN, device=device) * 0.2,
+        "w_down": torch.randn(E, FFN, H, device=device) * 0.2,
+    }
+    if shared:
+        p.update(
+            shared_w_gate=torch.randn(H, FS, device=device) * 0.2, shared_w_up=torch.randn(H, FS, device=device) * 0.2,
+            shared_w_down=torch.randn(FS, H, device=device) * 0.2, shared_gate=torch.randn(H, device=device) * 0.2,
+        )
+    p = {n: (t if n == "router" else t.to(dtype)).requires_grad_() for n, t in p.items()}
+    if bias:
+        p["expert_bias"] = 0.1 * torch.randn(E, device=device)
+    return p
+
+
+def _loop_moe(x, params, cfg):
+    """Each token through each of its experts, one at a time, in float32."""
+    p = {n: t.float() for n, t in params.items()}
+    x = x.float()
+    logits = x @ p["router"].T
+    routes = ops.route(logits, cfg.k, score=cfg.score, pre_softmax=cfg.pre_softmax, n_groups=cfg.n_groups,
+                       topk_groups=cfg.topk_groups, expert_bias=params.get("expert_bias"), scale=cfg.scale, impl="torch")
+    if cfg.capacity_factor is not None:
+        routes = ops.drop_by_capacity(routes, cfg.n_experts, cfg.capacity_factor, policy=cfg.capacity_policy)
+    rows = []
+    for t in range(x.shape[0]):
+        y_t = torch.zeros(H, device=x.device)
+        for j in range(cfg.k):
+            e = int(routes.experts[t, j])
+            if e < 0:
+                continue
+            h = F.silu(x[t] @ p["w_gate"][e]) * (x[t] @ p["w_up"][e])
+            y_t = y_t + routes.weights[t, j] * (h @ p["w_down"][e])
+        if "shared_w_gate" in p:
+            s = (F.silu(x[t] @ p["shared_w_gate"]) * (x[t] @ p["shared_w_up"])) @ p["shared_w_down"]
+            y_t = y_t + s * torch.sigmoid(x[t] @ p["shared_gate"])
+        rows.append(y_t)
+    return torch.stack(rows), routes
+
+
+def _rel(a, b):
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).norm() / b.norm().clamp(min=1e-12))
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_moe_matches_per_token_loop(name, dtype, impl, device):
+    cfg = dataclasses.replace(CONFIGS[name], impl=impl)
+    extras = dict(shared=True, bias=True) if "shared" in name else {}
+    params = _params(cfg, dtype, device, **extras)
+    x = torch.randn(13, H, device=device).to(dtype).requires_grad_()
+    y, stats = moe(x, params, cfg)
+    assert y.dtype == dtype and y.shape == x.shape
+
+    ref_params = {n: t.detach().clone().requires_grad_(t.requires_grad) for n, t in params.items()}
+    x_ref = x.detach().clone().requires_grad_()
+    y_ref, routes = _loop_moe(x_ref, ref_params, cfg)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert _rel(y, y_ref) < tol
+
+    upstream = torch.randn_like(y_ref)
+    (y.float() * upstream).sum().backward()
+    (y_ref * upstream).sum().backward()
+    assert _rel(x.grad, x_ref.grad) < tol
+    for n, t in params.items():
+        if t.requires_grad:
+            assert _rel(t.grad, ref_params[n].grad) < tol, n
+
+    counts = ops.tokens_per_expert(routes.experts, cfg.n_experts)
+    assert torch.equal(stats["tokens_per_expert"], counts)
+    assert stats["dropped_fraction"].item() == pytest.approx(1 - counts.sum().item() / (13 * cfg.k))
+    assert stats["load_max_over_mean"].item() == pytest.approx(counts.max().item() / counts.float().mean().item())
+
+
+def test_stats_feed_the_losses_and_bias_update(device):
+    cfg = MoEConfig(n_experts=8, k=2, score="sigmoid")
+    params = _params(cfg, torch.float32, device, bias=True)
+    x = torch.randn(24, H, device=device)
+    _, stats = moe(x, params, cfg)
+    assert stats["aux_scores"].shape == (24, 8) and stats["aux_experts"].shape == (24, 2)
+    torch.testing.assert_close(stats["aux_counts"], ops.tokens_per_expert(stats["aux_experts"], 8))
+    aux = ops.load_balancing_loss(stats["aux_scores"], stats["aux_counts"], k=2, n_tokens=24)
+    seq = ops.seq_load_balancing_loss(stats["aux_scores"], stats["aux_experts"], torch.tensor([0, 10, 24]), k=2)
+    (aux + seq + ops.z_loss(stats["router_logits"])).backward()
+    assert params["router"].grad.abs().sum() > 0  # the losses reach the router
+    new_bias = ops.update_expert_bias(params["expert_bias"], stats["tokens_per_expert"], 1e-3)
+    assert not torch.equal(new_bias, params["expert_bias"])
+    _, no_aux = moe(x, params, dataclasses.replace(cfg, aux_scores=False))
+    assert "aux_scores" not in no_aux.keys()
+
+
+def test_random_routing_keeps_the_router_in_the_graph(device):
+    cfg = MoEConfig(n_experts=4, k=2, random_routing=True)
+    params = _params(cfg, torch.float32, device)
+    x = torch.randn(16, H, device=device)
+    y1, _ = moe(x, params, cfg)
+    y2, _ = moe(x, params, cfg)
+    assert not torch.equal(y1, y2)  # fresh random routes each call
+    (y1 * torch.randn_like(y1)).sum().backward()
+    assert params["router"].grad.abs().sum() > 0
+
+
+def test_moe_bad_inputs(device):
+    cfg = MoEConfig(n_experts=4, k=2)
+    params = _params(cfg, torch.float32, device)
+    x = torch.randn(5, H, device=device)
+    with pytest.raises(ValueError, match=r"x: expected a 2-D"):
+        moe(x[None], params, cfg)
+    with pytest.raises(ValueError, match=r"params\['router'\]: expected float32 \[4, 32\]"):
+        moe(x, dict(params, router=torch.randn(4, H + 1, device=device)), cfg)
+    with pytest.raises(ValueError, match=r"params\['w_gate'\]: expected \[4, 32, F\]"):
+        moe(x, dict(params, w_gate=params["w_gate"][:, :8]), cfg)
+    with pytest.raises(ValueError, match=r"params\['w_gate'\]: dtype torch.bfloat16 differs from x's torch.float32"):
+        moe(x, dict(params, w_gate=params["w_gate"].bfloat16()), cfg)
+    with pytest.raises(ValueError, match="w_down"):
+        moe(x, dict(params, w_down=params["w_down"][:, :, :8]), cfg)
+    with pytest.raises(ValueError, match="align"):
+        moe(x, params, dataclasses.replace(cfg, align=0))
+    with pytest.raises(ValueError, match="params: shared experts need all of"):
+        moe(x, dict(params, shared_w_gate=torch.randn(H, 8, device=device)), cfg)
+
+
+# ---------------------------------------------------------------------------- module
+
+
+def test_module_owns_parameters_and_keeps_router_and_bias_float32():
+    cfg = MoEConfig(n_experts=4, k=2, score="sigmoid")
+    layer = MoE(H, FFN, cfg, shared_ffn=FS, shared_gate=True, expert_bias=True)
+    names = {n for n, _ in layer.named_parameters()}
+    assert names == {"router", "w_gate", "w_up", "w_down", "shared_w_gate", "shared_w_up", "shared_w_down", "shared_gate"}
+    assert "expert_bias" in layer.state_dict()
+    layer.expert_bias[0] = 1.0 + 1e-3  # a step bfloat16 cannot hold next to 1.0
+    router = layer.router.data.clone()
+    layer.to(torch.bfloat16)
+    assert layer.w_gate.dtype == torch.bfloat16 and layer.shared_gate.dtype == torch.bfloat16
+    assert layer.router.dtype == torch.float32 and torch.equal(layer.router.data, router)
+    assert layer.expert_bias.dtype == torch.float32 and layer.expert_bias[0].item() == pytest.approx(1.0 + 1e-3, abs=1e-7)
+    x = torch.randn(2, 3, H, dtype=torch.bfloat16)
+    y, stats = layer(x)
+    assert y.shape == x.shape and y.dtype == torch.bfloat16
+    assert stats["tokens_per_expert"].sum() == 2 * 3 * 2
+
+
+def test_module_matches_the_functional_layer():
+    cfg = MoEConfig(n_experts=4, k=2)
+    layer = MoE(H, FFN, cfg)
+    x = torch.randn(7, H)
+    torch.testing.assert_close(layer(x)[0], moe(x, layer.params(), cfg)[0])
+
+
+def test_module_bad_config():
+    with pytest.raises(ValueError, match="expert_bias: needs cfg.score == 'sigmoid'"):
+        MoE(H, FFN, MoEConfig(n_experts=4, k=2), expert_bias=True)
+    with pytest.raises(ValueError, match="shared_gate: needs shared experts"):
+        MoE(H, FFN, MoEConfig(n_experts=4, k=2), shared_gate=True)
+
+
+@pytest.mark.gpu
+def test_gpu_layer_at_shape_a():
+    # shape A of the layer benchmark: auto (Triton + torch._grouped_mm) against the reference ops
+    T, Hg, E, k, Fe = 16384, 2048, 128, 8, 768
+    cfg = MoEConfig(n_experts=E, k=k)
+    p = {
+        "router": torch.randn(E, Hg, device="cuda") * Hg**-0.5,
+        "w_gate": (torch.randn(E, Hg, Fe, device="cuda") * Hg**-0.5).bfloat16(),
+        "w_up": (torch.randn(E, Hg, Fe, device="cuda") * Hg**-0.5).bfloat16(),
+        "w_down": (torch.randn(E, Fe, Hg, device="cuda") * Fe**-0.5).bfloat16(),
+    }
+    p = {n: t.requires_grad_() for n, t in p.items()}
+    x = torch.randn(T, Hg, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    upstream = torch.randn(T, Hg, device="cuda", dtype=torch.bfloat16)
+    leaves = [x, *p.values()]
+    y_auto, _ = moe(x, p, cfg)
+    g_auto = torch.autograd.grad(y_auto, leaves, upstream)
+    y_ref, _ = moe(x, p, dataclasses.replace(cfg, impl="torch"))
+    g_ref = torch.autograd.grad(y_ref, leaves, upstream)
+    assert _rel(y_auto, y_ref) < 1e-2
+    for a, b in zip(g_auto, g_ref):
+        assert _rel(a, b) < 2e-2
