@@ -34,12 +34,15 @@ def test_public_signatures_follow_the_contract():
         assert kw[: len(keyword.split())] == keyword.split(), name  # extra keywords may follow
 
 
-def test_readme_example_runs():
+def test_readme_examples_run():
     readme = (ROOT / "README.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
-    assert blocks, "README.md has no python example"
+    assert len(blocks) == 2, "README.md should hold the routing and the MoE block examples"
+    scopes = []
     for code in blocks:
-        scope = {}
-        exec(compile(code, "README.md", "exec"), scope)
-    # the example's last line moved the bias: it really ran the balancing update
-    assert scope["bias"].abs().sum() > 0 and scope["logits"].grad is not None
+        scopes.append({})
+        exec(compile(code, "README.md", "exec"), scopes[-1])
+    routing, block = scopes
+    # the routing example really ran the losses' backward and the balancing update
+    assert routing["bias"].abs().sum() > 0 and routing["logits"].grad is not None
+    assert block["y"].shape == (4, 16, 64) and int(block["stats"]["tokens_per_expert"].sum()) == 4 * 16 * 2
