@@ -26,7 +26,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from fmoe.ops import balance, dispatch, experts, routing  # noqa: E402
+from fmoe.ops import balance, dispatch, experts, packed, rope, routing  # noqa: E402
 
 BIN = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 TARGET = GPUTarget("cuda", 90, 32)
@@ -114,6 +114,20 @@ def cases():
     yield "swiglu_bwd", experts._swiglu_bwd_kernel, dict(gate_ptr="*bf16", up_ptr="*bf16", grad_h_ptr="*bf16", grad_gate_ptr="*bf16", grad_up_ptr="*bf16"), dict(n="i32"), experts._SWIGLU_META
     for name, per_expert in (("zero_unowned rows", False), ("zero_unowned dW", True)):
         yield name, experts._zero_unowned_kernel, dict(out_ptr="*bf16", offsets_ptr="*i32"), dict(n_rows="i32", n_cols="i32", E="i32"), dict(PER_EXPERT=per_expert, **experts._ZERO_META)
+    # RoPE at T=16384, D=128, bf16: q with 32 heads, k with 8, the backward (inverse
+    # rotation), interleaved pairs, and MLA's 64 rotated of 192 channels over 128 heads
+    rope_ptrs = dict(x_ptr="*bf16", cos_ptr="*fp32", sin_ptr="*fp32", out_ptr="*bf16")
+    rope_scalars = dict(N="i32", T="i32", H="i32", stride_xn="i32", stride_xh="i32", stride_on="i32", stride_oh="i32")
+    for name, H, F, P, interleaved, inverse in (
+        ("rope_fwd q", 32, 64, 0, False, False), ("rope_bwd q", 32, 64, 0, False, True),
+        ("rope_fwd k", 8, 64, 0, False, False), ("rope_fwd q inter", 32, 64, 0, True, False),
+        ("rope_fwd mla", 128, 32, 128, True, False),
+    ):
+        yield name, rope._rope_kernel, rope_ptrs, rope_scalars, dict(F=F, P=P, INTERLEAVED=interleaved, INVERSE=inverse, **rope._blocks(H, F, P))
+    # packed sequences at T=65536: hidden [T, 2048] bf16 (moved as int16) and token ids [T] int64
+    roll_sc = dict(T="i32", INNER="i32", n_seqs="i32", n_steps="i32", shift="i32")
+    yield "roll_packed hidden", packed._roll_packed_kernel, dict(x_ptr="*i16", cu_ptr="*i32", fill_ptr="*i16", out_ptr="*i16"), roll_sc, packed._roll_blocks(2048)
+    yield "roll_packed ids", packed._roll_packed_kernel, dict(x_ptr="*i64", cu_ptr="*i32", fill_ptr="*i64", out_ptr="*i64"), roll_sc, packed._roll_blocks(1)
 
 
 def main():

@@ -1,6 +1,9 @@
 """Pure functional layers built from fmoe.ops: parameters and config in, (output, stats) out.
 
     moe(x[T,H], params, cfg) -> (y[T,H], stats)
+    attention(x[T,H], params, cfg, positions[T], cu_seqlens[n+1]) -> (y[T,H], stats)
+
+## moe
 
 route (optionally random or capacity-limited) -> permute -> grouped_mlp (SwiGLU experts)
 -> unpermute (gate weights in float32), plus optional shared experts: a dense SwiGLU on
@@ -24,7 +27,18 @@ numbers worth logging:
                        update_expert_bias sums these over micro-batches and ranks
     load_max_over_mean, load_cv, dropped_fraction   0-D float32 (no host sync)
 
-Legend: T tokens, H hidden, E experts, K = k slots, F expert FFN size, Fs shared FFN size.
+## attention
+
+Grouped-query causal self-attention over packed documents (SPEC.md 4-5): q, k, v projections,
+RoPE or YaRN on the first rot_dim channels of q and k at the given positions (restarting at
+0 in each document), softmax scale 1/sqrt(head_dim) or YaRN's mscale(s, mscale_all_dim)^2 /
+sqrt(head_dim), and a mask that lets a token see the earlier tokens of its own document
+only, so a document's outputs do not depend on what it is packed with. CUDA: FlexAttention
+with a block mask built from cu_seqlens; CPU: scaled_dot_product_attention with the dense
+mask (the reference). params: wq [H, n_heads*D], wk, wv [H, n_kv_heads*D], wo [n_heads*D, H].
+
+Legend: T tokens, H hidden, E experts, K = k slots, F expert FFN size, Fs shared FFN size,
+N query heads, G kv heads, D head dim.
 """
 
 from __future__ import annotations
@@ -38,8 +52,18 @@ from tensordict import TensorDict
 
 from fmoe.ops import aux_scores as _aux_scores
 from fmoe.ops import drop_by_capacity, random_logits, route
+from fmoe.ops._common import IMPLS, check_cu_seqlens, check_index
 from fmoe.ops.dispatch import permute, unpermute
 from fmoe.ops.experts import grouped_mlp, swiglu
+from fmoe.ops.packed import positions_from_cu_seqlens
+from fmoe.ops.rope import (
+    apply_rope,
+    rope_cos_sin,
+    rope_inv_freq,
+    yarn_cos_sin_scale,
+    yarn_inv_freq,
+    yarn_softmax_scale,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,3 +173,151 @@ def moe(x: torch.Tensor, params, cfg: MoEConfig):
         scores_TE, experts_TK, counts = _aux_scores(logits_TE, k, score=cfg.score, return_counts=True, impl=cfg.impl)
         stats.update(aux_scores=scores_TE, aux_experts=experts_TK, aux_counts=counts)
     return y_TH, TensorDict(stats, batch_size=[])
+
+
+# ----------------------------------------------------------------------------------------
+# attention
+# ----------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """Grouped-query attention with RoPE or YaRN.
+
+    n_heads, n_kv_heads, head_dim: N query heads sharing G = n_kv_heads key/value heads
+    (N % G == 0) of D = head_dim. rope_base: RoPE base. rot_dim: channels of each head that
+    are rotated (default all; multi-latent attention rotates a part). yarn_factor: YaRN
+    context extension factor s (None: plain RoPE) over yarn_original_max_positions, with
+    yarn_beta_fast / yarn_beta_slow and the mscale pair (the softmax scale uses
+    yarn_mscale_all_dim). impl: "auto" (FlexAttention on CUDA, the SDPA reference on CPU),
+    "flex", "torch"; the RoPE op follows "auto" / "torch".
+    """
+
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rope_base: float = 10000.0
+    rot_dim: Optional[int] = None
+    interleaved: bool = False
+    yarn_factor: Optional[float] = None
+    yarn_original_max_positions: int = 4096
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 1.0
+    impl: str = "auto"
+
+
+def rope_tables(positions: torch.Tensor, cfg: AttentionConfig):
+    """(cos, sin) [T, rot_dim/2] for cfg's RoPE or YaRN at positions [T]."""
+    rot = cfg.rot_dim or cfg.head_dim
+    if cfg.yarn_factor is None:
+        return rope_cos_sin(positions, rope_inv_freq(rot, base=cfg.rope_base).to(positions.device))
+    inv_freq = yarn_inv_freq(
+        rot, base=cfg.rope_base, factor=cfg.yarn_factor, original_max_positions=cfg.yarn_original_max_positions,
+        beta_fast=cfg.yarn_beta_fast, beta_slow=cfg.yarn_beta_slow,
+    ).to(positions.device)
+    scale = yarn_cos_sin_scale(cfg.yarn_factor, mscale=cfg.yarn_mscale, mscale_all_dim=cfg.yarn_mscale_all_dim)
+    return rope_cos_sin(positions, inv_freq, scale=scale)
+
+
+def softmax_scale(cfg: AttentionConfig) -> float:
+    """1/sqrt(D), or YaRN's mscale(s, mscale_all_dim)^2 / sqrt(D) (SPEC 4: mscale_all_dim,
+    not mscale)."""
+    if cfg.yarn_factor is None:
+        return cfg.head_dim**-0.5
+    return yarn_softmax_scale(cfg.head_dim, factor=cfg.yarn_factor, mscale_all_dim=cfg.yarn_mscale_all_dim)
+
+
+def document_ids(cu_seqlens: torch.Tensor, n_tokens: int) -> torch.Tensor:
+    """[T] int64: the index of the packed document each token belongs to."""
+    cu = cu_seqlens.to(torch.int64)
+    return torch.searchsorted(cu[1:], torch.arange(n_tokens, device=cu.device), right=True)
+
+
+_flex_compiled = None
+
+
+def _flex(q_NTD, k_GTD, v_GTD, doc_T, scale):
+    """FlexAttention with a causal, same-document block mask. Compiled on CUDA (the fused
+    kernel); on CPU the eager path, which tests the mask against the reference."""
+    global _flex_compiled
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    def same_doc_causal(b, h, q_idx, kv_idx):
+        return (doc_T[q_idx] == doc_T[kv_idx]) & (kv_idx <= q_idx)
+
+    T = q_NTD.shape[1]
+    block_mask = create_block_mask(same_doc_causal, None, None, T, T, device=q_NTD.device)
+    fn = flex_attention
+    if q_NTD.is_cuda:
+        if _flex_compiled is None:  # compile once; a cache of the compiled kernel, not of results
+            _flex_compiled = torch.compile(flex_attention)
+        fn = _flex_compiled
+    out = fn(q_NTD[None], k_GTD[None], v_GTD[None], block_mask=block_mask, scale=scale, enable_gqa=True)
+    return out[0]
+
+
+def _sdpa(q_NTD, k_GTD, v_GTD, doc_T, scale):
+    T = q_NTD.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=q_NTD.device).tril()
+    mask_TT = causal & (doc_T[:, None] == doc_T[None, :])
+    return F.scaled_dot_product_attention(q_NTD, k_GTD, v_GTD, attn_mask=mask_TT, scale=scale, enable_gqa=True)
+
+
+def _check_attention(x_TH, params, cfg, positions, cu_seqlens):
+    if not isinstance(x_TH, torch.Tensor) or x_TH.ndim != 2 or not x_TH.is_floating_point():
+        raise ValueError(f"x: expected a 2-D float tensor [T, H], got {getattr(x_TH, 'shape', type(x_TH).__name__)}")
+    T, H = x_TH.shape
+    N, G, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    if N < 1 or G < 1 or N % G:
+        raise ValueError(f"cfg.n_kv_heads: the {N} query heads must split evenly over the kv heads, got n_kv_heads = {G}")
+    rot = cfg.rot_dim or D
+    if rot % 2 or rot > D:
+        raise ValueError(f"cfg.rot_dim: expected an even number <= head_dim = {D}, got {rot}")
+    if cfg.impl not in IMPLS + ("flex",):
+        raise ValueError(f"cfg.impl: expected one of {IMPLS + ('flex',)}, got {cfg.impl!r}")
+    for name, shape in (("wq", (H, N * D)), ("wk", (H, G * D)), ("wv", (H, G * D)), ("wo", (N * D, H))):
+        w = params.get(name)
+        if w is None or tuple(w.shape) != shape or w.dtype != x_TH.dtype:
+            got = f"{w.dtype} {list(w.shape)}" if w is not None else "nothing"
+            raise ValueError(f"params['{name}']: expected {x_TH.dtype} {list(shape)}, got {got}")
+    check_cu_seqlens(cu_seqlens, T)
+    if positions is not None:
+        check_index("positions", positions, 1, "[T]")
+        if positions.shape[0] != T:
+            raise ValueError(f"positions: expected {T} entries (one per token), got {positions.shape[0]}")
+
+
+def attention(x: torch.Tensor, params, cfg: AttentionConfig, positions: Optional[torch.Tensor], cu_seqlens: torch.Tensor):
+    """Causal grouped-query self-attention over packed documents.
+
+    Args:
+        x: [T, H] packed tokens. params: wq, wk, wv, wo (module docstring).
+        cfg: AttentionConfig.
+        positions: [T] int positions for RoPE (None: restart at 0 in each document).
+        cu_seqlens: [n + 1] int document boundaries, 0 ... T.
+    Returns:
+        (y [T, H] in x's dtype, stats): stats is an empty TensorDict (attention has no
+        losses), kept for the layers' common (output, stats) form.
+    """
+    _check_attention(x, params, cfg, positions, cu_seqlens)
+    T = x.shape[0]
+    N, G, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    cu = cu_seqlens.to(x.device)
+    if positions is None:
+        positions = positions_from_cu_seqlens(cu)
+    rope_impl = "torch" if cfg.impl == "torch" else "auto"
+    cos, sin = rope_tables(positions.to(x.device), cfg)
+    q_TND = apply_rope((x @ params["wq"]).view(T, N, D), cos, sin, interleaved=cfg.interleaved, impl=rope_impl)
+    k_TGD = apply_rope((x @ params["wk"]).view(T, G, D), cos, sin, interleaved=cfg.interleaved, impl=rope_impl)
+    v_TGD = (x @ params["wv"]).view(T, G, D)
+
+    doc_T = document_ids(cu, T)
+    use_flex = cfg.impl == "flex" or (cfg.impl == "auto" and x.is_cuda)
+    if use_flex and not x.is_cuda and torch.is_grad_enabled() and (x.requires_grad or any(params[n].requires_grad for n in ("wq", "wk", "wv"))):
+        raise ValueError("cfg.impl: FlexAttention has no backward on CPU; use impl='torch' (or 'auto') to train on CPU")
+    attend = _flex if use_flex else _sdpa
+    out_NTD = attend(q_TND.transpose(0, 1), k_TGD.transpose(0, 1), v_TGD.transpose(0, 1), doc_T, softmax_scale(cfg))
+    y_TH = out_NTD.transpose(0, 1).reshape(T, N * D) @ params["wo"]
+    return y_TH, TensorDict({}, batch_size=[])

@@ -14,22 +14,44 @@ from fmoe.ops.balance import (
 )
 from fmoe.ops.dispatch import PermutePlan, permute, unpermute
 from fmoe.ops.experts import grouped_mlp, swiglu
+from fmoe.ops.packed import mtp_targets, positions_from_cu_seqlens, roll_packed
+from fmoe.ops.rope import (
+    apply_rope,
+    rope_cos_sin,
+    rope_inv_freq,
+    yarn_correction_range,
+    yarn_cos_sin_scale,
+    yarn_inv_freq,
+    yarn_mscale,
+    yarn_softmax_scale,
+)
 from fmoe.ops.routing import Routes, drop_by_capacity, random_logits, route
 
 __all__ = [
     "PermutePlan",
     "Routes",
+    "apply_rope",
     "aux_scores",
     "drop_by_capacity",
     "grouped_mlp",
     "load_balancing_loss",
+    "mtp_targets",
     "permute",
+    "positions_from_cu_seqlens",
     "random_logits",
+    "roll_packed",
+    "rope_cos_sin",
+    "rope_inv_freq",
     "route",
     "seq_load_balancing_loss",
     "swiglu",
     "tokens_per_expert",
     "unpermute",
     "update_expert_bias",
+    "yarn_correction_range",
+    "yarn_cos_sin_scale",
+    "yarn_inv_freq",
+    "yarn_mscale",
+    "yarn_softmax_scale",
     "z_loss",
 ]

@@ -1,0 +1,420 @@
+"""RoPE and YaRN: the SPEC's worked numbers, a complex-number rotation, kernels vs reference."""
+
+import math
+
+import pytest
+import torch
+
+from fmoe.ops.rope import (
+    apply_rope,
+    apply_rope_ref,
+    rope_cos_sin,
+    rope_inv_freq,
+    yarn_correction_range,
+    yarn_cos_sin_scale,
+    yarn_inv_freq,
+    yarn_mscale,
+    yarn_softmax_scale,
+)
+
+
+def _cos_sin(T, R, device="cpu", base=10000.0, offset=0):
+    positions = torch.arange(offset, offset + T, device=device)
+    return rope_cos_sin(positions, rope_inv_freq(R, base=base, device=device))
+
+
+def _complex_rotation(x, cos_TF, sin_TF, interleaved):
+    """x [..., T, H, D] with each pair (a, b) as a + ib times cos + i sin, in float64."""
+    F = cos_TF.shape[1]
+    R = 2 * F
+    x64 = x.double()
+    if interleaved:
+        a, b = x64[..., 0:R:2], x64[..., 1:R:2]
+    else:
+        a, b = x64[..., :F], x64[..., F:R]
+    z = torch.complex(a, b) * torch.complex(cos_TF.double(), sin_TF.double())[:, None, :]
+    if interleaved:
+        rot = torch.stack([z.real, z.imag], dim=-1).flatten(-2)
+    else:
+        rot = torch.cat([z.real, z.imag], dim=-1)
+    return torch.cat([rot, x64[..., R:]], dim=-1)
+
+
+# ---------------------------------------------------------------------------- reference
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("lead,T,H,D,R", [((), 9, 2, 8, 8), ((2,), 5, 3, 12, 8), ((2, 3), 4, 1, 6, 2)], ids=str)
+def test_reference_is_the_complex_rotation(lead, T, H, D, R, interleaved):
+    x = torch.randn(*lead, T, H, D)
+    cos, sin = _cos_sin(T, R, offset=3)
+    expected = _complex_rotation(x, cos, sin, interleaved)
+    torch.testing.assert_close(apply_rope_ref(x, cos, sin, interleaved).double(), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_reference_rotate_half_worked_example():
+    # D = 4, one token at position 1, base 1: inv_freq = [1, 1], theta = 1 for both pairs;
+    # pairs (0, 2) and (1, 3)
+    x = torch.tensor([[[1.0, 2.0, 3.0, 4.0]]])
+    cos, sin = rope_cos_sin(torch.tensor([1]), torch.ones(2))
+    c, s = math.cos(1.0), math.sin(1.0)
+    expected = torch.tensor([[[1 * c - 3 * s, 2 * c - 4 * s, 3 * c + 1 * s, 4 * c + 2 * s]]])
+    torch.testing.assert_close(apply_rope(x, cos, sin), expected)
+    # interleaved: pairs (0, 1) and (2, 3)
+    expected = torch.tensor([[[1 * c - 2 * s, 2 * c + 1 * s, 3 * c - 4 * s, 4 * c + 3 * s]]])
+    torch.testing.assert_close(apply_rope(x, cos, sin, interleaved=True), expected)
+
+
+# ---------------------------------------------------------------------------- kernels
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("D,R", [(16, 16), (64, 64), (48, 32)], ids=str)
+@pytest.mark.parametrize("H", [1, 3])
+@pytest.mark.parametrize("lead,T", [((), 1), ((), 7), ((), 33), ((2,), 7)], ids=str)
+def test_triton_matches_reference(lead, T, H, D, R, interleaved, dtype, device):
+    x = torch.randn(*lead, T, H, D, device=device).to(dtype)
+    cos, sin = _cos_sin(T, R, device=device)
+    x_tri = x.clone().requires_grad_()
+    x_ref = x.clone().requires_grad_()
+    y_tri = apply_rope(x_tri, cos, sin, interleaved=interleaved, impl="triton")
+    y_ref = apply_rope(x_ref, cos, sin, interleaved=interleaved, impl="torch")
+    assert y_tri.dtype == dtype and y_tri.shape == x.shape
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-5)
+    torch.testing.assert_close(y_tri, y_ref, **tol)
+    assert torch.equal(y_tri[..., R:], x[..., R:])  # the pass-through channels, bit for bit
+
+    grad_y = torch.randn_like(y_ref)
+    y_tri.backward(grad_y)
+    y_ref.backward(grad_y)
+    assert x_tri.grad.dtype == dtype
+    torch.testing.assert_close(x_tri.grad, x_ref.grad, **tol)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_backward_is_the_inverse_rotation(impl, interleaved, device):
+    x = torch.randn(2, 11, 3, 24, device=device, requires_grad=True)
+    cos, sin = _cos_sin(11, 16, device=device)
+    grad_y = torch.randn_like(x)
+    apply_rope(x, cos, sin, interleaved=interleaved, impl=impl).backward(grad_y)
+    inverse = apply_rope_ref(grad_y, cos, -sin, interleaved)
+    torch.testing.assert_close(x.grad, inverse, rtol=1e-5, atol=1e-6)
+    # and undoes the forward
+    y = apply_rope(x.detach(), cos, sin, interleaved=interleaved, impl=impl)
+    torch.testing.assert_close(apply_rope_ref(y, cos, -sin, interleaved), x.detach(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_rotation_preserves_norms(impl, interleaved, device):
+    x = torch.randn(40, 4, 32, device=device)
+    cos, sin = _cos_sin(40, 24, device=device, offset=1000)
+    y = apply_rope(x, cos, sin, interleaved=interleaved, impl=impl)
+    torch.testing.assert_close(y.norm(dim=-1), x.norm(dim=-1))
+    # each pair keeps its own norm
+    pairs = (lambda t: torch.stack([t[..., 0:24:2], t[..., 1:24:2]], -1)) if interleaved else (
+        lambda t: torch.stack([t[..., :12], t[..., 12:24]], -1))
+    torch.testing.assert_close(pairs(y).norm(dim=-1), pairs(x).norm(dim=-1))
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_packed_positions_restart_per_document(impl, device):
+    lengths = [5, 1, 9]
+    positions = torch.cat([torch.arange(n) for n in lengths]).to(device)
+    inv_freq = rope_inv_freq(16, device=device)
+    x = torch.randn(2, sum(lengths), 3, 20, device=device)
+    packed = apply_rope(x, *rope_cos_sin(positions, inv_freq), impl=impl)
+    start = 0
+    for n in lengths:
+        alone = apply_rope(x[:, start:start + n], *rope_cos_sin(torch.arange(n, device=device), inv_freq), impl=impl)
+        torch.testing.assert_close(packed[:, start:start + n], alone, rtol=0, atol=0)
+        start += n
+    # position 0 is the identity
+    first = packed[:, :1]
+    torch.testing.assert_close(first, x[:, :1])
+
+
+def test_int32_and_int64_positions_agree():
+    inv_freq = rope_inv_freq(8)
+    p = torch.tensor([0, 3, 70000])
+    for a, b in zip(rope_cos_sin(p, inv_freq), rope_cos_sin(p.int(), inv_freq)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_empty_tokens(impl, device):
+    x = torch.randn(0, 2, 8, device=device, requires_grad=True)
+    cos, sin = _cos_sin(0, 8, device=device)
+    y = apply_rope(x, cos, sin, impl=impl)
+    assert y.shape == (0, 2, 8)
+    y.sum().backward()
+    assert x.grad.shape == x.shape
+
+
+# ---------------------------------------------------------------------------- in place
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_inplace_without_grad(impl, interleaved, device):
+    x = torch.randn(2, 6, 3, 24, device=device, dtype=torch.bfloat16)
+    cos, sin = _cos_sin(6, 16, device=device)
+    expected = apply_rope(x, cos, sin, interleaved=interleaved, impl=impl)
+    y = x.clone()
+    ptr = y.data_ptr()
+    out = apply_rope(y, cos, sin, interleaved=interleaved, inplace=True, impl=impl)
+    assert out is y and y.data_ptr() == ptr
+    assert torch.equal(y, expected)
+    # a leaf that requires grad may be rotated in place while grad mode is off
+    leaf = x.float().requires_grad_()
+    with torch.no_grad():
+        apply_rope(leaf, cos, sin, interleaved=interleaved, inplace=True, impl=impl)
+    torch.testing.assert_close(leaf.detach(), expected.float(), rtol=1.6e-2, atol=1e-5)
+
+
+def _qkv_step(w, x, cos, sin, Hq, Hk, D, inplace, impl):
+    """q and k rotated inside the fused [T, (Hq + 2 Hk) D] projection (strided views)."""
+    T = x.shape[0]
+    qkv = x @ w
+    q = qkv[:, : Hq * D].view(T, Hq, D)
+    k = qkv[:, Hq * D:(Hq + Hk) * D].view(T, Hk, D)
+    v = qkv[:, (Hq + Hk) * D:].view(T, Hk, D)
+    if inplace:
+        apply_rope(q, cos, sin, inplace=True, impl=impl)
+        apply_rope(k, cos, sin, inplace=True, impl=impl)
+    else:
+        q, k = apply_rope(q, cos, sin, impl=impl), apply_rope(k, cos, sin, impl=impl)
+    scores = torch.einsum("thd,skd->hts", q[:, :Hk], k)
+    return (scores.sum() + (v * q[:, :Hk]).sum()), qkv
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_inplace_on_a_fused_qkv_buffer_with_autograd(impl, device):
+    T, Hq, Hk, D, C = 7, 4, 2, 16, 12
+    x = torch.randn(T, C, device=device)
+    w = torch.randn(C, (Hq + 2 * Hk) * D, device=device)
+    cos, sin = _cos_sin(T, 8, device=device)
+    w1, w2 = w.clone().requires_grad_(), w.clone().requires_grad_()
+    loss_in, qkv_in = _qkv_step(w1, x, cos, sin, Hq, Hk, D, True, impl)
+    loss_out, qkv_out = _qkv_step(w2, x, cos, sin, Hq, Hk, D, False, impl)
+    torch.testing.assert_close(loss_in, loss_out)
+    # the buffer now holds rotated q and k and the untouched v
+    rot_q = apply_rope_ref(qkv_out[:, : Hq * D].view(T, Hq, D), cos, sin).flatten(1)
+    torch.testing.assert_close(qkv_in[:, : Hq * D], rot_q)
+    assert torch.equal(qkv_in[:, (Hq + Hk) * D:], qkv_out[:, (Hq + Hk) * D:])
+    loss_in.backward()
+    loss_out.backward()
+    torch.testing.assert_close(w1.grad, w2.grad)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_layout_without_a_rows_view(impl, device):
+    # [B, T, H, D] transposed from [T, B, H, D]: B and T do not merge into one stride
+    base = torch.randn(5, 2, 3, 16, device=device)
+    x = base.transpose(0, 1)
+    cos, sin = _cos_sin(5, 16, device=device)
+    expected = apply_rope_ref(x, cos, sin)
+    torch.testing.assert_close(apply_rope(x, cos, sin, impl=impl), expected)
+    apply_rope(x, cos, sin, inplace=True, impl=impl)
+    torch.testing.assert_close(base.transpose(0, 1), expected)
+
+
+def test_inplace_refuses_a_leaf_that_requires_grad(device):
+    x = torch.randn(4, 2, 8, device=device, requires_grad=True)
+    cos, sin = _cos_sin(4, 8, device=device)
+    for impl in ("torch", "triton"):
+        _raises("inplace: x is a leaf tensor that requires grad", apply_rope, x, cos, sin, inplace=True, impl=impl)
+
+
+# ---------------------------------------------------------------------------- frequencies, YaRN
+
+
+def test_rope_inv_freq_and_cos_sin_values():
+    torch.testing.assert_close(rope_inv_freq(4, base=100.0), torch.tensor([1.0, 0.1]))
+    inv = rope_inv_freq(128, base=500000.0)
+    assert inv.dtype == torch.float32 and inv.shape == (64,)
+    expected = torch.tensor([500000.0 ** (-2 * j / 128) for j in range(64)], dtype=torch.float64)
+    torch.testing.assert_close(inv, expected.float(), rtol=0, atol=0)  # rounded once from float64
+    positions = torch.tensor([0, 1, 2, 0, 5])
+    cos, sin = rope_cos_sin(positions, torch.tensor([1.0, 0.5]), scale=2.0)
+    assert cos.shape == sin.shape == (5, 2) and cos.dtype == sin.dtype == torch.float32
+    angles = positions[:, None].double() * torch.tensor([1.0, 0.5], dtype=torch.float64)
+    torch.testing.assert_close(cos, 2 * torch.cos(angles).float())
+    torch.testing.assert_close(sin, 2 * torch.sin(angles).float())
+
+
+def test_yarn_deepseek_v3_numbers():
+    dsv3 = dict(base=10000.0, original_max_positions=4096)
+    assert yarn_correction_range(64, **dsv3) == (10, 23)
+    assert yarn_mscale(40, 1.0) == pytest.approx(0.1 * math.log(40) + 1) == pytest.approx(1.368888, abs=1e-6)
+    assert yarn_mscale(40, 1.0) ** 2 == pytest.approx(1.87385, abs=1e-5)
+    assert yarn_softmax_scale(192, factor=40, mscale_all_dim=1.0) == pytest.approx(0.135234, abs=1e-6)
+    assert yarn_softmax_scale(192, factor=40, mscale_all_dim=1.0) == pytest.approx(1.87385 / math.sqrt(192), rel=1e-5)
+    assert yarn_cos_sin_scale(40, mscale=1.0, mscale_all_dim=1.0) == 1.0
+
+    # inv_freq, pair by pair: kept below low = 10, divided by 40 from high = 23, a linear
+    # blend between
+    inv = yarn_inv_freq(64, factor=40, **dsv3)
+    for j in range(32):
+        base_j = 10000.0 ** (-2 * j / 64)
+        ramp = min(max((j - 10) / (23 - 10), 0.0), 1.0)
+        assert inv[j].item() == pytest.approx(base_j / 40 * ramp + base_j * (1 - ramp), rel=1e-6)
+    assert torch.equal(inv[:11], rope_inv_freq(64)[:11])
+    torch.testing.assert_close(inv[23:], rope_inv_freq(64)[23:] / 40)
+
+
+def test_yarn_softmax_scale_uses_mscale_all_dim_not_mscale():
+    s, d = 40.0, 192
+    mscale, mscale_all_dim = 0.707, 1.0  # different on purpose
+    scale = yarn_softmax_scale(d, factor=s, mscale_all_dim=mscale_all_dim)
+    assert scale == pytest.approx((0.1 * mscale_all_dim * math.log(s) + 1) ** 2 / math.sqrt(d), rel=1e-12)
+    assert scale != pytest.approx((0.1 * mscale * math.log(s) + 1) ** 2 / math.sqrt(d), rel=1e-3)
+    assert yarn_softmax_scale(d, factor=s, mscale_all_dim=mscale) != pytest.approx(scale, rel=1e-3)
+    # the cos/sin scale is the ratio of the two
+    ratio = (0.1 * mscale * math.log(s) + 1) / (0.1 * mscale_all_dim * math.log(s) + 1)
+    assert yarn_cos_sin_scale(s, mscale=mscale, mscale_all_dim=mscale_all_dim) == pytest.approx(ratio, rel=1e-12)
+    # plain YaRN (all of the concentration on cos/sin)
+    assert yarn_cos_sin_scale(s, mscale=1.0, mscale_all_dim=0.0) == pytest.approx(0.1 * math.log(s) + 1)
+
+
+def test_yarn_without_extension():
+    for factor in (1.0, 0.5):
+        assert yarn_mscale(factor, 1.0) == 1.0 and yarn_mscale(factor, 3.0) == 1.0
+        assert yarn_softmax_scale(128, factor=factor, mscale_all_dim=1.0) == pytest.approx(1 / math.sqrt(128))
+        assert yarn_cos_sin_scale(factor, mscale=2.0, mscale_all_dim=1.0) == 1.0
+    inv = yarn_inv_freq(128, base=500000.0, factor=1.0, original_max_positions=8192)
+    torch.testing.assert_close(inv, rope_inv_freq(128, base=500000.0), rtol=1e-7, atol=0)
+
+
+def test_yarn_correction_range_bounds():
+    # low clamps at 0 (a short original context: d(beta_fast) < 0); high clamps at D - 1
+    assert yarn_correction_range(64, base=10000.0, original_max_positions=8) == (0, 1)
+    assert yarn_correction_range(16, base=10.0, original_max_positions=1000) == (5, 15)
+    # low == high gets a 0.001-wide ramp: d(1) = 2 ln(4 / 2 pi) / (2 ln 1e4) = -0.049 -> 0
+    assert yarn_correction_range(2, base=10000.0, original_max_positions=4) == (0, 0.001)
+    inv = yarn_inv_freq(2, base=10000.0, factor=4.0, original_max_positions=4)
+    assert inv.tolist() == [1.0]  # j = 0 sits at low: ramp 0, frequency kept
+
+
+# ---------------------------------------------------------------------------- validation
+
+
+def _raises(match, fn, *args, **kwargs):
+    with pytest.raises(ValueError, match=match):
+        fn(*args, **kwargs)
+
+
+def test_bad_inputs():
+    yarn = dict(base=10000.0, factor=4.0, original_max_positions=4096)
+    for fn, kw in ((rope_inv_freq, {}), (yarn_inv_freq, yarn)):
+        _raises("dim: expected an even number", fn, 7, **kw)
+        _raises(r"dim: expected >= 2, got 0", fn, 0, **kw)
+        _raises("dim: expected an int", fn, 8.0, **kw)
+        _raises(r"base: expected a finite number > 1", fn, 8, **{**kw, "base": 1.0})
+    _raises(r"factor: expected a finite number > 0", yarn_inv_freq, 8, **{**yarn, "factor": 0.0})
+    _raises(r"factor: expected a finite number > 0", yarn_inv_freq, 8, **{**yarn, "factor": -2.0})
+    _raises(r"original_max_positions: expected >= 1, got 0", yarn_inv_freq, 8, **{**yarn, "original_max_positions": 0})
+    _raises("beta_fast: expected more rotations than beta_slow", yarn_inv_freq, 8, **yarn, beta_fast=1.0, beta_slow=2.0)
+    _raises(r"beta_slow: expected a finite number > 0", yarn_correction_range, 8, base=1e4, original_max_positions=64, beta_slow=0.0)
+    _raises(r"factor: expected a finite number > 0", yarn_mscale, 0.0)
+    _raises("mscale: expected a finite number", yarn_mscale, 2.0, float("nan"))
+    _raises(r"head_dim: expected >= 1", yarn_softmax_scale, 0, factor=2.0, mscale_all_dim=1.0)
+
+    inv = rope_inv_freq(8)
+    _raises("positions: expected a 1-D int32/int64 tensor", rope_cos_sin, torch.arange(4.0), inv)
+    _raises("positions: expected a 1-D int32/int64 tensor", rope_cos_sin, torch.zeros(2, 3, dtype=torch.long), inv)
+    _raises("inv_freq: expected a 1-D float tensor", rope_cos_sin, torch.arange(4), torch.arange(4))
+    _raises("inv_freq: expected a 1-D float tensor", rope_cos_sin, torch.arange(4), inv[None])
+    _raises(r"scale: expected a finite number > 0", rope_cos_sin, torch.arange(4), inv, scale=0.0)
+
+    x = torch.randn(5, 2, 8)
+    cos, sin = _cos_sin(5, 8)
+    _raises(r"x: expected a float32/bfloat16/float16 tensor \[..., T, heads, head_dim\]", apply_rope, torch.randn(5, 8), cos, sin)
+    _raises("x: expected a float32/bfloat16/float16 tensor", apply_rope, x.double(), cos, sin)
+    _raises("x: expected a float32/bfloat16/float16 tensor", apply_rope, x.long(), cos, sin)
+    _raises(r"cos: expected \[T, rot_dim/2\] with T = x.shape\[-3\] = 5", apply_rope, x, cos[:4], sin[:4])
+    _raises(r"cos: expected \[T, rot_dim/2\] with T = x.shape\[-3\] = 5", apply_rope, x, cos[None], sin[None])
+    _raises(r"sin: expected \[T, rot_dim/2\] with T = x.shape\[-3\] = 5", apply_rope, x, cos, sin[:3])
+    _raises(r"sin: expected cos's shape \(5, 4\), got \(5, 2\)", apply_rope, x, cos, sin[:, :2])
+    _raises("cos: expected dtype", apply_rope, x, cos.double(), sin)
+    c16, s16 = _cos_sin(5, 16)
+    _raises(r"cos: rot_dim = 2 \* cos.shape\[-1\] = 16 exceeds head_dim = x.shape\[-1\] = 8", apply_rope, x, c16, s16)
+    _raises("interleaved: expected a bool", apply_rope, x, cos, sin, interleaved=1)
+    _raises("inplace: expected a bool", apply_rope, x, cos, sin, inplace="yes")
+    _raises("impl: expected one of", apply_rope, x, cos, sin, impl="cuda")
+
+
+def test_triton_on_cpu_without_interpreter_is_refused(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    cos, sin = _cos_sin(3, 4)
+    _raises("impl='triton' needs CUDA tensors", apply_rope, torch.randn(3, 1, 4), cos, sin, impl="triton")
+
+
+# ---------------------------------------------------------------------------- torch.library, compile
+
+
+def test_custom_ops_pass_opcheck(device):
+    cos, sin = _cos_sin(7, 12, device=device)
+    for interleaved in (False, True):
+        for inverse in (False, True):
+            x = torch.randn(2, 7, 3, 16, device=device, requires_grad=True)
+            torch.library.opcheck(torch.ops.fmoe.rope.default, (x, cos, sin, interleaved, inverse))
+            torch.library.opcheck(torch.ops.fmoe.rope_.default, (x.detach().clone(), cos, sin, interleaved, inverse))
+    strided = torch.randn(7, 3, 40, device=device)[..., 4:20]  # unit channel stride, not contiguous
+    torch.library.opcheck(torch.ops.fmoe.rope.default, (strided, cos, sin, False, False))
+
+
+def test_compiles_without_graph_breaks(device):
+    def step(q, k, cos, sin):
+        q = apply_rope(q, cos, sin, impl="triton")
+        k = apply_rope(k, cos, sin, interleaved=True, impl="triton")
+        return (q[:, :2] * k).sum() + q.square().sum()
+
+    def step_inplace(qk, cos, sin):
+        qk = qk * 1.0  # a non-leaf buffer: its q and k are rotated where they lie
+        apply_rope(qk[:, :4], cos, sin, inplace=True, impl="triton")
+        return (qk * qk.detach().flip(-1)).sum()
+
+    T = 9
+    cos, sin = _cos_sin(T, 12, device=device)
+    q, k = torch.randn(T, 4, 16, device=device), torch.randn(T, 2, 16, device=device)
+    q1, k1, q2, k2 = (t.clone().requires_grad_() for t in (q, k, q, k))
+    torch.compile(step, backend="aot_eager", fullgraph=True)(q1, k1, cos, sin).backward()
+    step(q2, k2, cos, sin).backward()
+    torch.testing.assert_close(q1.grad, q2.grad)
+    torch.testing.assert_close(k1.grad, k2.grad)
+
+    qk = torch.randn(T, 6, 16, device=device)
+    a, b = qk.clone().requires_grad_(), qk.clone().requires_grad_()
+    out_c = torch.compile(step_inplace, backend="aot_eager", fullgraph=True)(a, cos, sin)
+    out_e = step_inplace(b, cos, sin)
+    torch.testing.assert_close(out_c, out_e)
+    out_c.backward()
+    out_e.backward()
+    torch.testing.assert_close(a.grad, b.grad)
+
+
+# ---------------------------------------------------------------------------- GPU, real shape
+
+
+@pytest.mark.gpu
+def test_gpu_real_shape():
+    T, H, D = 16384, 32, 128
+    positions = torch.cat([torch.arange(10000), torch.arange(T - 10000)]).cuda()
+    inv_freq = yarn_inv_freq(D, base=10000.0, factor=40.0, original_max_positions=4096, device="cuda")
+    cos, sin = rope_cos_sin(positions, inv_freq, scale=yarn_cos_sin_scale(40.0, mscale=0.707))
+    x = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16)
+    grad_y = torch.randn_like(x)
+    for interleaved in (False, True):
+        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+        y1 = apply_rope(x1, cos, sin, interleaved=interleaved)  # auto: Triton on CUDA
+        y2 = apply_rope(x2, cos, sin, interleaved=interleaved, impl="torch")
+        torch.testing.assert_close(y1, y2, rtol=1.6e-2, atol=1e-5)
+        y1.backward(grad_y)
+        y2.backward(grad_y)
+        torch.testing.assert_close(x1.grad, x2.grad, rtol=1.6e-2, atol=1e-5)
+        y3 = x.clone()
+        apply_rope(y3, cos, sin, interleaved=interleaved, inplace=True)
+        assert torch.equal(y3, y1)
