@@ -26,7 +26,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from fmoe.ops import balance, dispatch, experts, packed, rope, routing  # noqa: E402
+from fmoe.ops import balance, dispatch, experts, loss, packed, rope, routing  # noqa: E402
 
 BIN = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 TARGET = GPUTarget("cuda", 90, 32)
@@ -128,6 +128,11 @@ def cases():
     roll_sc = dict(T="i32", INNER="i32", n_seqs="i32", n_steps="i32", shift="i32")
     yield "roll_packed hidden", packed._roll_packed_kernel, dict(x_ptr="*i16", cu_ptr="*i32", fill_ptr="*i16", out_ptr="*i16"), roll_sc, packed._roll_blocks(2048)
     yield "roll_packed ids", packed._roll_packed_kernel, dict(x_ptr="*i64", cu_ptr="*i32", fill_ptr="*i64", out_ptr="*i64"), roll_sc, packed._roll_blocks(1)
+    # cross-entropy at V=131072, bf16 (linear_cross_entropy runs the same kernel on its chunks)
+    ce_ptrs = dict(logits_ptr="*bf16", labels_ptr="*i64", grad_ptr="*bf16", loss_ptr="*fp32", n_valid_ptr="*i64")
+    ce_scalars = dict(N="i32", V="i32", stride_x="i32", stride_g="i32", ignore_index="i32")
+    for name, write_grad in (("ce_fwd", True), ("ce_fwd nograd", False)):
+        yield name, loss._ce_fwd_kernel, ce_ptrs, ce_scalars, dict(MEAN=True, WRITE_GRAD=write_grad, **loss._ce_blocks(131072))
 
 
 def main():

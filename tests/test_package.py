@@ -22,6 +22,16 @@ CONTRACT = {
     "permute": ("x experts n_experts", "align"),
     "unpermute": ("y_perm plan weights", ""),
     "grouped_mlp": ("x_perm w_gate w_up w_down offsets", ""),
+    "rope_inv_freq": ("dim", "base"),
+    "yarn_inv_freq": ("dim", "base factor original_max_positions beta_fast beta_slow"),
+    "yarn_mscale": ("factor mscale", ""),
+    "yarn_softmax_scale": ("head_dim", "factor mscale_all_dim"),
+    "rope_cos_sin": ("positions inv_freq", "scale"),
+    "apply_rope": ("x cos sin", "interleaved"),
+    "roll_packed": ("x cu_seqlens", "shift dim fill"),
+    "positions_from_cu_seqlens": ("cu_seqlens", ""),
+    "cross_entropy": ("logits labels", "ignore_index"),
+    "linear_cross_entropy": ("h weight labels", "ignore_index"),
 }
 
 

@@ -14,6 +14,7 @@ from fmoe.ops.balance import (
 )
 from fmoe.ops.dispatch import PermutePlan, permute, unpermute
 from fmoe.ops.experts import grouped_mlp, swiglu
+from fmoe.ops.loss import cross_entropy, linear_cross_entropy
 from fmoe.ops.packed import mtp_targets, positions_from_cu_seqlens, roll_packed
 from fmoe.ops.rope import (
     apply_rope,
@@ -32,8 +33,10 @@ __all__ = [
     "Routes",
     "apply_rope",
     "aux_scores",
+    "cross_entropy",
     "drop_by_capacity",
     "grouped_mlp",
+    "linear_cross_entropy",
     "load_balancing_loss",
     "mtp_targets",
     "permute",

@@ -1,0 +1,178 @@
+"""Loss benchmark: fmoe's fused cross-entropy and linear cross-entropy against torch.
+
+    .venv/bin/python benchmarks/bench_loss.py            # CUDA, bf16, real shapes
+    .venv/bin/python benchmarks/bench_loss.py --smoke    # CPU + Triton interpreter, tiny shapes
+
+Cases (bf16; --smoke: N=32, V=1000, H=32, chunks of 8 rows):
+    ce      cross-entropy of logits [N=8192, V=131072]
+    linear  cross-entropy of h [N=8192, H=4096] @ weight [V=131072, H]^T
+
+Implementations, each timed forward + backward (the gradient of the inputs for a unit
+upstream gradient):
+    ce      fused          cross_entropy(impl="triton"): one kernel writes loss and gradient
+            fused_inplace  the same with inplace_grad=True: the gradient overwrites the logits
+            eager          torch.nn.functional.cross_entropy on the bf16 logits, as users call it
+            compiled       torch.compile(F.cross_entropy), warmed up before timing
+    linear  fused          linear_cross_entropy(impl="triton"): dweight accumulates in place in
+                           the weight's dtype (bf16), the default
+            fused_fp32acc  the same with accumulate_dtype=float32: a float32 dweight buffer
+            unfused        F.cross_entropy(h @ weight.T)
+            compiled       torch.compile of unfused
+            torch_chunked  F.linear_cross_entropy(options=LinearCrossEntropyOptions()), torch's
+                           own chunked version, where this torch has it
+
+Columns: ms (median), speedup (eager or unfused ms / ms), peak_MiB (CUDA only: the peak of
+torch.cuda.max_memory_allocated over what was allocated before the step, inputs excluded;
+blank on CPU), ratio (peak_MiB / the eager or unfused peak: the fused linear cross-entropy
+aims at a quarter or less), floor_fraction (ce: time to read the logits once and write their
+gradient once at the bandwidth of a copy measured in the same run, over ms), TFLOP/s
+(linear: the 6 N H V flops of the three GEMMs, over ms). Before timing, each case checks
+fused against eager. The CSV goes to OUT/bench_loss.csv.
+"""
+
+import sys
+from pathlib import Path
+
+from _common import (  # before torch and fmoe: with --smoke it sets TRITON_INTERPRET
+    base_parser,
+    bench,
+    bench_device,
+    copy_bandwidth,
+    device_name,
+    floor_fraction,
+    print_table,
+    write_csv,
+)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from fmoe.ops.loss import cross_entropy, linear_cross_entropy  # noqa: E402
+
+COLUMNS = ["case", "impl", "ms", "speedup", "peak_MiB", "ratio", "floor_fraction", "TFLOP/s"]
+
+
+def peak_mib(step, device) -> float | None:
+    """Peak CUDA memory of step() above what was allocated before it, in MiB (None on CPU)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def check(case: str, fused, baseline, inputs, logits, labels) -> None:
+    """Exits unless fused's loss matches torch's in float32 on the same logits and its input
+    gradients match the baseline's (bf16 rounding apart)."""
+    (value, *grads), (_, *grads_base) = fused(*inputs), baseline(*inputs)
+    expected = F.cross_entropy(logits.detach().float(), labels)
+    errs = [abs(float(value) - float(expected)) / abs(float(expected))] + [rel_err(a, b) for a, b in zip(grads, grads_base)]
+    if errs[0] > 1e-4 or max(errs[1:]) > 2e-2:
+        sys.exit(f"{case}: fused disagrees (relative errors of the loss and the gradients: {errs})")
+    print(f"{case}: fused agrees (relative errors of the loss and the gradients {', '.join(f'{e:.1e}' for e in errs)}); timing", flush=True)
+
+
+def fwd_bwd(loss_fn):
+    """(inputs...) -> (loss, gradients of the inputs)."""
+    def step(*inputs):
+        value = loss_fn(*inputs)
+        return (value.detach(), *torch.autograd.grad(value, inputs))
+    return step
+
+
+def measure(case, impls, inputs_of, baseline, device, extra) -> list[dict]:
+    """Time and peak memory of every impl; inputs_of(name) gives the impl's inputs."""
+    rows = []
+    for name, step in impls.items():
+        inputs = inputs_of(name)
+        step(*inputs)  # compiles, and warms up
+        rows.append({"case": case, "impl": name, "ms": bench(lambda: step(*inputs), device), "peak_MiB": peak_mib(lambda: step(*inputs), device)})
+    base = next(r for r in rows if r["impl"] == baseline)
+    for row in rows:
+        row["speedup"] = base["ms"] / row["ms"]
+        row["ratio"] = row["peak_MiB"] / base["peak_MiB"] if base["peak_MiB"] else None
+        row.update(extra(row))
+    return rows
+
+
+def run_ce(N, V, device, bandwidth) -> list[dict]:
+    torch._dynamo.reset()
+    logits = (4 * torch.randn(N, V, device=device)).to(torch.bfloat16)
+    labels = torch.randint(0, V, (N,), device=device)
+    labels[::16] = -100  # some padding
+    impls = {
+        "fused": fwd_bwd(lambda x: cross_entropy(x, labels, impl="triton")),
+        "fused_inplace": fwd_bwd(lambda x: cross_entropy(x, labels, inplace_grad=True, impl="triton")),
+        "eager": fwd_bwd(lambda x: F.cross_entropy(x, labels)),
+        "compiled": fwd_bwd(torch.compile(lambda x: F.cross_entropy(x, labels), dynamic=False)),
+    }
+    check("ce", impls["fused"], impls["eager"], (logits.requires_grad_(),), logits, labels)
+    # the in-place variant overwrites its logits with their gradient at every call: a copy
+    overwritten = logits.detach().clone().requires_grad_()
+    nbytes = 2 * logits.numel() * logits.element_size()  # read the logits, write the gradient
+    rows = measure(
+        f"ce N={N} V={V}", impls, lambda name: (overwritten if name == "fused_inplace" else logits,), "eager", device,
+        lambda row: {"floor_fraction": floor_fraction(nbytes, bandwidth, row["ms"]), "bytes": nbytes, "floor_ms": nbytes / bandwidth * 1e3},
+    )
+    return [dict(row, N=N, V=V) for row in rows]
+
+
+def run_linear(N, H, V, chunk_rows, device) -> list[dict]:
+    torch._dynamo.reset()
+    h = (torch.randn(N, H, device=device) / 8).to(torch.bfloat16).requires_grad_()
+    weight = (torch.randn(V, H, device=device) / 8).to(torch.bfloat16).requires_grad_()
+    labels = torch.randint(0, V, (N,), device=device)
+    labels[::16] = -100
+
+    def unfused(a, b):
+        return F.cross_entropy(a @ b.T, labels)
+
+    impls = {
+        "fused": fwd_bwd(lambda a, b: linear_cross_entropy(a, b, labels, chunk_rows=chunk_rows, impl="triton")),
+        "fused_fp32acc": fwd_bwd(lambda a, b: linear_cross_entropy(a, b, labels, chunk_rows=chunk_rows, accumulate_dtype=torch.float32, impl="triton")),
+        "unfused": fwd_bwd(unfused),
+        "compiled": fwd_bwd(torch.compile(unfused, dynamic=False)),
+    }
+    if hasattr(torch.nn, "LinearCrossEntropyOptions"):
+        options = torch.nn.LinearCrossEntropyOptions()
+        impls["torch_chunked"] = fwd_bwd(lambda a, b: F.linear_cross_entropy(a, b, labels, options=options))
+    check("linear", impls["fused"], impls["unfused"], (h, weight), h @ weight.T, labels)
+    flops = 6 * N * H * V
+    rows = measure(
+        f"linear N={N} H={H} V={V}", impls, lambda name: (h, weight), "unfused", device,
+        lambda row: {"TFLOP/s": flops / (row["ms"] * 1e-3) / 1e12},
+    )
+    return [dict(row, N=N, H=H, V=V, chunk_rows=chunk_rows) for row in rows]
+
+
+def main() -> None:
+    args = base_parser(__doc__.splitlines()[0]).parse_args()
+    device = bench_device(args.smoke)
+    torch.manual_seed(0)
+    print(f"device: {device_name(device)}")
+    if args.smoke:
+        print("SMOKE RUN: CPU, Triton interpreter, tiny shapes; checks that the benchmark runs. "
+              "The times below are NOT performance numbers, and CPU peak memory is not measured.")
+    copy_bytes = (64 << 20) if args.smoke else (1 << 30)
+    bandwidth = copy_bandwidth(device, copy_bytes)
+    print(f"copy bandwidth: {bandwidth / 1e9:.1f} GB/s (copy of {copy_bytes >> 20} MiB, read + write)", flush=True)
+
+    N, V, H = (32, 1000, 32) if args.smoke else (8192, 131072, 4096)
+    chunk_rows = 8 if args.smoke else None  # None: the default, 1024 rows at V = 131072 bf16
+    rows = run_ce(N, V, device, bandwidth) + run_linear(N, H, V, chunk_rows, device)
+    for row in rows:
+        row.update(dtype="bfloat16", device=device_name(device), copy_GBps=bandwidth / 1e9)
+    path = Path(args.out) / "bench_loss.csv"
+    write_csv(path, rows)
+    print(f"wrote {path}\n")
+    print_table(rows, COLUMNS)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,473 @@
+"""Cross-entropy, and cross-entropy fused with the LM head's projection (SPEC.md section 6).
+
+    cross_entropy(logits[N,V], labels[N])                -> scalar float32
+    linear_cross_entropy(h[N,H], weight[V,H], labels[N]) -> scalar float32, logits = h @ weight^T
+
+With valid rows R = {n : labels[n] != ignore_index} and lse_n = logsumexp_v logits[n,v]:
+
+    loss = sum_{n in R} (lse_n - logits[n, labels[n]])     reduction="sum"
+         = that sum / |R|                                   reduction="mean" (the default)
+    dloss/dlogits[n,v] = (softmax(logits[n])_v - [v == labels[n]]) / |R|   for n in R, else 0
+
+all in float32 whatever the logits dtype. When every row is ignored (|R| = 0) the loss is 0
+with a zero gradient, where torch.nn.functional.cross_entropy returns NaN: a micro-batch of
+padding must not poison a sum of losses. reduction="sum" is what a train loop needs that
+divides by the valid-token count of the whole global batch (DESIGN.md, Parallelism).
+
+The Triton path computes the gradient in the forward. One kernel per block of rows runs an
+online logsumexp over the vocabulary in BLOCK_V steps, writes the row loss and, in a second
+sweep over the row, its gradient in the logits' dtype; |R| is counted on the device and read
+by the kernel through a pointer (no host sync). No N x V float32 tensor ever exists, and the
+backward only multiplies the stored gradient by the incoming scalar, in place: the graph
+cannot be run backward twice (retain_graph=True raises at the second backward).
+
+linear_cross_entropy never holds all N x V logits: per chunk of rows it forms the chunk's
+logits h_c @ weight^T, runs the same kernel writing dlogits_c over them, and right away
+adds dh_c = dlogits_c @ weight and dweight += dlogits_c^T @ h_c (float32 accumulator by
+default), as Liger-Kernel's fused linear cross-entropy does.
+
+Legend: N rows (tokens), V vocabulary size (classes), H hidden size, C rows of a chunk.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from fmoe.ops._common import (
+    check_float,
+    check_index,
+    check_positive_int,
+    checking,
+    next_pow2,
+    use_triton,
+)
+
+REDUCTIONS = ("mean", "sum")
+
+# ----------------------------------------------------------------------------------------
+# 1. Reference (the definition of correctness)
+# ----------------------------------------------------------------------------------------
+
+
+def cross_entropy_ref(logits_NV, labels_N, ignore_index, mean):
+    """Plain torch in float32; differentiable through torch autograd."""
+    x_NV = logits_NV.float()
+    valid_N = labels_N != ignore_index
+    target_N = torch.where(valid_N, labels_N, 0).long()
+    row_N = torch.logsumexp(x_NV, dim=-1) - x_NV.gather(1, target_N[:, None]).squeeze(1)
+    total = torch.where(valid_N, row_N, 0.0).sum()
+    return total / valid_N.sum().clamp(min=1) if mean else total
+
+
+def linear_cross_entropy_ref(h_NH, weight_VH, labels_N, ignore_index, mean):
+    """The unfused computation: all N x V logits in h's dtype, then cross_entropy_ref."""
+    return cross_entropy_ref(h_NH @ weight_VH.T, labels_N, ignore_index, mean)
+
+
+# ----------------------------------------------------------------------------------------
+# 2. Triton kernel
+# ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _ce_fwd_kernel(
+    logits_ptr, labels_ptr, grad_ptr, loss_ptr, n_valid_ptr,
+    N, V, stride_x, stride_g, ignore_index,
+    MEAN: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Loss of BLOCK_R rows and, with WRITE_GRAD, their gradient (grad_ptr may be logits_ptr:
+    each element is read before it is overwritten, by the same program)."""
+    pid = tl.program_id(0)
+    rows_R = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok_R = rows_R < N
+    label_R = tl.load(labels_ptr + rows_R, mask=row_ok_R, other=ignore_index)
+    valid_R = row_ok_R & (label_R != ignore_index)
+    # unchecked out-of-range labels (check_labels=False, or under torch.compile) give a NaN
+    # loss instead of an out-of-bounds read; target -1 never matches a column
+    known_R = valid_R & (label_R >= 0) & (label_R < V)
+    target_R = tl.where(known_R, label_R, -1).to(tl.int32)
+    x_row_R = rows_R.to(tl.int64) * stride_x  # N * V can pass 2^31
+    cols_V = tl.arange(0, BLOCK_V)
+
+    # online logsumexp; a finite start keeps exp(m - m_new) = 1, not NaN, while a row has
+    # seen only -inf (masked vocabulary entries)
+    m_R = tl.full([BLOCK_R], -3.0e38, tl.float32)
+    s_R = tl.zeros([BLOCK_R], tl.float32)
+    for v0 in range(0, V, BLOCK_V):
+        cols = v0 + cols_V
+        live = row_ok_R[:, None] & (cols[None, :] < V)
+        x = tl.load(logits_ptr + x_row_R[:, None] + cols[None, :], mask=live, other=float("-inf")).to(tl.float32)
+        m_new_R = tl.maximum(m_R, tl.max(x, axis=1))
+        s_R = s_R * tl.exp(m_R - m_new_R) + tl.sum(tl.exp(x - m_new_R[:, None]), axis=1)
+        m_R = m_new_R
+    # padding rows (past N) get lse 0: no log(0) or exp overflow on lanes never stored
+    lse_R = tl.where(row_ok_R, m_R, 0.0) + tl.log(tl.where(row_ok_R, s_R, 1.0))
+    x_target_R = tl.load(logits_ptr + x_row_R + target_R, mask=target_R >= 0, other=0.0).to(tl.float32)
+    loss_R = tl.where(target_R >= 0, lse_R - x_target_R, float("nan"))
+    tl.store(loss_ptr + rows_R, tl.where(valid_R, loss_R, 0.0), mask=row_ok_R)
+
+    if WRITE_GRAD:
+        scale = 1.0
+        if MEAN:
+            scale = 1.0 / tl.maximum(tl.load(n_valid_ptr), 1).to(tl.float32)
+        g_row_R = rows_R.to(tl.int64) * stride_g
+        n_blocks = tl.cdiv(V, BLOCK_V)
+        for i in range(n_blocks):
+            # last block first: the end of the row, read last by the loop above, is the part
+            # most likely still in L2
+            cols = (n_blocks - 1 - i) * BLOCK_V + cols_V
+            live = row_ok_R[:, None] & (cols[None, :] < V)
+            x = tl.load(logits_ptr + x_row_R[:, None] + cols[None, :], mask=live, other=0.0).to(tl.float32)
+            g = tl.exp(x - lse_R[:, None]) - tl.where(cols[None, :] == target_R[:, None], 1.0, 0.0)
+            # ignored rows get exact zeros, even where their logits hold inf or NaN
+            g = tl.where(valid_R[:, None], g * scale, 0.0)
+            tl.store(grad_ptr + g_row_R[:, None] + cols[None, :], g.to(grad_ptr.dtype.element_ty), mask=live)
+
+
+# columns per loop step; tests lower it to run the loop over V on small vocabularies
+_MAX_BLOCK_V = 4096
+
+
+def _ce_blocks(V: int) -> dict:
+    """A [BLOCK_R, BLOCK_V] tile of about 16 elements per lane, up to 8 warps: one row per
+    program for a real vocabulary, several rows of a small one."""
+    block_v = min(next_pow2(V), _MAX_BLOCK_V)
+    block_r = max(1, min(16, 1024 // block_v))
+    return dict(BLOCK_R=block_r, BLOCK_V=block_v, num_warps=max(1, min(8, block_r * block_v // 512)))
+
+
+def _launch_ce(logits_NV, labels_N, grad_NV, loss_N, n_valid, ignore_index, mean, write_grad):
+    """Run _ce_fwd_kernel; logits_NV and grad_NV have unit column stride (may be the same)."""
+    N, V = logits_NV.shape
+    if N == 0:
+        return
+    meta = _ce_blocks(V)
+    grid = (triton.cdiv(N, meta["BLOCK_R"]),)
+    _ce_fwd_kernel[grid](
+        logits_NV, labels_N, grad_NV, loss_N, n_valid,
+        N, V, logits_NV.stride(0), grad_NV.stride(0), ignore_index,
+        MEAN=mean, WRITE_GRAD=write_grad, **meta,
+    )
+
+
+def _row_major(x):
+    """x itself when its columns are contiguous (any row stride), else a contiguous copy."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _finish(loss_N, n_valid, mean):
+    total = loss_N.sum()
+    return total / n_valid.clamp(min=1) if mean else total
+
+
+# ----------------------------------------------------------------------------------------
+# 3. torch.library registration
+# ----------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("fmoe::cross_entropy_fwd", mutates_args=())
+def _ce_fwd(
+    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, mean: bool, need_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, gradient of the loss in logits' dtype, or an empty tensor without need_grad)."""
+    logits = _row_major(logits)
+    labels = labels.contiguous()
+    N, V = logits.shape
+    n_valid = (labels != ignore_index).sum()
+    loss_N = torch.empty(N, dtype=torch.float32, device=logits.device)
+    grad = torch.empty((N, V) if need_grad else (0,), dtype=logits.dtype, device=logits.device)
+    _launch_ce(logits, labels, grad if need_grad else logits, loss_N, n_valid, ignore_index, mean, need_grad)
+    return _finish(loss_N, n_valid, mean), grad
+
+
+@_ce_fwd.register_fake
+def _(logits, labels, ignore_index, mean, need_grad):
+    shape = logits.shape if need_grad else (0,)
+    return logits.new_empty((), dtype=torch.float32), logits.new_empty(shape)
+
+
+def _ce_setup_context(ctx, inputs, output):
+    # the gradient output gets no incoming gradient: left None, not an N x V tensor of zeros
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(output[1])
+
+
+def _saved_once(ctx, op):
+    """ctx.saved_tensors, which a backward scales in place: the in-place scaling moves their
+    version on, so a second backward fails here instead of scaling them twice."""
+    try:
+        return ctx.saved_tensors
+    except RuntimeError as err:
+        raise RuntimeError(
+            f"{op}: the gradient computed in the forward was already consumed (scaled in place) "
+            "by a backward, or overwritten since; the graph takes one backward only "
+            "(retain_graph=True is not supported)"
+        ) from err
+
+
+def _ce_backward(ctx, grad_loss, _grad_grad):
+    # in place: the stored gradient becomes the returned one, with no second N x V buffer.
+    # Detached, autograd takes it as the gradient of a leaf instead of cloning it.
+    (grad_logits,) = _saved_once(ctx, "cross_entropy")
+    return grad_logits.detach().mul_(grad_loss), None, None, None, None
+
+
+_ce_fwd.register_autograd(_ce_backward, setup_context=_ce_setup_context)
+
+
+@torch.library.custom_op("fmoe::cross_entropy_inplace_fwd", mutates_args=("logits",))
+def _ce_inplace_fwd(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, mean: bool) -> torch.Tensor:
+    """The loss; overwrites logits (unit column stride) with the loss's gradient."""
+    labels = labels.contiguous()
+    n_valid = (labels != ignore_index).sum()
+    loss_N = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+    _launch_ce(logits, labels, logits, loss_N, n_valid, ignore_index, mean, True)
+    return _finish(loss_N, n_valid, mean)
+
+
+@_ce_inplace_fwd.register_fake
+def _(logits, labels, ignore_index, mean):
+    return logits.new_empty((), dtype=torch.float32)
+
+
+class _CrossEntropyInplace(torch.autograd.Function):
+    """Autograd for the mutating op (torch.library attaches autograd to functional ops only)."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, ignore_index, mean):
+        loss = _ce_inplace_fwd(logits, labels, ignore_index, mean)
+        ctx.save_for_backward(logits)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        (grad_logits,) = _saved_once(ctx, "cross_entropy(inplace_grad=True)")
+        return grad_logits.detach().mul_(grad_loss), None, None, None  # as in _ce_backward
+
+
+def _accumulate(acc_VH, dlogits_CV, h_CH):
+    """acc_VH += dlogits_CV^T @ h_CH without a V x H temporary where the backend allows."""
+    if acc_VH.dtype == h_CH.dtype:
+        acc_VH.addmm_(dlogits_CV.T, h_CH)
+    elif acc_VH.is_cuda:  # cuBLAS adds the bf16/fp16 product into the float32 accumulator
+        torch.addmm(acc_VH, dlogits_CV.T, h_CH, out_dtype=torch.float32, out=acc_VH)
+    else:  # CPU has no mixed-dtype addmm: float32 copies of the chunk's operands
+        acc_VH.addmm_(dlogits_CV.T.float(), h_CH.float())
+
+
+@torch.library.custom_op("fmoe::linear_cross_entropy_fwd", mutates_args=())
+def _linear_ce_fwd(
+    h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int, mean: bool,
+    chunk_rows: int, need_dh: bool, need_dw: bool, fp32_accumulate: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, dloss/dh or empty, dloss/dweight or empty), chunk_rows rows of logits at a time."""
+    N, H = h.shape
+    V = weight.shape[0]
+    labels = labels.contiguous()
+    n_valid = (labels != ignore_index).sum()
+    loss_N = torch.empty(N, dtype=torch.float32, device=h.device)
+    dh_NH = torch.empty((N, H) if need_dh else (0,), dtype=h.dtype, device=h.device)
+    acc_dtype = torch.float32 if fp32_accumulate else weight.dtype
+    dw_VH = torch.zeros((V, H) if need_dw else (0,), dtype=acc_dtype, device=h.device)
+    rows = max(1, min(chunk_rows, N))
+    logits_CV = torch.empty(rows, V, dtype=h.dtype, device=h.device)  # reused by every chunk
+    for start in range(0, N, rows):
+        end = min(start + rows, N)
+        h_CH, x_CV = h[start:end], logits_CV[: end - start]
+        torch.mm(h_CH, weight.T, out=x_CV)
+        # the kernel turns the chunk's logits into their gradient, in place
+        _launch_ce(x_CV, labels[start:end], x_CV, loss_N[start:end], n_valid, ignore_index, mean, need_dh or need_dw)
+        if need_dh:
+            torch.mm(x_CV, weight, out=dh_NH[start:end])
+        if need_dw:
+            _accumulate(dw_VH, x_CV, h_CH)
+    del logits_CV  # freed before the accumulator's rounded copy is made
+    return _finish(loss_N, n_valid, mean), dh_NH, dw_VH.to(weight.dtype)
+
+
+@_linear_ce_fwd.register_fake
+def _(h, weight, labels, ignore_index, mean, chunk_rows, need_dh, need_dw, fp32_accumulate):
+    return (
+        h.new_empty((), dtype=torch.float32),
+        h.new_empty(h.shape if need_dh else (0,)),
+        weight.new_empty(weight.shape if need_dw else (0,)),
+    )
+
+
+def _linear_ce_setup_context(ctx, inputs, output):
+    ctx.need_dh, ctx.need_dw = inputs[6], inputs[7]
+    ctx.set_materialize_grads(False)  # as in _ce_setup_context
+    ctx.save_for_backward(output[1], output[2])
+
+
+def _linear_ce_backward(ctx, grad_loss, _grad_dh, _grad_dw):
+    dh, dw = _saved_once(ctx, "linear_cross_entropy")  # scaled in place, as in _ce_backward
+    return (
+        dh.detach().mul_(grad_loss) if ctx.need_dh else None,
+        dw.detach().mul_(grad_loss) if ctx.need_dw else None,
+        None, None, None, None, None, None, None,
+    )
+
+
+_linear_ce_fwd.register_autograd(_linear_ce_backward, setup_context=_linear_ce_setup_context)
+
+
+# ----------------------------------------------------------------------------------------
+# 4. Public functions
+# ----------------------------------------------------------------------------------------
+
+# default rows per chunk of linear_cross_entropy: a chunk's logits take at most this
+_CHUNK_BYTES = 256 << 20
+
+
+def _check_labels(labels, n_rows, ignore_index, reduction, device):
+    check_index("labels", labels, 1, "[N]")
+    if labels.shape[0] != n_rows:
+        raise ValueError(f"labels: expected {n_rows} labels, one per row, got {labels.shape[0]}")
+    if labels.device != device:
+        raise ValueError(f"labels: expected device {device}, got {labels.device}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise ValueError(f"ignore_index: expected an int, got {ignore_index!r}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
+
+
+def _check_label_values(labels, n_classes, ignore_index):
+    """Labels lie in [0, V) or equal ignore_index. One device->host sync."""
+    if not checking():
+        return
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= n_classes))
+    if bad.any():
+        rows = bad.nonzero().flatten()
+        raise ValueError(
+            f"labels: {rows.numel()} label(s) outside [0, {n_classes}) that are not "
+            f"ignore_index={ignore_index}, first labels[{int(rows[0])}] = {int(labels[rows[0]])}"
+        )
+
+
+def cross_entropy(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    inplace_grad: bool = False,
+    check_labels: bool = True,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """Cross-entropy of logits against class labels, in float32 (SPEC.md section 6).
+
+    Args:
+        logits: [N, V] float32 / bfloat16 / float16.
+        labels: [N] int32 / int64 in [0, V), or ignore_index for rows that do not count.
+        ignore_index: label of the rows to skip.
+        reduction: "mean" over the non-ignored rows, or their "sum". All rows ignored: 0
+            (torch returns NaN for "mean"), with a zero gradient.
+        inplace_grad: the Triton path may write the gradient into logits itself (as
+            Liger-Kernel does), saving an N x V buffer. The logits are destroyed by the
+            forward and, after backward, hold the gradient (logits.grad of a leaf shares
+            their memory). If another op's backward needs these logits (torch.tanh saves
+            its output, for one), that backward raises instead of reading the gradient.
+            Needs unit column stride. The torch path ignores the flag.
+        check_labels: raise on labels outside [0, V) (one device->host sync; skipped under
+            torch.compile). Unchecked, such rows get a NaN loss on the Triton path.
+        impl: "auto" (Triton on CUDA, torch otherwise), "triton" or "torch".
+
+    Returns:
+        0-D float32 tensor, differentiable with respect to logits. The Triton path computes
+        the gradient in the forward, in logits' dtype; its backward scales it in place, so
+        the graph takes one backward only.
+
+    Example:
+        >>> cross_entropy(torch.tensor([[0.0, 0.0], [5.0, 5.0]]), torch.tensor([1, -100]))
+        tensor(0.6931)
+    """
+    check_float("logits", logits, 2, "[N, V]")
+    N, V = logits.shape
+    if V == 0:
+        raise ValueError(f"logits: expected at least one class, got shape {tuple(logits.shape)}")
+    _check_labels(labels, N, ignore_index, reduction, logits.device)
+    if check_labels:
+        _check_label_values(labels, V, ignore_index)
+    mean = reduction == "mean"
+    if not use_triton(impl, logits, labels):
+        return cross_entropy_ref(logits, labels, ignore_index, mean)
+    if inplace_grad:
+        if logits.stride(-1) != 1:
+            raise ValueError(f"logits: inplace_grad needs unit column stride, got strides {logits.stride()}")
+        return _CrossEntropyInplace.apply(logits, labels, ignore_index, mean)
+    need_grad = torch.is_grad_enabled() and logits.requires_grad
+    return _ce_fwd(logits, labels, ignore_index, mean, need_grad)[0]
+
+
+def linear_cross_entropy(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    chunk_rows: Optional[int] = None,
+    accumulate_dtype: Optional[torch.dtype] = None,
+    check_labels: bool = True,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """cross_entropy(h @ weight.T, labels) without holding the N x V logits (SPEC.md 6).
+
+    The Triton path takes chunk_rows rows at a time: the chunk's logits (in h's dtype, as
+    h @ weight.T makes them), the fused cross-entropy kernel turning them into their
+    gradient in place, then dh for the chunk and its share of dweight, all in the forward;
+    the backward scales the two by the incoming scalar, in place (one backward only). The
+    value and gradients equal the unfused computation's up to rounding. The torch path is
+    that unfused computation.
+
+    Args:
+        h: [N, H] hidden states, float32 / bfloat16 / float16.
+        weight: [V, H] output projection (the LM head), h's dtype.
+        labels: [N] int32 / int64 in [0, V), or ignore_index.
+        ignore_index, reduction, check_labels, impl: as in cross_entropy.
+        chunk_rows: rows per chunk; default: as many as keep a chunk's logits within 256 MiB
+            (1024 rows for V = 131072 in bf16). Memory: chunk_rows x V in h's dtype.
+        accumulate_dtype: dtype of the dweight accumulator over chunks. None (default):
+            weight's dtype: each chunk's product (accumulated in float32 by the GEMM) adds
+            into the final gradient in place, rounded once per chunk, as torch's own
+            linear_cross_entropy and Liger do: the least memory. torch.float32: a float32
+            V x H buffer rounded once at the end, the unfused computation's rounding, for
+            an extra V x H x 4 bytes while the forward runs.
+    Returns:
+        0-D float32 tensor, differentiable with respect to h and weight (either may not
+        require grad; only the needed gradients are computed).
+    """
+    check_float("h", h, 2, "[N, H]")
+    check_float("weight", weight, 2, "[V, H]")
+    N, H = h.shape
+    V = weight.shape[0]
+    if weight.shape[1] != H:
+        raise ValueError(f"weight: expected shape [V, {H}] to match h's hidden size, got {tuple(weight.shape)}")
+    if weight.dtype != h.dtype:
+        raise ValueError(f"weight: expected h's dtype {h.dtype}, got {weight.dtype}")
+    if weight.device != h.device:
+        raise ValueError(f"weight: expected h's device {h.device}, got {weight.device}")
+    if V == 0:
+        raise ValueError(f"weight: expected at least one class (row), got shape {tuple(weight.shape)}")
+    _check_labels(labels, N, ignore_index, reduction, h.device)
+    if chunk_rows is None:
+        chunk_rows = max(1, _CHUNK_BYTES // (V * h.element_size()))
+    check_positive_int("chunk_rows", chunk_rows)
+    if accumulate_dtype is None:
+        accumulate_dtype = weight.dtype
+    if accumulate_dtype not in (torch.float32, weight.dtype):
+        raise ValueError(f"accumulate_dtype: expected torch.float32 or weight's dtype {weight.dtype}, got {accumulate_dtype}")
+    if check_labels:
+        _check_label_values(labels, V, ignore_index)
+    mean = reduction == "mean"
+    if not use_triton(impl, h, weight, labels):
+        return linear_cross_entropy_ref(h, weight, labels, ignore_index, mean)
+    grad_on = torch.is_grad_enabled()
+    need_dh, need_dw = grad_on and h.requires_grad, grad_on and weight.requires_grad
+    fp32_accumulate = accumulate_dtype == torch.float32
+    return _linear_ce_fwd(h, weight, labels, ignore_index, mean, chunk_rows, need_dh, need_dw, fp32_accumulate)[0]
