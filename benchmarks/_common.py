@@ -115,3 +115,41 @@ def write_csv(path: str | Path, rows: list[dict]) -> None:
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         writer.writerows(rows)
+
+
+def start(description: str):
+    """The common start of a benchmark's main: parse the flags, pick the device, print it
+    (and the smoke warning), seed, and measure the copy bandwidth.
+
+    Returns (args, device, dtype, bandwidth): dtype is float32 for --smoke, else bfloat16;
+    bandwidth in bytes per second.
+    """
+    args = base_parser(description).parse_args()
+    device = bench_device(args.smoke)
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    torch.manual_seed(0)
+    print(f"device: {device_name(device)}")
+    if args.smoke:
+        print("SMOKE RUN: CPU, Triton interpreter, tiny shapes; checks that the benchmark runs. "
+              "The times below are NOT performance numbers (and CPU peak memory is not measured).")
+    copy_bytes = (64 << 20) if args.smoke else (1 << 30)
+    bandwidth = copy_bandwidth(device, copy_bytes)
+    print(f"copy bandwidth: {bandwidth / 1e9:.1f} GB/s (copy of {copy_bytes >> 20} MiB, read + write)", flush=True)
+    return args, device, dtype, bandwidth
+
+
+def finish(args, device: torch.device, bandwidth: float, name: str, tables: list, **columns) -> None:
+    """Write every table's rows to OUT/<name>.csv, with the device, the copy bandwidth and
+    `columns` on each row, then print the tables (the last one last).
+
+    tables: [(rows, printed columns), ...].
+    """
+    rows = [row for table, _ in tables for row in table]
+    for row in rows:
+        row.update(device=device_name(device), copy_GBps=bandwidth / 1e9, **columns)
+    path = Path(args.out) / f"{name}.csv"
+    write_csv(path, rows)
+    print(f"wrote {path}")
+    for table, printed in tables:
+        print()
+        print_table(table, printed)

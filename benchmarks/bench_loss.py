@@ -31,17 +31,12 @@ fused against eager. The CSV goes to OUT/bench_loss.csv.
 """
 
 import sys
-from pathlib import Path
 
 from _common import (  # before torch and fmoe: with --smoke it sets TRITON_INTERPRET
-    base_parser,
     bench,
-    bench_device,
-    copy_bandwidth,
-    device_name,
+    finish,
     floor_fraction,
-    print_table,
-    write_csv,
+    start,
 )
 
 import torch  # noqa: E402
@@ -152,26 +147,11 @@ def run_linear(N, H, V, chunk_rows, device) -> list[dict]:
 
 
 def main() -> None:
-    args = base_parser(__doc__.splitlines()[0]).parse_args()
-    device = bench_device(args.smoke)
-    torch.manual_seed(0)
-    print(f"device: {device_name(device)}")
-    if args.smoke:
-        print("SMOKE RUN: CPU, Triton interpreter, tiny shapes; checks that the benchmark runs. "
-              "The times below are NOT performance numbers, and CPU peak memory is not measured.")
-    copy_bytes = (64 << 20) if args.smoke else (1 << 30)
-    bandwidth = copy_bandwidth(device, copy_bytes)
-    print(f"copy bandwidth: {bandwidth / 1e9:.1f} GB/s (copy of {copy_bytes >> 20} MiB, read + write)", flush=True)
-
+    args, device, _, bandwidth = start(__doc__.splitlines()[0])  # bf16 inputs even in --smoke
     N, V, H = (32, 1000, 32) if args.smoke else (8192, 131072, 4096)
     chunk_rows = 8 if args.smoke else None  # None: the default, 1024 rows at V = 131072 bf16
     rows = run_ce(N, V, device, bandwidth) + run_linear(N, H, V, chunk_rows, device)
-    for row in rows:
-        row.update(dtype="bfloat16", device=device_name(device), copy_GBps=bandwidth / 1e9)
-    path = Path(args.out) / "bench_loss.csv"
-    write_csv(path, rows)
-    print(f"wrote {path}\n")
-    print_table(rows, COLUMNS)
+    finish(args, device, bandwidth, "bench_loss", [(rows, COLUMNS)], dtype="bfloat16")
 
 
 if __name__ == "__main__":

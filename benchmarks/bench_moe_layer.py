@@ -24,16 +24,11 @@ T k rows written; and back). CSV in OUT/bench_moe_layer.csv.
 
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 from _common import (  # before torch and fmoe: with --smoke it sets TRITON_INTERPRET
-    base_parser,
     bench,
-    bench_device,
-    copy_bandwidth,
-    device_name,
-    print_table,
-    write_csv,
+    finish,
+    start,
 )
 
 import torch  # noqa: E402
@@ -186,32 +181,16 @@ def run_shape(shape, device, dtype, impl, rate, bandwidth):
 
 
 def main() -> None:
-    args = base_parser(__doc__.splitlines()[0]).parse_args()
-    device = bench_device(args.smoke)
-    dtype = torch.float32 if args.smoke else torch.bfloat16
+    args, device, dtype, bandwidth = start(__doc__.splitlines()[0])
     impl = "triton" if args.smoke else "auto"  # the smoke run exercises the kernels
-    print(f"device: {device_name(device)}")
-    if args.smoke:
-        print("SMOKE RUN: CPU, Triton interpreter, tiny shapes, float32; checks that the benchmark runs. "
-              "The times below are NOT performance numbers.")
     rate = matmul_rate(device, dtype, 256 if args.smoke else 8192)
-    copy_bytes = (64 << 20) if args.smoke else (1 << 30)
-    bandwidth = copy_bandwidth(device, copy_bytes)
-    print(f"matmul rate: {rate / 1e12:.3g} TFLOP/s ({dtype}); copy bandwidth: {bandwidth / 1e9:.1f} GB/s", flush=True)
-
+    print(f"matmul rate: {rate / 1e12:.3g} TFLOP/s ({dtype})", flush=True)
     rows, bw_rows = [], []
     for shape in make_shapes(args.smoke):
         r, b = run_shape(shape, device, dtype, impl, rate, bandwidth)
         rows += r
         bw_rows += b
-    for row in rows + bw_rows:
-        row.update(device=device_name(device), matmul_TFLOPs=rate / 1e12, copy_GBps=bandwidth / 1e9)
-    path = Path(args.out) / "bench_moe_layer.csv"
-    write_csv(path, rows + bw_rows)
-    print(f"wrote {path}\n")
-    print_table(bw_rows, BW_COLUMNS)
-    print()
-    print_table(rows, COLUMNS)
+    finish(args, device, bandwidth, "bench_moe_layer", [(bw_rows, BW_COLUMNS), (rows, COLUMNS)], matmul_TFLOPs=rate / 1e12)
 
 
 if __name__ == "__main__":

@@ -27,17 +27,12 @@ gradient. The CSV goes to OUT/bench_routing.csv.
 
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 from _common import (  # before torch and fmoe: with --smoke it sets TRITON_INTERPRET
-    base_parser,
     bench,
-    bench_device,
-    copy_bandwidth,
-    device_name,
+    finish,
     floor_fraction,
-    print_table,
-    write_csv,
+    start,
 )
 
 import torch  # noqa: E402
@@ -134,27 +129,11 @@ def run_case(case: Case, device: torch.device, dtype: torch.dtype, bandwidth: fl
 
 
 def main() -> None:
-    args = base_parser(__doc__.splitlines()[0]).parse_args()
-    device = bench_device(args.smoke)
-    dtype = torch.float32 if args.smoke else torch.bfloat16
-    torch.manual_seed(0)
-    print(f"device: {device_name(device)}")
-    if args.smoke:
-        print("SMOKE RUN: CPU, Triton interpreter, tiny shapes; checks that the benchmark runs. "
-              "The times below are NOT performance numbers.")
-    copy_bytes = (64 << 20) if args.smoke else (1 << 30)
-    bandwidth = copy_bandwidth(device, copy_bytes)
-    print(f"copy bandwidth: {bandwidth / 1e9:.1f} GB/s (copy of {copy_bytes >> 20} MiB, read + write)", flush=True)
-
+    args, device, dtype, bandwidth = start(__doc__.splitlines()[0])
     rows = []
     for case in make_cases(args.smoke, device):
         rows += run_case(case, device, dtype, bandwidth)
-    for row in rows:
-        row.update(device=device_name(device), copy_GBps=bandwidth / 1e9)
-    path = Path(args.out) / "bench_routing.csv"
-    write_csv(path, rows)
-    print(f"wrote {path}\n")
-    print_table(rows, COLUMNS)
+    finish(args, device, bandwidth, "bench_routing", [(rows, COLUMNS)])
 
 
 if __name__ == "__main__":
