@@ -22,11 +22,13 @@ import tempfile
 
 import torch
 import triton
+import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from fmoe.ops import balance, dispatch, experts, loss, packed, rope, routing  # noqa: E402
+from fmoe.optim import adamw  # noqa: E402
 
 BIN = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 TARGET = GPUTarget("cuda", 90, 32)
@@ -133,6 +135,17 @@ def cases():
     ce_scalars = dict(N="i32", V="i32", stride_x="i32", stride_g="i32", ignore_index="i32")
     for name, write_grad in (("ce_fwd", True), ("ce_fwd nograd", False)):
         yield name, loss._ce_fwd_kernel, ce_ptrs, ce_scalars, dict(MEAN=True, WRITE_GRAD=write_grad, **loss._ce_blocks(131072))
+    # AdamW step (fmoe.optim.adamw), one program per CHUNK elements of a tensor
+    adamw_ptrs = dict(table_ptr="*i64", chunk_tensor_ptr="*i64")
+    adamw_scalars = dict(n_tensors="i32", decay="fp32", beta1="fp32", beta2="fp32", eps="fp32", step_size="fp32", bc2_sqrt="fp32")
+    for name, param_ty, state_ty, master in (
+        ("adamw fp32", tl.float32, tl.float32, False), ("adamw bf16 states", tl.float32, tl.bfloat16, False),
+        ("adamw master", tl.bfloat16, tl.bfloat16, True),
+    ):
+        for aligned in (True, False):
+            yield f"{name}{'' if aligned else ' unaligned'}", adamw._adamw_kernel, adamw_ptrs, adamw_scalars, dict(
+                PARAM_TY=param_ty, GRAD_TY=param_ty, STATE_TY=state_ty, MASTER=master, ALIGNED=aligned,
+                CHUNK=adamw.CHUNK, **adamw._META)
 
 
 def main():
@@ -140,14 +153,14 @@ def main():
         sys.exit("kernel_stats compiles kernels: unset TRITON_INTERPRET")
     # warp-instr/row: SASS executed per row by the warps of a program; for kernels that
     # loop over H (permute, unpermute) it counts one iteration of the loop
-    print(f"{'kernel':<20}{'warps':>6}{'rows/prog':>10}{'regs':>6}{'spill B':>9}{'SASS':>7}{'SHFL':>6}{'LDS':>5}{'warp-instr/row':>16}")
+    print(f"{'kernel':<28}{'warps':>6}{'rows/prog':>10}{'regs':>6}{'spill B':>9}{'SASS':>7}{'SHFL':>6}{'LDS':>5}{'warp-instr/row':>16}")
     for name, kernel, ptrs, scalars, meta in cases():
         const = dict(meta)
         warps = const.pop("num_warps")
         s = compile_stats(kernel, ptrs, scalars, const, num_warps=warps)
         rows = next((const[b] for b in ("BLOCK_T", "BLOCK_R", "BLOCK_S") if b in const), None)  # rows (slots) per program
         per_row = f"{s['sass'] * warps / rows:.0f}" if rows else "-"
-        print(f"{name.replace(' ', '_'):<20}{warps:>6}{rows or '-':>10}{s['regs']:>6}{s['spill']:>9}{s['sass']:>7}{s['shfl']:>6}{s['lds']:>5}{per_row:>16}")
+        print(f"{name.replace(' ', '_'):<28}{warps:>6}{rows or '-':>10}{s['regs']:>6}{s['spill']:>9}{s['sass']:>7}{s['shfl']:>6}{s['lds']:>5}{per_row:>16}")
 
 
 if __name__ == "__main__":

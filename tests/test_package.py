@@ -5,6 +5,7 @@ import pathlib
 import re
 
 import fmoe.ops
+import fmoe.optim
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -32,12 +33,15 @@ CONTRACT = {
     "positions_from_cu_seqlens": ("cu_seqlens", ""),
     "cross_entropy": ("logits labels", "ignore_index"),
     "linear_cross_entropy": ("h weight labels", "ignore_index"),
+    "lr_at": ("step", "max_lr total warmup min_lr init_lr style wsd_decay wsd_style"),
+    "batch_size_at": ("tokens_consumed schedule", ""),
 }
 
 
 def test_public_signatures_follow_the_contract():
     for name, (positional, keyword) in CONTRACT.items():
-        params = inspect.signature(getattr(fmoe.ops, name)).parameters.values()
+        module = fmoe.optim if hasattr(fmoe.optim, name) else fmoe.ops
+        params = inspect.signature(getattr(module, name)).parameters.values()
         pos = [p.name for p in params if p.kind == p.POSITIONAL_OR_KEYWORD]
         kw = [p.name for p in params if p.kind == p.KEYWORD_ONLY]
         assert pos == positional.split(), name

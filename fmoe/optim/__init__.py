@@ -1,1 +1,29 @@
-"""fmoe.optim: see DESIGN.md; filled in by later work."""
+"""fmoe.optim: what the train loop steps with (SPEC.md section 7).
+
+    lr_at, lr_scheduler               learning-rate schedules (warmup, cosine, WSD, ...)
+    batch_size_at, parse_batch_schedule   the "0:32 50M:64" batch-size schedule
+    AdamW                             AdamW with float32 or bfloat16 moments (fused Triton on CUDA)
+    Muon, newton_schulz               Muon for matrices (each expert its own matrix)
+    split_param_groups, build_optimizers  Muon for matrices, AdamW for the rest
+    clip_grad_norm, Float32GradAccumulator  gradient helpers
+Every step takes `owned=` (the parameters this rank updates), for the distributed Muon.
+"""
+
+from fmoe.optim.adamw import AdamW
+from fmoe.optim.grads import Float32GradAccumulator, clip_grad_norm
+from fmoe.optim.muon import Muon, build_optimizers, newton_schulz, split_param_groups
+from fmoe.optim.schedules import batch_size_at, lr_at, lr_scheduler, parse_batch_schedule
+
+__all__ = [
+    "AdamW",
+    "Float32GradAccumulator",
+    "Muon",
+    "batch_size_at",
+    "build_optimizers",
+    "clip_grad_norm",
+    "lr_at",
+    "lr_scheduler",
+    "newton_schulz",
+    "parse_batch_schedule",
+    "split_param_groups",
+]

@@ -1,0 +1,102 @@
+"""Optimizer benchmark: one AdamW step over a 1B-parameter MoE-like set of tensors.
+
+    .venv/bin/python benchmarks/bench_optim.py            # CUDA, float32 params, 1B parameters
+    .venv/bin/python benchmarks/bench_optim.py --smoke    # CPU + Triton interpreter, tiny set
+
+Tensors (per layer, 4 layers, ~1.07B parameters): attention 4 x [2048, 2048], dense MLP
+[2048, 8192] x 2, experts 128 x [2048, 768] x 3 stacks, norms [2048] x 2; --smoke: a few
+odd-sized tensors. Parameters and gradients float32 (the mixed-precision training layout).
+
+Implementations (IMPLS: adding one is one entry; `extra_rows` times optimizers that take
+other parameters, i.e. Muon):
+    fmoe fp32       fmoe.optim.AdamW, float32 moments, the fused Triton kernel
+    fmoe bf16       the same with bf16 moments (half the state memory)
+    torch fused     torch.optim.AdamW(fused=True) (CUDA only; the baseline)
+    torch foreach   torch.optim.AdamW(foreach=True) (the baseline on CPU)
+    muon (matrices) fmoe.optim.Muon over the tensors with ndim >= 2 (extra_rows)
+
+Columns: median ms per step, state GiB (moments and masters, not the step counters), the
+ratio of time to the baseline, and the fraction of the bandwidth floor: bytes read and
+written per step (params read+write, grads read, each moment read+write, at their dtypes)
+over the copy bandwidth measured in the same run, divided by the time. Goal on an H100:
+fmoe bf16 at most 1.1x torch fused with half its state memory. CSV: OUT/bench_optim.csv.
+"""
+
+from _common import (  # before torch and fmoe: with --smoke it sets TRITON_INTERPRET
+    bench,
+    finish,
+    floor_fraction,
+    start,
+)
+
+import torch  # noqa: E402
+from fmoe.optim.adamw import AdamW  # noqa: E402
+from fmoe.optim.muon import Muon  # noqa: E402
+
+COLUMNS = ["impl", "ms", "state_GiB", "ratio_vs_baseline", "floor_fraction"]
+
+IMPLS = {
+    "fmoe fp32": lambda ps, dev: AdamW(ps, impl="triton"),
+    "fmoe bf16": lambda ps, dev: AdamW(ps, state_dtype=torch.bfloat16, impl="triton"),
+    "torch fused": lambda ps, dev: torch.optim.AdamW(ps, weight_decay=0.01, fused=True) if dev.type == "cuda" else None,
+    "torch foreach": lambda ps, dev: torch.optim.AdamW(ps, weight_decay=0.01, foreach=True),
+}
+
+
+def make_params(smoke: bool, device: torch.device) -> list[torch.Tensor]:
+    if smoke:
+        shapes = [(64, 48), (4, 32, 24), (33,), (2, 17, 5)]
+    else:
+        H, F, E, FE = 2048, 8192, 128, 768
+        shapes = [s for _ in range(4) for s in [(H, H)] * 4 + [(H, F), (F, H), (E, H, FE), (E, H, FE), (E, FE, H), (H,), (H,)]]
+    params = [torch.randn(s, device=device).requires_grad_() for s in shapes]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    return params
+
+
+def state_bytes(opt) -> int:
+    return sum(v.nbytes for s in opt.state.values() for k, v in s.items() if k != "step")
+
+
+def extra_rows(params, device, bandwidth) -> list[dict]:
+    """Muon's step over the matrices (ndim >= 2; the vectors belong to AdamW): five
+    Newton-Schulz iterations per matrix, each expert of a stack its own matrix. Matmul-bound,
+    so no bandwidth fraction."""
+    matrices = [p for p in params if p.ndim >= 2]
+    opt = Muon(matrices)
+    opt.step()  # creates the momentum buffers
+    ms = bench(opt.step, device)
+    return [{"impl": "muon (matrices)", "ms": ms, "state_GiB": state_bytes(opt) / 2**30, "params": sum(p.numel() for p in matrices)}]
+
+
+def main() -> None:
+    args, device, _, bandwidth = start(__doc__.splitlines()[0])
+    params = make_params(args.smoke, device)
+    n = sum(p.numel() for p in params)
+    print(f"{len(params)} tensors, {n:,} parameters", flush=True)
+    rows = []
+    for name, make in IMPLS.items():
+        opt = make(params, device)
+        if opt is None:
+            continue
+        opt.step()  # creates the state (and compiles)
+        ms = bench(opt.step, device)
+        moments = sum(s["exp_avg"].element_size() for s in opt.state.values()) // len(opt.state)
+        nbytes = n * (4 * 2 + 4 + 2 * moments * 2)
+        rows.append({
+            "impl": name, "ms": ms, "state_GiB": state_bytes(opt) / 2**30,
+            "floor_fraction": floor_fraction(nbytes, bandwidth, ms), "bytes": nbytes, "params": n,
+        })
+        del opt
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    rows += extra_rows(params, device, bandwidth)
+    base = next(r["ms"] for r in rows if r["impl"] == ("torch fused" if device.type == "cuda" else "torch foreach"))
+    for row in rows:
+        row["ratio_vs_baseline"] = row["ms"] / base
+    finish(args, device, bandwidth, "bench_optim", [(rows, COLUMNS)])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,322 @@
+"""AdamW with decoupled weight decay, optional bf16 moments and float32 master weights.
+
+One step for a parameter p with gradient g, step count t (from 1), learning rate lr, moments
+m, v (exp_avg, exp_avg_sq), exactly as torch.optim.AdamW:
+
+    p <- p * (1 - lr * weight_decay)
+    m <- m + (1 - beta1) * (g - m)                   (= beta1 m + (1 - beta1) g)
+    v <- beta2 * v + (1 - beta2) * g * g
+    p <- p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+
+All arithmetic is float32. With state_dtype=torch.bfloat16 m and v are stored in bf16 (half
+the state memory): each step loads them, updates in float32 and stores them rounded to
+nearest even. With master_weights=True a float32 copy of each parameter lives in the state
+("master"): the update applies to it and the parameter (e.g. bf16) receives it rounded. A
+parameter that is not float32 and has no master is updated in float32 and rounded back.
+
+Implementations (impl=): "torch" runs torch._foreach ops, the reference; "triton" a fused
+multi-tensor kernel: per bucket of tensors sharing dtypes, step count and alignment, one
+launch over chunks of CHUNK elements, every tensor's pointers and size read from an int64
+table (rebuilt only when a pointer or size changes); "auto" is Triton on CUDA, torch
+otherwise. A bucket with a non-contiguous tensor takes the torch path.
+
+DTensor parameters are updated through their local shards, their states are DTensors laid
+out like them. `step(owned=...)` updates only the given parameters (the others keep their
+state untouched), for optimizers where each rank updates only the parameters it owns.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch.distributed.tensor import DTensor
+
+from fmoe.ops._common import use_triton
+
+STATE_DTYPES = (torch.float32, torch.bfloat16)
+_ROWS = ("param", "grad", "exp_avg", "exp_avg_sq", "master", "numel")  # pointer-table rows
+CHUNK = 65536  # elements per program
+_META = dict(BLOCK=1024, num_warps=4)  # elements per loop iteration of a program
+_ALIGN = 16  # tensors whose addresses (bytes) and size (elements) are multiples of it get vector accesses
+
+
+def _local(x: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor, the tensor itself otherwise."""
+    return x._local_tensor if isinstance(x, DTensor) else x
+
+
+# ----------------------------------------------------------------------------------------
+# Reference: torch._foreach ops
+# ----------------------------------------------------------------------------------------
+
+
+def _f32(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Float32 working copies of the tensors that are not float32 (the others as they are)."""
+    return [t if t.dtype == torch.float32 else t.float() for t in tensors]
+
+
+def _store(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """Round the float32 working copies back into their non-float32 storage."""
+    pairs = [(d, s) for d, s in zip(dst, src) if d is not s]
+    if pairs:
+        torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+
+
+def _adamw_foreach(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, weight_decay, step):
+    """One AdamW step with torch._foreach ops, in the order of torch.optim.AdamW(foreach=True)."""
+    p32, g32, m32, v32 = _f32(params), _f32(grads), _f32(exp_avgs), _f32(exp_avg_sqs)
+    torch._foreach_mul_(p32, 1 - lr * weight_decay)
+    torch._foreach_lerp_(m32, g32, 1 - beta1)
+    torch._foreach_mul_(v32, beta2)
+    torch._foreach_addcmul_(v32, g32, g32, 1 - beta2)
+    denom = torch._foreach_sqrt(v32)
+    torch._foreach_div_(denom, (1 - beta2**step) ** 0.5)
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(p32, m32, denom, -lr / (1 - beta1**step))
+    for dst, src in ((params, p32), (exp_avgs, m32), (exp_avg_sqs, v32)):
+        _store(dst, src)
+
+
+# ----------------------------------------------------------------------------------------
+# Triton kernel: many tensors, one launch
+# ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _round_to(x, TY: tl.constexpr):
+    """float32 x rounded to nearest even in TY. bf16 by bit arithmetic, NaN kept: the
+    interpreter's plain cast truncates, a GPU's rounds; this rounds on both."""
+    if TY == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = tl.where(x != x, bits, bits + 0x7FFF + ((bits >> 16) & 1))
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(TY)
+
+
+@triton.jit
+def _adamw_kernel(
+    table_ptr, chunk_tensor_ptr, n_tensors,
+    decay, beta1, beta2, eps, step_size, bc2_sqrt,
+    PARAM_TY: tl.constexpr, GRAD_TY: tl.constexpr, STATE_TY: tl.constexpr,
+    MASTER: tl.constexpr, ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Program c updates elements [j*CHUNK, (j+1)*CHUNK) of tensor i = chunk_tensor[c].
+
+    table[r, i] (int64, [6, n_tensors]): addresses of param, grad, exp_avg, exp_avg_sq,
+    master (rows 0-4) and the element count (row 5) of tensor i. j is c minus the first
+    chunk of tensor i, stored in the high bits: chunk_tensor[c] = j << 32 | i.
+    """
+    c = tl.program_id(0)
+    entry = tl.load(chunk_tensor_ptr + c)
+    i = entry & 0xFFFFFFFF
+    start = (entry >> 32) * CHUNK
+    numel = tl.load(table_ptr + 5 * n_tensors + i)
+    p_addr = tl.load(table_ptr + i)
+    g_addr = tl.load(table_ptr + n_tensors + i)
+    m_addr = tl.load(table_ptr + 2 * n_tensors + i)
+    v_addr = tl.load(table_ptr + 3 * n_tensors + i)
+    w_addr = tl.load(table_ptr + 4 * n_tensors + i)
+    p_ptr = p_addr.to(tl.pointer_type(PARAM_TY))
+    g_ptr = g_addr.to(tl.pointer_type(GRAD_TY))
+    m_ptr = m_addr.to(tl.pointer_type(STATE_TY))
+    v_ptr = v_addr.to(tl.pointer_type(STATE_TY))
+    w_ptr = w_addr.to(tl.pointer_type(tl.float32))
+    if ALIGNED:  # every address and size of the launch is a multiple of 16: vector accesses
+        numel = tl.multiple_of(numel, 16)
+        p_ptr = tl.multiple_of(p_ptr, 16)
+        g_ptr = tl.multiple_of(g_ptr, 16)
+        m_ptr = tl.multiple_of(m_ptr, 16)
+        v_ptr = tl.multiple_of(v_ptr, 16)
+        w_ptr = tl.multiple_of(w_ptr, 16)
+    for off in tl.range(0, tl.minimum(numel - start, CHUNK), BLOCK):  # a small tensor's chunk stops early
+        idx = start + off + tl.arange(0, BLOCK)
+        mask = idx < numel
+        if MASTER:
+            p = tl.load(w_ptr + idx, mask=mask, other=0.0)
+        else:
+            p = tl.load(p_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        m = tl.load(m_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        p = p * decay
+        m = m + (1.0 - beta1) * (g - m)
+        v = v * beta2 + (1.0 - beta2) * g * g
+        denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
+        p = p - step_size * tl.div_rn(m, denom)
+        tl.store(m_ptr + idx, _round_to(m, STATE_TY), mask=mask)
+        tl.store(v_ptr + idx, _round_to(v, STATE_TY), mask=mask)
+        if MASTER:
+            tl.store(w_ptr + idx, p, mask=mask)
+        tl.store(p_ptr + idx, _round_to(p, PARAM_TY), mask=mask)
+
+
+_TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def _tables(tensors: list[list[torch.Tensor]], numels: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's pointer table [6, N] and per-chunk entries (j << 32 | i), on device."""
+    device = tensors[0][0].device
+    table = torch.tensor([[t.data_ptr() for t in row] for row in tensors] + [numels], dtype=torch.int64)
+    chunks = torch.tensor([-(-n // CHUNK) for n in numels])
+    tensor_of = torch.repeat_interleave(torch.arange(len(numels)), chunks)
+    first = torch.cumsum(chunks, 0) - chunks
+    entries = ((torch.arange(len(tensor_of)) - first[tensor_of]) << 32) | tensor_of
+    return table.to(device, non_blocking=True), entries.to(device, non_blocking=True)
+
+
+class _TableCache:
+    """Device pointer tables per bucket, reused while every address and size is unchanged."""
+
+    def __init__(self):
+        self._tables = {}
+
+    def get(self, bucket_key, tensors, numels):
+        key = (tuple(t.data_ptr() for row in tensors for t in row), tuple(numels))
+        hit = self._tables.get(bucket_key)
+        if hit is None or hit[0] != key:
+            hit = self._tables[bucket_key] = (key, _tables(tensors, numels))
+        return hit[1]
+
+
+def _adamw_triton(cache, bucket, params, grads, exp_avgs, exp_avg_sqs, masters, *, lr, beta1, beta2, eps, weight_decay, step):
+    """Fused launches for contiguous tensors sharing param, grad and state dtypes (masters:
+    a float32 tensor per param, or None for all); bucket: their key in the cache. The
+    tensors whose addresses and size are multiples of 16 go in one launch with vector
+    accesses, the others (if any) in a second one without."""
+    rows = [params, grads, exp_avgs, exp_avg_sqs, masters or params]
+    columns = list(zip(*rows))
+    for aligned in (True, False):
+        cols = [c for c in columns if (c[0].numel() % _ALIGN == 0 and all(t.data_ptr() % _ALIGN == 0 for t in c)) == aligned]
+        numels = [c[0].numel() for c in cols]
+        if sum(numels) == 0:
+            continue
+        table, entries = cache.get((bucket, aligned), [list(row) for row in zip(*cols)], numels)
+        _adamw_kernel[(entries.numel(),)](
+            table, entries, len(cols),
+            1 - lr * weight_decay, beta1, beta2, eps, lr / (1 - beta1**step), (1 - beta2**step) ** 0.5,
+            PARAM_TY=_TL[params[0].dtype], GRAD_TY=_TL[grads[0].dtype], STATE_TY=_TL[exp_avgs[0].dtype],
+            MASTER=masters is not None, ALIGNED=aligned, CHUNK=CHUNK, **_META,
+        )
+
+
+# ----------------------------------------------------------------------------------------
+# The optimizer
+# ----------------------------------------------------------------------------------------
+
+
+class AdamW(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay) with bf16 moments, float32 master weights, a fused
+    multi-tensor Triton step on CUDA, DTensor parameters and a step over owned parameters.
+
+    Args:
+        params: parameters or parameter groups, as for any torch optimizer.
+        lr, betas, eps, weight_decay: as torch.optim.AdamW; per group.
+        state_dtype: dtype in which exp_avg and exp_avg_sq are stored, torch.float32 or
+            torch.bfloat16 (half the state memory; the update is still float32).
+        master_weights: keep a float32 copy of each non-float32 parameter in the state
+            ("master"), update it and round it into the parameter.
+        impl: "auto" (Triton on CUDA, torch._foreach otherwise), "triton" or "torch".
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        *,
+        state_dtype: torch.dtype = torch.float32,
+        master_weights: bool = False,
+        impl: str = "auto",
+    ):
+        if not lr >= 0.0:
+            raise ValueError(f"lr: expected a learning rate >= 0, got {lr}")
+        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"betas: expected two values in [0, 1), got {betas}")
+        if not eps > 0.0:
+            raise ValueError(f"eps: expected eps > 0, got {eps}")
+        if not weight_decay >= 0.0:
+            raise ValueError(f"weight_decay: expected weight_decay >= 0, got {weight_decay}")
+        if state_dtype not in STATE_DTYPES:
+            raise ValueError(f"state_dtype: expected torch.float32 or torch.bfloat16, got {state_dtype}")
+        if impl not in ("auto", "triton", "torch"):
+            raise ValueError(f"impl: expected 'auto', 'triton' or 'torch', got {impl!r}")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults)
+        self.state_dtype = state_dtype
+        self.master_weights = master_weights
+        self.impl = impl
+        self._cache = _TableCache()
+
+    def _init_state(self, p: torch.Tensor) -> dict:
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.preserve_format)
+            if self.master_weights and p.dtype != torch.float32:
+                state["master"] = p.detach().float()
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's loader casts floating state to the parameter's dtype; here the moments
+        keep state_dtype and the master float32 (bf16 moments load bit for bit)."""
+        super().load_state_dict(state_dict)
+        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        dtypes = dict(exp_avg=self.state_dtype, exp_avg_sq=self.state_dtype, master=torch.float32)
+        for i, p in zip(saved_ids, params):
+            for key, value in state_dict["state"].get(i, {}).items():
+                if key in dtypes:
+                    self.state[p][key] = value.to(device=p.device, dtype=dtypes[key], copy=True)
+
+    @torch.no_grad()
+    def step(self, closure=None, *, owned: Optional[Iterable[torch.Tensor]] = None):
+        """One optimizer step over the parameters that have a gradient.
+
+        owned: when given, only these parameters are updated (the others are left as they
+        are, state included). Returns the closure's loss, if a closure is given.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        owned_ids = None if owned is None else {id(p) for p in owned}
+        for group in self.param_groups:
+            buckets = {}
+            for p in group["params"]:
+                if p.grad is None or (owned_ids is not None and id(p) not in owned_ids):
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("AdamW does not support sparse gradients")
+                state = self._init_state(p)
+                state["step"] += 1
+                master = state.get("master")
+                key = (p.device, p.dtype, p.grad.dtype, master is not None, state["step"].item())
+                buckets.setdefault(key, []).append((p, state))
+            for (*bucket, step), items in buckets.items():
+                self._update(group, (id(group), *bucket), items, step)
+        return loss
+
+    def _update(self, group: dict, bucket: tuple, items: list, step: float) -> None:
+        """Update the (param, state) items of one bucket: same group, dtypes and step."""
+        params = [_local(p) for p, _ in items]
+        grads = [_local(p.grad) for p, _ in items]
+        exp_avgs = [_local(s["exp_avg"]) for _, s in items]
+        exp_avg_sqs = [_local(s["exp_avg_sq"]) for _, s in items]
+        masters = [_local(s["master"]) for _, s in items] if "master" in items[0][1] else None
+        beta1, beta2 = group["betas"]
+        hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], step=step)
+        tensors = params + grads + exp_avgs + exp_avg_sqs + (masters or [])
+        if use_triton(self.impl, *params) and all(t.is_contiguous() for t in tensors):
+            _adamw_triton(self._cache, bucket, params, grads, exp_avgs, exp_avg_sqs, masters, **hyper)
+        elif masters is None:
+            _adamw_foreach(params, grads, exp_avgs, exp_avg_sqs, **hyper)
+        else:
+            _adamw_foreach(masters, grads, exp_avgs, exp_avg_sqs, **hyper)
+            torch._foreach_copy_(params, masters)

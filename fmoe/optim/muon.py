@@ -1,0 +1,239 @@
+"""Muon: momentum, then an orthogonalised update, for the matrix parameters of a model.
+
+For each matrix parameter W [m, n] with gradient G (Keller Jordan 2024):
+
+    M   <- mu M + G                               momentum buffer
+    D    = G + mu M   (nesterov)  or  M           update direction
+    O    = NS(D) ~ U V^T   where D = U S V^T      Newton-Schulz orthogonalisation
+    W   <- W (1 - lr wd)                          decoupled weight decay
+    W   <- W - lr s(m, n) O
+
+NS runs 5 steps of the quintic X <- a X + (b A + c A^2) X, A = X X^T, with (a, b, c) =
+(3.4445, -4.7750, 2.0315), on X = D / ||D||_F (so every singular value starts in (0, 1]),
+in bfloat16, transposed first when m > n so that A is the smaller Gram matrix. The
+coefficients maximise the slope at zero, not exact convergence: singular values end in
+roughly [0.7, 1.2] rather than at 1, which trains as well as the exact polar factor U V^T.
+
+The shape scale s(m, n) (argument `scale`):
+
+    "moonlight"  0.2 sqrt(max(m, n))   Moonlight (Liu et al. 2025, arXiv 2502.16982, eq. 4):
+                 the update RMS is 0.2 lr, matching AdamW's, so Muon can take AdamW's lr and
+                 weight decay; symmetric in m and n, so it does not depend on the layout of W.
+    "spectral"   sqrt(max(1, m / n))   Keller Jordan's modded-nanogpt scale, for nn.Linear's
+                 [out, in] layout (m = fan-out); pairs with lr ~ 0.02. fmoe's own weights are
+                 [in, out] (x @ w), for which this reads sqrt(max(1, fan_in / fan_out)).
+
+A parameter with more than 2 dims is a batch of matrices over its leading dims: an expert
+stack w_gate [E, H, F] is E matrices [H, F], each orthogonalised on its own. Parameters with
+fewer than 2 dims (norms, biases) and those that act as lookups or a classifier (embeddings,
+the output head, the router) belong to AdamW; `split_param_groups` splits a model by that
+rule and `build_optimizers` returns the two optimizers.
+
+Ownership: `Muon.step(owned=...)` updates only the parameters it is given, leaving the
+others (and their momentum) untouched; the layer-wise distributed Muon assigns each matrix to
+one rank, orthogonalises there and broadcasts the result.
+
+DTensor parameters are updated through their local tensors, which is Muon only when each
+local tensor holds whole matrices: replicated, or sharded over the leading (expert) dims of a
+stack. A shard of a matrix dim is refused at construction. The momentum buffer is then a
+plain tensor of the local shape.
+
+References: Keller Jordan, "Muon: An optimizer for hidden layers in neural networks" (2024),
+https://kellerjordan.github.io/posts/muon/ ; Liu et al., "Muon is Scalable for LLM
+Training" (Moonlight), arXiv 2502.16982.
+
+Legend: m rows, n cols of one matrix; E experts, H hidden, F expert FFN size.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Iterable, Optional
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+NS_COEFFS = (3.4445, -4.7750, 2.0315)
+SCALES = ("moonlight", "spectral")
+ADAMW_PATTERNS = ("embed", "lm_head", "head", "router", "norm", "bias")
+
+
+# -----------------------------------------------------------------------------
+# Newton-Schulz orthogonalisation
+
+def newton_schulz(G: torch.Tensor, steps: int = 5, eps: float = 1e-7, *, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The quintic Newton-Schulz approximation of U V^T for each matrix of G [..., m, n].
+
+    Leading dims are a batch: each [m, n] slice is normalised and orthogonalised on its own.
+    Computes in `dtype` (bfloat16 as in modded-nanogpt; torch.float32 for checks) and returns
+    G's dtype. Singular values of the result lie near, not at, 1 (see the module docstring).
+
+        O = newton_schulz(torch.randn(4, 32, 16))   # 4 matrices, each with O^T O ~ I
+    """
+    if not isinstance(G, torch.Tensor) or G.ndim < 2:
+        raise ValueError(f"G: expected a tensor [..., m, n] with at least 2 dims, got {getattr(G, 'shape', type(G).__name__)}")
+    if steps < 1:
+        raise ValueError(f"steps: expected >= 1, got {steps}")
+    a, b, c = NS_COEFFS
+    X = G.to(dtype)
+    tall = G.shape[-2] > G.shape[-1]
+    if tall:
+        X = X.mT  # iterate on the wide side: A = X X^T is then min(m, n) square
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + eps)  # spectral norm <= Frobenius norm <= 1
+    for _ in range(steps):
+        A = X @ X.mT
+        B = b * A + c * (A @ A)
+        X = a * X + B @ X
+    if tall:
+        X = X.mT
+    return X.to(G.dtype)
+
+
+def shape_scale(shape: torch.Size, scale: str) -> float:
+    """s(m, n) for a parameter of `shape` [..., m, n] (see the module docstring)."""
+    m, n = shape[-2], shape[-1]
+    if scale == "moonlight":
+        return 0.2 * math.sqrt(max(m, n))
+    if scale == "spectral":
+        return math.sqrt(max(1.0, m / n))
+    raise ValueError(f"scale: expected one of {SCALES}, got {scale!r}")
+
+
+# -----------------------------------------------------------------------------
+# The optimizer
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon for matrix parameters (ndim >= 2; leading dims of a stack are a batch of matrices).
+
+    Args:
+        params: tensors or param-group dicts; each group may override any keyword below.
+        lr: learning rate. With scale="moonlight" the update RMS is 0.2 lr, as AdamW's, so
+            pass AdamW's lr (Moonlight reuses it); 0.02 is modded-nanogpt's lr for
+            scale="spectral".
+        momentum: mu in [0, 1). nesterov: step along G + mu M instead of M.
+        weight_decay: decoupled, W *= 1 - lr wd before the update.
+        ns_steps: Newton-Schulz steps. scale: "moonlight" (default: layout-free and on
+            AdamW's lr scale) or "spectral". ns_dtype: the dtype NS computes in.
+
+    `step(owned=params)` updates only those parameters (see the module docstring).
+    """
+
+    def __init__(
+        self, params, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True, weight_decay: float = 0.0,
+        *, ns_steps: int = 5, scale: str = "moonlight", ns_dtype: torch.dtype = torch.bfloat16,
+    ):
+        defaults = dict(
+            lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, ns_steps=ns_steps, scale=scale, ns_dtype=ns_dtype,
+        )
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Validates the group's hyperparameters and parameter shapes, then adds it."""
+        group = {**self.defaults, **param_group}
+        if group["lr"] < 0:
+            raise ValueError(f"lr: expected >= 0, got {group['lr']}")
+        if not 0 <= group["momentum"] < 1:
+            raise ValueError(f"momentum: expected in [0, 1), got {group['momentum']}")
+        if group["weight_decay"] < 0:
+            raise ValueError(f"weight_decay: expected >= 0, got {group['weight_decay']}")
+        if group["ns_steps"] < 1:
+            raise ValueError(f"ns_steps: expected >= 1, got {group['ns_steps']}")
+        if group["scale"] not in SCALES:
+            raise ValueError(f"scale: expected one of {SCALES}, got {group['scale']!r}")
+        params = [group["params"]] if isinstance(group["params"], torch.Tensor) else list(group["params"])
+        for p in params:
+            if p.ndim < 2:
+                raise ValueError(f"params: Muon takes matrices (ndim >= 2), got shape {tuple(p.shape)}; give it to AdamW")
+            if isinstance(p, DTensor) and any(isinstance(pl, Shard) and pl.dim % p.ndim >= p.ndim - 2 for pl in p.placements):
+                raise ValueError(f"params: a DTensor sharded over a matrix dim ({p.placements}) is not whole locally")
+        super().add_param_group({**param_group, "params": params})
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None, *, owned: Optional[Iterable[torch.Tensor]] = None):
+        """One update of every parameter with a gradient, or only of those in `owned`."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        owned_ids = None if owned is None else {id(p) for p in owned}
+        for group in self.param_groups:
+            lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None or (owned_ids is not None and id(p) not in owned_ids):
+                    continue
+                w, g = _local(p), _local(p.grad)
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(g)
+                buf = state["momentum_buffer"]
+                buf.mul_(mu).add_(g)
+                direction = g.add(buf, alpha=mu) if group["nesterov"] else buf
+                update = newton_schulz(direction, steps=group["ns_steps"], dtype=group["ns_dtype"])
+                if wd:
+                    w.mul_(1 - lr * wd)
+                w.add_(update.to(w.dtype), alpha=-lr * shape_scale(w.shape, group["scale"]))
+        return loss
+
+
+# -----------------------------------------------------------------------------
+# Splitting a model between Muon and AdamW
+
+def split_param_groups(
+    model: nn.Module, *, muon_lr: float = 0.02, adamw_lr: float = 3e-4, weight_decay: float = 0.0,
+    adamw_patterns: Iterable[str] = ADAMW_PATTERNS,
+) -> tuple[list[dict], list[dict]]:
+    """(muon_groups, adamw_groups): a model's trainable parameters split by name and shape.
+
+    Rule: a parameter with ndim >= 2 goes to Muon unless its name (as in named_parameters)
+    contains one of `adamw_patterns` as a substring (embeddings, output head, router: lookups
+    and classifiers, whose rows are not an operator to orthogonalise); everything else goes
+    to AdamW, the ndim < 2 tensors (norms, biases, gates) without weight decay. Buffers (an
+    expert_bias) and frozen parameters are in neither. Empty groups are left out.
+
+        muon_groups, adamw_groups = split_param_groups(model)
+        opts = [Muon(muon_groups), torch.optim.AdamW(adamw_groups)]
+    """
+    patterns = tuple(adamw_patterns)
+    muon, adamw_decay, adamw_no_decay = [], [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if p.ndim < 2:
+            adamw_no_decay.append(p)
+        elif any(pattern in name for pattern in patterns):
+            adamw_decay.append(p)
+        else:
+            muon.append(p)
+    muon_groups = [dict(params=muon, lr=muon_lr, weight_decay=weight_decay)] if muon else []
+    adamw_groups = [
+        dict(params=params, lr=adamw_lr, weight_decay=wd)
+        for params, wd in ((adamw_decay, weight_decay), (adamw_no_decay, 0.0)) if params
+    ]
+    return muon_groups, adamw_groups
+
+
+def build_optimizers(
+    model: nn.Module, *, muon_lr: float = 0.02, adamw_lr: float = 3e-4, weight_decay: float = 0.0,
+    adamw_patterns: Iterable[str] = ADAMW_PATTERNS, adamw_cls: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW,
+    **muon_kwargs,
+) -> list[torch.optim.Optimizer]:
+    """[Muon, AdamW] over `model` as split by split_param_groups (either left out if empty).
+
+    The train loop calls step() and zero_grad() on each. `adamw_cls` builds the AdamW from
+    its param groups (e.g. functools.partial(torch.optim.AdamW, betas=(0.9, 0.95)), or
+    fmoe's AdamW); `muon_kwargs` go to Muon (momentum, nesterov, ns_steps, scale, ns_dtype).
+    """
+    muon_groups, adamw_groups = split_param_groups(
+        model, muon_lr=muon_lr, adamw_lr=adamw_lr, weight_decay=weight_decay, adamw_patterns=adamw_patterns,
+    )
+    optimizers = []
+    if muon_groups:
+        optimizers.append(Muon(muon_groups, lr=muon_lr, **muon_kwargs))
+    if adamw_groups:
+        optimizers.append(adamw_cls(adamw_groups, lr=adamw_lr))
+    return optimizers

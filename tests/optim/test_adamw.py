@@ -1,0 +1,199 @@
+"""fmoe.optim.AdamW against torch.optim.AdamW: float32 states step for step, bf16 states
+within bf16 rounding, master weights, DTensor shards, owned parameters, state_dict, errors.
+
+The "triton" cases run the fused kernel (through the interpreter on CPU)."""
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+from fmoe.optim.adamw import AdamW
+
+SHAPES = [(), (1,), (7,), (33, 17), (16, 16), (3, 5, 4)]
+IMPLS = ["torch", "triton"]
+LRS = [1e-2 * (1 + 0.5 * ((i * 7) % 5 - 2) / 2) for i in range(20)]  # changes every step
+
+
+def make_params(device, dtype=torch.float32, shapes=SHAPES):
+    return [torch.randn(s, device=device).to(dtype) for s in shapes]
+
+
+def grads_at(step, params):
+    g = torch.Generator().manual_seed(1000 + step)
+    return [torch.randn(p.shape, generator=g).to(p.device) for p in params]
+
+
+def run(opt_fn, init, steps=20, lrs=LRS, dtype=None):
+    """Run `steps` steps of opt_fn(params) on copies of init; grads fixed by step; returns params."""
+    params = [p.clone().requires_grad_() for p in init]
+    opt = opt_fn(params)
+    for i in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = lrs[i]
+        for p, g in zip(params, grads_at(i, params)):
+            p.grad = g.to(p.dtype)
+        opt.step()
+    return [p.detach() for p in params], opt
+
+
+def max_rel(a, b):
+    return max(((x.float() - y.float()).norm() / y.float().norm()).item() for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("wd", [0.0, 0.1])
+def test_matches_torch_adamw(impl, wd, device):
+    init = make_params(device)
+    ours, _ = run(lambda ps: AdamW(ps, weight_decay=wd, impl=impl), init)
+    ref, _ = run(lambda ps: torch.optim.AdamW(ps, weight_decay=wd, foreach=False), init)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    if impl == "torch":  # same ops in the same order as torch's foreach AdamW
+        ref_fe, _ = run(lambda ps: torch.optim.AdamW(ps, weight_decay=wd, foreach=True), init)
+        assert all(torch.equal(a, b) for a, b in zip(ours, ref_fe))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_bf16_states(impl, device):
+    init = make_params(device)
+    ours, opt = run(lambda ps: AdamW(ps, state_dtype=torch.bfloat16, impl=impl), init)
+    ref, ref_opt = run(lambda ps: AdamW(ps, impl="torch"), init)
+    for s in opt.state.values():
+        assert s["exp_avg"].dtype == s["exp_avg_sq"].dtype == torch.bfloat16
+    # half the state memory
+    moments = lambda o: sum(s[k].nbytes for s in o.state.values() for k in ("exp_avg", "exp_avg_sq"))  # noqa: E731
+    assert 2 * moments(opt) == moments(ref_opt)
+    # really stored in bf16: not the float32 result
+    assert any(not torch.equal(a, b) for a, b in zip(ours, ref) if a.numel() > 1)
+    # Each step rounds m and v to bf16 (relative error <= 2^-9); the update m/sqrt(v) then
+    # carries a relative error of about 2^-9 * 1.5 <= 3e-3 per step, and the parameter moves
+    # by at most lr per step: over 20 steps the parameter difference stays within
+    # sum(lr) * 3e-3 * (a safety factor 4 for error accumulating through m and v).
+    bound = sum(LRS) * 3e-3 * 4
+    for a, b in zip(ours, ref):
+        assert (a - b).abs().max().item() <= bound
+    # and well above float32 rounding: the bf16 states are not free
+    assert max((a - b).abs().max().item() for a, b in zip(ours, ref)) > 1e-6
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_master_weights(impl, device):
+    bf16 = [p.to(torch.bfloat16) for p in make_params(device, shapes=[(64,), (32, 48)])]
+    ref, _ = run(lambda ps: AdamW(ps, impl="torch"), [p.float() for p in bf16], lrs=[1e-4] * 20)
+    with_master, opt = run(lambda ps: AdamW(ps, master_weights=True, impl=impl), bf16, lrs=[1e-4] * 20)
+    without, _ = run(lambda ps: AdamW(ps, impl=impl), bf16, lrs=[1e-4] * 20)
+    assert all(p.dtype == torch.bfloat16 for p in with_master)
+    masters = [s["master"] for s in opt.state.values()]
+    assert all(m.dtype == torch.float32 for m in masters)
+    # with lr 1e-4 most steps are below half a bf16 ulp (2^-9 relative): without a master
+    # they are lost, with one they accumulate. Compared: the total update p_20 - p_0.
+    moved = lambda ps: [p.float() - p0.float() for p, p0 in zip(ps, bf16)]  # noqa: E731
+    # The parameter is the master rounded to bf16.
+    err_master, err_without = max_rel(moved(masters), moved(ref)), max_rel(moved(without), moved(ref))
+    assert err_master < 1e-2  # only the bf16 gradients differ
+    assert err_without > 0.3
+    assert all(torch.equal(p, m.to(torch.bfloat16)) for p, m in zip(with_master, masters))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_owned(impl, device):
+    init = make_params(device, shapes=[(8,), (5, 3), (4,)])
+    params = [p.clone().requires_grad_() for p in init]
+    opt = AdamW(params, impl=impl)
+    ref, _ = run(lambda ps: AdamW(ps, impl="torch"), init, steps=2, lrs=[1e-3, 1e-3])
+    for _ in range(2):
+        for p, g in zip(params, grads_at(_, params)):
+            p.grad = g
+        opt.step(owned=params[:2])
+    assert torch.equal(params[2].detach(), init[2])  # not owned: untouched, no state
+    assert params[2] not in opt.state
+    for a, b in zip(params[:2], ref[:2]):
+        torch.testing.assert_close(a.detach(), b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_state_dict_round_trip(state_dtype, impl, device):
+    init = make_params(device, shapes=[(7,), (6, 5)])
+    make = lambda ps: AdamW(ps, weight_decay=0.1, state_dtype=state_dtype, impl=impl)  # noqa: E731
+    straight, _ = run(make, init, steps=10)
+    first, opt = run(make, init, steps=5)
+    saved = opt.state_dict()
+    params = [p.clone().requires_grad_() for p in first]
+    fresh = make(params)
+    fresh.load_state_dict(saved)
+    for s in fresh.state.values():
+        assert s["exp_avg"].dtype == s["exp_avg_sq"].dtype == state_dtype
+    for i in range(5, 10):
+        for group in fresh.param_groups:
+            group["lr"] = LRS[i]
+        for p, g in zip(params, grads_at(i, params)):
+            p.grad = g
+        fresh.step()
+    assert all(torch.equal(a.detach(), b) for a, b in zip(params, straight))
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def mesh():
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{_free_port()}")
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_dtensor(mesh, impl):
+    init = make_params("cpu", shapes=[(8, 3), (5,)])
+    ref, _ = run(lambda ps: AdamW(ps, impl="torch"), init, steps=3)
+    placements = [Shard(0), Replicate()]
+    params = [distribute_tensor(p.clone(), mesh, [pl]).requires_grad_() for p, pl in zip(init, placements)]
+    opt = AdamW(params, impl=impl)
+    for i in range(3):
+        for group in opt.param_groups:
+            group["lr"] = LRS[i]
+        for p, g, pl in zip(params, grads_at(i, init), placements):
+            p.grad = distribute_tensor(g, mesh, [pl])
+        opt.step()
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(p.full_tensor().detach(), r, rtol=1e-6, atol=1e-7)
+    assert all(type(s["exp_avg"]) is type(params[0]) for s in opt.state.values())
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(lr=-1.0), "lr"),
+        (dict(betas=(1.0, 0.999)), "betas"),
+        (dict(betas=(0.9, -0.1)), "betas"),
+        (dict(eps=0.0), "eps"),
+        (dict(weight_decay=-0.1), "weight_decay"),
+        (dict(state_dtype=torch.float16), "state_dtype"),
+        (dict(impl="cuda"), "impl"),
+    ],
+)
+def test_validation(kwargs, name):
+    with pytest.raises(ValueError, match=f"^{name}:"):
+        AdamW([torch.zeros(2, requires_grad=True)], **kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_fused_matches_foreach_cuda(state_dtype):
+    shapes = [(2048, 2048), (2048, 8192), (8, 2048, 768), (2048,), (1001,), (16, 2048, 768), ()]
+    init = make_params("cuda", shapes=shapes)  # about 50M parameters
+    assert sum(p.numel() for p in init) > 45e6
+    fused, _ = run(lambda ps: AdamW(ps, state_dtype=state_dtype, impl="triton"), init, steps=5)
+    ref, _ = run(lambda ps: AdamW(ps, state_dtype=state_dtype, impl="torch"), init, steps=5)
+    for a, b in zip(fused, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

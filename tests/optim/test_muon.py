@@ -1,0 +1,288 @@
+"""fmoe.optim.muon: Newton-Schulz against the SVD polar factor, Muon's step against a hand
+computation, the Muon/AdamW split of a model, and a falling loss."""
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fmoe.layers import MoEConfig
+from fmoe.model import MoE
+from fmoe.optim.muon import Muon, build_optimizers, newton_schulz, shape_scale, split_param_groups
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _with_spectrum(batch, m, n, smallest, generator):
+    """A matrix (or batch) U diag(s) V^T with singular values from `smallest` to 1."""
+    r = min(m, n)
+    U, _ = torch.linalg.qr(torch.randn(*batch, m, r, generator=generator))
+    V, _ = torch.linalg.qr(torch.randn(*batch, n, r, generator=generator))
+    s = torch.logspace(math.log10(smallest), 0, r)
+    return U, s, V, U @ torch.diag(s) @ V.mT
+
+
+def _cosine(a, b):
+    return (a * b).sum((-2, -1)) / (a.norm(dim=(-2, -1)) * b.norm(dim=(-2, -1)))
+
+
+# -----------------------------------------------------------------------------
+# newton_schulz
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(64, 16), (16, 64), (4, 24, 40)], ids=["tall", "wide", "batch"])
+def test_newton_schulz_random_matrix_is_near_polar_factor(shape, dtype):
+    G = 3.0 * torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    O = newton_schulz(G, dtype=dtype)
+    assert O.dtype == G.dtype and O.shape == G.shape
+    # the quintic's coefficients trade exactness for speed: singular values end in ~[0.68, 1.14]
+    sv = torch.linalg.svdvals(O)
+    assert sv.min() > 0.6 and sv.max() < 1.2, (sv.min(), sv.max())
+    U, _, Vh = torch.linalg.svd(G, full_matrices=False)
+    assert _cosine(O, U @ Vh).min() > 0.97
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_newton_schulz_square_keeps_singular_vectors(dtype):
+    # a random square matrix can have a singular value too small for 5 steps to lift (its
+    # image stays near 0, harmlessly), so the spectrum is set: from 1e-2 to 1, times 5
+    U, s, V, G = _with_spectrum((), 32, 32, 1e-2, torch.Generator().manual_seed(1))
+    O = newton_schulz(5.0 * G, dtype=dtype)
+    # an odd matrix polynomial: O = U p(S) V^T with the same U and V
+    inner = U.mT @ O @ V
+    diag = torch.diagonal(inner)
+    assert (inner - torch.diag(diag)).abs().max() < (0.05 if dtype == torch.bfloat16 else 1e-4)
+    assert diag.min() > 0.5 and diag.max() < 1.5, diag
+    assert _cosine(O, U @ V.mT) > 0.97
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_newton_schulz_orthogonalises_each_matrix_of_a_stack_on_its_own(dtype):
+    g = torch.Generator().manual_seed(2)
+    G = torch.randn(4, 24, 40, generator=g) * torch.tensor([1e-3, 1.0, 10.0, 1e3]).view(4, 1, 1)
+    O = newton_schulz(G, dtype=dtype)
+    for e in range(4):
+        torch.testing.assert_close(O[e], newton_schulz(G[e], dtype=dtype), rtol=0, atol=1e-6 if dtype == torch.float32 else 1e-2)
+
+
+def test_newton_schulz_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="G"):
+        newton_schulz(torch.randn(8))
+    with pytest.raises(ValueError, match="steps"):
+        newton_schulz(torch.randn(4, 4), steps=0)
+
+
+def test_shape_scale():
+    assert shape_scale(torch.Size([3, 5]), "moonlight") == pytest.approx(0.2 * math.sqrt(5))
+    assert shape_scale(torch.Size([4, 5, 3]), "moonlight") == pytest.approx(0.2 * math.sqrt(5))
+    assert shape_scale(torch.Size([3, 5]), "spectral") == 1.0
+    assert shape_scale(torch.Size([4, 5, 3]), "spectral") == pytest.approx(math.sqrt(5 / 3))
+
+
+# -----------------------------------------------------------------------------
+# Muon's step
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("scale", ["moonlight", "spectral"])
+def test_step_matches_hand_computation(nesterov, scale):
+    g = torch.Generator().manual_seed(3)
+    W0, S0 = torch.randn(3, 5, generator=g), torch.randn(2, 5, 3, generator=g)
+    grads = [(torch.randn(3, 5, generator=g), torch.randn(2, 5, 3, generator=g)) for _ in range(3)]
+    lr, mu, wd = 0.1, 0.9, 0.5
+    W, S = W0.clone().requires_grad_(), S0.clone().requires_grad_()
+    opt = Muon([W, S], lr=lr, momentum=mu, nesterov=nesterov, weight_decay=wd, scale=scale)
+    expected = {"W": W0.clone(), "S": S0.clone()}
+    bufs = {"W": torch.zeros(3, 5), "S": torch.zeros(2, 5, 3)}
+    for gW, gS in grads:
+        W.grad, S.grad = gW.clone(), gS.clone()
+        opt.step()
+        for name, grad in (("W", gW), ("S", gS)):
+            bufs[name] = mu * bufs[name] + grad
+            direction = grad + mu * bufs[name] if nesterov else bufs[name]
+            s = {"moonlight": 0.2 * 5 ** 0.5, "spectral": 1.0 if name == "W" else (5 / 3) ** 0.5}[scale]
+            expected[name] = expected[name] * (1 - lr * wd) - lr * s * newton_schulz(direction)
+        torch.testing.assert_close(W.detach(), expected["W"], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(S.detach(), expected["S"], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(opt.state[W]["momentum_buffer"], bufs["W"])
+
+
+def _run(nesterov, grads):
+    W = torch.zeros(6, 4, requires_grad=True)
+    opt = Muon([W], lr=0.1, momentum=0.9, nesterov=nesterov, ns_dtype=torch.float32)
+    out = []
+    for grad in grads:
+        W.grad = grad.clone()
+        opt.step()
+        out.append(W.detach().clone())
+    return out
+
+
+def test_nesterov_changes_only_later_steps():
+    g = torch.Generator().manual_seed(4)
+    grads = [torch.randn(6, 4, generator=g) for _ in range(2)]
+    on, off = _run(True, grads), _run(False, grads)
+    # step 1: the directions are (1 + mu) g and g, the same after normalisation
+    torch.testing.assert_close(on[0], off[0], rtol=0, atol=1e-6)
+    # step 2: g2 + mu (mu g1 + g2) against mu g1 + g2
+    assert (on[1] - off[1]).abs().max() > 1e-2
+
+
+def test_weight_decay_is_decoupled_and_update_ignores_gradient_scale():
+    W0 = torch.randn(6, 4, generator=torch.Generator().manual_seed(5))
+    W = W0.clone().requires_grad_()
+    opt = Muon([W], lr=0.1, weight_decay=0.3)
+    W.grad = torch.zeros_like(W)  # NS(0) = 0: only the decay acts
+    opt.step()
+    torch.testing.assert_close(W.detach(), W0 * (1 - 0.1 * 0.3), rtol=0, atol=0)
+    grad = torch.randn(6, 4, generator=torch.Generator().manual_seed(6))
+    results = []
+    for factor in (1e-3, 1e3):  # the decay does not grow with the gradient, nor the update
+        V = W0.clone().requires_grad_()
+        opt = Muon([V], lr=0.1, weight_decay=0.3, ns_dtype=torch.float32)
+        V.grad = factor * grad
+        opt.step()
+        results.append(V.detach())
+    torch.testing.assert_close(results[0], results[1], rtol=0, atol=1e-5)
+
+
+def test_owned_skips_other_parameters():
+    g = torch.Generator().manual_seed(7)
+    A0, B0 = torch.randn(4, 6, generator=g), torch.randn(2, 4, 6, generator=g)
+    A, B = A0.clone().requires_grad_(), B0.clone().requires_grad_()
+    A.grad, B.grad = torch.randn(4, 6, generator=g), torch.randn(2, 4, 6, generator=g)
+    reference = A0.clone().requires_grad_()
+    reference.grad = A.grad.clone()
+    Muon([reference], lr=0.1).step()
+    opt = Muon([A, B], lr=0.1)
+    opt.step(owned=[A])
+    assert torch.equal(A.detach(), reference.detach())
+    assert torch.equal(B.detach(), B0) and B not in opt.state
+    opt.step(owned=[B])  # B's first step; A's momentum untouched
+    assert not torch.equal(B.detach(), B0)
+    assert torch.equal(opt.state[A]["momentum_buffer"], A.grad)
+
+
+def test_state_dict_round_trip_continues_bit_identically():
+    g = torch.Generator().manual_seed(8)
+    grads = [(torch.randn(5, 3, generator=g), torch.randn(2, 3, 4, generator=g)) for _ in range(4)]
+    params = [torch.randn(5, 3, generator=g).requires_grad_(), torch.randn(2, 3, 4, generator=g).requires_grad_()]
+    opt = Muon([{"params": params[:1]}, {"params": params[1:], "lr": 0.05, "scale": "spectral"}], lr=0.1, weight_decay=0.1)
+
+    def step(opt, params, grad_pair):
+        for p, grad in zip(params, grad_pair):
+            p.grad = grad.clone()
+        opt.step()
+
+    for grad_pair in grads[:2]:
+        step(opt, params, grad_pair)
+    saved = copy.deepcopy(opt.state_dict())
+    clones = [p.detach().clone().requires_grad_() for p in params]
+    resumed = Muon([{"params": clones[:1]}, {"params": clones[1:]}], lr=1.0, scale="moonlight")
+    resumed.load_state_dict(saved)
+    assert resumed.param_groups[1]["lr"] == 0.05 and resumed.param_groups[1]["scale"] == "spectral"
+    for grad_pair in grads[2:]:
+        step(opt, params, grad_pair)
+        step(resumed, clones, grad_pair)
+    for p, q in zip(params, clones):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [(dict(lr=-1.0), "lr"), (dict(momentum=1.0), "momentum"), (dict(momentum=-0.1), "momentum"),
+     (dict(weight_decay=-0.1), "weight_decay"), (dict(ns_steps=0), "ns_steps"), (dict(scale="rms"), "scale")],
+)
+def test_bad_hyperparameters_raise_naming_the_argument(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        Muon([torch.zeros(3, 3, requires_grad=True)], **kwargs)
+    with pytest.raises(ValueError, match=name):  # the same check for a param group's override
+        Muon([{"params": [torch.zeros(3, 3, requires_grad=True)], **kwargs}])
+
+
+def test_vectors_are_refused():
+    with pytest.raises(ValueError, match="params.*AdamW"):
+        Muon([torch.zeros(3, 3, requires_grad=True), torch.zeros(3, requires_grad=True)])
+
+
+# -----------------------------------------------------------------------------
+# Splitting a model between Muon and AdamW
+
+def _ids(groups):
+    return [{id(p) for p in group["params"]} for group in groups]
+
+
+def test_split_param_groups_moe():
+    model = MoE(32, 16, MoEConfig(n_experts=4, k=2, score="sigmoid"), shared_ffn=32, shared_gate=True, expert_bias=True)
+    muon, adamw = split_param_groups(model, muon_lr=0.02, adamw_lr=1e-3, weight_decay=0.1)
+    (muon_ids,), (decay_ids, no_decay_ids) = _ids(muon), _ids(adamw)
+    assert muon_ids == {id(getattr(model, n)) for n in ("w_gate", "w_up", "w_down", "shared_w_gate", "shared_w_up", "shared_w_down")}
+    assert decay_ids == {id(model.router)}
+    assert no_decay_ids == {id(model.shared_gate)}  # 1-D
+    assert id(model.expert_bias) not in muon_ids | decay_ids | no_decay_ids  # a buffer
+    assert muon[0]["lr"] == 0.02 and muon[0]["weight_decay"] == 0.1
+    assert [g["lr"] for g in adamw] == [1e-3, 1e-3] and [g["weight_decay"] for g in adamw] == [0.1, 0.0]
+
+
+def test_split_param_groups_by_name_pattern():
+    model = nn.ModuleDict(dict(
+        embed=nn.Embedding(10, 8), proj=nn.Linear(8, 8), norm=nn.LayerNorm(8), lm_head=nn.Linear(8, 10, bias=False),
+    ))
+    model.frozen = nn.Linear(8, 8, bias=False).requires_grad_(False)
+    muon, adamw = split_param_groups(model)
+    (muon_ids,), (decay_ids, no_decay_ids) = _ids(muon), _ids(adamw)
+    assert muon_ids == {id(model["proj"].weight)}
+    assert decay_ids == {id(model["embed"].weight), id(model["lm_head"].weight)}
+    assert no_decay_ids == {id(model["proj"].bias), id(model["norm"].weight), id(model["norm"].bias)}
+    muon, adamw = split_param_groups(model, adamw_patterns=("embed",))
+    assert _ids(muon)[0] == {id(model["proj"].weight), id(model["lm_head"].weight)}
+
+
+def test_muon_and_adamw_train_a_moe():
+    torch.manual_seed(0)
+    model = MoE(32, 16, MoEConfig(n_experts=4, k=2, impl="torch"))
+    x, target = torch.randn(64, 32), 0.1 * torch.randn(64, 32)
+    optimizers = build_optimizers(model, muon_lr=0.02, adamw_lr=1e-2)
+    assert [type(o) for o in optimizers] == [Muon, torch.optim.AdamW]
+    losses = []
+    for _ in range(30):
+        loss = F.mse_loss(model(x)[0], target)
+        losses.append(loss.item())
+        loss.backward()
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+@pytest.fixture
+def one_rank_mesh():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_dtensor_expert_stack_steps_on_its_local_matrices(one_rank_mesh):
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    g = torch.Generator().manual_seed(9)
+    W0, grad = torch.randn(4, 6, 8, generator=g), torch.randn(4, 6, 8, generator=g)
+    plain = W0.clone().requires_grad_()
+    plain.grad = grad.clone()
+    Muon([plain], lr=0.1, weight_decay=0.1).step()
+    W = nn.Parameter(distribute_tensor(W0.clone(), one_rank_mesh, [Shard(0)]))  # sharded over experts
+    W.grad = distribute_tensor(grad.clone(), one_rank_mesh, [Shard(0)])
+    Muon([W], lr=0.1, weight_decay=0.1).step()
+    assert torch.equal(W.detach().to_local(), plain.detach())
+    split_matrix = nn.Parameter(distribute_tensor(W0.clone(), one_rank_mesh, [Shard(1)]))
+    with pytest.raises(ValueError, match="params.*matrix dim"):
+        Muon([split_matrix])
