@@ -35,6 +35,7 @@ import triton.language as tl
 from torch.distributed.tensor import DTensor
 
 from fmoe.ops._common import use_triton
+from fmoe.optim.grads import begin_step
 
 STATE_DTYPES = (torch.float32, torch.bfloat16)
 _ROWS = ("param", "grad", "exp_avg", "exp_avg_sq", "master", "numel")  # pointer-table rows
@@ -282,15 +283,11 @@ class AdamW(torch.optim.Optimizer):
         owned: when given, only these parameters are updated (the others are left as they
         are, state included). Returns the closure's loss, if a closure is given.
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        owned_ids = None if owned is None else {id(p) for p in owned}
+        loss, stepped = begin_step(closure, owned)
         for group in self.param_groups:
             buckets = {}
             for p in group["params"]:
-                if p.grad is None or (owned_ids is not None and id(p) not in owned_ids):
+                if not stepped(p):
                     continue
                 if p.grad.is_sparse:
                     raise RuntimeError("AdamW does not support sparse gradients")

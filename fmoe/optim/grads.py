@@ -119,3 +119,19 @@ class Float32GradAccumulator:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+def begin_step(closure, owned):
+    """The common start of an fmoe optimizer's step.
+
+    Runs the closure (with grad enabled) and returns (its loss or None, stepped), where
+    stepped(p) says whether this step updates p: it has a gradient and, when `owned` is
+    given, is one of the owned parameters (a rank of a distributed optimizer updates the
+    parameters it owns; the others keep their values and state).
+    """
+    loss = None
+    if closure is not None:
+        with torch.enable_grad():
+            loss = closure()
+    owned_ids = None if owned is None else {id(p) for p in owned}
+    return loss, lambda p: p.grad is not None and (owned_ids is None or id(p) in owned_ids)

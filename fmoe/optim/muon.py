@@ -54,6 +54,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from fmoe.optim.grads import begin_step
+
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 SCALES = ("moonlight", "spectral")
 ADAMW_PATTERNS = ("embed", "lm_head", "head", "router", "norm", "bias")
@@ -156,15 +158,11 @@ class Muon(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None, *, owned: Optional[Iterable[torch.Tensor]] = None):
         """One update of every parameter with a gradient, or only of those in `owned`."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        owned_ids = None if owned is None else {id(p) for p in owned}
+        loss, stepped = begin_step(closure, owned)
         for group in self.param_groups:
             lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
             for p in group["params"]:
-                if p.grad is None or (owned_ids is not None and id(p) not in owned_ids):
+                if not stepped(p):
                     continue
                 w, g = _local(p), _local(p.grad)
                 state = self.state[p]
