@@ -2,6 +2,8 @@
 #   make setup     create .venv and install what is missing (idempotent)
 #   make test      setup, then the whole suite (Triton kernels via the interpreter on CPU)
 #   make test-gpu  setup, then the tests marked `gpu` (they skip, saying why, without CUDA)
+#   make train     setup, then train the default small MoE on the embedded corpus (CPU: minutes)
+#                  and plot it; ARGS="--steps=400 ..." passes knobs, TRAIN_OUT=dir the output
 #   make bench-smoke  every benchmark's --smoke mode (CPU, tiny shapes)
 
 PYTHON ?= python3
@@ -10,11 +12,11 @@ PY     := $(VENV)/bin/python
 # CPU machines get pinned CPU builds; a CUDA machine takes the registry's CUDA builds
 CPU_PINS := torch==2.13.0 triton==3.7.1
 
-.PHONY: setup test test-gpu bench-smoke clean
+.PHONY: setup test test-gpu train bench-smoke clean
 
 setup:
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@if $(PY) -c "import torch, triton, einops, tensordict, pytest, fmoe" 2>/dev/null; then \
+	@if $(PY) -c "import torch, triton, einops, tensordict, pytest, matplotlib, fmoe" 2>/dev/null; then \
 		echo "setup: $(VENV) already has everything"; \
 	else \
 		if nvidia-smi -L >/dev/null 2>&1; then pins="torch triton"; else pins="$(CPU_PINS)"; fi; \
@@ -25,6 +27,11 @@ setup:
 test: setup
 	$(PY) -m pytest -q
 
+TRAIN_OUT ?= out/train_moe
+train: setup
+	$(PY) examples/train_moe.py --out_dir=$(TRAIN_OUT) $(ARGS)
+	$(PY) -m fmoe.train.plot $(TRAIN_OUT)
+
 test-gpu: setup
 	TRITON_INTERPRET=0 $(PY) -m pytest -q -m gpu
 
@@ -32,4 +39,4 @@ bench-smoke: setup
 	@for b in benchmarks/bench_*.py; do echo "== $$b --smoke"; $(PY) $$b --smoke || exit 1; done
 
 clean:
-	rm -rf $(VENV) .pytest_cache bench_out
+	rm -rf $(VENV) .pytest_cache bench_out out

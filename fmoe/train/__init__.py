@@ -1,1 +1,9 @@
-"""fmoe.train: see DESIGN.md; filled in by later work."""
+"""fmoe.train: what a train loop needs besides the model and the optimizer.
+
+    data        the embedded byte-level corpus (this Python's stdlib), text directories,
+                token files; packing into micro-batches with cu_seqlens; a resumable sampler
+    checkpoint  torch.distributed.checkpoint saves that count only once complete; resume;
+                retention
+    metrics     FLOPs per token (SPEC.md 8), MFU, expert load, metrics.jsonl and progress
+    plot        python -m fmoe.train.plot <out_dir>: loss curves and expert-load heatmaps
+"""

@@ -1,0 +1,251 @@
+"""Train a small MoE language model: the explicit loop, meant to be copied and changed.
+
+    python examples/train_moe.py                                  # CPU: stdlib corpus, minutes
+    python examples/train_moe.py --steps=400 --out_dir=out/long   # any knob as --name=value
+    python examples/train_moe.py --resume=True --steps=600        # continue from out_dir
+    python examples/train_moe.py --data=my_texts/                 # a directory of text files
+    python examples/train_moe.py --data=tokens.bin --data_dtype=uint16 --separator=50256 --vocab_size=50304
+
+Everything a step does is below, in order: the batch-size schedule picks the micro-batches,
+each runs forward (LM loss + MTP losses as sums) plus the balancing losses, backward; the
+loss is the sum over valid tokens divided by the step's valid-token count; then clip, the
+optimizer step, the aux-loss-free expert-bias update from the step's actual counts, metrics,
+and checkpoints (a complete one at the end of every run).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+import fmoe.ops as ops
+from fmoe.optim import AdamW, batch_size_at, build_optimizers, clip_grad_norm, lr_at
+from fmoe.train import checkpoint, metrics
+from fmoe.train.data import BYTE_VOCAB_SIZE, Sampler, load_corpus
+from fmoe.transformer import Transformer, TransformerConfig
+
+
+# ------------------------------------------------------------------------------ knobs
+@dataclass
+class Config:
+    # data
+    data: str = ""                  # "" = the embedded corpus (this Python's stdlib sources, bytes)
+    data_dtype: str = ""            # token files: uint16 | uint32 ("" = from the file suffix)
+    separator: int = -1             # token files: the document separator id
+    vocab_size: int = BYTE_VOCAB_SIZE
+    val_percent: int = 5            # validation documents, split by file name
+    tokens_per_micro_batch: int = 1024
+    batch_schedule: str = "0:2 2M:4"  # micro-batches per step, by tokens consumed
+    # model
+    hidden: int = 128
+    n_layers: int = 4
+    n_dense: int = 1
+    ffn_dense: int = 384
+    n_experts: int = 8
+    k: int = 2
+    ffn_expert: int = 96
+    n_shared: int = 1
+    score: str = "sigmoid"
+    expert_bias: bool = True
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int = 32
+    mtp_depth: int = 1
+    # losses
+    mtp_lambda: float = 0.1         # (lambda / D) * sum_d mean CE_d
+    seq_aux_coeff: float = 1e-4     # sequence-level balancing loss
+    aux_coeff: float = 0.0          # switch loss over the micro-batch
+    z_coeff: float = 1e-3           # router z-loss
+    bias_rate: float = 1e-3         # aux-loss-free expert-bias step (sigmoid routing)
+    # optimizer and schedule
+    optimizer: str = "adamw"        # adamw | muon (Muon for matrices, AdamW for the rest)
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup: int = 20
+    lr_style: str = "cosine"
+    weight_decay: float = 0.1
+    clip: float = 1.0
+    # run
+    steps: int = 250
+    stop_at: int = 0                # stop after this step (a time-limited job); 0: run to --steps
+    seed: int = 0
+    out_dir: str = "out/train_moe"
+    resume: bool = False
+    ckpt_every: int = 100
+    keep_last: int = 2
+    eval_every: int = 50
+    eval_batches: int = 4
+    device: str = "auto"            # auto | cpu | cuda
+    compile: bool = False
+
+
+def parse_args(argv: list[str]) -> Config:
+    """--name=value overrides of Config; unknown names and bad values exit with a message."""
+    cfg, fields = Config(), {f.name: f for f in dataclasses.fields(Config)}
+    for arg in argv:
+        name, sep, value = arg.removeprefix("--").partition("=")
+        if not arg.startswith("--") or not sep or name not in fields:
+            sys.exit(f"unknown argument {arg!r}; knobs: " + " ".join(f"--{n}=" for n in fields))
+        kind = type(getattr(cfg, name))
+        try:
+            parsed = {"True": True, "False": False}[value] if kind is bool else kind(value)
+        except (KeyError, ValueError):
+            sys.exit(f"--{name}: expected a {kind.__name__}, got {value!r}")
+        setattr(cfg, name, parsed)
+    return cfg
+
+
+def main(argv: list[str]) -> None:
+    cfg = parse_args(argv)
+    # ------------------------------------------------------------------------ setup
+    device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else (cfg.device if cfg.device != "auto" else "cpu"))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    try:
+        corpus = load_corpus(cfg.data or None, separator=cfg.separator if cfg.separator >= 0 else None,
+                             vocab_size=cfg.vocab_size if cfg.data else None, dtype=cfg.data_dtype or None)
+    except (OSError, ValueError) as err:
+        sys.exit(f"data: {err}")
+    train_set, val_set = corpus.split(cfg.val_percent)
+    sampler = Sampler(train_set, cfg.tokens_per_micro_batch, seed=cfg.seed, mtp_depth=cfg.mtp_depth)
+    val_batches = val_set.validation_batches(cfg.tokens_per_micro_batch, cfg.eval_batches, mtp_depth=cfg.mtp_depth)
+
+    model_cfg = TransformerConfig(
+        vocab_size=corpus.vocab_size, hidden=cfg.hidden, n_layers=cfg.n_layers, n_dense=cfg.n_dense,
+        ffn_dense=cfg.ffn_dense, n_experts=cfg.n_experts, k=cfg.k, ffn_expert=cfg.ffn_expert, n_shared=cfg.n_shared,
+        score=cfg.score, expert_bias=cfg.expert_bias, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
+        head_dim=cfg.head_dim, mtp_depth=cfg.mtp_depth,
+    )
+    model = Transformer(model_cfg).to(device=device, dtype=dtype)  # router and expert biases stay float32
+    forward = torch.compile(model) if cfg.compile else model
+    if cfg.optimizer == "adamw":
+        optimizers = [AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)]
+    elif cfg.optimizer == "muon":
+        optimizers = build_optimizers(model, muon_lr=cfg.lr, adamw_lr=cfg.lr, weight_decay=cfg.weight_decay)
+    else:
+        sys.exit(f"--optimizer: expected adamw or muon, got {cfg.optimizer!r}")
+    for opt in optimizers:  # the schedule scales each group's own lr
+        for group in opt.param_groups:
+            group["base_lr"] = group["lr"]
+
+    step, tokens_seen = 0, 0
+    if cfg.resume and (path := checkpoint.latest(cfg.out_dir)):
+        extra = checkpoint.load(path, model=model, optimizers=optimizers)
+        step, tokens_seen = extra["step"], extra["tokens_seen"]
+        sampler.load_state_dict(extra["sampler"])
+        checkpoint.set_rng_state(extra["rng"])
+        print(f"resumed from {path} at step {step}")
+    # records are logged for completed steps step+1, step+2, ...: keep the ones up to step
+    logger = metrics.MetricsLogger(cfg.out_dir, total_steps=cfg.steps, start_step=step + 1)
+    flops_per_token = metrics.flops_per_token(
+        hidden=cfg.hidden, n_layers=cfg.n_layers, n_dense=cfg.n_dense, ffn_dense=cfg.ffn_dense,
+        ffn_expert=cfg.ffn_expert, k=cfg.k, n_shared=cfg.n_shared, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
+        head_dim=cfg.head_dim, vocab=corpus.vocab_size, mtp_depth=cfg.mtp_depth,
+        n_avg_keys=cfg.tokens_per_micro_batch / 2,  # refined per step from the documents' lengths
+    )
+    peak = metrics.peak_flops(device)
+
+    def run_micro_batch(batch, valid_tokens, n_micro):
+        """Forward of one micro-batch; returns its share of the step's loss and its stats."""
+        mtp = [{key: batch[f"mtp_{key}"][d] for key in ("input_ids", "labels", "loss_mask", "positions")} for d in range(cfg.mtp_depth)]
+        losses, stats = forward(batch["input_ids"], batch["labels"], batch["loss_mask"], batch["cu_seqlens"], batch["positions"], mtp)
+        loss = losses["lm_sum"] / valid_tokens["lm"]
+        for d in range(1, cfg.mtp_depth + 1):
+            loss = loss + cfg.mtp_lambda / cfg.mtp_depth * losses[f"mtp_{d}_sum"] / valid_tokens[d]
+        for layer in stats.values():  # balancing losses, averaged over layers and micro-batches
+            scale = 1.0 / (len(stats.keys()) * n_micro)
+            if cfg.seq_aux_coeff:
+                loss = loss + cfg.seq_aux_coeff * scale * ops.seq_load_balancing_loss(layer["aux_scores"], layer["aux_experts"], batch["cu_seqlens"], k=cfg.k)
+            if cfg.aux_coeff:
+                loss = loss + cfg.aux_coeff * scale * ops.load_balancing_loss(layer["aux_scores"], layer["aux_counts"], k=cfg.k, n_tokens=layer["aux_scores"].shape[0])
+            if cfg.z_coeff:
+                loss = loss + cfg.z_coeff * scale * ops.z_loss(layer["router_logits"])
+        return loss, losses, stats
+
+    @torch.no_grad()
+    def evaluate():
+        model.eval()
+        total, count = 0.0, 0
+        for batch in val_batches:
+            b = batch.to(device)
+            mtp = [{key: b[f"mtp_{key}"][d] for key in ("input_ids", "labels", "loss_mask", "positions")} for d in range(cfg.mtp_depth)]
+            losses, _ = model(b["input_ids"], b["labels"], b["loss_mask"], b["cu_seqlens"], b["positions"], mtp)
+            total, count = total + float(losses["lm_sum"]), count + int(losses["lm_tokens"])
+        model.train()
+        return total / max(count, 1)
+
+    # the schedule gives a factor on each group's lr; checked once here, with a message
+    schedule = dict(max_lr=1.0, total=cfg.steps, warmup=cfg.warmup, min_lr=cfg.min_lr / cfg.lr, style=cfg.lr_style)
+    try:
+        lr_at(0, **schedule)
+        batch_size_at(0, cfg.batch_schedule)
+    except ValueError as err:
+        sys.exit(f"schedule knobs (--steps, --warmup, --lr, --min_lr, --lr_style, --batch_schedule): {err}")
+
+    # ------------------------------------------------------------------------ the loop
+    last = min(cfg.steps, cfg.stop_at) if cfg.stop_at > 0 else cfg.steps
+    while step < last:
+        t0 = time.perf_counter()
+        lr_scale = lr_at(step, **schedule)
+        for opt in optimizers:
+            for group in opt.param_groups:
+                group["lr"] = group["base_lr"] * lr_scale
+        n_micro = batch_size_at(tokens_seen, cfg.batch_schedule)
+        batches = [sampler.next_batch().to(device) for _ in range(n_micro)]
+        # the step's valid-token counts: the loss is a sum over tokens divided by these
+        valid = {"lm": sum(int(b["loss_mask"].sum()) for b in batches)}
+        for d in range(1, cfg.mtp_depth + 1):
+            valid[d] = max(1, sum(int(b["mtp_loss_mask"][d - 1].sum()) for b in batches))
+        counts = {}
+        record = {"lm_loss": 0.0}
+        for batch in batches:
+            loss, losses, stats = run_micro_batch(batch, valid, n_micro)
+            loss.backward()
+            record["lm_loss"] += float(losses["lm_sum"].detach()) / valid["lm"]
+            for d in range(1, cfg.mtp_depth + 1):
+                record[f"mtp_{d}_loss"] = record.get(f"mtp_{d}_loss", 0.0) + float(losses[f"mtp_{d}_sum"].detach()) / valid[d]
+            for name, layer in stats.items():
+                counts[name] = counts.get(name, 0) + layer["tokens_per_expert"]
+        grad_norm = clip_grad_norm(model.parameters(), cfg.clip)
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        # aux-loss-free balancing: each MoE layer's bias moves by the step's actual counts
+        if cfg.expert_bias and cfg.bias_rate:
+            layers = {f"layer_{i}": b.mlp for i, b in enumerate(model.blocks) if i >= cfg.n_dense}
+            layers.update({f"mtp_{d}": m.block.mlp for d, m in enumerate(model.mtp, start=1) if cfg.n_layers > cfg.n_dense})
+            for name, moe in layers.items():
+                moe.expert_bias.copy_(ops.update_expert_bias(moe.expert_bias, counts[name], cfg.bias_rate))
+
+        step += 1
+        step_tokens = n_micro * cfg.tokens_per_micro_batch
+        tokens_seen += step_tokens
+        seconds = time.perf_counter() - t0
+        record.update(
+            step=step, loss=record["lm_loss"], lr=cfg.lr * lr_scale, batch_size=n_micro, tokens=tokens_seen,
+            grad_norm=float(grad_norm), tokens_per_s=step_tokens / seconds,
+            flops_per_token=flops_per_token, mfu=metrics.mfu(step_tokens / seconds, flops_per_token, peak),
+            peak_memory_gib=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+            expert_load={name: metrics.expert_load(c, slots=step_tokens * cfg.k) for name, c in counts.items()},
+        )
+        if step % cfg.eval_every == 0 or step == last:
+            record["val_loss"] = evaluate()
+        logger.log(step, record)
+        if step % cfg.ckpt_every == 0 or step == last:
+            extra = {"step": step, "tokens_seen": tokens_seen, "sampler": sampler.state_dict(), "rng": checkpoint.rng_state()}
+            checkpoint.save(cfg.out_dir, step, model=model, optimizers=optimizers, extra=extra)
+            checkpoint.prune(cfg.out_dir, keep_last=cfg.keep_last)
+    checkpoint.wait(cfg.out_dir)
+    if math.isfinite(record.get("val_loss", float("nan"))):
+        print(f"done: step {step}, validation loss {record['val_loss']:.4f} (bits per byte {record['val_loss'] / math.log(2):.3f})")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,265 @@
+"""Checkpoints on torch.distributed.checkpoint (DCP): save, resume, retention.
+
+    save(out_dir, step, *, model, optimizers, extra, async_=False) -> SaveHandle
+    wait(out_dir=None)                       finish pending async saves
+    latest(out_dir, *, delete_partial=False) -> Path | None
+    load(path, *, model, optimizers) -> extra
+    prune(out_dir, *, keep_last, keep_every=None) -> removed paths
+    rng_state() -> dict, set_rng_state(state)   torch CPU/CUDA, python, numpy generators
+
+Layout: `out_dir/step_000123/` holds DCP's files (`.metadata`, `__<rank>_*.distcp`) for
+{"model": ..., "optim": ...}, built with torch.distributed.checkpoint.state_dict's
+get_state_dict / set_state_dict (so FSDP2 / DTensor shards save and reshard, and several
+optimizers over disjoint parameters merge into one FQN-keyed state), plus one
+`extra_rank<r>.pt` per rank written with torch.save: `extra` is per-rank plain state
+(schedules, sampler state, RNG states) that must round trip exactly as Python objects,
+which DCP's planner does not promise (it needs the keys up front to load and treats
+every rank's values as one global dict). Buffers such as the MoE expert_bias are in the
+model state and keep their dtype.
+
+Completeness: a checkpoint is written to `step_000123.tmp/` and renamed to `step_000123/`
+only after every rank's data and DCP's metadata are on disk (for async_, when the
+returned handle's wait() runs: the next save() to the same out_dir, wait(), or process
+exit call it). A run killed midway leaves only a `.tmp` directory, which latest()
+ignores. Extra files are loaded with weights_only=False: load only trusted checkpoints.
+
+Process groups: none is needed on one process; DCP runs with no_dist=True when
+torch.distributed is not initialised. Under torchrun every rank calls save / load /
+wait with the same arguments (DCP's collectives); rank 0 renames the directory; call
+prune and latest(delete_partial=True) on rank 0 only, with no async save in flight.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import random
+import re
+import shutil
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+_NAME = re.compile(r"step_(\d+)")
+_PENDING: dict[Path, "SaveHandle"] = {}  # out_dir -> the async save in flight there
+
+
+def _key(out_dir) -> Path:
+    return Path(out_dir).resolve()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+@contextmanager
+def _single_process_quiet():
+    """DCP warns that it assumes a single process even with no_dist=True: that is meant."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _out_dir(out_dir) -> Path:
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"out_dir: {str(out_dir)!r} exists and is not a directory")
+    return out_dir
+
+
+def _optimizers(optimizers) -> list[torch.optim.Optimizer]:
+    if isinstance(optimizers, torch.optim.Optimizer):
+        optimizers = [optimizers]
+    optimizers = list(optimizers)
+    if not all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
+        raise ValueError(f"optimizers: expected a list of torch.optim.Optimizer, got {[type(o).__name__ for o in optimizers]}")
+    return optimizers
+
+
+def _complete(out_dir: Path) -> list[tuple[int, Path]]:
+    """(step, path) of the complete checkpoints in out_dir, oldest first."""
+    if not out_dir.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in out_dir.iterdir() if p.is_dir() and (m := _NAME.fullmatch(p.name))]
+    return sorted(found)
+
+
+class SaveHandle:
+    """A save in progress (async_) or done. wait() blocks until its data is on disk, renames
+    `.tmp` to the final directory (rank 0) and returns the final path; calling it again
+    returns the path at once."""
+
+    def __init__(self, tmp: Path, final: Path, future=None):
+        self.tmp, self.path, self._future = tmp, final, future
+        self._finished = future is None
+        if future is not None:
+            _PENDING[_key(final.parent)] = self
+
+    def done(self) -> bool:
+        """True when wait() would not block."""
+        return self._finished or self._future.done()
+
+    def wait(self, *, barrier: bool = True) -> Path:
+        """Finish the save. barrier=False skips the final all-rank barrier (used at exit)."""
+        if not self._finished:
+            self._future.result()
+            self._finished = True
+            if _rank() == 0:
+                _finalize(self.tmp, self.path)
+            if barrier:
+                _barrier()
+        if _PENDING.get(_key(self.path.parent)) is self:
+            del _PENDING[_key(self.path.parent)]
+        return self.path
+
+
+def _finalize(tmp: Path, final: Path) -> None:
+    if final.exists():  # the same step saved again (e.g. after a resume): replace it
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+
+
+def wait(out_dir=None) -> None:
+    """Wait for the pending async save to out_dir (all out_dirs when None)."""
+    handles = list(_PENDING.values()) if out_dir is None else [_PENDING.get(_key(out_dir))]
+    for handle in handles:
+        if handle is not None:
+            handle.wait()
+
+
+@atexit.register
+def _wait_at_exit() -> None:  # a run that ends without wait() still completes its last save
+    for handle in list(_PENDING.values()):
+        handle.wait(barrier=False)
+
+
+def save(
+    out_dir, step: int, *, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer],
+    extra: Optional[dict] = None, async_: bool = False,
+) -> SaveHandle:
+    """Save model, optimizers and this rank's `extra` as `out_dir/step_<step:06d>/`.
+
+    Waits first for a pending async save to the same out_dir. With async_=True the model
+    and optimizer state are staged (copied) before returning, so training may go on and
+    change them; the files are written by a background thread and the checkpoint becomes
+    complete at the returned handle's wait(). Returns a SaveHandle (done when sync).
+    """
+    out_dir = _out_dir(out_dir)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step: expected an int >= 0, got {step!r}")
+    if extra is not None and not isinstance(extra, dict):
+        raise ValueError(f"extra: expected a dict or None, got {type(extra).__name__}")
+    optimizers = _optimizers(optimizers)
+    wait(out_dir)
+
+    final = out_dir / f"step_{step:06d}"
+    tmp = out_dir / f"{final.name}.tmp"
+    if _rank() == 0:
+        if tmp.exists():  # left by a killed run
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    _barrier()
+    torch.save(extra or {}, tmp / f"extra_rank{_rank()}.pt")
+
+    model_sd, optim_sd = get_state_dict(model, optimizers)
+    state = {"model": model_sd, "optim": optim_sd}
+    no_dist = not dist.is_initialized()
+    if not async_:
+        with _single_process_quiet():
+            dcp.save(state, checkpoint_id=tmp, no_dist=no_dist)
+        if _rank() == 0:
+            _finalize(tmp, final)
+        _barrier()
+        return SaveHandle(tmp, final)
+    with _single_process_quiet():
+        result = dcp.async_save(state, checkpoint_id=tmp, no_dist=no_dist)
+    future = getattr(result, "upload_completion", result)  # AsyncSaveResponse or Future
+    return SaveHandle(tmp, final, future)
+
+
+def latest(out_dir, *, delete_partial: bool = False) -> Optional[Path]:
+    """The newest complete checkpoint in out_dir (None when there is none or out_dir does not
+    exist). `.tmp` directories of interrupted saves are ignored, or removed with
+    delete_partial=True (rank 0, no save in flight)."""
+    out_dir = _out_dir(out_dir)
+    if delete_partial and out_dir.is_dir():
+        for p in out_dir.glob("step_*.tmp"):
+            shutil.rmtree(p)
+    found = _complete(out_dir)
+    return found[-1][1] if found else None
+
+
+def load(path, *, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> dict:
+    """Restore model and optimizers in place from a checkpoint directory; return this rank's
+    extra dict. Fresh optimizers get their state created first (get_state_dict runs one
+    zero-lr step on zero gradients), then overwritten bit for bit."""
+    path = Path(path)
+    if not (path / ".metadata").is_file():
+        what = "does not exist" if not path.exists() else "is not a complete checkpoint (no .metadata)"
+        raise FileNotFoundError(f"path: {str(path)!r} {what}")
+    extra_file = path / f"extra_rank{_rank()}.pt"
+    if not extra_file.is_file():
+        raise FileNotFoundError(f"path: {str(path)!r} has no {extra_file.name} (saved with fewer ranks?)")
+    optimizers = _optimizers(optimizers)
+    model_sd, optim_sd = get_state_dict(model, optimizers)
+    state = {"model": model_sd, "optim": optim_sd}
+    with _single_process_quiet():
+        dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+    set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return torch.load(extra_file, weights_only=False)
+
+
+def prune(out_dir, *, keep_last: int, keep_every: Optional[int] = None) -> list[Path]:
+    """Delete complete checkpoints except the newest keep_last and those whose step is a
+    multiple of keep_every. Returns the removed paths. `.tmp` directories are left alone."""
+    out_dir = _out_dir(out_dir)
+    if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+        raise ValueError(f"keep_last: expected an int >= 1, got {keep_last!r}")
+    if keep_every is not None and (isinstance(keep_every, bool) or not isinstance(keep_every, int) or keep_every < 1):
+        raise ValueError(f"keep_every: expected an int >= 1 or None, got {keep_every!r}")
+    found = _complete(out_dir)
+    removed = []
+    for step, p in found[:-keep_last]:
+        if keep_every is None or step % keep_every != 0:
+            shutil.rmtree(p)
+            removed.append(p)
+    return removed
+
+
+def rng_state() -> dict:
+    """The states of torch's CPU and CUDA generators, python's random and numpy's global
+    generator (when numpy is installed), for `extra`."""
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+    except ImportError:
+        return state
+    state["numpy"] = np.random.get_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what rng_state() returned."""
+    if not isinstance(state, dict) or "torch" not in state or "python" not in state:
+        raise ValueError("state: expected the dict returned by rng_state()")
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])

@@ -1,0 +1,239 @@
+"""Training metrics: FLOPs per token (SPEC.md section 8), MFU, expert load, a JSONL logger.
+
+    mean_attended_keys(cu_seqlens) -> n_avg        sum_i len_i^2 / (2 T); S/2 for one document
+    flops_per_token(*, hidden, n_layers, n_dense, ffn_dense, ffn_expert, k, n_shared,
+                    n_heads, n_kv_heads, head_dim, vocab, mtp_depth=0, n_avg_keys) -> float
+    datasheet_peak_flops(name) / peak_flops(device) -> float | None   dense bf16 peaks
+    mfu(tokens_per_s, flops_per_token, peak) -> float | None
+    expert_load(counts[E], slots) -> {max_over_mean, cv, dropped_fraction}
+    layer_loads(counts[L][E], slots) -> record entries, one list item per MoE layer
+    MetricsLogger(out_dir, *, rank=0, total_steps, start_step=0).log(step, record)
+    format_progress(step, total_steps, record) -> the one-line progress string
+
+Training FLOPs per token (SPEC 8; 6 = 3 passes x 2 for a multiply-add), for L = n_layers
+layers of which n_dense are dense and N_moe = L - n_dense are MoE, SwiGLU (m = 3):
+
+    6 H (m F_dense n_dense + m F_expert (k + n_shared) N_moe)          MLPs and experts
+    + L * 6 (H (q + 2 kv) + q H)                                       q, k, v, o projections
+    + L * 12 q n_avg                                                   scores and values
+    + (1 + mtp_depth) * 6 H V                                          output heads
+with q = n_heads * head_dim, kv = n_kv_heads * head_dim, n_avg = mean_attended_keys(...).
+Not counted (as in SPEC 8): the router, norms, embeddings, and the MTP depths' own blocks.
+
+Metric records (one JSON object per line of `<out_dir>/metrics.jsonl`): step, and what the
+loop passes: loss, lr, tokens, grad_norm, tokens_per_s, val_loss, aux_loss, z_loss,
+mtp_loss, mfu, ... and, per MoE layer (lists in layer order, see layer_loads):
+tokens_per_expert [L][E], load_max_over_mean [L], load_cv [L], dropped_fraction [L].
+Tensors become numbers / lists; non-finite floats become null (strict JSON).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from numbers import Real
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+import torch
+
+_PEAKS = (  # dense bf16 tensor-core peaks (NVIDIA datasheets), most specific name first
+    ("H200", 989e12),
+    ("H100 PCIE", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),  # SXM
+    ("A100", 312e12),
+)
+
+
+def mean_attended_keys(cu_seqlens: Union[torch.Tensor, Sequence[int]]) -> float:
+    """n_avg = sum_i len_i^2 / (2 T): the mean number of keys a query attends to in causal
+    attention over packed documents (S/2 for one document of length S)."""
+    cu = torch.as_tensor(cu_seqlens).tolist()
+    if not cu or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])) or cu[-1] <= 0:
+        raise ValueError(f"cu_seqlens: expected non-decreasing offsets from 0 to T > 0, got {cu}")
+    return sum((b - a) ** 2 for a, b in zip(cu, cu[1:])) / (2 * cu[-1])
+
+
+def _check_count(name: str, value, minimum: int = 0) -> None:
+    if isinstance(value, bool) or not isinstance(value, Real) or not value >= minimum:
+        raise ValueError(f"{name}: expected a number >= {minimum}, got {value!r}")
+
+
+def flops_per_token(
+    *, hidden: int, n_layers: int, n_dense: int, ffn_dense: int, ffn_expert: int, k: int, n_shared: float,
+    n_heads: int, n_kv_heads: int, head_dim: int, vocab: int, mtp_depth: int = 0, n_avg_keys: float,
+) -> float:
+    """Training FLOPs per token (forward + backward), SPEC.md section 8; see the module
+    docstring. n_shared counts shared experts in units of ffn_expert (Fs = n_shared F)."""
+    args = dict(hidden=hidden, n_layers=n_layers, n_dense=n_dense, ffn_dense=ffn_dense, ffn_expert=ffn_expert, k=k,
+                n_shared=n_shared, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, vocab=vocab,
+                mtp_depth=mtp_depth, n_avg_keys=n_avg_keys)
+    for name, value in args.items():
+        _check_count(name, value)
+    if n_dense > n_layers:
+        raise ValueError(f"n_dense: expected at most n_layers={n_layers}, got {n_dense}")
+    m, H = 3, hidden
+    n_moe = n_layers - n_dense
+    q, kv = n_heads * head_dim, n_kv_heads * head_dim
+    mlp = 6 * H * (m * ffn_dense * n_dense + m * ffn_expert * (k + n_shared) * n_moe)
+    projections = n_layers * 6 * (H * (q + 2 * kv) + q * H)
+    scores = n_layers * 12 * q * n_avg_keys
+    head = (1 + mtp_depth) * 6 * H * vocab
+    return float(mlp + projections + scores + head)
+
+
+def datasheet_peak_flops(name: str) -> Optional[float]:
+    """Dense bf16 peak FLOP/s of a GPU from its name (torch.cuda.get_device_name), None if
+    unknown: H100 SXM / H200 989e12, H100 NVL 835e12, H100 PCIe 756e12, A100 312e12."""
+    if not isinstance(name, str):
+        raise ValueError(f"name: expected a GPU name string, got {type(name).__name__}")
+    upper = name.upper()
+    return next((peak for key, peak in _PEAKS if key in upper), None)
+
+
+def peak_flops(device: Union[torch.device, str, int, None] = None) -> Optional[float]:
+    """Dense bf16 datasheet peak of a CUDA device; None on CPU, without CUDA, or unknown."""
+    device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cuda")
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return datasheet_peak_flops(torch.cuda.get_device_name(device))
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, peak: Optional[float]) -> Optional[float]:
+    """Model FLOPs utilisation: tokens_per_s * flops_per_token / peak (None when peak is)."""
+    _check_count("tokens_per_s", tokens_per_s)
+    _check_count("flops_per_token", flops_per_token)
+    if peak is None:
+        return None
+    if isinstance(peak, bool) or not isinstance(peak, Real) or not peak > 0:
+        raise ValueError(f"peak: expected FLOP/s > 0 or None, got {peak!r}")
+    return tokens_per_s * flops_per_token / peak
+
+
+def expert_load(counts: Union[torch.Tensor, Sequence[int]], slots: int) -> dict:
+    """Load of one MoE layer from its tokens_per_expert counts [E] (summed over micro-batches
+    and ranks as wanted) and the slots requested (T k): max/mean, coefficient of variation
+    (std/mean, population std) and the fraction of slots dropped by capacity."""
+    counts = torch.as_tensor(counts, dtype=torch.float64)
+    if counts.ndim != 1 or counts.numel() == 0:
+        raise ValueError(f"counts: expected a 1-D [E] count vector, got shape {tuple(counts.shape)}")
+    _check_count("slots", slots)
+    mean = counts.mean().clamp(min=1e-9)
+    return {
+        "max_over_mean": (counts.max() / mean).item(),
+        "cv": (counts.std(correction=0) / mean).item(),
+        "dropped_fraction": 1.0 - counts.sum().item() / max(slots, 1),
+    }
+
+
+def layer_loads(counts: Union[torch.Tensor, Sequence], slots: int) -> dict:
+    """Record entries for all MoE layers from counts [L, E] (a tensor or a list of [E]):
+    tokens_per_expert [L][E], load_max_over_mean [L], load_cv [L], dropped_fraction [L]."""
+    rows = list(counts)
+    loads = [expert_load(c, slots) for c in rows]
+    return {
+        "tokens_per_expert": [torch.as_tensor(c).tolist() for c in rows],
+        "load_max_over_mean": [d["max_over_mean"] for d in loads],
+        "load_cv": [d["cv"] for d in loads],
+        "dropped_fraction": [d["dropped_fraction"] for d in loads],
+    }
+
+
+def _plain(value):
+    """A JSON-ready copy of value: tensors to numbers / lists, non-finite floats to None."""
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().tolist()
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, Real):  # numpy scalars and the like
+        return _plain(float(value))
+    raise ValueError(f"record: cannot write a {type(value).__name__} as JSON")
+
+
+def _si(x: float) -> str:
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.1f}{unit}"
+    return f"{x:.1f}"
+
+
+def format_progress(step: int, total_steps: int, record: dict, *, width: int = 20) -> str:
+    """`[####................] step 12/100 loss 3.2100 lr 1.0e-03 gnorm 0.51 tok/s 12.3k`
+    (the fields present in record, in that order)."""
+    done = min(max(step / total_steps, 0.0), 1.0)
+    filled = int(done * width)
+    parts = [f"[{'#' * filled}{'.' * (width - filled)}] step {step}/{total_steps}"]
+    formats = (("loss", "loss", "{:.4f}"), ("val_loss", "val", "{:.4f}"), ("lr", "lr", "{:.1e}"),
+               ("grad_norm", "gnorm", "{:.3g}"), ("tokens_per_s", "tok/s", None), ("mfu", "mfu", "{:.1%}"))
+    for key, label, fmt in formats:
+        value = record.get(key)
+        if isinstance(value, torch.Tensor):
+            value = value.item()
+        if isinstance(value, Real) and not isinstance(value, bool):
+            parts.append(f"{label} {_si(value) if fmt is None else fmt.format(value)}")
+    return " ".join(parts)
+
+
+class MetricsLogger:
+    """Appends one JSON object per step to `<out_dir>/metrics.jsonl` and prints a one-line
+    progress on rank 0 (other ranks log nothing, so every rank may call log()).
+
+    start_step: the step the run starts or resumes at; records of the file with step >=
+    start_step are dropped at construction (a fresh run, start_step=0, starts an empty file;
+    a resumed run keeps one record per step).
+    """
+
+    def __init__(self, out_dir, *, rank: int = 0, total_steps: int, start_step: int = 0, print_progress: bool = True):
+        _check_count("total_steps", total_steps, 1)
+        _check_count("start_step", start_step)
+        out_dir = Path(out_dir)
+        if out_dir.exists() and not out_dir.is_dir():
+            raise ValueError(f"out_dir: {str(out_dir)!r} exists and is not a directory")
+        self.path = out_dir / "metrics.jsonl"
+        self.rank, self.total_steps, self.print_progress = rank, total_steps, print_progress
+        if rank != 0:
+            return
+        out_dir.mkdir(parents=True, exist_ok=True)
+        kept = [line for line in read_metrics_lines(self.path) if json.loads(line)["step"] < start_step]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    def log(self, step: int, record: dict) -> None:
+        """Write {"step": step, **record} as one line (and print the progress line)."""
+        _check_count("step", step)
+        if not isinstance(record, dict):
+            raise ValueError(f"record: expected a dict, got {type(record).__name__}")
+        if self.rank != 0:
+            return
+        line = json.dumps({"step": step, **_plain(record)}, allow_nan=False)
+        with self.path.open("a") as f:
+            f.write(line + "\n")
+        if self.print_progress:
+            print(format_progress(step, self.total_steps, record), flush=True)
+
+
+def read_metrics_lines(path) -> list[str]:
+    """The complete JSON lines of a metrics.jsonl (a torn last line of a killed run is left
+    out); [] when the file does not exist."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    lines = []
+    for line in path.read_text().splitlines():
+        try:
+            json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        lines.append(line)
+    return lines
+
+
+def read_metrics(path) -> list[dict]:
+    """The records of a metrics.jsonl, in file order."""
+    return [json.loads(line) for line in read_metrics_lines(path)]

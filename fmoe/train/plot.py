@@ -1,0 +1,142 @@
+"""Plots of a run's metrics.jsonl: `python -m fmoe.train.plot <out_dir>`.
+
+Writes into out_dir (needs matplotlib, the `plots` extra: pip install 'fmoe[plots]'):
+    loss.png         loss with val_loss, and aux_loss / z_loss / mtp_loss panels, when logged
+    expert_load.png  heatmaps over steps: max/mean load per MoE layer (rows: layers) and,
+                     when tokens_per_expert is logged, each expert's share of its layer's
+                     slots relative to uniform (count * E / sum) per layer
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from fmoe.train.metrics import read_metrics
+
+LOSS_PANELS = (("loss", "val_loss"), ("aux_loss",), ("z_loss",), ("mtp_loss",))  # keys sharing an axis
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise ImportError("fmoe.train.plot needs matplotlib: pip install 'fmoe[plots]' (or matplotlib>=3.8)") from e
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _series(records: list[dict], key: str) -> tuple[list, list]:
+    pairs = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def plot_losses(records: list[dict], path: Path, plt) -> bool:
+    """loss.png; False (nothing written) when no loss was logged."""
+    panels = [[key for key in keys if _series(records, key)[0]] for keys in LOSS_PANELS]
+    panels = [keys for keys in panels if keys]
+    if not panels:
+        return False
+    fig, axes = plt.subplots(len(panels), 1, figsize=(8, 2.6 * len(panels)), sharex=True, squeeze=False)
+    for ax, keys in zip(axes[:, 0], panels):
+        for key in keys:
+            steps, values = _series(records, key)
+            ax.plot(steps, values, marker="o" if len(steps) < 30 else None, ms=3, label=key)
+        ax.set_ylabel(" / ".join(keys))
+        ax.grid(alpha=0.3)
+        if len(keys) > 1:
+            ax.legend()
+    axes[0, 0].set_title("losses")
+    axes[-1, 0].set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def _transpose(rows: list[list]) -> list[list]:
+    return [list(col) for col in zip(*rows)]
+
+
+def _load_matrix(records: list[dict]):
+    """(steps, max_over_mean [L][steps], shares [L][E][steps] or None) from the records that
+    carry per-layer load; shares only when every such record has tokens_per_expert."""
+    rows = [r for r in records if r.get("load_max_over_mean") or r.get("tokens_per_expert")]
+    if not rows:
+        return None
+    steps, mom, shares = [], [], []
+    for r in rows:
+        counts = r.get("tokens_per_expert")
+        share = [[c * len(layer) / max(sum(layer), 1e-9) for c in layer] for layer in counts] if counts else None
+        mom.append(r.get("load_max_over_mean") or [max(s) for s in share])
+        shares.append(share)
+        steps.append(r["step"])
+    per_layer = None
+    if all(s is not None for s in shares):
+        per_layer = [_transpose([s[layer] for s in shares]) for layer in range(len(shares[0]))]
+    return steps, _transpose(mom), per_layer
+
+
+def plot_expert_load(records: list[dict], path: Path, plt) -> bool:
+    """expert_load.png; False (nothing written) when no per-layer load was logged."""
+    found = _load_matrix(records)
+    if found is None:
+        return False
+    steps, mom, per_layer = found
+    n = 1 + (len(per_layer) if per_layer else 0)
+    fig, axes = plt.subplots(n, 1, figsize=(9, 2.2 + 1.8 * n), squeeze=False)
+    extent = (steps[0] - 0.5, steps[-1] + 0.5)
+    ax = axes[0, 0]
+    im = ax.imshow(mom, aspect="auto", origin="lower", interpolation="nearest", cmap="magma",
+                   extent=(*extent, -0.5, len(mom) - 0.5))
+    ax.set_title("expert load max/mean per MoE layer")
+    ax.set_ylabel("layer")
+    fig.colorbar(im, ax=ax)
+    for layer, share in enumerate(per_layer or []):
+        ax = axes[layer + 1, 0]
+        im = ax.imshow(share, aspect="auto", origin="lower", interpolation="nearest", cmap="coolwarm",
+                       vmin=0.0, vmax=2.0, extent=(*extent, -0.5, len(share) - 0.5))
+        ax.set_title(f"layer {layer}: tokens per expert / uniform")
+        ax.set_ylabel("expert")
+        fig.colorbar(im, ax=ax)
+    axes[-1, 0].set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def plot_run(out_dir) -> list[Path]:
+    """Write the plots of `<out_dir>/metrics.jsonl` into out_dir; returns the written paths."""
+    out_dir = Path(out_dir)
+    metrics = out_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        raise FileNotFoundError(f"out_dir: no metrics.jsonl in {str(out_dir)!r}")
+    records = read_metrics(metrics)
+    plt = _pyplot()
+    written = []
+    for name, fn in (("loss.png", plot_losses), ("expert_load.png", plot_expert_load)):
+        if fn(records, out_dir / name, plt):
+            written.append(out_dir / name)
+    return written
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fmoe.train.plot", description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir", help="a run directory holding metrics.jsonl")
+    args = parser.parse_args(argv)
+    try:
+        written = plot_run(args.out_dir)
+    except (ImportError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    for path in written:
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

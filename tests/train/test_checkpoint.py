@@ -1,0 +1,185 @@
+"""fmoe.train.checkpoint: exact round trips, interrupted saves, retention, async, errors."""
+
+import random
+
+import pytest
+import torch
+from torch import nn
+
+import fmoe.optim
+from fmoe.layers import MoEConfig
+from fmoe.model import MoE
+from fmoe.train import checkpoint as ckpt
+
+
+def _build():
+    """A MoE block with expert_bias plus a dense head; torch AdamW on the router and the
+    head, fmoe AdamW with bf16 moments on the experts."""
+    cfg = MoEConfig(n_experts=4, k=2, score="sigmoid")
+    model = nn.ModuleDict({"moe": MoE(16, 16, cfg, expert_bias=True), "head": nn.Linear(16, 8)})
+    experts = [model["moe"].w_gate, model["moe"].w_up, model["moe"].w_down]
+    rest = [model["moe"].router, *model["head"].parameters()]
+    opts = [
+        torch.optim.AdamW(rest, lr=1e-2),
+        fmoe.optim.AdamW(experts, lr=1e-2, state_dtype=torch.bfloat16, impl="torch"),
+    ]
+    return model, opts
+
+
+def _train(model, opts, steps=2):
+    for _ in range(steps):
+        x = torch.randn(12, 16)
+        y, stats = model["moe"](x)
+        loss = model["head"](y).square().mean()
+        loss.backward()
+        for o in opts:
+            o.step()
+            o.zero_grad()
+        with torch.no_grad():  # an expert-bias update, as the train loop does
+            model["moe"].expert_bias += 1e-3 * torch.sign(stats["tokens_per_expert"].float().mean() - stats["tokens_per_expert"].float())
+
+
+def _tensors(model, opts):
+    out = {f"model.{k}": v.clone() for k, v in model.state_dict().items()}
+    for i, o in enumerate(opts):
+        for j, (p, st) in enumerate(o.state.items()):
+            for name, v in st.items():
+                out[f"opt{i}.{j}.{name}"] = v.clone() if torch.is_tensor(v) else v
+    return out
+
+
+def _assert_identical(a, b):
+    assert a.keys() == b.keys()
+    for key in a:
+        if torch.is_tensor(a[key]):
+            assert a[key].dtype == b[key].dtype, key
+            assert torch.equal(a[key], b[key]), key
+        else:
+            assert a[key] == b[key], key
+
+
+def test_round_trip_bit_identical(tmp_path):
+    model, opts = _build()
+    _train(model, opts)
+    assert model["moe"].expert_bias.abs().sum() > 0
+    random.random()
+    extra = {"step": 2, "lr_schedule": {"max_lr": 1e-2, "style": "wsd"}, "sampler": {"epoch": 1, "offset": 37, "order": [3, 1, 2]},
+             "name": "run-α", "rng": ckpt.rng_state()}
+    before = _tensors(model, opts)
+    handle = ckpt.save(tmp_path, 2, model=model, optimizers=opts, extra=extra)
+    assert handle.done() and handle.wait() == tmp_path / "step_000002"
+    after_save = (torch.rand(5), random.random())
+
+    torch.manual_seed(123)
+    random.seed(123)
+    fresh, fresh_opts = _build()
+    path = ckpt.latest(tmp_path)
+    assert path == tmp_path / "step_000002"
+    got = ckpt.load(path, model=fresh, optimizers=fresh_opts)
+    ckpt.set_rng_state(got["rng"])
+    _assert_identical(before, _tensors(fresh, fresh_opts))
+    assert fresh["moe"].expert_bias.dtype == torch.float32
+    assert fresh_opts[1].state[fresh["moe"].w_up]["exp_avg"].dtype == torch.bfloat16
+    assert {k: v for k, v in got.items() if k != "rng"} == {k: v for k, v in extra.items() if k != "rng"}
+    for key in ("torch", "numpy"):
+        assert str(got["rng"][key]) == str(extra["rng"][key])
+    assert got["rng"]["python"] == extra["rng"]["python"]
+    assert torch.equal(torch.rand(5), after_save[0]) and random.random() == after_save[1]
+
+    # training goes on identically from the restored state
+    torch.manual_seed(7)
+    _train(model, opts, 1)
+    torch.manual_seed(7)
+    _train(fresh, fresh_opts, 1)
+    _assert_identical(_tensors(model, opts), _tensors(fresh, fresh_opts))
+
+
+def test_interrupted_save_leaves_previous_usable(tmp_path, monkeypatch):
+    model, opts = _build()
+    _train(model, opts, 1)
+    ckpt.save(tmp_path, 10, model=model, optimizers=opts, extra={"step": 10})
+    good = _tensors(model, opts)
+    _train(model, opts, 1)
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt("killed midway")
+
+    monkeypatch.setattr(ckpt.dcp, "save", killed)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save(tmp_path, 20, model=model, optimizers=opts, extra={"step": 20})
+    monkeypatch.undo()
+    (tmp_path / "step_000030.tmp").mkdir()
+    (tmp_path / "step_000030.tmp" / "__0_0.distcp").write_bytes(b"garbage")
+    assert (tmp_path / "step_000020.tmp").is_dir()
+
+    assert ckpt.latest(tmp_path) == tmp_path / "step_000010"
+    fresh, fresh_opts = _build()
+    assert ckpt.load(ckpt.latest(tmp_path), model=fresh, optimizers=fresh_opts) == {"step": 10}
+    _assert_identical(good, _tensors(fresh, fresh_opts))
+
+    assert ckpt.latest(tmp_path, delete_partial=True) == tmp_path / "step_000010"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000010"]
+    # a save of a step whose .tmp a killed run left behind replaces it
+    ckpt.save(tmp_path, 20, model=model, optimizers=opts)
+    assert ckpt.latest(tmp_path) == tmp_path / "step_000020"
+
+
+def test_prune_keeps_newest_and_every(tmp_path):
+    for step in range(0, 1100, 100):
+        (tmp_path / f"step_{step:06d}").mkdir()
+    (tmp_path / "step_001200.tmp").mkdir()
+    removed = ckpt.prune(tmp_path, keep_last=2, keep_every=500)
+    kept = sorted(p.name for p in tmp_path.iterdir())
+    assert kept == ["step_000000", "step_000500", "step_000900", "step_001000", "step_001200.tmp"]
+    assert len(removed) == 7
+    ckpt.prune(tmp_path, keep_last=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_001000", "step_001200.tmp"]
+
+
+def test_async_save_matches_sync(tmp_path):
+    model, opts = _build()
+    _train(model, opts)
+    ckpt.save(tmp_path / "sync", 5, model=model, optimizers=opts, extra={"step": 5})
+    before = _tensors(model, opts)
+    handle = ckpt.save(tmp_path / "async", 5, model=model, optimizers=opts, extra={"step": 5}, async_=True)
+    _train(model, opts, 1)  # training goes on while the thread writes: the save has a copy
+    assert handle.wait() == tmp_path / "async" / "step_000005"
+    assert not (tmp_path / "async" / "step_000005.tmp").exists()
+
+    # a second async save waits for the first one through save()
+    ckpt.save(tmp_path / "async", 6, model=model, optimizers=opts, async_=True)
+    ckpt.wait()
+    assert [p.name for p in sorted((tmp_path / "async").iterdir())] == ["step_000005", "step_000006"]
+
+    for d in ("sync", "async"):
+        fresh, fresh_opts = _build()
+        assert ckpt.load(tmp_path / d / "step_000005", model=fresh, optimizers=fresh_opts) == {"step": 5}
+        _assert_identical(before, _tensors(fresh, fresh_opts))
+
+
+def test_bad_inputs(tmp_path):
+    model, opts = _build()
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    with pytest.raises(ValueError, match="out_dir"):
+        ckpt.save(a_file, 1, model=model, optimizers=opts)
+    with pytest.raises(ValueError, match="out_dir"):
+        ckpt.latest(a_file)
+    with pytest.raises(ValueError, match="step"):
+        ckpt.save(tmp_path, -1, model=model, optimizers=opts)
+    with pytest.raises(ValueError, match="optimizers"):
+        ckpt.save(tmp_path, 1, model=model, optimizers=[model])
+    with pytest.raises(ValueError, match="extra"):
+        ckpt.save(tmp_path, 1, model=model, optimizers=opts, extra=[1])
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        ckpt.load(tmp_path / "missing", model=model, optimizers=opts)
+    (tmp_path / "step_000001").mkdir()
+    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+        ckpt.load(tmp_path / "step_000001", model=model, optimizers=opts)
+    with pytest.raises(ValueError, match="keep_last"):
+        ckpt.prune(tmp_path, keep_last=0)
+    with pytest.raises(ValueError, match="keep_every"):
+        ckpt.prune(tmp_path, keep_last=1, keep_every=0)
+    with pytest.raises(ValueError, match="state"):
+        ckpt.set_rng_state({})
+    assert ckpt.latest(tmp_path / "nothing_here") is None

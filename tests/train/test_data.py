@@ -1,0 +1,290 @@
+"""fmoe.train.data: corpora, byte tokens, packing, MTP targets, the resumable sampler."""
+
+import numpy as np
+import pytest
+import torch
+
+from fmoe.train.data import (
+    BYTE_VOCAB_SIZE, EOS, IGNORE_INDEX, PAD, Sampler, TokenDataset, decode_text, encode_text,
+    load_corpus, load_stdlib, load_text_dir, load_token_file, make_batch,
+)
+
+
+@pytest.fixture(scope="module")
+def stdlib():
+    return load_stdlib()
+
+
+def _synthetic(n_docs=23, seed=0, max_len=40):
+    """Byte-token documents of random lengths 1..max_len; document i holds only the byte
+    value i (so every token names its document), plus the virtual EOS."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, max_len + 1, n_docs)
+    data = np.concatenate([np.full(n, i, dtype=np.uint8) for i, n in enumerate(lengths)])
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    return TokenDataset(data, starts, lengths, [f"doc{i}.txt" for i in range(n_docs)], vocab_size=BYTE_VOCAB_SIZE, eos=EOS)
+
+
+def _sequences(batch):
+    cu = batch["cu_seqlens"].tolist()
+    return [(s, e) for s, e in zip(cu[:-1], cu[1:])]
+
+
+def _same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a.keys())
+
+
+# ---------------------------------------------------------------- corpora and byte tokens
+
+
+def test_constants():
+    assert (EOS, PAD, BYTE_VOCAB_SIZE) == (256, 257, 258)
+
+
+def test_stdlib_corpus(stdlib):
+    assert len(stdlib) > 100 and stdlib.n_tokens > 1_000_000
+    assert stdlib.names == sorted(stdlib.names)
+    assert not any(part in ("site-packages", "test", "tests") for n in stdlib.names for part in n.split("/"))
+    i = stdlib.names.index("json/__init__.py")
+    doc = stdlib.document(i)
+    assert doc[-1] == EOS and int(doc[:-1].max()) < 256 and doc.shape == (stdlib.doc_len(i),)
+    assert "import" in decode_text(doc)
+
+
+def test_stdlib_split_deterministic(stdlib):
+    train, val = stdlib.split(10)
+    train2, val2 = load_stdlib().split(10)
+    assert train.names == train2.names and val.names == val2.names
+    assert not set(train.names) & set(val.names)
+    assert sorted(train.names + val.names) == stdlib.names
+    assert 0 < len(val) < len(train)
+
+
+def test_byte_round_trip():
+    text = "héllo wörld\n\tλ → 🙂 end"
+    ids = encode_text(text)
+    assert ids.dtype == torch.int64 and ids.tolist() == list(text.encode())
+    assert decode_text(ids) == text
+    assert decode_text(torch.cat([ids, torch.tensor([EOS, PAD])])) == text
+    assert encode_text(b"").shape == (0,) and decode_text([]) == ""
+    with pytest.raises(ValueError, match="ids"):
+        decode_text([1, BYTE_VOCAB_SIZE])
+    with pytest.raises(ValueError, match="text"):
+        encode_text(5)
+
+
+# ---------------------------------------------------------------- packing and targets
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 64, 1000])
+def test_packing_never_crosses_documents(tokens):
+    ds = _synthetic()
+    sampler = Sampler(ds, tokens, seed=3)
+    stream = []  # the tokens of every sequence, in order
+    for _ in range(12):
+        b = sampler.next_batch()
+        ids, labels, mask, pos = b["input_ids"], b["labels"], b["loss_mask"], b["positions"]
+        assert b["cu_seqlens"].dtype == torch.int32 and ids.shape == (tokens,) and ids.dtype == torch.int64
+        assert labels.dtype == torch.int64 and mask.dtype == torch.bool and pos.dtype == torch.int64
+        for s, e in _sequences(b):
+            assert e > s
+            seq = ids[s:e]
+            body = seq[seq != EOS]
+            assert body.numel() == 0 or (body == body[0]).all()  # one document
+            assert (seq[:-1] != EOS).all()  # EOS only ends a document
+            assert pos[s:e].tolist() == list(range(e - s))
+            assert labels[s:e - 1].tolist() == seq[1:].tolist() and mask[s:e - 1].all()
+            assert labels[e - 1] == IGNORE_INDEX and not mask[e - 1]
+            stream.append(seq)
+    # concatenated, the pieces are whole documents followed by EOS, in the epoch's order
+    flat = torch.cat(stream)
+    epochs = range(flat.numel() // ds.n_tokens + 1)
+    expected = torch.cat([ds.document(d) for e in epochs for d in sampler._epoch_order(e).tolist()])
+    assert torch.equal(flat, expected[:flat.numel()])
+
+
+def test_mtp_targets_hand_example():
+    ids = torch.tensor([10, 11, 12, 20, 21])
+    b = make_batch(ids, torch.tensor([0, 3, 5]), mtp_depth=2)
+    assert b["labels"].tolist() == [11, 12, -100, 21, -100]
+    assert b["loss_mask"].tolist() == [True, True, False, True, False]
+    assert b["positions"].tolist() == [0, 1, 2, 0, 1]
+    for key in ("mtp_input_ids", "mtp_positions", "mtp_labels", "mtp_loss_mask"):
+        assert b[key].shape == (2, 5)
+    assert b["mtp_input_ids"].tolist() == [[11, 12, 0, 21, 0], [12, 0, 0, 0, 0]]
+    assert b["mtp_positions"].tolist() == [[1, 2, 0, 1, 0], [2, 0, 0, 0, 0]]
+    assert b["mtp_labels"].tolist() == [[12, -100, -100, -100, -100], [-100] * 5]
+    assert b["mtp_loss_mask"].tolist() == [[True, False, False, False, False], [False] * 5]
+    assert "mtp_labels" not in make_batch(ids, torch.tensor([0, 5])).keys()
+
+
+def test_sampler_mtp_depth():
+    b = Sampler(_synthetic(), 50, seed=0, mtp_depth=3).next_batch()
+    assert b["mtp_labels"].shape == (3, 50)
+    ref = make_batch(b["input_ids"], b["cu_seqlens"], 3)
+    assert _same(b, ref)
+
+
+# ---------------------------------------------------------------- sampler
+
+
+def test_sampler_determinism():
+    ds = _synthetic()
+    s1, s2, s3 = Sampler(ds, 32, seed=5), Sampler(ds, 32, seed=5), Sampler(ds, 32, seed=6)
+    a = [s1.next_batch() for _ in range(10)]
+    b = [s2.next_batch() for _ in range(10)]
+    c = [s3.next_batch() for _ in range(10)]
+    assert all(_same(x, y) for x, y in zip(a, b))
+    assert not all(_same(x, y) for x, y in zip(a, c))
+    assert next(iter(Sampler(ds, 32, seed=5))).keys() == a[0].keys()
+
+
+def test_sampler_resume():
+    ds = _synthetic()
+    full = Sampler(ds, 45, seed=11, mtp_depth=1)
+    batches = [full.next_batch() for _ in range(7)]
+    part = Sampler(ds, 45, seed=11, mtp_depth=1)
+    for _ in range(3):
+        part.next_batch()
+    state = part.state_dict()
+    assert state["offset"] > 0  # resumes inside a document
+    fresh = Sampler(ds, 45, seed=11, mtp_depth=1)
+    fresh.load_state_dict(state)
+    assert all(_same(fresh.next_batch(), b) for b in batches[3:])
+
+
+def test_epoch_rollover():
+    ds = _synthetic(n_docs=5)
+    sampler = Sampler(ds, 16, seed=2)
+    seen = 0
+    while sampler.epoch < 3:
+        b = sampler.next_batch()
+        seen += b["input_ids"].numel()
+    assert seen >= 3 * ds.n_tokens
+    o0, o1 = sampler._epoch_order(0).tolist(), sampler._epoch_order(1).tolist()
+    assert sorted(o0) == sorted(o1) == list(range(5))
+    # the stream is epoch 0's documents, then epoch 1's, ... without gaps
+    fresh = Sampler(ds, ds.n_tokens, seed=2)
+    e0, e1 = fresh.next_batch(), fresh.next_batch()
+    assert fresh.state_dict()["epoch"] == 2 and fresh.index == 0 and fresh.offset == 0
+    assert torch.equal(e0["input_ids"], torch.cat([ds.document(d) for d in o0]))
+    assert torch.equal(e1["input_ids"], torch.cat([ds.document(d) for d in o1]))
+    assert len(_sequences(e0)) == 5
+
+
+def test_validation_batches_fixed():
+    ds = _synthetic()
+    train, val = ds.split(30)
+    assert len(train) and len(val)
+    v1, v2 = val.validation_batches(8, 3, mtp_depth=1), val.validation_batches(8, 3, mtp_depth=1)
+    assert len(v1) == 3 and all(_same(a, b) for a, b in zip(v1, v2))
+    assert torch.equal(torch.cat([b["input_ids"] for b in v1]), torch.cat([val.document(i) for i in range(len(val))])[:24])
+
+
+def test_unnamed_split():
+    ds = TokenDataset(np.arange(200, dtype=np.uint16), np.arange(0, 200, 2), np.full(100, 2), None, vocab_size=200, eos=None)
+    train, val = ds.split(20)
+    assert len(train) + len(val) == 100 and 5 < len(val) < 40
+    assert not set(train.starts.tolist()) & set(val.starts.tolist())
+    assert ds.split(20)[1].starts.tolist() == val.starts.tolist()
+
+
+# ---------------------------------------------------------------- user data
+
+
+def test_text_dir(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "b.txt").write_text("second")
+    (tmp_path / "a.txt").write_text("first ü")
+    (tmp_path / "sub" / "c.md").write_bytes(b"\xff\x00third")
+    (tmp_path / "empty.txt").write_bytes(b"")
+    (tmp_path / ".hidden").write_text("skip me")
+    ds = load_text_dir(tmp_path)
+    assert ds.names == ["a.txt", "b.txt", "sub/c.md"] and ds.vocab_size == BYTE_VOCAB_SIZE
+    assert decode_text(ds.document(0)) == "first ü"
+    assert ds.document(2).tolist() == [255, 0, *b"third", EOS]
+    assert load_corpus(tmp_path).names == ds.names
+    b = Sampler(ds, 10, seed=0, shuffle=False).next_batch()
+    assert b["cu_seqlens"].tolist() == [0, len("first ü".encode()) + 1, 10]
+
+
+@pytest.mark.parametrize("dtype,suffix", [("uint16", ".u16"), ("uint32", ".uint32")])
+def test_token_file(tmp_path, dtype, suffix):
+    big = 70000 if dtype == "uint32" else 60000
+    tokens = np.array([5, 6, 0, 7, 0, 0, big, 8, 9], dtype=dtype)
+    path, plain = tmp_path / f"train{suffix}", tmp_path / "train.bin"
+    tokens.tofile(path)
+    tokens.tofile(plain)
+    for ds in (load_token_file(path, separator=0, vocab_size=big + 1),
+               load_token_file(plain, separator=0, vocab_size=big + 1, dtype=dtype),
+               load_corpus(path, separator=0, vocab_size=big + 1)):
+        assert ds.eos is None and ds.vocab_size == big + 1
+        assert [ds.document(i).tolist() for i in range(len(ds))] == [[5, 6, 0], [7, 0], [0], [big, 8, 9]]
+    b = Sampler(ds, 9, seed=0, shuffle=False).next_batch()
+    assert b["input_ids"].tolist() == tokens.astype(np.int64).tolist()
+    assert b["cu_seqlens"].tolist() == [0, 3, 5, 6, 9]
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_errors(tmp_path):
+    missing = tmp_path / "nope"
+    with pytest.raises(FileNotFoundError, match="nope"):
+        load_text_dir(missing)
+    with pytest.raises(FileNotFoundError, match="nope"):
+        load_token_file(missing, separator=0, vocab_size=10, dtype="uint16")
+    with pytest.raises(FileNotFoundError, match="nope"):
+        load_corpus(missing)
+    empty_dir = tmp_path / "empty_dir"
+    empty_dir.mkdir()
+    with pytest.raises(ValueError, match="no non-empty files.*empty_dir"):
+        load_text_dir(empty_dir)
+    f = tmp_path / "tok.u16"
+    f.write_bytes(b"")
+    with pytest.raises(ValueError, match="tok.u16.*is empty"):
+        load_token_file(f, separator=0, vocab_size=10)
+    f.write_bytes(b"\x01\x00\x02")
+    with pytest.raises(ValueError, match="not a multiple of 2"):
+        load_token_file(f, separator=0, vocab_size=10)
+    f.write_bytes(np.array([1, 0, 12], dtype=np.uint16).tobytes())
+    with pytest.raises(ValueError, match="vocab_size: token 12 at index 2"):
+        load_token_file(f, separator=0, vocab_size=10)
+    with pytest.raises(ValueError, match="separator"):
+        load_token_file(f, separator=10, vocab_size=10)
+    with pytest.raises(ValueError, match="dtype: expected"):
+        load_token_file(f, separator=0, vocab_size=20, dtype="int8")
+    (tmp_path / "tok.bin").write_bytes(b"\x01\x00")
+    with pytest.raises(ValueError, match="dtype: cannot infer.*tok.bin"):
+        load_token_file(tmp_path / "tok.bin", separator=0, vocab_size=10)
+    with pytest.raises(ValueError, match="not a directory"):
+        load_text_dir(f)
+    with pytest.raises(ValueError, match="not a regular file"):
+        load_token_file(empty_dir, separator=0, vocab_size=10, dtype="uint16")
+    with pytest.raises(ValueError, match="separator, vocab_size"):
+        load_corpus(f)
+    ds = _synthetic()
+    with pytest.raises(ValueError, match="tokens_per_batch"):
+        Sampler(ds, 0, seed=0)
+    with pytest.raises(ValueError, match="seed"):
+        Sampler(ds, 8, seed=-1)
+    with pytest.raises(ValueError, match="mtp_depth"):
+        Sampler(ds, 8, seed=0, mtp_depth=-1)
+    with pytest.raises(ValueError, match="dataset: has no documents"):
+        Sampler(ds.split(0)[1], 8, seed=0)
+    with pytest.raises(ValueError, match="dataset: expected a TokenDataset"):
+        Sampler([1, 2], 8, seed=0)
+    with pytest.raises(ValueError, match="val_percent"):
+        ds.split(101)
+    with pytest.raises(ValueError, match="n_batches: 100 batches"):
+        ds.validation_batches(64, 100)
+    sampler = Sampler(ds, 8, seed=0)
+    state = sampler.state_dict()
+    with pytest.raises(ValueError, match="seed is 0, this sampler has 1"):
+        Sampler(ds, 8, seed=1).load_state_dict(state)
+    with pytest.raises(ValueError, match="n_documents"):
+        Sampler(_synthetic(n_docs=4), 8, seed=0).load_state_dict(state)
+    with pytest.raises(ValueError, match="missing keys"):
+        sampler.load_state_dict({"epoch": 0})
+    with pytest.raises(ValueError, match="offset"):
+        sampler.load_state_dict({**state, "offset": 10_000})

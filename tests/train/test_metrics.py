@@ -1,0 +1,161 @@
+"""fmoe.train.metrics and fmoe.train.plot: FLOPs by hand, MFU, expert load, JSONL logger."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fmoe.train import metrics as M
+
+CFG = dict(hidden=64, n_layers=4, n_dense=1, ffn_dense=256, ffn_expert=32, k=2, n_shared=1,
+           n_heads=4, n_kv_heads=2, head_dim=16, vocab=1000, mtp_depth=1, n_avg_keys=10.0)
+
+
+def test_flops_per_token_by_hand():
+    mlp = 6 * 64 * (3 * 256 * 1 + 3 * 32 * (2 + 1) * 3)  # 626688
+    proj = 4 * 6 * (64 * (64 + 2 * 32) + 64 * 64)  # 294912
+    scores = 4 * 12 * 64 * 10  # 30720
+    head = 2 * 6 * 64 * 1000  # 768000
+    assert mlp + proj + scores + head == 1720320
+    assert M.flops_per_token(**CFG) == 1720320.0
+    # no MTP, all layers dense: the dense transformer formula (Megatron's, n_avg = S/2)
+    dense = dict(CFG, n_dense=4, mtp_depth=0, n_avg_keys=M.mean_attended_keys([0, 128]))
+    H, L, S = 64, 4, 128
+    assert M.flops_per_token(**dense) == 6 * H * 3 * 256 * L + L * 6 * (H * 128 + 64 * H) + L * 6 * 64 * S + 6 * H * 1000
+
+
+def test_mean_attended_keys():
+    assert M.mean_attended_keys([0, 8]) == 4.0  # one document: S / 2
+    assert M.mean_attended_keys(torch.tensor([0, 2, 6, 8])) == (4 + 16 + 4) / 16
+    assert M.mean_attended_keys([0, 4, 4, 8]) == 2.0  # an empty document counts nothing
+    for bad in ([], [1, 4], [0, 4, 2], [0]):
+        with pytest.raises(ValueError, match="cu_seqlens"):
+            M.mean_attended_keys(bad)
+
+
+def test_flops_bad_inputs():
+    with pytest.raises(ValueError, match="n_dense"):
+        M.flops_per_token(**dict(CFG, n_dense=5))
+    with pytest.raises(ValueError, match="vocab"):
+        M.flops_per_token(**dict(CFG, vocab=-1))
+    with pytest.raises(TypeError):
+        M.flops_per_token(64)
+
+
+def test_peaks_and_mfu():
+    assert M.datasheet_peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert M.datasheet_peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert M.datasheet_peak_flops("NVIDIA H200") == 989e12
+    assert M.datasheet_peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert M.datasheet_peak_flops("NVIDIA GeForce GTX 1080") is None
+    assert M.peak_flops("cpu") is None
+    if not torch.cuda.is_available():
+        assert M.peak_flops() is None
+    assert M.mfu(1e5, 1e9, 1e15) == pytest.approx(0.1)
+    assert M.mfu(1e5, 1e9, None) is None
+    with pytest.raises(ValueError, match="peak"):
+        M.mfu(1.0, 1.0, 0.0)
+
+
+def test_expert_load():
+    d = M.expert_load(torch.tensor([6, 2, 0, 4]), slots=16)
+    assert d["max_over_mean"] == pytest.approx(2.0)
+    assert d["cv"] == pytest.approx(math.sqrt(5) / 3)  # std = sqrt(20/4), mean 3
+    assert d["dropped_fraction"] == pytest.approx(0.25)
+    # agrees with the stats fmoe.layers.moe returns
+    from fmoe.layers import MoEConfig
+    from fmoe.model import MoE
+
+    block = MoE(16, 8, MoEConfig(n_experts=4, k=2, capacity_factor=0.5))
+    _, stats = block(torch.randn(24, 16))
+    d = M.expert_load(stats["tokens_per_expert"], slots=48)
+    assert d["max_over_mean"] == pytest.approx(stats["load_max_over_mean"].item(), rel=1e-6)
+    assert d["cv"] == pytest.approx(stats["load_cv"].item(), rel=1e-5)
+    assert d["dropped_fraction"] == pytest.approx(stats["dropped_fraction"].item(), abs=1e-6)
+    assert d["dropped_fraction"] > 0
+    rec = M.layer_loads(torch.tensor([[6, 2, 0, 4], [3, 3, 3, 3]]), slots=12)
+    assert rec["tokens_per_expert"] == [[6, 2, 0, 4], [3, 3, 3, 3]]
+    assert rec["load_max_over_mean"] == pytest.approx([2.0, 1.0])
+    assert rec["dropped_fraction"] == pytest.approx([0.0, 0.0])
+    with pytest.raises(ValueError, match="counts"):
+        M.expert_load(torch.zeros(2, 2), slots=4)
+
+
+def test_progress_line():
+    line = M.format_progress(12, 100, {"loss": torch.tensor(3.21), "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 12345.0})
+    assert line == "[##..................] step 12/100 loss 3.2100 lr 1.0e-03 gnorm 0.5 tok/s 12.3k"
+    assert M.format_progress(100, 100, {}) == "[####################] step 100/100"
+
+
+def test_logger_jsonl_and_resume(tmp_path, capsys):
+    log = M.MetricsLogger(tmp_path / "run", total_steps=10)
+    for step in range(1, 6):
+        log.log(step, {"loss": torch.tensor(4.0 - step / 10), "lr": 1e-3 * step, "tokens": 512 * step, "grad_norm": torch.tensor(0.5),
+                       "tokens_per_s": 1000.0, "bad": float("nan"), **M.layer_loads([[1, 3], [2, 2]], slots=4)})
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 5 and out[-1].startswith("[##########..........] step 5/10 loss 3.5000 lr 5.0e-03")
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]  # strict JSON, one object per line
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    r = records[1]
+    assert {"step", "loss", "lr", "tokens", "grad_norm", "tokens_per_s"} <= r.keys()
+    assert r["loss"] == pytest.approx(3.8) and isinstance(r["tokens"], int) and r["grad_norm"] == 0.5
+    assert r["bad"] is None and r["tokens_per_expert"] == [[1, 3], [2, 2]] and r["load_max_over_mean"] == [1.5, 1.0]
+
+    # a killed run leaves a torn line; a resume at step 3 keeps steps 1-2 only
+    with (tmp_path / "run" / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 6, "lo')
+    log = M.MetricsLogger(tmp_path / "run", total_steps=10, start_step=3)
+    log.log(3, {"loss": 1.0})
+    assert [r["step"] for r in M.read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3]
+    # other ranks write and print nothing
+    M.MetricsLogger(tmp_path / "run", rank=1, total_steps=10).log(4, {"loss": 1.0})
+    assert len(M.read_metrics(tmp_path / "run" / "metrics.jsonl")) == 3
+    # a fresh run starts an empty file
+    M.MetricsLogger(tmp_path / "run", total_steps=10, print_progress=False)
+    assert M.read_metrics(tmp_path / "run" / "metrics.jsonl") == []
+
+
+def test_logger_bad_inputs(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ValueError, match="out_dir"):
+        M.MetricsLogger(tmp_path / "f", total_steps=10)
+    with pytest.raises(ValueError, match="total_steps"):
+        M.MetricsLogger(tmp_path, total_steps=0)
+    log = M.MetricsLogger(tmp_path, total_steps=10)
+    with pytest.raises(ValueError, match="record"):
+        log.log(1, {"x": object()})
+    with pytest.raises(ValueError, match="step"):
+        log.log(-1, {})
+
+
+def _synthetic_run(out_dir):
+    log = M.MetricsLogger(out_dir, total_steps=40, print_progress=False)
+    g = torch.Generator().manual_seed(0)
+    for step in range(1, 41):
+        counts = torch.randint(0, 20, (3, 8), generator=g)
+        counts[1, 0] += 60 - step  # one hot expert that cools down
+        record = {"loss": 5.0 * 0.97 ** step, "aux_loss": 0.01 + 0.001 * torch.rand((), generator=g).item(),
+                  **M.layer_loads(counts, slots=int(counts.sum(1).max()))}
+        if step % 10 == 0:
+            record["val_loss"] = 5.2 * 0.97 ** step
+        log.log(step, record)
+
+
+def test_plot_writes_pngs(tmp_path):
+    pytest.importorskip("matplotlib", reason="the plots extra (matplotlib) is not installed")
+    _synthetic_run(tmp_path)
+    result = subprocess.run([sys.executable, "-m", "fmoe.train.plot", str(tmp_path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    for name in ("loss.png", "expert_load.png"):
+        data = (tmp_path / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_plot_missing_metrics(tmp_path):
+    from fmoe.train import plot
+
+    assert plot.main([str(tmp_path)]) == 1
