@@ -78,6 +78,13 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
     return 2 * src.nbytes / (ms * 1e-3)
 
 
+def matmul_rate(device: torch.device, dtype: torch.dtype, n: int) -> float:
+    """FLOP/s of an n x n x n matmul in dtype, measured now (the rate MFU is a fraction of)."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    return 2 * n**3 / (bench(lambda: a @ b, device) * 1e-3)
+
+
 def floor_fraction(nbytes: int, bandwidth: float, ms: float) -> float:
     """Time to move nbytes at the copy bandwidth over the measured time (1.0: at the floor)."""
     return nbytes / bandwidth * 1e3 / ms

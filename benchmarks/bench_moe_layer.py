@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from _common import (  # before torch and fmoe: with --smoke it sets TRITON_INTERPRET
     bench,
     finish,
+    matmul_rate,
     start,
 )
 
@@ -113,13 +114,6 @@ def strong_moe(x, p, k):
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     y = y.scatter_add(0, token[:, None].expand(-1, x.shape[1]), y_perm.float() * weights.flatten()[order, None])
     return y.to(x.dtype) + _shared(x, p)
-
-
-def matmul_rate(device, dtype, n) -> float:
-    """FLOP/s of an n x n x n matmul in dtype, measured now."""
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    return 2 * n**3 / (bench(lambda: a @ b, device) * 1e-3)
 
 
 def peak_gib(fn, device) -> float | None:

@@ -28,7 +28,7 @@ import fmoe.ops as ops
 from fmoe.optim import AdamW, batch_size_at, build_optimizers, clip_grad_norm, lr_at
 from fmoe.train import checkpoint, metrics
 from fmoe.train.data import BYTE_VOCAB_SIZE, Sampler, load_corpus
-from fmoe.transformer import Transformer, TransformerConfig
+from fmoe.model import Transformer, TransformerConfig
 
 
 # ------------------------------------------------------------------------------ knobs
@@ -78,7 +78,8 @@ class Config:
     out_dir: str = "out/train_moe"
     resume: bool = False
     ckpt_every: int = 100
-    keep_last: int = 2
+    keep_last: int = 2              # retention: the newest checkpoints kept...
+    keep_every: int = 0             # ...plus every keep_every-th step (0: none)
     eval_every: int = 50
     eval_batches: int = 4
     device: str = "auto"            # auto | cpu | cuda
@@ -144,11 +145,10 @@ def main(argv: list[str]) -> None:
         print(f"resumed from {path} at step {step}")
     # records are logged for completed steps step+1, step+2, ...: keep the ones up to step
     logger = metrics.MetricsLogger(cfg.out_dir, total_steps=cfg.steps, start_step=step + 1)
-    flops_per_token = metrics.flops_per_token(
+    model_shape = dict(
         hidden=cfg.hidden, n_layers=cfg.n_layers, n_dense=cfg.n_dense, ffn_dense=cfg.ffn_dense,
         ffn_expert=cfg.ffn_expert, k=cfg.k, n_shared=cfg.n_shared, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
         head_dim=cfg.head_dim, vocab=corpus.vocab_size, mtp_depth=cfg.mtp_depth,
-        n_avg_keys=cfg.tokens_per_micro_batch / 2,  # refined per step from the documents' lengths
     )
     peak = metrics.peak_flops(device)
 
@@ -159,15 +159,20 @@ def main(argv: list[str]) -> None:
         loss = losses["lm_sum"] / valid_tokens["lm"]
         for d in range(1, cfg.mtp_depth + 1):
             loss = loss + cfg.mtp_lambda / cfg.mtp_depth * losses[f"mtp_{d}_sum"] / valid_tokens[d]
-        for layer in stats.values():  # balancing losses, averaged over layers and micro-batches
+        balancing = {"seq_aux_loss": 0.0, "aux_loss": 0.0, "z_loss": 0.0}  # averaged over layers and micro-batches
+        for layer in stats.values():
             scale = 1.0 / (len(stats.keys()) * n_micro)
-            if cfg.seq_aux_coeff:
-                loss = loss + cfg.seq_aux_coeff * scale * ops.seq_load_balancing_loss(layer["aux_scores"], layer["aux_experts"], batch["cu_seqlens"], k=cfg.k)
-            if cfg.aux_coeff:
-                loss = loss + cfg.aux_coeff * scale * ops.load_balancing_loss(layer["aux_scores"], layer["aux_counts"], k=cfg.k, n_tokens=layer["aux_scores"].shape[0])
-            if cfg.z_coeff:
-                loss = loss + cfg.z_coeff * scale * ops.z_loss(layer["router_logits"])
-        return loss, losses, stats
+            terms = {
+                "seq_aux_loss": (cfg.seq_aux_coeff, lambda: ops.seq_load_balancing_loss(layer["aux_scores"], layer["aux_experts"], batch["cu_seqlens"], k=cfg.k)),
+                "aux_loss": (cfg.aux_coeff, lambda: ops.load_balancing_loss(layer["aux_scores"], layer["aux_counts"], k=cfg.k, n_tokens=layer["aux_scores"].shape[0])),
+                "z_loss": (cfg.z_coeff, lambda: ops.z_loss(layer["router_logits"])),
+            }
+            for name, (coeff, term) in terms.items():
+                if coeff:
+                    value = term() * scale
+                    loss = loss + coeff * value
+                    balancing[name] += float(value.detach())
+        return loss, losses, stats, balancing
 
     @torch.no_grad()
     def evaluate():
@@ -206,8 +211,10 @@ def main(argv: list[str]) -> None:
         counts = {}
         record = {"lm_loss": 0.0}
         for batch in batches:
-            loss, losses, stats = run_micro_batch(batch, valid, n_micro)
+            loss, losses, stats, balancing = run_micro_batch(batch, valid, n_micro)
             loss.backward()
+            for name, value in balancing.items():
+                record[name] = record.get(name, 0.0) + value
             record["lm_loss"] += float(losses["lm_sum"].detach()) / valid["lm"]
             for d in range(1, cfg.mtp_depth + 1):
                 record[f"mtp_{d}_loss"] = record.get(f"mtp_{d}_loss", 0.0) + float(losses[f"mtp_{d}_sum"].detach()) / valid[d]
@@ -228,20 +235,24 @@ def main(argv: list[str]) -> None:
         step_tokens = n_micro * cfg.tokens_per_micro_batch
         tokens_seen += step_tokens
         seconds = time.perf_counter() - t0
+        # attention FLOPs from the step's own documents (SPEC 8), not a full-length causal row
+        n_avg_keys = sum(metrics.mean_attended_keys(b["cu_seqlens"]) for b in batches) / n_micro
+        flops_per_token = metrics.flops_per_token(**model_shape, n_avg_keys=n_avg_keys)
         record.update(
             step=step, loss=record["lm_loss"], lr=cfg.lr * lr_scale, batch_size=n_micro, tokens=tokens_seen,
             grad_norm=float(grad_norm), tokens_per_s=step_tokens / seconds,
             flops_per_token=flops_per_token, mfu=metrics.mfu(step_tokens / seconds, flops_per_token, peak),
             peak_memory_gib=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
-            expert_load={name: metrics.expert_load(c, slots=step_tokens * cfg.k) for name, c in counts.items()},
         )
+        # expert load per MoE layer (trunk layers, then MTP): counts, max/mean, CV, dropped
+        record.update(metrics.layer_loads(torch.stack(list(counts.values())), slots=step_tokens * cfg.k), moe_layers=list(counts))
         if step % cfg.eval_every == 0 or step == last:
             record["val_loss"] = evaluate()
         logger.log(step, record)
         if step % cfg.ckpt_every == 0 or step == last:
             extra = {"step": step, "tokens_seen": tokens_seen, "sampler": sampler.state_dict(), "rng": checkpoint.rng_state()}
             checkpoint.save(cfg.out_dir, step, model=model, optimizers=optimizers, extra=extra)
-            checkpoint.prune(cfg.out_dir, keep_last=cfg.keep_last)
+            checkpoint.prune(cfg.out_dir, keep_last=cfg.keep_last, keep_every=cfg.keep_every or None)
     checkpoint.wait(cfg.out_dir)
     if math.isfinite(record.get("val_loss", float("nan"))):
         print(f"done: step {step}, validation loss {record['val_loss']:.4f} (bits per byte {record['val_loss'] / math.log(2):.3f})")

@@ -1,18 +1,34 @@
-"""Small nn.Modules that only own parameters and call fmoe.layers.
+"""nn.Modules that own parameters and call fmoe.layers, and the reference MoE transformer.
 
     MoE(hidden, ffn, cfg)(x[..., H]) -> (y[..., H], stats)
+    Transformer(TransformerConfig(...))(input_ids[T], labels[T], loss_mask[T], cu_seqlens[n+1],
+                                         positions[T], mtp) -> (losses, stats)
 
-Legend: H hidden, F expert FFN size, Fs shared FFN size, E experts.
+The reference transformer is a decoder over packed documents (DeepSeek-V3 style), built only
+from fmoe.layers and fmoe.ops: token embedding, `n_dense` dense SwiGLU blocks then MoE
+blocks, pre-norm RMSNorm residual blocks with GQA attention (RoPE or YaRN), shared experts,
+sigmoid or softmax routing with an expert bias or aux losses, optional capacity, and
+`mtp_depth` multi-token-prediction modules (SPEC.md 5) sharing the embedding and the output
+head: module d takes the previous depth's hidden state h and the embedding of its input
+tokens, h' = W_proj [norm(emb); norm(h)], runs one block, and predicts with the shared head.
+Its forward returns losses as SUMS over valid tokens with their counts, so that a train loop
+divides by the step's global valid-token count (DESIGN.md: gradients then do not depend on
+how tokens are split over ranks or micro-batches), and a TensorDict of per-layer MoE stats.
+
+Legend: T tokens, H hidden, V vocab, F expert FFN size, Fs shared FFN size, E experts.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import dataclasses
+from typing import Optional, Sequence
 
 import torch
+from tensordict import TensorDict
 from torch import nn
 
-from fmoe.layers import MoEConfig, moe
+from fmoe.layers import AttentionConfig, MoEConfig, attention, moe
+from fmoe.ops import linear_cross_entropy, swiglu
 
 
 class MoE(nn.Module):
@@ -87,3 +103,229 @@ class MoE(nn.Module):
         """x [..., H] -> (y [..., H], stats TensorDict of fmoe.layers.moe)."""
         y, stats = moe(x.reshape(-1, x.shape[-1]), self.params(), self.cfg)
         return y.reshape(x.shape), stats
+
+
+# ----------------------------------------------------------------------------------------
+# the reference transformer
+# ----------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    """Every knob of the reference model (defaults: a small CPU-sized MoE).
+
+    Layers: n_layers blocks, the first n_dense with a dense SwiGLU of ffn_dense, the rest
+    MoE blocks of n_experts experts of ffn_expert, k per token, n_shared shared experts (one
+    SwiGLU of n_shared * ffn_expert). Routing: score, n_groups/topk_groups, route_scale,
+    expert_bias (aux-loss-free balancing, sigmoid only), capacity_factor. Attention:
+    n_heads/n_kv_heads of head_dim, rope_base, yarn_factor (None: plain RoPE). mtp_depth
+    MTP modules. impl: "auto" | "triton" | "torch" for every op.
+    """
+
+    vocab_size: int = 258
+    hidden: int = 128
+    n_layers: int = 4
+    n_dense: int = 1
+    ffn_dense: int = 384
+    n_experts: int = 8
+    k: int = 2
+    ffn_expert: int = 96
+    n_shared: int = 1
+    score: str = "sigmoid"
+    n_groups: Optional[int] = None
+    topk_groups: Optional[int] = None
+    route_scale: Optional[float] = None
+    expert_bias: bool = True
+    capacity_factor: Optional[float] = None
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int = 32
+    rope_base: float = 10000.0
+    yarn_factor: Optional[float] = None
+    yarn_original_max_positions: int = 4096
+    mtp_depth: int = 0
+    norm_eps: float = 1e-6
+    init_std: float = 0.02
+    impl: str = "auto"
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden", "n_layers", "n_heads", "n_kv_heads", "head_dim", "n_experts", "k"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        if not 0 <= self.n_dense <= self.n_layers:
+            raise ValueError(f"n_dense: expected 0..n_layers = {self.n_layers}, got {self.n_dense}")
+        if self.mtp_depth < 0 or self.n_shared < 0:
+            raise ValueError(f"mtp_depth / n_shared: expected >= 0, got {self.mtp_depth} / {self.n_shared}")
+        if self.expert_bias and self.score != "sigmoid":
+            raise ValueError("expert_bias: needs score='sigmoid' (set expert_bias=False for softmax routing)")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_kv_heads: {self.n_heads} heads do not split over {self.n_kv_heads} kv heads")
+
+    def moe_config(self) -> MoEConfig:
+        return MoEConfig(
+            n_experts=self.n_experts, k=self.k, score=self.score, n_groups=self.n_groups, topk_groups=self.topk_groups,
+            scale=self.route_scale, capacity_factor=self.capacity_factor, impl=self.impl,
+        )
+
+    def attention_config(self) -> AttentionConfig:
+        return AttentionConfig(
+            n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, head_dim=self.head_dim, rope_base=self.rope_base,
+            yarn_factor=self.yarn_factor, yarn_original_max_positions=self.yarn_original_max_positions, impl=self.impl,
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        # float32 statistics whatever x's dtype
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.eps) * self.weight.float()).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.cfg = cfg.attention_config()
+        H, q, kv = cfg.hidden, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        self.wq = nn.Parameter(torch.empty(H, q))
+        self.wk = nn.Parameter(torch.empty(H, kv))
+        self.wv = nn.Parameter(torch.empty(H, kv))
+        self.wo = nn.Parameter(torch.empty(q, H))
+
+    def forward(self, x_TH, positions, cu_seqlens):
+        params = {"wq": self.wq, "wk": self.wk, "wv": self.wv, "wo": self.wo}
+        return attention(x_TH, params, self.cfg, positions, cu_seqlens)[0]
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, hidden: int, ffn: int, impl: str):
+        super().__init__()
+        self.impl = impl
+        self.w_gate = nn.Parameter(torch.empty(hidden, ffn))
+        self.w_up = nn.Parameter(torch.empty(hidden, ffn))
+        self.w_down = nn.Parameter(torch.empty(ffn, hidden))
+
+    def forward(self, x_TH):
+        return swiglu(x_TH @ self.w_gate, x_TH @ self.w_up, impl=self.impl) @ self.w_down
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: attention, then a dense SwiGLU or an MoE."""
+
+    def __init__(self, cfg: TransformerConfig, moe: bool):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        if moe:
+            self.mlp = MoE(cfg.hidden, cfg.ffn_expert, cfg.moe_config(), shared_ffn=cfg.n_shared * cfg.ffn_expert, expert_bias=cfg.expert_bias)
+        else:
+            self.mlp = DenseMLP(cfg.hidden, cfg.ffn_dense, cfg.impl)
+
+    def forward(self, x_TH, positions, cu_seqlens):
+        x_TH = x_TH + self.attn(self.attn_norm(x_TH), positions, cu_seqlens)
+        out = self.mlp(self.mlp_norm(x_TH))
+        if isinstance(self.mlp, MoE):
+            y, stats = out
+            return x_TH + y, stats
+        return x_TH + out, None
+
+
+class MTPModule(nn.Module):
+    """h' = W_proj [norm(emb); norm(h)], then one block (SPEC.md 5)."""
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.emb_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.proj = nn.Parameter(torch.empty(2 * cfg.hidden, cfg.hidden))
+        self.block = Block(cfg, moe=cfg.n_layers > cfg.n_dense)
+
+    def forward(self, emb_TH, h_TH, positions, cu_seqlens):
+        x_TH = torch.cat([self.emb_norm(emb_TH), self.hidden_norm(h_TH)], dim=-1) @ self.proj
+        return self.block(x_TH, positions, cu_seqlens)
+
+
+class Transformer(nn.Module):
+    """The reference MoE decoder; see the module docstring."""
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden))
+        self.blocks = nn.ModuleList(Block(cfg, moe=i >= cfg.n_dense) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden))  # [V, H], linear_cross_entropy's layout
+        self.mtp = nn.ModuleList(MTPModule(cfg) for _ in range(cfg.mtp_depth))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Normal(0, init_std) matrices, output projections (attention wo, MLP w_down) also
+        divided by sqrt(2 * n_layers) (GPT-2: the residual stream sums 2 per block), norms 1,
+        expert biases 0. The router stays float32 (MoE owns it)."""
+        std = self.cfg.init_std
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                nn.init.ones_(p)
+            elif name.endswith(("wo", "w_down")):
+                nn.init.normal_(p, std=std / (2 * self.cfg.n_layers) ** 0.5)
+            else:
+                nn.init.normal_(p, std=std)
+        for name, b in self.named_buffers():
+            if name.endswith("expert_bias"):
+                b.zero_()
+
+    def moe_layers(self) -> list[MoE]:
+        """The MoE modules (trunk first, then MTP), e.g. for the expert-bias update."""
+        return [m for m in self.modules() if isinstance(m, MoE)]
+
+    def _lm_loss(self, h_TH, labels, loss_mask):
+        labels = torch.where(loss_mask.bool(), labels, torch.full_like(labels, -100))
+        loss_sum = linear_cross_entropy(self.norm(h_TH), self.head, labels, reduction="sum", impl=self.cfg.impl)
+        return loss_sum, loss_mask.sum()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        loss_mask: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        positions: Optional[torch.Tensor] = None,
+        mtp: Sequence = (),
+    ):
+        """One packed micro-batch.
+
+        Args:
+            input_ids, labels: [T] int64 tokens and next-token labels; loss_mask: [T] True
+                where a label counts; cu_seqlens: [n+1] int32 document bounds; positions: [T]
+                (None: restart at 0 in each document).
+            mtp: for each MTP depth d = 1..mtp_depth, a mapping with "input_ids", "labels",
+                "loss_mask", "positions" [T] (fmoe.ops.mtp_targets(...)[1:]).
+        Returns:
+            (losses, stats) TensorDicts. losses: "lm_sum" (float32 sum of cross-entropy over
+            valid tokens), "lm_tokens" (their count), and "mtp_{d}_sum" / "mtp_{d}_tokens".
+            stats: "layer_{i}" -> the MoE stats of block i (fmoe.layers.moe), and
+            "mtp_{d}" for MTP blocks with experts.
+        """
+        if len(mtp) != self.cfg.mtp_depth:
+            raise ValueError(f"mtp: expected targets for {self.cfg.mtp_depth} MTP depths, got {len(mtp)}")
+        h_TH = self.embed[input_ids]
+        stats = {}
+        for i, block in enumerate(self.blocks):
+            h_TH, layer_stats = block(h_TH, positions, cu_seqlens)
+            if layer_stats is not None:
+                stats[f"layer_{i}"] = layer_stats
+        lm_sum, lm_tokens = self._lm_loss(h_TH, labels, loss_mask)
+        losses = {"lm_sum": lm_sum, "lm_tokens": lm_tokens}
+        for d, (module, target) in enumerate(zip(self.mtp, mtp), start=1):
+            h_TH, layer_stats = module(self.embed[target["input_ids"]], h_TH, target["positions"], cu_seqlens)
+            if layer_stats is not None:
+                stats[f"mtp_{d}"] = layer_stats
+            losses[f"mtp_{d}_sum"], losses[f"mtp_{d}_tokens"] = self._lm_loss(h_TH, target["labels"], target["loss_mask"])
+        return TensorDict(losses, batch_size=[]), TensorDict(stats, batch_size=[])

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fmoe.ops as ops
-from fmoe.transformer import Transformer, TransformerConfig
+from fmoe.model import Transformer, TransformerConfig
 
 TINY = TransformerConfig(vocab_size=40, hidden=32, n_layers=3, n_dense=1, ffn_dense=48, n_experts=4, k=2,
                          ffn_expert=16, n_shared=1, n_heads=4, n_kv_heads=2, head_dim=8, impl="torch")

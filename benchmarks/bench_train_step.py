@@ -1,0 +1,125 @@
+"""Train-step benchmark: tokens/s and MFU of the reference MoE transformer.
+
+    .venv/bin/python benchmarks/bench_train_step.py            # CUDA, bf16, ~1.1B total / ~130M active
+    .venv/bin/python benchmarks/bench_train_step.py --smoke    # CPU + Triton interpreter, tiny model
+
+Model (fmoe.model.Transformer): H=1024, 12 layers (1 dense, FFN 4096), 64 experts of F=512,
+top-4 sigmoid routing with an expert bias and 1 shared expert, 16 query / 4 kv heads of 64,
+vocab 32768, 1 MTP depth: about 1.1B parameters, 130M active per token. One step: forward
+and backward of a packed micro-batch of 16384 tokens (documents of random lengths), the
+balancing losses, clipping and an AdamW step (bf16 states).
+
+Implementations:
+    fmoe compiled   impl="auto" (fused Triton ops, torch._grouped_mm, FlexAttention), the
+                    model under torch.compile
+    fmoe eager      the same without torch.compile
+    reference ops   impl="torch" for every op (the plain-torch references), eager
+
+Columns: median ms per step, tokens/s, TFLOP/s (SPEC 8 FLOPs per token of this batch's
+documents, times tokens, over the time), MFU as the fraction of the bf16 matmul rate measured
+in the same run, peak memory. Goal on an H100: MFU of at least 40% for "fmoe compiled".
+--smoke: float32 on CPU, the interpreter, a tiny model; torch.compile with the aot_eager
+backend (the CPU inductor build takes minutes). CSV: OUT/bench_train_step.csv.
+"""
+
+import dataclasses
+
+from _common import (  # before torch and fmoe: with --smoke it sets TRITON_INTERPRET
+    bench,
+    finish,
+    matmul_rate,
+    start,
+)
+
+import torch  # noqa: E402
+import fmoe.ops as ops  # noqa: E402
+from fmoe.model import Transformer, TransformerConfig  # noqa: E402
+from fmoe.optim import AdamW  # noqa: E402
+from fmoe.train import metrics  # noqa: E402
+
+COLUMNS = ["impl", "ms", "tokens/s", "TFLOP/s", "MFU", "peak_GiB"]
+
+GPU = TransformerConfig(vocab_size=32768, hidden=1024, n_layers=12, n_dense=1, ffn_dense=4096, n_experts=64, k=4,
+                        ffn_expert=512, n_shared=1, n_heads=16, n_kv_heads=4, head_dim=64, mtp_depth=1)
+SMOKE = TransformerConfig(vocab_size=64, hidden=32, n_layers=2, n_dense=1, ffn_dense=64, n_experts=4, k=2,
+                          ffn_expert=16, n_shared=1, n_heads=2, n_kv_heads=1, head_dim=16, mtp_depth=1)
+
+
+def make_batch(cfg: TransformerConfig, T: int, device):
+    """A packed micro-batch of documents of random lengths (16 to T/4 tokens)."""
+    g = torch.Generator().manual_seed(0)
+    lengths, total = [], 0
+    while total < T:
+        n = min(int(torch.randint(16, max(17, T // 4), (1,), generator=g)), T - total)
+        lengths.append(n)
+        total += n
+    cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    tokens = torch.randint(0, cfg.vocab_size, (T,), generator=g)
+    targets = ops.mtp_targets(tokens, cu, cfg.mtp_depth)
+    main = targets[0]
+    batch = dict(input_ids=main["input_ids"], labels=main["labels"], loss_mask=main["loss_mask"], cu_seqlens=cu,
+                 positions=main["positions"])
+    batch = {k: v.to(device) for k, v in batch.items()}
+    batch["mtp"] = [{k: t[k].to(device) for k in ("input_ids", "labels", "loss_mask", "positions")} for t in targets[1:]]
+    return batch
+
+
+def make_step(model, forward, optimizer, batch, cfg):
+    valid = batch["loss_mask"].sum()
+
+    def step():
+        losses, stats = forward(**batch)
+        loss = (losses["lm_sum"] + 0.1 * losses["mtp_1_sum"]) / valid
+        for layer in stats.values():
+            loss = loss + 1e-4 * ops.seq_load_balancing_loss(layer["aux_scores"], layer["aux_experts"], batch["cu_seqlens"], k=cfg.k)
+            loss = loss + 1e-3 * ops.z_loss(layer["router_logits"])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return step
+
+
+def main() -> None:
+    args, device, dtype, bandwidth = start(__doc__.splitlines()[0])
+    base = SMOKE if args.smoke else GPU
+    T = 256 if args.smoke else 16384
+    rate = matmul_rate(device, dtype, 256 if args.smoke else 8192)
+    print(f"matmul rate: {rate / 1e12:.3g} TFLOP/s ({dtype})", flush=True)
+    batch = make_batch(base, T, device)
+    flops_per_token = metrics.flops_per_token(
+        hidden=base.hidden, n_layers=base.n_layers, n_dense=base.n_dense, ffn_dense=base.ffn_dense,
+        ffn_expert=base.ffn_expert, k=base.k, n_shared=base.n_shared, n_heads=base.n_heads, n_kv_heads=base.n_kv_heads,
+        head_dim=base.head_dim, vocab=base.vocab_size, mtp_depth=base.mtp_depth,
+        n_avg_keys=metrics.mean_attended_keys(batch["cu_seqlens"]),
+    )
+    compile_kw = dict(backend="aot_eager") if args.smoke else {}
+    impls = {
+        "fmoe compiled": ("triton" if args.smoke else "auto", True),
+        "fmoe eager": ("triton" if args.smoke else "auto", False),
+        "reference ops": ("torch", False),
+    }
+    rows = []
+    for name, (impl, compiled) in impls.items():
+        torch.manual_seed(0)
+        cfg = dataclasses.replace(base, impl=impl)
+        model = Transformer(cfg).to(device=device, dtype=dtype)
+        forward = torch.compile(model, **compile_kw) if compiled else model
+        step = make_step(model, forward, AdamW(model.parameters(), lr=1e-4, state_dtype=torch.bfloat16), batch, cfg)
+        step()  # warm-up: compiles, allocates optimizer state
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        ms = bench(step, device)
+        tflops = flops_per_token * T / (ms * 1e-3) / 1e12
+        rows.append({
+            "impl": name, "ms": ms, "tokens/s": T / (ms * 1e-3), "TFLOP/s": tflops, "MFU": tflops * 1e12 / rate,
+            "peak_GiB": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+            "params": sum(p.numel() for p in model.parameters()), "flops_per_token": flops_per_token, "tokens": T,
+        })
+        print(f"{name}: {ms:.1f} ms", flush=True)
+        del model, forward, step
+    finish(args, device, bandwidth, "bench_train_step", [(rows, COLUMNS)], matmul_TFLOPs=rate / 1e12)
+
+
+if __name__ == "__main__":
+    main()
