@@ -87,12 +87,7 @@ def main() -> None:
     rate = matmul_rate(device, dtype, 256 if args.smoke else 8192)
     print(f"matmul rate: {rate / 1e12:.3g} TFLOP/s ({dtype})", flush=True)
     batch = make_batch(base, T, device)
-    flops_per_token = metrics.flops_per_token(
-        hidden=base.hidden, n_layers=base.n_layers, n_dense=base.n_dense, ffn_dense=base.ffn_dense,
-        ffn_expert=base.ffn_expert, k=base.k, n_shared=base.n_shared, n_heads=base.n_heads, n_kv_heads=base.n_kv_heads,
-        head_dim=base.head_dim, vocab=base.vocab_size, mtp_depth=base.mtp_depth,
-        n_avg_keys=metrics.mean_attended_keys(batch["cu_seqlens"]),
-    )
+    flops_per_token = metrics.model_flops_per_token(base, n_avg_keys=metrics.mean_attended_keys(batch["cu_seqlens"]))
     compile_kw = dict(backend="aot_eager") if args.smoke else {}
     impls = {
         "fmoe compiled": ("triton" if args.smoke else "auto", True),

@@ -118,12 +118,9 @@ def main(argv: list[str]) -> None:
     sampler = Sampler(train_set, cfg.tokens_per_micro_batch, seed=cfg.seed, mtp_depth=cfg.mtp_depth)
     val_batches = val_set.validation_batches(cfg.tokens_per_micro_batch, cfg.eval_batches, mtp_depth=cfg.mtp_depth)
 
-    model_cfg = TransformerConfig(
-        vocab_size=corpus.vocab_size, hidden=cfg.hidden, n_layers=cfg.n_layers, n_dense=cfg.n_dense,
-        ffn_dense=cfg.ffn_dense, n_experts=cfg.n_experts, k=cfg.k, ffn_expert=cfg.ffn_expert, n_shared=cfg.n_shared,
-        score=cfg.score, expert_bias=cfg.expert_bias, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
-        head_dim=cfg.head_dim, mtp_depth=cfg.mtp_depth,
-    )
+    # the model knobs above share their names with TransformerConfig's fields
+    model_knobs = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(TransformerConfig) if hasattr(cfg, f.name)}
+    model_cfg = TransformerConfig(**{**model_knobs, "vocab_size": corpus.vocab_size})
     model = Transformer(model_cfg).to(device=device, dtype=dtype)  # router and expert biases stay float32
     forward = torch.compile(model) if cfg.compile else model
     if cfg.optimizer == "adamw":
@@ -145,11 +142,6 @@ def main(argv: list[str]) -> None:
         print(f"resumed from {path} at step {step}")
     # records are logged for completed steps step+1, step+2, ...: keep the ones up to step
     logger = metrics.MetricsLogger(cfg.out_dir, total_steps=cfg.steps, start_step=step + 1)
-    model_shape = dict(
-        hidden=cfg.hidden, n_layers=cfg.n_layers, n_dense=cfg.n_dense, ffn_dense=cfg.ffn_dense,
-        ffn_expert=cfg.ffn_expert, k=cfg.k, n_shared=cfg.n_shared, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
-        head_dim=cfg.head_dim, vocab=corpus.vocab_size, mtp_depth=cfg.mtp_depth,
-    )
     peak = metrics.peak_flops(device)
 
     def run_micro_batch(batch, valid_tokens, n_micro):
@@ -237,7 +229,7 @@ def main(argv: list[str]) -> None:
         seconds = time.perf_counter() - t0
         # attention FLOPs from the step's own documents (SPEC 8), not a full-length causal row
         n_avg_keys = sum(metrics.mean_attended_keys(b["cu_seqlens"]) for b in batches) / n_micro
-        flops_per_token = metrics.flops_per_token(**model_shape, n_avg_keys=n_avg_keys)
+        flops_per_token = metrics.model_flops_per_token(model_cfg, n_avg_keys=n_avg_keys)
         record.update(
             step=step, loss=record["lm_loss"], lr=cfg.lr * lr_scale, batch_size=n_micro, tokens=tokens_seen,
             grad_norm=float(grad_norm), tokens_per_s=step_tokens / seconds,

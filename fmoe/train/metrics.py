@@ -83,6 +83,12 @@ def flops_per_token(
     return float(mlp + projections + scores + head)
 
 
+def model_flops_per_token(cfg, *, n_avg_keys: float) -> float:
+    """flops_per_token of an fmoe.model.TransformerConfig (any object with its fields)."""
+    names = ("hidden", "n_layers", "n_dense", "ffn_dense", "ffn_expert", "k", "n_shared", "n_heads", "n_kv_heads", "head_dim", "mtp_depth")
+    return flops_per_token(**{n: getattr(cfg, n) for n in names}, vocab=cfg.vocab_size, n_avg_keys=n_avg_keys)
+
+
 def datasheet_peak_flops(name: str) -> Optional[float]:
     """Dense bf16 peak FLOP/s of a GPU from its name (torch.cuda.get_device_name), None if
     unknown: H100 SXM / H200 989e12, H100 NVL 835e12, H100 PCIe 756e12, A100 312e12."""

@@ -159,3 +159,13 @@ def test_plot_missing_metrics(tmp_path):
     from fmoe.train import plot
 
     assert plot.main([str(tmp_path)]) == 1
+
+
+def test_model_flops_per_token_reads_the_model_config():
+    from fmoe.model import TransformerConfig
+
+    cfg = TransformerConfig(vocab_size=300, hidden=64, n_layers=3, n_dense=1, ffn_dense=128, n_experts=4, k=2,
+                            ffn_expert=32, n_shared=1, n_heads=4, n_kv_heads=2, head_dim=16, mtp_depth=1)
+    expected = M.flops_per_token(hidden=64, n_layers=3, n_dense=1, ffn_dense=128, ffn_expert=32, k=2, n_shared=1,
+                                       n_heads=4, n_kv_heads=2, head_dim=16, vocab=300, mtp_depth=1, n_avg_keys=10.0)
+    assert M.model_flops_per_token(cfg, n_avg_keys=10.0) == expected
