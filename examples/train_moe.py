@@ -144,10 +144,14 @@ def main(argv: list[str]) -> None:
     logger = metrics.MetricsLogger(cfg.out_dir, total_steps=cfg.steps, start_step=step + 1)
     peak = metrics.peak_flops(device)
 
+    def mtp_inputs(batch):
+        """The batch's [D, T] MTP rows as the model's per-depth targets."""
+        keys = ("input_ids", "labels", "loss_mask", "positions")
+        return [{key: batch[f"mtp_{key}"][d] for key in keys} for d in range(cfg.mtp_depth)]
+
     def run_micro_batch(batch, valid_tokens, n_micro):
         """Forward of one micro-batch; returns its share of the step's loss and its stats."""
-        mtp = [{key: batch[f"mtp_{key}"][d] for key in ("input_ids", "labels", "loss_mask", "positions")} for d in range(cfg.mtp_depth)]
-        losses, stats = forward(batch["input_ids"], batch["labels"], batch["loss_mask"], batch["cu_seqlens"], batch["positions"], mtp)
+        losses, stats = forward(batch["input_ids"], batch["labels"], batch["loss_mask"], batch["cu_seqlens"], batch["positions"], mtp_inputs(batch))
         loss = losses["lm_sum"] / valid_tokens["lm"]
         for d in range(1, cfg.mtp_depth + 1):
             loss = loss + cfg.mtp_lambda / cfg.mtp_depth * losses[f"mtp_{d}_sum"] / valid_tokens[d]
@@ -172,8 +176,7 @@ def main(argv: list[str]) -> None:
         total, count = 0.0, 0
         for batch in val_batches:
             b = batch.to(device)
-            mtp = [{key: b[f"mtp_{key}"][d] for key in ("input_ids", "labels", "loss_mask", "positions")} for d in range(cfg.mtp_depth)]
-            losses, _ = model(b["input_ids"], b["labels"], b["loss_mask"], b["cu_seqlens"], b["positions"], mtp)
+            losses, _ = model(b["input_ids"], b["labels"], b["loss_mask"], b["cu_seqlens"], b["positions"], mtp_inputs(b))
             total, count = total + float(losses["lm_sum"]), count + int(losses["lm_tokens"])
         model.train()
         return total / max(count, 1)
@@ -218,9 +221,7 @@ def main(argv: list[str]) -> None:
             opt.zero_grad(set_to_none=True)
         # aux-loss-free balancing: each MoE layer's bias moves by the step's actual counts
         if cfg.expert_bias and cfg.bias_rate:
-            layers = {f"layer_{i}": b.mlp for i, b in enumerate(model.blocks) if i >= cfg.n_dense}
-            layers.update({f"mtp_{d}": m.block.mlp for d, m in enumerate(model.mtp, start=1) if cfg.n_layers > cfg.n_dense})
-            for name, moe in layers.items():
+            for name, moe in model.moe_layers().items():
                 moe.expert_bias.copy_(ops.update_expert_bias(moe.expert_bias, counts[name], cfg.bias_rate))
 
         step += 1

@@ -55,7 +55,7 @@ from fmoe.ops import drop_by_capacity, random_logits, route
 from fmoe.ops._common import IMPLS, check_cu_seqlens, check_index
 from fmoe.ops.dispatch import permute, unpermute
 from fmoe.ops.experts import grouped_mlp, swiglu
-from fmoe.ops.packed import positions_from_cu_seqlens
+from fmoe.ops.packed import positions_from_cu_seqlens, sequence_ids
 from fmoe.ops.rope import (
     apply_rope,
     rope_cos_sin,
@@ -229,12 +229,6 @@ def softmax_scale(cfg: AttentionConfig) -> float:
     return yarn_softmax_scale(cfg.head_dim, factor=cfg.yarn_factor, mscale_all_dim=cfg.yarn_mscale_all_dim)
 
 
-def document_ids(cu_seqlens: torch.Tensor, n_tokens: int) -> torch.Tensor:
-    """[T] int64: the index of the packed document each token belongs to."""
-    cu = cu_seqlens.to(torch.int64)
-    return torch.searchsorted(cu[1:], torch.arange(n_tokens, device=cu.device), right=True)
-
-
 _flex_compiled = None
 
 
@@ -313,7 +307,7 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, positions: Optional
     k_TGD = apply_rope((x @ params["wk"]).view(T, G, D), cos, sin, interleaved=cfg.interleaved, impl=rope_impl)
     v_TGD = (x @ params["wv"]).view(T, G, D)
 
-    doc_T = document_ids(cu, T)
+    doc_T = sequence_ids(cu, T)
     use_flex = cfg.impl == "flex" or (cfg.impl == "auto" and x.is_cuda)
     if use_flex and not x.is_cuda and torch.is_grad_enabled() and (x.requires_grad or any(params[n].requires_grad for n in ("wq", "wk", "wv"))):
         raise ValueError("cfg.impl: FlexAttention has no backward on CPU; use impl='torch' (or 'auto') to train on CPU")

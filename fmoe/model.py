@@ -281,9 +281,12 @@ class Transformer(nn.Module):
             if name.endswith("expert_bias"):
                 b.zero_()
 
-    def moe_layers(self) -> list[MoE]:
-        """The MoE modules (trunk first, then MTP), e.g. for the expert-bias update."""
-        return [m for m in self.modules() if isinstance(m, MoE)]
+    def moe_layers(self) -> dict[str, MoE]:
+        """The MoE modules by the key their stats carry in forward's output: "layer_{i}"
+        for trunk block i, "mtp_{d}" for MTP depth d (e.g. for the expert-bias update)."""
+        layers = {f"layer_{i}": b.mlp for i, b in enumerate(self.blocks) if isinstance(b.mlp, MoE)}
+        layers.update({f"mtp_{d}": m.block.mlp for d, m in enumerate(self.mtp, start=1) if isinstance(m.block.mlp, MoE)})
+        return layers
 
     def _lm_loss(self, h_TH, labels, loss_mask):
         labels = torch.where(loss_mask.bool(), labels, torch.full_like(labels, -100))

@@ -46,13 +46,14 @@ def test_forward_backward_each_feature(name):
         total = total + losses[f"mtp_{d}_sum"]
     moe_layers = [i for i in range(cfg.n_layers) if i >= cfg.n_dense]
     assert sorted(stats.keys()) == sorted([f"layer_{i}" for i in moe_layers] + [f"mtp_{d}" for d in range(1, cfg.mtp_depth + 1) if moe_layers])
+    assert sorted(model.moe_layers()) == sorted(stats.keys())  # the bias update finds each layer's counts by name
     for key in stats.keys():
         assert int(stats[key]["tokens_per_expert"].sum()) <= 24 * cfg.k
     total.backward()
     for pname, p in model.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all(), pname
     if cfg.expert_bias:
-        assert all(m.expert_bias.dtype == torch.float32 for m in model.moe_layers())
+        assert all(m.expert_bias.dtype == torch.float32 for m in model.moe_layers().values())
 
 
 def test_loss_of_a_document_does_not_depend_on_packing():

@@ -34,6 +34,7 @@ from fmoe.ops._common import (
     next_pow2,
     use_triton,
 )
+from fmoe.ops.packed import sequence_ids
 from fmoe.ops.routing import _NO_ID, _NONE, _order, _rows_per_program, _sort_desc
 
 # ----------------------------------------------------------------------------------------
@@ -361,7 +362,7 @@ def seq_load_balancing_loss(
     cu = cu_seqlens.to(device=scores.device, dtype=torch.int64)
     B = cu.numel() - 1
     lengths_B = (cu[1:] - cu[:-1]).float()
-    seq_T = torch.searchsorted(cu[1:], torch.arange(T, device=scores.device), right=True)
+    seq_T = sequence_ids(cu, T)
     score_sum_BE = torch.zeros(B, E, dtype=torch.float32, device=scores.device).index_add_(0, seq_T, scores.float())
     flat_e = experts.reshape(-1).long()
     slot_seq = seq_T.repeat_interleave(k)

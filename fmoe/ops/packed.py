@@ -48,13 +48,21 @@ _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # ----------------------------------------------------------------------------------------
 
 
+def sequence_ids(cu_seqlens: torch.Tensor, n_tokens: int) -> torch.Tensor:
+    """[T] int64: the index j of the packed sequence holding each token, cu[j] <= t < cu[j+1].
+
+    Validated cu_seqlens assumed (no host sync). Example: [0, 3, 3, 5], 5 -> [0, 0, 0, 2, 2].
+    """
+    cu = cu_seqlens.long()
+    # j = #{ends cu[1..N] <= t}: ends of empty sequences before t are counted, so t lands in
+    # the one non-empty sequence holding it
+    return torch.searchsorted(cu[1:], torch.arange(n_tokens, device=cu.device), right=True)
+
+
 def _seq_start_end_ref(cu_seqlens, T):
     """(start [T], end [T]) int64: the bounds cu[j], cu[j+1] of each token's sequence j."""
     cu = cu_seqlens.long()
-    t_T = torch.arange(T, device=cu.device)
-    # j = #{ends cu[1..N] <= t}: ends of empty sequences before t are counted, so t lands in
-    # the one non-empty sequence holding it
-    seq_T = torch.searchsorted(cu[1:], t_T, right=True)
+    seq_T = sequence_ids(cu, T)
     return cu[seq_T], cu[seq_T + 1]
 
 

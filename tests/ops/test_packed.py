@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from fmoe.ops.packed import _roll_packed_op, mtp_targets, positions_from_cu_seqlens, roll_packed
+from fmoe.ops.packed import _roll_packed_op, mtp_targets, positions_from_cu_seqlens, roll_packed, sequence_ids
 
 # cu_seqlens over T = 11 tokens: one sequence, empty sequences (leading, inner, trailing),
 # length-1 sequences, and all-singletons
@@ -261,3 +261,8 @@ def test_large_bf16_on_gpu():
     assert torch.equal(dx, roll_packed(grad, cu, shift=1, impl="torch"))
     ids = torch.randint(0, 50000, (T,), device="cuda")
     assert torch.equal(roll_packed(ids, cu, shift=-3, fill=-100), roll_packed(ids, cu, shift=-3, fill=-100, impl="torch"))
+
+
+def test_sequence_ids_skip_empty_sequences():
+    assert sequence_ids(torch.tensor([0, 3, 3, 5], dtype=torch.int32), 5).tolist() == [0, 0, 0, 2, 2]
+    assert sequence_ids(torch.tensor([0, 0, 2]), 2).tolist() == [1, 1]
