@@ -95,7 +95,7 @@ class MoEConfig:
     impl: str = "auto"
 
 
-def _check_params(x_TH, params, cfg):
+def _check_params(x_TH, params, cfg, local=True):
     if not isinstance(x_TH, torch.Tensor) or x_TH.ndim != 2 or not x_TH.is_floating_point():
         raise ValueError(f"x: expected a 2-D float tensor [T, H], got {getattr(x_TH, 'shape', type(x_TH).__name__)}")
     H, E = x_TH.shape[1], cfg.n_experts
@@ -104,7 +104,7 @@ def _check_params(x_TH, params, cfg):
         got = f"{tuple(router.shape)} {router.dtype}" if router is not None else "nothing"
         raise ValueError(f"params['router']: expected float32 [{E}, {H}] (E = cfg.n_experts, H = x's hidden size), got {got}")
     w_gate = params.get("w_gate")
-    if w_gate is None or w_gate.ndim != 3 or w_gate.shape[:2] != (E, H):
+    if w_gate is None or w_gate.ndim != 3 or w_gate.shape[1] != H or (local and w_gate.shape[0] != E):
         raise ValueError(f"params['w_gate']: expected [{E}, {H}, F] (E = cfg.n_experts, H = x's hidden size), got {getattr(w_gate, 'shape', None)}")
     if w_gate.dtype != x_TH.dtype:
         raise ValueError(f"params['w_gate']: dtype {w_gate.dtype} differs from x's {x_TH.dtype}")
@@ -131,17 +131,37 @@ def shared_expert(x_TH: torch.Tensor, params, *, impl: str = "auto") -> torch.Te
     return y_TH
 
 
-def moe(x: torch.Tensor, params, cfg: MoEConfig):
+def local_experts(x_TH: torch.Tensor, routes, params, cfg: MoEConfig):
+    """The routed experts on this process: permute -> grouped_mlp -> unpermute.
+
+    x [T, H], routes (weights, experts [T, k]) over cfg.n_experts experts whose stacked
+    weights are params["w_gate"], ["w_up"] [E, H, F], ["w_down"] [E, F, H]. Returns
+    (y [T, H], counts [E] int64 slots each expert received). This is moe()'s default
+    `dispatcher`; fmoe.parallel.ExpertParallel is the expert-parallel one.
+    """
+    x_perm, plan = permute(x_TH, routes.experts, cfg.n_experts, align=cfg.align, impl=cfg.impl)
+    # offsets come from our own plan: skip grouped_mlp's value check (a host sync)
+    y_perm = grouped_mlp(x_perm, params["w_gate"], params["w_up"], params["w_down"], plan.offsets, check_offsets=False, impl=cfg.impl)
+    return unpermute(y_perm, plan, routes.weights, impl=cfg.impl), plan.counts
+
+
+def moe(x: torch.Tensor, params, cfg: MoEConfig, *, dispatcher=None, shared: bool = True):
     """A mixture-of-experts block as a pure function.
 
     Args:
         x: [T, H] tokens (float32 / bfloat16 / float16).
         params: dict or TensorDict, see the module docstring.
         cfg: MoEConfig.
+        dispatcher: computes the routed experts, dispatcher(x, routes, params, cfg) ->
+            (y [T, H], counts [E] of the slots it computed); None: local_experts (all
+            experts here). fmoe.parallel.ExpertParallel spreads them over ranks, and then
+            params["w_*"] hold this rank's experts only.
+        shared: add the shared experts of params here (a tensor-parallel caller computes
+            them itself: shared_expert on its own weight shards).
     Returns:
         (y [T, H] in x's dtype, stats TensorDict): see the module docstring.
     """
-    _check_params(x, params, cfg)
+    _check_params(x, params, cfg, local=dispatcher is None)
     T, E, k = x.shape[0], cfg.n_experts, cfg.k
 
     logits_TE = F.linear(x.float(), params["router"])  # router in float32
@@ -153,21 +173,17 @@ def moe(x: torch.Tensor, params, cfg: MoEConfig):
     if cfg.capacity_factor is not None:
         routes = drop_by_capacity(routes, E, cfg.capacity_factor, policy=cfg.capacity_policy)
 
-    x_perm, plan = permute(x, routes.experts, E, align=cfg.align, impl=cfg.impl)
-    # offsets come from our own plan: skip grouped_mlp's value check (a host sync)
-    y_perm = grouped_mlp(x_perm, params["w_gate"], params["w_up"], params["w_down"], plan.offsets, check_offsets=False, impl=cfg.impl)
-    y_TH = unpermute(y_perm, plan, routes.weights, impl=cfg.impl)
-    if params.get("shared_w_gate") is not None:
+    y_TH, counts_E = (dispatcher or local_experts)(x, routes, params, cfg)
+    if shared and params.get("shared_w_gate") is not None:
         y_TH = y_TH + shared_expert(x, params, impl=cfg.impl)
 
-    counts_E = plan.counts
     load_E = counts_E.float()
     stats = {
         "router_logits": logits_TE,
         "tokens_per_expert": counts_E,
         "load_max_over_mean": load_E.max() / load_E.mean().clamp(min=1e-9),
         "load_cv": load_E.std(correction=0) / load_E.mean().clamp(min=1e-9),
-        "dropped_fraction": 1.0 - load_E.sum() / max(T * k, 1),
+        "dropped_fraction": (routes.experts < 0).float().mean() if T else torch.zeros((), device=x.device),
     }
     if cfg.aux_scores:
         scores_TE, experts_TK, counts = _aux_scores(logits_TE, k, score=cfg.score, return_counts=True, impl=cfg.impl)

@@ -1,0 +1,66 @@
+"""Run a function in N gloo processes and collect what each returns.
+
+    results = run_distributed(fn, world_size, *args, timeout=120)   # [result of rank 0, ...]
+
+`fn(rank, world_size, *args)` must be a module-level function (the workers are spawned and
+import it). Each worker initialises the default process group (gloo, file rendezvous),
+runs fn, saves its return value with torch.save, and destroys the group. An exception in
+any worker fails the caller with that worker's traceback; a worker still running after
+`timeout` seconds (a hang: a rank waiting in a collective the others skipped) is killed and
+the caller fails saying so.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _worker(rank, world_size, root, fn, args):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{root}/rendezvous", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        torch.save(result, f"{root}/result{rank}.pt")
+        dist.destroy_process_group()
+    except BaseException:
+        pathlib.Path(f"{root}/error{rank}.txt").write_text(traceback.format_exc())
+        raise SystemExit(1)
+
+
+class Hang(AssertionError):
+    """A worker did not finish in time."""
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 120.0) -> list:
+    with tempfile.TemporaryDirectory() as root:
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_worker, args=(r, world_size, root, fn, args), daemon=True) for r in range(world_size)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        errors = {r: pathlib.Path(f"{root}/error{r}.txt").read_text() for r in range(world_size) if pathlib.Path(f"{root}/error{r}.txt").exists()}
+        if errors:
+            rank, text = sorted(errors.items())[0]
+            raise AssertionError(f"rank {rank} of {world_size} failed:\n{text}")
+        if hung:
+            raise Hang(f"ranks {hung} of {world_size} still running after {timeout} s (a hang in a collective?)")
+        bad = [r for r, p in enumerate(procs) if p.exitcode != 0]
+        if bad:
+            raise AssertionError(f"ranks {bad} exited with codes {[procs[r].exitcode for r in bad]}")
+        return [torch.load(f"{root}/result{r}.pt", weights_only=False) for r in range(world_size)]
