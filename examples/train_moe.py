@@ -6,6 +6,16 @@
     python examples/train_moe.py --data=my_texts/                 # a directory of text files
     python examples/train_moe.py --data=tokens.bin --data_dtype=uint16 --separator=50256 --vocab_size=50304
 
+Several processes (gloo on CPU, nccl on GPUs), one per device; the parallel knobs below:
+    torchrun --nproc-per-node 2 examples/train_moe.py                   # FSDP2 over 2 ranks
+    torchrun --nproc-per-node 4 examples/train_moe.py --ep=4            # experts over 4 ranks
+    torchrun --nproc-per-node 4 examples/train_moe.py --tp=2 --ep=2     # TP x EP (MoE folding)
+    torchrun --nproc-per-node 8 examples/train_moe.py --dp_replicate=2 --tp=2 --ep=4 --etp=1
+    torchrun --nproc-per-node 4 examples/train_moe.py --optimizer=muon  # layer-wise distributed Muon
+The tokens of an optimizer step do not depend on the number of processes: every rank reads
+the step's micro-batches and the data-parallel ranks take turns, so the same command with
+other parallel knobs trains the same model and logs the same losses (up to float rounding).
+
 Everything a step does is below, in order: the batch-size schedule picks the micro-batches,
 each runs forward (LM loss + MTP losses as sums) plus the balancing losses, backward; the
 loss is the sum over valid tokens divided by the step's valid-token count; then clip, the
@@ -17,18 +27,22 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import random
 import sys
 import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 import fmoe.ops as ops
-from fmoe.optim import AdamW, batch_size_at, build_optimizers, clip_grad_norm, lr_at
+import fmoe.parallel as parallel
+from fmoe.optim import AdamW, batch_size_at, build_optimizers, clip_grad_norm, lr_at, split_param_groups
 from fmoe.train import checkpoint, metrics
 from fmoe.train.data import BYTE_VOCAB_SIZE, Sampler, load_corpus
 from fmoe.model import Transformer, TransformerConfig
+from fmoe.parallel.muon import DistributedMuon
 
 
 # ------------------------------------------------------------------------------ knobs
@@ -65,6 +79,7 @@ class Config:
     bias_rate: float = 1e-3         # aux-loss-free expert-bias step (sigmoid routing)
     # optimizer and schedule
     optimizer: str = "adamw"        # adamw | muon (Muon for matrices, AdamW for the rest)
+    ns_dtype: str = "bfloat16"      # Muon's Newton-Schulz dtype (float32: bit-comparable runs)
     lr: float = 3e-3
     min_lr: float = 3e-4
     warmup: int = 20
@@ -84,6 +99,12 @@ class Config:
     eval_batches: int = 4
     device: str = "auto"            # auto | cpu | cuda
     compile: bool = False
+    # parallelism (under torchrun; fmoe.parallel): world = dp_replicate * dp_shard * cp * tp
+    dp_replicate: int = 1           # HSDP replicas
+    dp_shard: int = -1              # FSDP2 shards (-1: the rest of the world)
+    tp: int = 1                     # tensor parallel: attention heads, dense and shared FFN columns
+    ep: int = 1                     # expert parallel, borrowing ranks from dp_shard x tp
+    etp: int = 1                    # expert tensor parallel (the experts' FFN columns)
 
 
 def parse_args(argv: list[str]) -> Config:
@@ -107,6 +128,20 @@ def main(argv: list[str]) -> None:
     # ------------------------------------------------------------------------ setup
     device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else (cfg.device if cfg.device != "auto" else "cpu"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    sizes = dict(dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, tp=cfg.tp, ep=cfg.ep, etp=cfg.etp)
+    try:
+        parallel.plan_sizes(world, **sizes, has_experts=cfg.n_layers > cfg.n_dense)
+    except ValueError as err:
+        sys.exit(f"parallel knobs (--dp_replicate, --dp_shard, --tp, --ep, --etp) for {world} process(es): {err}")
+    meshes, rank, dp_rank, dp = None, 0, 0, 1
+    if world > 1:
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        meshes = parallel.build_meshes(**sizes, has_experts=cfg.n_layers > cfg.n_dense, device_type=device.type)
+        rank, dp_rank, dp = dist.get_rank(), meshes.batch.get_local_rank("dp"), meshes.dp
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     try:
@@ -121,12 +156,25 @@ def main(argv: list[str]) -> None:
     # the model knobs above share their names with TransformerConfig's fields
     model_knobs = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(TransformerConfig) if hasattr(cfg, f.name)}
     model_cfg = TransformerConfig(**{**model_knobs, "vocab_size": corpus.vocab_size})
-    model = Transformer(model_cfg).to(device=device, dtype=dtype)  # router and expert biases stay float32
+    if meshes is None:
+        model = Transformer(model_cfg).to(device=device, dtype=dtype)  # router and expert biases stay float32
+    else:  # every rank builds the same model (same seed) and keeps its shards of it
+        model = Transformer(model_cfg).to(device=device)  # float32 master weights, FSDP2 computes in dtype
+        try:
+            parallel.parallelize(model, meshes, param_dtype=dtype if dtype != torch.float32 else None, reduce_dtype=torch.float32)
+        except ValueError as err:
+            sys.exit(f"parallel knobs: {err}")
     forward = torch.compile(model) if cfg.compile else model
+    if cfg.ns_dtype not in ("bfloat16", "float32"):
+        sys.exit(f"--ns_dtype: expected bfloat16 or float32, got {cfg.ns_dtype!r}")
+    ns_dtype = getattr(torch, cfg.ns_dtype)
     if cfg.optimizer == "adamw":
         optimizers = [AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)]
-    elif cfg.optimizer == "muon":
-        optimizers = build_optimizers(model, muon_lr=cfg.lr, adamw_lr=cfg.lr, weight_decay=cfg.weight_decay)
+    elif cfg.optimizer == "muon" and meshes is None:
+        optimizers = build_optimizers(model, muon_lr=cfg.lr, adamw_lr=cfg.lr, weight_decay=cfg.weight_decay, ns_dtype=ns_dtype)
+    elif cfg.optimizer == "muon":  # each matrix orthogonalised on one rank, the result redistributed
+        muon_groups, adamw_groups = split_param_groups(model, muon_lr=cfg.lr, adamw_lr=cfg.lr, weight_decay=cfg.weight_decay)
+        optimizers = [DistributedMuon(muon_groups, lr=cfg.lr, ns_dtype=ns_dtype, model=model), torch.optim.AdamW(adamw_groups, lr=cfg.lr)]
     else:
         sys.exit(f"--optimizer: expected adamw or muon, got {cfg.optimizer!r}")
     for opt in optimizers:  # the schedule scales each group's own lr
@@ -141,7 +189,7 @@ def main(argv: list[str]) -> None:
         checkpoint.set_rng_state(extra["rng"])
         print(f"resumed from {path} at step {step}")
     # records are logged for completed steps step+1, step+2, ...: keep the ones up to step
-    logger = metrics.MetricsLogger(cfg.out_dir, total_steps=cfg.steps, start_step=step + 1)
+    logger = metrics.MetricsLogger(cfg.out_dir, rank=rank, total_steps=cfg.steps, start_step=step + 1)
     peak = metrics.peak_flops(device)
 
     def mtp_inputs(batch):
@@ -203,19 +251,33 @@ def main(argv: list[str]) -> None:
         valid = {"lm": sum(int(b["loss_mask"].sum()) for b in batches)}
         for d in range(1, cfg.mtp_depth + 1):
             valid[d] = max(1, sum(int(b["mtp_loss_mask"][d - 1].sum()) for b in batches))
+        # data-parallel ranks take turns over the micro-batches; a rank short of one runs a
+        # masked copy with zero loss, so that every rank joins every collective (FSDP, EP)
+        mine = batches[dp_rank::dp]
+        padding = -(-n_micro // dp) - len(mine)
         counts = {}
-        record = {"lm_loss": 0.0}
-        for batch in batches:
+        # every key from the start: a rank with only padding sums the same keys (one collective)
+        record = dict.fromkeys(["lm_loss", *(f"mtp_{d}_loss" for d in range(1, cfg.mtp_depth + 1)), "seq_aux_loss", "aux_loss", "z_loss"], 0.0)
+        for i, batch in enumerate(mine + [batches[0]] * padding):
             loss, losses, stats, balancing = run_micro_batch(batch, valid, n_micro)
+            if i >= len(mine):
+                (loss * 0.0).backward()
+                continue
             loss.backward()
             for name, value in balancing.items():
-                record[name] = record.get(name, 0.0) + value
+                record[name] += value
             record["lm_loss"] += float(losses["lm_sum"].detach()) / valid["lm"]
             for d in range(1, cfg.mtp_depth + 1):
-                record[f"mtp_{d}_loss"] = record.get(f"mtp_{d}_loss", 0.0) + float(losses[f"mtp_{d}_sum"].detach()) / valid[d]
+                record[f"mtp_{d}_loss"] += float(losses[f"mtp_{d}_sum"].detach()) / valid[d]
             for name, layer in stats.items():
                 counts[name] = counts.get(name, 0) + layer["tokens_per_expert"]
-        grad_norm = clip_grad_norm(model.parameters(), cfg.clip)
+        moe_names = list(model.moe_layers())
+        if meshes is None:
+            grad_norm = clip_grad_norm(model.parameters(), cfg.clip)
+        else:  # sums over the data ranks, counts over every rank, one collective each
+            record = parallel.all_reduce_sums(record, meshes.group("dp"))
+            counts = parallel.all_reduce_counts(counts, dist.group.WORLD, names=moe_names, n_experts=cfg.n_experts)
+            grad_norm = parallel.clip_grad_norm(model.parameters(), cfg.clip)
         for opt in optimizers:
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -234,21 +296,27 @@ def main(argv: list[str]) -> None:
         record.update(
             step=step, loss=record["lm_loss"], lr=cfg.lr * lr_scale, batch_size=n_micro, tokens=tokens_seen,
             grad_norm=float(grad_norm), tokens_per_s=step_tokens / seconds,
-            flops_per_token=flops_per_token, mfu=metrics.mfu(step_tokens / seconds, flops_per_token, peak),
+            flops_per_token=flops_per_token, mfu=metrics.mfu(step_tokens / seconds / world, flops_per_token, peak),
             peak_memory_gib=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
         )
         # expert load per MoE layer (trunk layers, then MTP): counts, max/mean, CV, dropped
-        record.update(metrics.layer_loads(torch.stack(list(counts.values())), slots=step_tokens * cfg.k), moe_layers=list(counts))
+        record.update(metrics.layer_loads(torch.stack([counts[n] for n in moe_names]), slots=step_tokens * cfg.k), moe_layers=moe_names)
         if step % cfg.eval_every == 0 or step == last:
             record["val_loss"] = evaluate()
         logger.log(step, record)
         if step % cfg.ckpt_every == 0 or step == last:
+            for opt in optimizers:  # a distributed Muon's last update may still be in flight
+                getattr(opt, "wait", lambda: None)()
+            # every rank holds the same extra (same sampler, same seeds): resumable on any mesh
             extra = {"step": step, "tokens_seen": tokens_seen, "sampler": sampler.state_dict(), "rng": checkpoint.rng_state()}
             checkpoint.save(cfg.out_dir, step, model=model, optimizers=optimizers, extra=extra)
-            checkpoint.prune(cfg.out_dir, keep_last=cfg.keep_last, keep_every=cfg.keep_every or None)
+            if rank == 0:
+                checkpoint.prune(cfg.out_dir, keep_last=cfg.keep_last, keep_every=cfg.keep_every or None)
     checkpoint.wait(cfg.out_dir)
-    if math.isfinite(record.get("val_loss", float("nan"))):
+    if rank == 0 and math.isfinite(record.get("val_loss", float("nan"))):
         print(f"done: step {step}, validation loss {record['val_loss']:.4f} (bits per byte {record['val_loss'] / math.log(2):.3f})")
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

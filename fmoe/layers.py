@@ -95,6 +95,22 @@ class MoEConfig:
     impl: str = "auto"
 
 
+def check_expert_weights(x_TH, params, n_experts: int, n_ffn: Optional[int] = None) -> None:
+    """ValueError unless params["w_gate"], ["w_up"] are [E, H, F] and ["w_down"] [E, F, H]
+    in x's dtype (E = n_experts, H = x's hidden size, F = n_ffn when given)."""
+    H, E = x_TH.shape[1], n_experts
+    w_gate = params.get("w_gate")
+    if w_gate is None or w_gate.ndim != 3 or w_gate.shape[:2] != (E, H) or (n_ffn is not None and w_gate.shape[2] != n_ffn):
+        raise ValueError(f"params['w_gate']: expected [{E}, {H}, {n_ffn or 'F'}] (experts, x's hidden size, FFN), got {getattr(w_gate, 'shape', None)}")
+    F_ = w_gate.shape[2]
+    for name, shape in (("w_gate", (E, H, F_)), ("w_up", (E, H, F_)), ("w_down", (E, F_, H))):
+        w = params.get(name)
+        if w is None or tuple(w.shape) != shape:
+            raise ValueError(f"params['{name}']: expected {list(shape)}, got {getattr(w, 'shape', None)}")
+        if w.dtype != x_TH.dtype:
+            raise ValueError(f"params['{name}']: dtype {w.dtype} differs from x's {x_TH.dtype}")
+
+
 def _check_params(x_TH, params, cfg, local=True):
     if not isinstance(x_TH, torch.Tensor) or x_TH.ndim != 2 or not x_TH.is_floating_point():
         raise ValueError(f"x: expected a 2-D float tensor [T, H], got {getattr(x_TH, 'shape', type(x_TH).__name__)}")
@@ -103,11 +119,8 @@ def _check_params(x_TH, params, cfg, local=True):
     if router is None or router.shape != (E, H) or router.dtype != torch.float32:
         got = f"{tuple(router.shape)} {router.dtype}" if router is not None else "nothing"
         raise ValueError(f"params['router']: expected float32 [{E}, {H}] (E = cfg.n_experts, H = x's hidden size), got {got}")
-    w_gate = params.get("w_gate")
-    if w_gate is None or w_gate.ndim != 3 or w_gate.shape[1] != H or (local and w_gate.shape[0] != E):
-        raise ValueError(f"params['w_gate']: expected [{E}, {H}, F] (E = cfg.n_experts, H = x's hidden size), got {getattr(w_gate, 'shape', None)}")
-    if w_gate.dtype != x_TH.dtype:
-        raise ValueError(f"params['w_gate']: dtype {w_gate.dtype} differs from x's {x_TH.dtype}")
+    if local:  # a dispatcher checks the expert weights it is given itself
+        check_expert_weights(x_TH, params, E)
     shared = [params.get(n) for n in ("shared_w_gate", "shared_w_up", "shared_w_down")]
     if any(s is not None for s in shared):
         if any(s is None for s in shared):

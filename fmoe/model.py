@@ -26,19 +26,67 @@ from typing import Optional, Sequence
 import torch
 from tensordict import TensorDict
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from fmoe.layers import AttentionConfig, MoEConfig, attention, moe
+from fmoe.layers import AttentionConfig, MoEConfig, attention, local_experts, moe
 from fmoe.ops import linear_cross_entropy, swiglu
+
+
+def _local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The local shard of a DTensor parameter (expert or tensor parallel; fmoe.parallel sets
+    them up), the tensor itself otherwise. Layers compute on plain local tensors."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU: (silu(x w_gate) * (x w_up)) w_down, w_gate / w_up [H, F], w_down [F, H]."""
+
+    def __init__(self, hidden: int, ffn: int, impl: str, *, device=None, dtype=None):
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.impl = impl
+        self.w_gate = nn.Parameter(torch.empty(hidden, ffn, **kw))
+        self.w_up = nn.Parameter(torch.empty(hidden, ffn, **kw))
+        self.w_down = nn.Parameter(torch.empty(ffn, hidden, **kw))
+
+    def forward(self, x_TH):
+        return swiglu(x_TH @ _local(self.w_gate), x_TH @ _local(self.w_up), impl=self.impl) @ _local(self.w_down)
+
+
+class GroupedExperts(nn.Module):
+    """The routed experts' stacked SwiGLU weights: w_gate, w_up [E, H, F], w_down [E, F, H]
+    (a child module of MoE with a forward of its own, so that FSDP can shard the experts
+    over their own mesh and gather them when they run).
+
+    forward(x [T, H], routes, cfg, dispatcher=None) -> (y [T, H], counts [E]): the routed
+    experts' weighted output, by fmoe.layers.local_experts or the given dispatcher (e.g.
+    fmoe.parallel.ExpertParallel, with weights sharded over expert-parallel ranks).
+    """
+
+    def __init__(self, n_experts: int, hidden: int, ffn: int, *, device=None, dtype=None):
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.w_gate = nn.Parameter(torch.empty(n_experts, hidden, ffn, **kw))
+        self.w_up = nn.Parameter(torch.empty(n_experts, hidden, ffn, **kw))
+        self.w_down = nn.Parameter(torch.empty(n_experts, ffn, hidden, **kw))
+
+    def forward(self, x_TH, routes, cfg: MoEConfig, dispatcher=None):
+        params = {n: _local(getattr(self, n)) for n in ("w_gate", "w_up", "w_down")}
+        return (dispatcher or local_experts)(x_TH, routes, params, cfg)
 
 
 class MoE(nn.Module):
     """Parameters of a mixture-of-experts block; forward calls fmoe.layers.moe.
 
-    Owns: router [E, H] (float32), stacked experts w_gate / w_up [E, H, F] and w_down
-    [E, F, H], optional shared experts [H, Fs] / [Fs, H] with an optional sigmoid gate [H],
-    and, with expert_bias=True (sigmoid scoring), the aux-loss-free `expert_bias` [E], a
-    persistent float32 buffer. The router and the bias stay float32 when the module is cast
-    (`.to(torch.bfloat16)`, `.half()`): routing decisions and bias steps of 1e-3 need it.
+    Owns: router [E, H] (float32), `experts` (GroupedExperts: w_gate / w_up [E, H, F],
+    w_down [E, F, H]), optional `shared` experts (a DenseMLP of Fs) with an optional sigmoid
+    gate `shared_gate` [H], and, with expert_bias=True (sigmoid scoring), the aux-loss-free
+    `expert_bias` [E], a persistent float32 buffer. The router and the bias stay float32
+    when the module is cast (`.to(torch.bfloat16)`, `.half()`): routing decisions and bias
+    steps of 1e-3 need it.
+
+    `dispatcher` (None: every expert on this process) is moe()'s dispatcher; fmoe.parallel
+    sets an ExpertParallel there together with expert weights sharded over ranks.
 
     Args:
         hidden: H. ffn: F per routed expert. cfg: MoEConfig (n_experts, k, routing).
@@ -60,16 +108,12 @@ class MoE(nn.Module):
             raise ValueError("shared_gate: needs shared experts (shared_ffn > 0)")
         E, H, kw = cfg.n_experts, hidden, dict(device=device, dtype=dtype)
         self.cfg = cfg
+        self.dispatcher = None
         self.router = nn.Parameter(torch.empty(E, H, device=device, dtype=torch.float32))
-        self.w_gate = nn.Parameter(torch.empty(E, H, ffn, **kw))
-        self.w_up = nn.Parameter(torch.empty(E, H, ffn, **kw))
-        self.w_down = nn.Parameter(torch.empty(E, ffn, H, **kw))
-        if shared_ffn:
-            self.shared_w_gate = nn.Parameter(torch.empty(H, shared_ffn, **kw))
-            self.shared_w_up = nn.Parameter(torch.empty(H, shared_ffn, **kw))
-            self.shared_w_down = nn.Parameter(torch.empty(shared_ffn, H, **kw))
-            if shared_gate:
-                self.shared_gate = nn.Parameter(torch.empty(H, **kw))
+        self.experts = GroupedExperts(E, H, ffn, **kw)
+        self.shared = DenseMLP(H, shared_ffn, cfg.impl, **kw) if shared_ffn else None
+        if shared_gate:
+            self.shared_gate = nn.Parameter(torch.empty(H, **kw))
         if expert_bias:
             self.register_buffer("expert_bias", torch.zeros(E, device=device, dtype=torch.float32), persistent=True)
         self.reset_parameters()
@@ -95,14 +139,34 @@ class MoE(nn.Module):
         return self
 
     def params(self) -> dict:
-        """The tensors fmoe.layers.moe takes (see its module docstring)."""
-        names = ("router", "w_gate", "w_up", "w_down", "expert_bias", "shared_w_gate", "shared_w_up", "shared_w_down", "shared_gate")
-        return {n: getattr(self, n) for n in names if getattr(self, n, None) is not None}
+        """The tensors fmoe.layers.moe takes (see its module docstring), local shards of
+        DTensors. The shared experts are included; forward runs them as a module instead."""
+        p = {"router": self.router, "w_gate": self.experts.w_gate, "w_up": self.experts.w_up, "w_down": self.experts.w_down}
+        if "expert_bias" in self._buffers:
+            p["expert_bias"] = self.expert_bias
+        if self.shared is not None:
+            p.update(shared_w_gate=self.shared.w_gate, shared_w_up=self.shared.w_up, shared_w_down=self.shared.w_down)
+        if getattr(self, "shared_gate", None) is not None:
+            p["shared_gate"] = self.shared_gate
+        return {n: _local(t) for n, t in p.items()}
 
     def forward(self, x: torch.Tensor):
         """x [..., H] -> (y [..., H], stats TensorDict of fmoe.layers.moe)."""
-        y, stats = moe(x.reshape(-1, x.shape[-1]), self.params(), self.cfg)
-        return y.reshape(x.shape), stats
+        x_TH = x.reshape(-1, x.shape[-1])
+        params = {n: _local(getattr(self, n)) for n in self._FLOAT32 if getattr(self, n, None) is not None}
+
+        def routed_experts(x_TH, routes, params, cfg):  # through the experts module (FSDP unit)
+            return self.experts(x_TH, routes, cfg, self.dispatcher)
+
+        y_TH, stats = moe(x_TH, params, self.cfg, dispatcher=routed_experts)
+        if self.shared is not None:
+            # the shared experts run as a module, so tensor parallelism can hook them; the
+            # gate multiplies their complete (reduced) output: sigmoid(x . shared_gate) y_s
+            y_shared = self.shared(x_TH)
+            if getattr(self, "shared_gate", None) is not None:
+                y_shared = y_shared * torch.sigmoid(x_TH @ _local(self.shared_gate).to(x_TH.dtype))[:, None]
+            y_TH = y_TH + y_shared
+        return (y_TH if x.ndim == 2 else y_TH.reshape(x.shape)), stats  # no view: FSDP hooks the output
 
 
 # ----------------------------------------------------------------------------------------
@@ -198,20 +262,8 @@ class Attention(nn.Module):
         self.wo = nn.Parameter(torch.empty(q, H))
 
     def forward(self, x_TH, positions, cu_seqlens):
-        params = {"wq": self.wq, "wk": self.wk, "wv": self.wv, "wo": self.wo}
+        params = {n: _local(getattr(self, n)) for n in ("wq", "wk", "wv", "wo")}
         return attention(x_TH, params, self.cfg, positions, cu_seqlens)[0]
-
-
-class DenseMLP(nn.Module):
-    def __init__(self, hidden: int, ffn: int, impl: str):
-        super().__init__()
-        self.impl = impl
-        self.w_gate = nn.Parameter(torch.empty(hidden, ffn))
-        self.w_up = nn.Parameter(torch.empty(hidden, ffn))
-        self.w_down = nn.Parameter(torch.empty(ffn, hidden))
-
-    def forward(self, x_TH):
-        return swiglu(x_TH @ self.w_gate, x_TH @ self.w_up, impl=self.impl) @ self.w_down
 
 
 class Block(nn.Module):

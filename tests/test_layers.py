@@ -156,12 +156,12 @@ def test_module_owns_parameters_and_keeps_router_and_bias_float32():
     cfg = MoEConfig(n_experts=4, k=2, score="sigmoid")
     layer = MoE(H, FFN, cfg, shared_ffn=FS, shared_gate=True, expert_bias=True)
     names = {n for n, _ in layer.named_parameters()}
-    assert names == {"router", "w_gate", "w_up", "w_down", "shared_w_gate", "shared_w_up", "shared_w_down", "shared_gate"}
+    assert names == {"router", "experts.w_gate", "experts.w_up", "experts.w_down", "shared.w_gate", "shared.w_up", "shared.w_down", "shared_gate"}
     assert "expert_bias" in layer.state_dict()
     layer.expert_bias[0] = 1.0 + 1e-3  # a step bfloat16 cannot hold next to 1.0
     router = layer.router.data.clone()
     layer.to(torch.bfloat16)
-    assert layer.w_gate.dtype == torch.bfloat16 and layer.shared_gate.dtype == torch.bfloat16
+    assert layer.experts.w_gate.dtype == torch.bfloat16 and layer.shared_gate.dtype == torch.bfloat16
     assert layer.router.dtype == torch.float32 and torch.equal(layer.router.data, router)
     assert layer.expert_bias.dtype == torch.float32 and layer.expert_bias[0].item() == pytest.approx(1.0 + 1e-3, abs=1e-7)
     x = torch.randn(2, 3, H, dtype=torch.bfloat16)

@@ -3,6 +3,8 @@
 import inspect
 import pathlib
 import re
+import subprocess
+import sys
 
 import fmoe.ops
 import fmoe.optim
@@ -51,12 +53,27 @@ def test_public_signatures_follow_the_contract():
 def test_readme_examples_run():
     readme = (ROOT / "README.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
-    assert len(blocks) == 2, "README.md should hold the routing and the MoE block examples"
+    assert len(blocks) == 3, "README.md should hold the routing, the MoE block and the torchrun examples"
     scopes = []
-    for code in blocks:
+    for code in (blocks[0], blocks[2]):
         scopes.append({})
         exec(compile(code, "README.md", "exec"), scopes[-1])
     routing, block = scopes
     # the routing example really ran the losses' backward and the balancing update
     assert routing["bias"].abs().sum() > 0 and routing["logits"].grad is not None
     assert block["y"].shape == (4, 16, 64) and int(block["stats"]["tokens_per_expert"].sum()) == 4 * 16 * 2
+
+
+def test_readme_torchrun_example_runs(tmp_path):
+    """The README's fmoe.parallel example, under torchrun with 2 gloo processes."""
+    code = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)[1]
+    (tmp_path / "demo.py").write_text(code)
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(tmp_path / "demo.py")],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = sorted(line for line in run.stdout.splitlines() if line.startswith("rank "))
+    assert len(lines) == 2
+    norms = {line.split("grad norm ")[1].split(",")[0] for line in lines}
+    assert len(norms) == 1  # every rank reports the same global norm
+    counts = [eval(line.split("tokens per expert ")[1]) for line in lines]
+    assert counts[0] == counts[1] and sum(counts[0]) == 2 * 32 * 2  # 2 ranks x 32 tokens x k slots

@@ -1,1 +1,50 @@
-"""fmoe.parallel: see DESIGN.md; filled in by later work."""
+"""fmoe.parallel: PyTorch's distributed engine (DeviceMesh, DTensor, FSDP2, functional
+collectives, DCP) arranged for MoE models. DESIGN.md "Parallelism".
+
+    build_meshes, Meshes, plan_sizes      the dense / batch / expert meshes with MoE folding
+    parallelize, apply_fsdp, shard_experts  TP -> EP -> FSDP2 on the reference model
+    ExpertParallel, dispatch, combine, DispatchMeta   expert (and expert-tensor) parallel all-to-all
+    split_tokens, gather_tokens        the MoE's tokens split over tp ranks and gathered back
+    tensor_parallel_plan, copy_to_tp, reduce_from_tp   tensor parallel (parallelize_module)
+    all_reduce_counts, all_reduce_sums   per-layer counts and logged sums, one collective each
+    seq_load_balancing_loss_split, global_load_balancing_loss   aux losses over split tokens
+    grad_norm, clip_grad_norm          the gradient norm over parameters on several meshes
+"""
+
+from fmoe.parallel.expert import DispatchMeta, ExpertParallel, combine, dispatch, gather_tokens, split_tokens
+from fmoe.parallel.fsdp import apply_fsdp, dense_data_mesh, parallelize, shard_experts
+from fmoe.parallel.mesh import Meshes, build_meshes, plan_sizes
+from fmoe.parallel.reduce import (
+    all_reduce_counts,
+    all_reduce_sums,
+    clip_grad_norm,
+    global_load_balancing_loss,
+    grad_norm,
+    seq_load_balancing_loss_split,
+)
+from fmoe.parallel.tensor import copy_to_tp, reduce_from_tp, tensor_parallel_plan
+
+__all__ = [
+    "DispatchMeta",
+    "ExpertParallel",
+    "Meshes",
+    "combine",
+    "dispatch",
+    "gather_tokens",
+    "split_tokens",
+    "all_reduce_counts",
+    "all_reduce_sums",
+    "clip_grad_norm",
+    "global_load_balancing_loss",
+    "grad_norm",
+    "seq_load_balancing_loss_split",
+    "apply_fsdp",
+    "build_meshes",
+    "copy_to_tp",
+    "dense_data_mesh",
+    "parallelize",
+    "plan_sizes",
+    "reduce_from_tp",
+    "shard_experts",
+    "tensor_parallel_plan",
+]

@@ -203,14 +203,20 @@ def latest(out_dir, *, delete_partial: bool = False) -> Optional[Path]:
 def load(path, *, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> dict:
     """Restore model and optimizers in place from a checkpoint directory; return this rank's
     extra dict. Fresh optimizers get their state created first (get_state_dict runs one
-    zero-lr step on zero gradients), then overwritten bit for bit."""
+    zero-lr step on zero gradients), then overwritten bit for bit.
+
+    The model and optimizer state may be loaded on another mesh (other ranks, other
+    FSDP / TP / EP sizes): DCP reshards DTensors. A rank beyond those that saved reads rank
+    0's extra, which is right when extra is the same on every rank (the train loop's is)."""
     path = Path(path)
     if not (path / ".metadata").is_file():
         what = "does not exist" if not path.exists() else "is not a complete checkpoint (no .metadata)"
         raise FileNotFoundError(f"path: {str(path)!r} {what}")
     extra_file = path / f"extra_rank{_rank()}.pt"
+    if not extra_file.is_file():  # resumed on more ranks than saved: rank 0's (see the docstring)
+        extra_file = path / "extra_rank0.pt"
     if not extra_file.is_file():
-        raise FileNotFoundError(f"path: {str(path)!r} has no {extra_file.name} (saved with fewer ranks?)")
+        raise FileNotFoundError(f"path: {str(path)!r} has no extra_rank0.pt (not a checkpoint of fmoe.train.checkpoint?)")
     optimizers = _optimizers(optimizers)
     model_sd, optim_sd = get_state_dict(model, optimizers)
     state = {"model": model_sd, "optim": optim_sd}

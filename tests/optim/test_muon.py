@@ -218,7 +218,7 @@ def test_split_param_groups_moe():
     model = MoE(32, 16, MoEConfig(n_experts=4, k=2, score="sigmoid"), shared_ffn=32, shared_gate=True, expert_bias=True)
     muon, adamw = split_param_groups(model, muon_lr=0.02, adamw_lr=1e-3, weight_decay=0.1)
     (muon_ids,), (decay_ids, no_decay_ids) = _ids(muon), _ids(adamw)
-    assert muon_ids == {id(getattr(model, n)) for n in ("w_gate", "w_up", "w_down", "shared_w_gate", "shared_w_up", "shared_w_down")}
+    assert muon_ids == {id(getattr(part, n)) for part in (model.experts, model.shared) for n in ("w_gate", "w_up", "w_down")}
     assert decay_ids == {id(model.router)}
     assert no_decay_ids == {id(model.shared_gate)}  # 1-D
     assert id(model.expert_bias) not in muon_ids | decay_ids | no_decay_ids  # a buffer

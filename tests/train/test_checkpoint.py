@@ -17,7 +17,7 @@ def _build():
     head, fmoe AdamW with bf16 moments on the experts."""
     cfg = MoEConfig(n_experts=4, k=2, score="sigmoid")
     model = nn.ModuleDict({"moe": MoE(16, 16, cfg, expert_bias=True), "head": nn.Linear(16, 8)})
-    experts = [model["moe"].w_gate, model["moe"].w_up, model["moe"].w_down]
+    experts = list(model["moe"].experts.parameters())
     rest = [model["moe"].router, *model["head"].parameters()]
     opts = [
         torch.optim.AdamW(rest, lr=1e-2),
@@ -79,7 +79,7 @@ def test_round_trip_bit_identical(tmp_path):
     ckpt.set_rng_state(got["rng"])
     _assert_identical(before, _tensors(fresh, fresh_opts))
     assert fresh["moe"].expert_bias.dtype == torch.float32
-    assert fresh_opts[1].state[fresh["moe"].w_up]["exp_avg"].dtype == torch.bfloat16
+    assert fresh_opts[1].state[fresh["moe"].experts.w_up]["exp_avg"].dtype == torch.bfloat16
     assert {k: v for k, v in got.items() if k != "rng"} == {k: v for k, v in extra.items() if k != "rng"}
     for key in ("torch", "numpy"):
         assert str(got["rng"][key]) == str(extra["rng"][key])

@@ -1,0 +1,352 @@
+"""Expert parallelism for fmoe.layers.moe: all-to-all dispatch and combine with autograd.
+
+    ep = ExpertParallel(meshes.axis("ep"), etp_mesh=meshes.axis("etp"), tp_mesh=meshes.tp_mesh)
+    y, stats = moe(x, params, cfg, dispatcher=ep)   # params["w_*"]: this rank's experts only
+
+The rank with ep index j and etp index q owns the local experts l = 0..L-1, global ids
+j L + l (L = E / ep), and the F-shard q of their FFN (F/etp columns of w_gate / w_up, rows of
+w_down). An ExpertParallel call on one rank, step by step (the explicit functions below):
+
+  1. split_tokens (dense TP, tp > 1): the tp ranks hold the same T tokens; each keeps its
+     contiguous T/tp slice of x and of the gate weights. Forward: a slice; backward: an
+     all-gather, so d x and d weights are whole and identical on every tp rank.
+  2. permute by global expert id (fmoe.ops.permute, align = 1) -> x_perm [R, H], counts [E].
+  3. dispatch, over ep: an all-to-all of the counts, then one host sync for the split sizes,
+     then an all-to-all of the rows. Over etp (etp > 1): every etp rank sends the rows it
+     received to every etp rank, since they hold different tokens but the same experts.
+     Then an index gather puts the rows in local-expert-major order -> x_local [N, H], meta.
+  4. grouped_mlp on x_local with this rank's weights [L, H, F/etp], [L, F/etp, H].
+  5. combine: the reverse of 3. Over etp each rank gets back the partial outputs of its own
+     rows from every F-shard and sums them (a reduce-scatter); over ep an all-to-all returns
+     the rows to their tokens' ranks -> y_perm [R, H].
+  6. unpermute with the gate weights; gather_tokens (tp > 1) all-gathers the T/tp slices
+     (backward: a slice of the upstream gradient, which TP makes identical on the tp ranks).
+
+Math. With F split into shards F_0 .. F_{Q-1} over the etp ranks,
+
+    y[t] = sum_j w[t,j] sum_q (silu(x[t] Wg[e][:, F_q]) * (x[t] Wu[e][:, F_q])) Wd[e][F_q, :],
+    e = experts[t,j],
+
+exactly moe()'s expert output: SwiGLU acts on each F column alone, so only the last
+product's sum over F is split (into Q partial sums, added in float32).
+
+Row orders. x_perm: global expert, then token (permute). After the ep all-to-all: source ep
+rank s, then local expert l, then the source's order. After the etp gather: etp rank q, s,
+l. x_local: l, then s, then q, then the source's order, so that within an expert the rows
+come in global token order when the ranks of an ep x etp block (rank s etp + q) hold
+consecutive token ranges; meta.offsets are then the cumulative ends of each l.
+
+Host sync: the split sizes of the row all-to-alls must be Python ints, so dispatch reads
+the [E] sent and [etp, ep, L] received counts once with .tolist() (one device->host copy per
+call, also when ep = etp = 1). Every rank takes part in every collective, with zero rows or
+experts that receive nothing too (a skipped collective is a hang); ExpertParallel checks
+the caller's inputs before the first collective, so a mistake raises on every rank alike.
+
+Nothing is kept between calls: ExpertParallel holds its meshes only, and dispatch returns
+what combine needs as a frozen DispatchMeta.
+
+Legend: T tokens, H hidden, E experts, K = k slots, F expert FFN size, R rows of x_perm
+(T K), S = ep ranks, Q = etp ranks, L = E / S local experts, N rows this rank computes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from fmoe.ops._common import check_float
+from fmoe.ops.dispatch import permute, unpermute
+from fmoe.ops.experts import grouped_mlp
+from fmoe.ops.routing import Routes
+
+__all__ = ["DispatchMeta", "ExpertParallel", "combine", "dispatch", "gather_tokens", "split_tokens"]
+
+
+def _check_mesh(name: str, mesh) -> None:
+    if mesh is not None and (not isinstance(mesh, DeviceMesh) or mesh.ndim != 1):
+        got = f"a {mesh.ndim}-D DeviceMesh" if isinstance(mesh, DeviceMesh) else type(mesh).__name__
+        raise ValueError(f"{name}: expected a 1-D DeviceMesh (e.g. meshes.axis(...)) or None, got {got}")
+
+
+def _size(mesh: Optional[DeviceMesh]) -> int:
+    return 1 if mesh is None else mesh.size()
+
+
+def _group(mesh: Optional[DeviceMesh]) -> Optional[dist.ProcessGroup]:
+    """The mesh's process group, or None where it has one rank (no collective needed)."""
+    return mesh.get_group() if _size(mesh) > 1 else None
+
+
+def _group_rank(group: Optional[dist.ProcessGroup]) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    """Rows in_splits[r] of x to rank r; out_splits[r] rows from rank r, rank-major.
+    Differentiable: the backward is the all-to-all with the splits swapped."""
+    y = funcol.all_to_all_single_autograd(x.contiguous(), list(out_splits), list(in_splits), group)
+    return funcol.wait_tensor(y)
+
+
+# ----------------------------------------------------------------------------------------
+# dense TP: token split and gather
+# ----------------------------------------------------------------------------------------
+
+
+def split_tokens(t: torch.Tensor, tp_mesh: Optional[DeviceMesh]) -> torch.Tensor:
+    """This tp rank's contiguous slice [T/tp, ...] of t [T, ...], which the tp ranks hold alike.
+
+    Backward all-gathers the slices' gradients, so t's gradient is whole on every tp rank.
+    tp_mesh None or of size 1: t itself. For float tensors (it goes through DTensor); integer
+    ids need no gradient and are sliced plainly (ExpertParallel does so).
+    """
+    _check_mesh("tp_mesh", tp_mesh)
+    tp = _size(tp_mesh)
+    if tp == 1:
+        return t
+    if t.shape[0] % tp:
+        raise ValueError(f"t: expected a number of rows divisible by tp = {tp}, got shape {tuple(t.shape)}")
+    return DTensor.from_local(t, tp_mesh, [Replicate()]).redistribute(tp_mesh, [Shard(0)]).to_local()
+
+
+def gather_tokens(y: torch.Tensor, tp_mesh: Optional[DeviceMesh]) -> torch.Tensor:
+    """The tp ranks' slices y [T/tp, ...] concatenated in tp rank order -> [T, ...].
+
+    Backward keeps this rank's slice of the upstream gradient: under TP the code after
+    the MoE block runs alike on the tp ranks, so that gradient is the same on all of them.
+    """
+    _check_mesh("tp_mesh", tp_mesh)
+    if _size(tp_mesh) == 1:
+        return y
+    return DTensor.from_local(y, tp_mesh, [Shard(0)]).redistribute(tp_mesh, [Replicate()]).to_local()
+
+
+# ----------------------------------------------------------------------------------------
+# expert parallel: dispatch and combine
+# ----------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DispatchMeta:
+    """What combine needs to undo one dispatch (made per call, never kept).
+
+    n_rows: R, the rows of x_perm (combine returns as many, zeros past the sent ones).
+    send_splits: [S] rows this rank sent to each ep rank (x_perm's first sum() rows).
+    recv_splits: [S] rows this rank received from each ep rank.
+    etp_splits: [Q] rows each etp rank received over ep, i.e. gave to the etp gather.
+    recv_counts: [Q, S, L] int64: rows of local expert l that ep rank s sent to etp rank q
+        (this rank is q = its etp rank; etp = 1: Q = 1).
+    sort_index: [N] int64, x_local = x_gathered[sort_index] (local-expert-major).
+    unsort_index: [N] int64, its inverse: y_gathered = y_local[unsort_index].
+    offsets: [L] int32 cumulative ends of each local expert's rows (grouped_mlp's offsets).
+    ep_group, etp_group: the process groups, None for an axis of one rank.
+    """
+
+    n_rows: int
+    send_splits: tuple[int, ...]
+    recv_splits: tuple[int, ...]
+    etp_splits: tuple[int, ...]
+    recv_counts: torch.Tensor
+    sort_index: torch.Tensor
+    unsort_index: torch.Tensor
+    offsets: torch.Tensor
+    ep_group: Optional[dist.ProcessGroup]
+    etp_group: Optional[dist.ProcessGroup]
+
+
+def _expert_major(counts_QSL: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sort_index, unsort_index) [n] between rows in blocks ordered (q, s, l) and the same
+    blocks ordered (l, s, q), each block's rows kept in order. Computed on the device from
+    the counts: gathers, deterministic, no sync (output_size is known)."""
+    Q, S, L = counts_QSL.shape
+    device = counts_QSL.device
+    counts_B = counts_QSL.reshape(-1)  # blocks as they arrive
+    counts_LSQ = counts_QSL.permute(2, 1, 0).reshape(-1)
+    dest_start_LSQ = torch.cumsum(counts_LSQ, 0) - counts_LSQ
+    dest_start_B = dest_start_LSQ.view(L, S, Q).permute(2, 1, 0).reshape(-1)
+    src_start_B = torch.cumsum(counts_B, 0) - counts_B
+    block_N = torch.repeat_interleave(torch.arange(Q * S * L, device=device), counts_B, output_size=n)
+    unsort_index = dest_start_B[block_N] + torch.arange(n, device=device) - src_start_B[block_N]
+    sort_index = torch.empty_like(unsort_index).scatter_(0, unsort_index, torch.arange(n, device=device))
+    return sort_index, unsort_index
+
+
+def dispatch(
+    x_perm: torch.Tensor,
+    counts_E: torch.Tensor,
+    *,
+    ep_mesh: Optional[DeviceMesh] = None,
+    etp_mesh: Optional[DeviceMesh] = None,
+) -> tuple[torch.Tensor, DispatchMeta]:
+    """Send expert-grouped rows to the ranks owning their experts (step 3 of the module doc).
+
+    Args:
+        x_perm: [R, H] rows grouped by global expert (fmoe.ops.permute with align = 1):
+            the first counts_E.sum() rows are sent, the rest (dropped slots) are not.
+        counts_E: [E] int64 rows of each global expert (plan.counts).
+        ep_mesh, etp_mesh: 1-D meshes of the ep and etp axes (None or size 1: off).
+    Returns:
+        x_local: [N, H] the rows of this rank's L = E/ep experts from every rank of its
+            ep group (and, with etp > 1, of every etp rank), local-expert-major.
+        meta: DispatchMeta; meta.offsets are x_local's grouped_mlp offsets.
+        Differentiable w.r.t. x_perm. One device->host sync (the split sizes).
+    """
+    check_float("x_perm", x_perm, 2, "[R, H]")
+    if not isinstance(counts_E, torch.Tensor) or counts_E.ndim != 1 or counts_E.dtype != torch.int64:
+        got = f"{counts_E.dtype} {tuple(counts_E.shape)}" if isinstance(counts_E, torch.Tensor) else type(counts_E).__name__
+        raise ValueError(f"counts_E: expected an int64 [E] tensor (plan.counts), got {got}")
+    _check_mesh("ep_mesh", ep_mesh)
+    _check_mesh("etp_mesh", etp_mesh)
+    ep_group, etp_group = _group(ep_mesh), _group(etp_mesh)
+    S, Q, E = _size(ep_mesh), _size(etp_mesh), counts_E.shape[0]
+    if E == 0 or E % S:
+        raise ValueError(f"counts_E: expected E = {E} experts divisible by ep = {S}")
+    L, R, H = E // S, x_perm.shape[0], x_perm.shape[1]
+
+    # recv[s, l]: rows of our local expert l that ep rank s sends us
+    counts_SL = counts_E.view(S, L)
+    recv_SL = counts_SL
+    if ep_group is not None:
+        recv_SL = torch.empty_like(counts_SL)
+        dist.all_to_all_single(recv_SL, counts_SL.contiguous(), group=ep_group)
+    recv_QSL = recv_SL[None]
+    if etp_group is not None:
+        recv_QSL = funcol.wait_tensor(funcol.all_gather_single(recv_SL.contiguous(), 0, etp_group)).view(Q, S, L)
+
+    # the one host sync: the all-to-alls take their split sizes as Python ints
+    host = torch.cat([counts_E, recv_QSL.reshape(-1)]).tolist()
+    sent_E, recv_QS = host[:E], [sum(host[E + i * L : E + (i + 1) * L]) for i in range(Q * S)]
+    send_splits = tuple(sum(sent_E[s * L : (s + 1) * L]) for s in range(S))
+    q = _group_rank(etp_group)
+    recv_splits = tuple(recv_QS[q * S : (q + 1) * S])
+    etp_splits = tuple(sum(recv_QS[i * S : (i + 1) * S]) for i in range(Q))
+    n_sent, n_recv, n = sum(send_splits), sum(recv_splits), sum(etp_splits)
+    if n_sent > R:
+        raise ValueError(f"counts_E: they add up to {n_sent} rows, more than x_perm's {R}")
+
+    x_recv = x_perm[:n_sent]
+    if ep_group is not None:
+        x_recv = _all_to_all(x_recv, recv_splits, send_splits, ep_group)
+    x_gathered = x_recv
+    if etp_group is not None:
+        # every etp rank computes every etp rank's rows with its own F-shard
+        x_gathered = _all_to_all(x_recv.repeat(Q, 1), etp_splits, [n_recv] * Q, etp_group)
+    assert x_gathered.shape == (n, H), (tuple(x_gathered.shape), n)
+
+    sort_index, unsort_index = _expert_major(recv_QSL, n)
+    offsets = torch.cumsum(recv_QSL.sum((0, 1)), 0).to(torch.int32)
+    meta = DispatchMeta(
+        n_rows=R, send_splits=send_splits, recv_splits=recv_splits, etp_splits=etp_splits, recv_counts=recv_QSL,
+        sort_index=sort_index, unsort_index=unsort_index, offsets=offsets, ep_group=ep_group, etp_group=etp_group,
+    )
+    return x_gathered[sort_index], meta
+
+
+def combine(y_local: torch.Tensor, meta: DispatchMeta) -> torch.Tensor:
+    """The reverse of dispatch: y_local [N, H] (x_local's rows) -> y_perm [R, H] in x_perm's
+    row order, zeros for rows that were not sent. With etp > 1 the etp ranks' partial sums
+    over their F-shards are added (in float32). Differentiable w.r.t. y_local."""
+    if not isinstance(meta, DispatchMeta):
+        raise ValueError(f"meta: expected the DispatchMeta returned by dispatch, got {type(meta).__name__}")
+    n = meta.sort_index.shape[0]
+    check_float("y_local", y_local, 2, f"[N={n}, H]")
+    if y_local.shape[0] != n:
+        raise ValueError(f"y_local: expected dispatch's {n} rows, got shape {tuple(y_local.shape)}")
+    H = y_local.shape[1]
+    Q, n_recv, n_sent = len(meta.etp_splits), sum(meta.recv_splits), sum(meta.send_splits)
+
+    y_recv = y_local[meta.unsort_index]
+    if meta.etp_group is not None:
+        parts = _all_to_all(y_recv, [n_recv] * Q, meta.etp_splits, meta.etp_group)
+        y_recv = parts.view(Q, n_recv, H).sum(0, dtype=torch.float32).to(y_local.dtype)
+    if meta.ep_group is not None:
+        y_recv = _all_to_all(y_recv, meta.send_splits, meta.recv_splits, meta.ep_group)
+    assert y_recv.shape == (n_sent, H), (tuple(y_recv.shape), n_sent)
+    return torch.cat([y_recv, y_recv.new_zeros(meta.n_rows - n_sent, H)])
+
+
+# ----------------------------------------------------------------------------------------
+# the dispatcher for moe()
+# ----------------------------------------------------------------------------------------
+
+
+class ExpertParallel:
+    """moe()'s dispatcher over expert-parallel (ep), expert-TP (etp) and dense TP (tp) ranks.
+
+        y, counts = ExpertParallel(ep_mesh, etp_mesh=..., tp_mesh=...)(x, routes, params, cfg)
+
+    x [T, H] and routes (weights, experts [T, k]) are this rank's tokens (under tp > 1 the
+    same on the tp ranks); params["w_gate"], ["w_up"] [E/ep, H, F/etp] and ["w_down"]
+    [E/ep, F/etp, H] this rank's experts (ep rank j: experts j E/ep .. (j+1) E/ep - 1) and
+    F-shard. Returns y [T, H] (whole on every tp rank) and counts [E] int64 of the slots this
+    rank dispatched (its T/tp slice under tp: the sum over all ranks is the true total).
+    Meshes are 1-D (meshes.axis("ep"), meshes.axis("etp"), meshes.tp_mesh); None or size 1
+    turns that axis off. Holds the meshes only: nothing is kept between calls. cfg.align is
+    not used: the exchanged rows carry no padding (align = 1).
+    """
+
+    def __init__(
+        self,
+        ep_mesh: Optional[DeviceMesh] = None,
+        *,
+        etp_mesh: Optional[DeviceMesh] = None,
+        tp_mesh: Optional[DeviceMesh] = None,
+    ):
+        for name, mesh in (("ep_mesh", ep_mesh), ("etp_mesh", etp_mesh), ("tp_mesh", tp_mesh)):
+            _check_mesh(name, mesh)
+        self.ep_mesh, self.etp_mesh, self.tp_mesh = ep_mesh, etp_mesh, tp_mesh
+
+    def __repr__(self) -> str:
+        return f"ExpertParallel(ep={_size(self.ep_mesh)}, etp={_size(self.etp_mesh)}, tp={_size(self.tp_mesh)})"
+
+    def _check(self, x_TH, routes, params, cfg) -> None:
+        T, H = x_TH.shape
+        E, ep, tp = cfg.n_experts, _size(self.ep_mesh), _size(self.tp_mesh)
+        if E % ep:
+            raise ValueError(f"cfg.n_experts: {E} experts do not split evenly over ep = {ep} ranks")
+        if T % tp:
+            raise ValueError(f"x: expected a number of tokens divisible by tp = {tp} (each tp rank takes T/tp), got T = {T}")
+        if routes.weights.shape[0] != T or routes.experts.shape[0] != T:
+            shapes = f"{tuple(routes.weights.shape)}, {tuple(routes.experts.shape)}"
+            raise ValueError(f"routes: expected weights and experts with x's {T} rows, got {shapes}")
+        L = E // ep
+        w_gate = params.get("w_gate")
+        F = w_gate.shape[-1] if isinstance(w_gate, torch.Tensor) and w_gate.ndim == 3 else "F/etp"
+        expected = {"w_gate": (L, H, F), "w_up": (L, H, F), "w_down": (L, F, H)}
+        for name, shape in expected.items():
+            w = params.get(name)
+            if not isinstance(w, torch.Tensor) or tuple(w.shape) != shape:
+                raise ValueError(
+                    f"params['{name}']: expected this rank's experts [E/ep, ...] = {list(shape)} "
+                    f"(E = {E}, ep = {ep}, H = {H}, F/etp = {F}), got {getattr(w, 'shape', None)}"
+                )
+            if w.dtype != x_TH.dtype:
+                raise ValueError(f"params['{name}']: dtype {w.dtype} differs from x's {x_TH.dtype}")
+
+    def __call__(self, x_TH: torch.Tensor, routes, params, cfg) -> tuple[torch.Tensor, torch.Tensor]:
+        self._check(x_TH, routes, params, cfg)
+        x_slice_TH = split_tokens(x_TH, self.tp_mesh)
+        weights = split_tokens(routes.weights, self.tp_mesh)
+        experts = routes.experts
+        if _size(self.tp_mesh) > 1:
+            t = x_slice_TH.shape[0]
+            start = self.tp_mesh.get_local_rank() * t
+            experts = experts[start : start + t]  # ids: no gradient, a plain slice
+        routes = Routes(weights, experts)
+
+        # align = 1: the exchanged rows carry no padding
+        x_perm, plan = permute(x_slice_TH, routes.experts, cfg.n_experts, align=1, impl=cfg.impl)
+        x_local, meta = dispatch(x_perm, plan.counts, ep_mesh=self.ep_mesh, etp_mesh=self.etp_mesh)
+        # offsets come from dispatch's own counts: skip grouped_mlp's value check (a host sync)
+        y_local = grouped_mlp(
+            x_local, params["w_gate"], params["w_up"], params["w_down"], meta.offsets, check_offsets=False, impl=cfg.impl
+        )
+        y_perm = combine(y_local, meta)
+        y_TH = unpermute(y_perm, plan, routes.weights, impl=cfg.impl)
+        return gather_tokens(y_TH, self.tp_mesh), plan.counts

@@ -1,0 +1,115 @@
+"""FSDP2 that knows MoE, and the one call that parallelises fmoe's reference model.
+
+    meshes = build_meshes(tp=2, ep=4)
+    parallelize(model, meshes, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+Order (torchtitan's): tensor parallel (attention, dense MLPs, shared experts) -> expert
+parallel (expert weights sharded Shard(0) over ep and over F by etp; the MoE blocks get an
+ExpertParallel dispatcher) -> FSDP2. FSDP units, innermost first:
+
+    MoE.experts   over the expert data mesh edp (the ranks holding the same experts)
+    MoE.shared    over the dense data mesh
+    MoE           (router, shared gate) over the dense data mesh, never cast: the router
+                  stays float32 under mixed precision; the expert_bias buffer is left
+                  alone by FSDP (float32, replicated, updated identically on every rank)
+    each Block    over the dense data mesh (attention, norms, dense MLP)
+    the model     embedding, head, final norm, MTP projections
+
+The dense data mesh is dp_shard, or (dp_replicate, dp_shard) for HSDP. Gradients are
+summed, not averaged, over data ranks (gradient divide factor 1): the train loop divides
+the loss by the step's global count of valid tokens, so gradients do not depend on how the
+tokens are split over ranks and micro-batches (DESIGN.md).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor.parallel import parallelize_module
+
+from fmoe.model import Block, MoE, Transformer
+from fmoe.parallel.mesh import Meshes
+from fmoe.parallel.tensor import tensor_parallel_plan
+
+
+def dense_data_mesh(meshes: Meshes):
+    """FSDP2's mesh for dense parameters: dp_shard (1-D), or (dp_replicate, dp_shard)."""
+    return meshes.dense["dp_shard"] if meshes.dp_replicate == 1 else meshes.dp_mesh
+
+
+def shard_experts(moe: MoE, meshes: Meshes) -> None:
+    """Replace a MoE block's expert stacks by DTensors over the expert mesh's (ep, etp):
+    experts Shard(0) over ep, the FFN dim over etp (w_gate / w_up dim 2, w_down dim 1), and
+    give the block an ExpertParallel dispatcher (which also splits tokens over dense tp)."""
+    from fmoe.parallel.expert import ExpertParallel
+
+    E, ep, etp = moe.cfg.n_experts, meshes.ep, meshes.etp
+    ffn = moe.experts.w_gate.shape[-1]
+    if E % ep:
+        raise ValueError(f"ep: n_experts = {E} is not divisible by ep = {ep}")
+    if ffn % etp:
+        raise ValueError(f"etp: the expert FFN size {ffn} is not divisible by etp = {etp}")
+    mesh = meshes.expert["ep", "etp"]
+    for name, ffn_dim in (("w_gate", 2), ("w_up", 2), ("w_down", 1)):
+        param = getattr(moe.experts, name)
+        sharded = distribute_tensor(param.data, mesh, [Shard(0), Shard(ffn_dim)], src_data_rank=None)
+        moe.experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+    moe.dispatcher = ExpertParallel(meshes.axis("ep"), etp_mesh=meshes.axis("etp"), tp_mesh=meshes.tp_mesh)
+
+
+def apply_fsdp(
+    model: nn.Module, meshes: Meshes, *, param_dtype: Optional[torch.dtype] = None,
+    reduce_dtype: Optional[torch.dtype] = None, reshard_after_forward: bool = True,
+) -> None:
+    """fully_shard the model's units (module docstring) in place; gradients summed over ranks."""
+    dense = dense_data_mesh(meshes)
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    uncast = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
+    kw = dict(reshard_after_forward=reshard_after_forward)
+    for module in model.modules():
+        if isinstance(module, MoE):
+            fully_shard(module.experts, mesh=meshes.expert["edp"], mp_policy=mp, **kw)
+            if module.shared is not None:
+                fully_shard(module.shared, mesh=dense, mp_policy=mp, **kw)
+            fully_shard(module, mesh=dense, mp_policy=uncast, **kw)
+    for module in model.modules():
+        if isinstance(module, Block):
+            fully_shard(module, mesh=dense, mp_policy=mp, **kw)
+    # the root stays gathered until backward: its forward returns TensorDicts, which FSDP's
+    # pre-backward hooks do not look into, so it could not re-gather for backward
+    fully_shard(model, mesh=dense, mp_policy=mp, reshard_after_forward=False)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+
+
+def parallelize(
+    model: Transformer, meshes: Meshes, *, param_dtype: Optional[torch.dtype] = None,
+    reduce_dtype: Optional[torch.dtype] = None, reshard_after_forward: bool = True,
+) -> Transformer:
+    """Tensor parallel, expert parallel, then FSDP2 over `meshes`, in place; returns model.
+
+    Every rank must build the model identically (same seed) before calling this: the
+    shards are cut from each rank's own full copy, nothing is broadcast. Build the
+    optimizers afterwards, over model.parameters() (now DTensors). param_dtype /
+    reduce_dtype: FSDP2's mixed precision (e.g. bf16 compute, float32 gradient reduction)
+    for everything but the router. cp > 1 is refused: context-parallel attention is not
+    implemented.
+    """
+    if meshes.cp > 1:
+        raise ValueError(f"cp: context-parallel attention is not implemented; got cp = {meshes.cp}, use cp=1")
+    moe_blocks = [m for m in model.modules() if isinstance(m, MoE)]
+    if moe_blocks and meshes.expert is None:
+        raise ValueError("meshes: the model has MoE blocks but the meshes were built with has_experts=False")
+    if meshes.tp > 1:
+        parallelize_module(model, meshes.tp_mesh, tensor_parallel_plan(model))
+    if meshes.ep * meshes.etp * meshes.tp > 1:
+        for moe in moe_blocks:
+            shard_experts(moe, meshes)
+    apply_fsdp(model, meshes, param_dtype=param_dtype, reduce_dtype=reduce_dtype, reshard_after_forward=reshard_after_forward)
+    return model

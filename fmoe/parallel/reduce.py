@@ -1,0 +1,491 @@
+"""Reductions across ranks: balancing-loss counts, logging sums and the gradient norm.
+
+Each function takes its process group (or a 1-D DeviceMesh) as an argument; nothing is
+global. What is reduced over which group (DESIGN.md "Parallelism", SPEC.md section 2):
+
+    seq_load_balancing_loss_split   counts c[b,e] of the micro-batch's packed documents, summed
+                                    over the ranks that split its tokens (TP x CP group)
+    all_reduce_counts               tokens_per_expert of every MoE layer: over TP x DP x CP for
+                                    the expert-bias update and the global-batch loss
+    global_load_balancing_loss      no collective: takes the counts all_reduce_counts summed
+    all_reduce_sums                 logging scalars over the data-parallel ranks
+    grad_norm / clip_grad_norm      sum_p |g|^p over the world, each gradient shard counted once
+
+The one-collective rule: every function issues exactly one collective, the same one on
+every rank of its group, whatever the rank holds (no MoE layer, no gradient, no token). Its
+shape depends only on arguments every rank agrees on (the layer names, n_experts,
+cu_seqlens, the keys of the logged values), never on local data, so a rank with nothing to
+contribute sends zeros instead of skipping; a skipped collective hangs the others. Counts
+and sums travel without autograd: the losses' gradients flow through the local scores only.
+
+Sequence-level loss split over ranks. The packed micro-batch of T tokens (B documents,
+global cu_seqlens, lengths S_b) is split over the R ranks of the group: contiguous ranges
+[start_r, start_r + T_r) (TP/SP), or any partition given by each token's index (CP's
+load-balanced chunks). With the full counts c[b,e] (an all_reduce of the per-rank counts)
+and the local score sums s_r[b,e] = sum_{t in b, t on r} scores[t,e], rank r returns
+
+    L_r = 1 / B' * sum_b E / (k S_b^2) * sum_e c[b,e] * s_r[b,e]       B' = #{b : S_b > 0}
+
+and since sum_r s_r = s, sum_r L_r = fmoe.ops.seq_load_balancing_loss on the whole batch;
+each rank's gradient is its rows of the unsplit gradient.
+
+Gradient norm over meshes. Gradients are plain tensors (a full copy on every rank) or
+DTensors on any mesh of the world: FSDP2 shards over the data mesh, experts Shard(0) over
+ep with FSDP over edp, TP shards, meshes that are slices of the world. Rank q computes
+
+    a_q = sum_grads  sum |local shard|^p / replicas(grad)
+    replicas = world / mesh.size() * prod_{mesh dims d with Replicate} mesh.size(d)
+    (= world for a plain tensor)
+
+replicas counts the ranks holding an identical copy of that local shard (the other slices
+of the world and the Replicate dims of its own mesh), so one SUM all_reduce of a_q over the
+world gives sum |g|^p over the full gradients with every element counted once; the norm is
+its p-th root (a MAX all_reduce of the local max for p = inf). Shard placements (including
+FSDP2's _StridedShard and uneven or empty shards) split the elements disjointly; a Partial
+placement is refused (its local values are not the gradient's).
+
+Legend: T tokens (T_local on this rank), E experts, K = k slots per token, B documents
+(sequences) of the packed batch, L MoE layers, R ranks of the group.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Mapping, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from fmoe.ops import load_balancing_loss
+from fmoe.ops._common import check_cu_seqlens, check_float, check_index, check_positive_int, checking
+
+Group = Union[dist.ProcessGroup, DeviceMesh]
+
+# added to the norm before dividing, as torch.nn.utils.clip_grad_norm_ and fmoe.optim do
+_CLIP_EPS = 1e-6
+
+
+# ----------------------------------------------------------------------------------------
+# Helpers
+# ----------------------------------------------------------------------------------------
+
+
+def _as_group(group, name: str = "group") -> dist.ProcessGroup:
+    """The process group of `group`: a ProcessGroup, or the group of a 1-D DeviceMesh."""
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(
+                f"{name}: expected a process group or a 1-D DeviceMesh, got a {group.ndim}-D mesh "
+                f"{group.mesh_dim_names} (slice one axis, e.g. meshes.dense['tp'])"
+            )
+        return group.get_group()
+    if isinstance(group, dist.ProcessGroup):
+        return group
+    raise ValueError(f"{name}: expected a torch.distributed ProcessGroup or a 1-D DeviceMesh, got {type(group).__name__}")
+
+
+def _collective_device(group: dist.ProcessGroup, tensors: Sequence[torch.Tensor]) -> torch.device:
+    """Where the collective's buffer lives: on the GPU for an nccl-only group (nccl reduces
+    CUDA tensors only, and a rank holding no tensor must still pick the same kind of device
+    as the others), else with the local tensors, else on the CPU."""
+    backend = str(dist.get_backend(group))
+    if "nccl" in backend and "gloo" not in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    if tensors:
+        return tensors[0].device
+    return torch.device("cpu")
+
+
+def _token_count(name: str, value) -> Union[float, torch.Tensor]:
+    """A positive int, or a 1-element tensor (kept on device: no host sync)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name}: expected an int or a 1-element tensor, got shape {tuple(value.shape)}")
+        return value.reshape(()).float()
+    return float(check_positive_int(name, value))
+
+
+# ----------------------------------------------------------------------------------------
+# Balancing losses and counts
+# ----------------------------------------------------------------------------------------
+
+
+def seq_load_balancing_loss_split(
+    scores: torch.Tensor,
+    experts: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    k: int,
+    group: Group,
+    start: Optional[int] = None,
+    token_index: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """This rank's share of the sequence-level loss when tokens are split over `group`.
+
+    The packed micro-batch (the GLOBAL cu_seqlens, ending at T) is split over the ranks of
+    `group` (tensor- or context-parallel ranks); this rank holds the contiguous tokens
+    [start, start + T_local), or, for a split that is not contiguous (context parallelism's
+    load-balanced chunks), the tokens token_index[0..T_local). The counts c[b,e] are summed
+    over the group (one all_reduce of a [B, E] int64 tensor, no autograd), the document
+    lengths come from cu_seqlens, the score sums stay local (module docstring):
+
+        L_r = 1/B' * sum_b E / (k S_b^2) * sum_e c[b,e] * sum_{t in b, on this rank} scores[t,e]
+
+    so the values of the group's ranks ADD UP to fmoe.ops.seq_load_balancing_loss over the
+    whole batch, and the gradient w.r.t. this rank's scores is its rows of the unsplit
+    gradient. Empty documents (S_b = 0) are left out of the mean B', as in the unsplit op;
+    a rank may hold no token (T_local = 0) and still takes part. Every rank of the group
+    must pass the same cu_seqlens and k, and the ranks' tokens must partition [0, T) (not
+    checked: that would cost a collective).
+
+    Args:
+        scores: [T_local, E] float from aux_scores (differentiable).
+        experts: [T_local, k] int ids (the unconstrained top-k; -1 skipped).
+        cu_seqlens: [B + 1] int32/int64 of the whole micro-batch, 0 = c_0 <= ... <= c_B = T.
+        k: slots per token.
+        group: the ranks splitting the tokens (ProcessGroup or 1-D DeviceMesh).
+        start: this rank's first token in the packed batch (contiguous split), or
+        token_index: [T_local] int, the packed-batch index of each local token; exactly one.
+    Returns: 0-D float32 tensor.
+
+    Example: cu_seqlens [0, 7, 13] over 2 ranks, start 0 with T_local 4 and start 4 with
+    T_local 9; the two values sum to the loss of the 13 tokens in one process. Context
+    parallelism over 2 ranks in 4 chunks of a 16-token batch: token_index
+    cat(arange(0, 4), arange(12, 16)) on rank 0, arange(4, 12) on rank 1.
+    """
+    check_float("scores", scores, 2, "[T_local, E]")
+    T_local, E = scores.shape
+    check_index("experts", experts, 2, "[T_local, k]")
+    check_positive_int("k", k)
+    if experts.shape != (T_local, k):
+        raise ValueError(f"experts: expected shape ({T_local}, {k}) to match scores and k, got {tuple(experts.shape)}")
+    check_index("cu_seqlens", cu_seqlens, 1, "[B + 1]")
+    if cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens: expected at least 2 entries [0, ..., T], got {cu_seqlens.numel()}")
+    if (start is None) == (token_index is None):
+        raise ValueError("start / token_index: expected exactly one of them (a contiguous range or each token's index)")
+    if start is not None:
+        check_positive_int("start", start, 0)
+    else:
+        check_index("token_index", token_index, 1, "[T_local]")
+        if token_index.shape != (T_local,):
+            raise ValueError(f"token_index: expected shape ({T_local},) to match scores, got {tuple(token_index.shape)}")
+    if checking():  # reading T is a host sync: skipped under torch.compile, like check_cu_seqlens
+        total = int(cu_seqlens[-1])
+        check_cu_seqlens(cu_seqlens, total)
+        if start is not None and start + T_local > total:
+            raise ValueError(
+                f"start: this rank's tokens [start, start + T_local) = [{start}, {start + T_local}) "
+                f"reach past the end of cu_seqlens (T = {total})"
+            )
+        if token_index is not None and T_local and not (0 <= int(token_index.min()) and int(token_index.max()) < total):
+            raise ValueError(f"token_index: expected indices in [0, {total}) (T from cu_seqlens), got {int(token_index.min())}..{int(token_index.max())}")
+    pg = _as_group(group)
+
+    cu = cu_seqlens.to(device=scores.device, dtype=torch.int64)
+    B = cu.numel() - 1
+    if token_index is None:
+        token_index = torch.arange(start, start + T_local, device=scores.device)
+    # the document b of each local token, cu[b] <= t < cu[b+1], as fmoe.ops.packed.sequence_ids
+    # does for a whole batch; b indexes the global documents, so the rows of the [B, E]
+    # tensors line up on every rank
+    seq_T = torch.searchsorted(cu[1:], token_index.to(device=scores.device, dtype=torch.int64), right=True)
+    score_sum_BE = torch.zeros(B, E, dtype=torch.float32, device=scores.device).index_add_(0, seq_T, scores.float())
+    flat_e = experts.reshape(-1).long()
+    slot_seq = seq_T.repeat_interleave(k)
+    counts_BE = torch.zeros(B * E, dtype=torch.int64, device=scores.device)
+    counts_BE.scatter_add_(0, slot_seq * E + flat_e.clamp(min=0), (flat_e >= 0).long())
+    # f needs whole documents: sum the counts (integers, so exact and equal on every rank);
+    # the scores stay local, so each rank's gradient is its own rows of the full one
+    dist.all_reduce(counts_BE, op=dist.ReduceOp.SUM, group=pg)
+    lengths_B = (cu[1:] - cu[:-1]).float()  # whole documents: cu_seqlens is global
+    per_seq_B = (score_sum_BE * counts_BE.view(B, E).float()).sum(dim=1) * (E / k) / lengths_B.clamp(min=1).square()
+    nonempty = (lengths_B > 0).sum().clamp(min=1)
+    return per_seq_B.sum() / nonempty
+
+
+def all_reduce_counts(
+    counts: Mapping[str, torch.Tensor],
+    group: Group,
+    *,
+    names: Sequence[str],
+    n_experts: int,
+) -> dict[str, torch.Tensor]:
+    """Per-layer expert counts summed over `group`, all layers in ONE collective.
+
+    counts maps a MoE layer's name to its [E] integer counts (tokens_per_expert, summed over
+    this rank's micro-batches). `names` lists every MoE layer of the model, in the same order
+    on every rank: the counts are stacked into one [L, E] int64 tensor in that order and
+    summed with a single all_reduce. A layer this rank does not hold (a pipeline stage
+    without it, a rank with no MoE layer: counts = {}) contributes zeros, so every rank takes
+    part in the same collective. Integers, so the totals are exact and identical everywhere.
+
+    Use: the expert-bias update (actual routing counts over TP x DP x CP) and the global-
+    batch aux loss (aux counts over the data-parallel ranks).
+
+    Args:
+        counts: {name: [E] int tensor}; names not in `names` are a ValueError.
+        group: ProcessGroup or 1-D DeviceMesh.
+        names: all layer names (unique). n_experts: E.
+    Returns: {name: [E] int64 total} for every name in `names`, in that order (rows of one
+    [L, E] buffer, on the counts' device; on the GPU for an nccl group).
+
+    Example: rank 0 {"a": [1, 2]}, rank 1 {} -> {"a": [1, 2]} on both.
+    """
+    check_positive_int("n_experts", n_experts)
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"names: expected a sequence of layer-name strings, got {names!r}")
+    names = list(names)
+    if len(set(names)) != len(names):
+        raise ValueError(f"names: expected unique layer names, got {names}")
+    if not isinstance(counts, Mapping):
+        raise ValueError(f"counts: expected a mapping from layer name to [E] counts, got {type(counts).__name__}")
+    unknown = [name for name in counts if name not in set(names)]
+    if unknown:
+        raise ValueError(f"counts: layer names {unknown} are not in names {names}")
+    for name, c in counts.items():
+        if not isinstance(c, torch.Tensor) or c.shape != (n_experts,):
+            raise ValueError(f"counts[{name!r}]: expected a tensor of shape ({n_experts},), got {getattr(c, 'shape', type(c).__name__)}")
+        if c.is_floating_point() or c.is_complex() or c.dtype == torch.bool:
+            raise ValueError(f"counts[{name!r}]: expected an integer tensor (token counts), got {c.dtype}")
+    pg = _as_group(group)
+    if not names:  # same on every rank (names is global), so no rank waits for a collective
+        return {}
+    device = _collective_device(pg, list(counts.values()))
+    counts_LE = torch.zeros(len(names), n_experts, dtype=torch.int64, device=device)
+    for i, name in enumerate(names):
+        if name in counts:
+            counts_LE[i] = counts[name].detach()
+    dist.all_reduce(counts_LE, op=dist.ReduceOp.SUM, group=pg)
+    return {name: counts_LE[i] for i, name in enumerate(names)}
+
+
+def global_load_balancing_loss(
+    scores: torch.Tensor,
+    global_counts: torch.Tensor,
+    *,
+    k: int,
+    n_tokens: Union[int, torch.Tensor],
+    n_score_tokens: Union[int, torch.Tensor, None] = None,
+) -> torch.Tensor:
+    """This rank's share of the global-batch switch loss (arXiv 2501.11873; SPEC.md 2).
+
+    f_e comes from counts summed over every data-parallel rank (and the micro-batches so
+    far), P_e from this rank's scores:
+
+        value = E * sum_e f_e * (sum_{t on this rank} scores[t,e]) / n_score_tokens
+        f_e   = global_counts[e] / (k * n_tokens)
+
+    n_tokens is the token count global_counts cover; n_score_tokens (default n_tokens) the
+    global token count the score sums are shared over. No collective: get global_counts
+    from all_reduce_counts and n_tokens from all_reduce_sums over the data-parallel group.
+
+    The identity (tested): if ranks r = 1..R hold disjoint token sets whose union is the N
+    tokens the counts C = sum_r counts_r cover, then with n_tokens = n_score_tokens = N
+
+        sum_r global_load_balancing_loss(scores_r, C, k=k, n_tokens=N)
+            = load_balancing_loss(concat_r scores_r, C, k=k, n_tokens=N)
+
+    (the single-process switch loss with the global counts), and the gradient w.r.t.
+    scores[t,e] is E * C_e / (k N^2) on whichever rank holds token t. So the values are
+    SUMMED over ranks, like the LM loss (a sum over tokens / the global token count): the
+    gradients do not depend on how tokens are split, the data-parallel gradient reduction
+    must sum (as for the LM loss), and the logged value is all_reduce_sums over the data-
+    parallel group. With equal shares (T_r = N / R) value_r = (E sum_e f_e P_e^(r)) / R:
+    the sum is the mean over ranks of the paper's LBL_global with the local P_e^(r).
+
+    Micro-batches: keep running counts C_m over micro-batches 1..m (all ranks) and their
+    token total N_m; at micro-batch m pass global_counts=C_m, n_tokens=N_m and
+    n_score_tokens = the step's global token count, so the values add up over ranks and
+    micro-batches as the LM loss does: sum_{m,e} E * C_m[e] / (k N_m) * S_m[e] / N_step.
+
+    Args:
+        scores: [T_local, E] float from aux_scores (differentiable).
+        global_counts: [E] counts over all data-parallel ranks (int or float).
+        k: slots per token. n_tokens, n_score_tokens: positive ints or 1-element tensors.
+    Returns: 0-D float32 tensor.
+    """
+    # E / (k n^2) sum_e S_e C_e; the scores' mean then runs over n, rescaled to n_score below
+    value = load_balancing_loss(scores, global_counts, k=k, n_tokens=n_tokens)
+    if n_score_tokens is None:
+        return value
+    n = _token_count("n_tokens", n_tokens)
+    n_score = _token_count("n_score_tokens", n_score_tokens)
+    if isinstance(n, torch.Tensor):
+        n = n.to(value.device)
+    if isinstance(n_score, torch.Tensor):
+        n_score = n_score.to(value.device)
+    return value * (n / n_score)
+
+
+# ----------------------------------------------------------------------------------------
+# Logging sums
+# ----------------------------------------------------------------------------------------
+
+
+def all_reduce_sums(values: Mapping[str, Union[float, torch.Tensor]], group: Group) -> dict[str, float]:
+    """Sum logging scalars over `group` in one collective (float64); one host sync.
+
+    Every rank passes the same names (in any order: they are reduced in sorted order).
+    Values are Python numbers or 1-element tensors (detached). Returns {name: float} in the
+    order of `values`. An empty mapping issues no collective (the names are the same on
+    every rank, so none waits).
+
+    Example: rank 0 {"loss": 1.5, "tokens": 10}, rank 1 {"loss": 2.0, "tokens": 12}
+    -> {"loss": 3.5, "tokens": 22.0} on both.
+    """
+    if not isinstance(values, Mapping):
+        raise ValueError(f"values: expected a mapping from name to number or 1-element tensor, got {type(values).__name__}")
+    for name, v in values.items():
+        if isinstance(v, torch.Tensor):
+            if v.numel() != 1 or v.is_complex():
+                raise ValueError(f"values[{name!r}]: expected a real 1-element tensor, got shape {tuple(v.shape)} {v.dtype}")
+        elif isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"values[{name!r}]: expected a number or a 1-element tensor, got {type(v).__name__}")
+    pg = _as_group(group)
+    if not values:
+        return {}
+    names = sorted(values)  # the same order on every rank whatever order each built the mapping in
+    device = _collective_device(pg, [v for v in values.values() if isinstance(v, torch.Tensor)])
+    buf = torch.stack([torch.as_tensor(values[n]).detach().reshape(()).to(device=device, dtype=torch.float64) for n in names])
+    dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=pg)
+    sums = dict(zip(names, buf.tolist()))
+    return {name: sums[name] for name in values}
+
+
+# ----------------------------------------------------------------------------------------
+# Gradient norm over meshes
+# ----------------------------------------------------------------------------------------
+
+
+def _check_norm_type(norm_type) -> float:
+    if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or not norm_type > 0:
+        raise ValueError(f"norm_type: expected a number > 0 or inf, got {norm_type!r}")
+    return float(norm_type)
+
+
+def _as_param_list(parameters) -> list[torch.Tensor]:
+    if isinstance(parameters, torch.Tensor):
+        return [parameters]
+    try:
+        params = list(parameters)
+    except TypeError:
+        raise ValueError(f"parameters: expected a tensor or an iterable of tensors, got {type(parameters).__name__}") from None
+    for i, p in enumerate(params):
+        if not isinstance(p, torch.Tensor):
+            raise ValueError(f"parameters[{i}]: expected a tensor, got {type(p).__name__}")
+    return params
+
+
+def _local_grads(params: list[torch.Tensor], world: int) -> list[tuple[torch.Tensor, int]]:
+    """(this rank's local gradient shard, number of ranks holding an identical copy of it)
+    for every parameter with a .grad; the grads' own tensors, so in-place scaling sticks."""
+    out = []
+    for i, p in enumerate(params):
+        g = p.grad
+        if g is None:
+            continue
+        if not isinstance(g, DTensor):
+            out.append((g, world))  # a plain tensor: the same full gradient on every rank
+            continue
+        mesh = g.device_mesh
+        if any(pl.is_partial() for pl in g.placements):
+            raise ValueError(
+                f"parameters[{i}]: its gradient has a Partial placement {g.placements} (not yet reduced); "
+                "reduce it (redistribute to Shard/Replicate) before taking the norm"
+            )
+        if mesh.size() > world or world % mesh.size():
+            raise ValueError(f"parameters[{i}]: its gradient's mesh has {mesh.size()} ranks, which does not divide the {world} ranks of the group")
+        if mesh.get_coordinate() is None:
+            continue  # this rank is outside the gradient's mesh and holds none of it
+        replicas = world // mesh.size()  # the other slices of the world hold the same shard
+        for dim, placement in enumerate(g.placements):
+            if placement.is_replicate():
+                replicas *= mesh.size(dim)
+        out.append((g.to_local(), replicas))
+    return out
+
+
+def grad_norm(
+    parameters: Union[torch.Tensor, Iterable[torch.Tensor]],
+    *,
+    norm_type: float = 2.0,
+    group: Optional[Group] = None,
+) -> torch.Tensor:
+    """The p-norm of all the gradients together, whatever mesh each lives on.
+
+    One all_reduce over `group` (default: the world; every rank holding any of the
+    gradients must be in it): SUM of sum_grads sum |local shard|^p / replicas for finite p,
+    MAX of the local max |g| for p = inf (module docstring). Every rank must call it, with
+    its own parameters (a rank holding no gradient still takes part); parameters without a
+    .grad are skipped (as if their gradient were zero). Plain-tensor gradients are taken to
+    be the same on every rank of the group. Accumulated in float32 per tensor, float64
+    across tensors and ranks. Needs torch.distributed initialised; fmoe.optim.clip_grad_norm
+    is the single-process counterpart.
+
+    Args:
+        parameters: a tensor or an iterable of tensors (their .grad: tensor or DTensor).
+        norm_type: p > 0, or float("inf").
+        group: a ProcessGroup or 1-D DeviceMesh; None for the world.
+    Returns: 0-D float32 tensor, identical on every rank (0 when there is no gradient).
+    """
+    p = _check_norm_type(norm_type)
+    params = _as_param_list(parameters)
+    pg = dist.group.WORLD if group is None else _as_group(group)
+    world = dist.get_world_size(pg)
+    shards = [(g, r) for g, r in _local_grads(params, world) if g.numel() > 0]  # empty shards add 0
+    device = _collective_device(pg, [g for g, _ in shards])
+    by_replicas: dict[int, list[torch.Tensor]] = {}
+    for g, replicas in shards:
+        by_replicas.setdefault(replicas, []).append(g)
+
+    if math.isinf(p):
+        local = torch.zeros((), dtype=torch.float32, device=device)
+        for grads in by_replicas.values():  # a copy changes no maximum: replicas do not matter
+            norms = torch._foreach_norm(grads, p, dtype=torch.float32)
+            local = torch.maximum(local, torch.stack([n.to(device) for n in norms]).max())
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=pg)
+        return local
+
+    local = torch.zeros((), dtype=torch.float64, device=device)
+    for replicas, grads in by_replicas.items():
+        norms = torch._foreach_norm(grads, p, dtype=torch.float32)
+        # each copy of a shard adds 1/replicas of it, so the world's sum counts it once
+        local = local + torch.stack([n.to(device) for n in norms]).double().pow(p).sum() / replicas
+    dist.all_reduce(local, op=dist.ReduceOp.SUM, group=pg)
+    return local.pow(1.0 / p).float()
+
+
+@torch.no_grad()
+def clip_grad_norm(
+    parameters: Union[torch.Tensor, Iterable[torch.Tensor]],
+    max_norm: float,
+    *,
+    norm_type: float = 2.0,
+    group: Optional[Group] = None,
+) -> torch.Tensor:
+    """Clip the total norm of gradients on any meshes to `max_norm`; return the pre-clip norm.
+
+    The norm is grad_norm's (one collective, every rank calls it); every local gradient
+    shard is then scaled by min(1, max_norm / (norm + 1e-6)), the rule of
+    torch.nn.utils.clip_grad_norm_ and fmoe.optim.clip_grad_norm (its single-process
+    counterpart: same skipping of missing grads, same float32 0-D return). No host sync.
+
+    Returns: 0-D float32 tensor, identical on every rank.
+
+    Example (one process, world of 1): grads [3, 4], max_norm 1 -> returns 5., grads [0.6, 0.8].
+    """
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
+        raise ValueError(f"max_norm: expected a positive number, got {max_norm!r}")
+    params = _as_param_list(parameters)
+    norm = grad_norm(params, norm_type=norm_type, group=group)
+    coef = (max_norm / (norm + _CLIP_EPS)).clamp(max=1.0)
+    pg = dist.group.WORLD if group is None else _as_group(group)
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g, _ in _local_grads(params, dist.get_world_size(pg)):
+        by_device.setdefault(g.device, []).append(g)
+    for dev, grads in by_device.items():
+        torch._foreach_mul_(grads, coef.to(dev))
+    return norm

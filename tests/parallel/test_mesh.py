@@ -1,0 +1,63 @@
+"""build_meshes / plan_sizes: sizes, MoE folding, and the promised ValueErrors."""
+
+import pytest
+import torch
+
+from fmoe.parallel import build_meshes, plan_sizes
+from tests.parallel.dist import run_distributed
+
+
+def test_sizes_fill_dp_shard_and_fold_experts():
+    assert plan_sizes(8, tp=2, ep=4) == dict(dp_replicate=1, dp_shard=4, cp=1, tp=2, dp=4, edp=2, ep=4, etp=1)
+    assert plan_sizes(8, dp_replicate=2, tp=2, ep=2, etp=2)["edp"] == 2
+    assert plan_sizes(1) == dict(dp_replicate=1, dp_shard=1, cp=1, tp=1, dp=1, edp=1, ep=1, etp=1)
+
+
+@pytest.mark.parametrize("world, kwargs, message", [
+    (4, dict(tp=3), r"dp_shard=-1: dp_replicate \* cp \* tp = 3 does not divide the world size 4"),
+    (4, dict(dp_shard=4, tp=2), r"dp_replicate \* dp_shard \* cp \* tp = 8 does not equal the world size 4"),
+    (4, dict(dp_replicate=2, ep=4), r"ep \* etp = 4 does not divide dp_shard \* cp \* tp = 2 \(expert parallelism borrows"),
+    (8, dict(tp=2, ep=3), r"ep \* etp = 3 does not divide dp_shard \* cp \* tp = 8"),
+    (4, dict(ep=2, has_experts=False), r"ep / etp: expert parallelism \(2 x 1\) needs a model with experts"),
+    (4, dict(tp=0), r"tp: expected a positive int, got 0"),
+    (4, dict(dp_shard=-2), r"dp_shard: expected a positive int or -1"),
+    (4, dict(ep=True), r"ep: expected a positive int, got True"),
+])
+def test_invalid_sizes_say_which_product_does_not_divide_which(world, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        plan_sizes(world, **kwargs)
+
+
+def test_build_meshes_needs_an_initialised_world():
+    with pytest.raises(ValueError, match="not initialised"):
+        build_meshes()
+
+
+def _views(rank, world):
+    meshes = build_meshes(tp=2, ep=2)
+    dense_only = build_meshes(dp_replicate=2, has_experts=False)
+    try:
+        build_meshes(ep=3)
+        raised = None
+    except ValueError as err:
+        raised = str(err)
+    return dict(
+        tp=meshes.axis("tp").mesh.tolist(), dp=meshes.axis("dp").mesh.tolist(), ep=meshes.axis("ep").mesh.tolist(),
+        edp=meshes.axis("edp").mesh.tolist(), etp=meshes.axis("etp").mesh.tolist(), dp_mesh=meshes.dp_mesh.mesh.tolist(),
+        group_sizes={a: meshes.group(a).size() for a in ("dp_replicate", "dp_shard", "cp", "tp", "dp", "edp", "ep", "etp")},
+        no_experts=dense_only.expert is None, replicate=dense_only.axis("dp_replicate").mesh.tolist(),
+        ep_size=meshes.ep, raised=raised,
+    )
+
+
+def test_views_over_four_ranks():
+    results = run_distributed(_views, 4)
+    for rank, r in enumerate(results):
+        pair, other = [rank - rank % 2, rank - rank % 2 + 1], [rank % 2, rank % 2 + 2]
+        assert r["tp"] == pair and r["ep"] == pair  # ep folded onto the tp pair: tp is the last axis
+        assert r["dp"] == other and r["edp"] == other and r["dp_mesh"] == [other]
+        assert r["etp"] == [rank]
+        assert r["group_sizes"] == dict(dp_replicate=1, dp_shard=2, cp=1, tp=2, dp=2, edp=2, ep=2, etp=1)
+        assert r["no_experts"] and r["replicate"] == [rank % 2, rank % 2 + 2]
+        assert r["ep_size"] == 2
+        assert "ep * etp = 3 does not divide dp_shard * cp * tp = 4" in r["raised"]

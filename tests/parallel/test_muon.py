@@ -1,0 +1,464 @@
+"""fmoe.parallel.muon.DistributedMuon in gloo processes against fmoe.optim.Muon in one process.
+
+Every worker builds the same toy model from a fixed seed and lays it out as a trainer would:
+dense matrices under fully_shard (HSDP over meshes.dp_mesh, and a block over the 1-D "dp"
+mesh whose smallest matrix leaves a rank an empty shard with 4 ranks), a TP-like matrix
+sharded over a matrix dim (a 2-D (Shard(0), Shard(1)) mesh with 4 ranks), an expert stack
+sharded over its experts on the expert mesh, and a plain replicated matrix. Each rank feeds
+its own tokens; the loss is a sum over tokens divided by the global count and FSDP's
+gradient division is off, so gradients equal the single-process ones. Five steps of
+DistributedMuon (in "sync" mode, wait() after each step; in "hooks" mode, model= hooks only)
+must follow Muon on the concatenated data. A spawn costs seconds of imports, so one spawn
+per world size records everything; the pytest cases assert on the records.
+
+Legend: T tokens, D model dim, H hidden, R bottleneck, F expert FFN, E experts.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+from fmoe.optim.muon import Muon, newton_schulz, shape_scale
+from fmoe.parallel.muon import DistributedMuon
+from tests.parallel.dist import run_distributed
+
+D, H, R, P, F, E = 6, 10, 3, 9, 5, 4
+T_GLOBAL = 18  # tokens per step over all ranks: 9+9 or 5+5+4+4
+STEPS = 5
+TIMEOUT = 120.0
+# two param groups with different hyperparameters; lr decays through param_groups each step
+GROUPS = (
+    (("inp.weight", "experts.w_up", "tp.weight", "rep.weight"), dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.1)),
+    (("block.mid.weight", "block.up.weight", "experts.w_down"), dict(lr=0.03, momentum=0.8, nesterov=False, scale="spectral")),
+)
+LR_DECAY = 0.7
+OWNED = ("inp.weight", "tp.weight", "rep.weight", "block.mid.weight", "block.up.weight")  # NS on one owner
+LOCAL = ("experts.w_up", "experts.w_down")  # whole matrices on every rank
+
+
+# ----------------------------------------------------------------------------------------
+# The toy model (fmoe's [in, out] layout: x @ w)
+# ----------------------------------------------------------------------------------------
+
+
+def _whole(w: torch.Tensor) -> torch.Tensor:
+    """The full matrix of a DTensor laid out by hand (not FSDP's), with its gradient declared
+    Partial so that backward sums the ranks' contributions into w's layout."""
+    if not isinstance(w, DTensor):
+        return w
+    n = w.device_mesh.ndim
+    return w.redistribute(w.device_mesh, [Replicate()] * n).to_local(grad_placements=[Partial()] * n)
+
+
+class Linear(nn.Module):
+    def __init__(self, fan_in: int, fan_out: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(fan_in, fan_out) / math.sqrt(fan_in))
+
+    def forward(self, x):
+        return x @ _whole(self.weight)
+
+
+class Experts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w_up = nn.Parameter(torch.randn(E, H, F) / math.sqrt(H))
+        self.w_down = nn.Parameter(torch.randn(E, F, H) / math.sqrt(F))
+
+    def forward(self, h_TH, expert_T):
+        up_THF, down_TFH = _whole(self.w_up)[expert_T], _whole(self.w_down)[expert_T]
+        return h_TH + torch.einsum("tf,tfh->th", torch.tanh(torch.einsum("th,thf->tf", h_TH, up_THF)), down_TFH)
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mid, self.up = Linear(H, R), Linear(R, H)
+
+    def forward(self, h):
+        return h + self.up(torch.tanh(self.mid(h)))
+
+
+class Toy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.experts, self.block, self.tp, self.rep = Linear(D, H), Experts(), Block(), Linear(H, P), Linear(P, D)
+
+    def forward(self, x_TD, expert_T):
+        h = self.block(self.experts(torch.tanh(self.inp(x_TD)), expert_T))
+        return self.rep(torch.tanh(self.tp(h)))
+
+
+def _data(step: int):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(T_GLOBAL, D, generator=g), torch.randint(0, E, (T_GLOBAL,), generator=g), torch.randn(T_GLOBAL, D, generator=g)
+
+
+def _loss(model, x, expert, y):
+    return (model(x, expert) - y).square().sum() / T_GLOBAL  # sum over tokens / global count
+
+
+def _groups(model, **extra):
+    params = dict(model.named_parameters())
+    return [dict(params=[params[n] for n in names], **hyper, **extra) for names, hyper in GROUPS]
+
+
+def _reference() -> dict:
+    """Muon in one process on the concatenated data: losses and parameters after each step."""
+    model = Toy()
+    opt = Muon(_groups(model), ns_dtype=torch.float32)
+    losses, params = [], []
+    for step in range(STEPS):
+        loss = _loss(model, *_data(step))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        for group in opt.param_groups:
+            group["lr"] *= LR_DECAY
+        losses.append(loss.item())
+        params.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return dict(losses=losses, params=params)
+
+
+# ----------------------------------------------------------------------------------------
+# Workers
+# ----------------------------------------------------------------------------------------
+
+
+def _meshes(world: int):
+    from fmoe.parallel.mesh import build_meshes
+
+    return build_meshes(ep=2) if world == 2 else build_meshes(dp_replicate=2, dp_shard=2, ep=2)
+
+
+def _distributed_toy(meshes):
+    """Toy laid out over the world (module docstring)."""
+    from torch.distributed.fsdp import fully_shard
+
+    world = meshes.dense.size()
+    if world == 2:
+        tp_mesh, tp_placements = meshes.dense["dp_shard"], [Shard(1)]
+        # shard_experts' layout: experts over ep, the FFN dim over etp (of size 1: still local)
+        up_placements, down_placements = [Replicate(), Shard(0), Shard(2)], [Replicate(), Shard(0), Replicate()]
+    else:
+        tp_mesh, tp_placements = meshes.dense["dp_replicate", "dp_shard"], [Shard(0), Shard(1)]
+        up_placements = [Shard(0), Shard(0), Replicate()]  # one expert per rank
+        down_placements = [Replicate(), Shard(0), Shard(1)]  # replicated over edp: computed twice
+    model = Toy()
+    for module, mesh in ((model.inp, meshes.dp_mesh), (model.block, meshes.batch["dp"])):
+        fully_shard(module, mesh=mesh)
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+    model.tp.weight = nn.Parameter(distribute_tensor(model.tp.weight.detach(), tp_mesh, tp_placements))
+    model.experts.w_up = nn.Parameter(distribute_tensor(model.experts.w_up.detach(), meshes.expert, up_placements))
+    model.experts.w_down = nn.Parameter(distribute_tensor(model.experts.w_down.detach(), meshes.expert, down_placements))
+    return model
+
+
+def _my_tokens(rank: int, world: int, step: int):
+    return [t.tensor_split(world)[rank] for t in _data(step)]
+
+
+def _forward_backward(model, rank, world, step) -> float:
+    loss = _loss(model, *_my_tokens(rank, world, step))
+    loss.backward()
+    dist.all_reduce(model.rep.weight.grad)  # the plain replicated matrix: sum over the world
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return total.item()
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
+
+
+def _full_params(model) -> dict:
+    return {n: _full(p) for n, p in model.named_parameters()}
+
+
+def _train(rank, world, meshes, *, hooks: bool, ns_calls: list) -> dict:
+    """Five steps; "sync" waits after each step, "hooks" relies on model= hooks."""
+    model = _distributed_toy(meshes)
+    params = dict(model.named_parameters())
+    opt = DistributedMuon(_groups(model), ns_dtype=torch.float32, model=model if hooks else None)
+    record = dict(losses=[], params=[], ns_calls=[], expected_ns_calls=[], checks={})
+    for step in range(STEPS):
+        record["losses"].append(_forward_backward(model, rank, world, step))
+        if hooks and step > 0:  # the forward above wrote step-1's updates: record them now
+            record["checks"][f"nothing pending after forward {step}"] = not opt.pending
+            record["params"].append(_full_params(model))
+        before = _full_params(model) if hooks and step == 0 else None
+        del ns_calls[:]
+        opt.step()
+        record["ns_calls"].append(sorted(ns_calls))
+        record["expected_ns_calls"].append(sorted(
+            [tuple(params[n].shape) for n in OWNED if opt.owner_of(params[n]) == rank]
+            + [tuple(params[n].to_local().shape) for n in LOCAL]
+        ))
+        if hooks and step == 0:  # the owned matrices are still in flight, the local ones written
+            after = _full_params(model)
+            checks = record["checks"]
+            checks["pending after step: exactly the owned matrices"] = {id(p) for p in opt.pending} == {id(params[n]) for n in OWNED}
+            checks["owned matrices unchanged before wait"] = all(torch.equal(before[n], after[n]) for n in OWNED)
+            checks["local matrices written in step"] = all(not torch.equal(before[n], after[n]) for n in LOCAL)
+        opt.zero_grad()
+        for group in opt.param_groups:  # before wait(): the update keeps the lr of its step
+            group["lr"] *= LR_DECAY
+        if not hooks:
+            opt.wait()
+            record["params"].append(_full_params(model))
+    if hooks:
+        record["dcp"] = _checkpoint_round_trip(rank, world, meshes, model, opt)
+        record["params"].append(record["dcp"].pop("saved_params"))
+    record["owners"] = {n: opt.owner_of(p) for n, p in params.items()}
+    record["load_per_rank"] = opt.load_per_rank
+    return record
+
+
+def _checkpoint_round_trip(rank, world, meshes, model, opt) -> dict:
+    """Right after step() (updates in flight): the model's state dict, then the optimizer's
+    (momentum laid out like the parameters); set_state_dict into a fresh model and
+    optimizer, then one more step on both; and a model load while updates are in flight."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, set_state_dict
+    from torch.utils._pytree import tree_map
+
+    params = dict(model.named_parameters())
+    checks = {}
+    msd = get_model_state_dict(model)  # the model's state-dict pre-hook completes the pending updates
+    checks["nothing pending after get_model_state_dict"] = not opt.pending
+    out = dict(saved_params={n: _full(msd[n]) for n in params}, checks=checks)
+    osd = get_optimizer_state_dict(model, opt)
+    layouts = []
+    for n, p in params.items():
+        buf = osd["state"][n]["momentum_buffer"]
+        if isinstance(p, DTensor):
+            layouts.append(isinstance(buf, DTensor) and buf.placements == p.placements and buf.device_mesh == p.device_mesh)
+        else:
+            layouts.append(type(buf) is torch.Tensor and buf.shape == p.shape)
+    checks["momentum buffers laid out like their parameters"] = all(layouts)
+    saved_momentum = {n: _full(osd["state"][n]["momentum_buffer"]) for n in params}
+
+    model2 = _distributed_toy(meshes)
+    opt2 = DistributedMuon(_groups(model2), ns_dtype=torch.float32, model=model2)
+    # torch's optimizers alias loaded state tensors: give opt2 its own copies
+    copies = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, (msd, osd))
+    set_state_dict(model2, opt2, model_state_dict=copies[0], optim_state_dict=copies[1])
+    params2 = dict(model2.named_parameters())
+    checks["loaded momentum equals saved"] = all(torch.equal(_full(opt2.state[params2[n]]["momentum_buffer"]), saved_momentum[n]) for n in params)
+    checks["loaded lr equals saved"] = [g["lr"] for g in opt2.param_groups] == [g["lr"] for g in opt.param_groups]
+    for m, o in ((model, opt), (model2, opt2)):
+        _forward_backward(m, rank, world, STEPS)
+        o.step()
+        o.wait()
+        o.zero_grad()
+    full, full2 = _full_params(model), _full_params(model2)
+    checks["a step after loading equals a step without"] = all(torch.equal(full[n], full2[n]) for n in params)
+
+    # a load while updates are in flight: the model's load pre-hook completes them first,
+    # so that they do not land on the loaded values
+    snapshot = {k: v.clone() for k, v in model.state_dict().items()}
+    _forward_backward(model, rank, world, STEPS + 1)
+    opt.step()
+    model.load_state_dict(snapshot)
+    opt.wait()
+    checks["pending updates land before a model load"] = all(torch.equal(_full(p), full[n]) for n, p in params.items())
+    return out
+
+
+def _nothing_owned(rank, world, meshes) -> dict:
+    """One owned matrix: world - 1 ranks own nothing and still take part (no hang)."""
+    model = _distributed_toy(meshes)
+    _forward_backward(model, rank, world, 0)
+    p = model.inp.weight
+    start, grad = _full(p), _full(p.grad)
+    opt = DistributedMuon([p], lr=0.1, ns_dtype=torch.float32)
+    for _ in range(2):  # same gradient twice: the momentum grows
+        opt.step()
+    opt.wait()
+    return dict(owner=opt.owner_of(p), load_per_rank=opt.load_per_rank, start=start, grad=grad, end=_full(p))
+
+
+def _bad_partial(meshes) -> str:
+    p = nn.Parameter(DTensor.from_local(torch.zeros(4, 4), meshes.batch["dp"], [Partial()]))
+    try:
+        DistributedMuon([p])
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def _worker(rank: int, world: int) -> dict:
+    import fmoe.parallel.muon as distributed_muon
+
+    ns_calls = []
+
+    def counting(G, *args, **kwargs):
+        ns_calls.append(tuple(G.shape))
+        return newton_schulz(G, *args, **kwargs)
+
+    distributed_muon.newton_schulz = counting  # this process only
+    meshes = _meshes(world)
+    out = dict(
+        sync=_train(rank, world, meshes, hooks=False, ns_calls=ns_calls),
+        hooks=_train(rank, world, meshes, hooks=True, ns_calls=ns_calls),
+        nothing_owned=_nothing_owned(rank, world, meshes),
+        bad_partial=_bad_partial(meshes),
+    )
+    return out
+
+
+# ----------------------------------------------------------------------------------------
+# pytest side: one spawn per world size
+# ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _reference()
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
+def spawned(request):
+    return request.param, run_distributed(_worker, request.param, timeout=TIMEOUT)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+
+@pytest.mark.parametrize("mode", ["sync", "hooks"])
+def test_matches_single_process_muon(spawned, reference, mode):
+    size, results = spawned
+    for rank, result in enumerate(results):
+        record = result[mode]
+        assert len(record["params"]) == STEPS
+        for step in range(STEPS):
+            got, want = record["losses"][step], reference["losses"][step]
+            assert abs(got - want) <= 1e-5 * abs(want), (rank, step, got, want)
+            for name, expected in reference["params"][step].items():
+                err = _rel(record["params"][step][name], expected)
+                assert err <= 1e-5, f"rank {rank}, step {step}, {name}: relative error {err:.2e}"
+
+
+def test_async_and_hooks(spawned):
+    size, results = spawned
+    for rank, result in enumerate(results):
+        failed = [name for name, ok in result["hooks"]["checks"].items() if not ok]
+        assert not failed, f"rank {rank}: {failed}"
+
+
+def test_only_owners_run_newton_schulz(spawned, reference):
+    size, results = spawned
+    for mode in ("sync", "hooks"):
+        for rank, result in enumerate(results):
+            record = result[mode]
+            assert record["ns_calls"] == record["expected_ns_calls"], (mode, rank)
+        # over all ranks, each owned (2-D) matrix is orthogonalised exactly once per step
+        owned_shapes = sorted(tuple(reference["params"][0][n].shape) for n in OWNED)
+        for step in range(STEPS):
+            calls = sorted(c for result in results for c in result[mode]["ns_calls"][step] if len(c) == 2)
+            assert calls == owned_shapes, (mode, step, calls)
+
+
+def test_ownership_is_balanced_and_identical(spawned, reference):
+    size, results = spawned
+    owners = results[0]["sync"]["owners"]
+    assert all(result[mode]["owners"] == owners for result in results for mode in ("sync", "hooks"))
+    assert all(owners[n] is None for n in LOCAL)
+    assert all(owners[n] in range(size) for n in OWNED)
+    numel = {n: p.numel() for n, p in reference["params"][0].items()}
+    load = {r: sum(numel[n] for n in OWNED if owners[n] == r) for r in range(size)}
+    assert load == {r: results[0]["sync"]["load_per_rank"].get(r, 0) for r in range(size)}
+    assert max(load.values()) <= min(load.values()) + max(numel[n] for n in OWNED), load
+
+
+def test_checkpoint_round_trip(spawned):
+    size, results = spawned
+    for rank, result in enumerate(results):
+        failed = [name for name, ok in result["hooks"]["dcp"]["checks"].items() if not ok]
+        assert not failed, f"rank {rank}: {failed}"
+
+
+def test_rank_owning_nothing_takes_part(spawned):
+    size, results = spawned
+    record = results[0]["nothing_owned"]
+    assert record["load_per_rank"] == {record["owner"]: record["start"].numel()}
+    for result in results:
+        assert torch.equal(result["nothing_owned"]["end"], record["end"])
+    w = nn.Parameter(record["start"].clone())
+    opt = Muon([w], lr=0.1, ns_dtype=torch.float32)
+    for _ in range(2):
+        w.grad = record["grad"].clone()
+        opt.step()
+    assert _rel(record["end"], w.detach()) <= 1e-5
+
+
+def test_partial_parameter_is_refused(spawned):
+    size, results = spawned
+    assert all("Partial" in result["bad_partial"] and "params" in result["bad_partial"] for result in results)
+
+
+# ----------------------------------------------------------------------------------------
+# One process: no process group
+# ----------------------------------------------------------------------------------------
+
+
+def test_single_process_equals_muon():
+    torch.manual_seed(1)
+    ws = [torch.randn(7, 5), torch.randn(3, 4, 6)]
+    ref = [nn.Parameter(w.clone()) for w in ws]
+    got = [nn.Parameter(w.clone()) for w in ws]
+    opt_ref = Muon(ref, lr=0.1, weight_decay=0.1, ns_dtype=torch.float32)
+    opt = DistributedMuon(got, lr=0.1, weight_decay=0.1, ns_dtype=torch.float32)
+    for _ in range(3):
+        grads = [torch.randn_like(w) for w in ws]
+        for ps, o in ((ref, opt_ref), (got, opt)):
+            for p, g in zip(ps, grads):
+                p.grad = g.clone()
+            o.step()
+    opt.wait()
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+    assert opt.owner_of(got[0]) is None and opt.load_per_rank == {}
+
+
+def test_update_uses_shape_scale():
+    w = nn.Parameter(torch.zeros(8, 2))
+    w.grad = torch.randn(8, 2)
+    DistributedMuon([w], lr=1.0, momentum=0.0, ns_dtype=torch.float32).step()
+    expected = -shape_scale(w.shape, "moonlight") * newton_schulz(w.grad, dtype=torch.float32)
+    assert torch.allclose(w.detach(), expected)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(lr=-1.0), "lr"),
+        (dict(momentum=1.0), "momentum"),
+        (dict(weight_decay=-0.1), "weight_decay"),
+        (dict(ns_steps=0), "ns_steps"),
+        (dict(scale="unit"), "scale"),
+    ],
+)
+def test_bad_hyperparameters(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DistributedMuon([nn.Parameter(torch.zeros(3, 3))], **kwargs)
+
+
+def test_bad_params_and_model():
+    with pytest.raises(ValueError, match="params.*ndim >= 2"):
+        DistributedMuon([nn.Parameter(torch.zeros(3))])
+    w = nn.Parameter(torch.zeros(3, 3))
+    with pytest.raises(ValueError, match="params.*twice"):
+        DistributedMuon([w, w])
+    with pytest.raises(ValueError, match="model"):
+        DistributedMuon([w], model=nn.Linear(3, 3))
+    with pytest.raises(ValueError, match="param"):
+        DistributedMuon([w]).owner_of(torch.zeros(2, 2))

@@ -1,0 +1,514 @@
+"""fmoe.parallel.reduce in 2 and 4 gloo processes, each result checked against one process.
+
+Spawning is the slow part (seconds per world), so one spawn per world size runs every
+distributed check (module-scoped fixtures) and the tests assert on its results; argument
+validation runs in this process (it comes before any collective).
+"""
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fmoe import ops
+from fmoe.parallel.reduce import (
+    all_reduce_counts,
+    all_reduce_sums,
+    clip_grad_norm,
+    global_load_balancing_loss,
+    grad_norm,
+    seq_load_balancing_loss_split,
+)
+from tests.parallel.dist import run_distributed
+
+INF = float("inf")
+
+
+@contextlib.contextmanager
+def _counting_all_reduce():
+    """Record every torch.distributed.all_reduce call (reduce.py looks it up at call time)."""
+    calls = []
+    original = dist.all_reduce
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("op"))
+        return original(*args, **kwargs)
+
+    dist.all_reduce = counted
+    try:
+        yield calls
+    finally:
+        dist.all_reduce = original
+
+
+# ---------------------------------------------------------------------------- sequence loss
+
+# (E, k, cu_seqlens of the whole batch, token bounds of the ranks, dropped (token, slot) or None)
+SEQ_CASES_2 = {
+    "split inside a document": (4, 2, [0, 7, 13], [0, 4, 13], None),
+    "split at a document boundary, k=1": (4, 1, [0, 6, 13], [0, 6, 13], None),
+    "a whole short document plus parts": (5, 3, [0, 5, 7, 12], [0, 4, 12], None),
+    "zero-length documents": (4, 2, [0, 0, 4, 4, 9, 9], [0, 6, 9], None),
+    "zero-length documents at the split": (3, 1, [0, 4, 4, 9], [0, 4, 9], None),
+    "a rank without tokens, a dropped slot": (3, 2, [0, 3, 8], [0, 8, 8], (2, 1)),
+}
+SEQ_CASES_4 = {
+    "4 ranks, empty rank and documents": (6, 2, [0, 3, 3, 10, 11, 16], [0, 2, 7, 7, 16], None),
+    "4 ranks, k=1": (4, 1, [0, 5, 9, 14], [0, 4, 8, 11, 14], None),
+    # context parallelism's load balance: 2R chunks, rank r holds chunks r and 2R-1-r
+    "4 ranks, CP chunks (token_index)": (4, 2, [0, 5, 11, 16], [[(2 * r, 2 * r + 2), (14 - 2 * r, 16 - 2 * r)] for r in range(4)], None),
+}
+SEQ_CASES_2["CP chunks (token_index)"] = (4, 2, [0, 5, 11, 16], [[(0, 4), (12, 16)], [(4, 12)]], None)
+
+
+def _seq_inputs(E, k, cu, dropped, seed):
+    gen = torch.Generator().manual_seed(seed)  # the same batch on every rank
+    logits = torch.randn(cu[-1], E, generator=gen)
+    upstream = torch.randn((), generator=gen)  # a random upstream gradient, not .sum()
+    scores, experts = ops.aux_scores(logits, k)
+    if dropped is not None:
+        experts[dropped] = -1
+    return scores.detach(), experts, torch.tensor(cu, dtype=torch.int32), upstream
+
+
+def _seq_split_results(rank, cases, group, split_rank, seed=0):
+    """Per case: this rank's value and score gradient, and the unsplit op's on the whole batch."""
+    out = {}
+    for name, (E, k, cu, bounds, dropped) in cases.items():
+        scores, experts, cu_t, upstream = _seq_inputs(E, k, cu, dropped, seed + len(out))
+        full = scores.clone().requires_grad_()
+        ref = ops.seq_load_balancing_loss(full, experts, cu_t, k=k)
+        (ref * upstream).backward()
+        if isinstance(bounds[0], list):  # this rank's token ranges, passed as token_index
+            index = torch.cat([torch.arange(lo, hi) for lo, hi in bounds[split_rank]])
+            where = dict(token_index=index)
+        else:  # contiguous: [start, next rank's start)
+            index = torch.arange(bounds[split_rank], bounds[split_rank + 1])
+            where = dict(start=bounds[split_rank])
+        local = scores[index].clone().requires_grad_()
+        with _counting_all_reduce() as calls:
+            value = seq_load_balancing_loss_split(local, experts[index], cu_t, k=k, group=group, **where)
+        (value * upstream).backward()
+        out[name] = dict(value=value.detach(), ref=ref.detach(), grad=local.grad, ref_grad=full.grad[index], calls=len(calls))
+    return out
+
+
+def _check_seq_split(results, cases, ranks_of_group):
+    for name in cases:
+        per_rank = [results[r][name] for r in ranks_of_group]
+        ref = per_rank[0]["ref"]
+        total = sum(float(r["value"]) for r in per_rank)
+        assert total == pytest.approx(float(ref), rel=1e-5), name
+        for r in per_rank:
+            assert r["calls"] == 1, name
+            torch.testing.assert_close(r["grad"], r["ref_grad"], rtol=1e-5, atol=1e-7, msg=name)
+
+
+# ---------------------------------------------------------------------------- counts, sums
+
+LAYERS = ["layers.1.moe", "layers.3.moe", "layers.5.moe"]
+N_EXPERTS = 4
+
+
+def _layer_counts(rank, world_size):
+    """Which layers each rank holds: rank 0 all, the last rank none, the others some."""
+    if rank == world_size - 1:
+        held = []
+    elif rank == 0:
+        held = LAYERS
+    else:
+        held = LAYERS[rank % 2 :: 2]
+    # a layer's counts in the order a rank would build them (not `names` order)
+    return {name: torch.arange(N_EXPERTS, dtype=torch.int64) * (rank + 1) + 10 * i for i, name in reversed(list(enumerate(LAYERS))) if name in held}
+
+
+def _counts_results(rank, world_size):
+    with _counting_all_reduce() as calls:
+        totals = all_reduce_counts(_layer_counts(rank, world_size), dist.group.WORLD, names=LAYERS, n_experts=N_EXPERTS)
+    return dict(totals=totals, calls=len(calls))
+
+
+def _check_counts(results):
+    world_size = len(results)
+    expected = {name: torch.zeros(N_EXPERTS, dtype=torch.int64) for name in LAYERS}
+    for r in range(world_size):
+        for name, c in _layer_counts(r, world_size).items():
+            expected[name] += c
+    assert any(not _layer_counts(r, world_size) for r in range(world_size))  # a rank with no layer
+    for result in results:
+        assert result["calls"] == 1
+        assert list(result["totals"]) == LAYERS
+        for name in LAYERS:
+            assert result["totals"][name].dtype == torch.int64
+            assert torch.equal(result["totals"][name], expected[name]), name
+
+
+def _sums_results(rank, group):
+    items = [("loss", torch.tensor([1.5 + rank])), ("tokens", 10 + 2 * rank), ("z", 0.25)]
+    values = dict(items if rank % 2 == 0 else reversed(items))  # order differs between ranks
+    with _counting_all_reduce() as calls:
+        sums = all_reduce_sums(values, group)
+    return dict(sums=sums, calls=len(calls), order=list(values))
+
+
+def _check_sums(results, ranks):
+    expected = {"loss": sum(1.5 + r for r in ranks), "tokens": float(sum(10 + 2 * r for r in ranks)), "z": 0.25 * len(ranks)}
+    for result in results:
+        assert result["calls"] == 1
+        assert result["sums"] == expected
+        assert list(result["sums"]) == result["order"]
+        assert all(type(v) is float for v in result["sums"].values())
+
+
+# ---------------------------------------------------------------------------- global loss
+
+
+def _global_loss_results(rank, world_size, bounds, E=5, k=2, H=3):
+    """Each rank routes its own tokens through a shared router; its loss uses the global
+    counts. Returns the per-rank value and gradients and the single-process ones."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(bounds[-1], H, generator=gen)
+    w0 = torch.randn(H, E, generator=gen)
+    upstream = torch.randn((), generator=gen)
+
+    w_ref = w0.clone().requires_grad_()
+    scores_ref, experts_ref = ops.aux_scores(x @ w_ref, k)
+    scores_ref.retain_grad()
+    counts_ref = ops.tokens_per_expert(experts_ref, E)
+    ref = ops.load_balancing_loss(scores_ref, counts_ref, k=k, n_tokens=bounds[-1])
+    (ref * upstream).backward()
+
+    lo, hi = bounds[rank], bounds[rank + 1]
+    w = w0.clone().requires_grad_()
+    scores, experts = ops.aux_scores(x[lo:hi] @ w, k)
+    scores.retain_grad()
+    counts = all_reduce_counts({"moe": ops.tokens_per_expert(experts, E)}, dist.group.WORLD, names=["moe"], n_experts=E)["moe"]
+    n_tokens = int(all_reduce_sums({"tokens": hi - lo}, dist.group.WORLD)["tokens"])
+    value = global_load_balancing_loss(scores, counts, k=k, n_tokens=n_tokens)
+    (value * upstream).backward()
+    return dict(
+        value=value.detach(), ref=ref.detach(), counts=counts, counts_ref=counts_ref, n_tokens=n_tokens,
+        w_grad=w.grad, w_grad_ref=w_ref.grad, scores_grad=scores.grad, scores_grad_ref=scores_ref.grad[lo:hi],
+    )
+
+
+def _check_global_loss(results, n_total):
+    ref = results[0]["ref"]
+    assert sum(float(r["value"]) for r in results) == pytest.approx(float(ref), rel=1e-5)
+    w_grad = sum(r["w_grad"] for r in results)  # what the data-parallel gradient sum gives
+    torch.testing.assert_close(w_grad, results[0]["w_grad_ref"], rtol=1e-5, atol=1e-7)
+    for r in results:
+        assert r["n_tokens"] == n_total
+        assert torch.equal(r["counts"], r["counts_ref"])
+        torch.testing.assert_close(r["scores_grad"], r["scores_grad_ref"], rtol=1e-5, atol=1e-8)
+
+
+# ---------------------------------------------------------------------------- grad norm
+
+
+def _full_grads():
+    gen = torch.Generator().manual_seed(3)  # the same full gradients on every rank
+    grads = {
+        "dense.weight": torch.randn(3, 5, generator=gen),  # uneven shards over 2, empty over 4
+        "dense.bias": torch.randn(3, generator=gen),
+        "experts": torch.randn(4, 3, 2, generator=gen),
+        "tp": torch.randn(2, 6, generator=gen),
+        "plain": torch.randn(7, generator=gen),
+    }
+    grads["experts"][3, 1, 1] = -7.5  # the largest |g|, on the last expert-parallel rank only
+    return grads
+
+
+def _toy_params(meshes):
+    """Parameters on different meshes: FSDP2 over the dense data mesh, experts Shard(0) over
+    ep (and FSDP2 over edp), a TP shard Shard(1) over tp, a plain replicated tensor."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dense = torch.nn.Linear(5, 3)
+    fully_shard(dense, mesh=meshes.dp_mesh)
+    experts = torch.nn.Module()
+    experts.w = torch.nn.Parameter(distribute_tensor(torch.zeros(4, 3, 2), meshes.expert["ep"], [Shard(0)], src_data_rank=None))
+    if meshes.edp > 1:
+        fully_shard(experts, mesh=meshes.expert["edp"])
+    params = {"dense.weight": dense.weight, "dense.bias": dense.bias, "experts": experts.w, "plain": torch.nn.Parameter(torch.zeros(7))}
+    if meshes.tp > 1:
+        params["tp"] = torch.nn.Parameter(distribute_tensor(torch.zeros(2, 6), meshes.tp_mesh, [Shard(1)], src_data_rank=None))
+    return params
+
+
+def _like(param, full):
+    """`full` laid out as `param` (the same DTensor spec), or a plain copy."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(param, DTensor):
+        return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+    return full.clone()
+
+
+def _local(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _norm(tensors, p):
+    return float(torch.linalg.vector_norm(torch.cat([t.flatten() for t in tensors]), p))
+
+
+def _grad_norm_results(rank, world_size, configs):
+    from fmoe.parallel.mesh import build_meshes
+
+    out = {}
+    for name, cfg in configs.items():
+        meshes = build_meshes(**cfg)
+        params = _toy_params(meshes)
+        full = {n: g for n, g in _full_grads().items() if n in params}
+        res = dict(expected2=_norm(full.values(), 2), expected_inf=_norm(full.values(), INF))
+        for n, p in params.items():
+            p.grad = _like(p, full[n])
+        with _counting_all_reduce() as calls:
+            res["norm2"] = grad_norm(params.values())
+            res["norm_inf"] = grad_norm(list(params.values()), norm_type=INF)
+        res["calls"] = len(calls)
+        res["norm3"], res["expected3"] = grad_norm(params.values(), norm_type=3), _norm(full.values(), 3)
+
+        # clipping to a quarter: every local shard scaled by max_norm / (norm + 1e-6)
+        max_norm = res["expected2"] / 4
+        res["clip_returned"] = clip_grad_norm(params.values(), max_norm)
+        coef = max_norm / (res["clip_returned"] + 1e-6)
+        res["clip_error"] = max(float((_local(p.grad) - _local(_like(p, full[n] * coef))).abs().sum()) for n, p in params.items())
+        res["after_clip"], res["max_norm"] = grad_norm(params.values()), max_norm
+        before = {n: _local(p.grad).clone() for n, p in params.items()}
+        res["inf_after_clip"] = grad_norm(params.values(), norm_type=INF)
+        res["clip_big_returned"] = clip_grad_norm(params.values(), 1e6, norm_type=INF)
+        res["clip_big_unchanged"] = all(torch.equal(_local(p.grad), before[n]) for n, p in params.items())
+
+        # the expert gradient missing on the ranks of one expert-parallel coordinate
+        ep_rank, rows = meshes.expert["ep"].get_local_rank(), 4 // meshes.ep
+        missing = full["experts"].clone()
+        missing[rows : 2 * rows] = 0
+        for n, p in params.items():
+            p.grad = _like(p, full[n])
+        if ep_rank == 1:
+            params["experts"].grad = None
+        res["norm_missing"] = grad_norm(params.values())
+        res["expected_missing"] = _norm([missing] + [g for n, g in full.items() if n != "experts"], 2)
+
+        # a rank holding no parameter at all still takes part
+        mine = [params["experts"]] if ep_rank == 0 else []
+        params["experts"].grad = _like(params["experts"], full["experts"]) if ep_rank == 0 else None
+        res["norm_nothing"] = grad_norm(mine, norm_type=INF)
+        res["expected_nothing"] = _norm([full["experts"][:rows]], INF)
+        out[name] = res
+    return out
+
+
+def _check_grad_norm(results, configs):
+    for name in configs:
+        per_rank = [r[name] for r in results]
+        for key in ("norm2", "norm_inf", "norm3", "clip_returned", "after_clip", "norm_missing", "norm_nothing"):
+            values = [r[key] for r in per_rank]
+            assert all(v.dtype == torch.float32 and v.dim() == 0 for v in values), (name, key)
+            assert all(torch.equal(v, values[0]) for v in values), (name, key, values)  # identical everywhere
+        r = per_rank[0]
+        assert r["calls"] == 2, name  # one collective per norm
+        assert float(r["norm2"]) == pytest.approx(r["expected2"], rel=1e-5), name
+        assert float(r["norm_inf"]) == r["expected_inf"] == 7.5, name
+        assert float(r["norm3"]) == pytest.approx(r["expected3"], rel=1e-5), name
+        assert float(r["clip_returned"]) == pytest.approx(r["expected2"], rel=1e-5), name
+        assert float(r["after_clip"]) == pytest.approx(r["max_norm"], rel=1e-5), name
+        assert float(r["norm_missing"]) == pytest.approx(r["expected_missing"], rel=1e-5), name
+        assert float(r["norm_nothing"]) == r["expected_nothing"], name
+        for q in per_rank:
+            assert q["clip_error"] < 1e-6, name
+            assert q["clip_big_unchanged"], name  # below max_norm: the gradients are left alone
+            assert torch.equal(q["clip_big_returned"], q["inf_after_clip"]), name
+
+
+# ---------------------------------------------------------------------------- refusals that need a world
+
+
+def _world_refusals(rank, world_size):
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    from fmoe.parallel.mesh import build_meshes
+
+    meshes = build_meshes(dp_shard=-1, ep=world_size)
+    refused = {}
+    with pytest.raises(ValueError, match="group: .*1-D DeviceMesh, got a 4-D mesh"):
+        all_reduce_sums({"a": 1.0}, meshes.dense)
+    refused["2-D mesh"] = True
+    p = torch.nn.Parameter(DTensor.from_local(torch.zeros(2), meshes.axis("ep"), [Replicate()]))
+    p.grad = DTensor.from_local(torch.ones(2), meshes.axis("ep"), [Partial()])
+    with pytest.raises(ValueError, match=r"parameters\[0\]: .*Partial"):
+        grad_norm([p])
+    refused["Partial grad"] = True
+    return refused
+
+
+# ---------------------------------------------------------------------------- the two worlds
+
+GRAD_CONFIGS_2 = {
+    "fsdp over dp, experts over ep": dict(dp_shard=2, ep=2),
+    "tp, dp of one rank": dict(dp_shard=1, tp=2, ep=2),
+}
+GRAD_CONFIGS_4 = {
+    "fsdp and tp slices, experts over edp x ep": dict(dp_shard=2, tp=2, ep=2),
+    "hsdp, experts over ep": dict(dp_replicate=2, dp_shard=2, ep=2),
+    "fsdp over 4 (an empty shard), tp none": dict(dp_shard=4, ep=2),
+}
+
+
+def _world2(rank, world_size):
+    return dict(
+        seq=_seq_split_results(rank, SEQ_CASES_2, dist.group.WORLD, rank),
+        counts=_counts_results(rank, world_size),
+        sums=_sums_results(rank, dist.group.WORLD),
+        global_loss=_global_loss_results(rank, world_size, [0, 4, 11]),
+        grad_norm=_grad_norm_results(rank, world_size, GRAD_CONFIGS_2),
+    )
+
+
+def _world4(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fmoe.parallel.mesh import build_meshes
+
+    world_mesh = init_device_mesh("cpu", (world_size,))
+    # two data-parallel pairs, each splitting its own batch over its tp pair
+    meshes = build_meshes(dp_shard=2, tp=2, ep=1)
+    tp_cases = {"tp pair": SEQ_CASES_2["a whole short document plus parts"]}
+    dp_rank, tp_rank = divmod(rank, 2)
+    return dict(
+        seq=_seq_split_results(rank, SEQ_CASES_4, world_mesh, rank),
+        seq_tp=_seq_split_results(rank, tp_cases, meshes.axis("tp"), tp_rank, seed=100 * dp_rank),
+        counts=_counts_results(rank, world_size),
+        sums=_sums_results(rank, meshes.axis("dp")),
+        global_loss=_global_loss_results(rank, world_size, [0, 3, 3, 8, 14]),
+        grad_norm=_grad_norm_results(rank, world_size, GRAD_CONFIGS_4),
+        refusals=_world_refusals(rank, world_size),
+    )
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return run_distributed(_world2, 2, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return run_distributed(_world4, 4, timeout=180)
+
+
+# ---------------------------------------------------------------------------- tests
+
+
+def test_seq_loss_split_over_2_ranks_adds_up_to_unsplit(world2):
+    _check_seq_split([r["seq"] for r in world2], SEQ_CASES_2, [0, 1])
+
+
+def test_seq_loss_split_over_4_ranks_and_over_tp_pairs(world4):
+    _check_seq_split([r["seq"] for r in world4], SEQ_CASES_4, [0, 1, 2, 3])
+    seq_tp = [r["seq_tp"] for r in world4]
+    for pair in ([0, 1], [2, 3]):  # each pair its own batch: reduced over its tp group only
+        _check_seq_split(seq_tp, {"tp pair": None}, pair)
+    assert float(seq_tp[0]["tp pair"]["ref"]) != float(seq_tp[2]["tp pair"]["ref"])
+
+
+def test_all_reduce_counts_one_collective_and_ranks_without_layers(world2, world4):
+    _check_counts([r["counts"] for r in world2])
+    _check_counts([r["counts"] for r in world4])
+
+
+def test_all_reduce_sums(world2, world4):
+    _check_sums([r["sums"] for r in world2], [0, 1])
+    for pair in ([0, 2], [1, 3]):  # over the dp axis (a 1-D DeviceMesh): the ranks of one tp index
+        _check_sums([world4[r]["sums"] for r in pair], pair)
+
+
+def test_global_loss_adds_up_over_ranks_and_gradients_sum(world2, world4):
+    _check_global_loss([r["global_loss"] for r in world2], 11)
+    _check_global_loss([r["global_loss"] for r in world4], 14)
+
+
+def test_grad_norm_and_clip_over_meshes_2_ranks(world2):
+    _check_grad_norm([r["grad_norm"] for r in world2], GRAD_CONFIGS_2)
+
+
+def test_grad_norm_and_clip_over_meshes_4_ranks(world4):
+    _check_grad_norm([r["grad_norm"] for r in world4], GRAD_CONFIGS_4)
+
+
+def test_refusals_that_need_a_world(world4):
+    for r in world4:
+        assert r["refusals"] == {"2-D mesh": True, "Partial grad": True}
+
+
+def test_global_loss_micro_batches_with_running_counts():
+    """Running counts over micro-batches with n_score_tokens = the step's token count: the
+    values add up to sum_m E * sum_e C_m[e] / (k N_m) * S_m[e] / N_step (one process)."""
+    E, k = 4, 2
+    scores, experts = zip(*(ops.aux_scores(torch.randn(T, E), k) for T in (5, 7)))
+    n_step = 12
+    running, n_run, total, expected = torch.zeros(E, dtype=torch.int64), 0, 0.0, 0.0
+    for s, e in zip(scores, experts):
+        running = running + ops.tokens_per_expert(e, E)
+        n_run += s.shape[0]
+        total += float(global_load_balancing_loss(s, running, k=k, n_tokens=n_run, n_score_tokens=n_step))
+        expected += float(E * (running.float() / (k * n_run) * s.sum(0) / n_step).sum())
+    assert total == pytest.approx(expected, rel=1e-6)
+    # the default n_score_tokens is n_tokens: the plain switch loss
+    value = global_load_balancing_loss(scores[0], running, k=k, n_tokens=torch.tensor(9))
+    assert float(value) == pytest.approx(float(ops.load_balancing_loss(scores[0], running, k=k, n_tokens=9)), rel=1e-6)
+
+
+# ---------------------------------------------------------------------------- refusals in one process
+
+
+def _raises(match, fn, *args, **kwargs):
+    with pytest.raises(ValueError, match=match):
+        fn(*args, **kwargs)
+
+
+def test_bad_inputs_raise_value_errors_naming_the_argument():
+    scores, experts = ops.aux_scores(torch.randn(6, 4), 2)
+    cu = torch.tensor([0, 5, 13], dtype=torch.int32)
+    split = seq_load_balancing_loss_split
+    _raises("start: expected >= 0", split, scores, experts, cu, k=2, start=-1, group=None)
+    _raises(r"start: .*\[8, 14\) reach past the end of cu_seqlens \(T = 13\)", split, scores, experts, cu, k=2, start=8, group=None)
+    _raises("experts: expected shape", split, scores, experts[:, :1], cu, k=2, start=0, group=None)
+    _raises("scores: expected a 2-D", split, scores[0], experts, cu, k=2, start=0, group=None)
+    _raises("cu_seqlens: must start at 0", split, scores, experts, torch.tensor([1, 13]), k=2, start=0, group=None)
+    _raises("cu_seqlens: must be non-decreasing", split, scores, experts, torch.tensor([0, 9, 5, 13]), k=2, start=0, group=None)
+    _raises("group: expected a torch.distributed ProcessGroup or a 1-D DeviceMesh, got str", split, scores, experts, cu, k=2, start=0, group="tp")
+    _raises("start / token_index: expected exactly one", split, scores, experts, cu, k=2, group=None)
+    _raises("start / token_index: expected exactly one", split, scores, experts, cu, k=2, start=0, token_index=torch.arange(6), group=None)
+    _raises(r"token_index: expected shape \(6,\)", split, scores, experts, cu, k=2, token_index=torch.arange(5), group=None)
+    _raises(r"token_index: expected indices in \[0, 13\)", split, scores, experts, cu, k=2, token_index=torch.arange(8, 14), group=None)
+    _raises("token_index: expected dtype int32 or int64", split, scores, experts, cu, k=2, token_index=torch.arange(6.0), group=None)
+
+    good = {"a": torch.ones(4, dtype=torch.int64)}
+    _raises(r"counts: layer names \['b'\] are not in names", all_reduce_counts, {"b": torch.ones(4, dtype=torch.int64)}, None, names=["a"], n_experts=4)
+    _raises(r"counts\['a'\]: expected a tensor of shape \(4,\)", all_reduce_counts, {"a": torch.ones(3, dtype=torch.int64)}, None, names=["a"], n_experts=4)
+    _raises(r"counts\['a'\]: expected an integer tensor", all_reduce_counts, {"a": torch.ones(4)}, None, names=["a"], n_experts=4)
+    _raises("names: expected unique", all_reduce_counts, good, None, names=["a", "a"], n_experts=4)
+    _raises("names: expected a sequence of layer-name strings", all_reduce_counts, good, None, names="a", n_experts=4)
+    _raises("n_experts: expected >= 1", all_reduce_counts, good, None, names=["a"], n_experts=0)
+    _raises("group: expected", all_reduce_counts, good, None, names=["a"], n_experts=4)
+
+    counts = ops.tokens_per_expert(experts, 4)
+    _raises("n_score_tokens: expected >= 1", global_load_balancing_loss, scores, counts, k=2, n_tokens=6, n_score_tokens=0)
+    _raises("n_tokens: expected >= 1", global_load_balancing_loss, scores, counts, k=2, n_tokens=0)
+    _raises(r"counts: expected a tensor of shape \(4,\)", global_load_balancing_loss, scores, counts[:3], k=2, n_tokens=6)
+
+    _raises(r"values\['x'\]: expected a real 1-element tensor", all_reduce_sums, {"x": torch.ones(2)}, None)
+    _raises(r"values\['x'\]: expected a number", all_reduce_sums, {"x": "1"}, None)
+    _raises("group: expected", all_reduce_sums, {"x": 1.0}, None)
+
+    w = torch.nn.Parameter(torch.zeros(2))
+    _raises("norm_type: expected a number > 0 or inf", grad_norm, [w], norm_type=0)
+    _raises("max_norm: expected a positive number", clip_grad_norm, [w], 0.0)
+    _raises("parameters: expected a tensor or an iterable", grad_norm, 3)
+    _raises(r"parameters\[1\]: expected a tensor", grad_norm, [w, "w"])
