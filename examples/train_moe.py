@@ -42,7 +42,6 @@ from fmoe.optim import AdamW, batch_size_at, build_optimizers, clip_grad_norm, l
 from fmoe.train import checkpoint, metrics
 from fmoe.train.data import BYTE_VOCAB_SIZE, Sampler, load_corpus
 from fmoe.model import Transformer, TransformerConfig
-from fmoe.parallel.muon import DistributedMuon
 
 
 # ------------------------------------------------------------------------------ knobs
@@ -174,7 +173,7 @@ def main(argv: list[str]) -> None:
         optimizers = build_optimizers(model, muon_lr=cfg.lr, adamw_lr=cfg.lr, weight_decay=cfg.weight_decay, ns_dtype=ns_dtype)
     elif cfg.optimizer == "muon":  # each matrix orthogonalised on one rank, the result redistributed
         muon_groups, adamw_groups = split_param_groups(model, muon_lr=cfg.lr, adamw_lr=cfg.lr, weight_decay=cfg.weight_decay)
-        optimizers = [DistributedMuon(muon_groups, lr=cfg.lr, ns_dtype=ns_dtype, model=model), torch.optim.AdamW(adamw_groups, lr=cfg.lr)]
+        optimizers = [parallel.DistributedMuon(muon_groups, lr=cfg.lr, ns_dtype=ns_dtype, model=model), torch.optim.AdamW(adamw_groups, lr=cfg.lr)]
     else:
         sys.exit(f"--optimizer: expected adamw or muon, got {cfg.optimizer!r}")
     for opt in optimizers:  # the schedule scales each group's own lr

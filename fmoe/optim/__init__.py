@@ -6,7 +6,8 @@
     Muon, newton_schulz               Muon for matrices (each expert its own matrix)
     split_param_groups, build_optimizers  Muon for matrices, AdamW for the rest
     clip_grad_norm, Float32GradAccumulator  gradient helpers
-Every step takes `owned=` (the parameters this rank updates), for the distributed Muon.
+Every step takes `owned=` (update only those parameters). fmoe.parallel.muon.DistributedMuon
+is the layer-wise distributed Muon.
 """
 
 from fmoe.optim.adamw import AdamW

@@ -31,7 +31,8 @@ rule and `build_optimizers` returns the two optimizers.
 
 Ownership: `Muon.step(owned=...)` updates only the parameters it is given, leaving the
 others (and their momentum) untouched; the layer-wise distributed Muon assigns each matrix to
-one rank, orthogonalises there and broadcasts the result.
+one rank, gathers the matrix's shards to its owner, orthogonalises there and sends each rank
+its block back (fmoe.parallel.muon.DistributedMuon).
 
 DTensor parameters are updated through their local tensors, which is Muon only when each
 local tensor holds whole matrices: replicated, or sharded over the leading (expert) dims of a
@@ -105,6 +106,21 @@ def shape_scale(shape: torch.Size, scale: str) -> float:
 # -----------------------------------------------------------------------------
 # The optimizer
 
+def check_hyperparameters(group: dict) -> None:
+    """ValueError naming the first bad hyperparameter of a Muon param group (lr,
+    momentum, weight_decay, ns_steps, scale); shared with fmoe.parallel's DistributedMuon."""
+    if group["lr"] < 0:
+        raise ValueError(f"lr: expected >= 0, got {group['lr']}")
+    if not 0 <= group["momentum"] < 1:
+        raise ValueError(f"momentum: expected in [0, 1), got {group['momentum']}")
+    if group["weight_decay"] < 0:
+        raise ValueError(f"weight_decay: expected >= 0, got {group['weight_decay']}")
+    if group["ns_steps"] < 1:
+        raise ValueError(f"ns_steps: expected >= 1, got {group['ns_steps']}")
+    if group["scale"] not in SCALES:
+        raise ValueError(f"scale: expected one of {SCALES}, got {group['scale']!r}")
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -137,16 +153,7 @@ class Muon(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         """Validates the group's hyperparameters and parameter shapes, then adds it."""
         group = {**self.defaults, **param_group}
-        if group["lr"] < 0:
-            raise ValueError(f"lr: expected >= 0, got {group['lr']}")
-        if not 0 <= group["momentum"] < 1:
-            raise ValueError(f"momentum: expected in [0, 1), got {group['momentum']}")
-        if group["weight_decay"] < 0:
-            raise ValueError(f"weight_decay: expected >= 0, got {group['weight_decay']}")
-        if group["ns_steps"] < 1:
-            raise ValueError(f"ns_steps: expected >= 1, got {group['ns_steps']}")
-        if group["scale"] not in SCALES:
-            raise ValueError(f"scale: expected one of {SCALES}, got {group['scale']!r}")
+        check_hyperparameters(group)
         params = [group["params"]] if isinstance(group["params"], torch.Tensor) else list(group["params"])
         for p in params:
             if p.ndim < 2:

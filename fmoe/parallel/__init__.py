@@ -9,11 +9,13 @@ collectives, DCP) arranged for MoE models. DESIGN.md "Parallelism".
     all_reduce_counts, all_reduce_sums   per-layer counts and logged sums, one collective each
     seq_load_balancing_loss_split, global_load_balancing_loss   aux losses over split tokens
     grad_norm, clip_grad_norm          the gradient norm over parameters on several meshes
+    DistributedMuon                    layer-wise Muon: each matrix orthogonalised on one rank
 """
 
 from fmoe.parallel.expert import DispatchMeta, ExpertParallel, combine, dispatch, gather_tokens, split_tokens
 from fmoe.parallel.fsdp import apply_fsdp, dense_data_mesh, parallelize, shard_experts
 from fmoe.parallel.mesh import Meshes, build_meshes, plan_sizes
+from fmoe.parallel.muon import DistributedMuon
 from fmoe.parallel.reduce import (
     all_reduce_counts,
     all_reduce_sums,
@@ -26,6 +28,7 @@ from fmoe.parallel.tensor import copy_to_tp, reduce_from_tp, tensor_parallel_pla
 
 __all__ = [
     "DispatchMeta",
+    "DistributedMuon",
     "ExpertParallel",
     "Meshes",
     "combine",

@@ -3,15 +3,17 @@
 Every worker builds the same toy model from a fixed seed and lays it out as a trainer would:
 dense matrices under fully_shard (HSDP over meshes.dp_mesh, and a block over the 1-D "dp"
 mesh whose smallest matrix leaves a rank an empty shard with 4 ranks), a TP-like matrix
-sharded over a matrix dim (a 2-D (Shard(0), Shard(1)) mesh with 4 ranks), an expert stack
-sharded over its experts on the expert mesh, and a plain replicated matrix. Each rank feeds
-its own tokens; the loss is a sum over tokens divided by the global count and FSDP's
-gradient division is off, so gradients equal the single-process ones. Five steps of
-DistributedMuon (in "sync" mode, wait() after each step; in "hooks" mode, model= hooks only)
-must follow Muon on the concatenated data. A spawn costs seconds of imports, so one spawn
-per world size records everything; the pytest cases assert on the records.
+sharded over a matrix dim (a 2-D (Shard(0), Shard(1)) mesh with 4 ranks), two matrices on
+meshes of half the world that differ between ranks (4 ranks; their gradients summed over
+the other half by hand), expert stacks sharded over their experts on the expert mesh, and a
+plain replicated matrix. Each rank feeds its own tokens; the loss is a sum over tokens
+divided by the global count and FSDP's gradient division is off, so gradients equal the
+single-process ones. Five steps of DistributedMuon (in "sync" mode, wait() after each step;
+in "hooks" mode, model= hooks only) must follow Muon on the concatenated data. A spawn costs
+seconds of imports, so one spawn per world size records everything and the pytest cases
+assert on the records (a worker that raised would leave the others waiting on it).
 
-Legend: T tokens, D model dim, H hidden, R bottleneck, F expert FFN, E experts.
+Legend: T tokens, D model dim, H hidden, R bottleneck, P projection, F expert FFN, E experts.
 """
 
 from __future__ import annotations
@@ -34,11 +36,12 @@ STEPS = 5
 TIMEOUT = 120.0
 # two param groups with different hyperparameters; lr decays through param_groups each step
 GROUPS = (
-    (("inp.weight", "experts.w_up", "tp.weight", "rep.weight"), dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.1)),
-    (("block.mid.weight", "block.up.weight", "experts.w_down"), dict(lr=0.03, momentum=0.8, nesterov=False, scale="spectral")),
+    (("inp.weight", "experts.w_up", "tp.weight", "sub1.weight", "rep.weight"), dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.1)),
+    (("block.mid.weight", "block.up.weight", "experts.w_down", "sub2.weight"), dict(lr=0.03, momentum=0.8, nesterov=False, scale="spectral")),
 )
 LR_DECAY = 0.7
-OWNED = ("inp.weight", "tp.weight", "rep.weight", "block.mid.weight", "block.up.weight")  # NS on one owner
+# NS on one owner (per mesh: sub1 and sub2 live on meshes of half the world with 4 ranks)
+OWNED = ("inp.weight", "tp.weight", "sub1.weight", "sub2.weight", "rep.weight", "block.mid.weight", "block.up.weight")
 LOCAL = ("experts.w_up", "experts.w_down")  # whole matrices on every rank
 
 
@@ -89,11 +92,13 @@ class Toy(nn.Module):
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
-        self.inp, self.experts, self.block, self.tp, self.rep = Linear(D, H), Experts(), Block(), Linear(H, P), Linear(P, D)
+        self.inp, self.experts, self.block, self.tp = Linear(D, H), Experts(), Block(), Linear(H, P)
+        self.sub1, self.sub2, self.rep = Linear(P, P), Linear(P, P), Linear(P, D)
 
     def forward(self, x_TD, expert_T):
         h = self.block(self.experts(torch.tanh(self.inp(x_TD)), expert_T))
-        return self.rep(torch.tanh(self.tp(h)))
+        h = torch.tanh(self.tp(h))
+        return self.rep(torch.tanh(self.sub2(torch.tanh(self.sub1(h)))))
 
 
 def _data(step: int):
@@ -139,24 +144,35 @@ def _meshes(world: int):
 
 
 def _distributed_toy(meshes):
-    """Toy laid out over the world (module docstring)."""
+    """Toy laid out over the world (module docstring). Returns the model and, for the
+    parameters whose mesh is not the whole world, the group over which their gradient is
+    still to be summed after backward."""
     from torch.distributed.fsdp import fully_shard
 
     world = meshes.dense.size()
+    dense = meshes.dense
     if world == 2:
-        tp_mesh, tp_placements = meshes.dense["dp_shard"], [Shard(1)]
+        tp_mesh, tp_placements = dense["dp_shard"], [Shard(1)]
         # shard_experts' layout: experts over ep, the FFN dim over etp (of size 1: still local)
         up_placements, down_placements = [Replicate(), Shard(0), Shard(2)], [Replicate(), Shard(0), Replicate()]
+        sub1_mesh, sub2_mesh, sums = dense["dp_shard"], meshes.batch["dp"], {}
     else:
-        tp_mesh, tp_placements = meshes.dense["dp_replicate", "dp_shard"], [Shard(0), Shard(1)]
+        tp_mesh, tp_placements = dense["dp_replicate", "dp_shard"], [Shard(0), Shard(1)]
         up_placements = [Shard(0), Shard(0), Replicate()]  # one expert per rank
         down_placements = [Replicate(), Shard(0), Shard(1)]  # replicated over edp: computed twice
+        # meshes of half the world that differ between ranks ({0, 1} or {2, 3}; {0, 2} or {1, 3}):
+        # the ranks of each must agree on its owner without seeing the other's parameters
+        sub1_mesh, sub2_mesh = dense["dp_shard"], dense["dp_replicate"]
+        sums = {"sub1.weight": dense.get_group("dp_replicate"), "sub2.weight": dense.get_group("dp_shard")}
     model = Toy()
     for module, mesh in ((model.inp, meshes.dp_mesh), (model.block, meshes.batch["dp"])):
         fully_shard(module, mesh=mesh)
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
     model.tp.weight = nn.Parameter(distribute_tensor(model.tp.weight.detach(), tp_mesh, tp_placements))
+    model.sub1.weight = nn.Parameter(distribute_tensor(model.sub1.weight.detach(), sub1_mesh, [Shard(1)]))
+    model.sub2.weight = nn.Parameter(distribute_tensor(model.sub2.weight.detach(), sub2_mesh, [Shard(0)]))
+    model.gradient_sums = sums
     model.experts.w_up = nn.Parameter(distribute_tensor(model.experts.w_up.detach(), meshes.expert, up_placements))
     model.experts.w_down = nn.Parameter(distribute_tensor(model.experts.w_down.detach(), meshes.expert, down_placements))
     return model
@@ -170,6 +186,12 @@ def _forward_backward(model, rank, world, step) -> float:
     loss = _loss(model, *_my_tokens(rank, world, step))
     loss.backward()
     dist.all_reduce(model.rep.weight.grad)  # the plain replicated matrix: sum over the world
+    params = dict(model.named_parameters())
+    for name, group in model.gradient_sums.items():  # the rest of the world for a half-world mesh
+        local = params[name].grad.to_local()  # an uneven Shard(1) shard is a strided view
+        summed = local.contiguous()
+        dist.all_reduce(summed, group=group)
+        local.copy_(summed)
     total = loss.detach().clone()
     dist.all_reduce(total)
     return total.item()
@@ -218,6 +240,7 @@ def _train(rank, world, meshes, *, hooks: bool, ns_calls: list) -> dict:
         record["dcp"] = _checkpoint_round_trip(rank, world, meshes, model, opt)
         record["params"].append(record["dcp"].pop("saved_params"))
     record["owners"] = {n: opt.owner_of(p) for n, p in params.items()}
+    record["mesh_ranks"] = {n: tuple(p.device_mesh.mesh.flatten().tolist()) if isinstance(p, DTensor) else tuple(range(world)) for n, p in params.items()}
     record["load_per_rank"] = opt.load_per_rank
     return record
 
@@ -226,7 +249,7 @@ def _checkpoint_round_trip(rank, world, meshes, model, opt) -> dict:
     """Right after step() (updates in flight): the model's state dict, then the optimizer's
     (momentum laid out like the parameters); set_state_dict into a fresh model and
     optimizer, then one more step on both; and a model load while updates are in flight."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
     from torch.utils._pytree import tree_map
 
     params = dict(model.named_parameters())
@@ -234,7 +257,7 @@ def _checkpoint_round_trip(rank, world, meshes, model, opt) -> dict:
     msd = get_model_state_dict(model)  # the model's state-dict pre-hook completes the pending updates
     checks["nothing pending after get_model_state_dict"] = not opt.pending
     out = dict(saved_params={n: _full(msd[n]) for n in params}, checks=checks)
-    osd = get_optimizer_state_dict(model, opt)
+    _, osd = get_state_dict(model, opt)
     layouts = []
     for n, p in params.items():
         buf = osd["state"][n]["momentum_buffer"]
@@ -285,13 +308,24 @@ def _nothing_owned(rank, world, meshes) -> dict:
     return dict(owner=opt.owner_of(p), load_per_rank=opt.load_per_rank, start=start, grad=grad, end=_full(p))
 
 
-def _bad_partial(meshes) -> str:
-    p = nn.Parameter(DTensor.from_local(torch.zeros(4, 4), meshes.batch["dp"], [Partial()]))
-    try:
-        DistributedMuon([p])
-    except ValueError as e:
-        return str(e)
-    return "no error"
+def _bad_layouts(meshes) -> dict:
+    """ValueErrors for DTensor layouts: Partial, and (on a 2-D mesh) local shards that are
+    not blocks of the matrix: rows {0, 2} | {1, 3} | {4, 6} | {5, 7} of 8."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    layouts = {"partial": (meshes.batch["dp"], [Partial()], (4, 4))}
+    if meshes.dense.size() == 4:
+        layouts["strided"] = (meshes.dense["dp_replicate", "dp_shard"], [Shard(0), _StridedShard(0, split_factor=2)], (2, 4))
+    messages = {}
+    for name, (mesh, placements, local_shape) in layouts.items():
+        shape = (local_shape[0] * mesh.size(), local_shape[1]) if name == "strided" else local_shape
+        p = nn.Parameter(DTensor.from_local(torch.zeros(local_shape), mesh, placements, run_check=False, shape=torch.Size(shape), stride=(shape[1], 1)))
+        try:
+            DistributedMuon([p])
+            messages[name] = "no error"
+        except ValueError as e:
+            messages[name] = str(e)
+    return messages
 
 
 def _worker(rank: int, world: int) -> dict:
@@ -309,7 +343,7 @@ def _worker(rank: int, world: int) -> dict:
         sync=_train(rank, world, meshes, hooks=False, ns_calls=ns_calls),
         hooks=_train(rank, world, meshes, hooks=True, ns_calls=ns_calls),
         nothing_owned=_nothing_owned(rank, world, meshes),
-        bad_partial=_bad_partial(meshes),
+        bad_layouts=_bad_layouts(meshes),
     )
     return out
 
@@ -356,27 +390,42 @@ def test_async_and_hooks(spawned):
 
 def test_only_owners_run_newton_schulz(spawned, reference):
     size, results = spawned
+    shape = {n: tuple(p.shape) for n, p in reference["params"][0].items()}
     for mode in ("sync", "hooks"):
         for rank, result in enumerate(results):
             record = result[mode]
             assert record["ns_calls"] == record["expected_ns_calls"], (mode, rank)
-        # over all ranks, each owned (2-D) matrix is orthogonalised exactly once per step
-        owned_shapes = sorted(tuple(reference["params"][0][n].shape) for n in OWNED)
+        # each copy of an owned (2-D) matrix, one per distinct mesh, is orthogonalised once per step
+        copies = {(n, r[mode]["mesh_ranks"][n]) for r in results for n in OWNED}
         for step in range(STEPS):
             calls = sorted(c for result in results for c in result[mode]["ns_calls"][step] if len(c) == 2)
-            assert calls == owned_shapes, (mode, step, calls)
+            assert calls == sorted(shape[n] for n, _ in copies), (mode, step, calls)
 
 
-def test_ownership_is_balanced_and_identical(spawned, reference):
+def test_ownership_is_balanced_and_consistent(spawned, reference):
     size, results = spawned
-    owners = results[0]["sync"]["owners"]
-    assert all(result[mode]["owners"] == owners for result in results for mode in ("sync", "hooks"))
-    assert all(owners[n] is None for n in LOCAL)
-    assert all(owners[n] in range(size) for n in OWNED)
     numel = {n: p.numel() for n, p in reference["params"][0].items()}
-    load = {r: sum(numel[n] for n in OWNED if owners[n] == r) for r in range(size)}
-    assert load == {r: results[0]["sync"]["load_per_rank"].get(r, 0) for r in range(size)}
-    assert max(load.values()) <= min(load.values()) + max(numel[n] for n in OWNED), load
+    records = [result[mode] for result in results for mode in ("sync", "hooks")]
+    owner = {}  # (name, mesh ranks) -> owner: the ranks of a mesh agree, the owner is one of them
+    for record in records:
+        assert all(record["owners"][n] is None for n in LOCAL)
+        for n in OWNED:
+            ranks = record["mesh_ranks"][n]
+            assert record["owners"][n] in ranks
+            assert owner.setdefault((n, ranks), record["owners"][n]) == record["owners"][n], (n, ranks)
+    # one table per set of ranks: balanced within it
+    for table in {ranks for _, ranks in owner}:
+        load = {r: sum(numel[n] for (n, ranks), o in owner.items() if ranks == table and o == r) for r in table}
+        largest = max(numel[n] for n, ranks in owner if ranks == table)
+        assert max(load.values()) <= min(load.values()) + largest, (table, load)
+    world = tuple(range(size))
+    assert sum(ranks == world for _, ranks in owner) >= 5  # most matrices are on the world's ranks
+    for rank, result in enumerate(results):
+        expected = {}
+        for n in OWNED:
+            o = result["sync"]["owners"][n]
+            expected[o] = expected.get(o, 0) + numel[n]
+        assert result["sync"]["load_per_rank"] == expected
 
 
 def test_checkpoint_round_trip(spawned):
@@ -400,9 +449,13 @@ def test_rank_owning_nothing_takes_part(spawned):
     assert _rel(record["end"], w.detach()) <= 1e-5
 
 
-def test_partial_parameter_is_refused(spawned):
+def test_bad_layouts_are_refused(spawned):
     size, results = spawned
-    assert all("Partial" in result["bad_partial"] and "params" in result["bad_partial"] for result in results)
+    for result in results:
+        messages = result["bad_layouts"]
+        assert "params" in messages["partial"] and "Partial" in messages["partial"]
+        if size == 4:
+            assert "params" in messages["strided"] and "not blocks" in messages["strided"]
 
 
 # ----------------------------------------------------------------------------------------
