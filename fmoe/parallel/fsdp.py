@@ -32,6 +32,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from fmoe.model import Block, MoE, Transformer
+from fmoe.parallel.expert import ExpertParallel
 from fmoe.parallel.mesh import Meshes
 from fmoe.parallel.tensor import tensor_parallel_plan
 
@@ -45,8 +46,6 @@ def shard_experts(moe: MoE, meshes: Meshes) -> None:
     """Replace a MoE block's expert stacks by DTensors over the expert mesh's (ep, etp):
     experts Shard(0) over ep, the FFN dim over etp (w_gate / w_up dim 2, w_down dim 1), and
     give the block an ExpertParallel dispatcher (which also splits tokens over dense tp)."""
-    from fmoe.parallel.expert import ExpertParallel
-
     E, ep, etp = moe.cfg.n_experts, meshes.ep, meshes.etp
     ffn = moe.experts.w_gate.shape[-1]
     if E % ep:
