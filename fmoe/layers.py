@@ -95,23 +95,24 @@ class MoEConfig:
     impl: str = "auto"
 
 
-def check_expert_weights(x_TH, params, n_experts: int, n_ffn: Optional[int] = None) -> None:
+def check_expert_weights(x_TH, params, n_experts: int, *, experts: str = "experts") -> None:
     """ValueError unless params["w_gate"], ["w_up"] are [E, H, F] and ["w_down"] [E, F, H]
-    in x's dtype (E = n_experts, H = x's hidden size, F = n_ffn when given)."""
+    in x's dtype (E = n_experts, H = x's hidden size); `experts` names what E counts in
+    the message (e.g. "this rank's E/ep experts")."""
     H, E = x_TH.shape[1], n_experts
     w_gate = params.get("w_gate")
-    if w_gate is None or w_gate.ndim != 3 or w_gate.shape[:2] != (E, H) or (n_ffn is not None and w_gate.shape[2] != n_ffn):
-        raise ValueError(f"params['w_gate']: expected [{E}, {H}, {n_ffn or 'F'}] (experts, x's hidden size, FFN), got {getattr(w_gate, 'shape', None)}")
+    if not isinstance(w_gate, torch.Tensor) or w_gate.ndim != 3 or w_gate.shape[:2] != (E, H):
+        raise ValueError(f"params['w_gate']: expected [{E}, {H}, F] ({experts}, x's hidden size, FFN), got {getattr(w_gate, 'shape', None)}")
     F_ = w_gate.shape[2]
     for name, shape in (("w_gate", (E, H, F_)), ("w_up", (E, H, F_)), ("w_down", (E, F_, H))):
         w = params.get(name)
-        if w is None or tuple(w.shape) != shape:
-            raise ValueError(f"params['{name}']: expected {list(shape)}, got {getattr(w, 'shape', None)}")
+        if not isinstance(w, torch.Tensor) or tuple(w.shape) != shape:
+            raise ValueError(f"params['{name}']: expected {list(shape)} ({experts}, hidden, FFN), got {getattr(w, 'shape', None)}")
         if w.dtype != x_TH.dtype:
             raise ValueError(f"params['{name}']: dtype {w.dtype} differs from x's {x_TH.dtype}")
 
 
-def _check_params(x_TH, params, cfg, local=True):
+def _check_params(x_TH, params, cfg):
     if not isinstance(x_TH, torch.Tensor) or x_TH.ndim != 2 or not x_TH.is_floating_point():
         raise ValueError(f"x: expected a 2-D float tensor [T, H], got {getattr(x_TH, 'shape', type(x_TH).__name__)}")
     H, E = x_TH.shape[1], cfg.n_experts
@@ -119,8 +120,6 @@ def _check_params(x_TH, params, cfg, local=True):
     if router is None or router.shape != (E, H) or router.dtype != torch.float32:
         got = f"{tuple(router.shape)} {router.dtype}" if router is not None else "nothing"
         raise ValueError(f"params['router']: expected float32 [{E}, {H}] (E = cfg.n_experts, H = x's hidden size), got {got}")
-    if local:  # a dispatcher checks the expert weights it is given itself
-        check_expert_weights(x_TH, params, E)
     shared = [params.get(n) for n in ("shared_w_gate", "shared_w_up", "shared_w_down")]
     if any(s is not None for s in shared):
         if any(s is None for s in shared):
@@ -152,13 +151,14 @@ def local_experts(x_TH: torch.Tensor, routes, params, cfg: MoEConfig):
     (y [T, H], counts [E] int64 slots each expert received). This is moe()'s default
     `dispatcher`; fmoe.parallel.ExpertParallel is the expert-parallel one.
     """
+    check_expert_weights(x_TH, params, cfg.n_experts)
     x_perm, plan = permute(x_TH, routes.experts, cfg.n_experts, align=cfg.align, impl=cfg.impl)
     # offsets come from our own plan: skip grouped_mlp's value check (a host sync)
     y_perm = grouped_mlp(x_perm, params["w_gate"], params["w_up"], params["w_down"], plan.offsets, check_offsets=False, impl=cfg.impl)
     return unpermute(y_perm, plan, routes.weights, impl=cfg.impl), plan.counts
 
 
-def moe(x: torch.Tensor, params, cfg: MoEConfig, *, dispatcher=None, shared: bool = True):
+def moe(x: torch.Tensor, params, cfg: MoEConfig, *, dispatcher=None):
     """A mixture-of-experts block as a pure function.
 
     Args:
@@ -168,13 +168,12 @@ def moe(x: torch.Tensor, params, cfg: MoEConfig, *, dispatcher=None, shared: boo
         dispatcher: computes the routed experts, dispatcher(x, routes, params, cfg) ->
             (y [T, H], counts [E] of the slots it computed); None: local_experts (all
             experts here). fmoe.parallel.ExpertParallel spreads them over ranks, and then
-            params["w_*"] hold this rank's experts only.
-        shared: add the shared experts of params here (a tensor-parallel caller computes
-            them itself: shared_expert on its own weight shards).
+            params["w_*"] hold this rank's experts only. Whoever computes the experts checks
+            their weights (check_expert_weights).
     Returns:
         (y [T, H] in x's dtype, stats TensorDict): see the module docstring.
     """
-    _check_params(x, params, cfg, local=dispatcher is None)
+    _check_params(x, params, cfg)
     T, E, k = x.shape[0], cfg.n_experts, cfg.k
 
     logits_TE = F.linear(x.float(), params["router"])  # router in float32
@@ -187,7 +186,7 @@ def moe(x: torch.Tensor, params, cfg: MoEConfig, *, dispatcher=None, shared: boo
         routes = drop_by_capacity(routes, E, cfg.capacity_factor, policy=cfg.capacity_policy)
 
     y_TH, counts_E = (dispatcher or local_experts)(x, routes, params, cfg)
-    if shared and params.get("shared_w_gate") is not None:
+    if params.get("shared_w_gate") is not None:
         y_TH = y_TH + shared_expert(x, params, impl=cfg.impl)
 
     load_E = counts_E.float()

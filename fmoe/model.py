@@ -26,16 +26,10 @@ from typing import Optional, Sequence
 import torch
 from tensordict import TensorDict
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from fmoe.layers import AttentionConfig, MoEConfig, attention, local_experts, moe
 from fmoe.ops import linear_cross_entropy, swiglu
-
-
-def _local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """The local shard of a DTensor parameter (expert or tensor parallel; fmoe.parallel sets
-    them up), the tensor itself otherwise. Layers compute on plain local tensors."""
-    return t.to_local() if isinstance(t, DTensor) else t
+from fmoe.ops._common import local_tensor as _local
 
 
 class DenseMLP(nn.Module):

@@ -110,3 +110,12 @@ def check_positive_int(name: str, value, low: int = 1, high: int | None = None) 
         span = f"{low}..{high}" if high is not None else f">= {low}"
         raise ValueError(f"{name}: expected {span}, got {value}")
     return value
+
+
+def local_tensor(t):
+    """The local shard of a DTensor (differentiable: DTensor.to_local), the tensor itself
+    otherwise (None stays None). Layers and optimizers compute on plain local tensors of
+    the DTensors that fmoe.parallel sets up."""
+    from torch.distributed.tensor import DTensor  # torch.distributed only when a DTensor may exist
+
+    return t.to_local() if isinstance(t, DTensor) else t

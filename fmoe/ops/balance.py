@@ -362,13 +362,28 @@ def seq_load_balancing_loss(
     cu = cu_seqlens.to(device=scores.device, dtype=torch.int64)
     B = cu.numel() - 1
     lengths_B = (cu[1:] - cu[:-1]).float()
-    seq_T = sequence_ids(cu, T)
-    score_sum_BE = torch.zeros(B, E, dtype=torch.float32, device=scores.device).index_add_(0, seq_T, scores.float())
+    score_sum_BE, counts_BE = sequence_sums(scores, experts, sequence_ids(cu, T), B)
+    return sequence_loss_from_sums(score_sum_BE, counts_BE, lengths_B, k=k)
+
+
+def sequence_sums(scores: torch.Tensor, experts: torch.Tensor, seq_T: torch.Tensor, n_seq: int):
+    """The two per-sequence sums of the sequence-level loss: score_sum [B, E] float32 (the
+    sum of each sequence's scores, differentiable) and counts [B, E] int64 (slots of each
+    sequence routed to each expert, -1 skipped); seq_T [T] is each token's sequence in
+    [0, B). A caller holding part of the tokens reduces the integer counts over its group
+    (fmoe.parallel.seq_load_balancing_loss_split) and keeps the score sums local."""
+    E, k = scores.shape[1], experts.shape[1]
+    score_sum_BE = torch.zeros(n_seq, E, dtype=torch.float32, device=scores.device).index_add_(0, seq_T, scores.float())
     flat_e = experts.reshape(-1).long()
-    slot_seq = seq_T.repeat_interleave(k)
-    counts_BE = torch.zeros(B * E, dtype=torch.float32, device=scores.device)
-    counts_BE.scatter_add_(0, slot_seq * E + flat_e.clamp(min=0), (flat_e >= 0).float())
-    per_seq_B = (score_sum_BE * counts_BE.view(B, E)).sum(dim=1) * (E / k) / lengths_B.clamp(min=1).square()
+    counts_BE = torch.zeros(n_seq * E, dtype=torch.int64, device=scores.device)
+    counts_BE.scatter_add_(0, seq_T.repeat_interleave(k) * E + flat_e.clamp(min=0), (flat_e >= 0).long())
+    return score_sum_BE, counts_BE.view(n_seq, E)
+
+
+def sequence_loss_from_sums(score_sum_BE, counts_BE, lengths_B, *, k: int) -> torch.Tensor:
+    """mean over non-empty sequences b of E / (k S_b^2) sum_e counts[b,e] score_sum[b,e]."""
+    E = score_sum_BE.shape[1]
+    per_seq_B = (score_sum_BE * counts_BE.float()).sum(dim=1) * (E / k) / lengths_B.clamp(min=1).square()
     nonempty = (lengths_B > 0).sum().clamp(min=1)
     return per_seq_B.sum() / nonempty
 

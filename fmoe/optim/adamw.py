@@ -32,21 +32,16 @@ from typing import Iterable, Optional
 import torch
 import triton
 import triton.language as tl
-from torch.distributed.tensor import DTensor
 
 from fmoe.ops._common import use_triton
 from fmoe.optim.grads import begin_step
+from fmoe.ops._common import local_tensor as _local
 
 STATE_DTYPES = (torch.float32, torch.bfloat16)
 _ROWS = ("param", "grad", "exp_avg", "exp_avg_sq", "master", "numel")  # pointer-table rows
 CHUNK = 65536  # elements per program
 _META = dict(BLOCK=1024, num_warps=4)  # elements per loop iteration of a program
 _ALIGN = 16  # tensors whose addresses (bytes) and size (elements) are multiples of it get vector accesses
-
-
-def _local(x: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor, the tensor itself otherwise."""
-    return x._local_tensor if isinstance(x, DTensor) else x
 
 
 # ----------------------------------------------------------------------------------------

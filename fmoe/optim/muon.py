@@ -56,6 +56,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from fmoe.optim.grads import begin_step
+from fmoe.ops._common import local_tensor as _local
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 SCALES = ("moonlight", "spectral")
@@ -106,6 +107,20 @@ def shape_scale(shape: torch.Size, scale: str) -> float:
 # -----------------------------------------------------------------------------
 # The optimizer
 
+def momentum_direction(buf: torch.Tensor, g: torch.Tensor, momentum: float, nesterov: bool) -> torch.Tensor:
+    """M <- mu M + G in place on `buf`; returns the direction G + mu M (nesterov) or M.
+    Elementwise, so it runs on local shards as well as on whole matrices."""
+    buf.mul_(momentum).add_(g)
+    return g.add(buf, alpha=momentum) if nesterov else buf
+
+
+def apply_update(w: torch.Tensor, update: torch.Tensor, *, lr: float, weight_decay: float, scale: float) -> None:
+    """W <- W (1 - lr wd) - lr s O, in place (w and update: the same block of a matrix)."""
+    if weight_decay:
+        w.mul_(1 - lr * weight_decay)
+    w.add_(update.to(w.dtype), alpha=-lr * scale)
+
+
 def check_hyperparameters(group: dict) -> None:
     """ValueError naming the first bad hyperparameter of a Muon param group (lr,
     momentum, weight_decay, ns_steps, scale); shared with fmoe.parallel's DistributedMuon."""
@@ -119,10 +134,6 @@ def check_hyperparameters(group: dict) -> None:
         raise ValueError(f"ns_steps: expected >= 1, got {group['ns_steps']}")
     if group["scale"] not in SCALES:
         raise ValueError(f"scale: expected one of {SCALES}, got {group['scale']!r}")
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class Muon(torch.optim.Optimizer):
@@ -175,13 +186,9 @@ class Muon(torch.optim.Optimizer):
                 state = self.state[p]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(g)
-                buf = state["momentum_buffer"]
-                buf.mul_(mu).add_(g)
-                direction = g.add(buf, alpha=mu) if group["nesterov"] else buf
+                direction = momentum_direction(state["momentum_buffer"], g, mu, group["nesterov"])
                 update = newton_schulz(direction, steps=group["ns_steps"], dtype=group["ns_dtype"])
-                if wd:
-                    w.mul_(1 - lr * wd)
-                w.add_(update.to(w.dtype), alpha=-lr * shape_scale(w.shape, group["scale"]))
+                apply_update(w, update, lr=lr, weight_decay=wd, scale=shape_scale(w.shape, group["scale"]))
         return loss
 
 

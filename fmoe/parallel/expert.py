@@ -60,6 +60,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from fmoe.layers import check_expert_weights
 from fmoe.ops._common import check_float
 from fmoe.ops.dispatch import permute, unpermute
 from fmoe.ops.experts import grouped_mlp
@@ -315,19 +316,7 @@ class ExpertParallel:
         if routes.weights.shape[0] != T or routes.experts.shape[0] != T:
             shapes = f"{tuple(routes.weights.shape)}, {tuple(routes.experts.shape)}"
             raise ValueError(f"routes: expected weights and experts with x's {T} rows, got {shapes}")
-        L = E // ep
-        w_gate = params.get("w_gate")
-        F = w_gate.shape[-1] if isinstance(w_gate, torch.Tensor) and w_gate.ndim == 3 else "F/etp"
-        expected = {"w_gate": (L, H, F), "w_up": (L, H, F), "w_down": (L, F, H)}
-        for name, shape in expected.items():
-            w = params.get(name)
-            if not isinstance(w, torch.Tensor) or tuple(w.shape) != shape:
-                raise ValueError(
-                    f"params['{name}']: expected this rank's experts [E/ep, ...] = {list(shape)} "
-                    f"(E = {E}, ep = {ep}, H = {H}, F/etp = {F}), got {getattr(w, 'shape', None)}"
-                )
-            if w.dtype != x_TH.dtype:
-                raise ValueError(f"params['{name}']: dtype {w.dtype} differs from x's {x_TH.dtype}")
+        check_expert_weights(x_TH, params, E // ep, experts=f"this rank's E/ep = {E}/{ep} experts, FFN split over etp")
 
     def __call__(self, x_TH: torch.Tensor, routes, params, cfg) -> tuple[torch.Tensor, torch.Tensor]:
         self._check(x_TH, routes, params, cfg)

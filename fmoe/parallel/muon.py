@@ -115,14 +115,10 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
-from fmoe.optim.muon import check_hyperparameters, newton_schulz, shape_scale
+from fmoe.optim.muon import apply_update, check_hyperparameters, momentum_direction, newton_schulz, shape_scale
+from fmoe.ops._common import local_tensor as _local
 
 Block = tuple[slice, ...]  # a rank's shard of a matrix: one slice per dim of the full tensor
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor, the tensor itself otherwise."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _distributed() -> bool:
@@ -218,10 +214,7 @@ class _Update:
     def apply(self, p: torch.Tensor) -> None:
         for work in self.works:
             work.wait()
-        w = _local(p)
-        if self.weight_decay:
-            w.mul_(1 - self.lr * self.weight_decay)
-        w.add_(self.update.to(w.dtype), alpha=-self.lr * self.scale)
+        apply_update(_local(p), self.update, lr=self.lr, weight_decay=self.weight_decay, scale=self.scale)
 
 
 class DistributedMuon(torch.optim.Optimizer):
@@ -395,9 +388,7 @@ class DistributedMuon(torch.optim.Optimizer):
         state = self.state[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p.grad)  # a DTensor laid out like p.grad
-        g, buf, mu = _local(p.grad), _local(state["momentum_buffer"]), group["momentum"]
-        buf.mul_(mu).add_(g)
-        return g.add(buf, alpha=mu) if group["nesterov"] else buf
+        return momentum_direction(_local(state["momentum_buffer"]), _local(p.grad), group["momentum"], group["nesterov"])
 
     def _gather(self, p: torch.Tensor, direction: torch.Tensor, rank: int):
         """Post the gather of p's direction: on the owner, (full D, [(work, buffer, block)]);

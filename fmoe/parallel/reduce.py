@@ -59,6 +59,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from fmoe.ops import load_balancing_loss
+from fmoe.ops.balance import sequence_loss_from_sums, sequence_sums
 from fmoe.ops._common import check_cu_seqlens, check_float, check_index, check_positive_int, checking
 
 Group = Union[dist.ProcessGroup, DeviceMesh]
@@ -192,18 +193,12 @@ def seq_load_balancing_loss_split(
     # does for a whole batch; b indexes the global documents, so the rows of the [B, E]
     # tensors line up on every rank
     seq_T = torch.searchsorted(cu[1:], token_index.to(device=scores.device, dtype=torch.int64), right=True)
-    score_sum_BE = torch.zeros(B, E, dtype=torch.float32, device=scores.device).index_add_(0, seq_T, scores.float())
-    flat_e = experts.reshape(-1).long()
-    slot_seq = seq_T.repeat_interleave(k)
-    counts_BE = torch.zeros(B * E, dtype=torch.int64, device=scores.device)
-    counts_BE.scatter_add_(0, slot_seq * E + flat_e.clamp(min=0), (flat_e >= 0).long())
+    score_sum_BE, counts_BE = sequence_sums(scores, experts, seq_T, B)
     # f needs whole documents: sum the counts (integers, so exact and equal on every rank);
     # the scores stay local, so each rank's gradient is its own rows of the full one
     dist.all_reduce(counts_BE, op=dist.ReduceOp.SUM, group=pg)
     lengths_B = (cu[1:] - cu[:-1]).float()  # whole documents: cu_seqlens is global
-    per_seq_B = (score_sum_BE * counts_BE.view(B, E).float()).sum(dim=1) * (E / k) / lengths_B.clamp(min=1).square()
-    nonempty = (lengths_B > 0).sum().clamp(min=1)
-    return per_seq_B.sum() / nonempty
+    return sequence_loss_from_sums(score_sum_BE, counts_BE, lengths_B, k=k)
 
 
 def all_reduce_counts(
