@@ -52,7 +52,8 @@ from tensordict import TensorDict
 
 from fmoe.ops import aux_scores as _aux_scores
 from fmoe.ops import drop_by_capacity, random_logits, route
-from fmoe.ops._common import IMPLS, check_cu_seqlens, check_index
+from fmoe.ops.backend import IMPLS
+from fmoe.ops.checks import check_cu_seqlens, check_index
 from fmoe.ops.dispatch import permute, unpermute
 from fmoe.ops.experts import grouped_mlp, swiglu
 from fmoe.ops.packed import positions_from_cu_seqlens, sequence_ids

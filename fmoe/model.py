@@ -29,7 +29,7 @@ from torch import nn
 
 from fmoe.layers import AttentionConfig, MoEConfig, attention, local_experts, moe
 from fmoe.ops import linear_cross_entropy, swiglu
-from fmoe.ops._common import local_tensor as _local
+from fmoe.ops.backend import local_tensor as _local
 
 
 class DenseMLP(nn.Module):

@@ -26,16 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
-from fmoe.ops._common import (
-    check_cu_seqlens,
-    check_float,
-    check_index,
-    check_positive_int,
-    next_pow2,
-    use_triton,
-)
+from fmoe.ops.backend import next_pow2, use_triton
+from fmoe.ops.checks import check_cu_seqlens, check_float, check_index, check_positive_int
 from fmoe.ops.packed import sequence_ids
-from fmoe.ops.routing import _NO_ID, _NONE, _order, _rows_per_program, _sort_desc
+from fmoe.ops.topk import NO_ID, NO_KEY, rows_per_program, sort_desc, sort_key
 
 # ----------------------------------------------------------------------------------------
 # 1. Reference
@@ -49,7 +43,7 @@ def aux_scores_ref(logits_TE, k, sigmoid):
         scores_TE = sig_TE / sig_TE.sum(dim=-1, keepdim=True)
     else:
         scores_TE = torch.softmax(x_TE, dim=-1)
-    experts_TK = _sort_desc(scores_TE.detach())[:, :k]
+    experts_TK = sort_desc(scores_TE.detach())[:, :k]
     return scores_TE, experts_TK
 
 
@@ -97,15 +91,15 @@ def _aux_fwd_kernel(
     tl.store(scores_ptr + off, s, mask=live)
 
     # top-k by repeated max of the scores' int32 images, lowest id on ties (routing._order)
-    key = tl.where(live, _order(s), _NONE)
+    key = tl.where(live, sort_key(s), NO_KEY)
     for i in tl.static_range(K):
         best = tl.max(key, axis=1)
-        first = tl.min(tl.where(key == best[:, None], cols_E[None, :], _NO_ID), axis=1)
-        key = tl.where(cols_E[None, :] == first[:, None], _NONE, key)
+        first = tl.min(tl.where(key == best[:, None], cols_E[None, :], NO_ID), axis=1)
+        key = tl.where(cols_E[None, :] == first[:, None], NO_KEY, key)
         tl.store(experts_ptr + rows_T.to(tl.int64) * K + i, first.to(tl.int64), mask=row_ok)
-    # the chosen lanes are the live ones now _NONE; one count reduction over the rows, then
+    # the chosen lanes are the live ones now NO_KEY; one count reduction over the rows, then
     # one atomic per expert per program: integer adds, so the result is deterministic
-    chosen = live & (key == _NONE)
+    chosen = live & (key == NO_KEY)
     tl.atomic_add(counts_ptr + cols_E, tl.sum(chosen.to(tl.int32), axis=0), mask=cols_E < E)
 
 
@@ -165,7 +159,7 @@ def _lse_bwd_kernel(
 
 
 def _row_blocks(E):
-    return dict(BLOCK_T=_rows_per_program(next_pow2(E)), BLOCK_E=next_pow2(E), num_warps=1)
+    return dict(BLOCK_T=rows_per_program(next_pow2(E)), BLOCK_E=next_pow2(E), num_warps=1)
 
 
 def _grid_rows(T, E):

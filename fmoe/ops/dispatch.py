@@ -40,14 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fmoe.ops._common import (
-    check_float,
-    check_index,
-    check_positive_int,
-    checking,
-    next_pow2,
-    use_triton,
-)
+from fmoe.ops.backend import next_pow2, use_triton
+from fmoe.ops.checks import check_float, check_index, check_positive_int, checking
 
 
 class PermutePlan(NamedTuple):

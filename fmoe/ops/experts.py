@@ -35,7 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fmoe.ops._common import FLOAT_DTYPES, check_float, checking, interpreting, next_pow2, use_triton
+from fmoe.ops.backend import interpreting, next_pow2, use_triton
+from fmoe.ops.checks import FLOAT_DTYPES, check_float, checking
 
 # ----------------------------------------------------------------------------------------
 # 1. Reference (the definition of correctness)

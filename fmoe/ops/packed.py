@@ -38,7 +38,8 @@ import triton
 import triton.language as tl
 from tensordict import TensorDict
 
-from fmoe.ops._common import check_cu_seqlens, check_index, check_positive_int, next_pow2, use_triton
+from fmoe.ops.backend import next_pow2, use_triton
+from fmoe.ops.checks import check_cu_seqlens, check_index, check_positive_int
 
 # the integer dtype the kernel sees x as, by element size
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

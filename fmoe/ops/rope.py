@@ -45,7 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fmoe.ops._common import FLOAT_DTYPES, INDEX_DTYPES, check_positive_int, next_pow2, use_triton
+from fmoe.ops.backend import next_pow2, use_triton
+from fmoe.ops.checks import FLOAT_DTYPES, INDEX_DTYPES, check_positive_int
 
 # ----------------------------------------------------------------------------------------
 # 0. Frequencies and scales (host-side scalars and [F] tables)

@@ -30,15 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fmoe.ops._common import (
-    check_float,
-    check_index,
-    check_no_nan,
-    check_positive_int,
-    checking,
-    next_pow2,
-    use_triton,
-)
+from fmoe.ops.backend import next_pow2, use_triton
+from fmoe.ops.checks import check_float, check_index, check_no_nan, check_positive_int, checking
+from fmoe.ops.topk import NO_ID, NO_KEY, key_score, rows_per_program, sort_desc, sort_key
 
 # scoring modes as ints: one tl.constexpr selects the kernel's branch and one int argument
 # of the custom-op schema carries it
@@ -71,27 +65,22 @@ def _scores_ref(logits_TE, score_code, expert_bias_E):
     return sel_TE, sig_TE
 
 
-def _sort_desc(x, dim=-1):
-    """Indices that sort x descending; ties keep the lower index first."""
-    return torch.sort(x, dim=dim, descending=True, stable=True).indices
-
-
 def _topk_experts_ref(sel_TE, k, n_groups, topk_groups):
     """Top-k experts of each row [T,k], best first, optionally group-limited."""
     T, E = sel_TE.shape
-    order_TE = _sort_desc(sel_TE)
+    order_TE = sort_desc(sel_TE)
     if n_groups > 1:
         per_group = k // topk_groups
         top_TGm = torch.topk(sel_TE.view(T, n_groups, E // n_groups), per_group, dim=-1).values
         group_score_TG = top_TGm[..., 0]
         for i in range(1, per_group):  # summed in descending order, as the kernel does
             group_score_TG = group_score_TG + top_TGm[..., i]
-        kept_groups_Tg = _sort_desc(group_score_TG)[:, :topk_groups]
+        kept_groups_Tg = sort_desc(group_score_TG)[:, :topk_groups]
         kept_TG = torch.zeros(T, n_groups, dtype=torch.int8, device=sel_TE.device)
         kept_TG.scatter_(1, kept_groups_Tg, 1)
         kept_TE = kept_TG.repeat_interleave(E // n_groups, dim=1)
         # experts of kept groups first, each part still in descending-score order
-        order_TE = order_TE.gather(1, _sort_desc(kept_TE.gather(1, order_TE)))
+        order_TE = order_TE.gather(1, sort_desc(kept_TE.gather(1, order_TE)))
     return order_TE[:, :k]
 
 
@@ -112,26 +101,6 @@ def route_ref(logits_TE, k, score_code, n_groups, topk_groups, expert_bias_E, sc
 # ----------------------------------------------------------------------------------------
 # 2. Triton kernels
 # ----------------------------------------------------------------------------------------
-
-
-# Selection works on order-preserving int32 images of the float32 scores: integer max and
-# equality are exact, and an unavailable lane (_NONE) sorts below every score, -inf
-# included. Each pick is two warp reductions: the best image, then the lowest id holding
-# it (the reference's tie rule).
-_NONE = tl.constexpr(-(2**31))
-_NO_ID = tl.constexpr(2**30)
-
-
-@triton.jit
-def _order(score):
-    score = tl.where(score == 0.0, 0.0, score)  # -0.0 ties with +0.0, as in the reference
-    bits = score.to(tl.int32, bitcast=True)
-    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
-
-
-@triton.jit
-def _unorder(ordered):
-    return (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -177,36 +146,36 @@ def _route_fwd_kernel(
     if TOPK_GROUPS < G:
         # group score = sum of the group's top PER_GROUP selection scores, best first
         group_score = tl.zeros([BLOCK_T, BLOCK_G], dtype=tl.float32)
-        left = tl.where(live, _order(sel), _NONE)
+        left = tl.where(live, sort_key(sel), NO_KEY)
         for _ in tl.static_range(PER_GROUP):
             best = tl.max(left, axis=2)
-            first = tl.min(tl.where(left == best[:, :, None], j_S[None, None, :], _NO_ID), axis=2)
-            left = tl.where(j_S[None, None, :] == first[:, :, None], _NONE, left)
-            group_score += _unorder(best)
+            first = tl.min(tl.where(left == best[:, :, None], j_S[None, None, :], NO_ID), axis=2)
+            left = tl.where(j_S[None, None, :] == first[:, :, None], NO_KEY, left)
+            group_score += key_score(best)
         # keep the TOPK_GROUPS best groups (lower group index on ties)
-        group_key = tl.where(g_G[None, :] < G, _order(group_score), _NONE)
+        group_key = tl.where(g_G[None, :] < G, sort_key(group_score), NO_KEY)
         kept = g_G[None, :] < 0
         for _ in tl.static_range(TOPK_GROUPS):
             best = tl.max(group_key, axis=1)
-            first = tl.min(tl.where(group_key == best[:, None], g_G[None, :], _NO_ID), axis=1)
+            first = tl.min(tl.where(group_key == best[:, None], g_G[None, :], NO_ID), axis=1)
             hit = g_G[None, :] == first[:, None]
             kept = kept | hit
-            group_key = tl.where(hit, _NONE, group_key)
+            group_key = tl.where(hit, NO_KEY, group_key)
         avail = avail & kept[:, :, None]
 
     # top-k over the flattened row (one reduction axis is far cheaper than two), best
     # first: the max score, then the lowest id holding it
     ROW: tl.constexpr = BLOCK_G * BLOCK_GS
-    key = tl.reshape(tl.where(avail, _order(sel), _NONE), [BLOCK_T, ROW])
+    key = tl.reshape(tl.where(avail, sort_key(sel), NO_KEY), [BLOCK_T, ROW])
     eid = tl.reshape(tl.broadcast_to(eid_GS[None, :, :], [BLOCK_T, BLOCK_G, BLOCK_GS]), [BLOCK_T, ROW])
     k_K = tl.arange(0, BLOCK_K)
     w_TK = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
     id_TK = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
     for i in tl.static_range(K):
         best = tl.max(key, axis=1)
-        first = tl.min(tl.where(key == best[:, None], eid, _NO_ID), axis=1)
-        key = tl.where(eid == first[:, None], _NONE, key)
-        w_TK = tl.where(k_K[None, :] == i, _unorder(best)[:, None], w_TK)
+        first = tl.min(tl.where(key == best[:, None], eid, NO_ID), axis=1)
+        key = tl.where(eid == first[:, None], NO_KEY, key)
+        w_TK = tl.where(k_K[None, :] == i, key_score(best)[:, None], w_TK)
         id_TK = tl.where(k_K[None, :] == i, first[:, None], id_TK)
 
     slot_ok = k_K[None, :] < K
@@ -286,22 +255,13 @@ def _route_bwd_kernel(
     tl.store(grad_logits_ptr + row_off + cols_E[None, :], dl.to(grad_logits_ptr.dtype.element_ty), mask=emask)
 
 
-def _rows_per_program(row_elems: int) -> int:
-    """Rows per one-warp program: about 16 elements of the padded rows per lane, and at
-    least 2 rows. A row then never leaves its warp, so its many reductions are shuffles,
-    never shared memory. Chosen by the SASS per row (benchmarks/kernel_stats.py): 1-4
-    warps of one row each cost more in the forward, and one row per warp made the
-    backward 5x longer."""
-    return max(2, min(128, 512 // row_elems))
-
-
 def _fwd_blocks(E: int, n_groups: int, k: int) -> dict:
     block_g, block_gs = next_pow2(n_groups), next_pow2(E // n_groups)
-    return dict(BLOCK_T=_rows_per_program(block_g * block_gs), BLOCK_G=block_g, BLOCK_GS=block_gs, BLOCK_K=next_pow2(k), num_warps=1)
+    return dict(BLOCK_T=rows_per_program(block_g * block_gs), BLOCK_G=block_g, BLOCK_GS=block_gs, BLOCK_K=next_pow2(k), num_warps=1)
 
 
 def _bwd_blocks(E: int, k: int) -> dict:
-    return dict(BLOCK_T=_rows_per_program(next_pow2(E)), BLOCK_E=next_pow2(E), BLOCK_K=next_pow2(k), num_warps=1)
+    return dict(BLOCK_T=rows_per_program(next_pow2(E)), BLOCK_E=next_pow2(E), BLOCK_K=next_pow2(k), num_warps=1)
 
 
 # ----------------------------------------------------------------------------------------
@@ -506,7 +466,7 @@ def drop_by_capacity(routes: Routes, n_experts: int, capacity_factor: float, *, 
     # dropped slots sort into a virtual expert E, after every real one
     key_e = torch.where(flat_e >= 0, flat_e, n_experts)
     if policy == "probs":
-        order = _sort_desc(weights_TK.detach().reshape(-1))
+        order = sort_desc(weights_TK.detach().reshape(-1))
         order = order[torch.sort(key_e[order], stable=True).indices]
     else:  # flat index order is token order
         order = torch.sort(key_e, stable=True).indices

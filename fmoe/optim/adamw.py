@@ -33,9 +33,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fmoe.ops._common import use_triton
+from fmoe.ops.backend import use_triton
 from fmoe.optim.grads import begin_step
-from fmoe.ops._common import local_tensor as _local
+from fmoe.ops.backend import local_tensor as _local
 
 STATE_DTYPES = (torch.float32, torch.bfloat16)
 _ROWS = ("param", "grad", "exp_avg", "exp_avg_sq", "master", "numel")  # pointer-table rows

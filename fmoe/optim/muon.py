@@ -56,7 +56,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from fmoe.optim.grads import begin_step
-from fmoe.ops._common import local_tensor as _local
+from fmoe.ops.backend import local_tensor as _local
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 SCALES = ("moonlight", "spectral")

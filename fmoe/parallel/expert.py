@@ -61,7 +61,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fmoe.layers import check_expert_weights
-from fmoe.ops._common import check_float
+from fmoe.ops.checks import check_float
 from fmoe.ops.dispatch import permute, unpermute
 from fmoe.ops.experts import grouped_mlp
 from fmoe.ops.routing import Routes

@@ -116,7 +116,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
 from fmoe.optim.muon import apply_update, check_hyperparameters, momentum_direction, newton_schulz, shape_scale
-from fmoe.ops._common import local_tensor as _local
+from fmoe.ops.backend import local_tensor as _local
 
 Block = tuple[slice, ...]  # a rank's shard of a matrix: one slice per dim of the full tensor
 

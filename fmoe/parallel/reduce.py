@@ -60,7 +60,7 @@ from torch.distributed.tensor import DTensor
 
 from fmoe.ops import load_balancing_loss
 from fmoe.ops.balance import sequence_loss_from_sums, sequence_sums
-from fmoe.ops._common import check_cu_seqlens, check_float, check_index, check_positive_int, checking
+from fmoe.ops.checks import check_cu_seqlens, check_float, check_index, check_positive_int, checking
 
 Group = Union[dist.ProcessGroup, DeviceMesh]
 

@@ -66,7 +66,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from fmoe.ops._common import check_positive_int
+from fmoe.ops.checks import check_positive_int
 from fmoe.ops.packed import mtp_targets
 
 EOS = 256

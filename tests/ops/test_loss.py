@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as TF
 
 from fmoe.ops import loss
-from fmoe.ops._common import interpreting
+from fmoe.ops.backend import interpreting
 from fmoe.ops.loss import cross_entropy, linear_cross_entropy
 
 IGNORE = -100

@@ -1,49 +1,20 @@
-"""Helpers shared by the op families: input validation and the Triton/torch dispatch rule.
+"""Input validation shared by the ops: a ValueError that names the argument and says what
+was expected.
 
-Every public op validates its inputs with these (a ValueError naming the argument and what
-was expected), then asks `use_triton` which implementation to run.
+Shape and dtype checks are free. Checks of tensor VALUES (NaN logits, cu_seqlens order, ids
+in range, labels below V) read the tensor on the host: one device->host sync each. Every
+public op that has one takes `check=True`; code on the hot path passes check=False where
+the values are right by construction or were checked once where the batch was made
+(DESIGN.md "One micro-batch, one context"). Value checks are skipped while torch.compile
+traces (`checking()`), where a host read would break the graph.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
-IMPLS = ("auto", "triton", "torch")
-
-
-def next_pow2(n: int) -> int:
-    """Smallest power of two >= n (Triton block sizes must be powers of two)."""
-    return 1 << max(int(n) - 1, 0).bit_length()
-
-
-def interpreting() -> bool:
-    """True when Triton kernels run through the CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def use_triton(impl: str, *tensors: torch.Tensor) -> bool:
-    """The dispatch rule of every op.
-
-    "auto": Triton for CUDA tensors, the torch reference otherwise. "triton": the kernels,
-    on CUDA tensors or, under TRITON_INTERPRET=1, on CPU tensors. "torch": the reference.
-    """
-    if impl not in IMPLS:
-        raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
-    on_cuda = all(t.is_cuda for t in tensors)
-    if impl == "torch":
-        return False
-    if impl == "auto":
-        return on_cuda
-    if not on_cuda and not interpreting():
-        raise ValueError(
-            "impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 set before triton is "
-            "imported, to run the kernels on CPU through the interpreter)"
-        )
-    return True
 
 
 def checking() -> bool:
@@ -110,12 +81,3 @@ def check_positive_int(name: str, value, low: int = 1, high: int | None = None) 
         span = f"{low}..{high}" if high is not None else f">= {low}"
         raise ValueError(f"{name}: expected {span}, got {value}")
     return value
-
-
-def local_tensor(t):
-    """The local shard of a DTensor (differentiable: DTensor.to_local), the tensor itself
-    otherwise (None stays None). Layers and optimizers compute on plain local tensors of
-    the DTensors that fmoe.parallel sets up."""
-    from torch.distributed.tensor import DTensor  # torch.distributed only when a DTensor may exist
-
-    return t.to_local() if isinstance(t, DTensor) else t
