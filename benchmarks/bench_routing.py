@@ -8,7 +8,7 @@ Cases (T tokens, E experts, k per token):
     qwen3  Qwen3-like: E=128, k=8, softmax over the k chosen logits
 each with T = 16384 and 65536 (--smoke: 32 and 128, float32 logits).
 
-Implementations, all through route(..., check_nan=False):
+Implementations, all through route(..., check=False):
     fused     impl="triton": the fused Triton kernels
     eager     impl="torch": the plain-torch reference
     compiled  torch.compile(dynamic=False) of the reference, warmed up before timing
@@ -52,7 +52,7 @@ class Case:
 
     def router(self, impl: str):
         """logits -> Routes by impl, without the NaN check (it syncs with the host)."""
-        return lambda logits: route(logits, self.k, impl=impl, check_nan=False, **self.options)
+        return lambda logits: route(logits, self.k, impl=impl, check=False, **self.options)
 
 
 def make_cases(smoke: bool, device: torch.device) -> list[Case]:

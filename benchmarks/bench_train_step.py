@@ -17,7 +17,14 @@ Implementations:
 
 Columns: median ms per step, tokens/s, TFLOP/s (SPEC 8 FLOPs per token of this batch's
 documents, times tokens, over the time), MFU as the fraction of the bf16 matmul rate measured
-in the same run, peak memory. Goal on an H100: MFU of at least 40% for "fmoe compiled".
+in the same run, peak memory, and the host syncs of one step: `syncs/step` for the whole
+step (forward, losses, backward, clip, optimizer) and `fwd+bwd reads` for the model's
+forward and backward alone. On CUDA syncs/step counts what torch.cuda.set_sync_debug_mode
+reports plus the host reads of tensor values; on CPU (--smoke) it counts the host reads
+(.item, .tolist, .cpu, float/int/bool of a tensor: fmoe.train.metrics.HostReads), the
+stalls the same code makes on a GPU. The eager model's fwd+bwd reads are 0 (a test keeps
+them there); torch.compile's graphs are not instrumented, so their eager remainder is
+counted. Goal on an H100: MFU of at least 40% for "fmoe compiled", zero syncs per step.
 --smoke: float32 on CPU, the interpreter, a tiny model; torch.compile with the aot_eager
 backend (the CPU inductor build takes minutes). CSV: OUT/bench_train_step.csv.
 """
@@ -34,10 +41,11 @@ from _common import (  # before torch and fmoe: with --smoke it sets TRITON_INTE
 import torch  # noqa: E402
 import fmoe.ops as ops  # noqa: E402
 from fmoe.model import Transformer, TransformerConfig  # noqa: E402
-from fmoe.optim import AdamW  # noqa: E402
+from fmoe.optim import AdamW, clip_grad_norm  # noqa: E402
 from fmoe.train import metrics  # noqa: E402
+from fmoe.train.data import make_batch as pack  # noqa: E402
 
-COLUMNS = ["impl", "ms", "tokens/s", "TFLOP/s", "MFU", "peak_GiB"]
+COLUMNS = ["impl", "ms", "tokens/s", "TFLOP/s", "MFU", "peak_GiB", "syncs/step", "fwd+bwd reads"]
 
 GPU = TransformerConfig(vocab_size=32768, hidden=1024, n_layers=12, n_dense=1, ffn_dense=4096, n_experts=64, k=4,
                         ffn_expert=512, n_shared=1, n_heads=16, n_kv_heads=4, head_dim=64, mtp_depth=1)
@@ -46,44 +54,52 @@ SMOKE = TransformerConfig(vocab_size=64, hidden=32, n_layers=2, n_dense=1, ffn_d
 
 
 def make_batch(cfg: TransformerConfig, T: int, device):
-    """A packed micro-batch of documents of random lengths (16 to T/4 tokens)."""
+    """A packed micro-batch of documents of random lengths (16 to T/4 tokens), on device."""
     g = torch.Generator().manual_seed(0)
     lengths, total = [], 0
     while total < T:
         n = min(int(torch.randint(16, max(17, T // 4), (1,), generator=g)), T - total)
         lengths.append(n)
         total += n
-    cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
-    tokens = torch.randint(0, cfg.vocab_size, (T,), generator=g)
-    targets = ops.mtp_targets(tokens, cu, cfg.mtp_depth)
-    main = targets[0]
-    batch = dict(input_ids=main["input_ids"], labels=main["labels"], loss_mask=main["loss_mask"], cu_seqlens=cu,
-                 positions=main["positions"])
-    batch = {k: v.to(device) for k, v in batch.items()}
-    batch["mtp"] = [{k: t[k].to(device) for k in ("input_ids", "labels", "loss_mask", "positions")} for t in targets[1:]]
-    return batch
+    cu = torch.tensor([0] + lengths).cumsum(0)
+    return pack(torch.randint(0, cfg.vocab_size, (T,), generator=g), cu, cfg.mtp_depth).to(device)
 
 
 def make_step(model, forward, optimizer, batch, cfg):
-    valid = batch["loss_mask"].sum()
+    """One training step: forward (context built once), LM + MTP + balancing losses,
+    backward, clip, optimizer step. Returns (step, fwd_bwd) callables."""
+    valid = int(batch["loss_mask"].sum())  # read once here, as the loop does on the host batch
+    ctx = model.context(batch)
 
-    def step():
-        losses, stats = forward(**batch)
+    def fwd_bwd():
+        losses, stats = forward(batch, ctx)
         loss = (losses["lm_sum"] + 0.1 * losses["mtp_1_sum"]) / valid
         for layer in stats.values():
-            loss = loss + 1e-4 * ops.seq_load_balancing_loss(layer["aux_scores"], layer["aux_experts"], batch["cu_seqlens"], k=cfg.k)
+            loss = loss + 1e-4 * ops.seq_load_balancing_loss(layer["aux_scores"], layer["aux_experts"], batch["cu_seqlens"], k=cfg.k, check=False)
             loss = loss + 1e-3 * ops.z_loss(layer["router_logits"])
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+
+    def step():
+        fwd_bwd()
+        clip_grad_norm(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    return step
+    return step, fwd_bwd
+
+
+def host_syncs(step, fwd_bwd, device) -> tuple[int, int]:
+    """(syncs of one whole step, host reads of one forward + backward): see the docstring."""
+    with metrics.HostReads(cuda=device.type == "cuda") as whole:
+        step()
+    with metrics.HostReads() as model_only:
+        fwd_bwd()
+    return whole.count + whole.cuda_syncs, model_only.count
 
 
 def main() -> None:
     args, device, dtype, bandwidth = start(__doc__.splitlines()[0])
     base = SMOKE if args.smoke else GPU
-    T = 256 if args.smoke else 16384
+    T = 64 if args.smoke else 16384
     rate = matmul_rate(device, dtype, 256 if args.smoke else 8192)
     print(f"matmul rate: {rate / 1e12:.3g} TFLOP/s ({dtype})", flush=True)
     batch = make_batch(base, T, device)
@@ -100,8 +116,11 @@ def main() -> None:
         cfg = dataclasses.replace(base, impl=impl)
         model = Transformer(cfg).to(device=device, dtype=dtype)
         forward = torch.compile(model, **compile_kw) if compiled else model
-        step = make_step(model, forward, AdamW(model.parameters(), lr=1e-4, state_dtype=torch.bfloat16), batch, cfg)
+        optimizer = AdamW(model.parameters(), lr=1e-4, state_dtype=torch.bfloat16)
+        step, fwd_bwd = make_step(model, forward, optimizer, batch, cfg)
         step()  # warm-up: compiles, allocates optimizer state
+        syncs, reads = host_syncs(step, fwd_bwd, device)
+        optimizer.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         ms = bench(step, device)
@@ -109,10 +128,11 @@ def main() -> None:
         rows.append({
             "impl": name, "ms": ms, "tokens/s": T / (ms * 1e-3), "TFLOP/s": tflops, "MFU": tflops * 1e12 / rate,
             "peak_GiB": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+            "syncs/step": syncs, "fwd+bwd reads": reads,
             "params": sum(p.numel() for p in model.parameters()), "flops_per_token": flops_per_token, "tokens": T,
         })
-        print(f"{name}: {ms:.1f} ms", flush=True)
-        del model, forward, step
+        print(f"{name}: {ms:.1f} ms, {syncs} host syncs per step, {reads} in forward + backward", flush=True)
+        del model, forward, step, fwd_bwd, optimizer
     finish(args, device, bandwidth, "bench_train_step", [(rows, COLUMNS)], matmul_TFLOPs=rate / 1e12)
 
 

@@ -2,9 +2,11 @@
 
     python examples/train_moe.py                                  # CPU: stdlib corpus, minutes
     python examples/train_moe.py --steps=400 --out_dir=out/long   # any knob as --name=value
-    python examples/train_moe.py --resume=True --steps=600        # continue from out_dir
+    python examples/train_moe.py --model.hidden=256 --model.n_groups=4 --model.topk_groups=2
+    python examples/train_moe.py --resume --steps=600             # continue from out_dir
     python examples/train_moe.py --data=my_texts/                 # a directory of text files
-    python examples/train_moe.py --data=tokens.bin --data_dtype=uint16 --separator=50256 --vocab_size=50304
+    python examples/train_moe.py --data=tokens.bin --data_dtype=uint16 --separator=50256 --model.vocab_size=50304
+    python examples/train_moe.py --deterministic --compile        # bit-reproducible; torch.compile
 
 Several processes (gloo on CPU, nccl on GPUs), one per device; the parallel knobs below:
     torchrun --nproc-per-node 2 examples/train_moe.py                   # FSDP2 over 2 ranks
@@ -17,10 +19,13 @@ the step's micro-batches and the data-parallel ranks take turns, so the same com
 other parallel knobs trains the same model and logs the same losses (up to float rounding).
 
 Everything a step does is below, in order: the batch-size schedule picks the micro-batches,
-each runs forward (LM loss + MTP losses as sums) plus the balancing losses, backward; the
-loss is the sum over valid tokens divided by the step's valid-token count; then clip, the
-optimizer step, the aux-loss-free expert-bias update from the step's actual counts, metrics,
-and checkpoints (a complete one at the end of every run).
+their valid-token counts are read on the host, each moves to the device, gets its context
+(RoPE tables, attention mask: once per micro-batch) and runs forward (LM loss + MTP losses
+as sums) plus the balancing losses, backward; the loss is the sum over valid tokens divided
+by the step's valid-token count; then clip, the optimizer step, the aux-loss-free
+expert-bias update from the step's actual counts, ONE transfer of everything logged to the
+host, metrics, and checkpoints (a complete one at the end of every run). Nothing in the
+forward and backward reads a device value on the host.
 """
 
 from __future__ import annotations
@@ -31,45 +36,33 @@ import os
 import random
 import sys
 import time
-from dataclasses import dataclass
+import typing
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 import fmoe.ops as ops
 import fmoe.parallel as parallel
+from fmoe.model import Transformer, TransformerConfig
 from fmoe.optim import AdamW, batch_size_at, build_optimizers, clip_grad_norm, lr_at, split_param_groups
 from fmoe.train import checkpoint, metrics
-from fmoe.train.data import BYTE_VOCAB_SIZE, Sampler, load_corpus
-from fmoe.model import Transformer, TransformerConfig
+from fmoe.train.data import Sampler, load_corpus
+from fmoe.train.run import set_deterministic, write_config
 
 
 # ------------------------------------------------------------------------------ knobs
 @dataclass
 class Config:
+    # the model: every TransformerConfig field, as --model.<field>=value (e.g. --model.n_groups=4)
+    model: TransformerConfig = field(default_factory=lambda: TransformerConfig(mtp_depth=1))
     # data
     data: str = ""                  # "" = the embedded corpus (this Python's stdlib sources, bytes)
     data_dtype: str = ""            # token files: uint16 | uint32 ("" = from the file suffix)
-    separator: int = -1             # token files: the document separator id
-    vocab_size: int = BYTE_VOCAB_SIZE
+    separator: int = -1             # token files: the document separator id (--model.vocab_size too)
     val_percent: int = 5            # validation documents, split by file name
     tokens_per_micro_batch: int = 1024
     batch_schedule: str = "0:2 2M:4"  # micro-batches per step, by tokens consumed
-    # model
-    hidden: int = 128
-    n_layers: int = 4
-    n_dense: int = 1
-    ffn_dense: int = 384
-    n_experts: int = 8
-    k: int = 2
-    ffn_expert: int = 96
-    n_shared: int = 1
-    score: str = "sigmoid"
-    expert_bias: bool = True
-    n_heads: int = 4
-    n_kv_heads: int = 2
-    head_dim: int = 32
-    mtp_depth: int = 1
     # losses
     mtp_lambda: float = 0.1         # (lambda / D) * sum_d mean CE_d
     seq_aux_coeff: float = 1e-4     # sequence-level balancing loss
@@ -78,11 +71,15 @@ class Config:
     bias_rate: float = 1e-3         # aux-loss-free expert-bias step (sigmoid routing)
     # optimizer and schedule
     optimizer: str = "adamw"        # adamw | muon (Muon for matrices, AdamW for the rest)
+    adamw_state_dtype: str = "float32"  # AdamW's moments: float32 | bfloat16 (half the memory)
     ns_dtype: str = "bfloat16"      # Muon's Newton-Schulz dtype (float32: bit-comparable runs)
     lr: float = 3e-3
     min_lr: float = 3e-4
-    warmup: int = 20
-    lr_style: str = "cosine"
+    init_lr: float = 0.0            # the warmup starts here
+    warmup: int = -1                # steps; -1: 20, or a tenth of a shorter run
+    lr_style: str = "cosine"        # constant | linear | cosine | inverse_sqrt | wsd
+    wsd_decay: int = -1             # wsd: steps of the final decay; -1: a fifth of the run
+    wsd_style: str = "linear"       # wsd: linear | cosine | exponential | minus_sqrt
     weight_decay: float = 0.1
     clip: float = 1.0
     # run
@@ -97,7 +94,8 @@ class Config:
     eval_every: int = 50
     eval_batches: int = 4
     device: str = "auto"            # auto | cpu | cuda
-    compile: bool = False
+    compile: bool = False           # torch.compile the model (forward and backward)
+    deterministic: bool = False     # bit-reproducible runs (fmoe.train.run.set_deterministic)
     # parallelism (under torchrun; fmoe.parallel): world = dp_replicate * dp_shard * cp * tp
     dp_replicate: int = 1           # HSDP replicas
     dp_shard: int = -1              # FSDP2 shards (-1: the rest of the world)
@@ -106,31 +104,71 @@ class Config:
     etp: int = 1                    # expert tensor parallel (the experts' FFN columns)
 
 
+def _type_name(kind) -> str:
+    """'an int', 'a float or None', ... for messages."""
+    optional = typing.get_origin(kind) is typing.Union
+    if optional:
+        kind = next(a for a in typing.get_args(kind) if a is not type(None))
+    name = kind.__name__
+    return ("an " if name[0] in "aeiou" else "a ") + name + (" or None" if optional else "")
+
+
+def _parse_value(name: str, kind, value: str):
+    """value (a string) as the annotated type kind: bool, int, float, str, or Optional[...]."""
+    if typing.get_origin(kind) is typing.Union:  # Optional[X]
+        if value == "None":
+            return None
+        kind = next(a for a in typing.get_args(kind) if a is not type(None))
+    if kind is bool:
+        flags = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+        if value.lower() not in flags:
+            raise ValueError
+        return flags[value.lower()]
+    return kind(value)
+
+
 def parse_args(argv: list[str]) -> Config:
-    """--name=value overrides of Config; unknown names and bad values exit with a message."""
-    cfg, fields = Config(), {f.name: f for f in dataclasses.fields(Config)}
+    """--name=value overrides of Config and --model.name=value of its TransformerConfig; a
+    bare --name sets a bool knob. Unknown names and bad values exit with a message."""
+    cfg = Config()
+    hints = {"": typing.get_type_hints(Config), "model.": typing.get_type_hints(TransformerConfig)}
+    model_overrides = {}
     for arg in argv:
         name, sep, value = arg.removeprefix("--").partition("=")
-        if not arg.startswith("--") or not sep or name not in fields:
-            sys.exit(f"unknown argument {arg!r}; knobs: " + " ".join(f"--{n}=" for n in fields))
-        kind = type(getattr(cfg, name))
+        prefix = "model." if name.startswith("model.") else ""
+        kind = hints[prefix].get(name.removeprefix(prefix)) if name != "model" else None
+        if not arg.startswith("--") or kind is None:
+            knobs = [f"--{n}=" for n in hints[""] if n != "model"] + [f"--model.{n}=" for n in hints["model."]]
+            sys.exit(f"unknown argument {arg!r}; knobs: " + " ".join(knobs))
+        if not sep and kind is not bool:
+            sys.exit(f"--{name}: expected --{name}=<{_type_name(kind).split(' ', 1)[1]}>")
         try:
-            parsed = {"True": True, "False": False}[value] if kind is bool else kind(value)
-        except (KeyError, ValueError):
-            sys.exit(f"--{name}: expected a {kind.__name__}, got {value!r}")
-        setattr(cfg, name, parsed)
+            parsed = _parse_value(name, kind, value) if sep else True
+        except ValueError:
+            sys.exit(f"--{name}: expected {_type_name(kind)}, got {value!r}")
+        if prefix:
+            model_overrides[name.removeprefix(prefix)] = parsed
+        else:
+            setattr(cfg, name, parsed)
+    try:
+        cfg.model = dataclasses.replace(cfg.model, **model_overrides)
+    except ValueError as err:
+        sys.exit(f"model knobs: {err}")
     return cfg
 
 
 def main(argv: list[str]) -> None:
     cfg = parse_args(argv)
     # ------------------------------------------------------------------------ setup
+    if cfg.deterministic:
+        set_deterministic(True)  # before any CUDA work: cuBLAS reads its workspace setting once
     device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else (cfg.device if cfg.device != "auto" else "cpu"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    has_experts = cfg.model.n_layers > cfg.model.n_dense
     sizes = dict(dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, tp=cfg.tp, ep=cfg.ep, etp=cfg.etp)
     try:
-        parallel.plan_sizes(world, **sizes, has_experts=cfg.n_layers > cfg.n_dense)
+        mesh_shape = parallel.plan_sizes(world, **sizes, has_experts=has_experts)
     except ValueError as err:
         sys.exit(f"parallel knobs (--dp_replicate, --dp_shard, --tp, --ep, --etp) for {world} process(es): {err}")
     meshes, rank, dp_rank, dp = None, 0, 0, 1
@@ -139,22 +177,20 @@ def main(argv: list[str]) -> None:
             device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        meshes = parallel.build_meshes(**sizes, has_experts=cfg.n_layers > cfg.n_dense, device_type=device.type)
+        meshes = parallel.build_meshes(**sizes, has_experts=has_experts, device_type=device.type)
         rank, dp_rank, dp = dist.get_rank(), meshes.batch.get_local_rank("dp"), meshes.dp
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     try:
         corpus = load_corpus(cfg.data or None, separator=cfg.separator if cfg.separator >= 0 else None,
-                             vocab_size=cfg.vocab_size if cfg.data else None, dtype=cfg.data_dtype or None)
+                             vocab_size=cfg.model.vocab_size if cfg.data else None, dtype=cfg.data_dtype or None)
     except (OSError, ValueError) as err:
         sys.exit(f"data: {err}")
     train_set, val_set = corpus.split(cfg.val_percent)
-    sampler = Sampler(train_set, cfg.tokens_per_micro_batch, seed=cfg.seed, mtp_depth=cfg.mtp_depth)
-    val_batches = val_set.validation_batches(cfg.tokens_per_micro_batch, cfg.eval_batches, mtp_depth=cfg.mtp_depth)
+    sampler = Sampler(train_set, cfg.tokens_per_micro_batch, seed=cfg.seed, mtp_depth=cfg.model.mtp_depth)
+    val_batches = val_set.validation_batches(cfg.tokens_per_micro_batch, cfg.eval_batches, mtp_depth=cfg.model.mtp_depth)
 
-    # the model knobs above share their names with TransformerConfig's fields
-    model_knobs = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(TransformerConfig) if hasattr(cfg, f.name)}
-    model_cfg = TransformerConfig(**{**model_knobs, "vocab_size": corpus.vocab_size})
+    model_cfg = dataclasses.replace(cfg.model, vocab_size=corpus.vocab_size)
     if meshes is None:
         model = Transformer(model_cfg).to(device=device, dtype=dtype)  # router and expert biases stay float32
     else:  # every rank builds the same model (same seed) and keeps its shards of it
@@ -164,11 +200,11 @@ def main(argv: list[str]) -> None:
         except ValueError as err:
             sys.exit(f"parallel knobs: {err}")
     forward = torch.compile(model) if cfg.compile else model
-    if cfg.ns_dtype not in ("bfloat16", "float32"):
-        sys.exit(f"--ns_dtype: expected bfloat16 or float32, got {cfg.ns_dtype!r}")
-    ns_dtype = getattr(torch, cfg.ns_dtype)
+    if cfg.ns_dtype not in ("bfloat16", "float32") or cfg.adamw_state_dtype not in ("bfloat16", "float32"):
+        sys.exit(f"--ns_dtype, --adamw_state_dtype: expected bfloat16 or float32, got {cfg.ns_dtype!r}, {cfg.adamw_state_dtype!r}")
+    ns_dtype, state_dtype = getattr(torch, cfg.ns_dtype), getattr(torch, cfg.adamw_state_dtype)
     if cfg.optimizer == "adamw":
-        optimizers = [AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)]
+        optimizers = [AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, state_dtype=state_dtype)]
     elif cfg.optimizer == "muon" and meshes is None:
         optimizers = build_optimizers(model, muon_lr=cfg.lr, adamw_lr=cfg.lr, weight_decay=cfg.weight_decay, ns_dtype=ns_dtype)
     elif cfg.optimizer == "muon":  # each matrix orthogonalised on one rank, the result redistributed
@@ -180,6 +216,17 @@ def main(argv: list[str]) -> None:
         for group in opt.param_groups:
             group["base_lr"] = group["lr"]
 
+    # the schedule gives a factor on each group's lr; checked once here, with a message
+    warmup = cfg.warmup if cfg.warmup >= 0 else min(20, cfg.steps // 10)
+    wsd_decay = cfg.wsd_decay if cfg.wsd_decay >= 0 else math.ceil((cfg.steps - warmup) / 5)
+    schedule = dict(max_lr=1.0, total=cfg.steps, warmup=warmup, min_lr=cfg.min_lr / cfg.lr, init_lr=cfg.init_lr / cfg.lr,
+                    style=cfg.lr_style, wsd_decay=wsd_decay if cfg.lr_style == "wsd" else 0, wsd_style=cfg.wsd_style)
+    try:
+        lr_at(0, **schedule)
+        batch_size_at(0, cfg.batch_schedule)
+    except ValueError as err:
+        sys.exit(f"schedule knobs (--steps, --warmup, --lr, --min_lr, --init_lr, --lr_style, --wsd_decay, --wsd_style, --batch_schedule): {err}")
+
     step, tokens_seen = 0, 0
     if cfg.resume and (path := checkpoint.latest(cfg.out_dir)):
         extra = checkpoint.load(path, model=model, optimizers=optimizers)
@@ -190,54 +237,62 @@ def main(argv: list[str]) -> None:
     # records are logged for completed steps step+1, step+2, ...: keep the ones up to step
     logger = metrics.MetricsLogger(cfg.out_dir, rank=rank, total_steps=cfg.steps, start_step=step + 1)
     peak = metrics.peak_flops(device)
+    moe_names = list(model.moe_layers())
+    if rank == 0:
+        n_params = sum(p.numel() for p in model.parameters())
+        per_expert = 3 * model_cfg.hidden * model_cfg.ffn_expert
+        n_active = n_params - len(moe_names) * (model_cfg.n_experts - model_cfg.k) * per_expert
+        first_step = cfg.tokens_per_micro_batch * batch_size_at(tokens_seen, cfg.batch_schedule)
+        mesh = " ".join(f"{k}={v}" for k, v in mesh_shape.items() if v > 1) or "one process"
+        print(f"model: {n_params / 1e6:.2f}M parameters, {n_active / 1e6:.2f}M active per token ({len(moe_names)} MoE layers of "
+              f"{model_cfg.n_experts} experts, top-{model_cfg.k})\n"
+              f"data: {cfg.data or 'the stdlib corpus'}: {len(train_set)} documents, {train_set.n_tokens / 1e6:.1f}M tokens "
+              f"(+ {len(val_set)} for validation); {first_step} tokens per step now (--batch_schedule={cfg.batch_schedule!r})\n"
+              f"run: {cfg.steps} steps on {device} x {world} ({mesh}), {dtype}; warmup {warmup} steps"
+              f"{' (a tenth of this short run)' if cfg.warmup < 0 and warmup < 20 else ''}; out_dir {cfg.out_dir}", flush=True)
+        write_config(cfg.out_dir, dataclasses.asdict(cfg), world_size=world, mesh=mesh_shape, device=str(device),
+                     dtype=str(dtype), warmup=warmup, wsd_decay=schedule["wsd_decay"], vocab_size=corpus.vocab_size)
 
-    def mtp_inputs(batch):
-        """The batch's [D, T] MTP rows as the model's per-depth targets."""
-        keys = ("input_ids", "labels", "loss_mask", "positions")
-        return [{key: batch[f"mtp_{key}"][d] for key in keys} for d in range(cfg.mtp_depth)]
-
-    def run_micro_batch(batch, valid_tokens, n_micro):
-        """Forward of one micro-batch; returns its share of the step's loss and its stats."""
-        losses, stats = forward(batch["input_ids"], batch["labels"], batch["loss_mask"], batch["cu_seqlens"], batch["positions"], mtp_inputs(batch))
-        loss = losses["lm_sum"] / valid_tokens["lm"]
-        for d in range(1, cfg.mtp_depth + 1):
-            loss = loss + cfg.mtp_lambda / cfg.mtp_depth * losses[f"mtp_{d}_sum"] / valid_tokens[d]
-        balancing = {"seq_aux_loss": 0.0, "aux_loss": 0.0, "z_loss": 0.0}  # averaged over layers and micro-batches
-        for layer in stats.values():
-            scale = 1.0 / (len(stats.keys()) * n_micro)
-            terms = {
-                "seq_aux_loss": (cfg.seq_aux_coeff, lambda: ops.seq_load_balancing_loss(layer["aux_scores"], layer["aux_experts"], batch["cu_seqlens"], k=cfg.k)),
-                "aux_loss": (cfg.aux_coeff, lambda: ops.load_balancing_loss(layer["aux_scores"], layer["aux_counts"], k=cfg.k, n_tokens=layer["aux_scores"].shape[0])),
-                "z_loss": (cfg.z_coeff, lambda: ops.z_loss(layer["router_logits"])),
-            }
-            for name, (coeff, term) in terms.items():
-                if coeff:
-                    value = term() * scale
-                    loss = loss + coeff * value
-                    balancing[name] += float(value.detach())
-        return loss, losses, stats, balancing
+    def run_micro_batch(batch, valid, n_micro):
+        """Forward of one micro-batch (on the device): its share of the step's loss, the
+        values to log (tensors) and the MoE stats."""
+        losses, stats = forward(batch, model.context(batch))
+        loss = losses["lm_sum"] / valid["lm"]
+        logged = {"lm_loss": loss.detach()}
+        for d in range(1, model_cfg.mtp_depth + 1):
+            mtp_loss = losses[f"mtp_{d}_sum"] / valid[d]
+            loss = loss + cfg.mtp_lambda / model_cfg.mtp_depth * mtp_loss
+            logged[f"mtp_{d}_loss"] = mtp_loss.detach()
+        # balancing losses: averaged over layers and micro-batches (a layer's sequences are
+        # the micro-batch's documents; its cu_seqlens were checked when the batch was made)
+        scale = 1.0 / (len(moe_names) * n_micro) if moe_names else 0.0
+        terms = {
+            "seq_aux_loss": (cfg.seq_aux_coeff, lambda s: ops.seq_load_balancing_loss(s["aux_scores"], s["aux_experts"], batch["cu_seqlens"], k=model_cfg.k, check=False)),
+            "aux_loss": (cfg.aux_coeff, lambda s: ops.load_balancing_loss(s["aux_scores"], s["aux_counts"], k=model_cfg.k, n_tokens=s["aux_scores"].shape[0])),
+            "z_loss": (cfg.z_coeff, lambda s: ops.z_loss(s["router_logits"])),
+        }
+        for name, (coeff, term) in terms.items():
+            if coeff:
+                value = sum(term(layer) for layer in stats.values()) * scale
+                loss = loss + coeff * value
+                logged[name] = value.detach()
+        return loss, logged, stats
 
     @torch.no_grad()
     def evaluate():
+        """Mean validation loss (a tensor: converted with the step's other values)."""
         model.eval()
         total, count = 0.0, 0
-        for batch in val_batches:
-            b = batch.to(device)
-            losses, _ = model(b["input_ids"], b["labels"], b["loss_mask"], b["cu_seqlens"], b["positions"], mtp_inputs(b))
-            total, count = total + float(losses["lm_sum"]), count + int(losses["lm_tokens"])
+        for host_batch in val_batches:
+            batch = host_batch.to(device)
+            losses, _ = model(batch, model.context(batch))  # eager: no graphs for eval mode
+            total, count = total + losses["lm_sum"], count + int(host_batch["loss_mask"].sum())
         model.train()
         return total / max(count, 1)
 
-    # the schedule gives a factor on each group's lr; checked once here, with a message
-    schedule = dict(max_lr=1.0, total=cfg.steps, warmup=cfg.warmup, min_lr=cfg.min_lr / cfg.lr, style=cfg.lr_style)
-    try:
-        lr_at(0, **schedule)
-        batch_size_at(0, cfg.batch_schedule)
-    except ValueError as err:
-        sys.exit(f"schedule knobs (--steps, --warmup, --lr, --min_lr, --lr_style, --batch_schedule): {err}")
-
     # ------------------------------------------------------------------------ the loop
     last = min(cfg.steps, cfg.stop_at) if cfg.stop_at > 0 else cfg.steps
+    run_start, first = time.perf_counter(), step
     while step < last:
         t0 = time.perf_counter()
         lr_scale = lr_at(step, **schedule)
@@ -245,63 +300,65 @@ def main(argv: list[str]) -> None:
             for group in opt.param_groups:
                 group["lr"] = group["base_lr"] * lr_scale
         n_micro = batch_size_at(tokens_seen, cfg.batch_schedule)
-        batches = [sampler.next_batch().to(device) for _ in range(n_micro)]
-        # the step's valid-token counts: the loss is a sum over tokens divided by these
-        valid = {"lm": sum(int(b["loss_mask"].sum()) for b in batches)}
-        for d in range(1, cfg.mtp_depth + 1):
-            valid[d] = max(1, sum(int(b["mtp_loss_mask"][d - 1].sum()) for b in batches))
+        host_batches = [sampler.next_batch() for _ in range(n_micro)]
+        # the step's valid-token counts, read on the host before the batches move: the loss
+        # is a sum over tokens divided by these
+        valid = {"lm": sum(int(b["loss_mask"].sum()) for b in host_batches)}
+        for d in range(1, model_cfg.mtp_depth + 1):
+            valid[d] = max(1, sum(int(b["mtp_loss_mask"][d - 1].sum()) for b in host_batches))
         # data-parallel ranks take turns over the micro-batches; a rank short of one runs a
         # masked copy with zero loss, so that every rank joins every collective (FSDP, EP)
-        mine = batches[dp_rank::dp]
+        mine = host_batches[dp_rank::dp]
         padding = -(-n_micro // dp) - len(mine)
         counts = {}
         # every key from the start: a rank with only padding sums the same keys (one collective)
-        record = dict.fromkeys(["lm_loss", *(f"mtp_{d}_loss" for d in range(1, cfg.mtp_depth + 1)), "seq_aux_loss", "aux_loss", "z_loss"], 0.0)
-        for i, batch in enumerate(mine + [batches[0]] * padding):
-            loss, losses, stats, balancing = run_micro_batch(batch, valid, n_micro)
+        zero = torch.zeros((), device=device)
+        record = dict.fromkeys(["lm_loss", *(f"mtp_{d}_loss" for d in range(1, model_cfg.mtp_depth + 1)), "seq_aux_loss", "aux_loss", "z_loss"], zero)
+        for i, host_batch in enumerate(mine + [host_batches[0]] * padding):
+            batch = host_batch.to(device, non_blocking=True)
+            if cfg.compile:  # the document count varies by micro-batch: one graph for all
+                torch._dynamo.mark_dynamic(batch["cu_seqlens"], 0)
+            loss, logged, stats = run_micro_batch(batch, valid, n_micro)
             if i >= len(mine):
                 (loss * 0.0).backward()
                 continue
             loss.backward()
-            for name, value in balancing.items():
-                record[name] += value
-            record["lm_loss"] += float(losses["lm_sum"].detach()) / valid["lm"]
-            for d in range(1, cfg.mtp_depth + 1):
-                record[f"mtp_{d}_loss"] += float(losses[f"mtp_{d}_sum"].detach()) / valid[d]
+            for name, value in logged.items():
+                record[name] = record[name] + value
             for name, layer in stats.items():
                 counts[name] = counts.get(name, 0) + layer["tokens_per_expert"]
-        moe_names = list(model.moe_layers())
-        if meshes is None:
-            grad_norm = clip_grad_norm(model.parameters(), cfg.clip)
-        else:  # sums over the data ranks, counts over every rank, one collective each
+        if meshes is not None:  # sums over the data ranks, counts over every rank, one collective each
             record = parallel.all_reduce_sums(record, meshes.group("dp"))
-            counts = parallel.all_reduce_counts(counts, dist.group.WORLD, names=moe_names, n_experts=cfg.n_experts)
-            grad_norm = parallel.clip_grad_norm(model.parameters(), cfg.clip)
+            counts = parallel.all_reduce_counts(counts, dist.group.WORLD, names=moe_names, n_experts=model_cfg.n_experts)
+        grad_norm = clip_grad_norm(model.parameters(), cfg.clip)
         for opt in optimizers:
             opt.step()
             opt.zero_grad(set_to_none=True)
         # aux-loss-free balancing: each MoE layer's bias moves by the step's actual counts
-        if cfg.expert_bias and cfg.bias_rate:
+        if model_cfg.expert_bias and cfg.bias_rate:
             for name, moe in model.moe_layers().items():
                 moe.expert_bias.copy_(ops.update_expert_bias(moe.expert_bias, counts[name], cfg.bias_rate))
 
         step += 1
         step_tokens = n_micro * cfg.tokens_per_micro_batch
         tokens_seen += step_tokens
+        if step % cfg.eval_every == 0 or step == last:
+            record["val_loss"] = evaluate()
+        # the one transfer of the step: every logged value and count comes to the host here
+        if moe_names:  # per MoE layer, in moe_names order: counts, max/mean, CV, dropped share
+            record.update(metrics.layer_loads(torch.stack([counts[n] for n in moe_names]), step_tokens * model_cfg.k))
+        record = metrics.to_host({**record, "grad_norm": grad_norm})
         seconds = time.perf_counter() - t0
         # attention FLOPs from the step's own documents (SPEC 8), not a full-length causal row
-        n_avg_keys = sum(metrics.mean_attended_keys(b["cu_seqlens"]) for b in batches) / n_micro
+        n_avg_keys = sum(metrics.mean_attended_keys(b["cu_seqlens"]) for b in host_batches) / n_micro
         flops_per_token = metrics.model_flops_per_token(model_cfg, n_avg_keys=n_avg_keys)
         record.update(
             step=step, loss=record["lm_loss"], lr=cfg.lr * lr_scale, batch_size=n_micro, tokens=tokens_seen,
-            grad_norm=float(grad_norm), tokens_per_s=step_tokens / seconds,
-            flops_per_token=flops_per_token, mfu=metrics.mfu(step_tokens / seconds / world, flops_per_token, peak),
+            tokens_per_s=step_tokens / seconds, flops_per_token=flops_per_token,
+            mfu=metrics.mfu(step_tokens / seconds / world, flops_per_token, peak),
             peak_memory_gib=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+            eta_seconds=(time.perf_counter() - run_start) / (step - first) * (last - step), moe_layers=moe_names,
         )
-        # expert load per MoE layer (trunk layers, then MTP): counts, max/mean, CV, dropped
-        record.update(metrics.layer_loads(torch.stack([counts[n] for n in moe_names]), slots=step_tokens * cfg.k), moe_layers=moe_names)
-        if step % cfg.eval_every == 0 or step == last:
-            record["val_loss"] = evaluate()
         logger.log(step, record)
         if step % cfg.ckpt_every == 0 or step == last:
             for opt in optimizers:  # a distributed Muon's last update may still be in flight
@@ -311,7 +368,6 @@ def main(argv: list[str]) -> None:
             checkpoint.save(cfg.out_dir, step, model=model, optimizers=optimizers, extra=extra)
             if rank == 0:
                 checkpoint.prune(cfg.out_dir, keep_last=cfg.keep_last, keep_every=cfg.keep_every or None)
-    checkpoint.wait(cfg.out_dir)
     if rank == 0 and math.isfinite(record.get("val_loss", float("nan"))):
         print(f"done: step {step}, validation loss {record['val_loss']:.4f} (bits per byte {record['val_loss'] / math.log(2):.3f})")
     if dist.is_initialized():

@@ -1,31 +1,40 @@
 """Pure functional layers built from fmoe.ops: parameters and config in, (output, stats) out.
 
-    moe(x[T,H], params, cfg) -> (y[T,H], stats)
-    attention(x[T,H], params, cfg, positions[T], cu_seqlens[n+1]) -> (y[T,H], stats)
+    moe(x[T,H], params, cfg, *, experts=None, shared=None) -> (y[T,H], stats)
+    attention_context(cu_seqlens[n+1], positions[T], cfg) -> AttentionContext  (once per micro-batch)
+    attention(x[T,H], params, cfg, ctx) -> (y[T,H], stats)
+    dense_mlp(x[T,H], w_gate, w_up, w_down) -> y[T,H]
+
+Nothing here reads a tensor's values on the host: the forward and backward of every layer
+run without a device->host sync (DESIGN.md "One micro-batch, one context"). Values that
+need checking (cu_seqlens, positions, labels) are checked once, where the batch is made
+(fmoe.train.data.make_batch), and what depends only on the micro-batch (RoPE tables, the
+attention mask) is built once by attention_context and passed to every attention call.
 
 ## moe
 
-route (optionally random or capacity-limited) -> permute -> grouped_mlp (SwiGLU experts)
--> unpermute (gate weights in float32), plus optional shared experts: a dense SwiGLU on
-every token, optionally scaled by sigmoid(x . shared_gate) (Qwen-style). SPEC.md 1-3.
+route (optionally random or capacity-limited) -> the routed experts (permute ->
+grouped_mlp -> unpermute, gate weights in float32; or an expert-parallel callable) -> plus
+the shared experts: a dense SwiGLU on every token, optionally scaled by
+sigmoid(x . shared_gate) (Qwen-style). SPEC.md 1-3.
 
 params (a dict or TensorDict; parameters are the caller's, nothing is kept here):
     router        [E, H] float32    router logits = x.float() @ router.T, in float32
-    w_gate, w_up  [E, H, F]         routed experts, x's dtype
+    w_gate, w_up  [E, H, F]         routed experts, x's dtype (unless `experts` is given)
     w_down        [E, F, H]
     expert_bias   [E] float32       optional, sigmoid scoring: selection only
     shared_w_gate, shared_w_up [H, Fs], shared_w_down [Fs, H]   optional shared experts
+                                    (unless `shared` is given)
     shared_gate   [H]               optional sigmoid gate on the shared output
 
-stats (a TensorDict, batch_size []): what the losses and the bias update need and the load
-numbers worth logging:
+stats (a TensorDict, batch_size []): what the losses and the bias update consume:
     router_logits      [T, E] float32, differentiable: z_loss(stats["router_logits"])
     aux_scores         [T, E] float32, differentiable, and aux_experts [T, k]: the inputs of
-                       load_balancing_loss / seq_load_balancing_loss (when cfg.aux_scores)
-    aux_counts         [E] counts of aux_experts
+                       load_balancing_loss / seq_load_balancing_loss (when cfg.aux_scores),
+                       aux_counts [E] counts of aux_experts (the switch loss's counts)
     tokens_per_expert  [E] int64 slots of the actual routing (after bias, groups, dropping):
-                       update_expert_bias sums these over micro-batches and ranks
-    load_max_over_mean, load_cv, dropped_fraction   0-D float32 (no host sync)
+                       update_expert_bias sums these over micro-batches and ranks, and
+                       fmoe.ops.load_stats turns them into max/mean, CV and dropped fraction
 
 ## attention
 
@@ -34,29 +43,31 @@ RoPE or YaRN on the first rot_dim channels of q and k at the given positions (re
 0 in each document), softmax scale 1/sqrt(head_dim) or YaRN's mscale(s, mscale_all_dim)^2 /
 sqrt(head_dim), and a mask that lets a token see the earlier tokens of its own document
 only, so a document's outputs do not depend on what it is packed with. CUDA: FlexAttention
-with a block mask built from cu_seqlens; CPU: scaled_dot_product_attention with the dense
-mask (the reference). params: wq [H, n_heads*D], wk, wv [H, n_kv_heads*D], wo [n_heads*D, H].
+with a block mask; CPU: scaled_dot_product_attention with the dense mask (the reference).
+params: wq [H, n_heads*D], wk, wv [H, n_kv_heads*D], wo [n_heads*D, H].
 
 Legend: T tokens, H hidden, E experts, K = k slots, F expert FFN size, Fs shared FFN size,
-N query heads, G kv heads, D head dim.
+N query heads, G kv heads, D head dim, R = rot_dim / 2 rotary frequencies.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+import functools
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 from tensordict import TensorDict
 
 from fmoe.ops import aux_scores as _aux_scores
 from fmoe.ops import drop_by_capacity, random_logits, route
 from fmoe.ops.backend import IMPLS
-from fmoe.ops.checks import check_cu_seqlens, check_index
+from fmoe.ops.checks import check_float, check_index
 from fmoe.ops.dispatch import permute, unpermute
 from fmoe.ops.experts import grouped_mlp, swiglu
-from fmoe.ops.packed import positions_from_cu_seqlens, sequence_ids
+from fmoe.ops.packed import sequence_ids
 from fmoe.ops.rope import (
     apply_rope,
     rope_cos_sin,
@@ -65,6 +76,7 @@ from fmoe.ops.rope import (
     yarn_inv_freq,
     yarn_softmax_scale,
 )
+from fmoe.ops.routing import Routes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,8 +88,8 @@ class MoEConfig:
     (None: no dropping) with capacity_policy "probs" or "position". random_routing: route on
     N(0,1) noise instead of the logits (benchmarks). align: pad each expert's rows to a
     multiple (16/32 for fp8 grouped GEMMs). aux_scores: also compute the aux-loss scores.
-    check_nan: route's NaN check (one host sync). impl: "auto" | "triton" | "torch" for
-    every op.
+    check_nan: route's NaN check (a host sync per call; off on the hot path). impl:
+    "auto" | "triton" | "torch" for every op.
     """
 
     n_experts: int
@@ -113,7 +125,10 @@ def check_expert_weights(x_TH, params, n_experts: int, *, experts: str = "expert
             raise ValueError(f"params['{name}']: dtype {w.dtype} differs from x's {x_TH.dtype}")
 
 
-def _check_params(x_TH, params, cfg):
+_SHARED = ("shared_w_gate", "shared_w_up", "shared_w_down")
+
+
+def _check_moe(x_TH, params, cfg, experts, shared) -> None:
     if not isinstance(x_TH, torch.Tensor) or x_TH.ndim != 2 or not x_TH.is_floating_point():
         raise ValueError(f"x: expected a 2-D float tensor [T, H], got {getattr(x_TH, 'shape', type(x_TH).__name__)}")
     H, E = x_TH.shape[1], cfg.n_experts
@@ -121,83 +136,99 @@ def _check_params(x_TH, params, cfg):
     if router is None or router.shape != (E, H) or router.dtype != torch.float32:
         got = f"{tuple(router.shape)} {router.dtype}" if router is not None else "nothing"
         raise ValueError(f"params['router']: expected float32 [{E}, {H}] (E = cfg.n_experts, H = x's hidden size), got {got}")
-    shared = [params.get(n) for n in ("shared_w_gate", "shared_w_up", "shared_w_down")]
-    if any(s is not None for s in shared):
-        if any(s is None for s in shared):
+    for name, fn in (("experts", experts), ("shared", shared)):
+        if fn is not None and not callable(fn):
+            raise ValueError(f"{name}: expected a callable or None, got {type(fn).__name__}")
+    weights = [params.get(n) for n in _SHARED]
+    if shared is not None and any(w is not None for w in weights):
+        raise ValueError("shared: given together with params['shared_w_*']; pass one or the other")
+    if shared is None and any(w is not None for w in weights):
+        if any(w is None for w in weights):
             raise ValueError("params: shared experts need all of shared_w_gate, shared_w_up, shared_w_down")
-        Fs = shared[0].shape[-1]
-        for name, s, shape in zip(("shared_w_gate", "shared_w_up", "shared_w_down"), shared, ((H, Fs), (H, Fs), (Fs, H))):
-            if tuple(s.shape) != shape or s.dtype != x_TH.dtype:
-                raise ValueError(f"params['{name}']: expected {x_TH.dtype} {list(shape)}, got {s.dtype} {list(s.shape)}")
+        Fs = weights[0].shape[-1]
+        for name, w, shape in zip(_SHARED, weights, ((H, Fs), (H, Fs), (Fs, H))):
+            if tuple(w.shape) != shape or w.dtype != x_TH.dtype:
+                raise ValueError(f"params['{name}']: expected {x_TH.dtype} {list(shape)}, got {w.dtype} {list(w.shape)}")
     gate = params.get("shared_gate")
-    if gate is not None and (shared[0] is None or tuple(gate.shape) != (H,)):
-        raise ValueError(f"params['shared_gate']: expected [{H}] alongside the shared expert weights, got {tuple(gate.shape)}")
+    has_shared = shared is not None or weights[0] is not None
+    if gate is not None and (not has_shared or tuple(gate.shape) != (H,)):
+        raise ValueError(f"params['shared_gate']: expected [{H}] alongside shared experts, got {tuple(gate.shape)}")
 
 
-def shared_expert(x_TH: torch.Tensor, params, *, impl: str = "auto") -> torch.Tensor:
-    """Dense SwiGLU of every token, times sigmoid(x . shared_gate) when that gate is given."""
-    h_TF = swiglu(x_TH @ params["shared_w_gate"], x_TH @ params["shared_w_up"], impl=impl)
-    y_TH = h_TF @ params["shared_w_down"]
-    gate = params.get("shared_gate")
-    if gate is not None:
-        y_TH = y_TH * torch.sigmoid(x_TH @ gate)[:, None]
-    return y_TH
+def dense_mlp(x_TH: torch.Tensor, w_gate_HF, w_up_HF, w_down_FH, *, impl: str = "auto") -> torch.Tensor:
+    """SwiGLU (silu(x w_gate) * (x w_up)) w_down: x [T, H], w_gate / w_up [H, F],
+    w_down [F, H] -> [T, H]. The dense blocks' MLP and the shared experts."""
+    return swiglu(x_TH @ w_gate_HF, x_TH @ w_up_HF, impl=impl) @ w_down_FH
 
 
-def local_experts(x_TH: torch.Tensor, routes, params, cfg: MoEConfig):
+def local_experts(x_TH: torch.Tensor, routes: Routes, params, cfg: MoEConfig):
     """The routed experts on this process: permute -> grouped_mlp -> unpermute.
 
     x [T, H], routes (weights, experts [T, k]) over cfg.n_experts experts whose stacked
     weights are params["w_gate"], ["w_up"] [E, H, F], ["w_down"] [E, F, H]. Returns
-    (y [T, H], counts [E] int64 slots each expert received). This is moe()'s default
-    `dispatcher`; fmoe.parallel.ExpertParallel is the expert-parallel one.
+    (y [T, H], counts [E] int64 slots each expert received). No host sync: the expert ids
+    come from route (valid by construction) and the offsets from permute's own plan, so
+    neither op re-checks their values. fmoe.parallel.ExpertParallel is the expert-parallel
+    counterpart, with the same call signature.
     """
     check_expert_weights(x_TH, params, cfg.n_experts)
-    x_perm, plan = permute(x_TH, routes.experts, cfg.n_experts, align=cfg.align, impl=cfg.impl)
-    # offsets come from our own plan: skip grouped_mlp's value check (a host sync)
-    y_perm = grouped_mlp(x_perm, params["w_gate"], params["w_up"], params["w_down"], plan.offsets, check_offsets=False, impl=cfg.impl)
+    x_perm, plan = permute(x_TH, routes.experts, cfg.n_experts, align=cfg.align, check=False, impl=cfg.impl)
+    y_perm = grouped_mlp(x_perm, params["w_gate"], params["w_up"], params["w_down"], plan.offsets, check=False, impl=cfg.impl)
     return unpermute(y_perm, plan, routes.weights, impl=cfg.impl), plan.counts
 
 
-def moe(x: torch.Tensor, params, cfg: MoEConfig, *, dispatcher=None):
-    """A mixture-of-experts block as a pure function.
+def moe(
+    x: torch.Tensor,
+    params,
+    cfg: MoEConfig,
+    *,
+    experts: Optional[Callable] = None,
+    shared: Optional[Callable] = None,
+):
+    """A mixture-of-experts block as a pure function; no host sync.
 
     Args:
         x: [T, H] tokens (float32 / bfloat16 / float16).
         params: dict or TensorDict, see the module docstring.
         cfg: MoEConfig.
-        dispatcher: computes the routed experts, dispatcher(x, routes, params, cfg) ->
-            (y [T, H], counts [E] of the slots it computed); None: local_experts (all
-            experts here). fmoe.parallel.ExpertParallel spreads them over ranks, and then
-            params["w_*"] hold this rank's experts only. Whoever computes the experts checks
-            their weights (check_expert_weights).
+        experts: the routed experts, experts(x [T, H], routes) -> (y [T, H], counts [E]
+            int64 of the slots computed). None: local_experts over params["w_*"] (every
+            expert on this process). fmoe.model.MoE passes its GroupedExperts child (an FSDP
+            unit, made expert-parallel by fmoe.parallel).
+        shared: the shared experts, shared(x [T, H]) -> [T, H]. None: dense_mlp over
+            params["shared_w_*"] when they are given, else no shared experts. fmoe.model.MoE
+            passes its DenseMLP child (tensor parallelism hooks it). Either way the
+            optional gate sigmoid(x . params["shared_gate"]) scales its output here.
     Returns:
         (y [T, H] in x's dtype, stats TensorDict): see the module docstring.
     """
-    _check_params(x, params, cfg)
-    T, E, k = x.shape[0], cfg.n_experts, cfg.k
+    _check_moe(x, params, cfg, experts, shared)
+    E, k = cfg.n_experts, cfg.k
 
     logits_TE = F.linear(x.float(), params["router"])  # router in float32
     routes = route(
         random_logits(logits_TE) if cfg.random_routing else logits_TE, k,
         score=cfg.score, pre_softmax=cfg.pre_softmax, n_groups=cfg.n_groups, topk_groups=cfg.topk_groups,
-        expert_bias=params.get("expert_bias"), scale=cfg.scale, check_nan=cfg.check_nan, impl=cfg.impl,
+        expert_bias=params.get("expert_bias"), scale=cfg.scale, check=cfg.check_nan, impl=cfg.impl,
     )
     if cfg.capacity_factor is not None:
-        routes = drop_by_capacity(routes, E, cfg.capacity_factor, policy=cfg.capacity_policy)
+        routes = drop_by_capacity(routes, E, cfg.capacity_factor, policy=cfg.capacity_policy, check=False)
 
-    y_TH, counts_E = (dispatcher or local_experts)(x, routes, params, cfg)
-    if params.get("shared_w_gate") is not None:
-        y_TH = y_TH + shared_expert(x, params, impl=cfg.impl)
+    if experts is None:
+        y_TH, counts_E = local_experts(x, routes, params, cfg)
+    else:
+        y_TH, counts_E = experts(x, routes)
+    if shared is None and params.get("shared_w_gate") is not None:
+        shared = functools.partial(dense_mlp, w_gate_HF=params["shared_w_gate"], w_up_HF=params["shared_w_up"],
+                                   w_down_FH=params["shared_w_down"], impl=cfg.impl)
+    if shared is not None:
+        y_shared_TH = shared(x)
+        gate = params.get("shared_gate")
+        if gate is not None:  # on the complete shared output (after any tensor-parallel sum)
+            y_shared_TH = y_shared_TH * torch.sigmoid(x @ gate.to(x.dtype))[:, None]
+        y_TH = y_TH + y_shared_TH
 
-    load_E = counts_E.float()
-    stats = {
-        "router_logits": logits_TE,
-        "tokens_per_expert": counts_E,
-        "load_max_over_mean": load_E.max() / load_E.mean().clamp(min=1e-9),
-        "load_cv": load_E.std(correction=0) / load_E.mean().clamp(min=1e-9),
-        "dropped_fraction": (routes.experts < 0).float().mean() if T else torch.zeros((), device=x.device),
-    }
+    stats = {"router_logits": logits_TE, "tokens_per_expert": counts_E}
     if cfg.aux_scores:
         scores_TE, experts_TK, counts = _aux_scores(logits_TE, k, score=cfg.score, return_counts=True, impl=cfg.impl)
         stats.update(aux_scores=scores_TE, aux_experts=experts_TK, aux_counts=counts)
@@ -238,7 +269,7 @@ class AttentionConfig:
 
 
 def rope_tables(positions: torch.Tensor, cfg: AttentionConfig):
-    """(cos, sin) [T, rot_dim/2] for cfg's RoPE or YaRN at positions [T]."""
+    """(cos, sin) [T, rot_dim/2] float32 for cfg's RoPE or YaRN at positions [T]."""
     rot = cfg.rot_dim or cfg.head_dim
     if cfg.yarn_factor is None:
         return rope_cos_sin(positions, rope_inv_freq(rot, base=cfg.rope_base).to(positions.device))
@@ -258,89 +289,131 @@ def softmax_scale(cfg: AttentionConfig) -> float:
     return yarn_softmax_scale(cfg.head_dim, factor=cfg.yarn_factor, mscale_all_dim=cfg.yarn_mscale_all_dim)
 
 
-_flex_compiled = None
+@dataclasses.dataclass(frozen=True)
+class AttentionContext:
+    """What attention needs from one micro-batch: built once by attention_context and
+    shared by every attention call over the same tokens (every layer; the MTP depths share
+    the mask and have their own positions, see attention_context's `mask=`).
+
+    cos, sin: [T, R] float32 RoPE / YaRN tables at the tokens' positions.
+    mask: which keys each query sees (the earlier tokens of its own document): a [T, T]
+        bool tensor for the SDPA reference, or a FlexAttention BlockMask.
+    """
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    mask: object
 
 
-def _flex(q_NTD, k_GTD, v_GTD, doc_T, scale):
-    """FlexAttention with a causal, same-document block mask. Compiled on CUDA (the fused
-    kernel); on CPU the eager path, which tests the mask against the reference."""
-    global _flex_compiled
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    def same_doc_causal(b, h, q_idx, kv_idx):
-        return (doc_T[q_idx] == doc_T[kv_idx]) & (kv_idx <= q_idx)
-
-    T = q_NTD.shape[1]
-    block_mask = create_block_mask(same_doc_causal, None, None, T, T, device=q_NTD.device)
-    fn = flex_attention
-    if q_NTD.is_cuda:
-        if _flex_compiled is None:  # compile once; a cache of the compiled kernel, not of results
-            _flex_compiled = torch.compile(flex_attention)
-        fn = _flex_compiled
-    out = fn(q_NTD[None], k_GTD[None], v_GTD[None], block_mask=block_mask, scale=scale, enable_gqa=True)
-    return out[0]
+def _use_flex(impl: str, device: torch.device) -> bool:
+    if impl not in IMPLS + ("flex",):
+        raise ValueError(f"cfg.impl: expected one of {IMPLS + ('flex',)}, got {impl!r}")
+    return impl == "flex" or (impl == "auto" and device.type == "cuda")
 
 
-def _sdpa(q_NTD, k_GTD, v_GTD, doc_T, scale):
-    T = q_NTD.shape[1]
-    causal = torch.ones(T, T, dtype=torch.bool, device=q_NTD.device).tril()
-    mask_TT = causal & (doc_T[:, None] == doc_T[None, :])
-    return F.scaled_dot_product_attention(q_NTD, k_GTD, v_GTD, attn_mask=mask_TT, scale=scale, enable_gqa=True)
+def document_mask(cu_seqlens: torch.Tensor, n_tokens: int, *, flex: bool):
+    """The causal, same-document mask of a packed micro-batch: a FlexAttention BlockMask
+    (flex=True) or a [T, T] bool tensor, True where query t may attend to key s (s <= t
+    and both in the same document). No host sync; built once per micro-batch."""
+    doc_T = sequence_ids(cu_seqlens, n_tokens)
+    if flex:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def same_doc_causal(b, h, q_idx, kv_idx):
+            return (doc_T[q_idx] == doc_T[kv_idx]) & (kv_idx <= q_idx)
+
+        return create_block_mask(same_doc_causal, None, None, n_tokens, n_tokens, device=cu_seqlens.device)
+    causal_TT = torch.ones(n_tokens, n_tokens, dtype=torch.bool, device=cu_seqlens.device).tril()
+    return causal_TT & (doc_T[:, None] == doc_T[None, :])
 
 
-def _check_attention(x_TH, params, cfg, positions, cu_seqlens):
-    if not isinstance(x_TH, torch.Tensor) or x_TH.ndim != 2 or not x_TH.is_floating_point():
-        raise ValueError(f"x: expected a 2-D float tensor [T, H], got {getattr(x_TH, 'shape', type(x_TH).__name__)}")
+def attention_context(
+    cu_seqlens: torch.Tensor, positions: torch.Tensor, cfg: AttentionConfig, *, mask=None,
+) -> AttentionContext:
+    """The per-micro-batch inputs of attention, built once and passed to every layer.
+
+    Args:
+        cu_seqlens: [n + 1] int document bounds 0 ... T, on the device attention runs on.
+            Its values are NOT read (no host sync): check them where the batch is made
+            (fmoe.train.data.make_batch does, on the host).
+        positions: [T] int positions for RoPE (restarting at 0 in each document).
+        cfg: AttentionConfig (its RoPE / YaRN knobs and impl pick the tables and the mask).
+        mask: an existing context's mask to share (the MTP depths: same documents, other
+            positions); None builds it (document_mask).
+    Returns:
+        AttentionContext(cos, sin [T, rot_dim/2] float32, mask): a FlexAttention BlockMask
+        when cfg.impl is "flex", or "auto" on CUDA; the dense [T, T] mask otherwise.
+    """
+    check_index("cu_seqlens", cu_seqlens, 1, "[n_seqs + 1]")
+    check_index("positions", positions, 1, "[T]")
+    if cu_seqlens.device != positions.device:
+        raise ValueError(f"cu_seqlens: expected positions' device {positions.device}, got {cu_seqlens.device}")
+    rot = cfg.rot_dim or cfg.head_dim
+    if rot % 2 or rot > cfg.head_dim:
+        raise ValueError(f"cfg.rot_dim: expected an even number <= head_dim = {cfg.head_dim}, got {rot}")
+    T = positions.shape[0]
+    flex = _use_flex(cfg.impl, positions.device)
+    if mask is None:
+        mask = document_mask(cu_seqlens, T, flex=flex)
+    elif isinstance(mask, torch.Tensor) == flex or (isinstance(mask, torch.Tensor) and mask.shape != (T, T)):
+        raise ValueError(f"mask: expected {'a BlockMask' if flex else f'a [{T}, {T}] bool tensor'} (cfg.impl = {cfg.impl!r}), got {type(mask).__name__}")
+    cos, sin = rope_tables(positions, cfg)
+    return AttentionContext(cos, sin, mask)
+
+
+@functools.cache
+def _compiled_flex():
+    """flex_attention compiled once per process (its fused kernel exists only compiled)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention)
+
+
+def _check_attention(x_TH, params, cfg, ctx) -> None:
+    check_float("x", x_TH, 2, "[T, H]")
     T, H = x_TH.shape
     N, G, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     if N < 1 or G < 1 or N % G:
         raise ValueError(f"cfg.n_kv_heads: the {N} query heads must split evenly over the kv heads, got n_kv_heads = {G}")
-    rot = cfg.rot_dim or D
-    if rot % 2 or rot > D:
-        raise ValueError(f"cfg.rot_dim: expected an even number <= head_dim = {D}, got {rot}")
-    if cfg.impl not in IMPLS + ("flex",):
-        raise ValueError(f"cfg.impl: expected one of {IMPLS + ('flex',)}, got {cfg.impl!r}")
     for name, shape in (("wq", (H, N * D)), ("wk", (H, G * D)), ("wv", (H, G * D)), ("wo", (N * D, H))):
         w = params.get(name)
         if w is None or tuple(w.shape) != shape or w.dtype != x_TH.dtype:
             got = f"{w.dtype} {list(w.shape)}" if w is not None else "nothing"
             raise ValueError(f"params['{name}']: expected {x_TH.dtype} {list(shape)}, got {got}")
-    check_cu_seqlens(cu_seqlens, T)
-    if positions is not None:
-        check_index("positions", positions, 1, "[T]")
-        if positions.shape[0] != T:
-            raise ValueError(f"positions: expected {T} entries (one per token), got {positions.shape[0]}")
+    if not isinstance(ctx, AttentionContext):
+        raise ValueError(f"ctx: expected the AttentionContext of attention_context(...), got {type(ctx).__name__}")
+    rot = cfg.rot_dim or D
+    if ctx.cos.shape != (T, rot // 2):
+        raise ValueError(f"ctx: RoPE tables of shape {tuple(ctx.cos.shape)} do not fit x's {T} tokens and rot_dim {rot} (expected ({T}, {rot // 2}))")
 
 
-def attention(x: torch.Tensor, params, cfg: AttentionConfig, positions: Optional[torch.Tensor], cu_seqlens: torch.Tensor):
-    """Causal grouped-query self-attention over packed documents.
+def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionContext):
+    """Causal grouped-query self-attention over packed documents; no host sync.
 
     Args:
         x: [T, H] packed tokens. params: wq, wk, wv, wo (module docstring).
         cfg: AttentionConfig.
-        positions: [T] int positions for RoPE (None: restart at 0 in each document).
-        cu_seqlens: [n + 1] int document boundaries, 0 ... T.
+        ctx: the micro-batch's AttentionContext (attention_context): RoPE tables and mask.
     Returns:
         (y [T, H] in x's dtype, stats): stats is an empty TensorDict (attention has no
         losses), kept for the layers' common (output, stats) form.
     """
-    _check_attention(x, params, cfg, positions, cu_seqlens)
-    T = x.shape[0]
-    N, G, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    cu = cu_seqlens.to(x.device)
-    if positions is None:
-        positions = positions_from_cu_seqlens(cu)
+    _check_attention(x, params, cfg, ctx)
+    N, G = cfg.n_heads, cfg.n_kv_heads
     rope_impl = "torch" if cfg.impl == "torch" else "auto"
-    cos, sin = rope_tables(positions.to(x.device), cfg)
-    q_TND = apply_rope((x @ params["wq"]).view(T, N, D), cos, sin, interleaved=cfg.interleaved, impl=rope_impl)
-    k_TGD = apply_rope((x @ params["wk"]).view(T, G, D), cos, sin, interleaved=cfg.interleaved, impl=rope_impl)
-    v_TGD = (x @ params["wv"]).view(T, G, D)
+    q_TND = apply_rope(rearrange(x @ params["wq"], "t (n d) -> t n d", n=N), ctx.cos, ctx.sin, interleaved=cfg.interleaved, impl=rope_impl)
+    k_TGD = apply_rope(rearrange(x @ params["wk"], "t (g d) -> t g d", g=G), ctx.cos, ctx.sin, interleaved=cfg.interleaved, impl=rope_impl)
+    v_TGD = rearrange(x @ params["wv"], "t (g d) -> t g d", g=G)
+    q_NTD, k_GTD, v_GTD = (rearrange(t, "t h d -> h t d") for t in (q_TND, k_TGD, v_TGD))
+    if isinstance(ctx.mask, torch.Tensor):  # the reference
+        out_NTD = F.scaled_dot_product_attention(q_NTD, k_GTD, v_GTD, attn_mask=ctx.mask, scale=softmax_scale(cfg), enable_gqa=True)
+    else:
+        if not x.is_cuda and torch.is_grad_enabled() and (x.requires_grad or any(params[n].requires_grad for n in ("wq", "wk", "wv"))):
+            raise ValueError("cfg.impl: FlexAttention has no backward on CPU; use impl='torch' (or 'auto') to train on CPU")
+        from torch.nn.attention.flex_attention import flex_attention
 
-    doc_T = sequence_ids(cu, T)
-    use_flex = cfg.impl == "flex" or (cfg.impl == "auto" and x.is_cuda)
-    if use_flex and not x.is_cuda and torch.is_grad_enabled() and (x.requires_grad or any(params[n].requires_grad for n in ("wq", "wk", "wv"))):
-        raise ValueError("cfg.impl: FlexAttention has no backward on CPU; use impl='torch' (or 'auto') to train on CPU")
-    attend = _flex if use_flex else _sdpa
-    out_NTD = attend(q_TND.transpose(0, 1), k_TGD.transpose(0, 1), v_TGD.transpose(0, 1), doc_T, softmax_scale(cfg))
-    y_TH = out_NTD.transpose(0, 1).reshape(T, N * D) @ params["wo"]
+        # the fused kernel on CUDA; eager on CPU, which tests the mask against the reference
+        flex = _compiled_flex() if x.is_cuda else flex_attention
+        out_NTD = flex(q_NTD[None], k_GTD[None], v_GTD[None], block_mask=ctx.mask, scale=softmax_scale(cfg), enable_gqa=True)[0]
+    y_TH = rearrange(out_NTD, "n t d -> t (n d)") @ params["wo"]
     return y_TH, TensorDict({}, batch_size=[])

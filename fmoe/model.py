@@ -1,8 +1,9 @@
 """nn.Modules that own parameters and call fmoe.layers, and the reference MoE transformer.
 
     MoE(hidden, ffn, cfg)(x[..., H]) -> (y[..., H], stats)
-    Transformer(TransformerConfig(...))(input_ids[T], labels[T], loss_mask[T], cu_seqlens[n+1],
-                                         positions[T], mtp) -> (losses, stats)
+    model = Transformer(TransformerConfig(...))
+    ctx = model.context(batch)            # once per micro-batch: RoPE tables, attention mask
+    losses, stats = model(batch, ctx)     # batch: fmoe.train.data.make_batch's TensorDict
 
 The reference transformer is a decoder over packed documents (DeepSeek-V3 style), built only
 from fmoe.layers and fmoe.ops: token embedding, `n_dense` dense SwiGLU blocks then MoE
@@ -14,6 +15,10 @@ tokens, h' = W_proj [norm(emb); norm(h)], runs one block, and predicts with the 
 Its forward returns losses as SUMS over valid tokens with their counts, so that a train loop
 divides by the step's global valid-token count (DESIGN.md: gradients then do not depend on
 how tokens are split over ranks or micro-batches), and a TensorDict of per-layer MoE stats.
+One micro-batch, one context: what depends only on the batch (the RoPE tables of the trunk
+and of every MTP depth, the attention mask) is built once by `Transformer.context` and
+passed down to every attention call; the forward and backward read no tensor value on the
+host (no device->host sync), so the whole model compiles with torch.compile(fullgraph=True).
 
 Legend: T tokens, H hidden, V vocab, F expert FFN size, Fs shared FFN size, E experts.
 """
@@ -21,14 +26,15 @@ Legend: T tokens, H hidden, V vocab, F expert FFN size, Fs shared FFN size, E ex
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from tensordict import TensorDict
 from torch import nn
 
-from fmoe.layers import AttentionConfig, MoEConfig, attention, local_experts, moe
-from fmoe.ops import linear_cross_entropy, swiglu
+from fmoe.layers import AttentionConfig, AttentionContext, MoEConfig, attention, attention_context, dense_mlp, local_experts, moe
+from fmoe.ops import linear_cross_entropy
 from fmoe.ops.backend import local_tensor as _local
 
 
@@ -44,7 +50,7 @@ class DenseMLP(nn.Module):
         self.w_down = nn.Parameter(torch.empty(ffn, hidden, **kw))
 
     def forward(self, x_TH):
-        return swiglu(x_TH @ _local(self.w_gate), x_TH @ _local(self.w_up), impl=self.impl) @ _local(self.w_down)
+        return dense_mlp(x_TH, _local(self.w_gate), _local(self.w_up), _local(self.w_down), impl=self.impl)
 
 
 class GroupedExperts(nn.Module):
@@ -52,21 +58,24 @@ class GroupedExperts(nn.Module):
     (a child module of MoE with a forward of its own, so that FSDP can shard the experts
     over their own mesh and gather them when they run).
 
-    forward(x [T, H], routes, cfg, dispatcher=None) -> (y [T, H], counts [E]): the routed
-    experts' weighted output, by fmoe.layers.local_experts or the given dispatcher (e.g.
-    fmoe.parallel.ExpertParallel, with weights sharded over expert-parallel ranks).
+    forward(x [T, H], routes) -> (y [T, H], counts [E]): the routed experts' weighted
+    output, by fmoe.layers.local_experts, or by `dispatcher` when one is set
+    (fmoe.parallel.ExpertParallel, with the weights sharded over expert-parallel ranks;
+    same call signature as local_experts).
     """
 
-    def __init__(self, n_experts: int, hidden: int, ffn: int, *, device=None, dtype=None):
+    def __init__(self, n_experts: int, hidden: int, ffn: int, cfg: MoEConfig, *, device=None, dtype=None):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
+        self.cfg = cfg
+        self.dispatcher = None
         self.w_gate = nn.Parameter(torch.empty(n_experts, hidden, ffn, **kw))
         self.w_up = nn.Parameter(torch.empty(n_experts, hidden, ffn, **kw))
         self.w_down = nn.Parameter(torch.empty(n_experts, ffn, hidden, **kw))
 
-    def forward(self, x_TH, routes, cfg: MoEConfig, dispatcher=None):
+    def forward(self, x_TH, routes):
         params = {n: _local(getattr(self, n)) for n in ("w_gate", "w_up", "w_down")}
-        return (dispatcher or local_experts)(x_TH, routes, params, cfg)
+        return (self.dispatcher or local_experts)(x_TH, routes, params, self.cfg)
 
 
 class MoE(nn.Module):
@@ -79,8 +88,9 @@ class MoE(nn.Module):
     when the module is cast (`.to(torch.bfloat16)`, `.half()`): routing decisions and bias
     steps of 1e-3 need it.
 
-    `dispatcher` (None: every expert on this process) is moe()'s dispatcher; fmoe.parallel
-    sets an ExpertParallel there together with expert weights sharded over ranks.
+    forward passes its children to fmoe.layers.moe as the routed and the shared experts:
+    the routing, the shared-expert gate and the stats are computed there, in one place.
+    fmoe.parallel shards `experts` over ranks and sets its dispatcher (ExpertParallel).
 
     Args:
         hidden: H. ffn: F per routed expert. cfg: MoEConfig (n_experts, k, routing).
@@ -102,9 +112,8 @@ class MoE(nn.Module):
             raise ValueError("shared_gate: needs shared experts (shared_ffn > 0)")
         E, H, kw = cfg.n_experts, hidden, dict(device=device, dtype=dtype)
         self.cfg = cfg
-        self.dispatcher = None
         self.router = nn.Parameter(torch.empty(E, H, device=device, dtype=torch.float32))
-        self.experts = GroupedExperts(E, H, ffn, **kw)
+        self.experts = GroupedExperts(E, H, ffn, cfg, **kw)
         self.shared = DenseMLP(H, shared_ffn, cfg.impl, **kw) if shared_ffn else None
         if shared_gate:
             self.shared_gate = nn.Parameter(torch.empty(H, **kw))
@@ -132,34 +141,15 @@ class MoE(nn.Module):
                 t.data = data.to(device=t.device)
         return self
 
-    def params(self) -> dict:
-        """The tensors fmoe.layers.moe takes (see its module docstring), local shards of
-        DTensors. The shared experts are included; forward runs them as a module instead."""
-        p = {"router": self.router, "w_gate": self.experts.w_gate, "w_up": self.experts.w_up, "w_down": self.experts.w_down}
-        if "expert_bias" in self._buffers:
-            p["expert_bias"] = self.expert_bias
-        if self.shared is not None:
-            p.update(shared_w_gate=self.shared.w_gate, shared_w_up=self.shared.w_up, shared_w_down=self.shared.w_down)
-        if getattr(self, "shared_gate", None) is not None:
-            p["shared_gate"] = self.shared_gate
-        return {n: _local(t) for n, t in p.items()}
-
     def forward(self, x: torch.Tensor):
         """x [..., H] -> (y [..., H], stats TensorDict of fmoe.layers.moe)."""
         x_TH = x.reshape(-1, x.shape[-1])
-        params = {n: _local(getattr(self, n)) for n in self._FLOAT32 if getattr(self, n, None) is not None}
-
-        def routed_experts(x_TH, routes, params, cfg):  # through the experts module (FSDP unit)
-            return self.experts(x_TH, routes, cfg, self.dispatcher)
-
-        y_TH, stats = moe(x_TH, params, self.cfg, dispatcher=routed_experts)
-        if self.shared is not None:
-            # the shared experts run as a module, so tensor parallelism can hook them; the
-            # gate multiplies their complete (reduced) output: sigmoid(x . shared_gate) y_s
-            y_shared = self.shared(x_TH)
-            if getattr(self, "shared_gate", None) is not None:
-                y_shared = y_shared * torch.sigmoid(x_TH @ _local(self.shared_gate).to(x_TH.dtype))[:, None]
-            y_TH = y_TH + y_shared
+        params = {"router": _local(self.router)}
+        if "expert_bias" in self._buffers:
+            params["expert_bias"] = self.expert_bias
+        if getattr(self, "shared_gate", None) is not None:
+            params["shared_gate"] = _local(self.shared_gate)
+        y_TH, stats = moe(x_TH, params, self.cfg, experts=self.experts, shared=self.shared)
         return (y_TH if x.ndim == 2 else y_TH.reshape(x.shape)), stats  # no view: FSDP hooks the output
 
 
@@ -175,7 +165,8 @@ class TransformerConfig:
     Layers: n_layers blocks, the first n_dense with a dense SwiGLU of ffn_dense, the rest
     MoE blocks of n_experts experts of ffn_expert, k per token, n_shared shared experts (one
     SwiGLU of n_shared * ffn_expert). Routing: score, n_groups/topk_groups, route_scale,
-    expert_bias (aux-loss-free balancing, sigmoid only), capacity_factor. Attention:
+    expert_bias (aux-loss-free balancing, sigmoid only), capacity_factor with
+    capacity_policy ("probs" | "position"). Attention:
     n_heads/n_kv_heads of head_dim, rope_base, yarn_factor (None: plain RoPE). mtp_depth
     MTP modules. impl: "auto" | "triton" | "torch" for every op.
     """
@@ -195,6 +186,7 @@ class TransformerConfig:
     route_scale: Optional[float] = None
     expert_bias: bool = True
     capacity_factor: Optional[float] = None
+    capacity_policy: str = "probs"
     n_heads: int = 4
     n_kv_heads: int = 2
     head_dim: int = 32
@@ -223,7 +215,7 @@ class TransformerConfig:
     def moe_config(self) -> MoEConfig:
         return MoEConfig(
             n_experts=self.n_experts, k=self.k, score=self.score, n_groups=self.n_groups, topk_groups=self.topk_groups,
-            scale=self.route_scale, capacity_factor=self.capacity_factor, impl=self.impl,
+            scale=self.route_scale, capacity_factor=self.capacity_factor, capacity_policy=self.capacity_policy, impl=self.impl,
         )
 
     def attention_config(self) -> AttentionConfig:
@@ -255,9 +247,9 @@ class Attention(nn.Module):
         self.wv = nn.Parameter(torch.empty(H, kv))
         self.wo = nn.Parameter(torch.empty(q, H))
 
-    def forward(self, x_TH, positions, cu_seqlens):
+    def forward(self, x_TH, ctx: AttentionContext):
         params = {n: _local(getattr(self, n)) for n in ("wq", "wk", "wv", "wo")}
-        return attention(x_TH, params, self.cfg, positions, cu_seqlens)[0]
+        return attention(x_TH, params, self.cfg, ctx)[0]
 
 
 class Block(nn.Module):
@@ -273,8 +265,9 @@ class Block(nn.Module):
         else:
             self.mlp = DenseMLP(cfg.hidden, cfg.ffn_dense, cfg.impl)
 
-    def forward(self, x_TH, positions, cu_seqlens):
-        x_TH = x_TH + self.attn(self.attn_norm(x_TH), positions, cu_seqlens)
+    def forward(self, x_TH, ctx: AttentionContext):
+        """x [T, H] -> (x [T, H], the MoE stats or None for a dense block)."""
+        x_TH = x_TH + self.attn(self.attn_norm(x_TH), ctx)
         out = self.mlp(self.mlp_norm(x_TH))
         if isinstance(self.mlp, MoE):
             y, stats = out
@@ -292,9 +285,22 @@ class MTPModule(nn.Module):
         self.proj = nn.Parameter(torch.empty(2 * cfg.hidden, cfg.hidden))
         self.block = Block(cfg, moe=cfg.n_layers > cfg.n_dense)
 
-    def forward(self, emb_TH, h_TH, positions, cu_seqlens):
+    def forward(self, emb_TH, h_TH, ctx: AttentionContext):
         x_TH = torch.cat([self.emb_norm(emb_TH), self.hidden_norm(h_TH)], dim=-1) @ self.proj
-        return self.block(x_TH, positions, cu_seqlens)
+        return self.block(x_TH, ctx)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchContext:
+    """What depends only on a micro-batch, built once per micro-batch (Transformer.context)
+    and passed to every layer. attention[0]: the trunk's AttentionContext; attention[d]:
+    MTP depth d's (its own positions, the trunk's mask)."""
+
+    attention: tuple[AttentionContext, ...]
+
+
+BATCH_KEYS = ("input_ids", "labels", "loss_mask", "positions", "cu_seqlens")
+MTP_KEYS = ("mtp_input_ids", "mtp_labels", "mtp_loss_mask", "mtp_positions")
 
 
 class Transformer(nn.Module):
@@ -334,47 +340,68 @@ class Transformer(nn.Module):
         layers.update({f"mtp_{d}": m.block.mlp for d, m in enumerate(self.mtp, start=1) if isinstance(m.block.mlp, MoE)})
         return layers
 
+    def _check_batch(self, batch) -> None:
+        keys = BATCH_KEYS + (MTP_KEYS if self.cfg.mtp_depth else ())
+        missing = [key for key in keys if key not in batch.keys()]
+        if missing:
+            raise ValueError(f"batch: missing {missing} (fmoe.train.data.make_batch(tokens, cu_seqlens, mtp_depth={self.cfg.mtp_depth}) makes them)")
+        T = batch["input_ids"].shape[0]
+        for key in BATCH_KEYS[:4]:
+            if batch[key].shape != (T,):
+                raise ValueError(f"batch[{key!r}]: expected shape ({T},) like input_ids, got {tuple(batch[key].shape)}")
+        D = self.cfg.mtp_depth
+        for key in MTP_KEYS if D else ():
+            if batch[key].shape != (D, T):
+                raise ValueError(f"batch[{key!r}]: expected shape ({D}, {T}): one row per MTP depth (mtp_depth = {D}), got {tuple(batch[key].shape)}")
+
+    def context(self, batch) -> BatchContext:
+        """The micro-batch's BatchContext: RoPE tables of the trunk's positions and of every
+        MTP depth's, and one attention mask from cu_seqlens, on the batch's device. Reads no
+        value on the host; build it once per micro-batch, after the batch has moved."""
+        self._check_batch(batch)
+        cfg = self.blocks[0].attn.cfg
+        trunk = attention_context(batch["cu_seqlens"], batch["positions"], cfg)
+        depths = [attention_context(batch["cu_seqlens"], batch["mtp_positions"][d], cfg, mask=trunk.mask) for d in range(self.cfg.mtp_depth)]
+        return BatchContext((trunk, *depths))
+
     def _lm_loss(self, h_TH, labels, loss_mask):
+        # the labels were checked where the batch was made: no host sync here
         labels = torch.where(loss_mask.bool(), labels, torch.full_like(labels, -100))
-        loss_sum = linear_cross_entropy(self.norm(h_TH), self.head, labels, reduction="sum", impl=self.cfg.impl)
+        loss_sum = linear_cross_entropy(self.norm(h_TH), self.head, labels, reduction="sum", check=False, impl=self.cfg.impl)
         return loss_sum, loss_mask.sum()
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        labels: torch.Tensor,
-        loss_mask: torch.Tensor,
-        cu_seqlens: torch.Tensor,
-        positions: Optional[torch.Tensor] = None,
-        mtp: Sequence = (),
-    ):
-        """One packed micro-batch.
+    def forward(self, batch, ctx: Optional[BatchContext] = None):
+        """One packed micro-batch; no device->host sync.
 
         Args:
-            input_ids, labels: [T] int64 tokens and next-token labels; loss_mask: [T] True
-                where a label counts; cu_seqlens: [n+1] int32 document bounds; positions: [T]
-                (None: restart at 0 in each document).
-            mtp: for each MTP depth d = 1..mtp_depth, a mapping with "input_ids", "labels",
-                "loss_mask", "positions" [T] (fmoe.ops.mtp_targets(...)[1:]).
+            batch: a mapping (fmoe.train.data.make_batch's TensorDict) with input_ids,
+                labels [T] int64 (next-token labels), loss_mask [T] (True where a label
+                counts), positions [T], cu_seqlens [n+1] int32, and with mtp_depth D > 0
+                mtp_input_ids, mtp_labels, mtp_loss_mask, mtp_positions [D, T] (row d-1 for
+                MTP depth d). Values are not checked here: make_batch checks them.
+            ctx: self.context(batch), built once per micro-batch; None builds it here.
         Returns:
             (losses, stats) TensorDicts. losses: "lm_sum" (float32 sum of cross-entropy over
             valid tokens), "lm_tokens" (their count), and "mtp_{d}_sum" / "mtp_{d}_tokens".
             stats: "layer_{i}" -> the MoE stats of block i (fmoe.layers.moe), and
             "mtp_{d}" for MTP blocks with experts.
         """
-        if len(mtp) != self.cfg.mtp_depth:
-            raise ValueError(f"mtp: expected targets for {self.cfg.mtp_depth} MTP depths, got {len(mtp)}")
-        h_TH = self.embed[input_ids]
+        if ctx is None:
+            ctx = self.context(batch)
+        elif not isinstance(ctx, BatchContext) or len(ctx.attention) != 1 + self.cfg.mtp_depth:
+            raise ValueError(f"ctx: expected model.context(batch) (a BatchContext for {self.cfg.mtp_depth} MTP depths), got {type(ctx).__name__}")
+        h_TH = F.embedding(batch["input_ids"], self.embed)  # a deterministic backward on CPU, unlike indexing
         stats = {}
         for i, block in enumerate(self.blocks):
-            h_TH, layer_stats = block(h_TH, positions, cu_seqlens)
+            h_TH, layer_stats = block(h_TH, ctx.attention[0])
             if layer_stats is not None:
                 stats[f"layer_{i}"] = layer_stats
-        lm_sum, lm_tokens = self._lm_loss(h_TH, labels, loss_mask)
+        lm_sum, lm_tokens = self._lm_loss(h_TH, batch["labels"], batch["loss_mask"])
         losses = {"lm_sum": lm_sum, "lm_tokens": lm_tokens}
-        for d, (module, target) in enumerate(zip(self.mtp, mtp), start=1):
-            h_TH, layer_stats = module(self.embed[target["input_ids"]], h_TH, target["positions"], cu_seqlens)
+        for d, module in enumerate(self.mtp, start=1):
+            emb_TH = F.embedding(batch["mtp_input_ids"][d - 1], self.embed)
+            h_TH, layer_stats = module(emb_TH, h_TH, ctx.attention[d])
             if layer_stats is not None:
                 stats[f"mtp_{d}"] = layer_stats
-            losses[f"mtp_{d}_sum"], losses[f"mtp_{d}_tokens"] = self._lm_loss(h_TH, target["labels"], target["loss_mask"])
+            losses[f"mtp_{d}_sum"], losses[f"mtp_{d}_tokens"] = self._lm_loss(h_TH, batch["mtp_labels"][d - 1], batch["mtp_loss_mask"][d - 1])
         return TensorDict(losses, batch_size=[]), TensorDict(stats, batch_size=[])

@@ -5,9 +5,11 @@ collection start. With CUDA the kernels are compiled and tests run on the GPU.
 """
 
 import os
+import socket
 
 import pytest
 import torch
+import torch.distributed as dist
 
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
@@ -35,3 +37,18 @@ def device():
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def one_rank_mesh():
+    """A gloo process group of one rank in this process and its 1-D CPU DeviceMesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()

@@ -5,8 +5,11 @@ import dataclasses
 import pytest
 import torch
 
-import fmoe.ops as ops
-from fmoe.model import Transformer, TransformerConfig
+import fmoe.layers
+import fmoe.ops
+from fmoe.model import BatchContext, Transformer, TransformerConfig
+from fmoe.train.data import make_batch
+from fmoe.train.metrics import HostReads
 
 TINY = TransformerConfig(vocab_size=40, hidden=32, n_layers=3, n_dense=1, ffn_dense=48, n_experts=4, k=2,
                          ffn_expert=16, n_shared=1, n_heads=4, n_kv_heads=2, head_dim=8, impl="torch")
@@ -21,12 +24,7 @@ VARIANTS = {
 
 
 def _batch(cfg, T=24, cu=(0, 7, 8, 24)):
-    tokens = torch.randint(0, cfg.vocab_size, (T,))
-    cu_seqlens = torch.tensor(cu, dtype=torch.int32)
-    targets = ops.mtp_targets(tokens, cu_seqlens, cfg.mtp_depth)
-    main = targets[0]
-    return dict(input_ids=main["input_ids"], labels=main["labels"], loss_mask=main["loss_mask"],
-                cu_seqlens=cu_seqlens, positions=main["positions"], mtp=targets[1:])
+    return make_batch(torch.randint(0, cfg.vocab_size, (T,)), torch.tensor(cu), mtp_depth=cfg.mtp_depth)
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -34,7 +32,7 @@ def test_forward_backward_each_feature(name):
     cfg = VARIANTS[name]
     model = Transformer(cfg)
     batch = _batch(cfg)
-    losses, stats = model(**batch)
+    losses, stats = model(batch, model.context(batch))
     n_valid = int(batch["loss_mask"].sum())
     assert int(losses["lm_tokens"]) == n_valid == 24 - 3  # the last token of each document has no label
     mean = losses["lm_sum"].detach() / losses["lm_tokens"]
@@ -62,9 +60,7 @@ def test_loss_of_a_document_does_not_depend_on_packing():
     other = torch.randint(0, TINY.vocab_size, (5,))
 
     def loss(tokens, cu):
-        cu = torch.tensor(cu, dtype=torch.int32)
-        t = ops.mtp_targets(tokens, cu, 0)[0]
-        return model(t["input_ids"], t["labels"], t["loss_mask"], cu, t["positions"])[0]["lm_sum"]
+        return model(make_batch(tokens, torch.tensor(cu)))[0]["lm_sum"]
 
     alone = loss(doc, [0, 9])
     both = loss(torch.cat([other, doc]), [0, 5, 14])
@@ -88,9 +84,9 @@ def test_a_few_steps_of_training_lower_the_loss():
     batch = _batch(cfg, T=48, cu=(0, 20, 48))
     first = None
     for _ in range(30):
-        losses, _ = model(**batch)
+        losses, _ = model(batch)
         loss = (losses["lm_sum"] + 0.1 * losses["mtp_1_sum"]) / losses["lm_tokens"]
-        first = first if first is not None else float(loss)
+        first = first if first is not None else float(loss.detach())
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -107,5 +103,143 @@ def test_bad_configs():
     with pytest.raises(ValueError, match="n_kv_heads"):
         TransformerConfig(n_heads=4, n_kv_heads=3)
     model = Transformer(dataclasses.replace(TINY, mtp_depth=1))
-    with pytest.raises(ValueError, match="mtp: expected targets for 1 MTP depths, got 0"):
-        model(**dict(_batch(TINY), mtp=()))
+    with pytest.raises(ValueError, match=r"batch: missing \['mtp_input_ids'"):
+        model(_batch(TINY))
+    batch = _batch(model.cfg)
+    with pytest.raises(ValueError, match="ctx: expected model.context"):
+        model(batch, Transformer(TINY).context(_batch(TINY)))
+    with pytest.raises(ValueError, match=r"batch\['labels'\]: expected shape \(24,\)"):
+        model(dict(batch, labels=batch["labels"][:5]))
+
+
+def _loss(model, batch, ctx, *, with_stats=False):
+    """The step's loss as the loop makes it, LM + MTP + balancing terms, from one forward
+    (and the MoE stats with with_stats=True)."""
+    losses, stats = model(batch, ctx)
+    loss = losses["lm_sum"] / losses["lm_tokens"]
+    for d in range(1, model.cfg.mtp_depth + 1):
+        loss = loss + 0.1 * losses[f"mtp_{d}_sum"] / losses[f"mtp_{d}_tokens"]
+    for s in stats.values():
+        loss = loss + 1e-3 * fmoe.ops.z_loss(s["router_logits"])
+        loss = loss + 1e-4 * fmoe.ops.seq_load_balancing_loss(s["aux_scores"], s["aux_experts"], batch["cu_seqlens"], k=model.cfg.k, check=False)
+        loss = loss + 1e-4 * fmoe.ops.load_balancing_loss(s["aux_scores"], s["aux_counts"], k=model.cfg.k, n_tokens=s["aux_scores"].shape[0])
+    return (loss, stats) if with_stats else loss
+
+
+FULL = dataclasses.replace(TINY, mtp_depth=2, impl="auto", capacity_factor=1.25, n_groups=2, topk_groups=1, yarn_factor=2.0)
+
+
+@pytest.mark.parametrize("cfg", [dataclasses.replace(TINY, mtp_depth=1, impl="auto"), FULL], ids=["default", "capacity-groups-yarn-mtp2"])
+def test_forward_and_backward_read_nothing_on_the_host(cfg):
+    """No device->host sync in the model's forward and backward (MoE layers, MTP, losses):
+    on a GPU each read is a stall. Counted here as host reads of tensor values on CPU."""
+    model = Transformer(cfg)
+    batch = _batch(cfg)
+    ctx = model.context(batch)
+    with HostReads() as reads:
+        _loss(model, batch, ctx).backward()
+    assert reads.count == 0, reads.sites
+
+
+def test_the_whole_model_compiles_without_a_graph_break():
+    """torch.compile(fullgraph=True) of forward + losses (a host sync would be a graph break),
+    then the backward; same values and gradients as eager."""
+    cfg = FULL
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    batch = _batch(cfg)
+    ctx = model.context(batch)
+    eager = _loss(model, batch, ctx)
+    eager.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    compiled = torch.compile(_loss, fullgraph=True, backend="aot_eager")(model, batch, ctx)
+    compiled.backward()
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_one_context_per_micro_batch(monkeypatch):
+    """The mask is built once by context() and shared by the MTP depths; forward with a
+    given context builds none."""
+    model = Transformer(dataclasses.replace(TINY, mtp_depth=2))
+    batch = _batch(model.cfg)
+    built = []
+    real = fmoe.layers.document_mask
+    monkeypatch.setattr(fmoe.layers, "document_mask", lambda *a, **k: built.append(1) or real(*a, **k))
+    ctx = model.context(batch)
+    assert isinstance(ctx, BatchContext) and len(ctx.attention) == 3 and len(built) == 1
+    assert all(c.mask is ctx.attention[0].mask for c in ctx.attention)
+    torch.testing.assert_close(ctx.attention[2].cos, fmoe.layers.rope_tables(batch["mtp_positions"][1], model.blocks[0].attn.cfg)[0])
+    model(batch, ctx)
+    assert len(built) == 1
+    losses, _ = model(batch)  # no context given: built here, once
+    assert len(built) == 2
+
+
+def _gpu_step(cfg, seed=0):
+    """A CUDA model (bf16, router and biases float32) and one micro-batch on the device."""
+    torch.manual_seed(seed)
+    model = Transformer(cfg).to(device="cuda", dtype=torch.bfloat16)
+    batch = make_batch(torch.randint(0, cfg.vocab_size, (4096,), generator=torch.Generator().manual_seed(seed)),
+                       torch.tensor([0, 1000, 1001, 3000, 4096]), mtp_depth=cfg.mtp_depth).to("cuda")
+    return model, batch
+
+
+GPU_CFG = TransformerConfig(vocab_size=4096, hidden=512, n_layers=3, n_dense=1, ffn_dense=1024, n_experts=16, k=4,
+                            ffn_expert=256, n_shared=1, n_heads=8, n_kv_heads=2, head_dim=64, mtp_depth=1)
+
+
+@pytest.mark.gpu
+def test_gpu_training_step_never_syncs():
+    """One whole training step (forward, losses, backward, clip, AdamW, expert-bias update)
+    under torch.cuda.set_sync_debug_mode("error"): any device->host sync raises."""
+    from fmoe.optim import AdamW, clip_grad_norm
+
+    model, batch = _gpu_step(GPU_CFG)
+    opt = AdamW(model.parameters(), lr=1e-4, state_dtype=torch.bfloat16)
+
+    ctx = model.context(batch)
+    _loss(model, batch, ctx).backward()  # warm-up: compiles FlexAttention, allocates
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss, stats = _loss(model, batch, ctx, with_stats=True)
+        loss.backward()
+        clip_grad_norm(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        for name, moe in model.moe_layers().items():
+            moe.expert_bias.copy_(fmoe.ops.update_expert_bias(moe.expert_bias, stats[name]["tokens_per_expert"], 1e-3))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(loss.detach().float().cpu())
+
+
+@pytest.mark.gpu
+def test_gpu_deterministic_steps_repeat_bit_for_bit():
+    from fmoe.optim import AdamW
+    from fmoe.train.run import set_deterministic
+
+    set_deterministic(True)
+    try:
+        results = []
+        for _ in range(2):
+            model, batch = _gpu_step(GPU_CFG, seed=3)
+            opt = AdamW(model.parameters(), lr=1e-3)
+            losses = []
+            for _ in range(2):
+                loss = _loss(model, batch, model.context(batch))
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                losses.append(loss.detach().float().cpu())
+            results.append((losses, [p.detach().float().cpu() for p in model.parameters()]))
+        (losses_a, params_a), (losses_b, params_b) = results
+        assert all(torch.equal(a, b) for a, b in zip(losses_a, losses_b))
+        assert all(torch.equal(a, b) for a, b in zip(params_a, params_b))
+    finally:
+        set_deterministic(False)

@@ -1,6 +1,8 @@
-"""examples/train_moe.py end to end on CPU: the loss falls, resume is exact, bad knobs fail."""
+"""examples/train_moe.py end to end on CPU: the loss falls, resume is exact, runs repeat bit
+for bit, torch.compile matches eager, the knobs parse as users type them, bad knobs fail."""
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -8,15 +10,15 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-TINY = ["--hidden=32", "--n_layers=2", "--n_dense=1", "--ffn_dense=64", "--n_experts=4", "--k=2", "--ffn_expert=32",
-        "--n_heads=2", "--n_kv_heads=1", "--head_dim=16", "--tokens_per_micro_batch=128", "--batch_schedule=0:2",
+TINY = ["--model.hidden=32", "--model.n_layers=2", "--model.n_dense=1", "--model.ffn_dense=64", "--model.n_experts=4", "--model.k=2", "--model.ffn_expert=32",
+        "--model.n_heads=2", "--model.n_kv_heads=1", "--model.head_dim=16", "--tokens_per_micro_batch=128", "--batch_schedule=0:2",
         "--eval_every=10", "--eval_batches=2", "--warmup=3", "--lr=1e-2", "--min_lr=1e-3"]
 
 
-def _train(out_dir, *args):
-    run = subprocess.run([sys.executable, str(ROOT / "examples" / "train_moe.py"), f"--out_dir={out_dir}", *TINY, *args],
-                         capture_output=True, text=True, timeout=600)
-    return run
+def _train(out_dir, *args, threads=2):
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    return subprocess.run([sys.executable, str(ROOT / "examples" / "train_moe.py"), f"--out_dir={out_dir}", *TINY, *args],
+                          capture_output=True, text=True, timeout=900, env=env)
 
 
 def _records(out_dir):
@@ -31,21 +33,82 @@ def test_thirty_steps_lower_the_loss(tmp_path):
     first, last = records[0], records[-1]
     assert sum(r["loss"] for r in records[-5:]) / 5 < 0.75 * first["loss"]
     assert records[9]["val_loss"] > last["val_loss"]
-    for key in ("loss", "lr", "tokens", "grad_norm", "tokens_per_s", "mtp_1_loss", "seq_aux_loss", "z_loss", "flops_per_token", "tokens_per_expert", "load_cv"):
+    for key in ("loss", "lr", "tokens", "grad_norm", "tokens_per_s", "mtp_1_loss", "seq_aux_loss", "z_loss", "flops_per_token",
+                "tokens_per_expert", "load_cv", "load_max_over_mean", "dropped_fraction", "eta_seconds"):
         assert key in last, key
+    assert sum(last["tokens_per_expert"][0]) == 2 * 128 * 2 and last["dropped_fraction"] == [0.0, 0.0]  # layer_1, mtp_1
     assert (tmp_path / "step_000030").is_dir()  # a run always ends with a complete checkpoint
+    # the start: one summary before the step lines; every step line shows the load and an ETA
+    lines = run.stdout.splitlines()
+    assert lines[0].startswith("model: ") and "active per token" in lines[0]
+    assert lines[1].startswith("data: the stdlib corpus") and "256 tokens per step" in lines[1]
+    assert lines[2].startswith("run: 30 steps on cpu x 1 (one process)") and f"out_dir {tmp_path}" in lines[2]
+    steps = [line for line in lines if line.startswith("[")]
+    assert len(steps) == 30 and all(" load " in line and " eta " in line for line in steps)
+    # config.json: every knob, the versions, the world
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["config"]["model"]["hidden"] == 32 and config["config"]["steps"] == 30 and config["config"]["lr"] == 1e-2
+    assert config["world_size"] == 1 and config["mesh"]["dp_shard"] == 1
+    import torch, triton  # noqa: E401
+
+    assert config["run"]["torch"] == torch.__version__ and config["run"]["triton"] == triton.__version__
+    assert "git_commit" in config["run"] and config["run"]["fmoe"]
 
 
 def test_resume_reproduces_the_uninterrupted_losses(tmp_path):
     whole, parts = tmp_path / "whole", tmp_path / "parts"
-    assert _train(whole, "--steps=10", "--ckpt_every=100").returncode == 0
-    first = _train(parts, "--steps=10", "--stop_at=6", "--ckpt_every=4")
+    assert _train(whole, "--steps=10", "--ckpt_every=100", "--deterministic").returncode == 0
+    first = _train(parts, "--steps=10", "--stop_at=6", "--ckpt_every=4", "--deterministic")
     assert first.returncode == 0, first.stderr[-3000:]
-    second = _train(parts, "--steps=10", "--resume=True")
+    second = _train(parts, "--steps=10", "--resume", "--deterministic")  # a bare flag is True
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from" in second.stdout and "step_000006" in second.stdout
     keys = ("loss", "grad_norm", "lr", "tokens", "mtp_1_loss")
     assert [[r[k] for k in keys] for r in _records(parts)] == [[r[k] for k in keys] for r in _records(whole)]
+
+
+def test_deterministic_runs_repeat_bit_for_bit(tmp_path):
+    """Three identical runs with 2 threads log identical losses and norms (before F.embedding
+    one of three differed in the last bits at step 3)."""
+    keys = ("loss", "grad_norm", "mtp_1_loss", "z_loss", "seq_aux_loss", "val_loss")
+    logs = []
+    for i in range(3):
+        run = _train(tmp_path / str(i), "--steps=4", "--seed=7", "--deterministic", "--eval_every=4")
+        assert run.returncode == 0, run.stderr[-3000:]
+        logs.append([[r.get(k) for k in keys] for r in _records(tmp_path / str(i))])
+    assert logs[0] == logs[1] == logs[2]
+    assert json.loads((tmp_path / "0" / "config.json").read_text())["run"]["deterministic"] is True
+
+
+def test_compiled_run_matches_eager(tmp_path):
+    """--compile: torch.compile of the model (inductor on CPU), forward and backward; the
+    losses of a few steps equal eager's within 1e-4 relative (the compiler may reorder float
+    sums, so not bit for bit)."""
+    eager = _train(tmp_path / "eager", "--steps=3")
+    compiled = _train(tmp_path / "compiled", "--steps=3", "--compile")
+    assert eager.returncode == 0 and compiled.returncode == 0, compiled.stderr[-3000:]
+    for a, b in zip(_records(tmp_path / "eager"), _records(tmp_path / "compiled")):
+        for key in ("loss", "mtp_1_loss", "z_loss", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4), (a["step"], key)
+        assert b["tokens_per_expert"] == a["tokens_per_expert"]
+
+
+def test_knobs_as_users_type_them(tmp_path):
+    # a first trial run: the default warmup (20) adapts to 4 steps, and says so
+    run = _train(tmp_path / "short", "--steps=4", "--warmup=-1", "--model.n_groups=2", "--model.topk_groups=1",
+                 "--model.capacity_factor=1.5", "--model.capacity_policy=position", "--adamw_state_dtype=bfloat16")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "warmup 0 steps (a tenth of this short run)" in run.stdout
+    config = json.loads((tmp_path / "short" / "config.json").read_text())
+    model = config["config"]["model"]
+    assert (model["n_groups"], model["topk_groups"], model["capacity_factor"], model["capacity_policy"]) == (2, 1, 1.5, "position")
+    assert config["config"]["adamw_state_dtype"] == "bfloat16" and config["warmup"] == 0
+    # WSD decays over its last fifth by default (no jump from the peak to min_lr)
+    run = _train(tmp_path / "wsd", "--steps=10", "--warmup=0", "--lr_style=wsd", "--wsd_style=cosine", "--min_lr=0.0")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads((tmp_path / "wsd" / "config.json").read_text())["wsd_decay"] == 2
+    lrs = [r["lr"] for r in _records(tmp_path / "wsd")]
+    assert lrs[:9] == [pytest.approx(1e-2)] * 9 and lrs[9] == pytest.approx(0.5e-2)  # 0.5 (cos(pi / 2) + 1)
 
 
 def test_muon_runs(tmp_path):
@@ -56,7 +119,12 @@ def test_muon_runs(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--nope=1"], "unknown argument '--nope=1'"),
-    (["--steps=many"], "--steps: expected a int, got 'many'"),
+    (["--steps=many"], "--steps: expected an int, got 'many'"),
+    (["--model.nope=1"], "unknown argument '--model.nope=1'"),
+    (["--model.n_groups=x"], "--model.n_groups: expected an int or None, got 'x'"),
+    (["--model.n_dense=9"], "model knobs: n_dense: expected 0..n_layers"),
+    (["--compile=maybe"], "--compile: expected a bool, got 'maybe'"),
+    (["--steps"], "--steps: expected --steps=<int>"),
     (["--warmup=50", "--steps=10"], "warmup: expected at most total=10"),
     (["--data=/no/such/dir"], "data: "),
     (["--optimizer=sgd", "--steps=1"], "--optimizer: expected adamw or muon"),

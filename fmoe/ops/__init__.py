@@ -7,6 +7,7 @@ Each op runs fused Triton kernels on CUDA tensors and a plain-torch reference ot
 from fmoe.ops.balance import (
     aux_scores,
     load_balancing_loss,
+    load_stats,
     seq_load_balancing_loss,
     tokens_per_expert,
     update_expert_bias,
@@ -38,6 +39,7 @@ __all__ = [
     "grouped_mlp",
     "linear_cross_entropy",
     "load_balancing_loss",
+    "load_stats",
     "mtp_targets",
     "permute",
     "positions_from_cu_seqlens",

@@ -9,12 +9,14 @@
         = mean_b  E / (k * S_b) * sum_e c[b,e] * mean_{t in b} scores[t,e]
     z_loss(logits) = mean_t logsumexp_e(logits[t,e])^2
     update_expert_bias(bias, counts, rate) = bias + rate * sign(mean(counts) - counts)
+    load_stats(counts[E] or [L,E], n_slots) -> {max_over_mean, cv, dropped_fraction}, 0-D or [L]
 
 aux_scores are softmax over all E (score="softmax") or sigmoid / sum of sigmoids
 (score="sigmoid"); their top-k ignores bias, groups and capacity, as in DeepSeek-V3's f.
 The losses are ordinary differentiable scalars; the caller multiplies by its coefficient.
+load_stats are the load metrics a train loop logs, kept as device tensors (no host sync).
 
-Legend: T tokens, E experts, K = k slots per token, B sequences.
+Legend: T tokens, E experts, K = k slots per token, B sequences, L layers.
 """
 
 from __future__ import annotations
@@ -332,7 +334,7 @@ def load_balancing_loss(
 
 
 def seq_load_balancing_loss(
-    scores: torch.Tensor, experts: torch.Tensor, cu_seqlens: torch.Tensor, *, k: int
+    scores: torch.Tensor, experts: torch.Tensor, cu_seqlens: torch.Tensor, *, k: int, check: bool = True
 ) -> torch.Tensor:
     """Sequence-level loss, one term per packed sequence (DeepSeek-V2/V3; SPEC.md 2).
 
@@ -344,6 +346,8 @@ def seq_load_balancing_loss(
         scores: [T, E] float from aux_scores (differentiable).
         experts: [T, k] int ids (from aux_scores; -1 skipped).
         cu_seqlens: [B + 1] int32/int64, 0 = c_0 <= c_1 <= ... <= c_B = T.
+        check: raise a ValueError unless cu_seqlens' values are as above (one device->host
+            sync; skipped under torch.compile).
     Returns: 0-D float32 tensor.
     """
     check_float("scores", scores, 2, "[T, E]")
@@ -352,7 +356,7 @@ def seq_load_balancing_loss(
     check_positive_int("k", k)
     if experts.shape != (T, k):
         raise ValueError(f"experts: expected shape ({T}, {k}) to match scores and k, got {tuple(experts.shape)}")
-    check_cu_seqlens(cu_seqlens, T)
+    check_cu_seqlens(cu_seqlens, T, check=check)
     cu = cu_seqlens.to(device=scores.device, dtype=torch.int64)
     B = cu.numel() - 1
     lengths_B = (cu[1:] - cu[:-1]).float()
@@ -419,3 +423,47 @@ def update_expert_bias(
     if center:
         delta = delta - delta.mean()
     return bias + delta
+
+
+def load_stats(counts: torch.Tensor, n_slots: Union[int, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Load metrics of the expert counts of one MoE layer [E], or of L layers [L, E].
+
+    With mean = max(mean_e counts, 1e-9) and n = max(n_slots, 1):
+
+        max_over_mean    = max_e counts / mean          1 when balanced
+        cv               = std_e counts / mean          population std; 0 when balanced
+        dropped_fraction = 1 - sum_e counts / n         slots dropped by capacity
+
+    Args:
+        counts: [E] or [L, E] slots routed to each expert (tokens_per_expert, summed over
+            micro-batches and ranks as wanted), int or float, any device.
+        n_slots: the slots requested, T * k over the same tokens: an int or a 0-D tensor.
+    Returns:
+        {"max_over_mean", "cv", "dropped_fraction"}: float32 tensors on counts' device, 0-D
+        for counts [E], [L] for counts [L, E]. Nothing is read on the host.
+
+    Example (SPEC.md 2's counts, 32 slots asked):
+        >>> stats = load_stats(torch.tensor([10, 2, 6, 6]), 32)
+        >>> [round(float(v), 4) for v in stats.values()]
+        [1.6667, 0.4714, 0.25]
+    """
+    if not isinstance(counts, torch.Tensor) or counts.ndim not in (1, 2) or counts.shape[-1] == 0:
+        got = tuple(counts.shape) if isinstance(counts, torch.Tensor) else type(counts).__name__
+        raise ValueError(f"counts: expected a tensor [E] or [L, E] with E >= 1, got {got}")
+    if counts.dtype == torch.bool or counts.is_complex():
+        raise ValueError(f"counts: expected int or float counts, got {counts.dtype}")
+    if isinstance(n_slots, torch.Tensor):
+        if n_slots.ndim != 0:
+            raise ValueError(f"n_slots: expected an int or a 0-D tensor, got shape {tuple(n_slots.shape)}")
+        n = n_slots.to(device=counts.device)
+    else:
+        n = torch.tensor(check_positive_int("n_slots", n_slots, 0), device=counts.device)
+    # 1 - total / n as (n - total) / n: for integer counts the difference is exact
+    n = n.clamp(min=1)
+    counts_f = counts.float()
+    mean = counts_f.mean(dim=-1).clamp(min=1e-9)
+    return {
+        "max_over_mean": counts_f.amax(dim=-1) / mean,
+        "cv": counts_f.std(dim=-1, correction=0) / mean,
+        "dropped_fraction": (n - counts.sum(dim=-1)).float() / n.float(),
+    }

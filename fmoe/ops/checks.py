@@ -1,12 +1,22 @@
 """Input validation shared by the ops: a ValueError that names the argument and says what
 was expected.
 
-Shape and dtype checks are free. Checks of tensor VALUES (NaN logits, cu_seqlens order, ids
-in range, labels below V) read the tensor on the host: one device->host sync each. Every
-public op that has one takes `check=True`; code on the hot path passes check=False where
-the values are right by construction or were checked once where the batch was made
-(DESIGN.md "One micro-batch, one context"). Value checks are skipped while torch.compile
-traces (`checking()`), where a host read would break the graph.
+Shape, dtype and device checks are free and always run. Checks of tensor VALUES (NaN
+logits, expert ids in range, offsets order, labels below V, cu_seqlens order) read the
+tensor on the host: one device->host sync each. One rule for every op:
+
+- a public op that reads values to validate them takes a keyword-only `check: bool = True`;
+- check=False skips exactly those value reads, nothing else;
+- value checks never run while torch.compile traces (`checking()`): a read breaks the graph.
+
+The ops with `check`: route (NaN logits), drop_by_capacity and permute (expert ids in
+-1..E-1), grouped_mlp (offsets), cross_entropy and linear_cross_entropy (labels), and
+seq_load_balancing_loss, roll_packed, positions_from_cu_seqlens and mtp_targets
+(cu_seqlens). Research code calling an op directly keeps the default and gets a clear
+error; a model's forward passes check=False where the values are right by construction or
+were checked once where the micro-batch was made (DESIGN.md "One micro-batch, one
+context"). With check=False the forward and backward of these ops, and of every other op a
+MoE transformer uses, read no tensor value on the host (tests/ops/test_checks.py).
 """
 
 from __future__ import annotations
@@ -17,9 +27,10 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-def checking() -> bool:
-    """Whether value checks that need a device->host sync may run (never while compiling)."""
-    return not torch.compiler.is_compiling()
+def checking(check: bool = True) -> bool:
+    """Whether value checks that need a device->host sync run: asked for (an op's `check`)
+    and not while torch.compile traces."""
+    return check and not torch.compiler.is_compiling()
 
 
 def check_float(name: str, x: torch.Tensor, ndim: int, shape_doc: str) -> None:
@@ -42,7 +53,7 @@ def check_no_nan(name: str, x: torch.Tensor) -> None:
         rows = bad.reshape(x.shape[0], -1).any(dim=1).nonzero().flatten()
         raise ValueError(
             f"{name}: contains NaN in {rows.numel()} row(s), first at row {int(rows[0])}; "
-            "NaN logits cannot be routed (pass check_nan=False to skip this check: NaN rows "
+            "NaN logits cannot be routed (pass check=False to skip this check: NaN rows "
             "then get NaN weights)"
         )
 
@@ -56,12 +67,13 @@ def check_index(name: str, x: torch.Tensor, ndim: int, shape_doc: str) -> None:
         raise ValueError(f"{name}: expected dtype int32 or int64, got {x.dtype}")
 
 
-def check_cu_seqlens(cu_seqlens: torch.Tensor, n_tokens: int, name: str = "cu_seqlens") -> None:
-    """cu_seqlens [n+1]: int32/int64, starts at 0, non-decreasing, ends at n_tokens."""
+def check_cu_seqlens(cu_seqlens: torch.Tensor, n_tokens: int, name: str = "cu_seqlens", *, check: bool = True) -> None:
+    """cu_seqlens [n+1]: int32/int64 with n >= 1 (free), and with check (one device->host
+    sync, skipped under torch.compile) starts at 0, non-decreasing, ends at n_tokens."""
     check_index(name, cu_seqlens, 1, "[n_seqs + 1]")
     if cu_seqlens.numel() < 2:
         raise ValueError(f"{name}: expected at least 2 entries [0, ..., T], got {cu_seqlens.numel()}")
-    if not checking():
+    if not checking(check):
         return
     c = cu_seqlens.detach().cpu()
     if int(c[0]) != 0:

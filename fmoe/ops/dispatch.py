@@ -75,7 +75,8 @@ def permute_plan_ref(experts_TK: torch.Tensor, n_experts: int, align: int) -> Pe
     E = n_experts
     device = experts_TK.device
     ids_S = experts_TK.reshape(-1).long()
-    kept_S = ids_S >= 0
+    # ids outside 0..E-1 (unchecked ones too, as in the kernels) are dropped slots
+    kept_S = (ids_S >= 0) & (ids_S < E)
     # dropped slots go to a virtual expert E after every real one; the stable sort keeps an
     # expert's slots in flat order t*K + j, i.e. by ascending token
     key_S = torch.where(kept_S, ids_S, E)
@@ -150,7 +151,7 @@ def _plan_rank_kernel(
     slots_S = chunk * BLOCK_S + i_S
     live_S = slots_S < S
     ids_S = tl.load(experts_ptr + slots_S, mask=live_S, other=-1).to(tl.int32)
-    # ids >= E (unchecked only under torch.compile) count as dropped, never as a stray write
+    # unchecked ids >= E (check=False, or under torch.compile) count as dropped: no stray write
     kept_S = (ids_S >= 0) & (ids_S < E)
     # pairwise: slot i counts the slots i' < i of the chunk with its expert
     same_SS = (ids_S[:, None] == ids_S[None, :]) & (i_S[None, :] < i_S[:, None])
@@ -398,7 +399,7 @@ def _check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
 
 
 def permute(
-    x: torch.Tensor, experts: torch.Tensor, n_experts: int, *, align: int = 1, impl: str = "auto"
+    x: torch.Tensor, experts: torch.Tensor, n_experts: int, *, align: int = 1, check: bool = True, impl: str = "auto"
 ) -> tuple[torch.Tensor, PermutePlan]:
     """Gather token rows into expert-grouped rows (SPEC.md section 3).
 
@@ -409,6 +410,8 @@ def permute(
         n_experts: E.
         align: pad each expert's group with zero rows to a multiple of align (16 or 32 for
             fp8 grouped GEMMs).
+        check: raise a ValueError unless the ids lie in -1..E-1 (one device->host sync;
+            skipped under torch.compile). Unchecked, ids outside it are dropped slots.
         impl: "auto" (Triton on CUDA, torch otherwise), "triton" or "torch".
 
     Returns:
@@ -433,7 +436,7 @@ def permute(
     check_positive_int("n_experts", n_experts)
     if isinstance(align, bool) or not isinstance(align, int) or align < 1:
         raise ValueError(f"align: expected a positive integer (rows per expert group are padded to a multiple of it), got {align!r}")
-    if checking() and experts.numel() and (experts.min() < -1 or experts.max() >= n_experts):
+    if checking(check) and experts.numel() and (experts.min() < -1 or experts.max() >= n_experts):
         raise ValueError(f"experts: ids must lie in -1..{n_experts - 1} (-1: dropped slot)")
     if use_triton(impl, x, experts):
         plan = PermutePlan(*_permute_plan(experts, n_experts, align))

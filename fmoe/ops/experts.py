@@ -13,13 +13,18 @@ whatever they hold (they are never read). For each expert
 with float32 accumulation; gate, up, their SwiGLU and y are rounded to x_perm's dtype,
 where every path below stores them.
 
-Paths: "torch" is a per-expert loop, the definition of correctness. On CUDA, "auto" runs
-torch._grouped_mm for the three projections where its fast path exists (bf16, sm90+, H and
-F multiples of 8), else the Triton grouped GEMM; "triton" forces the Triton grouped GEMM.
-Both put the fused Triton SwiGLU between the projections, whose backward recomputes silu
-from gate and up instead of saving the activation. torch._grouped_mm leaves the rows past
-offsets[E-1] of its output and of dX uninitialised (garbage like 1e38, seen on CPU too), so
-that path zeroes them itself.
+Paths: "torch" is a per-expert loop, the definition of correctness; it reads offsets on
+the host (offsets.tolist(): a device->host sync). Every other path reads nothing on the
+host. On CUDA, "auto" runs torch._grouped_mm for the three projections where its fast path
+exists (bf16, sm90+, H and F multiples of 8), else the Triton grouped GEMM; "triton" forces
+the Triton grouped GEMM. Both put the fused Triton SwiGLU between the projections, whose
+backward recomputes silu from gate and up instead of saving the activation. On CPU, "auto"
+runs the three projections through torch._grouped_mm (CPU has it for float32, bfloat16 and
+float16, rows 16-byte aligned: H and F are zero-padded up to that when they are not) with
+the plain-torch SwiGLU between them. torch._grouped_mm leaves the rows past offsets[E-1] of
+its output and of dX uninitialised (garbage like 1e38, on CPU too), so that path zeroes
+them itself; it stays inside the custom op fmoe::grouped_gemm_fwd, whose fake and autograd
+torch.compile traces (torch._grouped_mm's own meta function refuses float32).
 
 Float32 operands multiply in IEEE float32 (tl.dot input_precision="ieee"), not TF32: the
 kernels then agree with the reference to float32 rounding, on the GPU and in the
@@ -56,7 +61,7 @@ def _matmul_ref(a_MK, b_KN):
 def grouped_mlp_ref(x_RH, w_gate_EHF, w_up_EHF, w_down_EFH, offsets_E):
     """Plain-torch loop over the experts; differentiable through torch autograd.
 
-    Reads offsets on the host (one device->host sync).
+    Reads offsets on the host (offsets.tolist(): one device->host sync); impl="torch" only.
     """
     y_RH = torch.zeros_like(x_RH)  # rows no expert owns stay zero
     start = 0
@@ -307,6 +312,22 @@ _swiglu_fwd.register_autograd(_swiglu_backward, setup_context=_swiglu_setup_cont
 
 
 def _zero_unowned(out_2d: torch.Tensor, offsets_E: torch.Tensor, per_expert: bool) -> None:
+    """Zero, in place, what torch._grouped_mm leaves unwritten (see _zero_unowned_kernel):
+    the rows past offsets[E-1], or with per_expert the experts whose group is empty. The
+    kernel on CUDA; masked_fill on CPU, interpreter or not (the interpreted kernel would
+    make the CPU path 30x slower). Neither reads a value on the host."""
+    if out_2d.is_cuda:
+        _zero_unowned_triton(out_2d, offsets_E, per_expert)
+        return
+    if per_expert:
+        starts_E = torch.cat([offsets_E.new_zeros(1), offsets_E[:-1]])
+        unowned = offsets_E <= starts_E
+    else:
+        unowned = torch.arange(out_2d.shape[0], device=out_2d.device) >= offsets_E[-1]
+    out_2d.masked_fill_(unowned[:, None], 0)
+
+
+def _zero_unowned_triton(out_2d: torch.Tensor, offsets_E: torch.Tensor, per_expert: bool) -> None:
     n_rows, n_cols = out_2d.shape
     grid = (triton.cdiv(n_rows, _ZERO_META["BLOCK_R"]), triton.cdiv(n_cols, _ZERO_META["CHUNK_C"]))
     _zero_unowned_kernel[grid](
@@ -400,6 +421,28 @@ def _grouped_mlp_kernels(x_RH, w_gate_EHF, w_up_EHF, w_down_EFH, offsets_E, torc
     return _grouped_gemm_fwd(_swiglu_fwd(gate_RF, up_RF), w_down_EFH, offsets_E, torch_gmm)
 
 
+def _grouped_mlp_cpu(x_RH, w_gate_EHF, w_up_EHF, w_down_EFH, offsets_E):
+    """The CPU path of "auto": torch._grouped_mm's three projections (inside the custom op)
+    around the plain-torch SwiGLU; no host read, and torch.compile traces it whole.
+
+    torch._grouped_mm wants 16-byte aligned rows; H and F are padded with zero columns up to
+    that where they are not. The zeros add nothing to any sum, silu(0) * 0 = 0, and the
+    padding's slices give the gradients back their shapes.
+    """
+    H, F = x_RH.shape[1], w_gate_EHF.shape[2]
+    multiple = 16 // x_RH.element_size()
+    pad_H, pad_F = -H % multiple, -F % multiple
+    if pad_H or pad_F:
+        pad = torch.nn.functional.pad
+        x_RH = pad(x_RH, (0, pad_H))
+        w_gate_EHF, w_up_EHF = pad(w_gate_EHF, (0, pad_F, 0, pad_H)), pad(w_up_EHF, (0, pad_F, 0, pad_H))
+        w_down_EFH = pad(w_down_EFH, (0, pad_H, 0, pad_F))
+    gate_RF = _grouped_gemm_fwd(x_RH, w_gate_EHF, offsets_E, True)
+    up_RF = _grouped_gemm_fwd(x_RH, w_up_EHF, offsets_E, True)
+    y_RH = _grouped_gemm_fwd(swiglu_ref(gate_RF, up_RF), w_down_EFH, offsets_E, True)
+    return y_RH[:, :H] if pad_H else y_RH
+
+
 def _grouped_mm_fast(x_RH: torch.Tensor, F: int) -> bool:
     """Whether torch._grouped_mm has its fast kernel here: bf16 on sm90+ with 16-byte
     aligned rows (H and F multiples of 8)."""
@@ -421,13 +464,13 @@ def _check_like(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) ->
         raise ValueError(f"{name}: expected device {ref.device} like {ref_name}, got {t.device}")
 
 
-def _check_offsets(offsets: torch.Tensor, E: int, R: int, x_perm: torch.Tensor, check_values: bool) -> None:
+def _check_offsets(offsets: torch.Tensor, E: int, R: int, x_perm: torch.Tensor, check: bool) -> None:
     if not isinstance(offsets, torch.Tensor) or offsets.dtype != torch.int32 or offsets.shape != (E,):
         got = f"{offsets.dtype} {tuple(offsets.shape)}" if isinstance(offsets, torch.Tensor) else type(offsets).__name__
         raise ValueError(f"offsets: expected int32 [E] = ({E},) cumulative ends of the experts' rows, got {got}")
     if offsets.device != x_perm.device:
         raise ValueError(f"offsets: expected device {x_perm.device} like x_perm, got {offsets.device}")
-    if not (check_values and checking()):
+    if not checking(check):
         return
     ends = offsets.tolist()  # one device->host sync
     for e, (lo, hi) in enumerate(zip([0] + ends, ends)):
@@ -444,7 +487,7 @@ def grouped_mlp(
     w_down: torch.Tensor,
     offsets: torch.Tensor,
     *,
-    check_offsets: bool = True,
+    check: bool = True,
     impl: str = "auto",
 ) -> torch.Tensor:
     """SwiGLU expert MLPs over rows grouped by expert (SPEC.md section 3).
@@ -455,10 +498,11 @@ def grouped_mlp(
         w_down: [E, F, H].
         offsets: [E] int32, cumulative end of each expert's rows (plan.offsets): expert e
             owns rows offsets[e-1] .. offsets[e]; rows past offsets[-1] belong to no expert.
-        check_offsets: raise a ValueError unless offsets are non-decreasing from 0 and end
-            within R (one device->host sync; skipped under torch.compile).
-        impl: "auto" (CUDA: torch._grouped_mm where it is fast, else Triton; CPU: torch),
-            "triton" or "torch".
+        check: raise a ValueError unless offsets are non-decreasing from 0 and end within R
+            (one device->host sync; skipped under torch.compile).
+        impl: "auto" (CUDA: torch._grouped_mm where it is fast, else Triton; CPU:
+            torch._grouped_mm with a torch SwiGLU; both without host reads), "triton", or
+            "torch" (the per-expert loop, which reads offsets on the host).
 
     Returns:
         y_perm [R, H] in x_perm's dtype: y = (silu(x W_gate[e]) * (x W_up[e])) W_down[e]
@@ -484,11 +528,13 @@ def grouped_mlp(
         raise ValueError(f"w_down: expected shape [E, F, H] = {[E, F, H]}, got {list(w_down.shape)}")
     for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
         _check_like(name, w, "x_perm", x_perm)
-    _check_offsets(offsets, E, R, x_perm, check_offsets)
+    _check_offsets(offsets, E, R, x_perm, check)
 
     if use_triton(impl, x_perm, w_gate, w_up, w_down, offsets):
         torch_gmm = impl == "auto" and _grouped_mm_fast(x_perm, F)
         return _grouped_mlp_kernels(x_perm, w_gate, w_up, w_down, offsets, torch_gmm)
+    if impl == "auto" and x_perm.device.type == "cpu":
+        return _grouped_mlp_cpu(x_perm, w_gate, w_up, w_down, offsets)
     return grouped_mlp_ref(x_perm, w_gate, w_up, w_down, offsets)
 
 

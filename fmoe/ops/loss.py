@@ -50,9 +50,13 @@ REDUCTIONS = ("mean", "sum")
 def cross_entropy_ref(logits_NV, labels_N, ignore_index, mean):
     """Plain torch in float32; differentiable through torch autograd."""
     x_NV = logits_NV.float()
+    V = x_NV.shape[1]
     valid_N = labels_N != ignore_index
-    target_N = torch.where(valid_N, labels_N, 0).long()
+    # unchecked labels outside [0, V) get a NaN loss, as in the kernel, not a bad gather
+    known_N = valid_N & (labels_N >= 0) & (labels_N < V)
+    target_N = torch.where(known_N, labels_N, 0).long()
     row_N = torch.logsumexp(x_NV, dim=-1) - x_NV.gather(1, target_N[:, None]).squeeze(1)
+    row_N = torch.where(known_N, row_N, float("nan"))
     total = torch.where(valid_N, row_N, 0.0).sum()
     return total / valid_N.sum().clamp(min=1) if mean else total
 
@@ -80,7 +84,7 @@ def _ce_fwd_kernel(
     row_ok_R = rows_R < N
     label_R = tl.load(labels_ptr + rows_R, mask=row_ok_R, other=ignore_index)
     valid_R = row_ok_R & (label_R != ignore_index)
-    # unchecked out-of-range labels (check_labels=False, or under torch.compile) give a NaN
+    # unchecked out-of-range labels (check=False, or under torch.compile) give a NaN
     # loss instead of an out-of-bounds read; target -1 never matches a column
     known_R = valid_R & (label_R >= 0) & (label_R < V)
     target_R = tl.where(known_R, label_R, -1).to(tl.int32)
@@ -330,9 +334,9 @@ def _check_labels(labels, n_rows, ignore_index, reduction, device):
         raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
 
 
-def _check_label_values(labels, n_classes, ignore_index):
+def _check_label_values(labels, n_classes, ignore_index, check):
     """Labels lie in [0, V) or equal ignore_index. One device->host sync."""
-    if not checking():
+    if not checking(check):
         return
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= n_classes))
     if bad.any():
@@ -350,7 +354,7 @@ def cross_entropy(
     ignore_index: int = -100,
     reduction: str = "mean",
     inplace_grad: bool = False,
-    check_labels: bool = True,
+    check: bool = True,
     impl: str = "auto",
 ) -> torch.Tensor:
     """Cross-entropy of logits against class labels, in float32 (SPEC.md section 6).
@@ -367,8 +371,9 @@ def cross_entropy(
             their memory). If another op's backward needs these logits (torch.tanh saves
             its output, for one), that backward raises instead of reading the gradient.
             Needs unit column stride. The torch path ignores the flag.
-        check_labels: raise on labels outside [0, V) (one device->host sync; skipped under
-            torch.compile). Unchecked, such rows get a NaN loss on the Triton path.
+        check: raise a ValueError on labels outside [0, V) other than ignore_index (one
+            device->host sync; skipped under torch.compile). Unchecked, such rows get a
+            NaN loss.
         impl: "auto" (Triton on CUDA, torch otherwise), "triton" or "torch".
 
     Returns:
@@ -385,8 +390,7 @@ def cross_entropy(
     if V == 0:
         raise ValueError(f"logits: expected at least one class, got shape {tuple(logits.shape)}")
     _check_labels(labels, N, ignore_index, reduction, logits.device)
-    if check_labels:
-        _check_label_values(labels, V, ignore_index)
+    _check_label_values(labels, V, ignore_index, check)
     mean = reduction == "mean"
     if not use_triton(impl, logits, labels):
         return cross_entropy_ref(logits, labels, ignore_index, mean)
@@ -407,7 +411,7 @@ def linear_cross_entropy(
     reduction: str = "mean",
     chunk_rows: Optional[int] = None,
     accumulate_dtype: Optional[torch.dtype] = None,
-    check_labels: bool = True,
+    check: bool = True,
     impl: str = "auto",
 ) -> torch.Tensor:
     """cross_entropy(h @ weight.T, labels) without holding the N x V logits (SPEC.md 6).
@@ -423,7 +427,7 @@ def linear_cross_entropy(
         h: [N, H] hidden states, float32 / bfloat16 / float16.
         weight: [V, H] output projection (the LM head), h's dtype.
         labels: [N] int32 / int64 in [0, V), or ignore_index.
-        ignore_index, reduction, check_labels, impl: as in cross_entropy.
+        ignore_index, reduction, check, impl: as in cross_entropy.
         chunk_rows: rows per chunk; default: as many as keep a chunk's logits within 256 MiB
             (1024 rows for V = 131072 in bf16). Memory: chunk_rows x V in h's dtype.
         accumulate_dtype: dtype of the dweight accumulator over chunks. None (default):
@@ -456,8 +460,7 @@ def linear_cross_entropy(
         accumulate_dtype = weight.dtype
     if accumulate_dtype not in (torch.float32, weight.dtype):
         raise ValueError(f"accumulate_dtype: expected torch.float32 or weight's dtype {weight.dtype}, got {accumulate_dtype}")
-    if check_labels:
-        _check_label_values(labels, V, ignore_index)
+    _check_label_values(labels, V, ignore_index, check)
     mean = reduction == "mean"
     if not use_triton(impl, h, weight, labels):
         return linear_cross_entropy_ref(h, weight, labels, ignore_index, mean)

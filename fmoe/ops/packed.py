@@ -228,6 +228,7 @@ def roll_packed(
     shift: int = -1,
     dim: int = 0,
     fill: Union[int, float, bool] = 0,
+    check: bool = True,
     impl: str = "auto",
 ) -> torch.Tensor:
     """Roll x along `dim` inside every packed sequence (SPEC.md section 5).
@@ -241,10 +242,11 @@ def roll_packed(
         x: any dtype and rank >= 1, the packed tokens along `dim`: ids [T], masks [T] bool,
             hidden states [T, H] (dim=0) or [B, T, H] (dim=1).
         cu_seqlens: [N + 1] int32/int64, 0 = cu[0] <= cu[1] <= ... <= cu[N] = x.shape[dim];
-            moved to x's device. Its values are checked with one device->host sync
-            (skipped under torch.compile).
+            moved to x's device.
         shift: any int. dim: the token dim, negative counts from the end.
         fill: a number, cast to x's dtype (floats to ints truncate; it must fit).
+        check: raise a ValueError unless cu_seqlens' values are as above (one device->host
+            sync; skipped under torch.compile).
         impl: "auto" (Triton on CUDA, torch otherwise), "triton" or "torch".
 
     Returns:
@@ -267,17 +269,22 @@ def roll_packed(
     _check_fill(fill, x.dtype)
     if x.element_size() not in _BITS:
         raise ValueError(f"x: dtype {x.dtype} ({x.element_size()} bytes per element) is not supported")
-    check_cu_seqlens(cu_seqlens, x.shape[dim])
+    check_cu_seqlens(cu_seqlens, x.shape[dim], check=check)
     return _roll(x, cu_seqlens.to(x.device), shift, dim, fill, impl)
 
 
-def positions_from_cu_seqlens(cu_seqlens: torch.Tensor, *, n_tokens: Optional[int] = None) -> torch.Tensor:
+def positions_from_cu_seqlens(
+    cu_seqlens: torch.Tensor, *, n_tokens: Optional[int] = None, check: bool = True
+) -> torch.Tensor:
     """Position of every token inside its sequence: positions[t] = t - cu[j] for t in j.
 
     Args:
         cu_seqlens: [N + 1] int32/int64, 0 = cu[0] <= ... <= cu[N] = T.
         n_tokens: T. Without it T is read from cu_seqlens[-1] (one device->host sync, and a
-            data-dependent shape under torch.compile); with it nothing waits on the device.
+            data-dependent shape under torch.compile, check or not); with it and
+            check=False nothing waits on the device.
+        check: raise a ValueError unless cu_seqlens' values are as above (one device->host
+            sync; skipped under torch.compile).
 
     Returns:
         positions [T] int64 on cu_seqlens' device (the dtype of torch indices, embeddings
@@ -292,7 +299,7 @@ def positions_from_cu_seqlens(cu_seqlens: torch.Tensor, *, n_tokens: Optional[in
         n_tokens = int(cu_seqlens[-1]) if cu_seqlens.numel() else 0
     else:
         check_positive_int("n_tokens", n_tokens, 0)
-    check_cu_seqlens(cu_seqlens, n_tokens)
+    check_cu_seqlens(cu_seqlens, n_tokens, check=check)
     return positions_ref(cu_seqlens, n_tokens)
 
 
@@ -304,6 +311,7 @@ def mtp_targets(
     loss_mask: Optional[torch.Tensor] = None,
     positions: Optional[torch.Tensor] = None,
     ignore_index: int = -100,
+    check: bool = True,
     impl: str = "auto",
 ) -> list[TensorDict]:
     """Inputs and targets of the main model and of `depth` MTP modules (SPEC.md section 5).
@@ -335,7 +343,7 @@ def mtp_targets(
             loss_mask (filled labels also equal ignore_index).
         positions: [T] int32/int64, default positions_from_cu_seqlens(cu_seqlens).
         ignore_index: the fill of labels (cross_entropy's default ignore_index).
-        impl: as in roll_packed.
+        check, impl: as in roll_packed.
 
     Returns:
         depth + 1 TensorDicts, keys input_ids, positions, labels, loss_mask.
@@ -351,7 +359,7 @@ def mtp_targets(
         loss_mask = torch.ones(T, dtype=torch.bool, device=tokens.device)
     elif not isinstance(loss_mask, torch.Tensor) or loss_mask.shape != (T,):
         raise ValueError(f"loss_mask: expected a tensor of shape ({T},), got {getattr(loss_mask, 'shape', type(loss_mask).__name__)}")
-    check_cu_seqlens(cu_seqlens, T)
+    check_cu_seqlens(cu_seqlens, T, check=check)
     if positions is None:
         positions = positions_ref(cu_seqlens.to(tokens.device), T)
     else:

@@ -365,7 +365,7 @@ def route(
     topk_groups: Optional[int] = None,
     expert_bias: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
-    check_nan: bool = True,
+    check: bool = True,
     impl: str = "auto",
 ) -> Routes:
     """Choose k experts per token and their gate weights (SPEC.md section 1).
@@ -381,7 +381,7 @@ def route(
         expert_bias: [E] float32, sigmoid scoring only: added to the scores to choose the
             experts, never to the weights (aux-loss-free balancing).
         scale: multiplies the weights (DeepSeek-V3: 2.5).
-        check_nan: raise a ValueError on NaN logits (one device->host sync; skipped under
+        check: raise a ValueError on NaN logits (one device->host sync; skipped under
             torch.compile). Unchecked NaN rows get NaN weights, never finite ones.
         impl: "auto" (Triton on CUDA, torch otherwise), "triton" or "torch".
 
@@ -419,7 +419,7 @@ def route(
         scale = 1.0
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (0 < scale < math.inf):
         raise ValueError(f"scale: expected a positive finite number, got {scale!r}")
-    if check_nan:
+    if check:
         check_no_nan("logits", logits)
 
     code = SIGMOID if score == "sigmoid" else (SOFTMAX_PRE if pre_softmax else SOFTMAX_POST)
@@ -429,7 +429,16 @@ def route(
     return route_ref(logits, k, code, groups, kept_groups, expert_bias, float(scale))
 
 
-def drop_by_capacity(routes: Routes, n_experts: int, capacity_factor: float, *, policy: str = "probs") -> Routes:
+def expert_capacity(n_tokens: int, k: int, n_experts: int, capacity_factor: float) -> int:
+    """C = ceil(T k / E * capacity_factor): the slots of one expert that T tokens keep under
+    drop_by_capacity (Megatron's get_capacity, SPEC.md section 1); what a capacity-padded
+    buffer is sized by."""
+    return math.ceil(n_tokens * k / n_experts * capacity_factor)
+
+
+def drop_by_capacity(
+    routes: Routes, n_experts: int, capacity_factor: float, *, policy: str = "probs", check: bool = True
+) -> Routes:
     """Keep at most ceil(T * k / E * capacity_factor) slots per expert (SPEC.md section 1).
 
     policy "probs" keeps the slots with the largest weights (ties: earlier token first);
@@ -441,6 +450,8 @@ def drop_by_capacity(routes: Routes, n_experts: int, capacity_factor: float, *, 
         routes: Routes(weights [T, k] float, experts [T, k] int32/int64).
         n_experts: E.
         capacity_factor: > 0.
+        check: raise a ValueError unless the expert ids lie in -1..E-1 (one device->host
+            sync; skipped under torch.compile). Unchecked, ids outside it are dropped.
     Returns:
         Routes of the same shapes and dtypes.
     """
@@ -456,15 +467,17 @@ def drop_by_capacity(routes: Routes, n_experts: int, capacity_factor: float, *, 
         raise ValueError(f"capacity_factor: expected a positive finite number, got {capacity_factor!r}")
     if policy not in ("probs", "position"):
         raise ValueError(f"policy: expected 'probs' or 'position', got {policy!r}")
-    if checking() and experts_TK.numel() and (experts_TK.max() >= n_experts or experts_TK.min() < -1):
+    if checking(check) and experts_TK.numel() and (experts_TK.max() >= n_experts or experts_TK.min() < -1):
         raise ValueError(f"routes.experts: ids must lie in -1..{n_experts - 1}")
 
     T, k = weights_TK.shape
-    capacity = math.ceil(T * k / n_experts * capacity_factor)  # Megatron's get_capacity
+    capacity = expert_capacity(T, k, n_experts, capacity_factor)
     flat_e = experts_TK.reshape(-1).long()
     n = flat_e.numel()
-    # dropped slots sort into a virtual expert E, after every real one
-    key_e = torch.where(flat_e >= 0, flat_e, n_experts)
+    # dropped slots (and unchecked ids out of range) sort into a virtual expert E, after
+    # every real one
+    real_e = (flat_e >= 0) & (flat_e < n_experts)
+    key_e = torch.where(real_e, flat_e, n_experts)
     if policy == "probs":
         order = sort_desc(weights_TK.detach().reshape(-1))
         order = order[torch.sort(key_e[order], stable=True).indices]
@@ -475,7 +488,7 @@ def drop_by_capacity(routes: Routes, n_experts: int, capacity_factor: float, *, 
     starts = torch.cumsum(counts, 0) - counts
     rank_sorted = torch.arange(n, device=flat_e.device) - starts[key_e[order]]
     rank = torch.empty_like(rank_sorted).scatter_(0, order, rank_sorted)
-    keep_TK = ((flat_e >= 0) & (rank < capacity)).view(T, k)
+    keep_TK = (real_e & (rank < capacity)).view(T, k)
     return Routes(
         torch.where(keep_TK, weights_TK, torch.zeros_like(weights_TK)),
         torch.where(keep_TK, experts_TK, torch.full_like(experts_TK, -1)),

@@ -5,13 +5,14 @@
     AdamW                             AdamW with float32 or bfloat16 moments (fused Triton on CUDA)
     Muon, newton_schulz               Muon for matrices (each expert its own matrix)
     split_param_groups, build_optimizers  Muon for matrices, AdamW for the rest
-    clip_grad_norm, Float32GradAccumulator  gradient helpers
-Every step takes `owned=` (update only those parameters). fmoe.parallel.muon.DistributedMuon
-is the layer-wise distributed Muon.
+    grad_norm, clip_grad_norm         the gradient norm (one process, or one collective over
+                                      gradients on several meshes) and its clipping
+    Float32GradAccumulator            float32 sums of chosen bf16 gradients
+fmoe.parallel.muon.DistributedMuon is the layer-wise distributed Muon.
 """
 
 from fmoe.optim.adamw import AdamW
-from fmoe.optim.grads import Float32GradAccumulator, clip_grad_norm
+from fmoe.optim.grads import Float32GradAccumulator, clip_grad_norm, grad_norm
 from fmoe.optim.muon import Muon, build_optimizers, newton_schulz, split_param_groups
 from fmoe.optim.schedules import batch_size_at, lr_at, lr_scheduler, parse_batch_schedule
 
@@ -22,6 +23,7 @@ __all__ = [
     "batch_size_at",
     "build_optimizers",
     "clip_grad_norm",
+    "grad_norm",
     "lr_at",
     "lr_scheduler",
     "newton_schulz",

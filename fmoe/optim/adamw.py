@@ -21,21 +21,19 @@ table (rebuilt only when a pointer or size changes); "auto" is Triton on CUDA, t
 otherwise. A bucket with a non-contiguous tensor takes the torch path.
 
 DTensor parameters are updated through their local shards, their states are DTensors laid
-out like them. `step(owned=...)` updates only the given parameters (the others keep their
-state untouched), for optimizers where each rank updates only the parameters it owns.
+out like them.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Callable, Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from fmoe.ops.backend import use_triton
-from fmoe.optim.grads import begin_step
 from fmoe.ops.backend import local_tensor as _local
+from fmoe.ops.backend import use_triton
 
 STATE_DTYPES = (torch.float32, torch.bfloat16)
 _ROWS = ("param", "grad", "exp_avg", "exp_avg_sq", "master", "numel")  # pointer-table rows
@@ -206,7 +204,7 @@ def _adamw_triton(cache, bucket, params, grads, exp_avgs, exp_avg_sqs, masters, 
 
 class AdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay) with bf16 moments, float32 master weights, a fused
-    multi-tensor Triton step on CUDA, DTensor parameters and a step over owned parameters.
+    multi-tensor Triton step on CUDA and DTensor parameters.
 
     Args:
         params: parameters or parameter groups, as for any torch optimizer.
@@ -248,11 +246,15 @@ class AdamW(torch.optim.Optimizer):
         self.master_weights = master_weights
         self.impl = impl
         self._cache = _TableCache()
+        # each parameter's step count as a Python number, beside state["step"] (a CPU tensor,
+        # the checkpointed form): buckets are keyed by it without reading a tensor each step
+        self._steps: dict = {}
 
     def _init_state(self, p: torch.Tensor) -> dict:
         state = self.state[p]
         if not state:
             state["step"] = torch.tensor(0.0)
+            self._steps[p] = 0.0
             state["exp_avg"] = torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.preserve_format)
             if self.master_weights and p.dtype != torch.float32:
@@ -263,6 +265,7 @@ class AdamW(torch.optim.Optimizer):
         """torch's loader casts floating state to the parameter's dtype; here the moments
         keep state_dtype and the master float32 (bf16 moments load bit for bit)."""
         super().load_state_dict(state_dict)
+        self._steps = {}  # read again from the loaded state["step"] at the next step
         saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
         params = [p for group in self.param_groups for p in group["params"]]
         dtypes = dict(exp_avg=self.state_dtype, exp_avg_sq=self.state_dtype, master=torch.float32)
@@ -272,24 +275,29 @@ class AdamW(torch.optim.Optimizer):
                     self.state[p][key] = value.to(device=p.device, dtype=dtypes[key], copy=True)
 
     @torch.no_grad()
-    def step(self, closure=None, *, owned: Optional[Iterable[torch.Tensor]] = None):
-        """One optimizer step over the parameters that have a gradient.
-
-        owned: when given, only these parameters are updated (the others are left as they
-        are, state included). Returns the closure's loss, if a closure is given.
+    def step(self, closure: Optional[Callable[[], float]] = None):
+        """One optimizer step over the parameters that have a gradient (the others keep
+        their values and state). closure: as for any torch optimizer, re-evaluates the model
+        (with grad enabled) before the step; its loss is returned (None without one).
         """
-        loss, stepped = begin_step(closure, owned)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         for group in self.param_groups:
             buckets = {}
             for p in group["params"]:
-                if not stepped(p):
+                if p.grad is None:
                     continue
                 if p.grad.is_sparse:
                     raise RuntimeError("AdamW does not support sparse gradients")
                 state = self._init_state(p)
-                state["step"] += 1
+                step = self._steps.get(p)
+                step = (float(state["step"]) if step is None else step) + 1  # read once after a load
+                self._steps[p] = step
+                state["step"].fill_(step)
                 master = state.get("master")
-                key = (p.device, p.dtype, p.grad.dtype, master is not None, state["step"].item())
+                key = (p.device, p.dtype, p.grad.dtype, master is not None, step)
                 buckets.setdefault(key, []).append((p, state))
             for (*bucket, step), items in buckets.items():
                 self._update(group, (id(group), *bucket), items, step)

@@ -1,7 +1,39 @@
-"""Gradient helpers: norm clipping and float32 accumulation of chosen bf16 gradients.
+"""Gradient helpers: the gradient norm and its clipping, float32 accumulation of bf16 gradients.
 
-clip_grad_norm(parameters, max_norm) scales every .grad by min(1, max_norm / (norm + 1e-6)),
-norm = ||concat of all grads||_p, and returns that pre-clip norm (torch's clip_grad_norm_).
+    grad_norm(parameters, *, norm_type=2.0, group=None) -> 0-D float32 tensor
+    clip_grad_norm(parameters, max_norm, *, norm_type=2.0, group=None) -> the pre-clip norm
+    Float32GradAccumulator(model, patterns)    float32 sums of chosen parameters' gradients
+
+Clipping (torch.nn.utils.clip_grad_norm_'s rule): every gradient is scaled by
+
+    coef = min(1, max_norm / (norm + 1e-6)),    norm = ||concat of all gradients||_p
+
+and the pre-clip norm is returned as a float32 0-D tensor on the device, never a Python
+number: the train loop reads it once per step, with its other logged values.
+
+One process or many: with torch.distributed not initialised, or a group of one rank, no
+collective is issued and plain-tensor gradients go through torch.nn.utils.get_total_norm /
+clip_grad_norm_ themselves (the same bits as torch: computed in the gradients' dtype, then
+cast to float32). Under torchrun the norm is taken over the whole model, whatever mesh each
+gradient lives on:
+
+Gradient norm over meshes. Gradients are plain tensors (a full copy on every rank) or
+DTensors on any mesh of the world: FSDP2 shards over the data mesh, experts Shard(0) over
+ep with FSDP over edp, TP shards, meshes that are slices of the world. Rank q computes
+
+    a_q = sum_grads  sum |local shard|^p / replicas(grad)
+    replicas = world / mesh.size() * prod_{mesh dims d with Replicate} mesh.size(d)
+    (= world for a plain tensor)
+
+replicas counts the ranks holding an identical copy of that local shard (the other slices
+of the world and the Replicate dims of its own mesh), so one SUM all_reduce of a_q over the
+world gives sum |g|^p over the full gradients with every element counted once; the norm is
+its p-th root (a MAX all_reduce of the local max for p = inf). Shard placements (including
+FSDP2's _StridedShard and uneven or empty shards) split the elements disjointly; a Partial
+placement is refused (its local values are not the gradient's). Every rank issues that one
+collective, the same on all, whatever it holds (no gradient at all sends a zero): a skipped
+collective hangs the others. Per tensor the norm is accumulated in float32, across tensors
+and ranks in float64.
 
 Float32GradAccumulator: with bf16 parameters, autograd sums the micro-batch gradients into a
 bf16 .grad, rounding after every micro-batch (8 significant bits: once the sum is 256 times
@@ -10,29 +42,230 @@ need it (the router, whose logits decide discrete choices) the accumulator moves
 micro-batch's bf16 gradient into a float32 sum as soon as autograd has produced it:
 
     main_grad[p] = sum_i float32(grad_i(p))      (one bf16 rounding per micro-batch, not per sum)
+
+The process-group helpers (process_group, collective_device) are shared with
+fmoe.parallel's reductions.
 """
 
 from __future__ import annotations
 
+import math
 import re
-from typing import Iterable, Optional, Union
+from typing import Iterable, Optional, Sequence, Union
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+Group = Union[dist.ProcessGroup, DeviceMesh]
+Parameters = Union[torch.Tensor, Iterable[torch.Tensor]]
+
+# added to the norm before dividing, as torch.nn.utils.clip_grad_norm_ does
+_CLIP_EPS = 1e-6
 
 
+# ----------------------------------------------------------------------------------------
+# Process groups
+# ----------------------------------------------------------------------------------------
+
+
+def process_group(group, name: str = "group") -> dist.ProcessGroup:
+    """The process group of `group`: a ProcessGroup, or the group of a 1-D DeviceMesh.
+    ValueError naming `name` for anything else (a 2-D mesh, None, a string)."""
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(
+                f"{name}: expected a process group or a 1-D DeviceMesh, got a {group.ndim}-D mesh "
+                f"{group.mesh_dim_names} (slice one axis, e.g. meshes.dense['tp'])"
+            )
+        return group.get_group()
+    if isinstance(group, dist.ProcessGroup):
+        return group
+    raise ValueError(f"{name}: expected a torch.distributed ProcessGroup or a 1-D DeviceMesh, got {type(group).__name__}")
+
+
+def collective_device(group: dist.ProcessGroup, tensors: Sequence[torch.Tensor]) -> torch.device:
+    """Where a collective's buffer lives: on the GPU for an nccl-only group (nccl reduces
+    CUDA tensors only, and a rank holding no tensor must still pick the same kind of device
+    as the others), else with the local tensors, else on the CPU."""
+    backend = str(dist.get_backend(group))
+    if "nccl" in backend and "gloo" not in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    if tensors:
+        return tensors[0].device
+    return torch.device("cpu")
+
+
+def _group_and_size(group) -> tuple[Optional[dist.ProcessGroup], int]:
+    """(the group to reduce over, its size): `group` itself, the world when None under
+    torch.distributed, or (None, 1) in a process without torch.distributed."""
+    if group is not None:
+        pg = process_group(group)
+        return pg, dist.get_world_size(pg)
+    if dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD, dist.get_world_size()
+    return None, 1
+
+
+# ----------------------------------------------------------------------------------------
+# Gradient norm and clipping
+# ----------------------------------------------------------------------------------------
+
+
+def _check_norm_type(norm_type) -> float:
+    if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or not norm_type > 0:
+        raise ValueError(f"norm_type: expected a number > 0 or inf, got {norm_type!r}")
+    return float(norm_type)
+
+
+def _as_param_list(parameters) -> list[torch.Tensor]:
+    if isinstance(parameters, torch.Tensor):
+        return [parameters]
+    try:
+        params = list(parameters)
+    except TypeError:
+        raise ValueError(f"parameters: expected a tensor or an iterable of tensors, got {type(parameters).__name__}") from None
+    for i, p in enumerate(params):
+        if not isinstance(p, torch.Tensor):
+            raise ValueError(f"parameters[{i}]: expected a tensor, got {type(p).__name__}")
+    return params
+
+
+def _torch_path(params: list[torch.Tensor], world: int) -> bool:
+    """Whether torch's own single-process functions apply: one rank, plain-tensor grads."""
+    return world == 1 and not any(isinstance(p.grad, DTensor) for p in params)
+
+
+def _local_grads(params: list[torch.Tensor], world: int) -> list[tuple[torch.Tensor, int]]:
+    """(this rank's local gradient shard, number of ranks holding an identical copy of it)
+    for every parameter with a .grad; the grads' own tensors, so in-place scaling sticks."""
+    out = []
+    for i, p in enumerate(params):
+        g = p.grad
+        if g is None:
+            continue
+        if not isinstance(g, DTensor):
+            out.append((g, world))  # a plain tensor: the same full gradient on every rank
+            continue
+        mesh = g.device_mesh
+        if any(pl.is_partial() for pl in g.placements):
+            raise ValueError(
+                f"parameters[{i}]: its gradient has a Partial placement {g.placements} (not yet reduced); "
+                "reduce it (redistribute to Shard/Replicate) before taking the norm"
+            )
+        if mesh.size() > world or world % mesh.size():
+            raise ValueError(f"parameters[{i}]: its gradient's mesh has {mesh.size()} ranks, which does not divide the {world} ranks of the group")
+        if mesh.get_coordinate() is None:
+            continue  # this rank is outside the gradient's mesh and holds none of it
+        replicas = world // mesh.size()  # the other slices of the world hold the same shard
+        for dim, placement in enumerate(g.placements):
+            if placement.is_replicate():
+                replicas *= mesh.size(dim)
+        out.append((g.to_local(), replicas))
+    return out
+
+
+def _tensor_norms(grads: list[torch.Tensor], p: float, foreach: Optional[bool]) -> list[torch.Tensor]:
+    """The float32 p-norm of each tensor: torch._foreach_norm, or a loop when foreach=False."""
+    if foreach is False:
+        return [torch.linalg.vector_norm(g, p, dtype=torch.float32) for g in grads]
+    return list(torch._foreach_norm(grads, p, dtype=torch.float32))
+
+
+def _distributed_norm(params, p: float, pg: Optional[dist.ProcessGroup], world: int, foreach: Optional[bool]) -> torch.Tensor:
+    """The module docstring's algorithm; the collective only when the group has ranks to join."""
+    shards = [(g, r) for g, r in _local_grads(params, world) if g.numel() > 0]  # empty shards add 0
+    if pg is None:
+        device = shards[0][0].device if shards else torch.device("cpu")
+    else:
+        device = collective_device(pg, [g for g, _ in shards])
+    by_replicas: dict[int, list[torch.Tensor]] = {}
+    for g, replicas in shards:
+        by_replicas.setdefault(replicas, []).append(g)
+
+    if math.isinf(p):
+        local = torch.zeros((), dtype=torch.float32, device=device)
+        for grads in by_replicas.values():  # a copy changes no maximum: replicas do not matter
+            norms = _tensor_norms(grads, p, foreach)
+            local = torch.maximum(local, torch.stack([n.to(device) for n in norms]).max())
+        if world > 1:
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=pg)
+        return local
+
+    local = torch.zeros((), dtype=torch.float64, device=device)
+    for replicas, grads in by_replicas.items():
+        norms = _tensor_norms(grads, p, foreach)
+        # each copy of a shard adds 1/replicas of it, so the world's sum counts it once
+        local = local + torch.stack([n.to(device) for n in norms]).double().pow(p).sum() / replicas
+    if world > 1:
+        dist.all_reduce(local, op=dist.ReduceOp.SUM, group=pg)
+    return local.pow(1.0 / p).float()
+
+
+def grad_norm(
+    parameters: Parameters,
+    *,
+    norm_type: float = 2.0,
+    group: Optional[Group] = None,
+    foreach: Optional[bool] = None,
+) -> torch.Tensor:
+    """The p-norm of all the gradients together, on one process or over the ranks of `group`.
+
+    One process (torch.distributed not initialised, or `group` of one rank) with plain-tensor
+    gradients: torch.nn.utils.get_total_norm of the .grad tensors, bit for bit, cast to
+    float32; no collective. Otherwise one all_reduce over `group` (default: the world;
+    every rank holding any of the gradients must be in it): SUM of sum_grads sum |local
+    shard|^p / replicas for finite p, MAX of the local max |g| for p = inf (module
+    docstring). Then every rank of the group must call it, with its own parameters (a rank
+    holding no gradient still takes part); plain-tensor gradients are taken to be the same
+    on every rank of the group.
+
+    Parameters without a .grad are skipped (as if their gradient were zero); none at all
+    gives 0. No host sync.
+
+    Args:
+        parameters: a tensor or an iterable of tensors (their .grad: tensor or DTensor).
+        norm_type: p > 0, or float("inf").
+        group: a ProcessGroup or 1-D DeviceMesh; None for the world (or no group at all
+            without torch.distributed).
+        foreach: torch._foreach kernels (None or True) or a loop over the tensors (False),
+            as in torch.nn.utils.clip_grad_norm_.
+    Returns: 0-D float32 tensor on the gradients' device (the collective's under several
+    ranks), identical on every rank.
+
+    >>> w = torch.nn.Parameter(torch.zeros(2)); w.grad = torch.tensor([3.0, 4.0])
+    >>> grad_norm([w])
+    tensor(5.)
+    """
+    p = _check_norm_type(norm_type)
+    params = _as_param_list(parameters)
+    pg, world = _group_and_size(group)
+    if _torch_path(params, world):
+        grads = [q.grad for q in params if q.grad is not None]
+        return torch.nn.utils.get_total_norm(grads, p, foreach=foreach).float()
+    return _distributed_norm(params, p, pg, world, foreach)
+
+
+@torch.no_grad()
 def clip_grad_norm(
-    parameters: Union[torch.Tensor, Iterable[torch.Tensor]],
+    parameters: Parameters,
     max_norm: float,
     *,
     norm_type: float = 2.0,
+    group: Optional[Group] = None,
     foreach: Optional[bool] = None,
 ) -> torch.Tensor:
     """Clip the gradients' total norm to `max_norm` in place; return the pre-clip norm.
 
-    A thin wrapper over torch.nn.utils.clip_grad_norm_: parameters without a .grad are
-    skipped (none at all gives a norm of 0), norm_type may be inf, foreach as in torch.
-    Returns a float32 0-D tensor on the grads' device, whatever the grads' dtype. The norm
-    is local to this process: sharded or expert-parallel gradients need the distributed one.
+    The norm is grad_norm's (one collective over `group` under torch.distributed, every rank
+    calls it; none on one process), then every local gradient (shard) is scaled by
+    min(1, max_norm / (norm + 1e-6)). On one process with plain-tensor gradients this is
+    torch.nn.utils.clip_grad_norm_ itself (the same bits; the norm cast to float32).
+    Parameters without a .grad are skipped. No host sync.
+
+    Args: as grad_norm; max_norm: a positive number.
+    Returns: 0-D float32 tensor, the norm before clipping, identical on every rank.
 
     >>> w = torch.nn.Parameter(torch.zeros(2)); w.grad = torch.tensor([3.0, 4.0])
     >>> clip_grad_norm([w], 1.0)
@@ -40,10 +273,31 @@ def clip_grad_norm(
     >>> w.grad
     tensor([0.6000, 0.8000])
     """
-    if not max_norm > 0:
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
         raise ValueError(f"max_norm: expected a positive number, got {max_norm!r}")
-    norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type, foreach=foreach)
-    return norm.float()
+    p = _check_norm_type(norm_type)
+    params = _as_param_list(parameters)
+    pg, world = _group_and_size(group)
+    if _torch_path(params, world):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=p, foreach=foreach).float()
+    norm = _distributed_norm(params, p, pg, world, foreach)
+    coef = (max_norm / (norm + _CLIP_EPS)).clamp(max=1.0)
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g, _ in _local_grads(params, world):
+        by_device.setdefault(g.device, []).append(g)
+    for device, grads in by_device.items():
+        coef_here = coef.to(device)
+        if foreach is False:
+            for g in grads:
+                g.mul_(coef_here)
+        else:
+            torch._foreach_mul_(grads, coef_here)
+    return norm
+
+
+# ----------------------------------------------------------------------------------------
+# Float32 accumulation
+# ----------------------------------------------------------------------------------------
 
 
 class Float32GradAccumulator:
@@ -119,19 +373,3 @@ class Float32GradAccumulator:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-
-
-def begin_step(closure, owned):
-    """The common start of an fmoe optimizer's step.
-
-    Runs the closure (with grad enabled) and returns (its loss or None, stepped), where
-    stepped(p) says whether this step updates p: it has a gradient and, when `owned` is
-    given, is one of the owned parameters (a rank of a distributed optimizer updates the
-    parameters it owns; the others keep their values and state).
-    """
-    loss = None
-    if closure is not None:
-        with torch.enable_grad():
-            loss = closure()
-    owned_ids = None if owned is None else {id(p) for p in owned}
-    return loss, lambda p: p.grad is not None and (owned_ids is None or id(p) in owned_ids)

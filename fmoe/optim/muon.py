@@ -29,10 +29,10 @@ fewer than 2 dims (norms, biases) and those that act as lookups or a classifier 
 the output head, the router) belong to AdamW; `split_param_groups` splits a model by that
 rule and `build_optimizers` returns the two optimizers.
 
-Ownership: `Muon.step(owned=...)` updates only the parameters it is given, leaving the
-others (and their momentum) untouched; the layer-wise distributed Muon assigns each matrix to
-one rank, gathers the matrix's shards to its owner, orthogonalises there and sends each rank
-its block back (fmoe.parallel.muon.DistributedMuon).
+Many ranks: the layer-wise distributed Muon (fmoe.parallel.muon.DistributedMuon) assigns
+each matrix to one rank, gathers the matrix's shards to its owner, orthogonalises there and
+sends each rank its block back; it shares this file's momentum_direction, newton_schulz and
+apply_update.
 
 DTensor parameters are updated through their local tensors, which is Muon only when each
 local tensor holds whole matrices: replicated, or sharded over the leading (expert) dims of a
@@ -55,7 +55,6 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from fmoe.optim.grads import begin_step
 from fmoe.ops.backend import local_tensor as _local
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
@@ -148,8 +147,6 @@ class Muon(torch.optim.Optimizer):
         weight_decay: decoupled, W *= 1 - lr wd before the update.
         ns_steps: Newton-Schulz steps. scale: "moonlight" (default: layout-free and on
             AdamW's lr scale) or "spectral". ns_dtype: the dtype NS computes in.
-
-    `step(owned=params)` updates only those parameters (see the module docstring).
     """
 
     def __init__(
@@ -174,13 +171,18 @@ class Muon(torch.optim.Optimizer):
         super().add_param_group({**param_group, "params": params})
 
     @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], float]] = None, *, owned: Optional[Iterable[torch.Tensor]] = None):
-        """One update of every parameter with a gradient, or only of those in `owned`."""
-        loss, stepped = begin_step(closure, owned)
+    def step(self, closure: Optional[Callable[[], float]] = None):
+        """One update of every parameter with a gradient (the others keep their values and
+        momentum). closure: as for any torch optimizer, re-evaluates the model (with grad
+        enabled) before the step; its loss is returned (None without one)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         for group in self.param_groups:
             lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
             for p in group["params"]:
-                if not stepped(p):
+                if p.grad is None:
                     continue
                 w, g = _local(p), _local(p.grad)
                 state = self.state[p]

@@ -3,9 +3,9 @@
 Learning rate at optimizer step n (n = 0 is the first step), with W = warmup, D = total:
 
     n <= W (only when W > 0)   lr = init + (max - init) * n / W
-    n >  D                     lr = min                                   (every style)
+    style = constant, n > W    lr = max          (after the warmup, also past D: min_lr unused)
+    n >  D                     lr = min                                   (every other style)
     W < n <= D                 lr = min + c * (max - min),  r = (n - W) / (D - W)
-        constant      c = 1
         linear        c = 1 - r
         cosine        c = 0.5 * (cos(pi r) + 1)
         inverse_sqrt  lr = max(min, max * sqrt(max(W, 1)) / sqrt(max(n, 1)))   (no c, no r)
@@ -21,8 +21,9 @@ Edges, all continuous except the last one:
   - n == W is max_lr, reached by the warmup line and by every decay formula at r = 0;
   - the WSD decay starts at c = 1 and every wsd_style ends at c = 0, so lr reaches min_lr at D;
   - D == W (no decay phase) jumps from max_lr at W to min_lr at W + 1, and so does WSD with
-    D_wsd == 0 at D; after D every style, constant and inverse_sqrt included, gives min_lr
-    (set min_lr = max_lr, or total = the run's length, for a flat lr that never drops).
+    D_wsd == 0 at D; after D every style but constant, inverse_sqrt included, gives min_lr.
+  - constant stays at max_lr after its warmup, past D too, whatever min_lr (as Megatron
+    Core's "constant" decay style does).
 
 Batch size: a string of THRESHOLD:BATCH pairs, e.g. "0:32 50M:64 200M:128", thresholds in
 consumed tokens with K/M/B/T suffixes (1e3..1e12, decimals like 1.5M allowed); the batch at a
@@ -83,13 +84,16 @@ def lr_at(
     step:      the optimizer step, an integer >= 0 (a float works too)
     max_lr:    peak lr, > 0;  min_lr: floor, 0 <= min_lr <= max_lr;  init_lr: warmup start, >= 0
     total:     D, the step where the decay ends (>= warmup);  warmup: W, >= 0
-    style:     constant | linear | cosine | inverse_sqrt | wsd
+    style:     constant | linear | cosine | inverse_sqrt | wsd  (constant: max_lr after the
+               warmup, past total too; the others reach min_lr by total and stay there)
     wsd_decay: D_wsd, the length of WSD's final decay, 0 <= D_wsd <= total - warmup (used by
                style="wsd" only);  wsd_style: linear | cosine | exponential | minus_sqrt
 
     >>> lr_at(0, max_lr=1.0, total=100, warmup=10)
     0.0
     >>> lr_at(10, max_lr=1.0, total=100, warmup=10)
+    1.0
+    >>> lr_at(102, max_lr=1.0, min_lr=0.1, total=100, style="constant")
     1.0
     >>> round(lr_at(90, max_lr=1.0, min_lr=0.1, total=100, warmup=10, style="wsd",
     ...             wsd_decay=20, wsd_style="minus_sqrt"), 4)
@@ -118,15 +122,15 @@ def lr_at(
     if warmup > 0 and n <= warmup:
         t = n / warmup
         return init_lr * (1.0 - t) + max_lr * t  # = init + (max - init) t, exact at both ends
+    if style == "constant":  # no decay, so nothing ends at total
+        return max_lr
     if n > total:
         return min_lr
     if style == "inverse_sqrt":
         return max(min_lr, max_lr * math.sqrt(max(warmup, 1)) / math.sqrt(max(n, 1)))
     # here warmup <= n <= total, and n == warmup only when warmup == 0 (so r = 0, no division)
     r = (n - warmup) / (total - warmup) if total > warmup else 0.0
-    if style == "constant":
-        c = 1.0
-    elif style == "linear":
+    if style == "linear":
         c = 1.0 - r
     elif style == "cosine":
         c = 0.5 * (math.cos(math.pi * r) + 1.0)

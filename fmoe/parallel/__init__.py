@@ -4,24 +4,38 @@ collectives, DCP) arranged for MoE models. DESIGN.md "Parallelism".
     build_meshes, Meshes, plan_sizes      the dense / batch / expert meshes with MoE folding
     parallelize, apply_fsdp, shard_experts  TP -> EP -> FSDP2 on the reference model
     ExpertParallel, dispatch, combine, DispatchMeta   expert (and expert-tensor) parallel all-to-all
+    permute_padded, dispatch_padded, combine_padded, PaddedDispatchMeta   the same in fixed-size
+                                       capacity-padded buffers: no host sync
     split_tokens, gather_tokens        the MoE's tokens split over tp ranks and gathered back
     tensor_parallel_plan, copy_to_tp, reduce_from_tp   tensor parallel (parallelize_module)
-    all_reduce_counts, all_reduce_sums   per-layer counts and logged sums, one collective each
+    all_reduce_counts, all_reduce_sums   per-layer counts and logged sums (kept on device), one
+                                       collective each
     seq_load_balancing_loss_split, global_load_balancing_loss   aux losses over split tokens
-    grad_norm, clip_grad_norm          the gradient norm over parameters on several meshes
     DistributedMuon                    layer-wise Muon: each matrix orthogonalised on one rank
+
+The gradient norm over parameters on several meshes is fmoe.optim.grad_norm / clip_grad_norm
+(the same functions serve one process and torchrun).
 """
 
-from fmoe.parallel.expert import DispatchMeta, ExpertParallel, combine, dispatch, gather_tokens, split_tokens
+from fmoe.parallel.expert import (
+    DispatchMeta,
+    ExpertParallel,
+    PaddedDispatchMeta,
+    combine,
+    combine_padded,
+    dispatch,
+    dispatch_padded,
+    gather_tokens,
+    permute_padded,
+    split_tokens,
+)
 from fmoe.parallel.fsdp import apply_fsdp, dense_data_mesh, parallelize, shard_experts
 from fmoe.parallel.mesh import Meshes, build_meshes, plan_sizes
 from fmoe.parallel.muon import DistributedMuon
 from fmoe.parallel.reduce import (
     all_reduce_counts,
     all_reduce_sums,
-    clip_grad_norm,
     global_load_balancing_loss,
-    grad_norm,
     seq_load_balancing_loss_split,
 )
 from fmoe.parallel.tensor import copy_to_tp, reduce_from_tp, tensor_parallel_plan
@@ -30,6 +44,10 @@ __all__ = [
     "DispatchMeta",
     "DistributedMuon",
     "ExpertParallel",
+    "PaddedDispatchMeta",
+    "combine_padded",
+    "dispatch_padded",
+    "permute_padded",
     "Meshes",
     "combine",
     "dispatch",
@@ -37,9 +55,7 @@ __all__ = [
     "split_tokens",
     "all_reduce_counts",
     "all_reduce_sums",
-    "clip_grad_norm",
     "global_load_balancing_loss",
-    "grad_norm",
     "seq_load_balancing_loss_split",
     "apply_fsdp",
     "build_meshes",

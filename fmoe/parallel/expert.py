@@ -1,7 +1,10 @@
 """Expert parallelism for fmoe.layers.moe: all-to-all dispatch and combine with autograd.
 
     ep = ExpertParallel(meshes.axis("ep"), etp_mesh=meshes.axis("etp"), tp_mesh=meshes.tp_mesh)
-    y, stats = moe(x, params, cfg, dispatcher=ep)   # params["w_*"]: this rank's experts only
+    y, counts = ep(x, routes, params, cfg)   # params["w_*"]: this rank's experts only
+    y, stats = moe(x, params, cfg, experts=lambda x, routes: ep(x, routes, params, cfg))
+
+(fmoe.model.GroupedExperts does the latter when fmoe.parallel sets its `dispatcher`.)
 
 The rank with ep index j and etp index q owns the local experts l = 0..L-1, global ids
 j L + l (L = E / ep), and the F-shard q of their FFN (F/etp columns of w_gate / w_up, rows of
@@ -22,6 +25,12 @@ w_down). An ExpertParallel call on one rank, step by step (the explicit function
   6. unpermute with the gate weights; gather_tokens (tp > 1) all-gathers the T/tp slices
      (backward: a slice of the upstream gradient, which TP makes identical on the tp ranks).
 
+With ep = etp = 1 (dense TP alone) steps 2-5 are fmoe.layers.local_experts on the rank's
+token slice: no exchange, no host read. With a capacity factor (cfg.capacity_factor set),
+steps 2, 3 and 5 are permute_padded,
+dispatch_padded and combine_padded: the same exchange in the fixed-size capacity layout
+below, with no count exchange and no host read.
+
 Math. With F split into shards F_0 .. F_{Q-1} over the etp ranks,
 
     y[t] = sum_j w[t,j] sum_q (silu(x[t] Wg[e][:, F_q]) * (x[t] Wu[e][:, F_q])) Wd[e][F_q, :],
@@ -36,17 +45,46 @@ l. x_local: l, then s, then q, then the source's order, so that within an expert
 come in global token order when the ranks of an ep x etp block (rank s etp + q) hold
 consecutive token ranges; meta.offsets are then the cumulative ends of each l.
 
-Host sync: the split sizes of the row all-to-alls must be Python ints, so dispatch reads
-the [E] sent and [etp, ep, L] received counts once with .tolist() (one device->host copy per
-call, also when ep = etp = 1). Every rank takes part in every collective, with zero rows or
-experts that receive nothing too (a skipped collective is a hang); ExpertParallel checks
-the caller's inputs before the first collective, so a mistake raises on every rank alike.
+Capacity layout. moe() applies drop_by_capacity before it calls the dispatcher, on the T
+tokens x holds on entry (before the tp split), so no rank holds more than
+C = ceil(T k / E * capacity_factor) slots of an expert, and every buffer is sized by C:
 
-Nothing is kept between calls: ExpertParallel holds its meshes only, and dispatch returns
-what combine needs as a frozen DispatchMeta.
+    x_ECH     [E, C, H]        permute_padded: row (e, c) holds expert e's c-th slot in token
+                               order, zero rows past its slots (global expert e = s L + l)
+    [S, L, C, H]               all-to-all over ep: L C rows to and from every ep rank
+    [Q, S, L, C, H]            etp > 1: every etp rank's rows (an all-to-all of Q copies)
+    x_local   [L S Q C, H]     a static permute to (l, s, q, c); offsets C S Q (l + 1)
+    y_local   [L S Q C, H]     grouped_mlp. Padding rows are zeros and SwiGLU(0) = 0: their
+                               outputs are zeros and they add nothing to the weights' gradient
+    [S, L, C, H]               to (q, s, l, c), all-to-all over etp, the Q partial sums added
+                               in float32
+    y_ECH     [E, C, H]        all-to-all back over ep (combine_padded); unpermute with the
+                               gate weights reads the slots' rows and skips the padding
+
+Every rank of an ep x etp group must use the same C, since each receives L C rows from every
+other and none knows another's T: true when they all pass the same T (fixed-shape
+micro-batches); otherwise ExpertParallel(max_tokens=) takes the largest T of the group and C
+follows from it (a rank's own dropping leaves it at most C slots per expert). The layout
+relies on drop_by_capacity having run: permute_padded gives a slot past C no row (it would
+compute nothing) instead of checking on the host.
+
+Host sync. With a capacity factor: none. Every split size and shape follows from T, k, E,
+the capacity factor and the mesh sizes, so the expert-parallel moe() call traces as one graph
+under torch.compile(fullgraph=True) (impl "auto" or "triton"; impl="torch" runs grouped_mlp's
+reference, which reads its offsets on the host). Without one, dispatch reads the [E] sent
+and [etp, ep, L] received counts once with .tolist() for the split sizes of the row
+all-to-alls: the one device->host sync per MoE layer (the count exchange, when ep or
+etp > 1), and data-dependent shapes, which fullgraph compilation refuses. Every rank
+takes part in every collective, with zero rows or experts that receive nothing too (a
+skipped collective is a hang); ExpertParallel checks the caller's inputs before the first
+collective, so a mistake raises on every rank alike.
+
+Nothing is kept between calls: ExpertParallel holds its meshes and max_tokens, and dispatch
+returns what combine needs as a frozen DispatchMeta (dispatch_padded: a PaddedDispatchMeta).
 
 Legend: T tokens, H hidden, E experts, K = k slots, F expert FFN size, R rows of x_perm
-(T K), S = ep ranks, Q = etp ranks, L = E / S local experts, N rows this rank computes.
+(T K), S = ep ranks, Q = etp ranks, L = E / S local experts, N rows this rank computes,
+C capacity (slots of one expert one rank may send).
 """
 
 from __future__ import annotations
@@ -60,13 +98,16 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from fmoe.layers import check_expert_weights
-from fmoe.ops.checks import check_float
-from fmoe.ops.dispatch import permute, unpermute
+from fmoe.layers import check_expert_weights, local_experts
+from fmoe.ops.checks import check_float, check_index, check_positive_int
+from fmoe.ops.dispatch import PermutePlan, permute, unpermute
 from fmoe.ops.experts import grouped_mlp
-from fmoe.ops.routing import Routes
+from fmoe.ops.routing import Routes, expert_capacity
 
-__all__ = ["DispatchMeta", "ExpertParallel", "combine", "dispatch", "gather_tokens", "split_tokens"]
+__all__ = [
+    "DispatchMeta", "ExpertParallel", "PaddedDispatchMeta", "combine", "combine_padded", "dispatch",
+    "dispatch_padded", "gather_tokens", "permute_padded", "split_tokens",
+]
 
 
 def _check_mesh(name: str, mesh) -> None:
@@ -273,6 +314,151 @@ def combine(y_local: torch.Tensor, meta: DispatchMeta) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------
+# expert parallel with a capacity bound: fixed-size buffers, no host sync
+# ----------------------------------------------------------------------------------------
+
+
+def permute_padded(
+    x: torch.Tensor, experts: torch.Tensor, n_experts: int, capacity: int
+) -> tuple[torch.Tensor, PermutePlan]:
+    """Token rows into the capacity layout (module doc): x_ECH [E, C, H], a fixed shape.
+
+    Row (e, c) holds x[t] of expert e's c-th slot (t, j), slots in token order as permute
+    orders them; the rows past an expert's slots are zeros. A slot with id -1 gets no row,
+    and so would a slot past the capacity: none is left after drop_by_capacity, and the
+    layout relies on that rather than check it (a host read). Sync-free: sorts and gathers.
+
+    Args:
+        x: [T, H] float; experts: [T, K] int ids in -1..E-1; n_experts: E; capacity: C >= 0.
+    Returns:
+        x_ECH [E, C, H] in x's dtype, differentiable w.r.t. x (d x[t] adds its slots' rows
+        in float32), and plan: a PermutePlan of the E C rows for fmoe.ops.unpermute,
+        counts [E] the slots placed, offsets C (e + 1).
+
+    Example:
+        >>> x_ECH, plan = permute_padded(torch.tensor([[1.0], [2.0]]), torch.tensor([[1], [1]]), 2, 2)
+        >>> x_ECH.flatten().tolist(), plan.row_of_slot.flatten().tolist()
+        ([0.0, 0.0, 1.0, 2.0], [2, 3])
+    """
+    check_float("x", x, 2, "[T, H]")
+    check_index("experts", experts, 2, "[T, k]")
+    if experts.shape[0] != x.shape[0]:
+        raise ValueError(f"experts: expected {x.shape[0]} rows, one per token of x, got shape {tuple(experts.shape)}")
+    check_positive_int("n_experts", n_experts)
+    check_positive_int("capacity", capacity, low=0)
+    (T, K), E, C, H = experts.shape, n_experts, capacity, x.shape[1]
+    device = x.device
+    # over the T K flat slots t K + j; dropped slots (and ids past E) go to a virtual
+    # expert E after the real ones
+    ids = experts.reshape(-1).long()
+    key = torch.where((ids >= 0) & (ids < E), ids, E)
+    order = torch.sort(key, stable=True).indices  # by expert, then by flat slot: token order
+    counts_all = torch.zeros(E + 1, dtype=torch.int64, device=device).scatter_add_(0, key, torch.ones_like(key))
+    first_all = torch.cumsum(counts_all, 0) - counts_all
+    rank_sorted = torch.arange(T * K, device=device) - first_all[key[order]]
+    rank = torch.empty_like(rank_sorted).scatter_(0, order, rank_sorted)  # c: the slot's place in its expert
+    placed = (key < E) & (rank < C)
+    row_of_slot = torch.where(placed, key * C + rank, -1)
+    # unplaced slots all write the spare row E C, cut off after
+    slot_of_row = torch.full((E * C + 1,), -1, dtype=torch.int64, device=device)
+    slot_of_row.scatter_(0, torch.where(placed, row_of_slot, E * C), torch.arange(T * K, device=device))
+    slot_of_row = slot_of_row[: E * C]
+    plan = PermutePlan(
+        counts=counts_all[:E].clamp(max=C),
+        offsets=torch.arange(1, E + 1, dtype=torch.int32, device=device) * C,
+        row_of_slot=row_of_slot.view(T, K).to(torch.int32),
+        slot_of_row=slot_of_row.to(torch.int32),
+    )
+    # rows of no slot read an appended zero row T; gathered in float32 (exact) so that the
+    # backward adds a token's K rows in float32, as fmoe.ops.permute does
+    token_R = torch.where(slot_of_row >= 0, slot_of_row // K, T)
+    x_pad = torch.cat([x.float(), x.new_zeros(1, H, dtype=torch.float32)])
+    return x_pad[token_R].to(x.dtype).view(E, C, H), plan
+
+
+@dataclasses.dataclass(frozen=True)
+class PaddedDispatchMeta:
+    """What combine_padded needs to undo one dispatch_padded (made per call, never kept).
+
+    n_experts: E. capacity: C. n_ep, n_etp: S, Q.
+    offsets: [L] int32, C S Q (l + 1): x_local's grouped_mlp offsets (fixed).
+    ep_group, etp_group: the process groups, None for an axis of one rank.
+    """
+
+    n_experts: int
+    capacity: int
+    n_ep: int
+    n_etp: int
+    offsets: torch.Tensor
+    ep_group: Optional[dist.ProcessGroup]
+    etp_group: Optional[dist.ProcessGroup]
+
+
+def dispatch_padded(
+    x_ECH: torch.Tensor,
+    *,
+    ep_mesh: Optional[DeviceMesh] = None,
+    etp_mesh: Optional[DeviceMesh] = None,
+) -> tuple[torch.Tensor, PaddedDispatchMeta]:
+    """dispatch in the capacity layout (module doc): equal splits, fixed shapes, no host read.
+
+    Args:
+        x_ECH: [E, C, H] this rank's rows of every global expert, C per expert, padded with
+            zero rows (permute_padded). Every rank of the ep x etp group passes the same C.
+        ep_mesh, etp_mesh: 1-D meshes of the ep and etp axes (None or size 1: off).
+    Returns:
+        x_local: [L S Q C, H], the C rows of each of this rank's L = E/ep experts from every
+            ep and etp rank, ordered (l, s, q, c); expert l owns rows C S Q l .. C S Q (l + 1).
+        meta: PaddedDispatchMeta; meta.offsets are x_local's grouped_mlp offsets.
+        Differentiable w.r.t. x_ECH.
+    """
+    check_float("x_ECH", x_ECH, 3, "[E, C, H]")
+    _check_mesh("ep_mesh", ep_mesh)
+    _check_mesh("etp_mesh", etp_mesh)
+    ep_group, etp_group = _group(ep_mesh), _group(etp_mesh)
+    (E, C, H), S, Q = x_ECH.shape, _size(ep_mesh), _size(etp_mesh)
+    if E == 0 or E % S:
+        raise ValueError(f"x_ECH: expected E = {E} experts (dim 0) divisible by ep = {S}")
+    L = E // S
+
+    # rows already rank-major: ep rank s owns the global experts s L .. s L + L - 1
+    x_recv = x_ECH.reshape(E * C, H)
+    if ep_group is not None:
+        x_recv = _all_to_all(x_recv, [L * C] * S, [L * C] * S, ep_group)
+    if etp_group is not None:
+        # every etp rank computes every etp rank's rows with its own F-shard
+        x_recv = _all_to_all(x_recv.repeat(Q, 1), [S * L * C] * Q, [S * L * C] * Q, etp_group)
+    x_local = x_recv.view(Q, S, L, C, H).permute(2, 1, 0, 3, 4).reshape(L * S * Q * C, H)
+    offsets = torch.arange(1, L + 1, dtype=torch.int32, device=x_ECH.device) * (S * Q * C)
+    meta = PaddedDispatchMeta(
+        n_experts=E, capacity=C, n_ep=S, n_etp=Q, offsets=offsets, ep_group=ep_group, etp_group=etp_group
+    )
+    return x_local, meta
+
+
+def combine_padded(y_local: torch.Tensor, meta: PaddedDispatchMeta) -> torch.Tensor:
+    """The reverse of dispatch_padded: y_local [L S Q C, H] (x_local's rows) -> y_ECH
+    [E, C, H] in x_ECH's layout. With etp > 1 the etp ranks' partial sums over their
+    F-shards are added (in float32). Differentiable w.r.t. y_local; no host read."""
+    if not isinstance(meta, PaddedDispatchMeta):
+        raise ValueError(f"meta: expected the PaddedDispatchMeta returned by dispatch_padded, got {type(meta).__name__}")
+    E, C, S, Q = meta.n_experts, meta.capacity, meta.n_ep, meta.n_etp
+    L = E // S
+    check_float("y_local", y_local, 2, f"[L S Q C = {L * S * Q * C}, H]")
+    if y_local.shape[0] != L * S * Q * C:
+        raise ValueError(f"y_local: expected dispatch_padded's {L * S * Q * C} rows, got shape {tuple(y_local.shape)}")
+    H = y_local.shape[1]
+
+    y_recv = y_local.view(L, S, Q, C, H).permute(2, 1, 0, 3, 4).reshape(Q * S * L * C, H)
+    if meta.etp_group is not None:
+        parts = _all_to_all(y_recv, [S * L * C] * Q, [S * L * C] * Q, meta.etp_group)
+        y_recv = parts.view(Q, S * L * C, H).sum(0, dtype=torch.float32).to(y_local.dtype)
+    if meta.ep_group is not None:
+        y_recv = _all_to_all(y_recv, [L * C] * S, [L * C] * S, meta.ep_group)
+    return y_recv.view(E, C, H)
+
+
+# ----------------------------------------------------------------------------------------
 # the dispatcher for moe()
 # ----------------------------------------------------------------------------------------
 
@@ -288,8 +474,15 @@ class ExpertParallel:
     F-shard. Returns y [T, H] (whole on every tp rank) and counts [E] int64 of the slots this
     rank dispatched (its T/tp slice under tp: the sum over all ranks is the true total).
     Meshes are 1-D (meshes.axis("ep"), meshes.axis("etp"), meshes.tp_mesh); None or size 1
-    turns that axis off. Holds the meshes only: nothing is kept between calls. cfg.align is
-    not used: the exchanged rows carry no padding (align = 1).
+    turns that axis off. Holds the meshes and max_tokens: nothing is kept between calls.
+
+    cfg.capacity_factor set: the capacity layout (module doc), with no host read and fixed
+    shapes; C = ceil(T k / E * capacity_factor) from T = max_tokens if given, else this
+    call's T. max_tokens: the largest T any rank of this rank's ep x etp group passes, for
+    ranks whose token counts differ (a rank with none, a short last batch); every rank of
+    the group must pass the same max_tokens. Not used without a capacity factor: then the
+    count exchange sizes the all-to-alls (the one host sync per call). cfg.align is not
+    used: the exchanged rows carry no alignment padding.
     """
 
     def __init__(
@@ -298,13 +491,18 @@ class ExpertParallel:
         *,
         etp_mesh: Optional[DeviceMesh] = None,
         tp_mesh: Optional[DeviceMesh] = None,
+        max_tokens: Optional[int] = None,
     ):
         for name, mesh in (("ep_mesh", ep_mesh), ("etp_mesh", etp_mesh), ("tp_mesh", tp_mesh)):
             _check_mesh(name, mesh)
+        if max_tokens is not None:
+            check_positive_int("max_tokens", max_tokens, low=0)
         self.ep_mesh, self.etp_mesh, self.tp_mesh = ep_mesh, etp_mesh, tp_mesh
+        self.max_tokens = max_tokens
 
     def __repr__(self) -> str:
-        return f"ExpertParallel(ep={_size(self.ep_mesh)}, etp={_size(self.etp_mesh)}, tp={_size(self.tp_mesh)})"
+        sizes = f"ep={_size(self.ep_mesh)}, etp={_size(self.etp_mesh)}, tp={_size(self.tp_mesh)}"
+        return f"ExpertParallel({sizes}" + ("" if self.max_tokens is None else f", max_tokens={self.max_tokens}") + ")"
 
     def _check(self, x_TH, routes, params, cfg) -> None:
         T, H = x_TH.shape
@@ -313,6 +511,8 @@ class ExpertParallel:
             raise ValueError(f"cfg.n_experts: {E} experts do not split evenly over ep = {ep} ranks")
         if T % tp:
             raise ValueError(f"x: expected a number of tokens divisible by tp = {tp} (each tp rank takes T/tp), got T = {T}")
+        if cfg.capacity_factor is not None and self.max_tokens is not None and T > self.max_tokens:
+            raise ValueError(f"x: T = {T} tokens, more than ExpertParallel's max_tokens = {self.max_tokens}")
         if routes.weights.shape[0] != T or routes.experts.shape[0] != T:
             shapes = f"{tuple(routes.weights.shape)}, {tuple(routes.experts.shape)}"
             raise ValueError(f"routes: expected weights and experts with x's {T} rows, got {shapes}")
@@ -320,6 +520,7 @@ class ExpertParallel:
 
     def __call__(self, x_TH: torch.Tensor, routes, params, cfg) -> tuple[torch.Tensor, torch.Tensor]:
         self._check(x_TH, routes, params, cfg)
+        (T, H), E, k = x_TH.shape, cfg.n_experts, routes.experts.shape[1]
         x_slice_TH = split_tokens(x_TH, self.tp_mesh)
         weights = split_tokens(routes.weights, self.tp_mesh)
         experts = routes.experts
@@ -328,14 +529,28 @@ class ExpertParallel:
             start = self.tp_mesh.get_local_rank() * t
             experts = experts[start : start + t]  # ids: no gradient, a plain slice
         routes = Routes(weights, experts)
+        w_gate, w_up, w_down = params["w_gate"], params["w_up"], params["w_down"]
 
-        # align = 1: the exchanged rows carry no padding
-        x_perm, plan = permute(x_slice_TH, routes.experts, cfg.n_experts, align=1, impl=cfg.impl)
-        x_local, meta = dispatch(x_perm, plan.counts, ep_mesh=self.ep_mesh, etp_mesh=self.etp_mesh)
-        # offsets come from dispatch's own counts: skip grouped_mlp's value check (a host sync)
-        y_local = grouped_mlp(
-            x_local, params["w_gate"], params["w_up"], params["w_down"], meta.offsets, check_offsets=False, impl=cfg.impl
-        )
-        y_perm = combine(y_local, meta)
+        if _size(self.ep_mesh) == 1 and _size(self.etp_mesh) == 1:
+            # dense TP only: this rank's token slice through every expert here, no exchange
+            # and so no host sync (fmoe.layers.local_experts)
+            y_TH, counts = local_experts(x_slice_TH, routes, params, cfg)
+            return gather_tokens(y_TH, self.tp_mesh), counts
+        if cfg.capacity_factor is None:
+            # align = 1: the exchanged rows carry no padding; ids from route need no value
+            # check; dispatch makes the one host sync (the count exchange)
+            x_perm, plan = permute(x_slice_TH, routes.experts, E, align=1, check=False, impl=cfg.impl)
+            x_local, meta = dispatch(x_perm, plan.counts, ep_mesh=self.ep_mesh, etp_mesh=self.etp_mesh)
+            # offsets come from dispatch's own counts: skip grouped_mlp's value check (a host sync)
+            y_local = grouped_mlp(x_local, w_gate, w_up, w_down, meta.offsets, check=False, impl=cfg.impl)
+            y_perm = combine(y_local, meta)
+        else:
+            # moe() dropped every slot past C of the T tokens on entry (before the tp split)
+            C = expert_capacity(T if self.max_tokens is None else self.max_tokens, k, E, cfg.capacity_factor)
+            x_ECH, plan = permute_padded(x_slice_TH, routes.experts, E, C)
+            x_local, meta = dispatch_padded(x_ECH, ep_mesh=self.ep_mesh, etp_mesh=self.etp_mesh)
+            # the offsets C S Q (l + 1) are right by construction: no value check (a host sync)
+            y_local = grouped_mlp(x_local, w_gate, w_up, w_down, meta.offsets, check=False, impl=cfg.impl)
+            y_perm = combine_padded(y_local, meta).view(E * C, H)
         y_TH = unpermute(y_perm, plan, routes.weights, impl=cfg.impl)
         return gather_tokens(y_TH, self.tp_mesh), plan.counts

@@ -15,6 +15,11 @@ ExpertParallel dispatcher) -> FSDP2. FSDP units, innermost first:
     each Block    over the dense data mesh (attention, norms, dense MLP)
     the model     embedding, head, final norm, MTP projections
 
+No unit casts its forward inputs (cast_forward_inputs=False): the model's only inputs are
+token ids, every activation already comes out of a param_dtype computation, and the
+float32 RoPE tables of the micro-batch's context and the float32 gate weights of the
+routes must stay float32.
+
 The dense data mesh is dp_shard, or (dp_replicate, dp_shard) for HSDP. Gradients are
 summed, not averaged, over data ranks (gradient divide factor 1): the train loop divides
 the loss by the step's global count of valid tokens, so gradients do not depend on how the
@@ -45,7 +50,7 @@ def dense_data_mesh(meshes: Meshes):
 def shard_experts(moe: MoE, meshes: Meshes) -> None:
     """Replace a MoE block's expert stacks by DTensors over the expert mesh's (ep, etp):
     experts Shard(0) over ep, the FFN dim over etp (w_gate / w_up dim 2, w_down dim 1), and
-    give the block an ExpertParallel dispatcher (which also splits tokens over dense tp)."""
+    give the experts an ExpertParallel dispatcher (which also splits tokens over dense tp)."""
     E, ep, etp = moe.cfg.n_experts, meshes.ep, meshes.etp
     ffn = moe.experts.w_gate.shape[-1]
     if E % ep:
@@ -57,7 +62,7 @@ def shard_experts(moe: MoE, meshes: Meshes) -> None:
         param = getattr(moe.experts, name)
         sharded = distribute_tensor(param.data, mesh, [Shard(0), Shard(ffn_dim)], src_data_rank=None)
         moe.experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-    moe.dispatcher = ExpertParallel(meshes.axis("ep"), etp_mesh=meshes.axis("etp"), tp_mesh=meshes.tp_mesh)
+    moe.experts.dispatcher = ExpertParallel(meshes.axis("ep"), etp_mesh=meshes.axis("etp"), tp_mesh=meshes.tp_mesh)
 
 
 def apply_fsdp(
@@ -66,7 +71,7 @@ def apply_fsdp(
 ) -> None:
     """fully_shard the model's units (module docstring) in place; gradients summed over ranks."""
     dense = dense_data_mesh(meshes)
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     uncast = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     kw = dict(reshard_after_forward=reshard_after_forward)
     for module in model.modules():

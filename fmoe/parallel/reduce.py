@@ -1,4 +1,4 @@
-"""Reductions across ranks: balancing-loss counts, logging sums and the gradient norm.
+"""Reductions across ranks: balancing-loss counts and logging sums.
 
 Each function takes its process group (or a 1-D DeviceMesh) as an argument; nothing is
 global. What is reduced over which group (DESIGN.md "Parallelism", SPEC.md section 2):
@@ -8,8 +8,7 @@ global. What is reduced over which group (DESIGN.md "Parallelism", SPEC.md secti
     all_reduce_counts               tokens_per_expert of every MoE layer: over TP x DP x CP for
                                     the expert-bias update and the global-batch loss
     global_load_balancing_loss      no collective: takes the counts all_reduce_counts summed
-    all_reduce_sums                 logging scalars over the data-parallel ranks
-    grad_norm / clip_grad_norm      sum_p |g|^p over the world, each gradient shard counted once
+    all_reduce_sums                 logging scalars over the data-parallel ranks, kept on device
 
 The one-collective rule: every function issues exactly one collective, the same one on
 every rank of its group, whatever the rank holds (no MoE layer, no gradient, no token). Its
@@ -29,20 +28,8 @@ and the local score sums s_r[b,e] = sum_{t in b, t on r} scores[t,e], rank r ret
 and since sum_r s_r = s, sum_r L_r = fmoe.ops.seq_load_balancing_loss on the whole batch;
 each rank's gradient is its rows of the unsplit gradient.
 
-Gradient norm over meshes. Gradients are plain tensors (a full copy on every rank) or
-DTensors on any mesh of the world: FSDP2 shards over the data mesh, experts Shard(0) over
-ep with FSDP over edp, TP shards, meshes that are slices of the world. Rank q computes
-
-    a_q = sum_grads  sum |local shard|^p / replicas(grad)
-    replicas = world / mesh.size() * prod_{mesh dims d with Replicate} mesh.size(d)
-    (= world for a plain tensor)
-
-replicas counts the ranks holding an identical copy of that local shard (the other slices
-of the world and the Replicate dims of its own mesh), so one SUM all_reduce of a_q over the
-world gives sum |g|^p over the full gradients with every element counted once; the norm is
-its p-th root (a MAX all_reduce of the local max for p = inf). Shard placements (including
-FSDP2's _StridedShard and uneven or empty shards) split the elements disjointly; a Partial
-placement is refused (its local values are not the gradient's).
+The gradient norm over meshes (the same one-collective rule) is fmoe.optim.grad_norm /
+clip_grad_norm, which work on one process too; the process-group helpers are shared with it.
 
 Legend: T tokens (T_local on this rank), E experts, K = k slots per token, B documents
 (sequences) of the packed batch, L MoE layers, R ranks of the group.
@@ -50,53 +37,20 @@ Legend: T tokens (T_local on this rank), E experts, K = k slots per token, B doc
 
 from __future__ import annotations
 
-import math
-from typing import Iterable, Mapping, Optional, Sequence, Union
+from typing import Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from fmoe.ops import load_balancing_loss
 from fmoe.ops.balance import sequence_loss_from_sums, sequence_sums
 from fmoe.ops.checks import check_cu_seqlens, check_float, check_index, check_positive_int, checking
-
-Group = Union[dist.ProcessGroup, DeviceMesh]
-
-# added to the norm before dividing, as torch.nn.utils.clip_grad_norm_ and fmoe.optim do
-_CLIP_EPS = 1e-6
+from fmoe.optim.grads import Group, collective_device, process_group
 
 
 # ----------------------------------------------------------------------------------------
 # Helpers
 # ----------------------------------------------------------------------------------------
-
-
-def _as_group(group, name: str = "group") -> dist.ProcessGroup:
-    """The process group of `group`: a ProcessGroup, or the group of a 1-D DeviceMesh."""
-    if isinstance(group, DeviceMesh):
-        if group.ndim != 1:
-            raise ValueError(
-                f"{name}: expected a process group or a 1-D DeviceMesh, got a {group.ndim}-D mesh "
-                f"{group.mesh_dim_names} (slice one axis, e.g. meshes.dense['tp'])"
-            )
-        return group.get_group()
-    if isinstance(group, dist.ProcessGroup):
-        return group
-    raise ValueError(f"{name}: expected a torch.distributed ProcessGroup or a 1-D DeviceMesh, got {type(group).__name__}")
-
-
-def _collective_device(group: dist.ProcessGroup, tensors: Sequence[torch.Tensor]) -> torch.device:
-    """Where the collective's buffer lives: on the GPU for an nccl-only group (nccl reduces
-    CUDA tensors only, and a rank holding no tensor must still pick the same kind of device
-    as the others), else with the local tensors, else on the CPU."""
-    backend = str(dist.get_backend(group))
-    if "nccl" in backend and "gloo" not in backend:
-        return torch.device("cuda", torch.cuda.current_device())
-    if tensors:
-        return tensors[0].device
-    return torch.device("cpu")
 
 
 def _token_count(name: str, value) -> Union[float, torch.Tensor]:
@@ -183,7 +137,7 @@ def seq_load_balancing_loss_split(
             )
         if token_index is not None and T_local and not (0 <= int(token_index.min()) and int(token_index.max()) < total):
             raise ValueError(f"token_index: expected indices in [0, {total}) (T from cu_seqlens), got {int(token_index.min())}..{int(token_index.max())}")
-    pg = _as_group(group)
+    pg = process_group(group)
 
     cu = cu_seqlens.to(device=scores.device, dtype=torch.int64)
     B = cu.numel() - 1
@@ -245,10 +199,10 @@ def all_reduce_counts(
             raise ValueError(f"counts[{name!r}]: expected a tensor of shape ({n_experts},), got {getattr(c, 'shape', type(c).__name__)}")
         if c.is_floating_point() or c.is_complex() or c.dtype == torch.bool:
             raise ValueError(f"counts[{name!r}]: expected an integer tensor (token counts), got {c.dtype}")
-    pg = _as_group(group)
+    pg = process_group(group)
     if not names:  # same on every rank (names is global), so no rank waits for a collective
         return {}
-    device = _collective_device(pg, list(counts.values()))
+    device = collective_device(pg, list(counts.values()))
     counts_LE = torch.zeros(len(names), n_experts, dtype=torch.int64, device=device)
     for i, name in enumerate(names):
         if name in counts:
@@ -320,16 +274,21 @@ def global_load_balancing_loss(
 # ----------------------------------------------------------------------------------------
 
 
-def all_reduce_sums(values: Mapping[str, Union[float, torch.Tensor]], group: Group) -> dict[str, float]:
-    """Sum logging scalars over `group` in one collective (float64); one host sync.
+def all_reduce_sums(values: Mapping[str, Union[float, torch.Tensor]], group: Group) -> dict[str, torch.Tensor]:
+    """Sum logging scalars over `group` in one collective (float64), without a host sync.
 
     Every rank passes the same names (in any order: they are reduced in sorted order).
-    Values are Python numbers or 1-element tensors (detached). Returns {name: float} in the
-    order of `values`. An empty mapping issues no collective (the names are the same on
-    every rank, so none waits).
+    Values are Python numbers or 1-element tensors (detached; read on the device, never on
+    the host: a number is filled into the buffer on the device). Returns {name: 0-D float64
+    tensor} in the order of `values`, on the collective's device (the values' device; the
+    GPU for nccl), so a train step keeps its logged values on the device and reads them all
+    at once at its end, e.g. dict(zip(sums, torch.stack(list(sums.values())).tolist())).
+    An empty mapping issues no collective (the names are the same on every rank, so none
+    waits) and returns {}.
 
     Example: rank 0 {"loss": 1.5, "tokens": 10}, rank 1 {"loss": 2.0, "tokens": 12}
-    -> {"loss": 3.5, "tokens": 22.0} on both.
+    -> {"loss": tensor(3.5, dtype=torch.float64), "tokens": tensor(22., dtype=torch.float64)}
+    on both.
     """
     if not isinstance(values, Mapping):
         raise ValueError(f"values: expected a mapping from name to number or 1-element tensor, got {type(values).__name__}")
@@ -339,148 +298,18 @@ def all_reduce_sums(values: Mapping[str, Union[float, torch.Tensor]], group: Gro
                 raise ValueError(f"values[{name!r}]: expected a real 1-element tensor, got shape {tuple(v.shape)} {v.dtype}")
         elif isinstance(v, bool) or not isinstance(v, (int, float)):
             raise ValueError(f"values[{name!r}]: expected a number or a 1-element tensor, got {type(v).__name__}")
-    pg = _as_group(group)
+    pg = process_group(group)
     if not values:
         return {}
     names = sorted(values)  # the same order on every rank whatever order each built the mapping in
-    device = _collective_device(pg, [v for v in values.values() if isinstance(v, torch.Tensor)])
-    buf = torch.stack([torch.as_tensor(values[n]).detach().reshape(()).to(device=device, dtype=torch.float64) for n in names])
+    device = collective_device(pg, [v for v in values.values() if isinstance(v, torch.Tensor)])
+
+    def on_device(v) -> torch.Tensor:  # 0-D float64; a number is a fill, not a host-to-device copy
+        if isinstance(v, torch.Tensor):
+            return v.detach().reshape(()).to(device=device, dtype=torch.float64)
+        return torch.full((), float(v), dtype=torch.float64, device=device)
+
+    buf = torch.stack([on_device(values[n]) for n in names])
     dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=pg)
-    sums = dict(zip(names, buf.tolist()))
+    sums = dict(zip(names, buf.unbind(0)))
     return {name: sums[name] for name in values}
-
-
-# ----------------------------------------------------------------------------------------
-# Gradient norm over meshes
-# ----------------------------------------------------------------------------------------
-
-
-def _check_norm_type(norm_type) -> float:
-    if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or not norm_type > 0:
-        raise ValueError(f"norm_type: expected a number > 0 or inf, got {norm_type!r}")
-    return float(norm_type)
-
-
-def _as_param_list(parameters) -> list[torch.Tensor]:
-    if isinstance(parameters, torch.Tensor):
-        return [parameters]
-    try:
-        params = list(parameters)
-    except TypeError:
-        raise ValueError(f"parameters: expected a tensor or an iterable of tensors, got {type(parameters).__name__}") from None
-    for i, p in enumerate(params):
-        if not isinstance(p, torch.Tensor):
-            raise ValueError(f"parameters[{i}]: expected a tensor, got {type(p).__name__}")
-    return params
-
-
-def _local_grads(params: list[torch.Tensor], world: int) -> list[tuple[torch.Tensor, int]]:
-    """(this rank's local gradient shard, number of ranks holding an identical copy of it)
-    for every parameter with a .grad; the grads' own tensors, so in-place scaling sticks."""
-    out = []
-    for i, p in enumerate(params):
-        g = p.grad
-        if g is None:
-            continue
-        if not isinstance(g, DTensor):
-            out.append((g, world))  # a plain tensor: the same full gradient on every rank
-            continue
-        mesh = g.device_mesh
-        if any(pl.is_partial() for pl in g.placements):
-            raise ValueError(
-                f"parameters[{i}]: its gradient has a Partial placement {g.placements} (not yet reduced); "
-                "reduce it (redistribute to Shard/Replicate) before taking the norm"
-            )
-        if mesh.size() > world or world % mesh.size():
-            raise ValueError(f"parameters[{i}]: its gradient's mesh has {mesh.size()} ranks, which does not divide the {world} ranks of the group")
-        if mesh.get_coordinate() is None:
-            continue  # this rank is outside the gradient's mesh and holds none of it
-        replicas = world // mesh.size()  # the other slices of the world hold the same shard
-        for dim, placement in enumerate(g.placements):
-            if placement.is_replicate():
-                replicas *= mesh.size(dim)
-        out.append((g.to_local(), replicas))
-    return out
-
-
-def grad_norm(
-    parameters: Union[torch.Tensor, Iterable[torch.Tensor]],
-    *,
-    norm_type: float = 2.0,
-    group: Optional[Group] = None,
-) -> torch.Tensor:
-    """The p-norm of all the gradients together, whatever mesh each lives on.
-
-    One all_reduce over `group` (default: the world; every rank holding any of the
-    gradients must be in it): SUM of sum_grads sum |local shard|^p / replicas for finite p,
-    MAX of the local max |g| for p = inf (module docstring). Every rank must call it, with
-    its own parameters (a rank holding no gradient still takes part); parameters without a
-    .grad are skipped (as if their gradient were zero). Plain-tensor gradients are taken to
-    be the same on every rank of the group. Accumulated in float32 per tensor, float64
-    across tensors and ranks. Needs torch.distributed initialised; fmoe.optim.clip_grad_norm
-    is the single-process counterpart.
-
-    Args:
-        parameters: a tensor or an iterable of tensors (their .grad: tensor or DTensor).
-        norm_type: p > 0, or float("inf").
-        group: a ProcessGroup or 1-D DeviceMesh; None for the world.
-    Returns: 0-D float32 tensor, identical on every rank (0 when there is no gradient).
-    """
-    p = _check_norm_type(norm_type)
-    params = _as_param_list(parameters)
-    pg = dist.group.WORLD if group is None else _as_group(group)
-    world = dist.get_world_size(pg)
-    shards = [(g, r) for g, r in _local_grads(params, world) if g.numel() > 0]  # empty shards add 0
-    device = _collective_device(pg, [g for g, _ in shards])
-    by_replicas: dict[int, list[torch.Tensor]] = {}
-    for g, replicas in shards:
-        by_replicas.setdefault(replicas, []).append(g)
-
-    if math.isinf(p):
-        local = torch.zeros((), dtype=torch.float32, device=device)
-        for grads in by_replicas.values():  # a copy changes no maximum: replicas do not matter
-            norms = torch._foreach_norm(grads, p, dtype=torch.float32)
-            local = torch.maximum(local, torch.stack([n.to(device) for n in norms]).max())
-        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=pg)
-        return local
-
-    local = torch.zeros((), dtype=torch.float64, device=device)
-    for replicas, grads in by_replicas.items():
-        norms = torch._foreach_norm(grads, p, dtype=torch.float32)
-        # each copy of a shard adds 1/replicas of it, so the world's sum counts it once
-        local = local + torch.stack([n.to(device) for n in norms]).double().pow(p).sum() / replicas
-    dist.all_reduce(local, op=dist.ReduceOp.SUM, group=pg)
-    return local.pow(1.0 / p).float()
-
-
-@torch.no_grad()
-def clip_grad_norm(
-    parameters: Union[torch.Tensor, Iterable[torch.Tensor]],
-    max_norm: float,
-    *,
-    norm_type: float = 2.0,
-    group: Optional[Group] = None,
-) -> torch.Tensor:
-    """Clip the total norm of gradients on any meshes to `max_norm`; return the pre-clip norm.
-
-    The norm is grad_norm's (one collective, every rank calls it); every local gradient
-    shard is then scaled by min(1, max_norm / (norm + 1e-6)), the rule of
-    torch.nn.utils.clip_grad_norm_ and fmoe.optim.clip_grad_norm (its single-process
-    counterpart: same skipping of missing grads, same float32 0-D return). No host sync.
-
-    Returns: 0-D float32 tensor, identical on every rank.
-
-    Example (one process, world of 1): grads [3, 4], max_norm 1 -> returns 5., grads [0.6, 0.8].
-    """
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
-        raise ValueError(f"max_norm: expected a positive number, got {max_norm!r}")
-    params = _as_param_list(parameters)
-    norm = grad_norm(params, norm_type=norm_type, group=group)
-    coef = (max_norm / (norm + _CLIP_EPS)).clamp(max=1.0)
-    pg = dist.group.WORLD if group is None else _as_group(group)
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for g, _ in _local_grads(params, dist.get_world_size(pg)):
-        by_device.setdefault(g.device, []).append(g)
-    for dev, grads in by_device.items():
-        torch._foreach_mul_(grads, coef.to(dev))
-    return norm

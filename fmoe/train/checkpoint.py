@@ -1,7 +1,7 @@
 """Checkpoints on torch.distributed.checkpoint (DCP): save, resume, retention.
 
-    save(out_dir, step, *, model, optimizers, extra, async_=False) -> SaveHandle
-    wait(out_dir=None)                       finish pending async saves
+    save(out_dir, step, *, model, optimizers, extra=None, async_=False, previous=None) -> SaveHandle
+    SaveHandle.wait() -> Path                finish an async save (a sync one is done already)
     latest(out_dir, *, delete_partial=False) -> Path | None
     load(path, *, model, optimizers) -> extra
     prune(out_dir, *, keep_last, keep_every=None) -> removed paths
@@ -18,20 +18,30 @@ every rank's values as one global dict). Buffers such as the MoE expert_bias are
 model state and keep their dtype.
 
 Completeness: a checkpoint is written to `step_000123.tmp/` and renamed to `step_000123/`
-only after every rank's data and DCP's metadata are on disk (for async_, when the
-returned handle's wait() runs: the next save() to the same out_dir, wait(), or process
-exit call it). A run killed midway leaves only a `.tmp` directory, which latest()
-ignores. Extra files are loaded with weights_only=False: load only trusted checkpoints.
+only after every rank's data and DCP's metadata are on disk: at the end of a sync save, and
+for async_=True when the caller waits on the returned handle. A run killed midway, or one
+that exits without waiting, leaves only a `.tmp` directory, which latest() ignores. Extra
+files are loaded with weights_only=False: load only trusted checkpoints.
+
+Async saves: the caller keeps the handle; nothing here tracks saves in flight. At most one
+async save is in flight at a time: pass the last handle as `previous=` (save waits for it
+before it starts) or call its wait() before the next save, and wait on the last one before
+the process exits, loads, prunes or looks for the latest checkpoint:
+
+    handle = None
+    for step in ...:
+        ...
+        handle = checkpoint.save(out_dir, step, model=model, optimizers=opts, async_=True, previous=handle)
+    handle.wait()
 
 Process groups: none is needed on one process; DCP runs with no_dist=True when
 torch.distributed is not initialised. Under torchrun every rank calls save / load /
-wait with the same arguments (DCP's collectives); rank 0 renames the directory; call
-prune and latest(delete_partial=True) on rank 0 only, with no async save in flight.
+SaveHandle.wait with the same arguments (DCP's collectives); rank 0 renames the directory;
+call prune and latest(delete_partial=True) on rank 0 only, with no async save in flight.
 """
 
 from __future__ import annotations
 
-import atexit
 import os
 import random
 import re
@@ -47,11 +57,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 _NAME = re.compile(r"step_(\d+)")
-_PENDING: dict[Path, "SaveHandle"] = {}  # out_dir -> the async save in flight there
-
-
-def _key(out_dir) -> Path:
-    return Path(out_dir).resolve()
 
 
 def _rank() -> int:
@@ -96,31 +101,31 @@ def _complete(out_dir: Path) -> list[tuple[int, Path]]:
 
 
 class SaveHandle:
-    """A save in progress (async_) or done. wait() blocks until its data is on disk, renames
-    `.tmp` to the final directory (rank 0) and returns the final path; calling it again
-    returns the path at once."""
+    """One save, returned by save(): `path` is the final directory, `tmp` the one written.
+
+    A sync save's checkpoint is complete already. An async save's is complete once wait()
+    has run: wait() blocks until this rank's data is on disk (re-raising the writer's
+    exception if it failed), renames `.tmp` to `path` (rank 0), waits for every rank (a
+    barrier under torch.distributed) and returns `path`; calling it again returns `path` at
+    once. Under torchrun every rank waits on its handle of the same save.
+    """
 
     def __init__(self, tmp: Path, final: Path, future=None):
         self.tmp, self.path, self._future = tmp, final, future
         self._finished = future is None
-        if future is not None:
-            _PENDING[_key(final.parent)] = self
 
     def done(self) -> bool:
-        """True when wait() would not block."""
+        """True when wait() would not block on the writer (the rename may still be due)."""
         return self._finished or self._future.done()
 
-    def wait(self, *, barrier: bool = True) -> Path:
-        """Finish the save. barrier=False skips the final all-rank barrier (used at exit)."""
+    def wait(self) -> Path:
+        """Finish the save (see the class docstring) and return the checkpoint's path."""
         if not self._finished:
             self._future.result()
             self._finished = True
             if _rank() == 0:
                 _finalize(self.tmp, self.path)
-            if barrier:
-                _barrier()
-        if _PENDING.get(_key(self.path.parent)) is self:
-            del _PENDING[_key(self.path.parent)]
+            _barrier()
         return self.path
 
 
@@ -130,38 +135,33 @@ def _finalize(tmp: Path, final: Path) -> None:
     os.replace(tmp, final)
 
 
-def wait(out_dir=None) -> None:
-    """Wait for the pending async save to out_dir (all out_dirs when None)."""
-    handles = list(_PENDING.values()) if out_dir is None else [_PENDING.get(_key(out_dir))]
-    for handle in handles:
-        if handle is not None:
-            handle.wait()
-
-
-@atexit.register
-def _wait_at_exit() -> None:  # a run that ends without wait() still completes its last save
-    for handle in list(_PENDING.values()):
-        handle.wait(barrier=False)
-
-
 def save(
     out_dir, step: int, *, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer],
-    extra: Optional[dict] = None, async_: bool = False,
+    extra: Optional[dict] = None, async_: bool = False, previous: Optional[SaveHandle] = None,
 ) -> SaveHandle:
     """Save model, optimizers and this rank's `extra` as `out_dir/step_<step:06d>/`.
 
-    Waits first for a pending async save to the same out_dir. With async_=True the model
-    and optimizer state are staged (copied) before returning, so training may go on and
-    change them; the files are written by a background thread and the checkpoint becomes
-    complete at the returned handle's wait(). Returns a SaveHandle (done when sync).
+    previous: the handle of the last save (or None); it is waited on first, so at most one
+    async save is ever in flight (module docstring). A save started while an earlier async
+    save has not been waited on is the caller's mistake: two writers in flight at once,
+    whose collectives may interleave under torchrun.
+    async_: when True the model and optimizer state are staged (copied) before returning,
+    so training may go on and change them; the files are written by a background thread
+    and the checkpoint becomes complete at the returned handle's wait(). When False the
+    checkpoint is complete on return.
+
+    Returns a SaveHandle (done already when sync).
     """
     out_dir = _out_dir(out_dir)
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step: expected an int >= 0, got {step!r}")
     if extra is not None and not isinstance(extra, dict):
         raise ValueError(f"extra: expected a dict or None, got {type(extra).__name__}")
+    if previous is not None and not isinstance(previous, SaveHandle):
+        raise ValueError(f"previous: expected the SaveHandle of the last save or None, got {type(previous).__name__}")
     optimizers = _optimizers(optimizers)
-    wait(out_dir)
+    if previous is not None:
+        previous.wait()
 
     final = out_dir / f"step_{step:06d}"
     tmp = out_dir / f"{final.name}.tmp"

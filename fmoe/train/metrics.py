@@ -5,10 +5,11 @@
                     n_heads, n_kv_heads, head_dim, vocab, mtp_depth=0, n_avg_keys) -> float
     datasheet_peak_flops(name) / peak_flops(device) -> float | None   dense bf16 peaks
     mfu(tokens_per_s, flops_per_token, peak) -> float | None
-    expert_load(counts[E], slots) -> {max_over_mean, cv, dropped_fraction}
-    layer_loads(counts[L][E], slots) -> record entries, one list item per MoE layer
+    layer_loads(counts[L, E], slots) -> record entries, one item per MoE layer (fmoe.ops.load_stats)
     MetricsLogger(out_dir, *, rank=0, total_steps, start_step=0).log(step, record)
     format_progress(step, total_steps, record) -> the one-line progress string
+    to_host(values) -> {name: float | int | list}   tensors to Python numbers in one transfer
+    HostReads()                                     counts host reads of tensor values (syncs)
 
 Training FLOPs per token (SPEC 8; 6 = 3 passes x 2 for a multiply-add), for L = n_layers
 layers of which n_dense are dense and N_moe = L - n_dense are MoE, SwiGLU (m = 3):
@@ -29,13 +30,19 @@ Tensors become numbers / lists; non-finite floats become null (strict JSON).
 
 from __future__ import annotations
 
+import collections
 import json
 import math
+import os
+import sys
+import warnings
 from numbers import Real
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
 import torch
+
+from fmoe.ops import load_stats
 
 _PEAKS = (  # dense bf16 tensor-core peaks (NVIDIA datasheets), most specific name first
     ("H200", 989e12),
@@ -117,32 +124,22 @@ def mfu(tokens_per_s: float, flops_per_token: float, peak: Optional[float]) -> O
     return tokens_per_s * flops_per_token / peak
 
 
-def expert_load(counts: Union[torch.Tensor, Sequence[int]], slots: int) -> dict:
-    """Load of one MoE layer from its tokens_per_expert counts [E] (summed over micro-batches
-    and ranks as wanted) and the slots requested (T k): max/mean, coefficient of variation
-    (std/mean, population std) and the fraction of slots dropped by capacity."""
-    counts = torch.as_tensor(counts, dtype=torch.float64)
-    if counts.ndim != 1 or counts.numel() == 0:
-        raise ValueError(f"counts: expected a 1-D [E] count vector, got shape {tuple(counts.shape)}")
-    _check_count("slots", slots)
-    mean = counts.mean().clamp(min=1e-9)
-    return {
-        "max_over_mean": (counts.max() / mean).item(),
-        "cv": (counts.std(correction=0) / mean).item(),
-        "dropped_fraction": 1.0 - counts.sum().item() / max(slots, 1),
-    }
-
-
 def layer_loads(counts: Union[torch.Tensor, Sequence], slots: int) -> dict:
-    """Record entries for all MoE layers from counts [L, E] (a tensor or a list of [E]):
-    tokens_per_expert [L][E], load_max_over_mean [L], load_cv [L], dropped_fraction [L]."""
-    rows = list(counts)
-    loads = [expert_load(c, slots) for c in rows]
+    """Record entries for the MoE layers from their counts [L, E] (a tensor or a list of
+    [E] rows, each layer's tokens_per_expert summed as wanted) and the slots requested (T k):
+    tokens_per_expert [L, E], load_max_over_mean [L], load_cv [L], dropped_fraction [L].
+    The maths is fmoe.ops.load_stats'; tensors in, tensors out (no host sync: to_host turns
+    them into numbers with the step's other values)."""
+    counts_LE = torch.as_tensor(counts) if not isinstance(counts, torch.Tensor) else counts
+    if counts_LE.ndim != 2:
+        raise ValueError(f"counts: expected [L, E] counts (one row per MoE layer), got shape {tuple(counts_LE.shape)}")
+    _check_count("slots", slots)
+    load = load_stats(counts_LE, slots)
     return {
-        "tokens_per_expert": [torch.as_tensor(c).tolist() for c in rows],
-        "load_max_over_mean": [d["max_over_mean"] for d in loads],
-        "load_cv": [d["cv"] for d in loads],
-        "dropped_fraction": [d["dropped_fraction"] for d in loads],
+        "tokens_per_expert": counts_LE,
+        "load_max_over_mean": load["max_over_mean"],
+        "load_cv": load["cv"],
+        "dropped_fraction": load["dropped_fraction"],
     }
 
 
@@ -170,21 +167,70 @@ def _si(x: float) -> str:
     return f"{x:.1f}"
 
 
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
 def format_progress(step: int, total_steps: int, record: dict, *, width: int = 20) -> str:
-    """`[####................] step 12/100 loss 3.2100 lr 1.0e-03 gnorm 0.51 tok/s 12.3k`
-    (the fields present in record, in that order)."""
+    """`[####................] step 12/100 loss 3.2100 lr 1.0e-03 gnorm 0.51 load 1.32
+    tok/s 12.3k eta 4m05s` (the fields present in record, in that order). `load` is the
+    worst MoE layer's max/mean expert load (record["load_max_over_mean"], one per layer):
+    near 1 is balanced, E/k means one expert takes every token. `eta` is
+    record["eta_seconds"]."""
     done = min(max(step / total_steps, 0.0), 1.0)
     filled = int(done * width)
     parts = [f"[{'#' * filled}{'.' * (width - filled)}] step {step}/{total_steps}"]
+    loads = record.get("load_max_over_mean")
+    values = dict(record, load=max(loads) if isinstance(loads, (list, tuple)) and loads else None)
     formats = (("loss", "loss", "{:.4f}"), ("val_loss", "val", "{:.4f}"), ("lr", "lr", "{:.1e}"),
-               ("grad_norm", "gnorm", "{:.3g}"), ("tokens_per_s", "tok/s", None), ("mfu", "mfu", "{:.1%}"))
+               ("grad_norm", "gnorm", "{:.3g}"), ("load", "load", "{:.2f}"), ("tokens_per_s", "tok/s", _si),
+               ("mfu", "mfu", "{:.1%}"), ("eta_seconds", "eta", _duration))
     for key, label, fmt in formats:
-        value = record.get(key)
+        value = values.get(key)
         if isinstance(value, torch.Tensor):
             value = value.item()
-        if isinstance(value, Real) and not isinstance(value, bool):
-            parts.append(f"{label} {_si(value) if fmt is None else fmt.format(value)}")
+        if isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value):
+            parts.append(f"{label} {fmt(value) if callable(fmt) else fmt.format(value)}")
     return " ".join(parts)
+
+
+def _nest(flat: list, shape: tuple) -> list:
+    """A flat row-major list as nested lists of `shape` (at least 1-D)."""
+    if len(shape) <= 1:
+        return flat
+    step = len(flat) // shape[0] if shape[0] else 0
+    return [_nest(flat[i * step : (i + 1) * step], shape[1:]) for i in range(shape[0])]
+
+
+def to_host(values: dict) -> dict:
+    """The values with every tensor turned into Python numbers in ONE device->host transfer
+    per device (a step's logged losses, counts and norms, gathered at its end instead of a
+    sync per value). 0-D tensors become a number, others (nested) lists of their shape; integer dtypes give ints (exact up to 2**53: they travel as float64).
+    Other values pass through.
+
+    >>> to_host({"loss": torch.tensor(2.5), "counts": torch.tensor([[1, 2], [3, 4]]), "step": 7})
+    {'loss': 2.5, 'counts': [[1, 2], [3, 4]], 'step': 7}
+    """
+    if not isinstance(values, dict):
+        raise ValueError(f"values: expected a dict, got {type(values).__name__}")
+    out = dict(values)
+    by_device: dict = {}
+    for name, v in values.items():
+        if isinstance(v, torch.Tensor):
+            by_device.setdefault(v.device, []).append(name)
+    for names in by_device.values():
+        host = torch.cat([values[n].detach().reshape(-1).to(torch.float64) for n in names]).tolist()  # the transfer
+        start = 0
+        for name in names:
+            t = values[name]
+            chunk, start = host[start : start + t.numel()], start + t.numel()
+            if not t.is_floating_point():
+                chunk = [int(x) for x in chunk]
+            out[name] = chunk[0] if t.ndim == 0 else _nest(chunk, tuple(t.shape))
+    return out
 
 
 class MetricsLogger:
@@ -243,3 +289,81 @@ def read_metrics_lines(path) -> list[str]:
 def read_metrics(path) -> list[dict]:
     """The records of a metrics.jsonl, in file order."""
     return [json.loads(line) for line in read_metrics_lines(path)]
+
+
+# ----------------------------------------------------------------------------------------
+# host syncs
+# ----------------------------------------------------------------------------------------
+
+# every way Python code reads a tensor's values on the host
+_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+def _caller() -> str:
+    """file:line of the innermost frame outside torch (where the read was asked for)."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(_TORCH_DIR):
+        frame = frame.f_back
+    return "?" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
+class HostReads:
+    """Count the host reads of tensor values (device->host syncs) made while active.
+
+        with HostReads() as reads:
+            losses, stats = model(batch, ctx); loss.backward()
+        reads.count, reads.sites      # 0, Counter() on the reference model's forward+backward
+
+    On a GPU each `.item()`, `.tolist()`, `.cpu()`, `.numpy()`, `float(t)`, `int(t)`,
+    `bool(t)` (an `if` on a tensor) or `t.__index__()` of a device tensor stalls the host
+    until the device is done. HostReads wraps those methods of torch.Tensor, so it counts
+    them on any device, CPU included: the count of a CPU run is the number of stalls the
+    same code makes on a GPU. `sites` counts them by the file:line that asked (the first
+    frame outside torch). With cuda=True it also counts the synchronizing CUDA operations
+    that torch.cuda.set_sync_debug_mode("warn") reports (blocking copies, nonzero, ...),
+    in `cuda_syncs`. Not thread-safe, not reentrant; eager code only (torch.compile's
+    graphs do not call these methods).
+    """
+
+    def __init__(self, *, cuda: bool = False):
+        self.cuda = bool(cuda)
+        self.count, self.cuda_syncs = 0, 0
+        self.sites: collections.Counter = collections.Counter()
+        self._saved: dict = {}
+
+    def _wrap(self, name: str):
+        original = getattr(torch.Tensor, name)
+
+        def read(tensor, *args, **kwargs):
+            self.count += 1
+            self.sites[_caller()] += 1
+            return original(tensor, *args, **kwargs)
+
+        return read
+
+    def __enter__(self) -> "HostReads":
+        if self._saved:
+            raise RuntimeError("HostReads: already active (not reentrant)")
+        for name in _READS:
+            self._saved[name] = torch.Tensor.__dict__.get(name)  # None: inherited from the C base
+            setattr(torch.Tensor, name, self._wrap(name))
+        if self.cuda:
+            self._warnings = warnings.catch_warnings(record=True)
+            self._caught = self._warnings.__enter__()
+            warnings.simplefilter("always")
+            self._mode = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, original in self._saved.items():
+            if original is None:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, original)
+        self._saved = {}
+        if self.cuda:
+            torch.cuda.set_sync_debug_mode(self._mode)
+            self._warnings.__exit__(*exc)
+            self.cuda_syncs = sum("synchronizing CUDA operation" in str(w.message) for w in self._caught)

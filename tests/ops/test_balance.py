@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import fmoe.ops as F
+from fmoe.train.metrics import HostReads
 
 # (T, E, k): T with 1 and odd sizes, E 4..256, k = 1 and k > 1
 SHAPES = [(1, 4, 1), (7, 6, 2), (33, 16, 1), (65, 64, 8), (9, 256, 8), (40, 60, 6)]
@@ -224,6 +225,64 @@ def test_update_expert_bias_bad_inputs():
     _raises("bias: expected a 1-D float32", F.update_expert_bias, torch.zeros(2, 2), torch.ones(4), 1e-3)
     _raises(r"counts: expected a tensor of shape \(4,\)", F.update_expert_bias, torch.zeros(4), torch.ones(3), 1e-3)
     _raises("rate: expected a finite number >= 0", F.update_expert_bias, torch.zeros(4), torch.ones(4), -1.0)
+
+
+# ---------------------------------------------------------------------------- load stats
+
+
+def test_load_stats_worked_numbers():
+    """counts [10, 2, 6, 6] of 32 slots: mean 6, max/mean 10/6, population std sqrt(8),
+    cv sqrt(8)/6, 24 of 32 slots kept: a quarter dropped."""
+    for counts in (torch.tensor([10, 2, 6, 6]), torch.tensor([10.0, 2.0, 6.0, 6.0]), torch.tensor([10, 2, 6, 6], dtype=torch.int32)):
+        for n_slots in (32, torch.tensor(32), torch.tensor(32.0)):
+            stats = F.load_stats(counts, n_slots)
+            assert list(stats) == ["max_over_mean", "cv", "dropped_fraction"]
+            assert all(v.shape == () and v.dtype == torch.float32 for v in stats.values())
+            torch.testing.assert_close(stats["max_over_mean"], torch.tensor(10 / 6))
+            torch.testing.assert_close(stats["cv"], torch.tensor(8**0.5 / 6))
+            torch.testing.assert_close(stats["dropped_fraction"], torch.tensor(0.25))
+
+
+def test_load_stats_layers_balance_and_edge_cases():
+    counts_LE = torch.tensor([[10, 2, 6, 6], [8, 8, 8, 8], [0, 0, 0, 0], [0, 0, 0, 32]])
+    stats = F.load_stats(counts_LE, 32)
+    assert all(v.shape == (4,) and v.dtype == torch.float32 for v in stats.values())
+    torch.testing.assert_close(stats["max_over_mean"], torch.tensor([10 / 6, 1.0, 0.0, 4.0]))
+    torch.testing.assert_close(stats["cv"], torch.tensor([8**0.5 / 6, 0.0, 0.0, 3**0.5]))
+    torch.testing.assert_close(stats["dropped_fraction"], torch.tensor([0.25, 0.0, 1.0, 0.0]))
+    for row, counts_E in enumerate(counts_LE):  # each layer as its own [E]
+        for name, value in F.load_stats(counts_E, 32).items():
+            torch.testing.assert_close(value, stats[name][row])
+    # n_slots 0 counts as 1 (nothing asked, nothing to divide by)
+    torch.testing.assert_close(F.load_stats(torch.tensor([1, 1]), 0)["dropped_fraction"], torch.tensor(-1.0))
+
+
+def test_load_stats_reads_nothing_on_the_host():
+    counts = F.tokens_per_expert(torch.randint(-1, 8, (64, 2)), 8)
+    with HostReads() as reads:
+        stats = F.load_stats(counts, torch.tensor(128))
+        F.load_stats(torch.stack([counts, counts]), 128)
+    assert reads.count == 0, reads.sites
+    kept = int(counts.sum())
+    torch.testing.assert_close(stats["dropped_fraction"], torch.tensor(1 - kept / 128))
+
+
+def test_docstring_examples():
+    import doctest
+
+    from fmoe.ops import balance
+
+    assert doctest.testmod(balance).failed == 0
+
+
+def test_load_stats_bad_inputs():
+    _raises(r"counts: expected a tensor \[E\] or \[L, E\] with E >= 1", F.load_stats, [1, 2], 4)
+    _raises(r"counts: expected a tensor \[E\] or \[L, E\] with E >= 1", F.load_stats, torch.ones(2, 2, 2), 4)
+    _raises(r"counts: expected a tensor \[E\] or \[L, E\] with E >= 1", F.load_stats, torch.ones(3, 0), 4)
+    _raises("counts: expected int or float counts", F.load_stats, torch.ones(3, dtype=torch.bool), 4)
+    _raises("n_slots: expected an int or a 0-D tensor", F.load_stats, torch.ones(3), torch.tensor([4]))
+    _raises("n_slots: expected >= 0", F.load_stats, torch.ones(3), -1)
+    _raises("n_slots: expected an int", F.load_stats, torch.ones(3), 4.0)
 
 
 # ---------------------------------------------------------------------------- registration

@@ -266,6 +266,19 @@ def test_kernels_drop_unchecked_out_of_range_ids(device):
     assert slot_of_row.tolist() == [0, 3, 2, -1]
 
 
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_unchecked_out_of_range_ids_are_dropped(impl, device):
+    """check=False: ids outside -1..E-1 get no row, in the reference as in the kernels."""
+    x = torch.randn(3, 4, device=device)
+    experts = torch.tensor([[0, 5], [1, 0], [-4, 1]], device=device)
+    with pytest.raises(ValueError, match=r"experts: ids must lie in -1\.\.1"):
+        permute(x, experts, 2, impl=impl)
+    x_perm, plan = permute(x, experts, 2, check=False, impl=impl)
+    assert plan.row_of_slot.tolist() == [[0, -1], [2, 1], [-1, 3]]
+    assert plan.counts.tolist() == [2, 2] and plan.offsets.tolist() == [2, 4]
+    assert torch.equal(x_perm[:4], x[[0, 1, 1, 2]]) and not x_perm[4:].any()
+
+
 def _raises(match, fn, *args, **kwargs):
     with pytest.raises(ValueError, match=match):
         fn(*args, **kwargs)

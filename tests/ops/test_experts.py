@@ -7,6 +7,7 @@ import torch
 
 from fmoe.ops import experts
 from fmoe.ops.experts import grouped_mlp, swiglu
+from fmoe.train.metrics import HostReads
 
 # (rows per expert, unowned rows past offsets[-1], H, F): E = 1, experts with no rows (first,
 # middle, last), R not a multiple of the 16-row interpreter tiles, H and F not multiples of
@@ -144,25 +145,94 @@ def test_unowned_rows_are_never_read(torch_gmm, dtype, device):
         assert torch.equal(g[1], torch.zeros_like(g[1]))
 
 
-def test_zero_unowned_kernel(device):
-    """What the torch._grouped_mm path relies on: rows past offsets[-1] zeroed, and the weight
-    gradients of experts without rows (left unwritten on some GPUs), nothing else touched."""
+@pytest.mark.parametrize("zero", ["kernel", "dispatch"])
+def test_zero_unowned(zero, device):
+    """What the torch._grouped_mm paths rely on: rows past offsets[-1] zeroed, and the weight
+    gradients of experts without rows (left unwritten on some GPUs), nothing else touched.
+    "kernel": the Triton kernel; "dispatch": what _zero_unowned runs here (the kernel on
+    CUDA, masked_fill on CPU), without a host read."""
+    zero_fn = experts._zero_unowned_triton if zero == "kernel" else experts._zero_unowned
     offsets = torch.tensor([3, 3, 20, 20], dtype=torch.int32, device=device)
     out = torch.full((37, 300), float("nan"), device=device)
-    experts._zero_unowned(out, offsets, per_expert=False)
-    assert out[:20].isnan().all() and not out[20:].any()
     grad_w = torch.full((4, 5000), float("nan"), device=device)  # two column chunks of 4096
-    experts._zero_unowned(grad_w, offsets, per_expert=True)
+    with HostReads() as reads:
+        zero_fn(out, offsets, per_expert=False)
+        zero_fn(grad_w, offsets, per_expert=True)
+    assert out[:20].isnan().all() and not out[20:].any()
     assert grad_w[[0, 2]].isnan().all() and not grad_w[[1, 3]].any()
+    assert reads.count == 0 or zero == "kernel", reads.sites
+    first_empty = torch.full((3, 7), float("nan"), device=device)  # expert 0 owns no row
+    zero_fn(first_empty, torch.tensor([0, 4, 4], dtype=torch.int32, device=device), per_expert=True)
+    assert not first_empty[[0, 2]].any() and first_empty[1].isnan().all()
 
 
 def test_all_rows_unowned_and_no_rows(device):
     for R in (0, 5):
         (x, *weights), _ = _problem([0, 0], R, 16, 16, device=device)
         offsets = torch.zeros(2, dtype=torch.int32, device=device)
-        for impl in ("torch", "triton"):
+        for impl in ("torch", "triton", "auto"):
             y, grads = _run(grouped_mlp, [x, *weights], offsets, torch.randn_like(x), impl=impl)
             assert y.shape == (R, 16) and not y.any() and not any(g.any() for g in grads)
+
+
+# ---------------------------------------------------------------------------- auto on CPU
+
+# CASES, plus H and F whose rows are not 16-byte aligned (torch._grouped_mm's rule: padded)
+CPU_CASES = CASES + [([4, 0, 3], 2, 5, 3), ([6, 2], 3, 12, 10)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", CPU_CASES, ids=str)
+def test_auto_on_cpu_matches_the_loop_without_host_reads(case, dtype):
+    """impl="auto" on CPU: torch._grouped_mm around the torch SwiGLU, equal to the per-expert
+    loop forward and backward; NaN in the rows past offsets[-1] reaches nothing (exact zero
+    rows and gradients), experts without rows get exact zero weight gradients, and nothing
+    is read on the host (the loop reads offsets)."""
+    (x, *weights), offsets = _problem(*case, dtype=dtype)
+    x_nan = x.clone()
+    x_nan[sum(case[0]):] = float("nan")
+    grad_y = torch.randn_like(x)
+    with HostReads() as reads:
+        y, grads = _run(grouped_mlp, [x_nan, *weights], offsets, grad_y, check=False)
+    assert reads.count == 0, reads.sites
+    with HostReads() as loop_reads:
+        y_ref, grads_ref = _run(grouped_mlp, [x, *weights], offsets, grad_y, check=False, impl="torch")
+    assert loop_reads.count == 1  # what "auto" saves: offsets.tolist()
+    assert y.dtype == dtype and y.shape == x.shape and all(g.dtype == dtype for g in grads)
+    _assert_unowned_zero(y, grads[0], offsets)
+    _assert_close(y, y_ref)
+    for g, g_ref in zip(grads, grads_ref):
+        assert torch.isfinite(g).all()
+        _assert_close(g, g_ref)
+    empty = [e for e, c in enumerate(case[0]) if c == 0]
+    for g in grads[1:]:
+        assert torch.equal(g[empty], torch.zeros_like(g[empty]))
+
+
+def test_auto_on_cpu_does_not_need_the_interpreter(monkeypatch):
+    """The CPU path runs no Triton kernel: the same numbers with TRITON_INTERPRET unset."""
+    (x, *weights), offsets = _problem([5, 0, 7], 3, 32, 16)
+    grad_y = torch.randn_like(x)
+    y, grads = _run(grouped_mlp, [x, *weights], offsets, grad_y)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    y_plain, grads_plain = _run(grouped_mlp, [x, *weights], offsets, grad_y)
+    assert torch.equal(y, y_plain) and all(torch.equal(a, b) for a, b in zip(grads, grads_plain))
+
+
+def test_auto_on_cpu_compiles_without_graph_breaks():
+    """torch.compile(fullgraph=True) of the CPU path, float32 (torch._grouped_mm's own meta
+    function refuses float32: the custom op keeps it out of the trace), forward and backward."""
+    def step(x, w_gate, w_up, w_down, offsets):
+        return grouped_mlp(x, w_gate, w_up, w_down, offsets)
+
+    tensors, offsets = _problem([6, 0, 11], 4, 32, 16)
+    grad_y = torch.randn_like(tensors[0])
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    y_c, grads_c = _run(compiled, tensors, offsets, grad_y)
+    y_e, grads_e = _run(grouped_mlp, tensors, offsets, grad_y, impl="torch")
+    _assert_close(y_c, y_e)
+    for g_c, g_e in zip(grads_c, grads_e):
+        _assert_close(g_c, g_e)
 
 
 # ---------------------------------------------------------------------------- swiglu
@@ -242,7 +312,7 @@ def test_docstring_examples():
 def test_offset_values_unchecked_on_request():
     (x, wg, wu, wd), _ = _problem([3, 4], 1, 16, 8)
     bad = torch.tensor([3, 2], dtype=torch.int32)
-    assert grouped_mlp(x, wg, wu, wd, bad, check_offsets=False, impl="torch").shape == x.shape
+    assert grouped_mlp(x, wg, wu, wd, bad, check=False, impl="torch").shape == x.shape
 
 
 # ---------------------------------------------------------------------------- registration

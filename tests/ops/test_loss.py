@@ -243,10 +243,14 @@ def test_labels_out_of_range():
     _raises("labels: 1 label", linear_cross_entropy, torch.randn(4, 3), torch.randn(10, 3), torch.tensor([0, 1, 2, 12]))
 
 
-def test_unchecked_out_of_range_label_gives_nan_not_a_fault(device):
-    logits = torch.randn(4, 10, device=device)
-    value = cross_entropy(logits, torch.tensor([0, 1, 10, 3], device=device), check_labels=False, impl="triton")
-    assert torch.isnan(value)
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_unchecked_out_of_range_label_gives_nan_not_a_fault(impl, device):
+    logits = torch.randn(4, 10, device=device, requires_grad=True)
+    for labels in ([0, 1, 10, 3], [0, -7, 2, 3]):
+        value = cross_entropy(logits, torch.tensor(labels, device=device), check=False, impl=impl)
+        assert torch.isnan(value)
+    h, weight = torch.randn(4, 3, device=device), torch.randn(10, 3, device=device)
+    assert torch.isnan(linear_cross_entropy(h, weight, torch.tensor([0, 1, 2, 12], device=device), check=False, impl=impl))
 
 
 def test_bad_inputs():

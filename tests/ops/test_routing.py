@@ -168,7 +168,7 @@ def test_nan_logits_are_reported(impl, device):
     logits[4, 2] = float("nan")
     with pytest.raises(ValueError, match=r"logits: contains NaN .* first at row 4"):
         F.route(logits, 2, impl=impl)
-    w, e = F.route(logits, 2, impl=impl, check_nan=False)
+    w, e = F.route(logits, 2, impl=impl, check=False)
     assert torch.isnan(w[4]).all() and torch.isfinite(w[[0, 1, 2, 3, 5]]).all()
     assert ((e >= 0) & (e < 8)).all()
 
@@ -259,6 +259,19 @@ def test_capacity_keeps_dropped_and_passes_gradients():
     torch.testing.assert_close(weights.grad, torch.where(e >= 0, upstream, 0.0))
 
 
+def test_capacity_drops_unchecked_out_of_range_ids():
+    """check=False: no host read; ids outside -1..E-1 become dropped slots, never kept."""
+    weights = torch.rand(3, 2)
+    experts = torch.tensor([[0, 7], [4, 1], [-3, 0]])
+    for check in (True, False):
+        if check:
+            _raises(r"routes.experts: ids must lie in -1\.\.3", F.drop_by_capacity, F.Routes(weights, experts), 4, 2.0, check=check)
+            continue
+        w, e = F.drop_by_capacity(F.Routes(weights, experts), 4, 2.0, check=check)
+        assert e.tolist() == [[0, -1], [-1, 1], [-1, 0]]
+        assert torch.equal(w, torch.where(e >= 0, weights, 0.0))
+
+
 def test_capacity_bad_inputs():
     r = F.route(torch.randn(4, 8), 2)
     _raises("capacity_factor: expected a positive", F.drop_by_capacity, r, 8, 0.0)
@@ -301,7 +314,7 @@ def test_custom_ops_pass_opcheck(device):
 
 def test_compiles_without_graph_breaks(device):
     def step(logits, bias):
-        w, e = F.route(logits, 4, score="sigmoid", n_groups=4, topk_groups=2, expert_bias=bias, scale=2.5, impl="triton", check_nan=False)
+        w, e = F.route(logits, 4, score="sigmoid", n_groups=4, topk_groups=2, expert_bias=bias, scale=2.5, impl="triton", check=False)
         return (w * e.float()).sum()
 
     logits = torch.randn(12, 16, device=device)
@@ -334,7 +347,7 @@ def test_gpu_real_shapes(T, E, k, G, g, score):
 @pytest.mark.gpu
 def test_gpu_inductor_compile():
     logits = torch.randn(4096, 64, device="cuda", requires_grad=True)
-    compiled = torch.compile(lambda x: F.route(x, 6, score="sigmoid", check_nan=False).weights.square().sum(), fullgraph=True)
+    compiled = torch.compile(lambda x: F.route(x, 6, score="sigmoid", check=False).weights.square().sum(), fullgraph=True)
     compiled(logits).backward()
     ref = logits.detach().clone().requires_grad_()
     F.route(ref, 6, score="sigmoid", impl="torch").weights.square().sum().backward()

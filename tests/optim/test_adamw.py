@@ -1,14 +1,12 @@
 """fmoe.optim.AdamW against torch.optim.AdamW: float32 states step for step, bf16 states
-within bf16 rounding, master weights, DTensor shards, owned parameters, state_dict, errors.
+within bf16 rounding, master weights, DTensor shards, closures and parameters without a
+gradient, state_dict, errors.
 
 The "triton" cases run the fused kernel (through the interpreter on CPU)."""
 
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from fmoe.optim.adamw import AdamW
@@ -100,19 +98,35 @@ def test_master_weights(impl, device):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_owned(impl, device):
+def test_closure_and_params_without_grad(impl, device):
+    """step(closure) runs the closure with grad enabled (step itself is no_grad) and returns
+    its loss; a parameter the loss does not reach (grad None) keeps its value and gets no
+    state; the others step as torch.optim.AdamW's do with the same closure."""
     init = make_params(device, shapes=[(8,), (5, 3), (4,)])
-    params = [p.clone().requires_grad_() for p in init]
-    opt = AdamW(params, impl=impl)
-    ref, _ = run(lambda ps: AdamW(ps, impl="torch"), init, steps=2, lrs=[1e-3, 1e-3])
-    for _ in range(2):
-        for p, g in zip(params, grads_at(_, params)):
-            p.grad = g
-        opt.step(owned=params[:2])
-    assert torch.equal(params[2].detach(), init[2])  # not owned: untouched, no state
-    assert params[2] not in opt.state
+    targets = grads_at(0, init)
+
+    def trained(make):
+        params = [p.clone().requires_grad_() for p in init]
+        opt = make(params)
+
+        def closure():
+            opt.zero_grad()
+            loss = sum(((p - t) ** 2).sum() for p, t in zip(params[:2], targets))  # params[2] unused
+            loss.backward()
+            return loss
+
+        losses = [opt.step(closure) for _ in range(3)]
+        return params, opt, losses
+
+    params, opt, losses = trained(lambda ps: AdamW(ps, weight_decay=0.1, impl=impl))
+    ref, _, ref_losses = trained(lambda ps: torch.optim.AdamW(ps, weight_decay=0.1, foreach=False))
+    assert all(loss.requires_grad and loss.dim() == 0 for loss in losses)
+    torch.testing.assert_close(torch.stack(losses).detach(), torch.stack(ref_losses).detach(), rtol=1e-6, atol=1e-6)
+    assert torch.equal(params[2].detach(), init[2]) and params[2] not in opt.state
+    assert all(opt.state[p]["step"] == 3 for p in params[:2])
     for a, b in zip(params[:2], ref[:2]):
-        torch.testing.assert_close(a.detach(), b, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-6, atol=1e-7)
+    assert opt.step() is None  # no closure: no loss
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
@@ -137,23 +151,9 @@ def test_state_dict_round_trip(state_dtype, impl, device):
     assert all(torch.equal(a.detach(), b) for a, b in zip(params, straight))
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def mesh():
-    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{_free_port()}")
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("impl", IMPLS)
-def test_dtensor(mesh, impl):
+def test_dtensor(one_rank_mesh, impl):
+    mesh = one_rank_mesh
     init = make_params("cpu", shapes=[(8, 3), (5,)])
     ref, _ = run(lambda ps: AdamW(ps, impl="torch"), init, steps=3)
     placements = [Shard(0), Replicate()]
@@ -197,3 +197,26 @@ def test_fused_matches_foreach_cuda(state_dtype):
     ref, _ = run(lambda ps: AdamW(ps, state_dtype=state_dtype, impl="torch"), init, steps=5)
     for a, b in zip(fused, ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_steps_read_no_tensor_on_the_host_after_the_first():
+    """The step count is kept as a Python number beside state["step"]: a step reads nothing
+    on the host (on a GPU every read is a stall), the first after a load reads it once."""
+    from fmoe.train.metrics import HostReads
+
+    w = torch.nn.Parameter(torch.randn(10))
+    opt = AdamW([w], lr=1e-2)
+    reads = []
+    for _ in range(3):
+        w.grad = torch.randn(10)
+        with HostReads() as r:
+            opt.step()
+        reads.append(r.count)
+    assert reads == [0, 0, 0] and opt.state[w]["step"].item() == 3.0
+    fresh = AdamW([w], lr=1e-2)
+    fresh.load_state_dict(opt.state_dict())
+    w.grad = torch.randn(10)
+    with HostReads() as r:
+        fresh.step()
+    assert r.count == 1
+    assert fresh.state[w]["step"].item() == 4.0  # the count goes on from the loaded state

@@ -1,9 +1,17 @@
-"""clip_grad_norm and Float32GradAccumulator."""
+"""grad_norm and clip_grad_norm on one process (their multi-process checks are in
+tests/parallel/test_reduce.py), and Float32GradAccumulator."""
+
+import subprocess
+import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from fmoe.optim.grads import Float32GradAccumulator, clip_grad_norm
+from fmoe.optim.grads import Float32GradAccumulator, clip_grad_norm, grad_norm
+from tests.parallel.dist import counting_all_reduce
+
+INF = float("inf")
 
 
 def _raises(match, fn, *args, **kwargs):
@@ -22,6 +30,16 @@ def _params_with_grads(dtype=torch.float32):
     return params
 
 
+def _copies(params):
+    out = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for p, q in zip(params, out):
+        q.grad = None if p.grad is None else p.grad.clone()
+    return out
+
+
+
+
+
 @pytest.mark.parametrize("foreach", [None, False])
 def test_clip_grad_norm_clips_and_returns_pre_clip_norm(foreach):
     params = _params_with_grads()
@@ -37,6 +55,29 @@ def test_clip_grad_norm_clips_and_returns_pre_clip_norm(foreach):
     torch.testing.assert_close(clip_grad_norm(params, 0.5), torch.tensor(0.5), rtol=1e-5, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm_type", [2.0, 3, INF])
+@pytest.mark.parametrize("foreach", [None, False])
+def test_one_process_is_torch_bit_for_bit(dtype, norm_type, foreach):
+    """Without torch.distributed: torch.nn.utils' own functions, the same bits, float32 out."""
+    assert not dist.is_initialized()
+    params = _params_with_grads(dtype)
+    ref = _copies(params)
+    before = [p.grad.clone() for p in params[:2]]
+    norm = grad_norm(params, norm_type=norm_type, foreach=foreach)
+    assert all(torch.equal(p.grad, g) for p, g in zip(params, before))  # grad_norm only reads
+    expected = torch.nn.utils.get_total_norm([p.grad for p in ref[:2]], norm_type, foreach=foreach)
+    assert norm.dtype == torch.float32 and norm.dim() == 0 and torch.equal(norm, expected.float())
+
+    max_norm = float(norm) / 3
+    clipped = clip_grad_norm(params, max_norm, norm_type=norm_type, foreach=foreach)
+    expected = torch.nn.utils.clip_grad_norm_(ref, max_norm, norm_type=norm_type, foreach=foreach)
+    assert clipped.dtype == torch.float32 and torch.equal(clipped, expected.float())
+    for p, q in zip(params, ref):
+        assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad)
+    assert not torch.equal(params[0].grad, before[0])  # it did clip
+
+
 def test_clip_grad_norm_below_max_leaves_grads():
     params = _params_with_grads()
     grads = [p.grad.clone() for p in params[:2]]
@@ -44,23 +85,80 @@ def test_clip_grad_norm_below_max_leaves_grads():
     assert float(norm) < 1e3
     for p, g in zip(params, grads):
         assert torch.equal(p.grad, g)
+    assert torch.equal(grad_norm(params[0]), torch.linalg.vector_norm(grads[0]))  # one tensor works too
 
 
 def test_clip_grad_norm_inf_bf16_and_no_grads():
     params = _params_with_grads(torch.bfloat16)
     expected = max(float(p.grad.float().abs().max()) for p in params[:2])
-    norm = clip_grad_norm(params, 1e3, norm_type=float("inf"))
+    norm = clip_grad_norm(params, 1e3, norm_type=INF)
     assert norm.dtype == torch.float32 and float(norm) == expected
     bare = [torch.nn.Parameter(torch.ones(3))]
     norm = clip_grad_norm(bare, 1.0)
     assert norm.dtype == torch.float32 and float(norm) == 0.0 and bare[0].grad is None
+    for p in (2.0, INF):
+        norm = grad_norm([], norm_type=p)
+        assert norm.dtype == torch.float32 and norm.dim() == 0 and float(norm) == 0.0
 
 
-def test_clip_grad_norm_bad_max_norm():
+def test_bad_arguments_name_the_argument():
     params = _params_with_grads()
     _raises("max_norm: expected a positive number", clip_grad_norm, params, 0.0)
     _raises("max_norm:", clip_grad_norm, params, -1.0)
     _raises("max_norm:", clip_grad_norm, params, float("nan"))
+    _raises("max_norm:", clip_grad_norm, params, True)
+    for fn, args in ((grad_norm, ()), (clip_grad_norm, (1.0,))):
+        _raises("norm_type: expected a number > 0 or inf", fn, params, *args, norm_type=0)
+        _raises("norm_type:", fn, params, *args, norm_type="inf")
+        _raises("parameters: expected a tensor or an iterable", fn, 3, *args)
+        _raises(r"parameters\[1\]: expected a tensor", fn, [params[0], "w"], *args)
+        _raises("group: expected a torch.distributed ProcessGroup or a 1-D DeviceMesh, got str", fn, params, *args, group="dp")
+    assert params[0].grad is not None and not torch.equal(params[0].grad, torch.zeros(3, 4))  # nothing clipped
+
+
+def test_optim_does_not_import_parallel():
+    """Layering: parallel, optim and train are siblings; fmoe.parallel imports fmoe.optim only."""
+    code = "import sys, fmoe.optim; bad = [m for m in sys.modules if m.startswith('fmoe.parallel')]; assert not bad, bad"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---------------------------------------------------------------------------- a world of one rank
+
+
+def test_world_of_one_rank_issues_no_collective(one_rank_mesh):
+    mesh = one_rank_mesh
+    """torch.distributed initialised with one rank: plain grads as torch does; DTensor grads
+    by the distributed rule (counted once); never an all_reduce; a Partial grad refused."""
+    from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
+
+    params = _params_with_grads()
+    ref = _copies(params)
+    with counting_all_reduce() as calls:
+        norm = clip_grad_norm(params, 0.5, group=mesh)
+        expected = torch.nn.utils.clip_grad_norm_(ref, 0.5)
+        assert torch.equal(norm, expected.float())
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(params[:2], ref[:2]))
+
+        full = torch.randn(4, 3)
+        w = torch.nn.Parameter(distribute_tensor(torch.zeros(4, 3), mesh, [Shard(0)]))
+        w.grad = distribute_tensor(full, mesh, [Shard(0)])
+        plain = torch.nn.Parameter(torch.zeros(5))
+        plain.grad = torch.randn(5)
+        both = torch.cat([full.flatten(), plain.grad])
+        for p in (2.0, 3.0, INF):
+            got = grad_norm([w, plain], norm_type=p)
+            assert got.dtype == torch.float32 and got.dim() == 0
+            torch.testing.assert_close(got, torch.linalg.vector_norm(both, p), rtol=1e-6, atol=0)
+        norm = clip_grad_norm([w, plain], 1.0)
+        torch.testing.assert_close(norm, both.norm(), rtol=1e-6, atol=0)
+        coef = 1.0 / (float(norm) + 1e-6)
+        torch.testing.assert_close(w.grad.to_local(), full * coef)
+        torch.testing.assert_close(plain.grad, both[12:] * coef)
+    assert calls == []
+
+    partial = torch.nn.Parameter(distribute_tensor(torch.zeros(2), mesh, [Shard(0)]))
+    partial.grad = DTensor.from_local(torch.ones(2), mesh, [Partial()])
+    _raises(r"parameters\[1\]: .*Partial", grad_norm, [plain, partial])
 
 
 # ---------------------------------------------------------------------------- float32 accumulation

@@ -148,21 +148,30 @@ def test_weight_decay_is_decoupled_and_update_ignores_gradient_scale():
     torch.testing.assert_close(results[0], results[1], rtol=0, atol=1e-5)
 
 
-def test_owned_skips_other_parameters():
+def test_closure_and_params_without_grad():
+    """step(closure) runs the closure with grad enabled and returns its loss; B, which the
+    loss does not reach (grad None), keeps its value and gets no momentum; A steps exactly
+    as a Muon over A alone given the same gradient."""
     g = torch.Generator().manual_seed(7)
-    A0, B0 = torch.randn(4, 6, generator=g), torch.randn(2, 4, 6, generator=g)
+    A0, B0, target = torch.randn(4, 6, generator=g), torch.randn(2, 4, 6, generator=g), torch.randn(4, 6, generator=g)
     A, B = A0.clone().requires_grad_(), B0.clone().requires_grad_()
-    A.grad, B.grad = torch.randn(4, 6, generator=g), torch.randn(2, 4, 6, generator=g)
-    reference = A0.clone().requires_grad_()
-    reference.grad = A.grad.clone()
-    Muon([reference], lr=0.1).step()
     opt = Muon([A, B], lr=0.1)
-    opt.step(owned=[A])
+
+    def closure():
+        opt.zero_grad()
+        loss = ((A - target) ** 2).sum()
+        loss.backward()
+        return loss
+
+    loss = opt.step(closure)
+    assert loss.requires_grad and float(loss.detach()) == float(((A0 - target) ** 2).sum())
+    assert torch.equal(B.detach(), B0) and B not in opt.state and B.grad is None
+    reference = A0.clone().requires_grad_()
+    reference.grad = 2 * (A0 - target)
+    Muon([reference], lr=0.1).step()
     assert torch.equal(A.detach(), reference.detach())
-    assert torch.equal(B.detach(), B0) and B not in opt.state
-    opt.step(owned=[B])  # B's first step; A's momentum untouched
-    assert not torch.equal(B.detach(), B0)
-    assert torch.equal(opt.state[A]["momentum_buffer"], A.grad)
+    assert torch.equal(opt.state[A]["momentum_buffer"], reference.grad)
+    assert opt.step() is None  # no closure: no loss
 
 
 def test_state_dict_round_trip_continues_bit_identically():

@@ -30,6 +30,8 @@ def _reference(n, max_lr, total, warmup, min_lr, init_lr, style, wsd_decay, wsd_
     """SPEC.md section 7, written out piece by piece."""
     if warmup > 0 and n <= warmup:
         return init_lr + (max_lr - init_lr) * n / warmup
+    if style == "constant":
+        return max_lr
     if n > total:
         return min_lr
     if style == "inverse_sqrt":
@@ -46,7 +48,7 @@ def _reference(n, max_lr, total, warmup, min_lr, init_lr, style, wsd_decay, wsd_
             "minus_sqrt": lambda x: 1 - x**0.5,
         }[wsd_style](rw)
     else:
-        coeff = {"constant": 1.0, "linear": 1 - r, "cosine": (math.cos(math.pi * r) + 1) / 2}[style]
+        coeff = {"linear": 1 - r, "cosine": (math.cos(math.pi * r) + 1) / 2}[style]
     return min_lr + (max_lr - min_lr) * coeff
 
 
@@ -79,7 +81,7 @@ def test_lr_spec_check_minus_sqrt():
         ("linear", 109, 0.109),
         ("constant", 60, 1.0),
         ("constant", 110, 1.0),
-        ("constant", 111, 0.1),  # past the end every style gives min_lr
+        ("constant", 111, 1.0),  # past the end: constant stays at max_lr
         ("inverse_sqrt", 40, 0.5),  # sqrt(10 / 40)
         ("inverse_sqrt", 90, 1 / 3),
         ("inverse_sqrt", 111, 0.1),
@@ -107,6 +109,16 @@ def test_lr_wsd_hand_computed(wsd_style, at85, at90):
     assert [lr_at(n, **kw) for n in (11, 50, 80)] == [1.0, 1.0, 1.0]  # stable phase
 
 
+def test_lr_constant_stays_at_max_after_warmup_and_past_total():
+    """A constant schedule has no decay: max_lr from the end of the warmup on, past `total`
+    too, whatever min_lr (Megatron Core's constant style); the warmup still applies."""
+    assert lr_at(102, max_lr=1.0, min_lr=0.1, total=100, style="constant") == 1.0
+    kw = dict(max_lr=3e-4, min_lr=3e-5, total=50, warmup=10, init_lr=1e-5, style="constant")
+    assert lr_at(5, **kw) == pytest.approx(1e-5 + (3e-4 - 1e-5) / 2, rel=1e-12)
+    assert [lr_at(n, **kw) for n in (10, 11, 50, 51, 10**6)] == [3e-4] * 5
+    assert lr_at(1, max_lr=2.0, total=0, style="constant") == 2.0
+
+
 def test_lr_inverse_sqrt_floor():
     kw = dict(max_lr=1.0, min_lr=0.2, total=1000, warmup=10, style="inverse_sqrt")
     assert lr_at(250, **kw) == pytest.approx(0.2)  # sqrt(10 / 250) = 0.2
@@ -131,19 +143,20 @@ def test_lr_matches_reference_everywhere(config):
 @pytest.mark.parametrize("style, wsd_style", list(_all_styles()))
 def test_lr_edges(style, wsd_style):
     kw = dict(max_lr=1.0, min_lr=0.1, init_lr=0.01, style=style, wsd_style=wsd_style)
-    # step 0 with warmup: init_lr; n == W: max_lr; past the end: min_lr
+    end = 1.0 if style == "constant" else 0.1  # constant never decays
+    # step 0 with warmup: init_lr; n == W: max_lr; past the end: min_lr (constant: max_lr)
     assert lr_at(0, total=100, warmup=10, wsd_decay=20, **kw) == 0.01
     assert lr_at(10, total=100, warmup=10, wsd_decay=20, **kw) == 1.0
     for n in (101, 102, 10**6):
-        assert lr_at(n, total=100, warmup=10, wsd_decay=20, **kw) == 0.1
+        assert lr_at(n, total=100, warmup=10, wsd_decay=20, **kw) == end
     # W == 0: no warmup, step 0 already at max_lr (init_lr unused), no division by zero
     assert lr_at(0, total=100, warmup=0, wsd_decay=20, **kw) == 1.0
     # D == W: max_lr at W, min_lr right after it
     assert lr_at(10, total=10, warmup=10, **kw) == 1.0
-    assert lr_at(11, total=10, warmup=10, **kw) == 0.1
+    assert lr_at(11, total=10, warmup=10, **kw) == end
     # D == W == 0
     assert lr_at(0, total=0, warmup=0, **kw) == 1.0
-    assert lr_at(1, total=0, warmup=0, **kw) == 0.1
+    assert lr_at(1, total=0, warmup=0, **kw) == end
 
 
 @pytest.mark.parametrize("style, wsd_style", list(_all_styles()))

@@ -2,6 +2,8 @@
 
     results = run_distributed(fn, world_size, *args, timeout=120)   # [result of rank 0, ...]
 
+    with counting_all_reduce() as calls: ...          # the ops of every dist.all_reduce call
+
 `fn(rank, world_size, *args)` must be a module-level function (the workers are spawned and
 import it). Each worker initialises the default process group (gloo, file rendezvous),
 runs fn, saves its return value with torch.save, and destroys the group. An exception in
@@ -12,6 +14,7 @@ the caller fails saying so.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import tempfile
@@ -64,3 +67,21 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0) -> list:
         if bad:
             raise AssertionError(f"ranks {bad} exited with codes {[procs[r].exitcode for r in bad]}")
         return [torch.load(f"{root}/result{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+@contextlib.contextmanager
+def counting_all_reduce():
+    """Record the op of every torch.distributed.all_reduce call made while active (the code
+    under test looks dist.all_reduce up at call time)."""
+    calls = []
+    original = dist.all_reduce
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("op"))
+        return original(*args, **kwargs)
+
+    dist.all_reduce = counted
+    try:
+        yield calls
+    finally:
+        dist.all_reduce = original

@@ -2,16 +2,24 @@
 
 Every worker builds the whole problem from a fixed seed (so all ranks agree), runs the
 single-process reference moe(x_all, full params) on the concatenation of every data
-group's tokens, then the distributed moe(x_r, local params, dispatcher=ExpertParallel(...))
-on its own tokens and expert slice, and compares outputs and gradients (random upstream
-gradient) in float32. Gradients of parameters held by several ranks are summed over those
+group's tokens, then the distributed moe(x_r, local params, experts=...), an
+ExpertParallel over the local params, on its own tokens and expert slice, and compares
+outputs and gradients (random upstream gradient) in float32. Gradients of parameters held by several ranks are summed over those
 ranks first: router and shared experts over the data ranks ("dp"), expert slices over
-"edp". A spawn costs seconds of imports, so one spawn per world size runs many cases; a
-worker records mismatches instead of raising, so that every rank still reaches every
-collective, and each pytest case asserts on its own record.
+"edp". With a capacity factor ("cap_" cases) each data group drops slots on its own T
+tokens, so the reference is moe() run on each data group's tokens alone, concatenated.
+Host reads of the distributed forward and backward are counted (fmoe.train.metrics.
+HostReads): none with a capacity factor, exactly the count exchange without one; one
+capacity case runs the distributed moe() call under torch.compile(fullgraph=True).
+
+A spawn costs seconds of imports, so one spawn per world size runs many cases; a worker
+records mismatches instead of raising, so that every rank still reaches every collective,
+and each pytest case asserts on its own record.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -20,7 +28,7 @@ import torch.distributed as dist
 from tests.parallel.dist import run_distributed
 
 H, F, FS, E = 8, 6, 4, 8  # hidden, expert FFN, shared FFN, experts
-TIMEOUT = 120.0
+TIMEOUT = 180.0  # the 4-process spawn takes about 60 s on 2 cores, 15 of them a compile
 
 # name -> (mesh sizes, tokens per data group, extra); tokens are odd-sized per rank
 CASES_2 = {
@@ -40,8 +48,31 @@ CASES_4 = {
     "empty_ep2_etp2": (dict(ep=2, etp=2), (0, 5, 3, 0), dict(k=1, one_expert=6)),
     "empty_tp2_ep2": (dict(tp=2, ep=2), (0, 6), dict(k=1, one_expert=0)),
 }
-ROUND_TRIPS_2 = {"round_trip_ep2": dict(ep=2)}
-ROUND_TRIPS_4 = {"round_trip_ep4": dict(ep=4), "round_trip_ep2_etp2": dict(ep=2, etp=2)}
+# capacity layout: cap = capacity factor, drop = whether slots are dropped (asserted, so the
+# case tests what it says), max_tokens = the largest T of the ep x etp group where the T
+# differ, compiled = the whole distributed moe() call under torch.compile(fullgraph=True)
+# (one case, all three axes: a compile costs 15 s here)
+CASES_2.update({
+    "cap_ep2": (dict(ep=2), (6, 6), dict(cap=1.0, drop=True)),
+    "cap_ep2_no_drop": (dict(ep=2), (5, 7), dict(cap=8.0, drop=False, max_tokens=7)),
+    "cap_tp2_ep2": (dict(tp=2, ep=2), (10,), dict(cap=1.0, drop=True)),
+    "cap_empty_ep2": (dict(ep=2), (0, 7), dict(k=1, one_expert=3, cap=1.0, drop=True, max_tokens=7)),
+})
+CASES_4.update({
+    "cap_ep4": (dict(ep=4), (6, 6, 6, 6), dict(cap=1.0, drop=True)),
+    "cap_ep2_etp2": (dict(ep=2, etp=2), (5, 7, 3, 9), dict(cap=1.25, drop=True, max_tokens=9)),
+    # each ep group is a tp pair holding one data group's T: C may differ between the groups
+    "cap_tp2_ep2": (dict(tp=2, ep=2), (10, 6), dict(cap=1.0, drop=True, same_groups=("ep", "tp"))),
+    "cap_tp2_ep4_no_drop": (dict(tp=2, ep=4), (10, 6), dict(cap=4.0, drop=False, max_tokens=10)),
+    "cap_empty_ep2_etp2": (dict(ep=2, etp=2), (0, 5, 3, 0), dict(k=1, one_expert=6, cap=1.0, drop=True, max_tokens=5)),
+    "cap_tp2_ep2_etp2_compiled": (dict(tp=2, ep=2, etp=2), (10, 6), dict(cap=1.0, drop=True, max_tokens=10, compiled=True)),
+})
+# name -> (mesh sizes, padded: dispatch_padded / combine_padded instead of dispatch / combine)
+ROUND_TRIPS_2 = {"round_trip_ep2": (dict(ep=2), False), "round_trip_padded_ep2": (dict(ep=2), True)}
+ROUND_TRIPS_4 = {
+    "round_trip_ep4": (dict(ep=4), False), "round_trip_ep2_etp2": (dict(ep=2, etp=2), False),
+    "round_trip_padded_ep4": (dict(ep=4), True), "round_trip_padded_ep2_etp2": (dict(ep=2, etp=2), True),
+}
 
 
 # ----------------------------------------------------------------------------------------
@@ -82,13 +113,23 @@ def _close(fails: list, what: str, actual, expected) -> None:
         fails.append(f"{what}: {e}")
 
 
-def _moe_case(sizes: dict, tokens: tuple, k: int = 2, one_expert=None, same_groups=None) -> list[str]:
+def _expert_parallel(ep, params, cfg):
+    """moe()'s `experts` callable for an ExpertParallel over this rank's expert weights."""
+    return lambda x, routes: ep(x, routes, params, cfg)
+
+
+def _moe_case(
+    sizes: dict, tokens: tuple, k: int = 2, one_expert=None, same_groups=None,
+    cap=None, drop=None, max_tokens=None, compiled=False,
+) -> list[str]:
     from fmoe.layers import MoEConfig, moe
     from fmoe.parallel.expert import ExpertParallel
     from fmoe.parallel.mesh import build_meshes
+    from fmoe.train.metrics import HostReads
 
     meshes = build_meshes(**sizes)
-    cfg = MoEConfig(n_experts=E, k=k, pre_softmax=k == 1)  # k = 1 needs pre_softmax for a router gradient
+    # k = 1 needs pre_softmax for a router gradient
+    cfg = MoEConfig(n_experts=E, k=k, pre_softmax=k == 1, capacity_factor=cap)
     params, x_all, dy_all = _problem(sum(tokens), one_expert=one_expert)
     fails = []
     if same_groups is not None:  # the layout the case is meant to test
@@ -97,7 +138,17 @@ def _moe_case(sizes: dict, tokens: tuple, k: int = 2, one_expert=None, same_grou
             fails.append(f"{same_groups}: groups {a} and {b} differ")
 
     ref_inputs = {"x": x_all.clone().requires_grad_(), **{n: p.clone().requires_grad_() for n, p in params.items()}}
-    y_ref, stats_ref = moe(ref_inputs["x"], {n: p for n, p in ref_inputs.items() if n != "x"}, cfg)
+    ref_params = {n: p for n, p in ref_inputs.items() if n != "x"}
+    if cap is None:
+        y_ref, stats_ref = moe(ref_inputs["x"], ref_params, cfg)
+        counts_ref = stats_ref["tokens_per_expert"]
+    else:  # each data group drops slots on its own T tokens
+        groups = [slice(sum(tokens[:i]), sum(tokens[: i + 1])) for i in range(len(tokens))]
+        outs = [moe(ref_inputs["x"][rows], ref_params, cfg) for rows in groups]
+        y_ref = torch.cat([y for y, _ in outs])
+        counts_ref = sum(stats["tokens_per_expert"] for _, stats in outs)
+        if drop != (int(counts_ref.sum()) < sum(tokens) * k):
+            fails.append(f"expected {'some' if drop else 'no'} dropped slots, kept {counts_ref.tolist()}")
     ref = _grads(y_ref, ref_inputs, dy_all)
 
     # this rank's tokens: those of its data group (the tp ranks of a group hold them alike)
@@ -113,9 +164,23 @@ def _moe_case(sizes: dict, tokens: tuple, k: int = 2, one_expert=None, same_grou
     local["w_down"] = params["w_down"][experts_slice, q * Fl : (q + 1) * Fl, :].clone()
     inputs = {"x": x_all[rows].clone().requires_grad_(), **{n: p.requires_grad_() for n, p in local.items()}}
 
-    ep = ExpertParallel(meshes.axis("ep"), etp_mesh=meshes.axis("etp"), tp_mesh=meshes.tp_mesh)
-    y, stats = moe(inputs["x"], local, cfg, dispatcher=ep)
-    got = _grads(y, inputs, dy_all[rows])
+    ep = ExpertParallel(meshes.axis("ep"), etp_mesh=meshes.axis("etp"), tp_mesh=meshes.tp_mesh, max_tokens=max_tokens)
+    if compiled:
+        # the whole moe() call, expert-parallel collectives included, as one graph
+        call = torch.compile(
+            lambda x, p: moe(x, p, cfg, experts=_expert_parallel(ep, p, cfg)), fullgraph=True, backend="aot_eager"
+        )
+        y, stats = call(inputs["x"], local)
+        got = _grads(y, inputs, dy_all[rows])
+    else:
+        with HostReads() as reads:
+            y, stats = moe(inputs["x"], local, cfg, experts=_expert_parallel(ep, local, cfg))
+            got = _grads(y, inputs, dy_all[rows])
+        if cap is not None and reads.count:
+            fails.append(f"{reads.count} host reads with a capacity factor: {dict(reads.sites)}")
+        exchange = [site for site in reads.sites if site.split(":")[0].endswith("fmoe/parallel/expert.py")]
+        if cap is None and (reads.count != 1 or len(exchange) != 1):
+            fails.append(f"expected one host read (the count exchange in dispatch), got {reads.count}: {dict(reads.sites)}")
 
     _close(fails, "y", y, y_ref[rows])
     _close(fails, "grad x", got["x"], ref["x"][rows])
@@ -130,9 +195,9 @@ def _moe_case(sizes: dict, tokens: tuple, k: int = 2, one_expert=None, same_grou
     _close(fails, "grad w_down", got["w_down"], ref["w_down"][experts_slice, q * Fl : (q + 1) * Fl, :])
     counts = stats["tokens_per_expert"].clone()
     dist.all_reduce(counts)  # each rank counts its own slice: the sum is the total
-    if not torch.equal(counts, stats_ref["tokens_per_expert"]):
-        fails.append(f"tokens_per_expert summed over ranks {counts.tolist()} != {stats_ref['tokens_per_expert'].tolist()}")
-    if one_expert is not None and counts[one_expert] != sum(tokens):
+    if not torch.equal(counts, counts_ref):
+        fails.append(f"tokens_per_expert summed over ranks {counts.tolist()} != {counts_ref.tolist()}")
+    if one_expert is not None and cap is None and counts[one_expert] != sum(tokens):
         fails.append(f"not every token went to expert {one_expert}: {counts.tolist()}")
     return fails
 
@@ -189,11 +254,54 @@ def _round_trip_case(rank: int, world: int, sizes: dict) -> list[str]:
     return fails
 
 
+def _round_trip_padded_case(rank: int, world: int, sizes: dict) -> list[str]:
+    """dispatch_padded puts row (e, c) of every rank's [E, C, H] buffer on the owner of e,
+    ordered (local expert, ep rank, etp rank, c), with fixed offsets; combine_padded brings
+    it back (etp times, once per F-shard); neither reads the host, forward or backward."""
+    from fmoe.parallel.expert import combine_padded, dispatch_padded
+    from fmoe.parallel.mesh import build_meshes
+    from fmoe.train.metrics import HostReads
+
+    meshes = build_meshes(**sizes)
+    ep, etp, C = meshes.ep, meshes.etp, 3
+    L = E // ep
+    ep_mesh, etp_mesh = meshes.axis("ep"), meshes.axis("etp")  # slicing a mesh reads its rank table
+    g = torch.Generator().manual_seed(2)
+    xs = [torch.randn(E, C, H, generator=g) for _ in range(world)]
+    dy = torch.randn(E, C, H, generator=g)
+    fails = []
+
+    x = xs[rank].clone().requires_grad_()
+    with HostReads() as reads:
+        x_local, meta = dispatch_padded(x, ep_mesh=ep_mesh, etp_mesh=etp_mesh)
+        y = combine_padded(x_local, meta)  # the identity expert
+        (grad_x,) = torch.autograd.grad(y, x, dy)
+    if reads.count:
+        fails.append(f"{reads.count} host reads: {dict(reads.sites)}")
+
+    j = ep_mesh.get_local_rank()
+    block = rank - (j * etp + etp_mesh.get_local_rank())  # first rank of this ep x etp block
+    expected = torch.stack([
+        torch.stack([torch.stack([xs[block + s * etp + qq][j * L + l] for qq in range(etp)]) for s in range(ep)])
+        for l in range(L)
+    ])  # [L, S, Q, C, H]
+    if not torch.equal(x_local, expected.reshape(L * ep * etp * C, H)):
+        fails.append("x_local is not the senders' rows of this rank's experts in (l, s, q, c) order")
+    expected_offsets = torch.arange(1, L + 1, dtype=torch.int32) * (ep * etp * C)
+    if not torch.equal(meta.offsets, expected_offsets):
+        fails.append(f"meta.offsets {meta.offsets.tolist()} != {expected_offsets.tolist()}")
+    if not torch.equal(y, x * etp):
+        fails.append(f"combine_padded(dispatch_padded(x)) != {etp} * x")
+    if not torch.equal(grad_x, dy * etp):
+        fails.append(f"the round trip's gradient is not {etp} * dy")
+    return fails
+
+
 def _bad_inputs_case(rank: int, world: int) -> list[str]:
     """Caller mistakes raise a ValueError naming the argument, on every rank before any
     collective: the group still works afterwards."""
     from fmoe.layers import MoEConfig, moe
-    from fmoe.parallel.expert import ExpertParallel, dispatch
+    from fmoe.parallel.expert import ExpertParallel, combine_padded, dispatch, dispatch_padded
     from fmoe.parallel.mesh import build_meshes
 
     fails = []
@@ -209,20 +317,28 @@ def _bad_inputs_case(rank: int, world: int) -> list[str]:
         except BaseException as e:  # pytest.raises fails with its own exception type
             fails.append(f"{what}: {type(e).__name__}: {e}")
 
+    def run(p, cfg, expert_parallel=ep):
+        return moe(x, p, cfg, experts=_expert_parallel(expert_parallel, p, cfg))
+
+    cfg = MoEConfig(n_experts=E, k=2)
     cfg3 = MoEConfig(n_experts=3, k=2)
-    p3 = dict(local, router=params["router"][:3])
-    expect(r"cfg\.n_experts", lambda: moe(x, p3, cfg3, dispatcher=ep), "E % ep")
-    expect(r"params\['w_gate'\]", lambda: moe(x, params, MoEConfig(n_experts=E, k=2), dispatcher=ep), "full w_gate under ep")
-    wrong_down = dict(local, w_down=local["w_down"].transpose(1, 2))
-    expect(r"params\['w_down'\]", lambda: moe(x, wrong_down, MoEConfig(n_experts=E, k=2), dispatcher=ep), "w_down [L, H, F]")
-    wrong_dtype = dict(local, w_up=local["w_up"].double())
-    expect(r"params\['w_up'\]", lambda: moe(x, wrong_dtype, MoEConfig(n_experts=E, k=2), dispatcher=ep), "float64 w_up")
+    expect(r"cfg\.n_experts", lambda: run(dict(local, router=params["router"][:3]), cfg3), "E % ep")
+    expect(r"params\['w_gate'\]", lambda: run(params, cfg), "full w_gate under ep")
+    expect(r"params\['w_down'\]", lambda: run(dict(local, w_down=local["w_down"].transpose(1, 2)), cfg), "w_down [L, H, F]")
+    expect(r"params\['w_up'\]", lambda: run(dict(local, w_up=local["w_up"].double()), cfg), "float64 w_up")
     expect(r"ep_mesh", lambda: ExpertParallel(meshes.dense), "a 4-D mesh")
+    expect(r"max_tokens", lambda: ExpertParallel(meshes.axis("ep"), max_tokens=-1), "negative max_tokens")
+    capped = dataclasses.replace(cfg, capacity_factor=1.0)
+    expect(r"^x:.*max_tokens", lambda: run(local, capped, ExpertParallel(meshes.axis("ep"), max_tokens=4)), "T > max_tokens")
     expect(r"counts_E", lambda: dispatch(x, torch.zeros(3, dtype=torch.int64), ep_mesh=meshes.axis("ep")), "counts of 3 experts")
+    expect(r"x_ECH", lambda: dispatch_padded(torch.zeros(3, 2, H), ep_mesh=meshes.axis("ep")), "3 experts over ep = 2")
+    expect(r"x_ECH", lambda: dispatch_padded(torch.zeros(E * 2, H), ep_mesh=meshes.axis("ep")), "a 2-D buffer")
+    _, meta = dispatch_padded(torch.zeros(E, 2, H), ep_mesh=meshes.axis("ep"))  # on every rank: a valid meta
+    expect(r"y_local", lambda: combine_padded(torch.zeros(5, H), meta), "y_local of the wrong row count")
 
     tp_meshes = build_meshes(tp=2)
     tp = ExpertParallel(tp_mesh=tp_meshes.tp_mesh)
-    expect(r"^x:", lambda: moe(x, params, MoEConfig(n_experts=E, k=2), dispatcher=tp), "T % tp")
+    expect(r"^x:", lambda: run(params, cfg, tp), "T % tp")
 
     alive = torch.ones(1)
     dist.all_reduce(alive)
@@ -233,7 +349,8 @@ def _bad_inputs_case(rank: int, world: int) -> list[str]:
 
 def _worker(rank: int, world: int, cases: dict, round_trips: dict, bad_inputs: bool) -> dict:
     results = {name: _moe_case(sizes, tokens, **extra) for name, (sizes, tokens, extra) in cases.items()}
-    results.update({name: _round_trip_case(rank, world, sizes) for name, sizes in round_trips.items()})
+    for name, (sizes, padded) in round_trips.items():
+        results[name] = (_round_trip_padded_case if padded else _round_trip_case)(rank, world, sizes)
     if bad_inputs:
         results["bad_inputs"] = _bad_inputs_case(rank, world)
     return results
@@ -267,3 +384,49 @@ def test_world2(world2, name):
 @pytest.mark.parametrize("name", [*CASES_4, *ROUND_TRIPS_4])
 def test_world4(world4, name):
     _assert_case(world4, name)
+
+
+# ----------------------------------------------------------------------------------------
+# one process: the capacity layout against permute
+# ----------------------------------------------------------------------------------------
+
+
+def test_permute_padded_matches_permute():
+    """permute_padded holds each expert's rows in permute's order, then zero rows up to C;
+    unpermute through its plan gives permute's result, gradients included; a slot past the
+    capacity (impossible after drop_by_capacity) gets no row; no host read."""
+    from fmoe.ops import drop_by_capacity, permute, route, unpermute
+    from fmoe.parallel.expert import permute_padded
+    from fmoe.train.metrics import HostReads
+
+    g = torch.Generator().manual_seed(3)
+    T, k, n_experts, C = 7, 2, 4, 3
+    routes = drop_by_capacity(route(torch.randn(T, n_experts, generator=g), k), n_experts, 0.75)  # C = ceil(2.625)
+    assert routes.experts.eq(-1).any(), "the case should drop slots"
+    x = torch.randn(T, H, generator=g, requires_grad=True)
+    dy = torch.randn(T, H, generator=g)
+
+    x_perm, plan = permute(x, routes.experts, n_experts)
+    with HostReads() as reads:
+        x_ECH, plan_padded = permute_padded(x, routes.experts, n_experts, C)
+        y = unpermute(x_ECH.view(n_experts * C, H), plan_padded, routes.weights)
+        (grad_x,) = torch.autograd.grad(y, x, dy)
+    assert reads.count == 0, dict(reads.sites)
+    assert x_ECH.shape == (n_experts, C, H)
+    assert torch.equal(plan_padded.counts, plan.counts)
+    assert plan_padded.offsets.tolist() == [C, 2 * C, 3 * C, 4 * C]
+    ends = plan.offsets.tolist()
+    for e, n in enumerate(plan.counts.tolist()):
+        assert torch.equal(x_ECH[e, :n], x_perm[ends[e] - n : ends[e]]), f"expert {e}'s rows"
+        assert not x_ECH[e, n:].any(), f"expert {e}'s padding"
+    y_ref = unpermute(x_perm, plan, routes.weights)
+    torch.testing.assert_close(y, y_ref, rtol=0, atol=0)
+    torch.testing.assert_close(grad_x, torch.autograd.grad(y_ref, x, dy)[0], rtol=1e-6, atol=1e-7)
+
+    # every token to expert 1, capacity 2: tokens 0 and 1 keep a row, the rest none
+    x_ECH, plan_padded = permute_padded(x, torch.ones(T, 1, dtype=torch.int64), n_experts, 2)
+    assert plan_padded.row_of_slot.flatten().tolist() == [2, 3] + [-1] * (T - 2)
+    assert torch.equal(x_ECH[1], x[:2]) and not x_ECH[[0, 2, 3]].any()
+
+    x_ECH, plan_padded = permute_padded(x[:0], routes.experts[:0], n_experts, C)  # no tokens
+    assert x_ECH.shape == (n_experts, C, H) and not x_ECH.any() and plan_padded.slot_of_row.eq(-1).all()

@@ -1,7 +1,6 @@
 """fmoe.parallel.parallelize on the reference model: N gloo processes give the loss and
 gradients of one process (float32), for FSDP2, tensor, expert and expert-tensor parallel."""
 
-import dataclasses
 
 import pytest
 import torch
@@ -10,7 +9,7 @@ import torch.distributed as dist
 from tests.parallel.dist import run_distributed
 
 TINY = dict(vocab_size=64, hidden=32, n_layers=2, n_dense=1, ffn_dense=64, n_experts=4, k=2, ffn_expert=32,
-            n_shared=1, n_heads=4, n_kv_heads=2, head_dim=8, mtp_depth=1, impl="torch")
+            n_shared=1, n_heads=4, n_kv_heads=2, head_dim=8, mtp_depth=1)
 
 
 def _batches(n, seed=1, mtp_depth=1):
@@ -27,8 +26,7 @@ def _batches(n, seed=1, mtp_depth=1):
 
 
 def _loss(model, batch, valid, mtp_depth):
-    losses, stats = model(batch["input_ids"], batch["labels"], batch["loss_mask"], batch["cu_seqlens"], batch["positions"],
-                          [{k: batch[f"mtp_{k}"][d] for k in ("input_ids", "labels", "loss_mask", "positions")} for d in range(mtp_depth)])
+    losses, stats = model(batch, model.context(batch))
     loss = losses["lm_sum"] / valid
     for d in range(1, mtp_depth + 1):
         loss = loss + 0.1 * losses[f"mtp_{d}_sum"] / valid
@@ -47,7 +45,9 @@ def _compare(rank, world, sizes, overrides):
     rank's data share; returns the max relative errors of the losses and every gradient."""
     from fmoe.model import Transformer, TransformerConfig
     from fmoe.ops import update_expert_bias
-    from fmoe.parallel import all_reduce_counts, build_meshes, grad_norm, parallelize
+    from fmoe.optim import grad_norm
+    from fmoe.parallel import all_reduce_counts, build_meshes, parallelize
+    from fmoe.train.metrics import HostReads
 
     cfg = TransformerConfig(**{**TINY, **overrides})
     torch.manual_seed(0)
@@ -66,13 +66,20 @@ def _compare(rank, world, sizes, overrides):
         for name, layer in stats.items():
             ref_counts[name] = ref_counts.get(name, 0) + layer["tokens_per_expert"]
     parallelize(model, meshes)
-    errors, counts = {}, {}
+    errors, counts, reads = {}, {}, 0
     for i in range(dp_rank, len(batches), dp):
-        loss, losses, stats = _loss(model, batches[i], valid, cfg.mtp_depth)
-        loss.backward()
+        # forward and backward read nothing on the host, but for the expert-parallel count
+        # exchange without a capacity factor (one per MoE layer and forward)
+        with HostReads() as host:
+            loss, losses, stats = _loss(model, batches[i], valid, cfg.mtp_depth)
+            loss.backward()
+        reads += host.count
         errors[f"lm_sum[{i}]"] = abs(float(losses["lm_sum"]) - ref_sums[i]) / abs(ref_sums[i])
         for name, layer in stats.items():
             counts[name] = counts.get(name, 0) + layer["tokens_per_expert"]
+    exchanges = (sizes.get("ep", 1) * sizes.get("etp", 1) > 1) and cfg.capacity_factor is None
+    expected_reads = len(ref.moe_layers()) * len(range(dp_rank, len(batches), dp)) if exchanges else 0
+    errors["host_reads"] = float(reads != expected_reads) + (0.0 if reads == expected_reads else reads)
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
     for name, p in model.named_parameters():
         g = _full(p.grad)
@@ -101,6 +108,8 @@ CASES = {
     "ep2xtp2": (4, dict(tp=2, ep=2), {}),
     "etp2": (2, dict(etp=2), {}),
     "ep2xetp2": (4, dict(ep=2, etp=2), {}),
+    # capacity-padded all-to-alls: no host read (dropping happens on every micro-batch)
+    "ep2xtp2-capacity": (4, dict(tp=2, ep=2), dict(capacity_factor=1.0)),
 }
 
 

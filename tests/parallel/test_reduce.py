@@ -1,45 +1,31 @@
-"""fmoe.parallel.reduce in 2 and 4 gloo processes, each result checked against one process.
+"""fmoe.parallel.reduce and fmoe.optim's grad_norm / clip_grad_norm over meshes, in 2 and 4
+gloo processes, each result checked against one process (the single-process checks of the
+gradient norm are in tests/optim/test_grads.py).
 
 Spawning is the slow part (seconds per world), so one spawn per world size runs every
 distributed check (module-scoped fixtures) and the tests assert on its results; argument
 validation runs in this process (it comes before any collective).
 """
 
-import contextlib
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from fmoe import ops
+from fmoe.optim import clip_grad_norm, grad_norm
 from fmoe.parallel.reduce import (
     all_reduce_counts,
     all_reduce_sums,
-    clip_grad_norm,
     global_load_balancing_loss,
-    grad_norm,
     seq_load_balancing_loss_split,
 )
-from tests.parallel.dist import run_distributed
+from tests.parallel.dist import counting_all_reduce, run_distributed
 
 INF = float("inf")
 
 
-@contextlib.contextmanager
-def _counting_all_reduce():
-    """Record every torch.distributed.all_reduce call (reduce.py looks it up at call time)."""
-    calls = []
-    original = dist.all_reduce
 
-    def counted(*args, **kwargs):
-        calls.append(kwargs.get("op"))
-        return original(*args, **kwargs)
-
-    dist.all_reduce = counted
-    try:
-        yield calls
-    finally:
-        dist.all_reduce = original
 
 
 # ---------------------------------------------------------------------------- sequence loss
@@ -87,7 +73,7 @@ def _seq_split_results(rank, cases, group, split_rank, seed=0):
             index = torch.arange(bounds[split_rank], bounds[split_rank + 1])
             where = dict(start=bounds[split_rank])
         local = scores[index].clone().requires_grad_()
-        with _counting_all_reduce() as calls:
+        with counting_all_reduce() as calls:
             value = seq_load_balancing_loss_split(local, experts[index], cu_t, k=k, group=group, **where)
         (value * upstream).backward()
         out[name] = dict(value=value.detach(), ref=ref.detach(), grad=local.grad, ref_grad=full.grad[index], calls=len(calls))
@@ -124,7 +110,7 @@ def _layer_counts(rank, world_size):
 
 
 def _counts_results(rank, world_size):
-    with _counting_all_reduce() as calls:
+    with counting_all_reduce() as calls:
         totals = all_reduce_counts(_layer_counts(rank, world_size), dist.group.WORLD, names=LAYERS, n_experts=N_EXPERTS)
     return dict(totals=totals, calls=len(calls))
 
@@ -145,20 +131,31 @@ def _check_counts(results):
 
 
 def _sums_results(rank, group):
-    items = [("loss", torch.tensor([1.5 + rank])), ("tokens", 10 + 2 * rank), ("z", 0.25)]
+    items = [("loss", torch.tensor([1.5 + rank])), ("tokens", 10 + 2 * rank), ("z", 0.25), ("big", torch.tensor(2**40 + rank, dtype=torch.int64))]
     values = dict(items if rank % 2 == 0 else reversed(items))  # order differs between ranks
-    with _counting_all_reduce() as calls:
-        sums = all_reduce_sums(values, group)
-    return dict(sums=sums, calls=len(calls), order=list(values))
+    host_reads = []
+    original_tolist, original_item = torch.Tensor.tolist, torch.Tensor.item
+    torch.Tensor.tolist = lambda t: host_reads.append("tolist") or original_tolist(t)
+    torch.Tensor.item = lambda t: host_reads.append("item") or original_item(t)
+    try:
+        with counting_all_reduce() as calls:
+            sums = all_reduce_sums(values, group)
+    finally:
+        torch.Tensor.tolist, torch.Tensor.item = original_tolist, original_item
+    return dict(sums=sums, calls=len(calls), order=list(values), host_reads=host_reads)
 
 
 def _check_sums(results, ranks):
-    expected = {"loss": sum(1.5 + r for r in ranks), "tokens": float(sum(10 + 2 * r for r in ranks)), "z": 0.25 * len(ranks)}
+    expected = {
+        "loss": sum(1.5 + r for r in ranks), "tokens": float(sum(10 + 2 * r for r in ranks)), "z": 0.25 * len(ranks),
+        "big": float(sum(2**40 + r for r in ranks)),  # exact in float64, not in float32
+    }
     for result in results:
-        assert result["calls"] == 1
-        assert result["sums"] == expected
+        assert result["calls"] == 1 and result["host_reads"] == []
         assert list(result["sums"]) == result["order"]
-        assert all(type(v) is float for v in result["sums"].values())
+        for name, value in result["sums"].items():  # 0-D float64 tensors, read here only
+            assert isinstance(value, torch.Tensor) and value.dtype == torch.float64 and value.dim() == 0, name
+            assert value.item() == expected[name], name
 
 
 # ---------------------------------------------------------------------------- global loss
@@ -184,7 +181,7 @@ def _global_loss_results(rank, world_size, bounds, E=5, k=2, H=3):
     scores, experts = ops.aux_scores(x[lo:hi] @ w, k)
     scores.retain_grad()
     counts = all_reduce_counts({"moe": ops.tokens_per_expert(experts, E)}, dist.group.WORLD, names=["moe"], n_experts=E)["moe"]
-    n_tokens = int(all_reduce_sums({"tokens": hi - lo}, dist.group.WORLD)["tokens"])
+    n_tokens = int(all_reduce_sums({"tokens": hi - lo}, dist.group.WORLD)["tokens"])  # the test reads it
     value = global_load_balancing_loss(scores, counts, k=k, n_tokens=n_tokens)
     (value * upstream).backward()
     return dict(
@@ -268,11 +265,25 @@ def _grad_norm_results(rank, world_size, configs):
         res = dict(expected2=_norm(full.values(), 2), expected_inf=_norm(full.values(), INF))
         for n, p in params.items():
             p.grad = _like(p, full[n])
-        with _counting_all_reduce() as calls:
+        with counting_all_reduce() as calls:
             res["norm2"] = grad_norm(params.values())
             res["norm_inf"] = grad_norm(list(params.values()), norm_type=INF)
         res["calls"] = len(calls)
         res["norm3"], res["expected3"] = grad_norm(params.values(), norm_type=3), _norm(full.values(), 3)
+        res["norm2_loop"] = grad_norm(params.values(), foreach=False)  # a loop instead of _foreach_norm
+
+        if meshes.tp == 1:  # a group of one rank (tp): no collective; plain grads as torch does
+            plain = params["plain"]
+            with counting_all_reduce() as calls:
+                res["one_rank"] = clip_grad_norm([plain], 0.5, group=meshes.tp_mesh)
+            res["one_rank_calls"] = len(calls)
+            ref = torch.nn.Parameter(torch.zeros(7))
+            ref.grad = full["plain"].clone()
+            res["one_rank_expected"] = torch.nn.utils.clip_grad_norm_([ref], 0.5).float()
+            res["one_rank_grad_same"] = torch.equal(plain.grad, ref.grad)
+            with pytest.raises(ValueError, match=r"parameters\[0\]: its gradient's mesh has \d+ ranks, which does not divide the 1"):
+                grad_norm([params["experts"]], group=meshes.tp_mesh)
+            plain.grad = _like(plain, full["plain"])
 
         # clipping to a quarter: every local shard scaled by max_norm / (norm + 1e-6)
         max_norm = res["expected2"] / 4
@@ -280,6 +291,10 @@ def _grad_norm_results(rank, world_size, configs):
         coef = max_norm / (res["clip_returned"] + 1e-6)
         res["clip_error"] = max(float((_local(p.grad) - _local(_like(p, full[n] * coef))).abs().sum()) for n, p in params.items())
         res["after_clip"], res["max_norm"] = grad_norm(params.values()), max_norm
+        for n, p in params.items():
+            p.grad = _like(p, full[n])
+        res["clip_loop_returned"] = clip_grad_norm(params.values(), max_norm, foreach=False)
+        res["clip_loop_error"] = max(float((_local(p.grad) - _local(_like(p, full[n] * coef))).abs().sum()) for n, p in params.items())
         before = {n: _local(p.grad).clone() for n, p in params.items()}
         res["inf_after_clip"] = grad_norm(params.values(), norm_type=INF)
         res["clip_big_returned"] = clip_grad_norm(params.values(), 1e6, norm_type=INF)
@@ -308,7 +323,7 @@ def _grad_norm_results(rank, world_size, configs):
 def _check_grad_norm(results, configs):
     for name in configs:
         per_rank = [r[name] for r in results]
-        for key in ("norm2", "norm_inf", "norm3", "clip_returned", "after_clip", "norm_missing", "norm_nothing"):
+        for key in ("norm2", "norm_inf", "norm3", "norm2_loop", "clip_returned", "clip_loop_returned", "after_clip", "norm_missing", "norm_nothing"):
             values = [r[key] for r in per_rank]
             assert all(v.dtype == torch.float32 and v.dim() == 0 for v in values), (name, key)
             assert all(torch.equal(v, values[0]) for v in values), (name, key, values)  # identical everywhere
@@ -317,12 +332,17 @@ def _check_grad_norm(results, configs):
         assert float(r["norm2"]) == pytest.approx(r["expected2"], rel=1e-5), name
         assert float(r["norm_inf"]) == r["expected_inf"] == 7.5, name
         assert float(r["norm3"]) == pytest.approx(r["expected3"], rel=1e-5), name
+        assert float(r["norm2_loop"]) == pytest.approx(r["expected2"], rel=1e-5), name
+        assert float(r["clip_loop_returned"]) == pytest.approx(r["expected2"], rel=1e-5), name
         assert float(r["clip_returned"]) == pytest.approx(r["expected2"], rel=1e-5), name
         assert float(r["after_clip"]) == pytest.approx(r["max_norm"], rel=1e-5), name
         assert float(r["norm_missing"]) == pytest.approx(r["expected_missing"], rel=1e-5), name
         assert float(r["norm_nothing"]) == r["expected_nothing"], name
         for q in per_rank:
-            assert q["clip_error"] < 1e-6, name
+            assert q["clip_error"] < 1e-6 and q["clip_loop_error"] < 1e-6, name
+            if "one_rank" in q:
+                assert q["one_rank_calls"] == 0 and torch.equal(q["one_rank"], q["one_rank_expected"]), name
+                assert q["one_rank_grad_same"], name
             assert q["clip_big_unchanged"], name  # below max_norm: the gradients are left alone
             assert torch.equal(q["clip_big_returned"], q["inf_after_clip"]), name
 
@@ -506,9 +526,4 @@ def test_bad_inputs_raise_value_errors_naming_the_argument():
     _raises(r"values\['x'\]: expected a real 1-element tensor", all_reduce_sums, {"x": torch.ones(2)}, None)
     _raises(r"values\['x'\]: expected a number", all_reduce_sums, {"x": "1"}, None)
     _raises("group: expected", all_reduce_sums, {"x": 1.0}, None)
-
-    w = torch.nn.Parameter(torch.zeros(2))
-    _raises("norm_type: expected a number > 0 or inf", grad_norm, [w], norm_type=0)
-    _raises("max_norm: expected a positive number", clip_grad_norm, [w], 0.0)
-    _raises("parameters: expected a tensor or an iterable", grad_norm, 3)
-    _raises(r"parameters\[1\]: expected a tensor", grad_norm, [w, "w"])
+    # grad_norm / clip_grad_norm's argument checks: tests/optim/test_grads.py

@@ -1,6 +1,8 @@
-"""fmoe.train.checkpoint: exact round trips, interrupted saves, retention, async, errors."""
+"""fmoe.train.checkpoint: exact round trips, interrupted saves, retention, async saves and
+their handles, errors."""
 
 import random
+import time
 
 import pytest
 import torch
@@ -146,15 +148,45 @@ def test_async_save_matches_sync(tmp_path):
     assert handle.wait() == tmp_path / "async" / "step_000005"
     assert not (tmp_path / "async" / "step_000005.tmp").exists()
 
-    # a second async save waits for the first one through save()
-    ckpt.save(tmp_path / "async", 6, model=model, optimizers=opts, async_=True)
-    ckpt.wait()
-    assert [p.name for p in sorted((tmp_path / "async").iterdir())] == ["step_000005", "step_000006"]
+    assert handle.done() and handle.wait() == tmp_path / "async" / "step_000005"  # again: at once
 
     for d in ("sync", "async"):
         fresh, fresh_opts = _build()
         assert ckpt.load(tmp_path / d / "step_000005", model=fresh, optimizers=fresh_opts) == {"step": 5}
         _assert_identical(before, _tensors(fresh, fresh_opts))
+
+
+def _names(out_dir):
+    return sorted(p.name for p in out_dir.iterdir())
+
+
+def test_async_saves_one_in_flight_through_previous(tmp_path):
+    """The caller keeps the handles: save(previous=h) completes h before starting; a save
+    not waited on stays `.tmp` (ignored by latest) until its wait(); no module state."""
+    assert not hasattr(ckpt, "wait") and not hasattr(ckpt, "_PENDING")
+    model, opts = _build()
+    _train(model, opts, 1)
+    h6 = ckpt.save(tmp_path, 6, model=model, optimizers=opts, async_=True)
+    assert (tmp_path / "step_000006.tmp").is_dir()
+    h7 = ckpt.save(tmp_path, 7, model=model, optimizers=opts, async_=True, previous=h6)
+    # h6 was waited on before the second save began: complete and renamed
+    assert h6.done() and "step_000006" in _names(tmp_path) and "step_000006.tmp" not in _names(tmp_path)
+    deadline = time.monotonic() + 60
+    while not h7.done() and time.monotonic() < deadline:  # the writer finishes, nobody waits
+        time.sleep(0.01)
+    assert h7.done(), "the background writer did not finish in 60 s"
+    assert "step_000007.tmp" in _names(tmp_path)
+    assert ckpt.latest(tmp_path) == tmp_path / "step_000006"
+    assert h7.wait() == tmp_path / "step_000007"
+    assert ckpt.latest(tmp_path) == tmp_path / "step_000007"
+    # a sync save's handle is done already; passing it as previous is a no-op
+    h8 = ckpt.save(tmp_path, 8, model=model, optimizers=opts, previous=h7)
+    assert h8.done() and h8.wait() == tmp_path / "step_000008"
+    ckpt.save(tmp_path, 9, model=model, optimizers=opts, previous=h8)
+    assert _names(tmp_path) == ["step_000006", "step_000007", "step_000008", "step_000009"]
+    fresh, fresh_opts = _build()
+    ckpt.load(tmp_path / "step_000007", model=fresh, optimizers=fresh_opts)
+    _assert_identical(_tensors(model, opts), _tensors(fresh, fresh_opts))
 
 
 def test_bad_inputs(tmp_path):
@@ -171,6 +203,8 @@ def test_bad_inputs(tmp_path):
         ckpt.save(tmp_path, 1, model=model, optimizers=[model])
     with pytest.raises(ValueError, match="extra"):
         ckpt.save(tmp_path, 1, model=model, optimizers=opts, extra=[1])
+    with pytest.raises(ValueError, match="previous: expected the SaveHandle"):
+        ckpt.save(tmp_path, 1, model=model, optimizers=opts, previous=tmp_path)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         ckpt.load(tmp_path / "missing", model=model, optimizers=opts)
     (tmp_path / "step_000001").mkdir()

@@ -60,33 +60,58 @@ def test_peaks_and_mfu():
         M.mfu(1.0, 1.0, 0.0)
 
 
-def test_expert_load():
-    d = M.expert_load(torch.tensor([6, 2, 0, 4]), slots=16)
-    assert d["max_over_mean"] == pytest.approx(2.0)
-    assert d["cv"] == pytest.approx(math.sqrt(5) / 3)  # std = sqrt(20/4), mean 3
-    assert d["dropped_fraction"] == pytest.approx(0.25)
-    # agrees with the stats fmoe.layers.moe returns
+def test_layer_loads_are_load_stats_as_record_entries():
+    rec = M.layer_loads(torch.tensor([[6, 2, 0, 4], [3, 3, 3, 3]]), slots=12)
+    assert isinstance(rec["load_max_over_mean"], torch.Tensor)  # converted later, with the step's values
+    rec = M.to_host(rec)
+    assert rec["tokens_per_expert"] == [[6, 2, 0, 4], [3, 3, 3, 3]]
+    assert rec["load_max_over_mean"] == pytest.approx([2.0, 1.0])
+    assert rec["load_cv"] == pytest.approx([math.sqrt(5) / 3, 0.0])  # std = sqrt(20/4), mean 3
+    assert rec["dropped_fraction"] == pytest.approx([0.0, 0.0])
+    # from a MoE block that drops: the counts of its stats, the slots it was asked for
     from fmoe.layers import MoEConfig
     from fmoe.model import MoE
 
     block = MoE(16, 8, MoEConfig(n_experts=4, k=2, capacity_factor=0.5))
     _, stats = block(torch.randn(24, 16))
-    d = M.expert_load(stats["tokens_per_expert"], slots=48)
-    assert d["max_over_mean"] == pytest.approx(stats["load_max_over_mean"].item(), rel=1e-6)
-    assert d["cv"] == pytest.approx(stats["load_cv"].item(), rel=1e-5)
-    assert d["dropped_fraction"] == pytest.approx(stats["dropped_fraction"].item(), abs=1e-6)
-    assert d["dropped_fraction"] > 0
-    rec = M.layer_loads(torch.tensor([[6, 2, 0, 4], [3, 3, 3, 3]]), slots=12)
-    assert rec["tokens_per_expert"] == [[6, 2, 0, 4], [3, 3, 3, 3]]
-    assert rec["load_max_over_mean"] == pytest.approx([2.0, 1.0])
-    assert rec["dropped_fraction"] == pytest.approx([0.0, 0.0])
+    rec = M.to_host(M.layer_loads(stats["tokens_per_expert"][None], slots=48))
+    counts = stats["tokens_per_expert"].float()
+    assert rec["dropped_fraction"] == pytest.approx([1 - counts.sum().item() / 48]) and rec["dropped_fraction"][0] > 0
+    assert rec["load_max_over_mean"] == pytest.approx([(counts.max() / counts.mean()).item()])
     with pytest.raises(ValueError, match="counts"):
-        M.expert_load(torch.zeros(2, 2), slots=4)
+        M.layer_loads(torch.zeros(4), slots=4)
+
+
+def test_to_host_one_transfer_per_device():
+    from fmoe.train.metrics import HostReads
+
+    values = {"loss": torch.tensor(2.5), "counts": torch.tensor([[1, 2], [3, 4]]), "norm": torch.tensor([0.5]), "step": 7, "v": torch.arange(3.0)}
+    with HostReads() as reads:
+        out = M.to_host(values)
+    assert reads.count == 1  # one .tolist() for every tensor
+    assert out == {"loss": 2.5, "counts": [[1, 2], [3, 4]], "norm": [0.5], "step": 7, "v": [0.0, 1.0, 2.0]}
+    assert isinstance(out["counts"][0][0], int) and isinstance(out["loss"], float)
+    with pytest.raises(ValueError, match="values"):
+        M.to_host([1.0])
+
+
+def test_host_reads_counts_every_way_of_reading_a_tensor():
+    from fmoe.train.metrics import HostReads
+
+    x = torch.arange(4.0)
+    with HostReads() as reads:
+        float(x[0]), int(x[1]), bool(x[2] > 0), x.tolist(), x.sum().item(), x.cpu(), x.numpy(), [0, 1][x[1].long()]
+        y = x * 2 + 1  # computing reads nothing
+    assert reads.count == 8 and sum(reads.sites.values()) == 8
+    assert all(site.startswith(__file__) for site in reads.sites)
+    assert y.sum().item() == 16.0 and torch.Tensor.item.__qualname__ == "TensorBase.item"  # restored on exit
 
 
 def test_progress_line():
     line = M.format_progress(12, 100, {"loss": torch.tensor(3.21), "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 12345.0})
     assert line == "[##..................] step 12/100 loss 3.2100 lr 1.0e-03 gnorm 0.5 tok/s 12.3k"
+    line = M.format_progress(3, 10, {"loss": 2.0, "load_max_over_mean": [1.2, 3.4], "eta_seconds": 125.0, "val_loss": float("nan")})
+    assert line == "[######..............] step 3/10 loss 2.0000 load 3.40 eta 2m05s"  # the worst layer; NaN left out
     assert M.format_progress(100, 100, {}) == "[####################] step 100/100"
 
 

@@ -1,0 +1,246 @@
+"""The value-check rule of fmoe/ops/checks.py, op by op, and the host reads of a MoE step.
+
+Every public op that reads tensor values to validate them takes a keyword-only check=True.
+With check=False its forward and backward read nothing on the host (counted on CPU, where
+the count is the number of device->host syncs the same code makes on a GPU); with
+check=True a bad value still raises the ValueError naming the argument.
+"""
+
+import inspect
+from typing import Callable, NamedTuple
+
+import pytest
+import torch
+
+import fmoe.ops as F
+from fmoe.train.metrics import HostReads
+
+
+class Case(NamedTuple):
+    """run(check): the op on good inputs (float inputs require grad) -> a tensor, a tuple
+    of tensors or a list of TensorDicts; bad(): the op, default check, on a bad value, which
+    must raise a ValueError matching `match` (it names the argument)."""
+
+    run: Callable
+    bad: Callable
+    match: str
+
+
+T, H, E, K = 13, 16, 6, 2
+
+
+def _cu():
+    return torch.tensor([0, 4, 4, 9, T], dtype=torch.int32)
+
+
+def _routes():
+    return F.route(torch.randn(T, E, requires_grad=True), K, check=False)
+
+
+def _grouped(check, offsets):
+    x = torch.randn(T * K, H, requires_grad=True)
+    w_gate, w_up = torch.randn(E, H, 8, requires_grad=True), torch.randn(E, H, 8, requires_grad=True)
+    w_down = torch.randn(E, 8, H, requires_grad=True)
+    return F.grouped_mlp(x, w_gate, w_up, w_down, offsets, check=check)
+
+
+def _offsets():
+    return torch.tensor([3, 3, 10, 14, 20, 24], dtype=torch.int32)
+
+
+def _scores_experts():
+    logits = torch.randn(T, E, requires_grad=True)
+    return F.aux_scores(logits, K)
+
+
+CASES = {
+    "route": Case(
+        run=lambda check: F.route(torch.randn(T, E, requires_grad=True), K, score="sigmoid", check=check),
+        bad=lambda: F.route(torch.tensor([[0.0, float("nan"), 1.0]]), 2, score="sigmoid"),
+        match=r"logits: contains NaN",
+    ),
+    "drop_by_capacity": Case(
+        run=lambda check: F.drop_by_capacity(_routes(), E, 1.0, check=check),
+        bad=lambda: F.drop_by_capacity(F.Routes(torch.rand(2, 2), torch.tensor([[0, 1], [2, E]])), E, 1.0),
+        match=r"routes\.experts: ids must lie in -1\.\.5",
+    ),
+    "permute": Case(
+        run=lambda check: F.permute(torch.randn(T, H, requires_grad=True), _routes().experts, E, align=4, check=check),
+        bad=lambda: F.permute(torch.randn(2, H), torch.tensor([[0, 1], [-2, 3]]), E),
+        match=r"experts: ids must lie in -1\.\.5",
+    ),
+    "grouped_mlp": Case(
+        run=lambda check: _grouped(check, _offsets()),
+        bad=lambda: _grouped(True, torch.tensor([3, 2, 10, 14, 20, 24], dtype=torch.int32)),
+        match=r"offsets: must be non-decreasing",
+    ),
+    "cross_entropy": Case(
+        run=lambda check: F.cross_entropy(torch.randn(T, 10, requires_grad=True), torch.randint(0, 10, (T,)), check=check),
+        bad=lambda: F.cross_entropy(torch.randn(2, 10), torch.tensor([3, 10])),
+        match=r"labels: 1 label\(s\) outside \[0, 10\)",
+    ),
+    "linear_cross_entropy": Case(
+        run=lambda check: F.linear_cross_entropy(
+            torch.randn(T, H, requires_grad=True), torch.randn(10, H, requires_grad=True), torch.randint(0, 10, (T,)), check=check
+        ),
+        bad=lambda: F.linear_cross_entropy(torch.randn(2, H), torch.randn(10, H), torch.tensor([-1, 3])),
+        match=r"labels: 1 label\(s\) outside \[0, 10\)",
+    ),
+    "seq_load_balancing_loss": Case(
+        run=lambda check: F.seq_load_balancing_loss(*_scores_experts(), _cu(), k=K, check=check),
+        bad=lambda: F.seq_load_balancing_loss(*_scores_experts(), torch.tensor([0, 9, 4, T]), k=K),
+        match=r"cu_seqlens: must be non-decreasing",
+    ),
+    "roll_packed": Case(
+        run=lambda check: F.roll_packed(torch.randn(T, H, requires_grad=True), _cu(), check=check),
+        bad=lambda: F.roll_packed(torch.randn(T, H), torch.tensor([1, 4, T])),
+        match=r"cu_seqlens: must start at 0",
+    ),
+    "positions_from_cu_seqlens": Case(
+        run=lambda check: F.positions_from_cu_seqlens(_cu(), n_tokens=T, check=check),
+        bad=lambda: F.positions_from_cu_seqlens(_cu(), n_tokens=T + 1),
+        match=r"cu_seqlens: must end at the token count 14",
+    ),
+    "mtp_targets": Case(
+        run=lambda check: F.mtp_targets(torch.randint(0, 50, (T,)), _cu(), 2, check=check),
+        bad=lambda: F.mtp_targets(torch.randint(0, 50, (T,)), torch.tensor([0, 5, T - 1]), 2),
+        match=r"cu_seqlens: must end at the token count 13",
+    ),
+}
+
+
+def _float_outputs(out):
+    """The differentiable tensors among an op's outputs."""
+    if isinstance(out, torch.Tensor):
+        out = [out]
+    flat = []
+    for item in out:
+        if isinstance(item, torch.Tensor):
+            flat.append(item)
+        elif isinstance(item, tuple):
+            flat.extend(t for t in item if isinstance(t, torch.Tensor))
+    return [t for t in flat if t.requires_grad]
+
+
+def _forward_backward(case, check):
+    """The op's forward and, where it is differentiable, its backward under a random
+    upstream gradient; returns how many outputs were differentiated."""
+    outs = _float_outputs(case.run(check))
+    if outs:
+        torch.autograd.backward(outs, [torch.randn_like(t) for t in outs])
+    return len(outs)
+
+
+def test_every_op_with_value_checks_is_listed():
+    """The keyword is `check`, keyword-only, default True; the old names are gone."""
+    for name, fn in inspect.getmembers(F, callable):
+        params = inspect.signature(fn).parameters if inspect.isfunction(fn) else {}
+        assert not {"check_nan", "check_offsets", "check_labels"} & set(params), name
+        if "check" in params:
+            assert name in CASES, name
+            assert params["check"].kind == inspect.Parameter.KEYWORD_ONLY and params["check"].default is True, name
+    assert all(hasattr(F, name) and "check" in inspect.signature(getattr(F, name)).parameters for name in CASES)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_check_false_reads_nothing_on_the_host(name):
+    with HostReads() as reads:
+        n_diff = _forward_backward(CASES[name], check=False)
+    assert reads.count == 0, reads.sites
+    assert n_diff > 0 or name in ("positions_from_cu_seqlens", "mtp_targets")  # integer outputs only
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_check_true_reads_the_values(name):
+    """What check=False saves: the default reads the values (so the test above is not vacuous)."""
+    with HostReads() as reads:
+        _forward_backward(CASES[name], check=True)
+    assert reads.count > 0
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_check_true_still_raises_on_bad_values(name):
+    with pytest.raises(ValueError, match=CASES[name].match):
+        CASES[name].bad()
+
+
+def test_checks_are_skipped_while_compiling():
+    """Under torch.compile no value is read: the bad value passes the trace (dropped ids)."""
+    experts = torch.tensor([[0, 1], [2, E]])
+    compiled = torch.compile(lambda w, e: F.drop_by_capacity(F.Routes(w, e), E, 1.0).experts, backend="eager", fullgraph=True)
+    assert compiled(torch.rand(2, 2), experts).tolist() == [[0, 1], [2, -1]]
+
+
+# ---------------------------------------------------------------------------- a MoE step
+
+
+def _moe_step(*, score, align, capacity_factor, grouped, tp_counts, impl, device):
+    """One micro-batch through every op a MoE transformer uses, as its forward and backward
+    call them (check=False, T known from the shapes): attention inputs with RoPE, a routed
+    SwiGLU MoE with a shared expert, the aux losses, and the LM loss on rolled labels."""
+    torch.manual_seed(0)
+    T, H, E, k, V, heads, head_dim = 21, 16, 8, 2, 50, 2, 8
+    cu = torch.tensor([0, 7, 7, 15, T], dtype=torch.int32, device=device)
+    tokens = torch.randint(0, V, (T,), device=device)
+    leaves = {
+        "emb": torch.randn(V, H), "qk": torch.randn(H, 2 * heads * head_dim) / H**0.5, "router": torch.randn(H, E) / H**0.5,
+        "w_gate": torch.randn(E, H, 24) / H**0.5, "w_up": torch.randn(E, H, 24) / H**0.5, "w_down": torch.randn(E, 24, H) / 24**0.5,
+        "shared_gate": torch.randn(H, 24) / H**0.5, "shared_up": torch.randn(H, 24) / H**0.5, "head": torch.randn(V, H) / H**0.5,
+    }
+    p = {name: t.to(device).requires_grad_() for name, t in leaves.items()}
+    bias = torch.zeros(E, device=device) if score == "sigmoid" else None
+    groups = dict(n_groups=4, topk_groups=2) if grouped else {}
+    i = dict(impl=impl)
+
+    with HostReads() as reads:
+        positions = F.positions_from_cu_seqlens(cu, n_tokens=T, check=False)
+        labels = F.roll_packed(tokens, cu, fill=-100, check=False, **i)
+        x = p["emb"][tokens]
+        cos, sin = F.rope_cos_sin(positions, F.rope_inv_freq(head_dim, device=device))
+        q, key = (x @ p["qk"]).view(T, 2, heads, head_dim).unbind(1)
+        attn = (F.apply_rope(q, cos, sin, **i) * F.apply_rope(key, cos, sin, **i)).sum((1, 2))[:, None]
+        h = x + attn * 0.01 + 0.1 * F.roll_packed(x, cu, shift=1, check=False, **i)
+
+        logits = h @ p["router"]
+        routes = F.route(logits, k, score=score, expert_bias=bias, **groups, check=False, **i)
+        if capacity_factor is not None:
+            routes = F.drop_by_capacity(routes, E, capacity_factor, check=False)
+        scores, aux_experts = F.aux_scores(logits, k, score=score, **i)
+        counts = F.tokens_per_expert(aux_experts, E)
+        n_tokens = torch.tensor(T, device=device) if tp_counts else T  # counts summed over a group: a tensor
+        aux = F.load_balancing_loss(scores, counts, k=k, n_tokens=n_tokens)
+        aux = aux + F.seq_load_balancing_loss(scores, aux_experts, cu, k=k, check=False) + F.z_loss(logits, **i)
+        x_perm, plan = F.permute(h, routes.experts, E, align=align, check=False, **i)
+        y_perm = F.grouped_mlp(x_perm, p["w_gate"], p["w_up"], p["w_down"], plan.offsets, check=False, **i)
+        shared = F.swiglu(h @ p["shared_gate"], h @ p["shared_up"], **i) @ p["shared_gate"].T
+        h = h + F.unpermute(y_perm, plan, routes.weights, **i) + shared
+
+        lm = F.linear_cross_entropy(h, p["head"], labels, reduction="sum", check=False, **i)
+        lm = lm + F.cross_entropy(h @ p["head"].T, labels, check=False, **i)
+        stats = F.load_stats(F.tokens_per_expert(routes.experts, E), T * k)
+        (lm + 0.01 * aux).backward()
+    return reads, stats, p
+
+
+@pytest.mark.parametrize(
+    "score, align, capacity_factor, grouped, tp_counts",
+    [("softmax", 1, None, False, False), ("sigmoid", 4, 1.0, True, True), ("softmax", 16, 0.5, False, True)],
+)
+def test_moe_step_reads_nothing_on_the_host(score, align, capacity_factor, grouped, tp_counts):
+    """The CPU path: impl="auto" (the torch references, torch._grouped_mm for the experts)."""
+    reads, stats, params = _moe_step(
+        score=score, align=align, capacity_factor=capacity_factor, grouped=grouped, tp_counts=tp_counts, impl="auto", device="cpu"
+    )
+    assert reads.count == 0, reads.sites
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in params.values())
+    assert all(v.shape == () and v.dtype == torch.float32 for v in stats.values())
+
+
+def test_moe_step_on_the_kernels_reads_nothing_on_the_host(device):
+    """The same step on the Triton kernels (interpreted on CPU): their launch code reads
+    nothing either (the n_valid of the losses, the plan's offsets stay on the device)."""
+    reads, _, params = _moe_step(
+        score="sigmoid", align=4, capacity_factor=1.0, grouped=True, tp_counts=True, impl="triton", device=device
+    )
+    assert reads.count == 0, reads.sites
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in params.values())
