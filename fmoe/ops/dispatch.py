@@ -70,22 +70,42 @@ def n_rows(n_tokens: int, k: int, n_experts: int, align: int) -> int:
 # ----------------------------------------------------------------------------------------
 
 
+def slot_ranks(experts: torch.Tensor, n_experts: int, order: Optional[torch.Tensor] = None):
+    """Where each of the S = T K flat slots (t K + j) stands among the slots of its expert.
+
+    Args:
+        experts: [T, K] (any shape) int expert ids; ids outside 0..E-1 (-1: dropped) count
+            as a virtual expert E after the real ones.
+        n_experts: E.
+        order: [S] a permutation of the slots giving their priority (e.g. by descending
+            weight); None: flat order t K + j, i.e. by token.
+    Returns:
+        key [S] int64 (the expert, or E), rank [S] int64 (the slot's place among its key's
+        slots, in `order`), counts [E + 1] int64 (slots per key). A stable sort and
+        scatters: no host sync. permute's plan, drop_by_capacity and the capacity layout of
+        expert parallelism all place slots by these ranks.
+    """
+    ids_S = experts.reshape(-1).long()
+    E, n = n_experts, ids_S.numel()
+    key_S = torch.where((ids_S >= 0) & (ids_S < E), ids_S, E)
+    if order is None:
+        order = torch.sort(key_S, stable=True).indices
+    else:  # by key, and within a key in the given priority
+        order = order[torch.sort(key_S[order], stable=True).indices]
+    counts = torch.zeros(E + 1, dtype=torch.int64, device=ids_S.device).scatter_add_(0, key_S, torch.ones_like(key_S))
+    first = torch.cumsum(counts, 0) - counts  # each key's first place in the order
+    rank_sorted = torch.arange(n, device=ids_S.device) - first[key_S[order]]
+    return key_S, torch.empty_like(rank_sorted).scatter_(0, order, rank_sorted), counts
+
+
 def permute_plan_ref(experts_TK: torch.Tensor, n_experts: int, align: int) -> PermutePlan:
     T, K = experts_TK.shape
     E = n_experts
     device = experts_TK.device
-    ids_S = experts_TK.reshape(-1).long()
-    # ids outside 0..E-1 (unchecked ones too, as in the kernels) are dropped slots
-    kept_S = (ids_S >= 0) & (ids_S < E)
-    # dropped slots go to a virtual expert E after every real one; the stable sort keeps an
-    # expert's slots in flat order t*K + j, i.e. by ascending token
-    key_S = torch.where(kept_S, ids_S, E)
-    order_S = torch.sort(key_S, stable=True).indices
-    counts_all = torch.zeros(E + 1, dtype=torch.int64, device=device)
-    counts_all.scatter_add_(0, key_S, torch.ones_like(key_S))
-    first_all = torch.cumsum(counts_all, 0) - counts_all  # each expert's first place in the order
-    rank_sorted = torch.arange(T * K, device=device) - first_all[key_S[order_S]]
-    rank_S = torch.empty_like(rank_sorted).scatter_(0, order_S, rank_sorted)
+    # by expert, then by token (the stable sort keeps flat order t*K + j); dropped slots
+    # (and unchecked ids out of range, as in the kernels) go to the virtual expert E
+    key_S, rank_S, counts_all = slot_ranks(experts_TK, E)
+    kept_S = key_S < E
 
     counts_E = counts_all[:E]
     padded_E = (counts_E + align - 1) // align * align

@@ -32,6 +32,7 @@ import triton.language as tl
 
 from fmoe.ops.backend import next_pow2, use_triton
 from fmoe.ops.checks import check_float, check_index, check_no_nan, check_positive_int, checking
+from fmoe.ops.dispatch import slot_ranks
 from fmoe.ops.topk import NO_ID, NO_KEY, key_score, rows_per_program, sort_desc, sort_key
 
 # scoring modes as ints: one tl.constexpr selects the kernel's branch and one int argument
@@ -472,23 +473,10 @@ def drop_by_capacity(
 
     T, k = weights_TK.shape
     capacity = expert_capacity(T, k, n_experts, capacity_factor)
-    flat_e = experts_TK.reshape(-1).long()
-    n = flat_e.numel()
-    # dropped slots (and unchecked ids out of range) sort into a virtual expert E, after
-    # every real one
-    real_e = (flat_e >= 0) & (flat_e < n_experts)
-    key_e = torch.where(real_e, flat_e, n_experts)
-    if policy == "probs":
-        order = sort_desc(weights_TK.detach().reshape(-1))
-        order = order[torch.sort(key_e[order], stable=True).indices]
-    else:  # flat index order is token order
-        order = torch.sort(key_e, stable=True).indices
-    counts = torch.zeros(n_experts + 1, dtype=torch.long, device=flat_e.device)
-    counts.scatter_add_(0, key_e, torch.ones_like(key_e))
-    starts = torch.cumsum(counts, 0) - counts
-    rank_sorted = torch.arange(n, device=flat_e.device) - starts[key_e[order]]
-    rank = torch.empty_like(rank_sorted).scatter_(0, order, rank_sorted)
-    keep_TK = (real_e & (rank < capacity)).view(T, k)
+    # policy "probs": the largest weights first (ties: earlier slot); "position": by token
+    order = sort_desc(weights_TK.detach().reshape(-1)) if policy == "probs" else None
+    key, rank, _ = slot_ranks(experts_TK, n_experts, order)
+    keep_TK = ((key < n_experts) & (rank < capacity)).view(T, k)
     return Routes(
         torch.where(keep_TK, weights_TK, torch.zeros_like(weights_TK)),
         torch.where(keep_TK, experts_TK, torch.full_like(experts_TK, -1)),

@@ -100,7 +100,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fmoe.layers import check_expert_weights, local_experts
 from fmoe.ops.checks import check_float, check_index, check_positive_int
-from fmoe.ops.dispatch import PermutePlan, permute, unpermute
+from fmoe.ops.dispatch import PermutePlan, permute, slot_ranks, unpermute
 from fmoe.ops.experts import grouped_mlp
 from fmoe.ops.routing import Routes, expert_capacity
 
@@ -348,15 +348,8 @@ def permute_padded(
     check_positive_int("capacity", capacity, low=0)
     (T, K), E, C, H = experts.shape, n_experts, capacity, x.shape[1]
     device = x.device
-    # over the T K flat slots t K + j; dropped slots (and ids past E) go to a virtual
-    # expert E after the real ones
-    ids = experts.reshape(-1).long()
-    key = torch.where((ids >= 0) & (ids < E), ids, E)
-    order = torch.sort(key, stable=True).indices  # by expert, then by flat slot: token order
-    counts_all = torch.zeros(E + 1, dtype=torch.int64, device=device).scatter_add_(0, key, torch.ones_like(key))
-    first_all = torch.cumsum(counts_all, 0) - counts_all
-    rank_sorted = torch.arange(T * K, device=device) - first_all[key[order]]
-    rank = torch.empty_like(rank_sorted).scatter_(0, order, rank_sorted)  # c: the slot's place in its expert
+    # the T K flat slots by expert, then token (dropped ones, and ids past E, to a virtual E)
+    key, rank, counts_all = slot_ranks(experts, E)  # rank: c, the slot's place in its expert
     placed = (key < E) & (rank < C)
     row_of_slot = torch.where(placed, key * C + rank, -1)
     # unplaced slots all write the spare row E C, cut off after

@@ -4,6 +4,8 @@
                 token files; packing into micro-batches with cu_seqlens; a resumable sampler
     checkpoint  torch.distributed.checkpoint saves that count only once complete; resume;
                 retention
-    metrics     FLOPs per token (SPEC.md 8), MFU, expert load, metrics.jsonl and progress
+    metrics     FLOPs per token (SPEC.md 8), MFU, expert load, metrics.jsonl and progress,
+                one host transfer per step (to_host), host-sync counting (HostReads)
+    run         bit-reproducible runs (set_deterministic), config.json with versions and commit
     plot        python -m fmoe.train.plot <out_dir>: loss curves and expert-load heatmaps
 """

@@ -370,3 +370,21 @@ def test_gpu_real_shape():
     for name, got, want in zip(("y", "dx", "dy_perm"), out_t[1:4], out_r[1:4]):
         torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-5, msg=name)
     torch.testing.assert_close(out_t[4], out_r[4], rtol=1e-4, atol=1e-4)  # d weights: 2048-term dots
+
+
+def test_slot_ranks_worked_example():
+    # 3 tokens, k = 2, E = 3; slot 3 dropped (-1), slot 5 an unchecked id out of range (7)
+    experts = torch.tensor([[1, 0], [1, -1], [0, 7]])
+    key, rank, counts = dispatch.slot_ranks(experts, 3)
+    assert key.tolist() == [1, 0, 1, 3, 0, 3]
+    assert rank.tolist() == [0, 0, 1, 0, 1, 1]  # by token within each expert
+    assert counts.tolist() == [2, 2, 0, 2]
+    # a priority order: slot 2 before slot 0 in expert 1, slot 4 before slot 1 in expert 0
+    _, rank, _ = dispatch.slot_ranks(experts, 3, torch.tensor([2, 4, 5, 3, 0, 1]))
+    assert rank.tolist() == [1, 1, 0, 1, 0, 0]
+
+
+def test_expert_capacity_is_megatrons_ceiling():
+    from fmoe.ops.routing import expert_capacity
+
+    assert expert_capacity(10, 2, 4, 1.0) == 5 and expert_capacity(10, 2, 4, 1.1) == 6 and expert_capacity(3, 1, 8, 1.0) == 1

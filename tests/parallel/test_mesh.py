@@ -1,7 +1,6 @@
 """build_meshes / plan_sizes: sizes, MoE folding, and the promised ValueErrors."""
 
 import pytest
-import torch
 
 from fmoe.parallel import build_meshes, plan_sizes
 from tests.parallel.dist import run_distributed
