@@ -402,15 +402,19 @@ def z_loss(logits: torch.Tensor, *, impl: str = "auto") -> torch.Tensor:
 
 @torch.no_grad()
 def update_expert_bias(
-    bias: torch.Tensor, counts: torch.Tensor, rate: float, *, center: bool = False
+    bias: torch.Tensor, counts: torch.Tensor, rate: float, *, center: bool = False, proportional: bool = False
 ) -> torch.Tensor:
     """Aux-loss-free balancing step: bias + rate * sign(mean(counts) - counts), float32.
 
     Overloaded experts (count above the mean) go down, underloaded go up; counts should be
     the actual routing's, summed over every rank and micro-batch of the optimizer step.
-    center=True subtracts the mean of the update. Returns a new tensor.
+    center=True subtracts the mean of the update. proportional=True steps by the relative
+    error instead of its sign, rate * (mean - counts) / mean: large steps far from balance,
+    small ones near it (a proportional controller, where the sign rule always steps by
+    rate). Returns a new tensor.
 
-    Example: counts [10, 2, 6, 6], rate 1e-3 -> update [-1e-3, +1e-3, 0, 0].
+    Example: counts [10, 2, 6, 6], rate 1e-3 -> update [-1e-3, +1e-3, 0, 0]; proportional:
+    [-6.67e-4, +6.67e-4, 0, 0].
     """
     if not isinstance(bias, torch.Tensor) or bias.ndim != 1 or bias.dtype != torch.float32:
         raise ValueError(f"bias: expected a 1-D float32 tensor [E], got {getattr(bias, 'dtype', type(bias).__name__)} {tuple(getattr(bias, 'shape', ()))}")
@@ -419,7 +423,8 @@ def update_expert_bias(
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not (0 <= rate < math.inf):
         raise ValueError(f"rate: expected a finite number >= 0, got {rate!r}")
     c = counts.to(device=bias.device, dtype=torch.float32)
-    delta = torch.sign(c.mean() - c) * rate
+    mean = c.mean()
+    delta = ((mean - c) / mean.clamp(min=1e-9) if proportional else torch.sign(mean - c)) * rate
     if center:
         delta = delta - delta.mean()
     return bias + delta

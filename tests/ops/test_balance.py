@@ -220,6 +220,19 @@ def test_update_expert_bias_center_and_accumulation():
     torch.testing.assert_close(F.update_expert_bias(bias, counts, 0.01), torch.tensor([0.09, 0.21, 0.31, 0.41]))
 
 
+def test_update_expert_bias_proportional_steps_by_the_relative_error():
+    counts = torch.tensor([10, 2, 6, 6])  # mean 6: relative errors [-2/3, 2/3, 0, 0]
+    new = F.update_expert_bias(torch.zeros(4), counts, 1e-3, proportional=True)
+    torch.testing.assert_close(new, torch.tensor([-2e-3 / 3, 2e-3 / 3, 0.0, 0.0]))
+    # far from balance it steps harder than the sign rule, near balance gentler
+    collapsed = torch.tensor([32, 0, 0, 0])  # mean 8: errors [-3, 1, 1, 1]
+    torch.testing.assert_close(F.update_expert_bias(torch.zeros(4), collapsed, 1e-3, proportional=True), torch.tensor([-3e-3, 1e-3, 1e-3, 1e-3]))
+    near = F.update_expert_bias(torch.zeros(4), torch.tensor([9, 7, 8, 8]), 1e-3, proportional=True)
+    assert near.abs().max() < 1.3e-4
+    # nothing routed (mean 0): no step, no NaN
+    assert torch.equal(F.update_expert_bias(torch.zeros(4), torch.zeros(4), 1e-3, proportional=True), torch.zeros(4))
+
+
 def test_update_expert_bias_bad_inputs():
     _raises("bias: expected a 1-D float32", F.update_expert_bias, torch.zeros(4, dtype=torch.float64), torch.ones(4), 1e-3)
     _raises("bias: expected a 1-D float32", F.update_expert_bias, torch.zeros(2, 2), torch.ones(4), 1e-3)
