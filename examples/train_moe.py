@@ -65,10 +65,11 @@ class Config:
     batch_schedule: str = "0:2 2M:4"  # micro-batches per step, by tokens consumed
     # losses
     mtp_lambda: float = 0.1         # (lambda / D) * sum_d mean CE_d
-    seq_aux_coeff: float = 1e-4     # sequence-level balancing loss
+    seq_aux_coeff: float = 1e-2     # sequence-level balancing loss
     aux_coeff: float = 0.0          # switch loss over the micro-batch
     z_coeff: float = 1e-3           # router z-loss
-    bias_rate: float = 1e-3         # aux-loss-free expert-bias step (sigmoid routing)
+    bias_rate: float = 3e-2         # aux-loss-free expert-bias step (sigmoid routing)
+    bias_update: str = "proportional"  # bias_rate * relative load error; sign: +-bias_rate
     # optimizer and schedule
     optimizer: str = "adamw"        # adamw | muon (Muon for matrices, AdamW for the rest)
     adamw_state_dtype: str = "float32"  # AdamW's moments: float32 | bfloat16 (half the memory)
@@ -200,6 +201,8 @@ def main(argv: list[str]) -> None:
         except ValueError as err:
             sys.exit(f"parallel knobs: {err}")
     forward = torch.compile(model) if cfg.compile else model
+    if cfg.bias_update not in ("sign", "proportional"):
+        sys.exit(f"--bias_update: expected sign or proportional, got {cfg.bias_update!r}")
     if cfg.ns_dtype not in ("bfloat16", "float32") or cfg.adamw_state_dtype not in ("bfloat16", "float32"):
         sys.exit(f"--ns_dtype, --adamw_state_dtype: expected bfloat16 or float32, got {cfg.ns_dtype!r}, {cfg.adamw_state_dtype!r}")
     ns_dtype, state_dtype = getattr(torch, cfg.ns_dtype), getattr(torch, cfg.adamw_state_dtype)
@@ -337,7 +340,8 @@ def main(argv: list[str]) -> None:
         # aux-loss-free balancing: each MoE layer's bias moves by the step's actual counts
         if model_cfg.expert_bias and cfg.bias_rate:
             for name, moe in model.moe_layers().items():
-                moe.expert_bias.copy_(ops.update_expert_bias(moe.expert_bias, counts[name], cfg.bias_rate))
+                moe.expert_bias.copy_(ops.update_expert_bias(moe.expert_bias, counts[name], cfg.bias_rate,
+                                                             proportional=cfg.bias_update == "proportional"))
 
         step += 1
         step_tokens = n_micro * cfg.tokens_per_micro_batch
