@@ -19,6 +19,10 @@ One micro-batch, one context: what depends only on the batch (the RoPE tables of
 and of every MTP depth, the attention mask) is built once by `Transformer.context` and
 passed down to every attention call; the forward and backward read no tensor value on the
 host (no device->host sync), so the whole model compiles with torch.compile(fullgraph=True).
+Activation checkpointing (TransformerConfig.ac, AC_MODES): "full" recomputes each block in
+the backward, "attention" each block's norm and attention, "experts" each MoE layer's
+routed experts (torch.utils.checkpoint, non-reentrant, inside the modules, so it composes
+with FSDP2, TP and EP); gradients, losses and stats equal those of "none".
 
 Legend: T tokens, H hidden, V vocab, F expert FFN size, Fs shared FFN size, E experts.
 """
@@ -32,10 +36,26 @@ import torch
 import torch.nn.functional as F
 from tensordict import TensorDict
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from fmoe.layers import AttentionConfig, AttentionContext, MoEConfig, attention, attention_context, dense_mlp, local_experts, moe
 from fmoe.ops import linear_cross_entropy
 from fmoe.ops.backend import local_tensor as _local
+
+# activation checkpointing (TransformerConfig.ac): what the backward recomputes instead of
+# keeping. none; full: each block; attention: each block's norm + attention; experts: each
+# MoE layer's routed experts (dispatch, grouped SwiGLU MLP, combine: the [T k, F] tensors)
+AC_MODES = ("none", "full", "attention", "experts")
+
+
+def recompute(fn, *args):
+    """fn(*args) with its activations recomputed in the backward instead of kept
+    (torch.utils.checkpoint, non-reentrant) while autograd records; a plain call otherwise.
+    Only the region's inputs stay alive; outputs that do not require grad (the MoE counts)
+    come from the first forward, so nothing is counted twice."""
+    if torch.is_grad_enabled():
+        return checkpoint(fn, *args, use_reentrant=False)
+    return fn(*args)
 
 
 class DenseMLP(nn.Module):
@@ -69,11 +89,17 @@ class GroupedExperts(nn.Module):
         kw = dict(device=device, dtype=dtype)
         self.cfg = cfg
         self.dispatcher = None
+        self.recompute = False  # recompute the routed experts in the backward (ac="experts")
         self.w_gate = nn.Parameter(torch.empty(n_experts, hidden, ffn, **kw))
         self.w_up = nn.Parameter(torch.empty(n_experts, hidden, ffn, **kw))
         self.w_down = nn.Parameter(torch.empty(n_experts, ffn, hidden, **kw))
 
     def forward(self, x_TH, routes):
+        if self.recompute:
+            return recompute(self._experts, x_TH, routes)
+        return self._experts(x_TH, routes)
+
+    def _experts(self, x_TH, routes):
         params = {n: _local(getattr(self, n)) for n in ("w_gate", "w_up", "w_down")}
         return (self.dispatcher or local_experts)(x_TH, routes, params, self.cfg)
 
@@ -168,7 +194,9 @@ class TransformerConfig:
     expert_bias (aux-loss-free balancing, sigmoid only), capacity_factor with
     capacity_policy ("probs" | "position"). Attention:
     n_heads/n_kv_heads of head_dim, rope_base, yarn_factor (None: plain RoPE). mtp_depth
-    MTP modules. impl: "auto" | "triton" | "torch" for every op.
+    MTP modules. impl: "auto" | "triton" | "torch" for every op. ac: activation
+    checkpointing, one of AC_MODES ("none" | "full" | "attention" | "experts"; trunk and MTP
+    blocks alike; gradients equal those without).
     """
 
     vocab_size: int = 258
@@ -197,8 +225,11 @@ class TransformerConfig:
     norm_eps: float = 1e-6
     init_std: float = 0.02
     impl: str = "auto"
+    ac: str = "none"
 
     def __post_init__(self):
+        if self.ac not in AC_MODES:
+            raise ValueError(f"ac: expected one of {', '.join(AC_MODES)}, got {self.ac!r}")
         for name in ("vocab_size", "hidden", "n_layers", "n_heads", "n_kv_heads", "head_dim", "n_experts", "k"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -262,12 +293,22 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         if moe:
             self.mlp = MoE(cfg.hidden, cfg.ffn_expert, cfg.moe_config(), shared_ffn=cfg.n_shared * cfg.ffn_expert, expert_bias=cfg.expert_bias)
+            self.mlp.experts.recompute = cfg.ac == "experts"
         else:
             self.mlp = DenseMLP(cfg.hidden, cfg.ffn_dense, cfg.impl)
+        self.ac = cfg.ac
 
     def forward(self, x_TH, ctx: AttentionContext):
         """x [T, H] -> (x [T, H], the MoE stats or None for a dense block)."""
-        x_TH = x_TH + self.attn(self.attn_norm(x_TH), ctx)
+        if self.ac == "full":
+            return recompute(self._block, x_TH, ctx)
+        return self._block(x_TH, ctx)
+
+    def _attend(self, x_TH, ctx):
+        return self.attn(self.attn_norm(x_TH), ctx)
+
+    def _block(self, x_TH, ctx):
+        x_TH = x_TH + (recompute(self._attend, x_TH, ctx) if self.ac == "attention" else self._attend(x_TH, ctx))
         out = self.mlp(self.mlp_norm(x_TH))
         if isinstance(self.mlp, MoE):
             y, stats = out

@@ -243,3 +243,53 @@ def test_gpu_deterministic_steps_repeat_bit_for_bit():
         assert all(torch.equal(a, b) for a, b in zip(params_a, params_b))
     finally:
         set_deterministic(False)
+
+
+AC_CFG = dataclasses.replace(TINY, mtp_depth=1, impl="auto", n_groups=2, topk_groups=1, capacity_factor=1.25)
+
+
+@pytest.mark.parametrize("ac", ["full", "attention", "experts"])
+def test_activation_checkpointing_gives_the_same_gradients_and_stats(ac):
+    """Recomputing in the backward changes nothing: the gradients are bit-identical (the
+    recomputation is deterministic on CPU), the losses and the MoE stats too, and the token
+    counts are those of one forward (the recomputed forward counts nothing)."""
+    batch = _batch(AC_CFG, T=48, cu=(0, 7, 30, 48))
+    results = {}
+    for mode in ("none", ac):
+        torch.manual_seed(0)
+        model = Transformer(dataclasses.replace(AC_CFG, ac=mode))
+        loss, stats = _loss(model, batch, model.context(batch), with_stats=True)
+        loss.backward()
+        results[mode] = loss.detach(), stats.detach(), {n: p.grad for n, p in model.named_parameters()}
+    (loss0, stats0, grads0), (loss1, stats1, grads1) = results["none"], results[ac]
+    assert torch.equal(loss0, loss1)
+    for name, layer in stats0.items():
+        for key, value in layer.items():
+            assert torch.equal(stats1[name][key], value), (name, key)
+        assert int(stats1[name]["tokens_per_expert"].sum()) <= 48 * AC_CFG.k  # one forward's slots (capacity drops some)
+    for name, g in grads0.items():
+        assert torch.equal(grads1[name], g), name
+
+
+def test_activation_checkpointing_keeps_fewer_bytes_for_backward():
+    """Counted with saved_tensors_hooks (fmoe.train.metrics.SavedTensors): full keeps only the
+    blocks' inputs, each selective mode less than none."""
+    from fmoe.train.metrics import SavedTensors
+
+    cfg = dataclasses.replace(TINY, mtp_depth=1, n_dense=0)
+    batch = _batch(cfg, T=64, cu=(0, 64))
+    kept = {}
+    for ac in ("none", "full", "attention", "experts"):
+        model = Transformer(dataclasses.replace(cfg, ac=ac))
+        ctx = model.context(batch)
+        with SavedTensors(exclude=[*model.parameters(), *model.buffers()]) as saved:
+            loss = _loss(model, batch, ctx)
+        loss.backward()  # the graph is whole: the backward runs
+        kept[ac] = saved.nbytes
+    assert kept["full"] < kept["attention"] < kept["none"] and kept["experts"] < kept["none"], kept
+    assert kept["full"] < kept["none"] / 3, kept
+
+
+def test_activation_checkpointing_bad_mode():
+    with pytest.raises(ValueError, match="ac: expected one of none, full, attention, experts, got 'some'"):
+        dataclasses.replace(TINY, ac="some")

@@ -96,12 +96,13 @@ def test_compiled_run_matches_eager(tmp_path):
 def test_knobs_as_users_type_them(tmp_path):
     # a first trial run: the default warmup (20) adapts to 4 steps, and says so
     run = _train(tmp_path / "short", "--steps=4", "--warmup=-1", "--model.n_groups=2", "--model.topk_groups=1",
-                 "--model.capacity_factor=1.5", "--model.capacity_policy=position", "--adamw_state_dtype=bfloat16")
+                 "--model.capacity_factor=1.5", "--model.capacity_policy=position", "--adamw_state_dtype=bfloat16",
+                 "--model.ac=full")
     assert run.returncode == 0, run.stderr[-3000:]
     assert "warmup 0 steps (a tenth of this short run)" in run.stdout
     config = json.loads((tmp_path / "short" / "config.json").read_text())
     model = config["config"]["model"]
-    assert (model["n_groups"], model["topk_groups"], model["capacity_factor"], model["capacity_policy"]) == (2, 1, 1.5, "position")
+    assert (model["n_groups"], model["topk_groups"], model["capacity_factor"], model["capacity_policy"], model["ac"]) == (2, 1, 1.5, "position", "full")
     assert config["config"]["adamw_state_dtype"] == "bfloat16" and config["warmup"] == 0
     # WSD decays over its last fifth by default (no jump from the peak to min_lr)
     run = _train(tmp_path / "wsd", "--steps=10", "--warmup=0", "--lr_style=wsd", "--wsd_style=cosine", "--min_lr=0.0")
@@ -123,6 +124,7 @@ def test_muon_runs(tmp_path):
     (["--model.nope=1"], "unknown argument '--model.nope=1'"),
     (["--model.n_groups=x"], "--model.n_groups: expected an int or None, got 'x'"),
     (["--model.n_dense=9"], "model knobs: n_dense: expected 0..n_layers"),
+    (["--model.ac=most"], "model knobs: ac: expected one of none, full, attention, experts, got 'most'"),
     (["--compile=maybe"], "--compile: expected a bool, got 'maybe'"),
     (["--steps"], "--steps: expected --steps=<int>"),
     (["--warmup=50", "--steps=10"], "warmup: expected at most total=10"),

@@ -10,6 +10,7 @@
     format_progress(step, total_steps, record) -> the one-line progress string
     to_host(values) -> {name: float | int | list}   tensors to Python numbers in one transfer
     HostReads()                                     counts host reads of tensor values (syncs)
+    SavedTensors(exclude=params)                    counts the bytes kept for the backward
 
 Training FLOPs per token (SPEC 8; 6 = 3 passes x 2 for a multiply-add), for L = n_layers
 layers of which n_dense are dense and N_moe = L - n_dense are MoE, SwiGLU (m = 3):
@@ -367,3 +368,46 @@ class HostReads:
             torch.cuda.set_sync_debug_mode(self._mode)
             self._warnings.__exit__(*exc)
             self.cuda_syncs = sum("synchronizing CUDA operation" in str(w.message) for w in self._caught)
+
+
+class SavedTensors:
+    """Count the bytes autograd keeps for the backward of what runs while active.
+
+        with SavedTensors(exclude=model.parameters()) as saved:
+            losses, stats = model(batch, ctx)
+        saved.nbytes, saved.count     # activations kept for backward, each storage once
+
+    A torch.autograd.graph.saved_tensors_hooks pack hook sees every tensor an op saves for
+    its backward, the inputs of non-reentrant activation-checkpoint regions included (their
+    insides are recomputed, not kept). Views of one storage count once, by the storage's
+    size; tensors sharing storage with `exclude` (the parameters: not activations) are not
+    counted. Works on any device, CPU included; it counts what is kept, not the allocator's
+    peak (use torch.cuda.max_memory_allocated for that on a GPU).
+    """
+
+    def __init__(self, *, exclude=()):
+        self._excluded = {t.untyped_storage().data_ptr() for t in exclude}
+        self._storages: dict[int, int] = {}
+        self._hooks = None
+
+    def _pack(self, tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in self._excluded and storage.nbytes():
+            self._storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self._storages.values())
+
+    @property
+    def count(self) -> int:
+        return len(self._storages)
+
+    def __enter__(self) -> "SavedTensors":
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)

@@ -194,3 +194,19 @@ def test_model_flops_per_token_reads_the_model_config():
     expected = M.flops_per_token(hidden=64, n_layers=3, n_dense=1, ffn_dense=128, ffn_expert=32, k=2, n_shared=1,
                                        n_heads=4, n_kv_heads=2, head_dim=16, vocab=300, mtp_depth=1, n_avg_keys=10.0)
     assert M.model_flops_per_token(cfg, n_avg_keys=10.0) == expected
+
+
+def test_saved_tensors_counts_each_kept_storage_once_without_the_parameters():
+    from fmoe.train.metrics import SavedTensors
+
+    w = torch.randn(8, 4, requires_grad=True)
+    x = torch.randn(16, 8, requires_grad=True)
+    with SavedTensors(exclude=[w]) as saved:
+        h = x @ w              # keeps x (and w: excluded)
+        y = h.sin() * h.cos()  # keeps h twice (one storage) and sin(h), cos(h)
+    y.sum().backward()
+    assert saved.count == 4 and saved.nbytes == 16 * 8 * 4 + 3 * 16 * 4 * 4
+    with SavedTensors() as none_kept:
+        with torch.no_grad():
+            x @ w
+    assert none_kept.nbytes == 0 and none_kept.count == 0
