@@ -67,7 +67,7 @@ class Config:
     mtp_lambda: float = 0.1         # (lambda / D) * sum_d mean CE_d
     seq_aux_coeff: float = 1e-2     # sequence-level balancing loss
     aux_coeff: float = 0.0          # switch loss over the micro-batch
-    z_coeff: float = 1e-3           # router z-loss
+    z_coeff: float = 0.0            # router z-loss (softmax routing; the default sigmoid routing runs better without)
     bias_rate: float = 3e-2         # aux-loss-free expert-bias step (sigmoid routing)
     bias_update: str = "proportional"  # bias_rate * relative load error; sign: +-bias_rate
     # optimizer and schedule

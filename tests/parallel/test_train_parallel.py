@@ -11,7 +11,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TINY = ["--model.hidden=32", "--model.n_layers=2", "--model.n_dense=1", "--model.ffn_dense=64", "--model.n_experts=4", "--model.k=2", "--model.ffn_expert=32",
         "--model.n_heads=4", "--model.n_kv_heads=2", "--model.head_dim=8", "--tokens_per_micro_batch=96", "--batch_schedule=0:4",
-        "--eval_every=5", "--eval_batches=1", "--warmup=2", "--lr=1e-2", "--min_lr=1e-3", "--steps=5", "--ckpt_every=100"]
+        "--eval_every=5", "--eval_batches=1", "--warmup=2", "--lr=1e-2", "--min_lr=1e-3", "--steps=5", "--ckpt_every=100", "--z_coeff=1e-3"]
 STEPS = 5
 
 
