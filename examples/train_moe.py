@@ -89,6 +89,7 @@ class Config:
     seed: int = 0
     out_dir: str = "out/train_moe"
     resume: bool = False
+    init_from: str = ""             # a checkpoint (or a run's out_dir): start from its weights only
     ckpt_every: int = 100
     keep_last: int = 2              # retention: the newest checkpoints kept...
     keep_every: int = 0             # ...plus every keep_every-th step (0: none)
@@ -237,6 +238,12 @@ def main(argv: list[str]) -> None:
         sampler.load_state_dict(extra["sampler"])
         checkpoint.set_rng_state(extra["rng"])
         print(f"resumed from {path} at step {step}")
+    elif cfg.init_from:  # the weights only: a new run (step 0, fresh optimizer, schedules and sampler)
+        try:
+            path = checkpoint.load_model(cfg.init_from, model=model)
+        except (FileNotFoundError, RuntimeError) as err:
+            sys.exit(f"--init_from: {err}")
+        print(f"initialised from the weights of {path}")
     # records are logged for completed steps step+1, step+2, ...: keep the ones up to step
     logger = metrics.MetricsLogger(cfg.out_dir, rank=rank, total_steps=cfg.steps, start_step=step + 1)
     peak = metrics.peak_flops(device)

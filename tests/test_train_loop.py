@@ -129,6 +129,7 @@ def test_muon_runs(tmp_path):
     (["--steps"], "--steps: expected --steps=<int>"),
     (["--warmup=50", "--steps=10"], "warmup: expected at most total=10"),
     (["--data=/no/such/dir"], "data: "),
+    (["--init_from=/no/such/run"], "--init_from: path: '/no/such/run' does not exist"),
     (["--optimizer=sgd", "--steps=1"], "--optimizer: expected adamw or muon"),
 ])
 def test_bad_knobs_exit_with_a_message(tmp_path, args, message):

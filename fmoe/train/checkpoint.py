@@ -4,6 +4,7 @@
     SaveHandle.wait() -> Path                finish an async save (a sync one is done already)
     latest(out_dir, *, delete_partial=False) -> Path | None
     load(path, *, model, optimizers) -> extra
+    load_model(path, *, model) -> Path          the weights only (start a new run from them)
     prune(out_dir, *, keep_last, keep_every=None) -> removed paths
     rng_state() -> dict, set_rng_state(state)   torch CPU/CUDA, python, numpy generators
 
@@ -54,7 +55,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
 
 _NAME = re.compile(r"step_(\d+)")
 
@@ -200,6 +201,36 @@ def latest(out_dir, *, delete_partial: bool = False) -> Optional[Path]:
     return found[-1][1] if found else None
 
 
+def _checkpoint_dir(path) -> Path:
+    """path as a complete checkpoint directory, or a FileNotFoundError saying why not."""
+    path = Path(path)
+    if not (path / ".metadata").is_file():
+        what = "does not exist" if not path.exists() else "is not a complete checkpoint (no .metadata)"
+        raise FileNotFoundError(f"path: {str(path)!r} {what}")
+    return path
+
+
+def load_model(path, *, model: torch.nn.Module) -> Path:
+    """Restore only the model's weights and buffers (the expert biases) from a checkpoint, to
+    start a new run from them (fine-tuning, continued pre-training): the optimizer state and
+    `extra` (step, schedules, sampler, RNG) are not read.
+
+    path: a checkpoint directory (`out_dir/step_000123`) or a run's out_dir, whose newest
+    complete checkpoint is taken. Returns the checkpoint directory used. Any mesh: DCP
+    reshards the saved DTensors onto this model's (other ranks, FSDP / TP / EP sizes). The
+    model must have the saved one's parameter names and shapes.
+    """
+    path = Path(path)
+    if not (path / ".metadata").is_file() and path.is_dir() and (newest := latest(path)) is not None:
+        path = newest
+    path = _checkpoint_dir(path)
+    state = {"model": get_model_state_dict(model)}
+    with _single_process_quiet():
+        dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+    set_model_state_dict(model, state["model"])
+    return path
+
+
 def load(path, *, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> dict:
     """Restore model and optimizers in place from a checkpoint directory; return this rank's
     extra dict. Fresh optimizers get their state created first (get_state_dict runs one
@@ -208,10 +239,7 @@ def load(path, *, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optim
     The model and optimizer state may be loaded on another mesh (other ranks, other
     FSDP / TP / EP sizes): DCP reshards DTensors. A rank beyond those that saved reads rank
     0's extra, which is right when extra is the same on every rank (the train loop's is)."""
-    path = Path(path)
-    if not (path / ".metadata").is_file():
-        what = "does not exist" if not path.exists() else "is not a complete checkpoint (no .metadata)"
-        raise FileNotFoundError(f"path: {str(path)!r} {what}")
+    path = _checkpoint_dir(path)
     extra_file = path / f"extra_rank{_rank()}.pt"
     if not extra_file.is_file():  # resumed on more ranks than saved: rank 0's (see the docstring)
         extra_file = path / "extra_rank0.pt"

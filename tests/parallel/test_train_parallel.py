@@ -1,5 +1,6 @@
 """examples/train_moe.py under torchrun (gloo, CPU, float32): other parallel knobs train the
-same model and log the same losses as one process; a checkpoint saved on 4 ranks resumes on 2."""
+same model and log the same losses as one process; a checkpoint saved on 4 ranks resumes on 2
+and its weights start a new run (--init_from) on another mesh."""
 
 import json
 import pathlib
@@ -68,13 +69,20 @@ def test_parallel_knobs_log_the_one_process_losses(run, reference, tmp_path):
     _assert_same(records, reference(*(a for a in args if a.startswith(SAME_MODEL))))
 
 
-def test_checkpoint_of_four_ranks_resumes_on_two(reference, tmp_path):
+def test_checkpoint_of_four_ranks_resumes_on_two_and_starts_a_run_on_tp2(reference, tmp_path):
     first = _train(tmp_path, 4, "--ep=2", "--stop_at=3")
     assert (tmp_path / "step_000003").is_dir()
     resumed = _train(tmp_path, 2, "--resume=True")
     assert [r["step"] for r in first] == [1, 2, 3]
     assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))  # the log keeps the first 3 steps
     _assert_same(resumed, reference())
+    # --init_from: the weights only, on another mesh (2 ranks, TP), a new run from step 1
+    # that logs what one process starting from the same weights logs
+    tuned = _train(tmp_path / "tp2", 2, "--tp=2", f"--init_from={tmp_path}")
+    one = _train(tmp_path / "one", 1, f"--init_from={tmp_path / 'step_000005'}")  # the newest one
+    assert [r["step"] for r in tuned] == list(range(1, STEPS + 1))
+    _assert_same(tuned, one)
+    assert tuned[0]["loss"] < 0.9 * reference()[0]["loss"]  # trained weights: not a fresh start
 
 
 def test_bad_parallel_knobs_exit_with_the_reason(tmp_path):

@@ -217,3 +217,27 @@ def test_bad_inputs(tmp_path):
     with pytest.raises(ValueError, match="state"):
         ckpt.set_rng_state({})
     assert ckpt.latest(tmp_path / "nothing_here") is None
+
+
+def test_load_model_takes_the_weights_only(tmp_path):
+    """--init_from: the weights and the expert bias come back bit for bit, from a checkpoint
+    or from a run's out_dir (its newest checkpoint); the optimizers stay fresh."""
+    model, opts = _build()
+    saved = {}
+    for step in (1, 2):
+        _train(model, opts)
+        ckpt.save(tmp_path, step, model=model, optimizers=opts, extra={"step": step})
+        saved[step] = {k: v.clone() for k, v in model.state_dict().items()}
+    for path, step in ((tmp_path, 2), (tmp_path / "step_000001", 1)):
+        torch.manual_seed(step + 10)
+        fresh, fresh_opts = _build()
+        assert ckpt.load_model(path, model=fresh) == tmp_path / f"step_{step:06d}"
+        assert all(not o.state for o in fresh_opts)
+        for k, v in fresh.state_dict().items():
+            assert torch.equal(v, saved[step][k]), (step, k)
+    assert fresh["moe"].expert_bias.abs().sum() > 0  # the buffer came back too
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        ckpt.load_model(tmp_path / "nope", model=fresh)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="is not a complete checkpoint"):
+        ckpt.load_model(tmp_path / "empty", model=fresh)
