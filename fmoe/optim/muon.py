@@ -60,6 +60,7 @@ from fmoe.ops.backend import local_tensor as _local
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 SCALES = ("moonlight", "spectral")
 ADAMW_PATTERNS = ("embed", "lm_head", "head", "router", "norm", "bias")
+EMBEDDING_PATTERNS = ("embed", "head")  # the weights decay_embeddings=False leaves undecayed
 
 
 # -----------------------------------------------------------------------------
@@ -199,31 +200,36 @@ class Muon(torch.optim.Optimizer):
 
 def split_param_groups(
     model: nn.Module, *, muon_lr: float = 0.02, adamw_lr: float = 3e-4, weight_decay: float = 0.0,
-    adamw_patterns: Iterable[str] = ADAMW_PATTERNS,
+    adamw_patterns: Iterable[str] = ADAMW_PATTERNS, muon: bool = True, decay_embeddings: bool = True,
 ) -> tuple[list[dict], list[dict]]:
-    """(muon_groups, adamw_groups): a model's trainable parameters split by name and shape.
+    """(muon_groups, adamw_groups): a model's trainable parameters split by name and shape;
+    one helper for every optimizer choice.
 
     Rule: a parameter with ndim >= 2 goes to Muon unless its name (as in named_parameters)
     contains one of `adamw_patterns` as a substring (embeddings, output head, router: lookups
     and classifiers, whose rows are not an operator to orthogonalise); everything else goes
-    to AdamW, the ndim < 2 tensors (norms, biases, gates) without weight decay. Buffers (an
-    expert_bias) and frozen parameters are in neither. Empty groups are left out.
+    to AdamW. Weight decay: the ndim < 2 tensors (norms, biases, gates) get none (Megatron
+    Core's default), nor do the embeddings and output heads (names containing "embed" or
+    "head") with decay_embeddings=False; the rest get `weight_decay`. Buffers (an
+    expert_bias) and frozen parameters are in neither. muon=False puts every matrix in
+    AdamW (an AdamW-only run: muon_groups is []). Empty groups are left out.
 
         muon_groups, adamw_groups = split_param_groups(model)
         opts = [Muon(muon_groups), torch.optim.AdamW(adamw_groups)]
+        _, groups = split_param_groups(model, muon=False, weight_decay=0.1)   # AdamW only
     """
     patterns = tuple(adamw_patterns)
-    muon, adamw_decay, adamw_no_decay = [], [], []
+    to_muon, adamw_decay, adamw_no_decay = [], [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        if p.ndim < 2:
+        if p.ndim < 2 or (not decay_embeddings and any(part in name for part in EMBEDDING_PATTERNS)):
             adamw_no_decay.append(p)
-        elif any(pattern in name for pattern in patterns):
+        elif not muon or any(pattern in name for pattern in patterns):
             adamw_decay.append(p)
         else:
-            muon.append(p)
-    muon_groups = [dict(params=muon, lr=muon_lr, weight_decay=weight_decay)] if muon else []
+            to_muon.append(p)
+    muon_groups = [dict(params=to_muon, lr=muon_lr, weight_decay=weight_decay)] if to_muon else []
     adamw_groups = [
         dict(params=params, lr=adamw_lr, weight_decay=wd)
         for params, wd in ((adamw_decay, weight_decay), (adamw_no_decay, 0.0)) if params
@@ -234,7 +240,7 @@ def split_param_groups(
 def build_optimizers(
     model: nn.Module, *, muon_lr: float = 0.02, adamw_lr: float = 3e-4, weight_decay: float = 0.0,
     adamw_patterns: Iterable[str] = ADAMW_PATTERNS, adamw_cls: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW,
-    **muon_kwargs,
+    decay_embeddings: bool = True, **muon_kwargs,
 ) -> list[torch.optim.Optimizer]:
     """[Muon, AdamW] over `model` as split by split_param_groups (either left out if empty).
 
@@ -244,6 +250,7 @@ def build_optimizers(
     """
     muon_groups, adamw_groups = split_param_groups(
         model, muon_lr=muon_lr, adamw_lr=adamw_lr, weight_decay=weight_decay, adamw_patterns=adamw_patterns,
+        decay_embeddings=decay_embeddings,
     )
     optimizers = []
     if muon_groups:

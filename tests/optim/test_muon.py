@@ -295,3 +295,23 @@ def test_dtensor_expert_stack_steps_on_its_local_matrices(one_rank_mesh):
     split_matrix = nn.Parameter(distribute_tensor(W0.clone(), one_rank_mesh, [Shard(1)]))
     with pytest.raises(ValueError, match="params.*matrix dim"):
         Muon([split_matrix])
+
+
+def test_split_param_groups_for_adamw_only_and_undecayed_embeddings():
+    """The train loop's one helper: muon=False puts every matrix in AdamW; norms, biases and
+    gates never decay; decay_embeddings=False spares the embedding and the heads too."""
+    model = nn.ModuleDict(dict(
+        embed=nn.Embedding(10, 8), proj=nn.Linear(8, 8), norm=nn.LayerNorm(8), lm_head=nn.Linear(8, 10, bias=False),
+    ))
+    muon, adamw = split_param_groups(model, muon=False, weight_decay=0.1)
+    (decay_ids, no_decay_ids) = _ids(adamw)
+    assert muon == [] and [g["weight_decay"] for g in adamw] == [0.1, 0.0]
+    assert decay_ids == {id(model["embed"].weight), id(model["proj"].weight), id(model["lm_head"].weight)}
+    assert no_decay_ids == {id(model["proj"].bias), id(model["norm"].weight), id(model["norm"].bias)}
+    _, adamw = split_param_groups(model, muon=False, weight_decay=0.1, decay_embeddings=False)
+    (decay_ids, no_decay_ids) = _ids(adamw)
+    assert decay_ids == {id(model["proj"].weight)}
+    assert no_decay_ids == {id(model["proj"].bias), id(model["norm"].weight), id(model["norm"].bias),
+                            id(model["embed"].weight), id(model["lm_head"].weight)}
+    muon, adamw = split_param_groups(model, decay_embeddings=False)  # with Muon: the heads stay in AdamW, undecayed
+    assert _ids(muon)[0] == {id(model["proj"].weight)} and len(adamw) == 1
