@@ -21,6 +21,7 @@ from _common import bench, finish, start  # before torch and fmoe: with --smoke 
 from bench_train_step import GPU, SMOKE, make_batch
 
 import torch  # noqa: E402
+import fmoe.ops as ops  # noqa: E402
 from fmoe.model import AC_MODES, Transformer  # noqa: E402
 from fmoe.train.metrics import SavedTensors  # noqa: E402
 
@@ -31,7 +32,7 @@ def forward_loss(model, batch, ctx):
     losses, stats = model(batch, ctx)
     loss = (losses["lm_sum"] + 0.1 * losses["mtp_1_sum"]) / losses["lm_tokens"]
     for layer in stats.values():
-        loss = loss + 1e-3 * torch.logsumexp(layer["router_logits"], -1).square().mean()
+        loss = loss + 1e-3 * ops.z_loss(layer["router_logits"])
     return loss
 
 
