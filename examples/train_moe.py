@@ -81,7 +81,8 @@ class Config:
     lr_style: str = "cosine"        # constant | linear | cosine | inverse_sqrt | wsd
     wsd_decay: int = -1             # wsd: steps of the final decay; -1: a fifth of the run
     wsd_style: str = "linear"       # wsd: linear | cosine | exponential | minus_sqrt
-    weight_decay: float = 0.1
+    weight_decay: float = 0.1       # matrices only: never norms, biases, gates (Megatron Core's default)
+    decay_embeddings: bool = True   # ...and the embedding and output head by this knob
     clip: float = 1.0
     # run
     steps: int = 250
@@ -96,6 +97,8 @@ class Config:
     eval_every: int = 50
     eval_batches: int = 4
     device: str = "auto"            # auto | cpu | cuda
+    dtype: str = "auto"             # compute: auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16;
+                                    # weights, gradient sums and optimizer steps stay float32
     compile: bool = False           # torch.compile the model (forward and backward)
     deterministic: bool = False     # bit-reproducible runs (fmoe.train.run.set_deterministic)
     # parallelism (under torchrun; fmoe.parallel): world = dp_replicate * dp_shard * cp * tp
@@ -165,7 +168,9 @@ def main(argv: list[str]) -> None:
     if cfg.deterministic:
         set_deterministic(True)  # before any CUDA work: cuBLAS reads its workspace setting once
     device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else (cfg.device if cfg.device != "auto" else "cpu"))
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if cfg.dtype not in ("auto", "float32", "bfloat16"):
+        sys.exit(f"--dtype: expected auto, float32 or bfloat16, got {cfg.dtype!r}")
+    dtype = getattr(torch, cfg.dtype) if cfg.dtype != "auto" else torch.bfloat16 if device.type == "cuda" else torch.float32
     world = int(os.environ.get("WORLD_SIZE", "1"))
     has_experts = cfg.model.n_layers > cfg.model.n_dense
     sizes = dict(dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, tp=cfg.tp, ep=cfg.ep, etp=cfg.etp)
@@ -174,11 +179,17 @@ def main(argv: list[str]) -> None:
     except ValueError as err:
         sys.exit(f"parallel knobs (--dp_replicate, --dp_shard, --tp, --ep, --etp) for {world} process(es): {err}")
     meshes, rank, dp_rank, dp = None, 0, 0, 1
-    if world > 1:
+    # several processes, or one computing in bf16: the parallel path (FSDP2's mixed precision
+    # keeps float32 master weights and sums gradients in float32; one process is a group of 1)
+    if world > 1 or dtype != torch.float32:
+        backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
-            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
             torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        if world > 1:
+            dist.init_process_group(backend)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         meshes = parallel.build_meshes(**sizes, has_experts=has_experts, device_type=device.type)
         rank, dp_rank, dp = dist.get_rank(), meshes.batch.get_local_rank("dp"), meshes.dp
     torch.manual_seed(cfg.seed)
@@ -193,26 +204,31 @@ def main(argv: list[str]) -> None:
     val_batches = val_set.validation_batches(cfg.tokens_per_micro_batch, cfg.eval_batches, mtp_depth=cfg.model.mtp_depth)
 
     model_cfg = dataclasses.replace(cfg.model, vocab_size=corpus.vocab_size)
-    if meshes is None:
-        model = Transformer(model_cfg).to(device=device, dtype=dtype)  # router and expert biases stay float32
-    else:  # every rank builds the same model (same seed) and keeps its shards of it
-        model = Transformer(model_cfg).to(device=device)  # float32 master weights, FSDP2 computes in dtype
-        try:
+    if meshes is None:  # initial weights: a function of --seed and each parameter's name
+        model = Transformer(model_cfg).to(device=device)
+        model.reset_parameters(seed=cfg.seed)
+    else:  # built on the meta device, sharded, then each rank allocates and initialises its own shards
+        with torch.device("meta"):
+            model = Transformer(model_cfg)
+        try:  # float32 master weights; FSDP2 computes in dtype (the router stays float32)
             parallel.parallelize(model, meshes, param_dtype=dtype if dtype != torch.float32 else None, reduce_dtype=torch.float32)
         except ValueError as err:
             sys.exit(f"parallel knobs: {err}")
+        parallel.materialize(model, device, seed=cfg.seed)  # the same weights as one process's
     forward = torch.compile(model) if cfg.compile else model
     if cfg.bias_update not in ("sign", "proportional"):
         sys.exit(f"--bias_update: expected sign or proportional, got {cfg.bias_update!r}")
     if cfg.ns_dtype not in ("bfloat16", "float32") or cfg.adamw_state_dtype not in ("bfloat16", "float32"):
         sys.exit(f"--ns_dtype, --adamw_state_dtype: expected bfloat16 or float32, got {cfg.ns_dtype!r}, {cfg.adamw_state_dtype!r}")
     ns_dtype, state_dtype = getattr(torch, cfg.ns_dtype), getattr(torch, cfg.adamw_state_dtype)
+    # parameter groups by one helper for every optimizer: no decay on norms, biases, gates
+    groups = dict(muon_lr=cfg.lr, adamw_lr=cfg.lr, weight_decay=cfg.weight_decay, decay_embeddings=cfg.decay_embeddings)
     if cfg.optimizer == "adamw":
-        optimizers = [AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, state_dtype=state_dtype)]
+        optimizers = [AdamW(split_param_groups(model, muon=False, **groups)[1], lr=cfg.lr, state_dtype=state_dtype)]
     elif cfg.optimizer == "muon" and meshes is None:
-        optimizers = build_optimizers(model, muon_lr=cfg.lr, adamw_lr=cfg.lr, weight_decay=cfg.weight_decay, ns_dtype=ns_dtype)
+        optimizers = build_optimizers(model, **groups, ns_dtype=ns_dtype)
     elif cfg.optimizer == "muon":  # each matrix orthogonalised on one rank, the result redistributed
-        muon_groups, adamw_groups = split_param_groups(model, muon_lr=cfg.lr, adamw_lr=cfg.lr, weight_decay=cfg.weight_decay)
+        muon_groups, adamw_groups = split_param_groups(model, **groups)
         optimizers = [parallel.DistributedMuon(muon_groups, lr=cfg.lr, ns_dtype=ns_dtype, model=model), torch.optim.AdamW(adamw_groups, lr=cfg.lr)]
     else:
         sys.exit(f"--optimizer: expected adamw or muon, got {cfg.optimizer!r}")

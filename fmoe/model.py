@@ -30,6 +30,7 @@ Legend: T tokens, H hidden, V vocab, F expert FFN size, Fs shared FFN size, E ex
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Optional
 
 import torch
@@ -56,6 +57,33 @@ def recompute(fn, *args):
     if torch.is_grad_enabled():
         return checkpoint(fn, *args, use_reentrant=False)
     return fn(*args)
+
+
+def init_value(seed: int, name: str, shape, std: float) -> torch.Tensor:
+    """The full float32 initial value Normal(0, std) of shape `shape` of the parameter
+    called `name` (its name in the model, e.g. "blocks.1.mlp.experts.w_gate"), on the CPU:
+    a function of (seed, name) only, drawn from a generator of its own (seeded by a hash of
+    both), so it does not depend on the mesh, the device or the order of initialisation."""
+    digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
+    gen = torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
+    return torch.empty(tuple(shape), dtype=torch.float32).normal_(0.0, std, generator=gen)
+
+
+def _copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Write the full value `full` into param: whole for a plain tensor, this rank's block of
+    it for a DTensor (found from the DTensor's layout, as DCP does: no communication, no
+    copy of the full tensor)."""
+    from torch.distributed.tensor import DTensor  # torch.distributed only when a DTensor may exist
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not isinstance(param, DTensor):
+        param.copy_(full)
+        return
+    local = param.to_local()
+    shape, offset = compute_local_shape_and_global_offset(full.shape, param.device_mesh, param.placements)
+    if tuple(shape) != tuple(local.shape):
+        raise ValueError(f"param: a DTensor whose local shape {tuple(local.shape)} is not its layout's block {tuple(shape)}")
+    local.copy_(full[tuple(slice(o, o + n) for o, n in zip(offset, shape))])
 
 
 class DenseMLP(nn.Module):
@@ -358,20 +386,30 @@ class Transformer(nn.Module):
         self.reset_parameters()
 
     @torch.no_grad()
-    def reset_parameters(self) -> None:
+    def reset_parameters(self, seed: Optional[int] = None) -> None:
         """Normal(0, init_std) matrices, output projections (attention wo, MLP w_down) also
         divided by sqrt(2 * n_layers) (GPT-2: the residual stream sums 2 per block), norms 1,
-        expert biases 0. The router stays float32 (MoE owns it)."""
-        std = self.cfg.init_std
+        expert biases 0. The router stays float32 (MoE owns it).
+
+        The values are a function of `seed` and each parameter's name only (init_value), so
+        the full weights are the same bit for bit on any mesh: a parameter that is a DTensor
+        (sharded by fmoe.parallel, possibly built on the meta device and materialised with
+        fmoe.parallel.materialize) gets its own shard of the same full tensor, generated
+        one parameter at a time. seed None: torch.initial_seed() (what torch.manual_seed
+        set). Parameters still on the meta device are left alone.
+        """
+        seed = torch.initial_seed() if seed is None else seed
+        base = self.cfg.init_std
         for name, p in self.named_parameters():
+            if p.is_meta:
+                continue
             if name.endswith("norm.weight"):
-                nn.init.ones_(p)
-            elif name.endswith(("wo", "w_down")):
-                nn.init.normal_(p, std=std / (2 * self.cfg.n_layers) ** 0.5)
-            else:
-                nn.init.normal_(p, std=std)
+                _local(p).fill_(1.0)
+                continue
+            std = base / (2 * self.cfg.n_layers) ** 0.5 if name.endswith(("wo", "w_down")) else base
+            _copy_full(p, init_value(seed, name, p.shape, std))
         for name, b in self.named_buffers():
-            if name.endswith("expert_bias"):
+            if name.endswith("expert_bias") and not b.is_meta:
                 b.zero_()
 
     def moe_layers(self) -> dict[str, MoE]:

@@ -2,6 +2,7 @@
 for bit, torch.compile matches eager, the knobs parse as users type them, bad knobs fail."""
 
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -97,13 +98,16 @@ def test_knobs_as_users_type_them(tmp_path):
     # a first trial run: the default warmup (20) adapts to 4 steps, and says so
     run = _train(tmp_path / "short", "--steps=4", "--warmup=-1", "--model.n_groups=2", "--model.topk_groups=1",
                  "--model.capacity_factor=1.5", "--model.capacity_policy=position", "--adamw_state_dtype=bfloat16",
-                 "--model.ac=full")
+                 "--model.ac=full", "--dtype=bfloat16", "--decay_embeddings=false")
     assert run.returncode == 0, run.stderr[-3000:]
     assert "warmup 0 steps (a tenth of this short run)" in run.stdout
+    # bf16 compute on one process: float32 master weights through FSDP2 over a group of one
+    assert "torch.bfloat16" in run.stdout and all(math.isfinite(r["loss"]) for r in _records(tmp_path / "short"))
     config = json.loads((tmp_path / "short" / "config.json").read_text())
     model = config["config"]["model"]
     assert (model["n_groups"], model["topk_groups"], model["capacity_factor"], model["capacity_policy"], model["ac"]) == (2, 1, 1.5, "position", "full")
     assert config["config"]["adamw_state_dtype"] == "bfloat16" and config["warmup"] == 0
+    assert (config["dtype"], config["config"]["decay_embeddings"]) == ("torch.bfloat16", False)
     # WSD decays over its last fifth by default (no jump from the peak to min_lr)
     run = _train(tmp_path / "wsd", "--steps=10", "--warmup=0", "--lr_style=wsd", "--wsd_style=cosine", "--min_lr=0.0")
     assert run.returncode == 0, run.stderr[-3000:]
@@ -126,6 +130,7 @@ def test_muon_runs(tmp_path):
     (["--model.n_dense=9"], "model knobs: n_dense: expected 0..n_layers"),
     (["--model.ac=most"], "model knobs: ac: expected one of none, full, attention, experts, got 'most'"),
     (["--compile=maybe"], "--compile: expected a bool, got 'maybe'"),
+    (["--dtype=fp8"], "--dtype: expected auto, float32 or bfloat16, got 'fp8'"),
     (["--steps"], "--steps: expected --steps=<int>"),
     (["--warmup=50", "--steps=10"], "warmup: expected at most total=10"),
     (["--data=/no/such/dir"], "data: "),

@@ -3,6 +3,7 @@ collectives, DCP) arranged for MoE models. DESIGN.md "Parallelism".
 
     build_meshes, Meshes, plan_sizes      the dense / batch / expert meshes with MoE folding
     parallelize, apply_fsdp, shard_experts  TP -> EP -> FSDP2 on the reference model
+    materialize                        a meta-device model, parallelized, allocated shard by shard
     ExpertParallel, dispatch, combine, DispatchMeta   expert (and expert-tensor) parallel all-to-all
     permute_padded, dispatch_padded, combine_padded, PaddedDispatchMeta   the same in fixed-size
                                        capacity-padded buffers: no host sync
@@ -29,7 +30,7 @@ from fmoe.parallel.expert import (
     permute_padded,
     split_tokens,
 )
-from fmoe.parallel.fsdp import apply_fsdp, dense_data_mesh, parallelize, shard_experts
+from fmoe.parallel.fsdp import apply_fsdp, dense_data_mesh, materialize, parallelize, shard_experts
 from fmoe.parallel.mesh import Meshes, build_meshes, plan_sizes
 from fmoe.parallel.muon import DistributedMuon
 from fmoe.parallel.reduce import (
@@ -61,6 +62,7 @@ __all__ = [
     "build_meshes",
     "copy_to_tp",
     "dense_data_mesh",
+    "materialize",
     "parallelize",
     "plan_sizes",
     "reduce_from_tp",

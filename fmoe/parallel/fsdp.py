@@ -117,3 +117,22 @@ def parallelize(
             shard_experts(moe, meshes)
     apply_fsdp(model, meshes, param_dtype=param_dtype, reduce_dtype=reduce_dtype, reshard_after_forward=reshard_after_forward)
     return model
+
+
+def materialize(model: nn.Module, device, *, seed: int) -> nn.Module:
+    """Allocate a model built on the meta device (and parallelized) on `device`, and
+    initialise it: model.to_empty(device=device), then model.reset_parameters(seed=seed).
+    Each rank allocates only its own shards; the initial values are a function of the seed
+    and the parameter names (Transformer.reset_parameters), the same on every mesh.
+
+        with torch.device("meta"):
+            model = Transformer(cfg)
+        parallelize(model, meshes)
+        materialize(model, "cuda", seed=0)
+
+    Returns model."""
+    if not callable(getattr(model, "reset_parameters", None)):
+        raise ValueError(f"model: expected a module with reset_parameters(seed=) (fmoe.model.Transformer), got {type(model).__name__}")
+    model.to_empty(device=device)
+    model.reset_parameters(seed=seed)
+    return model

@@ -11,6 +11,7 @@
     to_host(values) -> {name: float | int | list}   tensors to Python numbers in one transfer
     HostReads()                                     counts host reads of tensor values (syncs)
     SavedTensors(exclude=params)                    counts the bytes kept for the backward
+    AllocatedBytes()                                live and peak bytes of the tensors created
 
 Training FLOPs per token (SPEC 8; 6 = 3 passes x 2 for a multiply-add), for L = n_layers
 layers of which n_dense are dense and N_moe = L - n_dense are MoE, SwiGLU (m = 3):
@@ -411,3 +412,73 @@ class SavedTensors:
 
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
+
+
+class AllocatedBytes:
+    """Live and peak bytes of the tensor storages created while active, on any device.
+
+        with AllocatedBytes() as mem:
+            model = build()                  # e.g. on the meta device, sharded, materialised
+        mem.peak, mem.live                   # bytes: the most held at once, and held at exit
+
+    A TorchDispatchMode sees the result of every op (factories included; a DTensor's local
+    shard is counted, not the DTensor wrapper); each new storage is counted once, from its
+    creation until it is freed (a weak reference to it). Storages that existed before (an
+    op's inputs, in-place results) are not counted. Meta tensors cost nothing. It counts
+    tensors, not the allocator's caching or the process's other memory: on CPU it is the
+    exact answer to "did this rank ever hold more than its shards". Slow (Python per op):
+    for measuring, not for training.
+    """
+
+    def __init__(self):
+        self.live = 0
+        self.peak = 0
+        self._known: set[int] = set()
+        self._mode = None
+
+    def _storage(self, t):
+        from torch.distributed.tensor import DTensor  # torch.distributed only when a DTensor may exist
+
+        if isinstance(t, DTensor):
+            t = t._local_tensor
+        if not isinstance(t, torch.Tensor) or t.is_meta:
+            return None
+        return t.untyped_storage()
+
+    def _note(self, tensors, *, new: bool) -> None:
+        import weakref
+
+        for t in tensors:
+            storage = self._storage(t)
+            if storage is None or storage.data_ptr() in self._known or not storage.nbytes():
+                continue
+            key, nbytes = storage.data_ptr(), storage.nbytes()
+            self._known.add(key)
+            if new:
+                self.live += nbytes
+                self.peak = max(self.peak, self.live)
+            weakref.finalize(storage, self._free, key, nbytes if new else 0)
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self._known.discard(key)
+        self.live -= nbytes
+
+    def __enter__(self) -> "AllocatedBytes":
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+
+        counter = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                counter._note(tree_leaves((args, kwargs)), new=False)
+                out = func(*args, **(kwargs or {}))
+                counter._note(tree_leaves(out), new=True)
+                return out
+
+        self._mode = _Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)

@@ -1,0 +1,91 @@
+"""Mixed precision done right on one process: FSDP2's mixed precision over a group of one
+(what examples/train_moe.py does with --dtype=bfloat16, and on one CUDA device by default)
+keeps float32 master weights and float32 gradient sums while computing in bf16; an update
+far below bf16's resolution accumulates, where a model cast to bf16 loses it."""
+
+import torch
+
+from tests.parallel.dist import run_distributed
+
+TINY = dict(vocab_size=64, hidden=32, n_layers=2, n_dense=1, ffn_dense=64, n_experts=4, k=2, ffn_expert=32,
+            n_shared=1, n_heads=4, n_kv_heads=2, head_dim=8, mtp_depth=1)
+STEPS, LR = 20, 1e-5  # 20 updates of ~1e-5: under half of bf16's spacing (1.2e-4) at |w| ~ 0.02
+
+
+def _train(model, batch, steps):
+    from fmoe.optim import AdamW
+
+    opt = AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    seen = {}
+    for _ in range(steps):
+        losses, stats = model(batch)
+        ((losses["lm_sum"] + 0.1 * losses["mtp_1_sum"]) / losses["lm_tokens"]).backward()
+        seen = {n: p.grad.dtype for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return seen
+
+
+def _check(rank, world):
+    from torch.distributed.tensor import DTensor
+
+    from fmoe.model import Transformer, TransformerConfig
+    from fmoe.parallel import build_meshes, materialize, parallelize
+    from fmoe.train.data import make_batch
+
+    cfg = TransformerConfig(**TINY)
+    g = torch.Generator().manual_seed(1)
+    batch = make_batch(torch.randint(0, 64, (32,), generator=g), torch.tensor([0, 11, 32]), 1)
+    name = "blocks.0.attn.wq"
+
+    # master weights: float32 parameters (DTensors over a mesh of one), bf16 compute
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    parallelize(model, build_meshes(), param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    materialize(model, "cpu", seed=0)
+    compute = {}
+    model.blocks[0].attn.register_forward_hook(lambda m, args, out: compute.update(attn=out.dtype))
+    before = model.get_parameter(name).full_tensor().clone()
+    grad_dtypes = _train(model, batch, STEPS)
+    after = model.get_parameter(name).full_tensor()
+
+    # the same model cast to bf16 (no master copy): the same tiny updates round away
+    plain = Transformer(cfg)
+    plain.reset_parameters(seed=0)
+    plain = plain.to(torch.bfloat16)
+    plain_before = plain.get_parameter(name).detach().clone()
+    _train(plain, batch, STEPS)
+    plain_after = plain.get_parameter(name).detach()
+    large = plain_before.abs() > 0.01
+    return dict(
+        param_dtypes={str(p.dtype) for p in model.parameters()},
+        all_dtensors=all(isinstance(p, DTensor) for p in model.parameters()),
+        grad_dtypes={str(d) for d in grad_dtypes.values()},
+        compute=str(compute["attn"]),
+        init_equal=torch.equal(before, _init(cfg, name)),
+        master_step=float((after - before).abs().mean()),
+        bf16_of_master_changed=float((after.bfloat16() != before.bfloat16()).float().mean()),
+        plain_changed_large=int((plain_after != plain_before)[large].sum()),
+        plain_large=int(large.sum()),
+    )
+
+
+def _init(cfg, name):
+    from fmoe.model import Transformer
+
+    model = Transformer(cfg)
+    model.reset_parameters(seed=0)
+    return model.get_parameter(name).detach()
+
+
+def test_master_weights_accumulate_updates_below_bf16_resolution():
+    (out,) = run_distributed(_check, 1, timeout=200)
+    print(out)
+    assert out["param_dtypes"] == {"torch.float32"} and out["all_dtensors"] and out["init_equal"], out
+    assert out["grad_dtypes"] == {"torch.float32"}, out  # summed in float32, never held in bf16
+    assert out["compute"] == "torch.bfloat16", out
+    # every update kept: the mean move is about STEPS * LR (Adam's steps are ~LR each)
+    assert out["master_step"] > 0.3 * STEPS * LR, out
+    assert out["bf16_of_master_changed"] > 0.5, out  # and the bf16 compute copy follows
+    # cast to bf16, the weights above 0.01 in size never move
+    assert out["plain_large"] > 100 and out["plain_changed_large"] == 0, out

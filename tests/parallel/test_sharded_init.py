@@ -1,0 +1,98 @@
+"""Sharded initialisation: a model built on the meta device, parallelized, then materialised
+(fmoe.parallel.materialize) has, gathered, the same weights bit for bit as the one-process
+model built without meta, on every mesh; and no rank ever holds more than its shards plus
+one full parameter (counted with fmoe.train.metrics.AllocatedBytes)."""
+
+import torch
+
+from tests.parallel.dist import run_distributed
+
+TINY = dict(vocab_size=64, hidden=32, n_layers=3, n_dense=1, ffn_dense=64, n_experts=4, k=2, ffn_expert=32,
+            n_shared=1, n_heads=4, n_kv_heads=2, head_dim=8, mtp_depth=1)
+# 4 processes: FSDP2, EP, TP, EP x TP, HSDP, expert TP
+MESHES = {
+    "fsdp4": dict(),
+    "ep4": dict(ep=4),
+    "tp2-fsdp2": dict(tp=2),
+    "ep2xtp2": dict(tp=2, ep=2),
+    "hsdp2x2": dict(dp_replicate=2),
+    "ep2xetp2": dict(ep=2, etp=2),
+}
+# a model ~30x larger than TINY: 3 MoE layers of 16 experts; the largest parameter is one
+# expert stack [16, 128, 256] (2 MiB)
+BIG = dict(TINY, hidden=128, ffn_dense=256, n_experts=16, ffn_expert=256, n_heads=4, n_kv_heads=4, head_dim=32, n_layers=4)
+
+
+def _sharded(cfg, sizes, seed):
+    from fmoe.model import Transformer
+    from fmoe.parallel import build_meshes, materialize, parallelize
+
+    meshes = build_meshes(**sizes)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    parallelize(model, meshes)
+    return materialize(model, "cpu", seed=seed)
+
+
+def _full(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _check(rank, world):
+    from fmoe.model import Transformer, TransformerConfig
+    from fmoe.train.data import make_batch
+    from fmoe.train.metrics import AllocatedBytes
+
+    cfg = TransformerConfig(**TINY)
+    torch.manual_seed(7)
+    ref = Transformer(cfg)  # one process, no meta, seeded through torch.manual_seed
+    g = torch.Generator().manual_seed(1)
+    batch = make_batch(torch.randint(0, 64, (24,), generator=g), torch.tensor([0, 5, 17, 24]), 1)
+    ref_lm = float(ref(batch)[0]["lm_sum"])
+    out = {}
+    for name, sizes in MESHES.items():
+        model = _sharded(cfg, sizes, seed=7)
+        params = dict(model.named_parameters())
+        out[f"{name}.names"] = sorted(params) == sorted(n for n, _ in ref.named_parameters())
+        out[f"{name}.unequal"] = [n for n, p in ref.named_parameters() if not torch.equal(_full(params[n].detach()), p.detach())]
+        out[f"{name}.buffers"] = all(torch.equal(b, ref.get_buffer(n)) for n, b in model.named_buffers())
+        # the materialised model runs (FSDP2 gathers what it allocated): same forward
+        out[f"{name}.lm_err"] = abs(float(model(batch)[0]["lm_sum"]) - ref_lm) / abs(ref_lm)
+    # memory: shards only (+ one full parameter at a time while initialising)
+    big = TransformerConfig(**BIG)
+    with torch.device("meta"):
+        meta = Transformer(big)
+    sizes = {n: p.numel() * 4 for n, p in meta.named_parameters()}
+    out["model_bytes"], out["largest_bytes"] = sum(sizes.values()), max(sizes.values())
+    for name, mesh in (("fsdp4", {}), ("ep4", dict(ep=4))):
+        with AllocatedBytes() as mem:
+            model = _sharded(big, mesh, seed=0)
+        out[f"{name}.peak"] = mem.peak
+        out[f"{name}.shard_bytes"] = sum(p.to_local().numel() * p.to_local().element_size() for p in model.parameters())
+    with AllocatedBytes() as mem:  # the counter sees a whole model built the plain way
+        Transformer(big)
+    out["unsharded.peak"] = mem.peak
+    return out
+
+
+def test_meta_init_is_bit_identical_on_every_mesh_and_never_holds_the_model():
+    results = run_distributed(_check, 4, timeout=300)
+    for rank, out in enumerate(results):
+        for name in MESHES:
+            assert out[f"{name}.names"], (rank, name)
+            assert out[f"{name}.unequal"] == [], (rank, name, out[f"{name}.unequal"])
+            assert out[f"{name}.buffers"], (rank, name)
+            assert out[f"{name}.lm_err"] < 1e-5, (rank, name, out[f"{name}.lm_err"])
+        model, largest = out["model_bytes"], out["largest_bytes"]
+        assert out["unsharded.peak"] >= model
+        for name in ("fsdp4", "ep4"):
+            shard, peak = out[f"{name}.shard_bytes"], out[f"{name}.peak"]
+            print(f"rank {rank} {name}: model {model / 2**20:.2f} MiB, shard {shard / 2**20:.2f} MiB, "
+                  f"largest parameter {largest / 2**20:.2f} MiB, peak while building {peak / 2**20:.2f} MiB")
+            assert shard < model / 3  # each rank keeps about a quarter
+            # its shard, plus the one full parameter being initialised and that parameter's
+            # cut shard, plus 5% for padding and small temporaries
+            assert peak <= 1.05 * (shard + 1.25 * largest), (rank, name, peak, shard, largest)
+            assert peak < model / 2
