@@ -14,6 +14,10 @@ Several processes (gloo on CPU, nccl on GPUs), one per device; the parallel knob
     torchrun --nproc-per-node 4 examples/train_moe.py --tp=2 --ep=2     # TP x EP (MoE folding)
     torchrun --nproc-per-node 8 examples/train_moe.py --dp_replicate=2 --tp=2 --ep=4 --etp=1
     torchrun --nproc-per-node 4 examples/train_moe.py --optimizer=muon  # layer-wise distributed Muon
+Under torchrun each rank builds the model on the meta device and allocates and initialises
+only its own shards (the weights are a function of --seed and each parameter's name, so
+every mesh starts from the one-process model). --dtype=bfloat16 (the default on CUDA)
+computes in bf16 with float32 master weights and gradient sums, on one process too.
 The tokens of an optimizer step do not depend on the number of processes: every rank reads
 the step's micro-batches and the data-parallel ranks take turns, so the same command with
 other parallel knobs trains the same model and logs the same losses (up to float rounding).

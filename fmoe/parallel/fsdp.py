@@ -98,9 +98,11 @@ def parallelize(
 ) -> Transformer:
     """Tensor parallel, expert parallel, then FSDP2 over `meshes`, in place; returns model.
 
-    Every rank must build the model identically (same seed) before calling this: the
-    shards are cut from each rank's own full copy, nothing is broadcast. Build the
-    optimizers afterwards, over model.parameters() (now DTensors). param_dtype /
+    The model may be built on the meta device (then `materialize` allocates and initialises
+    each rank's shards only: the way for a model larger than one device), or built whole on
+    every rank from the same seed (the shards are cut from each rank's own full copy,
+    nothing is broadcast). Build the optimizers afterwards, over model.parameters() (now
+    DTensors). param_dtype /
     reduce_dtype: FSDP2's mixed precision (e.g. bf16 compute, float32 gradient reduction)
     for everything but the router. cp > 1 is refused: context-parallel attention is not
     implemented.

@@ -210,3 +210,22 @@ def test_saved_tensors_counts_each_kept_storage_once_without_the_parameters():
         with torch.no_grad():
             x @ w
     assert none_kept.nbytes == 0 and none_kept.count == 0
+
+
+def test_allocated_bytes_counts_live_and_peak_storages_once():
+    from fmoe.train.metrics import AllocatedBytes
+
+    before = torch.ones(256)  # existed before: never counted, not even when written in place
+    with AllocatedBytes() as mem:
+        a = torch.empty(1000)            # 4000 bytes
+        b = torch.zeros(500)             # 2000
+        view = a[10:20].view(2, 5)       # a view of a: nothing new
+        before.add_(1.0)                 # in place on an old storage: nothing new
+        del a                            # the view keeps a's storage alive
+        held = mem.live
+        del view                         # now it is freed
+        c = b * 2                        # 2000 new
+        with torch.device("meta"):
+            torch.empty(10**9)           # meta: no memory
+    assert (held, mem.live, mem.peak) == (6000, 4000, 6000)
+    assert c.shape == (500,)
