@@ -43,6 +43,11 @@ micro-batch's bf16 gradient into a float32 sum as soon as autograd has produced 
 
     main_grad[p] = sum_i float32(grad_i(p))      (one bf16 rounding per micro-batch, not per sum)
 
+It is for models whose parameters are stored in bf16. fmoe's train loop does not need it:
+it keeps float32 master weights (FSDP2's mixed precision, on one process too), so every
+gradient, the router's included, is summed across micro-batches in float32 into the
+float32 .grad the optimizer reads (tests/parallel/test_mixed_precision.py).
+
 The process-group helpers (process_group, collective_device) are shared with
 fmoe.parallel's reductions.
 """

@@ -1,6 +1,7 @@
 """Mixed precision done right on one process: FSDP2's mixed precision over a group of one
 (what examples/train_moe.py does with --dtype=bfloat16, and on one CUDA device by default)
-keeps float32 master weights and float32 gradient sums while computing in bf16; an update
+keeps float32 master weights and sums micro-batch gradients in float32 (the router's, computed
+in float32, and every other one) while computing in bf16; an update
 far below bf16's resolution accumulates, where a model cast to bf16 loses it."""
 
 import torch
@@ -43,6 +44,20 @@ def _check(rank, world):
         model = Transformer(cfg)
     parallelize(model, build_meshes(), param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     materialize(model, "cpu", seed=0)
+    # gradient sums across micro-batches: float32, exactly g1 + g2 (not a bf16 sum)
+    batch2 = make_batch(torch.randint(0, 64, (32,), generator=g), torch.tensor([0, 20, 32]), 1)
+    sums = {}
+    for part in ([batch], [batch2], [batch, batch2]):
+        for b in part:
+            losses, _ = model(b)
+            ((losses["lm_sum"] + 0.1 * losses["mtp_1_sum"]) / 32).backward()
+        sums[len(sums)] = {n: model.get_parameter(n).grad.full_tensor().clone() for n in (name, "blocks.1.mlp.router")}
+        model.zero_grad(set_to_none=True)
+    accumulated = {}
+    for n in (name, "blocks.1.mlp.router"):
+        exact = sums[0][n] + sums[1][n]
+        accumulated[n] = (sums[2][n].dtype == torch.float32 and torch.equal(sums[2][n], exact),
+                          not torch.equal(exact, exact.bfloat16().float()))
     compute = {}
     model.blocks[0].attn.register_forward_hook(lambda m, args, out: compute.update(attn=out.dtype))
     before = model.get_parameter(name).full_tensor().clone()
@@ -62,6 +77,7 @@ def _check(rank, world):
         all_dtensors=all(isinstance(p, DTensor) for p in model.parameters()),
         grad_dtypes={str(d) for d in grad_dtypes.values()},
         compute=str(compute["attn"]),
+        accumulated=accumulated,
         init_equal=torch.equal(before, _init(cfg, name)),
         master_step=float((after - before).abs().mean()),
         bf16_of_master_changed=float((after.bfloat16() != before.bfloat16()).float().mean()),
@@ -84,6 +100,8 @@ def test_master_weights_accumulate_updates_below_bf16_resolution():
     assert out["param_dtypes"] == {"torch.float32"} and out["all_dtensors"] and out["init_equal"], out
     assert out["grad_dtypes"] == {"torch.float32"}, out  # summed in float32, never held in bf16
     assert out["compute"] == "torch.bfloat16", out
+    # (summed in float32, and a sum that bf16 could not hold)
+    assert all(exact and not_bf16 for exact, not_bf16 in out["accumulated"].values()), out
     # every update kept: the mean move is about STEPS * LR (Adam's steps are ~LR each)
     assert out["master_step"] > 0.3 * STEPS * LR, out
     assert out["bf16_of_master_changed"] > 0.5, out  # and the bf16 compute copy follows
