@@ -175,14 +175,16 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor):
         """x [..., H] -> (y [..., H], stats TensorDict of fmoe.layers.moe)."""
         x_TH = x.reshape(-1, x.shape[-1])
-        sp = self.sequence_parallel  # x is this rank's token shard: the gradients of the router
-        replicated = (lambda w: w) if sp is None else sp.weight  # and gate are summed over tp
+        # under tensor parallelism x is this rank's token shard: the router's and the gate's
+        # gradients are summed over tp where they are used; the capacity drop sees every token
+        sp = self.sequence_parallel
+        replicated = (lambda w: w) if sp is None else sp.weight
         params = {"router": replicated(_local(self.router))}
         if "expert_bias" in self._buffers:
             params["expert_bias"] = self.expert_bias
         if getattr(self, "shared_gate", None) is not None:
             params["shared_gate"] = replicated(_local(self.shared_gate))
-        drop = None if sp is None else sp.drop_by_capacity  # over the whole micro-batch
+        drop = None if sp is None else sp.drop_by_capacity
         y_TH, stats = moe(x_TH, params, self.cfg, experts=self.experts, shared=self.shared, drop=drop)
         return (y_TH if x.ndim == 2 else y_TH.reshape(x.shape)), stats  # no view: FSDP hooks the output
 
