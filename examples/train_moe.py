@@ -296,14 +296,30 @@ def main(argv: list[str]) -> None:
         # balancing losses: averaged over layers and micro-batches (a layer's sequences are
         # the micro-batch's documents; its cu_seqlens were checked when the batch was made)
         scale = 1.0 / (len(moe_names) * n_micro) if moe_names else 0.0
-        terms = {
-            "seq_aux_loss": (cfg.seq_aux_coeff, lambda s: ops.seq_load_balancing_loss(s["aux_scores"], s["aux_experts"], batch["cu_seqlens"], k=model_cfg.k, check=False)),
-            "aux_loss": (cfg.aux_coeff, lambda s: ops.load_balancing_loss(s["aux_scores"], s["aux_counts"], k=model_cfg.k, n_tokens=s["aux_scores"].shape[0])),
-            "z_loss": (cfg.z_coeff, lambda s: ops.z_loss(s["router_logits"])),
-        }
+        T, k, cu_seqlens = batch["input_ids"].shape[0], model_cfg.k, batch["cu_seqlens"]
+        if meshes is None or meshes.tp == 1:
+            terms = {
+                "seq_aux_loss": (cfg.seq_aux_coeff, lambda n, s: ops.seq_load_balancing_loss(s["aux_scores"], s["aux_experts"], cu_seqlens, k=k, check=False)),
+                "aux_loss": (cfg.aux_coeff, lambda n, s: ops.load_balancing_loss(s["aux_scores"], s["aux_counts"], k=k, n_tokens=T)),
+                "z_loss": (cfg.z_coeff, lambda n, s: ops.z_loss(s["router_logits"])),
+            }
+        else:  # --tp > 1 runs the MoE layers sequence parallel: this rank's stats cover its
+            # T/tp tokens [start, start + T/tp), and each term is its exact share of the
+            # micro-batch's (the tp ranks' shares and their gradients add up to one process's)
+            tp_mesh, start = meshes.tp_mesh, meshes.tp_mesh.get_local_rank() * (T // meshes.tp)
+            aux_counts = {}  # the switch loss's counts over the whole micro-batch: one collective for all layers
+            if cfg.aux_coeff:
+                aux_counts = parallel.all_reduce_counts({n: s["aux_counts"] for n, s in stats.items()}, tp_mesh,
+                                                        names=moe_names, n_experts=model_cfg.n_experts)
+            terms = {
+                "seq_aux_loss": (cfg.seq_aux_coeff, lambda n, s: parallel.seq_load_balancing_loss_split(
+                    s["aux_scores"], s["aux_experts"], cu_seqlens, k=k, group=tp_mesh, start=start, check=False)),
+                "aux_loss": (cfg.aux_coeff, lambda n, s: ops.load_balancing_loss(s["aux_scores"], aux_counts[n], k=k, n_tokens=T)),
+                "z_loss": (cfg.z_coeff, lambda n, s: parallel.z_loss_split(s["router_logits"], n_tokens=T)),
+            }
         for name, (coeff, term) in terms.items():
             if coeff:
-                value = sum(term(layer) for layer in stats.values()) * scale
+                value = sum(term(layer_name, layer) for layer_name, layer in stats.items()) * scale
                 loss = loss + coeff * value
                 logged[name] = value.detach()
         return loss, logged, stats
@@ -357,8 +373,13 @@ def main(argv: list[str]) -> None:
                 record[name] = record[name] + value
             for name, layer in stats.items():
                 counts[name] = counts.get(name, 0) + layer["tokens_per_expert"]
-        if meshes is not None:  # sums over the data ranks, counts over every rank, one collective each
-            record = parallel.all_reduce_sums(record, meshes.group("dp"))
+        if meshes is not None:  # logged sums and counts over every rank, one collective each
+            # the world is the batch mesh dp x cp x tp: the data ranks' values add up, and so
+            # do the tp ranks' shares of the balancing losses; the LM losses, computed alike
+            # on every tp rank, count once (tp rank 0's)
+            if meshes.batch.get_local_rank("tp") > 0:
+                record = {name: v if name in ("seq_aux_loss", "aux_loss", "z_loss") else zero for name, v in record.items()}
+            record = parallel.all_reduce_sums(record, dist.group.WORLD)
             counts = parallel.all_reduce_counts(counts, dist.group.WORLD, names=moe_names, n_experts=model_cfg.n_experts)
         grad_norm = clip_grad_norm(model.parameters(), cfg.clip)
         for opt in optimizers:

@@ -128,7 +128,7 @@ def check_expert_weights(x_TH, params, n_experts: int, *, experts: str = "expert
 _SHARED = ("shared_w_gate", "shared_w_up", "shared_w_down")
 
 
-def _check_moe(x_TH, params, cfg, experts, shared) -> None:
+def _check_moe(x_TH, params, cfg, experts, shared, drop) -> None:
     if not isinstance(x_TH, torch.Tensor) or x_TH.ndim != 2 or not x_TH.is_floating_point():
         raise ValueError(f"x: expected a 2-D float tensor [T, H], got {getattr(x_TH, 'shape', type(x_TH).__name__)}")
     H, E = x_TH.shape[1], cfg.n_experts
@@ -136,7 +136,7 @@ def _check_moe(x_TH, params, cfg, experts, shared) -> None:
     if router is None or router.shape != (E, H) or router.dtype != torch.float32:
         got = f"{tuple(router.shape)} {router.dtype}" if router is not None else "nothing"
         raise ValueError(f"params['router']: expected float32 [{E}, {H}] (E = cfg.n_experts, H = x's hidden size), got {got}")
-    for name, fn in (("experts", experts), ("shared", shared)):
+    for name, fn in (("experts", experts), ("shared", shared), ("drop", drop)):
         if fn is not None and not callable(fn):
             raise ValueError(f"{name}: expected a callable or None, got {type(fn).__name__}")
     weights = [params.get(n) for n in _SHARED]
@@ -184,6 +184,7 @@ def moe(
     *,
     experts: Optional[Callable] = None,
     shared: Optional[Callable] = None,
+    drop: Optional[Callable] = None,
 ):
     """A mixture-of-experts block as a pure function; no host sync.
 
@@ -199,10 +200,15 @@ def moe(
             params["shared_w_*"] when they are given, else no shared experts. fmoe.model.MoE
             passes its DenseMLP child (tensor parallelism hooks it). Either way the
             optional gate sigmoid(x . params["shared_gate"]) scales its output here.
+        drop: the capacity drop when cfg.capacity_factor is set, drop(routes, E,
+            capacity_factor, policy=cfg.capacity_policy) -> Routes of the same shapes.
+            None: fmoe.ops.drop_by_capacity over x's T tokens. Under sequence parallelism x
+            is one rank's share of a micro-batch and fmoe.model.MoE passes
+            fmoe.parallel's SequenceShard.drop_by_capacity, which drops over all of it.
     Returns:
         (y [T, H] in x's dtype, stats TensorDict): see the module docstring.
     """
-    _check_moe(x, params, cfg, experts, shared)
+    _check_moe(x, params, cfg, experts, shared, drop)
     E, k = cfg.n_experts, cfg.k
 
     logits_TE = F.linear(x.float(), params["router"])  # router in float32
@@ -211,7 +217,9 @@ def moe(
         score=cfg.score, pre_softmax=cfg.pre_softmax, n_groups=cfg.n_groups, topk_groups=cfg.topk_groups,
         expert_bias=params.get("expert_bias"), scale=cfg.scale, check=cfg.check_nan, impl=cfg.impl,
     )
-    if cfg.capacity_factor is not None:
+    if cfg.capacity_factor is not None and drop is not None:
+        routes = drop(routes, E, cfg.capacity_factor, policy=cfg.capacity_policy)
+    elif cfg.capacity_factor is not None:
         routes = drop_by_capacity(routes, E, cfg.capacity_factor, policy=cfg.capacity_policy, check=False)
 
     if experts is None:

@@ -145,6 +145,10 @@ class MoE(nn.Module):
     forward passes its children to fmoe.layers.moe as the routed and the shared experts:
     the routing, the shared-expert gate and the stats are computed there, in one place.
     fmoe.parallel shards `experts` over ranks and sets its dispatcher (ExpertParallel).
+    Under tensor parallelism fmoe.parallel also sets `sequence_parallel` (a SequenceShard;
+    None otherwise): x is then this rank's slice of the micro-batch's tokens, the router's
+    and shared gate's gradients are summed over the tp ranks where they are used, and the
+    capacity drop looks at the whole micro-batch; the stats cover this rank's tokens.
 
     Args:
         hidden: H. ffn: F per routed expert. cfg: MoEConfig (n_experts, k, routing).
@@ -173,6 +177,7 @@ class MoE(nn.Module):
             self.shared_gate = nn.Parameter(torch.empty(H, **kw))
         if expert_bias:
             self.register_buffer("expert_bias", torch.zeros(E, device=device, dtype=torch.float32), persistent=True)
+        self.sequence_parallel = None  # fmoe.parallel's SequenceShard under tp > 1 (class docstring)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -198,12 +203,17 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor):
         """x [..., H] -> (y [..., H], stats TensorDict of fmoe.layers.moe)."""
         x_TH = x.reshape(-1, x.shape[-1])
-        params = {"router": _local(self.router)}
+        # under tensor parallelism x is this rank's token shard: the router's and the gate's
+        # gradients are summed over tp where they are used; the capacity drop sees every token
+        sp = self.sequence_parallel
+        replicated = (lambda w: w) if sp is None else sp.weight
+        params = {"router": replicated(_local(self.router))}
         if "expert_bias" in self._buffers:
             params["expert_bias"] = self.expert_bias
         if getattr(self, "shared_gate", None) is not None:
-            params["shared_gate"] = _local(self.shared_gate)
-        y_TH, stats = moe(x_TH, params, self.cfg, experts=self.experts, shared=self.shared)
+            params["shared_gate"] = replicated(_local(self.shared_gate))
+        drop = None if sp is None else sp.drop_by_capacity
+        y_TH, stats = moe(x_TH, params, self.cfg, experts=self.experts, shared=self.shared, drop=drop)
         return (y_TH if x.ndim == 2 else y_TH.reshape(x.shape)), stats  # no view: FSDP hooks the output
 
 
@@ -285,15 +295,22 @@ class TransformerConfig:
 
 
 class RMSNorm(nn.Module):
+    """x / rms(x) * weight over the last dim, statistics in float32. `sequence_parallel`:
+    set by fmoe.parallel under tensor parallelism for the norms inside Blocks (a
+    SequenceShard; None otherwise): x is then this rank's token shard, and the weight's
+    gradient is summed over the tp ranks where it is used."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.sequence_parallel = None
 
     def forward(self, x):
+        weight = self.weight if self.sequence_parallel is None else self.sequence_parallel.weight(self.weight)
         # float32 statistics whatever x's dtype
         x32 = x.float()
-        return (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.eps) * self.weight.float()).to(x.dtype)
+        return (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.eps) * weight.float()).to(x.dtype)
 
 
 class Attention(nn.Module):

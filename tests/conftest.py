@@ -11,6 +11,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+# subprocesses (torchrun runs of examples/, benchmark scripts) import this checkout's fmoe,
+# not whichever one the environment has installed (an editable install of another clone)
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p)
+
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 

@@ -214,6 +214,32 @@ def test_experts_and_shared_callables_are_the_one_way_in():
         moe(x, params, cfg, shared=shared)
     with pytest.raises(ValueError, match="experts: expected a callable"):
         moe(x, params, cfg, experts="local")
+    with pytest.raises(ValueError, match="drop: expected a callable"):
+        moe(x, params, cfg, drop=1)
+
+
+def test_moe_capacity_drop_callable():
+    """drop= replaces drop_by_capacity (sequence parallelism passes one over the whole
+    micro-batch): called once with the routes and cfg's capacity, its routes are the ones
+    computed; without a capacity factor it is not called."""
+    torch.manual_seed(0)
+    E, T = 4, 9
+    x = torch.randn(T, H)
+    params = {"router": torch.randn(E, H) * 0.1, "w_gate": torch.randn(E, H, FFN) * 0.1,
+              "w_up": torch.randn(E, H, FFN) * 0.1, "w_down": torch.randn(E, FFN, H) * 0.1}
+    cfg = MoEConfig(n_experts=E, k=2, capacity_factor=1.0, capacity_policy="position")
+    calls = []
+
+    def keep_first_expert(routes, n_experts, capacity_factor, *, policy):
+        calls.append((routes.experts.shape, n_experts, capacity_factor, policy))
+        keep = routes.experts == 0
+        return ops.Routes(torch.where(keep, routes.weights, 0.0), torch.where(keep, routes.experts, -1))
+
+    _, stats = moe(x, params, cfg, drop=keep_first_expert)
+    assert calls == [((T, 2), E, 1.0, "position")]
+    assert stats["tokens_per_expert"][1:].sum() == 0 and stats["tokens_per_expert"][0] > 0
+    moe(x, params, dataclasses.replace(cfg, capacity_factor=None), drop=keep_first_expert)
+    assert len(calls) == 1
 
 
 def test_module_bad_config():

@@ -7,11 +7,12 @@ collectives, DCP) arranged for MoE models. DESIGN.md "Parallelism".
     ExpertParallel, dispatch, combine, DispatchMeta   expert (and expert-tensor) parallel all-to-all
     permute_padded, dispatch_padded, combine_padded, PaddedDispatchMeta   the same in fixed-size
                                        capacity-padded buffers: no host sync
-    split_tokens, gather_tokens        the MoE's tokens split over tp ranks and gathered back
-    tensor_parallel_plan, copy_to_tp, reduce_from_tp   tensor parallel (parallelize_module)
+    split_tokens, gather_tokens        tokens split over tp ranks (Replicate -> Shard(0)) and gathered back
+    tensor_parallel_plan, ShardTokens, SequenceShard, copy_to_tp, gather_from_sp,
+    reduce_scatter_to_sp               tensor parallel with sequence parallelism (parallelize_module)
     all_reduce_counts, all_reduce_sums   per-layer counts and logged sums (kept on device), one
                                        collective each
-    seq_load_balancing_loss_split, global_load_balancing_loss   aux losses over split tokens
+    seq_load_balancing_loss_split, global_load_balancing_loss, z_loss_split   aux losses over split tokens
     DistributedMuon                    layer-wise Muon: each matrix orthogonalised on one rank
 
 The gradient norm over parameters on several meshes is fmoe.optim.grad_norm / clip_grad_norm
@@ -38,8 +39,16 @@ from fmoe.parallel.reduce import (
     all_reduce_sums,
     global_load_balancing_loss,
     seq_load_balancing_loss_split,
+    z_loss_split,
 )
-from fmoe.parallel.tensor import copy_to_tp, reduce_from_tp, tensor_parallel_plan
+from fmoe.parallel.tensor import (
+    SequenceShard,
+    ShardTokens,
+    copy_to_tp,
+    gather_from_sp,
+    reduce_scatter_to_sp,
+    tensor_parallel_plan,
+)
 
 __all__ = [
     "DispatchMeta",
@@ -58,6 +67,7 @@ __all__ = [
     "all_reduce_sums",
     "global_load_balancing_loss",
     "seq_load_balancing_loss_split",
+    "z_loss_split",
     "apply_fsdp",
     "build_meshes",
     "copy_to_tp",
@@ -65,7 +75,10 @@ __all__ = [
     "materialize",
     "parallelize",
     "plan_sizes",
-    "reduce_from_tp",
+    "reduce_scatter_to_sp",
+    "gather_from_sp",
+    "SequenceShard",
+    "ShardTokens",
     "shard_experts",
     "tensor_parallel_plan",
 ]

@@ -10,9 +10,11 @@ The rank with ep index j and etp index q owns the local experts l = 0..L-1, glob
 j L + l (L = E / ep), and the F-shard q of their FFN (F/etp columns of w_gate / w_up, rows of
 w_down). An ExpertParallel call on one rank, step by step (the explicit functions below):
 
-  1. split_tokens (dense TP, tp > 1): the tp ranks hold the same T tokens; each keeps its
-     contiguous T/tp slice of x and of the gate weights. Forward: a slice; backward: an
-     all-gather, so d x and d weights are whole and identical on every tp rank.
+  1. split_tokens (a tp_mesh of tp > 1 ranks): the tp ranks hold the same T tokens; each
+     keeps its contiguous T/tp slice of x and of the gate weights. Forward: a slice;
+     backward: an all-gather, so d x and d weights are whole and identical on every tp rank.
+     (fmoe.parallel.parallelize gives no tp_mesh: under its sequence parallelism the MoE
+     block already holds only this rank's tokens, and token_shards sizes the capacity.)
   2. permute by global expert id (fmoe.ops.permute, align = 1) -> x_perm [R, H], counts [E].
   3. dispatch, over ep: an all-to-all of the counts, then one host sync for the split sizes,
      then an all-to-all of the rows. Over etp (etp > 1): every etp rank sends the rows it
@@ -22,10 +24,10 @@ w_down). An ExpertParallel call on one rank, step by step (the explicit function
   5. combine: the reverse of 3. Over etp each rank gets back the partial outputs of its own
      rows from every F-shard and sums them (a reduce-scatter); over ep an all-to-all returns
      the rows to their tokens' ranks -> y_perm [R, H].
-  6. unpermute with the gate weights; gather_tokens (tp > 1) all-gathers the T/tp slices
+  6. unpermute with the gate weights; gather_tokens (tp_mesh) all-gathers the T/tp slices
      (backward: a slice of the upstream gradient, which TP makes identical on the tp ranks).
 
-With ep = etp = 1 (dense TP alone) steps 2-5 are fmoe.layers.local_experts on the rank's
+With ep = etp = 1 (a tp_mesh alone) steps 2-5 are fmoe.layers.local_experts on the rank's
 token slice: no exchange, no host read. With a capacity factor (cfg.capacity_factor set),
 steps 2, 3 and 5 are permute_padded,
 dispatch_padded and combine_padded: the same exchange in the fixed-size capacity layout
@@ -46,7 +48,8 @@ come in global token order when the ranks of an ep x etp block (rank s etp + q) 
 consecutive token ranges; meta.offsets are then the cumulative ends of each l.
 
 Capacity layout. moe() applies drop_by_capacity before it calls the dispatcher, on the T
-tokens x holds on entry (before the tp split), so no rank holds more than
+tokens x holds on entry (before the tp split; with token_shards = n, on the n T tokens of
+the micro-batch x is a shard of, and T below reads n T), so no rank holds more than
 C = ceil(T k / E * capacity_factor) slots of an expert, and every buffer is sized by C:
 
     x_ECH     [E, C, H]        permute_padded: row (e, c) holds expert e's c-th slot in token
@@ -461,8 +464,9 @@ class ExpertParallel:
 
         y, counts = ExpertParallel(ep_mesh, etp_mesh=..., tp_mesh=...)(x, routes, params, cfg)
 
-    x [T, H] and routes (weights, experts [T, k]) are this rank's tokens (under tp > 1 the
-    same on the tp ranks); params["w_gate"], ["w_up"] [E/ep, H, F/etp] and ["w_down"]
+    x [T, H] and routes (weights, experts [T, k]) are this rank's tokens (with a tp_mesh:
+    the same on its ranks, which split them; fmoe.parallel.parallelize instead splits the
+    tokens before the MoE block, sequence parallel, and passes token_shards); params["w_gate"], ["w_up"] [E/ep, H, F/etp] and ["w_down"]
     [E/ep, F/etp, H] this rank's experts (ep rank j: experts j E/ep .. (j+1) E/ep - 1) and
     F-shard. Returns y [T, H] (whole on every tp rank) and counts [E] int64 of the slots this
     rank dispatched (its T/tp slice under tp: the sum over all ranks is the true total).
@@ -476,6 +480,12 @@ class ExpertParallel:
     the group must pass the same max_tokens. Not used without a capacity factor: then the
     count exchange sizes the all-to-alls (the one host sync per call). cfg.align is not
     used: the exchanged rows carry no alignment padding.
+
+    token_shards: x is one of token_shards equal slices of a micro-batch of token_shards T
+    tokens whose capacity drop ran over all of them (sequence parallelism, where
+    fmoe.parallel.parallelize passes tp and no tp_mesh: the tokens are split before the MoE
+    block, fmoe.parallel.tensor): one rank may hold all C = ceil(token_shards T k / E *
+    capacity_factor) slots an expert keeps, so the capacity layout is sized by that C.
     """
 
     def __init__(
@@ -485,17 +495,22 @@ class ExpertParallel:
         etp_mesh: Optional[DeviceMesh] = None,
         tp_mesh: Optional[DeviceMesh] = None,
         max_tokens: Optional[int] = None,
+        token_shards: int = 1,
     ):
         for name, mesh in (("ep_mesh", ep_mesh), ("etp_mesh", etp_mesh), ("tp_mesh", tp_mesh)):
             _check_mesh(name, mesh)
         if max_tokens is not None:
             check_positive_int("max_tokens", max_tokens, low=0)
+        check_positive_int("token_shards", token_shards)
+        if token_shards > 1 and _size(tp_mesh) > 1:
+            raise ValueError(f"token_shards: {token_shards} says x is already a token shard; it excludes splitting the tokens over tp_mesh (size {_size(tp_mesh)})")
         self.ep_mesh, self.etp_mesh, self.tp_mesh = ep_mesh, etp_mesh, tp_mesh
-        self.max_tokens = max_tokens
+        self.max_tokens, self.token_shards = max_tokens, token_shards
 
     def __repr__(self) -> str:
         sizes = f"ep={_size(self.ep_mesh)}, etp={_size(self.etp_mesh)}, tp={_size(self.tp_mesh)}"
-        return f"ExpertParallel({sizes}" + ("" if self.max_tokens is None else f", max_tokens={self.max_tokens}") + ")"
+        extra = ("" if self.max_tokens is None else f", max_tokens={self.max_tokens}") + ("" if self.token_shards == 1 else f", token_shards={self.token_shards}")
+        return f"ExpertParallel({sizes}{extra})"
 
     def _check(self, x_TH, routes, params, cfg) -> None:
         T, H = x_TH.shape
@@ -538,8 +553,9 @@ class ExpertParallel:
             y_local = grouped_mlp(x_local, w_gate, w_up, w_down, meta.offsets, check=False, impl=cfg.impl)
             y_perm = combine(y_local, meta)
         else:
-            # moe() dropped every slot past C of the T tokens on entry (before the tp split)
-            C = expert_capacity(T if self.max_tokens is None else self.max_tokens, k, E, cfg.capacity_factor)
+            # moe() dropped every slot past C of the T tokens on entry (before the tp split), or
+            # of the token_shards T tokens of the micro-batch x is a shard of
+            C = expert_capacity((T if self.max_tokens is None else self.max_tokens) * self.token_shards, k, E, cfg.capacity_factor)
             x_ECH, plan = permute_padded(x_slice_TH, routes.experts, E, C)
             x_local, meta = dispatch_padded(x_ECH, ep_mesh=self.ep_mesh, etp_mesh=self.etp_mesh)
             # the offsets C S Q (l + 1) are right by construction: no value check (a host sync)

@@ -3,9 +3,11 @@
     meshes = build_meshes(tp=2, ep=4)
     parallelize(model, meshes, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
-Order (torchtitan's): tensor parallel (attention, dense MLPs, shared experts) -> expert
-parallel (expert weights sharded Shard(0) over ep and over F by etp; the MoE blocks get an
-ExpertParallel dispatcher) -> FSDP2. FSDP units, innermost first:
+Order (torchtitan's): tensor parallel with sequence parallelism (attention, dense MLPs,
+shared experts split over tp; between them the residual stream, norms and MoE blocks on
+each rank's T/tp tokens: fmoe.parallel.tensor) -> expert parallel (expert weights sharded
+Shard(0) over ep and over F by etp; the MoE blocks get an ExpertParallel dispatcher) ->
+FSDP2. FSDP units, innermost first:
 
     MoE.experts   over the expert data mesh edp (the ranks holding the same experts)
     MoE.shared    over the dense data mesh
@@ -50,7 +52,9 @@ def dense_data_mesh(meshes: Meshes):
 def shard_experts(moe: MoE, meshes: Meshes) -> None:
     """Replace a MoE block's expert stacks by DTensors over the expert mesh's (ep, etp):
     experts Shard(0) over ep, the FFN dim over etp (w_gate / w_up dim 2, w_down dim 1), and
-    give the experts an ExpertParallel dispatcher (which also splits tokens over dense tp)."""
+    give the experts an ExpertParallel dispatcher. Under tp > 1 the MoE block holds this
+    rank's T/tp tokens already (sequence parallel, tensor_parallel_plan): the dispatcher
+    splits nothing over tp (token_shards = tp sizes its capacity layout)."""
     E, ep, etp = moe.cfg.n_experts, meshes.ep, meshes.etp
     ffn = moe.experts.w_gate.shape[-1]
     if E % ep:
@@ -62,7 +66,7 @@ def shard_experts(moe: MoE, meshes: Meshes) -> None:
         param = getattr(moe.experts, name)
         sharded = distribute_tensor(param.data, mesh, [Shard(0), Shard(ffn_dim)], src_data_rank=None)
         moe.experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-    moe.experts.dispatcher = ExpertParallel(meshes.axis("ep"), etp_mesh=meshes.axis("etp"), tp_mesh=meshes.tp_mesh)
+    moe.experts.dispatcher = ExpertParallel(meshes.axis("ep"), etp_mesh=meshes.axis("etp"), token_shards=meshes.tp)
 
 
 def apply_fsdp(
@@ -101,8 +105,12 @@ def parallelize(
     The model may be built on the meta device (then `materialize` allocates and initialises
     each rank's shards only: the way for a model larger than one device), or built whole on
     every rank from the same seed (the shards are cut from each rank's own full copy,
-    nothing is broadcast). Build the optimizers afterwards, over model.parameters() (now
-    DTensors). param_dtype /
+    nothing is broadcast). With tp > 1 the model runs sequence parallel between its
+    tensor-parallel regions (fmoe.parallel.tensor): a micro-batch's T must be divisible by
+    tp, the head and losses stay replicated, and the MoE stats (logits, scores, counts)
+    cover each rank's T/tp tokens, so balancing losses over them add up per-rank shares
+    (fmoe.parallel.reduce; examples/train_moe.py). Build the optimizers afterwards, over
+    model.parameters() (now DTensors). param_dtype /
     reduce_dtype: FSDP2's mixed precision (e.g. bf16 compute, float32 gradient reduction)
     for everything but the router. cp > 1 is refused: context-parallel attention is not
     implemented.
@@ -114,7 +122,9 @@ def parallelize(
         raise ValueError("meshes: the model has MoE blocks but the meshes were built with has_experts=False")
     if meshes.tp > 1:
         parallelize_module(model, meshes.tp_mesh, tensor_parallel_plan(model))
-    if meshes.ep * meshes.etp * meshes.tp > 1:
+    # ep = etp = 1: every rank holds every expert and runs its own tokens through them, the
+    # gradients summed over the expert data mesh edp (every rank) by FSDP: no dispatcher
+    if meshes.ep * meshes.etp > 1:
         for moe in moe_blocks:
             shard_experts(moe, meshes)
     apply_fsdp(model, meshes, param_dtype=param_dtype, reduce_dtype=reduce_dtype, reshard_after_forward=reshard_after_forward)

@@ -5,6 +5,7 @@ global. What is reduced over which group (DESIGN.md "Parallelism", SPEC.md secti
 
     seq_load_balancing_loss_split   counts c[b,e] of the micro-batch's packed documents, summed
                                     over the ranks that split its tokens (TP x CP group)
+    z_loss_split                    no collective: this rank's share of the z-loss's mean
     all_reduce_counts               tokens_per_expert of every MoE layer: over TP x DP x CP for
                                     the expert-bias update and the global-batch loss
     global_load_balancing_loss      no collective: takes the counts all_reduce_counts summed
@@ -42,7 +43,7 @@ from typing import Mapping, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from fmoe.ops import load_balancing_loss
+from fmoe.ops import load_balancing_loss, z_loss
 from fmoe.ops.balance import sequence_loss_from_sums, sequence_sums
 from fmoe.ops.checks import check_cu_seqlens, check_float, check_index, check_positive_int, checking
 from fmoe.optim.grads import Group, collective_device, process_group
@@ -76,6 +77,7 @@ def seq_load_balancing_loss_split(
     group: Group,
     start: Optional[int] = None,
     token_index: Optional[torch.Tensor] = None,
+    check: bool = True,
 ) -> torch.Tensor:
     """This rank's share of the sequence-level loss when tokens are split over `group`.
 
@@ -103,6 +105,8 @@ def seq_load_balancing_loss_split(
         group: the ranks splitting the tokens (ProcessGroup or 1-D DeviceMesh).
         start: this rank's first token in the packed batch (contiguous split), or
         token_index: [T_local] int, the packed-batch index of each local token; exactly one.
+        check: check cu_seqlens' values and the range against T (a device->host sync;
+            skipped under torch.compile). A train step passes False: make_batch checked them.
     Returns: 0-D float32 tensor.
 
     Example: cu_seqlens [0, 7, 13] over 2 ranks, start 0 with T_local 4 and start 4 with
@@ -127,7 +131,7 @@ def seq_load_balancing_loss_split(
         check_index("token_index", token_index, 1, "[T_local]")
         if token_index.shape != (T_local,):
             raise ValueError(f"token_index: expected shape ({T_local},) to match scores, got {tuple(token_index.shape)}")
-    if checking():  # reading T is a host sync: skipped under torch.compile, like check_cu_seqlens
+    if checking(check):  # reading T is a host sync: skipped under torch.compile, like check_cu_seqlens
         total = int(cu_seqlens[-1])
         check_cu_seqlens(cu_seqlens, total)
         if start is not None and start + T_local > total:
@@ -153,6 +157,34 @@ def seq_load_balancing_loss_split(
     dist.all_reduce(counts_BE, op=dist.ReduceOp.SUM, group=pg)
     lengths_B = (cu[1:] - cu[:-1]).float()  # whole documents: cu_seqlens is global
     return sequence_loss_from_sums(score_sum_BE, counts_BE, lengths_B, k=k)
+
+
+def z_loss_split(logits: torch.Tensor, *, n_tokens: Union[int, torch.Tensor]) -> torch.Tensor:
+    """This rank's share of the router z-loss when a micro-batch's tokens are split over
+    ranks (tensor / sequence or context parallel); no collective.
+
+        value = sum_{t on this rank} (logsumexp_e logits[t,e])^2 / n_tokens
+
+    fmoe.ops.z_loss is a mean over the micro-batch's tokens, so the ranks' values ADD UP to
+    it over the whole micro-batch, and each rank's gradient is its rows of the unsplit one.
+
+    Args:
+        logits: [T_local, E] float router logits of this rank's tokens (the MoE stats'
+            router_logits; T_local may be 0).
+        n_tokens: the micro-batch's token count T over all ranks of the split (an int or a
+            1-element tensor).
+    Returns: 0-D float32 tensor.
+
+    Example: logits of 5 and 7 tokens on two ranks, n_tokens=12: the two values sum to
+    fmoe.ops.z_loss of the 12 rows.
+    """
+    check_float("logits", logits, 2, "[T_local, E]")
+    n = _token_count("n_tokens", n_tokens)
+    if isinstance(n, torch.Tensor):
+        n = n.to(logits.device)
+    if logits.shape[0] == 0:  # no token here: a zero that keeps the graph (and the backward) alike
+        return logits.float().sum() * 0.0
+    return z_loss(logits) * (logits.shape[0] / n)
 
 
 def all_reduce_counts(

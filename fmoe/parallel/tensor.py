@@ -1,4 +1,4 @@
-"""Tensor parallelism (Megatron-style, on DTensor) for attention, dense MLPs and shared experts.
+"""Tensor parallelism with sequence parallelism (Megatron-style, on DTensor).
 
     parallelize_module(model, meshes.tp_mesh, tensor_parallel_plan(model))
 
@@ -12,18 +12,51 @@ heads (attention) or of the FFN columns (SwiGLU) and the output is a sum over ra
                 w_down [F, H]            Shard(0)
 
 The parameters become DTensors over the tp mesh (so FSDP2 composes with them and DCP can
-reshard them); the module computes on their local shards. Between blocks activations are
-plain tensors, identical on every tp rank, with complete gradients. At the input of a
-parallel region `copy_to_tp` is the identity forward and sums the partial input gradients
-over tp backward (Megatron's f); at its output `reduce_from_tp` sums the partial outputs
-forward and is the identity backward (Megatron's g). Both are DTensor redistributions
-(Replicate <-> Partial), no hand-written collective. The router, norms, embedding and
-head stay replicated: they see the same tokens on every tp rank and compute the same.
+reshard them); the module computes on their local shards.
 
-Routed experts are not split here: their tokens are split over tp ranks by
-fmoe.parallel.ExpertParallel (tp_mesh=) and their weights over ep / etp.
+Sequence parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+Transformer Models", section 4.2.2) is what tp > 1 means here: between the parallel regions
+the residual stream, the norms and the MoE block (router, routed experts) work on this
+rank's contiguous T/tp slice of the micro-batch's packed tokens (dim 0 of [T, H]), so what
+they keep for the backward is divided by tp instead of repeated on every tp rank. Every
+change of layout is a DTensor redistribution over the 1-D tp mesh, no hand-written
+collective:
 
-Legend: T tokens, H hidden, D head dim, F FFN size.
+    where                          forward                      backward
+    first Block's input            Replicate -> Shard(0): slice  all-gather
+    Attention / DenseMLP input     Shard(0) -> Replicate:        reduce-scatter
+                                   all-gather (gather_from_sp)   (of the partial gradients)
+    Attention / DenseMLP output    Partial -> Shard(0):          all-gather
+                                   reduce-scatter (reduce_scatter_to_sp)
+    last Block's output            Shard(0) -> Replicate:        slice
+                                   all-gather
+
+The Blocks of one nn.ModuleList (the trunk) pass the token-sharded residual stream from one
+to the next: the first splits its input, the last gathers its output (ShardTokens), so the
+embedding before and the final norm, head and LM loss after stay replicated (full T on every
+tp rank, as without tp); a Block outside a ModuleList (an MTP module's) splits and gathers
+itself, after its module's replicated norms and projection. The attention context (RoPE
+tables, mask) stays full-T: attention runs on the gathered tokens. The MoE's shared experts
+are a DenseMLP region like the dense MLP; its routed experts see each token once, on the
+rank that holds it (no tp split inside fmoe.parallel.ExpertParallel). Their weights, left
+alone here, get each rank's partial gradient too; FSDP2 sums those over the expert data
+mesh edp, which holds the tp ranks (fmoe.parallel.parallelize), as under expert parallelism.
+
+Parameters that stay replicated over tp but are used on a token shard (the norms inside
+Blocks, the MoE router and shared-expert gate) get a partial gradient on each tp rank:
+SequenceShard.weight (copy_to_tp) sums it over tp where the weight is used, so their
+gradients are whole and alike on every tp rank, as before. The MoE's capacity drop
+(cfg.capacity_factor) looks at the micro-batch's whole T tokens (SequenceShard.
+drop_by_capacity gathers the routes), so N processes drop what one process drops. The MoE
+stats (router logits, aux scores and counts, tokens_per_expert) are per token shard: the
+losses over them add up per-rank shares (fmoe.parallel.seq_load_balancing_loss_split,
+z_loss_split; load_balancing_loss with counts summed over tp) and the counts are summed over
+the ranks (all_reduce_counts), see examples/train_moe.py.
+
+T must be divisible by tp (even shards; ShardTokens raises a ValueError otherwise).
+
+Legend: T tokens (T/tp on a rank between the regions), H hidden, D head dim, F FFN size,
+E experts, k slots per token.
 """
 
 from __future__ import annotations
@@ -36,22 +69,120 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from fmoe.model import Attention, DenseMLP
+from fmoe.model import Attention, Block, DenseMLP, MoE, RMSNorm
+from fmoe.ops import drop_by_capacity
+from fmoe.ops.routing import Routes
+from fmoe.parallel.expert import gather_tokens, split_tokens
 
 
 def copy_to_tp(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    """Identity forward; backward sums the gradient over the tp ranks (Megatron's f)."""
+    """Identity forward; backward sums the gradient over the tp ranks (Megatron's f).
+
+    Used on the weights that stay replicated but see only this rank's tokens (a partial
+    gradient on each rank): see SequenceShard.weight."""
     return DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
 
 
-def reduce_from_tp(y: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    """Sum of the partial outputs over the tp ranks forward; identity backward (Megatron's g)."""
-    return DTensor.from_local(y, mesh, [Partial()], run_check=False).redistribute(mesh, [Replicate()]).to_local()
+def gather_from_sp(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """x [T/tp, ...] (this rank's tokens) -> [T, ...] every rank's, in tp rank order
+    (Shard(0) -> Replicate: an all-gather); backward reduce-scatters the gradient, which the
+    parallel region after it computes in partial sums (Shard(0) <- Partial)."""
+    return DTensor.from_local(x, mesh, [Shard(0)], run_check=False).redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+
+
+def reduce_scatter_to_sp(y: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """y [T, ...] partial sums on each tp rank -> this rank's rows [T/tp, ...] of their sum
+    (Partial -> Shard(0): a reduce-scatter); backward all-gathers the gradient."""
+    return DTensor.from_local(y, mesh, [Partial()], run_check=False).redistribute(mesh, [Shard(0)]).to_local()
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceShard:
+    """What a module that sees only this rank's T/tp tokens needs (set as its
+    `sequence_parallel` attribute by SequenceParallelModule; fmoe.model's RMSNorm and MoE
+    read it): this rank's tokens are the contiguous rows [r T/tp, (r+1) T/tp) of the
+    micro-batch, r = this rank's index in `mesh` (the 1-D tp mesh)."""
+
+    mesh: DeviceMesh
+
+    def weight(self, w: torch.Tensor) -> torch.Tensor:
+        """w itself, whose gradient (a sum over this rank's tokens) is summed over the tp
+        ranks in the backward (copy_to_tp): a replicated weight used on a token shard."""
+        return copy_to_tp(w, self.mesh)
+
+    def drop_by_capacity(self, routes: Routes, n_experts: int, capacity_factor: float, *, policy: str = "probs") -> Routes:
+        """fmoe.ops.drop_by_capacity over the whole micro-batch, this rank's rows.
+
+        routes: this rank's Routes (weights float32 [T/tp, k], experts [T/tp, k]). The tp
+        ranks' routes are all-gathered (one collective, without autograd; float64 holds the
+        float32 weights and the ids exactly), the drop runs on the T tokens as in one
+        process (capacity ceil(T k / E * capacity_factor), the same slots kept), and this
+        rank's rows of its keep mask apply to the local routes (gradients reach the kept
+        weights). Returns Routes of the local shapes.
+        """
+        weights_TK, experts_TK = routes
+        T_local, k = weights_TK.shape
+        packed = torch.cat([weights_TK.detach().double(), experts_TK.double()], dim=1)
+        full = DTensor.from_local(packed, self.mesh, [Shard(0)], run_check=False).full_tensor()
+        every = Routes(full[:, :k].to(weights_TK.dtype), full[:, k:].to(experts_TK.dtype))
+        kept_TK = drop_by_capacity(every, n_experts, capacity_factor, policy=policy, check=False).experts
+        start = self.mesh.get_local_rank() * T_local
+        keep_TK = kept_TK[start : start + T_local] >= 0
+        return Routes(torch.where(keep_TK, weights_TK, torch.zeros_like(weights_TK)),
+                      torch.where(keep_TK, experts_TK, torch.full_like(experts_TK, -1)))
+
+
+class SequenceParallelModule(ParallelStyle):
+    """A module whose parameters stay replicated over tp but which runs on this rank's token
+    shard (RMSNorm inside a Block; MoE: router, shared gate, capacity drop): sets its
+    `sequence_parallel` attribute to SequenceShard(tp mesh). Its input is not changed."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not hasattr(module, "sequence_parallel"):
+            raise ValueError(f"module: {type(module).__name__} has no sequence_parallel attribute (fmoe.model's RMSNorm and MoE have one)")
+        if module.sequence_parallel is not None:
+            raise ValueError(f"module: {type(module).__name__} is already sequence parallel (tensor-parallelised twice?)")
+        module.sequence_parallel = SequenceShard(device_mesh)
+        return module
+
+
+class ShardTokens(ParallelStyle):
+    """The edges of a run of token-sharded modules: split_input turns the module's first
+    positional input, [T, ...] alike on every tp rank, into this rank's [T/tp, ...] slice
+    (backward: all-gather); gather_output turns its output (or the output's first element,
+    for a tuple) from [T/tp, ...] back into [T, ...] (backward: this rank's slice of the
+    gradient, which the replicated code after it makes alike on every tp rank). ValueError
+    unless T is divisible by tp."""
+
+    def __init__(self, *, split_input: bool = True, gather_output: bool = True):
+        super().__init__()
+        self.split_input, self.gather_output = split_input, gather_output
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        tp = device_mesh.size()
+
+        def split(m, args):
+            T = args[0].shape[0]
+            if T % tp:
+                raise ValueError(f"x: the micro-batch's T = {T} tokens do not split evenly over tp = {tp} ranks "
+                                 f"(sequence parallelism): make T (tokens_per_micro_batch) a multiple of tp")
+            return (split_tokens(args[0], device_mesh), *args[1:])
+
+        def gather(m, args, out):
+            if isinstance(out, tuple):
+                return (gather_tokens(out[0], device_mesh), *out[1:])
+            return gather_tokens(out, device_mesh)
+
+        if self.split_input:
+            module.register_forward_pre_hook(split)
+        if self.gather_output:
+            module.register_forward_hook(gather)
+        return module
 
 
 class _ShardedRegion(ParallelStyle):
     """Shard the named parameters of a module over the tp mesh (dim per name) and wrap its
-    forward in copy_to_tp (first positional input) / reduce_from_tp (output)."""
+    forward in gather_from_sp (first positional input) / reduce_scatter_to_sp (output)."""
 
     shard_dims: dict[str, int] = {}
 
@@ -74,8 +205,8 @@ class _ShardedRegion(ParallelStyle):
             sharded = distribute_tensor(param.data, device_mesh, [Shard(dim)], src_data_rank=None)
             module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
         self._configure(module, tp)
-        module.register_forward_pre_hook(lambda m, args: (copy_to_tp(args[0], device_mesh), *args[1:]))
-        module.register_forward_hook(lambda m, args, out: reduce_from_tp(out, device_mesh))
+        module.register_forward_pre_hook(lambda m, args: (gather_from_sp(args[0], device_mesh), *args[1:]))
+        module.register_forward_hook(lambda m, args, out: reduce_scatter_to_sp(out, device_mesh))
         return module
 
 
@@ -99,14 +230,52 @@ class SwiGLUParallel(_ShardedRegion):
     shard_dims = {"w_gate": 1, "w_up": 1, "w_down": 0}
 
 
+def _block_edges(model: nn.Module, name: str, block: Block) -> tuple[bool, bool]:
+    """(first, last) of `block` in its run: the Blocks of one nn.ModuleList run one after
+    the other; a Block elsewhere is a run of its own."""
+    parent = model.get_submodule(name.rpartition(".")[0]) if name else None
+    if not isinstance(parent, nn.ModuleList):
+        return True, True
+    run = [m for m in parent if isinstance(m, Block)]
+    return block is run[0], block is run[-1]
+
+
 def tensor_parallel_plan(model: nn.Module) -> dict[str, ParallelStyle]:
-    """The parallelize_module plan for fmoe's reference model (or any module tree built from
-    fmoe.model's Attention, DenseMLP and MoE): every attention, every dense MLP, and the
-    shared experts of every MoE block. Routers and routed experts are left alone."""
+    """The parallelize_module plan for fmoe's reference model, or any module tree whose
+    Attention, DenseMLP and MoE modules sit in fmoe.model Blocks (module docstring):
+
+        every Attention                   AttentionParallel (heads)
+        every DenseMLP (dense MLPs,       SwiGLUParallel (FFN columns)
+        MoE blocks' shared experts)
+        every MoE, every RMSNorm in       SequenceParallelModule (replicated weights on a
+        a Block                           token shard; the MoE's capacity drop)
+        the first / last Block of each    ShardTokens (split the input / gather the output)
+        nn.ModuleList of Blocks, a Block
+        outside one (both)
+
+    Routed experts are left alone (fmoe.parallel.shard_experts shards them over ep / etp).
+    RMSNorms outside Blocks (a final norm, MTP modules' norms) stay replicated. ValueError
+    for an Attention, DenseMLP or MoE outside every Block: sequence parallelism needs to
+    know where the token shards begin and end (apply ShardTokens in your own plan).
+    """
+    blocks = {name: m for name, m in model.named_modules() if isinstance(m, Block)}
+
+    def in_block(name: str) -> bool:
+        return any(b == "" or name.startswith(b + ".") for b in blocks)
+
     plan = {}
     for name, module in model.named_modules():
+        if isinstance(module, (Attention, DenseMLP, MoE)) and not in_block(name):
+            raise ValueError(f"model: {type(module).__name__} {name!r} is not inside a fmoe.model.Block; sequence parallelism "
+                             "splits tokens at Blocks (build your own plan with ShardTokens at the edges of the token-sharded run)")
         if isinstance(module, Attention):
             plan[name] = AttentionParallel()
         elif isinstance(module, DenseMLP):  # dense blocks' MLPs and MoE blocks' shared experts
             plan[name] = SwiGLUParallel()
+        elif isinstance(module, MoE) or (isinstance(module, RMSNorm) and in_block(name)):
+            plan[name] = SequenceParallelModule()
+        elif isinstance(module, Block):
+            first, last = _block_edges(model, name, module)
+            if first or last:
+                plan[name] = ShardTokens(split_input=first, gather_output=last)
     return plan

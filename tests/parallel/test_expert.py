@@ -339,6 +339,8 @@ def _bad_inputs_case(rank: int, world: int) -> list[str]:
     tp_meshes = build_meshes(tp=2)
     tp = ExpertParallel(tp_mesh=tp_meshes.tp_mesh)
     expect(r"^x:", lambda: run(params, cfg, tp), "T % tp")
+    expect(r"token_shards", lambda: ExpertParallel(tp_mesh=tp_meshes.tp_mesh, token_shards=2), "token_shards with a tp_mesh")
+    expect(r"token_shards", lambda: ExpertParallel(meshes.axis("ep"), token_shards=0), "token_shards = 0")
 
     alive = torch.ones(1)
     dist.all_reduce(alive)

@@ -1,6 +1,7 @@
 """fmoe.parallel.parallelize on the reference model: N gloo processes give the loss and
-gradients of one process (float32), for FSDP2, tensor, expert and expert-tensor parallel,
-with and without activation checkpointing (against one process that recomputes nothing)."""
+gradients of one process (float32), for FSDP2, tensor (sequence parallel), expert and
+expert-tensor parallel, with and without activation checkpointing (against one process that
+recomputes nothing); and on a model of a user's own built from fmoe.model Blocks."""
 
 
 import pytest
@@ -26,13 +27,28 @@ def _batches(n, seed=1, mtp_depth=1):
     return out
 
 
-def _loss(model, batch, valid, mtp_depth):
+def _loss(model, batch, valid, mtp_depth, tp_mesh=None):
+    """LM and MTP sums over the valid count, plus a z-loss and a sequence-level balancing
+    loss. With a tp_mesh (sequence parallel) the MoE stats cover this rank's T/tp tokens and
+    the two are its shares (z_loss_split, seq_load_balancing_loss_split), which add up over
+    the tp ranks to the one-process terms."""
+    from fmoe.ops import seq_load_balancing_loss, z_loss
+    from fmoe.parallel import seq_load_balancing_loss_split, z_loss_split
+
     losses, stats = model(batch, model.context(batch))
     loss = losses["lm_sum"] / valid
     for d in range(1, mtp_depth + 1):
         loss = loss + 0.1 * losses[f"mtp_{d}_sum"] / valid
-    z = sum(torch.logsumexp(s["router_logits"], -1).square().mean() for s in stats.values())
-    return loss + 1e-2 * z, losses, stats
+    T, k, cu = batch["input_ids"].shape[0], model.cfg.k, batch["cu_seqlens"]
+    if tp_mesh is None:
+        z = sum(z_loss(s["router_logits"]) for s in stats.values())
+        seq = sum(seq_load_balancing_loss(s["aux_scores"], s["aux_experts"], cu, k=k, check=False) for s in stats.values())
+    else:
+        start = tp_mesh.get_local_rank() * (T // tp_mesh.size())  # this rank's tokens [start, start + T/tp)
+        z = sum(z_loss_split(s["router_logits"], n_tokens=T) for s in stats.values())
+        seq = sum(seq_load_balancing_loss_split(s["aux_scores"], s["aux_experts"], cu, k=k, group=tp_mesh, start=start, check=False)
+                  for s in stats.values())
+    return loss + 1e-2 * z + 1e-2 * seq, losses, stats
 
 
 def _full(t):
@@ -44,7 +60,7 @@ def _full(t):
 def _compare(rank, world, sizes, overrides):
     """Reference in every process on all micro-batches, then the parallel model on this
     rank's data share; returns the max relative errors of the losses and every gradient."""
-    from fmoe.model import Transformer, TransformerConfig
+    from fmoe.model import MoE, RMSNorm, Transformer, TransformerConfig
     from fmoe.ops import update_expert_bias
     from fmoe.optim import grad_norm
     from fmoe.parallel import all_reduce_counts, build_meshes, parallelize
@@ -67,14 +83,23 @@ def _compare(rank, world, sizes, overrides):
         for name, layer in stats.items():
             ref_counts[name] = ref_counts.get(name, 0) + layer["tokens_per_expert"]
     parallelize(model, meshes)
+    tp_mesh = meshes.tp_mesh if meshes.tp > 1 else None
+    # sequence parallelism: every norm inside a block (the residual stream) and every MoE
+    # layer sees T/tp rows under tp; the final norm (before the head) sees all T
+    rows = {}
+    for name, module in model.named_modules():
+        if isinstance(module, (RMSNorm, MoE)):
+            module.register_forward_pre_hook(lambda m, args, name=name: rows.setdefault(name, set()).add(args[0].shape[0]))
     errors, counts, reads = {}, {}, 0
     for i in range(dp_rank, len(batches), dp):
         # forward and backward read nothing on the host, but for the expert-parallel count
         # exchange without a capacity factor (one per MoE layer and forward)
         with HostReads() as host:
-            loss, losses, stats = _loss(model, batches[i], valid, cfg.mtp_depth)
+            loss, losses, stats = _loss(model, batches[i], valid, cfg.mtp_depth, tp_mesh)
             loss.backward()
         reads += host.count
+        for name, layer in stats.items():
+            rows.setdefault(f"{name}.router_logits", set()).add(layer["router_logits"].shape[0])
         errors[f"lm_sum[{i}]"] = abs(float(losses["lm_sum"]) - ref_sums[i]) / abs(ref_sums[i])
         for name, layer in stats.items():
             counts[name] = counts.get(name, 0) + layer["tokens_per_expert"]
@@ -83,6 +108,10 @@ def _compare(rank, world, sizes, overrides):
     if cfg.ac in ("full", "experts"):  # the recomputed forward exchanges the counts again
         expected_reads *= 2
     errors["host_reads"] = float(reads != expected_reads) + (0.0 if reads == expected_reads else reads)
+    T, tp = batches[0]["input_ids"].shape[0], meshes.tp
+    replicated = ("norm", *(f"mtp.{d}.{n}" for d in range(cfg.mtp_depth) for n in ("emb_norm", "hidden_norm")))
+    want = {name: {T if name in replicated else T // tp} for name in rows}
+    errors["sequence_parallel_rows"] = float(rows != want or len(rows) < 2 + 2 * cfg.n_layers)
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
     for name, p in model.named_parameters():
         g = _full(p.grad)
@@ -129,9 +158,84 @@ def test_parallel_model_matches_one_process(case):
         assert not bad, f"rank {rank}: {bad}"
 
 
+class _Blocks(torch.nn.Module):
+    """A user's model built from fmoe.model modules: Blocks in a ModuleList on [T, H] inputs."""
+
+    def __init__(self, blocks):
+        super().__init__()
+        self.blocks = blocks
+
+    def forward(self, x_TH, ctx):
+        stats = []
+        for block in self.blocks:
+            x_TH, layer_stats = block(x_TH, ctx)
+            stats.append(layer_stats)
+        return x_TH, stats
+
+
+def _user_blocks(rank, world):
+    """Two MoE Blocks with gated shared experts (sigmoid(x . shared_gate)) and a capacity
+    factor, every weight random (norms included), under parallelize with tp = 2, against one
+    process: output, input gradient, every parameter gradient and the counts."""
+    from fmoe.layers import attention_context
+    from fmoe.model import Block, MoE, TransformerConfig
+    from fmoe.ops import positions_from_cu_seqlens, z_loss
+    from fmoe.parallel import build_meshes, parallelize, z_loss_split
+
+    cfg = TransformerConfig(**{**TINY, "capacity_factor": 1.0})
+
+    def build():
+        torch.manual_seed(0)
+        blocks = torch.nn.ModuleList(Block(cfg, moe=True) for _ in range(2))
+        for block in blocks:
+            block.mlp = MoE(cfg.hidden, cfg.ffn_expert, cfg.moe_config(), shared_ffn=cfg.ffn_expert, shared_gate=True, expert_bias=True)
+        for p in blocks.parameters():
+            torch.nn.init.normal_(p, std=0.2)
+        return _Blocks(blocks)
+
+    ref, model = build(), build()
+    parallelize(model, build_meshes(tp=2))
+    g = torch.Generator().manual_seed(1)
+    T = 24
+    x, upstream = torch.randn(T, cfg.hidden, generator=g), torch.randn(T, cfg.hidden, generator=g)
+    cu = torch.tensor([0, 7, 24], dtype=torch.int32)
+    ctx = attention_context(cu, positions_from_cu_seqlens(cu), ref.blocks[0].attn.cfg)
+    out = {}
+    for name, m, z_share in (("ref", ref, z_loss), ("tp", model, lambda logits: z_loss_split(logits, n_tokens=T))):
+        x_in = x.clone().requires_grad_()
+        y, stats = m(x_in, ctx)
+        ((y * upstream).sum() + 0.1 * sum(z_share(s["router_logits"]) for s in stats)).backward()
+        counts = torch.stack([s["tokens_per_expert"] for s in stats])
+        if name == "tp":
+            dist.all_reduce(counts)
+        out[name] = (y.detach(), x_in.grad, counts, {n: _full(p.grad) for n, p in m.named_parameters()})
+    (y_ref, dx_ref, counts_ref, grads_ref), (y, dx, counts, grads) = out["ref"], out["tp"]
+    errors = {"y": float((y - y_ref).abs().max()), "dx": float((dx - dx_ref).abs().max()),
+              "counts": float((counts - counts_ref).abs().sum()), "dropped": float(counts_ref.sum() == 2 * T * cfg.k)}
+    for n, grad in grads.items():
+        errors[n] = float((grad - grads_ref[n]).abs().max() / grads_ref[n].abs().max())
+    return errors
+
+
+def test_user_blocks_with_gated_shared_experts_and_capacity_match_one_process():
+    for rank, errors in enumerate(run_distributed(_user_blocks, 2, timeout=240)):
+        bad = {k: v for k, v in errors.items() if not v < 1e-5}
+        assert not bad, f"rank {rank}: {bad}"
+        assert any(k.endswith("shared_gate") for k in errors)
+
+
+def test_tensor_parallel_plan_needs_blocks_around_parallel_regions():
+    from fmoe.model import Attention, TransformerConfig
+    from fmoe.parallel import tensor_parallel_plan
+
+    with pytest.raises(ValueError, match=r"model: Attention 'attn' is not inside a fmoe.model.Block"):
+        tensor_parallel_plan(torch.nn.ModuleDict({"attn": Attention(TransformerConfig(**TINY))}))
+
+
 def _bad_tp(rank, world):
     from fmoe.model import Transformer, TransformerConfig
     from fmoe.parallel import build_meshes, parallelize
+    from fmoe.train.data import make_batch
 
     messages = []
     for overrides, sizes in ((dict(n_heads=2, n_kv_heads=1), dict(tp=2)), (dict(n_experts=3), dict(ep=2)), ({}, dict(cp=2))):
@@ -139,12 +243,19 @@ def _bad_tp(rank, world):
             parallelize(Transformer(TransformerConfig(**{**TINY, **overrides})), build_meshes(**sizes))
         except ValueError as err:
             messages.append(str(err))
+    model = parallelize(Transformer(TransformerConfig(**TINY)), build_meshes(tp=2))
+    batch = make_batch(torch.randint(0, TINY["vocab_size"], (25,)), torch.tensor([0, 25]), TINY["mtp_depth"])
+    try:
+        model(batch, model.context(batch))
+    except ValueError as err:
+        messages.append(str(err))
     return messages
 
 
 def test_parallelize_refuses_what_does_not_split():
     for messages in run_distributed(_bad_tp, 2):
-        assert len(messages) == 3
+        assert len(messages) == 4
         assert "n_heads = 2 and n_kv_heads = 1 must both be divisible by tp = 2" in messages[0]
         assert "n_experts = 3 is not divisible by ep = 2" in messages[1]
         assert "cp: context-parallel attention is not implemented" in messages[2]
+        assert "T = 25 tokens do not split evenly over tp = 2 ranks" in messages[3] and "tokens_per_micro_batch" in messages[3]

@@ -19,6 +19,7 @@ from fmoe.parallel.reduce import (
     all_reduce_sums,
     global_load_balancing_loss,
     seq_load_balancing_loss_split,
+    z_loss_split,
 )
 from tests.parallel.dist import counting_all_reduce, run_distributed
 
@@ -484,6 +485,22 @@ def test_global_loss_micro_batches_with_running_counts():
     assert float(value) == pytest.approx(float(ops.load_balancing_loss(scores[0], running, k=k, n_tokens=9)), rel=1e-6)
 
 
+def test_z_loss_split_shares_add_up_to_the_mean_and_its_gradient():
+    """Rows 0..4 and 5..11 (and an empty shard) as three ranks' tokens: the shares add up to
+    z_loss over the 12 rows, and each share's gradient is its rows of the unsplit one."""
+    logits = torch.randn(12, 5, requires_grad=True)
+    upstream = 0.7
+    (ops.z_loss(logits) * upstream).backward()
+    whole, grad = float(ops.z_loss(logits.detach())), logits.grad.clone()
+    logits.grad = None
+    shards = [logits[:5], logits[5:], logits[12:]]
+    values = [z_loss_split(shard, n_tokens=n) for shard, n in zip(shards, (12, torch.tensor(12), 12))]
+    assert sum(float(v.detach()) for v in values) == pytest.approx(whole, rel=1e-6)
+    assert float(values[2].detach()) == 0.0 and values[2].requires_grad
+    (sum(values) * upstream).backward()
+    torch.testing.assert_close(logits.grad, grad, rtol=1e-6, atol=1e-7)
+
+
 # ---------------------------------------------------------------------------- refusals in one process
 
 
@@ -522,6 +539,10 @@ def test_bad_inputs_raise_value_errors_naming_the_argument():
     _raises("n_score_tokens: expected >= 1", global_load_balancing_loss, scores, counts, k=2, n_tokens=6, n_score_tokens=0)
     _raises("n_tokens: expected >= 1", global_load_balancing_loss, scores, counts, k=2, n_tokens=0)
     _raises(r"counts: expected a tensor of shape \(4,\)", global_load_balancing_loss, scores, counts[:3], k=2, n_tokens=6)
+
+    _raises("n_tokens: expected >= 1", z_loss_split, scores, n_tokens=0)
+    _raises("n_tokens: expected an int or a 1-element tensor", z_loss_split, scores, n_tokens=torch.ones(2))
+    _raises("logits: expected a 2-D", z_loss_split, scores[0], n_tokens=6)
 
     _raises(r"values\['x'\]: expected a real 1-element tensor", all_reduce_sums, {"x": torch.ones(2)}, None)
     _raises(r"values\['x'\]: expected a number", all_reduce_sums, {"x": "1"}, None)

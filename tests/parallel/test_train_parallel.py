@@ -37,7 +37,7 @@ def reference(tmp_path_factory):
     return records
 
 
-def _assert_same(records, ref, keys=("loss", "mtp_1_loss", "z_loss", "seq_aux_loss")):
+def _assert_same(records, ref, keys=("loss", "mtp_1_loss", "z_loss", "seq_aux_loss", "aux_loss")):
     assert [r["step"] for r in records] == [r["step"] for r in ref]
     for got, want in zip(records, ref):
         for key in keys:
@@ -53,12 +53,14 @@ RUNS = {
     "ep2-fsdp-edp2": (4, ["--ep=2"]),
     "tp2": (2, ["--tp=2"]),
     "ep2xtp2": (4, ["--tp=2", "--ep=2"]),
+    # sequence parallel: each tp rank's share of every balancing loss, the switch loss too
+    "tp2-aux": (2, ["--tp=2", "--aux_coeff=1e-2"]),
     "etp2": (2, ["--etp=2"]),
     "muon": (4, ["--optimizer=muon", "--ns_dtype=float32", "--ep=2"]),
     # 2 micro-batches over 4 data ranks: two ranks run only a masked copy, and still join
     "padded-ep4": (4, ["--ep=4", "--batch_schedule=0:2"]),
 }
-SAME_MODEL = ("--optimizer=", "--ns_dtype=", "--batch_schedule=")  # knobs the one-process reference shares
+SAME_MODEL = ("--optimizer=", "--ns_dtype=", "--batch_schedule=", "--aux_coeff=")  # knobs the one-process reference shares
 
 
 @pytest.mark.parametrize("run", list(RUNS))
