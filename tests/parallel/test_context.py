@@ -1,19 +1,97 @@
-"""fmoe.parallel.context: the load-balanced split of a packed micro-batch and the K/V
-all-gather (cp = 2 and 4 gloo processes).
+"""fmoe.parallel.context: the load-balanced split of a packed micro-batch, the K/V all-gather,
+and fmoe.layers.attention across the split (cp = 2 and 4 gloo processes against one process
+on the whole batch, float32).
 
 One spawn of 4 processes runs every distributed case (a module-scoped fixture): cp = 4 over
-the 4 ranks, and cp = 2 over ranks (0, 1) and (2, 3) at once. The split's pure checks run in
-this process.
+the 4 ranks, and cp = 2 over ranks (0, 1) and (2, 3) at once, each pair on its own batch.
+The split's pure checks run in this process.
 """
+
+import dataclasses
+import functools
 
 import pytest
 import torch
+import torch.distributed as dist
 
+from fmoe.layers import AttentionConfig, attention, attention_context
 from fmoe.parallel import cp_kv_index, cp_token_index, gather_kv, split_batch
 from fmoe.train.data import make_batch
 from tests.parallel.dist import run_distributed
 
+H = 16
+CFG = AttentionConfig(n_heads=4, n_kv_heads=2, head_dim=8)  # grouped-query: 2 queries per kv head
+
+# name: (cp, cu_seqlens of the whole batch). Chunks are T / (2 cp) tokens.
+CASES = {
+    # chunks of 4: [0,3) and [3,4) shorter than a chunk, an empty document, [3,18) crosses
+    # chunks 0-4 and so lies on every rank, [21,26) crosses the 24 boundary (ranks 2 and 1)
+    "cp=4, mixed documents": (4, [0, 1, 3, 3, 18, 21, 26, 32]),
+    # chunks of 4: [2,7) crosses rank 0 -> 1, [7,13) crosses rank 1 -> 0 (at 12)
+    "cp=2, documents across the chunk edges": (2, [0, 2, 7, 13, 16]),
+    # chunks of 6: one causal document over both ranks
+    "cp=2, one document": (2, [0, 24]),
+}
+# the cp = 2 groups (ranks 0, 1) and (2, 3) each run one cp = 2 case
+CP2_CASES = ("cp=2, documents across the chunk edges", "cp=2, one document")
+
+
+def _rel(a, b) -> float:
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).norm() / b.norm().clamp(min=1e-12))
+
+
 # ---------------------------------------------------------------------------- worker side
+
+
+def _inputs(cu, seed):
+    """The whole batch's inputs, the same on every rank (seeded)."""
+    gen = torch.Generator().manual_seed(seed)
+    T = cu[-1]
+    N, G, D = CFG.n_heads, CFG.n_kv_heads, CFG.head_dim
+    shapes = {"wq": (H, N * D), "wk": (H, G * D), "wv": (H, G * D), "wo": (N * D, H)}
+    params = {n: torch.randn(*s, generator=gen) * s[0] ** -0.5 for n, s in shapes.items()}
+    x = torch.randn(T, H, generator=gen)
+    upstream = torch.randn(T, H, generator=gen)  # a random upstream gradient, never .sum()
+    batch = make_batch(torch.randint(0, 50, (T,), generator=gen), torch.tensor(cu), mtp_depth=1)
+    return params, x, upstream, batch
+
+
+def _attention_case(mesh, cp, cp_rank, cu, seed):
+    from fmoe.train.metrics import HostReads
+
+    params, x, upstream, batch = _inputs(cu, seed)
+    T = x.shape[0]
+    # the reference: one process, the whole batch
+    ref_x = x.clone().requires_grad_()
+    ref_p = {n: t.clone().requires_grad_() for n, t in params.items()}
+    ref_y, _ = attention(ref_x, ref_p, CFG, attention_context(batch["cu_seqlens"], batch["positions"], CFG))
+    ref_y.backward(upstream)
+
+    local = split_batch(batch, cp_rank, cp)
+    index = local["token_index"]
+    x_local = x[index].clone().requires_grad_()
+    p_local = {n: t.clone().requires_grad_() for n, t in params.items()}
+    cp_args = dict(token_index=index, kv_index=cp_kv_index(T, cp), gather_kv=functools.partial(gather_kv, cp_mesh=mesh))
+    with HostReads() as reads:
+        ctx = attention_context(local["cu_seqlens"], local["positions"], CFG, **cp_args)
+        y, _ = attention(x_local, p_local, CFG, ctx)
+        y.backward(upstream[index])
+    # the parameters are replicated over cp: their gradient is the sum of the ranks'
+    grads = {n: p.grad.clone() for n, p in p_local.items()}
+    for g in grads.values():
+        dist.all_reduce(g, group=mesh.get_group())
+
+    flex_cfg = dataclasses.replace(CFG, impl="flex")
+    with torch.no_grad():  # FlexAttention has no CPU backward: its mask, forward only
+        flex_ctx = attention_context(local["cu_seqlens"], local["positions"], flex_cfg, **cp_args)
+        y_flex, _ = attention(x[index], params, flex_cfg, flex_ctx)
+    return dict(
+        index=index, y=y.detach(), ref_y=ref_y.detach()[index], y_flex=y_flex,
+        x_grad=x_local.grad, ref_x_grad=ref_x.grad[index],
+        grads=grads, ref_grads={n: p.grad for n, p in ref_p.items()},
+        mask_shape=tuple(ctx.mask.shape), flex_mask_shape=tuple(flex_ctx.mask.shape[-2:]), host_reads=reads.count,
+    )
 
 
 def _gather_case(mesh, cp, cp_rank, T, seed):
@@ -42,6 +120,11 @@ def _cp_worker(rank, world):
     cp4 = DeviceMesh("cpu", torch.arange(world), mesh_dim_names=("cp",))
     cp2 = DeviceMesh("cpu", torch.arange(world).view(2, 2), mesh_dim_names=("dp", "cp"))["cp"]
     out = {}
+    for seed, (name, (cp, cu)) in enumerate(CASES.items()):
+        if cp == 4:
+            out[name] = _attention_case(cp4, 4, rank, cu, seed)
+        elif name == CP2_CASES[rank // 2]:
+            out[name] = _attention_case(cp2, 2, rank % 2, cu, seed)
     out["gather cp=4"] = _gather_case(cp4, 4, rank, 16, 7)
     out["gather cp=2"] = _gather_case(cp2, 2, rank % 2, 12, 8 + rank // 2)
     return out
@@ -53,6 +136,34 @@ def cp_results():
 
 
 # ---------------------------------------------------------------------------- distributed
+
+
+def _case_results(cp_results, name):
+    cp, _ = CASES[name]
+    if cp == 4:
+        return cp_results
+    group = CP2_CASES.index(name)
+    return cp_results[2 * group:2 * group + 2]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_attention_over_cp_ranks_equals_one_process(cp_results, name):
+    cp, cu = CASES[name]
+    results = [r[name] for r in _case_results(cp_results, name)]
+    T = cu[-1]
+    # the ranks' tokens partition the batch
+    assert torch.equal(torch.cat([r["index"] for r in results]).sort().values, torch.arange(T))
+    for rank, r in enumerate(results):
+        assert r["mask_shape"] == (T // cp, T) and r["flex_mask_shape"] == (T // cp, T)
+        assert _rel(r["y"], r["ref_y"]) < 1e-5, (rank, _rel(r["y"], r["ref_y"]))
+        assert _rel(r["x_grad"], r["ref_x_grad"]) < 1e-5, rank
+        for n in r["grads"]:  # summed over the cp ranks in the worker
+            assert _rel(r["grads"][n], r["ref_grads"][n]) < 1e-5, (rank, n)
+        assert r["host_reads"] == 0, rank  # context, forward and backward: no host sync
+        # FlexAttention's CP block mask, eager on CPU, gives the SDPA reference's rows
+        assert _rel(r["y_flex"], r["ref_y"]) < 1e-5, rank
+    # a rank's output is not its rows of the whole batch by accident: they differ per rank
+    assert not torch.allclose(results[0]["y"], results[1]["y"])
 
 
 @pytest.mark.parametrize("cp", [2, 4])
