@@ -2,6 +2,8 @@
 
     moe(x[T,H], params, cfg, *, experts=None, shared=None) -> (y[T,H], stats)
     attention_context(cu_seqlens[n+1], positions[T], cfg) -> AttentionContext  (once per micro-batch)
+    attention_context(cu_seqlens[n+1], positions[T/cp], cfg, token_index=, kv_index=, gather_kv=)
+                                              the same for this rank's tokens under context parallel
     attention(x[T,H], params, cfg, ctx) -> (y[T,H], stats)
     dense_mlp(x[T,H], w_gate, w_up, w_down) -> y[T,H]
 
@@ -45,6 +47,13 @@ sqrt(head_dim), and a mask that lets a token see the earlier tokens of its own d
 only, so a document's outputs do not depend on what it is packed with. CUDA: FlexAttention
 with a block mask; CPU: scaled_dot_product_attention with the dense mask (the reference).
 params: wq [H, n_heads*D], wk, wv [H, n_kv_heads*D], wo [n_heads*D, H].
+
+Context parallel (fmoe.parallel.context): x holds this rank's T/cp tokens, the global tokens
+token_index [T/cp] of the micro-batch; after RoPE, the context's gather_kv returns the keys
+and values of all T tokens, row j being global token kv_index[j]; query i sees key j iff
+both lie in the same document (of the global cu_seqlens) and kv_index[j] <= token_index[i].
+The mask is [T/cp, T] (a BlockMask with Q_LEN = T/cp, KV_LEN = T on the flex path). With no
+CP arguments the context, the mask and the layer are the single-process ones.
 
 Legend: T tokens, H hidden, E experts, K = k slots, F expert FFN size, Fs shared FFN size,
 N query heads, G kv heads, D head dim, R = rot_dim / 2 rotary frequencies.
@@ -305,12 +314,17 @@ class AttentionContext:
 
     cos, sin: [T, R] float32 RoPE / YaRN tables at the tokens' positions.
     mask: which keys each query sees (the earlier tokens of its own document): a [T, T]
-        bool tensor for the SDPA reference, or a FlexAttention BlockMask.
+        bool tensor for the SDPA reference, or a FlexAttention BlockMask; under context
+        parallel [T/cp, T] (this rank's queries, every rank's keys).
+    gather_kv: context parallel only (None: none): gather_kv(k, v) -> (k, v), applied to
+        this rank's keys [T/cp, G, D] (after RoPE) and values, returning every rank's
+        [T, G, D] (fmoe.parallel.gather_kv over the cp mesh).
     """
 
     cos: torch.Tensor
     sin: torch.Tensor
     mask: object
+    gather_kv: Optional[Callable] = None
 
 
 def _use_flex(impl: str, device: torch.device) -> bool:
@@ -319,11 +333,19 @@ def _use_flex(impl: str, device: torch.device) -> bool:
     return impl == "flex" or (impl == "auto" and device.type == "cuda")
 
 
-def document_mask(cu_seqlens: torch.Tensor, n_tokens: int, *, flex: bool):
+def document_mask(cu_seqlens: torch.Tensor, n_tokens: int, *, flex: bool, token_index=None, kv_index=None):
     """The causal, same-document mask of a packed micro-batch: a FlexAttention BlockMask
     (flex=True) or a [T, T] bool tensor, True where query t may attend to key s (s <= t
-    and both in the same document). No host sync; built once per micro-batch."""
+    and both in the same document). No host sync; built once per micro-batch.
+
+    Context parallel: token_index [Tq] (the queries' global token indices) and kv_index
+    [Tk] (the keys', Tk = n_tokens) give the [Tq, Tk] mask of query i and key j: the
+    global tokens token_index[i] and kv_index[j] under the rule above. Both or neither."""
+    if (token_index is None) != (kv_index is None):
+        raise ValueError(f"{'kv_index' if kv_index is None else 'token_index'}: expected token_index and kv_index together (context parallel) or neither")
     doc_T = sequence_ids(cu_seqlens, n_tokens)
+    if token_index is not None:
+        return _cp_document_mask(doc_T, token_index.long(), kv_index.long(), flex=flex)
     if flex:
         from torch.nn.attention.flex_attention import create_block_mask
 
@@ -335,8 +357,42 @@ def document_mask(cu_seqlens: torch.Tensor, n_tokens: int, *, flex: bool):
     return causal_TT & (doc_T[:, None] == doc_T[None, :])
 
 
+def _cp_document_mask(doc_T, q_pos, kv_pos, *, flex: bool):
+    """document_mask's rule on global indices: queries q_pos [Tq], keys kv_pos [Tk]."""
+    # index_select rather than indexing: nothing is read on the host
+    q_doc, kv_doc = doc_T.index_select(0, q_pos), doc_T.index_select(0, kv_pos)
+    if flex:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def same_doc_causal(b, h, q_idx, kv_idx):
+            return (q_doc[q_idx] == kv_doc[kv_idx]) & (kv_pos[kv_idx] <= q_pos[q_idx])
+
+        return create_block_mask(same_doc_causal, None, None, q_pos.shape[0], kv_pos.shape[0], device=doc_T.device)
+    return (q_doc[:, None] == kv_doc[None, :]) & (kv_pos[None, :] <= q_pos[:, None])
+
+
+def _check_cp(positions, token_index, kv_index, gather_kv) -> None:
+    given = [name for name, a in (("token_index", token_index), ("kv_index", kv_index), ("gather_kv", gather_kv)) if a is not None]
+    if given and len(given) < 3:
+        missing = sorted({"token_index", "kv_index", "gather_kv"} - set(given))
+        raise ValueError(f"{missing[0]}: context parallel needs token_index, kv_index and gather_kv together, got only {given}")
+    if not given:
+        return
+    check_index("token_index", token_index, 1, "[T/cp]")
+    check_index("kv_index", kv_index, 1, "[T]")
+    if token_index.shape != positions.shape:
+        raise ValueError(f"token_index: expected one global index per local token, shape {tuple(positions.shape)} like positions, got {tuple(token_index.shape)}")
+    for name, t in (("token_index", token_index), ("kv_index", kv_index)):
+        if t.device != positions.device:
+            raise ValueError(f"{name}: expected positions' device {positions.device}, got {t.device}")
+    if not callable(gather_kv):
+        raise ValueError(f"gather_kv: expected a callable (k, v) -> (k, v), got {type(gather_kv).__name__}")
+
+
 def attention_context(
     cu_seqlens: torch.Tensor, positions: torch.Tensor, cfg: AttentionConfig, *, mask=None,
+    token_index: Optional[torch.Tensor] = None, kv_index: Optional[torch.Tensor] = None,
+    gather_kv: Optional[Callable] = None,
 ) -> AttentionContext:
     """The per-micro-batch inputs of attention, built once and passed to every layer.
 
@@ -344,13 +400,21 @@ def attention_context(
         cu_seqlens: [n + 1] int document bounds 0 ... T, on the device attention runs on.
             Its values are NOT read (no host sync): check them where the batch is made
             (fmoe.train.data.make_batch does, on the host).
-        positions: [T] int positions for RoPE (restarting at 0 in each document).
+        positions: [T] int positions for RoPE (restarting at 0 in each document); under
+            context parallel this rank's [T/cp] (fmoe.parallel.split_batch's).
         cfg: AttentionConfig (its RoPE / YaRN knobs and impl pick the tables and the mask).
         mask: an existing context's mask to share (the MTP depths: same documents, other
             positions); None builds it (document_mask).
+        token_index, kv_index, gather_kv: context parallel (module docstring), all three or
+            none. token_index [T/cp] int: the global indices of this rank's tokens
+            (split_batch's "token_index"); kv_index [T] int: the global index of each row
+            gather_kv returns (fmoe.parallel.cp_kv_index); gather_kv(k, v) -> (k, v): this
+            rank's keys and values to every rank's (functools.partial(fmoe.parallel.gather_kv,
+            cp_mesh=...)). Their values are not read either.
     Returns:
-        AttentionContext(cos, sin [T, rot_dim/2] float32, mask): a FlexAttention BlockMask
-        when cfg.impl is "flex", or "auto" on CUDA; the dense [T, T] mask otherwise.
+        AttentionContext(cos, sin [T, rot_dim/2] float32, mask, gather_kv): the mask is a
+        FlexAttention BlockMask when cfg.impl is "flex", or "auto" on CUDA; the dense
+        [T, T] mask otherwise ([T/cp, T] under context parallel).
     """
     check_index("cu_seqlens", cu_seqlens, 1, "[n_seqs + 1]")
     check_index("positions", positions, 1, "[T]")
@@ -359,14 +423,16 @@ def attention_context(
     rot = cfg.rot_dim or cfg.head_dim
     if rot % 2 or rot > cfg.head_dim:
         raise ValueError(f"cfg.rot_dim: expected an even number <= head_dim = {cfg.head_dim}, got {rot}")
+    _check_cp(positions, token_index, kv_index, gather_kv)
     T = positions.shape[0]
+    T_kv = T if kv_index is None else kv_index.shape[0]
     flex = _use_flex(cfg.impl, positions.device)
     if mask is None:
-        mask = document_mask(cu_seqlens, T, flex=flex)
-    elif isinstance(mask, torch.Tensor) == flex or (isinstance(mask, torch.Tensor) and mask.shape != (T, T)):
-        raise ValueError(f"mask: expected {'a BlockMask' if flex else f'a [{T}, {T}] bool tensor'} (cfg.impl = {cfg.impl!r}), got {type(mask).__name__}")
+        mask = document_mask(cu_seqlens, T_kv, flex=flex, token_index=token_index, kv_index=kv_index)
+    elif isinstance(mask, torch.Tensor) == flex or (isinstance(mask, torch.Tensor) and mask.shape != (T, T_kv)):
+        raise ValueError(f"mask: expected {'a BlockMask' if flex else f'a [{T}, {T_kv}] bool tensor'} (cfg.impl = {cfg.impl!r}), got {type(mask).__name__}")
     cos, sin = rope_tables(positions, cfg)
-    return AttentionContext(cos, sin, mask)
+    return AttentionContext(cos, sin, mask, gather_kv)
 
 
 @functools.cache
@@ -401,7 +467,8 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
     Args:
         x: [T, H] packed tokens. params: wq, wk, wv, wo (module docstring).
         cfg: AttentionConfig.
-        ctx: the micro-batch's AttentionContext (attention_context): RoPE tables and mask.
+        ctx: the micro-batch's AttentionContext (attention_context): RoPE tables and mask,
+            and under context parallel its gather_kv (x then holds this rank's T/cp tokens).
     Returns:
         (y [T, H] in x's dtype, stats): stats is an empty TensorDict (attention has no
         losses), kept for the layers' common (output, stats) form.
@@ -412,6 +479,11 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
     q_TND = apply_rope(rearrange(x @ params["wq"], "t (n d) -> t n d", n=N), ctx.cos, ctx.sin, interleaved=cfg.interleaved, impl=rope_impl)
     k_TGD = apply_rope(rearrange(x @ params["wk"], "t (g d) -> t g d", g=G), ctx.cos, ctx.sin, interleaved=cfg.interleaved, impl=rope_impl)
     v_TGD = rearrange(x @ params["wv"], "t (g d) -> t g d", g=G)
+    if ctx.gather_kv is not None:  # context parallel: every rank's keys and values, [T, G, D]
+        k_TGD, v_TGD = ctx.gather_kv(k_TGD, v_TGD)
+        n_keys = ctx.mask.shape[-1]
+        if k_TGD.shape[0] != n_keys or v_TGD.shape[0] != n_keys:
+            raise ValueError(f"ctx.gather_kv: returned {k_TGD.shape[0]} keys and {v_TGD.shape[0]} values, the mask has {n_keys} keys")
     q_NTD, k_GTD, v_GTD = (rearrange(t, "t h d -> h t d") for t in (q_TND, k_TGD, v_TGD))
     if isinstance(ctx.mask, torch.Tensor):  # the reference
         out_NTD = F.scaled_dot_product_attention(q_NTD, k_GTD, v_GTD, attn_mask=ctx.mask, scale=softmax_scale(cfg), enable_gqa=True)

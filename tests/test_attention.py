@@ -200,3 +200,125 @@ def test_gpu_flex_attention_matches_reference():
     assert _rel(flex, ref) < 2e-2
     for a, b in zip(g_flex, g_ref):
         assert _rel(a, b) < 3e-2
+
+
+# ---------------------------------------------------------------------------- context parallel
+# Across real ranks (gloo, forward and backward): tests/parallel/test_context.py. Here one
+# process plays one rank: its tokens, and a gather_kv that returns the whole batch's keys and
+# values in the cp ranks' order (what the all-gather brings) with its own rows in place.
+
+
+def _one_rank_of_cp(x, p, cfg, cu, cp, rank):
+    """(token_index, ctx) of cp rank `rank` of the batch x [T, H] with documents cu."""
+    from fmoe.parallel import cp_kv_index, cp_token_index
+
+    T, G, D = x.shape[0], cfg.n_kv_heads, cfg.head_dim
+    positions = positions_from_cu_seqlens(cu)
+    index, kv_index = cp_token_index(T, cp, rank, device=x.device), cp_kv_index(T, cp, device=x.device)
+    with torch.no_grad():
+        cos, sin = rope_tables(positions, cfg)
+        k_all = apply_rope((x @ p["wk"]).view(T, G, D), cos, sin, interleaved=cfg.interleaved, impl="torch")[kv_index]
+        v_all = (x @ p["wv"]).view(T, G, D)[kv_index]
+    own_rows = torch.arange(rank * T // cp, (rank + 1) * T // cp, device=x.device)
+
+    def gather_kv(k, v):
+        return k_all.index_copy(0, own_rows, k), v_all.index_copy(0, own_rows, v)
+
+    ctx = attention_context(cu, positions[index], cfg, token_index=index, kv_index=kv_index, gather_kv=gather_kv)
+    return index, ctx
+
+
+@pytest.mark.parametrize("impl", ["torch", "flex"])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_context_parallel_rank_gives_its_rows_of_the_whole_batch(cp, impl):
+    cu = torch.tensor([0, 3, 4, 13, 21, 24], dtype=torch.int32)  # chunks of 3 (cp=4) or 6 (cp=2)
+    cfg = dataclasses.replace(YARN, impl=impl)
+    p = {n: t.detach() for n, t in _params(cfg).items()}
+    x = torch.randn(24, H)
+    with torch.no_grad():  # forward only: FlexAttention has no CPU backward (gradients: tests/parallel)
+        whole, _ = attention(x, p, cfg, _ctx(cu, cfg))
+        for rank in range(cp):
+            index, ctx = _one_rank_of_cp(x, p, cfg, cu, cp, rank)
+            y, _ = attention(x[index], p, cfg, ctx)
+            assert _rel(y, whole[index]) < 1e-5, rank
+
+
+def test_context_parallel_mask_is_the_document_mask_at_global_indices():
+    from fmoe.parallel import cp_kv_index, cp_token_index
+    from fmoe.train.metrics import HostReads
+
+    cu = torch.tensor([0, 3, 3, 10, 16])
+    whole = document_mask(cu, 16, flex=False)
+    zero = torch.zeros((), dtype=torch.long)
+    for cp in (2, 4):
+        kv_index = cp_kv_index(16, cp)
+        for rank in range(cp):
+            index = cp_token_index(16, cp, rank)
+            positions = positions_from_cu_seqlens(cu)[index]  # where the batch is made: values read there
+            with HostReads() as reads:
+                ctx = attention_context(cu, positions, CFG, token_index=index, kv_index=kv_index, gather_kv=lambda k, v: (k, v))
+            assert reads.count == 0, reads.sites
+            assert torch.equal(ctx.mask, whole[index][:, kv_index])  # [T/cp, T]
+            block = document_mask(cu, 16, flex=True, token_index=index, kv_index=kv_index)
+            assert tuple(block.shape[-2:]) == (16 // cp, 16)
+            q, k = torch.meshgrid(torch.arange(16 // cp), torch.arange(16), indexing="ij")
+            assert torch.equal(block.mask_mod(zero, zero, q, k), ctx.mask)
+
+
+def test_context_parallel_over_one_rank_is_the_plain_layer():
+    cu = torch.tensor([0, 5, 6, 16])
+    x, p = torch.randn(16, H), _params(CFG)
+    ctx = attention_context(cu, positions_from_cu_seqlens(cu), CFG, token_index=torch.arange(16), kv_index=torch.arange(16), gather_kv=lambda k, v: (k, v))
+    assert ctx.gather_kv is not None and _ctx(cu, CFG).gather_kv is None
+    torch.testing.assert_close(attention(x, p, CFG, ctx)[0], attention(x, p, CFG, _ctx(cu, CFG))[0], rtol=0, atol=0)
+
+
+def test_context_parallel_bad_inputs():
+    cu, index, kv_index = torch.tensor([0, 16]), torch.arange(8), torch.arange(16)
+    positions = torch.arange(8)
+    keep = lambda k, v: (k, v)  # noqa: E731
+    with pytest.raises(ValueError, match="kv_index: context parallel needs token_index, kv_index and gather_kv together"):
+        attention_context(cu, positions, CFG, token_index=index, gather_kv=keep)
+    with pytest.raises(ValueError, match="token_index: expected one global index per local token"):
+        attention_context(cu, positions, CFG, token_index=kv_index, kv_index=kv_index, gather_kv=keep)
+    with pytest.raises(ValueError, match="kv_index: expected dtype int32 or int64"):
+        attention_context(cu, positions, CFG, token_index=index, kv_index=kv_index.float(), gather_kv=keep)
+    with pytest.raises(ValueError, match="gather_kv: expected a callable"):
+        attention_context(cu, positions, CFG, token_index=index, kv_index=kv_index, gather_kv="all-gather")
+    with pytest.raises(ValueError, match=r"mask: expected a \[8, 16\] bool tensor"):
+        attention_context(cu, positions, CFG, token_index=index, kv_index=kv_index, gather_kv=keep, mask=torch.ones(8, 8, dtype=torch.bool))
+    with pytest.raises(ValueError, match="kv_index: expected token_index and kv_index together"):
+        document_mask(cu, 16, flex=False, token_index=index)
+    # a gather that returns only the local rows does not fit the [8, 16] mask
+    ctx = attention_context(cu, positions, CFG, token_index=index, kv_index=kv_index, gather_kv=keep)
+    with pytest.raises(ValueError, match="ctx.gather_kv: returned 8 keys and 8 values, the mask has 16 keys"):
+        attention(torch.randn(8, H), _params(CFG), CFG, ctx)
+
+
+@pytest.mark.gpu
+def test_gpu_flex_attention_with_the_context_parallel_block_mask():
+    """One rank's share at a real size: compiled FlexAttention with the [T/cp, T] block mask
+    against the SDPA reference on the same split (forward and gradients), and its output
+    against its rows of the whole batch."""
+    cfg = AttentionConfig(n_heads=16, n_kv_heads=4, head_dim=128)
+    ref_cfg = dataclasses.replace(cfg, impl="torch")
+    Hg, T, cp = 2048, 8192, 4
+    shapes = {"wq": (Hg, 16 * 128), "wk": (Hg, 4 * 128), "wv": (Hg, 4 * 128), "wo": (16 * 128, Hg)}
+    p = {n: (torch.randn(*s, device="cuda") * s[0] ** -0.5).bfloat16().requires_grad_() for n, s in shapes.items()}
+    x = torch.randn(T, Hg, device="cuda", dtype=torch.bfloat16)
+    cu = torch.tensor([0, 1000, 1001, 5000, T], device="cuda", dtype=torch.int32)  # documents across the chunks
+    with torch.no_grad():
+        whole, _ = attention(x, p, ref_cfg, _ctx(cu, ref_cfg))
+    for rank in (0, cp - 1):
+        index, flex_ctx = _one_rank_of_cp(x, p, cfg, cu, cp, rank)  # auto on CUDA: the BlockMask
+        _, ref_ctx = _one_rank_of_cp(x, p, ref_cfg, cu, cp, rank)
+        assert not isinstance(flex_ctx.mask, torch.Tensor) and tuple(flex_ctx.mask.shape[-2:]) == (T // cp, T)
+        x_local = x[index].detach().requires_grad_()
+        upstream = torch.randn(T // cp, Hg, device="cuda", dtype=torch.bfloat16)
+        flex, _ = attention(x_local, p, cfg, flex_ctx)
+        g_flex = torch.autograd.grad(flex, [x_local, *p.values()], upstream)
+        ref, _ = attention(x_local, p, ref_cfg, ref_ctx)
+        g_ref = torch.autograd.grad(ref, [x_local, *p.values()], upstream)
+        assert _rel(flex, ref) < 2e-2 and _rel(flex, whole[index]) < 2e-2, rank
+        for a, b in zip(g_flex, g_ref):
+            assert _rel(a, b) < 3e-2, rank

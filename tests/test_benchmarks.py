@@ -14,6 +14,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "benchmarks").glob("bench_*.py")))
 def test_benchmark_smoke(script, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # --smoke sets it
+    # the script imports this checkout's fmoe, not whichever tree the environment installed
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     out = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / script), "--smoke", "--out", str(tmp_path)],
         capture_output=True, text=True, env=env, timeout=900,

@@ -1,0 +1,201 @@
+"""Context parallelism (CP): one packed micro-batch split over the cp ranks, attention across
+the split by an all-gather of K and V. DESIGN.md "Parallelism".
+
+    cp_token_index(n_tokens, cp, cp_rank) -> token_index [T/cp] int64   this rank's tokens
+    cp_kv_index(n_tokens, cp) -> kv_index [T] int64                      the gathered K/V rows
+    split_batch(batch, cp_rank, cp) -> TensorDict                        this rank's share
+    gather_kv(k [T/cp, G, D], v [T/cp, G, Dv], cp_mesh) -> (k [T, G, D], v [T, G, Dv])
+
+One rank's attention, step by step (fmoe.layers.attention does 2-4 when its context has CP):
+
+  1. split_batch: the rank keeps the tokens token_index of the micro-batch (every per-token
+     field: ids, labels, loss mask, positions, the MTP rows), cu_seqlens stays GLOBAL, and
+     the split records token_index (explicit, no hidden state).
+  2. q, k, v of the local tokens; RoPE at their own positions (positions are per token, so
+     the split positions are the right ones).
+  3. gather_kv: K and V of every rank, in rank order (rank 0's T/cp rows, then rank 1's, ...);
+     row j is global token kv_index[j].
+  4. attention of the T/cp local queries over the T gathered keys, query i (global token
+     token_index[i]) seeing key j iff same document and kv_index[j] <= token_index[i]
+     (fmoe.layers.attention_context builds that [T/cp, T] mask, or the BlockMask).
+
+Load balance. Under a causal mask the work of a query grows with its index, so contiguous
+T/cp slices would leave the last rank with most of it. The T tokens are cut into 2 cp equal
+chunks and rank r takes chunk r and chunk 2 cp - 1 - r (a head and a tail): every rank then
+has the same causal work on one long document (the split of Megatron-LM and of Llama 3).
+Example, T = 16, cp = 2: rank 0 holds [0..3, 12..15], rank 1 holds [4..11].
+
+MTP targets. make_batch rolls the MTP inputs, labels and loss mask over the WHOLE packed
+batch, inside each document, before the split, so the token at the end of a chunk keeps the
+label that lies on another rank. (Megatron-LM rolled per CP chunk, which gave chunk-edge
+tokens a wrong or filled target.) tests/parallel/test_context.py checks those tokens.
+
+Why an all-gather of K and V (and not ring attention):
+  - grouped-query attention makes K and V small: 2 G D values per token against N D for Q
+    (Llama-3-70B: G = 8, N = 64, so K + V is a quarter of Q); gathering them costs less than
+    moving queries or partial outputs around.
+  - it is what Llama 3's long-context training did (all-gather K/V, then each rank's local
+    queries against the whole sequence, with the same 2 cp chunk balance).
+  - it is simple and exact with document masks: the mask sees global indices, so any mask
+    (causal, same document, anything FlexAttention expresses) works unchanged, with no
+    online-softmax merge of partial results and no per-step mask bookkeeping.
+  - ring attention overlaps the exchange with compute and keeps K/V at T/cp per rank; that
+    is for later, when the all-gather shows up in profiles.
+  The gather is DTensor redistribution, Shard(0) -> Replicate, whose backward (the gradient
+  declared Partial) is a reduce-scatter: each rank gets the sum over ranks of its own
+  rows' K/V gradients. K and V travel together, one collective each way per layer.
+
+Memory. Each rank holds the whole sequence's K and V, 2 T G D elements (bf16, G = 8, D = 128:
+4 KiB per token, 512 MiB at T = 128K) for the layer it computes. The attention op saves its
+K and V for the backward, so without activation checkpointing of attention every layer keeps
+its gathered K/V until its backward (n_layers times that); with attention recomputed
+(TransformerConfig.ac = "attention" or "full") only the layer being computed or recomputed
+holds them: one layer at a time.
+
+Sizes. T must be a multiple of 2 cp; other sizes are refused (ValueError naming
+tokens_per_micro_batch and cp), never padded: padding would change the tokens every rank
+computes and the loss's token count.
+
+Legend: T tokens of the micro-batch (n_tokens), T/cp this rank's tokens, D_mtp MTP depth,
+G kv heads, D (Dv) key (value) head dim.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from tensordict import TensorDict
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from fmoe.ops.checks import check_positive_int
+
+__all__ = ["cp_kv_index", "cp_token_index", "gather_kv", "split_batch"]
+
+
+def _check_split(n_tokens, cp, cp_rank=None) -> None:
+    check_positive_int("n_tokens", n_tokens, 0)
+    check_positive_int("cp", cp)
+    if cp_rank is not None:
+        check_positive_int("cp_rank", cp_rank, 0, cp - 1)
+    if n_tokens % (2 * cp):
+        raise ValueError(
+            f"tokens_per_micro_batch: context parallelism cuts the micro-batch into 2 * cp = {2 * cp} equal chunks, "
+            f"so T = {n_tokens} tokens must be a multiple of {2 * cp} (choose tokens_per_micro_batch or cp to fit; "
+            "bad sizes are refused, not padded)"
+        )
+
+
+def cp_token_index(n_tokens: int, cp: int, cp_rank: int, *, device=None) -> torch.Tensor:
+    """The global indices of the tokens cp rank `cp_rank` holds: [T/cp] int64, increasing.
+
+    The T tokens are cut into 2 cp chunks of T / (2 cp); rank r gets chunk r and chunk
+    2 cp - 1 - r (module docstring: causal load balance). cp = 1: arange(T).
+
+    Args:
+        n_tokens: T, the micro-batch's tokens (tokens_per_micro_batch); a multiple of 2 cp.
+            Other sizes are refused with a ValueError, not padded.
+        cp, cp_rank: the context-parallel size and this rank's index on the cp axis.
+        device: where the index lives (default: the CPU).
+
+    Example:
+        >>> cp_token_index(16, 2, 0).tolist()
+        [0, 1, 2, 3, 12, 13, 14, 15]
+        >>> cp_token_index(16, 2, 1).tolist()
+        [4, 5, 6, 7, 8, 9, 10, 11]
+    """
+    _check_split(n_tokens, cp, cp_rank)
+    if cp == 1:
+        return torch.arange(n_tokens, device=device)
+    chunk = n_tokens // (2 * cp)
+    head = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device)
+    tail = torch.arange((2 * cp - 1 - cp_rank) * chunk, (2 * cp - cp_rank) * chunk, device=device)
+    return torch.cat([head, tail])
+
+
+def cp_kv_index(n_tokens: int, cp: int, *, device=None) -> torch.Tensor:
+    """The global token index of each row gathered by gather_kv: [T] int64, the ranks'
+    cp_token_index concatenated in rank order. No communication: a function of (T, cp).
+
+    Example:
+        >>> cp_kv_index(8, 2).tolist()
+        [0, 1, 6, 7, 2, 3, 4, 5]
+    """
+    _check_split(n_tokens, cp)
+    return torch.cat([cp_token_index(n_tokens, cp, r, device=device) for r in range(cp)])
+
+
+def split_batch(batch, cp_rank: int, cp: int) -> TensorDict:
+    """Cp rank `cp_rank`'s share of a packed micro-batch (fmoe.train.data.make_batch's).
+
+    Every per-token entry (its last dim is T: input_ids, labels, loss_mask, positions [T];
+    mtp_input_ids, mtp_labels, mtp_loss_mask, mtp_positions [D_mtp, T]) is indexed along its
+    last dim by cp_token_index(T, cp, cp_rank); cu_seqlens stays global (unchanged: the
+    attention mask and the sequence-level aux loss need the whole batch's documents); the
+    result adds "token_index" [T/cp] int64, the global indices used (for
+    fmoe.layers.attention_context's token_index= and
+    fmoe.parallel.seq_load_balancing_loss_split's token_index=). No value is read on the
+    host; the batch's values were checked where it was made.
+
+    The MTP rows were rolled over the whole batch by make_batch, so tokens at the chunk
+    edges keep their targets from the other ranks' tokens (module docstring).
+
+    Args:
+        batch: a mapping with "input_ids" [T] (which fixes T), "cu_seqlens" [n + 1] and
+            other entries whose last dim is T; not already split (no "token_index").
+        cp_rank, cp: this rank's index on the cp axis and the cp size; T % (2 cp) == 0
+            (else a ValueError naming tokens_per_micro_batch and cp).
+    Returns:
+        A TensorDict (batch_size []) with the same keys plus "token_index", on the batch's
+        device.
+    """
+    keys = list(batch.keys())
+    for key in ("input_ids", "cu_seqlens"):
+        if key not in keys:
+            raise ValueError(f"batch: expected make_batch's entries, missing {key!r}")
+    if "token_index" in keys:
+        raise ValueError("batch: already split over cp ranks (it has a 'token_index' entry)")
+    ids = batch["input_ids"]
+    if not isinstance(ids, torch.Tensor) or ids.ndim != 1:
+        raise ValueError(f"batch['input_ids']: expected a 1-D tensor [T], got {getattr(ids, 'shape', type(ids).__name__)}")
+    T = ids.shape[0]
+    token_index = cp_token_index(T, cp, cp_rank, device=ids.device)
+    out = {"cu_seqlens": batch["cu_seqlens"], "token_index": token_index}
+    for key in keys:
+        if key == "cu_seqlens":
+            continue
+        value = batch[key]
+        if not isinstance(value, torch.Tensor) or value.ndim == 0 or value.shape[-1] != T:
+            raise ValueError(f"batch[{key!r}]: expected a per-token tensor whose last dim is T = {T}, got {getattr(value, 'shape', type(value).__name__)}")
+        out[key] = value.index_select(-1, token_index.to(value.device))
+    return TensorDict(out, batch_size=[])
+
+
+def gather_kv(k: torch.Tensor, v: torch.Tensor, cp_mesh: Optional[DeviceMesh]):
+    """Every cp rank's keys and values, differentiable: (k [T, G, D], v [T, G, Dv]) from this
+    rank's k [T/cp, G, D], v [T/cp, G, Dv], in rank order (row j is token cp_kv_index[j]).
+
+    One all-gather of k and v side by side (DTensor Shard(0) -> Replicate); backward, one
+    reduce-scatter: each rank's gradient is the sum over the cp ranks of its own rows'
+    gradients (each rank's queries used them). Every rank must hold the same T/cp rows.
+    cp_mesh None or of one rank: (k, v) unchanged. fmoe.layers.attention_context takes it
+    as gather_kv=functools.partial(gather_kv, cp_mesh=mesh).
+    """
+    if cp_mesh is not None and (not isinstance(cp_mesh, DeviceMesh) or cp_mesh.ndim != 1):
+        got = f"a {cp_mesh.ndim}-D DeviceMesh" if isinstance(cp_mesh, DeviceMesh) else type(cp_mesh).__name__
+        raise ValueError(f"cp_mesh: expected a 1-D DeviceMesh (the cp axis) or None, got {got}")
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.ndim < 2 or not t.is_floating_point():
+            raise ValueError(f"{name}: expected a float tensor [T/cp, G, D], got {getattr(t, 'shape', type(t).__name__)}")
+    if k.shape[:-1] != v.shape[:-1] or k.dtype != v.dtype or k.device != v.device:
+        raise ValueError(f"v: expected k's leading dims {tuple(k.shape[:-1])}, dtype {k.dtype} and device {k.device}, "
+                         f"got {tuple(v.shape)} {v.dtype} {v.device}")
+    if cp_mesh is None or cp_mesh.size() == 1:
+        return k, v
+    kv = torch.cat([k, v], dim=-1)  # one collective for both
+    kv = DTensor.from_local(kv, cp_mesh, [Shard(0)]).redistribute(cp_mesh, [Replicate()])
+    # each rank's gradient of the gathered rows is a partial sum: the backward of
+    # Partial -> Shard(0) is the reduce-scatter (a Replicate gradient would only be sliced)
+    kv = kv.to_local(grad_placements=[Partial()])
+    return kv.split([k.shape[-1], v.shape[-1]], dim=-1)

@@ -1,0 +1,274 @@
+"""fmoe.parallel.context: the load-balanced split of a packed micro-batch, the K/V all-gather,
+and fmoe.layers.attention across the split (cp = 2 and 4 gloo processes against one process
+on the whole batch, float32).
+
+One spawn of 4 processes runs every distributed case (a module-scoped fixture): cp = 4 over
+the 4 ranks, and cp = 2 over ranks (0, 1) and (2, 3) at once, each pair on its own batch.
+The split's pure checks run in this process.
+"""
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fmoe.layers import AttentionConfig, attention, attention_context
+from fmoe.parallel import cp_kv_index, cp_token_index, gather_kv, split_batch
+from fmoe.train.data import make_batch
+from tests.parallel.dist import run_distributed
+
+H = 16
+CFG = AttentionConfig(n_heads=4, n_kv_heads=2, head_dim=8)  # grouped-query: 2 queries per kv head
+
+# name: (cp, cu_seqlens of the whole batch). Chunks are T / (2 cp) tokens.
+CASES = {
+    # chunks of 4: [0,3) and [3,4) shorter than a chunk, an empty document, [3,18) crosses
+    # chunks 0-4 and so lies on every rank, [21,26) crosses the 24 boundary (ranks 2 and 1)
+    "cp=4, mixed documents": (4, [0, 1, 3, 3, 18, 21, 26, 32]),
+    # chunks of 4: [2,7) crosses rank 0 -> 1, [7,13) crosses rank 1 -> 0 (at 12)
+    "cp=2, documents across the chunk edges": (2, [0, 2, 7, 13, 16]),
+    # chunks of 6: one causal document over both ranks
+    "cp=2, one document": (2, [0, 24]),
+}
+# the cp = 2 groups (ranks 0, 1) and (2, 3) each run one cp = 2 case
+CP2_CASES = ("cp=2, documents across the chunk edges", "cp=2, one document")
+
+
+def _rel(a, b) -> float:
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).norm() / b.norm().clamp(min=1e-12))
+
+
+# ---------------------------------------------------------------------------- worker side
+
+
+def _inputs(cu, seed):
+    """The whole batch's inputs, the same on every rank (seeded)."""
+    gen = torch.Generator().manual_seed(seed)
+    T = cu[-1]
+    N, G, D = CFG.n_heads, CFG.n_kv_heads, CFG.head_dim
+    shapes = {"wq": (H, N * D), "wk": (H, G * D), "wv": (H, G * D), "wo": (N * D, H)}
+    params = {n: torch.randn(*s, generator=gen) * s[0] ** -0.5 for n, s in shapes.items()}
+    x = torch.randn(T, H, generator=gen)
+    upstream = torch.randn(T, H, generator=gen)  # a random upstream gradient, never .sum()
+    batch = make_batch(torch.randint(0, 50, (T,), generator=gen), torch.tensor(cu), mtp_depth=1)
+    return params, x, upstream, batch
+
+
+def _attention_case(mesh, cp, cp_rank, cu, seed):
+    from fmoe.train.metrics import HostReads
+
+    params, x, upstream, batch = _inputs(cu, seed)
+    T = x.shape[0]
+    # the reference: one process, the whole batch
+    ref_x = x.clone().requires_grad_()
+    ref_p = {n: t.clone().requires_grad_() for n, t in params.items()}
+    ref_y, _ = attention(ref_x, ref_p, CFG, attention_context(batch["cu_seqlens"], batch["positions"], CFG))
+    ref_y.backward(upstream)
+
+    local = split_batch(batch, cp_rank, cp)
+    index = local["token_index"]
+    x_local = x[index].clone().requires_grad_()
+    p_local = {n: t.clone().requires_grad_() for n, t in params.items()}
+    cp_args = dict(token_index=index, kv_index=cp_kv_index(T, cp), gather_kv=functools.partial(gather_kv, cp_mesh=mesh))
+    with HostReads() as reads:
+        ctx = attention_context(local["cu_seqlens"], local["positions"], CFG, **cp_args)
+        y, _ = attention(x_local, p_local, CFG, ctx)
+        y.backward(upstream[index])
+    # the parameters are replicated over cp: their gradient is the sum of the ranks'
+    grads = {n: p.grad.clone() for n, p in p_local.items()}
+    for g in grads.values():
+        dist.all_reduce(g, group=mesh.get_group())
+
+    flex_cfg = dataclasses.replace(CFG, impl="flex")
+    with torch.no_grad():  # FlexAttention has no CPU backward: its mask, forward only
+        flex_ctx = attention_context(local["cu_seqlens"], local["positions"], flex_cfg, **cp_args)
+        y_flex, _ = attention(x[index], params, flex_cfg, flex_ctx)
+    return dict(
+        index=index, y=y.detach(), ref_y=ref_y.detach()[index], y_flex=y_flex,
+        x_grad=x_local.grad, ref_x_grad=ref_x.grad[index],
+        grads=grads, ref_grads={n: p.grad for n, p in ref_p.items()},
+        mask_shape=tuple(ctx.mask.shape), flex_mask_shape=tuple(flex_ctx.mask.shape[-2:]), host_reads=reads.count,
+    )
+
+
+def _gather_case(mesh, cp, cp_rank, T, seed):
+    """gather_kv alone: rank order, and a backward that sums every rank's gradient."""
+    gen = torch.Generator().manual_seed(seed)
+    k_full, v_full = torch.randn(T, 2, 3, generator=gen), torch.randn(T, 2, 5, generator=gen)
+    index = cp_token_index(T, cp, cp_rank)
+    k, v = k_full[index].clone().requires_grad_(), v_full[index].clone().requires_grad_()
+    k_all, v_all = gather_kv(k, v, mesh)
+    # rank r's upstream gradients differ (as its queries' do): seeded by r
+    upstream = [(torch.randn(T, 2, 3, generator=torch.Generator().manual_seed(100 + r)),
+                 torch.randn(T, 2, 5, generator=torch.Generator().manual_seed(200 + r))) for r in range(cp)]
+    torch.autograd.backward([k_all, v_all], list(upstream[cp_rank]))
+    rows = slice(cp_rank * T // cp, (cp_rank + 1) * T // cp)  # this rank's rows of the gathered tensors
+    kv_index = cp_kv_index(T, cp)
+    return dict(
+        k_all=k_all.detach(), v_all=v_all.detach(), ref_k=k_full[kv_index], ref_v=v_full[kv_index],
+        k_grad=k.grad, ref_k_grad=sum(g[rows] for g, _ in upstream), v_grad=v.grad, ref_v_grad=sum(g[rows] for _, g in upstream),
+    )
+
+
+def _cp_worker(rank, world):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    torch.manual_seed(0)
+    cp4 = DeviceMesh("cpu", torch.arange(world), mesh_dim_names=("cp",))
+    cp2 = DeviceMesh("cpu", torch.arange(world).view(2, 2), mesh_dim_names=("dp", "cp"))["cp"]
+    out = {}
+    for seed, (name, (cp, cu)) in enumerate(CASES.items()):
+        if cp == 4:
+            out[name] = _attention_case(cp4, 4, rank, cu, seed)
+        elif name == CP2_CASES[rank // 2]:
+            out[name] = _attention_case(cp2, 2, rank % 2, cu, seed)
+    out["gather cp=4"] = _gather_case(cp4, 4, rank, 16, 7)
+    out["gather cp=2"] = _gather_case(cp2, 2, rank % 2, 12, 8 + rank // 2)
+    return out
+
+
+@pytest.fixture(scope="module")
+def cp_results():
+    return run_distributed(_cp_worker, 4)
+
+
+# ---------------------------------------------------------------------------- distributed
+
+
+def _case_results(cp_results, name):
+    cp, _ = CASES[name]
+    if cp == 4:
+        return cp_results
+    group = CP2_CASES.index(name)
+    return cp_results[2 * group:2 * group + 2]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_attention_over_cp_ranks_equals_one_process(cp_results, name):
+    cp, cu = CASES[name]
+    results = [r[name] for r in _case_results(cp_results, name)]
+    T = cu[-1]
+    # the ranks' tokens partition the batch
+    assert torch.equal(torch.cat([r["index"] for r in results]).sort().values, torch.arange(T))
+    for rank, r in enumerate(results):
+        assert r["mask_shape"] == (T // cp, T) and r["flex_mask_shape"] == (T // cp, T)
+        assert _rel(r["y"], r["ref_y"]) < 1e-5, (rank, _rel(r["y"], r["ref_y"]))
+        assert _rel(r["x_grad"], r["ref_x_grad"]) < 1e-5, rank
+        for n in r["grads"]:  # summed over the cp ranks in the worker
+            assert _rel(r["grads"][n], r["ref_grads"][n]) < 1e-5, (rank, n)
+        assert r["host_reads"] == 0, rank  # context, forward and backward: no host sync
+        # FlexAttention's CP block mask, eager on CPU, gives the SDPA reference's rows
+        assert _rel(r["y_flex"], r["ref_y"]) < 1e-5, rank
+    # a rank's output is not its rows of the whole batch by accident: they differ per rank
+    assert not torch.allclose(results[0]["y"], results[1]["y"])
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_gather_kv_is_rank_ordered_and_its_backward_sums_over_ranks(cp_results, cp):
+    for r in (x[f"gather cp={cp}"] for x in cp_results):  # cp = 2: both pairs of ranks
+        assert torch.equal(r["k_all"], r["ref_k"]) and torch.equal(r["v_all"], r["ref_v"])
+        torch.testing.assert_close(r["k_grad"], r["ref_k_grad"])
+        torch.testing.assert_close(r["v_grad"], r["ref_v_grad"])
+
+
+def test_gather_kv_on_one_rank_is_the_identity():
+    k, v = torch.randn(4, 2, 3), torch.randn(4, 2, 3)
+    k_all, v_all = gather_kv(k, v, None)
+    assert k_all is k and v_all is v
+    with pytest.raises(ValueError, match="cp_mesh: expected a 1-D DeviceMesh"):
+        gather_kv(k, v, "cp")
+    with pytest.raises(ValueError, match="v: expected k's leading dims"):
+        gather_kv(k, v[:3], None)
+    with pytest.raises(ValueError, match="k: expected a float tensor"):
+        gather_kv(k.long(), v, None)
+
+
+# ---------------------------------------------------------------------------- the split
+
+
+def test_cp_token_index_takes_a_head_and_a_tail_chunk():
+    assert cp_token_index(16, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert cp_token_index(16, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    assert [cp_token_index(16, 4, r).tolist() for r in range(4)] == [[0, 1, 14, 15], [2, 3, 12, 13], [4, 5, 10, 11], [6, 7, 8, 9]]
+    assert torch.equal(cp_token_index(6, 1, 0), torch.arange(6))
+    assert cp_token_index(8, 2, 1).dtype == torch.int64
+    for T, cp in ((24, 3), (64, 4), (8, 4)):
+        parts = [cp_token_index(T, cp, r) for r in range(cp)]
+        assert all(p.shape == (T // cp,) and bool((p[1:] > p[:-1]).all()) for p in parts)
+        assert torch.equal(torch.cat(parts).sort().values, torch.arange(T))  # a partition
+        assert torch.equal(cp_kv_index(T, cp), torch.cat(parts))  # gather_kv's row order
+    # causal balance on one document: every rank's queries see the same number of keys
+    work = [int((cp_token_index(32, 4, r) + 1).sum()) for r in range(4)]
+    assert len(set(work)) == 1
+
+
+def test_bad_sizes_are_refused_not_padded():
+    with pytest.raises(ValueError, match=r"tokens_per_micro_batch.*2 \* cp = 4.*T = 18"):
+        cp_token_index(18, 2, 0)
+    with pytest.raises(ValueError, match="tokens_per_micro_batch"):
+        cp_kv_index(12, 4)
+    with pytest.raises(ValueError, match="cp_rank: expected 0..1, got 2"):
+        cp_token_index(16, 2, 2)
+    with pytest.raises(ValueError, match="cp: expected >= 1"):
+        cp_token_index(16, 0, 0)
+    with pytest.raises(ValueError, match="tokens_per_micro_batch"):
+        split_batch(make_batch(torch.arange(10), torch.tensor([0, 10])), 0, 2)
+
+
+def test_split_batch_keeps_cu_seqlens_and_indexes_every_token_field():
+    cu = torch.tensor([0, 5, 11, 16])
+    batch = make_batch(torch.randint(0, 50, (16,)), cu, mtp_depth=2)
+    for cp in (2, 4):
+        for rank in range(cp):
+            local = split_batch(batch, rank, cp)
+            index = cp_token_index(16, cp, rank)
+            assert set(local.keys()) == set(batch.keys()) | {"token_index"}
+            assert torch.equal(local["token_index"], index) and local["token_index"].dtype == torch.int64
+            assert torch.equal(local["cu_seqlens"], batch["cu_seqlens"])  # global, unchanged
+            for key in batch.keys():
+                if key != "cu_seqlens":
+                    assert torch.equal(local[key], batch[key][..., index]), key
+                    assert local[key].shape[-1] == 16 // cp and local[key].dtype == batch[key].dtype
+            assert local["mtp_labels"].shape == (2, 16 // cp)
+    with pytest.raises(ValueError, match="batch: already split"):
+        split_batch(split_batch(batch, 0, 2), 0, 2)
+    with pytest.raises(ValueError, match=r"batch\['doc_ids'\]: expected a per-token tensor whose last dim is T = 16"):
+        split_batch(dict(batch.items(), doc_ids=torch.zeros(3)), 0, 2)
+    with pytest.raises(ValueError, match="missing 'cu_seqlens'"):
+        split_batch({"input_ids": batch["input_ids"]}, 0, 2)
+
+
+def test_mtp_targets_at_chunk_edges_come_from_the_other_rank():
+    """make_batch rolls over the whole batch before the split, so the last token of a chunk
+    keeps the next tokens of its document as targets even when they live on another rank
+    (a roll per CP chunk, Megatron-LM's old bug, would give them the fill -100 / 0)."""
+    tokens = 100 + torch.arange(16)
+    batch = make_batch(tokens, torch.tensor([0, 6, 16]), mtp_depth=2)  # documents [0, 6), [6, 16)
+    rank0, rank1 = split_batch(batch, 0, 2), split_batch(batch, 1, 2)  # [0..3, 12..15], [4..11]
+
+    def at(local, t):  # the fields of global token t on the rank that holds it
+        i = local["token_index"].tolist().index(t)
+        return {k: v[..., i].tolist() for k, v in local.items() if k not in ("cu_seqlens", "token_index")}
+
+    # token 3, end of chunk 0 (rank 0): tokens 4 and 5 of its document are on rank 1
+    edge = at(rank0, 3)
+    assert edge["labels"] == 104 and edge["loss_mask"] is True
+    assert edge["mtp_input_ids"] == [104, 105] and edge["mtp_positions"] == [4, 5]
+    assert edge["mtp_labels"] == [105, -100]  # token 6 starts the next document
+    assert edge["mtp_loss_mask"] == [True, False]
+    # token 11, end of chunk 2 (rank 1): tokens 12, 13, 14 are on rank 0
+    edge = at(rank1, 11)
+    assert edge["labels"] == 112 and edge["mtp_labels"] == [113, 114] and edge["mtp_loss_mask"] == [True, True]
+    assert edge["mtp_input_ids"] == [112, 113] and edge["positions"] == 5 and edge["mtp_positions"] == [6, 7]
+    # token 7, end of chunk 1: chunk 2 is on the same rank, the same rule holds
+    assert at(rank1, 7)["mtp_labels"] == [109, 110]
+    # the last tokens of the batch get the fill: nothing rolls in from past the end
+    assert at(rank0, 15)["labels"] == -100 and at(rank0, 14)["mtp_labels"] == [-100, -100]
+    # every field of both ranks is its rows of the unsplit batch
+    for rank, local in enumerate((rank0, rank1)):
+        for key in batch.keys():
+            if key != "cu_seqlens":
+                assert torch.equal(local[key], batch[key][..., cp_token_index(16, 2, rank)]), key
