@@ -178,6 +178,8 @@ def main(argv: list[str]) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     has_experts = cfg.model.n_layers > cfg.model.n_dense
     sizes = dict(dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, tp=cfg.tp, ep=cfg.ep, etp=cfg.etp)
+    if cfg.tp > 1 and cfg.tokens_per_micro_batch % cfg.tp:  # sequence parallel: T/tp tokens per rank
+        sys.exit(f"--tokens_per_micro_batch: expected a multiple of --tp = {cfg.tp}, got {cfg.tokens_per_micro_batch}")
     try:
         mesh_shape = parallel.plan_sizes(world, **sizes, has_experts=has_experts)
     except ValueError as err:

@@ -131,6 +131,7 @@ def test_muon_runs(tmp_path):
     (["--model.ac=most"], "model knobs: ac: expected one of none, full, attention, experts, got 'most'"),
     (["--compile=maybe"], "--compile: expected a bool, got 'maybe'"),
     (["--dtype=fp8"], "--dtype: expected auto, float32 or bfloat16, got 'fp8'"),
+    (["--tp=2", "--tokens_per_micro_batch=255"], "--tokens_per_micro_batch: expected a multiple of --tp = 2, got 255"),
     (["--steps"], "--steps: expected --steps=<int>"),
     (["--warmup=50", "--steps=10"], "warmup: expected at most total=10"),
     (["--data=/no/such/dir"], "data: "),
