@@ -12,6 +12,7 @@ Several processes (gloo on CPU, nccl on GPUs), one per device; the parallel knob
     torchrun --nproc-per-node 2 examples/train_moe.py                   # FSDP2 over 2 ranks
     torchrun --nproc-per-node 4 examples/train_moe.py --ep=4            # experts over 4 ranks
     torchrun --nproc-per-node 4 examples/train_moe.py --tp=2 --ep=2     # TP x EP (MoE folding)
+    torchrun --nproc-per-node 2 examples/train_moe.py --cp=2            # context parallel: tokens split
     torchrun --nproc-per-node 8 examples/train_moe.py --dp_replicate=2 --tp=2 --ep=4 --etp=1
     torchrun --nproc-per-node 4 examples/train_moe.py --optimizer=muon  # layer-wise distributed Muon
 Under torchrun each rank builds the model on the meta device and allocates and initialises
@@ -108,6 +109,7 @@ class Config:
     # parallelism (under torchrun; fmoe.parallel): world = dp_replicate * dp_shard * cp * tp
     dp_replicate: int = 1           # HSDP replicas
     dp_shard: int = -1              # FSDP2 shards (-1: the rest of the world)
+    cp: int = 1                     # context parallel: each micro-batch's tokens split over cp ranks
     tp: int = 1                     # tensor parallel: attention heads, dense and shared FFN columns
     ep: int = 1                     # expert parallel, borrowing ranks from dp_shard x tp
     etp: int = 1                    # expert tensor parallel (the experts' FFN columns)
@@ -177,14 +179,16 @@ def main(argv: list[str]) -> None:
     dtype = getattr(torch, cfg.dtype) if cfg.dtype != "auto" else torch.bfloat16 if device.type == "cuda" else torch.float32
     world = int(os.environ.get("WORLD_SIZE", "1"))
     has_experts = cfg.model.n_layers > cfg.model.n_dense
-    sizes = dict(dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, tp=cfg.tp, ep=cfg.ep, etp=cfg.etp)
-    if cfg.tp > 1 and cfg.tokens_per_micro_batch % cfg.tp:  # sequence parallel: T/tp tokens per rank
-        sys.exit(f"--tokens_per_micro_batch: expected a multiple of --tp = {cfg.tp}, got {cfg.tokens_per_micro_batch}")
+    sizes = dict(dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, cp=cfg.cp, tp=cfg.tp, ep=cfg.ep, etp=cfg.etp)
+    # context parallel: 2 cp chunks per micro-batch; sequence parallel: T/(cp tp) tokens per rank
+    if cfg.cp > 0 and cfg.tp > 0 and cfg.tokens_per_micro_batch % ((2 if cfg.cp > 1 else 1) * cfg.cp * cfg.tp):
+        sys.exit(f"--tokens_per_micro_batch: expected a multiple of {'2 x --cp x ' if cfg.cp > 1 else ''}--tp = "
+                 f"{(2 if cfg.cp > 1 else 1) * cfg.cp * cfg.tp}, got {cfg.tokens_per_micro_batch}")
     try:
         mesh_shape = parallel.plan_sizes(world, **sizes, has_experts=has_experts)
     except ValueError as err:
-        sys.exit(f"parallel knobs (--dp_replicate, --dp_shard, --tp, --ep, --etp) for {world} process(es): {err}")
-    meshes, rank, dp_rank, dp = None, 0, 0, 1
+        sys.exit(f"parallel knobs (--dp_replicate, --dp_shard, --cp, --tp, --ep, --etp) for {world} process(es): {err}")
+    meshes, rank, dp_rank, dp, cp_rank = None, 0, 0, 1, 0
     # several processes, or one computing in bf16: the parallel path (FSDP2's mixed precision
     # keeps float32 master weights and sums gradients in float32; one process is a group of 1)
     if world > 1 or dtype != torch.float32:
@@ -197,7 +201,7 @@ def main(argv: list[str]) -> None:
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         meshes = parallel.build_meshes(**sizes, has_experts=has_experts, device_type=device.type)
-        rank, dp_rank, dp = dist.get_rank(), meshes.batch.get_local_rank("dp"), meshes.dp
+        rank, dp_rank, dp, cp_rank = dist.get_rank(), meshes.batch.get_local_rank("dp"), meshes.dp, meshes.batch.get_local_rank("cp")
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     try:
@@ -299,25 +303,28 @@ def main(argv: list[str]) -> None:
         # the micro-batch's documents; its cu_seqlens were checked when the batch was made)
         scale = 1.0 / (len(moe_names) * n_micro) if moe_names else 0.0
         T, k, cu_seqlens = batch["input_ids"].shape[0], model_cfg.k, batch["cu_seqlens"]
-        if meshes is None or meshes.tp == 1:
+        if meshes is None or meshes.cp * meshes.tp == 1:
             terms = {
                 "seq_aux_loss": (cfg.seq_aux_coeff, lambda n, s: ops.seq_load_balancing_loss(s["aux_scores"], s["aux_experts"], cu_seqlens, k=k, check=False)),
                 "aux_loss": (cfg.aux_coeff, lambda n, s: ops.load_balancing_loss(s["aux_scores"], s["aux_counts"], k=k, n_tokens=T)),
                 "z_loss": (cfg.z_coeff, lambda n, s: ops.z_loss(s["router_logits"])),
             }
-        else:  # --tp > 1 runs the MoE layers sequence parallel: this rank's stats cover its
-            # T/tp tokens [start, start + T/tp), and each term is its exact share of the
-            # micro-batch's (the tp ranks' shares and their gradients add up to one process's)
-            tp_mesh, start = meshes.tp_mesh, meshes.tp_mesh.get_local_rank() * (T // meshes.tp)
+        else:  # the micro-batch's tokens are split over the cp x tp ranks (context parallel: this
+            # rank's two chunks, batch["token_index"]; sequence parallel: a T/tp slice of those):
+            # the MoE stats cover this rank's tokens, and each term is its exact share of the
+            # micro-batch's (the ranks' shares and their gradients add up to one process's)
+            group, n_tokens, t = meshes.token_mesh, T * meshes.cp, T // meshes.tp
+            start = meshes.tp_mesh.get_local_rank() * t
+            index = (batch["token_index"] if meshes.cp > 1 else torch.arange(T, device=device))[start:start + t]
             aux_counts = {}  # the switch loss's counts over the whole micro-batch: one collective for all layers
             if cfg.aux_coeff:
-                aux_counts = parallel.all_reduce_counts({n: s["aux_counts"] for n, s in stats.items()}, tp_mesh,
+                aux_counts = parallel.all_reduce_counts({n: s["aux_counts"] for n, s in stats.items()}, group,
                                                         names=moe_names, n_experts=model_cfg.n_experts)
             terms = {
                 "seq_aux_loss": (cfg.seq_aux_coeff, lambda n, s: parallel.seq_load_balancing_loss_split(
-                    s["aux_scores"], s["aux_experts"], cu_seqlens, k=k, group=tp_mesh, start=start, check=False)),
-                "aux_loss": (cfg.aux_coeff, lambda n, s: ops.load_balancing_loss(s["aux_scores"], aux_counts[n], k=k, n_tokens=T)),
-                "z_loss": (cfg.z_coeff, lambda n, s: parallel.z_loss_split(s["router_logits"], n_tokens=T)),
+                    s["aux_scores"], s["aux_experts"], cu_seqlens, k=k, group=group, token_index=index, check=False)),
+                "aux_loss": (cfg.aux_coeff, lambda n, s: ops.load_balancing_loss(s["aux_scores"], aux_counts[n], k=k, n_tokens=n_tokens)),
+                "z_loss": (cfg.z_coeff, lambda n, s: parallel.z_loss_split(s["router_logits"], n_tokens=n_tokens)),
             }
         for name, (coeff, term) in terms.items():
             if coeff:
@@ -326,15 +333,22 @@ def main(argv: list[str]) -> None:
                 logged[name] = value.detach()
         return loss, logged, stats
 
+    def split(host_batch):
+        """This rank's share of a micro-batch under context parallelism (its two load-balanced
+        chunks, with their token_index); the micro-batch itself otherwise."""
+        return parallel.split_batch(host_batch, cp_rank, meshes.cp) if meshes is not None and meshes.cp > 1 else host_batch
+
     @torch.no_grad()
     def evaluate():
         """Mean validation loss (a tensor: converted with the step's other values)."""
         model.eval()
         total, count = 0.0, 0
         for host_batch in val_batches:
-            batch = host_batch.to(device)
+            batch = split(host_batch).to(device)
             losses, _ = model(batch, model.context(batch))  # eager: no graphs for eval mode
             total, count = total + losses["lm_sum"], count + int(host_batch["loss_mask"].sum())
+        if meshes is not None and meshes.cp > 1:  # each cp rank summed its own tokens' losses
+            total = parallel.all_reduce_sums({"val": total}, meshes.group("cp"))["val"]
         model.train()
         return total / max(count, 1)
 
@@ -363,7 +377,7 @@ def main(argv: list[str]) -> None:
         zero = torch.zeros((), device=device)
         record = dict.fromkeys(["lm_loss", *(f"mtp_{d}_loss" for d in range(1, model_cfg.mtp_depth + 1)), "seq_aux_loss", "aux_loss", "z_loss"], zero)
         for i, host_batch in enumerate(mine + [host_batches[0]] * padding):
-            batch = host_batch.to(device, non_blocking=True)
+            batch = split(host_batch).to(device, non_blocking=True)
             if cfg.compile:  # the document count varies by micro-batch: one graph for all
                 torch._dynamo.mark_dynamic(batch["cu_seqlens"], 0)
             loss, logged, stats = run_micro_batch(batch, valid, n_micro)

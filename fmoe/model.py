@@ -400,6 +400,9 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden))  # [V, H], linear_cross_entropy's layout
         self.mtp = nn.ModuleList(MTPModule(cfg) for _ in range(cfg.mtp_depth))
+        # context parallelism (cp > 1): fmoe.parallel.parallelize sets a ContextParallel,
+        # whose attention_kwargs(token_index) give attention_context its CP arguments
+        self.context_parallel = None
         self.reset_parameters()
 
     @torch.no_grad()
@@ -456,8 +459,13 @@ class Transformer(nn.Module):
         value on the host; build it once per micro-batch, after the batch has moved."""
         self._check_batch(batch)
         cfg = self.blocks[0].attn.cfg
-        trunk = attention_context(batch["cu_seqlens"], batch["positions"], cfg)
-        depths = [attention_context(batch["cu_seqlens"], batch["mtp_positions"][d], cfg, mask=trunk.mask) for d in range(self.cfg.mtp_depth)]
+        split = "token_index" in batch.keys()
+        if split != (self.context_parallel is not None):
+            raise ValueError("batch: a context-parallel model takes the batch split by fmoe.parallel.split_batch (with token_index), "
+                             f"and only such a model does; got {'a split' if split else 'an unsplit'} batch, context_parallel={self.context_parallel}")
+        cp = self.context_parallel.attention_kwargs(batch["token_index"]) if split else {}
+        trunk = attention_context(batch["cu_seqlens"], batch["positions"], cfg, **cp)
+        depths = [attention_context(batch["cu_seqlens"], batch["mtp_positions"][d], cfg, mask=trunk.mask, **cp) for d in range(self.cfg.mtp_depth)]
         return BatchContext((trunk, *depths))
 
     def _lm_loss(self, h_TH, labels, loss_mask):

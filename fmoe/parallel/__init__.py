@@ -14,14 +14,15 @@ collectives, DCP) arranged for MoE models. DESIGN.md "Parallelism".
                                        collective each
     seq_load_balancing_loss_split, global_load_balancing_loss, z_loss_split   aux losses over split tokens
     DistributedMuon                    layer-wise Muon: each matrix orthogonalised on one rank
-    cp_token_index, cp_kv_index, split_batch, gather_kv   context parallel: the load-balanced
-                                       split of a packed micro-batch and the K/V all-gather
+    cp_token_index, cp_kv_index, split_batch, gather_kv, ContextParallel   context parallel: the
+                                       load-balanced split of a packed micro-batch, the K/V
+                                       all-gather, the model's attention over the split
 
 The gradient norm over parameters on several meshes is fmoe.optim.grad_norm / clip_grad_norm
 (the same functions serve one process and torchrun).
 """
 
-from fmoe.parallel.context import cp_kv_index, cp_token_index, gather_kv, split_batch
+from fmoe.parallel.context import ContextParallel, cp_kv_index, cp_token_index, gather_kv, split_batch
 from fmoe.parallel.expert import (
     DispatchMeta,
     ExpertParallel,
@@ -54,6 +55,7 @@ from fmoe.parallel.tensor import (
 )
 
 __all__ = [
+    "ContextParallel",
     "DispatchMeta",
     "DistributedMuon",
     "ExpertParallel",

@@ -5,6 +5,8 @@ the split by an all-gather of K and V. DESIGN.md "Parallelism".
     cp_kv_index(n_tokens, cp) -> kv_index [T] int64                      the gathered K/V rows
     split_batch(batch, cp_rank, cp) -> TensorDict                        this rank's share
     gather_kv(k [T/cp, G, D], v [T/cp, G, Dv], cp_mesh) -> (k [T, G, D], v [T, G, Dv])
+    ContextParallel(cp_mesh).attention_kwargs(token_index)   attention_context's CP arguments
+                                         (parallelize sets it as Transformer.context_parallel)
 
 One rank's attention, step by step (fmoe.layers.attention does 2-4 when its context has CP):
 
@@ -62,6 +64,7 @@ G kv heads, D (Dv) key (value) head dim.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -71,7 +74,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from fmoe.ops.checks import check_positive_int
 
-__all__ = ["cp_kv_index", "cp_token_index", "gather_kv", "split_batch"]
+__all__ = ["ContextParallel", "cp_kv_index", "cp_token_index", "gather_kv", "split_batch"]
 
 
 def _check_split(n_tokens, cp, cp_rank=None) -> None:
@@ -199,3 +202,29 @@ def gather_kv(k: torch.Tensor, v: torch.Tensor, cp_mesh: Optional[DeviceMesh]):
     # Partial -> Shard(0) is the reduce-scatter (a Replicate gradient would only be sliced)
     kv = kv.to_local(grad_placements=[Partial()])
     return kv.split([k.shape[-1], v.shape[-1]], dim=-1)
+
+
+class ContextParallel:
+    """What a model needs to build its attention context over a CP split: set by
+    fmoe.parallel.parallelize as Transformer.context_parallel when cp > 1.
+
+        ContextParallel(cp_mesh).attention_kwargs(batch["token_index"])
+            -> dict(token_index=, kv_index=, gather_kv=) for fmoe.layers.attention_context
+
+    token_index [T/cp] is the split batch's (split_batch); T = cp * T/cp; kv_index the
+    gathered rows' global indices (cp_kv_index, no communication); gather_kv all-gathers K
+    and V over cp_mesh.
+    """
+
+    def __init__(self, cp_mesh: DeviceMesh):
+        if not isinstance(cp_mesh, DeviceMesh) or cp_mesh.ndim != 1:
+            raise ValueError(f"cp_mesh: expected a 1-D DeviceMesh, got {cp_mesh!r}")
+        self.mesh, self.cp = cp_mesh, cp_mesh.size()
+
+    def __repr__(self) -> str:
+        return f"ContextParallel(cp={self.cp})"
+
+    def attention_kwargs(self, token_index: torch.Tensor) -> dict:
+        n_tokens = token_index.shape[0] * self.cp
+        kv_index = cp_kv_index(n_tokens, self.cp, device=token_index.device)
+        return dict(token_index=token_index, kv_index=kv_index, gather_kv=functools.partial(gather_kv, cp_mesh=self.mesh))

@@ -39,14 +39,21 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from fmoe.model import Block, MoE, Transformer
+from fmoe.parallel.context import ContextParallel
 from fmoe.parallel.expert import ExpertParallel
 from fmoe.parallel.mesh import Meshes
 from fmoe.parallel.tensor import tensor_parallel_plan
 
 
 def dense_data_mesh(meshes: Meshes):
-    """FSDP2's mesh for dense parameters: dp_shard (1-D), or (dp_replicate, dp_shard)."""
-    return meshes.dense["dp_shard"] if meshes.dp_replicate == 1 else meshes.dp_mesh
+    """FSDP2's mesh for dense parameters: the ranks holding different tokens of the same
+    dense shard, dp_shard (1-D), or (dp_replicate, dp_shard) for HSDP; with cp > 1 the cp
+    ranks join the shard axis (dp_shard x cp flattened, "dp_shard_cp", as torchtitan does),
+    so their partial gradients are summed too."""
+    if meshes.cp == 1:
+        return meshes.dense["dp_shard"] if meshes.dp_replicate == 1 else meshes.dp_mesh
+    flat = meshes.dense["dp_shard", "cp"]._flatten("dp_shard_cp")
+    return flat if meshes.dp_replicate == 1 else meshes.dense["dp_replicate", "dp_shard_cp"]
 
 
 def shard_experts(moe: MoE, meshes: Meshes) -> None:
@@ -112,14 +119,24 @@ def parallelize(
     (fmoe.parallel.reduce; examples/train_moe.py). Build the optimizers afterwards, over
     model.parameters() (now DTensors). param_dtype /
     reduce_dtype: FSDP2's mixed precision (e.g. bf16 compute, float32 gradient reduction)
-    for everything but the router. cp > 1 is refused: context-parallel attention is not
-    implemented.
+    for everything but the router.
+
+    With cp > 1 the model runs context parallel (fmoe.parallel.context): each micro-batch
+    is split by split_batch before the forward (its T a multiple of 2 cp, and of 2 cp tp
+    with tp), model.context builds the attention over the split (the model's
+    `context_parallel` is set here), dense gradients are summed over dp_shard x cp, and the
+    MoE stats cover each rank's tokens (token_index). A capacity factor is refused with
+    cp > 1: its drop would have to look across the cp ranks' chunks.
     """
-    if meshes.cp > 1:
-        raise ValueError(f"cp: context-parallel attention is not implemented; got cp = {meshes.cp}, use cp=1")
     moe_blocks = [m for m in model.modules() if isinstance(m, MoE)]
     if moe_blocks and meshes.expert is None:
         raise ValueError("meshes: the model has MoE blocks but the meshes were built with has_experts=False")
+    if meshes.cp > 1:
+        if not hasattr(model, "context_parallel"):
+            raise ValueError(f"cp: {type(model).__name__} has no context_parallel attribute (fmoe.model.Transformer has), so cp = {meshes.cp} cannot apply")
+        if any(moe.cfg.capacity_factor is not None for moe in moe_blocks):
+            raise ValueError(f"cp: a capacity factor with cp = {meshes.cp} is not supported (the drop would span the cp ranks' chunks); use capacity_factor=None")
+        model.context_parallel = ContextParallel(meshes.axis("cp"))
     if meshes.tp > 1:
         parallelize_module(model, meshes.tp_mesh, tensor_parallel_plan(model))
     # ep = etp = 1: every rank holds every expert and runs its own tokens through them, the

@@ -21,6 +21,7 @@ Legend: world = dp_replicate * dp_shard * cp * tp = edp * ep * etp.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 import torch
@@ -88,14 +89,22 @@ class Meshes:
             return sizes[name]
         raise AttributeError(name)
 
-    @property
+    @functools.cached_property
     def dp_mesh(self) -> DeviceMesh:
         """(dp_replicate, dp_shard): FSDP2's mesh for dense parameters (HSDP when replicated)."""
         return self.dense["dp_replicate", "dp_shard"]
 
-    @property
+    @functools.cached_property
     def tp_mesh(self) -> DeviceMesh:
         return self.dense["tp"]
+
+    @functools.cached_property
+    def token_mesh(self) -> DeviceMesh:
+        """(cp, tp) flattened to 1-D, "cp_tp": the ranks that split one micro-batch's tokens
+        (the group of the sequence-level balancing loss and of the micro-batch's counts).
+        Its local rank is cp_rank * tp + tp_rank. Built once (slicing a mesh reads its rank
+        table on the host)."""
+        return self.dense["cp", "tp"]._flatten("cp_tp")
 
     def axis(self, name: str) -> DeviceMesh:
         """The 1-D mesh of one axis by name, from whichever view has it."""

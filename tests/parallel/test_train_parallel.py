@@ -57,6 +57,11 @@ RUNS = {
     "tp2-aux": (2, ["--tp=2", "--aux_coeff=1e-2"]),
     "etp2": (2, ["--etp=2"]),
     "muon": (4, ["--optimizer=muon", "--ns_dtype=float32", "--ep=2"]),
+    # context parallel: each rank two chunks of every micro-batch, the switch loss too; with
+    # sequence parallelism (each cp share split again over tp) and expert parallelism
+    "cp2-aux": (2, ["--cp=2", "--aux_coeff=1e-2"]),
+    "cp2xtp2": (4, ["--cp=2", "--tp=2"]),
+    "cp2xep2": (4, ["--cp=2", "--ep=2"]),
     # 2 micro-batches over 4 data ranks: two ranks run only a masked copy, and still join
     "padded-ep4": (4, ["--ep=4", "--batch_schedule=0:2"]),
 }
@@ -85,6 +90,13 @@ def test_checkpoint_of_four_ranks_resumes_on_two_and_starts_a_run_on_tp2(referen
     assert [r["step"] for r in tuned] == list(range(1, STEPS + 1))
     _assert_same(tuned, one)
     assert tuned[0]["loss"] < 0.9 * reference()[0]["loss"]  # trained weights: not a fresh start
+
+
+def test_checkpoint_of_cp2_resumes_on_one_process(reference, tmp_path):
+    first = _train(tmp_path, 2, "--cp=2", "--stop_at=3")
+    resumed = _train(tmp_path, 1, "--resume=True")
+    assert [r["step"] for r in first] == [1, 2, 3]
+    _assert_same(resumed, reference())
 
 
 def test_bad_parallel_knobs_exit_with_the_reason(tmp_path):
