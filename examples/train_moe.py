@@ -15,6 +15,8 @@ Several processes (gloo on CPU, nccl on GPUs), one per device; the parallel knob
     torchrun --nproc-per-node 2 examples/train_moe.py --cp=2            # context parallel: tokens split
     torchrun --nproc-per-node 8 examples/train_moe.py --dp_replicate=2 --tp=2 --ep=4 --etp=1
     torchrun --nproc-per-node 4 examples/train_moe.py --optimizer=muon  # layer-wise distributed Muon
+    torchrun --nproc-per-node 2 examples/train_moe.py --pp=2                # pipeline: 2 stages, 1F1B
+    torchrun --nproc-per-node 4 examples/train_moe.py --pp=2 --pp_schedule=interleaved_1f1b --pp_virtual=2 --ep=2
 Under torchrun each rank builds the model on the meta device and allocates and initialises
 only its own shards (the weights are a function of --seed and each parameter's name, so
 every mesh starts from the one-process model). --dtype=bfloat16 (the default on CUDA)
@@ -50,7 +52,7 @@ import torch.distributed as dist
 import fmoe.ops as ops
 import fmoe.parallel as parallel
 from fmoe.model import Transformer, TransformerConfig
-from fmoe.optim import AdamW, batch_size_at, build_optimizers, clip_grad_norm, lr_at, split_param_groups
+from fmoe.optim import AdamW, batch_size_at, build_optimizers, clip_grad_norm, lr_at, parse_batch_schedule, split_param_groups
 from fmoe.train import checkpoint, metrics
 from fmoe.train.data import Sampler, load_corpus
 from fmoe.train.run import set_deterministic, write_config
@@ -113,6 +115,10 @@ class Config:
     tp: int = 1                     # tensor parallel: attention heads, dense and shared FFN columns
     ep: int = 1                     # expert parallel, borrowing ranks from dp_shard x tp
     etp: int = 1                    # expert tensor parallel (the experts' FFN columns)
+    pp: int = 1                     # pipeline parallel: stages of consecutive layers (the outermost axis)
+    pp_schedule: str = "1f1b"       # gpipe | 1f1b | interleaved_1f1b | looped_bfs | interleaved_zb | zbv | dualpipev
+    pp_virtual: int = 1             # stages per rank: 1 (gpipe, 1f1b), >= 2 (interleaved, looped), 2 (zbv, dualpipev)
+    pp_layers: str = ""             # trunk layers per stage, e.g. "3,2,2,1" ("": an even split)
 
 
 def _type_name(kind) -> str:
@@ -179,7 +185,7 @@ def main(argv: list[str]) -> None:
     dtype = getattr(torch, cfg.dtype) if cfg.dtype != "auto" else torch.bfloat16 if device.type == "cuda" else torch.float32
     world = int(os.environ.get("WORLD_SIZE", "1"))
     has_experts = cfg.model.n_layers > cfg.model.n_dense
-    sizes = dict(dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, cp=cfg.cp, tp=cfg.tp, ep=cfg.ep, etp=cfg.etp)
+    sizes = dict(pp=cfg.pp, dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, cp=cfg.cp, tp=cfg.tp, ep=cfg.ep, etp=cfg.etp)
     # context parallel: 2 cp chunks per micro-batch; sequence parallel: T/(cp tp) tokens per rank
     if cfg.cp > 0 and cfg.tp > 0 and cfg.tokens_per_micro_batch % ((2 if cfg.cp > 1 else 1) * cfg.cp * cfg.tp):
         sys.exit(f"--tokens_per_micro_batch: expected a multiple of {'2 x --cp x ' if cfg.cp > 1 else ''}--tp = "
@@ -187,7 +193,9 @@ def main(argv: list[str]) -> None:
     try:
         mesh_shape = parallel.plan_sizes(world, **sizes, has_experts=has_experts)
     except ValueError as err:
-        sys.exit(f"parallel knobs (--dp_replicate, --dp_shard, --cp, --tp, --ep, --etp) for {world} process(es): {err}")
+        sys.exit(f"parallel knobs (--pp, --dp_replicate, --dp_shard, --cp, --tp, --ep, --etp) for {world} process(es): {err}")
+    if cfg.pp > 1 and cfg.compile:
+        sys.exit("--compile: not with --pp > 1 yet (compile each stage's blocks yourself)")
     meshes, rank, dp_rank, dp, cp_rank = None, 0, 0, 1, 0
     # several processes, or one computing in bf16: the parallel path (FSDP2's mixed precision
     # keeps float32 master weights and sums gradients in float32; one process is a group of 1)
@@ -214,34 +222,59 @@ def main(argv: list[str]) -> None:
     val_batches = val_set.validation_batches(cfg.tokens_per_micro_batch, cfg.eval_batches, mtp_depth=cfg.model.mtp_depth)
 
     model_cfg = dataclasses.replace(cfg.model, vocab_size=corpus.vocab_size)
+    with torch.device("meta"):  # the whole model's shapes and MoE layer names, allocating nothing
+        whole = Transformer(model_cfg)
+    moe_names = list(whole.moe_layers())
+    pipe, precision = None, dict(param_dtype=dtype if dtype != torch.float32 else None, reduce_dtype=torch.float32)
     if meshes is None:  # initial weights: a function of --seed and each parameter's name
         model = Transformer(model_cfg).to(device=device)
         model.reset_parameters(seed=cfg.seed)
-    else:  # built on the meta device, sharded, then each rank allocates and initialises its own shards
-        with torch.device("meta"):
-            model = Transformer(model_cfg)
+    elif cfg.pp == 1:  # built on the meta device, sharded, then each rank allocates and initialises its own shards
+        model = whole
         try:  # float32 master weights; FSDP2 computes in dtype (the router stays float32)
-            parallel.parallelize(model, meshes, param_dtype=dtype if dtype != torch.float32 else None, reduce_dtype=torch.float32)
+            parallel.parallelize(model, meshes, **precision)
         except ValueError as err:
             sys.exit(f"parallel knobs: {err}")
         parallel.materialize(model, device, seed=cfg.seed)  # the same weights as one process's
+    else:  # pipeline: this rank's stages, each a pruned Transformer built on meta, sharded, materialised
+        try:
+            layers = [int(n) for n in cfg.pp_layers.split(",")] if cfg.pp_layers else None
+        except ValueError:
+            sys.exit(f"--pp_layers: expected comma-separated layer counts like 3,2,2,1, got {cfg.pp_layers!r}")
+        try:
+            pipe = parallel.Pipeline(
+                model_cfg, meshes, schedule=cfg.pp_schedule, virtual=cfg.pp_virtual, loss_fn=lambda *a: stage_loss(*a),
+                tokens=cfg.tokens_per_micro_batch // cfg.cp, device=device, dtype=dtype, layers_per_stage=layers, **precision,
+                parallelize=lambda m: parallel.parallelize(m, meshes, **precision),
+                materialize=lambda m: parallel.materialize(m, device, seed=cfg.seed))
+            for n in {-(-b // dp) for _, b in parse_batch_schedule(cfg.batch_schedule)}:
+                pipe.check_micro_batches(n)
+        except ValueError as err:
+            sys.exit(f"pipeline knobs (--pp, --pp_schedule, --pp_virtual, --pp_layers, --batch_schedule): {err}")
+        model = None
+    # this rank's part of the model: the whole model, or its pipeline stages (each with the
+    # whole model's parameter names; optimizers and checkpoints take them as a list)
+    parts = pipe.chunks if pipe is not None else [model]
     forward = torch.compile(model) if cfg.compile else model
     if cfg.bias_update not in ("sign", "proportional"):
         sys.exit(f"--bias_update: expected sign or proportional, got {cfg.bias_update!r}")
     if cfg.ns_dtype not in ("bfloat16", "float32") or cfg.adamw_state_dtype not in ("bfloat16", "float32"):
         sys.exit(f"--ns_dtype, --adamw_state_dtype: expected bfloat16 or float32, got {cfg.ns_dtype!r}, {cfg.adamw_state_dtype!r}")
     ns_dtype, state_dtype = getattr(torch, cfg.ns_dtype), getattr(torch, cfg.adamw_state_dtype)
-    # parameter groups by one helper for every optimizer: no decay on norms, biases, gates
+    # parameter groups by one helper for every optimizer: no decay on norms, biases, gates;
+    # one set of optimizers per part (a pipeline rank's stages each have their own)
     groups = dict(muon_lr=cfg.lr, adamw_lr=cfg.lr, weight_decay=cfg.weight_decay, decay_embeddings=cfg.decay_embeddings)
-    if cfg.optimizer == "adamw":
-        optimizers = [AdamW(split_param_groups(model, muon=False, **groups)[1], lr=cfg.lr, state_dtype=state_dtype)]
-    elif cfg.optimizer == "muon" and meshes is None:
-        optimizers = build_optimizers(model, **groups, ns_dtype=ns_dtype)
-    elif cfg.optimizer == "muon":  # each matrix orthogonalised on one rank, the result redistributed
-        muon_groups, adamw_groups = split_param_groups(model, **groups)
-        optimizers = [parallel.DistributedMuon(muon_groups, lr=cfg.lr, ns_dtype=ns_dtype, model=model), torch.optim.AdamW(adamw_groups, lr=cfg.lr)]
-    else:
-        sys.exit(f"--optimizer: expected adamw or muon, got {cfg.optimizer!r}")
+    optimizers = []
+    for part in parts:
+        if cfg.optimizer == "adamw":
+            optimizers += [AdamW(split_param_groups(part, muon=False, **groups)[1], lr=cfg.lr, state_dtype=state_dtype)]
+        elif cfg.optimizer == "muon" and meshes is None:
+            optimizers += build_optimizers(part, **groups, ns_dtype=ns_dtype)
+        elif cfg.optimizer == "muon":  # each matrix orthogonalised on one rank, the result redistributed
+            muon_groups, adamw_groups = split_param_groups(part, **groups)
+            optimizers += [parallel.DistributedMuon(muon_groups, lr=cfg.lr, ns_dtype=ns_dtype, model=part), torch.optim.AdamW(adamw_groups, lr=cfg.lr)]
+        else:
+            sys.exit(f"--optimizer: expected adamw or muon, got {cfg.optimizer!r}")
     for opt in optimizers:  # the schedule scales each group's own lr
         for group in opt.param_groups:
             group["base_lr"] = group["lr"]
@@ -259,27 +292,29 @@ def main(argv: list[str]) -> None:
 
     step, tokens_seen = 0, 0
     if cfg.resume and (path := checkpoint.latest(cfg.out_dir)):
-        extra = checkpoint.load(path, model=model, optimizers=optimizers)
+        extra = checkpoint.load(path, model=parts, optimizers=optimizers)
         step, tokens_seen = extra["step"], extra["tokens_seen"]
         sampler.load_state_dict(extra["sampler"])
         checkpoint.set_rng_state(extra["rng"])
         print(f"resumed from {path} at step {step}")
     elif cfg.init_from:  # the weights only: a new run (step 0, fresh optimizer, schedules and sampler)
         try:
-            path = checkpoint.load_model(cfg.init_from, model=model)
+            path = checkpoint.load_model(cfg.init_from, model=parts)
         except (FileNotFoundError, RuntimeError) as err:
             sys.exit(f"--init_from: {err}")
         print(f"initialised from the weights of {path}")
     # records are logged for completed steps step+1, step+2, ...: keep the ones up to step
     logger = metrics.MetricsLogger(cfg.out_dir, rank=rank, total_steps=cfg.steps, start_step=step + 1)
     peak = metrics.peak_flops(device)
-    moe_names = list(model.moe_layers())
     if rank == 0:
-        n_params = sum(p.numel() for p in model.parameters())
+        n_params = sum(p.numel() for p in whole.parameters())
         per_expert = 3 * model_cfg.hidden * model_cfg.ffn_expert
         n_active = n_params - len(moe_names) * (model_cfg.n_experts - model_cfg.k) * per_expert
         first_step = cfg.tokens_per_micro_batch * batch_size_at(tokens_seen, cfg.batch_schedule)
         mesh = " ".join(f"{k}={v}" for k, v in mesh_shape.items() if v > 1) or "one process"
+        if pipe is not None:
+            mesh += (f"; pipeline {cfg.pp_schedule}, {pipe.n_stages} stages of layers "
+                     + " ".join(f"{r.start}-{r.stop - 1}" for r in pipe.layers) + " (embedding on the first, head and MTP on the last)")
         print(f"model: {n_params / 1e6:.2f}M parameters, {n_active / 1e6:.2f}M active per token ({len(moe_names)} MoE layers of "
               f"{model_cfg.n_experts} experts, top-{model_cfg.k})\n"
               f"data: {cfg.data or 'the stdlib corpus'}: {len(train_set)} documents, {train_set.n_tokens / 1e6:.1f}M tokens "
@@ -289,19 +324,24 @@ def main(argv: list[str]) -> None:
         write_config(cfg.out_dir, dataclasses.asdict(cfg), world_size=world, mesh=mesh_shape, device=str(device),
                      dtype=str(dtype), warmup=warmup, wsd_decay=schedule["wsd_decay"], vocab_size=corpus.vocab_size)
 
-    def run_micro_batch(batch, valid, n_micro):
-        """Forward of one micro-batch (on the device): its share of the step's loss, the
-        values to log (tensors) and the MoE stats."""
-        losses, stats = forward(batch, model.context(batch))
-        loss = losses["lm_sum"] / valid["lm"]
-        logged = {"lm_loss": loss.detach()}
-        for d in range(1, model_cfg.mtp_depth + 1):
-            mtp_loss = losses[f"mtp_{d}_sum"] / valid[d]
-            loss = loss + cfg.mtp_lambda / model_cfg.mtp_depth * mtp_loss
-            logged[f"mtp_{d}_loss"] = mtp_loss.detach()
+    def micro_batch_loss(losses, stats, batch, valid, n_micro):
+        """One micro-batch's share of the step's loss (a tensor; None when there is nothing
+        to add) and the values to log (tensors), from the model's losses (None on a pipeline
+        stage before the last, which adds only its own MoE layers' balancing losses) and
+        MoE stats."""
+        loss, logged = None, {}
+        if losses is not None:
+            loss = losses["lm_sum"] / valid["lm"]
+            logged["lm_loss"] = loss.detach()
+            for d in range(1, model_cfg.mtp_depth + 1):
+                mtp_loss = losses[f"mtp_{d}_sum"] / valid[d]
+                loss = loss + cfg.mtp_lambda / model_cfg.mtp_depth * mtp_loss
+                logged[f"mtp_{d}_loss"] = mtp_loss.detach()
+        if not len(stats.keys()):  # no MoE layer here (a dense model, or a pipeline stage without one)
+            return loss, logged
         # balancing losses: averaged over layers and micro-batches (a layer's sequences are
         # the micro-batch's documents; its cu_seqlens were checked when the batch was made)
-        scale = 1.0 / (len(moe_names) * n_micro) if moe_names else 0.0
+        scale = 1.0 / (len(moe_names) * n_micro)
         T, k, cu_seqlens = batch["input_ids"].shape[0], model_cfg.k, batch["cu_seqlens"]
         if meshes is None or meshes.cp * meshes.tp == 1:
             terms = {
@@ -329,9 +369,23 @@ def main(argv: list[str]) -> None:
         for name, (coeff, term) in terms.items():
             if coeff:
                 value = sum(term(layer_name, layer) for layer_name, layer in stats.items()) * scale
-                loss = loss + coeff * value
+                loss = coeff * value if loss is None else loss + coeff * value
                 logged[name] = value.detach()
+        return loss, logged
+
+    def run_micro_batch(batch, valid, n_micro):
+        """Forward of one micro-batch (on the device): its share of the step's loss, the
+        values to log (tensors) and the MoE stats."""
+        losses, stats = forward(batch, model.context(batch))
+        loss, logged = micro_batch_loss(losses, stats, batch, valid, n_micro)
         return loss, logged, stats
+
+    # pipeline stages compute their part of the loss inside the schedule: the step's
+    # valid-token counts and micro-batch count are set here before each step
+    step_state = {}
+
+    def stage_loss(losses, stats, batch):
+        return micro_batch_loss(losses, stats, batch, step_state["valid"], step_state["n_micro"])
 
     def split(host_batch):
         """This rank's share of a micro-batch under context parallelism (its two load-balanced
@@ -341,15 +395,21 @@ def main(argv: list[str]) -> None:
     @torch.no_grad()
     def evaluate():
         """Mean validation loss (a tensor: converted with the step's other values)."""
-        model.eval()
-        total, count = 0.0, 0
-        for host_batch in val_batches:
-            batch = split(host_batch).to(device)
-            losses, _ = model(batch, model.context(batch))  # eager: no graphs for eval mode
-            total, count = total + losses["lm_sum"], count + int(host_batch["loss_mask"].sum())
+        for part in parts:
+            part.eval()
+        total, count = torch.zeros((), device=device), sum(int(b["loss_mask"].sum()) for b in val_batches)
+        if pipe is not None:  # forward through the stages; the last one's ranks hold the sum
+            last_sum = pipe.evaluate([parallel.MicroBatch(split(b).to(device)) for b in val_batches])
+            total = parallel.all_reduce_sums({"val": total if last_sum is None else last_sum}, meshes.pp_mesh)["val"]
+        else:
+            for host_batch in val_batches:
+                batch = split(host_batch).to(device)
+                losses, _ = model(batch, model.context(batch))  # eager: no graphs for eval mode
+                total = total + losses["lm_sum"]
         if meshes is not None and meshes.cp > 1:  # each cp rank summed its own tokens' losses
             total = parallel.all_reduce_sums({"val": total}, meshes.group("cp"))["val"]
-        model.train()
+        for part in parts:
+            part.train()
         return total / max(count, 1)
 
     # ------------------------------------------------------------------------ the loop
@@ -376,7 +436,13 @@ def main(argv: list[str]) -> None:
         # every key from the start: a rank with only padding sums the same keys (one collective)
         zero = torch.zeros((), device=device)
         record = dict.fromkeys(["lm_loss", *(f"mtp_{d}_loss" for d in range(1, model_cfg.mtp_depth + 1)), "seq_aux_loss", "aux_loss", "z_loss"], zero)
-        for i, host_batch in enumerate(mine + [host_batches[0]] * padding):
+        if pipe is not None:  # the schedule runs forward and backward of this rank's micro-batches
+            step_state.update(valid=valid, n_micro=n_micro)
+            logged, counts = pipe.step([parallel.MicroBatch(split(b).to(device, non_blocking=True), padding=i >= len(mine))
+                                        for i, b in enumerate(mine + [host_batches[0]] * padding)])
+            for name, value in logged.items():
+                record[name] = record[name] + value
+        for i, host_batch in enumerate(mine + [host_batches[0]] * padding if pipe is None else []):
             batch = split(host_batch).to(device, non_blocking=True)
             if cfg.compile:  # the document count varies by micro-batch: one graph for all
                 torch._dynamo.mark_dynamic(batch["cu_seqlens"], 0)
@@ -397,13 +463,19 @@ def main(argv: list[str]) -> None:
                 record = {name: v if name in ("seq_aux_loss", "aux_loss", "z_loss") else zero for name, v in record.items()}
             record = parallel.all_reduce_sums(record, dist.group.WORLD)
             counts = parallel.all_reduce_counts(counts, dist.group.WORLD, names=moe_names, n_experts=model_cfg.n_experts)
-        grad_norm = clip_grad_norm(model.parameters(), cfg.clip)
+        if pipe is None:
+            grad_norm = clip_grad_norm(model.parameters(), cfg.clip)
+        else:  # the first stage's embedding and the last stage's copy take the same summed gradient;
+            # the norm counts every stage's parameters once
+            pipe.sync_tied_grads()
+            counted, copies = pipe.norm_parameters()
+            grad_norm = clip_grad_norm(counted, cfg.clip, group=meshes.stage_mesh, pp_group=meshes.pp_mesh, copies=copies)
         for opt in optimizers:
             opt.step()
             opt.zero_grad(set_to_none=True)
         # aux-loss-free balancing: each MoE layer's bias moves by the step's actual counts
         if model_cfg.expert_bias and cfg.bias_rate:
-            for name, moe in model.moe_layers().items():
+            for name, moe in (layer for part in parts for layer in part.moe_layers().items()):
                 moe.expert_bias.copy_(ops.update_expert_bias(moe.expert_bias, counts[name], cfg.bias_rate,
                                                              proportional=cfg.bias_update == "proportional"))
 
@@ -433,7 +505,7 @@ def main(argv: list[str]) -> None:
                 getattr(opt, "wait", lambda: None)()
             # every rank holds the same extra (same sampler, same seeds): resumable on any mesh
             extra = {"step": step, "tokens_seen": tokens_seen, "sampler": sampler.state_dict(), "rng": checkpoint.rng_state()}
-            checkpoint.save(cfg.out_dir, step, model=model, optimizers=optimizers, extra=extra)
+            checkpoint.save(cfg.out_dir, step, model=parts, optimizers=optimizers, extra=extra)
             if rank == 0:
                 checkpoint.prune(cfg.out_dir, keep_last=cfg.keep_last, keep_every=cfg.keep_every or None)
     if rank == 0 and math.isfinite(record.get("val_loss", float("nan"))):

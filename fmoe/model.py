@@ -385,6 +385,41 @@ class BatchContext:
     attention: tuple[AttentionContext, ...]
 
 
+@dataclasses.dataclass(frozen=True)
+class PipelineChunk:
+    """The part of the model one pipeline chunk holds (set by fmoe.parallel.pipeline_chunk):
+    stage `stage` of `n_stages` (counting virtual stages), trunk blocks `layers`; the first
+    stage also holds the embedding, the last the final norm, the head and the MTP modules
+    (and a copy of the embedding when there are MTP modules)."""
+
+    stage: int
+    n_stages: int
+    layers: range
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.n_stages - 1
+
+
+class LayerElsewhere(nn.Module):
+    """Stands in a pipeline chunk for a trunk block another stage holds (keeping every
+    block's index, so parameter names are the whole model's); no parameters, never run."""
+
+    def __init__(self, index: int):
+        super().__init__()
+        self.index = index
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(f"block {self.index} is held by another pipeline stage")
+
+    def extra_repr(self) -> str:
+        return f"block {self.index}: another stage"
+
+
 BATCH_KEYS = ("input_ids", "labels", "loss_mask", "positions", "cu_seqlens")
 MTP_KEYS = ("mtp_input_ids", "mtp_labels", "mtp_loss_mask", "mtp_positions")
 
@@ -403,6 +438,9 @@ class Transformer(nn.Module):
         # context parallelism (cp > 1): fmoe.parallel.parallelize sets a ContextParallel,
         # whose attention_kwargs(token_index) give attention_context its CP arguments
         self.context_parallel = None
+        # pipeline parallelism: fmoe.parallel.pipeline_chunk keeps one stage's layers and
+        # sets a PipelineChunk (first, last); the forward then runs only those (forward)
+        self.pipeline_chunk = None
         self.reset_parameters()
 
     @torch.no_grad()
@@ -435,7 +473,7 @@ class Transformer(nn.Module):
     def moe_layers(self) -> dict[str, MoE]:
         """The MoE modules by the key their stats carry in forward's output: "layer_{i}"
         for trunk block i, "mtp_{d}" for MTP depth d (e.g. for the expert-bias update)."""
-        layers = {f"layer_{i}": b.mlp for i, b in enumerate(self.blocks) if isinstance(b.mlp, MoE)}
+        layers = {f"layer_{i}": b.mlp for i, b in enumerate(self.blocks) if isinstance(getattr(b, "mlp", None), MoE)}
         layers.update({f"mtp_{d}": m.block.mlp for d, m in enumerate(self.mtp, start=1) if isinstance(m.block.mlp, MoE)})
         return layers
 
@@ -458,7 +496,7 @@ class Transformer(nn.Module):
         MTP depth's, and one attention mask from cu_seqlens, on the batch's device. Reads no
         value on the host; build it once per micro-batch, after the batch has moved."""
         self._check_batch(batch)
-        cfg = self.blocks[0].attn.cfg
+        cfg = self.cfg.attention_config()
         split = "token_index" in batch.keys()
         if split != (self.context_parallel is not None):
             raise ValueError("batch: a context-parallel model takes the batch split by fmoe.parallel.split_batch (with token_index), "
@@ -474,7 +512,7 @@ class Transformer(nn.Module):
         loss_sum = linear_cross_entropy(self.norm(h_TH), self.head, labels, reduction="sum", check=False, impl=self.cfg.impl)
         return loss_sum, loss_mask.sum()
 
-    def forward(self, batch, ctx: Optional[BatchContext] = None):
+    def forward(self, batch, ctx: Optional[BatchContext] = None, hidden: Optional[torch.Tensor] = None):
         """One packed micro-batch; no device->host sync.
 
         Args:
@@ -484,22 +522,38 @@ class Transformer(nn.Module):
                 mtp_input_ids, mtp_labels, mtp_loss_mask, mtp_positions [D, T] (row d-1 for
                 MTP depth d). Values are not checked here: make_batch checks them.
             ctx: self.context(batch), built once per micro-batch; None builds it here.
+            hidden: for a pipeline chunk that is not the first (fmoe.parallel.pipeline_chunk
+                set `pipeline_chunk`): the previous stage's output [T, H]; None otherwise.
         Returns:
             (losses, stats) TensorDicts. losses: "lm_sum" (float32 sum of cross-entropy over
             valid tokens), "lm_tokens" (their count), and "mtp_{d}_sum" / "mtp_{d}_tokens".
             stats: "layer_{i}" -> the MoE stats of block i (fmoe.layers.moe), and
             "mtp_{d}" for MTP blocks with experts.
+            A pipeline chunk runs only the blocks it holds (the others are placeholders):
+            the first embeds input_ids, one that is not the last returns (hidden [T, H],
+            stats) instead, its output for the next stage; the last returns the losses.
         """
         if ctx is None:
             ctx = self.context(batch)
         elif not isinstance(ctx, BatchContext) or len(ctx.attention) != 1 + self.cfg.mtp_depth:
             raise ValueError(f"ctx: expected model.context(batch) (a BatchContext for {self.cfg.mtp_depth} MTP depths), got {type(ctx).__name__}")
-        h_TH = F.embedding(batch["input_ids"], self.embed)  # a deterministic backward on CPU, unlike indexing
+        chunk = self.pipeline_chunk
+        if (chunk is None or chunk.first) != (hidden is None):
+            raise ValueError("hidden: expected the previous stage's output for a pipeline chunk that is not the first, "
+                             f"and None otherwise; got {'None' if hidden is None else 'a tensor'} (pipeline_chunk={chunk})")
+        if hidden is None:
+            h_TH = F.embedding(batch["input_ids"], self.embed)  # a deterministic backward on CPU, unlike indexing
+        else:
+            h_TH = hidden
         stats = {}
         for i, block in enumerate(self.blocks):
+            if isinstance(block, LayerElsewhere):  # held by another pipeline stage
+                continue
             h_TH, layer_stats = block(h_TH, ctx.attention[0])
             if layer_stats is not None:
                 stats[f"layer_{i}"] = layer_stats
+        if chunk is not None and not chunk.last:
+            return h_TH, TensorDict(stats, batch_size=[])
         lm_sum, lm_tokens = self._lm_loss(h_TH, batch["labels"], batch["loss_mask"])
         losses = {"lm_sum": lm_sum, "lm_tokens": lm_tokens}
         for d, module in enumerate(self.mtp, start=1):

@@ -1,7 +1,8 @@
 """Gradient helpers: the gradient norm and its clipping, float32 accumulation of bf16 gradients.
 
-    grad_norm(parameters, *, norm_type=2.0, group=None) -> 0-D float32 tensor
-    clip_grad_norm(parameters, max_norm, *, norm_type=2.0, group=None) -> the pre-clip norm
+    grad_norm(parameters, *, norm_type=2.0, group=None, pp_group=None) -> 0-D float32 tensor
+    clip_grad_norm(parameters, max_norm, *, norm_type=2.0, group=None, pp_group=None, copies=())
+        -> the pre-clip norm
     Float32GradAccumulator(model, patterns)    float32 sums of chosen parameters' gradients
 
 Clipping (torch.nn.utils.clip_grad_norm_'s rule): every gradient is scaled by
@@ -28,7 +29,9 @@ ep with FSDP over edp, TP shards, meshes that are slices of the world. Rank q co
 replicas counts the ranks holding an identical copy of that local shard (the other slices
 of the world and the Replicate dims of its own mesh), so one SUM all_reduce of a_q over the
 world gives sum |g|^p over the full gradients with every element counted once; the norm is
-its p-th root (a MAX all_reduce of the local max for p = inf). Shard placements (including
+its p-th root (a MAX all_reduce of the local max for p = inf). Under pipeline parallelism
+the world above is one stage's ranks (`group`) and the stages' sums are then added over
+the pipeline group (`pp_group`): each stage holds different parameters. Shard placements (including
 FSDP2's _StridedShard and uneven or empty shards) split the elements disjointly; a Partial
 placement is refused (its local values are not the gradient's). Every rank issues that one
 collective, the same on all, whatever it holds (no gradient at all sends a zero): a skipped
@@ -178,8 +181,10 @@ def _tensor_norms(grads: list[torch.Tensor], p: float, foreach: Optional[bool]) 
     return list(torch._foreach_norm(grads, p, dtype=torch.float32))
 
 
-def _distributed_norm(params, p: float, pg: Optional[dist.ProcessGroup], world: int, foreach: Optional[bool]) -> torch.Tensor:
-    """The module docstring's algorithm; the collective only when the group has ranks to join."""
+def _distributed_norm(params, p: float, pg: Optional[dist.ProcessGroup], world: int, foreach: Optional[bool],
+                      pp: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """The module docstring's algorithm; the collective only when the group has ranks to
+    join; then over the pipeline group pp (the other stages' sums), when given."""
     shards = [(g, r) for g, r in _local_grads(params, world) if g.numel() > 0]  # empty shards add 0
     if pg is None:
         device = shards[0][0].device if shards else torch.device("cpu")
@@ -196,6 +201,8 @@ def _distributed_norm(params, p: float, pg: Optional[dist.ProcessGroup], world: 
             local = torch.maximum(local, torch.stack([n.to(device) for n in norms]).max())
         if world > 1:
             dist.all_reduce(local, op=dist.ReduceOp.MAX, group=pg)
+        if pp is not None:
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=pp)
         return local
 
     local = torch.zeros((), dtype=torch.float64, device=device)
@@ -205,7 +212,19 @@ def _distributed_norm(params, p: float, pg: Optional[dist.ProcessGroup], world: 
         local = local + torch.stack([n.to(device) for n in norms]).double().pow(p).sum() / replicas
     if world > 1:
         dist.all_reduce(local, op=dist.ReduceOp.SUM, group=pg)
+    if pp is not None:
+        dist.all_reduce(local, op=dist.ReduceOp.SUM, group=pp)
     return local.pow(1.0 / p).float()
+
+
+def _pipeline_group(pp_group, group) -> Optional[dist.ProcessGroup]:
+    """pp_group's process group (None when not given); with one, `group` must be the stage's."""
+    if pp_group is None:
+        return None
+    if group is None:
+        raise ValueError("group: with pp_group, pass the group of this pipeline stage's ranks (e.g. meshes.stage_mesh), "
+                         "not the world: the parameters differ from stage to stage")
+    return process_group(pp_group, "pp_group")
 
 
 def grad_norm(
@@ -214,6 +233,7 @@ def grad_norm(
     norm_type: float = 2.0,
     group: Optional[Group] = None,
     foreach: Optional[bool] = None,
+    pp_group: Optional[Group] = None,
 ) -> torch.Tensor:
     """The p-norm of all the gradients together, on one process or over the ranks of `group`.
 
@@ -236,6 +256,11 @@ def grad_norm(
             without torch.distributed).
         foreach: torch._foreach kernels (None or True) or a loop over the tensors (False),
             as in torch.nn.utils.clip_grad_norm_.
+        pp_group: pipeline parallelism: the ranks holding the other stages' parameters
+            (meshes.pp_mesh). `group` is then this stage's ranks (meshes.stage_mesh), the
+            parameters this stage's, and the stages' sums are added over pp_group (one
+            more collective): every stage's parameters counted once. A parameter held by
+            two stages (a tied embedding) must be passed by one of them only.
     Returns: 0-D float32 tensor on the gradients' device (the collective's under several
     ranks), identical on every rank.
 
@@ -245,11 +270,12 @@ def grad_norm(
     """
     p = _check_norm_type(norm_type)
     params = _as_param_list(parameters)
+    pp = _pipeline_group(pp_group, group)
     pg, world = _group_and_size(group)
-    if _torch_path(params, world):
+    if pp is None and _torch_path(params, world):
         grads = [q.grad for q in params if q.grad is not None]
         return torch.nn.utils.get_total_norm(grads, p, foreach=foreach).float()
-    return _distributed_norm(params, p, pg, world, foreach)
+    return _distributed_norm(params, p, pg, world, foreach, pp)
 
 
 @torch.no_grad()
@@ -260,6 +286,8 @@ def clip_grad_norm(
     norm_type: float = 2.0,
     group: Optional[Group] = None,
     foreach: Optional[bool] = None,
+    pp_group: Optional[Group] = None,
+    copies: Parameters = (),
 ) -> torch.Tensor:
     """Clip the gradients' total norm to `max_norm` in place; return the pre-clip norm.
 
@@ -269,7 +297,10 @@ def clip_grad_norm(
     torch.nn.utils.clip_grad_norm_ itself (the same bits; the norm cast to float32).
     Parameters without a .grad are skipped. No host sync.
 
-    Args: as grad_norm; max_norm: a positive number.
+    Args: as grad_norm; max_norm: a positive number. copies: parameters whose gradients
+        are scaled too but not counted in the norm: copies of parameters counted elsewhere
+        (a pipeline's tied embedding on its last stage, whose gradient equals the first
+        stage's).
     Returns: 0-D float32 tensor, the norm before clipping, identical on every rank.
 
     >>> w = torch.nn.Parameter(torch.zeros(2)); w.grad = torch.tensor([3.0, 4.0])
@@ -282,13 +313,15 @@ def clip_grad_norm(
         raise ValueError(f"max_norm: expected a positive number, got {max_norm!r}")
     p = _check_norm_type(norm_type)
     params = _as_param_list(parameters)
+    copies = _as_param_list(copies)
+    pp = _pipeline_group(pp_group, group)
     pg, world = _group_and_size(group)
-    if _torch_path(params, world):
+    if pp is None and not copies and _torch_path(params, world):
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=p, foreach=foreach).float()
-    norm = _distributed_norm(params, p, pg, world, foreach)
+    norm = _distributed_norm(params, p, pg, world, foreach, pp)
     coef = (max_norm / (norm + _CLIP_EPS)).clamp(max=1.0)
     by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for g, _ in _local_grads(params, world):
+    for g, _ in _local_grads(params + copies, world):
         by_device.setdefault(g.device, []).append(g)
     for device, grads in by_device.items():
         coef_here = coef.to(device)

@@ -17,6 +17,10 @@ collectives, DCP) arranged for MoE models. DESIGN.md "Parallelism".
     cp_token_index, cp_kv_index, split_batch, gather_kv, ContextParallel   context parallel: the
                                        load-balanced split of a packed micro-batch, the K/V
                                        all-gather, the model's attention over the split
+    Pipeline, MicroBatch, StageModule, stage_layers, rank_stages, pipeline_chunk, attach_loss,
+    SCHEDULES                          pipeline parallel on torch.distributed.pipelining: the
+                                       split by layers, the stages, the schedules, the tied
+                                       embedding, balancing losses of middle stages
 
 The gradient norm over parameters on several meshes is fmoe.optim.grad_norm / clip_grad_norm
 (the same functions serve one process and torchrun).
@@ -38,6 +42,7 @@ from fmoe.parallel.expert import (
 from fmoe.parallel.fsdp import apply_fsdp, dense_data_mesh, materialize, parallelize, shard_experts
 from fmoe.parallel.mesh import Meshes, build_meshes, plan_sizes
 from fmoe.parallel.muon import DistributedMuon
+from fmoe.parallel.pipeline import SCHEDULES, MicroBatch, Pipeline, StageModule, attach_loss, pipeline_chunk, rank_stages, stage_layers
 from fmoe.parallel.reduce import (
     all_reduce_counts,
     all_reduce_sums,
@@ -55,6 +60,14 @@ from fmoe.parallel.tensor import (
 )
 
 __all__ = [
+    "SCHEDULES",
+    "MicroBatch",
+    "Pipeline",
+    "StageModule",
+    "attach_loss",
+    "pipeline_chunk",
+    "rank_stages",
+    "stage_layers",
     "ContextParallel",
     "DispatchMeta",
     "DistributedMuon",

@@ -15,7 +15,13 @@ dp_shard * cp * tp, and expert TP (etp) is independent of the dense tp. A group 
 ranks then never crosses a dp_replicate boundary. The expert view is built only when the
 model has experts. Axes of size 1 are kept (so code can name them) and cost nothing.
 
-Legend: world = dp_replicate * dp_shard * cp * tp = edp * ep * etp.
+Pipeline parallelism adds the outermost axis pp: the world is pp stages of
+dp_replicate * dp_shard * cp * tp ranks each, and the three views above are those of this
+rank's stage (submeshes of (pp, ...) meshes over the whole world, so every rank creates
+the same process groups); `pp_mesh` is the 1-D mesh of the ranks holding the other stages
+with the same coordinates within theirs.
+
+Legend: world = pp * dp_replicate * dp_shard * cp * tp; a stage's ranks = edp * ep * etp.
 """
 
 from __future__ import annotations
@@ -40,27 +46,34 @@ def _positive(name: str, value, *, allow_fill: bool = False) -> None:
 
 def plan_sizes(
     world_size: int, *, dp_replicate: int = 1, dp_shard: int = -1, cp: int = 1, tp: int = 1, ep: int = 1, etp: int = 1,
-    has_experts: bool = True,
+    has_experts: bool = True, pp: int = 1,
 ) -> dict[str, int]:
     """The size of every axis for `world_size` ranks, checked; no process group needed.
 
-    dp_shard=-1 takes what is left of the world after dp_replicate, cp and tp. Raises a
-    ValueError saying which product does not divide (or equal) which.
+    dp_shard=-1 takes what is left of the world after pp, dp_replicate, cp and tp. Raises
+    a ValueError saying which product does not divide (or equal) which. edp, ep and etp
+    divide one pipeline stage's ranks (world_size / pp).
 
     >>> plan_sizes(8, tp=2, ep=4)["edp"]
     2
     """
     _positive("world_size", world_size)
-    for name, value in (("dp_replicate", dp_replicate), ("cp", cp), ("tp", tp), ("ep", ep), ("etp", etp)):
+    for name, value in (("pp", pp), ("dp_replicate", dp_replicate), ("cp", cp), ("tp", tp), ("ep", ep), ("etp", etp)):
         _positive(name, value)
     _positive("dp_shard", dp_shard, allow_fill=True)
+    if world_size % pp:
+        raise ValueError(f"pp: {pp} pipeline stages do not divide the world size {world_size}")
+    stage = world_size // pp
     others = dp_replicate * cp * tp
     if dp_shard == -1:
-        if world_size % others:
-            raise ValueError(f"dp_shard=-1: dp_replicate * cp * tp = {others} does not divide the world size {world_size}")
-        dp_shard = world_size // others
-    if others * dp_shard != world_size:
-        raise ValueError(f"dp_replicate * dp_shard * cp * tp = {others * dp_shard} does not equal the world size {world_size}")
+        if stage % others:
+            raise ValueError(f"dp_shard=-1: dp_replicate * cp * tp = {others} does not divide the {stage} ranks of a pipeline stage "
+                             f"(world size {world_size} / pp {pp})" if pp > 1 else
+                             f"dp_shard=-1: dp_replicate * cp * tp = {others} does not divide the world size {world_size}")
+        dp_shard = stage // others
+    if others * dp_shard != stage:
+        raise ValueError(f"pp * dp_replicate * dp_shard * cp * tp = {pp * others * dp_shard} does not equal the world size {world_size}"
+                         if pp > 1 else f"dp_replicate * dp_shard * cp * tp = {others * dp_shard} does not equal the world size {world_size}")
     if not has_experts and ep * etp > 1:
         raise ValueError(f"ep / etp: expert parallelism ({ep} x {etp}) needs a model with experts")
     borrowed = dp_shard * cp * tp
@@ -69,19 +82,21 @@ def plan_sizes(
             f"ep * etp = {ep * etp} does not divide dp_shard * cp * tp = {borrowed} "
             "(expert parallelism borrows its ranks from those axes)"
         )
-    return dict(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, dp=dp_replicate * dp_shard,
-                edp=world_size // (ep * etp), ep=ep, etp=etp)
+    return dict(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, dp=dp_replicate * dp_shard,
+                edp=stage // (ep * etp), ep=ep, etp=etp)
 
 
 @dataclasses.dataclass(frozen=True)
 class Meshes:
-    """The three views of one world (module docstring). `sizes` holds every axis size;
-    `expert` is None for a model without experts."""
+    """The three views of one world, or of this rank's pipeline stage (module docstring).
+    `sizes` holds every axis size; `expert` is None for a model without experts; `pp_mesh`
+    is the 1-D pipeline mesh (None without pipeline parallelism)."""
 
     dense: DeviceMesh
     batch: DeviceMesh
     expert: Optional[DeviceMesh]
     sizes: dict
+    pp_mesh: Optional[DeviceMesh] = None
 
     def __getattr__(self, name):  # meshes.tp, meshes.ep, ... are the sizes
         sizes = self.__dict__.get("sizes", {})
@@ -106,12 +121,26 @@ class Meshes:
         table on the host)."""
         return self.dense["cp", "tp"]._flatten("cp_tp")
 
+    @functools.cached_property
+    def stage_mesh(self) -> DeviceMesh:
+        """(dp, cp, tp) flattened to 1-D, "stage": every rank of this pipeline stage (the
+        whole world without pipeline parallelism): the group over which the stage's
+        parameters are sharded or replicated (e.g. the gradient norm's)."""
+        return self.batch._flatten("stage")
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's coordinate on the pipeline axis (0 without pipeline parallelism)."""
+        return self.pp_mesh.get_local_rank() if self.pp_mesh is not None else 0
+
     def axis(self, name: str) -> DeviceMesh:
         """The 1-D mesh of one axis by name, from whichever view has it."""
+        if name == "pp" and self.pp_mesh is not None:
+            return self.pp_mesh
         for mesh in (self.dense, self.batch, self.expert):
             if mesh is not None and name in mesh.mesh_dim_names:
                 return mesh[name]
-        raise ValueError(f"name: expected one of {DENSE_AXES + ('dp',) + EXPERT_AXES}, got {name!r}")
+        raise ValueError(f"name: expected one of {DENSE_AXES + ('dp',) + EXPERT_AXES + ('pp',)}, got {name!r}")
 
     def group(self, name: str) -> dist.ProcessGroup:
         """The process group of one axis (the ranks that differ only along it)."""
@@ -120,9 +149,10 @@ class Meshes:
 
 def build_meshes(
     *, dp_replicate: int = 1, dp_shard: int = -1, cp: int = 1, tp: int = 1, ep: int = 1, etp: int = 1,
-    has_experts: bool = True, device_type: Optional[str] = None,
+    has_experts: bool = True, device_type: Optional[str] = None, pp: int = 1,
 ) -> Meshes:
-    """The dense, batch and (with experts) expert meshes over the initialised world.
+    """The dense, batch and (with experts) expert meshes over the initialised world, or,
+    with pp > 1, over this rank's pipeline stage (plus the pipeline mesh).
 
     Every rank must call it with the same arguments (it creates process groups).
     device_type: "cuda" or "cpu" (default: cuda when the backend is nccl, else cpu).
@@ -130,13 +160,19 @@ def build_meshes(
     if not dist.is_initialized():
         raise ValueError("build_meshes: torch.distributed is not initialised (run under torchrun and call init_process_group)")
     world = dist.get_world_size()
-    sizes = plan_sizes(world, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep, etp=etp, has_experts=has_experts)
+    sizes = plan_sizes(world, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep, etp=etp, has_experts=has_experts, pp=pp)
     if device_type is None:
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     ranks = torch.arange(world)
-    dense = DeviceMesh(device_type, ranks.view(*(sizes[a] for a in DENSE_AXES)), mesh_dim_names=DENSE_AXES)
-    batch = DeviceMesh(device_type, ranks.view(sizes["dp"], sizes["cp"], sizes["tp"]), mesh_dim_names=("dp", "cp", "tp"))
-    expert = None
-    if has_experts:
-        expert = DeviceMesh(device_type, ranks.view(*(sizes[a] for a in EXPERT_AXES)), mesh_dim_names=EXPERT_AXES)
-    return Meshes(dense=dense, batch=batch, expert=expert, sizes=sizes)
+
+    def view(names: tuple[str, ...], shape: tuple[int, ...]) -> DeviceMesh:
+        # with pp > 1: a (pp, ...) mesh over the world, sliced to this rank's stage
+        if pp == 1:
+            return DeviceMesh(device_type, ranks.view(*shape), mesh_dim_names=names)
+        return DeviceMesh(device_type, ranks.view(pp, *shape), mesh_dim_names=("pp", *names))[names]
+
+    dense = view(DENSE_AXES, tuple(sizes[a] for a in DENSE_AXES))
+    batch = view(("dp", "cp", "tp"), (sizes["dp"], sizes["cp"], sizes["tp"]))
+    expert = view(EXPERT_AXES, tuple(sizes[a] for a in EXPERT_AXES)) if has_experts else None
+    pp_mesh = DeviceMesh(device_type, ranks.view(pp, -1), mesh_dim_names=("pp", "stage_rank"))["pp"] if pp > 1 else None
+    return Meshes(dense=dense, batch=batch, expert=expert, sizes=sizes, pp_mesh=pp_mesh)

@@ -1,6 +1,7 @@
 """Checkpoints on torch.distributed.checkpoint (DCP): save, resume, retention.
 
     save(out_dir, step, *, model, optimizers, extra=None, async_=False, previous=None) -> SaveHandle
+        model: a module, or this rank's pipeline chunks (a list; one optimizer per chunk)
     SaveHandle.wait() -> Path                finish an async save (a sync one is done already)
     latest(out_dir, *, delete_partial=False) -> Path | None
     load(path, *, model, optimizers) -> extra
@@ -11,7 +12,9 @@
 Layout: `out_dir/step_000123/` holds DCP's files (`.metadata`, `__<rank>_*.distcp`) for
 {"model": ..., "optim": ...}, built with torch.distributed.checkpoint.state_dict's
 get_state_dict / set_state_dict (so FSDP2 / DTensor shards save and reshard, and several
-optimizers over disjoint parameters merge into one FQN-keyed state), plus one
+optimizers over disjoint parameters merge into one FQN-keyed state, flattened: every entry
+keyed by parameter name, so that a checkpoint saved with one pipeline split, or none,
+loads with another; a pipeline rank passes its chunks, each with its own optimizers), plus one
 `extra_rank<r>.pt` per rank written with torch.save: `extra` is per-rank plain state
 (schedules, sampler state, RNG states) that must round trip exactly as Python objects,
 which DCP's planner does not promise (it needs the keys up front to load and treats
@@ -55,7 +58,13 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 _NAME = re.compile(r"step_(\d+)")
 
@@ -82,6 +91,54 @@ def _out_dir(out_dir) -> Path:
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"out_dir: {str(out_dir)!r} exists and is not a directory")
     return out_dir
+
+
+# optimizer state keyed by parameter name ("state.blocks.0.attn.wq.exp_avg",
+# "param_groups.blocks.0.attn.wq.lr"), not by group index: the same keys whatever the
+# grouping and however the model is split into pipeline chunks
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _models(model) -> list[torch.nn.Module]:
+    """model as a list: one module, or a sequence of them (a pipeline's chunks on this rank,
+    whose parameter names are the whole model's)."""
+    models = [model] if isinstance(model, torch.nn.Module) else list(model) if isinstance(model, (list, tuple)) else None
+    if not models or not all(isinstance(m, torch.nn.Module) for m in models):
+        raise ValueError(f"model: expected an nn.Module or a non-empty list of them (pipeline chunks), got {type(model).__name__}")
+    return models
+
+
+def _pairs(models, optimizers) -> list[tuple[torch.nn.Module, list]]:
+    """Each model with the optimizers of its parameters (an optimizer belongs to the one
+    model holding all its parameters); ValueError for an optimizer of none."""
+    if len(models) == 1:
+        return [(models[0], list(optimizers))]
+    owned = [{id(p) for p in m.parameters()} for m in models]
+    pairs = [(m, []) for m in models]
+    for i, opt in enumerate(optimizers):
+        ids = {id(p) for group in opt.param_groups for p in group["params"]}
+        owner = next((j for j, o in enumerate(owned) if ids <= o), None)
+        if owner is None:
+            raise ValueError(f"optimizers[{i}]: its parameters are not all in one of the {len(models)} models (pipeline chunks): "
+                             "build one optimizer per chunk")
+        pairs[owner][1].append(opt)
+    return pairs
+
+
+def _state(pairs) -> tuple[dict, list[tuple[dict, dict]]]:
+    """{"model": ..., "optim": ...} over every (model, optimizers) pair (one dict: the
+    chunks' keys are disjoint, or equal with equal values for a tied copy), and each pair's
+    own (model, optim) state dicts."""
+    merged, parts = {"model": {}, "optim": {}}, []
+    for model, opts in pairs:
+        if opts:
+            model_sd, optim_sd = get_state_dict(model, opts, options=_OPTIONS)
+        else:
+            model_sd, optim_sd = get_model_state_dict(model), {}
+        merged["model"].update(model_sd)
+        merged["optim"].update(optim_sd)
+        parts.append((model_sd, optim_sd))
+    return merged, parts
 
 
 def _optimizers(optimizers) -> list[torch.optim.Optimizer]:
@@ -173,8 +230,7 @@ def save(
     _barrier()
     torch.save(extra or {}, tmp / f"extra_rank{_rank()}.pt")
 
-    model_sd, optim_sd = get_state_dict(model, optimizers)
-    state = {"model": model_sd, "optim": optim_sd}
+    state, _ = _state(_pairs(_models(model), optimizers))
     no_dist = not dist.is_initialized()
     if not async_:
         with _single_process_quiet():
@@ -224,10 +280,13 @@ def load_model(path, *, model: torch.nn.Module) -> Path:
     if not (path / ".metadata").is_file() and path.is_dir() and (newest := latest(path)) is not None:
         path = newest
     path = _checkpoint_dir(path)
-    state = {"model": get_model_state_dict(model)}
+    models = _models(model)
+    parts = [get_model_state_dict(m) for m in models]
+    state = {"model": {k: v for part in parts for k, v in part.items()}}
     with _single_process_quiet():
         dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
-    set_model_state_dict(model, state["model"])
+    for m, part in zip(models, parts):
+        set_model_state_dict(m, {k: state["model"][k] for k in part})
     return path
 
 
@@ -246,11 +305,16 @@ def load(path, *, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optim
     if not extra_file.is_file():
         raise FileNotFoundError(f"path: {str(path)!r} has no extra_rank0.pt (not a checkpoint of fmoe.train.checkpoint?)")
     optimizers = _optimizers(optimizers)
-    model_sd, optim_sd = get_state_dict(model, optimizers)
-    state = {"model": model_sd, "optim": optim_sd}
+    pairs = _pairs(_models(model), optimizers)
+    state, parts = _state(pairs)
     with _single_process_quiet():
         dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
-    set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    for (m, opts), (model_sd, optim_sd) in zip(pairs, parts):
+        loaded_model = {k: state["model"][k] for k in model_sd}
+        if opts:
+            set_state_dict(m, opts, model_state_dict=loaded_model, optim_state_dict={k: state["optim"][k] for k in optim_sd}, options=_OPTIONS)
+        else:
+            set_model_state_dict(m, loaded_model)
     return torch.load(extra_file, weights_only=False)
 
 

@@ -7,9 +7,9 @@ from tests.parallel.dist import run_distributed
 
 
 def test_sizes_fill_dp_shard_and_fold_experts():
-    assert plan_sizes(8, tp=2, ep=4) == dict(dp_replicate=1, dp_shard=4, cp=1, tp=2, dp=4, edp=2, ep=4, etp=1)
+    assert plan_sizes(8, tp=2, ep=4) == dict(pp=1, dp_replicate=1, dp_shard=4, cp=1, tp=2, dp=4, edp=2, ep=4, etp=1)
     assert plan_sizes(8, dp_replicate=2, tp=2, ep=2, etp=2)["edp"] == 2
-    assert plan_sizes(1) == dict(dp_replicate=1, dp_shard=1, cp=1, tp=1, dp=1, edp=1, ep=1, etp=1)
+    assert plan_sizes(1) == dict(pp=1, dp_replicate=1, dp_shard=1, cp=1, tp=1, dp=1, edp=1, ep=1, etp=1)
 
 
 @pytest.mark.parametrize("world, kwargs, message", [

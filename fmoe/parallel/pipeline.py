@@ -1,0 +1,429 @@
+"""Pipeline parallelism for the reference model on torch.distributed.pipelining.
+
+    layers = stage_layers(n_layers=8, n_stages=4)           # [range(0, 2), range(2, 4), ...]
+    pipe = Pipeline(cfg, meshes, schedule="1f1b", virtual=1, loss_fn=..., build=...)
+    for chunk in pipe.chunks: ...                          # this rank's Transformers (pruned)
+    logged, counts = pipe.step(micro_batches)              # forward + backward of one step
+
+The pp axis is the outermost of fmoe.parallel.build_meshes: each pipeline stage is a full
+dp_replicate x dp_shard x cp x tp world of its own, with the expert view folded within it.
+
+The split. The trunk's n_layers blocks are cut into pp x virtual stages of consecutive
+blocks (`stage_layers`: an even split, the first stages taking one more when it does not
+divide, or explicit sizes). Stage 0 also holds the embedding; the last stage the final
+norm, the head (and with them the LM loss) and the MTP modules, which need the embedding
+too: the last stage holds a copy of it, with the same initial values (a function of the
+seed and the name "embed", fmoe.model.init_value), whose gradient is summed with the first
+stage's every step (`Pipeline.sync_tied_grads`), so both copies take the same optimizer
+steps. Each stage is a `fmoe.model.Transformer` built whole on the meta device and pruned
+(`pipeline_chunk`): the blocks of other stages are replaced by placeholders, so parameter
+names (and checkpoint keys, initial values) are those of the whole model, and a checkpoint
+saved at any pp loads at any other. Rank r holds stages r, r + pp, ... (loop schedules) or
+r and 2 pp - 1 - r (the V schedules: ZBV, DualPipeV).
+
+The schedule. torch.distributed.pipelining's PipelineStage and schedules run the
+micro-batches of one optimizer step: `gpipe`, `1f1b`, `interleaved_1f1b`, `looped_bfs`,
+`interleaved_zb` (zero bubble), `zbv` and `dualpipev` (the V-shaped ones, 2 stages per
+rank). The step's micro-batches are the schedule's micro-batches; each stage's module reads
+its micro-batch (positions, cu_seqlens, labels, MTP rows) from the step's list by the
+micro-batch index the schedule passes along (a keyword argument, chunked like the inputs),
+and builds its own context. Stage 0's input is the micro-batch's token ids, the others' the
+previous stage's hidden state [T, H] (in the compute dtype). The last stage returns the
+micro-batch's loss, already divided by the step's global valid-token counts: gradients are
+not scaled by the schedule (scale_grads=False), and the loss is still a sum over tokens
+divided by the step's count.
+
+Balancing losses of middle stages. Only the last stage's output reaches a loss, so a
+stage's own balancing losses (sequence aux, switch aux, z-loss of its MoE layers) are
+attached to its output with `attach_loss`: the identity in the forward, and in the backward
+the incoming gradient plus a gradient of 1 for the attached loss (Megatron's
+MoEAuxLossAutoScaler does the same), so their gradients reach the router when the
+pipeline's backward reaches the stage.
+
+FSDP2 inside a stage: each stage's module (StageModule, holding the pruned Transformer)
+is fully_shard-ed over the stage's dense data mesh (no parameters of its own; the units
+inside are parallelize's), so the schedule drives FSDP as torch intends: gradients
+accumulate unsharded over the step's micro-batches and are reduce-scattered once, after
+the last backward.
+
+Limits (ValueErrors naming the knob): more stages than trunk layers; schedules' constraints
+on the micro-batch count (1F1B, ZBV and DualPipeV need at least as many micro-batches as
+stages; the interleaved ones a multiple of their rounds); single-stage schedules take
+virtual = 1, interleaved ones virtual >= 2, V ones virtual = 2.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from fmoe.model import LayerElsewhere, PipelineChunk, Transformer, TransformerConfig
+from fmoe.parallel.mesh import Meshes
+
+# name -> (torch schedule class name, stages per rank: "one" | "loop" | "v")
+SCHEDULES = {
+    "gpipe": ("ScheduleGPipe", "one"),
+    "1f1b": ("Schedule1F1B", "one"),
+    "interleaved_1f1b": ("ScheduleInterleaved1F1B", "loop"),
+    "looped_bfs": ("ScheduleLoopedBFS", "loop"),
+    "interleaved_zb": ("ScheduleInterleavedZeroBubble", "loop"),
+    "zbv": ("ScheduleZBVZeroBubble", "v"),
+    "dualpipev": ("ScheduleDualPipeV", "v"),
+}
+
+
+def stage_layers(n_layers: int, n_stages: int, layers_per_stage: Optional[Sequence[int]] = None) -> list[range]:
+    """The trunk blocks of each pipeline stage, in stage order: consecutive ranges covering
+    range(n_layers). Even by default (the first n_layers % n_stages stages take one more
+    block), or the explicit sizes `layers_per_stage` (one positive int per stage, summing to
+    n_layers). ValueError naming the knob for more stages than layers or bad sizes.
+
+    >>> stage_layers(5, 2)
+    [range(0, 3), range(3, 5)]
+    """
+    for name, value in (("n_layers", n_layers), ("n_stages", n_stages)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    if layers_per_stage is None:
+        if n_stages > n_layers:
+            raise ValueError(f"pp: {n_stages} pipeline stages (pp x pp_virtual) for {n_layers} trunk layers (n_layers): "
+                             "every stage needs at least one layer")
+        base, extra = divmod(n_layers, n_stages)
+        sizes = [base + (s < extra) for s in range(n_stages)]
+    else:
+        sizes = list(layers_per_stage)
+        if len(sizes) != n_stages or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes) or sum(sizes) != n_layers:
+            raise ValueError(f"layers_per_stage: expected {n_stages} positive ints (one per stage, pp x pp_virtual) "
+                             f"summing to n_layers = {n_layers}, got {sizes}")
+    bounds = [0]
+    for n in sizes:
+        bounds.append(bounds[-1] + n)
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def rank_stages(pp_rank: int, pp: int, virtual: int, style: str = "loop") -> list[int]:
+    """The stage indices rank `pp_rank` holds, in order: r, r + pp, ... ("loop"), or r and
+    2 pp - 1 - r ("v", virtual = 2)."""
+    if style == "v":
+        if virtual != 2:
+            raise ValueError(f"pp_virtual: the V schedules hold exactly 2 stages per rank, got {virtual}")
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + v * pp for v in range(virtual)]
+
+
+def pipeline_chunk(model: Transformer, chunk: PipelineChunk) -> Transformer:
+    """Prune `model` (a whole Transformer, best built on the meta device) in place to the
+    part `chunk` holds, and set model.pipeline_chunk: blocks outside chunk.layers become
+    LayerElsewhere placeholders; the embedding stays on the first stage (and on the last
+    when there are MTP modules); the final norm, head and MTP modules on the last. Call it
+    before fmoe.parallel.parallelize. Returns model."""
+    if not isinstance(model, Transformer):
+        raise ValueError(f"model: expected a fmoe.model.Transformer, got {type(model).__name__}")
+    n = len(model.blocks)
+    if not chunk.layers or chunk.layers.start < 0 or chunk.layers.stop > n or chunk.layers.step != 1:
+        raise ValueError(f"chunk: expected a non-empty range of consecutive layers within range({n}), got {chunk.layers}")
+    for i in range(n):
+        if i not in chunk.layers:
+            model.blocks[i] = LayerElsewhere(i)
+    if not chunk.first and not (chunk.last and model.cfg.mtp_depth):
+        model.embed = None
+    if not chunk.last:
+        model.norm = None
+        model.head = None
+        model.mtp = nn.ModuleList()
+    model.pipeline_chunk = chunk
+    return model
+
+
+class _AttachLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, loss):
+        ctx.loss_shape, ctx.loss_dtype = loss.shape, loss.dtype
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.ones(ctx.loss_shape, dtype=ctx.loss_dtype, device=grad.device)
+
+
+def attach_loss(x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+    """x, with `loss` (a scalar computed from this stage's activations) riding along: the
+    forward returns x unchanged; the backward passes x's gradient through and gives `loss`
+    the gradient 1, as if it had been added to the final loss (Megatron's
+    MoEAuxLossAutoScaler). Use it on a pipeline stage's output for losses of layers that
+    are not on the last stage."""
+    if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+        raise ValueError(f"loss: expected a 0-D tensor, got {type(loss).__name__} of shape {getattr(loss, 'shape', None)}")
+    return _AttachLoss.apply(x, loss)
+
+
+@dataclasses.dataclass
+class MicroBatch:
+    """One micro-batch as a stage reads it: the batch on the device (split for context
+    parallelism), and whether it is padding (a data-parallel rank short of micro-batches
+    runs a copy with zero loss so that it joins every collective)."""
+
+    batch: object
+    padding: bool = False
+
+
+# loss_fn(out, stats, batch) -> (loss, logged): out is the Transformer's losses TensorDict on
+# the last stage and None elsewhere; stats the stage's MoE stats; loss the stage's share of
+# the step's loss (a 0-D tensor) or None; logged {name: detached 0-D tensor} to sum
+LossFn = Callable[[Optional[object], object, object], tuple[Optional[torch.Tensor], dict]]
+
+
+class StageModule(nn.Module):
+    """The module torch's PipelineStage runs for one stage: forward(x, *, micro_batch)
+    reads micro-batch `micro_batch` of the step (`micro_batches`), runs the pruned
+    Transformer `model` (x: token ids on the first stage, else the previous stage's hidden
+    state) and returns the hidden state with the stage's loss attached, or on the last
+    stage the loss. It sums what `loss_fn` logs and the MoE layers' tokens_per_expert over
+    the step's micro-batches (`logged`, `counts`; padding left out). With `evaluating`
+    set it returns the hidden state, or on the last stage the LM loss sum."""
+
+    def __init__(self, model: Transformer, loss_fn: LossFn):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+        self.micro_batches: list[MicroBatch] = []
+        self.evaluating = False
+        self.logged: dict = {}
+        self.counts: dict = {}
+
+    def forward(self, x, *, micro_batch):
+        chunk = self.model.pipeline_chunk
+        mb = self.micro_batches[int(micro_batch.reshape(-1)[0])]  # a host tensor: no device read
+        batch = mb.batch
+        out, stats = self.model(batch, self.model.context(batch), hidden=None if chunk.first else x)
+        if self.evaluating:
+            return out["lm_sum"] if chunk.last else out
+        loss, logged = self.loss_fn(out if chunk.last else None, stats, batch)
+        if mb.padding:
+            loss = loss * 0.0 if loss is not None else None
+        else:
+            for name, value in logged.items():
+                self.logged[name] = self.logged.get(name, 0) + value
+            for name, layer in stats.items():
+                self.counts[name] = self.counts.get(name, 0) + layer["tokens_per_expert"]
+        if chunk.last:
+            if loss is None:
+                raise ValueError("loss_fn: returned no loss on the last stage")
+            return loss
+        return out if loss is None else attach_loss(out, loss)
+
+
+class Pipeline:
+    """This rank's part of a pipeline-parallel Transformer (module docstring).
+
+    Args:
+        cfg: the whole model's TransformerConfig.
+        meshes: fmoe.parallel.build_meshes(pp=..., ...) (meshes.pp_mesh set).
+        schedule: a name in SCHEDULES. virtual: stages per rank (pp_virtual).
+        loss_fn: see LossFn; the train loop's losses of one micro-batch on one stage.
+        tokens: the tokens of a micro-batch on this rank (T / cp), for the stages' buffers.
+        device, dtype: where the stages run and the compute dtype of the hidden states.
+        layers_per_stage: explicit stage sizes (stage_layers), or None for an even split.
+        parallelize: a function (model) -> None that shards a meta-device chunk over the
+            stage's meshes (fmoe.parallel.parallelize with the caller's precision) and
+            materialize: (model) -> None that allocates and initialises it.
+
+    Attributes: chunks (this rank's pruned Transformers, stage order), stages (their
+    PipelineStages), modules (StageModules), layers (every stage's range, printable),
+    stage_ids (the stage index of each chunk).
+    """
+
+    def __init__(
+        self, cfg: TransformerConfig, meshes: Meshes, *, schedule: str, virtual: int, loss_fn: LossFn, tokens: int,
+        device, dtype: torch.dtype, parallelize: Callable, materialize: Callable, layers_per_stage: Optional[Sequence[int]] = None,
+        param_dtype: Optional[torch.dtype] = None, reduce_dtype: Optional[torch.dtype] = None,
+    ):
+        from torch.distributed.pipelining import PipelineStage
+
+        if schedule not in SCHEDULES:
+            raise ValueError(f"pp_schedule: expected one of {', '.join(SCHEDULES)}, got {schedule!r}")
+        if meshes.pp_mesh is None:
+            raise ValueError("meshes: built without a pipeline axis (build_meshes(pp=...) with pp > 1)")
+        _, style = SCHEDULES[schedule]
+        if isinstance(virtual, bool) or not isinstance(virtual, int) or virtual < 1:
+            raise ValueError(f"pp_virtual: expected a positive int, got {virtual!r}")
+        if style == "one" and virtual != 1:
+            raise ValueError(f"pp_virtual: the {schedule} schedule runs one stage per rank, got pp_virtual = {virtual}")
+        if style == "loop" and virtual < 2:
+            raise ValueError(f"pp_virtual: the {schedule} schedule runs several stages per rank (pp_virtual >= 2), got {virtual}")
+        if style == "v" and virtual != 2:
+            raise ValueError(f"pp_virtual: the {schedule} schedule runs exactly 2 stages per rank, got pp_virtual = {virtual}")
+        self.schedule_name, self.meshes, self.device = schedule, meshes, torch.device(device)
+        self.pp, self.virtual = meshes.pp, virtual
+        self.n_stages = self.pp * virtual
+        self.layers = stage_layers(cfg.n_layers, self.n_stages, layers_per_stage)
+        self.stage_ids = rank_stages(meshes.pp_rank, self.pp, virtual, "v" if style == "v" else "loop")
+        self.loss_fn = loss_fn
+        self.chunks: list[Transformer] = []
+        self.modules: list[StageModule] = []
+        self.stages = []
+        self._metas: list[tuple[torch.Tensor, torch.Tensor]] = []  # (inputs, outputs) of each stage, on meta
+        self._eval: dict[int, object] = {}
+        group = meshes.pp_mesh.get_group()
+        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
+        from fmoe.parallel.fsdp import dense_data_mesh
+
+        for s in self.stage_ids:
+            chunk = PipelineChunk(s, self.n_stages, self.layers[s])
+            with torch.device("meta"):
+                model = Transformer(cfg)
+            pipeline_chunk(model, chunk)
+            parallelize(model)
+            materialize(model)
+            module = StageModule(model, loss_fn)
+            fully_shard(module, mesh=dense_data_mesh(meshes), mp_policy=mp)
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+            # the stages' static metadata (no shape inference run): the hidden state between
+            # stages requires grad, so its gradient travels back
+            hidden = torch.empty(tokens, cfg.hidden, dtype=dtype, device="meta", requires_grad=True)
+            inputs = torch.empty(tokens, dtype=torch.long, device="meta") if chunk.first else hidden
+            outputs = torch.empty((), dtype=torch.float32, device="meta") if chunk.last else hidden
+            self.chunks.append(model)
+            self.modules.append(module)
+            self._metas.append((inputs, outputs))
+            self.stages.append(PipelineStage(module, s, self.n_stages, self.device, input_args=inputs, output_args=outputs, group=group))
+        self._schedules: dict[int, object] = {}
+        self.tied_group = self._tied_group(cfg)
+
+    # ------------------------------------------------------------------ the schedule
+    def check_micro_batches(self, n: int) -> None:
+        """ValueError naming the knob unless the schedule can run n micro-batches per step
+        (on each data-parallel rank)."""
+        name, pp, S = self.schedule_name, self.pp, self.n_stages
+        if n < 1:
+            raise ValueError(f"batch_schedule: expected at least one micro-batch per data-parallel rank, got {n}")
+        if name in ("1f1b", "zbv", "dualpipev") and n < S:
+            raise ValueError(f"batch_schedule: the {name} schedule needs at least as many micro-batches per data-parallel rank "
+                             f"as pipeline stages ({S}), got {n}")
+        if name in ("interleaved_1f1b", "interleaved_zb"):
+            rounds = max(1, n // pp)
+            if n % rounds:
+                raise ValueError(f"batch_schedule: the {name} schedule needs the micro-batches per data-parallel rank ({n}) "
+                                 f"to be a multiple of its rounds max(1, n // pp) = {rounds}: e.g. a multiple of pp = {pp}")
+
+    def schedule(self, n: int):
+        """The torch schedule for n micro-batches (built once per n)."""
+        if n not in self._schedules:
+            import torch.distributed.pipelining as pipelining
+
+            self.check_micro_batches(n)
+            cls_name, style = SCHEDULES[self.schedule_name]
+            cls = getattr(pipelining, cls_name, None)
+            if cls is None:
+                raise ValueError(f"pp_schedule: {self.schedule_name} ({cls_name}) is not in this torch's torch.distributed.pipelining")
+            stages = self.stages[0] if style == "one" else self.stages
+            self._schedules[n] = cls(stages, n, loss_fn=_loss_is_output, scale_grads=False)
+        return self._schedules[n]
+
+    def step(self, micro_batches: Sequence[MicroBatch]) -> tuple[dict, dict]:
+        """Forward and backward of one optimizer step's micro-batches (this rank's share)
+        through the pipeline; gradients accumulate in the chunks' parameters. Returns the
+        sums of what loss_fn logged and the MoE counts over this rank's stages (names of
+        layers held elsewhere absent)."""
+        n = len(micro_batches)
+        schedule = self.schedule(n)
+        for module in self.modules:
+            module.micro_batches, module.logged, module.counts, module.evaluating = list(micro_batches), {}, {}, False
+        index = torch.arange(n)
+        args = (torch.cat([mb.batch["input_ids"] for mb in micro_batches]),) if self.stage_ids[0] == 0 else ()
+        target = torch.arange(n) if self.n_stages - 1 in self.stage_ids else None
+        schedule.step(*args, target=target, return_outputs=False, micro_batch=index)
+        logged, counts = {}, {}
+        for module in self.modules:
+            for name, value in module.logged.items():
+                logged[name] = logged.get(name, 0) + value
+            counts.update(module.counts)
+            module.micro_batches = []
+        return logged, counts
+
+    # ------------------------------------------------------------------ tied embedding
+    def _tied_group(self, cfg: TransformerConfig) -> Optional[dist.ProcessGroup]:
+        """The 2-rank groups (first stage's rank, last stage's rank) of each coordinate
+        within a stage, when the last stage holds an embedding copy on another rank."""
+        last_rank = (self.n_stages - 1) % self.pp if SCHEDULES[self.schedule_name][1] != "v" else 0
+        if not cfg.mtp_depth or last_rank == 0:
+            return None
+        world, mine = dist.get_world_size(), None
+        stage = world // self.pp
+        for c in range(stage):  # every rank creates every group, in the same order
+            group = dist.new_group([c, last_rank * stage + c])
+            if dist.get_rank() in (c, last_rank * stage + c):
+                mine = group
+        return mine
+
+    def embed_copies(self) -> list[nn.Parameter]:
+        """This rank's embedding parameters (first stage, and the last stage's copy)."""
+        return [c.embed for c in self.chunks if c.embed is not None]
+
+    @torch.no_grad()
+    def sync_tied_grads(self) -> None:
+        """Sum the embedding's gradients of the first stage and of the last stage's copy, on
+        both (after the step's backward, before clipping): both copies then take the same
+        optimizer steps. No-op without MTP (the last stage holds no copy)."""
+        from fmoe.ops.backend import local_tensor
+
+        copies = [p for p in self.embed_copies() if p.grad is not None]
+        if len(copies) == 2:  # both on this rank (V schedules)
+            g0, g1 = local_tensor(copies[0].grad), local_tensor(copies[1].grad)
+            g0.add_(g1)
+            g1.copy_(g0)
+        elif copies and self.tied_group is not None:
+            dist.all_reduce(local_tensor(copies[0].grad), group=self.tied_group)
+
+    def norm_parameters(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+        """(the parameters the gradient norm counts, the copies it scales without counting):
+        every parameter of this rank's chunks, the last stage's embedding copy apart."""
+        counted, copies = [], []
+        for chunk in self.chunks:
+            for name, p in chunk.named_parameters():
+                tied = name == "embed" and chunk.pipeline_chunk.last and not chunk.pipeline_chunk.first
+                (copies if tied else counted).append(p)
+        return counted, copies
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def evaluate(self, micro_batches: Sequence[MicroBatch]) -> Optional[torch.Tensor]:
+        """The LM loss sum over micro_batches on the rank holding the last stage (None on
+        the others): forward only, through stages of their own (the training stages'
+        buffers stay as they are) over the same modules."""
+        from torch.distributed.pipelining import PipelineStage
+
+        n = len(micro_batches)
+        if n not in self._eval:
+            import torch.distributed.pipelining as pipelining
+
+            stages = [PipelineStage(m, st.stage_index, st.num_stages, self.device, input_args=inputs, output_args=outputs, group=st.group)
+                      for m, st, (inputs, outputs) in zip(self.modules, self.stages, self._metas)]
+            style = SCHEDULES[self.schedule_name][1]
+            cls = pipelining.ScheduleGPipe if style == "one" else pipelining.ScheduleLoopedBFS if style == "loop" else \
+                getattr(pipelining, SCHEDULES[self.schedule_name][0])
+            self._eval[n] = cls(stages[0] if style == "one" else stages, n, loss_fn=_loss_is_output, scale_grads=False)
+        for module in self.modules:
+            module.micro_batches, module.evaluating = list(micro_batches), True
+        losses: list[torch.Tensor] = []
+        args = (torch.cat([mb.batch["input_ids"] for mb in micro_batches]),) if self.stage_ids[0] == 0 else ()
+        last = self.n_stages - 1 in self.stage_ids
+        try:
+            self._eval[n].eval(*args, target=torch.arange(n) if last else None, losses=losses if last else None,
+                               return_outputs=False, micro_batch=torch.arange(n))
+        finally:
+            for module in self.modules:
+                module.micro_batches, module.evaluating = [], False
+        return torch.stack(losses).sum() if last else None
+
+
+def _loss_is_output(output, target):
+    """The schedule's loss_fn: the last stage's output is its loss already."""
+    return output
