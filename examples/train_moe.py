@@ -116,8 +116,8 @@ class Config:
     ep: int = 1                     # expert parallel, borrowing ranks from dp_shard x tp
     etp: int = 1                    # expert tensor parallel (the experts' FFN columns)
     pp: int = 1                     # pipeline parallel: stages of consecutive layers (the outermost axis)
-    pp_schedule: str = "1f1b"       # gpipe | 1f1b | interleaved_1f1b | looped_bfs | interleaved_zb | zbv | dualpipev
-    pp_virtual: int = 1             # stages per rank: 1 (gpipe, 1f1b), >= 2 (interleaved, looped), 2 (zbv, dualpipev)
+    pp_schedule: str = "1f1b"       # gpipe | 1f1b | interleaved_1f1b | looped_bfs (torch.distributed.pipelining)
+    pp_virtual: int = 1             # stages per rank: 1 (gpipe, 1f1b), >= 2 (interleaved_1f1b, looped_bfs)
     pp_layers: str = ""             # trunk layers per stage, e.g. "3,2,2,1" ("": an even split)
 
 

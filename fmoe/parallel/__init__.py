@@ -42,7 +42,18 @@ from fmoe.parallel.expert import (
 from fmoe.parallel.fsdp import apply_fsdp, dense_data_mesh, materialize, parallelize, shard_experts
 from fmoe.parallel.mesh import Meshes, build_meshes, plan_sizes
 from fmoe.parallel.muon import DistributedMuon
-from fmoe.parallel.pipeline import SCHEDULES, MicroBatch, Pipeline, StageModule, attach_loss, pipeline_chunk, rank_stages, stage_layers
+from fmoe.parallel.pipeline import (
+    SCHEDULES,
+    MicroBatch,
+    Pipeline,
+    StageModule,
+    attach_loss,
+    check_micro_batches,
+    check_schedule,
+    pipeline_chunk,
+    rank_stages,
+    stage_layers,
+)
 from fmoe.parallel.reduce import (
     all_reduce_counts,
     all_reduce_sums,
@@ -65,6 +76,8 @@ __all__ = [
     "Pipeline",
     "StageModule",
     "attach_loss",
+    "check_micro_batches",
+    "check_schedule",
     "pipeline_chunk",
     "rank_stages",
     "stage_layers",

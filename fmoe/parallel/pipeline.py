@@ -18,13 +18,12 @@ stage's every step (`Pipeline.sync_tied_grads`), so both copies take the same op
 steps. Each stage is a `fmoe.model.Transformer` built whole on the meta device and pruned
 (`pipeline_chunk`): the blocks of other stages are replaced by placeholders, so parameter
 names (and checkpoint keys, initial values) are those of the whole model, and a checkpoint
-saved at any pp loads at any other. Rank r holds stages r, r + pp, ... (loop schedules) or
-r and 2 pp - 1 - r (the V schedules: ZBV, DualPipeV).
+saved at any pp loads at any other. Rank r holds stages r, r + pp, ..., r + (virtual - 1) pp.
 
 The schedule. torch.distributed.pipelining's PipelineStage and schedules run the
-micro-batches of one optimizer step: `gpipe`, `1f1b`, `interleaved_1f1b`, `looped_bfs`,
-`interleaved_zb` (zero bubble), `zbv` and `dualpipev` (the V-shaped ones, 2 stages per
-rank). The step's micro-batches are the schedule's micro-batches; each stage's module reads
+micro-batches of one optimizer step: `gpipe`, `1f1b`, `interleaved_1f1b` and `looped_bfs`
+(torch's zero-bubble and DualPipeV schedules were tried and left out: SCHEDULES says why).
+The step's micro-batches are the schedule's micro-batches; each stage's module reads
 its micro-batch (positions, cu_seqlens, labels, MTP rows) from the step's list by the
 micro-batch index the schedule passes along (a keyword argument, chunked like the inputs),
 and builds its own context. Stage 0's input is the micro-batch's token ids, the others' the
@@ -47,34 +46,36 @@ accumulate unsharded over the step's micro-batches and are reduce-scattered once
 the last backward.
 
 Limits (ValueErrors naming the knob): more stages than trunk layers; schedules' constraints
-on the micro-batch count (1F1B, ZBV and DualPipeV need at least as many micro-batches as
-stages; the interleaved ones a multiple of their rounds); single-stage schedules take
-virtual = 1, interleaved ones virtual >= 2, V ones virtual = 2.
+on the micro-batch count (1F1B needs at least as many micro-batches per data-parallel rank
+as stages; interleaved 1F1B a multiple of its rounds, max(1, n // pp)); single-stage
+schedules take virtual = 1, the looped ones virtual >= 2.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from fmoe.model import LayerElsewhere, PipelineChunk, Transformer, TransformerConfig
 from fmoe.parallel.mesh import Meshes
 
-# name -> (torch schedule class name, stages per rank: "one" | "loop" | "v")
+# name -> (torch schedule class name, stages per rank: "one" | "loop"). torch's
+# zero-bubble schedules (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble,
+# ScheduleDualPipeV) were tried with torch 2.13 and are not offered: they split each backward
+# into input and weight gradients (stage_backward_input / stage_backward_weight), and with
+# this model (FSDP2 units inside the stage, custom autograd functions) the weight gradients
+# came out wrong (interleaved_zb: step-1 gradient norm 3.53 where one process has 5.12) or
+# the V ones failed ("can't steal_bwd_input if this stage doesn't have backward").
 SCHEDULES = {
     "gpipe": ("ScheduleGPipe", "one"),
     "1f1b": ("Schedule1F1B", "one"),
     "interleaved_1f1b": ("ScheduleInterleaved1F1B", "loop"),
     "looped_bfs": ("ScheduleLoopedBFS", "loop"),
-    "interleaved_zb": ("ScheduleInterleavedZeroBubble", "loop"),
-    "zbv": ("ScheduleZBVZeroBubble", "v"),
-    "dualpipev": ("ScheduleDualPipeV", "v"),
 }
 
 
@@ -107,13 +108,8 @@ def stage_layers(n_layers: int, n_stages: int, layers_per_stage: Optional[Sequen
     return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
-def rank_stages(pp_rank: int, pp: int, virtual: int, style: str = "loop") -> list[int]:
-    """The stage indices rank `pp_rank` holds, in order: r, r + pp, ... ("loop"), or r and
-    2 pp - 1 - r ("v", virtual = 2)."""
-    if style == "v":
-        if virtual != 2:
-            raise ValueError(f"pp_virtual: the V schedules hold exactly 2 stages per rank, got {virtual}")
-        return [pp_rank, 2 * pp - 1 - pp_rank]
+def rank_stages(pp_rank: int, pp: int, virtual: int) -> list[int]:
+    """The stage indices rank `pp_rank` holds, in order: r, r + pp, ..., r + (virtual - 1) pp."""
     return [pp_rank + v * pp for v in range(virtual)]
 
 
@@ -141,11 +137,43 @@ def pipeline_chunk(model: Transformer, chunk: PipelineChunk) -> Transformer:
     return model
 
 
+def check_schedule(schedule: str, virtual: int) -> str:
+    """ValueError naming the knob unless `schedule` is a SCHEDULES name that runs `virtual`
+    stages per rank; returns its style ("one" or "loop")."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"pp_schedule: expected one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    style = SCHEDULES[schedule][1]
+    if isinstance(virtual, bool) or not isinstance(virtual, int) or virtual < 1:
+        raise ValueError(f"pp_virtual: expected a positive int, got {virtual!r}")
+    if style == "one" and virtual != 1:
+        raise ValueError(f"pp_virtual: the {schedule} schedule runs one stage per rank, got pp_virtual = {virtual}")
+    if style == "loop" and virtual < 2:
+        raise ValueError(f"pp_virtual: the {schedule} schedule runs several stages per rank (pp_virtual >= 2), got {virtual}")
+    return style
+
+
+def check_micro_batches(schedule: str, n: int, pp: int, virtual: int = 1) -> None:
+    """ValueError naming the knob (batch_schedule) unless `schedule` can run n micro-batches
+    per step on each data-parallel rank with pp ranks of `virtual` stages each."""
+    check_schedule(schedule, virtual)
+    S = pp * virtual
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"batch_schedule: expected at least one micro-batch per data-parallel rank, got {n!r}")
+    if schedule == "1f1b" and n < S:
+        raise ValueError(f"batch_schedule: the {schedule} schedule needs at least as many micro-batches per data-parallel rank "
+                         f"as pipeline stages ({S}), got {n}")
+    if schedule == "interleaved_1f1b":
+        rounds = max(1, n // pp)
+        if n % rounds:
+            raise ValueError(f"batch_schedule: the {schedule} schedule needs the micro-batches per data-parallel rank ({n}) "
+                             f"to be a multiple of its rounds max(1, n // pp) = {rounds}: e.g. a multiple of pp = {pp}")
+
+
 class _AttachLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, loss):
         ctx.loss_shape, ctx.loss_dtype = loss.shape, loss.dtype
-        return x.view_as(x)
+        return x.clone()  # not a view: the zero-bubble schedules detach stage outputs in place
 
     @staticmethod
     def backward(ctx, grad):
@@ -246,24 +274,14 @@ class Pipeline:
     ):
         from torch.distributed.pipelining import PipelineStage
 
-        if schedule not in SCHEDULES:
-            raise ValueError(f"pp_schedule: expected one of {', '.join(SCHEDULES)}, got {schedule!r}")
+        check_schedule(schedule, virtual)
         if meshes.pp_mesh is None:
             raise ValueError("meshes: built without a pipeline axis (build_meshes(pp=...) with pp > 1)")
-        _, style = SCHEDULES[schedule]
-        if isinstance(virtual, bool) or not isinstance(virtual, int) or virtual < 1:
-            raise ValueError(f"pp_virtual: expected a positive int, got {virtual!r}")
-        if style == "one" and virtual != 1:
-            raise ValueError(f"pp_virtual: the {schedule} schedule runs one stage per rank, got pp_virtual = {virtual}")
-        if style == "loop" and virtual < 2:
-            raise ValueError(f"pp_virtual: the {schedule} schedule runs several stages per rank (pp_virtual >= 2), got {virtual}")
-        if style == "v" and virtual != 2:
-            raise ValueError(f"pp_virtual: the {schedule} schedule runs exactly 2 stages per rank, got pp_virtual = {virtual}")
         self.schedule_name, self.meshes, self.device = schedule, meshes, torch.device(device)
         self.pp, self.virtual = meshes.pp, virtual
         self.n_stages = self.pp * virtual
         self.layers = stage_layers(cfg.n_layers, self.n_stages, layers_per_stage)
-        self.stage_ids = rank_stages(meshes.pp_rank, self.pp, virtual, "v" if style == "v" else "loop")
+        self.stage_ids = rank_stages(meshes.pp_rank, self.pp, virtual)
         self.loss_fn = loss_fn
         self.chunks: list[Transformer] = []
         self.modules: list[StageModule] = []
@@ -299,19 +317,8 @@ class Pipeline:
 
     # ------------------------------------------------------------------ the schedule
     def check_micro_batches(self, n: int) -> None:
-        """ValueError naming the knob unless the schedule can run n micro-batches per step
-        (on each data-parallel rank)."""
-        name, pp, S = self.schedule_name, self.pp, self.n_stages
-        if n < 1:
-            raise ValueError(f"batch_schedule: expected at least one micro-batch per data-parallel rank, got {n}")
-        if name in ("1f1b", "zbv", "dualpipev") and n < S:
-            raise ValueError(f"batch_schedule: the {name} schedule needs at least as many micro-batches per data-parallel rank "
-                             f"as pipeline stages ({S}), got {n}")
-        if name in ("interleaved_1f1b", "interleaved_zb"):
-            rounds = max(1, n // pp)
-            if n % rounds:
-                raise ValueError(f"batch_schedule: the {name} schedule needs the micro-batches per data-parallel rank ({n}) "
-                                 f"to be a multiple of its rounds max(1, n // pp) = {rounds}: e.g. a multiple of pp = {pp}")
+        """check_micro_batches for this pipeline's schedule."""
+        check_micro_batches(self.schedule_name, n, self.pp, self.virtual)
 
     def schedule(self, n: int):
         """The torch schedule for n micro-batches (built once per n)."""
@@ -352,8 +359,8 @@ class Pipeline:
     def _tied_group(self, cfg: TransformerConfig) -> Optional[dist.ProcessGroup]:
         """The 2-rank groups (first stage's rank, last stage's rank) of each coordinate
         within a stage, when the last stage holds an embedding copy on another rank."""
-        last_rank = (self.n_stages - 1) % self.pp if SCHEDULES[self.schedule_name][1] != "v" else 0
-        if not cfg.mtp_depth or last_rank == 0:
+        last_rank = (self.n_stages - 1) % self.pp  # pp - 1: never the first stage's rank
+        if not cfg.mtp_depth:
             return None
         world, mine = dist.get_world_size(), None
         stage = world // self.pp
@@ -375,11 +382,7 @@ class Pipeline:
         from fmoe.ops.backend import local_tensor
 
         copies = [p for p in self.embed_copies() if p.grad is not None]
-        if len(copies) == 2:  # both on this rank (V schedules)
-            g0, g1 = local_tensor(copies[0].grad), local_tensor(copies[1].grad)
-            g0.add_(g1)
-            g1.copy_(g0)
-        elif copies and self.tied_group is not None:
+        if copies and self.tied_group is not None:  # one per rank: the first stage's, or the last's
             dist.all_reduce(local_tensor(copies[0].grad), group=self.tied_group)
 
     def norm_parameters(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
@@ -406,10 +409,10 @@ class Pipeline:
 
             stages = [PipelineStage(m, st.stage_index, st.num_stages, self.device, input_args=inputs, output_args=outputs, group=st.group)
                       for m, st, (inputs, outputs) in zip(self.modules, self.stages, self._metas)]
-            style = SCHEDULES[self.schedule_name][1]
-            cls = pipelining.ScheduleGPipe if style == "one" else pipelining.ScheduleLoopedBFS if style == "loop" else \
-                getattr(pipelining, SCHEDULES[self.schedule_name][0])
-            self._eval[n] = cls(stages[0] if style == "one" else stages, n, loss_fn=_loss_is_output, scale_grads=False)
+            if SCHEDULES[self.schedule_name][1] == "one":  # forward only: any order does, this one has no constraint
+                self._eval[n] = pipelining.ScheduleGPipe(stages[0], n, loss_fn=_loss_is_output, scale_grads=False)
+            else:
+                self._eval[n] = pipelining.ScheduleLoopedBFS(stages, n, loss_fn=_loss_is_output, scale_grads=False)
         for module in self.modules:
             module.micro_batches, module.evaluating = list(micro_batches), True
         losses: list[torch.Tensor] = []

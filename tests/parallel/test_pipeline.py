@@ -1,0 +1,219 @@
+"""fmoe.parallel.Pipeline (torch.distributed.pipelining) on the reference model: pp stages,
+alone and with FSDP2 and EP inside each stage, with every schedule we offer, give the
+one-process losses, gradients (the tied embedding's included), grad norm and expert loads
+(gloo, float32, MTP on, sequence aux loss and z-loss on); the split and the schedules'
+constraints give ValueErrors naming the knob. One spawned process group per world size
+runs every case of that size."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.parallel.dist import run_distributed
+
+TINY = dict(vocab_size=64, hidden=32, n_layers=4, n_dense=1, ffn_dense=64, n_experts=4, k=2, ffn_expert=32,
+            n_shared=1, n_heads=4, n_kv_heads=2, head_dim=8, mtp_depth=1)
+T = 24
+
+
+def _batches(n, seed=1):
+    from fmoe.train.data import make_batch
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        cuts = sorted(torch.randperm(T - 1, generator=g)[:3].add(1).tolist())
+        out.append(make_batch(torch.randint(0, TINY["vocab_size"], (T,), generator=g), torch.tensor([0, *cuts, T]), 1))
+    return out
+
+
+def _loss_fn(valid, n_layers_moe, n_micro):
+    """The train loop's loss of one micro-batch on one stage: LM + 0.1 MTP over the step's
+    valid count (last stage), plus the stage's own layers' sequence aux and z losses,
+    averaged over all MoE layers and micro-batches."""
+    from fmoe.ops import seq_load_balancing_loss, z_loss
+
+    def loss_fn(losses, stats, batch):
+        loss, logged = None, {}
+        if losses is not None:
+            loss = (losses["lm_sum"] + 0.1 * losses["mtp_1_sum"]) / valid
+            logged["lm_sum"] = losses["lm_sum"].detach()
+        if len(stats.keys()):
+            cu = batch["cu_seqlens"]
+            aux = sum(1e-2 * seq_load_balancing_loss(s["aux_scores"], s["aux_experts"], cu, k=2, check=False) + 1e-3 * z_loss(s["router_logits"])
+                      for s in stats.values()) / (n_layers_moe * n_micro)
+            loss = aux if loss is None else loss + aux
+            logged["aux"] = aux.detach()
+        return loss, logged
+
+    return loss_fn
+
+
+def _reference(cfg, batches, valid, n_micro):
+    """One process: every micro-batch, gradients summed."""
+    from fmoe.model import Transformer
+
+    model = Transformer(cfg)
+    model.reset_parameters(seed=0)
+    names = list(model.moe_layers())
+    loss_fn = _loss_fn(valid, len(names), n_micro)
+    lm, aux, counts = 0.0, 0.0, {}
+    for b in batches:
+        losses, stats = model(b, model.context(b))
+        loss, logged = loss_fn(losses, stats, b)
+        loss.backward()
+        lm, aux = lm + float(logged["lm_sum"]), aux + float(logged["aux"])
+        for name, layer in stats.items():
+            counts[name] = counts.get(name, 0) + layer["tokens_per_expert"]
+    return model, names, lm, aux, counts
+
+
+def _full(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _case(sizes, schedule, virtual, overrides):
+    """This rank's errors against one process for one pipeline case."""
+    from fmoe.model import TransformerConfig
+    from fmoe.optim import grad_norm
+    from fmoe.parallel import MicroBatch, Pipeline, all_reduce_counts, all_reduce_sums, build_meshes, materialize, parallelize
+
+    cfg = TransformerConfig(**{**TINY, **overrides})
+    meshes = build_meshes(**sizes)
+    dp, dp_rank = meshes.dp, meshes.batch.get_local_rank("dp")
+    n_micro = max(2, meshes.pp) if schedule == "1f1b" else 2  # per data rank
+    batches = _batches(n_micro * dp)
+    valid = sum(int(b["loss_mask"].sum()) for b in batches)
+    ref, names, ref_lm, ref_aux, ref_counts = _reference(cfg, batches, valid, len(batches))
+    pipe = Pipeline(cfg, meshes, schedule=schedule, virtual=virtual, loss_fn=_loss_fn(valid, len(names), len(batches)), tokens=T,
+                    device="cpu", dtype=torch.float32, parallelize=lambda m: parallelize(m, meshes),
+                    materialize=lambda m: materialize(m, "cpu", seed=0))
+    logged, counts = pipe.step([MicroBatch(b) for b in batches[dp_rank::dp]])
+    pipe.sync_tied_grads()
+    errors = {}
+    sums = all_reduce_sums({"lm": logged.get("lm_sum", torch.zeros(())), "aux": logged.get("aux", torch.zeros(()))}, dist.group.WORLD)
+    errors["lm_loss"] = abs(float(sums["lm"]) - ref_lm) / ref_lm
+    errors["aux_loss"] = abs(float(sums["aux"]) - ref_aux) / ref_aux
+    counts = all_reduce_counts(counts, dist.group.WORLD, names=names, n_experts=cfg.n_experts)
+    for name in names:
+        errors[f"{name}.counts"] = float((counts[name] - ref_counts[name]).abs().sum())
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    seen = set()
+    for chunk in pipe.chunks:
+        for name, p in chunk.named_parameters():
+            g = _full(p.grad)
+            errors[f"stage{chunk.pipeline_chunk.stage}.{name}"] = float((g - ref_grads[name]).abs().max() / ref_grads[name].abs().max())
+            seen.add(name)
+    # every parameter lives on some stage: gather the names of all ranks
+    all_seen = [None] * dist.get_world_size()
+    dist.all_gather_object(all_seen, sorted(seen))
+    errors["every_parameter_somewhere"] = float(set().union(*map(set, all_seen)) != set(ref_grads))
+    counted, copies = pipe.norm_parameters()
+    norm = grad_norm(counted, group=meshes.stage_mesh, pp_group=meshes.pp_mesh)
+    ref_norm = sum(float(g.double().square().sum()) for g in ref_grads.values()) ** 0.5  # float64: float32's sum is off by ~1e-5
+    errors["grad_norm"] = abs(float(norm) - ref_norm) / ref_norm
+    # the split is printable and covers every layer once
+    errors["layers"] = float([i for r in pipe.layers for i in r] != list(range(cfg.n_layers)))
+    return errors
+
+
+CASES = {
+    # 2 trunk layers: stage 0 holds only the dense block (no MoE layer: it joins every collective all the same)
+    "1f1b": (2, dict(pp=2), "1f1b", 1, dict(n_layers=2)),
+    "gpipe": (2, dict(pp=2), "gpipe", 1, dict(n_layers=2)),
+    "interleaved_1f1b": (2, dict(pp=2), "interleaved_1f1b", 2, {}),
+    "looped_bfs": (2, dict(pp=2), "looped_bfs", 2, {}),
+    "pp2xdp2": (4, dict(pp=2), "1f1b", 1, {}),
+    "pp2xep2": (4, dict(pp=2, ep=2), "1f1b", 1, {}),
+    # one trunk layer per stage: the middle stages' balancing losses reach their routers
+    # only through attach_loss; MTP and the embedding copy on the last
+    "pp4": (4, dict(pp=4), "1f1b", 1, {}),
+}
+
+
+def _cases(rank, world, names):
+    return {name: _case(*CASES[name][1:]) for name in names}
+
+
+@pytest.fixture(scope="module")
+def results():
+    cache = {}
+
+    def run(world):
+        if world not in cache:
+            names = [n for n, c in CASES.items() if c[0] == world]
+            cache[world] = run_distributed(_cases, world, names, timeout=600)
+        return cache[world]
+
+    return run
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_pipeline_matches_one_process(case, results):
+    for rank, by_case in enumerate(results(CASES[case][0])):
+        errors = by_case[case]
+        bad = {k: v for k, v in errors.items() if not v < 1e-5}
+        assert not bad, f"rank {rank}: {bad}"
+
+
+def test_stage_layers_split_evenly_or_as_asked():
+    from fmoe.parallel import rank_stages, stage_layers
+
+    assert stage_layers(4, 2) == [range(0, 2), range(2, 4)]
+    assert stage_layers(5, 2) == [range(0, 3), range(3, 5)]
+    assert stage_layers(4, 4) == [range(i, i + 1) for i in range(4)]
+    assert stage_layers(6, 3, [1, 2, 3]) == [range(0, 1), range(1, 3), range(3, 6)]
+    assert rank_stages(1, 2, 2) == [1, 3]
+    assert rank_stages(0, 4, 1) == [0]
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: __import__("fmoe.parallel", fromlist=["x"]).stage_layers(2, 4), r"pp: 4 pipeline stages .* for 2 trunk layers"),
+    (lambda: __import__("fmoe.parallel", fromlist=["x"]).stage_layers(4, 2, [3, 2]), r"layers_per_stage: expected 2 positive ints"),
+    (lambda: __import__("fmoe.parallel", fromlist=["x"]).stage_layers(4, 2, [4, 0]), r"layers_per_stage"),
+    (lambda: __import__("fmoe.parallel", fromlist=["x"]).check_micro_batches("1f1b", 1, 2), r"batch_schedule: the 1f1b schedule needs at least as many"),
+    (lambda: __import__("fmoe.parallel", fromlist=["x"]).check_micro_batches("interleaved_1f1b", 5, 2, 2), r"batch_schedule: .* multiple of its rounds"),
+    (lambda: __import__("fmoe.parallel", fromlist=["x"]).check_schedule("1f1b", 2), r"pp_virtual: the 1f1b schedule runs one stage per rank"),
+    (lambda: __import__("fmoe.parallel", fromlist=["x"]).check_schedule("interleaved_1f1b", 1), r"pp_virtual: .* \(pp_virtual >= 2\)"),
+    (lambda: __import__("fmoe.parallel", fromlist=["x"]).check_schedule("zbv", 2), r"pp_schedule: expected one of gpipe, 1f1b, interleaved_1f1b, looped_bfs"),
+    (lambda: __import__("fmoe.parallel", fromlist=["x"]).check_schedule("pipedream", 1), r"pp_schedule: expected one of gpipe, 1f1b"),
+    (lambda: __import__("fmoe.parallel", fromlist=["x"]).plan_sizes(4, pp=3), r"pp: 3 pipeline stages do not divide the world size 4"),
+])
+def test_bad_splits_and_schedules_name_the_knob(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_attach_loss_is_the_identity_forward_and_adds_the_loss_gradient():
+    from fmoe.parallel import attach_loss
+
+    x = torch.randn(3, 2, requires_grad=True)
+    w = torch.randn((), requires_grad=True)
+    y = attach_loss(x * 2, (w * 3).square())
+    assert torch.equal(y, x * 2)
+    g = torch.randn(3, 2)
+    y.backward(g)
+    assert torch.allclose(x.grad, 2 * g)
+    assert torch.allclose(w.grad, 18 * w.detach())  # d/dw (3w)^2, as if added to the final loss
+    with pytest.raises(ValueError, match="loss: expected a 0-D tensor"):
+        attach_loss(x, torch.ones(2))
+
+
+def test_pruned_chunks_keep_the_whole_models_names():
+    from fmoe.model import LayerElsewhere, PipelineChunk, Transformer, TransformerConfig
+    from fmoe.parallel import pipeline_chunk
+
+    cfg = TransformerConfig(**TINY)
+    whole = {n for n, _ in Transformer(cfg).named_parameters()}
+    parts = []
+    for s, layers in enumerate([range(0, 1), range(1, 3), range(3, 4)]):
+        with torch.device("meta"):
+            model = pipeline_chunk(Transformer(cfg), PipelineChunk(s, 3, layers))
+        parts.append({n for n, _ in model.named_parameters()})
+        assert all(isinstance(b, LayerElsewhere) == (i not in layers) for i, b in enumerate(model.blocks))
+    assert parts[0] | parts[1] | parts[2] == whole
+    assert parts[0] & parts[2] == {"embed"}  # the last stage's copy for MTP
+    assert not parts[1] & (parts[0] | parts[2])
+    assert "head" in parts[2] and "mtp.0.proj" in parts[2] and "head" not in parts[0]
