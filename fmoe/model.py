@@ -23,6 +23,9 @@ Activation checkpointing (TransformerConfig.ac, AC_MODES): "full" recomputes eac
 the backward, "attention" each block's norm and attention, "experts" each MoE layer's
 routed experts (torch.utils.checkpoint, non-reentrant, inside the modules, so it composes
 with FSDP2, TP and EP); gradients, losses and stats equal those of "none".
+Pipeline parallelism (fmoe.parallel.pipeline) prunes a Transformer to one stage's blocks
+(LayerElsewhere placeholders keep the indices, so names stay the whole model's) and sets its
+`pipeline_chunk` (PipelineChunk); forward then takes the previous stage's `hidden`.
 
 Legend: T tokens, H hidden, V vocab, F expert FFN size, Fs shared FFN size, E experts.
 """

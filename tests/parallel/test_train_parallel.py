@@ -64,8 +64,18 @@ RUNS = {
     "cp2xep2": (4, ["--cp=2", "--ep=2"]),
     # 2 micro-batches over 4 data ranks: two ranks run only a masked copy, and still join
     "padded-ep4": (4, ["--ep=4", "--batch_schedule=0:2"]),
+    # pipeline parallel (the switch loss on: each stage's balancing losses reach its routers);
+    # stage 0 holds only the dense block; 2 stages per rank over 4 layers; FSDP2 and EP
+    # inside each stage
+    "pp2": (2, ["--pp=2", "--aux_coeff=1e-2"]),
+    "pp2-gpipe": (2, ["--pp=2", "--pp_schedule=gpipe"]),
+    "pp2-interleaved": (2, ["--pp=2", "--pp_schedule=interleaved_1f1b", "--pp_virtual=2", "--model.n_layers=4"]),
+    "pp2xep2": (4, ["--pp=2", "--ep=2"]),
+    "pp2xtp2": (4, ["--pp=2", "--tp=2"]),
+    "pp2xcp2": (4, ["--pp=2", "--cp=2"]),
 }
-SAME_MODEL = ("--optimizer=", "--ns_dtype=", "--batch_schedule=", "--aux_coeff=")  # knobs the one-process reference shares
+# knobs the one-process reference shares
+SAME_MODEL = ("--optimizer=", "--ns_dtype=", "--batch_schedule=", "--aux_coeff=", "--model.n_layers=")
 
 
 @pytest.mark.parametrize("run", list(RUNS))
@@ -99,7 +109,19 @@ def test_checkpoint_of_cp2_resumes_on_one_process(reference, tmp_path):
     _assert_same(resumed, reference())
 
 
+def test_checkpoints_move_between_pipeline_and_one_process(reference, tmp_path):
+    """Saved at pp = 2, resumed on one process; saved on one process, resumed at pp = 2."""
+    first = _train(tmp_path / "pp", 2, "--pp=2", "--stop_at=3")
+    assert [r["step"] for r in first] == [1, 2, 3]
+    _assert_same(_train(tmp_path / "pp", 1, "--resume=True"), reference())
+    _train(tmp_path / "one", 1, "--stop_at=3")
+    _assert_same(_train(tmp_path / "one", 2, "--pp=2", "--resume=True"), reference())
+
+
 def test_bad_parallel_knobs_exit_with_the_reason(tmp_path):
     run = subprocess.run([sys.executable, str(ROOT / "examples" / "train_moe.py"), f"--out_dir={tmp_path}", *TINY, "--ep=2"],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode != 0 and "ep * etp = 2 does not divide dp_shard * cp * tp = 1" in run.stderr
+    run = subprocess.run([sys.executable, str(ROOT / "examples" / "train_moe.py"), f"--out_dir={tmp_path}", *TINY, "--pp=2"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and "pp: 2 pipeline stages do not divide the world size 1" in run.stderr
