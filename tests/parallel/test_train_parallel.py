@@ -65,12 +65,12 @@ RUNS = {
     # 2 micro-batches over 4 data ranks: two ranks run only a masked copy, and still join
     "padded-ep4": (4, ["--ep=4", "--batch_schedule=0:2"]),
     # pipeline parallel (the switch loss on: each stage's balancing losses reach its routers);
-    # stage 0 holds only the dense block; 2 stages per rank over 4 layers; FSDP2 and EP
-    # inside each stage
+    # stage 0 holds only the dense block; 2 stages per rank over 4 layers; FSDP2 and EP,
+    # sequence and context parallel inside each stage; distributed Muon per stage (GPipe and
+    # pp 4: test_pipeline.py)
     "pp2": (2, ["--pp=2", "--aux_coeff=1e-2"]),
-    "pp2-gpipe": (2, ["--pp=2", "--pp_schedule=gpipe"]),
     "pp2-interleaved": (2, ["--pp=2", "--pp_schedule=interleaved_1f1b", "--pp_virtual=2", "--model.n_layers=4"]),
-    "pp2xep2": (4, ["--pp=2", "--ep=2"]),
+    "pp2xep2-muon": (4, ["--pp=2", "--ep=2", "--optimizer=muon", "--ns_dtype=float32"]),
     "pp2xtp2": (4, ["--pp=2", "--tp=2"]),
     "pp2xcp2": (4, ["--pp=2", "--cp=2"]),
 }
