@@ -296,13 +296,15 @@ def main(argv: list[str]) -> None:
         step, tokens_seen = extra["step"], extra["tokens_seen"]
         sampler.load_state_dict(extra["sampler"])
         checkpoint.set_rng_state(extra["rng"])
-        print(f"resumed from {path} at step {step}")
+        if rank == 0:
+            print(f"resumed from {path} at step {step}")
     elif cfg.init_from:  # the weights only: a new run (step 0, fresh optimizer, schedules and sampler)
         try:
             path = checkpoint.load_model(cfg.init_from, model=parts)
         except (FileNotFoundError, RuntimeError) as err:
             sys.exit(f"--init_from: {err}")
-        print(f"initialised from the weights of {path}")
+        if rank == 0:
+            print(f"initialised from the weights of {path}")
     # records are logged for completed steps step+1, step+2, ...: keep the ones up to step
     logger = metrics.MetricsLogger(cfg.out_dir, rank=rank, total_steps=cfg.steps, start_step=step + 1)
     peak = metrics.peak_flops(device)
