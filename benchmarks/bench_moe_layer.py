@@ -58,7 +58,7 @@ class Shape:
 
 def make_shapes(smoke: bool) -> list[Shape]:
     if smoke:
-        return [Shape("A (smoke)", 64, 32, 8, 2, 16), Shape("deepseek (smoke)", 64, 32, 8, 3, 16, n_shared=2)]
+        return [Shape("A (smoke)", 32, 32, 8, 2, 16), Shape("deepseek (smoke)", 32, 32, 8, 3, 16, n_shared=2)]
     return [Shape("A", 16384, 2048, 128, 8, 768), Shape("deepseek", 16384, 2048, 64, 6, 1408, n_shared=2)]
 
 
@@ -151,7 +151,8 @@ def run_shape(shape, device, dtype, impl, rate, bandwidth):
     }
     rows = []
     for pass_name, (wrap, factor) in passes.items():
-        ms = {name: bench(wrap(fn), device) for name, fn in impls.items()}
+        # CPU: one timed call each, no warm-up (nothing here compiles; the interpreter is slow)
+        ms = {name: bench(wrap(fn), device, cpu_warmup=0, cpu_repeats=1) for name, fn in impls.items()}
         for name, fn in impls.items():
             tflops = factor * shape.flops_fwd() / (ms[name] * 1e-3) / 1e12
             rows.append({
@@ -169,7 +170,7 @@ def run_shape(shape, device, dtype, impl, rate, bandwidth):
     nbytes = shape.T * row_bytes + shape.T * shape.k * row_bytes
     bw_rows = []
     for op, fn in (("permute", lambda: permute(xd, experts, shape.E, check=False, impl=impl)), ("unpermute", lambda: unpermute(x_perm, plan, weights, impl=impl))):
-        ms = bench(fn, device)
+        ms = bench(fn, device, cpu_warmup=0, cpu_repeats=1)
         bw_rows.append({"shape": shape.name, "op": op, "ms": ms, "GB/s": nbytes / (ms * 1e-3) / 1e9, "copy_fraction": nbytes / (ms * 1e-3) / bandwidth})
     return rows, bw_rows
 

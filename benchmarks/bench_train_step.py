@@ -25,8 +25,9 @@ reports plus the host reads of tensor values; on CPU (--smoke) it counts the hos
 stalls the same code makes on a GPU. The eager model's fwd+bwd reads are 0 (a test keeps
 them there); torch.compile's graphs are not instrumented, so their eager remainder is
 counted. Goal on an H100: MFU of at least 40% for "fmoe compiled", zero syncs per step.
---smoke: float32 on CPU, the interpreter, a tiny model; torch.compile with the aot_eager
-backend (the CPU inductor build takes minutes). CSV: OUT/bench_train_step.csv.
+--smoke: float32 on CPU, the interpreter, a tiny model (SMOKE below, H=16, a batch of 32
+tokens in two documents); torch.compile with the aot_eager backend (the CPU inductor build
+takes minutes). CSV: OUT/bench_train_step.csv.
 """
 
 import dataclasses
@@ -49,7 +50,7 @@ COLUMNS = ["impl", "ms", "tokens/s", "TFLOP/s", "MFU", "peak_GiB", "syncs/step",
 
 GPU = TransformerConfig(vocab_size=32768, hidden=1024, n_layers=12, n_dense=1, ffn_dense=4096, n_experts=64, k=4,
                         ffn_expert=512, n_shared=1, n_heads=16, n_kv_heads=4, head_dim=64, mtp_depth=1)
-SMOKE = TransformerConfig(vocab_size=64, hidden=32, n_layers=2, n_dense=1, ffn_dense=64, n_experts=4, k=2,
+SMOKE = TransformerConfig(vocab_size=64, hidden=16, n_layers=2, n_dense=1, ffn_dense=64, n_experts=4, k=2,
                           ffn_expert=16, n_shared=1, n_heads=2, n_kv_heads=1, head_dim=16, mtp_depth=1)
 
 
@@ -99,7 +100,7 @@ def host_syncs(step, fwd_bwd, device) -> tuple[int, int]:
 def main() -> None:
     args, device, dtype, bandwidth = start(__doc__.splitlines()[0])
     base = SMOKE if args.smoke else GPU
-    T = 64 if args.smoke else 16384
+    T = 32 if args.smoke else 16384
     rate = matmul_rate(device, dtype, 256 if args.smoke else 8192)
     print(f"matmul rate: {rate / 1e12:.3g} TFLOP/s ({dtype})", flush=True)
     batch = make_batch(base, T, device)
