@@ -126,6 +126,8 @@ def _type_name(kind) -> str:
     optional = typing.get_origin(kind) is typing.Union
     if optional:
         kind = next(a for a in typing.get_args(kind) if a is not type(None))
+    if typing.get_origin(kind) is tuple:
+        return "a comma-separated list of " + typing.get_args(kind)[0].__name__ + ("s or None" if optional else "s")
     name = kind.__name__
     return ("an " if name[0] in "aeiou" else "a ") + name + (" or None" if optional else "")
 
@@ -141,6 +143,9 @@ def _parse_value(name: str, kind, value: str):
         if value.lower() not in flags:
             raise ValueError
         return flags[value.lower()]
+    if typing.get_origin(kind) is tuple:  # tuple[int, ...]: comma-separated, e.g. --model.moe_layers=1,3,5
+        item = typing.get_args(kind)[0]
+        return tuple(item(v) for v in value.split(",") if v.strip())
     return kind(value)
 
 
@@ -184,7 +189,7 @@ def main(argv: list[str]) -> None:
         sys.exit(f"--dtype: expected auto, float32 or bfloat16, got {cfg.dtype!r}")
     dtype = getattr(torch, cfg.dtype) if cfg.dtype != "auto" else torch.bfloat16 if device.type == "cuda" else torch.float32
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    has_experts = cfg.model.n_layers > cfg.model.n_dense
+    has_experts = any(cfg.model.is_moe(i) for i in range(cfg.model.n_layers))
     sizes = dict(pp=cfg.pp, dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, cp=cfg.cp, tp=cfg.tp, ep=cfg.ep, etp=cfg.etp)
     # context parallel: 2 cp chunks per micro-batch; sequence parallel: T/(cp tp) tokens per rank
     if cfg.cp > 0 and cfg.tp > 0 and cfg.tokens_per_micro_batch % ((2 if cfg.cp > 1 else 1) * cfg.cp * cfg.tp):

@@ -266,8 +266,11 @@ class AttentionConfig:
     are rotated (default all; multi-latent attention rotates a part). yarn_factor: YaRN
     context extension factor s (None: plain RoPE) over yarn_original_max_positions, with
     yarn_beta_fast / yarn_beta_slow and the mscale pair (the softmax scale uses
-    yarn_mscale_all_dim). impl: "auto" (FlexAttention on CUDA, the SDPA reference on CPU),
-    "flex", "torch"; the RoPE op follows "auto" / "torch".
+    yarn_mscale_all_dim). qk_norm: RMSNorm of the queries and keys before RoPE, None, "head"
+    (over each head's D channels, weights q_norm / k_norm [D]: Qwen3, GLM-4.5) or "proj"
+    (over the whole projection, q_norm [N D], k_norm [G D]: OLMoE), with eps norm_eps.
+    impl: "auto" (FlexAttention on CUDA, the SDPA reference on CPU), "flex", "torch"; the
+    RoPE op follows "auto" / "torch".
     """
 
     n_heads: int
@@ -282,7 +285,13 @@ class AttentionConfig:
     yarn_beta_slow: float = 1.0
     yarn_mscale: float = 1.0
     yarn_mscale_all_dim: float = 1.0
+    qk_norm: Optional[str] = None
+    norm_eps: float = 1e-6
     impl: str = "auto"
+
+    def __post_init__(self):
+        if self.qk_norm not in (None, "head", "proj"):
+            raise ValueError(f"qk_norm: expected None, 'head' or 'proj', got {self.qk_norm!r}")
 
 
 def rope_tables(positions: torch.Tensor, cfg: AttentionConfig):
@@ -443,6 +452,12 @@ def _compiled_flex():
     return torch.compile(flex_attention)
 
 
+def _rms_norm(x, weight, eps: float):
+    """x / rms(x) * weight over the last dim, statistics in float32 (fmoe.model.RMSNorm's)."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+
 def _check_attention(x_TH, params, cfg, ctx) -> None:
     check_float("x", x_TH, 2, "[T, H]")
     T, H = x_TH.shape
@@ -454,6 +469,19 @@ def _check_attention(x_TH, params, cfg, ctx) -> None:
         if w is None or tuple(w.shape) != shape or w.dtype != x_TH.dtype:
             got = f"{w.dtype} {list(w.shape)}" if w is not None else "nothing"
             raise ValueError(f"params['{name}']: expected {x_TH.dtype} {list(shape)}, got {got}")
+    optional = {"bq": (N * D,), "bk": (G * D,), "bv": (G * D,)}
+    if cfg.qk_norm is not None:
+        optional.update(q_norm=(D,) if cfg.qk_norm == "head" else (N * D,), k_norm=(D,) if cfg.qk_norm == "head" else (G * D,))
+    for name in ("q_norm", "k_norm"):
+        if (params.get(name) is not None) != (cfg.qk_norm is not None):
+            raise ValueError(f"params['{name}']: expected {'a weight' if cfg.qk_norm else 'none'} with cfg.qk_norm = {cfg.qk_norm!r}")
+    for name, shape in optional.items():
+        w = params.get(name)
+        if w is not None and tuple(w.shape) != shape:
+            raise ValueError(f"params['{name}']: expected {list(shape)}, got {list(w.shape)}")
+    unknown = set(params) - {"wq", "wk", "wv", "wo", *optional}
+    if unknown:
+        raise ValueError(f"params: unknown attention parameters {sorted(unknown)} (wq, wk, wv, wo, optional bq, bk, bv, q_norm, k_norm)")
     if not isinstance(ctx, AttentionContext):
         raise ValueError(f"ctx: expected the AttentionContext of attention_context(...), got {type(ctx).__name__}")
     rot = cfg.rot_dim or D
@@ -465,7 +493,8 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
     """Causal grouped-query self-attention over packed documents; no host sync.
 
     Args:
-        x: [T, H] packed tokens. params: wq, wk, wv, wo (module docstring).
+        x: [T, H] packed tokens. params: wq, wk, wv, wo (module docstring); optional biases
+            bq [N D], bk, bv [G D] added to the projections; q_norm, k_norm with cfg.qk_norm.
         cfg: AttentionConfig.
         ctx: the micro-batch's AttentionContext (attention_context): RoPE tables and mask,
             and under context parallel its gather_kv (x then holds this rank's T/cp tokens).
@@ -476,9 +505,20 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
     _check_attention(x, params, cfg, ctx)
     N, G = cfg.n_heads, cfg.n_kv_heads
     rope_impl = "torch" if cfg.impl == "torch" else "auto"
-    q_TND = apply_rope(rearrange(x @ params["wq"], "t (n d) -> t n d", n=N), ctx.cos, ctx.sin, interleaved=cfg.interleaved, impl=rope_impl)
-    k_TGD = apply_rope(rearrange(x @ params["wk"], "t (g d) -> t g d", g=G), ctx.cos, ctx.sin, interleaved=cfg.interleaved, impl=rope_impl)
-    v_TGD = rearrange(x @ params["wv"], "t (g d) -> t g d", g=G)
+
+    def project(name, bias):
+        y = x @ params[name]
+        return y + params[bias] if params.get(bias) is not None else y
+
+    q_TQ, k_TK = project("wq", "bq"), project("wk", "bk")
+    if cfg.qk_norm == "proj":  # over the whole projection (OLMoE)
+        q_TQ, k_TK = _rms_norm(q_TQ, params["q_norm"], cfg.norm_eps), _rms_norm(k_TK, params["k_norm"], cfg.norm_eps)
+    q_TND, k_TGD = rearrange(q_TQ, "t (n d) -> t n d", n=N), rearrange(k_TK, "t (g d) -> t g d", g=G)
+    if cfg.qk_norm == "head":  # over each head's channels (Qwen3, GLM-4.5)
+        q_TND, k_TGD = _rms_norm(q_TND, params["q_norm"], cfg.norm_eps), _rms_norm(k_TGD, params["k_norm"], cfg.norm_eps)
+    q_TND = apply_rope(q_TND, ctx.cos, ctx.sin, interleaved=cfg.interleaved, impl=rope_impl)
+    k_TGD = apply_rope(k_TGD, ctx.cos, ctx.sin, interleaved=cfg.interleaved, impl=rope_impl)
+    v_TGD = rearrange(project("wv", "bv"), "t (g d) -> t g d", g=G)
     if ctx.gather_kv is not None:  # context parallel: every rank's keys and values, [T, G, D]
         k_TGD, v_TGD = ctx.gather_kv(k_TGD, v_TGD)
         n_keys = ctx.mask.shape[-1]

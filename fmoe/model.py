@@ -230,14 +230,19 @@ class TransformerConfig:
     """Every knob of the reference model (defaults: a small CPU-sized MoE).
 
     Layers: n_layers blocks, the first n_dense with a dense SwiGLU of ffn_dense, the rest
-    MoE blocks of n_experts experts of ffn_expert, k per token, n_shared shared experts (one
-    SwiGLU of n_shared * ffn_expert). Routing: score, n_groups/topk_groups, route_scale,
-    expert_bias (aux-loss-free balancing, sigmoid only), capacity_factor with
-    capacity_policy ("probs" | "position"). Attention:
-    n_heads/n_kv_heads of head_dim, rope_base, yarn_factor (None: plain RoPE). mtp_depth
-    MTP modules. impl: "auto" | "triton" | "torch" for every op. ac: activation
-    checkpointing, one of AC_MODES ("none" | "full" | "attention" | "experts"; trunk and MTP
-    blocks alike; gradients equal those without).
+    MoE blocks (or exactly the blocks listed in moe_layers, e.g. Qwen's decoder_sparse_step
+    / mlp_only_layers) of n_experts experts of ffn_expert, k per token, n_shared shared
+    experts (one SwiGLU of shared_ffn, default n_shared * ffn_expert) with an optional
+    sigmoid shared_gate. Routing: score, pre_softmax (softmax over all experts, then top-k,
+    weights not renormalised), n_groups/topk_groups, route_scale, expert_bias (aux-loss-free
+    balancing, sigmoid only), capacity_factor with capacity_policy ("probs" | "position").
+    Attention: n_heads/n_kv_heads of head_dim, qkv_bias, qk_norm (None | "head" | "proj",
+    fmoe.layers.AttentionConfig), rope_base, rope_dim (rotated channels per head, None: all),
+    rope_interleaved, yarn_factor (None: plain RoPE) with yarn_original_max_positions,
+    yarn_beta_fast / yarn_beta_slow / yarn_mscale / yarn_mscale_all_dim. tie_embeddings: the
+    output head is the embedding. mtp_depth MTP modules. impl: "auto" | "triton" | "torch"
+    for every op. ac: activation checkpointing, one of AC_MODES ("none" | "full" |
+    "attention" | "experts"; trunk and MTP blocks alike; gradients equal those without).
     """
 
     vocab_size: int = 258
@@ -249,7 +254,11 @@ class TransformerConfig:
     k: int = 2
     ffn_expert: int = 96
     n_shared: int = 1
+    shared_ffn: Optional[int] = None
+    shared_gate: bool = False
+    moe_layers: Optional[tuple[int, ...]] = None
     score: str = "sigmoid"
+    pre_softmax: bool = False
     n_groups: Optional[int] = None
     topk_groups: Optional[int] = None
     route_scale: Optional[float] = None
@@ -259,9 +268,18 @@ class TransformerConfig:
     n_heads: int = 4
     n_kv_heads: int = 2
     head_dim: int = 32
+    qkv_bias: bool = False
+    qk_norm: Optional[str] = None
     rope_base: float = 10000.0
+    rope_dim: Optional[int] = None
+    rope_interleaved: bool = False
     yarn_factor: Optional[float] = None
     yarn_original_max_positions: int = 4096
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 1.0
+    tie_embeddings: bool = False
     mtp_depth: int = 0
     norm_eps: float = 1e-6
     init_std: float = 0.02
@@ -283,17 +301,42 @@ class TransformerConfig:
             raise ValueError("expert_bias: needs score='sigmoid' (set expert_bias=False for softmax routing)")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_kv_heads: {self.n_heads} heads do not split over {self.n_kv_heads} kv heads")
+        if self.moe_layers is not None:
+            layers = tuple(self.moe_layers)
+            if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.n_layers for i in layers) or len(set(layers)) != len(layers):
+                raise ValueError(f"moe_layers: expected distinct block indices in 0..{self.n_layers - 1}, got {self.moe_layers!r}")
+            object.__setattr__(self, "moe_layers", tuple(sorted(layers)))
+        if self.shared_ffn is not None and (isinstance(self.shared_ffn, bool) or not isinstance(self.shared_ffn, int) or self.shared_ffn < 0):
+            raise ValueError(f"shared_ffn: expected an int >= 0 or None, got {self.shared_ffn!r}")
+        if self.shared_gate and not self.shared_size:
+            raise ValueError("shared_gate: needs shared experts (n_shared > 0 or shared_ffn > 0)")
+        if self.rope_dim is not None and (isinstance(self.rope_dim, bool) or not isinstance(self.rope_dim, int)
+                                          or not 2 <= self.rope_dim <= self.head_dim or self.rope_dim % 2):
+            raise ValueError(f"rope_dim: expected an even int in 2..head_dim = {self.head_dim}, or None, got {self.rope_dim!r}")
+        self.attention_config()  # its own checks (qk_norm)
+
+    def is_moe(self, i: int) -> bool:
+        """Whether trunk block i is a MoE block: listed in moe_layers, or i >= n_dense."""
+        return i in self.moe_layers if self.moe_layers is not None else i >= self.n_dense
+
+    @property
+    def shared_size(self) -> int:
+        """The shared experts' FFN size: shared_ffn, or n_shared * ffn_expert."""
+        return self.shared_ffn if self.shared_ffn is not None else self.n_shared * self.ffn_expert
 
     def moe_config(self) -> MoEConfig:
         return MoEConfig(
-            n_experts=self.n_experts, k=self.k, score=self.score, n_groups=self.n_groups, topk_groups=self.topk_groups,
+            n_experts=self.n_experts, k=self.k, score=self.score, pre_softmax=self.pre_softmax, n_groups=self.n_groups, topk_groups=self.topk_groups,
             scale=self.route_scale, capacity_factor=self.capacity_factor, capacity_policy=self.capacity_policy, impl=self.impl,
         )
 
     def attention_config(self) -> AttentionConfig:
         return AttentionConfig(
             n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, head_dim=self.head_dim, rope_base=self.rope_base,
-            yarn_factor=self.yarn_factor, yarn_original_max_positions=self.yarn_original_max_positions, impl=self.impl,
+            rot_dim=self.rope_dim, interleaved=self.rope_interleaved, yarn_factor=self.yarn_factor,
+            yarn_original_max_positions=self.yarn_original_max_positions, yarn_beta_fast=self.yarn_beta_fast,
+            yarn_beta_slow=self.yarn_beta_slow, yarn_mscale=self.yarn_mscale, yarn_mscale_all_dim=self.yarn_mscale_all_dim,
+            qk_norm=self.qk_norm, norm_eps=self.norm_eps, impl=self.impl,
         )
 
 
@@ -325,9 +368,18 @@ class Attention(nn.Module):
         self.wk = nn.Parameter(torch.empty(H, kv))
         self.wv = nn.Parameter(torch.empty(H, kv))
         self.wo = nn.Parameter(torch.empty(q, H))
+        self.names = ["wq", "wk", "wv", "wo"]
+        if cfg.qkv_bias:  # zero at initialisation (Transformer.reset_parameters)
+            self.bq, self.bk, self.bv = (nn.Parameter(torch.empty(n)) for n in (q, kv, kv))
+            self.names += ["bq", "bk", "bv"]
+        if cfg.qk_norm is not None:  # one at initialisation
+            head = cfg.qk_norm == "head"
+            self.q_norm = nn.Parameter(torch.ones(cfg.head_dim if head else q))
+            self.k_norm = nn.Parameter(torch.ones(cfg.head_dim if head else kv))
+            self.names += ["q_norm", "k_norm"]
 
     def forward(self, x_TH, ctx: AttentionContext):
-        params = {n: _local(getattr(self, n)) for n in ("wq", "wk", "wv", "wo")}
+        params = {n: _local(getattr(self, n)) for n in self.names}
         return attention(x_TH, params, self.cfg, ctx)[0]
 
 
@@ -340,7 +392,8 @@ class Block(nn.Module):
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         if moe:
-            self.mlp = MoE(cfg.hidden, cfg.ffn_expert, cfg.moe_config(), shared_ffn=cfg.n_shared * cfg.ffn_expert, expert_bias=cfg.expert_bias)
+            self.mlp = MoE(cfg.hidden, cfg.ffn_expert, cfg.moe_config(), shared_ffn=cfg.shared_size, shared_gate=cfg.shared_gate,
+                           expert_bias=cfg.expert_bias)
             self.mlp.experts.recompute = cfg.ac == "experts"
         else:
             self.mlp = DenseMLP(cfg.hidden, cfg.ffn_dense, cfg.impl)
@@ -372,7 +425,7 @@ class MTPModule(nn.Module):
         self.emb_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.hidden_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.proj = nn.Parameter(torch.empty(2 * cfg.hidden, cfg.hidden))
-        self.block = Block(cfg, moe=cfg.n_layers > cfg.n_dense)
+        self.block = Block(cfg, moe=any(cfg.is_moe(i) for i in range(cfg.n_layers)))
 
     def forward(self, emb_TH, h_TH, ctx: AttentionContext):
         x_TH = torch.cat([self.emb_norm(emb_TH), self.hidden_norm(h_TH)], dim=-1) @ self.proj
@@ -434,9 +487,10 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden))
-        self.blocks = nn.ModuleList(Block(cfg, moe=i >= cfg.n_dense) for i in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(Block(cfg, moe=cfg.is_moe(i)) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
-        self.head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden))  # [V, H], linear_cross_entropy's layout
+        # [V, H], linear_cross_entropy's layout; with tie_embeddings the head is the embedding
+        self.head = None if cfg.tie_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden))
         self.mtp = nn.ModuleList(MTPModule(cfg) for _ in range(cfg.mtp_depth))
         # context parallelism (cp > 1): fmoe.parallel.parallelize sets a ContextParallel,
         # whose attention_kwargs(token_index) give attention_context its CP arguments
@@ -464,8 +518,11 @@ class Transformer(nn.Module):
         for name, p in self.named_parameters():
             if p.is_meta:
                 continue
-            if name.endswith("norm.weight"):
+            if name.endswith(("norm.weight", "q_norm", "k_norm")):
                 _local(p).fill_(1.0)
+                continue
+            if name.endswith(("attn.bq", "attn.bk", "attn.bv")):
+                _local(p).zero_()
                 continue
             std = base / (2 * self.cfg.n_layers) ** 0.5 if name.endswith(("wo", "w_down")) else base
             _copy_full(p, init_value(seed, name, p.shape, std))
@@ -512,8 +569,34 @@ class Transformer(nn.Module):
     def _lm_loss(self, h_TH, labels, loss_mask):
         # the labels were checked where the batch was made: no host sync here
         labels = torch.where(loss_mask.bool(), labels, torch.full_like(labels, -100))
-        loss_sum = linear_cross_entropy(self.norm(h_TH), self.head, labels, reduction="sum", check=False, impl=self.cfg.impl)
+        loss_sum = linear_cross_entropy(self.norm(h_TH), self.output_weight(), labels, reduction="sum", check=False, impl=self.cfg.impl)
         return loss_sum, loss_mask.sum()
+
+    def output_weight(self) -> torch.Tensor:
+        """The output head [V, H]: `head`, or the embedding with tie_embeddings."""
+        return self.embed if self.cfg.tie_embeddings else self.head
+
+    def logits(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The trunk's next-token logits [T, V] (float32) of packed documents, for evaluation
+        and parity checks (the training forward never builds them).
+
+        input_ids [T] int64; cu_seqlens [n+1] int32 (0, ..., T); positions [T] (default:
+        each document's 0, 1, ...). A model of one process (not parallelized, not a pipeline
+        chunk)."""
+        from fmoe.ops import positions_from_cu_seqlens
+
+        if self.pipeline_chunk is not None or self.context_parallel is not None:
+            raise ValueError("model: logits needs the whole model on one process (not a pipeline chunk, not context parallel)")
+        if input_ids.ndim != 1 or cu_seqlens.ndim != 1 or int(cu_seqlens[-1]) != input_ids.shape[0] or int(cu_seqlens[0]) != 0:
+            raise ValueError(f"cu_seqlens: expected 0, ..., T = {input_ids.shape[0]} for input_ids [T], got {cu_seqlens.tolist()}")
+        cu_seqlens = cu_seqlens.to(device=input_ids.device, dtype=torch.int32)
+        if positions is None:
+            positions = positions_from_cu_seqlens(cu_seqlens)
+        ctx = attention_context(cu_seqlens, positions, self.cfg.attention_config())
+        h_TH = F.embedding(input_ids, self.embed)
+        for block in self.blocks:
+            h_TH, _ = block(h_TH, ctx)
+        return (self.norm(h_TH) @ self.output_weight().t()).float()
 
     def forward(self, batch, ctx: Optional[BatchContext] = None, hidden: Optional[torch.Tensor] = None):
         """One packed micro-batch; no device->host sync.

@@ -127,7 +127,7 @@ def pipeline_chunk(model: Transformer, chunk: PipelineChunk) -> Transformer:
     for i in range(n):
         if i not in chunk.layers:
             model.blocks[i] = LayerElsewhere(i)
-    if not chunk.first and not (chunk.last and model.cfg.mtp_depth):
+    if not chunk.first and not (chunk.last and (model.cfg.mtp_depth or model.cfg.tie_embeddings)):
         model.embed = None
     if not chunk.last:
         model.norm = None
@@ -360,7 +360,7 @@ class Pipeline:
         """The 2-rank groups (first stage's rank, last stage's rank) of each coordinate
         within a stage, when the last stage holds an embedding copy on another rank."""
         last_rank = (self.n_stages - 1) % self.pp  # pp - 1: never the first stage's rank
-        if not cfg.mtp_depth:
+        if not (cfg.mtp_depth or cfg.tie_embeddings):
             return None
         world, mine = dist.get_world_size(), None
         stage = world // self.pp

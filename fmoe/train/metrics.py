@@ -93,9 +93,15 @@ def flops_per_token(
 
 
 def model_flops_per_token(cfg, *, n_avg_keys: float) -> float:
-    """flops_per_token of an fmoe.model.TransformerConfig (any object with its fields)."""
-    names = ("hidden", "n_layers", "n_dense", "ffn_dense", "ffn_expert", "k", "n_shared", "n_heads", "n_kv_heads", "head_dim", "mtp_depth")
-    return flops_per_token(**{n: getattr(cfg, n) for n in names}, vocab=cfg.vocab_size, n_avg_keys=n_avg_keys)
+    """flops_per_token of an fmoe.model.TransformerConfig (any object with its fields): the
+    dense blocks are those that are not MoE (moe_layers or n_dense), the shared experts'
+    size in units of ffn_expert (shared_ffn, or n_shared)."""
+    names = ("hidden", "n_layers", "ffn_dense", "ffn_expert", "k", "n_heads", "n_kv_heads", "head_dim", "mtp_depth")
+    is_moe = getattr(cfg, "is_moe", lambda i: i >= cfg.n_dense)
+    n_dense = sum(not is_moe(i) for i in range(cfg.n_layers))
+    shared = getattr(cfg, "shared_size", cfg.n_shared * cfg.ffn_expert) / cfg.ffn_expert
+    return flops_per_token(**{n: getattr(cfg, n) for n in names}, n_dense=n_dense, n_shared=shared, vocab=cfg.vocab_size,
+                           n_avg_keys=n_avg_keys)
 
 
 def datasheet_peak_flops(name: str) -> Optional[float]:
