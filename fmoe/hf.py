@@ -203,12 +203,12 @@ def read_config(path) -> tuple[dict, TransformerConfig]:
     return hf, TransformerConfig(**FAMILIES[model_type].config_to_fmoe(hf))
 
 
-def _copy_into(param: torch.Tensor, full: torch.Tensor, name: str) -> None:
+def _copy_into(param: torch.Tensor, full: torch.Tensor, name: str, key: str) -> None:
     """Write the full value into param (its own block, for a DTensor)."""
     from fmoe.model import _copy_full
 
     if tuple(param.shape) != tuple(full.shape):
-        raise ValueError(f"checkpoint: {name} has shape {tuple(full.shape)} in the checkpoint, the model expects {tuple(param.shape)}")
+        raise ValueError(f"checkpoint: {key} gives {name} the shape {tuple(full.shape)}, the model expects {tuple(param.shape)}")
     with torch.no_grad():
         _copy_full(param, full.to(param.dtype))
 
@@ -236,15 +236,20 @@ def load_weights(model: Transformer, path, *, model_type: str) -> None:
             if name not in params:
                 raise ValueError(f"model: has no parameter {name!r} for checkpoint key {spec.keys[0]!r}")
             if spec.stacked:
-                full = torch.empty(tuple(params[name].shape), dtype=torch.float32)
+                full = None
                 for e, key in enumerate(spec.keys):
                     t = read(key)
-                    full[e] = t.t() if spec.transpose else t
+                    t = t.t() if spec.transpose else t
+                    if full is None:
+                        full = torch.empty((len(spec.keys), *t.shape), dtype=torch.float32)
+                    if tuple(t.shape) != tuple(full.shape[1:]):
+                        raise ValueError(f"checkpoint: {key} has shape {tuple(t.shape)} (as [in, out]), its other experts {tuple(full.shape[1:])}")
+                    full[e] = t
             else:
                 t = read(spec.keys[0])
                 full = t.t() if spec.transpose else t
                 full = full.reshape(-1) if spec.row else full
-            _copy_into(params[name], full, name)
+            _copy_into(params[name], full, name, spec.keys[0])
     finally:
         handles.clear()
 
