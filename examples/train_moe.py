@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+import fmoe.hf
 import fmoe.ops as ops
 import fmoe.parallel as parallel
 from fmoe.model import Transformer, TransformerConfig
@@ -98,6 +99,8 @@ class Config:
     out_dir: str = "out/train_moe"
     resume: bool = False
     init_from: str = ""             # a checkpoint (or a run's out_dir): start from its weights only
+    init_from_hf: str = ""          # a Hugging Face folder (config.json + safetensors; fmoe.hf.FAMILIES): its model
+                                    # and weights (--model.* knobs other than mtp_depth, impl, ac do not apply)
     ckpt_every: int = 100
     keep_last: int = 2              # retention: the newest checkpoints kept...
     keep_every: int = 0             # ...plus every keep_every-th step (0: none)
@@ -181,6 +184,14 @@ def parse_args(argv: list[str]) -> Config:
 
 def main(argv: list[str]) -> None:
     cfg = parse_args(argv)
+    hf_type = None
+    if cfg.init_from_hf:  # the released model's own config: fine-tuning or continued pre-training
+        try:
+            hf_json, hf_model = fmoe.hf.read_config(cfg.init_from_hf)
+        except (OSError, ValueError) as err:
+            sys.exit(f"--init_from_hf: {err}")
+        hf_type = hf_json["model_type"]
+        cfg.model = dataclasses.replace(hf_model, mtp_depth=cfg.model.mtp_depth, impl=cfg.model.impl, ac=cfg.model.ac)
     # ------------------------------------------------------------------------ setup
     if cfg.deterministic:
         set_deterministic(True)  # before any CUDA work: cuBLAS reads its workspace setting once
@@ -226,7 +237,10 @@ def main(argv: list[str]) -> None:
     sampler = Sampler(train_set, cfg.tokens_per_micro_batch, seed=cfg.seed, mtp_depth=cfg.model.mtp_depth)
     val_batches = val_set.validation_batches(cfg.tokens_per_micro_batch, cfg.eval_batches, mtp_depth=cfg.model.mtp_depth)
 
-    model_cfg = dataclasses.replace(cfg.model, vocab_size=corpus.vocab_size)
+    if hf_type is not None and corpus.vocab_size > cfg.model.vocab_size:
+        sys.exit(f"--init_from_hf: the data's {corpus.vocab_size} token ids do not fit the model's vocab_size {cfg.model.vocab_size} "
+                 "(tokenize the data with the model's tokenizer: --data=tokens.bin --separator=...)")
+    model_cfg = dataclasses.replace(cfg.model, vocab_size=corpus.vocab_size if hf_type is None else cfg.model.vocab_size)
     with torch.device("meta"):  # the whole model's shapes and MoE layer names, allocating nothing
         whole = Transformer(model_cfg)
     moe_names = list(whole.moe_layers())
@@ -260,6 +274,9 @@ def main(argv: list[str]) -> None:
     # this rank's part of the model: the whole model, or its pipeline stages (each with the
     # whole model's parameter names; optimizers and checkpoints take them as a list)
     parts = pipe.chunks if pipe is not None else [model]
+    if hf_type is not None:  # each rank reads the tensors of its own parameters (blocks of them when sharded)
+        for part in parts:
+            fmoe.hf.load_weights(part, cfg.init_from_hf, model_type=hf_type)
     forward = torch.compile(model) if cfg.compile else model
     if cfg.bias_update not in ("sign", "proportional"):
         sys.exit(f"--bias_update: expected sign or proportional, got {cfg.bias_update!r}")

@@ -214,8 +214,10 @@ def _copy_into(param: torch.Tensor, full: torch.Tensor, name: str, key: str) -> 
 
 
 def load_weights(model: Transformer, path, *, model_type: str) -> None:
-    """Read the checkpoint in `path` into model's parameters (see the module docstring);
-    ValueError naming the key for a missing key or a shape mismatch."""
+    """Read the checkpoint in `path` into model's parameters (see the module docstring): a
+    whole model, one parallelized over ranks (each rank its own blocks), or a pipeline
+    chunk (its own parameters only). ValueError naming the key for a missing key or a
+    shape mismatch."""
     path = Path(path)
     family = FAMILIES[model_type]
     files = _weight_files(path)
@@ -232,7 +234,10 @@ def load_weights(model: Transformer, path, *, model_type: str) -> None:
                 handles[file] = safe_open(file, "pt")
             return handles[file].get_tensor(key)
 
+        chunk = getattr(model, "pipeline_chunk", None)
         for name, spec in key_map(family, model.cfg).items():
+            if name not in params and chunk is not None:
+                continue  # held by another pipeline stage
             if name not in params:
                 raise ValueError(f"model: has no parameter {name!r} for checkpoint key {spec.keys[0]!r}")
             if spec.stacked:

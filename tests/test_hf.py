@@ -138,3 +138,37 @@ def test_bad_checkpoints_name_the_key_or_field(folders, tmp_path):
         hf.save_pretrained(model, tmp_path / "e")
     with pytest.raises(ValueError, match="model_type: expected one of"):
         hf.save_pretrained(model, tmp_path / "e", model_type="gpt2")
+
+
+def test_the_loop_fine_tunes_a_loaded_model(tmp_path):
+    """--init_from_hf: the released model's config and weights; the first step's logged loss
+    is that model's loss on the step's micro-batch, and a step trains it."""
+    import pathlib
+    import subprocess
+    import sys
+
+    from fmoe.train.data import Sampler, load_corpus
+
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(**{**COMMON, "vocab_size": 260}, head_dim=8, intermediate_size=40, moe_intermediate_size=24,
+                                         num_experts=4, num_experts_per_tok=2)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "hf")
+    root = pathlib.Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, str(root / "examples" / "train_moe.py"), f"--out_dir={tmp_path / 'run'}", f"--init_from_hf={tmp_path / 'hf'}",
+                          "--steps=2", "--tokens_per_micro_batch=64", "--batch_schedule=0:1", "--eval_every=2", "--eval_batches=1",
+                          "--model.mtp_depth=0", "--model.impl=torch", "--lr=1e-2"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    model, _ = hf.from_pretrained(tmp_path / "hf", impl="torch")
+    train, _ = load_corpus(None).split(5)
+    batch = Sampler(train, 64, seed=0, mtp_depth=0).next_batch()
+    with torch.no_grad():
+        losses, _ = model(batch)
+    assert records[0]["loss"] == pytest.approx(float(losses["lm_sum"] / losses["lm_tokens"]), rel=1e-5)
+    assert records[1]["loss"] != records[0]["loss"]
+    # a corpus whose ids do not fit the model's vocabulary is refused, naming the knob
+    small = tmp_path / "small"
+    transformers.AutoModelForCausalLM.from_config(FAMILIES["qwen3_moe"]()).save_pretrained(small)
+    run = subprocess.run([sys.executable, str(root / "examples" / "train_moe.py"), f"--out_dir={tmp_path / 'run2'}", f"--init_from_hf={small}"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode != 0 and "--init_from_hf: the data's 258 token ids do not fit the model's vocab_size 64" in run.stderr
