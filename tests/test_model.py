@@ -293,3 +293,42 @@ def test_activation_checkpointing_keeps_fewer_bytes_for_backward():
 def test_activation_checkpointing_bad_mode():
     with pytest.raises(ValueError, match="ac: expected one of none, full, attention, experts, got 'some'"):
         dataclasses.replace(TINY, ac="some")
+
+
+_SMALL = dict(vocab_size=40, hidden=32, n_layers=4, n_dense=1, ffn_dense=48, n_experts=4, k=2, ffn_expert=16, n_shared=1,
+              n_heads=4, n_kv_heads=2, head_dim=8, impl="torch")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(moe_layers=(1, 4)), r"moe_layers: expected distinct block indices in 0..3"),
+    (dict(moe_layers=(1, 1)), r"moe_layers: expected distinct"),
+    (dict(qk_norm="layer"), r"qk_norm: expected None, 'head' or 'proj'"),
+    (dict(rope_dim=7), r"rope_dim: expected an even int in 2..head_dim"),
+    (dict(n_shared=0, shared_gate=True), r"shared_gate: needs shared experts"),
+    (dict(shared_ffn=-1), r"shared_ffn: expected an int >= 0 or None"),
+])
+def test_released_model_knobs_are_checked(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        TransformerConfig(**{**_SMALL, **overrides})
+
+
+def test_released_model_knobs_build_what_they_say():
+    cfg = TransformerConfig(**{**_SMALL, "moe_layers": (3, 1), "shared_ffn": 24, "shared_gate": True, "qkv_bias": True,
+                               "qk_norm": "head", "tie_embeddings": True, "score": "softmax", "expert_bias": False, "pre_softmax": True})
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    assert cfg.moe_layers == (1, 3) and list(model.moe_layers()) == ["layer_1", "layer_3"]
+    assert model.blocks[1].mlp.shared.w_gate.shape[1] == 24 and model.blocks[1].mlp.shared_gate.shape == (cfg.hidden,)
+    attn = model.blocks[0].attn
+    assert torch.equal(attn.bq, torch.zeros_like(attn.bq)) and torch.equal(attn.q_norm, torch.ones(cfg.head_dim))
+    assert model.head is None and model.output_weight() is model.embed
+    batch = make_batch(torch.randint(0, cfg.vocab_size, (24,)), torch.tensor([0, 10, 24]))
+    losses, _ = model(batch)
+    losses["lm_sum"].backward()
+    assert model.embed.grad.abs().sum() > 0 and attn.bq.grad.abs().sum() > 0 and attn.q_norm.grad.abs().sum() > 0
+    # logits: the trunk's, over packed documents; the loss is their cross-entropy
+    logits = model.logits(batch["input_ids"], batch["cu_seqlens"])
+    want = torch.nn.functional.cross_entropy(logits[batch["loss_mask"].bool()], batch["labels"][batch["loss_mask"].bool()], reduction="sum")
+    assert float(losses["lm_sum"].detach()) == pytest.approx(float(want.detach()), rel=1e-5)
+    with pytest.raises(ValueError, match="cu_seqlens: expected 0, ..., T = 24"):
+        model.logits(batch["input_ids"], torch.tensor([0, 23]))

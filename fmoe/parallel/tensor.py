@@ -217,6 +217,9 @@ class AttentionParallel(_ShardedRegion):
 
     def _check(self, module, tp):
         cfg = module.cfg
+        extras = [n for n in ("bq", "bk", "bv", "q_norm", "k_norm") if getattr(module, n, None) is not None]
+        if extras:
+            raise ValueError(f"tp: attention with {', '.join(extras)} (qkv_bias / qk_norm) is not split over tensor-parallel ranks yet; use tp = 1")
         if cfg.n_heads % tp or cfg.n_kv_heads % tp:
             raise ValueError(f"tp: n_heads = {cfg.n_heads} and n_kv_heads = {cfg.n_kv_heads} must both be divisible by tp = {tp}")
 
