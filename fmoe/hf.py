@@ -205,12 +205,12 @@ def read_config(path) -> tuple[dict, TransformerConfig]:
 
 def _copy_into(param: torch.Tensor, full: torch.Tensor, name: str, key: str) -> None:
     """Write the full value into param (its own block, for a DTensor)."""
-    from fmoe.model import _copy_full
+    from fmoe.model import copy_full_value
 
     if tuple(param.shape) != tuple(full.shape):
         raise ValueError(f"checkpoint: {key} gives {name} the shape {tuple(full.shape)}, the model expects {tuple(param.shape)}")
     with torch.no_grad():
-        _copy_full(param, full.to(param.dtype))
+        copy_full_value(param, full.to(param.dtype))
 
 
 def load_weights(model: Transformer, path, *, model_type: str) -> None:

@@ -72,7 +72,7 @@ def init_value(seed: int, name: str, shape, std: float) -> torch.Tensor:
     return torch.empty(tuple(shape), dtype=torch.float32).normal_(0.0, std, generator=gen)
 
 
-def _copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
+def copy_full_value(param: torch.Tensor, full: torch.Tensor) -> None:
     """Write the full value `full` into param: whole for a plain tensor, this rank's block of
     it for a DTensor (found from the DTensor's layout, as DCP does: no communication, no
     copy of the full tensor)."""
@@ -525,7 +525,7 @@ class Transformer(nn.Module):
                 _local(p).zero_()
                 continue
             std = base / (2 * self.cfg.n_layers) ** 0.5 if name.endswith(("wo", "w_down")) else base
-            _copy_full(p, init_value(seed, name, p.shape, std))
+            copy_full_value(p, init_value(seed, name, p.shape, std))
         for name, b in self.named_buffers():
             if name.endswith("expert_bias") and not b.is_meta:
                 b.zero_()

@@ -22,6 +22,7 @@ ALLOWED = {
     "fmoe.optim": {"fmoe.ops", "fmoe.optim"},
     "fmoe.parallel": {"fmoe.ops", "fmoe.layers", "fmoe.model", "fmoe.optim", "fmoe.parallel"},
     "fmoe.train": {"fmoe", "fmoe.ops", "fmoe.layers", "fmoe.model", "fmoe.train"},
+    "fmoe.hf": {"fmoe.ops", "fmoe.layers", "fmoe.model"},  # released checkpoints: beside train, above the model
 }
 
 

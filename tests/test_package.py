@@ -6,6 +6,8 @@ import re
 import subprocess
 import sys
 
+import torch
+
 import fmoe.ops
 import fmoe.optim
 
@@ -53,15 +55,35 @@ def test_public_signatures_follow_the_contract():
 def test_readme_examples_run():
     readme = (ROOT / "README.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
-    assert len(blocks) == 3, "README.md should hold the routing, the MoE block and the torchrun examples"
+    assert len(blocks) == 4, "README.md should hold the routing, the torchrun, the fmoe.hf and the MoE block examples"
     scopes = []
-    for code in (blocks[0], blocks[2]):
+    for code in (blocks[0], blocks[3]):
         scopes.append({})
         exec(compile(code, "README.md", "exec"), scopes[-1])
     routing, block = scopes
     # the routing example really ran the losses' backward and the balancing update
     assert routing["bias"].abs().sum() > 0 and routing["logits"].grad is not None
     assert block["y"].shape == (4, 16, 64) and int(block["stats"]["tokens_per_expert"].sum()) == 4 * 16 * 2
+
+
+def test_readme_hf_example_runs(tmp_path):
+    """The README's fmoe.hf example, on a tiny Qwen3-MoE folder written by fmoe itself."""
+    import fmoe.hf
+    from fmoe.model import Transformer, TransformerConfig
+
+    code = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)[2]
+    assert '"path/to/Qwen3-30B-A3B"' in code and '"out/qwen3-tuned"' in code
+    cfg = TransformerConfig(vocab_size=32, hidden=16, n_layers=2, n_dense=0, n_experts=4, k=2, ffn_expert=8, n_shared=0,
+                            n_heads=2, n_kv_heads=1, head_dim=8, qk_norm="head", score="softmax", expert_bias=False, impl="torch")
+    torch.manual_seed(0)
+    fmoe.hf.save_pretrained(Transformer(cfg), tmp_path / "in", model_type="qwen3_moe")
+    code = code.replace('"path/to/Qwen3-30B-A3B"', repr(str(tmp_path / "in"))).replace('"out/qwen3-tuned"', repr(str(tmp_path / "out")))
+    scope = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    assert scope["logits"].shape == (12, 32) and torch.isfinite(scope["logits"]).all()
+    assert (tmp_path / "out" / "config.json").exists()
+    again, _ = fmoe.hf.from_pretrained(tmp_path / "out")
+    assert torch.equal(again.logits(scope["input_ids"], scope["cu_seqlens"]), scope["logits"])
 
 
 def test_readme_torchrun_example_runs(tmp_path):
