@@ -92,8 +92,8 @@ from fmoe.ops.routing import Routes
 class MoEConfig:
     """How a MoE block routes and computes (the tensors live in params).
 
-    n_experts, k: E experts, k per token. score, pre_softmax, n_groups, topk_groups, scale:
-    as fmoe.ops.route. capacity_factor: drop slots past ceil(T k / E * factor) per expert
+    n_experts, k: E experts, k per token. score, pre_softmax, n_groups, topk_groups, scale,
+    group_score_topk, normalize: as fmoe.ops.route. capacity_factor: drop slots past ceil(T k / E * factor) per expert
     (None: no dropping) with capacity_policy "probs" or "position". random_routing: route on
     N(0,1) noise instead of the logits (benchmarks). align: pad each expert's rows to a
     multiple (16/32 for fp8 grouped GEMMs). aux_scores: also compute the aux-loss scores.
@@ -108,6 +108,8 @@ class MoEConfig:
     n_groups: Optional[int] = None
     topk_groups: Optional[int] = None
     scale: Optional[float] = None
+    group_score_topk: Optional[int] = None
+    normalize: bool = True
     capacity_factor: Optional[float] = None
     capacity_policy: str = "probs"
     random_routing: bool = False
@@ -225,6 +227,7 @@ def moe(
         random_logits(logits_TE) if cfg.random_routing else logits_TE, k,
         score=cfg.score, pre_softmax=cfg.pre_softmax, n_groups=cfg.n_groups, topk_groups=cfg.topk_groups,
         expert_bias=params.get("expert_bias"), scale=cfg.scale, check=cfg.check_nan, impl=cfg.impl,
+        group_score_topk=cfg.group_score_topk, normalize=cfg.normalize,
     )
     if cfg.capacity_factor is not None and drop is not None:
         routes = drop(routes, E, cfg.capacity_factor, policy=cfg.capacity_policy)

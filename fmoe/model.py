@@ -43,7 +43,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fmoe.layers import AttentionConfig, AttentionContext, MoEConfig, attention, attention_context, dense_mlp, local_experts, moe
-from fmoe.ops import linear_cross_entropy
+from fmoe.ops import linear_cross_entropy, route
 from fmoe.ops.backend import local_tensor as _local
 
 # activation checkpointing (TransformerConfig.ac): what the backward recomputes instead of
@@ -234,7 +234,10 @@ class TransformerConfig:
     / mlp_only_layers) of n_experts experts of ffn_expert, k per token, n_shared shared
     experts (one SwiGLU of shared_ffn, default n_shared * ffn_expert) with an optional
     sigmoid shared_gate. Routing: score, pre_softmax (softmax over all experts, then top-k,
-    weights not renormalised), n_groups/topk_groups, route_scale, expert_bias (aux-loss-free
+    weights not renormalised), n_groups/topk_groups with group_score_topk (a group's score
+    sums its best group_score_topk scores; None: k // topk_groups), route_scale,
+    route_normalize (sigmoid: renormalise the k weights; False keeps the raw sigmoids),
+    expert_bias (aux-loss-free
     balancing, sigmoid only), capacity_factor with capacity_policy ("probs" | "position").
     Attention: n_heads/n_kv_heads of head_dim, qkv_bias, qk_norm (None | "head" | "proj",
     fmoe.layers.AttentionConfig), rope_base, rope_dim (rotated channels per head, None: all),
@@ -261,7 +264,9 @@ class TransformerConfig:
     pre_softmax: bool = False
     n_groups: Optional[int] = None
     topk_groups: Optional[int] = None
+    group_score_topk: Optional[int] = None
     route_scale: Optional[float] = None
+    route_normalize: bool = True
     expert_bias: bool = True
     capacity_factor: Optional[float] = None
     capacity_policy: str = "probs"
@@ -314,6 +319,10 @@ class TransformerConfig:
                                           or not 2 <= self.rope_dim <= self.head_dim or self.rope_dim % 2):
             raise ValueError(f"rope_dim: expected an even int in 2..head_dim = {self.head_dim}, or None, got {self.rope_dim!r}")
         self.attention_config()  # its own checks (qk_norm)
+        # the routing knobs, checked by the op itself on no tokens
+        route(torch.zeros(0, self.n_experts, device="cpu"), self.k, score=self.score, pre_softmax=self.pre_softmax,
+              n_groups=self.n_groups, topk_groups=self.topk_groups, scale=self.route_scale, group_score_topk=self.group_score_topk,
+              normalize=self.route_normalize, check=False, impl="torch")
 
     def is_moe(self, i: int) -> bool:
         """Whether trunk block i is a MoE block: listed in moe_layers, or i >= n_dense."""
@@ -327,7 +336,7 @@ class TransformerConfig:
     def moe_config(self) -> MoEConfig:
         return MoEConfig(
             n_experts=self.n_experts, k=self.k, score=self.score, pre_softmax=self.pre_softmax, n_groups=self.n_groups, topk_groups=self.topk_groups,
-            scale=self.route_scale, capacity_factor=self.capacity_factor, capacity_policy=self.capacity_policy, impl=self.impl,
+            scale=self.route_scale, group_score_topk=self.group_score_topk, normalize=self.route_normalize, capacity_factor=self.capacity_factor, capacity_policy=self.capacity_policy, impl=self.impl,
         )
 
     def attention_config(self) -> AttentionConfig:

@@ -102,6 +102,12 @@ def test_bad_configs():
         TransformerConfig(hidden=0)
     with pytest.raises(ValueError, match="n_kv_heads"):
         TransformerConfig(n_heads=4, n_kv_heads=3)
+    with pytest.raises(ValueError, match="normalize: applies to score='sigmoid' only"):
+        TransformerConfig(score="softmax", expert_bias=False, route_normalize=False)
+    with pytest.raises(ValueError, match="group_score_topk: applies to group-limited routing only"):
+        TransformerConfig(group_score_topk=2)
+    with pytest.raises(ValueError, match="topk_groups: expected 1..4"):
+        TransformerConfig(n_groups=4, topk_groups=5)
     model = Transformer(dataclasses.replace(TINY, mtp_depth=1))
     with pytest.raises(ValueError, match=r"batch: missing \['mtp_input_ids'"):
         model(_batch(TINY))

@@ -37,7 +37,7 @@ from fmoe.ops.topk import NO_ID, NO_KEY, key_score, rows_per_program, sort_desc,
 
 # scoring modes as ints: one tl.constexpr selects the kernel's branch and one int argument
 # of the custom-op schema carries it
-SOFTMAX_POST, SOFTMAX_PRE, SIGMOID = 0, 1, 2
+SOFTMAX_POST, SOFTMAX_PRE, SIGMOID, SIGMOID_RAW = 0, 1, 2, 3  # SIGMOID_RAW: sigmoid, weights not renormalised
 _SIGMOID_EPS = 1e-20
 
 
@@ -66,12 +66,12 @@ def _scores_ref(logits_TE, score_code, expert_bias_E):
     return sel_TE, sig_TE
 
 
-def _topk_experts_ref(sel_TE, k, n_groups, topk_groups):
-    """Top-k experts of each row [T,k], best first, optionally group-limited."""
+def _topk_experts_ref(sel_TE, k, n_groups, topk_groups, per_group):
+    """Top-k experts of each row [T,k], best first, optionally group-limited (a group's
+    score: the sum of its per_group best selection scores)."""
     T, E = sel_TE.shape
     order_TE = sort_desc(sel_TE)
     if n_groups > 1:
-        per_group = k // topk_groups
         top_TGm = torch.topk(sel_TE.view(T, n_groups, E // n_groups), per_group, dim=-1).values
         group_score_TG = top_TGm[..., 0]
         for i in range(1, per_group):  # summed in descending order, as the kernel does
@@ -85,14 +85,16 @@ def _topk_experts_ref(sel_TE, k, n_groups, topk_groups):
     return order_TE[:, :k]
 
 
-def route_ref(logits_TE, k, score_code, n_groups, topk_groups, expert_bias_E, scale):
-    """Plain-torch routing; differentiable w.r.t. the logits through torch autograd."""
+def route_ref(logits_TE, k, score_code, n_groups, topk_groups, expert_bias_E, scale, per_group=None):
+    """Plain-torch routing; differentiable w.r.t. the logits through torch autograd.
+    per_group: experts summed per group score (None: k // topk_groups)."""
     sel_TE, src_TE = _scores_ref(logits_TE, score_code, expert_bias_E)
-    experts_TK = _topk_experts_ref(sel_TE.detach(), k, n_groups, topk_groups)
+    per_group = k // topk_groups if per_group is None else per_group
+    experts_TK = _topk_experts_ref(sel_TE.detach(), k, n_groups, topk_groups, per_group)
     chosen_TK = src_TE.gather(1, experts_TK)
     if score_code == SOFTMAX_POST:
         weights_TK = torch.softmax(chosen_TK, dim=-1)
-    elif score_code == SOFTMAX_PRE or k == 1:
+    elif score_code in (SOFTMAX_PRE, SIGMOID_RAW) or k == 1:
         weights_TK = chosen_TK
     else:
         weights_TK = chosen_TK / (chosen_TK.sum(dim=-1, keepdim=True) + _SIGMOID_EPS)
@@ -186,11 +188,11 @@ def _route_fwd_kernel(
         e = tl.exp(w_TK - tl.max(w_TK, axis=1)[:, None])
         e = tl.where(slot_ok, e, 0.0)
         w_TK = e / tl.sum(e, axis=1)[:, None]
-    elif SCORE == 2:
+    elif SCORE >= 2:
         if HAS_BIAS:  # the weights are the unbiased sigmoids: read the k chosen logits back
             xk = tl.load(logits_ptr + row_off_T[:, None] + id_TK, mask=out_mask, other=0.0).to(tl.float32)
             w_TK = tl.where(slot_ok, tl.sigmoid(xk), 0.0)
-        if K > 1:
+        if K > 1 and SCORE == 2:
             w_TK = tl.where(slot_ok, w_TK, 0.0)
             w_TK = w_TK / (tl.sum(w_TK, axis=1)[:, None] + 1e-20)
     w_TK = w_TK * scale
@@ -239,10 +241,10 @@ def _route_bwd_kernel(
             e = tl.where(kmask, e, 0.0)
             w0 = e / tl.sum(e, axis=1)[:, None]
             dk = w0 * (gw_TK - tl.sum(w0 * gw_TK, axis=1)[:, None])
-        else:  # sigmoid, normalised over the chosen when K > 1
+        else:  # sigmoid, normalised over the chosen when K > 1 (SCORE 2), or raw (SCORE 3)
             s = tl.where(kmask, tl.sigmoid(xk), 0.0)
             ds = gw_TK
-            if K > 1:
+            if K > 1 and SCORE == 2:
                 denom = tl.sum(s, axis=1) + 1e-20
                 w0 = s / denom[:, None]
                 ds = (gw_TK - tl.sum(gw_TK * w0, axis=1)[:, None]) / denom[:, None]
@@ -273,7 +275,7 @@ def _bwd_blocks(E: int, k: int) -> dict:
 @torch.library.custom_op("fmoe::route_fwd", mutates_args=())
 def _route_fwd(
     logits: torch.Tensor, k: int, score_code: int, n_groups: int, topk_groups: int,
-    expert_bias: Optional[torch.Tensor], scale: float,
+    expert_bias: Optional[torch.Tensor], scale: float, per_group: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     T, E = logits.shape
     weights = torch.empty(T, k, dtype=torch.float32, device=logits.device)
@@ -283,14 +285,14 @@ def _route_fwd(
     meta = _fwd_blocks(E, n_groups, k)
     _route_fwd_kernel[(triton.cdiv(T, meta["BLOCK_T"]),)](
         logits.contiguous(), expert_bias if expert_bias is not None else logits, weights, experts, T, scale,
-        E=E, K=k, G=n_groups, GS=E // n_groups, TOPK_GROUPS=topk_groups, PER_GROUP=k // topk_groups,
+        E=E, K=k, G=n_groups, GS=E // n_groups, TOPK_GROUPS=topk_groups, PER_GROUP=per_group,
         SCORE=score_code, HAS_BIAS=expert_bias is not None, **meta,
     )
     return weights, experts
 
 
 @_route_fwd.register_fake
-def _(logits, k, score_code, n_groups, topk_groups, expert_bias, scale):
+def _(logits, k, score_code, n_groups, topk_groups, expert_bias, scale, per_group):
     T = logits.shape[0]
     return (logits.new_empty(T, k, dtype=torch.float32), logits.new_empty(T, k, dtype=torch.int64))
 
@@ -318,7 +320,7 @@ def _(grad_weights, logits, experts, score_code, scale):
 
 
 def _route_setup_context(ctx, inputs, output):
-    logits, _k, score_code, *_rest, scale = inputs
+    logits, _k, score_code, *_rest, scale, _per_group = inputs
     ctx.save_for_backward(logits, output[1])
     ctx.score_code, ctx.scale = score_code, scale
 
@@ -326,7 +328,7 @@ def _route_setup_context(ctx, inputs, output):
 def _route_backward(ctx, grad_weights, _grad_experts):
     logits, experts = ctx.saved_tensors
     grad_logits = _route_bwd(grad_weights, logits, experts, ctx.score_code, ctx.scale)
-    return grad_logits, None, None, None, None, None, None
+    return grad_logits, None, None, None, None, None, None, None
 
 
 _route_fwd.register_autograd(_route_backward, setup_context=_route_setup_context)
@@ -337,9 +339,11 @@ _route_fwd.register_autograd(_route_backward, setup_context=_route_setup_context
 # ----------------------------------------------------------------------------------------
 
 
-def _check_groups(E, k, n_groups, topk_groups):
+def _check_groups(E, k, n_groups, topk_groups, group_score_topk):
     if n_groups is None and topk_groups is None:
-        return 1, 1
+        if group_score_topk is not None:
+            raise ValueError("group_score_topk: applies to group-limited routing only (give n_groups and topk_groups)")
+        return 1, 1, 1
     if n_groups is None or topk_groups is None:
         raise ValueError("n_groups and topk_groups: give both (group-limited routing) or neither")
     check_positive_int("n_groups", n_groups)
@@ -353,7 +357,10 @@ def _check_groups(E, k, n_groups, topk_groups):
             f"k: the {topk_groups} kept groups of {E // n_groups} experts hold "
             f"{topk_groups * (E // n_groups)} experts, fewer than k = {k}"
         )
-    return n_groups, topk_groups
+    if group_score_topk is None:
+        return n_groups, topk_groups, k // topk_groups
+    check_positive_int("group_score_topk", group_score_topk, 1, E // n_groups)
+    return n_groups, topk_groups, group_score_topk
 
 
 def route(
@@ -368,6 +375,8 @@ def route(
     scale: Optional[float] = None,
     check: bool = True,
     impl: str = "auto",
+    group_score_topk: Optional[int] = None,
+    normalize: bool = True,
 ) -> Routes:
     """Choose k experts per token and their gate weights (SPEC.md section 1).
 
@@ -376,12 +385,19 @@ def route(
         k: experts per token, 1..E.
         score: "softmax" or "sigmoid".
         pre_softmax: softmax scoring only: softmax over all E before the top-k (weights not
-            renormalised); the default takes the softmax over the k chosen logits (k >= 2).
+            renormalised); the default takes the softmax over the k chosen logits (with
+            k = 1 that is weight 1 and no gradient to the router, as Switch-style top-1
+            checkpoints define it).
         n_groups, topk_groups: group-limited routing: E/n_groups contiguous experts per
             group, only the topk_groups best groups can be chosen.
+        group_score_topk: how many of a group's best selection scores are summed into its
+            score: None is k // topk_groups (Megatron Core); DeepSeek-V3's released code and
+            Hugging Face sum 2 (the two agree for DeepSeek-V3's k = 8, topk_groups = 4).
         expert_bias: [E] float32, sigmoid scoring only: added to the scores to choose the
             experts, never to the weights (aux-loss-free balancing).
         scale: multiplies the weights (DeepSeek-V3: 2.5).
+        normalize: sigmoid scoring only: divide the k chosen sigmoids by their sum (the
+            default, DeepSeek-V3); False keeps the raw sigmoids (HF norm_topk_prob=False).
         check: raise a ValueError on NaN logits (one device->host sync; skipped under
             torch.compile). Unchecked NaN rows get NaN weights, never finite ones.
         impl: "auto" (Triton on CUDA, torch otherwise), "triton" or "torch".
@@ -402,12 +418,11 @@ def route(
         raise ValueError(f"score: expected 'softmax' or 'sigmoid', got {score!r}")
     if score == "sigmoid" and pre_softmax:
         raise ValueError("pre_softmax: applies to score='softmax' only")
-    if score == "softmax" and not pre_softmax and k == 1:
-        raise ValueError(
-            "k: softmax after top-k with k = 1 gives weight 1 with zero gradient to the "
-            "router; use pre_softmax=True or score='sigmoid'"
-        )
-    groups, kept_groups = _check_groups(E, k, n_groups, topk_groups)
+    if not isinstance(normalize, bool):
+        raise ValueError(f"normalize: expected a bool, got {normalize!r}")
+    if score == "softmax" and not normalize:
+        raise ValueError("normalize: applies to score='sigmoid' only (softmax: use pre_softmax=True for unnormalised weights)")
+    groups, kept_groups, per_group = _check_groups(E, k, n_groups, topk_groups, group_score_topk)
     if expert_bias is not None:
         if score != "sigmoid":
             raise ValueError("expert_bias: only for score='sigmoid' (it shifts selection scores in [0, 1])")
@@ -423,11 +438,14 @@ def route(
     if check:
         check_no_nan("logits", logits)
 
-    code = SIGMOID if score == "sigmoid" else (SOFTMAX_PRE if pre_softmax else SOFTMAX_POST)
+    if score == "sigmoid":
+        code = SIGMOID if normalize else SIGMOID_RAW
+    else:
+        code = SOFTMAX_PRE if pre_softmax else SOFTMAX_POST
     if use_triton(impl, logits):
-        weights, experts = _route_fwd(logits, k, code, groups, kept_groups, expert_bias, float(scale))
+        weights, experts = _route_fwd(logits, k, code, groups, kept_groups, expert_bias, float(scale), per_group)
         return Routes(weights, experts)
-    return route_ref(logits, k, code, groups, kept_groups, expert_bias, float(scale))
+    return route_ref(logits, k, code, groups, kept_groups, expert_bias, float(scale), per_group)
 
 
 def expert_capacity(n_tokens: int, k: int, n_experts: int, capacity_factor: float) -> int:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fmoe.ops as F
-from fmoe.ops.routing import SIGMOID, SOFTMAX_POST, SOFTMAX_PRE
+from fmoe.ops.routing import SIGMOID, SIGMOID_RAW, SOFTMAX_POST, SOFTMAX_PRE
 
 # (T, E, k, n_groups, topk_groups): T with 1 and odd sizes, E 4..256, k = 1 and k > 1,
 # groups on and off, non-power-of-two E and group sizes
@@ -22,20 +22,27 @@ SHAPES = [
     (9, 256, 8, None, None),
     (5, 12, 12, None, None),
 ]
-MODES = [  # (score, pre_softmax, with_bias, scale)
-    ("softmax", False, False, None),
-    ("softmax", True, False, None),
-    ("sigmoid", False, False, None),
-    ("sigmoid", False, True, 2.5),
+MODES = [  # (score, pre_softmax, with_bias, scale, normalize, group_score_topk)
+    ("softmax", False, False, None, True, None),
+    ("softmax", True, False, None, True, None),
+    ("sigmoid", False, False, None, True, None),
+    ("sigmoid", False, True, 2.5, True, None),
+    ("sigmoid", False, False, None, False, None),  # raw sigmoids (HF norm_topk_prob=False)
+    ("sigmoid", False, True, 2.5, True, 2),  # groups scored by their best 2 (DeepSeek-V3 / HF)
 ]
 
 
-def _kwargs(E, groups, score, pre, with_bias, scale, device):
+def _kwargs(E, groups, score, pre, with_bias, scale, device, normalize=True, per_group=None):
     bias = 0.05 * torch.randn(E, device=device) if with_bias else None
-    return dict(score=score, pre_softmax=pre, n_groups=groups[0], topk_groups=groups[1], expert_bias=bias, scale=scale)
+    kw = dict(score=score, pre_softmax=pre, n_groups=groups[0], topk_groups=groups[1], expert_bias=bias, scale=scale)
+    if not normalize:
+        kw["normalize"] = False
+    if per_group is not None and groups[0] is not None:
+        kw["group_score_topk"] = per_group
+    return kw
 
 
-def _brute_force(logits_TE, k, score, pre, n_groups, topk_groups, bias, scale):
+def _brute_force(logits_TE, k, score, pre, n_groups, topk_groups, bias, scale, normalize=True, per_group=None):
     """Per-token python loop over SPEC.md section 1, independent of the vectorised reference."""
     out_w, out_e = [], []
     x = logits_TE.double().tolist()
@@ -52,7 +59,7 @@ def _brute_force(logits_TE, k, score, pre, n_groups, topk_groups, bias, scale):
         allowed = range(E)
         if n_groups:
             size = E // n_groups
-            group_scores = [sum(sorted(sel[g * size:(g + 1) * size], reverse=True)[: k // topk_groups]) for g in range(n_groups)]
+            group_scores = [sum(sorted(sel[g * size:(g + 1) * size], reverse=True)[: per_group or k // topk_groups]) for g in range(n_groups)]
             kept = sorted(range(n_groups), key=lambda g: (-group_scores[g], g))[:topk_groups]
             allowed = [e for e in range(E) if e // size in kept]
         chosen = sorted(allowed, key=lambda e: (-sel[e], e))[:k]
@@ -60,7 +67,7 @@ def _brute_force(logits_TE, k, score, pre, n_groups, topk_groups, bias, scale):
         if score == "softmax" and not pre:
             z = sum(math.exp(v - vals[0]) for v in vals)
             vals = [math.exp(v - vals[0]) / z for v in vals]
-        elif score == "sigmoid" and k > 1:
+        elif score == "sigmoid" and k > 1 and normalize:
             z = sum(vals) + 1e-20
             vals = [v / z for v in vals]
         out_w.append([v * (scale or 1.0) for v in vals])
@@ -68,18 +75,17 @@ def _brute_force(logits_TE, k, score, pre, n_groups, topk_groups, bias, scale):
     return torch.tensor(out_w), torch.tensor(out_e)
 
 
-# softmax after top-k with k = 1 is rejected (test_bad_inputs), so it is not in the grid
-CASES = [(s, m) for s in SHAPES for m in MODES if not (m[0] == "softmax" and not m[1] and s[2] == 1)]
+CASES = [(s, m) for s in SHAPES for m in MODES]
 
 
 @pytest.mark.parametrize("shape,mode", CASES, ids=str)
 def test_reference_matches_spec_brute_force(shape, mode):
     T, E, k, G, g = shape
-    score, pre, with_bias, scale = mode
+    score, pre, with_bias, scale, normalize, per_group = mode
     logits = torch.randn(T, E)
-    kw = _kwargs(E, (G, g), score, pre, with_bias, scale, "cpu")
+    kw = _kwargs(E, (G, g), score, pre, with_bias, scale, "cpu", normalize, per_group)
     w, e = F.route(logits, k, impl="torch", **kw)
-    w_bf, e_bf = _brute_force(logits, k, score, pre, G, g, kw["expert_bias"], scale)
+    w_bf, e_bf = _brute_force(logits, k, score, pre, G, g, kw["expert_bias"], scale, normalize, kw.get("group_score_topk"))
     assert torch.equal(e, e_bf)
     torch.testing.assert_close(w, w_bf.float(), rtol=1e-5, atol=1e-6)
     assert w.dtype == torch.float32 and e.dtype == torch.int64
@@ -89,9 +95,9 @@ def test_reference_matches_spec_brute_force(shape, mode):
 @pytest.mark.parametrize("shape,mode", CASES, ids=str)
 def test_triton_matches_reference(shape, mode, dtype, device):
     T, E, k, G, g = shape
-    score, pre, with_bias, scale = mode
+    score, pre, with_bias, scale, normalize, per_group = mode
     logits = torch.randn(T, E, device=device).to(dtype)
-    kw = _kwargs(E, (G, g), score, pre, with_bias, scale, device)
+    kw = _kwargs(E, (G, g), score, pre, with_bias, scale, device, normalize, per_group)
     x_tri = logits.clone().requires_grad_()
     x_ref = logits.clone().requires_grad_()
     w_tri, e_tri = F.route(x_tri, k, impl="triton", **kw)
@@ -191,7 +197,10 @@ def test_bad_inputs():
     _raises("logits: expected dtype", F.route, x.long(), 2)
     _raises(r"k: expected 1\.\.8, got 0", F.route, x, 0)
     _raises(r"k: expected 1\.\.8, got 9", F.route, x, 9)
-    _raises("k: softmax after top-k with k = 1", F.route, x, 1)
+    _raises("normalize: applies to score='sigmoid' only", F.route, x, 2, normalize=False)
+    _raises("normalize: expected a bool", F.route, x, 2, score="sigmoid", normalize=0)
+    _raises("group_score_topk: applies to group-limited routing only", F.route, x, 2, group_score_topk=2)
+    _raises(r"group_score_topk: expected 1\.\.2, got 3", F.route, x, 2, n_groups=4, topk_groups=2, group_score_topk=3)
     _raises("score: expected", F.route, x, 2, score="relu")
     _raises("pre_softmax: applies to score='softmax' only", F.route, x, 2, score="sigmoid", pre_softmax=True)
     _raises("n_groups: the 8 experts must split evenly", F.route, x, 2, n_groups=3, topk_groups=1)
@@ -308,8 +317,8 @@ def test_random_logits_statistics():
 def test_custom_ops_pass_opcheck(device):
     logits = torch.randn(9, 16, device=device, requires_grad=True)
     bias = torch.randn(16, device=device)
-    for code, bias_or_none in ((SOFTMAX_POST, None), (SOFTMAX_PRE, None), (SIGMOID, bias)):
-        torch.library.opcheck(torch.ops.fmoe.route_fwd.default, (logits, 4, code, 4, 2, bias_or_none, 1.5))
+    for code, bias_or_none, per_group in ((SOFTMAX_POST, None, 2), (SOFTMAX_PRE, None, 2), (SIGMOID, bias, 2), (SIGMOID_RAW, bias, 3)):
+        torch.library.opcheck(torch.ops.fmoe.route_fwd.default, (logits, 4, code, 4, 2, bias_or_none, 1.5, per_group))
 
 
 def test_compiles_without_graph_breaks(device):
@@ -352,3 +361,25 @@ def test_gpu_inductor_compile():
     ref = logits.detach().clone().requires_grad_()
     F.route(ref, 6, score="sigmoid", impl="torch").weights.square().sum().backward()
     torch.testing.assert_close(logits.grad, ref.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_released_model_routing_options(impl, device):
+    """k = 1 softmax (weight 1, no router gradient), raw sigmoids, and groups scored by
+    their best 2 against Megatron's k // topk_groups where the two choose differently."""
+    x = torch.tensor([[1.0, 3.0, 2.0, 0.0]], device=device, requires_grad=True)
+    w, e = F.route(x, 1, impl=impl)
+    assert e.tolist() == [[1]] and w.tolist() == [[1.0]]
+    w.sum().backward()
+    assert torch.equal(x.grad, torch.zeros_like(x))
+
+    x = torch.tensor([[0.0, 2.0, -1.0, 1.0]], device=device)
+    w, e = F.route(x, 2, score="sigmoid", normalize=False, impl=impl)
+    assert e.tolist() == [[1, 3]]
+    torch.testing.assert_close(w, torch.sigmoid(torch.tensor([[2.0, 1.0]], device=device)))
+
+    # group 0 holds the single best expert, group 1 the better pair: k = 1 from 1 kept group
+    x = torch.tensor([[3.0, -3.0, -3.0, 2.0, 2.0, -3.0]], device=device)
+    _, e_megatron = F.route(x, 1, score="sigmoid", n_groups=2, topk_groups=1, impl=impl)
+    _, e_top2 = F.route(x, 1, score="sigmoid", n_groups=2, topk_groups=1, group_score_topk=2, impl=impl)
+    assert e_megatron.tolist() == [[0]] and e_top2.tolist() == [[3]]
