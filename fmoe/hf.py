@@ -98,6 +98,56 @@ def _qwen3_moe(hf: dict) -> dict:
                 pre_softmax=not hf.get("norm_topk_prob", False), qk_norm="head")
 
 
+def _sigmoid_routing(hf: dict) -> dict:
+    """GLM-4.5 / DeepSeek-V3 routing: sigmoid scores with the correction bias for the
+    choice, groups scored by their best 2, weights renormalised with norm_topk_prob and
+    scaled by routed_scaling_factor; first_k_dense_replace dense blocks, then MoE blocks
+    with n_shared_experts shared experts; MTP modules with their own output norm."""
+    groups = hf.get("n_group") or 1
+    grouped = groups > 1
+    scale = float(hf.get("routed_scaling_factor", 1.0))
+    return dict(score="sigmoid", expert_bias=True, n_groups=groups if grouped else None, topk_groups=hf.get("topk_group") if grouped else None,
+                group_score_topk=2 if grouped else None, route_scale=None if scale == 1.0 else scale,
+                route_normalize=bool(hf.get("norm_topk_prob", True)), ffn_expert=hf["moe_intermediate_size"], ffn_dense=hf["intermediate_size"],
+                n_dense=hf.get("first_k_dense_replace", 0), n_shared=hf.get("n_shared_experts") or 0, mtp_norm=True)
+
+
+def _glm4_moe(hf: dict) -> dict:
+    common = _common(hf, hf["n_routed_experts"])
+    factor = (hf.get("rope_parameters") or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    rope_dim = int(common["head_dim"] * factor)
+    return dict(common, **_sigmoid_routing(hf), qkv_bias=bool(hf.get("attention_bias", False)),
+                qk_norm="head" if hf.get("use_qk_norm") else None, rope_dim=None if rope_dim == common["head_dim"] else rope_dim)
+
+
+def _yarn(hf: dict) -> dict:
+    """DeepSeek-V3's RoPE fields: plain, or YaRN (its mscale_all_dim also in the softmax scale)."""
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    out = dict(rope_base=float(params.get("rope_theta", hf.get("rope_theta", 10000.0))))
+    if rope_type in ("default", None):
+        return out
+    if rope_type != "yarn":
+        raise ValueError(f"config.json: rope type {rope_type!r} is not supported for {hf.get('model_type')} (plain RoPE or YaRN)")
+    for field, ok in (("attention_factor", lambda v: v is None), ("truncate", lambda v: v is None or v is True)):
+        _refuse(params, field, ok, "YaRN's attention factor from factor / mscale / mscale_all_dim, truncated correction range")
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if mscale_all_dim and not mscale:
+        raise ValueError("config.json: rope_parameters.mscale_all_dim without mscale is not supported")
+    return dict(out, yarn_factor=float(params["factor"]), yarn_original_max_positions=int(params["original_max_position_embeddings"]),
+                yarn_beta_fast=float(params.get("beta_fast") or 32), yarn_beta_slow=float(params.get("beta_slow") or 1),
+                yarn_mscale=float(mscale) if mscale and mscale_all_dim else 1.0,
+                yarn_mscale_all_dim=float(mscale_all_dim) if mscale and mscale_all_dim else 0.0)
+
+
+def _deepseek_v3(hf: dict) -> dict:
+    _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in multi-latent attention here")
+    heads, nope, rope = hf["num_attention_heads"], hf["qk_nope_head_dim"], hf["qk_rope_head_dim"]
+    common = _common(dict(hf, rope_parameters=None, rope_scaling=None, head_dim=nope + rope, num_key_value_heads=heads), hf["n_routed_experts"])
+    return dict(common, **_sigmoid_routing(hf), **_yarn(hf), rope_dim=rope, rope_interleaved=bool(hf.get("rope_interleave", True)),
+                q_rank=hf.get("q_lora_rank"), kv_rank=hf["kv_lora_rank"], v_head_dim=hf["v_head_dim"])
+
+
 def _olmoe(hf: dict) -> dict:
     _refuse(hf, "clip_qkv", lambda v: v is None, "clipped q/k/v are not built")
     _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in OLMoE's attention here")
@@ -127,6 +177,8 @@ class Family:
     moe: str
     experts: tuple[str, str, str]
     architecture: str
+    shared: str = "shared_expert"  # the shared experts' module name
+    mtp: bool = False  # MTP modules as layers n_layers, n_layers + 1, ... (DeepSeek-V3's layout)
 
 
 FAMILIES = {
@@ -134,42 +186,87 @@ FAMILIES = {
     "qwen2_moe": Family(_qwen2_moe, "mlp", ("gate_proj", "up_proj", "down_proj"), "Qwen2MoeForCausalLM"),
     "qwen3_moe": Family(_qwen3_moe, "mlp", ("gate_proj", "up_proj", "down_proj"), "Qwen3MoeForCausalLM"),
     "olmoe": Family(_olmoe, "mlp", ("gate_proj", "up_proj", "down_proj"), "OlmoeForCausalLM"),
+    "glm4_moe": Family(_glm4_moe, "mlp", ("gate_proj", "up_proj", "down_proj"), "Glm4MoeForCausalLM", "shared_experts", mtp=True),
+    "deepseek_v3": Family(_deepseek_v3, "mlp", ("gate_proj", "up_proj", "down_proj"), "DeepseekV3ForCausalLM", "shared_experts", mtp=True),
 }
+_MLA = (("wq", "q_proj"), ("wq_a", "q_a_proj"), ("wq_b", "q_b_proj"), ("wkv_a", "kv_a_proj_with_mqa"), ("wkv_b", "kv_b_proj"), ("wo", "o_proj"))
+
+
+def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: bool) -> dict[str, Tensor]:
+    """One transformer block: HF prefix p ("model.layers.{i}."), fmoe prefix q."""
+    out = {}
+    attn = p + "self_attn."
+    if cfg.kv_rank is not None:  # multi-latent attention
+        for ours, theirs in _MLA:
+            if (ours == "wq") == (cfg.q_rank is None):
+                out[q + "attn." + ours] = Tensor((f"{attn}{theirs}.weight",), transpose=True)
+        if cfg.q_rank is not None:
+            out[q + "attn.q_a_norm"] = Tensor((attn + "q_a_layernorm.weight",))
+        out[q + "attn.kv_a_norm"] = Tensor((attn + "kv_a_layernorm.weight",))
+    else:
+        for ours, theirs in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
+            out[q + "attn." + ours] = Tensor((f"{attn}{theirs}.weight",), transpose=True)
+    if cfg.qkv_bias:
+        for ours, theirs in (("bq", "q_proj"), ("bk", "k_proj"), ("bv", "v_proj")):
+            out[q + "attn." + ours] = Tensor((f"{attn}{theirs}.bias",))
+    if cfg.qk_norm is not None:
+        out[q + "attn.q_norm"] = Tensor((attn + "q_norm.weight",))
+        out[q + "attn.k_norm"] = Tensor((attn + "k_norm.weight",))
+    out[q + "attn_norm.weight"] = Tensor((p + "input_layernorm.weight",))
+    out[q + "mlp_norm.weight"] = Tensor((p + "post_attention_layernorm.weight",))
+    mlp = p + family.moe + "."
+    if moe:
+        out[q + "mlp.router"] = Tensor((mlp + "gate.weight",))
+        if cfg.expert_bias:  # HF's e_score_correction_bias: fmoe's expert_bias buffer
+            out[q + "mlp.expert_bias"] = Tensor((mlp + "gate.e_score_correction_bias",))
+        for ours, theirs in zip(("w_gate", "w_up", "w_down"), family.experts):
+            out[q + "mlp.experts." + ours] = Tensor(tuple(f"{mlp}experts.{e}.{theirs}.weight" for e in range(cfg.n_experts)),
+                                                    transpose=True, stacked=True)
+        if cfg.shared_size:
+            for ours, theirs in zip(("w_gate", "w_up", "w_down"), ("gate_proj", "up_proj", "down_proj")):
+                out[q + "mlp.shared." + ours] = Tensor((f"{mlp}{family.shared}.{theirs}.weight",), transpose=True)
+            if cfg.shared_gate:
+                out[q + "mlp.shared_gate"] = Tensor((mlp + "shared_expert_gate.weight",), row=True)
+    else:
+        for ours, theirs in zip(("w_gate", "w_up", "w_down"), ("gate_proj", "up_proj", "down_proj")):
+            out[q + "mlp." + ours] = Tensor((f"{p}mlp.{theirs}.weight",), transpose=True)
+    return out
+
+
+def mtp_layer(cfg: TransformerConfig, d: int) -> str:
+    """The HF prefix of MTP depth d (1, 2, ...): the layers after the trunk's."""
+    return f"model.layers.{cfg.n_layers + d - 1}."
 
 
 def key_map(family: Family, cfg: TransformerConfig) -> dict[str, Tensor]:
-    """Every fmoe parameter name -> its Tensor in the HF checkpoint, in HF's key order."""
+    """Every fmoe parameter (and expert-bias buffer) name -> its Tensor in the HF
+    checkpoint, in HF's key order. MTP depth d (family.mtp) is the layer n_layers + d - 1:
+    enorm, hnorm, eh_proj, a block, shared_head.norm (its copies of the embedding and the
+    head are mtp_copies')."""
     out = {"embed": Tensor(("model.embed_tokens.weight",))}
     for i in range(cfg.n_layers):
-        p, q = f"model.layers.{i}.", f"blocks.{i}."
-        attn = p + "self_attn."
-        for ours, theirs in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
-            out[q + "attn." + ours] = Tensor((f"{attn}{theirs}.weight",), transpose=True)
-        if cfg.qkv_bias:
-            for ours, theirs in (("bq", "q_proj"), ("bk", "k_proj"), ("bv", "v_proj")):
-                out[q + "attn." + ours] = Tensor((f"{attn}{theirs}.bias",))
-        if cfg.qk_norm is not None:
-            out[q + "attn.q_norm"] = Tensor((attn + "q_norm.weight",))
-            out[q + "attn.k_norm"] = Tensor((attn + "k_norm.weight",))
-        out[q + "attn_norm.weight"] = Tensor((p + "input_layernorm.weight",))
-        out[q + "mlp_norm.weight"] = Tensor((p + "post_attention_layernorm.weight",))
-        mlp = p + family.moe + "."
-        if cfg.is_moe(i):
-            out[q + "mlp.router"] = Tensor((mlp + "gate.weight",))
-            for ours, theirs in zip(("w_gate", "w_up", "w_down"), family.experts):
-                out[q + "mlp.experts." + ours] = Tensor(tuple(f"{mlp}experts.{e}.{theirs}.weight" for e in range(cfg.n_experts)),
-                                                        transpose=True, stacked=True)
-            if cfg.shared_size:
-                for ours, theirs in zip(("w_gate", "w_up", "w_down"), ("gate_proj", "up_proj", "down_proj")):
-                    out[q + "mlp.shared." + ours] = Tensor((f"{mlp}shared_expert.{theirs}.weight",), transpose=True)
-                if cfg.shared_gate:
-                    out[q + "mlp.shared_gate"] = Tensor((mlp + "shared_expert_gate.weight",), row=True)
-        else:
-            for ours, theirs in zip(("w_gate", "w_up", "w_down"), ("gate_proj", "up_proj", "down_proj")):
-                out[q + "mlp." + ours] = Tensor((f"{p}mlp.{theirs}.weight",), transpose=True)
+        out.update(_block_keys(family, cfg, f"model.layers.{i}.", f"blocks.{i}.", cfg.is_moe(i)))
     out["norm.weight"] = Tensor(("model.norm.weight",))
     if not cfg.tie_embeddings:
         out["head"] = Tensor(("lm_head.weight",))
+    for d in range(1, cfg.mtp_depth + 1 if family.mtp else 1):  # other families: MTP modules start fresh
+        p, q = mtp_layer(cfg, d), f"mtp.{d - 1}."
+        out[q + "emb_norm.weight"] = Tensor((p + "enorm.weight",))
+        out[q + "hidden_norm.weight"] = Tensor((p + "hnorm.weight",))
+        out[q + "proj"] = Tensor((p + "eh_proj.weight",), transpose=True)
+        out.update(_block_keys(family, cfg, p, q + "block.", any(cfg.is_moe(i) for i in range(cfg.n_layers))))
+        if cfg.mtp_norm:
+            out[q + "out_norm.weight"] = Tensor((p + "shared_head.norm.weight",))
+    return out
+
+
+def mtp_copies(family: Family, cfg: TransformerConfig) -> dict[str, str]:
+    """HF key -> fmoe parameter for the copies of the embedding and the output head each
+    MTP layer carries in DeepSeek-V3's layout (fmoe shares them: read nowhere, written on export)."""
+    out = {}
+    for d in range(1, cfg.mtp_depth + 1 if family.mtp else 1):
+        out[mtp_layer(cfg, d) + "embed_tokens.weight"] = "embed"
+        out[mtp_layer(cfg, d) + "shared_head.head.weight"] = "embed" if cfg.tie_embeddings else "head"
     return out
 
 
@@ -221,12 +318,13 @@ def load_weights(model: Transformer, path, *, model_type: str) -> None:
     path = Path(path)
     family = FAMILIES[model_type]
     files = _weight_files(path)
-    params = dict(model.named_parameters())
+    params = _tensors(model)
+    block = _fp8_block(path)
     from safetensors import safe_open
 
     handles: dict[Path, object] = {}
     try:
-        def read(key: str) -> torch.Tensor:
+        def get(key: str) -> torch.Tensor:
             if key not in files:
                 raise ValueError(f"checkpoint: missing key {key!r} in {str(path)!r}")
             file = files[key]
@@ -234,10 +332,20 @@ def load_weights(model: Transformer, path, *, model_type: str) -> None:
                 handles[file] = safe_open(file, "pt")
             return handles[file].get_tensor(key)
 
+        def read(key: str) -> torch.Tensor:
+            t = get(key)
+            if t.dtype in _FP8:  # block-scaled FP8 (DeepSeek-V3): dequantised with its scales
+                scale_key = key.removesuffix("weight") + "weight_scale_inv"
+                t = dequantize_fp8(t, get(scale_key), block)
+            return t
+
         chunk = getattr(model, "pipeline_chunk", None)
+        absent = {f"mtp.{d - 1}." for d in range(1, model.cfg.mtp_depth + 1) if mtp_layer(model.cfg, d) + "eh_proj.weight" not in files}
         for name, spec in key_map(family, model.cfg).items():
             if name not in params and chunk is not None:
                 continue  # held by another pipeline stage
+            if any(name.startswith(prefix) for prefix in absent):
+                continue  # an MTP depth the checkpoint does not hold: left as initialised
             if name not in params:
                 raise ValueError(f"model: has no parameter {name!r} for checkpoint key {spec.keys[0]!r}")
             if spec.stacked:
@@ -259,13 +367,50 @@ def load_weights(model: Transformer, path, *, model_type: str) -> None:
         handles.clear()
 
 
+def _tensors(model: Transformer) -> dict[str, torch.Tensor]:
+    """The model's parameters and expert-bias buffers by name (what a checkpoint holds)."""
+    out = dict(model.named_parameters())
+    out.update((n, b) for n, b in model.named_buffers() if n.endswith("expert_bias"))
+    return out
+
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _fp8_block(path: Path) -> Optional[tuple[int, int]]:
+    quant = json.loads((path / "config.json").read_text()).get("quantization_config") if (path / "config.json").is_file() else None
+    if not quant:
+        return None
+    if quant.get("quant_method") != "fp8" or len(quant.get("weight_block_size") or ()) != 2:
+        raise ValueError(f"config.json: quantization_config {quant!r} is not supported (block-scaled fp8 with weight_block_size [m, n] only)")
+    return tuple(int(b) for b in quant["weight_block_size"])
+
+
+def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: Optional[tuple[int, int]]) -> torch.Tensor:
+    """A block-scaled FP8 weight [out, in] in float32: each [m, n] block (the last ones
+    cut at the edges) times its scale_inv [ceil(out/m), ceil(in/n)] entry."""
+    if block is None:
+        raise ValueError("config.json: an fp8 weight without a quantization_config (weight_block_size)")
+    m, n = block
+    rows, cols = weight.shape
+    if tuple(scale_inv.shape) != (-(-rows // m), -(-cols // n)):
+        raise ValueError(f"checkpoint: fp8 scales of shape {tuple(scale_inv.shape)} for a {rows}x{cols} weight in {m}x{n} blocks")
+    scale = scale_inv.float().repeat_interleave(m, 0)[:rows].repeat_interleave(n, 1)[:, :cols]
+    return weight.float() * scale
+
+
 def from_pretrained(path, **options) -> tuple[Transformer, TransformerConfig]:
     """A Transformer (float32, on the CPU) with the weights of the HF folder `path`.
 
     options: TransformerConfig fields to set on top of the mapped config (e.g. impl="torch",
-    ac="full", mtp_depth is not loaded). Returns (model, cfg); model.hf_config keeps
-    config.json for save_pretrained."""
+    ac="full"). mtp_depth: by default the MTP layers the checkpoint holds (DeepSeek-V3,
+    GLM-4.5; none for the others); more depths than it holds start from fresh weights.
+    Block-scaled FP8 weights are dequantised to float32. Returns (model, cfg);
+    model.hf_config keeps config.json for save_pretrained."""
     hf, cfg = read_config(path)
+    if FAMILIES[hf["model_type"]].mtp and "mtp_depth" not in options:
+        files = _weight_files(Path(path))
+        options["mtp_depth"] = next(d for d in range(cfg.n_layers + 1) if mtp_layer(cfg, d + 1) + "eh_proj.weight" not in files)
     if options:
         cfg = dataclasses.replace(cfg, **options)
     with torch.device("meta"):
@@ -275,6 +420,16 @@ def from_pretrained(path, **options) -> tuple[Transformer, TransformerConfig]:
     load_weights(model, path, model_type=hf["model_type"])
     model.hf_config = hf
     return model, cfg
+
+
+def _sigmoid_routing_config(cfg: TransformerConfig) -> dict:
+    """The config.json fields _sigmoid_routing reads, from an fmoe config."""
+    if cfg.shared_size % cfg.ffn_expert:
+        raise ValueError(f"model: shared experts of {cfg.shared_size} are not a whole number of experts of {cfg.ffn_expert}")
+    return dict(n_routed_experts=cfg.n_experts, moe_intermediate_size=cfg.ffn_expert, intermediate_size=cfg.ffn_dense,
+                first_k_dense_replace=cfg.n_dense, n_shared_experts=cfg.shared_size // cfg.ffn_expert,
+                routed_scaling_factor=cfg.route_scale if cfg.route_scale is not None else 1.0, n_group=cfg.n_groups or 1,
+                topk_group=cfg.topk_groups or 1, norm_topk_prob=cfg.route_normalize, num_nextn_predict_layers=cfg.mtp_depth)
 
 
 def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
@@ -297,11 +452,27 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
                   norm_topk_prob=not cfg.pre_softmax)
         if model_type == "qwen2_moe":
             hf.update(shared_expert_intermediate_size=cfg.shared_size, qkv_bias=cfg.qkv_bias)
+    if model_type in ("glm4_moe", "deepseek_v3"):
+        hf.update(_sigmoid_routing_config(cfg))
+    if model_type == "glm4_moe":
+        hf.update(attention_bias=cfg.qkv_bias, use_qk_norm=cfg.qk_norm == "head")
+        hf["rope_parameters"]["partial_rotary_factor"] = (cfg.rope_dim or cfg.head_dim) / cfg.head_dim
+    if model_type == "deepseek_v3":
+        rope = cfg.rope_dim or cfg.head_dim
+        hf.update(q_lora_rank=cfg.q_rank, kv_lora_rank=cfg.kv_rank, qk_nope_head_dim=cfg.head_dim - rope, qk_rope_head_dim=rope,
+                  v_head_dim=cfg.v_head_dim, head_dim=rope, rope_interleave=cfg.rope_interleaved, attention_bias=False)
+        if cfg.yarn_factor is not None:
+            hf["rope_parameters"] = dict(rope_type="yarn", rope_theta=cfg.rope_base, factor=cfg.yarn_factor, beta_fast=cfg.yarn_beta_fast,
+                                         beta_slow=cfg.yarn_beta_slow, mscale=cfg.yarn_mscale, mscale_all_dim=cfg.yarn_mscale_all_dim,
+                                         original_max_position_embeddings=cfg.yarn_original_max_positions)
     back = TransformerConfig(**FAMILIES[model_type].config_to_fmoe(hf))
+    ignored = {"impl", "ac", "init_std", "ffn_dense", "n_dense", "n_shared", "moe_layers", "capacity_factor", "capacity_policy"}
+    if cfg.yarn_factor is None:
+        ignored.add("yarn_original_max_positions")
+    if FAMILIES[model_type].mtp:
+        ignored |= {"mtp_depth", "mtp_norm"}
     mismatch = {f.name: (getattr(cfg, f.name), getattr(back, f.name)) for f in dataclasses.fields(TransformerConfig)
-                if f.name not in ("impl", "ac", "init_std", "ffn_dense", "n_dense", "n_shared", "moe_layers", "capacity_factor",
-                                  "capacity_policy", "yarn_original_max_positions")
-                and getattr(cfg, f.name) != getattr(back, f.name)}
+                if f.name not in ignored and getattr(cfg, f.name) != getattr(back, f.name)}
     layers_differ = [cfg.is_moe(i) for i in range(cfg.n_layers)] != [back.is_moe(i) for i in range(cfg.n_layers)]
     if mismatch or layers_differ or cfg.capacity_factor is not None or cfg.shared_size != back.shared_size:
         raise ValueError(f"model: its config has no {model_type} equivalent: {mismatch or 'MoE layers / shared experts / capacity'}")
@@ -322,13 +493,27 @@ def save_pretrained(model: Transformer, path, *, model_type: Optional[str] = Non
             raise ValueError("model_type: needed for a model not loaded with from_pretrained (one of " + ", ".join(FAMILIES) + ")")
         hf = hf_config(model.cfg, model_type)
     family = FAMILIES[hf["model_type"]]
-    params = dict(model.named_parameters())
+    if hf.get("quantization_config"):  # written dequantised, in the checkpoint's dtype
+        hf = {k: v for k, v in hf.items() if k != "quantization_config"}
+    params = _tensors(model)
     dtype = getattr(torch, hf.get("dtype") or hf.get("torch_dtype") or "float32")
     tensors = {}
+    full_values = {}
+
+    def full_value(name):
+        if name not in full_values:
+            p = params[name].detach()
+            full_values[name] = (p.full_tensor() if isinstance(p, DTensor) else p).to("cpu")
+        return full_values[name]
+
+    for key, name in mtp_copies(family, model.cfg).items():
+        full = full_value(name)
+        tensors[key] = full.to(dtype).clone()  # its own storage: safetensors refuses shared tensors
     for name, spec in key_map(family, model.cfg).items():
-        p = params[name].detach()
-        full = p.full_tensor() if isinstance(p, DTensor) else p
-        full = full.to("cpu")
+        full = full_value(name)
+        if name.endswith("expert_bias"):  # float32 in every checkpoint (HF keeps the correction bias float32)
+            tensors[spec.keys[0]] = full.contiguous()
+            continue
         if spec.stacked:
             for e, key in enumerate(spec.keys):
                 tensors[key] = (full[e].t() if spec.transpose else full[e]).contiguous().to(dtype)

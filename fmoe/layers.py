@@ -274,6 +274,13 @@ class AttentionConfig:
     (over the whole projection, q_norm [N D], k_norm [G D]: OLMoE), with eps norm_eps.
     impl: "auto" (FlexAttention on CUDA, the SDPA reference on CPU), "flex", "torch"; the
     RoPE op follows "auto" / "torch".
+
+    Multi-head latent attention (DeepSeek-V2/V3) when kv_rank is set: keys and values come
+    from a kv_rank latent (RMSNorm'd, eps latent_norm_eps) expanded per head, plus one
+    rotary key of rot_dim channels shared by every head; queries from a full projection or,
+    with q_rank, a q_rank latent. head_dim is the q/k head dim (nope + rope: the softmax
+    scale's), rot_dim the rope part (the last rot_dim channels of each query head), v_dim
+    the value head dim; n_kv_heads must equal n_heads and qk_norm be None.
     """
 
     n_heads: int
@@ -291,10 +298,28 @@ class AttentionConfig:
     qk_norm: Optional[str] = None
     norm_eps: float = 1e-6
     impl: str = "auto"
+    q_rank: Optional[int] = None
+    kv_rank: Optional[int] = None
+    v_dim: Optional[int] = None
+    latent_norm_eps: float = 1e-6
 
     def __post_init__(self):
         if self.qk_norm not in (None, "head", "proj"):
             raise ValueError(f"qk_norm: expected None, 'head' or 'proj', got {self.qk_norm!r}")
+        if self.kv_rank is None:
+            if self.q_rank is not None or self.v_dim is not None:
+                raise ValueError("q_rank / v_dim: multi-latent attention knobs, need kv_rank")
+            return
+        for name in ("kv_rank", "v_dim") + (("q_rank",) if self.q_rank is not None else ()):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected a positive int for multi-latent attention, got {value!r}")
+        if self.n_kv_heads != self.n_heads:
+            raise ValueError(f"n_kv_heads: multi-latent attention expands keys and values per head, needs n_kv_heads = n_heads = {self.n_heads}, got {self.n_kv_heads}")
+        if self.rot_dim is None or not self.rot_dim < self.head_dim:
+            raise ValueError(f"rot_dim: multi-latent attention rotates a part of each head, expected rot_dim < head_dim = {self.head_dim}, got {self.rot_dim}")
+        if self.qk_norm is not None:
+            raise ValueError("qk_norm: not with multi-latent attention (its latents have their own norms)")
 
 
 def rope_tables(positions: torch.Tensor, cfg: AttentionConfig):
@@ -461,17 +486,44 @@ def _rms_norm(x, weight, eps: float):
     return (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
 
 
+def mla_shapes(H: int, cfg: AttentionConfig) -> tuple[dict, dict]:
+    """Multi-latent attention's (matrices, latent norms) name -> shape."""
+    N, D, R = cfg.n_heads, cfg.head_dim, cfg.rot_dim
+    mats = {"wkv_a": (H, cfg.kv_rank + R), "wkv_b": (cfg.kv_rank, N * (D - R + cfg.v_dim)), "wo": (N * cfg.v_dim, H)}
+    norms = {"kv_a_norm": (cfg.kv_rank,)}
+    if cfg.q_rank is None:
+        mats["wq"] = (H, N * D)
+    else:
+        mats.update(wq_a=(H, cfg.q_rank), wq_b=(cfg.q_rank, N * D))
+        norms["q_a_norm"] = (cfg.q_rank,)
+    return mats, norms
+
+
 def _check_attention(x_TH, params, cfg, ctx) -> None:
     check_float("x", x_TH, 2, "[T, H]")
     T, H = x_TH.shape
     N, G, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     if N < 1 or G < 1 or N % G:
         raise ValueError(f"cfg.n_kv_heads: the {N} query heads must split evenly over the kv heads, got n_kv_heads = {G}")
-    for name, shape in (("wq", (H, N * D)), ("wk", (H, G * D)), ("wv", (H, G * D)), ("wo", (N * D, H))):
+    if cfg.kv_rank is not None:
+        mats, norms = mla_shapes(H, cfg)
+    else:
+        mats, norms = {"wq": (H, N * D), "wk": (H, G * D), "wv": (H, G * D), "wo": (N * D, H)}, {}
+    for name, shape in mats.items():
         w = params.get(name)
         if w is None or tuple(w.shape) != shape or w.dtype != x_TH.dtype:
             got = f"{w.dtype} {list(w.shape)}" if w is not None else "nothing"
             raise ValueError(f"params['{name}']: expected {x_TH.dtype} {list(shape)}, got {got}")
+    for name, shape in norms.items():
+        w = params.get(name)
+        if w is None or tuple(w.shape) != shape:
+            raise ValueError(f"params['{name}']: expected a {list(shape)} norm weight, got {list(w.shape) if w is not None else 'nothing'}")
+    if cfg.kv_rank is not None:
+        unknown = set(params) - set(mats) - set(norms)
+        if unknown:
+            raise ValueError(f"params: unknown multi-latent attention parameters {sorted(unknown)} (expected {sorted(mats) + sorted(norms)})")
+        _check_ctx(ctx, T, cfg.rot_dim)
+        return
     optional = {"bq": (N * D,), "bk": (G * D,), "bv": (G * D,)}
     if cfg.qk_norm is not None:
         optional.update(q_norm=(D,) if cfg.qk_norm == "head" else (N * D,), k_norm=(D,) if cfg.qk_norm == "head" else (G * D,))
@@ -485,9 +537,12 @@ def _check_attention(x_TH, params, cfg, ctx) -> None:
     unknown = set(params) - {"wq", "wk", "wv", "wo", *optional}
     if unknown:
         raise ValueError(f"params: unknown attention parameters {sorted(unknown)} (wq, wk, wv, wo, optional bq, bk, bv, q_norm, k_norm)")
+    _check_ctx(ctx, T, cfg.rot_dim or D)
+
+
+def _check_ctx(ctx, T: int, rot: int) -> None:
     if not isinstance(ctx, AttentionContext):
         raise ValueError(f"ctx: expected the AttentionContext of attention_context(...), got {type(ctx).__name__}")
-    rot = cfg.rot_dim or D
     if ctx.cos.shape != (T, rot // 2):
         raise ValueError(f"ctx: RoPE tables of shape {tuple(ctx.cos.shape)} do not fit x's {T} tokens and rot_dim {rot} (expected ({T}, {rot // 2}))")
 
@@ -498,6 +553,10 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
     Args:
         x: [T, H] packed tokens. params: wq, wk, wv, wo (module docstring); optional biases
             bq [N D], bk, bv [G D] added to the projections; q_norm, k_norm with cfg.qk_norm.
+            Multi-latent attention (cfg.kv_rank): wq [H, N D] or wq_a [H, q_rank],
+            q_a_norm [q_rank], wq_b [q_rank, N D]; wkv_a [H, kv_rank + R] (latent, then
+            the shared rotary key), kv_a_norm [kv_rank], wkv_b [kv_rank, N (D - R + v_dim)]
+            (per head: key nope part, then value); wo [N v_dim, H].
         cfg: AttentionConfig.
         ctx: the micro-batch's AttentionContext (attention_context): RoPE tables and mask,
             and under context parallel its gather_kv (x then holds this rank's T/cp tokens).
@@ -506,6 +565,32 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
         losses), kept for the layers' common (output, stats) form.
     """
     _check_attention(x, params, cfg, ctx)
+    if cfg.kv_rank is not None:
+        q_TND, k_TGD, v_TGD = _mla_qkv(x, params, cfg, ctx)
+    else:
+        q_TND, k_TGD, v_TGD = _gqa_qkv(x, params, cfg, ctx)
+    if ctx.gather_kv is not None:  # context parallel: every rank's keys and values, [T, G, D]
+        k_TGD, v_TGD = ctx.gather_kv(k_TGD, v_TGD)
+        n_keys = ctx.mask.shape[-1]
+        if k_TGD.shape[0] != n_keys or v_TGD.shape[0] != n_keys:
+            raise ValueError(f"ctx.gather_kv: returned {k_TGD.shape[0]} keys and {v_TGD.shape[0]} values, the mask has {n_keys} keys")
+    q_NTD, k_GTD, v_GTD = (rearrange(t, "t h d -> h t d") for t in (q_TND, k_TGD, v_TGD))
+    if isinstance(ctx.mask, torch.Tensor):  # the reference
+        out_NTD = F.scaled_dot_product_attention(q_NTD, k_GTD, v_GTD, attn_mask=ctx.mask, scale=softmax_scale(cfg), enable_gqa=True)
+    else:
+        if not x.is_cuda and torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params.values())):
+            raise ValueError("cfg.impl: FlexAttention has no backward on CPU; use impl='torch' (or 'auto') to train on CPU")
+        from torch.nn.attention.flex_attention import flex_attention
+
+        # the fused kernel on CUDA; eager on CPU, which tests the mask against the reference
+        flex = _compiled_flex() if x.is_cuda else flex_attention
+        out_NTD = flex(q_NTD[None], k_GTD[None], v_GTD[None], block_mask=ctx.mask, scale=softmax_scale(cfg), enable_gqa=True)[0]
+    y_TH = rearrange(out_NTD, "n t d -> t (n d)") @ params["wo"]
+    return y_TH, TensorDict({}, batch_size=[])
+
+
+def _gqa_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext):
+    """Grouped-query attention's q [T, N, D] and k, v [T, G, D], RoPE applied."""
     N, G = cfg.n_heads, cfg.n_kv_heads
     rope_impl = "torch" if cfg.impl == "torch" else "auto"
 
@@ -522,21 +607,24 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
     q_TND = apply_rope(q_TND, ctx.cos, ctx.sin, interleaved=cfg.interleaved, impl=rope_impl)
     k_TGD = apply_rope(k_TGD, ctx.cos, ctx.sin, interleaved=cfg.interleaved, impl=rope_impl)
     v_TGD = rearrange(project("wv", "bv"), "t (g d) -> t g d", g=G)
-    if ctx.gather_kv is not None:  # context parallel: every rank's keys and values, [T, G, D]
-        k_TGD, v_TGD = ctx.gather_kv(k_TGD, v_TGD)
-        n_keys = ctx.mask.shape[-1]
-        if k_TGD.shape[0] != n_keys or v_TGD.shape[0] != n_keys:
-            raise ValueError(f"ctx.gather_kv: returned {k_TGD.shape[0]} keys and {v_TGD.shape[0]} values, the mask has {n_keys} keys")
-    q_NTD, k_GTD, v_GTD = (rearrange(t, "t h d -> h t d") for t in (q_TND, k_TGD, v_TGD))
-    if isinstance(ctx.mask, torch.Tensor):  # the reference
-        out_NTD = F.scaled_dot_product_attention(q_NTD, k_GTD, v_GTD, attn_mask=ctx.mask, scale=softmax_scale(cfg), enable_gqa=True)
-    else:
-        if not x.is_cuda and torch.is_grad_enabled() and (x.requires_grad or any(params[n].requires_grad for n in ("wq", "wk", "wv"))):
-            raise ValueError("cfg.impl: FlexAttention has no backward on CPU; use impl='torch' (or 'auto') to train on CPU")
-        from torch.nn.attention.flex_attention import flex_attention
+    return q_TND, k_TGD, v_TGD
 
-        # the fused kernel on CUDA; eager on CPU, which tests the mask against the reference
-        flex = _compiled_flex() if x.is_cuda else flex_attention
-        out_NTD = flex(q_NTD[None], k_GTD[None], v_GTD[None], block_mask=ctx.mask, scale=softmax_scale(cfg), enable_gqa=True)[0]
-    y_TH = rearrange(out_NTD, "n t d -> t (n d)") @ params["wo"]
-    return y_TH, TensorDict({}, batch_size=[])
+
+def _mla_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext):
+    """Multi-latent attention's q, k [T, N, D] ([nope | rope] per head) and v [T, N, v_dim]:
+    the latents RMSNorm'd, the rope slices rotated, the one rotary key shared by all heads."""
+    N, D, R = cfg.n_heads, cfg.head_dim, cfg.rot_dim
+    rope_impl = "torch" if cfg.impl == "torch" else "auto"
+    if cfg.q_rank is None:
+        q_TQ = x @ params["wq"]
+    else:
+        q_TQ = _rms_norm(x @ params["wq_a"], params["q_a_norm"], cfg.latent_norm_eps) @ params["wq_b"]
+    q_nope_TNP, q_rope_TNR = rearrange(q_TQ, "t (n d) -> t n d", n=N).split([D - R, R], dim=-1)
+    q_rope_TNR = apply_rope(q_rope_TNR, ctx.cos, ctx.sin, interleaved=cfg.interleaved, impl=rope_impl)
+    latent_TC, k_rope_TR = (x @ params["wkv_a"]).split([cfg.kv_rank, R], dim=-1)
+    kv_TNE = rearrange(_rms_norm(latent_TC, params["kv_a_norm"], cfg.latent_norm_eps) @ params["wkv_b"], "t (n e) -> t n e", n=N)
+    k_nope_TNP, v_TNV = kv_TNE.split([D - R, cfg.v_dim], dim=-1)
+    k_rope_T1R = apply_rope(k_rope_TR[:, None, :], ctx.cos, ctx.sin, interleaved=cfg.interleaved, impl=rope_impl)
+    q_TND = torch.cat([q_nope_TNP, q_rope_TNR], dim=-1)
+    k_TND = torch.cat([k_nope_TNP, k_rope_T1R.expand(-1, N, -1)], dim=-1)
+    return q_TND, k_TND, v_TNV.contiguous()

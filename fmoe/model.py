@@ -42,7 +42,7 @@ from tensordict import TensorDict
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from fmoe.layers import AttentionConfig, AttentionContext, MoEConfig, attention, attention_context, dense_mlp, local_experts, moe
+from fmoe.layers import AttentionConfig, AttentionContext, MoEConfig, attention, attention_context, dense_mlp, local_experts, mla_shapes, moe
 from fmoe.ops import linear_cross_entropy, route
 from fmoe.ops.backend import local_tensor as _local
 
@@ -242,8 +242,12 @@ class TransformerConfig:
     Attention: n_heads/n_kv_heads of head_dim, qkv_bias, qk_norm (None | "head" | "proj",
     fmoe.layers.AttentionConfig), rope_base, rope_dim (rotated channels per head, None: all),
     rope_interleaved, yarn_factor (None: plain RoPE) with yarn_original_max_positions,
-    yarn_beta_fast / yarn_beta_slow / yarn_mscale / yarn_mscale_all_dim. tie_embeddings: the
-    output head is the embedding. mtp_depth MTP modules. impl: "auto" | "triton" | "torch"
+    yarn_beta_fast / yarn_beta_slow / yarn_mscale / yarn_mscale_all_dim. kv_rank (with q_rank,
+    v_head_dim): multi-latent attention (DeepSeek-V2/V3; head_dim = nope + rope dims,
+    rope_dim the rope part, n_kv_heads = n_heads; fmoe.layers.AttentionConfig). tie_embeddings: the
+    output head is the embedding. mtp_depth MTP modules; mtp_norm: each with its own output
+    norm before the shared head (DeepSeek-V3, GLM-4.5, Megatron Core) instead of the
+    trunk's final norm. impl: "auto" | "triton" | "torch"
     for every op. ac: activation checkpointing, one of AC_MODES ("none" | "full" |
     "attention" | "experts"; trunk and MTP blocks alike; gradients equal those without).
     """
@@ -284,8 +288,12 @@ class TransformerConfig:
     yarn_beta_slow: float = 1.0
     yarn_mscale: float = 1.0
     yarn_mscale_all_dim: float = 1.0
+    q_rank: Optional[int] = None
+    kv_rank: Optional[int] = None
+    v_head_dim: Optional[int] = None
     tie_embeddings: bool = False
     mtp_depth: int = 0
+    mtp_norm: bool = False
     norm_eps: float = 1e-6
     init_std: float = 0.02
     impl: str = "auto"
@@ -345,7 +353,8 @@ class TransformerConfig:
             rot_dim=self.rope_dim, interleaved=self.rope_interleaved, yarn_factor=self.yarn_factor,
             yarn_original_max_positions=self.yarn_original_max_positions, yarn_beta_fast=self.yarn_beta_fast,
             yarn_beta_slow=self.yarn_beta_slow, yarn_mscale=self.yarn_mscale, yarn_mscale_all_dim=self.yarn_mscale_all_dim,
-            qk_norm=self.qk_norm, norm_eps=self.norm_eps, impl=self.impl,
+            qk_norm=self.qk_norm, norm_eps=self.norm_eps, impl=self.impl, q_rank=self.q_rank, kv_rank=self.kv_rank,
+            v_dim=self.v_head_dim,
         )
 
 
@@ -372,6 +381,14 @@ class Attention(nn.Module):
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
         self.cfg = cfg.attention_config()
+        if cfg.kv_rank is not None:  # multi-latent attention: fmoe.layers names and shapes
+            self.names = []
+            for kind in mla_shapes(cfg.hidden, self.cfg):
+                for name, shape in kind.items():
+                    init = torch.ones if name.endswith("norm") else torch.empty  # norms one at initialisation
+                    setattr(self, name, nn.Parameter(init(shape)))
+                    self.names.append(name)
+            return
         H, q, kv = cfg.hidden, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
         self.wq = nn.Parameter(torch.empty(H, q))
         self.wk = nn.Parameter(torch.empty(H, kv))
@@ -435,6 +452,7 @@ class MTPModule(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.proj = nn.Parameter(torch.empty(2 * cfg.hidden, cfg.hidden))
         self.block = Block(cfg, moe=any(cfg.is_moe(i) for i in range(cfg.n_layers)))
+        self.out_norm = RMSNorm(cfg.hidden, cfg.norm_eps) if cfg.mtp_norm else None
 
     def forward(self, emb_TH, h_TH, ctx: AttentionContext):
         x_TH = torch.cat([self.emb_norm(emb_TH), self.hidden_norm(h_TH)], dim=-1) @ self.proj
@@ -527,7 +545,7 @@ class Transformer(nn.Module):
         for name, p in self.named_parameters():
             if p.is_meta:
                 continue
-            if name.endswith(("norm.weight", "q_norm", "k_norm")):
+            if name.endswith(("norm.weight", "q_norm", "k_norm", "q_a_norm", "kv_a_norm")):
                 _local(p).fill_(1.0)
                 continue
             if name.endswith(("attn.bq", "attn.bk", "attn.bv")):
@@ -575,10 +593,10 @@ class Transformer(nn.Module):
         depths = [attention_context(batch["cu_seqlens"], batch["mtp_positions"][d], cfg, mask=trunk.mask, **cp) for d in range(self.cfg.mtp_depth)]
         return BatchContext((trunk, *depths))
 
-    def _lm_loss(self, h_TH, labels, loss_mask):
+    def _lm_loss(self, h_TH, labels, loss_mask, norm=None):
         # the labels were checked where the batch was made: no host sync here
         labels = torch.where(loss_mask.bool(), labels, torch.full_like(labels, -100))
-        loss_sum = linear_cross_entropy(self.norm(h_TH), self.output_weight(), labels, reduction="sum", check=False, impl=self.cfg.impl)
+        loss_sum = linear_cross_entropy((self.norm if norm is None else norm)(h_TH), self.output_weight(), labels, reduction="sum", check=False, impl=self.cfg.impl)
         return loss_sum, loss_mask.sum()
 
     def output_weight(self) -> torch.Tensor:
@@ -656,5 +674,6 @@ class Transformer(nn.Module):
             h_TH, layer_stats = module(emb_TH, h_TH, ctx.attention[d])
             if layer_stats is not None:
                 stats[f"mtp_{d}"] = layer_stats
-            losses[f"mtp_{d}_sum"], losses[f"mtp_{d}_tokens"] = self._lm_loss(h_TH, batch["mtp_labels"][d - 1], batch["mtp_loss_mask"][d - 1])
+            losses[f"mtp_{d}_sum"], losses[f"mtp_{d}_tokens"] = self._lm_loss(h_TH, batch["mtp_labels"][d - 1], batch["mtp_loss_mask"][d - 1],
+                                                                              module.out_norm)
         return TensorDict(losses, batch_size=[]), TensorDict(stats, batch_size=[])

@@ -322,3 +322,129 @@ def test_gpu_flex_attention_with_the_context_parallel_block_mask():
         assert _rel(flex, ref) < 2e-2 and _rel(flex, whole[index]) < 2e-2, rank
         for a, b in zip(g_flex, g_ref):
             assert _rel(a, b) < 3e-2, rank
+
+
+# ---------------------------------------------------------------------------- multi-latent attention
+MLA = AttentionConfig(n_heads=4, n_kv_heads=4, head_dim=12, rot_dim=4, interleaved=True, q_rank=10, kv_rank=6, v_dim=5,
+                      yarn_factor=4.0, yarn_original_max_positions=16, yarn_mscale=0.8, yarn_mscale_all_dim=1.0)
+
+
+def _mla_params(cfg, dtype=torch.float32, device="cpu"):
+    from fmoe.layers import mla_shapes
+
+    mats, norms = mla_shapes(H, cfg)
+    p = {n: (torch.randn(*s, device=device) * s[0] ** -0.5).to(dtype) for n, s in mats.items()}
+    p.update({n: 1 + 0.3 * torch.randn(*s, device=device) for n, s in norms.items()})
+    return {n: t.requires_grad_() for n, t in p.items()}
+
+
+def _loop_mla(x, p, cfg, cu):
+    """DeepSeek-V3's attention written out per token and head: latents, norms, the rotary
+    key shared by all heads, a softmax over q.k (nope + rope) scaled by YaRN's mscale_all_dim."""
+    T, N, D, R, Dv = x.shape[0], cfg.n_heads, cfg.head_dim, cfg.rot_dim, cfg.v_dim
+
+    def rms(t, w):
+        return t * torch.rsqrt(t.square().mean(-1, keepdim=True) + 1e-6) * w
+
+    q = (rms(x @ p["wq_a"], p["q_a_norm"]) @ p["wq_b"]).view(T, N, D) if cfg.q_rank else (x @ p["wq"]).view(T, N, D)
+    kv_a = x @ p["wkv_a"]
+    kv = (rms(kv_a[:, :cfg.kv_rank], p["kv_a_norm"]) @ p["wkv_b"]).view(T, N, D - R + Dv)
+    cos, sin = rope_tables(positions_from_cu_seqlens(cu), cfg)
+    q_rope = apply_rope(q[..., D - R:], cos, sin, interleaved=cfg.interleaved, impl="torch")
+    k_rope = apply_rope(kv_a[:, None, cfg.kv_rank:], cos, sin, interleaved=cfg.interleaved, impl="torch")[:, 0]
+    scale = (yarn_mscale(cfg.yarn_factor, cfg.yarn_mscale_all_dim) ** 2 if cfg.yarn_factor else 1.0) / math.sqrt(D)
+    rows = []
+    bounds = cu.tolist()
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        for t in range(a, b):
+            heads = []
+            for h in range(N):
+                score = kv[a:t + 1, h, :D - R] @ q[t, h, :D - R] + k_rope[a:t + 1] @ q_rope[t, h]
+                heads.append(torch.softmax(score * scale, dim=0) @ kv[a:t + 1, h, D - R:])
+            rows.append(torch.cat(heads))
+    return torch.stack(rows) @ p["wo"]
+
+
+@pytest.mark.parametrize("impl", ["torch", "flex"])
+@pytest.mark.parametrize("cfg", [MLA, dataclasses.replace(MLA, q_rank=None, interleaved=False, yarn_factor=None)], ids=["q-latent-yarn", "full-q-rope"])
+def test_multi_latent_attention_matches_per_token_loop(cfg, impl):
+    cu = torch.tensor([0, 5, 6, 17], dtype=torch.int32)
+    x = torch.randn(17, H, requires_grad=True)
+    p = _mla_params(cfg)
+    x_ref = x.detach().clone().requires_grad_()
+    p_ref = {n: t.detach().clone().requires_grad_() for n, t in p.items()}
+    y_ref = _loop_mla(x_ref, p_ref, cfg, cu)
+    if impl == "flex":  # forward only on CPU (v_dim 5 != q/k dim 12 through FlexAttention)
+        with torch.no_grad():
+            flex_cfg = dataclasses.replace(cfg, impl=impl)
+            assert _rel(attention(x, p, flex_cfg, _ctx(cu, flex_cfg))[0], y_ref) < 1e-5
+        return
+    y, _ = attention(x, p, cfg, _ctx(cu, cfg))
+    assert y.shape == x.shape and _rel(y, y_ref) < 1e-5
+    upstream = torch.randn_like(y)
+    (y * upstream).sum().backward()
+    (y_ref * upstream).sum().backward()
+    assert _rel(x.grad, x_ref.grad) < 1e-5
+    for n in p:
+        assert _rel(p[n].grad, p_ref[n].grad) < 1e-5, n
+
+
+def test_multi_latent_attention_under_context_parallel():
+    """One cp rank's rows of the whole batch, with the expanded keys and values gathered."""
+    from fmoe.layers import _mla_qkv
+    from fmoe.parallel import cp_kv_index, cp_token_index
+
+    cu, cp, T = torch.tensor([0, 3, 4, 13, 21, 24], dtype=torch.int32), 2, 24
+    p = {n: t.detach() for n, t in _mla_params(MLA).items()}
+    x = torch.randn(T, H)
+    positions = positions_from_cu_seqlens(cu)
+    with torch.no_grad():
+        whole, _ = attention(x, p, MLA, _ctx(cu, MLA))
+        _, k_all, v_all = _mla_qkv(x, p, MLA, _ctx(cu, MLA))
+        kv_index = cp_kv_index(T, cp)
+        for rank in range(cp):
+            index = cp_token_index(T, cp, rank)
+            own = torch.arange(rank * T // cp, (rank + 1) * T // cp)
+            ctx = attention_context(cu, positions[index], MLA, token_index=index, kv_index=kv_index,
+                                    gather_kv=lambda k, v: (k_all[kv_index].index_copy(0, own, k), v_all[kv_index].index_copy(0, own, v)))
+            y, _ = attention(x[index], p, MLA, ctx)
+            assert _rel(y, whole[index]) < 1e-5, rank
+
+
+def test_multi_latent_attention_bad_inputs():
+    with pytest.raises(ValueError, match="n_kv_heads: multi-latent attention expands keys and values per head"):
+        dataclasses.replace(MLA, n_kv_heads=2)
+    with pytest.raises(ValueError, match="rot_dim: multi-latent attention rotates a part"):
+        dataclasses.replace(MLA, rot_dim=None)
+    with pytest.raises(ValueError, match="qk_norm: not with multi-latent attention"):
+        dataclasses.replace(MLA, qk_norm="head")
+    with pytest.raises(ValueError, match="q_rank / v_dim: multi-latent attention knobs, need kv_rank"):
+        dataclasses.replace(CFG, v_dim=8)
+    with pytest.raises(ValueError, match="v_dim: expected a positive int"):
+        dataclasses.replace(MLA, v_dim=0)
+    cu = torch.tensor([0, 6], dtype=torch.int32)
+    x, p = torch.randn(6, H), {n: t.detach() for n, t in _mla_params(MLA).items()}
+    with pytest.raises(ValueError, match=r"params\['wkv_b'\]: expected torch.float32 \[6, 52\]"):
+        attention(x, {**p, "wkv_b": p["wkv_b"][:, :5]}, MLA, _ctx(cu, MLA))
+    with pytest.raises(ValueError, match=r"params\['q_a_norm'\]: expected a \[10\] norm weight, got nothing"):
+        attention(x, {n: t for n, t in p.items() if n != "q_a_norm"}, MLA, _ctx(cu, MLA))
+    with pytest.raises(ValueError, match=r"params: unknown multi-latent attention parameters \['wk'\]"):
+        attention(x, {**p, "wk": p["wo"]}, MLA, _ctx(cu, MLA))
+
+
+@pytest.mark.gpu
+def test_gpu_multi_latent_flex_attention_matches_reference():
+    """FlexAttention (compiled, v_dim != q/k dim) against the SDPA path, forward and backward, bf16."""
+    cu = torch.tensor([0, 100, 101, 300], dtype=torch.int32, device="cuda")
+    x = torch.randn(300, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    p = _mla_params(MLA, torch.bfloat16, "cuda")
+    outs = []
+    for impl in ("torch", "flex"):
+        cfg = dataclasses.replace(MLA, impl=impl)
+        xi = x.detach().clone().requires_grad_()
+        pi = {n: t.detach().clone().requires_grad_() for n, t in p.items()}
+        y, _ = attention(xi, pi, cfg, _ctx(cu, cfg))
+        y.float().square().sum().backward()
+        outs.append((y, xi.grad, pi["wkv_b"].grad))
+    for a, b in zip(*outs):
+        assert _rel(a, b) < 2e-2

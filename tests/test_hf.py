@@ -29,6 +29,20 @@ FAMILIES = {
     # q/k norms over the whole projections
     "olmoe": lambda: transformers.OlmoeConfig(**COMMON, intermediate_size=24, num_experts=4, num_experts_per_tok=2, pad_token_id=None,
                                               eos_token_id=None, bos_token_id=None),
+    # partial rotary (half of each head), q/k/v biases, per-head q/k norms, sigmoid routing with
+    # the correction bias, raw (not renormalised) weights scaled, a shared expert, layer 0 dense
+    "glm4_moe": lambda: transformers.Glm4MoeConfig(**COMMON, head_dim=8, intermediate_size=40, moe_intermediate_size=16, n_routed_experts=4,
+                                                   num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, use_qk_norm=True,
+                                                   attention_bias=True, norm_topk_prob=False, routed_scaling_factor=1.5, n_group=1, topk_group=1),
+    # multi-latent attention (low-rank q and kv, interleaved rotary key shared by the heads,
+    # v_head_dim != q/k dim), YaRN with mscale != mscale_all_dim, 4 groups of 2 experts scored
+    # by their best 2 (Megatron's k // topk_groups would score by 1), renormalised x 2.5
+    "deepseek_v3": lambda: transformers.DeepseekV3Config(
+        **{**COMMON, "num_key_value_heads": 4}, intermediate_size=40, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=3,
+        n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=12, kv_lora_rank=8, qk_nope_head_dim=6,
+        qk_rope_head_dim=4, v_head_dim=5, routed_scaling_factor=2.5, rope_parameters=dict(
+            rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32, beta_fast=32, beta_slow=1,
+            mscale=0.8, mscale_all_dim=1.0)),
 }
 DOCS = (7, 12, 5)  # packed documents
 
@@ -43,6 +57,9 @@ def folders(tmp_path_factory):
         with torch.no_grad():
             for pname, p in model.named_parameters():  # norms near 1, everything else random
                 p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in pname else 0.3 * torch.randn_like(p))
+            for bname, b in model.named_buffers():  # the routers' correction biases
+                if bname.endswith("e_score_correction_bias"):
+                    b.copy_(0.2 * torch.randn_like(b))
         path = tmp_path_factory.mktemp(name)
         model.save_pretrained(path)
         out[name] = (path, model)
@@ -108,6 +125,14 @@ def test_config_mapping_reads_the_family_fields(folders):
     assert cfg.qk_norm == "proj" and cfg.pre_softmax and cfg.n_dense == 0
     _, cfg = hf.read_config(folders["mixtral"][0])
     assert cfg.n_experts == 4 and cfg.score == "softmax" and not cfg.expert_bias and cfg.shared_size == 0
+    _, cfg = hf.read_config(folders["glm4_moe"][0])
+    assert cfg.rope_dim == 4 and cfg.qkv_bias and cfg.qk_norm == "head" and cfg.score == "sigmoid" and cfg.expert_bias
+    assert not cfg.route_normalize and cfg.route_scale == 1.5 and cfg.n_dense == 1 and cfg.shared_size == 16 and cfg.n_groups is None
+    _, cfg = hf.read_config(folders["deepseek_v3"][0])
+    assert (cfg.q_rank, cfg.kv_rank, cfg.head_dim, cfg.rope_dim, cfg.v_head_dim, cfg.n_kv_heads) == (12, 8, 10, 4, 5, 4)
+    assert cfg.rope_interleaved and (cfg.yarn_factor, cfg.yarn_original_max_positions, cfg.yarn_mscale, cfg.yarn_mscale_all_dim) == (4.0, 32, 0.8, 1.0)
+    assert (cfg.n_groups, cfg.topk_groups, cfg.group_score_topk, cfg.route_scale, cfg.route_normalize) == (4, 2, 2, 2.5, True)
+    assert cfg.mtp_norm
 
 
 def _edit(src, dst, change):
@@ -172,3 +197,129 @@ def test_the_loop_fine_tunes_a_loaded_model(tmp_path):
     run = subprocess.run([sys.executable, str(root / "examples" / "train_moe.py"), f"--out_dir={tmp_path / 'run2'}", f"--init_from_hf={small}"],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode != 0 and "--init_from_hf: the data's 258 token ids do not fit the model's vocab_size 64" in run.stderr
+
+
+def _copy_folder(src, dst, tensors, config_change=None):
+    """dst: src's config (changed) and these tensors as model.safetensors."""
+    from safetensors.torch import save_file
+
+    dst.mkdir()
+    config = json.loads((src / "config.json").read_text())
+    if config_change:
+        config_change(config)
+    (dst / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def _read_all(path):
+    from safetensors.torch import load_file
+
+    return load_file(path / "model.safetensors")
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_mtp_layers_load_into_mtp_modules_and_export_back(family, folders, tmp_path):
+    """DeepSeek-V3 / GLM-4.5 keep MTP depth d as layer n_layers + d - 1 (enorm, hnorm,
+    eh_proj, a MoE block, shared_head.norm, and copies of the embedding and head)."""
+    path, _ = folders[family]
+    tensors = _read_all(path)
+    n = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+    g = torch.Generator().manual_seed(3)
+    mtp = {}
+    for key, t in tensors.items():  # the MTP block: a copy of the last (MoE) block's keys, new values
+        if key.startswith(f"model.layers.{n - 1}."):
+            mtp[key.replace(f"model.layers.{n - 1}.", f"model.layers.{n}.")] = t + 0.1 * torch.randn(t.shape, generator=g)
+    p = f"model.layers.{n}."
+    H = tensors["model.norm.weight"].shape[0]
+    mtp.update({p + "enorm.weight": 1 + 0.3 * torch.randn(H, generator=g), p + "hnorm.weight": 1 + 0.3 * torch.randn(H, generator=g),
+                p + "eh_proj.weight": 0.3 * torch.randn(H, 2 * H, generator=g), p + "shared_head.norm.weight": 1 + 0.3 * torch.randn(H, generator=g),
+                p + "embed_tokens.weight": tensors["model.embed_tokens.weight"].clone(), p + "shared_head.head.weight": tensors["lm_head.weight"].clone()})
+    folder = _copy_folder(path, tmp_path / "mtp", {**tensors, **mtp})
+    model, cfg = hf.from_pretrained(folder, impl="torch")
+    assert cfg.mtp_depth == 1 and cfg.mtp_norm
+    m = model.mtp[0]
+    assert torch.equal(m.proj, mtp[p + "eh_proj.weight"].t()) and torch.equal(m.emb_norm.weight, mtp[p + "enorm.weight"])
+    assert torch.equal(m.hidden_norm.weight, mtp[p + "hnorm.weight"]) and torch.equal(m.out_norm.weight, mtp[p + "shared_head.norm.weight"])
+    assert torch.equal(m.block.mlp.expert_bias, mtp[p + "mlp.gate.e_score_correction_bias"])
+    assert torch.equal(m.block.mlp.experts.w_up[1], mtp[p + "mlp.experts.1.up_proj.weight"].t())
+    # the MTP loss uses the depth's own norm: changing the trunk's final norm leaves the
+    # depth's hidden states alone, yet its loss follows out_norm
+    _, ids, cu = _packed()
+    batch = make_batch(ids, cu, mtp_depth=1)
+    with torch.no_grad():
+        before = model(batch)[0]["mtp_1_sum"]
+        m.out_norm.weight.mul_(2.0)
+        after = model(batch)[0]["mtp_1_sum"]
+        m.out_norm.weight.div_(2.0)
+    assert float(before) != float(after)
+    hf.save_pretrained(model, tmp_path / "again")
+    assert filecmp.cmp(folder / "model.safetensors", tmp_path / "again" / "model.safetensors", shallow=False)
+    # asking for fewer depths loads fewer; a checkpoint without them leaves fresh ones
+    assert hf.from_pretrained(folder, mtp_depth=0)[1].mtp_depth == 0
+    assert hf.from_pretrained(path)[1].mtp_depth == 0
+    fresh, _ = hf.from_pretrained(path, mtp_depth=1)
+    assert torch.isfinite(fresh.mtp[0].proj).all() and not torch.equal(fresh.mtp[0].proj, m.proj)
+
+
+def _fp8(w, block):
+    """Block-scaled FP8 of a float32 weight [out, in] and its scale_inv (amax / 448 per block)."""
+    m, n = block
+    rows, cols = w.shape
+    scale = torch.empty(-(-rows // m), -(-cols // n))
+    q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            tile = w[i * m:(i + 1) * m, j * n:(j + 1) * n]
+            scale[i, j] = tile.abs().max().clamp_min(1e-12) / 448.0
+            q[i * m:(i + 1) * m, j * n:(j + 1) * n] = (tile / scale[i, j]).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def test_fp8_block_scaled_checkpoints_are_dequantised(folders, tmp_path):
+    """DeepSeek-V3's released layout: linear weights in float8_e4m3fn with a float32
+    weight_scale_inv per 8x8 block here (edge blocks cut: 20 and 44 are not multiples of 8)."""
+    path, ref = folders["deepseek_v3"]
+    tensors = _read_all(path)
+    block = (8, 8)
+    quantised, dequantised = {}, {}
+    for key, t in tensors.items():
+        if key.endswith("proj.weight") and t.ndim == 2:
+            q, s = _fp8(t, block)
+            quantised[key], quantised[key.removesuffix("weight") + "weight_scale_inv"] = q, s
+            dequantised[key] = torch.stack([torch.stack([q[r, c].float() * s[r // 8, c // 8] for c in range(t.shape[1])]) for r in range(t.shape[0])])
+        else:
+            quantised[key] = t
+    assert any(not torch.equal(dequantised[k], tensors[k]) for k in dequantised)  # quantisation really rounded
+    folder = _copy_folder(path, tmp_path / "fp8", quantised,
+                          lambda c: c.update(quantization_config=dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic",
+                                                                      weight_block_size=list(block))))
+    model, _ = hf.from_pretrained(folder, impl="torch")
+    # the reference: transformers' model of the dequantised weights
+    plain = _copy_folder(path, tmp_path / "dequantised", {**tensors, **dequantised})
+    reference = transformers.AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32).eval()
+    with torch.no_grad():
+        docs, ids, cu = _packed()
+        theirs = torch.cat([reference(d[None]).logits[0] for d in docs])
+        assert _rel(model.logits(ids, cu), theirs) < 1e-5
+    # exported dequantised, without the quantisation config
+    hf.save_pretrained(model, tmp_path / "out")
+    assert "quantization_config" not in json.loads((tmp_path / "out" / "config.json").read_text())
+    out = _read_all(tmp_path / "out")
+    assert all(torch.equal(out[k], v) for k, v in dequantised.items()) and not any(k.endswith("scale_inv") for k in out)
+    with pytest.raises(ValueError, match="quantization_config .* is not supported"):
+        hf.from_pretrained(_edit(folder, tmp_path / "bad", lambda c: c.update(quantization_config=dict(quant_method="gptq"))))
+
+
+def test_released_routing_semantics_matter(folders):
+    """The loaded DeepSeek-V3 needs its group rule (best 2 per group): Megatron's k //
+    topk_groups rule picks other experts on this model's tokens, and other logits."""
+    import dataclasses
+
+    path, ref = folders["deepseek_v3"]
+    model, cfg = hf.from_pretrained(path, impl="torch")
+    other = type(model)(dataclasses.replace(cfg, group_score_topk=None))
+    other.load_state_dict(model.state_dict())
+    _, ids, cu = _packed()
+    with torch.no_grad():
+        assert _rel(other.logits(ids, cu), model.logits(ids, cu)) > 1e-3

@@ -20,6 +20,9 @@ VARIANTS = {
     "yarn, mtp 2": dataclasses.replace(TINY, yarn_factor=4.0, yarn_original_max_positions=8, mtp_depth=2),
     "all dense": dataclasses.replace(TINY, n_dense=3),
     "all moe, triton": dataclasses.replace(TINY, n_dense=0, impl="triton"),
+    # DeepSeek-V3's pieces: multi-latent attention, groups scored by their best 2, MTP with its own norm
+    "mla, group top-2, mtp norm": dataclasses.replace(TINY, n_kv_heads=4, head_dim=12, rope_dim=4, rope_interleaved=True, q_rank=10, kv_rank=6,
+                                                       v_head_dim=5, n_groups=2, topk_groups=1, group_score_topk=2, mtp_depth=1, mtp_norm=True),
 }
 
 
@@ -316,6 +319,26 @@ _SMALL = dict(vocab_size=40, hidden=32, n_layers=4, n_dense=1, ffn_dense=48, n_e
 def test_released_model_knobs_are_checked(overrides, message):
     with pytest.raises(ValueError, match=message):
         TransformerConfig(**{**_SMALL, **overrides})
+
+
+def test_multi_latent_attention_model_builds_its_parameters():
+    cfg = TransformerConfig(**{**_SMALL, "n_kv_heads": 4, "head_dim": 12, "rope_dim": 4, "q_rank": 10, "kv_rank": 6, "v_head_dim": 5,
+                               "mtp_depth": 1, "mtp_norm": True})
+    model = Transformer(cfg)
+    attn = model.blocks[0].attn
+    assert sorted(attn.names) == ["kv_a_norm", "q_a_norm", "wkv_a", "wkv_b", "wo", "wq_a", "wq_b"]
+    assert attn.wkv_b.shape == (6, 4 * (8 + 5)) and attn.wo.shape == (4 * 5, 32)
+    assert torch.equal(attn.kv_a_norm, torch.ones(6)) and torch.equal(model.mtp[0].out_norm.weight, torch.ones(32))
+    assert model.blocks[0].attn.wq_a.std() > 0.01  # initialised like every matrix
+    # the FLOPs count its projections and its q.k (12) / value (5) dims, not GQA's
+    from fmoe.train.metrics import model_flops_per_token
+
+    gqa = dataclasses.replace(cfg, q_rank=None, kv_rank=None, v_head_dim=None)
+    mats = 32 * 10 + 10 * 48 + 32 * 10 + 6 * 52 + 20 * 32
+    want = 6 * 4 * mats + 4 * 6 * 4 * (12 + 5) * 3.0 - 4 * (6 * (32 * 48 * 3 + 48 * 32) + 12 * 48 * 3.0)
+    assert model_flops_per_token(cfg, n_avg_keys=3.0) == pytest.approx(model_flops_per_token(gqa, n_avg_keys=3.0) + want)
+    with pytest.raises(ValueError, match="n_kv_heads: multi-latent attention"):
+        TransformerConfig(**{**_SMALL, "kv_rank": 6, "v_head_dim": 5, "rope_dim": 4})
 
 
 def test_released_model_knobs_build_what_they_say():

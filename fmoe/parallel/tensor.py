@@ -217,6 +217,8 @@ class AttentionParallel(_ShardedRegion):
 
     def _check(self, module, tp):
         cfg = module.cfg
+        if cfg.kv_rank is not None:
+            raise ValueError("tp: multi-latent attention (kv_rank) is not split over tensor-parallel ranks yet; use tp = 1")
         extras = [n for n in ("bq", "bk", "bv", "q_norm", "k_norm") if getattr(module, n, None) is not None]
         if extras:
             raise ValueError(f"tp: attention with {', '.join(extras)} (qkv_bias / qk_norm) is not split over tensor-parallel ranks yet; use tp = 1")

@@ -95,13 +95,25 @@ def flops_per_token(
 def model_flops_per_token(cfg, *, n_avg_keys: float) -> float:
     """flops_per_token of an fmoe.model.TransformerConfig (any object with its fields): the
     dense blocks are those that are not MoE (moe_layers or n_dense), the shared experts'
-    size in units of ffn_expert (shared_ffn, or n_shared)."""
+    size in units of ffn_expert (shared_ffn, or n_shared). With multi-latent attention
+    (kv_rank) the attention terms are its own: 6 x its projection weights, and
+    6 N (D + v_dim) n_avg_keys for the scores (q.k over D) and the values (over v_dim)."""
     names = ("hidden", "n_layers", "ffn_dense", "ffn_expert", "k", "n_heads", "n_kv_heads", "head_dim", "mtp_depth")
     is_moe = getattr(cfg, "is_moe", lambda i: i >= cfg.n_dense)
     n_dense = sum(not is_moe(i) for i in range(cfg.n_layers))
     shared = getattr(cfg, "shared_size", cfg.n_shared * cfg.ffn_expert) / cfg.ffn_expert
-    return flops_per_token(**{n: getattr(cfg, n) for n in names}, n_dense=n_dense, n_shared=shared, vocab=cfg.vocab_size,
-                           n_avg_keys=n_avg_keys)
+    flops = flops_per_token(**{n: getattr(cfg, n) for n in names}, n_dense=n_dense, n_shared=shared, vocab=cfg.vocab_size,
+                            n_avg_keys=n_avg_keys)
+    if getattr(cfg, "kv_rank", None) is None:
+        return flops
+    from fmoe.layers import mla_shapes
+
+    H, L, N, D = cfg.hidden, cfg.n_layers, cfg.n_heads, cfg.head_dim
+    q, kv = N * D, cfg.n_kv_heads * D
+    gqa = 6 * (H * (q + 2 * kv) + q * H) + 12 * q * n_avg_keys
+    mats, _ = mla_shapes(H, cfg.attention_config())
+    mla = 6 * sum(a * b for a, b in mats.values()) + 6 * N * (D + cfg.v_head_dim) * n_avg_keys
+    return float(flops + L * (mla - gqa))
 
 
 def datasheet_peak_flops(name: str) -> Optional[float]:

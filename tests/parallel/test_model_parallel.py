@@ -264,7 +264,8 @@ def _bad_tp(rank, world):
 
     messages = []
     for overrides, sizes in ((dict(n_heads=2, n_kv_heads=1), dict(tp=2)), (dict(n_experts=3), dict(ep=2)), (dict(capacity_factor=1.0), dict(cp=2)),
-                             (dict(qkv_bias=True, qk_norm="head"), dict(tp=2))):
+                             (dict(qkv_bias=True, qk_norm="head"), dict(tp=2)),
+                             (dict(n_kv_heads=TINY["n_heads"], rope_dim=4, kv_rank=8, v_head_dim=8), dict(tp=2))):
         try:
             parallelize(Transformer(TransformerConfig(**{**TINY, **overrides})), build_meshes(**sizes))
         except ValueError as err:
@@ -280,9 +281,10 @@ def _bad_tp(rank, world):
 
 def test_parallelize_refuses_what_does_not_split():
     for messages in run_distributed(_bad_tp, 2):
-        assert len(messages) == 5
+        assert len(messages) == 6
         assert "n_heads = 2 and n_kv_heads = 1 must both be divisible by tp = 2" in messages[0]
         assert "n_experts = 3 is not divisible by ep = 2" in messages[1]
         assert "cp: a capacity factor with cp = 2 is not supported" in messages[2]
         assert "tp: attention with bq, bk, bv, q_norm, k_norm (qkv_bias / qk_norm) is not split" in messages[3]
-        assert "T = 25 tokens do not split evenly over tp = 2 ranks" in messages[4] and "tokens_per_micro_batch" in messages[4]
+        assert "tp: multi-latent attention (kv_rank) is not split over tensor-parallel ranks yet" in messages[4]
+        assert "T = 25 tokens do not split evenly over tp = 2 ranks" in messages[5] and "tokens_per_micro_batch" in messages[5]

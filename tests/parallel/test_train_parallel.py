@@ -73,9 +73,15 @@ RUNS = {
     "pp2xep2-muon": (4, ["--pp=2", "--ep=2", "--optimizer=muon", "--ns_dtype=float32"]),
     "pp2xtp2": (4, ["--pp=2", "--tp=2"]),
     "pp2xcp2": (4, ["--pp=2", "--cp=2"]),
+    # DeepSeek-V3's pieces: multi-latent attention under cp (keys and values gathered), group top-2 routing, MTP norm
+    "mla-cp2xep2": (4, ["--cp=2", "--ep=2", "--model.n_kv_heads=4", "--model.head_dim=12", "--model.rope_dim=4", "--model.q_rank=10",
+                        "--model.kv_rank=6", "--model.v_head_dim=5", "--model.mtp_norm=True", "--model.score=sigmoid", "--model.n_groups=2",
+                        "--model.topk_groups=1", "--model.group_score_topk=2"]),
 }
 # knobs the one-process reference shares
-SAME_MODEL = ("--optimizer=", "--ns_dtype=", "--batch_schedule=", "--aux_coeff=", "--model.n_layers=")
+SAME_MODEL = ("--optimizer=", "--ns_dtype=", "--batch_schedule=", "--aux_coeff=", "--model.n_layers=", "--model.n_kv_heads=", "--model.head_dim=",
+              "--model.rope_dim=", "--model.q_rank=", "--model.kv_rank=", "--model.v_head_dim=", "--model.mtp_norm=", "--model.score=",
+              "--model.n_groups=", "--model.topk_groups=", "--model.group_score_topk=")
 
 
 @pytest.mark.parametrize("run", list(RUNS))
