@@ -5,7 +5,7 @@
 
 A folder holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). Supported `model_type`s: FAMILIES (mixtral, qwen2_moe,
-qwen3_moe, olmoe). Each family has one table: its config mapping (`config_to_fmoe`, which
+qwen3_moe, olmoe, glm4_moe, deepseek_v3). Each family has one table: its config mapping (`config_to_fmoe`, which
 refuses what fmoe does not build: a sliding window, clipped qkv, ...) and its key map (HF
 key <-> fmoe parameter, with the layout change: HF linear weights [out, in] are
 transposed to fmoe's [in, out]; the per-expert matrices are stacked into [E, H, F] /
@@ -14,6 +14,17 @@ transposed to fmoe's [in, out]; the per-expert matrices are stacked into [E, H, 
 Routing: HF's softmax routers take the top-k of softmax(logits) and, with norm_topk_prob
 (Mixtral always), renormalise the k weights: fmoe's default softmax routing (softmax over
 the k chosen logits) is that; without it, fmoe's pre_softmax (weights not renormalised).
+GLM-4.5 and DeepSeek-V3 route on sigmoids plus e_score_correction_bias (fmoe's expert_bias
+buffer), score groups by their best 2 (group_score_topk=2), renormalise with
+norm_topk_prob (route_normalize) and scale by routed_scaling_factor (route_scale).
+
+MTP: DeepSeek-V3 / GLM-4.5 store MTP depth d as layer n_layers + d - 1 (enorm, hnorm,
+eh_proj, a block, shared_head.norm, and copies of the embedding and the head, which fmoe
+shares). from_pretrained loads as many depths as the checkpoint holds (mtp_depth=
+overrides; depths it lacks start fresh); other families' MTP modules always start fresh
+and are not exported. FP8: weights stored as float8 with `weight_scale_inv` block scales
+(quantization_config.weight_block_size) are dequantised to float32 on load; the export
+writes them in the config's dtype, without the quantization_config.
 
 Loading reads the safetensors files tensor by tensor with the `safetensors` library (an
 expert stack is filled expert by expert): the checkpoint is never in memory twice. Into a
