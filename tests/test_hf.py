@@ -323,3 +323,32 @@ def test_released_routing_semantics_matter(folders):
     _, ids, cu = _packed()
     with torch.no_grad():
         assert _rel(other.logits(ids, cu), model.logits(ids, cu)) > 1e-3
+
+
+def test_the_loop_loads_a_released_model_into_sharded_ranks(tmp_path):
+    """--init_from_hf under torchrun (2 gloo ranks, experts split over ep, the rest FSDP):
+    each rank reads its own blocks of a DeepSeek-V3 folder (MLA, MTP layer included), and
+    the run logs the losses of one process loading the same folder."""
+    import pathlib
+    import subprocess
+    import sys
+
+    torch.manual_seed(0)
+    config = FAMILIES["deepseek_v3"]()
+    config.vocab_size = 260
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(tmp_path / "hf")
+    root = pathlib.Path(__file__).resolve().parents[1]
+    args = [str(root / "examples" / "train_moe.py"), f"--init_from_hf={tmp_path / 'hf'}", "--steps=2", "--tokens_per_micro_batch=64",
+            "--batch_schedule=0:2", "--eval_every=2", "--eval_batches=1", "--model.mtp_depth=1", "--model.impl=torch", "--lr=1e-2"]
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
+    runs = []
+    for launch, out in (([sys.executable], "one"), ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"], "two")):
+        extra = ["--ep=2"] if out == "two" else []
+        run = subprocess.run([*launch, *args, f"--out_dir={tmp_path / out}", *extra], capture_output=True, text=True, timeout=600, env=env)
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+        runs.append([json.loads(line) for line in (tmp_path / out / "metrics.jsonl").read_text().splitlines()])
+    one, two = runs
+    for a, b in zip(one, two):
+        for key in ("loss", "mtp_1_loss"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5), (key, a["step"])
