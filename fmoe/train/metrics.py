@@ -260,9 +260,14 @@ class MetricsLogger:
     start_step: the step the run starts or resumes at; records of the file with step >=
     start_step are dropped at construction (a fresh run, start_step=0, starts an empty file;
     a resumed run keeps one record per step).
+    tensorboard: also write every number of each record to TensorBoard event files in
+    `<out_dir>/tensorboard` (torch's SummaryWriter; the `tensorboard` package, the
+    `fmoe[tensorboard]` extra): a scalar as its key, a list of numbers (per MoE layer) as
+    key/0, key/1, ..., a dict of numbers (tokens per data source) as key/name.
     """
 
-    def __init__(self, out_dir, *, rank: int = 0, total_steps: int, start_step: int = 0, print_progress: bool = True):
+    def __init__(self, out_dir, *, rank: int = 0, total_steps: int, start_step: int = 0, print_progress: bool = True,
+                 tensorboard: bool = False):
         _check_count("total_steps", total_steps, 1)
         _check_count("start_step", start_step)
         out_dir = Path(out_dir)
@@ -270,11 +275,18 @@ class MetricsLogger:
             raise ValueError(f"out_dir: {str(out_dir)!r} exists and is not a directory")
         self.path = out_dir / "metrics.jsonl"
         self.rank, self.total_steps, self.print_progress = rank, total_steps, print_progress
+        self.writer = None
         if rank != 0:
             return
         out_dir.mkdir(parents=True, exist_ok=True)
         kept = [line for line in read_metrics_lines(self.path) if json.loads(line)["step"] < start_step]
         self.path.write_text("".join(line + "\n" for line in kept))
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as err:
+                raise ImportError("tensorboard: needs the tensorboard package: pip install 'fmoe[tensorboard]'") from err
+            self.writer = SummaryWriter(str(out_dir / "tensorboard"))
 
     def log(self, step: int, record: dict) -> None:
         """Write {"step": step, **record} as one line (and print the progress line)."""
@@ -283,11 +295,37 @@ class MetricsLogger:
             raise ValueError(f"record: expected a dict, got {type(record).__name__}")
         if self.rank != 0:
             return
-        line = json.dumps({"step": step, **_plain(record)}, allow_nan=False)
+        plain = _plain(record)
+        line = json.dumps({"step": step, **plain}, allow_nan=False)
         with self.path.open("a") as f:
             f.write(line + "\n")
+        if self.writer is not None:
+            for key, value in _scalars(plain):
+                self.writer.add_scalar(key, value, step)
+            self.writer.flush()
         if self.print_progress:
             print(format_progress(step, self.total_steps, record), flush=True)
+
+    def close(self) -> None:
+        """Close the TensorBoard writer (if any)."""
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _scalars(record: dict):
+    """(tag, number) of every number in a plain record: scalars, lists and dicts of numbers."""
+    for key, value in record.items():
+        if _is_number(value):
+            yield key, value
+        elif isinstance(value, list) and value and all(_is_number(v) for v in value):
+            yield from ((f"{key}/{i}", v) for i, v in enumerate(value))
+        elif isinstance(value, dict):
+            yield from ((f"{key}/{name}", v) for name, v in value.items() if _is_number(v))
 
 
 def read_metrics_lines(path) -> list[str]:

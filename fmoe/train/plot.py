@@ -5,6 +5,9 @@ Writes into out_dir (needs matplotlib, the `plots` extra: pip install 'fmoe[plot
     expert_load.png  heatmaps over steps: max/mean load per MoE layer (rows: layers) and,
                      when tokens_per_expert is logged, each expert's share of its layer's
                      slots relative to uniform (count * E / sum) per layer
+    health.png       run health, the panels that were logged: grad_norm with param_norm,
+                     zero_grads (parameters whose gradient is exactly zero), energy per
+                     token (joules), and each data source's share of the step's tokens
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 from fmoe.train.metrics import read_metrics
 
 LOSS_PANELS = (("loss", "val_loss"), ("aux_loss",), ("z_loss",), ("mtp_loss",))  # keys sharing an axis
+HEALTH_PANELS = (("grad_norm", "param_norm"), ("zero_grads",), ("energy_j_per_token",))
 
 
 def _pyplot():
@@ -109,6 +113,47 @@ def plot_expert_load(records: list[dict], path: Path, plt) -> bool:
     return True
 
 
+def _source_shares(records: list[dict]) -> dict[str, tuple[list, list]]:
+    """source -> (steps, its share of the step's tokens) from tokens_by_source records."""
+    rows = [r for r in records if isinstance(r.get("tokens_by_source"), dict) and sum(r["tokens_by_source"].values())]
+    names = sorted({name for r in rows for name in r["tokens_by_source"]})
+    return {name: ([r["step"] for r in rows], [r["tokens_by_source"].get(name, 0) / sum(r["tokens_by_source"].values()) for r in rows])
+            for name in names}
+
+
+def plot_health(records: list[dict], path: Path, plt) -> bool:
+    """health.png; False (nothing written) when none of its signals was logged."""
+    panels = [[key for key in keys if _series(records, key)[0]] for keys in HEALTH_PANELS]
+    panels = [keys for keys in panels if keys]
+    shares = _source_shares(records)
+    n = len(panels) + bool(shares)
+    if not n:
+        return False
+    fig, axes = plt.subplots(n, 1, figsize=(8, 2.6 * n), sharex=True, squeeze=False)
+    for ax, keys in zip(axes[:, 0], panels):
+        for key in keys:
+            steps, values = _series(records, key)
+            ax.plot(steps, values, marker="o" if len(steps) < 30 else None, ms=3, label=key)
+        ax.set_ylabel(" / ".join(keys))
+        ax.grid(alpha=0.3)
+        if len(keys) > 1:
+            ax.legend()
+    if shares:
+        ax = axes[-1, 0]
+        for name, (steps, values) in shares.items():
+            ax.plot(steps, values, marker="o" if len(steps) < 30 else None, ms=3, label=name)
+        ax.set_ylabel("share of tokens")
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    axes[0, 0].set_title("run health")
+    axes[-1, 0].set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
 def plot_run(out_dir) -> list[Path]:
     """Write the plots of `<out_dir>/metrics.jsonl` into out_dir; returns the written paths."""
     out_dir = Path(out_dir)
@@ -118,7 +163,7 @@ def plot_run(out_dir) -> list[Path]:
     records = read_metrics(metrics)
     plt = _pyplot()
     written = []
-    for name, fn in (("loss.png", plot_losses), ("expert_load.png", plot_expert_load)):
+    for name, fn in (("loss.png", plot_losses), ("expert_load.png", plot_expert_load), ("health.png", plot_health)):
         if fn(records, out_dir / name, plt):
             written.append(out_dir / name)
     return written

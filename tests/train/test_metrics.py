@@ -167,6 +167,9 @@ def _synthetic_run(out_dir):
                   **M.layer_loads(counts, slots=int(counts.sum(1).max()))}
         if step % 10 == 0:
             record["val_loss"] = 5.2 * 0.97 ** step
+        # run health: norms, zero gradients, energy, two data sources
+        record.update(grad_norm=1.0 / step, param_norm=10.0 + 0.01 * step, zero_grads=step % 3, energy_j_per_token=0.002,
+                      tokens_by_source={"code": 96 * (1 + step % 2), "prose": 96})
         log.log(step, record)
 
 
@@ -175,7 +178,8 @@ def test_plot_writes_pngs(tmp_path):
     _synthetic_run(tmp_path)
     result = subprocess.run([sys.executable, "-m", "fmoe.train.plot", str(tmp_path)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    for name in ("loss.png", "expert_load.png"):
+    assert result.stdout.split() == [str(tmp_path / n) for n in ("loss.png", "expert_load.png", "health.png")]
+    for name in ("loss.png", "expert_load.png", "health.png"):
         data = (tmp_path / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
 
@@ -229,3 +233,32 @@ def test_allocated_bytes_counts_live_and_peak_storages_once():
             torch.empty(10**9)           # meta: no memory
     assert (held, mem.live, mem.peak) == (6000, 4000, 6000)
     assert c.shape == (500,)
+
+
+def test_plot_health_needs_its_signals(tmp_path):
+    from fmoe.train import plot
+
+    pytest.importorskip("matplotlib", reason="the plots extra (matplotlib) is not installed")
+    assert not plot.plot_health([{"step": 1, "loss": 2.0}], tmp_path / "health.png", plot._pyplot())
+    assert not (tmp_path / "health.png").exists()
+
+
+def test_tensorboard_gets_every_number_of_a_record(tmp_path):
+    pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log = M.MetricsLogger(tmp_path, total_steps=3, print_progress=False, tensorboard=True)
+    for step in (1, 2, 3):
+        log.log(step, {"loss": torch.tensor(4.0 - step), "load_max_over_mean": [1.5, 2.0 + step], "tokens_by_source": {"code": 64 * step},
+                       "moe_layers": ["layer_1", "layer_2"], "peak_memory_gib": None, "flag": True})
+    log.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert tags == {"loss", "load_max_over_mean/0", "load_max_over_mean/1", "tokens_by_source/code"}
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 3.0), (2, 2.0), (3, 1.0)]
+    assert [e.value for e in events.Scalars("load_max_over_mean/1")] == [3.0, 4.0, 5.0]
+    assert [e.value for e in events.Scalars("tokens_by_source/code")] == [64.0, 128.0, 192.0]
+    # only rank 0 writes
+    M.MetricsLogger(tmp_path / "r1", rank=1, total_steps=3, tensorboard=True).log(1, {"loss": 1.0})
+    assert not (tmp_path / "r1").exists()
