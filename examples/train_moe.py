@@ -106,6 +106,7 @@ class Config:
     keep_every: int = 0             # ...plus every keep_every-th step (0: none)
     eval_every: int = 50
     eval_batches: int = 4
+    tensorboard: bool = False       # also TensorBoard event files in out_dir/tensorboard (pip install 'fmoe[tensorboard]')
     device: str = "auto"            # auto | cpu | cuda
     dtype: str = "auto"             # compute: auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16;
                                     # weights, gradient sums and optimizer steps stay float32
@@ -328,7 +329,10 @@ def main(argv: list[str]) -> None:
         if rank == 0:
             print(f"initialised from the weights of {path}")
     # records are logged for completed steps step+1, step+2, ...: keep the ones up to step
-    logger = metrics.MetricsLogger(cfg.out_dir, rank=rank, total_steps=cfg.steps, start_step=step + 1)
+    try:
+        logger = metrics.MetricsLogger(cfg.out_dir, rank=rank, total_steps=cfg.steps, start_step=step + 1, tensorboard=cfg.tensorboard)
+    except ImportError as err:
+        sys.exit(f"--tensorboard: {err}")
     peak = metrics.peak_flops(device)
     if rank == 0:
         n_params = sum(p.numel() for p in whole.parameters())
@@ -532,6 +536,7 @@ def main(argv: list[str]) -> None:
             checkpoint.save(cfg.out_dir, step, model=parts, optimizers=optimizers, extra=extra)
             if rank == 0:
                 checkpoint.prune(cfg.out_dir, keep_last=cfg.keep_last, keep_every=cfg.keep_every or None)
+    logger.close()
     if rank == 0 and math.isfinite(record.get("val_loss", float("nan"))):
         print(f"done: step {step}, validation loss {record['val_loss']:.4f} (bits per byte {record['val_loss'] / math.log(2):.3f})")
     if dist.is_initialized():
