@@ -1,7 +1,10 @@
 """fmoe.train: what a train loop needs besides the model and the optimizer.
 
     data        the embedded byte-level corpus (this Python's stdlib), text directories,
-                token files; packing into micro-batches with cu_seqlens; a resumable sampler
+                token files, .npy arrays; packing into micro-batches with cu_seqlens; a
+                resumable sampler; weighted blends of sources (load_blend, BlendSampler)
+    prepare     python -m fmoe.train.prepare SRC OUT --tokenizer=tokenizer.json: text files
+                -> a token file and its index
     checkpoint  torch.distributed.checkpoint saves that count only once complete; resume;
                 retention
     metrics     FLOPs per token (SPEC.md 8), MFU, expert load, metrics.jsonl and progress,

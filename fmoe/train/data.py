@@ -1,14 +1,16 @@
-"""Training data: corpora of documents, packing into fixed-size micro-batches, a resumable sampler.
+"""Training data: corpora of documents, packing into fixed-size micro-batches, a resumable sampler, blends.
 
 Corpora (all give a `TokenDataset`: documents of token ids over one shared storage array):
 
     load_stdlib(include_tests=False)            the embedded default: the running interpreter's
                                                 standard library *.py files, byte tokens
     load_text_dir(path)                         a directory of text files, byte tokens
-    load_token_file(path, separator=, vocab_size=, dtype=None)
+    load_token_file(path, separator=None, vocab_size=None, dtype=None)
                                                 a flat uint16 / uint32 file of token ids
-                                                (nanoGPT-style), memory-mapped
-    load_corpus(path=None, ...)                 one of the three, by what `path` is
+                                                (nanoGPT-style), memory-mapped; the
+                                                arguments default to its .index.json
+    load_npy(path, separator=, vocab_size=)     a .npy 1-D integer array, memory-mapped
+    load_corpus(path=None, ...)                 one of these, by what `path` is
 
 Byte tokens: a file's bytes 0..255 are its token ids, then EOS = 256 ends every document;
 PAD = 257 is reserved for consumers (never emitted here): BYTE_VOCAB_SIZE = 258.
@@ -17,7 +19,9 @@ into one uint8 array plus per-document offsets (the default stdlib corpus: ~730 
 ~12 MB, about a second to read; with its test directories ~1800 files, ~31 MB); the EOS
 after each document is virtual (added when a document is sliced), so it costs no memory.
 Token files stay memory-mapped; their documents end at (and include) each `separator` token,
-and trailing tokens after the last separator form a final document.
+and trailing tokens after the last separator form a final document. A token file made by
+`python -m fmoe.train.prepare` (fmoe.train.prepare) has a sidecar `<file>.index.json`
+holding its dtype, separator, vocab_size and token / document counts.
 
 Splits: `dataset.split(val_percent)` puts a document in validation when a stable hash of
 its key is below val_percent out of 100: crc32 of its path relative to the corpus root for
@@ -51,11 +55,29 @@ reproduces the batches the uninterrupted run would have produced. The token budg
 micro-batch is fixed at construction; a batch-size schedule changes how many micro-batches
 a step draws, not their size. Validation: `dataset.validation_batches(T, n)`, the first n
 micro-batches of the documents in stored order (no shuffle), the same list on every call.
+
+Blends (`load_blend(spec)` -> `Blend`, `BlendSampler`): a run's data as weighted sources,
+
+    "data/code"                       one source (a directory, token file or .npy), weight 1
+    "0.7:data/web.u32,0.3:data/code.u32"   weight:path entries
+    "blend.json"                      [{"name": "web", "path": "web.u32", "weight": 0.7}, ...]
+
+(parse_blend has the rules). Each micro-batch comes whole from one source: the one furthest
+below its weight (Megatron's greedy blending), so each source's share of the micro-batches
+stays within about one micro-batch of its weight at every point, the same on every run.
+Each source has its own Sampler, the first one seeded with `seed` itself, so a one-source
+blend gives exactly Sampler's batches (and takes a Sampler's state).
+`blend.split(val_percent)` splits every source; `val.validation_batches(T, n)` picks the
+sources by the same rule. All sources share one vocabulary: byte sources and token
+sources of another vocab_size are refused together.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
+import math
 import os
 import sysconfig
 import zlib
@@ -75,8 +97,13 @@ BYTE_VOCAB_SIZE = 258
 IGNORE_INDEX = -100
 
 # token-file dtypes: the names `dtype` accepts and the suffixes that imply one
-_FILE_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
-_SUFFIX_DTYPES = {".u16": "uint16", ".uint16": "uint16", ".u32": "uint32", ".uint32": "uint32"}
+FILE_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+SUFFIX_DTYPES = {".u16": "uint16", ".uint16": "uint16", ".u32": "uint32", ".uint32": "uint32"}
+# the sidecar index of a prepared token file: <file>.index.json, and the fields it must hold
+INDEX_SUFFIX = ".index.json"
+_INDEX_FIELDS = ("documents", "tokens", "dtype", "separator", "vocab_size")
+# the keys of a blend entry (parse_blend)
+_BLEND_KEYS = ("name", "path", "weight", "separator", "dtype", "vocab_size")
 # tokens scanned per chunk when splitting a token file at its separators
 _SCAN_CHUNK = 1 << 24
 # directory names left out of the stdlib corpus unless include_tests
@@ -156,7 +183,8 @@ class TokenDataset:
         length = int(self.lengths[i])
         end = self.doc_len(i) if end is None else end
         start = int(self.starts[i])
-        body = torch.from_numpy(np.asarray(self.data[start + begin: start + min(end, length)], dtype=np.int64))
+        # np.array copies: an int64 .npy memmap would otherwise be shared read-only with torch
+        body = torch.from_numpy(np.array(self.data[start + begin: start + min(end, length)], dtype=np.int64))
         if end > length:  # the slice reaches the virtual EOS
             body = torch.cat([body, torch.tensor([self.eos], dtype=torch.long)])
         return body
@@ -231,23 +259,87 @@ def _existing(path: Union[str, os.PathLike]) -> Path:
     return path
 
 
-def load_text_dir(path: Union[str, os.PathLike]) -> TokenDataset:
-    """A directory of text files: every regular file below it (recursively; files and
-    directories whose name starts with '.' are skipped), one document per non-empty file,
-    read as bytes -> byte tokens. Document names are POSIX paths relative to `path`."""
-    root = _existing(path)
-    if not root.is_dir():
-        raise ValueError(f"path: {str(root)!r} is not a directory")
+def list_text_files(root: Union[str, os.PathLike]) -> list[str]:
+    """The files of a text corpus directory: every regular file below `root` (recursively;
+    files and directories whose name starts with '.' are skipped), as sorted POSIX paths
+    relative to root."""
+    root = Path(root)
     rels = []
     for p in root.rglob("*"):
         rel = p.relative_to(root)
         if p.is_file() and not any(part.startswith(".") for part in rel.parts):
             rels.append(rel.as_posix())
-    return _byte_dataset(root, rels)
+    return sorted(rels)
 
 
-def load_token_file(path: Union[str, os.PathLike], *, separator: int, vocab_size: int,
-                    dtype: Optional[str] = None) -> TokenDataset:
+def load_text_dir(path: Union[str, os.PathLike]) -> TokenDataset:
+    """A directory of text files (list_text_files), one document per non-empty file, read
+    as bytes -> byte tokens. Document names are POSIX paths relative to `path`."""
+    root = _existing(path)
+    if not root.is_dir():
+        raise ValueError(f"path: {str(root)!r} is not a directory")
+    return _byte_dataset(root, list_text_files(root))
+
+
+def _split_documents(data: np.ndarray, *, separator: int, vocab_size: int, where: str) -> TokenDataset:
+    """Documents of the 1-D integer array data [N], each ending at (and including) a
+    `separator` token; tokens after the last separator form a final document. One chunked
+    pass both finds the separators and checks every id is in 0..vocab_size-1 (`where`
+    names the array in errors)."""
+    check_positive_int("vocab_size", vocab_size)
+    check_positive_int("separator", separator, 0, vocab_size - 1)
+    ends = []
+    for lo in range(0, len(data), _SCAN_CHUNK):
+        chunk = np.asarray(data[lo: lo + _SCAN_CHUNK])
+        if data.dtype.kind == "i" and int(chunk.min()) < 0:
+            bad = int(np.argmax(chunk < 0))
+            raise ValueError(f"path: token {int(chunk[bad])} at index {lo + bad} of {where} is negative")
+        if int(chunk.max()) >= vocab_size:
+            bad = int(np.argmax(chunk >= vocab_size))
+            raise ValueError(f"vocab_size: token {int(chunk[bad])} at index {lo + bad} of {where} is not below vocab_size {vocab_size}")
+        ends.append(lo + np.flatnonzero(chunk == separator) + 1)
+    ends = np.concatenate(ends).astype(np.int64)
+    if not len(ends) or ends[-1] != len(data):
+        ends = np.append(ends, len(data))
+    starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
+    return TokenDataset(data, starts, ends - starts, None, vocab_size=vocab_size, eos=None)
+
+
+def index_path(path: Union[str, os.PathLike]) -> Path:
+    """Where the sidecar index of the token file `path` lives: `<path>.index.json`."""
+    return Path(str(path) + INDEX_SUFFIX)
+
+
+def read_index(path: Union[str, os.PathLike]) -> Optional[dict]:
+    """The sidecar index of the token file `path` (written by fmoe.train.prepare), or None
+    when there is none: a dict with at least documents, tokens, dtype, separator and
+    vocab_size."""
+    index = index_path(path)
+    if not index.is_file():
+        return None
+    try:
+        fields = json.loads(index.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"path: the index {str(index)!r} is not valid JSON ({err})") from err
+    missing = [k for k in _INDEX_FIELDS if not isinstance(fields, dict) or k not in fields]
+    if missing:
+        raise ValueError(f"path: the index {str(index)!r} lacks the fields {missing}")
+    return fields
+
+
+def _from_index(field: str, given, index: dict, path: Path):
+    """The caller's value of `field`, or the index's when the caller gave None. vocab_size
+    may exceed the index's (a padded embedding table still holds every id); any other
+    difference is refused."""
+    if given is None:
+        return index[field]
+    if given != index[field] and not (field == "vocab_size" and given > index[field]):
+        raise ValueError(f"{field}: {given!r} was given, the index {str(index_path(path))!r} says {index[field]!r}")
+    return given
+
+
+def load_token_file(path: Union[str, os.PathLike], *, separator: Optional[int] = None,
+                    vocab_size: Optional[int] = None, dtype: Optional[str] = None) -> TokenDataset:
     """A flat binary file of token ids (nanoGPT-style), memory-mapped.
 
     Args:
@@ -258,51 +350,81 @@ def load_token_file(path: Union[str, os.PathLike], *, separator: int, vocab_size
             below it (checked in one chunked pass over the file, with the separator scan).
         dtype: "uint16" or "uint32"; None infers it from the suffix (.u16 / .uint16 /
             .u32 / .uint32).
+
+    When the file has a sidecar index (`<path>.index.json`, see fmoe.train.prepare), the
+    arguments left None come from it; a given value that differs from the index is
+    refused (except a larger vocab_size), and so is a file whose token or document count
+    is not the index's (a stale index).
     """
     path = _existing(path)
     if not path.is_file():
         raise ValueError(f"path: {str(path)!r} is not a regular file")
+    index = read_index(path)
+    if index is not None:
+        separator, vocab_size, dtype = (_from_index(field, given, index, path) for field, given in
+                                        (("separator", separator), ("vocab_size", vocab_size), ("dtype", dtype)))
+    missing = [name for name, value in (("separator", separator), ("vocab_size", vocab_size)) if value is None]
+    if missing:
+        raise ValueError(f"{', '.join(missing)}: required for the token file {str(path)!r} (it has no {INDEX_SUFFIX} index)")
     if dtype is None:
-        if path.suffix.lower() not in _SUFFIX_DTYPES:
+        if path.suffix.lower() not in SUFFIX_DTYPES:
             raise ValueError(f"dtype: cannot infer it from the suffix of {str(path)!r}; pass dtype='uint16' or 'uint32' "
-                             f"(or name the file {', '.join(_SUFFIX_DTYPES)})")
-        dtype = _SUFFIX_DTYPES[path.suffix.lower()]
-    if dtype not in _FILE_DTYPES:
-        raise ValueError(f"dtype: expected one of {list(_FILE_DTYPES)}, got {dtype!r}")
-    np_dtype = np.dtype(_FILE_DTYPES[dtype])
-    check_positive_int("vocab_size", vocab_size)
-    check_positive_int("separator", separator, 0, vocab_size - 1)
+                             f"(or name the file {', '.join(SUFFIX_DTYPES)})")
+        dtype = SUFFIX_DTYPES[path.suffix.lower()]
+    if dtype not in FILE_DTYPES:
+        raise ValueError(f"dtype: expected one of {list(FILE_DTYPES)}, got {dtype!r}")
+    np_dtype = np.dtype(FILE_DTYPES[dtype])
     size = path.stat().st_size
     if size == 0:
         raise ValueError(f"path: {str(path)!r} is empty")
     if size % np_dtype.itemsize:
         raise ValueError(f"path: the size of {str(path)!r} ({size} bytes) is not a multiple of {np_dtype.itemsize} ({dtype})")
+    if index is not None and index["tokens"] != size // np_dtype.itemsize:
+        raise ValueError(f"path: {str(path)!r} holds {size // np_dtype.itemsize} tokens, its index says {index['tokens']} "
+                         "(a stale index: prepare the file again)")
     data = np.memmap(path, dtype=np_dtype, mode="r")
-    ends = []
-    for lo in range(0, len(data), _SCAN_CHUNK):
-        chunk = np.asarray(data[lo: lo + _SCAN_CHUNK])
-        top = int(chunk.max())
-        if top >= vocab_size:
-            bad = lo + int(np.argmax(chunk >= vocab_size))
-            raise ValueError(f"vocab_size: token {top} at index {bad} of {str(path)!r} is not below vocab_size {vocab_size}")
-        ends.append(lo + np.flatnonzero(chunk == separator) + 1)
-    ends = np.concatenate(ends).astype(np.int64)
-    if not len(ends) or ends[-1] != len(data):
-        ends = np.append(ends, len(data))
-    starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
-    return TokenDataset(data, starts, ends - starts, None, vocab_size=vocab_size, eos=None)
+    dataset = _split_documents(data, separator=separator, vocab_size=vocab_size, where=repr(str(path)))
+    if index is not None and index["documents"] != len(dataset):
+        raise ValueError(f"path: {str(path)!r} holds {len(dataset)} documents, its index says {index['documents']} "
+                         "(a stale index: prepare the file again)")
+    return dataset
+
+
+def load_npy(path: Union[str, os.PathLike], *, separator: int, vocab_size: int,
+             dtype: Optional[str] = None) -> TokenDataset:
+    """A .npy file holding a 1-D integer array of token ids, memory-mapped (np.load with
+    mmap_mode="r"), split into documents at `separator` like load_token_file (ids must be
+    in 0..vocab_size-1). `dtype`, when given, must be the array's (e.g. "int32")."""
+    path = _existing(path)
+    if not path.is_file():
+        raise ValueError(f"path: {str(path)!r} is not a regular file")
+    try:
+        data = np.load(path, mmap_mode="r", allow_pickle=False)
+    except ValueError as err:
+        raise ValueError(f"path: {str(path)!r} is not a .npy array of token ids ({err})") from err
+    if not isinstance(data, np.ndarray) or data.ndim != 1 or data.dtype.kind not in "iu":
+        what = f"a {data.ndim}-D {data.dtype} array" if isinstance(data, np.ndarray) else type(data).__name__
+        raise ValueError(f"path: {str(path)!r} holds {what}; expected a 1-D integer array of token ids")
+    if dtype is not None and dtype != data.dtype.name:
+        raise ValueError(f"dtype: {dtype!r} was given, {str(path)!r} holds {data.dtype.name}")
+    if not len(data):
+        raise ValueError(f"path: {str(path)!r} is empty")
+    return _split_documents(data, separator=separator, vocab_size=vocab_size, where=repr(str(path)))
 
 
 def load_corpus(path: Union[str, os.PathLike, None] = None, *, separator: Optional[int] = None,
                 vocab_size: Optional[int] = None, dtype: Optional[str] = None) -> TokenDataset:
-    """load_stdlib() when path is None, load_text_dir(path) for a directory, otherwise
-    load_token_file(path, separator=, vocab_size=, dtype=) (both then required)."""
+    """load_stdlib() when path is None, load_text_dir(path) for a directory, load_npy for a
+    .npy file, otherwise load_token_file(path, separator=, vocab_size=, dtype=) (separator
+    and vocab_size then required, from the arguments or the file's index)."""
     if path is None:
         return load_stdlib()
     if _existing(path).is_dir():
         return load_text_dir(path)
-    if separator is None or vocab_size is None:
-        raise ValueError(f"separator, vocab_size: required for the token file {str(path)!r}")
+    if Path(path).suffix.lower() == ".npy":
+        if separator is None or vocab_size is None:
+            raise ValueError(f"separator, vocab_size: required for the .npy file {str(path)!r}")
+        return load_npy(path, separator=separator, vocab_size=vocab_size, dtype=dtype)
     return load_token_file(path, separator=separator, vocab_size=vocab_size, dtype=dtype)
 
 
@@ -419,3 +541,349 @@ class Sampler:
         order = self._epoch_order(epoch)
         offset = check_positive_int("state['offset']", state["offset"], 0, self.dataset.doc_len(int(order[index])) - 1)
         self.epoch, self.index, self.offset, self._order = epoch, index, offset, order
+
+
+# ----------------------------------------------------------------------------------------
+# 4. Blends: weighted sources, one source per micro-batch
+# ----------------------------------------------------------------------------------------
+
+
+def _where(name: str, path: Optional[str]) -> str:
+    """How errors name a source: data: source 'code' (data/code.u32)."""
+    return f"data: source {name!r}" + (f" ({path})" if path is not None else "")
+
+
+@contextlib.contextmanager
+def _naming(where: str):
+    """Prefix the ValueError / FileNotFoundError raised inside with `where` (the source)."""
+    try:
+        yield
+    except (ValueError, FileNotFoundError) as err:
+        raise (FileNotFoundError if isinstance(err, FileNotFoundError) else ValueError)(f"{where}: {err}") from err
+
+
+def _json_entries(path: Path) -> list[dict]:
+    """The raw entries of a JSON blend file, relative paths made relative to its directory."""
+    if not path.is_file():
+        raise FileNotFoundError(f"data: blend file {str(path)!r} does not exist")
+    try:
+        entries = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"data: blend file {str(path)!r} is not valid JSON ({err})") from err
+    if not isinstance(entries, list) or not entries or not all(isinstance(e, dict) for e in entries):
+        raise ValueError(f"data: blend file {str(path)!r}: expected a non-empty JSON list of objects "
+                         '{"path": ..., "weight": ...}')
+    resolved = []
+    for i, entry in enumerate(entries):
+        missing, unknown = {"path", "weight"} - entry.keys(), entry.keys() - set(_BLEND_KEYS)
+        if missing or unknown:
+            raise ValueError(f"data: blend file {str(path)!r}, entry {i}: "
+                             + (f"missing {sorted(missing)}" if missing else f"unknown keys {sorted(unknown)} (known: {list(_BLEND_KEYS)})"))
+        if isinstance(entry["path"], str) and entry["path"] and not os.path.isabs(entry["path"]):
+            entry = {**entry, "path": str(path.parent / entry["path"])}
+        resolved.append(entry)
+    return resolved
+
+
+def _short_entries(spec: str) -> list[dict]:
+    """The raw entries of "0.7:path/a,0.3:path/b" (the first colon of each entry splits)."""
+    entries = []
+    for item in spec.split(","):
+        weight, colon, path = item.partition(":")
+        if not colon or not path.strip():
+            raise ValueError(f"data: blend entry {item.strip()!r} of {spec!r}: expected WEIGHT:PATH, "
+                             "e.g. '0.7:data/code.u32,0.3:data/web.u32'")
+        try:
+            weight = float(weight)
+        except ValueError:
+            weight = weight.strip()  # refused, with the source's name, by _checked_entry
+        entries.append({"path": path.strip(), "weight": weight})
+    return entries
+
+
+def _checked_entry(entry: dict, origin: str) -> dict:
+    """One blend entry with all of _BLEND_KEYS: name defaults to the path's file or directory
+    name, weight a float > 0, the per-source options None when not given."""
+    path = entry["path"]
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"data: blend {origin}: path must be a non-empty string, got {path!r}")
+    name = entry.get("name", Path(path).resolve().name or path)
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"data: source at {path}: name must be a non-empty string, got {name!r}")
+    weight = entry["weight"]
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+        raise ValueError(f"{_where(name, path)}: weight must be a finite number, got {weight!r}")
+    if weight <= 0:
+        raise ValueError(f"{_where(name, path)}: weight must be > 0, got {weight:g}")
+    return {**{key: None for key in _BLEND_KEYS}, **entry, "name": name, "weight": float(weight)}
+
+
+def parse_blend(spec: Union[str, os.PathLike]) -> list[dict]:
+    """The sources of a data blend, each a dict with keys name, path, weight (a float > 0,
+    not normalised) and separator, dtype, vocab_size (None unless given).
+
+    `spec` is one of
+        "blend.json"              a JSON list of objects with "path" and "weight" and
+                                  optionally "name", "separator", "dtype", "vocab_size";
+                                  relative paths are relative to the JSON file's directory
+        "0.7:data/a,0.3:b.u32"    weight:path entries, comma-separated (cwd-relative paths)
+        "data/a" or "tokens.u32"  one source of weight 1 (an existing path, or one with no
+                                  ':' or ',')
+    A source's name defaults to its path's file or directory name; names must be unique
+    (use "name" in a JSON blend to tell apart files of one name).
+
+    >>> parse_blend("3:web.u32,1:code")[1]["name"], parse_blend("3:web.u32,1:code")[1]["weight"]
+    ('code', 1.0)
+    """
+    if not isinstance(spec, (str, os.PathLike)) or not str(spec).strip():
+        raise ValueError(f"spec: expected a blend (a path, a .json file or 'WEIGHT:PATH,...'), got {spec!r}")
+    spec = str(spec).strip()
+    plain = os.path.exists(spec) or not {",", ":"} & set(spec)
+    if plain and spec.lower().endswith(".json"):
+        origin, entries = repr(spec), _json_entries(Path(spec))
+    elif plain:
+        origin, entries = repr(spec), [{"path": spec, "weight": 1.0}]
+    else:
+        origin, entries = repr(spec), _short_entries(spec)
+    entries = [_checked_entry(e, origin) for e in entries]
+    names = [e["name"] for e in entries]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"data: blend {origin}: duplicate source names {duplicates} "
+                         '(give each source its own "name" in a JSON blend)')
+    return entries
+
+
+class Blend:
+    """Weighted sources of documents, the data of a run; BlendSampler draws each
+    micro-batch from one source so that each source's share of the micro-batches tracks
+    its weight.
+
+    Args:
+        datasets: one TokenDataset per source (a split's validation part may be empty).
+        names: unique source names (checkpoints and per-source metrics use them).
+        weights: one number > 0 per source; stored normalised to sum 1.
+        paths: where each source was read from (named in errors), or None.
+
+    The blend's vocab_size is the largest of its sources'. Token sources may differ there
+    (ids of one tokenizer below a padded vocab_size), but byte-token sources (eos set,
+    BYTE_VOCAB_SIZE) and sources of another vocabulary are refused together: the same id
+    would mean a byte in one and a word piece in the other.
+    """
+
+    def __init__(self, datasets: Sequence[TokenDataset], names: Sequence[str], weights: Sequence[float],
+                 paths: Optional[Sequence[Optional[str]]] = None):
+        self.datasets, self.names = list(datasets), list(names)
+        self.paths = list(paths) if paths is not None else [None] * len(self.datasets)
+        if not self.datasets or not len(self.datasets) == len(self.names) == len(weights) == len(self.paths):
+            raise ValueError(f"datasets, names, weights, paths: expected one entry per source, got {len(self.datasets)}, "
+                             f"{len(self.names)}, {len(weights)}, {len(self.paths)}")
+        if len(set(self.names)) != len(self.names):
+            raise ValueError(f"names: expected unique source names, got {self.names}")
+        if not all(isinstance(w, (int, float)) and math.isfinite(w) and w > 0 for w in weights):
+            raise ValueError(f"weights: expected finite numbers > 0, got {list(weights)}")
+        self.weights = [float(w) / math.fsum(weights) for w in weights]
+        self._check_vocabularies()
+        self.vocab_size = max(d.vocab_size for d in self.datasets)
+
+    def _check_vocabularies(self) -> None:
+        byte = [i for i, d in enumerate(self.datasets) if d.eos is not None]
+        if byte:
+            b = byte[0]
+            other = [i for i, d in enumerate(self.datasets) if d.vocab_size != self.datasets[b].vocab_size]
+            if other:
+                o = other[0]
+                raise ValueError(f"{self.where(b)} holds byte tokens (vocab_size {self.datasets[b].vocab_size}) and "
+                                 f"{self.where(o)} token ids of vocab_size {self.datasets[o].vocab_size}: the same id "
+                                 "would mean different things; tokenize both with one tokenizer (python -m fmoe.train.prepare)")
+
+    def where(self, i: int) -> str:
+        """Source i as errors name it: data: source 'code' (data/code.u32)."""
+        return _where(self.names[i], self.paths[i])
+
+    def __len__(self) -> int:
+        """Documents in all sources."""
+        return sum(len(d) for d in self.datasets)
+
+    @property
+    def n_tokens(self) -> int:
+        """Tokens in all sources' documents (EOS included)."""
+        return sum(d.n_tokens for d in self.datasets)
+
+    def split(self, val_percent: int) -> tuple["Blend", "Blend"]:
+        """(train, validation) blends of the same names and weights: each source split by
+        TokenDataset.split(val_percent). A source left with no training documents is refused."""
+        check_positive_int("val_percent", val_percent, 0, 100)
+        parts = [d.split(val_percent) for d in self.datasets]
+        for i, (train, _) in enumerate(parts):
+            if not len(train):
+                raise ValueError(f"{self.where(i)}: no training documents after the split "
+                                 f"(val_percent={val_percent} puts all {len(self.datasets[i])} of its documents in validation)")
+        return (Blend([t for t, _ in parts], self.names, self.weights, self.paths),
+                Blend([v for _, v in parts], self.names, self.weights, self.paths))
+
+    def validation_sources(self, n_batches: int) -> list[str]:
+        """The source name of each of validation_batches(..., n_batches)'s batches."""
+        return [self.names[i] for i in _blend_schedule(self.weights, n_batches)]
+
+    def validation_batches(self, tokens: int, n_batches: int, *, mtp_depth: int = 0) -> list[TensorDict]:
+        """n_batches micro-batches of `tokens` tokens, the source of each picked by the
+        greedy rule (BlendSampler) and its batches the source's first ones in stored order
+        (TokenDataset.validation_batches); the same list on every call. One source: exactly
+        its validation_batches."""
+        check_positive_int("tokens", tokens)
+        order = _blend_schedule(self.weights, check_positive_int("n_batches", n_batches))
+        per_source = []
+        for i, dataset in enumerate(self.datasets):
+            k = order.count(i)
+            if k and not len(dataset):
+                raise ValueError(f"{self.where(i)}: no validation documents for its {k} of the {n_batches} "
+                                 "validation batches (raise val_percent, or give the source more documents)")
+            with _naming(self.where(i)):
+                per_source.append(iter(dataset.validation_batches(tokens, k, mtp_depth=mtp_depth) if k else []))
+        return [next(per_source[i]) for i in order]
+
+
+def load_blend(spec: Union[str, os.PathLike, None] = None, *, separator: Optional[int] = None,
+               vocab_size: Optional[int] = None, dtype: Optional[str] = None) -> Blend:
+    """The Blend of parse_blend(spec), each source read by load_corpus: a directory as byte
+    tokens, a .npy file, or a token file (its index gives separator, vocab_size and dtype).
+    separator, vocab_size and dtype apply to every source whose entry does not set them.
+    None or "": the embedded stdlib corpus as the one source "stdlib". Every error names the
+    source: data: source 'code' (data/code.u32): ..."""
+    if spec is None or not str(spec).strip():
+        return Blend([load_stdlib()], ["stdlib"], [1.0])
+    entries = parse_blend(spec)
+    datasets = []
+    for e in entries:
+        with _naming(_where(e["name"], e["path"])):
+            datasets.append(load_corpus(
+                e["path"], separator=e["separator"] if e["separator"] is not None else separator,
+                vocab_size=e["vocab_size"] if e["vocab_size"] is not None else vocab_size,
+                dtype=e["dtype"] if e["dtype"] is not None else dtype))
+    return Blend(datasets, [e["name"] for e in entries], [e["weight"] for e in entries], [e["path"] for e in entries])
+
+
+def _next_source(weights: Sequence[float], drawn: Sequence[int]) -> int:
+    """Megatron's greedy blending: the source furthest below its share after one more draw,
+    argmax_i weights[i] * (n + 1) - drawn[i] with n = sum(drawn), ties to the lowest index.
+    Every prefix of n draws then holds about weights[i] * n batches of source i: within
+    1/2 for two sources, within 1 for three, a little more with many small weights."""
+    n = sum(drawn)
+    scores = [w * (n + 1) - c for w, c in zip(weights, drawn)]
+    return scores.index(max(scores))
+
+
+def _blend_schedule(weights: Sequence[float], n: int) -> list[int]:
+    """The sources of the first n greedy draws."""
+    drawn, order = [0] * len(weights), []
+    for _ in range(n):
+        i = _next_source(weights, drawn)
+        drawn[i] += 1
+        order.append(i)
+    return order
+
+
+def _source_seed(seed: int, name: str) -> int:
+    """A 63-bit sampler seed for a blend's source (not its first) from (seed, name)."""
+    digest = hashlib.sha256(f"{seed}:source:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+class BlendSampler:
+    """Deterministic, resumable stream of packed micro-batches over a Blend.
+
+    Each micro-batch comes whole from one source, the one the greedy rule picks
+    (_next_source: the realised shares track the weights within about one micro-batch at
+    every prefix, the same on every run). Each source has its own Sampler: the first source's uses `seed`,
+    the others a seed drawn from (seed, source name). A one-source blend therefore gives
+    exactly Sampler(dataset, tokens_per_batch, seed=seed)'s batches.
+
+    Args:
+        blend: the (training) Blend; every source must have documents.
+        tokens_per_batch, seed, mtp_depth, shuffle: as for Sampler.
+
+    After next_batch, `last_source` is the name of the batch's source; `batches` and
+    `tokens` count the micro-batches and tokens drawn from each source (tokens_by_source()).
+    """
+
+    def __init__(self, blend: Blend, tokens_per_batch: int, *, seed: int, mtp_depth: int = 0, shuffle: bool = True):
+        if not isinstance(blend, Blend):
+            raise ValueError(f"blend: expected a Blend, got {type(blend).__name__}")
+        self.blend = blend
+        self.tokens_per_batch = check_positive_int("tokens_per_batch", tokens_per_batch)
+        self.seed = check_positive_int("seed", seed, 0)
+        self.mtp_depth = check_positive_int("mtp_depth", mtp_depth, 0)
+        self.shuffle = shuffle
+        self.samplers = self._fresh_samplers()
+        self.batches = [0] * len(blend.names)
+        self.tokens = [0] * len(blend.names)
+        self.last_source: Optional[str] = None
+
+    def _fresh_samplers(self) -> list[Sampler]:
+        samplers = []
+        for i, (name, dataset) in enumerate(zip(self.blend.names, self.blend.datasets)):
+            with _naming(self.blend.where(i)):
+                samplers.append(Sampler(dataset, self.tokens_per_batch, seed=self.seed if i == 0 else _source_seed(self.seed, name),
+                                        mtp_depth=self.mtp_depth, shuffle=self.shuffle))
+        return samplers
+
+    def next_batch(self) -> TensorDict:
+        """The next micro-batch (make_batch's keys), from the source the greedy rule picks."""
+        i = _next_source(self.blend.weights, self.batches)
+        batch = self.samplers[i].next_batch()
+        self.batches[i] += 1
+        self.tokens[i] += self.tokens_per_batch
+        self.last_source = self.blend.names[i]
+        return batch
+
+    def __iter__(self) -> Iterator[TensorDict]:
+        return self
+
+    def __next__(self) -> TensorDict:
+        return self.next_batch()
+
+    def tokens_by_source(self) -> dict[str, int]:
+        """Tokens drawn from each source so far (across resumes), by name."""
+        return dict(zip(self.blend.names, self.tokens))
+
+    def state_dict(self) -> dict:
+        """Where the stream stands: every source's Sampler state and draw counts, plus the
+        seed, names and weights the state is valid for."""
+        return dict(seed=self.seed, names=list(self.blend.names), weights=list(self.blend.weights),
+                    batches=list(self.batches), tokens=list(self.tokens),
+                    samplers=[s.state_dict() for s in self.samplers])
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from state_dict() of a BlendSampler over the same blend (names, weights,
+        seed and documents; tokens_per_batch and mtp_depth may differ). A one-source blend
+        also takes a plain Sampler.state_dict() (its draw counts then start at 0). Nothing
+        changes when the state is refused."""
+        n = len(self.blend.names)
+        samplers = self._fresh_samplers()
+        if "epoch" in state:  # a Sampler's state: a run from before blends
+            if n != 1:
+                raise ValueError(f"state: a single Sampler's state, this blend has {n} sources {self.blend.names}")
+            with _naming(self.blend.where(0)):
+                samplers[0].load_state_dict(state)
+            self.samplers, self.batches, self.tokens = samplers, [0], [0]
+            return
+        missing = [k for k in ("seed", "names", "weights", "batches", "tokens", "samplers") if k not in state]
+        if missing:
+            raise ValueError(f"state: missing keys {missing}")
+        if list(state["names"]) != self.blend.names:
+            raise ValueError(f"state: sources {list(state['names'])}, this blend has {self.blend.names}")
+        for name, theirs, mine in zip(self.blend.names, state["weights"], self.blend.weights):
+            if not math.isclose(theirs, mine, rel_tol=1e-9):
+                raise ValueError(f"state: source {name!r} has weight {theirs:g}, this blend gives it {mine:g}")
+        if state["seed"] != self.seed:
+            raise ValueError(f"state: seed is {state['seed']!r}, this sampler has {self.seed!r}")
+        for key in ("batches", "tokens", "samplers"):
+            if len(state[key]) != n:
+                raise ValueError(f"state: {key} has {len(state[key])} entries, this blend has {n} sources")
+        batches = [check_positive_int(f"state['batches'][{i}]", b, 0) for i, b in enumerate(state["batches"])]
+        tokens = [check_positive_int(f"state['tokens'][{i}]", t, 0) for i, t in enumerate(state["tokens"])]
+        for i, sampler in enumerate(samplers):
+            with _naming(self.blend.where(i)):
+                sampler.load_state_dict(state["samplers"][i])
+        self.samplers, self.batches, self.tokens = samplers, batches, tokens

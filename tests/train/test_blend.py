@@ -1,0 +1,378 @@
+"""fmoe.train.data blends: specs, sources (.npy, indexed token files), the greedy BlendSampler."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from fmoe.train.data import (
+    BYTE_VOCAB_SIZE, Blend, BlendSampler, Sampler, TokenDataset, load_blend, load_corpus, load_npy,
+    load_text_dir, load_token_file, parse_blend,
+)
+from tests.train.test_data import _same, _synthetic
+
+
+def _source(k, n_docs=9, vocab_size=100):
+    """Token documents (no EOS) of ids k*30 .. k*30+29 only, so a batch's ids name its source."""
+    rng = np.random.default_rng(k)
+    lengths = rng.integers(1, 12, n_docs)
+    data = (k * 30 + rng.integers(0, 30, int(lengths.sum()))).astype(np.uint16)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    return TokenDataset(data, starts, lengths, None, vocab_size=vocab_size, eos=None)
+
+
+def _blend(weights, names=None):
+    names = names or [f"s{k}" for k in range(len(weights))]
+    return Blend([_source(k) for k in range(len(weights))], names, weights)
+
+
+def _write_tokens(path, tokens, dtype="uint16", index=None):
+    """tokens -> a flat token file; index: the fields of its .index.json (None: no index)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.asarray(tokens, dtype=dtype).tofile(path)
+    if index is not None:
+        (path.parent / (path.name + ".index.json")).write_text(json.dumps(index))
+    return path
+
+
+# ---------------------------------------------------------------- one source == Sampler
+
+
+def test_one_source_is_the_sampler():
+    ds = _synthetic()
+    blend = Blend([ds], ["only"], [3.0])
+    assert blend.weights == [1.0] and len(blend) == len(ds) and blend.n_tokens == ds.n_tokens
+    plain, blended = Sampler(ds, 32, seed=5, mtp_depth=1), BlendSampler(blend, 32, seed=5, mtp_depth=1)
+    assert blended.last_source is None
+    for _ in range(15):
+        a, b = plain.next_batch(), blended.next_batch()
+        assert a.keys() == b.keys() and _same(a, b)
+    assert blended.last_source == "only" and blended.tokens_by_source() == {"only": 15 * 32}
+    assert blended.state_dict()["samplers"] == [plain.state_dict()]
+    # a plain Sampler's state (a checkpoint from before blends) resumes the same stream
+    resumed = BlendSampler(blend, 32, seed=5, mtp_depth=1)
+    resumed.load_state_dict(plain.state_dict())
+    assert all(_same(plain.next_batch(), resumed.next_batch()) for _ in range(5))
+    # and validation is the dataset's own
+    train, val = blend.split(30)
+    v_plain = ds.split(30)[1].validation_batches(8, 3, mtp_depth=1)
+    assert all(_same(a, b) for a, b in zip(val.validation_batches(8, 3, mtp_depth=1), v_plain))
+    assert train.names == val.names == ["only"] and val.validation_sources(3) == ["only"] * 3
+
+
+def test_one_source_spec_is_load_corpus(tmp_path):
+    (tmp_path / "texts").mkdir()
+    for i in range(6):
+        (tmp_path / "texts" / f"f{i}.txt").write_text(f"document {i} " * (i + 1))
+    blend = load_blend(str(tmp_path / "texts"))
+    assert blend.names == ["texts"] and blend.vocab_size == BYTE_VOCAB_SIZE
+    ds = load_text_dir(tmp_path / "texts")
+    plain, blended = Sampler(ds, 16, seed=2), BlendSampler(blend, 16, seed=2)
+    assert all(_same(plain.next_batch(), blended.next_batch()) for _ in range(8))
+
+
+def test_default_is_stdlib():
+    blend = load_blend("")
+    assert blend.names == ["stdlib"] and blend.paths == [None] and blend.vocab_size == BYTE_VOCAB_SIZE
+    assert len(blend) > 100 and "json/__init__.py" in blend.datasets[0].names
+
+
+# ---------------------------------------------------------------- greedy blending
+
+
+@pytest.mark.parametrize("weights", [[7, 3], [0.5, 0.3, 0.2], [1, 1, 5]])
+def test_shares_track_weights(weights):
+    blend = _blend(weights)
+    sampler = BlendSampler(blend, 8, seed=0)
+    counts = dict.fromkeys(blend.names, 0)
+    for n in range(1, 301):
+        batch = sampler.next_batch()
+        counts[sampler.last_source] += 1
+        k = blend.names.index(sampler.last_source)
+        assert ((batch["input_ids"] >= 30 * k) & (batch["input_ids"] < 30 * k + 30)).all()  # one source per batch
+        for name, w in zip(blend.names, blend.weights):
+            assert abs(counts[name] - w * n) <= 1, (n, counts)
+    assert sampler.batches == list(counts.values()) and sampler.tokens == [8 * c for c in counts.values()]
+
+
+def test_ties_go_to_the_first_source():
+    sampler = BlendSampler(_blend([1, 1]), 4, seed=0)
+    order = []
+    for _ in range(6):
+        sampler.next_batch()
+        order.append(sampler.last_source)
+    assert order == ["s0", "s1"] * 3
+
+
+def test_determinism_and_seeds():
+    blend = _blend([0.6, 0.4])
+    a, b, c = (BlendSampler(blend, 16, seed=s) for s in (3, 3, 4))
+    xs, ys, zs = ([s.next_batch() for _ in range(12)] for s in (a, b, c))
+    assert all(_same(x, y) for x, y in zip(xs, ys))
+    assert not all(_same(x, z) for x, z in zip(xs, zs))
+    # the second source's stream is not the first seed's: its own Sampler, its own seed
+    assert BlendSampler(blend, 16, seed=3).samplers[1].seed not in (3, 4)
+
+
+def test_resume_mid_stream():
+    blend = _blend([0.5, 0.3, 0.2])
+    full = BlendSampler(blend, 10, seed=7, mtp_depth=1)
+    batches, sources = [], []
+    for _ in range(25):
+        batches.append(full.next_batch())
+        sources.append(full.last_source)
+    part = BlendSampler(blend, 10, seed=7, mtp_depth=1)
+    for _ in range(11):
+        part.next_batch()
+    state = part.state_dict()
+    assert any(s["offset"] > 0 for s in state["samplers"])  # resumes inside a document
+    fresh = BlendSampler(blend, 10, seed=7, mtp_depth=1)
+    fresh.load_state_dict(state)
+    for batch, source in zip(batches[11:], sources[11:]):
+        assert _same(fresh.next_batch(), batch) and fresh.last_source == source
+    assert fresh.tokens_by_source() == full.tokens_by_source()
+
+
+def test_state_of_another_blend_refused():
+    blend = _blend([0.5, 0.5])
+    sampler = BlendSampler(blend, 8, seed=1)
+    sampler.next_batch()
+    state = sampler.state_dict()
+    with pytest.raises(ValueError, match=r"state: sources \['s0', 's1'\], this blend has \['s0', 'x'\]"):
+        BlendSampler(_blend([0.5, 0.5], ["s0", "x"]), 8, seed=1).load_state_dict(state)
+    with pytest.raises(ValueError, match="state: source 's0' has weight 0.5, this blend gives it 0.75"):
+        BlendSampler(_blend([3, 1]), 8, seed=1).load_state_dict(state)
+    with pytest.raises(ValueError, match="state: seed is 1, this sampler has 2"):
+        BlendSampler(blend, 8, seed=2).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"state: a single Sampler's state, this blend has 2 sources"):
+        BlendSampler(blend, 8, seed=1).load_state_dict(state["samplers"][0])
+    with pytest.raises(ValueError, match="missing keys"):
+        sampler.load_state_dict({"names": ["s0", "s1"]})
+    other_docs = Blend([_source(0), _source(1, n_docs=4)], ["s0", "s1"], [1, 1])
+    target = BlendSampler(other_docs, 8, seed=1)
+    with pytest.raises(ValueError, match="data: source 's1': state: n_documents is 9, this sampler has 4"):
+        target.load_state_dict(state)
+    assert target.batches == [0, 0] and target.samplers[0].state_dict()["index"] == 0  # nothing changed
+
+
+# ---------------------------------------------------------------- validation
+
+
+def test_validation_batches():
+    blend = Blend([_synthetic(seed=1), _synthetic(seed=2)], ["a", "b"], [2, 1])
+    _, val = blend.split(40)
+    v1, v2 = val.validation_batches(6, 5, mtp_depth=1), val.validation_batches(6, 5, mtp_depth=1)
+    assert len(v1) == 5 and all(_same(x, y) for x, y in zip(v1, v2))
+    sources = val.validation_sources(5)
+    assert sources == ["a", "b", "a", "a", "b"]
+    for name, dataset in zip(val.names, val.datasets):  # each source's first batches, in order
+        mine = [b for b, s in zip(v1, sources) if s == name]
+        assert all(_same(x, y) for x, y in zip(mine, dataset.validation_batches(6, len(mine), mtp_depth=1)))
+
+
+def test_validation_errors():
+    blend = Blend([_synthetic(seed=1), _synthetic(n_docs=2, seed=2)], ["big", "tiny"], [1, 1])
+    _, val = blend.split(30)
+    assert len(val.datasets[0]) and not len(val.datasets[1])
+    with pytest.raises(ValueError, match="data: source 'tiny': no validation documents"):
+        val.validation_batches(4, 2)
+    assert len(val.validation_batches(4, 1)) == 1  # one batch: only 'big' is drawn
+    with pytest.raises(ValueError, match="data: source 'big': n_batches: 100 batches"):
+        blend.validation_batches(64, 200)
+
+
+# ---------------------------------------------------------------- specs
+
+
+def test_json_spec(tmp_path):
+    _write_tokens(tmp_path / "data" / "web.u16", [5, 6, 0, 7, 0])
+    _write_tokens(tmp_path / "data" / "code.u16", [3, 0, 8, 9, 0, 4])
+    spec = tmp_path / "blends" / "mix.json"
+    spec.parent.mkdir()
+    spec.write_text(json.dumps([
+        {"path": "../data/web.u16", "weight": 3, "separator": 0, "vocab_size": 10},
+        {"name": "code", "path": str(tmp_path / "data" / "code.u16"), "weight": 1, "separator": 0, "vocab_size": 12},
+    ]))
+    entries = parse_blend(str(spec))
+    assert [e["name"] for e in entries] == ["web.u16", "code"]
+    assert entries[0]["path"] == str(spec.parent / "../data/web.u16") and entries[0]["weight"] == 3.0
+    assert entries[1]["dtype"] is None and set(entries[1]) == {"name", "path", "weight", "separator", "dtype", "vocab_size"}
+    blend = load_blend(spec)
+    assert blend.names == ["web.u16", "code"] and blend.weights == [0.75, 0.25] and blend.vocab_size == 12
+    assert [blend.datasets[1].document(i).tolist() for i in range(3)] == [[3, 0], [8, 9, 0], [4]]
+
+
+def test_short_spec(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _write_tokens(tmp_path / "data" / "a.u16", [1, 2, 0])
+    _write_tokens(tmp_path / "data" / "b.u16", [3, 0])
+    entries = parse_blend("0.7:data/a.u16, 0.3:data/b.u16")
+    assert [(e["name"], e["path"], e["weight"]) for e in entries] == [("a.u16", "data/a.u16", 0.7), ("b.u16", "data/b.u16", 0.3)]
+    blend = load_blend("0.7:data/a.u16,0.3:data/b.u16", separator=0, vocab_size=5)
+    assert blend.names == ["a.u16", "b.u16"] and blend.paths == ["data/a.u16", "data/b.u16"]
+    # a plain path, with or without a trailing slash, is one source of weight 1
+    assert [(e["name"], e["weight"]) for e in parse_blend("data/a.u16")] == [("a.u16", 1.0)]
+    assert [(e["name"], e["path"]) for e in parse_blend("data/")] == [("data", "data/")]
+
+
+def test_duplicate_names_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"duplicate source names \['a.u16'\]"):
+        parse_blend("1:x/a.u16,1:y/a.u16")
+    spec = tmp_path / "b.json"
+    spec.write_text(json.dumps([{"path": "x", "weight": 1, "name": "n"}, {"path": "y", "weight": 1, "name": "n"}]))
+    with pytest.raises(ValueError, match=r"duplicate source names \['n'\]"):
+        parse_blend(spec)
+
+
+# ---------------------------------------------------------------- sources: .npy and indexed token files
+
+
+@pytest.mark.parametrize("dtype", ["int32", "uint16", "int64"])
+def test_npy_source(tmp_path, dtype):
+    path = tmp_path / "tokens.npy"
+    np.save(path, np.array([4, 5, 1, 6, 1, 7], dtype=dtype))
+    for ds in (load_npy(path, separator=1, vocab_size=8), load_corpus(path, separator=1, vocab_size=8)):
+        assert isinstance(ds.data, np.memmap) and ds.vocab_size == 8
+        assert [ds.document(i).tolist() for i in range(len(ds))] == [[4, 5, 1], [6, 1], [7]]
+    assert load_blend(f"1:{path}", separator=1, vocab_size=8).names == ["tokens.npy"]
+
+
+def test_npy_errors(tmp_path):
+    path = tmp_path / "t.npy"
+    np.save(path, np.array([4, -3, 1], dtype=np.int32))
+    with pytest.raises(ValueError, match="path: token -3 at index 1 of .*t.npy.* is negative"):
+        load_npy(path, separator=1, vocab_size=8)
+    np.save(path, np.array([4, 9, 1], dtype=np.int32))
+    with pytest.raises(ValueError, match="vocab_size: token 9 at index 1 of .*t.npy"):
+        load_npy(path, separator=1, vocab_size=8)
+    with pytest.raises(ValueError, match="separator"):
+        load_npy(path, separator=8, vocab_size=8)
+    with pytest.raises(ValueError, match="dtype: 'uint16' was given, .*holds int32"):
+        load_npy(path, separator=1, vocab_size=10, dtype="uint16")
+    with pytest.raises(ValueError, match="separator, vocab_size: required for the .npy file"):
+        load_corpus(path)
+    np.save(path, np.zeros((2, 3), dtype=np.int32))
+    with pytest.raises(ValueError, match="holds a 2-D int32 array; expected a 1-D integer array"):
+        load_npy(path, separator=1, vocab_size=8)
+    np.save(path, np.zeros(3, dtype=np.float32))
+    with pytest.raises(ValueError, match="holds a 1-D float32 array"):
+        load_npy(path, separator=1, vocab_size=8)
+    np.save(path, np.zeros(0, dtype=np.int32))
+    with pytest.raises(ValueError, match="t.npy.* is empty"):
+        load_npy(path, separator=1, vocab_size=8)
+    path.write_bytes(b"not an array")
+    with pytest.raises(ValueError, match="is not a .npy array of token ids"):
+        load_npy(path, separator=1, vocab_size=8)
+
+
+def test_index_defaults(tmp_path):
+    index = {"documents": 3, "tokens": 6, "dtype": "uint32", "separator": 0, "vocab_size": 50}
+    path = _write_tokens(tmp_path / "prepared.bin", [5, 0, 49, 7, 0, 8], "uint32", index)
+    for ds in (load_token_file(path), load_corpus(path), load_blend(str(path)).datasets[0],
+               load_token_file(path, separator=0, vocab_size=50, dtype="uint32")):
+        assert ds.vocab_size == 50 and [ds.document(i).tolist() for i in range(3)] == [[5, 0], [49, 7, 0], [8]]
+    assert load_token_file(path, vocab_size=64).vocab_size == 64  # a padded vocabulary still holds every id
+
+
+def test_index_conflicts(tmp_path):
+    index = {"documents": 3, "tokens": 6, "dtype": "uint16", "separator": 0, "vocab_size": 50}
+    path = _write_tokens(tmp_path / "p.u16", [5, 0, 49, 7, 0, 8], "uint16", index)
+    with pytest.raises(ValueError, match=r"separator: 7 was given, the index .*p.u16.index.json.* says 0"):
+        load_token_file(path, separator=7)
+    with pytest.raises(ValueError, match="vocab_size: 40 was given, the index .* says 50"):
+        load_corpus(path, vocab_size=40)
+    with pytest.raises(ValueError, match="dtype: 'uint32' was given, the index .* says 'uint16'"):
+        load_token_file(path, dtype="uint32")
+    with pytest.raises(ValueError, match="data: source 'p.u16' .*p.u16.: separator: 7 was given"):
+        load_blend(f"1:{path}", separator=7)
+    for stale, message in (({"tokens": 7}, "holds 6 tokens, its index says 7"), ({"documents": 2}, "holds 3 documents, its index says 2")):
+        _write_tokens(path, [5, 0, 49, 7, 0, 8], "uint16", {**index, **stale})
+        with pytest.raises(ValueError, match=f"{message} \\(a stale index"):
+            load_token_file(path)
+    (tmp_path / "p.u16.index.json").write_text("{not json")
+    with pytest.raises(ValueError, match="index .* is not valid JSON"):
+        load_token_file(path)
+    (tmp_path / "p.u16.index.json").write_text(json.dumps({"tokens": 6}))
+    with pytest.raises(ValueError, match=r"lacks the fields \['documents', 'dtype', 'separator', 'vocab_size'\]"):
+        load_token_file(path)
+
+
+# ---------------------------------------------------------------- bad inputs name their source
+
+
+def test_bad_weights(tmp_path):
+    with pytest.raises(ValueError, match=r"data: source 'code.bin' \(path/to/code.bin\): weight must be > 0, got 0"):
+        parse_blend("0:path/to/code.bin,1:b")
+    with pytest.raises(ValueError, match=r"data: source 'b' \(b\): weight must be > 0, got -1"):
+        parse_blend("1:a,-1:b")
+    with pytest.raises(ValueError, match="data: source 'a' .*weight must be a finite number, got 'heavy'"):
+        parse_blend("heavy:a")
+    with pytest.raises(ValueError, match="data: source 'a' .*weight must be a finite number, got inf"):
+        parse_blend("inf:a")
+    spec = tmp_path / "w.json"
+    spec.write_text(json.dumps([{"name": "code", "path": "c.bin", "weight": "0.5"}]))
+    with pytest.raises(ValueError, match=r"data: source 'code' \(.*c.bin\): weight must be a finite number, got '0.5'"):
+        parse_blend(spec)
+
+
+def test_bad_specs(tmp_path):
+    with pytest.raises(ValueError, match="spec: expected a blend"):
+        parse_blend("  ")
+    with pytest.raises(ValueError, match="blend entry 'b' of '0.5:a,b': expected WEIGHT:PATH"):
+        parse_blend("0.5:a,b")
+    with pytest.raises(ValueError, match="blend entry '0.5:' .*expected WEIGHT:PATH"):
+        parse_blend("0.5:")
+    with pytest.raises(FileNotFoundError, match="blend file .*nope.json.* does not exist"):
+        parse_blend(str(tmp_path / "nope.json"))
+    spec = tmp_path / "b.json"
+    for content, message in (("[{", "is not valid JSON"), ("{}", "expected a non-empty JSON list"), ("[]", "expected a non-empty JSON list"),
+                             ('[{"path": "a"}]', r"entry 0: missing \['weight'\]"),
+                             ('[{"path": "a", "weight": 1, "wieght": 2}]', r"entry 0: unknown keys \['wieght'\]"),
+                             ('[{"path": 3, "weight": 1}]', "path must be a non-empty string, got 3")):
+        spec.write_text(content)
+        with pytest.raises(ValueError, match=message):
+            parse_blend(spec)
+
+
+def test_bad_sources(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"data: source 'nope.u16' \(.*nope.u16\): path: .* does not exist"):
+        load_blend(f"1:{tmp_path / 'nope.u16'},1:{tmp_path}")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="data: source 'empty' .*no non-empty files"):
+        load_blend(str(tmp_path / "empty"))
+    big = _write_tokens(tmp_path / "big.u16", [1, 0, 12])
+    with pytest.raises(ValueError, match="data: source 'big.u16' .*vocab_size: token 12 at index 2"):
+        load_blend(str(big), separator=0, vocab_size=10)
+    with pytest.raises(ValueError, match="data: source 'big.u16' .*separator, vocab_size: required"):
+        load_blend(str(big))
+    blend = Blend([_synthetic(), _synthetic(n_docs=1)], ["texts", "bytes"], [1, 1])
+    with pytest.raises(ValueError, match="data: source 'bytes': no training documents after the split .val_percent=90 puts all 1 of its documents"):
+        blend.split(90)  # doc0.txt, the one document of "bytes", falls in bucket 80
+    with pytest.raises(ValueError, match="data: source 'tokens': dataset: has no documents"):
+        BlendSampler(Blend([_source(0).subset(np.array([], dtype=np.int64))], ["tokens"], [1]), 4, seed=0)
+
+
+def test_vocabularies():
+    assert Blend([_source(0, vocab_size=100), _source(1, vocab_size=120)], ["a", "b"], [1, 1]).vocab_size == 120
+    texts, tokens = _synthetic(), _source(0, vocab_size=BYTE_VOCAB_SIZE + 1)
+    with pytest.raises(ValueError, match="data: source 'text' holds byte tokens .vocab_size 258. and data: source 'ids' "
+                                         "token ids of vocab_size 259"):
+        Blend([texts, tokens], ["text", "ids"], [1, 1])
+    assert Blend([texts, _synthetic(seed=3)], ["a", "b"], [1, 1]).vocab_size == BYTE_VOCAB_SIZE
+
+
+def test_blend_constructor_errors():
+    with pytest.raises(ValueError, match="names: expected unique"):
+        Blend([_source(0), _source(1)], ["a", "a"], [1, 1])
+    with pytest.raises(ValueError, match="weights: expected finite numbers > 0"):
+        Blend([_source(0)], ["a"], [0])
+    with pytest.raises(ValueError, match="one entry per source"):
+        Blend([_source(0)], ["a", "b"], [1])
+    with pytest.raises(ValueError, match="blend: expected a Blend"):
+        BlendSampler(_source(0), 4, seed=0)
+    with pytest.raises(ValueError, match="seed"):
+        BlendSampler(_blend([1]), 4, seed=-1)
+    with pytest.raises(ValueError, match="tokens_per_batch"):
+        BlendSampler(_blend([1]), 0, seed=0)
+    assert torch.is_tensor(BlendSampler(_blend([1]), 4, seed=0).next_batch()["input_ids"])

@@ -1,0 +1,225 @@
+"""fmoe.train.prepare: text files -> a token file and its index, read back by fmoe.train.data."""
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+tokenizers = pytest.importorskip("tokenizers", reason="fmoe.train.prepare needs the tokenizers package (the fmoe[data] extra)")
+
+from fmoe.train import prepare as prepare_module  # noqa: E402
+from fmoe.train.data import load_blend, load_corpus  # noqa: E402
+from fmoe.train.prepare import main, prepare  # noqa: E402
+
+TEXTS = {
+    "a.txt": "first document: héllo wörld → 🙂\n",
+    "sub/b.py": (Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text(encoding="utf-8")[:3000],
+    "sub/c.md": "# third\n\nsome *markdown* text\n",
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer_path(tmp_path_factory):
+    """A byte-level BPE (500 ids, "<|endoftext|>" special) trained on a few KB of the stdlib."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    texts = [(stdlib / name).read_text(encoding="utf-8")[:4000] for name in ("string.py", "textwrap.py", "json/__init__.py")]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=500, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+def _word_tokenizer(path, n_words, specials=("<|endoftext|>",)):
+    """A WordLevel tokenizer of n_words ids: words w0.., [UNK], then `specials` at the top."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(n_words - 1 - len(specials))}
+    vocab["[UNK]"] = len(vocab)
+    for token in specials:
+        vocab[token] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path))
+    return path
+
+
+def _write_texts(root, texts=TEXTS):
+    for rel, text in texts.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text, encoding="utf-8")
+    return root
+
+
+@pytest.fixture
+def src(tmp_path):
+    root = _write_texts(tmp_path / "src")
+    (root / "empty.txt").write_bytes(b"")
+    (root / ".hidden").write_text("skipped")
+    (root / ".git").mkdir()
+    (root / ".git" / "x").write_text("skipped")
+    return root
+
+
+def test_prepare_round_trip(src, tmp_path, tokenizer_path):
+    tok = tokenizers.Tokenizer.from_file(str(tokenizer_path))
+    eot = tok.token_to_id("<|endoftext|>")
+    out = tmp_path / "out" / "code.bin"
+    index = prepare(src, out, tokenizer=tokenizer_path, progress=False)
+    on_disk = json.loads((tmp_path / "out" / "code.bin.index.json").read_text())
+    assert index == on_disk
+    assert index == {"documents": 3, "tokens": out.stat().st_size // 2, "dtype": "uint16", "separator": eot,
+                     "vocab_size": 500, "tokenizer": str(tokenizer_path.resolve()), "sources": 4}
+    ds = load_corpus(out)  # separator, vocab_size and dtype from the index
+    assert len(ds) == 3 and ds.vocab_size == 500
+    for i, rel in enumerate(sorted(TEXTS)):  # sorted relative paths, the empty file skipped
+        ids = ds.document(i).tolist()
+        assert ids[-1] == eot and eot not in ids[:-1]
+        assert tok.decode(ids[:-1]) == TEXTS[rel]
+    assert sorted(os.listdir(tmp_path / "out")) == ["code.bin", "code.bin.index.json"]
+    assert load_blend(str(out)).names == ["code.bin"]
+
+
+def test_single_file_and_separator_choice(tmp_path, tokenizer_path):
+    tok = tokenizers.Tokenizer.from_file(str(tokenizer_path))
+    path = _write_texts(tmp_path, {"one.txt": "just one file"}) / "one.txt"
+    by_id = prepare(path, tmp_path / "a.u16", tokenizer=tokenizer_path, separator=tok.token_to_id("a"), progress=False)
+    by_token = prepare(path, tmp_path / "b.u16", tokenizer=tokenizer_path, separator="<|endoftext|>", progress=False)
+    assert by_id["separator"] == tok.token_to_id("a") and by_token["separator"] == tok.token_to_id("<|endoftext|>")
+    assert by_token["documents"] == 1 and by_token["sources"] == 1
+    assert load_corpus(tmp_path / "b.u16").document(0).tolist()[:-1] == tok.encode("just one file", add_special_tokens=False).ids
+    sep_tok = _word_tokenizer(tmp_path / "sep.json", 20, specials=("[SEP]",))
+    (tmp_path / "w.txt").write_text("w1 w2 w3")
+    assert prepare(tmp_path / "w.txt", tmp_path / "w.u16", tokenizer=sep_tok, progress=False)["separator"] == 19
+
+
+def test_dtype_choice(src, tmp_path, tokenizer_path):
+    small = prepare(src, tmp_path / "t.bin", tokenizer=tokenizer_path, dtype="uint32", progress=False)
+    assert small["dtype"] == "uint32" and (tmp_path / "t.bin").stat().st_size == 4 * small["tokens"]
+    assert prepare(src, tmp_path / "t.u32", tokenizer=tokenizer_path, progress=False)["dtype"] == "uint32"  # the suffix says so
+    ref = load_corpus(tmp_path / "t.u32")
+    assert [d.tolist() for d in map(ref.document, range(3))] == [d.tolist() for d in map(load_corpus(tmp_path / "t.bin").document, range(3))]
+    with pytest.raises(ValueError, match="dtype: 'uint16' was given, the suffix of .*t.u32.* means 'uint32'"):
+        prepare(src, tmp_path / "t.u32", tokenizer=tokenizer_path, dtype="uint16", progress=False)
+    with pytest.raises(ValueError, match="dtype: expected one of"):
+        prepare(src, tmp_path / "t.bin", tokenizer=tokenizer_path, dtype="int8", progress=False)
+    big = _word_tokenizer(tmp_path / "big.json", 70_000)
+    words = tmp_path / "words.txt"
+    words.write_text("w1 w69000 w5 unknownword")
+    index = prepare(words, tmp_path / "w.bin", tokenizer=big, progress=False)
+    assert index["dtype"] == "uint32" and index["vocab_size"] == 70_000 and index["separator"] == 69_999
+    assert load_corpus(tmp_path / "w.bin").document(0).tolist() == [1, 69000, 5, 69_998, 69_999]
+    with pytest.raises(ValueError, match="dtype: uint16 holds ids up to 65535, the tokenizer has 70000"):
+        prepare(words, tmp_path / "w16.bin", tokenizer=big, dtype="uint16", progress=False)
+    assert not (tmp_path / "w16.bin").exists()
+
+
+def test_cli(src, tmp_path, tokenizer_path):
+    out = tmp_path / "cli.u16"
+    result = subprocess.run([sys.executable, "-m", "fmoe.train.prepare", str(src), str(out), f"--tokenizer={tokenizer_path}",
+                             "--separator=<|endoftext|>"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    index = json.loads((tmp_path / "cli.u16.index.json").read_text())
+    assert result.stdout.strip() == (f"{out}: 3 documents, {index['tokens']:,} tokens (uint16), separator {index['separator']}, "
+                                     "vocab_size 500")
+    assert "prepare: 4/4 files" in result.stderr  # progress
+    assert len(load_corpus(out)) == 3
+
+
+def test_cli_errors(src, tmp_path, tokenizer_path, capsys):
+    assert main([str(tmp_path / "nope"), str(tmp_path / "x.u16"), f"--tokenizer={tokenizer_path}"]) == 1
+    assert "error: src: " in capsys.readouterr().err
+    assert main([str(src), str(tmp_path / "x.u16"), f"--tokenizer={tokenizer_path}", "--separator=9999"]) == 1
+    assert "error: separator: expected 0..499, got 9999" in capsys.readouterr().err
+    assert not (tmp_path / "x.u16").exists()
+
+
+def test_atomic_on_failure(src, tmp_path, tokenizer_path, monkeypatch):
+    real = tokenizers.Tokenizer.from_file(str(tokenizer_path))
+
+    class FailsOnSecondBatch:
+        """The real tokenizer, but its second encode_batch call raises."""
+
+        def __init__(self):
+            self.calls = 0
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def encode_batch(self, texts, **kwargs):
+            self.calls += 1
+            if self.calls == 2:
+                raise RuntimeError("interrupted")
+            return real.encode_batch(texts, **kwargs)
+
+    monkeypatch.setattr(prepare_module, "_load_tokenizer", lambda path: FailsOnSecondBatch())
+    monkeypatch.setattr(prepare_module, "_BATCH_CHARS", 1)  # one file per batch
+    out_dir = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="interrupted"):
+        prepare(src, out_dir / "code.u16", tokenizer=tokenizer_path, progress=False)
+    assert os.listdir(out_dir) == []  # no OUT, no index, no temporary file
+    # an earlier run's files stay as they were
+    monkeypatch.undo()
+    index = prepare(src, out_dir / "code.u16", tokenizer=tokenizer_path, progress=False)
+    before = (out_dir / "code.u16").read_bytes()
+    monkeypatch.setattr(prepare_module, "_load_tokenizer", lambda path: FailsOnSecondBatch())
+    monkeypatch.setattr(prepare_module, "_BATCH_CHARS", 1)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        prepare(src, out_dir / "code.u16", tokenizer=tokenizer_path, progress=False)
+    assert sorted(os.listdir(out_dir)) == ["code.u16", "code.u16.index.json"]
+    assert (out_dir / "code.u16").read_bytes() == before and json.loads((out_dir / "code.u16.index.json").read_text()) == index
+
+
+def test_bad_inputs(src, tmp_path, tokenizer_path):
+    out = tmp_path / "out.u16"
+    with pytest.raises(FileNotFoundError, match="src: .*nope.* does not exist"):
+        prepare(tmp_path / "nope", out, tokenizer=tokenizer_path, progress=False)
+    with pytest.raises(FileNotFoundError, match="tokenizer: .*missing.json.* does not exist"):
+        prepare(src, out, tokenizer=tmp_path / "missing.json", progress=False)
+    (tmp_path / "broken.json").write_text("{}")
+    with pytest.raises(ValueError, match="tokenizer: cannot read .*broken.json"):
+        prepare(src, out, tokenizer=tmp_path / "broken.json", progress=False)
+    with pytest.raises(ValueError, match="separator: the tokenizer has no token '<eos>'"):
+        prepare(src, out, tokenizer=tokenizer_path, separator="<eos>", progress=False)
+    with pytest.raises(ValueError, match="separator: the tokenizer knows none of .*--separator"):
+        prepare(src, out, tokenizer=_word_tokenizer(tmp_path / "plain.json", 10, specials=()), progress=False)
+    (src / "sub" / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"src: .*sub/latin1.txt.* is not valid UTF-8 \(unexpected end of data at byte 3\)"):
+        prepare(src, out, tokenizer=tokenizer_path, progress=False)
+    (src / "sub" / "latin1.txt").unlink()
+    (src / "sub" / "eot.txt").write_text("one<|endoftext|>two")
+    with pytest.raises(ValueError, match="src: .*sub/eot.txt.* already holds the separator id 0 .token [0-9]+ of the document.; remove it"):
+        prepare(src, out, tokenizer=tokenizer_path, progress=False)
+    (src / "sub" / "eot.txt").unlink()
+    with pytest.raises(ValueError, match="out: .*inside src"):
+        prepare(src, src / "tokens.u16", tokenizer=tokenizer_path, progress=False)
+    with pytest.raises(ValueError, match="out: .* is src itself"):
+        prepare(src / "a.txt", src / "a.txt", tokenizer=tokenizer_path, progress=False)
+    with pytest.raises(ValueError, match="out: .* is a directory"):
+        prepare(src, tmp_path, tokenizer=tokenizer_path, progress=False)
+    empties = tmp_path / "empties"
+    empties.mkdir()
+    with pytest.raises(ValueError, match="src: no files under"):
+        prepare(empties, out, tokenizer=tokenizer_path, progress=False)
+    (empties / "e.txt").write_bytes(b"")
+    with pytest.raises(ValueError, match="src: no non-empty files in"):
+        prepare(empties, out, tokenizer=tokenizer_path, progress=False)
+    assert not out.exists() and not (tmp_path / "out.u16.index.json").exists()
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
+
+
+def test_missing_package(src, tmp_path, tokenizer_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # `import tokenizers` now raises ImportError
+    with pytest.raises(ImportError, match=r"needs the Hugging Face tokenizers package: pip install 'fmoe\[data\]'"):
+        prepare(src, tmp_path / "x.u16", tokenizer=tokenizer_path, progress=False)
