@@ -55,7 +55,7 @@ import fmoe.parallel as parallel
 from fmoe.model import Transformer, TransformerConfig
 from fmoe.optim import AdamW, batch_size_at, build_optimizers, clip_grad_norm, lr_at, parse_batch_schedule, split_param_groups
 from fmoe.train import checkpoint, metrics
-from fmoe.train.data import Sampler, load_corpus
+from fmoe.train.data import BlendSampler, load_blend
 from fmoe.train.run import set_deterministic, write_config
 
 
@@ -65,7 +65,9 @@ class Config:
     # the model: every TransformerConfig field, as --model.<field>=value (e.g. --model.n_groups=4)
     model: TransformerConfig = field(default_factory=lambda: TransformerConfig(mtp_depth=1))
     # data
-    data: str = ""                  # "" = the embedded corpus (this Python's stdlib sources, bytes)
+    data: str = ""                  # "" = the embedded corpus (this Python's stdlib sources, bytes); a directory of
+                                    # text files, a token file (.bin/.u16/.u32, its .index.json if prepared), a .npy
+                                    # array, or a blend: "0.7:code.u32,0.3:prose.u32" or blend.json ([{"path", "weight"}])
     data_dtype: str = ""            # token files: uint16 | uint32 ("" = from the file suffix)
     separator: int = -1             # token files: the document separator id (--model.vocab_size too)
     val_percent: int = 5            # validation documents, split by file name
@@ -229,14 +231,14 @@ def main(argv: list[str]) -> None:
         rank, dp_rank, dp, cp_rank = dist.get_rank(), meshes.batch.get_local_rank("dp"), meshes.dp, meshes.batch.get_local_rank("cp")
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
-    try:
-        corpus = load_corpus(cfg.data or None, separator=cfg.separator if cfg.separator >= 0 else None,
-                             vocab_size=cfg.model.vocab_size if cfg.data else None, dtype=cfg.data_dtype or None)
+    try:  # one source or a weighted blend; each micro-batch comes from one source, in the weights' proportions
+        corpus = load_blend(cfg.data or None, separator=cfg.separator if cfg.separator >= 0 else None,
+                            vocab_size=cfg.model.vocab_size if cfg.data else None, dtype=cfg.data_dtype or None)
+        train_set, val_set = corpus.split(cfg.val_percent)
+        sampler = BlendSampler(train_set, cfg.tokens_per_micro_batch, seed=cfg.seed, mtp_depth=cfg.model.mtp_depth)
+        val_batches = val_set.validation_batches(cfg.tokens_per_micro_batch, cfg.eval_batches, mtp_depth=cfg.model.mtp_depth)
     except (OSError, ValueError) as err:
         sys.exit(f"data: {err}")
-    train_set, val_set = corpus.split(cfg.val_percent)
-    sampler = Sampler(train_set, cfg.tokens_per_micro_batch, seed=cfg.seed, mtp_depth=cfg.model.mtp_depth)
-    val_batches = val_set.validation_batches(cfg.tokens_per_micro_batch, cfg.eval_batches, mtp_depth=cfg.model.mtp_depth)
 
     if hf_type is not None and corpus.vocab_size > cfg.model.vocab_size:
         sys.exit(f"--init_from_hf: the data's {corpus.vocab_size} token ids do not fit the model's vocab_size {cfg.model.vocab_size} "
@@ -347,10 +349,13 @@ def main(argv: list[str]) -> None:
               f"{model_cfg.n_experts} experts, top-{model_cfg.k})\n"
               f"data: {cfg.data or 'the stdlib corpus'}: {len(train_set)} documents, {train_set.n_tokens / 1e6:.1f}M tokens "
               f"(+ {len(val_set)} for validation); {first_step} tokens per step now (--batch_schedule={cfg.batch_schedule!r})\n"
+              + ("".join(f"  source {n}: weight {w:.3f}, {len(d)} documents, {d.n_tokens / 1e6:.2f}M tokens\n"
+                         for n, w, d in zip(train_set.names, train_set.weights, train_set.datasets)) if len(train_set.names) > 1 else "") +
               f"run: {cfg.steps} steps on {device} x {world} ({mesh}), {dtype}; warmup {warmup} steps"
               f"{' (a tenth of this short run)' if cfg.warmup < 0 and warmup < 20 else ''}; out_dir {cfg.out_dir}", flush=True)
         write_config(cfg.out_dir, dataclasses.asdict(cfg), world_size=world, mesh=mesh_shape, device=str(device),
-                     dtype=str(dtype), warmup=warmup, wsd_decay=schedule["wsd_decay"], vocab_size=corpus.vocab_size)
+                     dtype=str(dtype), warmup=warmup, wsd_decay=schedule["wsd_decay"], vocab_size=corpus.vocab_size,
+                     data_sources=[dict(name=n, weight=w, path=None if p is None else str(p)) for n, w, p in zip(corpus.names, corpus.weights, corpus.paths)])
 
     def micro_batch_loss(losses, stats, batch, valid, n_micro):
         """One micro-batch's share of the step's loss (a tensor; None when there is nothing
@@ -450,7 +455,9 @@ def main(argv: list[str]) -> None:
             for group in opt.param_groups:
                 group["lr"] = group["base_lr"] * lr_scale
         n_micro = batch_size_at(tokens_seen, cfg.batch_schedule)
+        drawn = sampler.tokens_by_source()
         host_batches = [sampler.next_batch() for _ in range(n_micro)]
+        tokens_by_source = {name: n - drawn[name] for name, n in sampler.tokens_by_source().items()}
         # the step's valid-token counts, read on the host before the batches move: the loss
         # is a sum over tokens divided by these
         valid = {"lm": sum(int(b["loss_mask"].sum()) for b in host_batches)}
@@ -522,7 +529,7 @@ def main(argv: list[str]) -> None:
         flops_per_token = metrics.model_flops_per_token(model_cfg, n_avg_keys=n_avg_keys)
         record.update(
             step=step, loss=record["lm_loss"], lr=cfg.lr * lr_scale, batch_size=n_micro, tokens=tokens_seen,
-            tokens_per_s=step_tokens / seconds, flops_per_token=flops_per_token,
+            tokens_per_s=step_tokens / seconds, flops_per_token=flops_per_token, tokens_by_source=tokens_by_source,
             mfu=metrics.mfu(step_tokens / seconds / world, flops_per_token, peak),
             peak_memory_gib=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
             eta_seconds=(time.perf_counter() - run_start) / (step - first) * (last - step), moe_layers=moe_names,

@@ -159,3 +159,46 @@ def test_default_run_keeps_every_moe_layer_balanced(tmp_path):
     for i, name in enumerate(records[0]["moe_layers"]):
         late = [r["load_max_over_mean"][i] for r in records[30:]]
         assert sum(late) / len(late) < 3.0, (name, [round(x, 2) for x in late])
+
+
+def test_a_blend_of_prepared_token_files_trains_from_make_train(tmp_path):
+    """The data path of a real run: a tokenizer (trained here, no download), two text
+    sources prepared into token files (python -m fmoe.train.prepare), a blend.json with
+    weights 3:1, and `make train ARGS=...`: every step logs its tokens per source, the
+    sources' micro-batches follow the weights, the plots and TensorBoard files are written."""
+    pytest.importorskip("tokenizers", reason="fmoe.train.prepare needs the tokenizers package (the fmoe[data] extra)")
+    import sysconfig
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    stdlib = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    sources = {"code": sorted((stdlib / "json").glob("*.py")), "docs": [stdlib / n for n in ("textwrap.py", "string.py", "shlex.py", "glob.py")]}
+    texts = [p.read_text(encoding="utf-8") for files in sources.values() for p in files]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"], show_progress=False,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    for name, files in sources.items():
+        for p in files:
+            (tmp_path / name / p.name).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / name / p.name).write_text(p.read_text(encoding="utf-8"))
+        prep = subprocess.run([sys.executable, "-m", "fmoe.train.prepare", str(tmp_path / name), str(tmp_path / f"{name}.u16"),
+                               f"--tokenizer={tmp_path / 'tokenizer.json'}"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert prep.returncode == 0, prep.stderr[-2000:]
+    (tmp_path / "blend.json").write_text(json.dumps([{"name": "code", "path": "code.u16", "weight": 3}, {"name": "docs", "path": "docs.u16", "weight": 1}]))
+    args = " ".join([*TINY, f"--data={tmp_path / 'blend.json'}", "--model.vocab_size=300", "--steps=4", "--val_percent=20",
+                     "--eval_every=4", "--eval_batches=1", "--tensorboard=True"])
+    run = subprocess.run(["make", "-s", "train", f"PY={sys.executable}", f"TRAIN_OUT={tmp_path / 'run'}", f"ARGS={args}"],
+                         capture_output=True, text=True, timeout=900, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    assert "source code: weight 0.750" in run.stdout and "source docs: weight 0.250" in run.stdout
+    records = _records(tmp_path / "run")
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    per_source = {name: sum(r["tokens_by_source"][name] for r in records) for name in ("code", "docs")}
+    assert all(sum(r["tokens_by_source"].values()) == 2 * 128 for r in records)
+    assert per_source == {"code": 6 * 128, "docs": 2 * 128}  # 8 micro-batches, 3:1
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert [s["name"] for s in config["data_sources"]] == ["code", "docs"]
+    assert all((tmp_path / "run" / f).is_file() for f in ("loss.png", "health.png"))
+    assert any((tmp_path / "run" / "tensorboard").iterdir())
