@@ -2,7 +2,9 @@
 
     mean_attended_keys(cu_seqlens) -> n_avg        sum_i len_i^2 / (2 T); S/2 for one document
     flops_per_token(*, hidden, n_layers, n_dense, ffn_dense, ffn_expert, k, n_shared,
-                    n_heads, n_kv_heads, head_dim, vocab, mtp_depth=0, n_avg_keys) -> float
+                    n_heads, n_kv_heads, head_dim, vocab, mtp_depth=0, n_avg_keys,
+                    n_experts=0) -> float
+    model_flops_per_token(cfg, *, n_avg_keys) -> float   the same for a TransformerConfig
     datasheet_peak_flops(name) / peak_flops(device) -> float | None   dense bf16 peaks
     mfu(tokens_per_s, flops_per_token, peak) -> float | None
     layer_loads(counts[L, E], slots) -> record entries, one item per MoE layer (fmoe.ops.load_stats)
@@ -13,15 +15,22 @@
     SavedTensors(exclude=params)                    counts the bytes kept for the backward
     AllocatedBytes()                                live and peak bytes of the tensors created
 
-Training FLOPs per token (SPEC 8; 6 = 3 passes x 2 for a multiply-add), for L = n_layers
-layers of which n_dense are dense and N_moe = L - n_dense are MoE, SwiGLU (m = 3):
+Training FLOPs per token (6 = 3 passes x 2 for a multiply-add: forward x W, backward dx and
+dW), for L = n_layers layers of which n_dense are dense and N_moe = L - n_dense are MoE,
+SwiGLU (m = 3), attention A = 6 (H (q + 2 kv) + q H) + 12 q n_avg per layer (q, k, v, o
+projections; scores and values):
 
-    6 H (m F_dense n_dense + m F_expert (k + n_shared) N_moe)          MLPs and experts
-    + L * 6 (H (q + 2 kv) + q H)                                       q, k, v, o projections
-    + L * 12 q n_avg                                                   scores and values
-    + (1 + mtp_depth) * 6 H V                                          output heads
-with q = n_heads * head_dim, kv = n_kv_heads * head_dim, n_avg = mean_attended_keys(...).
-Not counted (as in SPEC 8): the router, norms, embeddings, and the MTP depths' own blocks.
+    L A + 6 H m F_dense n_dense                                   trunk: attention, dense MLPs
+    + N_moe (6 H m F_expert (k + n_shared) + 6 H E)               experts and router
+    + mtp_depth (6 (2H) H + A + FFN_mtp)                          MTP modules' own work
+    + (1 + mtp_depth) 6 H V                                       output heads
+with q = n_heads * head_dim, kv = n_kv_heads * head_dim, n_avg = mean_attended_keys(...),
+FFN_mtp = the MoE term above when the trunk has a MoE layer, else 6 H m F_dense (each MTP
+module's block is a MoE block exactly then: fmoe.model.MTPModule), and E = n_experts (0
+leaves the router out). This extends SPEC.md section 8, which leaves out the router
+(6 H E per MoE layer: 2 H E forward, 4 H E backward) and the MTP modules' projection and
+block (only their heads were counted). Still not counted: norms, embeddings (lookups),
+the shared-expert gate (6 H per MoE layer), softmax, RoPE and other elementwise work.
 
 Metric records (one JSON object per line of `<out_dir>/metrics.jsonl`): step, and what the
 loop passes: loss, lr, tokens, grad_norm, tokens_per_s, val_loss, aux_loss, z_loss,
@@ -72,12 +81,15 @@ def _check_count(name: str, value, minimum: int = 0) -> None:
 def flops_per_token(
     *, hidden: int, n_layers: int, n_dense: int, ffn_dense: int, ffn_expert: int, k: int, n_shared: float,
     n_heads: int, n_kv_heads: int, head_dim: int, vocab: int, mtp_depth: int = 0, n_avg_keys: float,
+    n_experts: int = 0,
 ) -> float:
-    """Training FLOPs per token (forward + backward), SPEC.md section 8; see the module
-    docstring. n_shared counts shared experts in units of ffn_expert (Fs = n_shared F)."""
+    """Training FLOPs per token (forward + backward): SPEC.md section 8 with the router and
+    the MTP modules' blocks (the module docstring's formula). n_shared counts shared experts
+    in units of ffn_expert (Fs = n_shared F); n_experts = E for the router's 6 H E per MoE
+    layer (0: no router term)."""
     args = dict(hidden=hidden, n_layers=n_layers, n_dense=n_dense, ffn_dense=ffn_dense, ffn_expert=ffn_expert, k=k,
                 n_shared=n_shared, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, vocab=vocab,
-                mtp_depth=mtp_depth, n_avg_keys=n_avg_keys)
+                mtp_depth=mtp_depth, n_avg_keys=n_avg_keys, n_experts=n_experts)
     for name, value in args.items():
         _check_count(name, value)
     if n_dense > n_layers:
@@ -85,20 +97,23 @@ def flops_per_token(
     m, H = 3, hidden
     n_moe = n_layers - n_dense
     q, kv = n_heads * head_dim, n_kv_heads * head_dim
-    mlp = 6 * H * (m * ffn_dense * n_dense + m * ffn_expert * (k + n_shared) * n_moe)
-    projections = n_layers * 6 * (H * (q + 2 * kv) + q * H)
-    scores = n_layers * 12 * q * n_avg_keys
+    attention = 6 * (H * (q + 2 * kv) + q * H) + 12 * q * n_avg_keys  # one layer
+    dense_ffn = 6 * H * m * ffn_dense
+    moe_ffn = 6 * H * m * ffn_expert * (k + n_shared) + 6 * H * n_experts  # experts, router
+    trunk = n_layers * attention + n_dense * dense_ffn + n_moe * moe_ffn
+    mtp = mtp_depth * (6 * 2 * H * H + attention + (moe_ffn if n_moe else dense_ffn))
     head = (1 + mtp_depth) * 6 * H * vocab
-    return float(mlp + projections + scores + head)
+    return float(trunk + mtp + head)
 
 
 def model_flops_per_token(cfg, *, n_avg_keys: float) -> float:
     """flops_per_token of an fmoe.model.TransformerConfig (any object with its fields): the
     dense blocks are those that are not MoE (moe_layers or n_dense), the shared experts'
-    size in units of ffn_expert (shared_ffn, or n_shared). With multi-latent attention
-    (kv_rank) the attention terms are its own: 6 x its projection weights, and
+    size in units of ffn_expert (shared_ffn, or n_shared), the router over n_experts, the
+    MTP blocks as the model builds them. With multi-latent attention (kv_rank) the attention
+    terms of every block (trunk and MTP) are its own: 6 x its projection weights, and
     6 N (D + v_dim) n_avg_keys for the scores (q.k over D) and the values (over v_dim)."""
-    names = ("hidden", "n_layers", "ffn_dense", "ffn_expert", "k", "n_heads", "n_kv_heads", "head_dim", "mtp_depth")
+    names = ("hidden", "n_layers", "ffn_dense", "ffn_expert", "k", "n_heads", "n_kv_heads", "head_dim", "mtp_depth", "n_experts")
     is_moe = getattr(cfg, "is_moe", lambda i: i >= cfg.n_dense)
     n_dense = sum(not is_moe(i) for i in range(cfg.n_layers))
     shared = getattr(cfg, "shared_size", cfg.n_shared * cfg.ffn_expert) / cfg.ffn_expert
@@ -108,12 +123,12 @@ def model_flops_per_token(cfg, *, n_avg_keys: float) -> float:
         return flops
     from fmoe.layers import mla_shapes
 
-    H, L, N, D = cfg.hidden, cfg.n_layers, cfg.n_heads, cfg.head_dim
+    H, N, D = cfg.hidden, cfg.n_heads, cfg.head_dim
     q, kv = N * D, cfg.n_kv_heads * D
     gqa = 6 * (H * (q + 2 * kv) + q * H) + 12 * q * n_avg_keys
     mats, _ = mla_shapes(H, cfg.attention_config())
     mla = 6 * sum(a * b for a, b in mats.values()) + 6 * N * (D + cfg.v_head_dim) * n_avg_keys
-    return float(flops + L * (mla - gqa))
+    return float(flops + (cfg.n_layers + cfg.mtp_depth) * (mla - gqa))
 
 
 def datasheet_peak_flops(name: str) -> Optional[float]:
@@ -500,3 +515,4 @@ class AllocatedBytes:
 
     def __exit__(self, *exc) -> None:
         self._mode.__exit__(*exc)
+

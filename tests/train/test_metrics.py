@@ -15,12 +15,21 @@ CFG = dict(hidden=64, n_layers=4, n_dense=1, ffn_dense=256, ffn_expert=32, k=2, 
 
 
 def test_flops_per_token_by_hand():
-    mlp = 6 * 64 * (3 * 256 * 1 + 3 * 32 * (2 + 1) * 3)  # 626688
-    proj = 4 * 6 * (64 * (64 + 2 * 32) + 64 * 64)  # 294912
-    scores = 4 * 12 * 64 * 10  # 30720
-    head = 2 * 6 * 64 * 1000  # 768000
-    assert mlp + proj + scores + head == 1720320
-    assert M.flops_per_token(**CFG) == 1720320.0
+    """SPEC 8 plus the router (6 H E per MoE layer) and the MTP modules' blocks."""
+    attention = 6 * (64 * (64 + 2 * 32) + 64 * 64) + 12 * 64 * 10  # q, k, v, o; scores, values (n_avg = 10)
+    dense = 6 * 64 * 3 * 256
+    moe = 6 * 64 * 3 * 32 * (2 + 1)  # k = 2 routed + 1 shared; no router with n_experts=0
+    mtp = 6 * 2 * 64 * 64 + attention + moe  # its projection [2H, H] and its block, MoE like the trunk's
+    head = 6 * 64 * 1000
+    assert 4 * attention + dense + 3 * moe + mtp + 2 * head == 1961472
+    assert M.flops_per_token(**CFG) == 1961472.0
+    # the router: 2 H E forward, 4 H E backward, in the 3 MoE layers and the MTP block
+    assert M.flops_per_token(**CFG, n_experts=8) == 1961472.0 + 4 * 6 * 64 * 8
+    # no MTP: SPEC 8's terms only (1336320 before the MTP terms were counted too)
+    assert M.flops_per_token(**dict(CFG, mtp_depth=0)) == 4 * attention + dense + 3 * moe + head == 1336320
+    # an all-dense trunk: the MTP block is dense too, and there is no router to count
+    all_dense = 4 * attention + 4 * dense + (6 * 2 * 64 * 64 + attention + dense) + 2 * head
+    assert M.flops_per_token(**dict(CFG, n_dense=4), n_experts=8) == all_dense
     # no MTP, all layers dense: the dense transformer formula (Megatron's, n_avg = S/2)
     dense = dict(CFG, n_dense=4, mtp_depth=0, n_avg_keys=M.mean_attended_keys([0, 128]))
     H, L, S = 64, 4, 128
@@ -192,8 +201,57 @@ def test_model_flops_per_token_reads_the_model_config():
     cfg = TransformerConfig(vocab_size=300, hidden=64, n_layers=3, n_dense=1, ffn_dense=128, n_experts=4, k=2,
                             ffn_expert=32, n_shared=1, n_heads=4, n_kv_heads=2, head_dim=16, mtp_depth=1)
     expected = M.flops_per_token(hidden=64, n_layers=3, n_dense=1, ffn_dense=128, ffn_expert=32, k=2, n_shared=1,
-                                       n_heads=4, n_kv_heads=2, head_dim=16, vocab=300, mtp_depth=1, n_avg_keys=10.0)
+                                       n_heads=4, n_kv_heads=2, head_dim=16, vocab=300, mtp_depth=1, n_avg_keys=10.0, n_experts=4)
     assert M.model_flops_per_token(cfg, n_avg_keys=10.0) == expected
+    # by hand: 3 attention layers + the MTP block's, 1 dense MLP, 2 MoE layers + the MTP block's
+    attention = 6 * (64 * (64 + 2 * 32) + 64 * 64) + 12 * 64 * 10.0
+    moe = 6 * 64 * 3 * 32 * (2 + 1) + 6 * 64 * 4
+    assert expected == 4 * attention + 6 * 64 * 3 * 128 + 3 * moe + 6 * 2 * 64 * 64 + 2 * 6 * 64 * 300
+    # moe_layers decides the dense blocks; a trunk without MoE makes the MTP block dense
+    dense = TransformerConfig(**{**cfg.__dict__, "moe_layers": ()})
+    assert M.model_flops_per_token(dense, n_avg_keys=10.0) == 4 * attention + 4 * 6 * 64 * 3 * 128 + 6 * 2 * 64 * 64 + 2 * 6 * 64 * 300
+
+
+# (name, TransformerConfig overrides) of the counted-FLOPs check: MoE trunk with MTP, an
+# all-dense trunk (its MTP block dense), multi-latent attention with low-rank q
+COUNTED = {
+    "moe, mtp": dict(),
+    "dense, mtp": dict(moe_layers=()),
+    "mla, mtp": dict(n_kv_heads=4, head_dim=12, rope_dim=4, q_rank=10, kv_rank=6, v_head_dim=5),
+}
+
+
+@pytest.mark.parametrize("name", list(COUNTED))
+def test_flops_per_token_matches_counted_matmuls(name):
+    """torch.utils.flop_counter.FlopCounterMode on one forward + backward of a tiny
+    Transformer (impl="torch", CPU) counts the matmuls the formula is made of. What it
+    counts: aten.mm (every projection, expert, router, MTP projection and head matmul,
+    forward, dX and dW) and aten.bmm (attention: on CPU scaled_dot_product_attention with
+    the dense mask runs its math path, q k^T and p v over ALL T x T pairs, the mask applied
+    but not exploited). So the count equals the formula with n_avg_keys = T (every key),
+    exactly, and the mm part alone equals the formula without its score term. Every token
+    has all k routes (no capacity), so the experts see T k rows."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from fmoe.model import Transformer, TransformerConfig
+    from fmoe.train.data import make_batch
+
+    base = dict(vocab_size=64, hidden=32, n_layers=2, n_dense=1, ffn_dense=64, n_experts=4, k=2, ffn_expert=32, n_shared=1,
+                n_heads=4, n_kv_heads=2, head_dim=8, mtp_depth=1, impl="torch")
+    cfg = TransformerConfig(**{**base, **COUNTED[name]})
+    T = 24
+    model = Transformer(cfg)
+    batch = make_batch(torch.randint(0, cfg.vocab_size, (T,)), torch.tensor([0, 10, T]), cfg.mtp_depth)
+    with FlopCounterMode(display=False) as counter:
+        losses, _ = model(batch, model.context(batch))
+        (losses["lm_sum"] + losses["mtp_1_sum"]).backward()
+    by_op = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+    assert set(by_op) == {"aten.mm", "aten.bmm"}, by_op
+    assert counter.get_total_flops() == T * M.model_flops_per_token(cfg, n_avg_keys=T)
+    no_scores = M.model_flops_per_token(cfg, n_avg_keys=0)  # the score / value term is linear in n_avg_keys
+    assert by_op["aten.mm"] == T * no_scores
+    assert by_op["aten.bmm"] == T * (M.model_flops_per_token(cfg, n_avg_keys=T) - no_scores)
+
 
 
 def test_saved_tensors_counts_each_kept_storage_once_without_the_parameters():
@@ -229,3 +287,4 @@ def test_allocated_bytes_counts_live_and_peak_storages_once():
             torch.empty(10**9)           # meta: no memory
     assert (held, mem.live, mem.peak) == (6000, 4000, 6000)
     assert c.shape == (500,)
+
