@@ -1,4 +1,5 @@
-"""Training metrics: FLOPs per token (SPEC.md section 8), MFU, expert load, a JSONL logger.
+"""Training metrics: FLOPs per token (SPEC.md section 8), MFU, expert load, energy, a JSONL
+logger.
 
     mean_attended_keys(cu_seqlens) -> n_avg        sum_i len_i^2 / (2 T); S/2 for one document
     flops_per_token(*, hidden, n_layers, n_dense, ffn_dense, ffn_expert, k, n_shared,
@@ -14,6 +15,7 @@
     HostReads()                                     counts host reads of tensor values (syncs)
     SavedTensors(exclude=params)                    counts the bytes kept for the backward
     AllocatedBytes()                                live and peak bytes of the tensors created
+    EnergyMeter(device, *, query=None).joules_since_last() -> float | None   NVML energy
 
 Training FLOPs per token (6 = 3 passes x 2 for a multiply-add: forward x W, backward dx and
 dW), for L = n_layers layers of which n_dense are dense and N_moe = L - n_dense are MoE,
@@ -49,7 +51,7 @@ import sys
 import warnings
 from numbers import Real
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -515,4 +517,136 @@ class AllocatedBytes:
 
     def __exit__(self, *exc) -> None:
         self._mode.__exit__(*exc)
+
+
+# ----------------------------------------------------------------------------------------
+# energy
+# ----------------------------------------------------------------------------------------
+
+
+def _bare_uuid(uuid: str) -> str:
+    """A GPU UUID without its "GPU-" prefix, lower case (NVML writes "GPU-<uuid>", torch
+    the bare uuid)."""
+    uuid = str(uuid).strip().lower()
+    return uuid[4:] if uuid.startswith("gpu-") else uuid
+
+
+def nvml_index(cuda_index: int, *, visible: Optional[str] = None, nvml_uuids: Sequence[str] = (),
+               cuda_uuid: Optional[str] = None) -> int:
+    """The NVML index of the CUDA device torch calls cuda:cuda_index.
+
+    NVML numbers every GPU of the machine, ignoring CUDA_VISIBLE_DEVICES; CUDA numbers the
+    visible ones, in its own order. In order of preference:
+      1. cuda_uuid (torch.cuda.get_device_properties(i).uuid) found among nvml_uuids (NVML's
+         "GPU-..." UUIDs by NVML index): exact whatever the environment;
+      2. visible = CUDA_VISIBLE_DEVICES unset (None): cuda_index itself (CUDA's default
+         order, fastest first, is NVML's PCI order on machines of one GPU model);
+      3. the cuda_index-th entry of CUDA_VISIBLE_DEVICES: an integer is an NVML index
+         (exact with CUDA_DEVICE_ORDER=PCI_BUS_ID, and on machines of one GPU model), a
+         UUID or a unique prefix of one ("GPU-8f3a") is looked up in nvml_uuids.
+    ValueError when the device cannot be found (an index past the visible list, a UUID no
+    NVML device has, a MIG instance's "MIG-..." id: its GPU's counter is not its own).
+
+    >>> nvml_index(1, visible="6,2")
+    2
+    >>> nvml_index(0, visible="GPU-bb", nvml_uuids=["GPU-aa11", "GPU-bb22"])
+    1
+    """
+    if isinstance(cuda_index, bool) or not isinstance(cuda_index, int) or cuda_index < 0:
+        raise ValueError(f"cuda_index: expected an int >= 0, got {cuda_index!r}")
+    bare = [_bare_uuid(u) for u in nvml_uuids]
+    if cuda_uuid is not None and _bare_uuid(cuda_uuid) in bare:
+        return bare.index(_bare_uuid(cuda_uuid))
+    if visible is None:
+        return cuda_index
+    entries = [e.strip() for e in visible.split(",") if e.strip()]
+    if cuda_index >= len(entries):
+        raise ValueError(f"cuda_index: cuda:{cuda_index} is not among CUDA_VISIBLE_DEVICES={visible!r}")
+    entry = entries[cuda_index]
+    if entry.isdigit():
+        return int(entry)
+    matches = [i for i, u in enumerate(bare) if u.startswith(_bare_uuid(entry))]
+    if len(matches) != 1:
+        raise ValueError(f"visible: CUDA_VISIBLE_DEVICES entry {entry!r} matches {len(matches)} of the NVML devices' UUIDs (a MIG instance has no energy counter of its own)")
+    return matches[0]
+
+
+class EnergyMeter:
+    """The energy a GPU used between two calls, from NVML's total-energy counter.
+
+        meter = EnergyMeter(device)                  # at start
+        ...
+        joules = meter.joules_since_last()           # once per step, after the step's host sync
+
+    query(nvml_index) -> millijoules used since the driver loaded
+    (pynvml.nvmlDeviceGetTotalEnergyConsumption of the device's handle by default, Volta and
+    newer). The torch device's NVML index is found by nvml_index (its UUID when torch
+    reports one, else CUDA_VISIBLE_DEVICES). `query` can be given instead of NVML (tests
+    pass a fake counter); with one given, no NVML is loaded and the index comes from
+    CUDA_VISIBLE_DEVICES alone.
+
+    `available` says whether readings come; otherwise `reason` says why: "CPU device",
+    "pynvml not installed (pip install nvidia-ml-py)", "NVML error: ..." (no driver, a GPU
+    without the counter), "device: ..." (not found among NVML's devices). The counter is
+    read on the host (no GPU sync): call it right after the step's one device->host
+    transfer, so that the interval covers the step's GPU work. A reading that fails later
+    makes the meter unavailable (None from then on); a counter that went backwards (the
+    driver reloaded) gives None for that interval.
+    """
+
+    def __init__(self, device, *, query: Optional[Callable[[int], float]] = None):
+        self.device = torch.device("cuda", device) if isinstance(device, int) and not isinstance(device, bool) else torch.device(device)
+        self.available, self.reason, self.index = False, None, None
+        self._query, self._errors, self._last = None, (Exception,), None
+        self.reason = self._start(query)
+        self.available = self.reason is None
+
+    def _start(self, query) -> Optional[str]:
+        if self.device.type != "cuda":
+            return f"{self.device.type.upper()} device"
+        cuda_index = self.device.index
+        if cuda_index is None:
+            cuda_index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        uuids, cuda_uuid = (), None
+        if query is None:
+            try:
+                import pynvml
+            except ImportError:
+                return "pynvml not installed (pip install nvidia-ml-py)"
+            self._errors = (pynvml.NVMLError,)
+            try:
+                pynvml.nvmlInit()
+                uuids = [pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i)) for i in range(pynvml.nvmlDeviceGetCount())]
+            except pynvml.NVMLError as e:
+                return f"NVML error: {e}"
+            uuids = [u.decode() if isinstance(u, bytes) else str(u) for u in uuids]
+            if torch.cuda.is_available() and cuda_index < torch.cuda.device_count():
+                cuda_uuid = getattr(torch.cuda.get_device_properties(cuda_index), "uuid", None)
+
+            def query(index):
+                return pynvml.nvmlDeviceGetTotalEnergyConsumption(pynvml.nvmlDeviceGetHandleByIndex(index))
+
+        try:
+            self.index = nvml_index(cuda_index, visible=visible, nvml_uuids=uuids, cuda_uuid=None if cuda_uuid is None else str(cuda_uuid))
+        except ValueError as e:
+            return f"device: {e}"
+        self._query = query
+        try:
+            self._last = float(query(self.index))
+        except self._errors as e:
+            return f"NVML error: {e}"
+        return None
+
+    def joules_since_last(self) -> Optional[float]:
+        """Joules used since the previous call (or construction); None when unavailable."""
+        if not self.available:
+            return None
+        try:
+            now = float(self._query(self.index))
+        except self._errors as e:
+            self.available, self.reason = False, f"NVML error: {e}"
+            return None
+        used, self._last = now - self._last, now
+        return used / 1000.0 if used >= 0 else None
 

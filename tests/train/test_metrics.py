@@ -288,3 +288,106 @@ def test_allocated_bytes_counts_live_and_peak_storages_once():
     assert (held, mem.live, mem.peak) == (6000, 4000, 6000)
     assert c.shape == (500,)
 
+
+# ---------------------------------------------------------------------------- energy
+
+
+class _Counter:
+    """A fake NVML energy counter (millijoules) that the test advances by hand."""
+
+    def __init__(self, millijoules=5_000):
+        self.millijoules, self.indices = millijoules, []
+
+    def __call__(self, index):
+        self.indices.append(index)
+        return self.millijoules
+
+
+def test_energy_meter_code_path_with_a_fake_counter(monkeypatch):
+    """EnergyMeter's own code path (differences, units, the device index, a counter that
+    restarts, a failing read) with a fake counter injected as `query`: this exercises no
+    NVML and no GPU."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    counter = _Counter()
+    meter = M.EnergyMeter("cuda:1", query=counter)
+    assert meter.available and meter.reason is None and meter.index == 1 and counter.indices == [1]
+    counter.millijoules += 2500
+    assert meter.joules_since_last() == 2.5
+    assert meter.joules_since_last() == 0.0
+    counter.millijoules = 10  # the driver reloaded: no answer for this interval, then on again
+    assert meter.joules_since_last() is None and meter.available
+    counter.millijoules += 4000
+    assert meter.joules_since_last() == 4.0
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "6,2")  # cuda:1 is the machine's GPU 2
+    assert M.EnergyMeter(torch.device("cuda", 1), query=counter).index == 2 and counter.indices[-1] == 2
+
+    def unsupported(index):
+        raise RuntimeError("Not Supported")
+
+    meter = M.EnergyMeter(0, query=unsupported)  # an int is a CUDA index
+    assert not meter.available and meter.reason == "NVML error: Not Supported" and meter.joules_since_last() is None
+    flaky = _Counter()
+    meter = M.EnergyMeter("cuda:0", query=lambda i: flaky(i) if flaky.millijoules < 10_000 else unsupported(i))
+    flaky.millijoules = 20_000  # a later read fails: unavailable from then on
+    assert meter.joules_since_last() is None and not meter.available and meter.reason == "NVML error: Not Supported"
+    meter = M.EnergyMeter("cuda:2", query=counter)  # the visible list has two devices
+    assert not meter.available and meter.reason.startswith("device: cuda_index: cuda:2 is not among CUDA_VISIBLE_DEVICES")
+
+
+def test_energy_meter_unavailable_reasons(monkeypatch):
+    import types
+
+    meter = M.EnergyMeter("cpu")
+    assert not meter.available and meter.reason == "CPU device" and meter.joules_since_last() is None
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # `import pynvml` raises ImportError
+    meter = M.EnergyMeter("cuda:0")
+    assert not meter.available and meter.reason == "pynvml not installed (pip install nvidia-ml-py)"
+    assert meter.joules_since_last() is None
+
+    # a stand-in pynvml module: the NVML calls the meter makes, and their errors
+    class NVMLError(Exception):
+        pass
+
+    fake = types.ModuleType("pynvml")
+    fake.NVMLError = NVMLError
+    fake.nvmlInit = lambda: None
+    fake.nvmlDeviceGetCount = lambda: 2
+    fake.nvmlDeviceGetHandleByIndex = lambda i: ("handle", i)
+    fake.nvmlDeviceGetUUID = lambda handle: ["GPU-aaaa1111", "GPU-bbbb2222"][handle[1]]
+    fake.nvmlDeviceGetTotalEnergyConsumption = lambda handle: 1000 * (handle[1] + 1)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-bbbb")  # a UUID prefix: NVML's device 1
+    meter = M.EnergyMeter("cuda:0")
+    assert meter.available and meter.index == 1 and meter.joules_since_last() == 0.0
+
+    def not_supported(handle):
+        raise NVMLError("Not Supported")
+
+    fake.nvmlDeviceGetTotalEnergyConsumption = not_supported
+    meter = M.EnergyMeter("cuda:0")
+    assert not meter.available and meter.reason == "NVML error: Not Supported"
+
+    def no_driver():
+        raise NVMLError("Driver Not Loaded")
+
+    fake.nvmlInit = no_driver
+    assert M.EnergyMeter("cuda:0").reason == "NVML error: Driver Not Loaded"
+
+
+def test_nvml_index_maps_cuda_devices():
+    uuids = ["GPU-aaaa1111", "GPU-bbbb2222", "GPU-abcd3333"]
+    assert M.nvml_index(0) == 0 and M.nvml_index(3) == 3  # nothing hidden: CUDA's index
+    assert M.nvml_index(1, visible="6,2") == 2 and M.nvml_index(0, visible=" 3 ") == 3
+    assert M.nvml_index(1, visible="0,GPU-bbbb", nvml_uuids=uuids) == 1
+    assert M.nvml_index(0, visible="abcd", nvml_uuids=uuids) == 2  # a UUID without its GPU- prefix
+    # torch's UUID (bare) beats the environment, whatever it says
+    assert M.nvml_index(0, visible="5", nvml_uuids=uuids, cuda_uuid="bbbb2222") == 1
+    with pytest.raises(ValueError, match=r"cuda_index: cuda:2 is not among CUDA_VISIBLE_DEVICES='0,1'"):
+        M.nvml_index(2, visible="0,1")
+    with pytest.raises(ValueError, match="matches 2 of the NVML devices"):
+        M.nvml_index(0, visible="GPU-a", nvml_uuids=uuids)
+    with pytest.raises(ValueError, match="matches 0 of the NVML devices"):
+        M.nvml_index(0, visible="MIG-1234", nvml_uuids=uuids)
+    with pytest.raises(ValueError, match="cuda_index: expected an int >= 0"):
+        M.nvml_index(-1)
+
