@@ -1,5 +1,5 @@
-"""Training metrics: FLOPs per token (SPEC.md section 8), MFU, expert load, energy, a JSONL
-logger.
+"""Training metrics: FLOPs per token (SPEC.md section 8), MFU, expert load, energy, memory,
+a JSONL logger.
 
     mean_attended_keys(cu_seqlens) -> n_avg        sum_i len_i^2 / (2 T); S/2 for one document
     flops_per_token(*, hidden, n_layers, n_dense, ffn_dense, ffn_expert, k, n_shared,
@@ -16,6 +16,8 @@ logger.
     SavedTensors(exclude=params)                    counts the bytes kept for the backward
     AllocatedBytes()                                live and peak bytes of the tensors created
     EnergyMeter(device, *, query=None).joules_since_last() -> float | None   NVML energy
+    memory_plan(modules, optimizers, *, grad_dtype=float32) -> dict   this rank's bytes of
+                                                    parameters, gradients, optimizer states
 
 Training FLOPs per token (6 = 3 passes x 2 for a multiply-add: forward x W, backward dx and
 dW), for L = n_layers layers of which n_dense are dense and N_moe = L - n_dense are MoE,
@@ -650,3 +652,131 @@ class EnergyMeter:
         used, self._last = now - self._last, now
         return used / 1000.0 if used >= 0 else None
 
+
+# ----------------------------------------------------------------------------------------
+# memory
+# ----------------------------------------------------------------------------------------
+
+
+def _local_numel(t: torch.Tensor) -> int:
+    from torch.distributed.tensor import DTensor  # torch.distributed only when a DTensor may exist
+
+    return t.to_local().numel() if isinstance(t, DTensor) else t.numel()
+
+
+def _mesh_key(t: torch.Tensor) -> str:
+    """The mesh dims a tensor is split over ("dp_shard", "edp,ep,etp"), "replicated" for a
+    plain tensor or a DTensor replicated on every dim."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, DTensor):
+        return "replicated"
+    names = t.device_mesh.mesh_dim_names or tuple(f"dim{d}" for d in range(t.device_mesh.ndim))
+    return ",".join(names[d] for d, p in enumerate(t.placements) if not p.is_replicate()) or "replicated"
+
+
+def _state_bytes_per_element(optimizer, group: dict, p: torch.Tensor, grad_dtype: torch.dtype, where: str) -> int:
+    """Bytes of optimizer state per element of p, from the optimizer's type and settings
+    (states are created lazily at the first step, so they are not read)."""
+    if hasattr(optimizer, "state_dtype"):  # fmoe.optim.AdamW: exp_avg, exp_avg_sq, float32 master
+        master = 4 if getattr(optimizer, "master_weights", False) and p.dtype != torch.float32 else 0
+        return 2 * optimizer.state_dtype.itemsize + master
+    if "ns_steps" in group:  # fmoe.optim.Muon, fmoe.parallel.DistributedMuon: momentum like the grad
+        return grad_dtype.itemsize
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):  # exp_avg(, _sq, max) like p
+        return (3 if group.get("amsgrad") else 2) * p.element_size()
+    if isinstance(optimizer, torch.optim.SGD):
+        return p.element_size() if group.get("momentum") else 0
+    raise ValueError(f"{where}: {type(optimizer).__name__} is not an optimizer memory_plan knows "
+                     "(fmoe AdamW, Muon, DistributedMuon; torch.optim Adam, AdamW, SGD)")
+
+
+def memory_plan(modules, optimizers=(), *, grad_dtype: Optional[torch.dtype] = torch.float32) -> dict:
+    """The bytes this rank holds for parameters, buffers, gradients and optimizer states, by
+    theory (local shard sizes x dtype sizes), before the first step.
+
+    Every size is the local one: a DTensor's to_local() (FSDP2's shard without its padding,
+    an expert-parallel rank's experts), a plain tensor whole. Gradients: grad_dtype per
+    element of every trainable parameter (float32: FSDP2 keeps sharded float32 gradients
+    under mixed precision; None: the parameter's dtype). Optimizer states, from each
+    optimizer's type and param_groups (its states are created at the first step):
+
+        fmoe.optim.AdamW           2 x state_dtype (+ a float32 master of non-float32
+                                   parameters with master_weights=True)
+        Muon, DistributedMuon      1 momentum buffer of the gradient's dtype (grad_dtype)
+        torch.optim.Adam / AdamW   2 x the parameter's dtype (3 with amsgrad)
+        torch.optim.SGD            1 x the parameter's dtype with momentum, else 0
+
+    Not counted: per-parameter step counters (scalars), activations, FSDP2's all-gather
+    buffers and padding, Muon's Newton-Schulz work and gathered matrices, the allocator's
+    caching. A tensor shared by several modules counts once.
+
+    Args:
+        modules: an nn.Module or an iterable of them (a pipeline rank's chunks).
+        optimizers: a torch.optim.Optimizer or an iterable of them.
+        grad_dtype: the gradients' dtype, or None for each parameter's own.
+    Returns: {"params": bytes, "params_by_dtype": {"float32": bytes, ...}, "buffers": bytes,
+        "grads": bytes, "optimizer": bytes, "total": bytes, "by_mesh": {key: {"params",
+        "buffers", "grads", "optimizer", "total"}}}, ints; key = the mesh dims the tensor
+        is split over ("dp_shard", "edp,ep,etp"), or "replicated".
+
+    >>> linear = torch.nn.Linear(4, 2)                   # 10 float32 parameters
+    >>> plan = memory_plan(linear, torch.optim.AdamW(linear.parameters()))
+    >>> plan["params"], plan["grads"], plan["optimizer"], plan["total"]
+    (40, 40, 80, 160)
+    """
+    if grad_dtype is not None and not isinstance(grad_dtype, torch.dtype):
+        raise ValueError(f"grad_dtype: expected a torch.dtype or None, got {grad_dtype!r}")
+    if isinstance(modules, torch.nn.Module):
+        modules = [modules]
+    if isinstance(optimizers, torch.optim.Optimizer):
+        optimizers = [optimizers]
+    try:
+        modules, optimizers = list(modules), list(optimizers)
+    except TypeError:
+        raise ValueError("modules / optimizers: expected an nn.Module / torch.optim.Optimizer or an iterable of them") from None
+    for i, m in enumerate(modules):
+        if not isinstance(m, torch.nn.Module):
+            raise ValueError(f"modules[{i}]: expected an nn.Module, got {type(m).__name__}")
+    for i, opt in enumerate(optimizers):
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise ValueError(f"optimizers[{i}]: expected a torch.optim.Optimizer, got {type(opt).__name__}")
+
+    kinds = ("params", "buffers", "grads", "optimizer")
+    by_mesh: dict = {}
+    by_dtype: dict = {}
+
+    def add(kind: str, t: torch.Tensor, nbytes: int) -> None:
+        entry = by_mesh.setdefault(_mesh_key(t), dict.fromkeys(kinds, 0))
+        entry[kind] += nbytes
+
+    seen = set()
+    for m in modules:
+        for p in m.parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            n = _local_numel(p)
+            add("params", p, n * p.element_size())
+            name = str(p.dtype).removeprefix("torch.")
+            by_dtype[name] = by_dtype.get(name, 0) + n * p.element_size()
+            if p.requires_grad:
+                add("grads", p, n * (p.element_size() if grad_dtype is None else grad_dtype.itemsize))
+        for b in m.buffers():
+            if id(b) not in seen:
+                seen.add(id(b))
+                add("buffers", b, _local_numel(b) * b.element_size())
+    stepped = set()
+    for i, opt in enumerate(optimizers):
+        for g, group in enumerate(opt.param_groups):
+            for p in group["params"]:
+                if id(p) in stepped:
+                    continue
+                stepped.add(id(p))
+                per_element = _state_bytes_per_element(opt, group, p, p.dtype if grad_dtype is None else grad_dtype, f"optimizers[{i}]")
+                add("optimizer", p, _local_numel(p) * per_element)
+    for entry in by_mesh.values():
+        entry["total"] = sum(entry[k] for k in kinds)
+    totals = {k: sum(e[k] for e in by_mesh.values()) for k in kinds}
+    return {"params": totals["params"], "params_by_dtype": by_dtype, "buffers": totals["buffers"], "grads": totals["grads"],
+            "optimizer": totals["optimizer"], "total": sum(totals.values()), "by_mesh": dict(sorted(by_mesh.items()))}

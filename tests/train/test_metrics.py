@@ -391,3 +391,60 @@ def test_nvml_index_maps_cuda_devices():
     with pytest.raises(ValueError, match="cuda_index: expected an int >= 0"):
         M.nvml_index(-1)
 
+
+# ---------------------------------------------------------------------------- memory
+
+# 32032 parameters (vocab 64, H 32): embed, head 2048 each, final norm 32; block 0 (dense):
+# norms 64, attention 32 x (32 + 16 + 16) + 32 x 32 = 3072, MLP 3 x 32 x 64 = 6144; block 1
+# (MoE): norms 64, attention 3072, router 4 x 32 = 128, experts 3 x 4 x 32 x 32 = 12288,
+# shared 3 x 32 x 32 = 3072; the expert_bias buffer: 4 float32
+MEMORY_CFG = dict(vocab_size=64, hidden=32, n_layers=2, n_dense=1, ffn_dense=64, n_experts=4, k=2, ffn_expert=32, n_shared=1,
+                  n_heads=4, n_kv_heads=2, head_dim=8, impl="torch")
+N_PARAMS, N_ROUTER, N_MUON = 32032, 128, 3072 * 2 + 6144 + 12288 + 3072  # Muon: the block matrices
+
+
+def test_memory_plan_by_hand_one_process():
+    from fmoe.model import Transformer, TransformerConfig
+    from fmoe.optim import AdamW, Muon, build_optimizers
+
+    model = Transformer(TransformerConfig(**MEMORY_CFG))
+    assert sum(p.numel() for p in model.parameters()) == N_PARAMS
+    plan = M.memory_plan(model, AdamW(model.parameters(), impl="torch"))
+    assert plan["params"] == plan["grads"] == 4 * N_PARAMS and plan["params_by_dtype"] == {"float32": 4 * N_PARAMS}
+    assert plan["buffers"] == 16 and plan["optimizer"] == 2 * 4 * N_PARAMS  # exp_avg, exp_avg_sq
+    assert plan["total"] == 4 * 4 * N_PARAMS + 16
+    assert plan["by_mesh"] == {"replicated": {"params": 4 * N_PARAMS, "buffers": 16, "grads": 4 * N_PARAMS,
+                                              "optimizer": 8 * N_PARAMS, "total": plan["total"]}}
+    # bf16 moments: half the state; torch's AdamW: two float32 states, as fmoe's float32 ones
+    assert M.memory_plan(model, AdamW(model.parameters(), state_dtype=torch.bfloat16, impl="torch"))["optimizer"] == 2 * 2 * N_PARAMS
+    assert M.memory_plan([model], [torch.optim.AdamW(model.parameters())])["optimizer"] == 2 * 4 * N_PARAMS
+    # Muon on the block matrices (one float32 momentum), AdamW on the rest
+    optimizers = build_optimizers(model, adamw_cls=lambda groups, lr: AdamW(groups, lr=lr, impl="torch"))
+    assert isinstance(optimizers[0], Muon) and sum(p.numel() for g in optimizers[0].param_groups for p in g["params"]) == N_MUON
+    plan = M.memory_plan(model, optimizers)
+    assert plan["optimizer"] == 4 * N_MUON + 2 * 4 * (N_PARAMS - N_MUON)
+    # a bf16 model (the router stays float32) with float32 masters and bf16 moments, bf16 grads
+    model = model.to(torch.bfloat16)
+    opt = AdamW(model.parameters(), state_dtype=torch.bfloat16, master_weights=True, impl="torch")
+    plan = M.memory_plan(model, opt, grad_dtype=None)
+    assert plan["params_by_dtype"] == {"bfloat16": 2 * (N_PARAMS - N_ROUTER), "float32": 4 * N_ROUTER}
+    assert plan["grads"] == plan["params"] == 2 * (N_PARAMS - N_ROUTER) + 4 * N_ROUTER
+    assert plan["optimizer"] == 2 * 2 * N_PARAMS + 4 * (N_PARAMS - N_ROUTER)  # masters of the bf16 ones only
+    assert M.memory_plan(model, opt)["grads"] == 4 * N_PARAMS  # float32 grads (the default)
+    # the plan is made before the first step: no state exists yet, none is created
+    assert not opt.state
+
+
+def test_memory_plan_refusals():
+    linear = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"optimizers\[0\]: RMSprop is not an optimizer memory_plan knows"):
+        M.memory_plan(linear, torch.optim.RMSprop(linear.parameters()))
+    with pytest.raises(ValueError, match=r"modules\[1\]: expected an nn.Module"):
+        M.memory_plan([linear, "x"])
+    with pytest.raises(ValueError, match=r"optimizers\[0\]: expected a torch.optim.Optimizer"):
+        M.memory_plan(linear, ["x"])
+    with pytest.raises(ValueError, match="grad_dtype: expected a torch.dtype or None"):
+        M.memory_plan(linear, grad_dtype="bf16")
+    assert M.memory_plan(linear, torch.optim.SGD(linear.parameters(), lr=0.1))["optimizer"] == 0
+    assert M.memory_plan(linear, torch.optim.SGD(linear.parameters(), lr=0.1, momentum=0.9))["optimizer"] == 24
+    assert M.memory_plan(linear, torch.optim.Adam(linear.parameters(), amsgrad=True))["optimizer"] == 72
