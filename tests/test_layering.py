@@ -98,6 +98,10 @@ def _optional() -> set[str]:
     return {m.lower() for m in re.findall(r'"([A-Za-z0-9_.-]+)', section)}
 
 
+# import names that differ from the name of the package that provides them
+DISTRIBUTION = {"pynvml": "nvidia-ml-py"}
+
+
 def test_every_runtime_import_is_a_declared_dependency():
     """Top-level imports of third-party packages are dependencies; an import inside a
     function (a feature that needs an extra) is an optional dependency."""
@@ -115,6 +119,6 @@ def test_every_runtime_import_is_a_declared_dependency():
                 if root in stdlib or root in ("fmoe", "__future__"):
                     continue
                 needed = declared if id(node) in top_level else declared | optional
-                if root.lower() not in needed:
+                if DISTRIBUTION.get(root, root).lower() not in needed:
                     missing.append(f"{path.relative_to(ROOT)}: {module}")
     assert not missing, f"imports that pyproject.toml does not declare: {missing}"

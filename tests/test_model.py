@@ -330,12 +330,14 @@ def test_multi_latent_attention_model_builds_its_parameters():
     assert attn.wkv_b.shape == (6, 4 * (8 + 5)) and attn.wo.shape == (4 * 5, 32)
     assert torch.equal(attn.kv_a_norm, torch.ones(6)) and torch.equal(model.mtp[0].out_norm.weight, torch.ones(32))
     assert model.blocks[0].attn.wq_a.std() > 0.01  # initialised like every matrix
-    # the FLOPs count its projections and its q.k (12) / value (5) dims, not GQA's
+    # the FLOPs count its projections and its q.k (12) / value (5) dims, not GQA's, in the
+    # trunk's 4 blocks and the MTP module's block
     from fmoe.train.metrics import model_flops_per_token
 
     gqa = dataclasses.replace(cfg, q_rank=None, kv_rank=None, v_head_dim=None)
     mats = 32 * 10 + 10 * 48 + 32 * 10 + 6 * 52 + 20 * 32
-    want = 6 * 4 * mats + 4 * 6 * 4 * (12 + 5) * 3.0 - 4 * (6 * (32 * 48 * 3 + 48 * 32) + 12 * 48 * 3.0)
+    blocks = 4 + 1
+    want = blocks * (6 * mats + 6 * 4 * (12 + 5) * 3.0 - (6 * (32 * 48 * 3 + 48 * 32) + 12 * 48 * 3.0))
     assert model_flops_per_token(cfg, n_avg_keys=3.0) == pytest.approx(model_flops_per_token(gqa, n_avg_keys=3.0) + want)
     with pytest.raises(ValueError, match="n_kv_heads: multi-latent attention"):
         TransformerConfig(**{**_SMALL, "kv_rank": 6, "v_head_dim": 5, "rope_dim": 4})

@@ -1,8 +1,11 @@
-"""Gradient helpers: the gradient norm and its clipping, float32 accumulation of bf16 gradients.
+"""Gradient helpers: the gradient norm and its clipping, the parameter norm, the count of
+zero gradients, float32 accumulation of bf16 gradients.
 
     grad_norm(parameters, *, norm_type=2.0, group=None, pp_group=None) -> 0-D float32 tensor
     clip_grad_norm(parameters, max_norm, *, norm_type=2.0, group=None, pp_group=None, copies=())
         -> the pre-clip norm
+    param_norm(parameters, *, group=None, pp_group=None, copies=()) -> 0-D float32 tensor
+    zero_grad_count(parameters, *, group=None, pp_group=None, copies=()) -> 0-D int64 tensor
     Float32GradAccumulator(model, patterns)    float32 sums of chosen parameters' gradients
 
 Clipping (torch.nn.utils.clip_grad_norm_'s rule): every gradient is scaled by
@@ -37,6 +40,13 @@ placement is refused (its local values are not the gradient's). Every rank issue
 collective, the same on all, whatever it holds (no gradient at all sends a zero): a skipped
 collective hangs the others. Per tensor the norm is accumulated in float32, across tensors
 and ranks in float64.
+
+The same rule applied to the parameters' values gives param_norm (||concat of all
+parameters||_2, for logging the weights' growth). zero_grad_count counts the elements whose
+gradient is exactly 0 (a parameter without a .grad: all its elements), each element once:
+integer counts cannot be divided by `replicas` exactly, so rank q adds its count times
+world / replicas (an integer: replicas divides the world), the SUM over the world is then
+world times the count, divided back exactly in int64.
 
 Float32GradAccumulator: with bf16 parameters, autograd sums the micro-batch gradients into a
 bf16 .grad, rounding after every micro-batch (8 significant bits: once the sum is 256 times
@@ -140,37 +150,37 @@ def _as_param_list(parameters) -> list[torch.Tensor]:
     return params
 
 
-def _torch_path(params: list[torch.Tensor], world: int) -> bool:
-    """Whether torch's own single-process functions apply: one rank, plain-tensor grads."""
-    return world == 1 and not any(isinstance(p.grad, DTensor) for p in params)
+def _torch_path(tensors: list[Optional[torch.Tensor]], world: int) -> bool:
+    """Whether torch's own single-process functions apply: one rank, plain tensors."""
+    return world == 1 and not any(isinstance(t, DTensor) for t in tensors)
 
 
-def _local_grads(params: list[torch.Tensor], world: int) -> list[tuple[torch.Tensor, int]]:
-    """(this rank's local gradient shard, number of ranks holding an identical copy of it)
-    for every parameter with a .grad; the grads' own tensors, so in-place scaling sticks."""
+def _local_shards(tensors: list[Optional[torch.Tensor]], world: int, what: str = "its gradient") -> list[tuple[torch.Tensor, int]]:
+    """(this rank's local shard, number of ranks holding an identical copy of it) for every
+    tensor that is not None (the parameters' .grad, or the parameters themselves; `what`
+    names them in errors); the tensors' own storage, so in-place scaling sticks."""
     out = []
-    for i, p in enumerate(params):
-        g = p.grad
-        if g is None:
+    for i, t in enumerate(tensors):
+        if t is None:
             continue
-        if not isinstance(g, DTensor):
-            out.append((g, world))  # a plain tensor: the same full gradient on every rank
+        if not isinstance(t, DTensor):
+            out.append((t, world))  # a plain tensor: the same full tensor on every rank
             continue
-        mesh = g.device_mesh
-        if any(pl.is_partial() for pl in g.placements):
+        mesh = t.device_mesh
+        if any(pl.is_partial() for pl in t.placements):
             raise ValueError(
-                f"parameters[{i}]: its gradient has a Partial placement {g.placements} (not yet reduced); "
+                f"parameters[{i}]: {what} has a Partial placement {t.placements} (not yet reduced); "
                 "reduce it (redistribute to Shard/Replicate) before taking the norm"
             )
         if mesh.size() > world or world % mesh.size():
-            raise ValueError(f"parameters[{i}]: its gradient's mesh has {mesh.size()} ranks, which does not divide the {world} ranks of the group")
+            raise ValueError(f"parameters[{i}]: {what}'s mesh has {mesh.size()} ranks, which does not divide the {world} ranks of the group")
         if mesh.get_coordinate() is None:
-            continue  # this rank is outside the gradient's mesh and holds none of it
+            continue  # this rank is outside the tensor's mesh and holds none of it
         replicas = world // mesh.size()  # the other slices of the world hold the same shard
-        for dim, placement in enumerate(g.placements):
+        for dim, placement in enumerate(t.placements):
             if placement.is_replicate():
                 replicas *= mesh.size(dim)
-        out.append((g.to_local(), replicas))
+        out.append((t.to_local(), replicas))
     return out
 
 
@@ -181,11 +191,12 @@ def _tensor_norms(grads: list[torch.Tensor], p: float, foreach: Optional[bool]) 
     return list(torch._foreach_norm(grads, p, dtype=torch.float32))
 
 
-def _distributed_norm(params, p: float, pg: Optional[dist.ProcessGroup], world: int, foreach: Optional[bool],
-                      pp: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
-    """The module docstring's algorithm; the collective only when the group has ranks to
-    join; then over the pipeline group pp (the other stages' sums), when given."""
-    shards = [(g, r) for g, r in _local_grads(params, world) if g.numel() > 0]  # empty shards add 0
+def _distributed_norm(tensors: list[Optional[torch.Tensor]], p: float, pg: Optional[dist.ProcessGroup], world: int,
+                      foreach: Optional[bool], pp: Optional[dist.ProcessGroup] = None, what: str = "its gradient") -> torch.Tensor:
+    """The module docstring's algorithm over `tensors` (the .grad of each parameter, or the
+    parameters; None is skipped); the collective only when the group has ranks to join;
+    then over the pipeline group pp (the other stages' sums), when given."""
+    shards = [(g, r) for g, r in _local_shards(tensors, world, what) if g.numel() > 0]  # empty shards add 0
     if pg is None:
         device = shards[0][0].device if shards else torch.device("cpu")
     else:
@@ -272,10 +283,10 @@ def grad_norm(
     params = _as_param_list(parameters)
     pp = _pipeline_group(pp_group, group)
     pg, world = _group_and_size(group)
-    if pp is None and _torch_path(params, world):
-        grads = [q.grad for q in params if q.grad is not None]
-        return torch.nn.utils.get_total_norm(grads, p, foreach=foreach).float()
-    return _distributed_norm(params, p, pg, world, foreach, pp)
+    grads = [q.grad for q in params]
+    if pp is None and _torch_path(grads, world):
+        return torch.nn.utils.get_total_norm([g for g in grads if g is not None], p, foreach=foreach).float()
+    return _distributed_norm(grads, p, pg, world, foreach, pp)
 
 
 @torch.no_grad()
@@ -316,21 +327,110 @@ def clip_grad_norm(
     copies = _as_param_list(copies)
     pp = _pipeline_group(pp_group, group)
     pg, world = _group_and_size(group)
-    if pp is None and not copies and _torch_path(params, world):
+    grads = [q.grad for q in params]
+    if pp is None and not copies and _torch_path(grads, world):
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=p, foreach=foreach).float()
-    norm = _distributed_norm(params, p, pg, world, foreach, pp)
+    norm = _distributed_norm(grads, p, pg, world, foreach, pp)
     coef = (max_norm / (norm + _CLIP_EPS)).clamp(max=1.0)
     by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for g, _ in _local_grads(params + copies, world):
+    for g, _ in _local_shards(grads + [q.grad for q in copies], world):
         by_device.setdefault(g.device, []).append(g)
-    for device, grads in by_device.items():
+    for device, local in by_device.items():
         coef_here = coef.to(device)
         if foreach is False:
-            for g in grads:
+            for g in local:
                 g.mul_(coef_here)
         else:
-            torch._foreach_mul_(grads, coef_here)
+            torch._foreach_mul_(local, coef_here)
     return norm
+
+
+def _without_copies(params: list[torch.Tensor], copies: list[torch.Tensor]) -> list[torch.Tensor]:
+    """params less the tensors that are also in copies (by identity)."""
+    skip = {id(c) for c in copies}
+    return [p for p in params if id(p) not in skip]
+
+
+@torch.no_grad()
+def param_norm(
+    parameters: Parameters,
+    *,
+    group: Optional[Group] = None,
+    pp_group: Optional[Group] = None,
+    copies: Parameters = (),
+) -> torch.Tensor:
+    """The 2-norm of all the parameters' values together, ||concat of all parameters||_2,
+    on one process or over the ranks of `group`: grad_norm's rule applied to the values.
+
+    Accumulated in float32 per tensor (bf16 weights included: not torch's get_total_norm,
+    which would sum in bf16) and in float64 across tensors and ranks. One process: no
+    collective. Otherwise one SUM all_reduce over `group` (every rank calls it, a rank
+    holding nothing sends 0), each DTensor shard counted once (Replicate placements and the
+    other slices of the world divide it by its copies, module docstring), plain tensors
+    taken to be the same on every rank; then, with pp_group, one more over the pipeline
+    stages. No host sync.
+
+    Args: as clip_grad_norm. copies: parameters not counted (skipped where they also
+        appear in `parameters`): the pipeline's tied-embedding copy, so that the same
+        (counted, copies) as clip_grad_norm's can be passed.
+    Returns: 0-D float32 tensor, identical on every rank.
+
+    >>> param_norm([torch.nn.Parameter(torch.tensor([3.0, 4.0]))])
+    tensor(5.)
+    """
+    params = _without_copies(_as_param_list(parameters), _as_param_list(copies))
+    pp = _pipeline_group(pp_group, group)
+    pg, world = _group_and_size(group)
+    return _distributed_norm(params, 2.0, pg, world, None, pp, what="its value")
+
+
+@torch.no_grad()
+def zero_grad_count(
+    parameters: Parameters,
+    *,
+    group: Optional[Group] = None,
+    pp_group: Optional[Group] = None,
+    copies: Parameters = (),
+) -> torch.Tensor:
+    """The number of parameter elements whose gradient is exactly 0 (+0.0 or -0.0), each
+    element of the whole model counted once; a parameter without a .grad counts all its
+    elements (it got no gradient). It counts the embedding rows of tokens the step did not
+    contain and the experts no token reached; a count that rises over training flags dead
+    units or gradients underflowing to 0.
+
+    Counted on each rank's local shards, weighted by world / replicas and summed by one
+    all_reduce over `group` (module docstring: exact in int64), then over pp_group when
+    given; every rank calls it. One process: no collective. No host sync.
+
+    Args: as param_norm (copies are not counted).
+    Returns: 0-D int64 tensor, identical on every rank.
+
+    >>> w = torch.nn.Parameter(torch.ones(3)); w.grad = torch.tensor([0.0, 2.0, -0.0])
+    >>> zero_grad_count([w, torch.nn.Parameter(torch.ones(2, 2))])
+    tensor(6)
+    """
+    params = _without_copies(_as_param_list(parameters), _as_param_list(copies))
+    pp = _pipeline_group(pp_group, group)
+    pg, world = _group_and_size(group)
+    grads = _local_shards([p.grad for p in params], world, "its gradient")
+    bare = _local_shards([p if p.grad is None else None for p in params], world, "its value")
+    if pg is None:
+        device = grads[0][0].device if grads else bare[0][0].device if bare else torch.device("cpu")
+    else:
+        device = collective_device(pg, [t for t, _ in grads + bare])
+    weighted = torch.zeros((), dtype=torch.int64, device=device)
+    for g, replicas in grads:
+        assert world % replicas == 0, (world, replicas)
+        weighted = weighted + (g == 0).sum().to(device) * (world // replicas)
+    for p, replicas in bare:
+        assert world % replicas == 0, (world, replicas)
+        weighted = weighted + p.numel() * (world // replicas)
+    if world > 1:
+        dist.all_reduce(weighted, op=dist.ReduceOp.SUM, group=pg)
+    count = weighted // world  # every element was added world times over the ranks
+    if pp is not None:
+        dist.all_reduce(count, op=dist.ReduceOp.SUM, group=pp)
+    return count
 
 
 # ----------------------------------------------------------------------------------------

@@ -12,6 +12,8 @@ collectives, DCP) arranged for MoE models. DESIGN.md "Parallelism".
     reduce_scatter_to_sp               tensor parallel with sequence parallelism (parallelize_module)
     all_reduce_counts, all_reduce_sums   per-layer counts and logged sums (kept on device), one
                                        collective each
+    replica_mismatches, bits_hash      do the ranks that should hold identical parameters and
+                                       buffers (replicas, tp copies, expert biases) still do
     seq_load_balancing_loss_split, global_load_balancing_loss, z_loss_split   aux losses over split tokens
     DistributedMuon                    layer-wise Muon: each matrix orthogonalised on one rank
     cp_token_index, cp_kv_index, split_batch, gather_kv, ContextParallel   context parallel: the
@@ -40,6 +42,7 @@ from fmoe.parallel.expert import (
     split_tokens,
 )
 from fmoe.parallel.fsdp import apply_fsdp, dense_data_mesh, materialize, parallelize, shard_experts
+from fmoe.parallel.health import bits_hash, replica_mismatches
 from fmoe.parallel.mesh import Meshes, build_meshes, plan_sizes
 from fmoe.parallel.muon import DistributedMuon
 from fmoe.parallel.pipeline import (
@@ -104,6 +107,7 @@ __all__ = [
     "seq_load_balancing_loss_split",
     "z_loss_split",
     "apply_fsdp",
+    "bits_hash",
     "build_meshes",
     "copy_to_tp",
     "dense_data_mesh",
@@ -111,6 +115,7 @@ __all__ = [
     "parallelize",
     "plan_sizes",
     "reduce_scatter_to_sp",
+    "replica_mismatches",
     "gather_from_sp",
     "SequenceShard",
     "ShardTokens",

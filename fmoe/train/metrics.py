@@ -1,8 +1,11 @@
-"""Training metrics: FLOPs per token (SPEC.md section 8), MFU, expert load, a JSONL logger.
+"""Training metrics: FLOPs per token (SPEC.md section 8), MFU, expert load, energy, memory,
+a JSONL logger.
 
     mean_attended_keys(cu_seqlens) -> n_avg        sum_i len_i^2 / (2 T); S/2 for one document
     flops_per_token(*, hidden, n_layers, n_dense, ffn_dense, ffn_expert, k, n_shared,
-                    n_heads, n_kv_heads, head_dim, vocab, mtp_depth=0, n_avg_keys) -> float
+                    n_heads, n_kv_heads, head_dim, vocab, mtp_depth=0, n_avg_keys,
+                    n_experts=0) -> float
+    model_flops_per_token(cfg, *, n_avg_keys) -> float   the same for a TransformerConfig
     datasheet_peak_flops(name) / peak_flops(device) -> float | None   dense bf16 peaks
     mfu(tokens_per_s, flops_per_token, peak) -> float | None
     layer_loads(counts[L, E], slots) -> record entries, one item per MoE layer (fmoe.ops.load_stats)
@@ -12,16 +15,26 @@
     HostReads()                                     counts host reads of tensor values (syncs)
     SavedTensors(exclude=params)                    counts the bytes kept for the backward
     AllocatedBytes()                                live and peak bytes of the tensors created
+    EnergyMeter(device, *, query=None).joules_since_last() -> float | None   NVML energy
+    memory_plan(modules, optimizers, *, grad_dtype=float32) -> dict   this rank's bytes of
+                                                    parameters, gradients, optimizer states
 
-Training FLOPs per token (SPEC 8; 6 = 3 passes x 2 for a multiply-add), for L = n_layers
-layers of which n_dense are dense and N_moe = L - n_dense are MoE, SwiGLU (m = 3):
+Training FLOPs per token (6 = 3 passes x 2 for a multiply-add: forward x W, backward dx and
+dW), for L = n_layers layers of which n_dense are dense and N_moe = L - n_dense are MoE,
+SwiGLU (m = 3), attention A = 6 (H (q + 2 kv) + q H) + 12 q n_avg per layer (q, k, v, o
+projections; scores and values):
 
-    6 H (m F_dense n_dense + m F_expert (k + n_shared) N_moe)          MLPs and experts
-    + L * 6 (H (q + 2 kv) + q H)                                       q, k, v, o projections
-    + L * 12 q n_avg                                                   scores and values
-    + (1 + mtp_depth) * 6 H V                                          output heads
-with q = n_heads * head_dim, kv = n_kv_heads * head_dim, n_avg = mean_attended_keys(...).
-Not counted (as in SPEC 8): the router, norms, embeddings, and the MTP depths' own blocks.
+    L A + 6 H m F_dense n_dense                                   trunk: attention, dense MLPs
+    + N_moe (6 H m F_expert (k + n_shared) + 6 H E)               experts and router
+    + mtp_depth (6 (2H) H + A + FFN_mtp)                          MTP modules' own work
+    + (1 + mtp_depth) 6 H V                                       output heads
+with q = n_heads * head_dim, kv = n_kv_heads * head_dim, n_avg = mean_attended_keys(...),
+FFN_mtp = the MoE term above when the trunk has a MoE layer, else 6 H m F_dense (each MTP
+module's block is a MoE block exactly then: fmoe.model.MTPModule), and E = n_experts (0
+leaves the router out). This extends SPEC.md section 8, which leaves out the router
+(6 H E per MoE layer: 2 H E forward, 4 H E backward) and the MTP modules' projection and
+block (only their heads were counted). Still not counted: norms, embeddings (lookups),
+the shared-expert gate (6 H per MoE layer), softmax, RoPE and other elementwise work.
 
 Metric records (one JSON object per line of `<out_dir>/metrics.jsonl`): step, and what the
 loop passes: loss, lr, tokens, grad_norm, tokens_per_s, val_loss, aux_loss, z_loss,
@@ -40,7 +53,7 @@ import sys
 import warnings
 from numbers import Real
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -72,12 +85,15 @@ def _check_count(name: str, value, minimum: int = 0) -> None:
 def flops_per_token(
     *, hidden: int, n_layers: int, n_dense: int, ffn_dense: int, ffn_expert: int, k: int, n_shared: float,
     n_heads: int, n_kv_heads: int, head_dim: int, vocab: int, mtp_depth: int = 0, n_avg_keys: float,
+    n_experts: int = 0,
 ) -> float:
-    """Training FLOPs per token (forward + backward), SPEC.md section 8; see the module
-    docstring. n_shared counts shared experts in units of ffn_expert (Fs = n_shared F)."""
+    """Training FLOPs per token (forward + backward): SPEC.md section 8 with the router and
+    the MTP modules' blocks (the module docstring's formula). n_shared counts shared experts
+    in units of ffn_expert (Fs = n_shared F); n_experts = E for the router's 6 H E per MoE
+    layer (0: no router term)."""
     args = dict(hidden=hidden, n_layers=n_layers, n_dense=n_dense, ffn_dense=ffn_dense, ffn_expert=ffn_expert, k=k,
                 n_shared=n_shared, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, vocab=vocab,
-                mtp_depth=mtp_depth, n_avg_keys=n_avg_keys)
+                mtp_depth=mtp_depth, n_avg_keys=n_avg_keys, n_experts=n_experts)
     for name, value in args.items():
         _check_count(name, value)
     if n_dense > n_layers:
@@ -85,20 +101,23 @@ def flops_per_token(
     m, H = 3, hidden
     n_moe = n_layers - n_dense
     q, kv = n_heads * head_dim, n_kv_heads * head_dim
-    mlp = 6 * H * (m * ffn_dense * n_dense + m * ffn_expert * (k + n_shared) * n_moe)
-    projections = n_layers * 6 * (H * (q + 2 * kv) + q * H)
-    scores = n_layers * 12 * q * n_avg_keys
+    attention = 6 * (H * (q + 2 * kv) + q * H) + 12 * q * n_avg_keys  # one layer
+    dense_ffn = 6 * H * m * ffn_dense
+    moe_ffn = 6 * H * m * ffn_expert * (k + n_shared) + 6 * H * n_experts  # experts, router
+    trunk = n_layers * attention + n_dense * dense_ffn + n_moe * moe_ffn
+    mtp = mtp_depth * (6 * 2 * H * H + attention + (moe_ffn if n_moe else dense_ffn))
     head = (1 + mtp_depth) * 6 * H * vocab
-    return float(mlp + projections + scores + head)
+    return float(trunk + mtp + head)
 
 
 def model_flops_per_token(cfg, *, n_avg_keys: float) -> float:
     """flops_per_token of an fmoe.model.TransformerConfig (any object with its fields): the
     dense blocks are those that are not MoE (moe_layers or n_dense), the shared experts'
-    size in units of ffn_expert (shared_ffn, or n_shared). With multi-latent attention
-    (kv_rank) the attention terms are its own: 6 x its projection weights, and
+    size in units of ffn_expert (shared_ffn, or n_shared), the router over n_experts, the
+    MTP blocks as the model builds them. With multi-latent attention (kv_rank) the attention
+    terms of every block (trunk and MTP) are its own: 6 x its projection weights, and
     6 N (D + v_dim) n_avg_keys for the scores (q.k over D) and the values (over v_dim)."""
-    names = ("hidden", "n_layers", "ffn_dense", "ffn_expert", "k", "n_heads", "n_kv_heads", "head_dim", "mtp_depth")
+    names = ("hidden", "n_layers", "ffn_dense", "ffn_expert", "k", "n_heads", "n_kv_heads", "head_dim", "mtp_depth", "n_experts")
     is_moe = getattr(cfg, "is_moe", lambda i: i >= cfg.n_dense)
     n_dense = sum(not is_moe(i) for i in range(cfg.n_layers))
     shared = getattr(cfg, "shared_size", cfg.n_shared * cfg.ffn_expert) / cfg.ffn_expert
@@ -108,12 +127,12 @@ def model_flops_per_token(cfg, *, n_avg_keys: float) -> float:
         return flops
     from fmoe.layers import mla_shapes
 
-    H, L, N, D = cfg.hidden, cfg.n_layers, cfg.n_heads, cfg.head_dim
+    H, N, D = cfg.hidden, cfg.n_heads, cfg.head_dim
     q, kv = N * D, cfg.n_kv_heads * D
     gqa = 6 * (H * (q + 2 * kv) + q * H) + 12 * q * n_avg_keys
     mats, _ = mla_shapes(H, cfg.attention_config())
     mla = 6 * sum(a * b for a, b in mats.values()) + 6 * N * (D + cfg.v_head_dim) * n_avg_keys
-    return float(flops + L * (mla - gqa))
+    return float(flops + (cfg.n_layers + cfg.mtp_depth) * (mla - gqa))
 
 
 def datasheet_peak_flops(name: str) -> Optional[float]:
@@ -538,3 +557,264 @@ class AllocatedBytes:
 
     def __exit__(self, *exc) -> None:
         self._mode.__exit__(*exc)
+
+
+# ----------------------------------------------------------------------------------------
+# energy
+# ----------------------------------------------------------------------------------------
+
+
+def _bare_uuid(uuid: str) -> str:
+    """A GPU UUID without its "GPU-" prefix, lower case (NVML writes "GPU-<uuid>", torch
+    the bare uuid)."""
+    uuid = str(uuid).strip().lower()
+    return uuid[4:] if uuid.startswith("gpu-") else uuid
+
+
+def nvml_index(cuda_index: int, *, visible: Optional[str] = None, nvml_uuids: Sequence[str] = (),
+               cuda_uuid: Optional[str] = None) -> int:
+    """The NVML index of the CUDA device torch calls cuda:cuda_index.
+
+    NVML numbers every GPU of the machine, ignoring CUDA_VISIBLE_DEVICES; CUDA numbers the
+    visible ones, in its own order. In order of preference:
+      1. cuda_uuid (torch.cuda.get_device_properties(i).uuid) found among nvml_uuids (NVML's
+         "GPU-..." UUIDs by NVML index): exact whatever the environment;
+      2. visible = CUDA_VISIBLE_DEVICES unset (None): cuda_index itself (CUDA's default
+         order, fastest first, is NVML's PCI order on machines of one GPU model);
+      3. the cuda_index-th entry of CUDA_VISIBLE_DEVICES: an integer is an NVML index
+         (exact with CUDA_DEVICE_ORDER=PCI_BUS_ID, and on machines of one GPU model), a
+         UUID or a unique prefix of one ("GPU-8f3a") is looked up in nvml_uuids.
+    ValueError when the device cannot be found (an index past the visible list, a UUID no
+    NVML device has, a MIG instance's "MIG-..." id: its GPU's counter is not its own).
+
+    >>> nvml_index(1, visible="6,2")
+    2
+    >>> nvml_index(0, visible="GPU-bb", nvml_uuids=["GPU-aa11", "GPU-bb22"])
+    1
+    """
+    if isinstance(cuda_index, bool) or not isinstance(cuda_index, int) or cuda_index < 0:
+        raise ValueError(f"cuda_index: expected an int >= 0, got {cuda_index!r}")
+    bare = [_bare_uuid(u) for u in nvml_uuids]
+    if cuda_uuid is not None and _bare_uuid(cuda_uuid) in bare:
+        return bare.index(_bare_uuid(cuda_uuid))
+    if visible is None:
+        return cuda_index
+    entries = [e.strip() for e in visible.split(",") if e.strip()]
+    if cuda_index >= len(entries):
+        raise ValueError(f"cuda_index: cuda:{cuda_index} is not among CUDA_VISIBLE_DEVICES={visible!r}")
+    entry = entries[cuda_index]
+    if entry.isdigit():
+        return int(entry)
+    matches = [i for i, u in enumerate(bare) if u.startswith(_bare_uuid(entry))]
+    if len(matches) != 1:
+        raise ValueError(f"visible: CUDA_VISIBLE_DEVICES entry {entry!r} matches {len(matches)} of the NVML devices' UUIDs (a MIG instance has no energy counter of its own)")
+    return matches[0]
+
+
+class EnergyMeter:
+    """The energy a GPU used between two calls, from NVML's total-energy counter.
+
+        meter = EnergyMeter(device)                  # at start
+        ...
+        joules = meter.joules_since_last()           # once per step, after the step's host sync
+
+    query(nvml_index) -> millijoules used since the driver loaded
+    (pynvml.nvmlDeviceGetTotalEnergyConsumption of the device's handle by default, Volta and
+    newer). The torch device's NVML index is found by nvml_index (its UUID when torch
+    reports one, else CUDA_VISIBLE_DEVICES). `query` can be given instead of NVML (tests
+    pass a fake counter); with one given, no NVML is loaded and the index comes from
+    CUDA_VISIBLE_DEVICES alone.
+
+    `available` says whether readings come; otherwise `reason` says why: "CPU device",
+    "pynvml not installed (pip install nvidia-ml-py)", "NVML error: ..." (no driver, a GPU
+    without the counter), "device: ..." (not found among NVML's devices). The counter is
+    read on the host (no GPU sync): call it right after the step's one device->host
+    transfer, so that the interval covers the step's GPU work. A reading that fails later
+    makes the meter unavailable (None from then on); a counter that went backwards (the
+    driver reloaded) gives None for that interval.
+    """
+
+    def __init__(self, device, *, query: Optional[Callable[[int], float]] = None):
+        self.device = torch.device("cuda", device) if isinstance(device, int) and not isinstance(device, bool) else torch.device(device)
+        self.available, self.reason, self.index = False, None, None
+        self._query, self._errors, self._last = None, (Exception,), None
+        self.reason = self._start(query)
+        self.available = self.reason is None
+
+    def _start(self, query) -> Optional[str]:
+        if self.device.type != "cuda":
+            return f"{self.device.type.upper()} device"
+        cuda_index = self.device.index
+        if cuda_index is None:
+            cuda_index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        uuids, cuda_uuid = (), None
+        if query is None:
+            try:
+                import pynvml
+            except ImportError:
+                return "pynvml not installed (pip install nvidia-ml-py)"
+            self._errors = (pynvml.NVMLError,)
+            try:
+                pynvml.nvmlInit()
+                uuids = [pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i)) for i in range(pynvml.nvmlDeviceGetCount())]
+            except pynvml.NVMLError as e:
+                return f"NVML error: {e}"
+            uuids = [u.decode() if isinstance(u, bytes) else str(u) for u in uuids]
+            if torch.cuda.is_available() and cuda_index < torch.cuda.device_count():
+                cuda_uuid = getattr(torch.cuda.get_device_properties(cuda_index), "uuid", None)
+
+            def query(index):
+                return pynvml.nvmlDeviceGetTotalEnergyConsumption(pynvml.nvmlDeviceGetHandleByIndex(index))
+
+        try:
+            self.index = nvml_index(cuda_index, visible=visible, nvml_uuids=uuids, cuda_uuid=None if cuda_uuid is None else str(cuda_uuid))
+        except ValueError as e:
+            return f"device: {e}"
+        self._query = query
+        try:
+            self._last = float(query(self.index))
+        except self._errors as e:
+            return f"NVML error: {e}"
+        return None
+
+    def joules_since_last(self) -> Optional[float]:
+        """Joules used since the previous call (or construction); None when unavailable."""
+        if not self.available:
+            return None
+        try:
+            now = float(self._query(self.index))
+        except self._errors as e:
+            self.available, self.reason = False, f"NVML error: {e}"
+            return None
+        used, self._last = now - self._last, now
+        return used / 1000.0 if used >= 0 else None
+
+
+# ----------------------------------------------------------------------------------------
+# memory
+# ----------------------------------------------------------------------------------------
+
+
+def _local_numel(t: torch.Tensor) -> int:
+    from torch.distributed.tensor import DTensor  # torch.distributed only when a DTensor may exist
+
+    return t.to_local().numel() if isinstance(t, DTensor) else t.numel()
+
+
+def _mesh_key(t: torch.Tensor) -> str:
+    """The mesh dims a tensor is split over ("dp_shard", "edp,ep,etp"), "replicated" for a
+    plain tensor or a DTensor replicated on every dim."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, DTensor):
+        return "replicated"
+    names = t.device_mesh.mesh_dim_names or tuple(f"dim{d}" for d in range(t.device_mesh.ndim))
+    return ",".join(names[d] for d, p in enumerate(t.placements) if not p.is_replicate()) or "replicated"
+
+
+def _state_bytes_per_element(optimizer, group: dict, p: torch.Tensor, grad_dtype: torch.dtype, where: str) -> int:
+    """Bytes of optimizer state per element of p, from the optimizer's type and settings
+    (states are created lazily at the first step, so they are not read)."""
+    if hasattr(optimizer, "state_dtype"):  # fmoe.optim.AdamW: exp_avg, exp_avg_sq, float32 master
+        master = 4 if getattr(optimizer, "master_weights", False) and p.dtype != torch.float32 else 0
+        return 2 * optimizer.state_dtype.itemsize + master
+    if "ns_steps" in group:  # fmoe.optim.Muon, fmoe.parallel.DistributedMuon: momentum like the grad
+        return grad_dtype.itemsize
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):  # exp_avg(, _sq, max) like p
+        return (3 if group.get("amsgrad") else 2) * p.element_size()
+    if isinstance(optimizer, torch.optim.SGD):
+        return p.element_size() if group.get("momentum") else 0
+    raise ValueError(f"{where}: {type(optimizer).__name__} is not an optimizer memory_plan knows "
+                     "(fmoe AdamW, Muon, DistributedMuon; torch.optim Adam, AdamW, SGD)")
+
+
+def memory_plan(modules, optimizers=(), *, grad_dtype: Optional[torch.dtype] = torch.float32) -> dict:
+    """The bytes this rank holds for parameters, buffers, gradients and optimizer states, by
+    theory (local shard sizes x dtype sizes), before the first step.
+
+    Every size is the local one: a DTensor's to_local() (FSDP2's shard without its padding,
+    an expert-parallel rank's experts), a plain tensor whole. Gradients: grad_dtype per
+    element of every trainable parameter (float32: FSDP2 keeps sharded float32 gradients
+    under mixed precision; None: the parameter's dtype). Optimizer states, from each
+    optimizer's type and param_groups (its states are created at the first step):
+
+        fmoe.optim.AdamW           2 x state_dtype (+ a float32 master of non-float32
+                                   parameters with master_weights=True)
+        Muon, DistributedMuon      1 momentum buffer of the gradient's dtype (grad_dtype)
+        torch.optim.Adam / AdamW   2 x the parameter's dtype (3 with amsgrad)
+        torch.optim.SGD            1 x the parameter's dtype with momentum, else 0
+
+    Not counted: per-parameter step counters (scalars), activations, FSDP2's all-gather
+    buffers and padding, Muon's Newton-Schulz work and gathered matrices, the allocator's
+    caching. A tensor shared by several modules counts once.
+
+    Args:
+        modules: an nn.Module or an iterable of them (a pipeline rank's chunks).
+        optimizers: a torch.optim.Optimizer or an iterable of them.
+        grad_dtype: the gradients' dtype, or None for each parameter's own.
+    Returns: {"params": bytes, "params_by_dtype": {"float32": bytes, ...}, "buffers": bytes,
+        "grads": bytes, "optimizer": bytes, "total": bytes, "by_mesh": {key: {"params",
+        "buffers", "grads", "optimizer", "total"}}}, ints; key = the mesh dims the tensor
+        is split over ("dp_shard", "edp,ep,etp"), or "replicated".
+
+    >>> linear = torch.nn.Linear(4, 2)                   # 10 float32 parameters
+    >>> plan = memory_plan(linear, torch.optim.AdamW(linear.parameters()))
+    >>> plan["params"], plan["grads"], plan["optimizer"], plan["total"]
+    (40, 40, 80, 160)
+    """
+    if grad_dtype is not None and not isinstance(grad_dtype, torch.dtype):
+        raise ValueError(f"grad_dtype: expected a torch.dtype or None, got {grad_dtype!r}")
+    if isinstance(modules, torch.nn.Module):
+        modules = [modules]
+    if isinstance(optimizers, torch.optim.Optimizer):
+        optimizers = [optimizers]
+    try:
+        modules, optimizers = list(modules), list(optimizers)
+    except TypeError:
+        raise ValueError("modules / optimizers: expected an nn.Module / torch.optim.Optimizer or an iterable of them") from None
+    for i, m in enumerate(modules):
+        if not isinstance(m, torch.nn.Module):
+            raise ValueError(f"modules[{i}]: expected an nn.Module, got {type(m).__name__}")
+    for i, opt in enumerate(optimizers):
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise ValueError(f"optimizers[{i}]: expected a torch.optim.Optimizer, got {type(opt).__name__}")
+
+    kinds = ("params", "buffers", "grads", "optimizer")
+    by_mesh: dict = {}
+    by_dtype: dict = {}
+
+    def add(kind: str, t: torch.Tensor, nbytes: int) -> None:
+        entry = by_mesh.setdefault(_mesh_key(t), dict.fromkeys(kinds, 0))
+        entry[kind] += nbytes
+
+    seen = set()
+    for m in modules:
+        for p in m.parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            n = _local_numel(p)
+            add("params", p, n * p.element_size())
+            name = str(p.dtype).removeprefix("torch.")
+            by_dtype[name] = by_dtype.get(name, 0) + n * p.element_size()
+            if p.requires_grad:
+                add("grads", p, n * (p.element_size() if grad_dtype is None else grad_dtype.itemsize))
+        for b in m.buffers():
+            if id(b) not in seen:
+                seen.add(id(b))
+                add("buffers", b, _local_numel(b) * b.element_size())
+    stepped = set()
+    for i, opt in enumerate(optimizers):
+        for g, group in enumerate(opt.param_groups):
+            for p in group["params"]:
+                if id(p) in stepped:
+                    continue
+                stepped.add(id(p))
+                per_element = _state_bytes_per_element(opt, group, p, p.dtype if grad_dtype is None else grad_dtype, f"optimizers[{i}]")
+                add("optimizer", p, _local_numel(p) * per_element)
+    for entry in by_mesh.values():
+        entry["total"] = sum(entry[k] for k in kinds)
+    totals = {k: sum(e[k] for e in by_mesh.values()) for k in kinds}
+    return {"params": totals["params"], "params_by_dtype": by_dtype, "buffers": totals["buffers"], "grads": totals["grads"],
+            "optimizer": totals["optimizer"], "total": sum(totals.values()), "by_mesh": dict(sorted(by_mesh.items()))}

@@ -1,5 +1,6 @@
-"""grad_norm and clip_grad_norm on one process (their multi-process checks are in
-tests/parallel/test_reduce.py), and Float32GradAccumulator."""
+"""grad_norm, clip_grad_norm, param_norm and zero_grad_count on one process (their
+multi-process checks are in tests/parallel/test_reduce.py and test_pipeline.py), and
+Float32GradAccumulator."""
 
 import subprocess
 import sys
@@ -8,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fmoe.optim.grads import Float32GradAccumulator, clip_grad_norm, grad_norm
+from fmoe.optim.grads import Float32GradAccumulator, clip_grad_norm, grad_norm, param_norm, zero_grad_count
 from tests.parallel.dist import counting_all_reduce
 
 INF = float("inf")
@@ -122,6 +123,54 @@ def test_optim_does_not_import_parallel():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+# ---------------------------------------------------------------------------- parameter norm, zero gradients
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_param_norm_on_one_process(dtype):
+    """The norm of the concatenated values, summed in float32 even for bf16 weights."""
+    params = _params_with_grads(dtype)
+    with torch.no_grad():
+        for p in params:
+            p.copy_(torch.randn(p.shape))
+    copy = torch.nn.Parameter(torch.full((4,), 100.0, dtype=dtype))
+    with counting_all_reduce() as calls:
+        norm = param_norm(params + [copy], copies=[copy])  # a copy in the list is not counted
+    assert calls == []
+    assert norm.dtype == torch.float32 and norm.dim() == 0 and not norm.requires_grad
+    exact = torch.cat([p.detach().double().flatten() for p in params]).norm()
+    torch.testing.assert_close(norm.double(), exact, rtol=1e-6, atol=0)
+    assert torch.equal(param_norm(params[1]), torch.linalg.vector_norm(params[1].detach(), dtype=torch.float32))  # one tensor
+    assert float(param_norm([])) == 0.0
+
+
+def test_zero_grad_count_counts_elements():
+    params = _params_with_grads()  # [3, 4] and [5] with grads, [2, 2] without
+    params[0].grad[0, 1] = 0.0
+    params[0].grad[2, :] = -0.0  # -0.0 == 0 too
+    params[1].grad[3] = 1e-45  # the smallest float32 subnormal is not zero
+    count = zero_grad_count(params)
+    assert count.dtype == torch.int64 and count.dim() == 0
+    expected = sum(int((p.grad == 0).sum()) if p.grad is not None else p.numel() for p in params)
+    assert int(count) == expected == 1 + 4 + 4
+    copy = torch.nn.Parameter(torch.zeros(7))  # no grad, but a copy: not counted
+    assert int(zero_grad_count(iter(params + [copy]), copies=copy)) == 9
+    bf16 = torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
+    bf16.grad = torch.tensor([1e-30, 0.0, 1.0]).bfloat16()  # bf16 keeps float32's exponent range
+    assert int(zero_grad_count([bf16])) == 1
+    assert int(zero_grad_count([])) == 0
+
+
+def test_param_norm_and_zero_count_refusals():
+    params = _params_with_grads()
+    for fn in (param_norm, zero_grad_count):
+        _raises("parameters: expected a tensor or an iterable", fn, 3)
+        _raises(r"parameters\[1\]: expected a tensor", fn, [params[0], "w"])
+        _raises(r"parameters\[0\]: expected a tensor", fn, params, copies=["w"])
+        _raises("group: expected a torch.distributed ProcessGroup or a 1-D DeviceMesh, got str", fn, params, group="dp")
+        _raises("group: with pp_group, pass the group of this pipeline stage's ranks", fn, params, pp_group="pp")
+
+
 # ---------------------------------------------------------------------------- a world of one rank
 
 
@@ -159,6 +208,24 @@ def test_world_of_one_rank_issues_no_collective(one_rank_mesh):
     partial = torch.nn.Parameter(distribute_tensor(torch.zeros(2), mesh, [Shard(0)]))
     partial.grad = DTensor.from_local(torch.ones(2), mesh, [Partial()])
     _raises(r"parameters\[1\]: .*Partial", grad_norm, [plain, partial])
+
+    # param_norm and zero_grad_count: the DTensor shard counted once, no collective
+    with torch.no_grad():
+        w.to_local().copy_(full)
+    grad = full.clone()
+    grad[1] = 0.0
+    w.grad = distribute_tensor(grad, mesh, [Shard(0)])
+    bare = torch.nn.Parameter(distribute_tensor(torch.ones(2, 5), mesh, [Shard(1)]))  # no grad: 10 elements
+    with counting_all_reduce() as calls:
+        norm = param_norm([w, plain])
+        count = zero_grad_count([w, plain, bare])
+    assert calls == []
+    assert norm.dtype == torch.float32 and count.dtype == torch.int64
+    torch.testing.assert_close(norm, torch.cat([full.flatten(), plain.detach()]).norm(), rtol=1e-6, atol=0)
+    assert int(count) == 3 + int((plain.grad == 0).sum()) + 10
+    _raises(r"parameters\[0\]: its gradient has a Partial placement", zero_grad_count, [partial])
+    _raises(r"parameters\[0\]: its value has a Partial placement", param_norm,
+            [DTensor.from_local(torch.ones(2), mesh, [Partial()])])
 
 
 # ---------------------------------------------------------------------------- float32 accumulation

@@ -1,9 +1,9 @@
 """fmoe.parallel.Pipeline (torch.distributed.pipelining) on the reference model: pp stages,
 alone and with FSDP2 and EP inside each stage, with every schedule we offer, give the
-one-process losses, gradients (the tied embedding's included), grad norm and expert loads
-(gloo, float32, MTP on, sequence aux loss and z-loss on); the split and the schedules'
-constraints give ValueErrors naming the knob. One spawned process group per world size
-runs every case of that size."""
+one-process losses, gradients (the tied embedding's included), grad norm, parameter norm,
+zero-gradient count and expert loads (gloo, float32, MTP on, sequence aux loss and z-loss
+on); the split and the schedules' constraints give ValueErrors naming the knob. One
+spawned process group per world size runs every case of that size."""
 
 import pytest
 import torch
@@ -77,7 +77,7 @@ def _full(t):
 def _case(sizes, schedule, virtual, overrides):
     """This rank's errors against one process for one pipeline case."""
     from fmoe.model import TransformerConfig
-    from fmoe.optim import grad_norm
+    from fmoe.optim import grad_norm, param_norm, zero_grad_count
     from fmoe.parallel import MicroBatch, Pipeline, all_reduce_counts, all_reduce_sums, build_meshes, materialize, parallelize
 
     cfg = TransformerConfig(**{**TINY, **overrides})
@@ -114,6 +114,14 @@ def _case(sizes, schedule, virtual, overrides):
     norm = grad_norm(counted, group=meshes.stage_mesh, pp_group=meshes.pp_mesh)
     ref_norm = sum(float(g.double().square().sum()) for g in ref_grads.values()) ** 0.5  # float64: float32's sum is off by ~1e-5
     errors["grad_norm"] = abs(float(norm) - ref_norm) / ref_norm
+    # the parameters' norm and the zero-gradient count over the stages: every parameter
+    # once, the last stage's embedding copy not counted (passed in the list here, and skipped)
+    pnorm = param_norm(counted + copies, group=meshes.stage_mesh, pp_group=meshes.pp_mesh, copies=copies)
+    ref_pnorm = sum(float(p.detach().double().square().sum()) for p in ref.parameters()) ** 0.5
+    errors["param_norm"] = abs(float(pnorm) - ref_pnorm) / ref_pnorm
+    zeros = zero_grad_count(counted, group=meshes.stage_mesh, pp_group=meshes.pp_mesh, copies=copies)
+    ref_zeros = sum(int((g == 0).sum()) for g in ref_grads.values())  # embedding rows of unseen tokens, at least
+    errors["zero_grad_count"] = float(int(zeros) != ref_zeros or ref_zeros == 0)
     # the split is printable and covers every layer once
     errors["layers"] = float([i for r in pipe.layers for i in r] != list(range(cfg.n_layers)))
     return errors

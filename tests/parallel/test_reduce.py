@@ -1,6 +1,6 @@
-"""fmoe.parallel.reduce and fmoe.optim's grad_norm / clip_grad_norm over meshes, in 2 and 4
-gloo processes, each result checked against one process (the single-process checks of the
-gradient norm are in tests/optim/test_grads.py).
+"""fmoe.parallel.reduce and fmoe.optim's grad_norm / clip_grad_norm / param_norm /
+zero_grad_count over meshes, in 2 and 4 gloo processes, each result checked against one
+process (the single-process checks of the gradient norm are in tests/optim/test_grads.py).
 
 Spawning is the slow part (seconds per world), so one spawn per world size runs every
 distributed check (module-scoped fixtures) and the tests assert on its results; argument
@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from fmoe import ops
-from fmoe.optim import clip_grad_norm, grad_norm
+from fmoe.optim import clip_grad_norm, grad_norm, param_norm, zero_grad_count
 from fmoe.parallel.reduce import (
     all_reduce_counts,
     all_reduce_sums,
@@ -218,6 +218,20 @@ def _full_grads():
     return grads
 
 
+def _full_values():
+    """Parameter values (the same on every rank) and gradients with exact zeros: rows, a
+    whole expert, single elements."""
+    gen = torch.Generator().manual_seed(4)
+    values = {n: torch.randn(g.shape, generator=gen) for n, g in _full_grads().items()}
+    grads = _full_grads()
+    grads["dense.weight"][1] = 0.0
+    grads["experts"][2] = -0.0  # an expert no token reached
+    grads["experts"][0, 1, 1] = 0.0
+    grads["tp"][:, 5] = 0.0
+    grads["plain"][3] = 0.0
+    return values, grads
+
+
 def _toy_params(meshes):
     """Parameters on different meshes: FSDP2 over the dense data mesh, experts Shard(0) over
     ep (and FSDP2 over edp), a TP shard Shard(1) over tp, a plain replicated tensor."""
@@ -256,6 +270,7 @@ def _norm(tensors, p):
 
 
 def _grad_norm_results(rank, world_size, configs):
+    from fmoe.model import copy_full_value
     from fmoe.parallel.mesh import build_meshes
 
     out = {}
@@ -317,6 +332,18 @@ def _grad_norm_results(rank, world_size, configs):
         params["experts"].grad = _like(params["experts"], full["experts"]) if ep_rank == 0 else None
         res["norm_nothing"] = grad_norm(mine, norm_type=INF)
         res["expected_nothing"] = _norm([full["experts"][:rows]], INF)
+
+        # param_norm and zero_grad_count: each element once, as one process counts them;
+        # dense.bias has no gradient on any rank (all its elements count)
+        values, zeroed = _full_values()
+        with torch.no_grad():
+            for n, p in params.items():
+                copy_full_value(p, values[n])
+                p.grad = None if n == "dense.bias" else _like(p, zeroed[n])
+        with counting_all_reduce() as calls:
+            res["param_norm"] = param_norm(params.values())
+            res["zero_count"] = zero_grad_count(params.values())
+        res["health_calls"], res["names"] = len(calls), list(params)
         out[name] = res
     return out
 
@@ -324,7 +351,8 @@ def _grad_norm_results(rank, world_size, configs):
 def _check_grad_norm(results, configs):
     for name in configs:
         per_rank = [r[name] for r in results]
-        for key in ("norm2", "norm_inf", "norm3", "norm2_loop", "clip_returned", "clip_loop_returned", "after_clip", "norm_missing", "norm_nothing"):
+        for key in ("norm2", "norm_inf", "norm3", "norm2_loop", "clip_returned", "clip_loop_returned", "after_clip", "norm_missing", "norm_nothing",
+                    "param_norm"):
             values = [r[key] for r in per_rank]
             assert all(v.dtype == torch.float32 and v.dim() == 0 for v in values), (name, key)
             assert all(torch.equal(v, values[0]) for v in values), (name, key, values)  # identical everywhere
@@ -339,6 +367,22 @@ def _check_grad_norm(results, configs):
         assert float(r["after_clip"]) == pytest.approx(r["max_norm"], rel=1e-5), name
         assert float(r["norm_missing"]) == pytest.approx(r["expected_missing"], rel=1e-5), name
         assert float(r["norm_nothing"]) == r["expected_nothing"], name
+        # param_norm, zero_grad_count: one collective each, the values of one process
+        # (this one: torch.distributed is not initialised here) on the full tensors
+        assert not dist.is_initialized()
+        values, zeroed = _full_values()
+        one = {n: torch.nn.Parameter(values[n]) for n in r["names"]}
+        for n, p in one.items():
+            p.grad = None if n == "dense.bias" else zeroed[n]
+        assert r["health_calls"] == 2, name
+        exact = float(torch.cat([p.detach().double().flatten() for p in one.values()]).norm())
+        assert float(r["param_norm"]) == pytest.approx(float(param_norm(one.values())), rel=1e-6), name
+        assert float(r["param_norm"]) == pytest.approx(exact, rel=1e-6), name
+        zeros = zero_grad_count(one.values())
+        assert int(zeros) == sum(int((p.grad == 0).sum()) for p in one.values() if p.grad is not None) + 3, name
+        for q in per_rank:
+            assert q["zero_count"].dtype == torch.int64 and q["zero_count"].dim() == 0, name
+            assert int(q["zero_count"]) == int(zeros), name
         for q in per_rank:
             assert q["clip_error"] < 1e-6 and q["clip_loop_error"] < 1e-6, name
             if "one_rank" in q:

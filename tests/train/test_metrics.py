@@ -15,12 +15,21 @@ CFG = dict(hidden=64, n_layers=4, n_dense=1, ffn_dense=256, ffn_expert=32, k=2, 
 
 
 def test_flops_per_token_by_hand():
-    mlp = 6 * 64 * (3 * 256 * 1 + 3 * 32 * (2 + 1) * 3)  # 626688
-    proj = 4 * 6 * (64 * (64 + 2 * 32) + 64 * 64)  # 294912
-    scores = 4 * 12 * 64 * 10  # 30720
-    head = 2 * 6 * 64 * 1000  # 768000
-    assert mlp + proj + scores + head == 1720320
-    assert M.flops_per_token(**CFG) == 1720320.0
+    """SPEC 8 plus the router (6 H E per MoE layer) and the MTP modules' blocks."""
+    attention = 6 * (64 * (64 + 2 * 32) + 64 * 64) + 12 * 64 * 10  # q, k, v, o; scores, values (n_avg = 10)
+    dense = 6 * 64 * 3 * 256
+    moe = 6 * 64 * 3 * 32 * (2 + 1)  # k = 2 routed + 1 shared; no router with n_experts=0
+    mtp = 6 * 2 * 64 * 64 + attention + moe  # its projection [2H, H] and its block, MoE like the trunk's
+    head = 6 * 64 * 1000
+    assert 4 * attention + dense + 3 * moe + mtp + 2 * head == 1961472
+    assert M.flops_per_token(**CFG) == 1961472.0
+    # the router: 2 H E forward, 4 H E backward, in the 3 MoE layers and the MTP block
+    assert M.flops_per_token(**CFG, n_experts=8) == 1961472.0 + 4 * 6 * 64 * 8
+    # no MTP: SPEC 8's terms only (1336320 before the MTP terms were counted too)
+    assert M.flops_per_token(**dict(CFG, mtp_depth=0)) == 4 * attention + dense + 3 * moe + head == 1336320
+    # an all-dense trunk: the MTP block is dense too, and there is no router to count
+    all_dense = 4 * attention + 4 * dense + (6 * 2 * 64 * 64 + attention + dense) + 2 * head
+    assert M.flops_per_token(**dict(CFG, n_dense=4), n_experts=8) == all_dense
     # no MTP, all layers dense: the dense transformer formula (Megatron's, n_avg = S/2)
     dense = dict(CFG, n_dense=4, mtp_depth=0, n_avg_keys=M.mean_attended_keys([0, 128]))
     H, L, S = 64, 4, 128
@@ -196,8 +205,57 @@ def test_model_flops_per_token_reads_the_model_config():
     cfg = TransformerConfig(vocab_size=300, hidden=64, n_layers=3, n_dense=1, ffn_dense=128, n_experts=4, k=2,
                             ffn_expert=32, n_shared=1, n_heads=4, n_kv_heads=2, head_dim=16, mtp_depth=1)
     expected = M.flops_per_token(hidden=64, n_layers=3, n_dense=1, ffn_dense=128, ffn_expert=32, k=2, n_shared=1,
-                                       n_heads=4, n_kv_heads=2, head_dim=16, vocab=300, mtp_depth=1, n_avg_keys=10.0)
+                                       n_heads=4, n_kv_heads=2, head_dim=16, vocab=300, mtp_depth=1, n_avg_keys=10.0, n_experts=4)
     assert M.model_flops_per_token(cfg, n_avg_keys=10.0) == expected
+    # by hand: 3 attention layers + the MTP block's, 1 dense MLP, 2 MoE layers + the MTP block's
+    attention = 6 * (64 * (64 + 2 * 32) + 64 * 64) + 12 * 64 * 10.0
+    moe = 6 * 64 * 3 * 32 * (2 + 1) + 6 * 64 * 4
+    assert expected == 4 * attention + 6 * 64 * 3 * 128 + 3 * moe + 6 * 2 * 64 * 64 + 2 * 6 * 64 * 300
+    # moe_layers decides the dense blocks; a trunk without MoE makes the MTP block dense
+    dense = TransformerConfig(**{**cfg.__dict__, "moe_layers": ()})
+    assert M.model_flops_per_token(dense, n_avg_keys=10.0) == 4 * attention + 4 * 6 * 64 * 3 * 128 + 6 * 2 * 64 * 64 + 2 * 6 * 64 * 300
+
+
+# (name, TransformerConfig overrides) of the counted-FLOPs check: MoE trunk with MTP, an
+# all-dense trunk (its MTP block dense), multi-latent attention with low-rank q
+COUNTED = {
+    "moe, mtp": dict(),
+    "dense, mtp": dict(moe_layers=()),
+    "mla, mtp": dict(n_kv_heads=4, head_dim=12, rope_dim=4, q_rank=10, kv_rank=6, v_head_dim=5),
+}
+
+
+@pytest.mark.parametrize("name", list(COUNTED))
+def test_flops_per_token_matches_counted_matmuls(name):
+    """torch.utils.flop_counter.FlopCounterMode on one forward + backward of a tiny
+    Transformer (impl="torch", CPU) counts the matmuls the formula is made of. What it
+    counts: aten.mm (every projection, expert, router, MTP projection and head matmul,
+    forward, dX and dW) and aten.bmm (attention: on CPU scaled_dot_product_attention with
+    the dense mask runs its math path, q k^T and p v over ALL T x T pairs, the mask applied
+    but not exploited). So the count equals the formula with n_avg_keys = T (every key),
+    exactly, and the mm part alone equals the formula without its score term. Every token
+    has all k routes (no capacity), so the experts see T k rows."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from fmoe.model import Transformer, TransformerConfig
+    from fmoe.train.data import make_batch
+
+    base = dict(vocab_size=64, hidden=32, n_layers=2, n_dense=1, ffn_dense=64, n_experts=4, k=2, ffn_expert=32, n_shared=1,
+                n_heads=4, n_kv_heads=2, head_dim=8, mtp_depth=1, impl="torch")
+    cfg = TransformerConfig(**{**base, **COUNTED[name]})
+    T = 24
+    model = Transformer(cfg)
+    batch = make_batch(torch.randint(0, cfg.vocab_size, (T,)), torch.tensor([0, 10, T]), cfg.mtp_depth)
+    with FlopCounterMode(display=False) as counter:
+        losses, _ = model(batch, model.context(batch))
+        (losses["lm_sum"] + losses["mtp_1_sum"]).backward()
+    by_op = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+    assert set(by_op) == {"aten.mm", "aten.bmm"}, by_op
+    assert counter.get_total_flops() == T * M.model_flops_per_token(cfg, n_avg_keys=T)
+    no_scores = M.model_flops_per_token(cfg, n_avg_keys=0)  # the score / value term is linear in n_avg_keys
+    assert by_op["aten.mm"] == T * no_scores
+    assert by_op["aten.bmm"] == T * (M.model_flops_per_token(cfg, n_avg_keys=T) - no_scores)
+
 
 
 def test_saved_tensors_counts_each_kept_storage_once_without_the_parameters():
@@ -262,3 +320,164 @@ def test_tensorboard_gets_every_number_of_a_record(tmp_path):
     # only rank 0 writes
     M.MetricsLogger(tmp_path / "r1", rank=1, total_steps=3, tensorboard=True).log(1, {"loss": 1.0})
     assert not (tmp_path / "r1").exists()
+
+
+# ---------------------------------------------------------------------------- energy
+
+
+class _Counter:
+    """A fake NVML energy counter (millijoules) that the test advances by hand."""
+
+    def __init__(self, millijoules=5_000):
+        self.millijoules, self.indices = millijoules, []
+
+    def __call__(self, index):
+        self.indices.append(index)
+        return self.millijoules
+
+
+def test_energy_meter_code_path_with_a_fake_counter(monkeypatch):
+    """EnergyMeter's own code path (differences, units, the device index, a counter that
+    restarts, a failing read) with a fake counter injected as `query`: this exercises no
+    NVML and no GPU."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    counter = _Counter()
+    meter = M.EnergyMeter("cuda:1", query=counter)
+    assert meter.available and meter.reason is None and meter.index == 1 and counter.indices == [1]
+    counter.millijoules += 2500
+    assert meter.joules_since_last() == 2.5
+    assert meter.joules_since_last() == 0.0
+    counter.millijoules = 10  # the driver reloaded: no answer for this interval, then on again
+    assert meter.joules_since_last() is None and meter.available
+    counter.millijoules += 4000
+    assert meter.joules_since_last() == 4.0
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "6,2")  # cuda:1 is the machine's GPU 2
+    assert M.EnergyMeter(torch.device("cuda", 1), query=counter).index == 2 and counter.indices[-1] == 2
+
+    def unsupported(index):
+        raise RuntimeError("Not Supported")
+
+    meter = M.EnergyMeter(0, query=unsupported)  # an int is a CUDA index
+    assert not meter.available and meter.reason == "NVML error: Not Supported" and meter.joules_since_last() is None
+    flaky = _Counter()
+    meter = M.EnergyMeter("cuda:0", query=lambda i: flaky(i) if flaky.millijoules < 10_000 else unsupported(i))
+    flaky.millijoules = 20_000  # a later read fails: unavailable from then on
+    assert meter.joules_since_last() is None and not meter.available and meter.reason == "NVML error: Not Supported"
+    meter = M.EnergyMeter("cuda:2", query=counter)  # the visible list has two devices
+    assert not meter.available and meter.reason.startswith("device: cuda_index: cuda:2 is not among CUDA_VISIBLE_DEVICES")
+
+
+def test_energy_meter_unavailable_reasons(monkeypatch):
+    import types
+
+    meter = M.EnergyMeter("cpu")
+    assert not meter.available and meter.reason == "CPU device" and meter.joules_since_last() is None
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # `import pynvml` raises ImportError
+    meter = M.EnergyMeter("cuda:0")
+    assert not meter.available and meter.reason == "pynvml not installed (pip install nvidia-ml-py)"
+    assert meter.joules_since_last() is None
+
+    # a stand-in pynvml module: the NVML calls the meter makes, and their errors
+    class NVMLError(Exception):
+        pass
+
+    fake = types.ModuleType("pynvml")
+    fake.NVMLError = NVMLError
+    fake.nvmlInit = lambda: None
+    fake.nvmlDeviceGetCount = lambda: 2
+    fake.nvmlDeviceGetHandleByIndex = lambda i: ("handle", i)
+    fake.nvmlDeviceGetUUID = lambda handle: ["GPU-aaaa1111", "GPU-bbbb2222"][handle[1]]
+    fake.nvmlDeviceGetTotalEnergyConsumption = lambda handle: 1000 * (handle[1] + 1)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-bbbb")  # a UUID prefix: NVML's device 1
+    meter = M.EnergyMeter("cuda:0")
+    assert meter.available and meter.index == 1 and meter.joules_since_last() == 0.0
+
+    def not_supported(handle):
+        raise NVMLError("Not Supported")
+
+    fake.nvmlDeviceGetTotalEnergyConsumption = not_supported
+    meter = M.EnergyMeter("cuda:0")
+    assert not meter.available and meter.reason == "NVML error: Not Supported"
+
+    def no_driver():
+        raise NVMLError("Driver Not Loaded")
+
+    fake.nvmlInit = no_driver
+    assert M.EnergyMeter("cuda:0").reason == "NVML error: Driver Not Loaded"
+
+
+def test_nvml_index_maps_cuda_devices():
+    uuids = ["GPU-aaaa1111", "GPU-bbbb2222", "GPU-abcd3333"]
+    assert M.nvml_index(0) == 0 and M.nvml_index(3) == 3  # nothing hidden: CUDA's index
+    assert M.nvml_index(1, visible="6,2") == 2 and M.nvml_index(0, visible=" 3 ") == 3
+    assert M.nvml_index(1, visible="0,GPU-bbbb", nvml_uuids=uuids) == 1
+    assert M.nvml_index(0, visible="abcd", nvml_uuids=uuids) == 2  # a UUID without its GPU- prefix
+    # torch's UUID (bare) beats the environment, whatever it says
+    assert M.nvml_index(0, visible="5", nvml_uuids=uuids, cuda_uuid="bbbb2222") == 1
+    with pytest.raises(ValueError, match=r"cuda_index: cuda:2 is not among CUDA_VISIBLE_DEVICES='0,1'"):
+        M.nvml_index(2, visible="0,1")
+    with pytest.raises(ValueError, match="matches 2 of the NVML devices"):
+        M.nvml_index(0, visible="GPU-a", nvml_uuids=uuids)
+    with pytest.raises(ValueError, match="matches 0 of the NVML devices"):
+        M.nvml_index(0, visible="MIG-1234", nvml_uuids=uuids)
+    with pytest.raises(ValueError, match="cuda_index: expected an int >= 0"):
+        M.nvml_index(-1)
+
+
+# ---------------------------------------------------------------------------- memory
+
+# 32032 parameters (vocab 64, H 32): embed, head 2048 each, final norm 32; block 0 (dense):
+# norms 64, attention 32 x (32 + 16 + 16) + 32 x 32 = 3072, MLP 3 x 32 x 64 = 6144; block 1
+# (MoE): norms 64, attention 3072, router 4 x 32 = 128, experts 3 x 4 x 32 x 32 = 12288,
+# shared 3 x 32 x 32 = 3072; the expert_bias buffer: 4 float32
+MEMORY_CFG = dict(vocab_size=64, hidden=32, n_layers=2, n_dense=1, ffn_dense=64, n_experts=4, k=2, ffn_expert=32, n_shared=1,
+                  n_heads=4, n_kv_heads=2, head_dim=8, impl="torch")
+N_PARAMS, N_ROUTER, N_MUON = 32032, 128, 3072 * 2 + 6144 + 12288 + 3072  # Muon: the block matrices
+
+
+def test_memory_plan_by_hand_one_process():
+    from fmoe.model import Transformer, TransformerConfig
+    from fmoe.optim import AdamW, Muon, build_optimizers
+
+    model = Transformer(TransformerConfig(**MEMORY_CFG))
+    assert sum(p.numel() for p in model.parameters()) == N_PARAMS
+    plan = M.memory_plan(model, AdamW(model.parameters(), impl="torch"))
+    assert plan["params"] == plan["grads"] == 4 * N_PARAMS and plan["params_by_dtype"] == {"float32": 4 * N_PARAMS}
+    assert plan["buffers"] == 16 and plan["optimizer"] == 2 * 4 * N_PARAMS  # exp_avg, exp_avg_sq
+    assert plan["total"] == 4 * 4 * N_PARAMS + 16
+    assert plan["by_mesh"] == {"replicated": {"params": 4 * N_PARAMS, "buffers": 16, "grads": 4 * N_PARAMS,
+                                              "optimizer": 8 * N_PARAMS, "total": plan["total"]}}
+    # bf16 moments: half the state; torch's AdamW: two float32 states, as fmoe's float32 ones
+    assert M.memory_plan(model, AdamW(model.parameters(), state_dtype=torch.bfloat16, impl="torch"))["optimizer"] == 2 * 2 * N_PARAMS
+    assert M.memory_plan([model], [torch.optim.AdamW(model.parameters())])["optimizer"] == 2 * 4 * N_PARAMS
+    # Muon on the block matrices (one float32 momentum), AdamW on the rest
+    optimizers = build_optimizers(model, adamw_cls=lambda groups, lr: AdamW(groups, lr=lr, impl="torch"))
+    assert isinstance(optimizers[0], Muon) and sum(p.numel() for g in optimizers[0].param_groups for p in g["params"]) == N_MUON
+    plan = M.memory_plan(model, optimizers)
+    assert plan["optimizer"] == 4 * N_MUON + 2 * 4 * (N_PARAMS - N_MUON)
+    # a bf16 model (the router stays float32) with float32 masters and bf16 moments, bf16 grads
+    model = model.to(torch.bfloat16)
+    opt = AdamW(model.parameters(), state_dtype=torch.bfloat16, master_weights=True, impl="torch")
+    plan = M.memory_plan(model, opt, grad_dtype=None)
+    assert plan["params_by_dtype"] == {"bfloat16": 2 * (N_PARAMS - N_ROUTER), "float32": 4 * N_ROUTER}
+    assert plan["grads"] == plan["params"] == 2 * (N_PARAMS - N_ROUTER) + 4 * N_ROUTER
+    assert plan["optimizer"] == 2 * 2 * N_PARAMS + 4 * (N_PARAMS - N_ROUTER)  # masters of the bf16 ones only
+    assert M.memory_plan(model, opt)["grads"] == 4 * N_PARAMS  # float32 grads (the default)
+    # the plan is made before the first step: no state exists yet, none is created
+    assert not opt.state
+
+
+def test_memory_plan_refusals():
+    linear = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"optimizers\[0\]: RMSprop is not an optimizer memory_plan knows"):
+        M.memory_plan(linear, torch.optim.RMSprop(linear.parameters()))
+    with pytest.raises(ValueError, match=r"modules\[1\]: expected an nn.Module"):
+        M.memory_plan([linear, "x"])
+    with pytest.raises(ValueError, match=r"optimizers\[0\]: expected a torch.optim.Optimizer"):
+        M.memory_plan(linear, ["x"])
+    with pytest.raises(ValueError, match="grad_dtype: expected a torch.dtype or None"):
+        M.memory_plan(linear, grad_dtype="bf16")
+    assert M.memory_plan(linear, torch.optim.SGD(linear.parameters(), lr=0.1))["optimizer"] == 0
+    assert M.memory_plan(linear, torch.optim.SGD(linear.parameters(), lr=0.1, momentum=0.9))["optimizer"] == 24
+    assert M.memory_plan(linear, torch.optim.Adam(linear.parameters(), amsgrad=True))["optimizer"] == 72

@@ -1,0 +1,210 @@
+"""fmoe.parallel.replica_mismatches on the reference model in 4 gloo processes, HSDP
+(dp_replicate = 2) and TP (norms and routers replicated over tp): quiet at the start and
+after a training step, and on every rank the name of a parameter one rank corrupted (an
+added 1e-3, one flipped low bit) or of an expert_bias buffer; and fmoe.train.metrics'
+memory_plan on FSDP2 ranks, whose per-rank bytes add up to one process's. One spawn runs
+every distributed check; the one-process checks run here."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fmoe.parallel import bits_hash, replica_mismatches
+from tests.parallel.dist import run_distributed
+
+TINY = dict(vocab_size=64, hidden=32, n_layers=2, n_dense=1, ffn_dense=64, n_experts=4, k=2, ffn_expert=32, n_shared=1,
+            n_heads=4, n_kv_heads=2, head_dim=8, mtp_depth=1, impl="torch")
+# vocab 66: the embedding and head split 17, 17, 17, 15 over 4 FSDP2 ranks (uneven shards)
+MEMORY = dict(TINY, vocab_size=66)
+
+
+def _model(cfg, sizes):
+    from fmoe.model import Transformer, TransformerConfig
+    from fmoe.parallel import build_meshes, parallelize
+
+    model = Transformer(TransformerConfig(**cfg))
+    model.reset_parameters(seed=0)
+    return parallelize(model, build_meshes(**sizes))
+
+
+def _tensor(model, name):
+    return dict(list(model.named_parameters()) + list(model.named_buffers()))[name]
+
+
+def _local(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _check(model, corruptions, **kwargs):
+    """replica_mismatches after the given (rank, name, how) corruptions of one element of
+    this rank's local values, which are then restored; with the number of all_gathers."""
+    saved = {}
+    with torch.no_grad():
+        for rank, name, how in corruptions:
+            if dist.get_rank() == rank:
+                local = _local(_tensor(model, name))
+                saved[name] = local.clone()
+                index = (local.shape[0] - 1,) + (0,) * (local.ndim - 1)  # the shard's last row
+                if how == "add":
+                    local[index] += 1e-3
+                else:  # the lowest bit of the float32's mantissa
+                    local.view(torch.int32)[index] ^= 1
+    calls, original = [], dist.all_gather
+    dist.all_gather = lambda *a, **k: calls.append(1) or original(*a, **k)
+    try:
+        names = replica_mismatches(model, **kwargs)
+    finally:
+        dist.all_gather = original
+    with torch.no_grad():
+        for name, value in saved.items():
+            _local(_tensor(model, name)).copy_(value)
+    return names, len(calls)
+
+
+def _step(model, rank):
+    """One training step on this rank's own tokens, with the expert biases updated from the
+    all-reduced counts, as the train loop does."""
+    from fmoe.ops import update_expert_bias
+    from fmoe.optim import AdamW
+    from fmoe.parallel import all_reduce_counts
+    from fmoe.train.data import make_batch
+
+    g = torch.Generator().manual_seed(10 + rank)
+    batch = make_batch(torch.randint(0, TINY["vocab_size"], (24,), generator=g), torch.tensor([0, 9, 24]), 1)
+    opt = AdamW(model.parameters(), lr=1e-2, impl="torch")
+    losses, stats = model(batch, model.context(batch))
+    ((losses["lm_sum"] + 0.1 * losses["mtp_1_sum"]) / 100.0).backward()
+    opt.step()
+    opt.zero_grad()
+    layers = model.moe_layers()
+    counts = all_reduce_counts({n: s["tokens_per_expert"] for n, s in stats.items()}, dist.group.WORLD, names=list(layers), n_experts=4)
+    with torch.no_grad():
+        for name, moe in layers.items():
+            moe.expert_bias.copy_(update_expert_bias(moe.expert_bias, counts[name], 1e-3))
+
+
+def _world4(rank, world_size):
+    from fmoe.optim import AdamW
+    from fmoe.train.metrics import memory_plan
+
+    out = {}
+    hsdp = _model(TINY, dict(dp_replicate=2, dp_shard=2, ep=2))
+    out["hsdp"] = dict(
+        start=_check(hsdp, []),
+        add=_check(hsdp, [(3, "blocks.0.attn.wq", "add")]),
+        bit=_check(hsdp, [(2, "mtp.0.proj", "bit")]),
+        bias=_check(hsdp, [(1, "blocks.1.mlp.expert_bias", "add")]),
+        # three at once, in reverse model order, two names asked for: the first two
+        first_two=_check(hsdp, [(0, "norm.weight", "bit"), (1, "blocks.1.mlp.router", "add"), (2, "embed", "bit")], max_names=2),
+        # the experts are split over edp x ep (no rank holds another's copy): nothing to compare
+        expert=_check(hsdp, [(0, "blocks.1.mlp.experts.w_up", "add")]),
+    )
+    _step(hsdp, rank)
+    out["hsdp"]["after_step"] = _check(hsdp, [])
+    out["hsdp"]["memory"] = memory_plan(hsdp, AdamW(hsdp.parameters(), impl="torch"))
+
+    tp = _model(TINY, dict(dp_shard=2, tp=2, ep=2))
+    out["tp"] = dict(
+        start=_check(tp, []),
+        norm=_check(tp, [(1, "blocks.1.mlp_norm.weight", "bit")]),  # replicated over tp: ranks 0 and 1 hold the same shard
+        router=_check(tp, [(2, "mtp.0.block.mlp.router", "add")]),
+        tp_shard=_check(tp, [(3, "blocks.0.attn.wq", "add")]),  # split over dp_shard x tp: no copy elsewhere
+    )
+
+    fsdp = _model(MEMORY, dict(dp_shard=4, ep=2))
+    out["fsdp_memory"] = memory_plan(fsdp, AdamW(fsdp.parameters(), state_dtype=torch.bfloat16, impl="torch"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return run_distributed(_world4, 4, timeout=300)
+
+
+def test_replica_mismatches_hsdp(world4):
+    for rank, r in enumerate(world4):
+        h = r["hsdp"]
+        assert h["start"] == ([], 1), rank  # one all_gather
+        assert h["add"] == (["blocks.0.attn.wq"], 1), rank
+        assert h["bit"] == (["mtp.0.proj"], 1), rank
+        assert h["bias"] == (["blocks.1.mlp.expert_bias"], 1), rank
+        assert h["first_two"] == (["embed", "blocks.1.mlp.router"], 1), rank
+        assert h["expert"] == ([], 1), rank
+        assert h["after_step"] == ([], 1), rank
+
+
+def test_replica_mismatches_tp(world4):
+    for rank, r in enumerate(world4):
+        t = r["tp"]
+        assert t["start"] == ([], 1), rank
+        assert t["norm"] == (["blocks.1.mlp_norm.weight"], 1), rank
+        assert t["router"] == (["mtp.0.block.mlp.router"], 1), rank
+        assert t["tp_shard"] == ([], 1), rank
+
+
+def _one_process_plan(cfg, **opt_kwargs):
+    from fmoe.model import Transformer, TransformerConfig
+    from fmoe.optim import AdamW
+    from fmoe.train.metrics import memory_plan
+
+    model = Transformer(TransformerConfig(**cfg))
+    return memory_plan(model, AdamW(model.parameters(), impl="torch", **opt_kwargs))
+
+
+def test_memory_plan_ranks_add_up_to_one_process(world4):
+    """FSDP2 over 4 ranks (uneven embedding shards), experts over edp x ep: the parameter,
+    gradient and optimizer bytes of the 4 ranks add up to one process's exactly; the
+    expert_bias buffers (plain, on every rank) count on each. HSDP: the dense bytes twice
+    (two replicas), the experts' once."""
+    one = _one_process_plan(MEMORY, state_dtype=torch.bfloat16)
+    plans = [r["fsdp_memory"] for r in world4]
+    for kind in ("params", "grads", "optimizer"):
+        assert sum(p[kind] for p in plans) == one[kind], kind
+    assert all(p["buffers"] == one["buffers"] == 2 * 4 * 4 for p in plans)  # two MoE blocks' [4] float32 biases
+    assert len({p["params"] for p in plans}) > 1  # uneven shards: not every rank holds the same
+    assert set(plans[0]["by_mesh"]) == {"dp_shard", "edp,ep,etp", "replicated"}
+    assert plans[0]["by_mesh"]["replicated"]["params"] == 0  # every parameter is sharded
+
+    one = _one_process_plan(TINY)
+    plans = [r["hsdp"]["memory"] for r in world4]
+    experts = sum(p["by_mesh"]["edp,ep,etp"]["params"] for p in plans)
+    dense = sum(p["by_mesh"]["dp_shard"]["params"] for p in plans)
+    assert experts + dense / 2 == one["params"]
+    assert experts == 4 * 2 * 3 * 4 * 32 * 32  # float32 [E, H, F] x 3 in the trunk's MoE block and the MTP's
+
+
+def test_one_process_and_bad_arguments():
+    """No process group: [] and no collective. Argument checks come first."""
+    assert not dist.is_initialized()
+    model = torch.nn.Linear(3, 2)
+    assert replica_mismatches(model) == [] and replica_mismatches([model, torch.nn.LayerNorm(2)]) == []
+    with pytest.raises(ValueError, match="max_names: expected an int >= 1"):
+        replica_mismatches(model, max_names=0)
+    with pytest.raises(ValueError, match=r"modules\[1\]: expected an nn.Module"):
+        replica_mismatches([model, "x"])
+    with pytest.raises(ValueError, match="modules: expected an nn.Module or an iterable"):
+        replica_mismatches(3)
+
+
+def test_bits_hash_tells_single_bit_flips_apart():
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float64, torch.float16):
+        x = torch.randn(1000, dtype=dtype)
+        base = bits_hash(x)
+        assert base.dtype == torch.int64 and base.dim() == 0
+        assert torch.equal(bits_hash(x.clone()), base)
+        ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+        for position in (0, 1, 500, 999):
+            for bit in (0, 3, 8 * x.element_size() - 1):  # the lowest, a middle and the sign bit
+                y = x.clone()
+                y.view(ints)[position] ^= torch.tensor(1, dtype=ints) << bit
+                assert not torch.equal(bits_hash(y), base), (dtype, position, bit)
+    x = torch.randn(6)
+    swapped = x[[1, 0, 2, 3, 4, 5]]
+    assert not torch.equal(bits_hash(swapped), bits_hash(x))  # positions count, not just the values
+    assert not torch.equal(bits_hash(torch.tensor([0.0])), bits_hash(torch.tensor([-0.0])))  # bits, not values
+    assert torch.equal(bits_hash(x.view(2, 3).t()), bits_hash(x.view(2, 3).t().contiguous()))  # layout-free
+    with pytest.raises(ValueError, match="t: expected a tensor"):
+        bits_hash([1.0])
