@@ -53,7 +53,8 @@ import fmoe.hf
 import fmoe.ops as ops
 import fmoe.parallel as parallel
 from fmoe.model import Transformer, TransformerConfig
-from fmoe.optim import AdamW, batch_size_at, build_optimizers, clip_grad_norm, lr_at, parse_batch_schedule, split_param_groups
+from fmoe.optim import (AdamW, batch_size_at, build_optimizers, clip_grad_norm, lr_at, param_norm, parse_batch_schedule, split_param_groups,
+                        zero_grad_count)
 from fmoe.train import checkpoint, metrics
 from fmoe.train.data import BlendSampler, load_blend
 from fmoe.train.run import set_deterministic, write_config
@@ -109,6 +110,7 @@ class Config:
     eval_every: int = 50
     eval_batches: int = 4
     tensorboard: bool = False       # also TensorBoard event files in out_dir/tensorboard (pip install 'fmoe[tensorboard]')
+    check_replicas_every: int = 100  # compare a hash of the parameters across the ranks that hold copies (0: never)
     device: str = "auto"            # auto | cpu | cuda
     dtype: str = "auto"             # compute: auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16;
                                     # weights, gradient sums and optimizer steps stay float32
@@ -336,6 +338,10 @@ def main(argv: list[str]) -> None:
     except ImportError as err:
         sys.exit(f"--tensorboard: {err}")
     peak = metrics.peak_flops(device)
+    # run health at start: this rank's theoretical memory (parameters, gradients, optimizer
+    # states; activations come on top) and whether energy can be read (NVML, CUDA only)
+    plan = metrics.memory_plan(parts, optimizers, grad_dtype=torch.float32)
+    energy = metrics.EnergyMeter(device)
     if rank == 0:
         n_params = sum(p.numel() for p in whole.parameters())
         per_expert = 3 * model_cfg.hidden * model_cfg.ffn_expert
@@ -353,7 +359,12 @@ def main(argv: list[str]) -> None:
                          for n, w, d in zip(train_set.names, train_set.weights, train_set.datasets)) if len(train_set.names) > 1 else "") +
               f"run: {cfg.steps} steps on {device} x {world} ({mesh}), {dtype}; warmup {warmup} steps"
               f"{' (a tenth of this short run)' if cfg.warmup < 0 and warmup < 20 else ''}; out_dir {cfg.out_dir}", flush=True)
+        gib = {k: round(plan[k] / 2**30, 4) for k in ("params", "grads", "optimizer", "total")}
+        print(f"memory per rank (theory, before activations): parameters {gib['params']} GiB, gradients {gib['grads']} GiB, "
+              f"optimizer states {gib['optimizer']} GiB, total {gib['total']} GiB"
+              + ("" if energy.available else f"; energy not measured ({energy.reason})"), flush=True)
         write_config(cfg.out_dir, dataclasses.asdict(cfg), world_size=world, mesh=mesh_shape, device=str(device),
+                     memory_plan=plan, energy={"measured": energy.available, "reason": energy.reason},
                      dtype=str(dtype), warmup=warmup, wsd_decay=schedule["wsd_decay"], vocab_size=corpus.vocab_size,
                      data_sources=[dict(name=n, weight=w, path=None if p is None else str(p)) for n, w, p in zip(corpus.names, corpus.weights, corpus.paths)])
 
@@ -499,12 +510,16 @@ def main(argv: list[str]) -> None:
             record = parallel.all_reduce_sums(record, dist.group.WORLD)
             counts = parallel.all_reduce_counts(counts, dist.group.WORLD, names=moe_names, n_experts=model_cfg.n_experts)
         if pipe is None:
-            grad_norm = clip_grad_norm(model.parameters(), cfg.clip)
+            counted, copies, groups = list(model.parameters()), [], {}
         else:  # the first stage's embedding and the last stage's copy take the same summed gradient;
             # the norm counts every stage's parameters once
             pipe.sync_tied_grads()
             counted, copies = pipe.norm_parameters()
-            grad_norm = clip_grad_norm(counted, cfg.clip, group=meshes.stage_mesh, pp_group=meshes.pp_mesh, copies=copies)
+            groups = dict(group=meshes.stage_mesh, pp_group=meshes.pp_mesh)
+        grad_norm = clip_grad_norm(counted, cfg.clip, copies=copies, **groups)
+        # health: the weights' norm and how many gradient entries are exactly zero (dead
+        # experts, unused embedding rows), exact over the mesh, before the update
+        weight_norm, zero_grads = param_norm(counted, copies=copies, **groups), zero_grad_count(counted, copies=copies, **groups)
         for opt in optimizers:
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -515,6 +530,15 @@ def main(argv: list[str]) -> None:
                                                              proportional=cfg.bias_update == "proportional"))
 
         step += 1
+        if meshes is not None and cfg.check_replicas_every > 0 and (step % cfg.check_replicas_every == 0 or step == last):
+            for opt in optimizers:  # a distributed Muon's last update may still be in flight
+                getattr(opt, "wait", lambda: None)()
+            # ranks holding copies of a tensor (data-parallel replicas, tp copies of norms and
+            # routers, every rank's expert biases) must agree bit for bit; every rank gets the same list
+            bad = parallel.replica_mismatches(parts, group=meshes.stage_mesh if pipe is not None else None)
+            if bad:
+                sys.exit(f"step {step}: the ranks holding copies of {', '.join(bad)} disagree (a non-deterministic collective, "
+                         "a corrupted rank or a bug: stopping before the copies drift further)")
         step_tokens = n_micro * cfg.tokens_per_micro_batch
         tokens_seen += step_tokens
         if step % cfg.eval_every == 0 or step == last:
@@ -522,8 +546,13 @@ def main(argv: list[str]) -> None:
         # the one transfer of the step: every logged value and count comes to the host here
         if moe_names:  # per MoE layer, in moe_names order: counts, max/mean, CV, dropped share
             record.update(metrics.layer_loads(torch.stack([counts[n] for n in moe_names]), step_tokens * model_cfg.k))
-        record = metrics.to_host({**record, "grad_norm": grad_norm})
+        record = metrics.to_host({**record, "grad_norm": grad_norm, "param_norm": weight_norm, "zero_grads": zero_grads})
         seconds = time.perf_counter() - t0
+        joules = energy.joules_since_last()  # this rank's device since the last step (after the step's sync); None off CUDA
+        if joules is not None:
+            if meshes is not None:  # every rank's device
+                joules = float(parallel.all_reduce_sums({"j": torch.tensor(joules, device=device)}, dist.group.WORLD)["j"])
+            record.update(energy_j=joules, energy_j_per_token=joules / step_tokens)
         # attention FLOPs from the step's own documents (SPEC 8), not a full-length causal row
         n_avg_keys = sum(metrics.mean_attended_keys(b["cu_seqlens"]) for b in host_batches) / n_micro
         flops_per_token = metrics.model_flops_per_token(model_cfg, n_avg_keys=n_avg_keys)
@@ -532,6 +561,7 @@ def main(argv: list[str]) -> None:
             tokens_per_s=step_tokens / seconds, flops_per_token=flops_per_token, tokens_by_source=tokens_by_source,
             mfu=metrics.mfu(step_tokens / seconds / world, flops_per_token, peak),
             peak_memory_gib=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+            planned_memory_gib=plan["total"] / 2**30,
             eta_seconds=(time.perf_counter() - run_start) / (step - first) * (last - step), moe_layers=moe_names,
         )
         logger.log(step, record)

@@ -35,8 +35,13 @@ def test_thirty_steps_lower_the_loss(tmp_path):
     assert sum(r["loss"] for r in records[-5:]) / 5 < 0.75 * first["loss"]
     assert records[9]["val_loss"] > last["val_loss"]
     for key in ("loss", "lr", "tokens", "grad_norm", "tokens_per_s", "mtp_1_loss", "seq_aux_loss", "z_loss", "flops_per_token",
-                "tokens_per_expert", "load_cv", "load_max_over_mean", "dropped_fraction", "eta_seconds"):
+                "tokens_per_expert", "load_cv", "load_max_over_mean", "dropped_fraction", "eta_seconds", "param_norm", "zero_grads",
+                "planned_memory_gib", "tokens_by_source"):
         assert key in last, key
+    # run health: the weights' norm grows from its initial value, some gradients are exactly
+    # zero (embedding rows of bytes the step did not hold), no energy off CUDA (the reason in config.json)
+    assert 0 < first["param_norm"] != last["param_norm"] and 0 < first["zero_grads"] < 100_000
+    assert "energy_j" not in last and last["tokens_by_source"] == {"stdlib": 256}
     assert sum(last["tokens_per_expert"][0]) == 2 * 128 * 2 and last["dropped_fraction"] == [0.0, 0.0]  # layer_1, mtp_1
     assert (tmp_path / "step_000030").is_dir()  # a run always ends with a complete checkpoint
     # the start: one summary before the step lines; every step line shows the load and an ETA
@@ -50,6 +55,9 @@ def test_thirty_steps_lower_the_loss(tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["config"]["model"]["hidden"] == 32 and config["config"]["steps"] == 30 and config["config"]["lr"] == 1e-2
     assert config["world_size"] == 1 and config["mesh"]["dp_shard"] == 1
+    assert config["energy"] == {"measured": False, "reason": "CPU device"}
+    plan = config["memory_plan"]  # float32 weights and gradients, AdamW's two float32 moments
+    assert plan["grads"] == plan["params"] and plan["optimizer"] == 2 * plan["params"] > 0
     import torch, triton  # noqa: E401
 
     assert config["run"]["torch"] == torch.__version__ and config["run"]["triton"] == triton.__version__

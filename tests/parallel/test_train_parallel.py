@@ -37,12 +37,13 @@ def reference(tmp_path_factory):
     return records
 
 
-def _assert_same(records, ref, keys=("loss", "mtp_1_loss", "z_loss", "seq_aux_loss", "aux_loss")):
+def _assert_same(records, ref, keys=("loss", "mtp_1_loss", "z_loss", "seq_aux_loss", "aux_loss", "param_norm")):
     assert [r["step"] for r in records] == [r["step"] for r in ref]
     for got, want in zip(records, ref):
         for key in keys:
             assert got[key] == pytest.approx(want[key], rel=1e-5), (got["step"], key, got[key], want[key])
         assert got["tokens_per_expert"] == want["tokens_per_expert"], got["step"]  # counts summed over every rank
+        assert got["zero_grads"] == want["zero_grads"], got["step"]  # each gradient entry counted once on any mesh
     assert records[-1]["val_loss"] == pytest.approx(ref[-1]["val_loss"], rel=1e-5)
 
 
@@ -50,8 +51,8 @@ RUNS = {
     "fsdp2": (2, []),
     "ep2": (2, ["--ep=2"]),
     "ep4": (4, ["--ep=4"]),
-    "ep2-fsdp-edp2": (4, ["--ep=2"]),
-    "tp2": (2, ["--tp=2"]),
+    "ep2-fsdp-edp2": (4, ["--ep=2", "--check_replicas_every=1"]),  # every step: the copies agree bit for bit
+    "tp2": (2, ["--tp=2", "--check_replicas_every=1"]),
     "ep2xtp2": (4, ["--tp=2", "--ep=2"]),
     # sequence parallel: each tp rank's share of every balancing loss, the switch loss too
     "tp2-aux": (2, ["--tp=2", "--aux_coeff=1e-2"]),
@@ -70,7 +71,7 @@ RUNS = {
     # pp 4: test_pipeline.py)
     "pp2": (2, ["--pp=2", "--aux_coeff=1e-2"]),
     "pp2-interleaved": (2, ["--pp=2", "--pp_schedule=interleaved_1f1b", "--pp_virtual=2", "--model.n_layers=4"]),
-    "pp2xep2-muon": (4, ["--pp=2", "--ep=2", "--optimizer=muon", "--ns_dtype=float32"]),
+    "pp2xep2-muon": (4, ["--pp=2", "--ep=2", "--optimizer=muon", "--ns_dtype=float32", "--check_replicas_every=1"]),
     "pp2xtp2": (4, ["--pp=2", "--tp=2"]),
     "pp2xcp2": (4, ["--pp=2", "--cp=2"]),
     # DeepSeek-V3's pieces: multi-latent attention under cp (keys and values gathered), group top-2 routing, MTP norm
