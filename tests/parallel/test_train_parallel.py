@@ -50,12 +50,11 @@ def _assert_same(records, ref, keys=("loss", "mtp_1_loss", "z_loss", "seq_aux_lo
 RUNS = {
     "fsdp2": (2, []),
     "ep2": (2, ["--ep=2"]),
-    "ep4": (4, ["--ep=4"]),
     "ep2-fsdp-edp2": (4, ["--ep=2", "--check_replicas_every=1"]),  # every step: the copies agree bit for bit
-    "tp2": (2, ["--tp=2", "--check_replicas_every=1"]),
     "ep2xtp2": (4, ["--tp=2", "--ep=2"]),
-    # sequence parallel: each tp rank's share of every balancing loss, the switch loss too
-    "tp2-aux": (2, ["--tp=2", "--aux_coeff=1e-2"]),
+    # sequence parallel: each tp rank's share of every balancing loss, the switch loss too; the
+    # tp copies of norms and routers agree bit for bit every step
+    "tp2-aux": (2, ["--tp=2", "--aux_coeff=1e-2", "--check_replicas_every=1"]),
     "etp2": (2, ["--etp=2"]),
     "muon": (4, ["--optimizer=muon", "--ns_dtype=float32", "--ep=2"]),
     # context parallel: each rank two chunks of every micro-batch, the switch loss too; with
@@ -63,7 +62,7 @@ RUNS = {
     "cp2-aux": (2, ["--cp=2", "--aux_coeff=1e-2"]),
     "cp2xtp2": (4, ["--cp=2", "--tp=2"]),
     "cp2xep2": (4, ["--cp=2", "--ep=2"]),
-    # 2 micro-batches over 4 data ranks: two ranks run only a masked copy, and still join
+    # experts over 4 ranks, 2 micro-batches over 4 data ranks: two ranks run only a masked copy, and still join
     "padded-ep4": (4, ["--ep=4", "--batch_schedule=0:2"]),
     # pipeline parallel (the switch loss on: each stage's balancing losses reach its routers);
     # stage 0 holds only the dense block; 2 stages per rank over 4 layers; FSDP2 and EP,
