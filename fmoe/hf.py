@@ -29,7 +29,8 @@ writes them in the config's dtype, without the quantization_config.
 Loading reads the safetensors files tensor by tensor with the `safetensors` library (an
 expert stack is filled expert by expert): the checkpoint is never in memory twice. Into a
 model whose parameters are DTensors (fmoe.parallel.parallelize, e.g. built on the meta
-device and materialised), each rank copies its own block of each tensor as it is read.
+device and materialised), each rank reads only its own block of each tensor (safetensors
+slices; an expert stack, only this rank's experts) and copies it into its shard.
 
 Export writes the same keys, dtypes and config back: a model loaded and saved again gives
 files bit-identical to the originals (`from_pretrained` keeps the HF config on the model,
@@ -311,21 +312,28 @@ def read_config(path) -> tuple[dict, TransformerConfig]:
     return hf, TransformerConfig(**FAMILIES[model_type].config_to_fmoe(hf))
 
 
-def _copy_into(param: torch.Tensor, full: torch.Tensor, name: str, key: str) -> None:
-    """Write the full value into param (its own block, for a DTensor)."""
-    from fmoe.model import copy_full_value
+def _block(param: torch.Tensor) -> tuple[slice, ...]:
+    """This rank's block of param's full value as slices: all of it for a plain tensor, the
+    DTensor's own shard from its layout (as DCP finds it: no communication)."""
+    from torch.distributed.tensor import DTensor
 
-    if tuple(param.shape) != tuple(full.shape):
-        raise ValueError(f"checkpoint: {key} gives {name} the shape {tuple(full.shape)}, the model expects {tuple(param.shape)}")
-    with torch.no_grad():
-        copy_full_value(param, full.to(param.dtype))
+    if not isinstance(param, DTensor):
+        return tuple(slice(0, n) for n in param.shape)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape))
 
 
-def load_weights(model: Transformer, path, *, model_type: str) -> None:
+def load_weights(model: Transformer, path, *, model_type: str) -> int:
     """Read the checkpoint in `path` into model's parameters (see the module docstring): a
-    whole model, one parallelized over ranks (each rank its own blocks), or a pipeline
-    chunk (its own parameters only). ValueError naming the key for a missing key or a
-    shape mismatch."""
+    whole model, one parallelized over ranks, or a pipeline chunk (its own parameters only).
+    A parameter that is a DTensor gets only its own block, and only that block is read
+    from the files (safetensors slices; an expert stack reads only this rank's experts);
+    FP8 weights are read whole and dequantised before their block is cut. Returns the
+    bytes this rank read. ValueError naming the key for a missing key or a shape mismatch."""
+    from torch.distributed.tensor import DTensor
+
     path = Path(path)
     family = FAMILIES[model_type]
     files = _weight_files(path)
@@ -334,21 +342,37 @@ def load_weights(model: Transformer, path, *, model_type: str) -> None:
     from safetensors import safe_open
 
     handles: dict[Path, object] = {}
+    read_bytes = 0
     try:
-        def get(key: str) -> torch.Tensor:
+        def open_slice(key: str):
             if key not in files:
                 raise ValueError(f"checkpoint: missing key {key!r} in {str(path)!r}")
             file = files[key]
             if file not in handles:
                 handles[file] = safe_open(file, "pt")
-            return handles[file].get_tensor(key)
+            return handles[file].get_slice(key)
 
-        def read(key: str) -> torch.Tensor:
-            t = get(key)
-            if t.dtype in _FP8:  # block-scaled FP8 (DeepSeek-V3): dequantised with its scales
+        def read(key: str, index: tuple[slice, ...]) -> torch.Tensor:
+            """index of the tensor stored under key ([out, in] for a linear weight)."""
+            nonlocal read_bytes
+            if any(s.stop <= s.start for s in index):
+                return torch.empty([max(s.stop - s.start, 0) for s in index])
+            stored = open_slice(key)
+            if stored.get_dtype().startswith("F8"):  # block-scaled FP8 (DeepSeek-V3): dequantised whole, then cut
                 scale_key = key.removesuffix("weight") + "weight_scale_inv"
-                t = dequantize_fp8(t, get(scale_key), block)
+                t, scale = handles[files[key]].get_tensor(key), open_slice(scale_key)[:]
+                read_bytes += t.numel() * t.element_size() + scale.numel() * scale.element_size()
+                return dequantize_fp8(t, scale, block)[index]
+            t = stored[index]
+            read_bytes += t.numel() * t.element_size()
             return t
+
+        def shape(key: str, transpose: bool, row: bool) -> tuple[int, ...]:
+            """The full value's shape in fmoe's layout."""
+            stored = tuple(open_slice(key).get_shape())
+            if row:
+                return (stored[-1],)
+            return stored[::-1] if transpose else stored
 
         chunk = getattr(model, "pipeline_chunk", None)
         absent = {f"mtp.{d - 1}." for d in range(1, model.cfg.mtp_depth + 1) if mtp_layer(model.cfg, d) + "eh_proj.weight" not in files}
@@ -359,23 +383,40 @@ def load_weights(model: Transformer, path, *, model_type: str) -> None:
                 continue  # an MTP depth the checkpoint does not hold: left as initialised
             if name not in params:
                 raise ValueError(f"model: has no parameter {name!r} for checkpoint key {spec.keys[0]!r}")
+            param = params[name]
             if spec.stacked:
-                full = None
-                for e, key in enumerate(spec.keys):
-                    t = read(key)
-                    t = t.t() if spec.transpose else t
-                    if full is None:
-                        full = torch.empty((len(spec.keys), *t.shape), dtype=torch.float32)
-                    if tuple(t.shape) != tuple(full.shape[1:]):
-                        raise ValueError(f"checkpoint: {key} has shape {tuple(t.shape)} (as [in, out]), its other experts {tuple(full.shape[1:])}")
-                    full[e] = t
+                shapes = {key: shape(key, spec.transpose, False) for key in spec.keys}
+                first = shapes[spec.keys[0]]
+                for key, other in shapes.items():
+                    if other != first:
+                        raise ValueError(f"checkpoint: {key} has shape {other} (as [in, out]), its other experts {first}")
+                full_shape = (len(spec.keys), *first)
             else:
-                t = read(spec.keys[0])
-                full = t.t() if spec.transpose else t
-                full = full.reshape(-1) if spec.row else full
-            _copy_into(params[name], full, name, spec.keys[0])
+                full_shape = shape(spec.keys[0], spec.transpose, spec.row)
+            if tuple(param.shape) != tuple(full_shape):
+                raise ValueError(f"checkpoint: {spec.keys[0]} gives {name} the shape {tuple(full_shape)}, the model expects {tuple(param.shape)}")
+            index = _block(param)
+
+            def stored_index(ours: tuple[slice, ...]) -> tuple[slice, ...]:
+                if spec.row:
+                    return (slice(0, 1), ours[0])
+                return ours[::-1] if spec.transpose else ours
+
+            def as_ours(t: torch.Tensor) -> torch.Tensor:
+                return t.reshape(-1) if spec.row else (t.t() if spec.transpose else t)
+
+            if spec.stacked:  # only this rank's experts, each its own block
+                experts = range(len(spec.keys))[index[0]]
+                value = torch.stack([as_ours(read(spec.keys[e], stored_index(index[1:]))) for e in experts]) if len(experts) else None
+            else:
+                value = as_ours(read(spec.keys[0], stored_index(index)))
+            local = param.to_local() if isinstance(param, DTensor) else param
+            if value is not None:
+                with torch.no_grad():
+                    local.copy_(value.to(local.dtype))
     finally:
         handles.clear()
+    return read_bytes
 
 
 def _tensors(model: Transformer) -> dict[str, torch.Tensor]:

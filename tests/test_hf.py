@@ -5,6 +5,7 @@ packed documents (fmoe's packed forward against HF run per document) through the
 the Triton paths, and the same loss; fmoe's export loads back into transformers with the
 same logits, and re-exporting a loaded folder gives bit-identical files."""
 
+import dataclasses
 import filecmp
 import json
 
@@ -352,3 +353,43 @@ def test_the_loop_loads_a_released_model_into_sharded_ranks(tmp_path):
     for a, b in zip(one, two):
         for key in ("loss", "mtp_1_loss"):
             assert b[key] == pytest.approx(a[key], rel=1e-5), (key, a["step"])
+
+
+def _load_sharded(rank, world, path, family):
+    """One rank: the model built on meta, sharded (FSDP2 over 2 ranks, experts over ep 2),
+    materialised, then loaded: its bytes read and its gathered weights."""
+    from torch.distributed.tensor import DTensor
+
+    import fmoe.parallel as parallel
+    from fmoe.model import Transformer
+
+    _, cfg = hf.read_config(path)
+    with torch.device("meta"):
+        model = Transformer(dataclasses.replace(cfg, impl="torch"))
+    parallel.parallelize(model, parallel.build_meshes(ep=2, has_experts=True))
+    parallel.materialize(model, torch.device("cpu"), seed=0)
+    read = hf.load_weights(model, path, model_type=family)
+    full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in hf._tensors(model).items()}
+    return read, full
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_each_rank_reads_only_its_own_blocks(family, folders):
+    """Loading into a sharded model reads each rank's blocks only (safetensors slices, this
+    rank's experts), and the gathered weights are the one-process model's bit for bit."""
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
+    from parallel.dist import run_distributed
+
+    path = folders[family][0]
+    one, _ = hf.from_pretrained(path, impl="torch")
+    want = {n: t.detach() for n, t in hf._tensors(one).items()}
+    total = (path / "model.safetensors").stat().st_size
+    results = run_distributed(_load_sharded, 2, path, family)
+    for read, full in results:
+        assert set(full) == set(want)
+        for name, value in want.items():
+            assert torch.equal(full[name], value), name
+        assert read < 0.6 * total, (read, total)  # about half the weights, plus the small replicated ones
+    assert sum(read for read, _ in results) >= 0.95 * total - 4096  # together every tensor is read
