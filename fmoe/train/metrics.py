@@ -85,12 +85,15 @@ def _check_count(name: str, value, minimum: int = 0) -> None:
 def flops_per_token(
     *, hidden: int, n_layers: int, n_dense: int, ffn_dense: int, ffn_expert: int, k: int, n_shared: float,
     n_heads: int, n_kv_heads: int, head_dim: int, vocab: int, mtp_depth: int = 0, n_avg_keys: float,
-    n_experts: int = 0,
+    n_experts: int = 0, attention_weights: Optional[int] = None, v_dim: Optional[int] = None,
 ) -> float:
     """Training FLOPs per token (forward + backward): SPEC.md section 8 with the router and
     the MTP modules' blocks (the module docstring's formula). n_shared counts shared experts
     in units of ffn_expert (Fs = n_shared F); n_experts = E for the router's 6 H E per MoE
-    layer (0: no router term)."""
+    layer (0: no router term). attention_weights: the elements of one layer's attention
+    projections (None: grouped-query attention's H (q + 2 kv) + q H; multi-latent attention
+    passes its own); v_dim: the value head dim (None: head_dim), so the scores and values
+    cost 6 n_heads (head_dim + v_dim) n_avg_keys (12 q n_avg_keys when they are equal)."""
     args = dict(hidden=hidden, n_layers=n_layers, n_dense=n_dense, ffn_dense=ffn_dense, ffn_expert=ffn_expert, k=k,
                 n_shared=n_shared, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, vocab=vocab,
                 mtp_depth=mtp_depth, n_avg_keys=n_avg_keys, n_experts=n_experts)
@@ -101,7 +104,8 @@ def flops_per_token(
     m, H = 3, hidden
     n_moe = n_layers - n_dense
     q, kv = n_heads * head_dim, n_kv_heads * head_dim
-    attention = 6 * (H * (q + 2 * kv) + q * H) + 12 * q * n_avg_keys  # one layer
+    weights = H * (q + 2 * kv) + q * H if attention_weights is None else attention_weights
+    attention = 6 * weights + 6 * n_heads * (head_dim + (head_dim if v_dim is None else v_dim)) * n_avg_keys  # one layer
     dense_ffn = 6 * H * m * ffn_dense
     moe_ffn = 6 * H * m * ffn_expert * (k + n_shared) + 6 * H * n_experts  # experts, router
     trunk = n_layers * attention + n_dense * dense_ffn + n_moe * moe_ffn
@@ -121,18 +125,14 @@ def model_flops_per_token(cfg, *, n_avg_keys: float) -> float:
     is_moe = getattr(cfg, "is_moe", lambda i: i >= cfg.n_dense)
     n_dense = sum(not is_moe(i) for i in range(cfg.n_layers))
     shared = getattr(cfg, "shared_size", cfg.n_shared * cfg.ffn_expert) / cfg.ffn_expert
-    flops = flops_per_token(**{n: getattr(cfg, n) for n in names}, n_dense=n_dense, n_shared=shared, vocab=cfg.vocab_size,
-                            n_avg_keys=n_avg_keys)
-    if getattr(cfg, "kv_rank", None) is None:
-        return flops
-    from fmoe.layers import mla_shapes
+    attention = {}
+    if getattr(cfg, "kv_rank", None) is not None:
+        from fmoe.layers import mla_shapes
 
-    H, N, D = cfg.hidden, cfg.n_heads, cfg.head_dim
-    q, kv = N * D, cfg.n_kv_heads * D
-    gqa = 6 * (H * (q + 2 * kv) + q * H) + 12 * q * n_avg_keys
-    mats, _ = mla_shapes(H, cfg.attention_config())
-    mla = 6 * sum(a * b for a, b in mats.values()) + 6 * N * (D + cfg.v_head_dim) * n_avg_keys
-    return float(flops + (cfg.n_layers + cfg.mtp_depth) * (mla - gqa))
+        mats, _ = mla_shapes(cfg.hidden, cfg.attention_config())
+        attention = dict(attention_weights=sum(a * b for a, b in mats.values()), v_dim=cfg.v_head_dim)
+    return flops_per_token(**{n: getattr(cfg, n) for n in names}, n_dense=n_dense, n_shared=shared, vocab=cfg.vocab_size,
+                           n_avg_keys=n_avg_keys, **attention)
 
 
 def datasheet_peak_flops(name: str) -> Optional[float]:

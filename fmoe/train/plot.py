@@ -46,19 +46,23 @@ def plot_losses(records: list[dict], path: Path, plt) -> bool:
         return False
     fig, axes = plt.subplots(len(panels), 1, figsize=(8, 2.6 * len(panels)), sharex=True, squeeze=False)
     for ax, keys in zip(axes[:, 0], panels):
-        for key in keys:
-            steps, values = _series(records, key)
-            ax.plot(steps, values, marker="o" if len(steps) < 30 else None, ms=3, label=key)
-        ax.set_ylabel(" / ".join(keys))
-        ax.grid(alpha=0.3)
-        if len(keys) > 1:
-            ax.legend()
+        _draw_panel(ax, {key: _series(records, key) for key in keys}, " / ".join(keys))
     axes[0, 0].set_title("losses")
     axes[-1, 0].set_xlabel("step")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return True
+
+
+def _draw_panel(ax, series: dict[str, tuple[list, list]], ylabel: str) -> None:
+    """One axis: a line per named (steps, values) series, a legend when there are several."""
+    for label, (steps, values) in series.items():
+        ax.plot(steps, values, marker="o" if len(steps) < 30 else None, ms=3, label=label)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    if len(series) > 1:
+        ax.legend()
 
 
 def _transpose(rows: list[list]) -> list[list]:
@@ -131,21 +135,10 @@ def plot_health(records: list[dict], path: Path, plt) -> bool:
         return False
     fig, axes = plt.subplots(n, 1, figsize=(8, 2.6 * n), sharex=True, squeeze=False)
     for ax, keys in zip(axes[:, 0], panels):
-        for key in keys:
-            steps, values = _series(records, key)
-            ax.plot(steps, values, marker="o" if len(steps) < 30 else None, ms=3, label=key)
-        ax.set_ylabel(" / ".join(keys))
-        ax.grid(alpha=0.3)
-        if len(keys) > 1:
-            ax.legend()
+        _draw_panel(ax, {key: _series(records, key) for key in keys}, " / ".join(keys))
     if shares:
-        ax = axes[-1, 0]
-        for name, (steps, values) in shares.items():
-            ax.plot(steps, values, marker="o" if len(steps) < 30 else None, ms=3, label=name)
-        ax.set_ylabel("share of tokens")
-        ax.set_ylim(0, 1)
-        ax.grid(alpha=0.3)
-        ax.legend()
+        _draw_panel(axes[-1, 0], shares, "share of tokens")
+        axes[-1, 0].set_ylim(0, 1)
     axes[0, 0].set_title("run health")
     axes[-1, 0].set_xlabel("step")
     fig.tight_layout()
