@@ -47,7 +47,7 @@ from typing import Callable, Optional
 
 import torch
 
-from fmoe.model import Transformer, TransformerConfig
+from fmoe.model import Transformer, TransformerConfig, local_block
 
 
 # ------------------------------------------------------------------------------ configs
@@ -312,19 +312,6 @@ def read_config(path) -> tuple[dict, TransformerConfig]:
     return hf, TransformerConfig(**FAMILIES[model_type].config_to_fmoe(hf))
 
 
-def _block(param: torch.Tensor) -> tuple[slice, ...]:
-    """This rank's block of param's full value as slices: all of it for a plain tensor, the
-    DTensor's own shard from its layout (as DCP finds it: no communication)."""
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(param, DTensor):
-        return tuple(slice(0, n) for n in param.shape)
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    return tuple(slice(o, o + n) for o, n in zip(offset, shape))
-
-
 def load_weights(model: Transformer, path, *, model_type: str) -> int:
     """Read the checkpoint in `path` into model's parameters (see the module docstring): a
     whole model, one parallelized over ranks, or a pipeline chunk (its own parameters only).
@@ -395,7 +382,7 @@ def load_weights(model: Transformer, path, *, model_type: str) -> int:
                 full_shape = shape(spec.keys[0], spec.transpose, spec.row)
             if tuple(param.shape) != tuple(full_shape):
                 raise ValueError(f"checkpoint: {spec.keys[0]} gives {name} the shape {tuple(full_shape)}, the model expects {tuple(param.shape)}")
-            index = _block(param)
+            index = local_block(param)
 
             def stored_index(ours: tuple[slice, ...]) -> tuple[slice, ...]:
                 if spec.row:

@@ -72,21 +72,29 @@ def init_value(seed: int, name: str, shape, std: float) -> torch.Tensor:
     return torch.empty(tuple(shape), dtype=torch.float32).normal_(0.0, std, generator=gen)
 
 
-def copy_full_value(param: torch.Tensor, full: torch.Tensor) -> None:
-    """Write the full value `full` into param: whole for a plain tensor, this rank's block of
-    it for a DTensor (found from the DTensor's layout, as DCP does: no communication, no
-    copy of the full tensor)."""
+def local_block(param: torch.Tensor) -> tuple[slice, ...]:
+    """This rank's block of param's full value, as slices: all of it for a plain tensor, a
+    DTensor's own shard found from its layout (as DCP does: no communication)."""
     from torch.distributed.tensor import DTensor  # torch.distributed only when a DTensor may exist
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     if not isinstance(param, DTensor):
-        param.copy_(full)
-        return
-    local = param.to_local()
-    shape, offset = compute_local_shape_and_global_offset(full.shape, param.device_mesh, param.placements)
-    if tuple(shape) != tuple(local.shape):
-        raise ValueError(f"param: a DTensor whose local shape {tuple(local.shape)} is not its layout's block {tuple(shape)}")
-    local.copy_(full[tuple(slice(o, o + n) for o, n in zip(offset, shape))])
+        return tuple(slice(0, n) for n in param.shape)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape))
+
+
+def copy_full_value(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Write the full value `full` into param: whole for a plain tensor, this rank's block of
+    it (local_block) for a DTensor, with no copy of the full tensor."""
+    from torch.distributed.tensor import DTensor
+
+    local = param.to_local() if isinstance(param, DTensor) else param
+    block = local_block(param)
+    if tuple(s.stop - s.start for s in block) != tuple(local.shape):
+        raise ValueError(f"param: a DTensor whose local shape {tuple(local.shape)} is not its layout's block {block}")
+    local.copy_(full[block])
 
 
 class DenseMLP(nn.Module):
