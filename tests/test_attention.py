@@ -55,13 +55,19 @@ def _rel(a, b):
 @pytest.mark.parametrize("impl", ["torch", "flex"])
 @pytest.mark.parametrize("cfg", [CFG, YARN, dataclasses.replace(CFG, rot_dim=8, interleaved=True)], ids=["rope", "yarn", "partial-interleaved"])
 def test_attention_matches_per_token_loop(cfg, impl):
+    _check_against_definition(cfg, impl, _params(cfg), _loop_attention)
+
+
+def _check_against_definition(cfg, impl, p, definition):
+    """attention on 3 packed documents against definition(x, p, cfg, cu): the output and, on
+    the torch path, the gradients of x and every parameter (relative 1e-5). FlexAttention has
+    no CPU backward: its forward here, its gradients in the gpu tests."""
     cu = torch.tensor([0, 5, 6, 17], dtype=torch.int32)
     x = torch.randn(17, H, requires_grad=True)
-    p = _params(cfg)
     x_ref = x.detach().clone().requires_grad_()
     p_ref = {n: t.detach().clone().requires_grad_() for n, t in p.items()}
-    y_ref = _loop_attention(x_ref, p_ref, cfg, cu)
-    if impl == "flex":  # FlexAttention has no CPU backward: forward here, gradients in the gpu test
+    y_ref = definition(x_ref, p_ref, cfg, cu)
+    if impl == "flex":
         with torch.no_grad():
             flex_cfg = dataclasses.replace(cfg, impl=impl)
             assert _rel(attention(x, p, flex_cfg, _ctx(cu, flex_cfg))[0], y_ref) < 1e-5
@@ -368,25 +374,7 @@ def _loop_mla(x, p, cfg, cu):
 @pytest.mark.parametrize("impl", ["torch", "flex"])
 @pytest.mark.parametrize("cfg", [MLA, dataclasses.replace(MLA, q_rank=None, interleaved=False, yarn_factor=None)], ids=["q-latent-yarn", "full-q-rope"])
 def test_multi_latent_attention_matches_per_token_loop(cfg, impl):
-    cu = torch.tensor([0, 5, 6, 17], dtype=torch.int32)
-    x = torch.randn(17, H, requires_grad=True)
-    p = _mla_params(cfg)
-    x_ref = x.detach().clone().requires_grad_()
-    p_ref = {n: t.detach().clone().requires_grad_() for n, t in p.items()}
-    y_ref = _loop_mla(x_ref, p_ref, cfg, cu)
-    if impl == "flex":  # forward only on CPU (v_dim 5 != q/k dim 12 through FlexAttention)
-        with torch.no_grad():
-            flex_cfg = dataclasses.replace(cfg, impl=impl)
-            assert _rel(attention(x, p, flex_cfg, _ctx(cu, flex_cfg))[0], y_ref) < 1e-5
-        return
-    y, _ = attention(x, p, cfg, _ctx(cu, cfg))
-    assert y.shape == x.shape and _rel(y, y_ref) < 1e-5
-    upstream = torch.randn_like(y)
-    (y * upstream).sum().backward()
-    (y_ref * upstream).sum().backward()
-    assert _rel(x.grad, x_ref.grad) < 1e-5
-    for n in p:
-        assert _rel(p[n].grad, p_ref[n].grad) < 1e-5, n
+    _check_against_definition(cfg, impl, _mla_params(cfg), _loop_mla)  # flex: v_dim 5 != q/k dim 12
 
 
 def test_multi_latent_attention_under_context_parallel():
