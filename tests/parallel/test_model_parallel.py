@@ -175,10 +175,33 @@ CASES = {
 }
 
 
+def _cases(rank, world, names):
+    """Every case of one world size in one spawned process group (spawning and importing
+    costs 6 s for 2 ranks, 13 s for 4 on 2 cores: more than most cases themselves)."""
+    out = {name: _compare(rank, world, *CASES[name][1:]) for name in names}
+    if world == 2:
+        out["user_blocks"], out["bad_tp"] = _user_blocks(rank, world), _bad_tp(rank, world)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    """results(world): [rank 0's {case: errors}, ...], one process group per world size."""
+    cache = {}
+
+    def run(world):
+        if world not in cache:
+            names = [n for n, c in CASES.items() if c[0] == world]
+            cache[world] = run_distributed(_cases, world, names, timeout=900)
+        return cache[world]
+
+    return run
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_parallel_model_matches_one_process(case):
-    world, sizes, overrides = CASES[case]
-    for rank, errors in enumerate(run_distributed(_compare, world, sizes, overrides, timeout=240)):
+def test_parallel_model_matches_one_process(case, results):
+    for rank, by_case in enumerate(results(CASES[case][0])):
+        errors = by_case[case]
         bad = {k: v for k, v in errors.items() if isinstance(v, str) or not v < 1e-5}
         assert not bad, f"rank {rank}: {bad}"
 
@@ -242,8 +265,8 @@ def _user_blocks(rank, world):
     return errors
 
 
-def test_user_blocks_with_gated_shared_experts_and_capacity_match_one_process():
-    for rank, errors in enumerate(run_distributed(_user_blocks, 2, timeout=240)):
+def test_user_blocks_with_gated_shared_experts_and_capacity_match_one_process(results):
+    for rank, errors in enumerate(by_case["user_blocks"] for by_case in results(2)):
         bad = {k: v for k, v in errors.items() if isinstance(v, str) or not v < 1e-5}
         assert not bad, f"rank {rank}: {bad}"
         assert any(k.endswith("shared_gate") for k in errors)
@@ -279,8 +302,8 @@ def _bad_tp(rank, world):
     return messages
 
 
-def test_parallelize_refuses_what_does_not_split():
-    for messages in run_distributed(_bad_tp, 2):
+def test_parallelize_refuses_what_does_not_split(results):
+    for messages in (by_case["bad_tp"] for by_case in results(2)):
         assert len(messages) == 6
         assert "n_heads = 2 and n_kv_heads = 1 must both be divisible by tp = 2" in messages[0]
         assert "n_experts = 3 is not divisible by ep = 2" in messages[1]
