@@ -130,7 +130,7 @@ def test_muon_runs(tmp_path):
     assert len(_records(tmp_path)) == 3
 
 
-@pytest.mark.parametrize("args, message", [
+BAD_KNOBS = [
     (["--nope=1"], "unknown argument '--nope=1'"),
     (["--steps=many"], "--steps: expected an int, got 'many'"),
     (["--model.nope=1"], "unknown argument '--model.nope=1'"),
@@ -145,10 +145,48 @@ def test_muon_runs(tmp_path):
     (["--data=/no/such/dir"], "data: "),
     (["--init_from=/no/such/run"], "--init_from: path: '/no/such/run' does not exist"),
     (["--optimizer=sgd", "--steps=1"], "--optimizer: expected adamw or muon"),
-])
-def test_bad_knobs_exit_with_a_message(tmp_path, args, message):
-    run = _train(tmp_path, *args)
-    assert run.returncode != 0 and message in run.stderr
+]
+# every bad knob's message from one process: main(argv) per case, the SystemExit's text kept
+_EXITS = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("train_moe", sys.argv[1])
+sys.modules["train_moe"] = module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+main = module.main
+messages = []
+for argv in json.loads(sys.argv[2]):
+    try:
+        main(argv)
+        messages.append(None)
+    except SystemExit as exit:
+        messages.append(str(exit.code))
+print(json.dumps(messages))
+"""
+
+
+@pytest.fixture(scope="module")
+def bad_knob_messages(tmp_path_factory):
+    """What `main` exits with for each BAD_KNOBS case, all in one process (a process per
+    case spent 6 s each importing torch). The command line's own exit: test_a_bad_knob_exits_the_process."""
+    out = tmp_path_factory.mktemp("bad")
+    argvs = [[f"--out_dir={out}", *TINY, *args] for args, _ in BAD_KNOBS]
+    run = subprocess.run([sys.executable, "-c", _EXITS, str(ROOT / "examples" / "train_moe.py"), json.dumps(argvs)],
+                         capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", range(len(BAD_KNOBS)), ids=[" ".join(args) for args, _ in BAD_KNOBS])
+def test_bad_knobs_exit_with_a_message(bad_knob_messages, case):
+    message = bad_knob_messages[case]
+    assert message is not None, f"{BAD_KNOBS[case][0]} ran without complaint"
+    assert BAD_KNOBS[case][1] in message, message
+
+
+def test_a_bad_knob_exits_the_process(tmp_path):
+    """From the command line: a nonzero exit status, the message on stderr, no traceback."""
+    run = _train(tmp_path, "--steps=many")
+    assert run.returncode != 0 and "--steps: expected an int, got 'many'" in run.stderr and "Traceback" not in run.stderr
 
 
 def test_default_run_keeps_every_moe_layer_balanced(tmp_path):
