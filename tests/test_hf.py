@@ -373,20 +373,33 @@ def _load_sharded(rank, world, path, family):
     return read, full
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
-def test_each_rank_reads_only_its_own_blocks(family, folders):
-    """Loading into a sharded model reads each rank's blocks only (safetensors slices, this
-    rank's experts), and the gathered weights are the one-process model's bit for bit."""
+SHARDED_FAMILIES = ("qwen3_moe", "deepseek_v3")
+
+
+def _load_sharded_families(rank, world, paths):
+    return {family: _load_sharded(rank, world, path, family) for family, path in paths.items()}
+
+
+@pytest.fixture(scope="module")
+def sharded_loads(folders):
+    """Both families loaded by 2 gloo ranks in one spawned process group: [rank 0's {family: (read, full)}, ...]."""
     import sys
 
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
     from parallel.dist import run_distributed
 
+    return run_distributed(_load_sharded_families, 2, {family: folders[family][0] for family in SHARDED_FAMILIES})
+
+
+@pytest.mark.parametrize("family", SHARDED_FAMILIES)
+def test_each_rank_reads_only_its_own_blocks(family, folders, sharded_loads):
+    """Loading into a sharded model reads each rank's blocks only (safetensors slices, this
+    rank's experts), and the gathered weights are the one-process model's bit for bit."""
     path = folders[family][0]
     one, _ = hf.from_pretrained(path, impl="torch")
     want = {n: t.detach() for n, t in hf._tensors(one).items()}
     total = (path / "model.safetensors").stat().st_size
-    results = run_distributed(_load_sharded, 2, path, family)
+    results = [by_family[family] for by_family in sharded_loads]
     for read, full in results:
         assert set(full) == set(want)
         for name, value in want.items():
