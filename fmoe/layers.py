@@ -45,7 +45,8 @@ RoPE or YaRN on the first rot_dim channels of q and k at the given positions (re
 0 in each document), softmax scale 1/sqrt(head_dim) or YaRN's mscale(s, mscale_all_dim)^2 /
 sqrt(head_dim), and a mask that lets a token see the earlier tokens of its own document
 only, so a document's outputs do not depend on what it is packed with. CUDA: FlexAttention
-with a block mask; CPU: scaled_dot_product_attention with the dense mask (the reference).
+with a block mask (built from each 128-token block's documents and indices, never the
+[T, T] mask: document_mask); CPU: scaled_dot_product_attention with the dense mask (the reference).
 params: wq [H, n_heads*D], wk, wv [H, n_kv_heads*D], wo [n_heads*D, H].
 
 Context parallel (fmoe.parallel.context): x holds this rank's T/cp tokens, the global tokens
@@ -370,42 +371,85 @@ def _use_flex(impl: str, device: torch.device) -> bool:
     return impl == "flex" or (impl == "auto" and device.type == "cuda")
 
 
-def document_mask(cu_seqlens: torch.Tensor, n_tokens: int, *, flex: bool, token_index=None, kv_index=None):
+def document_mask(cu_seqlens: torch.Tensor, n_tokens: int, *, flex: bool, token_index=None, kv_index=None, block_size: int = 128):
     """The causal, same-document mask of a packed micro-batch: a FlexAttention BlockMask
     (flex=True) or a [T, T] bool tensor, True where query t may attend to key s (s <= t
     and both in the same document). No host sync; built once per micro-batch.
 
     Context parallel: token_index [Tq] (the queries' global token indices) and kv_index
     [Tk] (the keys', Tk = n_tokens) give the [Tq, Tk] mask of query i and key j: the
-    global tokens token_index[i] and kv_index[j] under the rule above. Both or neither."""
+    global tokens token_index[i] and kv_index[j] under the rule above. Both or neither.
+
+    The BlockMask is built from each block's first and last document and token index
+    (_document_block_mask): memory O((Tq / block_size) (Tk / block_size)), never the
+    [Tq, Tk] mask that create_block_mask evaluates (4 GiB at T = 64K). block_size: its
+    query and key block (FlexAttention's default 128)."""
     if (token_index is None) != (kv_index is None):
         raise ValueError(f"{'kv_index' if kv_index is None else 'token_index'}: expected token_index and kv_index together (context parallel) or neither")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size: expected a positive int, got {block_size!r}")
     doc_T = sequence_ids(cu_seqlens, n_tokens)
-    if token_index is not None:
-        return _cp_document_mask(doc_T, token_index.long(), kv_index.long(), flex=flex)
-    if flex:
-        from torch.nn.attention.flex_attention import create_block_mask
+    if token_index is None:
+        if not flex:
+            causal_TT = torch.ones(n_tokens, n_tokens, dtype=torch.bool, device=cu_seqlens.device).tril()
+            return causal_TT & (doc_T[:, None] == doc_T[None, :])
 
         def same_doc_causal(b, h, q_idx, kv_idx):
             return (doc_T[q_idx] == doc_T[kv_idx]) & (kv_idx <= q_idx)
 
-        return create_block_mask(same_doc_causal, None, None, n_tokens, n_tokens, device=cu_seqlens.device)
-    causal_TT = torch.ones(n_tokens, n_tokens, dtype=torch.bool, device=cu_seqlens.device).tril()
-    return causal_TT & (doc_T[:, None] == doc_T[None, :])
-
-
-def _cp_document_mask(doc_T, q_pos, kv_pos, *, flex: bool):
-    """document_mask's rule on global indices: queries q_pos [Tq], keys kv_pos [Tk]."""
+        pos_T = torch.arange(n_tokens, device=doc_T.device)
+        return _document_block_mask(doc_T, pos_T, doc_T, pos_T, same_doc_causal, block_size)
     # index_select rather than indexing: nothing is read on the host
+    q_pos, kv_pos = token_index.long(), kv_index.long()
     q_doc, kv_doc = doc_T.index_select(0, q_pos), doc_T.index_select(0, kv_pos)
-    if flex:
-        from torch.nn.attention.flex_attention import create_block_mask
+    if not flex:
+        return (q_doc[:, None] == kv_doc[None, :]) & (kv_pos[None, :] <= q_pos[:, None])
 
-        def same_doc_causal(b, h, q_idx, kv_idx):
-            return (q_doc[q_idx] == kv_doc[kv_idx]) & (kv_pos[kv_idx] <= q_pos[q_idx])
+    def same_doc_causal_cp(b, h, q_idx, kv_idx):
+        return (q_doc[q_idx] == kv_doc[kv_idx]) & (kv_pos[kv_idx] <= q_pos[q_idx])
 
-        return create_block_mask(same_doc_causal, None, None, q_pos.shape[0], kv_pos.shape[0], device=doc_T.device)
-    return (q_doc[:, None] == kv_doc[None, :]) & (kv_pos[None, :] <= q_pos[:, None])
+    return _document_block_mask(q_doc, q_pos, kv_doc, kv_pos, same_doc_causal_cp, block_size)
+
+
+def _block_ranges(doc, pos, block_size: int):
+    """Per block of block_size tokens: (first doc, last doc, smallest index, largest index),
+    each [n_blocks]; a last, shorter block counts its real tokens only."""
+    n = doc.shape[0]
+    n_blocks = -(-n // block_size)
+    rows = torch.arange(n_blocks * block_size, device=doc.device).clamp(max=n - 1)  # repeat the last token
+    doc_B, pos_B = (t.index_select(0, rows).view(n_blocks, block_size) for t in (doc, pos))
+    return doc_B.amin(1), doc_B.amax(1), pos_B.amin(1), pos_B.amax(1)
+
+
+def _document_block_mask(q_doc, q_pos, kv_doc, kv_pos, mask_mod, block_size: int):
+    """The BlockMask of "same document and kv_pos <= q_pos" for queries (q_doc, q_pos [Tq])
+    and keys (kv_doc, kv_pos [Tk]), document ids non-decreasing in the global index pos.
+
+    A (query block, key block) pair is
+      full (mask_mod skipped) iff every token of both blocks is in one document and the
+        largest key index <= the smallest query index, and neither block is a short last one:
+        exactly the pairs whose every entry is allowed;
+      visited iff the blocks' document ranges overlap and the smallest key index <= the
+        largest query index: exactly the pairs with an allowed entry when each block's
+        indices are contiguous (no context parallel, or cp chunks a multiple of block_size);
+        otherwise a superset (a few more blocks that mask_mod then masks).
+    Memory and work are O(n_q_blocks x n_kv_blocks)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    q_first, q_last, q_lo, q_hi = _block_ranges(q_doc, q_pos, block_size)
+    k_first, k_last, k_lo, k_hi = _block_ranges(kv_doc, kv_pos, block_size)
+    visited = (k_lo[None, :] <= q_hi[:, None]) & (k_first[None, :] <= q_last[:, None]) & (k_last[None, :] >= q_first[:, None])
+    whole_q = torch.arange(q_first.shape[0], device=q_doc.device) < q_doc.shape[0] // block_size
+    whole_k = torch.arange(k_first.shape[0], device=kv_doc.device) < kv_doc.shape[0] // block_size
+    one_doc = (q_first == q_last)[:, None] & (k_first == k_last)[None, :] & (q_first[:, None] == k_first[None, :])
+    full = one_doc & (k_hi[None, :] <= q_lo[:, None]) & whole_q[:, None] & whole_k[None, :]
+
+    def ordered(blocks_QK):  # per query block: how many key blocks, then their indices in order
+        blocks = blocks_QK.to(torch.int32)[None, None]
+        return blocks.sum(-1, dtype=torch.int32), torch.argsort(blocks, dim=-1, descending=True, stable=True).to(torch.int32)
+
+    return BlockMask.from_kv_blocks(*ordered(visited & ~full), *ordered(full), BLOCK_SIZE=block_size, mask_mod=mask_mod,
+                                    seq_lengths=(q_doc.shape[0], kv_doc.shape[0]))
 
 
 def _check_cp(positions, token_index, kv_index, gather_kv) -> None:

@@ -174,6 +174,93 @@ def test_document_mask_dense_and_block_agree():
     assert torch.equal(block.mask_mod(zero, zero, q, k), expected)
 
 
+def _block_sets(bm):
+    """(visited-but-masked, full) [n_q_blocks, n_kv_blocks] bool of a BlockMask (B = H = 1)."""
+    out = []
+    for num, idx in ((bm.kv_num_blocks, bm.kv_indices), (bm.full_kv_num_blocks, bm.full_kv_indices)):
+        num, idx = num[0, 0], idx[0, 0]
+        keep = torch.arange(idx.shape[-1])[None, :] < num[:, None]
+        out.append(torch.zeros(idx.shape, dtype=torch.bool).scatter_(1, idx.long(), keep))
+    return out
+
+
+def _allowed(bm, shape):
+    """The [Tq, Tk] entries a BlockMask lets through: full blocks, and mask_mod inside visited ones."""
+    partial, full = _block_sets(bm)
+    (bq, bk), (Tq, Tk) = bm.BLOCK_SIZE, shape
+    q, k = torch.meshgrid(torch.arange(Tq), torch.arange(Tk), indexing="ij")
+    zero = torch.zeros((), dtype=torch.long)
+    blocks_q, blocks_k = q // bq, k // bk
+    return full[blocks_q, blocks_k] | (partial[blocks_q, blocks_k] & bm.mask_mod(zero, zero, q, k))
+
+
+def _create_block_mask(dense, block):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(lambda b, h, q, k: dense[q, k], None, None, *dense.shape, device="cpu", BLOCK_SIZE=block)
+
+
+@pytest.mark.parametrize("cu, block, has_full", [
+    ([0, 3, 3, 40, 41, 100, 300], 16, True),    # an empty document; T not a multiple of the block
+    ([0, 300], 16, True),                       # one document
+    ([0, *range(1, 300, 2), 300], 16, False),   # 1- and 2-token documents: no whole block in one
+    ([0, 16, 32, 48, 64, 200, 256], 16, True),  # documents on block edges
+    ([0, 5, 130, 250, 300], 128, False),        # FlexAttention's default block
+])
+def test_block_mask_is_create_block_masks_without_the_dense_mask(cu, block, has_full):
+    """document_mask(flex=True) equals create_block_mask on the dense mask: the same blocks
+    visited, the same full blocks, the same entries allowed."""
+    cu = torch.tensor(cu)
+    T = int(cu[-1])
+    dense = document_mask(cu, T, flex=False)
+    ours, ref = document_mask(cu, T, flex=True, block_size=block), _create_block_mask(dense, block)
+    for got, want in zip(_block_sets(ours), _block_sets(ref)):
+        assert torch.equal(got, want)
+    for name in ("kv_num_blocks", "full_kv_num_blocks", "q_num_blocks", "full_q_num_blocks"):
+        assert torch.equal(getattr(ours, name), getattr(ref, name)), name
+    assert tuple(ours.shape[-2:]) == (T, T) and torch.equal(_allowed(ours, (T, T)), dense)
+    assert bool(_block_sets(ours)[1].any()) == has_full  # full blocks: mask_mod skipped
+
+
+@pytest.mark.parametrize("T, cp, block", [(256, 2, 16), (256, 4, 16), (48, 2, 16), (60, 3, 8)])
+def test_context_parallel_block_mask_covers_every_allowed_entry(T, cp, block):
+    """Under context parallel: the full blocks are create_block_mask's; the visited ones
+    are its own when the cp chunks (T / 2cp) are whole blocks, else a superset; the entries
+    let through are the dense mask's."""
+    from fmoe.parallel import cp_kv_index, cp_token_index
+
+    cu = torch.tensor([0, 7, 7, 30, 31, 45, T])
+    kv_index = cp_kv_index(T, cp)
+    for rank in range(cp):
+        index = cp_token_index(T, cp, rank)
+        dense = document_mask(cu, T, flex=False, token_index=index, kv_index=kv_index)
+        ours = document_mask(cu, T, flex=True, token_index=index, kv_index=kv_index, block_size=block)
+        (partial, full), (ref_partial, ref_full) = _block_sets(ours), _block_sets(_create_block_mask(dense, block))
+        assert torch.equal(full, ref_full)
+        assert bool((partial | full)[ref_partial].all())
+        if (T // (2 * cp)) % block == 0:
+            assert torch.equal(partial, ref_partial)
+        assert torch.equal(_allowed(ours, dense.shape), dense)
+
+
+def test_block_mask_memory_does_not_grow_with_t_squared():
+    """At T = 16384 the dense mask would be 256 MiB; the BlockMask's build holds < 2 MiB."""
+    from fmoe.train.metrics import AllocatedBytes
+
+    T = 16384
+    cu = torch.tensor([0, 1000, 1001, 9000, 16000, T])
+    with AllocatedBytes() as mem:
+        bm = document_mask(cu, T, flex=True)
+    assert mem.peak < 2 * 2**20, mem.peak
+    assert int(bm.kv_num_blocks.sum() + bm.full_kv_num_blocks.sum()) < (T // 128) ** 2 // 2  # documents and causality prune half
+
+
+def test_block_size_must_be_a_positive_int():
+    for bad in (0, -128, 1.5, True):
+        with pytest.raises(ValueError, match="block_size: expected a positive int"):
+            document_mask(torch.tensor([0, 8]), 8, flex=True, block_size=bad)
+
+
 def test_a_context_is_shared_and_reads_no_value_on_the_host():
     from fmoe.train.metrics import HostReads
 
