@@ -239,6 +239,7 @@ def main(argv: list[str]) -> None:
         train_set, val_set = corpus.split(cfg.val_percent)
         sampler = BlendSampler(train_set, cfg.tokens_per_micro_batch, seed=cfg.seed, mtp_depth=cfg.model.mtp_depth)
         val_batches = val_set.validation_batches(cfg.tokens_per_micro_batch, cfg.eval_batches, mtp_depth=cfg.model.mtp_depth)
+        val_sources = val_set.validation_sources(cfg.eval_batches)  # the source of each validation batch
     except (OSError, ValueError) as err:
         sys.exit(f"data: {err}")
 
@@ -436,25 +437,34 @@ def main(argv: list[str]) -> None:
         chunks, with their token_index); the micro-batch itself otherwise."""
         return parallel.split_batch(host_batch, cp_rank, meshes.cp) if meshes is not None and meshes.cp > 1 else host_batch
 
+    # each source's validation tokens (host counts, once): the per-source means divide by them
+    val_names = [name for name in corpus.names if name in val_sources]
+    val_counts = {name: sum(int(b["loss_mask"].sum()) for b, src in zip(val_batches, val_sources) if src == name) for name in val_names}
+
     @torch.no_grad()
     def evaluate():
-        """Mean validation loss (a tensor: converted with the step's other values)."""
+        """(mean validation loss, [n_sources] mean of each source's validation tokens in
+        val_names order): tensors, converted with the step's other values."""
         for part in parts:
             part.eval()
-        total, count = torch.zeros((), device=device), sum(int(b["loss_mask"].sum()) for b in val_batches)
-        if pipe is not None:  # forward through the stages; the last one's ranks hold the sum
-            last_sum = pipe.evaluate([parallel.MicroBatch(split(b).to(device)) for b in val_batches])
-            total = parallel.all_reduce_sums({"val": total if last_sum is None else last_sum}, meshes.pp_mesh)["val"]
+        if pipe is not None:  # forward through the stages; the last one's ranks hold the sums
+            sums = pipe.evaluate([parallel.MicroBatch(split(b).to(device)) for b in val_batches], per_micro_batch=True)
         else:
+            sums = []
             for host_batch in val_batches:
                 batch = split(host_batch).to(device)
                 losses, _ = model(batch, model.context(batch))  # eager: no graphs for eval mode
-                total = total + losses["lm_sum"]
-        if meshes is not None and meshes.cp > 1:  # each cp rank summed its own tokens' losses
-            total = parallel.all_reduce_sums({"val": total}, meshes.group("cp"))["val"]
+                sums.append(losses["lm_sum"])
+            sums = torch.stack(sums)
+        zero = torch.zeros((), device=device)
+        by_source = {name: zero if sums is None else sum(s for s, src in zip(sums, val_sources) if src == name) for name in val_names}
+        # the ranks holding parts of the sums: the pipeline's last stage (the others add 0) and each cp rank's own tokens
+        for axis in (("pp",) if pipe is not None else ()) + (("cp",) if meshes is not None and meshes.cp > 1 else ()):
+            by_source = parallel.all_reduce_sums(by_source, meshes.pp_mesh if axis == "pp" else meshes.group("cp"))
         for part in parts:
             part.train()
-        return total / max(count, 1)
+        total = sum(by_source.values()) / max(sum(val_counts.values()), 1)
+        return total, torch.stack([by_source[name] / max(val_counts[name], 1) for name in val_names])
 
     # ------------------------------------------------------------------------ the loop
     last = min(cfg.steps, cfg.stop_at) if cfg.stop_at > 0 else cfg.steps
@@ -542,11 +552,13 @@ def main(argv: list[str]) -> None:
         step_tokens = n_micro * cfg.tokens_per_micro_batch
         tokens_seen += step_tokens
         if step % cfg.eval_every == 0 or step == last:
-            record["val_loss"] = evaluate()
+            record["val_loss"], record["val_loss_by_source"] = evaluate()
         # the one transfer of the step: every logged value and count comes to the host here
         if moe_names:  # per MoE layer, in moe_names order: counts, max/mean, CV, dropped share
             record.update(metrics.layer_loads(torch.stack([counts[n] for n in moe_names]), step_tokens * model_cfg.k))
         record = metrics.to_host({**record, "grad_norm": grad_norm, "param_norm": weight_norm, "zero_grads": zero_grads})
+        if "val_loss_by_source" in record:  # source name -> its validation tokens' mean loss
+            record["val_loss_by_source"] = dict(zip(val_names, record["val_loss_by_source"]))
         seconds = time.perf_counter() - t0
         joules = energy.joules_since_last()  # this rank's device since the last step (after the step's sync); None off CUDA
         if joules is not None:
@@ -575,7 +587,9 @@ def main(argv: list[str]) -> None:
                 checkpoint.prune(cfg.out_dir, keep_last=cfg.keep_last, keep_every=cfg.keep_every or None)
     logger.close()
     if rank == 0 and math.isfinite(record.get("val_loss", float("nan"))):
-        print(f"done: step {step}, validation loss {record['val_loss']:.4f} (bits per byte {record['val_loss'] / math.log(2):.3f})")
+        sources = record["val_loss_by_source"]
+        each = "; by source: " + ", ".join(f"{name} {v:.4f}" for name, v in sources.items()) if len(sources) > 1 else ""
+        print(f"done: step {step}, validation loss {record['val_loss']:.4f} (bits per byte {record['val_loss'] / math.log(2):.3f}){each}")
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -42,6 +42,8 @@ def test_thirty_steps_lower_the_loss(tmp_path):
     # zero (embedding rows of bytes the step did not hold), no energy off CUDA (the reason in config.json)
     assert 0 < first["param_norm"] != last["param_norm"] and 0 < first["zero_grads"] < 100_000
     assert "energy_j" not in last and last["tokens_by_source"] == {"stdlib": 256}
+    assert last["val_loss_by_source"] == {"stdlib": pytest.approx(last["val_loss"], rel=1e-6)}  # one source: the mean itself
+    assert "val_loss_by_source" not in records[10] and "; by source" not in run.stdout
     assert sum(last["tokens_per_expert"][0]) == 2 * 128 * 2 and last["dropped_fraction"] == [0.0, 0.0]  # layer_1, mtp_1
     assert (tmp_path / "step_000030").is_dir()  # a run always ends with a complete checkpoint
     # the start: one summary before the step lines; every step line shows the load and an ETA
@@ -234,7 +236,7 @@ def test_a_blend_of_prepared_token_files_trains_from_make_train(tmp_path):
         assert prep.returncode == 0, prep.stderr[-2000:]
     (tmp_path / "blend.json").write_text(json.dumps([{"name": "code", "path": "code.u16", "weight": 3}, {"name": "docs", "path": "docs.u16", "weight": 1}]))
     args = " ".join([*TINY, f"--data={tmp_path / 'blend.json'}", "--model.vocab_size=300", "--steps=4", "--val_percent=20",
-                     "--eval_every=4", "--eval_batches=1", "--tensorboard=True"])
+                     "--eval_every=4", "--eval_batches=4", "--tensorboard=True"])
     run = subprocess.run(["make", "-s", "train", f"PY={sys.executable}", f"TRAIN_OUT={tmp_path / 'run'}", f"ARGS={args}"],
                          capture_output=True, text=True, timeout=900, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "2"})
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
@@ -244,6 +246,12 @@ def test_a_blend_of_prepared_token_files_trains_from_make_train(tmp_path):
     per_source = {name: sum(r["tokens_by_source"][name] for r in records) for name in ("code", "docs")}
     assert all(sum(r["tokens_by_source"].values()) == 2 * 128 for r in records)
     assert per_source == {"code": 6 * 128, "docs": 2 * 128}  # 8 micro-batches, 3:1
+    # validation: 4 batches, 3 from code and 1 from docs; each source's mean, the overall
+    # mean between them (their token-weighted mean), and the end line names them
+    by_source = records[-1]["val_loss_by_source"]
+    assert list(by_source) == ["code", "docs"] and by_source["code"] != by_source["docs"]
+    assert min(by_source.values()) < records[-1]["val_loss"] < max(by_source.values())
+    assert f"by source: code {by_source['code']:.4f}, docs {by_source['docs']:.4f}" in run.stdout
     config = json.loads((tmp_path / "run" / "config.json").read_text())
     assert [s["name"] for s in config["data_sources"]] == ["code", "docs"]
     assert all((tmp_path / "run" / f).is_file() for f in ("loss.png", "health.png"))

@@ -397,10 +397,11 @@ class Pipeline:
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
-    def evaluate(self, micro_batches: Sequence[MicroBatch]) -> Optional[torch.Tensor]:
+    def evaluate(self, micro_batches: Sequence[MicroBatch], *, per_micro_batch: bool = False) -> Optional[torch.Tensor]:
         """The LM loss sum over micro_batches on the rank holding the last stage (None on
         the others): forward only, through stages of their own (the training stages'
-        buffers stay as they are) over the same modules."""
+        buffers stay as they are) over the same modules. per_micro_batch: the [n] sums of
+        each micro-batch instead (e.g. a validation loss per data source)."""
         from torch.distributed.pipelining import PipelineStage
 
         n = len(micro_batches)
@@ -424,7 +425,9 @@ class Pipeline:
         finally:
             for module in self.modules:
                 module.micro_batches, module.evaluating = [], False
-        return torch.stack(losses).sum() if last else None
+        if not last:
+            return None
+        return torch.stack(losses) if per_micro_batch else torch.stack(losses).sum()
 
 
 def _loss_is_output(output, target):

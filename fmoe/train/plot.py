@@ -1,7 +1,8 @@
 """Plots of a run's metrics.jsonl: `python -m fmoe.train.plot <out_dir>`.
 
 Writes into out_dir (needs matplotlib, the `plots` extra: pip install 'fmoe[plots]'):
-    loss.png         loss with val_loss, and aux_loss / z_loss / mtp_loss panels, when logged
+    loss.png         loss with val_loss (and each data source's validation loss when the
+                     run blends several), and aux_loss / z_loss / mtp_loss panels, when logged
     expert_load.png  heatmaps over steps: max/mean load per MoE layer (rows: layers) and,
                      when tokens_per_expert is logged, each expert's share of its layer's
                      slots relative to uniform (count * E / sum) per layer
@@ -45,14 +46,25 @@ def plot_losses(records: list[dict], path: Path, plt) -> bool:
     if not panels:
         return False
     fig, axes = plt.subplots(len(panels), 1, figsize=(8, 2.6 * len(panels)), sharex=True, squeeze=False)
+    by_source = _per_source(records, "val_loss_by_source")
     for ax, keys in zip(axes[:, 0], panels):
-        _draw_panel(ax, {key: _series(records, key) for key in keys}, " / ".join(keys))
+        series = {key: _series(records, key) for key in keys}
+        if "val_loss" in keys and len(by_source) > 1:  # a blend: each source's validation loss beside the mean
+            series.update({f"val_loss {name}": values for name, values in by_source.items()})
+        _draw_panel(ax, series, " / ".join(keys))
     axes[0, 0].set_title("losses")
     axes[-1, 0].set_xlabel("step")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return True
+
+
+def _per_source(records: list[dict], key: str) -> dict[str, tuple[list, list]]:
+    """name -> (steps, values) of the records' `key` dicts (e.g. val_loss_by_source)."""
+    rows = [r for r in records if isinstance(r.get(key), dict)]
+    names = sorted({name for r in rows for name in r[key]})
+    return {name: _series([{"step": r["step"], "v": r[key].get(name)} for r in rows], "v") for name in names}
 
 
 def _draw_panel(ax, series: dict[str, tuple[list, list]], ylabel: str) -> None:

@@ -45,6 +45,7 @@ def _assert_same(records, ref, keys=("loss", "mtp_1_loss", "z_loss", "seq_aux_lo
         assert got["tokens_per_expert"] == want["tokens_per_expert"], got["step"]  # counts summed over every rank
         assert got["zero_grads"] == want["zero_grads"], got["step"]  # each gradient entry counted once on any mesh
     assert records[-1]["val_loss"] == pytest.approx(ref[-1]["val_loss"], rel=1e-5)
+    assert records[-1]["val_loss_by_source"] == pytest.approx(ref[-1]["val_loss_by_source"], rel=1e-5)  # summed over pp and cp too
 
 
 RUNS = {

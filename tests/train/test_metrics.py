@@ -193,6 +193,23 @@ def test_plot_writes_pngs(tmp_path):
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
 
 
+def test_loss_plot_shows_each_sources_validation_loss(tmp_path, monkeypatch):
+    """A blend's runs: a validation line per source beside the mean; one source: the mean only."""
+    pytest.importorskip("matplotlib", reason="the plots extra (matplotlib) is not installed")
+    from fmoe.train import plot
+
+    drawn = []
+    monkeypatch.setattr(plot, "_draw_panel", lambda ax, series, ylabel: drawn.append((ylabel, dict(series))))
+    records = [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.5, "val_loss": 2.6, "val_loss_by_source": {"docs": 3.2, "code": 2.4}}]
+    assert plot.plot_losses(records, tmp_path / "loss.png", plot._pyplot())
+    assert drawn == [("loss / val_loss", {"loss": ([1, 2], [3.0, 2.5]), "val_loss": ([2], [2.6]),
+                                          "val_loss code": ([2], [2.4]), "val_loss docs": ([2], [3.2])})]
+    drawn.clear()
+    records[1]["val_loss_by_source"] = {"stdlib": 2.6}
+    assert plot.plot_losses(records, tmp_path / "loss.png", plot._pyplot())
+    assert list(drawn[0][1]) == ["loss", "val_loss"]
+
+
 def test_plot_missing_metrics(tmp_path):
     from fmoe.train import plot
 
