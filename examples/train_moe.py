@@ -56,7 +56,7 @@ from fmoe.model import Transformer, TransformerConfig
 from fmoe.optim import (AdamW, batch_size_at, build_optimizers, clip_grad_norm, lr_at, param_norm, parse_batch_schedule, split_param_groups,
                         zero_grad_count)
 from fmoe.train import checkpoint, metrics
-from fmoe.train.data import BlendSampler, load_blend
+from fmoe.train.data import BYTE_VOCAB_SIZE, BlendSampler, load_blend
 from fmoe.train.run import set_deterministic, write_config
 
 
@@ -589,7 +589,8 @@ def main(argv: list[str]) -> None:
     if rank == 0 and math.isfinite(record.get("val_loss", float("nan"))):
         sources = record["val_loss_by_source"]
         each = "; by source: " + ", ".join(f"{name} {v:.4f}" for name, v in sources.items()) if len(sources) > 1 else ""
-        print(f"done: step {step}, validation loss {record['val_loss']:.4f} (bits per byte {record['val_loss'] / math.log(2):.3f}){each}")
+        unit = "byte" if corpus.vocab_size == BYTE_VOCAB_SIZE else "token"  # byte corpora: a token is a byte
+        print(f"done: step {step}, validation loss {record['val_loss']:.4f} (bits per {unit} {record['val_loss'] / math.log(2):.3f}){each}")
     if dist.is_initialized():
         dist.destroy_process_group()
 

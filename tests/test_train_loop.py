@@ -44,6 +44,7 @@ def test_thirty_steps_lower_the_loss(tmp_path):
     assert "energy_j" not in last and last["tokens_by_source"] == {"stdlib": 256}
     assert last["val_loss_by_source"] == {"stdlib": pytest.approx(last["val_loss"], rel=1e-6)}  # one source: the mean itself
     assert "val_loss_by_source" not in records[10] and "; by source" not in run.stdout
+    assert f"(bits per byte {last['val_loss'] / math.log(2):.3f})" in run.stdout.splitlines()[-1]  # the byte corpus
     assert sum(last["tokens_per_expert"][0]) == 2 * 128 * 2 and last["dropped_fraction"] == [0.0, 0.0]  # layer_1, mtp_1
     assert (tmp_path / "step_000030").is_dir()  # a run always ends with a complete checkpoint
     # the start: one summary before the step lines; every step line shows the load and an ETA
@@ -252,6 +253,7 @@ def test_a_blend_of_prepared_token_files_trains_from_make_train(tmp_path):
     assert list(by_source) == ["code", "docs"] and by_source["code"] != by_source["docs"]
     assert min(by_source.values()) < records[-1]["val_loss"] < max(by_source.values())
     assert f"by source: code {by_source['code']:.4f}, docs {by_source['docs']:.4f}" in run.stdout
+    assert f"(bits per token {records[-1]['val_loss'] / math.log(2):.3f})" in run.stdout  # BPE tokens, not bytes
     config = json.loads((tmp_path / "run" / "config.json").read_text())
     assert [s["name"] for s in config["data_sources"]] == ["code", "docs"]
     assert all((tmp_path / "run" / f).is_file() for f in ("loss.png", "health.png"))
