@@ -389,26 +389,22 @@ def document_mask(cu_seqlens: torch.Tensor, n_tokens: int, *, flex: bool, token_
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size: expected a positive int, got {block_size!r}")
     doc_T = sequence_ids(cu_seqlens, n_tokens)
-    if token_index is None:
-        if not flex:
-            causal_TT = torch.ones(n_tokens, n_tokens, dtype=torch.bool, device=cu_seqlens.device).tril()
-            return causal_TT & (doc_T[:, None] == doc_T[None, :])
+    if token_index is None:  # queries and keys are the tokens themselves, in order
+        q_pos = kv_pos = torch.arange(n_tokens, device=doc_T.device)
+        q_doc = kv_doc = doc_T
+
+        def same_doc_causal(b, h, q_idx, kv_idx):  # the indices are the positions: no gather in the kernel
+            return (doc_T[q_idx] == doc_T[kv_idx]) & (kv_idx <= q_idx)
+    else:
+        # index_select rather than indexing: nothing is read on the host
+        q_pos, kv_pos = token_index.long(), kv_index.long()
+        q_doc, kv_doc = doc_T.index_select(0, q_pos), doc_T.index_select(0, kv_pos)
 
         def same_doc_causal(b, h, q_idx, kv_idx):
-            return (doc_T[q_idx] == doc_T[kv_idx]) & (kv_idx <= q_idx)
-
-        pos_T = torch.arange(n_tokens, device=doc_T.device)
-        return _document_block_mask(doc_T, pos_T, doc_T, pos_T, same_doc_causal, block_size)
-    # index_select rather than indexing: nothing is read on the host
-    q_pos, kv_pos = token_index.long(), kv_index.long()
-    q_doc, kv_doc = doc_T.index_select(0, q_pos), doc_T.index_select(0, kv_pos)
+            return (q_doc[q_idx] == kv_doc[kv_idx]) & (kv_pos[kv_idx] <= q_pos[q_idx])
     if not flex:
         return (q_doc[:, None] == kv_doc[None, :]) & (kv_pos[None, :] <= q_pos[:, None])
-
-    def same_doc_causal_cp(b, h, q_idx, kv_idx):
-        return (q_doc[q_idx] == kv_doc[kv_idx]) & (kv_pos[kv_idx] <= q_pos[q_idx])
-
-    return _document_block_mask(q_doc, q_pos, kv_doc, kv_pos, same_doc_causal_cp, block_size)
+    return _document_block_mask(q_doc, q_pos, kv_doc, kv_pos, same_doc_causal, block_size)
 
 
 def _block_ranges(doc, pos, block_size: int):
