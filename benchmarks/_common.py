@@ -85,6 +85,19 @@ def matmul_rate(device: torch.device, dtype: torch.dtype, n: int) -> float:
     return 2 * n**3 / (bench(lambda: a @ b, device) * 1e-3)
 
 
+def cuda_peak_bytes(fn, device: torch.device):
+    """Bytes the CUDA allocator held at its peak while fn() ran, above what it held before
+    (one extra, untimed call); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - held
+
+
 def floor_fraction(nbytes: int, bandwidth: float, ms: float) -> float:
     """Time to move nbytes at the copy bandwidth over the measured time (1.0: at the floor)."""
     return nbytes / bandwidth * 1e3 / ms

@@ -27,7 +27,7 @@ import dataclasses
 import os
 import tempfile
 
-from _common import bench, finish, start  # before torch and fmoe: with --smoke it sets TRITON_INTERPRET
+from _common import bench, cuda_peak_bytes, finish, start  # before torch and fmoe: with --smoke it sets TRITON_INTERPRET
 from bench_train_step import GPU, SMOKE, make_batch
 
 import torch  # noqa: E402
@@ -61,14 +61,8 @@ def measure(model, batch, ctx, device, T, mode, tp, z_share=ops.z_loss) -> dict:
     def fwd_bwd():
         forward_loss(model, batch, ctx, z_share).backward()
 
-    peak = None
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        held = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        fwd_bwd()
-        torch.cuda.synchronize()
-        peak = (torch.cuda.max_memory_allocated() - held) / 2**30
+    peak = cuda_peak_bytes(fwd_bwd, device)
+    peak = None if peak is None else peak / 2**30
     ms = bench(fwd_bwd, device, cpu_warmup=0, cpu_repeats=3)
     return {"impl": mode if tp == 1 else f"tp{tp} {mode}", "tp": tp, "saved_MiB": saved.nbytes / 2**20,
             "bytes/token": saved.nbytes / T, "ms": ms, "peak_GiB": peak, "tensors": saved.count, "tokens": T}

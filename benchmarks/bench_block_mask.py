@@ -26,7 +26,7 @@ copy bandwidth measured in the same run, over the measured time. CSV: OUT/bench_
 
 import sys
 
-from _common import bench, finish, floor_fraction, start  # before torch and fmoe: with --smoke it sets TRITON_INTERPRET
+from _common import bench, cuda_peak_bytes, finish, floor_fraction, start  # before torch and fmoe: with --smoke it sets TRITON_INTERPRET
 
 import torch  # noqa: E402
 from torch.nn.attention.flex_attention import create_block_mask  # noqa: E402
@@ -43,27 +43,19 @@ def layouts(T: int) -> dict:
     return {"one document": [0, T], "packed": [0, 3 * T // 8, T // 2, 3 * T // 4, T]}
 
 
-def block_sets(bm) -> tuple[torch.Tensor, torch.Tensor]:
-    """(visited-but-masked, full) [n_q_blocks, n_kv_blocks] bool of a BlockMask (B = H = 1)."""
-    out = []
-    for num, idx in ((bm.kv_num_blocks, bm.kv_indices), (bm.full_kv_num_blocks, bm.full_kv_indices)):
-        num, idx = num[0, 0], idx[0, 0]
-        keep = torch.arange(idx.shape[-1], device=idx.device)[None, :] < num[:, None]
-        out.append(torch.zeros(idx.shape, dtype=torch.bool, device=idx.device).scatter_(1, idx.long(), keep))
-    return out[0], out[1]
+def tables(bm) -> tuple[torch.Tensor, ...]:
+    """A BlockMask's block tables: visited-but-masked and full, counts and indices."""
+    return bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices
 
 
 def peak_mib(fn, device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        held = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        fn()
-        torch.cuda.synchronize()
-        return (torch.cuda.max_memory_allocated() - held) / 2**20
-    with AllocatedBytes() as mem:
-        fn()
-    return mem.peak / 2**20
+    """CUDA: the allocator's peak; CPU: every storage created (AllocatedBytes)."""
+    peak = cuda_peak_bytes(fn, device)
+    if peak is None:
+        with AllocatedBytes() as mem:
+            fn()
+        peak = mem.peak
+    return peak / 2**20
 
 
 def run_layout(name: str, cu_list: list, device, bandwidth: float, smoke: bool) -> list[dict]:
@@ -83,14 +75,14 @@ def run_layout(name: str, cu_list: list, device, bandwidth: float, smoke: bool) 
     want = None
     rows = []
     for impl, fn in impls.items():
-        got = block_sets(fn())  # the first call compiles
+        got = tables(fn())  # the first call compiles
         if want is None:
             want = got
         elif not all(torch.equal(a, b) for a, b in zip(got, want)):
-            sys.exit(f"{name}, T={T}: {impl}'s blocks differ from fmoe's")
+            sys.exit(f"{name}, T={T}: {impl}'s block tables differ from fmoe's")
         ms = bench(fn, device)
         rows.append({"layout": name, "T": T, "impl": impl, "ms": ms, "peak_MiB": peak_mib(fn, device),
-                     "blocks": int(got[0].sum() + got[1].sum()), "block": BLOCK})
+                     "blocks": int(got[0].sum() + got[2].sum()), "block": BLOCK})
     n_blocks = -(-T // BLOCK)
     table_bytes = 4 * n_blocks * n_blocks * 4 + 4 * 4 * n_blocks  # kv and q side, visited and full: indices + counts
     rows[0]["floor_fraction"] = floor_fraction(table_bytes + 8 * T, bandwidth, rows[0]["ms"])

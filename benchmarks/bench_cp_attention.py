@@ -34,7 +34,7 @@ against its rows of the cp=1 output. CSV: OUT/bench_cp_attention.csv.
 
 import sys
 
-from _common import bench, finish, matmul_rate, start  # before torch and fmoe: with --smoke it sets TRITON_INTERPRET
+from _common import bench, cuda_peak_bytes, finish, matmul_rate, start  # before torch and fmoe: with --smoke it sets TRITON_INTERPRET
 
 import torch  # noqa: E402
 from fmoe.layers import AttentionConfig, attention, attention_context, rope_tables  # noqa: E402
@@ -84,17 +84,6 @@ def flops_fwd(cfg, H: int, positions_local: torch.Tensor) -> float:
     return 2 * T_local * H * (N + 2 * G) * D + 2 * T_local * N * D * H + 4 * N * D * pairs
 
 
-def peak_gib(fn, device):
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize()
-    held = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - held) / 2**30
-
-
 def run_layout(name, cu_list, cfg, H, device, dtype, rate) -> list[dict]:
     T = cu_list[-1]
     torch.manual_seed(0)
@@ -134,7 +123,8 @@ def run_layout(name, cu_list, cfg, H, device, dtype, rate) -> list[dict]:
             fwd_bwd()  # compiles FlexAttention for this shape on CUDA
             ms = bench(fwd_bwd, device)
             times.append(ms)
-            peaks.append(peak_gib(fwd_bwd, device))
+            peak = cuda_peak_bytes(fwd_bwd, device)
+            peaks.append(None if peak is None else peak / 2**30)
             fracs.append(3 * flops_fwd(cfg, H, positions[index]) / (ms * 1e-3) / rate)
         slowest = max(range(len(times)), key=times.__getitem__)
         rows.append({

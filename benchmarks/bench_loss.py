@@ -34,6 +34,7 @@ import sys
 
 from _common import (  # before torch and fmoe: with --smoke it sets TRITON_INTERPRET
     bench,
+    cuda_peak_bytes,
     finish,
     floor_fraction,
     start,
@@ -48,14 +49,8 @@ COLUMNS = ["case", "impl", "ms", "speedup", "peak_MiB", "ratio", "floor_fraction
 
 def peak_mib(step, device) -> float | None:
     """Peak CUDA memory of step() above what was allocated before it, in MiB (None on CPU)."""
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    step()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
+    peak = cuda_peak_bytes(step, device)
+    return None if peak is None else peak / 2**20
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
