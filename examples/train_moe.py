@@ -448,7 +448,7 @@ def main(argv: list[str]) -> None:
         for part in parts:
             part.eval()
         if pipe is not None:  # forward through the stages; the last one's ranks hold the sums
-            sums = pipe.evaluate([parallel.MicroBatch(split(b).to(device)) for b in val_batches], per_micro_batch=True)
+            sums = pipe.evaluate([parallel.MicroBatch(split(b).to(device)) for b in val_batches])
         else:
             sums = []
             for host_batch in val_batches:
@@ -459,8 +459,10 @@ def main(argv: list[str]) -> None:
         zero = torch.zeros((), device=device)
         by_source = {name: zero if sums is None else sum(s for s, src in zip(sums, val_sources) if src == name) for name in val_names}
         # the ranks holding parts of the sums: the pipeline's last stage (the others add 0) and each cp rank's own tokens
-        for axis in (("pp",) if pipe is not None else ()) + (("cp",) if meshes is not None and meshes.cp > 1 else ()):
-            by_source = parallel.all_reduce_sums(by_source, meshes.pp_mesh if axis == "pp" else meshes.group("cp"))
+        if pipe is not None:
+            by_source = parallel.all_reduce_sums(by_source, meshes.pp_mesh)
+        if meshes is not None and meshes.cp > 1:
+            by_source = parallel.all_reduce_sums(by_source, meshes.group("cp"))
         for part in parts:
             part.train()
         total = sum(by_source.values()) / max(sum(val_counts.values()), 1)

@@ -397,11 +397,11 @@ class Pipeline:
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
-    def evaluate(self, micro_batches: Sequence[MicroBatch], *, per_micro_batch: bool = False) -> Optional[torch.Tensor]:
-        """The LM loss sum over micro_batches on the rank holding the last stage (None on
-        the others): forward only, through stages of their own (the training stages'
-        buffers stay as they are) over the same modules. per_micro_batch: the [n] sums of
-        each micro-batch instead (e.g. a validation loss per data source)."""
+    def evaluate(self, micro_batches: Sequence[MicroBatch]) -> Optional[torch.Tensor]:
+        """The [n] LM loss sums of the n micro_batches (one each: a validation loss per data
+        source needs them apart) on the rank holding the last stage, None on the others:
+        forward only, through stages of their own (the training stages' buffers stay as
+        they are) over the same modules."""
         from torch.distributed.pipelining import PipelineStage
 
         n = len(micro_batches)
@@ -425,9 +425,7 @@ class Pipeline:
         finally:
             for module in self.modules:
                 module.micro_batches, module.evaluating = [], False
-        if not last:
-            return None
-        return torch.stack(losses) if per_micro_batch else torch.stack(losses).sum()
+        return torch.stack(losses) if last else None
 
 
 def _loss_is_output(output, target):
