@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.parallel.dist import run_distributed
+from tests.parallel.dist import by_world
 
 TINY = dict(vocab_size=64, hidden=32, n_layers=2, n_dense=1, ffn_dense=64, n_experts=4, k=2, ffn_expert=32,
             n_shared=1, n_heads=4, n_kv_heads=2, head_dim=8, mtp_depth=1)
@@ -176,8 +176,7 @@ CASES = {
 
 
 def _cases(rank, world, names):
-    """Every case of one world size in one spawned process group (spawning and importing
-    costs 6 s for 2 ranks, 13 s for 4 on 2 cores: more than most cases themselves)."""
+    """Every case of one world size (by_world), and on 2 ranks the user-Blocks case and the refusals."""
     out = {name: _compare(rank, world, *CASES[name][1:]) for name in names}
     if world == 2:
         out["user_blocks"], out["bad_tp"] = _user_blocks(rank, world), _bad_tp(rank, world)
@@ -187,15 +186,7 @@ def _cases(rank, world, names):
 @pytest.fixture(scope="module")
 def results():
     """results(world): [rank 0's {case: errors}, ...], one process group per world size."""
-    cache = {}
-
-    def run(world):
-        if world not in cache:
-            names = [n for n, c in CASES.items() if c[0] == world]
-            cache[world] = run_distributed(_cases, world, names, timeout=900)
-        return cache[world]
-
-    return run
+    return by_world(_cases, CASES, timeout=900)
 
 
 @pytest.mark.parametrize("case", list(CASES))

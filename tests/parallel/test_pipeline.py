@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.parallel.dist import run_distributed
+from tests.parallel.dist import by_world
 
 TINY = dict(vocab_size=64, hidden=32, n_layers=4, n_dense=1, ffn_dense=64, n_experts=4, k=2, ffn_expert=32,
             n_shared=1, n_heads=4, n_kv_heads=2, head_dim=8, mtp_depth=1)
@@ -147,15 +147,7 @@ def _cases(rank, world, names):
 
 @pytest.fixture(scope="module")
 def results():
-    cache = {}
-
-    def run(world):
-        if world not in cache:
-            names = [n for n, c in CASES.items() if c[0] == world]
-            cache[world] = run_distributed(_cases, world, names, timeout=600)
-        return cache[world]
-
-    return run
+    return by_world(_cases, CASES, timeout=600)
 
 
 @pytest.mark.parametrize("case", list(CASES))
