@@ -11,9 +11,9 @@ the embedded corpus or a text directory speaks bytes (fmoe.train.data.encode_tex
 decode_text). An HF folder is loaded with fmoe.hf.from_pretrained. Decoding: greedy with
 --temperature=0, else softmax(logits / temperature) restricted to the smallest set of
 tokens whose probability reaches --top_p (nucleus sampling), from a generator seeded by
---seed. Each new token runs the whole sequence again (Transformer.logits; no KV cache: for
-looking at what a small model learned, not for serving). Generation stops after --tokens
-new tokens or at the end-of-document token.
+--seed. The prompt runs once, then each new token alone against the keys and values of
+the tokens before it (Transformer.decode with a KVCache of prompt + --tokens tokens).
+Generation stops after --tokens new tokens or at the end-of-document token.
 """
 
 from __future__ import annotations
@@ -49,9 +49,11 @@ def load_run(path: Path) -> tuple[Transformer, dict]:
 def generate(model: Transformer, prompt: list[int], *, tokens: int, temperature: float = 0.0, top_p: float = 1.0,
              seed: int = 0, eos: Optional[int] = None) -> list[int]:
     """prompt + up to `tokens` new token ids (module docstring). ValueError for an empty
-    prompt, a negative temperature or top_p outside (0, 1]."""
+    prompt, a negative number of tokens or temperature, or top_p outside (0, 1]."""
     if not prompt:
         raise ValueError("prompt: expected at least one token")
+    if tokens < 0:
+        raise ValueError(f"tokens: expected >= 0 new tokens, got {tokens}")
     if temperature < 0:
         raise ValueError(f"temperature: expected >= 0 (0: greedy), got {temperature}")
     if not 0 < top_p <= 1:
@@ -59,9 +61,12 @@ def generate(model: Transformer, prompt: list[int], *, tokens: int, temperature:
     model.eval()
     gen = torch.Generator().manual_seed(seed)
     ids = list(prompt)
-    for _ in range(tokens):
-        x = torch.tensor(ids)
-        logits = model.logits(x, torch.tensor([0, len(ids)], dtype=torch.int32))[-1]
+    device = model.embed.device
+    cache = model.kv_cache(len(prompt) + tokens)
+    logits = model.decode(torch.tensor(prompt, device=device), cache)[-1].cpu()
+    for step in range(tokens):
+        if step:
+            logits = model.decode(torch.tensor([ids[-1]], device=device), cache)[-1].cpu()
         if temperature == 0:
             nxt = int(logits.argmax())
         else:

@@ -354,9 +354,11 @@ class AttentionContext:
     mask: which keys each query sees (the earlier tokens of its own document): a [T, T]
         bool tensor for the SDPA reference, or a FlexAttention BlockMask; under context
         parallel [T/cp, T] (this rank's queries, every rank's keys).
-    gather_kv: context parallel only (None: none): gather_kv(k, v) -> (k, v), applied to
-        this rank's keys [T/cp, G, D] (after RoPE) and values, returning every rank's
-        [T, G, D] (fmoe.parallel.gather_kv over the cp mesh).
+    gather_kv: keys and values from elsewhere (None: none): gather_kv(k, v) -> (k, v),
+        applied to these tokens' keys [T', G, D] (after RoPE) and values, returning all the
+        keys [T, G, D] the mask's columns index: under context parallel every rank's
+        (fmoe.parallel.gather_kv over the cp mesh), in decoding the cached tokens' followed
+        by these (fmoe.model.KVCache.extend, one per layer).
     """
 
     cos: torch.Tensor
@@ -487,7 +489,9 @@ def attention_context(
             (split_batch's "token_index"); kv_index [T] int: the global index of each row
             gather_kv returns (fmoe.parallel.cp_kv_index); gather_kv(k, v) -> (k, v): this
             rank's keys and values to every rank's (functools.partial(fmoe.parallel.gather_kv,
-            cp_mesh=...)). Their values are not read either.
+            cp_mesh=...)). Their values are not read either. Decoding with a KV cache uses
+            the same form: token_index the new tokens' positions, kv_index 0 ... of every
+            token so far, gather_kv the cache (fmoe.model.Transformer.decode).
     Returns:
         AttentionContext(cos, sin [T, rot_dim/2] float32, mask, gather_kv): the mask is a
         FlexAttention BlockMask when cfg.impl is "flex", or "auto" on CUDA; the dense
@@ -599,7 +603,8 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
             (per head: key nope part, then value); wo [N v_dim, H].
         cfg: AttentionConfig.
         ctx: the micro-batch's AttentionContext (attention_context): RoPE tables and mask,
-            and under context parallel its gather_kv (x then holds this rank's T/cp tokens).
+            and under context parallel its gather_kv (x then holds this rank's T/cp tokens;
+            in decoding, the new tokens, the cache's gather_kv supplying the earlier keys).
     Returns:
         (y [T, H] in x's dtype, stats): stats is an empty TensorDict (attention has no
         losses), kept for the layers' common (output, stats) form.
@@ -609,7 +614,7 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
         q_TND, k_TGD, v_TGD = _mla_qkv(x, params, cfg, ctx)
     else:
         q_TND, k_TGD, v_TGD = _gqa_qkv(x, params, cfg, ctx)
-    if ctx.gather_kv is not None:  # context parallel: every rank's keys and values, [T, G, D]
+    if ctx.gather_kv is not None:  # every rank's keys and values (cp), or the cache's and these (decoding)
         k_TGD, v_TGD = ctx.gather_kv(k_TGD, v_TGD)
         n_keys = ctx.mask.shape[-1]
         if k_TGD.shape[0] != n_keys or v_TGD.shape[0] != n_keys:

@@ -26,6 +26,8 @@ with FSDP2, TP and EP); gradients, losses and stats equal those of "none".
 Pipeline parallelism (fmoe.parallel.pipeline) prunes a Transformer to one stage's blocks
 (LayerElsewhere placeholders keep the indices, so names stay the whole model's) and sets its
 `pipeline_chunk` (PipelineChunk); forward then takes the previous stage's `hidden`.
+Inference: `logits(input_ids, cu_seqlens)` of packed documents, and `decode(input_ids,
+cache)` of the new tokens of one sequence through a KVCache (`kv_cache(max_tokens)`).
 
 Legend: T tokens, H hidden, V vocab, F expert FFN size, Fs shared FFN size, E experts.
 """
@@ -33,6 +35,7 @@ Legend: T tokens, H hidden, V vocab, F expert FFN size, Fs shared FFN size, E ex
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from typing import Optional
 
@@ -511,6 +514,47 @@ class LayerElsewhere(nn.Module):
         return f"block {self.index}: another stage"
 
 
+class KVCache:
+    """The keys and values of one sequence's tokens so far, per trunk layer: what
+    Transformer.decode attends over and appends to, so that a new token costs one token's
+    forward pass rather than the whole sequence's.
+
+    k [n_layers, max_tokens, G, D], v [n_layers, max_tokens, G, Dv] (G = n_kv_heads,
+    D = head_dim, Dv = head_dim; multi-latent attention keeps each head's expanded keys and
+    values, G = n_heads and Dv = v_head_dim, not its latent), keys after RoPE; the first
+    `length` rows are filled. Make one with Transformer.kv_cache (the model's device and
+    dtype), or here for a TransformerConfig; `length = 0` starts a new sequence in it.
+    """
+
+    def __init__(self, cfg: TransformerConfig, max_tokens: int, *, device=None, dtype: torch.dtype = torch.float32):
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"max_tokens: expected a positive int, got {max_tokens!r}")
+        mla = cfg.kv_rank is not None
+        G, Dv = (cfg.n_heads, cfg.v_head_dim) if mla else (cfg.n_kv_heads, cfg.head_dim)
+        self.k = torch.zeros(cfg.n_layers, max_tokens, G, cfg.head_dim, device=device, dtype=dtype)
+        self.v = torch.zeros(cfg.n_layers, max_tokens, G, Dv, device=device, dtype=dtype)
+        self.length = 0
+
+    @property
+    def max_tokens(self) -> int:
+        return self.k.shape[1]
+
+    def extend(self, layer: int, k_TGD: torch.Tensor, v_TGD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writes layer's keys k [T, G, D] and values v [T, G, Dv] of the T new tokens after
+        the `length` cached ones and returns all length + T of them (views, no copy); the
+        caller (Transformer.decode) advances `length` once every layer has been extended.
+        The AttentionContext's gather_kv of layer `layer` (fmoe.layers.attention)."""
+        T = k_TGD.shape[0]
+        end = self.length + T
+        for name, new, cached in (("k", k_TGD, self.k), ("v", v_TGD, self.v)):
+            if new.shape[1:] != cached.shape[2:] or new.dtype != cached.dtype or new.device != cached.device:
+                raise ValueError(f"cache.{name}: holds {cached.dtype} [.., {', '.join(map(str, cached.shape[2:]))}] on {cached.device}, "
+                                 f"layer {layer} gave {new.dtype} {list(new.shape)} on {new.device} (make the cache with model.kv_cache)")
+        self.k[layer, self.length:end] = k_TGD
+        self.v[layer, self.length:end] = v_TGD
+        return self.k[layer, :end], self.v[layer, :end]
+
+
 BATCH_KEYS = ("input_ids", "labels", "loss_mask", "positions", "cu_seqlens")
 MTP_KEYS = ("mtp_input_ids", "mtp_labels", "mtp_loss_mask", "mtp_positions")
 
@@ -631,6 +675,42 @@ class Transformer(nn.Module):
         h_TH = F.embedding(input_ids, self.embed)
         for block in self.blocks:
             h_TH, _ = block(h_TH, ctx)
+        return (self.norm(h_TH) @ self.output_weight().t()).float()
+
+    def kv_cache(self, max_tokens: int) -> KVCache:
+        """An empty KVCache of up to max_tokens tokens on the model's device, in its dtype."""
+        return KVCache(self.cfg, max_tokens, device=self.embed.device, dtype=self.embed.dtype)
+
+    def decode(self, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """The next-token logits [T, V] (float32) of T new tokens input_ids [T] int64 that
+        continue the sequence in `cache` (positions cache.length, ..., + T - 1), whose keys
+        and values it appends to the cache: a prompt in one call, then a token per call.
+
+        Equals the rows of logits(...) of the whole sequence, as long as no capacity_factor
+        drops tokens (a capacity counts the tokens of one call). A model of one process, as
+        logits; reads the cache's length on the host, never a device value."""
+        if self.pipeline_chunk is not None or self.context_parallel is not None:
+            raise ValueError("model: decode needs the whole model on one process (not a pipeline chunk, not context parallel)")
+        if not isinstance(cache, KVCache):
+            raise ValueError(f"cache: expected a KVCache (model.kv_cache(max_tokens)), got {type(cache).__name__}")
+        if cache.k.shape[0] != self.cfg.n_layers:
+            raise ValueError(f"cache: holds {cache.k.shape[0]} layers, the model has {self.cfg.n_layers}")
+        if input_ids.ndim != 1 or input_ids.shape[0] < 1 or input_ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"input_ids: expected [T] int64 with T >= 1, got {input_ids.dtype} {list(input_ids.shape)}")
+        start, end = cache.length, cache.length + input_ids.shape[0]
+        if end > cache.max_tokens:
+            raise ValueError(f"input_ids: {input_ids.shape[0]} more tokens after {start} exceed the cache's max_tokens = {cache.max_tokens}")
+        device = input_ids.device
+        positions, keys = torch.arange(start, end, device=device), torch.arange(end, device=device)
+        # the new tokens are queries at global indices start..end-1 of one document whose
+        # keys are all end tokens: attention_context's context-parallel form, the cache
+        # standing in for the gather of every rank's keys
+        ctx = attention_context(torch.tensor([0, end], dtype=torch.int32, device=device), positions, self.cfg.attention_config(),
+                                token_index=positions, kv_index=keys, gather_kv=functools.partial(cache.extend, 0))
+        h_TH = F.embedding(input_ids, self.embed)
+        for i, block in enumerate(self.blocks):
+            h_TH, _ = block(h_TH, dataclasses.replace(ctx, gather_kv=functools.partial(cache.extend, i)))
+        cache.length = end
         return (self.norm(h_TH) @ self.output_weight().t()).float()
 
     def forward(self, batch, ctx: Optional[BatchContext] = None, hidden: Optional[torch.Tensor] = None):

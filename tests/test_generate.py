@@ -56,7 +56,12 @@ def test_a_run_directory_generates_and_samples_reproducibly(run_dir):
     out, model = run_dir
     loaded, _ = generate.load_run(out)
     prompt = list(b"def ")
-    assert generate.generate(loaded, prompt, tokens=6) == generate.generate(model, prompt, tokens=6)
+    greedy = generate.generate(loaded, prompt, tokens=6)
+    assert greedy == generate.generate(model, prompt, tokens=6)
+    # through the KV cache, each new token is the argmax of the whole sequence's logits before it
+    with torch.no_grad():
+        whole = model.logits(torch.tensor(greedy[:-1]), torch.tensor([0, len(greedy) - 1], dtype=torch.int32))
+    assert whole[len(prompt) - 1:].argmax(-1).tolist() == greedy[len(prompt):]
     a = generate.generate(loaded, prompt, tokens=6, temperature=1.0, top_p=0.9, seed=3)
     assert a == generate.generate(loaded, prompt, tokens=6, temperature=1.0, top_p=0.9, seed=3)
     assert len(a) == len(prompt) + 6 or a[-1] == 256  # stops early only at the end of a document
@@ -71,9 +76,10 @@ def test_a_run_directory_generates_and_samples_reproducibly(run_dir):
 @pytest.mark.parametrize("kwargs, message", [
     (dict(temperature=-1.0), "temperature: expected >= 0"),
     (dict(top_p=0.0), r"top_p: expected a number in \(0, 1\]"),
+    (dict(tokens=-1), "tokens: expected >= 0 new tokens, got -1"),
 ])
 def test_bad_sampling_knobs(run_dir, kwargs, message):
     with pytest.raises(ValueError, match=message):
-        generate.generate(run_dir[1], [1, 2], tokens=2, **kwargs)
+        generate.generate(run_dir[1], [1, 2], **{"tokens": 2, **kwargs})
     with pytest.raises(ValueError, match="prompt: expected at least one token"):
         generate.generate(run_dir[1], [], tokens=2)

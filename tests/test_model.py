@@ -363,3 +363,100 @@ def test_released_model_knobs_build_what_they_say():
     assert float(losses["lm_sum"].detach()) == pytest.approx(float(want.detach()), rel=1e-5)
     with pytest.raises(ValueError, match="cu_seqlens: expected 0, ..., T = 24"):
         model.logits(batch["input_ids"], torch.tensor([0, 23]))
+
+
+DECODED = {
+    "default": TINY,
+    "yarn, softmax, tied head": dataclasses.replace(TINY, yarn_factor=4.0, yarn_original_max_positions=8, score="softmax", expert_bias=False,
+                                                    tie_embeddings=True),
+    "qkv bias, qk norm": dataclasses.replace(TINY, qkv_bias=True, qk_norm="head", rope_dim=4),
+    "mla": VARIANTS["mla, group top-2, mtp norm"],
+}
+
+
+def _sharp(cfg):
+    """A model with weights large enough that attention tells positions and keys apart."""
+    torch.manual_seed(0)
+    model = Transformer(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not name.endswith("norm.weight"):
+                p.normal_(0.0, 0.3)
+    return model
+
+
+@pytest.mark.parametrize("name", list(DECODED))
+def test_decode_with_a_kv_cache_equals_the_whole_sequence(name):
+    """A prompt, then tokens one and a few at a time, through the cache: the logits of each
+    call are the rows of the whole sequence's logits, and the cache holds every token."""
+    model = _sharp(DECODED[name])
+    ids = torch.randint(0, model.cfg.vocab_size, (13,))
+    with torch.no_grad():
+        want = model.logits(ids, torch.tensor([0, 13], dtype=torch.int32))
+        cache = model.kv_cache(16)
+        got = []
+        for a, b in [(0, 5), (5, 6), (6, 7), (7, 11), (11, 12), (12, 13)]:
+            got.append(model.decode(ids[a:b], cache))
+            assert cache.length == b
+    torch.testing.assert_close(torch.cat(got), want, rtol=1e-5, atol=1e-5)
+    assert float((want[1:] - want[:-1]).abs().max()) > 0.1  # the rows differ: positions and keys matter here
+    assert cache.k[:, 13:].abs().sum() == 0 and cache.k[:, :13].abs().amin(dim=(2, 3)).gt(0).all()
+    # a new sequence in the same cache
+    cache.length = 0
+    with torch.no_grad():
+        torch.testing.assert_close(model.decode(ids[:4], cache), want[:4], rtol=1e-5, atol=1e-5)
+
+
+def test_decode_reads_nothing_on_the_host():
+    model = _sharp(dataclasses.replace(TINY, impl="auto"))  # the torch reference's grouped MLP reads its offsets
+    cache = model.kv_cache(8)
+    ids = torch.randint(0, TINY.vocab_size, (5,))
+    with torch.no_grad(), HostReads() as reads:
+        model.decode(ids[:4], cache)
+        model.decode(ids[4:], cache)
+    assert reads.count == 0, reads.sites
+
+
+def test_decode_bad_inputs():
+    from fmoe.model import KVCache, PipelineChunk
+
+    model = _sharp(TINY)
+    cache = model.kv_cache(4)
+    ids = torch.tensor([1, 2, 3])
+    with pytest.raises(ValueError, match="max_tokens: expected a positive int"):
+        model.kv_cache(0)
+    with pytest.raises(ValueError, match=r"input_ids: expected \[T\] int64"):
+        model.decode(ids[None], cache)
+    with pytest.raises(ValueError, match=r"input_ids: expected \[T\] int64"):
+        model.decode(ids[:0], cache)
+    with pytest.raises(ValueError, match=r"input_ids: expected \[T\] int64"):
+        model.decode(ids.float(), cache)
+    with pytest.raises(ValueError, match="cache: expected a KVCache"):
+        model.decode(ids, (cache.k, cache.v))
+    with pytest.raises(ValueError, match="cache: holds 2 layers, the model has 3"):
+        model.decode(ids, KVCache(dataclasses.replace(TINY, n_layers=2), 4))
+    with pytest.raises(ValueError, match=r"cache.k: holds torch.bfloat16 \[.., 2, 8\]"):
+        model.decode(ids, KVCache(TINY, 4, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"cache.k: holds torch.float32 \[.., 4, 8\]"):
+        model.decode(ids, KVCache(dataclasses.replace(TINY, n_kv_heads=4), 4))
+    with torch.no_grad():
+        model.decode(ids, cache)
+    with pytest.raises(ValueError, match="input_ids: 2 more tokens after 3 exceed the cache's max_tokens = 4"):
+        model.decode(ids[:2], cache)
+    assert cache.length == 3
+    model.pipeline_chunk = PipelineChunk(0, 2, range(2))
+    with pytest.raises(ValueError, match="model: decode needs the whole model on one process"):
+        model.decode(ids, model.kv_cache(4))
+
+
+@pytest.mark.gpu
+def test_gpu_decode_with_flex_attention_equals_the_whole_sequence():
+    """On CUDA (FlexAttention, the block mask of the new tokens against the cached keys):
+    a prompt of 300 tokens, then one token at a time."""
+    model = _sharp(dataclasses.replace(TINY, impl="auto")).cuda()
+    ids = torch.randint(0, TINY.vocab_size, (305,), device="cuda")
+    with torch.no_grad():
+        want = model.logits(ids, torch.tensor([0, 305], dtype=torch.int32, device="cuda"))
+        cache = model.kv_cache(320)
+        got = [model.decode(ids[:300], cache)] + [model.decode(ids[t:t + 1], cache) for t in range(300, 305)]
+    torch.testing.assert_close(torch.cat(got), want, rtol=1e-4, atol=1e-4)
