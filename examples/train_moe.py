@@ -401,13 +401,17 @@ def main(argv: list[str]) -> None:
             group, n_tokens, t = meshes.token_mesh, T * meshes.cp, T // meshes.tp
             start = meshes.tp_mesh.get_local_rank() * t
             index = (batch["token_index"] if meshes.cp > 1 else torch.arange(T, device=device))[start:start + t]
-            aux_counts = {}  # the switch loss's counts over the whole micro-batch: one collective for all layers
+            # the counts over the whole micro-batch: one collective for all layers per loss
+            aux_counts = seq_losses = {}
             if cfg.aux_coeff:
                 aux_counts = parallel.all_reduce_counts({n: s["aux_counts"] for n, s in stats.items()}, group,
                                                         names=moe_names, n_experts=model_cfg.n_experts)
+            if cfg.seq_aux_coeff:
+                seq_losses = parallel.seq_load_balancing_losses_split(
+                    {n: s["aux_scores"] for n, s in stats.items()}, {n: s["aux_experts"] for n, s in stats.items()}, cu_seqlens,
+                    k=k, group=group, names=moe_names, n_experts=model_cfg.n_experts, token_index=index, check=False)
             terms = {
-                "seq_aux_loss": (cfg.seq_aux_coeff, lambda n, s: parallel.seq_load_balancing_loss_split(
-                    s["aux_scores"], s["aux_experts"], cu_seqlens, k=k, group=group, token_index=index, check=False)),
+                "seq_aux_loss": (cfg.seq_aux_coeff, lambda n, s: seq_losses[n]),
                 "aux_loss": (cfg.aux_coeff, lambda n, s: ops.load_balancing_loss(s["aux_scores"], aux_counts[n], k=k, n_tokens=n_tokens)),
                 "z_loss": (cfg.z_coeff, lambda n, s: parallel.z_loss_split(s["router_logits"], n_tokens=n_tokens)),
             }

@@ -15,6 +15,7 @@ collectives, DCP) arranged for MoE models. DESIGN.md "Parallelism".
     replica_mismatches, bits_hash      do the ranks that should hold identical parameters and
                                        buffers (replicas, tp copies, expert biases) still do
     seq_load_balancing_loss_split, global_load_balancing_loss, z_loss_split   aux losses over split tokens
+    seq_load_balancing_losses_split    the sequence-level loss of every MoE layer, one collective
     DistributedMuon                    layer-wise Muon: each matrix orthogonalised on one rank
     cp_token_index, cp_kv_index, split_batch, gather_kv, ContextParallel   context parallel: the
                                        load-balanced split of a packed micro-batch, the K/V
@@ -62,6 +63,7 @@ from fmoe.parallel.reduce import (
     all_reduce_sums,
     global_load_balancing_loss,
     seq_load_balancing_loss_split,
+    seq_load_balancing_losses_split,
     z_loss_split,
 )
 from fmoe.parallel.tensor import (
@@ -105,6 +107,7 @@ __all__ = [
     "all_reduce_sums",
     "global_load_balancing_loss",
     "seq_load_balancing_loss_split",
+    "seq_load_balancing_losses_split",
     "z_loss_split",
     "apply_fsdp",
     "bits_hash",

@@ -5,6 +5,7 @@ global. What is reduced over which group (DESIGN.md "Parallelism", SPEC.md secti
 
     seq_load_balancing_loss_split   counts c[b,e] of the micro-batch's packed documents, summed
                                     over the ranks that split its tokens (TP x CP group)
+    seq_load_balancing_losses_split the same for every MoE layer, one [L, B, E] collective
     z_loss_split                    no collective: this rank's share of the z-loss's mean
     all_reduce_counts               tokens_per_expert of every MoE layer: over TP x DP x CP for
                                     the expert-bias update and the global-batch loss
@@ -114,12 +115,80 @@ def seq_load_balancing_loss_split(
     parallelism over 2 ranks in 4 chunks of a 16-token batch: token_index
     cat(arange(0, 4), arange(12, 16)) on rank 0, arange(4, 12) on rank 1.
     """
-    check_float("scores", scores, 2, "[T_local, E]")
-    T_local, E = scores.shape
-    check_index("experts", experts, 2, "[T_local, k]")
+    T_local = _check_seq_layer("scores", scores, "experts", experts, k)
+    return _seq_split([("", scores, experts)], [""], T_local, scores.shape[1], cu_seqlens, k=k, group=group, start=start,
+                      token_index=token_index, check=check)[""]
+
+
+def seq_load_balancing_losses_split(
+    scores: Mapping[str, torch.Tensor],
+    experts: Mapping[str, torch.Tensor],
+    cu_seqlens: torch.Tensor,
+    *,
+    k: int,
+    group: Group,
+    names: Sequence[str],
+    n_experts: int,
+    start: Optional[int] = None,
+    token_index: Optional[torch.Tensor] = None,
+    check: bool = True,
+) -> dict[str, torch.Tensor]:
+    """seq_load_balancing_loss_split of every MoE layer with ONE collective: the layers'
+    [B, E] counts travel as one [L, B, E] all_reduce in the order of `names` (DESIGN.md:
+    one collective for all layers), instead of one per layer.
+
+    Args:
+        scores: {name: [T_local, E]} and experts: {name: [T_local, k]} of the layers this
+            rank holds (the same names in both, each in `names`); every layer splits the
+            same tokens (one T_local). A layer of `names` this rank does not hold sends
+            zeros, so every rank of the group takes part in the same collective.
+        names: every MoE layer's name, in the same order on every rank of the group.
+        n_experts: E. cu_seqlens, k, group, start / token_index, check: as
+            seq_load_balancing_loss_split.
+    Returns: {name: 0-D float32} for the layers given, each equal to
+    seq_load_balancing_loss_split(scores[name], experts[name], ...) (the same math; the
+    gradients flow through the local scores only).
+
+    Example: names ["layer_1", "layer_2"]: one all_reduce of a [2, B, E] int64 tensor.
+    """
+    check_positive_int("n_experts", n_experts)
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
+        raise ValueError(f"names: expected a sequence of unique layer-name strings, got {names!r}")
+    for arg, layers in (("scores", scores), ("experts", experts)):
+        if not isinstance(layers, Mapping):
+            raise ValueError(f"{arg}: expected a mapping from layer name to tensor, got {type(layers).__name__}")
+        unknown = [name for name in layers if name not in set(names)]
+        if unknown:
+            raise ValueError(f"{arg}: layer names {unknown} are not in names {list(names)}")
+    if set(scores) != set(experts):
+        raise ValueError(f"experts: expected the layers of scores {sorted(scores)}, got {sorted(experts)}")
+    T_local = None
+    for name in scores:
+        T = _check_seq_layer(f"scores[{name!r}]", scores[name], f"experts[{name!r}]", experts[name], k)
+        if scores[name].shape[1] != n_experts:
+            raise ValueError(f"scores[{name!r}]: expected {n_experts} experts (n_experts), got shape {tuple(scores[name].shape)}")
+        if T_local is not None and T != T_local:
+            raise ValueError(f"scores[{name!r}]: expected the same {T_local} local tokens as the other layers, got {T}")
+        T_local = T
+    layers = [(name, scores[name], experts[name]) for name in names if name in scores]
+    return _seq_split(layers, list(names), T_local or 0, n_experts, cu_seqlens, k=k, group=group, start=start,
+                      token_index=token_index, check=check)
+
+
+def _check_seq_layer(scores_arg: str, scores, experts_arg: str, experts, k: int) -> int:
+    """One layer's scores [T_local, E] and experts [T_local, k]; returns T_local."""
+    check_float(scores_arg, scores, 2, "[T_local, E]")
+    check_index(experts_arg, experts, 2, "[T_local, k]")
     check_positive_int("k", k)
-    if experts.shape != (T_local, k):
-        raise ValueError(f"experts: expected shape ({T_local}, {k}) to match scores and k, got {tuple(experts.shape)}")
+    if experts.shape != (scores.shape[0], k):
+        raise ValueError(f"{experts_arg}: expected shape ({scores.shape[0]}, {k}) to match scores and k, got {tuple(experts.shape)}")
+    return scores.shape[0]
+
+
+def _seq_split(layers, names, T_local: int, E: int, cu_seqlens, *, k, group, start, token_index, check) -> dict[str, torch.Tensor]:
+    """The split sequence-level losses of `layers` [(name, scores, experts)], their counts
+    summed over `group` in one all_reduce of [len(names), B, E] (zeros for the names not in
+    layers); cu_seqlens, start / token_index checked here."""
     check_index("cu_seqlens", cu_seqlens, 1, "[B + 1]")
     if cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens: expected at least 2 entries [0, ..., T], got {cu_seqlens.numel()}")
@@ -142,21 +211,26 @@ def seq_load_balancing_loss_split(
         if token_index is not None and T_local and not (0 <= int(token_index.min()) and int(token_index.max()) < total):
             raise ValueError(f"token_index: expected indices in [0, {total}) (T from cu_seqlens), got {int(token_index.min())}..{int(token_index.max())}")
     pg = process_group(group)
-
-    cu = cu_seqlens.to(device=scores.device, dtype=torch.int64)
+    if not names:  # the same on every rank (names is global): no collective to wait for
+        return {}
+    device = collective_device(pg, [scores for _, scores, _ in layers])
+    cu = cu_seqlens.to(device=device, dtype=torch.int64)
     B = cu.numel() - 1
     if token_index is None:
-        token_index = torch.arange(start, start + T_local, device=scores.device)
+        token_index = torch.arange(start, start + T_local, device=device)
     # the document b of each local token, cu[b] <= t < cu[b+1], as fmoe.ops.packed.sequence_ids
     # does for a whole batch; b indexes the global documents, so the rows of the [B, E]
     # tensors line up on every rank
-    seq_T = torch.searchsorted(cu[1:], token_index.to(device=scores.device, dtype=torch.int64), right=True)
-    score_sum_BE, counts_BE = sequence_sums(scores, experts, seq_T, B)
+    seq_T = torch.searchsorted(cu[1:], token_index.to(device=device, dtype=torch.int64), right=True)
+    counts_LBE = torch.zeros(len(names), B, E, dtype=torch.int64, device=device)
+    score_sums = {}
+    for name, scores, experts in layers:
+        score_sums[name], counts_LBE[names.index(name)] = sequence_sums(scores, experts, seq_T, B)
     # f needs whole documents: sum the counts (integers, so exact and equal on every rank);
     # the scores stay local, so each rank's gradient is its own rows of the full one
-    dist.all_reduce(counts_BE, op=dist.ReduceOp.SUM, group=pg)
+    dist.all_reduce(counts_LBE, op=dist.ReduceOp.SUM, group=pg)
     lengths_B = (cu[1:] - cu[:-1]).float()  # whole documents: cu_seqlens is global
-    return sequence_loss_from_sums(score_sum_BE, counts_BE, lengths_B, k=k)
+    return {name: sequence_loss_from_sums(score_sums[name], counts_LBE[names.index(name)], lengths_B, k=k) for name, _, _ in layers}
 
 
 def z_loss_split(logits: torch.Tensor, *, n_tokens: Union[int, torch.Tensor]) -> torch.Tensor:

@@ -19,6 +19,7 @@ from fmoe.parallel.reduce import (
     all_reduce_sums,
     global_load_balancing_loss,
     seq_load_balancing_loss_split,
+    seq_load_balancing_losses_split,
     z_loss_split,
 )
 from tests.parallel.dist import counting_all_reduce, run_distributed
@@ -90,6 +91,51 @@ def _check_seq_split(results, cases, ranks_of_group):
         for r in per_rank:
             assert r["calls"] == 1, name
             torch.testing.assert_close(r["grad"], r["ref_grad"], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def _seq_layers_results(rank, world_size, E=4, k=2, cu=(0, 5, 11, 16)):
+    """Every layer at once (seq_load_balancing_losses_split): two of the three names held,
+    each layer its own scores; and a world where only rank 0 holds tokens and layers."""
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    bounds = [0, 9, 16] if world_size == 2 else [0, 3, 9, 9, 16]
+    index = torch.arange(bounds[rank], bounds[rank + 1])
+    held = [LAYERS[0], LAYERS[2]]
+    scores, experts, refs = {}, {}, {}
+    for i, name in enumerate(held):
+        s, e, _, _ = _seq_inputs(E, k, list(cu), None, seed=50 + i)
+        scores[name], experts[name] = s[index].clone().requires_grad_(), e[index]
+        refs[name] = float(ops.seq_load_balancing_loss(s, e, cu_t, k=k))
+    with counting_all_reduce() as calls:
+        values = seq_load_balancing_losses_split(scores, experts, cu_t, k=k, group=dist.group.WORLD, names=LAYERS, n_experts=E, start=bounds[rank])
+    one_by_one = {}
+    for name in held:  # the one-layer function: the same value and gradient
+        local = scores[name].detach().clone().requires_grad_()
+        one = seq_load_balancing_loss_split(local, experts[name], cu_t, k=k, group=dist.group.WORLD, start=bounds[rank])
+        one.backward()
+        values[name].backward()
+        one_by_one[name] = dict(value=float(one), grad=local.grad, grads_equal=torch.allclose(scores[name].grad, local.grad, rtol=1e-6, atol=1e-8))
+    # only rank 0 holds tokens (all of them) and layers: the others send zeros for every name
+    s, e, _, _ = _seq_inputs(E, k, list(cu), None, seed=60)
+    lonely_in = ({LAYERS[1]: s}, {LAYERS[1]: e}) if rank == 0 else ({}, {})
+    with counting_all_reduce() as lonely_calls:
+        lonely = seq_load_balancing_losses_split(*lonely_in, cu_t, k=k, group=dist.group.WORLD, names=LAYERS, n_experts=E,
+                                                 start=0 if rank == 0 else 16)
+    return dict(values={n: float(v) for n, v in values.items()}, refs=refs, calls=len(calls), one_by_one=one_by_one,
+                lonely={n: float(v) for n, v in lonely.items()}, lonely_ref=float(ops.seq_load_balancing_loss(s, e, cu_t, k=k)),
+                lonely_calls=len(lonely_calls))
+
+
+def _check_seq_layers(results):
+    for name in (LAYERS[0], LAYERS[2]):
+        total = sum(r["values"][name] for r in results)
+        assert total == pytest.approx(results[0]["refs"][name], rel=1e-5), name
+        for r in results:
+            assert r["values"][name] == pytest.approx(r["one_by_one"][name]["value"], rel=1e-6, abs=1e-9)
+            assert r["one_by_one"][name]["grads_equal"], name
+    assert [r["calls"] for r in results] == [1] * len(results)  # one collective for all layers
+    assert results[0]["refs"][LAYERS[0]] != results[0]["refs"][LAYERS[2]]  # the layers differ
+    assert results[0]["lonely"] == {LAYERS[1]: pytest.approx(results[0]["lonely_ref"], rel=1e-6)}
+    assert all(r["lonely"] == {} for r in results[1:]) and [r["lonely_calls"] for r in results] == [1] * len(results)
 
 
 # ---------------------------------------------------------------------------- counts, sums
@@ -429,6 +475,7 @@ GRAD_CONFIGS_4 = {
 def _world2(rank, world_size):
     return dict(
         seq=_seq_split_results(rank, SEQ_CASES_2, dist.group.WORLD, rank),
+        seq_layers=_seq_layers_results(rank, world_size),
         counts=_counts_results(rank, world_size),
         sums=_sums_results(rank, dist.group.WORLD),
         global_loss=_global_loss_results(rank, world_size, [0, 4, 11]),
@@ -448,6 +495,7 @@ def _world4(rank, world_size):
     dp_rank, tp_rank = divmod(rank, 2)
     return dict(
         seq=_seq_split_results(rank, SEQ_CASES_4, world_mesh, rank),
+        seq_layers=_seq_layers_results(rank, world_size),
         seq_tp=_seq_split_results(rank, tp_cases, meshes.axis("tp"), tp_rank, seed=100 * dp_rank),
         counts=_counts_results(rank, world_size),
         sums=_sums_results(rank, meshes.axis("dp")),
@@ -480,6 +528,11 @@ def test_seq_loss_split_over_4_ranks_and_over_tp_pairs(world4):
     for pair in ([0, 1], [2, 3]):  # each pair its own batch: reduced over its tp group only
         _check_seq_split(seq_tp, {"tp pair": None}, pair)
     assert float(seq_tp[0]["tp pair"]["ref"]) != float(seq_tp[2]["tp pair"]["ref"])
+
+
+def test_seq_losses_of_every_layer_in_one_collective(world2, world4):
+    _check_seq_layers([r["seq_layers"] for r in world2])
+    _check_seq_layers([r["seq_layers"] for r in world4])
 
 
 def test_all_reduce_counts_one_collective_and_ranks_without_layers(world2, world4):
@@ -569,6 +622,16 @@ def test_bad_inputs_raise_value_errors_naming_the_argument():
     _raises(r"token_index: expected shape \(6,\)", split, scores, experts, cu, k=2, token_index=torch.arange(5), group=None)
     _raises(r"token_index: expected indices in \[0, 13\)", split, scores, experts, cu, k=2, token_index=torch.arange(8, 14), group=None)
     _raises("token_index: expected dtype int32 or int64", split, scores, experts, cu, k=2, token_index=torch.arange(6.0), group=None)
+    layers = seq_load_balancing_losses_split
+    kw = dict(k=2, group=None, names=["a", "b"], n_experts=4, start=0)
+    _raises(r"scores: layer names \['c'\] are not in names", layers, {"c": scores}, {"c": experts}, cu, **kw)
+    _raises(r"experts: expected the layers of scores \['a'\], got \['b'\]", layers, {"a": scores}, {"b": experts}, cu, **kw)
+    _raises(r"experts\['a'\]: expected shape \(6, 2\)", layers, {"a": scores}, {"a": experts[:, :1]}, cu, **kw)
+    _raises(r"scores\['a'\]: expected 5 experts \(n_experts\), got shape \(6, 4\)", layers, {"a": scores}, {"a": experts}, cu, **{**kw, "n_experts": 5})
+    _raises(r"scores\['b'\]: expected the same 6 local tokens", layers, {"a": scores, "b": scores[:5]}, {"a": experts, "b": experts[:5]}, cu, **kw)
+    _raises("names: expected a sequence of unique layer-name strings", layers, {}, {}, cu, **{**kw, "names": ["a", "a"]})
+    _raises("scores: expected a mapping", layers, scores, experts, cu, **kw)
+    _raises("n_experts: expected >= 1", layers, {}, {}, cu, **{**kw, "n_experts": 0})
 
     good = {"a": torch.ones(4, dtype=torch.int64)}
     _raises(r"counts: layer names \['b'\] are not in names", all_reduce_counts, {"b": torch.ones(4, dtype=torch.int64)}, None, names=["a"], n_experts=4)
