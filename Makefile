@@ -4,6 +4,8 @@
 #   make test-gpu  setup, then the tests marked `gpu` (they skip, saying why, without CUDA)
 #   make train     setup, then train the default small MoE on the embedded corpus (CPU: minutes)
 #                  and plot it; ARGS="--steps=400 ..." passes knobs, TRAIN_OUT=dir the output
+#   make bench     setup, then the gpu tests and every benchmark on a CUDA machine, appended to
+#                  benchmarks/RESULTS.md (benchmarks/run_all.py; ARGS="--only bench_rope ...")
 #   make bench-smoke  every benchmark's --smoke mode (CPU, tiny shapes)
 
 PYTHON ?= python3
@@ -12,7 +14,7 @@ PY     := $(VENV)/bin/python
 # CPU machines get pinned CPU builds; a CUDA machine takes the registry's CUDA builds
 CPU_PINS := torch==2.13.0 triton==3.7.1
 
-.PHONY: setup test test-gpu train bench-smoke clean
+.PHONY: setup test test-gpu train bench bench-smoke clean
 
 setup:
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +36,9 @@ train: setup
 
 test-gpu: setup
 	TRITON_INTERPRET=0 $(PY) -m pytest -q -m gpu
+
+bench: setup
+	$(PY) benchmarks/run_all.py --gpu-tests $(ARGS)
 
 bench-smoke: setup
 	@for b in benchmarks/bench_*.py; do echo "== $$b --smoke"; $(PY) $$b --smoke || exit 1; done

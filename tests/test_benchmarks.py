@@ -26,3 +26,39 @@ def test_benchmark_smoke(script, tmp_path):
     rows = list(csv.DictReader(csv_path.open()))
     assert rows and all(float(r["ms"]) > 0 for r in rows)
     assert len({r["impl"] for r in rows if r.get("impl")}) >= 3  # ours and two baselines
+
+
+def _run_all(tmp_path, *flags):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run_all.py"), "--smoke", "--out", str(tmp_path / "csv"),
+                           "--results", str(tmp_path / "RESULTS.md"), *flags], capture_output=True, text=True, env=env, timeout=900)
+
+
+def test_run_all_appends_each_benchmark_s_output_with_its_environment(tmp_path):
+    """benchmarks/run_all.py: a section per run (date, device, versions, command), the
+    command, status and printed tables of each part; a second run appends."""
+    first = _run_all(tmp_path, "--only", "bench_rope", "--gpu-tests")
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    text = (tmp_path / "RESULTS.md").read_text()
+    import torch
+
+    assert text.startswith("## ") and text.splitlines()[0].endswith(" UTC: cpu (smoke)")
+    assert f"torch {torch.__version__}, triton " in text and "SMOKE RUN" in text
+    assert "### gpu tests\n" in text and " skipped" in text  # no CUDA here: every gpu test skips, saying why
+    assert "### bench_rope\n\n`" in text and "benchmarks/bench_rope.py --out" in text and "--smoke`: exit 0, " in text
+    assert "case " in text and " impl " in text and "fwd+bwd" in text  # the printed table
+    assert text.rstrip().endswith("All 2 parts exited 0.")
+    assert (tmp_path / "csv" / "bench_rope.csv").is_file()
+    second = _run_all(tmp_path, "--only", "bench_loss", "--timeout", "0.5")
+    assert second.returncode == 1
+    again = (tmp_path / "RESULTS.md").read_text()
+    assert again.startswith(text) and again.count("\n## ") == 1  # appended: the first run kept
+    assert "### bench_loss\n" in again and "timed out after 0.5 s" in again and again.rstrip().endswith("Did not exit 0: bench_loss.")
+
+
+def test_run_all_refuses_unknown_benchmarks_and_bad_timeouts(tmp_path):
+    bad = _run_all(tmp_path, "--only", "bench_routing,bench_nothing")
+    assert bad.returncode == 2 and "--only: unknown benchmarks ['bench_nothing']" in bad.stderr
+    bad = _run_all(tmp_path, "--timeout", "0")
+    assert bad.returncode == 2 and "--timeout: expected a positive number of seconds, got 0" in bad.stderr
+    assert not (tmp_path / "RESULTS.md").exists()

@@ -1,0 +1,165 @@
+"""Run every benchmark (and, with --gpu-tests, the `gpu` tests) in one go and append what they
+print to a results file: the record a GPU session keeps in benchmarks/RESULTS.md.
+
+    .venv/bin/python benchmarks/run_all.py                          # CUDA: all, real shapes
+    .venv/bin/python benchmarks/run_all.py --gpu-tests --only bench_routing,bench_rope
+    .venv/bin/python benchmarks/run_all.py --smoke --results bench_out/RESULTS-smoke.md
+
+Each benchmark (benchmarks/bench_*.py, or those named by --only) runs as its own process
+with the flags given here (--smoke, --out) under a wall-clock limit (--timeout seconds per
+benchmark), one after the other: a failure or a timeout is recorded and the next one runs.
+The results file gets one section per run: the date (UTC), the device (nvidia-smi's GPU
+name, or "cpu (smoke)"), the torch, triton and CUDA versions, the commit when this is a git
+checkout, the command line; then per benchmark its command, exit status, wall time and
+everything it printed (stdout, then stderr when it wrote any), in a text block. With
+--gpu-tests, `pytest -q -m gpu` runs first (TRITON_INTERPRET unset) and its last lines are
+recorded the same way. The file is appended to, never rewritten: sessions add their runs.
+
+Exit status: 0 when every part exited 0, else 1 (the file says which did not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+GPU_TEST_TAIL = 60  # lines of the pytest output kept
+
+
+def benchmarks() -> list[str]:
+    """The benchmark names, bench_<family> (file stems), sorted."""
+    return sorted(p.stem for p in HERE.glob("bench_*.py"))
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _command_output(cmd: list[str]) -> str:
+    """What cmd prints, stripped, or "" when it cannot run or fails."""
+    if shutil.which(cmd[0]) is None:
+        return ""
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return done.stdout.strip() if done.returncode == 0 else ""
+
+
+def environment(smoke: bool) -> dict[str, str]:
+    """Date, device and versions for the section header (no torch import: a child's job)."""
+    gpus = _command_output(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"])
+    cuda = _command_output([sys.executable, "-c", "import torch; print(torch.version.cuda)"])
+    commit = _command_output(["git", "rev-parse", "--short", "HEAD"]) or "not a git checkout"
+    if _command_output(["git", "status", "--porcelain", "--untracked-files=no"]):
+        commit += " with uncommitted changes"
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "device": "cpu (smoke)" if smoke else (gpus.replace("\n", "; ") or "no GPU found by nvidia-smi"),
+        "torch": _version("torch"),
+        "triton": _version("triton"),
+        "cuda": cuda if cuda not in ("", "None") else "none",
+        "commit": commit,
+    }
+
+
+def shown(cmd: list[str]) -> str:
+    """cmd as a shell line, paths inside the repository relative to its root."""
+    root = str(ROOT) + os.sep
+    return " ".join(shlex.quote(c[len(root):] if c.startswith(root) else c) for c in cmd)
+
+
+def run_part(cmd: list[str], timeout: float, env: dict) -> dict:
+    """Run cmd from the repository root: exit status (None: timed out), seconds, output."""
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+        status, out, err = done.returncode, done.stdout, done.stderr
+    except subprocess.TimeoutExpired as exc:
+        status = None
+        out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+    return {"status": status, "seconds": time.perf_counter() - start, "stdout": out, "stderr": err}
+
+
+def section(title: str, cmd: list[str], result: dict, timeout: float, tail: int | None = None) -> str:
+    """The Markdown of one part: its command, status, time and output."""
+    status = f"timed out after {timeout:g} s" if result["status"] is None else f"exit {result['status']}"
+    text = result["stdout"].rstrip()
+    if result["stderr"].strip():
+        text += ("\n" if text else "") + "--- stderr ---\n" + result["stderr"].rstrip()
+    if tail is not None:
+        lines = text.splitlines()
+        text = "\n".join((["[... the first %d lines left out]" % (len(lines) - tail)] if len(lines) > tail else []) + lines[-tail:])
+    return f"### {title}\n\n`{shown(cmd)}`: {status}, {result['seconds']:.1f} s\n\n```text\n{text}\n```\n\n"
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="each benchmark's --smoke mode (CPU, tiny shapes; times are not performance numbers)")
+    parser.add_argument("--only", default="", help="comma-separated benchmark names (bench_routing,...) instead of all")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds each benchmark may run (default 600)")
+    parser.add_argument("--gpu-tests", action="store_true", help="run `pytest -q -m gpu` first and record its summary")
+    parser.add_argument("--results", type=Path, default=HERE / "RESULTS.md", help="the Markdown file appended to (default benchmarks/RESULTS.md)")
+    parser.add_argument("--out", default="bench_out", help="where the benchmarks write their CSVs (default bench_out)")
+    args = parser.parse_args(argv)
+    names = benchmarks()
+    chosen = [n.strip() for n in args.only.split(",") if n.strip()] or names
+    unknown = [n for n in chosen if n not in names]
+    if unknown:
+        parser.error(f"--only: unknown benchmarks {unknown}; expected some of {', '.join(names)}")
+    if not args.timeout > 0:
+        parser.error(f"--timeout: expected a positive number of seconds, got {args.timeout:g}")
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # --smoke sets it; GPU runs compile
+    # the children import this checkout's fmoe, whatever the environment installed
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    info = environment(args.smoke)
+    header = (f"## {info['date']}: {info['device']}\n\n"
+              f"torch {info['torch']}, triton {info['triton']}, CUDA {info['cuda']}, commit {info['commit']}; "
+              f"`{shown([sys.executable, str(Path(__file__).resolve()), *argv])}`\n\n")
+    if args.smoke:
+        header += "SMOKE RUN: CPU, tiny shapes; the times are NOT performance numbers.\n\n"
+    args.results.parent.mkdir(parents=True, exist_ok=True)
+    with args.results.open("a") as f:
+        f.write(header)
+    print(header, end="", flush=True)
+
+    failed = []
+    parts = []
+    if args.gpu_tests:
+        parts.append(("gpu tests", [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider"], GPU_TEST_TAIL))
+    for name in chosen:
+        flags = ["--out", args.out] + (["--smoke"] if args.smoke else [])
+        parts.append((name, [sys.executable, str(HERE / f"{name}.py"), *flags], None))
+    for title, cmd, tail in parts:
+        print(f"== {title}", flush=True)
+        result = run_part(cmd, args.timeout, env)
+        text = section(title, cmd, result, args.timeout, tail)
+        with args.results.open("a") as f:  # written as each part ends: a later timeout keeps it
+            f.write(text)
+        print(text, end="", flush=True)
+        if result["status"] != 0:
+            failed.append(title)
+    summary = f"All {len(parts)} parts exited 0.\n\n" if not failed else f"Did not exit 0: {', '.join(failed)}.\n\n"
+    with args.results.open("a") as f:
+        f.write(summary)
+    print(summary, end="")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
