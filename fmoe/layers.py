@@ -359,12 +359,18 @@ class AttentionContext:
         keys [T, G, D] the mask's columns index: under context parallel every rank's
         (fmoe.parallel.gather_kv over the cp mesh), in decoding the cached tokens' followed
         by these (fmoe.model.KVCache.extend, one per layer).
+    latent_kv: multi-latent attention in its absorbed form (decoding with a cache of latents):
+        the keys and values gather_kv takes and returns are one shared head, keys
+        [T, 1, kv_rank + R] (the normed latent, then the rotated key) and values [T, 1, kv_rank]
+        (the latent); each query head is moved into the latent space by its slice of wkv_b,
+        and the attention output back out by the value slice (the same function).
     """
 
     cos: torch.Tensor
     sin: torch.Tensor
     mask: object
     gather_kv: Optional[Callable] = None
+    latent_kv: bool = False
 
 
 def _use_flex(impl: str, device: torch.device) -> bool:
@@ -610,7 +616,12 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
         losses), kept for the layers' common (output, stats) form.
     """
     _check_attention(x, params, cfg, ctx)
-    if cfg.kv_rank is not None:
+    if ctx.latent_kv and cfg.kv_rank is None:
+        raise ValueError("ctx.latent_kv: the absorbed form is multi-latent attention's (cfg.kv_rank), not grouped-query attention's")
+    wv_CNV = None
+    if ctx.latent_kv:
+        q_TND, k_TGD, v_TGD, wv_CNV = _mla_latent_qkv(x, params, cfg, ctx)
+    elif cfg.kv_rank is not None:
         q_TND, k_TGD, v_TGD = _mla_qkv(x, params, cfg, ctx)
     else:
         q_TND, k_TGD, v_TGD = _gqa_qkv(x, params, cfg, ctx)
@@ -630,6 +641,8 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
         # the fused kernel on CUDA; eager on CPU, which tests the mask against the reference
         flex = _compiled_flex() if x.is_cuda else flex_attention
         out_NTD = flex(q_NTD[None], k_GTD[None], v_GTD[None], block_mask=ctx.mask, scale=softmax_scale(cfg), enable_gqa=True)[0]
+    if wv_CNV is not None:  # absorbed: each head's latent output to its values
+        out_NTD = torch.einsum("ntc,cnv->ntv", out_NTD, wv_CNV)
     y_TH = rearrange(out_NTD, "n t d -> t (n d)") @ params["wo"]
     return y_TH, TensorDict({}, batch_size=[])
 
@@ -655,9 +668,24 @@ def _gqa_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext):
     return q_TND, k_TGD, v_TGD
 
 
-def _mla_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext):
-    """Multi-latent attention's q, k [T, N, D] ([nope | rope] per head) and v [T, N, v_dim]:
-    the latents RMSNorm'd, the rope slices rotated, the one rotary key shared by all heads."""
+def _mla_latent_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext):
+    """Multi-latent attention absorbed (AttentionContext.latent_kv): q [T, N, C + R] (each
+    head's nope query times its key slice of wkv_b, then its rotated query), one shared key
+    [T, 1, C + R] (the normed latent, then the rotated key) and value [T, 1, C] (the latent),
+    and the value slices wv [C, N, v_dim] that take the output back to each head's values.
+    q . k equals _mla_qkv's per-head scores, so attention computes the same function."""
+    N, D, R, C = cfg.n_heads, cfg.head_dim, cfg.rot_dim, cfg.kv_rank
+    q_nope_TNP, q_rope_TNR, latent_TC, k_rope_T1R = _mla_parts(x, params, cfg, ctx)
+    wk_CNP, wv_CNV = rearrange(params["wkv_b"], "c (n e) -> c n e", n=N).split([D - R, cfg.v_dim], dim=-1)
+    q_TNC = torch.einsum("tnp,cnp->tnc", q_nope_TNP, wk_CNP)
+    q_TNQ = torch.cat([q_TNC, q_rope_TNR], dim=-1)
+    k_T1Q = torch.cat([latent_TC[:, None, :], k_rope_T1R], dim=-1)
+    return q_TNQ, k_T1Q, latent_TC[:, None, :], wv_CNV
+
+
+def _mla_parts(x, params, cfg: AttentionConfig, ctx: AttentionContext):
+    """Multi-latent attention's q nope [T, N, D - R] and rotated q rope [T, N, R], the normed
+    latent [T, kv_rank] and the rotated shared key [T, 1, R]."""
     N, D, R = cfg.n_heads, cfg.head_dim, cfg.rot_dim
     rope_impl = "torch" if cfg.impl == "torch" else "auto"
     if cfg.q_rank is None:
@@ -667,9 +695,17 @@ def _mla_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext):
     q_nope_TNP, q_rope_TNR = rearrange(q_TQ, "t (n d) -> t n d", n=N).split([D - R, R], dim=-1)
     q_rope_TNR = apply_rope(q_rope_TNR, ctx.cos, ctx.sin, interleaved=cfg.interleaved, impl=rope_impl)
     latent_TC, k_rope_TR = (x @ params["wkv_a"]).split([cfg.kv_rank, R], dim=-1)
-    kv_TNE = rearrange(_rms_norm(latent_TC, params["kv_a_norm"], cfg.latent_norm_eps) @ params["wkv_b"], "t (n e) -> t n e", n=N)
-    k_nope_TNP, v_TNV = kv_TNE.split([D - R, cfg.v_dim], dim=-1)
     k_rope_T1R = apply_rope(k_rope_TR[:, None, :], ctx.cos, ctx.sin, interleaved=cfg.interleaved, impl=rope_impl)
+    return q_nope_TNP, q_rope_TNR, _rms_norm(latent_TC, params["kv_a_norm"], cfg.latent_norm_eps), k_rope_T1R
+
+
+def _mla_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext):
+    """Multi-latent attention's q, k [T, N, D] ([nope | rope] per head) and v [T, N, v_dim]:
+    the latents RMSNorm'd, the rope slices rotated, the one rotary key shared by all heads."""
+    N, D, R = cfg.n_heads, cfg.head_dim, cfg.rot_dim
+    q_nope_TNP, q_rope_TNR, latent_TC, k_rope_T1R = _mla_parts(x, params, cfg, ctx)
+    kv_TNE = rearrange(latent_TC @ params["wkv_b"], "t (n e) -> t n e", n=N)
+    k_nope_TNP, v_TNV = kv_TNE.split([D - R, cfg.v_dim], dim=-1)
     q_TND = torch.cat([q_nope_TNP, q_rope_TNR], dim=-1)
     k_TND = torch.cat([k_nope_TNP, k_rope_T1R.expand(-1, N, -1)], dim=-1)
     return q_TND, k_TND, v_TNV.contiguous()

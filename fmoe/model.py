@@ -520,19 +520,24 @@ class KVCache:
     forward pass rather than the whole sequence's.
 
     k [n_layers, max_tokens, G, D], v [n_layers, max_tokens, G, Dv] (G = n_kv_heads,
-    D = head_dim, Dv = head_dim; multi-latent attention keeps each head's expanded keys and
-    values, G = n_heads and Dv = v_head_dim, not its latent), keys after RoPE; the first
-    `length` rows are filled. Make one with Transformer.kv_cache (the model's device and
-    dtype), or here for a TransformerConfig; `length = 0` starts a new sequence in it.
+    D = Dv = head_dim), keys after RoPE; the first `length` rows are filled. Multi-latent
+    attention keeps its latents instead (the absorbed form, AttentionContext.latent_kv):
+    k [n_layers, max_tokens, 1, kv_rank + rope_dim] (the normed latent, then the rotated key)
+    and v = k[..., :kv_rank], a view: kv_rank + rope_dim numbers per token and layer where
+    the expanded keys and values would take n_heads (head_dim + v_head_dim). Make one with
+    Transformer.kv_cache (the model's device and dtype), or here for a TransformerConfig;
+    `length = 0` starts a new sequence in it.
     """
 
     def __init__(self, cfg: TransformerConfig, max_tokens: int, *, device=None, dtype: torch.dtype = torch.float32):
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens: expected a positive int, got {max_tokens!r}")
-        mla = cfg.kv_rank is not None
-        G, Dv = (cfg.n_heads, cfg.v_head_dim) if mla else (cfg.n_kv_heads, cfg.head_dim)
-        self.k = torch.zeros(cfg.n_layers, max_tokens, G, cfg.head_dim, device=device, dtype=dtype)
-        self.v = torch.zeros(cfg.n_layers, max_tokens, G, Dv, device=device, dtype=dtype)
+        if cfg.kv_rank is None:
+            self.k = torch.zeros(cfg.n_layers, max_tokens, cfg.n_kv_heads, cfg.head_dim, device=device, dtype=dtype)
+            self.v = torch.zeros_like(self.k)
+        else:  # the latent is both the key's first kv_rank channels and the value
+            self.k = torch.zeros(cfg.n_layers, max_tokens, 1, cfg.kv_rank + cfg.rope_dim, device=device, dtype=dtype)
+            self.v = self.k[..., :cfg.kv_rank]
         self.length = 0
 
     @property
@@ -704,12 +709,15 @@ class Transformer(nn.Module):
         positions, keys = torch.arange(start, end, device=device), torch.arange(end, device=device)
         # the new tokens are queries at global indices start..end-1 of one document whose
         # keys are all end tokens: attention_context's context-parallel form, the cache
-        # standing in for the gather of every rank's keys
-        ctx = attention_context(torch.tensor([0, end], dtype=torch.int32, device=device), positions, self.cfg.attention_config(),
+        # standing in for the gather of every rank's keys. Multi-latent attention attends in
+        # its absorbed form (latent keys of kv_rank + rope_dim channels) with the dense mask.
+        cfg, mla = self.cfg.attention_config(), self.cfg.kv_rank is not None
+        ctx = attention_context(torch.tensor([0, end], dtype=torch.int32, device=device), positions,
+                                dataclasses.replace(cfg, impl="torch") if mla else cfg,
                                 token_index=positions, kv_index=keys, gather_kv=functools.partial(cache.extend, 0))
         h_TH = F.embedding(input_ids, self.embed)
         for i, block in enumerate(self.blocks):
-            h_TH, _ = block(h_TH, dataclasses.replace(ctx, gather_kv=functools.partial(cache.extend, i)))
+            h_TH, _ = block(h_TH, dataclasses.replace(ctx, gather_kv=functools.partial(cache.extend, i), latent_kv=mla))
         cache.length = end
         return (self.norm(h_TH) @ self.output_weight().t()).float()
 

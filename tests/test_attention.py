@@ -486,6 +486,32 @@ def test_multi_latent_attention_under_context_parallel():
             assert _rel(y, whole[index]) < 1e-5, rank
 
 
+@pytest.mark.parametrize("cfg", [MLA, dataclasses.replace(MLA, q_rank=None, interleaved=False, yarn_factor=None)], ids=["q-latent-yarn", "full-q-rope"])
+def test_absorbed_multi_latent_attention_is_the_same_function(cfg):
+    """latent_kv: each query head moved into the latent space, one shared latent key and
+    value, the output moved back per head: the per-token definition, values and gradients,
+    with keys [T, 1, kv_rank + R] and values [T, 1, kv_rank] through gather_kv."""
+    cu = torch.tensor([0, 3, 4, 13, 16], dtype=torch.int32)
+    p = _mla_params(cfg)
+    x = torch.randn(16, H, requires_grad=True)
+    seen = []
+
+    def gather_kv(k, v):
+        seen.append((tuple(k.shape), tuple(v.shape)))
+        return k, v
+
+    ctx = dataclasses.replace(_ctx(cu, cfg), gather_kv=gather_kv, latent_kv=True)
+    y, _ = attention(x, p, cfg, ctx)
+    want = _loop_mla(x, p, cfg, cu)
+    assert seen == [((16, 1, cfg.kv_rank + cfg.rot_dim), (16, 1, cfg.kv_rank))]
+    assert _rel(y, want) < 1e-5
+    up = torch.randn_like(y)
+    grads = torch.autograd.grad(y, [x, *p.values()], up)
+    want_grads = torch.autograd.grad(want, [x, *p.values()], up)
+    for name, a, b in zip(["x", *p], grads, want_grads):
+        assert _rel(a, b) < 1e-4, name
+
+
 def test_multi_latent_attention_bad_inputs():
     with pytest.raises(ValueError, match="n_kv_heads: multi-latent attention expands keys and values per head"):
         dataclasses.replace(MLA, n_kv_heads=2)
@@ -505,6 +531,8 @@ def test_multi_latent_attention_bad_inputs():
         attention(x, {n: t for n, t in p.items() if n != "q_a_norm"}, MLA, _ctx(cu, MLA))
     with pytest.raises(ValueError, match=r"params: unknown multi-latent attention parameters \['wk'\]"):
         attention(x, {**p, "wk": p["wo"]}, MLA, _ctx(cu, MLA))
+    with pytest.raises(ValueError, match="ctx.latent_kv: the absorbed form is multi-latent attention's"):
+        attention(x, {n: t.detach() for n, t in _params(CFG).items()}, CFG, dataclasses.replace(_ctx(cu, CFG), latent_kv=True))
 
 
 @pytest.mark.gpu

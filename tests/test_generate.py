@@ -17,13 +17,25 @@ import generate  # noqa: E402
 from fmoe.model import Transformer, TransformerConfig  # noqa: E402
 
 
-def test_greedy_matches_transformers_generate(tmp_path):
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_greedy_matches_transformers_generate(tmp_path, family):
+    """Through fmoe's KV cache (DeepSeek-V3: multi-latent attention absorbed, latents cached)
+    against transformers' own generate and cache."""
     transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]'")
     import fmoe.hf
 
     torch.manual_seed(0)
-    config = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                         head_dim=8, intermediate_size=40, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2)
+    common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4)
+    if family == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(**common, num_key_value_heads=2, head_dim=8, intermediate_size=40, moe_intermediate_size=24,
+                                             num_experts=4, num_experts_per_tok=2)
+    else:
+        config = transformers.DeepseekV3Config(
+            **common, num_key_value_heads=4, intermediate_size=40, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=3,
+            n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=12, kv_lora_rank=8, qk_nope_head_dim=6,
+            qk_rope_head_dim=4, v_head_dim=5, routed_scaling_factor=2.5, max_position_embeddings=128, rope_parameters=dict(
+                rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32, beta_fast=32, beta_slow=1,
+                mscale=0.8, mscale_all_dim=1.0))
     ref = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for p in ref.parameters():

@@ -401,6 +401,11 @@ def test_decode_with_a_kv_cache_equals_the_whole_sequence(name):
     torch.testing.assert_close(torch.cat(got), want, rtol=1e-5, atol=1e-5)
     assert float((want[1:] - want[:-1]).abs().max()) > 0.1  # the rows differ: positions and keys matter here
     assert cache.k[:, 13:].abs().sum() == 0 and cache.k[:, :13].abs().amin(dim=(2, 3)).gt(0).all()
+    cfg = model.cfg
+    if cfg.kv_rank is not None:  # the latents only (absorbed attention): kv_rank + rope_dim per token and layer
+        assert cache.k.shape == (cfg.n_layers, 16, 1, cfg.kv_rank + cfg.rope_dim) and cache.v.data_ptr() == cache.k.data_ptr()
+    else:
+        assert cache.k.shape == cache.v.shape == (cfg.n_layers, 16, cfg.n_kv_heads, cfg.head_dim)
     # a new sequence in the same cache
     cache.length = 0
     with torch.no_grad():
@@ -450,10 +455,12 @@ def test_decode_bad_inputs():
 
 
 @pytest.mark.gpu
-def test_gpu_decode_with_flex_attention_equals_the_whole_sequence():
-    """On CUDA (FlexAttention, the block mask of the new tokens against the cached keys):
-    a prompt of 300 tokens, then one token at a time."""
-    model = _sharp(dataclasses.replace(TINY, impl="auto")).cuda()
+@pytest.mark.parametrize("name", ["default", "mla"])
+def test_gpu_decode_with_flex_attention_equals_the_whole_sequence(name):
+    """On CUDA (FlexAttention, the block mask of the new tokens against the cached keys;
+    multi-latent attention absorbed, with the dense mask): a prompt of 300 tokens, then one
+    token at a time."""
+    model = _sharp(dataclasses.replace(DECODED[name], impl="auto")).cuda()
     ids = torch.randint(0, TINY.vocab_size, (305,), device="cuda")
     with torch.no_grad():
         want = model.logits(ids, torch.tensor([0, 305], dtype=torch.int32, device="cuda"))
