@@ -686,10 +686,12 @@ class Transformer(nn.Module):
         """An empty KVCache of up to max_tokens tokens on the model's device, in its dtype."""
         return KVCache(self.cfg, max_tokens, device=self.embed.device, dtype=self.embed.dtype)
 
+    @torch.no_grad()
     def decode(self, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """The next-token logits [T, V] (float32) of T new tokens input_ids [T] int64 that
         continue the sequence in `cache` (positions cache.length, ..., + T - 1), whose keys
         and values it appends to the cache: a prompt in one call, then a token per call.
+        Inference: no autograd.
 
         Equals the rows of logits(...) of the whole sequence, as long as no capacity_factor
         drops tokens (a capacity counts the tokens of one call). A model of one process, as

@@ -393,13 +393,14 @@ def test_decode_with_a_kv_cache_equals_the_whole_sequence(name):
     ids = torch.randint(0, model.cfg.vocab_size, (13,))
     with torch.no_grad():
         want = model.logits(ids, torch.tensor([0, 13], dtype=torch.int32))
-        cache = model.kv_cache(16)
-        got = []
-        for a, b in [(0, 5), (5, 6), (6, 7), (7, 11), (11, 12), (12, 13)]:
-            got.append(model.decode(ids[a:b], cache))
-            assert cache.length == b
+    cache = model.kv_cache(16)
+    got = []
+    for a, b in [(0, 5), (5, 6), (6, 7), (7, 11), (11, 12), (12, 13)]:
+        got.append(model.decode(ids[a:b], cache))
+        assert cache.length == b
     torch.testing.assert_close(torch.cat(got), want, rtol=1e-5, atol=1e-5)
     assert float((want[1:] - want[:-1]).abs().max()) > 0.1  # the rows differ: positions and keys matter here
+    assert not got[0].requires_grad  # inference: no graph kept
     assert cache.k[:, 13:].abs().sum() == 0 and cache.k[:, :13].abs().amin(dim=(2, 3)).gt(0).all()
     cfg = model.cfg
     if cfg.kv_rank is not None:  # the latents only (absorbed attention): kv_rank + rope_dim per token and layer
