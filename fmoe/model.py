@@ -162,7 +162,9 @@ class MoE(nn.Module):
     Under tensor parallelism fmoe.parallel also sets `sequence_parallel` (a SequenceShard;
     None otherwise): x is then this rank's slice of the micro-batch's tokens, the router's
     and shared gate's gradients are summed over the tp ranks where they are used, and the
-    capacity drop looks at the whole micro-batch; the stats cover this rank's tokens.
+    capacity drop looks at the whole micro-batch; the stats cover this rank's tokens. Under
+    context parallelism fmoe.parallel sets `capacity_drop` (a ContextCapacityDrop; None
+    otherwise), the drop over every cp rank's tokens, which takes the place of the tp one.
 
     Args:
         hidden: H. ffn: F per routed expert. cfg: MoEConfig (n_experts, k, routing).
@@ -192,6 +194,7 @@ class MoE(nn.Module):
         if expert_bias:
             self.register_buffer("expert_bias", torch.zeros(E, device=device, dtype=torch.float32), persistent=True)
         self.sequence_parallel = None  # fmoe.parallel's SequenceShard under tp > 1 (class docstring)
+        self.capacity_drop = None  # fmoe.parallel's ContextCapacityDrop under cp > 1 (class docstring)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -226,7 +229,9 @@ class MoE(nn.Module):
             params["expert_bias"] = self.expert_bias
         if getattr(self, "shared_gate", None) is not None:
             params["shared_gate"] = replicated(_local(self.shared_gate))
-        drop = None if sp is None else sp.drop_by_capacity
+        drop = self.capacity_drop  # cp: over every cp rank's tokens (and tp slices)
+        if drop is None and sp is not None:
+            drop = sp.drop_by_capacity
         y_TH, stats = moe(x_TH, params, self.cfg, experts=self.experts, shared=self.shared, drop=drop)
         return (y_TH if x.ndim == 2 else y_TH.reshape(x.shape)), stats  # no view: FSDP hooks the output
 

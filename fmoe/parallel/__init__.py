@@ -20,6 +20,7 @@ collectives, DCP) arranged for MoE models. DESIGN.md "Parallelism".
     cp_token_index, cp_kv_index, split_batch, gather_kv, ContextParallel   context parallel: the
                                        load-balanced split of a packed micro-batch, the K/V
                                        all-gather, the model's attention over the split
+    ContextCapacityDrop                the capacity drop of a MoE block over every cp rank's tokens
     Pipeline, MicroBatch, StageModule, stage_layers, rank_stages, pipeline_chunk, attach_loss,
     SCHEDULES                          pipeline parallel on torch.distributed.pipelining: the
                                        split by layers, the stages, the schedules, the tied
@@ -29,7 +30,7 @@ The gradient norm over parameters on several meshes is fmoe.optim.grad_norm / cl
 (the same functions serve one process and torchrun).
 """
 
-from fmoe.parallel.context import ContextParallel, cp_kv_index, cp_token_index, gather_kv, split_batch
+from fmoe.parallel.context import ContextCapacityDrop, ContextParallel, cp_kv_index, cp_token_index, gather_kv, split_batch
 from fmoe.parallel.expert import (
     DispatchMeta,
     ExpertParallel,
@@ -86,6 +87,7 @@ __all__ = [
     "pipeline_chunk",
     "rank_stages",
     "stage_layers",
+    "ContextCapacityDrop",
     "ContextParallel",
     "DispatchMeta",
     "DistributedMuon",

@@ -7,6 +7,8 @@ the split by an all-gather of K and V. DESIGN.md "Parallelism".
     gather_kv(k [T/cp, G, D], v [T/cp, G, Dv], cp_mesh) -> (k [T, G, D], v [T, G, Dv])
     ContextParallel(cp_mesh).attention_kwargs(token_index)   attention_context's CP arguments
                                          (parallelize sets it as Transformer.context_parallel)
+    ContextCapacityDrop(cp_mesh, tp_mesh)(routes, E, capacity_factor, policy=)   the capacity
+                                         drop over the whole micro-batch (MoE.capacity_drop)
 
 One rank's attention, step by step (fmoe.layers.attention does 2-4 when its context has CP):
 
@@ -72,9 +74,11 @@ from tensordict import TensorDict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from fmoe.ops import drop_by_capacity
 from fmoe.ops.checks import check_positive_int
+from fmoe.ops.routing import Routes
 
-__all__ = ["ContextParallel", "cp_kv_index", "cp_token_index", "gather_kv", "split_batch"]
+__all__ = ["ContextParallel", "ContextCapacityDrop", "cp_kv_index", "cp_token_index", "gather_kv", "split_batch"]
 
 
 def _check_split(n_tokens, cp, cp_rank=None) -> None:
@@ -228,3 +232,49 @@ class ContextParallel:
         n_tokens = token_index.shape[0] * self.cp
         kv_index = cp_kv_index(n_tokens, self.cp, device=token_index.device)
         return dict(token_index=token_index, kv_index=kv_index, gather_kv=functools.partial(gather_kv, cp_mesh=self.mesh))
+
+
+class ContextCapacityDrop:
+    """The capacity drop of a MoE block under context parallelism, over the whole micro-batch:
+    set by fmoe.parallel.parallelize as each MoE's `capacity_drop` when cp > 1 and the
+    model has a capacity factor, so that N processes drop the slots one process drops.
+
+    Called as fmoe.layers.moe's `drop`: drop(routes, n_experts, capacity_factor, policy=)
+    with this rank's Routes (weights float32 [T_local, k], experts [T_local, k]). The routes
+    of every token are gathered (without autograd; float64 holds the float32 weights and
+    the ids exactly): over tp_mesh first when tensor parallelism splits this cp rank's T/cp
+    tokens into contiguous T/(cp tp) slices, then over cp_mesh, whose rank order is
+    cp_kv_index's; they are put back in token order, fmoe.ops.drop_by_capacity runs on the
+    T tokens (capacity ceil(T k / E * capacity_factor), either policy, the same ties as one
+    process), and this rank's rows of the keep mask apply to its routes (gradients reach the
+    kept weights). Returns Routes of the local shapes.
+    """
+
+    def __init__(self, cp_mesh: DeviceMesh, tp_mesh: Optional[DeviceMesh] = None):
+        for name, mesh in (("cp_mesh", cp_mesh), ("tp_mesh", tp_mesh)):
+            if mesh is not None and (not isinstance(mesh, DeviceMesh) or mesh.ndim != 1):
+                raise ValueError(f"{name}: expected a 1-D DeviceMesh, got {mesh!r}")
+        if cp_mesh is None:
+            raise ValueError("cp_mesh: expected a 1-D DeviceMesh, got None")
+        self.cp_mesh, self.tp_mesh = cp_mesh, tp_mesh
+
+    def __repr__(self) -> str:
+        return f"ContextCapacityDrop(cp={self.cp_mesh.size()}, tp={1 if self.tp_mesh is None else self.tp_mesh.size()})"
+
+    def __call__(self, routes: Routes, n_experts: int, capacity_factor: float, *, policy: str = "probs") -> Routes:
+        weights_TK, experts_TK = routes
+        T_local, k = weights_TK.shape
+        packed = torch.cat([weights_TK.detach().double(), experts_TK.double()], dim=1)
+        tp_rank = 0
+        if self.tp_mesh is not None and self.tp_mesh.size() > 1:  # this cp rank's T/cp tokens, in order
+            packed = DTensor.from_local(packed, self.tp_mesh, [Shard(0)], run_check=False).full_tensor()
+            tp_rank = self.tp_mesh.get_local_rank()
+        gathered = DTensor.from_local(packed, self.cp_mesh, [Shard(0)], run_check=False).full_tensor()
+        T, cp = gathered.shape[0], self.cp_mesh.size()
+        every = torch.empty_like(gathered).index_copy_(0, cp_kv_index(T, cp, device=gathered.device), gathered)
+        kept_TK = drop_by_capacity(Routes(every[:, :k].to(weights_TK.dtype), every[:, k:].to(experts_TK.dtype)), n_experts,
+                                   capacity_factor, policy=policy, check=False).experts
+        mine = cp_token_index(T, cp, self.cp_mesh.get_local_rank(), device=kept_TK.device)[tp_rank * T_local:(tp_rank + 1) * T_local]
+        keep_TK = kept_TK.index_select(0, mine) >= 0
+        return Routes(torch.where(keep_TK, weights_TK, torch.zeros_like(weights_TK)),
+                      torch.where(keep_TK, experts_TK, torch.full_like(experts_TK, -1)))

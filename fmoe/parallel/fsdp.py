@@ -39,7 +39,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from fmoe.model import Block, MoE, Transformer
-from fmoe.parallel.context import ContextParallel
+from fmoe.parallel.context import ContextCapacityDrop, ContextParallel
 from fmoe.parallel.expert import ExpertParallel
 from fmoe.parallel.mesh import Meshes
 from fmoe.parallel.tensor import tensor_parallel_plan
@@ -60,8 +60,9 @@ def shard_experts(moe: MoE, meshes: Meshes) -> None:
     """Replace a MoE block's expert stacks by DTensors over the expert mesh's (ep, etp):
     experts Shard(0) over ep, the FFN dim over etp (w_gate / w_up dim 2, w_down dim 1), and
     give the experts an ExpertParallel dispatcher. Under tp > 1 the MoE block holds this
-    rank's T/tp tokens already (sequence parallel, tensor_parallel_plan): the dispatcher
-    splits nothing over tp (token_shards = tp sizes its capacity layout)."""
+    rank's T/tp tokens already (sequence parallel, tensor_parallel_plan), and under cp > 1
+    its cp share: the dispatcher splits nothing over tp (token_shards = tp cp sizes its
+    capacity layout by the whole micro-batch)."""
     E, ep, etp = moe.cfg.n_experts, meshes.ep, meshes.etp
     ffn = moe.experts.w_gate.shape[-1]
     if E % ep:
@@ -73,7 +74,7 @@ def shard_experts(moe: MoE, meshes: Meshes) -> None:
         param = getattr(moe.experts, name)
         sharded = distribute_tensor(param.data, mesh, [Shard(0), Shard(ffn_dim)], src_data_rank=None)
         moe.experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-    moe.experts.dispatcher = ExpertParallel(meshes.axis("ep"), etp_mesh=meshes.axis("etp"), token_shards=meshes.tp)
+    moe.experts.dispatcher = ExpertParallel(meshes.axis("ep"), etp_mesh=meshes.axis("etp"), token_shards=meshes.tp * meshes.cp)
 
 
 def apply_fsdp(
@@ -125,8 +126,9 @@ def parallelize(
     is split by split_batch before the forward (its T a multiple of 2 cp, and of 2 cp tp
     with tp), model.context builds the attention over the split (the model's
     `context_parallel` is set here), dense gradients are summed over dp_shard x cp, and the
-    MoE stats cover each rank's tokens (token_index). A capacity factor is refused with
-    cp > 1: its drop would have to look across the cp ranks' chunks.
+    MoE stats cover each rank's tokens (token_index). With a capacity factor each MoE's
+    `capacity_drop` (ContextCapacityDrop) drops over the whole micro-batch, every cp rank's
+    chunks (and tp slices), as one process does.
     """
     moe_blocks = [m for m in model.modules() if isinstance(m, MoE)]
     if moe_blocks and meshes.expert is None:
@@ -134,9 +136,10 @@ def parallelize(
     if meshes.cp > 1:
         if not hasattr(model, "context_parallel"):
             raise ValueError(f"cp: {type(model).__name__} has no context_parallel attribute (fmoe.model.Transformer has), so cp = {meshes.cp} cannot apply")
-        if any(moe.cfg.capacity_factor is not None for moe in moe_blocks):
-            raise ValueError(f"cp: a capacity factor with cp = {meshes.cp} is not supported (the drop would span the cp ranks' chunks); use capacity_factor=None")
         model.context_parallel = ContextParallel(meshes.axis("cp"))
+        for moe in moe_blocks:
+            if moe.cfg.capacity_factor is not None:
+                moe.capacity_drop = ContextCapacityDrop(meshes.axis("cp"), meshes.axis("tp"))
     if meshes.tp > 1:
         parallelize_module(model, meshes.tp_mesh, tensor_parallel_plan(model))
     # ep = etp = 1: every rank holds every expert and runs its own tokens through them, the

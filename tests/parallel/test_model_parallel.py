@@ -172,6 +172,11 @@ CASES = {
     "cp2-fsdp2": (4, dict(cp=2), {}),
     "cp2xep2": (4, dict(cp=2, ep=2), {}),
     "cp2xtp2": (4, dict(cp=2, tp=2), {}),
+    # a capacity drop over every cp rank's chunks (and tp slices), both policies; with EP
+    # the padded all-to-alls sized by the whole micro-batch
+    "cp2-capacity": (2, dict(cp=2), dict(capacity_factor=1.0)),
+    "cp2xtp2-capacity-position": (4, dict(cp=2, tp=2), dict(capacity_factor=1.0, capacity_policy="position")),
+    "cp2xep2-capacity": (4, dict(cp=2, ep=2), dict(capacity_factor=1.0)),
 }
 
 
@@ -277,7 +282,7 @@ def _bad_tp(rank, world):
     from fmoe.train.data import make_batch
 
     messages = []
-    for overrides, sizes in ((dict(n_heads=2, n_kv_heads=1), dict(tp=2)), (dict(n_experts=3), dict(ep=2)), (dict(capacity_factor=1.0), dict(cp=2)),
+    for overrides, sizes in ((dict(n_heads=2, n_kv_heads=1), dict(tp=2)), (dict(n_experts=3), dict(ep=2)),
                              (dict(qkv_bias=True, qk_norm="head"), dict(tp=2)),
                              (dict(n_kv_heads=TINY["n_heads"], rope_dim=4, kv_rank=8, v_head_dim=8), dict(tp=2))):
         try:
@@ -295,10 +300,9 @@ def _bad_tp(rank, world):
 
 def test_parallelize_refuses_what_does_not_split(results):
     for messages in (by_case["bad_tp"] for by_case in results(2)):
-        assert len(messages) == 6
+        assert len(messages) == 5
         assert "n_heads = 2 and n_kv_heads = 1 must both be divisible by tp = 2" in messages[0]
         assert "n_experts = 3 is not divisible by ep = 2" in messages[1]
-        assert "cp: a capacity factor with cp = 2 is not supported" in messages[2]
-        assert "tp: attention with bq, bk, bv, q_norm, k_norm (qkv_bias / qk_norm) is not split" in messages[3]
-        assert "tp: multi-latent attention (kv_rank) is not split over tensor-parallel ranks yet" in messages[4]
-        assert "T = 25 tokens do not split evenly over tp = 2 ranks" in messages[5] and "tokens_per_micro_batch" in messages[5]
+        assert "tp: attention with bq, bk, bv, q_norm, k_norm (qkv_bias / qk_norm) is not split" in messages[2]
+        assert "tp: multi-latent attention (kv_rank) is not split over tensor-parallel ranks yet" in messages[3]
+        assert "T = 25 tokens do not split evenly over tp = 2 ranks" in messages[4] and "tokens_per_micro_batch" in messages[4]

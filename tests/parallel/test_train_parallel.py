@@ -63,6 +63,7 @@ RUNS = {
     "cp2-aux": (2, ["--cp=2", "--aux_coeff=1e-2"]),
     "cp2xtp2": (4, ["--cp=2", "--tp=2"]),
     "cp2xep2": (4, ["--cp=2", "--ep=2"]),
+    "cp2-capacity": (2, ["--cp=2", "--model.capacity_factor=1.0"]),  # the drop over both ranks' chunks
     # experts over 4 ranks, 2 micro-batches over 4 data ranks: two ranks run only a masked copy, and still join
     "padded-ep4": (4, ["--ep=4", "--batch_schedule=0:2"]),
     # pipeline parallel (the switch loss on: each stage's balancing losses reach its routers);
@@ -82,7 +83,7 @@ RUNS = {
 # knobs the one-process reference shares
 SAME_MODEL = ("--optimizer=", "--ns_dtype=", "--batch_schedule=", "--aux_coeff=", "--model.n_layers=", "--model.n_kv_heads=", "--model.head_dim=",
               "--model.rope_dim=", "--model.q_rank=", "--model.kv_rank=", "--model.v_head_dim=", "--model.mtp_norm=", "--model.score=",
-              "--model.n_groups=", "--model.topk_groups=", "--model.group_score_topk=")
+              "--model.n_groups=", "--model.topk_groups=", "--model.group_score_topk=", "--model.capacity_factor=")
 
 
 @pytest.mark.parametrize("run", list(RUNS))
