@@ -537,6 +537,7 @@ class KVCache:
     def __init__(self, cfg: TransformerConfig, max_tokens: int, *, device=None, dtype: torch.dtype = torch.float32):
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens: expected a positive int, got {max_tokens!r}")
+        self.v_in_k = cfg.kv_rank is not None  # v is k's latent: written with k
         if cfg.kv_rank is None:
             self.k = torch.zeros(cfg.n_layers, max_tokens, cfg.n_kv_heads, cfg.head_dim, device=device, dtype=dtype)
             self.v = torch.zeros_like(self.k)
@@ -561,7 +562,8 @@ class KVCache:
                 raise ValueError(f"cache.{name}: holds {cached.dtype} [.., {', '.join(map(str, cached.shape[2:]))}] on {cached.device}, "
                                  f"layer {layer} gave {new.dtype} {list(new.shape)} on {new.device} (make the cache with model.kv_cache)")
         self.k[layer, self.length:end] = k_TGD
-        self.v[layer, self.length:end] = v_TGD
+        if not self.v_in_k:
+            self.v[layer, self.length:end] = v_TGD
         return self.k[layer, :end], self.v[layer, :end]
 
 
@@ -674,8 +676,7 @@ class Transformer(nn.Module):
         chunk)."""
         from fmoe.ops import positions_from_cu_seqlens
 
-        if self.pipeline_chunk is not None or self.context_parallel is not None:
-            raise ValueError("model: logits needs the whole model on one process (not a pipeline chunk, not context parallel)")
+        self._check_whole("logits")
         if input_ids.ndim != 1 or cu_seqlens.ndim != 1 or int(cu_seqlens[-1]) != input_ids.shape[0] or int(cu_seqlens[0]) != 0:
             raise ValueError(f"cu_seqlens: expected 0, ..., T = {input_ids.shape[0]} for input_ids [T], got {cu_seqlens.tolist()}")
         cu_seqlens = cu_seqlens.to(device=input_ids.device, dtype=torch.int32)
@@ -685,6 +686,14 @@ class Transformer(nn.Module):
         h_TH = F.embedding(input_ids, self.embed)
         for block in self.blocks:
             h_TH, _ = block(h_TH, ctx)
+        return self._head(h_TH)
+
+    def _check_whole(self, what: str) -> None:
+        if self.pipeline_chunk is not None or self.context_parallel is not None:
+            raise ValueError(f"model: {what} needs the whole model on one process (not a pipeline chunk, not context parallel)")
+
+    def _head(self, h_TH: torch.Tensor) -> torch.Tensor:
+        """The final norm and the output head: float32 logits [T, V]."""
         return (self.norm(h_TH) @ self.output_weight().t()).float()
 
     def kv_cache(self, max_tokens: int) -> KVCache:
@@ -701,8 +710,7 @@ class Transformer(nn.Module):
         Equals the rows of logits(...) of the whole sequence, as long as no capacity_factor
         drops tokens (a capacity counts the tokens of one call). A model of one process, as
         logits; reads the cache's length on the host, never a device value."""
-        if self.pipeline_chunk is not None or self.context_parallel is not None:
-            raise ValueError("model: decode needs the whole model on one process (not a pipeline chunk, not context parallel)")
+        self._check_whole("decode")
         if not isinstance(cache, KVCache):
             raise ValueError(f"cache: expected a KVCache (model.kv_cache(max_tokens)), got {type(cache).__name__}")
         if cache.k.shape[0] != self.cfg.n_layers:
@@ -726,7 +734,7 @@ class Transformer(nn.Module):
         for i, block in enumerate(self.blocks):
             h_TH, _ = block(h_TH, dataclasses.replace(ctx, gather_kv=functools.partial(cache.extend, i), latent_kv=mla))
         cache.length = end
-        return (self.norm(h_TH) @ self.output_weight().t()).float()
+        return self._head(h_TH)
 
     def forward(self, batch, ctx: Optional[BatchContext] = None, hidden: Optional[torch.Tensor] = None):
         """One packed micro-batch; no device->host sync.

@@ -74,9 +74,9 @@ from tensordict import TensorDict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from fmoe.ops import drop_by_capacity
 from fmoe.ops.checks import check_positive_int
 from fmoe.ops.routing import Routes
+from fmoe.parallel.tensor import drop_by_capacity_over_ranks, gather_rows
 
 __all__ = ["ContextParallel", "ContextCapacityDrop", "cp_kv_index", "cp_token_index", "gather_kv", "split_batch"]
 
@@ -252,29 +252,25 @@ class ContextCapacityDrop:
 
     def __init__(self, cp_mesh: DeviceMesh, tp_mesh: Optional[DeviceMesh] = None):
         for name, mesh in (("cp_mesh", cp_mesh), ("tp_mesh", tp_mesh)):
-            if mesh is not None and (not isinstance(mesh, DeviceMesh) or mesh.ndim != 1):
+            if (mesh is not None or name == "cp_mesh") and (not isinstance(mesh, DeviceMesh) or mesh.ndim != 1):
                 raise ValueError(f"{name}: expected a 1-D DeviceMesh, got {mesh!r}")
-        if cp_mesh is None:
-            raise ValueError("cp_mesh: expected a 1-D DeviceMesh, got None")
-        self.cp_mesh, self.tp_mesh = cp_mesh, tp_mesh
+        self.cp_mesh = cp_mesh
+        self.tp_mesh = tp_mesh if tp_mesh is not None and tp_mesh.size() > 1 else None
 
     def __repr__(self) -> str:
         return f"ContextCapacityDrop(cp={self.cp_mesh.size()}, tp={1 if self.tp_mesh is None else self.tp_mesh.size()})"
 
+    def _every(self, packed: torch.Tensor) -> torch.Tensor:
+        """[T_local, ...] of each rank -> [T, ...] in token order: over tp (this cp rank's
+        T/cp tokens, in order), then over cp, whose rank order is cp_kv_index's."""
+        if self.tp_mesh is not None:
+            packed = gather_rows(packed, self.tp_mesh)
+        gathered = gather_rows(packed, self.cp_mesh)
+        return torch.empty_like(gathered).index_copy_(0, cp_kv_index(gathered.shape[0], self.cp_mesh.size(), device=gathered.device), gathered)
+
     def __call__(self, routes: Routes, n_experts: int, capacity_factor: float, *, policy: str = "probs") -> Routes:
-        weights_TK, experts_TK = routes
-        T_local, k = weights_TK.shape
-        packed = torch.cat([weights_TK.detach().double(), experts_TK.double()], dim=1)
-        tp_rank = 0
-        if self.tp_mesh is not None and self.tp_mesh.size() > 1:  # this cp rank's T/cp tokens, in order
-            packed = DTensor.from_local(packed, self.tp_mesh, [Shard(0)], run_check=False).full_tensor()
-            tp_rank = self.tp_mesh.get_local_rank()
-        gathered = DTensor.from_local(packed, self.cp_mesh, [Shard(0)], run_check=False).full_tensor()
-        T, cp = gathered.shape[0], self.cp_mesh.size()
-        every = torch.empty_like(gathered).index_copy_(0, cp_kv_index(T, cp, device=gathered.device), gathered)
-        kept_TK = drop_by_capacity(Routes(every[:, :k].to(weights_TK.dtype), every[:, k:].to(experts_TK.dtype)), n_experts,
-                                   capacity_factor, policy=policy, check=False).experts
-        mine = cp_token_index(T, cp, self.cp_mesh.get_local_rank(), device=kept_TK.device)[tp_rank * T_local:(tp_rank + 1) * T_local]
-        keep_TK = kept_TK.index_select(0, mine) >= 0
-        return Routes(torch.where(keep_TK, weights_TK, torch.zeros_like(weights_TK)),
-                      torch.where(keep_TK, experts_TK, torch.full_like(experts_TK, -1)))
+        T_local = routes.weights.shape[0]
+        cp, tp_rank = self.cp_mesh.size(), 0 if self.tp_mesh is None else self.tp_mesh.get_local_rank()
+        T = T_local * cp * (1 if self.tp_mesh is None else self.tp_mesh.size())
+        rows = cp_token_index(T, cp, self.cp_mesh.get_local_rank(), device=routes.weights.device)[tp_rank * T_local:(tp_rank + 1) * T_local]
+        return drop_by_capacity_over_ranks(routes, n_experts, capacity_factor, policy=policy, gather=self._every, rows=rows)

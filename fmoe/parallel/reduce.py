@@ -64,6 +64,23 @@ def _token_count(name: str, value) -> Union[float, torch.Tensor]:
     return float(check_positive_int(name, value))
 
 
+def _check_layers(names, **layers) -> list[str]:
+    """names: every MoE layer's name, unique strings (returned as a list); each keyword: a
+    mapping whose keys are among names (ValueError naming the argument otherwise)."""
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"names: expected a sequence of layer-name strings, got {names!r}")
+    names = list(names)
+    if len(set(names)) != len(names):
+        raise ValueError(f"names: expected unique layer names, got {names}")
+    for arg, mapping in layers.items():
+        if not isinstance(mapping, Mapping):
+            raise ValueError(f"{arg}: expected a mapping from layer name to tensor, got {type(mapping).__name__}")
+        unknown = [name for name in mapping if name not in set(names)]
+        if unknown:
+            raise ValueError(f"{arg}: layer names {unknown} are not in names {names}")
+    return names
+
+
 # ----------------------------------------------------------------------------------------
 # Balancing losses and counts
 # ----------------------------------------------------------------------------------------
@@ -152,14 +169,7 @@ def seq_load_balancing_losses_split(
     Example: names ["layer_1", "layer_2"]: one all_reduce of a [2, B, E] int64 tensor.
     """
     check_positive_int("n_experts", n_experts)
-    if isinstance(names, str) or not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
-        raise ValueError(f"names: expected a sequence of unique layer-name strings, got {names!r}")
-    for arg, layers in (("scores", scores), ("experts", experts)):
-        if not isinstance(layers, Mapping):
-            raise ValueError(f"{arg}: expected a mapping from layer name to tensor, got {type(layers).__name__}")
-        unknown = [name for name in layers if name not in set(names)]
-        if unknown:
-            raise ValueError(f"{arg}: layer names {unknown} are not in names {list(names)}")
+    names = _check_layers(names, scores=scores, experts=experts)
     if set(scores) != set(experts):
         raise ValueError(f"experts: expected the layers of scores {sorted(scores)}, got {sorted(experts)}")
     T_local = None
@@ -171,7 +181,7 @@ def seq_load_balancing_losses_split(
             raise ValueError(f"scores[{name!r}]: expected the same {T_local} local tokens as the other layers, got {T}")
         T_local = T
     layers = [(name, scores[name], experts[name]) for name in names if name in scores]
-    return _seq_split(layers, list(names), T_local or 0, n_experts, cu_seqlens, k=k, group=group, start=start,
+    return _seq_split(layers, names, T_local or 0, n_experts, cu_seqlens, k=k, group=group, start=start,
                       token_index=token_index, check=check)
 
 
@@ -223,14 +233,15 @@ def _seq_split(layers, names, T_local: int, E: int, cu_seqlens, *, k, group, sta
     # tensors line up on every rank
     seq_T = torch.searchsorted(cu[1:], token_index.to(device=device, dtype=torch.int64), right=True)
     counts_LBE = torch.zeros(len(names), B, E, dtype=torch.int64, device=device)
+    row = {name: i for i, name in enumerate(names)}
     score_sums = {}
     for name, scores, experts in layers:
-        score_sums[name], counts_LBE[names.index(name)] = sequence_sums(scores, experts, seq_T, B)
+        score_sums[name], counts_LBE[row[name]] = sequence_sums(scores, experts, seq_T, B)
     # f needs whole documents: sum the counts (integers, so exact and equal on every rank);
     # the scores stay local, so each rank's gradient is its own rows of the full one
     dist.all_reduce(counts_LBE, op=dist.ReduceOp.SUM, group=pg)
     lengths_B = (cu[1:] - cu[:-1]).float()  # whole documents: cu_seqlens is global
-    return {name: sequence_loss_from_sums(score_sums[name], counts_LBE[names.index(name)], lengths_B, k=k) for name, _, _ in layers}
+    return {name: sequence_loss_from_sums(sums, counts_LBE[row[name]], lengths_B, k=k) for name, sums in score_sums.items()}
 
 
 def z_loss_split(logits: torch.Tensor, *, n_tokens: Union[int, torch.Tensor]) -> torch.Tensor:
@@ -290,16 +301,7 @@ def all_reduce_counts(
     Example: rank 0 {"a": [1, 2]}, rank 1 {} -> {"a": [1, 2]} on both.
     """
     check_positive_int("n_experts", n_experts)
-    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
-        raise ValueError(f"names: expected a sequence of layer-name strings, got {names!r}")
-    names = list(names)
-    if len(set(names)) != len(names):
-        raise ValueError(f"names: expected unique layer names, got {names}")
-    if not isinstance(counts, Mapping):
-        raise ValueError(f"counts: expected a mapping from layer name to [E] counts, got {type(counts).__name__}")
-    unknown = [name for name in counts if name not in set(names)]
-    if unknown:
-        raise ValueError(f"counts: layer names {unknown} are not in names {names}")
+    names = _check_layers(names, counts=counts)
     for name, c in counts.items():
         if not isinstance(c, torch.Tensor) or c.shape != (n_experts,):
             raise ValueError(f"counts[{name!r}]: expected a tensor of shape ({n_experts},), got {getattr(c, 'shape', type(c).__name__)}")

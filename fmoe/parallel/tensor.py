@@ -62,6 +62,7 @@ E experts, k slots per token.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 from torch import nn
@@ -120,16 +121,35 @@ class SequenceShard:
         rank's rows of its keep mask apply to the local routes (gradients reach the kept
         weights). Returns Routes of the local shapes.
         """
-        weights_TK, experts_TK = routes
-        T_local, k = weights_TK.shape
-        packed = torch.cat([weights_TK.detach().double(), experts_TK.double()], dim=1)
-        full = DTensor.from_local(packed, self.mesh, [Shard(0)], run_check=False).full_tensor()
-        every = Routes(full[:, :k].to(weights_TK.dtype), full[:, k:].to(experts_TK.dtype))
-        kept_TK = drop_by_capacity(every, n_experts, capacity_factor, policy=policy, check=False).experts
+        T_local = routes.weights.shape[0]
         start = self.mesh.get_local_rank() * T_local
-        keep_TK = kept_TK[start : start + T_local] >= 0
-        return Routes(torch.where(keep_TK, weights_TK, torch.zeros_like(weights_TK)),
-                      torch.where(keep_TK, experts_TK, torch.full_like(experts_TK, -1)))
+        return drop_by_capacity_over_ranks(routes, n_experts, capacity_factor, policy=policy,
+                                           gather=functools.partial(gather_rows, mesh=self.mesh), rows=slice(start, start + T_local))
+
+
+def gather_rows(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Every rank's x [T_local, ...] stacked in rank order, [ranks T_local, ...] (an
+    all-gather over the 1-D mesh; no autograd)."""
+    return DTensor.from_local(x, mesh, [Shard(0)], run_check=False).full_tensor()
+
+
+def drop_by_capacity_over_ranks(routes: Routes, n_experts: int, capacity_factor: float, *, policy: str, gather, rows) -> Routes:
+    """fmoe.ops.drop_by_capacity over a micro-batch whose tokens are split over ranks, this
+    rank's rows: what one process drops. routes: this rank's Routes (weights float32
+    [T_local, k], experts [T_local, k]); gather(packed [T_local, 2 k] float64) -> [T, 2 k]
+    every rank's, in token order (float64 holds the float32 weights and the ids exactly;
+    no autograd); rows: this rank's rows of the T (a slice or an index tensor). The keep
+    mask applies to the local routes, so gradients reach the kept weights. Returns Routes
+    of the local shapes (SequenceShard.drop_by_capacity over tp, ContextCapacityDrop over
+    cp and tp)."""
+    weights_TK, experts_TK = routes
+    k = weights_TK.shape[1]
+    every = gather(torch.cat([weights_TK.detach().double(), experts_TK.double()], dim=1))
+    kept_TK = drop_by_capacity(Routes(every[:, :k].to(weights_TK.dtype), every[:, k:].to(experts_TK.dtype)), n_experts,
+                               capacity_factor, policy=policy, check=False).experts
+    keep_TK = kept_TK[rows] >= 0
+    return Routes(torch.where(keep_TK, weights_TK, torch.zeros_like(weights_TK)),
+                  torch.where(keep_TK, experts_TK, torch.full_like(experts_TK, -1)))
 
 
 class SequenceParallelModule(ParallelStyle):

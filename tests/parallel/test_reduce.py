@@ -629,7 +629,7 @@ def test_bad_inputs_raise_value_errors_naming_the_argument():
     _raises(r"experts\['a'\]: expected shape \(6, 2\)", layers, {"a": scores}, {"a": experts[:, :1]}, cu, **kw)
     _raises(r"scores\['a'\]: expected 5 experts \(n_experts\), got shape \(6, 4\)", layers, {"a": scores}, {"a": experts}, cu, **{**kw, "n_experts": 5})
     _raises(r"scores\['b'\]: expected the same 6 local tokens", layers, {"a": scores, "b": scores[:5]}, {"a": experts, "b": experts[:5]}, cu, **kw)
-    _raises("names: expected a sequence of unique layer-name strings", layers, {}, {}, cu, **{**kw, "names": ["a", "a"]})
+    _raises("names: expected unique layer names", layers, {}, {}, cu, **{**kw, "names": ["a", "a"]})
     _raises("scores: expected a mapping", layers, scores, experts, cu, **kw)
     _raises("n_experts: expected >= 1", layers, {}, {}, cu, **{**kw, "n_experts": 0})
 
