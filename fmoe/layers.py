@@ -530,10 +530,13 @@ def _compiled_flex():
     return torch.compile(flex_attention)
 
 
-def _rms_norm(x, weight, eps: float):
-    """x / rms(x) * weight over the last dim, statistics in float32 (fmoe.model.RMSNorm's)."""
+def _rms_norm(x, weight, eps: float, mean=None):
+    """x / rms(x) * weight over the last dim, statistics in float32 (fmoe.model.RMSNorm's).
+    mean: averages the mean square over the ranks holding the rest of the channels (None:
+    x holds them all)."""
     x32 = x.float()
-    return (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+    ms = x32.square().mean(-1, keepdim=True)
+    return (x32 * torch.rsqrt((ms if mean is None else mean(ms)) + eps) * weight.float()).to(x.dtype)
 
 
 def mla_shapes(H: int, cfg: AttentionConfig) -> tuple[dict, dict]:
@@ -597,7 +600,7 @@ def _check_ctx(ctx, T: int, rot: int) -> None:
         raise ValueError(f"ctx: RoPE tables of shape {tuple(ctx.cos.shape)} do not fit x's {T} tokens and rot_dim {rot} (expected ({T}, {rot // 2}))")
 
 
-def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionContext):
+def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionContext, *, heads_mean=None):
     """Causal grouped-query self-attention over packed documents; no host sync.
 
     Args:
@@ -611,11 +614,17 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
         ctx: the micro-batch's AttentionContext (attention_context): RoPE tables and mask,
             and under context parallel its gather_kv (x then holds this rank's T/cp tokens;
             in decoding, the new tokens, the cache's gather_kv supplying the earlier keys).
+        heads_mean: when cfg and params hold a slice of the heads (tensor parallel,
+            fmoe.parallel.HeadShard.mean): averages a per-token statistic [T, 1] over the
+            ranks holding the others, each the same number of heads, so that qk_norm="proj"
+            normalises over the whole projection. None: this process holds every head.
     Returns:
         (y [T, H] in x's dtype, stats): stats is an empty TensorDict (attention has no
         losses), kept for the layers' common (output, stats) form.
     """
     _check_attention(x, params, cfg, ctx)
+    if heads_mean is not None and not callable(heads_mean):
+        raise ValueError(f"heads_mean: expected a function of a [T, 1] tensor (fmoe.parallel.HeadShard.mean) or None, got {type(heads_mean).__name__}")
     if ctx.latent_kv and cfg.kv_rank is None:
         raise ValueError("ctx.latent_kv: the absorbed form is multi-latent attention's (cfg.kv_rank), not grouped-query attention's")
     wv_CNV = None
@@ -624,7 +633,7 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
     elif cfg.kv_rank is not None:
         q_TND, k_TGD, v_TGD = _mla_qkv(x, params, cfg, ctx)
     else:
-        q_TND, k_TGD, v_TGD = _gqa_qkv(x, params, cfg, ctx)
+        q_TND, k_TGD, v_TGD = _gqa_qkv(x, params, cfg, ctx, heads_mean)
     if ctx.gather_kv is not None:  # every rank's keys and values (cp), or the cache's and these (decoding)
         k_TGD, v_TGD = ctx.gather_kv(k_TGD, v_TGD)
         n_keys = ctx.mask.shape[-1]
@@ -647,7 +656,7 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
     return y_TH, TensorDict({}, batch_size=[])
 
 
-def _gqa_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext):
+def _gqa_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext, heads_mean=None):
     """Grouped-query attention's q [T, N, D] and k, v [T, G, D], RoPE applied."""
     N, G = cfg.n_heads, cfg.n_kv_heads
     rope_impl = "torch" if cfg.impl == "torch" else "auto"
@@ -658,7 +667,7 @@ def _gqa_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext):
 
     q_TQ, k_TK = project("wq", "bq"), project("wk", "bk")
     if cfg.qk_norm == "proj":  # over the whole projection (OLMoE)
-        q_TQ, k_TK = _rms_norm(q_TQ, params["q_norm"], cfg.norm_eps), _rms_norm(k_TK, params["k_norm"], cfg.norm_eps)
+        q_TQ, k_TK = (_rms_norm(t, params[n], cfg.norm_eps, heads_mean) for t, n in ((q_TQ, "q_norm"), (k_TK, "k_norm")))
     q_TND, k_TGD = rearrange(q_TQ, "t (n d) -> t n d", n=N), rearrange(k_TK, "t (g d) -> t g d", g=G)
     if cfg.qk_norm == "head":  # over each head's channels (Qwen3, GLM-4.5)
         q_TND, k_TGD = _rms_norm(q_TND, params["q_norm"], cfg.norm_eps), _rms_norm(k_TGD, params["k_norm"], cfg.norm_eps)

@@ -394,9 +394,19 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    """Parameters of an attention block; forward calls fmoe.layers.attention.
+
+    Owns grouped-query attention's wq, wk, wv, wo (optional biases bq, bk, bv and qk norm
+    weights q_norm, k_norm), or multi-latent attention's (fmoe.layers.mla_shapes), under
+    the fmoe.layers names. Under tensor parallelism fmoe.parallel splits the heads over the
+    tp ranks and sets `tensor_parallel` (a HeadShard; None otherwise): the weights every
+    rank holds whole then get their gradients summed over tp, and a qk norm over the whole
+    projection averages its statistic over tp."""
+
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
         self.cfg = cfg.attention_config()
+        self.tensor_parallel = None  # fmoe.parallel's HeadShard under tp > 1 (class docstring)
         if cfg.kv_rank is not None:  # multi-latent attention: fmoe.layers names and shapes
             self.names = []
             for kind in mla_shapes(cfg.hidden, self.cfg):
@@ -422,7 +432,11 @@ class Attention(nn.Module):
 
     def forward(self, x_TH, ctx: AttentionContext):
         params = {n: _local(getattr(self, n)) for n in self.names}
-        return attention(x_TH, params, self.cfg, ctx)[0]
+        tp = self.tensor_parallel
+        if tp is None:
+            return attention(x_TH, params, self.cfg, ctx)[0]
+        params.update({n: tp.weight(params[n]) for n in tp.replicated})
+        return attention(x_TH, params, self.cfg, ctx, heads_mean=tp.mean)[0]
 
 
 class Block(nn.Module):

@@ -143,6 +143,8 @@ def test_attention_bad_inputs():
         attention(x, p, CFG, (ctx.cos, ctx.sin, ctx.mask))
     with pytest.raises(ValueError, match="x: expected a 2-D"):
         attention(x[None], p, CFG, ctx)
+    with pytest.raises(ValueError, match=r"heads_mean: expected a function of a \[T, 1\] tensor .* got float"):
+        attention(x, p, CFG, ctx, heads_mean=2.0)
     flex = dataclasses.replace(CFG, impl="flex")
     with pytest.raises(ValueError, match="cfg.impl: FlexAttention has no backward on CPU"):
         attention(x, p, flex, _ctx(cu, flex))

@@ -8,7 +8,7 @@ collectives, DCP) arranged for MoE models. DESIGN.md "Parallelism".
     permute_padded, dispatch_padded, combine_padded, PaddedDispatchMeta   the same in fixed-size
                                        capacity-padded buffers: no host sync
     split_tokens, gather_tokens        tokens split over tp ranks (Replicate -> Shard(0)) and gathered back
-    tensor_parallel_plan, ShardTokens, SequenceShard, copy_to_tp, gather_from_sp,
+    tensor_parallel_plan, ShardTokens, SequenceShard, HeadShard, copy_to_tp, gather_from_sp,
     reduce_scatter_to_sp               tensor parallel with sequence parallelism (parallelize_module)
     all_reduce_counts, all_reduce_sums   per-layer counts and logged sums (kept on device), one
                                        collective each
@@ -68,6 +68,7 @@ from fmoe.parallel.reduce import (
     z_loss_split,
 )
 from fmoe.parallel.tensor import (
+    HeadShard,
     SequenceShard,
     ShardTokens,
     copy_to_tp,
@@ -123,6 +124,7 @@ __all__ = [
     "replica_mismatches",
     "gather_from_sp",
     "SequenceShard",
+    "HeadShard",
     "ShardTokens",
     "shard_experts",
     "tensor_parallel_plan",

@@ -8,6 +8,13 @@ heads (attention) or of the FFN columns (SwiGLU) and the output is a sum over ra
 
     attention   wq, wk, wv [H, heads*D]  Shard(1)  (whole heads; n_heads and n_kv_heads % tp == 0)
                 wo [heads*D, H]          Shard(0)
+                bq, bk, bv [heads*D]     Shard(0)
+                q_norm, k_norm           [D] replicated (qk_norm="head"); [heads*D] Shard(0)
+                                         (qk_norm="proj", the mean square averaged over tp)
+    multi-latent wq or wq_b, wkv_b       Shard(1)  (per-head up projections)
+    attention   wo                       Shard(0)
+                wq_a, wkv_a, q_a_norm,   replicated (the latents of all T tokens on every
+                kv_a_norm                rank; HeadShard sums their gradients over tp)
     SwiGLU      w_gate, w_up [H, F]      Shard(1)
                 w_down [F, H]            Shard(0)
 
@@ -201,52 +208,97 @@ class ShardTokens(ParallelStyle):
 
 
 class _ShardedRegion(ParallelStyle):
-    """Shard the named parameters of a module over the tp mesh (dim per name) and wrap its
-    forward in gather_from_sp (first positional input) / reduce_scatter_to_sp (output)."""
+    """Shard the named parameters of a module over the tp mesh (dim per name, _shard_dims)
+    and wrap its forward in gather_from_sp (first positional input) / reduce_scatter_to_sp
+    (output)."""
 
     shard_dims: dict[str, int] = {}
 
+    def _shard_dims(self, module: nn.Module) -> dict[str, int]:
+        return self.shard_dims
+
     def _check(self, module: nn.Module, tp: int) -> None:
-        for name, dim in self.shard_dims.items():
+        for name, dim in self._shard_dims(module).items():
             size = getattr(module, name).shape[dim]
             if size % tp:
                 raise ValueError(f"tp: {type(module).__name__}.{name} has {size} rows/cols on dim {dim}, not divisible by tp = {tp}")
 
-    def _configure(self, module: nn.Module, tp: int) -> None:
+    def _configure(self, module: nn.Module, mesh: DeviceMesh) -> None:
         """Adjust the module's per-rank configuration (head counts)."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         tp = device_mesh.size()
         self._check(module, tp)
-        for name, dim in self.shard_dims.items():
+        for name, dim in self._shard_dims(module).items():
             param = getattr(module, name)
             if isinstance(param, DTensor):
                 raise ValueError(f"module: {type(module).__name__}.{name} is already a DTensor (tensor-parallelised twice?)")
             sharded = distribute_tensor(param.data, device_mesh, [Shard(dim)], src_data_rank=None)
             module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        self._configure(module, tp)
+        self._configure(module, device_mesh)
         module.register_forward_pre_hook(lambda m, args: (gather_from_sp(args[0], device_mesh), *args[1:]))
         module.register_forward_hook(lambda m, args, out: reduce_scatter_to_sp(out, device_mesh))
         return module
 
 
-class AttentionParallel(_ShardedRegion):
-    """Attention heads split over tp (n_heads and n_kv_heads divisible by tp)."""
+@dataclasses.dataclass(frozen=True)
+class HeadShard:
+    """What an Attention whose heads are split over the tp ranks needs beyond its sharded
+    weights (set as its `tensor_parallel` attribute by AttentionParallel; fmoe.model's
+    Attention reads it). Every rank runs the region on all T tokens for its own heads.
 
-    shard_dims = {"wq": 1, "wk": 1, "wv": 1, "wo": 0}
+    replicated: the names of the parameters every tp rank holds whole and uses for its own
+        heads only (a per-head qk norm [D]; multi-latent attention's down projections
+        wq_a, wkv_a and their latent norms): weight() sums their gradients over tp.
+    """
+
+    mesh: DeviceMesh
+    replicated: tuple[str, ...] = ()
+
+    def weight(self, w: torch.Tensor) -> torch.Tensor:
+        """w itself; its gradient (this rank's heads' share) is summed over the tp ranks."""
+        return copy_to_tp(w, self.mesh)
+
+    def mean(self, x: torch.Tensor) -> torch.Tensor:
+        """The average over the tp ranks of a per-token statistic x [T, 1] (each rank's over
+        its heads, every rank the same number of channels): the statistic over every head.
+        An all-reduce; its backward all-reduces the gradient. Used by the qk norm over the
+        whole projection (qk_norm="proj"), whose channels the ranks split."""
+        total = DTensor.from_local(x, self.mesh, [Partial()], run_check=False).redistribute(self.mesh, [Replicate()])
+        return total.to_local(grad_placements=[Partial()]) / self.mesh.size()
+
+
+class AttentionParallel(_ShardedRegion):
+    """Attention heads split over tp (whole heads: n_heads and n_kv_heads divisible by tp).
+
+    Grouped-query attention: wq, wk, wv Shard(1), wo Shard(0); the biases bq, bk, bv
+    Shard(0) with their columns; qk_norm="head" weights [D] replicated (HeadShard.weight),
+    qk_norm="proj" weights Shard(0), their mean square averaged over tp (HeadShard.mean).
+    Multi-latent attention: the per-head up projections wq (or wq_b) and wkv_b Shard(1), wo
+    Shard(0); the latent down projections wq_a, wkv_a and the norms kv_a_norm, q_a_norm
+    replicated (each rank computes the latents of all T tokens, HeadShard.weight)."""
+
+    def _shard_dims(self, module):
+        cfg = module.cfg
+        if cfg.kv_rank is not None:
+            return {"wq" if cfg.q_rank is None else "wq_b": 1, "wkv_b": 1, "wo": 0}
+        dims = {"wq": 1, "wk": 1, "wv": 1, "wo": 0}
+        dims.update({n: 0 for n in ("bq", "bk", "bv") if getattr(module, n, None) is not None})
+        if cfg.qk_norm == "proj":
+            dims.update(q_norm=0, k_norm=0)
+        return dims
 
     def _check(self, module, tp):
         cfg = module.cfg
-        if cfg.kv_rank is not None:
-            raise ValueError("tp: multi-latent attention (kv_rank) is not split over tensor-parallel ranks yet; use tp = 1")
-        extras = [n for n in ("bq", "bk", "bv", "q_norm", "k_norm") if getattr(module, n, None) is not None]
-        if extras:
-            raise ValueError(f"tp: attention with {', '.join(extras)} (qkv_bias / qk_norm) is not split over tensor-parallel ranks yet; use tp = 1")
         if cfg.n_heads % tp or cfg.n_kv_heads % tp:
             raise ValueError(f"tp: n_heads = {cfg.n_heads} and n_kv_heads = {cfg.n_kv_heads} must both be divisible by tp = {tp}")
+        super()._check(module, tp)
 
-    def _configure(self, module, tp):
+    def _configure(self, module, mesh):
+        tp = mesh.size()
         module.cfg = dataclasses.replace(module.cfg, n_heads=module.cfg.n_heads // tp, n_kv_heads=module.cfg.n_kv_heads // tp)
+        replicated = tuple(n for n in module.names if n not in self._shard_dims(module))
+        module.tensor_parallel = HeadShard(mesh, replicated)
 
 
 class SwiGLUParallel(_ShardedRegion):

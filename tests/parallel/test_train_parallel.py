@@ -79,11 +79,18 @@ RUNS = {
     "mla-cp2xep2": (4, ["--cp=2", "--ep=2", "--model.n_kv_heads=4", "--model.head_dim=12", "--model.rope_dim=4", "--model.q_rank=10",
                         "--model.kv_rank=6", "--model.v_head_dim=5", "--model.mtp_norm=True", "--model.score=sigmoid", "--model.n_groups=2",
                         "--model.topk_groups=1", "--model.group_score_topk=2"]),
+    # attention's extras under tp: qkv biases with the qk norm over the whole projection
+    # (OLMoE's, its statistic averaged over tp); multi-latent attention with distributed
+    # Muon (the latent down projections whole on each tp rank, their copies agreeing bit for bit)
+    "qkv-bias-proj-norm-tp2": (2, ["--tp=2", "--model.qkv_bias=True", "--model.qk_norm=proj", "--check_replicas_every=1"]),
+    "mla-tp2-muon": (2, ["--tp=2", "--optimizer=muon", "--ns_dtype=float32", "--model.n_kv_heads=4", "--model.head_dim=12", "--model.rope_dim=4",
+                         "--model.q_rank=10", "--model.kv_rank=6", "--model.v_head_dim=5", "--check_replicas_every=1"]),
 }
 # knobs the one-process reference shares
 SAME_MODEL = ("--optimizer=", "--ns_dtype=", "--batch_schedule=", "--aux_coeff=", "--model.n_layers=", "--model.n_kv_heads=", "--model.head_dim=",
               "--model.rope_dim=", "--model.q_rank=", "--model.kv_rank=", "--model.v_head_dim=", "--model.mtp_norm=", "--model.score=",
-              "--model.n_groups=", "--model.topk_groups=", "--model.group_score_topk=", "--model.capacity_factor=")
+              "--model.n_groups=", "--model.topk_groups=", "--model.group_score_topk=", "--model.capacity_factor=", "--model.qkv_bias=",
+              "--model.qk_norm=")
 
 
 @pytest.mark.parametrize("run", list(RUNS))
