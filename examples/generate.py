@@ -4,6 +4,8 @@
     python examples/generate.py out/train_moe --prompt="import " --temperature=0.8 --top_p=0.9 --seed=1
     python examples/generate.py path/to/qwen3_moe --prompt="Hello"   # needs its tokenizer.json (`tokenizers`)
     python examples/generate.py path/to/qwen3_moe --prompt_ids=1,2,3 # or token ids, printed as ids
+    python examples/generate.py out/train_moe --prompt="def " --samples=4 --temperature=1  # 4 draws, one batch
+    python examples/generate.py path/to/qwen3_moe --prompt="Hi" --device=cuda --dtype=bfloat16
 
 An fmoe run is rebuilt from its config.json (the model knobs and vocab_size the loop wrote)
 and the newest complete checkpoint's weights (fmoe.train.checkpoint.load_model); a run on
@@ -13,7 +15,10 @@ decode_text). An HF folder is loaded with fmoe.hf.from_pretrained. Decoding: gre
 tokens whose probability reaches --top_p (nucleus sampling), from a generator seeded by
 --seed. The prompt runs once, then each new token alone against the keys and values of
 the tokens before it (Transformer.decode with a KVCache of prompt + --tokens tokens).
-Generation stops after --tokens new tokens or at the end-of-document token.
+Generation stops after --tokens new tokens or at the end-of-document token. --samples=N
+draws N continuations of the prompt as one batch (one cache of N sequences, every step of
+the unfinished ones in one forward pass). --device and --dtype place and cast the model
+(the router stays float32); the model runs fmoe's torch reference (SDPA attention) there.
 """
 
 from __future__ import annotations
@@ -45,12 +50,24 @@ def load_run(path: Path) -> tuple[Transformer, dict]:
     return model, run
 
 
-@torch.no_grad()
 def generate(model: Transformer, prompt: list[int], *, tokens: int, temperature: float = 0.0, top_p: float = 1.0,
              seed: int = 0, eos: Optional[int] = None) -> list[int]:
     """prompt + up to `tokens` new token ids (module docstring). ValueError for an empty
     prompt, a negative number of tokens or temperature, or top_p outside (0, 1]."""
-    if not prompt:
+    return generate_many(model, [prompt], tokens=tokens, temperature=temperature, top_p=top_p, seed=seed, eos=eos)[0]
+
+
+@torch.no_grad()
+def generate_many(model: Transformer, prompts: list[list[int]], *, tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+                  seed: int = 0, eos: Optional[int] = None) -> list[list[int]]:
+    """Each prompt + up to `tokens` new token ids, decoded as one batch: a KVCache of
+    len(prompts) sequences, each prompt run alone, then one step for every unfinished
+    sequence together (Transformer.decode with seqs). Greedy gives each prompt what
+    generate gives it alone; sampling draws from one generator seeded by `seed`, the
+    sequences in order at each step. ValueError as generate's, and for no prompts."""
+    if not prompts:
+        raise ValueError("prompts: expected at least one prompt")
+    if any(not prompt for prompt in prompts):
         raise ValueError("prompt: expected at least one token")
     if tokens < 0:
         raise ValueError(f"tokens: expected >= 0 new tokens, got {tokens}")
@@ -60,25 +77,48 @@ def generate(model: Transformer, prompt: list[int], *, tokens: int, temperature:
         raise ValueError(f"top_p: expected a number in (0, 1], got {top_p}")
     model.eval()
     gen = torch.Generator().manual_seed(seed)
-    ids = list(prompt)
+    out = [list(prompt) for prompt in prompts]
     device = model.embed.device
-    cache = model.kv_cache(len(prompt) + tokens)
-    logits = model.decode(torch.tensor(prompt, device=device), cache)[-1].cpu()
+    cache = model.kv_cache(max(map(len, prompts)) + tokens, batch=len(prompts))
+    logits = [model.decode(torch.tensor(prompt, device=device), cache, seqs=b)[-1] for b, prompt in enumerate(prompts)]
+    active = list(range(len(prompts)))
     for step in range(tokens):
         if step:
-            logits = model.decode(torch.tensor([ids[-1]], device=device), cache)[-1].cpu()
-        if temperature == 0:
-            nxt = int(logits.argmax())
-        else:
-            probs = torch.softmax(logits / temperature, dim=-1)
-            sorted_p, order = probs.sort(descending=True)
-            keep = sorted_p.cumsum(0) - sorted_p < top_p  # the smallest prefix reaching top_p
-            sorted_p = sorted_p * keep
-            nxt = int(order[torch.multinomial(sorted_p / sorted_p.sum(), 1, generator=gen)])
-        ids.append(nxt)
-        if eos is not None and nxt == eos:
+            last = torch.tensor([[out[b][-1]] for b in active], device=device)
+            logits = list(model.decode(last, cache, seqs=active)[:, -1])
+        for b, row in zip(list(active), logits):
+            nxt = _next_token(row.float().cpu(), temperature, top_p, gen)
+            out[b].append(nxt)
+            if eos is not None and nxt == eos:
+                active.remove(b)
+        if not active:
             break
-    return ids
+    return out
+
+
+def _next_token(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> int:
+    """Greedy (temperature 0), else a draw from softmax(logits / temperature) over the
+    smallest set of most likely tokens whose probability reaches top_p."""
+    if temperature == 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits / temperature, dim=-1)
+    sorted_p, order = probs.sort(descending=True)
+    keep = sorted_p.cumsum(0) - sorted_p < top_p  # the smallest prefix reaching top_p
+    sorted_p = sorted_p * keep
+    return int(order[torch.multinomial(sorted_p / sorted_p.sum(), 1, generator=gen)])
+
+
+def _device(name: str) -> torch.device:
+    """--device as a torch.device that exists here, else ValueError."""
+    try:
+        device = torch.device(name)
+    except RuntimeError as err:
+        raise ValueError(f"--device: expected cpu, cuda or cuda:N, got {name!r} ({err})") from None
+    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
+        raise ValueError(f"--device: {name} is not available here ({torch.cuda.device_count()} CUDA devices)")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device: expected cpu, cuda or cuda:N, got {name!r}")
+    return device
 
 
 def main(argv: list[str]) -> None:
@@ -90,6 +130,9 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--top_p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--samples", type=int, default=1, help="continuations of the prompt, decoded as one batch")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     args = parser.parse_args(argv)
     encode = decode = None
     try:
@@ -120,11 +163,17 @@ def main(argv: list[str]) -> None:
     else:
         sys.exit("--prompt_ids: this model has no tokenizer here (no tokenizer.json, or a token-file run); give token ids")
     try:
-        ids = generate(model, prompt, tokens=args.tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed, eos=eos)
+        if args.samples < 1:
+            raise ValueError(f"--samples: expected a positive number of continuations, got {args.samples}")
+        model.to(device=_device(args.device), dtype=getattr(torch, args.dtype))
+        samples = generate_many(model, [prompt] * args.samples, tokens=args.tokens, temperature=args.temperature, top_p=args.top_p,
+                                seed=args.seed, eos=eos)
     except ValueError as err:
         sys.exit(str(err))
-    new = ids[len(prompt):]
-    print(decode(ids) if decode is not None and not args.prompt_ids else ",".join(map(str, new)))
+    for i, ids in enumerate(samples):
+        if args.samples > 1:
+            print(f"--- sample {i}")
+        print(decode(ids) if decode is not None and not args.prompt_ids else ",".join(map(str, ids[len(prompt):])))
 
 
 if __name__ == "__main__":

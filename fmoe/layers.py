@@ -358,7 +358,7 @@ class AttentionContext:
         applied to these tokens' keys [T', G, D] (after RoPE) and values, returning all the
         keys [T, G, D] the mask's columns index: under context parallel every rank's
         (fmoe.parallel.gather_kv over the cp mesh), in decoding the cached tokens' followed
-        by these (fmoe.model.KVCache.extend, one per layer).
+        by these (fmoe.model.KVCache.write, one per layer).
     latent_kv: multi-latent attention in its absorbed form (decoding with a cache of latents):
         the keys and values gather_kv takes and returns are one shared head, keys
         [T, 1, kv_rank + R] (the normed latent, then the rotated key) and values [T, 1, kv_rank]
@@ -496,8 +496,8 @@ def attention_context(
             gather_kv returns (fmoe.parallel.cp_kv_index); gather_kv(k, v) -> (k, v): this
             rank's keys and values to every rank's (functools.partial(fmoe.parallel.gather_kv,
             cp_mesh=...)). Their values are not read either. Decoding with a KV cache uses
-            the same form: token_index the new tokens' positions, kv_index 0 ... of every
-            token so far, gather_kv the cache (fmoe.model.Transformer.decode).
+            the same form: token_index the new tokens' rows in the cache, kv_index 0 ... of
+            the cache's rows, gather_kv the cache (fmoe.model.Transformer.decode).
     Returns:
         AttentionContext(cos, sin [T, rot_dim/2] float32, mask, gather_kv): the mask is a
         FlexAttention BlockMask when cfg.impl is "flex", or "auto" on CUDA; the dense

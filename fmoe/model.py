@@ -534,51 +534,73 @@ class LayerElsewhere(nn.Module):
 
 
 class KVCache:
-    """The keys and values of one sequence's tokens so far, per trunk layer: what
+    """The keys and values of the tokens so far of `batch` sequences, per trunk layer: what
     Transformer.decode attends over and appends to, so that a new token costs one token's
     forward pass rather than the whole sequence's.
 
-    k [n_layers, max_tokens, G, D], v [n_layers, max_tokens, G, Dv] (G = n_kv_heads,
-    D = Dv = head_dim), keys after RoPE; the first `length` rows are filled. Multi-latent
+    k [n_layers, batch * max_tokens, G, D], v [n_layers, batch * max_tokens, G, Dv]
+    (G = n_kv_heads, D = Dv = head_dim), keys after RoPE: sequence b owns the rows
+    [b max_tokens, (b + 1) max_tokens), of which the first lengths[b] are filled. Multi-latent
     attention keeps its latents instead (the absorbed form, AttentionContext.latent_kv):
-    k [n_layers, max_tokens, 1, kv_rank + rope_dim] (the normed latent, then the rotated key)
-    and v = k[..., :kv_rank], a view: kv_rank + rope_dim numbers per token and layer where
-    the expanded keys and values would take n_heads (head_dim + v_head_dim). Make one with
-    Transformer.kv_cache (the model's device and dtype), or here for a TransformerConfig;
-    `length = 0` starts a new sequence in it.
+    k [n_layers, batch * max_tokens, 1, kv_rank + rope_dim] (the normed latent, then the
+    rotated key) and v = k[..., :kv_rank], a view: kv_rank + rope_dim numbers per token and
+    layer where the expanded keys and values would take n_heads (head_dim + v_head_dim).
+    Make one with Transformer.kv_cache (the model's device and dtype), or here for a
+    TransformerConfig. `length` is the one sequence's length of a cache of batch 1;
+    setting it (or reset()) starts over.
     """
 
-    def __init__(self, cfg: TransformerConfig, max_tokens: int, *, device=None, dtype: torch.dtype = torch.float32):
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ValueError(f"max_tokens: expected a positive int, got {max_tokens!r}")
+    def __init__(self, cfg: TransformerConfig, max_tokens: int, *, batch: int = 1, device=None, dtype: torch.dtype = torch.float32):
+        for name, value in (("max_tokens", max_tokens), ("batch", batch)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
         self.v_in_k = cfg.kv_rank is not None  # v is k's latent: written with k
+        rows = batch * max_tokens
         if cfg.kv_rank is None:
-            self.k = torch.zeros(cfg.n_layers, max_tokens, cfg.n_kv_heads, cfg.head_dim, device=device, dtype=dtype)
+            self.k = torch.zeros(cfg.n_layers, rows, cfg.n_kv_heads, cfg.head_dim, device=device, dtype=dtype)
             self.v = torch.zeros_like(self.k)
         else:  # the latent is both the key's first kv_rank channels and the value
-            self.k = torch.zeros(cfg.n_layers, max_tokens, 1, cfg.kv_rank + cfg.rope_dim, device=device, dtype=dtype)
+            self.k = torch.zeros(cfg.n_layers, rows, 1, cfg.kv_rank + cfg.rope_dim, device=device, dtype=dtype)
             self.v = self.k[..., :cfg.kv_rank]
-        self.length = 0
+        self.max_tokens, self.batch = max_tokens, batch
+        self.lengths = [0] * batch
 
     @property
-    def max_tokens(self) -> int:
-        return self.k.shape[1]
+    def length(self) -> int:
+        """The filled tokens of the one sequence (a cache of batch 1)."""
+        self._check_one("length")
+        return self.lengths[0]
 
-    def extend(self, layer: int, k_TGD: torch.Tensor, v_TGD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Writes layer's keys k [T, G, D] and values v [T, G, Dv] of the T new tokens after
-        the `length` cached ones and returns all length + T of them (views, no copy); the
-        caller (Transformer.decode) advances `length` once every layer has been extended.
-        The AttentionContext's gather_kv of layer `layer` (fmoe.layers.attention)."""
-        T = k_TGD.shape[0]
-        end = self.length + T
+    @length.setter
+    def length(self, value: int) -> None:
+        self._check_one("length")
+        self.lengths[0] = value
+
+    def _check_one(self, what: str) -> None:
+        if self.batch != 1:
+            raise ValueError(f"cache.{what}: the cache holds {self.batch} sequences; use cache.lengths[b]")
+
+    def reset(self, seqs=None) -> None:
+        """Start the sequences `seqs` (default: all) over, empty (their rows are overwritten
+        as they fill again)."""
+        for b in range(self.batch) if seqs is None else seqs:
+            self.lengths[b] = 0
+
+    def write(self, layer: int, rows: torch.Tensor, n_keys: int, k_TGD: torch.Tensor, v_TGD: torch.Tensor):
+        """Writes layer's keys k [T, G, D] and values v [T, G, Dv] of the T new tokens into
+        their rows (rows [T] int64 of this cache's row index) and returns the layer's first
+        n_keys rows (views, no copy): every filled row of the sequences being decoded, and
+        rows of other sequences or unfilled ones that the decode mask hides. Transformer.decode
+        binds layer, rows and n_keys as each layer's AttentionContext.gather_kv and
+        advances `lengths` once every layer has been written."""
         for name, new, cached in (("k", k_TGD, self.k), ("v", v_TGD, self.v)):
             if new.shape[1:] != cached.shape[2:] or new.dtype != cached.dtype or new.device != cached.device:
                 raise ValueError(f"cache.{name}: holds {cached.dtype} [.., {', '.join(map(str, cached.shape[2:]))}] on {cached.device}, "
                                  f"layer {layer} gave {new.dtype} {list(new.shape)} on {new.device} (make the cache with model.kv_cache)")
-        self.k[layer, self.length:end] = k_TGD
+        self.k[layer].index_copy_(0, rows, k_TGD)
         if not self.v_in_k:
-            self.v[layer, self.length:end] = v_TGD
-        return self.k[layer, :end], self.v[layer, :end]
+            self.v[layer].index_copy_(0, rows, v_TGD)
+        return self.k[layer, :n_keys], self.v[layer, :n_keys]
 
 
 BATCH_KEYS = ("input_ids", "labels", "loss_mask", "positions", "cu_seqlens")
@@ -710,45 +732,76 @@ class Transformer(nn.Module):
         """The final norm and the output head: float32 logits [T, V]."""
         return (self.norm(h_TH) @ self.output_weight().t()).float()
 
-    def kv_cache(self, max_tokens: int) -> KVCache:
-        """An empty KVCache of up to max_tokens tokens on the model's device, in its dtype."""
-        return KVCache(self.cfg, max_tokens, device=self.embed.device, dtype=self.embed.dtype)
+    def kv_cache(self, max_tokens: int, batch: int = 1) -> KVCache:
+        """An empty KVCache of `batch` sequences of up to max_tokens tokens each, on the
+        model's device, in its dtype."""
+        return KVCache(self.cfg, max_tokens, batch=batch, device=self.embed.device, dtype=self.embed.dtype)
 
     @torch.no_grad()
-    def decode(self, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """The next-token logits [T, V] (float32) of T new tokens input_ids [T] int64 that
-        continue the sequence in `cache` (positions cache.length, ..., + T - 1), whose keys
-        and values it appends to the cache: a prompt in one call, then a token per call.
-        Inference: no autograd.
+    def decode(self, input_ids: torch.Tensor, cache: KVCache, seqs=None) -> torch.Tensor:
+        """The next-token logits (float32) of new tokens that continue sequences in `cache`,
+        whose keys and values it appends to the cache: a prompt in one call, then a token
+        per call. Inference: no autograd.
 
-        Equals the rows of logits(...) of the whole sequence, as long as no capacity_factor
-        drops tokens (a capacity counts the tokens of one call). A model of one process, as
-        logits; reads the cache's length on the host, never a device value."""
+        input_ids [T] int64: T new tokens of one sequence, `seqs` (an int, default 0) ->
+            logits [T, V], at positions cache.lengths[seqs], ..., + T - 1.
+        input_ids [S, T] int64: T new tokens for each of S distinct sequences `seqs` (a list
+            of S ints, default every one of the cache's, S = cache.batch) -> logits [S, T, V].
+            Prompts of different lengths: one call per sequence, then steps of all together.
+
+        Each sequence attends to its own tokens only: equals the rows of logits(...) of each
+        whole sequence, as long as no capacity_factor drops tokens (a capacity counts the
+        tokens of one call). A model of one process, as logits; reads the cache's lengths on
+        the host, never a device value."""
         self._check_whole("decode")
         if not isinstance(cache, KVCache):
             raise ValueError(f"cache: expected a KVCache (model.kv_cache(max_tokens)), got {type(cache).__name__}")
         if cache.k.shape[0] != self.cfg.n_layers:
             raise ValueError(f"cache: holds {cache.k.shape[0]} layers, the model has {self.cfg.n_layers}")
-        if input_ids.ndim != 1 or input_ids.shape[0] < 1 or input_ids.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"input_ids: expected [T] int64 with T >= 1, got {input_ids.dtype} {list(input_ids.shape)}")
-        start, end = cache.length, cache.length + input_ids.shape[0]
-        if end > cache.max_tokens:
-            raise ValueError(f"input_ids: {input_ids.shape[0]} more tokens after {start} exceed the cache's max_tokens = {cache.max_tokens}")
-        device = input_ids.device
-        positions, keys = torch.arange(start, end, device=device), torch.arange(end, device=device)
-        # the new tokens are queries at global indices start..end-1 of one document whose
-        # keys are all end tokens: attention_context's context-parallel form, the cache
-        # standing in for the gather of every rank's keys. Multi-latent attention attends in
-        # its absorbed form (latent keys of kv_rank + rope_dim channels) with the dense mask.
+        if input_ids.ndim not in (1, 2) or input_ids.shape[-1] < 1 or input_ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"input_ids: expected [T] or [S, T] int64 with T >= 1, got {input_ids.dtype} {list(input_ids.shape)}")
+        seq_list = self._decoded_seqs(input_ids, cache, seqs)
+        T, M, device = input_ids.shape[-1], cache.max_tokens, input_ids.device
+        for b in seq_list:
+            if cache.lengths[b] + T > M:
+                raise ValueError(f"input_ids: {T} more tokens after {cache.lengths[b]} of sequence {b} exceed the cache's max_tokens = {M}")
+        # the new tokens are queries at their rows of the cache (sequence b's slot of M rows
+        # is a document) against the cache's first n_keys rows: attention_context's
+        # context-parallel form, the cache standing in for the gather of every rank's keys
+        # and the document mask hiding other sequences' rows and the unfilled ones. Multi-
+        # latent attention attends in its absorbed form (latent keys of kv_rank + rope_dim
+        # channels) with the dense mask.
+        positions_host = [cache.lengths[b] + t for b in seq_list for t in range(T)]
+        rows_host = [b * M + cache.lengths[b] + t for b in seq_list for t in range(T)]
+        n_keys = max(rows_host) + 1
+        positions, rows = (torch.tensor(v, device=device) for v in (positions_host, rows_host))
+        cu = torch.tensor([*range(0, n_keys, M), n_keys], dtype=torch.int32, device=device)
         cfg, mla = self.cfg.attention_config(), self.cfg.kv_rank is not None
-        ctx = attention_context(torch.tensor([0, end], dtype=torch.int32, device=device), positions,
-                                dataclasses.replace(cfg, impl="torch") if mla else cfg,
-                                token_index=positions, kv_index=keys, gather_kv=functools.partial(cache.extend, 0))
-        h_TH = F.embedding(input_ids, self.embed)
+        ctx = attention_context(cu, positions, dataclasses.replace(cfg, impl="torch") if mla else cfg, token_index=rows,
+                                kv_index=torch.arange(n_keys, device=device), gather_kv=functools.partial(cache.write, 0, rows, n_keys))
+        h_TH = F.embedding(input_ids.reshape(-1), self.embed)
         for i, block in enumerate(self.blocks):
-            h_TH, _ = block(h_TH, dataclasses.replace(ctx, gather_kv=functools.partial(cache.extend, i), latent_kv=mla))
-        cache.length = end
-        return self._head(h_TH)
+            h_TH, _ = block(h_TH, dataclasses.replace(ctx, gather_kv=functools.partial(cache.write, i, rows, n_keys), latent_kv=mla))
+        for b in seq_list:
+            cache.lengths[b] += T
+        logits = self._head(h_TH)
+        return logits if input_ids.ndim == 1 else logits.view(len(seq_list), T, -1)
+
+    @staticmethod
+    def _decoded_seqs(input_ids: torch.Tensor, cache: KVCache, seqs) -> list[int]:
+        """decode's sequences, checked: [seqs] for input_ids [T], the S of seqs for [S, T]."""
+        if input_ids.ndim == 1:
+            seq = 0 if seqs is None else seqs
+            if isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq < cache.batch:
+                raise ValueError(f"seqs: expected one sequence index in [0, {cache.batch}) for input_ids [T], got {seqs!r}")
+            return [seq]
+        seq_list = list(range(cache.batch)) if seqs is None else seqs
+        if (not isinstance(seq_list, (list, tuple)) or len(set(seq_list)) != len(seq_list)
+                or any(isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < cache.batch for b in seq_list)):
+            raise ValueError(f"seqs: expected distinct sequence indices in [0, {cache.batch}) for input_ids [S, T], got {seqs!r}")
+        if len(seq_list) != input_ids.shape[0]:
+            raise ValueError(f"input_ids: {input_ids.shape[0]} rows for the {len(seq_list)} sequences {list(seq_list)} (one row each)")
+        return list(seq_list)
 
     def forward(self, batch, ctx: Optional[BatchContext] = None, hidden: Optional[torch.Tensor] = None):
         """One packed micro-batch; no device->host sync.

@@ -85,6 +85,40 @@ def test_a_run_directory_generates_and_samples_reproducibly(run_dir):
     assert cli.stdout.startswith("def ")
 
 
+def test_a_batch_of_prompts_decodes_as_each_prompt_alone(run_dir):
+    """generate_many: prompts of different lengths in one cache, greedy, give what each
+    gives alone; a sequence that reaches eos stops while the others go on."""
+    model = run_dir[1]
+    prompts = [list(b"def "), list(b"import os"), list(b"x")]
+    alone = [generate.generate(model, p, tokens=6) for p in prompts]
+    assert generate.generate_many(model, prompts, tokens=6) == alone
+    eos = alone[0][len(prompts[0]) + 1]  # the first prompt's second new token ends it
+    stopped = generate.generate_many(model, prompts, tokens=6, eos=eos)
+    assert stopped == [generate.generate(model, p, tokens=6, eos=eos) for p in prompts]
+    assert len(stopped[0]) == len(prompts[0]) + 2 and max(len(a) - len(p) for a, p in zip(stopped, prompts)) == 6
+    with pytest.raises(ValueError, match="prompts: expected at least one prompt"):
+        generate.generate_many(model, [], tokens=2)
+
+
+def test_cli_samples_in_one_batch_on_a_device_and_dtype(run_dir):
+    out, _ = run_dir
+    run = lambda *args: subprocess.run([sys.executable, str(ROOT / "examples" / "generate.py"), str(out), "--prompt=def ", *args],  # noqa: E731
+                                       capture_output=True, text=True, timeout=300)
+    cli = run("--tokens=8", "--samples=3", "--temperature=1.0", "--seed=1")
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    parts = cli.stdout.split("--- sample ")[1:]
+    assert [p.split("\n", 1)[0] for p in parts] == ["0", "1", "2"]
+    texts = [p.split("\n", 1)[1] for p in parts]
+    assert all(t.startswith("def ") for t in texts) and len(set(texts)) > 1  # three draws, not one repeated
+    bf16 = run("--tokens=4", "--dtype=bfloat16")
+    assert bf16.returncode == 0 and bf16.stdout.startswith("def "), bf16.stderr[-2000:]
+    for args, message in ((["--samples=0"], "--samples: expected a positive number of continuations, got 0"),
+                          (["--device=cuda:7"], "--device: cuda:7 is not available here"),
+                          (["--device=nowhere"], "--device: expected cpu, cuda or cuda:N, got 'nowhere'")):
+        bad = run("--tokens=2", *args)
+        assert bad.returncode != 0 and message in bad.stderr, bad.stderr[-2000:]
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(temperature=-1.0), "temperature: expected >= 0"),
     (dict(top_p=0.0), r"top_p: expected a number in \(0, 1\]"),

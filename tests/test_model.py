@@ -413,6 +413,55 @@ def test_decode_with_a_kv_cache_equals_the_whole_sequence(name):
         torch.testing.assert_close(model.decode(ids[:4], cache), want[:4], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", list(DECODED))
+def test_batched_decode_gives_each_sequence_its_own_logits(name):
+    """Three sequences in one cache: prompts of 5, 2 and 7 tokens prefilled one by one, then
+    steps of all three together, of two of them, and of two tokens each. Every sequence's
+    logits are the rows of its own whole sequence's: the others' rows never leak in."""
+    model = _sharp(DECODED[name])
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(0, model.cfg.vocab_size, (n,), generator=g) for n in (10, 6, 11)]
+    with torch.no_grad():
+        want = [model.logits(ids, torch.tensor([0, ids.shape[0]], dtype=torch.int32)) for ids in seqs]
+    cache = model.kv_cache(12, batch=3)
+    got = [[model.decode(ids[:n], cache, seqs=b)] for b, (ids, n) in enumerate(zip(seqs, (5, 2, 7)))]
+    assert cache.lengths == [5, 2, 7]
+    for which, width in (([0, 1, 2], 1), ([0, 2], 1), ([0, 1, 2], 2), ([1, 0], 1)):
+        ids = torch.stack([seqs[b][cache.lengths[b]:cache.lengths[b] + width] for b in which])
+        out = model.decode(ids, cache, seqs=which)
+        assert out.shape == (len(which), width, model.cfg.vocab_size)
+        for row, b in enumerate(which):
+            got[b].append(out[row])
+    assert cache.lengths == [10, 6, 11]
+    for b in range(3):
+        torch.testing.assert_close(torch.cat(got[b]), want[b], rtol=1e-5, atol=1e-5)
+    # a sequence started over in its slot, the others kept
+    cache.reset([1])
+    torch.testing.assert_close(model.decode(seqs[1][:3], cache, seqs=1), want[1][:3], rtol=1e-5, atol=1e-5)
+    assert cache.lengths == [10, 3, 11]
+
+
+def test_batched_decode_through_the_flex_block_mask(monkeypatch):
+    """FlexAttention's BlockMask (eager on CPU, as impl "auto" picks it on CUDA) over two
+    slots of 160 rows, 128-row blocks: a block of queries spans both sequences and slot
+    edges fall inside key blocks."""
+    import fmoe.layers
+
+    monkeypatch.setattr(fmoe.layers, "_use_flex", lambda impl, device: True)
+    model = _sharp(TINY)
+    seqs = [torch.randint(0, TINY.vocab_size, (n,)) for n in (150, 40)]
+    with torch.no_grad():
+        want = [model.logits(ids, torch.tensor([0, ids.shape[0]], dtype=torch.int32)) for ids in seqs]
+    cache = model.kv_cache(160, batch=2)
+    got = [[model.decode(seqs[0][:140], cache, seqs=0)], [model.decode(seqs[1][:30], cache, seqs=1)]]
+    for t in range(0, 10, 5):
+        out = model.decode(torch.stack([seqs[0][140 + t:145 + t], seqs[1][30 + t:35 + t]]), cache)
+        got[0].append(out[0])
+        got[1].append(out[1])
+    for b in range(2):
+        torch.testing.assert_close(torch.cat(got[b]), want[b], rtol=1e-5, atol=1e-5)
+
+
 def test_decode_reads_nothing_on_the_host():
     model = _sharp(dataclasses.replace(TINY, impl="auto"))  # the torch reference's grouped MLP reads its offsets
     cache = model.kv_cache(8)
@@ -431,12 +480,24 @@ def test_decode_bad_inputs():
     ids = torch.tensor([1, 2, 3])
     with pytest.raises(ValueError, match="max_tokens: expected a positive int"):
         model.kv_cache(0)
-    with pytest.raises(ValueError, match=r"input_ids: expected \[T\] int64"):
-        model.decode(ids[None], cache)
-    with pytest.raises(ValueError, match=r"input_ids: expected \[T\] int64"):
+    with pytest.raises(ValueError, match=r"input_ids: expected \[T\] or \[S, T\] int64"):
+        model.decode(ids[None, None], cache)
+    with pytest.raises(ValueError, match=r"input_ids: expected \[T\] or \[S, T\] int64"):
         model.decode(ids[:0], cache)
-    with pytest.raises(ValueError, match=r"input_ids: expected \[T\] int64"):
+    with pytest.raises(ValueError, match=r"input_ids: expected \[T\] or \[S, T\] int64"):
         model.decode(ids.float(), cache)
+    with pytest.raises(ValueError, match="batch: expected a positive int"):
+        model.kv_cache(4, batch=0)
+    pair = model.kv_cache(4, batch=2)
+    with pytest.raises(ValueError, match=r"seqs: expected one sequence index in \[0, 2\) for input_ids \[T\], got 2"):
+        model.decode(ids, pair, seqs=2)
+    with pytest.raises(ValueError, match=r"seqs: expected distinct sequence indices in \[0, 2\) for input_ids \[S, T\], got \[1, 1\]"):
+        model.decode(ids.expand(2, 3), pair, seqs=[1, 1])
+    with pytest.raises(ValueError, match=r"input_ids: 1 rows for the 2 sequences \[0, 1\]"):
+        model.decode(ids[None], pair)
+    with pytest.raises(ValueError, match=r"cache.length: the cache holds 2 sequences; use cache.lengths\[b\]"):
+        pair.length  # noqa: B018
+    assert pair.lengths == [0, 0]  # nothing was written by the refused calls
     with pytest.raises(ValueError, match="cache: expected a KVCache"):
         model.decode(ids, (cache.k, cache.v))
     with pytest.raises(ValueError, match="cache: holds 2 layers, the model has 3"):
@@ -447,7 +508,7 @@ def test_decode_bad_inputs():
         model.decode(ids, KVCache(dataclasses.replace(TINY, n_kv_heads=4), 4))
     with torch.no_grad():
         model.decode(ids, cache)
-    with pytest.raises(ValueError, match="input_ids: 2 more tokens after 3 exceed the cache's max_tokens = 4"):
+    with pytest.raises(ValueError, match="input_ids: 2 more tokens after 3 of sequence 0 exceed the cache's max_tokens = 4"):
         model.decode(ids[:2], cache)
     assert cache.length == 3
     model.pipeline_chunk = PipelineChunk(0, 2, range(2))
@@ -468,3 +529,22 @@ def test_gpu_decode_with_flex_attention_equals_the_whole_sequence(name):
         cache = model.kv_cache(320)
         got = [model.decode(ids[:300], cache)] + [model.decode(ids[t:t + 1], cache) for t in range(300, 305)]
     torch.testing.assert_close(torch.cat(got), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["default", "mla"])
+def test_gpu_batched_decode_with_flex_attention_equals_each_sequence(name):
+    """On CUDA: two sequences in one cache (block mask over both slots), prompts of 300 and
+    140 tokens, then steps of both together."""
+    model = _sharp(dataclasses.replace(DECODED[name], impl="auto")).cuda()
+    seqs = [torch.randint(0, TINY.vocab_size, (n,), device="cuda") for n in (304, 144)]
+    with torch.no_grad():
+        want = [model.logits(ids, torch.tensor([0, ids.shape[0]], dtype=torch.int32, device="cuda")) for ids in seqs]
+        cache = model.kv_cache(320, batch=2)
+        got = [[model.decode(seqs[0][:300], cache, seqs=0)], [model.decode(seqs[1][:140], cache, seqs=1)]]
+        for t in range(4):
+            out = model.decode(torch.stack([seqs[0][300 + t:301 + t], seqs[1][140 + t:141 + t]]), cache)
+            got[0].append(out[0])
+            got[1].append(out[1])
+    for b in range(2):
+        torch.testing.assert_close(torch.cat(got[b]), want[b], rtol=1e-4, atol=1e-4)
