@@ -114,7 +114,7 @@ class Config:
     device: str = "auto"            # auto | cpu | cuda
     dtype: str = "auto"             # compute: auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16;
                                     # weights, gradient sums and optimizer steps stay float32
-    compile: bool = False           # torch.compile the model (forward and backward)
+    compile: bool = False           # torch.compile the model (forward and backward; each pipeline stage's in place)
     deterministic: bool = False     # bit-reproducible runs (fmoe.train.run.set_deterministic)
     # parallelism (under torchrun; fmoe.parallel): world = dp_replicate * dp_shard * cp * tp
     dp_replicate: int = 1           # HSDP replicas
@@ -215,8 +215,6 @@ def main(argv: list[str]) -> None:
         mesh_shape = parallel.plan_sizes(world, **sizes, has_experts=has_experts)
     except ValueError as err:
         sys.exit(f"parallel knobs (--pp, --dp_replicate, --dp_shard, --cp, --tp, --ep, --etp) for {world} process(es): {err}")
-    if cfg.pp > 1 and cfg.compile:
-        sys.exit("--compile: not with --pp > 1 yet (compile each stage's blocks yourself)")
     meshes, rank, dp_rank, dp, cp_rank = None, 0, 0, 1, 0
     # several processes, or one computing in bf16: the parallel path (FSDP2's mixed precision
     # keeps float32 master weights and sums gradients in float32; one process is a group of 1)
@@ -283,7 +281,10 @@ def main(argv: list[str]) -> None:
     if hf_type is not None:  # each rank reads the tensors of its own parameters (blocks of them when sharded)
         for part in parts:
             fmoe.hf.load_weights(part, cfg.init_from_hf, model_type=hf_type)
-    forward = torch.compile(model) if cfg.compile else model
+    forward = torch.compile(model) if cfg.compile and pipe is None else model
+    if cfg.compile and pipe is not None:  # each stage's model, in place: the schedule calls it
+        for chunk in pipe.chunks:
+            chunk.compile()
     if cfg.bias_update not in ("sign", "proportional"):
         sys.exit(f"--bias_update: expected sign or proportional, got {cfg.bias_update!r}")
     if cfg.ns_dtype not in ("bfloat16", "float32") or cfg.adamw_state_dtype not in ("bfloat16", "float32"):
@@ -500,8 +501,11 @@ def main(argv: list[str]) -> None:
         record = dict.fromkeys(["lm_loss", *(f"mtp_{d}_loss" for d in range(1, model_cfg.mtp_depth + 1)), "seq_aux_loss", "aux_loss", "z_loss"], zero)
         if pipe is not None:  # the schedule runs forward and backward of this rank's micro-batches
             step_state.update(valid=valid, n_micro=n_micro)
-            logged, counts = pipe.step([parallel.MicroBatch(split(b).to(device, non_blocking=True), padding=i >= len(mine))
-                                        for i, b in enumerate(mine + [host_batches[0]] * padding)])
+            micro = [split(b).to(device, non_blocking=True) for b in mine + [host_batches[0]] * padding]
+            if cfg.compile:  # the document count varies by micro-batch: one graph for all
+                for batch in micro:
+                    torch._dynamo.mark_dynamic(batch["cu_seqlens"], 0)
+            logged, counts = pipe.step([parallel.MicroBatch(b, padding=i >= len(mine)) for i, b in enumerate(micro)])
             for name, value in logged.items():
                 record[name] = record[name] + value
         for i, host_batch in enumerate(mine + [host_batches[0]] * padding if pipe is None else []):
@@ -597,6 +601,9 @@ def main(argv: list[str]) -> None:
         each = "; by source: " + ", ".join(f"{name} {v:.4f}" for name, v in sources.items()) if len(sources) > 1 else ""
         unit = "byte" if corpus.vocab_size == BYTE_VOCAB_SIZE else "token"  # byte corpora: a token is a byte
         print(f"done: step {step}, validation loss {record['val_loss']:.4f} (bits per {unit} {record['val_loss'] / math.log(2):.3f}){each}")
+    if rank == 0 and cfg.compile:  # what the compiler made of the model: graph breaks cost speed
+        counters = torch._dynamo.utils.counters
+        print(f"torch.compile: {counters['stats']['unique_graphs']} graphs, {sum(counters['graph_break'].values())} graph breaks")
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -5,6 +5,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -99,6 +100,9 @@ def test_compiled_run_matches_eager(tmp_path):
     eager = _train(tmp_path / "eager", "--steps=3")
     compiled = _train(tmp_path / "compiled", "--steps=3", "--compile")
     assert eager.returncode == 0 and compiled.returncode == 0, compiled.stderr[-3000:]
+    graphs = re.search(r"torch.compile: (\d+) graphs, (\d+) graph breaks", compiled.stdout)
+    assert graphs and int(graphs[1]) >= 1, compiled.stdout[-2000:]
+    assert "torch.compile" not in eager.stdout
     for a, b in zip(_records(tmp_path / "eager"), _records(tmp_path / "compiled")):
         for key in ("loss", "mtp_1_loss", "z_loss", "grad_norm"):
             assert b[key] == pytest.approx(a[key], rel=1e-4), (a["step"], key)

@@ -4,6 +4,7 @@ and its weights start a new run (--init_from) on another mesh."""
 
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -16,11 +17,14 @@ TINY = ["--model.hidden=32", "--model.n_layers=2", "--model.n_dense=1", "--model
 STEPS = 5
 
 
-def _train(out_dir, nproc, *args):
+def _train(out_dir, nproc, *args, stdout=None):
+    """The run's metrics.jsonl records (and its standard output appended to `stdout`, a list)."""
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else [sys.executable]
     run = subprocess.run([*launch, str(ROOT / "examples" / "train_moe.py"), f"--out_dir={out_dir}", *TINY, *args],
                          capture_output=True, text=True, timeout=900, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    if stdout is not None:
+        stdout.append(run.stdout)
     return [json.loads(line) for line in (pathlib.Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -131,6 +135,22 @@ def test_checkpoints_move_between_pipeline_and_one_process(reference, tmp_path):
     _assert_same(_train(tmp_path / "pp", 1, "--resume=True"), reference())
     _train(tmp_path / "one", 1, "--stop_at=3")
     _assert_same(_train(tmp_path / "one", 2, "--pp=2", "--resume=True"), reference())
+
+
+def test_compiled_pipeline_stages_log_the_eager_losses(reference, tmp_path):
+    """--compile with --pp: each stage's model compiled in place (forward and backward under
+    the schedule); the losses equal one eager process's within 1e-4 relative (the compiler
+    may reorder float sums, as without pp), the expert loads exactly."""
+    printed = []
+    records = _train(tmp_path, 2, "--pp=2", "--compile", stdout=printed)
+    graphs = re.search(r"torch.compile: (\d+) graphs, (\d+) graph breaks", printed[0])
+    assert graphs and int(graphs[1]) >= 1, printed[0][-2000:]  # the stages did run compiled
+    ref = reference()
+    assert [r["step"] for r in records] == [r["step"] for r in ref]
+    for got, want in zip(records, ref):
+        for key in ("loss", "mtp_1_loss", "z_loss", "seq_aux_loss", "grad_norm"):
+            assert got[key] == pytest.approx(want[key], rel=1e-4), (got["step"], key)
+        assert got["tokens_per_expert"] == want["tokens_per_expert"]
 
 
 def test_bad_parallel_knobs_exit_with_the_reason(tmp_path):
