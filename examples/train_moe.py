@@ -554,8 +554,11 @@ def main(argv: list[str]) -> None:
             for opt in optimizers:  # a distributed Muon's last update may still be in flight
                 getattr(opt, "wait", lambda: None)()
             # ranks holding copies of a tensor (data-parallel replicas, tp copies of norms and
-            # routers, every rank's expert biases) must agree bit for bit; every rank gets the same list
+            # routers, every rank's expert biases, the pipeline's embedding copy) must agree bit
+            # for bit; every rank gets the same list
             bad = parallel.replica_mismatches(parts, group=meshes.stage_mesh if pipe is not None else None)
+            if pipe is not None:  # and the last stage's embedding copy against the first stage's
+                bad += [f"{name} (the last stage's copy)" for name in pipe.tied_mismatches()]
             if bad:
                 sys.exit(f"step {step}: the ranks holding copies of {', '.join(bad)} disagree (a non-deterministic collective, "
                          "a corrupted rank or a bug: stopping before the copies drift further)")

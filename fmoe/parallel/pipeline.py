@@ -385,6 +385,29 @@ class Pipeline:
         if copies and self.tied_group is not None:  # one per rank: the first stage's, or the last's
             dist.all_reduce(local_tensor(copies[0].grad), group=self.tied_group)
 
+    @torch.no_grad()
+    def tied_mismatches(self) -> list[str]:
+        """["embed"] when a last stage's embedding copy no longer holds, bit for bit, the
+        first stage's embedding it copies (the copy of the same shard, on the rank of the
+        same coordinate within the stage), else []: what replica_mismatches, which looks
+        within a stage, cannot see. A collective over the whole world (a hash exchanged in
+        each 2-rank tied group, then one all_reduce), with the same answer on every rank;
+        call it between steps, as replica_mismatches. [] without MTP or tied embeddings."""
+        from fmoe.optim.grads import collective_device
+        from fmoe.parallel.health import bits_hash
+
+        copies = self.embed_copies()
+        mine = bits_hash(copies[0]) if self.tied_group is not None and copies else None
+        device = collective_device(dist.group.WORLD, [mine] if mine is not None else [])
+        differ = torch.zeros((), dtype=torch.int64, device=device)
+        if mine is not None:
+            mine = mine.to(device)
+            both = [torch.empty_like(mine) for _ in range(2)]
+            dist.all_gather(both, mine, group=self.tied_group)
+            differ = (both[0] != both[1]).to(torch.int64)
+        dist.all_reduce(differ, op=dist.ReduceOp.MAX)
+        return ["embed"] if int(differ) else []
+
     def norm_parameters(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
         """(the parameters the gradient norm counts, the copies it scales without counting):
         every parameter of this rank's chunks, the last stage's embedding copy apart."""

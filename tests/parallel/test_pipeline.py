@@ -124,6 +124,15 @@ def _case(sizes, schedule, virtual, overrides):
     errors["zero_grad_count"] = float(int(zeros) != ref_zeros or ref_zeros == 0)
     # the split is printable and covers every layer once
     errors["layers"] = float([i for r in pipe.layers for i in r] != list(range(cfg.n_layers)))
+    # the last stage's embedding copy is the first stage's, bit for bit; one flipped bit on
+    # one rank of the copy is seen on every rank
+    errors["tied_copies_agree"] = float(pipe.tied_mismatches() != [])
+    copy = [c for c in pipe.chunks if c.pipeline_chunk.last and not c.pipeline_chunk.first]
+    if copy and meshes.batch.get_local_rank("dp") == 0:
+        with torch.no_grad():
+            local = copy[0].embed.to_local() if hasattr(copy[0].embed, "to_local") else copy[0].embed
+            local.view(-1)[:1].view(torch.int32).bitwise_xor_(1)
+    errors["tied_copy_flip_seen"] = float(pipe.tied_mismatches() != ["embed"])
     return errors
 
 
