@@ -6,7 +6,7 @@
 A folder holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). Supported `model_type`s: FAMILIES (mixtral, qwen2_moe,
 qwen3_moe, olmoe, glm4_moe, deepseek_v3). Each family has one table: its config mapping (`config_to_fmoe`, which
-refuses what fmoe does not build: a sliding window, clipped qkv, ...) and its key map (HF
+refuses what fmoe does not build: clipped qkv, ...) and its key map (HF
 key <-> fmoe parameter, with the layout change: HF linear weights [out, in] are
 transposed to fmoe's [in, out]; the per-expert matrices are stacked into [E, H, F] /
 [E, F, H] and split back on export; the router stays float32).
@@ -71,13 +71,35 @@ def _refuse(hf: dict, field: str, ok: Callable[[object], bool], what: str) -> No
         raise ValueError(f"config.json: {field} = {hf[field]!r} is not supported ({what})")
 
 
-def _common(hf: dict, n_experts: int) -> dict:
-    """The Llama-like fields every family shares."""
+def _sliding(hf: dict) -> dict:
+    """The sliding window of Mixtral, Qwen2-MoE and Qwen3-MoE: sliding_window W (with
+    use_sliding_window where the family has it) in every layer, or in the layers that
+    layer_types names "sliding_attention" (Qwen2-MoE); a query sees keys > its index - W."""
+    kinds = hf.get("layer_types")
+    window = hf.get("sliding_window")
+    if kinds is not None:
+        unknown = sorted(set(kinds) - {"full_attention", "sliding_attention"})
+        if unknown or len(kinds) != hf["num_hidden_layers"]:
+            raise ValueError(f"config.json: layer_types = {kinds!r} is not supported (one of full_attention / sliding_attention per layer)")
+        layers = tuple(i for i, kind in enumerate(kinds) if kind == "sliding_attention")
+    else:
+        layers = tuple(range(hf["num_hidden_layers"])) if window and hf.get("use_sliding_window", True) else ()
+    if not layers:
+        return {}
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"config.json: sliding_window = {window!r} is not supported (a positive width for the sliding layers)")
+    return dict(window=window, window_layers=None if len(layers) == hf["num_hidden_layers"] else layers)
+
+
+def _common(hf: dict, n_experts: int, *, sliding: bool = False) -> dict:
+    """The Llama-like fields every family shares; with sliding the family's sliding window
+    (_sliding), else a sliding window is refused."""
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"config.json: hidden_act = {hf['hidden_act']!r} is not supported (SwiGLU with silu only)")
-    _refuse(hf, "sliding_window", lambda v: not v or not hf.get("use_sliding_window", True), "no sliding-window attention yet")
+    if not sliding:
+        _refuse(hf, "sliding_window", lambda v: not v or not hf.get("use_sliding_window", True), "no sliding-window attention in this family")
     heads = hf["num_attention_heads"]
-    return dict(
+    return dict(**(_sliding(hf) if sliding else {}),
         vocab_size=hf["vocab_size"], hidden=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=heads,
         n_kv_heads=_get(hf, "num_key_value_heads", default=heads), head_dim=_get(hf, "head_dim", default=hf["hidden_size"] // heads),
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_base=_rope_theta(hf), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
@@ -87,7 +109,7 @@ def _common(hf: dict, n_experts: int) -> dict:
 
 def _mixtral(hf: dict) -> dict:
     n = hf["num_local_experts"]
-    return dict(_common(hf, n), ffn_expert=hf["intermediate_size"], ffn_dense=hf["intermediate_size"], n_dense=0, n_shared=0)
+    return dict(_common(hf, n, sliding=True), ffn_expert=hf["intermediate_size"], ffn_dense=hf["intermediate_size"], n_dense=0, n_shared=0)
 
 
 def _qwen_moe_layers(hf: dict) -> tuple[int, ...]:
@@ -98,14 +120,14 @@ def _qwen_moe_layers(hf: dict) -> tuple[int, ...]:
 
 def _qwen2_moe(hf: dict) -> dict:
     shared = hf.get("shared_expert_intermediate_size") or 0
-    return dict(_common(hf, hf["num_experts"]), ffn_expert=hf["moe_intermediate_size"], ffn_dense=hf["intermediate_size"],
+    return dict(_common(hf, hf["num_experts"], sliding=True), ffn_expert=hf["moe_intermediate_size"], ffn_dense=hf["intermediate_size"],
                 moe_layers=_qwen_moe_layers(hf), n_shared=0, shared_ffn=shared, shared_gate=bool(shared),
                 pre_softmax=not hf.get("norm_topk_prob", False), qkv_bias=bool(hf.get("qkv_bias", True)))
 
 
 def _qwen3_moe(hf: dict) -> dict:
     _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in Qwen3-MoE's attention here")
-    return dict(_common(hf, _get(hf, "num_experts", "num_local_experts")), ffn_expert=hf["moe_intermediate_size"],
+    return dict(_common(hf, _get(hf, "num_experts", "num_local_experts"), sliding=True), ffn_expert=hf["moe_intermediate_size"],
                 ffn_dense=hf["intermediate_size"], moe_layers=_qwen_moe_layers(hf), n_shared=0,
                 pre_softmax=not hf.get("norm_topk_prob", False), qk_norm="head")
 
@@ -481,6 +503,13 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
               rope_parameters={"rope_theta": cfg.rope_base, "rope_type": "default"}, tie_word_embeddings=cfg.tie_embeddings,
               num_experts_per_tok=cfg.k, dtype="float32")
     moe = [i for i in range(cfg.n_layers) if cfg.is_moe(i)]
+    if cfg.window is not None and model_type == "mixtral":
+        hf.update(sliding_window=cfg.window)
+    elif cfg.window is not None and model_type == "qwen3_moe":
+        hf.update(use_sliding_window=True, sliding_window=cfg.window)
+    elif cfg.window is not None and model_type == "qwen2_moe":
+        hf.update(use_sliding_window=True, sliding_window=cfg.window, max_window_layers=cfg.n_layers,
+                  layer_types=["sliding_attention" if cfg.is_sliding(i) else "full_attention" for i in range(cfg.n_layers)])
     if model_type == "mixtral":
         hf.update(num_local_experts=cfg.n_experts, intermediate_size=cfg.ffn_expert)
     elif model_type == "olmoe":

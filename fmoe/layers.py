@@ -274,7 +274,9 @@ class AttentionConfig:
     (over each head's D channels, weights q_norm / k_norm [D]: Qwen3, GLM-4.5) or "proj"
     (over the whole projection, q_norm [N D], k_norm [G D]: OLMoE), with eps norm_eps.
     impl: "auto" (FlexAttention on CUDA, the SDPA reference on CPU), "flex", "torch"; the
-    RoPE op follows "auto" / "torch".
+    RoPE op follows "auto" / "torch". window: sliding-window attention, a query attends to
+    the `window` newest tokens of its document, itself included (key index > query index -
+    window; Mistral's, Qwen's and transformers' sliding_window); None: every earlier token.
 
     Multi-head latent attention (DeepSeek-V2/V3) when kv_rank is set: keys and values come
     from a kv_rank latent (RMSNorm'd, eps latent_norm_eps) expanded per head, plus one
@@ -303,10 +305,12 @@ class AttentionConfig:
     kv_rank: Optional[int] = None
     v_dim: Optional[int] = None
     latent_norm_eps: float = 1e-6
+    window: Optional[int] = None
 
     def __post_init__(self):
         if self.qk_norm not in (None, "head", "proj"):
             raise ValueError(f"qk_norm: expected None, 'head' or 'proj', got {self.qk_norm!r}")
+        check_window(self.window)
         if self.kv_rank is None:
             if self.q_rank is not None or self.v_dim is not None:
                 raise ValueError("q_rank / v_dim: multi-latent attention knobs, need kv_rank")
@@ -321,6 +325,12 @@ class AttentionConfig:
             raise ValueError(f"rot_dim: multi-latent attention rotates a part of each head, expected rot_dim < head_dim = {self.head_dim}, got {self.rot_dim}")
         if self.qk_norm is not None:
             raise ValueError("qk_norm: not with multi-latent attention (its latents have their own norms)")
+
+
+def check_window(window) -> None:
+    """ValueError unless window is None or a positive int (a sliding window's width)."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window: expected a positive int (the tokens a query attends to, itself included) or None, got {window!r}")
 
 
 def rope_tables(positions: torch.Tensor, cfg: AttentionConfig):
@@ -364,6 +374,9 @@ class AttentionContext:
         [T, 1, kv_rank + R] (the normed latent, then the rotated key) and values [T, 1, kv_rank]
         (the latent); each query head is moved into the latent space by its slice of wkv_b,
         and the attention output back out by the value slice (the same function).
+    window, local_mask: the sliding window the context was built for (attention_context's
+        cfg.window; None: none) and its mask, of mask's shape and kind: what the layers
+        whose cfg.window equals `window` use in place of mask.
     """
 
     cos: torch.Tensor
@@ -371,6 +384,8 @@ class AttentionContext:
     mask: object
     gather_kv: Optional[Callable] = None
     latent_kv: bool = False
+    window: Optional[int] = None
+    local_mask: object = None
 
 
 def _use_flex(impl: str, device: torch.device) -> bool:
@@ -379,10 +394,12 @@ def _use_flex(impl: str, device: torch.device) -> bool:
     return impl == "flex" or (impl == "auto" and device.type == "cuda")
 
 
-def document_mask(cu_seqlens: torch.Tensor, n_tokens: int, *, flex: bool, token_index=None, kv_index=None, block_size: int = 128):
+def document_mask(cu_seqlens: torch.Tensor, n_tokens: int, *, flex: bool, token_index=None, kv_index=None, block_size: int = 128,
+                  window: Optional[int] = None):
     """The causal, same-document mask of a packed micro-batch: a FlexAttention BlockMask
     (flex=True) or a [T, T] bool tensor, True where query t may attend to key s (s <= t
-    and both in the same document). No host sync; built once per micro-batch.
+    and both in the same document; with a sliding window also t - s < window). No host
+    sync; built once per micro-batch.
 
     Context parallel: token_index [Tq] (the queries' global token indices) and kv_index
     [Tk] (the keys', Tk = n_tokens) give the [Tq, Tk] mask of query i and key j: the
@@ -396,6 +413,7 @@ def document_mask(cu_seqlens: torch.Tensor, n_tokens: int, *, flex: bool, token_
         raise ValueError(f"{'kv_index' if kv_index is None else 'token_index'}: expected token_index and kv_index together (context parallel) or neither")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size: expected a positive int, got {block_size!r}")
+    check_window(window)
     doc_T = sequence_ids(cu_seqlens, n_tokens)
     if token_index is None:  # queries and keys are the tokens themselves, in order
         q_pos = kv_pos = torch.arange(n_tokens, device=doc_T.device)
@@ -403,6 +421,9 @@ def document_mask(cu_seqlens: torch.Tensor, n_tokens: int, *, flex: bool, token_
 
         def same_doc_causal(b, h, q_idx, kv_idx):  # the indices are the positions: no gather in the kernel
             return (doc_T[q_idx] == doc_T[kv_idx]) & (kv_idx <= q_idx)
+
+        def in_window(q_idx, kv_idx):
+            return q_idx - kv_idx < window
     else:
         # index_select rather than indexing: nothing is read on the host
         q_pos, kv_pos = token_index.long(), kv_index.long()
@@ -410,9 +431,18 @@ def document_mask(cu_seqlens: torch.Tensor, n_tokens: int, *, flex: bool, token_
 
         def same_doc_causal(b, h, q_idx, kv_idx):
             return (q_doc[q_idx] == kv_doc[kv_idx]) & (kv_pos[kv_idx] <= q_pos[q_idx])
+
+        def in_window(q_idx, kv_idx):
+            return q_pos[q_idx] - kv_pos[kv_idx] < window
+    if window is None:
+        mask_mod = same_doc_causal
+    else:
+        def mask_mod(b, h, q_idx, kv_idx):  # the sliding window on top
+            return same_doc_causal(b, h, q_idx, kv_idx) & in_window(q_idx, kv_idx)
     if not flex:
-        return (q_doc[:, None] == kv_doc[None, :]) & (kv_pos[None, :] <= q_pos[:, None])
-    return _document_block_mask(q_doc, q_pos, kv_doc, kv_pos, same_doc_causal, block_size)
+        allowed = (q_doc[:, None] == kv_doc[None, :]) & (kv_pos[None, :] <= q_pos[:, None])
+        return allowed if window is None else allowed & (q_pos[:, None] - kv_pos[None, :] < window)
+    return _document_block_mask(q_doc, q_pos, kv_doc, kv_pos, mask_mod, block_size, window)
 
 
 def _block_ranges(doc, pos, block_size: int):
@@ -425,18 +455,21 @@ def _block_ranges(doc, pos, block_size: int):
     return doc_B.amin(1), doc_B.amax(1), pos_B.amin(1), pos_B.amax(1)
 
 
-def _document_block_mask(q_doc, q_pos, kv_doc, kv_pos, mask_mod, block_size: int):
-    """The BlockMask of "same document and kv_pos <= q_pos" for queries (q_doc, q_pos [Tq])
-    and keys (kv_doc, kv_pos [Tk]), document ids non-decreasing in the global index pos.
+def _document_block_mask(q_doc, q_pos, kv_doc, kv_pos, mask_mod, block_size: int, window: Optional[int] = None):
+    """The BlockMask of "same document and kv_pos <= q_pos" (and q_pos - kv_pos < window)
+    for queries (q_doc, q_pos [Tq]) and keys (kv_doc, kv_pos [Tk]), document ids
+    non-decreasing in the global index pos.
 
     A (query block, key block) pair is
       full (mask_mod skipped) iff every token of both blocks is in one document and the
-        largest key index <= the smallest query index, and neither block is a short last one:
-        exactly the pairs whose every entry is allowed;
+        largest key index <= the smallest query index (and the largest query index minus
+        the smallest key index < window), and neither block is a short last one: exactly
+        the pairs whose every entry is allowed;
       visited iff the blocks' document ranges overlap and the smallest key index <= the
-        largest query index: exactly the pairs with an allowed entry when each block's
-        indices are contiguous (no context parallel, or cp chunks a multiple of block_size);
-        otherwise a superset (a few more blocks that mask_mod then masks).
+        largest query index (and the smallest query index minus the largest key index <
+        window): every pair with an allowed entry, and exactly those without a window when
+        each block's indices are contiguous (no context parallel, or cp chunks a multiple of
+        block_size); otherwise a superset (a few more blocks that mask_mod then masks).
     Memory and work are O(n_q_blocks x n_kv_blocks)."""
     from torch.nn.attention.flex_attention import BlockMask
 
@@ -447,6 +480,9 @@ def _document_block_mask(q_doc, q_pos, kv_doc, kv_pos, mask_mod, block_size: int
     whole_k = torch.arange(k_first.shape[0], device=kv_doc.device) < kv_doc.shape[0] // block_size
     one_doc = (q_first == q_last)[:, None] & (k_first == k_last)[None, :] & (q_first[:, None] == k_first[None, :])
     full = one_doc & (k_hi[None, :] <= q_lo[:, None]) & whole_q[:, None] & whole_k[None, :]
+    if window is not None:
+        visited = visited & (q_lo[:, None] - k_hi[None, :] < window)
+        full = full & (q_hi[:, None] - k_lo[None, :] < window)
 
     def ordered(blocks_QK):  # per query block: how many key blocks, then their indices in order
         blocks = blocks_QK.to(torch.int32)[None, None]
@@ -487,7 +523,9 @@ def attention_context(
             (fmoe.train.data.make_batch does, on the host).
         positions: [T] int positions for RoPE (restarting at 0 in each document); under
             context parallel this rank's [T/cp] (fmoe.parallel.split_batch's).
-        cfg: AttentionConfig (its RoPE / YaRN knobs and impl pick the tables and the mask).
+        cfg: AttentionConfig (its RoPE / YaRN knobs and impl pick the tables and the mask;
+            with cfg.window the context also holds that sliding window's mask, for the
+            layers of that window, full-attention layers using the other).
         mask: an existing context's mask to share (the MTP depths: same documents, other
             positions); None builds it (document_mask).
         token_index, kv_index, gather_kv: context parallel (module docstring), all three or
@@ -518,8 +556,11 @@ def attention_context(
         mask = document_mask(cu_seqlens, T_kv, flex=flex, token_index=token_index, kv_index=kv_index)
     elif isinstance(mask, torch.Tensor) == flex or (isinstance(mask, torch.Tensor) and mask.shape != (T, T_kv)):
         raise ValueError(f"mask: expected {'a BlockMask' if flex else f'a [{T}, {T_kv}] bool tensor'} (cfg.impl = {cfg.impl!r}), got {type(mask).__name__}")
+    local = None
+    if cfg.window is not None:  # the sliding window's mask too, for the layers that use it
+        local = document_mask(cu_seqlens, T_kv, flex=flex, token_index=token_index, kv_index=kv_index, window=cfg.window)
     cos, sin = rope_tables(positions, cfg)
-    return AttentionContext(cos, sin, mask, gather_kv)
+    return AttentionContext(cos, sin, mask, gather_kv, window=cfg.window, local_mask=local)
 
 
 @functools.cache
@@ -625,6 +666,9 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
     _check_attention(x, params, cfg, ctx)
     if heads_mean is not None and not callable(heads_mean):
         raise ValueError(f"heads_mean: expected a function of a [T, 1] tensor (fmoe.parallel.HeadShard.mean) or None, got {type(heads_mean).__name__}")
+    if cfg.window != ctx.window and cfg.window is not None:
+        raise ValueError(f"ctx: built for the sliding window {ctx.window}, this layer attends over window {cfg.window} "
+                         "(build the context with an AttentionConfig of the layer's window)")
     if ctx.latent_kv and cfg.kv_rank is None:
         raise ValueError("ctx.latent_kv: the absorbed form is multi-latent attention's (cfg.kv_rank), not grouped-query attention's")
     wv_CNV = None
@@ -640,8 +684,9 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
         if k_TGD.shape[0] != n_keys or v_TGD.shape[0] != n_keys:
             raise ValueError(f"ctx.gather_kv: returned {k_TGD.shape[0]} keys and {v_TGD.shape[0]} values, the mask has {n_keys} keys")
     q_NTD, k_GTD, v_GTD = (rearrange(t, "t h d -> h t d") for t in (q_TND, k_TGD, v_TGD))
-    if isinstance(ctx.mask, torch.Tensor):  # the reference
-        out_NTD = F.scaled_dot_product_attention(q_NTD, k_GTD, v_GTD, attn_mask=ctx.mask, scale=softmax_scale(cfg), enable_gqa=True)
+    mask = ctx.mask if cfg.window is None else ctx.local_mask
+    if isinstance(mask, torch.Tensor):  # the reference
+        out_NTD = F.scaled_dot_product_attention(q_NTD, k_GTD, v_GTD, attn_mask=mask, scale=softmax_scale(cfg), enable_gqa=True)
     else:
         if not x.is_cuda and torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params.values())):
             raise ValueError("cfg.impl: FlexAttention has no backward on CPU; use impl='torch' (or 'auto') to train on CPU")
@@ -649,7 +694,7 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
 
         # the fused kernel on CUDA; eager on CPU, which tests the mask against the reference
         flex = _compiled_flex() if x.is_cuda else flex_attention
-        out_NTD = flex(q_NTD[None], k_GTD[None], v_GTD[None], block_mask=ctx.mask, scale=softmax_scale(cfg), enable_gqa=True)[0]
+        out_NTD = flex(q_NTD[None], k_GTD[None], v_GTD[None], block_mask=mask, scale=softmax_scale(cfg), enable_gqa=True)[0]
     if wv_CNV is not None:  # absorbed: each head's latent output to its values
         out_NTD = torch.einsum("ntc,cnv->ntv", out_NTD, wv_CNV)
     y_TH = rearrange(out_NTD, "n t d -> t (n d)") @ params["wo"]

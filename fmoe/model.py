@@ -45,7 +45,8 @@ from tensordict import TensorDict
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from fmoe.layers import AttentionConfig, AttentionContext, MoEConfig, attention, attention_context, dense_mlp, local_experts, mla_shapes, moe
+from fmoe.layers import (AttentionConfig, AttentionContext, MoEConfig, attention, attention_context, check_window, dense_mlp, local_experts,
+                         mla_shapes, moe)
 from fmoe.ops import linear_cross_entropy, route
 from fmoe.ops.backend import local_tensor as _local
 
@@ -261,7 +262,10 @@ class TransformerConfig:
     yarn_beta_fast / yarn_beta_slow / yarn_mscale / yarn_mscale_all_dim. kv_rank (with q_rank,
     v_head_dim): multi-latent attention (DeepSeek-V2/V3; head_dim = nope + rope dims,
     rope_dim the rope part, n_kv_heads = n_heads; fmoe.layers.AttentionConfig). tie_embeddings: the
-    output head is the embedding. mtp_depth MTP modules; mtp_norm: each with its own output
+    output head is the embedding. window: sliding-window attention (a query attends to the
+    `window` newest tokens of its document, itself included) in the trunk blocks listed in
+    window_layers (None: every trunk block); the other blocks and the MTP blocks attend to
+    every earlier token. mtp_depth MTP modules; mtp_norm: each with its own output
     norm before the shared head (DeepSeek-V3, GLM-4.5, Megatron Core) instead of the
     trunk's final norm. impl: "auto" | "triton" | "torch"
     for every op. ac: activation checkpointing, one of AC_MODES ("none" | "full" |
@@ -308,6 +312,8 @@ class TransformerConfig:
     kv_rank: Optional[int] = None
     v_head_dim: Optional[int] = None
     tie_embeddings: bool = False
+    window: Optional[int] = None
+    window_layers: Optional[tuple[int, ...]] = None
     mtp_depth: int = 0
     mtp_norm: bool = False
     norm_eps: float = 1e-6
@@ -335,6 +341,14 @@ class TransformerConfig:
             if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.n_layers for i in layers) or len(set(layers)) != len(layers):
                 raise ValueError(f"moe_layers: expected distinct block indices in 0..{self.n_layers - 1}, got {self.moe_layers!r}")
             object.__setattr__(self, "moe_layers", tuple(sorted(layers)))
+        check_window(self.window)
+        if self.window_layers is not None:
+            layers = tuple(self.window_layers)
+            if self.window is None:
+                raise ValueError("window_layers: needs a window (the sliding window's width)")
+            if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.n_layers for i in layers) or len(set(layers)) != len(layers):
+                raise ValueError(f"window_layers: expected distinct block indices in 0..{self.n_layers - 1}, got {self.window_layers!r}")
+            object.__setattr__(self, "window_layers", tuple(sorted(layers)))
         if self.shared_ffn is not None and (isinstance(self.shared_ffn, bool) or not isinstance(self.shared_ffn, int) or self.shared_ffn < 0):
             raise ValueError(f"shared_ffn: expected an int >= 0 or None, got {self.shared_ffn!r}")
         if self.shared_gate and not self.shared_size:
@@ -352,6 +366,11 @@ class TransformerConfig:
         """Whether trunk block i is a MoE block: listed in moe_layers, or i >= n_dense."""
         return i in self.moe_layers if self.moe_layers is not None else i >= self.n_dense
 
+    def is_sliding(self, i: int) -> bool:
+        """Whether trunk block i attends over the sliding window: listed in window_layers,
+        or every trunk block when only window is set."""
+        return self.window is not None and (self.window_layers is None or i in self.window_layers)
+
     @property
     def shared_size(self) -> int:
         """The shared experts' FFN size: shared_ffn, or n_shared * ffn_expert."""
@@ -363,15 +382,22 @@ class TransformerConfig:
             scale=self.route_scale, group_score_topk=self.group_score_topk, normalize=self.route_normalize, capacity_factor=self.capacity_factor, capacity_policy=self.capacity_policy, impl=self.impl,
         )
 
-    def attention_config(self) -> AttentionConfig:
+    def attention_config(self, *, sliding: bool = False) -> AttentionConfig:
+        """The attention of a block that attends over every earlier token, or with sliding
+        over the window (a config whose window builds that mask too: attention_context)."""
         return AttentionConfig(
             n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, head_dim=self.head_dim, rope_base=self.rope_base,
             rot_dim=self.rope_dim, interleaved=self.rope_interleaved, yarn_factor=self.yarn_factor,
             yarn_original_max_positions=self.yarn_original_max_positions, yarn_beta_fast=self.yarn_beta_fast,
             yarn_beta_slow=self.yarn_beta_slow, yarn_mscale=self.yarn_mscale, yarn_mscale_all_dim=self.yarn_mscale_all_dim,
             qk_norm=self.qk_norm, norm_eps=self.norm_eps, impl=self.impl, q_rank=self.q_rank, kv_rank=self.kv_rank,
-            v_dim=self.v_head_dim,
+            v_dim=self.v_head_dim, window=self.window if sliding else None,
         )
+
+    @property
+    def any_sliding(self) -> bool:
+        """Whether some trunk block attends over the sliding window."""
+        return any(self.is_sliding(i) for i in range(self.n_layers))
 
 
 class RMSNorm(nn.Module):
@@ -403,9 +429,9 @@ class Attention(nn.Module):
     rank holds whole then get their gradients summed over tp, and a qk norm over the whole
     projection averages its statistic over tp."""
 
-    def __init__(self, cfg: TransformerConfig):
+    def __init__(self, cfg: TransformerConfig, *, sliding: bool = False):
         super().__init__()
-        self.cfg = cfg.attention_config()
+        self.cfg = cfg.attention_config(sliding=sliding)
         self.tensor_parallel = None  # fmoe.parallel's HeadShard under tp > 1 (class docstring)
         if cfg.kv_rank is not None:  # multi-latent attention: fmoe.layers names and shapes
             self.names = []
@@ -440,12 +466,13 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: attention, then a dense SwiGLU or an MoE."""
+    """Pre-norm residual block: attention (over cfg.window with sliding), then a dense
+    SwiGLU or an MoE."""
 
-    def __init__(self, cfg: TransformerConfig, moe: bool):
+    def __init__(self, cfg: TransformerConfig, moe: bool, *, sliding: bool = False):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, sliding=sliding)
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         if moe:
             self.mlp = MoE(cfg.hidden, cfg.ffn_expert, cfg.moe_config(), shared_ffn=cfg.shared_size, shared_gate=cfg.shared_gate,
@@ -614,7 +641,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden))
-        self.blocks = nn.ModuleList(Block(cfg, moe=cfg.is_moe(i)) for i in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(Block(cfg, moe=cfg.is_moe(i), sliding=cfg.is_sliding(i)) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         # [V, H], linear_cross_entropy's layout; with tie_embeddings the head is the embedding
         self.head = None if cfg.tie_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden))
@@ -683,14 +710,15 @@ class Transformer(nn.Module):
         MTP depth's, and one attention mask from cu_seqlens, on the batch's device. Reads no
         value on the host; build it once per micro-batch, after the batch has moved."""
         self._check_batch(batch)
-        cfg = self.cfg.attention_config()
+        cfg = self.cfg.attention_config(sliding=self.cfg.any_sliding)  # both masks when some block slides
         split = "token_index" in batch.keys()
         if split != (self.context_parallel is not None):
             raise ValueError("batch: a context-parallel model takes the batch split by fmoe.parallel.split_batch (with token_index), "
                              f"and only such a model does; got {'a split' if split else 'an unsplit'} batch, context_parallel={self.context_parallel}")
         cp = self.context_parallel.attention_kwargs(batch["token_index"]) if split else {}
         trunk = attention_context(batch["cu_seqlens"], batch["positions"], cfg, **cp)
-        depths = [attention_context(batch["cu_seqlens"], batch["mtp_positions"][d], cfg, mask=trunk.mask, **cp) for d in range(self.cfg.mtp_depth)]
+        full = dataclasses.replace(cfg, window=None)  # the MTP blocks attend to every earlier token
+        depths = [attention_context(batch["cu_seqlens"], batch["mtp_positions"][d], full, mask=trunk.mask, **cp) for d in range(self.cfg.mtp_depth)]
         return BatchContext((trunk, *depths))
 
     def _lm_loss(self, h_TH, labels, loss_mask, norm=None):
@@ -718,7 +746,7 @@ class Transformer(nn.Module):
         cu_seqlens = cu_seqlens.to(device=input_ids.device, dtype=torch.int32)
         if positions is None:
             positions = positions_from_cu_seqlens(cu_seqlens)
-        ctx = attention_context(cu_seqlens, positions, self.cfg.attention_config())
+        ctx = attention_context(cu_seqlens, positions, self.cfg.attention_config(sliding=self.cfg.any_sliding))
         h_TH = F.embedding(input_ids, self.embed)
         for block in self.blocks:
             h_TH, _ = block(h_TH, ctx)
@@ -776,7 +804,7 @@ class Transformer(nn.Module):
         n_keys = max(rows_host) + 1
         positions, rows = (torch.tensor(v, device=device) for v in (positions_host, rows_host))
         cu = torch.tensor([*range(0, n_keys, M), n_keys], dtype=torch.int32, device=device)
-        cfg, mla = self.cfg.attention_config(), self.cfg.kv_rank is not None
+        cfg, mla = self.cfg.attention_config(sliding=self.cfg.any_sliding), self.cfg.kv_rank is not None
         ctx = attention_context(cu, positions, dataclasses.replace(cfg, impl="torch") if mla else cfg, token_index=rows,
                                 kv_index=torch.arange(n_keys, device=device), gather_kv=functools.partial(cache.write, 0, rows, n_keys))
         h_TH = F.embedding(input_ids.reshape(-1), self.embed)

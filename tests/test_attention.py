@@ -38,11 +38,12 @@ def _loop_attention(x, p, cfg, cu):
     bounds = cu.tolist()
     for a, b in zip(bounds[:-1], bounds[1:]):
         for t in range(a, b):
+            first = a if cfg.window is None else max(a, t - cfg.window + 1)  # the sliding window: the newest `window` keys
             heads = []
             for h in range(N):
                 g = h // (N // G)
-                weights = torch.softmax((k[a:t + 1, g] @ q[t, h]) * softmax_scale(cfg), dim=0)
-                heads.append(weights @ v[a:t + 1, g])
+                weights = torch.softmax((k[first:t + 1, g] @ q[t, h]) * softmax_scale(cfg), dim=0)
+                heads.append(weights @ v[first:t + 1, g])
             rows.append(torch.cat(heads))
     return torch.stack(rows) @ p["wo"]
 
@@ -53,7 +54,8 @@ def _rel(a, b):
 
 
 @pytest.mark.parametrize("impl", ["torch", "flex"])
-@pytest.mark.parametrize("cfg", [CFG, YARN, dataclasses.replace(CFG, rot_dim=8, interleaved=True)], ids=["rope", "yarn", "partial-interleaved"])
+@pytest.mark.parametrize("cfg", [CFG, YARN, dataclasses.replace(CFG, rot_dim=8, interleaved=True), dataclasses.replace(CFG, window=4)],
+                         ids=["rope", "yarn", "partial-interleaved", "sliding-window"])
 def test_attention_matches_per_token_loop(cfg, impl):
     _check_against_definition(cfg, impl, _params(cfg), _loop_attention)
 
@@ -145,6 +147,11 @@ def test_attention_bad_inputs():
         attention(x[None], p, CFG, ctx)
     with pytest.raises(ValueError, match=r"heads_mean: expected a function of a \[T, 1\] tensor .* got float"):
         attention(x, p, CFG, ctx, heads_mean=2.0)
+    # a sliding-window layer needs a context built for its window
+    with pytest.raises(ValueError, match="ctx: built for the sliding window None, this layer attends over window 4"):
+        attention(x, p, dataclasses.replace(CFG, window=4), ctx)
+    with pytest.raises(ValueError, match="ctx: built for the sliding window 3, this layer attends over window 4"):
+        attention(x, p, dataclasses.replace(CFG, window=4), _ctx(cu, dataclasses.replace(CFG, window=3)))
     flex = dataclasses.replace(CFG, impl="flex")
     with pytest.raises(ValueError, match="cfg.impl: FlexAttention has no backward on CPU"):
         attention(x, p, flex, _ctx(cu, flex))
@@ -176,6 +183,27 @@ def test_document_mask_dense_and_block_agree():
     assert torch.equal(block.mask_mod(zero, zero, q, k), expected)
 
 
+def test_sliding_window_mask_is_the_band_of_each_document():
+    """window W: query t sees keys t - W + 1 .. t of its own document; the BlockMask's
+    predicate is the dense mask."""
+    cu = torch.tensor([0, 3, 3, 9, 10])
+    dense = document_mask(cu, 10, flex=False, window=2)
+    expected = torch.zeros(10, 10, dtype=torch.bool)
+    for a, b in ((0, 3), (3, 9), (9, 10)):
+        expected[a:b, a:b] = torch.ones(b - a, b - a, dtype=torch.bool).tril() & ~torch.ones(b - a, b - a, dtype=torch.bool).tril(-2)
+    assert torch.equal(dense, expected) and int(dense.sum(1).max()) == 2
+    assert torch.equal(document_mask(cu, 10, flex=False, window=100), document_mask(cu, 10, flex=False))  # wider than every document
+    block = document_mask(cu, 10, flex=True, window=2)
+    q, k = torch.meshgrid(torch.arange(10), torch.arange(10), indexing="ij")
+    zero = torch.zeros((), dtype=torch.long)
+    assert torch.equal(block.mask_mod(zero, zero, q, k), expected)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="window: expected a positive int"):
+            document_mask(cu, 10, flex=False, window=bad)
+        with pytest.raises(ValueError, match="window: expected a positive int"):
+            dataclasses.replace(CFG, window=bad)
+
+
 def _block_sets(bm):
     """(visited-but-masked, full) [n_q_blocks, n_kv_blocks] bool of a BlockMask (B = H = 1)."""
     out = []
@@ -202,20 +230,25 @@ def _create_block_mask(dense, block):
     return create_block_mask(lambda b, h, q, k: dense[q, k], None, None, *dense.shape, device="cpu", BLOCK_SIZE=block)
 
 
-@pytest.mark.parametrize("cu, block, has_full", [
-    ([0, 3, 3, 40, 41, 100, 300], 16, True),    # an empty document; T not a multiple of the block
-    ([0, 300], 16, True),                       # one document
-    ([0, *range(1, 300, 2), 300], 16, False),   # 1- and 2-token documents: no whole block in one
-    ([0, 16, 32, 48, 64, 200, 256], 16, True),  # documents on block edges
-    ([0, 5, 130, 250, 300], 128, False),        # FlexAttention's default block
+@pytest.mark.parametrize("cu, block, has_full, window", [
+    ([0, 3, 3, 40, 41, 100, 300], 16, True, None),    # an empty document; T not a multiple of the block
+    ([0, 300], 16, True, None),                       # one document
+    ([0, *range(1, 300, 2), 300], 16, False, None),   # 1- and 2-token documents: no whole block in one
+    ([0, 16, 32, 48, 64, 200, 256], 16, True, None),  # documents on block edges
+    ([0, 5, 130, 250, 300], 128, False, None),        # FlexAttention's default block
+    # sliding windows: narrower than a block (no full block), a few blocks, on block edges
+    ([0, 3, 3, 40, 41, 100, 300], 16, False, 7),
+    ([0, 300], 16, True, 50),
+    ([0, 16, 32, 48, 64, 200, 256], 16, True, 32),
+    ([0, 5, 130, 250, 300], 128, False, 100),
 ])
-def test_block_mask_is_create_block_masks_without_the_dense_mask(cu, block, has_full):
+def test_block_mask_is_create_block_masks_without_the_dense_mask(cu, block, has_full, window):
     """document_mask(flex=True) equals create_block_mask on the dense mask: the same blocks
-    visited, the same full blocks, the same entries allowed."""
+    visited, the same full blocks, the same entries allowed (with a sliding window too)."""
     cu = torch.tensor(cu)
     T = int(cu[-1])
-    dense = document_mask(cu, T, flex=False)
-    ours, ref = document_mask(cu, T, flex=True, block_size=block), _create_block_mask(dense, block)
+    dense = document_mask(cu, T, flex=False, window=window)
+    ours, ref = document_mask(cu, T, flex=True, block_size=block, window=window), _create_block_mask(dense, block)
     for got, want in zip(_block_sets(ours), _block_sets(ref)):
         assert torch.equal(got, want)
     for name in ("kv_num_blocks", "full_kv_num_blocks", "q_num_blocks", "full_q_num_blocks"):
@@ -224,19 +257,20 @@ def test_block_mask_is_create_block_masks_without_the_dense_mask(cu, block, has_
     assert bool(_block_sets(ours)[1].any()) == has_full  # full blocks: mask_mod skipped
 
 
-@pytest.mark.parametrize("T, cp, block", [(256, 2, 16), (256, 4, 16), (48, 2, 16), (60, 3, 8)])
-def test_context_parallel_block_mask_covers_every_allowed_entry(T, cp, block):
+@pytest.mark.parametrize("T, cp, block, window", [(256, 2, 16, None), (256, 4, 16, None), (48, 2, 16, None), (60, 3, 8, None),
+                                                  (256, 2, 16, 40), (60, 3, 8, 5)])
+def test_context_parallel_block_mask_covers_every_allowed_entry(T, cp, block, window):
     """Under context parallel: the full blocks are create_block_mask's; the visited ones
     are its own when the cp chunks (T / 2cp) are whole blocks, else a superset; the entries
-    let through are the dense mask's."""
+    let through are the dense mask's (with a sliding window too)."""
     from fmoe.parallel import cp_kv_index, cp_token_index
 
     cu = torch.tensor([0, 7, 7, 30, 31, 45, T])
     kv_index = cp_kv_index(T, cp)
     for rank in range(cp):
         index = cp_token_index(T, cp, rank)
-        dense = document_mask(cu, T, flex=False, token_index=index, kv_index=kv_index)
-        ours = document_mask(cu, T, flex=True, token_index=index, kv_index=kv_index, block_size=block)
+        dense = document_mask(cu, T, flex=False, token_index=index, kv_index=kv_index, window=window)
+        ours = document_mask(cu, T, flex=True, token_index=index, kv_index=kv_index, block_size=block, window=window)
         (partial, full), (ref_partial, ref_full) = _block_sets(ours), _block_sets(_create_block_mask(dense, block))
         assert torch.equal(full, ref_full)
         assert bool((partial | full)[ref_partial].all())
@@ -278,8 +312,9 @@ def test_a_context_is_shared_and_reads_no_value_on_the_host():
 
 
 @pytest.mark.gpu
-def test_gpu_flex_attention_matches_reference():
-    cfg = AttentionConfig(n_heads=16, n_kv_heads=4, head_dim=128)
+@pytest.mark.parametrize("window", [None, 512])
+def test_gpu_flex_attention_matches_reference(window):
+    cfg = AttentionConfig(n_heads=16, n_kv_heads=4, head_dim=128, window=window)
     Hg = 2048
     shapes = {"wq": (Hg, 16 * 128), "wk": (Hg, 4 * 128), "wv": (Hg, 4 * 128), "wo": (16 * 128, Hg)}
     p = {n: (torch.randn(*s, device="cuda") * s[0] ** -0.5).bfloat16() for n, s in shapes.items()}

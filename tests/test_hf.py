@@ -117,6 +117,45 @@ def test_export_loads_in_transformers_and_reexport_is_bit_identical(family, fold
         assert _rel(fresh.logits(ids, cu), theirs) < 1e-5
 
 
+SLIDING = {  # windows narrower than the documents: every layer (Mixtral, Qwen3-MoE), or the layers layer_types names (Qwen2-MoE)
+    "mixtral": lambda: transformers.MixtralConfig(**COMMON, head_dim=8, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
+                                                  sliding_window=4),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**COMMON, head_dim=8, intermediate_size=40, moe_intermediate_size=24, num_experts=4,
+                                                     num_experts_per_tok=2, use_sliding_window=True, sliding_window=5),
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**COMMON, intermediate_size=40, moe_intermediate_size=24, num_experts=4,
+                                                     num_experts_per_tok=2, use_sliding_window=True, sliding_window=3,
+                                                     layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+}
+
+
+@pytest.mark.parametrize("family", list(SLIDING))
+def test_sliding_window_models_give_transformers_logits_and_export_back(family, tmp_path):
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(SLIDING[family]()).eval()
+    with torch.no_grad():
+        for pname, p in ref.named_parameters():
+            p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in pname else 0.3 * torch.randn_like(p))
+    ref.save_pretrained(tmp_path / "hf")
+    model, cfg = hf.from_pretrained(tmp_path / "hf", impl="torch")
+    assert (cfg.window, cfg.window_layers) == {"mixtral": (4, None), "qwen3_moe": (5, None), "qwen2_moe": (3, (0, 2))}[family]
+    docs, ids, cu = _packed()
+    with torch.no_grad():
+        theirs = torch.cat([ref(d[None]).logits[0] for d in docs])
+        assert _rel(model.logits(ids, cu), theirs) < 1e-5
+        full, _ = hf.from_pretrained(tmp_path / "hf", impl="torch", window=None, window_layers=None)  # the window matters here
+        assert _rel(full.logits(ids, cu), theirs) > 1e-3
+    del model.hf_config
+    hf.save_pretrained(model, tmp_path / "fmoe", model_type=family)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fmoe", dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert _rel(torch.cat([back(d[None]).logits[0] for d in docs]), theirs) < 1e-5
+    if family != "qwen2_moe":  # a window on some layers only has no Mixtral / Qwen3-MoE config
+        part, _ = hf.from_pretrained(tmp_path / "hf", impl="torch", window_layers=(0,))
+        del part.hf_config
+        with pytest.raises(ValueError, match=f"model: its config has no {family} equivalent"):
+            hf.save_pretrained(part, tmp_path / "part", model_type=family)
+
+
 def test_config_mapping_reads_the_family_fields(folders):
     _, cfg = hf.read_config(folders["qwen2_moe"][0])
     assert cfg.moe_layers == (1, 2) and cfg.shared_size == 40 and cfg.shared_gate and cfg.qkv_bias and cfg.pre_softmax
@@ -150,8 +189,10 @@ def test_bad_checkpoints_name_the_key_or_field(folders, tmp_path):
     path = folders["mixtral"][0]
     with pytest.raises(ValueError, match="config.json: model_type 'gpt2' is not supported"):
         hf.from_pretrained(_edit(path, tmp_path / "a", lambda c: c.update(model_type="gpt2")))
-    with pytest.raises(ValueError, match="config.json: sliding_window = 64 is not supported"):
-        hf.from_pretrained(_edit(path, tmp_path / "b", lambda c: c.update(sliding_window=64)))
+    with pytest.raises(ValueError, match=r"config.json: sliding_window = 64 is not supported \(no sliding-window attention in this family\)"):
+        hf.from_pretrained(_edit(folders["olmoe"][0], tmp_path / "b", lambda c: c.update(sliding_window=64)))
+    with pytest.raises(ValueError, match="config.json: layer_types = .* is not supported"):
+        hf.from_pretrained(_edit(folders["qwen2_moe"][0], tmp_path / "b2", lambda c: c.update(layer_types=["chunked_attention"] * 3)))
     with pytest.raises(ValueError, match=r"checkpoint: model.embed_tokens.weight gives embed the shape \(64, 32\), the model expects \(64, 16\)"):
         hf.from_pretrained(_edit(path, tmp_path / "c", lambda c: c.update(hidden_size=16)))
     with pytest.raises(ValueError, match=r"checkpoint: missing key 'model.layers.3"):

@@ -23,6 +23,8 @@ VARIANTS = {
     # DeepSeek-V3's pieces: multi-latent attention, groups scored by their best 2, MTP with its own norm
     "mla, group top-2, mtp norm": dataclasses.replace(TINY, n_kv_heads=4, head_dim=12, rope_dim=4, rope_interleaved=True, q_rank=10, kv_rank=6,
                                                        v_head_dim=5, n_groups=2, topk_groups=1, group_score_topk=2, mtp_depth=1, mtp_norm=True),
+    # gpt-oss's and Gemma's local layers: a sliding window in blocks 0 and 2, the others and MTP full
+    "sliding window, mtp": dataclasses.replace(TINY, window=4, window_layers=(0, 2), mtp_depth=1),
 }
 
 
@@ -68,6 +70,41 @@ def test_loss_of_a_document_does_not_depend_on_packing():
     alone = loss(doc, [0, 9])
     both = loss(torch.cat([other, doc]), [0, 5, 14])
     torch.testing.assert_close(both - loss(other, [0, 5]), alone, rtol=1e-4, atol=1e-4)
+
+
+def test_sliding_window_layers_see_only_their_window():
+    """The blocks of window_layers attend over the window, the others over every earlier
+    token: a model whose window spans every document is the full-attention model; a narrow
+    window changes the logits only from the window's edge on, and only through its layers."""
+    full = TINY
+    torch.manual_seed(0)
+    ref = Transformer(full).eval()
+    ids, cu = torch.randint(0, full.vocab_size, (20,)), torch.tensor([0, 12, 20], dtype=torch.int32)
+    with torch.no_grad():
+        want = ref.logits(ids, cu)
+
+        def logits(**knobs):
+            model = Transformer(dataclasses.replace(full, **knobs)).eval()
+            model.load_state_dict(ref.state_dict())
+            return model.logits(ids, cu)
+
+        torch.testing.assert_close(logits(window=12), want)  # as wide as the longest document
+        narrow = logits(window=3, window_layers=(1,))
+        assert [b.attn.cfg.window for b in Transformer(dataclasses.replace(full, window=3, window_layers=(1,))).blocks] == [None, 3, None]
+    torch.testing.assert_close(narrow[[0, 1, 2, 12, 13, 14]], want[[0, 1, 2, 12, 13, 14]])  # the first 3 tokens of each document
+    assert float((narrow - want).abs().amax(-1)[[3, 15]].min()) > 1e-4  # the 4th on: its first key out of the window
+
+
+def test_sliding_window_knobs_are_checked():
+    with pytest.raises(ValueError, match="window: expected a positive int"):
+        dataclasses.replace(TINY, window=0)
+    with pytest.raises(ValueError, match="window_layers: needs a window"):
+        dataclasses.replace(TINY, window_layers=(0,))
+    with pytest.raises(ValueError, match=r"window_layers: expected distinct block indices in 0..2, got \(0, 3\)"):
+        dataclasses.replace(TINY, window=4, window_layers=(0, 3))
+    cfg = dataclasses.replace(TINY, window=4, window_layers=(2, 0))
+    assert cfg.window_layers == (0, 2) and [cfg.is_sliding(i) for i in range(3)] == [True, False, True] and cfg.any_sliding
+    assert all(dataclasses.replace(TINY, window=4).is_sliding(i) for i in range(3)) and not TINY.any_sliding
 
 
 def test_init_scales_output_projections_and_zeroes_biases():
@@ -371,6 +408,7 @@ DECODED = {
                                                     tie_embeddings=True),
     "qkv bias, qk norm": dataclasses.replace(TINY, qkv_bias=True, qk_norm="head", rope_dim=4),
     "mla": VARIANTS["mla, group top-2, mtp norm"],
+    "sliding window": dataclasses.replace(TINY, window=4, window_layers=(0, 2)),
 }
 
 

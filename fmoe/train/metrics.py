@@ -1,11 +1,14 @@
 """Training metrics: FLOPs per token (SPEC.md section 8), MFU, expert load, energy, memory,
 a JSONL logger.
 
-    mean_attended_keys(cu_seqlens) -> n_avg        sum_i len_i^2 / (2 T); S/2 for one document
+    mean_attended_keys(cu_seqlens, window=None) -> n_avg   sum_i len_i^2 / (2 T); S/2 for one
+                                                    document; under a sliding window W a document
+                                                    longer than W counts W^2/2 + (len - W) W
     flops_per_token(*, hidden, n_layers, n_dense, ffn_dense, ffn_expert, k, n_shared,
                     n_heads, n_kv_heads, head_dim, vocab, mtp_depth=0, n_avg_keys,
                     n_experts=0) -> float
-    model_flops_per_token(cfg, *, n_avg_keys) -> float   the same for a TransformerConfig
+    model_flops_per_token(cfg, *, n_avg_keys, n_avg_local_keys=None) -> float   the same for a
+                                                    TransformerConfig (sliding blocks: the local mean)
     datasheet_peak_flops(name) / peak_flops(device) -> float | None   dense bf16 peaks
     mfu(tokens_per_s, flops_per_token, peak) -> float | None
     layer_loads(counts[L, E], slots) -> record entries, one item per MoE layer (fmoe.ops.load_stats)
@@ -68,13 +71,21 @@ _PEAKS = (  # dense bf16 tensor-core peaks (NVIDIA datasheets), most specific na
 )
 
 
-def mean_attended_keys(cu_seqlens: Union[torch.Tensor, Sequence[int]]) -> float:
+def mean_attended_keys(cu_seqlens: Union[torch.Tensor, Sequence[int]], window: Optional[int] = None) -> float:
     """n_avg = sum_i len_i^2 / (2 T): the mean number of keys a query attends to in causal
-    attention over packed documents (S/2 for one document of length S)."""
+    attention over packed documents (S/2 for one document of length S). Under a sliding
+    window W (fmoe.layers.AttentionConfig.window) a query sees at most W keys: a document
+    longer than W counts W^2 / 2 + (len - W) W (the same continuous count, min(t, W) dt)."""
+    from fmoe.layers import check_window
+
+    check_window(window)
     cu = torch.as_tensor(cu_seqlens).tolist()
     if not cu or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])) or cu[-1] <= 0:
         raise ValueError(f"cu_seqlens: expected non-decreasing offsets from 0 to T > 0, got {cu}")
-    return sum((b - a) ** 2 for a, b in zip(cu, cu[1:])) / (2 * cu[-1])
+    lengths = [b - a for a, b in zip(cu, cu[1:])]
+    if window is None:
+        return sum(n * n for n in lengths) / (2 * cu[-1])
+    return sum(n * n / 2 if n <= window else window * window / 2 + (n - window) * window for n in lengths) / cu[-1]
 
 
 def _check_count(name: str, value, minimum: int = 0) -> None:
@@ -86,6 +97,7 @@ def flops_per_token(
     *, hidden: int, n_layers: int, n_dense: int, ffn_dense: int, ffn_expert: int, k: int, n_shared: float,
     n_heads: int, n_kv_heads: int, head_dim: int, vocab: int, mtp_depth: int = 0, n_avg_keys: float,
     n_experts: int = 0, attention_weights: Optional[int] = None, v_dim: Optional[int] = None,
+    n_sliding: int = 0, n_avg_local_keys: Optional[float] = None,
 ) -> float:
     """Training FLOPs per token (forward + backward): SPEC.md section 8 with the router and
     the MTP modules' blocks (the module docstring's formula). n_shared counts shared experts
@@ -93,34 +105,47 @@ def flops_per_token(
     layer (0: no router term). attention_weights: the elements of one layer's attention
     projections (None: grouped-query attention's H (q + 2 kv) + q H; multi-latent attention
     passes its own); v_dim: the value head dim (None: head_dim), so the scores and values
-    cost 6 n_heads (head_dim + v_dim) n_avg_keys (12 q n_avg_keys when they are equal)."""
+    cost 6 n_heads (head_dim + v_dim) n_avg_keys (12 q n_avg_keys when they are equal).
+    n_sliding of the n_layers trunk layers attend over a sliding window, n_avg_local_keys
+    keys each on average (mean_attended_keys(cu_seqlens, window)); the MTP blocks over all."""
     args = dict(hidden=hidden, n_layers=n_layers, n_dense=n_dense, ffn_dense=ffn_dense, ffn_expert=ffn_expert, k=k,
                 n_shared=n_shared, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, vocab=vocab,
                 mtp_depth=mtp_depth, n_avg_keys=n_avg_keys, n_experts=n_experts)
     for name, value in args.items():
         _check_count(name, value)
-    if n_dense > n_layers:
-        raise ValueError(f"n_dense: expected at most n_layers={n_layers}, got {n_dense}")
+    _check_count("n_sliding", n_sliding)
+    if n_dense > n_layers or n_sliding > n_layers:
+        raise ValueError(f"n_dense / n_sliding: expected at most n_layers={n_layers}, got {n_dense} / {n_sliding}")
+    if n_sliding:
+        _check_count("n_avg_local_keys", n_avg_local_keys)
     m, H = 3, hidden
     n_moe = n_layers - n_dense
     q, kv = n_heads * head_dim, n_kv_heads * head_dim
     weights = H * (q + 2 * kv) + q * H if attention_weights is None else attention_weights
-    attention = 6 * weights + 6 * n_heads * (head_dim + (head_dim if v_dim is None else v_dim)) * n_avg_keys  # one layer
+
+    def attention_layer(keys):  # projections, then scores and values over `keys` keys per query
+        return 6 * weights + 6 * n_heads * (head_dim + (head_dim if v_dim is None else v_dim)) * keys
+
+    attention = attention_layer(n_avg_keys)
     dense_ffn = 6 * H * m * ffn_dense
     moe_ffn = 6 * H * m * ffn_expert * (k + n_shared) + 6 * H * n_experts  # experts, router
-    trunk = n_layers * attention + n_dense * dense_ffn + n_moe * moe_ffn
+    trunk = (n_layers - n_sliding) * attention + n_dense * dense_ffn + n_moe * moe_ffn
+    if n_sliding:
+        trunk += n_sliding * attention_layer(n_avg_local_keys)
     mtp = mtp_depth * (6 * 2 * H * H + attention + (moe_ffn if n_moe else dense_ffn))
     head = (1 + mtp_depth) * 6 * H * vocab
     return float(trunk + mtp + head)
 
 
-def model_flops_per_token(cfg, *, n_avg_keys: float) -> float:
+def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[float] = None) -> float:
     """flops_per_token of an fmoe.model.TransformerConfig (any object with its fields): the
     dense blocks are those that are not MoE (moe_layers or n_dense), the shared experts'
     size in units of ffn_expert (shared_ffn, or n_shared), the router over n_experts, the
     MTP blocks as the model builds them. With multi-latent attention (kv_rank) the attention
     terms of every block (trunk and MTP) are its own: 6 x its projection weights, and
-    6 N (D + v_dim) n_avg_keys for the scores (q.k over D) and the values (over v_dim)."""
+    6 N (D + v_dim) n_avg_keys for the scores (q.k over D) and the values (over v_dim).
+    Blocks with a sliding window (cfg.is_sliding) count n_avg_local_keys keys per query
+    (mean_attended_keys with cfg.window): required when there are any."""
     names = ("hidden", "n_layers", "ffn_dense", "ffn_expert", "k", "n_heads", "n_kv_heads", "head_dim", "mtp_depth", "n_experts")
     is_moe = getattr(cfg, "is_moe", lambda i: i >= cfg.n_dense)
     n_dense = sum(not is_moe(i) for i in range(cfg.n_layers))
@@ -131,8 +156,12 @@ def model_flops_per_token(cfg, *, n_avg_keys: float) -> float:
 
         mats, _ = mla_shapes(cfg.hidden, cfg.attention_config())
         attention = dict(attention_weights=sum(a * b for a, b in mats.values()), v_dim=cfg.v_head_dim)
+    n_sliding = sum(getattr(cfg, "is_sliding", lambda i: False)(i) for i in range(cfg.n_layers))
+    if n_sliding and n_avg_local_keys is None:
+        raise ValueError(f"n_avg_local_keys: {n_sliding} blocks attend over a sliding window of {cfg.window}: "
+                         "pass their mean attended keys (mean_attended_keys(cu_seqlens, window))")
     return flops_per_token(**{n: getattr(cfg, n) for n in names}, n_dense=n_dense, n_shared=shared, vocab=cfg.vocab_size,
-                           n_avg_keys=n_avg_keys, **attention)
+                           n_avg_keys=n_avg_keys, n_sliding=n_sliding, n_avg_local_keys=n_avg_local_keys, **attention)
 
 
 def datasheet_peak_flops(name: str) -> Optional[float]:

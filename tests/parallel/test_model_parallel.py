@@ -200,6 +200,9 @@ CASES = {
     "tp2-proj-norm-ac-full": (2, dict(tp=2), dict(qk_norm="proj", ac="full")),
     "tp2-mla": (2, dict(tp=2), dict(MLA, q_rank=10)),
     "cp2xtp2-mla": (4, dict(cp=2, tp=2), MLA),
+    # a sliding window of 5 tokens in block 1 (the MoE one), the others full: each cp
+    # rank's keys of every rank masked by the window at their global indices
+    "cp2-window": (2, dict(cp=2), dict(window=5, window_layers=(1,))),
 }
 
 

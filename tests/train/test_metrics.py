@@ -40,6 +40,11 @@ def test_mean_attended_keys():
     assert M.mean_attended_keys([0, 8]) == 4.0  # one document: S / 2
     assert M.mean_attended_keys(torch.tensor([0, 2, 6, 8])) == (4 + 16 + 4) / 16
     assert M.mean_attended_keys([0, 4, 4, 8]) == 2.0  # an empty document counts nothing
+    # a sliding window of 4: the 10-token document counts 4^2 / 2 + 6 x 4, the 3-token one 3^2 / 2
+    assert M.mean_attended_keys([0, 10, 13], window=4) == (8 + 24 + 4.5) / 13
+    assert M.mean_attended_keys([0, 10, 13], window=10) == M.mean_attended_keys([0, 10, 13])
+    with pytest.raises(ValueError, match="window: expected a positive int"):
+        M.mean_attended_keys([0, 8], window=0)
     for bad in ([], [1, 4], [0, 4, 2], [0]):
         with pytest.raises(ValueError, match="cu_seqlens"):
             M.mean_attended_keys(bad)
@@ -231,6 +236,11 @@ def test_model_flops_per_token_reads_the_model_config():
     # moe_layers decides the dense blocks; a trunk without MoE makes the MTP block dense
     dense = TransformerConfig(**{**cfg.__dict__, "moe_layers": ()})
     assert M.model_flops_per_token(dense, n_avg_keys=10.0) == 4 * attention + 4 * 6 * 64 * 3 * 128 + 6 * 2 * 64 * 64 + 2 * 6 * 64 * 300
+    # blocks 0 and 2 over a sliding window: their scores and values over 3 keys per query, not 10
+    sliding = TransformerConfig(**{**cfg.__dict__, "window": 4, "window_layers": (0, 2)})
+    assert M.model_flops_per_token(sliding, n_avg_keys=10.0, n_avg_local_keys=3.0) == expected - 2 * 12 * 64 * (10.0 - 3.0)
+    with pytest.raises(ValueError, match="n_avg_local_keys: 2 blocks attend over a sliding window of 4"):
+        M.model_flops_per_token(sliding, n_avg_keys=10.0)
 
 
 # (name, TransformerConfig overrides) of the counted-FLOPs check: MoE trunk with MTP, an
