@@ -34,8 +34,9 @@ import torch
 from fmoe.model import Transformer, TransformerConfig
 
 
-def load_run(path: Path) -> tuple[Transformer, dict]:
-    """The model of an fmoe run directory (or of one of its checkpoints) and the run's config."""
+def load_run(path: Path, *, impl: str = "torch") -> tuple[Transformer, dict]:
+    """The model of an fmoe run directory (or of one of its checkpoints), its ops' impl
+    `impl`, and the run's config."""
     from fmoe.train import checkpoint
 
     run_dir = path if (path / "config.json").is_file() else path.parent
@@ -45,7 +46,7 @@ def load_run(path: Path) -> tuple[Transformer, dict]:
     knobs = dict(run["config"]["model"], vocab_size=run["vocab_size"])
     if knobs.get("moe_layers") is not None:
         knobs["moe_layers"] = tuple(knobs["moe_layers"])
-    model = Transformer(TransformerConfig(**{**knobs, "impl": "torch"}))
+    model = Transformer(TransformerConfig(**{**knobs, "impl": impl}))
     checkpoint.load_model(path, model=model)
     return model, run
 

@@ -1,0 +1,108 @@
+"""examples/evaluate.py: an fmoe run's defaults reproduce the validation loss the loop logged
+(from the run directory and from a checkpoint); every whole micro-batch of a split; an HF
+folder on byte data; bad knobs stop with a message."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+import evaluate  # noqa: E402
+
+TINY = ["--model.hidden=32", "--model.n_layers=2", "--model.n_dense=1", "--model.ffn_dense=64", "--model.n_experts=4", "--model.k=2",
+        "--model.ffn_expert=32", "--model.n_heads=2", "--model.n_kv_heads=1", "--model.head_dim=16", "--model.mtp_depth=1",
+        "--tokens_per_micro_batch=128", "--batch_schedule=0:2", "--steps=3", "--eval_every=3", "--eval_batches=3", "--warmup=1"]
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, str(ROOT / "examples" / "evaluate.py"), *map(str, args)], capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    run = subprocess.run([sys.executable, str(ROOT / "examples" / "train_moe.py"), f"--out_dir={out}", *TINY],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return out, [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_run_s_defaults_reproduce_its_logged_validation_loss(run_dir):
+    out, records = run_dir
+    for path in (out, out / "step_000003"):
+        cli = _cli(path, "--json")
+        assert cli.returncode == 0, cli.stderr[-2000:]
+        result = json.loads(cli.stdout)
+        assert result["loss"] == pytest.approx(records[-1]["val_loss"], rel=1e-5)
+        assert {n: r["loss"] for n, r in result["by_source"].items()} == pytest.approx(records[-1]["val_loss_by_source"], rel=1e-5)
+        assert len(result["mtp_losses"]) == 1 and result["mtp_losses"][0] > 0
+    text = _cli(out)
+    assert text.returncode == 0 and text.stdout.startswith("stdlib: ") and "bits per byte" in text.stdout and "mtp depth 1: loss" in text.stdout
+
+
+@pytest.fixture(scope="module")
+def docs(tmp_path_factory):
+    """A small directory of text documents (read as bytes)."""
+    root = tmp_path_factory.mktemp("docs")
+    for i in range(30):
+        (root / f"{i}.txt").write_text(f"document {i}: " + "some text to score " * (i + 3))
+    return root
+
+
+def test_every_whole_micro_batch_of_other_data(run_dir, docs):
+    out, _ = run_dir
+    cli = _cli(out, f"--data={docs}", "--split=all", "--batches=0", "--tokens_per_micro_batch=256", "--json")
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    result = json.loads(cli.stdout)
+    from fmoe.train.data import load_blend
+
+    corpus = load_blend(str(docs), vocab_size=258)
+    batches, sources = evaluate.data_batches(corpus, split="all", val_percent=5, tokens=256, n_batches=0, mtp_depth=1)
+    assert len(batches) == corpus.n_tokens // 256 >= 20 and len(set(sources)) == 1
+    assert result["tokens"] == sum(int(b["loss_mask"].sum()) for b in batches) > 0.9 * len(batches) * 256
+    # the same batches through the function, in this process
+    model, _ = evaluate.load_run(out)
+    again = evaluate.evaluate(model, batches, sources, device=torch.device("cpu"))
+    assert again["loss"] == pytest.approx(result["loss"], rel=1e-6) and again["tokens"] == result["tokens"]
+
+
+def test_a_hugging_face_folder_on_byte_data(tmp_path, docs):
+    transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]'")
+    import fmoe.hf
+    from fmoe.train.data import load_blend
+
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(vocab_size=260, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         head_dim=8, intermediate_size=40, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "hf")
+    missing = _cli(tmp_path / "hf")
+    assert missing.returncode != 0 and "--data: an HF folder needs data tokenized with its tokenizer" in missing.stderr
+    cli = _cli(tmp_path / "hf", f"--data={docs}", "--split=all", "--batches=4", "--tokens_per_micro_batch=256", "--json")
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    result = json.loads(cli.stdout)
+    model, _ = fmoe.hf.from_pretrained(tmp_path / "hf", impl="torch")
+    corpus = load_blend(str(docs), vocab_size=260)
+    want = evaluate.evaluate(model, corpus.validation_batches(256, 4), corpus.validation_sources(4), device=torch.device("cpu"))
+    assert result["loss"] == pytest.approx(want["loss"], rel=1e-6) and result["tokens"] == want["tokens"]
+    assert abs(result["loss"] - torch.log(torch.tensor(260.0)).item()) < 0.5  # a fresh model: near uniform
+    # ids beyond the model's vocabulary are refused
+    small = transformers.Qwen3MoeConfig(**{**config.to_dict(), "vocab_size": 64})
+    transformers.AutoModelForCausalLM.from_config(small).save_pretrained(tmp_path / "small")
+    refused = _cli(tmp_path / "small", f"--data={docs}")
+    assert refused.returncode != 0 and "the data's 258 token ids do not fit the model's vocab_size 64" in refused.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--split=test"], "--split: expected val, train or all, got 'test'"),
+    (["--batches=-1"], "--batches: expected >= 0"),
+    (["--tokens_per_micro_batch=100000000", "--batches=0", "--split=val"], "--tokens_per_micro_batch: no source of the val split holds"),
+    (["--batches=100000"], "n_batches: 100000 batches of 128 tokens need"),
+])
+def test_bad_knobs_stop_with_a_message(run_dir, args, message):
+    cli = _cli(run_dir[0], *args)
+    assert cli.returncode != 0 and message in cli.stderr, cli.stderr[-2000:]
