@@ -374,6 +374,11 @@ class AttentionContext:
         [T, 1, kv_rank + R] (the normed latent, then the rotated key) and values [T, 1, kv_rank]
         (the latent); each query head is moved into the latent space by its slice of wkv_b,
         and the attention output back out by the value slice (the same function).
+    expand_latents: multi-latent attention over a cache of latents in the ordinary form
+        (prefilling a prompt): gather_kv takes and returns latent keys and values as with
+        latent_kv, and attention expands every returned latent by wkv_b into per-head keys
+        and values, for queries of the full head dim: the cheaper form for many queries at
+        once, and one FlexAttention can run (latent_kv's keys are kv_rank + R wide).
     window, local_mask: the sliding window the context was built for (attention_context's
         cfg.window; None: none) and its mask, of mask's shape and kind: what the layers
         whose cfg.window equals `window` use in place of mask.
@@ -384,6 +389,7 @@ class AttentionContext:
     mask: object
     gather_kv: Optional[Callable] = None
     latent_kv: bool = False
+    expand_latents: bool = False
     window: Optional[int] = None
     local_mask: object = None
 
@@ -669,11 +675,20 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
     if cfg.window != ctx.window and cfg.window is not None:
         raise ValueError(f"ctx: built for the sliding window {ctx.window}, this layer attends over window {cfg.window} "
                          "(build the context with an AttentionConfig of the layer's window)")
-    if ctx.latent_kv and cfg.kv_rank is None:
-        raise ValueError("ctx.latent_kv: the absorbed form is multi-latent attention's (cfg.kv_rank), not grouped-query attention's")
+    for name in ("latent_kv", "expand_latents"):
+        if getattr(ctx, name) and cfg.kv_rank is None:
+            raise ValueError(f"ctx.{name}: a cache of latents is multi-latent attention's (cfg.kv_rank), not grouped-query attention's")
+    if ctx.latent_kv and ctx.expand_latents:
+        raise ValueError("ctx.latent_kv, ctx.expand_latents: one form or the other (absorbed, or latents expanded per head)")
+    if ctx.expand_latents and ctx.gather_kv is None:
+        raise ValueError("ctx.expand_latents: needs the cache's gather_kv (the latents of every key)")
     wv_CNV = None
     if ctx.latent_kv:
         q_TND, k_TGD, v_TGD, wv_CNV = _mla_latent_qkv(x, params, cfg, ctx)
+    elif ctx.expand_latents:
+        q_nope_TNP, q_rope_TNR, latent_TC, k_rope_T1R = _mla_parts(x, params, cfg, ctx)
+        q_TND = torch.cat([q_nope_TNP, q_rope_TNR], dim=-1)
+        k_TGD, v_TGD = torch.cat([latent_TC[:, None, :], k_rope_T1R], dim=-1), latent_TC[:, None, :]  # the cache's form
     elif cfg.kv_rank is not None:
         q_TND, k_TGD, v_TGD = _mla_qkv(x, params, cfg, ctx)
     else:
@@ -683,6 +698,8 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
         n_keys = ctx.mask.shape[-1]
         if k_TGD.shape[0] != n_keys or v_TGD.shape[0] != n_keys:
             raise ValueError(f"ctx.gather_kv: returned {k_TGD.shape[0]} keys and {v_TGD.shape[0]} values, the mask has {n_keys} keys")
+        if ctx.expand_latents:  # every key's latent and rotated key -> per-head keys and values
+            k_TGD, v_TGD = _mla_expand(k_TGD[:, 0, :cfg.kv_rank], k_TGD[:, :, cfg.kv_rank:], params, cfg)
     q_NTD, k_GTD, v_GTD = (rearrange(t, "t h d -> h t d") for t in (q_TND, k_TGD, v_TGD))
     mask = ctx.mask if cfg.window is None else ctx.local_mask
     if isinstance(mask, torch.Tensor):  # the reference
@@ -756,10 +773,14 @@ def _mla_parts(x, params, cfg: AttentionConfig, ctx: AttentionContext):
 def _mla_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext):
     """Multi-latent attention's q, k [T, N, D] ([nope | rope] per head) and v [T, N, v_dim]:
     the latents RMSNorm'd, the rope slices rotated, the one rotary key shared by all heads."""
-    N, D, R = cfg.n_heads, cfg.head_dim, cfg.rot_dim
     q_nope_TNP, q_rope_TNR, latent_TC, k_rope_T1R = _mla_parts(x, params, cfg, ctx)
+    return (torch.cat([q_nope_TNP, q_rope_TNR], dim=-1), *_mla_expand(latent_TC, k_rope_T1R, params, cfg))
+
+
+def _mla_expand(latent_TC, k_rope_T1R, params, cfg: AttentionConfig):
+    """Per-head keys [T, N, D] ([nope | rope], the rotary key shared by every head) and values
+    [T, N, v_dim] from the normed latents [T, kv_rank] (wkv_b) and rotated keys [T, 1, R]."""
+    N, D, R = cfg.n_heads, cfg.head_dim, cfg.rot_dim
     kv_TNE = rearrange(latent_TC @ params["wkv_b"], "t (n e) -> t n e", n=N)
     k_nope_TNP, v_TNV = kv_TNE.split([D - R, cfg.v_dim], dim=-1)
-    q_TND = torch.cat([q_nope_TNP, q_rope_TNR], dim=-1)
-    k_TND = torch.cat([k_nope_TNP, k_rope_T1R.expand(-1, N, -1)], dim=-1)
-    return q_TND, k_TND, v_TNV.contiguous()
+    return torch.cat([k_nope_TNP, k_rope_T1R.expand(-1, N, -1)], dim=-1), v_TNV.contiguous()

@@ -568,7 +568,7 @@ class KVCache:
     k [n_layers, batch * max_tokens, G, D], v [n_layers, batch * max_tokens, G, Dv]
     (G = n_kv_heads, D = Dv = head_dim), keys after RoPE: sequence b owns the rows
     [b max_tokens, (b + 1) max_tokens), of which the first lengths[b] are filled. Multi-latent
-    attention keeps its latents instead (the absorbed form, AttentionContext.latent_kv):
+    attention keeps its latents instead (AttentionContext.latent_kv / expand_latents):
     k [n_layers, batch * max_tokens, 1, kv_rank + rope_dim] (the normed latent, then the
     rotated key) and v = k[..., :kv_rank], a view: kv_rank + rope_dim numbers per token and
     layer where the expanded keys and values would take n_heads (head_dim + v_head_dim).
@@ -797,19 +797,24 @@ class Transformer(nn.Module):
         # is a document) against the cache's first n_keys rows: attention_context's
         # context-parallel form, the cache standing in for the gather of every rank's keys
         # and the document mask hiding other sequences' rows and the unfilled ones. Multi-
-        # latent attention attends in its absorbed form (latent keys of kv_rank + rope_dim
-        # channels) with the dense mask.
+        # latent attention caches latents: one new token per sequence attends in the
+        # absorbed form (latent keys of kv_rank + rope_dim channels, the dense mask); more
+        # (a prompt) expand every cached latent per head and attend in the ordinary form,
+        # with the model's mask (FlexAttention's block mask on CUDA).
         positions_host = [cache.lengths[b] + t for b in seq_list for t in range(T)]
         rows_host = [b * M + cache.lengths[b] + t for b in seq_list for t in range(T)]
         n_keys = max(rows_host) + 1
         positions, rows = (torch.tensor(v, device=device) for v in (positions_host, rows_host))
         cu = torch.tensor([*range(0, n_keys, M), n_keys], dtype=torch.int32, device=device)
         cfg, mla = self.cfg.attention_config(sliding=self.cfg.any_sliding), self.cfg.kv_rank is not None
-        ctx = attention_context(cu, positions, dataclasses.replace(cfg, impl="torch") if mla else cfg, token_index=rows,
+        absorbed = mla and T == 1
+        ctx = attention_context(cu, positions, dataclasses.replace(cfg, impl="torch") if absorbed else cfg, token_index=rows,
                                 kv_index=torch.arange(n_keys, device=device), gather_kv=functools.partial(cache.write, 0, rows, n_keys))
         h_TH = F.embedding(input_ids.reshape(-1), self.embed)
         for i, block in enumerate(self.blocks):
-            h_TH, _ = block(h_TH, dataclasses.replace(ctx, gather_kv=functools.partial(cache.write, i, rows, n_keys), latent_kv=mla))
+            layer_ctx = dataclasses.replace(ctx, gather_kv=functools.partial(cache.write, i, rows, n_keys), latent_kv=absorbed,
+                                            expand_latents=mla and not absorbed)
+            h_TH, _ = block(h_TH, layer_ctx)
         for b in seq_list:
             cache.lengths[b] += T
         logits = self._head(h_TH)

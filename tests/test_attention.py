@@ -523,11 +523,13 @@ def test_multi_latent_attention_under_context_parallel():
             assert _rel(y, whole[index]) < 1e-5, rank
 
 
+@pytest.mark.parametrize("form", ["latent_kv", "expand_latents"])
 @pytest.mark.parametrize("cfg", [MLA, dataclasses.replace(MLA, q_rank=None, interleaved=False, yarn_factor=None)], ids=["q-latent-yarn", "full-q-rope"])
-def test_absorbed_multi_latent_attention_is_the_same_function(cfg):
+def test_multi_latent_attention_over_cached_latents_is_the_same_function(cfg, form):
     """latent_kv: each query head moved into the latent space, one shared latent key and
-    value, the output moved back per head: the per-token definition, values and gradients,
-    with keys [T, 1, kv_rank + R] and values [T, 1, kv_rank] through gather_kv."""
+    value, the output moved back per head; expand_latents: the gathered latents expanded
+    per head, ordinary queries. Both the per-token definition, values and gradients, with
+    keys [T, 1, kv_rank + R] and values [T, 1, kv_rank] through gather_kv (a cache's form)."""
     cu = torch.tensor([0, 3, 4, 13, 16], dtype=torch.int32)
     p = _mla_params(cfg)
     x = torch.randn(16, H, requires_grad=True)
@@ -537,7 +539,7 @@ def test_absorbed_multi_latent_attention_is_the_same_function(cfg):
         seen.append((tuple(k.shape), tuple(v.shape)))
         return k, v
 
-    ctx = dataclasses.replace(_ctx(cu, cfg), gather_kv=gather_kv, latent_kv=True)
+    ctx = dataclasses.replace(_ctx(cu, cfg), gather_kv=gather_kv, **{form: True})
     y, _ = attention(x, p, cfg, ctx)
     want = _loop_mla(x, p, cfg, cu)
     assert seen == [((16, 1, cfg.kv_rank + cfg.rot_dim), (16, 1, cfg.kv_rank))]
@@ -568,8 +570,14 @@ def test_multi_latent_attention_bad_inputs():
         attention(x, {n: t for n, t in p.items() if n != "q_a_norm"}, MLA, _ctx(cu, MLA))
     with pytest.raises(ValueError, match=r"params: unknown multi-latent attention parameters \['wk'\]"):
         attention(x, {**p, "wk": p["wo"]}, MLA, _ctx(cu, MLA))
-    with pytest.raises(ValueError, match="ctx.latent_kv: the absorbed form is multi-latent attention's"):
-        attention(x, {n: t.detach() for n, t in _params(CFG).items()}, CFG, dataclasses.replace(_ctx(cu, CFG), latent_kv=True))
+    gqa = {n: t.detach() for n, t in _params(CFG).items()}
+    for name in ("latent_kv", "expand_latents"):
+        with pytest.raises(ValueError, match=f"ctx.{name}: a cache of latents is multi-latent attention's"):
+            attention(x, gqa, CFG, dataclasses.replace(_ctx(cu, CFG), **{name: True}))
+    with pytest.raises(ValueError, match="ctx.latent_kv, ctx.expand_latents: one form or the other"):
+        attention(x, p, MLA, dataclasses.replace(_ctx(cu, MLA), latent_kv=True, expand_latents=True, gather_kv=lambda k, v: (k, v)))
+    with pytest.raises(ValueError, match="ctx.expand_latents: needs the cache's gather_kv"):
+        attention(x, p, MLA, dataclasses.replace(_ctx(cu, MLA), expand_latents=True))
 
 
 @pytest.mark.gpu

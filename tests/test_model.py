@@ -424,9 +424,15 @@ def _sharp(cfg):
 
 
 @pytest.mark.parametrize("name", list(DECODED))
-def test_decode_with_a_kv_cache_equals_the_whole_sequence(name):
+def test_decode_with_a_kv_cache_equals_the_whole_sequence(name, monkeypatch):
     """A prompt, then tokens one and a few at a time, through the cache: the logits of each
-    call are the rows of the whole sequence's logits, and the cache holds every token."""
+    call are the rows of the whole sequence's logits, and the cache holds every token.
+    Multi-latent attention: single tokens in the absorbed form, several with the cached
+    latents expanded per head."""
+    forms = []
+    for fn in ("_mla_latent_qkv", "_mla_expand"):
+        original = getattr(fmoe.layers, fn)
+        monkeypatch.setattr(fmoe.layers, fn, lambda *a, _f=original, _n=fn: forms.append(_n) or _f(*a))
     model = _sharp(DECODED[name])
     ids = torch.randint(0, model.cfg.vocab_size, (13,))
     with torch.no_grad():
@@ -441,8 +447,10 @@ def test_decode_with_a_kv_cache_equals_the_whole_sequence(name):
     assert not got[0].requires_grad  # inference: no graph kept
     assert cache.k[:, 13:].abs().sum() == 0 and cache.k[:, :13].abs().amin(dim=(2, 3)).gt(0).all()
     cfg = model.cfg
-    if cfg.kv_rank is not None:  # the latents only (absorbed attention): kv_rank + rope_dim per token and layer
+    if cfg.kv_rank is not None:  # the latents only: kv_rank + rope_dim per token and layer
         assert cache.k.shape == (cfg.n_layers, 16, 1, cfg.kv_rank + cfg.rope_dim) and cache.v.data_ptr() == cache.k.data_ptr()
+        # 6 calls x 3 layers (and the whole sequence's logits): calls of 1 token absorbed, of 5 and 4 expanded
+        assert forms.count("_mla_latent_qkv") == 4 * cfg.n_layers and forms.count("_mla_expand") == (1 + 2) * cfg.n_layers
     else:
         assert cache.k.shape == cache.v.shape == (cfg.n_layers, 16, cfg.n_kv_heads, cfg.head_dim)
     # a new sequence in the same cache
