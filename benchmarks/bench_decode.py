@@ -1,0 +1,117 @@
+"""Decoding benchmark: one step of B sequences (a new token each) through the KV cache.
+
+    .venv/bin/python benchmarks/bench_decode.py            # CUDA, bf16, real shapes
+    .venv/bin/python benchmarks/bench_decode.py --smoke    # CPU, tiny shapes
+
+Models (4 trunk blocks, no MTP; weights random, the model's "auto" ops):
+    gqa   Qwen3-30B-A3B's block: H=2048, 32 query / 4 kv heads of 128, qk norm, 128 experts
+          of 768, top-8
+    mla   DeepSeek-V3's attention at H=2048: 16 heads, q_rank 1536, kv_rank 512, rope 64,
+          nope 128, v 128; 64 experts of 1024, top-6, a shared expert
+(--smoke: H=32, 4 heads, 8 experts.) Each sequence holds a prompt of P = 1024 tokens (--smoke:
+8) in the cache; the timed step decodes position P of every sequence again (the cache's
+lengths are set back to P before each call), so every call does the same work.
+
+Implementations, each checked to give the same next-token logits before timing:
+    fmoe batched    Transformer.decode(ids [B, 1], cache of B sequences): one forward for all
+    one at a time   B calls of decode, one sequence each (the same cache): what generation
+                    without batching does
+    no cache        Transformer.logits over the B packed whole sequences (P + 1 tokens each),
+                    their last rows: decoding without a KV cache
+
+Table: median ms per step (every sequence one token); tokens_per_s = B / step; speedup = this
+impl's ms / fmoe's ms (how much longer it takes); floor_fraction (fmoe only): the bytes a step
+must read at least, at the copy bandwidth measured in the same run, over the measured time:
+every dense weight, min(E, B k) experts' weights per MoE block (the most distinct experts B
+tokens can pick) and the B sequences' cached keys and values. CSV: OUT/bench_decode.csv.
+"""
+
+import sys
+
+from _common import bench, finish, floor_fraction, start  # before torch and fmoe: with --smoke it sets TRITON_INTERPRET
+
+import torch  # noqa: E402
+
+from fmoe.model import Transformer, TransformerConfig  # noqa: E402
+
+COLUMNS = ["model", "B", "impl", "ms", "tokens_per_s", "speedup", "floor_fraction"]
+
+
+def configs(smoke: bool) -> dict:
+    if smoke:
+        base = dict(vocab_size=64, hidden=32, n_layers=4, n_dense=0, ffn_dense=64, n_experts=8, k=2, ffn_expert=16, n_shared=0,
+                    expert_bias=False, score="softmax")
+        return {"gqa": TransformerConfig(**base, n_heads=4, n_kv_heads=2, head_dim=8, qk_norm="head"),
+                "mla": TransformerConfig(**{**base, "n_shared": 1}, n_heads=4, n_kv_heads=4, head_dim=12, rope_dim=4, q_rank=16,
+                                         kv_rank=8, v_head_dim=8)}
+    base = dict(vocab_size=151936, hidden=2048, n_layers=4, n_dense=0, ffn_dense=6144)
+    return {"gqa": TransformerConfig(**base, n_experts=128, k=8, ffn_expert=768, n_shared=0, score="softmax", expert_bias=False,
+                                     n_heads=32, n_kv_heads=4, head_dim=128, qk_norm="head"),
+            "mla": TransformerConfig(**base, n_experts=64, k=6, ffn_expert=1024, n_shared=1, n_heads=16, n_kv_heads=16, head_dim=192,
+                                     rope_dim=64, q_rank=1536, kv_rank=512, v_head_dim=128)}
+
+
+def floor_bytes(model: Transformer, cache, B: int) -> int:
+    """Bytes a step must read: the dense weights, min(E, B k) experts per MoE block, the
+    B sequences' filled cache rows (keys, and values unless they are a view of them)."""
+    cfg = model.cfg
+    expert_params = sum(p.numel() for m in model.moe_layers().values() for p in m.experts.parameters())
+    dense_params = sum(p.numel() for p in model.parameters()) - expert_params - model.embed.numel() + B * cfg.hidden
+    per_expert = expert_params // (cfg.n_experts * len(model.moe_layers()))
+    experts_read = len(model.moe_layers()) * min(cfg.n_experts, B * cfg.k) * per_expert
+    size = model.embed.element_size()
+    row = cache.k[:, :1].numel() + (0 if cache.v_in_k else cache.v[:, :1].numel())  # one token of every layer
+    return size * (dense_params + experts_read + sum(cache.lengths) * row)
+
+
+def run(name: str, cfg: TransformerConfig, device, dtype, bandwidth: float, smoke: bool) -> list[dict]:
+    P = 8 if smoke else 1024
+    torch.manual_seed(0)
+    model = Transformer(cfg).to(device=device, dtype=dtype).eval()
+    rows = []
+    for B in (1, 4) if smoke else (1, 8, 32):
+        ids = torch.randint(0, cfg.vocab_size, (B, P + 1), device=device)
+        cache = model.kv_cache(P + 1, batch=B)
+        with torch.no_grad():
+            for b in range(B):
+                model.decode(ids[b, :P], cache, seqs=b)
+        cu = torch.arange(0, B * (P + 1) + 1, P + 1, dtype=torch.int32, device=device)
+
+        def batched():
+            cache.lengths = [P] * B
+            return model.decode(ids[:, P:], cache)[:, -1]
+
+        def one_at_a_time():
+            cache.lengths = [P] * B
+            return torch.stack([model.decode(ids[b, P:], cache, seqs=b)[-1] for b in range(B)])
+
+        def no_cache():
+            with torch.no_grad():
+                return model.logits(ids.reshape(-1), cu)[P::P + 1]
+
+        impls = {"fmoe batched": batched, "one at a time": one_at_a_time, "no cache": no_cache}
+        want = batched().float()
+        for impl, fn in impls.items():
+            got = fn().float()
+            if not torch.allclose(got, want, rtol=2e-2 if dtype != torch.float32 else 1e-4, atol=2e-2 if dtype != torch.float32 else 1e-4):
+                sys.exit(f"{name}, B={B}: {impl}'s logits differ from fmoe batched's by {float((got - want).abs().max()):.3g}")
+            ms = bench(fn, device)
+            rows.append({"model": name, "B": B, "impl": impl, "ms": ms, "tokens_per_s": B / ms * 1e3, "P": P})
+        cache.lengths = [P] * B
+        rows[-3]["floor_fraction"] = floor_fraction(floor_bytes(model, cache, B), bandwidth, rows[-3]["ms"])
+        for row in rows[-2:]:
+            row["speedup"] = row["ms"] / rows[-3]["ms"]
+        print(f"{name}, B={B}: the three give the same logits; fmoe batched {rows[-3]['ms']:.3g} ms per step", flush=True)
+    return rows
+
+
+def main() -> None:
+    args, device, dtype, bandwidth = start(__doc__.splitlines()[0])
+    rows = []
+    for name, cfg in configs(args.smoke).items():
+        rows += run(name, cfg, device, dtype, bandwidth, args.smoke)
+    finish(args, device, bandwidth, "bench_decode", [(rows, COLUMNS)])
+
+
+if __name__ == "__main__":
+    main()
