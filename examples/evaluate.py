@@ -5,8 +5,8 @@
     python examples/evaluate.py path/to/qwen3_moe --data=data/web.u32 --batches=64 --tokens_per_micro_batch=4096 \\
         --device=cuda --dtype=bfloat16
 
-The model: an fmoe run rebuilt from its config.json and newest complete checkpoint
-(generate.load_run), or an HF folder (fmoe.hf.from_pretrained). The data: --data, a blend
+The model (generate.load_model): an fmoe run rebuilt from its config.json and newest
+complete checkpoint, or an HF folder (fmoe.hf.from_pretrained). The data: --data, a blend
 spec as the loop takes it (a directory of text files read as bytes, a token file, a .npy
 file, or a weighted blend of them; fmoe.train.data.load_blend), by default the run's own
 data with its separator and dtype; an HF folder needs --data, tokenized with its tokenizer
@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from generate import _device, load_run  # noqa: E402
+from generate import _device, is_hf_folder, load_model  # noqa: E402
 
 from fmoe.model import Transformer  # noqa: E402
 
@@ -95,7 +95,7 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("path", type=Path, help="an fmoe run directory or checkpoint, or a Hugging Face folder")
     parser.add_argument("--data", default=None, help="a blend spec (default: the run's data; needed for an HF folder)")
-    parser.add_argument("--split", default="val", help="val | train | all")
+    parser.add_argument("--split", default="val", choices=("val", "train", "all"))
     parser.add_argument("--val_percent", type=int, default=None, help="validation documents (default: the run's, else 5)")
     parser.add_argument("--tokens_per_micro_batch", type=int, default=None, help="default: the run's, else 2048")
     parser.add_argument("--batches", type=int, default=None, help="micro-batches (default: the run's eval_batches, else 16; 0: all)")
@@ -103,21 +103,11 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
-    run = {}
-    if args.split not in ("val", "train", "all") or (args.batches is not None and args.batches < 0):
-        sys.exit(f"--split: expected val, train or all, got {args.split!r}" if args.split not in ("val", "train", "all")
-                 else f"--batches: expected >= 0 (0: every whole micro-batch), got {args.batches}")
     try:
         device = _device(args.device)
-        impl = "auto" if device.type == "cuda" else "torch"  # Triton kernels and FlexAttention on a GPU
-        if (args.path / "config.json").is_file() and "model_type" in json.loads((args.path / "config.json").read_text()):
-            import fmoe.hf
-
-            if args.data is None:
-                raise ValueError("--data: an HF folder needs data tokenized with its tokenizer (python -m fmoe.train.prepare)")
-            model, _ = fmoe.hf.from_pretrained(args.path, impl=impl, mtp_depth=0)
-        else:
-            model, run = load_run(args.path, impl=impl)
+        if args.data is None and is_hf_folder(args.path):
+            raise ValueError("--data: an HF folder needs data tokenized with its tokenizer (python -m fmoe.train.prepare)")
+        model, run = load_model(args.path, impl="auto" if device.type == "cuda" else "torch")  # Triton and FlexAttention on a GPU
     except (OSError, ValueError, KeyError) as err:
         sys.exit(f"path: {err}")
     loop = run.get("config", {})

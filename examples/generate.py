@@ -34,6 +34,21 @@ import torch
 from fmoe.model import Transformer, TransformerConfig
 
 
+def is_hf_folder(path: Path) -> bool:
+    """Whether path is a Hugging Face folder (its config.json names a model_type)."""
+    return (path / "config.json").is_file() and "model_type" in json.loads((path / "config.json").read_text())
+
+
+def load_model(path: Path, *, impl: str = "torch") -> tuple[Transformer, dict]:
+    """(model, run config) of an fmoe run or checkpoint (load_run), or (model, {}) of an HF
+    folder (fmoe.hf.from_pretrained without MTP modules; model.hf_config keeps its config)."""
+    if is_hf_folder(path):
+        import fmoe.hf
+
+        return fmoe.hf.from_pretrained(path, impl=impl, mtp_depth=0)[0], {}
+    return load_run(path, impl=impl)
+
+
 def load_run(path: Path, *, impl: str = "torch") -> tuple[Transformer, dict]:
     """The model of an fmoe run directory (or of one of its checkpoints), its ops' impl
     `impl`, and the run's config."""
@@ -137,10 +152,8 @@ def main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     encode = decode = None
     try:
-        if (args.path / "config.json").is_file() and "model_type" in json.loads((args.path / "config.json").read_text()):
-            import fmoe.hf
-
-            model, cfg = fmoe.hf.from_pretrained(args.path, impl="torch")
+        model, run = load_model(args.path)
+        if not run:  # an HF folder
             eos = model.hf_config.get("eos_token_id")
             eos = eos[0] if isinstance(eos, list) else eos
             if (args.path / "tokenizer.json").is_file():
@@ -151,7 +164,6 @@ def main(argv: list[str]) -> None:
         else:
             from fmoe.train.data import EOS, decode_text, encode_text
 
-            model, run = load_run(args.path)
             eos = None
             if not str(run["config"].get("data", "")).endswith((".bin", ".npy")):  # bytes: the stdlib corpus or text files
                 encode, decode, eos = (lambda s: encode_text(s).tolist()), decode_text, EOS

@@ -442,6 +442,14 @@ def main(argv: list[str]) -> None:
         chunks, with their token_index); the micro-batch itself otherwise."""
         return parallel.split_batch(host_batch, cp_rank, meshes.cp) if meshes is not None and meshes.cp > 1 else host_batch
 
+    def train_batch(host_batch):
+        """This rank's share of a training micro-batch, on the device; compiled, its document
+        count is dynamic (it varies by micro-batch: one graph for all)."""
+        batch = split(host_batch).to(device, non_blocking=True)
+        if cfg.compile:
+            torch._dynamo.mark_dynamic(batch["cu_seqlens"], 0)
+        return batch
+
     # each source's validation tokens (host counts, once): the per-source means divide by them
     val_names = [name for name in corpus.names if name in val_sources]
     val_counts = {name: sum(int(b["loss_mask"].sum()) for b, src in zip(val_batches, val_sources) if src == name) for name in val_names}
@@ -501,18 +509,12 @@ def main(argv: list[str]) -> None:
         record = dict.fromkeys(["lm_loss", *(f"mtp_{d}_loss" for d in range(1, model_cfg.mtp_depth + 1)), "seq_aux_loss", "aux_loss", "z_loss"], zero)
         if pipe is not None:  # the schedule runs forward and backward of this rank's micro-batches
             step_state.update(valid=valid, n_micro=n_micro)
-            micro = [split(b).to(device, non_blocking=True) for b in mine + [host_batches[0]] * padding]
-            if cfg.compile:  # the document count varies by micro-batch: one graph for all
-                for batch in micro:
-                    torch._dynamo.mark_dynamic(batch["cu_seqlens"], 0)
-            logged, counts = pipe.step([parallel.MicroBatch(b, padding=i >= len(mine)) for i, b in enumerate(micro)])
+            logged, counts = pipe.step([parallel.MicroBatch(train_batch(b), padding=i >= len(mine))
+                                        for i, b in enumerate(mine + [host_batches[0]] * padding)])
             for name, value in logged.items():
                 record[name] = record[name] + value
         for i, host_batch in enumerate(mine + [host_batches[0]] * padding if pipe is None else []):
-            batch = split(host_batch).to(device, non_blocking=True)
-            if cfg.compile:  # the document count varies by micro-batch: one graph for all
-                torch._dynamo.mark_dynamic(batch["cu_seqlens"], 0)
-            loss, logged, stats = run_micro_batch(batch, valid, n_micro)
+            loss, logged, stats = run_micro_batch(train_batch(host_batch), valid, n_micro)
             if i >= len(mine):
                 (loss * 0.0).backward()
                 continue

@@ -74,7 +74,7 @@ from tensordict import TensorDict
 from fmoe.ops import aux_scores as _aux_scores
 from fmoe.ops import drop_by_capacity, random_logits, route
 from fmoe.ops.backend import IMPLS
-from fmoe.ops.checks import check_float, check_index
+from fmoe.ops.checks import check_float, check_index, check_positive_int
 from fmoe.ops.dispatch import permute, unpermute
 from fmoe.ops.experts import grouped_mlp, swiglu
 from fmoe.ops.packed import sequence_ids
@@ -328,9 +328,10 @@ class AttentionConfig:
 
 
 def check_window(window) -> None:
-    """ValueError unless window is None or a positive int (a sliding window's width)."""
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ValueError(f"window: expected a positive int (the tokens a query attends to, itself included) or None, got {window!r}")
+    """ValueError unless window is None or a positive int (a sliding window's width: the
+    tokens a query attends to, itself included)."""
+    if window is not None:
+        check_positive_int("window", window)
 
 
 def rope_tables(positions: torch.Tensor, cfg: AttentionConfig):
@@ -369,16 +370,15 @@ class AttentionContext:
         keys [T, G, D] the mask's columns index: under context parallel every rank's
         (fmoe.parallel.gather_kv over the cp mesh), in decoding the cached tokens' followed
         by these (fmoe.model.KVCache.write, one per layer).
-    latent_kv: multi-latent attention in its absorbed form (decoding with a cache of latents):
-        the keys and values gather_kv takes and returns are one shared head, keys
-        [T, 1, kv_rank + R] (the normed latent, then the rotated key) and values [T, 1, kv_rank]
-        (the latent); each query head is moved into the latent space by its slice of wkv_b,
-        and the attention output back out by the value slice (the same function).
-    expand_latents: multi-latent attention over a cache of latents in the ordinary form
-        (prefilling a prompt): gather_kv takes and returns latent keys and values as with
-        latent_kv, and attention expands every returned latent by wkv_b into per-head keys
-        and values, for queries of the full head dim: the cheaper form for many queries at
-        once, and one FlexAttention can run (latent_kv's keys are kv_rank + R wide).
+    latents: multi-latent attention over a cache of latents (decoding; None: not): the keys
+        and values gather_kv takes and returns are one shared head, keys [T, 1, kv_rank + R]
+        (the normed latent, then the rotated key) and values [T, 1, kv_rank] (the latent).
+        "absorbed": each query head is moved into the latent space by its slice of wkv_b,
+        and the attention output back out by the value slice (the same function; few
+        queries). "expanded": attention expands every returned latent by wkv_b into per-head
+        keys and values for queries of the full head dim: the cheaper form for many queries
+        at once (a prompt), and one FlexAttention can run (the absorbed keys are kv_rank + R
+        wide).
     window, local_mask: the sliding window the context was built for (attention_context's
         cfg.window; None: none) and its mask, of mask's shape and kind: what the layers
         whose cfg.window equals `window` use in place of mask.
@@ -388,8 +388,7 @@ class AttentionContext:
     sin: torch.Tensor
     mask: object
     gather_kv: Optional[Callable] = None
-    latent_kv: bool = False
-    expand_latents: bool = False
+    latents: Optional[str] = None
     window: Optional[int] = None
     local_mask: object = None
 
@@ -675,17 +674,16 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
     if cfg.window != ctx.window and cfg.window is not None:
         raise ValueError(f"ctx: built for the sliding window {ctx.window}, this layer attends over window {cfg.window} "
                          "(build the context with an AttentionConfig of the layer's window)")
-    for name in ("latent_kv", "expand_latents"):
-        if getattr(ctx, name) and cfg.kv_rank is None:
-            raise ValueError(f"ctx.{name}: a cache of latents is multi-latent attention's (cfg.kv_rank), not grouped-query attention's")
-    if ctx.latent_kv and ctx.expand_latents:
-        raise ValueError("ctx.latent_kv, ctx.expand_latents: one form or the other (absorbed, or latents expanded per head)")
-    if ctx.expand_latents and ctx.gather_kv is None:
-        raise ValueError("ctx.expand_latents: needs the cache's gather_kv (the latents of every key)")
+    if ctx.latents not in (None, "absorbed", "expanded"):
+        raise ValueError(f"ctx.latents: expected None, 'absorbed' or 'expanded', got {ctx.latents!r}")
+    if ctx.latents is not None and cfg.kv_rank is None:
+        raise ValueError("ctx.latents: a cache of latents is multi-latent attention's (cfg.kv_rank), not grouped-query attention's")
+    if ctx.latents == "expanded" and ctx.gather_kv is None:
+        raise ValueError("ctx.latents: 'expanded' needs the cache's gather_kv (the latents of every key)")
     wv_CNV = None
-    if ctx.latent_kv:
+    if ctx.latents == "absorbed":
         q_TND, k_TGD, v_TGD, wv_CNV = _mla_latent_qkv(x, params, cfg, ctx)
-    elif ctx.expand_latents:
+    elif ctx.latents == "expanded":
         q_nope_TNP, q_rope_TNR, latent_TC, k_rope_T1R = _mla_parts(x, params, cfg, ctx)
         q_TND = torch.cat([q_nope_TNP, q_rope_TNR], dim=-1)
         k_TGD, v_TGD = torch.cat([latent_TC[:, None, :], k_rope_T1R], dim=-1), latent_TC[:, None, :]  # the cache's form
@@ -698,7 +696,7 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
         n_keys = ctx.mask.shape[-1]
         if k_TGD.shape[0] != n_keys or v_TGD.shape[0] != n_keys:
             raise ValueError(f"ctx.gather_kv: returned {k_TGD.shape[0]} keys and {v_TGD.shape[0]} values, the mask has {n_keys} keys")
-        if ctx.expand_latents:  # every key's latent and rotated key -> per-head keys and values
+        if ctx.latents == "expanded":  # every key's latent and rotated key -> per-head keys and values
             k_TGD, v_TGD = _mla_expand(k_TGD[:, 0, :cfg.kv_rank], k_TGD[:, :, cfg.kv_rank:], params, cfg)
     q_NTD, k_GTD, v_GTD = (rearrange(t, "t h d -> h t d") for t in (q_TND, k_TGD, v_TGD))
     mask = ctx.mask if cfg.window is None else ctx.local_mask
@@ -740,7 +738,7 @@ def _gqa_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext, heads_mean=
 
 
 def _mla_latent_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext):
-    """Multi-latent attention absorbed (AttentionContext.latent_kv): q [T, N, C + R] (each
+    """Multi-latent attention absorbed (AttentionContext.latents = "absorbed"): q [T, N, C + R] (each
     head's nope query times its key slice of wkv_b, then its rotated query), one shared key
     [T, 1, C + R] (the normed latent, then the rotated key) and value [T, 1, C] (the latent),
     and the value slices wv [C, N, v_dim] that take the output back to each head's values.

@@ -48,6 +48,7 @@ from torch.utils.checkpoint import checkpoint
 from fmoe.layers import (AttentionConfig, AttentionContext, MoEConfig, attention, attention_context, check_window, dense_mlp, local_experts,
                          mla_shapes, moe)
 from fmoe.ops import linear_cross_entropy, route
+from fmoe.ops.checks import check_positive_int
 from fmoe.ops.backend import local_tensor as _local
 
 # activation checkpointing (TransformerConfig.ac): what the backward recomputes instead of
@@ -336,19 +337,17 @@ class TransformerConfig:
             raise ValueError("expert_bias: needs score='sigmoid' (set expert_bias=False for softmax routing)")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_kv_heads: {self.n_heads} heads do not split over {self.n_kv_heads} kv heads")
-        if self.moe_layers is not None:
-            layers = tuple(self.moe_layers)
-            if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.n_layers for i in layers) or len(set(layers)) != len(layers):
-                raise ValueError(f"moe_layers: expected distinct block indices in 0..{self.n_layers - 1}, got {self.moe_layers!r}")
-            object.__setattr__(self, "moe_layers", tuple(sorted(layers)))
         check_window(self.window)
-        if self.window_layers is not None:
-            layers = tuple(self.window_layers)
-            if self.window is None:
-                raise ValueError("window_layers: needs a window (the sliding window's width)")
+        if self.window_layers is not None and self.window is None:
+            raise ValueError("window_layers: needs a window (the sliding window's width)")
+        for name in ("moe_layers", "window_layers"):  # block lists: distinct indices, kept sorted
+            layers = getattr(self, name)
+            if layers is None:
+                continue
+            layers = tuple(layers)
             if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.n_layers for i in layers) or len(set(layers)) != len(layers):
-                raise ValueError(f"window_layers: expected distinct block indices in 0..{self.n_layers - 1}, got {self.window_layers!r}")
-            object.__setattr__(self, "window_layers", tuple(sorted(layers)))
+                raise ValueError(f"{name}: expected distinct block indices in 0..{self.n_layers - 1}, got {getattr(self, name)!r}")
+            object.__setattr__(self, name, tuple(sorted(layers)))
         if self.shared_ffn is not None and (isinstance(self.shared_ffn, bool) or not isinstance(self.shared_ffn, int) or self.shared_ffn < 0):
             raise ValueError(f"shared_ffn: expected an int >= 0 or None, got {self.shared_ffn!r}")
         if self.shared_gate and not self.shared_size:
@@ -568,7 +567,7 @@ class KVCache:
     k [n_layers, batch * max_tokens, G, D], v [n_layers, batch * max_tokens, G, Dv]
     (G = n_kv_heads, D = Dv = head_dim), keys after RoPE: sequence b owns the rows
     [b max_tokens, (b + 1) max_tokens), of which the first lengths[b] are filled. Multi-latent
-    attention keeps its latents instead (AttentionContext.latent_kv / expand_latents):
+    attention keeps its latents instead (AttentionContext.latents):
     k [n_layers, batch * max_tokens, 1, kv_rank + rope_dim] (the normed latent, then the
     rotated key) and v = k[..., :kv_rank], a view: kv_rank + rope_dim numbers per token and
     layer where the expanded keys and values would take n_heads (head_dim + v_head_dim).
@@ -578,9 +577,8 @@ class KVCache:
     """
 
     def __init__(self, cfg: TransformerConfig, max_tokens: int, *, batch: int = 1, device=None, dtype: torch.dtype = torch.float32):
-        for name, value in (("max_tokens", max_tokens), ("batch", batch)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        check_positive_int("max_tokens", max_tokens)
+        check_positive_int("batch", batch)
         self.v_in_k = cfg.kv_rank is not None  # v is k's latent: written with k
         rows = batch * max_tokens
         if cfg.kv_rank is None:
@@ -595,17 +593,17 @@ class KVCache:
     @property
     def length(self) -> int:
         """The filled tokens of the one sequence (a cache of batch 1)."""
-        self._check_one("length")
-        return self.lengths[0]
+        return self.lengths[self._only()]
 
     @length.setter
     def length(self, value: int) -> None:
-        self._check_one("length")
-        self.lengths[0] = value
+        self.lengths[self._only()] = value
 
-    def _check_one(self, what: str) -> None:
+    def _only(self) -> int:
+        """0, the one sequence's index; ValueError for a cache of several."""
         if self.batch != 1:
-            raise ValueError(f"cache.{what}: the cache holds {self.batch} sequences; use cache.lengths[b]")
+            raise ValueError(f"cache.length: the cache holds {self.batch} sequences; use cache.lengths[b]")
+        return 0
 
     def reset(self, seqs=None) -> None:
         """Start the sequences `seqs` (default: all) over, empty (their rows are overwritten
@@ -812,8 +810,8 @@ class Transformer(nn.Module):
                                 kv_index=torch.arange(n_keys, device=device), gather_kv=functools.partial(cache.write, 0, rows, n_keys))
         h_TH = F.embedding(input_ids.reshape(-1), self.embed)
         for i, block in enumerate(self.blocks):
-            layer_ctx = dataclasses.replace(ctx, gather_kv=functools.partial(cache.write, i, rows, n_keys), latent_kv=absorbed,
-                                            expand_latents=mla and not absorbed)
+            layer_ctx = dataclasses.replace(ctx, gather_kv=functools.partial(cache.write, i, rows, n_keys),
+                                            latents=None if not mla else "absorbed" if absorbed else "expanded")
             h_TH, _ = block(h_TH, layer_ctx)
         for b in seq_list:
             cache.lengths[b] += T

@@ -197,10 +197,11 @@ def test_sliding_window_mask_is_the_band_of_each_document():
     q, k = torch.meshgrid(torch.arange(10), torch.arange(10), indexing="ij")
     zero = torch.zeros((), dtype=torch.long)
     assert torch.equal(block.mask_mod(zero, zero, q, k), expected)
-    for bad in (0, -1, 2.5, True):
-        with pytest.raises(ValueError, match="window: expected a positive int"):
+    for bad, message in ((0, "window: expected >= 1, got 0"), (-1, "window: expected >= 1, got -1"),
+                         (2.5, "window: expected an int, got 2.5"), (True, "window: expected an int, got True")):
+        with pytest.raises(ValueError, match=message):
             document_mask(cu, 10, flex=False, window=bad)
-        with pytest.raises(ValueError, match="window: expected a positive int"):
+        with pytest.raises(ValueError, match=message):
             dataclasses.replace(CFG, window=bad)
 
 
@@ -523,11 +524,11 @@ def test_multi_latent_attention_under_context_parallel():
             assert _rel(y, whole[index]) < 1e-5, rank
 
 
-@pytest.mark.parametrize("form", ["latent_kv", "expand_latents"])
+@pytest.mark.parametrize("form", ["absorbed", "expanded"])
 @pytest.mark.parametrize("cfg", [MLA, dataclasses.replace(MLA, q_rank=None, interleaved=False, yarn_factor=None)], ids=["q-latent-yarn", "full-q-rope"])
 def test_multi_latent_attention_over_cached_latents_is_the_same_function(cfg, form):
-    """latent_kv: each query head moved into the latent space, one shared latent key and
-    value, the output moved back per head; expand_latents: the gathered latents expanded
+    """latents "absorbed": each query head moved into the latent space, one shared latent key
+    and value, the output moved back per head; "expanded": the gathered latents expanded
     per head, ordinary queries. Both the per-token definition, values and gradients, with
     keys [T, 1, kv_rank + R] and values [T, 1, kv_rank] through gather_kv (a cache's form)."""
     cu = torch.tensor([0, 3, 4, 13, 16], dtype=torch.int32)
@@ -539,7 +540,7 @@ def test_multi_latent_attention_over_cached_latents_is_the_same_function(cfg, fo
         seen.append((tuple(k.shape), tuple(v.shape)))
         return k, v
 
-    ctx = dataclasses.replace(_ctx(cu, cfg), gather_kv=gather_kv, **{form: True})
+    ctx = dataclasses.replace(_ctx(cu, cfg), gather_kv=gather_kv, latents=form)
     y, _ = attention(x, p, cfg, ctx)
     want = _loop_mla(x, p, cfg, cu)
     assert seen == [((16, 1, cfg.kv_rank + cfg.rot_dim), (16, 1, cfg.kv_rank))]
@@ -571,13 +572,13 @@ def test_multi_latent_attention_bad_inputs():
     with pytest.raises(ValueError, match=r"params: unknown multi-latent attention parameters \['wk'\]"):
         attention(x, {**p, "wk": p["wo"]}, MLA, _ctx(cu, MLA))
     gqa = {n: t.detach() for n, t in _params(CFG).items()}
-    for name in ("latent_kv", "expand_latents"):
-        with pytest.raises(ValueError, match=f"ctx.{name}: a cache of latents is multi-latent attention's"):
-            attention(x, gqa, CFG, dataclasses.replace(_ctx(cu, CFG), **{name: True}))
-    with pytest.raises(ValueError, match="ctx.latent_kv, ctx.expand_latents: one form or the other"):
-        attention(x, p, MLA, dataclasses.replace(_ctx(cu, MLA), latent_kv=True, expand_latents=True, gather_kv=lambda k, v: (k, v)))
-    with pytest.raises(ValueError, match="ctx.expand_latents: needs the cache's gather_kv"):
-        attention(x, p, MLA, dataclasses.replace(_ctx(cu, MLA), expand_latents=True))
+    for form in ("absorbed", "expanded"):
+        with pytest.raises(ValueError, match="ctx.latents: a cache of latents is multi-latent attention's"):
+            attention(x, gqa, CFG, dataclasses.replace(_ctx(cu, CFG), latents=form))
+    with pytest.raises(ValueError, match="ctx.latents: expected None, 'absorbed' or 'expanded', got True"):
+        attention(x, p, MLA, dataclasses.replace(_ctx(cu, MLA), latents=True, gather_kv=lambda k, v: (k, v)))
+    with pytest.raises(ValueError, match="ctx.latents: 'expanded' needs the cache's gather_kv"):
+        attention(x, p, MLA, dataclasses.replace(_ctx(cu, MLA), latents="expanded"))
 
 
 @pytest.mark.gpu

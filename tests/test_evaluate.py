@@ -66,7 +66,7 @@ def test_every_whole_micro_batch_of_other_data(run_dir, docs):
     assert len(batches) == corpus.n_tokens // 256 >= 20 and len(set(sources)) == 1
     assert result["tokens"] == sum(int(b["loss_mask"].sum()) for b in batches) > 0.9 * len(batches) * 256
     # the same batches through the function, in this process
-    model, _ = evaluate.load_run(out)
+    model, _ = evaluate.load_model(out)
     again = evaluate.evaluate(model, batches, sources, device=torch.device("cpu"))
     assert again["loss"] == pytest.approx(result["loss"], rel=1e-6) and again["tokens"] == result["tokens"]
 
@@ -98,7 +98,7 @@ def test_a_hugging_face_folder_on_byte_data(tmp_path, docs):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--split=test"], "--split: expected val, train or all, got 'test'"),
+    (["--split=test"], "argument --split: invalid choice: 'test'"),
     (["--batches=-1"], "--batches: expected >= 0"),
     (["--tokens_per_micro_batch=100000000", "--batches=0", "--split=val"], "--tokens_per_micro_batch: no source of the val split holds"),
     (["--batches=100000"], "n_batches: 100000 batches of 128 tokens need"),

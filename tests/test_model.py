@@ -96,7 +96,7 @@ def test_sliding_window_layers_see_only_their_window():
 
 
 def test_sliding_window_knobs_are_checked():
-    with pytest.raises(ValueError, match="window: expected a positive int"):
+    with pytest.raises(ValueError, match="window: expected >= 1, got 0"):
         dataclasses.replace(TINY, window=0)
     with pytest.raises(ValueError, match="window_layers: needs a window"):
         dataclasses.replace(TINY, window_layers=(0,))
@@ -524,7 +524,7 @@ def test_decode_bad_inputs():
     model = _sharp(TINY)
     cache = model.kv_cache(4)
     ids = torch.tensor([1, 2, 3])
-    with pytest.raises(ValueError, match="max_tokens: expected a positive int"):
+    with pytest.raises(ValueError, match="max_tokens: expected >= 1, got 0"):
         model.kv_cache(0)
     with pytest.raises(ValueError, match=r"input_ids: expected \[T\] or \[S, T\] int64"):
         model.decode(ids[None, None], cache)
@@ -532,7 +532,7 @@ def test_decode_bad_inputs():
         model.decode(ids[:0], cache)
     with pytest.raises(ValueError, match=r"input_ids: expected \[T\] or \[S, T\] int64"):
         model.decode(ids.float(), cache)
-    with pytest.raises(ValueError, match="batch: expected a positive int"):
+    with pytest.raises(ValueError, match="batch: expected >= 1, got 0"):
         model.kv_cache(4, batch=0)
     pair = model.kv_cache(4, batch=2)
     with pytest.raises(ValueError, match=r"seqs: expected one sequence index in \[0, 2\) for input_ids \[T\], got 2"):
