@@ -3,6 +3,14 @@
     grouped_mlp(x_perm[R,H], w_gate[E,H,F], w_up[E,H,F], w_down[E,F,H], offsets[E]) -> y_perm[R,H]
     swiglu(gate, up) = silu(gate) * up
 
+Options (gpt-oss's experts): per-expert biases b_gate, b_up [E, F] and b_down [E, H], added
+to each expert's rows after its projections, and the clamped SwiGLU
+
+    swiglu(gate, up; alpha, limit, offset) = g sigmoid(alpha g) (u + offset),
+        g = min(gate, limit), u = clamp(up, -limit, limit)   (limit None: no clamp)
+
+whose defaults (1, None, 0) are silu(gate) * up.
+
 Expert e owns rows offsets[e-1] .. offsets[e] of x_perm, expert 0 from row 0 (`offsets` are
 int32 cumulative group ends, the `offs` of torch._grouped_mm). Experts may own no rows; the
 rows past offsets[E-1] belong to none and come out as exact zeros, with zero gradient,
@@ -36,6 +44,9 @@ grouped GEMM Y[R,N] = X[R,K] @ W[e][K,N], M rows of a tile.
 
 from __future__ import annotations
 
+import math
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -48,9 +59,35 @@ from fmoe.ops.checks import FLOAT_DTYPES, check_float, checking
 # ----------------------------------------------------------------------------------------
 
 
-def swiglu_ref(gate, up):
-    """silu(gate) * up in float32, stored in gate's dtype."""
-    return (torch.nn.functional.silu(gate.float()) * up.float()).to(gate.dtype)
+def swiglu_ref(gate, up, alpha: float = 1.0, limit=None, offset: float = 0.0):
+    """silu(gate) * up in float32, stored in gate's dtype; with alpha / limit / offset the
+    clamped form g sigmoid(alpha g) (u + offset) of the module docstring."""
+    g, u = gate.float(), up.float()
+    if limit is not None:
+        g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+    act = torch.nn.functional.silu(g) if alpha == 1.0 else g * torch.sigmoid(alpha * g)
+    return (act * (u + offset if offset else u)).to(gate.dtype)
+
+
+_PLAIN_GLU = (1.0, None, 0.0)  # (alpha, limit, offset) of silu(gate) * up
+_NO_BIASES = (None, None, None)  # (b_gate, b_up, b_down)
+
+
+def _plain_glu(glu: tuple) -> bool:
+    """Whether (alpha, limit, offset) is silu(gate) * up (what the Triton kernel computes)."""
+    return glu == _PLAIN_GLU
+
+
+def _row_bias(b_EX: torch.Tensor, offsets_E: torch.Tensor, R: int) -> torch.Tensor:
+    """[R, X]: the bias of the expert owning each row, zeros past offsets[-1]; no host read
+    (the owner of row r is the number of ends <= r)."""
+    rows = torch.arange(R, device=offsets_E.device, dtype=offsets_E.dtype)
+    expert_R = torch.searchsorted(offsets_E, rows, right=True)
+    return torch.cat([b_EX, b_EX.new_zeros(1, b_EX.shape[1])]).index_select(0, expert_R)
+
+
+def _plus(y_RX: torch.Tensor, b_EX, offsets_E: torch.Tensor) -> torch.Tensor:
+    return y_RX if b_EX is None else y_RX + _row_bias(b_EX, offsets_E, y_RX.shape[0])
 
 
 def _matmul_ref(a_MK, b_KN):
@@ -58,17 +95,25 @@ def _matmul_ref(a_MK, b_KN):
     return (a_MK.float() @ b_KN.float()).to(a_MK.dtype)
 
 
-def grouped_mlp_ref(x_RH, w_gate_EHF, w_up_EHF, w_down_EFH, offsets_E):
-    """Plain-torch loop over the experts; differentiable through torch autograd.
+def grouped_mlp_ref(x_RH, w_gate_EHF, w_up_EHF, w_down_EFH, offsets_E, biases=_NO_BIASES, glu=_PLAIN_GLU):
+    """Plain-torch loop over the experts; differentiable through torch autograd. biases:
+    (b_gate, b_up, b_down), each [E, F] / [E, F] / [E, H] or None; glu: swiglu_ref's
+    (alpha, limit, offset).
 
     Reads offsets on the host (offsets.tolist(): one device->host sync); impl="torch" only.
     """
     y_RH = torch.zeros_like(x_RH)  # rows no expert owns stay zero
+
+    def project(a, w_EXY, b_EY, e):
+        y = _matmul_ref(a, w_EXY[e])
+        return y if b_EY is None else y + b_EY[e]
+
+    b_gate, b_up, b_down = biases
     start = 0
     for e, end in enumerate(offsets_E.tolist()):
         x_MH = x_RH[start:end]
-        h_MF = swiglu_ref(_matmul_ref(x_MH, w_gate_EHF[e]), _matmul_ref(x_MH, w_up_EHF[e]))
-        y_RH[start:end] = _matmul_ref(h_MF, w_down_EFH[e])
+        h_MF = swiglu_ref(project(x_MH, w_gate_EHF, b_gate, e), project(x_MH, w_up_EHF, b_up, e), *glu)
+        y_RH[start:end] = project(h_MF, w_down_EFH, b_down, e)
         start = end
     return y_RH
 
@@ -414,32 +459,38 @@ def _grouped_gemm_backward(ctx, grad_y):
 _grouped_gemm_fwd.register_autograd(_grouped_gemm_backward, setup_context=_grouped_gemm_setup_context)
 
 
-def _grouped_mlp_kernels(x_RH, w_gate_EHF, w_up_EHF, w_down_EFH, offsets_E, torch_gmm: bool):
-    """The CUDA (or interpreted) path: three grouped GEMMs around the fused SwiGLU."""
-    gate_RF = _grouped_gemm_fwd(x_RH, w_gate_EHF, offsets_E, torch_gmm)
-    up_RF = _grouped_gemm_fwd(x_RH, w_up_EHF, offsets_E, torch_gmm)
-    return _grouped_gemm_fwd(_swiglu_fwd(gate_RF, up_RF), w_down_EFH, offsets_E, torch_gmm)
+def _grouped_mlp_kernels(x_RH, w_gate_EHF, w_up_EHF, w_down_EFH, offsets_E, torch_gmm: bool, biases=_NO_BIASES, glu=_PLAIN_GLU):
+    """The CUDA (or interpreted) path: three grouped GEMMs around the fused SwiGLU (the
+    plain-torch one for a clamped SwiGLU); biases added to each expert's rows."""
+    b_gate, b_up, b_down = biases
+    gate_RF = _plus(_grouped_gemm_fwd(x_RH, w_gate_EHF, offsets_E, torch_gmm), b_gate, offsets_E)
+    up_RF = _plus(_grouped_gemm_fwd(x_RH, w_up_EHF, offsets_E, torch_gmm), b_up, offsets_E)
+    h_RF = _swiglu_fwd(gate_RF, up_RF) if _plain_glu(glu) else swiglu_ref(gate_RF, up_RF, *glu)
+    return _plus(_grouped_gemm_fwd(h_RF, w_down_EFH, offsets_E, torch_gmm), b_down, offsets_E)
 
 
-def _grouped_mlp_cpu(x_RH, w_gate_EHF, w_up_EHF, w_down_EFH, offsets_E):
+def _grouped_mlp_cpu(x_RH, w_gate_EHF, w_up_EHF, w_down_EFH, offsets_E, biases=_NO_BIASES, glu=_PLAIN_GLU):
     """The CPU path of "auto": torch._grouped_mm's three projections (inside the custom op)
     around the plain-torch SwiGLU; no host read, and torch.compile traces it whole.
 
     torch._grouped_mm wants 16-byte aligned rows; H and F are padded with zero columns up to
-    that where they are not. The zeros add nothing to any sum, silu(0) * 0 = 0, and the
-    padding's slices give the gradients back their shapes.
+    that where they are not. The zeros add nothing to any sum, the padded columns of h meet
+    zero rows of w_down, and the padding's slices give the gradients back their shapes.
     """
     H, F = x_RH.shape[1], w_gate_EHF.shape[2]
     multiple = 16 // x_RH.element_size()
     pad_H, pad_F = -H % multiple, -F % multiple
+    b_gate, b_up, b_down = biases
     if pad_H or pad_F:
         pad = torch.nn.functional.pad
         x_RH = pad(x_RH, (0, pad_H))
         w_gate_EHF, w_up_EHF = pad(w_gate_EHF, (0, pad_F, 0, pad_H)), pad(w_up_EHF, (0, pad_F, 0, pad_H))
         w_down_EFH = pad(w_down_EFH, (0, pad_H, 0, pad_F))
-    gate_RF = _grouped_gemm_fwd(x_RH, w_gate_EHF, offsets_E, True)
-    up_RF = _grouped_gemm_fwd(x_RH, w_up_EHF, offsets_E, True)
-    y_RH = _grouped_gemm_fwd(swiglu_ref(gate_RF, up_RF), w_down_EFH, offsets_E, True)
+        b_gate, b_up = (None if b is None else pad(b, (0, pad_F)) for b in (b_gate, b_up))
+        b_down = None if b_down is None else pad(b_down, (0, pad_H))
+    gate_RF = _plus(_grouped_gemm_fwd(x_RH, w_gate_EHF, offsets_E, True), b_gate, offsets_E)
+    up_RF = _plus(_grouped_gemm_fwd(x_RH, w_up_EHF, offsets_E, True), b_up, offsets_E)
+    y_RH = _plus(_grouped_gemm_fwd(swiglu_ref(gate_RF, up_RF, *glu), w_down_EFH, offsets_E, True), b_down, offsets_E)
     return y_RH[:, :H] if pad_H else y_RH
 
 
@@ -489,6 +540,12 @@ def grouped_mlp(
     *,
     check: bool = True,
     impl: str = "auto",
+    b_gate: Optional[torch.Tensor] = None,
+    b_up: Optional[torch.Tensor] = None,
+    b_down: Optional[torch.Tensor] = None,
+    alpha: float = 1.0,
+    limit: Optional[float] = None,
+    offset: float = 0.0,
 ) -> torch.Tensor:
     """SwiGLU expert MLPs over rows grouped by expert (SPEC.md section 3).
 
@@ -503,11 +560,17 @@ def grouped_mlp(
         impl: "auto" (CUDA: torch._grouped_mm where it is fast, else Triton; CPU:
             torch._grouped_mm with a torch SwiGLU; both without host reads), "triton", or
             "torch" (the per-expert loop, which reads offsets on the host).
+        b_gate, b_up: optional [E, F] biases of the gate and up projections, b_down [E, H]
+            of the down projection (x_perm's dtype and device), added to each expert's rows.
+        alpha, limit, offset: the clamped SwiGLU (module docstring; gpt-oss: 1.702, 7.0,
+            1.0); the defaults are silu(gate) * up. A clamped SwiGLU runs in plain torch
+            between the projections (the fused Triton SwiGLU computes the default only).
 
     Returns:
         y_perm [R, H] in x_perm's dtype: y = (silu(x W_gate[e]) * (x W_up[e])) W_down[e]
-        for each expert's rows, exact zeros (and zero gradient) for rows of no expert.
-        Differentiable with respect to x_perm and the three weights.
+        (with the biases and SwiGLU options above) for each expert's rows, exact zeros (and
+        zero gradient) for rows of no expert. Differentiable with respect to x_perm, the
+        three weights and the biases.
 
     Example:
         >>> x, w = torch.ones(3, 8), torch.full((2, 8, 4), 0.25)
@@ -529,17 +592,43 @@ def grouped_mlp(
     for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
         _check_like(name, w, "x_perm", x_perm)
     _check_offsets(offsets, E, R, x_perm, check)
+    biases = (b_gate, b_up, b_down)
+    for name, b, shape in zip(("b_gate", "b_up", "b_down"), biases, ((E, F), (E, F), (E, H))):
+        if b is None:
+            continue
+        if not isinstance(b, torch.Tensor) or tuple(b.shape) != shape:
+            raise ValueError(f"{name}: expected shape {list(shape)} ([E, F] for b_gate / b_up, [E, H] for b_down), got {getattr(b, 'shape', type(b).__name__)}")
+        _check_like(name, b, "x_perm", x_perm)
+    glu = check_glu(alpha, limit, offset)
 
     if use_triton(impl, x_perm, w_gate, w_up, w_down, offsets):
         torch_gmm = impl == "auto" and _grouped_mm_fast(x_perm, F)
-        return _grouped_mlp_kernels(x_perm, w_gate, w_up, w_down, offsets, torch_gmm)
+        return _grouped_mlp_kernels(x_perm, w_gate, w_up, w_down, offsets, torch_gmm, biases, glu)
     if impl == "auto" and x_perm.device.type == "cpu":
-        return _grouped_mlp_cpu(x_perm, w_gate, w_up, w_down, offsets)
-    return grouped_mlp_ref(x_perm, w_gate, w_up, w_down, offsets)
+        return _grouped_mlp_cpu(x_perm, w_gate, w_up, w_down, offsets, biases, glu)
+    return grouped_mlp_ref(x_perm, w_gate, w_up, w_down, offsets, biases, glu)
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor, *, impl: str = "auto") -> torch.Tensor:
+def check_glu(alpha, limit, offset) -> tuple:
+    """(alpha, limit, offset) as floats (limit None or > 0); ValueError naming the bad one."""
+    def number(name, v):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ValueError(f"{name}: expected a finite number, got {v!r}")
+        return float(v)
+
+    alpha, offset = number("alpha", alpha), number("offset", offset)
+    if limit is not None:
+        limit = number("limit", limit)
+        if limit <= 0:
+            raise ValueError(f"limit: expected > 0 (the SwiGLU clamp) or None, got {limit!r}")
+    return alpha, limit, offset
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, *, impl: str = "auto", alpha: float = 1.0, limit: Optional[float] = None,
+           offset: float = 0.0) -> torch.Tensor:
     """silu(gate) * up, float32 math, in gate's dtype; any shape (gate and up alike).
+    alpha, limit, offset: the clamped form g sigmoid(alpha g) (u + offset), g = min(gate,
+    limit), u = clamp(up, -limit, limit) (gpt-oss: 1.702, 7.0, 1.0), in plain torch.
 
     The Triton backward recomputes silu from gate and up: only they are saved.
 
@@ -554,6 +643,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, impl: str = "auto") -> torch
     if up.shape != gate.shape:
         raise ValueError(f"up: expected shape {tuple(gate.shape)} like gate, got {tuple(up.shape)}")
     _check_like("up", up, "gate", gate)
-    if use_triton(impl, gate, up):
+    glu = check_glu(alpha, limit, offset)
+    if use_triton(impl, gate, up) and _plain_glu(glu):
         return _swiglu_fwd(gate, up)
-    return swiglu_ref(gate, up)
+    return swiglu_ref(gate, up, *glu)

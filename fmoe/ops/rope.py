@@ -25,6 +25,7 @@ YaRN with factor s, original context L and rotation counts beta_fast, beta_slow:
 
     d(r)   = D ln(L / (2 pi r)) / (2 ln base)
     low    = max(floor(d(beta_fast)), 0);   high = min(ceil(d(beta_slow)), D - 1)
+             (truncate=False, gpt-oss: no floor / ceil)
              (if low == high: high += 0.001)
     ramp_j = clamp((j - low) / (high - low), 0, 1)
     inv_freq_j = (base_inv_freq_j / s) ramp_j + base_inv_freq_j (1 - ramp_j)
@@ -86,7 +87,8 @@ def rope_inv_freq(dim: int, *, base: float = 10000.0, device=None) -> torch.Tens
 
 
 def yarn_correction_range(
-    dim: int, *, base: float, original_max_positions: int, beta_fast: float = 32.0, beta_slow: float = 1.0
+    dim: int, *, base: float, original_max_positions: int, beta_fast: float = 32.0, beta_slow: float = 1.0,
+    truncate: bool = True,
 ) -> tuple[float, float]:
     """YaRN's (low, high) frequency-index range of the ramp (SPEC.md section 4).
 
@@ -95,8 +97,12 @@ def yarn_correction_range(
     (divided by the factor); in between the ramp blends the two. DeepSeek-V3 (dim 64, base
     1e4, L 4096): (10, 23).
 
+    truncate: round low down and high up to whole indices (YaRN's paper, DeepSeek-V3); False
+    keeps the fractional bounds (gpt-oss, transformers' `truncate: false`).
+
     Returns:
-        (low, high): ints, except high = low + 0.001 when they coincide.
+        (low, high): clamped to 0 .. dim - 1; ints when truncate, except high = low + 0.001
+        when they coincide.
     """
     dim = _check_dim(dim)
     base = _check_number("base", base, above=1.0)
@@ -109,8 +115,12 @@ def yarn_correction_range(
     def d(rotations):  # the frequency index that turns `rotations` times over L positions
         return dim * math.log(original_max_positions / (2 * math.pi * rotations)) / (2 * math.log(base))
 
-    low = max(math.floor(d(beta_fast)), 0)
-    high = min(math.ceil(d(beta_slow)), dim - 1)
+    if not isinstance(truncate, bool):
+        raise ValueError(f"truncate: expected a bool, got {truncate!r}")
+    low, high = d(beta_fast), d(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     if low == high:  # a zero-width ramp would divide by zero
         return low, high + 0.001
     return low, high
@@ -118,7 +128,7 @@ def yarn_correction_range(
 
 def yarn_inv_freq(
     dim: int, *, base: float, factor: float, original_max_positions: int,
-    beta_fast: float = 32.0, beta_slow: float = 1.0, device=None,
+    beta_fast: float = 32.0, beta_slow: float = 1.0, device=None, truncate: bool = True,
 ) -> torch.Tensor:
     """YaRN inverse frequencies: high frequencies kept, low ones divided by `factor`.
 
@@ -128,13 +138,15 @@ def yarn_inv_freq(
         factor: s, the context extension factor (> 0; 1 gives rope_inv_freq).
         original_max_positions: L, the context length the model was trained at.
         beta_fast, beta_slow: the rotation counts bounding the ramp (32 and 1).
+        truncate: whole-index ramp bounds (yarn_correction_range; False: gpt-oss's).
     Returns:
         [dim/2] float32 (computed in float64, rounded once).
     """
     dim = _check_dim(dim)
     factor = _check_number("factor", factor, above=0.0)
     low, high = yarn_correction_range(
-        dim, base=base, original_max_positions=original_max_positions, beta_fast=beta_fast, beta_slow=beta_slow
+        dim, base=base, original_max_positions=original_max_positions, beta_fast=beta_fast, beta_slow=beta_slow,
+        truncate=truncate,
     )
     base_F = _base_inv_freq_F(dim, float(base))
     ramp_F = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0.0, 1.0)

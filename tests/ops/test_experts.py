@@ -40,8 +40,10 @@ def _run(fn, tensors, offsets, grad_y, **kwargs):
     return y, [t.grad for t in leaves]
 
 
-def _brute_force(x, w_gate, w_up, w_down, offsets):
-    """Each row through its own expert's SwiGLU, one row at a time, float64; zero rows for none."""
+def _brute_force(x, w_gate, w_up, w_down, offsets, biases=None, alpha=1.0, limit=None, offset=0.0):
+    """Each row through its own expert's SwiGLU, one row at a time, float64; zero rows for
+    none. biases (b_gate, b_up, b_down) after each projection; alpha, limit, offset: the
+    clamped SwiGLU g sigmoid(alpha g) (u + offset), g = min(gate, limit), u = clamp(up, -limit, limit)."""
     ends = offsets.tolist()
     rows = []
     for r in range(x.shape[0]):
@@ -50,7 +52,12 @@ def _brute_force(x, w_gate, w_up, w_down, offsets):
             rows.append(torch.zeros_like(x[r]))
             continue
         gate, up = x[r] @ w_gate[e], x[r] @ w_up[e]
-        rows.append((gate * torch.sigmoid(gate) * up) @ w_down[e])
+        if biases is not None:
+            gate, up = gate + biases[0][e], up + biases[1][e]
+        if limit is not None:
+            gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+        y = (gate * torch.sigmoid(alpha * gate) * (up + offset)) @ w_down[e]
+        rows.append(y if biases is None else y + biases[2][e])
     return torch.stack(rows)
 
 
@@ -277,6 +284,49 @@ def _raises(match, fn, *args, **kwargs):
         fn(*args, **kwargs)
 
 
+GPT_OSS_GLU = dict(alpha=1.702, limit=0.6, offset=1.0)  # a limit these O(1) activations cross
+
+
+@pytest.mark.parametrize("impl", ["torch", "auto", "triton"])
+@pytest.mark.parametrize("case", CASES[1:4], ids=str)
+def test_biases_and_clamped_swiglu_match_per_row_brute_force(case, impl):
+    """gpt-oss's experts: per-expert biases and the clamped SwiGLU, values and every gradient
+    (biases included), on every path; rows of no expert stay zero (no bias there)."""
+    (x, wg, wu, wd), offsets = _problem(*case)
+    E, F, H = wg.shape[0], wg.shape[2], x.shape[1]
+    g = torch.Generator().manual_seed(5)
+    biases = [torch.randn(E, F, generator=g), torch.randn(E, F, generator=g), torch.randn(E, H, generator=g)]
+    grad_y = torch.randn(x.shape, generator=g)
+
+    def ours(x, wg, wu, wd, bg, bu, bd, offsets):
+        return grouped_mlp(x, wg, wu, wd, offsets, b_gate=bg, b_up=bu, b_down=bd, impl=impl, **GPT_OSS_GLU)
+
+    tensors = [x, wg, wu, wd, *biases]
+    y, grads = _run(ours, tensors, offsets, grad_y)
+    def brute_force(x, wg, wu, wd, bg, bu, bd, offsets):
+        return _brute_force(x, wg, wu, wd, offsets, (bg, bu, bd), **GPT_OSS_GLU)
+
+    y64, grads64 = _run(brute_force, [t.double() for t in tensors], offsets, grad_y.double())
+    torch.testing.assert_close(y, y64.float(), rtol=1e-5, atol=1e-5)
+    for grad, grad64 in zip(grads, grads64):
+        torch.testing.assert_close(grad, grad64.float(), rtol=1e-5, atol=1e-5)
+    _assert_unowned_zero(y, grads[0], offsets)
+    assert (x @ wg[1] + biases[0][1]).max() > GPT_OSS_GLU["limit"]  # the clamps act
+    # the defaults are the plain SwiGLU, and zero biases change nothing
+    plain = grouped_mlp(x, wg, wu, wd, offsets, impl=impl)
+    zeros = grouped_mlp(x, wg, wu, wd, offsets, impl=impl, b_gate=0 * biases[0], b_up=0 * biases[1], b_down=0 * biases[2])
+    torch.testing.assert_close(zeros, plain, rtol=0, atol=0)
+
+
+def test_clamped_swiglu_values():
+    gate, up = torch.tensor([-1.0, 0.5, 3.0]), torch.tensor([-9.0, 0.5, 9.0])
+    out = swiglu(gate, up, alpha=1.702, limit=7.0, offset=1.0)
+    g, u = gate.clamp(max=7.0), up.clamp(-7.0, 7.0)
+    torch.testing.assert_close(out, g * torch.sigmoid(1.702 * g) * (u + 1))
+    assert out[0] == pytest.approx(-1.0 * torch.sigmoid(torch.tensor(-1.702)).item() * -6.0)
+    torch.testing.assert_close(swiglu(gate, up, limit=1.0), torch.nn.functional.silu(gate.clamp(max=1.0)) * up.clamp(-1.0, 1.0))
+
+
 def test_bad_inputs():
     (x, wg, wu, wd), off = _problem([3, 4], 1, 16, 8)
     _raises("x_perm: expected a 2-D", grouped_mlp, x[0], wg, wu, wd, off)
@@ -303,6 +353,14 @@ def test_bad_inputs():
     _raises(r"up: expected shape \(3,\) like gate, got \(4,\)", swiglu, torch.ones(3), torch.ones(4))
     _raises("up: dtype bfloat16 differs from gate's float32", swiglu, torch.ones(3), torch.ones(3, dtype=torch.bfloat16))
     _raises("impl: expected one of", swiglu, torch.ones(3), torch.ones(3), impl="fast")
+    # biases and the clamped SwiGLU
+    _raises(r"b_gate: expected shape \[2, 8\] \(\[E, F\] for b_gate / b_up, \[E, H\] for b_down\), got torch.Size\(\[2, 16\]\)",
+            grouped_mlp, x, wg, wu, wd, off, b_gate=torch.zeros(2, 16))
+    _raises(r"b_down: expected shape \[2, 16\]", grouped_mlp, x, wg, wu, wd, off, b_down=torch.zeros(2, 8))
+    _raises("b_up: dtype bfloat16 differs from x_perm's float32", grouped_mlp, x, wg, wu, wd, off, b_up=torch.zeros(2, 8, dtype=torch.bfloat16))
+    _raises(r"limit: expected > 0 \(the SwiGLU clamp\) or None, got 0", grouped_mlp, x, wg, wu, wd, off, limit=0)
+    _raises("alpha: expected a finite number, got nan", grouped_mlp, x, wg, wu, wd, off, alpha=float("nan"))
+    _raises("offset: expected a finite number, got '1'", swiglu, torch.ones(3), torch.ones(3), offset="1")
 
 
 def test_docstring_examples():

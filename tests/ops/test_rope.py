@@ -298,6 +298,28 @@ def test_yarn_correction_range_bounds():
     assert inv.tolist() == [1.0]  # j = 0 sits at low: ramp 0, frequency kept
 
 
+def test_yarn_without_truncation():
+    """gpt-oss (truncate: false): the fractional bounds d(beta_fast), d(beta_slow), clamped to
+    0 .. D - 1 all the same; gpt-oss's own (D 64, base 150000, L 4096): (8.09, 17.40)."""
+    def d(dim, base, L, r):
+        return dim * math.log(L / (2 * math.pi * r)) / (2 * math.log(base))
+
+    low, high = yarn_correction_range(64, base=150000.0, original_max_positions=4096, truncate=False)
+    assert (low, high) == (pytest.approx(d(64, 150000.0, 4096, 32)), pytest.approx(d(64, 150000.0, 4096, 1)))
+    assert (round(low, 2), round(high, 2)) == (8.09, 17.40)
+    assert yarn_correction_range(64, base=150000.0, original_max_positions=4096) == (8, 18)
+    assert yarn_correction_range(64, base=10000.0, original_max_positions=8, truncate=False)[0] == 0  # clamped
+    assert yarn_correction_range(16, base=10.0, original_max_positions=1000, truncate=False)[1] == 15
+    fractional = yarn_inv_freq(64, base=150000.0, factor=32.0, original_max_positions=4096, truncate=False)
+    whole = yarn_inv_freq(64, base=150000.0, factor=32.0, original_max_positions=4096)
+    j = torch.arange(32, dtype=torch.float64)
+    base_F = 150000.0 ** (-2 * j / 64)
+    ramp = ((j - low) / (high - low)).clamp(0, 1)
+    torch.testing.assert_close(fractional, (base_F / 32 * ramp + base_F * (1 - ramp)).float(), rtol=1e-7, atol=0)
+    assert not torch.equal(fractional, whole)
+    _raises("truncate: expected a bool", yarn_correction_range, 8, base=1e4, original_max_positions=64, truncate="no")
+
+
 # ---------------------------------------------------------------------------- validation
 
 
