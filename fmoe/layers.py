@@ -22,8 +22,10 @@ sigmoid(x . shared_gate) (Qwen-style). SPEC.md 1-3.
 
 params (a dict or TensorDict; parameters are the caller's, nothing is kept here):
     router        [E, H] float32    router logits = x.float() @ router.T, in float32
+    router_bias   [E] float32       optional, added to the router logits (gpt-oss)
     w_gate, w_up  [E, H, F]         routed experts, x's dtype (unless `experts` is given)
     w_down        [E, F, H]
+    b_gate, b_up  [E, F], b_down [E, H]   optional biases of the routed experts (gpt-oss)
     expert_bias   [E] float32       optional, sigmoid scoring: selection only
     shared_w_gate, shared_w_up [H, Fs], shared_w_down [Fs, H]   optional shared experts
                                     (unless `shared` is given)
@@ -47,7 +49,10 @@ sqrt(head_dim), and a mask that lets a token see the earlier tokens of its own d
 only, so a document's outputs do not depend on what it is packed with. CUDA: FlexAttention
 with a block mask (built from each 128-token block's documents and indices, never the
 [T, T] mask: document_mask); CPU: scaled_dot_product_attention with the dense mask (the reference).
-params: wq [H, n_heads*D], wk, wv [H, n_kv_heads*D], wo [n_heads*D, H].
+params: wq [H, n_heads*D], wk, wv [H, n_kv_heads*D], wo [n_heads*D, H]; optional output
+bias bo [H] and attention sinks [n_heads] (gpt-oss: a learned logit per head that joins each
+query's softmax denominator and adds no value, so out = softmax-attention * sigmoid(lse -
+sink), lse the log-sum-exp of the query's scores).
 
 Context parallel (fmoe.parallel.context): x holds this rank's T/cp tokens, the global tokens
 token_index [T/cp] of the micro-batch; after RoPE, the context's gather_kv returns the keys
@@ -76,7 +81,7 @@ from fmoe.ops import drop_by_capacity, random_logits, route
 from fmoe.ops.backend import IMPLS
 from fmoe.ops.checks import check_float, check_index, check_positive_int
 from fmoe.ops.dispatch import permute, unpermute
-from fmoe.ops.experts import grouped_mlp, swiglu
+from fmoe.ops.experts import check_glu, grouped_mlp, swiglu
 from fmoe.ops.packed import sequence_ids
 from fmoe.ops.rope import (
     apply_rope,
@@ -99,7 +104,9 @@ class MoEConfig:
     N(0,1) noise instead of the logits (benchmarks). align: pad each expert's rows to a
     multiple (16/32 for fp8 grouped GEMMs). aux_scores: also compute the aux-loss scores.
     check_nan: route's NaN check (a host sync per call; off on the hot path). impl:
-    "auto" | "triton" | "torch" for every op.
+    "auto" | "triton" | "torch" for every op. swiglu_alpha, swiglu_limit, swiglu_offset: the
+    routed experts' clamped SwiGLU (fmoe.ops.grouped_mlp's alpha, limit, offset; gpt-oss:
+    1.702, 7.0, 1.0); the defaults are silu(gate) * up.
     """
 
     n_experts: int
@@ -118,6 +125,25 @@ class MoEConfig:
     aux_scores: bool = True
     check_nan: bool = False
     impl: str = "auto"
+    swiglu_alpha: float = 1.0
+    swiglu_limit: Optional[float] = None
+    swiglu_offset: float = 0.0
+
+    def __post_init__(self):
+        check_glu(self.swiglu_alpha, self.swiglu_limit, self.swiglu_offset)
+
+    @property
+    def glu(self) -> dict:
+        """grouped_mlp's keyword arguments of the experts' SwiGLU."""
+        return dict(alpha=self.swiglu_alpha, limit=self.swiglu_limit, offset=self.swiglu_offset)
+
+
+EXPERT_BIASES = ("b_gate", "b_up", "b_down")
+
+
+def expert_biases(params) -> dict:
+    """grouped_mlp's keyword arguments of the experts' optional biases in params."""
+    return {n: params[n] for n in EXPERT_BIASES if params.get(n) is not None}
 
 
 def check_expert_weights(x_TH, params, n_experts: int, *, experts: str = "experts") -> None:
@@ -135,6 +161,11 @@ def check_expert_weights(x_TH, params, n_experts: int, *, experts: str = "expert
             raise ValueError(f"params['{name}']: expected {list(shape)} ({experts}, hidden, FFN), got {getattr(w, 'shape', None)}")
         if w.dtype != x_TH.dtype:
             raise ValueError(f"params['{name}']: dtype {w.dtype} differs from x's {x_TH.dtype}")
+    for name, shape in zip(EXPERT_BIASES, ((E, F_), (E, F_), (E, H))):
+        b = params.get(name)
+        if b is not None and (not isinstance(b, torch.Tensor) or tuple(b.shape) != shape or b.dtype != x_TH.dtype):
+            got = f"{b.dtype} {list(b.shape)}" if isinstance(b, torch.Tensor) else type(b).__name__
+            raise ValueError(f"params['{name}']: expected {x_TH.dtype} {list(shape)} ({experts}, FFN or hidden) or none, got {got}")
 
 
 _SHARED = ("shared_w_gate", "shared_w_up", "shared_w_down")
@@ -148,6 +179,9 @@ def _check_moe(x_TH, params, cfg, experts, shared, drop) -> None:
     if router is None or router.shape != (E, H) or router.dtype != torch.float32:
         got = f"{tuple(router.shape)} {router.dtype}" if router is not None else "nothing"
         raise ValueError(f"params['router']: expected float32 [{E}, {H}] (E = cfg.n_experts, H = x's hidden size), got {got}")
+    bias = params.get("router_bias")
+    if bias is not None and (bias.shape != (E,) or bias.dtype != torch.float32):
+        raise ValueError(f"params['router_bias']: expected float32 [{E}] or none, got {bias.dtype} {list(bias.shape)}")
     for name, fn in (("experts", experts), ("shared", shared), ("drop", drop)):
         if fn is not None and not callable(fn):
             raise ValueError(f"{name}: expected a callable or None, got {type(fn).__name__}")
@@ -177,7 +211,8 @@ def local_experts(x_TH: torch.Tensor, routes: Routes, params, cfg: MoEConfig):
     """The routed experts on this process: permute -> grouped_mlp -> unpermute.
 
     x [T, H], routes (weights, experts [T, k]) over cfg.n_experts experts whose stacked
-    weights are params["w_gate"], ["w_up"] [E, H, F], ["w_down"] [E, F, H]. Returns
+    weights are params["w_gate"], ["w_up"] [E, H, F], ["w_down"] [E, F, H] (optional biases
+    params["b_gate"], ["b_up"] [E, F], ["b_down"] [E, H]; SwiGLU options cfg.glu). Returns
     (y [T, H], counts [E] int64 slots each expert received). No host sync: the expert ids
     come from route (valid by construction) and the offsets from permute's own plan, so
     neither op re-checks their values. fmoe.parallel.ExpertParallel is the expert-parallel
@@ -185,7 +220,8 @@ def local_experts(x_TH: torch.Tensor, routes: Routes, params, cfg: MoEConfig):
     """
     check_expert_weights(x_TH, params, cfg.n_experts)
     x_perm, plan = permute(x_TH, routes.experts, cfg.n_experts, align=cfg.align, check=False, impl=cfg.impl)
-    y_perm = grouped_mlp(x_perm, params["w_gate"], params["w_up"], params["w_down"], plan.offsets, check=False, impl=cfg.impl)
+    y_perm = grouped_mlp(x_perm, params["w_gate"], params["w_up"], params["w_down"], plan.offsets, check=False, impl=cfg.impl,
+                         **expert_biases(params), **cfg.glu)
     return unpermute(y_perm, plan, routes.weights, impl=cfg.impl), plan.counts
 
 
@@ -223,7 +259,7 @@ def moe(
     _check_moe(x, params, cfg, experts, shared, drop)
     E, k = cfg.n_experts, cfg.k
 
-    logits_TE = F.linear(x.float(), params["router"])  # router in float32
+    logits_TE = F.linear(x.float(), params["router"], params.get("router_bias"))  # router in float32
     routes = route(
         random_logits(logits_TE) if cfg.random_routing else logits_TE, k,
         score=cfg.score, pre_softmax=cfg.pre_softmax, n_groups=cfg.n_groups, topk_groups=cfg.topk_groups,
@@ -269,8 +305,8 @@ class AttentionConfig:
     (N % G == 0) of D = head_dim. rope_base: RoPE base. rot_dim: channels of each head that
     are rotated (default all; multi-latent attention rotates a part). yarn_factor: YaRN
     context extension factor s (None: plain RoPE) over yarn_original_max_positions, with
-    yarn_beta_fast / yarn_beta_slow and the mscale pair (the softmax scale uses
-    yarn_mscale_all_dim). qk_norm: RMSNorm of the queries and keys before RoPE, None, "head"
+    yarn_beta_fast / yarn_beta_slow, yarn_truncate (whole-index ramp bounds; False: gpt-oss)
+    and the mscale pair (the softmax scale uses yarn_mscale_all_dim). qk_norm: RMSNorm of the queries and keys before RoPE, None, "head"
     (over each head's D channels, weights q_norm / k_norm [D]: Qwen3, GLM-4.5) or "proj"
     (over the whole projection, q_norm [N D], k_norm [G D]: OLMoE), with eps norm_eps.
     impl: "auto" (FlexAttention on CUDA, the SDPA reference on CPU), "flex", "torch"; the
@@ -298,6 +334,7 @@ class AttentionConfig:
     yarn_beta_slow: float = 1.0
     yarn_mscale: float = 1.0
     yarn_mscale_all_dim: float = 1.0
+    yarn_truncate: bool = True
     qk_norm: Optional[str] = None
     norm_eps: float = 1e-6
     impl: str = "auto"
@@ -341,7 +378,7 @@ def rope_tables(positions: torch.Tensor, cfg: AttentionConfig):
         return rope_cos_sin(positions, rope_inv_freq(rot, base=cfg.rope_base).to(positions.device))
     inv_freq = yarn_inv_freq(
         rot, base=cfg.rope_base, factor=cfg.yarn_factor, original_max_positions=cfg.yarn_original_max_positions,
-        beta_fast=cfg.yarn_beta_fast, beta_slow=cfg.yarn_beta_slow,
+        beta_fast=cfg.yarn_beta_fast, beta_slow=cfg.yarn_beta_slow, truncate=cfg.yarn_truncate,
     ).to(positions.device)
     scale = yarn_cos_sin_scale(cfg.yarn_factor, mscale=cfg.yarn_mscale, mscale_all_dim=cfg.yarn_mscale_all_dim)
     return rope_cos_sin(positions, inv_freq, scale=scale)
@@ -617,10 +654,15 @@ def _check_attention(x_TH, params, cfg, ctx) -> None:
         w = params.get(name)
         if w is None or tuple(w.shape) != shape:
             raise ValueError(f"params['{name}']: expected a {list(shape)} norm weight, got {list(w.shape) if w is not None else 'nothing'}")
+    extras = {"bo": (H,), "sinks": (N,)}  # an output bias and attention sinks, either kind
+    for name, shape in extras.items():
+        w = params.get(name)
+        if w is not None and (tuple(w.shape) != shape or not w.is_floating_point()):
+            raise ValueError(f"params['{name}']: expected a float {list(shape)} tensor or none, got {w.dtype} {list(w.shape)}")
     if cfg.kv_rank is not None:
-        unknown = set(params) - set(mats) - set(norms)
+        unknown = set(params) - set(mats) - set(norms) - set(extras)
         if unknown:
-            raise ValueError(f"params: unknown multi-latent attention parameters {sorted(unknown)} (expected {sorted(mats) + sorted(norms)})")
+            raise ValueError(f"params: unknown multi-latent attention parameters {sorted(unknown)} (expected {sorted(mats) + sorted(norms)}, optional bo, sinks)")
         _check_ctx(ctx, T, cfg.rot_dim)
         return
     optional = {"bq": (N * D,), "bk": (G * D,), "bv": (G * D,)}
@@ -633,9 +675,9 @@ def _check_attention(x_TH, params, cfg, ctx) -> None:
         w = params.get(name)
         if w is not None and tuple(w.shape) != shape:
             raise ValueError(f"params['{name}']: expected {list(shape)}, got {list(w.shape)}")
-    unknown = set(params) - {"wq", "wk", "wv", "wo", *optional}
+    unknown = set(params) - {"wq", "wk", "wv", "wo", *optional, *extras}
     if unknown:
-        raise ValueError(f"params: unknown attention parameters {sorted(unknown)} (wq, wk, wv, wo, optional bq, bk, bv, q_norm, k_norm)")
+        raise ValueError(f"params: unknown attention parameters {sorted(unknown)} (wq, wk, wv, wo, optional bq, bk, bv, q_norm, k_norm, bo, sinks)")
     _check_ctx(ctx, T, cfg.rot_dim or D)
 
 
@@ -651,7 +693,9 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
 
     Args:
         x: [T, H] packed tokens. params: wq, wk, wv, wo (module docstring); optional biases
-            bq [N D], bk, bv [G D] added to the projections; q_norm, k_norm with cfg.qk_norm.
+            bq [N D], bk, bv [G D] added to the projections; q_norm, k_norm with cfg.qk_norm;
+            optional output bias bo [H] (under tensor parallel: its 1/tp share, the ranks'
+            outputs being summed) and attention sinks [N] (module docstring; either kind).
             Multi-latent attention (cfg.kv_rank): wq [H, N D] or wq_a [H, q_rank],
             q_a_norm [q_rank], wq_b [q_rank, N D]; wkv_a [H, kv_rank + R] (latent, then
             the shared rotary key), kv_a_norm [kv_rank], wkv_b [kv_rank, N (D - R + v_dim)]
@@ -700,20 +744,43 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
             k_TGD, v_TGD = _mla_expand(k_TGD[:, 0, :cfg.kv_rank], k_TGD[:, :, cfg.kv_rank:], params, cfg)
     q_NTD, k_GTD, v_GTD = (rearrange(t, "t h d -> h t d") for t in (q_TND, k_TGD, v_TGD))
     mask = ctx.mask if cfg.window is None else ctx.local_mask
-    if isinstance(mask, torch.Tensor):  # the reference
+    sinks = params.get("sinks")
+    if isinstance(mask, torch.Tensor) and sinks is not None:  # the reference, with sinks
+        out_NTD = _attention_with_sinks(q_NTD, k_GTD, v_GTD, mask, softmax_scale(cfg), sinks)
+    elif isinstance(mask, torch.Tensor):  # the reference
         out_NTD = F.scaled_dot_product_attention(q_NTD, k_GTD, v_GTD, attn_mask=mask, scale=softmax_scale(cfg), enable_gqa=True)
     else:
         if not x.is_cuda and torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params.values())):
             raise ValueError("cfg.impl: FlexAttention has no backward on CPU; use impl='torch' (or 'auto') to train on CPU")
-        from torch.nn.attention.flex_attention import flex_attention
+        from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
         # the fused kernel on CUDA; eager on CPU, which tests the mask against the reference
         flex = _compiled_flex() if x.is_cuda else flex_attention
-        out_NTD = flex(q_NTD[None], k_GTD[None], v_GTD[None], block_mask=mask, scale=softmax_scale(cfg), enable_gqa=True)[0]
+        kw = dict(block_mask=mask, scale=softmax_scale(cfg), enable_gqa=True)
+        if sinks is None:
+            out_NTD = flex(q_NTD[None], k_GTD[None], v_GTD[None], **kw)[0]
+        else:  # a sink adds exp(sink) to the denominator: out * Z / (Z + e^sink), Z = e^lse
+            out_1NTD, aux = flex(q_NTD[None], k_GTD[None], v_GTD[None], return_aux=AuxRequest(lse=True), **kw)
+            keep_NT = torch.sigmoid(aux.lse[0] - sinks.float()[:, None])
+            out_NTD = (out_1NTD[0] * keep_NT[..., None]).to(q_NTD.dtype)
     if wv_CNV is not None:  # absorbed: each head's latent output to its values
         out_NTD = torch.einsum("ntc,cnv->ntv", out_NTD, wv_CNV)
     y_TH = rearrange(out_NTD, "n t d -> t (n d)") @ params["wo"]
+    if params.get("bo") is not None:
+        y_TH = y_TH + params["bo"]
     return y_TH, TensorDict({}, batch_size=[])
+
+
+def _attention_with_sinks(q_NTD, k_GTD, v_GTD, mask_TS, scale: float, sinks_N):
+    """The reference attention with sinks: softmax over [the allowed scores, the head's
+    sink], the sink's share dropped (it has no value), in float32; [N, T, Dv] in q's dtype."""
+    N, G = q_NTD.shape[0], k_GTD.shape[0]
+    k_NSD, v_NSD = (t.float().repeat_interleave(N // G, dim=0) for t in (k_GTD, v_GTD))
+    scores_NTS = (q_NTD.float() @ k_NSD.transpose(1, 2)) * scale
+    scores_NTS = scores_NTS.masked_fill(~mask_TS, float("-inf"))
+    sink_NT1 = sinks_N.float()[:, None, None].expand(N, scores_NTS.shape[1], 1)
+    probs_NTS = torch.softmax(torch.cat([scores_NTS, sink_NT1], dim=-1), dim=-1)[..., :-1]
+    return (probs_NTS @ v_NSD).to(q_NTD.dtype)
 
 
 def _gqa_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext, heads_mean=None):

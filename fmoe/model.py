@@ -45,8 +45,8 @@ from tensordict import TensorDict
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from fmoe.layers import (AttentionConfig, AttentionContext, MoEConfig, attention, attention_context, check_window, dense_mlp, local_experts,
-                         mla_shapes, moe)
+from fmoe.layers import (EXPERT_BIASES, AttentionConfig, AttentionContext, MoEConfig, attention, attention_context, check_window, dense_mlp,
+                         local_experts, mla_shapes, moe)
 from fmoe.ops import linear_cross_entropy, route
 from fmoe.ops.checks import check_positive_int
 from fmoe.ops.backend import local_tensor as _local
@@ -118,8 +118,8 @@ class DenseMLP(nn.Module):
 
 
 class GroupedExperts(nn.Module):
-    """The routed experts' stacked SwiGLU weights: w_gate, w_up [E, H, F], w_down [E, F, H]
-    (a child module of MoE with a forward of its own, so that FSDP can shard the experts
+    """The routed experts' stacked SwiGLU weights: w_gate, w_up [E, H, F], w_down [E, F, H],
+    with biases=True also b_gate, b_up [E, F] and b_down [E, H] (a child module of MoE with a forward of its own, so that FSDP can shard the experts
     over their own mesh and gather them when they run).
 
     forward(x [T, H], routes) -> (y [T, H], counts [E]): the routed experts' weighted
@@ -128,7 +128,7 @@ class GroupedExperts(nn.Module):
     same call signature as local_experts).
     """
 
-    def __init__(self, n_experts: int, hidden: int, ffn: int, cfg: MoEConfig, *, device=None, dtype=None):
+    def __init__(self, n_experts: int, hidden: int, ffn: int, cfg: MoEConfig, *, biases: bool = False, device=None, dtype=None):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
         self.cfg = cfg
@@ -137,6 +137,12 @@ class GroupedExperts(nn.Module):
         self.w_gate = nn.Parameter(torch.empty(n_experts, hidden, ffn, **kw))
         self.w_up = nn.Parameter(torch.empty(n_experts, hidden, ffn, **kw))
         self.w_down = nn.Parameter(torch.empty(n_experts, ffn, hidden, **kw))
+        self.names = ["w_gate", "w_up", "w_down"]
+        if biases:  # b_gate, b_up [E, F], b_down [E, H] (gpt-oss)
+            self.b_gate = nn.Parameter(torch.zeros(n_experts, ffn, **kw))
+            self.b_up = nn.Parameter(torch.zeros(n_experts, ffn, **kw))
+            self.b_down = nn.Parameter(torch.zeros(n_experts, hidden, **kw))
+            self.names += list(EXPERT_BIASES)
 
     def forward(self, x_TH, routes):
         if self.recompute:
@@ -144,15 +150,16 @@ class GroupedExperts(nn.Module):
         return self._experts(x_TH, routes)
 
     def _experts(self, x_TH, routes):
-        params = {n: _local(getattr(self, n)) for n in ("w_gate", "w_up", "w_down")}
+        params = {n: _local(getattr(self, n)) for n in self.names}
         return (self.dispatcher or local_experts)(x_TH, routes, params, self.cfg)
 
 
 class MoE(nn.Module):
     """Parameters of a mixture-of-experts block; forward calls fmoe.layers.moe.
 
-    Owns: router [E, H] (float32), `experts` (GroupedExperts: w_gate / w_up [E, H, F],
-    w_down [E, F, H]), optional `shared` experts (a DenseMLP of Fs) with an optional sigmoid
+    Owns: router [E, H] (float32) with an optional router_bias [E] (float32; router_bias=True),
+    `experts` (GroupedExperts: w_gate / w_up [E, H, F], w_down [E, F, H], and with
+    expert_biases=True b_gate / b_up [E, F], b_down [E, H]), optional `shared` experts (a DenseMLP of Fs) with an optional sigmoid
     gate `shared_gate` [H], and, with expert_bias=True (sigmoid scoring), the aux-loss-free
     `expert_bias` [E], a persistent float32 buffer. The router and the bias stay float32
     when the module is cast (`.to(torch.bfloat16)`, `.half()`): routing decisions and bias
@@ -175,11 +182,12 @@ class MoE(nn.Module):
         expert_bias: own an expert_bias buffer (needs cfg.score == "sigmoid").
     """
 
-    _FLOAT32 = ("router", "expert_bias")
+    _FLOAT32 = ("router", "router_bias", "expert_bias")
 
     def __init__(
         self, hidden: int, ffn: int, cfg: MoEConfig, *, shared_ffn: int = 0, shared_gate: bool = False,
-        expert_bias: bool = False, device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None,
+        expert_bias: bool = False, router_bias: bool = False, expert_biases: bool = False,
+        device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None,
     ):
         super().__init__()
         if expert_bias and cfg.score != "sigmoid":
@@ -189,7 +197,8 @@ class MoE(nn.Module):
         E, H, kw = cfg.n_experts, hidden, dict(device=device, dtype=dtype)
         self.cfg = cfg
         self.router = nn.Parameter(torch.empty(E, H, device=device, dtype=torch.float32))
-        self.experts = GroupedExperts(E, H, ffn, cfg, **kw)
+        self.router_bias = nn.Parameter(torch.empty(E, device=device, dtype=torch.float32)) if router_bias else None
+        self.experts = GroupedExperts(E, H, ffn, cfg, biases=expert_biases, **kw)
         self.shared = DenseMLP(H, shared_ffn, cfg.impl, **kw) if shared_ffn else None
         if shared_gate:
             self.shared_gate = nn.Parameter(torch.empty(H, **kw))
@@ -201,10 +210,14 @@ class MoE(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02) -> None:
-        """Every weight Normal(0, std), the expert bias 0. A model stacking blocks may scale
-        the output projections by depth (the reference model does)."""
-        for p in self.parameters():
-            nn.init.normal_(p, std=std)
+        """Every weight Normal(0, std), the biases (router, experts) and the expert bias 0. A
+        model stacking blocks may scale the output projections by depth (the reference model
+        does)."""
+        for name, p in self.named_parameters():
+            if name.endswith(("router_bias",) + EXPERT_BIASES):
+                nn.init.zeros_(p)
+            else:
+                nn.init.normal_(p, std=std)
         if "expert_bias" in self._buffers:
             self.expert_bias.zero_()
 
@@ -227,6 +240,8 @@ class MoE(nn.Module):
         sp = self.sequence_parallel
         replicated = (lambda w: w) if sp is None else sp.weight
         params = {"router": replicated(_local(self.router))}
+        if self.router_bias is not None:
+            params["router_bias"] = replicated(_local(self.router_bias))
         if "expert_bias" in self._buffers:
             params["expert_bias"] = self.expert_bias
         if getattr(self, "shared_gate", None) is not None:
@@ -260,7 +275,11 @@ class TransformerConfig:
     Attention: n_heads/n_kv_heads of head_dim, qkv_bias, qk_norm (None | "head" | "proj",
     fmoe.layers.AttentionConfig), rope_base, rope_dim (rotated channels per head, None: all),
     rope_interleaved, yarn_factor (None: plain RoPE) with yarn_original_max_positions,
-    yarn_beta_fast / yarn_beta_slow / yarn_mscale / yarn_mscale_all_dim. kv_rank (with q_rank,
+    yarn_beta_fast / yarn_beta_slow / yarn_mscale / yarn_mscale_all_dim / yarn_truncate. o_bias:
+    an attention output bias; attn_sinks: a learned sink logit per head (fmoe.layers.attention).
+    router_bias: a float32 bias on the router logits; expert_biases: biases of the routed
+    experts' three projections; swiglu_alpha / swiglu_limit / swiglu_offset: the routed
+    experts' clamped SwiGLU (fmoe.ops.grouped_mlp; gpt-oss: 1.702, 7.0, 1.0). kv_rank (with q_rank,
     v_head_dim): multi-latent attention (DeepSeek-V2/V3; head_dim = nope + rope dims,
     rope_dim the rope part, n_kv_heads = n_heads; fmoe.layers.AttentionConfig). tie_embeddings: the
     output head is the embedding. window: sliding-window attention (a query attends to the
@@ -309,9 +328,17 @@ class TransformerConfig:
     yarn_beta_slow: float = 1.0
     yarn_mscale: float = 1.0
     yarn_mscale_all_dim: float = 1.0
+    yarn_truncate: bool = True
     q_rank: Optional[int] = None
     kv_rank: Optional[int] = None
     v_head_dim: Optional[int] = None
+    o_bias: bool = False
+    attn_sinks: bool = False
+    router_bias: bool = False
+    expert_biases: bool = False
+    swiglu_alpha: float = 1.0
+    swiglu_limit: Optional[float] = None
+    swiglu_offset: float = 0.0
     tie_embeddings: bool = False
     window: Optional[int] = None
     window_layers: Optional[tuple[int, ...]] = None
@@ -356,6 +383,7 @@ class TransformerConfig:
                                           or not 2 <= self.rope_dim <= self.head_dim or self.rope_dim % 2):
             raise ValueError(f"rope_dim: expected an even int in 2..head_dim = {self.head_dim}, or None, got {self.rope_dim!r}")
         self.attention_config()  # its own checks (qk_norm)
+        self.moe_config()  # its own checks (the SwiGLU options)
         # the routing knobs, checked by the op itself on no tokens
         route(torch.zeros(0, self.n_experts, device="cpu"), self.k, score=self.score, pre_softmax=self.pre_softmax,
               n_groups=self.n_groups, topk_groups=self.topk_groups, scale=self.route_scale, group_score_topk=self.group_score_topk,
@@ -379,6 +407,7 @@ class TransformerConfig:
         return MoEConfig(
             n_experts=self.n_experts, k=self.k, score=self.score, pre_softmax=self.pre_softmax, n_groups=self.n_groups, topk_groups=self.topk_groups,
             scale=self.route_scale, group_score_topk=self.group_score_topk, normalize=self.route_normalize, capacity_factor=self.capacity_factor, capacity_policy=self.capacity_policy, impl=self.impl,
+            swiglu_alpha=self.swiglu_alpha, swiglu_limit=self.swiglu_limit, swiglu_offset=self.swiglu_offset,
         )
 
     def attention_config(self, *, sliding: bool = False) -> AttentionConfig:
@@ -389,6 +418,7 @@ class TransformerConfig:
             rot_dim=self.rope_dim, interleaved=self.rope_interleaved, yarn_factor=self.yarn_factor,
             yarn_original_max_positions=self.yarn_original_max_positions, yarn_beta_fast=self.yarn_beta_fast,
             yarn_beta_slow=self.yarn_beta_slow, yarn_mscale=self.yarn_mscale, yarn_mscale_all_dim=self.yarn_mscale_all_dim,
+            yarn_truncate=self.yarn_truncate,
             qk_norm=self.qk_norm, norm_eps=self.norm_eps, impl=self.impl, q_rank=self.q_rank, kv_rank=self.kv_rank,
             v_dim=self.v_head_dim, window=self.window if sliding else None,
         )
@@ -422,8 +452,8 @@ class Attention(nn.Module):
     """Parameters of an attention block; forward calls fmoe.layers.attention.
 
     Owns grouped-query attention's wq, wk, wv, wo (optional biases bq, bk, bv and qk norm
-    weights q_norm, k_norm), or multi-latent attention's (fmoe.layers.mla_shapes), under
-    the fmoe.layers names. Under tensor parallelism fmoe.parallel splits the heads over the
+    weights q_norm, k_norm), or multi-latent attention's (fmoe.layers.mla_shapes), and either
+    kind's optional output bias bo and attention sinks, under the fmoe.layers names. Under tensor parallelism fmoe.parallel splits the heads over the
     tp ranks and sets `tensor_parallel` (a HeadShard; None otherwise): the weights every
     rank holds whole then get their gradients summed over tp, and a qk norm over the whole
     projection averages its statistic over tp."""
@@ -439,6 +469,7 @@ class Attention(nn.Module):
                     init = torch.ones if name.endswith("norm") else torch.empty  # norms one at initialisation
                     setattr(self, name, nn.Parameter(init(shape)))
                     self.names.append(name)
+            self._extras(cfg)
             return
         H, q, kv = cfg.hidden, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
         self.wq = nn.Parameter(torch.empty(H, q))
@@ -454,6 +485,17 @@ class Attention(nn.Module):
             self.q_norm = nn.Parameter(torch.ones(cfg.head_dim if head else q))
             self.k_norm = nn.Parameter(torch.ones(cfg.head_dim if head else kv))
             self.names += ["q_norm", "k_norm"]
+        self._extras(cfg)
+
+    def _extras(self, cfg: TransformerConfig) -> None:
+        """The output bias bo [H] (o_bias) and the attention sinks [n_heads] (attn_sinks),
+        zero at initialisation (Transformer.reset_parameters)."""
+        if cfg.o_bias:
+            self.bo = nn.Parameter(torch.empty(cfg.hidden))
+            self.names.append("bo")
+        if cfg.attn_sinks:
+            self.sinks = nn.Parameter(torch.empty(cfg.n_heads))
+            self.names.append("sinks")
 
     def forward(self, x_TH, ctx: AttentionContext):
         params = {n: _local(getattr(self, n)) for n in self.names}
@@ -461,6 +503,8 @@ class Attention(nn.Module):
         if tp is None:
             return attention(x_TH, params, self.cfg, ctx)[0]
         params.update({n: tp.weight(params[n]) for n in tp.replicated})
+        if "bo" in params:  # every rank adds its share before the ranks' outputs are summed
+            params["bo"] = params["bo"] / tp.mesh.size()
         return attention(x_TH, params, self.cfg, ctx, heads_mean=tp.mean)[0]
 
 
@@ -475,7 +519,7 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         if moe:
             self.mlp = MoE(cfg.hidden, cfg.ffn_expert, cfg.moe_config(), shared_ffn=cfg.shared_size, shared_gate=cfg.shared_gate,
-                           expert_bias=cfg.expert_bias)
+                           expert_bias=cfg.expert_bias, router_bias=cfg.router_bias, expert_biases=cfg.expert_biases)
             self.mlp.experts.recompute = cfg.ac == "experts"
         else:
             self.mlp = DenseMLP(cfg.hidden, cfg.ffn_dense, cfg.impl)
@@ -656,7 +700,7 @@ class Transformer(nn.Module):
     def reset_parameters(self, seed: Optional[int] = None) -> None:
         """Normal(0, init_std) matrices, output projections (attention wo, MLP w_down) also
         divided by sqrt(2 * n_layers) (GPT-2: the residual stream sums 2 per block), norms 1,
-        expert biases 0. The router stays float32 (MoE owns it).
+        every bias, the attention sinks and the expert-bias buffers 0. The router stays float32 (MoE owns it).
 
         The values are a function of `seed` and each parameter's name only (init_value), so
         the full weights are the same bit for bit on any mesh: a parameter that is a DTensor
@@ -673,7 +717,7 @@ class Transformer(nn.Module):
             if name.endswith(("norm.weight", "q_norm", "k_norm", "q_a_norm", "kv_a_norm")):
                 _local(p).fill_(1.0)
                 continue
-            if name.endswith(("attn.bq", "attn.bk", "attn.bv")):
+            if name.endswith(("attn.bq", "attn.bk", "attn.bv", "attn.bo", "attn.sinks", "router_bias") + EXPERT_BIASES):
                 _local(p).zero_()
                 continue
             std = base / (2 * self.cfg.n_layers) ** 0.5 if name.endswith(("wo", "w_down")) else base

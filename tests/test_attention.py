@@ -42,10 +42,15 @@ def _loop_attention(x, p, cfg, cu):
             heads = []
             for h in range(N):
                 g = h // (N // G)
-                weights = torch.softmax((k[first:t + 1, g] @ q[t, h]) * softmax_scale(cfg), dim=0)
+                scores = (k[first:t + 1, g] @ q[t, h]) * softmax_scale(cfg)
+                if "sinks" in p:  # the sink joins the denominator, with no value
+                    weights = torch.exp(scores) / (torch.exp(scores).sum() + torch.exp(p["sinks"][h]))
+                else:
+                    weights = torch.softmax(scores, dim=0)
                 heads.append(weights @ v[first:t + 1, g])
             rows.append(torch.cat(heads))
-    return torch.stack(rows) @ p["wo"]
+    y = torch.stack(rows) @ p["wo"]
+    return y + p["bo"] if "bo" in p else y
 
 
 def _rel(a, b):
@@ -58,6 +63,24 @@ def _rel(a, b):
                          ids=["rope", "yarn", "partial-interleaved", "sliding-window"])
 def test_attention_matches_per_token_loop(cfg, impl):
     _check_against_definition(cfg, impl, _params(cfg), _loop_attention)
+
+
+@pytest.mark.parametrize("impl", ["torch", "flex"])
+@pytest.mark.parametrize("window", [None, 4])
+def test_sinks_and_output_bias_match_per_token_loop(window, impl):
+    """gpt-oss's attention: a sink logit per head in each query's denominator, an output bias."""
+    cfg = dataclasses.replace(CFG, window=window)
+    p = _params(cfg)
+    g = torch.Generator().manual_seed(4)
+    p.update(sinks=torch.randn(4, generator=g).requires_grad_(), bo=torch.randn(H, generator=g).requires_grad_())
+    _check_against_definition(cfg, impl, p, _loop_attention)
+    with torch.no_grad():  # the sinks matter: without them (or with -inf sinks) the output differs / is the plain one
+        x, cu = torch.randn(17, H), torch.tensor([0, 5, 6, 17], dtype=torch.int32)
+        plain = {n: t for n, t in p.items() if n != "sinks"}
+        y, y_plain = attention(x, p, cfg, _ctx(cu, cfg))[0], attention(x, plain, cfg, _ctx(cu, cfg))[0]
+        assert _rel(y, y_plain) > 1e-2
+        y_inf = attention(x, {**p, "sinks": torch.full((4,), float("-inf"))}, cfg, _ctx(cu, cfg))[0]
+        assert _rel(y_inf, y_plain) < 1e-6
 
 
 def _check_against_definition(cfg, impl, p, definition):
@@ -147,6 +170,10 @@ def test_attention_bad_inputs():
         attention(x[None], p, CFG, ctx)
     with pytest.raises(ValueError, match=r"heads_mean: expected a function of a \[T, 1\] tensor .* got float"):
         attention(x, p, CFG, ctx, heads_mean=2.0)
+    with pytest.raises(ValueError, match=r"params\['sinks'\]: expected a float \[4\] tensor or none, got torch.float32 \[2\]"):
+        attention(x, dict(p, sinks=torch.zeros(2)), CFG, ctx)
+    with pytest.raises(ValueError, match=r"params\['bo'\]: expected a float \[32\] tensor or none, got torch.int64 \[32\]"):
+        attention(x, dict(p, bo=torch.zeros(H, dtype=torch.long)), CFG, ctx)
     # a sliding-window layer needs a context built for its window
     with pytest.raises(ValueError, match="ctx: built for the sliding window None, this layer attends over window 4"):
         attention(x, p, dataclasses.replace(CFG, window=4), ctx)
@@ -313,12 +340,16 @@ def test_a_context_is_shared_and_reads_no_value_on_the_host():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("window", [None, 512])
-def test_gpu_flex_attention_matches_reference(window):
+@pytest.mark.parametrize("window, sinks", [(None, False), (512, False), (128, True)])
+def test_gpu_flex_attention_matches_reference(window, sinks):
+    """FlexAttention against the reference; with sinks (gpt-oss) the gradient also flows
+    through the kernel's log-sum-exp."""
     cfg = AttentionConfig(n_heads=16, n_kv_heads=4, head_dim=128, window=window)
     Hg = 2048
     shapes = {"wq": (Hg, 16 * 128), "wk": (Hg, 4 * 128), "wv": (Hg, 4 * 128), "wo": (16 * 128, Hg)}
     p = {n: (torch.randn(*s, device="cuda") * s[0] ** -0.5).bfloat16() for n, s in shapes.items()}
+    if sinks:
+        p.update(sinks=torch.randn(16, device="cuda").bfloat16(), bo=torch.randn(Hg, device="cuda").bfloat16())
     x = torch.randn(4096, Hg, device="cuda", dtype=torch.bfloat16)
     cu = torch.tensor([0, 1000, 1001, 3000, 4096], device="cuda", dtype=torch.int32)
     p = {n: t.requires_grad_() for n, t in p.items()}

@@ -149,6 +149,44 @@ def test_moe_bad_inputs(device):
         moe(x, dict(params, shared_w_gate=torch.randn(H, 8, device=device)), cfg)
 
 
+def test_gpt_oss_moe_matches_per_token_loop():
+    """A router bias, expert biases and the clamped SwiGLU: each token through its experts,
+    one at a time (gpt-oss's GptOssExperts), values and every gradient."""
+    cfg = MoEConfig(n_experts=4, k=2, swiglu_alpha=1.702, swiglu_limit=0.3, swiglu_offset=1.0, impl="torch")
+    g = torch.Generator().manual_seed(2)
+    params = _params(cfg, torch.float32, "cpu")
+    params.update({n: (0.3 * torch.randn(*shape, generator=g)).requires_grad_()
+                   for n, shape in (("router_bias", (4,)), ("b_gate", (4, FFN)), ("b_up", (4, FFN)), ("b_down", (4, H)))})
+    x = torch.randn(9, H, generator=g)
+    y, _ = moe(x, params, cfg)
+    p = {n: t.detach().clone().requires_grad_() for n, t in params.items()}
+    logits = x @ p["router"].T + p["router_bias"]
+    top, experts = logits.topk(2, dim=-1)
+    weights = torch.softmax(top, dim=-1)  # softmax over the k chosen logits
+    rows = []
+    for t in range(x.shape[0]):
+        y_t = torch.zeros(H)
+        for j in range(2):
+            e = int(experts[t, j])
+            gate = (x[t] @ p["w_gate"][e] + p["b_gate"][e]).clamp(max=0.3)
+            up = (x[t] @ p["w_up"][e] + p["b_up"][e]).clamp(-0.3, 0.3)
+            y_t = y_t + weights[t, j] * ((gate * torch.sigmoid(1.702 * gate) * (up + 1)) @ p["w_down"][e] + p["b_down"][e])
+        rows.append(y_t)
+    want = torch.stack(rows)
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-6)
+    upstream = torch.randn(y.shape, generator=g)
+    (y * upstream).sum().backward()
+    (want * upstream).sum().backward()
+    for n in params:
+        torch.testing.assert_close(params[n].grad, p[n].grad, rtol=1e-5, atol=1e-6, msg=n)
+    with pytest.raises(ValueError, match=r"params\['router_bias'\]: expected float32 \[4\] or none, got torch.bfloat16 \[4\]"):
+        moe(x, dict(params, router_bias=params["router_bias"].bfloat16()), cfg)
+    with pytest.raises(ValueError, match=r"params\['b_down'\]: expected torch.float32 \[4, 32\]"):
+        moe(x, dict(params, b_down=params["b_gate"]), cfg)
+    with pytest.raises(ValueError, match="limit: expected > 0"):
+        MoEConfig(n_experts=4, k=2, swiglu_limit=-1.0)
+
+
 # ---------------------------------------------------------------------------- module
 
 
@@ -168,6 +206,11 @@ def test_module_owns_parameters_and_keeps_router_and_bias_float32():
     y, stats = layer(x)
     assert y.shape == x.shape and y.dtype == torch.bfloat16
     assert stats["tokens_per_expert"].sum() == 2 * 3 * 2
+    # gpt-oss's router bias stays float32 too; the expert biases follow the experts
+    layer = MoE(H, FFN, MoEConfig(n_experts=4, k=2), router_bias=True, expert_biases=True).to(torch.bfloat16)
+    assert layer.router_bias.dtype == torch.float32 and layer.experts.b_down.dtype == torch.bfloat16
+    assert {n for n, _ in layer.named_parameters()} >= {"router_bias", "experts.b_gate", "experts.b_up", "experts.b_down"}
+    assert all(torch.equal(p, torch.zeros_like(p)) for n, p in layer.named_parameters() if "b_" in n or "bias" in n)
 
 
 def test_module_matches_the_functional_layer():

@@ -25,6 +25,11 @@ VARIANTS = {
                                                        v_head_dim=5, n_groups=2, topk_groups=1, group_score_topk=2, mtp_depth=1, mtp_norm=True),
     # gpt-oss's and Gemma's local layers: a sliding window in blocks 0 and 2, the others and MTP full
     "sliding window, mtp": dataclasses.replace(TINY, window=4, window_layers=(0, 2), mtp_depth=1),
+    # gpt-oss's pieces: q/k/v/o biases, attention sinks, a router bias, expert biases, the
+    # clamped SwiGLU, YaRN without truncation, sliding windows in blocks 0 and 2
+    "gpt-oss": dataclasses.replace(TINY, qkv_bias=True, o_bias=True, attn_sinks=True, router_bias=True, expert_biases=True, swiglu_alpha=1.702,
+                                   swiglu_limit=0.5, swiglu_offset=1.0, window=4, window_layers=(0, 2), yarn_factor=4.0,
+                                   yarn_original_max_positions=8, yarn_truncate=False),
 }
 
 
@@ -409,6 +414,8 @@ DECODED = {
     "qkv bias, qk norm": dataclasses.replace(TINY, qkv_bias=True, qk_norm="head", rope_dim=4),
     "mla": VARIANTS["mla, group top-2, mtp norm"],
     "sliding window": dataclasses.replace(TINY, window=4, window_layers=(0, 2)),
+    "gpt-oss": VARIANTS["gpt-oss"],
+    "mla, sinks, output bias": dataclasses.replace(VARIANTS["mla, group top-2, mtp norm"], attn_sinks=True, o_bias=True),
 }
 
 
@@ -563,7 +570,7 @@ def test_decode_bad_inputs():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["default", "mla"])
+@pytest.mark.parametrize("name", ["default", "mla", "gpt-oss"])
 def test_gpu_decode_with_flex_attention_equals_the_whole_sequence(name):
     """On CUDA (FlexAttention, the block mask of the new tokens against the cached keys;
     multi-latent attention absorbed, with the dense mask): a prompt of 300 tokens, then one
@@ -578,7 +585,7 @@ def test_gpu_decode_with_flex_attention_equals_the_whole_sequence(name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["default", "mla"])
+@pytest.mark.parametrize("name", ["default", "mla", "gpt-oss"])
 def test_gpu_batched_decode_with_flex_attention_equals_each_sequence(name):
     """On CUDA: two sequences in one cache (block mask over both slots), prompts of 300 and
     140 tokens, then steps of both together."""

@@ -113,7 +113,9 @@ def test_knobs_as_users_type_them(tmp_path):
     # a first trial run: the default warmup (20) adapts to 4 steps, and says so
     run = _train(tmp_path / "short", "--steps=4", "--warmup=-1", "--model.n_groups=2", "--model.topk_groups=1",
                  "--model.capacity_factor=1.5", "--model.capacity_policy=position", "--adamw_state_dtype=bfloat16",
-                 "--model.ac=full", "--dtype=bfloat16", "--decay_embeddings=false", "--model.window=16", "--model.window_layers=1")
+                 "--model.ac=full", "--dtype=bfloat16", "--decay_embeddings=false", "--model.window=16", "--model.window_layers=1",
+                 "--model.attn_sinks=true", "--model.o_bias=true", "--model.router_bias=true", "--model.expert_biases=true",
+                 "--model.swiglu_alpha=1.702", "--model.swiglu_limit=7", "--model.swiglu_offset=1")
     assert run.returncode == 0, run.stderr[-3000:]
     assert "warmup 0 steps (a tenth of this short run)" in run.stdout
     # bf16 compute on one process: float32 master weights through FSDP2 over a group of one
@@ -122,6 +124,8 @@ def test_knobs_as_users_type_them(tmp_path):
     model = config["config"]["model"]
     assert (model["n_groups"], model["topk_groups"], model["capacity_factor"], model["capacity_policy"], model["ac"]) == (2, 1, 1.5, "position", "full")
     assert (model["window"], model["window_layers"]) == (16, [1])
+    assert (model["attn_sinks"], model["o_bias"], model["router_bias"], model["expert_biases"]) == (True,) * 4
+    assert (model["swiglu_alpha"], model["swiglu_limit"], model["swiglu_offset"]) == (1.702, 7.0, 1.0)
     assert config["config"]["adamw_state_dtype"] == "bfloat16" and config["warmup"] == 0
     assert (config["dtype"], config["config"]["decay_embeddings"]) == ("torch.bfloat16", False)
     # WSD decays over its last fifth by default (no jump from the peak to min_lr)

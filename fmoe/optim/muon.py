@@ -61,6 +61,7 @@ NS_COEFFS = (3.4445, -4.7750, 2.0315)
 SCALES = ("moonlight", "spectral")
 ADAMW_PATTERNS = ("embed", "lm_head", "head", "router", "norm", "bias")
 EMBEDDING_PATTERNS = ("embed", "head")  # the weights decay_embeddings=False leaves undecayed
+STACKED_BIASES = ("experts.b_gate", "experts.b_up", "experts.b_down")  # [E, F] / [E, H]: a bias per expert, not a matrix
 
 
 # -----------------------------------------------------------------------------
@@ -208,7 +209,8 @@ def split_param_groups(
     Rule: a parameter with ndim >= 2 goes to Muon unless its name (as in named_parameters)
     contains one of `adamw_patterns` as a substring (embeddings, output head, router: lookups
     and classifiers, whose rows are not an operator to orthogonalise); everything else goes
-    to AdamW. Weight decay: the ndim < 2 tensors (norms, biases, gates) get none (Megatron
+    to AdamW. Weight decay: the ndim < 2 tensors (norms, biases, gates) and the experts'
+    stacked biases (b_gate, b_up, b_down: one bias per expert) get none (Megatron
     Core's default), nor do the embeddings and output heads (names containing "embed" or
     "head") with decay_embeddings=False; the rest get `weight_decay`. Buffers (an
     expert_bias) and frozen parameters are in neither. muon=False puts every matrix in
@@ -223,7 +225,7 @@ def split_param_groups(
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        if p.ndim < 2 or (not decay_embeddings and any(part in name for part in EMBEDDING_PATTERNS)):
+        if p.ndim < 2 or name.endswith(STACKED_BIASES) or (not decay_embeddings and any(part in name for part in EMBEDDING_PATTERNS)):
             adamw_no_decay.append(p)
         elif not muon or any(pattern in name for pattern in patterns):
             adamw_decay.append(p)

@@ -101,7 +101,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from fmoe.layers import check_expert_weights, local_experts
+from fmoe.layers import check_expert_weights, expert_biases, local_experts
 from fmoe.ops.checks import check_float, check_index, check_positive_int
 from fmoe.ops.dispatch import PermutePlan, permute, slot_ranks, unpermute
 from fmoe.ops.experts import grouped_mlp
@@ -525,6 +525,8 @@ class ExpertParallel:
             shapes = f"{tuple(routes.weights.shape)}, {tuple(routes.experts.shape)}"
             raise ValueError(f"routes: expected weights and experts with x's {T} rows, got {shapes}")
         check_expert_weights(x_TH, params, E // ep, experts=f"this rank's E/ep = {E}/{ep} experts, FFN split over etp")
+        if _size(self.etp_mesh) > 1 and expert_biases(params):
+            raise ValueError(f"params: expert biases with etp = {_size(self.etp_mesh)} are not supported (b_down would be added by every F-shard); use etp = 1")
 
     def __call__(self, x_TH: torch.Tensor, routes, params, cfg) -> tuple[torch.Tensor, torch.Tensor]:
         self._check(x_TH, routes, params, cfg)
@@ -538,6 +540,7 @@ class ExpertParallel:
             experts = experts[start : start + t]  # ids: no gradient, a plain slice
         routes = Routes(weights, experts)
         w_gate, w_up, w_down = params["w_gate"], params["w_up"], params["w_down"]
+        biases = expert_biases(params)  # padding rows' outputs are never read: bias there is harmless
 
         if _size(self.ep_mesh) == 1 and _size(self.etp_mesh) == 1:
             # dense TP only: this rank's token slice through every expert here, no exchange
@@ -550,7 +553,7 @@ class ExpertParallel:
             x_perm, plan = permute(x_slice_TH, routes.experts, E, align=1, check=False, impl=cfg.impl)
             x_local, meta = dispatch(x_perm, plan.counts, ep_mesh=self.ep_mesh, etp_mesh=self.etp_mesh)
             # offsets come from dispatch's own counts: skip grouped_mlp's value check (a host sync)
-            y_local = grouped_mlp(x_local, w_gate, w_up, w_down, meta.offsets, check=False, impl=cfg.impl)
+            y_local = grouped_mlp(x_local, w_gate, w_up, w_down, meta.offsets, check=False, impl=cfg.impl, **biases, **cfg.glu)
             y_perm = combine(y_local, meta)
         else:
             # moe() dropped every slot past C of the T tokens on entry (before the tp split), or
@@ -559,7 +562,7 @@ class ExpertParallel:
             x_ECH, plan = permute_padded(x_slice_TH, routes.experts, E, C)
             x_local, meta = dispatch_padded(x_ECH, ep_mesh=self.ep_mesh, etp_mesh=self.etp_mesh)
             # the offsets C S Q (l + 1) are right by construction: no value check (a host sync)
-            y_local = grouped_mlp(x_local, w_gate, w_up, w_down, meta.offsets, check=False, impl=cfg.impl)
+            y_local = grouped_mlp(x_local, w_gate, w_up, w_down, meta.offsets, check=False, impl=cfg.impl, **biases, **cfg.glu)
             y_perm = combine_padded(y_local, meta).view(E * C, H)
         y_TH = unpermute(y_perm, plan, routes.weights, impl=cfg.impl)
         return gather_tokens(y_TH, self.tp_mesh), plan.counts

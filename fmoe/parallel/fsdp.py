@@ -35,9 +35,10 @@ from typing import Optional
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
 
+from fmoe.layers import EXPERT_BIASES
 from fmoe.model import Block, MoE, Transformer
 from fmoe.parallel.context import ContextCapacityDrop, ContextParallel
 from fmoe.parallel.expert import ExpertParallel
@@ -58,7 +59,8 @@ def dense_data_mesh(meshes: Meshes):
 
 def shard_experts(moe: MoE, meshes: Meshes) -> None:
     """Replace a MoE block's expert stacks by DTensors over the expert mesh's (ep, etp):
-    experts Shard(0) over ep, the FFN dim over etp (w_gate / w_up dim 2, w_down dim 1), and
+    experts Shard(0) over ep, the FFN dim over etp (w_gate / w_up dim 2, w_down dim 1; the
+    optional expert biases Shard(0) over ep, refused with etp > 1), and
     give the experts an ExpertParallel dispatcher. Under tp > 1 the MoE block holds this
     rank's T/tp tokens already (sequence parallel, tensor_parallel_plan), and under cp > 1
     its cp share: the dispatcher splits nothing over tp (token_shards = tp cp sizes its
@@ -70,9 +72,13 @@ def shard_experts(moe: MoE, meshes: Meshes) -> None:
     if ffn % etp:
         raise ValueError(f"etp: the expert FFN size {ffn} is not divisible by etp = {etp}")
     mesh = meshes.expert["ep", "etp"]
-    for name, ffn_dim in (("w_gate", 2), ("w_up", 2), ("w_down", 1)):
+    biases = [n for n in EXPERT_BIASES if getattr(moe.experts, n, None) is not None]
+    if biases and etp > 1:
+        raise ValueError(f"etp: expert biases ({', '.join(biases)}) are not supported with etp = {etp} > 1; use etp = 1")
+    for name, ffn_dim in (("w_gate", 2), ("w_up", 2), ("w_down", 1), *((n, None) for n in biases)):
         param = getattr(moe.experts, name)
-        sharded = distribute_tensor(param.data, mesh, [Shard(0), Shard(ffn_dim)], src_data_rank=None)
+        placements = [Shard(0), Replicate() if ffn_dim is None else Shard(ffn_dim)]  # biases: etp = 1
+        sharded = distribute_tensor(param.data, mesh, placements, src_data_rank=None)
         moe.experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
     moe.experts.dispatcher = ExpertParallel(meshes.axis("ep"), etp_mesh=meshes.axis("etp"), token_shards=meshes.tp * meshes.cp)
 

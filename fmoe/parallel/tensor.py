@@ -9,6 +9,7 @@ heads (attention) or of the FFN columns (SwiGLU) and the output is a sum over ra
     attention   wq, wk, wv [H, heads*D]  Shard(1)  (whole heads; n_heads and n_kv_heads % tp == 0)
                 wo [heads*D, H]          Shard(0)
                 bq, bk, bv [heads*D]     Shard(0)
+                sinks [heads]            Shard(0); bo [H] replicated (bo / tp per rank)
                 q_norm, k_norm           [D] replicated (qk_norm="head"); [heads*D] Shard(0)
                                          (qk_norm="proj", the mean square averaged over tp)
     multi-latent wq or wq_b, wkv_b       Shard(1)  (per-head up projections)
@@ -276,15 +277,20 @@ class AttentionParallel(_ShardedRegion):
     qk_norm="proj" weights Shard(0), their mean square averaged over tp (HeadShard.mean).
     Multi-latent attention: the per-head up projections wq (or wq_b) and wkv_b Shard(1), wo
     Shard(0); the latent down projections wq_a, wkv_a and the norms kv_a_norm, q_a_norm
-    replicated (each rank computes the latents of all T tokens, HeadShard.weight)."""
+    replicated (each rank computes the latents of all T tokens, HeadShard.weight). Either
+    kind: attention sinks [n_heads] Shard(0) with their heads; the output bias bo [H]
+    replicated, each rank adding bo / tp before the ranks' outputs are summed."""
 
     def _shard_dims(self, module):
         cfg = module.cfg
         if cfg.kv_rank is not None:
-            return {"wq" if cfg.q_rank is None else "wq_b": 1, "wkv_b": 1, "wo": 0}
-        dims = {"wq": 1, "wk": 1, "wv": 1, "wo": 0}
-        dims.update({n: 0 for n in ("bq", "bk", "bv") if getattr(module, n, None) is not None})
-        if cfg.qk_norm == "proj":
+            dims = {"wq" if cfg.q_rank is None else "wq_b": 1, "wkv_b": 1, "wo": 0}
+        else:
+            dims = {"wq": 1, "wk": 1, "wv": 1, "wo": 0}
+            dims.update({n: 0 for n in ("bq", "bk", "bv") if getattr(module, n, None) is not None})
+        if getattr(module, "sinks", None) is not None:
+            dims["sinks"] = 0
+        if cfg.qk_norm == "proj":  # never with multi-latent attention
             dims.update(q_norm=0, k_norm=0)
         return dims
 

@@ -235,6 +235,18 @@ def test_split_param_groups_moe():
     assert [g["lr"] for g in adamw] == [1e-3, 1e-3] and [g["weight_decay"] for g in adamw] == [0.1, 0.0]
 
 
+def test_split_param_groups_keeps_bias_stacks_out_of_muon():
+    """gpt-oss's experts: b_gate, b_up [E, F] and b_down [E, H] are 2-D, but one bias per
+    expert, not an operator: AdamW without weight decay, like the router bias."""
+    model = MoE(32, 16, MoEConfig(n_experts=4, k=2, score="softmax"), router_bias=True, expert_biases=True)
+    muon, adamw = split_param_groups(model, weight_decay=0.1)
+    (muon_ids,), (decay_ids, no_decay_ids) = _ids(muon), _ids(adamw)
+    experts = model.experts
+    assert muon_ids == {id(experts.w_gate), id(experts.w_up), id(experts.w_down)}
+    assert decay_ids == {id(model.router)}
+    assert no_decay_ids == {id(model.router_bias), id(experts.b_gate), id(experts.b_up), id(experts.b_down)}
+
+
 def test_split_param_groups_by_name_pattern():
     model = nn.ModuleDict(dict(
         embed=nn.Embedding(10, 8), proj=nn.Linear(8, 8), norm=nn.LayerNorm(8), lm_head=nn.Linear(8, 10, bias=False),

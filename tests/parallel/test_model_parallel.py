@@ -18,6 +18,11 @@ TINY = dict(vocab_size=64, hidden=32, n_layers=2, n_dense=1, ffn_dense=64, n_exp
 
 MLA = dict(n_kv_heads=TINY["n_heads"], head_dim=12, rope_dim=4, kv_rank=6, v_head_dim=5)
 
+# gpt-oss's extras: q/k/v/o biases, attention sinks, a router bias, expert biases and the
+# clamped SwiGLU (a limit that these small activations reach)
+GPT_OSS = dict(qkv_bias=True, o_bias=True, attn_sinks=True, router_bias=True, expert_biases=True, swiglu_alpha=1.702,
+               swiglu_limit=0.1, swiglu_offset=1.0)
+
 # context parallel layouts of 24 tokens (cp = 4: 8 chunks of 3): one document over every
 # rank; documents shorter than a chunk next to one crossing most chunk edges; ...
 CP_LAYOUTS = ([0, 24], [0, 1, 3, 4, 13, 24], [0, 7, 17, 24], [0, 2, 22, 24])
@@ -72,10 +77,12 @@ def _full(t):
 
 def _perturb_zeros_and_ones(*models):
     """The same random values in every model for the parameters that start as zeros or ones
-    (attention biases, qk and latent norms): a slice of them used on the wrong heads then
+    (attention biases and sinks, router and expert biases, qk and latent norms): a slice of
+    them used on the wrong heads or experts then
     changes the loss, not only the gradients."""
     for name, _ in models[0].named_parameters():
-        if name.rpartition(".")[2] in ("bq", "bk", "bv", "q_norm", "k_norm", "q_a_norm", "kv_a_norm"):
+        if name.rpartition(".")[2] in ("bq", "bk", "bv", "bo", "sinks", "router_bias", "b_gate", "b_up", "b_down", "q_norm", "k_norm",
+                                       "q_a_norm", "kv_a_norm"):
             noise = 0.2 * torch.randn(models[0].get_parameter(name).shape, generator=torch.Generator().manual_seed(len(name)))
             for m in models:
                 with torch.no_grad():
@@ -203,6 +210,13 @@ CASES = {
     # a sliding window of 5 tokens in block 1 (the MoE one), the others full: each cp
     # rank's keys of every rank masked by the window at their global indices
     "cp2-window": (2, dict(cp=2), dict(window=5, window_layers=(1,))),
+    # gpt-oss's extras: the sinks split with their heads and the output bias added once over
+    # tp; the expert biases with their experts over ep (exchanged rows, and the padded
+    # layout whose padding rows get a bias nobody reads); the sinks over every cp rank's keys
+    "tp2-gpt-oss": (2, dict(tp=2), GPT_OSS),
+    "ep2-gpt-oss": (2, dict(ep=2), GPT_OSS),
+    "ep2xtp2-capacity-gpt-oss": (4, dict(tp=2, ep=2), dict(GPT_OSS, capacity_factor=1.0)),
+    "cp2-gpt-oss": (2, dict(cp=2), GPT_OSS),
 }
 
 
@@ -309,7 +323,7 @@ def _bad_tp(rank, world):
 
     messages = []
     for overrides, sizes in ((dict(n_heads=2, n_kv_heads=1), dict(tp=2)), (dict(n_experts=3), dict(ep=2)),
-                             (dict(MLA, n_heads=3, n_kv_heads=3), dict(tp=2))):
+                             (dict(MLA, n_heads=3, n_kv_heads=3), dict(tp=2)), (GPT_OSS, dict(etp=2))):
         try:
             parallelize(Transformer(TransformerConfig(**{**TINY, **overrides})), build_meshes(**sizes))
         except ValueError as err:
@@ -325,8 +339,9 @@ def _bad_tp(rank, world):
 
 def test_parallelize_refuses_what_does_not_split(results):
     for messages in (by_case["bad_tp"] for by_case in results(2)):
-        assert len(messages) == 4
+        assert len(messages) == 5
         assert "n_heads = 2 and n_kv_heads = 1 must both be divisible by tp = 2" in messages[0]
         assert "n_experts = 3 is not divisible by ep = 2" in messages[1]
         assert "n_heads = 3 and n_kv_heads = 3 must both be divisible by tp = 2" in messages[2]  # multi-latent
-        assert "T = 25 tokens do not split evenly over tp = 2 ranks" in messages[3] and "tokens_per_micro_batch" in messages[3]
+        assert "etp: expert biases (b_gate, b_up, b_down) are not supported with etp = 2 > 1" in messages[3]
+        assert "T = 25 tokens do not split evenly over tp = 2 ranks" in messages[4] and "tokens_per_micro_batch" in messages[4]
