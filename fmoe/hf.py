@@ -5,7 +5,7 @@
 
 A folder holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). Supported `model_type`s: FAMILIES (mixtral, qwen2_moe,
-qwen3_moe, olmoe, glm4_moe, deepseek_v3). Each family has one table: its config mapping (`config_to_fmoe`, which
+qwen3_moe, olmoe, glm4_moe, deepseek_v3, gpt_oss). Each family has one table: its config mapping (`config_to_fmoe`, which
 refuses what fmoe does not build: clipped qkv, ...) and its key map (HF
 key <-> fmoe parameter, with the layout change: HF linear weights [out, in] are
 transposed to fmoe's [in, out]; the per-expert matrices are stacked into [E, H, F] /
@@ -25,6 +25,11 @@ overrides; depths it lacks start fresh); other families' MTP modules always star
 and are not exported. FP8: weights stored as float8 with `weight_scale_inv` block scales
 (quantization_config.weight_block_size) are dequantised to float32 on load; the export
 writes them in the config's dtype, without the quantization_config.
+
+gpt-oss: the experts are stacks ([E, H, 2F] gate_up_proj with gate and up interleaved,
+[E, F, H] down_proj, and their biases), split into fmoe's w_gate / w_up (Tensor.part) and
+joined back on export; the released MXFP4 experts (`*_blocks` and `*_scales`, quant_method
+"mxfp4") are dequantised to float32 on load (dequantize_mxfp4), this rank's experts only.
 
 Loading reads the safetensors files tensor by tensor with the `safetensors` library (an
 expert stack is filled expert by expert): the checkpoint is never in memory twice. Into a
@@ -154,24 +159,26 @@ def _glm4_moe(hf: dict) -> dict:
                 qk_norm="head" if hf.get("use_qk_norm") else None, rope_dim=None if rope_dim == common["head_dim"] else rope_dim)
 
 
-def _yarn(hf: dict) -> dict:
-    """DeepSeek-V3's RoPE fields: plain, or YaRN (its mscale_all_dim also in the softmax scale)."""
+def _yarn(hf: dict, default_base: float = 10000.0) -> dict:
+    """DeepSeek-V3's and gpt-oss's RoPE fields: plain, or YaRN (DeepSeek's mscale_all_dim
+    also in the softmax scale; gpt-oss's truncate: false)."""
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     rope_type = params.get("rope_type", params.get("type", "default"))
-    out = dict(rope_base=float(params.get("rope_theta", hf.get("rope_theta", 10000.0))))
+    out = dict(rope_base=float(params.get("rope_theta", hf.get("rope_theta", default_base))))
     if rope_type in ("default", None):
         return out
     if rope_type != "yarn":
         raise ValueError(f"config.json: rope type {rope_type!r} is not supported for {hf.get('model_type')} (plain RoPE or YaRN)")
-    for field, ok in (("attention_factor", lambda v: v is None), ("truncate", lambda v: v is None or v is True)):
-        _refuse(params, field, ok, "YaRN's attention factor from factor / mscale / mscale_all_dim, truncated correction range")
+    _refuse(params, "attention_factor", lambda v: v is None, "YaRN's attention factor from factor / mscale / mscale_all_dim")
+    _refuse(params, "truncate", lambda v: v is None or isinstance(v, bool), "a bool")
     mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
     if mscale_all_dim and not mscale:
         raise ValueError("config.json: rope_parameters.mscale_all_dim without mscale is not supported")
     return dict(out, yarn_factor=float(params["factor"]), yarn_original_max_positions=int(params["original_max_position_embeddings"]),
                 yarn_beta_fast=float(params.get("beta_fast") or 32), yarn_beta_slow=float(params.get("beta_slow") or 1),
                 yarn_mscale=float(mscale) if mscale and mscale_all_dim else 1.0,
-                yarn_mscale_all_dim=float(mscale_all_dim) if mscale and mscale_all_dim else 0.0)
+                yarn_mscale_all_dim=float(mscale_all_dim) if mscale and mscale_all_dim else 0.0,
+                yarn_truncate=params.get("truncate") is not False)
 
 
 def _deepseek_v3(hf: dict) -> dict:
@@ -180,6 +187,20 @@ def _deepseek_v3(hf: dict) -> dict:
     common = _common(dict(hf, rope_parameters=None, rope_scaling=None, head_dim=nope + rope, num_key_value_heads=heads), hf["n_routed_experts"])
     return dict(common, **_sigmoid_routing(hf), **_yarn(hf), rope_dim=rope, rope_interleaved=bool(hf.get("rope_interleave", True)),
                 q_rank=hf.get("q_lora_rank"), kv_rank=hf["kv_lora_rank"], v_head_dim=hf["v_head_dim"])
+
+
+def _gpt_oss(hf: dict) -> dict:
+    """gpt-oss: attention with q/k/v/o biases (attention_bias) and a sink per head, YaRN
+    (rope_theta 150000 by default, truncate false), sliding windows in the layers layer_types
+    names; every block MoE, softmax over the top-k router logits (the router has a bias), the
+    experts with biases and the clamped SwiGLU (swiglu_alpha, swiglu_limit, up + 1)."""
+    _refuse(hf, "num_local_experts", lambda v: isinstance(v, int) and v >= 1, "a positive number of experts")
+    common = _common(dict(hf, rope_parameters=None, rope_scaling=None), hf["num_local_experts"], sliding=True)
+    limit = hf.get("swiglu_limit", 7.0)
+    bias = bool(hf.get("attention_bias", True))
+    return dict(common, **_yarn(hf, default_base=150000.0), ffn_expert=hf["intermediate_size"], ffn_dense=hf["intermediate_size"], n_dense=0,
+                n_shared=0, qkv_bias=bias, o_bias=bias, attn_sinks=True, router_bias=True, expert_biases=True,
+                swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)), swiglu_limit=None if limit is None else float(limit), swiglu_offset=1.0)
 
 
 def _olmoe(hf: dict) -> dict:
@@ -194,12 +215,15 @@ def _olmoe(hf: dict) -> dict:
 class Tensor:
     """One fmoe parameter and where it lives in the HF checkpoint: `keys` (one, or one per
     expert to stack along dim 0), each transposed when `transpose` (HF's [out, in] linear
-    weights), or a [1, H] row when `row`."""
+    weights), or a [1, H] row when `row`; `part` (i, n): every n-th entry of the stored
+    last dim from entry i (gpt-oss's gate_up_proj [E, H, 2F] interleaves gate and up: the
+    gate is part (0, 2), the up part (1, 2)), the n parts sharing one key."""
 
     keys: tuple[str, ...]
     transpose: bool = False
     stacked: bool = False
     row: bool = False
+    part: Optional[tuple[int, int]] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,6 +237,7 @@ class Family:
     architecture: str
     shared: str = "shared_expert"  # the shared experts' module name
     mtp: bool = False  # MTP modules as layers n_layers, n_layers + 1, ... (DeepSeek-V3's layout)
+    fused: bool = False  # gpt-oss: experts as [E, ...] stacks (gate_up_proj, down_proj) with biases, a router module with a bias
 
 
 FAMILIES = {
@@ -222,6 +247,7 @@ FAMILIES = {
     "olmoe": Family(_olmoe, "mlp", ("gate_proj", "up_proj", "down_proj"), "OlmoeForCausalLM"),
     "glm4_moe": Family(_glm4_moe, "mlp", ("gate_proj", "up_proj", "down_proj"), "Glm4MoeForCausalLM", "shared_experts", mtp=True),
     "deepseek_v3": Family(_deepseek_v3, "mlp", ("gate_proj", "up_proj", "down_proj"), "DeepseekV3ForCausalLM", "shared_experts", mtp=True),
+    "gpt_oss": Family(_gpt_oss, "mlp", ("gate_up_proj", "gate_up_proj", "down_proj"), "GptOssForCausalLM", fused=True),
 }
 _MLA = (("wq", "q_proj"), ("wq_a", "q_a_proj"), ("wq_b", "q_b_proj"), ("wkv_a", "kv_a_proj_with_mqa"), ("wkv_b", "kv_b_proj"), ("wo", "o_proj"))
 
@@ -243,13 +269,29 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
     if cfg.qkv_bias:
         for ours, theirs in (("bq", "q_proj"), ("bk", "k_proj"), ("bv", "v_proj")):
             out[q + "attn." + ours] = Tensor((f"{attn}{theirs}.bias",))
+    if cfg.o_bias:
+        out[q + "attn.bo"] = Tensor((attn + "o_proj.bias",))
+    if cfg.attn_sinks:
+        out[q + "attn.sinks"] = Tensor((attn + "sinks",))
     if cfg.qk_norm is not None:
         out[q + "attn.q_norm"] = Tensor((attn + "q_norm.weight",))
         out[q + "attn.k_norm"] = Tensor((attn + "k_norm.weight",))
     out[q + "attn_norm.weight"] = Tensor((p + "input_layernorm.weight",))
     out[q + "mlp_norm.weight"] = Tensor((p + "post_attention_layernorm.weight",))
     mlp = p + family.moe + "."
-    if moe:
+    if moe and family.fused:  # gpt-oss: [E, H, 2F] gate/up interleaved, [E, F, H], each with a bias
+        out[q + "mlp.router"] = Tensor((mlp + "router.weight",))
+        if cfg.router_bias:
+            out[q + "mlp.router_bias"] = Tensor((mlp + "router.bias",))
+        experts = mlp + "experts."
+        out[q + "mlp.experts.w_gate"] = Tensor((experts + "gate_up_proj",), part=(0, 2))
+        out[q + "mlp.experts.w_up"] = Tensor((experts + "gate_up_proj",), part=(1, 2))
+        out[q + "mlp.experts.w_down"] = Tensor((experts + "down_proj",))
+        if cfg.expert_biases:
+            out[q + "mlp.experts.b_gate"] = Tensor((experts + "gate_up_proj_bias",), part=(0, 2))
+            out[q + "mlp.experts.b_up"] = Tensor((experts + "gate_up_proj_bias",), part=(1, 2))
+            out[q + "mlp.experts.b_down"] = Tensor((experts + "down_proj_bias",))
+    elif moe:
         out[q + "mlp.router"] = Tensor((mlp + "gate.weight",))
         if cfg.expert_bias:  # HF's e_score_correction_bias: fmoe's expert_bias buffer
             out[q + "mlp.expert_bias"] = Tensor((mlp + "gate.e_score_correction_bias",))
@@ -351,6 +393,7 @@ def load_weights(model: Transformer, path, *, model_type: str) -> int:
     from safetensors import safe_open
 
     handles: dict[Path, object] = {}
+    shared: dict[tuple, list] = {}  # a block read for the parts of one key, until each part took it
     read_bytes = 0
     try:
         def open_slice(key: str):
@@ -366,6 +409,10 @@ def load_weights(model: Transformer, path, *, model_type: str) -> int:
             nonlocal read_bytes
             if any(s.stop <= s.start for s in index):
                 return torch.empty([max(s.stop - s.start, 0) for s in index])
+            if key not in files and key + "_blocks" in files:  # MXFP4 (gpt-oss): this rank's experts, dequantised, then cut
+                blocks, scales = open_slice(key + "_blocks")[index[0]], open_slice(key + "_scales")[index[0]]
+                read_bytes += blocks.numel() + scales.numel()
+                return dequantize_mxfp4(blocks, scales).transpose(1, 2)[(slice(None), *index[1:])]
             stored = open_slice(key)
             if stored.get_dtype().startswith("F8"):  # block-scaled FP8 (DeepSeek-V3): dequantised whole, then cut
                 scale_key = key.removesuffix("weight") + "weight_scale_inv"
@@ -376,9 +423,15 @@ def load_weights(model: Transformer, path, *, model_type: str) -> int:
             read_bytes += t.numel() * t.element_size()
             return t
 
-        def shape(key: str, transpose: bool, row: bool) -> tuple[int, ...]:
+        def shape(key: str, transpose: bool, row: bool, part=None) -> tuple[int, ...]:
             """The full value's shape in fmoe's layout."""
-            stored = tuple(open_slice(key).get_shape())
+            if key not in files and key + "_blocks" in files:  # MXFP4 blocks [E, out, in/32, 16] of an [E, in, out] stack
+                E, out, groups, _ = open_slice(key + "_blocks").get_shape()
+                stored = (E, groups * 32, out)
+            else:
+                stored = tuple(open_slice(key).get_shape())
+            if part is not None:
+                return (*stored[:-1], stored[-1] // part[1])
             if row:
                 return (stored[-1],)
             return stored[::-1] if transpose else stored
@@ -401,22 +454,35 @@ def load_weights(model: Transformer, path, *, model_type: str) -> int:
                         raise ValueError(f"checkpoint: {key} has shape {other} (as [in, out]), its other experts {first}")
                 full_shape = (len(spec.keys), *first)
             else:
-                full_shape = shape(spec.keys[0], spec.transpose, spec.row)
+                full_shape = shape(spec.keys[0], spec.transpose, spec.row, spec.part)
             if tuple(param.shape) != tuple(full_shape):
                 raise ValueError(f"checkpoint: {spec.keys[0]} gives {name} the shape {tuple(full_shape)}, the model expects {tuple(param.shape)}")
             index = local_block(param)
 
             def stored_index(ours: tuple[slice, ...]) -> tuple[slice, ...]:
+                if spec.part is not None:  # the whole interleaved run of the block's entries
+                    n = spec.part[1]
+                    return (*ours[:-1], slice(ours[-1].start * n, ours[-1].stop * n))
                 if spec.row:
                     return (slice(0, 1), ours[0])
                 return ours[::-1] if spec.transpose else ours
 
             def as_ours(t: torch.Tensor) -> torch.Tensor:
+                if spec.part is not None:
+                    return t[..., spec.part[0]::spec.part[1]]
                 return t.reshape(-1) if spec.row else (t.t() if spec.transpose else t)
 
             if spec.stacked:  # only this rank's experts, each its own block
                 experts = range(len(spec.keys))[index[0]]
                 value = torch.stack([as_ours(read(spec.keys[e], stored_index(index[1:]))) for e in experts]) if len(experts) else None
+            elif spec.part is not None:  # the n parts of a key share one read of its block
+                where = (spec.keys[0], tuple((sl.start, sl.stop) for sl in stored_index(index)))
+                if where not in shared:
+                    shared[where] = [read(spec.keys[0], stored_index(index)), spec.part[1]]
+                entry = shared[where]
+                value, entry[1] = as_ours(entry[0]), entry[1] - 1
+                if not entry[1]:
+                    del shared[where]
             else:
                 value = as_ours(read(spec.keys[0], stored_index(index)))
             local = param.to_local() if isinstance(param, DTensor) else param
@@ -442,8 +508,10 @@ def _fp8_block(path: Path) -> Optional[tuple[int, int]]:
     quant = json.loads((path / "config.json").read_text()).get("quantization_config") if (path / "config.json").is_file() else None
     if not quant:
         return None
+    if quant.get("quant_method") == "mxfp4":  # gpt-oss's experts: read by dequantize_mxfp4, no fp8 blocks
+        return None
     if quant.get("quant_method") != "fp8" or len(quant.get("weight_block_size") or ()) != 2:
-        raise ValueError(f"config.json: quantization_config {quant!r} is not supported (block-scaled fp8 with weight_block_size [m, n] only)")
+        raise ValueError(f"config.json: quantization_config {quant!r} is not supported (block-scaled fp8 with weight_block_size [m, n], or mxfp4)")
     return tuple(int(b) for b in quant["weight_block_size"])
 
 
@@ -460,13 +528,30 @@ def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: Optiona
     return weight.float() * scale
 
 
+FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # the 16 codes
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """MXFP4 weights (the OCP microscaling format of gpt-oss's experts) in float32: blocks
+    [..., G, 16] uint8 hold 32 FP4 (e2m1) codes per group, two per byte, the low nibble first;
+    scales [..., G] uint8 are each group's power of two, biased by 127. Returns [..., G * 32],
+    code value * 2 ** (scale - 127)."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape or blocks.shape[-1:] != (16,):
+        raise ValueError(f"checkpoint: MXFP4 blocks [..., G, 16] and scales [..., G] of uint8 expected, got {blocks.dtype} "
+                         f"{tuple(blocks.shape)} and {scales.dtype} {tuple(scales.shape)}")
+    lut = torch.tensor(FP4_E2M1, dtype=torch.float32)
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).long()  # [..., G, 32]
+    values = torch.ldexp(lut[codes], scales.to(torch.int32)[..., None] - 127)
+    return values.flatten(-2)
+
+
 def from_pretrained(path, **options) -> tuple[Transformer, TransformerConfig]:
     """A Transformer (float32, on the CPU) with the weights of the HF folder `path`.
 
     options: TransformerConfig fields to set on top of the mapped config (e.g. impl="torch",
     ac="full"). mtp_depth: by default the MTP layers the checkpoint holds (DeepSeek-V3,
     GLM-4.5; none for the others); more depths than it holds start from fresh weights.
-    Block-scaled FP8 weights are dequantised to float32. Returns (model, cfg);
+    Block-scaled FP8 and MXFP4 (gpt-oss) weights are dequantised to float32. Returns (model, cfg);
     model.hf_config keeps config.json for save_pretrained."""
     hf, cfg = read_config(path)
     if FAMILIES[hf["model_type"]].mtp and "mtp_depth" not in options:
@@ -512,6 +597,16 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
                   layer_types=["sliding_attention" if cfg.is_sliding(i) else "full_attention" for i in range(cfg.n_layers)])
     if model_type == "mixtral":
         hf.update(num_local_experts=cfg.n_experts, intermediate_size=cfg.ffn_expert)
+    elif model_type == "gpt_oss":
+        hf.update(num_local_experts=cfg.n_experts, intermediate_size=cfg.ffn_expert, attention_bias=cfg.qkv_bias,
+                  swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit, sliding_window=cfg.window,
+                  layer_types=["sliding_attention" if cfg.is_sliding(i) else "full_attention" for i in range(cfg.n_layers)])
+        if cfg.yarn_factor is not None:
+            hf["rope_parameters"] = dict(rope_type="yarn", rope_theta=cfg.rope_base, factor=cfg.yarn_factor, beta_fast=cfg.yarn_beta_fast,
+                                         beta_slow=cfg.yarn_beta_slow, truncate=cfg.yarn_truncate,
+                                         original_max_position_embeddings=cfg.yarn_original_max_positions)
+            if cfg.yarn_mscale_all_dim:  # DeepSeek's pair; without it, 0.1 ln(factor) + 1 on cos / sin
+                hf["rope_parameters"].update(mscale=cfg.yarn_mscale, mscale_all_dim=cfg.yarn_mscale_all_dim)
     elif model_type == "olmoe":
         hf.update(num_experts=cfg.n_experts, intermediate_size=cfg.ffn_expert, norm_topk_prob=not cfg.pre_softmax)
     else:
@@ -532,11 +627,11 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
         if cfg.yarn_factor is not None:
             hf["rope_parameters"] = dict(rope_type="yarn", rope_theta=cfg.rope_base, factor=cfg.yarn_factor, beta_fast=cfg.yarn_beta_fast,
                                          beta_slow=cfg.yarn_beta_slow, mscale=cfg.yarn_mscale, mscale_all_dim=cfg.yarn_mscale_all_dim,
-                                         original_max_position_embeddings=cfg.yarn_original_max_positions)
+                                         truncate=cfg.yarn_truncate, original_max_position_embeddings=cfg.yarn_original_max_positions)
     back = TransformerConfig(**FAMILIES[model_type].config_to_fmoe(hf))
     ignored = {"impl", "ac", "init_std", "ffn_dense", "n_dense", "n_shared", "moe_layers", "capacity_factor", "capacity_policy"}
     if cfg.yarn_factor is None:
-        ignored.add("yarn_original_max_positions")
+        ignored |= {"yarn_original_max_positions", "yarn_truncate"}
     if FAMILIES[model_type].mtp:
         ignored |= {"mtp_depth", "mtp_norm"}
     mismatch = {f.name: (getattr(cfg, f.name), getattr(back, f.name)) for f in dataclasses.fields(TransformerConfig)
@@ -585,6 +680,10 @@ def save_pretrained(model: Transformer, path, *, model_type: Optional[str] = Non
         if spec.stacked:
             for e, key in enumerate(spec.keys):
                 tensors[key] = (full[e].t() if spec.transpose else full[e]).contiguous().to(dtype)
+        elif spec.part is not None:  # one of n interleaved parts of a key
+            i, n = spec.part
+            stored = tensors.setdefault(spec.keys[0], torch.empty(*full.shape[:-1], full.shape[-1] * n, dtype=dtype))
+            stored[..., i::n] = full.to(dtype)
         elif spec.row:
             tensors[spec.keys[0]] = full.reshape(1, -1).contiguous().to(dtype)
         else:

@@ -44,6 +44,15 @@ FAMILIES = {
         qk_rope_head_dim=4, v_head_dim=5, routed_scaling_factor=2.5, rope_parameters=dict(
             rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32, beta_fast=32, beta_slow=1,
             mscale=0.8, mscale_all_dim=1.0)),
+    # attention sinks, q/k/v/o biases, a 4-token sliding window in layers 0 and 2, YaRN
+    # without truncation, a router bias, expert biases and the clamped SwiGLU (a limit of
+    # 0.5 so that the clamps act on these small activations; a correction range of
+    # fractional bounds, (1.75, 3.75), so that truncating would change it; H and F multiples
+    # of MXFP4's 32-value groups)
+    "gpt_oss": lambda: transformers.GptOssConfig(
+        **{**COMMON, "max_position_embeddings": 4 * 4096}, head_dim=8, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=4, swiglu_limit=0.5,
+        rope_parameters=dict(rope_type="yarn", rope_theta=1000.0, factor=4.0, original_max_position_embeddings=4096, beta_fast=32.0,
+                             beta_slow=1.0, truncate=False)),
 }
 DOCS = (7, 12, 5)  # packed documents
 
@@ -318,6 +327,23 @@ def _fp8(w, block):
     return q, scale
 
 
+def _matches_the_dequantised_model(model, path, tensors, dequantised, tmp_path):
+    """model (loaded from a quantised copy of the folder `path`) has the logits of
+    transformers' model of the dequantised weights, and exports them dequantised, without
+    the quantisation config; returns the exported tensors."""
+    plain = _copy_folder(path, tmp_path / "dequantised", {**tensors, **dequantised})
+    reference = transformers.AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32).eval()
+    with torch.no_grad():
+        docs, ids, cu = _packed()
+        theirs = torch.cat([reference(d[None]).logits[0] for d in docs])
+        assert _rel(model.logits(ids, cu), theirs) < 1e-5
+    hf.save_pretrained(model, tmp_path / "out")
+    assert "quantization_config" not in json.loads((tmp_path / "out" / "config.json").read_text())
+    out = _read_all(tmp_path / "out")
+    assert all(torch.equal(out[k], v) for k, v in dequantised.items())
+    return out
+
+
 def test_fp8_block_scaled_checkpoints_are_dequantised(folders, tmp_path):
     """DeepSeek-V3's released layout: linear weights in float8_e4m3fn with a float32
     weight_scale_inv per 8x8 block here (edge blocks cut: 20 and 44 are not multiples of 8)."""
@@ -337,20 +363,43 @@ def test_fp8_block_scaled_checkpoints_are_dequantised(folders, tmp_path):
                           lambda c: c.update(quantization_config=dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic",
                                                                       weight_block_size=list(block))))
     model, _ = hf.from_pretrained(folder, impl="torch")
-    # the reference: transformers' model of the dequantised weights
-    plain = _copy_folder(path, tmp_path / "dequantised", {**tensors, **dequantised})
-    reference = transformers.AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32).eval()
-    with torch.no_grad():
-        docs, ids, cu = _packed()
-        theirs = torch.cat([reference(d[None]).logits[0] for d in docs])
-        assert _rel(model.logits(ids, cu), theirs) < 1e-5
-    # exported dequantised, without the quantisation config
-    hf.save_pretrained(model, tmp_path / "out")
-    assert "quantization_config" not in json.loads((tmp_path / "out" / "config.json").read_text())
-    out = _read_all(tmp_path / "out")
-    assert all(torch.equal(out[k], v) for k, v in dequantised.items()) and not any(k.endswith("scale_inv") for k in out)
+    out = _matches_the_dequantised_model(model, path, tensors, dequantised, tmp_path)
+    assert not any(k.endswith("scale_inv") for k in out)
     with pytest.raises(ValueError, match="quantization_config .* is not supported"):
         hf.from_pretrained(_edit(folder, tmp_path / "bad", lambda c: c.update(quantization_config=dict(quant_method="gptq"))))
+
+
+def test_mxfp4_experts_are_dequantised(folders, tmp_path):
+    """gpt-oss's released layout: the experts' gate_up_proj and down_proj as MXFP4 blocks and
+    scales ([E, out, in/32, 16] and [E, out, in/32] uint8). They load as transformers'
+    dequantisation gives them (convert_moe_packed_tensors), the model has the logits of
+    transformers' model of those weights, and the export writes them dequantised."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    path, ref = folders["gpt_oss"]
+    tensors = _read_all(path)
+    g = torch.Generator().manual_seed(3)
+    quantised, dequantised = {}, {}
+    for key, t in tensors.items():
+        if key.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            E, n_in, n_out = t.shape  # [E, in, out]
+            blocks = torch.randint(0, 256, (E, n_out, n_in // 32, 16), generator=g, dtype=torch.uint8)
+            scales = torch.randint(122, 126, (E, n_out, n_in // 32), generator=g, dtype=torch.uint8)  # 2^-5 .. 2^-2
+            quantised[key + "_blocks"], quantised[key + "_scales"] = blocks, scales
+            dequantised[key] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+            assert dequantised[key].shape == t.shape
+        else:
+            quantised[key] = t
+    folder = _copy_folder(path, tmp_path / "mxfp4", quantised, lambda c: c.update(quantization_config=dict(quant_method="mxfp4")))
+    model, _ = hf.from_pretrained(folder, impl="torch")
+    for i in range(model.cfg.n_layers):
+        experts, stored = model.blocks[i].mlp.experts, dequantised[f"model.layers.{i}.mlp.experts.gate_up_proj"]
+        assert torch.equal(experts.w_gate, stored[..., 0::2]) and torch.equal(experts.w_up, stored[..., 1::2])
+        assert torch.equal(experts.w_down, dequantised[f"model.layers.{i}.mlp.experts.down_proj"])
+    out = _matches_the_dequantised_model(model, path, tensors, dequantised, tmp_path)
+    assert not any(k.endswith(("_blocks", "_scales")) for k in out)
+    with pytest.raises(ValueError, match="MXFP4 blocks"):
+        hf.dequantize_mxfp4(torch.zeros(2, 3, 16, dtype=torch.uint8), torch.zeros(2, 4, dtype=torch.uint8))
 
 
 def test_released_routing_semantics_matter(folders):
@@ -414,7 +463,7 @@ def _load_sharded(rank, world, path, family):
     return read, full
 
 
-SHARDED_FAMILIES = ("qwen3_moe", "deepseek_v3")
+SHARDED_FAMILIES = ("qwen3_moe", "deepseek_v3", "gpt_oss")
 
 
 def _load_sharded_families(rank, world, paths):
