@@ -393,7 +393,7 @@ def load_weights(model: Transformer, path, *, model_type: str) -> int:
     from safetensors import safe_open
 
     handles: dict[Path, object] = {}
-    shared: dict[tuple, list] = {}  # a block read for the parts of one key, until each part took it
+    last_part: list = [None, None]  # (key and block, value): the parts of one key come one after another and share the read
     read_bytes = 0
     try:
         def open_slice(key: str):
@@ -404,12 +404,16 @@ def load_weights(model: Transformer, path, *, model_type: str) -> int:
                 handles[file] = safe_open(file, "pt")
             return handles[file].get_slice(key)
 
+        def mxfp4(key: str) -> bool:
+            """Whether key is stored as MXFP4 blocks and scales (gpt-oss's experts)."""
+            return key not in files and key + "_blocks" in files
+
         def read(key: str, index: tuple[slice, ...]) -> torch.Tensor:
             """index of the tensor stored under key ([out, in] for a linear weight)."""
             nonlocal read_bytes
             if any(s.stop <= s.start for s in index):
                 return torch.empty([max(s.stop - s.start, 0) for s in index])
-            if key not in files and key + "_blocks" in files:  # MXFP4 (gpt-oss): this rank's experts, dequantised, then cut
+            if mxfp4(key):  # this rank's experts, dequantised, then cut
                 blocks, scales = open_slice(key + "_blocks")[index[0]], open_slice(key + "_scales")[index[0]]
                 read_bytes += blocks.numel() + scales.numel()
                 return dequantize_mxfp4(blocks, scales).transpose(1, 2)[(slice(None), *index[1:])]
@@ -425,7 +429,7 @@ def load_weights(model: Transformer, path, *, model_type: str) -> int:
 
         def shape(key: str, transpose: bool, row: bool, part=None) -> tuple[int, ...]:
             """The full value's shape in fmoe's layout."""
-            if key not in files and key + "_blocks" in files:  # MXFP4 blocks [E, out, in/32, 16] of an [E, in, out] stack
+            if mxfp4(key):  # blocks [E, out, in/32, 16] of an [E, in, out] stack
                 E, out, groups, _ = open_slice(key + "_blocks").get_shape()
                 stored = (E, groups * 32, out)
             else:
@@ -475,14 +479,11 @@ def load_weights(model: Transformer, path, *, model_type: str) -> int:
             if spec.stacked:  # only this rank's experts, each its own block
                 experts = range(len(spec.keys))[index[0]]
                 value = torch.stack([as_ours(read(spec.keys[e], stored_index(index[1:]))) for e in experts]) if len(experts) else None
-            elif spec.part is not None:  # the n parts of a key share one read of its block
+            elif spec.part is not None:  # the parts of a key share one read of its block
                 where = (spec.keys[0], tuple((sl.start, sl.stop) for sl in stored_index(index)))
-                if where not in shared:
-                    shared[where] = [read(spec.keys[0], stored_index(index)), spec.part[1]]
-                entry = shared[where]
-                value, entry[1] = as_ours(entry[0]), entry[1] - 1
-                if not entry[1]:
-                    del shared[where]
+                if last_part[0] != where:
+                    last_part[:] = where, read(spec.keys[0], stored_index(index))
+                value = as_ours(last_part[1])
             else:
                 value = as_ours(read(spec.keys[0], stored_index(index)))
             local = param.to_local() if isinstance(param, DTensor) else param

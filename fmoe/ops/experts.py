@@ -78,16 +78,19 @@ def _plain_glu(glu: tuple) -> bool:
     return glu == _PLAIN_GLU
 
 
-def _row_bias(b_EX: torch.Tensor, offsets_E: torch.Tensor, R: int) -> torch.Tensor:
-    """[R, X]: the bias of the expert owning each row, zeros past offsets[-1]; no host read
-    (the owner of row r is the number of ends <= r)."""
-    rows = torch.arange(R, device=offsets_E.device, dtype=offsets_E.dtype)
-    expert_R = torch.searchsorted(offsets_E, rows, right=True)
-    return torch.cat([b_EX, b_EX.new_zeros(1, b_EX.shape[1])]).index_select(0, expert_R)
+def _row_experts(offsets_E: torch.Tensor, R: int, biases) -> Optional[torch.Tensor]:
+    """[R] the expert owning each row (E past offsets[-1]: the number of ends <= r), computed
+    once per call and only when some bias is given; no host read."""
+    if all(b is None for b in biases):
+        return None
+    return torch.searchsorted(offsets_E, torch.arange(R, device=offsets_E.device, dtype=offsets_E.dtype), right=True)
 
 
-def _plus(y_RX: torch.Tensor, b_EX, offsets_E: torch.Tensor) -> torch.Tensor:
-    return y_RX if b_EX is None else y_RX + _row_bias(b_EX, offsets_E, y_RX.shape[0])
+def _plus(y_RX: torch.Tensor, b_EX, expert_R) -> torch.Tensor:
+    """y plus the bias of each row's expert (zeros for rows of no expert)."""
+    if b_EX is None:
+        return y_RX
+    return y_RX + torch.cat([b_EX, b_EX.new_zeros(1, b_EX.shape[1])]).index_select(0, expert_R)
 
 
 def _matmul_ref(a_MK, b_KN):
@@ -463,10 +466,11 @@ def _grouped_mlp_kernels(x_RH, w_gate_EHF, w_up_EHF, w_down_EFH, offsets_E, torc
     """The CUDA (or interpreted) path: three grouped GEMMs around the fused SwiGLU (the
     plain-torch one for a clamped SwiGLU); biases added to each expert's rows."""
     b_gate, b_up, b_down = biases
-    gate_RF = _plus(_grouped_gemm_fwd(x_RH, w_gate_EHF, offsets_E, torch_gmm), b_gate, offsets_E)
-    up_RF = _plus(_grouped_gemm_fwd(x_RH, w_up_EHF, offsets_E, torch_gmm), b_up, offsets_E)
+    expert_R = _row_experts(offsets_E, x_RH.shape[0], biases)
+    gate_RF = _plus(_grouped_gemm_fwd(x_RH, w_gate_EHF, offsets_E, torch_gmm), b_gate, expert_R)
+    up_RF = _plus(_grouped_gemm_fwd(x_RH, w_up_EHF, offsets_E, torch_gmm), b_up, expert_R)
     h_RF = _swiglu_fwd(gate_RF, up_RF) if _plain_glu(glu) else swiglu_ref(gate_RF, up_RF, *glu)
-    return _plus(_grouped_gemm_fwd(h_RF, w_down_EFH, offsets_E, torch_gmm), b_down, offsets_E)
+    return _plus(_grouped_gemm_fwd(h_RF, w_down_EFH, offsets_E, torch_gmm), b_down, expert_R)
 
 
 def _grouped_mlp_cpu(x_RH, w_gate_EHF, w_up_EHF, w_down_EFH, offsets_E, biases=_NO_BIASES, glu=_PLAIN_GLU):
@@ -481,17 +485,17 @@ def _grouped_mlp_cpu(x_RH, w_gate_EHF, w_up_EHF, w_down_EFH, offsets_E, biases=_
     multiple = 16 // x_RH.element_size()
     pad_H, pad_F = -H % multiple, -F % multiple
     b_gate, b_up, b_down = biases
+    expert_R = _row_experts(offsets_E, x_RH.shape[0], biases)
     if pad_H or pad_F:
         pad = torch.nn.functional.pad
         x_RH = pad(x_RH, (0, pad_H))
         w_gate_EHF, w_up_EHF = pad(w_gate_EHF, (0, pad_F, 0, pad_H)), pad(w_up_EHF, (0, pad_F, 0, pad_H))
         w_down_EFH = pad(w_down_EFH, (0, pad_H, 0, pad_F))
         b_gate, b_up = (None if b is None else pad(b, (0, pad_F)) for b in (b_gate, b_up))
-        b_down = None if b_down is None else pad(b_down, (0, pad_H))
-    gate_RF = _plus(_grouped_gemm_fwd(x_RH, w_gate_EHF, offsets_E, True), b_gate, offsets_E)
-    up_RF = _plus(_grouped_gemm_fwd(x_RH, w_up_EHF, offsets_E, True), b_up, offsets_E)
-    y_RH = _plus(_grouped_gemm_fwd(swiglu_ref(gate_RF, up_RF, *glu), w_down_EFH, offsets_E, True), b_down, offsets_E)
-    return y_RH[:, :H] if pad_H else y_RH
+    gate_RF = _plus(_grouped_gemm_fwd(x_RH, w_gate_EHF, offsets_E, True), b_gate, expert_R)
+    up_RF = _plus(_grouped_gemm_fwd(x_RH, w_up_EHF, offsets_E, True), b_up, expert_R)
+    y_RH = _grouped_gemm_fwd(swiglu_ref(gate_RF, up_RF, *glu), w_down_EFH, offsets_E, True)
+    return _plus(y_RH[:, :H] if pad_H else y_RH, b_down, expert_R)
 
 
 def _grouped_mm_fast(x_RH: torch.Tensor, F: int) -> bool:
