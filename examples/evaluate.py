@@ -4,6 +4,7 @@
     python examples/evaluate.py out/train_moe --split=all --batches=0          # every whole micro-batch of its data
     python examples/evaluate.py path/to/qwen3_moe --data=data/web.u32 --batches=64 --tokens_per_micro_batch=4096 \\
         --device=cuda --dtype=bfloat16
+    torchrun --nproc-per-node 4 examples/evaluate.py path/to/qwen3_moe --data=data/web.u32 --ep=4 --device=cuda --dtype=bfloat16
 
 The model (generate.load_model): an fmoe run rebuilt from its config.json and newest
 complete checkpoint, or an HF folder (fmoe.hf.from_pretrained). The data: --data, a blend
@@ -18,6 +19,12 @@ sources in their weights' proportions, each source's documents in stored order),
 fmoe run's defaults reproduce the validation loss it logged; --batches=0 takes every whole
 micro-batch of every source.
 
+Under torchrun the model may be larger than one device: each rank builds it on the meta
+device, parallelized over --tp, --ep, --etp and --cp (the rest of the world shards it with
+FSDP2), and reads only its own shards' weights (load_sharded); the data-parallel ranks take
+turns over the micro-batches and the sums are added over the ranks, so any mesh prints one
+process's numbers (up to float rounding). Rank 0 prints.
+
 Printed: per source and overall, the tokens counted (those with a next token in their
 document), the mean loss, its perplexity and bits per byte (byte corpora) or per token;
 the MTP depths' losses when the model has MTP modules. --json prints one JSON object
@@ -27,43 +34,73 @@ instead: {"loss", "tokens", "by_source": {name: {"loss", "tokens"}}, "mtp_losses
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from generate import _device, is_hf_folder, load_model  # noqa: E402
+from generate import _device, is_hf_folder, load_model, run_config  # noqa: E402
 
+import fmoe.hf  # noqa: E402
+import fmoe.parallel as parallel  # noqa: E402
 from fmoe.model import Transformer  # noqa: E402
+from fmoe.train import checkpoint  # noqa: E402
 
 
 @torch.no_grad()
-def evaluate(model: Transformer, batches: list, sources: list[str], *, device: torch.device) -> dict:
+def evaluate(model: Transformer, batches: list, sources: list[str], *, device: torch.device, meshes=None) -> dict:
     """The loss sums of `batches` (make_batch TensorDicts), each from the source named in
     `sources`: {"loss": mean over every counted token, "tokens": their count, "by_source":
     {name: {"loss", "tokens"}} in first-seen order, "mtp_losses": [depth d's mean loss]}.
-    One forward per micro-batch, eval mode; the sums stay on the device until the end."""
+    One forward per micro-batch, eval mode; the sums stay on the device (float64) until one
+    transfer at the end.
+
+    meshes: the fmoe.parallel.Meshes a model was parallelized over (under torchrun; every
+    rank calls this with the same batches). The data-parallel ranks take turns: batch i
+    runs on dp rank i % dp, and a rank left without one in the last round runs batch 0
+    again and counts nothing (every rank of a sharded model takes part in every forward);
+    each cp rank runs its share of each batch (fmoe.parallel.split_batch); the tp ranks
+    hold the same sums, and one of them counts. The sums are added over every rank in one
+    collective, so each rank returns one process's result (up to float rounding)."""
     if len(batches) != len(sources) or not batches:
         raise ValueError(f"batches: expected one source name per batch and at least one batch, got {len(batches)} and {len(sources)}")
     model.eval()
-    sums, counts, mtp = {}, {}, [0.0] * model.cfg.mtp_depth
-    mtp_counts = [0] * model.cfg.mtp_depth
-    for host_batch, name in zip(batches, sources):
-        batch = host_batch.to(device)
+    dp, dp_rank, cp, cp_rank, counts_here = 1, 0, 1, 0, True
+    if meshes is not None:
+        dp, dp_rank = meshes.dp, meshes.batch.get_local_rank("dp")
+        cp, cp_rank = meshes.cp, meshes.batch.get_local_rank("cp")
+        counts_here = meshes.batch.get_local_rank("tp") == 0
+    names = list(dict.fromkeys(sources))
+    keys = [f"{kind}_{j}" for j in range(len(names)) for kind in ("sum", "tokens")]
+    keys += [f"mtp_{d}_{kind}" for d in range(1, model.cfg.mtp_depth + 1) for kind in ("sum", "tokens")]
+    sums = dict.fromkeys(keys, torch.zeros((), dtype=torch.float64, device=device))
+    for r in range(-(-len(batches) // dp)):
+        i = r * dp + dp_rank
+        host_batch = batches[i if i < len(batches) else 0]
+        batch = (parallel.split_batch(host_batch, cp_rank, cp) if cp > 1 else host_batch).to(device)
         losses, _ = model(batch, model.context(batch))
-        sums[name] = sums.get(name, 0) + losses["lm_sum"]
-        counts[name] = counts.get(name, 0) + losses["lm_tokens"]
-        for d in range(model.cfg.mtp_depth):
-            mtp[d] = mtp[d] + losses[f"mtp_{d + 1}_sum"]
-            mtp_counts[d] = mtp_counts[d] + losses[f"mtp_{d + 1}_tokens"]
-    sums, counts = {n: float(v) for n, v in sums.items()}, {n: int(v) for n, v in counts.items()}
-    tokens = sum(counts.values())
-    return dict(loss=sum(sums.values()) / max(tokens, 1), tokens=tokens,
-                by_source={n: dict(loss=sums[n] / max(counts[n], 1), tokens=counts[n]) for n in sums},
-                mtp_losses=[float(s) / max(int(c), 1) for s, c in zip(mtp, mtp_counts)])
+        if i >= len(batches) or not counts_here:
+            continue
+        j = names.index(sources[i])
+        sums[f"sum_{j}"] = sums[f"sum_{j}"] + losses["lm_sum"].double()
+        sums[f"tokens_{j}"] = sums[f"tokens_{j}"] + losses["lm_tokens"].double()
+        for d in range(1, model.cfg.mtp_depth + 1):
+            for kind in ("sum", "tokens"):
+                sums[f"mtp_{d}_{kind}"] = sums[f"mtp_{d}_{kind}"] + losses[f"mtp_{d}_{kind}"].double()
+    if meshes is not None:
+        sums = parallel.all_reduce_sums(sums, meshes.stage_mesh)
+    host = dict(zip(sums, torch.stack(list(sums.values())).tolist()))  # one device -> host transfer
+    by_source = {name: dict(loss=host[f"sum_{j}"] / max(host[f"tokens_{j}"], 1), tokens=round(host[f"tokens_{j}"]))
+                 for j, name in enumerate(names)}
+    tokens = sum(r["tokens"] for r in by_source.values())
+    return dict(loss=sum(host[f"sum_{j}"] for j in range(len(names))) / max(tokens, 1), tokens=tokens, by_source=by_source,
+                mtp_losses=[host[f"mtp_{d}_sum"] / max(host[f"mtp_{d}_tokens"], 1) for d in range(1, model.cfg.mtp_depth + 1)])
 
 
 def data_batches(corpus, *, split: str, val_percent: int, tokens: int, n_batches: int, mtp_depth: int) -> tuple[list, list[str]]:
@@ -89,6 +126,35 @@ def data_batches(corpus, *, split: str, val_percent: int, tokens: int, n_batches
     return batches, sources
 
 
+def load_sharded(path: Path, sizes: dict, *, device: torch.device, dtype: torch.dtype, impl: str) -> tuple[Transformer, dict, object]:
+    """(model, run config, meshes): load_model's model and run config for a model larger than
+    one device (after init_process_group). The meshes are fmoe.parallel.build_meshes(**sizes)
+    (tp, ep, etp, cp; the rest of the world FSDP2's); the model is built on the meta device,
+    parallelized over them (FSDP2 computing in `dtype`, the router in
+    float32), each rank allocating only its own shards and reading only their weights (an HF
+    folder's safetensors blocks, fmoe.hf.load_weights; a run's checkpoint resharded by DCP,
+    fmoe.train.checkpoint.load_model)."""
+    if is_hf_folder(path):
+        hf, cfg = fmoe.hf.read_config(path)
+        cfg, run = dataclasses.replace(cfg, impl=impl, mtp_depth=0), {}
+    else:
+        cfg, run = run_config(path, impl=impl)
+    meshes = parallel.build_meshes(**sizes, has_experts=any(cfg.is_moe(i) for i in range(cfg.n_layers)), device_type=device.type)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    try:
+        parallel.parallelize(model, meshes, param_dtype=dtype if dtype != torch.float32 else None)
+    except ValueError as err:
+        raise ValueError(f"parallel knobs (--tp, --ep, --etp, --cp): {err}") from None
+    parallel.materialize(model, device, seed=0)  # what the weights do not hold (an HF folder's expert biases) starts as from_pretrained's
+    if run:
+        checkpoint.load_model(path, model=model)
+    else:
+        fmoe.hf.load_weights(model, path, model_type=hf["model_type"])
+        model.hf_config = hf
+    return model, run, meshes
+
+
 def main(argv: list[str]) -> None:
     from fmoe.train.data import BYTE_VOCAB_SIZE, load_blend
 
@@ -99,17 +165,39 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--val_percent", type=int, default=None, help="validation documents (default: the run's, else 5)")
     parser.add_argument("--tokens_per_micro_batch", type=int, default=None, help="default: the run's, else 2048")
     parser.add_argument("--batches", type=int, default=None, help="micro-batches (default: the run's eval_batches, else 16; 0: all)")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (under torchrun: cpu or cuda, each rank its LOCAL_RANK's GPU)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    for axis, what in (("tp", "tensor parallel: attention heads, dense FFN columns"), ("ep", "expert parallel"),
+                       ("etp", "expert tensor parallel: the experts' FFN columns"), ("cp", "context parallel: each micro-batch's tokens split")):
+        parser.add_argument(f"--{axis}", type=int, default=1, help=f"under torchrun: {what} (the rest of the world is FSDP2 data parallel)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    sizes = dict(tp=args.tp, ep=args.ep, etp=args.etp, cp=args.cp)
+    meshes, rank, dtype = None, 0, getattr(torch, args.dtype)
     try:
-        device = _device(args.device)
+        device = _device(args.device if world == 1 else args.device.split(":")[0])
         if args.data is None and is_hf_folder(args.path):
             raise ValueError("--data: an HF folder needs data tokenized with its tokenizer (python -m fmoe.train.prepare)")
-        model, run = load_model(args.path, impl="auto" if device.type == "cuda" else "torch")  # Triton and FlexAttention on a GPU
+        impl = "auto" if device.type == "cuda" else "torch"  # Triton and FlexAttention on a GPU
+        if world == 1 and all(v == 1 for v in sizes.values()):
+            model, run = load_model(args.path, impl=impl)
+        else:  # several processes: each holds and reads its own shards of the model
+            try:
+                parallel.plan_sizes(world, **sizes)
+            except ValueError as err:
+                raise ValueError(f"parallel knobs (--tp, --ep, --etp, --cp) for {world} process(es), the rest FSDP2: {err}") from None
+            if device.type == "cuda":
+                device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+                torch.cuda.set_device(device)
+            if world > 1:
+                dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+            else:
+                dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            rank = dist.get_rank()
+            model, run, meshes = load_sharded(args.path, sizes, device=device, dtype=dtype, impl=impl)
     except (OSError, ValueError, KeyError) as err:
-        sys.exit(f"path: {err}")
+        sys.exit(str(err) if str(err).startswith("parallel knobs") else f"path: {err}")
     loop = run.get("config", {})
     spec = args.data if args.data is not None else loop.get("data", "")
     same_data = args.data is None and bool(loop)
@@ -120,14 +208,22 @@ def main(argv: list[str]) -> None:
         if corpus.vocab_size > model.cfg.vocab_size:
             raise ValueError(f"the data's {corpus.vocab_size} token ids do not fit the model's vocab_size {model.cfg.vocab_size} "
                              "(tokenize it with the model's tokenizer)")
+        tokens = args.tokens_per_micro_batch or loop.get("tokens_per_micro_batch", 2048)
+        split = (2 if args.cp > 1 else 1) * args.cp * args.tp
+        if tokens % split:
+            raise ValueError(f"--tokens_per_micro_batch: expected a multiple of {'2 x --cp x ' if args.cp > 1 else ''}--tp = {split}, got {tokens}")
         batches, sources = data_batches(
             corpus, split=args.split, val_percent=args.val_percent if args.val_percent is not None else loop.get("val_percent", 5),
-            tokens=args.tokens_per_micro_batch or loop.get("tokens_per_micro_batch", 2048),
-            n_batches=args.batches if args.batches is not None else loop.get("eval_batches", 16), mtp_depth=model.cfg.mtp_depth)
+            tokens=tokens, n_batches=args.batches if args.batches is not None else loop.get("eval_batches", 16), mtp_depth=model.cfg.mtp_depth)
     except (OSError, ValueError) as err:
         sys.exit(f"data: {err}")
-    model.to(device=device, dtype=getattr(torch, args.dtype))
-    result = evaluate(model, batches, sources, device=device)
+    if meshes is None:
+        model.to(device=device, dtype=dtype)
+    result = evaluate(model, batches, sources, device=device, meshes=meshes)
+    if meshes is not None:
+        dist.destroy_process_group()
+    if rank:
+        return
     if args.json:
         print(json.dumps(result))
         return

@@ -49,19 +49,24 @@ def load_model(path: Path, *, impl: str = "torch") -> tuple[Transformer, dict]:
     return load_run(path, impl=impl)
 
 
+def run_config(path: Path, *, impl: str = "torch") -> tuple[TransformerConfig, dict]:
+    """(model config with the ops' impl `impl`, run config) of an fmoe run directory or of
+    one of its checkpoints: the model knobs and vocab_size its config.json recorded."""
+    run_dir = path if (path / "config.json").is_file() else path.parent
+    if not (run_dir / "config.json").is_file():
+        raise ValueError(f"path: {str(path)!r} is neither an fmoe run directory (config.json) nor a checkpoint inside one")
+    run = json.loads((run_dir / "config.json").read_text())
+    knobs = dict(run["config"]["model"], vocab_size=run["vocab_size"])  # block lists come back as lists: the config takes them
+    return TransformerConfig(**{**knobs, "impl": impl}), run
+
+
 def load_run(path: Path, *, impl: str = "torch") -> tuple[Transformer, dict]:
     """The model of an fmoe run directory (or of one of its checkpoints), its ops' impl
     `impl`, and the run's config."""
     from fmoe.train import checkpoint
 
-    run_dir = path if (path / "config.json").is_file() else path.parent
-    if not (run_dir / "config.json").is_file():
-        raise ValueError(f"path: {str(path)!r} is neither an fmoe run directory (config.json) nor a checkpoint inside one")
-    run = json.loads((run_dir / "config.json").read_text())
-    knobs = dict(run["config"]["model"], vocab_size=run["vocab_size"])
-    if knobs.get("moe_layers") is not None:
-        knobs["moe_layers"] = tuple(knobs["moe_layers"])
-    model = Transformer(TransformerConfig(**{**knobs, "impl": impl}))
+    cfg, run = run_config(path, impl=impl)
+    model = Transformer(cfg)
     checkpoint.load_model(path, model=model)
     return model, run
 

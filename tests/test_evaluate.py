@@ -1,6 +1,7 @@
 """examples/evaluate.py: an fmoe run's defaults reproduce the validation loss the loop logged
 (from the run directory and from a checkpoint); every whole micro-batch of a split; an HF
-folder on byte data; bad knobs stop with a message."""
+folder on byte data; under torchrun (2 gloo ranks: FSDP2, TP, EP, CP) the one-process
+numbers; bad knobs stop with a message."""
 
 import json
 import pathlib
@@ -15,12 +16,13 @@ sys.path.insert(0, str(ROOT / "examples"))
 import evaluate  # noqa: E402
 
 TINY = ["--model.hidden=32", "--model.n_layers=2", "--model.n_dense=1", "--model.ffn_dense=64", "--model.n_experts=4", "--model.k=2",
-        "--model.ffn_expert=32", "--model.n_heads=2", "--model.n_kv_heads=1", "--model.head_dim=16", "--model.mtp_depth=1",
+        "--model.ffn_expert=32", "--model.n_heads=2", "--model.n_kv_heads=2", "--model.head_dim=16", "--model.mtp_depth=1",
         "--tokens_per_micro_batch=128", "--batch_schedule=0:2", "--steps=3", "--eval_every=3", "--eval_batches=3", "--warmup=1"]
 
 
-def _cli(*args):
-    return subprocess.run([sys.executable, str(ROOT / "examples" / "evaluate.py"), *map(str, args)], capture_output=True, text=True, timeout=600)
+def _cli(*args, ranks: int = 1):
+    launch = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+    return subprocess.run([*launch, str(ROOT / "examples" / "evaluate.py"), *map(str, args)], capture_output=True, text=True, timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +45,25 @@ def test_a_run_s_defaults_reproduce_its_logged_validation_loss(run_dir):
         assert len(result["mtp_losses"]) == 1 and result["mtp_losses"][0] > 0
     text = _cli(out)
     assert text.returncode == 0 and text.stdout.startswith("stdlib: ") and "bits per byte" in text.stdout and "mtp depth 1: loss" in text.stdout
+
+
+def test_torchrun_on_any_mesh_gives_the_one_process_numbers(run_dir):
+    """2 ranks: FSDP2 with the 3 batches taken in turns (rank 1 runs one batch that it does
+    not count), TP (the tp ranks' equal sums counted once), EP folded into TP, CP (each rank
+    half of each batch's tokens)."""
+    out, _ = run_dir
+    one = _cli(out, "--json")
+    assert one.returncode == 0, one.stderr[-2000:]
+    want = json.loads(one.stdout)
+    for knobs in ([], ["--tp=2", "--ep=2"], ["--cp=2"]):
+        cli = _cli(out, "--json", *knobs, ranks=2)
+        assert cli.returncode == 0, (knobs, cli.stderr[-3000:])
+        lines = [line for line in cli.stdout.splitlines() if line.startswith("{")]
+        assert len(lines) == 1, (knobs, cli.stdout)  # rank 0 prints
+        got = json.loads(lines[0])
+        assert got["tokens"] == want["tokens"] == 381 and got["by_source"]["stdlib"]["tokens"] == 381, knobs
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-6), knobs
+        assert got["mtp_losses"] == pytest.approx(want["mtp_losses"], rel=1e-6), knobs
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +111,11 @@ def test_a_hugging_face_folder_on_byte_data(tmp_path, docs):
     want = evaluate.evaluate(model, corpus.validation_batches(256, 4), corpus.validation_sources(4), device=torch.device("cpu"))
     assert result["loss"] == pytest.approx(want["loss"], rel=1e-6) and result["tokens"] == want["tokens"]
     assert abs(result["loss"] - torch.log(torch.tensor(260.0)).item()) < 0.5  # a fresh model: near uniform
+    # 2 ranks, the experts split over them (each reads its own), the rest FSDP2: the same numbers
+    two = _cli(tmp_path / "hf", f"--data={docs}", "--split=all", "--batches=4", "--tokens_per_micro_batch=256", "--json", "--ep=2", ranks=2)
+    assert two.returncode == 0, two.stderr[-3000:]
+    got = json.loads(two.stdout.splitlines()[-1])
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-6) and got["tokens"] == want["tokens"]
     # ids beyond the model's vocabulary are refused
     small = transformers.Qwen3MoeConfig(**{**config.to_dict(), "vocab_size": 64})
     transformers.AutoModelForCausalLM.from_config(small).save_pretrained(tmp_path / "small")
@@ -102,6 +128,7 @@ def test_a_hugging_face_folder_on_byte_data(tmp_path, docs):
     (["--batches=-1"], "--batches: expected >= 0"),
     (["--tokens_per_micro_batch=100000000", "--batches=0", "--split=val"], "--tokens_per_micro_batch: no source of the val split holds"),
     (["--batches=100000"], "n_batches: 100000 batches of 128 tokens need"),
+    (["--tp=2"], "parallel knobs (--tp, --ep, --etp, --cp) for 1 process(es), the rest FSDP2: "),
 ])
 def test_bad_knobs_stop_with_a_message(run_dir, args, message):
     cli = _cli(run_dir[0], *args)
