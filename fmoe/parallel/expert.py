@@ -99,7 +99,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from fmoe.layers import check_expert_weights, expert_biases, local_experts
 from fmoe.ops.checks import check_float, check_index, check_positive_int
@@ -142,6 +142,15 @@ def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gr
 # ----------------------------------------------------------------------------------------
 # dense TP: token split and gather
 # ----------------------------------------------------------------------------------------
+
+
+def copy_to_tp(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Identity forward; backward sums the gradient over the ranks of `mesh` (Megatron's f).
+
+    Used on the weights that stay replicated but get a partial gradient on each rank: over
+    tp, those that see only this rank's tokens (fmoe.parallel.SequenceShard.weight); over
+    etp, the experts' b_down (ExpertParallel)."""
+    return DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
 
 
 def split_tokens(t: torch.Tensor, tp_mesh: Optional[DeviceMesh]) -> torch.Tensor:
@@ -525,8 +534,6 @@ class ExpertParallel:
             shapes = f"{tuple(routes.weights.shape)}, {tuple(routes.experts.shape)}"
             raise ValueError(f"routes: expected weights and experts with x's {T} rows, got {shapes}")
         check_expert_weights(x_TH, params, E // ep, experts=f"this rank's E/ep = {E}/{ep} experts, FFN split over etp")
-        if _size(self.etp_mesh) > 1 and expert_biases(params):
-            raise ValueError(f"params: expert biases with etp = {_size(self.etp_mesh)} are not supported (b_down would be added by every F-shard); use etp = 1")
 
     def __call__(self, x_TH: torch.Tensor, routes, params, cfg) -> tuple[torch.Tensor, torch.Tensor]:
         self._check(x_TH, routes, params, cfg)
@@ -541,6 +548,10 @@ class ExpertParallel:
         routes = Routes(weights, experts)
         w_gate, w_up, w_down = params["w_gate"], params["w_up"], params["w_down"]
         biases = expert_biases(params)  # padding rows' outputs are never read: bias there is harmless
+        if "b_down" in biases and _size(self.etp_mesh) > 1:
+            # the etp ranks' partial sums are added in combine: each adds b_down / etp, and
+            # the gradient (each rank's over the same rows, / etp) is summed over etp
+            biases["b_down"] = copy_to_tp(biases["b_down"], self.etp_mesh) / _size(self.etp_mesh)
 
         if _size(self.ep_mesh) == 1 and _size(self.etp_mesh) == 1:
             # dense TP only: this rank's token slice through every expert here, no exchange

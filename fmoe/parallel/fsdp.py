@@ -6,7 +6,8 @@
 Order (torchtitan's): tensor parallel with sequence parallelism (attention, dense MLPs,
 shared experts split over tp; between them the residual stream, norms and MoE blocks on
 each rank's T/tp tokens: fmoe.parallel.tensor) -> expert parallel (expert weights sharded
-Shard(0) over ep and over F by etp; the MoE blocks get an ExpertParallel dispatcher) ->
+Shard(0) over ep and over F by etp, their optional biases with them; the MoE blocks get an
+ExpertParallel dispatcher) ->
 FSDP2. FSDP units, innermost first:
 
     MoE.experts   over the expert data mesh edp (the ranks holding the same experts)
@@ -60,7 +61,8 @@ def dense_data_mesh(meshes: Meshes):
 def shard_experts(moe: MoE, meshes: Meshes) -> None:
     """Replace a MoE block's expert stacks by DTensors over the expert mesh's (ep, etp):
     experts Shard(0) over ep, the FFN dim over etp (w_gate / w_up dim 2, w_down dim 1; the
-    optional expert biases Shard(0) over ep, refused with etp > 1), and
+    optional expert biases Shard(0) over ep, b_gate / b_up dim 1 over etp, b_down
+    replicated over etp), and
     give the experts an ExpertParallel dispatcher. Under tp > 1 the MoE block holds this
     rank's T/tp tokens already (sequence parallel, tensor_parallel_plan), and under cp > 1
     its cp share: the dispatcher splits nothing over tp (token_shards = tp cp sizes its
@@ -72,12 +74,13 @@ def shard_experts(moe: MoE, meshes: Meshes) -> None:
     if ffn % etp:
         raise ValueError(f"etp: the expert FFN size {ffn} is not divisible by etp = {etp}")
     mesh = meshes.expert["ep", "etp"]
-    biases = [n for n in EXPERT_BIASES if getattr(moe.experts, n, None) is not None]
-    if biases and etp > 1:
-        raise ValueError(f"etp: expert biases ({', '.join(biases)}) are not supported with etp = {etp} > 1; use etp = 1")
-    for name, ffn_dim in (("w_gate", 2), ("w_up", 2), ("w_down", 1), *((n, None) for n in biases)):
+    # the biases go with their experts: b_gate / b_up with their F columns over etp, b_down
+    # (added after the F-shards' partial sums) replicated over etp (ExpertParallel adds
+    # b_down / etp on each etp rank and sums its gradient over them)
+    biases = {n: dim for n, dim in zip(EXPERT_BIASES, (1, 1, None)) if getattr(moe.experts, n, None) is not None}
+    for name, ffn_dim in (("w_gate", 2), ("w_up", 2), ("w_down", 1), *biases.items()):
         param = getattr(moe.experts, name)
-        placements = [Shard(0), Replicate() if ffn_dim is None else Shard(ffn_dim)]  # biases: etp = 1
+        placements = [Shard(0), Replicate() if ffn_dim is None else Shard(ffn_dim)]
         sharded = distribute_tensor(param.data, mesh, placements, src_data_rank=None)
         moe.experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
     moe.experts.dispatcher = ExpertParallel(meshes.axis("ep"), etp_mesh=meshes.axis("etp"), token_shards=meshes.tp * meshes.cp)

@@ -81,15 +81,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from fmoe.model import Attention, Block, DenseMLP, MoE, RMSNorm
 from fmoe.ops import drop_by_capacity
 from fmoe.ops.routing import Routes
-from fmoe.parallel.expert import gather_tokens, split_tokens
-
-
-def copy_to_tp(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    """Identity forward; backward sums the gradient over the tp ranks (Megatron's f).
-
-    Used on the weights that stay replicated but see only this rank's tokens (a partial
-    gradient on each rank): see SequenceShard.weight."""
-    return DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+from fmoe.parallel.expert import copy_to_tp, gather_tokens, split_tokens
 
 
 def gather_from_sp(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
