@@ -181,7 +181,7 @@ def main(argv: list[str]) -> None:
             raise ValueError("--data: an HF folder needs data tokenized with its tokenizer (python -m fmoe.train.prepare)")
         impl = "auto" if device.type == "cuda" else "torch"  # Triton and FlexAttention on a GPU
         if world == 1 and all(v == 1 for v in sizes.values()):
-            model, run = load_model(args.path, impl=impl)
+            model, run = load_model(args.path, impl=impl, dtype=dtype, device=device)
         else:  # several processes: each holds and reads its own shards of the model
             try:
                 parallel.plan_sizes(world, **sizes)
@@ -217,8 +217,6 @@ def main(argv: list[str]) -> None:
             tokens=tokens, n_batches=args.batches if args.batches is not None else loop.get("eval_batches", 16), mtp_depth=model.cfg.mtp_depth)
     except (OSError, ValueError) as err:
         sys.exit(f"data: {err}")
-    if meshes is None:
-        model.to(device=device, dtype=dtype)
     result = evaluate(model, batches, sources, device=device, meshes=meshes)
     if meshes is not None:
         dist.destroy_process_group()

@@ -18,7 +18,9 @@ the tokens before it (Transformer.decode with a KVCache of prompt + --tokens tok
 Generation stops after --tokens new tokens or at the end-of-document token. --samples=N
 draws N continuations of the prompt as one batch (one cache of N sequences, every step of
 the unfinished ones in one forward pass). --device and --dtype place and cast the model
-(the router stays float32); the model runs fmoe's torch reference (SDPA attention) there.
+(the router stays float32; an HF folder's weights are allocated there and cast as they are
+read, so --dtype=bfloat16 needs half the host memory of float32); the model runs fmoe's
+torch reference (SDPA attention) there.
 """
 
 from __future__ import annotations
@@ -39,14 +41,16 @@ def is_hf_folder(path: Path) -> bool:
     return (path / "config.json").is_file() and "model_type" in json.loads((path / "config.json").read_text())
 
 
-def load_model(path: Path, *, impl: str = "torch") -> tuple[Transformer, dict]:
+def load_model(path: Path, *, impl: str = "torch", dtype: torch.dtype = torch.float32, device="cpu") -> tuple[Transformer, dict]:
     """(model, run config) of an fmoe run or checkpoint (load_run), or (model, {}) of an HF
-    folder (fmoe.hf.from_pretrained without MTP modules; model.hf_config keeps its config)."""
+    folder (fmoe.hf.from_pretrained without MTP modules, allocated in `dtype` on `device`
+    directly; model.hf_config keeps its config), in `dtype` (the router float32) on `device`."""
     if is_hf_folder(path):
         import fmoe.hf
 
-        return fmoe.hf.from_pretrained(path, impl=impl, mtp_depth=0)[0], {}
-    return load_run(path, impl=impl)
+        return fmoe.hf.from_pretrained(path, impl=impl, mtp_depth=0, dtype=dtype, device=device)[0], {}
+    model, run = load_run(path, impl=impl)
+    return model.to(device=device, dtype=dtype), run
 
 
 def run_config(path: Path, *, impl: str = "torch") -> tuple[TransformerConfig, dict]:
@@ -157,7 +161,11 @@ def main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     encode = decode = None
     try:
-        model, run = load_model(args.path)
+        device = _device(args.device)
+    except ValueError as err:
+        sys.exit(str(err))
+    try:
+        model, run = load_model(args.path, dtype=getattr(torch, args.dtype), device=device)
         if not run:  # an HF folder
             eos = model.hf_config.get("eos_token_id")
             eos = eos[0] if isinstance(eos, list) else eos
@@ -183,7 +191,6 @@ def main(argv: list[str]) -> None:
     try:
         if args.samples < 1:
             raise ValueError(f"--samples: expected a positive number of continuations, got {args.samples}")
-        model.to(device=_device(args.device), dtype=getattr(torch, args.dtype))
         samples = generate_many(model, [prompt] * args.samples, tokens=args.tokens, temperature=args.temperature, top_p=args.top_p,
                                 seed=args.seed, eos=eos)
     except ValueError as err:

@@ -546,14 +546,19 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     return values.flatten(-2)
 
 
-def from_pretrained(path, **options) -> tuple[Transformer, TransformerConfig]:
-    """A Transformer (float32, on the CPU) with the weights of the HF folder `path`.
+def from_pretrained(path, *, dtype: torch.dtype = torch.float32, device="cpu", **options) -> tuple[Transformer, TransformerConfig]:
+    """A Transformer with the weights of the HF folder `path`, in `dtype` (the router and its
+    bias stay float32) on `device`: allocated there directly, each weight cast as it is read,
+    so bf16 takes half the memory of float32 and no float32 copy of the model is made (one
+    tensor at a time is read or dequantised in float32).
 
     options: TransformerConfig fields to set on top of the mapped config (e.g. impl="torch",
     ac="full"). mtp_depth: by default the MTP layers the checkpoint holds (DeepSeek-V3,
     GLM-4.5; none for the others); more depths than it holds start from fresh weights.
-    Block-scaled FP8 and MXFP4 (gpt-oss) weights are dequantised to float32. Returns (model, cfg);
+    Block-scaled FP8 and MXFP4 (gpt-oss) weights are dequantised. Returns (model, cfg);
     model.hf_config keeps config.json for save_pretrained."""
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype: expected a floating torch.dtype (torch.float32, torch.bfloat16, ...), got {dtype!r}")
     hf, cfg = read_config(path)
     if FAMILIES[hf["model_type"]].mtp and "mtp_depth" not in options:
         files = _weight_files(Path(path))
@@ -561,8 +566,8 @@ def from_pretrained(path, **options) -> tuple[Transformer, TransformerConfig]:
     if options:
         cfg = dataclasses.replace(cfg, **options)
     with torch.device("meta"):
-        model = Transformer(cfg)
-    model.to_empty(device="cpu")
+        model = Transformer(cfg).to(dtype)
+    model.to_empty(device=device)
     model.reset_parameters(seed=0)  # everything the checkpoint does not hold (expert biases, MTP)
     load_weights(model, path, model_type=hf["model_type"])
     model.hf_config = hf

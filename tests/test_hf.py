@@ -496,3 +496,36 @@ def test_each_rank_reads_only_its_own_blocks(family, folders, sharded_loads):
             assert torch.equal(full[name], value), name
         assert read < 0.6 * total, (read, total)  # about half the weights, plus the small replicated ones
     assert sum(read for read, _ in results) >= 0.95 * total - 4096  # together every tensor is read
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_from_pretrained_allocates_in_the_dtype_asked_for(family, folders, tmp_path):
+    """dtype=torch.bfloat16: every weight is the float32 load's cast to bf16 (the router and
+    its bias stay float32), allocated in bf16 from the start, with the logits of the float32
+    load cast afterwards; an MXFP4 checkpoint (gpt-oss) is dequantised into bf16 the same way."""
+    path, _ = folders[family]
+    full, _ = hf.from_pretrained(path, impl="torch")
+    half, _ = hf.from_pretrained(path, impl="torch", dtype=torch.bfloat16)
+    for (name, p32), (name16, p16) in zip(full.state_dict().items(), half.state_dict().items()):
+        assert name == name16
+        kept = name.endswith(("router", "router_bias", "expert_bias"))
+        assert p16.dtype == (torch.float32 if kept else torch.bfloat16), name
+        assert torch.equal(p16, p32.to(p16.dtype)), name
+    _, ids, cu = _packed()
+    with torch.no_grad():
+        assert torch.equal(half.logits(ids, cu), full.to(torch.bfloat16).logits(ids, cu))
+    with pytest.raises(ValueError, match="dtype: expected a floating torch.dtype"):
+        hf.from_pretrained(path, dtype=torch.int32)
+    if family == "gpt_oss":
+        tensors = _read_all(path)
+        g = torch.Generator().manual_seed(3)
+        for key in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+            E, n_in, n_out = tensors.pop(key).shape
+            tensors[key + "_blocks"] = torch.randint(0, 256, (E, n_out, n_in // 32, 16), generator=g, dtype=torch.uint8)
+            tensors[key + "_scales"] = torch.randint(122, 126, (E, n_out, n_in // 32), generator=g, dtype=torch.uint8)
+        folder = _copy_folder(path, tmp_path / "mxfp4", tensors, lambda c: c.update(quantization_config=dict(quant_method="mxfp4")))
+        full, _ = hf.from_pretrained(folder, impl="torch")
+        half, _ = hf.from_pretrained(folder, impl="torch", dtype=torch.bfloat16)
+        for name in ("w_gate", "w_up", "w_down"):
+            w16, w32 = getattr(half.blocks[0].mlp.experts, name), getattr(full.blocks[0].mlp.experts, name)
+            assert w16.dtype == torch.bfloat16 and torch.equal(w16, w32.to(torch.bfloat16))
