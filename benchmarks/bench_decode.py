@@ -6,6 +6,8 @@
 Models (4 trunk blocks, no MTP; weights random, the model's "auto" ops):
     gqa   Qwen3-30B-A3B's block: H=2048, 32 query / 4 kv heads of 128, qk norm, 128 experts
           of 768, top-8
+    gqa-window  the same with a sliding window of 128 tokens in blocks 0 and 2 (gpt-oss's
+          pattern): those layers' cache is a ring of the window's rows
     mla   DeepSeek-V3's attention at H=2048: 16 heads, q_rank 1536, kv_rank 512, rope 64,
           nope 128, v 128; 64 experts of 1024, top-6, a shared expert
 (--smoke: H=32, 4 heads, 8 experts.) Each sequence holds a prompt of P = 1024 tokens (--smoke:
@@ -23,7 +25,8 @@ Table: median ms per step (every sequence one token); tokens_per_s = B / step; s
 impl's ms / fmoe's ms (how much longer it takes); floor_fraction (fmoe only): the bytes a step
 must read at least, at the copy bandwidth measured in the same run, over the measured time:
 every dense weight, min(E, B k) experts' weights per MoE block (the most distinct experts B
-tokens can pick) and the B sequences' cached keys and values. CSV: OUT/bench_decode.csv.
+tokens can pick) and the B sequences' cached keys and values; cache_mib (fmoe only): the
+KV cache's size (KVCache.nbytes). CSV: OUT/bench_decode.csv.
 """
 
 import sys
@@ -34,7 +37,7 @@ import torch  # noqa: E402
 
 from fmoe.model import Transformer, TransformerConfig  # noqa: E402
 
-COLUMNS = ["model", "B", "impl", "ms", "tokens_per_s", "speedup", "floor_fraction"]
+COLUMNS = ["model", "B", "impl", "ms", "tokens_per_s", "speedup", "floor_fraction", "cache_mib"]
 
 
 def configs(smoke: bool) -> dict:
@@ -42,26 +45,32 @@ def configs(smoke: bool) -> dict:
         base = dict(vocab_size=64, hidden=32, n_layers=4, n_dense=0, ffn_dense=64, n_experts=8, k=2, ffn_expert=16, n_shared=0,
                     expert_bias=False, score="softmax")
         return {"gqa": TransformerConfig(**base, n_heads=4, n_kv_heads=2, head_dim=8, qk_norm="head"),
+                "gqa-window": TransformerConfig(**base, n_heads=4, n_kv_heads=2, head_dim=8, qk_norm="head", window=4, window_layers=(0, 2)),
                 "mla": TransformerConfig(**{**base, "n_shared": 1}, n_heads=4, n_kv_heads=4, head_dim=12, rope_dim=4, q_rank=16,
                                          kv_rank=8, v_head_dim=8)}
     base = dict(vocab_size=151936, hidden=2048, n_layers=4, n_dense=0, ffn_dense=6144)
-    return {"gqa": TransformerConfig(**base, n_experts=128, k=8, ffn_expert=768, n_shared=0, score="softmax", expert_bias=False,
-                                     n_heads=32, n_kv_heads=4, head_dim=128, qk_norm="head"),
+    gqa = dict(base, n_experts=128, k=8, ffn_expert=768, n_shared=0, score="softmax", expert_bias=False, n_heads=32, n_kv_heads=4,
+               head_dim=128, qk_norm="head")
+    return {"gqa": TransformerConfig(**gqa),
+            "gqa-window": TransformerConfig(**gqa, window=128, window_layers=(0, 2)),
             "mla": TransformerConfig(**base, n_experts=64, k=6, ffn_expert=1024, n_shared=1, n_heads=16, n_kv_heads=16, head_dim=192,
                                      rope_dim=64, q_rank=1536, kv_rank=512, v_head_dim=128)}
 
 
 def floor_bytes(model: Transformer, cache, B: int) -> int:
     """Bytes a step must read: the dense weights, min(E, B k) experts per MoE block, the
-    B sequences' filled cache rows (keys, and values unless they are a view of them)."""
+    B sequences' filled cache rows (keys, and values unless they are a view of them; a
+    sliding-window layer's ring: the window's rows)."""
     cfg = model.cfg
     expert_params = sum(p.numel() for m in model.moe_layers().values() for p in m.experts.parameters())
     dense_params = sum(p.numel() for p in model.parameters()) - expert_params - model.embed.numel() + B * cfg.hidden
     per_expert = expert_params // (cfg.n_experts * len(model.moe_layers()))
     experts_read = len(model.moe_layers()) * min(cfg.n_experts, B * cfg.k) * per_expert
     size = model.embed.element_size()
-    row = cache.k[:, :1].numel() + (0 if cache.v_in_k else cache.v[:, :1].numel())  # one token of every layer
-    return size * (dense_params + experts_read + sum(cache.lengths) * row)
+    row = cache.k[0, :1].numel() if cache.full_layers else cache.k_window[0, :1].numel()  # one token's key in one layer
+    row += 0 if cache.v_in_k else row // cache.k.shape[-1] * cache.v.shape[-1]  # and its value
+    rows = len(cache.full_layers) * sum(cache.lengths) + len(cache.window_layers) * sum(min(n, cache.window or 0) for n in cache.lengths)
+    return size * (dense_params + experts_read + rows * row)
 
 
 def run(name: str, cfg: TransformerConfig, device, dtype, bandwidth: float, smoke: bool) -> list[dict]:
@@ -99,6 +108,7 @@ def run(name: str, cfg: TransformerConfig, device, dtype, bandwidth: float, smok
             rows.append({"model": name, "B": B, "impl": impl, "ms": ms, "tokens_per_s": B / ms * 1e3, "P": P})
         cache.lengths = [P] * B
         rows[-3]["floor_fraction"] = floor_fraction(floor_bytes(model, cache, B), bandwidth, rows[-3]["ms"])
+        rows[-3]["cache_mib"] = cache.nbytes / 2**20
         for row in rows[-2:]:
             row["speedup"] = row["ms"] / rows[-3]["ms"]
         print(f"{name}, B={B}: the three give the same logits; fmoe batched {rows[-3]['ms']:.3g} ms per step", flush=True)

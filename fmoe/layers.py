@@ -445,7 +445,8 @@ def document_mask(cu_seqlens: torch.Tensor, n_tokens: int, *, flex: bool, token_
 
     Context parallel: token_index [Tq] (the queries' global token indices) and kv_index
     [Tk] (the keys', Tk = n_tokens) give the [Tq, Tk] mask of query i and key j: the
-    global tokens token_index[i] and kv_index[j] under the rule above. Both or neither.
+    global tokens token_index[i] and kv_index[j] under the rule above, the indices below
+    cu_seqlens[-1] in any order. Both or neither.
 
     The BlockMask is built from each block's first and last document and token index
     (_document_block_mask): memory O((Tq / block_size) (Tk / block_size)), never the
@@ -456,8 +457,8 @@ def document_mask(cu_seqlens: torch.Tensor, n_tokens: int, *, flex: bool, token_
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size: expected a positive int, got {block_size!r}")
     check_window(window)
-    doc_T = sequence_ids(cu_seqlens, n_tokens)
     if token_index is None:  # queries and keys are the tokens themselves, in order
+        doc_T = sequence_ids(cu_seqlens, n_tokens)
         q_pos = kv_pos = torch.arange(n_tokens, device=doc_T.device)
         q_doc = kv_doc = doc_T
 
@@ -467,9 +468,11 @@ def document_mask(cu_seqlens: torch.Tensor, n_tokens: int, *, flex: bool, token_
         def in_window(q_idx, kv_idx):
             return q_idx - kv_idx < window
     else:
-        # index_select rather than indexing: nothing is read on the host
+        # each index's document by a search of the bounds (any index below cu_seqlens[-1]; a
+        # decode's ring rows carry indices beyond their count): nothing is read on the host
         q_pos, kv_pos = token_index.long(), kv_index.long()
-        q_doc, kv_doc = doc_T.index_select(0, q_pos), doc_T.index_select(0, kv_pos)
+        ends = cu_seqlens[1:].long()
+        q_doc, kv_doc = (torch.searchsorted(ends, pos, right=True) for pos in (q_pos, kv_pos))
 
         def same_doc_causal(b, h, q_idx, kv_idx):
             return (q_doc[q_idx] == kv_doc[kv_idx]) & (kv_pos[kv_idx] <= q_pos[q_idx])

@@ -608,31 +608,53 @@ class KVCache:
     Transformer.decode attends over and appends to, so that a new token costs one token's
     forward pass rather than the whole sequence's.
 
-    k [n_layers, batch * max_tokens, G, D], v [n_layers, batch * max_tokens, G, Dv]
-    (G = n_kv_heads, D = Dv = head_dim), keys after RoPE: sequence b owns the rows
-    [b max_tokens, (b + 1) max_tokens), of which the first lengths[b] are filled. Multi-latent
-    attention keeps its latents instead (AttentionContext.latents):
-    k [n_layers, batch * max_tokens, 1, kv_rank + rope_dim] (the normed latent, then the
-    rotated key) and v = k[..., :kv_rank], a view: kv_rank + rope_dim numbers per token and
-    layer where the expanded keys and values would take n_heads (head_dim + v_head_dim).
-    Make one with Transformer.kv_cache (the model's device and dtype), or here for a
-    TransformerConfig. `length` is the one sequence's length of a cache of batch 1;
-    setting it (or reset()) starts over.
+    k [n_full, batch * max_tokens, G, D], v [n_full, batch * max_tokens, G, Dv] for the
+    n_full layers that attend over every earlier token (G = n_kv_heads, D = Dv = head_dim),
+    keys after RoPE: sequence b owns the rows [b max_tokens, (b + 1) max_tokens), of which
+    the first lengths[b] are filled. The sliding-window layers (cfg.window narrower than
+    max_tokens) keep only the window: k_window / v_window [n_window, batch * window, G, D],
+    a ring in which sequence b's token at position p sits in row b window + p % window, so
+    their memory does not grow with the sequence (gpt-oss: half the layers, a window of 128).
+    `full_layers` and `window_layers` list the layers of each store. Multi-latent attention
+    keeps its latents instead (AttentionContext.latents): k [.., 1, kv_rank + rope_dim] (the
+    normed latent, then the rotated key) and v = k[..., :kv_rank], a view: kv_rank + rope_dim
+    numbers per token and layer where the expanded keys and values would take n_heads
+    (head_dim + v_head_dim). Make one with Transformer.kv_cache (the model's device and
+    dtype), or here for a TransformerConfig. `length` is the one sequence's length of a
+    cache of batch 1; setting it (or reset()) starts over. With sliding-window layers a
+    sequence goes back one token at most (the token's row held a key out of its window), or
+    starts over from 0: the ring no longer holds the keys a shorter length needs, and
+    decode refuses it.
     """
 
     def __init__(self, cfg: TransformerConfig, max_tokens: int, *, batch: int = 1, device=None, dtype: torch.dtype = torch.float32):
         check_positive_int("max_tokens", max_tokens)
         check_positive_int("batch", batch)
         self.v_in_k = cfg.kv_rank is not None  # v is k's latent: written with k
-        rows = batch * max_tokens
+        self.window = cfg.window if cfg.window is not None and cfg.window < max_tokens else None
+        self.window_layers = tuple(i for i in range(cfg.n_layers) if self.window is not None and cfg.is_sliding(i))
+        self.full_layers = tuple(i for i in range(cfg.n_layers) if i not in self.window_layers)
+        self.n_layers = cfg.n_layers
         if cfg.kv_rank is None:
-            self.k = torch.zeros(cfg.n_layers, rows, cfg.n_kv_heads, cfg.head_dim, device=device, dtype=dtype)
-            self.v = torch.zeros_like(self.k)
+            row = (cfg.n_kv_heads, cfg.head_dim)
         else:  # the latent is both the key's first kv_rank channels and the value
-            self.k = torch.zeros(cfg.n_layers, rows, 1, cfg.kv_rank + cfg.rope_dim, device=device, dtype=dtype)
-            self.v = self.k[..., :cfg.kv_rank]
+            row = (1, cfg.kv_rank + cfg.rope_dim)
+        self.k, self.v = self._store(len(self.full_layers), batch * max_tokens, row, cfg, device, dtype)
+        self.k_window, self.v_window = self._store(len(self.window_layers), batch * (self.window or 0), row, cfg, device, dtype)
         self.max_tokens, self.batch = max_tokens, batch
         self.lengths = [0] * batch
+        self.in_window = [0] * batch  # the tokens whose keys went into the rings: going back more than one is refused
+
+    @staticmethod
+    def _store(n_layers: int, rows: int, row: tuple, cfg: TransformerConfig, device, dtype):
+        k = torch.zeros(n_layers, rows, *row, device=device, dtype=dtype)
+        return k, (torch.zeros_like(k) if cfg.kv_rank is None else k[..., :cfg.kv_rank])
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes the cache holds (keys and values of every layer and sequence)."""
+        stores = (self.k, self.k_window) if self.v_in_k else (self.k, self.v, self.k_window, self.v_window)
+        return sum(t.numel() * t.element_size() for t in stores)
 
     @property
     def length(self) -> int:
@@ -655,21 +677,53 @@ class KVCache:
         for b in range(self.batch) if seqs is None else seqs:
             self.lengths[b] = 0
 
-    def write(self, layer: int, rows: torch.Tensor, n_keys: int, k_TGD: torch.Tensor, v_TGD: torch.Tensor):
-        """Writes layer's keys k [T, G, D] and values v [T, G, Dv] of the T new tokens into
-        their rows (rows [T] int64 of this cache's row index) and returns the layer's first
-        n_keys rows (views, no copy): every filled row of the sequences being decoded, and
-        rows of other sequences or unfilled ones that the decode mask hides. Transformer.decode
-        binds layer, rows and n_keys as each layer's AttentionContext.gather_kv and
-        advances `lengths` once every layer has been written."""
-        for name, new, cached in (("k", k_TGD, self.k), ("v", v_TGD, self.v)):
+    def _check_new(self, layer: int, k_TGD: torch.Tensor, v_TGD: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor) -> None:
+        for name, new, cached in (("k", k_TGD, k_store), ("v", v_TGD, v_store)):
             if new.shape[1:] != cached.shape[2:] or new.dtype != cached.dtype or new.device != cached.device:
                 raise ValueError(f"cache.{name}: holds {cached.dtype} [.., {', '.join(map(str, cached.shape[2:]))}] on {cached.device}, "
                                  f"layer {layer} gave {new.dtype} {list(new.shape)} on {new.device} (make the cache with model.kv_cache)")
-        self.k[layer].index_copy_(0, rows, k_TGD)
+
+    def write(self, layer: int, rows: torch.Tensor, n_keys: int, k_TGD: torch.Tensor, v_TGD: torch.Tensor):
+        """Writes full-attention layer `layer`'s keys k [T, G, D] and values v [T, G, Dv] of
+        the T new tokens into their rows (rows [T] int64 of this cache's row index) and returns
+        the layer's first n_keys rows (views, no copy): every filled row of the sequences
+        being decoded, and rows of other sequences or unfilled ones that the decode mask
+        hides. Transformer.decode binds layer, rows and n_keys as each layer's
+        AttentionContext.gather_kv and advances `lengths` once every layer has been written."""
+        j = self.full_layers.index(layer)
+        self._check_new(layer, k_TGD, v_TGD, self.k, self.v)
+        self.k[j].index_copy_(0, rows, k_TGD)
         if not self.v_in_k:
-            self.v[layer].index_copy_(0, rows, v_TGD)
-        return self.k[layer, :n_keys], self.v[layer, :n_keys]
+            self.v[j].index_copy_(0, rows, v_TGD)
+        return self.k[j, :n_keys], self.v[j, :n_keys]
+
+    def write_window(self, layer: int, ring_rows: torch.Tensor, new_rows: Optional[torch.Tensor], k_TGD: torch.Tensor, v_TGD: torch.Tensor):
+        """Sliding-window layer `layer`'s keys and values, with the T new tokens' k [T, G, D]
+        and v [T, G, Dv] put into its ring: the rows ring_rows [R] int64 of the ring get the
+        new tokens new_rows [R] (None: all T, in order). With new_rows None (one new token per
+        sequence: its row held a key that has left the window) they are written first and
+        the ring itself is returned (views, no copy); otherwise the ring's rows before the
+        write, followed by the T new tokens' (a copy: the prompt's early queries may need keys
+        that its later tokens overwrite). Transformer.decode binds the rows (and the index
+        of each returned row, kv_index, in its mask)."""
+        j = self.window_layers.index(layer)
+        self._check_new(layer, k_TGD, v_TGD, self.k_window, self.v_window)
+        ring_k, ring_v = self.k_window[j], self.v_window[j]
+        if new_rows is None:
+            keys, values = ring_k, ring_v
+        else:
+            keys = torch.cat([ring_k, k_TGD])
+            values = keys[..., :ring_v.shape[-1]] if self.v_in_k else torch.cat([ring_v, v_TGD])
+            k_TGD, v_TGD = k_TGD.index_select(0, new_rows), v_TGD.index_select(0, new_rows)
+        ring_k.index_copy_(0, ring_rows, k_TGD)
+        if not self.v_in_k:
+            ring_v.index_copy_(0, ring_rows, v_TGD)
+        return keys, values
+
+
+def _bound_per_layer(k_TGD, v_TGD):
+    """The gather_kv of decode's shared contexts, replaced by each layer's cache write."""
+    raise RuntimeError("decode binds each layer's gather_kv to its cache rows")
 
 
 BATCH_KEYS = ("input_ids", "labels", "loss_mask", "positions", "cu_seqlens")
@@ -826,8 +880,11 @@ class Transformer(nn.Module):
         self._check_whole("decode")
         if not isinstance(cache, KVCache):
             raise ValueError(f"cache: expected a KVCache (model.kv_cache(max_tokens)), got {type(cache).__name__}")
-        if cache.k.shape[0] != self.cfg.n_layers:
-            raise ValueError(f"cache: holds {cache.k.shape[0]} layers, the model has {self.cfg.n_layers}")
+        if cache.n_layers != self.cfg.n_layers:
+            raise ValueError(f"cache: holds {cache.n_layers} layers, the model has {self.cfg.n_layers}")
+        if cache.window_layers != KVCache(self.cfg, cache.max_tokens, device="meta").window_layers:
+            raise ValueError(f"cache: made for sliding-window layers {list(cache.window_layers)} of window {cache.window}, the model's differ "
+                             "(make the cache with model.kv_cache)")
         if input_ids.ndim not in (1, 2) or input_ids.shape[-1] < 1 or input_ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"input_ids: expected [T] or [S, T] int64 with T >= 1, got {input_ids.dtype} {list(input_ids.shape)}")
         seq_list = self._decoded_seqs(input_ids, cache, seqs)
@@ -835,6 +892,9 @@ class Transformer(nn.Module):
         for b in seq_list:
             if cache.lengths[b] + T > M:
                 raise ValueError(f"input_ids: {T} more tokens after {cache.lengths[b]} of sequence {b} exceed the cache's max_tokens = {M}")
+            if cache.window_layers and 0 < cache.lengths[b] < cache.in_window[b] - 1:
+                raise ValueError(f"cache.lengths[{b}]: {cache.lengths[b]} tokens after {cache.in_window[b]}: the sliding-window layers keep only "
+                                 f"the newest {cache.window} tokens' keys, so a sequence goes back one token at most, or restarts from 0 (cache.reset)")
         # the new tokens are queries at their rows of the cache (sequence b's slot of M rows
         # is a document) against the cache's first n_keys rows: attention_context's
         # context-parallel form, the cache standing in for the gather of every rank's keys
@@ -850,17 +910,53 @@ class Transformer(nn.Module):
         cu = torch.tensor([*range(0, n_keys, M), n_keys], dtype=torch.int32, device=device)
         cfg, mla = self.cfg.attention_config(sliding=self.cfg.any_sliding), self.cfg.kv_rank is not None
         absorbed = mla and T == 1
-        ctx = attention_context(cu, positions, dataclasses.replace(cfg, impl="torch") if absorbed else cfg, token_index=rows,
-                                kv_index=torch.arange(n_keys, device=device), gather_kv=functools.partial(cache.write, 0, rows, n_keys))
+        if absorbed:
+            cfg = dataclasses.replace(cfg, impl="torch")
+        contexts = {}  # sliding-window ring or not -> the context (its gather_kv bound per layer below)
+        if cache.full_layers:
+            contexts[False] = attention_context(cu, positions, cfg, token_index=rows, kv_index=torch.arange(n_keys, device=device),
+                                                gather_kv=_bound_per_layer)
+        if cache.window_layers:
+            contexts[True], window_kv = self._window_context(cache, seq_list, T, positions, rows, rows_host, cfg)
         h_TH = F.embedding(input_ids.reshape(-1), self.embed)
         for i, block in enumerate(self.blocks):
-            layer_ctx = dataclasses.replace(ctx, gather_kv=functools.partial(cache.write, i, rows, n_keys),
-                                            latents=None if not mla else "absorbed" if absorbed else "expanded")
+            ring = i in cache.window_layers
+            kv = functools.partial(cache.write_window, i, *window_kv) if ring else functools.partial(cache.write, i, rows, n_keys)
+            layer_ctx = dataclasses.replace(contexts[ring], gather_kv=kv, latents=None if not mla else "absorbed" if absorbed else "expanded")
             h_TH, _ = block(h_TH, layer_ctx)
         for b in seq_list:
             cache.lengths[b] += T
+            cache.in_window[b] = cache.lengths[b]
         logits = self._head(h_TH)
         return logits if input_ids.ndim == 1 else logits.view(len(seq_list), T, -1)
+
+    @staticmethod
+    def _window_context(cache: KVCache, seq_list: list[int], T: int, positions, rows, rows_host: list[int], cfg):
+        """The attention context of the sliding-window layers' rings in a decode call, and the
+        rows that KVCache.write_window binds. Each ring row's key gets the index (kv_index)
+        of its token's row in the full layers' layout, b M + position, so that the document
+        mask over the M-row slots and the window over those indices hold as for the full
+        layers; rows of no token here (unfilled, or of sequences not decoded) get the index
+        batch M, a document of its own that no query is in. One new token per sequence is
+        written before the attention (its row's old key is out of the window); a prompt
+        attends over the ring's old rows and its own keys, then writes its newest W."""
+        M, W, device = cache.max_tokens, cache.window, positions.device
+        before = T == 1
+        lengths = torch.tensor(cache.lengths) + int(before)
+        slots = torch.arange(W)
+        held = lengths[:, None] - 1 - (lengths[:, None] - 1 - slots).remainder(W)  # [batch, W]: the position each row holds
+        decoded = torch.zeros(cache.batch, dtype=torch.bool)
+        decoded[seq_list] = True
+        dead = cache.batch * M
+        kv_host = torch.where((held >= 0) & decoded[:, None], torch.arange(cache.batch)[:, None] * M + held, dead).reshape(-1)
+        if not before:
+            kv_host = torch.cat([kv_host, torch.tensor(rows_host)])
+        kept = range(max(0, T - W), T)  # the new tokens that stay in the ring
+        ring_rows = torch.tensor([b * W + (cache.lengths[b] + t) % W for b in seq_list for t in kept], device=device)
+        new_rows = None if before else torch.tensor([i * T + t for i in range(len(seq_list)) for t in kept], device=device)
+        cu = torch.tensor([*range(0, dead + 1, M), dead + 1], dtype=torch.int32, device=device)
+        ctx = attention_context(cu, positions, cfg, token_index=rows, kv_index=kv_host.to(device), gather_kv=_bound_per_layer)
+        return ctx, (ring_rows, new_rows)
 
     @staticmethod
     def _decoded_seqs(input_ids: torch.Tensor, cache: KVCache, seqs) -> list[int]:

@@ -459,7 +459,14 @@ def test_decode_with_a_kv_cache_equals_the_whole_sequence(name, monkeypatch):
         # 6 calls x 3 layers (and the whole sequence's logits): calls of 1 token absorbed, of 5 and 4 expanded
         assert forms.count("_mla_latent_qkv") == 4 * cfg.n_layers and forms.count("_mla_expand") == (1 + 2) * cfg.n_layers
     else:
-        assert cache.k.shape == cache.v.shape == (cfg.n_layers, 16, cfg.n_kv_heads, cfg.head_dim)
+        assert cache.k.shape == cache.v.shape == (len(cache.full_layers), 16, cfg.n_kv_heads, cfg.head_dim)
+    if cfg.window is None:
+        assert cache.full_layers == tuple(range(cfg.n_layers)) and cache.k_window.numel() == 0
+    else:  # the sliding-window layers keep a ring of the window's newest tokens only
+        assert cache.window_layers == cfg.window_layers == (0, 2) and cache.full_layers == (1,)
+        assert cache.k_window.shape == cache.v_window.shape == (2, cfg.window, cfg.n_kv_heads, cfg.head_dim)
+        token = 2 * cfg.n_kv_heads * cfg.head_dim * 4  # a token's key and value in float32
+        assert cache.nbytes == (16 + 2 * cfg.window) * token < 3 * 16 * token
     # a new sequence in the same cache
     cache.length = 0
     with torch.no_grad():
@@ -494,14 +501,16 @@ def test_batched_decode_gives_each_sequence_its_own_logits(name):
     assert cache.lengths == [10, 3, 11]
 
 
-def test_batched_decode_through_the_flex_block_mask(monkeypatch):
+@pytest.mark.parametrize("window", [None, 50])
+def test_batched_decode_through_the_flex_block_mask(window, monkeypatch):
     """FlexAttention's BlockMask (eager on CPU, as impl "auto" picks it on CUDA) over two
     slots of 160 rows, 128-row blocks: a block of queries spans both sequences and slot
-    edges fall inside key blocks."""
+    edges fall inside key blocks. With a window of 50 in blocks 0 and 2, their rings of 50
+    rows per sequence: the prompt of 140 against its own keys, then steps of 5."""
     import fmoe.layers
 
     monkeypatch.setattr(fmoe.layers, "_use_flex", lambda impl, device: True)
-    model = _sharp(TINY)
+    model = _sharp(TINY if window is None else dataclasses.replace(TINY, window=window, window_layers=(0, 2)))
     seqs = [torch.randint(0, TINY.vocab_size, (n,)) for n in (150, 40)]
     with torch.no_grad():
         want = [model.logits(ids, torch.tensor([0, ids.shape[0]], dtype=torch.int32)) for ids in seqs]
@@ -564,6 +573,21 @@ def test_decode_bad_inputs():
     with pytest.raises(ValueError, match="input_ids: 2 more tokens after 3 of sequence 0 exceed the cache's max_tokens = 4"):
         model.decode(ids[:2], cache)
     assert cache.length == 3
+    # sliding-window layers: a cache made for other layers is refused, and so is a sequence
+    # rewound to fewer tokens (its ring no longer holds their keys); from 0 it starts over
+    sliding = _sharp(dataclasses.replace(TINY, window=2, window_layers=(1,)))
+    with pytest.raises(ValueError, match=r"cache: made for sliding-window layers \[\] of window None, the model's differ"):
+        sliding.decode(ids, cache)
+    ring = sliding.kv_cache(4)
+    with torch.no_grad():
+        first = sliding.decode(ids, ring)
+        ring.length = 2  # one token back: its row held a key out of the window
+        torch.testing.assert_close(sliding.decode(ids[2:], ring), first[2:])
+        ring.length = 1
+        with pytest.raises(ValueError, match=r"cache.lengths\[0\]: 1 tokens after 3: the sliding-window layers keep only the newest 2"):
+            sliding.decode(ids[:1], ring)
+        ring.length = 0
+        torch.testing.assert_close(sliding.decode(ids, ring), first)
     model.pipeline_chunk = PipelineChunk(0, 2, range(2))
     with pytest.raises(ValueError, match="model: decode needs the whole model on one process"):
         model.decode(ids, model.kv_cache(4))
