@@ -130,9 +130,9 @@ def load_sharded(path: Path, sizes: dict, *, device: torch.device, dtype: torch.
     """(model, run config, meshes): load_model's model and run config for a model larger than
     one device (after init_process_group). The meshes are fmoe.parallel.build_meshes(**sizes)
     (tp, ep, etp, cp; the rest of the world FSDP2's); the model is built on the meta device,
-    parallelized over them (FSDP2 computing in `dtype`, the router in
-    float32), each rank allocating only its own shards and reading only their weights (an HF
-    folder's safetensors blocks, fmoe.hf.load_weights; a run's checkpoint resharded by DCP,
+    parallelized over them (FSDP2 computing in `dtype`, the router in float32), each rank
+    allocating only its own shards and reading only their weights (an HF folder's
+    safetensors blocks, fmoe.hf.load_weights; a run's checkpoint resharded by DCP,
     fmoe.train.checkpoint.load_model)."""
     if is_hf_folder(path):
         hf, cfg = fmoe.hf.read_config(path)
@@ -190,10 +190,7 @@ def main(argv: list[str]) -> None:
             if device.type == "cuda":
                 device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
                 torch.cuda.set_device(device)
-            if world > 1:
-                dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-            else:
-                dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")  # world > 1: plan_sizes refused more axes than ranks
             rank = dist.get_rank()
             model, run, meshes = load_sharded(args.path, sizes, device=device, dtype=dtype, impl=impl)
     except (OSError, ValueError, KeyError) as err:
@@ -218,21 +215,30 @@ def main(argv: list[str]) -> None:
     except (OSError, ValueError) as err:
         sys.exit(f"data: {err}")
     result = evaluate(model, batches, sources, device=device, meshes=meshes)
+    if rank == 0:
+        report(result, unit="byte" if corpus.vocab_size == BYTE_VOCAB_SIZE else "token", as_json=args.json)
     if meshes is not None:
+        dist.barrier()
         dist.destroy_process_group()
-    if rank:
-        return
-    if args.json:
+        # everything is done and printed: leave without the interpreter's teardown, in which
+        # a gloo rank occasionally aborted ("terminate called without an active exception")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def report(result: dict, *, unit: str, as_json: bool) -> None:
+    """Print evaluate's result: one JSON object, or a line per source (and overall when
+    there are several) and per MTP depth."""
+    if as_json:
         print(json.dumps(result))
         return
-    unit = "byte" if corpus.vocab_size == BYTE_VOCAB_SIZE else "token"
     rows = [*result["by_source"].items()] + ([("all", result)] if len(result["by_source"]) > 1 else [])
     for name, r in rows:
         print(f"{name}: {r['tokens']} tokens, loss {r['loss']:.4f}, perplexity {math.exp(r['loss']):.3f}, "
               f"bits per {unit} {r['loss'] / math.log(2):.4f}")
     for d, loss in enumerate(result["mtp_losses"], 1):
         print(f"mtp depth {d}: loss {loss:.4f}")
-
 
 if __name__ == "__main__":
     main(sys.argv[1:])

@@ -632,7 +632,7 @@ class KVCache:
         check_positive_int("batch", batch)
         self.v_in_k = cfg.kv_rank is not None  # v is k's latent: written with k
         self.window = cfg.window if cfg.window is not None and cfg.window < max_tokens else None
-        self.window_layers = tuple(i for i in range(cfg.n_layers) if self.window is not None and cfg.is_sliding(i))
+        self.window_layers = self.ring_layers(cfg, max_tokens)
         self.full_layers = tuple(i for i in range(cfg.n_layers) if i not in self.window_layers)
         self.n_layers = cfg.n_layers
         if cfg.kv_rank is None:
@@ -644,6 +644,12 @@ class KVCache:
         self.max_tokens, self.batch = max_tokens, batch
         self.lengths = [0] * batch
         self.in_window = [0] * batch  # the tokens whose keys went into the rings: going back more than one is refused
+
+    @staticmethod
+    def ring_layers(cfg: TransformerConfig, max_tokens: int) -> tuple[int, ...]:
+        """The layers whose cache of max_tokens tokens per sequence is a ring: the sliding-window
+        layers, when the window is narrower than max_tokens."""
+        return tuple(i for i in range(cfg.n_layers) if cfg.window is not None and cfg.window < max_tokens and cfg.is_sliding(i))
 
     @staticmethod
     def _store(n_layers: int, rows: int, row: tuple, cfg: TransformerConfig, device, dtype):
@@ -882,7 +888,7 @@ class Transformer(nn.Module):
             raise ValueError(f"cache: expected a KVCache (model.kv_cache(max_tokens)), got {type(cache).__name__}")
         if cache.n_layers != self.cfg.n_layers:
             raise ValueError(f"cache: holds {cache.n_layers} layers, the model has {self.cfg.n_layers}")
-        if cache.window_layers != KVCache(self.cfg, cache.max_tokens, device="meta").window_layers:
+        if cache.window_layers != KVCache.ring_layers(self.cfg, cache.max_tokens):
             raise ValueError(f"cache: made for sliding-window layers {list(cache.window_layers)} of window {cache.window}, the model's differ "
                              "(make the cache with model.kv_cache)")
         if input_ids.ndim not in (1, 2) or input_ids.shape[-1] < 1 or input_ids.dtype not in (torch.int64, torch.int32):
