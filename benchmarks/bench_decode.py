@@ -29,6 +29,7 @@ tokens can pick) and the B sequences' cached keys and values; cache_mib (fmoe on
 KV cache's size (KVCache.nbytes). CSV: OUT/bench_decode.csv.
 """
 
+import math
 import sys
 
 from _common import bench, finish, floor_fraction, start  # before torch and fmoe: with --smoke it sets TRITON_INTERPRET
@@ -67,8 +68,7 @@ def floor_bytes(model: Transformer, cache, B: int) -> int:
     per_expert = expert_params // (cfg.n_experts * len(model.moe_layers()))
     experts_read = len(model.moe_layers()) * min(cfg.n_experts, B * cfg.k) * per_expert
     size = model.embed.element_size()
-    row = cache.k[0, :1].numel() if cache.full_layers else cache.k_window[0, :1].numel()  # one token's key in one layer
-    row += 0 if cache.v_in_k else row // cache.k.shape[-1] * cache.v.shape[-1]  # and its value
+    row = math.prod(cache.k.shape[2:]) + (0 if cache.v_in_k else math.prod(cache.v.shape[2:]))  # one token of one layer (both stores)
     rows = len(cache.full_layers) * sum(cache.lengths) + len(cache.window_layers) * sum(min(n, cache.window or 0) for n in cache.lengths)
     return size * (dense_params + experts_read + rows * row)
 

@@ -77,8 +77,8 @@ def evaluate(model: Transformer, batches: list, sources: list[str], *, device: t
         cp, cp_rank = meshes.cp, meshes.batch.get_local_rank("cp")
         counts_here = meshes.batch.get_local_rank("tp") == 0
     names = list(dict.fromkeys(sources))
-    keys = [f"{kind}_{j}" for j in range(len(names)) for kind in ("sum", "tokens")]
-    keys += [f"mtp_{d}_{kind}" for d in range(1, model.cfg.mtp_depth + 1) for kind in ("sum", "tokens")]
+    mtp = [f"mtp_{d}_{kind}" for d in range(1, model.cfg.mtp_depth + 1) for kind in ("sum", "tokens")]  # named as in losses
+    keys = [f"{kind}_{j}" for j in range(len(names)) for kind in ("sum", "tokens")] + mtp
     sums = dict.fromkeys(keys, torch.zeros((), dtype=torch.float64, device=device))
     for r in range(-(-len(batches) // dp)):
         i = r * dp + dp_rank
@@ -88,11 +88,8 @@ def evaluate(model: Transformer, batches: list, sources: list[str], *, device: t
         if i >= len(batches) or not counts_here:
             continue
         j = names.index(sources[i])
-        sums[f"sum_{j}"] = sums[f"sum_{j}"] + losses["lm_sum"].double()
-        sums[f"tokens_{j}"] = sums[f"tokens_{j}"] + losses["lm_tokens"].double()
-        for d in range(1, model.cfg.mtp_depth + 1):
-            for kind in ("sum", "tokens"):
-                sums[f"mtp_{d}_{kind}"] = sums[f"mtp_{d}_{kind}"] + losses[f"mtp_{d}_{kind}"].double()
+        for key, name in ((f"sum_{j}", "lm_sum"), (f"tokens_{j}", "lm_tokens"), *zip(mtp, mtp)):
+            sums[key] = sums[key] + losses[name].double()
     if meshes is not None:
         sums = parallel.all_reduce_sums(sums, meshes.stage_mesh)
     host = dict(zip(sums, torch.stack(list(sums.values())).tolist()))  # one device -> host transfer

@@ -29,7 +29,8 @@ writes them in the config's dtype, without the quantization_config.
 gpt-oss: the experts are stacks ([E, H, 2F] gate_up_proj with gate and up interleaved,
 [E, F, H] down_proj, and their biases), split into fmoe's w_gate / w_up (Tensor.part) and
 joined back on export; the released MXFP4 experts (`*_blocks` and `*_scales`, quant_method
-"mxfp4") are dequantised to float32 on load (dequantize_mxfp4), this rank's experts only.
+"mxfp4") are dequantised on load (dequantize_mxfp4), this rank's experts only, then cast to
+the parameters' dtype.
 
 Loading reads the safetensors files tensor by tensor with the `safetensors` library (an
 expert stack is filled expert by expert): the checkpoint is never in memory twice. Into a
@@ -584,6 +585,21 @@ def _sigmoid_routing_config(cfg: TransformerConfig) -> dict:
                 topk_group=cfg.topk_groups or 1, norm_topk_prob=cfg.route_normalize, num_nextn_predict_layers=cfg.mtp_depth)
 
 
+def _layer_types(cfg: TransformerConfig) -> list[str]:
+    """config.json's layer_types: each layer's sliding or full attention."""
+    return ["sliding_attention" if cfg.is_sliding(i) else "full_attention" for i in range(cfg.n_layers)]
+
+
+def _yarn_parameters(cfg: TransformerConfig) -> dict:
+    """config.json's rope_parameters of a YaRN model (what _yarn reads back): DeepSeek's
+    mscale pair when set; without it, 0.1 ln(factor) + 1 on cos / sin (gpt-oss)."""
+    out = dict(rope_type="yarn", rope_theta=cfg.rope_base, factor=cfg.yarn_factor, beta_fast=cfg.yarn_beta_fast,
+               beta_slow=cfg.yarn_beta_slow, truncate=cfg.yarn_truncate, original_max_position_embeddings=cfg.yarn_original_max_positions)
+    if cfg.yarn_mscale_all_dim:
+        out.update(mscale=cfg.yarn_mscale, mscale_all_dim=cfg.yarn_mscale_all_dim)
+    return out
+
+
 def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
     """A config.json for an fmoe model of one of FAMILIES (the fields the mapping reads)."""
     if model_type not in FAMILIES:
@@ -599,20 +615,14 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
     elif cfg.window is not None and model_type == "qwen3_moe":
         hf.update(use_sliding_window=True, sliding_window=cfg.window)
     elif cfg.window is not None and model_type == "qwen2_moe":
-        hf.update(use_sliding_window=True, sliding_window=cfg.window, max_window_layers=cfg.n_layers,
-                  layer_types=["sliding_attention" if cfg.is_sliding(i) else "full_attention" for i in range(cfg.n_layers)])
+        hf.update(use_sliding_window=True, sliding_window=cfg.window, max_window_layers=cfg.n_layers, layer_types=_layer_types(cfg))
     if model_type == "mixtral":
         hf.update(num_local_experts=cfg.n_experts, intermediate_size=cfg.ffn_expert)
     elif model_type == "gpt_oss":
         hf.update(num_local_experts=cfg.n_experts, intermediate_size=cfg.ffn_expert, attention_bias=cfg.qkv_bias,
-                  swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit, sliding_window=cfg.window,
-                  layer_types=["sliding_attention" if cfg.is_sliding(i) else "full_attention" for i in range(cfg.n_layers)])
+                  swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit, sliding_window=cfg.window, layer_types=_layer_types(cfg))
         if cfg.yarn_factor is not None:
-            hf["rope_parameters"] = dict(rope_type="yarn", rope_theta=cfg.rope_base, factor=cfg.yarn_factor, beta_fast=cfg.yarn_beta_fast,
-                                         beta_slow=cfg.yarn_beta_slow, truncate=cfg.yarn_truncate,
-                                         original_max_position_embeddings=cfg.yarn_original_max_positions)
-            if cfg.yarn_mscale_all_dim:  # DeepSeek's pair; without it, 0.1 ln(factor) + 1 on cos / sin
-                hf["rope_parameters"].update(mscale=cfg.yarn_mscale, mscale_all_dim=cfg.yarn_mscale_all_dim)
+            hf["rope_parameters"] = _yarn_parameters(cfg)
     elif model_type == "olmoe":
         hf.update(num_experts=cfg.n_experts, intermediate_size=cfg.ffn_expert, norm_topk_prob=not cfg.pre_softmax)
     else:
@@ -631,9 +641,7 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
         hf.update(q_lora_rank=cfg.q_rank, kv_lora_rank=cfg.kv_rank, qk_nope_head_dim=cfg.head_dim - rope, qk_rope_head_dim=rope,
                   v_head_dim=cfg.v_head_dim, head_dim=rope, rope_interleave=cfg.rope_interleaved, attention_bias=False)
         if cfg.yarn_factor is not None:
-            hf["rope_parameters"] = dict(rope_type="yarn", rope_theta=cfg.rope_base, factor=cfg.yarn_factor, beta_fast=cfg.yarn_beta_fast,
-                                         beta_slow=cfg.yarn_beta_slow, mscale=cfg.yarn_mscale, mscale_all_dim=cfg.yarn_mscale_all_dim,
-                                         truncate=cfg.yarn_truncate, original_max_position_embeddings=cfg.yarn_original_max_positions)
+            hf["rope_parameters"] = _yarn_parameters(cfg)
     back = TransformerConfig(**FAMILIES[model_type].config_to_fmoe(hf))
     ignored = {"impl", "ac", "init_std", "ffn_dense", "n_dense", "n_shared", "moe_layers", "capacity_factor", "capacity_policy"}
     if cfg.yarn_factor is None:

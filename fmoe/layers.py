@@ -558,7 +558,7 @@ def _check_cp(positions, token_index, kv_index, gather_kv) -> None:
 def attention_context(
     cu_seqlens: torch.Tensor, positions: torch.Tensor, cfg: AttentionConfig, *, mask=None,
     token_index: Optional[torch.Tensor] = None, kv_index: Optional[torch.Tensor] = None,
-    gather_kv: Optional[Callable] = None,
+    gather_kv: Optional[Callable] = None, window_only: bool = False,
 ) -> AttentionContext:
     """The per-micro-batch inputs of attention, built once and passed to every layer.
 
@@ -581,6 +581,9 @@ def attention_context(
             cp_mesh=...)). Their values are not read either. Decoding with a KV cache uses
             the same form: token_index the new tokens' rows in the cache, kv_index 0 ... of
             the cache's rows, gather_kv the cache (fmoe.model.Transformer.decode).
+        window_only: a context for the sliding-window layers alone (cfg.window): only the
+            window's mask is built, and it is `mask` too (decoding over a ring of keys that
+            the full-attention layers never see).
     Returns:
         AttentionContext(cos, sin [T, rot_dim/2] float32, mask, gather_kv): the mask is a
         FlexAttention BlockMask when cfg.impl is "flex", or "auto" on CUDA; the dense
@@ -597,13 +600,18 @@ def attention_context(
     T = positions.shape[0]
     T_kv = T if kv_index is None else kv_index.shape[0]
     flex = _use_flex(cfg.impl, positions.device)
-    if mask is None:
-        mask = document_mask(cu_seqlens, T_kv, flex=flex, token_index=token_index, kv_index=kv_index)
-    elif isinstance(mask, torch.Tensor) == flex or (isinstance(mask, torch.Tensor) and mask.shape != (T, T_kv)):
-        raise ValueError(f"mask: expected {'a BlockMask' if flex else f'a [{T}, {T_kv}] bool tensor'} (cfg.impl = {cfg.impl!r}), got {type(mask).__name__}")
+    if window_only and (cfg.window is None or mask is not None):
+        raise ValueError(f"window_only: a context of the sliding window's layers alone needs cfg.window and no mask, got window {cfg.window}"
+                         f"{' and a mask' if mask is not None else ''}")
     local = None
     if cfg.window is not None:  # the sliding window's mask too, for the layers that use it
         local = document_mask(cu_seqlens, T_kv, flex=flex, token_index=token_index, kv_index=kv_index, window=cfg.window)
+    if window_only:
+        mask = local
+    elif mask is None:
+        mask = document_mask(cu_seqlens, T_kv, flex=flex, token_index=token_index, kv_index=kv_index)
+    elif isinstance(mask, torch.Tensor) == flex or (isinstance(mask, torch.Tensor) and mask.shape != (T, T_kv)):
+        raise ValueError(f"mask: expected {'a BlockMask' if flex else f'a [{T}, {T_kv}] bool tensor'} (cfg.impl = {cfg.impl!r}), got {type(mask).__name__}")
     cos, sin = rope_tables(positions, cfg)
     return AttentionContext(cos, sin, mask, gather_kv, window=cfg.window, local_mask=local)
 

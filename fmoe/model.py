@@ -631,10 +631,9 @@ class KVCache:
         check_positive_int("max_tokens", max_tokens)
         check_positive_int("batch", batch)
         self.v_in_k = cfg.kv_rank is not None  # v is k's latent: written with k
-        self.window = cfg.window if cfg.window is not None and cfg.window < max_tokens else None
         self.window_layers = self.ring_layers(cfg, max_tokens)
+        self.window = cfg.window if self.window_layers else None
         self.full_layers = tuple(i for i in range(cfg.n_layers) if i not in self.window_layers)
-        self.n_layers = cfg.n_layers
         if cfg.kv_rank is None:
             row = (cfg.n_kv_heads, cfg.head_dim)
         else:  # the latent is both the key's first kv_rank channels and the value
@@ -644,6 +643,10 @@ class KVCache:
         self.max_tokens, self.batch = max_tokens, batch
         self.lengths = [0] * batch
         self.in_window = [0] * batch  # the tokens whose keys went into the rings: going back more than one is refused
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.full_layers) + len(self.window_layers)
 
     @staticmethod
     def ring_layers(cfg: TransformerConfig, max_tokens: int) -> tuple[int, ...]:
@@ -888,7 +891,8 @@ class Transformer(nn.Module):
             raise ValueError(f"cache: expected a KVCache (model.kv_cache(max_tokens)), got {type(cache).__name__}")
         if cache.n_layers != self.cfg.n_layers:
             raise ValueError(f"cache: holds {cache.n_layers} layers, the model has {self.cfg.n_layers}")
-        if cache.window_layers != KVCache.ring_layers(self.cfg, cache.max_tokens):
+        rings = KVCache.ring_layers(self.cfg, cache.max_tokens)
+        if (cache.window_layers, cache.window) != (rings, self.cfg.window if rings else None):
             raise ValueError(f"cache: made for sliding-window layers {list(cache.window_layers)} of window {cache.window}, the model's differ "
                              "(make the cache with model.kv_cache)")
         if input_ids.ndim not in (1, 2) or input_ids.shape[-1] < 1 or input_ids.dtype not in (torch.int64, torch.int32):
@@ -919,9 +923,9 @@ class Transformer(nn.Module):
         if absorbed:
             cfg = dataclasses.replace(cfg, impl="torch")
         contexts = {}  # sliding-window ring or not -> the context (its gather_kv bound per layer below)
-        if cache.full_layers:
-            contexts[False] = attention_context(cu, positions, cfg, token_index=rows, kv_index=torch.arange(n_keys, device=device),
-                                                gather_kv=_bound_per_layer)
+        if cache.full_layers:  # with rings, the sliding layers' window mask is theirs: none here
+            contexts[False] = attention_context(cu, positions, dataclasses.replace(cfg, window=None) if cache.window_layers else cfg,
+                                                token_index=rows, kv_index=torch.arange(n_keys, device=device), gather_kv=_bound_per_layer)
         if cache.window_layers:
             contexts[True], window_kv = self._window_context(cache, seq_list, T, positions, rows, rows_host, cfg)
         h_TH = F.embedding(input_ids.reshape(-1), self.embed)
@@ -961,7 +965,7 @@ class Transformer(nn.Module):
         ring_rows = torch.tensor([b * W + (cache.lengths[b] + t) % W for b in seq_list for t in kept], device=device)
         new_rows = None if before else torch.tensor([i * T + t for i in range(len(seq_list)) for t in kept], device=device)
         cu = torch.tensor([*range(0, dead + 1, M), dead + 1], dtype=torch.int32, device=device)
-        ctx = attention_context(cu, positions, cfg, token_index=rows, kv_index=kv_host.to(device), gather_kv=_bound_per_layer)
+        ctx = attention_context(cu, positions, cfg, token_index=rows, kv_index=kv_host.to(device), gather_kv=_bound_per_layer, window_only=True)
         return ctx, (ring_rows, new_rows)
 
     @staticmethod

@@ -193,6 +193,12 @@ def test_attention_bad_inputs():
         attention_context(cu, torch.arange(6), CFG, mask=torch.ones(5, 5, dtype=torch.bool))
     with pytest.raises(ValueError, match="mask: expected a BlockMask"):
         attention_context(cu, torch.arange(6), flex, mask=ctx.mask)
+    # a context of the window's layers alone: the window's mask is its mask, no other built
+    windowed = dataclasses.replace(CFG, window=3)
+    alone = attention_context(cu, torch.arange(6), windowed, window_only=True)
+    assert alone.mask is alone.local_mask and torch.equal(alone.mask, attention_context(cu, torch.arange(6), windowed).local_mask)
+    with pytest.raises(ValueError, match="window_only: a context of the sliding window's layers alone needs cfg.window and no mask, got window None"):
+        attention_context(cu, torch.arange(6), CFG, window_only=True)
 
 
 def test_document_mask_dense_and_block_agree():

@@ -578,6 +578,8 @@ def test_decode_bad_inputs():
     sliding = _sharp(dataclasses.replace(TINY, window=2, window_layers=(1,)))
     with pytest.raises(ValueError, match=r"cache: made for sliding-window layers \[\] of window None, the model's differ"):
         sliding.decode(ids, cache)
+    with pytest.raises(ValueError, match=r"cache: made for sliding-window layers \[1\] of window 3, the model's differ"):
+        sliding.decode(ids, KVCache(dataclasses.replace(sliding.cfg, window=3), 4))  # same layers, another window
     ring = sliding.kv_cache(4)
     with torch.no_grad():
         first = sliding.decode(ids, ring)
