@@ -34,7 +34,6 @@ instead: {"loss", "tokens", "by_source": {name: {"loss", "tokens"}}, "mtp_losses
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -45,12 +44,10 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from generate import _device, is_hf_folder, load_model, run_config  # noqa: E402
+from generate import _device, is_hf_folder, leave_ranks, load_model, load_sharded, start_ranks  # noqa: E402
 
-import fmoe.hf  # noqa: E402
 import fmoe.parallel as parallel  # noqa: E402
 from fmoe.model import Transformer  # noqa: E402
-from fmoe.train import checkpoint  # noqa: E402
 
 
 @torch.no_grad()
@@ -123,35 +120,6 @@ def data_batches(corpus, *, split: str, val_percent: int, tokens: int, n_batches
     return batches, sources
 
 
-def load_sharded(path: Path, sizes: dict, *, device: torch.device, dtype: torch.dtype, impl: str) -> tuple[Transformer, dict, object]:
-    """(model, run config, meshes): load_model's model and run config for a model larger than
-    one device (after init_process_group). The meshes are fmoe.parallel.build_meshes(**sizes)
-    (tp, ep, etp, cp; the rest of the world FSDP2's); the model is built on the meta device,
-    parallelized over them (FSDP2 computing in `dtype`, the router in float32), each rank
-    allocating only its own shards and reading only their weights (an HF folder's
-    safetensors blocks, fmoe.hf.load_weights; a run's checkpoint resharded by DCP,
-    fmoe.train.checkpoint.load_model)."""
-    if is_hf_folder(path):
-        hf, cfg = fmoe.hf.read_config(path)
-        cfg, run = dataclasses.replace(cfg, impl=impl, mtp_depth=0), {}
-    else:
-        cfg, run = run_config(path, impl=impl)
-    meshes = parallel.build_meshes(**sizes, has_experts=any(cfg.is_moe(i) for i in range(cfg.n_layers)), device_type=device.type)
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    try:
-        parallel.parallelize(model, meshes, param_dtype=dtype if dtype != torch.float32 else None)
-    except ValueError as err:
-        raise ValueError(f"parallel knobs (--tp, --ep, --etp, --cp): {err}") from None
-    parallel.materialize(model, device, seed=0)  # what the weights do not hold (an HF folder's expert biases) starts as from_pretrained's
-    if run:
-        checkpoint.load_model(path, model=model)
-    else:
-        fmoe.hf.load_weights(model, path, model_type=hf["model_type"])
-        model.hf_config = hf
-    return model, run, meshes
-
-
 def main(argv: list[str]) -> None:
     from fmoe.train.data import BYTE_VOCAB_SIZE, load_blend
 
@@ -180,14 +148,7 @@ def main(argv: list[str]) -> None:
         if world == 1 and all(v == 1 for v in sizes.values()):
             model, run = load_model(args.path, impl=impl, dtype=dtype, device=device)
         else:  # several processes: each holds and reads its own shards of the model
-            try:
-                parallel.plan_sizes(world, **sizes)
-            except ValueError as err:
-                raise ValueError(f"parallel knobs (--tp, --ep, --etp, --cp) for {world} process(es), the rest FSDP2: {err}") from None
-            if device.type == "cuda":
-                device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-                torch.cuda.set_device(device)
-            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")  # world > 1: plan_sizes refused more axes than ranks
+            device = start_ranks(device, sizes)  # world > 1: plan_sizes refused more axes than ranks
             rank = dist.get_rank()
             model, run, meshes = load_sharded(args.path, sizes, device=device, dtype=dtype, impl=impl)
     except (OSError, ValueError, KeyError) as err:
@@ -215,13 +176,7 @@ def main(argv: list[str]) -> None:
     if rank == 0:
         report(result, unit="byte" if corpus.vocab_size == BYTE_VOCAB_SIZE else "token", as_json=args.json)
     if meshes is not None:
-        dist.barrier()
-        dist.destroy_process_group()
-        # everything is done and printed: leave without the interpreter's teardown, in which
-        # a gloo rank occasionally aborted ("terminate called without an active exception")
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        leave_ranks()
 
 
 def report(result: dict, *, unit: str, as_json: bool) -> None:

@@ -6,6 +6,7 @@
     python examples/generate.py path/to/qwen3_moe --prompt_ids=1,2,3 # or token ids, printed as ids
     python examples/generate.py out/train_moe --prompt="def " --samples=4 --temperature=1  # 4 draws, one batch
     python examples/generate.py path/to/qwen3_moe --prompt="Hi" --device=cuda --dtype=bfloat16
+    torchrun --nproc-per-node 8 examples/generate.py path/to/qwen3_moe --prompt="Hi" --ep=8 --device=cuda --dtype=bfloat16
 
 An fmoe run is rebuilt from its config.json (the model knobs and vocab_size the loop wrote)
 and the newest complete checkpoint's weights (fmoe.train.checkpoint.load_model); a run on
@@ -21,18 +22,30 @@ the unfinished ones in one forward pass). --device and --dtype place and cast th
 (the router stays float32; an HF folder's weights are allocated there and cast as they are
 read, so --dtype=bfloat16 needs half the host memory of float32); the model runs fmoe's
 torch reference (SDPA attention) there.
+
+Under torchrun the model may be larger than one device: each rank builds it on the meta
+device, parallelized over --tp (attention heads and dense FFN columns; each rank caches its
+own kv heads), --ep and --etp (the experts), the rest of the world sharding it with FSDP2,
+and reads only its own shards' weights (load_sharded, as examples/evaluate.py). Every rank
+decodes the same batch (Transformer.decode on the parallelized model), rank 0's draws are
+broadcast so that the ranks stay in step, and rank 0 prints: the same tokens as one process
+(up to float rounding near a tie).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
+import fmoe.parallel as parallel
 from fmoe.model import Transformer, TransformerConfig
 
 
@@ -75,6 +88,70 @@ def load_run(path: Path, *, impl: str = "torch") -> tuple[Transformer, dict]:
     return model, run
 
 
+def load_sharded(path: Path, sizes: dict, *, device: torch.device, dtype: torch.dtype, impl: str) -> tuple[Transformer, dict, object]:
+    """(model, run config, meshes): load_model's model and run config for a model larger than
+    one device (after init_process_group). The meshes are fmoe.parallel.build_meshes(**sizes)
+    (tp, ep, etp and for evaluation cp; the rest of the world FSDP2's); the model is built on the meta device,
+    parallelized over them (FSDP2 computing in `dtype`, the router in float32), each rank
+    allocating only its own shards and reading only their weights (an HF folder's
+    safetensors blocks, fmoe.hf.load_weights; a run's checkpoint resharded by DCP,
+    fmoe.train.checkpoint.load_model)."""
+    import fmoe.hf
+    from fmoe.train import checkpoint
+
+    if is_hf_folder(path):
+        hf, cfg = fmoe.hf.read_config(path)
+        cfg, run = dataclasses.replace(cfg, impl=impl, mtp_depth=0), {}
+    else:
+        cfg, run = run_config(path, impl=impl)
+    meshes = parallel.build_meshes(**sizes, has_experts=any(cfg.is_moe(i) for i in range(cfg.n_layers)), device_type=device.type)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    try:
+        parallel.parallelize(model, meshes, param_dtype=dtype if dtype != torch.float32 else None)
+    except ValueError as err:
+        raise ValueError(f"{_knobs(sizes)}: {err}") from None
+    parallel.materialize(model, device, seed=0)  # what the weights do not hold (an HF folder's expert biases) starts as from_pretrained's
+    if run:
+        checkpoint.load_model(path, model=model)
+    else:
+        fmoe.hf.load_weights(model, path, model_type=hf["model_type"])
+        model.hf_config = hf
+    return model, run, meshes
+
+
+def _knobs(sizes: dict) -> str:
+    """The command-line knobs of a mesh's axes, for messages: parallel knobs (--tp, --ep, ...)."""
+    return f"parallel knobs ({', '.join(f'--{axis}' for axis in sizes)})"
+
+
+def start_ranks(device: torch.device, sizes: dict) -> torch.device:
+    """Under torchrun: check the axis sizes against the world, take this rank's GPU
+    (LOCAL_RANK) for a cuda device, and start the process group (nccl on cuda, else gloo);
+    returns the device. ValueError for sizes the world does not hold."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        parallel.plan_sizes(world, **sizes)
+    except ValueError as err:
+        raise ValueError(f"{_knobs(sizes)} for {world} process(es), the rest FSDP2: {err}") from None
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return device
+
+
+def leave_ranks() -> None:
+    """After start_ranks, once everything is done and printed: wait for every rank, end the
+    process group and leave without the interpreter's teardown, in which a gloo rank
+    occasionally aborted ("terminate called without an active exception")."""
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def generate(model: Transformer, prompt: list[int], *, tokens: int, temperature: float = 0.0, top_p: float = 1.0,
              seed: int = 0, eos: Optional[int] = None) -> list[int]:
     """prompt + up to `tokens` new token ids (module docstring). ValueError for an empty
@@ -84,12 +161,17 @@ def generate(model: Transformer, prompt: list[int], *, tokens: int, temperature:
 
 @torch.no_grad()
 def generate_many(model: Transformer, prompts: list[list[int]], *, tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                  seed: int = 0, eos: Optional[int] = None) -> list[list[int]]:
+                  seed: int = 0, eos: Optional[int] = None, group=None) -> list[list[int]]:
     """Each prompt + up to `tokens` new token ids, decoded as one batch: a KVCache of
     len(prompts) sequences, each prompt run alone, then one step for every unfinished
     sequence together (Transformer.decode with seqs). Greedy gives each prompt what
     generate gives it alone; sampling draws from one generator seeded by `seed`, the
-    sequences in order at each step. ValueError as generate's, and for no prompts."""
+    sequences in order at each step. ValueError as generate's, and for no prompts.
+
+    group: for a model parallelized over several processes (load_sharded), the process
+    group of its ranks, every one calling this with the same prompts: the tokens that the
+    group's first rank draws at each step are broadcast to the others (one small collective
+    per step), so every rank feeds the same tokens and stops at the same step."""
     if not prompts:
         raise ValueError("prompts: expected at least one prompt")
     if any(not prompt for prompt in prompts):
@@ -111,8 +193,12 @@ def generate_many(model: Transformer, prompts: list[list[int]], *, tokens: int, 
         if step:
             last = torch.tensor([[out[b][-1]] for b in active], device=device)
             logits = list(model.decode(last, cache, seqs=active)[:, -1])
-        for b, row in zip(list(active), logits):
-            nxt = _next_token(row.float().cpu(), temperature, top_p, gen)
+        drawn = [_next_token(row.float().cpu(), temperature, top_p, gen) for row in logits]
+        if group is not None:
+            drawn_t = torch.tensor(drawn, device=device)
+            dist.broadcast(drawn_t, group=group, group_src=0)
+            drawn = drawn_t.tolist()
+        for b, nxt in zip(list(active), drawn):
             out[b].append(nxt)
             if eos is not None and nxt == eos:
                 active.remove(b)
@@ -156,16 +242,26 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--top_p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--samples", type=int, default=1, help="continuations of the prompt, decoded as one batch")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (under torchrun: cpu or cuda, each rank its LOCAL_RANK's GPU)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    for axis, what in (("tp", "tensor parallel: attention heads, dense FFN columns"), ("ep", "expert parallel"),
+                       ("etp", "expert tensor parallel: the experts' FFN columns")):
+        parser.add_argument(f"--{axis}", type=int, default=1, help=f"under torchrun: {what} (the rest of the world is FSDP2 data parallel)")
     args = parser.parse_args(argv)
-    encode = decode = None
+    encode = decode = group = None
+    world, sizes, dtype = int(os.environ.get("WORLD_SIZE", "1")), dict(tp=args.tp, ep=args.ep, etp=args.etp), getattr(torch, args.dtype)
     try:
-        device = _device(args.device)
+        device = _device(args.device if world == 1 else args.device.split(":")[0])
+        if world > 1 or any(v != 1 for v in sizes.values()):  # several processes: each holds and reads its own shards
+            device = start_ranks(device, sizes)
+            group = dist.group.WORLD
     except ValueError as err:
         sys.exit(str(err))
     try:
-        model, run = load_model(args.path, dtype=getattr(torch, args.dtype), device=device)
+        if group is None:
+            model, run = load_model(args.path, dtype=dtype, device=device)
+        else:
+            model, run, _ = load_sharded(args.path, sizes, device=device, dtype=dtype, impl="torch")
         if not run:  # an HF folder
             eos = model.hf_config.get("eos_token_id")
             eos = eos[0] if isinstance(eos, list) else eos
@@ -181,7 +277,7 @@ def main(argv: list[str]) -> None:
             if not str(run["config"].get("data", "")).endswith((".bin", ".npy")):  # bytes: the stdlib corpus or text files
                 encode, decode, eos = (lambda s: encode_text(s).tolist()), decode_text, EOS
     except (OSError, ValueError, KeyError) as err:
-        sys.exit(f"path: {err}")
+        sys.exit(str(err) if str(err).startswith("parallel knobs") else f"path: {err}")
     if args.prompt_ids:
         prompt = [int(t) for t in args.prompt_ids.split(",")]
     elif encode is not None:
@@ -192,13 +288,16 @@ def main(argv: list[str]) -> None:
         if args.samples < 1:
             raise ValueError(f"--samples: expected a positive number of continuations, got {args.samples}")
         samples = generate_many(model, [prompt] * args.samples, tokens=args.tokens, temperature=args.temperature, top_p=args.top_p,
-                                seed=args.seed, eos=eos)
+                                seed=args.seed, eos=eos, group=group)
     except ValueError as err:
         sys.exit(str(err))
-    for i, ids in enumerate(samples):
-        if args.samples > 1:
-            print(f"--- sample {i}")
-        print(decode(ids) if decode is not None and not args.prompt_ids else ",".join(map(str, ids[len(prompt):])))
+    if group is None or dist.get_rank() == 0:
+        for i, ids in enumerate(samples):
+            if args.samples > 1:
+                print(f"--- sample {i}")
+            print(decode(ids) if decode is not None and not args.prompt_ids else ",".join(map(str, ids[len(prompt):])))
+    if group is not None:
+        leave_ranks()
 
 
 if __name__ == "__main__":

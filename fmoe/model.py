@@ -735,6 +735,11 @@ def _bound_per_layer(k_TGD, v_TGD):
     raise RuntimeError("decode binds each layer's gather_kv to its cache rows")
 
 
+def _unpadded(n: int, gather_kv, k_TGD, v_TGD):
+    """gather_kv of the first n new tokens' keys and values (decode's padding dropped)."""
+    return gather_kv(k_TGD[:n], v_TGD[:n])
+
+
 BATCH_KEYS = ("input_ids", "labels", "loss_mask", "positions", "cu_seqlens")
 MTP_KEYS = ("mtp_input_ids", "mtp_labels", "mtp_loss_mask", "mtp_positions")
 
@@ -757,6 +762,9 @@ class Transformer(nn.Module):
         # pipeline parallelism: fmoe.parallel.pipeline_chunk keeps one stage's layers and
         # sets a PipelineChunk (first, last); the forward then runs only those (forward)
         self.pipeline_chunk = None
+        # FSDP2 mixed precision: fmoe.parallel.parallelize sets the dtype the blocks compute
+        # in (its param_dtype), which kv_cache gives the cache; None: the parameters' dtype
+        self.compute_dtype = None
         self.reset_parameters()
 
     @torch.no_grad()
@@ -841,8 +849,9 @@ class Transformer(nn.Module):
         and parity checks (the training forward never builds them).
 
         input_ids [T] int64; cu_seqlens [n+1] int32 (0, ..., T); positions [T] (default:
-        each document's 0, 1, ...). A model of one process (not parallelized, not a pipeline
-        chunk)."""
+        each document's 0, 1, ...). The whole model: on one process, or parallelized by
+        fmoe.parallel.parallelize over FSDP2, tensor and expert parallelism (every rank calls
+        it with the same tokens; T a multiple of tp), not a pipeline chunk or context parallel."""
         from fmoe.ops import positions_from_cu_seqlens
 
         self._check_whole("logits")
@@ -867,8 +876,18 @@ class Transformer(nn.Module):
 
     def kv_cache(self, max_tokens: int, batch: int = 1) -> KVCache:
         """An empty KVCache of `batch` sequences of up to max_tokens tokens each, on the
-        model's device, in its dtype."""
-        return KVCache(self.cfg, max_tokens, batch=batch, device=self.embed.device, dtype=self.embed.dtype)
+        model's device, in the dtype it computes in (its parameters', or FSDP2's param_dtype
+        under fmoe.parallel.parallelize). Under tensor parallelism it holds this rank's kv
+        heads (n_kv_heads / tp; multi-latent attention's latents are every rank's)."""
+        local = next(b.attn.cfg for b in self.blocks if hasattr(b, "attn"))  # the heads this rank's attention computes
+        cfg = dataclasses.replace(self.cfg, n_heads=local.n_heads, n_kv_heads=local.n_kv_heads) if local.n_kv_heads != self.cfg.n_kv_heads else self.cfg
+        return KVCache(cfg, max_tokens, batch=batch, device=self.embed.device, dtype=self.compute_dtype or self.embed.dtype)
+
+    def _token_multiple(self) -> int:
+        """The number a forward's token count must divide by: the tp ranks' (sequence
+        parallelism splits the tokens between the tensor-parallel regions), else 1."""
+        shard = next((b.attn.tensor_parallel for b in self.blocks if getattr(b.attn, "tensor_parallel", None) is not None), None)
+        return 1 if shard is None else shard.mesh.size()
 
     @torch.no_grad()
     def decode(self, input_ids: torch.Tensor, cache: KVCache, seqs=None) -> torch.Tensor:
@@ -884,8 +903,14 @@ class Transformer(nn.Module):
 
         Each sequence attends to its own tokens only: equals the rows of logits(...) of each
         whole sequence, as long as no capacity_factor drops tokens (a capacity counts the
-        tokens of one call). A model of one process, as logits; reads the cache's lengths on
-        the host, never a device value."""
+        tokens of one call). Reads the cache's lengths on the host, never a device value.
+
+        The whole model, as logits: on one process, or parallelized by fmoe.parallel.
+        parallelize over FSDP2, tensor and expert parallelism (a model larger than one device),
+        every rank calling decode with the same tokens and a cache of its own from
+        model.kv_cache (under tp: this rank's n_kv_heads / tp heads). Under tp a call's S T
+        tokens are padded to a multiple of tp with copies of the last one, whose keys are not
+        cached and whose logits are dropped (with a capacity_factor they count in it too)."""
         self._check_whole("decode")
         if not isinstance(cache, KVCache):
             raise ValueError(f"cache: expected a KVCache (model.kv_cache(max_tokens)), got {type(cache).__name__}")
@@ -915,8 +940,17 @@ class Transformer(nn.Module):
         # with the model's mask (FlexAttention's block mask on CUDA).
         positions_host = [cache.lengths[b] + t for b in seq_list for t in range(T)]
         rows_host = [b * M + cache.lengths[b] + t for b in seq_list for t in range(T)]
-        n_keys = max(rows_host) + 1
-        positions, rows = (torch.tensor(v, device=device) for v in (positions_host, rows_host))
+        n_keys, n = max(rows_host) + 1, len(rows_host)
+        # under tensor parallelism the tokens split evenly over the tp ranks: pad with copies
+        # of the last token (same position and row in the mask, so the same attention), whose
+        # keys are not written and whose outputs are dropped
+        pad = -n % self._token_multiple()
+        ids = input_ids.reshape(-1)
+        if pad:
+            ids = torch.cat([ids, ids[-1:].expand(pad)])
+        positions = torch.tensor(positions_host + positions_host[-1:] * pad, device=device)
+        queries = torch.tensor(rows_host + rows_host[-1:] * pad, device=device)  # each query's row: its index in the mask
+        rows = queries[:n]
         cu = torch.tensor([*range(0, n_keys, M), n_keys], dtype=torch.int32, device=device)
         cfg, mla = self.cfg.attention_config(sliding=self.cfg.any_sliding), self.cfg.kv_rank is not None
         absorbed = mla and T == 1
@@ -925,19 +959,21 @@ class Transformer(nn.Module):
         contexts = {}  # sliding-window ring or not -> the context (its gather_kv bound per layer below)
         if cache.full_layers:  # with rings, the sliding layers' window mask is theirs: none here
             contexts[False] = attention_context(cu, positions, dataclasses.replace(cfg, window=None) if cache.window_layers else cfg,
-                                                token_index=rows, kv_index=torch.arange(n_keys, device=device), gather_kv=_bound_per_layer)
+                                                token_index=queries, kv_index=torch.arange(n_keys, device=device), gather_kv=_bound_per_layer)
         if cache.window_layers:
-            contexts[True], window_kv = self._window_context(cache, seq_list, T, positions, rows, rows_host, cfg)
-        h_TH = F.embedding(input_ids.reshape(-1), self.embed)
+            contexts[True], window_kv = self._window_context(cache, seq_list, T, positions, queries, rows_host, cfg)
+        h_TH = F.embedding(ids, self.embed)
         for i, block in enumerate(self.blocks):
             ring = i in cache.window_layers
             kv = functools.partial(cache.write_window, i, *window_kv) if ring else functools.partial(cache.write, i, rows, n_keys)
+            if pad:
+                kv = functools.partial(_unpadded, n, kv)
             layer_ctx = dataclasses.replace(contexts[ring], gather_kv=kv, latents=None if not mla else "absorbed" if absorbed else "expanded")
             h_TH, _ = block(h_TH, layer_ctx)
         for b in seq_list:
             cache.lengths[b] += T
             cache.in_window[b] = cache.lengths[b]
-        logits = self._head(h_TH)
+        logits = self._head(h_TH[:n])
         return logits if input_ids.ndim == 1 else logits.view(len(seq_list), T, -1)
 
     @staticmethod

@@ -1,6 +1,7 @@
 """examples/generate.py: greedy decoding equals transformers' own generate on a loaded HF
 model; an fmoe run directory is rebuilt from its config.json and newest checkpoint and
-samples reproducibly per seed; bad knobs stop with a message."""
+samples reproducibly per seed; under torchrun (FSDP2, TP, EP) rank 0 prints one process's
+samples; bad knobs stop with a message."""
 
 import dataclasses
 import pathlib
@@ -117,6 +118,26 @@ def test_cli_samples_in_one_batch_on_a_device_and_dtype(run_dir):
                           (["--device=nowhere"], "--device: expected cpu, cuda or cuda:N, got 'nowhere'")):
         bad = run("--tokens=2", *args)
         assert bad.returncode != 0 and message in bad.stderr, bad.stderr[-2000:]
+
+
+def test_torchrun_on_any_mesh_draws_the_one_process_tokens(run_dir):
+    """2 gloo ranks: FSDP2, TP with EP (each rank caches its kv head; odd token counts padded),
+    expert tensor parallel. Each rank reads its own shards of the checkpoint, decodes the
+    same batch, and rank 0's draws are broadcast: rank 0 prints one process's samples."""
+    out, _ = run_dir
+    args = [str(ROOT / "examples" / "generate.py"), str(out), "--prompt_ids=100,101,102,32,120", "--tokens=7", "--samples=2",
+            "--temperature=1.0", "--seed=4"]
+    one = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-2000:]
+    samples = [line.split(",") for line in one.stdout.splitlines() if not line.startswith("--- sample")]
+    assert len(samples) == 2 and all(1 <= len(ids) <= 7 for ids in samples) and samples[0] != samples[1]  # two different draws
+    for knobs in ([], ["--tp=2", "--ep=2"], ["--etp=2"]):
+        cli = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *args, *knobs],
+                             capture_output=True, text=True, timeout=600)
+        assert cli.returncode == 0, (knobs, cli.stderr[-3000:])
+        assert cli.stdout == one.stdout, knobs  # rank 0 prints, the same tokens
+    bad = subprocess.run([sys.executable, *args, "--tp=2"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "parallel knobs (--tp, --ep, --etp) for 1 process(es), the rest FSDP2" in bad.stderr, bad.stderr[-2000:]
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -35,7 +35,7 @@ from typing import Optional
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
 
@@ -107,6 +107,13 @@ def apply_fsdp(
     # the root stays gathered until backward: its forward returns TensorDicts, which FSDP's
     # pre-backward hooks do not look into, so it could not re-gather for backward
     fully_shard(model, mesh=dense, mp_policy=mp, reshard_after_forward=False)
+    # the model's other entry points that use the root's own parameters (the embedding,
+    # final norm and head): FSDP2 gathers them there as it does in forward
+    for method in ("decode", "logits"):
+        if callable(getattr(model, method, None)):
+            register_fsdp_forward_method(model, method)
+    if hasattr(model, "compute_dtype"):
+        model.compute_dtype = param_dtype
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

@@ -224,9 +224,65 @@ CASES = {
 }
 
 
+# decode and logits of a parallelized model against one process: (world, sizes, overrides,
+# FSDP2 param_dtype, tolerance). The window (3) is narrower than the prompts (5 and 3 tokens),
+# so the sliding-window layers decode through their rings; under tp the odd token counts of a
+# call are padded to a multiple of tp
+WINDOW = dict(window=3, window_layers=(1,))
+DECODE_CASES = {
+    "fsdp2": (2, dict(), GPT_OSS, None, 1e-5),
+    "fsdp2-bf16": (2, dict(), {}, torch.bfloat16, 5e-2),
+    "ep2": (2, dict(ep=2), dict(GPT_OSS, **WINDOW), None, 1e-5),
+    "etp2": (2, dict(etp=2), GPT_OSS, None, 1e-5),
+    "tp2": (2, dict(tp=2), dict(GPT_OSS, **WINDOW), None, 1e-5),
+    "tp2-proj-norm": (2, dict(tp=2), dict(qk_norm="proj", **WINDOW), None, 1e-5),
+    "tp2-mla": (2, dict(tp=2), dict(MLA, q_rank=10), None, 1e-5),
+    "ep2xtp2": (4, dict(tp=2, ep=2), dict(GPT_OSS, **WINDOW), None, 1e-5),
+    "ep2xetp2-fsdp": (4, dict(ep=2, etp=2), {}, None, 1e-5),
+}
+
+
+def _decode_calls(model):
+    """Logits of decode calls that cover its forms (a prompt per sequence, steps of both
+    sequences together, a step of 2 tokens each, one sequence alone) and of logits over
+    two packed documents; the cache's kv heads and dtype."""
+    g = torch.Generator().manual_seed(5)
+    ids = lambda *shape: torch.randint(0, TINY["vocab_size"], shape, generator=g)  # noqa: E731
+    cache = model.kv_cache(16, batch=2)
+    out = [model.decode(ids(5), cache, seqs=0), model.decode(ids(3), cache, seqs=1)]
+    out += [model.decode(ids(2, 1), cache) for _ in range(3)]
+    out += [model.decode(ids(2, 2), cache), model.decode(ids(1), cache, seqs=1)]
+    with torch.no_grad():
+        out.append(model.logits(ids(6), torch.tensor([0, 2, 6])))
+    return out, (cache.k.shape[2], cache.k.dtype)
+
+
+def _decode(rank, world, sizes, overrides, param_dtype, tol):
+    """The max error, relative to the largest logit, of every call of _decode_calls on the
+    parallelized model (FSDP2 computing in param_dtype) against one process in float32,
+    and whether its cache holds n_kv_heads / tp heads in the computing dtype."""
+    from fmoe.model import Transformer, TransformerConfig
+    from fmoe.parallel import build_meshes, parallelize
+
+    cfg = TransformerConfig(**{**TINY, "mtp_depth": 0, **overrides})
+    torch.manual_seed(0)
+    ref = Transformer(cfg)
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    _perturb_zeros_and_ones(ref, model)
+    want, _ = _decode_calls(ref.eval())
+    parallelize(model, build_meshes(**sizes), param_dtype=param_dtype)
+    got, cache = _decode_calls(model.eval())
+    heads = 1 if cfg.kv_rank is not None else cfg.n_kv_heads // sizes.get("tp", 1)
+    return {"logits": max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, want)),
+            "cache": float(cache != (heads, param_dtype or torch.float32))}
+
+
 def _cases(rank, world, names):
-    """Every case of one world size (by_world), and on 2 ranks the user-Blocks case and the refusals."""
+    """Every case of one world size (by_world), its decode cases, and on 2 ranks the
+    user-Blocks case and the refusals."""
     out = {name: _compare(rank, world, *CASES[name][1:]) for name in names}
+    out.update({f"decode-{name}": _decode(rank, world, *case[1:]) for name, case in DECODE_CASES.items() if case[0] == world})
     if world == 2:
         out["user_blocks"], out["bad_tp"] = _user_blocks(rank, world), _bad_tp(rank, world)
     return out
@@ -244,6 +300,17 @@ def test_parallel_model_matches_one_process(case, results):
         errors = by_case[case]
         bad = {k: v for k, v in errors.items() if isinstance(v, str) or not v < 1e-5}
         assert not bad, f"rank {rank}: {bad}"
+
+
+@pytest.mark.parametrize("case", list(DECODE_CASES))
+def test_parallel_decode_matches_one_process(case, results):
+    """Transformer.decode (KV cache, sliding-window rings, batched sequences) and logits on
+    a parallelized model: FSDP2 gathers the root's embedding and head for them as for
+    forward, the cache holds this rank's kv heads, and tp pads odd token counts."""
+    world, tol = DECODE_CASES[case][0], DECODE_CASES[case][-1]
+    for rank, by_case in enumerate(results(world)):
+        errors = by_case[f"decode-{case}"]
+        assert errors["cache"] == 0 and errors["logits"] < tol, f"rank {rank}: {errors}"
 
 
 class _Blocks(torch.nn.Module):
