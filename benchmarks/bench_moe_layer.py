@@ -19,7 +19,9 @@ Table: median ms of the forward and forward+backward; TFLOP/s over the active pa
 backward: 3x that), the fraction of the bf16 matmul rate measured in the same run, the peak memory
 of forward+backward, fmoe's speedup over each baseline; then fmoe's permute and unpermute
 alone as a fraction of the copy bandwidth measured in the same run (bytes: x read once,
-T k rows written; and back). CSV in OUT/bench_moe_layer.csv.
+T k rows written; and back), and gpt-oss's clamped SwiGLU (forward + backward over the T k x F
+activations) fused against the torch reference (fused_speedup: its ms / the fused ms).
+CSV in OUT/bench_moe_layer.csv.
 """
 
 import sys
@@ -35,10 +37,10 @@ from _common import (  # before torch and fmoe: with --smoke it sets TRITON_INTE
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from fmoe.layers import MoEConfig, moe  # noqa: E402
-from fmoe.ops import permute, unpermute  # noqa: E402
+from fmoe.ops import permute, swiglu, unpermute  # noqa: E402
 
 COLUMNS = ["shape", "pass", "impl", "ms", "TFLOP/s", "matmul_fraction", "peak_GiB", "fmoe_speedup"]
-BW_COLUMNS = ["shape", "op", "ms", "GB/s", "copy_fraction"]
+BW_COLUMNS = ["shape", "op", "ms", "GB/s", "copy_fraction", "fused_speedup"]
 
 
 @dataclass
@@ -172,7 +174,36 @@ def run_shape(shape, device, dtype, impl, rate, bandwidth):
     for op, fn in (("permute", lambda: permute(xd, experts, shape.E, check=False, impl=impl)), ("unpermute", lambda: unpermute(x_perm, plan, weights, impl=impl))):
         ms = bench(fn, device, cpu_warmup=0, cpu_repeats=1)
         bw_rows.append({"shape": shape.name, "op": op, "ms": ms, "GB/s": nbytes / (ms * 1e-3) / 1e9, "copy_fraction": nbytes / (ms * 1e-3) / bandwidth})
+    bw_rows += swiglu_rows(shape, device, dtype, impl, bandwidth)
     return rows, bw_rows
+
+
+GPT_OSS_GLU = dict(alpha=1.702, limit=7.0, offset=1.0)
+
+
+def swiglu_rows(shape, device, dtype, impl, bandwidth) -> list[dict]:
+    """gpt-oss's clamped SwiGLU between the expert projections, forward + backward over the
+    T k x F activations: the fused kernels (impl) against the torch reference's autograd.
+    Bytes: gate and up read, h written (forward); gate, up and dh read, d gate and d up
+    written (backward): 8 T k F elements."""
+    g = torch.Generator(device=device).manual_seed(1)
+    gate, up, dh = ((3 * torch.randn(shape.T * shape.k, shape.F, device=device, generator=g)).to(dtype) for _ in range(3))
+    gate.requires_grad_()
+    up.requires_grad_()
+
+    def run(which):
+        return lambda: torch.autograd.grad(swiglu(gate, up, impl=which, **GPT_OSS_GLU), (gate, up), dh)
+
+    fused, ref = run(impl)(), run("torch")()
+    for a, b in zip(fused, ref):
+        err = float((a.float() - b.float()).norm() / b.float().norm())
+        if err > 2e-2:
+            sys.exit(f"{shape.name}: the fused clamped SwiGLU's gradients differ from the torch reference's by {err:.3g}")
+    nbytes = 8 * gate.numel() * gate.element_size()
+    ms = {name: bench(run(which), device, cpu_warmup=0, cpu_repeats=1) for name, which in (("fused", impl), ("torch", "torch"))}
+    return [{"shape": shape.name, "op": f"swiglu clamped fwd+bwd {name}", "ms": ms[name], "GB/s": nbytes / (ms[name] * 1e-3) / 1e9,
+             "copy_fraction": nbytes / (ms[name] * 1e-3) / bandwidth, "fused_speedup": ms[name] / ms["fused"] if name == "torch" else None}
+            for name in ms]
 
 
 def main() -> None:

@@ -73,11 +73,6 @@ _PLAIN_GLU = (1.0, None, 0.0)  # (alpha, limit, offset) of silu(gate) * up
 _NO_BIASES = (None, None, None)  # (b_gate, b_up, b_down)
 
 
-def _plain_glu(glu: tuple) -> bool:
-    """Whether (alpha, limit, offset) is silu(gate) * up (what the Triton kernel computes)."""
-    return glu == _PLAIN_GLU
-
-
 def _row_experts(offsets_E: torch.Tensor, R: int, biases) -> Optional[torch.Tensor]:
     """[R] the expert owning each row (E past offsets[-1]: the number of ends <= r), computed
     once per call and only when some bias is given; no host read."""
@@ -143,29 +138,46 @@ def _dot(a, b, acc):
 
 
 @triton.jit
-def _swiglu_fwd_kernel(gate_ptr, up_ptr, h_ptr, n, BLOCK: tl.constexpr):
-    """h = silu(gate) * up over n elements, float32 math."""
+def _swiglu_fwd_kernel(gate_ptr, up_ptr, h_ptr, n, alpha, limit, offset, CLAMP: tl.constexpr, BLOCK: tl.constexpr):
+    """h = g sigmoid(alpha g) (u + offset) over n elements, float32 math: silu(gate) * up
+    with alpha 1 and offset 0; with CLAMP g = min(gate, limit), u = clamp(up, -limit, limit)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    h = g * tl.sigmoid(g) * u
+    if CLAMP:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+    h = g * tl.sigmoid(alpha * g) * (u + offset)
     tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _swiglu_bwd_kernel(gate_ptr, up_ptr, grad_h_ptr, grad_gate_ptr, grad_up_ptr, n, BLOCK: tl.constexpr):
-    """d gate = dh * up * silu'(gate), d up = dh * silu(gate); silu recomputed from gate."""
+def _swiglu_bwd_kernel(gate_ptr, up_ptr, grad_h_ptr, grad_gate_ptr, grad_up_ptr, n, alpha, limit, offset,
+                       CLAMP: tl.constexpr, BLOCK: tl.constexpr):
+    """d gate = dh (u + offset) act'(g), d up = dh act(g), act(g) = g sigmoid(alpha g)
+    recomputed from gate; with CLAMP zero where the clamps cut (gate > limit, |up| > limit:
+    torch.clamp's gradient, which passes at the bounds)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     dh = tl.load(grad_h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    sig = tl.sigmoid(g)
-    silu = g * sig
-    dsilu = sig * (1.0 + g * (1.0 - sig))
-    tl.store(grad_gate_ptr + offs, (dh * u * dsilu).to(grad_gate_ptr.dtype.element_ty), mask=mask)
-    tl.store(grad_up_ptr + offs, (dh * silu).to(grad_up_ptr.dtype.element_ty), mask=mask)
+    if CLAMP:
+        dg_pass = g <= limit
+        du_pass = (u >= -limit) & (u <= limit)
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+    sig = tl.sigmoid(alpha * g)
+    act = g * sig
+    dact = sig * (1.0 + alpha * g * (1.0 - sig))
+    grad_gate = dh * (u + offset) * dact
+    grad_up = dh * act
+    if CLAMP:
+        grad_gate = tl.where(dg_pass, grad_gate, 0.0)
+        grad_up = tl.where(du_pass, grad_up, 0.0)
+    tl.store(grad_gate_ptr + offs, grad_gate.to(grad_gate_ptr.dtype.element_ty), mask=mask)
+    tl.store(grad_up_ptr + offs, grad_up.to(grad_up_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -317,43 +329,52 @@ def _dw_blocks(dtype: torch.dtype) -> dict:
 # ----------------------------------------------------------------------------------------
 
 
+def _glu_args(alpha: float, limit: Optional[float], offset: float) -> dict:
+    """The SwiGLU kernels' (alpha, limit, offset) scalars and CLAMP flag."""
+    return dict(alpha=alpha, limit=0.0 if limit is None else limit, offset=offset, CLAMP=limit is not None)
+
+
 @torch.library.custom_op("fmoe::swiglu_fwd", mutates_args=())
-def _swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def _swiglu_fwd(gate: torch.Tensor, up: torch.Tensor, alpha: float = 1.0, limit: Optional[float] = None, offset: float = 0.0) -> torch.Tensor:
     gate, up = gate.contiguous(), up.contiguous()
     h = torch.empty_like(gate)
     n = gate.numel()
     if n:
-        _swiglu_fwd_kernel[(triton.cdiv(n, _SWIGLU_META["BLOCK"]),)](gate, up, h, n, **_SWIGLU_META)
+        _swiglu_fwd_kernel[(triton.cdiv(n, _SWIGLU_META["BLOCK"]),)](gate, up, h, n, **_glu_args(alpha, limit, offset), **_SWIGLU_META)
     return h
 
 
 @_swiglu_fwd.register_fake
-def _(gate, up):
+def _(gate, up, alpha=1.0, limit=None, offset=0.0):
     return torch.empty_like(gate)
 
 
 @torch.library.custom_op("fmoe::swiglu_bwd", mutates_args=())
-def _swiglu_bwd(grad_h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _swiglu_bwd(grad_h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, alpha: float = 1.0, limit: Optional[float] = None,
+                offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     gate, up, grad_h = gate.contiguous(), up.contiguous(), grad_h.contiguous()
     grad_gate, grad_up = torch.empty_like(gate), torch.empty_like(up)
     n = gate.numel()
     if n:
-        _swiglu_bwd_kernel[(triton.cdiv(n, _SWIGLU_META["BLOCK"]),)](gate, up, grad_h, grad_gate, grad_up, n, **_SWIGLU_META)
+        _swiglu_bwd_kernel[(triton.cdiv(n, _SWIGLU_META["BLOCK"]),)](gate, up, grad_h, grad_gate, grad_up, n, **_glu_args(alpha, limit, offset),
+                                                                      **_SWIGLU_META)
     return grad_gate, grad_up
 
 
 @_swiglu_bwd.register_fake
-def _(grad_h, gate, up):
+def _(grad_h, gate, up, alpha=1.0, limit=None, offset=0.0):
     return torch.empty_like(gate), torch.empty_like(up)
 
 
 def _swiglu_setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)  # gate and up only: the backward recomputes silu
+    gate, up, *glu = inputs
+    ctx.save_for_backward(gate, up)  # gate and up only: the backward recomputes the activation
+    ctx.glu = glu
 
 
 def _swiglu_backward(ctx, grad_h):
     gate, up = ctx.saved_tensors
-    return _swiglu_bwd(grad_h, gate, up)
+    return (*_swiglu_bwd(grad_h, gate, up, *ctx.glu), None, None, None)
 
 
 _swiglu_fwd.register_autograd(_swiglu_backward, setup_context=_swiglu_setup_context)
@@ -463,13 +484,13 @@ _grouped_gemm_fwd.register_autograd(_grouped_gemm_backward, setup_context=_group
 
 
 def _grouped_mlp_kernels(x_RH, w_gate_EHF, w_up_EHF, w_down_EFH, offsets_E, torch_gmm: bool, biases=_NO_BIASES, glu=_PLAIN_GLU):
-    """The CUDA (or interpreted) path: three grouped GEMMs around the fused SwiGLU (the
-    plain-torch one for a clamped SwiGLU); biases added to each expert's rows."""
+    """The CUDA (or interpreted) path: three grouped GEMMs around the fused SwiGLU (either
+    form); biases added to each expert's rows."""
     b_gate, b_up, b_down = biases
     expert_R = _row_experts(offsets_E, x_RH.shape[0], biases)
     gate_RF = _plus(_grouped_gemm_fwd(x_RH, w_gate_EHF, offsets_E, torch_gmm), b_gate, expert_R)
     up_RF = _plus(_grouped_gemm_fwd(x_RH, w_up_EHF, offsets_E, torch_gmm), b_up, expert_R)
-    h_RF = _swiglu_fwd(gate_RF, up_RF) if _plain_glu(glu) else swiglu_ref(gate_RF, up_RF, *glu)
+    h_RF = _swiglu_fwd(gate_RF, up_RF, *glu)
     return _plus(_grouped_gemm_fwd(h_RF, w_down_EFH, offsets_E, torch_gmm), b_down, expert_R)
 
 
@@ -567,8 +588,8 @@ def grouped_mlp(
         b_gate, b_up: optional [E, F] biases of the gate and up projections, b_down [E, H]
             of the down projection (x_perm's dtype and device), added to each expert's rows.
         alpha, limit, offset: the clamped SwiGLU (module docstring; gpt-oss: 1.702, 7.0,
-            1.0); the defaults are silu(gate) * up. A clamped SwiGLU runs in plain torch
-            between the projections (the fused Triton SwiGLU computes the default only).
+            1.0); the defaults are silu(gate) * up. The fused Triton SwiGLU computes either
+            form (the CPU path of "auto" runs it in plain torch).
 
     Returns:
         y_perm [R, H] in x_perm's dtype: y = (silu(x W_gate[e]) * (x W_up[e])) W_down[e]
@@ -632,9 +653,9 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, impl: str = "auto", alpha: f
            offset: float = 0.0) -> torch.Tensor:
     """silu(gate) * up, float32 math, in gate's dtype; any shape (gate and up alike).
     alpha, limit, offset: the clamped form g sigmoid(alpha g) (u + offset), g = min(gate,
-    limit), u = clamp(up, -limit, limit) (gpt-oss: 1.702, 7.0, 1.0), in plain torch.
+    limit), u = clamp(up, -limit, limit) (gpt-oss: 1.702, 7.0, 1.0).
 
-    The Triton backward recomputes silu from gate and up: only they are saved.
+    The Triton backward recomputes the activation from gate and up: only they are saved.
 
     Example:
         >>> swiglu(torch.tensor([0.0, 1.0]), torch.tensor([2.0, 2.0]))
@@ -648,6 +669,6 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, impl: str = "auto", alpha: f
         raise ValueError(f"up: expected shape {tuple(gate.shape)} like gate, got {tuple(up.shape)}")
     _check_like("up", up, "gate", gate)
     glu = check_glu(alpha, limit, offset)
-    if use_triton(impl, gate, up) and _plain_glu(glu):
-        return _swiglu_fwd(gate, up)
+    if use_triton(impl, gate, up):
+        return _swiglu_fwd(gate, up, *glu)
     return swiglu_ref(gate, up, *glu)

@@ -266,12 +266,40 @@ def test_swiglu_triton_matches_reference(shape, dtype, device):
     torch.testing.assert_close(outs["torch"][0].double(), g64 * torch.sigmoid(g64) * up.double(), **tol)
 
 
-def test_swiglu_backward_saves_only_gate_and_up(device):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_clamped_swiglu_triton_matches_reference(dtype, device):
+    """gpt-oss's g sigmoid(alpha g) (u + offset) in the fused kernels: values and both
+    gradients against torch's autograd of the clamps, with elements beyond the limit, at
+    it exactly (torch.clamp passes the gradient there) and just inside."""
+    limit = 1.5
+    g = torch.Generator().manual_seed(3)
+    gate = torch.cat([3 * torch.randn(200, generator=g), torch.tensor([limit, -limit, limit - 1e-3, 9.0])]).to(device, dtype)
+    up = torch.cat([3 * torch.randn(200, generator=g), torch.tensor([-limit, limit, -9.0, limit + 1e-3])]).to(device, dtype)
+    grad_h = torch.randn(gate.shape, generator=g).to(device, dtype)
+    glu = dict(alpha=1.702, limit=limit, offset=1.0)
+    outs = {}
+    for impl in ("triton", "torch"):
+        gt, ut = gate.clone().requires_grad_(), up.clone().requires_grad_()
+        h = swiglu(gt, ut, impl=impl, **glu)
+        (h * grad_h).sum().backward()
+        outs[impl] = (h, gt.grad, ut.grad)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-3)
+    for tri, ref in zip(outs["triton"], outs["torch"]):
+        assert tri.dtype == dtype
+        torch.testing.assert_close(tri, ref, **tol)
+    _, grad_gate, grad_up = outs["triton"]
+    assert (grad_gate[gate > limit] == 0).all() and (grad_up[up.abs() > limit] == 0).all()  # the clamps cut the gradient
+    assert (grad_gate[gate == limit] != 0).all() and (grad_up[up.abs() == limit] != 0).all()  # and pass it at the bounds
+    assert int((gate > limit).sum()) > 10 and int((up.abs() > limit).sum()) > 10
+
+
+@pytest.mark.parametrize("glu", [{}, dict(alpha=1.702, limit=7.0, offset=1.0)], ids=["plain", "clamped"])
+def test_swiglu_backward_saves_only_gate_and_up(glu, device):
     gate = torch.randn(6, 40, device=device, requires_grad=True)
     up = torch.randn(6, 40, device=device, requires_grad=True)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        swiglu(gate, up, impl="triton")
+        swiglu(gate, up, impl="triton", **glu)
     assert len(saved) == 2
     assert {t.data_ptr() for t in saved} == {gate.data_ptr(), up.data_ptr()}
 
@@ -379,8 +407,9 @@ def test_offset_values_unchecked_on_request():
 def test_custom_ops_pass_opcheck(device):
     (x, wg, *_), offsets = _problem([5, 0, 8], 3, 16, 16, device=device)
     gate, up = torch.randn(7, 33, device=device, requires_grad=True), torch.randn(7, 33, device=device, requires_grad=True)
-    torch.library.opcheck(torch.ops.fmoe.swiglu_fwd.default, (gate, up))
-    torch.library.opcheck(torch.ops.fmoe.swiglu_bwd.default, (torch.randn(7, 33, device=device), gate.detach(), up.detach()))
+    for glu in ((), (1.702, 0.5, 1.0)):  # silu(gate) * up, and the clamped form
+        torch.library.opcheck(torch.ops.fmoe.swiglu_fwd.default, (gate, up, *glu))
+        torch.library.opcheck(torch.ops.fmoe.swiglu_bwd.default, (torch.randn(7, 33, device=device), gate.detach(), up.detach(), *glu))
     backends = [False, True] if device == "cpu" or experts._grouped_mm_fast(x.bfloat16(), 16) else [False]
     for dtype in (torch.float32, torch.bfloat16) if device == "cpu" else (torch.bfloat16,):
         for torch_gmm in backends:
@@ -455,14 +484,15 @@ def test_gpu_real_shape_auto_triton_reference():
 
 
 @pytest.mark.gpu
-def test_gpu_swiglu_real_shape():
+@pytest.mark.parametrize("glu", [{}, dict(alpha=1.702, limit=1.0, offset=1.0)], ids=["plain", "clamped"])
+def test_gpu_swiglu_real_shape(glu):
     gate = torch.randn(131072, 768, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     up = torch.randn_like(gate, requires_grad=True)
     grad_h = torch.randn_like(gate)
-    (swiglu(gate, up) * grad_h).sum().backward()
+    (swiglu(gate, up, **glu) * grad_h).sum().backward()
     g_ref, u_ref = gate.detach().clone().requires_grad_(), up.detach().clone().requires_grad_()
-    h_ref = swiglu(g_ref, u_ref, impl="torch")
+    h_ref = swiglu(g_ref, u_ref, impl="torch", **glu)
     (h_ref * grad_h).sum().backward()
-    torch.testing.assert_close(swiglu(gate, up), h_ref, rtol=1.6e-2, atol=1e-3)
+    torch.testing.assert_close(swiglu(gate, up, **glu), h_ref, rtol=1.6e-2, atol=1e-3)
     torch.testing.assert_close(gate.grad, g_ref.grad, rtol=1.6e-2, atol=1e-3)
     torch.testing.assert_close(up.grad, u_ref.grad, rtol=1.6e-2, atol=1e-3)
