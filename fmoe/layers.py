@@ -624,13 +624,13 @@ def _compiled_flex():
     return torch.compile(flex_attention)
 
 
-def _rms_norm(x, weight, eps: float, mean=None):
+def _rms_norm(x, weight, eps: float, ms=None):
     """x / rms(x) * weight over the last dim, statistics in float32 (fmoe.model.RMSNorm's).
-    mean: averages the mean square over the ranks holding the rest of the channels (None:
-    x holds them all)."""
+    ms: the mean square [..., 1] to use (None: x's own, over its last dim)."""
     x32 = x.float()
-    ms = x32.square().mean(-1, keepdim=True)
-    return (x32 * torch.rsqrt((ms if mean is None else mean(ms)) + eps) * weight.float()).to(x.dtype)
+    if ms is None:
+        ms = x32.square().mean(-1, keepdim=True)
+    return (x32 * torch.rsqrt(ms + eps) * weight.float()).to(x.dtype)
 
 
 def mla_shapes(H: int, cfg: AttentionConfig) -> tuple[dict, dict]:
@@ -716,16 +716,17 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
             and under context parallel its gather_kv (x then holds this rank's T/cp tokens;
             in decoding, the new tokens, the cache's gather_kv supplying the earlier keys).
         heads_mean: when cfg and params hold a slice of the heads (tensor parallel,
-            fmoe.parallel.HeadShard.mean): averages a per-token statistic [T, 1] over the
+            fmoe.parallel.HeadShard.mean): averages per-token statistics [T, n] over the
             ranks holding the others, each the same number of heads, so that qk_norm="proj"
-            normalises over the whole projection. None: this process holds every head.
+            normalises over the whole projection (one call for q's and k's: n = 2). None:
+            this process holds every head.
     Returns:
         (y [T, H] in x's dtype, stats): stats is an empty TensorDict (attention has no
         losses), kept for the layers' common (output, stats) form.
     """
     _check_attention(x, params, cfg, ctx)
     if heads_mean is not None and not callable(heads_mean):
-        raise ValueError(f"heads_mean: expected a function of a [T, 1] tensor (fmoe.parallel.HeadShard.mean) or None, got {type(heads_mean).__name__}")
+        raise ValueError(f"heads_mean: expected a function of a [T, n] tensor (fmoe.parallel.HeadShard.mean) or None, got {type(heads_mean).__name__}")
     if cfg.window != ctx.window and cfg.window is not None:
         raise ValueError(f"ctx: built for the sliding window {ctx.window}, this layer attends over window {cfg.window} "
                          "(build the context with an AttentionConfig of the layer's window)")
@@ -805,7 +806,11 @@ def _gqa_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext, heads_mean=
 
     q_TQ, k_TK = project("wq", "bq"), project("wk", "bk")
     if cfg.qk_norm == "proj":  # over the whole projection (OLMoE)
-        q_TQ, k_TK = (_rms_norm(t, params[n], cfg.norm_eps, heads_mean) for t, n in ((q_TQ, "q_norm"), (k_TK, "k_norm")))
+        # q's and k's mean squares [T, 2], averaged over the tp ranks' heads in one collective
+        ms_T2 = torch.cat([t.float().square().mean(-1, keepdim=True) for t in (q_TQ, k_TK)], dim=-1)
+        if heads_mean is not None:
+            ms_T2 = heads_mean(ms_T2)
+        q_TQ, k_TK = (_rms_norm(t, params[n], cfg.norm_eps, ms_T2[:, i:i + 1]) for i, (t, n) in enumerate(((q_TQ, "q_norm"), (k_TK, "k_norm"))))
     q_TND, k_TGD = rearrange(q_TQ, "t (n d) -> t n d", n=N), rearrange(k_TK, "t (g d) -> t g d", g=G)
     if cfg.qk_norm == "head":  # over each head's channels (Qwen3, GLM-4.5)
         q_TND, k_TGD = _rms_norm(q_TND, params["q_norm"], cfg.norm_eps), _rms_norm(k_TGD, params["k_norm"], cfg.norm_eps)

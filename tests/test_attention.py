@@ -168,7 +168,7 @@ def test_attention_bad_inputs():
         attention(x, p, CFG, (ctx.cos, ctx.sin, ctx.mask))
     with pytest.raises(ValueError, match="x: expected a 2-D"):
         attention(x[None], p, CFG, ctx)
-    with pytest.raises(ValueError, match=r"heads_mean: expected a function of a \[T, 1\] tensor .* got float"):
+    with pytest.raises(ValueError, match=r"heads_mean: expected a function of a \[T, n\] tensor .* got float"):
         attention(x, p, CFG, ctx, heads_mean=2.0)
     with pytest.raises(ValueError, match=r"params\['sinks'\]: expected a float \[4\] tensor or none, got torch.float32 \[2\]"):
         attention(x, dict(p, sinks=torch.zeros(2)), CFG, ctx)
@@ -634,3 +634,22 @@ def test_gpu_multi_latent_flex_attention_matches_reference():
         outs.append((y, xi.grad, pi["wkv_b"].grad))
     for a, b in zip(*outs):
         assert _rel(a, b) < 2e-2
+
+
+def test_proj_qk_norm_averages_q_and_k_statistics_in_one_call():
+    """qk_norm="proj" (OLMoE) normalises q and k over their whole projections; under tensor
+    parallelism heads_mean averages the statistics over the ranks: q's and k's mean squares
+    go in one call ([T, 2]: one all-reduce per layer), and a mean that changes nothing gives
+    the output of one process holding every head."""
+    cfg = dataclasses.replace(CFG, qk_norm="proj")
+    torch.manual_seed(0)
+    p = _params(cfg)
+    p.update(q_norm=1 + 0.3 * torch.randn(cfg.n_heads * cfg.head_dim), k_norm=1 + 0.3 * torch.randn(cfg.n_kv_heads * cfg.head_dim))
+    x, cu = torch.randn(7, H), torch.tensor([0, 3, 7])
+    calls = []
+    y = attention(x, p, cfg, _ctx(cu, cfg), heads_mean=lambda ms: calls.append(ms.shape) or ms)[0]
+    assert calls == [torch.Size([7, 2])]
+    torch.testing.assert_close(y, attention(x, p, cfg, _ctx(cu, cfg))[0], rtol=0, atol=0)
+    # the statistics are q's and k's own: doubling k's mean square changes the output
+    other = attention(x, p, cfg, _ctx(cu, cfg), heads_mean=lambda ms: ms * torch.tensor([1.0, 2.0]))[0]
+    assert (other - y).abs().max() > 1e-3

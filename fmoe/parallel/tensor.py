@@ -253,10 +253,11 @@ class HeadShard:
         return copy_to_tp(w, self.mesh)
 
     def mean(self, x: torch.Tensor) -> torch.Tensor:
-        """The average over the tp ranks of a per-token statistic x [T, 1] (each rank's over
-        its heads, every rank the same number of channels): the statistic over every head.
+        """The average over the tp ranks of per-token statistics x [T, n] (each rank's over
+        its heads, every rank the same number of channels): the statistics over every head.
         An all-reduce; its backward all-reduces the gradient. Used by the qk norm over the
-        whole projection (qk_norm="proj"), whose channels the ranks split."""
+        whole projection (qk_norm="proj"), whose channels the ranks split: q's and k's mean
+        squares in one call."""
         total = DTensor.from_local(x, self.mesh, [Partial()], run_check=False).redistribute(self.mesh, [Replicate()])
         return total.to_local(grad_placements=[Partial()]) / self.mesh.size()
 
