@@ -148,7 +148,7 @@ def main(argv: list[str]) -> None:
         if world == 1 and all(v == 1 for v in sizes.values()):
             model, run = load_model(args.path, impl=impl, dtype=dtype, device=device)
         else:  # several processes: each holds and reads its own shards of the model
-            device = start_ranks(device, sizes)  # world > 1: plan_sizes refused more axes than ranks
+            device = start_ranks(device, sizes)
             rank = dist.get_rank()
             model, run, meshes = load_sharded(args.path, sizes, device=device, dtype=dtype, impl=impl)
     except (OSError, ValueError, KeyError) as err:

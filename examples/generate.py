@@ -90,12 +90,12 @@ def load_run(path: Path, *, impl: str = "torch") -> tuple[Transformer, dict]:
 
 def load_sharded(path: Path, sizes: dict, *, device: torch.device, dtype: torch.dtype, impl: str) -> tuple[Transformer, dict, object]:
     """(model, run config, meshes): load_model's model and run config for a model larger than
-    one device (after init_process_group). The meshes are fmoe.parallel.build_meshes(**sizes)
-    (tp, ep, etp and for evaluation cp; the rest of the world FSDP2's); the model is built on the meta device,
-    parallelized over them (FSDP2 computing in `dtype`, the router in float32), each rank
-    allocating only its own shards and reading only their weights (an HF folder's
-    safetensors blocks, fmoe.hf.load_weights; a run's checkpoint resharded by DCP,
-    fmoe.train.checkpoint.load_model)."""
+    one device (after start_ranks). The meshes are fmoe.parallel.build_meshes(**sizes) (tp,
+    ep, etp, and cp for evaluation; the rest of the world FSDP2's); the model is built on
+    the meta device, parallelized over them (FSDP2 computing in `dtype`, the router in
+    float32), each rank allocating only its own shards and reading only their weights (an
+    HF folder's safetensors blocks, fmoe.hf.load_weights; a run's checkpoint resharded by
+    DCP, fmoe.train.checkpoint.load_model)."""
     import fmoe.hf
     from fmoe.train import checkpoint
 

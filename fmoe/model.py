@@ -886,7 +886,7 @@ class Transformer(nn.Module):
     def _token_multiple(self) -> int:
         """The number a forward's token count must divide by: the tp ranks' (sequence
         parallelism splits the tokens between the tensor-parallel regions), else 1."""
-        shard = next((b.attn.tensor_parallel for b in self.blocks if getattr(b.attn, "tensor_parallel", None) is not None), None)
+        shard = next((b.attn.tensor_parallel for b in self.blocks if getattr(getattr(b, "attn", None), "tensor_parallel", None) is not None), None)
         return 1 if shard is None else shard.mesh.size()
 
     @torch.no_grad()
