@@ -103,6 +103,11 @@ def floor_fraction(nbytes: int, bandwidth: float, ms: float) -> float:
     return nbytes / bandwidth * 1e3 / ms
 
 
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The error of a against b relative to b, in norm (float32)."""
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
 def _cell(value) -> str:
     if value is None:
         return ""

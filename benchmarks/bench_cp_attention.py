@@ -34,7 +34,7 @@ against its rows of the cp=1 output. CSV: OUT/bench_cp_attention.csv.
 
 import sys
 
-from _common import bench, cuda_peak_bytes, finish, matmul_rate, start  # before torch and fmoe: with --smoke it sets TRITON_INTERPRET
+from _common import bench, cuda_peak_bytes, finish, matmul_rate, rel_err, start  # before torch and fmoe: with --smoke it sets TRITON_INTERPRET
 
 import torch  # noqa: E402
 from fmoe.layers import AttentionConfig, attention, attention_context, rope_tables  # noqa: E402
@@ -105,7 +105,7 @@ def run_layout(name, cu_list, cfg, H, device, dtype, rate) -> list[dict]:
         with torch.no_grad():
             for rank, (index, ctx) in enumerate(shares[cp]):
                 y, _ = attention(x[index], p, cfg, ctx)
-                err = float((y.float() - whole[index].float()).norm() / whole[index].float().norm())
+                err = rel_err(y, whole[index])
                 if err > tol:
                     sys.exit(f"{name}, T={T}, cp={cp}, rank {rank}: differs from its rows of cp=1 by {err:.3g}")
     print(f"{name}, T={T}: every rank's output checked against cp=1; timing", flush=True)

@@ -37,6 +37,7 @@ from _common import (  # before torch and fmoe: with --smoke it sets TRITON_INTE
     cuda_peak_bytes,
     finish,
     floor_fraction,
+    rel_err,
     start,
 )
 
@@ -51,10 +52,6 @@ def peak_mib(step, device) -> float | None:
     """Peak CUDA memory of step() above what was allocated before it, in MiB (None on CPU)."""
     peak = cuda_peak_bytes(step, device)
     return None if peak is None else peak / 2**20
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm())
 
 
 def check(case: str, fused, baseline, inputs, logits, labels) -> None:

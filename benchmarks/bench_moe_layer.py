@@ -30,7 +30,9 @@ from dataclasses import dataclass
 from _common import (  # before torch and fmoe: with --smoke it sets TRITON_INTERPRET
     bench,
     finish,
+    floor_fraction,
     matmul_rate,
+    rel_err,
     start,
 )
 
@@ -140,7 +142,7 @@ def run_shape(shape, device, dtype, impl, rate, bandwidth):
     }
     ref = impls["fmoe"]().detach().float()
     for name in ("loop", "strong"):
-        err = float((impls[name]().detach().float() - ref).norm() / ref.norm())
+        err = rel_err(impls[name]().detach(), ref)
         if err > 2e-2:
             sys.exit(f"{shape.name}: {name} differs from fmoe by {err:.3g} (relative norm)")
     print(f"{shape.name}: outputs agree; timing", flush=True)
@@ -173,7 +175,7 @@ def run_shape(shape, device, dtype, impl, rate, bandwidth):
     bw_rows = []
     for op, fn in (("permute", lambda: permute(xd, experts, shape.E, check=False, impl=impl)), ("unpermute", lambda: unpermute(x_perm, plan, weights, impl=impl))):
         ms = bench(fn, device, cpu_warmup=0, cpu_repeats=1)
-        bw_rows.append({"shape": shape.name, "op": op, "ms": ms, "GB/s": nbytes / (ms * 1e-3) / 1e9, "copy_fraction": nbytes / (ms * 1e-3) / bandwidth})
+        bw_rows.append(bw_row(shape, op, nbytes, ms, bandwidth))
     bw_rows += swiglu_rows(shape, device, dtype, impl, bandwidth)
     return rows, bw_rows
 
@@ -196,14 +198,18 @@ def swiglu_rows(shape, device, dtype, impl, bandwidth) -> list[dict]:
 
     fused, ref = run(impl)(), run("torch")()
     for a, b in zip(fused, ref):
-        err = float((a.float() - b.float()).norm() / b.float().norm())
+        err = rel_err(a, b)
         if err > 2e-2:
             sys.exit(f"{shape.name}: the fused clamped SwiGLU's gradients differ from the torch reference's by {err:.3g}")
     nbytes = 8 * gate.numel() * gate.element_size()
     ms = {name: bench(run(which), device, cpu_warmup=0, cpu_repeats=1) for name, which in (("fused", impl), ("torch", "torch"))}
-    return [{"shape": shape.name, "op": f"swiglu clamped fwd+bwd {name}", "ms": ms[name], "GB/s": nbytes / (ms[name] * 1e-3) / 1e9,
-             "copy_fraction": nbytes / (ms[name] * 1e-3) / bandwidth, "fused_speedup": ms[name] / ms["fused"] if name == "torch" else None}
+    return [bw_row(shape, f"swiglu clamped fwd+bwd {name}", nbytes, ms[name], bandwidth, fused_speedup=ms[name] / ms["fused"] if name == "torch" else None)
             for name in ms]
+
+
+def bw_row(shape, op: str, nbytes: int, ms: float, bandwidth: float, **extra) -> dict:
+    """A row of the bandwidth table: nbytes moved in ms, against the copy bandwidth."""
+    return {"shape": shape.name, "op": op, "ms": ms, "GB/s": nbytes / (ms * 1e-3) / 1e9, "copy_fraction": floor_fraction(nbytes, bandwidth, ms), **extra}
 
 
 def main() -> None:

@@ -806,11 +806,10 @@ def _gqa_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext, heads_mean=
 
     q_TQ, k_TK = project("wq", "bq"), project("wk", "bk")
     if cfg.qk_norm == "proj":  # over the whole projection (OLMoE)
-        # q's and k's mean squares [T, 2], averaged over the tp ranks' heads in one collective
-        ms_T2 = torch.cat([t.float().square().mean(-1, keepdim=True) for t in (q_TQ, k_TK)], dim=-1)
-        if heads_mean is not None:
-            ms_T2 = heads_mean(ms_T2)
-        q_TQ, k_TK = (_rms_norm(t, params[n], cfg.norm_eps, ms_T2[:, i:i + 1]) for i, (t, n) in enumerate(((q_TQ, "q_norm"), (k_TK, "k_norm"))))
+        ms = [t.float().square().mean(-1, keepdim=True) for t in (q_TQ, k_TK)]
+        if heads_mean is not None:  # q's and k's [T, 2] averaged over the tp ranks' heads in one collective
+            ms = heads_mean(torch.cat(ms, dim=-1)).split(1, dim=-1)
+        q_TQ, k_TK = (_rms_norm(t, params[n], cfg.norm_eps, m) for t, n, m in zip((q_TQ, k_TK), ("q_norm", "k_norm"), ms))
     q_TND, k_TGD = rearrange(q_TQ, "t (n d) -> t n d", n=N), rearrange(k_TK, "t (g d) -> t g d", g=G)
     if cfg.qk_norm == "head":  # over each head's channels (Qwen3, GLM-4.5)
         q_TND, k_TGD = _rms_norm(q_TND, params["q_norm"], cfg.norm_eps), _rms_norm(k_TGD, params["k_norm"], cfg.norm_eps)

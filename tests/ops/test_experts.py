@@ -251,19 +251,27 @@ def test_swiglu_triton_matches_reference(shape, dtype, device):
     gate = (3 * torch.randn(shape, device=device)).to(dtype)
     up = torch.randn(shape, device=device).to(dtype)
     grad_h = torch.randn(shape, device=device).to(dtype)
+    _, (h_ref, *_), tol = _swiglu_triton_and_torch(gate, up, grad_h)
+    # silu(g) * u against its definition g * sigmoid(g) * u in float64
+    g64 = gate.double()
+    torch.testing.assert_close(h_ref.double(), g64 * torch.sigmoid(g64) * up.double(), **tol)
+
+
+def _swiglu_triton_and_torch(gate, up, grad_h, **glu):
+    """swiglu's (h, d gate, d up) through the Triton kernels and the torch reference (upstream
+    gradient grad_h), checked equal in gate's dtype (float32 tight, bf16 its rounding);
+    returns (triton's, torch's, the tolerance)."""
     outs = {}
     for impl in ("triton", "torch"):
         g, u = gate.clone().requires_grad_(), up.clone().requires_grad_()
-        h = swiglu(g, u, impl=impl)
+        h = swiglu(g, u, impl=impl, **glu)
         (h * grad_h).sum().backward()
         outs[impl] = (h, g.grad, u.grad)
-    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-3)
+    tol = dict(rtol=1e-5, atol=1e-6) if gate.dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-3)
     for tri, ref in zip(outs["triton"], outs["torch"]):
-        assert tri.dtype == dtype
+        assert tri.dtype == gate.dtype
         torch.testing.assert_close(tri, ref, **tol)
-    # silu(g) * u against its definition g * sigmoid(g) * u in float64
-    g64 = gate.double()
-    torch.testing.assert_close(outs["torch"][0].double(), g64 * torch.sigmoid(g64) * up.double(), **tol)
+    return outs["triton"], outs["torch"], tol
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -276,18 +284,7 @@ def test_clamped_swiglu_triton_matches_reference(dtype, device):
     gate = torch.cat([3 * torch.randn(200, generator=g), torch.tensor([limit, -limit, limit - 1e-3, 9.0])]).to(device, dtype)
     up = torch.cat([3 * torch.randn(200, generator=g), torch.tensor([-limit, limit, -9.0, limit + 1e-3])]).to(device, dtype)
     grad_h = torch.randn(gate.shape, generator=g).to(device, dtype)
-    glu = dict(alpha=1.702, limit=limit, offset=1.0)
-    outs = {}
-    for impl in ("triton", "torch"):
-        gt, ut = gate.clone().requires_grad_(), up.clone().requires_grad_()
-        h = swiglu(gt, ut, impl=impl, **glu)
-        (h * grad_h).sum().backward()
-        outs[impl] = (h, gt.grad, ut.grad)
-    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-3)
-    for tri, ref in zip(outs["triton"], outs["torch"]):
-        assert tri.dtype == dtype
-        torch.testing.assert_close(tri, ref, **tol)
-    _, grad_gate, grad_up = outs["triton"]
+    (_, grad_gate, grad_up), _, _ = _swiglu_triton_and_torch(gate, up, grad_h, alpha=1.702, limit=limit, offset=1.0)
     assert (grad_gate[gate > limit] == 0).all() and (grad_up[up.abs() > limit] == 0).all()  # the clamps cut the gradient
     assert (grad_gate[gate == limit] != 0).all() and (grad_up[up.abs() == limit] != 0).all()  # and pass it at the bounds
     assert int((gate > limit).sum()) > 10 and int((up.abs() > limit).sum()) > 10
