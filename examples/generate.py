@@ -29,12 +29,18 @@ own kv heads), --ep and --etp (the experts), the rest of the world sharding it w
 and reads only its own shards' weights (load_sharded, as examples/evaluate.py). Every rank
 decodes the same batch (Transformer.decode on the parallelized model), rank 0's draws are
 broadcast so that the ranks stay in step, and rank 0 prints: the same tokens as one process
-(up to float rounding near a tie).
+(up to float rounding near a tie). FSDP2 gathers each block's weights for each step and
+frees them after it; --keep_gathered gathers them once and keeps them for the whole
+generation (fmoe.parallel.gathered), for a model whose unsharded weights (divided by tp
+and ep x etp) fit on each device.
+
+    torchrun --nproc-per-node 4 examples/generate.py out/train_moe --prompt="def " --keep_gathered
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -247,6 +253,8 @@ def main(argv: list[str]) -> None:
     for axis, what in (("tp", "tensor parallel: attention heads, dense FFN columns"), ("ep", "expert parallel"),
                        ("etp", "expert tensor parallel: the experts' FFN columns")):
         parser.add_argument(f"--{axis}", type=int, default=1, help=f"under torchrun: {what} (the rest of the world is FSDP2 data parallel)")
+    parser.add_argument("--keep_gathered", action="store_true",
+                        help="under torchrun: FSDP2 gathers the weights once for the whole generation, not once per step")
     args = parser.parse_args(argv)
     encode = decode = group = None
     world, sizes, dtype = int(os.environ.get("WORLD_SIZE", "1")), dict(tp=args.tp, ep=args.ep, etp=args.etp), getattr(torch, args.dtype)
@@ -287,8 +295,9 @@ def main(argv: list[str]) -> None:
     try:
         if args.samples < 1:
             raise ValueError(f"--samples: expected a positive number of continuations, got {args.samples}")
-        samples = generate_many(model, [prompt] * args.samples, tokens=args.tokens, temperature=args.temperature, top_p=args.top_p,
-                                seed=args.seed, eos=eos, group=group)
+        with parallel.gathered(model) if args.keep_gathered else contextlib.nullcontext():
+            samples = generate_many(model, [prompt] * args.samples, tokens=args.tokens, temperature=args.temperature,
+                                    top_p=args.top_p, seed=args.seed, eos=eos, group=group)
     except ValueError as err:
         sys.exit(str(err))
     if group is None or dist.get_rank() == 0:

@@ -122,7 +122,7 @@ def test_cli_samples_in_one_batch_on_a_device_and_dtype(run_dir):
 
 def test_torchrun_on_any_mesh_draws_the_one_process_tokens(run_dir):
     """2 gloo ranks: FSDP2, TP with EP (each rank caches its kv head; odd token counts padded),
-    expert tensor parallel. Each rank reads its own shards of the checkpoint, decodes the
+    expert tensor parallel with the weights gathered once (--keep_gathered). Each rank reads its own shards of the checkpoint, decodes the
     same batch, and rank 0's draws are broadcast: rank 0 prints one process's samples."""
     out, _ = run_dir
     args = [str(ROOT / "examples" / "generate.py"), str(out), "--prompt_ids=100,101,102,32,120", "--tokens=7", "--samples=2",
@@ -131,7 +131,7 @@ def test_torchrun_on_any_mesh_draws_the_one_process_tokens(run_dir):
     assert one.returncode == 0, one.stderr[-2000:]
     samples = [line.split(",") for line in one.stdout.splitlines() if not line.startswith("--- sample")]
     assert len(samples) == 2 and all(1 <= len(ids) <= 7 for ids in samples) and samples[0] != samples[1]  # two different draws
-    for knobs in ([], ["--tp=2", "--ep=2"], ["--etp=2"]):
+    for knobs in ([], ["--tp=2", "--ep=2"], ["--etp=2", "--keep_gathered"]):
         cli = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *args, *knobs],
                              capture_output=True, text=True, timeout=600)
         assert cli.returncode == 0, (knobs, cli.stderr[-3000:])

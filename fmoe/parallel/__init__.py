@@ -4,6 +4,7 @@ collectives, DCP) arranged for MoE models. DESIGN.md "Parallelism".
     build_meshes, Meshes, plan_sizes      the dense / batch / expert meshes with MoE folding
     parallelize, apply_fsdp, shard_experts  TP -> EP -> FSDP2 on the reference model
     materialize                        a meta-device model, parallelized, allocated shard by shard
+    gathered                           FSDP2 units kept gathered across calls (decode's steps)
     ExpertParallel, dispatch, combine, DispatchMeta   expert (and expert-tensor) parallel all-to-all
     permute_padded, dispatch_padded, combine_padded, PaddedDispatchMeta   the same in fixed-size
                                        capacity-padded buffers: no host sync
@@ -43,7 +44,7 @@ from fmoe.parallel.expert import (
     permute_padded,
     split_tokens,
 )
-from fmoe.parallel.fsdp import apply_fsdp, dense_data_mesh, materialize, parallelize, shard_experts
+from fmoe.parallel.fsdp import apply_fsdp, dense_data_mesh, gathered, materialize, parallelize, shard_experts
 from fmoe.parallel.health import bits_hash, replica_mismatches
 from fmoe.parallel.mesh import Meshes, build_meshes, plan_sizes
 from fmoe.parallel.muon import DistributedMuon
@@ -113,6 +114,7 @@ __all__ = [
     "seq_load_balancing_losses_split",
     "z_loss_split",
     "apply_fsdp",
+    "gathered",
     "bits_hash",
     "build_meshes",
     "copy_to_tp",

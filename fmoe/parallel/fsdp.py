@@ -31,7 +31,8 @@ tokens are split over ranks and micro-batches (DESIGN.md).
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Iterator, Optional
 
 import torch
 from torch import nn
@@ -118,6 +119,38 @@ def apply_fsdp(
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+
+
+@contextlib.contextmanager
+def gathered(model: nn.Module) -> Iterator[nn.Module]:
+    """Inside the block, each FSDP2 unit of `model` keeps its parameters gathered after its
+    first forward (or decode / logits) instead of resharding them: for inference, where a
+    generation's steps would otherwise all-gather every block once per step. On exit every
+    unit is resharded and its reshard_after_forward restored. The cost is memory: each rank
+    holds its unsharded parameters (the whole model's, divided only by tp and ep x etp).
+
+        with torch.no_grad(), gathered(model):
+            for _ in range(steps):
+                logits = model.decode(ids, cache)   # the first step gathers, the rest do not
+
+    A model without FSDP2 units passes through unchanged. Not for training: a backward
+    inside the block would reshard nothing until the exit."""
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    before = [_reshards_after_forward(unit) for unit in units]
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield model
+    finally:
+        for unit, reshard in zip(units, before):
+            unit.reshard()
+            unit.set_reshard_after_forward(reshard, recurse=False)
+
+
+def _reshards_after_forward(unit: FSDPModule) -> bool:
+    """Whether an FSDP2 unit reshards after forward (FSDP2 exposes the setter only)."""
+    groups = unit._get_fsdp_state()._fsdp_param_groups
+    return any(group.post_forward_mesh_info is not None for group in groups)
 
 
 def parallelize(

@@ -3,6 +3,7 @@
     results = run_distributed(fn, world_size, *args, timeout=120)   # [result of rank 0, ...]
 
     with counting_all_reduce() as calls: ...          # the ops of every dist.all_reduce call
+    with counting_calls("all_gather_single") as calls: ...   # any torch.distributed function's calls
     results = by_world(worker, CASES, timeout=600)      # results(world): one process group per world size
 
 `fn(rank, world_size, *args)` must be a module-level function (the workers are spawned and
@@ -88,18 +89,23 @@ def by_world(worker, cases: dict, *, timeout: float) -> Callable[[int], list]:
 
 
 @contextlib.contextmanager
-def counting_all_reduce():
-    """Record the op of every torch.distributed.all_reduce call made while active (the code
-    under test looks dist.all_reduce up at call time)."""
+def counting_calls(name: str):
+    """Record the `op` keyword (None where not given) of every torch.distributed.<name> call
+    made while active (the code under test, FSDP2's included, looks it up at call time)."""
     calls = []
-    original = dist.all_reduce
+    original = getattr(dist, name)
 
     def counted(*args, **kwargs):
         calls.append(kwargs.get("op"))
         return original(*args, **kwargs)
 
-    dist.all_reduce = counted
+    setattr(dist, name, counted)
     try:
         yield calls
     finally:
-        dist.all_reduce = original
+        setattr(dist, name, original)
+
+
+def counting_all_reduce():
+    """Record the op of every torch.distributed.all_reduce call made while active."""
+    return counting_calls("all_reduce")

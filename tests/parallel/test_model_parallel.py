@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.parallel.dist import by_world
+from tests.parallel.dist import by_world, counting_calls
 
 TINY = dict(vocab_size=64, hidden=32, n_layers=2, n_dense=1, ffn_dense=64, n_experts=4, k=2, ffn_expert=32,
             n_shared=1, n_heads=4, n_kv_heads=2, head_dim=8, mtp_depth=1)
@@ -260,9 +260,11 @@ def _decode_calls(model):
 def _decode(rank, world, sizes, overrides, param_dtype, tol):
     """The max error, relative to the largest logit, of every call of _decode_calls on the
     parallelized model (FSDP2 computing in param_dtype) against one process in float32,
-    and whether its cache holds n_kv_heads / tp heads in the computing dtype."""
+    and whether its cache holds n_kv_heads / tp heads in the computing dtype; the calls
+    again inside fmoe.parallel.gathered (their largest difference) and FSDP2's all-gathers
+    (of the calls before, of a second run inside gathered, of the calls after it)."""
     from fmoe.model import Transformer, TransformerConfig
-    from fmoe.parallel import build_meshes, parallelize
+    from fmoe.parallel import build_meshes, gathered, parallelize
 
     cfg = TransformerConfig(**{**TINY, "mtp_depth": 0, **overrides})
     torch.manual_seed(0)
@@ -272,10 +274,19 @@ def _decode(rank, world, sizes, overrides, param_dtype, tol):
     _perturb_zeros_and_ones(ref, model)
     want, _ = _decode_calls(ref.eval())
     parallelize(model, build_meshes(**sizes), param_dtype=param_dtype)
-    got, cache = _decode_calls(model.eval())
+    with counting_calls("all_gather_single") as gathers:  # FSDP2's all-gathers
+        got, cache = _decode_calls(model.eval())
+    with gathered(model):
+        _decode_calls(model)  # gathers each unit once
+        with counting_calls("all_gather_single") as kept_gathers:
+            kept, _ = _decode_calls(model)
+    with counting_calls("all_gather_single") as resharded_gathers:
+        _decode_calls(model)
     heads = 1 if cfg.kv_rank is not None else cfg.n_kv_heads // sizes.get("tp", 1)
     return {"logits": max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, want)),
-            "cache": float(cache != (heads, param_dtype or torch.float32))}
+            "cache": float(cache != (heads, param_dtype or torch.float32)),
+            "gathered": max(float((a - b).abs().max()) for a, b in zip(kept, got)),
+            "gathers": (len(gathers), len(kept_gathers), len(resharded_gathers))}
 
 
 def _cases(rank, world, names):
@@ -306,11 +317,16 @@ def test_parallel_model_matches_one_process(case, results):
 def test_parallel_decode_matches_one_process(case, results):
     """Transformer.decode (KV cache, sliding-window rings, batched sequences) and logits on
     a parallelized model: FSDP2 gathers the root's embedding and head for them as for
-    forward, the cache holds this rank's kv heads, and tp pads odd token counts."""
+    forward, the cache holds this rank's kv heads, and tp pads odd token counts; inside
+    fmoe.parallel.gathered the units stay gathered between calls."""
     world, tol = DECODE_CASES[case][0], DECODE_CASES[case][-1]
     for rank, by_case in enumerate(results(world)):
         errors = by_case[f"decode-{case}"]
         assert errors["cache"] == 0 and errors["logits"] < tol, f"rank {rank}: {errors}"
+        # fmoe.parallel.gathered: the same logits with no all-gather once each unit is gathered,
+        # and on exit the units are resharded (the calls after gather as the calls before)
+        before, kept, after = errors["gathers"]
+        assert errors["gathered"] == 0.0 and before > 0 and kept == 0 and after == before, f"rank {rank}: {errors}"
 
 
 class _Blocks(torch.nn.Module):
