@@ -23,7 +23,9 @@ Under torchrun the model may be larger than one device: each rank builds it on t
 device, parallelized over --tp, --ep, --etp and --cp (the rest of the world shards it with
 FSDP2), and reads only its own shards' weights (load_sharded); the data-parallel ranks take
 turns over the micro-batches and the sums are added over the ranks, so any mesh prints one
-process's numbers (up to float rounding). Rank 0 prints.
+process's numbers (up to float rounding). Rank 0 prints. --keep_gathered: FSDP2 gathers the
+weights once for all the micro-batches, not once per micro-batch (fmoe.parallel.gathered;
+for a model whose unsharded weights, divided by tp and ep x etp, fit on each device).
 
 Printed: per source and overall, the tokens counted (those with a next token in their
 document), the mean loss, its perplexity and bits per byte (byte corpora) or per token;
@@ -34,6 +36,7 @@ instead: {"loss", "tokens", "by_source": {name: {"loss", "tokens"}}, "mtp_losses
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -135,6 +138,8 @@ def main(argv: list[str]) -> None:
     for axis, what in (("tp", "tensor parallel: attention heads, dense FFN columns"), ("ep", "expert parallel"),
                        ("etp", "expert tensor parallel: the experts' FFN columns"), ("cp", "context parallel: each micro-batch's tokens split")):
         parser.add_argument(f"--{axis}", type=int, default=1, help=f"under torchrun: {what} (the rest of the world is FSDP2 data parallel)")
+    parser.add_argument("--keep_gathered", action="store_true",
+                        help="under torchrun: FSDP2 gathers the weights once for all micro-batches, not once per micro-batch")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -172,7 +177,8 @@ def main(argv: list[str]) -> None:
             tokens=tokens, n_batches=args.batches if args.batches is not None else loop.get("eval_batches", 16), mtp_depth=model.cfg.mtp_depth)
     except (OSError, ValueError) as err:
         sys.exit(f"data: {err}")
-    result = evaluate(model, batches, sources, device=device, meshes=meshes)
+    with parallel.gathered(model) if args.keep_gathered else contextlib.nullcontext():
+        result = evaluate(model, batches, sources, device=device, meshes=meshes)
     if rank == 0:
         report(result, unit="byte" if corpus.vocab_size == BYTE_VOCAB_SIZE else "token", as_json=args.json)
     if meshes is not None:

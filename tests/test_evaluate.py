@@ -50,12 +50,12 @@ def test_a_run_s_defaults_reproduce_its_logged_validation_loss(run_dir):
 def test_torchrun_on_any_mesh_gives_the_one_process_numbers(run_dir):
     """2 ranks: FSDP2 with the 3 batches taken in turns (rank 1 runs one batch that it does
     not count), TP (the tp ranks' equal sums counted once), EP folded into TP, CP (each rank
-    half of each batch's tokens)."""
+    half of each batch's tokens; the weights gathered once, --keep_gathered)."""
     out, _ = run_dir
     one = _cli(out, "--json")
     assert one.returncode == 0, one.stderr[-2000:]
     want = json.loads(one.stdout)
-    for knobs in ([], ["--tp=2", "--ep=2"], ["--cp=2"]):
+    for knobs in ([], ["--tp=2", "--ep=2"], ["--cp=2", "--keep_gathered"]):
         cli = _cli(out, "--json", *knobs, ranks=2)
         assert cli.returncode == 0, (knobs, cli.stderr[-3000:])
         lines = [line for line in cli.stdout.splitlines() if line.startswith("{")]
