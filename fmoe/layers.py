@@ -81,7 +81,7 @@ from fmoe.ops import drop_by_capacity, random_logits, route
 from fmoe.ops.backend import IMPLS
 from fmoe.ops.checks import check_float, check_index, check_positive_int
 from fmoe.ops.dispatch import permute, unpermute
-from fmoe.ops.experts import check_glu, grouped_mlp, swiglu
+from fmoe.ops.experts import EXPERT_BIASES, check_glu, grouped_mlp, swiglu
 from fmoe.ops.packed import sequence_ids
 from fmoe.ops.rope import (
     apply_rope,
@@ -136,9 +136,6 @@ class MoEConfig:
     def glu(self) -> dict:
         """grouped_mlp's keyword arguments of the experts' SwiGLU."""
         return dict(alpha=self.swiglu_alpha, limit=self.swiglu_limit, offset=self.swiglu_offset)
-
-
-EXPERT_BIASES = ("b_gate", "b_up", "b_down")
 
 
 def expert_biases(params) -> dict:

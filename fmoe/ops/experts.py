@@ -69,8 +69,9 @@ def swiglu_ref(gate, up, alpha: float = 1.0, limit=None, offset: float = 0.0):
     return (act * (u + offset if offset else u)).to(gate.dtype)
 
 
+EXPERT_BIASES = ("b_gate", "b_up", "b_down")  # grouped_mlp's optional per-expert biases: [E, F], [E, F], [E, H]
 _PLAIN_GLU = (1.0, None, 0.0)  # (alpha, limit, offset) of silu(gate) * up
-_NO_BIASES = (None, None, None)  # (b_gate, b_up, b_down)
+_NO_BIASES = (None,) * len(EXPERT_BIASES)
 
 
 def _row_experts(offsets_E: torch.Tensor, R: int, biases) -> Optional[torch.Tensor]:

@@ -56,12 +56,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from fmoe.ops.backend import local_tensor as _local
+from fmoe.ops.experts import EXPERT_BIASES
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 SCALES = ("moonlight", "spectral")
 ADAMW_PATTERNS = ("embed", "lm_head", "head", "router", "norm", "bias")
 EMBEDDING_PATTERNS = ("embed", "head")  # the weights decay_embeddings=False leaves undecayed
-STACKED_BIASES = ("experts.b_gate", "experts.b_up", "experts.b_down")  # [E, F] / [E, H]: a bias per expert, not a matrix
+STACKED_BIASES = tuple(f"experts.{name}" for name in EXPERT_BIASES)  # [E, F] / [E, H]: a bias per expert, not a matrix
 
 
 # -----------------------------------------------------------------------------
