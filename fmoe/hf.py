@@ -5,8 +5,9 @@
 
 A folder holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). Supported `model_type`s: FAMILIES (mixtral, qwen2_moe,
-qwen3_moe, olmoe, glm4_moe, deepseek_v3, gpt_oss). Each family has one table: its config mapping (`config_to_fmoe`, which
-refuses what fmoe does not build: clipped qkv, ...) and its key map (HF
+qwen3_moe, olmoe, glm4_moe, deepseek_v3, gpt_oss, dots1, minimax_m2). Each family has one
+table: its config mapping (`config_to_fmoe`, which refuses what fmoe does not build:
+clipped qkv, ...) and its key map (HF
 key <-> fmoe parameter, with the layout change: HF linear weights [out, in] are
 transposed to fmoe's [in, out]; the per-expert matrices are stacked into [E, H, F] /
 [E, F, H] and split back on export; the router stays float32).
@@ -14,9 +15,10 @@ transposed to fmoe's [in, out]; the per-expert matrices are stacked into [E, H, 
 Routing: HF's softmax routers take the top-k of softmax(logits) and, with norm_topk_prob
 (Mixtral always), renormalise the k weights: fmoe's default softmax routing (softmax over
 the k chosen logits) is that; without it, fmoe's pre_softmax (weights not renormalised).
-GLM-4.5 and DeepSeek-V3 route on sigmoids plus e_score_correction_bias (fmoe's expert_bias
-buffer), score groups by their best 2 (group_score_topk=2), renormalise with
-norm_topk_prob (route_normalize) and scale by routed_scaling_factor (route_scale).
+GLM-4.5, DeepSeek-V3 and dots.llm1 route on sigmoids plus e_score_correction_bias (fmoe's
+expert_bias buffer), score groups by their best 2 (group_score_topk=2), renormalise with
+norm_topk_prob (route_normalize) and scale by routed_scaling_factor (route_scale);
+MiniMax-M2 routes on sigmoids plus the correction bias without groups, always renormalised.
 
 MTP: DeepSeek-V3 / GLM-4.5 store MTP depth d as layer n_layers + d - 1 (enorm, hnorm,
 eh_proj, a block, shared_head.norm, and copies of the embedding and the head, which fmoe
@@ -138,26 +140,60 @@ def _qwen3_moe(hf: dict) -> dict:
                 pre_softmax=not hf.get("norm_topk_prob", False), qk_norm="head")
 
 
-def _sigmoid_routing(hf: dict) -> dict:
-    """GLM-4.5 / DeepSeek-V3 routing: sigmoid scores with the correction bias for the
-    choice, groups scored by their best 2, weights renormalised with norm_topk_prob and
-    scaled by routed_scaling_factor; first_k_dense_replace dense blocks, then MoE blocks
-    with n_shared_experts shared experts; MTP modules with their own output norm."""
+def _sigmoid_routing(hf: dict, *, normalize: bool = True) -> dict:
+    """GLM-4.5 / DeepSeek-V3 / dots.llm1 routing: sigmoid scores with the correction bias for
+    the choice, groups scored by their best 2, weights renormalised with norm_topk_prob
+    (`normalize` where the config leaves it out: the family's default) and scaled by
+    routed_scaling_factor; first_k_dense_replace dense blocks, then MoE blocks with
+    n_shared_experts shared experts; MTP modules with their own output norm."""
     groups = hf.get("n_group") or 1
     grouped = groups > 1
     scale = float(hf.get("routed_scaling_factor", 1.0))
     return dict(score="sigmoid", expert_bias=True, n_groups=groups if grouped else None, topk_groups=hf.get("topk_group") if grouped else None,
                 group_score_topk=2 if grouped else None, route_scale=None if scale == 1.0 else scale,
-                route_normalize=bool(hf.get("norm_topk_prob", True)), ffn_expert=hf["moe_intermediate_size"], ffn_dense=hf["intermediate_size"],
+                route_normalize=bool(hf.get("norm_topk_prob", normalize)), ffn_expert=hf["moe_intermediate_size"], ffn_dense=hf["intermediate_size"],
                 n_dense=hf.get("first_k_dense_replace", 0), n_shared=hf.get("n_shared_experts") or 0, mtp_norm=True)
+
+
+def _partial_rope(hf: dict, head_dim: int) -> Optional[int]:
+    """rope_dim of GLM-4.5 / MiniMax-M2: RoPE on the first partial_rotary_factor x head_dim
+    channels of each head (rope_parameters', else the top level's; MiniMax-M2's released
+    configs say rotary_dim instead), None for all of them."""
+    factor = (hf.get("rope_parameters") or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    rope_dim = int(head_dim * factor) if factor is not None else hf.get("rotary_dim") or head_dim
+    if not 0 < rope_dim <= head_dim or rope_dim % 2:
+        raise ValueError(f"config.json: a rotary part of {rope_dim} channels is not supported (an even number in (0, head_dim = {head_dim}])")
+    return None if rope_dim == head_dim else rope_dim
 
 
 def _glm4_moe(hf: dict) -> dict:
     common = _common(hf, hf["n_routed_experts"])
-    factor = (hf.get("rope_parameters") or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    rope_dim = int(common["head_dim"] * factor)
     return dict(common, **_sigmoid_routing(hf), qkv_bias=bool(hf.get("attention_bias", False)),
-                qk_norm="head" if hf.get("use_qk_norm") else None, rope_dim=None if rope_dim == common["head_dim"] else rope_dim)
+                qk_norm="head" if hf.get("use_qk_norm") else None, rope_dim=_partial_rope(hf, common["head_dim"]))
+
+
+def _dots1(hf: dict) -> dict:
+    """dots.llm1: Qwen3's attention (per-head q/k norms; attention_bias on q, k, v and o;
+    sliding windows in the layers layer_types names, by default those from
+    max_window_layers on) with DeepSeek-V3's MoE blocks (_sigmoid_routing; weights not
+    renormalised unless norm_topk_prob)."""
+    if "layer_types" not in hf and hf.get("sliding_window") is not None:
+        first = hf.get("max_window_layers", hf["num_hidden_layers"])
+        hf = dict(hf, layer_types=["sliding_attention" if i >= first else "full_attention" for i in range(hf["num_hidden_layers"])])
+    bias = bool(hf.get("attention_bias", False))
+    return dict(_common(hf, hf["n_routed_experts"], sliding=True), **_sigmoid_routing(hf, normalize=False), qkv_bias=bias, o_bias=bias,
+                qk_norm="head")
+
+
+def _minimax_m2(hf: dict) -> dict:
+    """MiniMax-M2: q/k RMS norms over the whole projections (qk_norm "proj"), RoPE on the
+    first rotary_dim channels of each head; every block MoE, routed on sigmoids plus the
+    correction bias (no groups, no scale), the chosen sigmoids renormalised."""
+    _refuse(hf, "scoring_func", lambda v: v == "sigmoid", "sigmoid routing")
+    _refuse(hf, "shared_intermediate_size", lambda v: not v, "no shared experts in MiniMax-M2 here")
+    common = _common(hf, hf["num_local_experts"])
+    return dict(common, ffn_expert=hf["intermediate_size"], ffn_dense=hf["intermediate_size"], n_dense=0, n_shared=0, score="sigmoid",
+                expert_bias=True, route_normalize=True, qk_norm="proj", rope_dim=_partial_rope(hf, common["head_dim"]))
 
 
 def _yarn(hf: dict, default_base: float = 10000.0) -> dict:
@@ -237,6 +273,7 @@ class Family:
     experts: tuple[str, str, str]
     architecture: str
     shared: str = "shared_expert"  # the shared experts' module name
+    correction_bias: str = "gate.e_score_correction_bias"  # the routing correction bias, under the MoE block
     mtp: bool = False  # MTP modules as layers n_layers, n_layers + 1, ... (DeepSeek-V3's layout)
     fused: bool = False  # gpt-oss: experts as [E, ...] stacks (gate_up_proj, down_proj) with biases, a router module with a bias
 
@@ -249,6 +286,9 @@ FAMILIES = {
     "glm4_moe": Family(_glm4_moe, "mlp", ("gate_proj", "up_proj", "down_proj"), "Glm4MoeForCausalLM", "shared_experts", mtp=True),
     "deepseek_v3": Family(_deepseek_v3, "mlp", ("gate_proj", "up_proj", "down_proj"), "DeepseekV3ForCausalLM", "shared_experts", mtp=True),
     "gpt_oss": Family(_gpt_oss, "mlp", ("gate_up_proj", "gate_up_proj", "down_proj"), "GptOssForCausalLM", fused=True),
+    "dots1": Family(_dots1, "mlp", ("gate_proj", "up_proj", "down_proj"), "Dots1ForCausalLM", "shared_experts"),
+    "minimax_m2": Family(_minimax_m2, "block_sparse_moe", ("w1", "w3", "w2"), "MiniMaxM2ForCausalLM",
+                         correction_bias="e_score_correction_bias"),
 }
 _MLA = (("wq", "q_proj"), ("wq_a", "q_a_proj"), ("wq_b", "q_b_proj"), ("wkv_a", "kv_a_proj_with_mqa"), ("wkv_b", "kv_b_proj"), ("wo", "o_proj"))
 
@@ -295,7 +335,7 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
     elif moe:
         out[q + "mlp.router"] = Tensor((mlp + "gate.weight",))
         if cfg.expert_bias:  # HF's e_score_correction_bias: fmoe's expert_bias buffer
-            out[q + "mlp.expert_bias"] = Tensor((mlp + "gate.e_score_correction_bias",))
+            out[q + "mlp.expert_bias"] = Tensor((mlp + family.correction_bias,))
         for ours, theirs in zip(("w_gate", "w_up", "w_down"), family.experts):
             out[q + "mlp.experts." + ours] = Tensor(tuple(f"{mlp}experts.{e}.{theirs}.weight" for e in range(cfg.n_experts)),
                                                     transpose=True, stacked=True)
@@ -616,7 +656,7 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
         hf.update(use_sliding_window=True, sliding_window=cfg.window)
     elif cfg.window is not None and model_type == "qwen2_moe":
         hf.update(use_sliding_window=True, sliding_window=cfg.window, max_window_layers=cfg.n_layers, layer_types=_layer_types(cfg))
-    if model_type == "mixtral":
+    if model_type in ("mixtral", "minimax_m2"):
         hf.update(num_local_experts=cfg.n_experts, intermediate_size=cfg.ffn_expert)
     elif model_type == "gpt_oss":
         hf.update(num_local_experts=cfg.n_experts, intermediate_size=cfg.ffn_expert, attention_bias=cfg.qkv_bias,
@@ -631,11 +671,14 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
                   norm_topk_prob=not cfg.pre_softmax)
         if model_type == "qwen2_moe":
             hf.update(shared_expert_intermediate_size=cfg.shared_size, qkv_bias=cfg.qkv_bias)
-    if model_type in ("glm4_moe", "deepseek_v3"):
+    if model_type in ("glm4_moe", "deepseek_v3", "dots1"):
         hf.update(_sigmoid_routing_config(cfg))
+    if model_type in ("glm4_moe", "minimax_m2"):
+        hf["rope_parameters"]["partial_rotary_factor"] = (cfg.rope_dim or cfg.head_dim) / cfg.head_dim
     if model_type == "glm4_moe":
         hf.update(attention_bias=cfg.qkv_bias, use_qk_norm=cfg.qk_norm == "head")
-        hf["rope_parameters"]["partial_rotary_factor"] = (cfg.rope_dim or cfg.head_dim) / cfg.head_dim
+    if model_type == "dots1":
+        hf.update(attention_bias=cfg.qkv_bias, sliding_window=cfg.window, max_window_layers=cfg.n_layers, layer_types=_layer_types(cfg))
     if model_type == "deepseek_v3":
         rope = cfg.rope_dim or cfg.head_dim
         hf.update(q_lora_rank=cfg.q_rank, kv_lora_rank=cfg.kv_rank, qk_nope_head_dim=cfg.head_dim - rope, qk_rope_head_dim=rope,

@@ -53,6 +53,18 @@ FAMILIES = {
         **{**COMMON, "max_position_embeddings": 4 * 4096}, head_dim=8, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=4, swiglu_limit=0.5,
         rope_parameters=dict(rope_type="yarn", rope_theta=1000.0, factor=4.0, original_max_position_embeddings=4096, beta_fast=32.0,
                              beta_slow=1.0, truncate=False)),
+    # Qwen3's attention (per-head q/k norms) with q/k/v/o biases and a 4-token window in layer
+    # 1, DeepSeek-V3's routing (4 groups of 2 experts scored by their best 2, the correction
+    # bias, raw weights scaled x 2), a shared expert, layer 0 dense
+    "dots1": lambda: transformers.Dots1Config(**COMMON, head_dim=8, intermediate_size=40, moe_intermediate_size=16, n_routed_experts=8,
+                                              num_experts_per_tok=3, n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1,
+                                              attention_bias=True, norm_topk_prob=False, routed_scaling_factor=2.0, sliding_window=4,
+                                              layer_types=["full_attention", "sliding_attention", "full_attention"]),
+    # q/k norms over the whole projections, RoPE on the first half of each head, sigmoid routing
+    # with the correction bias (the block's own buffer), renormalised
+    "minimax_m2": lambda: transformers.MiniMaxM2Config(**COMMON, head_dim=8, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
+                                                       bos_token_id=None, eos_token_id=None,
+                                                       rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)),
 }
 DOCS = (7, 12, 5)  # packed documents
 
@@ -165,7 +177,7 @@ def test_sliding_window_models_give_transformers_logits_and_export_back(family, 
             hf.save_pretrained(part, tmp_path / "part", model_type=family)
 
 
-def test_config_mapping_reads_the_family_fields(folders):
+def test_config_mapping_reads_the_family_fields(folders, tmp_path):
     _, cfg = hf.read_config(folders["qwen2_moe"][0])
     assert cfg.moe_layers == (1, 2) and cfg.shared_size == 40 and cfg.shared_gate and cfg.qkv_bias and cfg.pre_softmax
     _, cfg = hf.read_config(folders["qwen3_moe"][0])
@@ -182,6 +194,16 @@ def test_config_mapping_reads_the_family_fields(folders):
     assert cfg.rope_interleaved and (cfg.yarn_factor, cfg.yarn_original_max_positions, cfg.yarn_mscale, cfg.yarn_mscale_all_dim) == (4.0, 32, 0.8, 1.0)
     assert (cfg.n_groups, cfg.topk_groups, cfg.group_score_topk, cfg.route_scale, cfg.route_normalize) == (4, 2, 2, 2.5, True)
     assert cfg.mtp_norm
+    _, cfg = hf.read_config(folders["dots1"][0])
+    assert cfg.qk_norm == "head" and cfg.qkv_bias and cfg.o_bias and (cfg.window, cfg.window_layers) == (4, (1,))
+    assert (cfg.n_groups, cfg.topk_groups, cfg.group_score_topk, cfg.route_scale, cfg.route_normalize) == (4, 2, 2, 2.0, False)
+    assert cfg.score == "sigmoid" and cfg.expert_bias and cfg.n_dense == 1 and cfg.shared_size == 16
+    _, cfg = hf.read_config(folders["minimax_m2"][0])
+    assert cfg.qk_norm == "proj" and cfg.rope_dim == 4 and cfg.score == "sigmoid" and cfg.expert_bias and cfg.route_normalize
+    assert cfg.n_groups is None and cfg.route_scale is None and cfg.n_dense == 0 and cfg.shared_size == 0
+    # MiniMax-M2's released configs give the rotary part as rotary_dim
+    legacy = _edit(folders["minimax_m2"][0], tmp_path / "legacy", lambda c: (c["rope_parameters"].pop("partial_rotary_factor"), c.update(rotary_dim=4)))
+    assert hf.read_config(legacy)[1] == cfg
 
 
 def _edit(src, dst, change):
@@ -202,6 +224,13 @@ def test_bad_checkpoints_name_the_key_or_field(folders, tmp_path):
         hf.from_pretrained(_edit(folders["olmoe"][0], tmp_path / "b", lambda c: c.update(sliding_window=64)))
     with pytest.raises(ValueError, match="config.json: layer_types = .* is not supported"):
         hf.from_pretrained(_edit(folders["qwen2_moe"][0], tmp_path / "b2", lambda c: c.update(layer_types=["chunked_attention"] * 3)))
+    minimax = folders["minimax_m2"][0]
+    with pytest.raises(ValueError, match=r"config.json: a rotary part of 3 channels is not supported \(an even number in \(0, head_dim = 8\]\)"):
+        hf.from_pretrained(_edit(minimax, tmp_path / "r", lambda c: c["rope_parameters"].update(partial_rotary_factor=0.375)))
+    with pytest.raises(ValueError, match=r"config.json: scoring_func = 'softmax' is not supported \(sigmoid routing\)"):
+        hf.from_pretrained(_edit(minimax, tmp_path / "s", lambda c: c.update(scoring_func="softmax")))
+    with pytest.raises(ValueError, match=r"config.json: shared_intermediate_size = 16 is not supported"):
+        hf.from_pretrained(_edit(minimax, tmp_path / "t", lambda c: c.update(shared_intermediate_size=16)))
     with pytest.raises(ValueError, match=r"checkpoint: model.embed_tokens.weight gives embed the shape \(64, 32\), the model expects \(64, 16\)"):
         hf.from_pretrained(_edit(path, tmp_path / "c", lambda c: c.update(hidden_size=16)))
     with pytest.raises(ValueError, match=r"checkpoint: missing key 'model.layers.3"):
