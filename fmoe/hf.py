@@ -5,7 +5,7 @@
 
 A folder holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). Supported `model_type`s: FAMILIES (mixtral, qwen2_moe,
-qwen3_moe, olmoe, glm4_moe, deepseek_v3, gpt_oss, dots1, minimax_m2). Each family has one
+qwen3_moe, olmoe, glm4_moe, glm4_moe_lite, deepseek_v3, gpt_oss, dots1, minimax_m2). Each family has one
 table: its config mapping (`config_to_fmoe`, which refuses what fmoe does not build:
 clipped qkv, ...) and its key map (HF
 key <-> fmoe parameter, with the layout change: HF linear weights [out, in] are
@@ -15,12 +15,12 @@ transposed to fmoe's [in, out]; the per-expert matrices are stacked into [E, H, 
 Routing: HF's softmax routers take the top-k of softmax(logits) and, with norm_topk_prob
 (Mixtral always), renormalise the k weights: fmoe's default softmax routing (softmax over
 the k chosen logits) is that; without it, fmoe's pre_softmax (weights not renormalised).
-GLM-4.5, DeepSeek-V3 and dots.llm1 route on sigmoids plus e_score_correction_bias (fmoe's
+GLM-4.5, GLM-4.7-Flash, DeepSeek-V3 and dots.llm1 route on sigmoids plus e_score_correction_bias (fmoe's
 expert_bias buffer), score groups by their best 2 (group_score_topk=2), renormalise with
 norm_topk_prob (route_normalize) and scale by routed_scaling_factor (route_scale);
 MiniMax-M2 routes on sigmoids plus the correction bias without groups, always renormalised.
 
-MTP: DeepSeek-V3 / GLM-4.5 store MTP depth d as layer n_layers + d - 1 (enorm, hnorm,
+MTP: DeepSeek-V3 / GLM-4.5 / GLM-4.7-Flash store MTP depth d as layer n_layers + d - 1 (enorm, hnorm,
 eh_proj, a block, shared_head.norm, and copies of the embedding and the head, which fmoe
 shares). from_pretrained loads as many depths as the checkpoint holds (mtp_depth=
 overrides; depths it lacks start fresh); other families' MTP modules always start fresh
@@ -226,6 +226,20 @@ def _deepseek_v3(hf: dict) -> dict:
                 q_rank=hf.get("q_lora_rank"), kv_rank=hf["kv_lora_rank"], v_head_dim=hf["v_head_dim"])
 
 
+def _glm4_moe_lite(hf: dict) -> dict:
+    """GLM-4.7-Flash (glm4_moe_lite): DeepSeek-V3's multi-latent attention and MoE blocks,
+    the dense and MoE blocks named by mlp_layer_types (by default the first dense)."""
+    n = hf["num_hidden_layers"]
+    kinds = hf.get("mlp_layer_types") or ["dense"] + ["sparse"] * (n - 1)
+    if len(kinds) != n or set(kinds) - {"dense", "sparse"}:
+        raise ValueError(f"config.json: mlp_layer_types = {kinds!r} is not supported (one of dense / sparse per layer)")
+    params = hf.get("rope_parameters") or {}
+    _refuse(params, "partial_rotary_factor", lambda v: v == 1.0, "RoPE over the whole qk_rope_head_dim")
+    moe = tuple(i for i, kind in enumerate(kinds) if kind == "sparse")
+    dense_prefix = moe == tuple(range(n - len(moe), n))
+    return dict(_deepseek_v3(dict(hf, first_k_dense_replace=n - len(moe) if dense_prefix else 0)), moe_layers=None if dense_prefix else moe)
+
+
 def _gpt_oss(hf: dict) -> dict:
     """gpt-oss: attention with q/k/v/o biases (attention_bias) and a sink per head, YaRN
     (rope_theta 150000 by default, truncate false), sliding windows in the layers layer_types
@@ -285,6 +299,8 @@ FAMILIES = {
     "olmoe": Family(_olmoe, "mlp", ("gate_proj", "up_proj", "down_proj"), "OlmoeForCausalLM"),
     "glm4_moe": Family(_glm4_moe, "mlp", ("gate_proj", "up_proj", "down_proj"), "Glm4MoeForCausalLM", "shared_experts", mtp=True),
     "deepseek_v3": Family(_deepseek_v3, "mlp", ("gate_proj", "up_proj", "down_proj"), "DeepseekV3ForCausalLM", "shared_experts", mtp=True),
+    "glm4_moe_lite": Family(_glm4_moe_lite, "mlp", ("gate_proj", "up_proj", "down_proj"), "Glm4MoeLiteForCausalLM", "shared_experts",
+                            mtp=True),
     "gpt_oss": Family(_gpt_oss, "mlp", ("gate_up_proj", "gate_up_proj", "down_proj"), "GptOssForCausalLM", fused=True),
     "dots1": Family(_dots1, "mlp", ("gate_proj", "up_proj", "down_proj"), "Dots1ForCausalLM", "shared_experts"),
     "minimax_m2": Family(_minimax_m2, "block_sparse_moe", ("w1", "w3", "w2"), "MiniMaxM2ForCausalLM",
@@ -298,8 +314,9 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
     out = {}
     attn = p + "self_attn."
     if cfg.kv_rank is not None:  # multi-latent attention
+        q_weights = ("wq",) if cfg.q_rank is None else ("wq_a", "wq_b")  # a full-rank q, or its low-rank pair
         for ours, theirs in _MLA:
-            if (ours == "wq") == (cfg.q_rank is None):
+            if not ours.startswith("wq") or ours in q_weights:
                 out[q + "attn." + ours] = Tensor((f"{attn}{theirs}.weight",), transpose=True)
         if cfg.q_rank is not None:
             out[q + "attn.q_a_norm"] = Tensor((attn + "q_a_layernorm.weight",))
@@ -423,7 +440,9 @@ def load_weights(model: Transformer, path, *, model_type: str) -> int:
     A parameter that is a DTensor gets only its own block, and only that block is read
     from the files (safetensors slices; an expert stack reads only this rank's experts);
     FP8 weights are read whole and dequantised before their block is cut. Returns the
-    bytes this rank read. ValueError naming the key for a missing key or a shape mismatch."""
+    bytes this rank read. ValueError naming the key for a missing key or a shape mismatch, and
+    naming the parameter for one (outside the MTP modules) that the family's checkpoints do
+    not hold."""
     from torch.distributed.tensor import DTensor
 
     path = Path(path)
@@ -481,9 +500,14 @@ def load_weights(model: Transformer, path, *, model_type: str) -> int:
                 return (stored[-1],)
             return stored[::-1] if transpose else stored
 
+        keys = key_map(family, model.cfg)
+        unmapped = [n for n in params if n not in keys and not n.startswith("mtp.") and not n.endswith("expert_bias")]
+        if unmapped:  # a trunk weight would keep its initial value: refused, not silently fresh
+            raise ValueError(f"model: {len(unmapped)} parameter(s) that a {model_type} checkpoint does not hold, "
+                             f"e.g. {unmapped[0]!r} (an option the family does not have?)")
         chunk = getattr(model, "pipeline_chunk", None)
         absent = {f"mtp.{d - 1}." for d in range(1, model.cfg.mtp_depth + 1) if mtp_layer(model.cfg, d) + "eh_proj.weight" not in files}
-        for name, spec in key_map(family, model.cfg).items():
+        for name, spec in keys.items():
             if name not in params and chunk is not None:
                 continue  # held by another pipeline stage
             if any(name.startswith(prefix) for prefix in absent):
@@ -671,7 +695,7 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
                   norm_topk_prob=not cfg.pre_softmax)
         if model_type == "qwen2_moe":
             hf.update(shared_expert_intermediate_size=cfg.shared_size, qkv_bias=cfg.qkv_bias)
-    if model_type in ("glm4_moe", "deepseek_v3", "dots1"):
+    if model_type in ("glm4_moe", "deepseek_v3", "glm4_moe_lite", "dots1"):
         hf.update(_sigmoid_routing_config(cfg))
     if model_type in ("glm4_moe", "minimax_m2"):
         hf["rope_parameters"]["partial_rotary_factor"] = (cfg.rope_dim or cfg.head_dim) / cfg.head_dim
@@ -679,7 +703,9 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
         hf.update(attention_bias=cfg.qkv_bias, use_qk_norm=cfg.qk_norm == "head")
     if model_type == "dots1":
         hf.update(attention_bias=cfg.qkv_bias, sliding_window=cfg.window, max_window_layers=cfg.n_layers, layer_types=_layer_types(cfg))
-    if model_type == "deepseek_v3":
+    if model_type == "glm4_moe_lite":
+        hf.update(mlp_layer_types=["sparse" if cfg.is_moe(i) else "dense" for i in range(cfg.n_layers)])
+    if model_type in ("deepseek_v3", "glm4_moe_lite"):
         rope = cfg.rope_dim or cfg.head_dim
         hf.update(q_lora_rank=cfg.q_rank, kv_lora_rank=cfg.kv_rank, qk_nope_head_dim=cfg.head_dim - rope, qk_rope_head_dim=rope,
                   v_head_dim=cfg.v_head_dim, head_dim=rope, rope_interleave=cfg.rope_interleaved, attention_bias=False)

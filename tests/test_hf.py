@@ -44,6 +44,13 @@ FAMILIES = {
         qk_rope_head_dim=4, v_head_dim=5, routed_scaling_factor=2.5, rope_parameters=dict(
             rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32, beta_fast=32, beta_slow=1,
             mscale=0.8, mscale_all_dim=1.0)),
+    # DeepSeek-V3's multi-latent attention without the low-rank q, plain RoPE; sigmoid routing
+    # over 2 groups of 4 experts, renormalised x 1.8; a dense block after a MoE block
+    # (mlp_layer_types)
+    "glm4_moe_lite": lambda: transformers.Glm4MoeLiteConfig(
+        **{**COMMON, "num_key_value_heads": 4}, intermediate_size=40, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=3,
+        n_group=2, topk_group=1, n_shared_experts=1, q_lora_rank=None, kv_lora_rank=8, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5,
+        routed_scaling_factor=1.8, mlp_layer_types=["sparse", "dense", "sparse"], bos_token_id=None, eos_token_id=None),
     # attention sinks, q/k/v/o biases, a 4-token sliding window in layers 0 and 2, YaRN
     # without truncation, a router bias, expert biases and the clamped SwiGLU (a limit of
     # 0.5 so that the clamps act on these small activations; a correction range of
@@ -194,6 +201,9 @@ def test_config_mapping_reads_the_family_fields(folders, tmp_path):
     assert cfg.rope_interleaved and (cfg.yarn_factor, cfg.yarn_original_max_positions, cfg.yarn_mscale, cfg.yarn_mscale_all_dim) == (4.0, 32, 0.8, 1.0)
     assert (cfg.n_groups, cfg.topk_groups, cfg.group_score_topk, cfg.route_scale, cfg.route_normalize) == (4, 2, 2, 2.5, True)
     assert cfg.mtp_norm
+    _, cfg = hf.read_config(folders["glm4_moe_lite"][0])
+    assert (cfg.q_rank, cfg.kv_rank, cfg.head_dim, cfg.rope_dim, cfg.v_head_dim, cfg.moe_layers) == (None, 8, 10, 4, 5, (0, 2))
+    assert (cfg.n_groups, cfg.topk_groups, cfg.route_scale, cfg.route_normalize, cfg.yarn_factor) == (2, 1, 1.8, True, None)
     _, cfg = hf.read_config(folders["dots1"][0])
     assert cfg.qk_norm == "head" and cfg.qkv_bias and cfg.o_bias and (cfg.window, cfg.window_layers) == (4, (1,))
     assert (cfg.n_groups, cfg.topk_groups, cfg.group_score_topk, cfg.route_scale, cfg.route_normalize) == (4, 2, 2, 2.0, False)
@@ -235,6 +245,9 @@ def test_bad_checkpoints_name_the_key_or_field(folders, tmp_path):
         hf.from_pretrained(_edit(path, tmp_path / "c", lambda c: c.update(hidden_size=16)))
     with pytest.raises(ValueError, match=r"checkpoint: missing key 'model.layers.3"):
         hf.from_pretrained(_edit(path, tmp_path / "d", lambda c: c.update(num_hidden_layers=4)))
+    # an option the family's checkpoints cannot hold is refused, not left at its initial value
+    with pytest.raises(ValueError, match=r"model: 9 parameter\(s\) that a mixtral checkpoint does not hold, e.g. 'blocks.0.mlp.experts.b_gate'"):
+        hf.from_pretrained(path, expert_biases=True)
     with pytest.raises(FileNotFoundError, match="has no config.json"):
         hf.from_pretrained(tmp_path)
     model, _ = hf.from_pretrained(path)
