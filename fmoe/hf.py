@@ -5,7 +5,8 @@
 
 A folder holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). Supported `model_type`s: FAMILIES (mixtral, qwen2_moe,
-qwen3_moe, olmoe, glm4_moe, glm4_moe_lite, deepseek_v3, gpt_oss, dots1, minimax_m2). Each family has one
+qwen3_moe, olmoe, glm4_moe, glm4_moe_lite, deepseek_v2, deepseek_v3, gpt_oss, dots1, minimax_m2).
+Each family has one
 table: its config mapping (`config_to_fmoe`, which refuses what fmoe does not build:
 clipped qkv, ...) and its key map (HF
 key <-> fmoe parameter, with the layout change: HF linear weights [out, in] are
@@ -19,6 +20,9 @@ GLM-4.5, GLM-4.7-Flash, DeepSeek-V3 and dots.llm1 route on sigmoids plus e_score
 expert_bias buffer), score groups by their best 2 (group_score_topk=2), renormalise with
 norm_topk_prob (route_normalize) and scale by routed_scaling_factor (route_scale);
 MiniMax-M2 routes on sigmoids plus the correction bias without groups, always renormalised.
+DeepSeek-V2 takes the top-k of softmax over every expert (pre_softmax), with
+group_limited_greedy groups scored by their best expert (group_score_topk=1), scaled by
+routed_scaling_factor.
 
 MTP: DeepSeek-V3 / GLM-4.5 / GLM-4.7-Flash store MTP depth d as layer n_layers + d - 1 (enorm, hnorm,
 eh_proj, a block, shared_head.norm, and copies of the embedding and the head, which fmoe
@@ -226,6 +230,22 @@ def _deepseek_v3(hf: dict) -> dict:
                 q_rank=hf.get("q_lora_rank"), kv_rank=hf["kv_lora_rank"], v_head_dim=hf["v_head_dim"])
 
 
+def _deepseek_v2(hf: dict) -> dict:
+    """DeepSeek-V2 / -V2-Lite: DeepSeek-V3's multi-latent attention (RoPE always on
+    interleaved pairs), first_k_dense_replace dense blocks, shared experts; the top-k of
+    softmax over every expert as the weights (never renormalised: norm_topk_prob is not
+    read, as in transformers), topk_method group_limited_greedy keeping the topk_group of
+    n_group groups scored by their best expert; x routed_scaling_factor."""
+    _refuse(hf, "topk_method", lambda v: v in ("greedy", "group_limited_greedy"), "greedy or group_limited_greedy")
+    _refuse(hf, "scoring_func", lambda v: v == "softmax", "softmax routing")
+    _refuse(hf, "mlp_bias", lambda v: not v, "no biases in the MLPs here")
+    groups = hf.get("n_group") or 1
+    grouped = hf.get("topk_method") == "group_limited_greedy" and groups > 1
+    return dict(_deepseek_v3(dict(hf, rope_interleave=True)), score="softmax", pre_softmax=True, expert_bias=False,
+                n_groups=groups if grouped else None, topk_groups=hf.get("topk_group") if grouped else None,
+                group_score_topk=1 if grouped else None, route_normalize=True, mtp_norm=False)
+
+
 def _glm4_moe_lite(hf: dict) -> dict:
     """GLM-4.7-Flash (glm4_moe_lite): DeepSeek-V3's multi-latent attention and MoE blocks,
     the dense and MoE blocks named by mlp_layer_types (by default the first dense)."""
@@ -299,6 +319,7 @@ FAMILIES = {
     "olmoe": Family(_olmoe, "mlp", ("gate_proj", "up_proj", "down_proj"), "OlmoeForCausalLM"),
     "glm4_moe": Family(_glm4_moe, "mlp", ("gate_proj", "up_proj", "down_proj"), "Glm4MoeForCausalLM", "shared_experts", mtp=True),
     "deepseek_v3": Family(_deepseek_v3, "mlp", ("gate_proj", "up_proj", "down_proj"), "DeepseekV3ForCausalLM", "shared_experts", mtp=True),
+    "deepseek_v2": Family(_deepseek_v2, "mlp", ("gate_proj", "up_proj", "down_proj"), "DeepseekV2ForCausalLM", "shared_experts"),
     "glm4_moe_lite": Family(_glm4_moe_lite, "mlp", ("gate_proj", "up_proj", "down_proj"), "Glm4MoeLiteForCausalLM", "shared_experts",
                             mtp=True),
     "gpt_oss": Family(_gpt_oss, "mlp", ("gate_up_proj", "gate_up_proj", "down_proj"), "GptOssForCausalLM", fused=True),
@@ -695,8 +716,10 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
                   norm_topk_prob=not cfg.pre_softmax)
         if model_type == "qwen2_moe":
             hf.update(shared_expert_intermediate_size=cfg.shared_size, qkv_bias=cfg.qkv_bias)
-    if model_type in ("glm4_moe", "deepseek_v3", "glm4_moe_lite", "dots1"):
+    if model_type in ("glm4_moe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "dots1"):
         hf.update(_sigmoid_routing_config(cfg))
+    if model_type == "deepseek_v2":
+        hf.update(topk_method="group_limited_greedy" if cfg.n_groups else "greedy")
     if model_type in ("glm4_moe", "minimax_m2"):
         hf["rope_parameters"]["partial_rotary_factor"] = (cfg.rope_dim or cfg.head_dim) / cfg.head_dim
     if model_type == "glm4_moe":
@@ -705,7 +728,7 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
         hf.update(attention_bias=cfg.qkv_bias, sliding_window=cfg.window, max_window_layers=cfg.n_layers, layer_types=_layer_types(cfg))
     if model_type == "glm4_moe_lite":
         hf.update(mlp_layer_types=["sparse" if cfg.is_moe(i) else "dense" for i in range(cfg.n_layers)])
-    if model_type in ("deepseek_v3", "glm4_moe_lite"):
+    if model_type in ("deepseek_v2", "deepseek_v3", "glm4_moe_lite"):
         rope = cfg.rope_dim or cfg.head_dim
         hf.update(q_lora_rank=cfg.q_rank, kv_lora_rank=cfg.kv_rank, qk_nope_head_dim=cfg.head_dim - rope, qk_rope_head_dim=rope,
                   v_head_dim=cfg.v_head_dim, head_dim=rope, rope_interleave=cfg.rope_interleaved, attention_bias=False)

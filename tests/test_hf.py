@@ -44,6 +44,15 @@ FAMILIES = {
         qk_rope_head_dim=4, v_head_dim=5, routed_scaling_factor=2.5, rope_parameters=dict(
             rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32, beta_fast=32, beta_slow=1,
             mscale=0.8, mscale_all_dim=1.0)),
+    # multi-latent attention without the low-rank q, YaRN with mscale == mscale_all_dim (the
+    # -Lite release's); softmax over every expert, 4 groups of 2 scored by their best expert
+    # (group_limited_greedy), the top-3 probabilities x 2.5; a shared expert, layer 0 dense
+    "deepseek_v2": lambda: transformers.DeepseekV2Config(
+        **{**COMMON, "num_key_value_heads": 4}, intermediate_size=40, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=3,
+        n_group=4, topk_group=2, topk_method="group_limited_greedy", n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=None,
+        kv_lora_rank=8, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5, routed_scaling_factor=2.5, bos_token_id=None, eos_token_id=None,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32, beta_fast=32, beta_slow=1,
+                             mscale=0.707, mscale_all_dim=0.707)),
     # DeepSeek-V3's multi-latent attention without the low-rank q, plain RoPE; sigmoid routing
     # over 2 groups of 4 experts, renormalised x 1.8; a dense block after a MoE block
     # (mlp_layer_types)
@@ -201,6 +210,11 @@ def test_config_mapping_reads_the_family_fields(folders, tmp_path):
     assert cfg.rope_interleaved and (cfg.yarn_factor, cfg.yarn_original_max_positions, cfg.yarn_mscale, cfg.yarn_mscale_all_dim) == (4.0, 32, 0.8, 1.0)
     assert (cfg.n_groups, cfg.topk_groups, cfg.group_score_topk, cfg.route_scale, cfg.route_normalize) == (4, 2, 2, 2.5, True)
     assert cfg.mtp_norm
+    _, cfg = hf.read_config(folders["deepseek_v2"][0])
+    assert (cfg.q_rank, cfg.kv_rank, cfg.rope_dim, cfg.rope_interleaved, cfg.yarn_mscale, cfg.yarn_mscale_all_dim) == (None, 8, 4, True, 0.707, 0.707)
+    assert (cfg.score, cfg.pre_softmax, cfg.expert_bias, cfg.n_groups, cfg.topk_groups, cfg.group_score_topk, cfg.route_scale) == (
+        "softmax", True, False, 4, 2, 1, 2.5)
+    assert cfg.n_dense == 1 and cfg.shared_size == 16
     _, cfg = hf.read_config(folders["glm4_moe_lite"][0])
     assert (cfg.q_rank, cfg.kv_rank, cfg.head_dim, cfg.rope_dim, cfg.v_head_dim, cfg.moe_layers) == (None, 8, 10, 4, 5, (0, 2))
     assert (cfg.n_groups, cfg.topk_groups, cfg.route_scale, cfg.route_normalize, cfg.yarn_factor) == (2, 1, 1.8, True, None)
@@ -241,6 +255,8 @@ def test_bad_checkpoints_name_the_key_or_field(folders, tmp_path):
         hf.from_pretrained(_edit(minimax, tmp_path / "s", lambda c: c.update(scoring_func="softmax")))
     with pytest.raises(ValueError, match=r"config.json: shared_intermediate_size = 16 is not supported"):
         hf.from_pretrained(_edit(minimax, tmp_path / "t", lambda c: c.update(shared_intermediate_size=16)))
+    with pytest.raises(ValueError, match=r"config.json: topk_method = 'noaux_tc' is not supported \(greedy or group_limited_greedy\)"):
+        hf.from_pretrained(_edit(folders["deepseek_v2"][0], tmp_path / "u", lambda c: c.update(topk_method="noaux_tc")))
     with pytest.raises(ValueError, match=r"checkpoint: model.embed_tokens.weight gives embed the shape \(64, 32\), the model expects \(64, 16\)"):
         hf.from_pretrained(_edit(path, tmp_path / "c", lambda c: c.update(hidden_size=16)))
     with pytest.raises(ValueError, match=r"checkpoint: missing key 'model.layers.3"):
