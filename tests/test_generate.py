@@ -18,10 +18,10 @@ import generate  # noqa: E402
 from fmoe.model import Transformer, TransformerConfig  # noqa: E402
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "deepseek_v2"])
 def test_greedy_matches_transformers_generate(tmp_path, family):
-    """Through fmoe's KV cache (DeepSeek-V3: multi-latent attention absorbed, latents cached)
-    against transformers' own generate and cache."""
+    """Through fmoe's KV cache (DeepSeek-V3 / -V2: multi-latent attention absorbed, latents
+    cached; -V2 without the low-rank q) against transformers' own generate and cache."""
     transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]'")
     import fmoe.hf
 
@@ -30,6 +30,11 @@ def test_greedy_matches_transformers_generate(tmp_path, family):
     if family == "qwen3_moe":
         config = transformers.Qwen3MoeConfig(**common, num_key_value_heads=2, head_dim=8, intermediate_size=40, moe_intermediate_size=24,
                                              num_experts=4, num_experts_per_tok=2)
+    elif family == "deepseek_v2":  # a full-rank q, softmax routing over groups scored by their best expert
+        config = transformers.DeepseekV2Config(
+            **common, num_key_value_heads=4, intermediate_size=40, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=3,
+            n_group=4, topk_group=2, topk_method="group_limited_greedy", n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=None,
+            kv_lora_rank=8, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5, routed_scaling_factor=2.5, max_position_embeddings=128)
     else:
         config = transformers.DeepseekV3Config(
             **common, num_key_value_heads=4, intermediate_size=40, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=3,
