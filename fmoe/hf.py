@@ -5,28 +5,28 @@
 
 A folder holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). Supported `model_type`s: FAMILIES (mixtral, qwen2_moe,
-qwen3_moe, olmoe, glm4_moe, glm4_moe_lite, deepseek_v2, deepseek_v3, gpt_oss, dots1, minimax_m2).
-Each family has one
-table: its config mapping (`config_to_fmoe`, which refuses what fmoe does not build:
-clipped qkv, ...) and its key map (HF
-key <-> fmoe parameter, with the layout change: HF linear weights [out, in] are
-transposed to fmoe's [in, out]; the per-expert matrices are stacked into [E, H, F] /
-[E, F, H] and split back on export; the router stays float32).
+qwen3_moe, olmoe, glm4_moe, deepseek_v3, deepseek_v2, glm4_moe_lite, gpt_oss, dots1,
+minimax_m2). Each family has one table: its config mapping (`config_to_fmoe`, which
+refuses what fmoe does not build: clipped qkv, ...) and its key map (HF key <-> fmoe
+parameter, with the layout change: HF linear weights [out, in] are transposed to fmoe's
+[in, out]; the per-expert matrices are stacked into [E, H, F] / [E, F, H] and split back
+on export; the router stays float32). A model parameter outside the MTP modules that the
+key map does not name is refused on load, never left at its initial value.
 
 Routing: HF's softmax routers take the top-k of softmax(logits) and, with norm_topk_prob
 (Mixtral always), renormalise the k weights: fmoe's default softmax routing (softmax over
 the k chosen logits) is that; without it, fmoe's pre_softmax (weights not renormalised).
-GLM-4.5, GLM-4.7-Flash, DeepSeek-V3 and dots.llm1 route on sigmoids plus e_score_correction_bias (fmoe's
-expert_bias buffer), score groups by their best 2 (group_score_topk=2), renormalise with
-norm_topk_prob (route_normalize) and scale by routed_scaling_factor (route_scale);
-MiniMax-M2 routes on sigmoids plus the correction bias without groups, always renormalised.
-DeepSeek-V2 takes the top-k of softmax over every expert (pre_softmax), with
-group_limited_greedy groups scored by their best expert (group_score_topk=1), scaled by
-routed_scaling_factor.
+GLM-4.5, GLM-4.7-Flash, DeepSeek-V3 and dots.llm1 route on sigmoids plus
+e_score_correction_bias (fmoe's expert_bias buffer), score groups by their best 2
+(group_score_topk=2), renormalise with norm_topk_prob (route_normalize) and scale by
+routed_scaling_factor (route_scale); MiniMax-M2 routes on sigmoids plus the correction
+bias without groups, always renormalised. DeepSeek-V2 takes the top-k of softmax over
+every expert (pre_softmax), with group_limited_greedy groups scored by their best expert
+(group_score_topk=1), scaled by routed_scaling_factor.
 
-MTP: DeepSeek-V3 / GLM-4.5 / GLM-4.7-Flash store MTP depth d as layer n_layers + d - 1 (enorm, hnorm,
-eh_proj, a block, shared_head.norm, and copies of the embedding and the head, which fmoe
-shares). from_pretrained loads as many depths as the checkpoint holds (mtp_depth=
+MTP: DeepSeek-V3 / GLM-4.5 / GLM-4.7-Flash store MTP depth d as layer n_layers + d - 1
+(enorm, hnorm, eh_proj, a block, shared_head.norm, and copies of the embedding and the
+head, which fmoe shares). from_pretrained loads as many depths as the checkpoint holds (mtp_depth=
 overrides; depths it lacks start fresh); other families' MTP modules always start fresh
 and are not exported. FP8: weights stored as float8 with `weight_scale_inv` block scales
 (quantization_config.weight_block_size) are dequantised to float32 on load; the export
@@ -640,7 +640,7 @@ def from_pretrained(path, *, dtype: torch.dtype = torch.float32, device="cpu", *
 
     options: TransformerConfig fields to set on top of the mapped config (e.g. impl="torch",
     ac="full"). mtp_depth: by default the MTP layers the checkpoint holds (DeepSeek-V3,
-    GLM-4.5; none for the others); more depths than it holds start from fresh weights.
+    GLM-4.5, GLM-4.7-Flash; none for the others); more depths than it holds start from fresh weights.
     Block-scaled FP8 and MXFP4 (gpt-oss) weights are dequantised. Returns (model, cfg);
     model.hf_config keeps config.json for save_pretrained."""
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:

@@ -327,9 +327,9 @@ def _read_all(path):
     return load_file(path / "model.safetensors")
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "glm4_moe_lite"])
 def test_mtp_layers_load_into_mtp_modules_and_export_back(family, folders, tmp_path):
-    """DeepSeek-V3 / GLM-4.5 keep MTP depth d as layer n_layers + d - 1 (enorm, hnorm,
+    """DeepSeek-V3 / GLM-4.5 / GLM-4.7-Flash keep MTP depth d as layer n_layers + d - 1 (enorm, hnorm,
     eh_proj, a MoE block, shared_head.norm, and copies of the embedding and head)."""
     path, _ = folders[family]
     tensors = _read_all(path)
