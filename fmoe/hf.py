@@ -144,19 +144,25 @@ def _qwen3_moe(hf: dict) -> dict:
                 pre_softmax=not hf.get("norm_topk_prob", False), qk_norm="head")
 
 
+def _deepseek_moe(hf: dict, *, n_dense: Optional[int] = None) -> dict:
+    """The MoE blocks of the DeepSeek-style families (DeepSeek-V2 / -V3, GLM-4.5 / -4.7-Flash,
+    dots.llm1): first_k_dense_replace dense blocks (or n_dense), then MoE blocks of experts
+    of moe_intermediate_size with n_shared_experts shared experts, the routed weights scaled
+    by routed_scaling_factor."""
+    scale = float(hf.get("routed_scaling_factor", 1.0))
+    return dict(ffn_expert=hf["moe_intermediate_size"], ffn_dense=hf["intermediate_size"], n_shared=hf.get("n_shared_experts") or 0,
+                n_dense=hf.get("first_k_dense_replace", 0) if n_dense is None else n_dense, route_scale=None if scale == 1.0 else scale)
+
+
 def _sigmoid_routing(hf: dict, *, normalize: bool = True) -> dict:
-    """GLM-4.5 / DeepSeek-V3 / dots.llm1 routing: sigmoid scores with the correction bias for
-    the choice, groups scored by their best 2, weights renormalised with norm_topk_prob
-    (`normalize` where the config leaves it out: the family's default) and scaled by
-    routed_scaling_factor; first_k_dense_replace dense blocks, then MoE blocks with
-    n_shared_experts shared experts; MTP modules with their own output norm."""
+    """GLM-4.5 / -4.7-Flash / DeepSeek-V3 / dots.llm1 routing: sigmoid scores with the
+    correction bias for the choice, n_group groups scored by their best 2, weights
+    renormalised with norm_topk_prob (`normalize` where the config leaves it out: the
+    family's default); MTP modules with their own output norm."""
     groups = hf.get("n_group") or 1
     grouped = groups > 1
-    scale = float(hf.get("routed_scaling_factor", 1.0))
     return dict(score="sigmoid", expert_bias=True, n_groups=groups if grouped else None, topk_groups=hf.get("topk_group") if grouped else None,
-                group_score_topk=2 if grouped else None, route_scale=None if scale == 1.0 else scale,
-                route_normalize=bool(hf.get("norm_topk_prob", normalize)), ffn_expert=hf["moe_intermediate_size"], ffn_dense=hf["intermediate_size"],
-                n_dense=hf.get("first_k_dense_replace", 0), n_shared=hf.get("n_shared_experts") or 0, mtp_norm=True)
+                group_score_topk=2 if grouped else None, route_normalize=bool(hf.get("norm_topk_prob", normalize)), mtp_norm=True)
 
 
 def _partial_rope(hf: dict, head_dim: int) -> Optional[int]:
@@ -172,21 +178,21 @@ def _partial_rope(hf: dict, head_dim: int) -> Optional[int]:
 
 def _glm4_moe(hf: dict) -> dict:
     common = _common(hf, hf["n_routed_experts"])
-    return dict(common, **_sigmoid_routing(hf), qkv_bias=bool(hf.get("attention_bias", False)),
+    return dict(common, **_deepseek_moe(hf), **_sigmoid_routing(hf), qkv_bias=bool(hf.get("attention_bias", False)),
                 qk_norm="head" if hf.get("use_qk_norm") else None, rope_dim=_partial_rope(hf, common["head_dim"]))
 
 
 def _dots1(hf: dict) -> dict:
     """dots.llm1: Qwen3's attention (per-head q/k norms; attention_bias on q, k, v and o;
     sliding windows in the layers layer_types names, by default those from
-    max_window_layers on) with DeepSeek-V3's MoE blocks (_sigmoid_routing; weights not
+    max_window_layers on) with DeepSeek-V3's MoE blocks and routing (weights not
     renormalised unless norm_topk_prob)."""
     if "layer_types" not in hf and hf.get("sliding_window") is not None:
         first = hf.get("max_window_layers", hf["num_hidden_layers"])
         hf = dict(hf, layer_types=["sliding_attention" if i >= first else "full_attention" for i in range(hf["num_hidden_layers"])])
     bias = bool(hf.get("attention_bias", False))
-    return dict(_common(hf, hf["n_routed_experts"], sliding=True), **_sigmoid_routing(hf, normalize=False), qkv_bias=bias, o_bias=bias,
-                qk_norm="head")
+    return dict(_common(hf, hf["n_routed_experts"], sliding=True), **_deepseek_moe(hf), **_sigmoid_routing(hf, normalize=False),
+                qkv_bias=bias, o_bias=bias, qk_norm="head")
 
 
 def _minimax_m2(hf: dict) -> dict:
@@ -222,12 +228,20 @@ def _yarn(hf: dict, default_base: float = 10000.0) -> dict:
                 yarn_truncate=params.get("truncate") is not False)
 
 
-def _deepseek_v3(hf: dict) -> dict:
+def _mla(hf: dict, *, interleaved: Optional[bool] = None) -> dict:
+    """_common's fields and multi-latent attention's (DeepSeek-V2 / -V3, GLM-4.7-Flash):
+    q/k heads of qk_nope_head_dim + qk_rope_head_dim, RoPE (plain or YaRN) on the last
+    qk_rope_head_dim, on interleaved pairs by rope_interleave (or `interleaved`), a low-rank q
+    of q_lora_rank (None: full rank), the kv latent of kv_lora_rank, values of v_head_dim."""
     _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in multi-latent attention here")
     heads, nope, rope = hf["num_attention_heads"], hf["qk_nope_head_dim"], hf["qk_rope_head_dim"]
     common = _common(dict(hf, rope_parameters=None, rope_scaling=None, head_dim=nope + rope, num_key_value_heads=heads), hf["n_routed_experts"])
-    return dict(common, **_sigmoid_routing(hf), **_yarn(hf), rope_dim=rope, rope_interleaved=bool(hf.get("rope_interleave", True)),
+    return dict(common, **_yarn(hf), rope_dim=rope, rope_interleaved=bool(hf.get("rope_interleave", True)) if interleaved is None else interleaved,
                 q_rank=hf.get("q_lora_rank"), kv_rank=hf["kv_lora_rank"], v_head_dim=hf["v_head_dim"])
+
+
+def _deepseek_v3(hf: dict) -> dict:
+    return dict(_mla(hf), **_deepseek_moe(hf), **_sigmoid_routing(hf))
 
 
 def _deepseek_v2(hf: dict) -> dict:
@@ -241,9 +255,8 @@ def _deepseek_v2(hf: dict) -> dict:
     _refuse(hf, "mlp_bias", lambda v: not v, "no biases in the MLPs here")
     groups = hf.get("n_group") or 1
     grouped = hf.get("topk_method") == "group_limited_greedy" and groups > 1
-    return dict(_deepseek_v3(dict(hf, rope_interleave=True)), score="softmax", pre_softmax=True, expert_bias=False,
-                n_groups=groups if grouped else None, topk_groups=hf.get("topk_group") if grouped else None,
-                group_score_topk=1 if grouped else None, route_normalize=True, mtp_norm=False)
+    return dict(_mla(hf, interleaved=True), **_deepseek_moe(hf), pre_softmax=True, n_groups=groups if grouped else None,
+                topk_groups=hf.get("topk_group") if grouped else None, group_score_topk=1 if grouped else None)
 
 
 def _glm4_moe_lite(hf: dict) -> dict:
@@ -256,8 +269,9 @@ def _glm4_moe_lite(hf: dict) -> dict:
     params = hf.get("rope_parameters") or {}
     _refuse(params, "partial_rotary_factor", lambda v: v == 1.0, "RoPE over the whole qk_rope_head_dim")
     moe = tuple(i for i, kind in enumerate(kinds) if kind == "sparse")
-    dense_prefix = moe == tuple(range(n - len(moe), n))
-    return dict(_deepseek_v3(dict(hf, first_k_dense_replace=n - len(moe) if dense_prefix else 0)), moe_layers=None if dense_prefix else moe)
+    dense_prefix = moe == tuple(range(n - len(moe), n))  # n_dense dense blocks first, else the MoE blocks listed
+    return dict(_mla(hf), **_deepseek_moe(hf, n_dense=n - len(moe) if dense_prefix else 0), **_sigmoid_routing(hf),
+                moe_layers=None if dense_prefix else moe)
 
 
 def _gpt_oss(hf: dict) -> dict:
@@ -660,8 +674,9 @@ def from_pretrained(path, *, dtype: torch.dtype = torch.float32, device="cpu", *
     return model, cfg
 
 
-def _sigmoid_routing_config(cfg: TransformerConfig) -> dict:
-    """The config.json fields _sigmoid_routing reads, from an fmoe config."""
+def _deepseek_moe_config(cfg: TransformerConfig) -> dict:
+    """The config.json fields that _deepseek_moe and the DeepSeek-style routings
+    (_sigmoid_routing, DeepSeek-V2's groups) read, from an fmoe config."""
     if cfg.shared_size % cfg.ffn_expert:
         raise ValueError(f"model: shared experts of {cfg.shared_size} are not a whole number of experts of {cfg.ffn_expert}")
     return dict(n_routed_experts=cfg.n_experts, moe_intermediate_size=cfg.ffn_expert, intermediate_size=cfg.ffn_dense,
@@ -717,7 +732,7 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
         if model_type == "qwen2_moe":
             hf.update(shared_expert_intermediate_size=cfg.shared_size, qkv_bias=cfg.qkv_bias)
     if model_type in ("glm4_moe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "dots1"):
-        hf.update(_sigmoid_routing_config(cfg))
+        hf.update(_deepseek_moe_config(cfg))
     if model_type == "deepseek_v2":
         hf.update(topk_method="group_limited_greedy" if cfg.n_groups else "greedy")
     if model_type in ("glm4_moe", "minimax_m2"):
