@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from generate import _device, is_hf_folder, leave_ranks, load_model, load_sharded, start_ranks  # noqa: E402
+from generate import _device, add_parallel_knobs, is_hf_folder, leave_ranks, load_model, load_sharded, start_ranks  # noqa: E402
 
 import fmoe.parallel as parallel  # noqa: E402
 from fmoe.model import Transformer  # noqa: E402
@@ -135,15 +135,11 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--batches", type=int, default=None, help="micro-batches (default: the run's eval_batches, else 16; 0: all)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (under torchrun: cpu or cuda, each rank its LOCAL_RANK's GPU)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    for axis, what in (("tp", "tensor parallel: attention heads, dense FFN columns"), ("ep", "expert parallel"),
-                       ("etp", "expert tensor parallel: the experts' FFN columns"), ("cp", "context parallel: each micro-batch's tokens split")):
-        parser.add_argument(f"--{axis}", type=int, default=1, help=f"under torchrun: {what} (the rest of the world is FSDP2 data parallel)")
-    parser.add_argument("--keep_gathered", action="store_true",
-                        help="under torchrun: FSDP2 gathers the weights once for all micro-batches, not once per micro-batch")
+    axes = add_parallel_knobs(parser, cp=True, per="micro-batch")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    sizes = dict(tp=args.tp, ep=args.ep, etp=args.etp, cp=args.cp)
+    sizes = {axis: getattr(args, axis) for axis in axes}
     meshes, rank, dtype = None, 0, getattr(torch, args.dtype)
     try:
         device = _device(args.device if world == 1 else args.device.split(":")[0])

@@ -126,6 +126,18 @@ def load_sharded(path: Path, sizes: dict, *, device: torch.device, dtype: torch.
     return model, run, meshes
 
 
+def add_parallel_knobs(parser: argparse.ArgumentParser, *, cp: bool = False, per: str = "step") -> tuple[str, ...]:
+    """The torchrun knobs of generate.py and evaluate.py: --tp, --ep, --etp (and --cp with
+    cp), the rest of the world FSDP2; --keep_gathered (FSDP2's weights gathered once, not
+    once per `per`). Returns the axes' names (the args' attributes, build_meshes' sizes)."""
+    axes = [("tp", "tensor parallel: attention heads, dense FFN columns"), ("ep", "expert parallel"),
+            ("etp", "expert tensor parallel: the experts' FFN columns")] + [("cp", "context parallel: each micro-batch's tokens split")] * cp
+    for axis, what in axes:
+        parser.add_argument(f"--{axis}", type=int, default=1, help=f"under torchrun: {what} (the rest of the world is FSDP2 data parallel)")
+    parser.add_argument("--keep_gathered", action="store_true", help=f"under torchrun: FSDP2 gathers the weights once, not once per {per}")
+    return tuple(axis for axis, _ in axes)
+
+
 def _knobs(sizes: dict) -> str:
     """The command-line knobs of a mesh's axes, for messages: parallel knobs (--tp, --ep, ...)."""
     return f"parallel knobs ({', '.join(f'--{axis}' for axis in sizes)})"
@@ -250,14 +262,10 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--samples", type=int, default=1, help="continuations of the prompt, decoded as one batch")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (under torchrun: cpu or cuda, each rank its LOCAL_RANK's GPU)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    for axis, what in (("tp", "tensor parallel: attention heads, dense FFN columns"), ("ep", "expert parallel"),
-                       ("etp", "expert tensor parallel: the experts' FFN columns")):
-        parser.add_argument(f"--{axis}", type=int, default=1, help=f"under torchrun: {what} (the rest of the world is FSDP2 data parallel)")
-    parser.add_argument("--keep_gathered", action="store_true",
-                        help="under torchrun: FSDP2 gathers the weights once for the whole generation, not once per step")
+    axes = add_parallel_knobs(parser, per="step")
     args = parser.parse_args(argv)
     encode = decode = group = None
-    world, sizes, dtype = int(os.environ.get("WORLD_SIZE", "1")), dict(tp=args.tp, ep=args.ep, etp=args.etp), getattr(torch, args.dtype)
+    world, sizes, dtype = int(os.environ.get("WORLD_SIZE", "1")), {axis: getattr(args, axis) for axis in axes}, getattr(torch, args.dtype)
     try:
         device = _device(args.device if world == 1 else args.device.split(":")[0])
         if world > 1 or any(v != 1 for v in sizes.values()):  # several processes: each holds and reads its own shards
