@@ -73,7 +73,7 @@ def _tp_worker(rank, world, root, cfg, T, dtype, device_type):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from fmoe.parallel import tensor_parallel_plan, z_loss_split
+    from fmoe.parallel import leave_ranks, tensor_parallel_plan, z_loss_split
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
@@ -91,8 +91,7 @@ def _tp_worker(rank, world, root, cfg, T, dtype, device_type):
         rows.append(measure(model, batch, model.context(batch), device, T, mode, world, lambda logits: z_loss_split(logits, n_tokens=T)))
         del model
     torch.save(rows, f"{root}/rows{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_ranks()
 
 
 def tp_rows(cfg, T, dtype, device) -> list:

@@ -196,7 +196,7 @@ def seconds(begin, end) -> float:
 
 def worker(rank: int, root: str, smoke: bool, threads: int) -> None:
     """One pipeline rank: every schedule at every m; rank 0 writes the rows to root/rows.json."""
-    from fmoe.parallel import MicroBatch, Pipeline, build_meshes, materialize, parallelize
+    from fmoe.parallel import MicroBatch, Pipeline, build_meshes, leave_ranks, materialize, parallelize
 
     torch.set_num_threads(threads)
     setup = SMOKE if smoke else GPU
@@ -247,8 +247,10 @@ def worker(rank: int, root: str, smoke: bool, threads: int) -> None:
         if rank == 0:
             with open(f"{root}/rows.json", "w") as f:
                 json.dump(rows, f)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    leave_ranks()
 
 
 def summarize(schedule: str, virtual: int, m: int, steps: list, n_stages: int) -> dict:

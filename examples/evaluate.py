@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from generate import _device, add_parallel_knobs, is_hf_folder, leave_ranks, load_model, load_sharded, start_ranks  # noqa: E402
+from generate import _device, add_parallel_knobs, is_hf_folder, load_model, load_sharded, start_ranks  # noqa: E402
 
 import fmoe.parallel as parallel  # noqa: E402
 from fmoe.model import Transformer  # noqa: E402
@@ -178,7 +178,7 @@ def main(argv: list[str]) -> None:
     if rank == 0:
         report(result, unit="byte" if corpus.vocab_size == BYTE_VOCAB_SIZE else "token", as_json=args.json)
     if meshes is not None:
-        leave_ranks()
+        parallel.leave_ranks()
 
 
 def report(result: dict, *, unit: str, as_json: bool) -> None:

@@ -159,17 +159,6 @@ def start_ranks(device: torch.device, sizes: dict) -> torch.device:
     return device
 
 
-def leave_ranks() -> None:
-    """After start_ranks, once everything is done and printed: wait for every rank, end the
-    process group and leave without the interpreter's teardown, in which a gloo rank
-    occasionally aborted ("terminate called without an active exception")."""
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
 def generate(model: Transformer, prompt: list[int], *, tokens: int, temperature: float = 0.0, top_p: float = 1.0,
              seed: int = 0, eos: Optional[int] = None) -> list[int]:
     """prompt + up to `tokens` new token ids (module docstring). ValueError for an empty
@@ -314,7 +303,7 @@ def main(argv: list[str]) -> None:
                 print(f"--- sample {i}")
             print(decode(ids) if decode is not None and not args.prompt_ids else ",".join(map(str, ids[len(prompt):])))
     if group is not None:
-        leave_ranks()
+        parallel.leave_ranks()
 
 
 if __name__ == "__main__":

@@ -617,3 +617,4 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+    parallel.leave_ranks()  # exit 0 without the interpreter's teardown, where a gloo rank could abort

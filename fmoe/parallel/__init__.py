@@ -2,6 +2,7 @@
 collectives, DCP) arranged for MoE models. DESIGN.md "Parallelism".
 
     build_meshes, Meshes, plan_sizes      the dense / batch / expert meshes with MoE folding
+    leave_ranks                        end a rank's process after its work: barrier, destroy, exit 0
     parallelize, apply_fsdp, shard_experts  TP -> EP -> FSDP2 on the reference model
     materialize                        a meta-device model, parallelized, allocated shard by shard
     gathered                           FSDP2 units kept gathered across calls (decode's steps)
@@ -46,7 +47,7 @@ from fmoe.parallel.expert import (
 )
 from fmoe.parallel.fsdp import apply_fsdp, dense_data_mesh, gathered, materialize, parallelize, shard_experts
 from fmoe.parallel.health import bits_hash, replica_mismatches
-from fmoe.parallel.mesh import Meshes, build_meshes, plan_sizes
+from fmoe.parallel.mesh import Meshes, build_meshes, leave_ranks, plan_sizes
 from fmoe.parallel.muon import DistributedMuon
 from fmoe.parallel.pipeline import (
     SCHEDULES,
@@ -115,6 +116,7 @@ __all__ = [
     "z_loss_split",
     "apply_fsdp",
     "gathered",
+    "leave_ranks",
     "bits_hash",
     "build_meshes",
     "copy_to_tp",

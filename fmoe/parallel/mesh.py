@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import sys
 from typing import Optional
 
 import torch
@@ -176,3 +178,23 @@ def build_meshes(
     expert = view(EXPERT_AXES, tuple(sizes[a] for a in EXPERT_AXES)) if has_experts else None
     pp_mesh = DeviceMesh(device_type, ranks.view(pp, -1), mesh_dim_names=("pp", "stage_rank"))["pp"] if pp > 1 else None
     return Meshes(dense=dense, batch=batch, expert=expert, sizes=sizes, pp_mesh=pp_mesh)
+
+
+def leave_ranks(*, barrier: bool = True) -> None:
+    """End this rank's process once its work is done and printed: wait for every rank
+    (`barrier`), destroy every process group, flush stdout and stderr, and exit with status
+    0 without the interpreter's teardown. Does not return.
+
+    A gloo rank occasionally aborted in that teardown after a clean destroy_process_group
+    ("terminate called without an active exception", SIGABRT), which torchrun and
+    torch.multiprocessing report as the rank's failure. Call it on the success path only:
+    an exception must still end the process with its traceback and a nonzero status.
+    `barrier=False` for workers whose peers may have failed (a barrier would wait for them).
+    """
+    if dist.is_initialized():
+        if barrier:
+            dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -8,10 +8,10 @@
 
 `fn(rank, world_size, *args)` must be a module-level function (the workers are spawned and
 import it). Each worker initialises the default process group (gloo, file rendezvous),
-runs fn, saves its return value with torch.save, and destroys the group. An exception in
-any worker fails the caller with that worker's traceback; a worker still running after
-`timeout` seconds (a hang: a rank waiting in a collective the others skipped) is killed and
-the caller fails saying so.
+runs fn, saves its return value with torch.save, then destroys the group and exits
+(fmoe.parallel.leave_ranks). An exception in any worker fails the caller with that
+worker's traceback; a worker still running after `timeout` seconds (a hang: a rank waiting
+in a collective the others skipped) is killed and the caller fails saying so.
 """
 
 from __future__ import annotations
@@ -32,14 +32,16 @@ import torch.multiprocessing as mp
 def _worker(rank, world_size, root, fn, args):
     os.environ.setdefault("TRITON_INTERPRET", "1")
     torch.set_num_threads(1)
+    from fmoe.parallel import leave_ranks  # after TRITON_INTERPRET
+
     try:
         dist.init_process_group("gloo", init_method=f"file://{root}/rendezvous", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         torch.save(result, f"{root}/result{rank}.pt")
-        dist.destroy_process_group()
     except BaseException:
         pathlib.Path(f"{root}/error{rank}.txt").write_text(traceback.format_exc())
         raise SystemExit(1)
+    leave_ranks(barrier=False)  # the peers may have failed: no barrier
 
 
 class Hang(AssertionError):

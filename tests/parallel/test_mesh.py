@@ -60,3 +60,33 @@ def test_views_over_four_ranks():
         assert r["no_experts"] and r["replicate"] == [rank % 2, rank % 2 + 2]
         assert r["ep_size"] == 2
         assert "ep * etp = 3 does not divide dp_shard * cp * tp = 4" in r["raised"]
+
+
+_LEAVE = """
+import atexit, sys
+import torch.distributed as dist
+from fmoe.parallel import leave_ranks
+
+for name in ("barrier", "destroy_process_group"):
+    original = getattr(dist, name)
+    setattr(dist, name, lambda *a, _f=original, _n=name, **k: (print(_n, end=" "), _f(*a, **k))[1])
+atexit.register(lambda: print("teardown ran"))
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+print("done", end=" ")           # stdout is a pipe: block-buffered, so only a flush shows it
+sys.stderr.write("on stderr")
+leave_ranks(barrier=sys.argv[1] == "1")
+print("not reached")
+"""
+
+
+@pytest.mark.parametrize("barrier", [True, False])
+def test_leave_ranks_waits_destroys_flushes_and_exits_zero_without_teardown(barrier):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # buffered, as a pipe is by default
+    run = subprocess.run([sys.executable, "-c", _LEAVE, "1" if barrier else "0"], capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout == ("done barrier destroy_process_group " if barrier else "done destroy_process_group "), run.stdout
+    assert run.stderr.endswith("on stderr"), run.stderr
