@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Callable, Optional
 
 import torch
@@ -310,6 +311,7 @@ class AttentionConfig:
     RoPE op follows "auto" / "torch". window: sliding-window attention, a query attends to
     the `window` newest tokens of its document, itself included (key index > query index -
     window; Mistral's, Qwen's and transformers' sliding_window); None: every earlier token.
+    scale: the softmax scale (None: 1/sqrt(head_dim), or YaRN's; Granite's attention_multiplier).
 
     Multi-head latent attention (DeepSeek-V2/V3) when kv_rank is set: keys and values come
     from a kv_rank latent (RMSNorm'd, eps latent_norm_eps) expanded per head, plus one
@@ -340,8 +342,11 @@ class AttentionConfig:
     v_dim: Optional[int] = None
     latent_norm_eps: float = 1e-6
     window: Optional[int] = None
+    scale: Optional[float] = None
 
     def __post_init__(self):
+        if self.scale is not None and (isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) or not 0 < self.scale < math.inf):
+            raise ValueError(f"scale: expected None or a positive finite number, got {self.scale!r}")
         if self.qk_norm not in (None, "head", "proj"):
             raise ValueError(f"qk_norm: expected None, 'head' or 'proj', got {self.qk_norm!r}")
         check_window(self.window)
@@ -382,8 +387,10 @@ def rope_tables(positions: torch.Tensor, cfg: AttentionConfig):
 
 
 def softmax_scale(cfg: AttentionConfig) -> float:
-    """1/sqrt(D), or YaRN's mscale(s, mscale_all_dim)^2 / sqrt(D) (SPEC 4: mscale_all_dim,
-    not mscale)."""
+    """cfg.scale when set, else 1/sqrt(D), or YaRN's mscale(s, mscale_all_dim)^2 / sqrt(D)
+    (SPEC 4: mscale_all_dim, not mscale)."""
+    if cfg.scale is not None:
+        return float(cfg.scale)
     if cfg.yarn_factor is None:
         return cfg.head_dim**-0.5
     return yarn_softmax_scale(cfg.head_dim, factor=cfg.yarn_factor, mscale_all_dim=cfg.yarn_mscale_all_dim)

@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import math
 from typing import Optional
 
 import torch
@@ -282,7 +283,11 @@ class TransformerConfig:
     experts' clamped SwiGLU (fmoe.ops.grouped_mlp; gpt-oss: 1.702, 7.0, 1.0). kv_rank (with q_rank,
     v_head_dim): multi-latent attention (DeepSeek-V2/V3; head_dim = nope + rope dims,
     rope_dim the rope part, n_kv_heads = n_heads; fmoe.layers.AttentionConfig). tie_embeddings: the
-    output head is the embedding. window: sliding-window attention (a query attends to the
+    output head is the embedding. Granite's multipliers (each 1 / None: none): attn_scale,
+    the softmax scale (None: 1/sqrt(head_dim), or YaRN's); embed_scale multiplies every
+    embedding lookup (the trunk's and the MTP modules'); residual_scale multiplies each
+    attention and MLP output before its residual add; the logits are divided by
+    logit_divisor (the normed hidden states are, before the head). window: sliding-window attention (a query attends to the
     `window` newest tokens of its document, itself included) in the trunk blocks listed in
     window_layers (None: every trunk block); the other blocks and the MTP blocks attend to
     every earlier token. mtp_depth MTP modules; mtp_norm: each with its own output
@@ -340,6 +345,10 @@ class TransformerConfig:
     swiglu_limit: Optional[float] = None
     swiglu_offset: float = 0.0
     tie_embeddings: bool = False
+    attn_scale: Optional[float] = None
+    embed_scale: float = 1.0
+    residual_scale: float = 1.0
+    logit_divisor: float = 1.0
     window: Optional[int] = None
     window_layers: Optional[tuple[int, ...]] = None
     mtp_depth: int = 0
@@ -364,6 +373,10 @@ class TransformerConfig:
             raise ValueError("expert_bias: needs score='sigmoid' (set expert_bias=False for softmax routing)")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_kv_heads: {self.n_heads} heads do not split over {self.n_kv_heads} kv heads")
+        for name in ("attn_scale", "embed_scale", "residual_scale", "logit_divisor"):
+            value = getattr(self, name)
+            if (value is not None or name != "attn_scale") and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf):
+                raise ValueError(f"{name}: expected a positive finite number{' or None' if name == 'attn_scale' else ''}, got {value!r}")
         check_window(self.window)
         if self.window_layers is not None and self.window is None:
             raise ValueError("window_layers: needs a window (the sliding window's width)")
@@ -420,7 +433,7 @@ class TransformerConfig:
             yarn_beta_slow=self.yarn_beta_slow, yarn_mscale=self.yarn_mscale, yarn_mscale_all_dim=self.yarn_mscale_all_dim,
             yarn_truncate=self.yarn_truncate,
             qk_norm=self.qk_norm, norm_eps=self.norm_eps, impl=self.impl, q_rank=self.q_rank, kv_rank=self.kv_rank,
-            v_dim=self.v_head_dim, window=self.window if sliding else None,
+            v_dim=self.v_head_dim, window=self.window if sliding else None, scale=self.attn_scale,
         )
 
     @property
@@ -524,6 +537,7 @@ class Block(nn.Module):
         else:
             self.mlp = DenseMLP(cfg.hidden, cfg.ffn_dense, cfg.impl)
         self.ac = cfg.ac
+        self.residual_scale = cfg.residual_scale
 
     def forward(self, x_TH, ctx: AttentionContext):
         """x [T, H] -> (x [T, H], the MoE stats or None for a dense block)."""
@@ -534,13 +548,16 @@ class Block(nn.Module):
     def _attend(self, x_TH, ctx):
         return self.attn(self.attn_norm(x_TH), ctx)
 
+    def _residual(self, x_TH, y_TH):
+        return x_TH + (y_TH if self.residual_scale == 1.0 else y_TH * self.residual_scale)
+
     def _block(self, x_TH, ctx):
-        x_TH = x_TH + (recompute(self._attend, x_TH, ctx) if self.ac == "attention" else self._attend(x_TH, ctx))
+        x_TH = self._residual(x_TH, recompute(self._attend, x_TH, ctx) if self.ac == "attention" else self._attend(x_TH, ctx))
         out = self.mlp(self.mlp_norm(x_TH))
         if isinstance(self.mlp, MoE):
             y, stats = out
-            return x_TH + y, stats
-        return x_TH + out, None
+            return self._residual(x_TH, y), stats
+        return self._residual(x_TH, out), None
 
 
 class MTPModule(nn.Module):
@@ -837,8 +854,20 @@ class Transformer(nn.Module):
     def _lm_loss(self, h_TH, labels, loss_mask, norm=None):
         # the labels were checked where the batch was made: no host sync here
         labels = torch.where(loss_mask.bool(), labels, torch.full_like(labels, -100))
-        loss_sum = linear_cross_entropy((self.norm if norm is None else norm)(h_TH), self.output_weight(), labels, reduction="sum", check=False, impl=self.cfg.impl)
+        loss_sum = linear_cross_entropy(self._head_input(h_TH, norm), self.output_weight(), labels, reduction="sum", check=False, impl=self.cfg.impl)
         return loss_sum, loss_mask.sum()
+
+    def _embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings of token ids [...] -> [..., H], x embed_scale (F.embedding: a
+        deterministic backward on CPU, unlike indexing)."""
+        h = F.embedding(ids, self.embed)
+        return h if self.cfg.embed_scale == 1.0 else h * self.cfg.embed_scale
+
+    def _head_input(self, h_TH: torch.Tensor, norm=None) -> torch.Tensor:
+        """What the output head multiplies: the final norm (or an MTP module's own) of h,
+        / logit_divisor."""
+        x = (self.norm if norm is None else norm)(h_TH)
+        return x if self.cfg.logit_divisor == 1.0 else x / self.cfg.logit_divisor
 
     def output_weight(self) -> torch.Tensor:
         """The output head [V, H]: `head`, or the embedding with tie_embeddings."""
@@ -861,7 +890,7 @@ class Transformer(nn.Module):
         if positions is None:
             positions = positions_from_cu_seqlens(cu_seqlens)
         ctx = attention_context(cu_seqlens, positions, self.cfg.attention_config(sliding=self.cfg.any_sliding))
-        h_TH = F.embedding(input_ids, self.embed)
+        h_TH = self._embedding(input_ids)
         for block in self.blocks:
             h_TH, _ = block(h_TH, ctx)
         return self._head(h_TH)
@@ -872,7 +901,7 @@ class Transformer(nn.Module):
 
     def _head(self, h_TH: torch.Tensor) -> torch.Tensor:
         """The final norm and the output head: float32 logits [T, V]."""
-        return (self.norm(h_TH) @ self.output_weight().t()).float()
+        return (self._head_input(h_TH) @ self.output_weight().t()).float()
 
     def kv_cache(self, max_tokens: int, batch: int = 1) -> KVCache:
         """An empty KVCache of `batch` sequences of up to max_tokens tokens each, on the
@@ -962,7 +991,7 @@ class Transformer(nn.Module):
                                                 token_index=queries, kv_index=torch.arange(n_keys, device=device), gather_kv=_bound_per_layer)
         if cache.window_layers:
             contexts[True], window_kv = self._window_context(cache, seq_list, T, positions, queries, rows_host, cfg)
-        h_TH = F.embedding(ids, self.embed)
+        h_TH = self._embedding(ids)
         for i, block in enumerate(self.blocks):
             ring = i in cache.window_layers
             kv = functools.partial(cache.write_window, i, *window_kv) if ring else functools.partial(cache.write, i, rows, n_keys)
@@ -1050,7 +1079,7 @@ class Transformer(nn.Module):
             raise ValueError("hidden: expected the previous stage's output for a pipeline chunk that is not the first, "
                              f"and None otherwise; got {'None' if hidden is None else 'a tensor'} (pipeline_chunk={chunk})")
         if hidden is None:
-            h_TH = F.embedding(batch["input_ids"], self.embed)  # a deterministic backward on CPU, unlike indexing
+            h_TH = self._embedding(batch["input_ids"])
         else:
             h_TH = hidden
         stats = {}
@@ -1065,7 +1094,7 @@ class Transformer(nn.Module):
         lm_sum, lm_tokens = self._lm_loss(h_TH, batch["labels"], batch["loss_mask"])
         losses = {"lm_sum": lm_sum, "lm_tokens": lm_tokens}
         for d, module in enumerate(self.mtp, start=1):
-            emb_TH = F.embedding(batch["mtp_input_ids"][d - 1], self.embed)
+            emb_TH = self._embedding(batch["mtp_input_ids"][d - 1])
             h_TH, layer_stats = module(emb_TH, h_TH, ctx.attention[d])
             if layer_stats is not None:
                 stats[f"mtp_{d}"] = layer_stats

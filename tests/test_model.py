@@ -153,6 +153,11 @@ def test_bad_configs():
         TransformerConfig(group_score_topk=2)
     with pytest.raises(ValueError, match="topk_groups: expected 1..4"):
         TransformerConfig(n_groups=4, topk_groups=5)
+    for name, bad in (("attn_scale", 0.0), ("embed_scale", -1.0), ("residual_scale", float("inf")), ("logit_divisor", True)):
+        with pytest.raises(ValueError, match=f"{name}: expected a positive finite number"):
+            TransformerConfig(**{name: bad})
+    with pytest.raises(ValueError, match="scale: expected None or a positive finite number"):
+        fmoe.layers.AttentionConfig(n_heads=4, n_kv_heads=2, head_dim=8, scale=float("nan"))
     model = Transformer(dataclasses.replace(TINY, mtp_depth=1))
     with pytest.raises(ValueError, match=r"batch: missing \['mtp_input_ids'"):
         model(_batch(TINY))
@@ -177,10 +182,11 @@ def _loss(model, batch, ctx, *, with_stats=False):
     return (loss, stats) if with_stats else loss
 
 
-FULL = dataclasses.replace(TINY, mtp_depth=2, impl="auto", capacity_factor=1.25, n_groups=2, topk_groups=1, yarn_factor=2.0)
+FULL = dataclasses.replace(TINY, mtp_depth=2, impl="auto", capacity_factor=1.25, n_groups=2, topk_groups=1, yarn_factor=2.0,
+                           attn_scale=0.3, embed_scale=2.0, residual_scale=0.6, logit_divisor=3.0)
 
 
-@pytest.mark.parametrize("cfg", [dataclasses.replace(TINY, mtp_depth=1, impl="auto"), FULL], ids=["default", "capacity-groups-yarn-mtp2"])
+@pytest.mark.parametrize("cfg", [dataclasses.replace(TINY, mtp_depth=1, impl="auto"), FULL], ids=["default", "capacity-groups-yarn-mtp2-granite"])
 def test_forward_and_backward_read_nothing_on_the_host(cfg):
     """No device->host sync in the model's forward and backward (MoE layers, MTP, losses):
     on a GPU each read is a stall. Counted here as host reads of tensor values on CPU."""
@@ -627,3 +633,30 @@ def test_gpu_batched_decode_with_flex_attention_equals_each_sequence(name):
             got[1].append(out[1])
     for b in range(2):
         torch.testing.assert_close(torch.cat(got[b]), want[b], rtol=1e-4, atol=1e-4)
+
+
+def test_granite_multipliers_in_the_logits_the_loss_and_decode():
+    """logit_divisor d: the logits are those of the same weights without it, / d, and the LM
+    loss is their cross-entropy; with every multiplier set, decode's logits are logits()'s
+    rows (the embedding, attention, residual and head multipliers on both paths)."""
+    cfg = dataclasses.replace(TINY, mtp_depth=0, impl="torch")
+    granite = dataclasses.replace(cfg, logit_divisor=3.0)
+    torch.manual_seed(0)
+    plain = Transformer(cfg)
+    divided = Transformer(granite)
+    divided.load_state_dict(plain.state_dict())
+    batch = _batch(cfg)
+    with torch.no_grad():
+        want = plain.logits(batch["input_ids"], batch["cu_seqlens"]) / 3.0
+        got = divided.logits(batch["input_ids"], batch["cu_seqlens"])
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        losses, _ = divided(batch)
+        ce = torch.nn.functional.cross_entropy(got[batch["loss_mask"]], batch["labels"][batch["loss_mask"]], reduction="sum")
+        torch.testing.assert_close(losses["lm_sum"], ce, rtol=1e-5, atol=1e-5)
+    every = Transformer(dataclasses.replace(cfg, attn_scale=0.3, embed_scale=2.0, residual_scale=0.6, logit_divisor=3.0)).eval()
+    ids = torch.randint(0, cfg.vocab_size, (9,))
+    cache = every.kv_cache(16)
+    with torch.no_grad():
+        stepped = torch.cat([every.decode(ids[:5], cache), *(every.decode(ids[t:t + 1], cache) for t in range(5, 9))])
+        whole = every.logits(ids, torch.tensor([0, 9]))
+    torch.testing.assert_close(stepped, whole, rtol=1e-5, atol=1e-5)

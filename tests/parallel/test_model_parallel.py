@@ -22,6 +22,8 @@ MLA = dict(n_kv_heads=TINY["n_heads"], head_dim=12, rope_dim=4, kv_rank=6, v_hea
 # clamped SwiGLU (a limit that these small activations reach)
 GPT_OSS = dict(qkv_bias=True, o_bias=True, attn_sinks=True, router_bias=True, expert_biases=True, swiglu_alpha=1.702,
                swiglu_limit=0.1, swiglu_offset=1.0)
+# Granite's multipliers: the softmax scale, the embeddings', the residual branches', the logits' divisor
+GRANITE = dict(attn_scale=0.3, embed_scale=2.0, residual_scale=0.6, logit_divisor=3.0)
 
 # context parallel layouts of 24 tokens (cp = 4: 8 chunks of 3): one document over every
 # rank; documents shorter than a chunk next to one crossing most chunk edges; ...
@@ -201,10 +203,10 @@ CASES = {
     "cp2xep2-capacity": (4, dict(cp=2, ep=2), dict(capacity_factor=1.0)),
     # attention's extras split over tp: Qwen2's qkv biases and Qwen3's per-head qk norm;
     # OLMoE's qk norm over the whole projection (its mean square averaged over tp, again
-    # in the recomputed forward); DeepSeek's multi-latent attention, with a query latent,
+    # in the recomputed forward), with Granite's multipliers; DeepSeek's multi-latent attention, with a query latent,
     # and without one under cp x tp
     "tp2-qkv-bias-head-norm": (2, dict(tp=2), dict(qkv_bias=True, qk_norm="head")),
-    "tp2-proj-norm-ac-full": (2, dict(tp=2), dict(qk_norm="proj", ac="full")),
+    "tp2-proj-norm-ac-full": (2, dict(tp=2), dict(qk_norm="proj", ac="full", **GRANITE)),
     "tp2-mla": (2, dict(tp=2), dict(MLA, q_rank=10)),
     "cp2xtp2-mla": (4, dict(cp=2, tp=2), MLA),
     # a sliding window of 5 tokens in block 1 (the MoE one), the others full: each cp
@@ -235,7 +237,7 @@ DECODE_CASES = {
     "ep2": (2, dict(ep=2), dict(GPT_OSS, **WINDOW), None, 1e-5),
     "etp2": (2, dict(etp=2), GPT_OSS, None, 1e-5),
     "tp2": (2, dict(tp=2), dict(GPT_OSS, **WINDOW), None, 1e-5),
-    "tp2-proj-norm": (2, dict(tp=2), dict(qk_norm="proj", **WINDOW), None, 1e-5),
+    "tp2-proj-norm": (2, dict(tp=2), dict(qk_norm="proj", **WINDOW, **GRANITE), None, 1e-5),
     "tp2-mla": (2, dict(tp=2), dict(MLA, q_rank=10), None, 1e-5),
     "ep2xtp2": (4, dict(tp=2, ep=2), dict(GPT_OSS, **WINDOW), None, 1e-5),
     "ep2xetp2-fsdp": (4, dict(ep=2, etp=2), {}, None, 1e-5),
