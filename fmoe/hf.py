@@ -6,7 +6,7 @@
 A folder holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). Supported `model_type`s: FAMILIES (mixtral, qwen2_moe,
 qwen3_moe, olmoe, glm4_moe, deepseek_v3, deepseek_v2, glm4_moe_lite, gpt_oss, dots1,
-minimax_m2). Each family has one table: its config mapping (`config_to_fmoe`, which
+minimax_m2, granitemoe, granitemoeshared). Each family has one table: its config mapping (`config_to_fmoe`, which
 refuses what fmoe does not build: clipped qkv, ...) and its key map (HF key <-> fmoe
 parameter, with the layout change: HF linear weights [out, in] are transposed to fmoe's
 [in, out]; the per-expert matrices are stacked into [E, H, F] / [E, F, H] and split back
@@ -37,6 +37,11 @@ gpt-oss: the experts are stacks ([E, H, 2F] gate_up_proj with gate and up interl
 joined back on export; the released MXFP4 experts (`*_blocks` and `*_scales`, quant_method
 "mxfp4") are dequantised on load (dequantize_mxfp4), this rank's experts only, then cast to
 the parameters' dtype.
+
+GraniteMoE / GraniteMoeShared (IBM Granite 3 MoE): Mixtral's routing with Granite's
+multipliers (TransformerConfig.attn_scale, embed_scale, residual_scale, logit_divisor); the
+experts are stacks of linear weights, input_linear [E, 2F, H] (the gate's F rows, then the
+up's: Tensor.chunk) and output_linear [E, H, F], and so is the shared MLP ([2Fs, H], [H, Fs]).
 
 Loading reads the safetensors files tensor by tensor with the `safetensors` library (an
 expert stack is filled expert by expert): the checkpoint is never in memory twice. Into a
@@ -288,6 +293,22 @@ def _gpt_oss(hf: dict) -> dict:
                 swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)), swiglu_limit=None if limit is None else float(limit), swiglu_offset=1.0)
 
 
+def _granitemoe(hf: dict) -> dict:
+    """GraniteMoE / GraniteMoeShared: every block MoE, softmax over the top-k router logits
+    (Mixtral's), the softmax scale attention_multiplier (not 1/sqrt(head_dim)), the
+    embeddings x embedding_multiplier, each attention / MLP output x residual_multiplier
+    before its residual add, the logits / logits_scaling; shared_intermediate_size > 0: a
+    shared expert MLP of that size, ungated."""
+    _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in Granite's attention here")
+    multipliers = {}
+    for ours, theirs in (("attn_scale", "attention_multiplier"), ("embed_scale", "embedding_multiplier"),
+                         ("residual_scale", "residual_multiplier"), ("logit_divisor", "logits_scaling")):
+        _refuse(hf, theirs, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0, "a positive number")
+        multipliers[ours] = float(_get(hf, theirs, default=1.0))
+    return dict(_common(hf, hf["num_local_experts"]), **multipliers, ffn_expert=hf["intermediate_size"], ffn_dense=hf["intermediate_size"],
+                n_dense=0, n_shared=0, shared_ffn=hf.get("shared_intermediate_size") or 0)
+
+
 def _olmoe(hf: dict) -> dict:
     _refuse(hf, "clip_qkv", lambda v: v is None, "clipped q/k/v are not built")
     _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in OLMoE's attention here")
@@ -302,13 +323,17 @@ class Tensor:
     expert to stack along dim 0), each transposed when `transpose` (HF's [out, in] linear
     weights), or a [1, H] row when `row`; `part` (i, n): every n-th entry of the stored
     last dim from entry i (gpt-oss's gate_up_proj [E, H, 2F] interleaves gate and up: the
-    gate is part (0, 2), the up part (1, 2)), the n parts sharing one key."""
+    gate is part (0, 2), the up part (1, 2)), the n parts sharing one key; `chunk` (i, n): the
+    i-th of n equal contiguous runs of the stored dim -2, the out dim of a linear weight
+    (Granite's input_linear [E, 2F, H]: the gate is chunk (0, 2), the up chunk (1, 2)).
+    `transpose` swaps the last two dims (a stack [E, out, in] too)."""
 
     keys: tuple[str, ...]
     transpose: bool = False
     stacked: bool = False
     row: bool = False
     part: Optional[tuple[int, int]] = None
+    chunk: Optional[tuple[int, int]] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,6 +349,7 @@ class Family:
     correction_bias: str = "gate.e_score_correction_bias"  # the routing correction bias, under the MoE block
     mtp: bool = False  # MTP modules as layers n_layers, n_layers + 1, ... (DeepSeek-V3's layout)
     fused: bool = False  # gpt-oss: experts as [E, ...] stacks (gate_up_proj, down_proj) with biases, a router module with a bias
+    chunked: bool = False  # Granite: experts as [E, out, in] stacks (input_linear: gate, then up; output_linear), router.layer, shared_mlp
 
 
 FAMILIES = {
@@ -340,6 +366,10 @@ FAMILIES = {
     "dots1": Family(_dots1, "mlp", ("gate_proj", "up_proj", "down_proj"), "Dots1ForCausalLM", "shared_experts"),
     "minimax_m2": Family(_minimax_m2, "block_sparse_moe", ("w1", "w3", "w2"), "MiniMaxM2ForCausalLM",
                          correction_bias="e_score_correction_bias"),
+    "granitemoe": Family(_granitemoe, "block_sparse_moe", ("input_linear", "input_linear", "output_linear"), "GraniteMoeForCausalLM",
+                         chunked=True),
+    "granitemoeshared": Family(_granitemoe, "block_sparse_moe", ("input_linear", "input_linear", "output_linear"),
+                               "GraniteMoeSharedForCausalLM", "shared_mlp", chunked=True),
 }
 _MLA = (("wq", "q_proj"), ("wq_a", "q_a_proj"), ("wq_b", "q_b_proj"), ("wkv_a", "kv_a_proj_with_mqa"), ("wkv_b", "kv_b_proj"), ("wo", "o_proj"))
 
@@ -384,6 +414,17 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
             out[q + "mlp.experts.b_gate"] = Tensor((experts + "gate_up_proj_bias",), part=(0, 2))
             out[q + "mlp.experts.b_up"] = Tensor((experts + "gate_up_proj_bias",), part=(1, 2))
             out[q + "mlp.experts.b_down"] = Tensor((experts + "down_proj_bias",))
+    elif moe and family.chunked:  # Granite: [E, 2F, H] gate then up, [E, H, F]; the shared MLP likewise, beside the block
+        out[q + "mlp.router"] = Tensor((mlp + "router.layer.weight",))
+        gate, up, down = (mlp + name + ".weight" for name in family.experts)
+        out[q + "mlp.experts.w_gate"] = Tensor((gate,), transpose=True, chunk=(0, 2))
+        out[q + "mlp.experts.w_up"] = Tensor((up,), transpose=True, chunk=(1, 2))
+        out[q + "mlp.experts.w_down"] = Tensor((down,), transpose=True)
+        if cfg.shared_size:
+            shared = p + family.shared + "."
+            out[q + "mlp.shared.w_gate"] = Tensor((shared + "input_linear.weight",), transpose=True, chunk=(0, 2))
+            out[q + "mlp.shared.w_up"] = Tensor((shared + "input_linear.weight",), transpose=True, chunk=(1, 2))
+            out[q + "mlp.shared.w_down"] = Tensor((shared + "output_linear.weight",), transpose=True)
     elif moe:
         out[q + "mlp.router"] = Tensor((mlp + "gate.weight",))
         if cfg.expert_bias:  # HF's e_score_correction_bias: fmoe's expert_bias buffer
@@ -522,7 +563,7 @@ def load_weights(model: Transformer, path, *, model_type: str) -> int:
             read_bytes += t.numel() * t.element_size()
             return t
 
-        def shape(key: str, transpose: bool, row: bool, part=None) -> tuple[int, ...]:
+        def shape(key: str, transpose: bool, row: bool, part=None, chunk=None) -> tuple[int, ...]:
             """The full value's shape in fmoe's layout."""
             if mxfp4(key):  # blocks [E, out, in/32, 16] of an [E, in, out] stack
                 E, out, groups, _ = open_slice(key + "_blocks").get_shape()
@@ -533,7 +574,9 @@ def load_weights(model: Transformer, path, *, model_type: str) -> int:
                 return (*stored[:-1], stored[-1] // part[1])
             if row:
                 return (stored[-1],)
-            return stored[::-1] if transpose else stored
+            if chunk is not None:
+                stored = (*stored[:-2], stored[-2] // chunk[1], stored[-1])
+            return _swap_last(stored) if transpose else stored
 
         keys = key_map(family, model.cfg)
         unmapped = [n for n in params if n not in keys and not n.startswith("mtp.") and not n.endswith("expert_bias")]
@@ -558,7 +601,7 @@ def load_weights(model: Transformer, path, *, model_type: str) -> int:
                         raise ValueError(f"checkpoint: {key} has shape {other} (as [in, out]), its other experts {first}")
                 full_shape = (len(spec.keys), *first)
             else:
-                full_shape = shape(spec.keys[0], spec.transpose, spec.row, spec.part)
+                full_shape = shape(spec.keys[0], spec.transpose, spec.row, spec.part, spec.chunk)
             if tuple(param.shape) != tuple(full_shape):
                 raise ValueError(f"checkpoint: {spec.keys[0]} gives {name} the shape {tuple(full_shape)}, the model expects {tuple(param.shape)}")
             index = local_block(param)
@@ -569,12 +612,16 @@ def load_weights(model: Transformer, path, *, model_type: str) -> int:
                     return (*ours[:-1], slice(ours[-1].start * n, ours[-1].stop * n))
                 if spec.row:
                     return (slice(0, 1), ours[0])
-                return ours[::-1] if spec.transpose else ours
+                index = _swap_last(ours) if spec.transpose else ours
+                if spec.chunk is not None:  # the i-th run of the stored dim -2
+                    offset = spec.chunk[0] * (open_slice(spec.keys[0]).get_shape()[-2] // spec.chunk[1])
+                    index = (*index[:-2], slice(index[-2].start + offset, index[-2].stop + offset), index[-1])
+                return index
 
             def as_ours(t: torch.Tensor) -> torch.Tensor:
                 if spec.part is not None:
                     return t[..., spec.part[0]::spec.part[1]]
-                return t.reshape(-1) if spec.row else (t.t() if spec.transpose else t)
+                return t.reshape(-1) if spec.row else (t.transpose(-2, -1) if spec.transpose else t)
 
             if spec.stacked:  # only this rank's experts, each its own block
                 experts = range(len(spec.keys))[index[0]]
@@ -593,6 +640,11 @@ def load_weights(model: Transformer, path, *, model_type: str) -> int:
     finally:
         handles.clear()
     return read_bytes
+
+
+def _swap_last(dims: tuple) -> tuple:
+    """A shape or index with its last two entries swapped (a linear weight's [out, in] <-> [in, out])."""
+    return (*dims[:-2], dims[-1], dims[-2])
 
 
 def _tensors(model: Transformer) -> dict[str, torch.Tensor]:
@@ -718,6 +770,13 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
         hf.update(use_sliding_window=True, sliding_window=cfg.window, max_window_layers=cfg.n_layers, layer_types=_layer_types(cfg))
     if model_type in ("mixtral", "minimax_m2"):
         hf.update(num_local_experts=cfg.n_experts, intermediate_size=cfg.ffn_expert)
+    elif model_type in ("granitemoe", "granitemoeshared"):
+        if cfg.attn_scale is None:  # Granite's attention_multiplier is the scale itself: the default one written out
+            cfg = dataclasses.replace(cfg, attn_scale=cfg.head_dim**-0.5)
+        hf.update(num_local_experts=cfg.n_experts, intermediate_size=cfg.ffn_expert, attention_multiplier=cfg.attn_scale,
+                  embedding_multiplier=cfg.embed_scale, residual_multiplier=cfg.residual_scale, logits_scaling=cfg.logit_divisor)
+        if model_type == "granitemoeshared":
+            hf.update(shared_intermediate_size=cfg.shared_size)
     elif model_type == "gpt_oss":
         hf.update(num_local_experts=cfg.n_experts, intermediate_size=cfg.ffn_expert, attention_bias=cfg.qkv_bias,
                   swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit, sliding_window=cfg.window, layer_types=_layer_types(cfg))
@@ -807,8 +866,14 @@ def save_pretrained(model: Transformer, path, *, model_type: Optional[str] = Non
             stored[..., i::n] = full.to(dtype)
         elif spec.row:
             tensors[spec.keys[0]] = full.reshape(1, -1).contiguous().to(dtype)
+        elif spec.chunk is not None:  # one of n contiguous runs of the stored dim -2
+            i, n = spec.chunk
+            value = full.transpose(-2, -1) if spec.transpose else full
+            size = value.shape[-2]
+            stored = tensors.setdefault(spec.keys[0], torch.empty(*value.shape[:-2], size * n, value.shape[-1], dtype=dtype))
+            stored[..., i * size:(i + 1) * size, :] = value.to(dtype)
         else:
-            tensors[spec.keys[0]] = (full.t() if spec.transpose else full).contiguous().to(dtype)
+            tensors[spec.keys[0]] = (full.transpose(-2, -1) if spec.transpose else full).contiguous().to(dtype)
     path = Path(path)
     import torch.distributed as dist
 

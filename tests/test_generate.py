@@ -18,10 +18,11 @@ import generate  # noqa: E402
 from fmoe.model import Transformer, TransformerConfig  # noqa: E402
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "deepseek_v2"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "deepseek_v2", "granitemoeshared"])
 def test_greedy_matches_transformers_generate(tmp_path, family):
     """Through fmoe's KV cache (DeepSeek-V3 / -V2: multi-latent attention absorbed, latents
-    cached; -V2 without the low-rank q) against transformers' own generate and cache."""
+    cached; -V2 without the low-rank q; Granite: the embedding, attention and residual
+    multipliers in decode's steps) against transformers' own generate and cache."""
     transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]'")
     import fmoe.hf
 
@@ -35,6 +36,10 @@ def test_greedy_matches_transformers_generate(tmp_path, family):
             **common, num_key_value_heads=4, intermediate_size=40, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=3,
             n_group=4, topk_group=2, topk_method="group_limited_greedy", n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=None,
             kv_lora_rank=8, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5, routed_scaling_factor=2.5, max_position_embeddings=128)
+    elif family == "granitemoeshared":
+        config = transformers.GraniteMoeSharedConfig(**common, num_key_value_heads=2, intermediate_size=24, num_local_experts=4,
+                                                     num_experts_per_tok=2, shared_intermediate_size=20, embedding_multiplier=3.0,
+                                                     attention_multiplier=0.3, residual_multiplier=0.5, logits_scaling=2.5)
     else:
         config = transformers.DeepseekV3Config(
             **common, num_key_value_heads=4, intermediate_size=40, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=3,

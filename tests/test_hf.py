@@ -81,6 +81,15 @@ FAMILIES = {
     "minimax_m2": lambda: transformers.MiniMaxM2Config(**COMMON, head_dim=8, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
                                                        bos_token_id=None, eos_token_id=None,
                                                        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)),
+    # Mixtral's routing with Granite's four multipliers (none of them 1), tied embeddings;
+    # experts stored as [E, 2F, H] / [E, H, F] stacks
+    "granitemoe": lambda: transformers.GraniteMoeConfig(**COMMON, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
+                                                       embedding_multiplier=3.0, attention_multiplier=0.3, residual_multiplier=0.5,
+                                                       logits_scaling=2.5, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None),
+    # the same with a shared expert MLP ([2Fs, H] / [H, Fs] beside the MoE block), untied
+    "granitemoeshared": lambda: transformers.GraniteMoeSharedConfig(**COMMON, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
+                                                                   shared_intermediate_size=20, embedding_multiplier=2.0, attention_multiplier=0.2,
+                                                                   residual_multiplier=0.7, logits_scaling=4.0, bos_token_id=None, eos_token_id=None),
 }
 DOCS = (7, 12, 5)  # packed documents
 
@@ -228,6 +237,15 @@ def test_config_mapping_reads_the_family_fields(folders, tmp_path):
     # MiniMax-M2's released configs give the rotary part as rotary_dim
     legacy = _edit(folders["minimax_m2"][0], tmp_path / "legacy", lambda c: (c["rope_parameters"].pop("partial_rotary_factor"), c.update(rotary_dim=4)))
     assert hf.read_config(legacy)[1] == cfg
+    _, cfg = hf.read_config(folders["granitemoe"][0])
+    assert (cfg.attn_scale, cfg.embed_scale, cfg.residual_scale, cfg.logit_divisor) == (0.3, 3.0, 0.5, 2.5)
+    assert cfg.score == "softmax" and not cfg.pre_softmax and cfg.tie_embeddings and cfg.n_dense == 0 and cfg.shared_size == 0
+    _, cfg = hf.read_config(folders["granitemoeshared"][0])
+    assert (cfg.attn_scale, cfg.embed_scale, cfg.residual_scale, cfg.logit_divisor, cfg.shared_size) == (0.2, 2.0, 0.7, 4.0, 20)
+    assert not cfg.tie_embeddings and not cfg.shared_gate
+    # an fmoe model's default softmax scale is written out as Granite's attention_multiplier
+    default = dataclasses.replace(cfg, attn_scale=None)
+    assert hf.hf_config(default, "granitemoeshared")["attention_multiplier"] == cfg.head_dim**-0.5
 
 
 def _edit(src, dst, change):
@@ -257,6 +275,11 @@ def test_bad_checkpoints_name_the_key_or_field(folders, tmp_path):
         hf.from_pretrained(_edit(minimax, tmp_path / "t", lambda c: c.update(shared_intermediate_size=16)))
     with pytest.raises(ValueError, match=r"config.json: topk_method = 'noaux_tc' is not supported \(greedy or group_limited_greedy\)"):
         hf.from_pretrained(_edit(folders["deepseek_v2"][0], tmp_path / "u", lambda c: c.update(topk_method="noaux_tc")))
+    granite = folders["granitemoe"][0]
+    with pytest.raises(ValueError, match=r"config.json: logits_scaling = 0 is not supported \(a positive number\)"):
+        hf.from_pretrained(_edit(granite, tmp_path / "g", lambda c: c.update(logits_scaling=0)))
+    with pytest.raises(ValueError, match=r"config.json: attention_bias = True is not supported"):
+        hf.from_pretrained(_edit(granite, tmp_path / "h", lambda c: c.update(attention_bias=True)))
     with pytest.raises(ValueError, match=r"checkpoint: model.embed_tokens.weight gives embed the shape \(64, 32\), the model expects \(64, 16\)"):
         hf.from_pretrained(_edit(path, tmp_path / "c", lambda c: c.update(hidden_size=16)))
     with pytest.raises(ValueError, match=r"checkpoint: missing key 'model.layers.3"):
@@ -521,7 +544,7 @@ def _load_sharded(rank, world, path, family):
     return read, full
 
 
-SHARDED_FAMILIES = ("qwen3_moe", "deepseek_v3", "gpt_oss")
+SHARDED_FAMILIES = ("qwen3_moe", "deepseek_v3", "gpt_oss", "granitemoeshared")
 
 
 def _load_sharded_families(rank, world, paths):
@@ -530,7 +553,7 @@ def _load_sharded_families(rank, world, paths):
 
 @pytest.fixture(scope="module")
 def sharded_loads(folders):
-    """Both families loaded by 2 gloo ranks in one spawned process group: [rank 0's {family: (read, full)}, ...]."""
+    """Every SHARDED_FAMILIES folder loaded by 2 gloo ranks in one spawned process group: [rank 0's {family: (read, full)}, ...]."""
     import sys
 
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
