@@ -213,7 +213,7 @@ def test_bad_inputs(src, tmp_path, tokenizer_path):
     with pytest.raises(ValueError, match="src: no files under"):
         prepare(empties, out, tokenizer=tokenizer_path, progress=False)
     (empties / "e.txt").write_bytes(b"")
-    with pytest.raises(ValueError, match="src: no non-empty files in"):
+    with pytest.raises(ValueError, match="src: no non-empty documents in"):
         prepare(empties, out, tokenizer=tokenizer_path, progress=False)
     assert not out.exists() and not (tmp_path / "out.u16.index.json").exists()
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
@@ -223,3 +223,102 @@ def test_missing_package(src, tmp_path, tokenizer_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # `import tokenizers` now raises ImportError
     with pytest.raises(ImportError, match=r"needs the Hugging Face tokenizers package: pip install 'fmoe\[data\]'"):
         prepare(src, tmp_path / "x.u16", tokenizer=tokenizer_path, progress=False)
+
+
+RECORDS = ["first record: héllo", "", "second\nrecord with a newline", "third 🙂"]  # the empty one is skipped
+
+
+def _records(root, key="text"):
+    """The same RECORDS as JSON Lines (plain, gzip; a blank line; an extra field), as a
+    Parquet table, and as a gzip text file (one document): the files of one source dir."""
+    import gzip
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root.mkdir(parents=True)
+    lines = [json.dumps({"id": i, key: text}) for i, text in enumerate(RECORDS)]
+    (root / "a.jsonl").write_text("\n".join(lines[:2]) + "\n\n" + "\n".join(lines[2:]) + "\n", encoding="utf-8")
+    (root / "b.JSONL.gz").write_bytes(gzip.compress("\n".join(lines).encode()))
+    pq.write_table(pa.table({"id": list(range(len(RECORDS))), key: RECORDS}), root / "c.parquet", row_group_size=3)
+    (root / "d.txt.gz").write_bytes(gzip.compress("a whole gzip text".encode()))
+    return root
+
+
+def test_json_lines_parquet_and_gzip_sources(tmp_path, tokenizer_path):
+    """Each JSON Lines line / Parquet row is a document (its text_key), a .gz text file one;
+    empty texts are skipped; the index says which key was read."""
+    pytest.importorskip("pyarrow", reason="Parquet sources need pyarrow (the fmoe[data] extra)")
+    tok = tokenizers.Tokenizer.from_file(str(tokenizer_path))
+    src = _records(tmp_path / "src")
+    index = prepare(src, tmp_path / "r.u16", tokenizer=tokenizer_path, progress=False)
+    kept = [t for t in RECORDS if t]
+    want = kept + kept + kept + ["a whole gzip text"]  # sorted file names: a, b, c, d
+    assert index["documents"] == len(want) and index["sources"] == 4 and index["text_key"] == "text"
+    ds = load_corpus(tmp_path / "r.u16")
+    assert [tok.decode(ds.document(i).tolist()[:-1]) for i in range(len(ds))] == want
+    # another key, from the command line; a text-only source writes no text_key
+    other = _records(tmp_path / "other", key="content")
+    run = subprocess.run([sys.executable, "-m", "fmoe.train.prepare", str(other / "c.parquet"), str(tmp_path / "o.u16"),
+                          f"--tokenizer={tokenizer_path}", "--text_key=content"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert [tok.decode(d.tolist()[:-1]) for d in map(load_corpus(tmp_path / "o.u16").document, range(3))] == kept
+    assert "text_key" not in prepare(other / "d.txt.gz", tmp_path / "d.u16", tokenizer=tokenizer_path, progress=False)
+
+
+def test_record_sources_name_the_bad_line_or_row(tmp_path, tokenizer_path):
+    pytest.importorskip("pyarrow", reason="Parquet sources need pyarrow (the fmoe[data] extra)")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out = tmp_path / "out.u16"
+
+    def fails(name, data, match, **kw):
+        path = tmp_path / name
+        path.write_bytes(data) if isinstance(data, bytes) else path.write_text(data)
+        with pytest.raises(ValueError, match=match):
+            prepare(path, out, tokenizer=tokenizer_path, progress=False, **kw)
+        path.unlink()
+
+    fails("a.jsonl", '{"text": "ok"}\n{"text": "ok"\n', r"src: '.*a.jsonl' line 2 is not JSON \(Expecting ',' delimiter at column 14\)")
+    fails("a.jsonl", '{"text": "ok"}\n["text"]\n', r"src: '.*a.jsonl' line 2 is not a JSON object \(got list\)")
+    fails("a.jsonl", '{"body": "ok"}\n', r"src: '.*a.jsonl' line 1 has no string 'text' field \(no such key; keys: \['body'\]\); choose it with --text_key")
+    fails("a.jsonl", '{"text": null}\n', r"src: '.*a.jsonl' line 1 has no string 'text' field \(NoneType")
+    fails("a.jsonl", b'{"text": "caf\xe9"}\n', r"src: '.*a.jsonl' line 1 is not valid UTF-8")
+    fails("a.jsonl", '{"text": "one<|endoftext|>two"}\n', r"src: '.*a.jsonl' line 1 already holds the separator id 0")
+    fails("a.jsonl.gz", b"not gzip at all", r"src: '.*a.jsonl.gz' is not a readable gzip file")
+    fails("a.txt.gz", b"not gzip at all", r"src: '.*a.txt.gz' is not a readable gzip file")
+    fails("a.jsonl.zst", b"\x28\xb5\x2f\xfd", r"src: '.*a.jsonl.zst' is zstd-compressed, which is not read here; decompress it first")
+    fails("a.parquet", b"PAR1 not really", r"src: '.*a.parquet' is not a readable Parquet file")
+    pq.write_table(pa.table({"body": ["x"]}), tmp_path / "p.parquet")
+    with pytest.raises(ValueError, match=r"src: '.*p.parquet' has no column 'text' \(columns: \['body'\]\); choose it with --text_key"):
+        prepare(tmp_path / "p.parquet", out, tokenizer=tokenizer_path, progress=False)
+    pq.write_table(pa.table({"text": ["x", None]}), tmp_path / "n.parquet")
+    with pytest.raises(ValueError, match=r"src: '.*n.parquet' row 1 has no string 'text' \(NoneType\)"):
+        prepare(tmp_path / "n.parquet", out, tokenizer=tokenizer_path, progress=False)
+    with pytest.raises(ValueError, match="text_key: expected a non-empty field name, got ''"):
+        prepare(tmp_path / "n.parquet", out, tokenizer=tokenizer_path, progress=False, text_key="")
+    assert not out.exists() and not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
+
+
+def test_a_large_json_lines_file_is_streamed_in_batches(tmp_path, tokenizer_path, monkeypatch):
+    """A file's records are encoded in several batches (never all at once), and the ids are
+    those of one batch."""
+    calls = []
+    real = tokenizers.Tokenizer.from_file(str(tokenizer_path))
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def encode_batch(self, texts, **kwargs):
+            calls.append(len(texts))
+            return real.encode_batch(texts, **kwargs)
+
+    (tmp_path / "big.jsonl").write_text("".join(json.dumps({"text": f"record {i} " * 3}) + "\n" for i in range(50)))
+    whole = prepare(tmp_path / "big.jsonl", tmp_path / "one.u16", tokenizer=tokenizer_path, progress=False)
+    monkeypatch.setattr(prepare_module, "_load_tokenizer", lambda path: Counting())
+    monkeypatch.setattr(prepare_module, "_BATCH_CHARS", 100)
+    assert prepare(tmp_path / "big.jsonl", tmp_path / "many.u16", tokenizer=tokenizer_path, progress=False) == whole
+    assert len(calls) > 5 and sum(calls) == 50
+    assert (tmp_path / "many.u16").read_bytes() == (tmp_path / "one.u16").read_bytes()
