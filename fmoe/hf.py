@@ -6,7 +6,7 @@
 A folder holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). Supported `model_type`s: FAMILIES (mixtral, qwen2_moe,
 qwen3_moe, olmoe, glm4_moe, deepseek_v3, deepseek_v2, glm4_moe_lite, gpt_oss, dots1,
-minimax_m2, granitemoe, granitemoeshared). Each family has one table: its config mapping (`config_to_fmoe`, which
+minimax_m2, granitemoe, granitemoeshared, hunyuan_v1_moe). Each family has one table: its config mapping (`config_to_fmoe`, which
 refuses what fmoe does not build: clipped qkv, ...) and its key map (HF key <-> fmoe
 parameter, with the layout change: HF linear weights [out, in] are transposed to fmoe's
 [in, out]; the per-expert matrices are stacked into [E, H, F] / [E, F, H] and split back
@@ -309,6 +309,35 @@ def _granitemoe(hf: dict) -> dict:
                 n_dense=0, n_shared=0, shared_ffn=hf.get("shared_intermediate_size") or 0)
 
 
+def _one_per_model(hf: dict, field: str):
+    """A field that may be a per-layer list (Hunyuan's num_experts, moe_topk): one value for
+    every layer, or a ValueError."""
+    value = hf[field]
+    if isinstance(value, list):
+        if len(set(value)) != 1:
+            raise ValueError(f"config.json: {field} = {value!r} is not supported (the same value in every layer)")
+        value = value[0]
+    return value
+
+
+def _hunyuan_v1_moe(hf: dict) -> dict:
+    """Hunyuan-A13B (hunyuan_v1_moe): per-head q/k norms after RoPE; every block MoE, softmax
+    over every expert, the top-k renormalised (fmoe's default softmax routing), beside a
+    shared MLP of intermediate_size (as the experts); RoPE "dynamic" with a fixed alpha is
+    NTK-alpha, the base stretched to rope_theta x alpha^(D / (D - 2))."""
+    _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in Hunyuan's attention here")
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    alpha = params.get("alpha") if params.get("rope_type", params.get("type")) == "dynamic" else None
+    plain = dict(hf, num_experts_per_tok=_one_per_model(hf, "moe_topk"),
+                 rope_parameters=dict(rope_type="default", rope_theta=params.get("rope_theta", hf.get("rope_theta", 10000.0))) if alpha else hf.get("rope_parameters"))
+    common = _common(plain, _one_per_model(hf, "num_experts"))
+    if alpha:
+        D = common["head_dim"]
+        common["rope_base"] = common["rope_base"] * float(alpha) ** (D / (D - 2))
+    return dict(common, ffn_expert=hf["intermediate_size"], ffn_dense=hf["intermediate_size"], n_dense=0, n_shared=1,
+                qk_norm="head", qk_norm_after_rope=True)
+
+
 def _olmoe(hf: dict) -> dict:
     _refuse(hf, "clip_qkv", lambda v: v is None, "clipped q/k/v are not built")
     _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in OLMoE's attention here")
@@ -350,6 +379,8 @@ class Family:
     mtp: bool = False  # MTP modules as layers n_layers, n_layers + 1, ... (DeepSeek-V3's layout)
     fused: bool = False  # gpt-oss: experts as [E, ...] stacks (gate_up_proj, down_proj) with biases, a router module with a bias
     chunked: bool = False  # Granite: experts as [E, out, in] stacks (input_linear: gate, then up; output_linear), router.layer, shared_mlp
+    router: str = "gate.weight"  # the router's weight, under the MoE block
+    qk_norms: tuple[str, str] = ("q_norm", "k_norm")  # the q / k norm modules, under self_attn
 
 
 FAMILIES = {
@@ -370,6 +401,8 @@ FAMILIES = {
                          chunked=True),
     "granitemoeshared": Family(_granitemoe, "block_sparse_moe", ("input_linear", "input_linear", "output_linear"),
                                "GraniteMoeSharedForCausalLM", "shared_mlp", chunked=True),
+    "hunyuan_v1_moe": Family(_hunyuan_v1_moe, "mlp", ("gate_proj", "up_proj", "down_proj"), "HunYuanMoEV1ForCausalLM", "shared_mlp",
+                             router="gate.wg.weight", qk_norms=("query_layernorm", "key_layernorm")),
 }
 _MLA = (("wq", "q_proj"), ("wq_a", "q_a_proj"), ("wq_b", "q_b_proj"), ("wkv_a", "kv_a_proj_with_mqa"), ("wkv_b", "kv_b_proj"), ("wo", "o_proj"))
 
@@ -397,8 +430,8 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
     if cfg.attn_sinks:
         out[q + "attn.sinks"] = Tensor((attn + "sinks",))
     if cfg.qk_norm is not None:
-        out[q + "attn.q_norm"] = Tensor((attn + "q_norm.weight",))
-        out[q + "attn.k_norm"] = Tensor((attn + "k_norm.weight",))
+        out[q + "attn.q_norm"] = Tensor((attn + family.qk_norms[0] + ".weight",))
+        out[q + "attn.k_norm"] = Tensor((attn + family.qk_norms[1] + ".weight",))
     out[q + "attn_norm.weight"] = Tensor((p + "input_layernorm.weight",))
     out[q + "mlp_norm.weight"] = Tensor((p + "post_attention_layernorm.weight",))
     mlp = p + family.moe + "."
@@ -426,7 +459,7 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
             out[q + "mlp.shared.w_up"] = Tensor((shared + "input_linear.weight",), transpose=True, chunk=(1, 2))
             out[q + "mlp.shared.w_down"] = Tensor((shared + "output_linear.weight",), transpose=True)
     elif moe:
-        out[q + "mlp.router"] = Tensor((mlp + "gate.weight",))
+        out[q + "mlp.router"] = Tensor((mlp + family.router,))
         if cfg.expert_bias:  # HF's e_score_correction_bias: fmoe's expert_bias buffer
             out[q + "mlp.expert_bias"] = Tensor((mlp + family.correction_bias,))
         for ours, theirs in zip(("w_gate", "w_up", "w_down"), family.experts):
@@ -782,6 +815,8 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
                   swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit, sliding_window=cfg.window, layer_types=_layer_types(cfg))
         if cfg.yarn_factor is not None:
             hf["rope_parameters"] = _yarn_parameters(cfg)
+    elif model_type == "hunyuan_v1_moe":
+        hf.update(num_experts=cfg.n_experts, moe_topk=cfg.k, intermediate_size=cfg.ffn_expert, attention_bias=False)
     elif model_type == "olmoe":
         hf.update(num_experts=cfg.n_experts, intermediate_size=cfg.ffn_expert, norm_topk_prob=not cfg.pre_softmax)
     else:

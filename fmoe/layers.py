@@ -306,7 +306,8 @@ class AttentionConfig:
     yarn_beta_fast / yarn_beta_slow, yarn_truncate (whole-index ramp bounds; False: gpt-oss)
     and the mscale pair (the softmax scale uses yarn_mscale_all_dim). qk_norm: RMSNorm of the queries and keys before RoPE, None, "head"
     (over each head's D channels, weights q_norm / k_norm [D]: Qwen3, GLM-4.5) or "proj"
-    (over the whole projection, q_norm [N D], k_norm [G D]: OLMoE), with eps norm_eps.
+    (over the whole projection, q_norm [N D], k_norm [G D]: OLMoE), with eps norm_eps;
+    qk_norm_after_rope: the "head" norms after RoPE instead (Hunyuan).
     impl: "auto" (FlexAttention on CUDA, the SDPA reference on CPU), "flex", "torch"; the
     RoPE op follows "auto" / "torch". window: sliding-window attention, a query attends to
     the `window` newest tokens of its document, itself included (key index > query index -
@@ -343,8 +344,11 @@ class AttentionConfig:
     latent_norm_eps: float = 1e-6
     window: Optional[int] = None
     scale: Optional[float] = None
+    qk_norm_after_rope: bool = False
 
     def __post_init__(self):
+        if self.qk_norm_after_rope and self.qk_norm != "head":
+            raise ValueError(f"qk_norm_after_rope: needs qk_norm='head' (per-head norms), got qk_norm={self.qk_norm!r}")
         if self.scale is not None and (isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) or not 0 < self.scale < math.inf):
             raise ValueError(f"scale: expected None or a positive finite number, got {self.scale!r}")
         if self.qk_norm not in (None, "head", "proj"):
@@ -815,10 +819,13 @@ def _gqa_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext, heads_mean=
             ms = heads_mean(torch.cat(ms, dim=-1)).split(1, dim=-1)
         q_TQ, k_TK = (_rms_norm(t, params[n], cfg.norm_eps, m) for t, n, m in zip((q_TQ, k_TK), ("q_norm", "k_norm"), ms))
     q_TND, k_TGD = rearrange(q_TQ, "t (n d) -> t n d", n=N), rearrange(k_TK, "t (g d) -> t g d", g=G)
-    if cfg.qk_norm == "head":  # over each head's channels (Qwen3, GLM-4.5)
+    head_norm = cfg.qk_norm == "head"  # over each head's channels: before RoPE (Qwen3, GLM-4.5) or after (Hunyuan)
+    if head_norm and not cfg.qk_norm_after_rope:
         q_TND, k_TGD = _rms_norm(q_TND, params["q_norm"], cfg.norm_eps), _rms_norm(k_TGD, params["k_norm"], cfg.norm_eps)
     q_TND = apply_rope(q_TND, ctx.cos, ctx.sin, interleaved=cfg.interleaved, impl=rope_impl)
     k_TGD = apply_rope(k_TGD, ctx.cos, ctx.sin, interleaved=cfg.interleaved, impl=rope_impl)
+    if head_norm and cfg.qk_norm_after_rope:
+        q_TND, k_TGD = _rms_norm(q_TND, params["q_norm"], cfg.norm_eps), _rms_norm(k_TGD, params["k_norm"], cfg.norm_eps)
     v_TGD = rearrange(project("wv", "bv"), "t (g d) -> t g d", g=G)
     return q_TND, k_TGD, v_TGD
 

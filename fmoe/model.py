@@ -271,11 +271,11 @@ class TransformerConfig:
     weights not renormalised), n_groups/topk_groups with group_score_topk (a group's score
     sums its best group_score_topk scores; None: k // topk_groups), route_scale,
     route_normalize (sigmoid: renormalise the k weights; False keeps the raw sigmoids),
-    expert_bias (aux-loss-free
-    balancing, sigmoid only), capacity_factor with capacity_policy ("probs" | "position").
-    Attention: n_heads/n_kv_heads of head_dim, qkv_bias, qk_norm (None | "head" | "proj",
-    fmoe.layers.AttentionConfig), rope_base, rope_dim (rotated channels per head, None: all),
-    rope_interleaved, yarn_factor (None: plain RoPE) with yarn_original_max_positions,
+    expert_bias (aux-loss-free balancing, sigmoid only), capacity_factor with
+    capacity_policy ("probs" | "position"). Attention: n_heads/n_kv_heads of head_dim,
+    qkv_bias, qk_norm (None | "head" | "proj", fmoe.layers.AttentionConfig;
+    qk_norm_after_rope: the "head" norms after RoPE, Hunyuan), rope_base, rope_dim (rotated
+    channels per head, None: all), rope_interleaved, yarn_factor (None: plain RoPE) with yarn_original_max_positions,
     yarn_beta_fast / yarn_beta_slow / yarn_mscale / yarn_mscale_all_dim / yarn_truncate. o_bias:
     an attention output bias; attn_sinks: a learned sink logit per head (fmoe.layers.attention).
     router_bias: a float32 bias on the router logits; expert_biases: biases of the routed
@@ -324,6 +324,7 @@ class TransformerConfig:
     head_dim: int = 32
     qkv_bias: bool = False
     qk_norm: Optional[str] = None
+    qk_norm_after_rope: bool = False
     rope_base: float = 10000.0
     rope_dim: Optional[int] = None
     rope_interleaved: bool = False
@@ -432,7 +433,7 @@ class TransformerConfig:
             yarn_original_max_positions=self.yarn_original_max_positions, yarn_beta_fast=self.yarn_beta_fast,
             yarn_beta_slow=self.yarn_beta_slow, yarn_mscale=self.yarn_mscale, yarn_mscale_all_dim=self.yarn_mscale_all_dim,
             yarn_truncate=self.yarn_truncate,
-            qk_norm=self.qk_norm, norm_eps=self.norm_eps, impl=self.impl, q_rank=self.q_rank, kv_rank=self.kv_rank,
+            qk_norm=self.qk_norm, qk_norm_after_rope=self.qk_norm_after_rope, norm_eps=self.norm_eps, impl=self.impl, q_rank=self.q_rank, kv_rank=self.kv_rank,
             v_dim=self.v_head_dim, window=self.window if sliding else None, scale=self.attn_scale,
         )
 

@@ -18,11 +18,12 @@ import generate  # noqa: E402
 from fmoe.model import Transformer, TransformerConfig  # noqa: E402
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "deepseek_v2", "granitemoeshared"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "deepseek_v2", "granitemoeshared", "hunyuan_v1_moe"])
 def test_greedy_matches_transformers_generate(tmp_path, family):
     """Through fmoe's KV cache (DeepSeek-V3 / -V2: multi-latent attention absorbed, latents
     cached; -V2 without the low-rank q; Granite: the embedding, attention and residual
-    multipliers in decode's steps) against transformers' own generate and cache."""
+    multipliers in decode's steps; Hunyuan: q/k norms after RoPE, the normed keys cached)
+    against transformers' own generate and cache."""
     transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]'")
     import fmoe.hf
 
@@ -40,6 +41,9 @@ def test_greedy_matches_transformers_generate(tmp_path, family):
         config = transformers.GraniteMoeSharedConfig(**common, num_key_value_heads=2, intermediate_size=24, num_local_experts=4,
                                                      num_experts_per_tok=2, shared_intermediate_size=20, embedding_multiplier=3.0,
                                                      attention_multiplier=0.3, residual_multiplier=0.5, logits_scaling=2.5)
+    elif family == "hunyuan_v1_moe":
+        config = transformers.HunYuanMoEV1Config(**common, num_key_value_heads=2, head_dim=8, intermediate_size=24, num_experts=4, moe_topk=2,
+                                                 rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, alpha=50.0, factor=1.0))
     else:
         config = transformers.DeepseekV3Config(
             **common, num_key_value_heads=4, intermediate_size=40, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=3,

@@ -90,6 +90,11 @@ FAMILIES = {
     "granitemoeshared": lambda: transformers.GraniteMoeSharedConfig(**COMMON, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
                                                                    shared_intermediate_size=20, embedding_multiplier=2.0, attention_multiplier=0.2,
                                                                    residual_multiplier=0.7, logits_scaling=4.0, bos_token_id=None, eos_token_id=None),
+    # per-head q/k norms after RoPE, a shared MLP beside every MoE block, NTK-alpha RoPE
+    # (the released "dynamic" type with a fixed alpha), tied embeddings
+    "hunyuan_v1_moe": lambda: transformers.HunYuanMoEV1Config(**COMMON, head_dim=8, intermediate_size=24, num_experts=4, moe_topk=2,
+                                                             tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                                                             rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, alpha=50.0, factor=1.0)),
 }
 DOCS = (7, 12, 5)  # packed documents
 
@@ -246,6 +251,13 @@ def test_config_mapping_reads_the_family_fields(folders, tmp_path):
     # an fmoe model's default softmax scale is written out as Granite's attention_multiplier
     default = dataclasses.replace(cfg, attn_scale=None)
     assert hf.hf_config(default, "granitemoeshared")["attention_multiplier"] == cfg.head_dim**-0.5
+    _, cfg = hf.read_config(folders["hunyuan_v1_moe"][0])
+    assert cfg.qk_norm == "head" and cfg.qk_norm_after_rope and cfg.shared_size == 24 and cfg.n_dense == 0 and cfg.k == 2
+    assert cfg.rope_base == 10000.0 * 50.0 ** (8 / 6) and cfg.score == "softmax" and not cfg.pre_softmax and cfg.tie_embeddings
+    # the released configs: rope_scaling {"type": "dynamic", "alpha": ...} and a top-level rope_theta; per-layer lists
+    legacy = _edit(folders["hunyuan_v1_moe"][0], tmp_path / "hunyuan", lambda c: (
+        c.pop("rope_parameters"), c.update(rope_theta=10000.0, rope_scaling=dict(type="dynamic", alpha=50.0, factor=1.0), moe_topk=[2] * 3)))
+    assert hf.read_config(legacy)[1] == cfg
 
 
 def _edit(src, dst, change):
@@ -275,6 +287,11 @@ def test_bad_checkpoints_name_the_key_or_field(folders, tmp_path):
         hf.from_pretrained(_edit(minimax, tmp_path / "t", lambda c: c.update(shared_intermediate_size=16)))
     with pytest.raises(ValueError, match=r"config.json: topk_method = 'noaux_tc' is not supported \(greedy or group_limited_greedy\)"):
         hf.from_pretrained(_edit(folders["deepseek_v2"][0], tmp_path / "u", lambda c: c.update(topk_method="noaux_tc")))
+    hunyuan = folders["hunyuan_v1_moe"][0]
+    with pytest.raises(ValueError, match=r"config.json: moe_topk = \[2, 1, 2\] is not supported \(the same value in every layer\)"):
+        hf.from_pretrained(_edit(hunyuan, tmp_path / "y", lambda c: c.update(moe_topk=[2, 1, 2])))
+    with pytest.raises(ValueError, match=r"config.json: rope type 'dynamic' is not supported"):
+        hf.from_pretrained(_edit(hunyuan, tmp_path / "z", lambda c: c["rope_parameters"].pop("alpha")))
     granite = folders["granitemoe"][0]
     with pytest.raises(ValueError, match=r"config.json: logits_scaling = 0 is not supported \(a positive number\)"):
         hf.from_pretrained(_edit(granite, tmp_path / "g", lambda c: c.update(logits_scaling=0)))

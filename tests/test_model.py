@@ -158,6 +158,8 @@ def test_bad_configs():
             TransformerConfig(**{name: bad})
     with pytest.raises(ValueError, match="scale: expected None or a positive finite number"):
         fmoe.layers.AttentionConfig(n_heads=4, n_kv_heads=2, head_dim=8, scale=float("nan"))
+    with pytest.raises(ValueError, match="qk_norm_after_rope: needs qk_norm='head' .per-head norms., got qk_norm='proj'"):
+        TransformerConfig(qk_norm="proj", qk_norm_after_rope=True)
     model = Transformer(dataclasses.replace(TINY, mtp_depth=1))
     with pytest.raises(ValueError, match=r"batch: missing \['mtp_input_ids'"):
         model(_batch(TINY))
