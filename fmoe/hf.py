@@ -6,8 +6,9 @@
 A folder holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). Supported `model_type`s: FAMILIES (mixtral, qwen2_moe,
 qwen3_moe, olmoe, glm4_moe, deepseek_v3, deepseek_v2, glm4_moe_lite, gpt_oss, dots1,
-minimax_m2, granitemoe, granitemoeshared, hunyuan_v1_moe). Each family has one table: its config mapping (`config_to_fmoe`, which
-refuses what fmoe does not build: clipped qkv, ...) and its key map (HF key <-> fmoe
+minimax_m2, granitemoe, granitemoeshared, hunyuan_v1_moe). Each family has one table: its
+config mapping (`config_to_fmoe`, which refuses what fmoe does not build: clipped qkv, ...)
+and its key map (HF key <-> fmoe
 parameter, with the layout change: HF linear weights [out, in] are transposed to fmoe's
 [in, out]; the per-expert matrices are stacked into [E, H, F] / [E, F, H] and split back
 on export; the router stays float32). A model parameter outside the MTP modules that the
@@ -42,6 +43,8 @@ GraniteMoE / GraniteMoeShared (IBM Granite 3 MoE): Mixtral's routing with Granit
 multipliers (TransformerConfig.attn_scale, embed_scale, residual_scale, logit_divisor); the
 experts are stacks of linear weights, input_linear [E, 2F, H] (the gate's F rows, then the
 up's: Tensor.chunk) and output_linear [E, H, F], and so is the shared MLP ([2Fs, H], [H, Fs]).
+Hunyuan-A13B: its router is gate.wg, its q/k norms query_layernorm / key_layernorm
+(Family.router, Family.qk_norms), applied after RoPE.
 
 Loading reads the safetensors files tensor by tensor with the `safetensors` library (an
 expert stack is filled expert by expert): the checkpoint is never in memory twice. Into a
@@ -328,8 +331,9 @@ def _hunyuan_v1_moe(hf: dict) -> dict:
     _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in Hunyuan's attention here")
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     alpha = params.get("alpha") if params.get("rope_type", params.get("type")) == "dynamic" else None
-    plain = dict(hf, num_experts_per_tok=_one_per_model(hf, "moe_topk"),
-                 rope_parameters=dict(rope_type="default", rope_theta=params.get("rope_theta", hf.get("rope_theta", 10000.0))) if alpha else hf.get("rope_parameters"))
+    plain = dict(hf, num_experts_per_tok=_one_per_model(hf, "moe_topk"))
+    if alpha:  # plain RoPE of rope_theta, stretched below
+        plain["rope_parameters"] = dict(rope_type="default", rope_theta=params.get("rope_theta", hf.get("rope_theta", 10000.0)))
     common = _common(plain, _one_per_model(hf, "num_experts"))
     if alpha:
         D = common["head_dim"]

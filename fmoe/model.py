@@ -275,8 +275,9 @@ class TransformerConfig:
     capacity_policy ("probs" | "position"). Attention: n_heads/n_kv_heads of head_dim,
     qkv_bias, qk_norm (None | "head" | "proj", fmoe.layers.AttentionConfig;
     qk_norm_after_rope: the "head" norms after RoPE, Hunyuan), rope_base, rope_dim (rotated
-    channels per head, None: all), rope_interleaved, yarn_factor (None: plain RoPE) with yarn_original_max_positions,
-    yarn_beta_fast / yarn_beta_slow / yarn_mscale / yarn_mscale_all_dim / yarn_truncate. o_bias:
+    channels per head, None: all), rope_interleaved, yarn_factor (None: plain RoPE) with
+    yarn_original_max_positions, yarn_beta_fast / yarn_beta_slow / yarn_mscale /
+    yarn_mscale_all_dim / yarn_truncate. o_bias:
     an attention output bias; attn_sinks: a learned sink logit per head (fmoe.layers.attention).
     router_bias: a float32 bias on the router logits; expert_biases: biases of the routed
     experts' three projections; swiglu_alpha / swiglu_limit / swiglu_offset: the routed
@@ -287,10 +288,10 @@ class TransformerConfig:
     the softmax scale (None: 1/sqrt(head_dim), or YaRN's); embed_scale multiplies every
     embedding lookup (the trunk's and the MTP modules'); residual_scale multiplies each
     attention and MLP output before its residual add; the logits are divided by
-    logit_divisor (the normed hidden states are, before the head). window: sliding-window attention (a query attends to the
-    `window` newest tokens of its document, itself included) in the trunk blocks listed in
-    window_layers (None: every trunk block); the other blocks and the MTP blocks attend to
-    every earlier token. mtp_depth MTP modules; mtp_norm: each with its own output
+    logit_divisor (the normed hidden states are, before the head). window: sliding-window
+    attention (a query attends to the `window` newest tokens of its document, itself
+    included) in the trunk blocks listed in window_layers (None: every trunk block); the
+    other blocks and the MTP blocks attend to every earlier token. mtp_depth MTP modules; mtp_norm: each with its own output
     norm before the shared head (DeepSeek-V3, GLM-4.5, Megatron Core) instead of the
     trunk's final norm. impl: "auto" | "triton" | "torch"
     for every op. ac: activation checkpointing, one of AC_MODES ("none" | "full" |
