@@ -276,6 +276,14 @@ def prepare(src: Union[str, os.PathLike], out: Union[str, os.PathLike], *, token
         print(f"prepare: {files_done}/{len(files)} files, {documents:,} documents, {tokens:,} tokens ({rate:,.0f} tokens/s)",
               file=sys.stderr, flush=True)
         next_report = time.monotonic() + _PROGRESS_SECONDS
+
+    def flush(f) -> None:
+        """Encode the pending documents and append their ids to f."""
+        nonlocal documents, tokens, pending, pending_chars
+        ids = _encode(tok, pending, separator=separator_id, vocab_size=vocab_size, dtype=dtype)
+        f.write(ids.tobytes())
+        documents, tokens, pending, pending_chars = documents + len(pending), tokens + len(ids), [], 0
+
     try:
         with open(tmp_tokens, "wb") as f:
             for done, path in enumerate(files, 1):
@@ -284,17 +292,13 @@ def prepare(src: Union[str, os.PathLike], out: Union[str, os.PathLike], *, token
                         pending.append((where, text))
                         pending_chars += len(text)
                     if pending_chars >= _BATCH_CHARS:
-                        ids = _encode(tok, pending, separator=separator_id, vocab_size=vocab_size, dtype=dtype)
-                        f.write(ids.tobytes())
-                        documents, tokens, pending, pending_chars = documents + len(pending), tokens + len(ids), [], 0
+                        flush(f)
                     if progress and time.monotonic() >= next_report:
                         report(done - 1)
-                if pending and done == len(files):
-                    ids = _encode(tok, pending, separator=separator_id, vocab_size=vocab_size, dtype=dtype)
-                    f.write(ids.tobytes())
-                    documents, tokens, pending, pending_chars = documents + len(pending), tokens + len(ids), [], 0
-                if progress and (time.monotonic() >= next_report or done == len(files)):
-                    report(done)
+            if pending:
+                flush(f)
+            if progress:
+                report(len(files))
         if not documents:
             raise ValueError(f"src: no non-empty documents in {str(src)!r}")
         index = dict(documents=documents, tokens=tokens, dtype=dtype, separator=separator_id, vocab_size=vocab_size,
