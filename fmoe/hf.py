@@ -382,8 +382,8 @@ class Family:
     correction_bias: str = "gate.e_score_correction_bias"  # the routing correction bias, under the MoE block
     mtp: bool = False  # MTP modules as layers n_layers, n_layers + 1, ... (DeepSeek-V3's layout)
     fused: bool = False  # gpt-oss: experts as [E, ...] stacks (gate_up_proj, down_proj) with biases, a router module with a bias
-    chunked: bool = False  # Granite: experts as [E, out, in] stacks (input_linear: gate, then up; output_linear), router.layer, shared_mlp
-    router: str = "gate.weight"  # the router's weight, under the MoE block
+    chunked: bool = False  # Granite: experts and shared MLP as [E, out, in] / [out, in] stacks (input_linear: gate, then up; output_linear)
+    router: str = "gate.weight"  # the router's weight, under the MoE block (its bias beside it, where it has one)
     qk_norms: tuple[str, str] = ("q_norm", "k_norm")  # the q / k norm modules, under self_attn
 
 
@@ -397,14 +397,15 @@ FAMILIES = {
     "deepseek_v2": Family(_deepseek_v2, "mlp", ("gate_proj", "up_proj", "down_proj"), "DeepseekV2ForCausalLM", "shared_experts"),
     "glm4_moe_lite": Family(_glm4_moe_lite, "mlp", ("gate_proj", "up_proj", "down_proj"), "Glm4MoeLiteForCausalLM", "shared_experts",
                             mtp=True),
-    "gpt_oss": Family(_gpt_oss, "mlp", ("gate_up_proj", "gate_up_proj", "down_proj"), "GptOssForCausalLM", fused=True),
+    "gpt_oss": Family(_gpt_oss, "mlp", ("gate_up_proj", "gate_up_proj", "down_proj"), "GptOssForCausalLM", fused=True,
+                      router="router.weight"),
     "dots1": Family(_dots1, "mlp", ("gate_proj", "up_proj", "down_proj"), "Dots1ForCausalLM", "shared_experts"),
     "minimax_m2": Family(_minimax_m2, "block_sparse_moe", ("w1", "w3", "w2"), "MiniMaxM2ForCausalLM",
                          correction_bias="e_score_correction_bias"),
     "granitemoe": Family(_granitemoe, "block_sparse_moe", ("input_linear", "input_linear", "output_linear"), "GraniteMoeForCausalLM",
-                         chunked=True),
+                         chunked=True, router="router.layer.weight"),
     "granitemoeshared": Family(_granitemoe, "block_sparse_moe", ("input_linear", "input_linear", "output_linear"),
-                               "GraniteMoeSharedForCausalLM", "shared_mlp", chunked=True),
+                               "GraniteMoeSharedForCausalLM", "shared_mlp", chunked=True, router="router.layer.weight"),
     "hunyuan_v1_moe": Family(_hunyuan_v1_moe, "mlp", ("gate_proj", "up_proj", "down_proj"), "HunYuanMoEV1ForCausalLM", "shared_mlp",
                              router="gate.wg.weight", qk_norms=("query_layernorm", "key_layernorm")),
 }
@@ -439,10 +440,11 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
     out[q + "attn_norm.weight"] = Tensor((p + "input_layernorm.weight",))
     out[q + "mlp_norm.weight"] = Tensor((p + "post_attention_layernorm.weight",))
     mlp = p + family.moe + "."
+    if moe:
+        out[q + "mlp.router"] = Tensor((mlp + family.router,))
+        if cfg.router_bias:  # gpt-oss: the router module's bias
+            out[q + "mlp.router_bias"] = Tensor((mlp + family.router.removesuffix("weight") + "bias",))
     if moe and family.fused:  # gpt-oss: [E, H, 2F] gate/up interleaved, [E, F, H], each with a bias
-        out[q + "mlp.router"] = Tensor((mlp + "router.weight",))
-        if cfg.router_bias:
-            out[q + "mlp.router_bias"] = Tensor((mlp + "router.bias",))
         experts = mlp + "experts."
         out[q + "mlp.experts.w_gate"] = Tensor((experts + "gate_up_proj",), part=(0, 2))
         out[q + "mlp.experts.w_up"] = Tensor((experts + "gate_up_proj",), part=(1, 2))
@@ -452,18 +454,13 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
             out[q + "mlp.experts.b_up"] = Tensor((experts + "gate_up_proj_bias",), part=(1, 2))
             out[q + "mlp.experts.b_down"] = Tensor((experts + "down_proj_bias",))
     elif moe and family.chunked:  # Granite: [E, 2F, H] gate then up, [E, H, F]; the shared MLP likewise, beside the block
-        out[q + "mlp.router"] = Tensor((mlp + "router.layer.weight",))
-        gate, up, down = (mlp + name + ".weight" for name in family.experts)
-        out[q + "mlp.experts.w_gate"] = Tensor((gate,), transpose=True, chunk=(0, 2))
-        out[q + "mlp.experts.w_up"] = Tensor((up,), transpose=True, chunk=(1, 2))
-        out[q + "mlp.experts.w_down"] = Tensor((down,), transpose=True)
-        if cfg.shared_size:
-            shared = p + family.shared + "."
-            out[q + "mlp.shared.w_gate"] = Tensor((shared + "input_linear.weight",), transpose=True, chunk=(0, 2))
-            out[q + "mlp.shared.w_up"] = Tensor((shared + "input_linear.weight",), transpose=True, chunk=(1, 2))
-            out[q + "mlp.shared.w_down"] = Tensor((shared + "output_linear.weight",), transpose=True)
+        stacks = [(mlp, "mlp.experts.")] + [(p + family.shared + ".", "mlp.shared.")] * bool(cfg.shared_size)
+        for theirs, ours in stacks:
+            gate, up, down = (theirs + name + ".weight" for name in family.experts)
+            out[q + ours + "w_gate"] = Tensor((gate,), transpose=True, chunk=(0, 2))
+            out[q + ours + "w_up"] = Tensor((up,), transpose=True, chunk=(1, 2))
+            out[q + ours + "w_down"] = Tensor((down,), transpose=True)
     elif moe:
-        out[q + "mlp.router"] = Tensor((mlp + family.router,))
         if cfg.expert_bias:  # HF's e_score_correction_bias: fmoe's expert_bias buffer
             out[q + "mlp.expert_bias"] = Tensor((mlp + family.correction_bias,))
         for ours, theirs in zip(("w_gate", "w_up", "w_down"), family.experts):
@@ -600,20 +597,20 @@ def load_weights(model: Transformer, path, *, model_type: str) -> int:
             read_bytes += t.numel() * t.element_size()
             return t
 
-        def shape(key: str, transpose: bool, row: bool, part=None, chunk=None) -> tuple[int, ...]:
-            """The full value's shape in fmoe's layout."""
+        def shape(key: str, spec: Tensor) -> tuple[int, ...]:
+            """The full value of `key` in fmoe's layout, as `spec` places it."""
             if mxfp4(key):  # blocks [E, out, in/32, 16] of an [E, in, out] stack
                 E, out, groups, _ = open_slice(key + "_blocks").get_shape()
                 stored = (E, groups * 32, out)
             else:
                 stored = tuple(open_slice(key).get_shape())
-            if part is not None:
-                return (*stored[:-1], stored[-1] // part[1])
-            if row:
+            if spec.part is not None:
+                return (*stored[:-1], stored[-1] // spec.part[1])
+            if spec.row:
                 return (stored[-1],)
-            if chunk is not None:
-                stored = (*stored[:-2], stored[-2] // chunk[1], stored[-1])
-            return _swap_last(stored) if transpose else stored
+            if spec.chunk is not None:
+                stored = (*stored[:-2], stored[-2] // spec.chunk[1], stored[-1])
+            return _swap_last(stored) if spec.transpose else stored
 
         keys = key_map(family, model.cfg)
         unmapped = [n for n in params if n not in keys and not n.startswith("mtp.") and not n.endswith("expert_bias")]
@@ -631,14 +628,14 @@ def load_weights(model: Transformer, path, *, model_type: str) -> int:
                 raise ValueError(f"model: has no parameter {name!r} for checkpoint key {spec.keys[0]!r}")
             param = params[name]
             if spec.stacked:
-                shapes = {key: shape(key, spec.transpose, False) for key in spec.keys}
+                shapes = {key: shape(key, spec) for key in spec.keys}
                 first = shapes[spec.keys[0]]
                 for key, other in shapes.items():
                     if other != first:
                         raise ValueError(f"checkpoint: {key} has shape {other} (as [in, out]), its other experts {first}")
                 full_shape = (len(spec.keys), *first)
             else:
-                full_shape = shape(spec.keys[0], spec.transpose, spec.row, spec.part, spec.chunk)
+                full_shape = shape(spec.keys[0], spec)
             if tuple(param.shape) != tuple(full_shape):
                 raise ValueError(f"checkpoint: {spec.keys[0]} gives {name} the shape {tuple(full_shape)}, the model expects {tuple(param.shape)}")
             index = local_block(param)
