@@ -12,7 +12,8 @@ and its key map (HF key <-> fmoe
 parameter, with the layout change: HF linear weights [out, in] are transposed to fmoe's
 [in, out]; the per-expert matrices are stacked into [E, H, F] / [E, F, H] and split back
 on export; the router stays float32). A model parameter outside the MTP modules that the
-key map does not name is refused on load, never left at its initial value.
+key map does not name is refused on load, never left at its initial value; so is a
+checkpoint key that the config reads nowhere (unread_keys), unless strict=False.
 
 Routing: HF's softmax routers take the top-k of softmax(logits) and, with norm_topk_prob
 (Mixtral always), renormalise the k weights: fmoe's default softmax routing (softmax over
@@ -62,6 +63,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -544,7 +546,28 @@ def read_config(path) -> tuple[dict, TransformerConfig]:
     return hf, TransformerConfig(**FAMILIES[model_type].config_to_fmoe(hf))
 
 
-def load_weights(model: Transformer, path, *, model_type: str) -> int:
+def unread_keys(family: Family, cfg: TransformerConfig, path: Path, stored) -> list[str]:
+    """The checkpoint keys (of `stored`) that a model of `cfg` reads nowhere, in file order.
+    Not counted: what comes with a read key (FP8's weight_scale_inv, MXFP4's _blocks and
+    _scales), the MTP layers' copies of the embedding and head, MTP depths past
+    cfg.mtp_depth (asked for with mtp_depth=), RoPE's inv_freq buffers (recomputed), and
+    lm_head.weight where config.json ties it to the embedding."""
+    read = {key for spec in key_map(family, cfg).values() for key in spec.keys}
+    read |= {key + suffix for key in list(read) for suffix in ("_blocks", "_scales")}
+    read |= {key.removesuffix("weight") + "weight_scale_inv" for key in list(read) if key.endswith("weight")}
+    read |= set(mtp_copies(family, cfg))
+    config = path / "config.json"
+    if cfg.tie_embeddings and config.is_file() and json.loads(config.read_text()).get("tie_word_embeddings"):
+        read.add("lm_head.weight")
+
+    def dropped_mtp(key: str) -> bool:
+        layer = re.match(r"model\.layers\.(\d+)\.", key)
+        return family.mtp and layer is not None and int(layer[1]) >= cfg.n_layers + cfg.mtp_depth
+
+    return [key for key in stored if key not in read and not key.endswith(".rotary_emb.inv_freq") and not dropped_mtp(key)]
+
+
+def load_weights(model: Transformer, path, *, model_type: str, strict: bool = True) -> int:
     """Read the checkpoint in `path` into model's parameters (see the module docstring): a
     whole model, one parallelized over ranks, or a pipeline chunk (its own parameters only).
     A parameter that is a DTensor gets only its own block, and only that block is read
@@ -552,7 +575,9 @@ def load_weights(model: Transformer, path, *, model_type: str) -> int:
     FP8 weights are read whole and dequantised before their block is cut. Returns the
     bytes this rank read. ValueError naming the key for a missing key or a shape mismatch, and
     naming the parameter for one (outside the MTP modules) that the family's checkpoints do
-    not hold."""
+    not hold. With strict (the default), a checkpoint key that the model's config reads
+    nowhere (unread_keys: e.g. the shared experts when loaded with n_shared=0) is a
+    ValueError naming it, checked before anything is read; strict=False loads the rest."""
     from torch.distributed.tensor import DTensor
 
     path = Path(path)
@@ -613,6 +638,10 @@ def load_weights(model: Transformer, path, *, model_type: str) -> int:
             return _swap_last(stored) if spec.transpose else stored
 
         keys = key_map(family, model.cfg)
+        unread = unread_keys(family, model.cfg, path, files) if strict else []
+        if unread:  # part of the checkpoint would be dropped without a word: refused
+            raise ValueError(f"checkpoint: {len(unread)} key(s) in {str(path)!r} that the model's config reads nowhere, e.g. "
+                             f"{unread[0]!r} (an option that leaves out part of the model? strict=False loads the rest)")
         unmapped = [n for n in params if n not in keys and not n.startswith("mtp.") and not n.endswith("expert_bias")]
         if unmapped:  # a trunk weight would keep its initial value: refused, not silently fresh
             raise ValueError(f"model: {len(unmapped)} parameter(s) that a {model_type} checkpoint does not hold, "
@@ -732,7 +761,7 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     return values.flatten(-2)
 
 
-def from_pretrained(path, *, dtype: torch.dtype = torch.float32, device="cpu", **options) -> tuple[Transformer, TransformerConfig]:
+def from_pretrained(path, *, dtype: torch.dtype = torch.float32, device="cpu", strict: bool = True, **options) -> tuple[Transformer, TransformerConfig]:
     """A Transformer with the weights of the HF folder `path`, in `dtype` (the router and its
     bias stay float32) on `device`: allocated there directly, each weight cast as it is read,
     so bf16 takes half the memory of float32 and no float32 copy of the model is made (one
@@ -741,7 +770,9 @@ def from_pretrained(path, *, dtype: torch.dtype = torch.float32, device="cpu", *
     options: TransformerConfig fields to set on top of the mapped config (e.g. impl="torch",
     ac="full"). mtp_depth: by default the MTP layers the checkpoint holds (DeepSeek-V3,
     GLM-4.5, GLM-4.7-Flash; none for the others); more depths than it holds start from fresh weights.
-    Block-scaled FP8 and MXFP4 (gpt-oss) weights are dequantised. Returns (model, cfg);
+    Block-scaled FP8 and MXFP4 (gpt-oss) weights are dequantised. strict: a checkpoint
+    key the options leave unread (e.g. n_shared=0 on a model with shared experts) is a
+    ValueError; strict=False drops it (load_weights). Returns (model, cfg);
     model.hf_config keeps config.json for save_pretrained."""
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype: expected a floating torch.dtype (torch.float32, torch.bfloat16, ...), got {dtype!r}")
@@ -755,7 +786,7 @@ def from_pretrained(path, *, dtype: torch.dtype = torch.float32, device="cpu", *
         model = Transformer(cfg).to(dtype)
     model.to_empty(device=device)
     model.reset_parameters(seed=0)  # everything the checkpoint does not hold (expert biases, MTP)
-    load_weights(model, path, model_type=hf["model_type"])
+    load_weights(model, path, model_type=hf["model_type"], strict=strict)
     model.hf_config = hf
     return model, cfg
 

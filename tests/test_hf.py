@@ -314,6 +314,47 @@ def test_bad_checkpoints_name_the_key_or_field(folders, tmp_path):
         hf.save_pretrained(model, tmp_path / "e", model_type="gpt2")
 
 
+def test_checkpoint_keys_the_model_does_not_read_are_refused_unless_not_strict(folders, tmp_path):
+    """A key the config reads nowhere would be dropped without a word: refused by name
+    before anything is read; strict=False loads the rest. Keys that come with a read one,
+    RoPE's inv_freq, a tied lm_head and MTP depths left out on purpose are not counted."""
+    hunyuan, _ = folders["hunyuan_v1_moe"]
+    with pytest.raises(ValueError, match=r"checkpoint: 9 key\(s\) in .* that the model's config reads nowhere, e.g. "
+                                         r"'model.layers.0.mlp.shared_mlp.down_proj.weight' \(an option that leaves out part"):
+        hf.from_pretrained(hunyuan, n_shared=0)
+    full, _ = hf.from_pretrained(hunyuan)
+    part, cfg = hf.from_pretrained(hunyuan, n_shared=0, strict=False)
+    assert cfg.shared_size == 0
+    shared = {n for n in full.state_dict() if ".mlp.shared." in n}
+    assert shared and all(torch.equal(t, full.state_dict()[n]) for n, t in part.state_dict().items())
+    assert set(full.state_dict()) - set(part.state_dict()) == shared
+    # an unknown key, refused before any parameter is written
+    mixtral, _ = folders["mixtral"]
+    tensors = _read_all(mixtral)
+    extra = _copy_folder(mixtral, tmp_path / "extra", {**tensors, "model.layers.1.mlp.extra.weight": torch.ones(2)})
+    model, cfg = hf.from_pretrained(mixtral)
+    blank = type(model)(cfg)
+    with torch.no_grad():
+        for t in blank.parameters():
+            t.zero_()
+    with pytest.raises(ValueError, match=r"checkpoint: 1 key\(s\) .* e.g. 'model.layers.1.mlp.extra.weight'"):
+        hf.load_weights(blank, extra, model_type="mixtral")
+    assert all(not t.any() for t in blank.parameters())
+    hf.load_weights(blank, extra, model_type="mixtral", strict=False)
+    assert all(torch.equal(t, model.state_dict()[n]) for n, t in blank.state_dict().items())
+    # not counted: RoPE's inv_freq buffers, an lm_head that config.json ties to the embedding
+    granite, _ = folders["granitemoe"]
+    g = _read_all(granite)
+    assert "lm_head.weight" not in g
+    kept = _copy_folder(granite, tmp_path / "tied", {**g, "lm_head.weight": g["model.embed_tokens.weight"].clone(),
+                                                     "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(4)})
+    assert all(torch.equal(a, b) for a, b in zip(hf.from_pretrained(kept)[0].parameters(), hf.from_pretrained(granite)[0].parameters()))
+    # an untied head that a tie_embeddings override would drop is refused
+    with pytest.raises(ValueError, match=r"checkpoint: 1 key\(s\) .* e.g. 'lm_head.weight'"):
+        hf.from_pretrained(mixtral, tie_embeddings=True)
+    assert hf.unread_keys(hf.FAMILIES["mixtral"], cfg, mixtral, tensors) == []
+
+
 def test_the_loop_fine_tunes_a_loaded_model(tmp_path):
     """--init_from_hf: the released model's config and weights; the first step's logged loss
     is that model's loss on the step's micro-batch, and a step trains it."""
