@@ -201,11 +201,13 @@ CASES = {
     "cp2-capacity": (2, dict(cp=2), dict(capacity_factor=1.0)),
     "cp2xtp2-capacity-position": (4, dict(cp=2, tp=2), dict(capacity_factor=1.0, capacity_policy="position")),
     "cp2xep2-capacity": (4, dict(cp=2, ep=2), dict(capacity_factor=1.0)),
-    # attention's extras split over tp: Qwen2's qkv biases and Qwen3's per-head qk norm;
-    # OLMoE's qk norm over the whole projection (its mean square averaged over tp, again
-    # in the recomputed forward), with Granite's multipliers; DeepSeek's multi-latent attention, with a query latent,
-    # and without one under cp x tp
+    # attention's extras split over tp: Qwen2's qkv biases and Qwen3's per-head qk norm (and
+    # Hunyuan's, after RoPE, over cp x tp); OLMoE's qk norm over the whole projection (its
+    # mean square averaged over tp, again in the recomputed forward), with Granite's
+    # multipliers; DeepSeek's multi-latent attention, with a query latent, and without one
+    # under cp x tp
     "tp2-qkv-bias-head-norm": (2, dict(tp=2), dict(qkv_bias=True, qk_norm="head")),
+    "cp2xtp2-head-norm-after-rope": (4, dict(cp=2, tp=2), dict(qk_norm="head", qk_norm_after_rope=True)),  # Hunyuan's
     "tp2-proj-norm-ac-full": (2, dict(tp=2), dict(qk_norm="proj", ac="full", **GRANITE)),
     "tp2-mla": (2, dict(tp=2), dict(MLA, q_rank=10)),
     "cp2xtp2-mla": (4, dict(cp=2, tp=2), MLA),
@@ -239,6 +241,7 @@ DECODE_CASES = {
     "tp2": (2, dict(tp=2), dict(GPT_OSS, **WINDOW), None, 1e-5),
     "tp2-proj-norm": (2, dict(tp=2), dict(qk_norm="proj", **WINDOW, **GRANITE), None, 1e-5),
     "tp2-mla": (2, dict(tp=2), dict(MLA, q_rank=10), None, 1e-5),
+    "tp2-head-norm-after-rope": (2, dict(tp=2), dict(qk_norm="head", qk_norm_after_rope=True, **WINDOW), None, 1e-5),
     "ep2xtp2": (4, dict(tp=2, ep=2), dict(GPT_OSS, **WINDOW), None, 1e-5),
     "ep2xetp2-fsdp": (4, dict(ep=2, etp=2), {}, None, 1e-5),
 }
