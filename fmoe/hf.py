@@ -56,7 +56,10 @@ slices; an expert stack, only this rank's experts) and copies it into its shard.
 Export writes the same keys, dtypes and config back: a model loaded and saved again gives
 files bit-identical to the originals (`from_pretrained` keeps the HF config on the model,
 `model.hf_config`); a model of fmoe's own is written with `model_type=` one of FAMILIES
-and a config built from its TransformerConfig.
+and a config built from its TransformerConfig. The export is streamed: one parameter at
+a time is gathered and converted, and rank 0 writes shards of at most max_shard_bytes
+(with model.safetensors.index.json), so a model sharded over many devices is written
+without any rank holding it whole.
 """
 
 from __future__ import annotations
@@ -889,14 +892,78 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
     return hf
 
 
-def save_pretrained(model: Transformer, path, *, model_type: Optional[str] = None) -> Path:
+def _stored(spec: Tensor, full: torch.Tensor, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
+    """(HF key, value) pairs of one fmoe parameter in the checkpoint's layout: an expert
+    stack's experts, a row, or one tensor (not a part of a key: Tensor.part, Tensor.chunk)."""
+    if spec.stacked:
+        return [(key, (full[e].t() if spec.transpose else full[e]).contiguous().to(dtype)) for e, key in enumerate(spec.keys)]
+    if spec.row:
+        return [(spec.keys[0], full.reshape(1, -1).contiguous().to(dtype))]
+    return [(spec.keys[0], (full.transpose(-2, -1) if spec.transpose else full).contiguous().to(dtype))]
+
+
+class _ShardWriter:
+    """Complete checkpoint tensors in, safetensors shards out: a shard is written once the
+    next tensor would take it past max_bytes (a tensor larger than that is a shard alone),
+    under a temporary name until the number of shards is known."""
+
+    def __init__(self, path: Path, max_bytes: int):
+        self.path, self.max_bytes = path, max_bytes
+        self.shard: dict[str, torch.Tensor] = {}
+        self.bytes = self.total = 0
+        self.files: list[tuple[Path, list[str]]] = []
+        path.mkdir(parents=True, exist_ok=True)
+        for old in [path / "model.safetensors", path / "model.safetensors.index.json", *path.glob("model-*-of-*.safetensors")]:
+            old.unlink(missing_ok=True)  # an earlier export's files would be read with this one's
+
+    def add(self, key: str, value: torch.Tensor) -> None:
+        size = value.numel() * value.element_size()
+        if self.shard and self.bytes + size > self.max_bytes:
+            self.flush()
+        self.shard[key] = value
+        self.bytes += size
+        self.total += size
+
+    def flush(self) -> None:
+        from safetensors.torch import save_file
+
+        file = self.path / f"model-{len(self.files) + 1:05d}.partial.safetensors"
+        save_file(self.shard, file, metadata={"format": "pt"})
+        self.files.append((file, list(self.shard)))
+        self.shard, self.bytes = {}, 0
+
+    def close(self) -> None:
+        if self.shard or not self.files:
+            self.flush()
+        if len(self.files) == 1:
+            self.files[0][0].rename(self.path / "model.safetensors")
+            return
+        weight_map = {}
+        for i, (file, keys) in enumerate(self.files, 1):
+            name = f"model-{i:05d}-of-{len(self.files):05d}.safetensors"
+            file.rename(self.path / name)
+            weight_map.update((key, name) for key in keys)
+        index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def save_pretrained(model: Transformer, path, *, model_type: Optional[str] = None, max_shard_bytes: int = 5 * 10**9) -> Path:
     """Write `model` as an HF folder: config.json (the loaded one when the model came from
-    from_pretrained, else hf_config(cfg, model_type)) and model.safetensors, in the
-    checkpoint's layout (module docstring). Parameters that are DTensors are gathered
-    (call on every rank; rank 0 writes). Returns path."""
-    from safetensors.torch import save_file
+    from_pretrained, else hf_config(cfg, model_type)) and the weights in the checkpoint's
+    layout (module docstring): model.safetensors, or shards of at most max_shard_bytes
+    (model-00001-of-0000N.safetensors, ..., with model.safetensors.index.json) when they do
+    not fit one. Earlier weight files in `path` are replaced.
+
+    Streamed: one parameter at a time is gathered (a DTensor's full_tensor: call on every
+    rank, in step) and converted; rank 0 keeps only the shard being filled and writes it,
+    the other ranks drop each value once gathered. So a model sharded over many devices is
+    written without any rank holding it whole. Every rank returns `path` once the files are
+    written."""
+    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
+    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes: expected a positive int, got {max_shard_bytes!r}")
     hf = getattr(model, "hf_config", None)
     if hf is None or (model_type is not None and model_type != hf.get("model_type")):
         if model_type is None:
@@ -907,45 +974,44 @@ def save_pretrained(model: Transformer, path, *, model_type: Optional[str] = Non
         hf = {k: v for k, v in hf.items() if k != "quantization_config"}
     params = _tensors(model)
     dtype = getattr(torch, hf.get("dtype") or hf.get("torch_dtype") or "float32")
-    tensors = {}
-    full_values = {}
-
-    def full_value(name):
-        if name not in full_values:
-            p = params[name].detach()
-            full_values[name] = (p.full_tensor() if isinstance(p, DTensor) else p).to("cpu")
-        return full_values[name]
-
-    for key, name in mtp_copies(family, model.cfg).items():
-        full = full_value(name)
-        tensors[key] = full.to(dtype).clone()  # its own storage: safetensors refuses shared tensors
-    for name, spec in key_map(family, model.cfg).items():
-        full = full_value(name)
-        if name.endswith("expert_bias"):  # float32 in every checkpoint (HF keeps the correction bias float32)
-            tensors[spec.keys[0]] = full.contiguous()
-            continue
-        if spec.stacked:
-            for e, key in enumerate(spec.keys):
-                tensors[key] = (full[e].t() if spec.transpose else full[e]).contiguous().to(dtype)
-        elif spec.part is not None:  # one of n interleaved parts of a key
-            i, n = spec.part
-            stored = tensors.setdefault(spec.keys[0], torch.empty(*full.shape[:-1], full.shape[-1] * n, dtype=dtype))
-            stored[..., i::n] = full.to(dtype)
-        elif spec.row:
-            tensors[spec.keys[0]] = full.reshape(1, -1).contiguous().to(dtype)
-        elif spec.chunk is not None:  # one of n contiguous runs of the stored dim -2
-            i, n = spec.chunk
-            value = full.transpose(-2, -1) if spec.transpose else full
-            size = value.shape[-2]
-            stored = tensors.setdefault(spec.keys[0], torch.empty(*value.shape[:-2], size * n, value.shape[-1], dtype=dtype))
-            stored[..., i * size:(i + 1) * size, :] = value.to(dtype)
-        else:
-            tensors[spec.keys[0]] = (full.transpose(-2, -1) if spec.transpose else full).contiguous().to(dtype)
     path = Path(path)
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        path.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    writer = _ShardWriter(path, max_shard_bytes) if not dist.is_initialized() or dist.get_rank() == 0 else None
+    copies: dict[str, list[str]] = {}
+    for key, name in mtp_copies(family, model.cfg).items():
+        copies.setdefault(name, []).append(key)
+    parts: dict[str, list] = {}  # a key several parameters fill: [value, parts still missing]
+    for name, spec in key_map(family, model.cfg).items():
+        p = params[name].detach()
+        full = p.full_tensor() if isinstance(p, DTensor) else p  # a collective: every rank, in this order
+        if writer is None:
+            continue
+        full = full.to("cpu")
+        for key in copies.get(name, ()):  # the MTP layers' copies of the embedding and head
+            writer.add(key, full.to(dtype).clone())  # its own storage: safetensors refuses shared tensors
+        if name.endswith("expert_bias"):  # float32 in every checkpoint (HF keeps the correction bias float32)
+            writer.add(spec.keys[0], full.contiguous())
+        elif spec.part is not None or spec.chunk is not None:  # one of n interleaved parts / contiguous runs of a key
+            (i, n), key = spec.part or spec.chunk, spec.keys[0]
+            if spec.part is not None:
+                shape = (*full.shape[:-1], full.shape[-1] * n)
+            else:
+                full = full.transpose(-2, -1) if spec.transpose else full
+                shape = (*full.shape[:-2], full.shape[-2] * n, full.shape[-1])
+            stored = parts.setdefault(key, [torch.empty(shape, dtype=dtype), n])
+            if spec.part is not None:
+                stored[0][..., i::n] = full.to(dtype)
+            else:
+                size = full.shape[-2]
+                stored[0][..., i * size:(i + 1) * size, :] = full.to(dtype)
+            stored[1] -= 1
+            if not stored[1]:
+                writer.add(key, parts.pop(key)[0])
+        else:
+            for key, value in _stored(spec, full, dtype):
+                writer.add(key, value)
+    if writer is not None:
+        writer.close()
         (path / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    if dist.is_initialized():
+        dist.barrier()  # no rank reads the folder before it is written
     return path

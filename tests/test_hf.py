@@ -168,6 +168,49 @@ def test_export_loads_in_transformers_and_reexport_is_bit_identical(family, fold
         assert _rel(fresh.logits(ids, cu), theirs) < 1e-5
 
 
+@pytest.mark.parametrize("family", ["gpt_oss", "granitemoeshared", "deepseek_v3"])
+def test_export_in_shards_loads_back_and_replaces_earlier_files(family, folders, tmp_path):
+    """max_shard_bytes splits the export into model-0000i-of-0000N.safetensors files and an
+    index; a key that several parameters fill (gpt-oss's interleaved gate_up_proj, Granite's
+    input_linear) is written whole, in one shard. Both fmoe and transformers load the
+    shards; exporting again without a limit leaves only model.safetensors."""
+    from safetensors import safe_open
+
+    path, ref = folders[family]
+    model, _ = hf.from_pretrained(path, impl="torch")
+    total = (path / "model.safetensors").stat().st_size
+    out = hf.save_pretrained(model, tmp_path / "out", max_shard_bytes=total // 4)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(out.glob("model-*.safetensors"))
+    n = len(files)
+    assert n >= 4 and [f.name for f in files] == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    assert not (out / "model.safetensors").exists()
+    stored = {}
+    for file in files:
+        with safe_open(file, "pt") as f:
+            shard = {key: f.get_tensor(key) for key in f.keys()}
+        sizes = [t.numel() * t.element_size() for t in shard.values()]
+        assert sum(sizes) <= total // 4 or len(sizes) == 1, (file.name, sizes)  # a tensor over the limit is a shard alone
+        assert all(index["weight_map"][key] == file.name for key in shard)
+        stored.update(shard)
+    original = _read_all(path)
+    assert set(index["weight_map"]) == set(stored) == set(original)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in original.values())
+    assert all(torch.equal(stored[key], t) for key, t in original.items())
+    back, _ = hf.from_pretrained(out, impl="torch")
+    assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), model.state_dict().values()))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    docs, ids, cu = _packed(2)
+    with torch.no_grad():
+        assert _rel(model.logits(ids, cu), torch.cat([theirs(d[None]).logits[0] for d in docs])) < 1e-5
+    hf.save_pretrained(model, out)  # one file again: the shards and the index are gone
+    assert sorted(f.name for f in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert filecmp.cmp(path / "model.safetensors", out / "model.safetensors", shallow=False)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="max_shard_bytes: expected a positive int"):
+            hf.save_pretrained(model, tmp_path / "bad", max_shard_bytes=bad)
+
+
 SLIDING = {  # windows narrower than the documents: every layer (Mixtral, Qwen3-MoE), or the layers layer_types names (Qwen2-MoE)
     "mixtral": lambda: transformers.MixtralConfig(**COMMON, head_dim=8, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
                                                   sliding_window=4),
@@ -584,9 +627,13 @@ def test_the_loop_loads_a_released_model_into_sharded_ranks(tmp_path):
             assert b[key] == pytest.approx(a[key], rel=1e-5), (key, a["step"])
 
 
-def _load_sharded(rank, world, path, family):
+SHARD_BYTES = 20000  # the sharded ranks' export: several files
+
+
+def _load_sharded(rank, world, path, family, out):
     """One rank: the model built on meta, sharded (FSDP2 over 2 ranks, experts over ep 2),
-    materialised, then loaded: its bytes read and its gathered weights."""
+    materialised, then loaded: its bytes read and its gathered weights; then exported to
+    `out` in shards of SHARD_BYTES (rank 0 writes)."""
     from torch.distributed.tensor import DTensor
 
     import fmoe.parallel as parallel
@@ -599,25 +646,30 @@ def _load_sharded(rank, world, path, family):
     parallel.materialize(model, torch.device("cpu"), seed=0)
     read = hf.load_weights(model, path, model_type=family)
     full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in hf._tensors(model).items()}
+    model.hf_config = json.loads((path / "config.json").read_text())
+    hf.save_pretrained(model, out, max_shard_bytes=SHARD_BYTES)
+    assert (out / "config.json").is_file()  # every rank returns after rank 0 has written
     return read, full
 
 
 SHARDED_FAMILIES = ("qwen3_moe", "deepseek_v3", "gpt_oss", "granitemoeshared")
 
 
-def _load_sharded_families(rank, world, paths):
-    return {family: _load_sharded(rank, world, path, family) for family, path in paths.items()}
+def _load_sharded_families(rank, world, paths, out):
+    return {family: _load_sharded(rank, world, path, family, out / family) for family, path in paths.items()}
 
 
 @pytest.fixture(scope="module")
-def sharded_loads(folders):
-    """Every SHARDED_FAMILIES folder loaded by 2 gloo ranks in one spawned process group: [rank 0's {family: (read, full)}, ...]."""
+def sharded_loads(folders, tmp_path_factory):
+    """Every SHARDED_FAMILIES folder loaded by 2 gloo ranks in one spawned process group:
+    ([rank 0's {family: (read, full)}, ...], the folder of their exports)."""
     import sys
 
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
     from parallel.dist import run_distributed
 
-    return run_distributed(_load_sharded_families, 2, {family: folders[family][0] for family in SHARDED_FAMILIES})
+    out = tmp_path_factory.mktemp("sharded_exports")
+    return run_distributed(_load_sharded_families, 2, {family: folders[family][0] for family in SHARDED_FAMILIES}, out), out
 
 
 @pytest.mark.parametrize("family", SHARDED_FAMILIES)
@@ -628,13 +680,26 @@ def test_each_rank_reads_only_its_own_blocks(family, folders, sharded_loads):
     one, _ = hf.from_pretrained(path, impl="torch")
     want = {n: t.detach() for n, t in hf._tensors(one).items()}
     total = (path / "model.safetensors").stat().st_size
-    results = [by_family[family] for by_family in sharded_loads]
+    results = [by_family[family] for by_family in sharded_loads[0]]
     for read, full in results:
         assert set(full) == set(want)
         for name, value in want.items():
             assert torch.equal(full[name], value), name
         assert read < 0.6 * total, (read, total)  # about half the weights, plus the small replicated ones
     assert sum(read for read, _ in results) >= 0.95 * total - 4096  # together every tensor is read
+
+
+@pytest.mark.parametrize("family", SHARDED_FAMILIES)
+def test_sharded_ranks_export_the_one_process_files(family, folders, sharded_loads, tmp_path):
+    """save_pretrained on the 2 ranks' sharded model (each parameter gathered in turn, rank
+    0 writing the shards) gives the files of one process's export, byte for byte."""
+    one, _ = hf.from_pretrained(folders[family][0], impl="torch")
+    want = hf.save_pretrained(one, tmp_path / "one", max_shard_bytes=SHARD_BYTES)
+    got = sharded_loads[1] / family
+    names = sorted(f.name for f in want.iterdir())
+    assert len(names) > 3 and sorted(f.name for f in got.iterdir()) == names
+    for name in names:
+        assert filecmp.cmp(want / name, got / name, shallow=False), name
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
