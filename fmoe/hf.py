@@ -878,18 +878,37 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
                   v_head_dim=cfg.v_head_dim, head_dim=rope, rope_interleave=cfg.rope_interleaved, attention_bias=False)
         if cfg.yarn_factor is not None:
             hf["rope_parameters"] = _yarn_parameters(cfg)
-    back = TransformerConfig(**FAMILIES[model_type].config_to_fmoe(hf))
+    mismatch = config_mismatch(cfg, hf)
+    if cfg.capacity_factor is not None:
+        mismatch["capacity_factor"] = (cfg.capacity_factor, None)
+    if mismatch:
+        raise ValueError(f"model: its config has no {model_type} equivalent: {mismatch}")
+    return hf
+
+
+def config_mismatch(cfg: TransformerConfig, hf: dict) -> dict[str, tuple]:
+    """{field: (cfg's value, the value config.json `hf` maps to)} for each TransformerConfig
+    field in which a model of `cfg` differs from the checkpoint's model (ignoring what does
+    not change the weights' meaning: impl, ac, init_std, the capacity, how the dense and MoE
+    layers are spelled, and the MTP depth of a family that stores MTP layers, whose MTP
+    modules need their own output norm, mtp_norm); {} when `cfg` is that model."""
+    family = FAMILIES[hf["model_type"]]
+    back = TransformerConfig(**family.config_to_fmoe(hf))
     ignored = {"impl", "ac", "init_std", "ffn_dense", "n_dense", "n_shared", "moe_layers", "capacity_factor", "capacity_policy"}
     if cfg.yarn_factor is None:
         ignored |= {"yarn_original_max_positions", "yarn_truncate"}
-    if FAMILIES[model_type].mtp:
-        ignored |= {"mtp_depth", "mtp_norm"}
+    if family.mtp:  # any depth; MTP layers (if any) with their own output norm, as stored
+        ignored |= {"mtp_depth"} if cfg.mtp_depth else {"mtp_depth", "mtp_norm"}
     mismatch = {f.name: (getattr(cfg, f.name), getattr(back, f.name)) for f in dataclasses.fields(TransformerConfig)
                 if f.name not in ignored and getattr(cfg, f.name) != getattr(back, f.name)}
-    layers_differ = [cfg.is_moe(i) for i in range(cfg.n_layers)] != [back.is_moe(i) for i in range(cfg.n_layers)]
-    if mismatch or layers_differ or cfg.capacity_factor is not None or cfg.shared_size != back.shared_size:
-        raise ValueError(f"model: its config has no {model_type} equivalent: {mismatch or 'MoE layers / shared experts / capacity'}")
-    return hf
+    moe = [cfg.is_moe(i) for i in range(cfg.n_layers)], [back.is_moe(i) for i in range(back.n_layers)]
+    if moe[0] != moe[1]:
+        mismatch["MoE layers"] = moe
+    if cfg.shared_size != back.shared_size:
+        mismatch["shared_size"] = (cfg.shared_size, back.shared_size)
+    if cfg.ffn_dense != back.ffn_dense and any(not m for m in moe[0]):
+        mismatch["ffn_dense"] = (cfg.ffn_dense, back.ffn_dense)
+    return mismatch
 
 
 def _stored(spec: Tensor, full: torch.Tensor, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:

@@ -1,0 +1,161 @@
+"""Write an fmoe run (its out_dir, or one checkpoint) as a Hugging Face folder, for transformers and inference engines.
+
+    python examples/export_hf.py out/qwen3_tuned out/qwen3_tuned_hf         # a run started from --init_from_hf
+    python examples/export_hf.py out/train_moe out/hf --model_type=glm4_moe  # a model of fmoe's own
+    torchrun --nproc-per-node 8 examples/export_hf.py out/big out/big_hf --ep=8 --device=cuda
+
+The weights: the run's newest complete checkpoint, or the checkpoint named (as
+examples/generate.py loads them). The config:
+- a run started from a Hugging Face folder (--init_from_hf; or --hf_config=FOLDER) keeps
+  that folder's config.json (its model_type, token ids, RoPE fields, dtype, ...), the MTP
+  depth set to the run's where the family stores MTP layers, and every other file of the
+  folder but its weights (tokenizer, generation config, license, ...) is copied beside the
+  new weights. The folder's model must be the run's: a field in which they differ is an
+  error (fmoe.hf.config_mismatch);
+- a model of fmoe's own needs --model_type, one of fmoe.hf.FAMILIES, and gets a config built
+  from its knobs (fmoe.hf.hf_config; a knob the family has no field for is an error naming
+  it). It speaks fmoe's bytes: no tokenizer is written.
+The run's capacity_factor is a training-time drop, not part of the model: the export has
+none. The run's MTP modules are exported as the layers after the trunk's where the family stores
+them so (DeepSeek-V3, GLM-4.5, GLM-4.7-Flash) and they have their own output norm
+(mtp_norm); otherwise they are left out, with a note. --dtype: the weights' dtype (default: the
+folder's config, float32 for a model of fmoe's own). --max_shard_gb: the largest
+safetensors file (default 5).
+
+Under torchrun the model may be larger than one process's memory: each rank builds it on
+the meta device, parallelized over --tp, --ep and --etp (the rest of the world sharding it
+with FSDP2), reads only its own shards of the checkpoint (generate.load_sharded), and the
+weights are gathered one at a time while rank 0 writes the shards (fmoe.hf.save_pretrained):
+the files of one process, byte for byte.
+
+Printed: the folder, its files and their total size, and what was left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from generate import _device, add_parallel_knobs, is_hf_folder, load_run, load_sharded, start_ranks  # noqa: E402
+
+import fmoe.hf  # noqa: E402
+import fmoe.parallel as parallel  # noqa: E402
+from fmoe.model import TransformerConfig  # noqa: E402
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
+
+
+def export_config(cfg: TransformerConfig, run: dict, *, model_type: str = "", hf_folder: str = "",
+                  dtype: str = "") -> tuple[dict, list[str], Path | None]:
+    """(config.json for the export, notes on what it leaves out, the HF folder whose other
+    files go with it or None) of a run's model `cfg` and run config `run` (see the module
+    docstring). ValueError naming the knob: no --model_type for a model of fmoe's own, a
+    folder that is gone, a model_type other than the folder's, a folder whose model is not
+    the run's, a knob the family has no field for."""
+    source = hf_folder or run.get("config", {}).get("init_from_hf", "")
+    notes = []
+    if cfg.capacity_factor is not None:
+        notes.append(f"capacity_factor={cfg.capacity_factor}: a training-time drop, not exported")
+        cfg = dataclasses.replace(cfg, capacity_factor=None)
+    if source:
+        folder = Path(source)
+        if not is_hf_folder(folder):
+            knob = "--hf_config" if hf_folder else f"the run's --init_from_hf ({source!r})"
+            raise ValueError(f"{knob}: not a Hugging Face folder (config.json with a model_type); pass --hf_config=FOLDER, "
+                             "or --model_type for a config built from the run's knobs")
+        hf = json.loads((folder / "config.json").read_text())
+        if model_type and model_type != hf["model_type"]:
+            raise ValueError(f"--model_type: {model_type!r}, but the run's Hugging Face folder {str(folder)!r} is {hf['model_type']!r}")
+        model_type = hf["model_type"]
+    elif not model_type:
+        raise ValueError(f"--model_type: needed for a model of fmoe's own, one of {', '.join(fmoe.hf.FAMILIES)}")
+    elif model_type not in fmoe.hf.FAMILIES:
+        raise ValueError(f"--model_type: expected one of {', '.join(fmoe.hf.FAMILIES)}, got {model_type!r}")
+    family = fmoe.hf.FAMILIES[model_type]
+    if cfg.mtp_depth and not (family.mtp and cfg.mtp_norm):
+        why = "hold none" if not family.mtp else "hold MTP layers with their own output norm (--model.mtp_norm=True)"
+        notes.append(f"the {cfg.mtp_depth} MTP module(s): {model_type} checkpoints {why}; not exported")
+        cfg = dataclasses.replace(cfg, mtp_depth=0, mtp_norm=False)
+    if source:
+        hf = dict(hf, num_nextn_predict_layers=cfg.mtp_depth) if family.mtp else hf
+        mismatch = fmoe.hf.config_mismatch(cfg, hf)
+        if mismatch:
+            raise ValueError(f"--hf_config: {str(folder)!r} is not the run's model; {{field: (run, folder)}}: {mismatch}")
+        hf = {k: v for k, v in hf.items() if k != "quantization_config"}  # written dequantised
+    else:
+        hf = fmoe.hf.hf_config(cfg, model_type)
+    if dtype:
+        hf = {k: v for k, v in hf.items() if k != "torch_dtype"} | {"dtype": dtype}
+    return hf, notes, Path(source) if source else None
+
+
+def copy_folder_files(source: Path, out: Path) -> list[str]:
+    """Copy every top-level file of the HF folder `source` but its config and weights
+    (tokenizer, generation config, license, ...) into `out`; returns their names."""
+    names = []
+    for file in sorted(source.iterdir()):
+        if file.is_file() and file.name != "config.json" and not file.name.endswith(WEIGHT_SUFFIXES):
+            shutil.copy2(file, out / file.name)
+            names.append(file.name)
+    return names
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("path", type=Path, help="an fmoe run directory, or a checkpoint inside one")
+    parser.add_argument("out", type=Path, help="the Hugging Face folder to write")
+    parser.add_argument("--model_type", default="", help=f"for a model of fmoe's own: one of {', '.join(fmoe.hf.FAMILIES)}")
+    parser.add_argument("--hf_config", default="", help="an HF folder whose config and tokenizer to use (default: the run's --init_from_hf)")
+    parser.add_argument("--dtype", default="", choices=("", "float32", "bfloat16", "float16"), help="the weights' dtype")
+    parser.add_argument("--max_shard_gb", type=float, default=5.0, help="the largest safetensors file, in GB (10^9 bytes)")
+    parser.add_argument("--device", default="cpu", help="under torchrun: cpu or cuda (each rank its LOCAL_RANK's GPU)")
+    axes = add_parallel_knobs(parser)
+    args = parser.parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    sizes = {axis: getattr(args, axis) for axis in axes}
+    if args.max_shard_gb <= 0:
+        sys.exit(f"--max_shard_gb: expected a positive number, got {args.max_shard_gb}")
+    if is_hf_folder(args.path):
+        sys.exit(f"path: {str(args.path)!r} is already a Hugging Face folder")
+    if args.out.resolve() == args.path.resolve() or args.path.resolve() in args.out.resolve().parents:
+        sys.exit(f"out: {str(args.out)!r} is inside the run; write the export elsewhere")
+    meshes, rank = None, 0
+    try:
+        if world == 1:
+            model, run = load_run(args.path, impl="torch")
+        else:  # each rank holds and reads its own shards of the model
+            device = start_ranks(_device(args.device.split(":")[0]), sizes)
+            rank = dist.get_rank()
+            model, run, meshes = load_sharded(args.path, sizes, device=device, dtype=torch.float32, impl="torch")
+    except (OSError, ValueError, KeyError) as err:
+        sys.exit(str(err) if str(err).startswith("parallel knobs") else f"path: {err}")
+    try:
+        hf, notes, source = export_config(model.cfg, run, model_type=args.model_type, hf_folder=args.hf_config, dtype=args.dtype)
+    except ValueError as err:
+        sys.exit(str(err))
+    model.hf_config = hf
+    fmoe.hf.save_pretrained(model, args.out, max_shard_bytes=int(args.max_shard_gb * 10**9))
+    if rank == 0:
+        copied = copy_folder_files(source, args.out) if source is not None else []
+        files = sorted(f for f in args.out.iterdir() if f.is_file())
+        print(f"{args.out}: {hf['model_type']}, {len(files)} files, {sum(f.stat().st_size for f in files) / 1e9:.3f} GB "
+              f"(weights in {hf.get('dtype') or hf.get('torch_dtype') or 'float32'})")
+        if copied:
+            print(f"copied from {source}: {', '.join(copied)}")
+        for note in notes:
+            print(f"left out: {note}")
+    if meshes is not None:
+        parallel.leave_ranks()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,184 @@
+"""examples/export_hf.py: an fmoe run as a Hugging Face folder. A run of fmoe's own exported
+with --model_type (its MTP module as the layer after the trunk's, in shards) and a run
+started from an HF folder (its config and tokenizer files kept, the MTP module left out,
+another dtype) load in transformers with the run's logits and back into fmoe with its
+weights; two torchrun ranks write one process's files; bad knobs stop with a message."""
+
+import dataclasses
+import filecmp
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+
+import fmoe.hf as hf
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+import export_hf  # noqa: E402
+from generate import load_run  # noqa: E402
+
+TINY = ["--model.hidden=32", "--model.n_layers=2", "--model.n_dense=1", "--model.ffn_dense=64", "--model.n_experts=4", "--model.k=2",
+        "--model.ffn_expert=32", "--model.n_heads=2", "--model.n_kv_heads=2", "--model.head_dim=16", "--model.mtp_depth=1",
+        "--tokens_per_micro_batch=128", "--batch_schedule=0:2", "--steps=2", "--eval_every=2", "--eval_batches=1", "--warmup=1",
+        "--model.impl=torch", "--lr=1e-2"]
+SHARD_GB = 2e-5  # 20 kB shards: several files for these tiny models
+
+
+def _train(out, *args):
+    run = subprocess.run([sys.executable, str(ROOT / "examples" / "train_moe.py"), f"--out_dir={out}", *TINY, *args],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return out
+
+
+def _export(*args, ranks=1):
+    launch = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+    return subprocess.run([*launch, str(ROOT / "examples" / "export_hf.py"), *map(str, args)], capture_output=True, text=True, timeout=600)
+
+
+def _docs(vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    docs = [torch.randint(vocab, (n,), generator=g) for n in (7, 12)]
+    return docs, torch.cat(docs), torch.tensor([0, 7, 19], dtype=torch.int32)
+
+
+def _transformers_logits(path, docs, dtype=torch.float32):
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    with torch.no_grad():
+        return torch.cat([model(d[None]).logits[0] for d in docs]).float()
+
+
+def _rel(a, b):
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.fixture(scope="module")
+def own_run(tmp_path_factory):
+    """A run of fmoe's own model (sigmoid routing with expert biases, a shared expert, a
+    dense first layer: GLM-4.5's model) with an MTP module that has its own output norm."""
+    return _train(tmp_path_factory.mktemp("own"), "--model.mtp_norm=True")
+
+
+@pytest.fixture(scope="module")
+def hf_run(tmp_path_factory):
+    """A run started from a Qwen3-MoE folder (with a tokenizer file beside its weights),
+    with an MTP module that no Qwen3-MoE checkpoint holds."""
+    root = tmp_path_factory.mktemp("hf_run")
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(vocab_size=260, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         head_dim=8, intermediate_size=40, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2,
+                                         norm_topk_prob=True, max_position_embeddings=256)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(root / "hf")
+    (root / "hf" / "tokenizer.json").write_text('{"version": "1.0"}\n')
+    return root / "hf", _train(root / "run", f"--init_from_hf={root / 'hf'}")
+
+
+def test_a_run_of_fmoe_s_own_exports_in_shards_with_its_mtp_layer(own_run, tmp_path):
+    model, _ = load_run(own_run)
+    cli = _export(own_run, tmp_path / "out", "--model_type=glm4_moe", f"--max_shard_gb={SHARD_GB}")
+    assert cli.returncode == 0, cli.stderr[-3000:]
+    out = tmp_path / "out"
+    assert cli.stdout.startswith(f"{out}: glm4_moe, ") and "left out" not in cli.stdout and "copied" not in cli.stdout
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "glm4_moe" and config["num_nextn_predict_layers"] == 1 and config["vocab_size"] == model.cfg.vocab_size
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 3 and "model.layers.2.eh_proj.weight" in index["weight_map"]
+    docs, ids, cu = _docs(model.cfg.vocab_size)
+    with torch.no_grad():
+        ours = model.logits(ids, cu)
+    assert _rel(_transformers_logits(out, docs), ours) < 1e-5
+    back, cfg = hf.from_pretrained(out, impl="torch")
+    assert cfg.mtp_depth == 1 and cfg.mtp_norm
+    want = dict(model.state_dict())
+    assert set(back.state_dict()) == set(want)
+    for name, t in back.state_dict().items():
+        assert torch.equal(t, want[name]), name
+
+
+def test_two_ranks_write_the_one_process_files(own_run, tmp_path):
+    one = _export(own_run, tmp_path / "one", "--model_type=glm4_moe", f"--max_shard_gb={SHARD_GB}")
+    assert one.returncode == 0, one.stderr[-3000:]
+    names = sorted(f.name for f in (tmp_path / "one").iterdir())
+    for knobs in (["--ep=2"], ["--tp=2"]):
+        two = _export(own_run, tmp_path / "two", "--model_type=glm4_moe", f"--max_shard_gb={SHARD_GB}", *knobs, ranks=2)
+        assert two.returncode == 0, (knobs, two.stderr[-3000:])
+        assert two.stdout == one.stdout.replace(str(tmp_path / "one"), str(tmp_path / "two"))  # rank 0 prints, once
+        assert sorted(f.name for f in (tmp_path / "two").iterdir()) == names
+        for name in names:
+            assert filecmp.cmp(tmp_path / "one" / name, tmp_path / "two" / name, shallow=False), (knobs, name)
+
+
+def test_a_run_from_an_hf_folder_keeps_its_config_and_tokenizer(hf_run, tmp_path):
+    folder, run = hf_run
+    model, _ = load_run(run)
+    cli = _export(run, tmp_path / "out")
+    assert cli.returncode == 0, cli.stderr[-3000:]
+    out = tmp_path / "out"
+    assert f"copied from {folder}: generation_config.json, tokenizer.json" in cli.stdout
+    assert "left out: the 1 MTP module(s): qwen3_moe checkpoints hold none; not exported" in cli.stdout
+    assert json.loads((out / "config.json").read_text()) == json.loads((folder / "config.json").read_text())
+    assert (out / "tokenizer.json").read_text() == (folder / "tokenizer.json").read_text()
+    assert sorted(f.name for f in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json"]
+    docs, ids, cu = _docs(260)
+    with torch.no_grad():
+        ours = model.logits(ids, cu)
+        before = hf.from_pretrained(folder, impl="torch")[0].logits(ids, cu)
+    assert _rel(ours, before) > 1e-3  # the run trained the model: the export is not the folder's model
+    assert _rel(_transformers_logits(out, docs), ours) < 1e-5
+    # --dtype: the weights and the config in bfloat16
+    bf16 = _export(run, tmp_path / "bf16", "--dtype=bfloat16")
+    assert bf16.returncode == 0, bf16.stderr[-3000:]
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    back, _ = hf.from_pretrained(tmp_path / "bf16", dtype=torch.bfloat16, impl="torch")
+    assert back.embed.dtype == torch.bfloat16 and torch.equal(back.embed, model.embed.to(torch.bfloat16))
+
+
+def test_bad_knobs_stop_with_a_message(own_run, hf_run, tmp_path):
+    folder, run = hf_run
+    cases = [
+        ((own_run, tmp_path / "a"), "--model_type: needed for a model of fmoe's own, one of mixtral"),
+        ((own_run, tmp_path / "a", "--model_type=gpt2"), "--model_type: expected one of"),
+        ((own_run, tmp_path / "a", "--model_type=mixtral"), "model: its config has no mixtral equivalent: {'score': ('sigmoid', 'softmax')"),
+        ((own_run, tmp_path / "a", f"--hf_config={folder}"), "--hf_config: '" + str(folder) + "' is not the run's model; "),
+        ((own_run, tmp_path / "a", f"--hf_config={tmp_path}"), "--hf_config: not a Hugging Face folder"),
+        ((run, tmp_path / "a", "--model_type=mixtral"), "--model_type: 'mixtral', but the run's Hugging Face folder"),
+        ((own_run, own_run / "hf"), "is inside the run; write the export elsewhere"),
+        ((folder, tmp_path / "a"), "is already a Hugging Face folder"),
+        ((own_run, tmp_path / "a", "--model_type=glm4_moe", "--max_shard_gb=0"), "--max_shard_gb: expected a positive number, got 0.0"),
+        ((tmp_path / "norun", tmp_path / "a", "--model_type=glm4_moe"), "path: '" + str(tmp_path / "norun") + "' is neither an fmoe run"),
+    ]
+    (tmp_path / "norun").mkdir()
+    for args, message in cases:
+        with pytest.raises(SystemExit) as stop:
+            export_hf.main(list(map(str, args)))
+        assert message in str(stop.value.code), (args, stop.value.code)
+    assert not (tmp_path / "a").exists()
+
+
+def test_export_config_notes_and_the_folder_gone(own_run, tmp_path):
+    """The notes of what is left out; a run whose HF folder is gone is named."""
+    model, run = load_run(own_run)
+    cfg = dataclasses.replace(model.cfg, capacity_factor=1.25, mtp_norm=False)
+    config, notes, source = export_config = export_hf.export_config(cfg, run, model_type="glm4_moe")
+    assert source is None and config["num_nextn_predict_layers"] == 0
+    assert notes == ["capacity_factor=1.25: a training-time drop, not exported",
+                     "the 1 MTP module(s): glm4_moe checkpoints hold MTP layers with their own output norm (--model.mtp_norm=True); not exported"]
+    assert export_config[0] == hf.hf_config(dataclasses.replace(cfg, capacity_factor=None, mtp_depth=0, mtp_norm=False), "glm4_moe")
+    gone = dict(run, config=dict(run["config"], init_from_hf=str(tmp_path / "gone")))
+    with pytest.raises(ValueError, match=r"the run's --init_from_hf \('.*gone'\): not a Hugging Face folder .*; pass --hf_config=FOLDER"):
+        export_hf.export_config(model.cfg, gone)
+
+
+def test_config_mismatch_names_the_fields_that_change_the_model(hf_run):
+    folder, _ = hf_run
+    config, cfg = hf.read_config(folder)
+    assert hf.config_mismatch(cfg, config) == {}
+    assert hf.config_mismatch(dataclasses.replace(cfg, impl="triton", ac="full", capacity_factor=2.0, init_std=0.1), config) == {}
+    assert hf.config_mismatch(dataclasses.replace(cfg, qk_norm=None), config) == {"qk_norm": (None, "head")}
+    assert hf.config_mismatch(dataclasses.replace(cfg, moe_layers=(1,)), config) == {"MoE layers": ([False, True], [True, True])}
+    assert hf.config_mismatch(dataclasses.replace(cfg, n_shared=1), config) == {"shared_size": (24, 0)}
