@@ -549,17 +549,17 @@ def read_config(path) -> tuple[dict, TransformerConfig]:
     return hf, TransformerConfig(**FAMILIES[model_type].config_to_fmoe(hf))
 
 
-def unread_keys(family: Family, cfg: TransformerConfig, path: Path, stored) -> list[str]:
+def unread_keys(family: Family, cfg: TransformerConfig, path, stored) -> list[str]:
     """The checkpoint keys (of `stored`) that a model of `cfg` reads nowhere, in file order.
     Not counted: what comes with a read key (FP8's weight_scale_inv, MXFP4's _blocks and
     _scales), the MTP layers' copies of the embedding and head, MTP depths past
     cfg.mtp_depth (asked for with mtp_depth=), RoPE's inv_freq buffers (recomputed), and
-    lm_head.weight where config.json ties it to the embedding."""
+    lm_head.weight where `path`'s config.json ties it to the embedding."""
     read = {key for spec in key_map(family, cfg).values() for key in spec.keys}
     read |= {key + suffix for key in list(read) for suffix in ("_blocks", "_scales")}
     read |= {key.removesuffix("weight") + "weight_scale_inv" for key in list(read) if key.endswith("weight")}
     read |= set(mtp_copies(family, cfg))
-    config = path / "config.json"
+    config = Path(path) / "config.json"
     if cfg.tie_embeddings and config.is_file() and json.loads(config.read_text()).get("tie_word_embeddings"):
         read.add("lm_head.weight")
 
