@@ -90,7 +90,6 @@ def export_config(cfg: TransformerConfig, run: dict, *, model_type: str = "", hf
         mismatch = fmoe.hf.config_mismatch(cfg, hf)
         if mismatch:
             raise ValueError(f"--hf_config: {str(folder)!r} is not the run's model; {{field: (run, folder)}}: {mismatch}")
-        hf = {k: v for k, v in hf.items() if k != "quantization_config"}  # written dequantised
     else:
         hf = fmoe.hf.hf_config(cfg, model_type)
     if dtype:

@@ -976,8 +976,9 @@ def save_pretrained(model: Transformer, path, *, model_type: Optional[str] = Non
     Streamed: one parameter at a time is gathered (a DTensor's full_tensor: call on every
     rank, in step) and converted; rank 0 keeps only the shard being filled and writes it,
     the other ranks drop each value once gathered. So a model sharded over many devices is
-    written without any rank holding it whole. Every rank returns `path` once the files are
-    written."""
+    written without any rank holding it whole; every rank returns `path` once the files are
+    written. A model without DTensors is written by rank 0 alone (the others may call it:
+    they write nothing)."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -992,6 +993,7 @@ def save_pretrained(model: Transformer, path, *, model_type: Optional[str] = Non
     if hf.get("quantization_config"):  # written dequantised, in the checkpoint's dtype
         hf = {k: v for k, v in hf.items() if k != "quantization_config"}
     params = _tensors(model)
+    sharded = any(isinstance(p, DTensor) for p in params.values())  # then every rank calls, and gathers
     dtype = getattr(torch, hf.get("dtype") or hf.get("torch_dtype") or "float32")
     path = Path(path)
     writer = _ShardWriter(path, max_shard_bytes) if not dist.is_initialized() or dist.get_rank() == 0 else None
@@ -1011,17 +1013,14 @@ def save_pretrained(model: Transformer, path, *, model_type: Optional[str] = Non
             writer.add(spec.keys[0], full.contiguous())
         elif spec.part is not None or spec.chunk is not None:  # one of n interleaved parts / contiguous runs of a key
             (i, n), key = spec.part or spec.chunk, spec.keys[0]
-            if spec.part is not None:
-                shape = (*full.shape[:-1], full.shape[-1] * n)
-            else:
+            if spec.part is not None:  # every n-th entry of the last dim, from i
+                shape, where = (*full.shape[:-1], full.shape[-1] * n), (..., slice(i, None, n))
+            else:  # the i-th of n runs of dim -2
                 full = full.transpose(-2, -1) if spec.transpose else full
-                shape = (*full.shape[:-2], full.shape[-2] * n, full.shape[-1])
-            stored = parts.setdefault(key, [torch.empty(shape, dtype=dtype), n])
-            if spec.part is not None:
-                stored[0][..., i::n] = full.to(dtype)
-            else:
                 size = full.shape[-2]
-                stored[0][..., i * size:(i + 1) * size, :] = full.to(dtype)
+                shape, where = (*full.shape[:-2], size * n, full.shape[-1]), (..., slice(i * size, (i + 1) * size), slice(None))
+            stored = parts.setdefault(key, [torch.empty(shape, dtype=dtype), n])
+            stored[0][where] = full
             stored[1] -= 1
             if not stored[1]:
                 writer.add(key, parts.pop(key)[0])
@@ -1031,6 +1030,6 @@ def save_pretrained(model: Transformer, path, *, model_type: Optional[str] = Non
     if writer is not None:
         writer.close()
         (path / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
-    if dist.is_initialized():
+    if sharded and dist.is_initialized():
         dist.barrier()  # no rank reads the folder before it is written
     return path

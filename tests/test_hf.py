@@ -639,16 +639,18 @@ def _load_sharded(rank, world, path, family, out):
     import fmoe.parallel as parallel
     from fmoe.model import Transformer
 
-    _, cfg = hf.read_config(path)
+    config, cfg = hf.read_config(path)
     with torch.device("meta"):
         model = Transformer(dataclasses.replace(cfg, impl="torch"))
     parallel.parallelize(model, parallel.build_meshes(ep=2, has_experts=True))
     parallel.materialize(model, torch.device("cpu"), seed=0)
     read = hf.load_weights(model, path, model_type=family)
     full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in hf._tensors(model).items()}
-    model.hf_config = json.loads((path / "config.json").read_text())
+    model.hf_config = config
     hf.save_pretrained(model, out, max_shard_bytes=SHARD_BYTES)
     assert (out / "config.json").is_file()  # every rank returns after rank 0 has written
+    if rank == 0:  # a model without DTensors, saved by rank 0 alone: it waits for no other rank
+        hf.save_pretrained(hf.from_pretrained(path, impl="torch")[0], out.with_name(out.name + "-plain"))
     return read, full
 
 
@@ -700,6 +702,8 @@ def test_sharded_ranks_export_the_one_process_files(family, folders, sharded_loa
     assert len(names) > 3 and sorted(f.name for f in got.iterdir()) == names
     for name in names:
         assert filecmp.cmp(want / name, got / name, shallow=False), name
+    plain = got.with_name(family + "-plain")
+    assert filecmp.cmp(folders[family][0] / "model.safetensors", plain / "model.safetensors", shallow=False)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
