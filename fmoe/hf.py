@@ -924,7 +924,9 @@ def _stored(spec: Tensor, full: torch.Tensor, dtype: torch.dtype) -> list[tuple[
 class _ShardWriter:
     """Complete checkpoint tensors in, safetensors shards out: a shard is written once the
     next tensor would take it past max_bytes (a tensor larger than that is a shard alone),
-    under a temporary name until the number of shards is known."""
+    under a temporary name until the number of shards is known. An export that fails
+    removes its temporary files (abort); a killed one leaves them for the next export of
+    the folder to remove."""
 
     def __init__(self, path: Path, max_bytes: int):
         self.path, self.max_bytes = path, max_bytes
@@ -932,7 +934,8 @@ class _ShardWriter:
         self.bytes = self.total = 0
         self.files: list[tuple[Path, list[str]]] = []
         path.mkdir(parents=True, exist_ok=True)
-        for old in [path / "model.safetensors", path / "model.safetensors.index.json", *path.glob("model-*-of-*.safetensors")]:
+        for old in [path / "model.safetensors", path / "model.safetensors.index.json", *path.glob("model-*-of-*.safetensors"),
+                    *path.glob("model-*.partial.safetensors")]:
             old.unlink(missing_ok=True)  # an earlier export's files would be read with this one's
 
     def add(self, key: str, value: torch.Tensor) -> None:
@@ -965,6 +968,49 @@ class _ShardWriter:
         index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
         (self.path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
+    def abort(self) -> None:
+        """Remove the shards written so far: a failed export leaves no weights behind."""
+        for file, _ in self.files:
+            file.unlink(missing_ok=True)
+        self.files, self.shard = [], {}
+
+
+def _checkpoint_tensors(model: Transformer, family, params: dict, dtype: torch.dtype, keep: bool):
+    """(HF key, complete CPU tensor) pairs of `model` in the checkpoint's layout and dtype,
+    one parameter at a time. A DTensor is gathered (full_tensor) whatever `keep` says: every
+    rank must walk this in step; a rank with keep=False yields nothing."""
+    from torch.distributed.tensor import DTensor
+
+    copies: dict[str, list[str]] = {}
+    for key, name in mtp_copies(family, model.cfg).items():
+        copies.setdefault(name, []).append(key)
+    parts: dict[str, list] = {}  # a key several parameters fill: [value, parts still missing]
+    for name, spec in key_map(family, model.cfg).items():
+        p = params[name].detach()
+        full = p.full_tensor() if isinstance(p, DTensor) else p  # a collective: every rank, in this order
+        if not keep:
+            continue
+        full = full.to("cpu")
+        for key in copies.get(name, ()):  # the MTP layers' copies of the embedding and head
+            yield key, full.to(dtype).clone()  # its own storage: safetensors refuses shared tensors
+        if name.endswith("expert_bias"):  # float32 in every checkpoint (HF keeps the correction bias float32)
+            yield spec.keys[0], full.contiguous()
+        elif spec.part is not None or spec.chunk is not None:  # one of n interleaved parts / contiguous runs of a key
+            (i, n), key = spec.part or spec.chunk, spec.keys[0]
+            if spec.part is not None:  # every n-th entry of the last dim, from i
+                shape, where = (*full.shape[:-1], full.shape[-1] * n), (..., slice(i, None, n))
+            else:  # the i-th of n runs of dim -2
+                full = full.transpose(-2, -1) if spec.transpose else full
+                size = full.shape[-2]
+                shape, where = (*full.shape[:-2], size * n, full.shape[-1]), (..., slice(i * size, (i + 1) * size), slice(None))
+            stored = parts.setdefault(key, [torch.empty(shape, dtype=dtype), n])
+            stored[0][where] = full
+            stored[1] -= 1
+            if not stored[1]:
+                yield key, parts.pop(key)[0]
+        else:
+            yield from _stored(spec, full, dtype)
+
 
 def save_pretrained(model: Transformer, path, *, model_type: Optional[str] = None, max_shard_bytes: int = 5 * 10**9) -> Path:
     """Write `model` as an HF folder: config.json (the loaded one when the model came from
@@ -978,7 +1024,8 @@ def save_pretrained(model: Transformer, path, *, model_type: Optional[str] = Non
     the other ranks drop each value once gathered. So a model sharded over many devices is
     written without any rank holding it whole; every rank returns `path` once the files are
     written. A model without DTensors is written by rank 0 alone (the others may call it:
-    they write nothing)."""
+    they write nothing). An export that raises removes the shards it wrote; the temporary
+    files of a killed one are removed by the next export to the folder."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -997,38 +1044,16 @@ def save_pretrained(model: Transformer, path, *, model_type: Optional[str] = Non
     dtype = getattr(torch, hf.get("dtype") or hf.get("torch_dtype") or "float32")
     path = Path(path)
     writer = _ShardWriter(path, max_shard_bytes) if not dist.is_initialized() or dist.get_rank() == 0 else None
-    copies: dict[str, list[str]] = {}
-    for key, name in mtp_copies(family, model.cfg).items():
-        copies.setdefault(name, []).append(key)
-    parts: dict[str, list] = {}  # a key several parameters fill: [value, parts still missing]
-    for name, spec in key_map(family, model.cfg).items():
-        p = params[name].detach()
-        full = p.full_tensor() if isinstance(p, DTensor) else p  # a collective: every rank, in this order
-        if writer is None:
-            continue
-        full = full.to("cpu")
-        for key in copies.get(name, ()):  # the MTP layers' copies of the embedding and head
-            writer.add(key, full.to(dtype).clone())  # its own storage: safetensors refuses shared tensors
-        if name.endswith("expert_bias"):  # float32 in every checkpoint (HF keeps the correction bias float32)
-            writer.add(spec.keys[0], full.contiguous())
-        elif spec.part is not None or spec.chunk is not None:  # one of n interleaved parts / contiguous runs of a key
-            (i, n), key = spec.part or spec.chunk, spec.keys[0]
-            if spec.part is not None:  # every n-th entry of the last dim, from i
-                shape, where = (*full.shape[:-1], full.shape[-1] * n), (..., slice(i, None, n))
-            else:  # the i-th of n runs of dim -2
-                full = full.transpose(-2, -1) if spec.transpose else full
-                size = full.shape[-2]
-                shape, where = (*full.shape[:-2], size * n, full.shape[-1]), (..., slice(i * size, (i + 1) * size), slice(None))
-            stored = parts.setdefault(key, [torch.empty(shape, dtype=dtype), n])
-            stored[0][where] = full
-            stored[1] -= 1
-            if not stored[1]:
-                writer.add(key, parts.pop(key)[0])
-        else:
-            for key, value in _stored(spec, full, dtype):
-                writer.add(key, value)
+    try:
+        for key, value in _checkpoint_tensors(model, family, params, dtype, keep=writer is not None):
+            writer.add(key, value)
+        if writer is not None:
+            writer.close()
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
     if writer is not None:
-        writer.close()
         (path / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
     if sharded and dist.is_initialized():
         dist.barrier()  # no rank reads the folder before it is written

@@ -211,6 +211,37 @@ def test_export_in_shards_loads_back_and_replaces_earlier_files(family, folders,
             hf.save_pretrained(model, tmp_path / "bad", max_shard_bytes=bad)
 
 
+def test_a_failed_export_leaves_no_weight_files(folders, tmp_path, monkeypatch):
+    """An export that raises after writing some shards removes them (the error goes on to
+    the caller); the temporary shards of a killed export are removed by the next export."""
+    path, _ = folders["mixtral"]
+    model, _ = hf.from_pretrained(path, impl="torch")
+    total = (path / "model.safetensors").stat().st_size
+    out = tmp_path / "out"
+    written, stored = [], hf._stored
+
+    def failing(spec, full, dtype):
+        if len(written) == 6:
+            raise OSError("disk full")
+        written.append(spec.keys[0])
+        return stored(spec, full, dtype)
+
+    import safetensors.torch
+
+    save_file, saves = safetensors.torch.save_file, []
+    monkeypatch.setattr(hf, "_stored", failing)
+    monkeypatch.setattr(safetensors.torch, "save_file", lambda t, f, **kw: (saves.append(f), save_file(t, f, **kw)))
+    with pytest.raises(OSError, match="disk full"):
+        hf.save_pretrained(model, out, max_shard_bytes=total // 20)
+    assert len(saves) >= 2 and all(f.name.endswith(".partial.safetensors") for f in saves)  # it had written shards
+    assert list(out.iterdir()) == []
+    monkeypatch.setattr(hf, "_stored", stored)
+    (out / "model-00003.partial.safetensors").write_bytes(b"left by a killed export")
+    hf.save_pretrained(model, out)
+    assert sorted(f.name for f in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert filecmp.cmp(path / "model.safetensors", out / "model.safetensors", shallow=False)
+
+
 SLIDING = {  # windows narrower than the documents: every layer (Mixtral, Qwen3-MoE), or the layers layer_types names (Qwen2-MoE)
     "mixtral": lambda: transformers.MixtralConfig(**COMMON, head_dim=8, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
                                                   sliding_window=4),
