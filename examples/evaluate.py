@@ -1,4 +1,4 @@
-"""Measure a model's loss on data: an fmoe run (its out_dir, or one checkpoint) or a Hugging Face folder.
+"""Measure a model's loss on data, or its accuracy on multiple-choice questions: an fmoe run (its out_dir, or one checkpoint) or a Hugging Face folder.
 
     python examples/evaluate.py out/train_moe                      # the run's validation batches: its logged val_loss
     python examples/evaluate.py out/train_moe --split=all --batches=0          # every whole micro-batch of its data
@@ -27,6 +27,13 @@ process's numbers (up to float rounding). Rank 0 prints. --keep_gathered: FSDP2 
 weights once for all the micro-batches, not once per micro-batch (fmoe.parallel.gathered;
 for a model whose unsharded weights, divided by tp and ep x etp, fit on each device).
 
+--choices FILE scores multiple-choice questions instead (a JSON Lines file, read_choices):
+each choice's log-probability given its context (choice_logprobs: one document per context
+and choice in the packed forward of model.logits; not under --cp), printed as the accuracy
+and the length-normalised accuracy (score_choices); --questions N takes the first N.
+
+    python examples/evaluate.py out/train_moe --choices=questions.jsonl --json
+
 Printed: per source and overall, the tokens counted (those with a next token in their
 document), the mean loss, its perplexity and bits per byte (byte corpora) or per token;
 the MTP depths' losses when the model has MTP modules. --json prints one JSON object
@@ -42,12 +49,13 @@ import math
 import os
 import sys
 from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from generate import _device, add_parallel_knobs, is_hf_folder, load_model, load_sharded, start_ranks  # noqa: E402
+from generate import _device, add_parallel_knobs, is_hf_folder, load_model, load_sharded, start_ranks, text_codec  # noqa: E402
 
 import fmoe.parallel as parallel  # noqa: E402
 from fmoe.model import Transformer  # noqa: E402
@@ -123,6 +131,138 @@ def data_batches(corpus, *, split: str, val_percent: int, tokens: int, n_batches
     return batches, sources
 
 
+def read_choices(path: Path, encode: Optional[Callable], *, limit: int = 0) -> list[dict]:
+    """The questions of a JSON Lines file, one per line: {"context": str, "choices": [str,
+    ...], "answer": int} (the index of the right choice), or token ids in "context_ids" and
+    "choices_ids" (lists of ints) instead of the texts. A text is tokenized with `encode`
+    (text_codec's: the context with the tokens the tokenizer adds, a choice without, as it
+    continues the context). Returns [{"context": ids, "choices": [ids, ...], "answer",
+    "lengths": each choice's length for the normalised accuracy (characters of a text, else
+    tokens)}], the first `limit` lines (0: all)."""
+    questions = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            if limit and len(questions) == limit:
+                break
+            where = f"{path}:{n}"
+            try:
+                q = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{where}: not JSON ({err})") from None
+            if not isinstance(q, dict):
+                raise ValueError(f"{where}: expected an object with context, choices and answer, got {type(q).__name__}")
+            texts = "context" in q or "choices" in q
+            if texts and ("context_ids" in q or "choices_ids" in q):
+                raise ValueError(f"{where}: expected texts (context, choices) or token ids (context_ids, choices_ids), not both")
+            if texts and encode is None:
+                raise ValueError(f"{where}: this model has no tokenizer here (a token-file run, or no tokenizer.json): give context_ids and choices_ids")
+            ctx_key, choices_key = ("context", "choices") if texts else ("context_ids", "choices_ids")
+            context, choices, answer = q.get(ctx_key), q.get(choices_key), q.get("answer")
+            kind = str if texts else list
+            if not isinstance(context, kind) or not isinstance(choices, list) or len(choices) < 2 or not all(isinstance(c, kind) for c in choices):
+                raise ValueError(f"{where}: expected {ctx_key!r} a {'text' if texts else 'list of token ids'} and {choices_key!r} a list of at "
+                                 f"least 2 of them, got {type(context).__name__} and {choices!r:.80}")
+            if isinstance(answer, bool) or not isinstance(answer, int) or not 0 <= answer < len(choices):
+                raise ValueError(f"{where}: answer: expected the index of the right choice, 0..{len(choices) - 1}, got {answer!r}")
+            if texts:
+                ids, choice_ids, lengths = encode(context), [encode(c, special=False) for c in choices], [len(c) for c in choices]
+            else:
+                if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in [*context, *(t for c in choices for t in c)]):
+                    raise ValueError(f"{where}: token ids: expected non-negative ints")
+                ids, choice_ids, lengths = context, choices, [len(c) for c in choices]
+            if not ids:
+                raise ValueError(f"{where}: {ctx_key}: empty (a choice is scored from the tokens before it)")
+            if not all(choice_ids):
+                raise ValueError(f"{where}: {choices_key}: a choice without tokens")
+            questions.append(dict(context=list(ids), choices=[list(c) for c in choice_ids], answer=answer, lengths=lengths))
+    if not questions:
+        raise ValueError(f"{path}: no questions")
+    return questions
+
+
+@torch.no_grad()
+def choice_logprobs(model: Transformer, pairs: list[tuple[list[int], list[int]]], *, tokens: int, device: torch.device,
+                    meshes=None) -> tuple[list[float], int]:
+    """(log-probabilities, the number cut) of continuations given their contexts: for each
+    (context ids, continuation ids) the sum over the continuation's tokens of log p(token |
+    the tokens before it). Each pair is one document of the packed forward (model.logits):
+    its context, then its continuation but the last token; the documents fill micro-batches
+    of at most `tokens` tokens in order, a context too long for one is cut from the left
+    (its newest tokens kept; the number of pairs cut is returned), and a micro-batch is padded
+    with a document of token 0 to a multiple of tp. Eval mode; the sums stay on the device
+    (float64) until one transfer at the end.
+
+    meshes: as evaluate's (under torchrun, every rank calling with the same pairs): the dp
+    ranks take turns over the micro-batches, the tp ranks run the same ones and one counts;
+    every rank returns the result of one process (up to float rounding). Not under cp."""
+    if meshes is not None and meshes.cp > 1:
+        raise ValueError("--cp: choices are scored with model.logits, which context parallelism does not run (use --tp, --ep, --etp)")
+    model.eval()
+    dp, dp_rank, tp, counts_here = 1, 0, 1, True
+    if meshes is not None:
+        dp, dp_rank, tp = meshes.dp, meshes.batch.get_local_rank("dp"), meshes.tp
+        counts_here = meshes.batch.get_local_rank("tp") == 0
+    batches, cut, current, used = [], 0, [], 0  # a micro-batch: [(pair index, context ids, continuation ids)]
+    for i, (context, continuation) in enumerate(pairs):
+        room = tokens - len(continuation) + 1  # the context's tokens that fit with the continuation
+        if room < 1:
+            raise ValueError(f"--tokens_per_micro_batch: a continuation of {len(continuation)} tokens needs more than {tokens}")
+        if len(context) > room:
+            context, cut = context[-room:], cut + 1
+        size = len(context) + len(continuation) - 1
+        if used + size > tokens:
+            batches.append(current)
+            current, used = [], 0
+        current.append((i, context, continuation))
+        used += size
+    batches.append(current)
+    scores = torch.zeros(len(pairs), dtype=torch.float64, device=device)
+    for r in range(-(-len(batches) // dp)):
+        b = r * dp + dp_rank
+        ids, lengths, rows, targets, owners = [], [], [], [], []
+        for i, context, continuation in batches[b if b < len(batches) else 0]:
+            start = len(ids) + len(context) - 1  # the row whose logits predict the continuation's first token
+            ids += context + continuation[:-1]
+            lengths.append(len(context) + len(continuation) - 1)
+            rows += range(start, start + len(continuation))
+            targets += continuation
+            owners += [i] * len(continuation)
+        pad = -len(ids) % tp
+        if pad:
+            ids, lengths = ids + [0] * pad, lengths + [pad]
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        logits = model.logits(torch.tensor(ids, device=device), cu.to(device))
+        if b >= len(batches) or not counts_here:
+            continue
+        rows_t, targets_t = torch.tensor(rows, device=device), torch.tensor(targets, device=device)
+        picked = logits[rows_t]
+        logp = picked.gather(1, targets_t[:, None]).squeeze(1) - torch.logsumexp(picked, dim=-1)
+        scores.index_add_(0, torch.tensor(owners, device=device), logp.double())
+    if meshes is not None:
+        from fmoe.optim.grads import process_group
+
+        dist.all_reduce(scores, group=process_group(meshes.stage_mesh))
+    return scores.tolist(), cut
+
+
+def score_choices(questions: list[dict], logprobs: list[float]) -> dict:
+    """{"questions", "accuracy": the share whose right choice has the highest log-probability,
+    "accuracy_norm": the same with each log-probability divided by its choice's length,
+    "logprobs": [[each choice's log-probability] per question]}; ties go to the first choice.
+    logprobs: choice_logprobs' result for the questions' choices, in order."""
+    per, at, right, right_norm = [], 0, 0, 0
+    for q in questions:
+        lp = logprobs[at:at + len(q["choices"])]
+        at += len(q["choices"])
+        per.append(lp)
+        right += max(range(len(lp)), key=lambda j: (lp[j], -j)) == q["answer"]
+        right_norm += max(range(len(lp)), key=lambda j: (lp[j] / q["lengths"][j], -j)) == q["answer"]
+    n = len(questions)
+    return dict(questions=n, accuracy=right / n, accuracy_norm=right_norm / n, logprobs=per)
+
+
 def main(argv: list[str]) -> None:
     from fmoe.train.data import BYTE_VOCAB_SIZE, load_blend
 
@@ -136,6 +276,9 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (under torchrun: cpu or cuda, each rank its LOCAL_RANK's GPU)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     axes = add_parallel_knobs(parser, cp=True, per="micro-batch")
+    parser.add_argument("--choices", type=Path, default=None,
+                        help="a JSON Lines file of multiple-choice questions to score instead of the data's loss")
+    parser.add_argument("--questions", type=int, default=0, help="with --choices: the first N questions (0: all)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -143,7 +286,11 @@ def main(argv: list[str]) -> None:
     meshes, rank, dtype = None, 0, getattr(torch, args.dtype)
     try:
         device = _device(args.device if world == 1 else args.device.split(":")[0])
-        if args.data is None and is_hf_folder(args.path):
+        if args.questions < 0:
+            raise ValueError(f"--questions: expected >= 0 (0: all), got {args.questions}")
+        if args.choices is not None and args.cp > 1:
+            raise ValueError("--cp: choices are scored with model.logits, which context parallelism does not run (use --tp, --ep, --etp)")
+        if args.data is None and args.choices is None and is_hf_folder(args.path):
             raise ValueError("--data: an HF folder needs data tokenized with its tokenizer (python -m fmoe.train.prepare)")
         impl = "auto" if device.type == "cuda" else "torch"  # Triton and FlexAttention on a GPU
         if world == 1 and all(v == 1 for v in sizes.values()):
@@ -153,8 +300,10 @@ def main(argv: list[str]) -> None:
             rank = dist.get_rank()
             model, run, meshes = load_sharded(args.path, sizes, device=device, dtype=dtype, impl=impl)
     except (OSError, ValueError, KeyError) as err:
-        sys.exit(str(err) if str(err).startswith("parallel knobs") else f"path: {err}")
+        sys.exit(str(err) if str(err).startswith(("parallel knobs", "--")) else f"path: {err}")
     loop = run.get("config", {})
+    if args.choices is not None:
+        return choices_main(args, model, run, device=device, meshes=meshes)
     spec = args.data if args.data is not None else loop.get("data", "")
     same_data = args.data is None and bool(loop)
     try:
@@ -177,6 +326,34 @@ def main(argv: list[str]) -> None:
         result = evaluate(model, batches, sources, device=device, meshes=meshes)
     if rank == 0:
         report(result, unit="byte" if corpus.vocab_size == BYTE_VOCAB_SIZE else "token", as_json=args.json)
+    if meshes is not None:
+        parallel.leave_ranks()
+
+
+def choices_main(args, model: Transformer, run: dict, *, device: torch.device, meshes) -> None:
+    """--choices: score the file's questions (read_choices, choice_logprobs, score_choices)
+    and print the accuracies (rank 0), or one JSON object with --json."""
+    loop = run.get("config", {})
+    tokens = args.tokens_per_micro_batch or loop.get("tokens_per_micro_batch", 2048)
+    try:
+        encode, _, _ = text_codec(args.path, model, run)
+        questions = read_choices(args.choices, encode, limit=args.questions)
+        for q in questions:
+            if max(max(q["context"]), *(max(c) for c in q["choices"])) >= model.cfg.vocab_size:
+                raise ValueError(f"{args.choices}: token ids beyond the model's vocab_size {model.cfg.vocab_size}")
+        pairs = [(q["context"], c) for q in questions for c in q["choices"]]
+        with parallel.gathered(model) if args.keep_gathered else contextlib.nullcontext():
+            logprobs, cut = choice_logprobs(model, pairs, tokens=tokens, device=device, meshes=meshes)
+    except (OSError, ValueError) as err:
+        sys.exit(f"--choices: {err}" if not str(err).startswith("--") else str(err))
+    result = dict(score_choices(questions, logprobs), choices_cut=cut)
+    if meshes is None or dist.get_rank() == 0:
+        if args.json:
+            print(json.dumps(result))
+        else:
+            print(f"{args.choices.name}: {result['questions']} questions, accuracy {result['accuracy']:.4f}, "
+                  f"length-normalised accuracy {result['accuracy_norm']:.4f}"
+                  + (f" ({cut} choices scored after a context cut to fit {tokens} tokens)" if cut else ""))
     if meshes is not None:
         parallel.leave_ranks()
 

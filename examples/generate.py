@@ -46,7 +46,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -124,6 +124,29 @@ def load_sharded(path: Path, sizes: dict, *, device: torch.device, dtype: torch.
         fmoe.hf.load_weights(model, path, model_type=hf["model_type"])
         model.hf_config = hf
     return model, run, meshes
+
+
+def text_codec(path: Path, model: Transformer, run: dict) -> tuple[Optional[Callable], Optional[Callable], Optional[int]]:
+    """(encode, decode, eos) of a loaded model (load_model's run config): an fmoe run on the
+    embedded corpus or text files speaks bytes (encode_text, decode_text, EOS); an HF folder
+    its tokenizer.json (`tokenizers`) and config.json's eos_token_id; encode and decode are
+    None where there is no tokenizer (a token-file run, a folder without tokenizer.json).
+    encode(text, special=True) -> ids: special=False leaves out the tokens a tokenizer adds
+    around a text (a BOS), for a text that continues another."""
+    if not run:  # an HF folder
+        eos = model.hf_config.get("eos_token_id")
+        eos = eos[0] if isinstance(eos, list) else eos
+        if not (path / "tokenizer.json").is_file():
+            return None, None, eos
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+        return (lambda s, special=True: tok.encode(s, add_special_tokens=special).ids), tok.decode, eos
+    from fmoe.train.data import EOS, decode_text, encode_text
+
+    if str(run["config"].get("data", "")).endswith((".bin", ".npy")):  # token ids of an unknown tokenizer
+        return None, None, None
+    return (lambda s, special=True: encode_text(s).tolist()), decode_text, EOS  # bytes: the stdlib corpus or text files
 
 
 def add_parallel_knobs(parser: argparse.ArgumentParser, *, cp: bool = False, per: str = "step") -> tuple[str, ...]:
@@ -253,7 +276,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     axes = add_parallel_knobs(parser, per="step")
     args = parser.parse_args(argv)
-    encode = decode = group = None
+    group = None
     world, sizes, dtype = int(os.environ.get("WORLD_SIZE", "1")), {axis: getattr(args, axis) for axis in axes}, getattr(torch, args.dtype)
     try:
         device = _device(args.device if world == 1 else args.device.split(":")[0])
@@ -267,20 +290,7 @@ def main(argv: list[str]) -> None:
             model, run = load_model(args.path, dtype=dtype, device=device)
         else:
             model, run, _ = load_sharded(args.path, sizes, device=device, dtype=dtype, impl="torch")
-        if not run:  # an HF folder
-            eos = model.hf_config.get("eos_token_id")
-            eos = eos[0] if isinstance(eos, list) else eos
-            if (args.path / "tokenizer.json").is_file():
-                from tokenizers import Tokenizer
-
-                tok = Tokenizer.from_file(str(args.path / "tokenizer.json"))
-                encode, decode = (lambda s: tok.encode(s).ids), tok.decode
-        else:
-            from fmoe.train.data import EOS, decode_text, encode_text
-
-            eos = None
-            if not str(run["config"].get("data", "")).endswith((".bin", ".npy")):  # bytes: the stdlib corpus or text files
-                encode, decode, eos = (lambda s: encode_text(s).tolist()), decode_text, EOS
+        encode, decode, eos = text_codec(args.path, model, run)
     except (OSError, ValueError, KeyError) as err:
         sys.exit(str(err) if str(err).startswith("parallel knobs") else f"path: {err}")
     if args.prompt_ids:

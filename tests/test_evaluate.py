@@ -133,3 +133,131 @@ def test_a_hugging_face_folder_on_byte_data(tmp_path, docs):
 def test_bad_knobs_stop_with_a_message(run_dir, args, message):
     cli = _cli(run_dir[0], *args)
     assert cli.returncode != 0 and message in cli.stderr, cli.stderr[-2000:]
+
+
+def _reference_logprob(logits_fn, context, continuation):
+    """log p(continuation | context) from one forward of the document alone."""
+    ids = torch.tensor(context + continuation)
+    logp = torch.log_softmax(logits_fn(ids[:-1]).double(), dim=-1)
+    rows = torch.arange(len(context) - 1, len(ids) - 1)
+    return logp[rows, ids[rows + 1]].sum().item()
+
+
+def test_choice_logprobs_equal_each_document_alone(run_dir):
+    """Packed into micro-batches of 64 tokens (several documents each, a context longer than
+    one cut from the left), every continuation's log-probability equals the one of its
+    document run alone."""
+    model, _ = evaluate.load_model(run_dir[0])
+    g = torch.Generator().manual_seed(0)
+    pairs = [(torch.randint(0, 256, (int(n),), generator=g).tolist(), torch.randint(0, 256, (int(m),), generator=g).tolist())
+             for n, m in zip(torch.randint(1, 30, (12,), generator=g), torch.randint(1, 8, (12,), generator=g))]
+    pairs.append((list(range(100)), [7, 8, 9]))  # 100 + 2 tokens do not fit 64: the context keeps its last 62
+    got, cut = evaluate.choice_logprobs(model, pairs, tokens=64, device=torch.device("cpu"))
+    assert cut == 1 and len(got) == len(pairs)
+    one = lambda ids: model.logits(ids, torch.tensor([0, len(ids)], dtype=torch.int32))  # noqa: E731
+    with torch.no_grad():
+        want = [_reference_logprob(one, c[-62:], m) for c, m in pairs]
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-5)
+    assert all(x < 0 for x in got)
+    with pytest.raises(ValueError, match="a continuation of 70 tokens needs more than 64"):
+        evaluate.choice_logprobs(model, [([1], [2] * 70)], tokens=64, device=torch.device("cpu"))
+
+
+def test_score_choices_counts_the_best_choice_and_breaks_ties_to_the_first():
+    questions = [dict(choices=[[1], [2]], answer=0, lengths=[1, 10]), dict(choices=[[1], [2], [3]], answer=2, lengths=[1, 1, 20]),
+                 dict(choices=[[1], [2]], answer=1, lengths=[1, 1])]
+    result = evaluate.score_choices(questions, [-1.0, -2.0, -3.0, -5.0, -4.0, -2.0, -2.0])
+    # q0: right (-1 > -2), normalised wrong (-1 < -0.2); q1: wrong (-3 best), normalised right (-0.2); q2: a tie goes to choice 0
+    assert result == dict(questions=3, accuracy=pytest.approx(1 / 3), accuracy_norm=pytest.approx(1 / 3),
+                          logprobs=[[-1.0, -2.0], [-3.0, -5.0, -4.0], [-2.0, -2.0]])
+
+
+def _write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+QUESTIONS = [dict(context="import ", choices=["os", "zzqx"], answer=0), dict(context="def f(x):\n    return", choices=[" x", "@@@", " (x)"], answer=0),
+             dict(context_ids=[1, 2, 3], choices_ids=[[4], [5, 6]], answer=1), dict(context="for i in ", choices=["range(10):", "q!"], answer=1)]
+
+
+def test_choices_of_a_run_on_one_process_and_under_torchrun(run_dir, tmp_path):
+    """--choices scores texts (bytes for a byte run) and token ids: the CLI's numbers are
+    read_choices + choice_logprobs + score_choices in this process; --questions takes the
+    first ones; 2 ranks (FSDP2 taking turns over 3 micro-batches; TP padding odd batches)
+    give the one-process log-probabilities."""
+    out = run_dir[0]
+    path = _write_jsonl(tmp_path / "q.jsonl", QUESTIONS)
+    cli = _cli(out, f"--choices={path}", "--tokens_per_micro_batch=16", "--json")
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    result = json.loads(cli.stdout)
+    model, run = evaluate.load_model(out)
+    encode, _, _ = evaluate.text_codec(out, model, run)
+    questions = evaluate.read_choices(path, encode)
+    assert questions[0]["context"] == list(b"import ") and questions[1]["choices"][2] == list(b" (x)") and questions[1]["lengths"] == [2, 3, 4]
+    logprobs, cut = evaluate.choice_logprobs(model, [(q["context"], c) for q in questions for c in q["choices"]], tokens=16,
+                                             device=torch.device("cpu"))
+    assert cut == 4  # the 20 bytes of "def f(x):\n    return" and any choice do not fit 16, nor "for i in " + "range(10):"
+    assert result == dict(evaluate.score_choices(questions, logprobs), choices_cut=4)
+    assert [len(lp) for lp in result["logprobs"]] == [2, 3, 2, 2]
+    text = _cli(out, f"--choices={path}", "--questions=2", "--tokens_per_micro_batch=64")
+    assert text.returncode == 0, text.stderr[-2000:]
+    assert text.stdout.startswith("q.jsonl: 2 questions, accuracy ") and "length-normalised accuracy" in text.stdout
+    for knobs in ([], ["--tp=2", "--ep=2"]):
+        two = _cli(out, f"--choices={path}", "--tokens_per_micro_batch=16", "--json", *knobs, ranks=2)
+        assert two.returncode == 0, (knobs, two.stderr[-3000:])
+        lines = [line for line in two.stdout.splitlines() if line.startswith("{")]
+        assert len(lines) == 1, (knobs, two.stdout)
+        got = json.loads(lines[0])
+        assert [x for lp in got["logprobs"] for x in lp] == pytest.approx(logprobs, rel=1e-5), knobs
+        assert (got["accuracy"], got["accuracy_norm"], got["choices_cut"]) == (result["accuracy"], result["accuracy_norm"], 4), knobs
+
+
+def test_choices_of_a_hugging_face_folder_are_transformers_log_probabilities(tmp_path):
+    """An HF folder's tokenizer.json: the context with its BOS, each choice without; the
+    log-probabilities are transformers' own."""
+    transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]'")
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         head_dim=8, intermediate_size=40, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2)
+    ref = transformers.AutoModelForCausalLM.from_config(config).eval()
+    ref.save_pretrained(tmp_path / "hf")
+    vocab = {f"w{i}": i for i in range(62)} | {"[UNK]": 62, "<s>": 63}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 63)])
+    tok.save(str(tmp_path / "hf" / "tokenizer.json"))
+    rows = [dict(context="w1 w2 w3", choices=["w4 w5", "w6", "w7 w8 w9"], answer=2), dict(context="w10", choices=["w11", "w12 w13"], answer=0)]
+    path = _write_jsonl(tmp_path / "q.jsonl", rows)
+    cli = _cli(tmp_path / "hf", f"--choices={path}", "--json")
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    got = json.loads(cli.stdout)["logprobs"]
+    with torch.no_grad():
+        one = lambda ids: ref(ids[None]).logits[0]  # noqa: E731
+        want = [[_reference_logprob(one, [63, 1, 2, 3], [4, 5]), _reference_logprob(one, [63, 1, 2, 3], [6]),
+                 _reference_logprob(one, [63, 1, 2, 3], [7, 8, 9])],
+                [_reference_logprob(one, [63, 10], [11]), _reference_logprob(one, [63, 10], [12, 13])]]
+    assert [x for lp in got for x in lp] == pytest.approx([x for lp in want for x in lp], rel=1e-5)
+
+
+@pytest.mark.parametrize("rows, args, message", [
+    ([dict(context="a", choices=["b"], answer=0)], [], "q.jsonl:1: expected 'context' a text and 'choices' a list of at least 2"),
+    ([dict(context="a", choices=["b", "c"], answer=2)], [], "q.jsonl:1: answer: expected the index of the right choice, 0..1, got 2"),
+    ([dict(context="a", choices=["b", "c"], answer=0), dict(context="", choices=["b", "c"], answer=0)], [], "q.jsonl:2: context: empty"),
+    ([dict(context="a", choices=["b", ""], answer=0)], [], "q.jsonl:1: choices: a choice without tokens"),
+    ([dict(context="a", choices_ids=[[1], [2]], answer=0)], [], "expected texts (context, choices) or token ids"),
+    ([dict(context_ids=[1], choices_ids=[[1], [-2]], answer=0)], [], "token ids: expected non-negative ints"),
+    ([dict(context_ids=[1], choices_ids=[[1], [300]], answer=0)], [], "token ids beyond the model's vocab_size 258"),
+    ([["a", "b"]], [], "q.jsonl:1: expected an object with context, choices and answer, got list"),
+    ([], [], "q.jsonl: no questions"),
+    ([dict(context="a", choices=["b", "c"], answer=0)], ["--questions=-1"], "--questions: expected >= 0"),
+    ([dict(context="a", choices=["b", "c"], answer=0)], ["--cp=2"], "--cp: choices are scored with model.logits"),
+    ([dict(context="a", choices=["b" * 200, "c"], answer=0)], ["--tokens_per_micro_batch=128"],
+     "--tokens_per_micro_batch: a continuation of 200 tokens needs more than 128"),
+])
+def test_bad_choices_stop_with_a_message(run_dir, tmp_path, rows, args, message):
+    path = _write_jsonl(tmp_path / "q.jsonl", rows)
+    cli = _cli(run_dir[0], f"--choices={path}", *args)
+    assert cli.returncode != 0 and message in cli.stderr, cli.stderr[-2000:]
