@@ -264,7 +264,7 @@ def score_choices(questions: list[dict], logprobs: list[float]) -> dict:
 
 
 def main(argv: list[str]) -> None:
-    from fmoe.train.data import BYTE_VOCAB_SIZE, load_blend
+    from fmoe.train.data import load_blend
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("path", type=Path, help="an fmoe run directory or checkpoint, or a Hugging Face folder")
@@ -325,7 +325,7 @@ def main(argv: list[str]) -> None:
     with parallel.gathered(model) if args.keep_gathered else contextlib.nullcontext():
         result = evaluate(model, batches, sources, device=device, meshes=meshes)
     if rank == 0:
-        report(result, unit="byte" if corpus.vocab_size == BYTE_VOCAB_SIZE else "token", as_json=args.json)
+        report(result, unit="byte" if corpus.byte_tokens else "token", as_json=args.json)
     if meshes is not None:
         parallel.leave_ranks()
 

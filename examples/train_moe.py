@@ -56,7 +56,7 @@ from fmoe.model import Transformer, TransformerConfig
 from fmoe.optim import (AdamW, batch_size_at, build_optimizers, clip_grad_norm, lr_at, param_norm, parse_batch_schedule, split_param_groups,
                         zero_grad_count)
 from fmoe.train import checkpoint, metrics
-from fmoe.train.data import BYTE_VOCAB_SIZE, BlendSampler, load_blend
+from fmoe.train.data import BlendSampler, load_blend
 from fmoe.train.run import set_deterministic, write_config
 
 
@@ -496,7 +496,7 @@ def main(argv: list[str]) -> None:
         tokens_by_source = {name: n - drawn[name] for name, n in sampler.tokens_by_source().items()}
         # the step's valid-token counts, read on the host before the batches move: the loss
         # is a sum over tokens divided by these
-        valid = {"lm": sum(int(b["loss_mask"].sum()) for b in host_batches)}
+        valid = {"lm": max(1, sum(int(b["loss_mask"].sum()) for b in host_batches))}  # a step of prompts only counts none
         for d in range(1, model_cfg.mtp_depth + 1):
             valid[d] = max(1, sum(int(b["mtp_loss_mask"][d - 1].sum()) for b in host_batches))
         # data-parallel ranks take turns over the micro-batches; a rank short of one runs a
@@ -606,7 +606,7 @@ def main(argv: list[str]) -> None:
     if rank == 0 and math.isfinite(record.get("val_loss", float("nan"))):
         sources = record["val_loss_by_source"]
         each = "; by source: " + ", ".join(f"{name} {v:.4f}" for name, v in sources.items()) if len(sources) > 1 else ""
-        unit = "byte" if corpus.vocab_size == BYTE_VOCAB_SIZE else "token"  # byte corpora: a token is a byte
+        unit = "byte" if corpus.byte_tokens else "token"
         print(f"done: step {step}, validation loss {record['val_loss']:.4f} (bits per {unit} {record['val_loss'] / math.log(2):.3f}){each}")
     if rank == 0 and cfg.compile:  # what the compiler made of the model: graph breaks cost speed
         counters = torch._dynamo.utils.counters

@@ -267,3 +267,48 @@ def test_a_blend_of_prepared_token_files_trains_from_make_train(tmp_path):
     assert [s["name"] for s in config["data_sources"]] == ["code", "docs"]
     assert all((tmp_path / "run" / f).is_file() for f in ("loss.png", "health.png"))
     assert any((tmp_path / "run" / "tensorboard").iterdir())
+
+
+def test_prompt_and_response_data_counts_the_responses_only(tmp_path):
+    """Data of prompts and responses (prepare --prompt_key): a step whose micro-batch holds
+    only prompt tokens logs a loss of 0, not NaN; the validation loss is the loss over the
+    responses' tokens alone (evaluate's on the masked batches, not on the same tokens all
+    counted). The token file's small vocabulary prints bits per token, not per byte."""
+    pytest.importorskip("tokenizers", reason="fmoe.train.prepare needs the tokenizers package (the fmoe[data] extra)")
+    import random
+
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import evaluate
+
+    from fmoe.train.data import load_blend, make_batch
+
+    vocab = {f"w{i}": i for i in range(60)} | {"[UNK]": 60, "<|endoftext|>": 61}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(tmp_path / "tok.json"))
+    rng = random.Random(0)
+    rows = [{"prompt": " ".join(f"w{rng.randrange(30)}" for _ in range(300)), "response": " ".join(f"w{30 + rng.randrange(30)}" for _ in range(20))}
+            for _ in range(40)]
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prep = subprocess.run([sys.executable, "-m", "fmoe.train.prepare", str(tmp_path / "sft.jsonl"), str(tmp_path / "sft.u16"),
+                           f"--tokenizer={tmp_path / 'tok.json'}", "--text_key=response", "--prompt_key=prompt"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert prep.returncode == 0, prep.stderr[-2000:]
+    run = _train(tmp_path / "run", f"--data={tmp_path / 'sft.u16'}", "--model.vocab_size=62", "--model.mtp_depth=1", "--val_percent=20",
+                 "--steps=3", "--eval_every=3", "--eval_batches=12", "--batch_schedule=0:1")
+    assert run.returncode == 0, run.stderr[-3000:]
+    records = _records(tmp_path / "run")
+    # each document is 300 prompt tokens, then 21 counted: the first two micro-batches of 128 tokens count none
+    assert [r["lm_loss"] for r in records[:2]] == [0.0, 0.0] and [r["mtp_1_loss"] for r in records[:2]] == [0.0, 0.0]
+    assert records[2]["lm_loss"] > 1 and all(math.isfinite(r["loss"]) for r in records)
+    assert f"(bits per token {records[-1]['val_loss'] / math.log(2):.3f})" in run.stdout
+    model, _ = evaluate.load_model(tmp_path / "run")
+    masked = load_blend(str(tmp_path / "sft.u16")).split(20)[1].validation_batches(128, 12, mtp_depth=1)
+    every = [make_batch(b["input_ids"], b["cu_seqlens"], 1) for b in masked]  # the same tokens, every label counted
+    got, all_counted = (evaluate.evaluate(model, batches, ["sft.u16"] * 12, device=torch.device("cpu")) for batches in (masked, every))
+    assert got["tokens"] == sum(int(b["loss_mask"].sum()) for b in masked) < 0.1 * all_counted["tokens"]
+    assert got["loss"] == pytest.approx(records[-1]["val_loss"], rel=1e-5)
+    assert abs(all_counted["loss"] - records[-1]["val_loss"]) > 1e-3  # far beyond the match above

@@ -21,7 +21,10 @@ after each document is virtual (added when a document is sliced), so it costs no
 Token files stay memory-mapped; their documents end at (and include) each `separator` token,
 and trailing tokens after the last separator form a final document. A token file made by
 `python -m fmoe.train.prepare` (fmoe.train.prepare) has a sidecar `<file>.index.json`
-holding its dtype, separator, vocab_size and token / document counts.
+holding its dtype, separator, vocab_size and token / document counts, and, for data of
+prompts and responses (prepare's prompt_key), the name of its loss-mask file: one uint8 per
+token, 0 on a prompt's tokens, which are then never labels (TokenDataset.label_mask: the
+loss counts only the responses' tokens and separators, at every MTP depth too).
 
 Splits: `dataset.split(val_percent)` puts a document in validation when a stable hash of
 its key is below val_percent out of 100: crc32 of its path relative to the corpus root for
@@ -36,7 +39,8 @@ A batch is a TensorDict with batch_size [] and keys
 
     input_ids     [T] int64        the tokens
     labels        [T] int64        the next token in the same sequence; -100 at its last token
-    loss_mask     [T] bool         False where labels is -100 (each sequence's last token)
+    loss_mask     [T] bool         False where labels is -100 (each sequence's last token,
+                                   and where the label is a prompt's token: label_mask)
     positions     [T] int64        position inside the sequence (restarts at 0)
     cu_seqlens    [n + 1] int32    0 = cu[0] < cu[1] < ... < cu[n] = T, the n sequences
 
@@ -101,6 +105,7 @@ FILE_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 SUFFIX_DTYPES = {".u16": "uint16", ".uint16": "uint16", ".u32": "uint32", ".uint32": "uint32"}
 # the sidecar index of a prepared token file: <file>.index.json, and the fields it must hold
 INDEX_SUFFIX = ".index.json"
+MASK_SUFFIX = ".loss_mask"  # prepare's loss-mask file beside a token file of prompts and texts: <file>.loss_mask
 _INDEX_FIELDS = ("documents", "tokens", "dtype", "separator", "vocab_size")
 # the keys of a blend entry (parse_blend)
 _BLEND_KEYS = ("name", "path", "weight", "separator", "dtype", "vocab_size")
@@ -151,11 +156,17 @@ class TokenDataset:
             documents (split by a hash of their index).
         vocab_size: every token id, eos included, is below it.
         eos: the token appended after each document, or None.
+        label_mask: [N] numpy array aligned with data (uint8 0/1 or bool), or None: 0 where
+            a token is never a label (a prompt's tokens: the loss does not count predicting
+            them); None counts every token. The virtual EOS always counts.
     """
 
     def __init__(self, data: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
-                 names: Optional[Sequence[str]], *, vocab_size: int, eos: Optional[int]):
-        self.data = data
+                 names: Optional[Sequence[str]], *, vocab_size: int, eos: Optional[int],
+                 label_mask: Optional[np.ndarray] = None):
+        if label_mask is not None and (label_mask.ndim != 1 or len(label_mask) != len(data)):
+            raise ValueError(f"label_mask: expected a 1-D array of the data's {len(data)} tokens, got shape {label_mask.shape}")
+        self.data, self.label_mask = data, label_mask
         self.starts = np.asarray(starts, dtype=np.int64)
         self.lengths = np.asarray(lengths, dtype=np.int64)
         if self.starts.shape != self.lengths.shape or self.starts.ndim != 1:
@@ -189,11 +200,22 @@ class TokenDataset:
             body = torch.cat([body, torch.tensor([self.eos], dtype=torch.long)])
         return body
 
+    def document_mask(self, i: int, begin: int = 0, end: Optional[int] = None) -> torch.Tensor:
+        """label_mask of tokens begin..end-1 of document i: [end - begin] bool (all True
+        without a label_mask)."""
+        length = int(self.lengths[i])
+        end = self.doc_len(i) if end is None else end
+        if self.label_mask is None:
+            return torch.ones(end - begin, dtype=torch.bool)
+        start = int(self.starts[i])
+        body = torch.from_numpy(np.array(self.label_mask[start + begin: start + min(end, length)], dtype=bool))
+        return torch.cat([body, torch.ones(end - max(begin, length) if end > length else 0, dtype=torch.bool)])
+
     def subset(self, indices: np.ndarray) -> "TokenDataset":
         """The documents `indices` (in that order), sharing this dataset's storage."""
         names = None if self.names is None else [self.names[i] for i in indices]
         return TokenDataset(self.data, self.starts[indices], self.lengths[indices], names,
-                            vocab_size=self.vocab_size, eos=self.eos)
+                            vocab_size=self.vocab_size, eos=self.eos, label_mask=self.label_mask)
 
     def split(self, val_percent: int) -> tuple["TokenDataset", "TokenDataset"]:
         """(train, validation): a document goes to validation when its key's bucket in
@@ -384,10 +406,28 @@ def load_token_file(path: Union[str, os.PathLike], *, separator: Optional[int] =
                          "(a stale index: prepare the file again)")
     data = np.memmap(path, dtype=np_dtype, mode="r")
     dataset = _split_documents(data, separator=separator, vocab_size=vocab_size, where=repr(str(path)))
+    if index is not None and index.get("loss_mask") is not None:
+        dataset.label_mask = _read_label_mask(path.parent / index["loss_mask"], len(data), repr(str(index_path(path))))
     if index is not None and index["documents"] != len(dataset):
         raise ValueError(f"path: {str(path)!r} holds {len(dataset)} documents, its index says {index['documents']} "
                          "(a stale index: prepare the file again)")
     return dataset
+
+
+def _read_label_mask(path: Path, n_tokens: int, where: str) -> np.ndarray:
+    """The loss-mask file a token file's index names (fmoe.train.prepare's prompt_key): one
+    uint8 per token, 1 where the token may be a label, memory-mapped; its size and values
+    are checked (one chunked pass)."""
+    if not path.is_file():
+        raise ValueError(f"path: the loss mask {str(path)!r} that {where} names does not exist")
+    if path.stat().st_size != n_tokens:
+        raise ValueError(f"path: the loss mask {str(path)!r} holds {path.stat().st_size} entries for {n_tokens} tokens "
+                         "(a stale file: prepare the data again)")
+    mask = np.memmap(path, dtype=np.uint8, mode="r")
+    for lo in range(0, n_tokens, _SCAN_CHUNK):
+        if int(np.asarray(mask[lo: lo + _SCAN_CHUNK]).max()) > 1:
+            raise ValueError(f"path: the loss mask {str(path)!r} holds values other than 0 and 1")
+    return mask
 
 
 def load_npy(path: Union[str, os.PathLike], *, separator: int, vocab_size: int,
@@ -433,14 +473,25 @@ def load_corpus(path: Union[str, os.PathLike, None] = None, *, separator: Option
 # ----------------------------------------------------------------------------------------
 
 
-def make_batch(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, mtp_depth: int = 0) -> TensorDict:
+def make_batch(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, mtp_depth: int = 0, *,
+               label_mask: Optional[torch.Tensor] = None) -> TensorDict:
     """The batch TensorDict (batch_size []) of packed tokens input_ids [T] int64 and
     sequence bounds cu_seqlens [n + 1]: keys input_ids, labels, loss_mask, positions,
     cu_seqlens (int32), and mtp_input_ids, mtp_positions, mtp_labels, mtp_loss_mask [D, T]
-    when mtp_depth D > 0 (module docstring). Labels are -100 where loss_mask is False."""
+    when mtp_depth D > 0 (module docstring). label_mask [T] bool: False where a token is
+    never a label (a prompt's tokens, TokenDataset.label_mask), so the positions predicting
+    it, at every depth, do not count; None counts every token. Labels are -100 where
+    loss_mask is False."""
     check_positive_int("mtp_depth", mtp_depth, 0)
     cu_seqlens = cu_seqlens.to(torch.int32)
-    entries = mtp_targets(input_ids.long(), cu_seqlens, mtp_depth, ignore_index=IGNORE_INDEX)
+    if label_mask is not None and (not isinstance(label_mask, torch.Tensor) or label_mask.shape != input_ids.shape):
+        raise ValueError(f"label_mask: expected a tensor of input_ids' shape {tuple(input_ids.shape)}, got "
+                         f"{getattr(label_mask, 'shape', type(label_mask).__name__)}")
+    entries = mtp_targets(input_ids.long(), cu_seqlens, mtp_depth, loss_mask=None if label_mask is None else label_mask.bool(),
+                          ignore_index=IGNORE_INDEX)
+    if label_mask is not None:
+        for e in entries:
+            e["labels"] = torch.where(e["loss_mask"], e["labels"], IGNORE_INDEX)
     main = entries[0]
     batch = TensorDict(
         input_ids=main["input_ids"], labels=main["labels"], loss_mask=main["loss_mask"],
@@ -497,12 +548,14 @@ class Sampler:
 
     def next_batch(self) -> TensorDict:
         """The next micro-batch of tokens_per_batch tokens (make_batch's keys)."""
-        pieces, seqlens = [], [0]
+        pieces, masks, seqlens = [], [], [0]
         remaining = self.tokens_per_batch
         while remaining:
             doc = int(self._order[self.index])
             take = min(self.dataset.doc_len(doc) - self.offset, remaining)
             pieces.append(self.dataset.document(doc, self.offset, self.offset + take))
+            if self.dataset.label_mask is not None:
+                masks.append(self.dataset.document_mask(doc, self.offset, self.offset + take))
             seqlens.append(take)
             remaining -= take
             self.offset += take
@@ -512,7 +565,7 @@ class Sampler:
                     self.epoch, self.index = self.epoch + 1, 0
                     self._order = self._epoch_order(self.epoch)
         cu_seqlens = torch.tensor(seqlens, dtype=torch.int64).cumsum(0)
-        return make_batch(torch.cat(pieces), cu_seqlens, self.mtp_depth)
+        return make_batch(torch.cat(pieces), cu_seqlens, self.mtp_depth, label_mask=torch.cat(masks) if masks else None)
 
     def __iter__(self) -> Iterator[TensorDict]:
         return self
@@ -709,6 +762,11 @@ class Blend:
     def n_tokens(self) -> int:
         """Tokens in all sources' documents (EOS included)."""
         return sum(d.n_tokens for d in self.datasets)
+
+    @property
+    def byte_tokens(self) -> bool:
+        """Whether the sources hold byte tokens (a token is a byte; never mixed with others)."""
+        return self.datasets[0].eos is not None
 
     def split(self, val_percent: int) -> tuple["Blend", "Blend"]:
         """(train, validation) blends of the same names and weights: each source split by

@@ -25,12 +25,23 @@ SEPARATOR_TOKENS the tokenizer knows. A document whose text already encodes to t
 separator id is refused, naming the file (and line or row): it would read back as two
 documents. So is a record without a string --text_key (null, a number, a missing key).
 
+Prompts and responses (instruction tuning): --prompt_key names a second field (or
+column) of each record, its prompt. The document is then the prompt's ids, then the
+text's (each encoded alone: the ids at their boundary are those of two texts), then the
+separator; OUT.loss_mask gets one uint8 per token, 0 on the prompt's ids, so training and
+evaluation on OUT count the loss of the texts (and separators) only (fmoe.train.data's
+TokenDataset.label_mask). Every source must be JSON Lines or Parquet; a record with an
+empty text is skipped.
+
+    python -m fmoe.train.prepare sft.jsonl data/sft.u32 --tokenizer=tok.json --prompt_key=prompt --text_key=response
+
 OUT gets the ids (uint16 when the vocabulary fits, <= 65536 ids, else uint32; a .u16 /
 .u32 suffix or --dtype decides otherwise) and OUT.index.json:
 
     {"documents": n, "tokens": n_tokens, "dtype": "uint16", "separator": id,
      "vocab_size": tokenizer.get_vocab_size(), "tokenizer": "/abs/tokenizer.json", "sources": n_files,
-     "text_key": "text" (only when some file is JSON Lines or Parquet)}
+     "text_key": "text" (only when some file is JSON Lines or Parquet),
+     "prompt_key": "prompt", "prompt_tokens": n, "loss_mask": "OUT.loss_mask" (only with prompts)}
 
 from which fmoe.train.data.load_token_file / load_corpus / load_blend take separator,
 vocab_size and dtype. Documents are read and encoded in batches of about 4M characters
@@ -38,12 +49,14 @@ vocab_size and dtype. Documents are read and encoded in batches of about 4M char
 streamed, never read whole) and streamed to disk; progress goes to stderr about once a
 second. Output is atomic: both files are written under hidden
 temporary names in OUT's directory and renamed into place at the end, the index last (an
-older index is removed first), so a failed or interrupted run leaves neither final name.
+older index and loss mask are removed first), so a failed or interrupted run leaves no
+final name.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import json
 import os
@@ -56,7 +69,7 @@ from typing import Iterator, Optional, Union
 import numpy as np
 
 from fmoe.ops.checks import check_positive_int
-from fmoe.train.data import FILE_DTYPES, SUFFIX_DTYPES, index_path, list_text_files
+from fmoe.train.data import FILE_DTYPES, MASK_SUFFIX, SUFFIX_DTYPES, index_path, list_text_files
 
 # end-of-document tokens of common tokenizers (GPT-2 / Qwen, Llama 2 / T5, ..., Llama 3, BERT)
 SEPARATOR_TOKENS = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
@@ -65,6 +78,7 @@ SEPARATOR_TOKENS = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]"
 _BATCH_CHARS = 1 << 22
 _PROGRESS_SECONDS = 1.0
 _PARQUET_ROWS = 1024  # rows of a Parquet file read at a time
+_KEY_KNOBS = ("text_key", "prompt_key")  # the knobs naming a record's fields, in _documents' order
 
 
 def _load_tokenizer(path: Path):
@@ -157,17 +171,17 @@ def _read_bytes(path: Path, compressed: bool) -> bytes:
         raise ValueError(f"src: {str(path)!r} is not a readable gzip file ({err})") from None
 
 
-def _text_field(record, text_key: str, where: str) -> str:
+def _text_field(record, text_key: str, where: str, knob: str = "text_key") -> str:
     if not isinstance(record, dict):
         raise ValueError(f"src: {where} is not a JSON object (got {type(record).__name__})")
     text = record.get(text_key)
     if not isinstance(text, str):
         got = "no such key" if text_key not in record else f"{type(text).__name__}"
-        raise ValueError(f"src: {where} has no string {text_key!r} field ({got}; keys: {sorted(record)[:8]}); choose it with --text_key")
+        raise ValueError(f"src: {where} has no string {text_key!r} field ({got}; keys: {sorted(record)[:8]}); choose it with --{knob}")
     return text
 
 
-def _jsonl_documents(path: Path, text_key: str) -> Iterator[tuple[str, str]]:
+def _jsonl_documents(path: Path, keys: tuple[str, ...]) -> Iterator[tuple[str, ...]]:
     opener = gzip.open if path.name.lower().endswith(".gz") else open
     try:
         with opener(path, "rb") as f:
@@ -180,12 +194,12 @@ def _jsonl_documents(path: Path, text_key: str) -> Iterator[tuple[str, str]]:
                     record = json.loads(line)
                 except json.JSONDecodeError as err:
                     raise ValueError(f"src: {where} is not JSON ({err.msg} at column {err.colno})") from None
-                yield where, _text_field(record, text_key, where)
+                yield where, *(_text_field(record, key, where, knob) for key, knob in zip(keys, _KEY_KNOBS))
     except _GZIP_ERRORS as err:
         raise ValueError(f"src: {str(path)!r} is not a readable gzip file ({err})") from None
 
 
-def _parquet_documents(path: Path, text_key: str) -> Iterator[tuple[str, str]]:
+def _parquet_documents(path: Path, keys: tuple[str, ...]) -> Iterator[tuple[str, ...]]:
     try:
         import pyarrow.parquet as pq
     except ImportError as err:
@@ -195,37 +209,45 @@ def _parquet_documents(path: Path, text_key: str) -> Iterator[tuple[str, str]]:
     except Exception as err:  # pyarrow's own error types
         raise ValueError(f"src: {str(path)!r} is not a readable Parquet file ({err})") from None
     names = table.schema_arrow.names
-    if text_key not in names:
-        raise ValueError(f"src: {str(path)!r} has no column {text_key!r} (columns: {names[:8]}); choose it with --text_key")
+    for key in keys:
+        if key not in names:
+            raise ValueError(f"src: {str(path)!r} has no column {key!r} (columns: {names[:8]}); choose it with --{_KEY_KNOBS[keys.index(key)]}")
     row = 0
-    for batch in table.iter_batches(batch_size=_PARQUET_ROWS, columns=[text_key]):
-        for text in batch.column(0).to_pylist():
+    for batch in table.iter_batches(batch_size=_PARQUET_ROWS, columns=list(keys)):
+        for values in zip(*(batch.column(j).to_pylist() for j in range(len(keys)))):
             where = f"{str(path)!r} row {row}"
-            if not isinstance(text, str):
-                raise ValueError(f"src: {where} has no string {text_key!r} ({type(text).__name__})")
-            yield where, text
+            for key, value in zip(keys, values):
+                if not isinstance(value, str):
+                    raise ValueError(f"src: {where} has no string {key!r} ({type(value).__name__})")
+            yield where, *values
             row += 1
 
 
-def _documents(path: Path, text_key: str) -> Iterator[tuple[str, str]]:
+def _documents(path: Path, keys: tuple[str, ...]) -> Iterator[tuple[str, ...]]:
     """(where, text) of each document of one source file (module docstring), `where`
-    naming it in errors: the file, and its line or row."""
+    naming it in errors: the file, and its line or row; (where, text, prompt) with
+    keys = (text_key, prompt_key), records only."""
     kind = _kind(path)
     if kind == "jsonl":
-        yield from _jsonl_documents(path, text_key)
+        yield from _jsonl_documents(path, keys)
     elif kind == "parquet":
-        yield from _parquet_documents(path, text_key)
+        yield from _parquet_documents(path, keys)
     else:
         yield repr(str(path)), _decode(_read_bytes(path, kind == "gzip"), repr(str(path)))
 
 
-def _encode(tokenizer, pending: list[tuple[str, str]], *, separator: int, vocab_size: int, dtype: str) -> np.ndarray:
-    """The documents `pending` (where, text) as one array of ids [n_tokens], each document's
-    ids followed by the separator."""
-    encodings = tokenizer.encode_batch([text for _, text in pending], add_special_tokens=False)
-    docs = []
-    for (where, _), encoding in zip(pending, encodings):
-        ids = np.asarray(encoding.ids, dtype=np.int64)
+def _encode(tokenizer, pending: list[tuple[str, ...]], *, separator: int, vocab_size: int,
+            dtype: str) -> tuple[np.ndarray, Optional[np.ndarray]]:
+    """The documents `pending` ((where, text) or (where, text, prompt)) as one array of ids
+    [n_tokens], each document's ids (the prompt's, then the text's) followed by the
+    separator; and with prompts, their loss mask [n_tokens] uint8: 0 on the prompts' ids."""
+    encodings = tokenizer.encode_batch([p[1] for p in pending], add_special_tokens=False)
+    prompted = len(pending[0]) == 3
+    prompts = tokenizer.encode_batch([p[2] for p in pending], add_special_tokens=False) if prompted else [None] * len(pending)
+    docs, masks = [], []
+    for (where, *_), encoding, prompt in zip(pending, encodings, prompts):
+        head = np.asarray(prompt.ids if prompt is not None else [], dtype=np.int64)
+        ids = np.concatenate([head, np.asarray(encoding.ids, dtype=np.int64)])
         hits = np.flatnonzero(ids == separator)
         if len(hits):
             raise ValueError(f"src: {where} already holds the separator id {separator} (token {int(hits[0])} of the "
@@ -233,12 +255,14 @@ def _encode(tokenizer, pending: list[tuple[str, str]], *, separator: int, vocab_
         if len(ids) and int(ids.max()) >= vocab_size:
             raise ValueError(f"tokenizer: it gave id {int(ids.max())} for {where}, not below its vocab_size {vocab_size}")
         docs.extend((ids, [separator]))
-    return np.concatenate(docs).astype(FILE_DTYPES[dtype])
+        if prompted:
+            masks.extend((np.zeros(len(head), dtype=np.uint8), np.ones(len(ids) - len(head) + 1, dtype=np.uint8)))
+    return np.concatenate(docs).astype(FILE_DTYPES[dtype]), np.concatenate(masks) if prompted else None
 
 
 def prepare(src: Union[str, os.PathLike], out: Union[str, os.PathLike], *, tokenizer: Union[str, os.PathLike],
             separator: Union[str, int, None] = None, dtype: Optional[str] = None, progress: bool = True,
-            text_key: str = "text") -> dict:
+            text_key: str = "text", prompt_key: Optional[str] = None) -> dict:
     """Tokenize the documents of `src` into the token file `out` and its index (module
     docstring); returns the index.
 
@@ -250,12 +274,22 @@ def prepare(src: Union[str, os.PathLike], out: Union[str, os.PathLike], *, token
         dtype: "uint16" or "uint32"; None: from out's suffix, else the smallest that fits.
         progress: report files and tokens on stderr about once a second.
         text_key: the field (JSON Lines) or column (Parquet) holding each document's text.
+        prompt_key: the field or column of a prompt before each text (records only): the
+            document is the prompt's ids, then the text's, and a loss-mask file (module
+            docstring) keeps the prompt's ids out of the loss; None: no prompts.
     """
     src, out, tokenizer_path = Path(src), Path(out), Path(tokenizer)
     if not isinstance(text_key, str) or not text_key:
         raise ValueError(f"text_key: expected a non-empty field name, got {text_key!r}")
+    if prompt_key is not None and (not isinstance(prompt_key, str) or not prompt_key or prompt_key == text_key):
+        raise ValueError(f"prompt_key: expected a non-empty field name other than text_key {text_key!r}, got {prompt_key!r}")
     files = _source_files(src, out)
     records = any(_kind(path) in ("jsonl", "parquet") for path in files)  # also refuses zstd files before any work
+    if prompt_key is not None:
+        for path in files:
+            if _kind(path) not in ("jsonl", "parquet"):
+                raise ValueError(f"src: {str(path)!r} is not JSON Lines or Parquet: a text file has no {prompt_key!r} (--prompt_key) field")
+    keys = (text_key,) if prompt_key is None else (text_key, prompt_key)
     if out.is_dir():
         raise ValueError(f"out: {str(out)!r} is a directory; expected a file name (e.g. data/code.u16)")
     tok = _load_tokenizer(tokenizer_path)
@@ -266,7 +300,9 @@ def prepare(src: Union[str, os.PathLike], out: Union[str, os.PathLike], *, token
     final_index = index_path(out)
     tmp_tokens = out.parent / f".{out.name}.{os.getpid()}.tmp"
     tmp_index = out.parent / f".{final_index.name}.{os.getpid()}.tmp"
-    documents, tokens, pending, pending_chars = 0, 0, [], 0
+    final_mask = out.parent / (out.name + MASK_SUFFIX)
+    tmp_mask = out.parent / f".{final_mask.name}.{os.getpid()}.tmp"
+    documents, tokens, prompt_tokens, pending, pending_chars = 0, 0, 0, [], 0
     start = time.monotonic()
     next_report = start + _PROGRESS_SECONDS
 
@@ -277,41 +313,48 @@ def prepare(src: Union[str, os.PathLike], out: Union[str, os.PathLike], *, token
               file=sys.stderr, flush=True)
         next_report = time.monotonic() + _PROGRESS_SECONDS
 
-    def flush(f) -> None:
-        """Encode the pending documents and append their ids to f."""
-        nonlocal documents, tokens, pending, pending_chars
-        ids = _encode(tok, pending, separator=separator_id, vocab_size=vocab_size, dtype=dtype)
+    def flush(f, mask_file) -> None:
+        """Encode the pending documents and append their ids to f (their mask to mask_file)."""
+        nonlocal documents, tokens, prompt_tokens, pending, pending_chars
+        ids, mask = _encode(tok, pending, separator=separator_id, vocab_size=vocab_size, dtype=dtype)
         f.write(ids.tobytes())
+        if mask is not None:
+            mask_file.write(mask.tobytes())
+            prompt_tokens += len(mask) - int(mask.sum())
         documents, tokens, pending, pending_chars = documents + len(pending), tokens + len(ids), [], 0
 
     try:
-        with open(tmp_tokens, "wb") as f:
+        with open(tmp_tokens, "wb") as f, open(tmp_mask, "wb") if prompt_key is not None else contextlib.nullcontext() as mask_file:
             for done, path in enumerate(files, 1):
-                for where, text in _documents(path, text_key):
-                    if text:
-                        pending.append((where, text))
-                        pending_chars += len(text)
+                for where, text, *prompt in _documents(path, keys):
+                    if text:  # a record without a text (a response) has nothing to learn
+                        pending.append((where, text, *prompt))
+                        pending_chars += len(text) + sum(map(len, prompt))
                     if pending_chars >= _BATCH_CHARS:
-                        flush(f)
+                        flush(f, mask_file)
                     if progress and time.monotonic() >= next_report:
                         report(done - 1)
             if pending:
-                flush(f)
+                flush(f, mask_file)
             if progress:
                 report(len(files))
         if not documents:
             raise ValueError(f"src: no non-empty documents in {str(src)!r}")
         index = dict(documents=documents, tokens=tokens, dtype=dtype, separator=separator_id, vocab_size=vocab_size,
-                     tokenizer=str(tokenizer_path.resolve()), sources=len(files), **({"text_key": text_key} if records else {}))
+                     tokenizer=str(tokenizer_path.resolve()), sources=len(files), **({"text_key": text_key} if records else {}),
+                     **(dict(prompt_key=prompt_key, prompt_tokens=prompt_tokens, loss_mask=final_mask.name) if prompt_key is not None else {}))
         with open(tmp_index, "w", encoding="utf-8") as f:
             json.dump(index, f, indent=1)
             f.write("\n")
         final_index.unlink(missing_ok=True)  # an older index must never describe the new ids
+        final_mask.unlink(missing_ok=True)
         os.replace(tmp_tokens, out)
+        if prompt_key is not None:
+            os.replace(tmp_mask, final_mask)
         os.replace(tmp_index, final_index)
     finally:
-        tmp_tokens.unlink(missing_ok=True)
-        tmp_index.unlink(missing_ok=True)
+        for tmp in (tmp_tokens, tmp_index, tmp_mask):
+            tmp.unlink(missing_ok=True)
     return index
 
 
@@ -323,17 +366,21 @@ def main(argv=None) -> int:
     parser.add_argument("--separator", default=None, help="end-of-document token, or its id (digits); "
                         f"default: the first of {', '.join(SEPARATOR_TOKENS)} the tokenizer knows")
     parser.add_argument("--text_key", default="text", help="the JSON Lines field / Parquet column of the text (default: text)")
+    parser.add_argument("--prompt_key", default=None, help="the field / column of a prompt before each text, left out of the loss "
+                        "(a loss-mask file beside OUT; default: no prompts)")
     parser.add_argument("--dtype", choices=list(FILE_DTYPES), default=None,
                         help="default: from OUT's suffix, else uint16 when the vocabulary fits, else uint32")
     args = parser.parse_args(argv)
     separator = int(args.separator) if args.separator is not None and args.separator.isdigit() else args.separator
     try:
-        index = prepare(args.src, args.out, tokenizer=args.tokenizer, separator=separator, dtype=args.dtype, text_key=args.text_key)
+        index = prepare(args.src, args.out, tokenizer=args.tokenizer, separator=separator, dtype=args.dtype, text_key=args.text_key,
+                        prompt_key=args.prompt_key)
     except (ImportError, OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     print(f"{args.out}: {index['documents']} documents, {index['tokens']:,} tokens ({index['dtype']}), "
-          f"separator {index['separator']}, vocab_size {index['vocab_size']}")
+          f"separator {index['separator']}, vocab_size {index['vocab_size']}"
+          + (f", {index['prompt_tokens']:,} prompt tokens left out of the loss ({index['loss_mask']})" if "loss_mask" in index else ""))
     return 0
 
 

@@ -288,3 +288,35 @@ def test_errors(tmp_path):
         sampler.load_state_dict({"epoch": 0})
     with pytest.raises(ValueError, match="offset"):
         sampler.load_state_dict({**state, "offset": 10_000})
+
+
+def test_label_mask_keeps_masked_tokens_out_of_every_label():
+    """TokenDataset.label_mask: a token marked 0 is never a label (main or MTP), across
+    documents cut between batches; the virtual EOS counts; subsets keep the mask."""
+    data = np.arange(20, dtype=np.uint8)
+    mask = np.array([0, 0, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 1, 1], dtype=np.uint8)
+    ds = TokenDataset(data, np.array([0, 5, 10, 15]), np.array([5, 5, 5, 5]), None, vocab_size=BYTE_VOCAB_SIZE, eos=EOS, label_mask=mask)
+    assert ds.document_mask(0).tolist() == [False, False, True, True, True, True]  # the EOS counts
+    assert ds.document_mask(3, 2, 6).tolist() == [False, True, True, True] and ds.document_mask(1, 5, 6).tolist() == [True]
+    stream = [(t, bool(m)) for i in range(4) for t, m in zip(ds.document(i).tolist(), ds.document_mask(i).tolist())]
+    sampler = Sampler(ds, 7, seed=0, shuffle=False, mtp_depth=2)
+    at = 0
+    for _ in range(4):  # 28 tokens: every document, cut across batches, twice over the first ones
+        b = sampler.next_batch()
+        for s, e in _sequences(b):
+            for t in range(s, e):
+                for d, (labels, lm) in enumerate([(b["labels"], b["loss_mask"]), *zip(b["mtp_labels"], b["mtp_loss_mask"])]):
+                    j = t + 1 + d
+                    counted = j < e and stream[(at + j) % len(stream)][1]
+                    assert bool(lm[t]) == counted and int(labels[t]) == (b["input_ids"][j].item() if counted else IGNORE_INDEX)
+        at += 7
+    assert sum(int(b["loss_mask"].sum()) for b in ds.validation_batches(6, 4)) < sum(
+        int(b["loss_mask"].sum()) for b in TokenDataset(data, ds.starts, ds.lengths, None, vocab_size=BYTE_VOCAB_SIZE, eos=EOS).validation_batches(6, 4))
+    assert ds.split(50)[0].label_mask is mask
+    # make_batch: a mask of another shape is refused; an all-True mask changes nothing
+    ids, cu = torch.arange(6), torch.tensor([0, 4, 6])
+    assert _same(make_batch(ids, cu, 1, label_mask=torch.ones(6, dtype=torch.bool)), make_batch(ids, cu, 1))
+    with pytest.raises(ValueError, match=r"label_mask: expected a tensor of input_ids' shape \(6,\)"):
+        make_batch(ids, cu, label_mask=torch.ones(5, dtype=torch.bool))
+    with pytest.raises(ValueError, match="label_mask: expected a 1-D array of the data's 20 tokens"):
+        TokenDataset(data, ds.starts, ds.lengths, None, vocab_size=BYTE_VOCAB_SIZE, eos=EOS, label_mask=mask[:5])

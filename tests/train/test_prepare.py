@@ -322,3 +322,83 @@ def test_a_large_json_lines_file_is_streamed_in_batches(tmp_path, tokenizer_path
     assert prepare(tmp_path / "big.jsonl", tmp_path / "many.u16", tokenizer=tokenizer_path, progress=False) == whole
     assert len(calls) > 5 and sum(calls) == 50
     assert (tmp_path / "many.u16").read_bytes() == (tmp_path / "one.u16").read_bytes()
+
+
+SFT = [{"prompt": "Q: what is json?", "response": " A: a format.", "id": 0}, {"prompt": "", "response": " only a response", "id": 1},
+       {"prompt": "a prompt without an answer", "response": "", "id": 2}, {"prompt": "Q: and string?", "response": " A: a module.", "id": 3}]
+
+
+def test_prompts_are_left_out_of_the_loss(tmp_path, tokenizer_path):
+    """--prompt_key: each document is the prompt's ids, then the response's, then the
+    separator, and OUT.loss_mask is 0 exactly on the prompt's ids (a record without a
+    response is skipped; an empty prompt masks nothing). Read back, a batch counts the
+    response's tokens and the separator, at every MTP depth; JSON Lines and Parquet agree."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from fmoe.train.data import Sampler
+
+    tok = tokenizers.Tokenizer.from_file(str(tokenizer_path))
+    sep = tok.token_to_id("<|endoftext|>")
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in SFT))
+    pq.write_table(pa.table({k: [r[k] for r in SFT] for k in ("id", "response", "prompt")}), tmp_path / "sft.parquet", row_group_size=2)
+    kept = [r for r in SFT if r["response"]]
+    prompts = [tok.encode(r["prompt"], add_special_tokens=False).ids for r in kept]
+    responses = [tok.encode(r["response"], add_special_tokens=False).ids for r in kept]
+    want_ids = [t for p, r in zip(prompts, responses) for t in (*p, *r, sep)]
+    want_mask = [m for p, r in zip(prompts, responses) for m in [0] * len(p) + [1] * (len(r) + 1)]
+    for name in ("sft.jsonl", "sft.parquet"):
+        out = tmp_path / f"{name}.u16"
+        index = prepare(tmp_path / name, out, tokenizer=tokenizer_path, text_key="response", prompt_key="prompt", progress=False)
+        assert index["documents"] == 3 and index["prompt_key"] == "prompt" and index["loss_mask"] == f"{name}.u16.loss_mask"
+        assert index["prompt_tokens"] == sum(map(len, prompts)) > 0 and index["tokens"] == len(want_ids)
+        assert np.fromfile(out, dtype=np.uint16).tolist() == want_ids
+        assert np.fromfile(tmp_path / index["loss_mask"], dtype=np.uint8).tolist() == want_mask
+        ds = load_corpus(out)
+        assert ds.label_mask is not None and np.asarray(ds.label_mask).tolist() == want_mask
+        batch = Sampler(ds, len(want_ids), seed=0, shuffle=False, mtp_depth=1).next_batch()
+        ids, cu = batch["input_ids"].tolist(), batch["cu_seqlens"].tolist()
+        doc = [i for i, (s, e) in enumerate(zip(cu[:-1], cu[1:])) for _ in range(s, e)]
+        for t in range(len(ids)):  # the label of t is token t + 1 (t + 2 at MTP depth 1), counted when a response's
+            for d, (labels, mask) in enumerate([(batch["labels"], batch["loss_mask"]), (batch["mtp_labels"][0], batch["mtp_loss_mask"][0])]):
+                j = t + 1 + d
+                counted = j < len(ids) and doc[j] == doc[t] and want_mask[j] == 1
+                assert bool(mask[t]) == counted and int(labels[t]) == (ids[j] if counted else -100), (name, t, d)
+    # preparing the same name again without prompts removes the mask; the index no longer names one
+    (tmp_path / "plain.jsonl").write_text("".join(json.dumps({"text": r["response"]}) + "\n" for r in kept))
+    out = tmp_path / "sft.jsonl.u16"
+    index = prepare(tmp_path / "plain.jsonl", out, tokenizer=tokenizer_path, progress=False)
+    assert "loss_mask" not in index and not (tmp_path / "sft.jsonl.u16.loss_mask").exists() and load_corpus(out).label_mask is None
+    # the CLI names the prompt tokens left out
+    run = subprocess.run([sys.executable, "-m", "fmoe.train.prepare", str(tmp_path / "sft.jsonl"), str(tmp_path / "cli.u16"),
+                          f"--tokenizer={tokenizer_path}", "--text_key=response", "--prompt_key=prompt"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().endswith(f", {sum(map(len, prompts))} prompt tokens left out of the loss (cli.u16.loss_mask)")
+
+
+def test_bad_prompt_sources_and_masks(tmp_path, tokenizer_path):
+    from fmoe.train.data import load_token_file
+
+    out = tmp_path / "o.u16"
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in SFT))
+    (tmp_path / "t.txt").write_text("plain text")
+    with pytest.raises(ValueError, match=r"src: '.*t.txt' is not JSON Lines or Parquet: a text file has no 'prompt' \(--prompt_key\) field"):
+        prepare(tmp_path / "t.txt", out, tokenizer=tokenizer_path, prompt_key="prompt", progress=False)
+    for bad in ("", "text", 3):
+        with pytest.raises(ValueError, match="prompt_key: expected a non-empty field name other than text_key 'text'"):
+            prepare(tmp_path / "sft.jsonl", out, tokenizer=tokenizer_path, prompt_key=bad, progress=False)
+    with pytest.raises(ValueError, match=r"line 1 has no string 'question' field \(no such key; .*choose it with --prompt_key"):
+        prepare(tmp_path / "sft.jsonl", out, tokenizer=tokenizer_path, text_key="response", prompt_key="question", progress=False)
+    assert not out.exists() and not list(tmp_path.glob(".*tmp"))
+    prepare(tmp_path / "sft.jsonl", out, tokenizer=tokenizer_path, text_key="response", prompt_key="prompt", progress=False)
+    mask = tmp_path / "o.u16.loss_mask"
+    good = mask.read_bytes()
+    mask.write_bytes(good[:-1])
+    with pytest.raises(ValueError, match=r"holds \d+ entries for \d+ tokens \(a stale file"):
+        load_token_file(out)
+    mask.write_bytes(good[:-1] + b"\x02")
+    with pytest.raises(ValueError, match="holds values other than 0 and 1"):
+        load_token_file(out)
+    mask.unlink()
+    with pytest.raises(ValueError, match="the loss mask '.*o.u16.loss_mask' that '.*o.u16.index.json' names does not exist"):
+        load_token_file(out)
