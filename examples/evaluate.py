@@ -17,7 +17,8 @@ validation documents (val, by --val_percent, by default the run's), the training
 default), picked as the loop picks its validation batches (Blend.validation_batches: the
 sources in their weights' proportions, each source's documents in stored order), so an
 fmoe run's defaults reproduce the validation loss it logged; --batches=0 takes every whole
-micro-batch of every source.
+micro-batch of every source. --whole_documents (by default the run's): a document that does
+not fit the rest of a micro-batch starts the next one, the rest padding (Sampler).
 
 Under torchrun the model may be larger than one device: each rank builds it on the meta
 device, parallelized over --tp, --ep, --etp and --cp (the rest of the world shards it with
@@ -59,6 +60,7 @@ from generate import _device, add_parallel_knobs, is_hf_folder, load_model, load
 
 import fmoe.parallel as parallel  # noqa: E402
 from fmoe.model import Transformer  # noqa: E402
+from fmoe.train.data import Sampler  # noqa: E402
 
 
 @torch.no_grad()
@@ -108,9 +110,11 @@ def evaluate(model: Transformer, batches: list, sources: list[str], *, device: t
                 mtp_losses=[host[f"mtp_{d}_sum"] / max(host[f"mtp_{d}_tokens"], 1) for d in range(1, model.cfg.mtp_depth + 1)])
 
 
-def data_batches(corpus, *, split: str, val_percent: int, tokens: int, n_batches: int, mtp_depth: int) -> tuple[list, list[str]]:
+def data_batches(corpus, *, split: str, val_percent: int, tokens: int, n_batches: int, mtp_depth: int,
+                 whole_documents: bool = False) -> tuple[list, list[str]]:
     """(micro-batches, their sources) of `corpus` (a Blend): the split's validation batches
-    as the loop draws them (n_batches > 0), or every whole micro-batch of every source (0)."""
+    as the loop draws them (n_batches > 0), or every whole micro-batch of every source (0);
+    whole_documents as for fmoe.train.data.Sampler."""
     if split not in ("val", "train", "all"):
         raise ValueError(f"--split: expected val, train or all, got {split!r}")
     if n_batches < 0:
@@ -119,13 +123,19 @@ def data_batches(corpus, *, split: str, val_percent: int, tokens: int, n_batches
         train, val = corpus.split(val_percent)
         corpus = val if split == "val" else train
     if n_batches:
-        return corpus.validation_batches(tokens, n_batches, mtp_depth=mtp_depth), corpus.validation_sources(n_batches)
+        return (corpus.validation_batches(tokens, n_batches, mtp_depth=mtp_depth, whole_documents=whole_documents),
+                corpus.validation_sources(n_batches))
     batches, sources = [], []
-    for name, dataset in zip(corpus.names, corpus.datasets):
-        n = dataset.n_tokens // tokens
-        if n:
-            batches += dataset.validation_batches(tokens, n, mtp_depth=mtp_depth)
-            sources += [name] * n
+    for name, dataset in zip(corpus.names, corpus.datasets):  # each source's documents in stored order, once
+        if not len(dataset):
+            continue
+        sampler = Sampler(dataset, tokens, seed=0, mtp_depth=mtp_depth, shuffle=False, whole_documents=whole_documents)
+        while not sampler.epoch:
+            batch = sampler.next_batch()
+            if sampler.epoch and (sampler.index, sampler.offset) != (0, 0):  # it ran into the first documents again
+                break
+            batches.append(batch)
+            sources.append(name)
     if not batches:
         raise ValueError(f"--tokens_per_micro_batch: no source of the {split} split holds {tokens} tokens")
     return batches, sources
@@ -199,6 +209,8 @@ def choice_logprobs(model: Transformer, pairs: list[tuple[list[int], list[int]]]
     every rank returns the result of one process (up to float rounding). Not under cp."""
     if meshes is not None and meshes.cp > 1:
         raise ValueError("--cp: choices are scored with model.logits, which context parallelism does not run (use --tp, --ep, --etp)")
+    if not pairs or not all(context and continuation for context, continuation in pairs):
+        raise ValueError("pairs: expected at least one (context, continuation) pair, each of at least one token")
     model.eval()
     dp, dp_rank, tp, counts_here = 1, 0, 1, True
     if meshes is not None:
@@ -273,6 +285,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--val_percent", type=int, default=None, help="validation documents (default: the run's, else 5)")
     parser.add_argument("--tokens_per_micro_batch", type=int, default=None, help="default: the run's, else 2048")
     parser.add_argument("--batches", type=int, default=None, help="micro-batches (default: the run's eval_batches, else 16; 0: all)")
+    parser.add_argument("--whole_documents", action=argparse.BooleanOptionalAction, default=None,
+                        help="a document that does not fit the rest of a micro-batch starts the next one (default: the run's, else no)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (under torchrun: cpu or cuda, each rank its LOCAL_RANK's GPU)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     axes = add_parallel_knobs(parser, cp=True, per="micro-batch")
@@ -319,7 +333,8 @@ def main(argv: list[str]) -> None:
             raise ValueError(f"--tokens_per_micro_batch: expected a multiple of {'2 x --cp x ' if args.cp > 1 else ''}--tp = {split}, got {tokens}")
         batches, sources = data_batches(
             corpus, split=args.split, val_percent=args.val_percent if args.val_percent is not None else loop.get("val_percent", 5),
-            tokens=tokens, n_batches=args.batches if args.batches is not None else loop.get("eval_batches", 16), mtp_depth=model.cfg.mtp_depth)
+            tokens=tokens, n_batches=args.batches if args.batches is not None else loop.get("eval_batches", 16), mtp_depth=model.cfg.mtp_depth,
+            whole_documents=args.whole_documents if args.whole_documents is not None else loop.get("whole_documents", False))
     except (OSError, ValueError) as err:
         sys.exit(f"data: {err}")
     with parallel.gathered(model) if args.keep_gathered else contextlib.nullcontext():

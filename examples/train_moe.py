@@ -72,6 +72,8 @@ class Config:
     data_dtype: str = ""            # token files: uint16 | uint32 ("" = from the file suffix)
     separator: int = -1             # token files: the document separator id (--model.vocab_size too)
     val_percent: int = 5            # validation documents, split by file name
+    whole_documents: bool = False   # a document that does not fit the rest of a micro-batch starts the next (the rest
+                                    # padding), not cut: for prompt/response data (no response without its prompt)
     tokens_per_micro_batch: int = 1024
     batch_schedule: str = "0:2 2M:4"  # micro-batches per step, by tokens consumed
     # losses
@@ -235,8 +237,10 @@ def main(argv: list[str]) -> None:
         corpus = load_blend(cfg.data or None, separator=cfg.separator if cfg.separator >= 0 else None,
                             vocab_size=cfg.model.vocab_size if cfg.data else None, dtype=cfg.data_dtype or None)
         train_set, val_set = corpus.split(cfg.val_percent)
-        sampler = BlendSampler(train_set, cfg.tokens_per_micro_batch, seed=cfg.seed, mtp_depth=cfg.model.mtp_depth)
-        val_batches = val_set.validation_batches(cfg.tokens_per_micro_batch, cfg.eval_batches, mtp_depth=cfg.model.mtp_depth)
+        sampler = BlendSampler(train_set, cfg.tokens_per_micro_batch, seed=cfg.seed, mtp_depth=cfg.model.mtp_depth,
+                               whole_documents=cfg.whole_documents)
+        val_batches = val_set.validation_batches(cfg.tokens_per_micro_batch, cfg.eval_batches, mtp_depth=cfg.model.mtp_depth,
+                                                 whole_documents=cfg.whole_documents)
         val_sources = val_set.validation_sources(cfg.eval_batches)  # the source of each validation batch
     except (OSError, ValueError) as err:
         sys.exit(f"data: {err}")

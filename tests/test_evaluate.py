@@ -161,6 +161,9 @@ def test_choice_logprobs_equal_each_document_alone(run_dir):
     assert all(x < 0 for x in got)
     with pytest.raises(ValueError, match="a continuation of 70 tokens needs more than 64"):
         evaluate.choice_logprobs(model, [([1], [2] * 70)], tokens=64, device=torch.device("cpu"))
+    for bad in ([], [([1], [])], [([], [1])]):
+        with pytest.raises(ValueError, match="pairs: expected at least one"):
+            evaluate.choice_logprobs(model, bad, tokens=64, device=torch.device("cpu"))
 
 
 def test_score_choices_counts_the_best_choice_and_breaks_ties_to_the_first():

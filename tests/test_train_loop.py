@@ -273,7 +273,8 @@ def test_prompt_and_response_data_counts_the_responses_only(tmp_path):
     """Data of prompts and responses (prepare --prompt_key): a step whose micro-batch holds
     only prompt tokens logs a loss of 0, not NaN; the validation loss is the loss over the
     responses' tokens alone (evaluate's on the masked batches, not on the same tokens all
-    counted). The token file's small vocabulary prints bits per token, not per byte."""
+    counted). --whole_documents packs each document whole, the rest of its micro-batch
+    padding. The token file's small vocabulary prints bits per token, not per byte."""
     pytest.importorskip("tokenizers", reason="fmoe.train.prepare needs the tokenizers package (the fmoe[data] extra)")
     import random
 
@@ -312,3 +313,21 @@ def test_prompt_and_response_data_counts_the_responses_only(tmp_path):
     assert got["tokens"] == sum(int(b["loss_mask"].sum()) for b in masked) < 0.1 * all_counted["tokens"]
     assert got["loss"] == pytest.approx(records[-1]["val_loss"], rel=1e-5)
     assert abs(all_counted["loss"] - records[-1]["val_loss"]) > 1e-3  # far beyond the match above
+    # --whole_documents: a micro-batch of 512 tokens holds one document of 321 and padding, never
+    # a response cut from its prompt; evaluate.py takes the run's setting and gives its val_loss
+    run = _train(tmp_path / "whole", f"--data={tmp_path / 'sft.u16'}", "--model.vocab_size=62", "--model.mtp_depth=1", "--val_percent=20",
+                 "--steps=1", "--warmup=0", "--eval_every=1", "--eval_batches=4", "--batch_schedule=0:1", "--tokens_per_micro_batch=512",
+                 "--whole_documents=True")
+    assert run.returncode == 0, run.stderr[-3000:]
+    record = _records(tmp_path / "whole")[0]
+    assert record["lm_loss"] > 1
+    val = load_blend(str(tmp_path / "sft.u16")).split(20)[1]
+    whole = val.validation_batches(512, 4, mtp_depth=1, whole_documents=True)
+    assert all(b["cu_seqlens"].tolist() == [0, 321, 512] and int(b["loss_mask"].sum()) == 21 for b in whole)  # 20 response tokens and the separator
+    cli = subprocess.run([sys.executable, str(ROOT / "examples" / "evaluate.py"), str(tmp_path / "whole"), "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    assert json.loads(cli.stdout)["loss"] == pytest.approx(record["val_loss"], rel=1e-5) and json.loads(cli.stdout)["tokens"] == 84
+    model, _ = evaluate.load_model(tmp_path / "whole")
+    cut = evaluate.evaluate(model, val.validation_batches(512, 4, mtp_depth=1), ["sft.u16"] * 4, device=torch.device("cpu"))
+    assert abs(cut["loss"] - record["val_loss"]) > 1e-3

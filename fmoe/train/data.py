@@ -35,6 +35,8 @@ Batches (`make_batch`): a micro-batch packs exactly T tokens. Documents are conc
 and cut into micro-batches of T tokens; a document that does not fit the rest of a batch
 continues at the start of the next one, and each piece of a document is its own sequence,
 so sequences never cross document boundaries (the model attends inside cu_seqlens only).
+With whole_documents (Sampler), a document that does not fit the rest of a batch starts
+the next one instead, the rest of the batch padding that is never a label.
 A batch is a TensorDict with batch_size [] and keys
 
     input_ids     [T] int64        the tokens
@@ -230,16 +232,23 @@ class TokenDataset:
         val = buckets < val_percent
         return self.subset(np.flatnonzero(~val)), self.subset(np.flatnonzero(val))
 
-    def validation_batches(self, tokens: int, n_batches: int, *, mtp_depth: int = 0) -> list[TensorDict]:
+    def validation_batches(self, tokens: int, n_batches: int, *, mtp_depth: int = 0, whole_documents: bool = False) -> list[TensorDict]:
         """The first n_batches micro-batches of `tokens` tokens packed from the documents in
-        stored order (see make_batch for the keys); the same list on every call."""
+        stored order (see make_batch for the keys; whole_documents as for Sampler); the
+        same list on every call. Each document is in them at most once."""
         check_positive_int("tokens", tokens)
         check_positive_int("n_batches", n_batches)
-        if tokens * n_batches > self.n_tokens:
+        if tokens * n_batches > self.n_tokens and not whole_documents:  # with padding: checked once drawn
             raise ValueError(f"n_batches: {n_batches} batches of {tokens} tokens need {tokens * n_batches} tokens, "
                              f"the dataset has {self.n_tokens}")
-        sampler = Sampler(self, tokens, seed=0, mtp_depth=mtp_depth, shuffle=False)
-        return [sampler.next_batch() for _ in range(n_batches)]
+        if not len(self):
+            raise ValueError("n_batches: the dataset has no documents")
+        sampler = Sampler(self, tokens, seed=0, mtp_depth=mtp_depth, shuffle=False, whole_documents=whole_documents)
+        batches = [sampler.next_batch() for _ in range(n_batches)]
+        if sampler.epoch and (sampler.epoch, sampler.index, sampler.offset) != (1, 0, 0):  # padding took the room of some documents
+            raise ValueError(f"n_batches: {n_batches} batches of {tokens} tokens, each document whole, need more than the dataset's "
+                             f"{len(self)} documents")
+        return batches
 
 
 def _byte_dataset(root: Path, rel_paths: list[str]) -> TokenDataset:
@@ -523,10 +532,16 @@ class Sampler:
         seed: the shuffle seed (an int).
         mtp_depth: D, MTP targets in every batch when > 0 (see make_batch).
         shuffle: False visits the documents in stored order every epoch.
+        whole_documents: a document that does not fit the rest of a micro-batch starts the
+            next one instead of being cut, and the rest is padding (its own sequence of
+            PAD for byte corpora, else token 0; never a label): no piece of a document is
+            trained without the tokens before it (a response without its prompt). A
+            document longer than a micro-batch is still cut, starting a batch. The padding
+            is computed as any tokens (and routed: the MoE balancing statistics count it).
     """
 
     def __init__(self, dataset: TokenDataset, tokens_per_batch: int, *, seed: int, mtp_depth: int = 0,
-                 shuffle: bool = True):
+                 shuffle: bool = True, whole_documents: bool = False):
         if not isinstance(dataset, TokenDataset):
             raise ValueError(f"dataset: expected a TokenDataset, got {type(dataset).__name__}")
         if not len(dataset):
@@ -535,7 +550,7 @@ class Sampler:
         self.tokens_per_batch = check_positive_int("tokens_per_batch", tokens_per_batch)
         self.seed = check_positive_int("seed", seed, 0)
         self.mtp_depth = check_positive_int("mtp_depth", mtp_depth, 0)
-        self.shuffle = shuffle
+        self.shuffle, self.whole_documents = shuffle, bool(whole_documents)
         self.epoch, self.index, self.offset = 0, 0, 0
         self._order = self._epoch_order(0)
 
@@ -550,11 +565,17 @@ class Sampler:
         """The next micro-batch of tokens_per_batch tokens (make_batch's keys)."""
         pieces, masks, seqlens = [], [], [0]
         remaining = self.tokens_per_batch
+        masked = self.dataset.label_mask is not None or self.whole_documents
         while remaining:
             doc = int(self._order[self.index])
+            if self.whole_documents and self.offset == 0 and remaining < min(self.dataset.doc_len(doc), self.tokens_per_batch):
+                pieces.append(torch.full((remaining,), PAD if self.dataset.eos is not None else 0, dtype=torch.long))
+                masks.append(torch.zeros(remaining, dtype=torch.bool))
+                seqlens.append(remaining)
+                break
             take = min(self.dataset.doc_len(doc) - self.offset, remaining)
             pieces.append(self.dataset.document(doc, self.offset, self.offset + take))
-            if self.dataset.label_mask is not None:
+            if masked:
                 masks.append(self.dataset.document_mask(doc, self.offset, self.offset + take))
             seqlens.append(take)
             remaining -= take
@@ -784,11 +805,11 @@ class Blend:
         """The source name of each of validation_batches(..., n_batches)'s batches."""
         return [self.names[i] for i in _blend_schedule(self.weights, n_batches)]
 
-    def validation_batches(self, tokens: int, n_batches: int, *, mtp_depth: int = 0) -> list[TensorDict]:
+    def validation_batches(self, tokens: int, n_batches: int, *, mtp_depth: int = 0, whole_documents: bool = False) -> list[TensorDict]:
         """n_batches micro-batches of `tokens` tokens, the source of each picked by the
         greedy rule (BlendSampler) and its batches the source's first ones in stored order
-        (TokenDataset.validation_batches); the same list on every call. One source: exactly
-        its validation_batches."""
+        (TokenDataset.validation_batches, whole_documents as for Sampler); the same list on
+        every call. One source: exactly its validation_batches."""
         check_positive_int("tokens", tokens)
         order = _blend_schedule(self.weights, check_positive_int("n_batches", n_batches))
         per_source = []
@@ -798,7 +819,7 @@ class Blend:
                 raise ValueError(f"{self.where(i)}: no validation documents for its {k} of the {n_batches} "
                                  "validation batches (raise val_percent, or give the source more documents)")
             with _naming(self.where(i)):
-                per_source.append(iter(dataset.validation_batches(tokens, k, mtp_depth=mtp_depth) if k else []))
+                per_source.append(iter(dataset.validation_batches(tokens, k, mtp_depth=mtp_depth, whole_documents=whole_documents) if k else []))
         return [next(per_source[i]) for i in order]
 
 
@@ -859,20 +880,21 @@ class BlendSampler:
 
     Args:
         blend: the (training) Blend; every source must have documents.
-        tokens_per_batch, seed, mtp_depth, shuffle: as for Sampler.
+        tokens_per_batch, seed, mtp_depth, shuffle, whole_documents: as for Sampler.
 
     After next_batch, `last_source` is the name of the batch's source; `batches` and
     `tokens` count the micro-batches and tokens drawn from each source (tokens_by_source()).
     """
 
-    def __init__(self, blend: Blend, tokens_per_batch: int, *, seed: int, mtp_depth: int = 0, shuffle: bool = True):
+    def __init__(self, blend: Blend, tokens_per_batch: int, *, seed: int, mtp_depth: int = 0, shuffle: bool = True,
+                 whole_documents: bool = False):
         if not isinstance(blend, Blend):
             raise ValueError(f"blend: expected a Blend, got {type(blend).__name__}")
         self.blend = blend
         self.tokens_per_batch = check_positive_int("tokens_per_batch", tokens_per_batch)
         self.seed = check_positive_int("seed", seed, 0)
         self.mtp_depth = check_positive_int("mtp_depth", mtp_depth, 0)
-        self.shuffle = shuffle
+        self.shuffle, self.whole_documents = shuffle, whole_documents
         self.samplers = self._fresh_samplers()
         self.batches = [0] * len(blend.names)
         self.tokens = [0] * len(blend.names)
@@ -883,7 +905,7 @@ class BlendSampler:
         for i, (name, dataset) in enumerate(zip(self.blend.names, self.blend.datasets)):
             with _naming(self.blend.where(i)):
                 samplers.append(Sampler(dataset, self.tokens_per_batch, seed=self.seed if i == 0 else _source_seed(self.seed, name),
-                                        mtp_depth=self.mtp_depth, shuffle=self.shuffle))
+                                        mtp_depth=self.mtp_depth, shuffle=self.shuffle, whole_documents=self.whole_documents))
         return samplers
 
     def next_batch(self) -> TensorDict:

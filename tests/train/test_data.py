@@ -320,3 +320,60 @@ def test_label_mask_keeps_masked_tokens_out_of_every_label():
         make_batch(ids, cu, label_mask=torch.ones(5, dtype=torch.bool))
     with pytest.raises(ValueError, match="label_mask: expected a 1-D array of the data's 20 tokens"):
         TokenDataset(data, ds.starts, ds.lengths, None, vocab_size=BYTE_VOCAB_SIZE, eos=EOS, label_mask=mask[:5])
+
+
+def test_whole_documents_start_the_next_batch_instead_of_being_cut():
+    """whole_documents: every sequence of a batch is a whole document, a document longer
+    than the batch cut from a batch's start, or the padding at a batch's end (PAD, never
+    a label); the documents come in the epoch's order, each once per epoch; the stream
+    resumes exactly from a state_dict; validation batches refuse what needs more documents."""
+    ds = _synthetic(n_docs=23, max_len=40)  # document i: the byte i repeated, then EOS
+    T = 32
+    sampler = Sampler(ds, T, seed=3, whole_documents=True, mtp_depth=1)
+    seen, pads = [], 0
+    for _ in range(30):
+        b = sampler.next_batch()
+        assert b["input_ids"].shape == (T,)
+        seqs = _sequences(b)
+        for n, (s, e) in enumerate(seqs):
+            ids = b["input_ids"][s:e].tolist()
+            if ids[0] == PAD:
+                assert n == len(seqs) - 1 and set(ids) == {PAD} and not b["loss_mask"][s:e].any() and not b["mtp_loss_mask"][0, s:e].any()
+                assert (b["labels"][s:e] == IGNORE_INDEX).all()
+                pads += e - s
+                continue
+            doc = ids[0]
+            assert set(ids[:-1]) <= {doc} and (ids[-1] == EOS or (e - s == T or n == 0))  # whole, or a long document's piece
+            if ds.doc_len(doc) <= T:
+                assert ids == ds.document(doc).tolist()
+            seen.append((doc, e - s))
+    assert pads > 0
+    # the documents of each epoch, in its order, every piece of a long one in a row
+    order = [int(d) for e in range(3) for d in Sampler(ds, T, seed=3)._epoch_order(e)]
+    merged = []
+    for doc, n in seen:
+        if merged and merged[-1][0] == doc and merged[-1][1] < ds.doc_len(doc):
+            merged[-1][1] += n
+        else:
+            merged.append([doc, n])
+    assert [d for d, _ in merged] == order[:len(merged)] and all(n == ds.doc_len(d) for d, n in merged[:-1])
+    # resume mid-stream
+    a = Sampler(ds, T, seed=3, whole_documents=True)
+    for _ in range(7):
+        a.next_batch()
+    b = Sampler(ds, T, seed=3, whole_documents=True)
+    b.load_state_dict(a.state_dict())
+    assert all(_same(a.next_batch(), b.next_batch()) for _ in range(10))
+    # without padding the same documents fill fewer batches
+    plain = Sampler(ds, T, seed=3)
+    assert not any((plain.next_batch()["input_ids"] == PAD).any() for _ in range(30))
+    # validation: the stored order, each document at most once
+    stored = Sampler(ds, T, seed=0, shuffle=False, whole_documents=True)
+    every = []
+    while not stored.epoch:
+        every.append(stored.next_batch())
+    assert (stored.index, stored.offset) == (0, 0)  # the last batch ends in padding, not in document 0 again
+    val = ds.validation_batches(T, len(every), whole_documents=True)
+    assert all(_same(a, b) for a, b in zip(val, every))
+    with pytest.raises(ValueError, match="each document whole, need more than the dataset's 23 documents"):
+        ds.validation_batches(T, len(every) + 1, whole_documents=True)
