@@ -302,6 +302,12 @@ def main(argv: list[str]) -> None:
         device = _device(args.device if world == 1 else args.device.split(":")[0])
         if args.questions < 0:
             raise ValueError(f"--questions: expected >= 0 (0: all), got {args.questions}")
+        given = [knob for knob, value in (("--data", args.data), ("--batches", args.batches), ("--whole_documents", args.whole_documents))
+                 if value is not None]
+        if args.choices is not None and given:
+            raise ValueError(f"--choices: the questions are the data; {', '.join(given)} do not apply")
+        if args.choices is None and args.questions:
+            raise ValueError("--questions: counts the questions of --choices, which is not given")
         if args.choices is not None and args.cp > 1:
             raise ValueError("--cp: choices are scored with model.logits, which context parallelism does not run (use --tp, --ep, --etp)")
         if args.data is None and args.choices is None and is_hf_folder(args.path):

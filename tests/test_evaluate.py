@@ -129,6 +129,7 @@ def test_a_hugging_face_folder_on_byte_data(tmp_path, docs):
     (["--tokens_per_micro_batch=100000000", "--batches=0", "--split=val"], "--tokens_per_micro_batch: no source of the val split holds"),
     (["--batches=100000"], "n_batches: 100000 batches of 128 tokens need"),
     (["--tp=2"], "parallel knobs (--tp, --ep, --etp, --cp) for 1 process(es), the rest FSDP2: "),
+    (["--questions=3"], "--questions: counts the questions of --choices, which is not given"),
 ])
 def test_bad_knobs_stop_with_a_message(run_dir, args, message):
     cli = _cli(run_dir[0], *args)
@@ -257,6 +258,7 @@ def test_choices_of_a_hugging_face_folder_are_transformers_log_probabilities(tmp
     ([], [], "q.jsonl: no questions"),
     ([dict(context="a", choices=["b", "c"], answer=0)], ["--questions=-1"], "--questions: expected >= 0"),
     ([dict(context="a", choices=["b", "c"], answer=0)], ["--cp=2"], "--cp: choices are scored with model.logits"),
+    ([dict(context="a", choices=["b", "c"], answer=0)], ["--data=x", "--batches=2"], "--choices: the questions are the data; --data, --batches do not apply"),
     ([dict(context="a", choices=["b" * 200, "c"], answer=0)], ["--tokens_per_micro_batch=128"],
      "--tokens_per_micro_batch: a continuation of 200 tokens needs more than 128"),
 ])
