@@ -127,7 +127,7 @@ def data_batches(corpus, *, split: str, val_percent: int, tokens: int, n_batches
                 corpus.validation_sources(n_batches))
     batches, sources = [], []
     for name, dataset in zip(corpus.names, corpus.datasets):  # each source's documents in stored order, once
-        if not len(dataset):
+        if dataset.n_tokens < tokens:  # not one micro-batch without repeating documents
             continue
         sampler = Sampler(dataset, tokens, seed=0, mtp_depth=mtp_depth, shuffle=False, whole_documents=whole_documents)
         while not sampler.epoch:
