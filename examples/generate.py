@@ -144,7 +144,11 @@ def text_codec(path: Path, model: Transformer, run: dict) -> tuple[Optional[Call
         return (lambda s, special=True: tok.encode(s, add_special_tokens=special).ids), tok.decode, eos
     from fmoe.train.data import EOS, decode_text, encode_text
 
-    if str(run["config"].get("data", "")).endswith((".bin", ".npy")):  # token ids of an unknown tokenizer
+    byte_tokens = run.get("byte_tokens")  # config.json records it; an older run's sources were bytes when each was a directory
+    if byte_tokens is None:
+        sources = run.get("data_sources") or [{"path": run["config"].get("data") or None}]
+        byte_tokens = all(s["path"] is None or Path(s["path"]).is_dir() for s in sources)
+    if not byte_tokens:  # token ids of a tokenizer the run does not name
         return None, None, None
     return (lambda s, special=True: encode_text(s).tolist()), decode_text, EOS  # bytes: the stdlib corpus or text files
 

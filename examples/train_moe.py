@@ -371,7 +371,7 @@ def main(argv: list[str]) -> None:
               + ("" if energy.available else f"; energy not measured ({energy.reason})"), flush=True)
         write_config(cfg.out_dir, dataclasses.asdict(cfg), world_size=world, mesh=mesh_shape, device=str(device),
                      memory_plan=plan, energy={"measured": energy.available, "reason": energy.reason},
-                     dtype=str(dtype), warmup=warmup, wsd_decay=schedule["wsd_decay"], vocab_size=model_cfg.vocab_size,
+                     dtype=str(dtype), warmup=warmup, wsd_decay=schedule["wsd_decay"], vocab_size=model_cfg.vocab_size, byte_tokens=corpus.byte_tokens,
                      data_sources=[dict(name=n, weight=w, path=None if p is None else str(p)) for n, w, p in zip(corpus.names, corpus.weights, corpus.paths)])
 
     def micro_batch_loss(losses, stats, batch, valid, n_micro):

@@ -197,6 +197,8 @@ def test_choices_of_a_run_on_one_process_and_under_torchrun(run_dir, tmp_path):
     result = json.loads(cli.stdout)
     model, run = evaluate.load_model(out)
     encode, _, _ = evaluate.text_codec(out, model, run)
+    assert run["byte_tokens"] is True  # the stdlib corpus; a config.json from before the field: its sources (the stdlib) decide
+    assert evaluate.text_codec(out, model, {k: v for k, v in run.items() if k != "byte_tokens"})[0]("ab") == [97, 98]
     questions = evaluate.read_choices(path, encode)
     assert questions[0]["context"] == list(b"import ") and questions[1]["choices"][2] == list(b" (x)") and questions[1]["lengths"] == [2, 3, 4]
     logprobs, cut = evaluate.choice_logprobs(model, [(q["context"], c) for q in questions for c in q["choices"]], tokens=16,

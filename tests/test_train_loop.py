@@ -306,7 +306,15 @@ def test_prompt_and_response_data_counts_the_responses_only(tmp_path):
     assert [r["lm_loss"] for r in records[:2]] == [0.0, 0.0] and [r["mtp_1_loss"] for r in records[:2]] == [0.0, 0.0]
     assert records[2]["lm_loss"] > 1 and all(math.isfinite(r["loss"]) for r in records)
     assert f"(bits per token {records[-1]['val_loss'] / math.log(2):.3f})" in run.stdout
-    model, _ = evaluate.load_model(tmp_path / "run")
+    model, run_config = evaluate.load_model(tmp_path / "run")
+    # a token-file run names no tokenizer: texts are refused, not read as bytes
+    assert run_config["byte_tokens"] is False and evaluate.text_codec(tmp_path / "run", model, run_config) == (None, None, None)
+    older = {k: v for k, v in run_config.items() if k != "byte_tokens"}  # a config.json from before byte_tokens: its sources decide
+    assert evaluate.text_codec(tmp_path / "run", model, older) == (None, None, None)
+    (tmp_path / "q.jsonl").write_text(json.dumps({"context": "w1", "choices": ["w2", "w3"], "answer": 0}) + "\n")
+    cli = subprocess.run([sys.executable, str(ROOT / "examples" / "evaluate.py"), str(tmp_path / "run"), f"--choices={tmp_path / 'q.jsonl'}"],
+                         capture_output=True, text=True, timeout=300)
+    assert cli.returncode != 0 and "this model has no tokenizer here" in cli.stderr, cli.stderr[-2000:]
     masked = load_blend(str(tmp_path / "sft.u16")).split(20)[1].validation_batches(128, 12, mtp_depth=1)
     every = [make_batch(b["input_ids"], b["cu_seqlens"], 1) for b in masked]  # the same tokens, every label counted
     got, all_counted = (evaluate.evaluate(model, batches, ["sft.u16"] * 12, device=torch.device("cpu")) for batches in (masked, every))
