@@ -191,27 +191,28 @@ class TokenDataset:
     def doc_len(self, i: int) -> int:
         return int(self.doc_lens[i])
 
-    def document(self, i: int, begin: int = 0, end: Optional[int] = None) -> torch.Tensor:
-        """Tokens begin..end-1 of document i (EOS included): [end - begin] int64."""
+    def _span(self, array: np.ndarray, i: int, begin: int, end: Optional[int], dtype, eos) -> torch.Tensor:
+        """Entries begin..end-1 of document i's span of `array` (aligned with data), `eos`
+        for the virtual EOS when the span reaches it: [end - begin] of numpy `dtype`."""
         length = int(self.lengths[i])
         end = self.doc_len(i) if end is None else end
         start = int(self.starts[i])
         # np.array copies: an int64 .npy memmap would otherwise be shared read-only with torch
-        body = torch.from_numpy(np.array(self.data[start + begin: start + min(end, length)], dtype=np.int64))
+        body = torch.from_numpy(np.array(array[start + begin: start + min(end, length)], dtype=dtype))
         if end > length:  # the slice reaches the virtual EOS
-            body = torch.cat([body, torch.tensor([self.eos], dtype=torch.long)])
+            body = torch.cat([body, torch.tensor([eos], dtype=body.dtype)])
         return body
+
+    def document(self, i: int, begin: int = 0, end: Optional[int] = None) -> torch.Tensor:
+        """Tokens begin..end-1 of document i (EOS included): [end - begin] int64."""
+        return self._span(self.data, i, begin, end, np.int64, self.eos)
 
     def document_mask(self, i: int, begin: int = 0, end: Optional[int] = None) -> torch.Tensor:
         """label_mask of tokens begin..end-1 of document i: [end - begin] bool (all True
-        without a label_mask)."""
-        length = int(self.lengths[i])
-        end = self.doc_len(i) if end is None else end
+        without a label_mask; the virtual EOS counts)."""
         if self.label_mask is None:
-            return torch.ones(end - begin, dtype=torch.bool)
-        start = int(self.starts[i])
-        body = torch.from_numpy(np.array(self.label_mask[start + begin: start + min(end, length)], dtype=bool))
-        return torch.cat([body, torch.ones(end - max(begin, length) if end > length else 0, dtype=torch.bool)])
+            return torch.ones((self.doc_len(i) if end is None else end) - begin, dtype=torch.bool)
+        return self._span(self.label_mask, i, begin, end, bool, True)
 
     def subset(self, indices: np.ndarray) -> "TokenDataset":
         """The documents `indices` (in that order), sharing this dataset's storage."""
