@@ -284,11 +284,10 @@ def prepare(src: Union[str, os.PathLike], out: Union[str, os.PathLike], *, token
     if prompt_key is not None and (not isinstance(prompt_key, str) or not prompt_key or prompt_key == text_key):
         raise ValueError(f"prompt_key: expected a non-empty field name other than text_key {text_key!r}, got {prompt_key!r}")
     files = _source_files(src, out)
-    records = any(_kind(path) in ("jsonl", "parquet") for path in files)  # also refuses zstd files before any work
-    if prompt_key is not None:
-        for path in files:
-            if _kind(path) not in ("jsonl", "parquet"):
-                raise ValueError(f"src: {str(path)!r} is not JSON Lines or Parquet: a text file has no {prompt_key!r} (--prompt_key) field")
+    texts = [path for path in files if _kind(path) not in ("jsonl", "parquet")]  # also refuses zstd files before any work
+    records = len(texts) < len(files)
+    if prompt_key is not None and texts:
+        raise ValueError(f"src: {str(texts[0])!r} is not JSON Lines or Parquet: a text file has no {prompt_key!r} (--prompt_key) field")
     keys = (text_key,) if prompt_key is None else (text_key, prompt_key)
     if out.is_dir():
         raise ValueError(f"out: {str(out)!r} is a directory; expected a file name (e.g. data/code.u16)")
