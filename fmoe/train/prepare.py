@@ -35,13 +35,28 @@ empty text is skipped.
 
     python -m fmoe.train.prepare sft.jsonl data/sft.u32 --tokenizer=tok.json --prompt_key=prompt --text_key=response
 
+Conversations (chat data): --messages_key names each record's list of messages
+({"role": "user" | "assistant" | "system" | ..., "content": ...}; any other fields reach
+the template too), rendered by the model's chat template exactly as transformers'
+apply_chat_template renders it (fmoe.train.chat: the folder's chat_template.jinja, else its
+tokenizer_config.json's chat_template, else --chat_template=FILE) and encoded whole, without
+the tokenizer's post-processing. OUT.loss_mask is 1 on the assistant's turns only (a
+token counts when its first character is in one: the turn's text and end-of-turn tokens,
+not its role header) and on a separator that follows one. A conversation whose template
+renders earlier turns differently once later ones follow becomes one document per
+assistant turn (fmoe.train.chat); one without an assistant message is skipped.
+
+    python -m fmoe.train.prepare chats.jsonl data/chat.u32 --tokenizer=qwen3/tokenizer.json --messages_key=messages
+
 OUT gets the ids (uint16 when the vocabulary fits, <= 65536 ids, else uint32; a .u16 /
 .u32 suffix or --dtype decides otherwise) and OUT.index.json:
 
     {"documents": n, "tokens": n_tokens, "dtype": "uint16", "separator": id,
      "vocab_size": tokenizer.get_vocab_size(), "tokenizer": "/abs/tokenizer.json", "sources": n_files,
-     "text_key": "text" (only when some file is JSON Lines or Parquet),
-     "prompt_key": "prompt", "prompt_tokens": n, "loss_mask": "OUT.loss_mask" (only with prompts)}
+     "text_key": "text" (when some file is JSON Lines or Parquet, without conversations),
+     "prompt_key": "prompt" (with prompts), "messages_key": "messages", "chat_template": path,
+     "conversations": n, "split_conversations": n (with conversations),
+     "prompt_tokens": n (the tokens out of the loss), "loss_mask": "OUT.loss_mask" (with either)}
 
 from which fmoe.train.data.load_token_file / load_corpus / load_blend take separator,
 vocab_size and dtype. Documents are read and encoded in batches of about 4M characters
@@ -69,6 +84,7 @@ from typing import Iterator, Optional, Union
 import numpy as np
 
 from fmoe.ops.checks import check_positive_int
+from fmoe.train.chat import TRAINED_ROLE, load_chat_template
 from fmoe.train.data import FILE_DTYPES, MASK_SUFFIX, SUFFIX_DTYPES, index_path, list_text_files
 
 # end-of-document tokens of common tokenizers (GPT-2 / Qwen, Llama 2 / T5, ..., Llama 3, BERT)
@@ -78,7 +94,6 @@ SEPARATOR_TOKENS = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]"
 _BATCH_CHARS = 1 << 22
 _PROGRESS_SECONDS = 1.0
 _PARQUET_ROWS = 1024  # rows of a Parquet file read at a time
-_KEY_KNOBS = ("text_key", "prompt_key")  # the knobs naming a record's fields, in _documents' order
 
 
 def _load_tokenizer(path: Path):
@@ -171,17 +186,19 @@ def _read_bytes(path: Path, compressed: bool) -> bytes:
         raise ValueError(f"src: {str(path)!r} is not a readable gzip file ({err})") from None
 
 
-def _text_field(record, text_key: str, where: str, knob: str = "text_key") -> str:
+def _field(record, key: str, where: str, knob: str):
+    """record[key]: a string, or for --messages_key any value (fmoe.train.chat checks it)."""
     if not isinstance(record, dict):
         raise ValueError(f"src: {where} is not a JSON object (got {type(record).__name__})")
-    text = record.get(text_key)
-    if not isinstance(text, str):
-        got = "no such key" if text_key not in record else f"{type(text).__name__}"
-        raise ValueError(f"src: {where} has no string {text_key!r} field ({got}; keys: {sorted(record)[:8]}); choose it with --{knob}")
-    return text
+    value = record.get(key)
+    if key not in record or (knob != "messages_key" and not isinstance(value, str)):
+        got = "no such key" if key not in record else f"{type(value).__name__}"
+        kind = "" if knob == "messages_key" else "string "
+        raise ValueError(f"src: {where} has no {kind}{key!r} field ({got}; keys: {sorted(record)[:8]}); choose it with --{knob}")
+    return value
 
 
-def _jsonl_documents(path: Path, keys: tuple[str, ...]) -> Iterator[tuple[str, ...]]:
+def _jsonl_documents(path: Path, fields: tuple[tuple[str, str], ...]) -> Iterator[tuple]:
     opener = gzip.open if path.name.lower().endswith(".gz") else open
     try:
         with opener(path, "rb") as f:
@@ -194,12 +211,12 @@ def _jsonl_documents(path: Path, keys: tuple[str, ...]) -> Iterator[tuple[str, .
                     record = json.loads(line)
                 except json.JSONDecodeError as err:
                     raise ValueError(f"src: {where} is not JSON ({err.msg} at column {err.colno})") from None
-                yield where, *(_text_field(record, key, where, knob) for key, knob in zip(keys, _KEY_KNOBS))
+                yield where, *(_field(record, key, where, knob) for key, knob in fields)
     except _GZIP_ERRORS as err:
         raise ValueError(f"src: {str(path)!r} is not a readable gzip file ({err})") from None
 
 
-def _parquet_documents(path: Path, keys: tuple[str, ...]) -> Iterator[tuple[str, ...]]:
+def _parquet_documents(path: Path, fields: tuple[tuple[str, str], ...]) -> Iterator[tuple]:
     try:
         import pyarrow.parquet as pq
     except ImportError as err:
@@ -209,43 +226,54 @@ def _parquet_documents(path: Path, keys: tuple[str, ...]) -> Iterator[tuple[str,
     except Exception as err:  # pyarrow's own error types
         raise ValueError(f"src: {str(path)!r} is not a readable Parquet file ({err})") from None
     names = table.schema_arrow.names
-    for key in keys:
+    for key, knob in fields:
         if key not in names:
-            raise ValueError(f"src: {str(path)!r} has no column {key!r} (columns: {names[:8]}); choose it with --{_KEY_KNOBS[keys.index(key)]}")
+            raise ValueError(f"src: {str(path)!r} has no column {key!r} (columns: {names[:8]}); choose it with --{knob}")
     row = 0
-    for batch in table.iter_batches(batch_size=_PARQUET_ROWS, columns=list(keys)):
-        for values in zip(*(batch.column(j).to_pylist() for j in range(len(keys)))):
+    for batch in table.iter_batches(batch_size=_PARQUET_ROWS, columns=[key for key, _ in fields]):
+        for values in zip(*(batch.column(j).to_pylist() for j in range(len(fields)))):
             where = f"{str(path)!r} row {row}"
-            for key, value in zip(keys, values):
-                if not isinstance(value, str):
+            for (key, knob), value in zip(fields, values):
+                if knob != "messages_key" and not isinstance(value, str):
                     raise ValueError(f"src: {where} has no string {key!r} ({type(value).__name__})")
             yield where, *values
             row += 1
 
 
-def _documents(path: Path, keys: tuple[str, ...]) -> Iterator[tuple[str, ...]]:
+def _documents(path: Path, fields: tuple[tuple[str, str], ...]) -> Iterator[tuple]:
     """(where, text) of each document of one source file (module docstring), `where`
-    naming it in errors: the file, and its line or row; (where, text, prompt) with
-    keys = (text_key, prompt_key), records only."""
+    naming it in errors: the file, and its line or row; with records, (where, *values) of
+    `fields`, its (field, knob naming it) pairs: (where, text, prompt) for
+    (text_key, prompt_key), (where, messages) for (messages_key,)."""
     kind = _kind(path)
     if kind == "jsonl":
-        yield from _jsonl_documents(path, keys)
+        yield from _jsonl_documents(path, fields)
     elif kind == "parquet":
-        yield from _parquet_documents(path, keys)
+        yield from _parquet_documents(path, fields)
     else:
         yield repr(str(path)), _decode(_read_bytes(path, kind == "gzip"), repr(str(path)))
 
 
-def _encode(tokenizer, pending: list[tuple[str, ...]], *, separator: int, vocab_size: int,
-            dtype: str) -> tuple[np.ndarray, Optional[np.ndarray]]:
-    """The documents `pending` ((where, text) or (where, text, prompt)) as one array of ids
-    [n_tokens], each document's ids (the prompt's, then the text's) followed by the
-    separator; and with prompts, their loss mask [n_tokens] uint8: 0 on the prompts' ids."""
+def _span_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> np.ndarray:
+    """1 on the tokens whose first character lies in one of `spans` (sorted, disjoint [start,
+    end) characters), 0 elsewhere: [n_tokens] uint8."""
+    starts = np.asarray([start for start, _ in offsets], dtype=np.int64)
+    bounds = np.asarray(spans, dtype=np.int64).reshape(-1)
+    return (np.searchsorted(bounds, starts, side="right") % 2).astype(np.uint8)
+
+
+def _encode(tokenizer, pending: list[tuple], *, separator: int, vocab_size: int, dtype: str,
+            masked: bool) -> tuple[np.ndarray, Optional[np.ndarray]]:
+    """The documents `pending`, each (where, text, prompt, spans), as one array of ids
+    [n_tokens]: each document's ids (a prompt's, if not None, then the text's) followed by the
+    separator; and when `masked`, their loss mask [n_tokens] uint8: 0 on a prompt's ids, and
+    with `spans` (a conversation's trained characters, fmoe.train.chat) 0 on the tokens
+    outside them, the separator taking its document's last token's value."""
     encodings = tokenizer.encode_batch([p[1] for p in pending], add_special_tokens=False)
-    prompted = len(pending[0]) == 3
+    prompted = pending[0][2] is not None
     prompts = tokenizer.encode_batch([p[2] for p in pending], add_special_tokens=False) if prompted else [None] * len(pending)
     docs, masks = [], []
-    for (where, *_), encoding, prompt in zip(pending, encodings, prompts):
+    for (where, _, _, spans), encoding, prompt in zip(pending, encodings, prompts):
         head = np.asarray(prompt.ids if prompt is not None else [], dtype=np.int64)
         ids = np.concatenate([head, np.asarray(encoding.ids, dtype=np.int64)])
         hits = np.flatnonzero(ids == separator)
@@ -255,14 +283,18 @@ def _encode(tokenizer, pending: list[tuple[str, ...]], *, separator: int, vocab_
         if len(ids) and int(ids.max()) >= vocab_size:
             raise ValueError(f"tokenizer: it gave id {int(ids.max())} for {where}, not below its vocab_size {vocab_size}")
         docs.extend((ids, [separator]))
-        if prompted:
+        if masked and spans is not None:
+            mask = _span_mask(encoding.offsets, spans)
+            masks.extend((mask, mask[-1:] if len(mask) else np.zeros(1, dtype=np.uint8)))
+        elif masked:
             masks.extend((np.zeros(len(head), dtype=np.uint8), np.ones(len(ids) - len(head) + 1, dtype=np.uint8)))
-    return np.concatenate(docs).astype(FILE_DTYPES[dtype]), np.concatenate(masks) if prompted else None
+    return np.concatenate(docs).astype(FILE_DTYPES[dtype]), np.concatenate(masks) if masked else None
 
 
 def prepare(src: Union[str, os.PathLike], out: Union[str, os.PathLike], *, tokenizer: Union[str, os.PathLike],
             separator: Union[str, int, None] = None, dtype: Optional[str] = None, progress: bool = True,
-            text_key: str = "text", prompt_key: Optional[str] = None) -> dict:
+            text_key: str = "text", prompt_key: Optional[str] = None, messages_key: Optional[str] = None,
+            chat_template: Union[str, os.PathLike, None] = None) -> dict:
     """Tokenize the documents of `src` into the token file `out` and its index (module
     docstring); returns the index.
 
@@ -277,21 +309,39 @@ def prepare(src: Union[str, os.PathLike], out: Union[str, os.PathLike], *, token
         prompt_key: the field or column of a prompt before each text (records only): the
             document is the prompt's ids, then the text's, and a loss-mask file (module
             docstring) keeps the prompt's ids out of the loss; None: no prompts.
+        messages_key: the field or column of a conversation (records only; a list of
+            {"role", "content", ...} messages), rendered by the chat template: a loss-mask
+            file keeps all but the assistant's turns out of the loss (module docstring);
+            text_key is not read. None: no conversations.
+        chat_template: with messages_key, a .jinja file or a JSON file with a
+            "chat_template" field; None: the one beside the tokenizer (fmoe.train.chat).
     """
     src, out, tokenizer_path = Path(src), Path(out), Path(tokenizer)
     if not isinstance(text_key, str) or not text_key:
         raise ValueError(f"text_key: expected a non-empty field name, got {text_key!r}")
     if prompt_key is not None and (not isinstance(prompt_key, str) or not prompt_key or prompt_key == text_key):
         raise ValueError(f"prompt_key: expected a non-empty field name other than text_key {text_key!r}, got {prompt_key!r}")
+    if messages_key is not None and (not isinstance(messages_key, str) or not messages_key):
+        raise ValueError(f"messages_key: expected a non-empty field name, got {messages_key!r}")
+    if messages_key is not None and prompt_key is not None:
+        raise ValueError(f"prompt_key: a conversation ({messages_key!r}, --messages_key) holds its own prompts; give one of the two")
+    if chat_template is not None and messages_key is None:
+        raise ValueError("chat_template: it renders conversations, which need --messages_key")
     files = _source_files(src, out)
     texts = [path for path in files if _kind(path) not in ("jsonl", "parquet")]  # also refuses zstd files before any work
     records = len(texts) < len(files)
-    if prompt_key is not None and texts:
-        raise ValueError(f"src: {str(texts[0])!r} is not JSON Lines or Parquet: a text file has no {prompt_key!r} (--prompt_key) field")
-    keys = (text_key,) if prompt_key is None else (text_key, prompt_key)
+    for key, knob in ((prompt_key, "prompt_key"), (messages_key, "messages_key")):
+        if key is not None and texts:
+            raise ValueError(f"src: {str(texts[0])!r} is not JSON Lines or Parquet: a text file has no {key!r} (--{knob}) field")
+    if messages_key is not None:
+        fields = ((messages_key, "messages_key"),)
+    else:
+        fields = ((text_key, "text_key"),) + (((prompt_key, "prompt_key"),) if prompt_key is not None else ())
+    masked = prompt_key is not None or messages_key is not None
     if out.is_dir():
         raise ValueError(f"out: {str(out)!r} is a directory; expected a file name (e.g. data/code.u16)")
     tok = _load_tokenizer(tokenizer_path)
+    chat = load_chat_template(tokenizer_path, chat_template) if messages_key is not None else None
     vocab_size = tok.get_vocab_size()
     separator_id = _separator_id(tok, separator)
     dtype = _choose_dtype(out, dtype, vocab_size)
@@ -302,6 +352,7 @@ def prepare(src: Union[str, os.PathLike], out: Union[str, os.PathLike], *, token
     final_mask = out.parent / (out.name + MASK_SUFFIX)
     tmp_mask = out.parent / f".{final_mask.name}.{os.getpid()}.tmp"
     documents, tokens, prompt_tokens, pending, pending_chars = 0, 0, 0, [], 0
+    conversations, split = 0, 0  # conversations with an assistant turn, and those made one document per turn
     start = time.monotonic()
     next_report = start + _PROGRESS_SECONDS
 
@@ -315,7 +366,7 @@ def prepare(src: Union[str, os.PathLike], out: Union[str, os.PathLike], *, token
     def flush(f, mask_file) -> None:
         """Encode the pending documents and append their ids to f (their mask to mask_file)."""
         nonlocal documents, tokens, prompt_tokens, pending, pending_chars
-        ids, mask = _encode(tok, pending, separator=separator_id, vocab_size=vocab_size, dtype=dtype)
+        ids, mask = _encode(tok, pending, separator=separator_id, vocab_size=vocab_size, dtype=dtype, masked=masked)
         f.write(ids.tobytes())
         if mask is not None:
             mask_file.write(mask.tobytes())
@@ -323,12 +374,17 @@ def prepare(src: Union[str, os.PathLike], out: Union[str, os.PathLike], *, token
         documents, tokens, pending, pending_chars = documents + len(pending), tokens + len(ids), [], 0
 
     try:
-        with open(tmp_tokens, "wb") as f, open(tmp_mask, "wb") if prompt_key is not None else contextlib.nullcontext() as mask_file:
+        with open(tmp_tokens, "wb") as f, open(tmp_mask, "wb") if masked else contextlib.nullcontext() as mask_file:
             for done, path in enumerate(files, 1):
-                for where, text, *prompt in _documents(path, keys):
-                    if text:  # a record without a text (a response) has nothing to learn
-                        pending.append((where, text, *prompt))
-                        pending_chars += len(text) + sum(map(len, prompt))
+                for where, *values in _documents(path, fields):
+                    if chat is not None:  # a conversation without an assistant turn has nothing to learn
+                        docs = chat.documents(values[0], where)
+                        conversations, split = conversations + bool(docs), split + (len(docs) > 1)
+                        pending.extend((where, text, None, spans) for text, spans in docs)
+                        pending_chars += sum(len(text) for text, _ in docs)
+                    elif values[0]:  # a record without a text (a response) has nothing to learn
+                        pending.append((where, values[0], values[1] if prompt_key is not None else None, None))
+                        pending_chars += sum(map(len, values))
                     if pending_chars >= _BATCH_CHARS:
                         flush(f, mask_file)
                     if progress and time.monotonic() >= next_report:
@@ -338,17 +394,22 @@ def prepare(src: Union[str, os.PathLike], out: Union[str, os.PathLike], *, token
             if progress:
                 report(len(files))
         if not documents:
-            raise ValueError(f"src: no non-empty documents in {str(src)!r}")
+            raise ValueError(f"src: no non-empty documents in {str(src)!r}" if chat is None else
+                             f"src: no conversation in {str(src)!r} has a message whose role is {TRAINED_ROLE!r}")
         index = dict(documents=documents, tokens=tokens, dtype=dtype, separator=separator_id, vocab_size=vocab_size,
-                     tokenizer=str(tokenizer_path.resolve()), sources=len(files), **({"text_key": text_key} if records else {}),
-                     **(dict(prompt_key=prompt_key, prompt_tokens=prompt_tokens, loss_mask=final_mask.name) if prompt_key is not None else {}))
+                     tokenizer=str(tokenizer_path.resolve()), sources=len(files),
+                     **({"text_key": text_key} if records and chat is None else {}),
+                     **(dict(prompt_key=prompt_key) if prompt_key is not None else {}),
+                     **(dict(messages_key=messages_key, chat_template=chat.origin, conversations=conversations,
+                             split_conversations=split) if chat is not None else {}),
+                     **(dict(prompt_tokens=prompt_tokens, loss_mask=final_mask.name) if masked else {}))
         with open(tmp_index, "w", encoding="utf-8") as f:
             json.dump(index, f, indent=1)
             f.write("\n")
         final_index.unlink(missing_ok=True)  # an older index must never describe the new ids
         final_mask.unlink(missing_ok=True)
         os.replace(tmp_tokens, out)
-        if prompt_key is not None:
+        if masked:
             os.replace(tmp_mask, final_mask)
         os.replace(tmp_index, final_index)
     finally:
@@ -367,19 +428,26 @@ def main(argv=None) -> int:
     parser.add_argument("--text_key", default="text", help="the JSON Lines field / Parquet column of the text (default: text)")
     parser.add_argument("--prompt_key", default=None, help="the field / column of a prompt before each text, left out of the loss "
                         "(a loss-mask file beside OUT; default: no prompts)")
+    parser.add_argument("--messages_key", default=None, help="the field / column of a conversation (a list of {role, content} "
+                        "messages), rendered by the chat template; only the assistant's turns count in the loss (default: none)")
+    parser.add_argument("--chat_template", default=None, help="with --messages_key: a .jinja file, or a JSON file with a "
+                        "chat_template field (default: chat_template.jinja or tokenizer_config.json beside --tokenizer)")
     parser.add_argument("--dtype", choices=list(FILE_DTYPES), default=None,
                         help="default: from OUT's suffix, else uint16 when the vocabulary fits, else uint32")
     args = parser.parse_args(argv)
     separator = int(args.separator) if args.separator is not None and args.separator.isdigit() else args.separator
     try:
         index = prepare(args.src, args.out, tokenizer=args.tokenizer, separator=separator, dtype=args.dtype, text_key=args.text_key,
-                        prompt_key=args.prompt_key)
+                        prompt_key=args.prompt_key, messages_key=args.messages_key, chat_template=args.chat_template)
     except (ImportError, OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     print(f"{args.out}: {index['documents']} documents, {index['tokens']:,} tokens ({index['dtype']}), "
           f"separator {index['separator']}, vocab_size {index['vocab_size']}"
-          + (f", {index['prompt_tokens']:,} prompt tokens left out of the loss ({index['loss_mask']})" if "loss_mask" in index else ""))
+          + (f", {index['prompt_tokens']:,} prompt tokens left out of the loss ({index['loss_mask']})" if "prompt_key" in index else "")
+          + (f" from {index['conversations']} conversations ({index['split_conversations']} made one document per "
+             f"assistant turn), {index['prompt_tokens']:,} tokens outside the assistant's turns left out of the loss "
+             f"({index['loss_mask']})" if "messages_key" in index else ""))
     return 0
 
 

@@ -1,0 +1,200 @@
+"""Chat templates: conversations -> text, and which characters of it are the assistant's.
+
+A Hugging Face model folder keeps its chat template (a Jinja template) in
+`chat_template.jinja` or in `tokenizer_config.json`'s "chat_template" field. `load_chat_template`
+finds it beside a tokenizer.json (or takes a file), and `ChatTemplate.render` renders a
+conversation as transformers' `apply_chat_template(..., tokenize=False)` does: the same Jinja
+settings (sandboxed, trim_blocks, lstrip_blocks, loop controls, a `tojson` that keeps
+non-ASCII, `raise_exception`, `strftime_now`, `{% generation %}` blocks rendered as plain
+text) and the tokenizer's special tokens (`bos_token`, `eos_token`, ...) as variables.
+
+`ChatTemplate.documents(messages)` says what to train on (fmoe.train.prepare's
+--messages_key): the assistant's turn i is the text that rendering messages[:i + 1] adds to
+rendering messages[:i] with the generation prompt (the turn's content and its end-of-turn
+tokens, not the `<|im_start|>assistant` header the generation prompt already holds). When
+every such text sits at the same place in the whole conversation's rendering, the
+conversation is one document with one character span per assistant turn. Some templates render an earlier turn differently
+once later turns follow (Qwen3's drops the reasoning of turns before the last user message):
+such a conversation becomes one document per assistant turn, messages[:i + 1] rendered as the
+model sees it when it writes turn i, with that turn's span only.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Optional, Union
+
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+TRAINED_ROLE = "assistant"  # the role whose turns are trained
+
+Span = tuple[int, int]  # [start, end) in characters of a rendered text
+
+
+def _template_from_config(path: Path) -> Optional[str]:
+    """The chat template of a tokenizer_config.json: its "chat_template" string, or the
+    "default" one of a list of named templates; None when it has none."""
+    template = _read_json(path).get("chat_template")
+    if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if template is not None and not isinstance(template, str):
+        raise ValueError(f"chat_template: {str(path)!r} has a chat_template that is not a string or a list with a 'default' one")
+    return template
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"chat_template: cannot read {str(path)!r} as JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"chat_template: {str(path)!r} is not a JSON object")
+    return data
+
+
+def _special_tokens(config: Path) -> dict[str, str]:
+    """The special tokens a tokenizer_config.json names (bos_token, eos_token, ...): strings, or
+    {"content": ...} objects; the variables transformers gives a chat template."""
+    if not config.is_file():
+        return {}
+    tokens = {}
+    for key, value in _read_json(config).items():
+        if key.endswith("_token") and isinstance(value, dict):
+            value = value.get("content")
+        if key.endswith("_token") and isinstance(value, str):
+            tokens[key] = value
+    return tokens
+
+
+def _environment():
+    import jinja2  # a dependency of torch
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(jinja2.ext.Extension):
+        """`{% generation %}...{% endgeneration %}` (templates that mark the assistant's text for
+        transformers' assistant masks) renders its body; the spans come from the prefix rule."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+class ChatTemplate:
+    """A compiled chat template and the special tokens it may name.
+
+    Args:
+        source: the template's Jinja text.
+        special_tokens: variables for it, e.g. {"bos_token": "<s>", "eos_token": "</s>"}.
+        origin: where the template came from (for messages and the token file's index).
+    """
+
+    def __init__(self, source: str, special_tokens: Optional[dict[str, str]] = None, origin: str = "<string>"):
+        import jinja2
+
+        if not isinstance(source, str) or not source.strip():
+            raise ValueError(f"chat_template: expected a non-empty Jinja template, got {source!r} from {origin}")
+        try:
+            self._template = _environment().from_string(source)
+        except jinja2.TemplateError as err:
+            raise ValueError(f"chat_template: {origin} is not a valid Jinja template ({err})") from None
+        self.special_tokens = dict(special_tokens or {})
+        self.origin = origin
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False, where: str = "a conversation") -> str:
+        """The conversation's text, as transformers' apply_chat_template(tokenize=False)."""
+        import jinja2
+
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens)
+        except jinja2.TemplateError as err:
+            raise ValueError(f"src: the chat template ({self.origin}) refused {where} ({type(err).__name__}: {err})") from None
+
+    def documents(self, messages: list[dict], where: str = "a conversation") -> list[tuple[str, list[Span]]]:
+        """(text, spans) of each document of one conversation (module docstring): `spans` are
+        the [start, end) characters of its trained assistant turns, in order. No assistant
+        turn: no documents."""
+        check_messages(messages, where)
+        whole = self.render(messages, where=where)
+        turns = []  # (messages[:i + 1]'s text, turn i's span in it)
+        for i, message in enumerate(messages):
+            if message["role"] != TRAINED_ROLE:
+                continue
+            head = self.render(messages[:i], add_generation_prompt=True, where=f"{where} up to message {i}")
+            text = self.render(messages[:i + 1], where=f"{where} up to message {i + 1}")
+            if not text.startswith(head):
+                raise ValueError(f"src: {where}: the chat template ({self.origin}) renders message {i} ({TRAINED_ROLE}) "
+                                 "somewhere other than after its generation prompt, so its text cannot be told from the "
+                                 "prompt's; choose another --chat_template")
+            turns.append((text, (len(head), len(text))))
+        if all(whole.startswith(text) for text, _ in turns):
+            return [(whole, [span for _, span in turns])] if turns else []
+        return [(text, [span]) for text, span in turns]
+
+
+def check_messages(messages, where: str) -> None:
+    """A conversation: a non-empty list of objects, each with a string "role"."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"src: {where} has no conversation: expected a non-empty list of messages, got {_shown(messages)}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ValueError(f"src: {where}: message {i} is not an object with a string 'role' (got {_shown(message)}); "
+                             "messages look like {\"role\": \"user\", \"content\": \"...\"}")
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def load_chat_template(tokenizer: Union[str, Path], chat_template: Union[str, Path, None] = None) -> ChatTemplate:
+    """The chat template for a tokenizer.json: `chat_template` (a .jinja file, or a JSON file
+    with a "chat_template" field such as a tokenizer_config.json) if given, else the model
+    folder's chat_template.jinja, else its tokenizer_config.json's; the special tokens come
+    from the tokenizer_config.json beside the tokenizer (and from `chat_template` when it is
+    one)."""
+    folder = Path(tokenizer).parent
+    tokens = _special_tokens(folder / TOKENIZER_CONFIG)
+    if chat_template is not None:
+        path = Path(chat_template)
+        if not path.is_file():
+            raise FileNotFoundError(f"chat_template: {str(path)!r} does not exist")
+        if path.suffix.lower() == ".json":
+            source = _template_from_config(path)
+            if source is None:
+                raise ValueError(f"chat_template: {str(path)!r} has no \"chat_template\" field")
+            tokens.update(_special_tokens(path))
+        else:
+            try:
+                source = path.read_text(encoding="utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(f"chat_template: {str(path)!r} is not UTF-8 text ({err.reason})") from None
+        return ChatTemplate(source, tokens, origin=str(path))
+    if (folder / CHAT_TEMPLATE_FILE).is_file():
+        path = folder / CHAT_TEMPLATE_FILE
+        return ChatTemplate(path.read_text(encoding="utf-8"), tokens, origin=str(path))
+    if (folder / TOKENIZER_CONFIG).is_file() and (source := _template_from_config(folder / TOKENIZER_CONFIG)) is not None:
+        return ChatTemplate(source, tokens, origin=str(folder / TOKENIZER_CONFIG))
+    raise ValueError(f"chat_template: no {CHAT_TEMPLATE_FILE} and no tokenizer_config.json with a chat_template beside "
+                     f"{str(tokenizer)!r}; name one with --chat_template=FILE (.jinja, or a JSON file with a chat_template)")

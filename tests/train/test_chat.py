@@ -1,0 +1,224 @@
+"""fmoe.train.chat and `prepare --messages_key`: conversations rendered by a model's chat
+template, only the assistant's turns in the loss; checked against transformers."""
+
+import json
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+tokenizers = pytest.importorskip("tokenizers", reason="fmoe.train.prepare needs the tokenizers package (the fmoe[data] extra)")
+
+from fmoe.train.chat import ChatTemplate, load_chat_template  # noqa: E402
+from fmoe.train.data import load_corpus  # noqa: E402
+from fmoe.train.prepare import prepare  # noqa: E402
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# ChatML, with transformers' {% generation %} marks around what the assistant writes
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+          "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>' + '\\n' }}{% endgeneration %}"
+          "{% else %}{{ message['content'] + '<|im_end|>' + '\\n' }}{% endif %}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+# as Qwen3's: an assistant turn after the last user message shows its reasoning, an earlier one does not
+REASONING = ("{% set ns = namespace(last=-1) %}{% for m in messages %}{% if m.role == 'user' %}{% set ns.last = loop.index0 %}{% endif %}{% endfor %}"
+             "{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' }}"
+             "{% if m.role == 'assistant' and loop.index0 > ns.last %}{% generation %}{{ '<think>' + m.reasoning + '</think>' + m.content + '<|im_end|>\\n' }}{% endgeneration %}"
+             "{% elif m.role == 'assistant' %}{% generation %}{{ m.content + '<|im_end|>\\n' }}{% endgeneration %}"
+             "{% else %}{{ m.content + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+             "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+CHATS = [
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "héllo wörld → 🙂?"},
+     {"role": "assistant", "content": "def f(x):\n    return x"}, {"role": "user", "content": "again"}, {"role": "assistant", "content": "ok 🙂"}],
+    [{"role": "user", "content": "no answer here"}],  # no assistant turn: skipped
+    [{"role": "user", "content": "one"}, {"role": "assistant", "content": ""}],  # an empty reply still ends its turn
+    [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}, {"role": "user", "content": "z"}],  # ends with a user turn
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A byte-level BPE tokenizer.json with ChatML's special tokens, and a tokenizer_config.json
+    holding the ChatML template, as a Hugging Face model folder keeps them."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([(stdlib / name).read_text(encoding="utf-8")[:4000] for name in ("string.py", "textwrap.py")],
+                            trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS, show_progress=False,
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    folder = tmp_path_factory.mktemp("model")
+    tok.save(str(folder / "tokenizer.json"))
+    _write_config(folder, CHATML)
+    return folder
+
+
+def _write_config(folder, template, **extra):
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": {"__type": "AddedToken", "content": "<|im_end|>", "special": True},
+              "pad_token": "<|endoftext|>", "chat_template": template, **extra}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def _jsonl(path, chats, key="messages"):
+    path.write_text("".join(json.dumps({key: chat, "id": i}) + "\n" for i, chat in enumerate(chats)))
+    return path
+
+
+def _transformers_documents(folder, chats, per_turn=False):
+    """transformers' ids and assistant masks of each document, the separator appended (counted
+    when it follows an assistant's token): whole conversations, or one per assistant turn."""
+    transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]'")
+    hf = transformers.AutoTokenizer.from_pretrained(str(folder))
+    sep = hf.convert_tokens_to_ids("<|endoftext|>")
+    ids, mask = [], []
+    for chat in chats:
+        if per_turn:
+            parts = [(chat[:i + 1], i) for i, m in enumerate(chat) if m["role"] == "assistant"]
+        else:
+            parts = [(chat, None)] if any(m["role"] == "assistant" for m in chat) else []
+        for messages, turn in parts:
+            out = hf.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+            m = list(out["assistant_masks"])
+            if turn is not None:  # only the last turn trains: the earlier ones' marks are cleared
+                head = hf.apply_chat_template(messages[:turn], tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
+                m = [0] * len(head) + m[len(head):]
+            ids += list(out["input_ids"]) + [sep]
+            mask += m + m[-1:]
+    return ids, mask
+
+
+def test_conversations_count_the_assistant_turns_only(model_dir, tmp_path):
+    """JSON Lines and Parquet conversations: the ids are transformers' apply_chat_template
+    ids and the loss mask its assistant mask (the turn's text and end-of-turn tokens, not its
+    header), the separator counted after an assistant's turn; the conversation without an
+    assistant message is skipped; the file reads back with its mask."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    want_ids, want_mask = _transformers_documents(model_dir, CHATS)
+    assert 0 < sum(want_mask) < len(want_mask) / 2
+    pq.write_table(pa.table({"id": list(range(len(CHATS))), "messages": CHATS}), tmp_path / "chat.parquet", row_group_size=2)
+    for src in (_jsonl(tmp_path / "chat.jsonl", CHATS), tmp_path / "chat.parquet"):
+        out = tmp_path / f"{src.name}.u16"
+        index = prepare(src, out, tokenizer=model_dir / "tokenizer.json", messages_key="messages", progress=False)
+        assert np.fromfile(out, dtype=np.uint16).tolist() == want_ids, src
+        assert np.fromfile(tmp_path / index["loss_mask"], dtype=np.uint8).tolist() == want_mask, src
+        assert {k: index[k] for k in ("documents", "conversations", "split_conversations", "messages_key", "chat_template")} == dict(
+            documents=3, conversations=3, split_conversations=0, messages_key="messages", chat_template=str(model_dir / "tokenizer_config.json"))
+        assert index["prompt_tokens"] == len(want_mask) - sum(want_mask) and "text_key" not in index and "prompt_key" not in index
+        assert np.asarray(load_corpus(out).label_mask).tolist() == want_mask
+    run = subprocess.run([sys.executable, "-m", "fmoe.train.prepare", str(tmp_path / "chat.jsonl"), str(tmp_path / "cli.u16"),
+                          f"--tokenizer={model_dir / 'tokenizer.json'}", "--messages_key=messages"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().endswith(f"from 3 conversations (0 made one document per assistant turn), "
+                                       f"{len(want_mask) - sum(want_mask)} tokens outside the assistant's turns left out of the loss (cli.u16.loss_mask)")
+
+
+def test_the_template_is_found_beside_the_tokenizer_or_named(model_dir, tmp_path):
+    """--chat_template (a .jinja file, or a JSON file's chat_template with its special tokens)
+    over the folder's chat_template.jinja over its tokenizer_config.json; named templates take
+    "default"; the special tokens are the template's variables."""
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_bytes((model_dir / "tokenizer.json").read_bytes())
+    chat = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    _write_config(folder, [{"name": "tool_use", "template": "T{{ messages[0].content }}"}, {"name": "default", "template": "D{{ eos_token }}"}])
+    assert load_chat_template(folder / "tokenizer.json").render(chat) == "D<|im_end|>"
+    (folder / "chat_template.jinja").write_text("J{{ pad_token }}{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert load_chat_template(folder / "tokenizer.json").render(chat) == "J<|endoftext|>qa"
+    (tmp_path / "other.jinja").write_text("O{{ messages | length }}{{ add_generation_prompt }}")
+    assert load_chat_template(folder / "tokenizer.json", tmp_path / "other.jinja").render(chat, add_generation_prompt=True) == "O2True"
+    (tmp_path / "other.json").write_text(json.dumps({"chat_template": "{{ bos_token }}{{ eos_token }}", "bos_token": "<s>"}))
+    template = load_chat_template(folder / "tokenizer.json", tmp_path / "other.json")
+    assert template.render(chat) == "<s><|im_end|>" and template.origin == str(tmp_path / "other.json")
+    # transformers' globals and filters: tojson keeps non-ASCII, raise_exception, loop controls
+    template = ChatTemplate("{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m | tojson }}{% endfor %}")
+    assert template.render([{"role": "user", "content": "é"}, {"role": "x"}]) == '{"role": "user", "content": "é"}'
+
+
+def test_a_template_that_rewrites_earlier_turns_gives_one_document_per_turn(model_dir, tmp_path):
+    """Qwen3-style: a turn's reasoning shows only after the last user message, so the whole
+    conversation shows the first reply without the reasoning the model wrote it with. Each
+    assistant turn is then its own document, as transformers renders messages[:i + 1], with
+    that turn alone counted; a conversation with one turn stays whole."""
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_bytes((model_dir / "tokenizer.json").read_bytes())
+    _write_config(folder, REASONING)
+    chats = [[{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4", "reasoning": "add"},
+              {"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "6", "reasoning": "add again"}],
+             [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello", "reasoning": "greet"}]]
+    index = prepare(_jsonl(tmp_path / "c.jsonl", chats), tmp_path / "c.u16", tokenizer=folder / "tokenizer.json", messages_key="messages",
+                    progress=False)
+    want_ids, want_mask = _transformers_documents(folder, chats, per_turn=True)
+    assert np.fromfile(tmp_path / "c.u16", dtype=np.uint16).tolist() == want_ids
+    assert np.fromfile(tmp_path / "c.u16.loss_mask", dtype=np.uint8).tolist() == want_mask
+    assert (index["documents"], index["conversations"], index["split_conversations"]) == (3, 2, 1)
+    tok = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+    counted = tok.decode([t for t, m in zip(want_ids, want_mask) if m], skip_special_tokens=False)
+    assert counted == "<think>add</think>4<|im_end|>\n<|endoftext|><think>add again</think>6<|im_end|>\n<|endoftext|><think>greet</think>hello<|im_end|>\n<|endoftext|>"
+
+
+@pytest.mark.parametrize("records, kwargs, match", [
+    ([{"messages": "hi"}], {}, r"line 1 has no conversation: expected a non-empty list of messages, got 'hi'"),
+    ([{"messages": []}], {}, r"line 1 has no conversation"),
+    ([{"messages": [{"content": "hi"}]}], {}, r"line 1: message 0 is not an object with a string 'role' \(got \{'content': 'hi'\}\)"),
+    ([{"text": "hi"}], {}, r"line 1 has no 'messages' field \(no such key; keys: \['text'\]\); choose it with --messages_key"),
+    ([{"messages": [{"role": "user", "content": "hi"}]}], {}, r"no conversation in '.*' has a message whose role is 'assistant'"),
+    ([{"messages": [{"role": "user", "content": "hi"}]}], dict(prompt_key="prompt"), "prompt_key: a conversation .* holds its own prompts"),
+    ([{"messages": [{"role": "user", "content": "hi"}]}], dict(messages_key=""), "messages_key: expected a non-empty field name, got ''"),
+    ([{"messages": [{"role": "user", "content": "hi"}]}], dict(messages_key=None, chat_template="t.jinja"),
+     "chat_template: it renders conversations, which need --messages_key"),
+    ([{"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}],
+     dict(template="{% if messages[1].role == 'user' %}{{ raise_exception('roles must alternate') }}{% endif %}"),
+     r"line 1 \(TemplateError: roles must alternate\)"),
+    ([{"messages": [{"role": "user", "content": "a"}]}], dict(template="{{ messages.__class__.__mro__ }}"), r"refused .* \(SecurityError"),
+    ([{"messages": [{"role": "user", "content": "a"}]}], dict(template="{% for %}"), "is not a valid Jinja template"),
+    ([{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}],
+     dict(template="{% for m in messages %}{{ m.content }}{% endfor %}{% if add_generation_prompt %}<|im_start|>{% endif %}"),
+     r"line 1: the chat template .* renders message 1 \(assistant\) somewhere other than after its generation prompt"),
+    ([{"messages": [{"role": "user", "content": "a<|endoftext|>"}, {"role": "assistant", "content": "b"}]}], {},
+     "line 1 already holds the separator id 0"),
+])
+def test_bad_conversations_and_templates_stop_with_a_message(model_dir, tmp_path, records, kwargs, match):
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_bytes((model_dir / "tokenizer.json").read_bytes())
+    _write_config(folder, kwargs.pop("template", CHATML))
+    kwargs.setdefault("messages_key", "messages")
+    src = tmp_path / "c.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in records))
+    with pytest.raises(ValueError, match=match):
+        prepare(src, tmp_path / "o.u16", tokenizer=folder / "tokenizer.json", progress=False, **kwargs)
+    assert not (tmp_path / "o.u16").exists() and not list(tmp_path.glob(".*tmp"))
+
+
+def test_missing_templates_and_text_sources(model_dir, tmp_path):
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_bytes((model_dir / "tokenizer.json").read_bytes())
+    src = _jsonl(tmp_path / "c.jsonl", CHATS[:1])
+    kw = dict(tokenizer=folder / "tokenizer.json", messages_key="messages", progress=False)
+    with pytest.raises(ValueError, match=r"chat_template: no chat_template.jinja and no tokenizer_config.json with a chat_template beside"):
+        prepare(src, tmp_path / "o.u16", **kw)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    with pytest.raises(ValueError, match=r"name one with --chat_template=FILE"):
+        prepare(src, tmp_path / "o.u16", **kw)
+    with pytest.raises(FileNotFoundError, match=r"chat_template: '.*nope.jinja' does not exist"):
+        prepare(src, tmp_path / "o.u16", chat_template=tmp_path / "nope.jinja", **kw)
+    with pytest.raises(ValueError, match=r"chat_template: '.*tokenizer_config.json' has no \"chat_template\" field"):
+        prepare(src, tmp_path / "o.u16", chat_template=folder / "tokenizer_config.json", **kw)
+    (tmp_path / "t.txt").write_text("plain")
+    with pytest.raises(ValueError, match=r"a text file has no 'messages' \(--messages_key\) field"):
+        prepare(tmp_path / "t.txt", tmp_path / "o.u16", **kw)
+    (tmp_path / "empty.jinja").write_text(" \n")
+    with pytest.raises(ValueError, match="chat_template: expected a non-empty Jinja template"):
+        prepare(src, tmp_path / "o.u16", chat_template=tmp_path / "empty.jinja", **kw)
+    # the CLI prints the message
+    run = subprocess.run([sys.executable, "-m", "fmoe.train.prepare", str(src), str(tmp_path / "o.u16"), f"--tokenizer={folder / 'tokenizer.json'}",
+                          "--messages_key=messages", f"--chat_template={tmp_path / 'empty.jinja'}"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and "error: chat_template: expected a non-empty Jinja template" in run.stderr
