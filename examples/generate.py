@@ -6,6 +6,7 @@
     python examples/generate.py path/to/qwen3_moe --prompt_ids=1,2,3 # or token ids, printed as ids
     python examples/generate.py out/train_moe --prompt="def " --samples=4 --temperature=1  # 4 draws, one batch
     python examples/generate.py path/to/qwen3_moe --prompt="Hi" --device=cuda --dtype=bfloat16
+    python examples/generate.py path/to/qwen3_moe --chat --prompt="What is 2+2?" --system="Be brief."  # the reply
     torchrun --nproc-per-node 8 examples/generate.py path/to/qwen3_moe --prompt="Hi" --ep=8 --device=cuda --dtype=bfloat16
 
 An fmoe run is rebuilt from its config.json (the model knobs and vocab_size the loop wrote)
@@ -16,7 +17,11 @@ decode_text). An HF folder is loaded with fmoe.hf.from_pretrained. Decoding: gre
 tokens whose probability reaches --top_p (nucleus sampling), from a generator seeded by
 --seed. The prompt runs once, then each new token alone against the keys and values of
 the tokens before it (Transformer.decode with a KVCache of prompt + --tokens tokens).
-Generation stops after --tokens new tokens or at the end-of-document token. --samples=N
+Generation stops after --tokens new tokens or at the end-of-document token (an HF folder's
+generation_config.json eos_token_id, one id or several, as transformers' generate; else
+its config.json's). --chat renders --prompt as a user message (after --system's message)
+with the folder's chat template and its generation prompt, as transformers'
+apply_chat_template does (fmoe.train.chat), and prints the reply alone. --samples=N
 draws N continuations of the prompt as one batch (one cache of N sequences, every step of
 the unfinished ones in one forward pass). --device and --dtype place and cast the model
 (the router stays float32; an HF folder's weights are allocated there and cast as they are
@@ -46,7 +51,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -153,6 +158,26 @@ def text_codec(path: Path, model: Transformer, run: dict) -> tuple[Optional[Call
     return (lambda s, special=True: encode_text(s).tolist()), decode_text, EOS  # bytes: the stdlib corpus or text files
 
 
+def stop_ids(path: Path, run: dict, eos: Optional[int]) -> list[int]:
+    """The ids generation stops at: an HF folder's generation_config.json eos_token_id (an
+    id or a list, as transformers' generate reads it), else `eos` (text_codec's)."""
+    config = path / "generation_config.json"
+    stop = json.loads(config.read_text()).get("eos_token_id") if not run and config.is_file() else None
+    stop = eos if stop is None else stop
+    return [] if stop is None else [stop] if isinstance(stop, int) else list(stop)
+
+
+def chat_prompt(path: Path, text: str, *, system: str = "", chat_template: Optional[Path] = None) -> str:
+    """--chat: `text` as a user message (after a system message when `system` is given),
+    rendered by an HF folder's chat template with its generation prompt (fmoe.train.chat:
+    the folder's chat_template.jinja or tokenizer_config.json, or `chat_template`), as
+    transformers' apply_chat_template(..., add_generation_prompt=True)."""
+    from fmoe.train.chat import load_chat_template
+
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+    return load_chat_template(path / "tokenizer.json", chat_template).render(messages, add_generation_prompt=True, where="--prompt")
+
+
 def add_parallel_knobs(parser: argparse.ArgumentParser, *, cp: bool = False, per: str = "step") -> tuple[str, ...]:
     """The torchrun knobs of generate.py and evaluate.py: --tp, --ep, --etp (and --cp with
     cp), the rest of the world FSDP2; --keep_gathered (FSDP2's weights gathered once, not
@@ -187,7 +212,7 @@ def start_ranks(device: torch.device, sizes: dict) -> torch.device:
 
 
 def generate(model: Transformer, prompt: list[int], *, tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-             seed: int = 0, eos: Optional[int] = None) -> list[int]:
+             seed: int = 0, eos: Union[int, Sequence[int], None] = None) -> list[int]:
     """prompt + up to `tokens` new token ids (module docstring). ValueError for an empty
     prompt, a negative number of tokens or temperature, or top_p outside (0, 1]."""
     return generate_many(model, [prompt], tokens=tokens, temperature=temperature, top_p=top_p, seed=seed, eos=eos)[0]
@@ -195,12 +220,13 @@ def generate(model: Transformer, prompt: list[int], *, tokens: int, temperature:
 
 @torch.no_grad()
 def generate_many(model: Transformer, prompts: list[list[int]], *, tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                  seed: int = 0, eos: Optional[int] = None, group=None) -> list[list[int]]:
+                  seed: int = 0, eos: Union[int, Sequence[int], None] = None, group=None) -> list[list[int]]:
     """Each prompt + up to `tokens` new token ids, decoded as one batch: a KVCache of
     len(prompts) sequences, each prompt run alone, then one step for every unfinished
     sequence together (Transformer.decode with seqs). Greedy gives each prompt what
     generate gives it alone; sampling draws from one generator seeded by `seed`, the
-    sequences in order at each step. ValueError as generate's, and for no prompts.
+    sequences in order at each step. A sequence stops at `eos`: an id, or several (a chat
+    model's end of turn and end of text). ValueError as generate's, and for no prompts.
 
     group: for a model parallelized over several processes (load_sharded), the process
     group of its ranks, every one calling this with the same prompts: the tokens that the
@@ -216,6 +242,7 @@ def generate_many(model: Transformer, prompts: list[list[int]], *, tokens: int, 
         raise ValueError(f"temperature: expected >= 0 (0: greedy), got {temperature}")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p: expected a number in (0, 1], got {top_p}")
+    stops = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
     model.eval()
     gen = torch.Generator().manual_seed(seed)
     out = [list(prompt) for prompt in prompts]
@@ -234,7 +261,7 @@ def generate_many(model: Transformer, prompts: list[list[int]], *, tokens: int, 
             drawn = drawn_t.tolist()
         for b, nxt in zip(list(active), drawn):
             out[b].append(nxt)
-            if eos is not None and nxt == eos:
+            if nxt in stops:
                 active.remove(b)
         if not active:
             break
@@ -278,10 +305,18 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--samples", type=int, default=1, help="continuations of the prompt, decoded as one batch")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (under torchrun: cpu or cuda, each rank its LOCAL_RANK's GPU)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--chat", action="store_true", help="an HF folder: --prompt as a user message in its chat template; prints the reply")
+    parser.add_argument("--system", default="", help="with --chat: a system message before the prompt")
+    parser.add_argument("--chat_template", type=Path, default=None, help="with --chat: a .jinja file, or a JSON file with a "
+                        "chat_template field (default: the folder's chat_template.jinja or tokenizer_config.json)")
     axes = add_parallel_knobs(parser, per="step")
     args = parser.parse_args(argv)
     group = None
     world, sizes, dtype = int(os.environ.get("WORLD_SIZE", "1")), {axis: getattr(args, axis) for axis in axes}, getattr(torch, args.dtype)
+    if (args.system or args.chat_template) and not args.chat:
+        sys.exit("--system, --chat_template: they shape a chat prompt, which needs --chat")
+    if args.chat and args.prompt_ids:
+        sys.exit("--chat: it renders --prompt's text in the chat template; give --prompt, not --prompt_ids")
     try:
         device = _device(args.device if world == 1 else args.device.split(":")[0])
         if world > 1 or any(v != 1 for v in sizes.values()):  # several processes: each holds and reads its own shards
@@ -295,9 +330,15 @@ def main(argv: list[str]) -> None:
         else:
             model, run, _ = load_sharded(args.path, sizes, device=device, dtype=dtype, impl="torch")
         encode, decode, eos = text_codec(args.path, model, run)
+        if args.chat and (run or encode is None):
+            raise ValueError(f"--chat: {str(args.path)!r} is not a Hugging Face folder with a tokenizer.json; a chat template "
+                             "needs one (a run fine-tuned from one: write it with examples/export_hf.py, which copies the tokenizer)")
+        chat = chat_prompt(args.path, args.prompt, system=args.system, chat_template=args.chat_template) if args.chat else None
     except (OSError, ValueError, KeyError) as err:
-        sys.exit(str(err) if str(err).startswith("parallel knobs") else f"path: {err}")
-    if args.prompt_ids:
+        sys.exit(str(err) if str(err).startswith(("parallel knobs", "--chat", "chat_template")) else f"path: {err}")
+    if chat is not None:
+        prompt = encode(chat, special=False)  # the template writes the BOS itself, as apply_chat_template's tokenize
+    elif args.prompt_ids:
         prompt = [int(t) for t in args.prompt_ids.split(",")]
     elif encode is not None:
         prompt = encode(args.prompt) or [eos if eos is not None else 0]
@@ -308,14 +349,17 @@ def main(argv: list[str]) -> None:
             raise ValueError(f"--samples: expected a positive number of continuations, got {args.samples}")
         with parallel.gathered(model) if args.keep_gathered else contextlib.nullcontext():
             samples = generate_many(model, [prompt] * args.samples, tokens=args.tokens, temperature=args.temperature,
-                                    top_p=args.top_p, seed=args.seed, eos=eos, group=group)
+                                    top_p=args.top_p, seed=args.seed, eos=stop_ids(args.path, run, eos), group=group)
     except ValueError as err:
         sys.exit(str(err))
     if group is None or dist.get_rank() == 0:
         for i, ids in enumerate(samples):
             if args.samples > 1:
                 print(f"--- sample {i}")
-            print(decode(ids) if decode is not None and not args.prompt_ids else ",".join(map(str, ids[len(prompt):])))
+            if chat is not None:  # the reply alone
+                print(decode(ids[len(prompt):]))
+            else:
+                print(decode(ids) if decode is not None and not args.prompt_ids else ",".join(map(str, ids[len(prompt):])))
     if group is not None:
         parallel.leave_ranks()
 

@@ -4,7 +4,9 @@ samples reproducibly per seed; under torchrun (FSDP2, TP, EP) rank 0 prints one 
 samples; bad knobs stop with a message."""
 
 import dataclasses
+import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -164,3 +166,68 @@ def test_bad_sampling_knobs(run_dir, kwargs, message):
         generate.generate(run_dir[1], [1, 2], **{"tokens": 2, **kwargs})
     with pytest.raises(ValueError, match="prompt: expected at least one token"):
         generate.generate(run_dir[1], [], tokens=2)
+
+
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def test_chat_renders_the_template_and_stops_at_any_end_id(tmp_path):
+    """--chat on an HF folder: --system and --prompt rendered by its chat template with the
+    generation prompt (the ids of transformers' apply_chat_template), greedy tokens equal
+    to transformers' generate, which stops at any of generation_config.json's eos ids; the
+    reply alone is printed. Refused: --prompt_ids, --system without --chat, a byte run."""
+    transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]'")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         head_dim=8, intermediate_size=40, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2)
+    ref = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.mul_(8.0)  # sharper logits: no near-ties for greedy to split on
+    specials = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
+    vocab = {f"w{i}": i for i in range(57)} | {"user": 57, "assistant": 58, "system": 59, "[UNK]": 60} | {t: 61 + i for i, t in enumerate(specials)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(specials)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHATML}))
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    messages = [{"role": "system", "content": "w1 w2"}, {"role": "user", "content": "w3 w4 w5"}]
+    ids = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    assert generate.chat_prompt(tmp_path, "w3 w4 w5", system="w1 w2") == hf.apply_chat_template(messages, add_generation_prompt=True,
+                                                                                               tokenize=False)
+    free = ref.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+    stop = free[4]  # a token greedy meets: generation ends there (at its first appearance)
+    ref.generation_config.eos_token_id = [62, stop]
+    ref.generation_config.pad_token_id = 0
+    ref.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "generation_config.json").read_text())["eos_token_id"] == [62, stop]
+    theirs = ref.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
+    assert theirs == free[:free.index(stop) + 1]
+    run = lambda path, *args: subprocess.run([sys.executable, str(ROOT / "examples" / "generate.py"), str(path), "--tokens=12", *args],  # noqa: E731
+                                             capture_output=True, text=True, timeout=300)
+    cli = run(tmp_path, "--chat", "--system=w1 w2", "--prompt=w3 w4 w5")
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    assert cli.stdout == hf.decode(theirs, skip_special_tokens=True) + "\n" and len(cli.stdout.split()) >= 2
+    model, _ = generate.load_model(tmp_path)
+    assert generate.generate(model, ids, tokens=12, eos=generate.stop_ids(tmp_path, {}, 61))[len(ids):] == theirs
+    for path, args, message in ((tmp_path, ["--chat", "--prompt_ids=1,2"], "--chat: it renders --prompt's text in the chat template"),
+                                (tmp_path, ["--system=hi"], "--system, --chat_template: they shape a chat prompt, which needs --chat"),
+                                (tmp_path, ["--chat", f"--chat_template={tmp_path / 'nope.jinja'}"], "chat_template: '.*nope.jinja' does not exist"),
+                                (_byte_run(tmp_path), ["--chat", "--prompt=hi"], "--chat: '.*' is not a Hugging Face folder with a tokenizer.json")):
+        bad = run(path, *args)
+        assert bad.returncode != 0 and re.search(message, bad.stderr), bad.stderr[-2000:]
+
+
+def _byte_run(tmp_path):
+    from fmoe.train import checkpoint
+    from fmoe.train.run import write_config
+
+    out = tmp_path / "run"
+    cfg = TransformerConfig(vocab_size=258, hidden=16, n_layers=1, n_dense=1, ffn_dense=16, n_heads=2, n_kv_heads=1, head_dim=8, mtp_depth=0)
+    write_config(out, {"model": dataclasses.asdict(cfg), "data": ""}, vocab_size=258)
+    checkpoint.save(out, 1, model=Transformer(cfg), optimizers=[])
+    return out

@@ -129,7 +129,7 @@ class ChatTemplate:
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens)
         except jinja2.TemplateError as err:
-            raise ValueError(f"src: the chat template ({self.origin}) refused {where} ({type(err).__name__}: {err})") from None
+            raise ValueError(f"chat_template: {self.origin} refused {where} ({type(err).__name__}: {err})") from None
 
     def documents(self, messages: list[dict], where: str = "a conversation") -> list[tuple[str, list[Span]]]:
         """(text, spans) of each document of one conversation (module docstring): `spans` are
