@@ -239,11 +239,15 @@ def main(argv: list[str]) -> None:
         train_set, val_set = corpus.split(cfg.val_percent)
         sampler = BlendSampler(train_set, cfg.tokens_per_micro_batch, seed=cfg.seed, mtp_depth=cfg.model.mtp_depth,
                                whole_documents=cfg.whole_documents)
+    except (OSError, ValueError) as err:
+        sys.exit(str(err) if str(err).startswith("data:") else f"data: {err}")
+    try:
         val_batches = val_set.validation_batches(cfg.tokens_per_micro_batch, cfg.eval_batches, mtp_depth=cfg.model.mtp_depth,
                                                  whole_documents=cfg.whole_documents)
         val_sources = val_set.validation_sources(cfg.eval_batches)  # the source of each validation batch
-    except (OSError, ValueError) as err:
-        sys.exit(f"data: {err}")
+    except ValueError as err:
+        sys.exit(f"--eval_batches={cfg.eval_batches}: the validation split ({cfg.val_percent}% of the documents) is too small "
+                 f"({err}); lower --eval_batches or raise --val_percent")
 
     if hf_type is not None and corpus.vocab_size > cfg.model.vocab_size:
         sys.exit(f"--init_from_hf: the data's {corpus.vocab_size} token ids do not fit the model's vocab_size {cfg.model.vocab_size} "

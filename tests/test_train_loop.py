@@ -154,7 +154,9 @@ BAD_KNOBS = [
     (["--tp=2", "--tokens_per_micro_batch=255"], "--tokens_per_micro_batch: expected a multiple of --tp = 2, got 255"),
     (["--steps"], "--steps: expected --steps=<int>"),
     (["--warmup=50", "--steps=10"], "warmup: expected at most total=10"),
-    (["--data=/no/such/dir"], "data: "),
+    (["--data=/no/such/dir"], "data: source 'dir' (/no/such/dir): path: '/no/such/dir' does not exist"),
+    (["--eval_batches=100000"], "--eval_batches=100000: the validation split (5% of the documents) is too small (data: source "
+                                "'stdlib': n_batches: 100000 batches of 128 tokens need 12800000 tokens, the dataset has 857423); lower --eval_batches"),
     (["--init_from=/no/such/run"], "--init_from: path: '/no/such/run' does not exist"),
     (["--optimizer=sgd", "--steps=1"], "--optimizer: expected adamw or muon"),
 ]

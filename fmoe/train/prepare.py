@@ -445,7 +445,7 @@ def main(argv=None) -> int:
     print(f"{args.out}: {index['documents']} documents, {index['tokens']:,} tokens ({index['dtype']}), "
           f"separator {index['separator']}, vocab_size {index['vocab_size']}"
           + (f", {index['prompt_tokens']:,} prompt tokens left out of the loss ({index['loss_mask']})" if "prompt_key" in index else "")
-          + (f" from {index['conversations']} conversations ({index['split_conversations']} made one document per "
+          + (f"; {index['conversations']} conversations ({index['split_conversations']} made one document per "
              f"assistant turn), {index['prompt_tokens']:,} tokens outside the assistant's turns left out of the loss "
              f"({index['loss_mask']})" if "messages_key" in index else ""))
     return 0

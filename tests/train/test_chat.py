@@ -114,7 +114,7 @@ def test_conversations_count_the_assistant_turns_only(model_dir, tmp_path):
     run = subprocess.run([sys.executable, "-m", "fmoe.train.prepare", str(tmp_path / "chat.jsonl"), str(tmp_path / "cli.u16"),
                           f"--tokenizer={model_dir / 'tokenizer.json'}", "--messages_key=messages"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
-    assert run.stdout.strip().endswith(f"from 3 conversations (0 made one document per assistant turn), "
+    assert run.stdout.strip().endswith(f"; 3 conversations (0 made one document per assistant turn), "
                                        f"{len(want_mask) - sum(want_mask)} tokens outside the assistant's turns left out of the loss (cli.u16.loss_mask)")
 
 
