@@ -6,7 +6,10 @@ finds it beside a tokenizer.json (or takes a file), and `ChatTemplate.render` re
 conversation as transformers' `apply_chat_template(..., tokenize=False)` does: the same Jinja
 settings (sandboxed, trim_blocks, lstrip_blocks, loop controls, a `tojson` that keeps
 non-ASCII, `raise_exception`, `strftime_now`, `{% generation %}` blocks rendered as plain
-text) and the tokenizer's special tokens (`bos_token`, `eos_token`, ...) as variables.
+text) and the tokenizer's special tokens (`bos_token`, `eos_token`, ...) as variables,
+`tools` (function definitions, or None) and `documents` (None); a message's reasoning given
+under one of REASONING_FIELDS is given under the others too ("reasoning_content" is what
+most templates read, "thinking" gpt-oss's), as transformers does.
 
 `ChatTemplate.documents(messages)` says what to train on (fmoe.train.prepare's
 --messages_key): the assistant's turn i is the text that rendering messages[:i + 1] adds to
@@ -21,6 +24,7 @@ model sees it when it writes turn i, with that turn's span only.
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -28,7 +32,10 @@ from typing import Optional, Union
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG = "tokenizer_config.json"
+SPECIAL_TOKENS_MAP = "special_tokens_map.json"  # older folders keep their special tokens here too
 TRAINED_ROLE = "assistant"  # the role whose turns are trained
+TOOLS_FIELD = "tools"  # a record's function definitions: the template's `tools`
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # a message's reasoning, by the names templates read
 
 Span = tuple[int, int]  # [start, end) in characters of a rendered text
 
@@ -55,11 +62,18 @@ def _read_json(path: Path) -> dict:
     return data
 
 
-def _special_tokens(config: Path) -> dict[str, str]:
-    """The special tokens a tokenizer_config.json names (bos_token, eos_token, ...): strings, or
-    {"content": ...} objects; the variables transformers gives a chat template."""
-    if not config.is_file():
-        return {}
+def _special_tokens(*configs: Path) -> dict[str, str]:
+    """The special tokens JSON files name (bos_token, eos_token, ...: strings, or {"content": ...}
+    objects), the first file's where several name one; the variables transformers gives a
+    chat template."""
+    tokens = {}
+    for config in reversed(configs):
+        if config.is_file():
+            tokens.update(_tokens_of(config))
+    return tokens
+
+
+def _tokens_of(config: Path) -> dict[str, str]:
     tokens = {}
     for key, value in _read_json(config).items():
         if key.endswith("_token") and isinstance(value, dict):
@@ -122,27 +136,34 @@ class ChatTemplate:
         self.special_tokens = dict(special_tokens or {})
         self.origin = origin
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = False, where: str = "a conversation") -> str:
-        """The conversation's text, as transformers' apply_chat_template(tokenize=False)."""
+    def render(self, messages: list[dict], add_generation_prompt: bool = False, where: str = "a conversation",
+               tools: Optional[list] = None) -> str:
+        """The conversation's text, as transformers' apply_chat_template(messages, tools=tools,
+        tokenize=False, add_generation_prompt=...)."""
         import jinja2
 
+        messages = [_with_reasoning_aliases(m) for m in messages]
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens)
+            return self._template.render(messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt,
+                                         **self.special_tokens)
         except jinja2.TemplateError as err:
             raise ValueError(f"chat_template: {self.origin} refused {where} ({type(err).__name__}: {err})") from None
 
-    def documents(self, messages: list[dict], where: str = "a conversation") -> list[tuple[str, list[Span]]]:
+    def documents(self, messages: list[dict], where: str = "a conversation", tools=None) -> list[tuple[str, list[Span]]]:
         """(text, spans) of each document of one conversation (module docstring): `spans` are
         the [start, end) characters of its trained assistant turns, in order. No assistant
-        turn: no documents."""
+        turn: no documents. tools: the conversation's function definitions (a list, or a JSON
+        string of one), or None."""
         check_messages(messages, where)
-        whole = self.render(messages, where=where)
+        tools = _tools(tools, where)
+        render = functools.partial(self.render, tools=tools)
+        whole = render(messages, where=where)
         turns = []  # (messages[:i + 1]'s text, turn i's span in it)
         for i, message in enumerate(messages):
             if message["role"] != TRAINED_ROLE:
                 continue
-            head = self.render(messages[:i], add_generation_prompt=True, where=f"{where} up to message {i}")
-            text = self.render(messages[:i + 1], where=f"{where} up to message {i + 1}")
+            head = render(messages[:i], add_generation_prompt=True, where=f"{where} up to message {i}")
+            text = render(messages[:i + 1], where=f"{where} up to message {i + 1}")
             if not text.startswith(head):
                 raise ValueError(f"src: {where}: the chat template ({self.origin}) renders message {i} ({TRAINED_ROLE}) "
                                  "somewhere other than after its generation prompt, so its text cannot be told from the "
@@ -163,6 +184,26 @@ def check_messages(messages, where: str) -> None:
                              "messages look like {\"role\": \"user\", \"content\": \"...\"}")
 
 
+def _with_reasoning_aliases(message: dict) -> dict:
+    """The message with its reasoning (the first of REASONING_FIELDS it holds, not None) under
+    "thinking" (where it has none) and "reasoning_content" too, as transformers gives it."""
+    reasoning = next((message[key] for key in REASONING_FIELDS if message.get(key) is not None), None)
+    return message if reasoning is None else {"thinking": reasoning, **message, "reasoning_content": reasoning}
+
+
+def _tools(tools, where: str) -> Optional[list]:
+    """A record's tools: None, a list, or a JSON string of a list (as datasets store them)."""
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"src: {where}: its {TOOLS_FIELD!r} string is not JSON ({err.msg})") from None
+    if tools is not None and not isinstance(tools, list):
+        raise ValueError(f"src: {where}: {TOOLS_FIELD!r} must be a list of function definitions (or a JSON string of one), "
+                         f"got {_shown(tools)}")
+    return tools
+
+
 def _shown(value) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
@@ -172,10 +213,10 @@ def load_chat_template(tokenizer: Union[str, Path], chat_template: Union[str, Pa
     """The chat template for a tokenizer.json: `chat_template` (a .jinja file, or a JSON file
     with a "chat_template" field such as a tokenizer_config.json) if given, else the model
     folder's chat_template.jinja, else its tokenizer_config.json's; the special tokens come
-    from the tokenizer_config.json beside the tokenizer (and from `chat_template` when it is
-    one)."""
+    from the tokenizer_config.json beside the tokenizer, else its special_tokens_map.json (and
+    from `chat_template` when it is a JSON file)."""
     folder = Path(tokenizer).parent
-    tokens = _special_tokens(folder / TOKENIZER_CONFIG)
+    tokens = _special_tokens(folder / TOKENIZER_CONFIG, folder / SPECIAL_TOKENS_MAP)
     if chat_template is not None:
         path = Path(chat_template)
         if not path.is_file():

@@ -44,7 +44,9 @@ the tokenizer's post-processing. OUT.loss_mask is 1 on the assistant's turns onl
 token counts when its first character is in one: the turn's text and end-of-turn tokens,
 not its role header) and on a separator that follows one. A conversation whose template
 renders earlier turns differently once later ones follow becomes one document per
-assistant turn (fmoe.train.chat); one without an assistant message is skipped.
+assistant turn (fmoe.train.chat); one without an assistant message is skipped. A record's
+"tools" field or column (function definitions; a JSON string of them is parsed), when it has
+one, is the template's `tools`, as apply_chat_template(messages, tools=...).
 
     python -m fmoe.train.prepare chats.jsonl data/chat.u32 --tokenizer=qwen3/tokenizer.json --messages_key=messages
 
@@ -84,7 +86,7 @@ from typing import Iterator, Optional, Union
 import numpy as np
 
 from fmoe.ops.checks import check_positive_int
-from fmoe.train.chat import TRAINED_ROLE, load_chat_template
+from fmoe.train.chat import TOOLS_FIELD, TRAINED_ROLE, load_chat_template
 from fmoe.train.data import FILE_DTYPES, MASK_SUFFIX, SUFFIX_DTYPES, index_path, list_text_files
 
 # end-of-document tokens of common tokenizers (GPT-2 / Qwen, Llama 2 / T5, ..., Llama 3, BERT)
@@ -186,11 +188,14 @@ def _read_bytes(path: Path, compressed: bool) -> bytes:
         raise ValueError(f"src: {str(path)!r} is not a readable gzip file ({err})") from None
 
 
-def _field(record, key: str, where: str, knob: str):
-    """record[key]: a string, or for --messages_key any value (fmoe.train.chat checks it)."""
+def _field(record, key: str, where: str, knob: Optional[str]):
+    """record[key]: a string, or for --messages_key any value (fmoe.train.chat checks it);
+    knob None: an optional field of any value, None when missing."""
     if not isinstance(record, dict):
         raise ValueError(f"src: {where} is not a JSON object (got {type(record).__name__})")
     value = record.get(key)
+    if knob is None:
+        return value
     if key not in record or (knob != "messages_key" and not isinstance(value, str)):
         got = "no such key" if key not in record else f"{type(value).__name__}"
         kind = "" if knob == "messages_key" else "string "
@@ -198,7 +203,7 @@ def _field(record, key: str, where: str, knob: str):
     return value
 
 
-def _jsonl_documents(path: Path, fields: tuple[tuple[str, str], ...]) -> Iterator[tuple]:
+def _jsonl_documents(path: Path, fields: tuple[tuple[str, Optional[str]], ...]) -> Iterator[tuple]:
     opener = gzip.open if path.name.lower().endswith(".gz") else open
     try:
         with opener(path, "rb") as f:
@@ -216,7 +221,7 @@ def _jsonl_documents(path: Path, fields: tuple[tuple[str, str], ...]) -> Iterato
         raise ValueError(f"src: {str(path)!r} is not a readable gzip file ({err})") from None
 
 
-def _parquet_documents(path: Path, fields: tuple[tuple[str, str], ...]) -> Iterator[tuple]:
+def _parquet_documents(path: Path, fields: tuple[tuple[str, Optional[str]], ...]) -> Iterator[tuple]:
     try:
         import pyarrow.parquet as pq
     except ImportError as err:
@@ -227,14 +232,17 @@ def _parquet_documents(path: Path, fields: tuple[tuple[str, str], ...]) -> Itera
         raise ValueError(f"src: {str(path)!r} is not a readable Parquet file ({err})") from None
     names = table.schema_arrow.names
     for key, knob in fields:
-        if key not in names:
+        if key not in names and knob is not None:
             raise ValueError(f"src: {str(path)!r} has no column {key!r} (columns: {names[:8]}); choose it with --{knob}")
+    columns = [key for key, _ in fields if key in names]  # an optional field's column may be absent: None
     row = 0
-    for batch in table.iter_batches(batch_size=_PARQUET_ROWS, columns=[key for key, _ in fields]):
-        for values in zip(*(batch.column(j).to_pylist() for j in range(len(fields)))):
+    for batch in table.iter_batches(batch_size=_PARQUET_ROWS, columns=columns):
+        read = [batch.column(j).to_pylist() for j in range(len(columns))]
+        for i in range(batch.num_rows):
             where = f"{str(path)!r} row {row}"
+            values = [read[columns.index(key)][i] if key in columns else None for key, _ in fields]
             for (key, knob), value in zip(fields, values):
-                if knob != "messages_key" and not isinstance(value, str):
+                if knob not in ("messages_key", None) and not isinstance(value, str):
                     raise ValueError(f"src: {where} has no string {key!r} ({type(value).__name__})")
             yield where, *values
             row += 1
@@ -244,7 +252,8 @@ def _documents(path: Path, fields: tuple[tuple[str, str], ...]) -> Iterator[tupl
     """(where, text) of each document of one source file (module docstring), `where`
     naming it in errors: the file, and its line or row; with records, (where, *values) of
     `fields`, its (field, knob naming it) pairs: (where, text, prompt) for
-    (text_key, prompt_key), (where, messages) for (messages_key,)."""
+    (text_key, prompt_key), (where, messages, tools) for (messages_key, TOOLS_FIELD); a knob
+    None marks an optional field (None where a record or table has none)."""
     kind = _kind(path)
     if kind == "jsonl":
         yield from _jsonl_documents(path, fields)
@@ -333,8 +342,8 @@ def prepare(src: Union[str, os.PathLike], out: Union[str, os.PathLike], *, token
     for key, knob in ((prompt_key, "prompt_key"), (messages_key, "messages_key")):
         if key is not None and texts:
             raise ValueError(f"src: {str(texts[0])!r} is not JSON Lines or Parquet: a text file has no {key!r} (--{knob}) field")
-    if messages_key is not None:
-        fields = ((messages_key, "messages_key"),)
+    if messages_key is not None:  # and a record's tools, when it has them (optional)
+        fields = ((messages_key, "messages_key"), (TOOLS_FIELD, None))
     else:
         fields = ((text_key, "text_key"),) + (((prompt_key, "prompt_key"),) if prompt_key is not None else ())
     masked = prompt_key is not None or messages_key is not None
@@ -378,7 +387,7 @@ def prepare(src: Union[str, os.PathLike], out: Union[str, os.PathLike], *, token
             for done, path in enumerate(files, 1):
                 for where, *values in _documents(path, fields):
                     if chat is not None:  # a conversation without an assistant turn has nothing to learn
-                        docs = chat.documents(values[0], where)
+                        docs = chat.documents(values[0], where, tools=values[1])
                         conversations, split = conversations + bool(docs), split + (len(docs) > 1)
                         pending.extend((where, text, None, spans) for text, spans in docs)
                         pending_chars += sum(len(text) for text, _ in docs)

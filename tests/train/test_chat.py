@@ -25,7 +25,8 @@ CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\
 # as Qwen3's: an assistant turn after the last user message shows its reasoning, an earlier one does not
 REASONING = ("{% set ns = namespace(last=-1) %}{% for m in messages %}{% if m.role == 'user' %}{% set ns.last = loop.index0 %}{% endif %}{% endfor %}"
              "{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' }}"
-             "{% if m.role == 'assistant' and loop.index0 > ns.last %}{% generation %}{{ '<think>' + m.reasoning + '</think>' + m.content + '<|im_end|>\\n' }}{% endgeneration %}"
+             "{% if m.role == 'assistant' and loop.index0 > ns.last %}"
+             "{% generation %}{{ '<think>' + m.reasoning + '</think>' + m.content + '<|im_end|>\\n' }}{% endgeneration %}"
              "{% elif m.role == 'assistant' %}{% generation %}{{ m.content + '<|im_end|>\\n' }}{% endgeneration %}"
              "{% else %}{{ m.content + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
              "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
@@ -68,20 +69,29 @@ def _jsonl(path, chats, key="messages"):
     return path
 
 
-def _transformers_documents(folder, chats, per_turn=False):
+# tools in a system turn, a reasoning block, and the BOS (named only by special_tokens_map.json)
+TOOLS = ("{{ bos_token }}{% if tools %}{{ '<|im_start|>system\\n' }}{% for t in tools %}{{ t | tojson }}{% endfor %}{{ '<|im_end|>\\n' }}{% endif %}"
+         "{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' }}{% if m.role == 'assistant' %}{% generation %}"
+         "{% if m.reasoning_content %}{{ '<think>' + m.reasoning_content + '</think>' }}{% endif %}{{ m.content + '<|im_end|>\\n' }}"
+         "{% endgeneration %}{% else %}{{ m.content + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+         "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def _transformers_documents(folder, chats, per_turn=False, tools=None):
     """transformers' ids and assistant masks of each document, the separator appended (counted
-    when it follows an assistant's token): whole conversations, or one per assistant turn."""
+    when it follows an assistant's token): whole conversations, or one per assistant turn;
+    tools: each conversation's."""
     transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]'")
     hf = transformers.AutoTokenizer.from_pretrained(str(folder))
     sep = hf.convert_tokens_to_ids("<|endoftext|>")
     ids, mask = [], []
-    for chat in chats:
+    for chat, chat_tools in zip(chats, tools or [None] * len(chats)):
         if per_turn:
             parts = [(chat[:i + 1], i) for i, m in enumerate(chat) if m["role"] == "assistant"]
         else:
             parts = [(chat, None)] if any(m["role"] == "assistant" for m in chat) else []
         for messages, turn in parts:
-            out = hf.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+            out = hf.apply_chat_template(messages, tools=chat_tools, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
             m = list(out["assistant_masks"])
             if turn is not None:  # only the last turn trains: the earlier ones' marks are cleared
                 head = hf.apply_chat_template(messages[:turn], tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
@@ -160,7 +170,45 @@ def test_a_template_that_rewrites_earlier_turns_gives_one_document_per_turn(mode
     assert (index["documents"], index["conversations"], index["split_conversations"]) == (3, 2, 1)
     tok = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
     counted = tok.decode([t for t, m in zip(want_ids, want_mask) if m], skip_special_tokens=False)
-    assert counted == "<think>add</think>4<|im_end|>\n<|endoftext|><think>add again</think>6<|im_end|>\n<|endoftext|><think>greet</think>hello<|im_end|>\n<|endoftext|>"
+    assert counted == ("<think>add</think>4<|im_end|>\n<|endoftext|><think>add again</think>6<|im_end|>\n<|endoftext|>"
+                       "<think>greet</think>hello<|im_end|>\n<|endoftext|>")
+
+
+def test_tools_reasoning_and_special_tokens_reach_the_template_as_in_transformers(model_dir, tmp_path):
+    """A record's "tools" (a list, or a JSON string of one as Parquet keeps them; absent: None)
+    is the template's `tools`; reasoning under "reasoning" or "thinking" reaches a template
+    that reads "reasoning_content"; a bos_token named only in special_tokens_map.json is a
+    variable: the ids and masks of transformers' apply_chat_template(messages, tools=...)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_bytes((model_dir / "tokenizer.json").read_bytes())
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": TOOLS}))
+    (folder / "special_tokens_map.json").write_text(json.dumps({"bos_token": "<|im_start|>", "eos_token": {"content": "<|im_end|>"}}))
+    tools = [{"type": "function", "function": {"name": "add", "description": "a + b → c", "parameters": {"type": "object"}}}]
+    chats = [[{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4", "reasoning": "add them"}],
+             [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello", "thinking": "greet"}],
+             [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]]
+    per_chat = [tools, tools, None]
+    want_ids, want_mask = _transformers_documents(folder, chats, tools=per_chat)
+    tok = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+    text = tok.decode(want_ids, skip_special_tokens=False)
+    assert text.startswith("<|im_start|><|im_start|>system") and text.count('"name": "add"') == 2  # the checks bite
+    assert "<think>add them</think>" in text and "<think>greet</think>" in text
+    records = [{"messages": chats[0], "tools": tools}, {"messages": chats[1], "tools": json.dumps(tools)}, {"messages": chats[2]}]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    pq.write_table(pa.table({"messages": [json.loads(json.dumps(c)) for c in chats],
+                             "tools": [json.dumps(tools), json.dumps(tools), None]}), tmp_path / "c.parquet")
+    for src in (tmp_path / "c.jsonl", tmp_path / "c.parquet"):
+        prepare(src, tmp_path / "o.u16", tokenizer=folder / "tokenizer.json", messages_key="messages", progress=False)
+        assert np.fromfile(tmp_path / "o.u16", dtype=np.uint16).tolist() == want_ids, src
+        assert np.fromfile(tmp_path / "o.u16.loss_mask", dtype=np.uint8).tolist() == want_mask, src
+    for bad, match in (("{not json", r"line 1: its 'tools' string is not JSON"), ({"name": "add"}, r"line 1: 'tools' must be a list")):
+        (tmp_path / "bad.jsonl").write_text(json.dumps({"messages": chats[0], "tools": bad}) + "\n")
+        with pytest.raises(ValueError, match=match):
+            prepare(tmp_path / "bad.jsonl", tmp_path / "o.u16", tokenizer=folder / "tokenizer.json", messages_key="messages", progress=False)
 
 
 @pytest.mark.parametrize("records, kwargs, match", [
