@@ -58,6 +58,7 @@ import torch.distributed as dist
 
 import fmoe.parallel as parallel
 from fmoe.model import Transformer, TransformerConfig
+from fmoe.train.chat import json_object
 
 
 def is_hf_folder(path: Path) -> bool:
@@ -167,15 +168,18 @@ def stop_ids(path: Path, run: dict, eos: Optional[int]) -> list[int]:
     return [] if stop is None else [stop] if isinstance(stop, int) else list(stop)
 
 
-def chat_prompt(path: Path, text: str, *, system: str = "", chat_template: Optional[Path] = None) -> str:
+def chat_prompt(path: Path, text: str, *, system: str = "", chat_template: Optional[Path] = None,
+                variables: Optional[dict] = None) -> str:
     """--chat: `text` as a user message (after a system message when `system` is given),
     rendered by an HF folder's chat template with its generation prompt (fmoe.train.chat:
-    the folder's chat_template.jinja or tokenizer_config.json, or `chat_template`), as
-    transformers' apply_chat_template(..., add_generation_prompt=True)."""
+    `chat_template`, else the folder's chat_template.jinja or tokenizer_config.json; more
+    `variables` such as {"enable_thinking": False}), as transformers'
+    apply_chat_template(..., add_generation_prompt=True, **variables)."""
     from fmoe.train.chat import load_chat_template
 
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-    return load_chat_template(path / "tokenizer.json", chat_template).render(messages, add_generation_prompt=True, where="--prompt")
+    template = load_chat_template(path / "tokenizer.json", chat_template, variables)
+    return template.render(messages, add_generation_prompt=True, where="--prompt")
 
 
 def add_parallel_knobs(parser: argparse.ArgumentParser, *, cp: bool = False, per: str = "step") -> tuple[str, ...]:
@@ -309,12 +313,14 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--system", default="", help="with --chat: a system message before the prompt")
     parser.add_argument("--chat_template", type=Path, default=None, help="with --chat: a .jinja file, or a JSON file with a "
                         "chat_template field (default: the folder's chat_template.jinja or tokenizer_config.json)")
+    parser.add_argument("--chat_template_kwargs", type=json_object, default=None, help="with --chat: more variables for the "
+                        "template, a JSON object, e.g. '{\"enable_thinking\": false}'")
     axes = add_parallel_knobs(parser, per="step")
     args = parser.parse_args(argv)
     group = None
     world, sizes, dtype = int(os.environ.get("WORLD_SIZE", "1")), {axis: getattr(args, axis) for axis in axes}, getattr(torch, args.dtype)
-    if (args.system or args.chat_template) and not args.chat:
-        sys.exit("--system, --chat_template: they shape a chat prompt, which needs --chat")
+    if (args.system or args.chat_template or args.chat_template_kwargs is not None) and not args.chat:
+        sys.exit("--system, --chat_template, --chat_template_kwargs: they shape a chat prompt, which needs --chat")
     if args.chat and args.prompt_ids:
         sys.exit("--chat: it renders --prompt's text in the chat template; give --prompt, not --prompt_ids")
     try:
@@ -333,7 +339,8 @@ def main(argv: list[str]) -> None:
         if args.chat and (run or encode is None):
             raise ValueError(f"--chat: {str(args.path)!r} is not a Hugging Face folder with a tokenizer.json; a chat template "
                              "needs one (a run fine-tuned from one: write it with examples/export_hf.py, which copies the tokenizer)")
-        chat = chat_prompt(args.path, args.prompt, system=args.system, chat_template=args.chat_template) if args.chat else None
+        chat = chat_prompt(args.path, args.prompt, system=args.system, chat_template=args.chat_template,
+                           variables=args.chat_template_kwargs) if args.chat else None
     except (OSError, ValueError, KeyError) as err:
         sys.exit(str(err) if str(err).startswith(("parallel knobs", "--chat", "chat_template")) else f"path: {err}")
     if chat is not None:

@@ -215,7 +215,8 @@ def test_chat_renders_the_template_and_stops_at_any_end_id(tmp_path):
     model, _ = generate.load_model(tmp_path)
     assert generate.generate(model, ids, tokens=12, eos=generate.stop_ids(tmp_path, {}, 61))[len(ids):] == theirs
     for path, args, message in ((tmp_path, ["--chat", "--prompt_ids=1,2"], "--chat: it renders --prompt's text in the chat template"),
-                                (tmp_path, ["--system=hi"], "--system, --chat_template: they shape a chat prompt, which needs --chat"),
+                                (tmp_path, ["--system=hi"], "--system, --chat_template, --chat_template_kwargs: they shape a chat prompt, which needs --chat"),
+                                (tmp_path, ["--chat", "--chat_template_kwargs=[1]"], "--chat_template_kwargs: expected a JSON object, got \\[1\\]"),
                                 (tmp_path, ["--chat", f"--chat_template={tmp_path / 'nope.jinja'}"], "chat_template: '.*nope.jinja' does not exist"),
                                 (_byte_run(tmp_path), ["--chat", "--prompt=hi"], "--chat: '.*' is not a Hugging Face folder with a tokenizer.json")):
         bad = run(path, *args)

@@ -24,6 +24,7 @@ model sees it when it writes turn i, with that turn's span only.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 from datetime import datetime
@@ -116,15 +117,17 @@ def _environment():
 
 
 class ChatTemplate:
-    """A compiled chat template and the special tokens it may name.
+    """A compiled chat template and the variables it may name.
 
     Args:
         source: the template's Jinja text.
-        special_tokens: variables for it, e.g. {"bos_token": "<s>", "eos_token": "</s>"}.
+        variables: its variables besides messages, tools, documents and
+            add_generation_prompt: the special tokens (e.g. {"bos_token": "<s>"}) and any
+            switches the template reads (e.g. {"enable_thinking": False}).
         origin: where the template came from (for messages and the token file's index).
     """
 
-    def __init__(self, source: str, special_tokens: Optional[dict[str, str]] = None, origin: str = "<string>"):
+    def __init__(self, source: str, variables: Optional[dict] = None, origin: str = "<string>"):
         import jinja2
 
         if not isinstance(source, str) or not source.strip():
@@ -133,7 +136,7 @@ class ChatTemplate:
             self._template = _environment().from_string(source)
         except jinja2.TemplateError as err:
             raise ValueError(f"chat_template: {origin} is not a valid Jinja template ({err})") from None
-        self.special_tokens = dict(special_tokens or {})
+        self.variables = check_template_variables(variables or {})
         self.origin = origin
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False, where: str = "a conversation",
@@ -145,7 +148,7 @@ class ChatTemplate:
         messages = [_with_reasoning_aliases(m) for m in messages]
         try:
             return self._template.render(messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt,
-                                         **self.special_tokens)
+                                         **self.variables)
         except jinja2.TemplateError as err:
             raise ValueError(f"chat_template: {self.origin} refused {where} ({type(err).__name__}: {err})") from None
 
@@ -204,19 +207,48 @@ def _tools(tools, where: str) -> Optional[list]:
     return tools
 
 
+def json_object(text: str) -> dict:
+    """A --chat_template_kwargs value: a JSON object (argparse type; ValueError otherwise)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, e.g. '{{\"enable_thinking\": false}}' ({err.msg})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {_shown(value)}")
+    return value
+
+
+_RESERVED = ("messages", "tools", "documents", "add_generation_prompt")
+
+
+def check_template_variables(variables) -> dict:
+    """A template's extra variables: a dict of names (not the ones render sets) to JSON values."""
+    if not isinstance(variables, dict) or not all(isinstance(k, str) and k for k in variables):
+        raise ValueError(f"chat_template_kwargs: expected a JSON object of variable names to values, got {_shown(variables)}")
+    for name in _RESERVED:
+        if name in variables:
+            raise ValueError(f"chat_template_kwargs: {name!r} is set by the renderer itself; give the template's own switches "
+                             "(e.g. {\"enable_thinking\": false})")
+    return dict(variables)
+
+
 def _shown(value) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def load_chat_template(tokenizer: Union[str, Path], chat_template: Union[str, Path, None] = None) -> ChatTemplate:
+def load_chat_template(tokenizer: Union[str, Path], chat_template: Union[str, Path, None] = None,
+                       variables: Optional[dict] = None) -> ChatTemplate:
     """The chat template for a tokenizer.json: `chat_template` (a .jinja file, or a JSON file
     with a "chat_template" field such as a tokenizer_config.json) if given, else the model
     folder's chat_template.jinja, else its tokenizer_config.json's; the special tokens come
     from the tokenizer_config.json beside the tokenizer, else its special_tokens_map.json (and
-    from `chat_template` when it is a JSON file)."""
+    from `chat_template` when it is a JSON file). variables: more of the template's
+    variables (e.g. {"enable_thinking": False}), over the special tokens where both name one,
+    as apply_chat_template's **kwargs."""
     folder = Path(tokenizer).parent
     tokens = _special_tokens(folder / TOKENIZER_CONFIG, folder / SPECIAL_TOKENS_MAP)
+    extra = check_template_variables(variables or {})
     if chat_template is not None:
         path = Path(chat_template)
         if not path.is_file():
@@ -231,11 +263,11 @@ def load_chat_template(tokenizer: Union[str, Path], chat_template: Union[str, Pa
                 source = path.read_text(encoding="utf-8")
             except UnicodeDecodeError as err:
                 raise ValueError(f"chat_template: {str(path)!r} is not UTF-8 text ({err.reason})") from None
-        return ChatTemplate(source, tokens, origin=str(path))
+        return ChatTemplate(source, {**tokens, **extra}, origin=str(path))
     if (folder / CHAT_TEMPLATE_FILE).is_file():
         path = folder / CHAT_TEMPLATE_FILE
-        return ChatTemplate(path.read_text(encoding="utf-8"), tokens, origin=str(path))
+        return ChatTemplate(path.read_text(encoding="utf-8"), {**tokens, **extra}, origin=str(path))
     if (folder / TOKENIZER_CONFIG).is_file() and (source := _template_from_config(folder / TOKENIZER_CONFIG)) is not None:
-        return ChatTemplate(source, tokens, origin=str(folder / TOKENIZER_CONFIG))
+        return ChatTemplate(source, {**tokens, **extra}, origin=str(folder / TOKENIZER_CONFIG))
     raise ValueError(f"chat_template: no {CHAT_TEMPLATE_FILE} and no tokenizer_config.json with a chat_template beside "
                      f"{str(tokenizer)!r}; name one with --chat_template=FILE (.jinja, or a JSON file with a chat_template)")

@@ -38,15 +38,16 @@ empty text is skipped.
 Conversations (chat data): --messages_key names each record's list of messages
 ({"role": "user" | "assistant" | "system" | ..., "content": ...}; any other fields reach
 the template too), rendered by the model's chat template exactly as transformers'
-apply_chat_template renders it (fmoe.train.chat: the folder's chat_template.jinja, else its
-tokenizer_config.json's chat_template, else --chat_template=FILE) and encoded whole, without
-the tokenizer's post-processing. OUT.loss_mask is 1 on the assistant's turns only (a
-token counts when its first character is in one: the turn's text and end-of-turn tokens,
-not its role header) and on a separator that follows one. A conversation whose template
-renders earlier turns differently once later ones follow becomes one document per
-assistant turn (fmoe.train.chat); one without an assistant message is skipped. A record's
-"tools" field or column (function definitions; a JSON string of them is parsed), when it has
-one, is the template's `tools`, as apply_chat_template(messages, tools=...).
+apply_chat_template renders it (fmoe.train.chat: --chat_template=FILE, else the folder's
+chat_template.jinja, else its tokenizer_config.json's; --chat_template_kwargs='{"enable_thinking":
+false}' gives it more variables) and encoded whole, without the tokenizer's
+post-processing. OUT.loss_mask is 1 on the assistant's turns only (a token counts when its
+first character is in one: the turn's text and end-of-turn tokens, not its role header)
+and on a separator that follows one. A conversation whose template renders earlier turns
+differently once later ones follow becomes one document per assistant turn
+(fmoe.train.chat); one without an assistant message is skipped. A record's "tools" field
+or column (function definitions; a JSON string of them is parsed), when it has one, is the
+template's `tools`, as apply_chat_template(messages, tools=...).
 
     python -m fmoe.train.prepare chats.jsonl data/chat.u32 --tokenizer=qwen3/tokenizer.json --messages_key=messages
 
@@ -57,7 +58,7 @@ OUT gets the ids (uint16 when the vocabulary fits, <= 65536 ids, else uint32; a 
      "vocab_size": tokenizer.get_vocab_size(), "tokenizer": "/abs/tokenizer.json", "sources": n_files,
      "text_key": "text" (when some file is JSON Lines or Parquet, without conversations),
      "prompt_key": "prompt" (with prompts), "messages_key": "messages", "chat_template": path,
-     "conversations": n, "split_conversations": n (with conversations),
+     "conversations": n, "split_conversations": n, "chat_template_kwargs": {...} (when given),
      "prompt_tokens": n (the tokens out of the loss), "loss_mask": "OUT.loss_mask" (with either)}
 
 from which fmoe.train.data.load_token_file / load_corpus / load_blend take separator,
@@ -86,7 +87,7 @@ from typing import Iterator, Optional, Union
 import numpy as np
 
 from fmoe.ops.checks import check_positive_int
-from fmoe.train.chat import TOOLS_FIELD, TRAINED_ROLE, load_chat_template
+from fmoe.train.chat import TOOLS_FIELD, TRAINED_ROLE, json_object, load_chat_template
 from fmoe.train.data import FILE_DTYPES, MASK_SUFFIX, SUFFIX_DTYPES, index_path, list_text_files
 
 # end-of-document tokens of common tokenizers (GPT-2 / Qwen, Llama 2 / T5, ..., Llama 3, BERT)
@@ -303,7 +304,7 @@ def _encode(tokenizer, pending: list[tuple], *, separator: int, vocab_size: int,
 def prepare(src: Union[str, os.PathLike], out: Union[str, os.PathLike], *, tokenizer: Union[str, os.PathLike],
             separator: Union[str, int, None] = None, dtype: Optional[str] = None, progress: bool = True,
             text_key: str = "text", prompt_key: Optional[str] = None, messages_key: Optional[str] = None,
-            chat_template: Union[str, os.PathLike, None] = None) -> dict:
+            chat_template: Union[str, os.PathLike, None] = None, chat_template_kwargs: Optional[dict] = None) -> dict:
     """Tokenize the documents of `src` into the token file `out` and its index (module
     docstring); returns the index.
 
@@ -324,6 +325,8 @@ def prepare(src: Union[str, os.PathLike], out: Union[str, os.PathLike], *, token
             text_key is not read. None: no conversations.
         chat_template: with messages_key, a .jinja file or a JSON file with a
             "chat_template" field; None: the one beside the tokenizer (fmoe.train.chat).
+        chat_template_kwargs: with messages_key, more variables for the template, e.g.
+            {"enable_thinking": False} (as apply_chat_template's **kwargs).
     """
     src, out, tokenizer_path = Path(src), Path(out), Path(tokenizer)
     if not isinstance(text_key, str) or not text_key:
@@ -334,8 +337,8 @@ def prepare(src: Union[str, os.PathLike], out: Union[str, os.PathLike], *, token
         raise ValueError(f"messages_key: expected a non-empty field name, got {messages_key!r}")
     if messages_key is not None and prompt_key is not None:
         raise ValueError(f"prompt_key: a conversation ({messages_key!r}, --messages_key) holds its own prompts; give one of the two")
-    if chat_template is not None and messages_key is None:
-        raise ValueError("chat_template: it renders conversations, which need --messages_key")
+    if (chat_template is not None or chat_template_kwargs is not None) and messages_key is None:
+        raise ValueError("chat_template, chat_template_kwargs: they render conversations, which need --messages_key")
     files = _source_files(src, out)
     texts = [path for path in files if _kind(path) not in ("jsonl", "parquet")]  # also refuses zstd files before any work
     records = len(texts) < len(files)
@@ -350,7 +353,7 @@ def prepare(src: Union[str, os.PathLike], out: Union[str, os.PathLike], *, token
     if out.is_dir():
         raise ValueError(f"out: {str(out)!r} is a directory; expected a file name (e.g. data/code.u16)")
     tok = _load_tokenizer(tokenizer_path)
-    chat = load_chat_template(tokenizer_path, chat_template) if messages_key is not None else None
+    chat = load_chat_template(tokenizer_path, chat_template, chat_template_kwargs) if messages_key is not None else None
     vocab_size = tok.get_vocab_size()
     separator_id = _separator_id(tok, separator)
     dtype = _choose_dtype(out, dtype, vocab_size)
@@ -411,6 +414,7 @@ def prepare(src: Union[str, os.PathLike], out: Union[str, os.PathLike], *, token
                      **(dict(prompt_key=prompt_key) if prompt_key is not None else {}),
                      **(dict(messages_key=messages_key, chat_template=chat.origin, conversations=conversations,
                              split_conversations=split) if chat is not None else {}),
+                     **(dict(chat_template_kwargs=chat_template_kwargs) if chat_template_kwargs else {}),
                      **(dict(prompt_tokens=prompt_tokens, loss_mask=final_mask.name) if masked else {}))
         with open(tmp_index, "w", encoding="utf-8") as f:
             json.dump(index, f, indent=1)
@@ -441,13 +445,16 @@ def main(argv=None) -> int:
                         "messages), rendered by the chat template; only the assistant's turns count in the loss (default: none)")
     parser.add_argument("--chat_template", default=None, help="with --messages_key: a .jinja file, or a JSON file with a "
                         "chat_template field (default: chat_template.jinja or tokenizer_config.json beside --tokenizer)")
+    parser.add_argument("--chat_template_kwargs", type=json_object, default=None, help="with --messages_key: more variables "
+                        "for the template, a JSON object, e.g. '{\"enable_thinking\": false}'")
     parser.add_argument("--dtype", choices=list(FILE_DTYPES), default=None,
                         help="default: from OUT's suffix, else uint16 when the vocabulary fits, else uint32")
     args = parser.parse_args(argv)
     separator = int(args.separator) if args.separator is not None and args.separator.isdigit() else args.separator
     try:
         index = prepare(args.src, args.out, tokenizer=args.tokenizer, separator=separator, dtype=args.dtype, text_key=args.text_key,
-                        prompt_key=args.prompt_key, messages_key=args.messages_key, chat_template=args.chat_template)
+                        prompt_key=args.prompt_key, messages_key=args.messages_key, chat_template=args.chat_template,
+                        chat_template_kwargs=args.chat_template_kwargs)
     except (ImportError, OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -77,7 +77,7 @@ TOOLS = ("{{ bos_token }}{% if tools %}{{ '<|im_start|>system\\n' }}{% for t in 
          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
 
-def _transformers_documents(folder, chats, per_turn=False, tools=None):
+def _transformers_documents(folder, chats, per_turn=False, tools=None, **variables):
     """transformers' ids and assistant masks of each document, the separator appended (counted
     when it follows an assistant's token): whole conversations, or one per assistant turn;
     tools: each conversation's."""
@@ -91,10 +91,12 @@ def _transformers_documents(folder, chats, per_turn=False, tools=None):
         else:
             parts = [(chat, None)] if any(m["role"] == "assistant" for m in chat) else []
         for messages, turn in parts:
-            out = hf.apply_chat_template(messages, tools=chat_tools, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+            out = hf.apply_chat_template(messages, tools=chat_tools, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
+                                         **variables)
             m = list(out["assistant_masks"])
             if turn is not None:  # only the last turn trains: the earlier ones' marks are cleared
-                head = hf.apply_chat_template(messages[:turn], tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
+                head = hf.apply_chat_template(messages[:turn], tokenize=True, add_generation_prompt=True, return_dict=True,
+                                              **variables)["input_ids"]
                 m = [0] * len(head) + m[len(head):]
             ids += list(out["input_ids"]) + [sep]
             mask += m + m[-1:]
@@ -211,6 +213,40 @@ def test_tools_reasoning_and_special_tokens_reach_the_template_as_in_transformer
             prepare(tmp_path / "bad.jsonl", tmp_path / "o.u16", tokenizer=folder / "tokenizer.json", messages_key="messages", progress=False)
 
 
+def test_template_switches_are_variables_as_in_transformers(model_dir, tmp_path):
+    """chat_template_kwargs (--chat_template_kwargs, a JSON object) are the template's
+    variables, over a special token of the same name: Qwen3's enable_thinking=False puts an
+    empty reasoning block in the generation prompt, out of the loss; the ids and masks are
+    transformers' apply_chat_template(..., enable_thinking=False)."""
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_bytes((model_dir / "tokenizer.json").read_bytes())
+    switch = CHATML.replace("{{ '<|im_start|>assistant\\n' }}",
+                            "{{ '<|im_start|>assistant\\n' }}{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}")
+    switch = switch.replace("{% generation %}", "{% if loop.last and enable_thinking is defined and not enable_thinking %}<think></think>"
+                            "{% endif %}{% generation %}")
+    assert switch.count("enable_thinking") == 4
+    _write_config(folder, "{{ eos_token }}" + switch)
+    chats = [CHATS[0][1:3], CHATS[2]]
+    src = _jsonl(tmp_path / "c.jsonl", chats)
+    prepare(src, tmp_path / "o.u16", tokenizer=folder / "tokenizer.json", messages_key="messages", progress=False,
+            chat_template_kwargs={"enable_thinking": False, "eos_token": "<|im_start|>"})
+    want_ids, want_mask = _transformers_documents(folder, chats, enable_thinking=False, eos_token="<|im_start|>")
+    assert np.fromfile(tmp_path / "o.u16", dtype=np.uint16).tolist() == want_ids
+    assert np.fromfile(tmp_path / "o.u16.loss_mask", dtype=np.uint8).tolist() == want_mask
+    tok = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+    assert tok.decode(want_ids, skip_special_tokens=False).count("<think></think>") == 2
+    assert "<think>" not in tok.decode([t for t, m in zip(want_ids, want_mask) if m], skip_special_tokens=False)
+    assert tok.decode(want_ids[:2], skip_special_tokens=False) == "<|im_start|><|im_start|>"  # eos_token as given
+    plain, _ = _transformers_documents(folder, chats)
+    assert plain != want_ids  # the switch changes the text
+    template = load_chat_template(folder / "tokenizer.json", variables={"eos_token": "E"})
+    assert template.render([{"role": "user", "content": "q"}]).startswith("E<|im_start|>")
+    run = subprocess.run([sys.executable, "-m", "fmoe.train.prepare", str(src), str(tmp_path / "cli.u16"), f"--tokenizer={folder / 'tokenizer.json'}",
+                          "--messages_key=messages", "--chat_template_kwargs={enable_thinking: false}"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "--chat_template_kwargs: expected a JSON object" in run.stderr, run.stderr
+
+
 @pytest.mark.parametrize("records, kwargs, match", [
     ([{"messages": "hi"}], {}, r"line 1 has no conversation: expected a non-empty list of messages, got 'hi'"),
     ([{"messages": []}], {}, r"line 1 has no conversation"),
@@ -220,7 +256,11 @@ def test_tools_reasoning_and_special_tokens_reach_the_template_as_in_transformer
     ([{"messages": [{"role": "user", "content": "hi"}]}], dict(prompt_key="prompt"), "prompt_key: a conversation .* holds its own prompts"),
     ([{"messages": [{"role": "user", "content": "hi"}]}], dict(messages_key=""), "messages_key: expected a non-empty field name, got ''"),
     ([{"messages": [{"role": "user", "content": "hi"}]}], dict(messages_key=None, chat_template="t.jinja"),
-     "chat_template: it renders conversations, which need --messages_key"),
+     "chat_template, chat_template_kwargs: they render conversations, which need --messages_key"),
+    ([{"messages": [{"role": "user", "content": "hi"}]}], dict(chat_template_kwargs={"messages": []}),
+     "chat_template_kwargs: 'messages' is set by the renderer itself"),
+    ([{"messages": [{"role": "user", "content": "hi"}]}], dict(chat_template_kwargs=[1]),
+     r"chat_template_kwargs: expected a JSON object of variable names to values, got \[1\]"),
     ([{"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}],
      dict(template="{% if messages[1].role == 'user' %}{{ raise_exception('roles must alternate') }}{% endif %}"),
      r"line 1 \(TemplateError: roles must alternate\)"),
