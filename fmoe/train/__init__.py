@@ -4,7 +4,9 @@
                 token files, .npy arrays; packing into micro-batches with cu_seqlens; a
                 resumable sampler; weighted blends of sources (load_blend, BlendSampler)
     prepare     python -m fmoe.train.prepare SRC OUT --tokenizer=tokenizer.json: text files
-                -> a token file and its index
+                -> a token file and its index (prompts and conversations: a loss mask too)
+    chat        chat templates (a model folder's Jinja template, rendered as transformers
+                does) and the assistant's character spans of a conversation
     checkpoint  torch.distributed.checkpoint saves that count only once complete; resume;
                 retention
     metrics     FLOPs per token (SPEC.md 8), MFU, expert load, metrics.jsonl and progress,
