@@ -172,8 +172,14 @@ class ChatTemplate:
                                  "somewhere other than after its generation prompt, so its text cannot be told from the "
                                  "prompt's; choose another --chat_template")
             turns.append((text, (len(head), len(text))))
+        spans = [span for _, span in turns]
+        for (_, end), (start, _) in zip(spans, spans[1:]):
+            if start < end:  # the prompt of a later turn is shorter than an earlier turn's text
+                raise ValueError(f"src: {where}: the chat template ({self.origin}) renders the prompt of a later "
+                                 f"{TRAINED_ROLE} turn without the text of an earlier one, so the turns' texts cannot be "
+                                 "told apart; choose another --chat_template")
         if all(whole.startswith(text) for text, _ in turns):
-            return [(whole, [span for _, span in turns])] if turns else []
+            return [(whole, spans)] if turns else []
         return [(text, [span]) for text, span in turns]
 
 

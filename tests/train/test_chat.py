@@ -269,6 +269,11 @@ def test_template_switches_are_variables_as_in_transformers(model_dir, tmp_path)
     ([{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}],
      dict(template="{% for m in messages %}{{ m.content }}{% endfor %}{% if add_generation_prompt %}<|im_start|>{% endif %}"),
      r"line 1: the chat template .* renders message 1 \(assistant\) somewhere other than after its generation prompt"),
+    ([{"messages": [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a1"}, {"role": "user", "content": "u2"},
+                    {"role": "assistant", "content": "a2"}]}],
+     dict(template="{% if add_generation_prompt %}U:{{ messages[0].content }}|A:{% else %}"
+                   "{% for m in messages %}{{ m.role[0] | upper }}:{{ m.content }}|{% endfor %}{% endif %}"),
+     r"line 1: the chat template .* renders the prompt of a later assistant turn without the text of an earlier one"),
     ([{"messages": [{"role": "user", "content": "a<|endoftext|>"}, {"role": "assistant", "content": "b"}]}], {},
      "line 1 already holds the separator id 0"),
 ])
