@@ -167,7 +167,8 @@ def read_choices(path: Path, encode: Optional[Callable], *, limit: int = 0) -> l
             if texts and ("context_ids" in q or "choices_ids" in q):
                 raise ValueError(f"{where}: expected texts (context, choices) or token ids (context_ids, choices_ids), not both")
             if texts and encode is None:
-                raise ValueError(f"{where}: this model has no tokenizer here (a token-file run, or no tokenizer.json): give context_ids and choices_ids")
+                raise ValueError(f"{where}: this model has no tokenizer here (no tokenizer.json, or a token-file run whose "
+                                 "data's index names no tokenizer that is here): give context_ids and choices_ids")
             ctx_key, choices_key = ("context", "choices") if texts else ("context_ids", "choices_ids")
             context, choices, answer = q.get(ctx_key), q.get(choices_key), q.get("answer")
             kind = str if texts else list

@@ -17,11 +17,14 @@ decode_text). An HF folder is loaded with fmoe.hf.from_pretrained. Decoding: gre
 tokens whose probability reaches --top_p (nucleus sampling), from a generator seeded by
 --seed. The prompt runs once, then each new token alone against the keys and values of
 the tokens before it (Transformer.decode with a KVCache of prompt + --tokens tokens).
-Generation stops after --tokens new tokens or at the end-of-document token (an HF folder's
-generation_config.json eos_token_id, one id or several, as transformers' generate; else
-its config.json's). --chat renders --prompt as a user message (after --system's message)
-with the folder's chat template and its generation prompt, as transformers'
-apply_chat_template does (fmoe.train.chat), and prints the reply alone. --samples=N
+A run on prepared token files speaks the tokenizer their index names (when that file is
+here; fmoe.train.prepare records it). Generation stops after --tokens new tokens or at the
+end-of-document token (an HF folder's generation_config.json eos_token_id, one id or
+several, as transformers' generate, else its config.json's; a token-file run's separator).
+--chat renders --prompt as a user message (after --system's message) with the chat
+template beside the tokenizer and its generation prompt, as transformers'
+apply_chat_template does (fmoe.train.chat), and prints the reply alone; a run also stops at
+the template's eos_token (the end of a turn). --samples=N
 draws N continuations of the prompt as one batch (one cache of N sequences, every step of
 the unfinished ones in one forward pass). --device and --dtype place and cast the model
 (the router stays float32; an HF folder's weights are allocated there and cast as they are
@@ -132,13 +135,43 @@ def load_sharded(path: Path, sizes: dict, *, device: torch.device, dtype: torch.
     return model, run, meshes
 
 
+def run_tokenizer(run: dict) -> tuple[Optional[Path], Optional[int]]:
+    """(tokenizer.json, separator) of a run on prepared token files: the ones every data
+    source's index names (fmoe.train.prepare), when that tokenizer file is here; else
+    (None, None): a source without an index (.npy, a bare token file), sources that name
+    different tokenizers, or a tokenizer moved away."""
+    from fmoe.train.data import read_index
+
+    named = set()
+    for source in run.get("data_sources") or [{"path": run["config"].get("data") or None}]:
+        index = read_index(source["path"]) if source["path"] and Path(source["path"]).is_file() else None
+        if not index or not isinstance(index.get("tokenizer"), str):
+            return None, None
+        named.add((index["tokenizer"], index["separator"]))
+    if len(named) != 1 or not Path(next(iter(named))[0]).is_file():
+        return None, None
+    tokenizer, separator = named.pop()
+    return Path(tokenizer), separator
+
+
+def tokenizer_file(path: Path, run: dict) -> Optional[Path]:
+    """The tokenizer.json of a loaded model: an HF folder's own, or a token-file run's
+    (run_tokenizer); None where there is none here."""
+    if not run:
+        return path / "tokenizer.json" if (path / "tokenizer.json").is_file() else None
+    return run_tokenizer(run)[0]
+
+
 def text_codec(path: Path, model: Transformer, run: dict) -> tuple[Optional[Callable], Optional[Callable], Optional[int]]:
     """(encode, decode, eos) of a loaded model (load_model's run config): an fmoe run on the
     embedded corpus or text files speaks bytes (encode_text, decode_text, EOS); an HF folder
-    its tokenizer.json (`tokenizers`) and config.json's eos_token_id; encode and decode are
-    None where there is no tokenizer (a token-file run, a folder without tokenizer.json).
-    encode(text, special=True) -> ids: special=False leaves out the tokens a tokenizer adds
-    around a text (a BOS), for a text that continues another."""
+    its tokenizer.json (`tokenizers`) and config.json's eos_token_id; a run on prepared token
+    files the tokenizer their index names (run_tokenizer) and their separator, a text
+    encoded as prepare encoded the data (without the tokenizer's post-processing). encode
+    and decode are None where there is no tokenizer (a folder without tokenizer.json, a
+    token-file run whose tokenizer is not here). encode(text, special=True) -> ids:
+    special=False leaves out the tokens a tokenizer adds around a text (a BOS), for a text
+    that continues another."""
     if not run:  # an HF folder
         eos = model.hf_config.get("eos_token_id")
         eos = eos[0] if isinstance(eos, list) else eos
@@ -154,8 +187,14 @@ def text_codec(path: Path, model: Transformer, run: dict) -> tuple[Optional[Call
     if byte_tokens is None:
         sources = run.get("data_sources") or [{"path": run["config"].get("data") or None}]
         byte_tokens = all(s["path"] is None or Path(s["path"]).is_dir() for s in sources)
-    if not byte_tokens:  # token ids of a tokenizer the run does not name
-        return None, None, None
+    if not byte_tokens:  # token ids: of the tokenizer the data's index names, when it is here
+        tokenizer, separator = run_tokenizer(run)
+        if tokenizer is None:
+            return None, None, None
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(tokenizer))
+        return (lambda s, special=True: tok.encode(s, add_special_tokens=False).ids), tok.decode, separator
     return (lambda s, special=True: encode_text(s).tolist()), decode_text, EOS  # bytes: the stdlib corpus or text files
 
 
@@ -168,18 +207,19 @@ def stop_ids(path: Path, run: dict, eos: Optional[int]) -> list[int]:
     return [] if stop is None else [stop] if isinstance(stop, int) else list(stop)
 
 
-def chat_prompt(path: Path, text: str, *, system: str = "", chat_template: Optional[Path] = None,
-                variables: Optional[dict] = None) -> str:
+def chat_prompt(tokenizer: Path, text: str, *, system: str = "", chat_template: Optional[Path] = None,
+                variables: Optional[dict] = None) -> tuple[str, Optional[str]]:
     """--chat: `text` as a user message (after a system message when `system` is given),
-    rendered by an HF folder's chat template with its generation prompt (fmoe.train.chat:
-    `chat_template`, else the folder's chat_template.jinja or tokenizer_config.json; more
-    `variables` such as {"enable_thinking": False}), as transformers'
-    apply_chat_template(..., add_generation_prompt=True, **variables)."""
+    rendered by the chat template beside `tokenizer` (a tokenizer.json) with its generation
+    prompt (fmoe.train.chat: `chat_template`, else the folder's chat_template.jinja or
+    tokenizer_config.json; more `variables` such as {"enable_thinking": False}), as
+    transformers' apply_chat_template(..., add_generation_prompt=True, **variables).
+    Returns (the text, the template's eos_token: the end of a turn, or None)."""
     from fmoe.train.chat import load_chat_template
 
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-    template = load_chat_template(path / "tokenizer.json", chat_template, variables)
-    return template.render(messages, add_generation_prompt=True, where="--prompt")
+    template = load_chat_template(tokenizer, chat_template, variables)
+    return template.render(messages, add_generation_prompt=True, where="--prompt"), template.variables.get("eos_token")
 
 
 def add_parallel_knobs(parser: argparse.ArgumentParser, *, cp: bool = False, per: str = "step") -> tuple[str, ...]:
@@ -336,11 +376,16 @@ def main(argv: list[str]) -> None:
         else:
             model, run, _ = load_sharded(args.path, sizes, device=device, dtype=dtype, impl="torch")
         encode, decode, eos = text_codec(args.path, model, run)
-        if args.chat and (run or encode is None):
-            raise ValueError(f"--chat: {str(args.path)!r} is not a Hugging Face folder with a tokenizer.json; a chat template "
-                             "needs one (a run fine-tuned from one: write it with examples/export_hf.py, which copies the tokenizer)")
-        chat = chat_prompt(args.path, args.prompt, system=args.system, chat_template=args.chat_template,
-                           variables=args.chat_template_kwargs) if args.chat else None
+        stops, chat = stop_ids(args.path, run, eos), None
+        if args.chat:
+            tokenizer = tokenizer_file(args.path, run)
+            if tokenizer is None:
+                raise ValueError(f"--chat: {str(args.path)!r} has no tokenizer here (an HF folder's tokenizer.json, or the one "
+                                 "a token-file run's data index names); a chat template goes with one")
+            chat, end_of_turn = chat_prompt(tokenizer, args.prompt, system=args.system, chat_template=args.chat_template,
+                                            variables=args.chat_template_kwargs)
+            end_ids = encode(end_of_turn, special=False) if run and end_of_turn else []
+            stops += end_ids if len(end_ids) == 1 else []  # a run has no generation_config.json: the template's end of turn
     except (OSError, ValueError, KeyError) as err:
         sys.exit(str(err) if str(err).startswith(("parallel knobs", "--chat", "chat_template")) else f"path: {err}")
     if chat is not None:
@@ -350,13 +395,14 @@ def main(argv: list[str]) -> None:
     elif encode is not None:
         prompt = encode(args.prompt) or [eos if eos is not None else 0]
     else:
-        sys.exit("--prompt_ids: this model has no tokenizer here (no tokenizer.json, or a token-file run); give token ids")
+        sys.exit("--prompt_ids: this model has no tokenizer here (no tokenizer.json, or a token-file run whose data's index "
+                 "names no tokenizer that is here); give token ids")
     try:
         if args.samples < 1:
             raise ValueError(f"--samples: expected a positive number of continuations, got {args.samples}")
         with parallel.gathered(model) if args.keep_gathered else contextlib.nullcontext():
             samples = generate_many(model, [prompt] * args.samples, tokens=args.tokens, temperature=args.temperature,
-                                    top_p=args.top_p, seed=args.seed, eos=stop_ids(args.path, run, eos), group=group)
+                                    top_p=args.top_p, seed=args.seed, eos=stops, group=group)
     except ValueError as err:
         sys.exit(str(err))
     if group is None or dist.get_rank() == 0:

@@ -197,8 +197,8 @@ def test_chat_renders_the_template_and_stops_at_any_end_id(tmp_path):
     hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
     messages = [{"role": "system", "content": "w1 w2"}, {"role": "user", "content": "w3 w4 w5"}]
     ids = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-    assert generate.chat_prompt(tmp_path, "w3 w4 w5", system="w1 w2") == hf.apply_chat_template(messages, add_generation_prompt=True,
-                                                                                               tokenize=False)
+    text, end_of_turn = generate.chat_prompt(tmp_path / "tokenizer.json", "w3 w4 w5", system="w1 w2")
+    assert text == hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) and end_of_turn is None
     free = ref.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
     stop = free[4]  # a token greedy meets: generation ends there (at its first appearance)
     ref.generation_config.eos_token_id = [62, stop]
@@ -218,7 +218,7 @@ def test_chat_renders_the_template_and_stops_at_any_end_id(tmp_path):
                                 (tmp_path, ["--system=hi"], "--system, --chat_template, --chat_template_kwargs: they shape a chat prompt, which needs --chat"),
                                 (tmp_path, ["--chat", "--chat_template_kwargs=[1]"], "--chat_template_kwargs: expected a JSON object, got \\[1\\]"),
                                 (tmp_path, ["--chat", f"--chat_template={tmp_path / 'nope.jinja'}"], "chat_template: '.*nope.jinja' does not exist"),
-                                (_byte_run(tmp_path), ["--chat", "--prompt=hi"], "--chat: '.*' is not a Hugging Face folder with a tokenizer.json")):
+                                (_byte_run(tmp_path), ["--chat", "--prompt=hi"], "--chat: '.*' has no tokenizer here")):
         bad = run(path, *args)
         assert bad.returncode != 0 and re.search(message, bad.stderr), bad.stderr[-2000:]
 

@@ -285,6 +285,7 @@ def test_prompt_and_response_data_counts_the_responses_only(tmp_path):
 
     sys.path.insert(0, str(ROOT / "examples"))
     import evaluate
+    import generate
 
     from fmoe.train.data import load_blend, make_batch
 
@@ -309,13 +310,33 @@ def test_prompt_and_response_data_counts_the_responses_only(tmp_path):
     assert records[2]["lm_loss"] > 1 and all(math.isfinite(r["loss"]) for r in records)
     assert f"(bits per token {records[-1]['val_loss'] / math.log(2):.3f})" in run.stdout
     model, run_config = evaluate.load_model(tmp_path / "run")
-    # a token-file run names no tokenizer: texts are refused, not read as bytes
-    assert run_config["byte_tokens"] is False and evaluate.text_codec(tmp_path / "run", model, run_config) == (None, None, None)
+    # a token-file run speaks the tokenizer its data's index names, as prepare encoded (no post-processing), its separator the end
+    assert run_config["byte_tokens"] is False
     older = {k: v for k, v in run_config.items() if k != "byte_tokens"}  # a config.json from before byte_tokens: its sources decide
-    assert evaluate.text_codec(tmp_path / "run", model, older) == (None, None, None)
-    (tmp_path / "q.jsonl").write_text(json.dumps({"context": "w1", "choices": ["w2", "w3"], "answer": 0}) + "\n")
-    cli = subprocess.run([sys.executable, str(ROOT / "examples" / "evaluate.py"), str(tmp_path / "run"), f"--choices={tmp_path / 'q.jsonl'}"],
-                         capture_output=True, text=True, timeout=300)
+    for config in (run_config, older):
+        encode, decode, eos = evaluate.text_codec(tmp_path / "run", model, config)
+        assert encode("w1 w2 w40") == [1, 2, 40] and decode([3, 4]) == "w3 w4" and eos == 61
+    (tmp_path / "q.jsonl").write_text(json.dumps({"context": "w1 w5", "choices": ["w2", "w3 w4"], "answer": 0}) + "\n")
+    choices = lambda: subprocess.run([sys.executable, str(ROOT / "examples" / "evaluate.py"), str(tmp_path / "run"),  # noqa: E731
+                                      f"--choices={tmp_path / 'q.jsonl'}", "--json"], capture_output=True, text=True, timeout=300)
+    cli = choices()
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    want, _ = evaluate.choice_logprobs(model, [([1, 5], [2]), ([1, 5], [3, 4])], tokens=1024, device=torch.device("cpu"))
+    assert json.loads(cli.stdout)["logprobs"] == [pytest.approx(want, rel=1e-5)]
+    # --chat: the template beside the tokenizer; a run stops at its separator and the template's eos_token (the end of a turn)
+    prompt = [0, 7, 8, 59, 1]  # as the template below renders --prompt="w7 w8"
+    free = generate.generate(model, prompt, tokens=6, eos=61)[len(prompt):]
+    end = next(t for t in free[1:] if t < 59)  # a word greedy writes after its first: the template's end of turn
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": f"w{end}", "chat_template": (
+        "{% for m in messages %}w0 {{ m.content }} w59 {% endfor %}{% if add_generation_prompt %}w1{% endif %}")}))
+    chat = subprocess.run([sys.executable, str(ROOT / "examples" / "generate.py"), str(tmp_path / "run"), "--chat", "--prompt=w7 w8",
+                           "--tokens=6"], capture_output=True, text=True, timeout=300)
+    assert chat.returncode == 0, chat.stderr[-2000:]
+    assert chat.stdout == decode(free[:free.index(end) + 1]) + "\n" and free.index(end) + 1 < len(free)
+    # the tokenizer moved away: texts are refused, not read as bytes
+    (tmp_path / "tok.json").rename(tmp_path / "moved.json")
+    assert evaluate.text_codec(tmp_path / "run", model, run_config) == (None, None, None)
+    cli = choices()
     assert cli.returncode != 0 and "this model has no tokenizer here" in cli.stderr, cli.stderr[-2000:]
     masked = load_blend(str(tmp_path / "sft.u16")).split(20)[1].validation_batches(128, 12, mtp_depth=1)
     every = [make_batch(b["input_ids"], b["cu_seqlens"], 1) for b in masked]  # the same tokens, every label counted
