@@ -249,7 +249,7 @@ def _parquet_documents(path: Path, fields: tuple[tuple[str, Optional[str]], ...]
             row += 1
 
 
-def _documents(path: Path, fields: tuple[tuple[str, str], ...]) -> Iterator[tuple]:
+def _documents(path: Path, fields: tuple[tuple[str, Optional[str]], ...]) -> Iterator[tuple]:
     """(where, text) of each document of one source file (module docstring), `where`
     naming it in errors: the file, and its line or row; with records, (where, *values) of
     `fields`, its (field, knob naming it) pairs: (where, text, prompt) for
