@@ -323,8 +323,9 @@ def main(argv: list[str]) -> None:
     except (OSError, ValueError, KeyError) as err:
         sys.exit(str(err) if str(err).startswith(("parallel knobs", "--")) else f"path: {err}")
     loop = run.get("config", {})
+    tokens = args.tokens_per_micro_batch or loop.get("tokens_per_micro_batch", 2048)
     if args.choices is not None:
-        return choices_main(args, model, run, device=device, meshes=meshes)
+        return choices_main(args, model, run, tokens=tokens, device=device, meshes=meshes)
     spec = args.data if args.data is not None else loop.get("data", "")
     same_data = args.data is None and bool(loop)
     try:
@@ -334,7 +335,6 @@ def main(argv: list[str]) -> None:
         if corpus.vocab_size > model.cfg.vocab_size:
             raise ValueError(f"the data's {corpus.vocab_size} token ids do not fit the model's vocab_size {model.cfg.vocab_size} "
                              "(tokenize it with the model's tokenizer)")
-        tokens = args.tokens_per_micro_batch or loop.get("tokens_per_micro_batch", 2048)
         split = (2 if args.cp > 1 else 1) * args.cp * args.tp
         if tokens % split:
             raise ValueError(f"--tokens_per_micro_batch: expected a multiple of {'2 x --cp x ' if args.cp > 1 else ''}--tp = {split}, got {tokens}")
@@ -352,11 +352,10 @@ def main(argv: list[str]) -> None:
         parallel.leave_ranks()
 
 
-def choices_main(args, model: Transformer, run: dict, *, device: torch.device, meshes) -> None:
-    """--choices: score the file's questions (read_choices, choice_logprobs, score_choices)
-    and print the accuracies (rank 0), or one JSON object with --json."""
-    loop = run.get("config", {})
-    tokens = args.tokens_per_micro_batch or loop.get("tokens_per_micro_batch", 2048)
+def choices_main(args, model: Transformer, run: dict, *, tokens: int, device: torch.device, meshes) -> None:
+    """--choices: score the file's questions (read_choices, choice_logprobs, score_choices) in
+    micro-batches of at most `tokens` tokens and print the accuracies (rank 0), or one JSON
+    object with --json."""
     try:
         encode, _, _ = text_codec(args.path, model, run)
         questions = read_choices(args.choices, encode, limit=args.questions)

@@ -135,6 +135,12 @@ def load_sharded(path: Path, sizes: dict, *, device: torch.device, dtype: torch.
     return model, run, meshes
 
 
+def _data_sources(run: dict) -> list[dict]:
+    """A run's data sources ({"path": ...} each; the path None for the stdlib corpus), from
+    its config.json: data_sources, or the --data of a run from before that field."""
+    return run.get("data_sources") or [{"path": run["config"].get("data") or None}]
+
+
 def run_tokenizer(run: dict) -> tuple[Optional[Path], Optional[int]]:
     """(tokenizer.json, separator) of a run on prepared token files: the ones every data
     source's index names (fmoe.train.prepare), when that tokenizer file is here; else
@@ -143,7 +149,7 @@ def run_tokenizer(run: dict) -> tuple[Optional[Path], Optional[int]]:
     from fmoe.train.data import read_index
 
     named = set()
-    for source in run.get("data_sources") or [{"path": run["config"].get("data") or None}]:
+    for source in _data_sources(run):
         index = read_index(source["path"]) if source["path"] and Path(source["path"]).is_file() else None
         if not index or not isinstance(index.get("tokenizer"), str):
             return None, None
@@ -172,30 +178,26 @@ def text_codec(path: Path, model: Transformer, run: dict) -> tuple[Optional[Call
     token-file run whose tokenizer is not here). encode(text, special=True) -> ids:
     special=False leaves out the tokens a tokenizer adds around a text (a BOS), for a text
     that continues another."""
-    if not run:  # an HF folder
+    if run:
+        byte_tokens = run.get("byte_tokens")  # config.json records it; an older run's sources were bytes when each was a directory
+        if byte_tokens is None:
+            byte_tokens = all(s["path"] is None or Path(s["path"]).is_dir() for s in _data_sources(run))
+        if byte_tokens:  # the stdlib corpus or text files
+            from fmoe.train.data import EOS, decode_text, encode_text
+
+            return (lambda s, special=True: encode_text(s).tolist()), decode_text, EOS
+        tokenizer, eos = run_tokenizer(run)  # token ids: of the tokenizer the data's index names, when it is here
+    else:  # an HF folder
         eos = model.hf_config.get("eos_token_id")
         eos = eos[0] if isinstance(eos, list) else eos
-        if not (path / "tokenizer.json").is_file():
-            return None, None, eos
-        from tokenizers import Tokenizer
+        tokenizer = tokenizer_file(path, run)
+    if tokenizer is None:
+        return None, None, eos  # (None for a run: run_tokenizer found none)
+    from tokenizers import Tokenizer
 
-        tok = Tokenizer.from_file(str(path / "tokenizer.json"))
-        return (lambda s, special=True: tok.encode(s, add_special_tokens=special).ids), tok.decode, eos
-    from fmoe.train.data import EOS, decode_text, encode_text
-
-    byte_tokens = run.get("byte_tokens")  # config.json records it; an older run's sources were bytes when each was a directory
-    if byte_tokens is None:
-        sources = run.get("data_sources") or [{"path": run["config"].get("data") or None}]
-        byte_tokens = all(s["path"] is None or Path(s["path"]).is_dir() for s in sources)
-    if not byte_tokens:  # token ids: of the tokenizer the data's index names, when it is here
-        tokenizer, separator = run_tokenizer(run)
-        if tokenizer is None:
-            return None, None, None
-        from tokenizers import Tokenizer
-
-        tok = Tokenizer.from_file(str(tokenizer))
-        return (lambda s, special=True: tok.encode(s, add_special_tokens=False).ids), tok.decode, separator
-    return (lambda s, special=True: encode_text(s).tolist()), decode_text, EOS  # bytes: the stdlib corpus or text files
+    tok = Tokenizer.from_file(str(tokenizer))
+    post_processing = not run  # prepare encoded a run's data without it
+    return (lambda s, special=True: tok.encode(s, add_special_tokens=special and post_processing).ids), tok.decode, eos
 
 
 def stop_ids(path: Path, run: dict, eos: Optional[int]) -> list[int]:

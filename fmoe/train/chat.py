@@ -255,6 +255,7 @@ def load_chat_template(tokenizer: Union[str, Path], chat_template: Union[str, Pa
     folder = Path(tokenizer).parent
     tokens = _special_tokens(folder / TOKENIZER_CONFIG, folder / SPECIAL_TOKENS_MAP)
     extra = check_template_variables(variables or {})
+    source = None
     if chat_template is not None:
         path = Path(chat_template)
         if not path.is_file():
@@ -269,11 +270,13 @@ def load_chat_template(tokenizer: Union[str, Path], chat_template: Union[str, Pa
                 source = path.read_text(encoding="utf-8")
             except UnicodeDecodeError as err:
                 raise ValueError(f"chat_template: {str(path)!r} is not UTF-8 text ({err.reason})") from None
-        return ChatTemplate(source, {**tokens, **extra}, origin=str(path))
-    if (folder / CHAT_TEMPLATE_FILE).is_file():
+    elif (folder / CHAT_TEMPLATE_FILE).is_file():
         path = folder / CHAT_TEMPLATE_FILE
-        return ChatTemplate(path.read_text(encoding="utf-8"), {**tokens, **extra}, origin=str(path))
-    if (folder / TOKENIZER_CONFIG).is_file() and (source := _template_from_config(folder / TOKENIZER_CONFIG)) is not None:
-        return ChatTemplate(source, {**tokens, **extra}, origin=str(folder / TOKENIZER_CONFIG))
+        source = path.read_text(encoding="utf-8")
+    elif (folder / TOKENIZER_CONFIG).is_file():
+        path = folder / TOKENIZER_CONFIG
+        source = _template_from_config(path)
+    if source is not None:
+        return ChatTemplate(source, {**tokens, **extra}, origin=str(path))
     raise ValueError(f"chat_template: no {CHAT_TEMPLATE_FILE} and no tokenizer_config.json with a chat_template beside "
                      f"{str(tokenizer)!r}; name one with --chat_template=FILE (.jinja, or a JSON file with a chat_template)")

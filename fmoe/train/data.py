@@ -22,8 +22,9 @@ Token files stay memory-mapped; their documents end at (and include) each `separ
 and trailing tokens after the last separator form a final document. A token file made by
 `python -m fmoe.train.prepare` (fmoe.train.prepare) has a sidecar `<file>.index.json`
 holding its dtype, separator, vocab_size and token / document counts, and, for data of
-prompts and responses (prepare's prompt_key), the name of its loss-mask file: one uint8 per
-token, 0 on a prompt's tokens, which are then never labels (TokenDataset.label_mask: the
+prompts and responses or of conversations (prepare's prompt_key, messages_key), the name of
+its loss-mask file: one uint8 per token, 0 on a prompt's tokens (a conversation's tokens
+outside the assistant's turns), which are then never labels (TokenDataset.label_mask: the
 loss counts only the responses' tokens and separators, at every MTP depth too).
 
 Splits: `dataset.split(val_percent)` puts a document in validation when a stable hash of
@@ -425,9 +426,9 @@ def load_token_file(path: Union[str, os.PathLike], *, separator: Optional[int] =
 
 
 def _read_label_mask(path: Path, n_tokens: int, where: str) -> np.ndarray:
-    """The loss-mask file a token file's index names (fmoe.train.prepare's prompt_key): one
-    uint8 per token, 1 where the token may be a label, memory-mapped; its size and values
-    are checked (one chunked pass)."""
+    """The loss-mask file a token file's index names (fmoe.train.prepare's prompt_key or
+    messages_key): one uint8 per token, 1 where the token may be a label, memory-mapped; its
+    size and values are checked (one chunked pass)."""
     if not path.is_file():
         raise ValueError(f"path: the loss mask {str(path)!r} that {where} names does not exist")
     if path.stat().st_size != n_tokens:
