@@ -172,7 +172,7 @@ CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['con
           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
 
-def test_chat_renders_the_template_and_stops_at_any_end_id(tmp_path):
+def test_chat_renders_the_template_and_stops_at_any_end_id(tmp_path, run_dir):
     """--chat on an HF folder: --system and --prompt rendered by its chat template with the
     generation prompt (the ids of transformers' apply_chat_template), greedy tokens equal
     to transformers' generate, which stops at any of generation_config.json's eos ids; the
@@ -218,17 +218,7 @@ def test_chat_renders_the_template_and_stops_at_any_end_id(tmp_path):
                                 (tmp_path, ["--system=hi"], "--system, --chat_template, --chat_template_kwargs: they shape a chat prompt, which needs --chat"),
                                 (tmp_path, ["--chat", "--chat_template_kwargs=[1]"], "--chat_template_kwargs: expected a JSON object, got \\[1\\]"),
                                 (tmp_path, ["--chat", f"--chat_template={tmp_path / 'nope.jinja'}"], "chat_template: '.*nope.jinja' does not exist"),
-                                (_byte_run(tmp_path), ["--chat", "--prompt=hi"], "--chat: '.*' has no tokenizer here")):
+                                (run_dir[0], ["--chat", "--prompt=hi"], "--chat: '.*' has no tokenizer here")):  # a byte run
         bad = run(path, *args)
         assert bad.returncode != 0 and re.search(message, bad.stderr), bad.stderr[-2000:]
 
-
-def _byte_run(tmp_path):
-    from fmoe.train import checkpoint
-    from fmoe.train.run import write_config
-
-    out = tmp_path / "run"
-    cfg = TransformerConfig(vocab_size=258, hidden=16, n_layers=1, n_dense=1, ffn_dense=16, n_heads=2, n_kv_heads=1, head_dim=8, mtp_depth=0)
-    write_config(out, {"model": dataclasses.asdict(cfg), "data": ""}, vocab_size=258)
-    checkpoint.save(out, 1, model=Transformer(cfg), optimizers=[])
-    return out

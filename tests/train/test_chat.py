@@ -58,6 +58,14 @@ def model_dir(tmp_path_factory):
     return folder
 
 
+def _tokenizer_only(model_dir, tmp_path):
+    """A fresh model folder holding model_dir's tokenizer.json alone."""
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_bytes((model_dir / "tokenizer.json").read_bytes())
+    return folder
+
+
 def _write_config(folder, template, **extra):
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": {"__type": "AddedToken", "content": "<|im_end|>", "special": True},
               "pad_token": "<|endoftext|>", "chat_template": template, **extra}
@@ -134,9 +142,7 @@ def test_the_template_is_found_beside_the_tokenizer_or_named(model_dir, tmp_path
     """--chat_template (a .jinja file, or a JSON file's chat_template with its special tokens)
     over the folder's chat_template.jinja over its tokenizer_config.json; named templates take
     "default"; the special tokens are the template's variables."""
-    folder = tmp_path / "m"
-    folder.mkdir()
-    (folder / "tokenizer.json").write_bytes((model_dir / "tokenizer.json").read_bytes())
+    folder = _tokenizer_only(model_dir, tmp_path)
     chat = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
     _write_config(folder, [{"name": "tool_use", "template": "T{{ messages[0].content }}"}, {"name": "default", "template": "D{{ eos_token }}"}])
     assert load_chat_template(folder / "tokenizer.json").render(chat) == "D<|im_end|>"
@@ -157,9 +163,7 @@ def test_a_template_that_rewrites_earlier_turns_gives_one_document_per_turn(mode
     conversation shows the first reply without the reasoning the model wrote it with. Each
     assistant turn is then its own document, as transformers renders messages[:i + 1], with
     that turn alone counted; a conversation with one turn stays whole."""
-    folder = tmp_path / "m"
-    folder.mkdir()
-    (folder / "tokenizer.json").write_bytes((model_dir / "tokenizer.json").read_bytes())
+    folder = _tokenizer_only(model_dir, tmp_path)
     _write_config(folder, REASONING)
     chats = [[{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4", "reasoning": "add"},
               {"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "6", "reasoning": "add again"}],
@@ -184,9 +188,7 @@ def test_tools_reasoning_and_special_tokens_reach_the_template_as_in_transformer
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    folder = tmp_path / "m"
-    folder.mkdir()
-    (folder / "tokenizer.json").write_bytes((model_dir / "tokenizer.json").read_bytes())
+    folder = _tokenizer_only(model_dir, tmp_path)
     (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": TOOLS}))
     (folder / "special_tokens_map.json").write_text(json.dumps({"bos_token": "<|im_start|>", "eos_token": {"content": "<|im_end|>"}}))
     tools = [{"type": "function", "function": {"name": "add", "description": "a + b → c", "parameters": {"type": "object"}}}]
@@ -218,9 +220,7 @@ def test_template_switches_are_variables_as_in_transformers(model_dir, tmp_path)
     variables, over a special token of the same name: Qwen3's enable_thinking=False puts an
     empty reasoning block in the generation prompt, out of the loss; the ids and masks are
     transformers' apply_chat_template(..., enable_thinking=False)."""
-    folder = tmp_path / "m"
-    folder.mkdir()
-    (folder / "tokenizer.json").write_bytes((model_dir / "tokenizer.json").read_bytes())
+    folder = _tokenizer_only(model_dir, tmp_path)
     switch = CHATML.replace("{{ '<|im_start|>assistant\\n' }}",
                             "{{ '<|im_start|>assistant\\n' }}{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}")
     switch = switch.replace("{% generation %}", "{% if loop.last and enable_thinking is defined and not enable_thinking %}<think></think>"
@@ -278,9 +278,7 @@ def test_template_switches_are_variables_as_in_transformers(model_dir, tmp_path)
      "line 1 already holds the separator id 0"),
 ])
 def test_bad_conversations_and_templates_stop_with_a_message(model_dir, tmp_path, records, kwargs, match):
-    folder = tmp_path / "m"
-    folder.mkdir()
-    (folder / "tokenizer.json").write_bytes((model_dir / "tokenizer.json").read_bytes())
+    folder = _tokenizer_only(model_dir, tmp_path)
     _write_config(folder, kwargs.pop("template", CHATML))
     kwargs.setdefault("messages_key", "messages")
     src = tmp_path / "c.jsonl"
@@ -291,9 +289,7 @@ def test_bad_conversations_and_templates_stop_with_a_message(model_dir, tmp_path
 
 
 def test_missing_templates_and_text_sources(model_dir, tmp_path):
-    folder = tmp_path / "m"
-    folder.mkdir()
-    (folder / "tokenizer.json").write_bytes((model_dir / "tokenizer.json").read_bytes())
+    folder = _tokenizer_only(model_dir, tmp_path)
     src = _jsonl(tmp_path / "c.jsonl", CHATS[:1])
     kw = dict(tokenizer=folder / "tokenizer.json", messages_key="messages", progress=False)
     with pytest.raises(ValueError, match=r"chat_template: no chat_template.jinja and no tokenizer_config.json with a chat_template beside"):
