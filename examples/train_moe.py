@@ -73,7 +73,7 @@ class Config:
     separator: int = -1             # token files: the document separator id (--model.vocab_size too)
     val_percent: int = 5            # validation documents, split by file name
     whole_documents: bool = False   # a document that does not fit the rest of a micro-batch starts the next (the rest
-                                    # padding), not cut: for prompt/response data (no response without its prompt)
+                                    # padding, never routed), not cut: for prompt/response data (no response without its prompt)
     tokens_per_micro_batch: int = 1024
     batch_schedule: str = "0:2 2M:4"  # micro-batches per step, by tokens consumed
     # losses
@@ -397,11 +397,16 @@ def main(argv: list[str]) -> None:
         # the micro-batch's documents; its cu_seqlens were checked when the batch was made)
         scale = 1.0 / (len(moe_names) * n_micro)
         T, k, cu_seqlens = batch["input_ids"].shape[0], model_cfg.k, batch["cu_seqlens"]
+        # --whole_documents: the padding (token_mask False) is not routed, and the losses
+        # leave it out (their means run over the routed tokens: routed_tokens under cp)
+        mask = batch["token_mask"] if "token_mask" in batch.keys() else None
         if meshes is None or meshes.cp * meshes.tp == 1:
+            n_tokens = T if mask is None else mask.sum()
             terms = {
-                "seq_aux_loss": (cfg.seq_aux_coeff, lambda n, s: ops.seq_load_balancing_loss(s["aux_scores"], s["aux_experts"], cu_seqlens, k=k, check=False)),
-                "aux_loss": (cfg.aux_coeff, lambda n, s: ops.load_balancing_loss(s["aux_scores"], s["aux_counts"], k=k, n_tokens=T)),
-                "z_loss": (cfg.z_coeff, lambda n, s: ops.z_loss(s["router_logits"])),
+                "seq_aux_loss": (cfg.seq_aux_coeff, lambda n, s: ops.seq_load_balancing_loss(s["aux_scores"], s["aux_experts"], cu_seqlens, k=k,
+                                                                                             check=False, mask=mask)),
+                "aux_loss": (cfg.aux_coeff, lambda n, s: ops.load_balancing_loss(s["aux_scores"], s["aux_counts"], k=k, n_tokens=n_tokens)),
+                "z_loss": (cfg.z_coeff, lambda n, s: ops.z_loss(s["router_logits"], mask=mask)),
             }
         else:  # the micro-batch's tokens are split over the cp x tp ranks (context parallel: this
             # rank's two chunks, batch["token_index"]; sequence parallel: a T/tp slice of those):
@@ -410,6 +415,9 @@ def main(argv: list[str]) -> None:
             group, n_tokens, t = meshes.token_mesh, T * meshes.cp, T // meshes.tp
             start = meshes.tp_mesh.get_local_rank() * t
             index = (batch["token_index"] if meshes.cp > 1 else torch.arange(T, device=device))[start:start + t]
+            if mask is not None:
+                n_tokens = batch["routed_tokens"] if meshes.cp > 1 else mask.sum()
+                mask = mask[start:start + t]
             # the counts over the whole micro-batch: one collective for all layers per loss
             aux_counts = seq_losses = {}
             if cfg.aux_coeff:
@@ -418,11 +426,11 @@ def main(argv: list[str]) -> None:
             if cfg.seq_aux_coeff:
                 seq_losses = parallel.seq_load_balancing_losses_split(
                     {n: s["aux_scores"] for n, s in stats.items()}, {n: s["aux_experts"] for n, s in stats.items()}, cu_seqlens,
-                    k=k, group=group, names=moe_names, n_experts=model_cfg.n_experts, token_index=index, check=False)
+                    k=k, group=group, names=moe_names, n_experts=model_cfg.n_experts, token_index=index, check=False, mask=mask)
             terms = {
                 "seq_aux_loss": (cfg.seq_aux_coeff, lambda n, s: seq_losses[n]),
                 "aux_loss": (cfg.aux_coeff, lambda n, s: ops.load_balancing_loss(s["aux_scores"], aux_counts[n], k=k, n_tokens=n_tokens)),
-                "z_loss": (cfg.z_coeff, lambda n, s: parallel.z_loss_split(s["router_logits"], n_tokens=n_tokens)),
+                "z_loss": (cfg.z_coeff, lambda n, s: parallel.z_loss_split(s["router_logits"], n_tokens=n_tokens, mask=mask)),
             }
         for name, (coeff, term) in terms.items():
             if coeff:
@@ -573,12 +581,13 @@ def main(argv: list[str]) -> None:
                 sys.exit(f"step {step}: the ranks holding copies of {', '.join(bad)} disagree (a non-deterministic collective, "
                          "a corrupted rank or a bug: stopping before the copies drift further)")
         step_tokens = n_micro * cfg.tokens_per_micro_batch
+        routed = sum(int(b["token_mask"].sum()) for b in host_batches) if cfg.whole_documents else step_tokens  # host values
         tokens_seen += step_tokens
         if step % cfg.eval_every == 0 or step == last:
             record["val_loss"], record["val_loss_by_source"] = evaluate()
         # the one transfer of the step: every logged value and count comes to the host here
         if moe_names:  # per MoE layer, in moe_names order: counts, max/mean, CV, dropped share
-            record.update(metrics.layer_loads(torch.stack([counts[n] for n in moe_names]), step_tokens * model_cfg.k))
+            record.update(metrics.layer_loads(torch.stack([counts[n] for n in moe_names]), routed * model_cfg.k))
         record = metrics.to_host({**record, "grad_norm": grad_norm, "param_norm": weight_norm, "zero_grads": zero_grads})
         if "val_loss_by_source" in record:  # source name -> its validation tokens' mean loss
             record["val_loss_by_source"] = dict(zip(val_names, record["val_loss_by_source"]))

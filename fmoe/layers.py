@@ -1,6 +1,6 @@
 """Pure functional layers built from fmoe.ops: parameters and config in, (output, stats) out.
 
-    moe(x[T,H], params, cfg, *, experts=None, shared=None) -> (y[T,H], stats)
+    moe(x[T,H], params, cfg, *, experts=None, shared=None, token_mask=None) -> (y[T,H], stats)
     attention_context(cu_seqlens[n+1], positions[T], cfg) -> AttentionContext  (once per micro-batch)
     attention_context(cu_seqlens[n+1], positions[T/cp], cfg, token_index=, kv_index=, gather_kv=)
                                               the same for this rank's tokens under context parallel
@@ -39,6 +39,15 @@ stats (a TensorDict, batch_size []): what the losses and the bias update consume
     tokens_per_expert  [E] int64 slots of the actual routing (after bias, groups, dropping):
                        update_expert_bias sums these over micro-batches and ranks, and
                        fmoe.ops.load_stats turns them into max/mean, CV and dropped fraction
+
+token_mask [T] bool (optional; False on padding, make_batch's token_mask): a token outside
+it is not routed (every slot dropped before the capacity drop, so it takes no expert's
+compute and no capacity; its output is the shared experts' alone), tokens_per_expert and
+aux_counts do not count it, its aux_scores row is 0 and its aux_experts row -1
+(fmoe.ops.balance.mask_tokens): load_balancing_loss(..., n_tokens=token_mask.sum()) and
+seq_load_balancing_loss / z_loss(..., mask=token_mask) then leave it out exactly, as if
+it were not in the batch (router_logits keep every row). The capacity stays
+ceil(T k / E * capacity_factor) of all T tokens.
 
 ## attention
 
@@ -80,7 +89,8 @@ from tensordict import TensorDict
 from fmoe.ops import aux_scores as _aux_scores
 from fmoe.ops import drop_by_capacity, random_logits, route
 from fmoe.ops.backend import IMPLS
-from fmoe.ops.checks import check_float, check_index, check_positive_int
+from fmoe.ops.balance import mask_tokens, tokens_per_expert
+from fmoe.ops.checks import check_float, check_index, check_positive_int, check_token_mask
 from fmoe.ops.dispatch import permute, unpermute
 from fmoe.ops.experts import EXPERT_BIASES, check_glu, grouped_mlp, swiglu
 from fmoe.ops.packed import sequence_ids
@@ -231,6 +241,7 @@ def moe(
     experts: Optional[Callable] = None,
     shared: Optional[Callable] = None,
     drop: Optional[Callable] = None,
+    token_mask: Optional[torch.Tensor] = None,
 ):
     """A mixture-of-experts block as a pure function; no host sync.
 
@@ -251,10 +262,13 @@ def moe(
             None: fmoe.ops.drop_by_capacity over x's T tokens. Under sequence parallelism x
             is one rank's share of a micro-batch and fmoe.model.MoE passes
             fmoe.parallel's SequenceShard.drop_by_capacity, which drops over all of it.
+        token_mask: None, or [T] bool on x's device: False on tokens that are not routed
+            (padding; module docstring). None routes every token.
     Returns:
         (y [T, H] in x's dtype, stats TensorDict): see the module docstring.
     """
     _check_moe(x, params, cfg, experts, shared, drop)
+    check_token_mask("token_mask", token_mask, x.shape[0])
     E, k = cfg.n_experts, cfg.k
 
     logits_TE = F.linear(x.float(), params["router"], params.get("router_bias"))  # router in float32
@@ -264,6 +278,9 @@ def moe(
         expert_bias=params.get("expert_bias"), scale=cfg.scale, check=cfg.check_nan, impl=cfg.impl,
         group_score_topk=cfg.group_score_topk, normalize=cfg.normalize,
     )
+    if token_mask is not None:  # padding is not routed: its slots are dropped before any capacity
+        routes = Routes(torch.where(token_mask[:, None], routes.weights, 0.0),
+                        torch.where(token_mask[:, None], routes.experts, torch.full_like(routes.experts, -1)))
     if cfg.capacity_factor is not None and drop is not None:
         routes = drop(routes, E, cfg.capacity_factor, policy=cfg.capacity_policy)
     elif cfg.capacity_factor is not None:
@@ -286,6 +303,9 @@ def moe(
     stats = {"router_logits": logits_TE, "tokens_per_expert": counts_E}
     if cfg.aux_scores:
         scores_TE, experts_TK, counts = _aux_scores(logits_TE, k, score=cfg.score, return_counts=True, impl=cfg.impl)
+        if token_mask is not None:
+            scores_TE, experts_TK = mask_tokens(scores_TE, experts_TK, token_mask)
+            counts = tokens_per_expert(experts_TK, E)
         stats.update(aux_scores=scores_TE, aux_experts=experts_TK, aux_counts=counts)
     return y_TH, TensorDict(stats, batch_size=[])
 

@@ -233,8 +233,10 @@ class MoE(nn.Module):
                 t.data = data.to(device=t.device)
         return self
 
-    def forward(self, x: torch.Tensor):
-        """x [..., H] -> (y [..., H], stats TensorDict of fmoe.layers.moe)."""
+    def forward(self, x: torch.Tensor, token_mask: Optional[torch.Tensor] = None):
+        """x [..., H] -> (y [..., H], stats TensorDict of fmoe.layers.moe). token_mask: None,
+        or [T] bool over the micro-batch's tokens (x's under sequence parallelism: this rank
+        routes its slice of it), False on padding, which is not routed (fmoe.layers.moe)."""
         x_TH = x.reshape(-1, x.shape[-1])
         # under tensor parallelism x is this rank's token shard: the router's and the gate's
         # gradients are summed over tp where they are used; the capacity drop sees every token
@@ -250,7 +252,9 @@ class MoE(nn.Module):
         drop = self.capacity_drop  # cp: over every cp rank's tokens (and tp slices)
         if drop is None and sp is not None:
             drop = sp.drop_by_capacity
-        y_TH, stats = moe(x_TH, params, self.cfg, experts=self.experts, shared=self.shared, drop=drop)
+        if token_mask is not None and sp is not None:
+            token_mask = sp.local_rows(token_mask, x_TH.shape[0])
+        y_TH, stats = moe(x_TH, params, self.cfg, experts=self.experts, shared=self.shared, drop=drop, token_mask=token_mask)
         return (y_TH if x.ndim == 2 else y_TH.reshape(x.shape)), stats  # no view: FSDP hooks the output
 
 
@@ -541,11 +545,12 @@ class Block(nn.Module):
         self.ac = cfg.ac
         self.residual_scale = cfg.residual_scale
 
-    def forward(self, x_TH, ctx: AttentionContext):
-        """x [T, H] -> (x [T, H], the MoE stats or None for a dense block)."""
+    def forward(self, x_TH, ctx: AttentionContext, token_mask: Optional[torch.Tensor] = None):
+        """x [T, H] -> (x [T, H], the MoE stats or None for a dense block). token_mask:
+        None, or [T] bool, False on padding, which the MoE does not route (MoE.forward)."""
         if self.ac == "full":
-            return recompute(self._block, x_TH, ctx)
-        return self._block(x_TH, ctx)
+            return recompute(self._block, x_TH, ctx, token_mask)
+        return self._block(x_TH, ctx, token_mask)
 
     def _attend(self, x_TH, ctx):
         return self.attn(self.attn_norm(x_TH), ctx)
@@ -553,13 +558,12 @@ class Block(nn.Module):
     def _residual(self, x_TH, y_TH):
         return x_TH + (y_TH if self.residual_scale == 1.0 else y_TH * self.residual_scale)
 
-    def _block(self, x_TH, ctx):
+    def _block(self, x_TH, ctx, token_mask=None):
         x_TH = self._residual(x_TH, recompute(self._attend, x_TH, ctx) if self.ac == "attention" else self._attend(x_TH, ctx))
-        out = self.mlp(self.mlp_norm(x_TH))
         if isinstance(self.mlp, MoE):
-            y, stats = out
+            y, stats = self.mlp(self.mlp_norm(x_TH), token_mask)
             return self._residual(x_TH, y), stats
-        return self._residual(x_TH, out), None
+        return self._residual(x_TH, self.mlp(self.mlp_norm(x_TH))), None
 
 
 class MTPModule(nn.Module):
@@ -573,9 +577,9 @@ class MTPModule(nn.Module):
         self.block = Block(cfg, moe=any(cfg.is_moe(i) for i in range(cfg.n_layers)))
         self.out_norm = RMSNorm(cfg.hidden, cfg.norm_eps) if cfg.mtp_norm else None
 
-    def forward(self, emb_TH, h_TH, ctx: AttentionContext):
+    def forward(self, emb_TH, h_TH, ctx: AttentionContext, token_mask: Optional[torch.Tensor] = None):
         x_TH = torch.cat([self.emb_norm(emb_TH), self.hidden_norm(h_TH)], dim=-1) @ self.proj
-        return self.block(x_TH, ctx)
+        return self.block(x_TH, ctx, token_mask)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1060,6 +1064,8 @@ class Transformer(nn.Module):
                 counts), positions [T], cu_seqlens [n+1] int32, and with mtp_depth D > 0
                 mtp_input_ids, mtp_labels, mtp_loss_mask, mtp_positions [D, T] (row d-1 for
                 MTP depth d). Values are not checked here: make_batch checks them.
+                An optional token_mask [T] bool (make_batch's, False on padding): the MoE
+                layers do not route the padding (fmoe.layers.moe's token_mask).
             ctx: self.context(batch), built once per micro-batch; None builds it here.
             hidden: for a pipeline chunk that is not the first (fmoe.parallel.pipeline_chunk
                 set `pipeline_chunk`): the previous stage's output [T, H]; None otherwise.
@@ -1085,10 +1091,11 @@ class Transformer(nn.Module):
         else:
             h_TH = hidden
         stats = {}
+        token_mask = batch["token_mask"] if "token_mask" in batch.keys() else None  # padding: not routed
         for i, block in enumerate(self.blocks):
             if isinstance(block, LayerElsewhere):  # held by another pipeline stage
                 continue
-            h_TH, layer_stats = block(h_TH, ctx.attention[0])
+            h_TH, layer_stats = block(h_TH, ctx.attention[0], token_mask)
             if layer_stats is not None:
                 stats[f"layer_{i}"] = layer_stats
         if chunk is not None and not chunk.last:
@@ -1097,7 +1104,7 @@ class Transformer(nn.Module):
         losses = {"lm_sum": lm_sum, "lm_tokens": lm_tokens}
         for d, module in enumerate(self.mtp, start=1):
             emb_TH = self._embedding(batch["mtp_input_ids"][d - 1])
-            h_TH, layer_stats = module(emb_TH, h_TH, ctx.attention[d])
+            h_TH, layer_stats = module(emb_TH, h_TH, ctx.attention[d], token_mask)
             if layer_stats is not None:
                 stats[f"mtp_{d}"] = layer_stats
             losses[f"mtp_{d}_sum"], losses[f"mtp_{d}_tokens"] = self._lm_loss(h_TH, batch["mtp_labels"][d - 1], batch["mtp_loss_mask"][d - 1],

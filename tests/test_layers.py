@@ -118,6 +118,64 @@ def test_stats_feed_the_losses_and_bias_update(device):
     assert "aux_scores" not in no_aux.keys()
 
 
+@pytest.mark.parametrize("name", ["softmax top-2", "sigmoid groups bias shared"])
+def test_padding_is_not_routed_and_the_stats_leave_it_out(name, device):
+    """token_mask: the kept tokens' outputs, gradients and stats are those of a batch
+    without the padding; the padding takes no expert (its output is the shared experts')."""
+    cfg = CONFIGS[name]
+    shared = "shared" in name
+    params = _params(cfg, torch.float32, device, shared=shared, bias=shared)
+    keep = torch.tensor([t % 5 != 2 and t < 15 for t in range(20)], device=device)
+    x = torch.randn(20, H, device=device, requires_grad=True)
+    part = x.detach()[keep].clone().requires_grad_()
+    y, stats = moe(x, params, cfg, token_mask=keep)
+    y_part, stats_part = moe(part, params, cfg)
+    torch.testing.assert_close(y[keep], y_part, rtol=1e-5, atol=1e-6)
+    pad, p = x.detach()[~keep], params
+    shared_only = torch.zeros_like(pad)
+    if shared:
+        shared_only = (F.silu(pad @ p["shared_w_gate"]) * (pad @ p["shared_w_up"])) @ p["shared_w_down"] * torch.sigmoid(pad @ p["shared_gate"])[:, None]
+    torch.testing.assert_close(y[~keep], shared_only, rtol=1e-5, atol=1e-6)
+    for key in ("tokens_per_expert", "aux_counts"):
+        assert torch.equal(stats[key], stats_part[key]), key
+    torch.testing.assert_close(stats["aux_scores"][keep], stats_part["aux_scores"])
+    assert not stats["aux_scores"][~keep].any() and (stats["aux_experts"][~keep] == -1).all()
+    assert int(stats["tokens_per_expert"].sum()) == cfg.k * int(keep.sum())
+    upstream = torch.randn_like(y_part)
+    (y[keep] * upstream).sum().backward()
+    router_grad = params["router"].grad.clone()
+    params["router"].grad = None
+    (y_part * upstream).sum().backward()
+    torch.testing.assert_close(x.grad[keep], part.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(router_grad, params["router"].grad, rtol=1e-5, atol=1e-6)
+    _raises_value(r"token_mask: expected None or a bool tensor \[20\]", moe, x, params, cfg, token_mask=keep[:10])
+    _raises_value(r"token_mask: expected None or a bool tensor \[20\]", moe, x, params, cfg, token_mask=keep.long())
+
+
+def test_padding_takes_no_capacity(device):
+    """Padding (identical tokens, all to expert 0) first in the batch would fill expert 0's
+    capacity under the "position" policy and drop the real tokens sent there; masked, it
+    takes none, and each expert keeps its 2 real tokens."""
+    E, k = 4, 1
+    cfg = MoEConfig(n_experts=E, k=k, capacity_factor=1.0, capacity_policy="position")  # capacity 16 * 1 / 4 = 4
+    params = _params(cfg, torch.float32, device)
+    with torch.no_grad():
+        params["router"].copy_(torch.eye(E, H, device=device) * 10)
+    x = torch.zeros(16, H, device=device)
+    x[:8, 0] = 1.0  # padding: expert 0
+    x[8 + torch.arange(8), torch.arange(8) % E] = 1.0  # real tokens: two per expert
+    keep = torch.arange(16, device=device) >= 8
+    _, unmasked = moe(x, params, cfg)
+    _, masked = moe(x, params, cfg, token_mask=keep)
+    assert unmasked["tokens_per_expert"].tolist() == [4, 2, 2, 2]  # expert 0 full of padding
+    assert masked["tokens_per_expert"].tolist() == [2, 2, 2, 2]
+
+
+def _raises_value(match, fn, *args, **kwargs):
+    with pytest.raises(ValueError, match=match):
+        fn(*args, **kwargs)
+
+
 def test_random_routing_keeps_the_router_in_the_graph(device):
     cfg = MoEConfig(n_experts=4, k=2, random_routing=True)
     params = _params(cfg, torch.float32, device)

@@ -33,8 +33,11 @@ VARIANTS = {
 }
 
 
-def _batch(cfg, T=24, cu=(0, 7, 8, 24)):
-    return make_batch(torch.randint(0, cfg.vocab_size, (T,)), torch.tensor(cu), mtp_depth=cfg.mtp_depth)
+def _batch(cfg, T=24, cu=(0, 7, 8, 24), padding=0):
+    """Random tokens in documents cu; with padding, the last `padding` tokens (a sequence of
+    their own) are padding, as Sampler(whole_documents=True) makes it."""
+    keep = None if not padding else torch.arange(T) < T - padding
+    return make_batch(torch.randint(0, cfg.vocab_size, (T,)), torch.tensor(cu), mtp_depth=cfg.mtp_depth, label_mask=keep, token_mask=keep)
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -177,10 +180,13 @@ def _loss(model, batch, ctx, *, with_stats=False):
     loss = losses["lm_sum"] / losses["lm_tokens"]
     for d in range(1, model.cfg.mtp_depth + 1):
         loss = loss + 0.1 * losses[f"mtp_{d}_sum"] / losses[f"mtp_{d}_tokens"]
+    mask = batch["token_mask"] if "token_mask" in batch.keys() else None  # padding: left out of the balancing terms
     for s in stats.values():
-        loss = loss + 1e-3 * fmoe.ops.z_loss(s["router_logits"])
-        loss = loss + 1e-4 * fmoe.ops.seq_load_balancing_loss(s["aux_scores"], s["aux_experts"], batch["cu_seqlens"], k=model.cfg.k, check=False)
-        loss = loss + 1e-4 * fmoe.ops.load_balancing_loss(s["aux_scores"], s["aux_counts"], k=model.cfg.k, n_tokens=s["aux_scores"].shape[0])
+        n_tokens = s["aux_scores"].shape[0] if mask is None else mask.sum()
+        loss = loss + 1e-3 * fmoe.ops.z_loss(s["router_logits"], mask=mask)
+        loss = loss + 1e-4 * fmoe.ops.seq_load_balancing_loss(s["aux_scores"], s["aux_experts"], batch["cu_seqlens"], k=model.cfg.k, check=False,
+                                                              mask=mask)
+        loss = loss + 1e-4 * fmoe.ops.load_balancing_loss(s["aux_scores"], s["aux_counts"], k=model.cfg.k, n_tokens=n_tokens)
     return (loss, stats) if with_stats else loss
 
 
@@ -202,11 +208,12 @@ def test_forward_and_backward_read_nothing_on_the_host(cfg):
 
 def test_the_whole_model_compiles_without_a_graph_break():
     """torch.compile(fullgraph=True) of forward + losses (a host sync would be a graph break),
-    then the backward; same values and gradients as eager."""
+    then the backward; same values and gradients as eager. The batch ends in padding (its
+    token_mask)."""
     cfg = FULL
     torch.manual_seed(0)
     model = Transformer(cfg)
-    batch = _batch(cfg)
+    batch = _batch(cfg, T=32, cu=(0, 7, 8, 24, 32), padding=8)
     ctx = model.context(batch)
     eager = _loss(model, batch, ctx)
     eager.backward()
@@ -302,6 +309,37 @@ def test_gpu_deterministic_steps_repeat_bit_for_bit():
         assert all(torch.equal(a, b) for a, b in zip(params_a, params_b))
     finally:
         set_deterministic(False)
+
+
+@pytest.mark.parametrize("ac", ["none", "full"])
+@pytest.mark.parametrize("name", ["default", "softmax aux, no shared, no bias"])
+def test_padding_trains_as_if_it_were_not_in_the_batch(name, ac):
+    """A micro-batch with padding (make_batch's token_mask False, as --whole_documents makes
+    it) gives the losses, the balancing terms, the expert counts and the gradients of the
+    same documents without it: the padding is not routed and no loss counts it."""
+    cfg = dataclasses.replace(VARIANTS[name], mtp_depth=1, ac=ac, impl="auto")
+    ids = torch.randint(0, cfg.vocab_size, (24,))
+    keep = torch.arange(24) < 16
+    padded = make_batch(ids, torch.tensor([0, 7, 16, 24]), 1, label_mask=keep, token_mask=keep)
+    plain = make_batch(ids[:16], torch.tensor([0, 7, 16]), 1)
+    results = []
+    for batch in (padded, plain):
+        torch.manual_seed(0)
+        model = Transformer(cfg)
+        with HostReads() as reads:
+            loss, stats = _loss(model, batch, model.context(batch), with_stats=True)
+            loss.backward()
+        assert reads.count == 0, reads.sites
+        results.append((loss.detach(), stats, {n: p.grad for n, p in model.named_parameters()}))
+    (loss0, stats0, grads0), (loss1, stats1, grads1) = results
+    torch.testing.assert_close(loss0, loss1, rtol=1e-6, atol=1e-7)
+    assert sorted(stats0.keys()) == sorted(stats1.keys()) == ["layer_1", "layer_2", "mtp_1"]
+    for layer in stats0.keys():
+        for key in ("tokens_per_expert", "aux_counts"):
+            assert torch.equal(stats0[layer][key], stats1[layer][key]), (layer, key)
+        assert int(stats0[layer]["tokens_per_expert"].sum()) == 16 * cfg.k
+    for pname, g in grads0.items():
+        torch.testing.assert_close(g, grads1[pname], rtol=1e-5, atol=1e-7, msg=pname)
 
 
 AC_CFG = dataclasses.replace(TINY, mtp_depth=1, impl="auto", n_groups=2, topk_groups=1, capacity_factor=1.25)

@@ -352,6 +352,9 @@ def test_prompt_and_response_data_counts_the_responses_only(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     record = _records(tmp_path / "whole")[0]
     assert record["lm_loss"] > 1
+    # the 191 padding tokens are not routed: the trunk's MoE layer and the MTP block's each count
+    # the k = 2 slots of the 321 others, none dropped
+    assert [sum(c) for c in record["tokens_per_expert"]] == [2 * 321] * 2 and record["dropped_fraction"] == [0.0] * 2
     val = load_blend(str(tmp_path / "sft.u16")).split(20)[1]
     whole = val.validation_batches(512, 4, mtp_depth=1, whole_documents=True)
     assert all(b["cu_seqlens"].tolist() == [0, 321, 512] and int(b["loss_mask"].sum()) == 21 for b in whole)  # 20 response tokens and the separator

@@ -8,12 +8,17 @@
     seq_load_balancing_loss(scores, experts, cu_seqlens, k=)
         = mean_b  E / (k * S_b) * sum_e c[b,e] * mean_{t in b} scores[t,e]
     z_loss(logits) = mean_t logsumexp_e(logits[t,e])^2
+    mask_tokens(scores, experts, mask) -> the aux inputs without the tokens where mask is False
     update_expert_bias(bias, counts, rate) = bias + rate * sign(mean(counts) - counts)
     load_stats(counts[E] or [L,E], n_slots) -> {max_over_mean, cv, dropped_fraction}, 0-D or [L]
 
 aux_scores are softmax over all E (score="softmax") or sigmoid / sum of sigmoids
 (score="sigmoid"); their top-k ignores bias, groups and capacity, as in DeepSeek-V3's f.
 The losses are ordinary differentiable scalars; the caller multiplies by its coefficient.
+Padding (a token_mask [T] bool, False on tokens that are not routed: fmoe.layers.moe's
+token_mask) is left out of every loss: mask_tokens zeroes its scores and drops its slots
+(the switch loss then takes n_tokens = the tokens that count), and seq_load_balancing_loss
+and z_loss take mask= (each sequence's length and the mean count only the tokens in it).
 load_stats are the load metrics a train loop logs, kept as device tensors (no host sync).
 
 Legend: T tokens, E experts, K = k slots per token, B sequences, L layers.
@@ -22,14 +27,14 @@ Legend: T tokens, E experts, K = k slots per token, B sequences, L layers.
 from __future__ import annotations
 
 import math
-from typing import Union
+from typing import Optional, Union
 
 import torch
 import triton
 import triton.language as tl
 
 from fmoe.ops.backend import next_pow2, use_triton
-from fmoe.ops.checks import check_cu_seqlens, check_float, check_index, check_positive_int
+from fmoe.ops.checks import check_cu_seqlens, check_float, check_index, check_positive_int, check_token_mask
 from fmoe.ops.packed import sequence_ids
 from fmoe.ops.topk import NO_ID, NO_KEY, rows_per_program, sort_desc, sort_key
 
@@ -333,8 +338,17 @@ def load_balancing_loss(
     return (score_sum_E * counts.float()).sum() * (E / k) / (n * n)
 
 
+def mask_tokens(scores: torch.Tensor, experts: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The aux-loss inputs without the tokens where mask is False (padding): scores [T, E]
+    with those rows 0 (differentiable: no gradient reaches them) and experts [T, k] with
+    those rows -1 (skipped by every count). mask: [T] bool. Masking twice changes nothing."""
+    keep_T1 = mask[:, None]
+    return scores * keep_T1, torch.where(keep_T1, experts, torch.full_like(experts, -1))
+
+
 def seq_load_balancing_loss(
-    scores: torch.Tensor, experts: torch.Tensor, cu_seqlens: torch.Tensor, *, k: int, check: bool = True
+    scores: torch.Tensor, experts: torch.Tensor, cu_seqlens: torch.Tensor, *, k: int, check: bool = True,
+    mask: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Sequence-level loss, one term per packed sequence (DeepSeek-V2/V3; SPEC.md 2).
 
@@ -348,6 +362,10 @@ def seq_load_balancing_loss(
         cu_seqlens: [B + 1] int32/int64, 0 = c_0 <= c_1 <= ... <= c_B = T.
         check: raise a ValueError unless cu_seqlens' values are as above (one device->host
             sync; skipped under torch.compile).
+        mask: None, or [T] bool, False on tokens left out (padding): S_b counts only the
+            tokens of b in the mask, their scores and slots are dropped (mask_tokens), and
+            a sequence with none of them is left out of the mean, so the loss equals the
+            unmasked loss of the batch without those tokens.
     Returns: 0-D float32 tensor.
     """
     check_float("scores", scores, 2, "[T, E]")
@@ -356,11 +374,18 @@ def seq_load_balancing_loss(
     check_positive_int("k", k)
     if experts.shape != (T, k):
         raise ValueError(f"experts: expected shape ({T}, {k}) to match scores and k, got {tuple(experts.shape)}")
+    check_token_mask("mask", mask, T)
     check_cu_seqlens(cu_seqlens, T, check=check)
     cu = cu_seqlens.to(device=scores.device, dtype=torch.int64)
     B = cu.numel() - 1
-    lengths_B = (cu[1:] - cu[:-1]).float()
-    score_sum_BE, counts_BE = sequence_sums(scores, experts, sequence_ids(cu, T), B)
+    seq_T = sequence_ids(cu, T)
+    if mask is None:
+        lengths_B = (cu[1:] - cu[:-1]).float()
+    else:
+        mask = mask.to(scores.device)
+        scores, experts = mask_tokens(scores, experts, mask)
+        lengths_B = torch.zeros(B, dtype=torch.float32, device=scores.device).index_add_(0, seq_T, mask.float())
+    score_sum_BE, counts_BE = sequence_sums(scores, experts, seq_T, B)
     return sequence_loss_from_sums(score_sum_BE, counts_BE, lengths_B, k=k)
 
 
@@ -386,15 +411,21 @@ def sequence_loss_from_sums(score_sum_BE, counts_BE, lengths_B, *, k: int) -> to
     return per_seq_B.sum() / nonempty
 
 
-def z_loss(logits: torch.Tensor, *, impl: str = "auto") -> torch.Tensor:
+def z_loss(logits: torch.Tensor, *, mask: Optional[torch.Tensor] = None, impl: str = "auto") -> torch.Tensor:
     """Router z-loss mean_t (logsumexp_e logits[t,e])^2 (ST-MoE), float32 0-D tensor.
 
     logits: [T, E]. The fused kernel computes the row logsumexp in one pass and its
-    backward softmax * 2 lse / T in another.
+    backward softmax * 2 lse / T in another. mask: None, or [T] bool: the mean runs over
+    the tokens where it is True only (padding left out; 0 when there is none), no host sync.
     """
     check_float("logits", logits, 2, "[T, E]")
     if logits.shape[0] == 0:
         raise ValueError("logits: z_loss is a mean over tokens and needs T >= 1")
+    check_token_mask("mask", mask, logits.shape[0])
+    if mask is not None:
+        lse_T = _lse_fwd(logits) if use_triton(impl, logits) else torch.logsumexp(logits.float(), dim=-1)
+        mask = mask.to(logits.device)
+        return torch.where(mask, lse_T.square(), 0.0).sum() / mask.sum().clamp(min=1)
     if use_triton(impl, logits):
         return _lse_fwd(logits).square().mean()
     return z_loss_ref(logits)

@@ -67,6 +67,15 @@ def check_index(name: str, x: torch.Tensor, ndim: int, shape_doc: str) -> None:
         raise ValueError(f"{name}: expected dtype int32 or int64, got {x.dtype}")
 
 
+def check_token_mask(name: str, mask, n_tokens: int) -> None:
+    """mask: None, or a bool tensor [n_tokens] (True: a token that counts)."""
+    if mask is None:
+        return
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.shape != (n_tokens,):
+        got = f"{mask.dtype} {list(mask.shape)}" if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(f"{name}: expected None or a bool tensor [{n_tokens}] (True where a token counts), got {got}")
+
+
 def check_cu_seqlens(cu_seqlens: torch.Tensor, n_tokens: int, name: str = "cu_seqlens", *, check: bool = True) -> None:
     """cu_seqlens [n+1]: int32/int64 with n >= 1 (free), and with check (one device->host
     sync, skipped under torch.compile) starts at 0, non-decreasing, ends at n_tokens."""

@@ -142,8 +142,10 @@ def split_batch(batch, cp_rank: int, cp: int) -> TensorDict:
     attention mask and the sequence-level aux loss need the whole batch's documents); the
     result adds "token_index" [T/cp] int64, the global indices used (for
     fmoe.layers.attention_context's token_index= and
-    fmoe.parallel.seq_load_balancing_loss_split's token_index=). No value is read on the
-    host; the batch's values were checked where it was made.
+    fmoe.parallel.seq_load_balancing_loss_split's token_index=), and with a token_mask
+    (padding False) "routed_tokens", its count over the whole batch (0-D int64: the
+    balancing losses' mean runs over it). No value is read on the host; the batch's values
+    were checked where it was made.
 
     The MTP rows were rolled over the whole batch by make_batch, so tokens at the chunk
     edges keep their targets from the other ranks' tokens (module docstring).
@@ -154,8 +156,8 @@ def split_batch(batch, cp_rank: int, cp: int) -> TensorDict:
         cp_rank, cp: this rank's index on the cp axis and the cp size; T % (2 cp) == 0
             (else a ValueError naming tokens_per_micro_batch and cp).
     Returns:
-        A TensorDict (batch_size []) with the same keys plus "token_index", on the batch's
-        device.
+        A TensorDict (batch_size []) with the same keys plus "token_index" (and
+        "routed_tokens" with a token_mask), on the batch's device.
     """
     keys = list(batch.keys())
     for key in ("input_ids", "cu_seqlens"):
@@ -169,6 +171,8 @@ def split_batch(batch, cp_rank: int, cp: int) -> TensorDict:
     T = ids.shape[0]
     token_index = cp_token_index(T, cp, cp_rank, device=ids.device)
     out = {"cu_seqlens": batch["cu_seqlens"], "token_index": token_index}
+    if "token_mask" in keys:
+        out["routed_tokens"] = batch["token_mask"].sum()
     for key in keys:
         if key == "cu_seqlens":
             continue

@@ -45,8 +45,8 @@ import torch
 import torch.distributed as dist
 
 from fmoe.ops import load_balancing_loss, z_loss
-from fmoe.ops.balance import sequence_loss_from_sums, sequence_sums
-from fmoe.ops.checks import check_cu_seqlens, check_float, check_index, check_positive_int, checking
+from fmoe.ops.balance import mask_tokens, sequence_loss_from_sums, sequence_sums
+from fmoe.ops.checks import check_cu_seqlens, check_float, check_index, check_positive_int, check_token_mask, checking
 from fmoe.optim.grads import Group, collective_device, process_group
 
 
@@ -96,6 +96,7 @@ def seq_load_balancing_loss_split(
     start: Optional[int] = None,
     token_index: Optional[torch.Tensor] = None,
     check: bool = True,
+    mask: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """This rank's share of the sequence-level loss when tokens are split over `group`.
 
@@ -125,6 +126,10 @@ def seq_load_balancing_loss_split(
         token_index: [T_local] int, the packed-batch index of each local token; exactly one.
         check: check cu_seqlens' values and the range against T (a device->host sync;
             skipped under torch.compile). A train step passes False: make_batch checked them.
+        mask: None, or [T_local] bool, False on this rank's tokens left out (padding), as
+            for fmoe.ops.seq_load_balancing_loss(mask=): the lengths S_b count the tokens in
+            the mask over the group (they travel in the same all_reduce). Every rank of the
+            group passes a mask, or none does.
     Returns: 0-D float32 tensor.
 
     Example: cu_seqlens [0, 7, 13] over 2 ranks, start 0 with T_local 4 and start 4 with
@@ -134,7 +139,7 @@ def seq_load_balancing_loss_split(
     """
     T_local = _check_seq_layer("scores", scores, "experts", experts, k)
     return _seq_split([("", scores, experts)], [""], T_local, scores.shape[1], cu_seqlens, k=k, group=group, start=start,
-                      token_index=token_index, check=check)[""]
+                      token_index=token_index, check=check, mask=mask)[""]
 
 
 def seq_load_balancing_losses_split(
@@ -149,6 +154,7 @@ def seq_load_balancing_losses_split(
     start: Optional[int] = None,
     token_index: Optional[torch.Tensor] = None,
     check: bool = True,
+    mask: Optional[torch.Tensor] = None,
 ) -> dict[str, torch.Tensor]:
     """seq_load_balancing_loss_split of every MoE layer with ONE collective: the layers'
     [B, E] counts travel as one [L, B, E] all_reduce in the order of `names` (DESIGN.md:
@@ -160,8 +166,8 @@ def seq_load_balancing_losses_split(
             same tokens (one T_local). A layer of `names` this rank does not hold sends
             zeros, so every rank of the group takes part in the same collective.
         names: every MoE layer's name, in the same order on every rank of the group.
-        n_experts: E. cu_seqlens, k, group, start / token_index, check: as
-            seq_load_balancing_loss_split.
+        n_experts: E. cu_seqlens, k, group, start / token_index, check, mask: as
+            seq_load_balancing_loss_split (one mask: every layer splits the same tokens).
     Returns: {name: 0-D float32} for the layers given, each equal to
     seq_load_balancing_loss_split(scores[name], experts[name], ...) (the same math; the
     gradients flow through the local scores only).
@@ -182,7 +188,7 @@ def seq_load_balancing_losses_split(
         T_local = T
     layers = [(name, scores[name], experts[name]) for name in names if name in scores]
     return _seq_split(layers, names, T_local or 0, n_experts, cu_seqlens, k=k, group=group, start=start,
-                      token_index=token_index, check=check)
+                      token_index=token_index, check=check, mask=mask)
 
 
 def _check_seq_layer(scores_arg: str, scores, experts_arg: str, experts, k: int) -> int:
@@ -195,11 +201,13 @@ def _check_seq_layer(scores_arg: str, scores, experts_arg: str, experts, k: int)
     return scores.shape[0]
 
 
-def _seq_split(layers, names, T_local: int, E: int, cu_seqlens, *, k, group, start, token_index, check) -> dict[str, torch.Tensor]:
+def _seq_split(layers, names, T_local: int, E: int, cu_seqlens, *, k, group, start, token_index, check, mask) -> dict[str, torch.Tensor]:
     """The split sequence-level losses of `layers` [(name, scores, experts)], their counts
     summed over `group` in one all_reduce of [len(names), B, E] (zeros for the names not in
-    layers); cu_seqlens, start / token_index checked here."""
+    layers; with a mask, one more row whose column 0 holds each document's tokens in it);
+    cu_seqlens, start / token_index, mask checked here."""
     check_index("cu_seqlens", cu_seqlens, 1, "[B + 1]")
+    check_token_mask("mask", mask, T_local)
     if cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens: expected at least 2 entries [0, ..., T], got {cu_seqlens.numel()}")
     if (start is None) == (token_index is None):
@@ -232,19 +240,25 @@ def _seq_split(layers, names, T_local: int, E: int, cu_seqlens, *, k, group, sta
     # does for a whole batch; b indexes the global documents, so the rows of the [B, E]
     # tensors line up on every rank
     seq_T = torch.searchsorted(cu[1:], token_index.to(device=device, dtype=torch.int64), right=True)
-    counts_LBE = torch.zeros(len(names), B, E, dtype=torch.int64, device=device)
+    counts_LBE = torch.zeros(len(names) + (mask is not None), B, E, dtype=torch.int64, device=device)
     row = {name: i for i, name in enumerate(names)}
     score_sums = {}
+    if mask is not None:  # each document's tokens in the mask, summed with the counts
+        mask = mask.to(device)
+        counts_LBE[-1, :, 0].index_add_(0, seq_T, mask.long())
     for name, scores, experts in layers:
+        if mask is not None:
+            scores, experts = mask_tokens(scores, experts, mask)
         score_sums[name], counts_LBE[row[name]] = sequence_sums(scores, experts, seq_T, B)
     # f needs whole documents: sum the counts (integers, so exact and equal on every rank);
     # the scores stay local, so each rank's gradient is its own rows of the full one
     dist.all_reduce(counts_LBE, op=dist.ReduceOp.SUM, group=pg)
-    lengths_B = (cu[1:] - cu[:-1]).float()  # whole documents: cu_seqlens is global
+    # whole documents: cu_seqlens is global (the mask's row: summed over the group)
+    lengths_B = (cu[1:] - cu[:-1]).float() if mask is None else counts_LBE[-1, :, 0].float()
     return {name: sequence_loss_from_sums(sums, counts_LBE[row[name]], lengths_B, k=k) for name, sums in score_sums.items()}
 
 
-def z_loss_split(logits: torch.Tensor, *, n_tokens: Union[int, torch.Tensor]) -> torch.Tensor:
+def z_loss_split(logits: torch.Tensor, *, n_tokens: Union[int, torch.Tensor], mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """This rank's share of the router z-loss when a micro-batch's tokens are split over
     ranks (tensor / sequence or context parallel); no collective.
 
@@ -257,7 +271,9 @@ def z_loss_split(logits: torch.Tensor, *, n_tokens: Union[int, torch.Tensor]) ->
         logits: [T_local, E] float router logits of this rank's tokens (the MoE stats'
             router_logits; T_local may be 0).
         n_tokens: the micro-batch's token count T over all ranks of the split (an int or a
-            1-element tensor).
+            1-element tensor); with a mask, the tokens in it over all ranks.
+        mask: None, or [T_local] bool, False on this rank's tokens left out (padding): the
+            sum runs over the others, as fmoe.ops.z_loss(mask=) on the whole micro-batch.
     Returns: 0-D float32 tensor.
 
     Example: logits of 5 and 7 tokens on two ranks, n_tokens=12: the two values sum to
@@ -267,8 +283,12 @@ def z_loss_split(logits: torch.Tensor, *, n_tokens: Union[int, torch.Tensor]) ->
     n = _token_count("n_tokens", n_tokens)
     if isinstance(n, torch.Tensor):
         n = n.to(logits.device)
+    check_token_mask("mask", mask, logits.shape[0])
     if logits.shape[0] == 0:  # no token here: a zero that keeps the graph (and the backward) alike
         return logits.float().sum() * 0.0
+    if mask is not None:
+        mask = mask.to(logits.device)
+        return z_loss(logits, mask=mask) * (mask.sum() / n)
     return z_loss(logits) * (logits.shape[0] / n)
 
 

@@ -111,6 +111,14 @@ class SequenceShard:
         ranks in the backward (copy_to_tp): a replicated weight used on a token shard."""
         return copy_to_tp(w, self.mesh)
 
+    def local_rows(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        """This rank's n rows [r n, (r + 1) n) of x [T, ...], the micro-batch's per-token
+        values (a MoE's token_mask) alike on every tp rank."""
+        if x.shape[0] != n * self.mesh.size():
+            raise ValueError(f"x: expected the micro-batch's {n * self.mesh.size()} rows ({n} per tp rank), got {x.shape[0]}")
+        start = self.mesh.get_local_rank() * n
+        return x[start:start + n]
+
     def drop_by_capacity(self, routes: Routes, n_experts: int, capacity_factor: float, *, policy: str = "probs") -> Routes:
         """fmoe.ops.drop_by_capacity over the whole micro-batch, this rank's rows.
 

@@ -37,7 +37,8 @@ and cut into micro-batches of T tokens; a document that does not fit the rest of
 continues at the start of the next one, and each piece of a document is its own sequence,
 so sequences never cross document boundaries (the model attends inside cu_seqlens only).
 With whole_documents (Sampler), a document that does not fit the rest of a batch starts
-the next one instead, the rest of the batch padding that is never a label.
+the next one instead, the rest of the batch padding that is never a label and is not
+routed (token_mask below).
 A batch is a TensorDict with batch_size [] and keys
 
     input_ids     [T] int64        the tokens
@@ -46,6 +47,9 @@ A batch is a TensorDict with batch_size [] and keys
                                    and where the label is a prompt's token: label_mask)
     positions     [T] int64        position inside the sequence (restarts at 0)
     cu_seqlens    [n + 1] int32    0 = cu[0] < cu[1] < ... < cu[n] = T, the n sequences
+    token_mask    [T] bool         only with whole_documents: False on the padding, which
+                                   the MoE layers do not route and the balancing losses and
+                                   expert counts leave out (fmoe.layers.moe's token_mask)
 
 and, when mtp_depth D > 0, the inputs and targets of MTP depths d = 0..D-1 (row d is
 fmoe.ops.mtp_targets' entry d + 1: the main quantities rolled d + 1 more times inside each
@@ -485,19 +489,22 @@ def load_corpus(path: Union[str, os.PathLike, None] = None, *, separator: Option
 
 
 def make_batch(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, mtp_depth: int = 0, *,
-               label_mask: Optional[torch.Tensor] = None) -> TensorDict:
+               label_mask: Optional[torch.Tensor] = None, token_mask: Optional[torch.Tensor] = None) -> TensorDict:
     """The batch TensorDict (batch_size []) of packed tokens input_ids [T] int64 and
     sequence bounds cu_seqlens [n + 1]: keys input_ids, labels, loss_mask, positions,
     cu_seqlens (int32), and mtp_input_ids, mtp_positions, mtp_labels, mtp_loss_mask [D, T]
     when mtp_depth D > 0 (module docstring). label_mask [T] bool: False where a token is
     never a label (a prompt's tokens, TokenDataset.label_mask), so the positions predicting
     it, at every depth, do not count; None counts every token. Labels are -100 where
-    loss_mask is False."""
+    loss_mask is False. token_mask [T] bool: False on padding (whole sequences of it, never
+    labels: give label_mask False there too), stored as the batch's token_mask, which the
+    MoE layers do not route; None stores none."""
     check_positive_int("mtp_depth", mtp_depth, 0)
     cu_seqlens = cu_seqlens.to(torch.int32)
-    if label_mask is not None and (not isinstance(label_mask, torch.Tensor) or label_mask.shape != input_ids.shape):
-        raise ValueError(f"label_mask: expected a tensor of input_ids' shape {tuple(input_ids.shape)}, got "
-                         f"{getattr(label_mask, 'shape', type(label_mask).__name__)}")
+    for name, mask in (("label_mask", label_mask), ("token_mask", token_mask)):
+        if mask is not None and (not isinstance(mask, torch.Tensor) or mask.shape != input_ids.shape):
+            raise ValueError(f"{name}: expected a tensor of input_ids' shape {tuple(input_ids.shape)}, got "
+                             f"{getattr(mask, 'shape', type(mask).__name__)}")
     entries = mtp_targets(input_ids.long(), cu_seqlens, mtp_depth, loss_mask=None if label_mask is None else label_mask.bool(),
                           ignore_index=IGNORE_INDEX)
     if label_mask is not None:
@@ -508,6 +515,8 @@ def make_batch(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, mtp_depth: int
         input_ids=main["input_ids"], labels=main["labels"], loss_mask=main["loss_mask"],
         positions=main["positions"], cu_seqlens=cu_seqlens, batch_size=[],
     )
+    if token_mask is not None:
+        batch["token_mask"] = token_mask.bool()
     if mtp_depth:
         for key in ("input_ids", "positions", "labels", "loss_mask"):
             batch[f"mtp_{key}"] = torch.stack([e[key] for e in entries[1:]])
@@ -538,8 +547,10 @@ class Sampler:
             next one instead of being cut, and the rest is padding (its own sequence of
             PAD for byte corpora, else token 0; never a label): no piece of a document is
             trained without the tokens before it (a response without its prompt). A
-            document longer than a micro-batch is still cut, starting a batch. The padding
-            is computed as any tokens (and routed: the MoE balancing statistics count it).
+            document longer than a micro-batch is still cut, starting a batch. Every
+            batch has a token_mask, False on the padding: attention computes it as any
+            tokens, the MoE layers do not route it, and the balancing losses and expert
+            counts leave it out.
     """
 
     def __init__(self, dataset: TokenDataset, tokens_per_batch: int, *, seed: int, mtp_depth: int = 0,
@@ -565,7 +576,7 @@ class Sampler:
 
     def next_batch(self) -> TensorDict:
         """The next micro-batch of tokens_per_batch tokens (make_batch's keys)."""
-        pieces, masks, seqlens = [], [], [0]
+        pieces, masks, seqlens, padding = [], [], [0], 0
         remaining = self.tokens_per_batch
         masked = self.dataset.label_mask is not None or self.whole_documents
         while remaining:
@@ -574,6 +585,7 @@ class Sampler:
                 pieces.append(torch.full((remaining,), PAD if self.dataset.eos is not None else 0, dtype=torch.long))
                 masks.append(torch.zeros(remaining, dtype=torch.bool))
                 seqlens.append(remaining)
+                padding = remaining
                 break
             take = min(self.dataset.doc_len(doc) - self.offset, remaining)
             pieces.append(self.dataset.document(doc, self.offset, self.offset + take))
@@ -588,7 +600,12 @@ class Sampler:
                     self.epoch, self.index = self.epoch + 1, 0
                     self._order = self._epoch_order(self.epoch)
         cu_seqlens = torch.tensor(seqlens, dtype=torch.int64).cumsum(0)
-        return make_batch(torch.cat(pieces), cu_seqlens, self.mtp_depth, label_mask=torch.cat(masks) if masks else None)
+        token_mask = None
+        if self.whole_documents:  # the padding, if any, is the last sequence
+            token_mask = torch.ones(self.tokens_per_batch, dtype=torch.bool)
+            token_mask[self.tokens_per_batch - padding:] = False
+        return make_batch(torch.cat(pieces), cu_seqlens, self.mtp_depth, label_mask=torch.cat(masks) if masks else None,
+                          token_mask=token_mask)
 
     def __iter__(self) -> Iterator[TensorDict]:
         return self

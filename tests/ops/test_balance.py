@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import fmoe.ops as F
+from fmoe.ops.balance import mask_tokens
 from fmoe.train.metrics import HostReads
 
 # (T, E, k): T with 1 and odd sizes, E 4..256, k = 1 and k > 1
@@ -201,6 +202,71 @@ def test_z_loss_bad_inputs():
     _raises("logits: expected a 2-D", F.z_loss, torch.randn(8))
     _raises("logits: z_loss is a mean over tokens", F.z_loss, torch.randn(0, 8))
     _raises("logits: expected dtype", F.z_loss, torch.zeros(2, 3, dtype=torch.int32))
+
+
+# ---------------------------------------------------------------------------- token masks
+
+# a batch of 4 sequences (one empty) whose tokens 3, 8 and the whole last sequence are padding
+MASK_CU = [0, 5, 11, 11, 16]
+MASK_KEEP = [t not in (3, 8) and t < 11 for t in range(16)]
+
+
+def _without(cu, keep):
+    """cu_seqlens of the batch without the tokens where keep is False."""
+    return torch.tensor([sum(keep[:c]) for c in cu], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_masked_losses_equal_the_losses_of_the_batch_without_the_padding(impl, device):
+    """With mask=, each loss and its gradient on the kept tokens are those of the batch
+    without the padding; the padding's rows get no gradient."""
+    E, k, keep = 6, 2, torch.tensor(MASK_KEEP, device=device)
+    logits = 2 * torch.randn(16, E, device=device)
+    cu = torch.tensor(MASK_CU, dtype=torch.int32, device=device)
+    full, part = logits.clone().requires_grad_(), logits[keep].clone().requires_grad_()
+    upstream = torch.randn(3, device=device)
+    scores, experts = F.aux_scores(full, k, impl=impl)
+    scores_m, experts_m = mask_tokens(scores, experts, keep)
+    got = torch.stack([
+        F.seq_load_balancing_loss(scores, experts, cu, k=k, mask=keep),
+        F.load_balancing_loss(scores_m, F.tokens_per_expert(experts_m, E), k=k, n_tokens=keep.sum()),
+        F.z_loss(full, mask=keep, impl=impl),
+    ])
+    scores_p, experts_p = F.aux_scores(part, k, impl=impl)
+    want = torch.stack([
+        F.seq_load_balancing_loss(scores_p, experts_p, _without(MASK_CU, MASK_KEEP).to(device), k=k),
+        F.load_balancing_loss(scores_p, F.tokens_per_expert(experts_p, E), k=k, n_tokens=int(keep.sum())),
+        F.z_loss(part, impl=impl),
+    ])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    (got * upstream).sum().backward()
+    (want * upstream).sum().backward()
+    torch.testing.assert_close(full.grad[keep], part.grad, rtol=1e-5, atol=1e-7)
+    assert not full.grad[~keep].any()
+    # the padding's scores and slots are gone; masking twice changes nothing
+    assert not scores_m[~keep].any() and (experts_m[~keep] == -1).all() and torch.equal(experts_m[keep], experts[keep])
+    twice = mask_tokens(scores_m, experts_m, keep)
+    assert torch.equal(twice[0], scores_m) and torch.equal(twice[1], experts_m)
+    # an all-True mask is no mask; the unmasked losses differ (the padding counted)
+    everything = torch.ones(16, dtype=torch.bool, device=device)
+    assert float(F.z_loss(logits, mask=everything, impl=impl)) == pytest.approx(float(F.z_loss(logits, impl=impl)), rel=1e-6)
+    assert float(F.seq_load_balancing_loss(scores.detach(), experts, cu, k=k, mask=everything)) == pytest.approx(
+        float(F.seq_load_balancing_loss(scores.detach(), experts, cu, k=k)), rel=1e-6)
+    assert float(F.z_loss(logits, impl=impl)) != pytest.approx(float(got[2]), rel=1e-3)
+
+
+def test_masked_losses_of_nothing_are_zero_and_bad_masks_are_refused():
+    logits = torch.randn(5, 4, requires_grad=True)
+    none = torch.zeros(5, dtype=torch.bool)
+    z = F.z_loss(logits, mask=none)
+    z.backward()
+    assert float(z) == 0.0 and not logits.grad.any()
+    scores, experts = F.aux_scores(logits, 2)
+    assert float(F.seq_load_balancing_loss(scores, experts, torch.tensor([0, 2, 5]), k=2, mask=none)) == 0.0
+    for bad, fn in ((torch.ones(5, dtype=torch.int64), F.z_loss), (torch.ones(4, dtype=torch.bool), F.z_loss), ([True] * 5, F.z_loss)):
+        _raises(r"mask: expected None or a bool tensor \[5\]", fn, logits, mask=bad)
+    _raises(r"mask: expected None or a bool tensor \[5\]", F.seq_load_balancing_loss, scores, experts, torch.tensor([0, 5]), k=2,
+            mask=torch.ones(6, dtype=torch.bool))
 
 
 # ---------------------------------------------------------------------------- expert bias

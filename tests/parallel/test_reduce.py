@@ -79,15 +79,28 @@ def _seq_split_results(rank, cases, group, split_rank, seed=0):
             value = seq_load_balancing_loss_split(local, experts[index], cu_t, k=k, group=group, **where)
         (value * upstream).backward()
         out[name] = dict(value=value.detach(), ref=ref.detach(), grad=local.grad, ref_grad=full.grad[index], calls=len(calls))
+        # padding: every third token and the last document left out, in the same one collective
+        keep = (torch.arange(cu[-1]) % 3 != 1) & (torch.arange(cu[-1]) < cu[-2])
+        full = scores.clone().requires_grad_()
+        ref = ops.seq_load_balancing_loss(full, experts, cu_t, k=k, mask=keep)
+        (ref * upstream).backward()
+        local = scores[index].clone().requires_grad_()
+        with counting_all_reduce() as calls:
+            value = seq_load_balancing_loss_split(local, experts[index], cu_t, k=k, group=group, mask=keep[index], **where)
+        (value * upstream).backward()
+        out[name + ", padding"] = dict(value=value.detach(), ref=ref.detach(), grad=local.grad, ref_grad=full.grad[index], calls=len(calls),
+                                       unmasked_ref=out[name]["ref"])
     return out
 
 
 def _check_seq_split(results, cases, ranks_of_group):
-    for name in cases:
+    for name in [n for case in cases for n in (case, case + ", padding")]:
         per_rank = [results[r][name] for r in ranks_of_group]
         ref = per_rank[0]["ref"]
         total = sum(float(r["value"]) for r in per_rank)
         assert total == pytest.approx(float(ref), rel=1e-5), name
+        if "unmasked_ref" in per_rank[0]:  # the padding changed the loss (the masked lengths travel with the counts)
+            assert float(ref) != pytest.approx(float(per_rank[0]["unmasked_ref"]), rel=1e-3), name
         for r in per_rank:
             assert r["calls"] == 1, name
             torch.testing.assert_close(r["grad"], r["ref_grad"], rtol=1e-5, atol=1e-7, msg=name)
@@ -107,6 +120,14 @@ def _seq_layers_results(rank, world_size, E=4, k=2, cu=(0, 5, 11, 16)):
         refs[name] = float(ops.seq_load_balancing_loss(s, e, cu_t, k=k))
     with counting_all_reduce() as calls:
         values = seq_load_balancing_losses_split(scores, experts, cu_t, k=k, group=dist.group.WORLD, names=LAYERS, n_experts=E, start=bounds[rank])
+    keep = torch.arange(cu[-1]) % 4 != 0  # padding: the layers' losses without it, still one collective
+    with counting_all_reduce() as masked_calls:
+        masked = seq_load_balancing_losses_split({n: t.detach() for n, t in scores.items()}, experts, cu_t, k=k, group=dist.group.WORLD,
+                                                 names=LAYERS, n_experts=E, start=bounds[rank], mask=keep[index])
+    masked_refs = {}
+    for i, name in enumerate(held):
+        s, e, _, _ = _seq_inputs(E, k, list(cu), None, seed=50 + i)
+        masked_refs[name] = float(ops.seq_load_balancing_loss(s, e, cu_t, k=k, mask=keep))
     one_by_one = {}
     for name in held:  # the one-layer function: the same value and gradient
         local = scores[name].detach().clone().requires_grad_()
@@ -121,6 +142,7 @@ def _seq_layers_results(rank, world_size, E=4, k=2, cu=(0, 5, 11, 16)):
         lonely = seq_load_balancing_losses_split(*lonely_in, cu_t, k=k, group=dist.group.WORLD, names=LAYERS, n_experts=E,
                                                  start=0 if rank == 0 else 16)
     return dict(values={n: float(v) for n, v in values.items()}, refs=refs, calls=len(calls), one_by_one=one_by_one,
+                masked={n: float(v) for n, v in masked.items()}, masked_refs=masked_refs, masked_calls=len(masked_calls),
                 lonely={n: float(v) for n, v in lonely.items()}, lonely_ref=float(ops.seq_load_balancing_loss(s, e, cu_t, k=k)),
                 lonely_calls=len(lonely_calls))
 
@@ -133,6 +155,10 @@ def _check_seq_layers(results):
             assert r["values"][name] == pytest.approx(r["one_by_one"][name]["value"], rel=1e-6, abs=1e-9)
             assert r["one_by_one"][name]["grads_equal"], name
     assert [r["calls"] for r in results] == [1] * len(results)  # one collective for all layers
+    for name in (LAYERS[0], LAYERS[2]):
+        assert sum(r["masked"][name] for r in results) == pytest.approx(results[0]["masked_refs"][name], rel=1e-5), name
+        assert results[0]["masked_refs"][name] != pytest.approx(results[0]["refs"][name], rel=1e-3), name
+    assert [r["masked_calls"] for r in results] == [1] * len(results)
     assert results[0]["refs"][LAYERS[0]] != results[0]["refs"][LAYERS[2]]  # the layers differ
     assert results[0]["lonely"] == {LAYERS[1]: pytest.approx(results[0]["lonely_ref"], rel=1e-6)}
     assert all(r["lonely"] == {} for r in results[1:]) and [r["lonely_calls"] for r in results] == [1] * len(results)
@@ -596,6 +622,18 @@ def test_z_loss_split_shares_add_up_to_the_mean_and_its_gradient():
     assert float(values[2].detach()) == 0.0 and values[2].requires_grad
     (sum(values) * upstream).backward()
     torch.testing.assert_close(logits.grad, grad, rtol=1e-6, atol=1e-7)
+    # padding (mask False) left out: the shares add up to z_loss(mask=), n_tokens the 8 kept rows
+    keep = torch.arange(12) % 3 != 2
+    logits.grad = None
+    (ops.z_loss(logits, mask=keep) * upstream).backward()
+    whole, grad = float(ops.z_loss(logits.detach(), mask=keep)), logits.grad.clone()
+    logits.grad = None
+    values = [z_loss_split(shard, n_tokens=8, mask=m) for shard, m in zip(shards, (keep[:5], keep[5:], keep[12:]))]
+    assert sum(float(v.detach()) for v in values) == pytest.approx(whole, rel=1e-6)
+    assert whole != pytest.approx(float(ops.z_loss(logits.detach())), rel=1e-3)
+    (sum(values) * upstream).backward()
+    torch.testing.assert_close(logits.grad, grad, rtol=1e-6, atol=1e-7)
+    _raises(r"mask: expected None or a bool tensor \[5\]", z_loss_split, shards[0], n_tokens=8, mask=keep)
 
 
 # ---------------------------------------------------------------------------- refusals in one process

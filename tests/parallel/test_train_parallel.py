@@ -68,6 +68,13 @@ RUNS = {
     "cp2xtp2": (4, ["--cp=2", "--tp=2"]),
     "cp2xep2": (4, ["--cp=2", "--ep=2"]),
     "cp2-capacity": (2, ["--cp=2", "--model.capacity_factor=1.0"]),  # the drop over both ranks' chunks
+    # --whole_documents: the padding (on one cp rank's chunk, in one tp slice) is not routed
+    # and every balancing loss leaves it out, its means over the micro-batch's routed tokens;
+    # the switch loss under cp, the sequence-level loss and the z-loss (on by default) under
+    # cp x tp, all three under a pipeline with experts over 2 ranks
+    "whole-documents-cp2-aux": (2, ["--cp=2", "--whole_documents=True", "--aux_coeff=1e-2"]),
+    "whole-documents-cp2xtp2": (4, ["--cp=2", "--tp=2", "--whole_documents=True"]),
+    "whole-documents-pp2xep2": (4, ["--pp=2", "--ep=2", "--whole_documents=True", "--aux_coeff=1e-2"]),
     # experts over 4 ranks, 2 micro-batches over 4 data ranks: two ranks run only a masked copy, and still join
     "padded-ep4": (4, ["--ep=4", "--batch_schedule=0:2"]),
     # pipeline parallel (the switch loss on: each stage's balancing losses reach its routers);
@@ -94,7 +101,7 @@ RUNS = {
 SAME_MODEL = ("--optimizer=", "--ns_dtype=", "--batch_schedule=", "--aux_coeff=", "--model.n_layers=", "--model.n_kv_heads=", "--model.head_dim=",
               "--model.rope_dim=", "--model.q_rank=", "--model.kv_rank=", "--model.v_head_dim=", "--model.mtp_norm=", "--model.score=",
               "--model.n_groups=", "--model.topk_groups=", "--model.group_score_topk=", "--model.capacity_factor=", "--model.qkv_bias=",
-              "--model.qk_norm=")
+              "--model.qk_norm=", "--whole_documents=")
 
 
 @pytest.mark.parametrize("run", list(RUNS))

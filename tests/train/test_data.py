@@ -318,6 +318,9 @@ def test_label_mask_keeps_masked_tokens_out_of_every_label():
     assert _same(make_batch(ids, cu, 1, label_mask=torch.ones(6, dtype=torch.bool)), make_batch(ids, cu, 1))
     with pytest.raises(ValueError, match=r"label_mask: expected a tensor of input_ids' shape \(6,\)"):
         make_batch(ids, cu, label_mask=torch.ones(5, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"token_mask: expected a tensor of input_ids' shape \(6,\)"):
+        make_batch(ids, cu, token_mask=[True] * 6)
+    assert make_batch(ids, cu, token_mask=torch.tensor([1, 1, 1, 1, 0, 0]))["token_mask"].tolist() == [True] * 4 + [False] * 2
     with pytest.raises(ValueError, match="label_mask: expected a 1-D array of the data's 20 tokens"):
         TokenDataset(data, ds.starts, ds.lengths, None, vocab_size=BYTE_VOCAB_SIZE, eos=EOS, label_mask=mask[:5])
 
@@ -340,8 +343,10 @@ def test_whole_documents_start_the_next_batch_instead_of_being_cut():
             if ids[0] == PAD:
                 assert n == len(seqs) - 1 and set(ids) == {PAD} and not b["loss_mask"][s:e].any() and not b["mtp_loss_mask"][0, s:e].any()
                 assert (b["labels"][s:e] == IGNORE_INDEX).all()
+                assert not b["token_mask"][s:e].any() and b["token_mask"][:s].all()  # the padding, and only it, is not routed
                 pads += e - s
                 continue
+            assert b["token_mask"][s:e].all()
             doc = ids[0]
             assert set(ids[:-1]) <= {doc} and (ids[-1] == EOS or (e - s == T or n == 0))  # whole, or a long document's piece
             if ds.doc_len(doc) <= T:
@@ -367,6 +372,7 @@ def test_whole_documents_start_the_next_batch_instead_of_being_cut():
     # without padding the same documents fill fewer batches
     plain = Sampler(ds, T, seed=3)
     assert not any((plain.next_batch()["input_ids"] == PAD).any() for _ in range(30))
+    assert "token_mask" not in plain.next_batch().keys()
     # validation: the stored order, each document at most once
     stored = Sampler(ds, T, seed=0, shuffle=False, whole_documents=True)
     every = []
