@@ -512,7 +512,8 @@ def main(argv: list[str]) -> None:
         tokens_by_source = {name: n - drawn[name] for name, n in sampler.tokens_by_source().items()}
         # the step's valid-token counts, read on the host before the batches move: the loss
         # is a sum over tokens divided by these
-        valid = {"lm": max(1, sum(int(b["loss_mask"].sum()) for b in host_batches))}  # a step of prompts only counts none
+        loss_tokens = sum(int(b["loss_mask"].sum()) for b in host_batches)
+        valid = {"lm": max(1, loss_tokens)}  # a step of prompts only counts none
         for d in range(1, model_cfg.mtp_depth + 1):
             valid[d] = max(1, sum(int(b["mtp_loss_mask"][d - 1].sum()) for b in host_batches))
         # data-parallel ranks take turns over the micro-batches; a rank short of one runs a
@@ -604,6 +605,7 @@ def main(argv: list[str]) -> None:
         flops_per_token = metrics.model_flops_per_token(model_cfg, n_avg_keys=n_avg_keys, n_avg_local_keys=n_avg_local)
         record.update(
             step=step, loss=record["lm_loss"], lr=cfg.lr * lr_scale, batch_size=n_micro, tokens=tokens_seen,
+            loss_tokens=loss_tokens, padding_tokens=step_tokens - routed,  # of the step's tokens: trained on, and padding
             tokens_per_s=step_tokens / seconds, flops_per_token=flops_per_token, tokens_by_source=tokens_by_source,
             mfu=metrics.mfu(step_tokens / seconds / world, flops_per_token, peak),
             peak_memory_gib=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,

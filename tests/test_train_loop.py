@@ -308,6 +308,8 @@ def test_prompt_and_response_data_counts_the_responses_only(tmp_path):
     # each document is 300 prompt tokens, then 21 counted: the first two micro-batches of 128 tokens count none
     assert [r["lm_loss"] for r in records[:2]] == [0.0, 0.0] and [r["mtp_1_loss"] for r in records[:2]] == [0.0, 0.0]
     assert records[2]["lm_loss"] > 1 and all(math.isfinite(r["loss"]) for r in records)
+    # logged: the tokens each step trains on (the third holds the first document's 21) and no padding
+    assert [(r["loss_tokens"], r["padding_tokens"]) for r in records] == [(0, 0), (0, 0), (21, 0)]
     assert f"(bits per token {records[-1]['val_loss'] / math.log(2):.3f})" in run.stdout
     model, run_config = evaluate.load_model(tmp_path / "run")
     # a token-file run speaks the tokenizer its data's index names, as prepare encoded (no post-processing), its separator the end
@@ -355,6 +357,7 @@ def test_prompt_and_response_data_counts_the_responses_only(tmp_path):
     # the 191 padding tokens are not routed: the trunk's MoE layer and the MTP block's each count
     # the k = 2 slots of the 321 others, none dropped
     assert [sum(c) for c in record["tokens_per_expert"]] == [2 * 321] * 2 and record["dropped_fraction"] == [0.0] * 2
+    assert (record["loss_tokens"], record["padding_tokens"]) == (21, 191)  # logged: what the step trained on, and its padding
     val = load_blend(str(tmp_path / "sft.u16")).split(20)[1]
     whole = val.validation_batches(512, 4, mtp_depth=1, whole_documents=True)
     assert all(b["cu_seqlens"].tolist() == [0, 321, 512] and int(b["loss_mask"].sum()) == 21 for b in whole)  # 20 response tokens and the separator
