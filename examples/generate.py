@@ -20,7 +20,8 @@ the tokens before it (Transformer.decode with a KVCache of prompt + --tokens tok
 A run on prepared token files speaks the tokenizer their index names (when that file is
 here; fmoe.train.prepare records it). Generation stops after --tokens new tokens or at the
 end-of-document token (an HF folder's generation_config.json eos_token_id, one id or
-several, as transformers' generate, else its config.json's; a token-file run's separator).
+several, as transformers' generate, else its config.json's; a token-file run's separator,
+and the ids of the generation_config.json of the folder it started from, --init_from_hf).
 --chat renders --prompt as a user message (after --system's message) with the chat
 template beside the tokenizer and its generation prompt, as transformers'
 apply_chat_template does (fmoe.train.chat), and prints the reply alone; a run also stops at
@@ -141,6 +142,15 @@ def _data_sources(run: dict) -> list[dict]:
     return run.get("data_sources") or [{"path": run["config"].get("data") or None}]
 
 
+def _byte_run(run: dict) -> bool:
+    """Whether a run speaks bytes (the stdlib corpus or text files): config.json records it;
+    an older run's sources were bytes when each was a directory."""
+    byte_tokens = run.get("byte_tokens")
+    if byte_tokens is None:
+        byte_tokens = all(s["path"] is None or Path(s["path"]).is_dir() for s in _data_sources(run))
+    return bool(byte_tokens)
+
+
 def run_tokenizer(run: dict) -> tuple[Optional[Path], Optional[int]]:
     """(tokenizer.json, separator) of a run on prepared token files: the ones every data
     source's index names (fmoe.train.prepare), when that tokenizer file is here; else
@@ -179,10 +189,7 @@ def text_codec(path: Path, model: Transformer, run: dict) -> tuple[Optional[Call
     special=False leaves out the tokens a tokenizer adds around a text (a BOS), for a text
     that continues another."""
     if run:
-        byte_tokens = run.get("byte_tokens")  # config.json records it; an older run's sources were bytes when each was a directory
-        if byte_tokens is None:
-            byte_tokens = all(s["path"] is None or Path(s["path"]).is_dir() for s in _data_sources(run))
-        if byte_tokens:  # the stdlib corpus or text files
+        if _byte_run(run):  # the stdlib corpus or text files
             from fmoe.train.data import EOS, decode_text, encode_text
 
             return (lambda s, special=True: encode_text(s).tolist()), decode_text, EOS
@@ -202,11 +209,18 @@ def text_codec(path: Path, model: Transformer, run: dict) -> tuple[Optional[Call
 
 def stop_ids(path: Path, run: dict, eos: Optional[int]) -> list[int]:
     """The ids generation stops at: an HF folder's generation_config.json eos_token_id (an
-    id or a list, as transformers' generate reads it), else `eos` (text_codec's)."""
-    config = path / "generation_config.json"
-    stop = json.loads(config.read_text()).get("eos_token_id") if not run and config.is_file() else None
-    stop = eos if stop is None else stop
-    return [] if stop is None else [stop] if isinstance(stop, int) else list(stop)
+    id or a list, as transformers' generate reads it), else `eos` (text_codec's). A run
+    started from an HF folder (--init_from_hf) on token files stops at that folder's ids
+    too, when the folder is still there (as its export_hf.py export does: the file is
+    copied), and at `eos`, its data's separator; a byte run at `eos` alone."""
+    started = run and run["config"].get("init_from_hf") and not _byte_run(run)
+    folder = path if not run else Path(run["config"]["init_from_hf"]) if started else None
+    config = folder / "generation_config.json" if folder is not None else None
+    stop = json.loads(config.read_text()).get("eos_token_id") if config is not None and config.is_file() else None
+    stops = [] if stop is None else [stop] if isinstance(stop, int) else list(stop)
+    if eos is not None and (run or not stops) and eos not in stops:
+        stops.append(eos)
+    return stops
 
 
 def chat_prompt(tokenizer: Path, text: str, *, system: str = "", chat_template: Optional[Path] = None,
@@ -387,7 +401,7 @@ def main(argv: list[str]) -> None:
             chat, end_of_turn = chat_prompt(tokenizer, args.prompt, system=args.system, chat_template=args.chat_template,
                                             variables=args.chat_template_kwargs)
             end_ids = encode(end_of_turn, special=False) if run and end_of_turn else []
-            stops += end_ids if len(end_ids) == 1 else []  # a run has no generation_config.json: the template's end of turn
+            stops += end_ids if len(end_ids) == 1 and end_ids[0] not in stops else []  # a run: the template's end of turn too
     except (OSError, ValueError, KeyError) as err:
         sys.exit(str(err) if str(err).startswith(("parallel knobs", "--chat", "chat_template")) else f"path: {err}")
     if chat is not None:

@@ -214,6 +214,12 @@ def test_chat_renders_the_template_and_stops_at_any_end_id(tmp_path, run_dir):
     assert cli.stdout == hf.decode(theirs, skip_special_tokens=True) + "\n" and len(cli.stdout.split()) >= 2
     model, _ = generate.load_model(tmp_path)
     assert generate.generate(model, ids, tokens=12, eos=generate.stop_ids(tmp_path, {}, 61))[len(ids):] == theirs
+    # a run started from this folder stops where the folder (and so its export) does, and at its separator
+    started = {"config": {"init_from_hf": str(tmp_path)}, "byte_tokens": False}
+    assert generate.stop_ids(run_dir[0], started, 61) == [62, stop, 61] and generate.stop_ids(run_dir[0], started, 62) == [62, stop]
+    assert generate.stop_ids(run_dir[0], dict(started, byte_tokens=True), 61) == [61]  # bytes: the folder's ids are another vocabulary's
+    assert generate.stop_ids(run_dir[0], {"config": {"init_from_hf": str(tmp_path / "gone")}, "byte_tokens": False}, 61) == [61]
+    assert generate.stop_ids(run_dir[0], {"config": {}}, 61) == [61] and generate.stop_ids(tmp_path / "gone", {}, None) == []
     for path, args, message in ((tmp_path, ["--chat", "--prompt_ids=1,2"], "--chat: it renders --prompt's text in the chat template"),
                                 (tmp_path, ["--system=hi"], "--system, --chat_template, --chat_template_kwargs: they shape a chat prompt, which needs --chat"),
                                 (tmp_path, ["--chat", "--chat_template_kwargs=[1]"], "--chat_template_kwargs: expected a JSON object, got \\[1\\]"),
