@@ -60,7 +60,6 @@ from generate import _device, add_parallel_knobs, is_hf_folder, load_model, load
 
 import fmoe.parallel as parallel  # noqa: E402
 from fmoe.model import Transformer  # noqa: E402
-from fmoe.train.data import Sampler  # noqa: E402
 
 
 @torch.no_grad()
@@ -129,13 +128,8 @@ def data_batches(corpus, *, split: str, val_percent: int, tokens: int, n_batches
     for name, dataset in zip(corpus.names, corpus.datasets):  # each source's documents in stored order, once
         if dataset.n_tokens < tokens:  # not one micro-batch without repeating documents
             continue
-        sampler = Sampler(dataset, tokens, seed=0, mtp_depth=mtp_depth, shuffle=False, whole_documents=whole_documents)
-        while not sampler.epoch:
-            batch = sampler.next_batch()
-            if sampler.epoch and (sampler.index, sampler.offset) != (0, 0):  # it ran into the first documents again
-                break
-            batches.append(batch)
-            sources.append(name)
+        batches += dataset.stored_batches(tokens, mtp_depth=mtp_depth, whole_documents=whole_documents)
+        sources += [name] * (len(batches) - len(sources))
     if not batches:
         raise ValueError(f"--tokens_per_micro_batch: no source of the {split} split holds {tokens} tokens")
     return batches, sources

@@ -365,7 +365,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--samples", type=int, default=1, help="continuations of the prompt, decoded as one batch")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (under torchrun: cpu or cuda, each rank its LOCAL_RANK's GPU)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    parser.add_argument("--chat", action="store_true", help="an HF folder: --prompt as a user message in its chat template; prints the reply")
+    parser.add_argument("--chat", action="store_true", help="--prompt as a user message in the chat template beside the tokenizer (an HF folder's, or a "
+                        "token-file run's); prints the reply")
     parser.add_argument("--system", default="", help="with --chat: a system message before the prompt")
     parser.add_argument("--chat_template", type=Path, default=None, help="with --chat: a .jinja file, or a JSON file with a "
                         "chat_template field (default: the folder's chat_template.jinja or tokenizer_config.json)")

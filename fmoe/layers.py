@@ -102,7 +102,7 @@ from fmoe.ops.rope import (
     yarn_inv_freq,
     yarn_softmax_scale,
 )
-from fmoe.ops.routing import Routes
+from fmoe.ops.routing import Routes, keep_slots
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,8 +279,7 @@ def moe(
         group_score_topk=cfg.group_score_topk, normalize=cfg.normalize,
     )
     if token_mask is not None:  # padding is not routed: its slots are dropped before any capacity
-        routes = Routes(torch.where(token_mask[:, None], routes.weights, 0.0),
-                        torch.where(token_mask[:, None], routes.experts, torch.full_like(routes.experts, -1)))
+        routes = keep_slots(routes, token_mask[:, None])
     if cfg.capacity_factor is not None and drop is not None:
         routes = drop(routes, E, cfg.capacity_factor, policy=cfg.capacity_policy)
     elif cfg.capacity_factor is not None:

@@ -455,6 +455,14 @@ def expert_capacity(n_tokens: int, k: int, n_experts: int, capacity_factor: floa
     return math.ceil(n_tokens * k / n_experts * capacity_factor)
 
 
+def keep_slots(routes: Routes, keep: torch.Tensor) -> Routes:
+    """routes with the slots where `keep` ([T, k], or [T, 1] for whole tokens; bool) is
+    False dropped: weight 0, expert -1 (what drop_by_capacity drops, and the padding that
+    fmoe.layers.moe does not route). Gradients reach the kept weights."""
+    weights_TK, experts_TK = routes
+    return Routes(torch.where(keep, weights_TK, torch.zeros_like(weights_TK)), torch.where(keep, experts_TK, torch.full_like(experts_TK, -1)))
+
+
 def drop_by_capacity(
     routes: Routes, n_experts: int, capacity_factor: float, *, policy: str = "probs", check: bool = True
 ) -> Routes:
@@ -494,11 +502,7 @@ def drop_by_capacity(
     # policy "probs": the largest weights first (ties: earlier slot); "position": by token
     order = sort_desc(weights_TK.detach().reshape(-1)) if policy == "probs" else None
     key, rank, _ = slot_ranks(experts_TK, n_experts, order)
-    keep_TK = ((key < n_experts) & (rank < capacity)).view(T, k)
-    return Routes(
-        torch.where(keep_TK, weights_TK, torch.zeros_like(weights_TK)),
-        torch.where(keep_TK, experts_TK, torch.full_like(experts_TK, -1)),
-    )
+    return keep_slots(routes, ((key < n_experts) & (rank < capacity)).view(T, k))
 
 
 class _RandomLogits(torch.autograd.Function):

@@ -80,7 +80,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from fmoe.model import Attention, Block, DenseMLP, MoE, RMSNorm
 from fmoe.ops import drop_by_capacity
-from fmoe.ops.routing import Routes
+from fmoe.ops.routing import Routes, keep_slots
 from fmoe.parallel.expert import copy_to_tp, gather_tokens, split_tokens
 
 
@@ -111,13 +111,17 @@ class SequenceShard:
         ranks in the backward (copy_to_tp): a replicated weight used on a token shard."""
         return copy_to_tp(w, self.mesh)
 
+    def rows(self, n: int) -> slice:
+        """This rank's rows [r n, (r + 1) n) of the micro-batch, n = T/tp."""
+        start = self.mesh.get_local_rank() * n
+        return slice(start, start + n)
+
     def local_rows(self, x: torch.Tensor, n: int) -> torch.Tensor:
-        """This rank's n rows [r n, (r + 1) n) of x [T, ...], the micro-batch's per-token
-        values (a MoE's token_mask) alike on every tp rank."""
+        """This rank's n rows of x [T, ...] (rows), the micro-batch's per-token values (a
+        MoE's token_mask) alike on every tp rank."""
         if x.shape[0] != n * self.mesh.size():
             raise ValueError(f"x: expected the micro-batch's {n * self.mesh.size()} rows ({n} per tp rank), got {x.shape[0]}")
-        start = self.mesh.get_local_rank() * n
-        return x[start:start + n]
+        return x[self.rows(n)]
 
     def drop_by_capacity(self, routes: Routes, n_experts: int, capacity_factor: float, *, policy: str = "probs") -> Routes:
         """fmoe.ops.drop_by_capacity over the whole micro-batch, this rank's rows.
@@ -129,10 +133,8 @@ class SequenceShard:
         rank's rows of its keep mask apply to the local routes (gradients reach the kept
         weights). Returns Routes of the local shapes.
         """
-        T_local = routes.weights.shape[0]
-        start = self.mesh.get_local_rank() * T_local
         return drop_by_capacity_over_ranks(routes, n_experts, capacity_factor, policy=policy,
-                                           gather=functools.partial(gather_rows, mesh=self.mesh), rows=slice(start, start + T_local))
+                                           gather=functools.partial(gather_rows, mesh=self.mesh), rows=self.rows(routes.weights.shape[0]))
 
 
 def gather_rows(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
@@ -155,9 +157,7 @@ def drop_by_capacity_over_ranks(routes: Routes, n_experts: int, capacity_factor:
     every = gather(torch.cat([weights_TK.detach().double(), experts_TK.double()], dim=1))
     kept_TK = drop_by_capacity(Routes(every[:, :k].to(weights_TK.dtype), every[:, k:].to(experts_TK.dtype)), n_experts,
                                capacity_factor, policy=policy, check=False).experts
-    keep_TK = kept_TK[rows] >= 0
-    return Routes(torch.where(keep_TK, weights_TK, torch.zeros_like(weights_TK)),
-                  torch.where(keep_TK, experts_TK, torch.full_like(experts_TK, -1)))
+    return keep_slots(routes, kept_TK[rows] >= 0)
 
 
 class SequenceParallelModule(ParallelStyle):

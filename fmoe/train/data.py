@@ -87,6 +87,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -249,12 +250,22 @@ class TokenDataset:
                              f"the dataset has {self.n_tokens}")
         if not len(self):
             raise ValueError("n_batches: the dataset has no documents")
-        sampler = Sampler(self, tokens, seed=0, mtp_depth=mtp_depth, shuffle=False, whole_documents=whole_documents)
-        batches = [sampler.next_batch() for _ in range(n_batches)]
-        if sampler.epoch and (sampler.epoch, sampler.index, sampler.offset) != (1, 0, 0):  # padding took the room of some documents
+        batches = list(itertools.islice(self.stored_batches(tokens, mtp_depth=mtp_depth, whole_documents=whole_documents), n_batches))
+        if len(batches) < n_batches:  # padding took the room of some documents
             raise ValueError(f"n_batches: {n_batches} batches of {tokens} tokens, each document whole, need more than the dataset's "
                              f"{len(self)} documents")
         return batches
+
+    def stored_batches(self, tokens: int, *, mtp_depth: int = 0, whole_documents: bool = False) -> Iterator[TensorDict]:
+        """The micro-batches of `tokens` tokens packed from the documents in stored order
+        (Sampler without shuffling; whole_documents as for it), each document once: they
+        stop before a batch that would reach back into the first documents."""
+        sampler = Sampler(self, tokens, seed=0, mtp_depth=mtp_depth, shuffle=False, whole_documents=whole_documents)
+        while not sampler.epoch:
+            batch = sampler.next_batch()
+            if sampler.epoch and (sampler.index, sampler.offset) != (0, 0):  # it ran into the first documents again
+                return
+            yield batch
 
 
 def _byte_dataset(root: Path, rel_paths: list[str]) -> TokenDataset:

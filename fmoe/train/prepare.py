@@ -236,12 +236,13 @@ def _parquet_documents(path: Path, fields: tuple[tuple[str, Optional[str]], ...]
         if key not in names and knob is not None:
             raise ValueError(f"src: {str(path)!r} has no column {key!r} (columns: {names[:8]}); choose it with --{knob}")
     columns = [key for key, _ in fields if key in names]  # an optional field's column may be absent: None
+    at = [columns.index(key) if key in columns else None for key, _ in fields]  # each field's column
     row = 0
     for batch in table.iter_batches(batch_size=_PARQUET_ROWS, columns=columns):
         read = [batch.column(j).to_pylist() for j in range(len(columns))]
         for i in range(batch.num_rows):
             where = f"{str(path)!r} row {row}"
-            values = [read[columns.index(key)][i] if key in columns else None for key, _ in fields]
+            values = [None if j is None else read[j][i] for j in at]
             for (key, knob), value in zip(fields, values):
                 if knob not in ("messages_key", None) and not isinstance(value, str):
                     raise ValueError(f"src: {where} has no string {key!r} ({type(value).__name__})")
