@@ -975,10 +975,12 @@ class _ShardWriter:
         self.files, self.shard = [], {}
 
 
-def _checkpoint_tensors(model: Transformer, family, params: dict, dtype: torch.dtype, keep: bool):
+def _checkpoint_tensors(model: Transformer, family, params: dict, dtype: torch.dtype, keep: bool, failed: list):
     """(HF key, complete CPU tensor) pairs of `model` in the checkpoint's layout and dtype,
     one parameter at a time. A DTensor is gathered (full_tensor) whatever `keep` says: every
-    rank must walk this in step; a rank with keep=False yields nothing."""
+    rank must walk this in step; a rank with keep=False yields nothing, and neither does one
+    once `failed` holds an error (a conversion that raises is appended to it: the walk goes
+    on, gathering, so that the other ranks are not left waiting in a collective)."""
     from torch.distributed.tensor import DTensor
 
     copies: dict[str, list[str]] = {}
@@ -988,28 +990,35 @@ def _checkpoint_tensors(model: Transformer, family, params: dict, dtype: torch.d
     for name, spec in key_map(family, model.cfg).items():
         p = params[name].detach()
         full = p.full_tensor() if isinstance(p, DTensor) else p  # a collective: every rank, in this order
-        if not keep:
+        if not keep or failed:
             continue
-        full = full.to("cpu")
-        for key in copies.get(name, ()):  # the MTP layers' copies of the embedding and head
-            yield key, full.to(dtype).clone()  # its own storage: safetensors refuses shared tensors
-        if name.endswith("expert_bias"):  # float32 in every checkpoint (HF keeps the correction bias float32)
-            yield spec.keys[0], full.contiguous()
-        elif spec.part is not None or spec.chunk is not None:  # one of n interleaved parts / contiguous runs of a key
-            (i, n), key = spec.part or spec.chunk, spec.keys[0]
-            if spec.part is not None:  # every n-th entry of the last dim, from i
-                shape, where = (*full.shape[:-1], full.shape[-1] * n), (..., slice(i, None, n))
-            else:  # the i-th of n runs of dim -2
-                full = full.transpose(-2, -1) if spec.transpose else full
-                size = full.shape[-2]
-                shape, where = (*full.shape[:-2], size * n, full.shape[-1]), (..., slice(i * size, (i + 1) * size), slice(None))
-            stored = parts.setdefault(key, [torch.empty(shape, dtype=dtype), n])
-            stored[0][where] = full
-            stored[1] -= 1
-            if not stored[1]:
-                yield key, parts.pop(key)[0]
-        else:
-            yield from _stored(spec, full, dtype)
+        try:
+            stored = _converted(name, spec, full.to("cpu"), copies.get(name, ()), parts, dtype)
+        except Exception as err:
+            failed.append(err)
+            continue
+        yield from stored
+
+
+def _converted(name: str, spec: Tensor, full: torch.Tensor, copies, parts: dict, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
+    """The (HF key, tensor) pairs that one gathered parameter completes (_checkpoint_tensors)."""
+    out = [(key, full.to(dtype).clone()) for key in copies]  # the MTP layers' copies of the embedding and head, each
+    # in its own storage: safetensors refuses shared tensors
+    if name.endswith("expert_bias"):  # float32 in every checkpoint (HF keeps the correction bias float32)
+        return [*out, (spec.keys[0], full.contiguous())]
+    if spec.part is None and spec.chunk is None:
+        return [*out, *_stored(spec, full, dtype)]
+    (i, n), key = spec.part or spec.chunk, spec.keys[0]  # one of n interleaved parts / contiguous runs of a key
+    if spec.part is not None:  # every n-th entry of the last dim, from i
+        shape, where = (*full.shape[:-1], full.shape[-1] * n), (..., slice(i, None, n))
+    else:  # the i-th of n runs of dim -2
+        full = full.transpose(-2, -1) if spec.transpose else full
+        size = full.shape[-2]
+        shape, where = (*full.shape[:-2], size * n, full.shape[-1]), (..., slice(i * size, (i + 1) * size), slice(None))
+    stored = parts.setdefault(key, [torch.empty(shape, dtype=dtype), n])
+    stored[0][where] = full
+    stored[1] -= 1
+    return [*out, (key, parts.pop(key)[0])] if not stored[1] else out
 
 
 def save_pretrained(model: Transformer, path, *, model_type: Optional[str] = None, max_shard_bytes: int = 5 * 10**9) -> Path:
@@ -1025,7 +1034,10 @@ def save_pretrained(model: Transformer, path, *, model_type: Optional[str] = Non
     written without any rank holding it whole; every rank returns `path` once the files are
     written. A model without DTensors is written by rank 0 alone (the others may call it:
     they write nothing). An export that raises removes the shards it wrote; the temporary
-    files of a killed one are removed by the next export to the folder."""
+    files of a killed one are removed by the next export to the folder. When rank 0 cannot
+    write (a full disk, a path it may not create), a sharded model's ranks still gather
+    every parameter in step, then every rank raises: rank 0 its error, the others a
+    RuntimeError that quotes it."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -1043,18 +1055,38 @@ def save_pretrained(model: Transformer, path, *, model_type: Optional[str] = Non
     sharded = any(isinstance(p, DTensor) for p in params.values())  # then every rank calls, and gathers
     dtype = getattr(torch, hf.get("dtype") or hf.get("torch_dtype") or "float32")
     path = Path(path)
-    writer = _ShardWriter(path, max_shard_bytes) if not dist.is_initialized() or dist.get_rank() == 0 else None
+    writes = not dist.is_initialized() or dist.get_rank() == 0
+    writer, failed = None, []  # failed: rank 0's error, raised once every rank has gathered every parameter
+    if writes:
+        try:
+            writer = _ShardWriter(path, max_shard_bytes)
+        except Exception as err:
+            failed.append(err)
     try:
-        for key, value in _checkpoint_tensors(model, family, params, dtype, keep=writer is not None):
-            writer.add(key, value)
-        if writer is not None:
-            writer.close()
-    except BaseException:
+        for key, value in _checkpoint_tensors(model, family, params, dtype, keep=writes, failed=failed):
+            try:
+                writer.add(key, value)
+            except Exception as err:
+                failed.append(err)
+    except BaseException:  # in a gather: the other ranks are in it too
         if writer is not None:
             writer.abort()
         raise
-    if writer is not None:
-        (path / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    if writer is not None and not failed:
+        try:
+            writer.close()
+            (path / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+        except Exception as err:
+            failed.append(err)
+    if failed and writer is not None:
+        writer.abort()
     if sharded and dist.is_initialized():
-        dist.barrier()  # no rank reads the folder before it is written
+        # the other ranks wait here until rank 0 has written the folder (or failed to): then
+        # every rank returns, or every rank raises
+        error = [f"save_pretrained: rank 0 could not write {path}: {type(failed[0]).__name__}: {failed[0]}" if failed else None]
+        dist.broadcast_object_list(error, src=0)
+        if error[0] is not None and not failed:
+            raise RuntimeError(error[0])
+    if failed:
+        raise failed[0]
     return path

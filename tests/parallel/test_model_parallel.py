@@ -296,11 +296,12 @@ def _decode(rank, world, sizes, overrides, param_dtype, tol):
 
 def _cases(rank, world, names):
     """Every case of one world size (by_world), its decode cases, and on 2 ranks the
-    user-Blocks case and the refusals."""
+    user-Blocks case, the refusals and the failed exports."""
     out = {name: _compare(rank, world, *CASES[name][1:]) for name in names}
     out.update({f"decode-{name}": _decode(rank, world, *case[1:]) for name, case in DECODE_CASES.items() if case[0] == world})
     if world == 2:
         out["user_blocks"], out["bad_tp"] = _user_blocks(rank, world), _bad_tp(rank, world)
+        out["failed_export"] = _failed_export(rank, world)
     return out
 
 
@@ -436,3 +437,68 @@ def test_parallelize_refuses_what_does_not_split(results):
         assert "n_experts = 3 is not divisible by ep = 2" in messages[1]
         assert "n_heads = 3 and n_kv_heads = 3 must both be divisible by tp = 2" in messages[2]  # multi-latent
         assert "T = 25 tokens do not split evenly over tp = 2 ranks" in messages[3] and "tokens_per_micro_batch" in messages[3]
+
+
+def _failed_export(rank, world):
+    """fmoe.hf.save_pretrained of an FSDP2 model whose rank 0 cannot write: a folder path
+    that is a file, then a disk that fills after some shards. Returns this rank's errors
+    (type, message), and on rank 0 what each failed export left in its folder and whether
+    the export that follows writes the one-process files."""
+    import filecmp
+    import tempfile
+    from pathlib import Path
+
+    import fmoe.hf as hf
+    from fmoe.model import Transformer, TransformerConfig
+    from fmoe.parallel import build_meshes, parallelize
+
+    cfg = TransformerConfig(**{**TINY, "mtp_depth": 0})
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    root = Path(tempfile.mkdtemp())
+    if rank == 0:
+        hf.save_pretrained(model, root / "one", model_type="glm4_moe", max_shard_bytes=20_000)  # nothing sharded: rank 0 alone
+        (root / "blocked").write_text("a file where the folder should be")
+    parallelize(model, build_meshes(dp_shard=world))
+    errors, left = [], []
+    add, adds = hf._ShardWriter.add, []
+
+    def filling(writer, key, value):
+        if len(adds) == 16:
+            adds.append(len(writer.files))  # the shards written so far
+            raise OSError("No space left on device")
+        adds.append(key)
+        add(writer, key, value)
+
+    for name in ("blocked", "full"):
+        if rank == 0 and name == "full":
+            hf._ShardWriter.add = filling
+        try:
+            hf.save_pretrained(model, root / name, model_type="glm4_moe", max_shard_bytes=20_000)
+        except Exception as err:
+            errors.append((type(err).__name__, str(err)))
+        hf._ShardWriter.add = add
+        left.append(sorted(f.name for f in (root / name).iterdir()) if (root / name).is_dir() else None)
+    hf.save_pretrained(model, root / "two", model_type="glm4_moe", max_shard_bytes=20_000)
+    same = None
+    if rank == 0:
+        names = sorted(f.name for f in (root / "one").iterdir())
+        same = len(names) > 3 and names == sorted(f.name for f in (root / "two").iterdir()) and all(
+            filecmp.cmp(root / "one" / n, root / "two" / n, shallow=False) for n in names)
+    return {"errors": errors, "left": left, "adds": adds, "same": same}
+
+
+def test_an_export_that_rank_0_cannot_write_fails_every_rank(results):
+    """No rank is left waiting in a collective: every rank gathers in step, then rank 0
+    raises its error and the others a RuntimeError quoting it; the shards written before
+    the disk filled are removed, and the group goes on to export the one-process files."""
+    rank0, rank1 = (by_case["failed_export"] for by_case in results(2))
+    assert [t for t, _ in rank0["errors"]] == ["FileExistsError", "OSError"]
+    assert rank0["errors"][1][1] == "No space left on device"
+    for (kind, message), (_, theirs), name in zip(rank1["errors"], rank0["errors"], ("blocked", "full")):
+        assert kind == "RuntimeError" and message.startswith("save_pretrained: rank 0 could not write /") and message.endswith(theirs)
+        assert f"/{name}: " in message
+    assert len(rank1["errors"]) == 2 and rank1["adds"] == []
+    assert len(rank0["adds"]) == 17 and rank0["adds"][-1] >= 2  # 16 tensors were in shards, 2 or more of them written
+    assert rank0["left"] == [None, []]  # ...and none is left
+    assert rank0["same"] is True
