@@ -17,8 +17,9 @@ examples/generate.py loads them). The config:
   it). It speaks fmoe's bytes: no tokenizer is written.
 The run's capacity_factor is a training-time drop, not part of the model: the export has
 none. The run's MTP modules are exported as the layers after the trunk's where the family stores
-them so (DeepSeek-V3, GLM-4.5, GLM-4.7-Flash) and they have their own output norm
-(mtp_norm); otherwise they are left out, with a note. --dtype: the weights' dtype (default: the
+them so (DeepSeek-V3, GLM-4.5, GLM-4.7-Flash), each with its own output norm (a module
+on the trunk's final norm, mtp_norm=False, with a copy of it); other families' are left out,
+with a note. --dtype: the weights' dtype (default: the
 folder's config, float32 for a model of fmoe's own). --max_shard_gb: the largest
 safetensors file (default 5).
 
@@ -81,9 +82,8 @@ def export_config(cfg: TransformerConfig, run: dict, *, model_type: str = "", hf
     elif model_type not in fmoe.hf.FAMILIES:
         raise ValueError(f"--model_type: expected one of {', '.join(fmoe.hf.FAMILIES)}, got {model_type!r}")
     family = fmoe.hf.FAMILIES[model_type]
-    if cfg.mtp_depth and not (family.mtp and cfg.mtp_norm):
-        why = "hold none" if not family.mtp else "hold MTP layers with their own output norm (--model.mtp_norm=True)"
-        notes.append(f"the {cfg.mtp_depth} MTP module(s): {model_type} checkpoints {why}; not exported")
+    if cfg.mtp_depth and not family.mtp:
+        notes.append(f"the {cfg.mtp_depth} MTP module(s): {model_type} checkpoints hold none; not exported")
         cfg = dataclasses.replace(cfg, mtp_depth=0, mtp_norm=False)
     if source:
         hf = dict(hf, num_nextn_predict_layers=cfg.mtp_depth) if family.mtp else hf

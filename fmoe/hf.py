@@ -30,7 +30,9 @@ MTP: DeepSeek-V3 / GLM-4.5 / GLM-4.7-Flash store MTP depth d as layer n_layers +
 (enorm, hnorm, eh_proj, a block, shared_head.norm, and copies of the embedding and the
 head, which fmoe shares). from_pretrained loads as many depths as the checkpoint holds (mtp_depth=
 overrides; depths it lacks start fresh); other families' MTP modules always start fresh
-and are not exported. FP8: weights stored as float8 with `weight_scale_inv` block scales
+and are not exported. An MTP module without its own output norm (mtp_norm=False: it uses
+the final norm) is exported with a copy of the final norm as its shared_head.norm, so the
+folder reads back (mtp_norm=True) as the same model. FP8: weights stored as float8 with `weight_scale_inv` block scales
 (quantization_config.weight_block_size) are dequantised to float32 on load; the export
 writes them in the config's dtype, without the quantization_config.
 
@@ -890,15 +892,16 @@ def config_mismatch(cfg: TransformerConfig, hf: dict) -> dict[str, tuple]:
     """{field: (cfg's value, the value config.json `hf` maps to)} for each TransformerConfig
     field in which a model of `cfg` differs from the checkpoint's model (ignoring what does
     not change the weights' meaning: impl, ac, init_std, the capacity, how the dense and MoE
-    layers are spelled, and the MTP depth of a family that stores MTP layers, whose MTP
-    modules need their own output norm, mtp_norm); {} when `cfg` is that model."""
+    layers are spelled, and the MTP depth and mtp_norm of a family that stores MTP layers:
+    save_pretrained writes MTP modules that use the final norm with a copy of it as their
+    own); {} when `cfg` is that model."""
     family = FAMILIES[hf["model_type"]]
     back = TransformerConfig(**family.config_to_fmoe(hf))
     ignored = {"impl", "ac", "init_std", "ffn_dense", "n_dense", "n_shared", "moe_layers", "capacity_factor", "capacity_policy"}
     if cfg.yarn_factor is None:
         ignored |= {"yarn_original_max_positions", "yarn_truncate"}
-    if family.mtp:  # any depth; MTP layers (if any) with their own output norm, as stored
-        ignored |= {"mtp_depth"} if cfg.mtp_depth else {"mtp_depth", "mtp_norm"}
+    if family.mtp:  # any depth; MTP modules without their own output norm are written with a copy of the final one
+        ignored |= {"mtp_depth", "mtp_norm"}
     mismatch = {f.name: (getattr(cfg, f.name), getattr(back, f.name)) for f in dataclasses.fields(TransformerConfig)
                 if f.name not in ignored and getattr(cfg, f.name) != getattr(back, f.name)}
     moe = [cfg.is_moe(i) for i in range(cfg.n_layers)], [back.is_moe(i) for i in range(back.n_layers)]
@@ -986,6 +989,9 @@ def _checkpoint_tensors(model: Transformer, family, params: dict, dtype: torch.d
     copies: dict[str, list[str]] = {}
     for key, name in mtp_copies(family, model.cfg).items():
         copies.setdefault(name, []).append(key)
+    if not model.cfg.mtp_norm:  # MTP modules on the final norm: the checkpoint's layers hold their own, a copy of it
+        copies.setdefault("norm.weight", []).extend(mtp_layer(model.cfg, d) + "shared_head.norm.weight"
+                                                    for d in range(1, model.cfg.mtp_depth + 1 if family.mtp else 1))
     parts: dict[str, list] = {}  # a key several parameters fill: [value, parts still missing]
     for name, spec in key_map(family, model.cfg).items():
         p = params[name].detach()

@@ -163,12 +163,11 @@ def test_bad_knobs_stop_with_a_message(own_run, hf_run, tmp_path):
 def test_export_config_notes_and_the_folder_gone(own_run, tmp_path):
     """The notes of what is left out; a run whose HF folder is gone is named."""
     model, run = load_run(own_run)
-    cfg = dataclasses.replace(model.cfg, capacity_factor=1.25, mtp_norm=False)
+    cfg = dataclasses.replace(model.cfg, capacity_factor=1.25, mtp_norm=False)  # an MTP module on the final norm is exported too
     config, notes, source = export_hf.export_config(cfg, run, model_type="glm4_moe")
-    assert source is None and config["num_nextn_predict_layers"] == 0
-    assert notes == ["capacity_factor=1.25: a training-time drop, not exported",
-                     "the 1 MTP module(s): glm4_moe checkpoints hold MTP layers with their own output norm (--model.mtp_norm=True); not exported"]
-    assert config == hf.hf_config(dataclasses.replace(cfg, capacity_factor=None, mtp_depth=0, mtp_norm=False), "glm4_moe")
+    assert source is None and config["num_nextn_predict_layers"] == 1
+    assert notes == ["capacity_factor=1.25: a training-time drop, not exported"]
+    assert config == hf.hf_config(dataclasses.replace(cfg, capacity_factor=None, mtp_norm=True), "glm4_moe")
     gone = dict(run, config=dict(run["config"], init_from_hf=str(tmp_path / "gone")))
     with pytest.raises(ValueError, match=r"the run's --init_from_hf \('.*gone'\): not a Hugging Face folder .*; pass --hf_config=FOLDER"):
         export_hf.export_config(model.cfg, gone)

@@ -526,6 +526,35 @@ def test_mtp_layers_load_into_mtp_modules_and_export_back(family, folders, tmp_p
     assert torch.isfinite(fresh.mtp[0].proj).all() and not torch.equal(fresh.mtp[0].proj, m.proj)
 
 
+def test_an_mtp_module_on_the_final_norm_exports_with_a_copy_of_it(folders, tmp_path):
+    """An MTP module without its own output norm (mtp_norm=False: its loss goes through the
+    trunk's final norm) is written with a copy of the final norm as its shared_head.norm:
+    the folder reads back (mtp_norm=True) as the same model, MTP loss included."""
+    from fmoe.model import Transformer
+
+    path, _ = folders["glm4_moe"]
+    loaded, cfg = hf.from_pretrained(path, mtp_depth=1, impl="torch")
+    model = Transformer(dataclasses.replace(cfg, mtp_norm=False))
+    state = {k: v for k, v in loaded.state_dict().items() if k != "mtp.0.out_norm.weight"}
+    state["norm.weight"] = 1 + 0.3 * torch.randn(cfg.hidden, generator=torch.Generator().manual_seed(5))  # not the ones of a fresh norm
+    model.load_state_dict(state)
+    out = hf.save_pretrained(model, tmp_path / "out", model_type="glm4_moe")
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 1
+    assert torch.equal(_read_all(out)[f"model.layers.{cfg.n_layers}.shared_head.norm.weight"], state["norm.weight"])
+    back, back_cfg = hf.from_pretrained(out, impl="torch")
+    assert back_cfg.mtp_depth == 1 and back_cfg.mtp_norm and torch.equal(back.mtp[0].out_norm.weight, model.norm.weight)
+    _, ids, cu = _packed()
+    batch = make_batch(ids, cu, mtp_depth=1)
+    with torch.no_grad():
+        want, got = model(batch)[0], back(batch)[0]
+    assert set(got.keys()) == set(want.keys()) == {"lm_sum", "lm_tokens", "mtp_1_sum", "mtp_1_tokens"}
+    for key in want.keys():
+        assert torch.equal(got[key], want[key]), key
+    with pytest.raises(ValueError, match=r"shared_head\.norm\.weight"):  # read into mtp_norm=False, its norm would be lost
+        hf.load_weights(Transformer(model.cfg), out, model_type="glm4_moe")
+
+
 def _fp8(w, block):
     """Block-scaled FP8 of a float32 weight [out, in] and its scale_inv (amax / 448 per block)."""
     m, n = block
