@@ -57,6 +57,7 @@ from fmoe.optim import (AdamW, batch_size_at, build_optimizers, clip_grad_norm, 
                         zero_grad_count)
 from fmoe.train import checkpoint, metrics
 from fmoe.train.data import BlendSampler, load_blend
+from fmoe.train.profile import StepProfiler, parse_steps, phase
 from fmoe.train.run import set_deterministic, write_config
 
 
@@ -113,6 +114,9 @@ class Config:
     eval_batches: int = 4
     tensorboard: bool = False       # also TensorBoard event files in out_dir/tensorboard (pip install 'fmoe[tensorboard]')
     check_replicas_every: int = 100  # compare a hash of the parameters across the ranks that hold copies (0: never)
+    profile: str = ""               # steps to trace with torch.profiler, START:END (1-based, as logged) or N: each rank's
+                                    # Chrome trace and ops table in out_dir/profile/ (fmoe.train.profile)
+    memory_snapshot: bool = False   # with --profile, on CUDA: the allocator's history over those steps too (memory_viz)
     device: str = "auto"            # auto | cpu | cuda
     dtype: str = "auto"             # compute: auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16;
                                     # weights, gradient sums and optimizer steps stay float32
@@ -189,6 +193,13 @@ def parse_args(argv: list[str]) -> Config:
     return cfg
 
 
+def _report_profile(written: list, rank: int) -> None:
+    """Rank 0 names the profile's files once they are written (each rank writes its own)."""
+    if written and rank == 0:
+        print(f"profile: {', '.join(str(f) for f in written)} (and each rank's own; the trace opens in https://ui.perfetto.dev)",
+              flush=True)
+
+
 def main(argv: list[str]) -> None:
     cfg = parse_args(argv)
     hf_type = None
@@ -206,6 +217,14 @@ def main(argv: list[str]) -> None:
     if cfg.dtype not in ("auto", "float32", "bfloat16"):
         sys.exit(f"--dtype: expected auto, float32 or bfloat16, got {cfg.dtype!r}")
     dtype = getattr(torch, cfg.dtype) if cfg.dtype != "auto" else torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        profile_steps = parse_steps(cfg.profile)
+        if cfg.memory_snapshot and profile_steps is None:
+            raise ValueError("--memory_snapshot: records the --profile steps; set --profile=START:END")
+        profiler = StepProfiler(cfg.out_dir, profile_steps or (0, -1), rank=int(os.environ.get("RANK", "0")), device_type=device.type,
+                                memory=cfg.memory_snapshot)
+    except ValueError as err:
+        sys.exit(str(err))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     has_experts = any(cfg.model.is_moe(i) for i in range(cfg.model.n_layers))
     sizes = dict(pp=cfg.pp, dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, cp=cfg.cp, tp=cfg.tp, ep=cfg.ep, etp=cfg.etp)
@@ -501,6 +520,7 @@ def main(argv: list[str]) -> None:
     last = min(cfg.steps, cfg.stop_at) if cfg.stop_at > 0 else cfg.steps
     run_start, first = time.perf_counter(), step
     while step < last:
+        profiler.start_step(step + 1)
         t0 = time.perf_counter()
         lr_scale = lr_at(step, **schedule)
         for opt in optimizers:
@@ -524,22 +544,23 @@ def main(argv: list[str]) -> None:
         # every key from the start: a rank with only padding sums the same keys (one collective)
         zero = torch.zeros((), device=device)
         record = dict.fromkeys(["lm_loss", *(f"mtp_{d}_loss" for d in range(1, model_cfg.mtp_depth + 1)), "seq_aux_loss", "aux_loss", "z_loss"], zero)
-        if pipe is not None:  # the schedule runs forward and backward of this rank's micro-batches
-            step_state.update(valid=valid, n_micro=n_micro)
-            logged, counts = pipe.step([parallel.MicroBatch(train_batch(b), padding=i >= len(mine))
-                                        for i, b in enumerate(mine + [host_batches[0]] * padding)])
-            for name, value in logged.items():
-                record[name] = record[name] + value
-        for i, host_batch in enumerate(mine + [host_batches[0]] * padding if pipe is None else []):
-            loss, logged, stats = run_micro_batch(train_batch(host_batch), valid, n_micro)
-            if i >= len(mine):
-                (loss * 0.0).backward()
-                continue
-            loss.backward()
-            for name, value in logged.items():
-                record[name] = record[name] + value
-            for name, layer in stats.items():
-                counts[name] = counts.get(name, 0) + layer["tokens_per_expert"]
+        with phase("forward_backward"):
+            if pipe is not None:  # the schedule runs forward and backward of this rank's micro-batches
+                step_state.update(valid=valid, n_micro=n_micro)
+                logged, counts = pipe.step([parallel.MicroBatch(train_batch(b), padding=i >= len(mine))
+                                            for i, b in enumerate(mine + [host_batches[0]] * padding)])
+                for name, value in logged.items():
+                    record[name] = record[name] + value
+            for i, host_batch in enumerate(mine + [host_batches[0]] * padding if pipe is None else []):
+                loss, logged, stats = run_micro_batch(train_batch(host_batch), valid, n_micro)
+                if i >= len(mine):
+                    (loss * 0.0).backward()
+                    continue
+                loss.backward()
+                for name, value in logged.items():
+                    record[name] = record[name] + value
+                for name, layer in stats.items():
+                    counts[name] = counts.get(name, 0) + layer["tokens_per_expert"]
         if meshes is not None:  # logged sums and counts over every rank, one collective each
             # the world is the batch mesh dp x cp x tp: the data ranks' values add up, and so
             # do the tp ranks' shares of the balancing losses; the LM losses, computed alike
@@ -548,25 +569,26 @@ def main(argv: list[str]) -> None:
                 record = {name: v if name in ("seq_aux_loss", "aux_loss", "z_loss") else zero for name, v in record.items()}
             record = parallel.all_reduce_sums(record, dist.group.WORLD)
             counts = parallel.all_reduce_counts(counts, dist.group.WORLD, names=moe_names, n_experts=model_cfg.n_experts)
-        if pipe is None:
-            counted, copies, groups = list(model.parameters()), [], {}
-        else:  # the first stage's embedding and the last stage's copy take the same summed gradient;
-            # the norm counts every stage's parameters once
-            pipe.sync_tied_grads()
-            counted, copies = pipe.norm_parameters()
-            groups = dict(group=meshes.stage_mesh, pp_group=meshes.pp_mesh)
-        grad_norm = clip_grad_norm(counted, cfg.clip, copies=copies, **groups)
-        # health: the weights' norm and how many gradient entries are exactly zero (dead
-        # experts, unused embedding rows), exact over the mesh, before the update
-        weight_norm, zero_grads = param_norm(counted, copies=copies, **groups), zero_grad_count(counted, copies=copies, **groups)
-        for opt in optimizers:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        # aux-loss-free balancing: each MoE layer's bias moves by the step's actual counts
-        if model_cfg.expert_bias and cfg.bias_rate:
-            for name, moe in (layer for part in parts for layer in part.moe_layers().items()):
-                moe.expert_bias.copy_(ops.update_expert_bias(moe.expert_bias, counts[name], cfg.bias_rate,
-                                                             proportional=cfg.bias_update == "proportional"))
+        with phase("optimizer"):  # the gradients' norm and clipping, the health norms, the step, the expert biases
+            if pipe is None:
+                counted, copies, groups = list(model.parameters()), [], {}
+            else:  # the first stage's embedding and the last stage's copy take the same summed gradient;
+                # the norm counts every stage's parameters once
+                pipe.sync_tied_grads()
+                counted, copies = pipe.norm_parameters()
+                groups = dict(group=meshes.stage_mesh, pp_group=meshes.pp_mesh)
+            grad_norm = clip_grad_norm(counted, cfg.clip, copies=copies, **groups)
+            # health: the weights' norm and how many gradient entries are exactly zero (dead
+            # experts, unused embedding rows), exact over the mesh, before the update
+            weight_norm, zero_grads = param_norm(counted, copies=copies, **groups), zero_grad_count(counted, copies=copies, **groups)
+            for opt in optimizers:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            # aux-loss-free balancing: each MoE layer's bias moves by the step's actual counts
+            if model_cfg.expert_bias and cfg.bias_rate:
+                for name, moe in (layer for part in parts for layer in part.moe_layers().items()):
+                    moe.expert_bias.copy_(ops.update_expert_bias(moe.expert_bias, counts[name], cfg.bias_rate,
+                                                                 proportional=cfg.bias_update == "proportional"))
 
         step += 1
         if meshes is not None and cfg.check_replicas_every > 0 and (step % cfg.check_replicas_every == 0 or step == last):
@@ -585,7 +607,8 @@ def main(argv: list[str]) -> None:
         routed = sum(int(b["token_mask"].sum()) for b in host_batches) if cfg.whole_documents else step_tokens  # host values
         tokens_seen += step_tokens
         if step % cfg.eval_every == 0 or step == last:
-            record["val_loss"], record["val_loss_by_source"] = evaluate()
+            with phase("eval"):
+                record["val_loss"], record["val_loss_by_source"] = evaluate()
         # the one transfer of the step: every logged value and count comes to the host here
         if moe_names:  # per MoE layer, in moe_names order: counts, max/mean, CV, dropped share
             record.update(metrics.layer_loads(torch.stack([counts[n] for n in moe_names]), routed * model_cfg.k))
@@ -618,9 +641,12 @@ def main(argv: list[str]) -> None:
                 getattr(opt, "wait", lambda: None)()
             # every rank holds the same extra (same sampler, same seeds): resumable on any mesh
             extra = {"step": step, "tokens_seen": tokens_seen, "sampler": sampler.state_dict(), "rng": checkpoint.rng_state()}
-            checkpoint.save(cfg.out_dir, step, model=parts, optimizers=optimizers, extra=extra)
+            with phase("checkpoint"):
+                checkpoint.save(cfg.out_dir, step, model=parts, optimizers=optimizers, extra=extra)
             if rank == 0:
                 checkpoint.prune(cfg.out_dir, keep_last=cfg.keep_last, keep_every=cfg.keep_every or None)
+        _report_profile(profiler.end_step(step), rank)
+    _report_profile(profiler.close(), rank)  # the run ended inside the profiled steps
     logger.close()
     if rank == 0 and math.isfinite(record.get("val_loss", float("nan"))):
         sources = record["val_loss_by_source"]

@@ -136,6 +136,21 @@ def test_knobs_as_users_type_them(tmp_path):
     assert lrs[:9] == [pytest.approx(1e-2)] * 9 and lrs[9] == pytest.approx(0.5e-2)  # 0.5 (cos(pi / 2) + 1)
 
 
+def test_profile_traces_the_steps_asked_for(tmp_path):
+    """--profile=2:3: steps 2 and 3 (as logged) in a Chrome trace with the loop's phases,
+    and the ops table; the run goes on to its end."""
+    run = _train(tmp_path, "--steps=4", "--profile=2:3", "--eval_every=3", "--ckpt_every=3")
+    assert run.returncode == 0, run.stderr[-3000:]
+    trace, ops = tmp_path / "profile" / "trace_rank0.json", tmp_path / "profile" / "ops_rank0.txt"
+    assert f"profile: {trace}, {ops} (and each rank's own; the trace opens in https://ui.perfetto.dev)" in run.stdout.splitlines()
+    assert len(_records(tmp_path)) == 4
+    names = [e["name"] for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
+    assert sorted(n for n in names if n.startswith("ProfilerStep#")) == ["ProfilerStep#2", "ProfilerStep#3"]
+    phases = sorted(n for n in names if n.startswith("fmoe."))  # 2 micro-batches a step in one range; eval and checkpoint at step 3
+    assert phases == ["fmoe.checkpoint", "fmoe.eval"] + ["fmoe.forward_backward"] * 2 + ["fmoe.optimizer"] * 2
+    assert "aten::mm" in names and "aten::mm" in ops.read_text()
+
+
 def test_muon_runs(tmp_path):
     run = _train(tmp_path, "--steps=3", "--optimizer=muon")
     assert run.returncode == 0, run.stderr[-3000:]
@@ -159,6 +174,9 @@ BAD_KNOBS = [
                                 "'stdlib': n_batches: 100000 batches of 128 tokens need 12800000 tokens, the dataset has 857423); lower --eval_batches"),
     (["--init_from=/no/such/run"], "--init_from: path: '/no/such/run' does not exist"),
     (["--optimizer=sgd", "--steps=1"], "--optimizer: expected adamw or muon"),
+    (["--profile=3:2"], "--profile: expected START:END steps with 1 <= START <= END (or one step N), got '3:2'"),
+    (["--memory_snapshot"], "--memory_snapshot: records the --profile steps; set --profile=START:END"),
+    (["--profile=1", "--memory_snapshot"], "--memory_snapshot: records the CUDA allocator; this run is on cpu"),
 ]
 # every bad knob's message from one process: main(argv) per case, the SystemExit's text kept
 _EXITS = """

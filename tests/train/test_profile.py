@@ -1,0 +1,84 @@
+"""fmoe.train.profile: the steps asked for are traced (and no others), with the loop's phases
+and each op's time; bad step ranges and a memory snapshot off CUDA are refused."""
+
+import json
+
+import pytest
+import torch
+
+from fmoe.train.profile import StepProfiler, parse_steps, phase
+
+
+def test_steps_parse_as_users_type_them():
+    assert parse_steps("") is None
+    assert parse_steps("10:12") == (10, 12) and parse_steps("7") == (7, 7) and parse_steps("3:3") == (3, 3)
+    for bad in ("3:2", "0:2", "x", "1:y", "1:2:3", ":", "-1"):
+        with pytest.raises(ValueError, match=r"--profile: expected START:END steps with 1 <= START <= END \(or one step N\), got "):
+            parse_steps(bad)
+
+
+def _run(profiler, steps):
+    """A loop of `steps` steps, each a matmul inside a phase; {step: files written}."""
+    x = torch.randn(32, 48)
+    written = {}
+    for step in range(1, steps + 1):
+        profiler.start_step(step)
+        with phase("forward_backward"):
+            x @ x.t()
+        if step % 2:
+            with phase("optimizer"):
+                x.mul_(1.0)
+        written[step] = profiler.end_step(step)
+    return written
+
+
+def _trace(path):
+    return [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X"]
+
+
+def test_the_steps_asked_for_are_traced_with_the_phases_and_the_ops(tmp_path):
+    profiler = StepProfiler(tmp_path, (2, 3), rank=1)
+    written = _run(profiler, 5)
+    files = [tmp_path / "profile" / "trace_rank1.json", tmp_path / "profile" / "ops_rank1.txt"]
+    assert written == {1: [], 2: [], 3: files, 4: [], 5: []}  # written once, after the last profiled step
+    assert profiler.close() == []
+    events = _trace(files[0])
+    steps = sorted(e["name"] for e in events if e["name"].startswith("ProfilerStep#"))
+    assert steps == ["ProfilerStep#2", "ProfilerStep#3"]  # the logged step numbers; steps 1, 4 and 5 are not there
+    phases = [e["name"] for e in events if e["name"].startswith("fmoe.")]
+    assert sorted(phases) == ["fmoe.forward_backward", "fmoe.forward_backward", "fmoe.optimizer"]  # the optimizer ran at step 3
+    mm = [e for e in events if e["name"] == "aten::mm"]
+    assert len(mm) == 2 and all(e["args"]["Input Dims"] == [[32, 48], [48, 32]] for e in mm)
+    table = files[1].read_text()
+    assert "Self CPU" in table and "aten::mm" in table and "[[32, 48], [48, 32]]" in table
+
+
+def test_a_run_that_ends_inside_the_steps_writes_on_close(tmp_path):
+    profiler = StepProfiler(tmp_path, (2, 9))
+    assert all(files == [] for files in _run(profiler, 3).values())
+    files = profiler.close()
+    assert [f.name for f in files] == ["trace_rank0.json", "ops_rank0.txt"]
+    assert sorted(e["name"] for e in _trace(files[0]) if e["name"].startswith("ProfilerStep#")) == ["ProfilerStep#2", "ProfilerStep#3"]
+    assert profiler.close() == []  # once
+
+
+def test_a_memory_snapshot_needs_cuda(tmp_path):
+    with pytest.raises(ValueError, match="--memory_snapshot: records the CUDA allocator; this run is on cpu"):
+        StepProfiler(tmp_path, (1, 1), device_type="cpu", memory=True)
+
+
+@pytest.mark.gpu
+def test_a_memory_snapshot_on_cuda(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA: the allocator's history is a CUDA feature")
+    import pickle
+
+    profiler = StepProfiler(tmp_path, (1, 1), device_type="cuda", memory=True)
+    profiler.start_step(1)
+    x = torch.randn(1024, 1024, device="cuda")
+    (x @ x).sum().item()
+    files = profiler.end_step(1)
+    assert [f.name for f in files] == ["trace_rank0.json", "ops_rank0.txt", "memory_rank0.pickle"]
+    snapshot = pickle.loads(files[2].read_bytes())
+    assert snapshot["device_traces"] and any(e["action"] == "alloc" for e in snapshot["device_traces"][0])
+    assert "Self CUDA" in files[1].read_text()
