@@ -114,6 +114,7 @@ class Config:
     eval_batches: int = 4
     tensorboard: bool = False       # also TensorBoard event files in out_dir/tensorboard (pip install 'fmoe[tensorboard]')
     check_replicas_every: int = 100  # compare a hash of the parameters across the ranks that hold copies (0: never)
+    check_finite: bool = True       # stop at a step whose loss or gradient norm is nan/inf, before its checkpoint
     profile: str = ""               # steps to trace with torch.profiler, START:END (1-based, as logged) or N: each rank's
                                     # Chrome trace and ops table in out_dir/profile/ (fmoe.train.profile)
     memory_snapshot: bool = False   # with --profile, on CUDA: the allocator's history over those steps too (memory_viz)
@@ -636,6 +637,14 @@ def main(argv: list[str]) -> None:
             eta_seconds=(time.perf_counter() - run_start) / (step - first) * (last - step), moe_layers=moe_names,
         )
         logger.log(step, record)
+        if cfg.check_finite and not (math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"])):
+            # every rank holds the same reduced values: every rank stops here, none waits in a collective
+            logger.close()
+            newest = checkpoint.latest(cfg.out_dir)
+            sys.exit(f"step {step}: loss {record['loss']}, gradient norm {record['grad_norm']}: not finite, and the weights took the "
+                     "step's update; stopping before a checkpoint. "
+                     + (f"The newest checkpoint, {newest}, is intact: --resume starts from it" if newest else "No checkpoint was written yet")
+                     + " (lower --lr, raise --warmup, or check the data; --check_finite=False runs on)" if rank == 0 else 1)
         if step % cfg.ckpt_every == 0 or step == last:
             for opt in optimizers:  # a distributed Muon's last update may still be in flight
                 getattr(opt, "wait", lambda: None)()

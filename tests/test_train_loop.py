@@ -151,6 +151,22 @@ def test_profile_traces_the_steps_asked_for(tmp_path):
     assert "aten::mm" in names and "aten::mm" in ops.read_text()
 
 
+def test_a_step_that_is_not_finite_stops_the_run_before_its_checkpoint(tmp_path):
+    """An absurd learning rate: step 1 (checkpointed) moves the weights to ~1e30 and step 2's
+    gradient norm is nan. The run logs step 2, stops without checkpointing it, names the
+    intact checkpoint, and exits nonzero; --check_finite=False runs on."""
+    bad = ["--lr=1e30", "--min_lr=0", "--warmup=0", "--ckpt_every=1", "--eval_every=100"]
+    run = _train(tmp_path / "stop", "--steps=4", *bad)
+    assert run.returncode != 0 and "Traceback" not in run.stderr
+    message = f"step 2: loss {_records(tmp_path / 'stop')[1]['loss']}, gradient norm nan: not finite"
+    assert message in run.stderr and f"The newest checkpoint, {tmp_path / 'stop' / 'step_000001'}, is intact: --resume starts from it" in run.stderr
+    assert [r["step"] for r in _records(tmp_path / "stop")] == [1, 2] and _records(tmp_path / "stop")[1]["grad_norm"] is None
+    assert sorted(p.name for p in (tmp_path / "stop").glob("step_*")) == ["step_000001"]
+    on = _train(tmp_path / "on", "--steps=3", *bad, "--check_finite=False")
+    assert on.returncode == 0, on.stderr[-3000:]
+    assert len(_records(tmp_path / "on")) == 3
+
+
 def test_muon_runs(tmp_path):
     run = _train(tmp_path, "--steps=3", "--optimizer=muon")
     assert run.returncode == 0, run.stderr[-3000:]
