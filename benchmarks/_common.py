@@ -5,7 +5,10 @@ TRITON_INTERPRET=1, which Triton reads once, when it is first imported, so that 
 run on CPU through the interpreter.
 
 Every script: `--smoke` (CPU, tiny shapes, checks that the code runs; its times are not
-performance numbers) and `--out DIR` (where the CSV goes, default bench_out/).
+performance numbers), `--out DIR` (where the CSV goes, default bench_out/) and `--profile`
+(after each timing, one more call of the timed function under torch.profiler: its Chrome
+trace in OUT/profile/<benchmark>-<label>.json and its ops by self time, the device's on
+CUDA, appended to OUT/profile/<benchmark>.txt; the timings are taken before, unprofiled).
 """
 
 from __future__ import annotations
@@ -13,10 +16,12 @@ from __future__ import annotations
 import argparse
 import csv
 import os
+import re
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 SMOKE = "--smoke" in sys.argv
 if SMOKE:
@@ -35,7 +40,13 @@ def base_parser(description: str) -> argparse.ArgumentParser:
              "(checks the script runs; the times are not performance numbers)",
     )
     parser.add_argument("--out", default="bench_out", help="directory for the CSV (default: bench_out)")
+    parser.add_argument("--profile", action="store_true",
+                        help="after each timing, profile one more call with torch.profiler: OUT/profile/<benchmark>-<label>.json "
+                             "(Chrome traces) and OUT/profile/<benchmark>.txt (each call's ops by self time)")
     return parser
+
+
+_PROFILE: dict = {}  # with --profile: "dir" (OUT/profile) and the labels used so far
 
 
 def bench_device(smoke: bool) -> torch.device:
@@ -52,22 +63,51 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (smoke)"
 
 
-def bench(fn, device: torch.device, cpu_warmup: int = 1, cpu_repeats: int = 3) -> float:
+def bench(fn, device: torch.device, cpu_warmup: int = 1, cpu_repeats: int = 3, *, label: Optional[str] = None) -> float:
     """Median time of fn() in milliseconds.
 
     CUDA: triton.testing.do_bench (it flushes the L2 cache between calls). CPU:
     cpu_warmup untimed calls, then the median of cpu_repeats calls timed with perf_counter.
+    With --profile, one more call is then profiled under `label` (profile_call); a timing
+    without a label (the copy-bandwidth and matmul-rate probes) is not.
     """
     if device.type == "cuda":
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-    for _ in range(cpu_warmup):
+        ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    else:
+        for _ in range(cpu_warmup):
+            fn()
+        times = []
+        for _ in range(cpu_repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        ms = statistics.median(times) * 1e3
+    if _PROFILE and label is not None:
+        profile_call(fn, device, label)
+    return ms
+
+
+def profile_call(fn, device: torch.device, label: str) -> Path:
+    """One call of fn() under torch.profiler (CPU, and CUDA on a GPU): its Chrome trace to
+    OUT/profile/<benchmark>-<label>.json (a label used twice gets _2, _3, ...), its ops by
+    self time appended to OUT/profile/<benchmark>.txt under the label. Returns the trace."""
+    benchmark = Path(sys.argv[0]).stem
+    slug = re.sub(r"[^A-Za-z0-9_.+=-]+", "_", label).strip("_") or "call"
+    uses = _PROFILE["labels"][slug] = _PROFILE["labels"].get(slug, 0) + 1
+    slug += f"_{uses}" if uses > 1 else ""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
         fn()
-    times = []
-    for _ in range(cpu_repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    trace = _PROFILE["dir"] / f"{benchmark}-{slug}.json"
+    prof.export_chrome_trace(str(trace))
+    sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    with (_PROFILE["dir"] / f"{benchmark}.txt").open("a") as f:
+        f.write(f"== {label or slug} ({trace.name})\n{prof.key_averages().table(sort_by=sort, row_limit=25)}\n")
+    return trace
 
 
 def copy_bandwidth(device: torch.device, nbytes: int) -> float:
@@ -151,6 +191,10 @@ def start(description: str):
     """
     args = base_parser(description).parse_args()
     device = bench_device(args.smoke)
+    if args.profile:
+        _PROFILE.update(dir=Path(args.out) / "profile", labels={})
+        _PROFILE["dir"].mkdir(parents=True, exist_ok=True)
+        (_PROFILE["dir"] / f"{Path(sys.argv[0]).stem}.txt").unlink(missing_ok=True)  # this run's tables only
     dtype = torch.float32 if args.smoke else torch.bfloat16
     torch.manual_seed(0)
     print(f"device: {device_name(device)}")

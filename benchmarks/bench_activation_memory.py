@@ -63,7 +63,7 @@ def measure(model, batch, ctx, device, T, mode, tp, z_share=ops.z_loss) -> dict:
 
     peak = cuda_peak_bytes(fwd_bwd, device)
     peak = None if peak is None else peak / 2**30
-    ms = bench(fwd_bwd, device, cpu_warmup=0, cpu_repeats=3)
+    ms = bench(fwd_bwd, device, cpu_warmup=0, cpu_repeats=3, label=f"{mode}-tp{tp}")
     return {"impl": mode if tp == 1 else f"tp{tp} {mode}", "tp": tp, "saved_MiB": saved.nbytes / 2**20,
             "bytes/token": saved.nbytes / T, "ms": ms, "peak_GiB": peak, "tensors": saved.count, "tokens": T}
 

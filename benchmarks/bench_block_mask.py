@@ -80,7 +80,7 @@ def run_layout(name: str, cu_list: list, device, bandwidth: float, smoke: bool) 
             want = got
         elif not all(torch.equal(a, b) for a, b in zip(got, want)):
             sys.exit(f"{name}, T={T}: {impl}'s block tables differ from fmoe's")
-        ms = bench(fn, device)
+        ms = bench(fn, device, label=f"{name}-T{T}-{impl}")
         rows.append({"layout": name, "T": T, "impl": impl, "ms": ms, "peak_MiB": peak_mib(fn, device),
                      "blocks": int(got[0].sum() + got[2].sum()), "block": BLOCK})
     n_blocks = -(-T // BLOCK)

@@ -113,7 +113,7 @@ def run_layout(name, cu_list, cfg, H, device, dtype, rate) -> list[dict]:
     rows = []
     for cp in CPS:
         times, peaks, fracs = [], [], []
-        for index, ctx in shares[cp]:
+        for rank, (index, ctx) in enumerate(shares[cp]):
             x_local = x[index].detach().requires_grad_()
             leaves, grad = [x_local, *p.values()], upstream[index]
 
@@ -121,7 +121,7 @@ def run_layout(name, cu_list, cfg, H, device, dtype, rate) -> list[dict]:
                 return torch.autograd.grad(attention(x_local, p, cfg, ctx)[0], leaves, grad)
 
             fwd_bwd()  # compiles FlexAttention for this shape on CUDA
-            ms = bench(fwd_bwd, device)
+            ms = bench(fwd_bwd, device, label=f"{name}-T{T}-cp{cp}-rank{rank}")
             times.append(ms)
             peak = cuda_peak_bytes(fwd_bwd, device)
             peaks.append(None if peak is None else peak / 2**30)

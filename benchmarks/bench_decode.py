@@ -104,7 +104,7 @@ def run(name: str, cfg: TransformerConfig, device, dtype, bandwidth: float, smok
             got = fn().float()
             if not torch.allclose(got, want, rtol=2e-2 if dtype != torch.float32 else 1e-4, atol=2e-2 if dtype != torch.float32 else 1e-4):
                 sys.exit(f"{name}, B={B}: {impl}'s logits differ from fmoe batched's by {float((got - want).abs().max()):.3g}")
-            ms = bench(fn, device)
+            ms = bench(fn, device, label=f"{name}-B{B}-{impl}")
             rows.append({"model": name, "B": B, "impl": impl, "ms": ms, "tokens_per_s": B / ms * 1e3, "P": P})
         cache.lengths = [P] * B
         rows[-3]["floor_fraction"] = floor_fraction(floor_bytes(model, cache, B), bandwidth, rows[-3]["ms"])

@@ -80,7 +80,7 @@ def measure(case, impls, inputs_of, baseline, device, extra) -> list[dict]:
         inputs = inputs_of(name)
         step(*inputs)  # compiles, and warms up
         # CPU: one timed call, no further warm-up (the interpreter is slow)
-        ms = bench(lambda: step(*inputs), device, cpu_warmup=0, cpu_repeats=1)
+        ms = bench(lambda: step(*inputs), device, cpu_warmup=0, cpu_repeats=1, label=f"{case}-{name}")
         rows.append({"case": case, "impl": name, "ms": ms, "peak_MiB": peak_mib(lambda: step(*inputs), device)})
     base = next(r for r in rows if r["impl"] == baseline)
     for row in rows:

@@ -156,7 +156,8 @@ def run_shape(shape, device, dtype, impl, rate, bandwidth):
     rows = []
     for pass_name, (wrap, factor) in passes.items():
         # CPU: one timed call each, no warm-up (nothing here compiles; the interpreter is slow)
-        ms = {name: bench(wrap(fn), device, cpu_warmup=0, cpu_repeats=1) for name, fn in impls.items()}
+        ms = {name: bench(wrap(fn), device, cpu_warmup=0, cpu_repeats=1, label=f"{shape.name}-{pass_name}-{name}")
+              for name, fn in impls.items()}
         for name, fn in impls.items():
             tflops = factor * shape.flops_fwd() / (ms[name] * 1e-3) / 1e12
             rows.append({
@@ -174,7 +175,7 @@ def run_shape(shape, device, dtype, impl, rate, bandwidth):
     nbytes = shape.T * row_bytes + shape.T * shape.k * row_bytes
     bw_rows = []
     for op, fn in (("permute", lambda: permute(xd, experts, shape.E, check=False, impl=impl)), ("unpermute", lambda: unpermute(x_perm, plan, weights, impl=impl))):
-        ms = bench(fn, device, cpu_warmup=0, cpu_repeats=1)
+        ms = bench(fn, device, cpu_warmup=0, cpu_repeats=1, label=f"{shape.name}-{op}")
         bw_rows.append(bw_row(shape, op, nbytes, ms, bandwidth))
     bw_rows += swiglu_rows(shape, device, dtype, impl, bandwidth)
     return rows, bw_rows
@@ -202,7 +203,8 @@ def swiglu_rows(shape, device, dtype, impl, bandwidth) -> list[dict]:
         if err > 2e-2:
             sys.exit(f"{shape.name}: the fused clamped SwiGLU's gradients differ from the torch reference's by {err:.3g}")
     nbytes = 8 * gate.numel() * gate.element_size()
-    ms = {name: bench(run(which), device, cpu_warmup=0, cpu_repeats=1) for name, which in (("fused", impl), ("torch", "torch"))}
+    ms = {name: bench(run(which), device, cpu_warmup=0, cpu_repeats=1, label=f"{shape.name}-swiglu-{name}")
+          for name, which in (("fused", impl), ("torch", "torch"))}
     return [bw_row(shape, f"swiglu clamped fwd+bwd {name}", nbytes, ms[name], bandwidth, fused_speedup=ms[name] / ms["fused"] if name == "torch" else None)
             for name in ms]
 

@@ -66,7 +66,7 @@ def extra_rows(params, device, bandwidth) -> list[dict]:
     matrices = [p for p in params if p.ndim >= 2]
     opt = Muon(matrices)
     opt.step()  # creates the momentum buffers
-    ms = bench(opt.step, device)
+    ms = bench(opt.step, device, label="muon")
     return [{"impl": "muon (matrices)", "ms": ms, "state_GiB": state_bytes(opt) / 2**30, "params": sum(p.numel() for p in matrices)}]
 
 
@@ -81,7 +81,7 @@ def main() -> None:
         if opt is None:
             continue
         opt.step()  # creates the state (and compiles)
-        ms = bench(opt.step, device)
+        ms = bench(opt.step, device, label=name)
         moments = sum(s["exp_avg"].element_size() for s in opt.state.values()) // len(opt.state)
         nbytes = n * (4 * 2 + 4 + 2 * moments * 2)
         rows.append({

@@ -102,7 +102,7 @@ def run_case(case: Case, device: torch.device, dtype: torch.dtype, bandwidth: fl
     pass_bytes = 2 * T * H * D * x.element_size() + 2 * T * (D // 2) * cos.element_size()
     rows = []
     for pass_name, step, nbytes in (("fwd", fwd, pass_bytes), ("bwd", bwd, pass_bytes), ("fwd+bwd", fwd_bwd, 2 * pass_bytes)):
-        ms = {name: bench(lambda name=name: step(name), device) for name in impls}
+        ms = {name: bench(lambda name=name: step(name), device, label=f"{case.name}-{pass_name}-{name}") for name in impls}
         for name in impls:
             fused = name == "fused"
             rows.append({

@@ -116,7 +116,8 @@ def run_case(case: Case, device: torch.device, dtype: torch.dtype, bandwidth: fl
     rows = []
     for pass_name, step, nbytes in (("fwd", fwd, fwd_bytes), ("fwd+bwd", fwd_bwd, fwd_bytes + bwd_bytes)):
         # CPU: one timed call each, no warm-up (compiled is warm; the interpreter is slow)
-        ms = {name: bench(lambda fn=fn: step(fn), device, cpu_warmup=0, cpu_repeats=1) for name, fn in impls.items()}
+        ms = {name: bench(lambda fn=fn: step(fn), device, cpu_warmup=0, cpu_repeats=1, label=f"{case.name}-{pass_name}-{name}")
+              for name, fn in impls.items()}
         for name in impls:
             fused = name == "fused"
             rows.append({

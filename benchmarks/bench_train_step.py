@@ -124,7 +124,7 @@ def main() -> None:
         optimizer.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        ms = bench(step, device, cpu_warmup=0, cpu_repeats=1)  # CPU: already warm; the interpreter is slow
+        ms = bench(step, device, cpu_warmup=0, cpu_repeats=1, label=name)  # CPU: already warm; the interpreter is slow
         tflops = flops_per_token * T / (ms * 1e-3) / 1e12
         rows.append({
             "impl": name, "ms": ms, "tokens/s": T / (ms * 1e-3), "TFLOP/s": tflops, "MFU": tflops * 1e12 / rate,

@@ -6,7 +6,7 @@ print to a results file: the record a GPU session keeps in benchmarks/RESULTS.md
     .venv/bin/python benchmarks/run_all.py --smoke --results bench_out/RESULTS-smoke.md
 
 Each benchmark (benchmarks/bench_*.py, or those named by --only) runs as its own process
-with the flags given here (--smoke, --out) under a wall-clock limit (--timeout seconds per
+with the flags given here (--smoke, --out, --profile) under a wall-clock limit (--timeout seconds per
 benchmark), one after the other: a failure or a timeout is recorded and the next one runs.
 The results file gets one section per run: the date (UTC), the device (nvidia-smi's GPU
 name, or "cpu (smoke)"), the torch, triton and CUDA versions, the commit when this is a git
@@ -115,6 +115,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--gpu-tests", action="store_true", help="run `pytest -q -m gpu` first and record its summary")
     parser.add_argument("--results", type=Path, default=HERE / "RESULTS.md", help="the Markdown file appended to (default benchmarks/RESULTS.md)")
     parser.add_argument("--out", default="bench_out", help="where the benchmarks write their CSVs (default bench_out)")
+    parser.add_argument("--profile", action="store_true", help="each benchmark's --profile: a torch.profiler trace and ops table of "
+                                                              "every timed call, in OUT/profile/")
     args = parser.parse_args(argv)
     names = benchmarks()
     chosen = [n.strip() for n in args.only.split(",") if n.strip()] or names
@@ -143,7 +145,7 @@ def main(argv: list[str]) -> int:
     if args.gpu_tests:
         parts.append(("gpu tests", [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider"], GPU_TEST_TAIL))
     for name in chosen:
-        flags = ["--out", args.out] + (["--smoke"] if args.smoke else [])
+        flags = ["--out", args.out] + (["--smoke"] if args.smoke else []) + (["--profile"] if args.profile else [])
         parts.append((name, [sys.executable, str(HERE / f"{name}.py"), *flags], None))
     for title, cmd, tail in parts:
         print(f"== {title}", flush=True)

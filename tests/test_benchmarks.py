@@ -1,6 +1,7 @@
 """Each benchmark's --smoke mode runs end to end (same code as on a GPU, tiny CPU shapes)."""
 
 import csv
+import json
 import os
 import pathlib
 import subprocess
@@ -36,8 +37,9 @@ def _run_all(tmp_path, *flags):
 
 def test_run_all_appends_each_benchmark_s_output_with_its_environment(tmp_path):
     """benchmarks/run_all.py: a section per run (date, device, versions, command), the
-    command, status and printed tables of each part; a second run appends."""
-    first = _run_all(tmp_path, "--only", "bench_rope", "--gpu-tests")
+    command, status and printed tables of each part; a second run appends. --profile reaches
+    the benchmark: a trace and an ops table of each timed call."""
+    first = _run_all(tmp_path, "--only", "bench_rope", "--gpu-tests", "--profile")
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     text = (tmp_path / "RESULTS.md").read_text()
     import torch
@@ -45,10 +47,17 @@ def test_run_all_appends_each_benchmark_s_output_with_its_environment(tmp_path):
     assert text.startswith("## ") and text.splitlines()[0].endswith(" UTC: cpu (smoke)")
     assert f"torch {torch.__version__}, triton " in text and "SMOKE RUN" in text
     assert "### gpu tests\n" in text and " skipped" in text  # no CUDA here: every gpu test skips, saying why
-    assert "### bench_rope\n\n`" in text and "benchmarks/bench_rope.py --out" in text and "--smoke`: exit 0, " in text
+    assert "### bench_rope\n\n`" in text and "benchmarks/bench_rope.py --out" in text and "--smoke --profile`: exit 0, " in text
     assert "case " in text and " impl " in text and "fwd+bwd" in text  # the printed table
     assert text.rstrip().endswith("All 2 parts exited 0.")
     assert (tmp_path / "csv" / "bench_rope.csv").is_file()
+    rows = list(csv.DictReader((tmp_path / "csv" / "bench_rope.csv").open()))
+    traces = sorted((tmp_path / "csv" / "profile").glob("bench_rope-*.json"))
+    assert len(traces) == len(rows) >= 6  # each timing (pass x impl) profiled once, under its own label
+    assert {t.name for t in traces} >= {"bench_rope-q-fwd-fused.json", "bench_rope-q_interleaved-fwd+bwd-compiled.json"}
+    assert all(any(e.get("ph") == "X" for e in json.loads(t.read_text())["traceEvents"]) for t in traces)
+    table = (tmp_path / "csv" / "profile" / "bench_rope.txt").read_text()
+    assert table.count("\n== ") + table.startswith("== ") == len(traces) and "Self CPU" in table
     second = _run_all(tmp_path, "--only", "bench_loss", "--timeout", "0.5")
     assert second.returncode == 1
     again = (tmp_path / "RESULTS.md").read_text()
