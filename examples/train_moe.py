@@ -197,7 +197,7 @@ def parse_args(argv: list[str]) -> Config:
 def _report_profile(written: list, rank: int) -> None:
     """Rank 0 names the profile's files once they are written (each rank writes its own)."""
     if written and rank == 0:
-        print(f"profile: {', '.join(str(f) for f in written)} (and each rank's own; the trace opens in https://ui.perfetto.dev)",
+        print(f"profile: {', '.join(str(f) for f in written)} (each rank writes its own; the trace opens in https://ui.perfetto.dev)",
               flush=True)
 
 
@@ -641,10 +641,10 @@ def main(argv: list[str]) -> None:
             # every rank holds the same reduced values: every rank stops here, none waits in a collective
             logger.close()
             newest = checkpoint.latest(cfg.out_dir)
+            intact = f"The newest checkpoint, {newest}, is intact: --resume starts from it" if newest else "No checkpoint was written yet"
             sys.exit(f"step {step}: loss {record['loss']}, gradient norm {record['grad_norm']}: not finite, and the weights took the "
-                     "step's update; stopping before a checkpoint. "
-                     + (f"The newest checkpoint, {newest}, is intact: --resume starts from it" if newest else "No checkpoint was written yet")
-                     + " (lower --lr, raise --warmup, or check the data; --check_finite=False runs on)" if rank == 0 else 1)
+                     f"step's update; stopping before a checkpoint. {intact} (lower --lr, raise --warmup, or check the data; "
+                     "--check_finite=False runs on)" if rank == 0 else 1)
         if step % cfg.ckpt_every == 0 or step == last:
             for opt in optimizers:  # a distributed Muon's last update may still be in flight
                 getattr(opt, "wait", lambda: None)()

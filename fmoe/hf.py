@@ -1008,8 +1008,9 @@ def _checkpoint_tensors(model: Transformer, family, params: dict, dtype: torch.d
 
 def _converted(name: str, spec: Tensor, full: torch.Tensor, copies, parts: dict, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
     """The (HF key, tensor) pairs that one gathered parameter completes (_checkpoint_tensors)."""
-    out = [(key, full.to(dtype).clone()) for key in copies]  # the MTP layers' copies of the embedding and head, each
-    # in its own storage: safetensors refuses shared tensors
+    # the MTP layers' copies of the embedding, the head (and the final norm), each in its own
+    # storage: safetensors refuses shared tensors
+    out = [(key, full.to(dtype).clone()) for key in copies]
     if name.endswith("expert_bias"):  # float32 in every checkpoint (HF keeps the correction bias float32)
         return [*out, (spec.keys[0], full.contiguous())]
     if spec.part is None and spec.chunk is None:

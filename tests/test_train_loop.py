@@ -142,7 +142,7 @@ def test_profile_traces_the_steps_asked_for(tmp_path):
     run = _train(tmp_path, "--steps=4", "--profile=2:3", "--eval_every=3", "--ckpt_every=3")
     assert run.returncode == 0, run.stderr[-3000:]
     trace, ops = tmp_path / "profile" / "trace_rank0.json", tmp_path / "profile" / "ops_rank0.txt"
-    assert f"profile: {trace}, {ops} (and each rank's own; the trace opens in https://ui.perfetto.dev)" in run.stdout.splitlines()
+    assert f"profile: {trace}, {ops} (each rank writes its own; the trace opens in https://ui.perfetto.dev)" in run.stdout.splitlines()
     assert len(_records(tmp_path)) == 4
     names = [e["name"] for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
     assert sorted(n for n in names if n.startswith("ProfilerStep#")) == ["ProfilerStep#2", "ProfilerStep#3"]
