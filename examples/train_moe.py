@@ -222,7 +222,7 @@ def main(argv: list[str]) -> None:
         profile_steps = parse_steps(cfg.profile)
         if cfg.memory_snapshot and profile_steps is None:
             raise ValueError("--memory_snapshot: records the --profile steps; set --profile=START:END")
-        profiler = StepProfiler(cfg.out_dir, profile_steps or (0, -1), rank=int(os.environ.get("RANK", "0")), device_type=device.type,
+        profiler = StepProfiler(cfg.out_dir, profile_steps, rank=int(os.environ.get("RANK", "0")), device_type=device.type,
                                 memory=cfg.memory_snapshot)
     except ValueError as err:
         sys.exit(str(err))

@@ -50,11 +50,11 @@ def phase(name: str):
 
 
 class StepProfiler:
-    """Records steps steps[0]..steps[1] (see the module docstring); start_step / end_step
-    around every step, profiled or not. memory: also the CUDA allocator's history
-    (ValueError on another device)."""
+    """Records steps steps[0]..steps[1] (see the module docstring; steps=None: none);
+    start_step / end_step around every step, profiled or not. memory: also the CUDA
+    allocator's history (ValueError on another device)."""
 
-    def __init__(self, out_dir, steps: tuple[int, int], *, rank: int = 0, device_type: str = "cpu", memory: bool = False):
+    def __init__(self, out_dir, steps: Optional[tuple[int, int]], *, rank: int = 0, device_type: str = "cpu", memory: bool = False):
         if memory and device_type != "cuda":
             raise ValueError(f"--memory_snapshot: records the CUDA allocator; this run is on {device_type}")
         self.dir, self.steps, self.rank, self.device_type, self.memory = Path(out_dir) / "profile", steps, rank, device_type, memory
@@ -66,7 +66,7 @@ class StepProfiler:
         if self.prof is not None:
             self.prof.step()  # closes the last step's "ProfilerStep#N" range, opens this one's
             return
-        if not self.steps[0] <= step <= self.steps[1]:
+        if self.steps is None or not self.steps[0] <= step <= self.steps[1]:
             return
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.device_type == "cuda":

@@ -445,6 +445,7 @@ def _failed_export(rank, world):
     (type, message), and on rank 0 what each failed export left in its folder and whether
     the export that follows writes the one-process files."""
     import filecmp
+    import shutil
     import tempfile
     from pathlib import Path
 
@@ -485,6 +486,7 @@ def _failed_export(rank, world):
         names = sorted(f.name for f in (root / "one").iterdir())
         same = len(names) > 3 and names == sorted(f.name for f in (root / "two").iterdir()) and all(
             filecmp.cmp(root / "one" / n, root / "two" / n, shallow=False) for n in names)
+    shutil.rmtree(root)
     return {"errors": errors, "left": left, "adds": adds, "same": same}
 
 

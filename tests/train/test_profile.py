@@ -62,6 +62,12 @@ def test_a_run_that_ends_inside_the_steps_writes_on_close(tmp_path):
     assert profiler.close() == []  # once
 
 
+def test_no_steps_record_nothing(tmp_path):
+    profiler = StepProfiler(tmp_path, None)
+    assert all(files == [] for files in _run(profiler, 3).values()) and profiler.close() == []
+    assert not (tmp_path / "profile").exists()
+
+
 def test_a_memory_snapshot_needs_cuda(tmp_path):
     with pytest.raises(ValueError, match="--memory_snapshot: records the CUDA allocator; this run is on cpu"):
         StepProfiler(tmp_path, (1, 1), device_type="cpu", memory=True)
