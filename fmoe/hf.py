@@ -511,13 +511,18 @@ def key_map(family: Family, cfg: TransformerConfig) -> dict[str, Tensor]:
     return out
 
 
-def mtp_copies(family: Family, cfg: TransformerConfig) -> dict[str, str]:
+def mtp_copies(family: Family, cfg: TransformerConfig, *, final_norm: bool = False) -> dict[str, str]:
     """HF key -> fmoe parameter for the copies of the embedding and the output head each
-    MTP layer carries in DeepSeek-V3's layout (fmoe shares them: read nowhere, written on export)."""
+    MTP layer carries in DeepSeek-V3's layout (fmoe shares them: read nowhere, written on
+    export). final_norm (the export): also, for MTP modules on the final norm (mtp_norm=False),
+    each layer's shared_head.norm as a copy of it; never read, so that a checkpoint's own
+    MTP norm is not taken for one."""
     out = {}
     for d in range(1, cfg.mtp_depth + 1 if family.mtp else 1):
         out[mtp_layer(cfg, d) + "embed_tokens.weight"] = "embed"
         out[mtp_layer(cfg, d) + "shared_head.head.weight"] = "embed" if cfg.tie_embeddings else "head"
+        if final_norm and not cfg.mtp_norm:
+            out[mtp_layer(cfg, d) + "shared_head.norm.weight"] = "norm.weight"
     return out
 
 
@@ -987,11 +992,8 @@ def _checkpoint_tensors(model: Transformer, family, params: dict, dtype: torch.d
     from torch.distributed.tensor import DTensor
 
     copies: dict[str, list[str]] = {}
-    for key, name in mtp_copies(family, model.cfg).items():
+    for key, name in mtp_copies(family, model.cfg, final_norm=True).items():
         copies.setdefault(name, []).append(key)
-    if not model.cfg.mtp_norm:  # MTP modules on the final norm: the checkpoint's layers hold their own, a copy of it
-        copies.setdefault("norm.weight", []).extend(mtp_layer(model.cfg, d) + "shared_head.norm.weight"
-                                                    for d in range(1, model.cfg.mtp_depth + 1 if family.mtp else 1))
     parts: dict[str, list] = {}  # a key several parameters fill: [value, parts still missing]
     for name, spec in key_map(family, model.cfg).items():
         p = params[name].detach()
