@@ -5,8 +5,8 @@
 
 A folder holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). Supported `model_type`s: FAMILIES (mixtral, qwen2_moe,
-qwen3_moe, olmoe, glm4_moe, deepseek_v3, deepseek_v2, glm4_moe_lite, gpt_oss, dots1,
-minimax_m2, granitemoe, granitemoeshared, hunyuan_v1_moe). Each family has one table: its
+qwen3_moe, olmoe, glm4_moe, deepseek_v3, deepseek_v2, glm4_moe_lite, gpt_oss, solar_open,
+dots1, minimax_m2, granitemoe, granitemoeshared, hunyuan_v1_moe). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: clipped qkv, ...)
 and its key map (HF key <-> fmoe
 parameter, with the layout change: HF linear weights [out, in] are transposed to fmoe's
@@ -18,7 +18,7 @@ checkpoint key that the config reads nowhere (unread_keys), unless strict=False.
 Routing: HF's softmax routers take the top-k of softmax(logits) and, with norm_topk_prob
 (Mixtral always), renormalise the k weights: fmoe's default softmax routing (softmax over
 the k chosen logits) is that; without it, fmoe's pre_softmax (weights not renormalised).
-GLM-4.5, GLM-4.7-Flash, DeepSeek-V3 and dots.llm1 route on sigmoids plus
+GLM-4.5, GLM-4.7-Flash, DeepSeek-V3, Solar Open and dots.llm1 route on sigmoids plus
 e_score_correction_bias (fmoe's expert_bias buffer), score groups by their best 2
 (group_score_topk=2), renormalise with norm_topk_prob (route_normalize) and scale by
 routed_scaling_factor (route_scale); MiniMax-M2 routes on sigmoids plus the correction
@@ -195,6 +195,18 @@ def _glm4_moe(hf: dict) -> dict:
     common = _common(hf, hf["n_routed_experts"])
     return dict(common, **_deepseek_moe(hf), **_sigmoid_routing(hf), qkv_bias=bool(hf.get("attention_bias", False)),
                 qk_norm="head" if hf.get("use_qk_norm") else None, rope_dim=_partial_rope(hf, common["head_dim"]))
+
+
+def _solar_open(hf: dict) -> dict:
+    """Solar Open (solar_open): GLM-4.5's MoE blocks and routing (sigmoid scores with the
+    correction bias, n_group groups scored by their best 2, norm_topk_prob, x
+    routed_scaling_factor, n_shared_experts shared experts) in every block, Llama's
+    attention (attention_bias on q, k and v, not o; no q/k norms, RoPE on every channel)."""
+    _refuse(hf, "first_k_dense_replace", lambda v: not v, "every Solar Open block is MoE")
+    _refuse(hf, "use_qk_norm", lambda v: not v, "no q/k norms in Solar Open's attention")
+    plain = dict(hf, intermediate_size=hf["moe_intermediate_size"])  # no dense blocks: their size is never used
+    return dict(_common(plain, hf["n_routed_experts"]), **_deepseek_moe(plain, n_dense=0), **_sigmoid_routing(hf),
+                qkv_bias=bool(hf.get("attention_bias", False)))
 
 
 def _dots1(hf: dict) -> dict:
@@ -406,6 +418,7 @@ FAMILIES = {
                             mtp=True),
     "gpt_oss": Family(_gpt_oss, "mlp", ("gate_up_proj", "gate_up_proj", "down_proj"), "GptOssForCausalLM", fused=True,
                       router="router.weight"),
+    "solar_open": Family(_solar_open, "mlp", ("gate_proj", "up_proj", "down_proj"), "SolarOpenForCausalLM", "shared_experts"),
     "dots1": Family(_dots1, "mlp", ("gate_proj", "up_proj", "down_proj"), "Dots1ForCausalLM", "shared_experts"),
     "minimax_m2": Family(_minimax_m2, "block_sparse_moe", ("w1", "w3", "w2"), "MiniMaxM2ForCausalLM",
                          correction_bias="e_score_correction_bias"),
@@ -859,6 +872,12 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
             hf["rope_parameters"] = _yarn_parameters(cfg)
     elif model_type == "hunyuan_v1_moe":
         hf.update(num_experts=cfg.n_experts, moe_topk=cfg.k, intermediate_size=cfg.ffn_expert, attention_bias=False)
+    elif model_type == "solar_open":
+        hf.update(n_routed_experts=cfg.n_experts, moe_intermediate_size=cfg.ffn_expert, n_shared_experts=cfg.shared_size // cfg.ffn_expert,
+                  routed_scaling_factor=cfg.route_scale if cfg.route_scale is not None else 1.0, n_group=cfg.n_groups or 1,
+                  topk_group=cfg.topk_groups or 1, norm_topk_prob=cfg.route_normalize, attention_bias=cfg.qkv_bias)
+        if cfg.shared_size % cfg.ffn_expert:
+            raise ValueError(f"model: shared experts of {cfg.shared_size} are not a whole number of experts of {cfg.ffn_expert}")
     elif model_type == "olmoe":
         hf.update(num_experts=cfg.n_experts, intermediate_size=cfg.ffn_expert, norm_topk_prob=not cfg.pre_softmax)
     else:

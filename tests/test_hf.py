@@ -69,6 +69,12 @@ FAMILIES = {
         **{**COMMON, "max_position_embeddings": 4 * 4096}, head_dim=8, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=4, swiglu_limit=0.5,
         rope_parameters=dict(rope_type="yarn", rope_theta=1000.0, factor=4.0, original_max_position_embeddings=4096, beta_fast=32.0,
                              beta_slow=1.0, truncate=False)),
+    # GLM-4.5's routing (2 groups of 4 experts scored by their best 2, the correction bias,
+    # renormalised x 1.5) and a shared expert in every block; Llama's attention with q/k/v
+    # biases (not o)
+    "solar_open": lambda: transformers.SolarOpenConfig(**COMMON, head_dim=8, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=3,
+                                                       n_group=2, topk_group=1, n_shared_experts=1, routed_scaling_factor=1.5,
+                                                       attention_bias=True),
     # Qwen3's attention (per-head q/k norms) with q/k/v/o biases and a 4-token window in layer
     # 1, DeepSeek-V3's routing (4 groups of 2 experts scored by their best 2, the correction
     # bias, raw weights scaled x 2), a shared expert, layer 0 dense
@@ -306,6 +312,10 @@ def test_config_mapping_reads_the_family_fields(folders, tmp_path):
     _, cfg = hf.read_config(folders["glm4_moe_lite"][0])
     assert (cfg.q_rank, cfg.kv_rank, cfg.head_dim, cfg.rope_dim, cfg.v_head_dim, cfg.moe_layers) == (None, 8, 10, 4, 5, (0, 2))
     assert (cfg.n_groups, cfg.topk_groups, cfg.route_scale, cfg.route_normalize, cfg.yarn_factor) == (2, 1, 1.8, True, None)
+    _, cfg = hf.read_config(folders["solar_open"][0])
+    assert cfg.qkv_bias and not cfg.o_bias and cfg.qk_norm is None and cfg.rope_dim is None and cfg.rope_base == 1e6
+    assert (cfg.n_groups, cfg.topk_groups, cfg.group_score_topk, cfg.route_scale, cfg.route_normalize) == (2, 1, 2, 1.5, True)
+    assert cfg.score == "sigmoid" and cfg.expert_bias and cfg.n_dense == 0 and cfg.moe_layers is None and cfg.shared_size == 16
     _, cfg = hf.read_config(folders["dots1"][0])
     assert cfg.qk_norm == "head" and cfg.qkv_bias and cfg.o_bias and (cfg.window, cfg.window_layers) == (4, (1,))
     assert (cfg.n_groups, cfg.topk_groups, cfg.group_score_topk, cfg.route_scale, cfg.route_normalize) == (4, 2, 2, 2.0, False)
@@ -361,6 +371,11 @@ def test_bad_checkpoints_name_the_key_or_field(folders, tmp_path):
         hf.from_pretrained(_edit(minimax, tmp_path / "t", lambda c: c.update(shared_intermediate_size=16)))
     with pytest.raises(ValueError, match=r"config.json: topk_method = 'noaux_tc' is not supported \(greedy or group_limited_greedy\)"):
         hf.from_pretrained(_edit(folders["deepseek_v2"][0], tmp_path / "u", lambda c: c.update(topk_method="noaux_tc")))
+    solar = folders["solar_open"][0]
+    with pytest.raises(ValueError, match=r"config.json: first_k_dense_replace = 1 is not supported \(every Solar Open block is MoE\)"):
+        hf.from_pretrained(_edit(solar, tmp_path / "so1", lambda c: c.update(first_k_dense_replace=1)))
+    with pytest.raises(ValueError, match=r"config.json: use_qk_norm = True is not supported"):
+        hf.from_pretrained(_edit(solar, tmp_path / "so2", lambda c: c.update(use_qk_norm=True)))
     hunyuan = folders["hunyuan_v1_moe"][0]
     with pytest.raises(ValueError, match=r"config.json: moe_topk = \[2, 1, 2\] is not supported \(the same value in every layer\)"):
         hf.from_pretrained(_edit(hunyuan, tmp_path / "y", lambda c: c.update(moe_topk=[2, 1, 2])))
