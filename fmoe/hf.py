@@ -6,7 +6,7 @@
 A folder holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). Supported `model_type`s: FAMILIES (mixtral, qwen2_moe,
 qwen3_moe, olmoe, glm4_moe, deepseek_v3, deepseek_v2, glm4_moe_lite, gpt_oss, solar_open,
-dots1, minimax_m2, granitemoe, granitemoeshared, hunyuan_v1_moe). Each family has one table: its
+exaone_moe, dots1, minimax_m2, granitemoe, granitemoeshared, hunyuan_v1_moe). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: clipped qkv, ...)
 and its key map (HF key <-> fmoe
 parameter, with the layout change: HF linear weights [out, in] are transposed to fmoe's
@@ -18,7 +18,7 @@ checkpoint key that the config reads nowhere (unread_keys), unless strict=False.
 Routing: HF's softmax routers take the top-k of softmax(logits) and, with norm_topk_prob
 (Mixtral always), renormalise the k weights: fmoe's default softmax routing (softmax over
 the k chosen logits) is that; without it, fmoe's pre_softmax (weights not renormalised).
-GLM-4.5, GLM-4.7-Flash, DeepSeek-V3, Solar Open and dots.llm1 route on sigmoids plus
+GLM-4.5, GLM-4.7-Flash, DeepSeek-V3, Solar Open, EXAONE MoE and dots.llm1 route on sigmoids plus
 e_score_correction_bias (fmoe's expert_bias buffer), score groups by their best 2
 (group_score_topk=2), renormalise with norm_topk_prob (route_normalize) and scale by
 routed_scaling_factor (route_scale); MiniMax-M2 routes on sigmoids plus the correction
@@ -286,19 +286,49 @@ def _deepseek_v2(hf: dict) -> dict:
                 topk_groups=hf.get("topk_group") if grouped else None, group_score_topk=1 if grouped else None)
 
 
+def _mlp_layer_types(hf: dict, n_dense: int) -> dict:
+    """n_dense and moe_layers of the dense and MoE blocks that mlp_layer_types names (one
+    of dense / sparse per layer; by default n_dense dense blocks first), with _deepseek_moe's
+    other fields."""
+    n = hf["num_hidden_layers"]
+    kinds = hf.get("mlp_layer_types") or ["dense"] * n_dense + ["sparse"] * (n - n_dense)
+    if len(kinds) != n or set(kinds) - {"dense", "sparse"}:
+        raise ValueError(f"config.json: mlp_layer_types = {kinds!r} is not supported (one of dense / sparse per layer)")
+    moe = tuple(i for i, kind in enumerate(kinds) if kind == "sparse")
+    dense_prefix = moe == tuple(range(n - len(moe), n))  # n_dense dense blocks first, else the MoE blocks listed
+    return dict(_deepseek_moe(hf, n_dense=n - len(moe) if dense_prefix else 0), moe_layers=None if dense_prefix else moe)
+
+
 def _glm4_moe_lite(hf: dict) -> dict:
     """GLM-4.7-Flash (glm4_moe_lite): DeepSeek-V3's multi-latent attention and MoE blocks,
     the dense and MoE blocks named by mlp_layer_types (by default the first dense)."""
-    n = hf["num_hidden_layers"]
-    kinds = hf.get("mlp_layer_types") or ["dense"] + ["sparse"] * (n - 1)
-    if len(kinds) != n or set(kinds) - {"dense", "sparse"}:
-        raise ValueError(f"config.json: mlp_layer_types = {kinds!r} is not supported (one of dense / sparse per layer)")
     params = hf.get("rope_parameters") or {}
     _refuse(params, "partial_rotary_factor", lambda v: v == 1.0, "RoPE over the whole qk_rope_head_dim")
-    moe = tuple(i for i, kind in enumerate(kinds) if kind == "sparse")
-    dense_prefix = moe == tuple(range(n - len(moe), n))  # n_dense dense blocks first, else the MoE blocks listed
-    return dict(_mla(hf), **_deepseek_moe(hf, n_dense=n - len(moe) if dense_prefix else 0), **_sigmoid_routing(hf),
-                moe_layers=None if dense_prefix else moe)
+    return dict(_mla(hf), **_mlp_layer_types(hf, 1), **_sigmoid_routing(hf))
+
+
+def _exaone_moe(hf: dict) -> dict:
+    """EXAONE MoE (exaone_moe, K-EXAONE): per-head q/k norms before RoPE; with a
+    sliding_window, the layers layer_types names sliding_attention (by default all but every
+    sliding_window_pattern-th) attend over it with RoPE and the others attend globally
+    without RoPE (NoPE); without one, every layer is global with RoPE. DeepSeek-V3's MoE
+    blocks and routing (sigmoid scores with the correction bias, n_group groups scored by
+    their best 2, norm_topk_prob, x routed_scaling_factor) beside num_shared_experts shared
+    experts; the dense and MoE blocks by mlp_layer_types (by default first_k_dense_replace
+    dense blocks first). The MTP layers (mtp.*) are not read, as in transformers."""
+    _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in EXAONE's attention")
+    n, window = hf["num_hidden_layers"], hf.get("sliding_window")
+    if window is not None and hf.get("layer_types") is None:
+        pattern = hf.get("sliding_window_pattern", 4)
+        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+            raise ValueError(f"config.json: sliding_window_pattern = {pattern!r} is not supported without layer_types (a positive int)")
+        hf = dict(hf, layer_types=["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)])
+    elif window is None:  # every layer global, with RoPE
+        hf = dict(hf, layer_types=None)
+    hf = dict(hf, n_shared_experts=hf.get("num_shared_experts", 1))
+    nope = tuple(i for i in range(n) if window is not None and hf["layer_types"][i] != "sliding_attention")
+    return dict(_common(hf, hf["num_experts"], sliding=True), **_mlp_layer_types(hf, hf.get("first_k_dense_replace", 1)),
+                **_sigmoid_routing(hf), qk_norm="head", nope_layers=nope or None)
 
 
 def _gpt_oss(hf: dict) -> dict:
@@ -404,6 +434,7 @@ class Family:
     chunked: bool = False  # Granite: experts and shared MLP as [E, out, in] / [out, in] stacks (input_linear: gate, then up; output_linear)
     router: str = "gate.weight"  # the router's weight, under the MoE block (its bias beside it, where it has one)
     qk_norms: tuple[str, str] = ("q_norm", "k_norm")  # the q / k norm modules, under self_attn
+    not_read: Optional[str] = None  # a prefix of checkpoint keys never read (EXAONE's MTP layers, "mtp."), as in transformers
 
 
 FAMILIES = {
@@ -419,6 +450,8 @@ FAMILIES = {
     "gpt_oss": Family(_gpt_oss, "mlp", ("gate_up_proj", "gate_up_proj", "down_proj"), "GptOssForCausalLM", fused=True,
                       router="router.weight"),
     "solar_open": Family(_solar_open, "mlp", ("gate_proj", "up_proj", "down_proj"), "SolarOpenForCausalLM", "shared_experts"),
+    "exaone_moe": Family(_exaone_moe, "mlp", ("gate_proj", "up_proj", "down_proj"), "ExaoneMoeForCausalLM", "shared_experts",
+                         correction_bias="e_score_correction_bias", not_read="mtp."),
     "dots1": Family(_dots1, "mlp", ("gate_proj", "up_proj", "down_proj"), "Dots1ForCausalLM", "shared_experts"),
     "minimax_m2": Family(_minimax_m2, "block_sparse_moe", ("w1", "w3", "w2"), "MiniMaxM2ForCausalLM",
                          correction_bias="e_score_correction_bias"),
@@ -573,8 +606,9 @@ def unread_keys(family: Family, cfg: TransformerConfig, path, stored) -> list[st
     """The checkpoint keys (of `stored`) that a model of `cfg` reads nowhere, in file order.
     Not counted: what comes with a read key (FP8's weight_scale_inv, MXFP4's _blocks and
     _scales), the MTP layers' copies of the embedding and head, MTP depths past
-    cfg.mtp_depth (asked for with mtp_depth=), RoPE's inv_freq buffers (recomputed), and
-    lm_head.weight where `path`'s config.json ties it to the embedding."""
+    cfg.mtp_depth (asked for with mtp_depth=), RoPE's inv_freq buffers (recomputed),
+    lm_head.weight where `path`'s config.json ties it to the embedding, and the keys under
+    family.not_read (what transformers does not read either)."""
     read = {key for spec in key_map(family, cfg).values() for key in spec.keys}
     read |= {key + suffix for key in list(read) for suffix in ("_blocks", "_scales")}
     read |= {key.removesuffix("weight") + "weight_scale_inv" for key in list(read) if key.endswith("weight")}
@@ -587,7 +621,8 @@ def unread_keys(family: Family, cfg: TransformerConfig, path, stored) -> list[st
         layer = re.match(r"model\.layers\.(\d+)\.", key)
         return family.mtp and layer is not None and int(layer[1]) >= cfg.n_layers + cfg.mtp_depth
 
-    return [key for key in stored if key not in read and not key.endswith(".rotary_emb.inv_freq") and not dropped_mtp(key)]
+    return [key for key in stored if key not in read and not key.endswith(".rotary_emb.inv_freq") and not dropped_mtp(key)
+            and not (family.not_read and key.startswith(family.not_read))]
 
 
 def load_weights(model: Transformer, path, *, model_type: str, strict: bool = True) -> int:
@@ -878,6 +913,12 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
                   topk_group=cfg.topk_groups or 1, norm_topk_prob=cfg.route_normalize, attention_bias=cfg.qkv_bias)
         if cfg.shared_size % cfg.ffn_expert:
             raise ValueError(f"model: shared experts of {cfg.shared_size} are not a whole number of experts of {cfg.ffn_expert}")
+    elif model_type == "exaone_moe":
+        moe_fields = _deepseek_moe_config(cfg)
+        hf.update(num_experts=moe_fields.pop("n_routed_experts"), num_shared_experts=moe_fields.pop("n_shared_experts"),
+                  **{k: v for k, v in moe_fields.items() if k != "num_nextn_predict_layers"}, attention_bias=False,
+                  mlp_layer_types=["sparse" if cfg.is_moe(i) else "dense" for i in range(cfg.n_layers)],
+                  sliding_window=cfg.window, layer_types=_layer_types(cfg))
     elif model_type == "olmoe":
         hf.update(num_experts=cfg.n_experts, intermediate_size=cfg.ffn_expert, norm_topk_prob=not cfg.pre_softmax)
     else:

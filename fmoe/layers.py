@@ -332,6 +332,8 @@ class AttentionConfig:
     the `window` newest tokens of its document, itself included (key index > query index -
     window; Mistral's, Qwen's and transformers' sliding_window); None: every earlier token.
     scale: the softmax scale (None: 1/sqrt(head_dim), or YaRN's; Granite's attention_multiplier).
+    rope: False leaves q and k unrotated (NoPE: position only through the causal mask;
+    EXAONE's global layers), the context's RoPE tables unused; grouped-query attention only.
 
     Multi-head latent attention (DeepSeek-V2/V3) when kv_rank is set: keys and values come
     from a kv_rank latent (RMSNorm'd, eps latent_norm_eps) expanded per head, plus one
@@ -364,6 +366,7 @@ class AttentionConfig:
     window: Optional[int] = None
     scale: Optional[float] = None
     qk_norm_after_rope: bool = False
+    rope: bool = True
 
     def __post_init__(self):
         if self.qk_norm_after_rope and self.qk_norm != "head":
@@ -373,6 +376,8 @@ class AttentionConfig:
         if self.qk_norm not in (None, "head", "proj"):
             raise ValueError(f"qk_norm: expected None, 'head' or 'proj', got {self.qk_norm!r}")
         check_window(self.window)
+        if not isinstance(self.rope, bool):
+            raise ValueError(f"rope: expected a bool, got {self.rope!r}")
         if self.kv_rank is None:
             if self.q_rank is not None or self.v_dim is not None:
                 raise ValueError("q_rank / v_dim: multi-latent attention knobs, need kv_rank")
@@ -387,6 +392,8 @@ class AttentionConfig:
             raise ValueError(f"rot_dim: multi-latent attention rotates a part of each head, expected rot_dim < head_dim = {self.head_dim}, got {self.rot_dim}")
         if self.qk_norm is not None:
             raise ValueError("qk_norm: not with multi-latent attention (its latents have their own norms)")
+        if not self.rope:
+            raise ValueError("rope: multi-latent attention always rotates its rope part (rope=False is grouped-query attention's)")
 
 
 def check_window(window) -> None:
@@ -823,7 +830,7 @@ def _attention_with_sinks(q_NTD, k_GTD, v_GTD, mask_TS, scale: float, sinks_N):
 
 
 def _gqa_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext, heads_mean=None):
-    """Grouped-query attention's q [T, N, D] and k, v [T, G, D], RoPE applied."""
+    """Grouped-query attention's q [T, N, D] and k, v [T, G, D], RoPE applied (unless cfg.rope is False)."""
     N, G = cfg.n_heads, cfg.n_kv_heads
     rope_impl = "torch" if cfg.impl == "torch" else "auto"
 
@@ -841,8 +848,9 @@ def _gqa_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext, heads_mean=
     head_norm = cfg.qk_norm == "head"  # over each head's channels: before RoPE (Qwen3, GLM-4.5) or after (Hunyuan)
     if head_norm and not cfg.qk_norm_after_rope:
         q_TND, k_TGD = _rms_norm(q_TND, params["q_norm"], cfg.norm_eps), _rms_norm(k_TGD, params["k_norm"], cfg.norm_eps)
-    q_TND = apply_rope(q_TND, ctx.cos, ctx.sin, interleaved=cfg.interleaved, impl=rope_impl)
-    k_TGD = apply_rope(k_TGD, ctx.cos, ctx.sin, interleaved=cfg.interleaved, impl=rope_impl)
+    if cfg.rope:
+        q_TND = apply_rope(q_TND, ctx.cos, ctx.sin, interleaved=cfg.interleaved, impl=rope_impl)
+        k_TGD = apply_rope(k_TGD, ctx.cos, ctx.sin, interleaved=cfg.interleaved, impl=rope_impl)
     if head_norm and cfg.qk_norm_after_rope:
         q_TND, k_TGD = _rms_norm(q_TND, params["q_norm"], cfg.norm_eps), _rms_norm(k_TGD, params["k_norm"], cfg.norm_eps)
     v_TGD = rearrange(project("wv", "bv"), "t (g d) -> t g d", g=G)

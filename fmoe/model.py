@@ -295,7 +295,9 @@ class TransformerConfig:
     logit_divisor (the normed hidden states are, before the head). window: sliding-window
     attention (a query attends to the `window` newest tokens of its document, itself
     included) in the trunk blocks listed in window_layers (None: every trunk block); the
-    other blocks and the MTP blocks attend to every earlier token. mtp_depth MTP modules; mtp_norm: each with its own output
+    other blocks and the MTP blocks attend to every earlier token. nope_layers: the trunk
+    blocks whose attention has no RoPE (NoPE: q and k unrotated, EXAONE 4's global layers;
+    grouped-query attention only); the MTP blocks always rotate. mtp_depth MTP modules; mtp_norm: each with its own output
     norm before the shared head (DeepSeek-V3, GLM-4.5, Megatron Core) instead of the
     trunk's final norm. impl: "auto" | "triton" | "torch"
     for every op. ac: activation checkpointing, one of AC_MODES ("none" | "full" |
@@ -357,6 +359,7 @@ class TransformerConfig:
     logit_divisor: float = 1.0
     window: Optional[int] = None
     window_layers: Optional[tuple[int, ...]] = None
+    nope_layers: Optional[tuple[int, ...]] = None
     mtp_depth: int = 0
     mtp_norm: bool = False
     norm_eps: float = 1e-6
@@ -386,7 +389,9 @@ class TransformerConfig:
         check_window(self.window)
         if self.window_layers is not None and self.window is None:
             raise ValueError("window_layers: needs a window (the sliding window's width)")
-        for name in ("moe_layers", "window_layers"):  # block lists: distinct indices, kept sorted
+        if self.nope_layers is not None and self.kv_rank is not None:
+            raise ValueError("nope_layers: multi-latent attention always rotates its rope part (NoPE blocks are grouped-query attention's)")
+        for name in ("moe_layers", "window_layers", "nope_layers"):  # block lists: distinct indices, kept sorted
             layers = getattr(self, name)
             if layers is None:
                 continue
@@ -417,6 +422,10 @@ class TransformerConfig:
         or every trunk block when only window is set."""
         return self.window is not None and (self.window_layers is None or i in self.window_layers)
 
+    def is_nope(self, i: int) -> bool:
+        """Whether trunk block i attends without RoPE: listed in nope_layers."""
+        return self.nope_layers is not None and i in self.nope_layers
+
     @property
     def shared_size(self) -> int:
         """The shared experts' FFN size: shared_ffn, or n_shared * ffn_expert."""
@@ -429,9 +438,10 @@ class TransformerConfig:
             swiglu_alpha=self.swiglu_alpha, swiglu_limit=self.swiglu_limit, swiglu_offset=self.swiglu_offset,
         )
 
-    def attention_config(self, *, sliding: bool = False) -> AttentionConfig:
+    def attention_config(self, *, sliding: bool = False, rope: bool = True) -> AttentionConfig:
         """The attention of a block that attends over every earlier token, or with sliding
-        over the window (a config whose window builds that mask too: attention_context)."""
+        over the window (a config whose window builds that mask too: attention_context);
+        rope=False: a NoPE block's."""
         return AttentionConfig(
             n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, head_dim=self.head_dim, rope_base=self.rope_base,
             rot_dim=self.rope_dim, interleaved=self.rope_interleaved, yarn_factor=self.yarn_factor,
@@ -439,7 +449,7 @@ class TransformerConfig:
             yarn_beta_slow=self.yarn_beta_slow, yarn_mscale=self.yarn_mscale, yarn_mscale_all_dim=self.yarn_mscale_all_dim,
             yarn_truncate=self.yarn_truncate,
             qk_norm=self.qk_norm, qk_norm_after_rope=self.qk_norm_after_rope, norm_eps=self.norm_eps, impl=self.impl, q_rank=self.q_rank, kv_rank=self.kv_rank,
-            v_dim=self.v_head_dim, window=self.window if sliding else None, scale=self.attn_scale,
+            v_dim=self.v_head_dim, window=self.window if sliding else None, scale=self.attn_scale, rope=rope,
         )
 
     @property
@@ -477,9 +487,9 @@ class Attention(nn.Module):
     rank holds whole then get their gradients summed over tp, and a qk norm over the whole
     projection averages its statistic over tp."""
 
-    def __init__(self, cfg: TransformerConfig, *, sliding: bool = False):
+    def __init__(self, cfg: TransformerConfig, *, sliding: bool = False, rope: bool = True):
         super().__init__()
-        self.cfg = cfg.attention_config(sliding=sliding)
+        self.cfg = cfg.attention_config(sliding=sliding, rope=rope)
         self.tensor_parallel = None  # fmoe.parallel's HeadShard under tp > 1 (class docstring)
         if cfg.kv_rank is not None:  # multi-latent attention: fmoe.layers names and shapes
             self.names = []
@@ -528,13 +538,13 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: attention (over cfg.window with sliding), then a dense
-    SwiGLU or an MoE."""
+    """Pre-norm residual block: attention (over cfg.window with sliding; without RoPE
+    unless rope), then a dense SwiGLU or an MoE."""
 
-    def __init__(self, cfg: TransformerConfig, moe: bool, *, sliding: bool = False):
+    def __init__(self, cfg: TransformerConfig, moe: bool, *, sliding: bool = False, rope: bool = True):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
-        self.attn = Attention(cfg, sliding=sliding)
+        self.attn = Attention(cfg, sliding=sliding, rope=rope)
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         if moe:
             self.mlp = MoE(cfg.hidden, cfg.ffn_expert, cfg.moe_config(), shared_ffn=cfg.shared_size, shared_gate=cfg.shared_gate,
@@ -774,7 +784,8 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden))
-        self.blocks = nn.ModuleList(Block(cfg, moe=cfg.is_moe(i), sliding=cfg.is_sliding(i)) for i in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(Block(cfg, moe=cfg.is_moe(i), sliding=cfg.is_sliding(i), rope=not cfg.is_nope(i))
+                                    for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         # [V, H], linear_cross_entropy's layout; with tie_embeddings the head is the embedding
         self.head = None if cfg.tie_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden))

@@ -20,11 +20,12 @@ import generate  # noqa: E402
 from fmoe.model import Transformer, TransformerConfig  # noqa: E402
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "deepseek_v2", "granitemoeshared", "hunyuan_v1_moe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "deepseek_v2", "granitemoeshared", "hunyuan_v1_moe", "exaone_moe"])
 def test_greedy_matches_transformers_generate(tmp_path, family):
     """Through fmoe's KV cache (DeepSeek-V3 / -V2: multi-latent attention absorbed, latents
     cached; -V2 without the low-rank q; Granite: the embedding, attention and residual
-    multipliers in decode's steps; Hunyuan: q/k norms after RoPE, the normed keys cached)
+    multipliers in decode's steps; Hunyuan: q/k norms after RoPE, the normed keys cached;
+    EXAONE: a 3-token window with RoPE in layer 0, its keys in a ring, layer 1 NoPE)
     against transformers' own generate and cache."""
     transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]'")
     import fmoe.hf
@@ -46,6 +47,10 @@ def test_greedy_matches_transformers_generate(tmp_path, family):
     elif family == "hunyuan_v1_moe":
         config = transformers.HunYuanMoEV1Config(**common, num_key_value_heads=2, head_dim=8, intermediate_size=24, num_experts=4, moe_topk=2,
                                                  rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, alpha=50.0, factor=1.0))
+    elif family == "exaone_moe":
+        config = transformers.ExaoneMoeConfig(**common, num_key_value_heads=2, head_dim=8, intermediate_size=40, moe_intermediate_size=16,
+                                              num_experts=8, num_experts_per_tok=3, n_group=2, topk_group=1, first_k_dense_replace=0,
+                                              sliding_window=3, sliding_window_pattern=2, max_position_embeddings=128)
     else:
         config = transformers.DeepseekV3Config(
             **common, num_key_value_heads=4, intermediate_size=40, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=3,

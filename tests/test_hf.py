@@ -75,6 +75,13 @@ FAMILIES = {
     "solar_open": lambda: transformers.SolarOpenConfig(**COMMON, head_dim=8, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=3,
                                                        n_group=2, topk_group=1, n_shared_experts=1, routed_scaling_factor=1.5,
                                                        attention_bias=True),
+    # per-head q/k norms; a 4-token window with RoPE in layers 0 and 2, layer 1 global
+    # without RoPE (NoPE); DeepSeek-V3's routing (2 groups of 4 experts scored by their best 2,
+    # the correction bias beside the router, renormalised x 2.5) and a shared expert; layer 0 dense
+    "exaone_moe": lambda: transformers.ExaoneMoeConfig(**COMMON, head_dim=8, intermediate_size=40, moe_intermediate_size=16, num_experts=8,
+                                                       num_experts_per_tok=3, n_group=2, topk_group=1, num_shared_experts=1,
+                                                       routed_scaling_factor=2.5, sliding_window=4, sliding_window_pattern=2,
+                                                       bos_token_id=None, eos_token_id=None, pad_token_id=None),
     # Qwen3's attention (per-head q/k norms) with q/k/v/o biases and a 4-token window in layer
     # 1, DeepSeek-V3's routing (4 groups of 2 experts scored by their best 2, the correction
     # bias, raw weights scaled x 2), a shared expert, layer 0 dense
@@ -438,6 +445,12 @@ def test_checkpoint_keys_the_model_does_not_read_are_refused_unless_not_strict(f
     kept = _copy_folder(granite, tmp_path / "tied", {**g, "lm_head.weight": g["model.embed_tokens.weight"].clone(),
                                                      "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(4)})
     assert all(torch.equal(a, b) for a, b in zip(hf.from_pretrained(kept)[0].parameters(), hf.from_pretrained(granite)[0].parameters()))
+    # EXAONE's MTP layers (mtp.*) are not read, as transformers does not read them
+    exaone, _ = folders["exaone_moe"]
+    e = _read_all(exaone)
+    mtp = _copy_folder(exaone, tmp_path / "mtp", {**e, "mtp.layers.0.eh_proj.weight": torch.ones(32, 64), "mtp.norm.weight": torch.ones(32)})
+    assert all(torch.equal(a, b) for a, b in zip(hf.from_pretrained(mtp)[0].parameters(), hf.from_pretrained(exaone)[0].parameters()))
+    assert hf.unread_keys(hf.FAMILIES["mixtral"], cfg, mixtral, {"mtp.norm.weight": None}) == ["mtp.norm.weight"]  # other families count them
     # an untied head that a tie_embeddings override would drop is refused
     with pytest.raises(ValueError, match=r"checkpoint: 1 key\(s\) .* e.g. 'lm_head.weight'"):
         hf.from_pretrained(mixtral, tie_embeddings=True)

@@ -25,6 +25,8 @@ VARIANTS = {
                                                        v_head_dim=5, n_groups=2, topk_groups=1, group_score_topk=2, mtp_depth=1, mtp_norm=True),
     # gpt-oss's and Gemma's local layers: a sliding window in blocks 0 and 2, the others and MTP full
     "sliding window, mtp": dataclasses.replace(TINY, window=4, window_layers=(0, 2), mtp_depth=1),
+    # EXAONE's layout: per-head q/k norms, local blocks 0 and 2 with RoPE, block 1 global without (NoPE)
+    "nope global, window local": dataclasses.replace(TINY, qk_norm="head", window=4, window_layers=(0, 2), nope_layers=(1,), mtp_depth=1),
     # gpt-oss's pieces: q/k/v/o biases, attention sinks, a router bias, expert biases, the
     # clamped SwiGLU, YaRN without truncation, sliding windows in blocks 0 and 2
     "gpt-oss": dataclasses.replace(TINY, qkv_bias=True, o_bias=True, attn_sinks=True, router_bias=True, expert_biases=True, swiglu_alpha=1.702,
@@ -113,6 +115,37 @@ def test_sliding_window_knobs_are_checked():
     cfg = dataclasses.replace(TINY, window=4, window_layers=(2, 0))
     assert cfg.window_layers == (0, 2) and [cfg.is_sliding(i) for i in range(3)] == [True, False, True] and cfg.any_sliding
     assert all(dataclasses.replace(TINY, window=4).is_sliding(i) for i in range(3)) and not TINY.any_sliding
+
+
+def test_nope_layers_attend_without_rope():
+    """The blocks of nope_layers leave q and k unrotated: a model whose blocks are all NoPE
+    gives the same logits at any positions (only the causal mask orders its tokens), and
+    one NoPE block among RoPE blocks changes the logits; the MTP blocks always rotate."""
+    nope = _sharp(dataclasses.replace(TINY, nope_layers=(0, 1, 2)))
+    ids, cu = torch.randint(0, TINY.vocab_size, (20,)), torch.tensor([0, 12, 20], dtype=torch.int32)
+    shuffled = torch.randperm(20)  # positions no rotation can ignore
+    with torch.no_grad():
+        torch.testing.assert_close(nope.logits(ids, cu, positions=shuffled), nope.logits(ids, cu))
+        rope = Transformer(TINY).eval()
+        rope.load_state_dict(nope.state_dict())
+        assert float((rope.logits(ids, cu, positions=shuffled) - rope.logits(ids, cu)).abs().max()) > 0.1
+        one = Transformer(dataclasses.replace(TINY, nope_layers=(1,), mtp_depth=1)).eval()
+        assert [b.attn.cfg.rope for b in one.blocks] == [True, False, True] and one.mtp[0].block.attn.cfg.rope
+        one.load_state_dict(rope.state_dict(), strict=False)
+        assert float((one.logits(ids, cu) - rope.logits(ids, cu)).abs().max()) > 0.1
+
+
+def test_nope_knobs_are_checked():
+    with pytest.raises(ValueError, match=r"nope_layers: expected distinct block indices in 0..2, got \(1, 3\)"):
+        dataclasses.replace(TINY, nope_layers=(1, 3))
+    with pytest.raises(ValueError, match="nope_layers: multi-latent attention always rotates"):
+        dataclasses.replace(VARIANTS["mla, group top-2, mtp norm"], nope_layers=(0,))
+    with pytest.raises(ValueError, match="rope: expected a bool, got 0"):
+        TINY.attention_config(rope=0)
+    with pytest.raises(ValueError, match="rope: multi-latent attention always rotates"):
+        VARIANTS["mla, group top-2, mtp norm"].attention_config(rope=False)
+    cfg = dataclasses.replace(TINY, nope_layers=(2, 0))
+    assert cfg.nope_layers == (0, 2) and [cfg.is_nope(i) for i in range(3)] == [True, False, True] and not TINY.is_nope(0)
 
 
 def test_init_scales_output_projections_and_zeroes_biases():
@@ -460,6 +493,7 @@ DECODED = {
     "qkv bias, qk norm": dataclasses.replace(TINY, qkv_bias=True, qk_norm="head", rope_dim=4),
     "mla": VARIANTS["mla, group top-2, mtp norm"],
     "sliding window": dataclasses.replace(TINY, window=4, window_layers=(0, 2)),
+    "nope global, window local": dataclasses.replace(TINY, qk_norm="head", window=4, window_layers=(0, 2), nope_layers=(1,)),
     "gpt-oss": VARIANTS["gpt-oss"],
     "mla, sinks, output bias": dataclasses.replace(VARIANTS["mla, group top-2, mtp norm"], attn_sinks=True, o_bias=True),
 }
