@@ -85,12 +85,23 @@ def _get(hf: dict, *names, default=None):
     return default
 
 
-def _rope_theta(hf: dict) -> float:
+def _rope(hf: dict) -> dict:
+    """RoPE of the Llama-like families: plain (rope_theta), or with Llama 3.1's scaling
+    (rope_type "llama3": factor, low_freq_factor, high_freq_factor,
+    original_max_position_embeddings)."""
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ("default", None):
-        raise ValueError(f"config.json: rope type {rope_type!r} is not supported for {hf.get('model_type')} (plain RoPE only)")
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    out = dict(rope_base=float(params.get("rope_theta", hf.get("rope_theta", 10000.0))))
+    if rope_type in ("default", None):
+        return out
+    if rope_type != "llama3":
+        raise ValueError(f"config.json: rope type {rope_type!r} is not supported for {hf.get('model_type')} (plain RoPE or llama3)")
+    missing = [name for name in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings") if name not in params]
+    if missing:
+        raise ValueError(f"config.json: rope_parameters of rope type 'llama3' lack {', '.join(missing)}")
+    return dict(out, llama3_factor=float(params["factor"]), llama3_low_freq_factor=float(params["low_freq_factor"]),
+                llama3_high_freq_factor=float(params["high_freq_factor"]),
+                llama3_original_max_positions=int(params["original_max_position_embeddings"]))
 
 
 def _refuse(hf: dict, field: str, ok: Callable[[object], bool], what: str) -> None:
@@ -129,7 +140,7 @@ def _common(hf: dict, n_experts: int, *, sliding: bool = False) -> dict:
     return dict(**(_sliding(hf) if sliding else {}),
         vocab_size=hf["vocab_size"], hidden=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=heads,
         n_kv_heads=_get(hf, "num_key_value_heads", default=heads), head_dim=_get(hf, "head_dim", default=hf["hidden_size"] // heads),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_base=_rope_theta(hf), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), **_rope(hf), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         n_experts=n_experts, k=hf["num_experts_per_tok"], score="softmax", expert_bias=False, mtp_depth=0,
     )
 
@@ -865,6 +876,14 @@ def _layer_types(cfg: TransformerConfig) -> list[str]:
     return ["sliding_attention" if cfg.is_sliding(i) else "full_attention" for i in range(cfg.n_layers)]
 
 
+def _rope_parameters(cfg: TransformerConfig) -> dict:
+    """config.json's rope_parameters of plain RoPE, or with Llama 3.1's scaling (what _rope reads back)."""
+    if cfg.llama3_factor is None:
+        return {"rope_theta": cfg.rope_base, "rope_type": "default"}
+    return dict(rope_type="llama3", rope_theta=cfg.rope_base, factor=cfg.llama3_factor, low_freq_factor=cfg.llama3_low_freq_factor,
+                high_freq_factor=cfg.llama3_high_freq_factor, original_max_position_embeddings=cfg.llama3_original_max_positions)
+
+
 def _yarn_parameters(cfg: TransformerConfig) -> dict:
     """config.json's rope_parameters of a YaRN model (what _yarn reads back): DeepSeek's
     mscale pair when set; without it, 0.1 ln(factor) + 1 on cos / sin (gpt-oss)."""
@@ -882,7 +901,7 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
     hf = dict(architectures=[FAMILIES[model_type].architecture], model_type=model_type, vocab_size=cfg.vocab_size,
               hidden_size=cfg.hidden, num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
               num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.norm_eps, hidden_act="silu",
-              rope_parameters={"rope_theta": cfg.rope_base, "rope_type": "default"}, tie_word_embeddings=cfg.tie_embeddings,
+              rope_parameters=_rope_parameters(cfg), tie_word_embeddings=cfg.tie_embeddings,
               num_experts_per_tok=cfg.k, dtype="float32")
     moe = [i for i in range(cfg.n_layers) if cfg.is_moe(i)]
     if cfg.window is not None and model_type == "mixtral":
@@ -965,6 +984,8 @@ def config_mismatch(cfg: TransformerConfig, hf: dict) -> dict[str, tuple]:
     ignored = {"impl", "ac", "init_std", "ffn_dense", "n_dense", "n_shared", "moe_layers", "capacity_factor", "capacity_policy"}
     if cfg.yarn_factor is None:
         ignored |= {"yarn_original_max_positions", "yarn_truncate"}
+    if cfg.llama3_factor is None:
+        ignored |= {"llama3_low_freq_factor", "llama3_high_freq_factor", "llama3_original_max_positions"}
     if family.mtp:  # any depth; MTP modules without their own output norm are written with a copy of the final one
         ignored |= {"mtp_depth", "mtp_norm"}
     mismatch = {f.name: (getattr(cfg, f.name), getattr(back, f.name)) for f in dataclasses.fields(TransformerConfig)

@@ -96,6 +96,7 @@ from fmoe.ops.experts import EXPERT_BIASES, check_glu, grouped_mlp, swiglu
 from fmoe.ops.packed import sequence_ids
 from fmoe.ops.rope import (
     apply_rope,
+    llama3_inv_freq,
     rope_cos_sin,
     rope_inv_freq,
     yarn_cos_sin_scale,
@@ -332,6 +333,9 @@ class AttentionConfig:
     the `window` newest tokens of its document, itself included (key index > query index -
     window; Mistral's, Qwen's and transformers' sliding_window); None: every earlier token.
     scale: the softmax scale (None: 1/sqrt(head_dim), or YaRN's; Granite's attention_multiplier).
+    llama3_factor: Llama 3.1's frequency-dependent RoPE scaling (None: none; not with YaRN),
+    with llama3_low_freq_factor, llama3_high_freq_factor, llama3_original_max_positions
+    (fmoe.ops.rope.llama3_inv_freq).
     rope: False leaves q and k unrotated (NoPE: position only through the causal mask;
     EXAONE's global layers), the context's RoPE tables unused; grouped-query attention only.
 
@@ -367,8 +371,20 @@ class AttentionConfig:
     scale: Optional[float] = None
     qk_norm_after_rope: bool = False
     rope: bool = True
+    llama3_factor: Optional[float] = None
+    llama3_low_freq_factor: float = 1.0
+    llama3_high_freq_factor: float = 4.0
+    llama3_original_max_positions: int = 8192
 
     def __post_init__(self):
+        if self.llama3_factor is not None:
+            if self.yarn_factor is not None:
+                raise ValueError("llama3_factor: one RoPE scaling at a time, not with yarn_factor")
+            try:  # the knobs, checked by the op
+                llama3_inv_freq(2, base=self.rope_base, **self._llama3())
+            except ValueError as e:
+                name = str(e).split(":")[0]
+                raise ValueError(f"{'rope_base' if name == 'base' else 'llama3_' + name}:{str(e).split(':', 1)[1]}") from None
         if self.qk_norm_after_rope and self.qk_norm != "head":
             raise ValueError(f"qk_norm_after_rope: needs qk_norm='head' (per-head norms), got qk_norm={self.qk_norm!r}")
         if self.scale is not None and (isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) or not 0 < self.scale < math.inf):
@@ -396,6 +412,11 @@ class AttentionConfig:
             raise ValueError("rope: multi-latent attention always rotates its rope part (rope=False is grouped-query attention's)")
 
 
+    def _llama3(self) -> dict:
+        return dict(factor=self.llama3_factor, original_max_positions=self.llama3_original_max_positions,
+                    low_freq_factor=self.llama3_low_freq_factor, high_freq_factor=self.llama3_high_freq_factor)
+
+
 def check_window(window) -> None:
     """ValueError unless window is None or a positive int (a sliding window's width: the
     tokens a query attends to, itself included)."""
@@ -404,8 +425,10 @@ def check_window(window) -> None:
 
 
 def rope_tables(positions: torch.Tensor, cfg: AttentionConfig):
-    """(cos, sin) [T, rot_dim/2] float32 for cfg's RoPE or YaRN at positions [T]."""
+    """(cos, sin) [T, rot_dim/2] float32 for cfg's RoPE (Llama 3.1's scaling) or YaRN at positions [T]."""
     rot = cfg.rot_dim or cfg.head_dim
+    if cfg.llama3_factor is not None:
+        return rope_cos_sin(positions, llama3_inv_freq(rot, base=cfg.rope_base, **cfg._llama3()).to(positions.device))
     if cfg.yarn_factor is None:
         return rope_cos_sin(positions, rope_inv_freq(rot, base=cfg.rope_base).to(positions.device))
     inv_freq = yarn_inv_freq(

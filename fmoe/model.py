@@ -281,7 +281,9 @@ class TransformerConfig:
     qk_norm_after_rope: the "head" norms after RoPE, Hunyuan), rope_base, rope_dim (rotated
     channels per head, None: all), rope_interleaved, yarn_factor (None: plain RoPE) with
     yarn_original_max_positions, yarn_beta_fast / yarn_beta_slow / yarn_mscale /
-    yarn_mscale_all_dim / yarn_truncate. o_bias:
+    yarn_mscale_all_dim / yarn_truncate; llama3_factor (None: none; not with YaRN) with
+    llama3_low_freq_factor / llama3_high_freq_factor / llama3_original_max_positions:
+    Llama 3.1's RoPE scaling (fmoe.ops.rope.llama3_inv_freq). o_bias:
     an attention output bias; attn_sinks: a learned sink logit per head (fmoe.layers.attention).
     router_bias: a float32 bias on the router logits; expert_biases: biases of the routed
     experts' three projections; swiglu_alpha / swiglu_limit / swiglu_offset: the routed
@@ -342,6 +344,10 @@ class TransformerConfig:
     yarn_mscale: float = 1.0
     yarn_mscale_all_dim: float = 1.0
     yarn_truncate: bool = True
+    llama3_factor: Optional[float] = None
+    llama3_low_freq_factor: float = 1.0
+    llama3_high_freq_factor: float = 4.0
+    llama3_original_max_positions: int = 8192
     q_rank: Optional[int] = None
     kv_rank: Optional[int] = None
     v_head_dim: Optional[int] = None
@@ -447,7 +453,8 @@ class TransformerConfig:
             rot_dim=self.rope_dim, interleaved=self.rope_interleaved, yarn_factor=self.yarn_factor,
             yarn_original_max_positions=self.yarn_original_max_positions, yarn_beta_fast=self.yarn_beta_fast,
             yarn_beta_slow=self.yarn_beta_slow, yarn_mscale=self.yarn_mscale, yarn_mscale_all_dim=self.yarn_mscale_all_dim,
-            yarn_truncate=self.yarn_truncate,
+            yarn_truncate=self.yarn_truncate, llama3_factor=self.llama3_factor, llama3_low_freq_factor=self.llama3_low_freq_factor,
+            llama3_high_freq_factor=self.llama3_high_freq_factor, llama3_original_max_positions=self.llama3_original_max_positions,
             qk_norm=self.qk_norm, qk_norm_after_rope=self.qk_norm_after_rope, norm_eps=self.norm_eps, impl=self.impl, q_rank=self.q_rank, kv_rank=self.kv_rank,
             v_dim=self.v_head_dim, window=self.window if sliding else None, scale=self.attn_scale, rope=rope,
         )

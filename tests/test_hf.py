@@ -294,6 +294,40 @@ def test_sliding_window_models_give_transformers_logits_and_export_back(family, 
             hf.save_pretrained(part, tmp_path / "part", model_type=family)
 
 
+LLAMA3 = dict(rope_type="llama3", rope_theta=10000.0, factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "exaone_moe"])
+def test_llama3_rope_scaling_gives_transformers_logits_and_exports_back(family, folders, tmp_path):
+    """rope_type "llama3" (Llama 3.1's frequency-dependent scaling; EXAONE 4's, here beside
+    its NoPE global layers): over an original context of 16 positions the 4 frequencies of
+    an 8-channel head are blended (wavelength 2 pi) or divided by 4."""
+    torch.manual_seed(0)
+    config = FAMILIES[family]()
+    config.rope_parameters = dict(LLAMA3)
+    ref = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for pname, p in ref.named_parameters():
+            p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in pname else 0.3 * torch.randn_like(p))
+    ref.save_pretrained(tmp_path / "hf")
+    model, cfg = hf.from_pretrained(tmp_path / "hf", impl="torch")
+    assert (cfg.llama3_factor, cfg.llama3_low_freq_factor, cfg.llama3_high_freq_factor, cfg.llama3_original_max_positions) == (4.0, 1.0, 4.0, 16)
+    docs, ids, cu = _packed()
+    with torch.no_grad():
+        theirs = torch.cat([ref(d[None]).logits[0] for d in docs])
+        assert _rel(model.logits(ids, cu), theirs) < 1e-5
+        plain, _ = hf.from_pretrained(tmp_path / "hf", impl="torch", llama3_factor=None)  # the scaling matters here
+        assert _rel(plain.logits(ids, cu), theirs) > 1e-3
+    del model.hf_config
+    hf.save_pretrained(model, tmp_path / "fmoe", model_type=family)
+    assert json.loads((tmp_path / "fmoe" / "config.json").read_text())["rope_parameters"] == LLAMA3
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fmoe", dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert _rel(torch.cat([back(d[None]).logits[0] for d in docs]), theirs) < 1e-5
+    with pytest.raises(ValueError, match="config.json: rope_parameters of rope type 'llama3' lack high_freq_factor"):
+        hf.from_pretrained(_edit(tmp_path / "hf", tmp_path / "bad", lambda c: c["rope_parameters"].pop("high_freq_factor")))
+
+
 def test_config_mapping_reads_the_family_fields(folders, tmp_path):
     _, cfg = hf.read_config(folders["qwen2_moe"][0])
     assert cfg.moe_layers == (1, 2) and cfg.shared_size == 40 and cfg.shared_gate and cfg.qkv_bias and cfg.pre_softmax

@@ -148,6 +148,17 @@ def test_nope_knobs_are_checked():
     assert cfg.nope_layers == (0, 2) and [cfg.is_nope(i) for i in range(3)] == [True, False, True] and not TINY.is_nope(0)
 
 
+def test_llama3_rope_knobs_are_checked():
+    with pytest.raises(ValueError, match="llama3_factor: one RoPE scaling at a time, not with yarn_factor"):
+        dataclasses.replace(TINY, llama3_factor=8.0, yarn_factor=4.0)
+    with pytest.raises(ValueError, match="llama3_high_freq_factor: expected more than low_freq_factor = 1"):
+        dataclasses.replace(TINY, llama3_factor=8.0, llama3_high_freq_factor=0.5)
+    with pytest.raises(ValueError, match="llama3_factor: expected a finite number > 0, got -1"):
+        dataclasses.replace(TINY, llama3_factor=-1)
+    with pytest.raises(ValueError, match="rope_base: expected a finite number > 1"):
+        dataclasses.replace(TINY, llama3_factor=8.0, rope_base=1.0)
+
+
 def test_init_scales_output_projections_and_zeroes_biases():
     model = Transformer(dataclasses.replace(TINY, hidden=64, n_layers=8, n_dense=4))
     block = model.blocks[5]
@@ -493,7 +504,8 @@ DECODED = {
     "qkv bias, qk norm": dataclasses.replace(TINY, qkv_bias=True, qk_norm="head", rope_dim=4),
     "mla": VARIANTS["mla, group top-2, mtp norm"],
     "sliding window": dataclasses.replace(TINY, window=4, window_layers=(0, 2)),
-    "nope global, window local": dataclasses.replace(TINY, qk_norm="head", window=4, window_layers=(0, 2), nope_layers=(1,)),
+    "nope global, window local, llama3 rope": dataclasses.replace(TINY, qk_norm="head", window=4, window_layers=(0, 2), nope_layers=(1,),
+                                                                  llama3_factor=4.0, llama3_original_max_positions=16),
     "gpt-oss": VARIANTS["gpt-oss"],
     "mla, sinks, output bias": dataclasses.replace(VARIANTS["mla, group top-2, mtp norm"], attn_sinks=True, o_bias=True),
 }

@@ -19,6 +19,7 @@ from fmoe.ops.loss import cross_entropy, linear_cross_entropy
 from fmoe.ops.packed import mtp_targets, positions_from_cu_seqlens, roll_packed
 from fmoe.ops.rope import (
     apply_rope,
+    llama3_inv_freq,
     rope_cos_sin,
     rope_inv_freq,
     yarn_correction_range,
@@ -38,6 +39,7 @@ __all__ = [
     "drop_by_capacity",
     "grouped_mlp",
     "linear_cross_entropy",
+    "llama3_inv_freq",
     "load_balancing_loss",
     "load_stats",
     "mtp_targets",

@@ -2,6 +2,7 @@
 
     rope_inv_freq(D) -> inv_freq[F]                    inv_freq_j = base^(-2j/D), j < F = D/2
     yarn_inv_freq(D, base, factor, L) -> inv_freq[F]
+    llama3_inv_freq(D, base, factor, L) -> inv_freq[F]
     rope_cos_sin(positions[T], inv_freq[F]) -> cos[T,F], sin[T,F]
     apply_rope(x[..., T, H, D], cos[T,F], sin[T,F]) -> x[..., T, H, D]
 
@@ -32,6 +33,18 @@ YaRN with factor s, original context L and rotation counts beta_fast, beta_slow:
     mscale(s, m) = 1 if s <= 1 else 0.1 m ln(s) + 1
     cos/sin scale = mscale(s, mscale) / mscale(s, mscale_all_dim)    (yarn_cos_sin_scale)
     softmax scale = mscale(s, mscale_all_dim)^2 / sqrt(q_head_dim)    (yarn_softmax_scale)
+
+Llama 3.1's frequency-dependent scaling (rope_type "llama3") with factor s, original context
+L, low_freq_factor a and high_freq_factor b (a < b), each frequency by its wavelength
+w_j = 2 pi / base_inv_freq_j:
+
+    w_j < L / b  (fast):   inv_freq_j = base_inv_freq_j                      (kept)
+    w_j > L / a  (slow):   inv_freq_j = base_inv_freq_j / s                  (interpolated)
+    otherwise:             smooth_j = (L / w_j - a) / (b - a)
+                           inv_freq_j = (1 - smooth_j) base_inv_freq_j / s + smooth_j base_inv_freq_j
+
+with no attention scale. Llama 3.1 (D 128, base 5e5, s 8, a 1, b 4, L 8192): frequencies
+0..28 kept, 29..34 blended (divided by 1.2075 at 29 up to 5.2573 at 34), 35..63 divided by 8.
 
 Legend: T tokens (positions), H heads, D head_dim, R rotated channels (rot_dim), F = R/2
 frequencies (pairs), P = D - R pass-through channels, N = prod(leading dims) * T rows of
@@ -151,6 +164,37 @@ def yarn_inv_freq(
     base_F = _base_inv_freq_F(dim, float(base))
     ramp_F = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0.0, 1.0)
     return ((base_F / factor) * ramp_F + base_F * (1.0 - ramp_F)).to(device=device, dtype=torch.float32)
+
+
+def llama3_inv_freq(
+    dim: int, *, base: float, factor: float, original_max_positions: int, low_freq_factor: float = 1.0,
+    high_freq_factor: float = 4.0, device=None,
+) -> torch.Tensor:
+    """Llama 3.1's scaled inverse frequencies (module docstring): wavelengths shorter than
+    L / high_freq_factor kept, longer than L / low_freq_factor divided by `factor`, the
+    ones between blended by L / wavelength.
+
+    Args:
+        dim: R, the number of rotated channels (even, >= 2).
+        base: the RoPE base (> 1).
+        factor: s, the context extension factor (> 0).
+        original_max_positions: L, the context length the model was trained at.
+        low_freq_factor, high_freq_factor: a < b (> 0; Llama 3.1: 1 and 4).
+    Returns:
+        [dim/2] float32 (computed in float64, rounded once).
+    """
+    dim = _check_dim(dim)
+    base = _check_number("base", base, above=1.0)
+    factor = _check_number("factor", factor, above=0.0)
+    check_positive_int("original_max_positions", original_max_positions)
+    low = _check_number("low_freq_factor", low_freq_factor, above=0.0)
+    high = _check_number("high_freq_factor", high_freq_factor, above=0.0)
+    if high <= low:
+        raise ValueError(f"high_freq_factor: expected more than low_freq_factor = {low:g}, got {high:g}")
+    base_F = _base_inv_freq_F(dim, base)
+    wavelen_F = 2 * math.pi / base_F
+    smooth_F = ((original_max_positions / wavelen_F - low) / (high - low)).clamp(0.0, 1.0)  # 1 fast, 0 slow
+    return ((1 - smooth_F) * base_F / factor + smooth_F * base_F).to(device=device, dtype=torch.float32)
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:

@@ -8,6 +8,7 @@ import torch
 from fmoe.ops.rope import (
     apply_rope,
     apply_rope_ref,
+    llama3_inv_freq,
     rope_cos_sin,
     rope_inv_freq,
     yarn_correction_range,
@@ -263,6 +264,24 @@ def test_yarn_deepseek_v3_numbers():
         assert inv[j].item() == pytest.approx(base_j / 40 * ramp + base_j * (1 - ramp), rel=1e-6)
     assert torch.equal(inv[:11], rope_inv_freq(64)[:11])
     torch.testing.assert_close(inv[23:], rope_inv_freq(64)[23:] / 40)
+
+
+def test_llama3_scaling_numbers():
+    """Llama 3.1's (D 128, base 5e5, factor 8, a 1, b 4, L 8192): wavelengths 2 pi base^(2j/D)
+    under L / b = 2048 kept (j <= 28), over L / a = 8192 divided by 8 (j >= 35), a blend by
+    (L / wavelength - a) / (b - a) between."""
+    llama31 = dict(base=500000.0, factor=8.0, original_max_positions=8192, low_freq_factor=1.0, high_freq_factor=4.0)
+    inv, base_F = llama3_inv_freq(128, **llama31), rope_inv_freq(128, base=500000.0)
+    assert torch.equal(inv[:29], base_F[:29])
+    torch.testing.assert_close(inv[35:], base_F[35:] / 8, rtol=1e-7, atol=0)
+    for j in range(29, 35):
+        base_j = 500000.0 ** (-2 * j / 128)
+        smooth = (8192 * base_j / (2 * math.pi) - 1) / (4 - 1)
+        assert 0 < smooth < 1 and inv[j].item() == pytest.approx((1 - smooth) * base_j / 8 + smooth * base_j, rel=1e-6)
+    assert [round(float(b / i), 4) for b, i in zip(base_F[29:35], inv[29:35])] == [1.2075, 1.5534, 2.0263, 2.6945, 3.6843, 5.2573]
+    _raises("high_freq_factor: expected more than low_freq_factor = 4", llama3_inv_freq, 8, **dict(llama31, low_freq_factor=4.0))
+    _raises("factor: expected a finite number > 0", llama3_inv_freq, 8, **dict(llama31, factor=0.0))
+    _raises("original_max_positions", llama3_inv_freq, 8, **dict(llama31, original_max_positions=0))
 
 
 def test_yarn_softmax_scale_uses_mscale_all_dim_not_mscale():

@@ -211,10 +211,11 @@ CASES = {
     "tp2-proj-norm-ac-full": (2, dict(tp=2), dict(qk_norm="proj", ac="full", **GRANITE)),
     "tp2-mla": (2, dict(tp=2), dict(MLA, q_rank=10)),
     "cp2xtp2-mla": (4, dict(cp=2, tp=2), MLA),
-    # a sliding window of 5 tokens in block 1 (the MoE one), the others full and without RoPE
-    # (EXAONE's NoPE global layers): each cp rank's keys of every rank masked by the window at
-    # their global indices, the NoPE blocks' keys gathered unrotated
-    "cp2-window-nope": (2, dict(cp=2), dict(window=5, window_layers=(1,), nope_layers=(0, 2))),
+    # a sliding window of 5 tokens in block 1 (the MoE one), block 0 full and without RoPE,
+    # Llama 3.1's RoPE scaling (EXAONE's layout): each cp rank's keys of every rank masked by
+    # the window at their global indices, the NoPE block's keys gathered unrotated
+    "cp2-window-nope": (2, dict(cp=2), dict(window=5, window_layers=(1,), nope_layers=(0,), llama3_factor=4.0,
+                                            llama3_original_max_positions=16)),
     # gpt-oss's extras: the sinks split with their heads and the output bias added once over
     # tp; the expert biases with their experts over ep (exchanged rows, and the padded
     # layout whose padding rows get a bias nobody reads); the sinks over every cp rank's keys
@@ -239,7 +240,7 @@ DECODE_CASES = {
     "fsdp2-bf16": (2, dict(), {}, torch.bfloat16, 5e-2),
     "ep2": (2, dict(ep=2), dict(GPT_OSS, **WINDOW), None, 1e-5),
     "etp2": (2, dict(etp=2), GPT_OSS, None, 1e-5),
-    "tp2": (2, dict(tp=2), dict(GPT_OSS, **WINDOW, nope_layers=(0, 2)), None, 1e-5),  # the full blocks NoPE, as EXAONE's
+    "tp2": (2, dict(tp=2), dict(GPT_OSS, **WINDOW, nope_layers=(0,)), None, 1e-5),  # the full block NoPE, as EXAONE's
     "tp2-proj-norm": (2, dict(tp=2), dict(qk_norm="proj", **WINDOW, **GRANITE), None, 1e-5),
     "tp2-mla": (2, dict(tp=2), dict(MLA, q_rank=10), None, 1e-5),
     "tp2-head-norm-after-rope": (2, dict(tp=2), dict(qk_norm="head", qk_norm_after_rope=True, **WINDOW), None, 1e-5),
