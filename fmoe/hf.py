@@ -5,7 +5,7 @@
 
 A folder holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). Supported `model_type`s: FAMILIES (mixtral, qwen2_moe,
-qwen3_moe, olmoe, glm4_moe, deepseek_v3, deepseek_v2, glm4_moe_lite, gpt_oss, solar_open,
+qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, deepseek_v2, glm4_moe_lite, gpt_oss, solar_open,
 exaone_moe, dots1, minimax_m2, granitemoe, granitemoeshared, hunyuan_v1_moe). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: clipped qkv, ...)
 and its key map (HF key <-> fmoe
@@ -409,6 +409,14 @@ def _olmoe(hf: dict) -> dict:
                 n_shared=0, pre_softmax=not hf.get("norm_topk_prob", False), qk_norm="proj")
 
 
+def _flex_olmo(hf: dict) -> dict:
+    """FlexOlmo (flex_olmo): OLMoE's attention (q/k norms over the whole projections) and
+    routing in OLMo 2's post-norm blocks: no input norms, an RMSNorm on the attention output
+    (post_attention_layernorm) and on the MLP output (post_feedforward_layernorm), each before
+    its residual add."""
+    return dict(_olmoe(hf), pre_norms=False, post_norms=True)
+
+
 # ------------------------------------------------------------------------------ key maps
 @dataclasses.dataclass(frozen=True)
 class Tensor:
@@ -453,6 +461,7 @@ FAMILIES = {
     "qwen2_moe": Family(_qwen2_moe, "mlp", ("gate_proj", "up_proj", "down_proj"), "Qwen2MoeForCausalLM"),
     "qwen3_moe": Family(_qwen3_moe, "mlp", ("gate_proj", "up_proj", "down_proj"), "Qwen3MoeForCausalLM"),
     "olmoe": Family(_olmoe, "mlp", ("gate_proj", "up_proj", "down_proj"), "OlmoeForCausalLM"),
+    "flex_olmo": Family(_flex_olmo, "mlp", ("gate_proj", "up_proj", "down_proj"), "FlexOlmoForCausalLM"),
     "glm4_moe": Family(_glm4_moe, "mlp", ("gate_proj", "up_proj", "down_proj"), "Glm4MoeForCausalLM", "shared_experts", mtp=True),
     "deepseek_v3": Family(_deepseek_v3, "mlp", ("gate_proj", "up_proj", "down_proj"), "DeepseekV3ForCausalLM", "shared_experts", mtp=True),
     "deepseek_v2": Family(_deepseek_v2, "mlp", ("gate_proj", "up_proj", "down_proj"), "DeepseekV2ForCausalLM", "shared_experts"),
@@ -501,8 +510,14 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
     if cfg.qk_norm is not None:
         out[q + "attn.q_norm"] = Tensor((attn + family.qk_norms[0] + ".weight",))
         out[q + "attn.k_norm"] = Tensor((attn + family.qk_norms[1] + ".weight",))
-    out[q + "attn_norm.weight"] = Tensor((p + "input_layernorm.weight",))
-    out[q + "mlp_norm.weight"] = Tensor((p + "post_attention_layernorm.weight",))
+    if cfg.pre_norms and cfg.post_norms:
+        raise ValueError("model: pre- and post-norms together (a sandwich block) have no key names in these families")
+    if cfg.post_norms:  # OLMo 2's post-norm block: post_attention_layernorm is the attention output's norm
+        out[q + "attn_post_norm.weight"] = Tensor((p + "post_attention_layernorm.weight",))
+        out[q + "mlp_post_norm.weight"] = Tensor((p + "post_feedforward_layernorm.weight",))
+    elif cfg.pre_norms:
+        out[q + "attn_norm.weight"] = Tensor((p + "input_layernorm.weight",))
+        out[q + "mlp_norm.weight"] = Tensor((p + "post_attention_layernorm.weight",))
     mlp = p + family.moe + "."
     if moe:
         out[q + "mlp.router"] = Tensor((mlp + family.router,))
@@ -902,7 +917,7 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
               hidden_size=cfg.hidden, num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
               num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.norm_eps, hidden_act="silu",
               rope_parameters=_rope_parameters(cfg), tie_word_embeddings=cfg.tie_embeddings,
-              num_experts_per_tok=cfg.k, dtype="float32")
+              num_experts_per_tok=cfg.k, dtype="float32", pad_token_id=None)  # no padding row in fmoe's embedding
     moe = [i for i in range(cfg.n_layers) if cfg.is_moe(i)]
     if cfg.window is not None and model_type == "mixtral":
         hf.update(sliding_window=cfg.window)
@@ -938,7 +953,7 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
                   **{k: v for k, v in moe_fields.items() if k != "num_nextn_predict_layers"}, attention_bias=False,
                   mlp_layer_types=["sparse" if cfg.is_moe(i) else "dense" for i in range(cfg.n_layers)],
                   sliding_window=cfg.window, layer_types=_layer_types(cfg))
-    elif model_type == "olmoe":
+    elif model_type in ("olmoe", "flex_olmo"):
         hf.update(num_experts=cfg.n_experts, intermediate_size=cfg.ffn_expert, norm_topk_prob=not cfg.pre_softmax)
     else:
         hf.update(num_experts=cfg.n_experts, moe_intermediate_size=cfg.ffn_expert, intermediate_size=cfg.ffn_dense,

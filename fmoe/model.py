@@ -7,7 +7,7 @@
 
 The reference transformer is a decoder over packed documents (DeepSeek-V3 style), built only
 from fmoe.layers and fmoe.ops: token embedding, `n_dense` dense SwiGLU blocks then MoE
-blocks, pre-norm RMSNorm residual blocks with GQA attention (RoPE or YaRN), shared experts,
+blocks, RMSNorm residual blocks (pre-norm, or post- or both) with GQA attention (RoPE or YaRN), shared experts,
 sigmoid or softmax routing with an expert bias or aux losses, optional capacity, and
 `mtp_depth` multi-token-prediction modules (SPEC.md 5) sharing the embedding and the output
 head: module d takes the previous depth's hidden state h and the embedding of its input
@@ -299,7 +299,10 @@ class TransformerConfig:
     included) in the trunk blocks listed in window_layers (None: every trunk block); the
     other blocks and the MTP blocks attend to every earlier token. nope_layers: the trunk
     blocks whose attention has no RoPE (NoPE: q and k unrotated, EXAONE 4's global layers;
-    grouped-query attention only); the MTP blocks always rotate. mtp_depth MTP modules; mtp_norm: each with its own output
+    grouped-query attention only); the MTP blocks always rotate. pre_norms: an RMSNorm on
+    each block's attention and MLP input (the usual pre-norm block); post_norms: one on each
+    branch's output before its residual add (OLMo 2 / FlexOlmo without pre_norms; both:
+    Gemma's sandwich). mtp_depth MTP modules; mtp_norm: each with its own output
     norm before the shared head (DeepSeek-V3, GLM-4.5, Megatron Core) instead of the
     trunk's final norm. impl: "auto" | "triton" | "torch"
     for every op. ac: activation checkpointing, one of AC_MODES ("none" | "full" |
@@ -366,6 +369,8 @@ class TransformerConfig:
     window: Optional[int] = None
     window_layers: Optional[tuple[int, ...]] = None
     nope_layers: Optional[tuple[int, ...]] = None
+    pre_norms: bool = True
+    post_norms: bool = False
     mtp_depth: int = 0
     mtp_norm: bool = False
     norm_eps: float = 1e-6
@@ -395,6 +400,9 @@ class TransformerConfig:
         check_window(self.window)
         if self.window_layers is not None and self.window is None:
             raise ValueError("window_layers: needs a window (the sliding window's width)")
+        for name in ("pre_norms", "post_norms"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         if self.nope_layers is not None and self.kv_rank is not None:
             raise ValueError("nope_layers: multi-latent attention always rotates its rope part (NoPE blocks are grouped-query attention's)")
         for name in ("moe_layers", "window_layers", "nope_layers"):  # block lists: distinct indices, kept sorted
@@ -545,14 +553,19 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: attention (over cfg.window with sliding; without RoPE
-    unless rope), then a dense SwiGLU or an MoE."""
+    """Residual block: attention (over cfg.window with sliding; without RoPE unless rope),
+    then a dense SwiGLU or an MoE; each branch x + post_norm(f(pre_norm(x))), with the
+    pre-norms attn_norm / mlp_norm (cfg.pre_norms) and the post-norms attn_post_norm /
+    mlp_post_norm (cfg.post_norms), each an RMSNorm or absent (None)."""
 
     def __init__(self, cfg: TransformerConfig, moe: bool, *, sliding: bool = False, rope: bool = True):
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        def norm(on: bool) -> Optional[RMSNorm]:
+            return RMSNorm(cfg.hidden, cfg.norm_eps) if on else None
+
+        self.attn_norm, self.attn_post_norm = norm(cfg.pre_norms), norm(cfg.post_norms)
         self.attn = Attention(cfg, sliding=sliding, rope=rope)
-        self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.mlp_norm, self.mlp_post_norm = norm(cfg.pre_norms), norm(cfg.post_norms)
         if moe:
             self.mlp = MoE(cfg.hidden, cfg.ffn_expert, cfg.moe_config(), shared_ffn=cfg.shared_size, shared_gate=cfg.shared_gate,
                            expert_bias=cfg.expert_bias, router_bias=cfg.router_bias, expert_biases=cfg.expert_biases)
@@ -570,7 +583,7 @@ class Block(nn.Module):
         return self._block(x_TH, ctx, token_mask)
 
     def _attend(self, x_TH, ctx):
-        return self.attn(self.attn_norm(x_TH), ctx)
+        return _normed(self.attn_post_norm, self.attn(_normed(self.attn_norm, x_TH), ctx))
 
     def _residual(self, x_TH, y_TH):
         return x_TH + (y_TH if self.residual_scale == 1.0 else y_TH * self.residual_scale)
@@ -578,9 +591,13 @@ class Block(nn.Module):
     def _block(self, x_TH, ctx, token_mask=None):
         x_TH = self._residual(x_TH, recompute(self._attend, x_TH, ctx) if self.ac == "attention" else self._attend(x_TH, ctx))
         if isinstance(self.mlp, MoE):
-            y, stats = self.mlp(self.mlp_norm(x_TH), token_mask)
-            return self._residual(x_TH, y), stats
-        return self._residual(x_TH, self.mlp(self.mlp_norm(x_TH))), None
+            y, stats = self.mlp(_normed(self.mlp_norm, x_TH), token_mask)
+            return self._residual(x_TH, _normed(self.mlp_post_norm, y)), stats
+        return self._residual(x_TH, _normed(self.mlp_post_norm, self.mlp(_normed(self.mlp_norm, x_TH)))), None
+
+
+def _normed(norm: Optional[RMSNorm], x_TH: torch.Tensor) -> torch.Tensor:
+    return x_TH if norm is None else norm(x_TH)
 
 
 class MTPModule(nn.Module):

@@ -30,6 +30,10 @@ FAMILIES = {
     # q/k norms over the whole projections
     "olmoe": lambda: transformers.OlmoeConfig(**COMMON, intermediate_size=24, num_experts=4, num_experts_per_tok=2, pad_token_id=None,
                                               eos_token_id=None, bos_token_id=None),
+    # OLMoE's attention and routing in OLMo 2's post-norm blocks (no input norms; norms on the
+    # attention and MLP outputs), weights not renormalised
+    "flex_olmo": lambda: transformers.FlexOlmoConfig(**COMMON, intermediate_size=24, num_experts=4, num_experts_per_tok=2, pad_token_id=None,
+                                                     eos_token_id=None, bos_token_id=None),
     # partial rotary (half of each head), q/k/v biases, per-head q/k norms, sigmoid routing with
     # the correction bias, raw (not renormalised) weights scaled, a shared expert, layer 0 dense
     "glm4_moe": lambda: transformers.Glm4MoeConfig(**COMMON, head_dim=8, intermediate_size=40, moe_intermediate_size=16, n_routed_experts=4,
@@ -175,6 +179,8 @@ def test_export_loads_in_transformers_and_reexport_is_bit_identical(family, fold
             p.add_(0.01 * torch.randn_like(p))
     hf.save_pretrained(fresh, tmp_path / "fresh", model_type=family)
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fresh", dtype=torch.float32).eval()
+    # no padding row (OLMoE's, Hunyuan's and EXAONE's configs default to one: its embedding would get no gradient in transformers)
+    assert back.get_input_embeddings().padding_idx is None
     docs, ids, cu = _packed(2)
     with torch.no_grad():
         theirs = torch.cat([back(d[None]).logits[0] for d in docs])

@@ -27,6 +27,9 @@ VARIANTS = {
     "sliding window, mtp": dataclasses.replace(TINY, window=4, window_layers=(0, 2), mtp_depth=1),
     # EXAONE's layout: per-head q/k norms, local blocks 0 and 2 with RoPE, block 1 global without (NoPE)
     "nope global, window local": dataclasses.replace(TINY, qk_norm="head", window=4, window_layers=(0, 2), nope_layers=(1,), mtp_depth=1),
+    # OLMo 2's / FlexOlmo's post-norm blocks (norms on the branch outputs, none on their inputs), and Gemma's sandwich
+    "post-norm": dataclasses.replace(TINY, pre_norms=False, post_norms=True, qk_norm="proj", mtp_depth=1),
+    "sandwich norms": dataclasses.replace(TINY, post_norms=True),
     # gpt-oss's pieces: q/k/v/o biases, attention sinks, a router bias, expert biases, the
     # clamped SwiGLU, YaRN without truncation, sliding windows in blocks 0 and 2
     "gpt-oss": dataclasses.replace(TINY, qkv_bias=True, o_bias=True, attn_sinks=True, router_bias=True, expert_biases=True, swiglu_alpha=1.702,
@@ -146,6 +149,31 @@ def test_nope_knobs_are_checked():
         VARIANTS["mla, group top-2, mtp norm"].attention_config(rope=False)
     cfg = dataclasses.replace(TINY, nope_layers=(2, 0))
     assert cfg.nope_layers == (0, 2) and [cfg.is_nope(i) for i in range(3)] == [True, False, True] and not TINY.is_nope(0)
+
+
+def test_post_norms_normalise_each_branch_output():
+    """post_norms: an RMSNorm on the attention and MLP outputs before each residual add; with
+    their weights 0 every block is the identity (the logits those of the embedding through the
+    final norm and the head). pre_norms=False leaves the inputs unnormed; the default block
+    has pre-norms only."""
+    post = Transformer(dataclasses.replace(TINY, pre_norms=False, post_norms=True)).eval()
+    names = {n for n, _ in post.named_parameters() if "norm" in n and n.startswith("blocks.0.")}
+    assert names == {"blocks.0.attn_post_norm.weight", "blocks.0.mlp_post_norm.weight"}
+    assert {n for n, _ in Transformer(TINY).named_parameters() if "norm" in n and n.startswith("blocks.0.")} == {
+        "blocks.0.attn_norm.weight", "blocks.0.mlp_norm.weight"}
+    ids, cu = torch.randint(0, TINY.vocab_size, (12,)), torch.tensor([0, 5, 12], dtype=torch.int32)
+    with torch.no_grad():
+        for n, p in post.named_parameters():
+            if "post_norm" in n:
+                p.zero_()
+        want = (post.norm(post.embed[ids]) @ post.output_weight().T).float()
+        torch.testing.assert_close(post.logits(ids, cu), want)
+        for n, p in post.named_parameters():
+            if "post_norm" in n:
+                p.fill_(2.0)
+        assert float((post.logits(ids, cu) - want).abs().max()) > 1e-2
+    with pytest.raises(ValueError, match="post_norms: expected a bool, got 1"):
+        dataclasses.replace(TINY, post_norms=1)
 
 
 def test_llama3_rope_knobs_are_checked():
@@ -386,7 +414,7 @@ def test_padding_trains_as_if_it_were_not_in_the_batch(name, ac):
         torch.testing.assert_close(g, grads1[pname], rtol=1e-5, atol=1e-7, msg=pname)
 
 
-AC_CFG = dataclasses.replace(TINY, mtp_depth=1, impl="auto", n_groups=2, topk_groups=1, capacity_factor=1.25)
+AC_CFG = dataclasses.replace(TINY, mtp_depth=1, impl="auto", n_groups=2, topk_groups=1, capacity_factor=1.25, post_norms=True)
 
 
 @pytest.mark.parametrize("ac", ["full", "attention", "experts"])
@@ -507,6 +535,7 @@ DECODED = {
     "nope global, window local, llama3 rope": dataclasses.replace(TINY, qk_norm="head", window=4, window_layers=(0, 2), nope_layers=(1,),
                                                                   llama3_factor=4.0, llama3_original_max_positions=16),
     "gpt-oss": VARIANTS["gpt-oss"],
+    "post-norm": VARIANTS["post-norm"],
     "mla, sinks, output bias": dataclasses.replace(VARIANTS["mla, group top-2, mtp norm"], attn_sinks=True, o_bias=True),
 }
 

@@ -209,6 +209,8 @@ CASES = {
     "tp2-qkv-bias-head-norm": (2, dict(tp=2), dict(qkv_bias=True, qk_norm="head")),
     "cp2xtp2-head-norm-after-rope": (4, dict(cp=2, tp=2), dict(qk_norm="head", qk_norm_after_rope=True)),  # Hunyuan's
     "tp2-proj-norm-ac-full": (2, dict(tp=2), dict(qk_norm="proj", ac="full", **GRANITE)),
+    # FlexOlmo's post-norm blocks: the norms of the attention and MLP outputs on each rank's token shard
+    "tp2-post-norm-ac-attention": (2, dict(tp=2), dict(qk_norm="proj", pre_norms=False, post_norms=True, ac="attention")),
     "tp2-mla": (2, dict(tp=2), dict(MLA, q_rank=10)),
     "cp2xtp2-mla": (4, dict(cp=2, tp=2), MLA),
     # a sliding window of 5 tokens in block 1 (the MoE one), block 0 full and without RoPE,
@@ -241,7 +243,7 @@ DECODE_CASES = {
     "ep2": (2, dict(ep=2), dict(GPT_OSS, **WINDOW), None, 1e-5),
     "etp2": (2, dict(etp=2), GPT_OSS, None, 1e-5),
     "tp2": (2, dict(tp=2), dict(GPT_OSS, **WINDOW, nope_layers=(0,)), None, 1e-5),  # the full block NoPE, as EXAONE's
-    "tp2-proj-norm": (2, dict(tp=2), dict(qk_norm="proj", **WINDOW, **GRANITE), None, 1e-5),
+    "tp2-proj-norm": (2, dict(tp=2), dict(qk_norm="proj", **WINDOW, **GRANITE, post_norms=True), None, 1e-5),  # sandwich norms
     "tp2-mla": (2, dict(tp=2), dict(MLA, q_rank=10), None, 1e-5),
     "tp2-head-norm-after-rope": (2, dict(tp=2), dict(qk_norm="head", qk_norm_after_rope=True, **WINDOW), None, 1e-5),
     "ep2xtp2": (4, dict(tp=2, ep=2), dict(GPT_OSS, **WINDOW), None, 1e-5),
