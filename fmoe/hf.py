@@ -941,12 +941,10 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
             hf["rope_parameters"] = _yarn_parameters(cfg)
     elif model_type == "hunyuan_v1_moe":
         hf.update(num_experts=cfg.n_experts, moe_topk=cfg.k, intermediate_size=cfg.ffn_expert, attention_bias=False)
-    elif model_type == "solar_open":
-        hf.update(n_routed_experts=cfg.n_experts, moe_intermediate_size=cfg.ffn_expert, n_shared_experts=cfg.shared_size // cfg.ffn_expert,
-                  routed_scaling_factor=cfg.route_scale if cfg.route_scale is not None else 1.0, n_group=cfg.n_groups or 1,
-                  topk_group=cfg.topk_groups or 1, norm_topk_prob=cfg.route_normalize, attention_bias=cfg.qkv_bias)
-        if cfg.shared_size % cfg.ffn_expert:
-            raise ValueError(f"model: shared experts of {cfg.shared_size} are not a whole number of experts of {cfg.ffn_expert}")
+    elif model_type == "solar_open":  # no dense blocks, no MTP: those fields are not Solar Open's
+        moe_fields = _deepseek_moe_config(cfg)
+        hf.update({k: v for k, v in moe_fields.items() if k not in ("intermediate_size", "first_k_dense_replace", "num_nextn_predict_layers")},
+                  attention_bias=cfg.qkv_bias)
     elif model_type == "exaone_moe":
         moe_fields = _deepseek_moe_config(cfg)
         hf.update(num_experts=moe_fields.pop("n_routed_experts"), num_shared_experts=moe_fields.pop("n_shared_experts"),

@@ -380,11 +380,11 @@ class AttentionConfig:
         if self.llama3_factor is not None:
             if self.yarn_factor is not None:
                 raise ValueError("llama3_factor: one RoPE scaling at a time, not with yarn_factor")
-            try:  # the knobs, checked by the op
+            try:  # the knobs, checked by the op and named as this config's fields
                 llama3_inv_freq(2, base=self.rope_base, **self._llama3())
             except ValueError as e:
-                name = str(e).split(":")[0]
-                raise ValueError(f"{'rope_base' if name == 'base' else 'llama3_' + name}:{str(e).split(':', 1)[1]}") from None
+                name, rest = str(e).split(":", 1)
+                raise ValueError(f"{'rope_base' if name == 'base' else 'llama3_' + name}:{rest}") from None
         if self.qk_norm_after_rope and self.qk_norm != "head":
             raise ValueError(f"qk_norm_after_rope: needs qk_norm='head' (per-head norms), got qk_norm={self.qk_norm!r}")
         if self.scale is not None and (isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) or not 0 < self.scale < math.inf):
@@ -411,8 +411,8 @@ class AttentionConfig:
         if not self.rope:
             raise ValueError("rope: multi-latent attention always rotates its rope part (rope=False is grouped-query attention's)")
 
-
     def _llama3(self) -> dict:
+        """llama3_inv_freq's keyword arguments."""
         return dict(factor=self.llama3_factor, original_max_positions=self.llama3_original_max_positions,
                     low_freq_factor=self.llama3_low_freq_factor, high_freq_factor=self.llama3_high_freq_factor)
 
