@@ -73,6 +73,15 @@ def _check_number(name: str, value, *, above: float) -> float:
     return float(value)
 
 
+def _check_ordered(low_name: str, low, high_name: str, high) -> tuple[float, float]:
+    """Two positive finite numbers with high > low (YaRN's rotation counts, Llama 3.1's
+    frequency factors)."""
+    low, high = _check_number(low_name, low, above=0.0), _check_number(high_name, high, above=0.0)
+    if high <= low:
+        raise ValueError(f"{high_name}: expected more than {low_name} = {low:g}, got {high:g}")
+    return low, high
+
+
 def _check_dim(dim) -> int:
     check_positive_int("dim", dim, 2)
     if dim % 2:
@@ -120,10 +129,7 @@ def yarn_correction_range(
     dim = _check_dim(dim)
     base = _check_number("base", base, above=1.0)
     check_positive_int("original_max_positions", original_max_positions)
-    beta_slow = _check_number("beta_slow", beta_slow, above=0.0)
-    beta_fast = _check_number("beta_fast", beta_fast, above=0.0)
-    if beta_fast <= beta_slow:
-        raise ValueError(f"beta_fast: expected more rotations than beta_slow = {beta_slow:g}, got {beta_fast:g}")
+    beta_slow, beta_fast = _check_ordered("beta_slow", beta_slow, "beta_fast", beta_fast)  # rotations over L
 
     def d(rotations):  # the frequency index that turns `rotations` times over L positions
         return dim * math.log(original_max_positions / (2 * math.pi * rotations)) / (2 * math.log(base))
@@ -187,10 +193,7 @@ def llama3_inv_freq(
     base = _check_number("base", base, above=1.0)
     factor = _check_number("factor", factor, above=0.0)
     check_positive_int("original_max_positions", original_max_positions)
-    low = _check_number("low_freq_factor", low_freq_factor, above=0.0)
-    high = _check_number("high_freq_factor", high_freq_factor, above=0.0)
-    if high <= low:
-        raise ValueError(f"high_freq_factor: expected more than low_freq_factor = {low:g}, got {high:g}")
+    low, high = _check_ordered("low_freq_factor", low_freq_factor, "high_freq_factor", high_freq_factor)
     base_F = _base_inv_freq_F(dim, base)
     wavelen_F = 2 * math.pi / base_F
     smooth_F = ((original_max_positions / wavelen_F - low) / (high - low)).clamp(0.0, 1.0)  # 1 fast, 0 slow

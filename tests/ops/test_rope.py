@@ -357,7 +357,7 @@ def test_bad_inputs():
     _raises(r"factor: expected a finite number > 0", yarn_inv_freq, 8, **{**yarn, "factor": 0.0})
     _raises(r"factor: expected a finite number > 0", yarn_inv_freq, 8, **{**yarn, "factor": -2.0})
     _raises(r"original_max_positions: expected >= 1, got 0", yarn_inv_freq, 8, **{**yarn, "original_max_positions": 0})
-    _raises("beta_fast: expected more rotations than beta_slow", yarn_inv_freq, 8, **yarn, beta_fast=1.0, beta_slow=2.0)
+    _raises("beta_fast: expected more than beta_slow = 2, got 1", yarn_inv_freq, 8, **yarn, beta_fast=1.0, beta_slow=2.0)
     _raises(r"beta_slow: expected a finite number > 0", yarn_correction_range, 8, base=1e4, original_max_positions=64, beta_slow=0.0)
     _raises(r"factor: expected a finite number > 0", yarn_mscale, 0.0)
     _raises("mscale: expected a finite number", yarn_mscale, 2.0, float("nan"))
