@@ -85,20 +85,27 @@ def _get(hf: dict, *names, default=None):
     return default
 
 
+def _rope_params(hf: dict, scaled: Optional[str] = None, needs: tuple[str, ...] = (), default_base: float = 10000.0) -> tuple[str, dict, dict]:
+    """config.json's RoPE: (its rope type; the parameters, from rope_parameters or the older
+    rope_scaling; {"rope_base": rope_theta}). With `scaled`: ValueError for a type other than
+    "default" and it, or a `scaled` one without the fields `needs` names."""
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    rope_type = params.get("rope_type", params.get("type")) or "default"
+    if scaled is not None and rope_type not in ("default", scaled):
+        raise ValueError(f"config.json: rope type {rope_type!r} is not supported for {hf.get('model_type')} (plain RoPE or {scaled})")
+    missing = [name for name in needs if rope_type == scaled and name not in params]
+    if missing:
+        raise ValueError(f"config.json: rope_parameters of rope type {scaled!r} lack {', '.join(missing)}")
+    return rope_type, params, dict(rope_base=float(params.get("rope_theta", hf.get("rope_theta", default_base))))
+
+
 def _rope(hf: dict) -> dict:
     """RoPE of the Llama-like families: plain (rope_theta), or with Llama 3.1's scaling
     (rope_type "llama3": factor, low_freq_factor, high_freq_factor,
     original_max_position_embeddings)."""
-    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    out = dict(rope_base=float(params.get("rope_theta", hf.get("rope_theta", 10000.0))))
-    if rope_type in ("default", None):
+    rope_type, params, out = _rope_params(hf, "llama3", ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"))
+    if rope_type == "default":
         return out
-    if rope_type != "llama3":
-        raise ValueError(f"config.json: rope type {rope_type!r} is not supported for {hf.get('model_type')} (plain RoPE or llama3)")
-    missing = [name for name in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings") if name not in params]
-    if missing:
-        raise ValueError(f"config.json: rope_parameters of rope type 'llama3' lack {', '.join(missing)}")
     return dict(out, llama3_factor=float(params["factor"]), llama3_low_freq_factor=float(params["low_freq_factor"]),
                 llama3_high_freq_factor=float(params["high_freq_factor"]),
                 llama3_original_max_positions=int(params["original_max_position_embeddings"]))
@@ -247,13 +254,9 @@ def _minimax_m2(hf: dict) -> dict:
 def _yarn(hf: dict, default_base: float = 10000.0) -> dict:
     """DeepSeek-V3's and gpt-oss's RoPE fields: plain, or YaRN (DeepSeek's mscale_all_dim
     also in the softmax scale; gpt-oss's truncate: false)."""
-    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    out = dict(rope_base=float(params.get("rope_theta", hf.get("rope_theta", default_base))))
-    if rope_type in ("default", None):
+    rope_type, params, out = _rope_params(hf, "yarn", ("factor", "original_max_position_embeddings"), default_base)
+    if rope_type == "default":
         return out
-    if rope_type != "yarn":
-        raise ValueError(f"config.json: rope type {rope_type!r} is not supported for {hf.get('model_type')} (plain RoPE or YaRN)")
     _refuse(params, "attention_factor", lambda v: v is None, "YaRN's attention factor from factor / mscale / mscale_all_dim")
     _refuse(params, "truncate", lambda v: v is None or isinstance(v, bool), "a bool")
     mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
@@ -389,11 +392,11 @@ def _hunyuan_v1_moe(hf: dict) -> dict:
     shared MLP of intermediate_size (as the experts); RoPE "dynamic" with a fixed alpha is
     NTK-alpha, the base stretched to rope_theta x alpha^(D / (D - 2))."""
     _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in Hunyuan's attention here")
-    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    alpha = params.get("alpha") if params.get("rope_type", params.get("type")) == "dynamic" else None
+    rope_type, params, base = _rope_params(hf)  # "dynamic" with alpha here; other types, _common's
     plain = dict(hf, num_experts_per_tok=_one_per_model(hf, "moe_topk"))
-    if alpha:  # plain RoPE of rope_theta, stretched below
-        plain["rope_parameters"] = dict(rope_type="default", rope_theta=params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    alpha = params.get("alpha") if rope_type == "dynamic" else None
+    if alpha:  # plain RoPE of rope_theta, stretched below (without alpha, _common refuses "dynamic")
+        plain["rope_parameters"] = dict(rope_type="default", rope_theta=base["rope_base"])
     common = _common(plain, _one_per_model(hf, "num_experts"))
     if alpha:
         D = common["head_dim"]

@@ -423,6 +423,8 @@ def test_bad_checkpoints_name_the_key_or_field(folders, tmp_path):
         hf.from_pretrained(_edit(solar, tmp_path / "so1", lambda c: c.update(first_k_dense_replace=1)))
     with pytest.raises(ValueError, match=r"config.json: use_qk_norm = True is not supported"):
         hf.from_pretrained(_edit(solar, tmp_path / "so2", lambda c: c.update(use_qk_norm=True)))
+    with pytest.raises(ValueError, match=r"config.json: rope_parameters of rope type 'yarn' lack factor"):
+        hf.from_pretrained(_edit(folders["deepseek_v3"][0], tmp_path / "yarn", lambda c: c["rope_parameters"].pop("factor")))
     hunyuan = folders["hunyuan_v1_moe"][0]
     with pytest.raises(ValueError, match=r"config.json: moe_topk = \[2, 1, 2\] is not supported \(the same value in every layer\)"):
         hf.from_pretrained(_edit(hunyuan, tmp_path / "y", lambda c: c.update(moe_topk=[2, 1, 2])))
