@@ -30,6 +30,8 @@ if SMOKE:
 import torch  # noqa: E402  (after TRITON_INTERPRET is decided)
 import triton.testing  # noqa: E402
 
+from fmoe.train.profile import activities, ops_table  # noqa: E402
+
 
 def base_parser(description: str) -> argparse.ArgumentParser:
     """Argument parser with the flags every benchmark takes; scripts may add their own."""
@@ -95,18 +97,14 @@ def profile_call(fn, device: torch.device, label: str) -> Path:
     slug = re.sub(r"[^A-Za-z0-9_.+=-]+", "_", label).strip("_") or "call"
     uses = _PROFILE["labels"][slug] = _PROFILE["labels"].get(slug, 0) + 1
     slug += f"_{uses}" if uses > 1 else ""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
+    with torch.profiler.profile(activities=activities(device.type), record_shapes=True) as prof:
         fn()
         if device.type == "cuda":
             torch.cuda.synchronize()
     trace = _PROFILE["dir"] / f"{benchmark}-{slug}.json"
     prof.export_chrome_trace(str(trace))
-    sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     with (_PROFILE["dir"] / f"{benchmark}.txt").open("a") as f:
-        f.write(f"== {label or slug} ({trace.name})\n{prof.key_averages().table(sort_by=sort, row_limit=25)}\n")
+        f.write(f"== {label or slug} ({trace.name})\n{ops_table(prof, device.type, row_limit=25)}\n")
     return trace
 
 

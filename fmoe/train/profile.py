@@ -43,6 +43,21 @@ def parse_steps(spec: str) -> Optional[tuple[int, int]]:
     return start, end
 
 
+def activities(device_type: str) -> list:
+    """What torch.profiler records on a device: the host's ops, and on CUDA the kernels."""
+    out = [torch.profiler.ProfilerActivity.CPU]
+    if device_type == "cuda":
+        out.append(torch.profiler.ProfilerActivity.CUDA)
+    return out
+
+
+def ops_table(prof: torch.profiler.profile, device_type: str, *, row_limit: int = 100, by_shape: bool = False) -> str:
+    """prof's ops by self time (the device's on CUDA, the host's otherwise), by input shape
+    with by_shape (the profile must record_shapes)."""
+    sort = "self_device_time_total" if device_type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages(group_by_input_shape=by_shape).table(sort_by=sort, row_limit=row_limit, max_name_column_width=60)
+
+
 def phase(name: str):
     """A named range of the loop (fmoe.<name>) in a profiler trace; costs next to nothing
     when no profiler records."""
@@ -68,11 +83,9 @@ class StepProfiler:
             return
         if self.steps is None or not self.steps[0] <= step <= self.steps[1]:
             return
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if self.device_type == "cuda":
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
         # a schedule that always records: the profiler then names each step's range "ProfilerStep#N"
-        self.prof = torch.profiler.profile(activities=activities, record_shapes=True, schedule=lambda _: torch.profiler.ProfilerAction.RECORD)
+        self.prof = torch.profiler.profile(activities=activities(self.device_type), record_shapes=True,
+                                           schedule=lambda _: torch.profiler.ProfilerAction.RECORD)
         self.prof.step_num = step  # "ProfilerStep#N" names the logged step N
         if self.memory:
             torch.cuda.memory._record_memory_history(max_entries=1_000_000)
@@ -92,8 +105,7 @@ class StepProfiler:
         self.dir.mkdir(parents=True, exist_ok=True)
         trace, ops = self.dir / f"trace_rank{self.rank}.json", self.dir / f"ops_rank{self.rank}.txt"
         prof.export_chrome_trace(str(trace))
-        sort = "self_device_time_total" if self.device_type == "cuda" else "self_cpu_time_total"
-        ops.write_text(prof.key_averages(group_by_input_shape=True).table(sort_by=sort, row_limit=100, max_name_column_width=60) + "\n")
+        ops.write_text(ops_table(prof, self.device_type, by_shape=True) + "\n")
         written = [trace, ops]
         if self.memory:
             snapshot = self.dir / f"memory_rank{self.rank}.pickle"
