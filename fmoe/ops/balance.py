@@ -36,6 +36,7 @@ import triton.language as tl
 from fmoe.ops.backend import next_pow2, use_triton
 from fmoe.ops.checks import check_cu_seqlens, check_float, check_index, check_positive_int, check_token_mask
 from fmoe.ops.packed import sequence_ids
+from fmoe.ops.routing import Routes, keep_slots
 from fmoe.ops.topk import NO_ID, NO_KEY, rows_per_program, sort_desc, sort_key
 
 # ----------------------------------------------------------------------------------------
@@ -341,9 +342,10 @@ def load_balancing_loss(
 def mask_tokens(scores: torch.Tensor, experts: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The aux-loss inputs without the tokens where mask is False (padding): scores [T, E]
     with those rows 0 (differentiable: no gradient reaches them) and experts [T, k] with
-    those rows -1 (skipped by every count). mask: [T] bool. Masking twice changes nothing."""
-    keep_T1 = mask[:, None]
-    return scores * keep_T1, torch.where(keep_T1, experts, torch.full_like(experts, -1))
+    those rows -1 (skipped by every count): each token's row dropped as
+    fmoe.ops.routing.keep_slots drops slots. mask: [T] bool. Masking twice changes nothing."""
+    scores, experts = keep_slots(Routes(scores, experts), mask[:, None])
+    return scores, experts
 
 
 def seq_load_balancing_loss(
