@@ -1030,8 +1030,8 @@ class _ShardWriter:
     """Complete checkpoint tensors in, safetensors shards out: a shard is written once the
     next tensor would take it past max_bytes (a tensor larger than that is a shard alone),
     under a temporary name until the number of shards is known. An export that fails
-    removes its temporary files (abort); a killed one leaves them for the next export of
-    the folder to remove."""
+    removes its files (abort), renamed or not; a killed one leaves them for the next export
+    of the folder to remove."""
 
     def __init__(self, path: Path, max_bytes: int):
         self.path, self.max_bytes = path, max_bytes
@@ -1060,21 +1060,24 @@ class _ShardWriter:
         self.shard, self.bytes = {}, 0
 
     def close(self) -> None:
+        """The shards under their final names (model.safetensors, or model-0000i-of-0000N
+        with model.safetensors.index.json); a failure on the way leaves abort's work whole."""
         if self.shard or not self.files:
             self.flush()
-        if len(self.files) == 1:
-            self.files[0][0].rename(self.path / "model.safetensors")
-            return
-        weight_map = {}
-        for i, (file, keys) in enumerate(self.files, 1):
-            name = f"model-{i:05d}-of-{len(self.files):05d}.safetensors"
-            file.rename(self.path / name)
-            weight_map.update((key, name) for key in keys)
-        index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
-        (self.path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        n = len(self.files)
+        names = ["model.safetensors"] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+        for i, name in enumerate(names):
+            file, keys = self.files[i]
+            self.files[i] = (file.rename(self.path / name), keys)  # abort finds it under its new name
+        if n > 1:
+            weight_map = dict(sorted((key, name) for name, (_, keys) in zip(names, self.files) for key in keys))
+            index = {"metadata": {"total_size": self.total}, "weight_map": weight_map}
+            self.files.append((self.path / "model.safetensors.index.json", []))
+            self.files[-1][0].write_text(json.dumps(index, indent=2) + "\n")
 
     def abort(self) -> None:
-        """Remove the shards written so far: a failed export leaves no weights behind."""
+        """Remove the files written so far, under whatever name they have reached (and the
+        index): a failed export leaves no weights behind."""
         for file, _ in self.files:
             file.unlink(missing_ok=True)
         self.files, self.shard = [], {}

@@ -8,6 +8,7 @@ same logits, and re-exporting a loaded folder gives bit-identical files."""
 import dataclasses
 import filecmp
 import json
+import pathlib
 
 import pytest
 import torch
@@ -255,6 +256,21 @@ def test_a_failed_export_leaves_no_weight_files(folders, tmp_path, monkeypatch):
     assert len(saves) >= 2 and all(f.name.endswith(".partial.safetensors") for f in saves)  # it had written shards
     assert list(out.iterdir()) == []
     monkeypatch.setattr(hf, "_stored", stored)
+    # a failure while the shards get their final names: the renamed ones go too
+    rename, renames = pathlib.Path.rename, []
+
+    def failing_rename(self, target):
+        if len(renames) == 2:
+            raise OSError("rename failed")
+        renames.append(target)
+        return rename(self, target)
+
+    monkeypatch.setattr(pathlib.Path, "rename", failing_rename)
+    with pytest.raises(OSError, match="rename failed"):
+        hf.save_pretrained(model, out, max_shard_bytes=total // 4)
+    assert [t.name for t in renames] == ["model-00001-of-00004.safetensors", "model-00002-of-00004.safetensors"]
+    assert list(out.iterdir()) == []
+    monkeypatch.setattr(pathlib.Path, "rename", rename)
     (out / "model-00003.partial.safetensors").write_bytes(b"left by a killed export")
     hf.save_pretrained(model, out)
     assert sorted(f.name for f in out.iterdir()) == ["config.json", "model.safetensors"]
