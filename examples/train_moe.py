@@ -624,8 +624,8 @@ def main(argv: list[str]) -> None:
             record.update(energy_j=joules, energy_j_per_token=joules / step_tokens)
         # attention FLOPs from the step's own documents (SPEC 8), not a full-length causal row
         n_avg_keys = sum(metrics.mean_attended_keys(b["cu_seqlens"]) for b in host_batches) / n_micro
-        n_avg_local = (sum(metrics.mean_attended_keys(b["cu_seqlens"], model_cfg.window) for b in host_batches) / n_micro
-                       if model_cfg.any_sliding else None)
+        n_avg_local = (sum(metrics.mean_attended_keys(b["cu_seqlens"], model_cfg.window, model_cfg.chunk) for b in host_batches) / n_micro
+                       if model_cfg.any_local else None)
         flops_per_token = metrics.model_flops_per_token(model_cfg, n_avg_keys=n_avg_keys, n_avg_local_keys=n_avg_local)
         record.update(
             step=step, loss=record["lm_loss"], lr=cfg.lr * lr_scale, batch_size=n_micro, tokens=tokens_seen,

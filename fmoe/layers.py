@@ -118,7 +118,9 @@ class MoEConfig:
     check_nan: route's NaN check (a host sync per call; off on the hot path). impl:
     "auto" | "triton" | "torch" for every op. swiglu_alpha, swiglu_limit, swiglu_offset: the
     routed experts' clamped SwiGLU (fmoe.ops.grouped_mlp's alpha, limit, offset; gpt-oss:
-    1.702, 7.0, 1.0); the defaults are silu(gate) * up.
+    1.702, 7.0, 1.0); the defaults are silu(gate) * up. weights_on_input: each slot's
+    routing weight scales the token on its way into the expert, and the experts' outputs are
+    summed unweighted: y = sum_j expert_j(w_j x) (Llama 4) instead of sum_j w_j expert_j(x).
     """
 
     n_experts: int
@@ -140,9 +142,12 @@ class MoEConfig:
     swiglu_alpha: float = 1.0
     swiglu_limit: Optional[float] = None
     swiglu_offset: float = 0.0
+    weights_on_input: bool = False
 
     def __post_init__(self):
         check_glu(self.swiglu_alpha, self.swiglu_limit, self.swiglu_offset)
+        if not isinstance(self.weights_on_input, bool):
+            raise ValueError(f"weights_on_input: expected a bool, got {self.weights_on_input!r}")
 
     @property
     def glu(self) -> dict:
@@ -229,9 +234,21 @@ def local_experts(x_TH: torch.Tensor, routes: Routes, params, cfg: MoEConfig):
     """
     check_expert_weights(x_TH, params, cfg.n_experts)
     x_perm, plan = permute(x_TH, routes.experts, cfg.n_experts, align=cfg.align, check=False, impl=cfg.impl)
+    x_perm, weights = weigh_rows(x_perm, plan, routes.weights, cfg)
     y_perm = grouped_mlp(x_perm, params["w_gate"], params["w_up"], params["w_down"], plan.offsets, check=False, impl=cfg.impl,
                          **expert_biases(params), **cfg.glu)
-    return unpermute(y_perm, plan, routes.weights, impl=cfg.impl), plan.counts
+    return unpermute(y_perm, plan, weights, impl=cfg.impl), plan.counts
+
+
+def weigh_rows(x_perm: torch.Tensor, plan, weights_TK: torch.Tensor, cfg: MoEConfig):
+    """(x_perm, the weights for unpermute): unchanged without cfg.weights_on_input; with it,
+    each row of x_perm [R, H] times its slot's routing weight (padding rows times 0; the
+    weights' gradient flows through the product) and None for unpermute (an unweighted sum)."""
+    if not cfg.weights_on_input:
+        return x_perm, weights_TK
+    slot_R = plan.slot_of_row.long()
+    w_R = weights_TK.reshape(-1).index_select(0, slot_R.clamp(min=0)) * (slot_R >= 0)
+    return (x_perm * w_R[:, None]).to(x_perm.dtype), None
 
 
 def moe(
@@ -326,12 +343,18 @@ class AttentionConfig:
     yarn_beta_fast / yarn_beta_slow, yarn_truncate (whole-index ramp bounds; False: gpt-oss)
     and the mscale pair (the softmax scale uses yarn_mscale_all_dim). qk_norm: RMSNorm of the queries and keys before RoPE, None, "head"
     (over each head's D channels, weights q_norm / k_norm [D]: Qwen3, GLM-4.5) or "proj"
-    (over the whole projection, q_norm [N D], k_norm [G D]: OLMoE), with eps norm_eps;
-    qk_norm_after_rope: the "head" norms after RoPE instead (Hunyuan).
+    (over the whole projection, q_norm [N D], k_norm [G D]: OLMoE) or "rms" (over each
+    head's D channels without weights: x / sqrt(mean(x^2) + eps), Llama 4's L2Norm), with eps
+    norm_eps; qk_norm_after_rope: the per-head norms after RoPE instead (Hunyuan, Llama 4).
     impl: "auto" (FlexAttention on CUDA, the SDPA reference on CPU), "flex", "torch"; the
     RoPE op follows "auto" / "torch". window: sliding-window attention, a query attends to
     the `window` newest tokens of its document, itself included (key index > query index -
     window; Mistral's, Qwen's and transformers' sliding_window); None: every earlier token.
+    chunk: chunked attention, a query attends to the earlier tokens of its own chunk of
+    `chunk` tokens of its document (positions p // chunk equal; Llama 4's
+    attention_chunk_size); not with a window. temperature_floor: the queries are scaled by
+    1 + temperature_scale * log(1 + floor((p + 1) / temperature_floor)) at position p
+    (Llama 4's attention temperature tuning, floor_scale and attn_scale; None: not).
     scale: the softmax scale (None: 1/sqrt(head_dim), or YaRN's; Granite's attention_multiplier).
     llama3_factor: Llama 3.1's frequency-dependent RoPE scaling (None: none; not with YaRN),
     with llama3_low_freq_factor, llama3_high_freq_factor, llama3_original_max_positions
@@ -375,6 +398,9 @@ class AttentionConfig:
     llama3_low_freq_factor: float = 1.0
     llama3_high_freq_factor: float = 4.0
     llama3_original_max_positions: int = 8192
+    chunk: Optional[int] = None
+    temperature_floor: Optional[int] = None
+    temperature_scale: float = 0.1
 
     def __post_init__(self):
         if self.llama3_factor is not None:
@@ -385,13 +411,21 @@ class AttentionConfig:
             except ValueError as e:
                 name, rest = str(e).split(":", 1)
                 raise ValueError(f"{'rope_base' if name == 'base' else 'llama3_' + name}:{rest}") from None
-        if self.qk_norm_after_rope and self.qk_norm != "head":
-            raise ValueError(f"qk_norm_after_rope: needs qk_norm='head' (per-head norms), got qk_norm={self.qk_norm!r}")
+        if self.qk_norm_after_rope and self.qk_norm not in ("head", "rms"):
+            raise ValueError(f"qk_norm_after_rope: needs per-head norms (qk_norm 'head' or 'rms'), got qk_norm={self.qk_norm!r}")
         if self.scale is not None and (isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) or not 0 < self.scale < math.inf):
             raise ValueError(f"scale: expected None or a positive finite number, got {self.scale!r}")
-        if self.qk_norm not in (None, "head", "proj"):
-            raise ValueError(f"qk_norm: expected None, 'head' or 'proj', got {self.qk_norm!r}")
+        if self.qk_norm not in (None, "head", "proj", "rms"):
+            raise ValueError(f"qk_norm: expected None, 'head', 'proj' or 'rms', got {self.qk_norm!r}")
         check_window(self.window)
+        if self.chunk is not None:
+            check_positive_int("chunk", self.chunk)
+            if self.window is not None:
+                raise ValueError(f"chunk: chunked attention or a sliding window, not both (window = {self.window})")
+        if self.temperature_floor is not None:
+            check_positive_int("temperature_floor", self.temperature_floor)
+        if isinstance(self.temperature_scale, bool) or not isinstance(self.temperature_scale, (int, float)) or not math.isfinite(self.temperature_scale):
+            raise ValueError(f"temperature_scale: expected a finite number, got {self.temperature_scale!r}")
         if not isinstance(self.rope, bool):
             raise ValueError(f"rope: expected a bool, got {self.rope!r}")
         if self.kv_rank is None:
@@ -410,6 +444,8 @@ class AttentionConfig:
             raise ValueError("qk_norm: not with multi-latent attention (its latents have their own norms)")
         if not self.rope:
             raise ValueError("rope: multi-latent attention always rotates its rope part (rope=False is grouped-query attention's)")
+        if self.temperature_floor is not None:
+            raise ValueError("temperature_floor: the query temperature is grouped-query attention's, not with multi-latent attention")
 
     def _llama3(self) -> dict:
         """llama3_inv_freq's keyword arguments."""
@@ -473,9 +509,12 @@ class AttentionContext:
         keys and values for queries of the full head dim: the cheaper form for many queries
         at once (a prompt), and one FlexAttention can run (the absorbed keys are kv_rank + R
         wide).
-    window, local_mask: the sliding window the context was built for (attention_context's
-        cfg.window; None: none) and its mask, of mask's shape and kind: what the layers
-        whose cfg.window equals `window` use in place of mask.
+    window, chunk, local_mask: the sliding window or the attention chunk the context was
+        built for (attention_context's cfg.window, cfg.chunk; None: none) and its mask, of
+        mask's shape and kind: what the layers whose cfg.window and cfg.chunk equal these
+        use in place of mask.
+    positions: [T] int, the tokens' positions (the queries' attention temperature,
+        AttentionConfig.temperature_floor); None: a context built without them.
     """
 
     cos: torch.Tensor
@@ -485,6 +524,8 @@ class AttentionContext:
     latents: Optional[str] = None
     window: Optional[int] = None
     local_mask: object = None
+    chunk: Optional[int] = None
+    positions: Optional[torch.Tensor] = None
 
 
 def _use_flex(impl: str, device: torch.device) -> bool:
@@ -494,11 +535,16 @@ def _use_flex(impl: str, device: torch.device) -> bool:
 
 
 def document_mask(cu_seqlens: torch.Tensor, n_tokens: int, *, flex: bool, token_index=None, kv_index=None, block_size: int = 128,
-                  window: Optional[int] = None):
+                  window: Optional[int] = None, chunk: Optional[int] = None):
     """The causal, same-document mask of a packed micro-batch: a FlexAttention BlockMask
     (flex=True) or a [T, T] bool tensor, True where query t may attend to key s (s <= t
-    and both in the same document; with a sliding window also t - s < window). No host
-    sync; built once per micro-batch.
+    and both in the same document; with a sliding window also t - s < window; with a
+    chunk also in the same chunk of `chunk` tokens of that document: positions p // chunk
+    equal, Llama 4's chunked attention). No host sync; built once per micro-batch.
+
+    Chunked attention is the document mask over documents cut into their chunks: each token
+    stands in the segment named by its chunk's first global index (non-decreasing in the
+    index, as document ids are), so the same code builds both.
 
     Context parallel: token_index [Tq] (the queries' global token indices) and kv_index
     [Tk] (the keys', Tk = n_tokens) give the [Tq, Tk] mask of query i and key j: the
@@ -514,9 +560,13 @@ def document_mask(cu_seqlens: torch.Tensor, n_tokens: int, *, flex: bool, token_
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size: expected a positive int, got {block_size!r}")
     check_window(window)
+    if chunk is not None:
+        check_positive_int("chunk", chunk)
     if token_index is None:  # queries and keys are the tokens themselves, in order
         doc_T = sequence_ids(cu_seqlens, n_tokens)
         q_pos = kv_pos = torch.arange(n_tokens, device=doc_T.device)
+        if chunk is not None:
+            doc_T = _chunk_segments(cu_seqlens, doc_T, q_pos, chunk)
         q_doc = kv_doc = doc_T
 
         def same_doc_causal(b, h, q_idx, kv_idx):  # the indices are the positions: no gather in the kernel
@@ -530,6 +580,8 @@ def document_mask(cu_seqlens: torch.Tensor, n_tokens: int, *, flex: bool, token_
         q_pos, kv_pos = token_index.long(), kv_index.long()
         ends = cu_seqlens[1:].long()
         q_doc, kv_doc = (torch.searchsorted(ends, pos, right=True) for pos in (q_pos, kv_pos))
+        if chunk is not None:
+            q_doc, kv_doc = (_chunk_segments(cu_seqlens, doc, pos, chunk) for doc, pos in ((q_doc, q_pos), (kv_doc, kv_pos)))
 
         def same_doc_causal(b, h, q_idx, kv_idx):
             return (q_doc[q_idx] == kv_doc[kv_idx]) & (kv_pos[kv_idx] <= q_pos[q_idx])
@@ -545,6 +597,14 @@ def document_mask(cu_seqlens: torch.Tensor, n_tokens: int, *, flex: bool, token_
         allowed = (q_doc[:, None] == kv_doc[None, :]) & (kv_pos[None, :] <= q_pos[:, None])
         return allowed if window is None else allowed & (q_pos[:, None] - kv_pos[None, :] < window)
     return _document_block_mask(q_doc, q_pos, kv_doc, kv_pos, mask_mod, block_size, window)
+
+
+def _chunk_segments(cu_seqlens, doc, index, chunk: int):
+    """The segment of each token (its document `doc`, global index `index`) when every
+    document is cut into chunks of `chunk` tokens: the global index of its chunk's first
+    token (tokens past cu_seqlens[-1] are chunked from there)."""
+    start = cu_seqlens.long()[doc]
+    return start + torch.div(index - start, chunk, rounding_mode="floor") * chunk
 
 
 def _block_ranges(doc, pos, block_size: int):
@@ -626,8 +686,9 @@ def attention_context(
         positions: [T] int positions for RoPE (restarting at 0 in each document); under
             context parallel this rank's [T/cp] (fmoe.parallel.split_batch's).
         cfg: AttentionConfig (its RoPE / YaRN knobs and impl pick the tables and the mask;
-            with cfg.window the context also holds that sliding window's mask, for the
-            layers of that window, full-attention layers using the other).
+            with cfg.window or cfg.chunk the context also holds that sliding window's or
+            chunk's mask, for the layers of that window or chunk, full-attention layers
+            using the other).
         mask: an existing context's mask to share (the MTP depths: same documents, other
             positions); None builds it (document_mask).
         token_index, kv_index, gather_kv: context parallel (module docstring), all three or
@@ -661,8 +722,8 @@ def attention_context(
         raise ValueError(f"window_only: a context of the sliding window's layers alone needs cfg.window and no mask, got window {cfg.window}"
                          f"{' and a mask' if mask is not None else ''}")
     local = None
-    if cfg.window is not None:  # the sliding window's mask too, for the layers that use it
-        local = document_mask(cu_seqlens, T_kv, flex=flex, token_index=token_index, kv_index=kv_index, window=cfg.window)
+    if cfg.window is not None or cfg.chunk is not None:  # the window's or chunk's mask too, for the layers that use it
+        local = document_mask(cu_seqlens, T_kv, flex=flex, token_index=token_index, kv_index=kv_index, window=cfg.window, chunk=cfg.chunk)
     if window_only:
         mask = local
     elif mask is None:
@@ -670,7 +731,7 @@ def attention_context(
     elif isinstance(mask, torch.Tensor) == flex or (isinstance(mask, torch.Tensor) and mask.shape != (T, T_kv)):
         raise ValueError(f"mask: expected {'a BlockMask' if flex else f'a [{T}, {T_kv}] bool tensor'} (cfg.impl = {cfg.impl!r}), got {type(mask).__name__}")
     cos, sin = rope_tables(positions, cfg)
-    return AttentionContext(cos, sin, mask, gather_kv, window=cfg.window, local_mask=local)
+    return AttentionContext(cos, sin, mask, gather_kv, window=cfg.window, local_mask=local, chunk=cfg.chunk, positions=positions)
 
 
 @functools.cache
@@ -682,12 +743,13 @@ def _compiled_flex():
 
 
 def _rms_norm(x, weight, eps: float, ms=None):
-    """x / rms(x) * weight over the last dim, statistics in float32 (fmoe.model.RMSNorm's).
-    ms: the mean square [..., 1] to use (None: x's own, over its last dim)."""
+    """x / rms(x) * weight over the last dim, statistics in float32 (fmoe.model.RMSNorm's);
+    weight None: no weight. ms: the mean square [..., 1] to use (None: x's own, over its last dim)."""
     x32 = x.float()
     if ms is None:
         ms = x32.square().mean(-1, keepdim=True)
-    return (x32 * torch.rsqrt(ms + eps) * weight.float()).to(x.dtype)
+    y = x32 * torch.rsqrt(ms + eps)
+    return (y if weight is None else y * weight.float()).to(x.dtype)
 
 
 def mla_shapes(H: int, cfg: AttentionConfig) -> tuple[dict, dict]:
@@ -734,11 +796,12 @@ def _check_attention(x_TH, params, cfg, ctx) -> None:
         _check_ctx(ctx, T, cfg.rot_dim)
         return
     optional = {"bq": (N * D,), "bk": (G * D,), "bv": (G * D,)}
-    if cfg.qk_norm is not None:
+    weighted = cfg.qk_norm in ("head", "proj")  # "rms" has no weights
+    if weighted:
         optional.update(q_norm=(D,) if cfg.qk_norm == "head" else (N * D,), k_norm=(D,) if cfg.qk_norm == "head" else (G * D,))
     for name in ("q_norm", "k_norm"):
-        if (params.get(name) is not None) != (cfg.qk_norm is not None):
-            raise ValueError(f"params['{name}']: expected {'a weight' if cfg.qk_norm else 'none'} with cfg.qk_norm = {cfg.qk_norm!r}")
+        if (params.get(name) is not None) != weighted:
+            raise ValueError(f"params['{name}']: expected {'a weight' if weighted else 'none'} with cfg.qk_norm = {cfg.qk_norm!r}")
     for name, shape in optional.items():
         w = params.get(name)
         if w is not None and tuple(w.shape) != shape:
@@ -784,9 +847,12 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
     _check_attention(x, params, cfg, ctx)
     if heads_mean is not None and not callable(heads_mean):
         raise ValueError(f"heads_mean: expected a function of a [T, n] tensor (fmoe.parallel.HeadShard.mean) or None, got {type(heads_mean).__name__}")
-    if cfg.window != ctx.window and cfg.window is not None:
-        raise ValueError(f"ctx: built for the sliding window {ctx.window}, this layer attends over window {cfg.window} "
-                         "(build the context with an AttentionConfig of the layer's window)")
+    local = cfg.window is not None or cfg.chunk is not None  # a sliding window's or a chunk's mask
+    if local and (cfg.window, cfg.chunk) != (ctx.window, ctx.chunk):
+        raise ValueError(f"ctx: built for the sliding window {ctx.window} and chunk {ctx.chunk}, this layer attends over window {cfg.window} "
+                         f"and chunk {cfg.chunk} (build the context with an AttentionConfig of the layer's window or chunk)")
+    if cfg.temperature_floor is not None and ctx.positions is None:
+        raise ValueError("ctx: has no positions for cfg.temperature_floor's query scales (build it with attention_context)")
     if ctx.latents not in (None, "absorbed", "expanded"):
         raise ValueError(f"ctx.latents: expected None, 'absorbed' or 'expanded', got {ctx.latents!r}")
     if ctx.latents is not None and cfg.kv_rank is None:
@@ -812,7 +878,7 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
         if ctx.latents == "expanded":  # every key's latent and rotated key -> per-head keys and values
             k_TGD, v_TGD = _mla_expand(k_TGD[:, 0, :cfg.kv_rank], k_TGD[:, :, cfg.kv_rank:], params, cfg)
     q_NTD, k_GTD, v_GTD = (rearrange(t, "t h d -> h t d") for t in (q_TND, k_TGD, v_TGD))
-    mask = ctx.mask if cfg.window is None else ctx.local_mask
+    mask = ctx.local_mask if local else ctx.mask
     sinks = params.get("sinks")
     if isinstance(mask, torch.Tensor) and sinks is not None:  # the reference, with sinks
         out_NTD = _attention_with_sinks(q_NTD, k_GTD, v_GTD, mask, softmax_scale(cfg), sinks)
@@ -868,16 +934,31 @@ def _gqa_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext, heads_mean=
             ms = heads_mean(torch.cat(ms, dim=-1)).split(1, dim=-1)
         q_TQ, k_TK = (_rms_norm(t, params[n], cfg.norm_eps, m) for t, n, m in zip((q_TQ, k_TK), ("q_norm", "k_norm"), ms))
     q_TND, k_TGD = rearrange(q_TQ, "t (n d) -> t n d", n=N), rearrange(k_TK, "t (g d) -> t g d", g=G)
-    head_norm = cfg.qk_norm == "head"  # over each head's channels: before RoPE (Qwen3, GLM-4.5) or after (Hunyuan)
+    # over each head's channels: before RoPE (Qwen3, GLM-4.5) or after (Hunyuan, Llama 4's weightless "rms")
+    head_norm = cfg.qk_norm in ("head", "rms")
+
+    def norm_heads(q_TND, k_TGD):
+        return _rms_norm(q_TND, params.get("q_norm"), cfg.norm_eps), _rms_norm(k_TGD, params.get("k_norm"), cfg.norm_eps)
+
     if head_norm and not cfg.qk_norm_after_rope:
-        q_TND, k_TGD = _rms_norm(q_TND, params["q_norm"], cfg.norm_eps), _rms_norm(k_TGD, params["k_norm"], cfg.norm_eps)
+        q_TND, k_TGD = norm_heads(q_TND, k_TGD)
     if cfg.rope:
         q_TND = apply_rope(q_TND, ctx.cos, ctx.sin, interleaved=cfg.interleaved, impl=rope_impl)
         k_TGD = apply_rope(k_TGD, ctx.cos, ctx.sin, interleaved=cfg.interleaved, impl=rope_impl)
     if head_norm and cfg.qk_norm_after_rope:
-        q_TND, k_TGD = _rms_norm(q_TND, params["q_norm"], cfg.norm_eps), _rms_norm(k_TGD, params["k_norm"], cfg.norm_eps)
+        q_TND, k_TGD = norm_heads(q_TND, k_TGD)
+    if cfg.temperature_floor is not None:  # Llama 4's attention temperature, by the query's position
+        q_TND = (q_TND * query_temperature(ctx.positions, cfg)[:, None, None]).to(q_TND.dtype)
     v_TGD = rearrange(project("wv", "bv"), "t (g d) -> t g d", g=G)
     return q_TND, k_TGD, v_TGD
+
+
+def query_temperature(positions: torch.Tensor, cfg: AttentionConfig) -> torch.Tensor:
+    """[T] float32: the queries' scale 1 + temperature_scale * log(1 + floor((p + 1) /
+    temperature_floor)) at positions p [T] (Llama 4's attention temperature tuning: 1 up to
+    position temperature_floor - 2, then growing with the log of the position)."""
+    steps = torch.floor((positions.float() + 1.0) / cfg.temperature_floor)
+    return torch.log1p(steps) * cfg.temperature_scale + 1.0
 
 
 def _mla_latent_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext):

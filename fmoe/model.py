@@ -276,9 +276,11 @@ class TransformerConfig:
     sums its best group_score_topk scores; None: k // topk_groups), route_scale,
     route_normalize (sigmoid: renormalise the k weights; False keeps the raw sigmoids),
     expert_bias (aux-loss-free balancing, sigmoid only), capacity_factor with
-    capacity_policy ("probs" | "position"). Attention: n_heads/n_kv_heads of head_dim,
-    qkv_bias, qk_norm (None | "head" | "proj", fmoe.layers.AttentionConfig;
-    qk_norm_after_rope: the "head" norms after RoPE, Hunyuan), rope_base, rope_dim (rotated
+    capacity_policy ("probs" | "position"), route_on_input (the weights scale each expert's
+    input, not its output: Llama 4; fmoe.layers.MoEConfig.weights_on_input). Attention:
+    n_heads/n_kv_heads of head_dim, qkv_bias, qk_norm (None | "head" | "proj" | "rms",
+    fmoe.layers.AttentionConfig; qk_norm_after_rope: the per-head norms after RoPE, Hunyuan,
+    Llama 4; nope_qk_norm=False: none in the NoPE blocks, Llama 4), rope_base, rope_dim (rotated
     channels per head, None: all), rope_interleaved, yarn_factor (None: plain RoPE) with
     yarn_original_max_positions, yarn_beta_fast / yarn_beta_slow / yarn_mscale /
     yarn_mscale_all_dim / yarn_truncate; llama3_factor (None: none; not with YaRN) with
@@ -297,9 +299,14 @@ class TransformerConfig:
     logit_divisor (the normed hidden states are, before the head). window: sliding-window
     attention (a query attends to the `window` newest tokens of its document, itself
     included) in the trunk blocks listed in window_layers (None: every trunk block); the
-    other blocks and the MTP blocks attend to every earlier token. nope_layers: the trunk
+    other blocks and the MTP blocks attend to every earlier token. chunk: chunked attention
+    (a query attends to the earlier tokens of its chunk of `chunk` tokens of its document,
+    Llama 4) in the trunk blocks listed in chunk_layers (None: every trunk block); not with
+    a window. nope_layers: the trunk
     blocks whose attention has no RoPE (NoPE: q and k unrotated, EXAONE 4's global layers;
-    grouped-query attention only); the MTP blocks always rotate. pre_norms: an RMSNorm on
+    grouped-query attention only); the MTP blocks always rotate. nope_temperature_floor
+    (None: off) and nope_temperature_scale: the NoPE blocks' queries scaled by 1 + scale *
+    log(1 + floor((p + 1) / floor)) at position p (Llama 4's attention temperature tuning). pre_norms: an RMSNorm on
     each block's attention and MLP input (the usual pre-norm block); post_norms: one on each
     branch's output before its residual add (OLMo 2 / FlexOlmo without pre_norms; both:
     Gemma's sandwich). mtp_depth MTP modules; mtp_norm: each with its own output
@@ -331,12 +338,14 @@ class TransformerConfig:
     expert_bias: bool = True
     capacity_factor: Optional[float] = None
     capacity_policy: str = "probs"
+    route_on_input: bool = False
     n_heads: int = 4
     n_kv_heads: int = 2
     head_dim: int = 32
     qkv_bias: bool = False
     qk_norm: Optional[str] = None
     qk_norm_after_rope: bool = False
+    nope_qk_norm: bool = True
     rope_base: float = 10000.0
     rope_dim: Optional[int] = None
     rope_interleaved: bool = False
@@ -368,7 +377,11 @@ class TransformerConfig:
     logit_divisor: float = 1.0
     window: Optional[int] = None
     window_layers: Optional[tuple[int, ...]] = None
+    chunk: Optional[int] = None
+    chunk_layers: Optional[tuple[int, ...]] = None
     nope_layers: Optional[tuple[int, ...]] = None
+    nope_temperature_floor: Optional[int] = None
+    nope_temperature_scale: float = 0.1
     pre_norms: bool = True
     post_norms: bool = False
     mtp_depth: int = 0
@@ -400,12 +413,16 @@ class TransformerConfig:
         check_window(self.window)
         if self.window_layers is not None and self.window is None:
             raise ValueError("window_layers: needs a window (the sliding window's width)")
-        for name in ("pre_norms", "post_norms"):
+        if self.chunk_layers is not None and self.chunk is None:
+            raise ValueError("chunk_layers: needs a chunk (the attention chunk's length)")
+        if self.nope_temperature_floor is not None and self.nope_layers is None:
+            raise ValueError("nope_temperature_floor: scales the NoPE blocks' queries, needs nope_layers")
+        for name in ("pre_norms", "post_norms", "nope_qk_norm", "route_on_input"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         if self.nope_layers is not None and self.kv_rank is not None:
             raise ValueError("nope_layers: multi-latent attention always rotates its rope part (NoPE blocks are grouped-query attention's)")
-        for name in ("moe_layers", "window_layers", "nope_layers"):  # block lists: distinct indices, kept sorted
+        for name in ("moe_layers", "window_layers", "chunk_layers", "nope_layers"):  # block lists: distinct indices, kept sorted
             layers = getattr(self, name)
             if layers is None:
                 continue
@@ -420,7 +437,9 @@ class TransformerConfig:
         if self.rope_dim is not None and (isinstance(self.rope_dim, bool) or not isinstance(self.rope_dim, int)
                                           or not 2 <= self.rope_dim <= self.head_dim or self.rope_dim % 2):
             raise ValueError(f"rope_dim: expected an even int in 2..head_dim = {self.head_dim}, or None, got {self.rope_dim!r}")
-        self.attention_config()  # its own checks (qk_norm)
+        self.attention_config(local=True)  # its own checks (qk_norm, window and chunk)
+        if self.nope_layers is not None:
+            self.attention_config(rope=False)  # the NoPE blocks' (the temperature)
         self.moe_config()  # its own checks (the SwiGLU options)
         # the routing knobs, checked by the op itself on no tokens
         route(torch.zeros(0, self.n_experts, device="cpu"), self.k, score=self.score, pre_softmax=self.pre_softmax,
@@ -436,6 +455,16 @@ class TransformerConfig:
         or every trunk block when only window is set."""
         return self.window is not None and (self.window_layers is None or i in self.window_layers)
 
+    def is_chunked(self, i: int) -> bool:
+        """Whether trunk block i attends within its chunk: listed in chunk_layers, or every
+        trunk block when only chunk is set."""
+        return self.chunk is not None and (self.chunk_layers is None or i in self.chunk_layers)
+
+    def is_local(self, i: int) -> bool:
+        """Whether trunk block i attends over the sliding window or within its chunk (the
+        context's local mask)."""
+        return self.is_sliding(i) or self.is_chunked(i)
+
     def is_nope(self, i: int) -> bool:
         """Whether trunk block i attends without RoPE: listed in nope_layers."""
         return self.nope_layers is not None and i in self.nope_layers
@@ -450,12 +479,15 @@ class TransformerConfig:
             n_experts=self.n_experts, k=self.k, score=self.score, pre_softmax=self.pre_softmax, n_groups=self.n_groups, topk_groups=self.topk_groups,
             scale=self.route_scale, group_score_topk=self.group_score_topk, normalize=self.route_normalize, capacity_factor=self.capacity_factor, capacity_policy=self.capacity_policy, impl=self.impl,
             swiglu_alpha=self.swiglu_alpha, swiglu_limit=self.swiglu_limit, swiglu_offset=self.swiglu_offset,
+            weights_on_input=self.route_on_input,
         )
 
-    def attention_config(self, *, sliding: bool = False, rope: bool = True) -> AttentionConfig:
-        """The attention of a block that attends over every earlier token, or with sliding
-        over the window (a config whose window builds that mask too: attention_context);
-        rope=False: a NoPE block's."""
+    def attention_config(self, *, local: bool = False, rope: bool = True) -> AttentionConfig:
+        """The attention of a block that attends over every earlier token, or with local
+        over the sliding window or within its chunk (a config whose window or chunk builds
+        that mask too: attention_context); rope=False: a NoPE block's (without q/k norms
+        unless nope_qk_norm, with the NoPE temperature)."""
+        norm = rope or self.nope_qk_norm
         return AttentionConfig(
             n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, head_dim=self.head_dim, rope_base=self.rope_base,
             rot_dim=self.rope_dim, interleaved=self.rope_interleaved, yarn_factor=self.yarn_factor,
@@ -463,14 +495,21 @@ class TransformerConfig:
             yarn_beta_slow=self.yarn_beta_slow, yarn_mscale=self.yarn_mscale, yarn_mscale_all_dim=self.yarn_mscale_all_dim,
             yarn_truncate=self.yarn_truncate, llama3_factor=self.llama3_factor, llama3_low_freq_factor=self.llama3_low_freq_factor,
             llama3_high_freq_factor=self.llama3_high_freq_factor, llama3_original_max_positions=self.llama3_original_max_positions,
-            qk_norm=self.qk_norm, qk_norm_after_rope=self.qk_norm_after_rope, norm_eps=self.norm_eps, impl=self.impl, q_rank=self.q_rank, kv_rank=self.kv_rank,
-            v_dim=self.v_head_dim, window=self.window if sliding else None, scale=self.attn_scale, rope=rope,
+            qk_norm=self.qk_norm if norm else None, qk_norm_after_rope=self.qk_norm_after_rope and norm, norm_eps=self.norm_eps,
+            impl=self.impl, q_rank=self.q_rank, kv_rank=self.kv_rank, v_dim=self.v_head_dim, window=self.window if local else None,
+            chunk=self.chunk if local else None, scale=self.attn_scale, rope=rope,
+            temperature_floor=None if rope else self.nope_temperature_floor, temperature_scale=self.nope_temperature_scale,
         )
 
     @property
     def any_sliding(self) -> bool:
         """Whether some trunk block attends over the sliding window."""
         return any(self.is_sliding(i) for i in range(self.n_layers))
+
+    @property
+    def any_local(self) -> bool:
+        """Whether some trunk block attends over the sliding window or within its chunk."""
+        return any(self.is_local(i) for i in range(self.n_layers))
 
 
 class RMSNorm(nn.Module):
@@ -502,9 +541,9 @@ class Attention(nn.Module):
     rank holds whole then get their gradients summed over tp, and a qk norm over the whole
     projection averages its statistic over tp."""
 
-    def __init__(self, cfg: TransformerConfig, *, sliding: bool = False, rope: bool = True):
+    def __init__(self, cfg: TransformerConfig, *, local: bool = False, rope: bool = True):
         super().__init__()
-        self.cfg = cfg.attention_config(sliding=sliding, rope=rope)
+        self.cfg = cfg.attention_config(local=local, rope=rope)
         self.tensor_parallel = None  # fmoe.parallel's HeadShard under tp > 1 (class docstring)
         if cfg.kv_rank is not None:  # multi-latent attention: fmoe.layers names and shapes
             self.names = []
@@ -524,8 +563,8 @@ class Attention(nn.Module):
         if cfg.qkv_bias:  # zero at initialisation (Transformer.reset_parameters)
             self.bq, self.bk, self.bv = (nn.Parameter(torch.empty(n)) for n in (q, kv, kv))
             self.names += ["bq", "bk", "bv"]
-        if cfg.qk_norm is not None:  # one at initialisation
-            head = cfg.qk_norm == "head"
+        if self.cfg.qk_norm in ("head", "proj"):  # one at initialisation ("rms" has no weights)
+            head = self.cfg.qk_norm == "head"
             self.q_norm = nn.Parameter(torch.ones(cfg.head_dim if head else q))
             self.k_norm = nn.Parameter(torch.ones(cfg.head_dim if head else kv))
             self.names += ["q_norm", "k_norm"]
@@ -553,18 +592,18 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    """Residual block: attention (over cfg.window with sliding; without RoPE unless rope),
+    """Residual block: attention (over cfg.window or within cfg.chunk with local; without RoPE unless rope),
     then a dense SwiGLU or an MoE; each branch x + post_norm(f(pre_norm(x))), with the
     pre-norms attn_norm / mlp_norm (cfg.pre_norms) and the post-norms attn_post_norm /
     mlp_post_norm (cfg.post_norms), each an RMSNorm or absent (None)."""
 
-    def __init__(self, cfg: TransformerConfig, moe: bool, *, sliding: bool = False, rope: bool = True):
+    def __init__(self, cfg: TransformerConfig, moe: bool, *, local: bool = False, rope: bool = True):
         super().__init__()
         def norm(on: bool) -> Optional[RMSNorm]:
             return RMSNorm(cfg.hidden, cfg.norm_eps) if on else None
 
         self.attn_norm, self.attn_post_norm = norm(cfg.pre_norms), norm(cfg.post_norms)
-        self.attn = Attention(cfg, sliding=sliding, rope=rope)
+        self.attn = Attention(cfg, local=local, rope=rope)
         self.mlp_norm, self.mlp_post_norm = norm(cfg.pre_norms), norm(cfg.post_norms)
         if moe:
             self.mlp = MoE(cfg.hidden, cfg.ffn_expert, cfg.moe_config(), shared_ffn=cfg.shared_size, shared_gate=cfg.shared_gate,
@@ -808,7 +847,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden))
-        self.blocks = nn.ModuleList(Block(cfg, moe=cfg.is_moe(i), sliding=cfg.is_sliding(i), rope=not cfg.is_nope(i))
+        self.blocks = nn.ModuleList(Block(cfg, moe=cfg.is_moe(i), local=cfg.is_local(i), rope=not cfg.is_nope(i))
                                     for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         # [V, H], linear_cross_entropy's layout; with tie_embeddings the head is the embedding
@@ -881,14 +920,14 @@ class Transformer(nn.Module):
         MTP depth's, and one attention mask from cu_seqlens, on the batch's device. Reads no
         value on the host; build it once per micro-batch, after the batch has moved."""
         self._check_batch(batch)
-        cfg = self.cfg.attention_config(sliding=self.cfg.any_sliding)  # both masks when some block slides
+        cfg = self.cfg.attention_config(local=self.cfg.any_local)  # both masks when some block is local
         split = "token_index" in batch.keys()
         if split != (self.context_parallel is not None):
             raise ValueError("batch: a context-parallel model takes the batch split by fmoe.parallel.split_batch (with token_index), "
                              f"and only such a model does; got {'a split' if split else 'an unsplit'} batch, context_parallel={self.context_parallel}")
         cp = self.context_parallel.attention_kwargs(batch["token_index"]) if split else {}
         trunk = attention_context(batch["cu_seqlens"], batch["positions"], cfg, **cp)
-        full = dataclasses.replace(cfg, window=None)  # the MTP blocks attend to every earlier token
+        full = dataclasses.replace(cfg, window=None, chunk=None)  # the MTP blocks attend to every earlier token
         depths = [attention_context(batch["cu_seqlens"], batch["mtp_positions"][d], full, mask=trunk.mask, **cp) for d in range(self.cfg.mtp_depth)]
         return BatchContext((trunk, *depths))
 
@@ -930,7 +969,7 @@ class Transformer(nn.Module):
         cu_seqlens = cu_seqlens.to(device=input_ids.device, dtype=torch.int32)
         if positions is None:
             positions = positions_from_cu_seqlens(cu_seqlens)
-        ctx = attention_context(cu_seqlens, positions, self.cfg.attention_config(sliding=self.cfg.any_sliding))
+        ctx = attention_context(cu_seqlens, positions, self.cfg.attention_config(local=self.cfg.any_local))
         h_TH = self._embedding(input_ids)
         for block in self.blocks:
             h_TH, _ = block(h_TH, ctx)
@@ -1022,7 +1061,7 @@ class Transformer(nn.Module):
         queries = torch.tensor(rows_host + rows_host[-1:] * pad, device=device)  # each query's row: its index in the mask
         rows = queries[:n]
         cu = torch.tensor([*range(0, n_keys, M), n_keys], dtype=torch.int32, device=device)
-        cfg, mla = self.cfg.attention_config(sliding=self.cfg.any_sliding), self.cfg.kv_rank is not None
+        cfg, mla = self.cfg.attention_config(local=self.cfg.any_local), self.cfg.kv_rank is not None
         absorbed = mla and T == 1
         if absorbed:
             cfg = dataclasses.replace(cfg, impl="torch")

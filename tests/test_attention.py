@@ -30,15 +30,22 @@ def _ctx(cu, cfg, positions=None):
 def _loop_attention(x, p, cfg, cu):
     """Token by token, head by head, each document on its own: the definition."""
     T, (N, G, D) = x.shape[0], (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
-    cos, sin = rope_tables(positions_from_cu_seqlens(cu), cfg)
-    q = apply_rope((x @ p["wq"]).view(T, N, D), cos, sin, interleaved=cfg.interleaved, impl="torch")
-    k = apply_rope((x @ p["wk"]).view(T, G, D), cos, sin, interleaved=cfg.interleaved, impl="torch")
-    v = (x @ p["wv"]).view(T, G, D)
+    positions = positions_from_cu_seqlens(cu)
+    cos, sin = rope_tables(positions, cfg)
+    q, k, v = (x @ p["wq"]).view(T, N, D), (x @ p["wk"]).view(T, G, D), (x @ p["wv"]).view(T, G, D)
+    if cfg.rope:
+        q, k = (apply_rope(t, cos, sin, interleaved=cfg.interleaved, impl="torch") for t in (q, k))
+    if cfg.qk_norm == "rms":  # each head's channels / their root mean square, no weight
+        q, k = (t / (t.square().mean(-1, keepdim=True) + cfg.norm_eps).sqrt() for t in (q, k))
+    if cfg.temperature_floor is not None:  # Llama 4's query temperature: 1 + s log(1 + floor((p + 1) / f))
+        q = q * torch.tensor([1 + cfg.temperature_scale * math.log(1 + (p + 1) // cfg.temperature_floor) for p in positions.tolist()])[:, None, None]
     rows = []
     bounds = cu.tolist()
     for a, b in zip(bounds[:-1], bounds[1:]):
         for t in range(a, b):
             first = a if cfg.window is None else max(a, t - cfg.window + 1)  # the sliding window: the newest `window` keys
+            if cfg.chunk is not None:  # the chunk: keys from its first token (document positions 0, C, 2C, ...)
+                first = a + (t - a) // cfg.chunk * cfg.chunk
             heads = []
             for h in range(N):
                 g = h // (N // G)
@@ -59,10 +66,40 @@ def _rel(a, b):
 
 
 @pytest.mark.parametrize("impl", ["torch", "flex"])
-@pytest.mark.parametrize("cfg", [CFG, YARN, dataclasses.replace(CFG, rot_dim=8, interleaved=True), dataclasses.replace(CFG, window=4)],
-                         ids=["rope", "yarn", "partial-interleaved", "sliding-window"])
+@pytest.mark.parametrize("cfg", [CFG, YARN, dataclasses.replace(CFG, rot_dim=8, interleaved=True), dataclasses.replace(CFG, window=4),
+                                 dataclasses.replace(CFG, chunk=4), dataclasses.replace(CFG, chunk=3, qk_norm="rms", qk_norm_after_rope=True),
+                                 dataclasses.replace(CFG, rope=False, temperature_floor=2, temperature_scale=0.5)],
+                         ids=["rope", "yarn", "partial-interleaved", "sliding-window", "chunked", "chunked-rms-norms", "nope-temperature"])
 def test_attention_matches_per_token_loop(cfg, impl):
     _check_against_definition(cfg, impl, _params(cfg), _loop_attention)
+
+
+def test_llama4_pieces_change_the_output_and_have_their_numbers():
+    """The query temperature's worked numbers; chunks, the temperature and the weightless
+    norms each change the attention (so the loop test above checks something); the "rms"
+    norms are the "head" norms with unit weights, before or after RoPE alike."""
+    from fmoe.layers import query_temperature
+
+    floor2 = dataclasses.replace(CFG, rope=False, temperature_floor=2, temperature_scale=0.5)
+    want = [1.0, 1 + 0.5 * math.log(2), 1 + 0.5 * math.log(2), 1 + 0.5 * math.log(3), 1 + 0.5 * math.log(3), 1 + 0.5 * math.log(4)]
+    torch.testing.assert_close(query_temperature(torch.arange(6), floor2), torch.tensor(want))
+    llama4 = dataclasses.replace(floor2, temperature_floor=8192, temperature_scale=0.1)  # Llama 4's: 1 below 8191, then 1 + 0.1 ln 2
+    assert query_temperature(torch.tensor([8190, 8191, 16383]), llama4).tolist() == pytest.approx([1.0, 1 + 0.1 * math.log(2), 1 + 0.1 * math.log(3)])
+    cu = torch.tensor([0, 9, 17], dtype=torch.int32)
+    x, p = torch.randn(17, H), {n: t.detach() for n, t in _params(CFG).items()}
+
+    def out(cfg, params=p):
+        return attention(x, params, cfg, _ctx(cu, cfg))[0]
+
+    nope = dataclasses.replace(CFG, rope=False)
+    for changed, plain in ((dataclasses.replace(CFG, chunk=4), CFG), (floor2, nope), (dataclasses.replace(CFG, qk_norm="rms"), CFG)):
+        assert _rel(out(changed), out(plain)) > 1e-2
+    assert _rel(out(dataclasses.replace(CFG, chunk=9)), out(CFG)) < 1e-6  # a chunk as long as every document: no change
+    ones = dict(p, q_norm=torch.ones(16), k_norm=torch.ones(16))
+    for after in (False, True):
+        rms, head = dataclasses.replace(CFG, qk_norm="rms", qk_norm_after_rope=after), dataclasses.replace(CFG, qk_norm="head", qk_norm_after_rope=after)
+        assert _rel(out(rms), out(head, ones)) < 1e-6
+    assert _rel(out(dataclasses.replace(CFG, qk_norm="rms")), out(dataclasses.replace(CFG, qk_norm="rms", qk_norm_after_rope=True))) < 1e-5
 
 
 @pytest.mark.parametrize("impl", ["torch", "flex"])
@@ -175,9 +212,9 @@ def test_attention_bad_inputs():
     with pytest.raises(ValueError, match=r"params\['bo'\]: expected a float \[32\] tensor or none, got torch.int64 \[32\]"):
         attention(x, dict(p, bo=torch.zeros(H, dtype=torch.long)), CFG, ctx)
     # a sliding-window layer needs a context built for its window
-    with pytest.raises(ValueError, match="ctx: built for the sliding window None, this layer attends over window 4"):
+    with pytest.raises(ValueError, match="ctx: built for the sliding window None and chunk None, this layer attends over window 4"):
         attention(x, p, dataclasses.replace(CFG, window=4), ctx)
-    with pytest.raises(ValueError, match="ctx: built for the sliding window 3, this layer attends over window 4"):
+    with pytest.raises(ValueError, match="ctx: built for the sliding window 3 and chunk None, this layer attends over window 4"):
         attention(x, p, dataclasses.replace(CFG, window=4), _ctx(cu, dataclasses.replace(CFG, window=3)))
     flex = dataclasses.replace(CFG, impl="flex")
     with pytest.raises(ValueError, match="cfg.impl: FlexAttention has no backward on CPU"):
@@ -236,6 +273,72 @@ def test_sliding_window_mask_is_the_band_of_each_document():
             document_mask(cu, 10, flex=False, window=bad)
         with pytest.raises(ValueError, match=message):
             dataclasses.replace(CFG, window=bad)
+
+
+def _chunk_definition(cu, C):
+    """[T, T]: key s <= query t, same document, same chunk of C document positions."""
+    bounds, T = cu.tolist(), int(cu[-1])
+    allowed = torch.zeros(T, T, dtype=torch.bool)
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        for t in range(a, b):
+            allowed[t, a + (t - a) // C * C : t + 1] = True
+    return allowed
+
+
+@pytest.mark.parametrize("cu, block, chunk", [
+    ([0, 3, 3, 40, 41, 100, 300], 16, 5),    # chunks narrower than a block, an empty document
+    ([0, 300], 16, 64),                      # chunks of whole blocks
+    ([0, 16, 32, 48, 64, 200, 256], 16, 24),
+    ([0, 5, 130, 250, 300], 128, 100),
+])
+def test_chunked_mask_is_the_document_mask_of_the_chunks(cu, block, chunk):
+    """chunk C: query t sees the keys of its own chunk (document positions p // C equal) up
+    to itself; dense, the BlockMask (against create_block_mask on the dense one) and the
+    context-parallel form at global indices all agree with that definition."""
+    from fmoe.parallel import cp_kv_index, cp_token_index
+
+    cu = torch.tensor(cu)
+    T = int(cu[-1])
+    dense = document_mask(cu, T, flex=False, chunk=chunk)
+    assert torch.equal(dense, _chunk_definition(cu, chunk))
+    assert not torch.equal(dense, document_mask(cu, T, flex=False))
+    ours, ref = document_mask(cu, T, flex=True, block_size=block, chunk=chunk), _create_block_mask(dense, block)
+    for got, want in zip(_block_sets(ours), _block_sets(ref)):
+        assert torch.equal(got, want)
+    assert torch.equal(_allowed(ours, (T, T)), dense)
+    kv_index = cp_kv_index(T, 2)
+    for rank in range(2):
+        index = cp_token_index(T, 2, rank)
+        cp_dense = document_mask(cu, T, flex=False, token_index=index, kv_index=kv_index, chunk=chunk)
+        assert torch.equal(cp_dense, dense[index][:, kv_index])
+        cp_block = document_mask(cu, T, flex=True, token_index=index, kv_index=kv_index, block_size=block, chunk=chunk)
+        assert torch.equal(_allowed(cp_block, cp_dense.shape), cp_dense)
+    for bad, message in ((0, "chunk: expected >= 1, got 0"), (2.5, "chunk: expected an int, got 2.5")):
+        with pytest.raises(ValueError, match=message):
+            document_mask(cu, T, flex=False, chunk=bad)
+        with pytest.raises(ValueError, match=message):
+            dataclasses.replace(CFG, chunk=bad)
+
+
+def test_llama4_attention_knobs_are_checked():
+    with pytest.raises(ValueError, match=r"chunk: chunked attention or a sliding window, not both \(window = 4\)"):
+        dataclasses.replace(CFG, window=4, chunk=8)
+    with pytest.raises(ValueError, match="temperature_floor: expected >= 1, got 0"):
+        dataclasses.replace(CFG, temperature_floor=0)
+    with pytest.raises(ValueError, match="temperature_scale: expected a finite number, got nan"):
+        dataclasses.replace(CFG, temperature_scale=float("nan"))
+    with pytest.raises(ValueError, match="temperature_floor: the query temperature is grouped-query attention's"):
+        AttentionConfig(n_heads=4, n_kv_heads=4, head_dim=24, rot_dim=8, kv_rank=16, v_dim=16, temperature_floor=4)
+    p, x, cu = _params(CFG), torch.randn(6, H), torch.tensor([0, 6])
+    rms = dataclasses.replace(CFG, qk_norm="rms")
+    with pytest.raises(ValueError, match=r"params\['q_norm'\]: expected none with cfg.qk_norm = 'rms'"):
+        attention(x, dict(p, q_norm=torch.ones(16), k_norm=torch.ones(16)), rms, _ctx(cu, rms))
+    chunked = dataclasses.replace(CFG, chunk=4)
+    with pytest.raises(ValueError, match="ctx: built for the sliding window None and chunk None, this layer attends over window None and chunk 4"):
+        attention(x, p, chunked, _ctx(cu, CFG))
+    warm = dataclasses.replace(CFG, rope=False, temperature_floor=2)
+    with pytest.raises(ValueError, match="ctx: has no positions for cfg.temperature_floor's query scales"):
+        attention(x, p, warm, dataclasses.replace(_ctx(cu, warm), positions=None))
 
 
 def _block_sets(bm):
@@ -346,11 +449,12 @@ def test_a_context_is_shared_and_reads_no_value_on_the_host():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("window, sinks", [(None, False), (512, False), (128, True)])
-def test_gpu_flex_attention_matches_reference(window, sinks):
+@pytest.mark.parametrize("window, sinks, chunk", [(None, False, None), (512, False, None), (128, True, None), (None, False, 1000)])
+def test_gpu_flex_attention_matches_reference(window, sinks, chunk):
     """FlexAttention against the reference; with sinks (gpt-oss) the gradient also flows
-    through the kernel's log-sum-exp."""
-    cfg = AttentionConfig(n_heads=16, n_kv_heads=4, head_dim=128, window=window)
+    through the kernel's log-sum-exp; chunked attention (Llama 4) with chunks that are not
+    whole blocks."""
+    cfg = AttentionConfig(n_heads=16, n_kv_heads=4, head_dim=128, window=window, chunk=chunk)
     Hg = 2048
     shapes = {"wq": (Hg, 16 * 128), "wk": (Hg, 4 * 128), "wv": (Hg, 4 * 128), "wo": (16 * 128, Hg)}
     p = {n: (torch.randn(*s, device="cuda") * s[0] ** -0.5).bfloat16() for n, s in shapes.items()}

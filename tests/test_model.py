@@ -233,7 +233,7 @@ def test_bad_configs():
             TransformerConfig(**{name: bad})
     with pytest.raises(ValueError, match="scale: expected None or a positive finite number"):
         fmoe.layers.AttentionConfig(n_heads=4, n_kv_heads=2, head_dim=8, scale=float("nan"))
-    with pytest.raises(ValueError, match="qk_norm_after_rope: needs qk_norm='head' .per-head norms., got qk_norm='proj'"):
+    with pytest.raises(ValueError, match=r"qk_norm_after_rope: needs per-head norms \(qk_norm 'head' or 'rms'\), got qk_norm='proj'"):
         TransformerConfig(qk_norm="proj", qk_norm_after_rope=True)
     model = Transformer(dataclasses.replace(TINY, mtp_depth=1))
     with pytest.raises(ValueError, match=r"batch: missing \['mtp_input_ids'"):
@@ -471,7 +471,7 @@ _SMALL = dict(vocab_size=40, hidden=32, n_layers=4, n_dense=1, ffn_dense=48, n_e
 @pytest.mark.parametrize("overrides, message", [
     (dict(moe_layers=(1, 4)), r"moe_layers: expected distinct block indices in 0..3"),
     (dict(moe_layers=(1, 1)), r"moe_layers: expected distinct"),
-    (dict(qk_norm="layer"), r"qk_norm: expected None, 'head' or 'proj'"),
+    (dict(qk_norm="layer"), r"qk_norm: expected None, 'head', 'proj' or 'rms'"),
     (dict(rope_dim=7), r"rope_dim: expected an even int in 2..head_dim"),
     (dict(n_shared=0, shared_gate=True), r"shared_gate: needs shared experts"),
     (dict(shared_ffn=-1), r"shared_ffn: expected an int >= 0 or None"),

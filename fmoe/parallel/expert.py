@@ -15,7 +15,8 @@ w_down). An ExpertParallel call on one rank, step by step (the explicit function
      backward: an all-gather, so d x and d weights are whole and identical on every tp rank.
      (fmoe.parallel.parallelize gives no tp_mesh: under its sequence parallelism the MoE
      block already holds only this rank's tokens, and token_shards sizes the capacity.)
-  2. permute by global expert id (fmoe.ops.permute, align = 1) -> x_perm [R, H], counts [E].
+  2. permute by global expert id (fmoe.ops.permute, align = 1) -> x_perm [R, H], counts [E]
+     (with cfg.weights_on_input each row times its gate weight here: fmoe.layers.weigh_rows).
   3. dispatch, over ep: an all-to-all of the counts, then one host sync for the split sizes,
      then an all-to-all of the rows. Over etp (etp > 1): every etp rank sends the rows it
      received to every etp rank, since they hold different tokens but the same experts.
@@ -24,7 +25,7 @@ w_down). An ExpertParallel call on one rank, step by step (the explicit function
   5. combine: the reverse of 3. Over etp each rank gets back the partial outputs of its own
      rows from every F-shard and sums them (a reduce-scatter); over ep an all-to-all returns
      the rows to their tokens' ranks -> y_perm [R, H].
-  6. unpermute with the gate weights; gather_tokens (tp_mesh) all-gathers the T/tp slices
+  6. unpermute with the gate weights (unweighted with weights_on_input); gather_tokens (tp_mesh) all-gathers the T/tp slices
      (backward: a slice of the upstream gradient, which TP makes identical on the tp ranks).
 
 With ep = etp = 1 (a tp_mesh alone) steps 2-5 are fmoe.layers.local_experts on the rank's
@@ -101,7 +102,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from fmoe.layers import check_expert_weights, expert_biases, local_experts
+from fmoe.layers import check_expert_weights, expert_biases, local_experts, weigh_rows
 from fmoe.ops.checks import check_float, check_index, check_positive_int
 from fmoe.ops.dispatch import PermutePlan, permute, slot_ranks, unpermute
 from fmoe.ops.experts import grouped_mlp
@@ -562,6 +563,7 @@ class ExpertParallel:
             # align = 1: the exchanged rows carry no padding; ids from route need no value
             # check; dispatch makes the one host sync (the count exchange)
             x_perm, plan = permute(x_slice_TH, routes.experts, E, align=1, check=False, impl=cfg.impl)
+            x_perm, weights = weigh_rows(x_perm, plan, routes.weights, cfg)  # cfg.weights_on_input: on the way in
             x_local, meta = dispatch(x_perm, plan.counts, ep_mesh=self.ep_mesh, etp_mesh=self.etp_mesh)
             # offsets come from dispatch's own counts: skip grouped_mlp's value check (a host sync)
             y_local = grouped_mlp(x_local, w_gate, w_up, w_down, meta.offsets, check=False, impl=cfg.impl, **biases, **cfg.glu)
@@ -571,9 +573,10 @@ class ExpertParallel:
             # of the token_shards T tokens of the micro-batch x is a shard of
             C = expert_capacity((T if self.max_tokens is None else self.max_tokens) * self.token_shards, k, E, cfg.capacity_factor)
             x_ECH, plan = permute_padded(x_slice_TH, routes.experts, E, C)
-            x_local, meta = dispatch_padded(x_ECH, ep_mesh=self.ep_mesh, etp_mesh=self.etp_mesh)
+            x_ECH, weights = weigh_rows(x_ECH.view(E * C, H), plan, routes.weights, cfg)
+            x_local, meta = dispatch_padded(x_ECH.view(E, C, H), ep_mesh=self.ep_mesh, etp_mesh=self.etp_mesh)
             # the offsets C S Q (l + 1) are right by construction: no value check (a host sync)
             y_local = grouped_mlp(x_local, w_gate, w_up, w_down, meta.offsets, check=False, impl=cfg.impl, **biases, **cfg.glu)
             y_perm = combine_padded(y_local, meta).view(E * C, H)
-        y_TH = unpermute(y_perm, plan, routes.weights, impl=cfg.impl)
+        y_TH = unpermute(y_perm, plan, weights, impl=cfg.impl)
         return gather_tokens(y_TH, self.tp_mesh), plan.counts

@@ -72,18 +72,27 @@ _PEAKS = (  # dense bf16 tensor-core peaks (NVIDIA datasheets), most specific na
 )
 
 
-def mean_attended_keys(cu_seqlens: Union[torch.Tensor, Sequence[int]], window: Optional[int] = None) -> float:
+def mean_attended_keys(cu_seqlens: Union[torch.Tensor, Sequence[int]], window: Optional[int] = None, chunk: Optional[int] = None) -> float:
     """n_avg = sum_i len_i^2 / (2 T): the mean number of keys a query attends to in causal
     attention over packed documents (S/2 for one document of length S). Under a sliding
     window W (fmoe.layers.AttentionConfig.window) a query sees at most W keys: a document
-    longer than W counts W^2 / 2 + (len - W) W (the same continuous count, min(t, W) dt)."""
+    longer than W counts W^2 / 2 + (len - W) W (the same continuous count, min(t, W) dt).
+    In chunked attention (AttentionConfig.chunk C, not with a window) each chunk of a
+    document is a document of its own: len // C chunks of C^2 / 2 and the rest's (len % C)^2 / 2."""
     from fmoe.layers import check_window
+    from fmoe.ops.checks import check_positive_int
 
     check_window(window)
+    if chunk is not None:
+        check_positive_int("chunk", chunk)
+        if window is not None:
+            raise ValueError(f"chunk: a sliding window or chunked attention, not both (window = {window})")
     cu = torch.as_tensor(cu_seqlens).tolist()
     if not cu or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])) or cu[-1] <= 0:
         raise ValueError(f"cu_seqlens: expected non-decreasing offsets from 0 to T > 0, got {cu}")
     lengths = [b - a for a, b in zip(cu, cu[1:])]
+    if chunk is not None:
+        return sum((n // chunk) * chunk * chunk + (n % chunk) ** 2 for n in lengths) / (2 * cu[-1])
     if window is None:
         return sum(n * n for n in lengths) / (2 * cu[-1])
     return sum(n * n / 2 if n <= window else window * window / 2 + (n - window) * window for n in lengths) / cu[-1]
@@ -107,8 +116,9 @@ def flops_per_token(
     projections (None: grouped-query attention's H (q + 2 kv) + q H; multi-latent attention
     passes its own); v_dim: the value head dim (None: head_dim), so the scores and values
     cost 6 n_heads (head_dim + v_dim) n_avg_keys (12 q n_avg_keys when they are equal).
-    n_sliding of the n_layers trunk layers attend over a sliding window, n_avg_local_keys
-    keys each on average (mean_attended_keys(cu_seqlens, window)); the MTP blocks over all."""
+    n_sliding of the n_layers trunk layers attend over a sliding window or within chunks,
+    n_avg_local_keys keys each on average (mean_attended_keys(cu_seqlens, window, chunk));
+    the MTP blocks over all."""
     args = dict(hidden=hidden, n_layers=n_layers, n_dense=n_dense, ffn_dense=ffn_dense, ffn_expert=ffn_expert, k=k,
                 n_shared=n_shared, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, vocab=vocab,
                 mtp_depth=mtp_depth, n_avg_keys=n_avg_keys, n_experts=n_experts)
@@ -145,8 +155,8 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
     MTP blocks as the model builds them. With multi-latent attention (kv_rank) the attention
     terms of every block (trunk and MTP) are its own: 6 x its projection weights, and
     6 N (D + v_dim) n_avg_keys for the scores (q.k over D) and the values (over v_dim).
-    Blocks with a sliding window (cfg.is_sliding) count n_avg_local_keys keys per query
-    (mean_attended_keys with cfg.window): required when there are any."""
+    Blocks with a sliding window or chunked attention (cfg.is_local) count n_avg_local_keys
+    keys per query (mean_attended_keys with cfg.window, cfg.chunk): required when there are any."""
     names = ("hidden", "n_layers", "ffn_dense", "ffn_expert", "k", "n_heads", "n_kv_heads", "head_dim", "mtp_depth", "n_experts")
     is_moe = getattr(cfg, "is_moe", lambda i: i >= cfg.n_dense)
     n_dense = sum(not is_moe(i) for i in range(cfg.n_layers))
@@ -157,10 +167,10 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
 
         mats, _ = mla_shapes(cfg.hidden, cfg.attention_config())
         attention = dict(attention_weights=sum(a * b for a, b in mats.values()), v_dim=cfg.v_head_dim)
-    n_sliding = sum(getattr(cfg, "is_sliding", lambda i: False)(i) for i in range(cfg.n_layers))
+    n_sliding = sum(getattr(cfg, "is_local", getattr(cfg, "is_sliding", lambda i: False))(i) for i in range(cfg.n_layers))
     if n_sliding and n_avg_local_keys is None:
-        raise ValueError(f"n_avg_local_keys: {n_sliding} blocks attend over a sliding window of {cfg.window}: "
-                         "pass their mean attended keys (mean_attended_keys(cu_seqlens, window))")
+        raise ValueError(f"n_avg_local_keys: {n_sliding} blocks attend over a sliding window of {cfg.window} or within chunks of "
+                         f"{getattr(cfg, 'chunk', None)}: pass their mean attended keys (mean_attended_keys(cu_seqlens, window, chunk))")
     return flops_per_token(**{n: getattr(cfg, n) for n in names}, n_dense=n_dense, n_shared=shared, vocab=cfg.vocab_size,
                            n_avg_keys=n_avg_keys, n_sliding=n_sliding, n_avg_local_keys=n_avg_local_keys, **attention)
 
