@@ -36,6 +36,7 @@ CASES_2 = {
     "etp2": (dict(ep=1, etp=2), (5, 7), {}),
     "tp2_ep2": (dict(tp=2, ep=2), (10,), {}),
     "empty_ep2": (dict(ep=2), (0, 7), dict(k=1, one_expert=3)),
+    "ep2_on_input": (dict(ep=2), (5, 7), dict(on_input=True)),  # the routing weights scale the experts' input (Llama 4)
 }
 CASES_4 = {
     "ep4": (dict(ep=4), (5, 7, 3, 9), {}),
@@ -47,6 +48,7 @@ CASES_4 = {
     "empty_ep4": (dict(ep=4), (5, 0, 7, 3), dict(k=1, one_expert=3)),
     "empty_ep2_etp2": (dict(ep=2, etp=2), (0, 5, 3, 0), dict(k=1, one_expert=6)),
     "empty_tp2_ep2": (dict(tp=2, ep=2), (0, 6), dict(k=1, one_expert=0)),
+    "ep2_etp2_on_input": (dict(ep=2, etp=2), (5, 7, 3, 9), dict(on_input=True)),
 }
 # capacity layout: cap = capacity factor, drop = whether slots are dropped (asserted, so the
 # case tests what it says), max_tokens = the largest T of the ep x etp group where the T
@@ -57,6 +59,7 @@ CASES_2.update({
     "cap_ep2_no_drop": (dict(ep=2), (5, 7), dict(cap=8.0, drop=False, max_tokens=7)),
     "cap_tp2_ep2": (dict(tp=2, ep=2), (10,), dict(cap=1.0, drop=True)),
     "cap_empty_ep2": (dict(ep=2), (0, 7), dict(k=1, one_expert=3, cap=1.0, drop=True, max_tokens=7)),
+    "cap_ep2_on_input": (dict(ep=2), (6, 6), dict(cap=1.0, drop=True, on_input=True)),
 })
 CASES_4.update({
     "cap_ep4": (dict(ep=4), (6, 6, 6, 6), dict(cap=1.0, drop=True)),
@@ -120,7 +123,7 @@ def _expert_parallel(ep, params, cfg):
 
 def _moe_case(
     sizes: dict, tokens: tuple, k: int = 2, one_expert=None, same_groups=None,
-    cap=None, drop=None, max_tokens=None, compiled=False,
+    cap=None, drop=None, max_tokens=None, compiled=False, on_input=False,
 ) -> list[str]:
     from fmoe.layers import MoEConfig, moe
     from fmoe.parallel.expert import ExpertParallel
@@ -129,7 +132,7 @@ def _moe_case(
 
     meshes = build_meshes(**sizes)
     # k = 1 needs pre_softmax for a router gradient
-    cfg = MoEConfig(n_experts=E, k=k, pre_softmax=k == 1, capacity_factor=cap)
+    cfg = MoEConfig(n_experts=E, k=k, pre_softmax=k == 1, capacity_factor=cap, weights_on_input=on_input)
     params, x_all, dy_all = _problem(sum(tokens), one_expert=one_expert)
     fails = []
     if same_groups is not None:  # the layout the case is meant to test
