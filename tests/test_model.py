@@ -27,6 +27,12 @@ VARIANTS = {
     "sliding window, mtp": dataclasses.replace(TINY, window=4, window_layers=(0, 2), mtp_depth=1),
     # EXAONE's layout: per-head q/k norms, local blocks 0 and 2 with RoPE, block 1 global without (NoPE)
     "nope global, window local": dataclasses.replace(TINY, qk_norm="head", window=4, window_layers=(0, 2), nope_layers=(1,), mtp_depth=1),
+    # Llama 4's pieces: chunked attention in the RoPE blocks 0 and 2, block 1 NoPE with the
+    # query temperature and without q/k norms, weightless q/k norms after interleaved RoPE,
+    # the raw sigmoid of the top-1 logit scaling the expert's input
+    "llama4": dataclasses.replace(TINY, chunk=4, chunk_layers=(0, 2), nope_layers=(1,), nope_temperature_floor=2, nope_temperature_scale=0.5,
+                                  qk_norm="rms", qk_norm_after_rope=True, nope_qk_norm=False, rope_interleaved=True, score="sigmoid",
+                                  expert_bias=False, route_normalize=False, k=1, route_on_input=True, mtp_depth=1),
     # OLMo 2's / FlexOlmo's post-norm blocks (norms on the branch outputs, none on their inputs), and Gemma's sandwich
     "post-norm": dataclasses.replace(TINY, pre_norms=False, post_norms=True, qk_norm="proj", mtp_depth=1),
     "sandwich norms": dataclasses.replace(TINY, post_norms=True),
@@ -118,6 +124,55 @@ def test_sliding_window_knobs_are_checked():
     cfg = dataclasses.replace(TINY, window=4, window_layers=(2, 0))
     assert cfg.window_layers == (0, 2) and [cfg.is_sliding(i) for i in range(3)] == [True, False, True] and cfg.any_sliding
     assert all(dataclasses.replace(TINY, window=4).is_sliding(i) for i in range(3)) and not TINY.any_sliding
+
+
+def test_chunked_layers_see_only_their_chunk():
+    """The blocks of chunk_layers attend within their chunk of each document: a chunk as
+    long as every document is the full-attention model; a short one changes the logits
+    from each document's second chunk on, and only through its layers."""
+    torch.manual_seed(0)
+    ref = Transformer(TINY).eval()
+    ids, cu = torch.randint(0, TINY.vocab_size, (20,)), torch.tensor([0, 12, 20], dtype=torch.int32)
+    with torch.no_grad():
+        want = ref.logits(ids, cu)
+
+        def logits(**knobs):
+            model = Transformer(dataclasses.replace(TINY, **knobs)).eval()
+            model.load_state_dict(ref.state_dict())
+            return model.logits(ids, cu)
+
+        torch.testing.assert_close(logits(chunk=12), want)
+        chunked = logits(chunk=3, chunk_layers=(1,))
+        assert [b.attn.cfg.chunk for b in Transformer(dataclasses.replace(TINY, chunk=3, chunk_layers=(1,))).blocks] == [None, 3, None]
+    torch.testing.assert_close(chunked[[0, 1, 2, 12, 13, 14]], want[[0, 1, 2, 12, 13, 14]])  # each document's first chunk
+    assert float((chunked - want).abs().amax(-1)[[3, 15]].min()) > 1e-4  # a second chunk's first token sees only itself
+
+
+def test_llama4_knobs_are_checked_and_build_what_they_say():
+    with pytest.raises(ValueError, match="chunk_layers: needs a chunk"):
+        dataclasses.replace(TINY, chunk_layers=(0,))
+    with pytest.raises(ValueError, match=r"chunk: chunked attention or a sliding window, not both \(window = 4\)"):
+        dataclasses.replace(TINY, chunk=8, window=4)
+    with pytest.raises(ValueError, match=r"chunk_layers: expected distinct block indices in 0..2, got \(0, 3\)"):
+        dataclasses.replace(TINY, chunk=4, chunk_layers=(0, 3))
+    with pytest.raises(ValueError, match="nope_temperature_floor: scales the NoPE blocks' queries, needs nope_layers"):
+        dataclasses.replace(TINY, nope_temperature_floor=4)
+    with pytest.raises(ValueError, match="temperature_floor: expected >= 1, got 0"):
+        dataclasses.replace(TINY, nope_layers=(1,), nope_temperature_floor=0)
+    with pytest.raises(ValueError, match="route_on_input: expected a bool, got 1"):
+        dataclasses.replace(TINY, route_on_input=1)
+    cfg = VARIANTS["llama4"]
+    assert [cfg.is_chunked(i) for i in range(3)] == [True, False, True] and cfg.any_local and not cfg.any_sliding
+    model = Transformer(cfg)
+    attn = [b.attn.cfg for b in model.blocks]
+    assert [a.chunk for a in attn] == [4, None, 4] and [a.rope for a in attn] == [True, False, True]
+    assert [a.qk_norm for a in attn] == ["rms", None, "rms"] and [a.temperature_floor for a in attn] == [None, 2, None]
+    assert model.mtp[0].block.attn.cfg.chunk is None  # the MTP blocks attend to every earlier token, with RoPE
+    assert not any(name.endswith(("q_norm", "k_norm")) for name, _ in model.named_parameters())  # "rms" has no weights
+    assert all(b.mlp.cfg.weights_on_input for b in model.blocks[1:])
+    # nope_qk_norm=True keeps the NoPE blocks' norms (EXAONE's global layers)
+    kept = Transformer(dataclasses.replace(TINY, qk_norm="head", nope_layers=(1,)))
+    assert kept.blocks[1].attn.cfg.qk_norm == "head" and hasattr(kept.blocks[1].attn, "q_norm")
 
 
 def test_nope_layers_attend_without_rope():
@@ -536,6 +591,7 @@ DECODED = {
                                                                   llama3_factor=4.0, llama3_original_max_positions=16),
     "gpt-oss": VARIANTS["gpt-oss"],
     "post-norm": VARIANTS["post-norm"],
+    "llama4": dataclasses.replace(VARIANTS["llama4"], mtp_depth=0, llama3_factor=4.0, llama3_original_max_positions=16),
     "mla, sinks, output bias": dataclasses.replace(VARIANTS["mla, group top-2, mtp norm"], attn_sinks=True, o_bias=True),
 }
 
