@@ -6,7 +6,7 @@
 A folder holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). Supported `model_type`s: FAMILIES (mixtral, qwen2_moe,
 qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, deepseek_v2, glm4_moe_lite, gpt_oss, solar_open,
-exaone_moe, dots1, minimax_m2, granitemoe, granitemoeshared, hunyuan_v1_moe). Each family has one table: its
+exaone_moe, dots1, minimax_m2, granitemoe, granitemoeshared, hunyuan_v1_moe, llama4_text). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: clipped qkv, ...)
 and its key map (HF key <-> fmoe
 parameter, with the layout change: HF linear weights [out, in] are transposed to fmoe's
@@ -48,6 +48,11 @@ experts are stacks of linear weights, input_linear [E, 2F, H] (the gate's F rows
 up's: Tensor.chunk) and output_linear [E, H, F], and so is the shared MLP ([2Fs, H], [H, Fs]).
 Hunyuan-A13B: its router is gate.wg, its q/k norms query_layernorm / key_layernorm
 (Family.router, Family.qk_norms), applied after RoPE.
+Llama 4 (llama4_text, the text model of Llama4ForCausalLM): the experts are [E, H, 2F]
+gate_up_proj (the gate's F columns, then the up's: Tensor.chunk) and [E, F, H] down_proj
+stacks; RoPE on interleaved pairs; chunked attention, NoPE layers with the query
+temperature, weightless q/k norms and the routing weights on the experts' input
+(_llama4_text).
 
 Loading reads the safetensors files tensor by tensor with the `safetensors` library (an
 expert stack is filled expert by expert): the checkpoint is never in memory twice. Into a
@@ -375,6 +380,43 @@ def _granitemoe(hf: dict) -> dict:
                 n_dense=0, n_shared=0, shared_ffn=hf.get("shared_intermediate_size") or 0)
 
 
+def _llama4_text(hf: dict) -> dict:
+    """Llama 4's text model (llama4_text, Llama4ForCausalLM): the layers no_rope_layers marks
+    0 attend without RoPE (NoPE, by default every no_rope_layer_interval-th), with the
+    query temperature (attn_temperature_tuning: floor_scale, attn_scale) and without q/k
+    norms; the others rotate interleaved pairs, with weightless per-head q/k norms after
+    RoPE (use_qk_norm). The layers layer_types names chunked_attention (by default the RoPE
+    ones) attend within chunks of attention_chunk_size. The MoE blocks (moe_layers, by
+    default every interleave_moe_layer_step-th) route each token to the top-k of the router
+    logits, the raw sigmoid of each chosen logit scaling the token on its way into the
+    expert, beside a shared expert of intermediate_size; the dense blocks' MLP is of
+    intermediate_size_mlp. Experts stored as [E, H, 2F] gate_up_proj (gate, then up) and
+    [E, F, H] down_proj."""
+    n = hf["num_hidden_layers"]
+    ropes = hf.get("no_rope_layers") or [int((i + 1) % hf.get("no_rope_layer_interval", 4) != 0) for i in range(n)]
+    if len(ropes) < n or set(ropes[:n]) - {0, 1}:
+        raise ValueError(f"config.json: no_rope_layers = {hf.get('no_rope_layers')!r} is not supported (1 for RoPE or 0 for NoPE, per layer)")
+    kinds = hf.get("layer_types") or ["chunked_attention" if rope else "full_attention" for rope in ropes[:n]]
+    if len(kinds) != n or set(kinds) - {"full_attention", "chunked_attention"}:
+        raise ValueError(f"config.json: layer_types = {kinds!r} is not supported (one of full_attention / chunked_attention per layer)")
+    chunked = tuple(i for i, kind in enumerate(kinds) if kind == "chunked_attention")
+    chunk = hf.get("attention_chunk_size")
+    if chunked and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"config.json: attention_chunk_size = {chunk!r} is not supported (a positive length for the chunked layers)")
+    step = hf.get("interleave_moe_layer_step", 1)
+    moe = hf.get("moe_layers")
+    moe = tuple(range(step - 1, n, step)) if moe is None else tuple(moe)
+    nope = tuple(i for i in range(n) if not ropes[i])
+    floor = hf.get("floor_scale", 8192) if hf.get("attn_temperature_tuning", True) and nope else None
+    bias = bool(hf.get("attention_bias", False))
+    return dict(_common(hf, hf["num_local_experts"]), ffn_expert=hf["intermediate_size"], ffn_dense=hf.get("intermediate_size_mlp", 16384),
+                moe_layers=moe, n_shared=1, score="sigmoid", route_normalize=False, route_on_input=True, qkv_bias=bias, o_bias=bias,
+                rope_interleaved=True, qk_norm="rms" if hf.get("use_qk_norm", True) else None, qk_norm_after_rope=bool(hf.get("use_qk_norm", True)),
+                nope_qk_norm=False, nope_layers=nope or None, nope_temperature_floor=floor,
+                nope_temperature_scale=float(hf.get("attn_scale", 0.1)), chunk=chunk if chunked else None,
+                chunk_layers=None if len(chunked) == n else chunked or None)
+
+
 def _one_per_model(hf: dict, field: str):
     """A field that may be a per-layer list (Hunyuan's num_experts, moe_topk): one value for
     every layer, or a ValueError."""
@@ -428,8 +470,9 @@ class Tensor:
     weights), or a [1, H] row when `row`; `part` (i, n): every n-th entry of the stored
     last dim from entry i (gpt-oss's gate_up_proj [E, H, 2F] interleaves gate and up: the
     gate is part (0, 2), the up part (1, 2)), the n parts sharing one key; `chunk` (i, n): the
-    i-th of n equal contiguous runs of the stored dim -2, the out dim of a linear weight
-    (Granite's input_linear [E, 2F, H]: the gate is chunk (0, 2), the up chunk (1, 2)).
+    i-th of n equal contiguous runs of fmoe's last dim: the stored dim -2 of a transposed
+    linear weight, the out dim (Granite's input_linear [E, 2F, H]: the gate is chunk (0, 2),
+    the up chunk (1, 2)), the stored last dim otherwise (Llama 4's gate_up_proj [E, H, 2F]).
     `transpose` swaps the last two dims (a stack [E, out, in] too)."""
 
     keys: tuple[str, ...]
@@ -452,11 +495,14 @@ class Family:
     shared: str = "shared_expert"  # the shared experts' module name
     correction_bias: str = "gate.e_score_correction_bias"  # the routing correction bias, under the MoE block
     mtp: bool = False  # MTP modules as layers n_layers, n_layers + 1, ... (DeepSeek-V3's layout)
-    fused: bool = False  # gpt-oss: experts as [E, ...] stacks (gate_up_proj, down_proj) with biases, a router module with a bias
+    # experts as [E, H, 2F] gate_up_proj / [E, F, H] down_proj stacks, gate and up "interleaved"
+    # (gpt-oss, with biases and a router module with a bias) or in "halves" (Llama 4); None: per expert
+    fused: Optional[str] = None
     chunked: bool = False  # Granite: experts and shared MLP as [E, out, in] / [out, in] stacks (input_linear: gate, then up; output_linear)
     router: str = "gate.weight"  # the router's weight, under the MoE block (its bias beside it, where it has one)
     qk_norms: tuple[str, str] = ("q_norm", "k_norm")  # the q / k norm modules, under self_attn
     not_read: Optional[str] = None  # a prefix of checkpoint keys never read (EXAONE's MTP layers, "mtp."), as in transformers
+    dense: str = "mlp"  # the dense blocks' MLP module
 
 
 FAMILIES = {
@@ -470,8 +516,10 @@ FAMILIES = {
     "deepseek_v2": Family(_deepseek_v2, "mlp", ("gate_proj", "up_proj", "down_proj"), "DeepseekV2ForCausalLM", "shared_experts"),
     "glm4_moe_lite": Family(_glm4_moe_lite, "mlp", ("gate_proj", "up_proj", "down_proj"), "Glm4MoeLiteForCausalLM", "shared_experts",
                             mtp=True),
-    "gpt_oss": Family(_gpt_oss, "mlp", ("gate_up_proj", "gate_up_proj", "down_proj"), "GptOssForCausalLM", fused=True,
+    "gpt_oss": Family(_gpt_oss, "mlp", ("gate_up_proj", "gate_up_proj", "down_proj"), "GptOssForCausalLM", fused="interleaved",
                       router="router.weight"),
+    "llama4_text": Family(_llama4_text, "feed_forward", ("gate_up_proj", "gate_up_proj", "down_proj"), "Llama4ForCausalLM", fused="halves",
+                          router="router.weight", dense="feed_forward"),
     "solar_open": Family(_solar_open, "mlp", ("gate_proj", "up_proj", "down_proj"), "SolarOpenForCausalLM", "shared_experts"),
     "exaone_moe": Family(_exaone_moe, "mlp", ("gate_proj", "up_proj", "down_proj"), "ExaoneMoeForCausalLM", "shared_experts",
                          correction_bias="e_score_correction_bias", not_read="mtp."),
@@ -488,8 +536,9 @@ FAMILIES = {
 _MLA = (("wq", "q_proj"), ("wq_a", "q_a_proj"), ("wq_b", "q_b_proj"), ("wkv_a", "kv_a_proj_with_mqa"), ("wkv_b", "kv_b_proj"), ("wo", "o_proj"))
 
 
-def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: bool) -> dict[str, Tensor]:
-    """One transformer block: HF prefix p ("model.layers.{i}."), fmoe prefix q."""
+def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: bool, rope: bool = True) -> dict[str, Tensor]:
+    """One transformer block: HF prefix p ("model.layers.{i}."), fmoe prefix q; rope=False:
+    a NoPE block (its q/k norms only with cfg.nope_qk_norm)."""
     out = {}
     attn = p + "self_attn."
     if cfg.kv_rank is not None:  # multi-latent attention
@@ -510,7 +559,7 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
         out[q + "attn.bo"] = Tensor((attn + "o_proj.bias",))
     if cfg.attn_sinks:
         out[q + "attn.sinks"] = Tensor((attn + "sinks",))
-    if cfg.qk_norm is not None:
+    if cfg.qk_norm in ("head", "proj") and (rope or cfg.nope_qk_norm):  # weighted norms ("rms" has none)
         out[q + "attn.q_norm"] = Tensor((attn + family.qk_norms[0] + ".weight",))
         out[q + "attn.k_norm"] = Tensor((attn + family.qk_norms[1] + ".weight",))
     if cfg.pre_norms and cfg.post_norms:
@@ -526,14 +575,18 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
         out[q + "mlp.router"] = Tensor((mlp + family.router,))
         if cfg.router_bias:  # gpt-oss: the router module's bias
             out[q + "mlp.router_bias"] = Tensor((mlp + family.router.removesuffix("weight") + "bias",))
-    if moe and family.fused:  # gpt-oss: [E, H, 2F] gate/up interleaved, [E, F, H], each with a bias
+    if moe and family.fused:  # [E, H, 2F] gate/up interleaved (gpt-oss, each with a bias) or in halves (Llama 4), [E, F, H]
         experts = mlp + "experts."
-        out[q + "mlp.experts.w_gate"] = Tensor((experts + "gate_up_proj",), part=(0, 2))
-        out[q + "mlp.experts.w_up"] = Tensor((experts + "gate_up_proj",), part=(1, 2))
+
+        def half(i: int) -> dict:
+            return dict(part=(i, 2)) if family.fused == "interleaved" else dict(chunk=(i, 2))
+
+        out[q + "mlp.experts.w_gate"] = Tensor((experts + "gate_up_proj",), **half(0))
+        out[q + "mlp.experts.w_up"] = Tensor((experts + "gate_up_proj",), **half(1))
         out[q + "mlp.experts.w_down"] = Tensor((experts + "down_proj",))
         if cfg.expert_biases:
-            out[q + "mlp.experts.b_gate"] = Tensor((experts + "gate_up_proj_bias",), part=(0, 2))
-            out[q + "mlp.experts.b_up"] = Tensor((experts + "gate_up_proj_bias",), part=(1, 2))
+            out[q + "mlp.experts.b_gate"] = Tensor((experts + "gate_up_proj_bias",), **half(0))
+            out[q + "mlp.experts.b_up"] = Tensor((experts + "gate_up_proj_bias",), **half(1))
             out[q + "mlp.experts.b_down"] = Tensor((experts + "down_proj_bias",))
     elif moe and family.chunked:  # Granite: [E, 2F, H] gate then up, [E, H, F]; the shared MLP likewise, beside the block
         stacks = [(mlp, "mlp.experts.")] + [(p + family.shared + ".", "mlp.shared.")] * bool(cfg.shared_size)
@@ -548,14 +601,14 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
         for ours, theirs in zip(("w_gate", "w_up", "w_down"), family.experts):
             out[q + "mlp.experts." + ours] = Tensor(tuple(f"{mlp}experts.{e}.{theirs}.weight" for e in range(cfg.n_experts)),
                                                     transpose=True, stacked=True)
-        if cfg.shared_size:
-            for ours, theirs in zip(("w_gate", "w_up", "w_down"), ("gate_proj", "up_proj", "down_proj")):
-                out[q + "mlp.shared." + ours] = Tensor((f"{mlp}{family.shared}.{theirs}.weight",), transpose=True)
-            if cfg.shared_gate:
-                out[q + "mlp.shared_gate"] = Tensor((mlp + "shared_expert_gate.weight",), row=True)
-    else:
+    if moe and not family.chunked and cfg.shared_size:  # the shared experts inside the MoE block
         for ours, theirs in zip(("w_gate", "w_up", "w_down"), ("gate_proj", "up_proj", "down_proj")):
-            out[q + "mlp." + ours] = Tensor((f"{p}mlp.{theirs}.weight",), transpose=True)
+            out[q + "mlp.shared." + ours] = Tensor((f"{mlp}{family.shared}.{theirs}.weight",), transpose=True)
+        if cfg.shared_gate:
+            out[q + "mlp.shared_gate"] = Tensor((mlp + "shared_expert_gate.weight",), row=True)
+    if not moe:
+        for ours, theirs in zip(("w_gate", "w_up", "w_down"), ("gate_proj", "up_proj", "down_proj")):
+            out[q + "mlp." + ours] = Tensor((f"{p}{family.dense}.{theirs}.weight",), transpose=True)
     return out
 
 
@@ -571,7 +624,7 @@ def key_map(family: Family, cfg: TransformerConfig) -> dict[str, Tensor]:
     head are mtp_copies')."""
     out = {"embed": Tensor(("model.embed_tokens.weight",))}
     for i in range(cfg.n_layers):
-        out.update(_block_keys(family, cfg, f"model.layers.{i}.", f"blocks.{i}.", cfg.is_moe(i)))
+        out.update(_block_keys(family, cfg, f"model.layers.{i}.", f"blocks.{i}.", cfg.is_moe(i), rope=not cfg.is_nope(i)))
     out["norm.weight"] = Tensor(("model.norm.weight",))
     if not cfg.tie_embeddings:
         out["head"] = Tensor(("lm_head.weight",))
@@ -720,8 +773,9 @@ def load_weights(model: Transformer, path, *, model_type: str, strict: bool = Tr
                 return (*stored[:-1], stored[-1] // spec.part[1])
             if spec.row:
                 return (stored[-1],)
-            if spec.chunk is not None:
-                stored = (*stored[:-2], stored[-2] // spec.chunk[1], stored[-1])
+            if spec.chunk is not None:  # a run of fmoe's last dim: the stored dim -2 of a transposed weight
+                d = len(stored) - (2 if spec.transpose else 1)
+                stored = (*stored[:d], stored[d] // spec.chunk[1], *stored[d + 1:])
             return _swap_last(stored) if spec.transpose else stored
 
         keys = key_map(family, model.cfg)
@@ -763,9 +817,10 @@ def load_weights(model: Transformer, path, *, model_type: str, strict: bool = Tr
                 if spec.row:
                     return (slice(0, 1), ours[0])
                 index = _swap_last(ours) if spec.transpose else ours
-                if spec.chunk is not None:  # the i-th run of the stored dim -2
-                    offset = spec.chunk[0] * (open_slice(spec.keys[0]).get_shape()[-2] // spec.chunk[1])
-                    index = (*index[:-2], slice(index[-2].start + offset, index[-2].stop + offset), index[-1])
+                if spec.chunk is not None:  # the i-th run of the stored dim -2 (transposed) or -1
+                    d = len(index) - (2 if spec.transpose else 1)
+                    offset = spec.chunk[0] * (open_slice(spec.keys[0]).get_shape()[d] // spec.chunk[1])
+                    index = (*index[:d], slice(index[d].start + offset, index[d].stop + offset), *index[d + 1:])
                 return index
 
             def as_ours(t: torch.Tensor) -> torch.Tensor:
@@ -942,6 +997,14 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
                   swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit, sliding_window=cfg.window, layer_types=_layer_types(cfg))
         if cfg.yarn_factor is not None:
             hf["rope_parameters"] = _yarn_parameters(cfg)
+    elif model_type == "llama4_text":
+        hf.update(num_local_experts=cfg.n_experts, intermediate_size=cfg.ffn_expert, intermediate_size_mlp=cfg.ffn_dense, moe_layers=moe,
+                  use_qk_norm=cfg.qk_norm == "rms", attention_bias=cfg.qkv_bias, no_rope_layers=[int(not cfg.is_nope(i)) for i in range(cfg.n_layers)],
+                  # transformers builds the chunked mask in every forward: a length is written even where no layer uses it
+                  attention_chunk_size=cfg.chunk or 8192,
+                  layer_types=["chunked_attention" if cfg.is_chunked(i) else "full_attention" for i in range(cfg.n_layers)],
+                  attn_temperature_tuning=cfg.nope_temperature_floor is not None, floor_scale=cfg.nope_temperature_floor or 8192,
+                  attn_scale=cfg.nope_temperature_scale)
     elif model_type == "hunyuan_v1_moe":
         hf.update(num_experts=cfg.n_experts, moe_topk=cfg.k, intermediate_size=cfg.ffn_expert, attention_bias=False)
     elif model_type == "solar_open":  # no dense blocks, no MTP: those fields are not Solar Open's
@@ -1120,10 +1183,13 @@ def _converted(name: str, spec: Tensor, full: torch.Tensor, copies, parts: dict,
     (i, n), key = spec.part or spec.chunk, spec.keys[0]  # one of n interleaved parts / contiguous runs of a key
     if spec.part is not None:  # every n-th entry of the last dim, from i
         shape, where = (*full.shape[:-1], full.shape[-1] * n), (..., slice(i, None, n))
-    else:  # the i-th of n runs of dim -2
-        full = full.transpose(-2, -1) if spec.transpose else full
+    elif spec.transpose:  # the i-th of n runs of the stored dim -2
+        full = full.transpose(-2, -1)
         size = full.shape[-2]
         shape, where = (*full.shape[:-2], size * n, full.shape[-1]), (..., slice(i * size, (i + 1) * size), slice(None))
+    else:  # the i-th of n runs of the last dim
+        size = full.shape[-1]
+        shape, where = (*full.shape[:-1], size * n), (..., slice(i * size, (i + 1) * size))
     stored = parts.setdefault(key, [torch.empty(shape, dtype=dtype), n])
     stored[0][where] = full
     stored[1] -= 1

@@ -20,13 +20,14 @@ import generate  # noqa: E402
 from fmoe.model import Transformer, TransformerConfig  # noqa: E402
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "deepseek_v2", "granitemoeshared", "hunyuan_v1_moe", "exaone_moe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "deepseek_v2", "granitemoeshared", "hunyuan_v1_moe", "exaone_moe", "llama4_text"])
 def test_greedy_matches_transformers_generate(tmp_path, family):
     """Through fmoe's KV cache (DeepSeek-V3 / -V2: multi-latent attention absorbed, latents
     cached; -V2 without the low-rank q; Granite: the embedding, attention and residual
     multipliers in decode's steps; Hunyuan: q/k norms after RoPE, the normed keys cached;
-    EXAONE: a 3-token window with RoPE in layer 0, its keys in a ring, layer 1 NoPE)
-    against transformers' own generate and cache."""
+    EXAONE: a 3-token window with RoPE in layer 0, its keys in a ring, layer 1 NoPE; Llama 4:
+    layer 0 chunked attention over 4 tokens, layer 1 NoPE with the query temperature from
+    position 1 on) against transformers' own generate and cache."""
     transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]'")
     import fmoe.hf
 
@@ -51,6 +52,11 @@ def test_greedy_matches_transformers_generate(tmp_path, family):
         config = transformers.ExaoneMoeConfig(**common, num_key_value_heads=2, head_dim=8, intermediate_size=40, moe_intermediate_size=16,
                                               num_experts=8, num_experts_per_tok=3, n_group=2, topk_group=1, first_k_dense_replace=0,
                                               sliding_window=3, sliding_window_pattern=2, max_position_embeddings=128)
+    elif family == "llama4_text":
+        config = transformers.Llama4TextConfig(**common, num_key_value_heads=2, head_dim=8, intermediate_size=16, intermediate_size_mlp=40,
+                                               num_local_experts=4, num_experts_per_tok=1, no_rope_layer_interval=2, attention_chunk_size=4,
+                                               floor_scale=2, attn_scale=0.5, rope_parameters=dict(rope_type="llama3", rope_theta=10000.0,
+                                               factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8))
     else:
         config = transformers.DeepseekV3Config(
             **common, num_key_value_heads=4, intermediate_size=40, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=3,

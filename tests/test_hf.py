@@ -113,6 +113,16 @@ FAMILIES = {
     "hunyuan_v1_moe": lambda: transformers.HunYuanMoEV1Config(**COMMON, head_dim=8, intermediate_size=24, num_experts=4, moe_topk=2,
                                                              tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None,
                                                              rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, alpha=50.0, factor=1.0)),
+    # Llama 4's text model: layer 1 (the MoE one, by interleave_moe_layer_step) NoPE with the
+    # query temperature (floor 2, so that these short documents reach it), layers 0 and 2
+    # chunked attention over 4 tokens with weightless q/k norms after interleaved RoPE;
+    # q/k/v/o biases; the top-2 router logits' raw sigmoids scaling the experts' input, a
+    # shared expert; experts stored as [E, H, 2F] / [E, F, H] stacks
+    "llama4_text": lambda: transformers.Llama4TextConfig(**COMMON, head_dim=8, intermediate_size=16, intermediate_size_mlp=40, num_local_experts=4,
+                                                         num_experts_per_tok=2, interleave_moe_layer_step=2, no_rope_layer_interval=2,
+                                                         attention_chunk_size=4, floor_scale=2, attn_scale=0.5, attention_bias=True,
+                                                         rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+                                                         bos_token_id=None, eos_token_id=None, pad_token_id=None),
 }
 DOCS = (7, 12, 5)  # packed documents
 
@@ -405,6 +415,17 @@ def test_config_mapping_reads_the_family_fields(folders, tmp_path):
     legacy = _edit(folders["hunyuan_v1_moe"][0], tmp_path / "hunyuan", lambda c: (
         c.pop("rope_parameters"), c.update(rope_theta=10000.0, rope_scaling=dict(type="dynamic", alpha=50.0, factor=1.0), moe_topk=[2] * 3)))
     assert hf.read_config(legacy)[1] == cfg
+    _, cfg = hf.read_config(folders["llama4_text"][0])
+    assert (cfg.moe_layers, cfg.nope_layers, cfg.chunk, cfg.chunk_layers, cfg.nope_temperature_floor, cfg.nope_temperature_scale) == (
+        (1,), (1,), 4, (0, 2), 2, 0.5)
+    assert cfg.qk_norm == "rms" and cfg.qk_norm_after_rope and not cfg.nope_qk_norm and cfg.rope_interleaved and cfg.qkv_bias and cfg.o_bias
+    assert (cfg.score, cfg.expert_bias, cfg.route_normalize, cfg.route_on_input, cfg.shared_size, cfg.ffn_dense) == ("sigmoid", False, False, True, 16, 40)
+    # the defaults where config.json leaves the lists out: NoPE every no_rope_layer_interval-th layer, the RoPE layers chunked
+    bare = _edit(folders["llama4_text"][0], tmp_path / "llama4", lambda c: [c.pop(n) for n in ("no_rope_layers", "layer_types", "moe_layers")])
+    assert hf.read_config(bare)[1] == cfg
+    # without the temperature or the q/k norms
+    plain = _edit(folders["llama4_text"][0], tmp_path / "llama4-plain", lambda c: c.update(attn_temperature_tuning=False, use_qk_norm=False))
+    assert hf.read_config(plain)[1] == dataclasses.replace(cfg, nope_temperature_floor=None, qk_norm=None, qk_norm_after_rope=False)
 
 
 def _edit(src, dst, change):
@@ -437,6 +458,9 @@ BAD_CONFIGS = [
      r"config.json: moe_topk = \[2, 1, 2\] is not supported \(the same value in every layer\)"),
     ("hunyuan_v1_moe", lambda c: c["rope_parameters"].pop("alpha"), r"config.json: rope type 'dynamic' is not supported"),
     ("granitemoe", lambda c: c.update(logits_scaling=0), r"config.json: logits_scaling = 0 is not supported \(a positive number\)"),
+    ("llama4_text", lambda c: c.update(attention_chunk_size=None), r"config.json: attention_chunk_size = None is not supported"),
+    ("llama4_text", lambda c: c.update(layer_types=["sliding_attention"] * 3), r"config.json: layer_types = .* is not supported"),
+    ("llama4_text", lambda c: c.update(no_rope_layers=[1, 2, 1]), r"config.json: no_rope_layers = \[1, 2, 1\] is not supported"),
     ("granitemoe", lambda c: c.update(attention_bias=True), r"config.json: attention_bias = True is not supported"),
     ("mixtral", lambda c: c.update(hidden_size=16),
      r"checkpoint: model.embed_tokens.weight gives embed the shape \(64, 32\), the model expects \(64, 16\)"),

@@ -22,6 +22,12 @@ MLA = dict(n_kv_heads=TINY["n_heads"], head_dim=12, rope_dim=4, kv_rank=6, v_hea
 # clamped SwiGLU (a limit that these small activations reach)
 GPT_OSS = dict(qkv_bias=True, o_bias=True, attn_sinks=True, router_bias=True, expert_biases=True, swiglu_alpha=1.702,
                swiglu_limit=0.1, swiglu_offset=1.0)
+# Llama 4's pieces: block 0 NoPE with the query temperature and no q/k norms, block 1 (the
+# MoE one) chunked attention with weightless q/k norms after interleaved RoPE; the raw
+# sigmoid of the top-1 logit scaling the expert's input
+LLAMA4 = dict(chunk=5, chunk_layers=(1,), nope_layers=(0,), nope_temperature_floor=3, nope_temperature_scale=0.5, qk_norm="rms",
+              qk_norm_after_rope=True, nope_qk_norm=False, rope_interleaved=True, score="sigmoid", expert_bias=False, route_normalize=False,
+              k=1, route_on_input=True)
 # Granite's multipliers: the softmax scale, the embeddings', the residual branches', the logits' divisor
 GRANITE = dict(attn_scale=0.3, embed_scale=2.0, residual_scale=0.6, logit_divisor=3.0)
 
@@ -165,6 +171,8 @@ def _compare(rank, world, sizes, overrides):
     counts = all_reduce_counts(counts, dist.group.WORLD, names=names, n_experts=cfg.n_experts)
     for name in names:
         errors[f"{name}.counts"] = float((counts[name] - ref_counts[name]).abs().sum())
+        if not cfg.expert_bias:
+            continue
         bias, ref_bias = (update_expert_bias(m.moe_layers()[name].expert_bias, c[name], 1e-3) for m, c in ((model, counts), (ref, ref_counts)))
         errors[f"{name}.expert_bias"] = float((bias - ref_bias).abs().max())
     return errors
@@ -218,6 +226,11 @@ CASES = {
     # the window at their global indices, the NoPE block's keys gathered unrotated
     "cp2-window-nope": (2, dict(cp=2), dict(window=5, window_layers=(1,), nope_layers=(0,), llama3_factor=4.0,
                                             llama3_original_max_positions=16)),
+    # Llama 4's (LLAMA4): each cp rank's queries masked by their chunks at global indices and
+    # scaled by their own positions' temperature; the experts' input weighted before the
+    # all-to-all, with tp slices
+    "cp2-llama4": (2, dict(cp=2), LLAMA4),
+    "ep2xtp2-llama4": (4, dict(tp=2, ep=2), LLAMA4),
     # gpt-oss's extras: the sinks split with their heads and the output bias added once over
     # tp; the expert biases with their experts over ep (exchanged rows, and the padded
     # layout whose padding rows get a bias nobody reads); the sinks over every cp rank's keys
@@ -245,6 +258,7 @@ DECODE_CASES = {
     "tp2": (2, dict(tp=2), dict(GPT_OSS, **WINDOW, nope_layers=(0,)), None, 1e-5),  # the full block NoPE, as EXAONE's
     "tp2-proj-norm": (2, dict(tp=2), dict(qk_norm="proj", **WINDOW, **GRANITE, post_norms=True), None, 1e-5),  # sandwich norms
     "tp2-mla": (2, dict(tp=2), dict(MLA, q_rank=10), None, 1e-5),
+    "tp2-llama4": (2, dict(tp=2), LLAMA4, None, 1e-5),  # chunks over the cache's rows, the temperature at the new tokens' positions
     "tp2-head-norm-after-rope": (2, dict(tp=2), dict(qk_norm="head", qk_norm_after_rope=True, **WINDOW), None, 1e-5),
     "ep2xtp2": (4, dict(tp=2, ep=2), dict(GPT_OSS, **WINDOW), None, 1e-5),
     "ep2xetp2-fsdp": (4, dict(ep=2, etp=2), {}, None, 1e-5),
