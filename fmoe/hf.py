@@ -6,7 +6,7 @@
 A folder holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). Supported `model_type`s: FAMILIES (mixtral, qwen2_moe,
 qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, deepseek_v2, glm4_moe_lite, gpt_oss, solar_open,
-exaone_moe, dots1, minimax_m2, granitemoe, granitemoeshared, hunyuan_v1_moe, llama4_text). Each family has one table: its
+exaone_moe, dots1, minimax_m2, granitemoe, granitemoeshared, hunyuan_v1_moe, llama4_text, llama4). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: clipped qkv, ...)
 and its key map (HF key <-> fmoe
 parameter, with the layout change: HF linear weights [out, in] are transposed to fmoe's
@@ -52,7 +52,9 @@ Llama 4 (llama4_text, the text model of Llama4ForCausalLM): the experts are [E, 
 gate_up_proj (the gate's F columns, then the up's: Tensor.chunk) and [E, F, H] down_proj
 stacks; RoPE on interleaved pairs; chunked attention, NoPE layers with the query
 temperature, weightless q/k norms and the routing weights on the experts' input
-(_llama4_text).
+(_llama4_text). A released llama4 folder (Llama4ForConditionalGeneration) holds that text
+model under language_model. (Family.prefix) beside a vision model that is not read
+(Family.not_read); it is written back only as llama4_text (Family.written_as).
 
 Loading reads the safetensors files tensor by tensor with the `safetensors` library (an
 expert stack is filled expert by expert): the checkpoint is never in memory twice. Into a
@@ -417,6 +419,14 @@ def _llama4_text(hf: dict) -> dict:
                 chunk_layers=None if len(chunked) == n else chunked or None)
 
 
+def _llama4(hf: dict) -> dict:
+    """A released Llama 4 folder (llama4, Llama4ForConditionalGeneration): its text_config's
+    model (_llama4_text); the vision model beside it is not read."""
+    if not isinstance(hf.get("text_config"), dict):
+        raise ValueError("config.json: a llama4 config without a text_config is not supported")
+    return _llama4_text(hf["text_config"])
+
+
 def _one_per_model(hf: dict, field: str):
     """A field that may be a per-layer list (Hunyuan's num_experts, moe_topk): one value for
     every layer, or a ValueError."""
@@ -501,7 +511,9 @@ class Family:
     chunked: bool = False  # Granite: experts and shared MLP as [E, out, in] / [out, in] stacks (input_linear: gate, then up; output_linear)
     router: str = "gate.weight"  # the router's weight, under the MoE block (its bias beside it, where it has one)
     qk_norms: tuple[str, str] = ("q_norm", "k_norm")  # the q / k norm modules, under self_attn
-    not_read: Optional[str] = None  # a prefix of checkpoint keys never read (EXAONE's MTP layers, "mtp."), as in transformers
+    not_read: tuple[str, ...] = ()  # prefixes of checkpoint keys never read (EXAONE's MTP layers, "mtp."), as in transformers
+    prefix: str = ""  # before every key the model reads (Llama 4's "language_model.", beside its vision model)
+    written_as: Optional[str] = None  # folders holding more than fmoe reads are not written back: export as this family
     dense: str = "mlp"  # the dense blocks' MLP module
 
 
@@ -520,9 +532,13 @@ FAMILIES = {
                       router="router.weight"),
     "llama4_text": Family(_llama4_text, "feed_forward", ("gate_up_proj", "gate_up_proj", "down_proj"), "Llama4ForCausalLM", fused="halves",
                           router="router.weight", dense="feed_forward"),
+    # the released Llama 4 folders: the text model under language_model., beside a vision model that is not read
+    "llama4": Family(_llama4, "feed_forward", ("gate_up_proj", "gate_up_proj", "down_proj"), "Llama4ForConditionalGeneration",
+                     fused="halves", router="router.weight", dense="feed_forward", prefix="language_model.",
+                     not_read=("vision_model.", "multi_modal_projector."), written_as="llama4_text"),
     "solar_open": Family(_solar_open, "mlp", ("gate_proj", "up_proj", "down_proj"), "SolarOpenForCausalLM", "shared_experts"),
     "exaone_moe": Family(_exaone_moe, "mlp", ("gate_proj", "up_proj", "down_proj"), "ExaoneMoeForCausalLM", "shared_experts",
-                         correction_bias="e_score_correction_bias", not_read="mtp."),
+                         correction_bias="e_score_correction_bias", not_read=("mtp.",)),
     "dots1": Family(_dots1, "mlp", ("gate_proj", "up_proj", "down_proj"), "Dots1ForCausalLM", "shared_experts"),
     "minimax_m2": Family(_minimax_m2, "block_sparse_moe", ("w1", "w3", "w2"), "MiniMaxM2ForCausalLM",
                          correction_bias="e_score_correction_bias"),
@@ -636,6 +652,8 @@ def key_map(family: Family, cfg: TransformerConfig) -> dict[str, Tensor]:
         out.update(_block_keys(family, cfg, p, q + "block.", any(cfg.is_moe(i) for i in range(cfg.n_layers))))
         if cfg.mtp_norm:
             out[q + "out_norm.weight"] = Tensor((p + "shared_head.norm.weight",))
+    if family.prefix:
+        out = {name: dataclasses.replace(spec, keys=tuple(family.prefix + key for key in spec.keys)) for name, spec in out.items()}
     return out
 
 
@@ -697,14 +715,14 @@ def unread_keys(family: Family, cfg: TransformerConfig, path, stored) -> list[st
     read |= set(mtp_copies(family, cfg))
     config = Path(path) / "config.json"
     if cfg.tie_embeddings and config.is_file() and json.loads(config.read_text()).get("tie_word_embeddings"):
-        read.add("lm_head.weight")
+        read.add(family.prefix + "lm_head.weight")
 
     def dropped_mtp(key: str) -> bool:
         layer = re.match(r"model\.layers\.(\d+)\.", key)
         return family.mtp and layer is not None and int(layer[1]) >= cfg.n_layers + cfg.mtp_depth
 
     return [key for key in stored if key not in read and not key.endswith(".rotary_emb.inv_freq") and not dropped_mtp(key)
-            and not (family.not_read and key.startswith(family.not_read))]
+            and not key.startswith(family.not_read)]
 
 
 def load_weights(model: Transformer, path, *, model_type: str, strict: bool = True) -> int:
@@ -971,6 +989,7 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
     """A config.json for an fmoe model of one of FAMILIES (the fields the mapping reads)."""
     if model_type not in FAMILIES:
         raise ValueError(f"model_type: expected one of {', '.join(FAMILIES)}, got {model_type!r}")
+    _check_writable(model_type)
     hf = dict(architectures=[FAMILIES[model_type].architecture], model_type=model_type, vocab_size=cfg.vocab_size,
               hidden_size=cfg.hidden, num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
               num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.norm_eps, hidden_act="silu",
@@ -1049,6 +1068,15 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
     if mismatch:
         raise ValueError(f"model: its config has no {model_type} equivalent: {mismatch}")
     return hf
+
+
+def _check_writable(model_type: str) -> None:
+    """ValueError for a family whose folders hold more than fmoe reads (Llama 4's vision
+    model, Family.written_as): such a folder is not written back incomplete."""
+    family = FAMILIES[model_type]
+    if family.written_as is not None:
+        raise ValueError(f"model_type: a {model_type} folder holds a model fmoe does not read ({', '.join(family.not_read)}), so it is "
+                         f"not written; pass model_type={family.written_as!r} to write what fmoe holds ({FAMILIES[family.written_as].architecture})")
 
 
 def config_mismatch(cfg: TransformerConfig, hf: dict) -> dict[str, tuple]:
@@ -1223,6 +1251,7 @@ def save_pretrained(model: Transformer, path, *, model_type: Optional[str] = Non
         if model_type is None:
             raise ValueError("model_type: needed for a model not loaded with from_pretrained (one of " + ", ".join(FAMILIES) + ")")
         hf = hf_config(model.cfg, model_type)
+    _check_writable(hf["model_type"])
     family = FAMILIES[hf["model_type"]]
     if hf.get("quantization_config"):  # written dequantised, in the checkpoint's dtype
         hf = {k: v for k, v in hf.items() if k != "quantization_config"}

@@ -428,6 +428,41 @@ def test_config_mapping_reads_the_family_fields(folders, tmp_path):
     assert hf.read_config(plain)[1] == dataclasses.replace(cfg, nope_temperature_floor=None, qk_norm=None, qk_norm_after_rope=False)
 
 
+def test_a_released_llama4_folder_loads_its_text_model(folders, tmp_path):
+    """A llama4 folder (Llama4ForConditionalGeneration, as released): the text model under
+    language_model. loads with transformers' logits (a text-only forward), the vision
+    model's keys neither read nor counted as unread; it is not written back without them,
+    and writes as llama4_text, which transformers loads with the same logits."""
+    text = FAMILIES["llama4_text"]().to_dict()
+    vision = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16, vision_output_dim=16, image_size=28,
+                  patch_size=14, projector_input_dim=16, projector_output_dim=16)
+    torch.manual_seed(0)
+    ref = transformers.Llama4ForConditionalGeneration(transformers.Llama4Config(text_config=text, vision_config=vision)).eval()
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
+    ref.save_pretrained(tmp_path / "llama4")
+    model, cfg = hf.from_pretrained(tmp_path / "llama4", impl="torch")
+    assert dataclasses.replace(cfg, impl="auto") == hf.read_config(folders["llama4_text"][0])[1]
+    keys = hf.key_map(hf.FAMILIES["llama4"], cfg)
+    assert all(k.startswith("language_model.") for spec in keys.values() for k in spec.keys)
+    docs, ids, cu = _packed()
+    with torch.no_grad():
+        theirs = torch.cat([ref(input_ids=d[None]).logits[0] for d in docs])
+        assert _rel(model.logits(ids, cu), theirs) < 1e-5
+    with pytest.raises(ValueError, match="model_type: a llama4 folder holds a model fmoe does not read .vision_model., multi_modal_projector.., "
+                                         "so it is not written; pass model_type='llama4_text'"):
+        hf.save_pretrained(model, tmp_path / "again")
+    assert not (tmp_path / "again").exists() or not any((tmp_path / "again").iterdir())
+    hf.save_pretrained(model, tmp_path / "text", model_type="llama4_text")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "text", dtype=torch.float32).eval()
+    assert type(back).__name__ == "Llama4ForCausalLM"
+    with torch.no_grad():
+        assert _rel(torch.cat([back(d[None]).logits[0] for d in docs]), theirs) < 1e-5
+    with pytest.raises(ValueError, match="config.json: a llama4 config without a text_config is not supported"):
+        hf.from_pretrained(_edit(tmp_path / "llama4", tmp_path / "bad", lambda c: c.pop("text_config")))
+
+
 def _edit(src, dst, change):
     import shutil
 
