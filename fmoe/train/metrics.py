@@ -169,8 +169,9 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
         attention = dict(attention_weights=sum(a * b for a, b in mats.values()), v_dim=cfg.v_head_dim)
     n_sliding = sum(getattr(cfg, "is_local", getattr(cfg, "is_sliding", lambda i: False))(i) for i in range(cfg.n_layers))
     if n_sliding and n_avg_local_keys is None:
-        raise ValueError(f"n_avg_local_keys: {n_sliding} blocks attend over a sliding window of {cfg.window} or within chunks of "
-                         f"{getattr(cfg, 'chunk', None)}: pass their mean attended keys (mean_attended_keys(cu_seqlens, window, chunk))")
+        local = f"within chunks of {cfg.chunk}" if getattr(cfg, "chunk", None) is not None else f"over a sliding window of {cfg.window}"
+        raise ValueError(f"n_avg_local_keys: {n_sliding} blocks attend {local}: "
+                         "pass their mean attended keys (mean_attended_keys(cu_seqlens, window, chunk))")
     return flops_per_token(**{n: getattr(cfg, n) for n in names}, n_dense=n_dense, n_shared=shared, vocab=cfg.vocab_size,
                            n_avg_keys=n_avg_keys, n_sliding=n_sliding, n_avg_local_keys=n_avg_local_keys, **attention)
 

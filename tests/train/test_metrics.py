@@ -45,6 +45,13 @@ def test_mean_attended_keys():
     assert M.mean_attended_keys([0, 10, 13], window=10) == M.mean_attended_keys([0, 10, 13])
     with pytest.raises(ValueError, match="window: expected >= 1, got 0"):
         M.mean_attended_keys([0, 8], window=0)
+    # chunks of 4: the 10-token document is chunks of 4, 4 and 2 (16 / 2 + 16 / 2 + 4 / 2), the 3-token one 9 / 2
+    assert M.mean_attended_keys([0, 10, 13], chunk=4) == (8 + 8 + 2 + 4.5) / 13
+    assert M.mean_attended_keys([0, 10, 13], chunk=10) == M.mean_attended_keys([0, 10, 13])
+    with pytest.raises(ValueError, match="chunk: expected >= 1, got 0"):
+        M.mean_attended_keys([0, 8], chunk=0)
+    with pytest.raises(ValueError, match=r"chunk: a sliding window or chunked attention, not both \(window = 4\)"):
+        M.mean_attended_keys([0, 8], window=4, chunk=4)
     for bad in ([], [1, 4], [0, 4, 2], [0]):
         with pytest.raises(ValueError, match="cu_seqlens"):
             M.mean_attended_keys(bad)
@@ -241,6 +248,11 @@ def test_model_flops_per_token_reads_the_model_config():
     assert M.model_flops_per_token(sliding, n_avg_keys=10.0, n_avg_local_keys=3.0) == expected - 2 * 12 * 64 * (10.0 - 3.0)
     with pytest.raises(ValueError, match="n_avg_local_keys: 2 blocks attend over a sliding window of 4"):
         M.model_flops_per_token(sliding, n_avg_keys=10.0)
+    # and chunked blocks (Llama 4) alike
+    chunked = TransformerConfig(**{**cfg.__dict__, "chunk": 4, "chunk_layers": (0, 2)})
+    assert M.model_flops_per_token(chunked, n_avg_keys=10.0, n_avg_local_keys=3.0) == expected - 2 * 12 * 64 * (10.0 - 3.0)
+    with pytest.raises(ValueError, match="n_avg_local_keys: 2 blocks attend within chunks of 4"):
+        M.model_flops_per_token(chunked, n_avg_keys=10.0)
 
 
 # (name, TransformerConfig overrides) of the counted-FLOPs check: MoE trunk with MTP, an
