@@ -7,6 +7,8 @@ What attention_context builds once per micro-batch on the flex path: the causal,
 same-document BlockMask (blocks of 128 x 128). Layouts:
     one document   a single causal document over the whole micro-batch (long context)
     packed         documents of 3T/8, T/8, T/4, T/4 tokens
+    packed chunked the same documents in Llama 4's chunked attention, chunks of T/8 tokens
+                   (8192 at T = 64K): a query sees the earlier tokens of its own chunk
 
 Implementations, each checked to give the same blocks (visited, and full: mask_mod skipped)
 before timing:
@@ -40,7 +42,9 @@ BLOCK = 128
 
 
 def layouts(T: int) -> dict:
-    return {"one document": [0, T], "packed": [0, 3 * T // 8, T // 2, 3 * T // 4, T]}
+    """name -> (cu_seqlens, chunk or None)."""
+    packed = [0, 3 * T // 8, T // 2, 3 * T // 4, T]
+    return {"one document": ([0, T], None), "packed": (packed, None), "packed chunked": (packed, T // 8)}
 
 
 def tables(bm) -> tuple[torch.Tensor, ...]:
@@ -58,17 +62,19 @@ def peak_mib(fn, device) -> float:
     return peak / 2**20
 
 
-def run_layout(name: str, cu_list: list, device, bandwidth: float, smoke: bool) -> list[dict]:
+def run_layout(name: str, cu_list: list, chunk, device, bandwidth: float, smoke: bool) -> list[dict]:
     T = cu_list[-1]
     cu = torch.tensor(cu_list, dtype=torch.int32, device=device)
     doc_T = sequence_ids(cu, T)
+    # each token's chunk of its document (positions // chunk), or 0 without chunks
+    chunk_T = (torch.arange(T, device=device) - cu.long()[doc_T]) // (chunk or T)
 
     def same_doc_causal(b, h, q_idx, kv_idx):
-        return (doc_T[q_idx] == doc_T[kv_idx]) & (kv_idx <= q_idx)
+        return (doc_T[q_idx] == doc_T[kv_idx]) & (chunk_T[q_idx] == chunk_T[kv_idx]) & (kv_idx <= q_idx)
 
     compiled = torch.compile(create_block_mask, **(dict(backend="aot_eager") if smoke else {}))
     impls = {
-        "fmoe": lambda: document_mask(cu, T, flex=True, block_size=BLOCK),
+        "fmoe": lambda: document_mask(cu, T, flex=True, block_size=BLOCK, chunk=chunk),
         "create_block_mask": lambda: create_block_mask(same_doc_causal, None, None, T, T, device=device, BLOCK_SIZE=BLOCK),
         "compiled create_block_mask": lambda: compiled(same_doc_causal, None, None, T, T, device=device, BLOCK_SIZE=BLOCK),
     }
@@ -96,9 +102,9 @@ def main() -> None:
     args, device, _, bandwidth = start(__doc__.splitlines()[0])
     rows = []
     for T in (512, 2048) if args.smoke else (8192, 16384, 32768, 65536):
-        for name, cu in layouts(T).items():
+        for name, (cu, chunk) in layouts(T).items():
             torch._dynamo.reset()  # one compile per shape
-            rows += run_layout(name, cu, device, bandwidth, args.smoke)
+            rows += run_layout(name, cu, chunk, device, bandwidth, args.smoke)
     finish(args, device, bandwidth, "bench_block_mask", [(rows, COLUMNS)])
 
 
