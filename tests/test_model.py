@@ -91,27 +91,29 @@ def test_loss_of_a_document_does_not_depend_on_packing():
     torch.testing.assert_close(both - loss(other, [0, 5]), alone, rtol=1e-4, atol=1e-4)
 
 
-def test_sliding_window_layers_see_only_their_window():
-    """The blocks of window_layers attend over the window, the others over every earlier
-    token: a model whose window spans every document is the full-attention model; a narrow
-    window changes the logits only from the window's edge on, and only through its layers."""
-    full = TINY
+@pytest.mark.parametrize("kind", ["window", "chunk"])
+def test_local_layers_see_only_their_window_or_chunk(kind):
+    """The blocks of window_layers attend over the window (chunk_layers: within their chunk
+    of each document), the others over every earlier token: a model whose window or chunk
+    spans every document is the full-attention model; a narrow one changes the logits only
+    from the window's edge (each document's second chunk) on, and only through its layers."""
     torch.manual_seed(0)
-    ref = Transformer(full).eval()
-    ids, cu = torch.randint(0, full.vocab_size, (20,)), torch.tensor([0, 12, 20], dtype=torch.int32)
+    ref = Transformer(TINY).eval()
+    ids, cu = torch.randint(0, TINY.vocab_size, (20,)), torch.tensor([0, 12, 20], dtype=torch.int32)
     with torch.no_grad():
         want = ref.logits(ids, cu)
 
         def logits(**knobs):
-            model = Transformer(dataclasses.replace(full, **knobs)).eval()
+            model = Transformer(dataclasses.replace(TINY, **knobs)).eval()
             model.load_state_dict(ref.state_dict())
             return model.logits(ids, cu)
 
-        torch.testing.assert_close(logits(window=12), want)  # as wide as the longest document
-        narrow = logits(window=3, window_layers=(1,))
-        assert [b.attn.cfg.window for b in Transformer(dataclasses.replace(full, window=3, window_layers=(1,))).blocks] == [None, 3, None]
-    torch.testing.assert_close(narrow[[0, 1, 2, 12, 13, 14]], want[[0, 1, 2, 12, 13, 14]])  # the first 3 tokens of each document
-    assert float((narrow - want).abs().amax(-1)[[3, 15]].min()) > 1e-4  # the 4th on: its first key out of the window
+        torch.testing.assert_close(logits(**{kind: 12}), want)  # as long as the longest document
+        narrow = {kind: 3, f"{kind}_layers": (1,)}
+        local = logits(**narrow)
+        assert [getattr(b.attn.cfg, kind) for b in Transformer(dataclasses.replace(TINY, **narrow)).blocks] == [None, 3, None]
+    torch.testing.assert_close(local[[0, 1, 2, 12, 13, 14]], want[[0, 1, 2, 12, 13, 14]])  # the first 3 tokens of each document
+    assert float((local - want).abs().amax(-1)[[3, 15]].min()) > 1e-4  # the 4th on: its first key out of the window (a chunk of its own)
 
 
 def test_sliding_window_knobs_are_checked():
@@ -124,28 +126,6 @@ def test_sliding_window_knobs_are_checked():
     cfg = dataclasses.replace(TINY, window=4, window_layers=(2, 0))
     assert cfg.window_layers == (0, 2) and [cfg.is_sliding(i) for i in range(3)] == [True, False, True] and cfg.any_sliding
     assert all(dataclasses.replace(TINY, window=4).is_sliding(i) for i in range(3)) and not TINY.any_sliding
-
-
-def test_chunked_layers_see_only_their_chunk():
-    """The blocks of chunk_layers attend within their chunk of each document: a chunk as
-    long as every document is the full-attention model; a short one changes the logits
-    from each document's second chunk on, and only through its layers."""
-    torch.manual_seed(0)
-    ref = Transformer(TINY).eval()
-    ids, cu = torch.randint(0, TINY.vocab_size, (20,)), torch.tensor([0, 12, 20], dtype=torch.int32)
-    with torch.no_grad():
-        want = ref.logits(ids, cu)
-
-        def logits(**knobs):
-            model = Transformer(dataclasses.replace(TINY, **knobs)).eval()
-            model.load_state_dict(ref.state_dict())
-            return model.logits(ids, cu)
-
-        torch.testing.assert_close(logits(chunk=12), want)
-        chunked = logits(chunk=3, chunk_layers=(1,))
-        assert [b.attn.cfg.chunk for b in Transformer(dataclasses.replace(TINY, chunk=3, chunk_layers=(1,))).blocks] == [None, 3, None]
-    torch.testing.assert_close(chunked[[0, 1, 2, 12, 13, 14]], want[[0, 1, 2, 12, 13, 14]])  # each document's first chunk
-    assert float((chunked - want).abs().amax(-1)[[3, 15]].min()) > 1e-4  # a second chunk's first token sees only itself
 
 
 def test_llama4_knobs_are_checked_and_build_what_they_say():
