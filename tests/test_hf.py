@@ -117,11 +117,14 @@ FAMILIES = {
     # query temperature (floor 2, so that these short documents reach it), layers 0 and 2
     # chunked attention over 4 tokens with weightless q/k norms after interleaved RoPE;
     # q/k/v/o biases; the top-2 router logits' raw sigmoids scaling the experts' input, a
-    # shared expert; experts stored as [E, H, 2F] / [E, F, H] stacks
+    # shared expert; experts stored as [E, H, 2F] / [E, F, H] stacks; Llama 4 Scout's RoPE
+    # scaling (llama3 with low_freq_factor = high_freq_factor: a step, no blend)
     "llama4_text": lambda: transformers.Llama4TextConfig(**COMMON, head_dim=8, intermediate_size=16, intermediate_size_mlp=40, num_local_experts=4,
                                                          num_experts_per_tok=2, interleave_moe_layer_step=2, no_rope_layer_interval=2,
                                                          attention_chunk_size=4, floor_scale=2, attn_scale=0.5, attention_bias=True,
-                                                         rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+                                                         rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=16.0,
+                                                                              low_freq_factor=1.0, high_freq_factor=1.0,
+                                                                              original_max_position_embeddings=16),
                                                          bos_token_id=None, eos_token_id=None, pad_token_id=None),
 }
 DOCS = (7, 12, 5)  # packed documents

@@ -214,7 +214,7 @@ def test_post_norms_normalise_each_branch_output():
 def test_llama3_rope_knobs_are_checked():
     with pytest.raises(ValueError, match="llama3_factor: one RoPE scaling at a time, not with yarn_factor"):
         dataclasses.replace(TINY, llama3_factor=8.0, yarn_factor=4.0)
-    with pytest.raises(ValueError, match="llama3_high_freq_factor: expected more than low_freq_factor = 1"):
+    with pytest.raises(ValueError, match="llama3_high_freq_factor: expected at least low_freq_factor = 1"):
         dataclasses.replace(TINY, llama3_factor=8.0, llama3_high_freq_factor=0.5)
     with pytest.raises(ValueError, match="llama3_factor: expected a finite number > 0, got -1"):
         dataclasses.replace(TINY, llama3_factor=-1)

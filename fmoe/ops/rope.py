@@ -35,7 +35,7 @@ YaRN with factor s, original context L and rotation counts beta_fast, beta_slow:
     softmax scale = mscale(s, mscale_all_dim)^2 / sqrt(q_head_dim)    (yarn_softmax_scale)
 
 Llama 3.1's frequency-dependent scaling (rope_type "llama3") with factor s, original context
-L, low_freq_factor a and high_freq_factor b (a < b), each frequency by its wavelength
+L, low_freq_factor a and high_freq_factor b (a <= b), each frequency by its wavelength
 w_j = 2 pi / base_inv_freq_j:
 
     w_j < L / b  (fast):   inv_freq_j = base_inv_freq_j                      (kept)
@@ -45,6 +45,8 @@ w_j = 2 pi / base_inv_freq_j:
 
 with no attention scale. Llama 3.1 (D 128, base 5e5, s 8, a 1, b 4, L 8192): frequencies
 0..28 kept, 29..34 blended (divided by 1.2075 at 29 up to 5.2573 at 34), 35..63 divided by 8.
+a = b has no blend, a step at w = L / a (Llama 4 Scout: s 16, a = b = 1, L 8192: 0..34 kept,
+35..63 divided by 16).
 
 Legend: T tokens (positions), H heads, D head_dim, R rotated channels (rot_dim), F = R/2
 frequencies (pairs), P = D - R pass-through channels, N = prod(leading dims) * T rows of
@@ -73,12 +75,12 @@ def _check_number(name: str, value, *, above: float) -> float:
     return float(value)
 
 
-def _check_ordered(low_name: str, low, high_name: str, high) -> tuple[float, float]:
-    """Two positive finite numbers with high > low (YaRN's rotation counts, Llama 3.1's
-    frequency factors)."""
+def _check_ordered(low_name: str, low, high_name: str, high, *, equal: bool = False) -> tuple[float, float]:
+    """Two positive finite numbers with high > low (YaRN's rotation counts), or high >= low
+    with equal (Llama 3.1's frequency factors)."""
     low, high = _check_number(low_name, low, above=0.0), _check_number(high_name, high, above=0.0)
-    if high <= low:
-        raise ValueError(f"{high_name}: expected more than {low_name} = {low:g}, got {high:g}")
+    if high < low or (high == low and not equal):
+        raise ValueError(f"{high_name}: expected {'at least' if equal else 'more than'} {low_name} = {low:g}, got {high:g}")
     return low, high
 
 
@@ -185,7 +187,8 @@ def llama3_inv_freq(
         base: the RoPE base (> 1).
         factor: s, the context extension factor (> 0).
         original_max_positions: L, the context length the model was trained at.
-        low_freq_factor, high_freq_factor: a < b (> 0; Llama 3.1: 1 and 4).
+        low_freq_factor, high_freq_factor: a <= b (> 0; Llama 3.1: 1 and 4; Llama 4 Scout: 1
+            and 1, a step at wavelength L / a).
     Returns:
         [dim/2] float32 (computed in float64, rounded once).
     """
@@ -193,10 +196,13 @@ def llama3_inv_freq(
     base = _check_number("base", base, above=1.0)
     factor = _check_number("factor", factor, above=0.0)
     check_positive_int("original_max_positions", original_max_positions)
-    low, high = _check_ordered("low_freq_factor", low_freq_factor, "high_freq_factor", high_freq_factor)
+    low, high = _check_ordered("low_freq_factor", low_freq_factor, "high_freq_factor", high_freq_factor, equal=True)
     base_F = _base_inv_freq_F(dim, base)
     wavelen_F = 2 * math.pi / base_F
-    smooth_F = ((original_max_positions / wavelen_F - low) / (high - low)).clamp(0.0, 1.0)  # 1 fast, 0 slow
+    if high == low:  # no blend: kept up to wavelength L / a, divided beyond
+        smooth_F = (wavelen_F <= original_max_positions / low).to(base_F.dtype)
+    else:
+        smooth_F = ((original_max_positions / wavelen_F - low) / (high - low)).clamp(0.0, 1.0)  # 1 fast, 0 slow
     return ((1 - smooth_F) * base_F / factor + smooth_F * base_F).to(device=device, dtype=torch.float32)
 
 

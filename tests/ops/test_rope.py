@@ -279,7 +279,13 @@ def test_llama3_scaling_numbers():
         smooth = (8192 * base_j / (2 * math.pi) - 1) / (4 - 1)
         assert 0 < smooth < 1 and inv[j].item() == pytest.approx((1 - smooth) * base_j / 8 + smooth * base_j, rel=1e-6)
     assert [round(float(b / i), 4) for b, i in zip(base_F[29:35], inv[29:35])] == [1.2075, 1.5534, 2.0263, 2.6945, 3.6843, 5.2573]
-    _raises("high_freq_factor: expected more than low_freq_factor = 4", llama3_inv_freq, 8, **dict(llama31, low_freq_factor=4.0))
+    _raises("high_freq_factor: expected at least low_freq_factor = 5", llama3_inv_freq, 8, **dict(llama31, low_freq_factor=5.0))
+    # Llama 4 Scout's (factor 16, a = b = 1): a step at wavelength L, no blend; as transformers computes it
+    scout = dict(llama31, factor=16.0, high_freq_factor=1.0)
+    inv = llama3_inv_freq(128, **scout)
+    wavelen = 2 * math.pi / base_F.double()
+    assert int((wavelen <= 8192).sum()) == 35 and torch.equal(inv[:35], base_F[:35])
+    torch.testing.assert_close(inv[35:], base_F[35:] / 16, rtol=1e-7, atol=0)
     _raises("factor: expected a finite number > 0", llama3_inv_freq, 8, **dict(llama31, factor=0.0))
     _raises("original_max_positions", llama3_inv_freq, 8, **dict(llama31, original_max_positions=0))
 
