@@ -12,6 +12,9 @@ examples/generate.py loads them). The config:
   folder but its weights (tokenizer, generation config, license, ...) is copied beside the
   new weights. The folder's model must be the run's: a field in which they differ is an
   error (fmoe.hf.config_mismatch);
+- a released llama4 folder (Llama4ForConditionalGeneration) holds a vision model that fmoe
+  does not read: the run's text model is written as llama4_text with the folder's
+  text_config (fmoe.hf.written_config), with a note;
 - a model of fmoe's own needs --model_type, one of fmoe.hf.FAMILIES, and gets a config built
   from its knobs (fmoe.hf.hf_config; a knob the family has no field for is an error naming
   it). It speaks fmoe's bytes: no tokenizer is written.
@@ -74,8 +77,15 @@ def export_config(cfg: TransformerConfig, run: dict, *, model_type: str = "", hf
             raise ValueError(f"{knob}: not a Hugging Face folder (config.json with a model_type); pass --hf_config=FOLDER, "
                              "or --model_type for a config built from the run's knobs")
         hf = json.loads((folder / "config.json").read_text())
+        kind = hf.get("model_type")
+        family = fmoe.hf.FAMILIES.get(kind)
+        if family is not None and family.written_as is not None:  # a released llama4 folder: its text model, as llama4_text
+            notes.append(f"the {kind} folder's {', '.join(family.not_read)} weights: fmoe does not read them; "
+                         f"written as {family.written_as} with the folder's text config")
+            hf = fmoe.hf.written_config(hf)
         if model_type and model_type != hf["model_type"]:
-            raise ValueError(f"--model_type: {model_type!r}, but the run's Hugging Face folder {str(folder)!r} is {hf['model_type']!r}")
+            written = f", written as {hf['model_type']!r}" if hf["model_type"] != kind else ""
+            raise ValueError(f"--model_type: {model_type!r}, but the run's Hugging Face folder {str(folder)!r} is {kind!r}{written}")
         model_type = hf["model_type"]
     elif not model_type:
         raise ValueError(f"--model_type: needed for a model of fmoe's own, one of {', '.join(fmoe.hf.FAMILIES)}")

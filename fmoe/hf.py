@@ -1076,7 +1076,19 @@ def _check_writable(model_type: str) -> None:
     family = FAMILIES[model_type]
     if family.written_as is not None:
         raise ValueError(f"model_type: a {model_type} folder holds a model fmoe does not read ({', '.join(family.not_read)}), so it is "
-                         f"not written; pass model_type={family.written_as!r} to write what fmoe holds ({FAMILIES[family.written_as].architecture})")
+                         f"not written; pass model_type={family.written_as!r} to write what fmoe holds ({FAMILIES[family.written_as].architecture}), "
+                         "or set model.hf_config = written_config(model.hf_config) to keep the folder's own text config")
+
+
+def written_config(hf: dict) -> dict:
+    """The config.json that a loaded folder's model is written back with: the folder's own,
+    or for a family whose folders hold more than fmoe reads (Family.written_as: a released
+    llama4 folder) its text_config as that family's (llama4_text, Llama4ForCausalLM: token
+    ids, RoPE and every text field kept)."""
+    family = FAMILIES[hf["model_type"]]
+    if family.written_as is None:
+        return hf
+    return dict(hf["text_config"], model_type=family.written_as, architectures=[FAMILIES[family.written_as].architecture])
 
 
 def config_mismatch(cfg: TransformerConfig, hf: dict) -> dict[str, tuple]:

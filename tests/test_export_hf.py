@@ -173,6 +173,35 @@ def test_export_config_notes_and_the_folder_gone(own_run, tmp_path):
         export_hf.export_config(model.cfg, gone)
 
 
+def test_a_released_llama4_folder_exports_its_text_model(tmp_path):
+    """A run from a llama4 folder (Llama4ForConditionalGeneration: a vision model beside the
+    text model) exports as llama4_text with the folder's text config, saying so; transformers
+    loads the export with the run's logits."""
+    text = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                intermediate_size=16, intermediate_size_mlp=40, num_local_experts=4, attention_chunk_size=4, bos_token_id=7, eos_token_id=8,
+                pad_token_id=None)
+    vision = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16, vision_output_dim=16, image_size=28,
+                  patch_size=14, projector_input_dim=16, projector_output_dim=16)
+    torch.manual_seed(0)
+    transformers.Llama4ForConditionalGeneration(transformers.Llama4Config(text_config=text, vision_config=vision)).save_pretrained(tmp_path / "hf")
+    model, cfg = hf.from_pretrained(tmp_path / "hf", impl="torch")
+    run = {"config": {"init_from_hf": str(tmp_path / "hf")}}
+    config, notes, source = export_hf.export_config(cfg, run)
+    folder = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config == dict(folder["text_config"], model_type="llama4_text", architectures=["Llama4ForCausalLM"]) and source == tmp_path / "hf"
+    assert (config["bos_token_id"], config["eos_token_id"]) == (7, 8)
+    assert notes == ["the llama4 folder's vision_model., multi_modal_projector. weights: fmoe does not read them; written as llama4_text "
+                     "with the folder's text config"]
+    assert export_hf.export_config(cfg, run, model_type="llama4_text")[0] == config
+    with pytest.raises(ValueError, match=r"--model_type: 'llama4', but the run's Hugging Face folder .* is 'llama4', written as 'llama4_text'"):
+        export_hf.export_config(cfg, run, model_type="llama4")
+    model.hf_config = config
+    hf.save_pretrained(model, tmp_path / "out")
+    docs, ids, cu = _docs(64)
+    with torch.no_grad():
+        assert _rel(_transformers_logits(tmp_path / "out", docs), model.logits(ids, cu)) < 1e-5
+
+
 def test_config_mismatch_names_the_fields_that_change_the_model(hf_run):
     folder, _ = hf_run
     config, cfg = hf.read_config(folder)
