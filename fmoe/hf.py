@@ -6,7 +6,7 @@
 A folder holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). Supported `model_type`s: FAMILIES (mixtral, qwen2_moe,
 qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, deepseek_v2, glm4_moe_lite, gpt_oss, solar_open,
-exaone_moe, dots1, minimax_m2, granitemoe, granitemoeshared, hunyuan_v1_moe, llama4_text, llama4). Each family has one table: its
+exaone_moe, dots1, minimax_m2, granitemoe, granitemoeshared, granitemoe_swa, hunyuan_v1_moe, llama4_text, llama4). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: clipped qkv, ...)
 and its key map (HF key <-> fmoe
 parameter, with the layout change: HF linear weights [out, in] are transposed to fmoe's
@@ -366,20 +366,40 @@ def _gpt_oss(hf: dict) -> dict:
                 swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)), swiglu_limit=None if limit is None else float(limit), swiglu_offset=1.0)
 
 
-def _granitemoe(hf: dict) -> dict:
+def _granitemoe(hf: dict, *, sliding: bool = False) -> dict:
     """GraniteMoE / GraniteMoeShared: every block MoE, softmax over the top-k router logits
     (Mixtral's), the softmax scale attention_multiplier (not 1/sqrt(head_dim)), the
     embeddings x embedding_multiplier, each attention / MLP output x residual_multiplier
     before its residual add, the logits / logits_scaling; shared_intermediate_size > 0: a
-    shared expert MLP of that size, ungated."""
+    shared expert MLP of that size, ungated. sliding: the layers layer_types names attend
+    over the sliding window (GraniteMoeSWA)."""
     _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in Granite's attention here")
     multipliers = {}
     for ours, theirs in (("attn_scale", "attention_multiplier"), ("embed_scale", "embedding_multiplier"),
                          ("residual_scale", "residual_multiplier"), ("logit_divisor", "logits_scaling")):
         _refuse(hf, theirs, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0, "a positive number")
         multipliers[ours] = float(_get(hf, theirs, default=1.0))
-    return dict(_common(hf, hf["num_local_experts"]), **multipliers, ffn_expert=hf["intermediate_size"], ffn_dense=hf["intermediate_size"],
-                n_dense=0, n_shared=0, shared_ffn=hf.get("shared_intermediate_size") or 0)
+    return dict(_common(hf, hf["num_local_experts"], sliding=sliding), **multipliers, ffn_expert=hf["intermediate_size"],
+                ffn_dense=hf["intermediate_size"], n_dense=0, n_shared=0, shared_ffn=hf.get("shared_intermediate_size") or 0)
+
+
+def _granitemoe_swa(hf: dict) -> dict:
+    """GraniteMoeSWA: Granite's MoE blocks and multipliers (_granitemoe), a learned attention
+    sink per head in every layer, a sliding window of sliding_window tokens in the layers
+    layer_types names sliding_attention (by default all but every fourth, from layer 0), and
+    layer_rope_theta: each layer's RoPE base, 0 for a NoPE layer (one base for the others)."""
+    n = hf["num_hidden_layers"]
+    hf = dict(hf, layer_types=hf.get("layer_types") or ["full_attention" if i % 4 == 0 else "sliding_attention" for i in range(n)],
+              sliding_window=hf.get("sliding_window", 128))
+    _, params, base = _rope_params(hf)
+    thetas = hf.get("layer_rope_theta") or [base["rope_base"]] * n
+    bases = {float(t) for t in thetas if t}
+    if len(thetas) != n or len(bases) > 1:
+        raise ValueError(f"config.json: layer_rope_theta = {hf.get('layer_rope_theta')!r} is not supported (one RoPE base, or 0 for NoPE, per layer)")
+    if bases:  # the one base of the RoPE layers
+        hf["rope_parameters"] = dict(params, rope_theta=bases.pop())
+    nope = tuple(i for i, t in enumerate(thetas) if not t)
+    return dict(_granitemoe(hf, sliding=True), attn_sinks=True, nope_layers=nope or None)
 
 
 def _llama4_text(hf: dict) -> dict:
@@ -496,7 +516,9 @@ class Tensor:
 @dataclasses.dataclass(frozen=True)
 class Family:
     """A model family: config.json -> TransformerConfig kwargs, the key map, and the
-    names HF uses for its MoE block and its experts' three matrices (gate, up, down)."""
+    names HF uses for its MoE block and its experts' three matrices (gate, up, down): each
+    expert's module names, or with `fused` the keys of the stacks under the MoE block (the
+    gate's and the up's the same key)."""
 
     config_to_fmoe: Callable[[dict], dict]
     moe: str
@@ -505,10 +527,12 @@ class Family:
     shared: str = "shared_expert"  # the shared experts' module name
     correction_bias: str = "gate.e_score_correction_bias"  # the routing correction bias, under the MoE block
     mtp: bool = False  # MTP modules as layers n_layers, n_layers + 1, ... (DeepSeek-V3's layout)
-    # experts as [E, H, 2F] gate_up_proj / [E, F, H] down_proj stacks, gate and up "interleaved"
-    # (gpt-oss, with biases and a router module with a bias) or in "halves" (Llama 4); None: per expert
+    # experts as stacks: [E, H, 2F] gate/up and [E, F, H] down, gate and up "interleaved" (gpt-oss,
+    # with biases and a router module with a bias) or in "halves" (Llama 4); or [E, 2F, H] gate/up
+    # (the gate's F rows, then the up's) and [E, H, F] down, linear weights: "halves_out" (Granite);
+    # None: one module per expert
     fused: Optional[str] = None
-    chunked: bool = False  # Granite: experts and shared MLP as [E, out, in] / [out, in] stacks (input_linear: gate, then up; output_linear)
+    shared_beside: bool = False  # Granite: the shared MLP beside the MoE block, input_linear [2Fs, H] (gate, then up) / output_linear
     router: str = "gate.weight"  # the router's weight, under the MoE block (its bias beside it, where it has one)
     qk_norms: tuple[str, str] = ("q_norm", "k_norm")  # the q / k norm modules, under self_attn
     not_read: tuple[str, ...] = ()  # prefixes of checkpoint keys never read (EXAONE's MTP layers, "mtp."), as in transformers
@@ -517,6 +541,8 @@ class Family:
     dense: str = "mlp"  # the dense blocks' MLP module
 
 
+_STACKS = ("experts.gate_up_proj", "experts.gate_up_proj", "experts.down_proj")  # fused experts' keys under the MoE block
+_GRANITE = ("input_linear.weight", "input_linear.weight", "output_linear.weight")
 FAMILIES = {
     "mixtral": Family(_mixtral, "block_sparse_moe", ("w1", "w3", "w2"), "MixtralForCausalLM"),
     "qwen2_moe": Family(_qwen2_moe, "mlp", ("gate_proj", "up_proj", "down_proj"), "Qwen2MoeForCausalLM"),
@@ -528,12 +554,10 @@ FAMILIES = {
     "deepseek_v2": Family(_deepseek_v2, "mlp", ("gate_proj", "up_proj", "down_proj"), "DeepseekV2ForCausalLM", "shared_experts"),
     "glm4_moe_lite": Family(_glm4_moe_lite, "mlp", ("gate_proj", "up_proj", "down_proj"), "Glm4MoeLiteForCausalLM", "shared_experts",
                             mtp=True),
-    "gpt_oss": Family(_gpt_oss, "mlp", ("gate_up_proj", "gate_up_proj", "down_proj"), "GptOssForCausalLM", fused="interleaved",
-                      router="router.weight"),
-    "llama4_text": Family(_llama4_text, "feed_forward", ("gate_up_proj", "gate_up_proj", "down_proj"), "Llama4ForCausalLM", fused="halves",
-                          router="router.weight", dense="feed_forward"),
+    "gpt_oss": Family(_gpt_oss, "mlp", _STACKS, "GptOssForCausalLM", fused="interleaved", router="router.weight"),
+    "llama4_text": Family(_llama4_text, "feed_forward", _STACKS, "Llama4ForCausalLM", fused="halves", router="router.weight", dense="feed_forward"),
     # the released Llama 4 folders: the text model under language_model., beside a vision model that is not read
-    "llama4": Family(_llama4, "feed_forward", ("gate_up_proj", "gate_up_proj", "down_proj"), "Llama4ForConditionalGeneration",
+    "llama4": Family(_llama4, "feed_forward", _STACKS, "Llama4ForConditionalGeneration",
                      fused="halves", router="router.weight", dense="feed_forward", prefix="language_model.",
                      not_read=("vision_model.", "multi_modal_projector."), written_as="llama4_text"),
     "solar_open": Family(_solar_open, "mlp", ("gate_proj", "up_proj", "down_proj"), "SolarOpenForCausalLM", "shared_experts"),
@@ -542,10 +566,11 @@ FAMILIES = {
     "dots1": Family(_dots1, "mlp", ("gate_proj", "up_proj", "down_proj"), "Dots1ForCausalLM", "shared_experts"),
     "minimax_m2": Family(_minimax_m2, "block_sparse_moe", ("w1", "w3", "w2"), "MiniMaxM2ForCausalLM",
                          correction_bias="e_score_correction_bias"),
-    "granitemoe": Family(_granitemoe, "block_sparse_moe", ("input_linear", "input_linear", "output_linear"), "GraniteMoeForCausalLM",
-                         chunked=True, router="router.layer.weight"),
-    "granitemoeshared": Family(_granitemoe, "block_sparse_moe", ("input_linear", "input_linear", "output_linear"),
-                               "GraniteMoeSharedForCausalLM", "shared_mlp", chunked=True, router="router.layer.weight"),
+    "granitemoe": Family(_granitemoe, "block_sparse_moe", _GRANITE, "GraniteMoeForCausalLM", fused="halves_out", router="router.layer.weight"),
+    "granitemoeshared": Family(_granitemoe, "block_sparse_moe", _GRANITE, "GraniteMoeSharedForCausalLM", "shared_mlp", fused="halves_out",
+                               shared_beside=True, router="router.layer.weight"),
+    "granitemoe_swa": Family(_granitemoe_swa, "block_sparse_moe", _STACKS, "GraniteMoeSWAForCausalLM", "shared_mlp", fused="halves_out",
+                             shared_beside=True, router="router.weight"),
     "hunyuan_v1_moe": Family(_hunyuan_v1_moe, "mlp", ("gate_proj", "up_proj", "down_proj"), "HunYuanMoEV1ForCausalLM", "shared_mlp",
                              router="gate.wg.weight", qk_norms=("query_layernorm", "key_layernorm")),
 }
@@ -591,33 +616,32 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
         out[q + "mlp.router"] = Tensor((mlp + family.router,))
         if cfg.router_bias:  # gpt-oss: the router module's bias
             out[q + "mlp.router_bias"] = Tensor((mlp + family.router.removesuffix("weight") + "bias",))
-    if moe and family.fused:  # [E, H, 2F] gate/up interleaved (gpt-oss, each with a bias) or in halves (Llama 4), [E, F, H]
-        experts = mlp + "experts."
+    if moe and family.fused:  # the experts' stacks (Family.fused), each bias beside its stack (gpt-oss)
+        gate_up, _, down = (mlp + name for name in family.experts)
+        linear = family.fused == "halves_out"  # [E, 2F, H] / [E, H, F]: linear weights, transposed
 
         def half(i: int) -> dict:
-            return dict(part=(i, 2)) if family.fused == "interleaved" else dict(chunk=(i, 2))
+            return dict(part=(i, 2)) if family.fused == "interleaved" else dict(chunk=(i, 2), transpose=linear)
 
-        out[q + "mlp.experts.w_gate"] = Tensor((experts + "gate_up_proj",), **half(0))
-        out[q + "mlp.experts.w_up"] = Tensor((experts + "gate_up_proj",), **half(1))
-        out[q + "mlp.experts.w_down"] = Tensor((experts + "down_proj",))
+        out[q + "mlp.experts.w_gate"] = Tensor((gate_up,), **half(0))
+        out[q + "mlp.experts.w_up"] = Tensor((gate_up,), **half(1))
+        out[q + "mlp.experts.w_down"] = Tensor((down,), transpose=linear)
         if cfg.expert_biases:
-            out[q + "mlp.experts.b_gate"] = Tensor((experts + "gate_up_proj_bias",), **half(0))
-            out[q + "mlp.experts.b_up"] = Tensor((experts + "gate_up_proj_bias",), **half(1))
-            out[q + "mlp.experts.b_down"] = Tensor((experts + "down_proj_bias",))
-    elif moe and family.chunked:  # Granite: [E, 2F, H] gate then up, [E, H, F]; the shared MLP likewise, beside the block
-        stacks = [(mlp, "mlp.experts.")] + [(p + family.shared + ".", "mlp.shared.")] * bool(cfg.shared_size)
-        for theirs, ours in stacks:
-            gate, up, down = (theirs + name + ".weight" for name in family.experts)
-            out[q + ours + "w_gate"] = Tensor((gate,), transpose=True, chunk=(0, 2))
-            out[q + ours + "w_up"] = Tensor((up,), transpose=True, chunk=(1, 2))
-            out[q + ours + "w_down"] = Tensor((down,), transpose=True)
+            out[q + "mlp.experts.b_gate"] = Tensor((gate_up + "_bias",), **half(0))
+            out[q + "mlp.experts.b_up"] = Tensor((gate_up + "_bias",), **half(1))
+            out[q + "mlp.experts.b_down"] = Tensor((down + "_bias",))
     elif moe:
         if cfg.expert_bias:  # HF's e_score_correction_bias: fmoe's expert_bias buffer
             out[q + "mlp.expert_bias"] = Tensor((mlp + family.correction_bias,))
         for ours, theirs in zip(("w_gate", "w_up", "w_down"), family.experts):
             out[q + "mlp.experts." + ours] = Tensor(tuple(f"{mlp}experts.{e}.{theirs}.weight" for e in range(cfg.n_experts)),
                                                     transpose=True, stacked=True)
-    if moe and not family.chunked and cfg.shared_size:  # the shared experts inside the MoE block
+    if moe and cfg.shared_size and family.shared_beside:  # Granite: [2Fs, H] gate then up, [H, Fs], beside the MoE block
+        shared = p + family.shared + "."
+        out[q + "mlp.shared.w_gate"] = Tensor((shared + "input_linear.weight",), transpose=True, chunk=(0, 2))
+        out[q + "mlp.shared.w_up"] = Tensor((shared + "input_linear.weight",), transpose=True, chunk=(1, 2))
+        out[q + "mlp.shared.w_down"] = Tensor((shared + "output_linear.weight",), transpose=True)
+    elif moe and cfg.shared_size:  # the shared experts inside the MoE block
         for ours, theirs in zip(("w_gate", "w_up", "w_down"), ("gate_proj", "up_proj", "down_proj")):
             out[q + "mlp.shared." + ours] = Tensor((f"{mlp}{family.shared}.{theirs}.weight",), transpose=True)
         if cfg.shared_gate:
@@ -1004,13 +1028,16 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
         hf.update(use_sliding_window=True, sliding_window=cfg.window, max_window_layers=cfg.n_layers, layer_types=_layer_types(cfg))
     if model_type in ("mixtral", "minimax_m2"):
         hf.update(num_local_experts=cfg.n_experts, intermediate_size=cfg.ffn_expert)
-    elif model_type in ("granitemoe", "granitemoeshared"):
+    elif model_type in ("granitemoe", "granitemoeshared", "granitemoe_swa"):
         if cfg.attn_scale is None:  # Granite's attention_multiplier is the scale itself: the default one written out
             cfg = dataclasses.replace(cfg, attn_scale=cfg.head_dim**-0.5)
         hf.update(num_local_experts=cfg.n_experts, intermediate_size=cfg.ffn_expert, attention_multiplier=cfg.attn_scale,
                   embedding_multiplier=cfg.embed_scale, residual_multiplier=cfg.residual_scale, logits_scaling=cfg.logit_divisor)
-        if model_type == "granitemoeshared":
+        if model_type in ("granitemoeshared", "granitemoe_swa"):
             hf.update(shared_intermediate_size=cfg.shared_size)
+        if model_type == "granitemoe_swa":  # the window's layers, a sink per head, 0 as the base of a NoPE layer
+            hf.update(sliding_window=cfg.window or 128, layer_types=_layer_types(cfg), attention_bias=False,
+                      layer_rope_theta=[0 if cfg.is_nope(i) else cfg.rope_base for i in range(cfg.n_layers)])
     elif model_type == "gpt_oss":
         hf.update(num_local_experts=cfg.n_experts, intermediate_size=cfg.ffn_expert, attention_bias=cfg.qkv_bias,
                   swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit, sliding_window=cfg.window, layer_types=_layer_types(cfg))

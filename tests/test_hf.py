@@ -108,6 +108,14 @@ FAMILIES = {
     "granitemoeshared": lambda: transformers.GraniteMoeSharedConfig(**COMMON, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
                                                                    shared_intermediate_size=20, embedding_multiplier=2.0, attention_multiplier=0.2,
                                                                    residual_multiplier=0.7, logits_scaling=4.0, bos_token_id=None, eos_token_id=None),
+    # Granite's MoE blocks and multipliers with a sink per head, layer 0 global, layers 1 and 2
+    # over a 4-token window (the default layer_types), layer 1 NoPE (layer_rope_theta 0), the
+    # experts as [E, 2F, H] / [E, H, F] stacks, a shared MLP beside each MoE block
+    "granitemoe_swa": lambda: transformers.GraniteMoeSWAConfig(**COMMON, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
+                                                               shared_intermediate_size=20, embedding_multiplier=2.0, attention_multiplier=0.3,
+                                                               residual_multiplier=0.6, logits_scaling=3.0, sliding_window=4,
+                                                               layer_rope_theta=[5000.0, 0, 5000.0], bos_token_id=None, eos_token_id=None,
+                                                               pad_token_id=None),
     # per-head q/k norms after RoPE, a shared MLP beside every MoE block, NTK-alpha RoPE
     # (the released "dynamic" type with a fixed alpha), tied embeddings
     "hunyuan_v1_moe": lambda: transformers.HunYuanMoEV1Config(**COMMON, head_dim=8, intermediate_size=24, num_experts=4, moe_topk=2,
@@ -418,6 +426,9 @@ def test_config_mapping_reads_the_family_fields(folders, tmp_path):
     legacy = _edit(folders["hunyuan_v1_moe"][0], tmp_path / "hunyuan", lambda c: (
         c.pop("rope_parameters"), c.update(rope_theta=10000.0, rope_scaling=dict(type="dynamic", alpha=50.0, factor=1.0), moe_topk=[2] * 3)))
     assert hf.read_config(legacy)[1] == cfg
+    _, cfg = hf.read_config(folders["granitemoe_swa"][0])
+    assert (cfg.window, cfg.window_layers, cfg.nope_layers, cfg.rope_base, cfg.attn_sinks, cfg.shared_size) == (4, (1, 2), (1,), 5000.0, True, 20)
+    assert (cfg.attn_scale, cfg.embed_scale, cfg.residual_scale, cfg.logit_divisor) == (0.3, 2.0, 0.6, 3.0)
     _, cfg = hf.read_config(folders["llama4_text"][0])
     assert (cfg.moe_layers, cfg.nope_layers, cfg.chunk, cfg.chunk_layers, cfg.nope_temperature_floor, cfg.nope_temperature_scale) == (
         (1,), (1,), 4, (0, 2), 2, 0.5)
@@ -496,6 +507,8 @@ BAD_CONFIGS = [
      r"config.json: moe_topk = \[2, 1, 2\] is not supported \(the same value in every layer\)"),
     ("hunyuan_v1_moe", lambda c: c["rope_parameters"].pop("alpha"), r"config.json: rope type 'dynamic' is not supported"),
     ("granitemoe", lambda c: c.update(logits_scaling=0), r"config.json: logits_scaling = 0 is not supported \(a positive number\)"),
+    ("granitemoe_swa", lambda c: c.update(layer_rope_theta=[5000.0, 0, 10000.0]),
+     r"config.json: layer_rope_theta = \[5000.0, 0, 10000.0\] is not supported \(one RoPE base, or 0 for NoPE, per layer\)"),
     ("llama4_text", lambda c: c.update(attention_chunk_size=None), r"config.json: attention_chunk_size = None is not supported"),
     ("llama4_text", lambda c: c.update(layer_types=["sliding_attention"] * 3), r"config.json: layer_types = .* is not supported"),
     ("llama4_text", lambda c: c.update(no_rope_layers=[1, 2, 1]), r"config.json: no_rope_layers = \[1, 2, 1\] is not supported"),
