@@ -6,7 +6,7 @@
 A folder holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). Supported `model_type`s: FAMILIES (mixtral, qwen2_moe,
 qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, deepseek_v2, glm4_moe_lite, gpt_oss, solar_open,
-exaone_moe, dots1, minimax_m2, granitemoe, granitemoeshared, granitemoe_swa, hunyuan_v1_moe, llama4_text, llama4). Each family has one table: its
+exaone_moe, dots1, minimax_m2, granitemoe, granitemoeshared, granitemoe_swa, hunyuan_v1_moe, llama4_text, llama4, afmoe). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: clipped qkv, ...)
 and its key map (HF key <-> fmoe
 parameter, with the layout change: HF linear weights [out, in] are transposed to fmoe's
@@ -447,6 +447,26 @@ def _llama4(hf: dict) -> dict:
     return _llama4_text(hf["text_config"])
 
 
+def _afmoe(hf: dict) -> dict:
+    """AFMoE (afmoe, Arcee Trinity): gated attention (the heads' outputs times sigmoid of
+    gate_proj, channel by channel), per-head q/k norms; the layers layer_types names
+    sliding_attention (by default all but every global_attn_every_n_layers-th) attend over
+    the window with RoPE, the others globally without RoPE (NoPE); sandwich norms (an
+    RMSNorm before and after the attention and the MLP); num_dense_layers dense blocks, then
+    MoE blocks routed on sigmoids plus the expert bias, renormalised, x route_scale, beside
+    num_shared_experts shared experts; mup_enabled: the embeddings x sqrt(hidden_size)."""
+    _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in AFMoE's attention here")
+    n = hf["num_hidden_layers"]
+    every = hf.get("global_attn_every_n_layers", 4)
+    _refuse(hf, "num_experts_per_tok", lambda v: v != 1, "k > 1: AFMoE renormalises a single weight to 1, fmoe's sigmoid routing keeps it")
+    hf = dict(hf, layer_types=hf.get("layer_types") or ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)],
+              n_shared_experts=hf.get("num_shared_experts", 0), routed_scaling_factor=hf.get("route_scale", 1.0))
+    nope = tuple(i for i in range(n) if hf["layer_types"][i] != "sliding_attention")
+    return dict(_common(hf, hf["num_experts"], sliding=True), **_deepseek_moe(hf, n_dense=hf.get("num_dense_layers", 1)),
+                score="sigmoid", expert_bias=True, route_normalize=True, qk_norm="head",
+                nope_layers=nope or None, attn_gate=True, post_norms=True, embed_scale=hf["hidden_size"] ** 0.5 if hf.get("mup_enabled") else 1.0)
+
+
 def _one_per_model(hf: dict, field: str):
     """A field that may be a per-layer list (Hunyuan's num_experts, moe_topk): one value for
     every layer, or a ValueError."""
@@ -539,6 +559,8 @@ class Family:
     prefix: str = ""  # before every key the model reads (Llama 4's "language_model.", beside its vision model)
     written_as: Optional[str] = None  # folders holding more than fmoe reads are not written back: export as this family
     dense: str = "mlp"  # the dense blocks' MLP module
+    # the norms of a sandwich block (pre_norms and post_norms): before and after the attention, before and after the MLP
+    sandwich: Optional[tuple[str, str, str, str]] = None
 
 
 _STACKS = ("experts.gate_up_proj", "experts.gate_up_proj", "experts.down_proj")  # fused experts' keys under the MoE block
@@ -571,6 +593,9 @@ FAMILIES = {
                                shared_beside=True, router="router.layer.weight"),
     "granitemoe_swa": Family(_granitemoe_swa, "block_sparse_moe", _STACKS, "GraniteMoeSWAForCausalLM", "shared_mlp", fused="halves_out",
                              shared_beside=True, router="router.weight"),
+    "afmoe": Family(_afmoe, "mlp", ("gate_proj", "up_proj", "down_proj"), "AfmoeForCausalLM", "shared_experts", correction_bias="expert_bias",
+                    router="router.gate.weight",
+                    sandwich=("input_layernorm", "post_attention_layernorm", "pre_mlp_layernorm", "post_mlp_layernorm")),
     "hunyuan_v1_moe": Family(_hunyuan_v1_moe, "mlp", ("gate_proj", "up_proj", "down_proj"), "HunYuanMoEV1ForCausalLM", "shared_mlp",
                              router="gate.wg.weight", qk_norms=("query_layernorm", "key_layernorm")),
 }
@@ -600,12 +625,17 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
         out[q + "attn.bo"] = Tensor((attn + "o_proj.bias",))
     if cfg.attn_sinks:
         out[q + "attn.sinks"] = Tensor((attn + "sinks",))
+    if cfg.attn_gate:  # gated attention's gate_proj (AFMoE)
+        out[q + "attn.wg"] = Tensor((attn + "gate_proj.weight",), transpose=True)
     if cfg.qk_norm in ("head", "proj") and (rope or cfg.nope_qk_norm):  # weighted norms ("rms" has none)
         out[q + "attn.q_norm"] = Tensor((attn + family.qk_norms[0] + ".weight",))
         out[q + "attn.k_norm"] = Tensor((attn + family.qk_norms[1] + ".weight",))
-    if cfg.pre_norms and cfg.post_norms:
-        raise ValueError("model: pre- and post-norms together (a sandwich block) have no key names in these families")
-    if cfg.post_norms:  # OLMo 2's post-norm block: post_attention_layernorm is the attention output's norm
+    if cfg.pre_norms and cfg.post_norms:  # a sandwich block (AFMoE)
+        if family.sandwich is None:
+            raise ValueError("model: pre- and post-norms together (a sandwich block) have no key names in this family")
+        for ours, theirs in zip(("attn_norm", "attn_post_norm", "mlp_norm", "mlp_post_norm"), family.sandwich):
+            out[q + ours + ".weight"] = Tensor((p + theirs + ".weight",))
+    elif cfg.post_norms:  # OLMo 2's post-norm block: post_attention_layernorm is the attention output's norm
         out[q + "attn_post_norm.weight"] = Tensor((p + "post_attention_layernorm.weight",))
         out[q + "mlp_post_norm.weight"] = Tensor((p + "post_feedforward_layernorm.weight",))
     elif cfg.pre_norms:
@@ -1051,6 +1081,11 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
                   layer_types=["chunked_attention" if cfg.is_chunked(i) else "full_attention" for i in range(cfg.n_layers)],
                   attn_temperature_tuning=cfg.nope_temperature_floor is not None, floor_scale=cfg.nope_temperature_floor or 8192,
                   attn_scale=cfg.nope_temperature_scale)
+    elif model_type == "afmoe":
+        moe_fields = _deepseek_moe_config(cfg)
+        hf.update(num_experts=cfg.n_experts, num_shared_experts=moe_fields["n_shared_experts"], moe_intermediate_size=cfg.ffn_expert,
+                  intermediate_size=cfg.ffn_dense, num_dense_layers=cfg.n_dense, route_scale=moe_fields["routed_scaling_factor"],
+                  attention_bias=False, sliding_window=cfg.window, layer_types=_layer_types(cfg), mup_enabled=cfg.embed_scale != 1.0)
     elif model_type == "hunyuan_v1_moe":
         hf.update(num_experts=cfg.n_experts, moe_topk=cfg.k, intermediate_size=cfg.ffn_expert, attention_bias=False)
     elif model_type == "solar_open":  # no dense blocks, no MTP: those fields are not Solar Open's

@@ -784,15 +784,17 @@ def _check_attention(x_TH, params, cfg, ctx) -> None:
         w = params.get(name)
         if w is None or tuple(w.shape) != shape:
             raise ValueError(f"params['{name}']: expected a {list(shape)} norm weight, got {list(w.shape) if w is not None else 'nothing'}")
-    extras = {"bo": (H,), "sinks": (N,)}  # an output bias and attention sinks, either kind
+    # an output bias, attention sinks and the output gate's weight, either kind
+    extras = {"bo": (H,), "sinks": (N,), "wg": (H, N * (cfg.v_dim if cfg.kv_rank is not None else D))}
     for name, shape in extras.items():
         w = params.get(name)
-        if w is not None and (tuple(w.shape) != shape or not w.is_floating_point()):
-            raise ValueError(f"params['{name}']: expected a float {list(shape)} tensor or none, got {w.dtype} {list(w.shape)}")
+        if w is not None and (tuple(w.shape) != shape or not w.is_floating_point() or (name == "wg" and w.dtype != x_TH.dtype)):
+            kind = x_TH.dtype if name == "wg" else "a float"
+            raise ValueError(f"params['{name}']: expected {kind} {list(shape)} tensor or none, got {w.dtype} {list(w.shape)}")
     if cfg.kv_rank is not None:
         unknown = set(params) - set(mats) - set(norms) - set(extras)
         if unknown:
-            raise ValueError(f"params: unknown multi-latent attention parameters {sorted(unknown)} (expected {sorted(mats) + sorted(norms)}, optional bo, sinks)")
+            raise ValueError(f"params: unknown multi-latent attention parameters {sorted(unknown)} (expected {sorted(mats) + sorted(norms)}, optional bo, sinks, wg)")
         _check_ctx(ctx, T, cfg.rot_dim)
         return
     optional = {"bq": (N * D,), "bk": (G * D,), "bv": (G * D,)}
@@ -808,7 +810,7 @@ def _check_attention(x_TH, params, cfg, ctx) -> None:
             raise ValueError(f"params['{name}']: expected {list(shape)}, got {list(w.shape)}")
     unknown = set(params) - {"wq", "wk", "wv", "wo", *optional, *extras}
     if unknown:
-        raise ValueError(f"params: unknown attention parameters {sorted(unknown)} (wq, wk, wv, wo, optional bq, bk, bv, q_norm, k_norm, bo, sinks)")
+        raise ValueError(f"params: unknown attention parameters {sorted(unknown)} (wq, wk, wv, wo, optional bq, bk, bv, q_norm, k_norm, bo, sinks, wg)")
     _check_ctx(ctx, T, cfg.rot_dim or D)
 
 
@@ -826,7 +828,9 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
         x: [T, H] packed tokens. params: wq, wk, wv, wo (module docstring); optional biases
             bq [N D], bk, bv [G D] added to the projections; q_norm, k_norm with cfg.qk_norm;
             optional output bias bo [H] (under tensor parallel: its 1/tp share, the ranks'
-            outputs being summed) and attention sinks [N] (module docstring; either kind).
+            outputs being summed), attention sinks [N] (module docstring; either kind) and
+            an output gate wg [H, N Dv]: the heads' outputs times sigmoid(x wg), channel by
+            channel, before wo (gated attention, AFMoE's gate_proj; either kind).
             Multi-latent attention (cfg.kv_rank): wq [H, N D] or wq_a [H, q_rank],
             q_a_norm [q_rank], wq_b [q_rank, N D]; wkv_a [H, kv_rank + R] (latent, then
             the shared rotary key), kv_a_norm [kv_rank], wkv_b [kv_rank, N (D - R + v_dim)]
@@ -900,7 +904,10 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
             out_NTD = (out_1NTD[0] * keep_NT[..., None]).to(q_NTD.dtype)
     if wv_CNV is not None:  # absorbed: each head's latent output to its values
         out_NTD = torch.einsum("ntc,cnv->ntv", out_NTD, wv_CNV)
-    y_TH = rearrange(out_NTD, "n t d -> t (n d)") @ params["wo"]
+    out_TQ = rearrange(out_NTD, "n t d -> t (n d)")
+    if params.get("wg") is not None:  # gated attention: each output channel times sigmoid of its gate
+        out_TQ = out_TQ * torch.sigmoid(x @ params["wg"])
+    y_TH = out_TQ @ params["wo"]
     if params.get("bo") is not None:
         y_TH = y_TH + params["bo"]
     return y_TH, TensorDict({}, batch_size=[])

@@ -286,7 +286,9 @@ class TransformerConfig:
     yarn_mscale_all_dim / yarn_truncate; llama3_factor (None: none; not with YaRN) with
     llama3_low_freq_factor / llama3_high_freq_factor / llama3_original_max_positions:
     Llama 3.1's RoPE scaling (fmoe.ops.rope.llama3_inv_freq). o_bias:
-    an attention output bias; attn_sinks: a learned sink logit per head (fmoe.layers.attention).
+    an attention output bias; attn_sinks: a learned sink logit per head; attn_gate: gated
+    attention, the heads' outputs times sigmoid(x wg) channel by channel before wo (AFMoE;
+    fmoe.layers.attention).
     router_bias: a float32 bias on the router logits; expert_biases: biases of the routed
     experts' three projections; swiglu_alpha / swiglu_limit / swiglu_offset: the routed
     experts' clamped SwiGLU (fmoe.ops.grouped_mlp; gpt-oss: 1.702, 7.0, 1.0). kv_rank (with q_rank,
@@ -365,6 +367,7 @@ class TransformerConfig:
     v_head_dim: Optional[int] = None
     o_bias: bool = False
     attn_sinks: bool = False
+    attn_gate: bool = False
     router_bias: bool = False
     expert_biases: bool = False
     swiglu_alpha: float = 1.0
@@ -417,7 +420,7 @@ class TransformerConfig:
             raise ValueError("chunk_layers: needs a chunk (the attention chunk's length)")
         if self.nope_temperature_floor is not None and self.nope_layers is None:
             raise ValueError("nope_temperature_floor: scales the NoPE blocks' queries, needs nope_layers")
-        for name in ("pre_norms", "post_norms", "nope_qk_norm", "route_on_input"):
+        for name in ("pre_norms", "post_norms", "nope_qk_norm", "route_on_input", "attn_gate"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         if self.nope_layers is not None and self.kv_rank is not None:
@@ -572,13 +575,17 @@ class Attention(nn.Module):
 
     def _extras(self, cfg: TransformerConfig) -> None:
         """The output bias bo [H] (o_bias) and the attention sinks [n_heads] (attn_sinks),
-        zero at initialisation (Transformer.reset_parameters)."""
+        zero at initialisation (Transformer.reset_parameters), and the output gate wg
+        [H, n_heads Dv] (attn_gate)."""
         if cfg.o_bias:
             self.bo = nn.Parameter(torch.empty(cfg.hidden))
             self.names.append("bo")
         if cfg.attn_sinks:
             self.sinks = nn.Parameter(torch.empty(cfg.n_heads))
             self.names.append("sinks")
+        if cfg.attn_gate:
+            self.wg = nn.Parameter(torch.empty(cfg.hidden, cfg.n_heads * (cfg.v_head_dim if cfg.kv_rank is not None else cfg.head_dim)))
+            self.names.append("wg")
 
     def forward(self, x_TH, ctx: AttentionContext):
         params = {n: _local(getattr(self, n)) for n in self.names}

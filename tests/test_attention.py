@@ -56,7 +56,10 @@ def _loop_attention(x, p, cfg, cu):
                     weights = torch.softmax(scores, dim=0)
                 heads.append(weights @ v[first:t + 1, g])
             rows.append(torch.cat(heads))
-    y = torch.stack(rows) @ p["wo"]
+    out = torch.stack(rows)
+    if "wg" in p:  # gated attention: each output channel times the sigmoid of its gate
+        out = out * torch.sigmoid(x @ p["wg"])
+    y = out @ p["wo"]
     return y + p["bo"] if "bo" in p else y
 
 
@@ -118,6 +121,21 @@ def test_sinks_and_output_bias_match_per_token_loop(window, impl):
         assert _rel(y, y_plain) > 1e-2
         y_inf = attention(x, {**p, "sinks": torch.full((4,), float("-inf"))}, cfg, _ctx(cu, cfg))[0]
         assert _rel(y_inf, y_plain) < 1e-6
+
+
+@pytest.mark.parametrize("impl", ["torch", "flex"])
+def test_gated_attention_matches_per_token_loop(impl):
+    """AFMoE's gated attention: the heads' outputs times sigmoid(x wg), channel by channel, before wo."""
+    cfg = dataclasses.replace(CFG, window=4)
+    p = _params(cfg)
+    p["wg"] = (torch.randn(H, 4 * 16, generator=torch.Generator().manual_seed(5)) * H**-0.5).requires_grad_()
+    _check_against_definition(cfg, impl, p, _loop_attention)
+    with torch.no_grad():  # the gate matters
+        x, cu = torch.randn(17, H), torch.tensor([0, 5, 6, 17], dtype=torch.int32)
+        plain = {n: t for n, t in p.items() if n != "wg"}
+        assert _rel(attention(x, p, cfg, _ctx(cu, cfg))[0], attention(x, plain, cfg, _ctx(cu, cfg))[0]) > 1e-1
+    with pytest.raises(ValueError, match=r"params\['wg'\]: expected torch.float32 \[32, 64\] tensor or none, got torch.float32 \[32, 32\]"):
+        attention(x, dict(p, wg=torch.zeros(H, H)), cfg, _ctx(cu, cfg))
 
 
 def _check_against_definition(cfg, impl, p, definition):

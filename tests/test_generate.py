@@ -21,14 +21,15 @@ from fmoe.model import Transformer, TransformerConfig  # noqa: E402
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "deepseek_v2", "granitemoeshared", "hunyuan_v1_moe", "exaone_moe", "llama4_text",
-                                    "granitemoe_swa"])
+                                    "granitemoe_swa", "afmoe"])
 def test_greedy_matches_transformers_generate(tmp_path, family):
     """Through fmoe's KV cache (DeepSeek-V3 / -V2: multi-latent attention absorbed, latents
     cached; -V2 without the low-rank q; Granite: the embedding, attention and residual
     multipliers in decode's steps; Hunyuan: q/k norms after RoPE, the normed keys cached;
     EXAONE: a 3-token window with RoPE in layer 0, its keys in a ring, layer 1 NoPE; Llama 4:
     layer 0 chunked attention over 4 tokens, layer 1 NoPE with the query temperature from
-    position 1 on; GraniteMoeSWA: sinks, a 3-token window ring in layer 1, layer 0 NoPE)
+    position 1 on; GraniteMoeSWA: sinks, a 3-token window ring in layer 1, layer 0 NoPE;
+    AFMoE: gated attention and sandwich norms, a 3-token window ring in layer 0, layer 1 NoPE)
     against transformers' own generate and cache."""
     transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]'")
     import fmoe.hf
@@ -54,6 +55,10 @@ def test_greedy_matches_transformers_generate(tmp_path, family):
         config = transformers.ExaoneMoeConfig(**common, num_key_value_heads=2, head_dim=8, intermediate_size=40, moe_intermediate_size=16,
                                               num_experts=8, num_experts_per_tok=3, n_group=2, topk_group=1, first_k_dense_replace=0,
                                               sliding_window=3, sliding_window_pattern=2, max_position_embeddings=128)
+    elif family == "afmoe":
+        config = transformers.AfmoeConfig(**common, num_key_value_heads=2, head_dim=8, intermediate_size=40, moe_intermediate_size=16,
+                                          num_experts=4, num_experts_per_tok=2, num_shared_experts=1, num_dense_layers=1, sliding_window=3,
+                                          global_attn_every_n_layers=2, route_scale=2.0)
     elif family == "granitemoe_swa":
         config = transformers.GraniteMoeSWAConfig(**common, num_key_value_heads=2, intermediate_size=24, num_local_experts=4,
                                                   num_experts_per_tok=2, shared_intermediate_size=20, embedding_multiplier=2.0,
@@ -73,7 +78,9 @@ def test_greedy_matches_transformers_generate(tmp_path, family):
                 mscale=0.8, mscale_all_dim=1.0))
     ref = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
-        for p in ref.parameters():
+        for name, p in ref.named_parameters():
+            if name.endswith("router.gate.weight"):  # AFMoE starts its routers at zero: every expert tied, picked in no defined order
+                p.normal_(0.0, 0.02)
             p.mul_(8.0)  # sharper logits: no near-ties for greedy to split on
     ref.save_pretrained(tmp_path)
     model, _ = fmoe.hf.from_pretrained(tmp_path, impl="torch")

@@ -116,6 +116,14 @@ FAMILIES = {
                                                                residual_multiplier=0.6, logits_scaling=3.0, sliding_window=4,
                                                                layer_rope_theta=[5000.0, 0, 5000.0], bos_token_id=None, eos_token_id=None,
                                                                pad_token_id=None),
+    # AFMoE (Arcee Trinity): gated attention, per-head q/k norms, sandwich norms; layers 0 and
+    # 2 over a 4-token window with RoPE, layer 1 global without (global_attn_every_n_layers 2);
+    # layer 0 dense; sigmoid routing with the expert bias, renormalised x 2, a shared expert;
+    # the embeddings x sqrt(hidden_size) (mup_enabled)
+    "afmoe": lambda: transformers.AfmoeConfig(**COMMON, head_dim=8, intermediate_size=40, moe_intermediate_size=16, num_experts=4,
+                                              num_experts_per_tok=2, num_shared_experts=1, num_dense_layers=1, sliding_window=4,
+                                              global_attn_every_n_layers=2, route_scale=2.0, mup_enabled=True, bos_token_id=None,
+                                              eos_token_id=None, pad_token_id=None),
     # per-head q/k norms after RoPE, a shared MLP beside every MoE block, NTK-alpha RoPE
     # (the released "dynamic" type with a fixed alpha), tied embeddings
     "hunyuan_v1_moe": lambda: transformers.HunYuanMoEV1Config(**COMMON, head_dim=8, intermediate_size=24, num_experts=4, moe_topk=2,
@@ -429,6 +437,11 @@ def test_config_mapping_reads_the_family_fields(folders, tmp_path):
     _, cfg = hf.read_config(folders["granitemoe_swa"][0])
     assert (cfg.window, cfg.window_layers, cfg.nope_layers, cfg.rope_base, cfg.attn_sinks, cfg.shared_size) == (4, (1, 2), (1,), 5000.0, True, 20)
     assert (cfg.attn_scale, cfg.embed_scale, cfg.residual_scale, cfg.logit_divisor) == (0.3, 2.0, 0.6, 3.0)
+    _, cfg = hf.read_config(folders["afmoe"][0])
+    assert (cfg.window, cfg.window_layers, cfg.nope_layers, cfg.attn_gate, cfg.pre_norms, cfg.post_norms, cfg.qk_norm) == (
+        4, (0, 2), (1,), True, True, True, "head")
+    assert (cfg.score, cfg.expert_bias, cfg.route_normalize, cfg.route_scale, cfg.n_dense, cfg.shared_size, cfg.embed_scale) == (
+        "sigmoid", True, True, 2.0, 1, 16, 32**0.5)
     _, cfg = hf.read_config(folders["llama4_text"][0])
     assert (cfg.moe_layers, cfg.nope_layers, cfg.chunk, cfg.chunk_layers, cfg.nope_temperature_floor, cfg.nope_temperature_scale) == (
         (1,), (1,), 4, (0, 2), 2, 0.5)
@@ -509,6 +522,7 @@ BAD_CONFIGS = [
     ("granitemoe", lambda c: c.update(logits_scaling=0), r"config.json: logits_scaling = 0 is not supported \(a positive number\)"),
     ("granitemoe_swa", lambda c: c.update(layer_rope_theta=[5000.0, 0, 10000.0]),
      r"config.json: layer_rope_theta = \[5000.0, 0, 10000.0\] is not supported \(one RoPE base, or 0 for NoPE, per layer\)"),
+    ("afmoe", lambda c: c.update(num_experts_per_tok=1), r"config.json: num_experts_per_tok = 1 is not supported \(k > 1"),
     ("llama4_text", lambda c: c.update(attention_chunk_size=None), r"config.json: attention_chunk_size = None is not supported"),
     ("llama4_text", lambda c: c.update(layer_types=["sliding_attention"] * 3), r"config.json: layer_types = .* is not supported"),
     ("llama4_text", lambda c: c.update(no_rope_layers=[1, 2, 1]), r"config.json: no_rope_layers = \[1, 2, 1\] is not supported"),

@@ -33,6 +33,10 @@ VARIANTS = {
     "llama4": dataclasses.replace(TINY, chunk=4, chunk_layers=(0, 2), nope_layers=(1,), nope_temperature_floor=2, nope_temperature_scale=0.5,
                                   qk_norm="rms", qk_norm_after_rope=True, nope_qk_norm=False, rope_interleaved=True, score="sigmoid",
                                   expert_bias=False, route_normalize=False, k=1, route_on_input=True, mtp_depth=1),
+    # AFMoE's (Arcee Trinity) blocks: gated attention, sandwich norms, per-head q/k norms,
+    # local blocks 0 and 2 with RoPE, block 1 global without
+    "afmoe": dataclasses.replace(TINY, attn_gate=True, pre_norms=True, post_norms=True, qk_norm="head", window=4, window_layers=(0, 2),
+                                 nope_layers=(1,), route_scale=2.0, mtp_depth=1),
     # OLMo 2's / FlexOlmo's post-norm blocks (norms on the branch outputs, none on their inputs), and Gemma's sandwich
     "post-norm": dataclasses.replace(TINY, pre_norms=False, post_norms=True, qk_norm="proj", mtp_depth=1),
     "sandwich norms": dataclasses.replace(TINY, post_norms=True),
@@ -572,7 +576,8 @@ DECODED = {
     "gpt-oss": VARIANTS["gpt-oss"],
     "post-norm": VARIANTS["post-norm"],
     "llama4": dataclasses.replace(VARIANTS["llama4"], mtp_depth=0, llama3_factor=4.0, llama3_original_max_positions=16),
-    "mla, sinks, output bias": dataclasses.replace(VARIANTS["mla, group top-2, mtp norm"], attn_sinks=True, o_bias=True),
+    "mla, sinks, output bias, gate": dataclasses.replace(VARIANTS["mla, group top-2, mtp norm"], attn_sinks=True, o_bias=True, attn_gate=True),
+    "afmoe": dataclasses.replace(VARIANTS["afmoe"], mtp_depth=0),
 }
 
 

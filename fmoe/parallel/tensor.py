@@ -10,6 +10,7 @@ heads (attention) or of the FFN columns (SwiGLU) and the output is a sum over ra
                 wo [heads*D, H]          Shard(0)
                 bq, bk, bv [heads*D]     Shard(0)
                 sinks [heads]            Shard(0); bo [H] replicated (bo / tp per rank)
+                wg [H, heads*Dv]         Shard(1)  (the output gate, with its heads; either kind)
                 q_norm, k_norm           [D] replicated (qk_norm="head"); [heads*D] Shard(0)
                                          (qk_norm="proj", the mean square averaged over tp)
     multi-latent wq or wq_b, wkv_b       Shard(1)  (per-head up projections)
@@ -291,6 +292,8 @@ class AttentionParallel(_ShardedRegion):
             dims.update({n: 0 for n in ("bq", "bk", "bv") if getattr(module, n, None) is not None})
         if getattr(module, "sinks", None) is not None:
             dims["sinks"] = 0
+        if getattr(module, "wg", None) is not None:  # the output gate: its columns with their heads
+            dims["wg"] = 1
         if cfg.qk_norm == "proj":  # never with multi-latent attention
             dims.update(q_norm=0, k_norm=0)
         return dims

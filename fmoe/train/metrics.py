@@ -155,6 +155,7 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
     MTP blocks as the model builds them. With multi-latent attention (kv_rank) the attention
     terms of every block (trunk and MTP) are its own: 6 x its projection weights, and
     6 N (D + v_dim) n_avg_keys for the scores (q.k over D) and the values (over v_dim).
+    Gated attention (attn_gate) adds its gate's H N Dv weights to each block's projections.
     Blocks with a sliding window or chunked attention (cfg.is_local) count n_avg_local_keys
     keys per query (mean_attended_keys with cfg.window, cfg.chunk): required when there are any."""
     names = ("hidden", "n_layers", "ffn_dense", "ffn_expert", "k", "n_heads", "n_kv_heads", "head_dim", "mtp_depth", "n_experts")
@@ -167,6 +168,10 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
 
         mats, _ = mla_shapes(cfg.hidden, cfg.attention_config())
         attention = dict(attention_weights=sum(a * b for a, b in mats.values()), v_dim=cfg.v_head_dim)
+    if getattr(cfg, "attn_gate", False):  # the output gate's matrix [H, n_heads Dv] beside the projections
+        q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        weights = attention.get("attention_weights", cfg.hidden * (q + 2 * kv) + q * cfg.hidden)
+        attention["attention_weights"] = weights + cfg.hidden * cfg.n_heads * attention.get("v_dim", cfg.head_dim)
     n_sliding = sum(getattr(cfg, "is_local", getattr(cfg, "is_sliding", lambda i: False))(i) for i in range(cfg.n_layers))
     if n_sliding and n_avg_local_keys is None:
         local = f"within chunks of {cfg.chunk}" if getattr(cfg, "chunk", None) is not None else f"over a sliding window of {cfg.window}"

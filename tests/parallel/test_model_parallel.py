@@ -230,6 +230,10 @@ CASES = {
     # scaled by their own positions' temperature; the experts' input weighted before the
     # all-to-all, with tp slices
     "cp2-llama4": (2, dict(cp=2), LLAMA4),
+    # AFMoE's gated attention: the gate's columns split with their heads over tp, under
+    # sandwich norms; and with multi-latent attention's heads
+    "tp2-gate-sandwich": (2, dict(tp=2), dict(attn_gate=True, post_norms=True, qk_norm="head")),
+    "tp2-mla-gate": (2, dict(tp=2), dict(MLA, attn_gate=True)),
     "ep2xtp2-llama4": (4, dict(tp=2, ep=2), LLAMA4),
     # gpt-oss's extras: the sinks split with their heads and the output bias added once over
     # tp; the expert biases with their experts over ep (exchanged rows, and the padded

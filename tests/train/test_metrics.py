@@ -248,6 +248,9 @@ def test_model_flops_per_token_reads_the_model_config():
     assert M.model_flops_per_token(sliding, n_avg_keys=10.0, n_avg_local_keys=3.0) == expected - 2 * 12 * 64 * (10.0 - 3.0)
     with pytest.raises(ValueError, match="n_avg_local_keys: 2 blocks attend over a sliding window of 4"):
         M.model_flops_per_token(sliding, n_avg_keys=10.0)
+    # gated attention: each block's gate [H, N D] beside its projections (3 trunk blocks and the MTP block's)
+    gated = TransformerConfig(**{**cfg.__dict__, "attn_gate": True})
+    assert M.model_flops_per_token(gated, n_avg_keys=10.0) == expected + 4 * 6 * 64 * 64
     # and chunked blocks (Llama 4) alike
     chunked = TransformerConfig(**{**cfg.__dict__, "chunk": 4, "chunk_layers": (0, 2)})
     assert M.model_flops_per_token(chunked, n_avg_keys=10.0, n_avg_local_keys=3.0) == expected - 2 * 12 * 64 * (10.0 - 3.0)
