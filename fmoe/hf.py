@@ -661,11 +661,11 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
             out[q + "mlp.experts.b_up"] = Tensor((gate_up + "_bias",), **half(1))
             out[q + "mlp.experts.b_down"] = Tensor((down + "_bias",))
     elif moe:
-        if cfg.expert_bias:  # HF's e_score_correction_bias: fmoe's expert_bias buffer
-            out[q + "mlp.expert_bias"] = Tensor((mlp + family.correction_bias,))
         for ours, theirs in zip(("w_gate", "w_up", "w_down"), family.experts):
             out[q + "mlp.experts." + ours] = Tensor(tuple(f"{mlp}experts.{e}.{theirs}.weight" for e in range(cfg.n_experts)),
                                                     transpose=True, stacked=True)
+    if moe and cfg.expert_bias:  # HF's e_score_correction_bias: fmoe's expert_bias buffer, whatever the experts' layout
+        out[q + "mlp.expert_bias"] = Tensor((mlp + family.correction_bias,))
     if moe and cfg.shared_size and family.shared_beside:  # Granite: [2Fs, H] gate then up, [H, Fs], beside the MoE block
         shared = p + family.shared + "."
         out[q + "mlp.shared.w_gate"] = Tensor((shared + "input_linear.weight",), transpose=True, chunk=(0, 2))

@@ -447,6 +447,9 @@ def test_config_mapping_reads_the_family_fields(folders, tmp_path):
         (1,), (1,), 4, (0, 2), 2, 0.5)
     assert cfg.qk_norm == "rms" and cfg.qk_norm_after_rope and not cfg.nope_qk_norm and cfg.rope_interleaved and cfg.qkv_bias and cfg.o_bias
     assert (cfg.score, cfg.expert_bias, cfg.route_normalize, cfg.route_on_input, cfg.shared_size, cfg.ffn_dense) == ("sigmoid", False, False, True, 16, 40)
+    # a correction bias is mapped whatever the experts' layout (a stacked family's too), never left at 0 unread
+    biased = hf.key_map(hf.FAMILIES["llama4_text"], dataclasses.replace(cfg, expert_bias=True))
+    assert biased["blocks.1.mlp.expert_bias"].keys == ("model.layers.1.feed_forward.gate.e_score_correction_bias",)
     # the defaults where config.json leaves the lists out: NoPE every no_rope_layer_interval-th layer, the RoPE layers chunked
     bare = _edit(folders["llama4_text"][0], tmp_path / "llama4", lambda c: [c.pop(n) for n in ("no_rope_layers", "layer_types", "moe_layers")])
     assert hf.read_config(bare)[1] == cfg
