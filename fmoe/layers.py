@@ -699,9 +699,9 @@ def attention_context(
             cp_mesh=...)). Their values are not read either. Decoding with a KV cache uses
             the same form: token_index the new tokens' rows in the cache, kv_index 0 ... of
             the cache's rows, gather_kv the cache (fmoe.model.Transformer.decode).
-        window_only: a context for the sliding-window layers alone (cfg.window): only the
-            window's mask is built, and it is `mask` too (decoding over a ring of keys that
-            the full-attention layers never see).
+        window_only: a context for the sliding-window (chunked) layers alone (cfg.window,
+            cfg.chunk): only that mask is built, and it is `mask` too (decoding over a ring of
+            keys that the full-attention layers never see).
     Returns:
         AttentionContext(cos, sin [T, rot_dim/2] float32, mask, gather_kv): the mask is a
         FlexAttention BlockMask when cfg.impl is "flex", or "auto" on CUDA; the dense
@@ -718,9 +718,9 @@ def attention_context(
     T = positions.shape[0]
     T_kv = T if kv_index is None else kv_index.shape[0]
     flex = _use_flex(cfg.impl, positions.device)
-    if window_only and (cfg.window is None or mask is not None):
-        raise ValueError(f"window_only: a context of the sliding window's layers alone needs cfg.window and no mask, got window {cfg.window}"
-                         f"{' and a mask' if mask is not None else ''}")
+    if window_only and ((cfg.window is None and cfg.chunk is None) or mask is not None):
+        raise ValueError(f"window_only: a context of the sliding window's (chunk's) layers alone needs cfg.window or cfg.chunk and no mask, "
+                         f"got window {cfg.window}, chunk {cfg.chunk}{' and a mask' if mask is not None else ''}")
     local = None
     if cfg.window is not None or cfg.chunk is not None:  # the window's or chunk's mask too, for the layers that use it
         local = document_mask(cu_seqlens, T_kv, flex=flex, token_index=token_index, kv_index=kv_index, window=cfg.window, chunk=cfg.chunk)

@@ -718,6 +718,9 @@ class KVCache:
     max_tokens) keep only the window: k_window / v_window [n_window, batch * window, G, D],
     a ring in which sequence b's token at position p sits in row b window + p % window, so
     their memory does not grow with the sequence (gpt-oss: half the layers, a window of 128).
+    Chunked layers (cfg.chunk narrower than max_tokens) keep a ring of one chunk alike, `window`
+    being the chunk: the keys a query sees, those of its own chunk up to itself, are among
+    the newest chunk-many (Llama 4: three layers in four, chunks of 8192).
     `full_layers` and `window_layers` list the layers of each store. Multi-latent attention
     keeps its latents instead (AttentionContext.latents): k [.., 1, kv_rank + rope_dim] (the
     normed latent, then the rotated key) and v = k[..., :kv_rank], a view: kv_rank + rope_dim
@@ -735,7 +738,7 @@ class KVCache:
         check_positive_int("batch", batch)
         self.v_in_k = cfg.kv_rank is not None  # v is k's latent: written with k
         self.window_layers = self.ring_layers(cfg, max_tokens)
-        self.window = cfg.window if self.window_layers else None
+        self.window = self.ring_length(cfg) if self.window_layers else None  # the sliding window, or the chunk
         self.full_layers = tuple(i for i in range(cfg.n_layers) if i not in self.window_layers)
         if cfg.kv_rank is None:
             row = (cfg.n_kv_heads, cfg.head_dim)
@@ -754,8 +757,14 @@ class KVCache:
     @staticmethod
     def ring_layers(cfg: TransformerConfig, max_tokens: int) -> tuple[int, ...]:
         """The layers whose cache of max_tokens tokens per sequence is a ring: the sliding-window
-        layers, when the window is narrower than max_tokens."""
-        return tuple(i for i in range(cfg.n_layers) if cfg.window is not None and cfg.window < max_tokens and cfg.is_sliding(i))
+        (or chunked) layers, when the window (the chunk) is narrower than max_tokens."""
+        length = KVCache.ring_length(cfg)
+        return tuple(i for i in range(cfg.n_layers) if length is not None and length < max_tokens and cfg.is_local(i))
+
+    @staticmethod
+    def ring_length(cfg: TransformerConfig) -> Optional[int]:
+        """The rows per sequence of a local layer's ring: the sliding window, or the chunk (None: neither)."""
+        return cfg.window if cfg.window is not None else cfg.chunk
 
     @staticmethod
     def _store(n_layers: int, rows: int, row: tuple, cfg: TransformerConfig, device, dtype):
@@ -1033,8 +1042,8 @@ class Transformer(nn.Module):
         if cache.n_layers != self.cfg.n_layers:
             raise ValueError(f"cache: holds {cache.n_layers} layers, the model has {self.cfg.n_layers}")
         rings = KVCache.ring_layers(self.cfg, cache.max_tokens)
-        if (cache.window_layers, cache.window) != (rings, self.cfg.window if rings else None):
-            raise ValueError(f"cache: made for sliding-window layers {list(cache.window_layers)} of window {cache.window}, the model's differ "
+        if (cache.window_layers, cache.window) != (rings, KVCache.ring_length(self.cfg) if rings else None):
+            raise ValueError(f"cache: made for sliding-window (chunked) layers {list(cache.window_layers)} of window (chunk) {cache.window}, the model's differ "
                              "(make the cache with model.kv_cache)")
         if input_ids.ndim not in (1, 2) or input_ids.shape[-1] < 1 or input_ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"input_ids: expected [T] or [S, T] int64 with T >= 1, got {input_ids.dtype} {list(input_ids.shape)}")
@@ -1044,7 +1053,7 @@ class Transformer(nn.Module):
             if cache.lengths[b] + T > M:
                 raise ValueError(f"input_ids: {T} more tokens after {cache.lengths[b]} of sequence {b} exceed the cache's max_tokens = {M}")
             if cache.window_layers and 0 < cache.lengths[b] < cache.in_window[b] - 1:
-                raise ValueError(f"cache.lengths[{b}]: {cache.lengths[b]} tokens after {cache.in_window[b]}: the sliding-window layers keep only "
+                raise ValueError(f"cache.lengths[{b}]: {cache.lengths[b]} tokens after {cache.in_window[b]}: the sliding-window (chunked) layers keep only "
                                  f"the newest {cache.window} tokens' keys, so a sequence goes back one token at most, or restarts from 0 (cache.reset)")
         # the new tokens are queries at their rows of the cache (sequence b's slot of M rows
         # is a document) against the cache's first n_keys rows: attention_context's
@@ -1072,9 +1081,9 @@ class Transformer(nn.Module):
         absorbed = mla and T == 1
         if absorbed:
             cfg = dataclasses.replace(cfg, impl="torch")
-        contexts = {}  # sliding-window ring or not -> the context (its gather_kv bound per layer below)
-        if cache.full_layers:  # with rings, the sliding layers' window mask is theirs: none here
-            contexts[False] = attention_context(cu, positions, dataclasses.replace(cfg, window=None) if cache.window_layers else cfg,
+        contexts = {}  # local ring or not -> the context (its gather_kv bound per layer below)
+        if cache.full_layers:  # with rings, the local layers' window (chunk) mask is theirs: none here
+            contexts[False] = attention_context(cu, positions, dataclasses.replace(cfg, window=None, chunk=None) if cache.window_layers else cfg,
                                                 token_index=queries, kv_index=torch.arange(n_keys, device=device), gather_kv=_bound_per_layer)
         if cache.window_layers:
             contexts[True], window_kv = self._window_context(cache, seq_list, T, positions, queries, rows_host, cfg)
@@ -1094,14 +1103,15 @@ class Transformer(nn.Module):
 
     @staticmethod
     def _window_context(cache: KVCache, seq_list: list[int], T: int, positions, rows, rows_host: list[int], cfg):
-        """The attention context of the sliding-window layers' rings in a decode call, and the
-        rows that KVCache.write_window binds. Each ring row's key gets the index (kv_index)
+        """The attention context of the sliding-window (or chunked) layers' rings in a decode
+        call, and the rows that KVCache.write_window binds. Each ring row's key gets the index (kv_index)
         of its token's row in the full layers' layout, b M + position, so that the document
         mask over the M-row slots and the window over those indices hold as for the full
         layers; rows of no token here (unfilled, or of sequences not decoded) get the index
         batch M, a document of its own that no query is in. One new token per sequence is
-        written before the attention (its row's old key is out of the window); a prompt
-        attends over the ring's old rows and its own keys, then writes its newest W."""
+        written before the attention (its row's old key is out of the window, or of an earlier
+        chunk); a prompt attends over the ring's old rows and its own keys, then writes its
+        newest W. cfg's window or chunk masks the ring's keys by those indices."""
         M, W, device = cache.max_tokens, cache.window, positions.device
         before = T == 1
         lengths = torch.tensor(cache.lengths) + int(before)

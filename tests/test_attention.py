@@ -252,7 +252,7 @@ def test_attention_bad_inputs():
     windowed = dataclasses.replace(CFG, window=3)
     alone = attention_context(cu, torch.arange(6), windowed, window_only=True)
     assert alone.mask is alone.local_mask and torch.equal(alone.mask, attention_context(cu, torch.arange(6), windowed).local_mask)
-    with pytest.raises(ValueError, match="window_only: a context of the sliding window's layers alone needs cfg.window and no mask, got window None"):
+    with pytest.raises(ValueError, match=r"window_only: a context of the sliding window's \(chunk's\) layers alone needs cfg.window or cfg.chunk and no mask, got window None, chunk None"):
         attention_context(cu, torch.arange(6), CFG, window_only=True)
 
 

@@ -622,13 +622,14 @@ def test_decode_with_a_kv_cache_equals_the_whole_sequence(name, monkeypatch):
         assert forms.count("_mla_latent_qkv") == 4 * cfg.n_layers and forms.count("_mla_expand") == (1 + 2) * cfg.n_layers
     else:
         assert cache.k.shape == cache.v.shape == (len(cache.full_layers), 16, cfg.n_kv_heads, cfg.head_dim)
-    if cfg.window is None:
+    if cfg.window is None and cfg.chunk is None:
         assert cache.full_layers == tuple(range(cfg.n_layers)) and cache.k_window.numel() == 0
-    else:  # the sliding-window layers keep a ring of the window's newest tokens only
-        assert cache.window_layers == cfg.window_layers == (0, 2) and cache.full_layers == (1,)
-        assert cache.k_window.shape == cache.v_window.shape == (2, cfg.window, cfg.n_kv_heads, cfg.head_dim)
+    else:  # the sliding-window (chunked) layers keep a ring of the window's (chunk's) newest tokens only
+        local, length = (cfg.window_layers, cfg.window) if cfg.window is not None else (cfg.chunk_layers, cfg.chunk)
+        assert cache.window_layers == local == (0, 2) and cache.full_layers == (1,) and cache.window == length
+        assert cache.k_window.shape == cache.v_window.shape == (2, length, cfg.n_kv_heads, cfg.head_dim)
         token = 2 * cfg.n_kv_heads * cfg.head_dim * 4  # a token's key and value in float32
-        assert cache.nbytes == (16 + 2 * cfg.window) * token < 3 * 16 * token
+        assert cache.nbytes == (16 + 2 * length) * token < 3 * 16 * token
     # a new sequence in the same cache
     cache.length = 0
     with torch.no_grad():
@@ -738,9 +739,9 @@ def test_decode_bad_inputs():
     # sliding-window layers: a cache made for other layers is refused, and so is a sequence
     # rewound to fewer tokens (its ring no longer holds their keys); from 0 it starts over
     sliding = _sharp(dataclasses.replace(TINY, window=2, window_layers=(1,)))
-    with pytest.raises(ValueError, match=r"cache: made for sliding-window layers \[\] of window None, the model's differ"):
+    with pytest.raises(ValueError, match=r"cache: made for sliding-window \(chunked\) layers \[\] of window \(chunk\) None, the model's differ"):
         sliding.decode(ids, cache)
-    with pytest.raises(ValueError, match=r"cache: made for sliding-window layers \[1\] of window 3, the model's differ"):
+    with pytest.raises(ValueError, match=r"cache: made for sliding-window \(chunked\) layers \[1\] of window \(chunk\) 3, the model's differ"):
         sliding.decode(ids, KVCache(dataclasses.replace(sliding.cfg, window=3), 4))  # same layers, another window
     ring = sliding.kv_cache(4)
     with torch.no_grad():
@@ -748,7 +749,7 @@ def test_decode_bad_inputs():
         ring.length = 2  # one token back: its row held a key out of the window
         torch.testing.assert_close(sliding.decode(ids[2:], ring), first[2:])
         ring.length = 1
-        with pytest.raises(ValueError, match=r"cache.lengths\[0\]: 1 tokens after 3: the sliding-window layers keep only the newest 2"):
+        with pytest.raises(ValueError, match=r"cache.lengths\[0\]: 1 tokens after 3: the sliding-window \(chunked\) layers keep only the newest 2"):
             sliding.decode(ids[:1], ring)
         ring.length = 0
         torch.testing.assert_close(sliding.decode(ids, ring), first)
