@@ -8,6 +8,9 @@ Models (4 trunk blocks, no MTP; weights random, the model's "auto" ops):
           of 768, top-8
     gqa-window  the same with a sliding window of 128 tokens in blocks 0 and 2 (gpt-oss's
           pattern): those layers' cache is a ring of the window's rows
+    gqa-chunked the same with Llama 4's attention: chunks of 512 tokens in blocks 0-2 (their
+          cache a ring of one chunk), block 3 NoPE with the query temperature, weightless
+          q/k norms
     mla   DeepSeek-V3's attention at H=2048: 16 heads, q_rank 1536, kv_rank 512, rope 64,
           nope 128, v 128; 64 experts of 1024, top-6, a shared expert
 (--smoke: H=32, 4 heads, 8 experts.) Each sequence holds a prompt of P = 1024 tokens (--smoke:
@@ -41,12 +44,19 @@ from fmoe.model import Transformer, TransformerConfig  # noqa: E402
 COLUMNS = ["model", "B", "impl", "ms", "tokens_per_s", "speedup", "floor_fraction", "cache_mib"]
 
 
+def _llama4_attention(chunk: int) -> dict:
+    """Llama 4's attention knobs on 4 blocks: chunked blocks 0-2, block 3 NoPE with the temperature."""
+    return dict(qk_norm="rms", qk_norm_after_rope=True, nope_qk_norm=False, chunk=chunk, chunk_layers=(0, 1, 2), nope_layers=(3,),
+                nope_temperature_floor=8192)
+
+
 def configs(smoke: bool) -> dict:
     if smoke:
         base = dict(vocab_size=64, hidden=32, n_layers=4, n_dense=0, ffn_dense=64, n_experts=8, k=2, ffn_expert=16, n_shared=0,
                     expert_bias=False, score="softmax")
         return {"gqa": TransformerConfig(**base, n_heads=4, n_kv_heads=2, head_dim=8, qk_norm="head"),
                 "gqa-window": TransformerConfig(**base, n_heads=4, n_kv_heads=2, head_dim=8, qk_norm="head", window=4, window_layers=(0, 2)),
+                "gqa-chunked": TransformerConfig(**base, n_heads=4, n_kv_heads=2, head_dim=8, **_llama4_attention(chunk=4)),
                 "mla": TransformerConfig(**{**base, "n_shared": 1}, n_heads=4, n_kv_heads=4, head_dim=12, rope_dim=4, q_rank=16,
                                          kv_rank=8, v_head_dim=8)}
     base = dict(vocab_size=151936, hidden=2048, n_layers=4, n_dense=0, ffn_dense=6144)
@@ -54,6 +64,7 @@ def configs(smoke: bool) -> dict:
                head_dim=128, qk_norm="head")
     return {"gqa": TransformerConfig(**gqa),
             "gqa-window": TransformerConfig(**gqa, window=128, window_layers=(0, 2)),
+            "gqa-chunked": TransformerConfig(**{**gqa, **_llama4_attention(chunk=512)}),
             "mla": TransformerConfig(**base, n_experts=64, k=6, ffn_expert=1024, n_shared=1, n_heads=16, n_kv_heads=16, head_dim=192,
                                      rope_dim=64, q_rank=1536, kv_rank=512, v_head_dim=128)}
 
