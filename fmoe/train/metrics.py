@@ -91,8 +91,8 @@ def mean_attended_keys(cu_seqlens: Union[torch.Tensor, Sequence[int]], window: O
     if not cu or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])) or cu[-1] <= 0:
         raise ValueError(f"cu_seqlens: expected non-decreasing offsets from 0 to T > 0, got {cu}")
     lengths = [b - a for a, b in zip(cu, cu[1:])]
-    if chunk is not None:
-        return sum((n // chunk) * chunk * chunk + (n % chunk) ** 2 for n in lengths) / (2 * cu[-1])
+    if chunk is not None:  # the documents cut into their chunks (as the mask cuts them)
+        lengths = [c for n in lengths for c in [chunk] * (n // chunk) + [n % chunk]]
     if window is None:
         return sum(n * n for n in lengths) / (2 * cu[-1])
     return sum(n * n / 2 if n <= window else window * window / 2 + (n - window) * window for n in lengths) / cu[-1]
@@ -107,14 +107,15 @@ def flops_per_token(
     *, hidden: int, n_layers: int, n_dense: int, ffn_dense: int, ffn_expert: int, k: int, n_shared: float,
     n_heads: int, n_kv_heads: int, head_dim: int, vocab: int, mtp_depth: int = 0, n_avg_keys: float,
     n_experts: int = 0, attention_weights: Optional[int] = None, v_dim: Optional[int] = None,
-    n_sliding: int = 0, n_avg_local_keys: Optional[float] = None,
+    n_sliding: int = 0, n_avg_local_keys: Optional[float] = None, attn_gate: bool = False,
 ) -> float:
     """Training FLOPs per token (forward + backward): SPEC.md section 8 with the router and
     the MTP modules' blocks (the module docstring's formula). n_shared counts shared experts
     in units of ffn_expert (Fs = n_shared F); n_experts = E for the router's 6 H E per MoE
     layer (0: no router term). attention_weights: the elements of one layer's attention
     projections (None: grouped-query attention's H (q + 2 kv) + q H; multi-latent attention
-    passes its own); v_dim: the value head dim (None: head_dim), so the scores and values
+    passes its own), plus the output gate's H n_heads v_dim with attn_gate (gated
+    attention); v_dim: the value head dim (None: head_dim), so the scores and values
     cost 6 n_heads (head_dim + v_dim) n_avg_keys (12 q n_avg_keys when they are equal).
     n_sliding of the n_layers trunk layers attend over a sliding window or within chunks,
     n_avg_local_keys keys each on average (mean_attended_keys(cu_seqlens, window, chunk));
@@ -125,6 +126,8 @@ def flops_per_token(
     for name, value in args.items():
         _check_count(name, value)
     _check_count("n_sliding", n_sliding)
+    if not isinstance(attn_gate, bool):
+        raise ValueError(f"attn_gate: expected a bool, got {attn_gate!r}")
     if n_dense > n_layers or n_sliding > n_layers:
         raise ValueError(f"n_dense / n_sliding: expected at most n_layers={n_layers}, got {n_dense} / {n_sliding}")
     if n_sliding:
@@ -133,6 +136,8 @@ def flops_per_token(
     n_moe = n_layers - n_dense
     q, kv = n_heads * head_dim, n_kv_heads * head_dim
     weights = H * (q + 2 * kv) + q * H if attention_weights is None else attention_weights
+    if attn_gate:  # the output gate [H, n_heads v_dim] beside the projections
+        weights += H * n_heads * (head_dim if v_dim is None else v_dim)
 
     def attention_layer(keys):  # projections, then scores and values over `keys` keys per query
         return 6 * weights + 6 * n_heads * (head_dim + (head_dim if v_dim is None else v_dim)) * keys
@@ -168,17 +173,14 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
 
         mats, _ = mla_shapes(cfg.hidden, cfg.attention_config())
         attention = dict(attention_weights=sum(a * b for a, b in mats.values()), v_dim=cfg.v_head_dim)
-    if getattr(cfg, "attn_gate", False):  # the output gate's matrix [H, n_heads Dv] beside the projections
-        q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-        weights = attention.get("attention_weights", cfg.hidden * (q + 2 * kv) + q * cfg.hidden)
-        attention["attention_weights"] = weights + cfg.hidden * cfg.n_heads * attention.get("v_dim", cfg.head_dim)
     n_sliding = sum(getattr(cfg, "is_local", getattr(cfg, "is_sliding", lambda i: False))(i) for i in range(cfg.n_layers))
     if n_sliding and n_avg_local_keys is None:
         local = f"within chunks of {cfg.chunk}" if getattr(cfg, "chunk", None) is not None else f"over a sliding window of {cfg.window}"
         raise ValueError(f"n_avg_local_keys: {n_sliding} blocks attend {local}: "
                          "pass their mean attended keys (mean_attended_keys(cu_seqlens, window, chunk))")
     return flops_per_token(**{n: getattr(cfg, n) for n in names}, n_dense=n_dense, n_shared=shared, vocab=cfg.vocab_size,
-                           n_avg_keys=n_avg_keys, n_sliding=n_sliding, n_avg_local_keys=n_avg_local_keys, **attention)
+                           n_avg_keys=n_avg_keys, n_sliding=n_sliding, n_avg_local_keys=n_avg_local_keys,
+                           attn_gate=bool(getattr(cfg, "attn_gate", False)), **attention)
 
 
 def datasheet_peak_flops(name: str) -> Optional[float]:

@@ -251,6 +251,9 @@ def test_model_flops_per_token_reads_the_model_config():
     # gated attention: each block's gate [H, N D] beside its projections (3 trunk blocks and the MTP block's)
     gated = TransformerConfig(**{**cfg.__dict__, "attn_gate": True})
     assert M.model_flops_per_token(gated, n_avg_keys=10.0) == expected + 4 * 6 * 64 * 64
+    with pytest.raises(ValueError, match="attn_gate: expected a bool, got 1"):
+        M.flops_per_token(hidden=64, n_layers=3, n_dense=1, ffn_dense=128, ffn_expert=32, k=2, n_shared=1, n_heads=4, n_kv_heads=2,
+                          head_dim=16, vocab=300, n_avg_keys=10.0, attn_gate=1)
     # and chunked blocks (Llama 4) alike
     chunked = TransformerConfig(**{**cfg.__dict__, "chunk": 4, "chunk_layers": (0, 2)})
     assert M.model_flops_per_token(chunked, n_avg_keys=10.0, n_avg_local_keys=3.0) == expected - 2 * 12 * 64 * (10.0 - 3.0)
