@@ -6,8 +6,11 @@
 A folder holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). Supported `model_type`s: FAMILIES (mixtral, qwen2_moe,
 qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, deepseek_v2, glm4_moe_lite, gpt_oss, solar_open,
-exaone_moe, dots1, minimax_m2, granitemoe, granitemoeshared, granitemoe_swa, hunyuan_v1_moe, llama4_text, llama4, afmoe). Each family has one table: its
-config mapping (`config_to_fmoe`, which refuses what fmoe does not build: clipped qkv, ...)
+exaone_moe, dots1, minimax_m2, granitemoe, granitemoeshared, granitemoe_swa, hunyuan_v1_moe, llama4_text, llama4, afmoe,
+sarvam_moe, sarvam_mla). Each family has one table: its
+config mapping (`config_to_fmoe`, which refuses what fmoe does not build: clipped qkv, ...;
+the fields a config.json leaves out read at transformers' defaults, Family.defaults, and a
+released config's older names as transformers' own, Family.aliases)
 and its key map (HF key <-> fmoe
 parameter, with the layout change: HF linear weights [out, in] are transposed to fmoe's
 [in, out]; the per-expert matrices are stacked into [E, H, F] / [E, F, H] and split back
@@ -48,6 +51,10 @@ experts are stacks of linear weights, input_linear [E, 2F, H] (the gate's F rows
 up's: Tensor.chunk) and output_linear [E, H, F], and so is the shared MLP ([2Fs, H], [H, Fs]).
 Hunyuan-A13B: its router is gate.wg, its q/k norms query_layernorm / key_layernorm
 (Family.router, Family.qk_norms), applied after RoPE.
+Sarvam-30B (sarvam_moe): GLM-4.5's model under its released checkpoint's names
+(Family.embed, attention, qkv, o_proj): model.word_embeddings, attention.query_key_value
+[(N + 2 Nkv) D, H] whose rows are q, k and v (Tensor.chunk of unequal runs, with the
+biases likewise), attention.dense, query_layernorm / key_layernorm, gate.expert_bias.
 Llama 4 (llama4_text, the text model of Llama4ForCausalLM): the experts are [E, H, 2F]
 gate_up_proj (the gate's F columns, then the up's: Tensor.chunk) and [E, F, H] down_proj
 stacks; RoPE on interleaved pairs; chunked attention, NoPE layers with the query
@@ -222,6 +229,16 @@ def _glm4_moe(hf: dict) -> dict:
                 qk_norm="head" if hf.get("use_qk_norm") else None, rope_dim=_partial_rope(hf, common["head_dim"]))
 
 
+def _sarvam_moe(hf: dict) -> dict:
+    """Sarvam-30B (sarvam_moe; transformers builds it as Glm4MoeForCausalLM): GLM-4.5's model
+    (_glm4_moe) with its own defaults (RoPE on every channel, q/k norms, x 2.5); the routing
+    correction bias is always there (moe_router_enable_expert_bias false is refused), and
+    there are no other biases than q/k/v's (use_bias is refused)."""
+    _refuse(hf, "use_bias", lambda v: not v, "no biases in Sarvam's projections but q, k and v's")
+    _refuse(hf, "moe_router_enable_expert_bias", lambda v: v, "the routing correction bias, as transformers builds Sarvam")
+    return _glm4_moe(hf)
+
+
 def _solar_open(hf: dict) -> dict:
     """Solar Open (solar_open): GLM-4.5's MoE blocks and routing (sigmoid scores with the
     correction bias, n_group groups scored by their best 2, norm_topk_prob, x
@@ -292,6 +309,18 @@ def _deepseek_v3(hf: dict) -> dict:
     return dict(_mla(hf), **_deepseek_moe(hf), **_sigmoid_routing(hf))
 
 
+def _sarvam_mla(hf: dict) -> dict:
+    """Sarvam-105B (sarvam_mla; transformers builds it as DeepseekV3ForCausalLM): DeepSeek-V3's
+    model with its own defaults (full-rank q, no groups, one dense block first); a released
+    config's rope_scaling of type deepseek_yarn is YaRN (its legacy head_dim and q_head_dim
+    are derived fields, not read)."""
+    scaling = hf.get("rope_scaling") or {}
+    if "deepseek_yarn" in (scaling.get("type"), scaling.get("rope_type")):
+        params = {k: v for k, v in scaling.items() if k != "type"}
+        hf = dict(hf, rope_scaling=None, rope_parameters=dict(params, rope_type="yarn"))
+    return _deepseek_v3(hf)
+
+
 def _deepseek_v2(hf: dict) -> dict:
     """DeepSeek-V2 / -V2-Lite: DeepSeek-V3's multi-latent attention (RoPE always on
     interleaved pairs), first_k_dense_replace dense blocks, shared experts; the top-k of
@@ -358,6 +387,8 @@ def _gpt_oss(hf: dict) -> dict:
     names; every block MoE, softmax over the top-k router logits (the router has a bias), the
     experts with biases and the clamped SwiGLU (swiglu_alpha, swiglu_limit, up + 1)."""
     _refuse(hf, "num_local_experts", lambda v: isinstance(v, int) and v >= 1, "a positive number of experts")
+    if hf.get("layer_types") is None:  # transformers' default: sliding and full attention in turn
+        hf = dict(hf, layer_types=["full_attention" if (i + 1) % 2 == 0 else "sliding_attention" for i in range(hf["num_hidden_layers"])])
     common = _common(dict(hf, rope_parameters=None, rope_scaling=None), hf["num_local_experts"], sliding=True)
     limit = hf.get("swiglu_limit", 7.0)
     bias = bool(hf.get("attention_bias", True))
@@ -444,7 +475,7 @@ def _llama4(hf: dict) -> dict:
     model (_llama4_text); the vision model beside it is not read."""
     if not isinstance(hf.get("text_config"), dict):
         raise ValueError("config.json: a llama4 config without a text_config is not supported")
-    return _llama4_text(hf["text_config"])
+    return FAMILIES["llama4_text"].kwargs(dict(hf["text_config"], model_type="llama4_text"))
 
 
 def _afmoe(hf: dict) -> dict:
@@ -519,18 +550,27 @@ class Tensor:
     expert to stack along dim 0), each transposed when `transpose` (HF's [out, in] linear
     weights), or a [1, H] row when `row`; `part` (i, n): every n-th entry of the stored
     last dim from entry i (gpt-oss's gate_up_proj [E, H, 2F] interleaves gate and up: the
-    gate is part (0, 2), the up part (1, 2)), the n parts sharing one key; `chunk` (i, n): the
-    i-th of n equal contiguous runs of fmoe's last dim: the stored dim -2 of a transposed
-    linear weight, the out dim (Granite's input_linear [E, 2F, H]: the gate is chunk (0, 2),
-    the up chunk (1, 2)), the stored last dim otherwise (Llama 4's gate_up_proj [E, H, 2F]).
-    `transpose` swaps the last two dims (a stack [E, out, in] too)."""
+    gate is part (0, 2), the up part (1, 2)), the n parts sharing one key; `chunk` (i, sizes):
+    the i-th of len(sizes) contiguous runs, of those relative sizes, that fill fmoe's last dim:
+    the stored dim -2 of a transposed linear weight, the out dim (Granite's input_linear
+    [E, 2F, H]: the gate is chunk (0, (1, 1)), the up chunk (1, (1, 1)); Sarvam's fused
+    query_key_value [(N + 2 Nkv) D, H]: q, k and v are chunks 0, 1, 2 of (N, Nkv, Nkv)), the
+    stored last dim otherwise (Llama 4's gate_up_proj [E, H, 2F]). `transpose` swaps the last
+    two dims (a stack [E, out, in] too)."""
 
     keys: tuple[str, ...]
     transpose: bool = False
     stacked: bool = False
     row: bool = False
     part: Optional[tuple[int, int]] = None
-    chunk: Optional[tuple[int, int]] = None
+    chunk: Optional[tuple[int, tuple[int, ...]]] = None
+
+
+def _run(chunk: tuple[int, tuple[int, ...]], dim: int) -> tuple[int, int]:
+    """(offset, length) of Tensor.chunk (i, sizes)'s run in a stored dim of `dim` entries."""
+    i, sizes = chunk
+    unit = dim // sum(sizes)
+    return unit * sum(sizes[:i]), unit * sizes[i]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -561,43 +601,86 @@ class Family:
     dense: str = "mlp"  # the dense blocks' MLP module
     # the norms of a sandwich block (pre_norms and post_norms): before and after the attention, before and after the MLP
     sandwich: Optional[tuple[str, str, str, str]] = None
+    # transformers' defaults of the fields config_to_fmoe reads where they differ from its own fallbacks: a
+    # config.json that leaves one out means the model transformers builds from it
+    defaults: dict = dataclasses.field(default_factory=dict)
+    # {transformers' field: the name a released config.json may use instead} (Sarvam's num_experts, ...)
+    aliases: dict = dataclasses.field(default_factory=dict)
+    embed: str = "model.embed_tokens.weight"  # the embedding's key
+    attention: str = "self_attn"  # the attention module, in each block
+    qkv: Optional[str] = None  # q, k and v as one module's rows (Sarvam's query_key_value), not q_proj / k_proj / v_proj
+    o_proj: str = "o_proj"  # the attention's output projection, under the attention module
+
+    def kwargs(self, hf: dict) -> dict:
+        """config.json -> TransformerConfig kwargs: the fields it names by their aliases read as
+        transformers' own, those it leaves out at transformers' defaults; ValueError naming a
+        field it lacks that has none."""
+        hf = dict(hf)
+        for field, alias in self.aliases.items():
+            if field not in hf and alias in hf:
+                hf[field] = hf[alias]
+        defaults = self.defaults if "rope_scaling" not in hf else {k: v for k, v in self.defaults.items() if k != "rope_parameters"}
+        try:
+            return self.config_to_fmoe({**defaults, **hf})
+        except KeyError as err:
+            raise ValueError(f"config.json: a {hf.get('model_type')} config without {err.args[0]} is not supported") from None
 
 
 _STACKS = ("experts.gate_up_proj", "experts.gate_up_proj", "experts.down_proj")  # fused experts' keys under the MoE block
 _GRANITE = ("input_linear.weight", "input_linear.weight", "output_linear.weight")
+_GPT_OSS_ROPE = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False, original_max_position_embeddings=4096,
+                     rope_theta=150000.0)
+_PROJ = ("gate_proj", "up_proj", "down_proj")
+# the names of Sarvam's released config.json files (written for their own code) for transformers' fields
+_SARVAM_ALIASES = dict(n_routed_experts="num_experts", n_shared_experts="num_shared_experts", num_nextn_predict_layers="num_mtp_layers")
 FAMILIES = {
-    "mixtral": Family(_mixtral, "block_sparse_moe", ("w1", "w3", "w2"), "MixtralForCausalLM"),
-    "qwen2_moe": Family(_qwen2_moe, "mlp", ("gate_proj", "up_proj", "down_proj"), "Qwen2MoeForCausalLM"),
-    "qwen3_moe": Family(_qwen3_moe, "mlp", ("gate_proj", "up_proj", "down_proj"), "Qwen3MoeForCausalLM"),
-    "olmoe": Family(_olmoe, "mlp", ("gate_proj", "up_proj", "down_proj"), "OlmoeForCausalLM"),
-    "flex_olmo": Family(_flex_olmo, "mlp", ("gate_proj", "up_proj", "down_proj"), "FlexOlmoForCausalLM"),
-    "glm4_moe": Family(_glm4_moe, "mlp", ("gate_proj", "up_proj", "down_proj"), "Glm4MoeForCausalLM", "shared_experts", mtp=True),
-    "deepseek_v3": Family(_deepseek_v3, "mlp", ("gate_proj", "up_proj", "down_proj"), "DeepseekV3ForCausalLM", "shared_experts", mtp=True),
-    "deepseek_v2": Family(_deepseek_v2, "mlp", ("gate_proj", "up_proj", "down_proj"), "DeepseekV2ForCausalLM", "shared_experts"),
-    "glm4_moe_lite": Family(_glm4_moe_lite, "mlp", ("gate_proj", "up_proj", "down_proj"), "Glm4MoeLiteForCausalLM", "shared_experts",
-                            mtp=True),
-    "gpt_oss": Family(_gpt_oss, "mlp", _STACKS, "GptOssForCausalLM", fused="interleaved", router="router.weight"),
-    "llama4_text": Family(_llama4_text, "feed_forward", _STACKS, "Llama4ForCausalLM", fused="halves", router="router.weight", dense="feed_forward"),
+    "mixtral": Family(_mixtral, "block_sparse_moe", ("w1", "w3", "w2"), "MixtralForCausalLM",
+                      defaults=dict(num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1e6)),
+    "qwen2_moe": Family(_qwen2_moe, "mlp", _PROJ, "Qwen2MoeForCausalLM", defaults=dict(num_key_value_heads=16, shared_expert_intermediate_size=5632)),
+    "qwen3_moe": Family(_qwen3_moe, "mlp", _PROJ, "Qwen3MoeForCausalLM"),
+    "olmoe": Family(_olmoe, "mlp", _PROJ, "OlmoeForCausalLM", defaults=dict(rms_norm_eps=1e-5)),
+    "flex_olmo": Family(_flex_olmo, "mlp", _PROJ, "FlexOlmoForCausalLM", defaults=dict(rope_theta=5e5)),
+    "glm4_moe": Family(_glm4_moe, "mlp", _PROJ, "Glm4MoeForCausalLM", "shared_experts", mtp=True,
+                       defaults=dict(num_key_value_heads=8, rms_norm_eps=1e-5, n_shared_experts=1, first_k_dense_replace=1, partial_rotary_factor=0.5)),
+    "deepseek_v3": Family(_deepseek_v3, "mlp", _PROJ, "DeepseekV3ForCausalLM", "shared_experts", mtp=True,
+                          defaults=dict(n_shared_experts=1, routed_scaling_factor=2.5, q_lora_rank=1536, n_group=8, topk_group=4, first_k_dense_replace=3)),
+    "deepseek_v2": Family(_deepseek_v2, "mlp", _PROJ, "DeepseekV2ForCausalLM", "shared_experts", defaults=dict(q_lora_rank=1536, n_shared_experts=2)),
+    "glm4_moe_lite": Family(_glm4_moe_lite, "mlp", _PROJ, "Glm4MoeLiteForCausalLM", "shared_experts", mtp=True,
+                            defaults=dict(n_shared_experts=1, routed_scaling_factor=1.8, q_lora_rank=768, rms_norm_eps=1e-5)),
+    "gpt_oss": Family(_gpt_oss, "mlp", _STACKS, "GptOssForCausalLM", fused="interleaved", router="router.weight",
+                      defaults=dict(head_dim=64, num_key_value_heads=8, rms_norm_eps=1e-5, sliding_window=128, rope_parameters=_GPT_OSS_ROPE)),
+    "llama4_text": Family(_llama4_text, "feed_forward", _STACKS, "Llama4ForCausalLM", fused="halves", router="router.weight", dense="feed_forward",
+                          defaults=dict(num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=5e5)),
     # the released Llama 4 folders: the text model under language_model., beside a vision model that is not read
     "llama4": Family(_llama4, "feed_forward", _STACKS, "Llama4ForConditionalGeneration",
                      fused="halves", router="router.weight", dense="feed_forward", prefix="language_model.",
                      not_read=("vision_model.", "multi_modal_projector."), written_as="llama4_text"),
-    "solar_open": Family(_solar_open, "mlp", ("gate_proj", "up_proj", "down_proj"), "SolarOpenForCausalLM", "shared_experts"),
-    "exaone_moe": Family(_exaone_moe, "mlp", ("gate_proj", "up_proj", "down_proj"), "ExaoneMoeForCausalLM", "shared_experts",
-                         correction_bias="e_score_correction_bias", not_read=("mtp.",)),
-    "dots1": Family(_dots1, "mlp", ("gate_proj", "up_proj", "down_proj"), "Dots1ForCausalLM", "shared_experts"),
-    "minimax_m2": Family(_minimax_m2, "block_sparse_moe", ("w1", "w3", "w2"), "MiniMaxM2ForCausalLM",
-                         correction_bias="e_score_correction_bias"),
+    # Sarvam-30B: GLM-4.5's model under the released checkpoint's own names (fused q/k/v rows)
+    "sarvam_moe": Family(_sarvam_moe, "mlp", _PROJ, "Glm4MoeForCausalLM", "shared_experts", correction_bias="gate.expert_bias",
+                         qk_norms=("query_layernorm", "key_layernorm"), embed="model.word_embeddings.weight", attention="attention",
+                         qkv="query_key_value", o_proj="dense", aliases=_SARVAM_ALIASES | dict(attention_bias="use_qkv_bias"),
+                         defaults=dict(num_key_value_heads=4, head_dim=64, rms_norm_eps=1e-6, n_shared_experts=1, first_k_dense_replace=1,
+                                       routed_scaling_factor=2.5, use_qk_norm=True, partial_rotary_factor=1.0, rope_theta=8e6)),
+    # Sarvam-105B: DeepSeek-V3's model and names
+    "sarvam_mla": Family(_sarvam_mla, "mlp", _PROJ, "DeepseekV3ForCausalLM", "shared_experts", mtp=True, aliases=_SARVAM_ALIASES,
+                         defaults=dict(n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5, n_group=1, topk_group=1)),
+    "solar_open": Family(_solar_open, "mlp", _PROJ, "SolarOpenForCausalLM", "shared_experts",
+                         defaults=dict(num_key_value_heads=8, rms_norm_eps=1e-5, n_shared_experts=1, head_dim=128, rope_theta=1e6)),
+    "exaone_moe": Family(_exaone_moe, "mlp", _PROJ, "ExaoneMoeForCausalLM", "shared_experts", correction_bias="e_score_correction_bias",
+                         not_read=("mtp.",), defaults=dict(num_key_value_heads=32, rms_norm_eps=1e-5, sliding_window=4096, routed_scaling_factor=2.5)),
+    "dots1": Family(_dots1, "mlp", _PROJ, "Dots1ForCausalLM", "shared_experts", defaults=dict(num_key_value_heads=32)),
+    "minimax_m2": Family(_minimax_m2, "block_sparse_moe", ("w1", "w3", "w2"), "MiniMaxM2ForCausalLM", correction_bias="e_score_correction_bias",
+                         defaults=dict(num_key_value_heads=8, head_dim=128, rope_theta=5e6)),
     "granitemoe": Family(_granitemoe, "block_sparse_moe", _GRANITE, "GraniteMoeForCausalLM", fused="halves_out", router="router.layer.weight"),
     "granitemoeshared": Family(_granitemoe, "block_sparse_moe", _GRANITE, "GraniteMoeSharedForCausalLM", "shared_mlp", fused="halves_out",
                                shared_beside=True, router="router.layer.weight"),
     "granitemoe_swa": Family(_granitemoe_swa, "block_sparse_moe", _STACKS, "GraniteMoeSWAForCausalLM", "shared_mlp", fused="halves_out",
                              shared_beside=True, router="router.weight"),
-    "afmoe": Family(_afmoe, "mlp", ("gate_proj", "up_proj", "down_proj"), "AfmoeForCausalLM", "shared_experts", correction_bias="expert_bias",
-                    router="router.gate.weight",
-                    sandwich=("input_layernorm", "post_attention_layernorm", "pre_mlp_layernorm", "post_mlp_layernorm")),
-    "hunyuan_v1_moe": Family(_hunyuan_v1_moe, "mlp", ("gate_proj", "up_proj", "down_proj"), "HunYuanMoEV1ForCausalLM", "shared_mlp",
-                             router="gate.wg.weight", qk_norms=("query_layernorm", "key_layernorm")),
+    "afmoe": Family(_afmoe, "mlp", _PROJ, "AfmoeForCausalLM", "shared_experts", correction_bias="expert_bias", router="router.gate.weight",
+                    sandwich=("input_layernorm", "post_attention_layernorm", "pre_mlp_layernorm", "post_mlp_layernorm"),
+                    defaults=dict(head_dim=128, rms_norm_eps=1e-5, num_shared_experts=2)),
+    "hunyuan_v1_moe": Family(_hunyuan_v1_moe, "mlp", _PROJ, "HunYuanMoEV1ForCausalLM", "shared_mlp", router="gate.wg.weight",
+                             qk_norms=("query_layernorm", "key_layernorm"), defaults=dict(rms_norm_eps=1e-5)),
 }
 _MLA = (("wq", "q_proj"), ("wq_a", "q_a_proj"), ("wq_b", "q_b_proj"), ("wkv_a", "kv_a_proj_with_mqa"), ("wkv_b", "kv_b_proj"), ("wo", "o_proj"))
 
@@ -606,7 +689,7 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
     """One transformer block: HF prefix p ("model.layers.{i}."), fmoe prefix q; rope=False:
     a NoPE block (its q/k norms only with cfg.nope_qk_norm)."""
     out = {}
-    attn = p + "self_attn."
+    attn = p + family.attention + "."
     if cfg.kv_rank is not None:  # multi-latent attention
         q_weights = ("wq",) if cfg.q_rank is None else ("wq_a", "wq_b")  # a full-rank q, or its low-rank pair
         for ours, theirs in _MLA:
@@ -615,14 +698,21 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
         if cfg.q_rank is not None:
             out[q + "attn.q_a_norm"] = Tensor((attn + "q_a_layernorm.weight",))
         out[q + "attn.kv_a_norm"] = Tensor((attn + "kv_a_layernorm.weight",))
+    elif family.qkv is not None:  # q, k and v: the rows of one module, in that order
+        rows = (cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim)
+        for j, name in enumerate(("q", "k", "v")):
+            out[q + "attn.w" + name] = Tensor((f"{attn}{family.qkv}.weight",), transpose=True, chunk=(j, rows))
+            if cfg.qkv_bias:
+                out[q + "attn.b" + name] = Tensor((f"{attn}{family.qkv}.bias",), chunk=(j, rows))
+        out[q + "attn.wo"] = Tensor((f"{attn}{family.o_proj}.weight",), transpose=True)
     else:
-        for ours, theirs in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
+        for ours, theirs in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", family.o_proj)):
             out[q + "attn." + ours] = Tensor((f"{attn}{theirs}.weight",), transpose=True)
-    if cfg.qkv_bias:
+    if cfg.qkv_bias and family.qkv is None:
         for ours, theirs in (("bq", "q_proj"), ("bk", "k_proj"), ("bv", "v_proj")):
             out[q + "attn." + ours] = Tensor((f"{attn}{theirs}.bias",))
     if cfg.o_bias:
-        out[q + "attn.bo"] = Tensor((attn + "o_proj.bias",))
+        out[q + "attn.bo"] = Tensor((f"{attn}{family.o_proj}.bias",))
     if cfg.attn_sinks:
         out[q + "attn.sinks"] = Tensor((attn + "sinks",))
     if cfg.attn_gate:  # gated attention's gate_proj (AFMoE)
@@ -651,7 +741,7 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
         linear = family.fused == "halves_out"  # [E, 2F, H] / [E, H, F]: linear weights, transposed
 
         def half(i: int) -> dict:
-            return dict(part=(i, 2)) if family.fused == "interleaved" else dict(chunk=(i, 2), transpose=linear)
+            return dict(part=(i, 2)) if family.fused == "interleaved" else dict(chunk=(i, (1, 1)), transpose=linear)
 
         out[q + "mlp.experts.w_gate"] = Tensor((gate_up,), **half(0))
         out[q + "mlp.experts.w_up"] = Tensor((gate_up,), **half(1))
@@ -668,8 +758,8 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
         out[q + "mlp.expert_bias"] = Tensor((mlp + family.correction_bias,))
     if moe and cfg.shared_size and family.shared_beside:  # Granite: [2Fs, H] gate then up, [H, Fs], beside the MoE block
         shared = p + family.shared + "."
-        out[q + "mlp.shared.w_gate"] = Tensor((shared + "input_linear.weight",), transpose=True, chunk=(0, 2))
-        out[q + "mlp.shared.w_up"] = Tensor((shared + "input_linear.weight",), transpose=True, chunk=(1, 2))
+        out[q + "mlp.shared.w_gate"] = Tensor((shared + "input_linear.weight",), transpose=True, chunk=(0, (1, 1)))
+        out[q + "mlp.shared.w_up"] = Tensor((shared + "input_linear.weight",), transpose=True, chunk=(1, (1, 1)))
         out[q + "mlp.shared.w_down"] = Tensor((shared + "output_linear.weight",), transpose=True)
     elif moe and cfg.shared_size:  # the shared experts inside the MoE block
         for ours, theirs in zip(("w_gate", "w_up", "w_down"), ("gate_proj", "up_proj", "down_proj")):
@@ -692,7 +782,7 @@ def key_map(family: Family, cfg: TransformerConfig) -> dict[str, Tensor]:
     checkpoint, in HF's key order. MTP depth d (family.mtp) is the layer n_layers + d - 1:
     enorm, hnorm, eh_proj, a block, shared_head.norm (its copies of the embedding and the
     head are mtp_copies')."""
-    out = {"embed": Tensor(("model.embed_tokens.weight",))}
+    out = {"embed": Tensor((family.embed,))}
     for i in range(cfg.n_layers):
         out.update(_block_keys(family, cfg, f"model.layers.{i}.", f"blocks.{i}.", cfg.is_moe(i), rope=not cfg.is_nope(i)))
     out["norm.weight"] = Tensor(("model.norm.weight",))
@@ -753,7 +843,7 @@ def read_config(path) -> tuple[dict, TransformerConfig]:
     model_type = hf.get("model_type")
     if model_type not in FAMILIES:
         raise ValueError(f"config.json: model_type {model_type!r} is not supported; expected one of {', '.join(FAMILIES)}")
-    return hf, TransformerConfig(**FAMILIES[model_type].config_to_fmoe(hf))
+    return hf, TransformerConfig(**FAMILIES[model_type].kwargs(hf))
 
 
 def unread_keys(family: Family, cfg: TransformerConfig, path, stored) -> list[str]:
@@ -847,7 +937,7 @@ def load_weights(model: Transformer, path, *, model_type: str, strict: bool = Tr
                 return (stored[-1],)
             if spec.chunk is not None:  # a run of fmoe's last dim: the stored dim -2 of a transposed weight
                 d = len(stored) - (2 if spec.transpose else 1)
-                stored = (*stored[:d], stored[d] // spec.chunk[1], *stored[d + 1:])
+                stored = (*stored[:d], _run(spec.chunk, stored[d])[1], *stored[d + 1:])
             return _swap_last(stored) if spec.transpose else stored
 
         keys = key_map(family, model.cfg)
@@ -891,7 +981,7 @@ def load_weights(model: Transformer, path, *, model_type: str, strict: bool = Tr
                 index = _swap_last(ours) if spec.transpose else ours
                 if spec.chunk is not None:  # the i-th run of the stored dim -2 (transposed) or -1
                     d = len(index) - (2 if spec.transpose else 1)
-                    offset = spec.chunk[0] * (open_slice(spec.keys[0]).get_shape()[d] // spec.chunk[1])
+                    offset = _run(spec.chunk, open_slice(spec.keys[0]).get_shape()[d])[0]
                     index = (*index[:d], slice(index[d].start + offset, index[d].stop + offset), *index[d + 1:])
                 return index
 
@@ -1039,6 +1129,10 @@ def _yarn_parameters(cfg: TransformerConfig) -> dict:
     return out
 
 
+# the families whose config.json holds _deepseek_moe_config's fields
+_DEEPSEEK_STYLE = ("glm4_moe", "sarvam_moe", "deepseek_v2", "deepseek_v3", "sarvam_mla", "glm4_moe_lite", "dots1")
+
+
 def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
     """A config.json for an fmoe model of one of FAMILIES (the fields the mapping reads)."""
     if model_type not in FAMILIES:
@@ -1098,6 +1192,8 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
                   **{k: v for k, v in moe_fields.items() if k != "num_nextn_predict_layers"}, attention_bias=False,
                   mlp_layer_types=["sparse" if cfg.is_moe(i) else "dense" for i in range(cfg.n_layers)],
                   sliding_window=cfg.window, layer_types=_layer_types(cfg))
+    elif model_type in _DEEPSEEK_STYLE:  # _deepseek_moe_config's fields, below
+        pass
     elif model_type in ("olmoe", "flex_olmo"):
         hf.update(num_experts=cfg.n_experts, intermediate_size=cfg.ffn_expert, norm_topk_prob=not cfg.pre_softmax)
     else:
@@ -1106,19 +1202,19 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
                   norm_topk_prob=not cfg.pre_softmax)
         if model_type == "qwen2_moe":
             hf.update(shared_expert_intermediate_size=cfg.shared_size, qkv_bias=cfg.qkv_bias)
-    if model_type in ("glm4_moe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "dots1"):
+    if model_type in _DEEPSEEK_STYLE:
         hf.update(_deepseek_moe_config(cfg))
     if model_type == "deepseek_v2":
         hf.update(topk_method="group_limited_greedy" if cfg.n_groups else "greedy")
-    if model_type in ("glm4_moe", "minimax_m2"):
+    if model_type in ("glm4_moe", "sarvam_moe", "minimax_m2"):
         hf["rope_parameters"]["partial_rotary_factor"] = (cfg.rope_dim or cfg.head_dim) / cfg.head_dim
-    if model_type == "glm4_moe":
+    if model_type in ("glm4_moe", "sarvam_moe"):
         hf.update(attention_bias=cfg.qkv_bias, use_qk_norm=cfg.qk_norm == "head")
     if model_type == "dots1":
         hf.update(attention_bias=cfg.qkv_bias, sliding_window=cfg.window, max_window_layers=cfg.n_layers, layer_types=_layer_types(cfg))
     if model_type == "glm4_moe_lite":
         hf.update(mlp_layer_types=["sparse" if cfg.is_moe(i) else "dense" for i in range(cfg.n_layers)])
-    if model_type in ("deepseek_v2", "deepseek_v3", "glm4_moe_lite"):
+    if model_type in ("deepseek_v2", "deepseek_v3", "sarvam_mla", "glm4_moe_lite"):
         rope = cfg.rope_dim or cfg.head_dim
         hf.update(q_lora_rank=cfg.q_rank, kv_lora_rank=cfg.kv_rank, qk_nope_head_dim=cfg.head_dim - rope, qk_rope_head_dim=rope,
                   v_head_dim=cfg.v_head_dim, head_dim=rope, rope_interleave=cfg.rope_interleaved, attention_bias=False)
@@ -1161,7 +1257,7 @@ def config_mismatch(cfg: TransformerConfig, hf: dict) -> dict[str, tuple]:
     save_pretrained writes MTP modules that use the final norm with a copy of it as their
     own); {} when `cfg` is that model."""
     family = FAMILIES[hf["model_type"]]
-    back = TransformerConfig(**family.config_to_fmoe(hf))
+    back = TransformerConfig(**family.kwargs(hf))
     ignored = {"impl", "ac", "init_std", "ffn_dense", "n_dense", "n_shared", "moe_layers", "capacity_factor", "capacity_policy"}
     if cfg.yarn_factor is None:
         ignored |= {"yarn_original_max_positions", "yarn_truncate"}
@@ -1282,16 +1378,19 @@ def _converted(name: str, spec: Tensor, full: torch.Tensor, copies, parts: dict,
         return [*out, (spec.keys[0], full.contiguous())]
     if spec.part is None and spec.chunk is None:
         return [*out, *_stored(spec, full, dtype)]
-    (i, n), key = spec.part or spec.chunk, spec.keys[0]  # one of n interleaved parts / contiguous runs of a key
+    key = spec.keys[0]
     if spec.part is not None:  # every n-th entry of the last dim, from i
+        i, n = spec.part
         shape, where = (*full.shape[:-1], full.shape[-1] * n), (..., slice(i, None, n))
-    elif spec.transpose:  # the i-th of n runs of the stored dim -2
-        full = full.transpose(-2, -1)
-        size = full.shape[-2]
-        shape, where = (*full.shape[:-2], size * n, full.shape[-1]), (..., slice(i * size, (i + 1) * size), slice(None))
-    else:  # the i-th of n runs of the last dim
-        size = full.shape[-1]
-        shape, where = (*full.shape[:-1], size * n), (..., slice(i * size, (i + 1) * size))
+    else:  # the i-th of n runs of the stored dim -2 (transposed) or -1
+        i, sizes = spec.chunk
+        n = len(sizes)
+        full = full.transpose(-2, -1) if spec.transpose else full
+        d = full.dim() - (2 if spec.transpose else 1)
+        dim = full.shape[d] // sizes[i] * sum(sizes)
+        offset, size = _run(spec.chunk, dim)
+        shape = (*full.shape[:d], dim, *full.shape[d + 1:])
+        where = (*(slice(None),) * d, slice(offset, offset + size))
     stored = parts.setdefault(key, [torch.empty(shape, dtype=dtype), n])
     stored[0][where] = full
     stored[1] -= 1

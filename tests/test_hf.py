@@ -16,6 +16,7 @@ import torch
 transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]'")
 
 from fmoe import hf  # noqa: E402
+from fmoe.model import TransformerConfig  # noqa: E402
 from fmoe.train.data import make_batch  # noqa: E402
 
 V = 64
@@ -40,6 +41,15 @@ FAMILIES = {
     "glm4_moe": lambda: transformers.Glm4MoeConfig(**COMMON, head_dim=8, intermediate_size=40, moe_intermediate_size=16, n_routed_experts=4,
                                                    num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, use_qk_norm=True,
                                                    attention_bias=True, norm_topk_prob=False, routed_scaling_factor=1.5, n_group=1, topk_group=1),
+    # Sarvam-30B: GLM-4.5's model (q/k norms, RoPE on every channel by default) under its own key
+    # names, q, k and v (with biases) the rows of one query_key_value; 2 groups of 4 experts
+    "sarvam_moe": lambda: transformers.SarvamMoEConfig(**COMMON, head_dim=8, intermediate_size=40, moe_intermediate_size=16, n_routed_experts=8,
+                                                       num_experts_per_tok=3, n_shared_experts=1, first_k_dense_replace=1, attention_bias=True,
+                                                       n_group=2, topk_group=1),
+    # Sarvam-105B: DeepSeek-V3's model, full-rank q by default, RoPE on interleaved pairs
+    "sarvam_mla": lambda: transformers.SarvamMLAConfig(
+        **{**COMMON, "num_key_value_heads": 4}, intermediate_size=40, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=3,
+        n_shared_experts=1, kv_lora_rank=8, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5, bos_token_id=None, eos_token_id=None),
     # multi-latent attention (low-rank q and kv, interleaved rotary key shared by the heads,
     # v_head_dim != q/k dim), YaRN with mscale != mscale_all_dim, 4 groups of 2 experts scored
     # by their best 2 (Megatron's k // topk_groups would score by 1), renormalised x 2.5
@@ -391,6 +401,32 @@ def test_config_mapping_reads_the_family_fields(folders, tmp_path):
     _, cfg = hf.read_config(folders["glm4_moe"][0])
     assert cfg.rope_dim == 4 and cfg.qkv_bias and cfg.qk_norm == "head" and cfg.score == "sigmoid" and cfg.expert_bias
     assert not cfg.route_normalize and cfg.route_scale == 1.5 and cfg.n_dense == 1 and cfg.shared_size == 16 and cfg.n_groups is None
+    _, cfg = hf.read_config(folders["sarvam_moe"][0])
+    assert cfg.rope_dim is None and cfg.rope_base == 8e6 and cfg.qkv_bias and not cfg.o_bias and cfg.qk_norm == "head" and cfg.expert_bias
+    assert (cfg.n_groups, cfg.topk_groups, cfg.route_scale, cfg.route_normalize, cfg.n_dense, cfg.shared_size) == (2, 1, 2.5, True, 1, 16)
+    keys = hf.key_map(hf.FAMILIES["sarvam_moe"], cfg)
+    assert keys["blocks.0.attn.wk"] == hf.Tensor(("model.layers.0.attention.query_key_value.weight",), transpose=True, chunk=(1, (32, 16, 16)))
+    assert keys["blocks.0.attn.bv"] == hf.Tensor(("model.layers.0.attention.query_key_value.bias",), chunk=(2, (32, 16, 16)))
+    assert keys["embed"].keys == ("model.word_embeddings.weight",) and keys["blocks.1.mlp.expert_bias"].keys == ("model.layers.1.mlp.gate.expert_bias",)
+    # Sarvam's released config.json files, written for their own code, name some fields otherwise
+    released = _edit(folders["sarvam_moe"][0], tmp_path / "sarvam", lambda c: c.update(
+        num_experts=c.pop("n_routed_experts"), num_shared_experts=c.pop("n_shared_experts"), use_qkv_bias=c.pop("attention_bias"),
+        rope_theta=c.pop("rope_parameters")["rope_theta"], use_bias=False, moe_router_enable_expert_bias=True))
+    assert hf.read_config(released)[1] == cfg
+    _, cfg = hf.read_config(folders["sarvam_mla"][0])
+    assert (cfg.q_rank, cfg.kv_rank, cfg.head_dim, cfg.rope_dim, cfg.v_head_dim, cfg.rope_interleaved) == (None, 8, 10, 4, 5, True)
+    assert (cfg.n_groups, cfg.route_scale, cfg.route_normalize, cfg.n_dense, cfg.shared_size, cfg.score) == (None, 2.5, True, 1, 16, "sigmoid")
+    # the released format: its names, the legacy head_dim and q_head_dim, and YaRN as rope_scaling of type deepseek_yarn, read as
+    # transformers reads it
+    yarn = dict(type="deepseek_yarn", factor=4.0, original_max_position_embeddings=32, beta_fast=32, beta_slow=1, mscale=0.8, mscale_all_dim=1.0)
+    released = _edit(folders["sarvam_mla"][0], tmp_path / "sarvam_mla", lambda c: c.update(
+        num_experts=c.pop("n_routed_experts"), num_shared_experts=c.pop("n_shared_experts"), head_dim=12, q_head_dim=10,
+        rope_theta=c.pop("rope_parameters")["rope_theta"], rope_scaling=yarn))
+    config = json.loads((released / "config.json").read_text())
+    theirs = transformers.SarvamMLAConfig(**{k: v for k, v in config.items() if k != "model_type"}).to_dict()
+    assert hf.read_config(released)[1] == TransformerConfig(**hf.FAMILIES["sarvam_mla"].kwargs(theirs))
+    assert hf.read_config(released)[1] == dataclasses.replace(cfg, yarn_factor=4.0, yarn_original_max_positions=32, yarn_mscale=0.8,
+                                                             yarn_mscale_all_dim=1.0)
     _, cfg = hf.read_config(folders["deepseek_v3"][0])
     assert (cfg.q_rank, cfg.kv_rank, cfg.head_dim, cfg.rope_dim, cfg.v_head_dim, cfg.n_kv_heads) == (12, 8, 10, 4, 5, 4)
     assert cfg.rope_interleaved and (cfg.yarn_factor, cfg.yarn_original_max_positions, cfg.yarn_mscale, cfg.yarn_mscale_all_dim) == (4.0, 32, 0.8, 1.0)
@@ -456,6 +492,45 @@ def test_config_mapping_reads_the_family_fields(folders, tmp_path):
     # without the temperature or the q/k norms
     plain = _edit(folders["llama4_text"][0], tmp_path / "llama4-plain", lambda c: c.update(attn_temperature_tuning=False, use_qk_norm=False))
     assert hf.read_config(plain)[1] == dataclasses.replace(cfg, nope_temperature_floor=None, qk_norm=None, qk_norm_after_rope=False)
+
+
+def _left_out(config: dict):
+    """(field, config.json without it) for each field of `config`, and each of its rope_parameters'."""
+    for field in config:
+        if field not in ("model_type", "architectures", "transformers_version"):
+            yield field, {k: v for k, v in config.items() if k != field}
+    for field in config.get("rope_parameters") or {}:
+        if field != "rope_type":
+            yield f"rope_parameters.{field}", dict(config, rope_parameters={k: v for k, v in config["rope_parameters"].items() if k != field})
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_field_left_out_reads_as_transformers_fills_it(family):
+    """A config.json that leaves out a field means the model transformers builds from it (the
+    class default, or what its RoPE standardisation fills in): each field in turn, at the top
+    level and in rope_parameters, is left out of the test's config; fmoe maps that config as it
+    maps the config transformers completes from it, or refuses it by name (a ValueError)."""
+    made = FAMILIES[family]()
+    cls, model_type = type(made), made.model_type
+
+    def ours(config: dict):
+        try:
+            return TransformerConfig(**hf.FAMILIES[model_type].kwargs(config))
+        except ValueError as err:
+            return f"refused: {err}"
+
+    checked = 0
+    for field, config in _left_out(made.to_dict()):
+        try:
+            theirs = cls(**{k: v for k, v in config.items() if k != "model_type"}).to_dict()
+        except Exception:  # transformers refuses it too
+            continue
+        mine = ours(config)
+        if isinstance(mine, str):
+            continue
+        assert mine == ours(theirs), f"{family} without {field}"
+        checked += 1
+    assert checked >= 10
 
 
 def test_a_released_llama4_folder_loads_its_text_model(folders, tmp_path):
@@ -532,6 +607,9 @@ BAD_CONFIGS = [
     ("llama4_text", lambda c: c.update(layer_types=["sliding_attention"] * 3), r"config.json: layer_types = .* is not supported"),
     ("llama4_text", lambda c: c.update(no_rope_layers=[1, 2, 1]), r"config.json: no_rope_layers = \[1, 2, 1\] is not supported"),
     ("granitemoe", lambda c: c.update(attention_bias=True), r"config.json: attention_bias = True is not supported"),
+    ("sarvam_moe", lambda c: c.update(use_bias=True), r"config.json: use_bias = True is not supported \(no biases in Sarvam's projections"),
+    ("sarvam_moe", lambda c: c.update(moe_router_enable_expert_bias=False), r"config.json: moe_router_enable_expert_bias = False is not supported"),
+    ("mixtral", lambda c: c.pop("vocab_size"), r"config.json: a mixtral config without vocab_size is not supported"),
     ("mixtral", lambda c: c.update(hidden_size=16),
      r"checkpoint: model.embed_tokens.weight gives embed the shape \(64, 32\), the model expects \(64, 16\)"),
     ("mixtral", lambda c: c.update(num_hidden_layers=4), r"checkpoint: missing key 'model.layers.3"),
@@ -865,9 +943,10 @@ SHARD_BYTES = 20000  # the sharded ranks' export: several files
 
 
 def _load_sharded(rank, world, path, family, out):
-    """One rank: the model built on meta, sharded (FSDP2 over 2 ranks, experts over ep 2),
-    materialised, then loaded: its bytes read and its gathered weights; then exported to
-    `out` in shards of SHARD_BYTES (rank 0 writes)."""
+    """One rank: the model built on meta, sharded (FSDP2 over 2 ranks, experts over ep 2; or
+    its heads over tp 2, for Sarvam's fused q/k/v rows), materialised, then loaded: its bytes
+    read and its gathered weights; then exported to `out` in shards of SHARD_BYTES (rank 0
+    writes)."""
     from torch.distributed.tensor import DTensor
 
     import fmoe.parallel as parallel
@@ -876,7 +955,7 @@ def _load_sharded(rank, world, path, family, out):
     config, cfg = hf.read_config(path)
     with torch.device("meta"):
         model = Transformer(dataclasses.replace(cfg, impl="torch"))
-    parallel.parallelize(model, parallel.build_meshes(ep=2, has_experts=True))
+    parallel.parallelize(model, parallel.build_meshes(tp=2) if family == "sarvam_moe" else parallel.build_meshes(ep=2, has_experts=True))
     parallel.materialize(model, torch.device("cpu"), seed=0)
     read = hf.load_weights(model, path, model_type=family)
     full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in hf._tensors(model).items()}
@@ -888,7 +967,7 @@ def _load_sharded(rank, world, path, family, out):
     return read, full
 
 
-SHARDED_FAMILIES = ("qwen3_moe", "deepseek_v3", "gpt_oss", "granitemoeshared")
+SHARDED_FAMILIES = ("qwen3_moe", "deepseek_v3", "gpt_oss", "granitemoeshared", "sarvam_moe")
 
 
 def _load_sharded_families(rank, world, paths, out):
