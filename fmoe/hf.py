@@ -7,7 +7,7 @@ A folder holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). Supported `model_type`s: FAMILIES (mixtral, qwen2_moe,
 qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, deepseek_v2, glm4_moe_lite, gpt_oss, solar_open,
 exaone_moe, dots1, minimax_m2, granitemoe, granitemoeshared, granitemoe_swa, hunyuan_v1_moe, llama4_text, llama4, afmoe,
-sarvam_moe, sarvam_mla). Each family has one table: its
+sarvam_moe, sarvam_mla, flint). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: clipped qkv, ...;
 the fields a config.json leaves out read at transformers' defaults, Family.defaults, and a
 released config's older names as transformers' own, Family.aliases)
@@ -397,6 +397,29 @@ def _gpt_oss(hf: dict) -> dict:
                 swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)), swiglu_limit=None if limit is None else float(limit), swiglu_offset=1.0)
 
 
+def _flint(hf: dict) -> dict:
+    """Flint (flint): Qwen3-MoE's attention (per-head q/k norms before RoPE; attention_bias on
+    q, k, v and o) with a sink per head; the layers layer_types names sliding_attention (by
+    default all but the first two, every fourth from layer 1 and the last) attend over the
+    window with RoPE, the others globally without RoPE (NoPE); MoE blocks by mlp_only_layers
+    (by default [0, 1]) and decoder_sparse_step, routed on sigmoids without a bias and
+    renormalised with norm_topk_prob, beside an ungated shared expert of
+    shared_expert_intermediate_size."""
+    n = hf["num_hidden_layers"]
+    if hf.get("layer_types") is None:
+        hf = dict(hf, layer_types=["full_attention" if i < 2 or i % 4 == 1 or i == n - 1 else "sliding_attention" for i in range(n)])
+    if hf.get("mlp_only_layers") is None:
+        hf = dict(hf, mlp_only_layers=[0, 1])
+    normalize = bool(hf.get("norm_topk_prob", True))
+    _refuse(hf, "num_experts_per_tok", lambda v: v > 1 or not normalize, "k > 1 with norm_topk_prob: Flint renormalises one weight to 1")
+    bias = bool(hf.get("attention_bias", False))
+    nope = tuple(i for i, kind in enumerate(hf["layer_types"]) if kind != "sliding_attention")
+    return dict(_common(hf, hf["num_experts"], sliding=True), ffn_expert=hf["moe_intermediate_size"], ffn_dense=hf["intermediate_size"],
+                moe_layers=_qwen_moe_layers(hf), n_shared=0, shared_ffn=hf.get("shared_expert_intermediate_size") or 0, shared_gate=False,
+                score="sigmoid", expert_bias=False, route_normalize=normalize, qk_norm="head", qkv_bias=bias, o_bias=bias, attn_sinks=True,
+                nope_layers=nope or None)
+
+
 def _granitemoe(hf: dict, *, sliding: bool = False) -> dict:
     """GraniteMoE / GraniteMoeShared: every block MoE, softmax over the top-k router logits
     (Mixtral's), the softmax scale attention_multiplier (not 1/sqrt(head_dim)), the
@@ -610,6 +633,7 @@ class Family:
     attention: str = "self_attn"  # the attention module, in each block
     qkv: Optional[str] = None  # q, k and v as one module's rows (Sarvam's query_key_value), not q_proj / k_proj / v_proj
     o_proj: str = "o_proj"  # the attention's output projection, under the attention module
+    sinks: str = "sinks"  # the attention sinks' key, under the attention module
 
     def kwargs(self, hf: dict) -> dict:
         """config.json -> TransformerConfig kwargs: the fields it names by their aliases read as
@@ -664,6 +688,8 @@ FAMILIES = {
     # Sarvam-105B: DeepSeek-V3's model and names
     "sarvam_mla": Family(_sarvam_mla, "mlp", _PROJ, "DeepseekV3ForCausalLM", "shared_experts", mtp=True, aliases=_SARVAM_ALIASES,
                          defaults=dict(n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5, n_group=1, topk_group=1)),
+    "flint": Family(_flint, "mlp", _PROJ, "FlintForCausalLM", sinks="softmax_offset",
+                    defaults=dict(num_key_value_heads=4, head_dim=128, sliding_window=513, shared_expert_intermediate_size=1024)),
     "solar_open": Family(_solar_open, "mlp", _PROJ, "SolarOpenForCausalLM", "shared_experts",
                          defaults=dict(num_key_value_heads=8, rms_norm_eps=1e-5, n_shared_experts=1, head_dim=128, rope_theta=1e6)),
     "exaone_moe": Family(_exaone_moe, "mlp", _PROJ, "ExaoneMoeForCausalLM", "shared_experts", correction_bias="e_score_correction_bias",
@@ -714,7 +740,7 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
     if cfg.o_bias:
         out[q + "attn.bo"] = Tensor((f"{attn}{family.o_proj}.bias",))
     if cfg.attn_sinks:
-        out[q + "attn.sinks"] = Tensor((attn + "sinks",))
+        out[q + "attn.sinks"] = Tensor((attn + family.sinks,))
     if cfg.attn_gate:  # gated attention's gate_proj (AFMoE)
         out[q + "attn.wg"] = Tensor((attn + "gate_proj.weight",), transpose=True)
     if cfg.qk_norm in ("head", "proj") and (rope or cfg.nope_qk_norm):  # weighted norms ("rms" has none)
@@ -1192,6 +1218,11 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
                   **{k: v for k, v in moe_fields.items() if k != "num_nextn_predict_layers"}, attention_bias=False,
                   mlp_layer_types=["sparse" if cfg.is_moe(i) else "dense" for i in range(cfg.n_layers)],
                   sliding_window=cfg.window, layer_types=_layer_types(cfg))
+    elif model_type == "flint":
+        hf.update(num_experts=cfg.n_experts, moe_intermediate_size=cfg.ffn_expert, intermediate_size=cfg.ffn_dense, decoder_sparse_step=1,
+                  mlp_only_layers=[i for i in range(cfg.n_layers) if i not in moe], norm_topk_prob=cfg.route_normalize,
+                  shared_expert_intermediate_size=cfg.shared_size, attention_bias=cfg.qkv_bias, sliding_window=cfg.window or 513,
+                  layer_types=_layer_types(cfg))
     elif model_type in _DEEPSEEK_STYLE:  # _deepseek_moe_config's fields, below
         pass
     elif model_type in ("olmoe", "flex_olmo"):

@@ -21,7 +21,7 @@ from fmoe.model import Transformer, TransformerConfig  # noqa: E402
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "deepseek_v2", "granitemoeshared", "hunyuan_v1_moe", "exaone_moe", "llama4_text",
-                                    "granitemoe_swa", "afmoe"])
+                                    "granitemoe_swa", "afmoe", "flint"])
 def test_greedy_matches_transformers_generate(tmp_path, family):
     """Through fmoe's KV cache (DeepSeek-V3 / -V2: multi-latent attention absorbed, latents
     cached; -V2 without the low-rank q; Granite: the embedding, attention and residual
@@ -29,7 +29,8 @@ def test_greedy_matches_transformers_generate(tmp_path, family):
     EXAONE: a 3-token window with RoPE in layer 0, its keys in a ring, layer 1 NoPE; Llama 4:
     layer 0 chunked attention over 4 tokens, layer 1 NoPE with the query temperature from
     position 1 on; GraniteMoeSWA: sinks, a 3-token window ring in layer 1, layer 0 NoPE;
-    AFMoE: gated attention and sandwich norms, a 3-token window ring in layer 0, layer 1 NoPE)
+    AFMoE: gated attention and sandwich norms, a 3-token window ring in layer 0, layer 1 NoPE;
+    Flint: sinks, q/k norms and biases, a 3-token window ring in layer 0, layer 1 NoPE)
     against transformers' own generate and cache."""
     transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]'")
     import fmoe.hf
@@ -64,6 +65,11 @@ def test_greedy_matches_transformers_generate(tmp_path, family):
                                                   num_experts_per_tok=2, shared_intermediate_size=20, embedding_multiplier=2.0,
                                                   attention_multiplier=0.3, residual_multiplier=0.6, logits_scaling=3.0, sliding_window=3,
                                                   layer_types=["full_attention", "sliding_attention"], layer_rope_theta=[0, 10000.0])
+    elif family == "flint":
+        config = transformers.FlintConfig(**common, num_key_value_heads=2, head_dim=8, intermediate_size=40, moe_intermediate_size=16,
+                                          num_experts=4, num_experts_per_tok=2, shared_expert_intermediate_size=24, mlp_only_layers=[],
+                                          sliding_window=3, layer_types=["sliding_attention", "full_attention"], attention_bias=True,
+                                          max_position_embeddings=128)
     elif family == "llama4_text":
         config = transformers.Llama4TextConfig(**common, num_key_value_heads=2, head_dim=8, intermediate_size=16, intermediate_size_mlp=40,
                                                num_local_experts=4, num_experts_per_tok=1, no_rope_layer_interval=2, attention_chunk_size=4,

@@ -41,6 +41,12 @@ FAMILIES = {
     "glm4_moe": lambda: transformers.Glm4MoeConfig(**COMMON, head_dim=8, intermediate_size=40, moe_intermediate_size=16, n_routed_experts=4,
                                                    num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, use_qk_norm=True,
                                                    attention_bias=True, norm_topk_prob=False, routed_scaling_factor=1.5, n_group=1, topk_group=1),
+    # Flint: sinks, per-head q/k norms, q/k/v/o biases, a 4-token window with RoPE in layers 0
+    # and 2, layer 1 global without RoPE; layer 0 dense, renormalised sigmoid routing beside an
+    # ungated shared expert
+    "flint": lambda: transformers.FlintConfig(**COMMON, head_dim=8, intermediate_size=40, moe_intermediate_size=16, num_experts=4,
+                                              num_experts_per_tok=2, shared_expert_intermediate_size=24, mlp_only_layers=[0], sliding_window=4,
+                                              layer_types=["sliding_attention", "full_attention", "sliding_attention"], attention_bias=True),
     # Sarvam-30B: GLM-4.5's model (q/k norms, RoPE on every channel by default) under its own key
     # names, q, k and v (with biases) the rows of one query_key_value; 2 groups of 4 experts
     "sarvam_moe": lambda: transformers.SarvamMoEConfig(**COMMON, head_dim=8, intermediate_size=40, moe_intermediate_size=16, n_routed_experts=8,
@@ -401,6 +407,16 @@ def test_config_mapping_reads_the_family_fields(folders, tmp_path):
     _, cfg = hf.read_config(folders["glm4_moe"][0])
     assert cfg.rope_dim == 4 and cfg.qkv_bias and cfg.qk_norm == "head" and cfg.score == "sigmoid" and cfg.expert_bias
     assert not cfg.route_normalize and cfg.route_scale == 1.5 and cfg.n_dense == 1 and cfg.shared_size == 16 and cfg.n_groups is None
+    _, cfg = hf.read_config(folders["flint"][0])
+    assert (cfg.window, cfg.window_layers, cfg.nope_layers, cfg.attn_sinks, cfg.qk_norm, cfg.qkv_bias, cfg.o_bias) == (4, (0, 2), (1,), True, "head", True, True)
+    assert (cfg.score, cfg.expert_bias, cfg.route_normalize, cfg.moe_layers, cfg.shared_size, cfg.shared_gate) == ("sigmoid", False, True, (1, 2), 24, False)
+    assert hf.key_map(hf.FAMILIES["flint"], cfg)["blocks.0.attn.sinks"].keys == ("model.layers.0.self_attn.softmax_offset",)
+    # the defaults where config.json leaves the lists out: full attention in the first two layers, every fourth from 1 and the last
+    bare = _edit(folders["flint"][0], tmp_path / "flint", lambda c: [c.pop(n) for n in ("layer_types", "mlp_only_layers")])
+    assert hf.read_config(bare)[1] == dataclasses.replace(cfg, window=None, window_layers=None, nope_layers=(0, 1, 2), moe_layers=(2,))
+    ten = dict(json.loads((bare / "config.json").read_text()), num_hidden_layers=10)
+    full = [i for i, kind in enumerate(transformers.FlintConfig(num_hidden_layers=10).layer_types) if kind == "full_attention"]
+    assert hf.FAMILIES["flint"].kwargs(ten)["nope_layers"] == tuple(full) == (0, 1, 5, 9)
     _, cfg = hf.read_config(folders["sarvam_moe"][0])
     assert cfg.rope_dim is None and cfg.rope_base == 8e6 and cfg.qkv_bias and not cfg.o_bias and cfg.qk_norm == "head" and cfg.expert_bias
     assert (cfg.n_groups, cfg.topk_groups, cfg.route_scale, cfg.route_normalize, cfg.n_dense, cfg.shared_size) == (2, 1, 2.5, True, 1, 16)
@@ -607,6 +623,7 @@ BAD_CONFIGS = [
     ("llama4_text", lambda c: c.update(layer_types=["sliding_attention"] * 3), r"config.json: layer_types = .* is not supported"),
     ("llama4_text", lambda c: c.update(no_rope_layers=[1, 2, 1]), r"config.json: no_rope_layers = \[1, 2, 1\] is not supported"),
     ("granitemoe", lambda c: c.update(attention_bias=True), r"config.json: attention_bias = True is not supported"),
+    ("flint", lambda c: c.update(num_experts_per_tok=1), r"config.json: num_experts_per_tok = 1 is not supported \(k > 1 with norm_topk_prob"),
     ("sarvam_moe", lambda c: c.update(use_bias=True), r"config.json: use_bias = True is not supported \(no biases in Sarvam's projections"),
     ("sarvam_moe", lambda c: c.update(moe_router_enable_expert_bias=False), r"config.json: moe_router_enable_expert_bias = False is not supported"),
     ("mixtral", lambda c: c.pop("vocab_size"), r"config.json: a mixtral config without vocab_size is not supported"),
