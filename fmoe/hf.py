@@ -7,7 +7,7 @@ A folder holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). Supported `model_type`s: FAMILIES (mixtral, qwen2_moe,
 qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, deepseek_v2, glm4_moe_lite, gpt_oss, solar_open,
 exaone_moe, dots1, minimax_m2, granitemoe, granitemoeshared, granitemoe_swa, hunyuan_v1_moe, llama4_text, llama4, afmoe,
-sarvam_moe, sarvam_mla, flint). Each family has one table: its
+sarvam_moe, sarvam_mla, flint, hy_v3). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: clipped qkv, ...;
 the fields a config.json leaves out read at transformers' defaults, Family.defaults, and a
 released config's older names as transformers' own, Family.aliases)
@@ -532,6 +532,19 @@ def _one_per_model(hf: dict, field: str):
     return value
 
 
+def _hy_v3(hf: dict) -> dict:
+    """HY-V3 (hy_v3, Tencent Hunyuan 3): per-head q/k norms before RoPE (attention_bias on q,
+    k, v and o); the dense and MoE blocks by mlp_layer_types (by default the first dense);
+    sigmoid routing with the correction bias and no groups, the chosen sigmoids renormalised
+    and x router_scaling_factor, beside num_shared_experts shared experts. Its MTP layer (the
+    layer after the trunk's) is not read, as in transformers."""
+    _refuse(hf, "mlp_bias", lambda v: not v, "no biases in the MLPs here")
+    bias = bool(hf.get("attention_bias", False))
+    moe = dict(hf, n_shared_experts=hf["num_shared_experts"], routed_scaling_factor=hf["router_scaling_factor"])
+    return dict(_common(hf, hf["num_experts"]), **_mlp_layer_types(moe, 1), score="sigmoid", expert_bias=True, route_normalize=True,
+                qk_norm="head", qkv_bias=bias, o_bias=bias)
+
+
 def _hunyuan_v1_moe(hf: dict) -> dict:
     """Hunyuan-A13B (hunyuan_v1_moe): per-head q/k norms after RoPE; every block MoE, softmax
     over every expert, the top-k renormalised (fmoe's default softmax routing), beside a
@@ -634,6 +647,7 @@ class Family:
     qkv: Optional[str] = None  # q, k and v as one module's rows (Sarvam's query_key_value), not q_proj / k_proj / v_proj
     o_proj: str = "o_proj"  # the attention's output projection, under the attention module
     sinks: str = "sinks"  # the attention sinks' key, under the attention module
+    extra_layers_read: bool = True  # False: the layers after the trunk's (HY-V3's MTP layer) are not read, as in transformers
 
     def kwargs(self, hf: dict) -> dict:
         """config.json -> TransformerConfig kwargs: the fields it names by their aliases read as
@@ -705,6 +719,9 @@ FAMILIES = {
     "afmoe": Family(_afmoe, "mlp", _PROJ, "AfmoeForCausalLM", "shared_experts", correction_bias="expert_bias", router="router.gate.weight",
                     sandwich=("input_layernorm", "post_attention_layernorm", "pre_mlp_layernorm", "post_mlp_layernorm"),
                     defaults=dict(head_dim=128, rms_norm_eps=1e-5, num_shared_experts=2)),
+    "hy_v3": Family(_hy_v3, "mlp", _PROJ, "HYV3ForCausalLM", "shared_mlp", correction_bias="expert_bias", router="router.gate.weight",
+                    extra_layers_read=False, defaults=dict(num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=11158840.0,
+                                                            num_shared_experts=1, router_scaling_factor=2.826)),
     "hunyuan_v1_moe": Family(_hunyuan_v1_moe, "mlp", _PROJ, "HunYuanMoEV1ForCausalLM", "shared_mlp", router="gate.wg.weight",
                              qk_norms=("query_layernorm", "key_layernorm"), defaults=dict(rms_norm_eps=1e-5)),
 }
@@ -887,9 +904,10 @@ def unread_keys(family: Family, cfg: TransformerConfig, path, stored) -> list[st
     if cfg.tie_embeddings and config.is_file() and json.loads(config.read_text()).get("tie_word_embeddings"):
         read.add(family.prefix + "lm_head.weight")
 
-    def dropped_mtp(key: str) -> bool:
+    def dropped_mtp(key: str) -> bool:  # MTP depths not asked for, or a family's layers after the trunk's that are never read
         layer = re.match(r"model\.layers\.(\d+)\.", key)
-        return family.mtp and layer is not None and int(layer[1]) >= cfg.n_layers + cfg.mtp_depth
+        past = cfg.n_layers + (cfg.mtp_depth if family.mtp else 0)
+        return (family.mtp or not family.extra_layers_read) and layer is not None and int(layer[1]) >= past
 
     return [key for key in stored if key not in read and not key.endswith(".rotary_emb.inv_freq") and not dropped_mtp(key)
             and not key.startswith(family.not_read)]
@@ -1206,6 +1224,11 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
         hf.update(num_experts=cfg.n_experts, num_shared_experts=moe_fields["n_shared_experts"], moe_intermediate_size=cfg.ffn_expert,
                   intermediate_size=cfg.ffn_dense, num_dense_layers=cfg.n_dense, route_scale=moe_fields["routed_scaling_factor"],
                   attention_bias=False, sliding_window=cfg.window, layer_types=_layer_types(cfg), mup_enabled=cfg.embed_scale != 1.0)
+    elif model_type == "hy_v3":
+        moe_fields = _deepseek_moe_config(cfg)
+        hf.update(num_experts=cfg.n_experts, num_shared_experts=moe_fields["n_shared_experts"], moe_intermediate_size=cfg.ffn_expert,
+                  intermediate_size=cfg.ffn_dense, router_scaling_factor=moe_fields["routed_scaling_factor"], attention_bias=cfg.qkv_bias,
+                  mlp_layer_types=["sparse" if cfg.is_moe(i) else "dense" for i in range(cfg.n_layers)])
     elif model_type == "hunyuan_v1_moe":
         hf.update(num_experts=cfg.n_experts, moe_topk=cfg.k, intermediate_size=cfg.ffn_expert, attention_bias=False)
     elif model_type == "solar_open":  # no dense blocks, no MTP: those fields are not Solar Open's

@@ -47,6 +47,11 @@ FAMILIES = {
     "flint": lambda: transformers.FlintConfig(**COMMON, head_dim=8, intermediate_size=40, moe_intermediate_size=16, num_experts=4,
                                               num_experts_per_tok=2, shared_expert_intermediate_size=24, mlp_only_layers=[0], sliding_window=4,
                                               layer_types=["sliding_attention", "full_attention", "sliding_attention"], attention_bias=True),
+    # HY-V3: per-head q/k norms and q/k/v/o biases; layer 1 dense; renormalised sigmoid routing
+    # with the correction bias, x 2.5, beside a shared expert
+    "hy_v3": lambda: transformers.HYV3Config(**COMMON, head_dim=8, intermediate_size=40, moe_intermediate_size=16, num_experts=4,
+                                             num_experts_per_tok=2, num_shared_experts=1, router_scaling_factor=2.5, attention_bias=True,
+                                             mlp_layer_types=["sparse", "dense", "sparse"]),
     # Sarvam-30B: GLM-4.5's model (q/k norms, RoPE on every channel by default) under its own key
     # names, q, k and v (with biases) the rows of one query_key_value; 2 groups of 4 experts
     "sarvam_moe": lambda: transformers.SarvamMoEConfig(**COMMON, head_dim=8, intermediate_size=40, moe_intermediate_size=16, n_routed_experts=8,
@@ -417,6 +422,12 @@ def test_config_mapping_reads_the_family_fields(folders, tmp_path):
     ten = dict(json.loads((bare / "config.json").read_text()), num_hidden_layers=10)
     full = [i for i, kind in enumerate(transformers.FlintConfig(num_hidden_layers=10).layer_types) if kind == "full_attention"]
     assert hf.FAMILIES["flint"].kwargs(ten)["nope_layers"] == tuple(full) == (0, 1, 5, 9)
+    _, cfg = hf.read_config(folders["hy_v3"][0])
+    assert cfg.qk_norm == "head" and not cfg.qk_norm_after_rope and cfg.qkv_bias and cfg.o_bias and cfg.moe_layers == (0, 2)
+    assert (cfg.score, cfg.expert_bias, cfg.route_normalize, cfg.route_scale, cfg.n_groups, cfg.shared_size) == ("sigmoid", True, True, 2.5, None, 16)
+    keys = hf.key_map(hf.FAMILIES["hy_v3"], cfg)
+    assert (keys["blocks.0.mlp.router"].keys, keys["blocks.0.mlp.expert_bias"].keys, keys["blocks.0.mlp.shared.w_up"].keys) == (
+        ("model.layers.0.mlp.router.gate.weight",), ("model.layers.0.mlp.expert_bias",), ("model.layers.0.mlp.shared_mlp.up_proj.weight",))
     _, cfg = hf.read_config(folders["sarvam_moe"][0])
     assert cfg.rope_dim is None and cfg.rope_base == 8e6 and cfg.qkv_bias and not cfg.o_bias and cfg.qk_norm == "head" and cfg.expert_bias
     assert (cfg.n_groups, cfg.topk_groups, cfg.route_scale, cfg.route_normalize, cfg.n_dense, cfg.shared_size) == (2, 1, 2.5, True, 1, 16)
@@ -623,6 +634,7 @@ BAD_CONFIGS = [
     ("llama4_text", lambda c: c.update(layer_types=["sliding_attention"] * 3), r"config.json: layer_types = .* is not supported"),
     ("llama4_text", lambda c: c.update(no_rope_layers=[1, 2, 1]), r"config.json: no_rope_layers = \[1, 2, 1\] is not supported"),
     ("granitemoe", lambda c: c.update(attention_bias=True), r"config.json: attention_bias = True is not supported"),
+    ("hy_v3", lambda c: c.update(mlp_bias=True), r"config.json: mlp_bias = True is not supported \(no biases in the MLPs here\)"),
     ("flint", lambda c: c.update(num_experts_per_tok=1), r"config.json: num_experts_per_tok = 1 is not supported \(k > 1 with norm_topk_prob"),
     ("sarvam_moe", lambda c: c.update(use_bias=True), r"config.json: use_bias = True is not supported \(no biases in Sarvam's projections"),
     ("sarvam_moe", lambda c: c.update(moe_router_enable_expert_bias=False), r"config.json: moe_router_enable_expert_bias = False is not supported"),
@@ -692,6 +704,12 @@ def test_checkpoint_keys_the_model_does_not_read_are_refused_unless_not_strict(f
     mtp = _copy_folder(exaone, tmp_path / "mtp", {**e, "mtp.layers.0.eh_proj.weight": torch.ones(32, 64), "mtp.norm.weight": torch.ones(32)})
     assert all(torch.equal(a, b) for a, b in zip(hf.from_pretrained(mtp)[0].parameters(), hf.from_pretrained(exaone)[0].parameters()))
     assert hf.unread_keys(hf.FAMILIES["mixtral"], cfg, mixtral, {"mtp.norm.weight": None}) == ["mtp.norm.weight"]  # other families count them
+    # HY-V3's MTP layer, the layer after the trunk's, is not read either (transformers ignores it); other families count it
+    hy, _ = folders["hy_v3"]
+    h = _read_all(hy)
+    mtp = _copy_folder(hy, tmp_path / "hy-mtp", {**h, "model.layers.3.eh_proj.weight": torch.ones(32, 64), "model.layers.3.enorm.weight": torch.ones(32)})
+    assert all(torch.equal(a, b) for a, b in zip(hf.from_pretrained(mtp)[0].parameters(), hf.from_pretrained(hy)[0].parameters()))
+    assert hf.unread_keys(hf.FAMILIES["mixtral"], cfg, mixtral, {"model.layers.4.enorm.weight": None}) == ["model.layers.4.enorm.weight"]
     # an untied head that a tie_embeddings override would drop is refused
     with pytest.raises(ValueError, match=r"checkpoint: 1 key\(s\) .* e.g. 'lm_head.weight'"):
         hf.from_pretrained(mixtral, tie_embeddings=True)
