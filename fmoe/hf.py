@@ -590,7 +590,7 @@ class Tensor:
     the i-th of len(sizes) contiguous runs, of those relative sizes, that fill fmoe's last dim:
     the stored dim -2 of a transposed linear weight, the out dim (Granite's input_linear
     [E, 2F, H]: the gate is chunk (0, (1, 1)), the up chunk (1, (1, 1)); Sarvam's fused
-    query_key_value [(N + 2 Nkv) D, H]: q, k and v are chunks 0, 1, 2 of (N, Nkv, Nkv)), the
+    query_key_value [(N + 2 Nkv) D, H]: q, k and v are chunks 0, 1, 2 of (N D, Nkv D, Nkv D)), the
     stored last dim otherwise (Llama 4's gate_up_proj [E, H, 2F]). `transpose` swaps the last
     two dims (a stack [E, out, in] too)."""
 
@@ -670,7 +670,7 @@ _GPT_OSS_ROPE = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.
                      rope_theta=150000.0)
 _PROJ = ("gate_proj", "up_proj", "down_proj")
 # the names of Sarvam's released config.json files (written for their own code) for transformers' fields
-_SARVAM_ALIASES = dict(n_routed_experts="num_experts", n_shared_experts="num_shared_experts", num_nextn_predict_layers="num_mtp_layers")
+_SARVAM_ALIASES = dict(n_routed_experts="num_experts", n_shared_experts="num_shared_experts")
 FAMILIES = {
     "mixtral": Family(_mixtral, "block_sparse_moe", ("w1", "w3", "w2"), "MixtralForCausalLM",
                       defaults=dict(num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1e6)),
