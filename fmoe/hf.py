@@ -7,7 +7,7 @@ A folder holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). Supported `model_type`s: FAMILIES (mixtral, qwen2_moe,
 qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, deepseek_v2, glm4_moe_lite, gpt_oss, solar_open,
 exaone_moe, dots1, minimax_m2, granitemoe, granitemoeshared, granitemoe_swa, hunyuan_v1_moe, llama4_text, llama4, afmoe,
-sarvam_moe, sarvam_mla, flint, hy_v3). Each family has one table: its
+sarvam_moe, sarvam_mla, flint, hy_v3, mellum). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: clipped qkv, ...;
 the fields a config.json leaves out read at transformers' defaults, Family.defaults, and a
 released config's older names as transformers' own, Family.aliases)
@@ -420,6 +420,35 @@ def _flint(hf: dict) -> dict:
                 nope_layers=nope or None)
 
 
+def _mellum(hf: dict) -> dict:
+    """Mellum (mellum): Qwen3-MoE's attention (per-head q/k norms before RoPE; attention_bias
+    on q, k, v and o) and routing (softmax top-k, renormalised with norm_topk_prob); sliding
+    windows in the layers layer_types names (by default none), each layer type with its own
+    RoPE (rope_parameters keyed by full_attention / sliding_attention: the full layers' is the
+    trunk's, plain or Llama 3.1's; the sliding layers' the same, or plain RoPE at their own
+    base, local_rope_base); dense and MoE blocks by mlp_layer_types (by default every block
+    MoE). Its MTP layers (mtp.*) are not read, as in transformers."""
+    params = hf.get("rope_parameters")
+    if not isinstance(params, dict) or not params or set(params) - {"full_attention", "sliding_attention"}:
+        raise ValueError(f"config.json: rope_parameters = {params!r} is not supported (one per layer type, full_attention / sliding_attention)")
+    full = params.get("full_attention", _MELLUM_ROPE["full_attention"])
+    sliding = params.get("sliding_attention", _MELLUM_ROPE["sliding_attention"])
+    for kind, p in (("full_attention", full), ("sliding_attention", sliding)):
+        _refuse(p, "partial_rotary_factor", lambda v: v == 1.0, f"RoPE over every channel in the {kind} layers")
+    local = None
+    if sliding != full:  # the sliding layers' own RoPE: plain, at their base
+        if (sliding.get("rope_type") or "default") != "default":
+            raise ValueError(f"config.json: rope_parameters.sliding_attention = {sliding!r} is not supported (plain RoPE, or the full layers' RoPE)")
+        local = float(sliding.get("rope_theta", 10000.0))
+    kinds = hf.get("layer_types") or ["full_attention"] * hf["num_hidden_layers"]
+    n = hf["num_hidden_layers"]
+    moe = dict(hf, mlp_layer_types=hf.get("mlp_layer_types") or ["sparse"] * n)
+    bias = bool(hf.get("attention_bias", False))
+    common = _common(dict(hf, rope_parameters=full, layer_types=kinds), _get(hf, "num_local_experts", "num_experts"), sliding=True)
+    return dict(common, **_mlp_layer_types(moe, 0), pre_softmax=not hf.get("norm_topk_prob", True), qk_norm="head",
+                qkv_bias=bias, o_bias=bias, local_rope_base=local if common.get("window") is not None else None)
+
+
 def _granitemoe(hf: dict, *, sliding: bool = False) -> dict:
     """GraniteMoE / GraniteMoeShared: every block MoE, softmax over the top-k router logits
     (Mixtral's), the softmax scale attention_multiplier (not 1/sqrt(head_dim)), the
@@ -441,19 +470,24 @@ def _granitemoe_swa(hf: dict) -> dict:
     """GraniteMoeSWA: Granite's MoE blocks and multipliers (_granitemoe), a learned attention
     sink per head in every layer, a sliding window of sliding_window tokens in the layers
     layer_types names sliding_attention (by default all but every fourth, from layer 0), and
-    layer_rope_theta: each layer's RoPE base, 0 for a NoPE layer (one base for the others)."""
+    layer_rope_theta: each layer's RoPE base, 0 for a NoPE layer (one base for the others, or
+    one for the full layers and another for the sliding ones: local_rope_base)."""
     n = hf["num_hidden_layers"]
     hf = dict(hf, layer_types=hf.get("layer_types") or ["full_attention" if i % 4 == 0 else "sliding_attention" for i in range(n)],
               sliding_window=hf.get("sliding_window", 128))
-    _, params, base = _rope_params(hf)
+    rope_type, params, base = _rope_params(hf)
     thetas = hf.get("layer_rope_theta") or [base["rope_base"]] * n
-    bases = {float(t) for t in thetas if t}
-    if len(thetas) != n or len(bases) > 1:
-        raise ValueError(f"config.json: layer_rope_theta = {hf.get('layer_rope_theta')!r} is not supported (one RoPE base, or 0 for NoPE, per layer)")
-    if bases:  # the one base of the RoPE layers
-        hf["rope_parameters"] = dict(params, rope_theta=bases.pop())
+    full, sliding = ({float(t) for t, kind in zip(thetas, hf["layer_types"]) if t and (kind == "sliding_attention") == local} for local in (False, True))
+    if len(thetas) != n or len(full) > 1 or len(sliding) > 1 or (full != sliding and full and sliding and rope_type != "default"):
+        raise ValueError(f"config.json: layer_rope_theta = {hf.get('layer_rope_theta')!r} is not supported "
+                         "(0 for NoPE, else one RoPE base per layer type: full / sliding)")
+    local = None
+    if full and sliding and full != sliding:  # the sliding layers' own base
+        local = sliding.pop()
+    if full or sliding:  # the base of the (full) RoPE layers
+        hf["rope_parameters"] = dict(params, rope_theta=(full or sliding).pop())
     nope = tuple(i for i, t in enumerate(thetas) if not t)
-    return dict(_granitemoe(hf, sliding=True), attn_sinks=True, nope_layers=nope or None)
+    return dict(_granitemoe(hf, sliding=True), attn_sinks=True, nope_layers=nope or None, local_rope_base=local)
 
 
 def _llama4_text(hf: dict) -> dict:
@@ -669,6 +703,7 @@ _GRANITE = ("input_linear.weight", "input_linear.weight", "output_linear.weight"
 _GPT_OSS_ROPE = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False, original_max_position_embeddings=4096,
                      rope_theta=150000.0)
 _PROJ = ("gate_proj", "up_proj", "down_proj")
+_MELLUM_ROPE = dict(full_attention=dict(rope_type="default", rope_theta=500000.0), sliding_attention=dict(rope_type="default", rope_theta=10000.0))
 # the names of Sarvam's released config.json files (written for their own code) for transformers' fields
 _SARVAM_ALIASES = dict(n_routed_experts="num_experts", n_shared_experts="num_shared_experts")
 FAMILIES = {
@@ -704,6 +739,8 @@ FAMILIES = {
                          defaults=dict(n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5, n_group=1, topk_group=1)),
     "flint": Family(_flint, "mlp", _PROJ, "FlintForCausalLM", sinks="softmax_offset",
                     defaults=dict(num_key_value_heads=4, head_dim=128, sliding_window=513, shared_expert_intermediate_size=1024)),
+    "mellum": Family(_mellum, "mlp", _PROJ, "MellumForCausalLM", not_read=("mtp.",),
+                     defaults=dict(head_dim=128, sliding_window=1024, rope_parameters=_MELLUM_ROPE)),
     "solar_open": Family(_solar_open, "mlp", _PROJ, "SolarOpenForCausalLM", "shared_experts",
                          defaults=dict(num_key_value_heads=8, rms_norm_eps=1e-5, n_shared_experts=1, head_dim=128, rope_theta=1e6)),
     "exaone_moe": Family(_exaone_moe, "mlp", _PROJ, "ExaoneMoeForCausalLM", "shared_experts", correction_bias="e_score_correction_bias",
@@ -1205,7 +1242,8 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
             hf.update(shared_intermediate_size=cfg.shared_size)
         if model_type == "granitemoe_swa":  # the window's layers, a sink per head, 0 as the base of a NoPE layer
             hf.update(sliding_window=cfg.window or 128, layer_types=_layer_types(cfg), attention_bias=False,
-                      layer_rope_theta=[0 if cfg.is_nope(i) else cfg.rope_base for i in range(cfg.n_layers)])
+                      layer_rope_theta=[0 if cfg.is_nope(i) else cfg.local_rope_base if cfg.is_sliding(i) and cfg.local_rope_base else cfg.rope_base
+                                        for i in range(cfg.n_layers)])
     elif model_type == "gpt_oss":
         hf.update(num_local_experts=cfg.n_experts, intermediate_size=cfg.ffn_expert, attention_bias=cfg.qkv_bias,
                   swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit, sliding_window=cfg.window, layer_types=_layer_types(cfg))
@@ -1246,6 +1284,13 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
                   mlp_only_layers=[i for i in range(cfg.n_layers) if i not in moe], norm_topk_prob=cfg.route_normalize,
                   shared_expert_intermediate_size=cfg.shared_size, attention_bias=cfg.qkv_bias, sliding_window=cfg.window or 513,
                   layer_types=_layer_types(cfg))
+    elif model_type == "mellum":
+        full = _rope_parameters(cfg)
+        sliding = full if cfg.local_rope_base is None else {"rope_type": "default", "rope_theta": cfg.local_rope_base}
+        hf.update(num_local_experts=cfg.n_experts, moe_intermediate_size=cfg.ffn_expert, intermediate_size=cfg.ffn_dense,
+                  norm_topk_prob=not cfg.pre_softmax, attention_bias=cfg.qkv_bias, sliding_window=cfg.window or 1024, layer_types=_layer_types(cfg),
+                  mlp_layer_types=["sparse" if cfg.is_moe(i) else "dense" for i in range(cfg.n_layers)],
+                  rope_parameters={"full_attention": full, "sliding_attention": sliding})
     elif model_type in _DEEPSEEK_STYLE:  # _deepseek_moe_config's fields, below
         pass
     elif model_type in ("olmoe", "flex_olmo"):

@@ -361,6 +361,10 @@ class AttentionConfig:
     (fmoe.ops.rope.llama3_inv_freq).
     rope: False leaves q and k unrotated (NoPE: position only through the causal mask;
     EXAONE's global layers), the context's RoPE tables unused; grouped-query attention only.
+    local_rope_base: the RoPE base of a layer with a window or a chunk: plain RoPE at this
+    base there (attention_context builds those tables too), rope_base and its scaling in the
+    others (per-layer-type bases: Mellum's sliding layers at 10000 beside full ones at
+    500000); None: one set of tables for every layer. Not with YaRN (its softmax scale).
 
     Multi-head latent attention (DeepSeek-V2/V3) when kv_rank is set: keys and values come
     from a kv_rank latent (RMSNorm'd, eps latent_norm_eps) expanded per head, plus one
@@ -401,8 +405,14 @@ class AttentionConfig:
     chunk: Optional[int] = None
     temperature_floor: Optional[int] = None
     temperature_scale: float = 0.1
+    local_rope_base: Optional[float] = None
 
     def __post_init__(self):
+        if self.local_rope_base is not None:
+            if isinstance(self.local_rope_base, bool) or not isinstance(self.local_rope_base, (int, float)) or not 1 < self.local_rope_base < math.inf:
+                raise ValueError(f"local_rope_base: expected None or a finite number > 1, got {self.local_rope_base!r}")
+            if self.yarn_factor is not None:
+                raise ValueError("local_rope_base: plain RoPE in the local layers is not built beside YaRN (its softmax scale is every layer's)")
         if self.llama3_factor is not None:
             if self.yarn_factor is not None:
                 raise ValueError("llama3_factor: one RoPE scaling at a time, not with yarn_factor")
@@ -515,6 +525,9 @@ class AttentionContext:
         use in place of mask.
     positions: [T] int, the tokens' positions (the queries' attention temperature,
         AttentionConfig.temperature_floor); None: a context built without them.
+    local_rope_base, local_cos, local_sin: the local layers' RoPE base (the window's or
+        chunk's layers, AttentionConfig.local_rope_base) and their [T, R] tables, which
+        those layers use in place of cos and sin; None: they use cos and sin.
     """
 
     cos: torch.Tensor
@@ -526,6 +539,9 @@ class AttentionContext:
     local_mask: object = None
     chunk: Optional[int] = None
     positions: Optional[torch.Tensor] = None
+    local_rope_base: Optional[float] = None
+    local_cos: Optional[torch.Tensor] = None
+    local_sin: Optional[torch.Tensor] = None
 
 
 def _use_flex(impl: str, device: torch.device) -> bool:
@@ -731,7 +747,11 @@ def attention_context(
     elif isinstance(mask, torch.Tensor) == flex or (isinstance(mask, torch.Tensor) and mask.shape != (T, T_kv)):
         raise ValueError(f"mask: expected {'a BlockMask' if flex else f'a [{T}, {T_kv}] bool tensor'} (cfg.impl = {cfg.impl!r}), got {type(mask).__name__}")
     cos, sin = rope_tables(positions, cfg)
-    return AttentionContext(cos, sin, mask, gather_kv, window=cfg.window, local_mask=local, chunk=cfg.chunk, positions=positions)
+    local_base = cfg.local_rope_base if local is not None else None  # the local layers' own plain RoPE
+    local_cos, local_sin = (None, None) if local_base is None else rope_tables(positions, dataclasses.replace(cfg, rope_base=local_base,
+                                                                                                                llama3_factor=None))
+    return AttentionContext(cos, sin, mask, gather_kv, window=cfg.window, local_mask=local, chunk=cfg.chunk, positions=positions,
+                            local_rope_base=local_base, local_cos=local_cos, local_sin=local_sin)
 
 
 @functools.cache
@@ -855,6 +875,11 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
     if local and (cfg.window, cfg.chunk) != (ctx.window, ctx.chunk):
         raise ValueError(f"ctx: built for the sliding window {ctx.window} and chunk {ctx.chunk}, this layer attends over window {cfg.window} "
                          f"and chunk {cfg.chunk} (build the context with an AttentionConfig of the layer's window or chunk)")
+    if local and cfg.local_rope_base != ctx.local_rope_base:
+        raise ValueError(f"ctx: built with the local layers' RoPE base {ctx.local_rope_base}, this layer's is {cfg.local_rope_base} "
+                         "(build the context with the layer's AttentionConfig)")
+    if local and ctx.local_cos is not None:  # the local layers' own RoPE tables
+        ctx = dataclasses.replace(ctx, cos=ctx.local_cos, sin=ctx.local_sin)
     if cfg.temperature_floor is not None and ctx.positions is None:
         raise ValueError("ctx: has no positions for cfg.temperature_floor's query scales (build it with attention_context)")
     if ctx.latents not in (None, "absorbed", "expanded"):

@@ -308,7 +308,10 @@ class TransformerConfig:
     blocks whose attention has no RoPE (NoPE: q and k unrotated, EXAONE 4's global layers;
     grouped-query attention only); the MTP blocks always rotate. nope_temperature_floor
     (None: off) and nope_temperature_scale: the NoPE blocks' queries scaled by 1 + scale *
-    log(1 + floor((p + 1) / floor)) at position p (Llama 4's attention temperature tuning). pre_norms: an RMSNorm on
+    log(1 + floor((p + 1) / floor)) at position p (Llama 4's attention temperature tuning).
+    local_rope_base: the RoPE base of the window's or chunk's blocks (plain RoPE at this base
+    there, rope_base and its scaling in the others: Mellum; None: rope_base everywhere;
+    fmoe.layers.AttentionConfig.local_rope_base). pre_norms: an RMSNorm on
     each block's attention and MLP input (the usual pre-norm block); post_norms: one on each
     branch's output before its residual add (OLMo 2 / FlexOlmo without pre_norms; both:
     Gemma's sandwich). mtp_depth MTP modules; mtp_norm: each with its own output
@@ -385,6 +388,7 @@ class TransformerConfig:
     nope_layers: Optional[tuple[int, ...]] = None
     nope_temperature_floor: Optional[int] = None
     nope_temperature_scale: float = 0.1
+    local_rope_base: Optional[float] = None
     pre_norms: bool = True
     post_norms: bool = False
     mtp_depth: int = 0
@@ -420,6 +424,8 @@ class TransformerConfig:
             raise ValueError("chunk_layers: needs a chunk (the attention chunk's length)")
         if self.nope_temperature_floor is not None and self.nope_layers is None:
             raise ValueError("nope_temperature_floor: scales the NoPE blocks' queries, needs nope_layers")
+        if self.local_rope_base is not None and self.window is None and self.chunk is None:
+            raise ValueError("local_rope_base: the RoPE base of the window's or chunk's blocks, needs a window or a chunk")
         for name in ("pre_norms", "post_norms", "nope_qk_norm", "route_on_input", "attn_gate"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
@@ -502,6 +508,7 @@ class TransformerConfig:
             impl=self.impl, q_rank=self.q_rank, kv_rank=self.kv_rank, v_dim=self.v_head_dim, window=self.window if local else None,
             chunk=self.chunk if local else None, scale=self.attn_scale, rope=rope,
             temperature_floor=None if rope else self.nope_temperature_floor, temperature_scale=self.nope_temperature_scale,
+            local_rope_base=self.local_rope_base,
         )
 
     @property

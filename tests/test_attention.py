@@ -31,7 +31,14 @@ def _loop_attention(x, p, cfg, cu):
     """Token by token, head by head, each document on its own: the definition."""
     T, (N, G, D) = x.shape[0], (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
     positions = positions_from_cu_seqlens(cu)
-    cos, sin = rope_tables(positions, cfg)
+    local = cfg.window is not None or cfg.chunk is not None
+    if local and cfg.local_rope_base is not None:  # a local layer's own plain RoPE: the inverse frequencies written out
+        rot = cfg.rot_dim or D
+        inv_freq = cfg.local_rope_base ** (-torch.arange(0, rot, 2, dtype=torch.float64) / rot)
+        angles = positions.double()[:, None] * inv_freq[None, :]
+        cos, sin = angles.cos().float(), angles.sin().float()
+    else:
+        cos, sin = rope_tables(positions, cfg)
     q, k, v = (x @ p["wq"]).view(T, N, D), (x @ p["wk"]).view(T, G, D), (x @ p["wv"]).view(T, G, D)
     if cfg.rope:
         q, k = (apply_rope(t, cos, sin, interleaved=cfg.interleaved, impl="torch") for t in (q, k))
@@ -71,8 +78,11 @@ def _rel(a, b):
 @pytest.mark.parametrize("impl", ["torch", "flex"])
 @pytest.mark.parametrize("cfg", [CFG, YARN, dataclasses.replace(CFG, rot_dim=8, interleaved=True), dataclasses.replace(CFG, window=4),
                                  dataclasses.replace(CFG, chunk=4), dataclasses.replace(CFG, chunk=3, qk_norm="rms", qk_norm_after_rope=True),
-                                 dataclasses.replace(CFG, rope=False, temperature_floor=2, temperature_scale=0.5)],
-                         ids=["rope", "yarn", "partial-interleaved", "sliding-window", "chunked", "chunked-rms-norms", "nope-temperature"])
+                                 dataclasses.replace(CFG, rope=False, temperature_floor=2, temperature_scale=0.5),
+                                 dataclasses.replace(CFG, window=4, local_rope_base=100.0),
+                                 dataclasses.replace(CFG, chunk=3, local_rope_base=50.0, rot_dim=8, llama3_factor=8.0, llama3_original_max_positions=4)],
+                         ids=["rope", "yarn", "partial-interleaved", "sliding-window", "chunked", "chunked-rms-norms", "nope-temperature",
+                              "window-local-base", "chunk-local-base-llama3"])
 def test_attention_matches_per_token_loop(cfg, impl):
     _check_against_definition(cfg, impl, _params(cfg), _loop_attention)
 
@@ -95,8 +105,13 @@ def test_llama4_pieces_change_the_output_and_have_their_numbers():
         return attention(x, params, cfg, _ctx(cu, cfg))[0]
 
     nope = dataclasses.replace(CFG, rope=False)
-    for changed, plain in ((dataclasses.replace(CFG, chunk=4), CFG), (floor2, nope), (dataclasses.replace(CFG, qk_norm="rms"), CFG)):
+    window = dataclasses.replace(CFG, window=4)
+    for changed, plain in ((dataclasses.replace(CFG, chunk=4), CFG), (floor2, nope), (dataclasses.replace(CFG, qk_norm="rms"), CFG),
+                           (dataclasses.replace(window, local_rope_base=100.0), window)):
         assert _rel(out(changed), out(plain)) > 1e-2
+    # the local layers' base is theirs alone: a full-attention layer of the same config keeps rope_base
+    assert _rel(out(dataclasses.replace(CFG, local_rope_base=100.0)), out(CFG)) == 0.0
+    assert _rel(out(dataclasses.replace(window, local_rope_base=10000.0)), out(window)) < 1e-6  # the trunk's base: no change
     assert _rel(out(dataclasses.replace(CFG, chunk=9)), out(CFG)) < 1e-6  # a chunk as long as every document: no change
     ones = dict(p, q_norm=torch.ones(16), k_norm=torch.ones(16))
     for after in (False, True):
@@ -357,6 +372,16 @@ def test_llama4_attention_knobs_are_checked():
     warm = dataclasses.replace(CFG, rope=False, temperature_floor=2)
     with pytest.raises(ValueError, match="ctx: has no positions for cfg.temperature_floor's query scales"):
         attention(x, p, warm, dataclasses.replace(_ctx(cu, warm), positions=None))
+    window, based = dataclasses.replace(CFG, window=4), dataclasses.replace(CFG, window=4, local_rope_base=100.0)
+    with pytest.raises(ValueError, match="ctx: built with the local layers' RoPE base None, this layer's is 100.0"):
+        attention(x, p, based, _ctx(cu, window))
+    with pytest.raises(ValueError, match="ctx: built with the local layers' RoPE base 100.0, this layer's is None"):
+        attention(x, p, window, _ctx(cu, based))
+    for bad in (1.0, float("inf"), True, "100"):
+        with pytest.raises(ValueError, match=f"local_rope_base: expected None or a finite number > 1, got {bad!r}"):
+            dataclasses.replace(window, local_rope_base=bad)
+    with pytest.raises(ValueError, match="local_rope_base: plain RoPE in the local layers is not built beside YaRN"):
+        dataclasses.replace(YARN, window=4, local_rope_base=100.0)
 
 
 def _block_sets(bm):

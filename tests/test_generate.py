@@ -21,7 +21,7 @@ from fmoe.model import Transformer, TransformerConfig  # noqa: E402
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "deepseek_v2", "granitemoeshared", "hunyuan_v1_moe", "exaone_moe", "llama4_text",
-                                    "granitemoe_swa", "afmoe", "flint"])
+                                    "granitemoe_swa", "afmoe", "flint", "mellum"])
 def test_greedy_matches_transformers_generate(tmp_path, family):
     """Through fmoe's KV cache (DeepSeek-V3 / -V2: multi-latent attention absorbed, latents
     cached; -V2 without the low-rank q; Granite: the embedding, attention and residual
@@ -30,7 +30,9 @@ def test_greedy_matches_transformers_generate(tmp_path, family):
     layer 0 chunked attention over 4 tokens, layer 1 NoPE with the query temperature from
     position 1 on; GraniteMoeSWA: sinks, a 3-token window ring in layer 1, layer 0 NoPE;
     AFMoE: gated attention and sandwich norms, a 3-token window ring in layer 0, layer 1 NoPE;
-    Flint: sinks, q/k norms and biases, a 3-token window ring in layer 0, layer 1 NoPE)
+    Flint: sinks, q/k norms and biases, a 3-token window ring in layer 0, layer 1 NoPE;
+    Mellum: a 3-token window ring in layer 0 with plain RoPE at its own base, layer 1 full
+    with Llama 3.1's scaling)
     against transformers' own generate and cache."""
     transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]'")
     import fmoe.hf
@@ -70,6 +72,12 @@ def test_greedy_matches_transformers_generate(tmp_path, family):
                                           num_experts=4, num_experts_per_tok=2, shared_expert_intermediate_size=24, mlp_only_layers=[],
                                           sliding_window=3, layer_types=["sliding_attention", "full_attention"], attention_bias=True,
                                           max_position_embeddings=128)
+    elif family == "mellum":
+        config = transformers.MellumConfig(**common, num_key_value_heads=2, head_dim=8, intermediate_size=40, moe_intermediate_size=16,
+                                           num_experts=4, num_experts_per_tok=2, sliding_window=3, layer_types=["sliding_attention", "full_attention"],
+                                           rope_parameters=dict(full_attention=dict(rope_type="llama3", rope_theta=5e5, factor=4.0, low_freq_factor=1.0,
+                                                                                    high_freq_factor=4.0, original_max_position_embeddings=8),
+                                                                sliding_attention=dict(rope_type="default", rope_theta=100.0)))
     elif family == "llama4_text":
         config = transformers.Llama4TextConfig(**common, num_key_value_heads=2, head_dim=8, intermediate_size=16, intermediate_size_mlp=40,
                                                num_local_experts=4, num_experts_per_tok=1, no_rope_layer_interval=2, attention_chunk_size=4,

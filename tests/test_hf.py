@@ -52,6 +52,16 @@ FAMILIES = {
     "hy_v3": lambda: transformers.HYV3Config(**COMMON, head_dim=8, intermediate_size=40, moe_intermediate_size=16, num_experts=4,
                                              num_experts_per_tok=2, num_shared_experts=1, router_scaling_factor=2.5, attention_bias=True,
                                              mlp_layer_types=["sparse", "dense", "sparse"]),
+    # Mellum: Qwen3-MoE's attention and routing with q/k/v/o biases; a 4-token window in layers 0
+    # and 2 with plain RoPE at base 100, layer 1 full with Llama 3.1's scaling; layer 0 dense
+    "mellum": lambda: transformers.MellumConfig(**COMMON, head_dim=8, intermediate_size=40, moe_intermediate_size=16, num_experts=4,
+                                                num_experts_per_tok=2, sliding_window=4, attention_bias=True,
+                                                layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                                mlp_layer_types=["dense", "sparse", "sparse"],
+                                                rope_parameters=dict(full_attention=dict(rope_type="llama3", rope_theta=5e5, factor=4.0,
+                                                                                         low_freq_factor=1.0, high_freq_factor=4.0,
+                                                                                         original_max_position_embeddings=8),
+                                                                     sliding_attention=dict(rope_type="default", rope_theta=100.0))),
     # Sarvam-30B: GLM-4.5's model (q/k norms, RoPE on every channel by default) under its own key
     # names, q, k and v (with biases) the rows of one query_key_value; 2 groups of 4 experts
     "sarvam_moe": lambda: transformers.SarvamMoEConfig(**COMMON, head_dim=8, intermediate_size=40, moe_intermediate_size=16, n_routed_experts=8,
@@ -135,7 +145,7 @@ FAMILIES = {
     "granitemoe_swa": lambda: transformers.GraniteMoeSWAConfig(**COMMON, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
                                                                shared_intermediate_size=20, embedding_multiplier=2.0, attention_multiplier=0.3,
                                                                residual_multiplier=0.6, logits_scaling=3.0, sliding_window=4,
-                                                               layer_rope_theta=[5000.0, 0, 5000.0], bos_token_id=None, eos_token_id=None,
+                                                               layer_rope_theta=[5000.0, 0, 100.0], bos_token_id=None, eos_token_id=None,
                                                                pad_token_id=None),
     # AFMoE (Arcee Trinity): gated attention, per-head q/k norms, sandwich norms; layers 0 and
     # 2 over a 4-token window with RoPE, layer 1 global without (global_attn_every_n_layers 2);
@@ -422,6 +432,12 @@ def test_config_mapping_reads_the_family_fields(folders, tmp_path):
     ten = dict(json.loads((bare / "config.json").read_text()), num_hidden_layers=10)
     full = [i for i, kind in enumerate(transformers.FlintConfig(num_hidden_layers=10).layer_types) if kind == "full_attention"]
     assert hf.FAMILIES["flint"].kwargs(ten)["nope_layers"] == tuple(full) == (0, 1, 5, 9)
+    _, cfg = hf.read_config(folders["mellum"][0])
+    assert (cfg.window, cfg.window_layers, cfg.local_rope_base, cfg.rope_base, cfg.llama3_factor, cfg.n_dense) == (4, (0, 2), 100.0, 5e5, 4.0, 1)
+    assert cfg.qk_norm == "head" and cfg.qkv_bias and cfg.o_bias and cfg.score == "softmax" and not cfg.pre_softmax and cfg.shared_size == 0
+    # one RoPE for both layer types: the trunk's everywhere
+    same = _edit(folders["mellum"][0], tmp_path / "mellum", lambda c: c["rope_parameters"].update(sliding_attention=c["rope_parameters"]["full_attention"]))
+    assert hf.read_config(same)[1] == dataclasses.replace(cfg, local_rope_base=None)
     _, cfg = hf.read_config(folders["hy_v3"][0])
     assert cfg.qk_norm == "head" and not cfg.qk_norm_after_rope and cfg.qkv_bias and cfg.o_bias and cfg.moe_layers == (0, 2)
     assert (cfg.score, cfg.expert_bias, cfg.route_normalize, cfg.route_scale, cfg.n_groups, cfg.shared_size) == ("sigmoid", True, True, 2.5, None, 16)
@@ -499,6 +515,7 @@ def test_config_mapping_reads_the_family_fields(folders, tmp_path):
     assert hf.read_config(legacy)[1] == cfg
     _, cfg = hf.read_config(folders["granitemoe_swa"][0])
     assert (cfg.window, cfg.window_layers, cfg.nope_layers, cfg.rope_base, cfg.attn_sinks, cfg.shared_size) == (4, (1, 2), (1,), 5000.0, True, 20)
+    assert cfg.local_rope_base == 100.0  # the sliding layer 2's own base beside the full layer 0's
     assert (cfg.attn_scale, cfg.embed_scale, cfg.residual_scale, cfg.logit_divisor) == (0.3, 2.0, 0.6, 3.0)
     _, cfg = hf.read_config(folders["afmoe"][0])
     assert (cfg.window, cfg.window_layers, cfg.nope_layers, cfg.attn_gate, cfg.pre_norms, cfg.post_norms, cfg.qk_norm) == (
@@ -627,13 +644,19 @@ BAD_CONFIGS = [
      r"config.json: moe_topk = \[2, 1, 2\] is not supported \(the same value in every layer\)"),
     ("hunyuan_v1_moe", lambda c: c["rope_parameters"].pop("alpha"), r"config.json: rope type 'dynamic' is not supported"),
     ("granitemoe", lambda c: c.update(logits_scaling=0), r"config.json: logits_scaling = 0 is not supported \(a positive number\)"),
-    ("granitemoe_swa", lambda c: c.update(layer_rope_theta=[5000.0, 0, 10000.0]),
-     r"config.json: layer_rope_theta = \[5000.0, 0, 10000.0\] is not supported \(one RoPE base, or 0 for NoPE, per layer\)"),
+    ("granitemoe_swa", lambda c: c.update(layer_rope_theta=[5000.0, 100.0, 200.0]),
+     r"config.json: layer_rope_theta = \[5000.0, 100.0, 200.0\] is not supported \(0 for NoPE, else one RoPE base per layer type"),
     ("afmoe", lambda c: c.update(num_experts_per_tok=1), r"config.json: num_experts_per_tok = 1 is not supported \(k > 1"),
     ("llama4_text", lambda c: c.update(attention_chunk_size=None), r"config.json: attention_chunk_size = None is not supported"),
     ("llama4_text", lambda c: c.update(layer_types=["sliding_attention"] * 3), r"config.json: layer_types = .* is not supported"),
     ("llama4_text", lambda c: c.update(no_rope_layers=[1, 2, 1]), r"config.json: no_rope_layers = \[1, 2, 1\] is not supported"),
     ("granitemoe", lambda c: c.update(attention_bias=True), r"config.json: attention_bias = True is not supported"),
+    ("mellum", lambda c: c.update(rope_parameters=dict(rope_type="default", rope_theta=1e4)),
+     r"config.json: rope_parameters = .* is not supported \(one per layer type, full_attention / sliding_attention\)"),
+    ("mellum", lambda c: c["rope_parameters"]["sliding_attention"].update(partial_rotary_factor=0.5),
+     r"config.json: partial_rotary_factor = 0.5 is not supported \(RoPE over every channel in the sliding_attention layers\)"),
+    ("mellum", lambda c: c["rope_parameters"]["sliding_attention"].update(rope_type="linear", factor=2.0),
+     r"config.json: rope_parameters.sliding_attention = .* is not supported \(plain RoPE, or the full layers' RoPE\)"),
     ("hy_v3", lambda c: c.update(mlp_bias=True), r"config.json: mlp_bias = True is not supported \(no biases in the MLPs here\)"),
     ("flint", lambda c: c.update(num_experts_per_tok=1), r"config.json: num_experts_per_tok = 1 is not supported \(k > 1 with norm_topk_prob"),
     ("sarvam_moe", lambda c: c.update(use_bias=True), r"config.json: use_bias = True is not supported \(no biases in Sarvam's projections"),

@@ -578,6 +578,9 @@ DECODED = {
     "llama4": dataclasses.replace(VARIANTS["llama4"], mtp_depth=0, llama3_factor=4.0, llama3_original_max_positions=16),
     "mla, sinks, output bias, gate": dataclasses.replace(VARIANTS["mla, group top-2, mtp norm"], attn_sinks=True, o_bias=True, attn_gate=True),
     "afmoe": dataclasses.replace(VARIANTS["afmoe"], mtp_depth=0),
+    # Mellum's: the window's blocks (rings) with their own plain RoPE base beside full blocks with Llama 3.1's scaling
+    "local rope base": dataclasses.replace(TINY, qk_norm="head", window=4, window_layers=(0, 2), local_rope_base=100.0, rope_base=5e5,
+                                           llama3_factor=4.0, llama3_original_max_positions=16),
 }
 
 

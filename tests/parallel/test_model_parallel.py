@@ -221,11 +221,12 @@ CASES = {
     "tp2-post-norm-ac-attention": (2, dict(tp=2), dict(qk_norm="proj", pre_norms=False, post_norms=True, ac="attention")),
     "tp2-mla": (2, dict(tp=2), dict(MLA, q_rank=10)),
     "cp2xtp2-mla": (4, dict(cp=2, tp=2), MLA),
-    # a sliding window of 5 tokens in block 1 (the MoE one), block 0 full and without RoPE,
-    # Llama 3.1's RoPE scaling (EXAONE's layout): each cp rank's keys of every rank masked by
-    # the window at their global indices, the NoPE block's keys gathered unrotated
+    # a sliding window of 5 tokens in block 1 (the MoE one) with its own plain RoPE base, block
+    # 0 full and without RoPE, Llama 3.1's RoPE scaling (EXAONE's layout, Mellum's bases): each
+    # cp rank's keys of every rank masked by the window at their global indices, the NoPE
+    # block's keys gathered unrotated
     "cp2-window-nope": (2, dict(cp=2), dict(window=5, window_layers=(1,), nope_layers=(0,), llama3_factor=4.0,
-                                            llama3_original_max_positions=16)),
+                                            llama3_original_max_positions=16, local_rope_base=100.0)),
     # Llama 4's (LLAMA4): each cp rank's queries masked by their chunks at global indices and
     # scaled by their own positions' temperature; the experts' input weighted before the
     # all-to-all, with tp slices
@@ -263,7 +264,8 @@ DECODE_CASES = {
     "tp2-proj-norm": (2, dict(tp=2), dict(qk_norm="proj", **WINDOW, **GRANITE, post_norms=True), None, 1e-5),  # sandwich norms
     "tp2-mla": (2, dict(tp=2), dict(MLA, q_rank=10), None, 1e-5),
     "tp2-llama4": (2, dict(tp=2), LLAMA4, None, 1e-5),  # chunks over the cache's rows, the temperature at the new tokens' positions
-    "tp2-head-norm-after-rope": (2, dict(tp=2), dict(qk_norm="head", qk_norm_after_rope=True, **WINDOW), None, 1e-5),
+    # the window's ring layer with its own RoPE base
+    "tp2-head-norm-after-rope": (2, dict(tp=2), dict(qk_norm="head", qk_norm_after_rope=True, **WINDOW, local_rope_base=100.0), None, 1e-5),
     "ep2xtp2": (4, dict(tp=2, ep=2), dict(GPT_OSS, **WINDOW), None, 1e-5),
     "ep2xetp2-fsdp": (4, dict(ep=2, etp=2), {}, None, 1e-5),
 }
