@@ -208,8 +208,16 @@ def _sigmoid_routing(hf: dict, *, normalize: bool = True) -> dict:
     family's default); MTP modules with their own output norm."""
     groups = hf.get("n_group") or 1
     grouped = groups > 1
+    if hf.get("norm_topk_prob", normalize):
+        _refuse_single_renormalised(hf)
     return dict(score="sigmoid", expert_bias=True, n_groups=groups if grouped else None, topk_groups=hf.get("topk_group") if grouped else None,
                 group_score_topk=2 if grouped else None, route_normalize=bool(hf.get("norm_topk_prob", normalize)), mtp_norm=True)
+
+
+def _refuse_single_renormalised(hf: dict) -> None:
+    """ValueError for k = 1 where the family renormalises the chosen sigmoids: its one weight
+    becomes 1, fmoe's sigmoid routing keeps a single sigmoid as it is (SPEC 1)."""
+    _refuse(hf, "num_experts_per_tok", lambda v: v != 1, "k > 1: this family renormalises a single sigmoid weight to 1, fmoe keeps it")
 
 
 def _partial_rope(hf: dict, head_dim: int) -> Optional[int]:
@@ -270,6 +278,7 @@ def _minimax_m2(hf: dict) -> dict:
     correction bias (no groups, no scale), the chosen sigmoids renormalised."""
     _refuse(hf, "scoring_func", lambda v: v == "sigmoid", "sigmoid routing")
     _refuse(hf, "shared_intermediate_size", lambda v: not v, "no shared experts in MiniMax-M2 here")
+    _refuse_single_renormalised(hf)
     common = _common(hf, hf["num_local_experts"])
     return dict(common, ffn_expert=hf["intermediate_size"], ffn_dense=hf["intermediate_size"], n_dense=0, n_shared=0, score="sigmoid",
                 expert_bias=True, route_normalize=True, qk_norm="proj", rope_dim=_partial_rope(hf, common["head_dim"]))
@@ -573,6 +582,7 @@ def _hy_v3(hf: dict) -> dict:
     and x router_scaling_factor, beside num_shared_experts shared experts. Its MTP layer (the
     layer after the trunk's) is not read, as in transformers."""
     _refuse(hf, "mlp_bias", lambda v: not v, "no biases in the MLPs here")
+    _refuse_single_renormalised(hf)
     bias = bool(hf.get("attention_bias", False))
     moe = dict(hf, n_shared_experts=hf["num_shared_experts"], routed_scaling_factor=hf["router_scaling_factor"])
     return dict(_common(hf, hf["num_experts"]), **_mlp_layer_types(moe, 1), score="sigmoid", expert_bias=True, route_normalize=True,
