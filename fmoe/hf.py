@@ -10,7 +10,7 @@ exaone_moe, dots1, minimax_m2, granitemoe, granitemoeshared, granitemoe_swa, hun
 sarvam_moe, sarvam_mla, flint, hy_v3, mellum). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: clipped qkv, ...;
 the fields a config.json leaves out read at transformers' defaults, Family.defaults, and a
-released config's older names as transformers' own, Family.aliases)
+family's own names for the fields the shared mappings read as those, Family.aliases)
 and its key map (HF key <-> fmoe
 parameter, with the layout change: HF linear weights [out, in] are transposed to fmoe's
 [in, out]; the per-expert matrices are stacked into [E, H, F] / [E, F, H] and split back
@@ -384,7 +384,6 @@ def _exaone_moe(hf: dict) -> dict:
         hf = dict(hf, layer_types=["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)])
     elif window is None:  # every layer global, with RoPE
         hf = dict(hf, layer_types=None)
-    hf = dict(hf, n_shared_experts=hf.get("num_shared_experts", 1))
     nope = tuple(i for i in range(n) if window is not None and hf["layer_types"][i] != "sliding_attention")
     return dict(_common(hf, hf["num_experts"], sliding=True), **_mlp_layer_types(hf, hf.get("first_k_dense_replace", 1)),
                 **_sigmoid_routing(hf), qk_norm="head", nope_layers=nope or None)
@@ -420,7 +419,8 @@ def _flint(hf: dict) -> dict:
     if hf.get("mlp_only_layers") is None:
         hf = dict(hf, mlp_only_layers=[0, 1])
     normalize = bool(hf.get("norm_topk_prob", True))
-    _refuse(hf, "num_experts_per_tok", lambda v: v > 1 or not normalize, "k > 1 with norm_topk_prob: Flint renormalises one weight to 1")
+    if normalize:
+        _refuse_single_renormalised(hf)
     bias = bool(hf.get("attention_bias", False))
     nope = tuple(i for i, kind in enumerate(hf["layer_types"]) if kind != "sliding_attention")
     return dict(_common(hf, hf["num_experts"], sliding=True), ffn_expert=hf["moe_intermediate_size"], ffn_dense=hf["intermediate_size"],
@@ -449,12 +449,10 @@ def _mellum(hf: dict) -> dict:
         if (sliding.get("rope_type") or "default") != "default":
             raise ValueError(f"config.json: rope_parameters.sliding_attention = {sliding!r} is not supported (plain RoPE, or the full layers' RoPE)")
         local = float(sliding.get("rope_theta", 10000.0))
-    kinds = hf.get("layer_types") or ["full_attention"] * hf["num_hidden_layers"]
-    n = hf["num_hidden_layers"]
-    moe = dict(hf, mlp_layer_types=hf.get("mlp_layer_types") or ["sparse"] * n)
+    kinds = hf.get("layer_types") or ["full_attention"] * hf["num_hidden_layers"]  # by default no window (not every layer's)
     bias = bool(hf.get("attention_bias", False))
-    common = _common(dict(hf, rope_parameters=full, layer_types=kinds), _get(hf, "num_local_experts", "num_experts"), sliding=True)
-    return dict(common, **_mlp_layer_types(moe, 0), pre_softmax=not hf.get("norm_topk_prob", True), qk_norm="head",
+    common = _common(dict(hf, rope_parameters=full, layer_types=kinds), hf["num_local_experts"], sliding=True)
+    return dict(common, **_mlp_layer_types(hf, 0), pre_softmax=not hf.get("norm_topk_prob", True), qk_norm="head",
                 qkv_bias=bias, o_bias=bias, local_rope_base=local if common.get("window") is not None else None)
 
 
@@ -555,9 +553,8 @@ def _afmoe(hf: dict) -> dict:
     _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in AFMoE's attention here")
     n = hf["num_hidden_layers"]
     every = hf.get("global_attn_every_n_layers", 4)
-    _refuse(hf, "num_experts_per_tok", lambda v: v != 1, "k > 1: AFMoE renormalises a single weight to 1, fmoe's sigmoid routing keeps it")
-    hf = dict(hf, layer_types=hf.get("layer_types") or ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)],
-              n_shared_experts=hf.get("num_shared_experts", 0), routed_scaling_factor=hf.get("route_scale", 1.0))
+    _refuse_single_renormalised(hf)
+    hf = dict(hf, layer_types=hf.get("layer_types") or ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)])
     nope = tuple(i for i in range(n) if hf["layer_types"][i] != "sliding_attention")
     return dict(_common(hf, hf["num_experts"], sliding=True), **_deepseek_moe(hf, n_dense=hf.get("num_dense_layers", 1)),
                 score="sigmoid", expert_bias=True, route_normalize=True, qk_norm="head",
@@ -584,8 +581,7 @@ def _hy_v3(hf: dict) -> dict:
     _refuse(hf, "mlp_bias", lambda v: not v, "no biases in the MLPs here")
     _refuse_single_renormalised(hf)
     bias = bool(hf.get("attention_bias", False))
-    moe = dict(hf, n_shared_experts=hf["num_shared_experts"], routed_scaling_factor=hf["router_scaling_factor"])
-    return dict(_common(hf, hf["num_experts"]), **_mlp_layer_types(moe, 1), score="sigmoid", expert_bias=True, route_normalize=True,
+    return dict(_common(hf, hf["num_experts"]), **_mlp_layer_types(hf, 1), score="sigmoid", expert_bias=True, route_normalize=True,
                 qk_norm="head", qkv_bias=bias, o_bias=bias)
 
 
@@ -684,7 +680,8 @@ class Family:
     # transformers' defaults of the fields config_to_fmoe reads where they differ from its own fallbacks: a
     # config.json that leaves one out means the model transformers builds from it
     defaults: dict = dataclasses.field(default_factory=dict)
-    # {transformers' field: the name a released config.json may use instead} (Sarvam's num_experts, ...)
+    # {a field the shared mappings read: the family's own name for it} (Sarvam's released num_experts; EXAONE's,
+    # AFMoE's and HY-V3's num_shared_experts; AFMoE's route_scale, ...), read as that field unless it is there too
     aliases: dict = dataclasses.field(default_factory=dict)
     embed: str = "model.embed_tokens.weight"  # the embedding's key
     attention: str = "self_attn"  # the attention module, in each block
@@ -749,12 +746,13 @@ FAMILIES = {
                          defaults=dict(n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5, n_group=1, topk_group=1)),
     "flint": Family(_flint, "mlp", _PROJ, "FlintForCausalLM", sinks="softmax_offset",
                     defaults=dict(num_key_value_heads=4, head_dim=128, sliding_window=513, shared_expert_intermediate_size=1024)),
-    "mellum": Family(_mellum, "mlp", _PROJ, "MellumForCausalLM", not_read=("mtp.",),
+    "mellum": Family(_mellum, "mlp", _PROJ, "MellumForCausalLM", not_read=("mtp.",), aliases=dict(num_local_experts="num_experts"),
                      defaults=dict(head_dim=128, sliding_window=1024, rope_parameters=_MELLUM_ROPE)),
     "solar_open": Family(_solar_open, "mlp", _PROJ, "SolarOpenForCausalLM", "shared_experts",
                          defaults=dict(num_key_value_heads=8, rms_norm_eps=1e-5, n_shared_experts=1, head_dim=128, rope_theta=1e6)),
     "exaone_moe": Family(_exaone_moe, "mlp", _PROJ, "ExaoneMoeForCausalLM", "shared_experts", correction_bias="e_score_correction_bias",
-                         not_read=("mtp.",), defaults=dict(num_key_value_heads=32, rms_norm_eps=1e-5, sliding_window=4096, routed_scaling_factor=2.5)),
+                         not_read=("mtp.",), aliases=dict(n_shared_experts="num_shared_experts"),
+                         defaults=dict(num_key_value_heads=32, rms_norm_eps=1e-5, sliding_window=4096, routed_scaling_factor=2.5, n_shared_experts=1)),
     "dots1": Family(_dots1, "mlp", _PROJ, "Dots1ForCausalLM", "shared_experts", defaults=dict(num_key_value_heads=32)),
     "minimax_m2": Family(_minimax_m2, "block_sparse_moe", ("w1", "w3", "w2"), "MiniMaxM2ForCausalLM", correction_bias="e_score_correction_bias",
                          defaults=dict(num_key_value_heads=8, head_dim=128, rope_theta=5e6)),
@@ -765,10 +763,12 @@ FAMILIES = {
                              shared_beside=True, router="router.weight"),
     "afmoe": Family(_afmoe, "mlp", _PROJ, "AfmoeForCausalLM", "shared_experts", correction_bias="expert_bias", router="router.gate.weight",
                     sandwich=("input_layernorm", "post_attention_layernorm", "pre_mlp_layernorm", "post_mlp_layernorm"),
-                    defaults=dict(head_dim=128, rms_norm_eps=1e-5, num_shared_experts=2)),
+                    aliases=dict(n_shared_experts="num_shared_experts", routed_scaling_factor="route_scale"),
+                    defaults=dict(head_dim=128, rms_norm_eps=1e-5, n_shared_experts=2)),
     "hy_v3": Family(_hy_v3, "mlp", _PROJ, "HYV3ForCausalLM", "shared_mlp", correction_bias="expert_bias", router="router.gate.weight",
-                    extra_layers_read=False, defaults=dict(num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=11158840.0,
-                                                            num_shared_experts=1, router_scaling_factor=2.826)),
+                    extra_layers_read=False, aliases=dict(n_shared_experts="num_shared_experts", routed_scaling_factor="router_scaling_factor"),
+                    defaults=dict(num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=11158840.0, n_shared_experts=1,
+                                  routed_scaling_factor=2.826)),
     "hunyuan_v1_moe": Family(_hunyuan_v1_moe, "mlp", _PROJ, "HunYuanMoEV1ForCausalLM", "shared_mlp", router="gate.wg.weight",
                              qk_norms=("query_layernorm", "key_layernorm"), defaults=dict(rms_norm_eps=1e-5)),
 }
