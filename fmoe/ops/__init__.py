@@ -13,6 +13,7 @@ from fmoe.ops.balance import (
     update_expert_bias,
     z_loss,
 )
+from fmoe.ops.delta import gated_delta_rule
 from fmoe.ops.dispatch import PermutePlan, permute, unpermute
 from fmoe.ops.experts import grouped_mlp, swiglu
 from fmoe.ops.loss import cross_entropy, linear_cross_entropy
@@ -37,6 +38,7 @@ __all__ = [
     "aux_scores",
     "cross_entropy",
     "drop_by_capacity",
+    "gated_delta_rule",
     "grouped_mlp",
     "linear_cross_entropy",
     "llama3_inv_freq",

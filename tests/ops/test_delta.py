@@ -1,0 +1,153 @@
+"""The gated delta rule (fmoe/ops/delta.py): a worked example, the chunked form against the
+token-by-token loop (forward and backward, packed documents, states, chunk sizes), against
+transformers' own torch implementation, and its argument checks."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fmoe.ops import gated_delta_rule
+from fmoe.ops.delta import gated_delta_rule_loop
+from fmoe.train.metrics import HostReads
+
+
+def _inputs(B, T, N, Dk, Dv, *, seed=0, requires_grad=False):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, N, Dk, generator=gen)
+    k = F.normalize(torch.randn(B, T, N, Dk, generator=gen), dim=-1)  # as Gated DeltaNet feeds it
+    v = torch.randn(B, T, N, Dv, generator=gen)
+    g = -F.softplus(torch.randn(B, T, N, generator=gen))
+    beta = torch.rand(B, T, N, generator=gen)
+    return [x.requires_grad_(requires_grad) for x in (q, k, v, g, beta)]
+
+
+def test_worked_example():
+    """One head, Dk = Dv = 1, q = k = 1, scale 1: v = (2, 4), decays (1, 0.5), beta (0.5, 1).
+    t=1: S' = 0, u = 0.5 (2 - 0) = 1, S = 1, o = 1.  t=2: S' = 0.5, u = 1 (4 - 0.5) = 3.5,
+    S = 4, o = 4. A second document restarts from 0: v = 3, beta 1 -> o = 3."""
+    ones = torch.ones(1, 3, 1, 1)
+    v = torch.tensor([2.0, 4.0, 3.0]).view(1, 3, 1, 1)
+    g = torch.tensor([0.0, math.log(0.5), -1.0]).view(1, 3, 1)
+    beta = torch.tensor([0.5, 1.0, 1.0]).view(1, 3, 1)
+    cu = torch.tensor([0, 2, 3], dtype=torch.int32)
+    for fn in (gated_delta_rule_loop, gated_delta_rule):
+        o, state = fn(ones, ones, v, g, beta, cu, scale=1.0, final_state=True)
+        torch.testing.assert_close(o.flatten(), torch.tensor([1.0, 4.0, 3.0]))
+        torch.testing.assert_close(state.flatten(), torch.tensor([3.0]))  # the last document's
+
+
+@pytest.mark.parametrize("B,T,N,Dk,Dv,chunk", [(2, 37, 3, 8, 5, 8), (1, 50, 2, 4, 6, 16), (1, 5, 1, 4, 4, 64), (3, 64, 2, 8, 8, 64),
+                                               (1, 1, 2, 4, 4, 64), (1, 33, 1, 16, 8, 32)])
+def test_chunks_equal_the_loop(B, T, N, Dk, Dv, chunk):
+    """Forward, final state and every gradient (a random upstream gradient on both outputs),
+    with an initial state, odd lengths and chunks that do not divide T."""
+    xs = _inputs(B, T, N, Dk, Dv, requires_grad=True)
+    state0 = torch.randn(B, N, Dk, Dv, requires_grad=True)
+    grad_o, grad_s = torch.randn(B, T, N, Dv), torch.randn(B, N, Dk, Dv)
+    results = []
+    for fn, kw in ((gated_delta_rule_loop, {}), (gated_delta_rule, dict(chunk_size=chunk))):
+        o, s = fn(*xs, initial_state=state0, final_state=True, **kw)
+        grads = torch.autograd.grad((o * grad_o).sum() + (s * grad_s).sum(), [*xs, state0])
+        results.append((o, s, *grads))
+    for ref, got in zip(*results):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_documents_are_independent():
+    """With cu_seqlens each document equals its own call (empty documents, one of length 1,
+    documents across chunk bounds); the initial state is the first document's only, and the
+    final state the last one's."""
+    cu = torch.tensor([0, 3, 3, 20, 21, 40], dtype=torch.int32)
+    xs = _inputs(1, 40, 2, 8, 4, seed=1)
+    state0 = torch.randn(1, 2, 8, 4)
+    o, state = gated_delta_rule(*xs, cu, initial_state=state0, final_state=True, chunk_size=8)
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        if a == b:
+            continue
+        alone, last = gated_delta_rule_loop(*(x[:, a:b] for x in xs), initial_state=state0 if a == 0 else None, final_state=True)
+        torch.testing.assert_close(o[:, a:b], alone, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state, last, rtol=1e-5, atol=1e-5)
+    loop_o = gated_delta_rule_loop(*xs, cu, initial_state=state0)
+    torch.testing.assert_close(o, loop_o, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_gradients_equal_the_loop():
+    cu = torch.tensor([0, 10, 30, 45])
+    xs = _inputs(1, 45, 2, 8, 4, seed=2, requires_grad=True)
+    grad_o = torch.randn(1, 45, 2, 4)
+    ref = torch.autograd.grad((gated_delta_rule_loop(*xs, cu) * grad_o).sum(), xs)
+    got = torch.autograd.grad((gated_delta_rule(*xs, cu, chunk_size=8) * grad_o).sum(), xs)
+    for r, g in zip(ref, got):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
+
+
+def test_matches_transformers_torch_implementation():
+    """transformers' Qwen3-Next fallbacks (an independent implementation: its chunked form
+    and its recurrence), with an initial state and the final state."""
+    qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next", reason="transformers (the test extra) not installed")
+    q, k, v, g, beta = _inputs(2, 70, 3, 16, 8, seed=3)
+    state0 = torch.randn(2, 3, 16, 8)
+    o, state = gated_delta_rule(q, k, v, g, beta, initial_state=state0, final_state=True)
+    for theirs in (qwen3_next.torch_chunk_gated_delta_rule, qwen3_next.torch_recurrent_gated_delta_rule):
+        ref_o, ref_state = theirs(q, k, v, g, beta, initial_state=state0, output_final_state=True)
+        torch.testing.assert_close(o, ref_o, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(state, ref_state, rtol=1e-4, atol=1e-5)
+
+
+def test_dtypes_and_scale():
+    """bf16 inputs compute in float32 and return bf16; scale multiplies the queries."""
+    q, k, v, g, beta = _inputs(1, 20, 2, 8, 4, seed=4)
+    ref = gated_delta_rule(q, k, v, g, beta, scale=0.5)
+    torch.testing.assert_close(gated_delta_rule(q * 0.5, k, v, g, beta, scale=1.0), ref)
+    torch.testing.assert_close(ref, gated_delta_rule(q, k, v, g, beta) * (0.5 * 8 ** 0.5), rtol=1e-5, atol=1e-6)  # default 1/sqrt(Dk)
+    low = gated_delta_rule(*(x.bfloat16() for x in (q, k, v, g, beta)), scale=0.5)
+    assert low.dtype == torch.bfloat16
+    torch.testing.assert_close(low.float(), ref, rtol=0.05, atol=0.05)
+
+
+def test_reads_nothing_on_the_host():
+    xs = _inputs(1, 30, 2, 8, 4, requires_grad=True)
+    cu = torch.tensor([0, 7, 30])
+    with HostReads() as reads:
+        o, s = gated_delta_rule(*xs, cu, final_state=True, chunk_size=8)
+        torch.autograd.backward([o, s], [torch.randn_like(o), torch.randn_like(s)])
+    assert reads.count == 0, reads.sites
+
+
+def test_compiles_whole():
+    """torch.compile(fullgraph=True) traces the chunked form, forward and backward."""
+    xs = _inputs(1, 24, 2, 8, 4, requires_grad=True)
+    cu = torch.tensor([0, 9, 24])
+
+    def step(*xs):
+        return gated_delta_rule(*xs, cu, chunk_size=8).square().sum()
+
+    torch.compile(step, backend="aot_eager", fullgraph=True)(*xs).backward()
+    got = [x.grad.clone() for x in xs]
+    for x in xs:
+        x.grad = None
+    step(*xs).backward()
+    for x, g in zip(xs, got):
+        torch.testing.assert_close(g, x.grad)
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda a: dict(a, k=a["k"][..., :4]), r"k: expected shape \[1, 6, 2, 8\]"),
+    (lambda a: dict(a, v=a["v"][0]), r"v: expected a 4-D tensor"),
+    (lambda a: dict(a, g=a["g"][..., None]), r"g: expected a 3-D tensor"),
+    (lambda a: dict(a, beta=a["beta"][:, :5]), r"beta: expected shape \[1, 6, 2\]"),
+    (lambda a: dict(a, q=a["q"].long()), r"q: expected dtype"),
+    (lambda a: dict(a, q=a["q"].expand(2, -1, -1, -1), k=a["k"].expand(2, -1, -1, -1), v=a["v"].expand(2, -1, -1, -1),
+                    g=a["g"].expand(2, -1, -1), beta=a["beta"].expand(2, -1, -1), cu_seqlens=torch.tensor([0, 6])), r"cu_seqlens: packed documents need one batch row"),
+    (lambda a: dict(a, cu_seqlens=torch.tensor([0.0, 6.0])), r"cu_seqlens: expected dtype int"),
+    (lambda a: dict(a, initial_state=torch.zeros(1, 2, 4, 4)), r"initial_state: expected \[1, 2, 8, 4\]"),
+    (lambda a: dict(a, scale=0.0), r"scale: expected a positive number"),
+    (lambda a: dict(a, chunk_size=0), r"chunk_size: expected >= 1"),
+])
+def test_bad_arguments_are_named(change, match):
+    q, k, v, g, beta = _inputs(1, 6, 2, 8, 4)
+    args = change(dict(q=q, k=k, v=v, g=g, beta=beta))
+    with pytest.raises(ValueError, match=match):
+        gated_delta_rule(**args)
