@@ -91,9 +91,10 @@ from fmoe.ops import drop_by_capacity, random_logits, route
 from fmoe.ops.backend import IMPLS
 from fmoe.ops.balance import mask_tokens, tokens_per_expert
 from fmoe.ops.checks import check_float, check_index, check_positive_int, check_token_mask
+from fmoe.ops.delta import gated_delta_rule
 from fmoe.ops.dispatch import permute, unpermute
 from fmoe.ops.experts import EXPERT_BIASES, check_glu, grouped_mlp, swiglu
-from fmoe.ops.packed import sequence_ids
+from fmoe.ops.packed import roll_packed, sequence_ids
 from fmoe.ops.rope import (
     apply_rope,
     llama3_inv_freq,
@@ -528,6 +529,10 @@ class AttentionContext:
     local_rope_base, local_cos, local_sin: the local layers' RoPE base (the window's or
         chunk's layers, AttentionConfig.local_rope_base) and their [T, R] tables, which
         those layers use in place of cos and sin; None: they use cos and sin.
+    cu_seqlens: [n + 1] the documents of the tokens (attention_context's), which the
+        linear-attention layers restart at (linear_attention); None: a context without them.
+    linear_states: decoding a linear-attention layer (LinearStates: the states its new
+        tokens continue, bound per layer by fmoe.model.Transformer.decode); None otherwise.
     """
 
     cos: torch.Tensor
@@ -542,6 +547,8 @@ class AttentionContext:
     local_rope_base: Optional[float] = None
     local_cos: Optional[torch.Tensor] = None
     local_sin: Optional[torch.Tensor] = None
+    cu_seqlens: Optional[torch.Tensor] = None
+    linear_states: Optional["LinearStates"] = None
 
 
 def _use_flex(impl: str, device: torch.device) -> bool:
@@ -751,7 +758,7 @@ def attention_context(
     local_cos, local_sin = (None, None) if local_base is None else rope_tables(positions, dataclasses.replace(cfg, rope_base=local_base,
                                                                                                                 llama3_factor=None))
     return AttentionContext(cos, sin, mask, gather_kv, window=cfg.window, local_mask=local, chunk=cfg.chunk, positions=positions,
-                            local_rope_base=local_base, local_cos=local_cos, local_sin=local_sin)
+                            local_rope_base=local_base, local_cos=local_cos, local_sin=local_sin, cu_seqlens=cu_seqlens)
 
 
 @functools.cache
@@ -1038,3 +1045,159 @@ def _mla_expand(latent_TC, k_rope_T1R, params, cfg: AttentionConfig):
     kv_TNE = rearrange(latent_TC @ params["wkv_b"], "t (n e) -> t n e", n=N)
     k_nope_TNP, v_TNV = kv_TNE.split([D - R, cfg.v_dim], dim=-1)
     return torch.cat([k_nope_TNP, k_rope_T1R.expand(-1, N, -1)], dim=-1), v_TNV.contiguous()
+
+
+# ----------------------------------------------------------------------------------------
+# linear attention: Gated DeltaNet
+# ----------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearAttentionConfig:
+    """Gated DeltaNet (arXiv 2412.06464), the linear-attention layers of Qwen3-Next and Qwen3.5.
+
+    n_k_heads query/key heads of k_head_dim channels, n_v_heads value heads of v_head_dim
+    (n_v_heads % n_k_heads == 0: value head h reads key head h // (n_v_heads / n_k_heads));
+    conv: the taps of the causal depthwise convolution on q, k and v (its state in
+    decoding: the conv - 1 tokens before); norm_eps: the gated output norm's; chunk_size:
+    fmoe.ops.gated_delta_rule's chunk (the same result up to rounding)."""
+
+    n_k_heads: int
+    n_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    conv: int = 4
+    norm_eps: float = 1e-6
+    chunk_size: int = 64
+
+    def __post_init__(self):
+        for name in ("n_k_heads", "n_v_heads", "k_head_dim", "v_head_dim", "conv", "chunk_size"):
+            check_positive_int(name, getattr(self, name))
+        if self.n_v_heads % self.n_k_heads:
+            raise ValueError(f"n_v_heads: {self.n_v_heads} value heads do not split over {self.n_k_heads} key heads")
+        if isinstance(self.norm_eps, bool) or not isinstance(self.norm_eps, (int, float)) or not 0 < self.norm_eps < math.inf:
+            raise ValueError(f"norm_eps: expected a positive number, got {self.norm_eps!r}")
+
+    @property
+    def k_channels(self) -> int:
+        return self.n_k_heads * self.k_head_dim
+
+    @property
+    def v_channels(self) -> int:
+        return self.n_v_heads * self.v_head_dim
+
+
+def linear_attention_shapes(H: int, cfg: LinearAttentionConfig) -> dict[str, tuple[int, ...]]:
+    """Gated DeltaNet's parameters, name -> shape (linear_attention's params)."""
+    Ck, Cv, Nv, K = cfg.k_channels, cfg.v_channels, cfg.n_v_heads, cfg.conv
+    return dict(wq=(H, Ck), wk=(H, Ck), wv=(H, Cv), wz=(H, Cv), wb=(H, Nv), wa=(H, Nv), conv_q=(K, Ck), conv_k=(K, Ck), conv_v=(K, Cv),
+                A_log=(Nv,), dt_bias=(Nv,), out_norm=(cfg.v_head_dim,), wo=(Cv, H))
+
+
+@dataclasses.dataclass
+class LinearStates:
+    """The decoding state of one linear-attention layer for the S sequences of a call:
+    conv [S, conv - 1, Ck + Ck + Cv] (the last conv - 1 tokens' q, k, v projections, before
+    the convolution; zeros before a sequence's first token) and state [S, Nv, Dk, Dv]
+    float32 (the gated delta rule's). linear_attention reads them, then puts the states
+    after the call's tokens in their place (fmoe.model.KVCache writes them back)."""
+
+    conv: torch.Tensor
+    state: torch.Tensor
+
+
+def _causal_conv(x_TC, w_KC, cu_seqlens):
+    """silu of the causal depthwise convolution of each document's tokens x [T, C] with taps
+    w [K, C] (w[K-1] on the token itself, w[K-1-j] on the token j before it, 0 before the
+    document's start), in float32; [T, C] in x's dtype."""
+    K = w_KC.shape[0]
+    y = x_TC.float() * w_KC[K - 1].float()
+    for j in range(1, K):
+        y = y + roll_packed(x_TC, cu_seqlens, shift=j, check=False).float() * w_KC[K - 1 - j].float()
+    return F.silu(y).to(x_TC.dtype)
+
+
+def _causal_conv_continued(x_STC, w_KC, before_SJC):
+    """_causal_conv of S sequences' T new tokens x [S, T, C] after the J = K - 1 tokens
+    before_SJC [S, J, C] they continue; returns (y [S, T, C], the new last J tokens)."""
+    K = w_KC.shape[0]
+    full = torch.cat([before_SJC.to(x_STC.dtype), x_STC], dim=1)  # [S, J + T, C]
+    T = x_STC.shape[1]
+    y = sum(full[:, j:j + T].float() * w_KC[j].float() for j in range(K))
+    return F.silu(y).to(x_STC.dtype), full[:, full.shape[1] - (K - 1):]
+
+
+def _l2_normalize(x):
+    """x / sqrt(sum(x^2) + 1e-6) over the last dim, float32 (Gated DeltaNet's q and k; the
+    eps of fla's kernels and of transformers)."""
+    x = x.float()
+    return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + 1e-6)
+
+
+def _check_linear_attention(x, params, cfg: LinearAttentionConfig) -> None:
+    check_float("x", x, 2, "[T, H]")
+    if not isinstance(cfg, LinearAttentionConfig):
+        raise ValueError(f"cfg: expected a LinearAttentionConfig, got {type(cfg).__name__}")
+    for name, shape in linear_attention_shapes(x.shape[1], cfg).items():
+        p = params.get(name)
+        if not isinstance(p, torch.Tensor) or tuple(p.shape) != shape:
+            got = list(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__
+            raise ValueError(f"params[{name!r}]: expected a tensor {list(shape)}, got {got}")
+
+
+def linear_attention(x: torch.Tensor, params, cfg: LinearAttentionConfig, ctx: "AttentionContext"):
+    """Gated DeltaNet over packed documents (Qwen3-Next's and Qwen3.5's linear attention);
+    no host sync.
+
+        q, k, v = silu(causal_conv(x wq)), silu(causal_conv(x wk)), silu(causal_conv(x wv))
+        q, k = q / |q|, k / |k|                              per head (eps 1e-6)
+        beta = sigmoid(x wb),  g = -exp(A_log) softplus(x wa + dt_bias)      per value head
+        o = gated_delta_rule(q, k, v, g, beta)               q, k repeated over the value heads
+        y = (rmsnorm(o) out_norm * silu(x wz)) wo           the norm over each head's Dv
+
+    The convolution and the rule restart at each document (ctx.cu_seqlens), so a document's
+    outputs do not depend on what it is packed with. In decoding (ctx.linear_states, a
+    LinearStates of S sequences) x holds S sequences' T new tokens each, [S T, H] in that
+    order, which continue the states, and the states after them are put in their place.
+
+    Args:
+        x: [T, H]. params: wq, wk [H, Nk Dk], wv, wz [H, Nv Dv], wb, wa [H, Nv], conv_q,
+            conv_k [K, Nk Dk], conv_v [K, Nv Dv], A_log, dt_bias [Nv], out_norm [Dv],
+            wo [Nv Dv, H] (linear_attention_shapes).
+        cfg: LinearAttentionConfig. ctx: an AttentionContext with cu_seqlens (attention_context
+            builds one), or with linear_states.
+    Returns:
+        (y [T, H] in x's dtype, an empty TensorDict): the layers' (output, stats) form.
+    """
+    _check_linear_attention(x, params, cfg)
+    states = getattr(ctx, "linear_states", None)
+    if states is None and getattr(ctx, "cu_seqlens", None) is None:
+        raise ValueError("ctx: linear attention needs the micro-batch's cu_seqlens (build the context with attention_context) or linear_states")
+    T, Nk, Nv, Dk, Dv = x.shape[0], cfg.n_k_heads, cfg.n_v_heads, cfg.k_head_dim, cfg.v_head_dim
+    qkv = [x @ params[n] for n in ("wq", "wk", "wv")]
+    taps = [params[n] for n in ("conv_q", "conv_k", "conv_v")]
+    if states is None:
+        B, cu = 1, ctx.cu_seqlens
+        qkv = [_causal_conv(t, w, cu) for t, w in zip(qkv, taps)]
+    else:
+        B, cu = states.state.shape[0], None
+        if T % B or tuple(states.conv.shape) != (B, cfg.conv - 1, 2 * cfg.k_channels + cfg.v_channels):
+            raise ValueError(f"ctx.linear_states: conv {list(states.conv.shape)} and state {list(states.state.shape)} do not fit {T} tokens "
+                             f"of cfg's layer (expected [S, {cfg.conv - 1}, {2 * cfg.k_channels + cfg.v_channels}], T a multiple of S)")
+        sizes = [t.shape[-1] for t in qkv]
+        y, conv = _causal_conv_continued(torch.cat(qkv, -1).view(B, T // B, -1), torch.cat([w for w in taps], -1), states.conv)
+        qkv = list(y.reshape(T, -1).split(sizes, dim=-1))
+        states.conv = conv
+    r = Nv // Nk
+    q, k = (_l2_normalize(t.reshape(B, T // B, Nk, Dk)).repeat_interleave(r, dim=2) for t in qkv[:2])
+    v = qkv[2].reshape(B, T // B, Nv, Dv)
+    beta = torch.sigmoid(x @ params["wb"]).reshape(B, T // B, Nv)
+    g = (-params["A_log"].float().exp() * F.softplus((x @ params["wa"]).float() + params["dt_bias"].float())).reshape(B, T // B, Nv)
+    if states is None:
+        o = gated_delta_rule(q, k, v, g, beta, cu, chunk_size=cfg.chunk_size)
+    else:
+        o, states.state = gated_delta_rule(q, k, v, g, beta, initial_state=states.state, final_state=True, chunk_size=cfg.chunk_size)
+    o_TNV = o.reshape(T, Nv, Dv)
+    z_TNV = (x @ params["wz"]).reshape(T, Nv, Dv)
+    gated = (_rms_norm(o_TNV, params["out_norm"], cfg.norm_eps).float() * F.silu(z_TNV.float())).to(x.dtype)
+    return gated.reshape(T, Nv * Dv) @ params["wo"], TensorDict({}, batch_size=[])

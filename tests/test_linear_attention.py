@@ -1,0 +1,178 @@
+"""fmoe.layers.linear_attention (Gated DeltaNet) against a token-by-token loop written from
+the paper's recurrence, against transformers' Qwen3.5 GatedDeltaNet module, over packed
+documents, and in decoding (LinearStates) against the whole sequence at once."""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fmoe.layers import (AttentionConfig, LinearAttentionConfig, LinearStates, attention_context, linear_attention,
+                         linear_attention_shapes)
+
+H = 24
+CFG = LinearAttentionConfig(n_k_heads=2, n_v_heads=4, k_head_dim=8, v_head_dim=6, conv=4, chunk_size=8)
+
+
+def _params(cfg=CFG, seed=0, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    p = {}
+    for name, shape in linear_attention_shapes(H, cfg).items():
+        if name == "A_log":
+            p[name] = torch.log(torch.rand(shape, generator=gen) * 15 + 1)
+        elif name == "dt_bias":
+            p[name] = torch.randn(shape, generator=gen) * 0.5
+        elif name == "out_norm":
+            p[name] = 1 + 0.1 * torch.randn(shape, generator=gen)
+        elif name.startswith("conv"):
+            p[name] = torch.randn(shape, generator=gen) * 0.5
+        else:
+            p[name] = torch.randn(shape, generator=gen) / shape[0] ** 0.5
+    return {n: t.to(dtype).requires_grad_() for n, t in p.items()}
+
+
+def _ctx(cu, T):
+    positions = torch.cat([torch.arange(int(b) - int(a)) for a, b in zip(cu[:-1], cu[1:])])
+    return attention_context(cu, positions, AttentionConfig(n_heads=1, n_kv_heads=1, head_dim=2, impl="torch"))
+
+
+def _loop(x, p, cfg, cu):
+    """Each document token by token, in float64: the conv as a dot with the last K inputs,
+    the state S updated by S <- exp(g) S; S <- S + k (beta (v - S^T k))^T; o = S^T q / sqrt(Dk)."""
+    p = {n: t.double() for n, t in p.items()}
+    x = x.double()
+    Nk, Nv, Dk, Dv, K = cfg.n_k_heads, cfg.n_v_heads, cfg.k_head_dim, cfg.v_head_dim, cfg.conv
+    out = []
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        S = torch.zeros(Nv, Dk, Dv, dtype=torch.float64)
+        for t in range(a, b):
+            conv = {}
+            for n in "qkv":
+                w = p["conv_" + n]
+                acc = sum(w[K - 1 - j] * (x[t - j] @ p["w" + n]) for j in range(K) if t - j >= a)
+                conv[n] = F.silu(acc)
+            q = F.normalize(conv["q"].view(Nk, Dk), dim=-1, eps=0).repeat_interleave(Nv // Nk, 0)  # eps aside (1e-6 in the sum)
+            k = F.normalize(conv["k"].view(Nk, Dk), dim=-1, eps=0).repeat_interleave(Nv // Nk, 0)
+            v = conv["v"].view(Nv, Dv)
+            beta = torch.sigmoid(x[t] @ p["wb"])
+            g = -p["A_log"].exp() * F.softplus(x[t] @ p["wa"] + p["dt_bias"])
+            S = S * g.exp()[:, None, None]
+            u = beta[:, None] * (v - torch.einsum("nkv,nk->nv", S, k))
+            S = S + k[:, :, None] * u[:, None, :]
+            o = torch.einsum("nkv,nk->nv", S, q / Dk ** 0.5)
+            o = o * torch.rsqrt(o.square().mean(-1, keepdim=True) + cfg.norm_eps) * p["out_norm"]
+            z = (x[t] @ p["wz"]).view(Nv, Dv)
+            out.append((o * F.silu(z)).reshape(-1) @ p["wo"])
+    return torch.stack(out)
+
+
+def test_matches_the_token_loop_over_packed_documents():
+    cu = torch.tensor([0, 5, 5, 19, 20, 31], dtype=torch.int32)
+    x = torch.randn(31, H)
+    p = _params()
+    y, stats = linear_attention(x, p, CFG, _ctx(cu, 31))
+    assert stats.is_empty()
+    torch.testing.assert_close(y.double(), _loop(x, p, CFG, cu), rtol=2e-4, atol=2e-5)
+
+
+def test_documents_do_not_see_each_other():
+    """A document's outputs and its parameters' gradients are those of the document alone."""
+    cu = torch.tensor([0, 9, 26], dtype=torch.int32)
+    x = torch.randn(26, H, requires_grad=True)
+    p = _params(seed=1)
+    grad = torch.randn(26, H)
+    y, _ = linear_attention(x, p, CFG, _ctx(cu, 26))
+    (y * grad).sum().backward()
+    gx = x.grad.clone()
+    for a, b in ((0, 9), (9, 26)):
+        xa = x.detach()[a:b].clone().requires_grad_()
+        ya, _ = linear_attention(xa, p, CFG, _ctx(torch.tensor([0, b - a], dtype=torch.int32), b - a))
+        torch.testing.assert_close(ya, y[a:b], rtol=1e-5, atol=1e-6)
+        (ya * grad[a:b]).sum().backward()
+        torch.testing.assert_close(xa.grad, gx[a:b], rtol=1e-4, atol=1e-5)  # chunks cut elsewhere: rounding
+
+
+def test_matches_transformers_qwen3_5_gated_delta_net():
+    """transformers' Qwen3.5 module (its torch fallback), weights copied into fmoe's layout:
+    in_proj_qkv's rows are q, k and v; conv1d [C, 1, K]'s channels likewise."""
+    qwen = pytest.importorskip("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", reason="transformers (the test extra) not installed")
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+
+    hf_cfg = Qwen3_5MoeTextConfig(hidden_size=H, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                                  linear_value_head_dim=6, linear_conv_kernel_dim=4, num_hidden_layers=1, layer_types=["linear_attention"])
+    torch.manual_seed(0)
+    ref = qwen.Qwen3_5MoeGatedDeltaNet(hf_cfg, 0)
+    with torch.no_grad():
+        for prm in ref.parameters():
+            prm.normal_(0, 0.3)
+        ref.A_log.copy_(torch.log(torch.rand(4) * 15 + 1))
+    Ck, Cv = 16, 24
+    qkv = ref.in_proj_qkv.weight.t()
+    conv = ref.conv1d.weight[:, 0, :].t()  # [K, C]
+    p = dict(wq=qkv[:, :Ck], wk=qkv[:, Ck:2 * Ck], wv=qkv[:, 2 * Ck:], wz=ref.in_proj_z.weight.t(), wb=ref.in_proj_b.weight.t(),
+             wa=ref.in_proj_a.weight.t(), conv_q=conv[:, :Ck], conv_k=conv[:, Ck:2 * Ck], conv_v=conv[:, 2 * Ck:], A_log=ref.A_log,
+             dt_bias=ref.dt_bias, out_norm=ref.norm.weight, wo=ref.out_proj.weight.t())
+    cfg = dataclasses.replace(CFG, norm_eps=hf_cfg.rms_norm_eps, chunk_size=64)
+    x = torch.randn(2, 70, H)
+    with torch.no_grad():
+        want = ref(x)
+        for b in range(2):
+            got, _ = linear_attention(x[b], p, cfg, _ctx(torch.tensor([0, 70], dtype=torch.int32), 70))
+            torch.testing.assert_close(got, want[b], rtol=1e-4, atol=1e-5)
+
+
+def test_decoding_continues_the_states():
+    """A prompt, then steps of one token, of two sequences at once through LinearStates,
+    equal each whole sequence's outputs; the conv state holds the last K - 1 projections."""
+    p = {n: t.detach() for n, t in _params(seed=2).items()}
+    x = torch.randn(2, 13, H)
+    whole = [linear_attention(x[b], p, CFG, _ctx(torch.tensor([0, 13], dtype=torch.int32), 13))[0] for b in range(2)]
+    C = 2 * CFG.k_channels + CFG.v_channels
+    states = LinearStates(torch.zeros(2, CFG.conv - 1, C), torch.zeros(2, CFG.n_v_heads, CFG.k_head_dim, CFG.v_head_dim))
+    ctx = dataclasses.replace(_ctx(torch.tensor([0, 1], dtype=torch.int32), 1), linear_states=states, cu_seqlens=None)
+    outs = [linear_attention(x[:, :9].reshape(18, H), p, CFG, ctx)[0].view(2, 9, H)]
+    for t in range(9, 13):
+        outs.append(linear_attention(x[:, t], p, CFG, ctx)[0].view(2, 1, H))
+    got = torch.cat(outs, dim=1)
+    for b in range(2):
+        torch.testing.assert_close(got[b], whole[b], rtol=1e-5, atol=1e-6)
+    last = torch.cat([x[:, 10:13] @ p[n] for n in ("wq", "wk", "wv")], dim=-1)
+    torch.testing.assert_close(states.conv, last)
+
+
+def test_bf16():
+    """bf16 weights and inputs stay bf16 and follow the float32 computation on the same
+    (rounded) values: the layer computes its conv, norms, gates and rule in float32."""
+    cu = torch.tensor([0, 11, 30], dtype=torch.int32)
+    x = torch.randn(30, H).bfloat16()
+    p = {n: t.detach().bfloat16() for n, t in _params(seed=3).items()}
+    want, _ = linear_attention(x.float(), {n: t.float() for n, t in p.items()}, CFG, _ctx(cu, 30))
+    got, _ = linear_attention(x, p, CFG, _ctx(cu, 30))
+    assert got.dtype == torch.bfloat16
+    assert (got.float() - want).norm() / want.norm() < 0.03  # the bf16 projections rounded: about 1%
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(n_v_heads=3), r"n_v_heads: 3 value heads do not split over 2 key heads"),
+    (dict(conv=0), r"conv: expected >= 1"),
+    (dict(norm_eps=0.0), r"norm_eps: expected a positive number"),
+])
+def test_config_checks(change, match):
+    with pytest.raises(ValueError, match=match):
+        dataclasses.replace(CFG, **change)
+
+
+def test_argument_checks():
+    x = torch.randn(5, H)
+    p = _params()
+    ctx = _ctx(torch.tensor([0, 5], dtype=torch.int32), 5)
+    with pytest.raises(ValueError, match=r"params\['wz'\]: expected a tensor \[24, 24\]"):
+        linear_attention(x, dict(p, wz=p["wz"][:, :3]), CFG, ctx)
+    with pytest.raises(ValueError, match=r"ctx: linear attention needs the micro-batch's cu_seqlens"):
+        linear_attention(x, p, CFG, dataclasses.replace(ctx, cu_seqlens=None))
+    with pytest.raises(ValueError, match=r"cfg: expected a LinearAttentionConfig"):
+        linear_attention(x, p, AttentionConfig(n_heads=1, n_kv_heads=1, head_dim=2), ctx)
+    bad = LinearStates(torch.zeros(2, 2, 64), torch.zeros(2, 4, 8, 6))
+    with pytest.raises(ValueError, match=r"ctx.linear_states: conv \[2, 2, 64\]"):
+        linear_attention(x, p, CFG, dataclasses.replace(ctx, linear_states=bad))
