@@ -5,6 +5,7 @@
     attention_context(cu_seqlens[n+1], positions[T/cp], cfg, token_index=, kv_index=, gather_kv=)
                                               the same for this rank's tokens under context parallel
     attention(x[T,H], params, cfg, ctx) -> (y[T,H], stats)
+    linear_attention(x[T,H], params, cfg, ctx) -> (y[T,H], stats)     Gated DeltaNet (section at the end)
     dense_mlp(x[T,H], w_gate, w_up, w_down) -> y[T,H]
 
 Nothing here reads a tensor's values on the host: the forward and backward of every layer
@@ -366,6 +367,8 @@ class AttentionConfig:
     base there (attention_context builds those tables too), rope_base and its scaling in the
     others (per-layer-type bases: Mellum's sliding layers at 10000 beside full ones at
     500000); None: one set of tables for every layer. Not with YaRN (its softmax scale).
+    zero_centered_norms: the q/k norms' (and the latents' norms') gain is 1 + weight
+    (Qwen3-Next's zero-centred norms), not the weight.
 
     Multi-head latent attention (DeepSeek-V2/V3) when kv_rank is set: keys and values come
     from a kv_rank latent (RMSNorm'd, eps latent_norm_eps) expanded per head, plus one
@@ -407,8 +410,11 @@ class AttentionConfig:
     temperature_floor: Optional[int] = None
     temperature_scale: float = 0.1
     local_rope_base: Optional[float] = None
+    zero_centered_norms: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.zero_centered_norms, bool):
+            raise ValueError(f"zero_centered_norms: expected a bool, got {self.zero_centered_norms!r}")
         if self.local_rope_base is not None:
             if isinstance(self.local_rope_base, bool) or not isinstance(self.local_rope_base, (int, float)) or not 1 < self.local_rope_base < math.inf:
                 raise ValueError(f"local_rope_base: expected None or a finite number > 1, got {self.local_rope_base!r}")
@@ -769,14 +775,17 @@ def _compiled_flex():
     return torch.compile(flex_attention)
 
 
-def _rms_norm(x, weight, eps: float, ms=None):
+def _rms_norm(x, weight, eps: float, ms=None, *, zero_centered: bool = False):
     """x / rms(x) * weight over the last dim, statistics in float32 (fmoe.model.RMSNorm's);
-    weight None: no weight. ms: the mean square [..., 1] to use (None: x's own, over its last dim)."""
+    weight None: no weight; zero_centered: times 1 + weight. ms: the mean square [..., 1] to
+    use (None: x's own, over its last dim)."""
     x32 = x.float()
     if ms is None:
         ms = x32.square().mean(-1, keepdim=True)
     y = x32 * torch.rsqrt(ms + eps)
-    return (y if weight is None else y * weight.float()).to(x.dtype)
+    if weight is None:
+        return y.to(x.dtype)
+    return (y * (weight.float() + 1.0 if zero_centered else weight.float())).to(x.dtype)
 
 
 def mla_shapes(H: int, cfg: AttentionConfig) -> tuple[dict, dict]:
@@ -971,13 +980,16 @@ def _gqa_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext, heads_mean=
         ms = [t.float().square().mean(-1, keepdim=True) for t in (q_TQ, k_TK)]
         if heads_mean is not None:  # q's and k's [T, 2] averaged over the tp ranks' heads in one collective
             ms = heads_mean(torch.cat(ms, dim=-1)).split(1, dim=-1)
-        q_TQ, k_TK = (_rms_norm(t, params[n], cfg.norm_eps, m) for t, n, m in zip((q_TQ, k_TK), ("q_norm", "k_norm"), ms))
+        q_TQ, k_TK = (_rms_norm(t, params[n], cfg.norm_eps, m, zero_centered=cfg.zero_centered_norms)
+                      for t, n, m in zip((q_TQ, k_TK), ("q_norm", "k_norm"), ms))
     q_TND, k_TGD = rearrange(q_TQ, "t (n d) -> t n d", n=N), rearrange(k_TK, "t (g d) -> t g d", g=G)
     # over each head's channels: before RoPE (Qwen3, GLM-4.5) or after (Hunyuan, Llama 4's weightless "rms")
     head_norm = cfg.qk_norm in ("head", "rms")
 
     def norm_heads(q_TND, k_TGD):
-        return _rms_norm(q_TND, params.get("q_norm"), cfg.norm_eps), _rms_norm(k_TGD, params.get("k_norm"), cfg.norm_eps)
+        zc = cfg.zero_centered_norms
+        return (_rms_norm(q_TND, params.get("q_norm"), cfg.norm_eps, zero_centered=zc),
+                _rms_norm(k_TGD, params.get("k_norm"), cfg.norm_eps, zero_centered=zc))
 
     if head_norm and not cfg.qk_norm_after_rope:
         q_TND, k_TGD = norm_heads(q_TND, k_TGD)
@@ -1023,12 +1035,12 @@ def _mla_parts(x, params, cfg: AttentionConfig, ctx: AttentionContext):
     if cfg.q_rank is None:
         q_TQ = x @ params["wq"]
     else:
-        q_TQ = _rms_norm(x @ params["wq_a"], params["q_a_norm"], cfg.latent_norm_eps) @ params["wq_b"]
+        q_TQ = _rms_norm(x @ params["wq_a"], params["q_a_norm"], cfg.latent_norm_eps, zero_centered=cfg.zero_centered_norms) @ params["wq_b"]
     q_nope_TNP, q_rope_TNR = rearrange(q_TQ, "t (n d) -> t n d", n=N).split([D - R, R], dim=-1)
     q_rope_TNR = apply_rope(q_rope_TNR, ctx.cos, ctx.sin, interleaved=cfg.interleaved, impl=rope_impl)
     latent_TC, k_rope_TR = (x @ params["wkv_a"]).split([cfg.kv_rank, R], dim=-1)
     k_rope_T1R = apply_rope(k_rope_TR[:, None, :], ctx.cos, ctx.sin, interleaved=cfg.interleaved, impl=rope_impl)
-    return q_nope_TNP, q_rope_TNR, _rms_norm(latent_TC, params["kv_a_norm"], cfg.latent_norm_eps), k_rope_T1R
+    return q_nope_TNP, q_rope_TNR, _rms_norm(latent_TC, params["kv_a_norm"], cfg.latent_norm_eps, zero_centered=cfg.zero_centered_norms), k_rope_T1R
 
 
 def _mla_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext):
@@ -1100,10 +1112,13 @@ class LinearStates:
     conv [S, conv - 1, Ck + Ck + Cv] (the last conv - 1 tokens' q, k, v projections, before
     the convolution; zeros before a sequence's first token) and state [S, Nv, Dk, Dv]
     float32 (the gated delta rule's). linear_attention reads them, then puts the states
-    after the call's tokens in their place (fmoe.model.KVCache writes them back)."""
+    after the call's tokens in their place (fmoe.model.KVCache writes them back). tokens:
+    the S T new tokens of x's rows (None: all of them); rows after them are padding (decoding
+    under tensor parallelism pads a call's tokens to a multiple of tp), whose outputs are 0."""
 
     conv: torch.Tensor
     state: torch.Tensor
+    tokens: Optional[int] = None
 
 
 def _causal_conv(x_TC, w_KC, cu_seqlens):
@@ -1173,6 +1188,11 @@ def linear_attention(x: torch.Tensor, params, cfg: LinearAttentionConfig, ctx: "
     states = getattr(ctx, "linear_states", None)
     if states is None and getattr(ctx, "cu_seqlens", None) is None:
         raise ValueError("ctx: linear attention needs the micro-batch's cu_seqlens (build the context with attention_context) or linear_states")
+    if states is not None and states.tokens is not None and states.tokens < x.shape[0]:  # decoding's padding: outputs 0
+        real = dataclasses.replace(states, tokens=None)
+        y, stats = linear_attention(x[:states.tokens], params, cfg, dataclasses.replace(ctx, linear_states=real))
+        states.conv, states.state = real.conv, real.state
+        return torch.cat([y, y.new_zeros(x.shape[0] - states.tokens, y.shape[1])]), stats
     T, Nk, Nv, Dk, Dv = x.shape[0], cfg.n_k_heads, cfg.n_v_heads, cfg.k_head_dim, cfg.v_head_dim
     qkv = [x @ params[n] for n in ("wq", "wk", "wv")]
     taps = [params[n] for n in ("conv_q", "conv_k", "conv_v")]

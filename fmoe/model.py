@@ -46,8 +46,8 @@ from tensordict import TensorDict
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from fmoe.layers import (EXPERT_BIASES, AttentionConfig, AttentionContext, MoEConfig, attention, attention_context, check_window, dense_mlp,
-                         local_experts, mla_shapes, moe)
+from fmoe.layers import (EXPERT_BIASES, AttentionConfig, AttentionContext, LinearAttentionConfig, LinearStates, MoEConfig, attention,
+                         attention_context, check_window, dense_mlp, linear_attention, linear_attention_shapes, local_experts, mla_shapes, moe)
 from fmoe.ops import linear_cross_entropy, route
 from fmoe.ops.checks import check_positive_int
 from fmoe.ops.backend import local_tensor as _local
@@ -314,7 +314,15 @@ class TransformerConfig:
     fmoe.layers.AttentionConfig.local_rope_base). pre_norms: an RMSNorm on
     each block's attention and MLP input (the usual pre-norm block); post_norms: one on each
     branch's output before its residual add (OLMo 2 / FlexOlmo without pre_norms; both:
-    Gemma's sandwich). mtp_depth MTP modules; mtp_norm: each with its own output
+    Gemma's sandwich). zero_centered_norms: every RMSNorm's gain is 1 + its weight, the weight
+    0 at initialisation (Qwen3-Next's zero-centred norms: weight decay pulls the gain to 1;
+    the blocks', the final, the MTP modules' and the q/k norms; not the linear-attention
+    layers' gated output norm). linear_layers: the trunk blocks whose mixer is Gated DeltaNet
+    linear attention instead of softmax attention (Qwen3-Next, Qwen3.5: three in four;
+    fmoe.layers.linear_attention) with linear_k_heads query/key heads of linear_k_dim,
+    linear_v_heads value heads of linear_v_dim and a causal convolution of linear_conv taps;
+    the attention knobs (window, chunk, NoPE, q/k norms, gate) are the other blocks'. The
+    MTP blocks always attend. mtp_depth MTP modules; mtp_norm: each with its own output
     norm before the shared head (DeepSeek-V3, GLM-4.5, Megatron Core) instead of the
     trunk's final norm. impl: "auto" | "triton" | "torch"
     for every op. ac: activation checkpointing, one of AC_MODES ("none" | "full" |
@@ -391,6 +399,13 @@ class TransformerConfig:
     local_rope_base: Optional[float] = None
     pre_norms: bool = True
     post_norms: bool = False
+    zero_centered_norms: bool = False
+    linear_layers: Optional[tuple[int, ...]] = None
+    linear_k_heads: int = 2
+    linear_v_heads: int = 4
+    linear_k_dim: int = 32
+    linear_v_dim: int = 32
+    linear_conv: int = 4
     mtp_depth: int = 0
     mtp_norm: bool = False
     norm_eps: float = 1e-6
@@ -426,12 +441,12 @@ class TransformerConfig:
             raise ValueError("nope_temperature_floor: scales the NoPE blocks' queries, needs nope_layers")
         if self.local_rope_base is not None and self.window is None and self.chunk is None:
             raise ValueError("local_rope_base: the RoPE base of the window's or chunk's blocks, needs a window or a chunk")
-        for name in ("pre_norms", "post_norms", "nope_qk_norm", "route_on_input", "attn_gate"):
+        for name in ("pre_norms", "post_norms", "nope_qk_norm", "route_on_input", "attn_gate", "zero_centered_norms"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         if self.nope_layers is not None and self.kv_rank is not None:
             raise ValueError("nope_layers: multi-latent attention always rotates its rope part (NoPE blocks are grouped-query attention's)")
-        for name in ("moe_layers", "window_layers", "chunk_layers", "nope_layers"):  # block lists: distinct indices, kept sorted
+        for name in ("moe_layers", "window_layers", "chunk_layers", "nope_layers", "linear_layers"):  # block lists: distinct indices, kept sorted
             layers = getattr(self, name)
             if layers is None:
                 continue
@@ -446,6 +461,12 @@ class TransformerConfig:
         if self.rope_dim is not None and (isinstance(self.rope_dim, bool) or not isinstance(self.rope_dim, int)
                                           or not 2 <= self.rope_dim <= self.head_dim or self.rope_dim % 2):
             raise ValueError(f"rope_dim: expected an even int in 2..head_dim = {self.head_dim}, or None, got {self.rope_dim!r}")
+        if self.linear_layers is not None:
+            for name in ("window_layers", "chunk_layers", "nope_layers"):
+                both = sorted(set(self.linear_layers) & set(getattr(self, name) or ()))
+                if both:
+                    raise ValueError(f"{name}: blocks {both} are linear-attention blocks (linear_layers), which do not attend")
+            self.linear_attention_config()  # its own checks (heads, dims, taps)
         self.attention_config(local=True)  # its own checks (qk_norm, window and chunk)
         if self.nope_layers is not None:
             self.attention_config(rope=False)  # the NoPE blocks' (the temperature)
@@ -459,15 +480,19 @@ class TransformerConfig:
         """Whether trunk block i is a MoE block: listed in moe_layers, or i >= n_dense."""
         return i in self.moe_layers if self.moe_layers is not None else i >= self.n_dense
 
+    def is_linear(self, i: int) -> bool:
+        """Whether trunk block i is a linear-attention (Gated DeltaNet) block: listed in linear_layers."""
+        return self.linear_layers is not None and i in self.linear_layers
+
     def is_sliding(self, i: int) -> bool:
         """Whether trunk block i attends over the sliding window: listed in window_layers,
-        or every trunk block when only window is set."""
-        return self.window is not None and (self.window_layers is None or i in self.window_layers)
+        or every attending trunk block (not linear) when only window is set."""
+        return self.window is not None and not self.is_linear(i) and (self.window_layers is None or i in self.window_layers)
 
     def is_chunked(self, i: int) -> bool:
         """Whether trunk block i attends within its chunk: listed in chunk_layers, or every
-        trunk block when only chunk is set."""
-        return self.chunk is not None and (self.chunk_layers is None or i in self.chunk_layers)
+        attending trunk block (not linear) when only chunk is set."""
+        return self.chunk is not None and not self.is_linear(i) and (self.chunk_layers is None or i in self.chunk_layers)
 
     def is_local(self, i: int) -> bool:
         """Whether trunk block i attends over the sliding window or within its chunk (the
@@ -491,6 +516,11 @@ class TransformerConfig:
             weights_on_input=self.route_on_input,
         )
 
+    def linear_attention_config(self) -> LinearAttentionConfig:
+        """The linear-attention blocks' (linear_layers) Gated DeltaNet."""
+        return LinearAttentionConfig(n_k_heads=self.linear_k_heads, n_v_heads=self.linear_v_heads, k_head_dim=self.linear_k_dim,
+                                     v_head_dim=self.linear_v_dim, conv=self.linear_conv, norm_eps=self.norm_eps)
+
     def attention_config(self, *, local: bool = False, rope: bool = True) -> AttentionConfig:
         """The attention of a block that attends over every earlier token, or with local
         over the sliding window or within its chunk (a config whose window or chunk builds
@@ -508,7 +538,7 @@ class TransformerConfig:
             impl=self.impl, q_rank=self.q_rank, kv_rank=self.kv_rank, v_dim=self.v_head_dim, window=self.window if local else None,
             chunk=self.chunk if local else None, scale=self.attn_scale, rope=rope,
             temperature_floor=None if rope else self.nope_temperature_floor, temperature_scale=self.nope_temperature_scale,
-            local_rope_base=self.local_rope_base,
+            local_rope_base=self.local_rope_base, zero_centered_norms=self.zero_centered_norms,
         )
 
     @property
@@ -523,22 +553,25 @@ class TransformerConfig:
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight over the last dim, statistics in float32. `sequence_parallel`:
+    """x / rms(x) * weight over the last dim, statistics in float32; with zero_centered
+    x / rms(x) * (1 + weight), the weight 0 at initialisation (Qwen3-Next's). `sequence_parallel`:
     set by fmoe.parallel under tensor parallelism for the norms inside Blocks (a
     SequenceShard; None otherwise): x is then this rank's token shard, and the weight's
     gradient is summed over the tp ranks where it is used."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, zero_centered: bool = False):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.zero_centered = zero_centered
+        self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
         self.sequence_parallel = None
 
     def forward(self, x):
         weight = self.weight if self.sequence_parallel is None else self.sequence_parallel.weight(self.weight)
         # float32 statistics whatever x's dtype
         x32 = x.float()
-        return (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.eps) * weight.float()).to(x.dtype)
+        gain = weight.float() + 1.0 if self.zero_centered else weight.float()
+        return (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.eps) * gain).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -605,19 +638,42 @@ class Attention(nn.Module):
         return attention(x_TH, params, self.cfg, ctx, heads_mean=tp.mean)[0]
 
 
+class LinearAttention(nn.Module):
+    """Parameters of a Gated DeltaNet block's mixer (linear attention); forward calls
+    fmoe.layers.linear_attention. Owns wq, wk [H, Nk Dk], wv, wz [H, Nv Dv], wb, wa [H, Nv],
+    the convolution's taps conv_q, conv_k [K, Nk Dk], conv_v [K, Nv Dv], A_log, dt_bias
+    [Nv], the gated output norm out_norm [Dv] and wo [Nv Dv, H] (linear_attention_shapes)."""
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.cfg = cfg.linear_attention_config()
+        self.tensor_parallel = None  # fmoe.parallel's HeadShard under tp > 1 (LinearAttentionParallel)
+        self.names = []
+        for name, shape in linear_attention_shapes(cfg.hidden, self.cfg).items():
+            setattr(self, name, nn.Parameter(torch.ones(shape) if name == "out_norm" else torch.empty(shape)))
+            self.names.append(name)
+
+    def forward(self, x_TH, ctx: AttentionContext):
+        params = {n: _local(getattr(self, n)) for n in self.names}
+        if self.tensor_parallel is not None:  # the output norm's weight: every rank's heads use it
+            params["out_norm"] = self.tensor_parallel.weight(params["out_norm"])
+        return linear_attention(x_TH, params, self.cfg, ctx)[0]
+
+
 class Block(nn.Module):
-    """Residual block: attention (over cfg.window or within cfg.chunk with local; without RoPE unless rope),
+    """Residual block: attention (over cfg.window or within cfg.chunk with local; without RoPE unless rope;
+    Gated DeltaNet's linear attention with linear),
     then a dense SwiGLU or an MoE; each branch x + post_norm(f(pre_norm(x))), with the
     pre-norms attn_norm / mlp_norm (cfg.pre_norms) and the post-norms attn_post_norm /
     mlp_post_norm (cfg.post_norms), each an RMSNorm or absent (None)."""
 
-    def __init__(self, cfg: TransformerConfig, moe: bool, *, local: bool = False, rope: bool = True):
+    def __init__(self, cfg: TransformerConfig, moe: bool, *, local: bool = False, rope: bool = True, linear: bool = False):
         super().__init__()
         def norm(on: bool) -> Optional[RMSNorm]:
-            return RMSNorm(cfg.hidden, cfg.norm_eps) if on else None
+            return RMSNorm(cfg.hidden, cfg.norm_eps, cfg.zero_centered_norms) if on else None
 
         self.attn_norm, self.attn_post_norm = norm(cfg.pre_norms), norm(cfg.post_norms)
-        self.attn = Attention(cfg, local=local, rope=rope)
+        self.attn = LinearAttention(cfg) if linear else Attention(cfg, local=local, rope=rope)
         self.mlp_norm, self.mlp_post_norm = norm(cfg.pre_norms), norm(cfg.post_norms)
         if moe:
             self.mlp = MoE(cfg.hidden, cfg.ffn_expert, cfg.moe_config(), shared_ffn=cfg.shared_size, shared_gate=cfg.shared_gate,
@@ -658,11 +714,11 @@ class MTPModule(nn.Module):
 
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
-        self.emb_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
-        self.hidden_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.emb_norm = RMSNorm(cfg.hidden, cfg.norm_eps, cfg.zero_centered_norms)
+        self.hidden_norm = RMSNorm(cfg.hidden, cfg.norm_eps, cfg.zero_centered_norms)
         self.proj = nn.Parameter(torch.empty(2 * cfg.hidden, cfg.hidden))
         self.block = Block(cfg, moe=any(cfg.is_moe(i) for i in range(cfg.n_layers)))
-        self.out_norm = RMSNorm(cfg.hidden, cfg.norm_eps) if cfg.mtp_norm else None
+        self.out_norm = RMSNorm(cfg.hidden, cfg.norm_eps, cfg.zero_centered_norms) if cfg.mtp_norm else None
 
     def forward(self, emb_TH, h_TH, ctx: AttentionContext, token_mask: Optional[torch.Tensor] = None):
         x_TH = torch.cat([self.emb_norm(emb_TH), self.hidden_norm(h_TH)], dim=-1) @ self.proj
@@ -728,7 +784,12 @@ class KVCache:
     Chunked layers (cfg.chunk narrower than max_tokens) keep a ring of one chunk alike, `window`
     being the chunk: the keys a query sees, those of its own chunk up to itself, are among
     the newest chunk-many (Llama 4: three layers in four, chunks of 8192).
-    `full_layers` and `window_layers` list the layers of each store. Multi-latent attention
+    `full_layers` and `window_layers` list the layers of each store. Linear-attention layers
+    (cfg.linear_layers, Gated DeltaNet) keep a state of fixed size instead, `linear_layers`:
+    conv [n_linear, batch, K - 1, 2 Nk Dk + Nv Dv] (the last K - 1 tokens' q, k, v
+    projections, which the causal convolution reads) and state [n_linear, batch, Nv, Dk, Dv]
+    (float32, the gated delta rule's): a sequence there continues from its last token or
+    restarts from 0, never goes back (decode refuses it). Multi-latent attention
     keeps its latents instead (AttentionContext.latents): k [.., 1, kv_rank + rope_dim] (the
     normed latent, then the rotated key) and v = k[..., :kv_rank], a view: kv_rank + rope_dim
     numbers per token and layer where the expanded keys and values would take n_heads
@@ -746,20 +807,24 @@ class KVCache:
         self.v_in_k = cfg.kv_rank is not None  # v is k's latent: written with k
         self.window_layers = self.ring_layers(cfg, max_tokens)
         self.window = self.ring_length(cfg) if self.window_layers else None  # the sliding window, or the chunk
-        self.full_layers = tuple(i for i in range(cfg.n_layers) if i not in self.window_layers)
+        self.linear_layers = tuple(i for i in range(cfg.n_layers) if cfg.is_linear(i))
+        self.full_layers = tuple(i for i in range(cfg.n_layers) if i not in self.window_layers and i not in self.linear_layers)
         if cfg.kv_rank is None:
             row = (cfg.n_kv_heads, cfg.head_dim)
         else:  # the latent is both the key's first kv_rank channels and the value
             row = (1, cfg.kv_rank + cfg.rope_dim)
         self.k, self.v = self._store(len(self.full_layers), batch * max_tokens, row, cfg, device, dtype)
         self.k_window, self.v_window = self._store(len(self.window_layers), batch * (self.window or 0), row, cfg, device, dtype)
+        lin = cfg.linear_attention_config()
+        self.conv = torch.zeros(len(self.linear_layers), batch, lin.conv - 1, 2 * lin.k_channels + lin.v_channels, device=device, dtype=dtype)
+        self.state = torch.zeros(len(self.linear_layers), batch, lin.n_v_heads, lin.k_head_dim, lin.v_head_dim, device=device)
         self.max_tokens, self.batch = max_tokens, batch
         self.lengths = [0] * batch
         self.in_window = [0] * batch  # the tokens whose keys went into the rings: going back more than one is refused
 
     @property
     def n_layers(self) -> int:
-        return len(self.full_layers) + len(self.window_layers)
+        return len(self.full_layers) + len(self.window_layers) + len(self.linear_layers)
 
     @staticmethod
     def ring_layers(cfg: TransformerConfig, max_tokens: int) -> tuple[int, ...]:
@@ -782,7 +847,7 @@ class KVCache:
     def nbytes(self) -> int:
         """The bytes the cache holds (keys and values of every layer and sequence)."""
         stores = (self.k, self.k_window) if self.v_in_k else (self.k, self.v, self.k_window, self.v_window)
-        return sum(t.numel() * t.element_size() for t in stores)
+        return sum(t.numel() * t.element_size() for t in (*stores, self.conv, self.state))
 
     @property
     def length(self) -> int:
@@ -824,6 +889,23 @@ class KVCache:
         if not self.v_in_k:
             self.v[j].index_copy_(0, rows, v_TGD)
         return self.k[j, :n_keys], self.v[j, :n_keys]
+
+    def linear_states(self, layer: int, seqs: list[int]) -> LinearStates:
+        """Linear-attention layer `layer`'s states of the sequences `seqs` (copies, in that
+        order; zeros for a sequence of length 0, which starts over), for decode to continue
+        and put back with write_linear."""
+        j = self.linear_layers.index(layer)
+        index = torch.tensor(seqs, device=self.conv.device)
+        fresh = torch.tensor([self.lengths[b] == 0 for b in seqs], device=self.conv.device)
+        conv, state = self.conv[j].index_select(0, index), self.state[j].index_select(0, index)
+        return LinearStates(conv.masked_fill(fresh[:, None, None], 0), state.masked_fill(fresh[:, None, None, None], 0))
+
+    def write_linear(self, layer: int, seqs: list[int], states: LinearStates) -> None:
+        """The states after a decode call's tokens (linear_attention's) into their sequences' rows."""
+        j = self.linear_layers.index(layer)
+        index = torch.tensor(seqs, device=self.conv.device)
+        self.conv[j].index_copy_(0, index, states.conv.to(self.conv.dtype))
+        self.state[j].index_copy_(0, index, states.state)
 
     def write_window(self, layer: int, ring_rows: torch.Tensor, new_rows: Optional[torch.Tensor], k_TGD: torch.Tensor, v_TGD: torch.Tensor):
         """Sliding-window layer `layer`'s keys and values, with the T new tokens' k [T, G, D]
@@ -870,9 +952,9 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden))
-        self.blocks = nn.ModuleList(Block(cfg, moe=cfg.is_moe(i), local=cfg.is_local(i), rope=not cfg.is_nope(i))
+        self.blocks = nn.ModuleList(Block(cfg, moe=cfg.is_moe(i), local=cfg.is_local(i), rope=not cfg.is_nope(i), linear=cfg.is_linear(i))
                                     for i in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps, cfg.zero_centered_norms)
         # [V, H], linear_cross_entropy's layout; with tie_embeddings the head is the embedding
         self.head = None if cfg.tie_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden))
         self.mtp = nn.ModuleList(MTPModule(cfg) for _ in range(cfg.mtp_depth))
@@ -890,8 +972,10 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def reset_parameters(self, seed: Optional[int] = None) -> None:
         """Normal(0, init_std) matrices, output projections (attention wo, MLP w_down) also
-        divided by sqrt(2 * n_layers) (GPT-2: the residual stream sums 2 per block), norms 1,
-        every bias, the attention sinks and the expert-bias buffers 0. The router stays float32 (MoE owns it).
+        divided by sqrt(2 * n_layers) (GPT-2: the residual stream sums 2 per block), norms 1
+        (0 with zero_centered_norms), every bias, the attention sinks and the expert-bias
+        buffers 0; in linear-attention blocks the convolution's taps Normal(0, 1/sqrt(3 K)),
+        A_log = log A with A uniform in [1, 16], dt_bias and the output norm 1. The router stays float32 (MoE owns it).
 
         The values are a function of `seed` and each parameter's name only (init_value), so
         the full weights are the same bit for bit on any mesh: a parameter that is a DTensor
@@ -905,13 +989,21 @@ class Transformer(nn.Module):
         for name, p in self.named_parameters():
             if p.is_meta:
                 continue
-            if name.endswith(("norm.weight", "q_norm", "k_norm", "q_a_norm", "kv_a_norm")):
+            if name.endswith(("attn.out_norm", "attn.dt_bias")):  # Gated DeltaNet's output norm (never zero-centred), decay's bias
                 _local(p).fill_(1.0)
+                continue
+            if name.endswith(("norm.weight", "q_norm", "k_norm", "q_a_norm", "kv_a_norm")):
+                _local(p).fill_(0.0 if self.cfg.zero_centered_norms else 1.0)
                 continue
             if name.endswith(("attn.bq", "attn.bk", "attn.bv", "attn.bo", "attn.sinks", "router_bias") + EXPERT_BIASES):
                 _local(p).zero_()
                 continue
+            if name.endswith("attn.A_log"):  # log A, A uniform in [1, 16] (Mamba-2's range): the uniform as the normal's CDF
+                copy_full_value(p, torch.log(1.0 + 15.0 * torch.special.ndtr(init_value(seed, name, p.shape, 1.0))))
+                continue
             std = base / (2 * self.cfg.n_layers) ** 0.5 if name.endswith(("wo", "w_down")) else base
+            if name.endswith(("attn.conv_q", "attn.conv_k", "attn.conv_v")):  # K taps per channel: torch's Conv1d's spread, 1 / sqrt(3 K)
+                std = (3 * p.shape[0]) ** -0.5
             copy_full_value(p, init_value(seed, name, p.shape, std))
         for name, b in self.named_buffers():
             if name.endswith("expert_bias") and not b.is_meta:
@@ -1010,9 +1102,13 @@ class Transformer(nn.Module):
         """An empty KVCache of `batch` sequences of up to max_tokens tokens each, on the
         model's device, in the dtype it computes in (its parameters', or FSDP2's param_dtype
         under fmoe.parallel.parallelize). Under tensor parallelism it holds this rank's kv
-        heads (n_kv_heads / tp; multi-latent attention's latents are every rank's)."""
-        local = next(b.attn.cfg for b in self.blocks if hasattr(b, "attn"))  # the heads this rank's attention computes
-        cfg = dataclasses.replace(self.cfg, n_heads=local.n_heads, n_kv_heads=local.n_kv_heads) if local.n_kv_heads != self.cfg.n_kv_heads else self.cfg
+        heads (n_kv_heads / tp; multi-latent attention's latents are every rank's) and the
+        states of its linear-attention heads."""
+        # the heads this rank's attention and linear attention compute (the model's where it has none)
+        local = next((b.attn.cfg for b in self.blocks if isinstance(getattr(b, "attn", None), Attention)), self.cfg)
+        linear = next((b.attn.cfg for b in self.blocks if isinstance(getattr(b, "attn", None), LinearAttention)), self.cfg.linear_attention_config())
+        heads = dict(n_heads=local.n_heads, n_kv_heads=local.n_kv_heads, linear_k_heads=linear.n_k_heads, linear_v_heads=linear.n_v_heads)
+        cfg = dataclasses.replace(self.cfg, **heads) if any(getattr(self.cfg, k) != v for k, v in heads.items()) else self.cfg
         return KVCache(cfg, max_tokens, batch=batch, device=self.embed.device, dtype=self.compute_dtype or self.embed.dtype)
 
     def _token_multiple(self) -> int:
@@ -1062,6 +1158,9 @@ class Transformer(nn.Module):
             if cache.window_layers and 0 < cache.lengths[b] < cache.in_window[b] - 1:
                 raise ValueError(f"cache.lengths[{b}]: {cache.lengths[b]} tokens after {cache.in_window[b]}: the sliding-window (chunked) layers keep only "
                                  f"the newest {cache.window} tokens' keys, so a sequence goes back one token at most, or restarts from 0 (cache.reset)")
+            if cache.linear_layers and 0 < cache.lengths[b] != cache.in_window[b]:
+                raise ValueError(f"cache.lengths[{b}]: {cache.lengths[b]} tokens after {cache.in_window[b]}: the linear-attention layers keep only the "
+                                 "state after the last token, so a sequence continues from there or restarts from 0 (cache.reset)")
         # the new tokens are queries at their rows of the cache (sequence b's slot of M rows
         # is a document) against the cache's first n_keys rows: attention_context's
         # context-parallel form, the cache standing in for the gather of every rank's keys
@@ -1096,6 +1195,11 @@ class Transformer(nn.Module):
             contexts[True], window_kv = self._window_context(cache, seq_list, T, positions, queries, rows_host, cfg)
         h_TH = self._embedding(ids)
         for i, block in enumerate(self.blocks):
+            if i in cache.linear_layers:  # the states its tokens continue, then the states after them
+                states = dataclasses.replace(cache.linear_states(i, seq_list), tokens=n)  # the padding's rows (tp) continue nothing
+                h_TH, _ = block(h_TH, AttentionContext(None, None, None, linear_states=states))
+                cache.write_linear(i, seq_list, states)
+                continue
             ring = i in cache.window_layers
             kv = functools.partial(cache.write_window, i, *window_kv) if ring else functools.partial(cache.write, i, rows, n_keys)
             if pad:

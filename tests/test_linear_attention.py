@@ -139,6 +139,12 @@ def test_decoding_continues_the_states():
         torch.testing.assert_close(got[b], whole[b], rtol=1e-5, atol=1e-6)
     last = torch.cat([x[:, 10:13] @ p[n] for n in ("wq", "wk", "wv")], dim=-1)
     torch.testing.assert_close(states.conv, last)
+    # rows after `tokens` are padding (decoding under tensor parallelism): outputs 0, the states those of the real rows
+    padded = LinearStates(torch.zeros_like(states.conv), torch.zeros_like(states.state), tokens=18)
+    y, _ = linear_attention(torch.cat([x[:, :9].reshape(18, H), x[:1, 8]]), p, CFG, dataclasses.replace(ctx, linear_states=padded))
+    torch.testing.assert_close(y[:18], outs[0].reshape(18, H))
+    assert y.shape == (19, H) and not y[18].any()
+    torch.testing.assert_close(padded.conv, torch.cat([x[:, 6:9] @ p[n] for n in ("wq", "wk", "wv")], dim=-1))
 
 
 def test_bf16():

@@ -39,6 +39,10 @@ VARIANTS = {
                                  nope_layers=(1,), route_scale=2.0, mtp_depth=1),
     # OLMo 2's / FlexOlmo's post-norm blocks (norms on the branch outputs, none on their inputs), and Gemma's sandwich
     "post-norm": dataclasses.replace(TINY, pre_norms=False, post_norms=True, qk_norm="proj", mtp_depth=1),
+    # Qwen3-Next's / Qwen3.5's blocks: Gated DeltaNet in blocks 0 and 1, gated attention with
+    # per-head q/k norms and partial RoPE in block 2 (and MTP), zero-centred norms, a gated shared expert
+    "gated deltanet": dataclasses.replace(TINY, linear_layers=(0, 1), linear_k_heads=2, linear_v_heads=4, linear_k_dim=8, linear_v_dim=6,
+                                          zero_centered_norms=True, attn_gate=True, qk_norm="head", rope_dim=4, shared_gate=True, mtp_depth=1),
     "sandwich norms": dataclasses.replace(TINY, post_norms=True),
     # gpt-oss's pieces: q/k/v/o biases, attention sinks, a router bias, expert biases, the
     # clamped SwiGLU, YaRN without truncation, sliding windows in blocks 0 and 2
@@ -215,6 +219,56 @@ def test_post_norms_normalise_each_branch_output():
         dataclasses.replace(TINY, post_norms=1)
 
 
+def test_zero_centered_norms_are_one_plus_their_weights():
+    """zero_centered_norms: every RMSNorm's gain (the blocks', the final, the MTP modules', the
+    q/k norms) is 1 + weight, the weights 0 at initialisation: the model of weights w equals
+    the plain model of weights 1 + w; the linear-attention blocks' gated output norm is not
+    zero-centred (1 at initialisation in both)."""
+    cfg = dataclasses.replace(VARIANTS["gated deltanet"], mtp_norm=True)
+    zc = Transformer(cfg)
+    plain = Transformer(dataclasses.replace(cfg, zero_centered_norms=False))
+    norms = [n for n, _ in zc.named_parameters() if n.endswith(("norm.weight", "q_norm", "k_norm"))]
+    assert len(norms) == 3 * 2 + 2 + 1 + 3 + 2 + 2  # block pre-norms, q/k norms of block 2, final; MTP: emb/hidden/out, block norms, q/k
+    assert all(float(zc.get_parameter(n).detach().abs().max()) == 0 for n in norms)
+    assert all(torch.equal(zc.get_parameter(n), torch.ones_like(zc.get_parameter(n))) for n in ("blocks.0.attn.out_norm", "blocks.0.attn.dt_bias"))
+    with torch.no_grad():
+        for n, p in zc.named_parameters():
+            p.normal_(0.0, 0.3)
+        plain.load_state_dict({n: t + 1 if n in norms else t for n, t in zc.state_dict().items()})
+    batch = _batch(cfg)
+    torch.testing.assert_close(zc(batch)[0]["lm_sum"], plain(batch)[0]["lm_sum"])
+    torch.testing.assert_close(zc(batch)[0]["mtp_1_sum"], plain(batch)[0]["mtp_1_sum"])
+    with pytest.raises(ValueError, match="zero_centered_norms: expected a bool, got 1"):
+        dataclasses.replace(TINY, zero_centered_norms=1)
+
+
+def test_linear_layers_build_gated_deltanet_blocks():
+    """linear_layers: those trunk blocks' mixer is Gated DeltaNet (fmoe.layers.linear_attention),
+    the others attend; the attention knobs name attending blocks only; the MTP block attends."""
+    from fmoe.model import Attention, LinearAttention
+
+    cfg = dataclasses.replace(TINY, linear_layers=(0, 2), linear_k_heads=1, linear_v_heads=2, linear_k_dim=4, linear_v_dim=3, linear_conv=2,
+                              window=4, mtp_depth=1)
+    model = Transformer(cfg)
+    assert [type(b.attn) for b in model.blocks] == [LinearAttention, Attention, LinearAttention] and isinstance(model.mtp[0].block.attn, Attention)
+    assert [cfg.is_sliding(i) for i in range(3)] == [False, True, False]  # the window's blocks are the attending ones
+    attn = model.blocks[0].attn
+    assert {n: tuple(p.shape) for n, p in attn.named_parameters()} == dict(
+        wq=(32, 4), wk=(32, 4), wv=(32, 6), wz=(32, 6), wb=(32, 2), wa=(32, 2), conv_q=(2, 4), conv_k=(2, 4), conv_v=(2, 6), A_log=(2,),
+        dt_bias=(2,), out_norm=(3,), wo=(6, 32))
+    decay_rates = attn.A_log.detach().exp()  # A uniform in [1, 16]
+    assert float(decay_rates.min()) >= 1 and float(decay_rates.max()) <= 16
+    assert abs(float(attn.conv_v.detach().std()) - 6 ** -0.5) < 0.25
+    with pytest.raises(ValueError, match=r"nope_layers: blocks \[2\] are linear-attention blocks \(linear_layers\), which do not attend"):
+        dataclasses.replace(TINY, linear_layers=(2,), nope_layers=(1, 2))
+    with pytest.raises(ValueError, match=r"window_layers: blocks \[0\] are linear-attention blocks"):
+        dataclasses.replace(TINY, linear_layers=(0,), window=4, window_layers=(0, 1))
+    with pytest.raises(ValueError, match=r"linear_layers: expected distinct block indices in 0..2, got \(3,\)"):
+        dataclasses.replace(TINY, linear_layers=(3,))
+    with pytest.raises(ValueError, match=r"n_v_heads: 3 value heads do not split over 2 key heads"):
+        dataclasses.replace(TINY, linear_layers=(0,), linear_v_heads=3)
+
+
 def test_llama3_rope_knobs_are_checked():
     with pytest.raises(ValueError, match="llama3_factor: one RoPE scaling at a time, not with yarn_factor"):
         dataclasses.replace(TINY, llama3_factor=8.0, yarn_factor=4.0)
@@ -305,7 +359,8 @@ FULL = dataclasses.replace(TINY, mtp_depth=2, impl="auto", capacity_factor=1.25,
                            attn_scale=0.3, embed_scale=2.0, residual_scale=0.6, logit_divisor=3.0)
 
 
-@pytest.mark.parametrize("cfg", [dataclasses.replace(TINY, mtp_depth=1, impl="auto"), FULL], ids=["default", "capacity-groups-yarn-mtp2-granite"])
+@pytest.mark.parametrize("cfg", [dataclasses.replace(TINY, mtp_depth=1, impl="auto"), FULL, dataclasses.replace(VARIANTS["gated deltanet"], impl="auto")],
+                         ids=["default", "capacity-groups-yarn-mtp2-granite", "gated deltanet"])
 def test_forward_and_backward_read_nothing_on_the_host(cfg):
     """No device->host sync in the model's forward and backward (MoE layers, MTP, losses):
     on a GPU each read is a stall. Counted here as host reads of tensor values on CPU."""
@@ -581,6 +636,8 @@ DECODED = {
     # Mellum's: the window's blocks (rings) with their own plain RoPE base beside full blocks with Llama 3.1's scaling
     "local rope base": dataclasses.replace(TINY, qk_norm="head", window=4, window_layers=(0, 2), local_rope_base=100.0, rope_base=5e5,
                                            llama3_factor=4.0, llama3_original_max_positions=16),
+    # Qwen3-Next's: Gated DeltaNet blocks 0 and 1 (their conv and delta-rule states) beside a gated-attention block
+    "gated deltanet": dataclasses.replace(VARIANTS["gated deltanet"], mtp_depth=0),
 }
 
 
@@ -625,7 +682,13 @@ def test_decode_with_a_kv_cache_equals_the_whole_sequence(name, monkeypatch):
         assert forms.count("_mla_latent_qkv") == 4 * cfg.n_layers and forms.count("_mla_expand") == (1 + 2) * cfg.n_layers
     else:
         assert cache.k.shape == cache.v.shape == (len(cache.full_layers), 16, cfg.n_kv_heads, cfg.head_dim)
-    if cfg.window is None and cfg.chunk is None:
+    if cfg.linear_layers is not None:  # a state of fixed size per linear-attention layer: the conv's last K - 1 tokens, the rule's state
+        lin = cfg.linear_attention_config()
+        assert cache.linear_layers == cfg.linear_layers == (0, 1) and cache.full_layers == (2,)
+        assert cache.conv.shape == (2, 1, lin.conv - 1, 2 * lin.k_channels + lin.v_channels)
+        assert cache.state.shape == (2, 1, lin.n_v_heads, lin.k_head_dim, lin.v_head_dim) and cache.state.abs().amin(dim=(2, 3, 4)).gt(0).all()
+        assert cache.nbytes == 4 * (2 * 16 * cfg.n_kv_heads * cfg.head_dim + cache.conv.numel() + cache.state.numel())
+    elif cfg.window is None and cfg.chunk is None:
         assert cache.full_layers == tuple(range(cfg.n_layers)) and cache.k_window.numel() == 0
     else:  # the sliding-window (chunked) layers keep a ring of the window's (chunk's) newest tokens only
         local, length = (cfg.window_layers, cfg.window) if cfg.window is not None else (cfg.chunk_layers, cfg.chunk)
@@ -756,6 +819,16 @@ def test_decode_bad_inputs():
             sliding.decode(ids[:1], ring)
         ring.length = 0
         torch.testing.assert_close(sliding.decode(ids, ring), first)
+    # linear-attention layers keep the state after the last token alone: no step back at all; from 0 it starts over
+    linear = _sharp(dataclasses.replace(VARIANTS["gated deltanet"], mtp_depth=0))
+    states = linear.kv_cache(4)
+    with torch.no_grad():
+        first = linear.decode(ids, states)
+        states.length = 2
+        with pytest.raises(ValueError, match=r"cache.lengths\[0\]: 2 tokens after 3: the linear-attention layers keep only the state after the last"):
+            linear.decode(ids[2:], states)
+        states.length = 0
+        torch.testing.assert_close(linear.decode(ids, states), first)
     model.pipeline_chunk = PipelineChunk(0, 2, range(2))
     with pytest.raises(ValueError, match="model: decode needs the whole model on one process"):
         model.decode(ids, model.kv_cache(4))

@@ -60,7 +60,7 @@ from fmoe.ops.experts import EXPERT_BIASES
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 SCALES = ("moonlight", "spectral")
-ADAMW_PATTERNS = ("embed", "lm_head", "head", "router", "norm", "bias")
+ADAMW_PATTERNS = ("embed", "lm_head", "head", "router", "norm", "bias", "attn.conv_")  # conv_: a linear-attention layer's taps, per channel
 EMBEDDING_PATTERNS = ("embed", "head")  # the weights decay_embeddings=False leaves undecayed
 STACKED_BIASES = tuple(f"experts.{name}" for name in EXPERT_BIASES)  # [E, F] / [E, H]: a bias per expert, not a matrix
 
@@ -209,7 +209,8 @@ def split_param_groups(
 
     Rule: a parameter with ndim >= 2 goes to Muon unless its name (as in named_parameters)
     contains one of `adamw_patterns` as a substring (embeddings, output head, router: lookups
-    and classifiers, whose rows are not an operator to orthogonalise); everything else goes
+    and classifiers, whose rows are not an operator to orthogonalise; a linear-attention
+    layer's convolution taps, a filter per channel); everything else goes
     to AdamW. Weight decay: the ndim < 2 tensors (norms, biases, gates) and the experts'
     stacked biases (b_gate, b_up, b_down: one bias per expert) get none (Megatron
     Core's default), nor do the embeddings and output heads (names containing "embed" or

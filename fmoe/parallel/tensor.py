@@ -19,6 +19,11 @@ heads (attention) or of the FFN columns (SwiGLU) and the output is a sum over ra
                 kv_a_norm                rank; HeadShard sums their gradients over tp)
     SwiGLU      w_gate, w_up [H, F]      Shard(1)
                 w_down [F, H]            Shard(0)
+    linear      wq, wk, wv, wz, wb, wa,  Shard(1)  (whole heads: n_k_heads and n_v_heads % tp == 0;
+    attention   conv_q, conv_k, conv_v             a rank's value heads read its key heads)
+                A_log, dt_bias [Nv]      Shard(0)
+                wo [Nv*Dv, H]            Shard(0)
+                out_norm [Dv]            replicated (the gated output norm, per head)
 
 The parameters become DTensors over the tp mesh (so FSDP2 composes with them and DCP can
 reshard them); the module computes on their local shards.
@@ -79,7 +84,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from fmoe.model import Attention, Block, DenseMLP, MoE, RMSNorm
+from fmoe.model import Attention, Block, DenseMLP, LinearAttention, MoE, RMSNorm
 from fmoe.ops import drop_by_capacity
 from fmoe.ops.routing import Routes, keep_slots
 from fmoe.parallel.expert import copy_to_tp, gather_tokens, split_tokens
@@ -311,6 +316,28 @@ class AttentionParallel(_ShardedRegion):
         module.tensor_parallel = HeadShard(mesh, replicated)
 
 
+class LinearAttentionParallel(_ShardedRegion):
+    """Gated DeltaNet's heads split over tp (whole heads: n_k_heads and n_v_heads divisible
+    by tp; value head h reads key head h // (Nv / Nk), so a rank's contiguous value heads read
+    its contiguous key heads): the projections and the convolution's taps by their columns,
+    A_log, dt_bias by their heads, wo by its rows; the gated output norm's weight [Dv]
+    replicated (HeadShard.weight sums its gradient over tp). Every rank runs the layer on all
+    T tokens (the documents of the micro-batch) for its heads; the outputs are summed."""
+
+    shard_dims = dict(wq=1, wk=1, wv=1, wz=1, wb=1, wa=1, conv_q=1, conv_k=1, conv_v=1, A_log=0, dt_bias=0, wo=0)
+
+    def _check(self, module, tp):
+        cfg = module.cfg
+        if cfg.n_k_heads % tp or cfg.n_v_heads % tp:
+            raise ValueError(f"tp: a linear-attention layer's n_k_heads = {cfg.n_k_heads} and n_v_heads = {cfg.n_v_heads} must both be divisible by tp = {tp}")
+        super()._check(module, tp)
+
+    def _configure(self, module, mesh):
+        tp = mesh.size()
+        module.cfg = dataclasses.replace(module.cfg, n_k_heads=module.cfg.n_k_heads // tp, n_v_heads=module.cfg.n_v_heads // tp)
+        module.tensor_parallel = HeadShard(mesh, ("out_norm",))
+
+
 class SwiGLUParallel(_ShardedRegion):
     """A dense SwiGLU (dense MLP or shared experts) split over its FFN columns."""
 
@@ -332,6 +359,7 @@ def tensor_parallel_plan(model: nn.Module) -> dict[str, ParallelStyle]:
     Attention, DenseMLP and MoE modules sit in fmoe.model Blocks (module docstring):
 
         every Attention                   AttentionParallel (heads)
+        every LinearAttention             LinearAttentionParallel (heads)
         every DenseMLP (dense MLPs,       SwiGLUParallel (FFN columns)
         MoE blocks' shared experts)
         every MoE, every RMSNorm in       SequenceParallelModule (replicated weights on a
@@ -352,11 +380,13 @@ def tensor_parallel_plan(model: nn.Module) -> dict[str, ParallelStyle]:
 
     plan = {}
     for name, module in model.named_modules():
-        if isinstance(module, (Attention, DenseMLP, MoE)) and not in_block(name):
+        if isinstance(module, (Attention, LinearAttention, DenseMLP, MoE)) and not in_block(name):
             raise ValueError(f"model: {type(module).__name__} {name!r} is not inside a fmoe.model.Block; sequence parallelism "
                              "splits tokens at Blocks (build your own plan with ShardTokens at the edges of the token-sharded run)")
         if isinstance(module, Attention):
             plan[name] = AttentionParallel()
+        elif isinstance(module, LinearAttention):
+            plan[name] = LinearAttentionParallel()
         elif isinstance(module, DenseMLP):  # dense blocks' MLPs and MoE blocks' shared experts
             plan[name] = SwiGLUParallel()
         elif isinstance(module, MoE) or (isinstance(module, RMSNorm) and in_block(name)):

@@ -107,7 +107,8 @@ def flops_per_token(
     *, hidden: int, n_layers: int, n_dense: int, ffn_dense: int, ffn_expert: int, k: int, n_shared: float,
     n_heads: int, n_kv_heads: int, head_dim: int, vocab: int, mtp_depth: int = 0, n_avg_keys: float,
     n_experts: int = 0, attention_weights: Optional[int] = None, v_dim: Optional[int] = None,
-    n_sliding: int = 0, n_avg_local_keys: Optional[float] = None, attn_gate: bool = False,
+    n_sliding: int = 0, n_avg_local_keys: Optional[float] = None, attn_gate: bool = False, n_linear: int = 0,
+    linear_layer: float = 0.0,
 ) -> float:
     """Training FLOPs per token (forward + backward): SPEC.md section 8 with the router and
     the MTP modules' blocks (the module docstring's formula). n_shared counts shared experts
@@ -119,17 +120,20 @@ def flops_per_token(
     cost 6 n_heads (head_dim + v_dim) n_avg_keys (12 q n_avg_keys when they are equal).
     n_sliding of the n_layers trunk layers attend over a sliding window or within chunks,
     n_avg_local_keys keys each on average (mean_attended_keys(cu_seqlens, window, chunk));
-    the MTP blocks over all."""
+    the MTP blocks over all. n_linear of them are linear-attention layers instead, of
+    linear_layer FLOPs per token each (linear_attention_flops)."""
     args = dict(hidden=hidden, n_layers=n_layers, n_dense=n_dense, ffn_dense=ffn_dense, ffn_expert=ffn_expert, k=k,
                 n_shared=n_shared, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, vocab=vocab,
                 mtp_depth=mtp_depth, n_avg_keys=n_avg_keys, n_experts=n_experts)
     for name, value in args.items():
         _check_count(name, value)
     _check_count("n_sliding", n_sliding)
+    _check_count("n_linear", n_linear)
+    _check_count("linear_layer", linear_layer)
     if not isinstance(attn_gate, bool):
         raise ValueError(f"attn_gate: expected a bool, got {attn_gate!r}")
-    if n_dense > n_layers or n_sliding > n_layers:
-        raise ValueError(f"n_dense / n_sliding: expected at most n_layers={n_layers}, got {n_dense} / {n_sliding}")
+    if n_dense > n_layers or n_sliding + n_linear > n_layers:
+        raise ValueError(f"n_dense / n_sliding + n_linear: expected at most n_layers={n_layers}, got {n_dense} / {n_sliding} + {n_linear}")
     if n_sliding:
         _check_count("n_avg_local_keys", n_avg_local_keys)
     m, H = 3, hidden
@@ -145,12 +149,24 @@ def flops_per_token(
     attention = attention_layer(n_avg_keys)
     dense_ffn = 6 * H * m * ffn_dense
     moe_ffn = 6 * H * m * ffn_expert * (k + n_shared) + 6 * H * n_experts  # experts, router
-    trunk = (n_layers - n_sliding) * attention + n_dense * dense_ffn + n_moe * moe_ffn
+    trunk = (n_layers - n_sliding - n_linear) * attention + n_linear * linear_layer + n_dense * dense_ffn + n_moe * moe_ffn
     if n_sliding:
         trunk += n_sliding * attention_layer(n_avg_local_keys)
     mtp = mtp_depth * (6 * 2 * H * H + attention + (moe_ffn if n_moe else dense_ffn))
     head = (1 + mtp_depth) * 6 * H * vocab
     return float(trunk + mtp + head)
+
+
+def linear_attention_flops(hidden: int, cfg) -> float:
+    """Training FLOPs per token (forward + backward, 6 per weight) of one Gated DeltaNet layer
+    (fmoe.layers.LinearAttentionConfig): its projections (q, k, v, the output gate z, beta's
+    and the decay's, the output), the convolution's K taps per channel of q, k and v, and
+    the gated delta rule's three products with the Nv [Dk, Dv] states per token (what the
+    state recalls for k, the write k u^T, the read for q): 6 (H (2 Ck + 2 Cv + 2 Nv) + Cv H +
+    K (2 Ck + Cv) + 3 Nv Dk Dv). Counted as the recurrence's math, as attention is counted by
+    its scores: the chunked form's own extra work inside each chunk is not."""
+    Ck, Cv, Nv = cfg.n_k_heads * cfg.k_head_dim, cfg.n_v_heads * cfg.v_head_dim, cfg.n_v_heads
+    return 6.0 * (hidden * (2 * Ck + 2 * Cv + 2 * Nv) + Cv * hidden + cfg.conv * (2 * Ck + Cv) + 3 * Nv * cfg.k_head_dim * cfg.v_head_dim)
 
 
 def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[float] = None) -> float:
@@ -162,7 +178,8 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
     6 N (D + v_dim) n_avg_keys for the scores (q.k over D) and the values (over v_dim).
     Gated attention (attn_gate) adds its gate's H N Dv weights to each block's projections.
     Blocks with a sliding window or chunked attention (cfg.is_local) count n_avg_local_keys
-    keys per query (mean_attended_keys with cfg.window, cfg.chunk): required when there are any."""
+    keys per query (mean_attended_keys with cfg.window, cfg.chunk): required when there are any.
+    Linear-attention blocks (cfg.is_linear) count linear_attention_flops in place of attention."""
     names = ("hidden", "n_layers", "ffn_dense", "ffn_expert", "k", "n_heads", "n_kv_heads", "head_dim", "mtp_depth", "n_experts")
     is_moe = getattr(cfg, "is_moe", lambda i: i >= cfg.n_dense)
     n_dense = sum(not is_moe(i) for i in range(cfg.n_layers))
@@ -178,9 +195,11 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
         local = f"within chunks of {cfg.chunk}" if getattr(cfg, "chunk", None) is not None else f"over a sliding window of {cfg.window}"
         raise ValueError(f"n_avg_local_keys: {n_sliding} blocks attend {local}: "
                          "pass their mean attended keys (mean_attended_keys(cu_seqlens, window, chunk))")
+    n_linear = sum(getattr(cfg, "is_linear", lambda i: False)(i) for i in range(cfg.n_layers))
+    linear = dict(n_linear=n_linear, linear_layer=linear_attention_flops(cfg.hidden, cfg.linear_attention_config())) if n_linear else {}
     return flops_per_token(**{n: getattr(cfg, n) for n in names}, n_dense=n_dense, n_shared=shared, vocab=cfg.vocab_size,
                            n_avg_keys=n_avg_keys, n_sliding=n_sliding, n_avg_local_keys=n_avg_local_keys,
-                           attn_gate=bool(getattr(cfg, "attn_gate", False)), **attention)
+                           attn_gate=bool(getattr(cfg, "attn_gate", False)), **attention, **linear)
 
 
 def datasheet_peak_flops(name: str) -> Optional[float]:

@@ -247,6 +247,22 @@ def test_split_param_groups_keeps_bias_stacks_out_of_muon():
     assert no_decay_ids == {id(model.router_bias), id(experts.b_gate), id(experts.b_up), id(experts.b_down)}
 
 
+def test_split_param_groups_keeps_linear_attention_taps_out_of_muon():
+    """A Gated DeltaNet block's conv taps [K, C] are a filter per channel, not an operator:
+    AdamW with weight decay; its projections go to Muon, A_log, dt_bias, out_norm to AdamW
+    without decay."""
+    from fmoe.model import Transformer, TransformerConfig
+
+    model = Transformer(TransformerConfig(vocab_size=20, hidden=16, n_layers=2, n_dense=2, ffn_dense=16, n_heads=2, n_kv_heads=1, head_dim=8,
+                                          linear_layers=(0,), linear_k_heads=1, linear_v_heads=2, linear_k_dim=4, linear_v_dim=4))
+    muon, adamw = split_param_groups(model, weight_decay=0.1)
+    (muon_ids,), (decay_ids, no_decay_ids) = _ids(muon), _ids(adamw)
+    attn = model.blocks[0].attn
+    assert {id(getattr(attn, n)) for n in ("conv_q", "conv_k", "conv_v")} <= decay_ids
+    assert {id(getattr(attn, n)) for n in ("wq", "wk", "wv", "wz", "wb", "wa", "wo")} <= muon_ids
+    assert {id(getattr(attn, n)) for n in ("A_log", "dt_bias", "out_norm")} <= no_decay_ids
+
+
 def test_split_param_groups_by_name_pattern():
     model = nn.ModuleDict(dict(
         embed=nn.Embedding(10, 8), proj=nn.Linear(8, 8), norm=nn.LayerNorm(8), lm_head=nn.Linear(8, 10, bias=False),

@@ -28,6 +28,10 @@ GPT_OSS = dict(qkv_bias=True, o_bias=True, attn_sinks=True, router_bias=True, ex
 LLAMA4 = dict(chunk=5, chunk_layers=(1,), nope_layers=(0,), nope_temperature_floor=3, nope_temperature_scale=0.5, qk_norm="rms",
               qk_norm_after_rope=True, nope_qk_norm=False, rope_interleaved=True, score="sigmoid", expert_bias=False, route_normalize=False,
               k=1, route_on_input=True)
+# Qwen3-Next's: block 0 Gated DeltaNet (2 key heads, 4 value heads), block 1 gated attention
+# with per-head q/k norms and partial RoPE, zero-centred norms, a gated shared expert
+QWEN3_NEXT = dict(linear_layers=(0,), linear_k_heads=2, linear_v_heads=4, linear_k_dim=8, linear_v_dim=6, zero_centered_norms=True,
+                  attn_gate=True, qk_norm="head", rope_dim=4, shared_gate=True)
 # Granite's multipliers: the softmax scale, the embeddings', the residual branches', the logits' divisor
 GRANITE = dict(attn_scale=0.3, embed_scale=2.0, residual_scale=0.6, logit_divisor=3.0)
 
@@ -90,7 +94,7 @@ def _perturb_zeros_and_ones(*models):
     changes the loss, not only the gradients."""
     for name, _ in models[0].named_parameters():
         if name.rpartition(".")[2] in ("bq", "bk", "bv", "bo", "sinks", "router_bias", "b_gate", "b_up", "b_down", "q_norm", "k_norm",
-                                       "q_a_norm", "kv_a_norm"):
+                                       "q_a_norm", "kv_a_norm", "out_norm", "dt_bias"):
             noise = 0.2 * torch.randn(models[0].get_parameter(name).shape, generator=torch.Generator().manual_seed(len(name)))
             for m in models:
                 with torch.no_grad():
@@ -247,6 +251,10 @@ CASES = {
     # (its gradient summed over etp), exchanged rows and the padded layout
     "etp2-gpt-oss": (2, dict(etp=2), GPT_OSS),
     "ep2xetp2-capacity-gpt-oss": (4, dict(ep=2, etp=2), dict(GPT_OSS, capacity_factor=1.0)),
+    # Gated DeltaNet's heads split over tp (its gated norm's weight on every rank), under
+    # FSDP2 and with the experts over ep
+    "tp2-gated-deltanet": (2, dict(tp=2), QWEN3_NEXT),
+    "ep2xtp2-gated-deltanet-ac-full": (4, dict(tp=2, ep=2), dict(QWEN3_NEXT, ac="full")),
 }
 
 
@@ -268,6 +276,8 @@ DECODE_CASES = {
     "tp2-head-norm-after-rope": (2, dict(tp=2), dict(qk_norm="head", qk_norm_after_rope=True, **WINDOW, local_rope_base=100.0), None, 1e-5),
     "ep2xtp2": (4, dict(tp=2, ep=2), dict(GPT_OSS, **WINDOW), None, 1e-5),
     "ep2xetp2-fsdp": (4, dict(ep=2, etp=2), {}, None, 1e-5),
+    # the linear-attention block's states per sequence, its heads split; odd calls padded for tp
+    "tp2-gated-deltanet": (2, dict(tp=2), QWEN3_NEXT, None, 1e-5),
 }
 
 
@@ -440,7 +450,8 @@ def _bad_tp(rank, world):
 
     messages = []
     for overrides, sizes in ((dict(n_heads=2, n_kv_heads=1), dict(tp=2)), (dict(n_experts=3), dict(ep=2)),
-                             (dict(MLA, n_heads=3, n_kv_heads=3), dict(tp=2))):
+                             (dict(MLA, n_heads=3, n_kv_heads=3), dict(tp=2)), (dict(QWEN3_NEXT, linear_k_heads=1, linear_v_heads=2), dict(tp=2)),
+                             (QWEN3_NEXT, dict(cp=2))):
         try:
             parallelize(Transformer(TransformerConfig(**{**TINY, **overrides})), build_meshes(**sizes))
         except ValueError as err:
@@ -456,11 +467,13 @@ def _bad_tp(rank, world):
 
 def test_parallelize_refuses_what_does_not_split(results):
     for messages in (by_case["bad_tp"] for by_case in results(2)):
-        assert len(messages) == 4
+        assert len(messages) == 6
         assert "n_heads = 2 and n_kv_heads = 1 must both be divisible by tp = 2" in messages[0]
         assert "n_experts = 3 is not divisible by ep = 2" in messages[1]
         assert "n_heads = 3 and n_kv_heads = 3 must both be divisible by tp = 2" in messages[2]  # multi-latent
-        assert "T = 25 tokens do not split evenly over tp = 2 ranks" in messages[3] and "tokens_per_micro_batch" in messages[3]
+        assert "linear-attention layer's n_k_heads = 1 and n_v_heads = 2 must both be divisible by tp = 2" in messages[3]
+        assert "cp: the model has linear-attention blocks (linear_layers)" in messages[4]
+        assert "T = 25 tokens do not split evenly over tp = 2 ranks" in messages[5] and "tokens_per_micro_batch" in messages[5]
 
 
 def _failed_export(rank, world):

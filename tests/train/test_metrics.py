@@ -259,6 +259,18 @@ def test_model_flops_per_token_reads_the_model_config():
     assert M.model_flops_per_token(chunked, n_avg_keys=10.0, n_avg_local_keys=3.0) == expected - 2 * 12 * 64 * (10.0 - 3.0)
     with pytest.raises(ValueError, match="n_avg_local_keys: 2 blocks attend within chunks of 4"):
         M.model_flops_per_token(chunked, n_avg_keys=10.0)
+    # Gated DeltaNet blocks 0 and 2 (2 key heads of 8, 4 value heads of 6, 4 taps), in place of
+    # their attention: q, k [64 -> 16], v, z [64 -> 24], b, a [64 -> 4], out [24 -> 64]; the
+    # taps of 16 + 16 + 24 channels; 3 products with 4 [8, 6] states
+    linear = TransformerConfig(**{**cfg.__dict__, "linear_layers": (0, 2), "linear_k_heads": 2, "linear_v_heads": 4, "linear_k_dim": 8,
+                                  "linear_v_dim": 6, "linear_conv": 4, "window": 4})
+    layer = 6 * (64 * (2 * 16 + 2 * 24 + 2 * 4) + 24 * 64 + 4 * (2 * 16 + 24) + 3 * 4 * 8 * 6)
+    assert M.linear_attention_flops(64, linear.linear_attention_config()) == layer
+    # block 1 slides over its window (3 keys); the MTP block attends over all
+    assert M.model_flops_per_token(linear, n_avg_keys=10.0, n_avg_local_keys=3.0) == expected - 2 * attention + 2 * layer - 12 * 64 * (10.0 - 3.0)
+    with pytest.raises(ValueError, match=r"n_dense / n_sliding \+ n_linear: expected at most n_layers=3, got 1 / 2 \+ 2"):
+        M.flops_per_token(hidden=64, n_layers=3, n_dense=1, ffn_dense=128, ffn_expert=32, k=2, n_shared=1, n_heads=4, n_kv_heads=2,
+                          head_dim=16, vocab=300, n_avg_keys=10.0, n_sliding=2, n_avg_local_keys=3.0, n_linear=2, linear_layer=1.0)
 
 
 # (name, TransformerConfig overrides) of the counted-FLOPs check: MoE trunk with MTP, an
