@@ -7,7 +7,7 @@ A folder holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). Supported `model_type`s: FAMILIES (mixtral, qwen2_moe,
 qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, deepseek_v2, glm4_moe_lite, gpt_oss, solar_open,
 exaone_moe, dots1, minimax_m2, granitemoe, granitemoeshared, granitemoe_swa, hunyuan_v1_moe, llama4_text, llama4, afmoe,
-sarvam_moe, sarvam_mla, flint, hy_v3, mellum). Each family has one table: its
+sarvam_moe, sarvam_mla, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: clipped qkv, ...;
 the fields a config.json leaves out read at transformers' defaults, Family.defaults, and a
 family's own names for the fields the shared mappings read as those, Family.aliases)
@@ -537,9 +537,7 @@ def _llama4_text(hf: dict) -> dict:
 def _llama4(hf: dict) -> dict:
     """A released Llama 4 folder (llama4, Llama4ForConditionalGeneration): its text_config's
     model (_llama4_text); the vision model beside it is not read."""
-    if not isinstance(hf.get("text_config"), dict):
-        raise ValueError("config.json: a llama4 config without a text_config is not supported")
-    return FAMILIES["llama4_text"].kwargs(dict(hf["text_config"], model_type="llama4_text"))
+    return FAMILIES["llama4_text"].kwargs(dict(text_config(hf), model_type="llama4_text"))
 
 
 def _afmoe(hf: dict) -> dict:
@@ -559,6 +557,65 @@ def _afmoe(hf: dict) -> dict:
     return dict(_common(hf, hf["num_experts"], sliding=True), **_deepseek_moe(hf, n_dense=hf.get("num_dense_layers", 1)),
                 score="sigmoid", expert_bias=True, route_normalize=True, qk_norm="head",
                 nope_layers=nope or None, attn_gate=True, post_norms=True, embed_scale=hf["hidden_size"] ** 0.5 if hf.get("mup_enabled") else 1.0)
+
+
+def _linear_layers(hf: dict) -> dict:
+    """Qwen3-Next's and Qwen3.5's Gated DeltaNet blocks: the layers layer_types names
+    linear_attention (by default all but every full_attention_interval-th), with
+    linear_num_key_heads heads of linear_key_head_dim for q and k, linear_num_value_heads of
+    linear_value_head_dim for v, a convolution of linear_conv_kernel_dim taps."""
+    n = hf["num_hidden_layers"]
+    every = hf.get("full_attention_interval", 4)
+    kinds = hf.get("layer_types") or ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)]
+    if len(kinds) != n or set(kinds) - {"linear_attention", "full_attention"}:
+        raise ValueError(f"config.json: layer_types = {kinds!r} is not supported (one of linear_attention / full_attention per layer)")
+    linear = tuple(i for i, kind in enumerate(kinds) if kind == "linear_attention")
+    return dict(linear_layers=linear or None, linear_k_heads=hf["linear_num_key_heads"], linear_v_heads=hf["linear_num_value_heads"],
+                linear_k_dim=hf["linear_key_head_dim"], linear_v_dim=hf["linear_value_head_dim"], linear_conv=hf["linear_conv_kernel_dim"])
+
+
+def _qwen3_next(hf: dict) -> dict:
+    """Qwen3-Next (qwen3_next): Gated DeltaNet blocks (_linear_layers) beside gated attention
+    (the heads' outputs times sigmoid of their gate, stored as rows of q_proj after each
+    head's query) with per-head q/k norms and RoPE on the first partial_rotary_factor of each
+    head; zero-centred RMSNorms (gain 1 + weight) everywhere but the linear blocks' gated
+    output norm; MoE blocks by mlp_only_layers and decoder_sparse_step, softmax top-k
+    renormalised with norm_topk_prob, beside a shared expert of shared_expert_intermediate_size
+    with its sigmoid gate. Its MTP layers (mtp.*) are not read, as in transformers."""
+    _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in Qwen3-Next's attention here")
+    common = _common(hf, hf["num_experts"])
+    shared = hf.get("shared_expert_intermediate_size") or 0
+    return dict(common, **_linear_layers(hf), ffn_expert=hf["moe_intermediate_size"], ffn_dense=hf["intermediate_size"],
+                moe_layers=_qwen_moe_layers(hf), n_shared=0, shared_ffn=shared, shared_gate=bool(shared), pre_softmax=not hf["norm_topk_prob"],
+                qk_norm="head", attn_gate=True, rope_dim=_partial_rope(hf, common["head_dim"]), zero_centered_norms=True)
+
+
+def _qwen3_5_moe_text(hf: dict) -> dict:
+    """Qwen3.5-MoE's text model (qwen3_5_moe_text, Qwen3_5MoeForCausalLM): Qwen3-Next's
+    (_qwen3_next) with Qwen3.5's unfused linear-attention projections, every block MoE, the
+    top-k always renormalised. Its RoPE's mrope_section places the rotary pairs of image
+    and video positions; text positions are equal in all three, where that is plain RoPE (on
+    the first partial_rotary_factor of each head), the only input fmoe reads. Qwen3-Next's
+    norm_topk_prob, decoder_sparse_step and mlp_only_layers are not read, as in transformers."""
+    return _qwen3_next(dict(hf, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], intermediate_size=hf["moe_intermediate_size"]))
+
+
+def text_config(hf: dict) -> dict:
+    """The text model's config of a multimodal folder (Llama 4's, Qwen3.5's): its text_config,
+    with the top level's tie_word_embeddings where it has one (the field transformers' class
+    of the whole model ties the head by)."""
+    if not isinstance(hf.get("text_config"), dict):
+        raise ValueError(f"config.json: a {hf.get('model_type')} config without a text_config is not supported")
+    text = dict(hf["text_config"])
+    if "tie_word_embeddings" in hf:
+        text["tie_word_embeddings"] = hf["tie_word_embeddings"]
+    return text
+
+
+def _qwen3_5_moe(hf: dict) -> dict:
+    """A released Qwen3.5-MoE folder (qwen3_5_moe, Qwen3_5MoeForConditionalGeneration): its
+    text_config's model (_qwen3_5_moe_text); the vision model beside it is not read."""
+    return FAMILIES["qwen3_5_moe_text"].kwargs(dict(text_config(hf), model_type="qwen3_5_moe_text"))
 
 
 def _one_per_model(hf: dict, field: str):
@@ -624,29 +681,47 @@ def _flex_olmo(hf: dict) -> dict:
 class Tensor:
     """One fmoe parameter and where it lives in the HF checkpoint: `keys` (one, or one per
     expert to stack along dim 0), each transposed when `transpose` (HF's [out, in] linear
-    weights), or a [1, H] row when `row`; `part` (i, n): every n-th entry of the stored
+    weights); `unit`: a stored dim of size 1 that fmoe's parameter leaves out (dim 0 of a
+    [1, H] row: the shared expert's gate; dim 1 of a depthwise conv1d's [C, 1, K] weight),
+    dropped before anything else; `part` (i, n): every n-th entry of the stored
     last dim from entry i (gpt-oss's gate_up_proj [E, H, 2F] interleaves gate and up: the
     gate is part (0, 2), the up part (1, 2)), the n parts sharing one key; `chunk` (i, sizes):
     the i-th of len(sizes) contiguous runs, of those relative sizes, that fill fmoe's last dim:
     the stored dim -2 of a transposed linear weight, the out dim (Granite's input_linear
     [E, 2F, H]: the gate is chunk (0, (1, 1)), the up chunk (1, (1, 1)); Sarvam's fused
     query_key_value [(N + 2 Nkv) D, H]: q, k and v are chunks 0, 1, 2 of (N D, Nkv D, Nkv D)), the
-    stored last dim otherwise (Llama 4's gate_up_proj [E, H, 2F]). `transpose` swaps the last
-    two dims (a stack [E, out, in] too)."""
+    stored last dim otherwise (Llama 4's gate_up_proj [E, H, 2F]); with `groups` n the dim
+    holds n equal groups one after the other, each cut into those runs, and the chunk is the
+    i-th run of every group, in group order (Qwen3-Next's in_proj_qkvz: per key head its
+    q, k, v and z rows; its gated attention's q_proj: per head its query's D rows, then its
+    gate's). `transpose` swaps the last two dims (a stack [E, out, in] too)."""
 
     keys: tuple[str, ...]
     transpose: bool = False
     stacked: bool = False
-    row: bool = False
+    unit: Optional[int] = None
     part: Optional[tuple[int, int]] = None
     chunk: Optional[tuple[int, tuple[int, ...]]] = None
+    groups: int = 1
 
 
 def _run(chunk: tuple[int, tuple[int, ...]], dim: int) -> tuple[int, int]:
-    """(offset, length) of Tensor.chunk (i, sizes)'s run in a stored dim of `dim` entries."""
+    """(offset, length) of Tensor.chunk (i, sizes)'s run in a stored dim (or group) of `dim` entries."""
     i, sizes = chunk
     unit = dim // sum(sizes)
     return unit * sum(sizes[:i]), unit * sizes[i]
+
+
+def _chunk_dim(spec: Tensor, ndim: int) -> int:
+    """The dim of a stored tensor (its unit dim dropped, ndim dims) that spec.chunk cuts."""
+    return ndim - (2 if spec.transpose else 1)
+
+
+def _grouped_runs(spec: Tensor, t: torch.Tensor, d: int) -> torch.Tensor:
+    """A view of t's dim d as [groups, one group], narrowed to the chunk's run in each group."""
+    grouped = t.unflatten(d, (spec.groups, -1))
+    offset, size = _run(spec.chunk, grouped.shape[d + 1])
+    return grouped.narrow(d + 1, offset, size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -672,7 +747,10 @@ class Family:
     router: str = "gate.weight"  # the router's weight, under the MoE block (its bias beside it, where it has one)
     qk_norms: tuple[str, str] = ("q_norm", "k_norm")  # the q / k norm modules, under self_attn
     not_read: tuple[str, ...] = ()  # prefixes of checkpoint keys never read (EXAONE's MTP layers, "mtp."), as in transformers
-    prefix: str = ""  # before every key the model reads (Llama 4's "language_model.", beside its vision model)
+    # (old, new): the start of a key the model reads, and what the family's folders have there instead (Llama 4's ("",
+    # "language_model.") before every key; Qwen3.5's ("model.", "model.language_model."), the head left at lm_head), beside a
+    # vision model
+    prefix: tuple[str, str] = ("", "")
     written_as: Optional[str] = None  # folders holding more than fmoe reads are not written back: export as this family
     dense: str = "mlp"  # the dense blocks' MLP module
     # the norms of a sandwich block (pre_norms and post_norms): before and after the attention, before and after the MLP
@@ -689,6 +767,19 @@ class Family:
     o_proj: str = "o_proj"  # the attention's output projection, under the attention module
     sinks: str = "sinks"  # the attention sinks' key, under the attention module
     extra_layers_read: bool = True  # False: the layers after the trunk's (HY-V3's MTP layer) are not read, as in transformers
+    # the linear-attention (Gated DeltaNet) blocks' projections: "qkvz", Qwen3-Next's fused in_proj_qkvz and in_proj_ba
+    # (their rows grouped by key head); "qkv", Qwen3.5's in_proj_qkv beside in_proj_z, in_proj_b, in_proj_a
+    linear: str = "qkv"
+    gate_in_q: bool = False  # gated attention's gate as rows of q_proj, per head after its query's (Qwen3-Next), not a gate_proj
+    # the routed experts one module per expert (what transformers writes) or as [E, 2F, H] gate_up_proj / [E, H, F] down_proj
+    # stacks (Qwen3.5's released folders, "halves_out"): loading reads the layout the files hold (stacked_experts), export
+    # writes the layout a folder was loaded from
+    stacks_too: bool = False
+
+    def renamed(self, key: str) -> str:
+        """key (as the family's own models name it) in the family's folders (prefix)."""
+        old, new = self.prefix
+        return new + key[len(old):] if key.startswith(old) else key
 
     def kwargs(self, hf: dict) -> dict:
         """config.json -> TransformerConfig kwargs: the fields it names by their aliases read as
@@ -711,6 +802,12 @@ _GPT_OSS_ROPE = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.
                      rope_theta=150000.0)
 _PROJ = ("gate_proj", "up_proj", "down_proj")
 _MELLUM_ROPE = dict(full_attention=dict(rope_type="default", rope_theta=500000.0), sliding_attention=dict(rope_type="default", rope_theta=10000.0))
+_QWEN3_NEXT_ROPE = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25)
+_QWEN3_NEXT_LINEAR = dict(linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+                          linear_conv_kernel_dim=4)
+_QWEN3_NEXT_MOE = dict(num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512)
+_QWEN3_5_DEFAULTS = dict(num_key_value_heads=2, head_dim=256, rope_parameters=_QWEN3_NEXT_ROPE, **_QWEN3_NEXT_LINEAR, num_experts=256,
+                         num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512)
 # the names of Sarvam's released config.json files (written for their own code) for transformers' fields
 _SARVAM_ALIASES = dict(n_routed_experts="num_experts", n_shared_experts="num_shared_experts")
 FAMILIES = {
@@ -733,7 +830,7 @@ FAMILIES = {
                           defaults=dict(num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=5e5)),
     # the released Llama 4 folders: the text model under language_model., beside a vision model that is not read
     "llama4": Family(_llama4, "feed_forward", _STACKS, "Llama4ForConditionalGeneration",
-                     fused="halves", router="router.weight", dense="feed_forward", prefix="language_model.",
+                     fused="halves", router="router.weight", dense="feed_forward", prefix=("", "language_model."),
                      not_read=("vision_model.", "multi_modal_projector."), written_as="llama4_text"),
     # Sarvam-30B: GLM-4.5's model under the released checkpoint's own names (fused q/k/v rows)
     "sarvam_moe": Family(_sarvam_moe, "mlp", _PROJ, "Glm4MoeForCausalLM", "shared_experts", correction_bias="gate.expert_bias",
@@ -769,15 +866,105 @@ FAMILIES = {
                     extra_layers_read=False, aliases=dict(n_shared_experts="num_shared_experts", routed_scaling_factor="router_scaling_factor"),
                     defaults=dict(num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=11158840.0, n_shared_experts=1,
                                   routed_scaling_factor=2.826)),
+    "qwen3_next": Family(_qwen3_next, "mlp", _PROJ, "Qwen3NextForCausalLM", linear="qkvz", gate_in_q=True, not_read=("mtp.",),
+                         defaults=dict(num_key_value_heads=2, head_dim=256, norm_topk_prob=True, rope_parameters=_QWEN3_NEXT_ROPE, **_QWEN3_NEXT_LINEAR,
+                                       intermediate_size=5632, shared_expert_intermediate_size=512, **_QWEN3_NEXT_MOE)),
+    "qwen3_5_moe_text": Family(_qwen3_5_moe_text, "mlp", _PROJ, "Qwen3_5MoeForCausalLM", gate_in_q=True, stacks_too=True, not_read=("mtp.",),
+                               defaults=_QWEN3_5_DEFAULTS),
+    # the released Qwen3.5-MoE folders: the text model under model.language_model. (the head at lm_head), beside a vision model
+    "qwen3_5_moe": Family(_qwen3_5_moe, "mlp", _PROJ, "Qwen3_5MoeForConditionalGeneration", gate_in_q=True, stacks_too=True,
+                          prefix=("model.", "model.language_model."), not_read=("model.visual.", "mtp."), written_as="qwen3_5_moe_text"),
     "hunyuan_v1_moe": Family(_hunyuan_v1_moe, "mlp", _PROJ, "HunYuanMoEV1ForCausalLM", "shared_mlp", router="gate.wg.weight",
                              qk_norms=("query_layernorm", "key_layernorm"), defaults=dict(rms_norm_eps=1e-5)),
 }
 _MLA = (("wq", "q_proj"), ("wq_a", "q_a_proj"), ("wq_b", "q_b_proj"), ("wkv_a", "kv_a_proj_with_mqa"), ("wkv_b", "kv_b_proj"), ("wo", "o_proj"))
 
 
-def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: bool, rope: bool = True) -> dict[str, Tensor]:
+def _linear_attention_keys(family: Family, cfg: TransformerConfig, p: str, q: str) -> dict[str, Tensor]:
+    """A Gated DeltaNet block's mixer (linear_attn): Qwen3-Next's fused in_proj_qkvz (per key
+    head its q, k, v and z rows) and in_proj_ba (per key head its b's and a's rows), or
+    Qwen3.5's in_proj_qkv (q, k, v) beside in_proj_z, in_proj_b, in_proj_a; conv1d [C, 1, K]
+    over the q, k, v channels; A_log, dt_bias, the gated norm, out_proj."""
+    la, lin, out = p + "linear_attn.", cfg.linear_attention_config(), {}
+    if family.linear == "qkvz":
+        r = lin.n_v_heads // lin.n_k_heads
+        rows = (lin.k_head_dim, lin.k_head_dim, r * lin.v_head_dim, r * lin.v_head_dim)
+        for j, name in enumerate(("wq", "wk", "wv", "wz")):
+            out[q + "attn." + name] = Tensor((la + "in_proj_qkvz.weight",), transpose=True, chunk=(j, rows), groups=lin.n_k_heads)
+        for j, name in enumerate(("wb", "wa")):
+            out[q + "attn." + name] = Tensor((la + "in_proj_ba.weight",), transpose=True, chunk=(j, (r, r)), groups=lin.n_k_heads)
+    else:
+        for j, name in enumerate(("wq", "wk", "wv")):
+            out[q + "attn." + name] = Tensor((la + "in_proj_qkv.weight",), transpose=True, chunk=(j, (lin.k_channels, lin.k_channels, lin.v_channels)))
+        for ours, theirs in (("wz", "in_proj_z"), ("wb", "in_proj_b"), ("wa", "in_proj_a")):
+            out[q + "attn." + ours] = Tensor((f"{la}{theirs}.weight",), transpose=True)
+    for j, name in enumerate(("conv_q", "conv_k", "conv_v")):
+        out[q + "attn." + name] = Tensor((la + "conv1d.weight",), transpose=True, unit=1, chunk=(j, (lin.k_channels, lin.k_channels, lin.v_channels)))
+    out[q + "attn.A_log"], out[q + "attn.dt_bias"] = Tensor((la + "A_log",)), Tensor((la + "dt_bias",))
+    out[q + "attn.out_norm"] = Tensor((la + "norm.weight",))
+    out[q + "attn.wo"] = Tensor((la + "out_proj.weight",), transpose=True)
+    return out
+
+
+def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: bool, rope: bool = True, linear: bool = False) -> dict[str, Tensor]:
     """One transformer block: HF prefix p ("model.layers.{i}."), fmoe prefix q; rope=False:
-    a NoPE block (its q/k norms only with cfg.nope_qk_norm)."""
+    a NoPE block (its q/k norms only with cfg.nope_qk_norm); linear: a Gated DeltaNet block."""
+    out = _linear_attention_keys(family, cfg, p, q) if linear else _attention_keys(family, cfg, p, q, rope)
+    if cfg.pre_norms and cfg.post_norms:  # a sandwich block (AFMoE)
+        if family.sandwich is None:
+            raise ValueError("model: pre- and post-norms together (a sandwich block) have no key names in this family")
+        for ours, theirs in zip(("attn_norm", "attn_post_norm", "mlp_norm", "mlp_post_norm"), family.sandwich):
+            out[q + ours + ".weight"] = Tensor((p + theirs + ".weight",))
+    elif cfg.post_norms:  # OLMo 2's post-norm block: post_attention_layernorm is the attention output's norm
+        out[q + "attn_post_norm.weight"] = Tensor((p + "post_attention_layernorm.weight",))
+        out[q + "mlp_post_norm.weight"] = Tensor((p + "post_feedforward_layernorm.weight",))
+    elif cfg.pre_norms:
+        out[q + "attn_norm.weight"] = Tensor((p + "input_layernorm.weight",))
+        out[q + "mlp_norm.weight"] = Tensor((p + "post_attention_layernorm.weight",))
+    mlp = p + family.moe + "."
+    if moe:
+        out[q + "mlp.router"] = Tensor((mlp + family.router,))
+        if cfg.router_bias:  # gpt-oss: the router module's bias
+            out[q + "mlp.router_bias"] = Tensor((mlp + family.router.removesuffix("weight") + "bias",))
+    if moe and family.fused:  # the experts' stacks (Family.fused), each bias beside its stack (gpt-oss)
+        gate_up, _, down = (mlp + name for name in family.experts)
+        stored_linear = family.fused == "halves_out"  # [E, 2F, H] / [E, H, F]: linear weights, transposed
+
+        def half(i: int) -> dict:
+            return dict(part=(i, 2)) if family.fused == "interleaved" else dict(chunk=(i, (1, 1)), transpose=stored_linear)
+
+        out[q + "mlp.experts.w_gate"] = Tensor((gate_up,), **half(0))
+        out[q + "mlp.experts.w_up"] = Tensor((gate_up,), **half(1))
+        out[q + "mlp.experts.w_down"] = Tensor((down,), transpose=stored_linear)
+        if cfg.expert_biases:
+            out[q + "mlp.experts.b_gate"] = Tensor((gate_up + "_bias",), **half(0))
+            out[q + "mlp.experts.b_up"] = Tensor((gate_up + "_bias",), **half(1))
+            out[q + "mlp.experts.b_down"] = Tensor((down + "_bias",))
+    elif moe:
+        for ours, theirs in zip(("w_gate", "w_up", "w_down"), family.experts):
+            out[q + "mlp.experts." + ours] = Tensor(tuple(f"{mlp}experts.{e}.{theirs}.weight" for e in range(cfg.n_experts)),
+                                                    transpose=True, stacked=True)
+    if moe and cfg.expert_bias:  # HF's e_score_correction_bias: fmoe's expert_bias buffer, whatever the experts' layout
+        out[q + "mlp.expert_bias"] = Tensor((mlp + family.correction_bias,))
+    if moe and cfg.shared_size and family.shared_beside:  # Granite: [2Fs, H] gate then up, [H, Fs], beside the MoE block
+        shared = p + family.shared + "."
+        out[q + "mlp.shared.w_gate"] = Tensor((shared + "input_linear.weight",), transpose=True, chunk=(0, (1, 1)))
+        out[q + "mlp.shared.w_up"] = Tensor((shared + "input_linear.weight",), transpose=True, chunk=(1, (1, 1)))
+        out[q + "mlp.shared.w_down"] = Tensor((shared + "output_linear.weight",), transpose=True)
+    elif moe and cfg.shared_size:  # the shared experts inside the MoE block
+        for ours, theirs in zip(("w_gate", "w_up", "w_down"), ("gate_proj", "up_proj", "down_proj")):
+            out[q + "mlp.shared." + ours] = Tensor((f"{mlp}{family.shared}.{theirs}.weight",), transpose=True)
+        if cfg.shared_gate:
+            out[q + "mlp.shared_gate"] = Tensor((mlp + "shared_expert_gate.weight",), unit=0)
+    if not moe:
+        for ours, theirs in zip(("w_gate", "w_up", "w_down"), ("gate_proj", "up_proj", "down_proj")):
+            out[q + "mlp." + ours] = Tensor((f"{p}{family.dense}.{theirs}.weight",), transpose=True)
+    return out
+
+
+def _attention_keys(family: Family, cfg: TransformerConfig, p: str, q: str, rope: bool) -> dict[str, Tensor]:
+    """An attention block's mixer (family.attention): grouped-query or multi-latent attention
+    with their biases, sinks, gate and q/k norms."""
     out = {}
     attn = p + family.attention + "."
     if cfg.kv_rank is not None:  # multi-latent attention
@@ -798,6 +985,9 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
     else:
         for ours, theirs in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", family.o_proj)):
             out[q + "attn." + ours] = Tensor((f"{attn}{theirs}.weight",), transpose=True)
+    gate_in_q = cfg.attn_gate and family.gate_in_q and cfg.kv_rank is None
+    if gate_in_q:  # Qwen3-Next: q_proj's rows are per head its query's D rows, then its gate's
+        out[q + "attn.wq"] = Tensor((attn + "q_proj.weight",), transpose=True, chunk=(0, (1, 1)), groups=cfg.n_heads)
     if cfg.qkv_bias and family.qkv is None:
         for ours, theirs in (("bq", "q_proj"), ("bk", "k_proj"), ("bv", "v_proj")):
             out[q + "attn." + ours] = Tensor((f"{attn}{theirs}.bias",))
@@ -805,66 +995,28 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
         out[q + "attn.bo"] = Tensor((f"{attn}{family.o_proj}.bias",))
     if cfg.attn_sinks:
         out[q + "attn.sinks"] = Tensor((attn + family.sinks,))
-    if cfg.attn_gate:  # gated attention's gate_proj (AFMoE)
+    if gate_in_q:
+        out[q + "attn.wg"] = Tensor((attn + "q_proj.weight",), transpose=True, chunk=(1, (1, 1)), groups=cfg.n_heads)
+    elif cfg.attn_gate:  # gated attention's gate_proj (AFMoE)
         out[q + "attn.wg"] = Tensor((attn + "gate_proj.weight",), transpose=True)
     if cfg.qk_norm in ("head", "proj") and (rope or cfg.nope_qk_norm):  # weighted norms ("rms" has none)
         out[q + "attn.q_norm"] = Tensor((attn + family.qk_norms[0] + ".weight",))
         out[q + "attn.k_norm"] = Tensor((attn + family.qk_norms[1] + ".weight",))
-    if cfg.pre_norms and cfg.post_norms:  # a sandwich block (AFMoE)
-        if family.sandwich is None:
-            raise ValueError("model: pre- and post-norms together (a sandwich block) have no key names in this family")
-        for ours, theirs in zip(("attn_norm", "attn_post_norm", "mlp_norm", "mlp_post_norm"), family.sandwich):
-            out[q + ours + ".weight"] = Tensor((p + theirs + ".weight",))
-    elif cfg.post_norms:  # OLMo 2's post-norm block: post_attention_layernorm is the attention output's norm
-        out[q + "attn_post_norm.weight"] = Tensor((p + "post_attention_layernorm.weight",))
-        out[q + "mlp_post_norm.weight"] = Tensor((p + "post_feedforward_layernorm.weight",))
-    elif cfg.pre_norms:
-        out[q + "attn_norm.weight"] = Tensor((p + "input_layernorm.weight",))
-        out[q + "mlp_norm.weight"] = Tensor((p + "post_attention_layernorm.weight",))
-    mlp = p + family.moe + "."
-    if moe:
-        out[q + "mlp.router"] = Tensor((mlp + family.router,))
-        if cfg.router_bias:  # gpt-oss: the router module's bias
-            out[q + "mlp.router_bias"] = Tensor((mlp + family.router.removesuffix("weight") + "bias",))
-    if moe and family.fused:  # the experts' stacks (Family.fused), each bias beside its stack (gpt-oss)
-        gate_up, _, down = (mlp + name for name in family.experts)
-        linear = family.fused == "halves_out"  # [E, 2F, H] / [E, H, F]: linear weights, transposed
-
-        def half(i: int) -> dict:
-            return dict(part=(i, 2)) if family.fused == "interleaved" else dict(chunk=(i, (1, 1)), transpose=linear)
-
-        out[q + "mlp.experts.w_gate"] = Tensor((gate_up,), **half(0))
-        out[q + "mlp.experts.w_up"] = Tensor((gate_up,), **half(1))
-        out[q + "mlp.experts.w_down"] = Tensor((down,), transpose=linear)
-        if cfg.expert_biases:
-            out[q + "mlp.experts.b_gate"] = Tensor((gate_up + "_bias",), **half(0))
-            out[q + "mlp.experts.b_up"] = Tensor((gate_up + "_bias",), **half(1))
-            out[q + "mlp.experts.b_down"] = Tensor((down + "_bias",))
-    elif moe:
-        for ours, theirs in zip(("w_gate", "w_up", "w_down"), family.experts):
-            out[q + "mlp.experts." + ours] = Tensor(tuple(f"{mlp}experts.{e}.{theirs}.weight" for e in range(cfg.n_experts)),
-                                                    transpose=True, stacked=True)
-    if moe and cfg.expert_bias:  # HF's e_score_correction_bias: fmoe's expert_bias buffer, whatever the experts' layout
-        out[q + "mlp.expert_bias"] = Tensor((mlp + family.correction_bias,))
-    if moe and cfg.shared_size and family.shared_beside:  # Granite: [2Fs, H] gate then up, [H, Fs], beside the MoE block
-        shared = p + family.shared + "."
-        out[q + "mlp.shared.w_gate"] = Tensor((shared + "input_linear.weight",), transpose=True, chunk=(0, (1, 1)))
-        out[q + "mlp.shared.w_up"] = Tensor((shared + "input_linear.weight",), transpose=True, chunk=(1, (1, 1)))
-        out[q + "mlp.shared.w_down"] = Tensor((shared + "output_linear.weight",), transpose=True)
-    elif moe and cfg.shared_size:  # the shared experts inside the MoE block
-        for ours, theirs in zip(("w_gate", "w_up", "w_down"), ("gate_proj", "up_proj", "down_proj")):
-            out[q + "mlp.shared." + ours] = Tensor((f"{mlp}{family.shared}.{theirs}.weight",), transpose=True)
-        if cfg.shared_gate:
-            out[q + "mlp.shared_gate"] = Tensor((mlp + "shared_expert_gate.weight",), row=True)
-    if not moe:
-        for ours, theirs in zip(("w_gate", "w_up", "w_down"), ("gate_proj", "up_proj", "down_proj")):
-            out[q + "mlp." + ours] = Tensor((f"{p}{family.dense}.{theirs}.weight",), transpose=True)
     return out
 
 
 def mtp_layer(cfg: TransformerConfig, d: int) -> str:
     """The HF prefix of MTP depth d (1, 2, ...): the layers after the trunk's."""
     return f"model.layers.{cfg.n_layers + d - 1}."
+
+
+def stacked_experts(family: Family, keys) -> Family:
+    """The family as a folder of checkpoint `keys` stores it: with Family.stacks_too and the
+    experts stored as stacks (a key ending in experts.gate_up_proj), its stacked layout
+    ("halves_out", Granite's and transformers' [E, 2F, H] / [E, H, F]); the family itself otherwise."""
+    if family.stacks_too and any(key.endswith(".experts.gate_up_proj") for key in keys):
+        return dataclasses.replace(family, fused="halves_out", experts=_STACKS)
+    return family
 
 
 def key_map(family: Family, cfg: TransformerConfig) -> dict[str, Tensor]:
@@ -874,7 +1026,7 @@ def key_map(family: Family, cfg: TransformerConfig) -> dict[str, Tensor]:
     head are mtp_copies')."""
     out = {"embed": Tensor((family.embed,))}
     for i in range(cfg.n_layers):
-        out.update(_block_keys(family, cfg, f"model.layers.{i}.", f"blocks.{i}.", cfg.is_moe(i), rope=not cfg.is_nope(i)))
+        out.update(_block_keys(family, cfg, f"model.layers.{i}.", f"blocks.{i}.", cfg.is_moe(i), rope=not cfg.is_nope(i), linear=cfg.is_linear(i)))
     out["norm.weight"] = Tensor(("model.norm.weight",))
     if not cfg.tie_embeddings:
         out["head"] = Tensor(("lm_head.weight",))
@@ -886,8 +1038,8 @@ def key_map(family: Family, cfg: TransformerConfig) -> dict[str, Tensor]:
         out.update(_block_keys(family, cfg, p, q + "block.", any(cfg.is_moe(i) for i in range(cfg.n_layers))))
         if cfg.mtp_norm:
             out[q + "out_norm.weight"] = Tensor((p + "shared_head.norm.weight",))
-    if family.prefix:
-        out = {name: dataclasses.replace(spec, keys=tuple(family.prefix + key for key in spec.keys)) for name, spec in out.items()}
+    if family.prefix != ("", ""):
+        out = {name: dataclasses.replace(spec, keys=tuple(family.renamed(key) for key in spec.keys)) for name, spec in out.items()}
     return out
 
 
@@ -942,14 +1094,16 @@ def unread_keys(family: Family, cfg: TransformerConfig, path, stored) -> list[st
     _scales), the MTP layers' copies of the embedding and head, MTP depths past
     cfg.mtp_depth (asked for with mtp_depth=), RoPE's inv_freq buffers (recomputed),
     lm_head.weight where `path`'s config.json ties it to the embedding, and the keys under
-    family.not_read (what transformers does not read either)."""
+    family.not_read (what transformers does not read either). The experts' layout is the one
+    `stored` holds (stacked_experts)."""
+    family = stacked_experts(family, stored)
     read = {key for spec in key_map(family, cfg).values() for key in spec.keys}
     read |= {key + suffix for key in list(read) for suffix in ("_blocks", "_scales")}
     read |= {key.removesuffix("weight") + "weight_scale_inv" for key in list(read) if key.endswith("weight")}
     read |= set(mtp_copies(family, cfg))
     config = Path(path) / "config.json"
     if cfg.tie_embeddings and config.is_file() and json.loads(config.read_text()).get("tie_word_embeddings"):
-        read.add(family.prefix + "lm_head.weight")
+        read.add(family.renamed("lm_head.weight"))
 
     def dropped_mtp(key: str) -> bool:  # MTP depths not asked for, or a family's layers after the trunk's that are never read
         layer = re.match(r"model\.layers\.(\d+)\.", key)
@@ -974,8 +1128,9 @@ def load_weights(model: Transformer, path, *, model_type: str, strict: bool = Tr
     from torch.distributed.tensor import DTensor
 
     path = Path(path)
-    family = FAMILIES[model_type]
     files = _weight_files(path)
+    family = stacked_experts(FAMILIES[model_type], files)
+    model.hf_stacks = family.fused is not None and not FAMILIES[model_type].fused  # the layout save_pretrained writes back
     params = _tensors(model)
     block = _fp8_block(path)
     from safetensors import safe_open
@@ -1022,13 +1177,13 @@ def load_weights(model: Transformer, path, *, model_type: str, strict: bool = Tr
                 stored = (E, groups * 32, out)
             else:
                 stored = tuple(open_slice(key).get_shape())
+            if spec.unit is not None:
+                stored = (*stored[:spec.unit], *stored[spec.unit + 1:])
             if spec.part is not None:
                 return (*stored[:-1], stored[-1] // spec.part[1])
-            if spec.row:
-                return (stored[-1],)
-            if spec.chunk is not None:  # a run of fmoe's last dim: the stored dim -2 of a transposed weight
-                d = len(stored) - (2 if spec.transpose else 1)
-                stored = (*stored[:d], _run(spec.chunk, stored[d])[1], *stored[d + 1:])
+            if spec.chunk is not None:  # a run of fmoe's last dim (of each group): the stored dim -2 of a transposed weight
+                d = _chunk_dim(spec, len(stored))
+                stored = (*stored[:d], spec.groups * _run(spec.chunk, stored[d] // spec.groups)[1], *stored[d + 1:])
             return _swap_last(stored) if spec.transpose else stored
 
         keys = key_map(family, model.cfg)
@@ -1066,31 +1221,43 @@ def load_weights(model: Transformer, path, *, model_type: str, strict: bool = Tr
             def stored_index(ours: tuple[slice, ...]) -> tuple[slice, ...]:
                 if spec.part is not None:  # the whole interleaved run of the block's entries
                     n = spec.part[1]
-                    return (*ours[:-1], slice(ours[-1].start * n, ours[-1].stop * n))
-                if spec.row:
-                    return (slice(0, 1), ours[0])
-                index = _swap_last(ours) if spec.transpose else ours
+                    index = (*ours[:-1], slice(ours[-1].start * n, ours[-1].stop * n))
+                else:
+                    index = _swap_last(ours) if spec.transpose else ours
                 if spec.chunk is not None:  # the i-th run of the stored dim -2 (transposed) or -1
-                    d = len(index) - (2 if spec.transpose else 1)
-                    offset = _run(spec.chunk, open_slice(spec.keys[0]).get_shape()[d])[0]
-                    index = (*index[:d], slice(index[d].start + offset, index[d].stop + offset), *index[d + 1:])
+                    d = _chunk_dim(spec, len(index))
+                    stored_dim = open_slice(spec.keys[0]).get_shape()[d + (spec.unit is not None and spec.unit <= d)]
+                    if spec.groups > 1:  # runs in every group: the whole dim is read, as_ours takes them
+                        index = (*index[:d], slice(0, stored_dim), *index[d + 1:])
+                    else:
+                        offset = _run(spec.chunk, stored_dim)[0]
+                        index = (*index[:d], slice(index[d].start + offset, index[d].stop + offset), *index[d + 1:])
+                if spec.unit is not None:
+                    index = (*index[:spec.unit], slice(0, 1), *index[spec.unit:])
                 return index
 
-            def as_ours(t: torch.Tensor) -> torch.Tensor:
+            def as_ours(t: torch.Tensor, ours: tuple[slice, ...]) -> torch.Tensor:
+                if spec.unit is not None:
+                    t = t.squeeze(spec.unit)
                 if spec.part is not None:
                     return t[..., spec.part[0]::spec.part[1]]
-                return t.reshape(-1) if spec.row else (t.transpose(-2, -1) if spec.transpose else t)
+                if spec.chunk is not None and spec.groups > 1:  # every group's run, then the block's entries of them
+                    d = _chunk_dim(spec, t.dim())
+                    runs = _grouped_runs(spec, t, d).flatten(d, d + 1)
+                    block = ours[-1] if spec.transpose else ours[d]
+                    t = runs.narrow(d, block.start, block.stop - block.start)
+                return t.transpose(-2, -1) if spec.transpose else t
 
             if spec.stacked:  # only this rank's experts, each its own block
                 experts = range(len(spec.keys))[index[0]]
-                value = torch.stack([as_ours(read(spec.keys[e], stored_index(index[1:]))) for e in experts]) if len(experts) else None
+                value = torch.stack([as_ours(read(spec.keys[e], stored_index(index[1:])), index[1:]) for e in experts]) if len(experts) else None
             elif spec.part is not None:  # the parts of a key share one read of its block
                 where = (spec.keys[0], tuple((sl.start, sl.stop) for sl in stored_index(index)))
                 if last_part[0] != where:
                     last_part[:] = where, read(spec.keys[0], stored_index(index))
-                value = as_ours(last_part[1])
+                value = as_ours(last_part[1], index)
             else:
-                value = as_ours(read(spec.keys[0], stored_index(index)))
+                value = as_ours(read(spec.keys[0], stored_index(index)), index)
             local = param.to_local() if isinstance(param, DTensor) else param
             if value is not None:
                 with torch.no_grad():
@@ -1301,6 +1468,16 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
                   norm_topk_prob=not cfg.pre_softmax, attention_bias=cfg.qkv_bias, sliding_window=cfg.window or 1024, layer_types=_layer_types(cfg),
                   mlp_layer_types=["sparse" if cfg.is_moe(i) else "dense" for i in range(cfg.n_layers)],
                   rope_parameters={"full_attention": full, "sliding_attention": sliding})
+    elif model_type in ("qwen3_next", "qwen3_5_moe_text"):
+        lin = cfg.linear_attention_config()
+        if model_type == "qwen3_next":  # Qwen3.5-MoE's blocks are all MoE, renormalised
+            hf.update(intermediate_size=cfg.ffn_dense, decoder_sparse_step=1, mlp_only_layers=[i for i in range(cfg.n_layers) if i not in moe],
+                      norm_topk_prob=not cfg.pre_softmax)
+        hf.update(num_experts=cfg.n_experts, moe_intermediate_size=cfg.ffn_expert, shared_expert_intermediate_size=cfg.shared_size, attention_bias=False,
+                  layer_types=["linear_attention" if cfg.is_linear(i) else "full_attention" for i in range(cfg.n_layers)],
+                  linear_num_key_heads=lin.n_k_heads, linear_num_value_heads=lin.n_v_heads, linear_key_head_dim=lin.k_head_dim,
+                  linear_value_head_dim=lin.v_head_dim, linear_conv_kernel_dim=lin.conv,
+                  rope_parameters=dict(_rope_parameters(cfg), partial_rotary_factor=(cfg.rope_dim or cfg.head_dim) / cfg.head_dim))
     elif model_type in _DEEPSEEK_STYLE:  # _deepseek_moe_config's fields, below
         pass
     elif model_type in ("olmoe", "flex_olmo"):
@@ -1355,7 +1532,7 @@ def written_config(hf: dict) -> dict:
     family = FAMILIES[hf["model_type"]]
     if family.written_as is None:
         return hf
-    return dict(hf["text_config"], model_type=family.written_as, architectures=[FAMILIES[family.written_as].architecture])
+    return dict(text_config(hf), model_type=family.written_as, architectures=[FAMILIES[family.written_as].architecture])
 
 
 def config_mismatch(cfg: TransformerConfig, hf: dict) -> dict[str, tuple]:
@@ -1391,9 +1568,8 @@ def _stored(spec: Tensor, full: torch.Tensor, dtype: torch.dtype) -> list[tuple[
     stack's experts, a row, or one tensor (not a part of a key: Tensor.part, Tensor.chunk)."""
     if spec.stacked:
         return [(key, (full[e].t() if spec.transpose else full[e]).contiguous().to(dtype)) for e, key in enumerate(spec.keys)]
-    if spec.row:
-        return [(spec.keys[0], full.reshape(1, -1).contiguous().to(dtype))]
-    return [(spec.keys[0], (full.transpose(-2, -1) if spec.transpose else full).contiguous().to(dtype))]
+    stored = full.transpose(-2, -1) if spec.transpose else full
+    return [(spec.keys[0], (stored if spec.unit is None else stored.unsqueeze(spec.unit)).contiguous().to(dtype))]
 
 
 class _ShardWriter:
@@ -1491,19 +1667,24 @@ def _converted(name: str, spec: Tensor, full: torch.Tensor, copies, parts: dict,
     if spec.part is not None:  # every n-th entry of the last dim, from i
         i, n = spec.part
         shape, where = (*full.shape[:-1], full.shape[-1] * n), (..., slice(i, None, n))
-    else:  # the i-th of n runs of the stored dim -2 (transposed) or -1
+    else:  # the i-th of n runs of the stored dim -2 (transposed) or -1 (of each group)
         i, sizes = spec.chunk
         n = len(sizes)
         full = full.transpose(-2, -1) if spec.transpose else full
-        d = full.dim() - (2 if spec.transpose else 1)
+        d = _chunk_dim(spec, full.dim())
         dim = full.shape[d] // sizes[i] * sum(sizes)
-        offset, size = _run(spec.chunk, dim)
         shape = (*full.shape[:d], dim, *full.shape[d + 1:])
-        where = (*(slice(None),) * d, slice(offset, offset + size))
+        where = None
     stored = parts.setdefault(key, [torch.empty(shape, dtype=dtype), n])
-    stored[0][where] = full
+    if where is not None:
+        stored[0][where] = full
+    else:  # the chunk's run of each group (one group: the run itself)
+        _grouped_runs(spec, stored[0], d).copy_(full.unflatten(d, (spec.groups, -1)))
     stored[1] -= 1
-    return [*out, (key, parts.pop(key)[0])] if not stored[1] else out
+    if stored[1]:
+        return out
+    value = parts.pop(key)[0]
+    return [*out, (key, value if spec.unit is None else value.unsqueeze(spec.unit))]
 
 
 def save_pretrained(model: Transformer, path, *, model_type: Optional[str] = None, max_shard_bytes: int = 5 * 10**9) -> Path:
@@ -1535,6 +1716,8 @@ def save_pretrained(model: Transformer, path, *, model_type: Optional[str] = Non
         hf = hf_config(model.cfg, model_type)
     _check_writable(hf["model_type"])
     family = FAMILIES[hf["model_type"]]
+    if hf is getattr(model, "hf_config", None) and getattr(model, "hf_stacks", False):  # the experts as the folder stored them
+        family = stacked_experts(family, (".experts.gate_up_proj",))
     if hf.get("quantization_config"):  # written dequantised, in the checkpoint's dtype
         hf = {k: v for k, v in hf.items() if k != "quantization_config"}
     params = _tensors(model)

@@ -21,7 +21,7 @@ from fmoe.model import Transformer, TransformerConfig  # noqa: E402
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "deepseek_v2", "granitemoeshared", "hunyuan_v1_moe", "exaone_moe", "llama4_text",
-                                    "granitemoe_swa", "afmoe", "flint", "mellum"])
+                                    "granitemoe_swa", "afmoe", "flint", "mellum", "qwen3_next"])
 def test_greedy_matches_transformers_generate(tmp_path, family):
     """Through fmoe's KV cache (DeepSeek-V3 / -V2: multi-latent attention absorbed, latents
     cached; -V2 without the low-rank q; Granite: the embedding, attention and residual
@@ -32,7 +32,8 @@ def test_greedy_matches_transformers_generate(tmp_path, family):
     AFMoE: gated attention and sandwich norms, a 3-token window ring in layer 0, layer 1 NoPE;
     Flint: sinks, q/k norms and biases, a 3-token window ring in layer 0, layer 1 NoPE;
     Mellum: a 3-token window ring in layer 0 with plain RoPE at its own base, layer 1 full
-    with Llama 3.1's scaling)
+    with Llama 3.1's scaling; Qwen3-Next: layer 0 Gated DeltaNet, its conv and delta-rule
+    states carried from the prompt through every step, layer 1 gated attention)
     against transformers' own generate and cache."""
     transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]'")
     import fmoe.hf
@@ -78,6 +79,11 @@ def test_greedy_matches_transformers_generate(tmp_path, family):
                                            rope_parameters=dict(full_attention=dict(rope_type="llama3", rope_theta=5e5, factor=4.0, low_freq_factor=1.0,
                                                                                     high_freq_factor=4.0, original_max_position_embeddings=8),
                                                                 sliding_attention=dict(rope_type="default", rope_theta=100.0)))
+    elif family == "qwen3_next":
+        config = transformers.Qwen3NextConfig(**common, num_key_value_heads=2, head_dim=8, intermediate_size=40, moe_intermediate_size=16,
+                                              num_experts=4, num_experts_per_tok=2, shared_expert_intermediate_size=24,
+                                              layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2, linear_num_value_heads=4,
+                                              linear_key_head_dim=8, linear_value_head_dim=6)
     elif family == "llama4_text":
         config = transformers.Llama4TextConfig(**common, num_key_value_heads=2, head_dim=8, intermediate_size=16, intermediate_size_mlp=40,
                                                num_local_experts=4, num_experts_per_tok=1, no_rope_layer_interval=2, attention_chunk_size=4,
