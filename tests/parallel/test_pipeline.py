@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from tests.parallel.dist import by_world
-from tests.parallel.test_model_parallel import GRANITE
+from tests.parallel.test_model_parallel import GRANITE, QWEN3_NEXT
 
 TINY = dict(vocab_size=64, hidden=32, n_layers=4, n_dense=1, ffn_dense=64, n_experts=4, k=2, ffn_expert=32,
             n_shared=1, n_heads=4, n_kv_heads=2, head_dim=8, mtp_depth=1)
@@ -142,6 +142,8 @@ CASES = {
     "1f1b": (2, dict(pp=2), "1f1b", 1, dict(n_layers=2)),
     "gpipe": (2, dict(pp=2), "gpipe", 1, dict(n_layers=2, **GRANITE)),  # the embedding's and the logits' multipliers on their stages
     "interleaved_1f1b": (2, dict(pp=2), "interleaved_1f1b", 2, {}),
+    # Qwen3-Next's blocks: a Gated DeltaNet block on each stage of the first chunk pair, zero-centred norms on both ends
+    "interleaved_1f1b-gated-deltanet": (2, dict(pp=2), "interleaved_1f1b", 2, dict(QWEN3_NEXT, linear_layers=(0, 1, 3))),
     "looped_bfs": (2, dict(pp=2), "looped_bfs", 2, {}),
     "pp2xdp2": (4, dict(pp=2), "1f1b", 1, {}),
     "pp2xep2": (4, dict(pp=2, ep=2), "1f1b", 1, {}),
