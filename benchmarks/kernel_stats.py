@@ -27,7 +27,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from fmoe.ops import balance, dispatch, experts, loss, packed, rope, routing  # noqa: E402
+from fmoe.ops import balance, delta, dispatch, experts, loss, packed, rope, routing  # noqa: E402
 from fmoe.optim import adamw  # noqa: E402
 
 BIN = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -137,6 +137,13 @@ def cases():
     ce_scalars = dict(N="i32", V="i32", stride_x="i32", stride_g="i32", ignore_index="i32")
     for name, write_grad in (("ce_fwd", True), ("ce_fwd nograd", False)):
         yield name, loss._ce_fwd_kernel, ce_ptrs, ce_scalars, dict(MEAN=True, WRITE_GRAD=write_grad, **loss._ce_blocks(131072))
+    # the gated delta rule's states over chunks of 64 at Qwen3-Next's heads, Dk = Dv = 128 (float32 terms)
+    meta = delta._blocks(64, 128, 128)
+    states_scalars = dict(M="i32", C="i32", K="i32", V="i32")
+    yield "delta_states_fwd", delta._delta_states_fwd_kernel, dict(wv_ptr="*fp32", wk_ptr="*fp32", kout_ptr="*fp32", keep_ptr="*fp32",
+                                                                   s0_ptr="*fp32", states_ptr="*fp32"), states_scalars, meta
+    yield "delta_states_bwd", delta._delta_states_bwd_kernel, dict(wk_ptr="*fp32", kout_ptr="*fp32", keep_ptr="*fp32", dstates_ptr="*fp32",
+                                                                   g_ptr="*fp32", du_ptr="*fp32"), states_scalars, meta
     # AdamW step (fmoe.optim.adamw), one program per CHUNK elements of a tensor
     adamw_ptrs = dict(table_ptr="*i64", chunk_tensor_ptr="*i64")
     adamw_scalars = dict(n_tensors="i32", decay="fp32", beta1="fp32", beta2="fp32", eps="fp32", step_size="fp32", bc2_sqrt="fp32")

@@ -1072,7 +1072,8 @@ class LinearAttentionConfig:
     (n_v_heads % n_k_heads == 0: value head h reads key head h // (n_v_heads / n_k_heads));
     conv: the taps of the causal depthwise convolution on q, k and v (its state in
     decoding: the conv - 1 tokens before); norm_eps: the gated output norm's; chunk_size:
-    fmoe.ops.gated_delta_rule's chunk (the same result up to rounding)."""
+    fmoe.ops.gated_delta_rule's chunk (the same result up to rounding); impl: its impl (the
+    states' Triton kernels on CUDA with "auto")."""
 
     n_k_heads: int
     n_v_heads: int
@@ -1081,8 +1082,11 @@ class LinearAttentionConfig:
     conv: int = 4
     norm_eps: float = 1e-6
     chunk_size: int = 64
+    impl: str = "auto"
 
     def __post_init__(self):
+        if self.impl not in IMPLS:
+            raise ValueError(f"impl: expected one of {IMPLS}, got {self.impl!r}")
         for name in ("n_k_heads", "n_v_heads", "k_head_dim", "v_head_dim", "conv", "chunk_size"):
             check_positive_int(name, getattr(self, name))
         if self.n_v_heads % self.n_k_heads:
@@ -1214,9 +1218,10 @@ def linear_attention(x: torch.Tensor, params, cfg: LinearAttentionConfig, ctx: "
     beta = torch.sigmoid(x @ params["wb"]).reshape(B, T // B, Nv)
     g = (-params["A_log"].float().exp() * F.softplus((x @ params["wa"]).float() + params["dt_bias"].float())).reshape(B, T // B, Nv)
     if states is None:
-        o = gated_delta_rule(q, k, v, g, beta, cu, chunk_size=cfg.chunk_size)
+        o = gated_delta_rule(q, k, v, g, beta, cu, chunk_size=cfg.chunk_size, impl=cfg.impl)
     else:
-        o, states.state = gated_delta_rule(q, k, v, g, beta, initial_state=states.state, final_state=True, chunk_size=cfg.chunk_size)
+        o, states.state = gated_delta_rule(q, k, v, g, beta, initial_state=states.state, final_state=True, chunk_size=cfg.chunk_size,
+                                           impl=cfg.impl)
     o_TNV = o.reshape(T, Nv, Dv)
     z_TNV = (x @ params["wz"]).reshape(T, Nv, Dv)
     gated = (_rms_norm(o_TNV, params["out_norm"], cfg.norm_eps).float() * F.silu(z_TNV.float())).to(x.dtype)

@@ -519,7 +519,8 @@ class TransformerConfig:
     def linear_attention_config(self) -> LinearAttentionConfig:
         """The linear-attention blocks' (linear_layers) Gated DeltaNet."""
         return LinearAttentionConfig(n_k_heads=self.linear_k_heads, n_v_heads=self.linear_v_heads, k_head_dim=self.linear_k_dim,
-                                     v_head_dim=self.linear_v_dim, conv=self.linear_conv, norm_eps=self.norm_eps)
+                                     v_head_dim=self.linear_v_dim, conv=self.linear_conv, norm_eps=self.norm_eps,
+                                     impl="auto" if self.impl == "flex" else self.impl)
 
     def attention_config(self, *, local: bool = False, rope: bool = True) -> AttentionConfig:
         """The attention of a block that attends over every earlier token, or with local

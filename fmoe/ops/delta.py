@@ -20,8 +20,7 @@ last token. Everything is computed in float32; o is returned in v's dtype.
 
 `gated_delta_rule_loop` is that recurrence token by token: the definition of correctness.
 `gated_delta_rule` computes the same in chunks of C = chunk_size tokens (the WY form of
-DeltaNet, Yang et al. 2024), in plain torch on every device (torch.compile fuses it; no
-Triton kernel yet): inside a chunk, with gamma_i = g_1 + ... + g_i (the chunk's tokens
+DeltaNet, Yang et al. 2024): inside a chunk, with gamma_i = g_1 + ... + g_i (the chunk's tokens
 i = 1..C), Gamma_i = exp(gamma_i), and the state S0 the chunk starts from,
 
     (I + A) U = beta V - carry beta Gamma K S0,   A_ij = beta_i exp(gamma_i - gamma_j) k_i.k_j  (j < i)
@@ -30,10 +29,10 @@ i = 1..C), Gamma_i = exp(gamma_i), and the state S0 the chunk starts from,
 
 with the pairs (i, j) restricted to one document, carry_i = 1 where token i continues the
 document S0 belongs to, and the sums in S_end over the chunk's last document. The
-triangular solve and every matrix product run for all chunks at once; only the last three
-lines, which need S0, run chunk after chunk (T / C small steps). No value is read on the
-host: documents come from cu_seqlens on the device, T is padded to a multiple of C with
-tokens that neither write nor decay.
+triangular solve and every matrix product run for all chunks at once, in torch; only the
+state runs chunk after chunk (T / C steps): on CUDA in one Triton kernel that keeps it in
+registers for the whole sequence (and one for its gradient), elsewhere in torch (section 2). No value is read on the host: documents come from cu_seqlens on the
+device, T is padded to a multiple of C with tokens that neither write nor decay.
 
 Legend: B batch rows, T tokens, N heads, Dk key (and query) dim, Dv value dim, C chunk
 tokens, M = T / C chunks.
@@ -46,6 +45,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+import triton
+import triton.language as tl
+
+from fmoe.ops.backend import next_pow2, use_triton
 from fmoe.ops.checks import check_float, check_index, check_positive_int
 from fmoe.ops.packed import sequence_ids
 
@@ -107,8 +110,204 @@ def gated_delta_rule_loop(q, k, v, g, beta, cu_seqlens=None, *, scale=None, init
     return (o, S) if final_state else o
 
 
+# ----------------------------------------------------------------------------------------
+# 2. The state before each chunk: reference and Triton kernels
+# ----------------------------------------------------------------------------------------
+#
+# With the chunks' state-free terms computed for every chunk at once (gated_delta_rule),
+# only the state runs chunk after chunk, m = 0 .. M-1, from S_0 = the initial state:
+#
+#     S_m+1 = keep_m S_m + K_m^T (W_v,m - W_k,m S_m)          [Dk, Dv]   (K: k_out)
+#
+# and the outputs of every chunk then come at once from the states before them:
+# u_m = W_v,m - W_k,m S_m and o_m = Q_m S_m + P_m u_m. The backward of the states, from
+# G_m = dL/dS_m's part that does not come through S_m+1 (the outputs', the final state's),
+# runs back from m = M - 1 with the total gradient g of S_m+1:
+#
+#     du_m = K_m g,   g <- G_m + keep_m g - W_k,m^T du_m   (then the total of S_m)
+#
+# and the rest at once: dW_v,m = du_m, dW_k,m = -du_m S_m^T, dK_m = u_m g_m+1^T,
+# dkeep_m = sum(S_m * g_m+1), dS_0 = g_0. On CUDA each recurrence is one Triton kernel, one
+# program per (Dv block, batch row x head), the state's (or its gradient's) [Dk, BV] block
+# in registers for the whole sequence, in two row halves when Dk > 64. Its products run on
+# the tensor cores in 3xTF32 (each float32 operand as a TF32 part and its remainder: float32
+# accuracy, about 1e-6 relative, where a single TF32 product would round to 1e-3).
+
+
+def _states_ref(w_v, w_k, k_out, keep, state0):
+    """The states S_0 .. S_M [R, M + 1, Dk, Dv] of the recurrence above, chunk after chunk in
+    torch (autograd through it). w_v [R, M, C, Dv], w_k and k_out [R, M, C, Dk], keep [R, M]
+    float32, state0 [R, Dk, Dv]; R = batch rows x heads."""
+    states = [state0]
+    for m in range(w_v.shape[1]):
+        s = states[-1]
+        states.append(keep[:, m, None, None] * s + k_out[:, m].transpose(-1, -2) @ (w_v[:, m] - w_k[:, m] @ s))
+    return torch.stack(states, 1)
+
+
+@triton.jit
+def _tile(ptr, rows, cols, n_rows, n_cols, row_stride):
+    """[len(rows), len(cols)] float32 tile of a row-major matrix, 0 outside n_rows x n_cols."""
+    return tl.load(ptr + rows[:, None] * row_stride + cols[None, :], mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols), other=0.0)
+
+
+@triton.jit
+def _put(ptr, value, rows, cols, n_rows, n_cols, row_stride):
+    tl.store(ptr + rows[:, None] * row_stride + cols[None, :], value, mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols))
+
+
+@triton.jit
+def _delta_states_fwd_kernel(wv_ptr, wk_ptr, kout_ptr, keep_ptr, s0_ptr, states_ptr, M, C, K, V,
+                             BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, TWO: tl.constexpr):
+    # a chunk's rows in blocks of BC: S_m+1 = keep S_m + sum over the blocks of K_b^T (W_v,b - W_k,b S_m)
+    pid_v = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    ka = tl.arange(0, BK)
+    kb = BK + tl.arange(0, BK)  # the second half of Dk (TWO)
+    v = pid_v * BV + tl.arange(0, BV)
+    s_a = _tile(s0_ptr + row * K * V, ka, v, K, V, V)
+    _put(states_ptr + row * (M + 1) * K * V, s_a, ka, v, K, V, V)
+    if TWO:
+        s_b = _tile(s0_ptr + row * K * V, kb, v, K, V, V)
+        _put(states_ptr + row * (M + 1) * K * V, s_b, kb, v, K, V, V)
+    for m in range(M):
+        chunk = row * M + m
+        keep = tl.load(keep_ptr + chunk)
+        new_a = keep * s_a
+        if TWO:
+            new_b = keep * s_b
+        for c0 in range(0, C, BC):
+            c = c0 + tl.arange(0, BC)
+            ck = chunk * C * K
+            u = _tile(wv_ptr + chunk * C * V, c, v, C, V, V) - tl.dot(_tile(wk_ptr + ck, c, ka, C, K, K), s_a, input_precision="tf32x3")
+            if TWO:
+                u -= tl.dot(_tile(wk_ptr + ck, c, kb, C, K, K), s_b, input_precision="tf32x3")
+            new_a += tl.dot(tl.trans(_tile(kout_ptr + ck, c, ka, C, K, K)), u, input_precision="tf32x3")
+            if TWO:
+                new_b += tl.dot(tl.trans(_tile(kout_ptr + ck, c, kb, C, K, K)), u, input_precision="tf32x3")
+        out = states_ptr + (chunk + row + 1) * K * V  # S_m+1 of this row: row (M + 1) + m + 1
+        s_a = new_a
+        _put(out, s_a, ka, v, K, V, V)
+        if TWO:
+            s_b = new_b
+            _put(out, s_b, kb, v, K, V, V)
+
+
+@triton.jit
+def _delta_states_bwd_kernel(wk_ptr, kout_ptr, keep_ptr, dstates_ptr, g_ptr, du_ptr, M, C, K, V,
+                             BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, TWO: tl.constexpr):
+    pid_v = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    ka = tl.arange(0, BK)
+    kb = BK + tl.arange(0, BK)
+    v = pid_v * BV + tl.arange(0, BV)
+    last = (row * (M + 1) + M) * K * V
+    g_a = _tile(dstates_ptr + last, ka, v, K, V, V)
+    _put(g_ptr + last, g_a, ka, v, K, V, V)
+    if TWO:
+        g_b = _tile(dstates_ptr + last, kb, v, K, V, V)
+        _put(g_ptr + last, g_b, kb, v, K, V, V)
+    for i in range(M):
+        m = M - 1 - i
+        chunk = row * M + m
+        keep = tl.load(keep_ptr + chunk)
+        here = (chunk + row) * K * V  # S_m of this row: row (M + 1) + m
+        new_a = _tile(dstates_ptr + here, ka, v, K, V, V) + keep * g_a
+        if TWO:
+            new_b = _tile(dstates_ptr + here, kb, v, K, V, V) + keep * g_b
+        for c0 in range(0, C, BC):  # du_b = K_b g, then g loses W_k,b^T du_b, block by block
+            c = c0 + tl.arange(0, BC)
+            ck = chunk * C * K
+            du = tl.dot(_tile(kout_ptr + ck, c, ka, C, K, K), g_a, input_precision="tf32x3")
+            if TWO:
+                du += tl.dot(_tile(kout_ptr + ck, c, kb, C, K, K), g_b, input_precision="tf32x3")
+            _put(du_ptr + chunk * C * V, du, c, v, C, V, V)
+            new_a -= tl.dot(tl.trans(_tile(wk_ptr + ck, c, ka, C, K, K)), du, input_precision="tf32x3")
+            if TWO:
+                new_b -= tl.dot(tl.trans(_tile(wk_ptr + ck, c, kb, C, K, K)), du, input_precision="tf32x3")
+        g_a = new_a
+        _put(g_ptr + here, g_a, ka, v, K, V, V)
+        if TWO:
+            g_b = new_b
+            _put(g_ptr + here, g_b, kb, v, K, V, V)
+
+
+def _blocks(C: int, K: int, V: int) -> dict:
+    """The kernels' tiles: a chunk's rows in blocks of BC = 32, Dk in one or two halves of BK
+    (TWO: Dk > 64), Dv in blocks of BV = 16 (so that the tf32x3 products' operands fit the
+    registers: no spill at Dk = 128, benchmarks/kernel_stats.py); every tile at least 16
+    wide, tl.dot's least. V does not change them: more Dv, more programs."""
+    half = max(16, min(64, next_pow2(K)))
+    return dict(BC=max(16, min(32, next_pow2(C))), BK=half, BV=16, TWO=K > half, num_warps=4)
+
+
+@torch.library.custom_op("fmoe::delta_states", mutates_args=())
+def _states_kernel(w_v: torch.Tensor, w_k: torch.Tensor, k_out: torch.Tensor, keep: torch.Tensor, state0: torch.Tensor) -> torch.Tensor:
+    """_states_ref by the forward kernel: [R, M + 1, Dk, Dv]."""
+    R, M, C, K = w_k.shape
+    V = w_v.shape[-1]
+    states = w_v.new_empty((R, M + 1, K, V))
+    meta = _blocks(C, K, V)
+    _delta_states_fwd_kernel[(triton.cdiv(V, meta["BV"]), R)](w_v, w_k, k_out, keep, state0, states, M, C, K, V, **meta)
+    return states
+
+
+@_states_kernel.register_fake
+def _(w_v, w_k, k_out, keep, state0):
+    R, M, C, K = w_k.shape
+    return w_v.new_empty((R, M + 1, K, w_v.shape[-1]))
+
+
+@torch.library.custom_op("fmoe::delta_states_bwd", mutates_args=())
+def _states_bwd_kernel(w_k: torch.Tensor, k_out: torch.Tensor, keep: torch.Tensor, grad_states: torch.Tensor) -> list[torch.Tensor]:
+    """The backward kernel's recurrence: (g [R, M + 1, Dk, Dv], the total gradient of every
+    state; du [R, M, C, Dv])."""
+    R, M, C, K = w_k.shape
+    V = grad_states.shape[-1]
+    g = torch.empty_like(grad_states)
+    du = grad_states.new_empty((R, M, C, V))
+    meta = _blocks(C, K, V)
+    _delta_states_bwd_kernel[(triton.cdiv(V, meta["BV"]), R)](w_k, k_out, keep, grad_states, g, du, M, C, K, V, **meta)
+    return [g, du]
+
+
+@_states_bwd_kernel.register_fake
+def _(w_k, k_out, keep, grad_states):
+    R, M, C, _ = w_k.shape
+    return [torch.empty_like(grad_states), grad_states.new_empty((R, M, C, grad_states.shape[-1]))]
+
+
+def _states_setup_context(ctx, inputs, output):
+    w_v, w_k, k_out, keep, _state0 = inputs
+    ctx.save_for_backward(w_v, w_k, k_out, keep, output)
+
+
+def _states_backward(ctx, grad_states):
+    w_v, w_k, k_out, keep, states = ctx.saved_tensors
+    g, du = _states_bwd_kernel(w_k, k_out, keep, grad_states.contiguous())
+    before, after = states[:, :-1], g[:, 1:]  # S_m and the total gradient of S_m+1, every chunk at once
+    u = w_v - w_k @ before
+    return du, -du @ before.transpose(-1, -2), u @ after.transpose(-1, -2), (before * after).sum((-1, -2)), g[:, 0]
+
+
+_states_kernel.register_autograd(_states_backward, setup_context=_states_setup_context)
+
+
+def _states(w_v, w_k, k_out, keep, state0, impl: str) -> torch.Tensor:
+    """The states S_0 .. S_M [R, M + 1, Dk, Dv]: the Triton kernels (use_triton(impl); Dk at
+    most 128), else _states_ref."""
+    if use_triton(impl, w_v) and w_k.shape[-1] <= 128:
+        return _states_kernel(*(t.contiguous() for t in (w_v, w_k, k_out, keep, state0)))
+    return _states_ref(w_v, w_k, k_out, keep, state0)
+
+
+# ----------------------------------------------------------------------------------------
+# 3. Public function
+# ----------------------------------------------------------------------------------------
+
+
 def gated_delta_rule(q, k, v, g, beta, cu_seqlens=None, *, scale=None, initial_state=None, final_state: bool = False,
-                     chunk_size: int = 64):
+                     chunk_size: int = 64, impl: str = "auto"):
     """The gated delta rule over packed documents, in chunks (module docstring).
 
     Args:
@@ -124,6 +323,8 @@ def gated_delta_rule(q, k, v, g, beta, cu_seqlens=None, *, scale=None, initial_s
         chunk_size: C, the tokens per chunk (at most T are used): the work of the parallel
             part grows with C, the T / C sequential steps shrink with it; the result is the
             same up to float32 rounding.
+        impl: "auto" (the states' Triton kernels on CUDA, torch elsewhere), "triton" or
+            "torch" (fmoe.ops.backend.use_triton); the rest is torch on every device.
     Returns:
         o [B, T, N, Dv] in v's dtype, and with final_state the state [B, N, Dk, Dv] float32.
 
@@ -171,11 +372,12 @@ def gated_delta_rule(q, k, v, g, beta, cu_seqlens=None, *, scale=None, initial_s
     last_B1M = (doc_BMC == doc_BMC[..., -1:]).float()[:, None]  # tokens of each chunk's last document
     k_out_BNMCK = k_BNMCK * ((gamma_BNMC[..., -1:] - gamma_BNMC).exp() * last_B1M)[..., None]
     keep_BNM = carry_B1MC[..., -1] * gamma_BNMC[..., -1].exp()  # S0's share of the chunk's end state
-    outs = []
-    for m in range(M):
-        u_BNCV = W_v[:, :, m] - W_k[:, :, m] @ state_BNKV
-        outs.append(q_in_BNMCK[:, :, m] @ state_BNKV + scores_BNMCC[:, :, m] @ u_BNCV)
-        state_BNKV = keep_BNM[:, :, m, None, None] * state_BNKV + k_out_BNMCK[:, :, m].transpose(-1, -2) @ u_BNCV
-    o_BNTV = torch.stack(outs, 2).reshape(B, N, M * C, Dv)[:, :, :T]
-    o = o_BNTV.transpose(1, 2).to(v.dtype)
+    R = B * N  # rows of the recurrence: batch rows x heads
+    w_v, w_k, k_out = (t.reshape(R, M, C, -1) for t in (W_v, W_k, k_out_BNMCK))
+    states = _states(w_v, w_k, k_out, keep_BNM.expand(B, N, M).reshape(R, M), state_BNKV.reshape(R, Dk, Dv), impl)
+    before = states[:, :-1]  # the state each chunk starts from
+    u_RMCV = w_v - w_k @ before
+    o_RMCV = q_in_BNMCK.reshape(R, M, C, Dk) @ before + scores_BNMCC.reshape(R, M, C, C) @ u_RMCV
+    o = o_RMCV.reshape(B, N, M * C, Dv)[:, :, :T].transpose(1, 2).to(v.dtype)
+    state_BNKV = states[:, -1].reshape(B, N, Dk, Dv)
     return (o, state_BNKV) if final_state else o

@@ -1,0 +1,131 @@
+"""Gated delta rule benchmark: fmoe.ops.gated_delta_rule with the states' Triton kernels
+against the same op with the states in torch, eager and compiled.
+
+    .venv/bin/python benchmarks/bench_delta.py            # CUDA, bf16 inputs, real shapes
+    .venv/bin/python benchmarks/bench_delta.py --smoke    # CPU + Triton interpreter, tiny shapes
+
+Cases (one packed row of T tokens in documents of DOC tokens, N value heads with q and k
+already repeated to them, Dk = Dv = D, chunks of 64; --smoke: T = 96, N = 2, D = 16, float32):
+    qwen3-next   T = 16384, DOC = 4096, N = 32, D = 128 (Qwen3-Next-80B's linear layers)
+    long doc     T = 16384, DOC = 16384, N = 16, D = 128 (one long document)
+
+Implementations:
+    fused     impl="triton": the chunks' terms in torch, the states chunk after chunk in one
+              Triton kernel (and its backward in another)
+    eager     impl="torch": the states chunk after chunk in torch (a few small batched
+              matmuls per chunk)
+    compiled  torch.compile(dynamic=False) of impl="torch", warmed up before timing
+
+Passes: fwd, and fwd+bwd (the gradients of q, k, v, g and beta for a fixed upstream
+gradient). Before timing, each case checks fused against eager (output and gradients).
+
+Table: median ms; on the fused rows the speedups (baseline ms / fused ms); on every row the
+fraction of the float32 matmul floor: the chunked algorithm's matmul FLOPs over the float32
+matmul rate measured in the same run, divided by the time. FLOPs per token and head (C = 64):
+4 C Dk (q k^T and k k^T in the chunk) + C (Dk + Dv) (the two triangular solves) + 8 Dk Dv (the
+states' two products, then u and the outputs' read of the state) + 2 C Dv (the outputs from
+u), x 3 for fwd+bwd. The CSV goes to OUT/bench_delta.csv.
+"""
+
+import sys
+from dataclasses import dataclass
+
+from _common import (  # before torch and fmoe: with --smoke it sets TRITON_INTERPRET
+    bench,
+    finish,
+    matmul_rate,
+    rel_err,
+    start,
+)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from fmoe.ops import gated_delta_rule  # noqa: E402
+
+COLUMNS = ["case", "pass", "impl", "ms", "speedup_vs_eager", "speedup_vs_compiled", "flop_fraction"]
+CHUNK = 64
+
+
+@dataclass
+class Case:
+    name: str
+    T: int
+    doc: int
+    N: int
+    D: int
+
+
+def make_cases(smoke: bool) -> list[Case]:
+    if smoke:
+        return [Case("qwen3-next", 96, 40, 2, 16), Case("long doc", 96, 96, 2, 16)]
+    return [Case("qwen3-next", 16384, 4096, 32, 128), Case("long doc", 16384, 16384, 16, 128)]
+
+
+def flops_per_token_head(D: int, C: int = CHUNK) -> int:
+    return 4 * C * D + C * 2 * D + 8 * D * D + 2 * C * D
+
+
+def run_case(case: Case, device: torch.device, dtype: torch.dtype, rate: float) -> list[dict]:
+    T, N, D = case.T, case.N, case.D
+    torch._dynamo.reset()
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(1, T, N, D, device=device, generator=g)
+    k = F.normalize(torch.randn(1, T, N, D, device=device, generator=g), dim=-1)
+    v = torch.randn(1, T, N, D, device=device, generator=g)
+    gate = -F.softplus(torch.randn(1, T, N, device=device, generator=g))
+    beta = torch.rand(1, T, N, device=device, generator=g)
+    inputs = [t.to(dtype).requires_grad_() for t in (q, k, v, gate, beta)]
+    cu = torch.arange(0, T + 1, case.doc, device=device)
+    if cu[-1] != T:
+        cu = torch.cat([cu, torch.tensor([T], device=device)])
+    grad_o = torch.randn(1, T, N, D, device=device, dtype=dtype)
+
+    def rule(impl):
+        return lambda *xs: gated_delta_rule(*xs, cu, chunk_size=CHUNK, impl=impl)
+
+    impls = {"fused": rule("triton"), "eager": rule("torch"), "compiled": torch.compile(rule("torch"), dynamic=False)}
+    outs = {}
+    for name in ("fused", "eager"):
+        o = impls[name](*inputs)
+        outs[name] = (o.detach(), *torch.autograd.grad(o, inputs, grad_o))
+    worst = max(rel_err(a, b) for a, b in zip(outs["fused"], outs["eager"]))
+    if worst > (1e-4 if dtype == torch.float32 else 2e-2):
+        sys.exit(f"{case.name}: fused and eager disagree (relative error {worst:.3g})")
+    print(f"{case.name}: checked (fused vs eager, relative error {worst:.2g}); timing", flush=True)
+
+    def fwd(name):
+        with torch.no_grad():
+            return impls[name](*inputs)
+
+    def fwd_bwd(name):
+        return torch.autograd.grad(impls[name](*inputs), inputs, grad_o)
+
+    fwd_bwd("compiled")  # compiles the forward and backward graphs
+    flops = T * N * flops_per_token_head(D)
+    rows = []
+    for pass_name, step, n_flops in (("fwd", fwd, flops), ("fwd+bwd", fwd_bwd, 3 * flops)):
+        ms = {name: bench(lambda name=name: step(name), device, label=f"{case.name}-{pass_name}-{name}") for name in impls}
+        for name in impls:
+            fused = name == "fused"
+            rows.append({
+                "case": case.name, "pass": pass_name, "impl": name, "ms": ms[name],
+                "speedup_vs_eager": ms["eager"] / ms["fused"] if fused else None,
+                "speedup_vs_compiled": ms["compiled"] / ms["fused"] if fused else None,
+                "flop_fraction": n_flops / rate * 1e3 / ms[name],
+                "T": T, "doc": case.doc, "N": N, "D": D, "dtype": str(dtype).removeprefix("torch."), "flops": n_flops,
+            })
+    return rows
+
+
+def main() -> None:
+    args, device, dtype, bandwidth = start(__doc__.splitlines()[0])
+    rate = matmul_rate(device, torch.float32, 256 if args.smoke else 8192)
+    print(f"float32 matmul rate: {rate / 1e12:.1f} TFLOP/s (measured now)", flush=True)
+    rows = []
+    for case in make_cases(args.smoke):
+        rows += run_case(case, device, dtype, rate)
+    finish(args, device, bandwidth, "bench_delta", [(rows, COLUMNS)], fp32_matmul_TFLOPs=rate / 1e12)
+
+
+if __name__ == "__main__":
+    main()
