@@ -141,6 +141,15 @@ def floor_fraction(nbytes: int, bandwidth: float, ms: float) -> float:
     return nbytes / bandwidth * 1e3 / ms
 
 
+def timing_row(case: str, pass_name: str, ms: dict, name: str) -> dict:
+    """The first cells of a row of the fused-vs-baselines tables: case, pass, impl, ms, and
+    on the fused row its speedups over "eager" and "compiled" (ms: impl -> median ms)."""
+    fused = name == "fused"
+    return {"case": case, "pass": pass_name, "impl": name, "ms": ms[name],
+            "speedup_vs_eager": ms["eager"] / ms["fused"] if fused else None,
+            "speedup_vs_compiled": ms["compiled"] / ms["fused"] if fused else None}
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """The error of a against b relative to b, in norm (float32)."""
     return float((a.float() - b.float()).norm() / b.float().norm())

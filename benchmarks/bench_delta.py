@@ -36,6 +36,7 @@ from _common import (  # before torch and fmoe: with --smoke it sets TRITON_INTE
     matmul_rate,
     rel_err,
     start,
+    timing_row,
 )
 
 import torch  # noqa: E402
@@ -106,11 +107,8 @@ def run_case(case: Case, device: torch.device, dtype: torch.dtype, rate: float) 
     for pass_name, step, n_flops in (("fwd", fwd, flops), ("fwd+bwd", fwd_bwd, 3 * flops)):
         ms = {name: bench(lambda name=name: step(name), device, label=f"{case.name}-{pass_name}-{name}") for name in impls}
         for name in impls:
-            fused = name == "fused"
             rows.append({
-                "case": case.name, "pass": pass_name, "impl": name, "ms": ms[name],
-                "speedup_vs_eager": ms["eager"] / ms["fused"] if fused else None,
-                "speedup_vs_compiled": ms["compiled"] / ms["fused"] if fused else None,
+                **timing_row(case.name, pass_name, ms, name),
                 "flop_fraction": n_flops / rate * 1e3 / ms[name],
                 "T": T, "doc": case.doc, "N": N, "D": D, "dtype": str(dtype).removeprefix("torch."), "flops": n_flops,
             })

@@ -35,6 +35,7 @@ from _common import (  # before torch and fmoe: with --smoke it sets TRITON_INTE
     finish,
     floor_fraction,
     start,
+    timing_row,
 )
 
 import torch  # noqa: E402
@@ -104,11 +105,8 @@ def run_case(case: Case, device: torch.device, dtype: torch.dtype, bandwidth: fl
     for pass_name, step, nbytes in (("fwd", fwd, pass_bytes), ("bwd", bwd, pass_bytes), ("fwd+bwd", fwd_bwd, 2 * pass_bytes)):
         ms = {name: bench(lambda name=name: step(name), device, label=f"{case.name}-{pass_name}-{name}") for name in impls}
         for name in impls:
-            fused = name == "fused"
             rows.append({
-                "case": case.name, "pass": pass_name, "impl": name, "ms": ms[name],
-                "speedup_vs_eager": ms["eager"] / ms["fused"] if fused else None,
-                "speedup_vs_compiled": ms["compiled"] / ms["fused"] if fused else None,
+                **timing_row(case.name, pass_name, ms, name),
                 "floor_fraction": floor_fraction(nbytes, bandwidth, ms[name]),
                 "T": T, "H": H, "D": D, "interleaved": case.interleaved, "dtype": str(dtype).removeprefix("torch."),
                 "bytes": nbytes, "floor_ms": nbytes / bandwidth * 1e3,

@@ -34,6 +34,7 @@ from _common import (  # before torch and fmoe: with --smoke it sets TRITON_INTE
     finish,
     floor_fraction,
     start,
+    timing_row,
 )
 
 import torch  # noqa: E402
@@ -119,12 +120,9 @@ def run_case(case: Case, device: torch.device, dtype: torch.dtype, bandwidth: fl
         ms = {name: bench(lambda fn=fn: step(fn), device, cpu_warmup=0, cpu_repeats=1, label=f"{case.name}-{pass_name}-{name}")
               for name, fn in impls.items()}
         for name in impls:
-            fused = name == "fused"
             rows.append({
-                "case": case.name, "pass": pass_name, "impl": name, "ms": ms[name],
-                "speedup_vs_eager": ms["eager"] / ms["fused"] if fused else None,
-                "speedup_vs_compiled": ms["compiled"] / ms["fused"] if fused else None,
-                "floor_fraction": floor_fraction(nbytes, bandwidth, ms[name]) if fused else None,
+                **timing_row(case.name, pass_name, ms, name),
+                "floor_fraction": floor_fraction(nbytes, bandwidth, ms[name]) if name == "fused" else None,
                 "T": T, "E": E, "k": k, "dtype": str(dtype).removeprefix("torch."),
                 "bytes": nbytes, "floor_ms": nbytes / bandwidth * 1e3,
             })

@@ -537,7 +537,7 @@ def _llama4_text(hf: dict) -> dict:
 def _llama4(hf: dict) -> dict:
     """A released Llama 4 folder (llama4, Llama4ForConditionalGeneration): its text_config's
     model (_llama4_text); the vision model beside it is not read."""
-    return FAMILIES["llama4_text"].kwargs(dict(text_config(hf), model_type="llama4_text"))
+    return FAMILIES["llama4_text"].kwargs(dict(_text_config(hf), model_type="llama4_text"))
 
 
 def _afmoe(hf: dict) -> dict:
@@ -600,7 +600,7 @@ def _qwen3_5_moe_text(hf: dict) -> dict:
     return _qwen3_next(dict(hf, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], intermediate_size=hf["moe_intermediate_size"]))
 
 
-def text_config(hf: dict) -> dict:
+def _text_config(hf: dict) -> dict:
     """The text model's config of a multimodal folder (Llama 4's, Qwen3.5's): its text_config,
     with the top level's tie_word_embeddings where it has one (the field transformers' class
     of the whole model ties the head by)."""
@@ -615,7 +615,7 @@ def text_config(hf: dict) -> dict:
 def _qwen3_5_moe(hf: dict) -> dict:
     """A released Qwen3.5-MoE folder (qwen3_5_moe, Qwen3_5MoeForConditionalGeneration): its
     text_config's model (_qwen3_5_moe_text); the vision model beside it is not read."""
-    return FAMILIES["qwen3_5_moe_text"].kwargs(dict(text_config(hf), model_type="qwen3_5_moe_text"))
+    return FAMILIES["qwen3_5_moe_text"].kwargs(dict(_text_config(hf), model_type="qwen3_5_moe_text"))
 
 
 def _one_per_model(hf: dict, field: str):
@@ -772,7 +772,7 @@ class Family:
     linear: str = "qkv"
     gate_in_q: bool = False  # gated attention's gate as rows of q_proj, per head after its query's (Qwen3-Next), not a gate_proj
     # the routed experts one module per expert (what transformers writes) or as [E, 2F, H] gate_up_proj / [E, H, F] down_proj
-    # stacks (Qwen3.5's released folders, "halves_out"): loading reads the layout the files hold (stacked_experts), export
+    # stacks (Qwen3.5's released folders, "halves_out"): loading reads the layout the files hold (_stacked_experts), export
     # writes the layout a folder was loaded from
     stacks_too: bool = False
 
@@ -1010,7 +1010,7 @@ def mtp_layer(cfg: TransformerConfig, d: int) -> str:
     return f"model.layers.{cfg.n_layers + d - 1}."
 
 
-def stacked_experts(family: Family, keys) -> Family:
+def _stacked_experts(family: Family, keys) -> Family:
     """The family as a folder of checkpoint `keys` stores it: with Family.stacks_too and the
     experts stored as stacks (a key ending in experts.gate_up_proj), its stacked layout
     ("halves_out", Granite's and transformers' [E, 2F, H] / [E, H, F]); the family itself otherwise."""
@@ -1095,8 +1095,8 @@ def unread_keys(family: Family, cfg: TransformerConfig, path, stored) -> list[st
     cfg.mtp_depth (asked for with mtp_depth=), RoPE's inv_freq buffers (recomputed),
     lm_head.weight where `path`'s config.json ties it to the embedding, and the keys under
     family.not_read (what transformers does not read either). The experts' layout is the one
-    `stored` holds (stacked_experts)."""
-    family = stacked_experts(family, stored)
+    `stored` holds (_stacked_experts)."""
+    family = _stacked_experts(family, stored)
     read = {key for spec in key_map(family, cfg).values() for key in spec.keys}
     read |= {key + suffix for key in list(read) for suffix in ("_blocks", "_scales")}
     read |= {key.removesuffix("weight") + "weight_scale_inv" for key in list(read) if key.endswith("weight")}
@@ -1129,7 +1129,7 @@ def load_weights(model: Transformer, path, *, model_type: str, strict: bool = Tr
 
     path = Path(path)
     files = _weight_files(path)
-    family = stacked_experts(FAMILIES[model_type], files)
+    family = _stacked_experts(FAMILIES[model_type], files)
     model.hf_stacks = family.fused is not None and not FAMILIES[model_type].fused  # the layout save_pretrained writes back
     params = _tensors(model)
     block = _fp8_block(path)
@@ -1532,7 +1532,7 @@ def written_config(hf: dict) -> dict:
     family = FAMILIES[hf["model_type"]]
     if family.written_as is None:
         return hf
-    return dict(text_config(hf), model_type=family.written_as, architectures=[FAMILIES[family.written_as].architecture])
+    return dict(_text_config(hf), model_type=family.written_as, architectures=[FAMILIES[family.written_as].architecture])
 
 
 def config_mismatch(cfg: TransformerConfig, hf: dict) -> dict[str, tuple]:
@@ -1717,7 +1717,7 @@ def save_pretrained(model: Transformer, path, *, model_type: Optional[str] = Non
     _check_writable(hf["model_type"])
     family = FAMILIES[hf["model_type"]]
     if hf is getattr(model, "hf_config", None) and getattr(model, "hf_stacks", False):  # the experts as the folder stored them
-        family = stacked_experts(family, (".experts.gate_up_proj",))
+        family = _stacked_experts(family, (".experts.gate_up_proj",))
     if hf.get("quantization_config"):  # written dequantised, in the checkpoint's dtype
         hf = {k: v for k, v in hf.items() if k != "quantization_config"}
     params = _tensors(model)

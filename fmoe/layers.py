@@ -1209,7 +1209,7 @@ def linear_attention(x: torch.Tensor, params, cfg: LinearAttentionConfig, ctx: "
             raise ValueError(f"ctx.linear_states: conv {list(states.conv.shape)} and state {list(states.state.shape)} do not fit {T} tokens "
                              f"of cfg's layer (expected [S, {cfg.conv - 1}, {2 * cfg.k_channels + cfg.v_channels}], T a multiple of S)")
         sizes = [t.shape[-1] for t in qkv]
-        y, conv = _causal_conv_continued(torch.cat(qkv, -1).view(B, T // B, -1), torch.cat([w for w in taps], -1), states.conv)
+        y, conv = _causal_conv_continued(torch.cat(qkv, -1).view(B, T // B, -1), torch.cat(taps, -1), states.conv)
         qkv = list(y.reshape(T, -1).split(sizes, dim=-1))
         states.conv = conv
     r = Nv // Nk

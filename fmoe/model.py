@@ -891,15 +891,16 @@ class KVCache:
             self.v[j].index_copy_(0, rows, v_TGD)
         return self.k[j, :n_keys], self.v[j, :n_keys]
 
-    def linear_states(self, layer: int, seqs: list[int]) -> LinearStates:
+    def linear_states(self, layer: int, seqs: list[int], tokens: Optional[int] = None) -> LinearStates:
         """Linear-attention layer `layer`'s states of the sequences `seqs` (copies, in that
         order; zeros for a sequence of length 0, which starts over), for decode to continue
-        and put back with write_linear."""
+        and put back with write_linear; tokens: the call's tokens before its padding
+        (LinearStates.tokens)."""
         j = self.linear_layers.index(layer)
         index = torch.tensor(seqs, device=self.conv.device)
         fresh = torch.tensor([self.lengths[b] == 0 for b in seqs], device=self.conv.device)
         conv, state = self.conv[j].index_select(0, index), self.state[j].index_select(0, index)
-        return LinearStates(conv.masked_fill(fresh[:, None, None], 0), state.masked_fill(fresh[:, None, None, None], 0))
+        return LinearStates(conv.masked_fill(fresh[:, None, None], 0), state.masked_fill(fresh[:, None, None, None], 0), tokens)
 
     def write_linear(self, layer: int, seqs: list[int], states: LinearStates) -> None:
         """The states after a decode call's tokens (linear_attention's) into their sequences' rows."""
@@ -1197,7 +1198,7 @@ class Transformer(nn.Module):
         h_TH = self._embedding(ids)
         for i, block in enumerate(self.blocks):
             if i in cache.linear_layers:  # the states its tokens continue, then the states after them
-                states = dataclasses.replace(cache.linear_states(i, seq_list), tokens=n)  # the padding's rows (tp) continue nothing
+                states = cache.linear_states(i, seq_list, tokens=n)  # the padding's rows (tp) continue nothing
                 h_TH, _ = block(h_TH, AttentionContext(None, None, None, linear_states=states))
                 cache.write_linear(i, seq_list, states)
                 continue

@@ -276,7 +276,27 @@ class HeadShard:
         return total.to_local(grad_placements=[Partial()]) / self.mesh.size()
 
 
-class AttentionParallel(_ShardedRegion):
+class _HeadsRegion(_ShardedRegion):
+    """A region split over tp by whole heads: its cfg's head counts (head_counts, two cfg
+    fields) divisible by tp, and divided by it on each rank; the parameters it does not
+    shard every rank holds whole (HeadShard.replicated: their gradients summed over tp)."""
+
+    head_counts: tuple[str, str] = ()
+
+    def _check(self, module, tp):
+        (a, n_a), (b, n_b) = ((name, getattr(module.cfg, name)) for name in self.head_counts)
+        if n_a % tp or n_b % tp:
+            raise ValueError(f"tp: {type(module).__name__}'s {a} = {n_a} and {b} = {n_b} must both be divisible by tp = {tp}")
+        super()._check(module, tp)
+
+    def _configure(self, module, mesh):
+        tp = mesh.size()
+        module.cfg = dataclasses.replace(module.cfg, **{name: getattr(module.cfg, name) // tp for name in self.head_counts})
+        replicated = tuple(n for n in module.names if n not in self._shard_dims(module))
+        module.tensor_parallel = HeadShard(mesh, replicated)
+
+
+class AttentionParallel(_HeadsRegion):
     """Attention heads split over tp (whole heads: n_heads and n_kv_heads divisible by tp).
 
     Grouped-query attention: wq, wk, wv Shard(1), wo Shard(0); the biases bq, bk, bv
@@ -303,20 +323,10 @@ class AttentionParallel(_ShardedRegion):
             dims.update(q_norm=0, k_norm=0)
         return dims
 
-    def _check(self, module, tp):
-        cfg = module.cfg
-        if cfg.n_heads % tp or cfg.n_kv_heads % tp:
-            raise ValueError(f"tp: n_heads = {cfg.n_heads} and n_kv_heads = {cfg.n_kv_heads} must both be divisible by tp = {tp}")
-        super()._check(module, tp)
-
-    def _configure(self, module, mesh):
-        tp = mesh.size()
-        module.cfg = dataclasses.replace(module.cfg, n_heads=module.cfg.n_heads // tp, n_kv_heads=module.cfg.n_kv_heads // tp)
-        replicated = tuple(n for n in module.names if n not in self._shard_dims(module))
-        module.tensor_parallel = HeadShard(mesh, replicated)
+    head_counts = ("n_heads", "n_kv_heads")
 
 
-class LinearAttentionParallel(_ShardedRegion):
+class LinearAttentionParallel(_HeadsRegion):
     """Gated DeltaNet's heads split over tp (whole heads: n_k_heads and n_v_heads divisible
     by tp; value head h reads key head h // (Nv / Nk), so a rank's contiguous value heads read
     its contiguous key heads): the projections and the convolution's taps by their columns,
@@ -324,18 +334,8 @@ class LinearAttentionParallel(_ShardedRegion):
     replicated (HeadShard.weight sums its gradient over tp). Every rank runs the layer on all
     T tokens (the documents of the micro-batch) for its heads; the outputs are summed."""
 
+    head_counts = ("n_k_heads", "n_v_heads")
     shard_dims = dict(wq=1, wk=1, wv=1, wz=1, wb=1, wa=1, conv_q=1, conv_k=1, conv_v=1, A_log=0, dt_bias=0, wo=0)
-
-    def _check(self, module, tp):
-        cfg = module.cfg
-        if cfg.n_k_heads % tp or cfg.n_v_heads % tp:
-            raise ValueError(f"tp: a linear-attention layer's n_k_heads = {cfg.n_k_heads} and n_v_heads = {cfg.n_v_heads} must both be divisible by tp = {tp}")
-        super()._check(module, tp)
-
-    def _configure(self, module, mesh):
-        tp = mesh.size()
-        module.cfg = dataclasses.replace(module.cfg, n_k_heads=module.cfg.n_k_heads // tp, n_v_heads=module.cfg.n_v_heads // tp)
-        module.tensor_parallel = HeadShard(mesh, ("out_norm",))
 
 
 class SwiGLUParallel(_ShardedRegion):
