@@ -3,7 +3,7 @@ Qwen3.5), over packed documents.
 
     gated_delta_rule(q[B,T,N,Dk], k[B,T,N,Dk], v[B,T,N,Dv], g[B,T,N], beta[B,T,N],
                      cu_seqlens=None, *, scale=None, initial_state=None,
-                     final_state=False, chunk_size=64) -> o[B,T,N,Dv]  (, state[B,N,Dk,Dv])
+                     final_state=False, chunk_size=64, impl="auto") -> o[B,T,N,Dv]  (, state[B,N,Dk,Dv])
 
 Each head keeps a state S [Dk, Dv] (float32) over the tokens of a document, t = 1, 2, ...:
 
@@ -31,8 +31,9 @@ with the pairs (i, j) restricted to one document, carry_i = 1 where token i cont
 document S0 belongs to, and the sums in S_end over the chunk's last document. The
 triangular solve and every matrix product run for all chunks at once, in torch; only the
 state runs chunk after chunk (T / C steps): on CUDA in one Triton kernel that keeps it in
-registers for the whole sequence (and one for its gradient), elsewhere in torch (section 2). No value is read on the host: documents come from cu_seqlens on the
-device, T is padded to a multiple of C with tokens that neither write nor decay.
+registers for the whole sequence (and one for its gradient), elsewhere in torch (section
+2). No value is read on the host: documents come from cu_seqlens on the device, T is padded
+to a multiple of C with tokens that neither write nor decay.
 
 Legend: B batch rows, T tokens, N heads, Dk key (and query) dim, Dv value dim, C chunk
 tokens, M = T / C chunks.
@@ -51,6 +52,11 @@ import triton.language as tl
 from fmoe.ops.backend import next_pow2, use_triton
 from fmoe.ops.checks import check_float, check_index, check_positive_int
 from fmoe.ops.packed import sequence_ids
+
+
+# ----------------------------------------------------------------------------------------
+# 1. Reference: the recurrence token by token
+# ----------------------------------------------------------------------------------------
 
 
 def _documents(cu_seqlens: Optional[torch.Tensor], B: int, T: int, device) -> torch.Tensor:
