@@ -886,6 +886,7 @@ def _linear_attention_keys(family: Family, cfg: TransformerConfig, p: str, q: st
     Qwen3.5's in_proj_qkv (q, k, v) beside in_proj_z, in_proj_b, in_proj_a; conv1d [C, 1, K]
     over the q, k, v channels; A_log, dt_bias, the gated norm, out_proj."""
     la, lin, out = p + "linear_attn.", cfg.linear_attention_config(), {}
+    qkv = (lin.k_channels, lin.k_channels, lin.v_channels)  # the q, k, v channels of in_proj_qkv and of the conv
     if family.linear == "qkvz":
         r = lin.n_v_heads // lin.n_k_heads
         rows = (lin.k_head_dim, lin.k_head_dim, r * lin.v_head_dim, r * lin.v_head_dim)
@@ -895,11 +896,11 @@ def _linear_attention_keys(family: Family, cfg: TransformerConfig, p: str, q: st
             out[q + "attn." + name] = Tensor((la + "in_proj_ba.weight",), transpose=True, chunk=(j, (r, r)), groups=lin.n_k_heads)
     else:
         for j, name in enumerate(("wq", "wk", "wv")):
-            out[q + "attn." + name] = Tensor((la + "in_proj_qkv.weight",), transpose=True, chunk=(j, (lin.k_channels, lin.k_channels, lin.v_channels)))
+            out[q + "attn." + name] = Tensor((la + "in_proj_qkv.weight",), transpose=True, chunk=(j, qkv))
         for ours, theirs in (("wz", "in_proj_z"), ("wb", "in_proj_b"), ("wa", "in_proj_a")):
             out[q + "attn." + ours] = Tensor((f"{la}{theirs}.weight",), transpose=True)
     for j, name in enumerate(("conv_q", "conv_k", "conv_v")):
-        out[q + "attn." + name] = Tensor((la + "conv1d.weight",), transpose=True, unit=1, chunk=(j, (lin.k_channels, lin.k_channels, lin.v_channels)))
+        out[q + "attn." + name] = Tensor((la + "conv1d.weight",), transpose=True, unit=1, chunk=(j, qkv))
     out[q + "attn.A_log"], out[q + "attn.dt_bias"] = Tensor((la + "A_log",)), Tensor((la + "dt_bias",))
     out[q + "attn.out_norm"] = Tensor((la + "norm.weight",))
     out[q + "attn.wo"] = Tensor((la + "out_proj.weight",), transpose=True)

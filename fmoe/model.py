@@ -821,7 +821,9 @@ class KVCache:
         self.state = torch.zeros(len(self.linear_layers), batch, lin.n_v_heads, lin.k_head_dim, lin.v_head_dim, device=device)
         self.max_tokens, self.batch = max_tokens, batch
         self.lengths = [0] * batch
-        self.in_window = [0] * batch  # the tokens whose keys went into the rings: going back more than one is refused
+        # each sequence's length after its last decode call, what the rings and the linear states hold: a ring layer's
+        # sequence goes back one token at most, a linear layer's none
+        self.decoded_lengths = [0] * batch
 
     @property
     def n_layers(self) -> int:
@@ -1157,11 +1159,11 @@ class Transformer(nn.Module):
         for b in seq_list:
             if cache.lengths[b] + T > M:
                 raise ValueError(f"input_ids: {T} more tokens after {cache.lengths[b]} of sequence {b} exceed the cache's max_tokens = {M}")
-            if cache.window_layers and 0 < cache.lengths[b] < cache.in_window[b] - 1:
-                raise ValueError(f"cache.lengths[{b}]: {cache.lengths[b]} tokens after {cache.in_window[b]}: the sliding-window (chunked) layers keep only "
+            if cache.window_layers and 0 < cache.lengths[b] < cache.decoded_lengths[b] - 1:
+                raise ValueError(f"cache.lengths[{b}]: {cache.lengths[b]} tokens after {cache.decoded_lengths[b]}: the sliding-window (chunked) layers keep only "
                                  f"the newest {cache.window} tokens' keys, so a sequence goes back one token at most, or restarts from 0 (cache.reset)")
-            if cache.linear_layers and 0 < cache.lengths[b] != cache.in_window[b]:
-                raise ValueError(f"cache.lengths[{b}]: {cache.lengths[b]} tokens after {cache.in_window[b]}: the linear-attention layers keep only the "
+            if cache.linear_layers and 0 < cache.lengths[b] != cache.decoded_lengths[b]:
+                raise ValueError(f"cache.lengths[{b}]: {cache.lengths[b]} tokens after {cache.decoded_lengths[b]}: the linear-attention layers keep only the "
                                  "state after the last token, so a sequence continues from there or restarts from 0 (cache.reset)")
         # the new tokens are queries at their rows of the cache (sequence b's slot of M rows
         # is a document) against the cache's first n_keys rows: attention_context's
@@ -1210,7 +1212,7 @@ class Transformer(nn.Module):
             h_TH, _ = block(h_TH, layer_ctx)
         for b in seq_list:
             cache.lengths[b] += T
-            cache.in_window[b] = cache.lengths[b]
+            cache.decoded_lengths[b] = cache.lengths[b]
         logits = self._head(h_TH[:n])
         return logits if input_ids.ndim == 1 else logits.view(len(seq_list), T, -1)
 
