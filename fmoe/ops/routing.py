@@ -112,72 +112,70 @@ def _route_fwd_kernel(
     E: tl.constexpr, K: tl.constexpr, G: tl.constexpr, GS: tl.constexpr,
     TOPK_GROUPS: tl.constexpr, PER_GROUP: tl.constexpr,
     SCORE: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GS: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One pass over BLOCK_T rows of logits: scores, group selection, top-k, weights.
 
-    A row is held as a [BLOCK_G, BLOCK_GS] tile (group, expert in group), so group scores
-    are reductions over the last axis; without groups G = 1 and GS = E.
+    A row is one flat [BLOCK_E] axis; expert e is in group e // GS, and each group's score is
+    taken over the row masked to that group (G static iterations). Every tile is 2-D: a 3-D
+    [group, expert] tile reshaped to a row for the top-k computed wrong experts when
+    compiled for the H100 (triton 3.6), though right in the interpreter.
     """
     pid = tl.program_id(0)
     rows_T = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-    g_G = tl.arange(0, BLOCK_G)
-    j_S = tl.arange(0, BLOCK_GS)
-    real_GS = (g_G[:, None] < G) & (j_S[None, :] < GS)
-    eid_GS = g_G[:, None] * GS + j_S[None, :]
+    eid_E = tl.arange(0, BLOCK_E)
     row_ok_T = rows_T < T
-    live = row_ok_T[:, None, None] & real_GS[None, :, :]
+    live = row_ok_T[:, None] & (eid_E[None, :] < E)
     row_off_T = rows_T.to(tl.int64) * E
 
-    x = tl.load(logits_ptr + row_off_T[:, None, None] + eid_GS[None, :, :], mask=live, other=0.0).to(tl.float32)
+    x = tl.load(logits_ptr + row_off_T[:, None] + eid_E[None, :], mask=live, other=0.0).to(tl.float32)
     nan = x != x
-    row_nan_T = tl.max(tl.max(nan.to(tl.int32), axis=2), axis=1) > 0
+    row_nan_T = tl.max(nan.to(tl.int32), axis=1) > 0
     x = tl.where(nan, float("-inf"), x)  # route NaN rows somewhere valid; weights become NaN
 
     if SCORE == 0:  # softmax after top-k: select on raw logits
         sel = x
     elif SCORE == 1:  # softmax before top-k: select on probabilities
         xm = tl.where(live, x, float("-inf"))
-        p = tl.exp(xm - tl.max(tl.max(xm, axis=2), axis=1)[:, None, None])
+        p = tl.exp(xm - tl.max(xm, axis=1)[:, None])
         p = tl.where(live, p, 0.0)
-        sel = p / tl.sum(tl.sum(p, axis=2), axis=1)[:, None, None]
+        sel = p / tl.sum(p, axis=1)[:, None]
     else:  # sigmoid, bias for selection only
         sel = tl.sigmoid(x)
         if HAS_BIAS:
-            sel += tl.load(bias_ptr + eid_GS, mask=real_GS, other=0.0).to(tl.float32)[None, :, :]
-    avail = live
+            sel += tl.load(bias_ptr + eid_E, mask=eid_E < E, other=0.0).to(tl.float32)[None, :]
+    key = tl.where(live, sort_key(sel), NO_KEY)
     if TOPK_GROUPS < G:
         # group score = sum of the group's top PER_GROUP selection scores, best first
-        group_score = tl.zeros([BLOCK_T, BLOCK_G], dtype=tl.float32)
-        left = tl.where(live, sort_key(sel), NO_KEY)
-        for _ in tl.static_range(PER_GROUP):
-            best = tl.max(left, axis=2)
-            first = tl.min(tl.where(left == best[:, :, None], j_S[None, None, :], NO_ID), axis=2)
-            left = tl.where(j_S[None, None, :] == first[:, :, None], NO_KEY, left)
-            group_score += key_score(best)
+        group_E = eid_E // GS
+        g_G = tl.arange(0, BLOCK_G)
+        group_key = tl.full([BLOCK_T, BLOCK_G], NO_KEY, tl.int32)
+        for g in tl.static_range(G):
+            left = tl.where(group_E[None, :] == g, key, NO_KEY)
+            group_score_T = tl.zeros([BLOCK_T], dtype=tl.float32)
+            for _ in tl.static_range(PER_GROUP):
+                best = tl.max(left, axis=1)
+                first = tl.min(tl.where(left == best[:, None], eid_E[None, :], NO_ID), axis=1)
+                left = tl.where(eid_E[None, :] == first[:, None], NO_KEY, left)
+                group_score_T += key_score(best)
+            group_key = tl.where(g_G[None, :] == g, sort_key(group_score_T)[:, None], group_key)
         # keep the TOPK_GROUPS best groups (lower group index on ties)
-        group_key = tl.where(g_G[None, :] < G, sort_key(group_score), NO_KEY)
-        kept = g_G[None, :] < 0
+        kept = eid_E[None, :] < 0
         for _ in tl.static_range(TOPK_GROUPS):
             best = tl.max(group_key, axis=1)
             first = tl.min(tl.where(group_key == best[:, None], g_G[None, :], NO_ID), axis=1)
-            hit = g_G[None, :] == first[:, None]
-            kept = kept | hit
-            group_key = tl.where(hit, NO_KEY, group_key)
-        avail = avail & kept[:, :, None]
+            group_key = tl.where(g_G[None, :] == first[:, None], NO_KEY, group_key)
+            kept = kept | (group_E[None, :] == first[:, None])
+        key = tl.where(kept, key, NO_KEY)
 
-    # top-k over the flattened row (one reduction axis is far cheaper than two), best
-    # first: the max score, then the lowest id holding it
-    ROW: tl.constexpr = BLOCK_G * BLOCK_GS
-    key = tl.reshape(tl.where(avail, sort_key(sel), NO_KEY), [BLOCK_T, ROW])
-    eid = tl.reshape(tl.broadcast_to(eid_GS[None, :, :], [BLOCK_T, BLOCK_G, BLOCK_GS]), [BLOCK_T, ROW])
+    # top-k, best first: the max score, then the lowest id holding it
     k_K = tl.arange(0, BLOCK_K)
     w_TK = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
     id_TK = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
     for i in tl.static_range(K):
         best = tl.max(key, axis=1)
-        first = tl.min(tl.where(key == best[:, None], eid, NO_ID), axis=1)
-        key = tl.where(eid == first[:, None], NO_KEY, key)
+        first = tl.min(tl.where(key == best[:, None], eid_E[None, :], NO_ID), axis=1)
+        key = tl.where(eid_E[None, :] == first[:, None], NO_KEY, key)
         w_TK = tl.where(k_K[None, :] == i, key_score(best)[:, None], w_TK)
         id_TK = tl.where(k_K[None, :] == i, first[:, None], id_TK)
 
@@ -259,8 +257,7 @@ def _route_bwd_kernel(
 
 
 def _fwd_blocks(E: int, n_groups: int, k: int) -> dict:
-    block_g, block_gs = next_pow2(n_groups), next_pow2(E // n_groups)
-    return dict(BLOCK_T=rows_per_program(block_g * block_gs), BLOCK_G=block_g, BLOCK_GS=block_gs, BLOCK_K=next_pow2(k), num_warps=1)
+    return dict(BLOCK_T=rows_per_program(next_pow2(E)), BLOCK_E=next_pow2(E), BLOCK_G=next_pow2(n_groups), BLOCK_K=next_pow2(k), num_warps=1)
 
 
 def _bwd_blocks(E: int, k: int) -> dict:
