@@ -767,6 +767,9 @@ def attention_context(
                             local_rope_base=local_base, local_cos=local_cos, local_sin=local_sin, cu_seqlens=cu_seqlens)
 
 
+_FLEX_MIN_DIM = 16  # the compiled FlexAttention kernel's smallest head dim (torch 2.11: "NYI ... at least 16")
+
+
 @functools.cache
 def _compiled_flex():
     """flex_attention compiled once per process (its fused kernel exists only compiled)."""
@@ -935,14 +938,22 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
         from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
         # the fused kernel on CUDA; eager on CPU, which tests the mask against the reference
-        flex = _compiled_flex() if x.is_cuda else flex_attention
+        # (inside a compiled model dynamo compiles flex_attention itself, with the model)
+        flex = _compiled_flex() if x.is_cuda and not torch.compiler.is_compiling() else flex_attention
         kw = dict(block_mask=mask, scale=softmax_scale(cfg), enable_gqa=True)
+        Dv = v_GTD.shape[-1]
+        # the compiled kernel needs head dims of at least 16: zeros added to q, k and v change no
+        # score (the scale is passed) and only add output columns, cut below (on CPU too, so
+        # that the tests there take this path)
+        q_NTD, k_GTD, v_GTD = (F.pad(t, (0, _FLEX_MIN_DIM - t.shape[-1])) if t.shape[-1] < _FLEX_MIN_DIM else t
+                               for t in (q_NTD, k_GTD, v_GTD))
         if sinks is None:
             out_NTD = flex(q_NTD[None], k_GTD[None], v_GTD[None], **kw)[0]
         else:  # a sink adds exp(sink) to the denominator: out * Z / (Z + e^sink), Z = e^lse
             out_1NTD, aux = flex(q_NTD[None], k_GTD[None], v_GTD[None], return_aux=AuxRequest(lse=True), **kw)
             keep_NT = torch.sigmoid(aux.lse[0] - sinks.float()[:, None])
             out_NTD = (out_1NTD[0] * keep_NT[..., None]).to(q_NTD.dtype)
+        out_NTD = out_NTD[..., :Dv]
     if wv_CNV is not None:  # absorbed: each head's latent output to its values
         out_NTD = torch.einsum("ntc,cnv->ntv", out_NTD, wv_CNV)
     out_TQ = rearrange(out_NTD, "n t d -> t (n d)")
