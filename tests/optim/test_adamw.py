@@ -195,8 +195,20 @@ def test_fused_matches_foreach_cuda(state_dtype):
     assert sum(p.numel() for p in init) > 45e6
     fused, _ = run(lambda ps: AdamW(ps, state_dtype=state_dtype, impl="triton"), init, steps=5)
     ref, _ = run(lambda ps: AdamW(ps, state_dtype=state_dtype, impl="torch"), init, steps=5)
+    if state_dtype == torch.float32:
+        for a, b in zip(fused, ref):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        return
+    # bf16 states: the kernel's float32 arithmetic (fused multiply-adds, its division and
+    # square root) differs from torch's in the last bit, so a moment that lies near the middle
+    # of two bf16 values rounds the other way now and then (seen on an H100: 0.3% of one
+    # tensor's elements). Each such element then moves by about 2^-9 of its steps (the
+    # bound of test_bf16_states); every other element agrees to float32 rounding.
+    bound = sum(LRS[:5]) * 3e-3 * 4
     for a, b in zip(fused, ref):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        diff = (a - b).abs()
+        assert diff.max().item() <= bound
+        assert (diff > 1e-6).float().mean().item() < 0.01
 
 
 def test_steps_read_no_tensor_on_the_host_after_the_first():
