@@ -143,11 +143,19 @@ def floor_fraction(nbytes: int, bandwidth: float, ms: float) -> float:
 
 def timing_row(case: str, pass_name: str, ms: dict, name: str) -> dict:
     """The first cells of a row of the fused-vs-baselines tables: case, pass, impl, ms, and
-    on the fused row its speedups over "eager" and "compiled" (ms: impl -> median ms)."""
+    on the fused row its speedups over "eager" and "compiled" (ms: impl -> median ms; without
+    a "compiled" entry that speedup is left empty)."""
     fused = name == "fused"
     return {"case": case, "pass": pass_name, "impl": name, "ms": ms[name],
             "speedup_vs_eager": ms["eager"] / ms["fused"] if fused else None,
-            "speedup_vs_compiled": ms["compiled"] / ms["fused"] if fused else None}
+            "speedup_vs_compiled": ms["compiled"] / ms["fused"] if fused and "compiled" in ms else None}
+
+
+def case_done(rows: list[dict], columns: list[str]) -> None:
+    """Print one case's rows at once, so that a run stopped by a time limit (a GPU lease)
+    keeps what it measured; finish() prints every case's rows together at the end."""
+    print_table(rows, columns)
+    print(flush=True)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

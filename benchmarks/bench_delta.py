@@ -14,7 +14,9 @@ Implementations:
               Triton kernel (and its backward in another)
     eager     impl="torch": the states chunk after chunk in torch (a few small batched
               matmuls per chunk)
-    compiled  torch.compile(dynamic=False) of impl="torch", warmed up before timing
+    compiled  torch.compile(dynamic=False) of impl="torch", warmed up before timing; it unrolls
+              the loop over the T / 64 chunks, so at T = 16384 its compile outlasted 100 s
+              on an H100 machine: each case prints fused and eager first, then compiles
 
 Passes: fwd, and fwd+bwd (the gradients of q, k, v, g and beta for a fixed upstream
 gradient). Before timing, each case checks fused against eager (output and gradients).
@@ -28,10 +30,12 @@ u), x 3 for fwd+bwd. The CSV goes to OUT/bench_delta.csv.
 """
 
 import sys
+import time
 from dataclasses import dataclass
 
 from _common import (  # before torch and fmoe: with --smoke it sets TRITON_INTERPRET
     bench,
+    case_done,
     finish,
     matmul_rate,
     rel_err,
@@ -101,17 +105,32 @@ def run_case(case: Case, device: torch.device, dtype: torch.dtype, rate: float) 
     def fwd_bwd(name):
         return torch.autograd.grad(impls[name](*inputs), inputs, grad_o)
 
-    fwd_bwd("compiled")  # compiles the forward and backward graphs
     flops = T * N * flops_per_token_head(D)
-    rows = []
-    for pass_name, step, n_flops in (("fwd", fwd, flops), ("fwd+bwd", fwd_bwd, 3 * flops)):
-        ms = {name: bench(lambda name=name: step(name), device, label=f"{case.name}-{pass_name}-{name}") for name in impls}
-        for name in impls:
-            rows.append({
-                **timing_row(case.name, pass_name, ms, name),
-                "flop_fraction": n_flops / rate * 1e3 / ms[name],
-                "T": T, "doc": case.doc, "N": N, "D": D, "dtype": str(dtype).removeprefix("torch."), "flops": n_flops,
-            })
+    passes = (("fwd", fwd, flops), ("fwd+bwd", fwd_bwd, 3 * flops))
+
+    def timed(names, ms):
+        for pass_name, step, _ in passes:
+            ms[pass_name].update({name: bench(lambda name=name: step(name), device, label=f"{case.name}-{pass_name}-{name}")
+                                  for name in names})
+
+    def table(ms):
+        return [{**timing_row(case.name, pass_name, ms[pass_name], name),
+                 "flop_fraction": n_flops / rate * 1e3 / ms[pass_name][name],
+                 "T": T, "doc": case.doc, "N": N, "D": D, "dtype": str(dtype).removeprefix("torch."), "flops": n_flops}
+                for pass_name, _, n_flops in passes for name in ms[pass_name]]
+
+    ms = {pass_name: {} for pass_name, _, _ in passes}
+    timed(("fused", "eager"), ms)
+    case_done(table(ms), COLUMNS)  # kept if the compile below outlasts a time limit
+    # torch.compile unrolls the op's loop over the T / CHUNK chunks: at T = 16384 a long compile
+    begin = time.perf_counter()
+    fwd_bwd("compiled")  # compiles the forward and backward graphs
+    fwd("compiled")
+    print(f"{case.name}: torch.compile of impl='torch' ({T // CHUNK} chunk steps) took {time.perf_counter() - begin:.0f} s; timing",
+          flush=True)
+    timed(("compiled",), ms)
+    rows = table(ms)
+    case_done(rows, COLUMNS)
     return rows
 
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from _common import (  # before torch and fmoe: with --smoke it sets TRITON_INTERPRET
     bench,
+    case_done,
     finish,
     floor_fraction,
     start,
@@ -126,6 +127,7 @@ def run_case(case: Case, device: torch.device, dtype: torch.dtype, bandwidth: fl
                 "T": T, "E": E, "k": k, "dtype": str(dtype).removeprefix("torch."),
                 "bytes": nbytes, "floor_ms": nbytes / bandwidth * 1e3,
             })
+    case_done(rows, COLUMNS)
     return rows
 
 
