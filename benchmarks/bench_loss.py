@@ -9,7 +9,8 @@ Cases (bf16; --smoke: N=16, V=1000, H=32, chunks of 4 rows):
 
 Implementations, each timed forward + backward (the gradient of the inputs for a unit
 upstream gradient); fmoe's with check=False (the label check syncs with the host):
-    ce      fused          cross_entropy(impl="triton"): one kernel writes loss and gradient
+    ce      fused          cross_entropy(impl="triton"): the forward kernel writes the loss and
+                           each row's logsumexp, the backward kernel the gradient
             fused_inplace  the same with inplace_grad=True: the gradient overwrites the logits
             eager          torch.nn.functional.cross_entropy on the bf16 logits, as users call it
             compiled       torch.compile(F.cross_entropy), warmed up before timing
@@ -25,7 +26,9 @@ Columns: ms (median), speedup (eager or unfused ms / ms), peak_MiB (CUDA only: t
 torch.cuda.max_memory_allocated over what was allocated before the step, inputs excluded;
 blank on CPU), ratio (peak_MiB / the eager or unfused peak: the fused linear cross-entropy
 aims at a quarter or less), floor_fraction (ce: time to read the logits once and write their
-gradient once at the bandwidth of a copy measured in the same run, over ms), TFLOP/s
+gradient once at the bandwidth of a copy measured in the same run, over ms; an exact gradient
+reads a row twice when the row does not fit on chip, 256 KiB here, so 2/3 is the ceiling of
+any such kernel and of torch's), TFLOP/s
 (linear: the 6 N H V flops of the three GEMMs, over ms). Before timing, each case checks
 fused against eager. The CSV goes to OUT/bench_loss.csv.
 """

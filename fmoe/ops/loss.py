@@ -14,12 +14,14 @@ with a zero gradient, where torch.nn.functional.cross_entropy returns NaN: a mic
 padding must not poison a sum of losses. reduction="sum" is what a train loop needs that
 divides by the valid-token count of the whole global batch (DESIGN.md, Parallelism).
 
-The Triton path computes the gradient in the forward. One kernel per block of rows runs an
-online logsumexp over the vocabulary in BLOCK_V steps, writes the row loss and, in a second
-sweep over the row, its gradient in the logits' dtype; |R| is counted on the device and read
-by the kernel through a pointer (no host sync). No N x V float32 tensor ever exists, and the
-backward only multiplies the stored gradient by the incoming scalar, in place: the graph
-cannot be run backward twice (retain_graph=True raises at the second backward).
+The Triton path: the forward kernel runs an online logsumexp over each row's vocabulary in
+BLOCK_V steps and writes the row's loss and logsumexp (one read of the logits); the backward
+kernel reads the logits once more and writes their gradient in the logits' dtype, times the
+incoming gradient, read through a pointer as |R| is (no host sync). Three passes over N x V
+in all, the fewest an exact softmax gradient takes when a row does not fit on chip (a first
+version that made the gradient in the forward, then scaled it in the backward, took five).
+No N x V float32 tensor ever exists. With inplace_grad the backward writes the gradient over
+the logits themselves.
 
 linear_cross_entropy never holds all N x V logits: per chunk of rows it forms the chunk's
 logits h_c @ weight^T, runs the same kernel writing dlogits_c over them, and right away
@@ -72,22 +74,45 @@ def linear_cross_entropy_ref(h_NH, weight_VH, labels_N, ignore_index, mean):
 
 
 @triton.jit
-def _ce_fwd_kernel(
-    logits_ptr, labels_ptr, grad_ptr, loss_ptr, n_valid_ptr,
-    N, V, stride_x, stride_g, ignore_index,
-    MEAN: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
-):
-    """Loss of BLOCK_R rows and, with WRITE_GRAD, their gradient (grad_ptr may be logits_ptr:
-    each element is read before it is overwritten, by the same program)."""
-    pid = tl.program_id(0)
-    rows_R = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+def _ce_rows(labels_ptr, N, V, ignore_index, BLOCK_R: tl.constexpr):
+    """The rows of this program: (rows, in range, counted (label not ignored), target column
+    or -1). An unchecked out-of-range label (check=False, or under torch.compile) gives a NaN
+    loss instead of an out-of-bounds read: target -1 never matches a column."""
+    rows_R = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok_R = rows_R < N
     label_R = tl.load(labels_ptr + rows_R, mask=row_ok_R, other=ignore_index)
     valid_R = row_ok_R & (label_R != ignore_index)
-    # unchecked out-of-range labels (check=False, or under torch.compile) give a NaN
-    # loss instead of an out-of-bounds read; target -1 never matches a column
     known_R = valid_R & (label_R >= 0) & (label_R < V)
-    target_R = tl.where(known_R, label_R, -1).to(tl.int32)
+    return rows_R, row_ok_R, valid_R, tl.where(known_R, label_R, -1).to(tl.int32)
+
+
+@triton.jit
+def _ce_grad_sweep(logits_ptr, grad_ptr, x_row_R, g_row_R, row_ok_R, valid_R, target_R, lse_R, scale, V,
+                   BLOCK_V: tl.constexpr):
+    """grad = (softmax - onehot(target)) * scale over the rows, in BLOCK_V steps, last block
+    first (after a forward sweep the end of the row is the part most likely still in L2).
+    grad_ptr may be logits_ptr: each element is read before this program overwrites it."""
+    cols_V = tl.arange(0, BLOCK_V)
+    n_blocks = tl.cdiv(V, BLOCK_V)
+    for i in range(n_blocks):
+        cols = (n_blocks - 1 - i) * BLOCK_V + cols_V
+        live = row_ok_R[:, None] & (cols[None, :] < V)
+        x = tl.load(logits_ptr + x_row_R[:, None] + cols[None, :], mask=live, other=0.0).to(tl.float32)
+        g = tl.exp(x - lse_R[:, None]) - tl.where(cols[None, :] == target_R[:, None], 1.0, 0.0)
+        # ignored rows get exact zeros, even where their logits hold inf or NaN
+        g = tl.where(valid_R[:, None], g * scale, 0.0)
+        tl.store(grad_ptr + g_row_R[:, None] + cols[None, :], g.to(grad_ptr.dtype.element_ty), mask=live)
+
+
+@triton.jit
+def _ce_fwd_kernel(
+    logits_ptr, labels_ptr, grad_ptr, loss_ptr, lse_ptr, n_valid_ptr,
+    N, V, stride_x, stride_g, ignore_index,
+    MEAN: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Loss and logsumexp of BLOCK_R rows and, with WRITE_GRAD (linear_cross_entropy's
+    chunks), their gradient too, in a second sweep (grad_ptr may be logits_ptr)."""
+    rows_R, row_ok_R, valid_R, target_R = _ce_rows(labels_ptr, N, V, ignore_index, BLOCK_R)
     x_row_R = rows_R.to(tl.int64) * stride_x  # N * V can pass 2^31
     cols_V = tl.arange(0, BLOCK_V)
 
@@ -107,23 +132,31 @@ def _ce_fwd_kernel(
     x_target_R = tl.load(logits_ptr + x_row_R + target_R, mask=target_R >= 0, other=0.0).to(tl.float32)
     loss_R = tl.where(target_R >= 0, lse_R - x_target_R, float("nan"))
     tl.store(loss_ptr + rows_R, tl.where(valid_R, loss_R, 0.0), mask=row_ok_R)
+    tl.store(lse_ptr + rows_R, lse_R, mask=row_ok_R)
 
     if WRITE_GRAD:
         scale = 1.0
         if MEAN:
             scale = 1.0 / tl.maximum(tl.load(n_valid_ptr), 1).to(tl.float32)
-        g_row_R = rows_R.to(tl.int64) * stride_g
-        n_blocks = tl.cdiv(V, BLOCK_V)
-        for i in range(n_blocks):
-            # last block first: the end of the row, read last by the loop above, is the part
-            # most likely still in L2
-            cols = (n_blocks - 1 - i) * BLOCK_V + cols_V
-            live = row_ok_R[:, None] & (cols[None, :] < V)
-            x = tl.load(logits_ptr + x_row_R[:, None] + cols[None, :], mask=live, other=0.0).to(tl.float32)
-            g = tl.exp(x - lse_R[:, None]) - tl.where(cols[None, :] == target_R[:, None], 1.0, 0.0)
-            # ignored rows get exact zeros, even where their logits hold inf or NaN
-            g = tl.where(valid_R[:, None], g * scale, 0.0)
-            tl.store(grad_ptr + g_row_R[:, None] + cols[None, :], g.to(grad_ptr.dtype.element_ty), mask=live)
+        _ce_grad_sweep(logits_ptr, grad_ptr, x_row_R, rows_R.to(tl.int64) * stride_g, row_ok_R, valid_R, target_R, lse_R,
+                       scale, V, BLOCK_V)
+
+
+@triton.jit
+def _ce_bwd_kernel(
+    logits_ptr, labels_ptr, lse_ptr, grad_loss_ptr, grad_ptr, n_valid_ptr,
+    N, V, stride_x, stride_g, ignore_index,
+    MEAN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """The gradient of BLOCK_R rows from their logits and the forward's logsumexp, times the
+    incoming gradient (a float32 scalar on the device); grad_ptr may be logits_ptr."""
+    rows_R, row_ok_R, valid_R, target_R = _ce_rows(labels_ptr, N, V, ignore_index, BLOCK_R)
+    lse_R = tl.load(lse_ptr + rows_R, mask=row_ok_R, other=0.0)
+    scale = tl.load(grad_loss_ptr).to(tl.float32)
+    if MEAN:
+        scale = scale / tl.maximum(tl.load(n_valid_ptr), 1).to(tl.float32)
+    _ce_grad_sweep(logits_ptr, grad_ptr, rows_R.to(tl.int64) * stride_x, rows_R.to(tl.int64) * stride_g, row_ok_R, valid_R,
+                   target_R, lse_R, scale, V, BLOCK_V)
 
 
 # columns per loop step; tests lower it to run the loop over V on small vocabularies
@@ -138,17 +171,30 @@ def _ce_blocks(V: int) -> dict:
     return dict(BLOCK_R=block_r, BLOCK_V=block_v, num_warps=max(1, min(8, block_r * block_v // 512)))
 
 
-def _launch_ce(logits_NV, labels_N, grad_NV, loss_N, n_valid, ignore_index, mean, write_grad):
+def _launch_ce(logits_NV, labels_N, grad_NV, loss_N, lse_N, n_valid, ignore_index, mean, write_grad):
     """Run _ce_fwd_kernel; logits_NV and grad_NV have unit column stride (may be the same)."""
     N, V = logits_NV.shape
     if N == 0:
         return
     meta = _ce_blocks(V)
-    grid = (triton.cdiv(N, meta["BLOCK_R"]),)
-    _ce_fwd_kernel[grid](
-        logits_NV, labels_N, grad_NV, loss_N, n_valid,
+    _ce_fwd_kernel[(triton.cdiv(N, meta["BLOCK_R"]),)](
+        logits_NV, labels_N, grad_NV, loss_N, lse_N, n_valid,
         N, V, logits_NV.stride(0), grad_NV.stride(0), ignore_index,
         MEAN=mean, WRITE_GRAD=write_grad, **meta,
+    )
+
+
+def _launch_ce_bwd(grad_loss, logits_NV, labels_N, lse_N, grad_NV, ignore_index, mean):
+    """Run _ce_bwd_kernel; logits_NV and grad_NV have unit column stride (may be the same)."""
+    N, V = logits_NV.shape
+    if N == 0:
+        return
+    meta = _ce_blocks(V)
+    n_valid = (labels_N != ignore_index).sum()
+    _ce_bwd_kernel[(triton.cdiv(N, meta["BLOCK_R"]),)](
+        logits_NV, labels_N, lse_N, grad_loss.float(), grad_NV, n_valid,
+        N, V, logits_NV.stride(0), grad_NV.stride(0), ignore_index,
+        MEAN=mean, **meta,
     )
 
 
@@ -168,83 +214,94 @@ def _finish(loss_N, n_valid, mean):
 
 
 @torch.library.custom_op("fmoe::cross_entropy_fwd", mutates_args=())
-def _ce_fwd(
-    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, mean: bool, need_grad: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss, gradient of the loss in logits' dtype, or an empty tensor without need_grad)."""
+def _ce_fwd(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, mean: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, lse [N] float32: each row's logsumexp, what the backward needs beside the logits)."""
     logits = _row_major(logits)
     labels = labels.contiguous()
-    N, V = logits.shape
+    N = logits.shape[0]
     n_valid = (labels != ignore_index).sum()
     loss_N = torch.empty(N, dtype=torch.float32, device=logits.device)
-    grad = torch.empty((N, V) if need_grad else (0,), dtype=logits.dtype, device=logits.device)
-    _launch_ce(logits, labels, grad if need_grad else logits, loss_N, n_valid, ignore_index, mean, need_grad)
-    return _finish(loss_N, n_valid, mean), grad
+    lse_N = torch.empty(N, dtype=torch.float32, device=logits.device)
+    _launch_ce(logits, labels, logits, loss_N, lse_N, n_valid, ignore_index, mean, False)
+    return _finish(loss_N, n_valid, mean), lse_N
 
 
 @_ce_fwd.register_fake
-def _(logits, labels, ignore_index, mean, need_grad):
-    shape = logits.shape if need_grad else (0,)
-    return logits.new_empty((), dtype=torch.float32), logits.new_empty(shape)
+def _(logits, labels, ignore_index, mean):
+    return logits.new_empty((), dtype=torch.float32), logits.new_empty(logits.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op("fmoe::cross_entropy_bwd", mutates_args=())
+def _ce_bwd(
+    grad_loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, ignore_index: int, mean: bool
+) -> torch.Tensor:
+    """dloss/dlogits [N, V] in logits' dtype, times grad_loss (a 0-D tensor)."""
+    logits = _row_major(logits)
+    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    _launch_ce_bwd(grad_loss, logits, labels.contiguous(), lse, grad, ignore_index, mean)
+    return grad
+
+
+@_ce_bwd.register_fake
+def _(grad_loss, logits, labels, lse, ignore_index, mean):
+    return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+
+
+@torch.library.custom_op("fmoe::cross_entropy_bwd_", mutates_args=("logits",))
+def _ce_bwd_inplace(
+    grad_loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, ignore_index: int, mean: bool
+) -> None:
+    """_ce_bwd written over the logits themselves (unit column stride)."""
+    _launch_ce_bwd(grad_loss, logits, labels.contiguous(), lse, logits, ignore_index, mean)
 
 
 def _ce_setup_context(ctx, inputs, output):
-    # the gradient output gets no incoming gradient: left None, not an N x V tensor of zeros
+    logits, labels, ctx.ignore_index, ctx.mean = inputs
+    # the logsumexp output gets no incoming gradient: left None, not a tensor of zeros
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(output[1])
+    ctx.save_for_backward(logits, labels, output[1])
 
 
-def _saved_once(ctx, op):
-    """ctx.saved_tensors, which a backward scales in place: the in-place scaling moves their
-    version on, so a second backward fails here instead of scaling them twice."""
-    try:
-        return ctx.saved_tensors
-    except RuntimeError as err:
-        raise RuntimeError(
-            f"{op}: the gradient computed in the forward was already consumed (scaled in place) "
-            "by a backward, or overwritten since; the graph takes one backward only "
-            "(retain_graph=True is not supported)"
-        ) from err
-
-
-def _ce_backward(ctx, grad_loss, _grad_grad):
-    # in place: the stored gradient becomes the returned one, with no second N x V buffer.
-    # Detached, autograd takes it as the gradient of a leaf instead of cloning it.
-    (grad_logits,) = _saved_once(ctx, "cross_entropy")
-    return grad_logits.detach().mul_(grad_loss), None, None, None, None
+def _ce_backward(ctx, grad_loss, _grad_lse):
+    if grad_loss is None:
+        return None, None, None, None
+    logits, labels, lse = ctx.saved_tensors
+    return _ce_bwd(grad_loss, logits, labels, lse, ctx.ignore_index, ctx.mean), None, None, None
 
 
 _ce_fwd.register_autograd(_ce_backward, setup_context=_ce_setup_context)
 
 
-@torch.library.custom_op("fmoe::cross_entropy_inplace_fwd", mutates_args=("logits",))
-def _ce_inplace_fwd(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, mean: bool) -> torch.Tensor:
-    """The loss; overwrites logits (unit column stride) with the loss's gradient."""
-    labels = labels.contiguous()
-    n_valid = (labels != ignore_index).sum()
-    loss_N = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
-    _launch_ce(logits, labels, logits, loss_N, n_valid, ignore_index, mean, True)
-    return _finish(loss_N, n_valid, mean)
-
-
-@_ce_inplace_fwd.register_fake
-def _(logits, labels, ignore_index, mean):
-    return logits.new_empty((), dtype=torch.float32)
+def _saved_once(ctx, op):
+    """ctx.saved_tensors, which a backward overwrites in place: the in-place write moves their
+    version on, so a second backward fails here instead of reading the gradient as logits."""
+    try:
+        return ctx.saved_tensors
+    except RuntimeError as err:
+        raise RuntimeError(
+            f"{op}: the saved tensors were already overwritten in place by a backward, or "
+            "changed since; the graph takes one backward only (retain_graph=True is not supported)"
+        ) from err
 
 
 class _CrossEntropyInplace(torch.autograd.Function):
-    """Autograd for the mutating op (torch.library attaches autograd to functional ops only)."""
+    """Autograd for the backward that writes over the logits (torch.library attaches
+    autograd to functional ops only)."""
 
     @staticmethod
     def forward(ctx, logits, labels, ignore_index, mean):
-        loss = _ce_inplace_fwd(logits, labels, ignore_index, mean)
-        ctx.save_for_backward(logits)
+        loss, lse = _ce_fwd(logits, labels, ignore_index, mean)
+        ctx.ignore_index, ctx.mean = ignore_index, mean
+        ctx.save_for_backward(logits, labels, lse)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        (grad_logits,) = _saved_once(ctx, "cross_entropy(inplace_grad=True)")
-        return grad_logits.detach().mul_(grad_loss), None, None, None  # as in _ce_backward
+        logits, labels, lse = _saved_once(ctx, "cross_entropy(inplace_grad=True)")
+        # detached: autograd takes the overwritten logits as the gradient of a leaf instead of cloning them
+        logits = logits.detach()
+        _ce_bwd_inplace(grad_loss, logits, labels, lse, ctx.ignore_index, ctx.mean)
+        return logits, None, None, None
 
 
 def _accumulate(acc_VH, dlogits_CV, h_CH):
@@ -268,6 +325,7 @@ def _linear_ce_fwd(
     labels = labels.contiguous()
     n_valid = (labels != ignore_index).sum()
     loss_N = torch.empty(N, dtype=torch.float32, device=h.device)
+    lse_N = torch.empty(N, dtype=torch.float32, device=h.device)  # written by the kernel, not needed here
     dh_NH = torch.empty((N, H) if need_dh else (0,), dtype=h.dtype, device=h.device)
     acc_dtype = torch.float32 if fp32_accumulate else weight.dtype
     dw_VH = torch.zeros((V, H) if need_dw else (0,), dtype=acc_dtype, device=h.device)
@@ -278,7 +336,8 @@ def _linear_ce_fwd(
         h_CH, x_CV = h[start:end], logits_CV[: end - start]
         torch.mm(h_CH, weight.T, out=x_CV)
         # the kernel turns the chunk's logits into their gradient, in place
-        _launch_ce(x_CV, labels[start:end], x_CV, loss_N[start:end], n_valid, ignore_index, mean, need_dh or need_dw)
+        _launch_ce(x_CV, labels[start:end], x_CV, loss_N[start:end], lse_N[start:end], n_valid, ignore_index, mean,
+                   need_dh or need_dw)
         if need_dh:
             torch.mm(x_CV, weight, out=dh_NH[start:end])
         if need_dw:
@@ -303,7 +362,7 @@ def _linear_ce_setup_context(ctx, inputs, output):
 
 
 def _linear_ce_backward(ctx, grad_loss, _grad_dh, _grad_dw):
-    dh, dw = _saved_once(ctx, "linear_cross_entropy")  # scaled in place, as in _ce_backward
+    dh, dw = _saved_once(ctx, "linear_cross_entropy")  # scaled in place: a second backward fails there
     return (
         dh.detach().mul_(grad_loss) if ctx.need_dh else None,
         dw.detach().mul_(grad_loss) if ctx.need_dw else None,
@@ -365,21 +424,21 @@ def cross_entropy(
         ignore_index: label of the rows to skip.
         reduction: "mean" over the non-ignored rows, or their "sum". All rows ignored: 0
             (torch returns NaN for "mean"), with a zero gradient.
-        inplace_grad: the Triton path may write the gradient into logits itself (as
-            Liger-Kernel does), saving an N x V buffer. The logits are destroyed by the
-            forward and, after backward, hold the gradient (logits.grad of a leaf shares
-            their memory). If another op's backward needs these logits (torch.tanh saves
-            its output, for one), that backward raises instead of reading the gradient.
-            Needs unit column stride. The torch path ignores the flag.
+        inplace_grad: the Triton path's backward may write the gradient over the logits
+            themselves, saving an N x V buffer. The forward leaves them as they are; after
+            backward they hold the gradient (logits.grad of a leaf shares their memory), so
+            the graph takes one backward only. If another op's backward needs these logits
+            (torch.tanh saves its output, for one), that backward raises instead of reading
+            the gradient. Needs unit column stride. The torch path ignores the flag.
         check: raise a ValueError on labels outside [0, V) other than ignore_index (one
             device->host sync; skipped under torch.compile). Unchecked, such rows get a
             NaN loss.
         impl: "auto" (Triton on CUDA, torch otherwise), "triton" or "torch".
 
     Returns:
-        0-D float32 tensor, differentiable with respect to logits. The Triton path computes
-        the gradient in the forward, in logits' dtype; its backward scales it in place, so
-        the graph takes one backward only.
+        0-D float32 tensor, differentiable with respect to logits. The Triton path saves the
+        logits and each row's logsumexp; its backward makes the gradient from them, in
+        logits' dtype.
 
     Example:
         >>> cross_entropy(torch.tensor([[0.0, 0.0], [5.0, 5.0]]), torch.tensor([1, -100]))
@@ -398,8 +457,7 @@ def cross_entropy(
         if logits.stride(-1) != 1:
             raise ValueError(f"logits: inplace_grad needs unit column stride, got strides {logits.stride()}")
         return _CrossEntropyInplace.apply(logits, labels, ignore_index, mean)
-    need_grad = torch.is_grad_enabled() and logits.requires_grad
-    return _ce_fwd(logits, labels, ignore_index, mean, need_grad)[0]
+    return _ce_fwd(logits, labels, ignore_index, mean)[0]
 
 
 def linear_cross_entropy(

@@ -185,9 +185,20 @@ def test_strided_rows(device):
     torch.testing.assert_close(cross_entropy(transposed, labels, impl="triton"), cross_entropy(transposed, labels, impl="torch"))
 
 
-def test_backward_runs_once(device):
+def test_backward_runs_twice_and_inplace_grad_once(device):
+    """The gradient is made from the saved logits: a second backward (retain_graph) gives it
+    again. With inplace_grad the first backward wrote it over the logits: a second refuses."""
     logits = torch.randn(5, 12, device=device, requires_grad=True)
-    value = cross_entropy(logits, _labels(5, 12, device), impl="triton")
+    labels = _labels(5, 12, device)
+    value = cross_entropy(logits, labels, impl="triton")
+    value.backward(retain_graph=True)
+    first = logits.grad.clone()
+    logits.grad = None
+    (2 * value).backward()
+    torch.testing.assert_close(logits.grad, 2 * first)
+
+    x = logits.detach().clone().requires_grad_()
+    value = cross_entropy(x, labels, impl="triton", inplace_grad=True)
     value.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="one backward only"):
         value.backward()
@@ -206,7 +217,7 @@ def test_inplace_grad_writes_the_gradient_into_the_logits(dtype, device):
 
     x = logits.detach().clone().requires_grad_()
     value = cross_entropy(x, labels, impl="triton", inplace_grad=True)
-    assert not torch.equal(x.detach(), logits.detach())  # destroyed by the forward
+    assert torch.equal(x.detach(), logits.detach())  # the forward leaves them as they are
     (value * upstream).backward()
     torch.testing.assert_close(value.detach(), l_ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(x.grad, g_ref, **_grad_tol(dtype, upstream, labels))
@@ -413,14 +424,17 @@ def test_custom_ops_pass_opcheck(device):
     labels = _labels(N, V, device)
     h = torch.randn(N, H, device=device, requires_grad=True)
     w = torch.randn(V, H, device=device, requires_grad=True)
-    # With gradients the forward returns the gradient it computed, which its backward then
-    # scales in place; opcheck's AOT test returns every output to the caller, where such a
-    # mutation is invalid. The public functions never expose that output: their
+    torch.library.opcheck(torch.ops.fmoe.cross_entropy_fwd.default, (logits, labels, IGNORE, True))
+    torch.library.opcheck(torch.ops.fmoe.cross_entropy_fwd.default, (logits.detach(), labels, IGNORE, False))
+    lse = torch.logsumexp(logits.detach(), dim=-1)
+    grad_loss = torch.tensor(0.5, device=device)
+    torch.library.opcheck(torch.ops.fmoe.cross_entropy_bwd.default, (grad_loss, logits.detach(), labels, lse, IGNORE, True))
+    torch.library.opcheck(torch.ops.fmoe.cross_entropy_bwd_.default, (grad_loss, logits.detach().clone(), labels, lse, IGNORE, False))
+    # linear_cross_entropy's forward returns the gradients it computed, which its backward
+    # then scales in place; opcheck's AOT test returns every output to the caller, where such
+    # a mutation is invalid. The public function never exposes those outputs: its
     # torch.compile is tested below.
     no_aot = ("test_schema", "test_autograd_registration", "test_faketensor")
-    torch.library.opcheck(torch.ops.fmoe.cross_entropy_fwd.default, (logits, labels, IGNORE, True, True), test_utils=no_aot)
-    torch.library.opcheck(torch.ops.fmoe.cross_entropy_fwd.default, (logits.detach(), labels, IGNORE, False, False))
-    torch.library.opcheck(torch.ops.fmoe.cross_entropy_inplace_fwd.default, (logits.detach().clone(), labels, IGNORE, True))
     torch.library.opcheck(torch.ops.fmoe.linear_cross_entropy_fwd.default, (h, w, labels, IGNORE, True, 3, True, True, True), test_utils=no_aot)
     torch.library.opcheck(torch.ops.fmoe.linear_cross_entropy_fwd.default, (h.detach(), w.detach(), labels, IGNORE, False, 3, False, False, True))
 
