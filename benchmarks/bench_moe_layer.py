@@ -10,6 +10,8 @@ Shapes (T tokens, H hidden, E experts, k per token, F expert FFN, shared experts
 Implementations (same softmax-top-k routing math, bf16 experts, float32 router):
     fmoe      fmoe.layers.moe (fused router, Triton permute/unpermute, torch._grouped_mm
               experts with the fused SwiGLU on Hopper)
+    fmoe scatter  the same with permute's rows (and unpermute's backward) filled by token,
+              each x row read once (fmoe.ops.dispatch.PERMUTE_BY = "scatter"), not by row
     loop      a per-expert loop in plain torch (nonzero per expert, index_add combine)
     strong    argsort dispatch + torch._grouped_mm + scatter_add combine, the way
               PyTorch-native trainers write it
@@ -19,7 +21,7 @@ Table: median ms of the forward and forward+backward; TFLOP/s over the active pa
 backward: 3x that), the fraction of the bf16 matmul rate measured in the same run, the peak memory
 of forward+backward, fmoe's speedup over each baseline; then fmoe's permute and unpermute
 alone as a fraction of the copy bandwidth measured in the same run (bytes: x read once,
-T k rows written; and back), and gpt-oss's clamped SwiGLU (forward + backward over the T k x F
+T k rows written; and back), permute's plan alone and its rows filled by each kernel, and gpt-oss's clamped SwiGLU (forward + backward over the T k x F
 activations) fused against the torch reference (fused_speedup: its ms / the fused ms).
 CSV in OUT/bench_moe_layer.csv.
 """
@@ -39,7 +41,7 @@ from _common import (  # before torch and fmoe: with --smoke it sets TRITON_INTE
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from fmoe.layers import MoEConfig, moe  # noqa: E402
-from fmoe.ops import permute, swiglu, unpermute  # noqa: E402
+from fmoe.ops import dispatch, permute, swiglu, unpermute  # noqa: E402
 
 COLUMNS = ["shape", "pass", "impl", "ms", "TFLOP/s", "matmul_fraction", "peak_GiB", "fmoe_speedup"]
 BW_COLUMNS = ["shape", "op", "ms", "GB/s", "copy_fraction", "fused_speedup"]
@@ -120,6 +122,15 @@ def strong_moe(x, p, k):
     return y.to(x.dtype) + _shared(x, p)
 
 
+def permuting_by(by: str, fn):
+    """fn() with permute's rows filled by "gather" or "scatter" (fmoe.ops.dispatch.PERMUTE_BY)."""
+    before, dispatch.PERMUTE_BY = dispatch.PERMUTE_BY, by
+    try:
+        return fn()
+    finally:
+        dispatch.PERMUTE_BY = before
+
+
 def peak_gib(fn, device) -> float | None:
     if device.type != "cuda":
         return None
@@ -137,11 +148,12 @@ def run_shape(shape, device, dtype, impl, rate, bandwidth):
     cfg = MoEConfig(n_experts=shape.E, k=shape.k, aux_scores=False, impl=impl)
     impls = {
         "fmoe": lambda: moe(x, p, cfg)[0],
+        "fmoe scatter": lambda: permuting_by("scatter", lambda: moe(x, p, cfg)[0]),
         "loop": lambda: loop_moe(x, p, shape.k),
         "strong": lambda: strong_moe(x, p, shape.k),
     }
     ref = impls["fmoe"]().detach().float()
-    for name in ("loop", "strong"):
+    for name in ("fmoe scatter", "loop", "strong"):
         err = rel_err(impls[name]().detach(), ref)
         if err > 2e-2:
             sys.exit(f"{shape.name}: {name} differs from fmoe by {err:.3g} (relative norm)")
@@ -177,6 +189,13 @@ def run_shape(shape, device, dtype, impl, rate, bandwidth):
     for op, fn in (("permute", lambda: permute(xd, experts, shape.E, check=False, impl=impl)), ("unpermute", lambda: unpermute(x_perm, plan, weights, impl=impl))):
         ms = bench(fn, device, cpu_warmup=0, cpu_repeats=1, label=f"{shape.name}-{op}")
         bw_rows.append(bw_row(shape, op, nbytes, ms, bandwidth))
+    # permute's parts: the plan, then the rows filled by either kernel (same bytes as permute)
+    plan_ms = bench(lambda: torch.ops.fmoe.permute_plan(experts, shape.E, 1), device, cpu_warmup=0, cpu_repeats=1, label=f"{shape.name}-permute-plan")
+    bw_rows.append({"shape": shape.name, "op": "permute: its plan alone", "ms": plan_ms})
+    for by in ("gather", "scatter"):
+        fill = lambda: permuting_by(by, lambda: torch.ops.fmoe.permute_fwd(xd, plan.row_of_slot, plan.slot_of_row))  # noqa: E731
+        ms = bench(fill, device, cpu_warmup=0, cpu_repeats=1, label=f"{shape.name}-permute-rows-{by}")
+        bw_rows.append(bw_row(shape, f"permute: its rows by {by}", nbytes, ms, bandwidth))
     bw_rows += swiglu_rows(shape, device, dtype, impl, bandwidth)
     return rows, bw_rows
 

@@ -103,6 +103,10 @@ def cases():
     perm_ptrs = dict(src_ptr="*bf16", slot_of_row_ptr="*i32", weights_ptr="*fp32", y_perm_ptr="*bf16", dst_ptr="*bf16", grad_w_ptr="*fp32")
     yield "permute_fwd", dispatch._permute_rows_kernel, perm_ptrs, dict(R="i32", H="i32"), dict(K=K, WEIGHTED=False, BLOCK_R=block_rows, **tile)
     yield "unpermute_bwd", dispatch._permute_rows_kernel, perm_ptrs, dict(R="i32", H="i32"), dict(K=K, WEIGHTED=True, BLOCK_R=block_rows, **tile)
+    scatter_ptrs = dict(src_ptr="*bf16", row_of_slot_ptr="*i32", weights_ptr="*fp32", y_perm_ptr="*bf16", dst_ptr="*bf16", grad_w_ptr="*fp32")
+    for name, weighted in (("permute_fwd scatter", False), ("unpermute_bwd scatter", True)):
+        yield name, dispatch._scatter_rows_kernel, scatter_ptrs, dict(T="i32", H="i32"), dict(K=K, WEIGHTED=weighted, BLOCK_T=block_rows, BLOCK_K=K, **tile)
+    yield "zero_empty_rows", dispatch._zero_empty_rows_kernel, dict(slot_of_row_ptr="*i32", dst_ptr="*bf16"), dict(R="i32", H="i32"), dict(BLOCK_R=64, BLOCK_H=64, num_warps=4)
     unperm_ptrs = dict(y_perm_ptr="*bf16", row_of_slot_ptr="*i32", weights_ptr="*fp32", y_ptr="*bf16")
     yield "unpermute_fwd", dispatch._unpermute_rows_kernel, unperm_ptrs, dict(T="i32", H="i32"), dict(K=K, WEIGHTED=True, BLOCK_T=block_rows, **tile)
     yield "permute_bwd", dispatch._unpermute_rows_kernel, unperm_ptrs, dict(T="i32", H="i32"), dict(K=K, WEIGHTED=False, BLOCK_T=block_rows, **tile)

@@ -222,6 +222,56 @@ def _permute_rows_kernel(
 
 
 @triton.jit
+def _scatter_rows_kernel(
+    src_ptr, row_of_slot_ptr, weights_ptr, y_perm_ptr, dst_ptr, grad_w_ptr, T, H,
+    K: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """_permute_rows_kernel by token: src[t] is read once and written to the row of each
+    of its kept slots (the gather reads it once per slot). Rows of no slot are left to
+    _zero_empty_rows_kernel. WEIGHTED as there: the row scaled by weights[t,j], and
+    d weights[t,j] = <d y[t], y_perm[row]> (0 for a dropped slot)."""
+    pid = tl.program_id(0)
+    toks_T = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok_ok_T = toks_T < T
+    k_K = tl.arange(0, BLOCK_K)
+    if WEIGHTED:
+        dot_TK = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+    h_H = tl.arange(0, BLOCK_H)
+    for h0 in range(0, H, BLOCK_H):
+        cols_H = h0 + h_H
+        col_ok_H = cols_H < H
+        v = tl.load(src_ptr + toks_T.to(tl.int64)[:, None] * H + cols_H[None, :], mask=tok_ok_T[:, None] & col_ok_H[None, :], other=0.0)
+        for j in tl.static_range(K):
+            # the K rows are reloaded per H block (L1 hits) rather than held in registers
+            row_T = tl.load(row_of_slot_ptr + toks_T * K + j, mask=tok_ok_T, other=-1)
+            kept = (row_T >= 0)[:, None] & col_ok_H[None, :]
+            dst_off = row_T.to(tl.int64)[:, None] * H + cols_H[None, :]
+            out = v
+            if WEIGHTED:
+                g = v.to(tl.float32)
+                y = tl.load(y_perm_ptr + dst_off, mask=kept, other=0.0).to(tl.float32)
+                dot_TK = tl.where(k_K[None, :] == j, dot_TK + tl.sum(g * y, axis=1)[:, None], dot_TK)
+                out = g * tl.load(weights_ptr + toks_T * K + j, mask=row_T >= 0, other=0.0).to(tl.float32)[:, None]
+            tl.store(dst_ptr + dst_off, out.to(dst_ptr.dtype.element_ty), mask=kept)
+    if WEIGHTED:
+        tl.store(grad_w_ptr + toks_T[:, None] * K + k_K[None, :], dot_TK.to(grad_w_ptr.dtype.element_ty),
+                 mask=tok_ok_T[:, None] & (k_K[None, :] < K))
+
+
+@triton.jit
+def _zero_empty_rows_kernel(slot_of_row_ptr, dst_ptr, R, H, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+    """dst[r] = 0 for the rows of no slot (padding, dropped slots), the others untouched."""
+    rows_R = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    empty_R = tl.load(slot_of_row_ptr + rows_R, mask=rows_R < R, other=0) < 0
+    if tl.max(empty_R.to(tl.int32), axis=0) > 0:
+        h_H = tl.arange(0, BLOCK_H)
+        zeros = tl.zeros([BLOCK_R, BLOCK_H], dtype=dst_ptr.dtype.element_ty)
+        for h0 in range(0, H, BLOCK_H):
+            cols_H = h0 + h_H
+            tl.store(dst_ptr + rows_R.to(tl.int64)[:, None] * H + cols_H[None, :], zeros, mask=empty_R[:, None] & (cols_H < H)[None, :])
+
+
+@triton.jit
 def _unpermute_rows_kernel(
     y_perm_ptr, row_of_slot_ptr, weights_ptr, y_ptr, T, H,
     K: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -312,14 +362,32 @@ def _(experts, n_experts, align):
     )
 
 
-def _launch_permute_rows(src, slot_of_row, K, weights=None, y_perm=None):
+# How the rows of x_perm are filled: "gather" (_permute_rows_kernel: a program per block of
+# rows, each reading its token's row: x is read K times) or "scatter" (_scatter_rows_kernel: a
+# program per block of tokens, x read once, then _zero_empty_rows_kernel). The gather is the
+# one timed on an H100 (benchmarks/RESULTS.md); bench_moe_layer times both.
+PERMUTE_BY = "gather"
+
+
+def _launch_permute_rows(src, slot_of_row, K, weights=None, y_perm=None, row_of_slot=None):
     """dst [R, H] in src's dtype (weighted: in y_perm's, and d weights [T, K]) from src [T, H]."""
     R, H = slot_of_row.shape[0], src.shape[1]
     weighted = weights is not None
     dst = src.new_empty(R, H, dtype=y_perm.dtype if weighted else src.dtype)
     # dropped slots have no row to write their d weights: they stay 0
     grad_w = torch.zeros(weights.shape, dtype=weights.dtype, device=weights.device) if weighted else None
-    if R and H:
+    if R and H and PERMUTE_BY == "scatter":
+        T = src.shape[0]
+        meta = _row_blocks(H)
+        rows = meta.pop("BLOCK_ROWS")
+        _scatter_rows_kernel[(triton.cdiv(T, rows),)](
+            src.contiguous(), row_of_slot.contiguous(),
+            weights.contiguous() if weighted else src, y_perm.contiguous() if weighted else src,
+            dst, grad_w if weighted else dst, T, H, K=K, WEIGHTED=weighted, BLOCK_T=rows, BLOCK_K=next_pow2(K), **meta,
+        )
+        zero_rows = 64
+        _zero_empty_rows_kernel[(triton.cdiv(R, zero_rows),)](slot_of_row, dst, R, H, BLOCK_R=zero_rows, BLOCK_H=min(next_pow2(H), 64))
+    elif R and H:
         meta = _row_blocks(H)
         rows = meta.pop("BLOCK_ROWS")
         _permute_rows_kernel[(triton.cdiv(R, rows),)](
@@ -346,7 +414,7 @@ def _launch_unpermute_rows(y_perm, row_of_slot, weights):
 
 @torch.library.custom_op("fmoe::permute_fwd", mutates_args=())
 def _permute_fwd(x: torch.Tensor, row_of_slot: torch.Tensor, slot_of_row: torch.Tensor) -> torch.Tensor:
-    return _launch_permute_rows(x, slot_of_row, row_of_slot.shape[1])[0]
+    return _launch_permute_rows(x, slot_of_row, row_of_slot.shape[1], row_of_slot=row_of_slot)[0]
 
 
 @_permute_fwd.register_fake
@@ -370,7 +438,7 @@ def _(y_perm, row_of_slot, slot_of_row, weights):
 def _unpermute_bwd(
     grad_y: torch.Tensor, y_perm: torch.Tensor, weights: torch.Tensor, row_of_slot: torch.Tensor, slot_of_row: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _launch_permute_rows(grad_y, slot_of_row, row_of_slot.shape[1], weights, y_perm)
+    return _launch_permute_rows(grad_y, slot_of_row, row_of_slot.shape[1], weights, y_perm, row_of_slot)
 
 
 @_unpermute_bwd.register_fake

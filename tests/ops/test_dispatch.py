@@ -137,6 +137,29 @@ def test_triton_matches_reference(T, k, E, align, dtype, drop, device):
     assert (dy_perm_t[plan_t.slot_of_row < 0] == 0).all()
 
 
+@pytest.mark.parametrize("drop", [False, True], ids=["kept", "dropped"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("T,k,E,align", [(1, 1, 4, 1), (7, 2, 16, 16), (33, 8, 60, 32), (33, 2, 4, 1)])
+def test_scatter_equals_gather(T, k, E, align, dtype, drop, device, monkeypatch):
+    """PERMUTE_BY="scatter" (x read once per token, then the empty rows zeroed) gives the
+    gather's x_perm, gradients and weight gradients bit for bit, over several H tiles."""
+    monkeypatch.setattr(dispatch, "_row_blocks", lambda H: dict(BLOCK_ROWS=4, BLOCK_H=16, num_warps=4))
+    H, R = 40, dispatch.n_rows(T, k, E, align)
+    experts = _experts(T, k, E, drop, device=device)
+    args = (
+        _x(T, H, dtype, device), experts, E, align, torch.randn(R, H, device=device).to(dtype), torch.rand(T, k, device=device),
+        torch.randn(R, H, device=device), torch.randn(T, H, device=device),
+    )
+    gathered = _run(*args, impl="triton")
+    monkeypatch.setattr(dispatch, "PERMUTE_BY", "scatter")
+    monkeypatch.setattr(dispatch, "_permute_rows_kernel", None)  # the gather kernel cannot run now
+    scattered = _run(*args, impl="triton")
+    for name, a, b in zip(("plan", "x_perm", "y", "dx", "dy_perm", "dweights"), gathered, scattered):
+        for u, v in (zip(a, b) if name == "plan" else [(a, b)]):
+            assert torch.equal(u, v), name
+    assert (scattered[1][scattered[0].slot_of_row < 0] == 0).all()  # the empty rows, zeroed
+
+
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_unweighted_and_low_precision_weights(impl, device):
     T, k, E, H = 11, 3, 5, 7
@@ -352,7 +375,9 @@ def test_compiles_without_graph_breaks(device):
 
 
 @pytest.mark.gpu
-def test_gpu_real_shape():
+@pytest.mark.parametrize("by", ["gather", "scatter"])
+def test_gpu_real_shape(by, monkeypatch):
+    monkeypatch.setattr(dispatch, "PERMUTE_BY", by)
     T, k, E, H, align = 16384, 8, 128, 2048, 16
     experts = torch.rand(T, E, device="cuda").topk(k, dim=1).indices
     experts[torch.rand(T, k, device="cuda") < 0.05] = -1
