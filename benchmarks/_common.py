@@ -197,14 +197,18 @@ def write_csv(path: str | Path, rows: list[dict]) -> None:
         writer.writerows(rows)
 
 
-def start(description: str):
-    """The common start of a benchmark's main: parse the flags, pick the device, print it
-    (and the smoke warning), seed, and measure the copy bandwidth.
+def start(description: str, add_arguments=None):
+    """The common start of a benchmark's main: parse the flags (add_arguments(parser) adds a
+    script's own), pick the device, print it (and the smoke warning), seed, and measure the
+    copy bandwidth.
 
     Returns (args, device, dtype, bandwidth): dtype is float32 for --smoke, else bfloat16;
     bandwidth in bytes per second.
     """
-    args = base_parser(description).parse_args()
+    parser = base_parser(description)
+    if add_arguments is not None:
+        add_arguments(parser)
+    args = parser.parse_args()
     device = bench_device(args.smoke)
     if args.profile:
         _PROFILE.update(dir=Path(args.out) / "profile", labels={})

@@ -16,7 +16,8 @@ Implementations:
               matmuls per chunk)
     compiled  torch.compile(dynamic=False) of impl="torch", warmed up before timing; it unrolls
               the loop over the T / 64 chunks, so at T = 16384 its compile outlasted 100 s
-              on an H100 machine: each case prints fused and eager first, then compiles
+              on an H100 machine: timed only with --compiled (always with --smoke), after
+              each case has printed fused and eager
 
 Passes: fwd, and fwd+bwd (the gradients of q, k, v, g and beta for a fixed upstream
 gradient). Before timing, each case checks fused against eager (output and gradients).
@@ -70,7 +71,7 @@ def flops_per_token_head(D: int, C: int = CHUNK) -> int:
     return 4 * C * D + C * 2 * D + 8 * D * D + 2 * C * D
 
 
-def run_case(case: Case, device: torch.device, dtype: torch.dtype, rate: float) -> list[dict]:
+def run_case(case: Case, device: torch.device, dtype: torch.dtype, rate: float, compiled: bool) -> list[dict]:
     T, N, D = case.T, case.N, case.D
     torch._dynamo.reset()
     g = torch.Generator(device=device).manual_seed(0)
@@ -121,6 +122,10 @@ def run_case(case: Case, device: torch.device, dtype: torch.dtype, rate: float) 
 
     ms = {pass_name: {} for pass_name, _, _ in passes}
     timed(("fused", "eager"), ms)
+    if not compiled:
+        rows = table(ms)
+        case_done(rows, COLUMNS)
+        return rows
     case_done(table(ms), COLUMNS)  # kept if the compile below outlasts a time limit
     # torch.compile unrolls the op's loop over the T / CHUNK chunks: at T = 16384 a long compile
     begin = time.perf_counter()
@@ -135,12 +140,16 @@ def run_case(case: Case, device: torch.device, dtype: torch.dtype, rate: float) 
 
 
 def main() -> None:
-    args, device, dtype, bandwidth = start(__doc__.splitlines()[0])
+    def add_arguments(parser):
+        parser.add_argument("--compiled", action="store_true",
+                            help="also time torch.compile of the torch form (its compile takes minutes at the real shapes)")
+
+    args, device, dtype, bandwidth = start(__doc__.splitlines()[0], add_arguments)
     rate = matmul_rate(device, torch.float32, 256 if args.smoke else 8192)
     print(f"float32 matmul rate: {rate / 1e12:.1f} TFLOP/s (measured now)", flush=True)
     rows = []
     for case in make_cases(args.smoke):
-        rows += run_case(case, device, dtype, rate)
+        rows += run_case(case, device, dtype, rate, compiled=args.compiled or args.smoke)
     finish(args, device, bandwidth, "bench_delta", [(rows, COLUMNS)], fp32_matmul_TFLOPs=rate / 1e12)
 
 

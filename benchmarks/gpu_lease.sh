@@ -1,0 +1,49 @@
+#!/bin/bash
+# Issue 17's GPU checks in two parts, each one call of a lent machine (a lease gives about
+# 13 minutes of running: send part b at once after part a, while the machine is warm).
+# From the repository root, with the tensordict and pyvers wheels in .whl/ when the
+# machine's Python lacks them (see benchmarks/RESULTS.md):
+#
+#     bash benchmarks/gpu_lease.sh a    # the gpu tests; bench_moe_layer, bench_loss, bench_optim; bench_rope profiled (~3 min)
+#     bash benchmarks/gpu_lease.sh b    # bench_routing; bench_train_step profiled; bench_delta (~6 min)
+#
+# What comes back is written to $OUT (the device tool's folder; gpu_out/ elsewhere), at most
+# 8 files: RESULTS.md (run_all.py's sections, to append to benchmarks/RESULTS.md), log.txt,
+# gpu_tests.log and the profiles' ops tables (<benchmark>.txt). Each part prints the end of
+# RESULTS.md last. Limits: what the first run took (benchmarks/RESULTS.md), with room.
+set -u
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if ! python3 -c "import tensordict" 2>/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
+
+bench() {  # run_all.py's sections appended to $OUT/RESULTS.md, its own output to log.txt
+    python3 benchmarks/run_all.py --results "$OUT/RESULTS.md" "$@" >> "$OUT/log.txt" 2>&1
+}
+
+case "${1:-}" in
+a)
+    # 4 workers: the compiles are CPU-bound; 8 ran one test out of GPU memory
+    timeout 170 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider -o addopts="-ra --durations=10" tests \
+        > "$OUT/gpu_tests.log" 2>&1
+    echo "gpu tests: exit $?"
+    grep -E "passed|failed|^FAILED|^ERROR" "$OUT/gpu_tests.log" | tail -20
+    bench --only bench_moe_layer,bench_loss,bench_optim --timeout 60
+    bench --only bench_rope --timeout 60 --profile
+    ;;
+b)
+    bench --only bench_routing --timeout 150
+    bench --only bench_train_step --timeout 150 --profile
+    bench --only bench_delta --timeout 90
+    ;;
+*)
+    echo "usage: bash benchmarks/gpu_lease.sh a|b" >&2
+    exit 2
+    ;;
+esac
+cp bench_out/profile/*.txt "$OUT/" 2>/dev/null
+grep -v '^$' "$OUT/RESULTS.md" | tail -c 9000
