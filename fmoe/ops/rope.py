@@ -456,6 +456,12 @@ def _(x, cos, sin, interleaved, inverse):
     return None
 
 
+# torch before 2.13 compiles an autograd.Function that marks a view of its input dirty (q and
+# k inside a qkv buffer) into wrong gradients (seen with torch 2.11, aot_eager): there, under
+# torch.compile, the in-place path rotates a copy and writes it back instead.
+_DIRTY_VIEW_COMPILES_WRONG = tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13)
+
+
 class _RopeInPlace(torch.autograd.Function):
     """Autograd for fmoe::rope_ (torch.library cannot register autograd on a mutating op).
 
@@ -548,6 +554,8 @@ def apply_rope(
     if use_triton(impl, x, cos, sin):
         if not inplace:
             return _rope(x, cos, sin, interleaved, False)
+        if grad_mode and _DIRTY_VIEW_COMPILES_WRONG and torch.compiler.is_compiling():
+            return x.copy_(_rope(x, cos, sin, interleaved, False))
         if grad_mode:
             return _RopeInPlace.apply(x, cos, sin, interleaved)
         _rope_(x, cos, sin, interleaved, False)

@@ -1,5 +1,6 @@
 """RoPE and YaRN: the SPEC's worked numbers, a complex-number rotation, kernels vs reference."""
 
+import importlib
 import math
 
 import pytest
@@ -17,6 +18,8 @@ from fmoe.ops.rope import (
     yarn_mscale,
     yarn_softmax_scale,
 )
+
+rope_mod = importlib.import_module("fmoe.ops.rope")  # the module itself (fmoe.ops may export a function of its name)
 
 
 def _cos_sin(T, R, device="cpu", base=10000.0, offset=0):
@@ -413,7 +416,14 @@ def test_custom_ops_pass_opcheck(device):
     torch.library.opcheck(torch.ops.fmoe.rope.default, (strided, cos, sin, False, False))
 
 
-def test_compiles_without_graph_breaks(device):
+@pytest.mark.parametrize("dirty_view_compiles_wrong", [False, True], ids=["function", "copy-back"])
+def test_compiles_without_graph_breaks(device, dirty_view_compiles_wrong, monkeypatch):
+    """Out of place and in place (the in-place path's autograd.Function, or, where torch
+    compiles it wrong (before 2.13), the rotated copy written back), against eager."""
+    if rope_mod._DIRTY_VIEW_COMPILES_WRONG and not dirty_view_compiles_wrong:
+        pytest.skip(f"torch {torch.__version__} compiles the in-place Function into wrong gradients; the copy-back case runs")
+    monkeypatch.setattr(rope_mod, "_DIRTY_VIEW_COMPILES_WRONG", dirty_view_compiles_wrong)
+
     def step(q, k, cos, sin):
         q = apply_rope(q, cos, sin, impl="triton")
         k = apply_rope(k, cos, sin, interleaved=True, impl="triton")
