@@ -376,6 +376,8 @@ def _launch_permute_rows(src, slot_of_row, K, weights=None, y_perm=None, row_of_
     dst = src.new_empty(R, H, dtype=y_perm.dtype if weighted else src.dtype)
     # dropped slots have no row to write their d weights: they stay 0
     grad_w = torch.zeros(weights.shape, dtype=weights.dtype, device=weights.device) if weighted else None
+    if PERMUTE_BY not in ("gather", "scatter"):
+        raise ValueError(f"fmoe.ops.dispatch.PERMUTE_BY: expected 'gather' or 'scatter', got {PERMUTE_BY!r}")
     if R and H and PERMUTE_BY == "scatter":
         T = src.shape[0]
         meta = _row_blocks(H)
@@ -386,7 +388,7 @@ def _launch_permute_rows(src, slot_of_row, K, weights=None, y_perm=None, row_of_
             dst, grad_w if weighted else dst, T, H, K=K, WEIGHTED=weighted, BLOCK_T=rows, BLOCK_K=next_pow2(K), **meta,
         )
         zero_rows = 64
-        _zero_empty_rows_kernel[(triton.cdiv(R, zero_rows),)](slot_of_row, dst, R, H, BLOCK_R=zero_rows, BLOCK_H=min(next_pow2(H), 64))
+        _zero_empty_rows_kernel[(triton.cdiv(R, zero_rows),)](slot_of_row.contiguous(), dst, R, H, BLOCK_R=zero_rows, BLOCK_H=min(next_pow2(H), 64))
     elif R and H:
         meta = _row_blocks(H)
         rows = meta.pop("BLOCK_ROWS")

@@ -158,6 +158,9 @@ def test_scatter_equals_gather(T, k, E, align, dtype, drop, device, monkeypatch)
         for u, v in (zip(a, b) if name == "plan" else [(a, b)]):
             assert torch.equal(u, v), name
     assert (scattered[1][scattered[0].slot_of_row < 0] == 0).all()  # the empty rows, zeroed
+    monkeypatch.setattr(dispatch, "PERMUTE_BY", "scattered")
+    with pytest.raises(ValueError, match="PERMUTE_BY: expected 'gather' or 'scatter', got 'scattered'"):
+        permute(args[0], experts, E, align=align, impl="triton")
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
