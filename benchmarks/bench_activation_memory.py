@@ -1,11 +1,11 @@
 """Activation memory benchmark: what each `ac` mode keeps for the backward, its cost, and
 what tensor parallelism with sequence parallelism (tp = 2) leaves on each rank.
 
-    .venv/bin/python benchmarks/bench_activation_memory.py            # CUDA, bf16, bench_train_step's model
+    .venv/bin/python benchmarks/bench_activation_memory.py            # CUDA, bf16, bench_train_step's small model
     .venv/bin/python benchmarks/bench_activation_memory.py --smoke    # CPU, tiny model
 
 For each TransformerConfig.ac mode (none, full, attention, experts) on the same model and
-packed micro-batch (bench_train_step's: H=1024, 12 layers, 64 experts top-4, 1 MTP depth,
+packed micro-batch (bench_train_step's small one: H=1024, 12 layers, 64 experts top-4, 1 MTP depth,
 T=8192 on CUDA): the bytes autograd keeps for the backward of one forward with its losses,
 counted with saved_tensors_hooks (fmoe.train.metrics.SavedTensors: each storage once,
 parameters excluded; the inputs of recomputed regions are counted, their insides are not),

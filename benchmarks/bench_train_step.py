@@ -1,13 +1,22 @@
 """Train-step benchmark: tokens/s and MFU of the reference MoE transformer.
 
-    .venv/bin/python benchmarks/bench_train_step.py            # CUDA, bf16, ~1.1B total / ~130M active
-    .venv/bin/python benchmarks/bench_train_step.py --smoke    # CPU + Triton interpreter, tiny model
+    .venv/bin/python benchmarks/bench_train_step.py                  # CUDA, bf16, the large model
+    .venv/bin/python benchmarks/bench_train_step.py --model small    # CUDA, the first GPU run's model
+    .venv/bin/python benchmarks/bench_train_step.py --smoke          # CPU + Triton interpreter, tiny model
 
-Model (fmoe.model.Transformer): H=1024, 12 layers (1 dense, FFN 4096), 64 experts of F=512,
-top-4 sigmoid routing with an expert bias and 1 shared expert, 16 query / 4 kv heads of 64,
-vocab 32768, 1 MTP depth: about 1.1B parameters, 130M active per token. One step: forward
-and backward of a packed micro-batch of 16384 tokens (documents of random lengths), the
-balancing losses, clipping and an AdamW step (bf16 states).
+Models (fmoe.model.Transformer, top-k sigmoid routing with an expert bias, vocab 32768, 1 MTP
+depth):
+    large  H=2048, 8 layers (1 dense, FFN 8192), 64 experts of F=1024, top-6 and 2 shared
+           experts, 16 query / 4 kv heads of 128: 3.6B parameters, 0.69B active per token
+           (embedding and head counted). Parameters, gradients and bf16 AdamW states take
+           27 GiB, and the forward keeps about 23 GiB for the backward at 16384 tokens
+           (counted on CPU with fmoe.train.metrics.SavedTensors through the torch ops): about
+           two thirds of an H100, the GPU filled without risking its last GiB.
+    small  H=1024, 12 layers (1 dense, FFN 4096), 64 experts of F=512, top-4 and 1 shared
+           expert, 16 query / 4 kv heads of 64: the model of the first H100 run
+           (benchmarks/RESULTS.md), whose GEMMs are small for the GPU.
+One step: forward and backward of a packed micro-batch of 16384 tokens (documents of random
+lengths), the balancing losses, clipping and an AdamW step (bf16 states).
 
 Implementations:
     fmoe compiled   impl="auto" (fused Triton ops, torch._grouped_mm, FlexAttention), the
@@ -49,7 +58,10 @@ from fmoe.train.data import make_batch as pack  # noqa: E402
 COLUMNS = ["impl", "ms", "tokens/s", "TFLOP/s", "MFU", "peak_GiB", "syncs/step", "fwd+bwd reads"]
 
 GPU = TransformerConfig(vocab_size=32768, hidden=1024, n_layers=12, n_dense=1, ffn_dense=4096, n_experts=64, k=4,
-                        ffn_expert=512, n_shared=1, n_heads=16, n_kv_heads=4, head_dim=64, mtp_depth=1)
+                        ffn_expert=512, n_shared=1, n_heads=16, n_kv_heads=4, head_dim=64, mtp_depth=1)  # "small"
+LARGE = TransformerConfig(vocab_size=32768, hidden=2048, n_layers=8, n_dense=1, ffn_dense=8192, n_experts=64, k=6,
+                          ffn_expert=1024, n_shared=2, n_heads=16, n_kv_heads=4, head_dim=128, mtp_depth=1)
+MODELS = {"large": LARGE, "small": GPU}
 SMOKE = TransformerConfig(vocab_size=64, hidden=16, n_layers=2, n_dense=1, ffn_dense=64, n_experts=4, k=2,
                           ffn_expert=16, n_shared=1, n_heads=2, n_kv_heads=1, head_dim=16, mtp_depth=1)
 
@@ -98,8 +110,12 @@ def host_syncs(step, fwd_bwd, device) -> tuple[int, int]:
 
 
 def main() -> None:
-    args, device, dtype, bandwidth = start(__doc__.splitlines()[0])
-    base = SMOKE if args.smoke else GPU
+    def add_arguments(parser):
+        parser.add_argument("--model", choices=sorted(MODELS), default="large", help="the model on CUDA (default: large)")
+
+    args, device, dtype, bandwidth = start(__doc__.splitlines()[0], add_arguments)
+    base = SMOKE if args.smoke else MODELS[args.model]
+    print(f"model: {'smoke' if args.smoke else args.model}", flush=True)
     T = 32 if args.smoke else 16384
     rate = matmul_rate(device, dtype, 256 if args.smoke else 8192)
     print(f"matmul rate: {rate / 1e12:.3g} TFLOP/s ({dtype})", flush=True)
@@ -121,20 +137,20 @@ def main() -> None:
         step, fwd_bwd = make_step(model, forward, optimizer, batch, cfg)
         try:
             step()  # warm-up: compiles, allocates optimizer state
+            syncs, reads = host_syncs(step, fwd_bwd, device)
+            optimizer.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            ms = bench(step, device, cpu_warmup=0, cpu_repeats=1, label=name)  # CPU: already warm; the interpreter is slow
         except torch.OutOfMemoryError:  # the reference's dense [T, T] attention at T = 16384
             print(f"{name}: out of memory (its row is left empty)", flush=True)
             rows.append({"impl": f"{name} (out of memory)"})
             del model, forward, step, fwd_bwd, optimizer
             torch.cuda.empty_cache()
             continue
-        syncs, reads = host_syncs(step, fwd_bwd, device)
-        optimizer.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        ms = bench(step, device, cpu_warmup=0, cpu_repeats=1, label=name)  # CPU: already warm; the interpreter is slow
         tflops = flops_per_token * T / (ms * 1e-3) / 1e12
         rows.append({
-            "impl": name, "ms": ms, "tokens/s": T / (ms * 1e-3), "TFLOP/s": tflops, "MFU": tflops * 1e12 / rate,
+            "impl": name, "model": "smoke" if args.smoke else args.model, "ms": ms, "tokens/s": T / (ms * 1e-3), "TFLOP/s": tflops, "MFU": tflops * 1e12 / rate,
             "peak_GiB": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
             "syncs/step": syncs, "fwd+bwd reads": reads,
             "params": sum(p.numel() for p in model.parameters()), "flops_per_token": flops_per_token, "tokens": T,
