@@ -272,9 +272,9 @@ def dispatch(
         dist.all_to_all_single(recv_SL, counts_SL.contiguous(), group=ep_group)
     recv_QSL = recv_SL[None]
     if etp_group is not None:
-        recv_QS_L = torch.empty((Q * S, L), dtype=recv_SL.dtype, device=recv_SL.device)
-        dist.all_gather_into_tensor(recv_QS_L, recv_SL.contiguous(), group=etp_group)  # (torch 2.11 has no funcol.all_gather_single)
-        recv_QSL = recv_QS_L.view(Q, S, L)
+        parts = [torch.empty_like(recv_SL) for _ in range(Q)]
+        dist.all_gather(parts, recv_SL.contiguous(), group=etp_group)  # (torch 2.11 has no funcol.all_gather_single)
+        recv_QSL = torch.stack(parts)
 
     # the one host sync: the all-to-alls take their split sizes as Python ints
     host = torch.cat([counts_E, recv_QSL.reshape(-1)]).tolist()

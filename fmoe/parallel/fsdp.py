@@ -149,7 +149,10 @@ def gathered(model: nn.Module) -> Iterator[nn.Module]:
 
 def _reshards_after_forward(unit: FSDPModule) -> bool:
     """Whether an FSDP2 unit reshards after forward (FSDP2 exposes the setter only)."""
-    groups = unit._get_fsdp_state()._fsdp_param_groups
+    state = unit._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:  # torch before 2.13 (2.11: the GPU machines'): one group or none
+        groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
     return any(group.post_forward_mesh_info is not None for group in groups)
 
 

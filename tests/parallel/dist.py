@@ -90,6 +90,10 @@ def by_world(worker, cases: dict, *, timeout: float) -> Callable[[int], list]:
     return run
 
 
+# the torch.distributed function FSDP2 all-gathers parameters with (torch 2.11: all_gather_into_tensor)
+FSDP_ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+
+
 @contextlib.contextmanager
 def counting_calls(name: str):
     """Record the `op` keyword (None where not given) of every torch.distributed.<name> call

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.parallel.dist import by_world, counting_calls
+from tests.parallel.dist import FSDP_ALL_GATHER, by_world, counting_calls
 
 TINY = dict(vocab_size=64, hidden=32, n_layers=2, n_dense=1, ffn_dense=64, n_experts=4, k=2, ffn_expert=32,
             n_shared=1, n_heads=4, n_kv_heads=2, head_dim=8, mtp_depth=1)
@@ -313,13 +313,13 @@ def _decode(rank, world, sizes, overrides, param_dtype, tol):
     _perturb_zeros_and_ones(ref, model)
     want, _ = _decode_calls(ref.eval())
     parallelize(model, build_meshes(**sizes), param_dtype=param_dtype)
-    with counting_calls("all_gather_single") as gathers:  # FSDP2's all-gathers
+    with counting_calls(FSDP_ALL_GATHER) as gathers:  # FSDP2's all-gathers
         got, cache = _decode_calls(model.eval())
     with gathered(model):
         _decode_calls(model)  # gathers each unit once
-        with counting_calls("all_gather_single") as kept_gathers:
+        with counting_calls(FSDP_ALL_GATHER) as kept_gathers:
             kept, _ = _decode_calls(model)
-    with counting_calls("all_gather_single") as resharded_gathers:
+    with counting_calls(FSDP_ALL_GATHER) as resharded_gathers:
         _decode_calls(model)
     heads = 1 if cfg.kv_rank is not None else cfg.n_kv_heads // sizes.get("tp", 1)
     return {"logits": max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, want)),
