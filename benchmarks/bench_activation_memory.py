@@ -28,7 +28,7 @@ import os
 import tempfile
 
 from _common import bench, cuda_peak_bytes, finish, start  # before torch and fmoe: with --smoke it sets TRITON_INTERPRET
-from bench_train_step import GPU, SMOKE, make_batch
+from bench_train_step import SMALL, SMOKE, make_batch
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -115,7 +115,7 @@ def tp_rows(cfg, T, dtype, device) -> list:
 def main() -> None:
     args, device, dtype, bandwidth = start(__doc__.splitlines()[0])
     # n_kv_heads a multiple of tp, so that the same model runs at tp = 1 and 2
-    base = dataclasses.replace(SMOKE, impl="auto", n_kv_heads=TP) if args.smoke else GPU
+    base = dataclasses.replace(SMOKE, impl="auto", n_kv_heads=TP) if args.smoke else SMALL
     T = 256 if args.smoke else 8192
     batch = make_batch(base, T, device)
     rows = []

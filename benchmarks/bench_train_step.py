@@ -57,11 +57,11 @@ from fmoe.train.data import make_batch as pack  # noqa: E402
 
 COLUMNS = ["impl", "ms", "tokens/s", "TFLOP/s", "MFU", "peak_GiB", "syncs/step", "fwd+bwd reads"]
 
-GPU = TransformerConfig(vocab_size=32768, hidden=1024, n_layers=12, n_dense=1, ffn_dense=4096, n_experts=64, k=4,
-                        ffn_expert=512, n_shared=1, n_heads=16, n_kv_heads=4, head_dim=64, mtp_depth=1)  # "small"
+SMALL = TransformerConfig(vocab_size=32768, hidden=1024, n_layers=12, n_dense=1, ffn_dense=4096, n_experts=64, k=4,
+                        ffn_expert=512, n_shared=1, n_heads=16, n_kv_heads=4, head_dim=64, mtp_depth=1)
 LARGE = TransformerConfig(vocab_size=32768, hidden=2048, n_layers=8, n_dense=1, ffn_dense=8192, n_experts=64, k=6,
                           ffn_expert=1024, n_shared=2, n_heads=16, n_kv_heads=4, head_dim=128, mtp_depth=1)
-MODELS = {"large": LARGE, "small": GPU}
+MODELS = {"large": LARGE, "small": SMALL}
 SMOKE = TransformerConfig(vocab_size=64, hidden=16, n_layers=2, n_dense=1, ffn_dense=64, n_experts=4, k=2,
                           ffn_expert=16, n_shared=1, n_heads=2, n_kv_heads=1, head_dim=16, mtp_depth=1)
 

@@ -378,24 +378,24 @@ def _launch_permute_rows(src, slot_of_row, K, weights=None, y_perm=None, row_of_
     grad_w = torch.zeros(weights.shape, dtype=weights.dtype, device=weights.device) if weighted else None
     if PERMUTE_BY not in ("gather", "scatter"):
         raise ValueError(f"fmoe.ops.dispatch.PERMUTE_BY: expected 'gather' or 'scatter', got {PERMUTE_BY!r}")
-    if R and H and PERMUTE_BY == "scatter":
+    if not (R and H):
+        return dst, grad_w
+    meta = _row_blocks(H)
+    rows = meta.pop("BLOCK_ROWS")
+    # unweighted, the weights, y_perm and d weights pointers are unused: any tensor will do
+    extra = (weights.contiguous(), y_perm.contiguous(), grad_w) if weighted else (src, src, dst)
+    if PERMUTE_BY == "scatter":
         T = src.shape[0]
-        meta = _row_blocks(H)
-        rows = meta.pop("BLOCK_ROWS")
         _scatter_rows_kernel[(triton.cdiv(T, rows),)](
-            src.contiguous(), row_of_slot.contiguous(),
-            weights.contiguous() if weighted else src, y_perm.contiguous() if weighted else src,
-            dst, grad_w if weighted else dst, T, H, K=K, WEIGHTED=weighted, BLOCK_T=rows, BLOCK_K=next_pow2(K), **meta,
+            src.contiguous(), row_of_slot.contiguous(), extra[0], extra[1], dst, extra[2], T, H,
+            K=K, WEIGHTED=weighted, BLOCK_T=rows, BLOCK_K=next_pow2(K), **meta,
         )
         zero_rows = 64
         _zero_empty_rows_kernel[(triton.cdiv(R, zero_rows),)](slot_of_row.contiguous(), dst, R, H, BLOCK_R=zero_rows, BLOCK_H=min(next_pow2(H), 64))
-    elif R and H:
-        meta = _row_blocks(H)
-        rows = meta.pop("BLOCK_ROWS")
+    else:
         _permute_rows_kernel[(triton.cdiv(R, rows),)](
-            src.contiguous(), slot_of_row.contiguous(),
-            weights.contiguous() if weighted else src, y_perm.contiguous() if weighted else src,
-            dst, grad_w if weighted else dst, R, H, K=K, WEIGHTED=weighted, BLOCK_R=rows, **meta,
+            src.contiguous(), slot_of_row.contiguous(), extra[0], extra[1], dst, extra[2], R, H,
+            K=K, WEIGHTED=weighted, BLOCK_R=rows, **meta,
         )
     return dst, grad_w
 

@@ -171,13 +171,19 @@ def _ce_blocks(V: int) -> dict:
     return dict(BLOCK_R=block_r, BLOCK_V=block_v, num_warps=max(1, min(8, block_r * block_v // 512)))
 
 
+def _ce_grid(N: int, V: int) -> tuple[tuple[int], dict]:
+    """The launch grid and block sizes of the cross-entropy kernels over N rows of V."""
+    meta = _ce_blocks(V)
+    return (triton.cdiv(N, meta["BLOCK_R"]),), meta
+
+
 def _launch_ce(logits_NV, labels_N, grad_NV, loss_N, lse_N, n_valid, ignore_index, mean, write_grad):
     """Run _ce_fwd_kernel; logits_NV and grad_NV have unit column stride (may be the same)."""
     N, V = logits_NV.shape
     if N == 0:
         return
-    meta = _ce_blocks(V)
-    _ce_fwd_kernel[(triton.cdiv(N, meta["BLOCK_R"]),)](
+    grid, meta = _ce_grid(N, V)
+    _ce_fwd_kernel[grid](
         logits_NV, labels_N, grad_NV, loss_N, lse_N, n_valid,
         N, V, logits_NV.stride(0), grad_NV.stride(0), ignore_index,
         MEAN=mean, WRITE_GRAD=write_grad, **meta,
@@ -189,10 +195,9 @@ def _launch_ce_bwd(grad_loss, logits_NV, labels_N, lse_N, grad_NV, ignore_index,
     N, V = logits_NV.shape
     if N == 0:
         return
-    meta = _ce_blocks(V)
-    n_valid = (labels_N != ignore_index).sum()
-    _ce_bwd_kernel[(triton.cdiv(N, meta["BLOCK_R"]),)](
-        logits_NV, labels_N, lse_N, grad_loss.float(), grad_NV, n_valid,
+    grid, meta = _ce_grid(N, V)
+    _ce_bwd_kernel[grid](
+        logits_NV, labels_N, lse_N, grad_loss.float(), grad_NV, (labels_N != ignore_index).sum(),
         N, V, logits_NV.stride(0), grad_NV.stride(0), ignore_index,
         MEAN=mean, **meta,
     )
