@@ -539,6 +539,9 @@ class AttentionContext:
         linear-attention layers restart at (linear_attention); None: a context without them.
     linear_states: decoding a linear-attention layer (LinearStates: the states its new
         tokens continue, bound per layer by fmoe.model.Transformer.decode); None otherwise.
+    linear_cp: the linear-attention layers' exchange under context parallel
+        (fmoe.parallel.ContextParallel: token_index(n, device), conv_halo(x, n) and
+        gated_delta_rule(q, k, v, g, beta, cu_seqlens, ...)); None: no split.
     """
 
     cos: torch.Tensor
@@ -555,6 +558,7 @@ class AttentionContext:
     local_sin: Optional[torch.Tensor] = None
     cu_seqlens: Optional[torch.Tensor] = None
     linear_states: Optional["LinearStates"] = None
+    linear_cp: object = None
 
 
 def _use_flex(impl: str, device: torch.device) -> bool:
@@ -704,7 +708,7 @@ def _check_cp(positions, token_index, kv_index, gather_kv) -> None:
 def attention_context(
     cu_seqlens: torch.Tensor, positions: torch.Tensor, cfg: AttentionConfig, *, mask=None,
     token_index: Optional[torch.Tensor] = None, kv_index: Optional[torch.Tensor] = None,
-    gather_kv: Optional[Callable] = None, window_only: bool = False,
+    gather_kv: Optional[Callable] = None, window_only: bool = False, linear_cp=None,
 ) -> AttentionContext:
     """The per-micro-batch inputs of attention, built once and passed to every layer.
 
@@ -731,6 +735,10 @@ def attention_context(
         window_only: a context for the sliding-window (chunked) layers alone (cfg.window,
             cfg.chunk): only that mask is built, and it is `mask` too (decoding over a ring of
             keys that the full-attention layers never see).
+        linear_cp: with the three above, what runs the linear-attention layers across the
+            split (fmoe.parallel.ContextParallel, whose attention_kwargs give all four; see
+            AttentionContext.linear_cp). A context-parallel context without it serves
+            softmax attention only: linear_attention refuses it.
     Returns:
         AttentionContext(cos, sin [T, rot_dim/2] float32, mask, gather_kv): the mask is a
         FlexAttention BlockMask when cfg.impl is "flex", or "auto" on CUDA; the dense
@@ -744,6 +752,13 @@ def attention_context(
     if rot % 2 or rot > cfg.head_dim:
         raise ValueError(f"cfg.rot_dim: expected an even number <= head_dim = {cfg.head_dim}, got {rot}")
     _check_cp(positions, token_index, kv_index, gather_kv)
+    if linear_cp is not None:
+        if token_index is None:
+            raise ValueError("linear_cp: the linear layers' context-parallel exchange needs the split's token_index, kv_index and gather_kv too")
+        missing = [m for m in ("token_index", "conv_halo", "gated_delta_rule") if not callable(getattr(linear_cp, m, None))]
+        if missing:
+            raise ValueError(f"linear_cp: expected an object with token_index, conv_halo and gated_delta_rule (fmoe.parallel.ContextParallel), "
+                             f"got {type(linear_cp).__name__} without {missing}")
     T = positions.shape[0]
     T_kv = T if kv_index is None else kv_index.shape[0]
     flex = _use_flex(cfg.impl, positions.device)
@@ -764,7 +779,7 @@ def attention_context(
     local_cos, local_sin = (None, None) if local_base is None else rope_tables(positions, dataclasses.replace(cfg, rope_base=local_base,
                                                                                                                 llama3_factor=None))
     return AttentionContext(cos, sin, mask, gather_kv, window=cfg.window, local_mask=local, chunk=cfg.chunk, positions=positions,
-                            local_rope_base=local_base, local_cos=local_cos, local_sin=local_sin, cu_seqlens=cu_seqlens)
+                            local_rope_base=local_base, local_cos=local_cos, local_sin=local_sin, cu_seqlens=cu_seqlens, linear_cp=linear_cp)
 
 
 _FLEX_MIN_DIM = 16  # the compiled FlexAttention kernel's smallest head dim (torch 2.11: "NYI ... at least 16")
@@ -1147,6 +1162,22 @@ def _causal_conv(x_TC, w_KC, cu_seqlens):
     return F.silu(y).to(x_TC.dtype)
 
 
+def _causal_conv_split(x_TC, w_KC, cu_seqlens, cp):
+    """_causal_conv of this rank's tokens of a context-parallel split, its two chunks of
+    L = T/cp / 2 (cp: the context's linear_cp): the K - 1 tokens before each chunk come
+    from the rank that holds them (cp.conv_halo, one all-gather), and a tap reaches a token
+    only inside its document (global indices against cu_seqlens)."""
+    K, T = w_KC.shape[0], x_TC.shape[0]
+    halo = cp.conv_halo(x_TC, K - 1)  # [2, K - 1, C]
+    L = T // 2
+    full = torch.cat([halo.to(x_TC.dtype), x_TC.reshape(2, L, -1)], dim=1)  # [2, K - 1 + L, C]
+    index = cp.token_index(T, x_TC.device).view(2, L, 1)
+    cu = cu_seqlens.long()
+    start = cu[torch.searchsorted(cu[1:], index, right=True)]  # each token's document start
+    y = sum(full[:, K - 1 - j:K - 1 - j + L].float() * w_KC[K - 1 - j].float() * (index - j >= start) for j in range(K))
+    return F.silu(y).to(x_TC.dtype).reshape(T, -1)
+
+
 def _causal_conv_continued(x_STC, w_KC, before_SJC):
     """_causal_conv of S sequences' T new tokens x [S, T, C] after the J = K - 1 tokens
     before_SJC [S, J, C] they continue; returns (y [S, T, C], the new last J tokens)."""
@@ -1189,6 +1220,10 @@ def linear_attention(x: torch.Tensor, params, cfg: LinearAttentionConfig, ctx: "
     outputs do not depend on what it is packed with. In decoding (ctx.linear_states, a
     LinearStates of S sequences) x holds S sequences' T new tokens each, [S T, H] in that
     order, which continue the states, and the states after them are put in their place.
+    Under context parallel (ctx.linear_cp) x holds this rank's T/cp tokens (split_batch's),
+    the convolution reads the tokens before its chunks from the other ranks and the rule
+    runs across the split (fmoe.parallel.gated_delta_rule_cp): the rows of the whole
+    batch's outputs.
 
     Args:
         x: [T, H]. params: wq, wk [H, Nk Dk], wv, wz [H, Nv Dv], wb, wa [H, Nv], conv_q,
@@ -1203,6 +1238,10 @@ def linear_attention(x: torch.Tensor, params, cfg: LinearAttentionConfig, ctx: "
     states = getattr(ctx, "linear_states", None)
     if states is None and getattr(ctx, "cu_seqlens", None) is None:
         raise ValueError("ctx: linear attention needs the micro-batch's cu_seqlens (build the context with attention_context) or linear_states")
+    split = getattr(ctx, "linear_cp", None) if states is None else None
+    if states is None and split is None and getattr(ctx, "gather_kv", None) is not None:
+        raise ValueError("ctx: a context-parallel context (gather_kv) without linear_cp: linear attention needs the rule's exchange across the split "
+                         "(build it with fmoe.parallel.ContextParallel(cp_mesh).attention_kwargs(token_index))")
     if states is not None and states.tokens is not None and states.tokens < x.shape[0]:  # decoding's padding: outputs 0
         real = dataclasses.replace(states, tokens=None)
         y, stats = linear_attention(x[:states.tokens], params, cfg, dataclasses.replace(ctx, linear_states=real))
@@ -1211,7 +1250,11 @@ def linear_attention(x: torch.Tensor, params, cfg: LinearAttentionConfig, ctx: "
     T, Nk, Nv, Dk, Dv = x.shape[0], cfg.n_k_heads, cfg.n_v_heads, cfg.k_head_dim, cfg.v_head_dim
     qkv = [x @ params[n] for n in ("wq", "wk", "wv")]
     taps = [params[n] for n in ("conv_q", "conv_k", "conv_v")]
-    if states is None:
+    if split is not None:  # context parallel: one exchange for the three convolutions
+        B, cu = 1, ctx.cu_seqlens
+        sizes = [t.shape[-1] for t in qkv]
+        qkv = list(_causal_conv_split(torch.cat(qkv, -1), torch.cat(taps, -1), cu, split).split(sizes, dim=-1))
+    elif states is None:
         B, cu = 1, ctx.cu_seqlens
         qkv = [_causal_conv(t, w, cu) for t, w in zip(qkv, taps)]
     else:
@@ -1228,7 +1271,9 @@ def linear_attention(x: torch.Tensor, params, cfg: LinearAttentionConfig, ctx: "
     v = qkv[2].reshape(B, T // B, Nv, Dv)
     beta = torch.sigmoid(x @ params["wb"]).reshape(B, T // B, Nv)
     g = (-params["A_log"].float().exp() * F.softplus((x @ params["wa"]).float() + params["dt_bias"].float())).reshape(B, T // B, Nv)
-    if states is None:
+    if split is not None:
+        o = split.gated_delta_rule(q, k, v, g, beta, cu, chunk_size=cfg.chunk_size, impl=cfg.impl)
+    elif states is None:
         o = gated_delta_rule(q, k, v, g, beta, cu, chunk_size=cfg.chunk_size, impl=cfg.impl)
     else:
         o, states.state = gated_delta_rule(q, k, v, g, beta, initial_state=states.state, final_state=True, chunk_size=cfg.chunk_size,

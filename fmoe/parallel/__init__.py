@@ -23,6 +23,7 @@ collectives, DCP) arranged for MoE models. DESIGN.md "Parallelism".
                                        load-balanced split of a packed micro-batch, the K/V
                                        all-gather, the model's attention over the split
     ContextCapacityDrop                the capacity drop of a MoE block over every cp rank's tokens
+    gated_delta_rule_cp, conv_halo     Gated DeltaNet's rule and convolution across the split
     Pipeline, MicroBatch, StageModule, stage_layers, rank_stages, pipeline_chunk, attach_loss,
     SCHEDULES                          pipeline parallel on torch.distributed.pipelining: the
                                        split by layers, the stages, the schedules, the tied
@@ -32,7 +33,16 @@ The gradient norm over parameters on several meshes is fmoe.optim.grad_norm / cl
 (the same functions serve one process and torchrun).
 """
 
-from fmoe.parallel.context import ContextCapacityDrop, ContextParallel, cp_kv_index, cp_token_index, gather_kv, split_batch
+from fmoe.parallel.context import (
+    ContextCapacityDrop,
+    ContextParallel,
+    conv_halo,
+    cp_kv_index,
+    cp_token_index,
+    gated_delta_rule_cp,
+    gather_kv,
+    split_batch,
+)
 from fmoe.parallel.expert import (
     DispatchMeta,
     ExpertParallel,
@@ -101,8 +111,10 @@ __all__ = [
     "permute_padded",
     "Meshes",
     "combine",
+    "conv_halo",
     "cp_kv_index",
     "cp_token_index",
+    "gated_delta_rule_cp",
     "gather_kv",
     "split_batch",
     "dispatch",

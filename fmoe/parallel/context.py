@@ -9,6 +9,9 @@ the split by an all-gather of K and V. DESIGN.md "Parallelism".
                                          (parallelize sets it as Transformer.context_parallel)
     ContextCapacityDrop(cp_mesh, tp_mesh)(routes, E, capacity_factor, policy=)   the capacity
                                          drop over the whole micro-batch (MoE.capacity_drop)
+    conv_halo(x [T/cp, C], n, cp_mesh) -> [2, n, C]        the n tokens before each chunk
+    gated_delta_rule_cp(q, k, v, g, beta, cu_seqlens, cp_mesh) -> o [1, T/cp, N, Dv]
+                                         the gated delta rule across the split (exact)
 
 One rank's attention, step by step (fmoe.layers.attention does 2-4 when its context has CP):
 
@@ -56,6 +59,19 @@ its gathered K/V until its backward (n_layers times that); with attention recomp
 (TransformerConfig.ac = "attention" or "full") only the layer being computed or recomputed
 holds them: one layer at a time.
 
+Linear attention (Gated DeltaNet; fmoe.layers.linear_attention with the context's
+linear_cp, which ContextParallel.attention_kwargs sets). Its state runs through every token
+of a document, so each rank needs the state its chunks start from:
+  - the causal convolution reads the K - 1 tokens before each chunk: conv_halo all-gathers
+    every chunk's last K - 1 rows (of q, k and v together) and masks taps by document;
+  - the rule is linear in the state a chunk starts from (S_end = B + A S_start, each output
+    o0 + u S_start). gated_delta_rule_cp runs each chunk once with Dk extra zero value
+    channels started from the identity, which yields B, A, o0 and u together; it
+    all-gathers every chunk's [B | A], scans them in chunk order on every rank (restarting
+    where a document starts at a chunk's first token) and corrects its outputs. Exact; the
+    cost is the rule over Dv + Dk channels and one gather of 2 cp N Dk (Dk + Dv) floats.
+  A chunk must hold the K - 1 tokens the next one's convolution reads (T / (2 cp) >= K - 1).
+
 Sizes. T must be a multiple of 2 cp; other sizes are refused (ValueError naming
 tokens_per_micro_batch and cp), never padded: padding would change the tokens every rank
 computes and the loss's token count.
@@ -74,11 +90,12 @@ from tensordict import TensorDict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from fmoe.ops.checks import check_positive_int
+from fmoe.ops.checks import check_index, check_positive_int
+from fmoe.ops.delta import gated_delta_rule
 from fmoe.ops.routing import Routes
 from fmoe.parallel.tensor import drop_by_capacity_over_ranks, gather_rows
 
-__all__ = ["ContextParallel", "ContextCapacityDrop", "cp_kv_index", "cp_token_index", "gather_kv", "split_batch"]
+__all__ = ["ContextParallel", "ContextCapacityDrop", "conv_halo", "cp_kv_index", "cp_token_index", "gated_delta_rule_cp", "gather_kv", "split_batch"]
 
 
 def _check_split(n_tokens, cp, cp_rank=None) -> None:
@@ -204,12 +221,131 @@ def gather_kv(k: torch.Tensor, v: torch.Tensor, cp_mesh: Optional[DeviceMesh]):
                          f"got {tuple(v.shape)} {v.dtype} {v.device}")
     if cp_mesh is None or cp_mesh.size() == 1:
         return k, v
-    kv = torch.cat([k, v], dim=-1)  # one collective for both
-    kv = DTensor.from_local(kv, cp_mesh, [Shard(0)]).redistribute(cp_mesh, [Replicate()])
-    # each rank's gradient of the gathered rows is a partial sum: the backward of
-    # Partial -> Shard(0) is the reduce-scatter (a Replicate gradient would only be sliced)
-    kv = kv.to_local(grad_placements=[Partial()])
+    kv = _gather(torch.cat([k, v], dim=-1), cp_mesh)  # one collective for both
     return kv.split([k.shape[-1], v.shape[-1]], dim=-1)
+
+
+def _gather(x: torch.Tensor, cp_mesh: DeviceMesh) -> torch.Tensor:
+    """Every rank's x [n, ...] in rank order, [cp n, ...], differentiable (DTensor Shard(0)
+    -> Replicate): each rank's gradient of the gathered rows is a partial sum, and the
+    backward of Partial -> Shard(0) is the reduce-scatter (a Replicate gradient would only
+    be sliced)."""
+    x = DTensor.from_local(x, cp_mesh, [Shard(0)]).redistribute(cp_mesh, [Replicate()])
+    return x.to_local(grad_placements=[Partial()])
+
+
+# ----------------------------------------------------------------------------------------
+# linear attention (Gated DeltaNet) across the split
+# ----------------------------------------------------------------------------------------
+
+
+def _chunk_rows(cp: int) -> list[int]:
+    """The row of each global chunk c = 0 .. 2 cp - 1 in a rank-ordered gather of every
+    rank's two chunks (rank r: chunk r, then chunk 2 cp - 1 - r)."""
+    return [2 * c if c < cp else 2 * (2 * cp - 1 - c) + 1 for c in range(2 * cp)]
+
+
+def _check_cp_mesh(cp_mesh) -> None:
+    if not isinstance(cp_mesh, DeviceMesh) or cp_mesh.ndim != 1:
+        got = f"a {cp_mesh.ndim}-D DeviceMesh" if isinstance(cp_mesh, DeviceMesh) else type(cp_mesh).__name__
+        raise ValueError(f"cp_mesh: expected a 1-D DeviceMesh (the cp axis), got {got}")
+
+
+def _halves(name: str, n_local: int) -> int:
+    """L = T/cp / 2: this rank's tokens are its two chunks of L (split_batch's order)."""
+    if n_local % 2:
+        raise ValueError(f"{name}: expected this rank's T/cp tokens, its two chunks of T / (2 cp) (split_batch's), got an odd count {n_local}")
+    return n_local // 2
+
+
+def conv_halo(x: torch.Tensor, n: int, cp_mesh: DeviceMesh) -> torch.Tensor:
+    """The n tokens before each of this rank's two chunks, [2, n, C] (zeros before token 0),
+    differentiable: what a causal convolution of n + 1 taps over the tokens of a
+    context-parallel split (Gated DeltaNet's) reads from the chunk before.
+
+    Every rank's last n rows of each chunk are all-gathered ([2 cp, n, C], one collective);
+    the backward reduce-scatters their gradients back to the ranks that hold them. Rows of
+    another document than the token they precede are returned too: the convolution masks
+    them by document (fmoe.layers.linear_attention).
+
+    Args:
+        x: [T/cp, C] this rank's tokens, its head chunk then its tail chunk (split_batch's).
+        n: the rows wanted, at most a chunk's T / (2 cp) (else a ValueError naming
+            tokens_per_micro_batch). cp_mesh: the cp axis (1-D).
+    """
+    _check_cp_mesh(cp_mesh)
+    check_positive_int("n", n, 0)
+    if not isinstance(x, torch.Tensor) or x.ndim != 2:
+        raise ValueError(f"x: expected a tensor [T/cp, C], got {getattr(x, 'shape', type(x).__name__)}")
+    L = _halves("x", x.shape[0])
+    if n > L:
+        raise ValueError(f"tokens_per_micro_batch: each cp chunk (T / (2 cp) = {L} tokens) must hold the {n} tokens "
+                         f"the next chunk's convolution reads; use fewer cp ranks or more tokens")
+    cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
+    tails = torch.stack([x[L - n:L], x[2 * L - n:]])  # [2, n, C]
+    every = (tails if cp == 1 else _gather(tails, cp_mesh))[_chunk_rows(cp)]  # [2 cp, n, C], global chunk order
+    head = every[rank - 1] if rank > 0 else torch.zeros_like(tails[0])
+    return torch.stack([head, every[2 * cp - 2 - rank]])
+
+
+def gated_delta_rule_cp(q, k, v, g, beta, cu_seqlens, cp_mesh: DeviceMesh, *, scale=None, chunk_size: int = 64, impl: str = "auto"):
+    """fmoe.ops.gated_delta_rule over a context-parallel split: this rank's outputs of the
+    rule over the whole packed micro-batch, exact (to float32 rounding), no host sync.
+
+    The state is linear in the state a chunk starts from: after a chunk of L tokens,
+    S_end = B + A S_start, and each output o_t = o0_t + u_t S_start, where B and o0 are the
+    chunk's with S_start = 0, A [Dk, Dk] is the state after the chunk started from the
+    identity with zero values, and u_t its outputs then. One call of the rule per chunk
+    computes all four: the values widened by Dk zero channels, started from [0 | I]
+    (columns of the state evolve independently). A and B of every chunk (2 cp of them,
+    [N, Dk, Dk + Dv] each) are all-gathered once; every rank runs the short scan
+    S_start(c + 1) = B_c + A_c S_start(c) (0 where a document starts at the chunk's first
+    token) and corrects its outputs. The backward runs through the gather (a reduce-scatter).
+    A document that starts inside a chunk zeroes A there (the rule restarts at documents),
+    so every document's outputs depend on its own tokens only.
+
+    Cost: the rule over Dv + Dk value channels (twice the work when Dk = Dv), one
+    all-gather of 2 cp N Dk (Dk + Dv) float32, 2 cp small matrix products.
+
+    Args:
+        q, k: [1, T/cp, N, Dk]; v: [1, T/cp, N, Dv]; g, beta: [1, T/cp, N]: this rank's
+            tokens, its head chunk then its tail chunk (split_batch's order).
+        cu_seqlens: [n + 1] the WHOLE micro-batch's document bounds (split_batch keeps them).
+        cp_mesh: the cp axis (1-D). scale, chunk_size, impl: gated_delta_rule's.
+    Returns:
+        o [1, T/cp, N, Dv] in v's dtype: rows token_index of the rule over the whole batch.
+    """
+    _check_cp_mesh(cp_mesh)
+    check_index("cu_seqlens", cu_seqlens, 1, "[n_docs + 1]")
+    if not isinstance(q, torch.Tensor) or q.ndim != 4 or q.shape[0] != 1:
+        raise ValueError(f"q: expected this rank's [1, T/cp, N, Dk], got {getattr(q, 'shape', type(q).__name__)}")
+    if not isinstance(v, torch.Tensor) or v.ndim != 4:
+        raise ValueError(f"v: expected [1, T/cp, N, Dv], got {getattr(v, 'shape', type(v).__name__)}")
+    _, T_local, N, Dk = q.shape
+    Dv = v.shape[-1]
+    L = _halves("q", T_local)
+    cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
+    cu = cu_seqlens.long()
+    identity = torch.eye(Dk, device=q.device).expand(1, N, Dk, Dk)
+    start_from = torch.cat([identity.new_zeros(1, N, Dk, Dv), identity], -1)  # [0 | I]
+    outs, ends = [], []
+    for slot, chunk in enumerate((rank, 2 * cp - 1 - rank)):
+        rows = slice(slot * L, (slot + 1) * L)
+        v_wide = torch.cat([v[:, rows].float(), v.new_zeros(1, L, N, Dk, dtype=torch.float32)], -1)
+        o, end = gated_delta_rule(q[:, rows], k[:, rows], v_wide, g[:, rows], beta[:, rows], (cu - chunk * L).clamp(0, L), scale=scale,
+                                  initial_state=start_from, final_state=True, chunk_size=chunk_size, impl=impl)
+        outs.append(o[0])
+        ends.append(end[0])
+    ends = torch.stack(ends)  # [2, N, Dk, Dv + Dk]: B | A of this rank's chunks
+    every = (ends if cp == 1 else _gather(ends, cp_mesh))[_chunk_rows(cp)]  # [2 cp, ...] global chunk order
+    starts_document = (cu[None, :] == torch.arange(2 * cp, device=cu.device)[:, None] * L).any(1)  # [2 cp]
+    state, starts = identity.new_zeros(N, Dk, Dv), {}
+    for c in range(2 * cp - rank):  # up to this rank's tail chunk
+        state = torch.where(starts_document[c], 0.0, state)
+        starts[c] = state
+        state = every[c, ..., :Dv] + every[c, ..., Dv:] @ state
+    o = [out[..., :Dv] + torch.einsum("tnk,nkv->tnv", out[..., Dv:], starts[c]) for out, c in zip(outs, (rank, 2 * cp - 1 - rank))]
+    return torch.cat(o)[None].to(v.dtype)
 
 
 class ContextParallel:
@@ -221,7 +357,9 @@ class ContextParallel:
 
     token_index [T/cp] is the split batch's (split_batch); T = cp * T/cp; kv_index the
     gathered rows' global indices (cp_kv_index, no communication); gather_kv all-gathers K
-    and V over cp_mesh.
+    and V over cp_mesh; linear_cp is this object, whose token_index, conv_halo and
+    gated_delta_rule run the linear-attention layers across the split
+    (fmoe.layers.linear_attention).
     """
 
     def __init__(self, cp_mesh: DeviceMesh):
@@ -235,7 +373,19 @@ class ContextParallel:
     def attention_kwargs(self, token_index: torch.Tensor) -> dict:
         n_tokens = token_index.shape[0] * self.cp
         kv_index = cp_kv_index(n_tokens, self.cp, device=token_index.device)
-        return dict(token_index=token_index, kv_index=kv_index, gather_kv=functools.partial(gather_kv, cp_mesh=self.mesh))
+        return dict(token_index=token_index, kv_index=kv_index, gather_kv=functools.partial(gather_kv, cp_mesh=self.mesh), linear_cp=self)
+
+    def token_index(self, n_local: int, device=None) -> torch.Tensor:
+        """This rank's global token indices [T/cp] (cp_token_index of T = cp n_local)."""
+        return cp_token_index(n_local * self.cp, self.cp, self.mesh.get_local_rank(), device=device)
+
+    def conv_halo(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        """conv_halo over this object's cp mesh: [2, n, C]."""
+        return conv_halo(x, n, self.mesh)
+
+    def gated_delta_rule(self, q, k, v, g, beta, cu_seqlens, **kwargs) -> torch.Tensor:
+        """gated_delta_rule_cp over this object's cp mesh: o [1, T/cp, N, Dv]."""
+        return gated_delta_rule_cp(q, k, v, g, beta, cu_seqlens, self.mesh, **kwargs)
 
 
 class ContextCapacityDrop:

@@ -41,7 +41,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from fmoe.layers import EXPERT_BIASES
-from fmoe.model import Block, LinearAttention, MoE, Transformer
+from fmoe.model import Block, MoE, Transformer
 from fmoe.parallel.context import ContextCapacityDrop, ContextParallel
 from fmoe.parallel.expert import ExpertParallel
 from fmoe.parallel.mesh import Meshes
@@ -180,8 +180,9 @@ def parallelize(
     `context_parallel` is set here), dense gradients are summed over dp_shard x cp, and the
     MoE stats cover each rank's tokens (token_index). With a capacity factor each MoE's
     `capacity_drop` (ContextCapacityDrop) drops over the whole micro-batch, every cp rank's
-    chunks (and tp slices), as one process does. Linear-attention blocks (Gated DeltaNet) are
-    refused under cp > 1.
+    chunks (and tp slices), as one process does. Linear-attention blocks (Gated DeltaNet) run
+    across the split too (fmoe.parallel.gated_delta_rule_cp: the states between chunks are
+    exchanged, every rank's outputs equal one process's).
     """
     moe_blocks = [m for m in model.modules() if isinstance(m, MoE)]
     if moe_blocks and meshes.expert is None:
@@ -189,9 +190,6 @@ def parallelize(
     if meshes.cp > 1:
         if not hasattr(model, "context_parallel"):
             raise ValueError(f"cp: {type(model).__name__} has no context_parallel attribute (fmoe.model.Transformer has), so cp = {meshes.cp} cannot apply")
-        if any(isinstance(m, LinearAttention) for m in model.modules()):
-            raise ValueError(f"cp: the model has linear-attention blocks (linear_layers), whose state runs through every token of a document: "
-                             f"they are not split over context-parallel ranks (cp = {meshes.cp}); use tp or pp to spread a long sequence")
         model.context_parallel = ContextParallel(meshes.axis("cp"))
         for moe in moe_blocks:
             if moe.cfg.capacity_factor is not None:

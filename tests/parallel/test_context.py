@@ -14,8 +14,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fmoe.layers import AttentionConfig, attention, attention_context
-from fmoe.parallel import cp_kv_index, cp_token_index, gather_kv, split_batch
+from fmoe.layers import AttentionConfig, LinearAttentionConfig, attention, attention_context, linear_attention, linear_attention_shapes
+from fmoe.ops import gated_delta_rule
+from fmoe.parallel import ContextParallel, cp_kv_index, cp_token_index, gated_delta_rule_cp, gather_kv, split_batch
 from fmoe.train.data import make_batch
 from tests.parallel.dist import run_distributed
 
@@ -34,6 +35,24 @@ CASES = {
 }
 # the cp = 2 groups (ranks 0, 1) and (2, 3) each run one cp = 2 case
 CP2_CASES = ("cp=2, documents across the chunk edges", "cp=2, one document")
+
+# Gated DeltaNet across the split: 2 key heads of 4, 4 value heads of 3, 4 taps (chunks of
+# 4 tokens hold the 3 the next chunk's convolution reads), the rule in chunks of 3 (chunks
+# of the rule do not line up with the cp chunks)
+LINEAR = LinearAttentionConfig(n_k_heads=2, n_v_heads=4, k_head_dim=4, v_head_dim=3, conv=4, chunk_size=3)
+LINEAR_CASES = {
+    # the state runs through all 8 chunks of 4 ranks (the scan of every rank's A and B)
+    "cp=4, one document": (4, [0, 32]),
+    # documents inside a chunk, an empty one, one over chunks 0-4, one across 24
+    "cp=4, mixed documents": (4, [0, 1, 3, 3, 18, 21, 26, 32]),
+    # documents starting at chunk 2's and chunk 6's first token (the scan restarts there)
+    "cp=4, documents from a chunk's first token": (4, [0, 8, 13, 24, 32]),
+    # chunks of 4: [2,7) crosses rank 0 -> 1, [7,13) crosses rank 1 -> 0 (at 12)
+    "cp=2, documents across the chunk edges": (2, [0, 2, 7, 13, 16]),
+    # chunks of 6: a document from chunk 1's first token, over chunks 1-3
+    "cp=2, a document from a chunk's first token": (2, [0, 6, 24]),
+}
+LINEAR_CP2 = ("cp=2, documents across the chunk edges", "cp=2, a document from a chunk's first token")
 
 
 def _rel(a, b) -> float:
@@ -113,6 +132,61 @@ def _gather_case(mesh, cp, cp_rank, T, seed):
     )
 
 
+def _linear_case(mesh, cp, cp_rank, cu, seed):
+    """Gated DeltaNet across the split against one process: the layer (convolution halos,
+    the rule's exchange) and the rule alone, outputs and every gradient; no host read."""
+    from fmoe.train.metrics import HostReads
+
+    gen = torch.Generator().manual_seed(seed)
+    T = cu[-1]
+    params = {n: torch.randn(*s, generator=gen) * (0.5 if len(s) == 1 else s[0] ** -0.5) for n, s in linear_attention_shapes(H, LINEAR).items()}
+    x, upstream = torch.randn(T, H, generator=gen), torch.randn(T, H, generator=gen)
+    batch = make_batch(torch.randint(0, 50, (T,), generator=gen), torch.tensor(cu), mtp_depth=0)
+    ref_x = x.clone().requires_grad_()
+    ref_p = {n: t.clone().requires_grad_() for n, t in params.items()}
+    ref_y, _ = linear_attention(ref_x, ref_p, LINEAR, attention_context(batch["cu_seqlens"], batch["positions"], CFG))
+    ref_y.backward(upstream)
+
+    local = split_batch(batch, cp_rank, cp)
+    index = local["token_index"]
+    x_local = x[index].clone().requires_grad_()
+    p_local = {n: t.clone().requires_grad_() for n, t in params.items()}
+    with HostReads() as reads:
+        ctx = attention_context(local["cu_seqlens"], local["positions"], CFG, **ContextParallel(mesh).attention_kwargs(index))
+        y, _ = linear_attention(x_local, p_local, LINEAR, ctx)
+        y.backward(upstream[index])
+    grads = {n: p.grad.clone() for n, p in p_local.items()}
+    for g in grads.values():
+        dist.all_reduce(g, group=mesh.get_group())
+
+    # the rule alone: q, k, v, g, beta of the whole batch, each rank's rows
+    N, Dk, Dv = 3, 4, 5
+    rule = [torch.nn.functional.normalize(torch.randn(1, T, N, Dk, generator=gen), dim=-1) for _ in range(2)]
+    rule += [torch.randn(1, T, N, Dv, generator=gen), -torch.rand(1, T, N, generator=gen), torch.rand(1, T, N, generator=gen)]
+    ref_in = [t.clone().requires_grad_() for t in rule]
+    ref_o = gated_delta_rule(*ref_in, batch["cu_seqlens"], chunk_size=2)
+    o_up = torch.randn(1, T, N, Dv, generator=gen)
+    ref_o.backward(o_up)
+    rule_in = [t[:, index].clone().requires_grad_() for t in rule]
+    o = gated_delta_rule_cp(*rule_in, batch["cu_seqlens"], mesh, chunk_size=2)
+    o.backward(o_up[:, index])
+
+    # a plain CP context (softmax attention's three arguments only) is refused, not run per rank
+    plain = attention_context(local["cu_seqlens"], local["positions"], CFG, token_index=index, kv_index=cp_kv_index(T, cp),
+                              gather_kv=functools.partial(gather_kv, cp_mesh=mesh))
+    try:
+        linear_attention(x[index], params, LINEAR, plain)
+        refused = None
+    except ValueError as err:
+        refused = str(err)
+    return dict(
+        index=index, y=y.detach(), ref_y=ref_y.detach()[index], x_grad=x_local.grad, ref_x_grad=ref_x.grad[index],
+        grads=grads, ref_grads={n: p.grad for n, p in ref_p.items()}, host_reads=reads.count,
+        o=o.detach(), ref_o=ref_o.detach()[:, index], rule_grads=[t.grad for t in rule_in], ref_rule_grads=[t.grad[:, index] for t in ref_in],
+        refused=refused,
+    )
+
+
 def _cp_worker(rank, world):
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -125,6 +199,17 @@ def _cp_worker(rank, world):
             out[name] = _attention_case(cp4, 4, rank, cu, seed)
         elif name == CP2_CASES[rank // 2]:
             out[name] = _attention_case(cp2, 2, rank % 2, cu, seed)
+    for seed, (name, (cp, cu)) in enumerate(LINEAR_CASES.items(), start=20):
+        if cp == 4:
+            out["linear " + name] = _linear_case(cp4, 4, rank, cu, seed)
+        elif name == LINEAR_CP2[rank // 2]:
+            out["linear " + name] = _linear_case(cp2, 2, rank % 2, cu, seed)
+    try:  # chunks of 2 tokens cannot hold the 3 a convolution of 4 taps reads
+        from fmoe.parallel import conv_halo
+
+        conv_halo(torch.zeros(4, 3), 3, cp4)
+    except ValueError as err:
+        out["small chunks"] = str(err)
     out["gather cp=4"] = _gather_case(cp4, 4, rank, 16, 7)
     out["gather cp=2"] = _gather_case(cp2, 2, rank % 2, 12, 8 + rank // 2)
     return out
@@ -164,6 +249,39 @@ def test_attention_over_cp_ranks_equals_one_process(cp_results, name):
         assert _rel(r["y_flex"], r["ref_y"]) < 1e-5, rank
     # a rank's output is not its rows of the whole batch by accident: they differ per rank
     assert not torch.allclose(results[0]["y"], results[1]["y"])
+
+
+@pytest.mark.parametrize("name", list(LINEAR_CASES))
+def test_linear_attention_over_cp_ranks_equals_one_process(cp_results, name):
+    cp, cu = LINEAR_CASES[name]
+    results = cp_results if cp == 4 else cp_results[2 * LINEAR_CP2.index(name):2 * LINEAR_CP2.index(name) + 2]
+    results = [r["linear " + name] for r in results]
+    for rank, r in enumerate(results):
+        assert _rel(r["y"], r["ref_y"]) < 1e-5, (rank, _rel(r["y"], r["ref_y"]))
+        assert _rel(r["x_grad"], r["ref_x_grad"]) < 1e-5, (rank, _rel(r["x_grad"], r["ref_x_grad"]))
+        for n in r["grads"]:  # summed over the cp ranks in the worker
+            assert _rel(r["grads"][n], r["ref_grads"][n]) < 1e-5, (rank, n, _rel(r["grads"][n], r["ref_grads"][n]))
+        assert r["host_reads"] == 0, rank  # context, convolution, rule and backward: no host sync
+        assert _rel(r["o"], r["ref_o"]) < 1e-5, (rank, _rel(r["o"], r["ref_o"]))
+        for name_, got, want in zip("q k v g beta".split(), r["rule_grads"], r["ref_rule_grads"]):
+            assert _rel(got, want) < 1e-5, (rank, name_, _rel(got, want))
+        assert "without linear_cp" in r["refused"]
+    # the ranks' outputs differ: each holds its own rows
+    assert not torch.allclose(results[0]["y"], results[1]["y"])
+
+
+def test_conv_halo_refuses_chunks_shorter_than_the_taps_reach(cp_results):
+    for r in cp_results:
+        assert "tokens_per_micro_batch: each cp chunk (T / (2 cp) = 2 tokens) must hold the 3 tokens" in r["small chunks"]
+
+
+def test_attention_context_checks_linear_cp():
+    cu, positions = torch.tensor([0, 8]), torch.arange(4)
+    with pytest.raises(ValueError, match="linear_cp: the linear layers' context-parallel exchange needs the split's token_index"):
+        attention_context(cu, positions, CFG, linear_cp=object())
+    cp_args = dict(token_index=torch.arange(4), kv_index=torch.arange(8), gather_kv=lambda k, v: (k, v))
+    with pytest.raises(ValueError, match=r"linear_cp: expected an object with token_index, conv_halo and gated_delta_rule .* without \['token_index'"):
+        attention_context(cu, positions, CFG, linear_cp=object(), **cp_args)
 
 
 @pytest.mark.parametrize("cp", [2, 4])
@@ -272,3 +390,52 @@ def test_mtp_targets_at_chunk_edges_come_from_the_other_rank():
         for key in batch.keys():
             if key != "cu_seqlens":
                 assert torch.equal(local[key], batch[key][..., cp_token_index(16, 2, rank)]), key
+
+
+# ---------------------------------------------------------------------------- one rank
+
+
+def _rule_inputs(T, N, Dk, Dv, device, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (torch.nn.functional.normalize(torch.randn(1, T, N, Dk, generator=gen), dim=-1) for _ in range(2))
+    v = torch.randn(1, T, N, Dv, generator=gen)
+    g, beta = -torch.rand(1, T, N, generator=gen) * 0.2, torch.rand(1, T, N, generator=gen)
+    return [t.to(device=device, dtype=dtype).requires_grad_() for t in (q, k, v, g, beta)]
+
+
+def _rule_over_one_rank(one_rank_mesh, T, N, Dk, Dv, cu, device, dtype, chunk_size):
+    """gated_delta_rule_cp on one rank (its two chunks, the scan between them, no
+    collective) and gated_delta_rule, outputs and gradients (relative errors)."""
+    ref_in = _rule_inputs(T, N, Dk, Dv, device, dtype, 3)
+    cp_in = [t.detach().clone().requires_grad_() for t in ref_in]
+    cu = torch.tensor(cu, device=device)
+    ref_o = gated_delta_rule(*ref_in, cu, chunk_size=chunk_size)
+    o = gated_delta_rule_cp(*cp_in, cu, one_rank_mesh, chunk_size=chunk_size)
+    grad_o = torch.randn_like(o)
+    ref_o.backward(grad_o)
+    o.backward(grad_o)
+    assert o.dtype == ref_o.dtype and o.shape == ref_o.shape
+    return [_rel(o, ref_o)] + [_rel(a.grad, b.grad) for a, b in zip(cp_in, ref_in)]
+
+
+def test_rule_over_one_rank_equals_the_rule(one_rank_mesh):
+    # the second chunk continues [0, 9)'s state; chunks of the rule of 3 tokens
+    errors = _rule_over_one_rank(one_rank_mesh, 16, 2, 4, 5, [0, 3, 9, 16], "cpu", torch.float32, 3)
+    assert max(errors) < 1e-5, errors
+    with pytest.raises(ValueError, match="q: expected this rank's T/cp tokens, its two chunks"):
+        gated_delta_rule_cp(*_rule_inputs(7, 2, 4, 5, "cpu", torch.float32, 0), torch.tensor([0, 7]), one_rank_mesh)
+    with pytest.raises(ValueError, match="cp_mesh: expected a 1-D DeviceMesh"):
+        gated_delta_rule_cp(*_rule_inputs(8, 2, 4, 5, "cpu", torch.float32, 0), torch.tensor([0, 8]), "cp")
+    from fmoe.parallel import conv_halo
+
+    x = torch.arange(24.0).view(8, 3)
+    halo = conv_halo(x, 2, one_rank_mesh)  # chunks [0, 4) and [4, 8): zeros, then rows 2, 3
+    assert torch.equal(halo[0], torch.zeros(2, 3)) and torch.equal(halo[1], x[2:4])
+
+
+@pytest.mark.gpu
+def test_rule_over_one_rank_real_shape_on_cuda(one_rank_mesh):
+    """The widened rule (Dv + Dk = 256 value channels, started from [0 | I]) in the states'
+    Triton kernels, bf16 inputs, a document across the two chunks."""
+    errors = _rule_over_one_rank(one_rank_mesh, 4096, 4, 128, 128, [0, 1000, 3000, 4096], "cuda", torch.bfloat16, 64)
+    assert max(errors) < 2e-2, errors
