@@ -350,11 +350,22 @@ def results():
     return by_world(_cases, CASES, timeout=900)
 
 
+# The gradients of a Gated DeltaNet block's decay (A_log, dt_bias, wa) sum per-token terms
+# that mostly cancel, so every exact float32 form of the rule spreads them: on one process,
+# against the token loop, chunks of 24, 6 and 3 tokens are off by 4.6e-6, 3.1e-6 and 2.3e-6
+# (A_log); across a cp split (each cp chunk its own rule, then the scan) by up to 1e-5.
+DECAY = ("attn.A_log", "attn.dt_bias", "attn.wa")
+
+
+def _tolerance(case: str, key: str) -> float:
+    return 3e-5 if case.startswith("cp") and "gated-deltanet" in case and key.endswith(DECAY) else 1e-5
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_parallel_model_matches_one_process(case, results):
     for rank, by_case in enumerate(results(CASES[case][0])):
         errors = by_case[case]
-        bad = {k: v for k, v in errors.items() if isinstance(v, str) or not v < 1e-5}
+        bad = {k: v for k, v in errors.items() if isinstance(v, str) or not v < _tolerance(case, k)}
         assert not bad, f"rank {rank}: {bad}"
 
 

@@ -41,11 +41,13 @@ def reference(tmp_path_factory):
     return records
 
 
-def _assert_same(records, ref, keys=("loss", "mtp_1_loss", "z_loss", "seq_aux_loss", "aux_loss", "param_norm")):
+def _assert_same(records, ref, keys=("loss", "mtp_1_loss", "z_loss", "seq_aux_loss", "aux_loss", "param_norm"), loose=()):
+    """Every step's losses, norms and expert counts alike (relative 1e-5; the keys in `loose`
+    5e-5)."""
     assert [r["step"] for r in records] == [r["step"] for r in ref]
     for got, want in zip(records, ref):
         for key in keys:
-            assert got[key] == pytest.approx(want[key], rel=1e-5), (got["step"], key, got[key], want[key])
+            assert got[key] == pytest.approx(want[key], rel=5e-5 if key in loose else 1e-5), (got["step"], key, got[key], want[key])
         assert got["tokens_per_expert"] == want["tokens_per_expert"], got["step"]  # counts summed over every rank
         assert got["zero_grads"] == want["zero_grads"], got["step"]  # each gradient entry counted once on any mesh
     assert records[-1]["val_loss"] == pytest.approx(ref[-1]["val_loss"], rel=1e-5)
@@ -90,6 +92,14 @@ RUNS = {
     "mla-cp2xep2": (4, ["--cp=2", "--ep=2", "--model.n_kv_heads=4", "--model.head_dim=12", "--model.rope_dim=4", "--model.q_rank=10",
                         "--model.kv_rank=6", "--model.v_head_dim=5", "--model.mtp_norm=True", "--model.score=sigmoid", "--model.n_groups=2",
                         "--model.topk_groups=1", "--model.group_score_topk=2"]),
+    # Qwen3-Next's hybrid: a Gated DeltaNet block under cp (its convolution's halos and its
+    # rule's states exchanged between the ranks' chunks)
+    "gated-deltanet-cp2": (2, ["--cp=2", "--model.linear_layers=0", "--model.linear_k_heads=2", "--model.linear_v_heads=4",
+                               "--model.linear_k_dim=8", "--model.linear_v_dim=6"]),
+    # (its decay's gradients, a sum of terms that mostly cancel, differ by 1e-5 across the
+    # split, as they do between chunk sizes of one process; AdamW divides each entry by its
+    # own gradient's scale, so the small entries' relative differences reach the weights:
+    # the parameter norm drifts by 1.1e-5 in 5 steps while the losses agree to 1e-7: LOOSE)
     # attention's extras under tp: qkv biases with the qk norm over the whole projection
     # (OLMoE's, its statistic averaged over tp); multi-latent attention with distributed
     # Muon (the latent down projections whole on each tp rank, their copies agreeing bit for bit)
@@ -97,11 +107,12 @@ RUNS = {
     "mla-tp2-muon": (2, ["--tp=2", "--optimizer=muon", "--ns_dtype=float32", "--model.n_kv_heads=4", "--model.head_dim=12", "--model.rope_dim=4",
                          "--model.q_rank=10", "--model.kv_rank=6", "--model.v_head_dim=5", "--check_replicas_every=1"]),
 }
+LOOSE = {"gated-deltanet-cp2": ("param_norm",)}
 # knobs the one-process reference shares
 SAME_MODEL = ("--optimizer=", "--ns_dtype=", "--batch_schedule=", "--aux_coeff=", "--model.n_layers=", "--model.n_kv_heads=", "--model.head_dim=",
               "--model.rope_dim=", "--model.q_rank=", "--model.kv_rank=", "--model.v_head_dim=", "--model.mtp_norm=", "--model.score=",
               "--model.n_groups=", "--model.topk_groups=", "--model.group_score_topk=", "--model.capacity_factor=", "--model.qkv_bias=",
-              "--model.qk_norm=", "--whole_documents=")
+              "--model.qk_norm=", "--whole_documents=", "--model.linear_")
 
 
 @pytest.mark.parametrize("run", list(RUNS))
@@ -109,7 +120,7 @@ def test_parallel_knobs_log_the_one_process_losses(run, reference, tmp_path):
     nproc, args = RUNS[run]
     records = _train(tmp_path, nproc, *args)
     assert len(records) == STEPS
-    _assert_same(records, reference(*(a for a in args if a.startswith(SAME_MODEL))))
+    _assert_same(records, reference(*(a for a in args if a.startswith(SAME_MODEL))), loose=LOOSE.get(run, ()))
 
 
 def test_checkpoint_of_four_ranks_resumes_on_two_and_starts_a_run_on_tp2(reference, tmp_path):
