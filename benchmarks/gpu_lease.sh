@@ -4,7 +4,7 @@
 # From the repository root, with the tensordict and pyvers wheels in .whl/ when the
 # machine's Python lacks them (see benchmarks/RESULTS.md):
 #
-#     bash benchmarks/gpu_lease.sh a    # the gpu tests; bench_moe_layer, bench_loss, bench_optim; bench_rope profiled (~3 min)
+#     bash benchmarks/gpu_lease.sh a    # the gpu tests; bench_moe_layer, bench_loss, bench_optim; bench_rope profiled; bench_cp_linear (~4 min)
 #     bash benchmarks/gpu_lease.sh b    # bench_routing; bench_train_step profiled; bench_delta (~6 min)
 #
 # What comes back is written to $OUT (the device tool's folder; gpu_out/ elsewhere), at most
@@ -34,6 +34,7 @@ a)
     grep -E "passed|failed|^FAILED|^ERROR" "$OUT/gpu_tests.log" | tail -20
     bench --only bench_moe_layer,bench_loss,bench_optim --timeout 60
     bench --only bench_rope --timeout 60 --profile
+    bench --only bench_cp_linear --timeout 60
     ;;
 b)
     bench --only bench_routing --timeout 150

@@ -321,10 +321,18 @@ def gated_delta_rule_cp(q, k, v, g, beta, cu_seqlens, cp_mesh: DeviceMesh, *, sc
         raise ValueError(f"q: expected this rank's [1, T/cp, N, Dk], got {getattr(q, 'shape', type(q).__name__)}")
     if not isinstance(v, torch.Tensor) or v.ndim != 4:
         raise ValueError(f"v: expected [1, T/cp, N, Dv], got {getattr(v, 'shape', type(v).__name__)}")
-    _, T_local, N, Dk = q.shape
-    Dv = v.shape[-1]
-    L = _halves("q", T_local)
+    L = _halves("q", q.shape[1])
     cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
+    outs, ends = _rule_chunks(q, k, v, g, beta, cu_seqlens, cp, rank, scale=scale, chunk_size=chunk_size, impl=impl)
+    every = (ends if cp == 1 else _gather(ends, cp_mesh))[_chunk_rows(cp)]  # [2 cp, ...] global chunk order
+    return _rule_outputs(outs, every, cu_seqlens, L, cp, rank).to(v.dtype)
+
+
+def _rule_chunks(q, k, v, g, beta, cu_seqlens, cp: int, rank: int, **kwargs):
+    """The rule over each of rank `rank`'s two chunks, widened (gated_delta_rule_cp):
+    (outputs [1, L, N, Dv + Dk] float32 of each chunk, ends [2, N, Dk, Dv + Dk]: B | A)."""
+    _, T_local, N, Dk = q.shape
+    Dv, L = v.shape[-1], T_local // 2
     cu = cu_seqlens.long()
     identity = torch.eye(Dk, device=q.device).expand(1, N, Dk, Dk)
     start_from = torch.cat([identity.new_zeros(1, N, Dk, Dv), identity], -1)  # [0 | I]
@@ -332,20 +340,28 @@ def gated_delta_rule_cp(q, k, v, g, beta, cu_seqlens, cp_mesh: DeviceMesh, *, sc
     for slot, chunk in enumerate((rank, 2 * cp - 1 - rank)):
         rows = slice(slot * L, (slot + 1) * L)
         v_wide = torch.cat([v[:, rows].float(), v.new_zeros(1, L, N, Dk, dtype=torch.float32)], -1)
-        o, end = gated_delta_rule(q[:, rows], k[:, rows], v_wide, g[:, rows], beta[:, rows], (cu - chunk * L).clamp(0, L), scale=scale,
-                                  initial_state=start_from, final_state=True, chunk_size=chunk_size, impl=impl)
-        outs.append(o[0])
+        o, end = gated_delta_rule(q[:, rows], k[:, rows], v_wide, g[:, rows], beta[:, rows], (cu - chunk * L).clamp(0, L),
+                                  initial_state=start_from, final_state=True, **kwargs)
+        outs.append(o)
         ends.append(end[0])
-    ends = torch.stack(ends)  # [2, N, Dk, Dv + Dk]: B | A of this rank's chunks
-    every = (ends if cp == 1 else _gather(ends, cp_mesh))[_chunk_rows(cp)]  # [2 cp, ...] global chunk order
+    return outs, torch.stack(ends)
+
+
+def _rule_outputs(outs, every, cu_seqlens, L: int, cp: int, rank: int) -> torch.Tensor:
+    """Rank `rank`'s outputs [1, T/cp, N, Dv] float32 from its chunks' widened outputs and
+    every chunk's ends [2 cp, N, Dk, Dv + Dk] in chunk order: the scan of the states the
+    chunks start from, then o0 + u S_start (gated_delta_rule_cp)."""
+    _, N, Dk, width = every.shape
+    Dv = width - Dk
+    cu = cu_seqlens.long()
     starts_document = (cu[None, :] == torch.arange(2 * cp, device=cu.device)[:, None] * L).any(1)  # [2 cp]
-    state, starts = identity.new_zeros(N, Dk, Dv), {}
+    state, starts = every.new_zeros(N, Dk, Dv), {}
     for c in range(2 * cp - rank):  # up to this rank's tail chunk
         state = torch.where(starts_document[c], 0.0, state)
         starts[c] = state
         state = every[c, ..., :Dv] + every[c, ..., Dv:] @ state
-    o = [out[..., :Dv] + torch.einsum("tnk,nkv->tnv", out[..., Dv:], starts[c]) for out, c in zip(outs, (rank, 2 * cp - 1 - rank))]
-    return torch.cat(o)[None].to(v.dtype)
+    o = [out[0, ..., :Dv] + torch.einsum("tnk,nkv->tnv", out[0, ..., Dv:], starts[c]) for out, c in zip(outs, (rank, 2 * cp - 1 - rank))]
+    return torch.cat(o)[None]
 
 
 class ContextParallel:
