@@ -25,6 +25,13 @@ HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA and not INTERPRETING else "cpu"
 
 
+def pytest_report_header(config):
+    """The reason Triton-interpreter tests will fail here, at the top of the run (None: none)."""
+    from fmoe.ops.backend import INTERPRETER_PROBLEM
+
+    return f"WARNING: {INTERPRETER_PROBLEM}" if INTERPRETING and INTERPRETER_PROBLEM is not None else None
+
+
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA and not INTERPRETING:
         return

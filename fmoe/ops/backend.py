@@ -2,6 +2,7 @@
 
     use_triton(impl, *tensors)   "auto" | "triton" | "torch": which implementation runs
     interpreting()               Triton kernels run through the CPU interpreter
+    interpreter_problem()        why the installed Triton interpreter cannot run the kernels, or None
     next_pow2(n)                 Triton block sizes
     local_tensor(t)              the local shard of a DTensor (the tensor itself otherwise)
 """
@@ -9,6 +10,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 
@@ -43,7 +45,34 @@ def use_triton(impl: str, *tensors: torch.Tensor) -> bool:
             "impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 set before triton is "
             "imported, to run the kernels on CPU through the interpreter)"
         )
+    if not on_cuda and INTERPRETER_PROBLEM is not None:
+        raise RuntimeError(INTERPRETER_PROBLEM)
     return True
+
+
+def _version(text: str) -> tuple[int, ...]:
+    """(major, minor) of a version string ("3.6.0+git1234", "2.4.0rc1" -> (3, 6), (2, 4))."""
+    return tuple(int(re.match(r"\d*", part).group() or 0) for part in text.split(".")[:2])
+
+
+def interpreter_problem(triton_version: str | None = None, numpy_version: str | None = None) -> str | None:
+    """Why the Triton interpreter cannot run fmoe's kernels here, or None.
+
+    Triton before 3.7 turns a scalar kernel argument into an index by int() of a 1-element
+    numpy array, which numpy 2.4 refuses ("only 0-dimensional arrays can be converted to
+    Python scalars"): every kernel that loops over a runtime count fails. Triton 3.7 (the
+    CPU pin, with torch 2.13) or numpy before 2.4 run them. The versions default to the
+    installed ones."""
+    if triton_version is None or numpy_version is None:
+        import numpy
+        import triton
+
+        triton_version, numpy_version = triton_version or triton.__version__, numpy_version or numpy.__version__
+    if _version(triton_version) < (3, 7) and _version(numpy_version) >= (2, 4):
+        return (f"impl='triton' on CPU: the interpreter of Triton {triton_version} cannot run fmoe's kernels with numpy {numpy_version} "
+                "(it converts scalar arguments by int() of a 1-element array, which numpy 2.4 refuses); install numpy<2.4, or "
+                "Triton 3.7 or newer (make setup pins torch 2.13.0 with Triton 3.7.1), or use impl='torch'")
+    return None
 
 
 def local_tensor(t):
@@ -53,3 +82,7 @@ def local_tensor(t):
     from torch.distributed.tensor import DTensor  # torch.distributed only when a DTensor may exist
 
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+# the installed versions' problem, found once (a constant to torch.compile, which traces use_triton)
+INTERPRETER_PROBLEM = interpreter_problem()
