@@ -480,10 +480,11 @@ def main(argv: list[str]) -> None:
 
     def train_batch(host_batch):
         """This rank's share of a training micro-batch, on the device; compiled, its document
-        count is dynamic (it varies by micro-batch: one graph for all)."""
+        count is dynamic (it varies by micro-batch: one graph for all; a graph that needs a
+        count fixed, e.g. of one document, is compiled again for others, never an error)."""
         batch = split(host_batch).to(device, non_blocking=True)
         if cfg.compile:
-            torch._dynamo.mark_dynamic(batch["cu_seqlens"], 0)
+            torch._dynamo.maybe_mark_dynamic(batch["cu_seqlens"], 0)
         return batch
 
     # each source's validation tokens (host counts, once): the per-source means divide by them

@@ -392,6 +392,30 @@ def test_the_whole_model_compiles_without_a_graph_break():
         torch.testing.assert_close(p.grad, grads[n], rtol=1e-4, atol=1e-6, msg=n)
 
 
+def test_gated_deltanet_compiles_once_for_every_document_count():
+    """The train loop marks cu_seqlens' length dynamic under --compile: a first batch of one
+    document (cu_seqlens of 2) must not specialise the graph to that length (the linear
+    layers' document search did, and the second batch failed), and later batches of other
+    counts reuse the graph; values as eager."""
+    cfg = dataclasses.replace(VARIANTS["gated deltanet"], impl="auto")
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+
+    def lm_and_mtp(model, batch, ctx):  # the model's own losses (a per-document loss has [n] tensors of its own)
+        losses, _ = model(batch, ctx)
+        return losses["lm_sum"] + losses["mtp_1_sum"]
+
+    compiled = torch.compile(lm_and_mtp, fullgraph=True, backend="aot_eager")
+    torch._dynamo.reset()
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for cu in ((0, 24), (0, 7, 8, 24), (0, 3, 10, 20, 24)):
+        batch = _batch(cfg, cu=cu)
+        torch._dynamo.mark_dynamic(batch["cu_seqlens"], 0)
+        ctx = model.context(batch)
+        torch.testing.assert_close(compiled(model, batch, ctx), lm_and_mtp(model, batch, ctx), rtol=1e-5, atol=1e-6)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames == 1  # one graph for the three counts
+
+
 def test_one_context_per_micro_batch(monkeypatch):
     """The mask is built once by context() and shared by the MTP depths; forward with a
     given context builds none."""

@@ -56,8 +56,10 @@ def sequence_ids(cu_seqlens: torch.Tensor, n_tokens: int) -> torch.Tensor:
     """
     cu = cu_seqlens.long()
     # j = #{ends cu[1..N] <= t}: ends of empty sequences before t are counted, so t lands in
-    # the one non-empty sequence holding it
-    return torch.searchsorted(cu[1:], torch.arange(n_tokens, device=cu.device), right=True)
+    # the one non-empty sequence holding it. Counted over all of cu (cu[0] = 0 <= t), minus
+    # one: a search in cu[1:] would make torch.compile specialise a one-document batch's
+    # cu_seqlens length (a contiguity check of the N-element slice asks whether N < 2)
+    return torch.searchsorted(cu, torch.arange(n_tokens, device=cu.device), right=True) - 1
 
 
 def _seq_start_end_ref(cu_seqlens, T):

@@ -239,7 +239,7 @@ def _seq_split(layers, names, T_local: int, E: int, cu_seqlens, *, k, group, sta
     # the document b of each local token, cu[b] <= t < cu[b+1], as fmoe.ops.packed.sequence_ids
     # does for a whole batch; b indexes the global documents, so the rows of the [B, E]
     # tensors line up on every rank
-    seq_T = torch.searchsorted(cu[1:], token_index.to(device=device, dtype=torch.int64), right=True)
+    seq_T = torch.searchsorted(cu, token_index.to(device=device, dtype=torch.int64), right=True) - 1  # fmoe.ops.sequence_ids' search
     counts_LBE = torch.zeros(len(names) + (mask is not None), B, E, dtype=torch.int64, device=device)
     row = {name: i for i, name in enumerate(names)}
     score_sums = {}
