@@ -283,6 +283,8 @@ def conv_halo(x: torch.Tensor, n: int, cp_mesh: DeviceMesh) -> torch.Tensor:
                          f"the next chunk's convolution reads; use fewer cp ranks or more tokens")
     cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
     tails = torch.stack([x[L - n:L], x[2 * L - n:]])  # [2, n, C]
+    if n == 0:  # a convolution of one tap reads nothing before its chunk
+        return tails
     every = (tails if cp == 1 else _gather(tails, cp_mesh))[_chunk_rows(cp)]  # [2 cp, n, C], global chunk order
     head = every[rank - 1] if rank > 0 else torch.zeros_like(tails[0])
     return torch.stack([head, every[2 * cp - 2 - rank]])

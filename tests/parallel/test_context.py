@@ -431,6 +431,9 @@ def test_rule_over_one_rank_equals_the_rule(one_rank_mesh):
     x = torch.arange(24.0).view(8, 3)
     halo = conv_halo(x, 2, one_rank_mesh)  # chunks [0, 4) and [4, 8): zeros, then rows 2, 3
     assert torch.equal(halo[0], torch.zeros(2, 3)) and torch.equal(halo[1], x[2:4])
+    assert conv_halo(x, 0, one_rank_mesh).shape == (2, 0, 3)  # one tap: nothing before a chunk
+    with pytest.raises(ValueError, match=r"tokens_per_micro_batch: each cp chunk \(T / \(2 cp\) = 4 tokens\) must hold the 5 tokens"):
+        conv_halo(x, 5, one_rank_mesh)
 
 
 @pytest.mark.gpu
