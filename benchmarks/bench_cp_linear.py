@@ -40,14 +40,13 @@ import sys
 from _common import bench, case_done, finish, matmul_rate, rel_err, start  # before torch and fmoe: with --smoke it sets TRITON_INTERPRET
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+from bench_delta import CHUNK, flops_per_token_head, rule_inputs  # noqa: E402  (the same inputs and FLOP count)
 from fmoe.ops import gated_delta_rule  # noqa: E402
 from fmoe.parallel import cp_token_index  # noqa: E402
 from fmoe.parallel.context import _chunk_rows, _rule_chunks, _rule_outputs  # noqa: E402  (one rank's pieces of gated_delta_rule_cp)
 
 COLUMNS = ["layout", "T", "impl", "ms", "rank_spread", "speedup_vs_cp1", "work_vs_cp1", "flop_fraction"]
 CPS = (1, 2, 4)
-CHUNK = 64
 NOTE = ("one rank's share per row, the all-gather of the chunks' end states simulated on one device: "
         "multi-rank numbers wait for a multi-GPU machine")
 
@@ -55,11 +54,6 @@ NOTE = ("one rank's share per row, the all-gather of the chunks' end states simu
 def make_shapes(smoke: bool):
     """(N heads, D = Dk = Dv, sequence lengths, packed document length)."""
     return (2, 8, (32, 64), 12) if smoke else (32, 128, (16384, 32768), 4096)
-
-
-def flops_per_token_head(D: int, C: int = CHUNK) -> int:
-    """bench_delta's count: 4 C Dk + C (Dk + Dv) + 8 Dk Dv + 2 C Dv with Dk = Dv = D."""
-    return 4 * C * D + C * 2 * D + 8 * D * D + 2 * C * D
 
 
 def rank_share(inputs, cu, cp: int, rank: int):
@@ -85,13 +79,7 @@ def rank_share(inputs, cu, cp: int, rank: int):
 
 
 def run_layout(name: str, T: int, cu_list: list, N: int, D: int, device, dtype, rate: float) -> list[dict]:
-    g = torch.Generator(device=device).manual_seed(0)
-    q = torch.randn(1, T, N, D, device=device, generator=g)
-    k = F.normalize(torch.randn(1, T, N, D, device=device, generator=g), dim=-1)
-    v = torch.randn(1, T, N, D, device=device, generator=g)
-    gate = -F.softplus(torch.randn(1, T, N, device=device, generator=g))
-    beta = torch.rand(1, T, N, device=device, generator=g)
-    inputs = [t.to(dtype) for t in (q, k, v, gate, beta)]
+    inputs = rule_inputs(T, N, D, device, dtype)
     cu = torch.tensor(cu_list, device=device)
     grad_o = torch.randn(1, T, N, D, device=device, dtype=dtype)
     tol = 1e-4 if dtype == torch.float32 else 2e-2

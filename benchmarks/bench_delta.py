@@ -71,16 +71,21 @@ def flops_per_token_head(D: int, C: int = CHUNK) -> int:
     return 4 * C * D + C * 2 * D + 8 * D * D + 2 * C * D
 
 
-def run_case(case: Case, device: torch.device, dtype: torch.dtype, rate: float, compiled: bool) -> list[dict]:
-    T, N, D = case.T, case.N, case.D
-    torch._dynamo.reset()
+def rule_inputs(T: int, N: int, D: int, device, dtype) -> list[torch.Tensor]:
+    """q, k (unit rows), v [1, T, N, D], g = -softplus(...) and beta in [0, 1] [1, T, N], seeded."""
     g = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(1, T, N, D, device=device, generator=g)
     k = F.normalize(torch.randn(1, T, N, D, device=device, generator=g), dim=-1)
     v = torch.randn(1, T, N, D, device=device, generator=g)
     gate = -F.softplus(torch.randn(1, T, N, device=device, generator=g))
     beta = torch.rand(1, T, N, device=device, generator=g)
-    inputs = [t.to(dtype).requires_grad_() for t in (q, k, v, gate, beta)]
+    return [t.to(dtype) for t in (q, k, v, gate, beta)]
+
+
+def run_case(case: Case, device: torch.device, dtype: torch.dtype, rate: float, compiled: bool) -> list[dict]:
+    T, N, D = case.T, case.N, case.D
+    torch._dynamo.reset()
+    inputs = [t.requires_grad_() for t in rule_inputs(T, N, D, device, dtype)]
     cu = torch.arange(0, T + 1, case.doc, device=device)
     if cu[-1] != T:
         cu = torch.cat([cu, torch.tensor([T], device=device)])

@@ -76,41 +76,49 @@ def _inputs(cu, seed):
     return params, x, upstream, batch
 
 
-def _attention_case(mesh, cp, cp_rank, cu, seed):
+def _layer_over_split(layer, cfg, params, x, upstream, batch, mesh, cp, cp_rank, cp_args):
+    """layer(x, params, cfg, ctx) on one process over the whole batch, then on this rank's
+    share with the context attention_context(..., **cp_args(token_index)) builds: outputs,
+    gradients (the parameters' summed over the cp ranks, as they are replicated) and the
+    host reads of the split's context, forward and backward."""
     from fmoe.train.metrics import HostReads
 
-    params, x, upstream, batch = _inputs(cu, seed)
-    T = x.shape[0]
-    # the reference: one process, the whole batch
     ref_x = x.clone().requires_grad_()
     ref_p = {n: t.clone().requires_grad_() for n, t in params.items()}
-    ref_y, _ = attention(ref_x, ref_p, CFG, attention_context(batch["cu_seqlens"], batch["positions"], CFG))
+    ref_y, _ = layer(ref_x, ref_p, cfg, attention_context(batch["cu_seqlens"], batch["positions"], CFG))
     ref_y.backward(upstream)
 
     local = split_batch(batch, cp_rank, cp)
     index = local["token_index"]
     x_local = x[index].clone().requires_grad_()
     p_local = {n: t.clone().requires_grad_() for n, t in params.items()}
-    cp_args = dict(token_index=index, kv_index=cp_kv_index(T, cp), gather_kv=functools.partial(gather_kv, cp_mesh=mesh))
     with HostReads() as reads:
-        ctx = attention_context(local["cu_seqlens"], local["positions"], CFG, **cp_args)
-        y, _ = attention(x_local, p_local, CFG, ctx)
+        ctx = attention_context(local["cu_seqlens"], local["positions"], CFG, **cp_args(index))
+        y, _ = layer(x_local, p_local, cfg, ctx)
         y.backward(upstream[index])
-    # the parameters are replicated over cp: their gradient is the sum of the ranks'
     grads = {n: p.grad.clone() for n, p in p_local.items()}
     for g in grads.values():
         dist.all_reduce(g, group=mesh.get_group())
+    return local, ctx, dict(
+        index=index, y=y.detach(), ref_y=ref_y.detach()[index], x_grad=x_local.grad, ref_x_grad=ref_x.grad[index],
+        grads=grads, ref_grads={n: p.grad for n, p in ref_p.items()}, host_reads=reads.count,
+    )
 
+
+def _attention_case(mesh, cp, cp_rank, cu, seed):
+    params, x, upstream, batch = _inputs(cu, seed)
+    T = x.shape[0]
+
+    def cp_args(index):
+        return dict(token_index=index, kv_index=cp_kv_index(T, cp), gather_kv=functools.partial(gather_kv, cp_mesh=mesh))
+
+    local, ctx, out = _layer_over_split(attention, CFG, params, x, upstream, batch, mesh, cp, cp_rank, cp_args)
+    index = out["index"]
     flex_cfg = dataclasses.replace(CFG, impl="flex")
     with torch.no_grad():  # FlexAttention has no CPU backward: its mask, forward only
-        flex_ctx = attention_context(local["cu_seqlens"], local["positions"], flex_cfg, **cp_args)
+        flex_ctx = attention_context(local["cu_seqlens"], local["positions"], flex_cfg, **cp_args(index))
         y_flex, _ = attention(x[index], params, flex_cfg, flex_ctx)
-    return dict(
-        index=index, y=y.detach(), ref_y=ref_y.detach()[index], y_flex=y_flex,
-        x_grad=x_local.grad, ref_x_grad=ref_x.grad[index],
-        grads=grads, ref_grads={n: p.grad for n, p in ref_p.items()},
-        mask_shape=tuple(ctx.mask.shape), flex_mask_shape=tuple(flex_ctx.mask.shape[-2:]), host_reads=reads.count,
-    )
+    return dict(out, y_flex=y_flex, mask_shape=tuple(ctx.mask.shape), flex_mask_shape=tuple(flex_ctx.mask.shape[-2:]))
 
 
 def _gather_case(mesh, cp, cp_rank, T, seed):
@@ -135,29 +143,14 @@ def _gather_case(mesh, cp, cp_rank, T, seed):
 def _linear_case(mesh, cp, cp_rank, cu, seed):
     """Gated DeltaNet across the split against one process: the layer (convolution halos,
     the rule's exchange) and the rule alone, outputs and every gradient; no host read."""
-    from fmoe.train.metrics import HostReads
-
     gen = torch.Generator().manual_seed(seed)
     T = cu[-1]
     params = {n: torch.randn(*s, generator=gen) * (0.5 if len(s) == 1 else s[0] ** -0.5) for n, s in linear_attention_shapes(H, LINEAR).items()}
     x, upstream = torch.randn(T, H, generator=gen), torch.randn(T, H, generator=gen)
     batch = make_batch(torch.randint(0, 50, (T,), generator=gen), torch.tensor(cu), mtp_depth=0)
-    ref_x = x.clone().requires_grad_()
-    ref_p = {n: t.clone().requires_grad_() for n, t in params.items()}
-    ref_y, _ = linear_attention(ref_x, ref_p, LINEAR, attention_context(batch["cu_seqlens"], batch["positions"], CFG))
-    ref_y.backward(upstream)
-
-    local = split_batch(batch, cp_rank, cp)
-    index = local["token_index"]
-    x_local = x[index].clone().requires_grad_()
-    p_local = {n: t.clone().requires_grad_() for n, t in params.items()}
-    with HostReads() as reads:
-        ctx = attention_context(local["cu_seqlens"], local["positions"], CFG, **ContextParallel(mesh).attention_kwargs(index))
-        y, _ = linear_attention(x_local, p_local, LINEAR, ctx)
-        y.backward(upstream[index])
-    grads = {n: p.grad.clone() for n, p in p_local.items()}
-    for g in grads.values():
-        dist.all_reduce(g, group=mesh.get_group())
+    local, _, out = _layer_over_split(linear_attention, LINEAR, params, x, upstream, batch, mesh, cp, cp_rank,
+                                      ContextParallel(mesh).attention_kwargs)
+    index = out["index"]
 
     # the rule alone: q, k, v, g, beta of the whole batch, each rank's rows
     N, Dk, Dv = 3, 4, 5
@@ -180,9 +173,7 @@ def _linear_case(mesh, cp, cp_rank, cu, seed):
     except ValueError as err:
         refused = str(err)
     return dict(
-        index=index, y=y.detach(), ref_y=ref_y.detach()[index], x_grad=x_local.grad, ref_x_grad=ref_x.grad[index],
-        grads=grads, ref_grads={n: p.grad for n, p in ref_p.items()}, host_reads=reads.count,
-        o=o.detach(), ref_o=ref_o.detach()[:, index], rule_grads=[t.grad for t in rule_in], ref_rule_grads=[t.grad[:, index] for t in ref_in],
+        out, o=o.detach(), ref_o=ref_o.detach()[:, index], rule_grads=[t.grad for t in rule_in], ref_rule_grads=[t.grad[:, index] for t in ref_in],
         refused=refused,
     )
 
