@@ -1173,7 +1173,7 @@ def _causal_conv_split(x_TC, w_KC, cu_seqlens, cp):
     full = torch.cat([halo.to(x_TC.dtype), x_TC.reshape(2, L, -1)], dim=1)  # [2, K - 1 + L, C]
     index = cp.token_index(T, x_TC.device).view(2, L, 1)
     cu = cu_seqlens.long()
-    start = cu[torch.searchsorted(cu, index, right=True) - 1]  # each token's document start (fmoe.ops.sequence_ids' search)
+    start = cu[sequence_ids(cu, T, index=index)]  # each token's document start
     y = sum(full[:, K - 1 - j:K - 1 - j + L].float() * w_KC[K - 1 - j].float() * (index - j >= start) for j in range(K))
     return F.silu(y).to(x_TC.dtype).reshape(T, -1)
 

@@ -49,17 +49,20 @@ _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # ----------------------------------------------------------------------------------------
 
 
-def sequence_ids(cu_seqlens: torch.Tensor, n_tokens: int) -> torch.Tensor:
+def sequence_ids(cu_seqlens: torch.Tensor, n_tokens: int, *, index: torch.Tensor | None = None) -> torch.Tensor:
     """[T] int64: the index j of the packed sequence holding each token, cu[j] <= t < cu[j+1].
 
-    Validated cu_seqlens assumed (no host sync). Example: [0, 3, 3, 5], 5 -> [0, 0, 0, 2, 2].
+    index: the tokens t to look up (any shape, int; e.g. a context-parallel rank's global
+    indices); None: 0 .. n_tokens - 1. Validated cu_seqlens assumed (no host sync).
+    Example: [0, 3, 3, 5], 5 -> [0, 0, 0, 2, 2].
     """
     cu = cu_seqlens.long()
+    t = torch.arange(n_tokens, device=cu.device) if index is None else index.to(device=cu.device, dtype=torch.int64)
     # j = #{ends cu[1..N] <= t}: ends of empty sequences before t are counted, so t lands in
     # the one non-empty sequence holding it. Counted over all of cu (cu[0] = 0 <= t), minus
     # one: a search in cu[1:] would make torch.compile specialise a one-document batch's
     # cu_seqlens length (a contiguity check of the N-element slice asks whether N < 2)
-    return torch.searchsorted(cu, torch.arange(n_tokens, device=cu.device), right=True) - 1
+    return torch.searchsorted(cu, t, right=True) - 1
 
 
 def _seq_start_end_ref(cu_seqlens, T):

@@ -47,6 +47,7 @@ import torch.distributed as dist
 from fmoe.ops import load_balancing_loss, z_loss
 from fmoe.ops.balance import mask_tokens, sequence_loss_from_sums, sequence_sums
 from fmoe.ops.checks import check_cu_seqlens, check_float, check_index, check_positive_int, check_token_mask, checking
+from fmoe.ops.packed import sequence_ids
 from fmoe.optim.grads import Group, collective_device, process_group
 
 
@@ -236,10 +237,9 @@ def _seq_split(layers, names, T_local: int, E: int, cu_seqlens, *, k, group, sta
     B = cu.numel() - 1
     if token_index is None:
         token_index = torch.arange(start, start + T_local, device=device)
-    # the document b of each local token, cu[b] <= t < cu[b+1], as fmoe.ops.packed.sequence_ids
-    # does for a whole batch; b indexes the global documents, so the rows of the [B, E]
-    # tensors line up on every rank
-    seq_T = torch.searchsorted(cu, token_index.to(device=device, dtype=torch.int64), right=True) - 1  # fmoe.ops.sequence_ids' search
+    # the document b of each local token, cu[b] <= t < cu[b+1]; b indexes the global
+    # documents, so the rows of the [B, E] tensors line up on every rank
+    seq_T = sequence_ids(cu, T_local, index=token_index)
     counts_LBE = torch.zeros(len(names) + (mask is not None), B, E, dtype=torch.int64, device=device)
     row = {name: i for i, name in enumerate(names)}
     score_sums = {}

@@ -266,3 +266,7 @@ def test_large_bf16_on_gpu():
 def test_sequence_ids_skip_empty_sequences():
     assert sequence_ids(torch.tensor([0, 3, 3, 5], dtype=torch.int32), 5).tolist() == [0, 0, 0, 2, 2]
     assert sequence_ids(torch.tensor([0, 0, 2]), 2).tolist() == [1, 1]
+    # index=: given tokens only (a cp rank's global indices), any shape, as the whole lookup
+    cu = torch.tensor([0, 3, 3, 5, 9])
+    index = torch.tensor([[8, 0], [3, 4]])
+    assert torch.equal(sequence_ids(cu, 9, index=index), sequence_ids(cu, 9)[index])
