@@ -5,7 +5,7 @@
 
 A folder holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). Supported `model_type`s: FAMILIES (mixtral, qwen2_moe,
-qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, deepseek_v2, glm4_moe_lite, gpt_oss, solar_open,
+qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, kimi_k2, kimi_k25, deepseek_v2, glm4_moe_lite, gpt_oss, solar_open,
 exaone_moe, dots1, minimax_m2, granitemoe, granitemoeshared, granitemoe_swa, hunyuan_v1_moe, llama4_text, llama4, afmoe,
 sarvam_moe, sarvam_mla, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: clipped qkv, ...;
@@ -36,8 +36,11 @@ overrides; depths it lacks start fresh); other families' MTP modules always star
 and are not exported. An MTP module without its own output norm (mtp_norm=False: it uses
 the final norm) is exported with a copy of the final norm as its shared_head.norm, so the
 folder reads back (mtp_norm=True) as the same model. FP8: weights stored as float8 with `weight_scale_inv` block scales
-(quantization_config.weight_block_size) are dequantised to float32 on load; the export
-writes them in the config's dtype, without the quantization_config.
+(quantization_config.weight_block_size) are dequantised to float32 on load; so are
+compressed-tensors' packed integers (`weight_packed`, `weight_scale`, `weight_shape`:
+symmetric int4 in groups of 32 for the experts of Kimi K2-Thinking and K2.5,
+dequantize_int_packed). The export writes them in the config's dtype, without the
+quantization_config.
 
 gpt-oss: the experts are stacks ([E, H, 2F] gate_up_proj with gate and up interleaved,
 [E, F, H] down_proj, and their biases), split into fmoe's w_gate / w_up (Tensor.part) and
@@ -62,6 +65,11 @@ temperature, weightless q/k norms and the routing weights on the experts' input
 (_llama4_text). A released llama4 folder (Llama4ForConditionalGeneration) holds that text
 model under language_model. (Family.prefix) beside a vision model that is not read
 (Family.not_read); it is written back only as llama4_text (Family.written_as).
+Kimi K2 (kimi_k2: K2-Instruct, K2-Thinking) is DeepSeek-V3's model under its own model_type,
+written back as its folder had it (its remote code's model_type; model_type="deepseek_v3"
+writes a folder transformers reads without remote code). A released Kimi K2.5 / K2.6 folder
+(kimi_k25) holds that model under language_model. beside a vision tower, and is written
+back only as deepseek_v3.
 
 Loading reads the safetensors files tensor by tensor with the `safetensors` library (an
 expert stack is filled expert by expert): the checkpoint is never in memory twice. Into a
@@ -540,6 +548,13 @@ def _llama4(hf: dict) -> dict:
     return FAMILIES["llama4_text"].kwargs(dict(_text_config(hf), model_type="llama4_text"))
 
 
+def _kimi_k25(hf: dict) -> dict:
+    """A released Kimi K2.5 / K2.6 folder (kimi_k25, KimiK25ForConditionalGeneration): its
+    text_config's model, Kimi K2's (DeepSeek-V3's: transformers reads a kimi_k2 text config
+    as deepseek_v3), under language_model.; the vision tower and projector are not read."""
+    return FAMILIES["kimi_k2"].kwargs(dict(_text_config(hf), model_type="kimi_k2"))
+
+
 def _afmoe(hf: dict) -> dict:
     """AFMoE (afmoe, Arcee Trinity): gated attention (the heads' outputs times sigmoid of
     gate_proj, channel by channel), per-head q/k norms; the layers layer_types names
@@ -808,6 +823,7 @@ _QWEN3_NEXT_LINEAR = dict(linear_num_key_heads=16, linear_num_value_heads=32, li
 _QWEN3_NEXT_MOE = dict(num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512)
 _QWEN3_5_DEFAULTS = dict(num_key_value_heads=2, head_dim=256, rope_parameters=_QWEN3_NEXT_ROPE, **_QWEN3_NEXT_LINEAR, num_experts=256,
                          num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512)
+_DEEPSEEK_V3_DEFAULTS = dict(n_shared_experts=1, routed_scaling_factor=2.5, q_lora_rank=1536, n_group=8, topk_group=4, first_k_dense_replace=3)
 # the names of Sarvam's released config.json files (written for their own code) for transformers' fields
 _SARVAM_ALIASES = dict(n_routed_experts="num_experts", n_shared_experts="num_shared_experts")
 FAMILIES = {
@@ -819,8 +835,12 @@ FAMILIES = {
     "flex_olmo": Family(_flex_olmo, "mlp", _PROJ, "FlexOlmoForCausalLM", defaults=dict(rope_theta=5e5)),
     "glm4_moe": Family(_glm4_moe, "mlp", _PROJ, "Glm4MoeForCausalLM", "shared_experts", mtp=True,
                        defaults=dict(num_key_value_heads=8, rms_norm_eps=1e-5, n_shared_experts=1, first_k_dense_replace=1, partial_rotary_factor=0.5)),
-    "deepseek_v3": Family(_deepseek_v3, "mlp", _PROJ, "DeepseekV3ForCausalLM", "shared_experts", mtp=True,
-                          defaults=dict(n_shared_experts=1, routed_scaling_factor=2.5, q_lora_rank=1536, n_group=8, topk_group=4, first_k_dense_replace=3)),
+    "deepseek_v3": Family(_deepseek_v3, "mlp", _PROJ, "DeepseekV3ForCausalLM", "shared_experts", mtp=True, defaults=_DEEPSEEK_V3_DEFAULTS),
+    # Kimi K2 / K2-Instruct / K2-Thinking: DeepSeek-V3's model and names under their own model_type (the releases' remote code)
+    "kimi_k2": Family(_deepseek_v3, "mlp", _PROJ, "DeepseekV3ForCausalLM", "shared_experts", mtp=True, defaults=_DEEPSEEK_V3_DEFAULTS),
+    # the released Kimi K2.5 / K2.6 folders: Kimi K2's text model under language_model., beside a vision tower
+    "kimi_k25": Family(_kimi_k25, "mlp", _PROJ, "KimiK25ForConditionalGeneration", "shared_experts", prefix=("", "language_model."),
+                       not_read=("vision_tower.", "mm_projector."), written_as="deepseek_v3", defaults=dict(tie_word_embeddings=True)),
     "deepseek_v2": Family(_deepseek_v2, "mlp", _PROJ, "DeepseekV2ForCausalLM", "shared_experts", defaults=dict(q_lora_rank=1536, n_shared_experts=2)),
     "glm4_moe_lite": Family(_glm4_moe_lite, "mlp", _PROJ, "Glm4MoeLiteForCausalLM", "shared_experts", mtp=True,
                             defaults=dict(n_shared_experts=1, routed_scaling_factor=1.8, q_lora_rank=768, rms_norm_eps=1e-5)),
@@ -1100,7 +1120,7 @@ def unread_keys(family: Family, cfg: TransformerConfig, path, stored) -> list[st
     family = _stacked_experts(family, stored)
     read = {key for spec in key_map(family, cfg).values() for key in spec.keys}
     read |= {key + suffix for key in list(read) for suffix in ("_blocks", "_scales")}
-    read |= {key.removesuffix("weight") + "weight_scale_inv" for key in list(read) if key.endswith("weight")}
+    read |= {key + suffix for key in list(read) if key.endswith("weight") for suffix in ("_scale_inv", "_packed", "_scale", "_shape")}
     read |= set(mtp_copies(family, cfg))
     config = Path(path) / "config.json"
     if cfg.tie_embeddings and config.is_file() and json.loads(config.read_text()).get("tie_word_embeddings"):
@@ -1133,7 +1153,7 @@ def load_weights(model: Transformer, path, *, model_type: str, strict: bool = Tr
     family = _stacked_experts(FAMILIES[model_type], files)
     model.hf_stacks = family.fused is not None and not FAMILIES[model_type].fused  # the layout save_pretrained writes back
     params = _tensors(model)
-    block = _fp8_block(path)
+    block, packed_int = _weight_quantization(path)
     from safetensors import safe_open
 
     handles: dict[Path, object] = {}
@@ -1152,6 +1172,16 @@ def load_weights(model: Transformer, path, *, model_type: str, strict: bool = Tr
             """Whether key is stored as MXFP4 blocks and scales (gpt-oss's experts)."""
             return key not in files and key + "_blocks" in files
 
+        def packed(key: str) -> bool:
+            """Whether key is stored as compressed-tensors' packed integers (weight_packed, _scale, _shape)."""
+            return key not in files and key.endswith("weight") and key + "_packed" in files
+
+        def packed_shape(key: str) -> tuple[int, int]:
+            return tuple(int(n) for n in open_slice(key + "_shape")[:].tolist())
+
+        def stored_shape(key: str) -> tuple[int, ...]:
+            return packed_shape(key) if packed(key) else tuple(open_slice(key).get_shape())
+
         def read(key: str, index: tuple[slice, ...]) -> torch.Tensor:
             """index of the tensor stored under key ([out, in] for a linear weight)."""
             nonlocal read_bytes
@@ -1161,6 +1191,12 @@ def load_weights(model: Transformer, path, *, model_type: str, strict: bool = Tr
                 blocks, scales = open_slice(key + "_blocks")[index[0]], open_slice(key + "_scales")[index[0]]
                 read_bytes += blocks.numel() + scales.numel()
                 return dequantize_mxfp4(blocks, scales).transpose(1, 2)[(slice(None), *index[1:])]
+            if packed(key):  # compressed-tensors' integers: dequantised whole, then cut
+                if packed_int is None:
+                    raise ValueError(f"config.json: {key}_packed needs a compressed-tensors quantization_config")
+                codes, scale = open_slice(key + "_packed")[:], open_slice(key + "_scale")[:]
+                read_bytes += codes.numel() * 4 + scale.numel() * scale.element_size()
+                return dequantize_int_packed(codes, scale, packed_shape(key), *packed_int)[index]
             stored = open_slice(key)
             if stored.get_dtype().startswith("F8"):  # block-scaled FP8 (DeepSeek-V3): dequantised whole, then cut
                 scale_key = key.removesuffix("weight") + "weight_scale_inv"
@@ -1177,7 +1213,7 @@ def load_weights(model: Transformer, path, *, model_type: str, strict: bool = Tr
                 E, out, groups, _ = open_slice(key + "_blocks").get_shape()
                 stored = (E, groups * 32, out)
             else:
-                stored = tuple(open_slice(key).get_shape())
+                stored = stored_shape(key)
             if spec.unit is not None:
                 stored = (*stored[:spec.unit], *stored[spec.unit + 1:])
             if spec.part is not None:
@@ -1227,7 +1263,7 @@ def load_weights(model: Transformer, path, *, model_type: str, strict: bool = Tr
                     index = _swap_last(ours) if spec.transpose else ours
                 if spec.chunk is not None:  # the i-th run of the stored dim -2 (transposed) or -1
                     d = _chunk_dim(spec, len(index))
-                    stored_dim = open_slice(spec.keys[0]).get_shape()[d + (spec.unit is not None and spec.unit <= d)]
+                    stored_dim = stored_shape(spec.keys[0])[d + (spec.unit is not None and spec.unit <= d)]
                     if spec.groups > 1:  # runs in every group: the whole dim is read, as_ours takes them
                         index = (*index[:d], slice(0, stored_dim), *index[d + 1:])
                     else:
@@ -1283,15 +1319,52 @@ def _tensors(model: Transformer) -> dict[str, torch.Tensor]:
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def _fp8_block(path: Path) -> Optional[tuple[int, int]]:
-    quant = json.loads((path / "config.json").read_text()).get("quantization_config") if (path / "config.json").is_file() else None
-    if not quant:
-        return None
-    if quant.get("quant_method") == "mxfp4":  # gpt-oss's experts: read by dequantize_mxfp4, no fp8 blocks
-        return None
-    if quant.get("quant_method") != "fp8" or len(quant.get("weight_block_size") or ()) != 2:
-        raise ValueError(f"config.json: quantization_config {quant!r} is not supported (block-scaled fp8 with weight_block_size [m, n], or mxfp4)")
-    return tuple(int(b) for b in quant["weight_block_size"])
+def _quantization(hf: dict) -> Optional[dict]:
+    """config.json's quantization_config: the top level's, else its text_config's (where a
+    multimodal release such as Kimi K2.5 keeps it)."""
+    text = hf.get("text_config")
+    return hf.get("quantization_config") or (text.get("quantization_config") if isinstance(text, dict) else None) or None
+
+
+def _weight_quantization(path: Path) -> tuple[Optional[tuple[int, int]], Optional[tuple[int, Optional[int]]]]:
+    """(FP8's weight_block_size, (num_bits, group_size) of compressed-tensors' packed integers)
+    of the folder's quantization_config, each None where it has none; ValueError for a
+    scheme fmoe does not read."""
+    quant = _quantization(json.loads((path / "config.json").read_text())) if (path / "config.json").is_file() else None
+    if not quant or quant.get("quant_method") == "mxfp4":  # gpt-oss's experts: read by dequantize_mxfp4
+        return None, None
+    if quant.get("quant_method") == "fp8" and len(quant.get("weight_block_size") or ()) == 2:
+        return tuple(int(b) for b in quant["weight_block_size"]), None
+    if quant.get("quant_method") == "compressed-tensors":
+        return None, _packed_int(quant)
+    raise ValueError(f"config.json: quantization_config {quant!r} is not supported (block-scaled fp8 with weight_block_size [m, n], "
+                     "mxfp4, or compressed-tensors pack-quantized symmetric int weights)")
+
+
+def _packed_int(quant: dict) -> tuple[int, Optional[int]]:
+    """(num_bits, group_size or None per row) of a compressed-tensors quantization_config whose
+    every group is weight-only, symmetric, integer, per group or per row, in pack-quantized
+    format (Kimi K2-Thinking's and K2.5's int4 experts); ValueError naming what is not."""
+    groups = quant.get("config_groups") or {}
+    schemes = set()
+    for name, group in groups.items():
+        w = group.get("weights") or {}
+        fmt = group.get("format") or quant.get("format")
+        problem = ("format " + repr(fmt) if fmt != "pack-quantized" else
+                   "quantised activations" if group.get("input_activations") or group.get("output_activations") else
+                   f"type {w.get('type')!r}" if w.get("type") != "int" else
+                   "asymmetric weights" if not w.get("symmetric") else
+                   f"strategy {w.get('strategy')!r}" if w.get("strategy") not in ("group", "channel") else
+                   f"num_bits {w.get('num_bits')!r}" if w.get("num_bits") not in (2, 4, 8) else
+                   f"actorder {w.get('actorder')!r}" if w.get("actorder") else None)
+        if problem is not None:
+            raise ValueError(f"config.json: compressed-tensors config_groups[{name!r}] has {problem}; fmoe reads pack-quantized, "
+                             "symmetric int weights (2, 4 or 8 bits, per group or per channel) without quantised activations")
+        schemes.add((int(w["num_bits"]), int(w["group_size"]) if w["strategy"] == "group" else None))
+    if len(schemes) != 1:
+        raise ValueError(f"config.json: compressed-tensors config_groups with {len(schemes)} weight schemes (num_bits, group_size): "
+                         f"{sorted(schemes, key=str)}; fmoe reads one")
+    return schemes.pop()
 
 
 def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: Optional[tuple[int, int]]) -> torch.Tensor:
@@ -1322,6 +1395,28 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).long()  # [..., G, 32]
     values = torch.ldexp(lut[codes], scales.to(torch.int32)[..., None] - 127)
     return values.flatten(-2)
+
+
+def dequantize_int_packed(packed: torch.Tensor, scale: torch.Tensor, shape, num_bits: int = 4, group_size: Optional[int] = None) -> torch.Tensor:
+    """compressed-tensors' pack-quantized weight (Kimi K2-Thinking's and K2.5's int4 experts)
+    in float32, [out, in] = shape. packed [out, ceil(in / p)] int32, p = 32 / num_bits: each
+    entry holds p consecutive columns' codes, the first in the lowest bits, each the signed
+    value plus 2 ** (num_bits - 1). scale [out, ceil(in / group_size)] holds each row's group
+    scales (group_size None: one per row, [out, 1]). Returns value x its group's scale (exact:
+    a float32 product of a small integer and a bf16 or float32 scale)."""
+    if num_bits not in (2, 4, 8):
+        raise ValueError(f"num_bits: expected 2, 4 or 8, got {num_bits!r}")
+    rows, cols = (int(n) for n in shape)
+    per = 32 // num_bits
+    group = cols if group_size is None else int(group_size)
+    if packed.dtype != torch.int32 or tuple(packed.shape) != (rows, -(-cols // per)) or tuple(scale.shape) != (rows, -(-cols // group)):
+        raise ValueError(f"checkpoint: a packed {num_bits}-bit weight of shape {(rows, cols)} needs int32 codes of shape "
+                         f"{(rows, -(-cols // per))} and scales of shape {(rows, -(-cols // group))}, got {packed.dtype} "
+                         f"{tuple(packed.shape)} and {tuple(scale.shape)}")
+    shifts = torch.arange(per, dtype=torch.int32) * num_bits
+    codes = ((packed[..., None] >> shifts) & ((1 << num_bits) - 1)).flatten(-2)[:, :cols]  # the low bits after an arithmetic shift
+    values = (codes - (1 << (num_bits - 1))).float()
+    return values * scale.float().repeat_interleave(group, 1)[:, :cols]
 
 
 def from_pretrained(path, *, dtype: torch.dtype = torch.float32, device="cpu", strict: bool = True, **options) -> tuple[Transformer, TransformerConfig]:
@@ -1389,7 +1484,7 @@ def _yarn_parameters(cfg: TransformerConfig) -> dict:
 
 
 # the families whose config.json holds _deepseek_moe_config's fields
-_DEEPSEEK_STYLE = ("glm4_moe", "sarvam_moe", "deepseek_v2", "deepseek_v3", "sarvam_mla", "glm4_moe_lite", "dots1")
+_DEEPSEEK_STYLE = ("glm4_moe", "sarvam_moe", "deepseek_v2", "deepseek_v3", "kimi_k2", "sarvam_mla", "glm4_moe_lite", "dots1")
 
 
 def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
@@ -1501,7 +1596,7 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
         hf.update(attention_bias=cfg.qkv_bias, sliding_window=cfg.window, max_window_layers=cfg.n_layers, layer_types=_layer_types(cfg))
     if model_type == "glm4_moe_lite":
         hf.update(mlp_layer_types=["sparse" if cfg.is_moe(i) else "dense" for i in range(cfg.n_layers)])
-    if model_type in ("deepseek_v2", "deepseek_v3", "sarvam_mla", "glm4_moe_lite"):
+    if model_type in ("deepseek_v2", "deepseek_v3", "kimi_k2", "sarvam_mla", "glm4_moe_lite"):
         rope = cfg.rope_dim or cfg.head_dim
         hf.update(q_lora_rank=cfg.q_rank, kv_lora_rank=cfg.kv_rank, qk_nope_head_dim=cfg.head_dim - rope, qk_rope_head_dim=rope,
                   v_head_dim=cfg.v_head_dim, head_dim=rope, rope_interleave=cfg.rope_interleaved, attention_bias=False)
@@ -1719,8 +1814,10 @@ def save_pretrained(model: Transformer, path, *, model_type: Optional[str] = Non
     family = FAMILIES[hf["model_type"]]
     if hf is getattr(model, "hf_config", None) and getattr(model, "hf_stacks", False):  # the experts as the folder stored them
         family = _stacked_experts(family, (".experts.gate_up_proj",))
-    if hf.get("quantization_config"):  # written dequantised, in the checkpoint's dtype
+    if _quantization(hf):  # written dequantised, in the checkpoint's dtype
         hf = {k: v for k, v in hf.items() if k != "quantization_config"}
+        if isinstance(hf.get("text_config"), dict):
+            hf["text_config"] = {k: v for k, v in hf["text_config"].items() if k != "quantization_config"}
     params = _tensors(model)
     sharded = any(isinstance(p, DTensor) for p in params.values())  # then every rank calls, and gathers
     dtype = getattr(torch, hf.get("dtype") or hf.get("torch_dtype") or "float32")

@@ -1054,6 +1054,177 @@ def test_mxfp4_experts_are_dequantised(folders, tmp_path):
         hf.dequantize_mxfp4(torch.zeros(2, 3, 16, dtype=torch.uint8), torch.zeros(2, 4, dtype=torch.uint8))
 
 
+def test_packed_int_weights_dequantise_as_worked_by_hand():
+    """compressed-tensors' pack-quantized layout, worked by hand: 8 columns' 4-bit codes per
+    int32, the first in the lowest bits, each the value + 8; a row padded to whole words; a
+    scale per group of 8 columns."""
+    packed = torch.tensor([[0x0F2D4B69, 0x0000BA98], [-0x10000000, 0x00008888]], dtype=torch.int32)  # 0xF0000000 as int32
+    scale = torch.tensor([[0.5, 2.0], [1.0, 0.25]], dtype=torch.bfloat16)
+    want = torch.tensor([[0.5, -1, 1.5, -2, 2.5, -3, 3.5, -4, 0, 2, 4, 6], [-8, -8, -8, -8, -8, -8, -8, 7, 0, 0, 0, 0]])
+    assert torch.equal(hf.dequantize_int_packed(packed, scale, (2, 12), 4, 8), want)
+    # 8 bits: 4 codes per word, each the value + 128; one scale per row
+    word = (130 | 1 << 8 | 255 << 16 | 128 << 24) - (1 << 32)  # values 2, -127, 127, 0
+    assert torch.equal(hf.dequantize_int_packed(torch.tensor([[word]], dtype=torch.int32), torch.tensor([[0.5]]), (1, 3), 8),
+                       torch.tensor([[1.0, -63.5, 63.5]]))
+    with pytest.raises(ValueError, match=r"a packed 4-bit weight of shape \(2, 12\) needs int32 codes of shape \(2, 2\) and scales of shape \(2, 3\)"):
+        hf.dequantize_int_packed(packed, scale, (2, 12), 4, 4)
+    with pytest.raises(ValueError, match="num_bits: expected 2, 4 or 8, got 3"):
+        hf.dequantize_int_packed(packed, scale, (2, 12), 3, 8)
+
+
+def _int4(w, group):
+    """Symmetric int4 of a float32 weight [out, in] in groups of `group` columns, stored as
+    compressed-tensors' pack-quantized layout: (weight_packed, weight_scale in bf16,
+    weight_shape), and the dequantised weight."""
+    rows, cols = w.shape
+    scale = (w.reshape(rows, cols // group, group).abs().amax(-1) / 7).to(torch.bfloat16)
+    full = scale.float().repeat_interleave(group, 1)
+    q = torch.clamp(torch.round(w / full), -8, 7).long()
+    words = torch.zeros(rows, -(-cols // 8), dtype=torch.int64)
+    for c in range(cols):
+        words[:, c // 8] |= (q[:, c] + 8) << (4 * (c % 8))
+    packed = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+    return packed, scale, torch.tensor([rows, cols]), q.float() * full
+
+
+def _int4_experts(tensors, prefix=""):
+    """(the folder's tensors with every routed expert's weight as int4 in groups of 8, the
+    dequantised experts by key)."""
+    quantised, dequantised = {}, {}
+    for key, t in tensors.items():
+        if ".mlp.experts." in key and key.endswith("proj.weight"):
+            packed, scale, shape, dequantised[key] = _int4(t, 8)
+            quantised.update({prefix + key + "_packed": packed, prefix + key + "_scale": scale, prefix + key + "_shape": shape})
+        else:
+            quantised[prefix + key] = t
+    assert any(not torch.equal(dequantised[k], tensors[k]) for k in dequantised)  # quantisation really rounded
+    return quantised, dequantised
+
+
+_INT4 = dict(quant_method="compressed-tensors", format="pack-quantized", quantization_status="compressed", ignore=["lm_head", "re:.*self_attn.*"],
+             config_groups=dict(group_0=dict(targets=["Linear"], input_activations=None, output_activations=None,
+                                             weights=dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=8))))
+_KIMI_AUTO_MAP = {"AutoConfig": "configuration_deepseek.DeepseekV3Config", "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"}
+
+
+def _kimi_k2(config):
+    """A DeepSeek-V3 config.json as Kimi K2's releases write theirs: model_type kimi_k2 (their
+    remote code), YaRN as rope_scaling of type yarn, one group, no MTP layers."""
+    config.pop("rope_parameters")
+    config.update(model_type="kimi_k2", auto_map=_KIMI_AUTO_MAP, rope_theta=50000.0, n_group=1, topk_group=1, num_nextn_predict_layers=0,
+                  scoring_func="sigmoid", topk_method="noaux_tc", routed_scaling_factor=2.827,
+                  rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=32, beta_fast=1.0, beta_slow=1.0, mscale=1.0,
+                                    mscale_all_dim=1.0))
+
+
+def test_a_released_kimi_k2_folder_is_deepseek_v3_with_int4_experts(folders, tmp_path):
+    """Kimi K2's folders (kimi_k2): DeepSeek-V3's keys, the config in the releases' own fields,
+    read as transformers' DeepseekV3Config reads it; the model gives the logits of transformers'
+    DeepSeek-V3 of the same weights, writes back the same config and bit-identical weights,
+    and as deepseek_v3 (model_type=). K2-Thinking's int4 experts (compressed-tensors'
+    pack-quantized, groups of 8 here) load dequantised, with the logits of transformers'
+    model of the dequantised weights, and are exported dequantised."""
+    path, _ = folders["deepseek_v3"]
+    kimi = _edit(path, tmp_path / "kimi", _kimi_k2)
+    config = json.loads((kimi / "config.json").read_text())
+    theirs = transformers.DeepseekV3Config(**{k: v for k, v in json.loads(json.dumps(config)).items() if k not in ("model_type", "auto_map")})
+    _, cfg = hf.read_config(kimi)
+    assert cfg == TransformerConfig(**hf.FAMILIES["deepseek_v3"].kwargs(dict(theirs.to_dict(), model_type="deepseek_v3")))
+    assert (cfg.n_groups, cfg.route_scale, cfg.yarn_factor, cfg.rope_base, cfg.score) == (None, 2.827, 4.0, 50000.0, "sigmoid")
+    plain = _edit(kimi, tmp_path / "plain", lambda c: [c.update(model_type="deepseek_v3"), c.pop("auto_map")])
+    ref = transformers.AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32).eval()
+    model, got = hf.from_pretrained(kimi, impl="torch")
+    assert got == dataclasses.replace(cfg, mtp_depth=0, impl="torch")
+    docs, ids, cu = _packed()
+    with torch.no_grad():
+        want = torch.cat([ref(d[None]).logits[0] for d in docs])
+        assert _rel(model.logits(ids, cu), want) < 1e-5
+    out = hf.save_pretrained(model, tmp_path / "again")
+    assert json.loads((out / "config.json").read_text()) == config
+    assert filecmp.cmp(kimi / "model.safetensors", out / "model.safetensors", shallow=False)
+    hf.save_pretrained(model, tmp_path / "as-deepseek", model_type="deepseek_v3")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "as-deepseek", dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert _rel(torch.cat([back(d[None]).logits[0] for d in docs]), want) < 1e-5
+    # K2-Thinking: the routed experts in int4
+    tensors = _read_all(path)
+    quantised, dequantised = _int4_experts(tensors)
+    int4 = _copy_folder(path, tmp_path / "int4", quantised, lambda c: c.update(quantization_config=_INT4))
+    model, _ = hf.from_pretrained(int4, impl="torch")
+    out = _matches_the_dequantised_model(model, path, tensors, dequantised, tmp_path)
+    assert not any(k.endswith(("_packed", "_scale", "_shape")) for k in out)
+    assert hf.unread_keys(hf.FAMILIES["deepseek_v3"], model.cfg, int4, quantised) == []
+    for change, problem in ((dict(symmetric=False), "asymmetric weights"), (dict(type="float"), "type 'float'"),
+                            (dict(strategy="tensor"), "strategy 'tensor'"), (dict(actorder="group"), "actorder 'group'")):
+        bad = json.loads(json.dumps(_INT4))
+        bad["config_groups"]["group_0"]["weights"].update(change)
+        with pytest.raises(ValueError, match=rf"compressed-tensors config_groups\['group_0'\] has {problem}; fmoe reads pack-quantized"):
+            hf.from_pretrained(_edit(int4, tmp_path / f"bad-{problem[:5]}", lambda c: c.update(quantization_config=bad)))
+    two = json.loads(json.dumps(_INT4))
+    two["config_groups"]["group_1"] = dict(two["config_groups"]["group_0"], weights=dict(two["config_groups"]["group_0"]["weights"], group_size=32))
+    with pytest.raises(ValueError, match=r"compressed-tensors config_groups with 2 weight schemes"):
+        hf.from_pretrained(_edit(int4, tmp_path / "two", lambda c: c.update(quantization_config=two)))
+    with pytest.raises(ValueError, match="_packed needs a compressed-tensors quantization_config"):
+        hf.from_pretrained(_edit(int4, tmp_path / "none", lambda c: c.pop("quantization_config")))
+
+
+def test_a_released_kimi_k25_folder_loads_its_text_model(folders, tmp_path):
+    """A Kimi K2.5 / K2.6 folder (kimi_k25) as released: Kimi K2's text model under
+    language_model.model. and language_model.lm_head (the layout transformers reads, with the
+    same text logits), beside a vision tower and projector that are not read; its text_config
+    (model_type kimi_k2) maps as a kimi_k2 folder's config. It is not written back without
+    the vision tower; written as deepseek_v3 it loads in transformers with the same logits.
+    With the text_config's int4 quantization_config, the experts load dequantised."""
+    path, _ = folders["deepseek_v3"]
+    kimi = _edit(path, tmp_path / "kimi", _kimi_k2)
+    text = json.loads((kimi / "config.json").read_text())
+    vision = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16, patch_size=2, pos_emb_height=4,
+                  pos_emb_width=4, pos_emb_time=1)
+    whole = transformers.Kimi_K25Config(text_config=dict(text, model_type="deepseek_v3"), vision_config=vision, projection_hidden_size=16,
+                                        tie_word_embeddings=False)
+    config = dict(whole.to_dict(), architectures=["KimiK25ForConditionalGeneration"], text_config=text)
+    torch.manual_seed(0)
+    beside = {k.removeprefix("model."): v for k, v in transformers.Kimi_K25ForConditionalGeneration(whole).state_dict().items()
+              if k.startswith(("model.vision_tower.", "model.mm_projector."))}
+    tensors = _read_all(kimi)
+    released = {("language_model." + k): v for k, v in tensors.items()} | beside
+    folder = _copy_folder(kimi, tmp_path / "k25", released, lambda c: [c.clear(), c.update(config)])
+    plain = _edit(kimi, tmp_path / "plain", lambda c: [c.update(model_type="deepseek_v3"), c.pop("auto_map")])
+    ref = transformers.AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32).eval()
+    docs, ids, cu = _packed()
+    with torch.no_grad():
+        want = torch.cat([ref(d[None]).logits[0] for d in docs])
+        k25 = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+        assert _rel(torch.cat([k25(input_ids=d[None]).logits[0] for d in docs]), want) < 1e-6  # transformers reads this layout
+    model, cfg = hf.from_pretrained(folder, impl="torch")
+    assert dataclasses.replace(cfg, impl="auto") == hf.read_config(kimi)[1] and not cfg.tie_embeddings
+    assert all(k.startswith("language_model.") for spec in hf.key_map(hf.FAMILIES["kimi_k25"], cfg).values() for k in spec.keys)
+    with torch.no_grad():
+        assert _rel(model.logits(ids, cu), want) < 1e-5
+    with pytest.raises(ValueError, match="model_type: a kimi_k25 folder holds a model fmoe does not read .vision_tower., mm_projector.., "
+                                         "so it is not written; pass model_type='deepseek_v3'"):
+        hf.save_pretrained(model, tmp_path / "again")
+    model.hf_config = hf.written_config(model.hf_config)
+    out = hf.save_pretrained(model, tmp_path / "text")
+    assert json.loads((out / "config.json").read_text())["model_type"] == "deepseek_v3"
+    back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert _rel(torch.cat([back(d[None]).logits[0] for d in docs]), want) < 1e-5
+    # the released K2.5: int4 experts, the quantization_config in the text_config
+    quantised, dequantised = _int4_experts(tensors, prefix="language_model.")
+    int4 = _copy_folder(folder, tmp_path / "int4", quantised | beside, lambda c: c["text_config"].update(quantization_config=_INT4))
+    model, _ = hf.from_pretrained(int4, impl="torch")
+    for i in [i for i in range(cfg.n_layers) if cfg.is_moe(i)]:
+        experts = model.blocks[i].mlp.experts
+        for name, proj in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
+            stacked = torch.stack([dequantised[f"model.layers.{i}.mlp.experts.{e}.{proj}.weight"].T for e in range(cfg.n_experts)])
+            assert torch.equal(getattr(experts, name), stacked), (i, name)
+    model.hf_config = hf.written_config(model.hf_config)
+    out = hf.save_pretrained(model, tmp_path / "text-int4")
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    assert all(torch.equal(_read_all(out)[k], v) for k, v in dequantised.items())
+
+
 def test_released_routing_semantics_matter(folders):
     """The loaded DeepSeek-V3 needs its group rule (best 2 per group): Megatron's k //
     topk_groups rule picks other experts on this model's tokens, and other logits."""

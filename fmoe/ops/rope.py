@@ -76,8 +76,8 @@ def _check_number(name: str, value, *, above: float) -> float:
 
 
 def _check_ordered(low_name: str, low, high_name: str, high, *, equal: bool = False) -> tuple[float, float]:
-    """Two positive finite numbers with high > low (YaRN's rotation counts), or high >= low
-    with equal (Llama 3.1's frequency factors)."""
+    """Two positive finite numbers with high > low, or high >= low with equal (YaRN's rotation
+    counts, Llama 3.1's frequency factors)."""
     low, high = _check_number(low_name, low, above=0.0), _check_number(high_name, high, above=0.0)
     if high < low or (high == low and not equal):
         raise ValueError(f"{high_name}: expected {'at least' if equal else 'more than'} {low_name} = {low:g}, got {high:g}")
@@ -131,7 +131,8 @@ def yarn_correction_range(
     dim = _check_dim(dim)
     base = _check_number("base", base, above=1.0)
     check_positive_int("original_max_positions", original_max_positions)
-    beta_slow, beta_fast = _check_ordered("beta_slow", beta_slow, "beta_fast", beta_fast)  # rotations over L
+    # rotations over L; equal (Kimi K2's 1 and 1): the ramp is a step at d(beta) (SPEC.md section 4)
+    beta_slow, beta_fast = _check_ordered("beta_slow", beta_slow, "beta_fast", beta_fast, equal=True)
 
     def d(rotations):  # the frequency index that turns `rotations` times over L positions
         return dim * math.log(original_max_positions / (2 * math.pi * rotations)) / (2 * math.log(base))

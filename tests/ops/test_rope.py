@@ -326,6 +326,21 @@ def test_yarn_correction_range_bounds():
     assert inv.tolist() == [1.0]  # j = 0 sits at low: ramp 0, frequency kept
 
 
+def test_yarn_with_equal_betas_is_a_step():
+    """beta_fast == beta_slow (Kimi K2's 1 and 1: D 64, base 50000, L 4096): low and high are
+    d(1) = 19.16 rounded down and up, so frequencies j <= 19 are kept and j >= 20 divided by
+    the factor; without truncation the ramp is 0.001 wide at d(1) itself."""
+    d1 = 64 * math.log(4096 / (2 * math.pi)) / (2 * math.log(50000.0))
+    assert round(d1, 2) == 19.16
+    assert yarn_correction_range(64, base=50000.0, original_max_positions=4096, beta_fast=1.0, beta_slow=1.0) == (19, 20)
+    low, high = yarn_correction_range(64, base=50000.0, original_max_positions=4096, beta_fast=1.0, beta_slow=1.0, truncate=False)
+    assert low == pytest.approx(d1) and high == pytest.approx(d1 + 0.001)
+    inv = yarn_inv_freq(64, base=50000.0, factor=32.0, original_max_positions=4096, beta_fast=1.0, beta_slow=1.0)
+    base = rope_inv_freq(64, base=50000.0)
+    assert torch.equal(inv[:20], base[:20])
+    torch.testing.assert_close(inv[20:], base[20:] / 32, rtol=1e-7, atol=0)
+
+
 def test_yarn_without_truncation():
     """gpt-oss (truncate: false): the fractional bounds d(beta_fast), d(beta_slow), clamped to
     0 .. D - 1 all the same; gpt-oss's own (D 64, base 150000, L 4096): (8.09, 17.40)."""
@@ -366,7 +381,7 @@ def test_bad_inputs():
     _raises(r"factor: expected a finite number > 0", yarn_inv_freq, 8, **{**yarn, "factor": 0.0})
     _raises(r"factor: expected a finite number > 0", yarn_inv_freq, 8, **{**yarn, "factor": -2.0})
     _raises(r"original_max_positions: expected >= 1, got 0", yarn_inv_freq, 8, **{**yarn, "original_max_positions": 0})
-    _raises("beta_fast: expected more than beta_slow = 2, got 1", yarn_inv_freq, 8, **yarn, beta_fast=1.0, beta_slow=2.0)
+    _raises("beta_fast: expected at least beta_slow = 2, got 1", yarn_inv_freq, 8, **yarn, beta_fast=1.0, beta_slow=2.0)
     _raises(r"beta_slow: expected a finite number > 0", yarn_correction_range, 8, base=1e4, original_max_positions=64, beta_slow=0.0)
     _raises(r"factor: expected a finite number > 0", yarn_mscale, 0.0)
     _raises("mscale: expected a finite number", yarn_mscale, 2.0, float("nan"))
