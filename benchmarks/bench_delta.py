@@ -8,6 +8,8 @@ Cases (one packed row of T tokens in documents of DOC tokens, N value heads with
 already repeated to them, Dk = Dv = D, chunks of 64; --smoke: T = 96, N = 2, D = 16, float32):
     qwen3-next   T = 16384, DOC = 4096, N = 32, D = 128 (Qwen3-Next-80B's linear layers)
     long doc     T = 16384, DOC = 16384, N = 16, D = 128 (one long document)
+    kimi-linear  T = 16384, DOC = 4096, N = 32, D = 128, a decay per key channel (g [1, T, N, D]:
+                 Kimi Linear's Kimi Delta Attention; its in-chunk pairs in halves of blocks)
 
 Implementations:
     fused     impl="triton": the chunks' terms in torch, the states chunk after chunk in one
@@ -27,7 +29,9 @@ fraction of the float32 matmul floor: the chunked algorithm's matmul FLOPs over 
 matmul rate measured in the same run, divided by the time. FLOPs per token and head (C = 64):
 4 C Dk (q k^T and k k^T in the chunk) + C (Dk + Dv) (the two triangular solves) + 8 Dk Dv (the
 states' two products, then u and the outputs' read of the state) + 2 C Dv (the outputs from
-u), x 3 for fwd+bwd. The CSV goes to OUT/bench_delta.csv.
+u), x 3 for fwd+bwd; the same count for the per-channel case (its halves-of-blocks pair sums
+do about half the q k^T and k k^T work, plus the decays' elementwise products). The CSV goes
+to OUT/bench_delta.csv.
 """
 
 import sys
@@ -59,25 +63,27 @@ class Case:
     doc: int
     N: int
     D: int
+    channels: bool = False  # a decay per key channel
 
 
 def make_cases(smoke: bool) -> list[Case]:
     if smoke:
-        return [Case("qwen3-next", 96, 40, 2, 16), Case("long doc", 96, 96, 2, 16)]
-    return [Case("qwen3-next", 16384, 4096, 32, 128), Case("long doc", 16384, 16384, 16, 128)]
+        return [Case("qwen3-next", 96, 40, 2, 16), Case("long doc", 96, 96, 2, 16), Case("kimi-linear", 96, 40, 2, 16, True)]
+    return [Case("qwen3-next", 16384, 4096, 32, 128), Case("long doc", 16384, 16384, 16, 128), Case("kimi-linear", 16384, 4096, 32, 128, True)]
 
 
 def flops_per_token_head(D: int, C: int = CHUNK) -> int:
     return 4 * C * D + C * 2 * D + 8 * D * D + 2 * C * D
 
 
-def rule_inputs(T: int, N: int, D: int, device, dtype) -> list[torch.Tensor]:
-    """q, k (unit rows), v [1, T, N, D], g = -softplus(...) and beta in [0, 1] [1, T, N], seeded."""
+def rule_inputs(T: int, N: int, D: int, device, dtype, channels: bool = False) -> list[torch.Tensor]:
+    """q, k (unit rows), v [1, T, N, D], g = -softplus(...) [1, T, N] (channels: [1, T, N, D])
+    and beta in [0, 1] [1, T, N], seeded."""
     g = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(1, T, N, D, device=device, generator=g)
     k = F.normalize(torch.randn(1, T, N, D, device=device, generator=g), dim=-1)
     v = torch.randn(1, T, N, D, device=device, generator=g)
-    gate = -F.softplus(torch.randn(1, T, N, device=device, generator=g))
+    gate = -F.softplus(torch.randn(1, T, N, *((D,) if channels else ()), device=device, generator=g))
     beta = torch.rand(1, T, N, device=device, generator=g)
     return [t.to(dtype) for t in (q, k, v, gate, beta)]
 
@@ -85,7 +91,7 @@ def rule_inputs(T: int, N: int, D: int, device, dtype) -> list[torch.Tensor]:
 def run_case(case: Case, device: torch.device, dtype: torch.dtype, rate: float, compiled: bool) -> list[dict]:
     T, N, D = case.T, case.N, case.D
     torch._dynamo.reset()
-    inputs = [t.requires_grad_() for t in rule_inputs(T, N, D, device, dtype)]
+    inputs = [t.requires_grad_() for t in rule_inputs(T, N, D, device, dtype, case.channels)]
     cu = torch.arange(0, T + 1, case.doc, device=device)
     if cu[-1] != T:
         cu = torch.cat([cu, torch.tensor([T], device=device)])

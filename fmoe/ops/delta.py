@@ -1,7 +1,7 @@
 """The gated delta rule: the linear attention of Gated DeltaNet (arXiv 2412.06464; Qwen3-Next,
 Qwen3.5), over packed documents.
 
-    gated_delta_rule(q[B,T,N,Dk], k[B,T,N,Dk], v[B,T,N,Dv], g[B,T,N], beta[B,T,N],
+    gated_delta_rule(q[B,T,N,Dk], k[B,T,N,Dk], v[B,T,N,Dv], g[B,T,N] or g[B,T,N,Dk], beta[B,T,N],
                      cu_seqlens=None, *, scale=None, initial_state=None,
                      final_state=False, chunk_size=64, impl="auto") -> o[B,T,N,Dv]  (, state[B,N,Dk,Dv])
 
@@ -18,6 +18,10 @@ depend on what it is packed with. initial_state[b] is S_0 of row b's first docum
 (a continued sequence: decoding); the final state (final_state=True) is S after row b's
 last token. Everything is computed in float32; o is returned in v's dtype.
 
+The decay is a head's (g [B, T, N]: Gated DeltaNet) or each key channel's (g [B, T, N, Dk]:
+Kimi Delta Attention, KDA, of Kimi Linear): S'_t = diag(exp(g_t)) S_{t-1}, row d of the
+state decayed by exp(g_t,d).
+
 `gated_delta_rule_loop` is that recurrence token by token: the definition of correctness.
 `gated_delta_rule` computes the same in chunks of C = chunk_size tokens (the WY form of
 DeltaNet, Yang et al. 2024): inside a chunk, with gamma_i = g_1 + ... + g_i (the chunk's tokens
@@ -28,7 +32,12 @@ i = 1..C), Gamma_i = exp(gamma_i), and the state S0 the chunk starts from,
     S_end = carry_C Gamma_C S0 + sum_j exp(gamma_C - gamma_j) k_j u_j^T
 
 with the pairs (i, j) restricted to one document, carry_i = 1 where token i continues the
-document S0 belongs to, and the sums in S_end over the chunk's last document. The
+document S0 belongs to, and the sums in S_end over the chunk's last document. With a decay
+per key channel, gamma_i is a vector and exp(gamma_i - gamma_j) multiplies channel by channel
+inside the dot products (k_i . k_j, q_i . k_j): _pair_sums computes them as matrix products
+over halves of blocks, each pair (i, j) scaled through a token r between them
+(exp(gamma_i - gamma_r) exp(gamma_r - gamma_j), both factors <= 1: no overflow however fast
+the decay), and S0's share of the end state is a diagonal matrix. The
 triangular solve and every matrix product run for all chunks at once, in torch; only the
 state runs chunk after chunk (T / C steps): on CUDA in one Triton kernel that keeps it in
 registers for the whole sequence (and one for its gradient), elsewhere in torch (section
@@ -72,9 +81,14 @@ def _check(q, k, v, g, beta, cu_seqlens, scale, initial_state) -> float:
     check_float("v", v, 4, "[B, T, N, Dv]")
     B, T, N, Dk = q.shape
     for name, x, shape in (("k", k, (B, T, N, Dk)), ("v", v, (B, T, N, v.shape[-1])), ("g", g, (B, T, N)), ("beta", beta, (B, T, N))):
-        check_float(name, x, len(shape), "[B, T, N" + (", Dk]" if name == "k" else ", Dv]" if name == "v" else "]"))
+        if name == "g" and isinstance(g, torch.Tensor) and g.ndim == 4:  # a decay per key channel
+            shape = (B, T, N, Dk)
+        what = "[B, T, N, Dk] or [B, T, N]" if name == "g" else "[B, T, N" + (", Dk]" if name == "k" else ", Dv]" if name == "v" else "]")
+        check_float(name, x, len(shape), what)
         if tuple(x.shape) != shape:
-            raise ValueError(f"{name}: expected shape {list(shape)} (q's B, T, N{', Dk' if name == 'k' else ''}), got {list(x.shape)}")
+            also = f" or {[B, T, N, Dk]} (a decay per key channel)" if name == "g" and len(shape) == 3 else ""
+            raise ValueError(f"{name}: expected shape {list(shape)}{also} (q's B, T, N{', Dk' if len(shape) == 4 and name != 'v' else ''}), "
+                             f"got {list(x.shape)}")
         if x.device != q.device:
             raise ValueError(f"{name}: expected q's device {q.device}, got {x.device}")
     if cu_seqlens is not None:
@@ -107,7 +121,7 @@ def gated_delta_rule_loop(q, k, v, g, beta, cu_seqlens=None, *, scale=None, init
     for t in range(T):
         if t > 0:  # a new document starts from S = 0 (a product, not a branch on a value)
             S = S * (doc_BT[:, t] == doc_BT[:, t - 1]).float()[:, None, None, None]
-        S = S * g32[:, t].exp()[..., None, None]
+        S = S * (g32[:, t].exp()[..., None] if g.ndim == 4 else g32[:, t].exp()[..., None, None])  # per channel: rows of S
         recalled = torch.einsum("bnkv,bnk->bnv", S, k32[:, t])
         u = beta32[:, t, :, None] * (v32[:, t] - recalled)
         S = S + k32[:, t, :, :, None] * u[:, :, None, :]
@@ -143,11 +157,13 @@ def gated_delta_rule_loop(q, k, v, g, beta, cu_seqlens=None, *, scale=None, init
 def _states_ref(w_v, w_k, k_out, keep, state0):
     """The states S_0 .. S_M [R, M + 1, Dk, Dv] of the recurrence above, chunk after chunk in
     torch (autograd through it). w_v [R, M, C, Dv], w_k and k_out [R, M, C, Dk], keep [R, M]
-    float32, state0 [R, Dk, Dv]; R = batch rows x heads."""
+    (or [R, M, Dk]: a factor per row of the state, keep_m S_m = diag(keep_m) S_m) float32,
+    state0 [R, Dk, Dv]; R = batch rows x heads."""
     states = [state0]
     for m in range(w_v.shape[1]):
         s = states[-1]
-        states.append(keep[:, m, None, None] * s + k_out[:, m].transpose(-1, -2) @ (w_v[:, m] - w_k[:, m] @ s))
+        kept = keep[:, m, :, None] if keep.ndim == 3 else keep[:, m, None, None]
+        states.append(kept * s + k_out[:, m].transpose(-1, -2) @ (w_v[:, m] - w_k[:, m] @ s))
     return torch.stack(states, 1)
 
 
@@ -164,7 +180,8 @@ def _put(ptr, value, rows, cols, n_rows, n_cols, row_stride):
 
 @triton.jit
 def _delta_states_fwd_kernel(wv_ptr, wk_ptr, kout_ptr, keep_ptr, s0_ptr, states_ptr, M, C, K, V,
-                             BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, TWO: tl.constexpr):
+                             BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, TWO: tl.constexpr, ROWS: tl.constexpr):
+    # ROWS: keep holds a factor per row of the state (a decay per key channel), else one per chunk
     # a chunk's rows in blocks of BC: S_m+1 = keep S_m + sum over the blocks of K_b^T (W_v,b - W_k,b S_m)
     pid_v = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
@@ -178,10 +195,15 @@ def _delta_states_fwd_kernel(wv_ptr, wk_ptr, kout_ptr, keep_ptr, s0_ptr, states_
         _put(states_ptr + row * (M + 1) * K * V, s_b, kb, v, K, V, V)
     for m in range(M):
         chunk = row * M + m
-        keep = tl.load(keep_ptr + chunk)
-        new_a = keep * s_a
-        if TWO:
-            new_b = keep * s_b
+        if ROWS:
+            new_a = tl.load(keep_ptr + chunk * K + ka, mask=ka < K, other=0.0)[:, None] * s_a
+            if TWO:
+                new_b = tl.load(keep_ptr + chunk * K + kb, mask=kb < K, other=0.0)[:, None] * s_b
+        else:
+            keep = tl.load(keep_ptr + chunk)
+            new_a = keep * s_a
+            if TWO:
+                new_b = keep * s_b
         for c0 in range(0, C, BC):
             c = c0 + tl.arange(0, BC)
             ck = chunk * C * K
@@ -201,7 +223,7 @@ def _delta_states_fwd_kernel(wv_ptr, wk_ptr, kout_ptr, keep_ptr, s0_ptr, states_
 
 @triton.jit
 def _delta_states_bwd_kernel(wk_ptr, kout_ptr, keep_ptr, dstates_ptr, g_ptr, du_ptr, M, C, K, V,
-                             BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, TWO: tl.constexpr):
+                             BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, TWO: tl.constexpr, ROWS: tl.constexpr):
     pid_v = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     ka = tl.arange(0, BK)
@@ -216,11 +238,16 @@ def _delta_states_bwd_kernel(wk_ptr, kout_ptr, keep_ptr, dstates_ptr, g_ptr, du_
     for i in range(M):
         m = M - 1 - i
         chunk = row * M + m
-        keep = tl.load(keep_ptr + chunk)
         here = (chunk + row) * K * V  # S_m of this row: row (M + 1) + m
-        new_a = _tile(dstates_ptr + here, ka, v, K, V, V) + keep * g_a
-        if TWO:
-            new_b = _tile(dstates_ptr + here, kb, v, K, V, V) + keep * g_b
+        if ROWS:
+            new_a = _tile(dstates_ptr + here, ka, v, K, V, V) + tl.load(keep_ptr + chunk * K + ka, mask=ka < K, other=0.0)[:, None] * g_a
+            if TWO:
+                new_b = _tile(dstates_ptr + here, kb, v, K, V, V) + tl.load(keep_ptr + chunk * K + kb, mask=kb < K, other=0.0)[:, None] * g_b
+        else:
+            keep = tl.load(keep_ptr + chunk)
+            new_a = _tile(dstates_ptr + here, ka, v, K, V, V) + keep * g_a
+            if TWO:
+                new_b = _tile(dstates_ptr + here, kb, v, K, V, V) + keep * g_b
         for c0 in range(0, C, BC):  # du_b = K_b g, then g loses W_k,b^T du_b, block by block
             c = c0 + tl.arange(0, BC)
             ck = chunk * C * K
@@ -254,7 +281,7 @@ def _states_kernel(w_v: torch.Tensor, w_k: torch.Tensor, k_out: torch.Tensor, ke
     V = w_v.shape[-1]
     states = w_v.new_empty((R, M + 1, K, V))
     meta = _blocks(C, K, V)
-    _delta_states_fwd_kernel[(triton.cdiv(V, meta["BV"]), R)](w_v, w_k, k_out, keep, state0, states, M, C, K, V, **meta)
+    _delta_states_fwd_kernel[(triton.cdiv(V, meta["BV"]), R)](w_v, w_k, k_out, keep, state0, states, M, C, K, V, ROWS=keep.ndim == 3, **meta)
     return states
 
 
@@ -273,7 +300,7 @@ def _states_bwd_kernel(w_k: torch.Tensor, k_out: torch.Tensor, keep: torch.Tenso
     g = torch.empty_like(grad_states)
     du = grad_states.new_empty((R, M, C, V))
     meta = _blocks(C, K, V)
-    _delta_states_bwd_kernel[(triton.cdiv(V, meta["BV"]), R)](w_k, k_out, keep, grad_states, g, du, M, C, K, V, **meta)
+    _delta_states_bwd_kernel[(triton.cdiv(V, meta["BV"]), R)](w_k, k_out, keep, grad_states, g, du, M, C, K, V, ROWS=keep.ndim == 3, **meta)
     return [g, du]
 
 
@@ -293,7 +320,8 @@ def _states_backward(ctx, grad_states):
     g, du = _states_bwd_kernel(w_k, k_out, keep, grad_states.contiguous())
     before, after = states[:, :-1], g[:, 1:]  # S_m and the total gradient of S_m+1, every chunk at once
     u = w_v - w_k @ before
-    return du, -du @ before.transpose(-1, -2), u @ after.transpose(-1, -2), (before * after).sum((-1, -2)), g[:, 0]
+    dkeep = (before * after).sum(-1) if keep.ndim == 3 else (before * after).sum((-1, -2))
+    return du, -du @ before.transpose(-1, -2), u @ after.transpose(-1, -2), dkeep, g[:, 0]
 
 
 _states_kernel.register_autograd(_states_backward, setup_context=_states_setup_context)
@@ -301,10 +329,38 @@ _states_kernel.register_autograd(_states_backward, setup_context=_states_setup_c
 
 def _states(w_v, w_k, k_out, keep, state0, impl: str) -> torch.Tensor:
     """The states S_0 .. S_M [R, M + 1, Dk, Dv]: the Triton kernels (use_triton(impl); Dk at
-    most 128), else _states_ref."""
+    most 128), else _states_ref. keep: [R, M], or [R, M, Dk] (a decay per key channel)."""
     if use_triton(impl, w_v) and w_k.shape[-1] <= 128:
         return _states_kernel(*(t.contiguous() for t in (w_v, w_k, k_out, keep, state0)))
     return _states_ref(w_v, w_k, k_out, keep, state0)
+
+
+def _pair_sums(x, k, gamma):
+    """[..., C, C]: entry (i, j) = sum_d x_i,d k_j,d exp(gamma_i,d - gamma_j,d) for j <= i, 0
+    above the diagonal; x, k, gamma [..., C, Dk] float32, gamma non-increasing along C (a
+    chunk's cumulative log-decays, per key channel). Exact and without overflow however fast
+    the decay: the chunk, padded to a power of two P, is cut into blocks of s = P, P/2, ..., 2
+    tokens; in each block the pairs (i in its right half, j in its left half) are one product
+    (x_i exp(gamma_i - gamma_r)) . (k_j exp(gamma_r - gamma_j)), r the right half's first token,
+    every exponent <= 0; the diagonal is x_i . k_i. Every pair j < i is in exactly one block's
+    halves (the smallest block holding both)."""
+    C = x.shape[-2]
+    P = next_pow2(C)
+    if P != C:  # padded tokens: zero x and k (their pairs are 0), the last gamma (no growth)
+        x, k = (F.pad(t, (0, 0, 0, P - C)) for t in (x, k))
+        gamma = torch.cat([gamma, gamma[..., -1:, :].expand(*gamma.shape[:-2], P - C, gamma.shape[-1])], -2)
+    out = torch.diag_embed((x * k).sum(-1))
+    s = P
+    while s >= 2:
+        n, h = P // s, s // 2
+        xs, ks, gs = (t.unflatten(-2, (n, 2, h)) for t in (x, k, gamma))  # [..., n blocks, halves, h, Dk]
+        ref = gs[..., 1, :1, :]  # gamma at each right half's first token
+        tile = (xs[..., 1, :, :] * (gs[..., 1, :, :] - ref).exp()) @ (ks[..., 0, :, :] * (ref - gs[..., 0, :, :]).exp()).transpose(-1, -2)
+        tile = F.pad(tile, (0, h, h, 0))  # [..., n, s, s]: the tile at (right half, left half) of its block
+        eye = torch.eye(n, device=x.device)[:, None, :, None]  # block b's tile on the diagonal block (b, b)
+        out = out + (tile.unsqueeze(-2) * eye).flatten(-4, -3).flatten(-2, -1)
+        s = h
+    return out[..., :C, :C]
 
 
 # ----------------------------------------------------------------------------------------
@@ -357,30 +413,42 @@ def gated_delta_rule(q, k, v, g, beta, cu_seqlens=None, *, scale=None, initial_s
         return x.reshape(B, M, C, *x.shape[2:]).movedim(3, 1)
 
     q_BNMCK, k_BNMCK, v_BNMCV = chunks(q, scale), chunks(k), chunks(v)
-    g_BNMC, beta_BNMC = chunks(g), chunks(beta)
+    g_BNMC, beta_BNMC = chunks(g), chunks(beta)  # g_BNMC: [B, N, M, C, Dk] with a decay per key channel
     doc_BMC = doc_BT.reshape(B, M, C)
     prev_BM = torch.cat([doc_BMC[:, :1, 0], doc_BMC[:, :-1, -1]], 1)  # the document each chunk's S0 belongs to
     carry_B1MC = (doc_BMC == prev_BM[..., None]).float()[:, None]  # tokens continuing it
-    gamma_BNMC = g_BNMC.cumsum(-1)
     causal_CC = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     pairs_B1MCC = ((doc_BMC[..., :, None] == doc_BMC[..., None, :]) & causal_CC)[:, None]  # j <= i, one document
-    # exp(gamma_i - gamma_j) on the pairs, 0 elsewhere (the exponent is masked first: j > i would overflow)
-    decay_BNMCC = (gamma_BNMC[..., :, None] - gamma_BNMC[..., None, :]).masked_fill(~pairs_B1MCC, float("-inf")).exp()
     strict_CC = ~torch.eye(C, dtype=torch.bool, device=q.device)
-    A_BNMCC = (beta_BNMC[..., None] * (k_BNMCK @ k_BNMCK.transpose(-1, -2)) * decay_BNMCC) * strict_CC
+    last_B1M = (doc_BMC == doc_BMC[..., -1:]).float()[:, None]  # tokens of each chunk's last document
+    if g.ndim == 4:  # per key channel: gamma [B, N, M, C, Dk], the pairs' decays inside the dot products
+        gamma = g_BNMC.cumsum(-2)
+        kk_BNMCC = _pair_sums(k_BNMCK, k_BNMCK, gamma)
+        scores_BNMCC = _pair_sums(q_BNMCK, k_BNMCK, gamma) * pairs_B1MCC
+        reach = carry_B1MC[..., None] * gamma.exp()  # [B, N, M, C, Dk]: S0's decay at each token
+        to_end = (gamma[..., -1:, :] - gamma).exp() * last_B1M[..., None]  # each token's decay to the chunk's end
+        keep_BNM = carry_B1MC[..., -1, None] * gamma[..., -1, :].exp()  # [B, N, M, Dk]: S0's rows' share of the end state
+    else:
+        gamma = g_BNMC.cumsum(-1)
+        # exp(gamma_i - gamma_j) on the pairs, 0 elsewhere (the exponent is masked first: j > i would overflow)
+        decay_BNMCC = (gamma[..., :, None] - gamma[..., None, :]).masked_fill(~pairs_B1MCC, float("-inf")).exp()
+        kk_BNMCC = (k_BNMCK @ k_BNMCK.transpose(-1, -2)) * decay_BNMCC
+        scores_BNMCC = (q_BNMCK @ k_BNMCK.transpose(-1, -2)) * decay_BNMCC
+        reach = (carry_B1MC * gamma.exp())[..., None]
+        to_end = ((gamma[..., -1:] - gamma).exp() * last_B1M)[..., None]
+        keep_BNM = carry_B1MC[..., -1] * gamma[..., -1].exp()  # S0's share of the chunk's end state
+    A_BNMCC = beta_BNMC[..., None] * kk_BNMCC * (pairs_B1MCC & strict_CC)
     unit_lower = A_BNMCC + torch.eye(C, device=q.device)
     kbeta_BNMCK = k_BNMCK * beta_BNMC[..., None]
     # U = W_v - W_k S0: the parts of the solve that do not need the state, for every chunk at once
     W_v = torch.linalg.solve_triangular(unit_lower, v_BNMCV * beta_BNMC[..., None], upper=False, unitriangular=True)
-    W_k = torch.linalg.solve_triangular(unit_lower, kbeta_BNMCK * (carry_B1MC * gamma_BNMC.exp())[..., None], upper=False, unitriangular=True)
-    scores_BNMCC = (q_BNMCK @ k_BNMCK.transpose(-1, -2)) * decay_BNMCC
-    q_in_BNMCK = q_BNMCK * (carry_B1MC * gamma_BNMC.exp())[..., None]  # the queries' reach into S0
-    last_B1M = (doc_BMC == doc_BMC[..., -1:]).float()[:, None]  # tokens of each chunk's last document
-    k_out_BNMCK = k_BNMCK * ((gamma_BNMC[..., -1:] - gamma_BNMC).exp() * last_B1M)[..., None]
-    keep_BNM = carry_B1MC[..., -1] * gamma_BNMC[..., -1].exp()  # S0's share of the chunk's end state
+    W_k = torch.linalg.solve_triangular(unit_lower, kbeta_BNMCK * reach, upper=False, unitriangular=True)
+    q_in_BNMCK = q_BNMCK * reach  # the queries' reach into S0
+    k_out_BNMCK = k_BNMCK * to_end
     R = B * N  # rows of the recurrence: batch rows x heads
     w_v, w_k, k_out = (t.reshape(R, M, C, -1) for t in (W_v, W_k, k_out_BNMCK))
-    states = _states(w_v, w_k, k_out, keep_BNM.expand(B, N, M).reshape(R, M), state_BNKV.reshape(R, Dk, Dv), impl)
+    keep = keep_BNM.expand(B, N, M, Dk).reshape(R, M, Dk) if g.ndim == 4 else keep_BNM.expand(B, N, M).reshape(R, M)
+    states = _states(w_v, w_k, k_out, keep, state_BNKV.reshape(R, Dk, Dv), impl)
     before = states[:, :-1]  # the state each chunk starts from
     u_RMCV = w_v - w_k @ before
     o_RMCV = q_in_BNMCK.reshape(R, M, C, Dk) @ before + scores_BNMCC.reshape(R, M, C, C) @ u_RMCV

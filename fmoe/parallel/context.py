@@ -310,8 +310,9 @@ def gated_delta_rule_cp(q, k, v, g, beta, cu_seqlens, cp_mesh: DeviceMesh, *, sc
     all-gather of 2 cp N Dk (Dk + Dv) float32, 2 cp small matrix products.
 
     Args:
-        q, k: [1, T/cp, N, Dk]; v: [1, T/cp, N, Dv]; g, beta: [1, T/cp, N]: this rank's
-            tokens, its head chunk then its tail chunk (split_batch's order).
+        q, k: [1, T/cp, N, Dk]; v: [1, T/cp, N, Dv]; g: [1, T/cp, N] or [1, T/cp, N, Dk] (a
+            decay per key channel); beta: [1, T/cp, N]: this rank's tokens, its head chunk
+            then its tail chunk (split_batch's order).
         cu_seqlens: [n + 1] the WHOLE micro-batch's document bounds (split_batch keeps them).
         cp_mesh: the cp axis (1-D). scale, chunk_size, impl: gated_delta_rule's.
     Returns:

@@ -1,7 +1,8 @@
 """The gated delta rule (fmoe/ops/delta.py): a worked example, the chunked form against the
-token-by-token loop (forward and backward, packed documents, states, chunk sizes), against
-transformers' own torch implementation, the states' Triton kernels against torch (the
-interpreter on CPU; real shapes on a GPU), their registration, and the argument checks."""
+token-by-token loop (forward and backward, packed documents, states, chunk sizes; a decay per
+head and per key channel), against transformers' own torch implementations (Qwen3-Next's and
+Kimi Linear's), the states' Triton kernels against torch (the interpreter on CPU; real shapes
+on a GPU), their registration, and the argument checks."""
 
 import math
 
@@ -10,16 +11,18 @@ import torch
 import torch.nn.functional as F
 
 from fmoe.ops import gated_delta_rule
-from fmoe.ops.delta import gated_delta_rule_loop
+from fmoe.ops.delta import _pair_sums, gated_delta_rule_loop
 from fmoe.train.metrics import HostReads
 
 
-def _inputs(B, T, N, Dk, Dv, *, seed=0, requires_grad=False):
+def _inputs(B, T, N, Dk, Dv, *, seed=0, requires_grad=False, channels=False):
+    """q, k, v, g, beta; channels: g [B, T, N, Dk], a decay per key channel (Kimi Delta
+    Attention), some of them fast (down to exp(-8) a token)."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(B, T, N, Dk, generator=gen)
     k = F.normalize(torch.randn(B, T, N, Dk, generator=gen), dim=-1)  # as Gated DeltaNet feeds it
     v = torch.randn(B, T, N, Dv, generator=gen)
-    g = -F.softplus(torch.randn(B, T, N, generator=gen))
+    g = -F.softplus(torch.randn(B, T, N, *((Dk,) if channels else ()), generator=gen)) * (1 + 3 * channels)
     beta = torch.rand(B, T, N, generator=gen)
     return [x.requires_grad_(requires_grad) for x in (q, k, v, g, beta)]
 
@@ -39,12 +42,14 @@ def test_worked_example():
         torch.testing.assert_close(state.flatten(), torch.tensor([3.0]))  # the last document's
 
 
+@pytest.mark.parametrize("channels", [False, True], ids=["per-head", "per-channel"])
 @pytest.mark.parametrize("B,T,N,Dk,Dv,chunk", [(2, 37, 3, 8, 5, 8), (1, 50, 2, 4, 6, 16), (1, 5, 1, 4, 4, 64), (3, 64, 2, 8, 8, 64),
-                                               (1, 1, 2, 4, 4, 64), (1, 33, 1, 16, 8, 32)])
-def test_chunks_equal_the_loop(B, T, N, Dk, Dv, chunk):
+                                               (1, 1, 2, 4, 4, 64), (1, 33, 1, 16, 8, 32), (1, 30, 2, 8, 4, 12)])
+def test_chunks_equal_the_loop(B, T, N, Dk, Dv, chunk, channels):
     """Forward, final state and every gradient (a random upstream gradient on both outputs),
-    with an initial state, odd lengths and chunks that do not divide T."""
-    xs = _inputs(B, T, N, Dk, Dv, requires_grad=True)
+    with an initial state, odd lengths and chunks that do not divide T (nor are a power of
+    two), a decay per head or per key channel."""
+    xs = _inputs(B, T, N, Dk, Dv, requires_grad=True, channels=channels)
     state0 = torch.randn(B, N, Dk, Dv, requires_grad=True)
     grad_o, grad_s = torch.randn(B, T, N, Dv), torch.randn(B, N, Dk, Dv)
     results = []
@@ -52,16 +57,17 @@ def test_chunks_equal_the_loop(B, T, N, Dk, Dv, chunk):
         o, s = fn(*xs, initial_state=state0, final_state=True, **kw)
         grads = torch.autograd.grad((o * grad_o).sum() + (s * grad_s).sum(), [*xs, state0])
         results.append((o, s, *grads))
-    for ref, got in zip(*results):
-        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    for ref, got in zip(*results):  # 1e-5 of each tensor's scale (the chunks' float32 rounding; the loop's is smaller)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * max(1.0, float(ref.detach().abs().max())))
 
 
-def test_packed_documents_are_independent():
+@pytest.mark.parametrize("channels", [False, True], ids=["per-head", "per-channel"])
+def test_packed_documents_are_independent(channels):
     """With cu_seqlens each document equals its own call (empty documents, one of length 1,
     documents across chunk bounds); the initial state is the first document's only, and the
     final state the last one's."""
     cu = torch.tensor([0, 3, 3, 20, 21, 40], dtype=torch.int32)
-    xs = _inputs(1, 40, 2, 8, 4, seed=1)
+    xs = _inputs(1, 40, 2, 8, 4, seed=1, channels=channels)
     state0 = torch.randn(1, 2, 8, 4)
     o, state = gated_delta_rule(*xs, cu, initial_state=state0, final_state=True, chunk_size=8)
     for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
@@ -97,6 +103,45 @@ def test_matches_transformers_torch_implementation():
         torch.testing.assert_close(state, ref_state, rtol=1e-4, atol=1e-5)
 
 
+def test_matches_kimi_linear_torch_implementation():
+    """A decay per key channel against transformers' Kimi Linear fallbacks (its chunked form
+    and its recurrence), with an initial state and the final state."""
+    kimi = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear", reason="transformers (the test extra) not installed")
+    q, k, v, g, beta = _inputs(2, 70, 3, 16, 8, seed=3, channels=True)
+    state0 = torch.randn(2, 3, 16, 8)
+    o, state = gated_delta_rule(q, k, v, g, beta, initial_state=state0, final_state=True)
+    for theirs in (kimi.chunk_kimi_delta_attention, kimi.recurrent_kimi_delta_attention):
+        ref_o, ref_state = theirs(q, k, v, g, beta, initial_state=state0, output_final_state=True)
+        torch.testing.assert_close(o, ref_o, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(state, ref_state, rtol=1e-4, atol=1e-5)
+
+
+def test_pair_sums_of_per_channel_decays():
+    """_pair_sums against the direct sum over channels of x_i k_j exp(gamma_i - gamma_j) (j <= i),
+    for chunks of a power of two and not; with decays of up to exp(-60) a token, where
+    exp(gamma_i) alone underflows and exp(-gamma_j) overflows float32, every entry is still
+    finite and exact."""
+    gen = torch.Generator().manual_seed(11)
+    for C, fast in ((8, 1.0), (13, 1.0), (16, 60.0)):
+        x, k = torch.randn(2, C, 4, generator=gen, dtype=torch.float64), torch.randn(2, C, 4, generator=gen, dtype=torch.float64)
+        gamma = (-fast * torch.rand(2, C, 4, generator=gen, dtype=torch.float64)).cumsum(-2)
+        want = torch.einsum("bid,bjd,bijd->bij", x, k, (gamma[:, :, None] - gamma[:, None]).clamp(max=0).exp()).tril()
+        got = _pair_sums(x.float(), k.float(), gamma.float())
+        assert got.isfinite().all()
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+        if fast > 1:
+            assert not (-gamma.float()).exp().isfinite().all()  # what a factorisation through the chunk's start would meet
+
+
+def test_fast_per_channel_decay_stays_finite():
+    """Decays down to exp(-40) a token in chunks of 32: the chunked form equals the loop."""
+    q, k, v, _, beta = _inputs(1, 40, 2, 8, 8, seed=12)
+    g = -40 * torch.rand(1, 40, 2, 8, generator=torch.Generator().manual_seed(13))
+    o = gated_delta_rule(q, k, v, g, beta, chunk_size=32)
+    assert o.isfinite().all()
+    torch.testing.assert_close(o, gated_delta_rule_loop(q, k, v, g, beta), rtol=1e-5, atol=1e-5)
+
+
 def test_dtypes_and_scale():
     """bf16 inputs compute in float32 and return bf16; scale multiplies the queries."""
     q, k, v, g, beta = _inputs(1, 20, 2, 8, 4, seed=4)
@@ -117,11 +162,12 @@ def test_reads_nothing_on_the_host():
     assert reads.count == 0, reads.sites
 
 
+@pytest.mark.parametrize("channels", [False, True], ids=["per-head", "per-channel"])
 @pytest.mark.parametrize("impl", ["torch", "triton"])
-def test_compiles_whole(impl):
+def test_compiles_whole(impl, channels):
     """torch.compile(fullgraph=True) traces the chunked form (with the states' kernels: their
     custom ops), forward and backward."""
-    xs = _inputs(1, 24, 2, 16, 16, seed=8, requires_grad=True)
+    xs = _inputs(1, 24, 2, 16, 16, seed=8, requires_grad=True, channels=channels)
     cu = torch.tensor([0, 9, 24])
 
     def step(*xs):
@@ -139,15 +185,17 @@ def test_compiles_whole(impl):
 # ---------------------------------------------------------------------------- the states' Triton kernels
 
 
-@pytest.mark.parametrize("B,T,N,Dk,Dv,chunk,packed", [
-    (2, 37, 3, 8, 5, 8, False),     # small tiles, Dv under one block
-    (1, 45, 2, 80, 40, 16, True),   # Dk in two halves (80 > 64), Dv in 3 blocks, packed documents
-    (1, 70, 2, 16, 24, 64, True),   # a chunk's rows in two blocks of 32 (and a partial chunk)
+@pytest.mark.parametrize("B,T,N,Dk,Dv,chunk,packed,channels", [
+    (2, 37, 3, 8, 5, 8, False, False),     # small tiles, Dv under one block
+    (1, 45, 2, 80, 40, 16, True, False),   # Dk in two halves (80 > 64), Dv in 3 blocks, packed documents
+    (1, 70, 2, 16, 24, 64, True, False),   # a chunk's rows in two blocks of 32 (and a partial chunk)
+    (2, 37, 3, 8, 5, 8, False, True),      # a decay per key channel: a factor per row of the state
+    (1, 45, 2, 80, 40, 16, True, True),    # ... in both halves of Dk
 ])
-def test_triton_states_equal_torch(B, T, N, Dk, Dv, chunk, packed):
+def test_triton_states_equal_torch(B, T, N, Dk, Dv, chunk, packed, channels):
     """impl="triton" (the states' kernels, through the interpreter on CPU) against "torch":
     outputs, final state and every gradient, with an initial state."""
-    xs = _inputs(B, T, N, Dk, Dv, seed=5, requires_grad=True)
+    xs = _inputs(B, T, N, Dk, Dv, seed=5, requires_grad=True, channels=channels)
     state0 = torch.randn(B, N, Dk, Dv, requires_grad=True)
     cu = torch.tensor([0, 9, 9, 30, T]) if packed else None
     grad_o, grad_s = torch.randn(B, T, N, Dv), torch.randn(B, N, Dk, Dv)
@@ -182,6 +230,8 @@ def test_states_kernels_pass_opcheck():
     args = tuple(t.requires_grad_() for t in (w_v, w_k, k_out, keep, state0))
     torch.library.opcheck(torch.ops.fmoe.delta_states.default, args)
     torch.library.opcheck(torch.ops.fmoe.delta_states_bwd.default, (w_k.detach(), k_out.detach(), keep.detach(), torch.randn(R, M + 1, K, V, generator=g)))
+    rows = torch.rand(R, M, K, generator=g).requires_grad_()  # a factor per row of the state (a decay per key channel)
+    torch.library.opcheck(torch.ops.fmoe.delta_states.default, (*args[:3], rows, args[4]))
 
 
 @pytest.mark.gpu
@@ -201,10 +251,29 @@ def test_gpu_real_shape():
         assert (got.float() - ref.float()).norm() / ref.float().norm() < 1e-2
 
 
+@pytest.mark.gpu
+def test_gpu_real_shape_per_channel():
+    """On CUDA at Kimi Linear's heads (32 heads of Dk = Dv = 128, a decay per key channel),
+    4096 packed tokens in documents of 3000 and 1096: impl "auto" against the torch states,
+    bf16 inputs, forward and backward."""
+    T, N, D = 4096, 32, 128
+    xs = [x.cuda().bfloat16().requires_grad_() for x in _inputs(1, T, N, D, D, seed=10, channels=True)]
+    cu = torch.tensor([0, 3000, T], device="cuda")
+    grad_o = torch.randn(1, T, N, D, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for impl in ("auto", "torch"):
+        o = gated_delta_rule(*xs, cu, impl=impl)
+        results.append((o, *torch.autograd.grad((o.float() * grad_o.float()).sum(), xs)))
+    for got, ref in zip(*results):
+        assert (got.float() - ref.float()).norm() / ref.float().norm() < 1e-2
+
+
 @pytest.mark.parametrize("change,match", [
     (lambda a: dict(a, k=a["k"][..., :4]), r"k: expected shape \[1, 6, 2, 8\]"),
     (lambda a: dict(a, v=a["v"][0]), r"v: expected a 4-D tensor"),
-    (lambda a: dict(a, g=a["g"][..., None]), r"g: expected a 3-D tensor"),
+    (lambda a: dict(a, g=a["g"][..., None]), r"g: expected shape \[1, 6, 2, 8\] \(q's B, T, N, Dk\), got \[1, 6, 2, 1\]"),
+    (lambda a: dict(a, g=a["g"][:, :, 0]), r"g: expected a 3-D tensor \[B, T, N, Dk\] or \[B, T, N\]"),
+    (lambda a: dict(a, g=a["g"][:, :5]), r"g: expected shape \[1, 6, 2\] or \[1, 6, 2, 8\] \(a decay per key channel\)"),
     (lambda a: dict(a, beta=a["beta"][:, :5]), r"beta: expected shape \[1, 6, 2\]"),
     (lambda a: dict(a, q=a["q"].long()), r"q: expected dtype"),
     (lambda a: dict(a, q=a["q"].expand(2, -1, -1, -1), k=a["k"].expand(2, -1, -1, -1), v=a["v"].expand(2, -1, -1, -1),

@@ -386,18 +386,19 @@ def test_mtp_targets_at_chunk_edges_come_from_the_other_rank():
 # ---------------------------------------------------------------------------- one rank
 
 
-def _rule_inputs(T, N, Dk, Dv, device, dtype, seed):
+def _rule_inputs(T, N, Dk, Dv, device, dtype, seed, channels=False):
+    """q, k, v, g, beta; channels: g [1, T, N, Dk], a decay per key channel (Kimi Delta Attention)."""
     gen = torch.Generator().manual_seed(seed)
     q, k = (torch.nn.functional.normalize(torch.randn(1, T, N, Dk, generator=gen), dim=-1) for _ in range(2))
     v = torch.randn(1, T, N, Dv, generator=gen)
-    g, beta = -torch.rand(1, T, N, generator=gen) * 0.2, torch.rand(1, T, N, generator=gen)
+    g, beta = -torch.rand(1, T, N, *((Dk,) if channels else ()), generator=gen) * 0.2, torch.rand(1, T, N, generator=gen)
     return [t.to(device=device, dtype=dtype).requires_grad_() for t in (q, k, v, g, beta)]
 
 
-def _rule_over_one_rank(one_rank_mesh, T, N, Dk, Dv, cu, device, dtype, chunk_size):
+def _rule_over_one_rank(one_rank_mesh, T, N, Dk, Dv, cu, device, dtype, chunk_size, channels=False):
     """gated_delta_rule_cp on one rank (its two chunks, the scan between them, no
     collective) and gated_delta_rule, outputs and gradients (relative errors)."""
-    ref_in = _rule_inputs(T, N, Dk, Dv, device, dtype, 3)
+    ref_in = _rule_inputs(T, N, Dk, Dv, device, dtype, 3, channels)
     cp_in = [t.detach().clone().requires_grad_() for t in ref_in]
     cu = torch.tensor(cu, device=device)
     ref_o = gated_delta_rule(*ref_in, cu, chunk_size=chunk_size)
@@ -412,6 +413,8 @@ def _rule_over_one_rank(one_rank_mesh, T, N, Dk, Dv, cu, device, dtype, chunk_si
 def test_rule_over_one_rank_equals_the_rule(one_rank_mesh):
     # the second chunk continues [0, 9)'s state; chunks of the rule of 3 tokens
     errors = _rule_over_one_rank(one_rank_mesh, 16, 2, 4, 5, [0, 3, 9, 16], "cpu", torch.float32, 3)
+    assert max(errors) < 1e-5, errors
+    errors = _rule_over_one_rank(one_rank_mesh, 16, 2, 4, 5, [0, 3, 9, 16], "cpu", torch.float32, 3, channels=True)  # a decay per key channel
     assert max(errors) < 1e-5, errors
     with pytest.raises(ValueError, match="q: expected this rank's T/cp tokens, its two chunks"):
         gated_delta_rule_cp(*_rule_inputs(7, 2, 4, 5, "cpu", torch.float32, 0), torch.tensor([0, 7]), one_rank_mesh)
