@@ -7,7 +7,7 @@ A folder holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). Supported `model_type`s: FAMILIES (mixtral, qwen2_moe,
 qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, kimi_k2, kimi_k25, deepseek_v2, glm4_moe_lite, gpt_oss, solar_open,
 exaone_moe, dots1, minimax_m2, granitemoe, granitemoeshared, granitemoe_swa, hunyuan_v1_moe, llama4_text, llama4, afmoe,
-sarvam_moe, sarvam_mla, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe). Each family has one table: its
+sarvam_moe, sarvam_mla, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, kimi_linear). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: clipped qkv, ...;
 the fields a config.json leaves out read at transformers' defaults, Family.defaults, and a
 family's own names for the fields the shared mappings read as those, Family.aliases)
@@ -70,6 +70,11 @@ written back as its folder had it (its remote code's model_type; model_type="dee
 writes a folder transformers reads without remote code). A released Kimi K2.5 / K2.6 folder
 (kimi_k25) holds that model under language_model. beside a vision tower, and is written
 back only as deepseek_v3.
+Kimi Linear (kimi_linear): Kimi Delta Attention blocks under self_attn (q/k/v_proj,
+q/k/v_conv1d, the decay's f_a_proj / f_b_proj, dt_bias, A_log [1, 1, N, 1] (Tensor.unit of
+several dims), b_proj, the gate's g_a_proj / g_b_proj, o_norm, o_proj), multi-latent attention
+without RoPE, Mixtral's expert names under block_sparse_moe with DeepSeek-V3's routing and
+shared experts; the dense MLP under mlp or block_sparse_moe (Family.dense_too).
 
 Loading reads the safetensors files tensor by tensor with the `safetensors` library (an
 expert stack is filled expert by expert): the checkpoint is never in memory twice. Into a
@@ -92,7 +97,7 @@ import dataclasses
 import json
 import re
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -548,6 +553,42 @@ def _llama4(hf: dict) -> dict:
     return FAMILIES["llama4_text"].kwargs(dict(_text_config(hf), model_type="llama4_text"))
 
 
+def _kimi_linear(hf: dict) -> dict:
+    """Kimi Linear (kimi_linear): Kimi Delta Attention blocks (linear_layers, linear_kind "kda":
+    linear_num_heads heads of linear_head_dim, a decay per key channel) and, in the
+    full_attention layers, multi-latent attention without RoPE (nope_layers: the rope slices of
+    the queries and the shared key used as they are; YaRN and rope_theta not read, as in
+    transformers); DeepSeek-V3's MoE blocks and routing (sigmoid scores with the correction
+    bias, groups scored by their best 2, renormalised, x routed_scaling_factor) with shared
+    experts, the dense and MoE blocks by mlp_layer_types (by default first_k_dense_replace
+    dense blocks first). A released config's linear_attn_config (num_heads, head_dim,
+    short_conv_kernel_size; full_attn_layers and kda_layers numbered from 1) is read as
+    transformers reads it; its mla_use_nope false and another router than the sigmoid are refused."""
+    _refuse(hf, "mla_use_nope", lambda v: v, "multi-latent attention without RoPE, as transformers builds Kimi Linear")
+    _refuse(hf, "moe_router_activation_func", lambda v: v == "sigmoid", "sigmoid routing")
+    released = hf.get("linear_attn_config") or {}
+    n = hf["num_hidden_layers"]
+    kinds = hf.get("layer_types")
+    if kinds is None and "full_attn_layers" in released and "kda_layers" in released:
+        kinds = [None] * n
+        for name, layers in (("full_attention", released["full_attn_layers"]), ("linear_attention", released["kda_layers"])):
+            for layer in layers:
+                if not 1 <= layer <= n:
+                    raise ValueError(f"config.json: linear_attn_config lists layer {layer}, not one of the {n} layers (numbered from 1)")
+                kinds[layer - 1] = name
+    elif kinds is None:
+        kinds = ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(n)]
+    if len(kinds) != n or set(kinds) - {"full_attention", "linear_attention"}:
+        raise ValueError(f"config.json: layer_types = {kinds!r} is not supported (full_attention or linear_attention for each of the {n} layers)")
+    linear = tuple(i for i, kind in enumerate(kinds) if kind == "linear_attention")
+    full = tuple(i for i, kind in enumerate(kinds) if kind == "full_attention")
+    heads, dim = released.get("num_heads", hf["linear_num_heads"]), released.get("head_dim", hf["linear_head_dim"])
+    mla = _mla(dict(hf, rope_parameters=None, rope_scaling=None, n_routed_experts=hf["num_experts"]))
+    return dict(mla, **_mlp_layer_types(hf, hf.get("first_k_dense_replace", 1)), **_sigmoid_routing(hf), nope_layers=full or None,
+                linear_layers=linear or None, linear_kind="kda", linear_k_heads=heads, linear_v_heads=heads, linear_k_dim=dim,
+                linear_v_dim=dim, linear_conv=released.get("short_conv_kernel_size", hf["linear_conv_kernel_dim"]))
+
+
 def _kimi_k25(hf: dict) -> dict:
     """A released Kimi K2.5 / K2.6 folder (kimi_k25, KimiK25ForConditionalGeneration): its
     text_config's model, Kimi K2's (DeepSeek-V3's: transformers reads a kimi_k2 text config
@@ -697,8 +738,8 @@ class Tensor:
     """One fmoe parameter and where it lives in the HF checkpoint: `keys` (one, or one per
     expert to stack along dim 0), each transposed when `transpose` (HF's [out, in] linear
     weights); `unit`: a stored dim of size 1 that fmoe's parameter leaves out (dim 0 of a
-    [1, H] row: the shared expert's gate; dim 1 of a depthwise conv1d's [C, 1, K] weight),
-    dropped before anything else; `part` (i, n): every n-th entry of the stored
+    [1, H] row: the shared expert's gate; dim 1 of a depthwise conv1d's [C, 1, K] weight), or
+    a tuple of them (Kimi Linear's A_log [1, 1, N, 1]: (0, 1, 3)), dropped before anything else; `part` (i, n): every n-th entry of the stored
     last dim from entry i (gpt-oss's gate_up_proj [E, H, 2F] interleaves gate and up: the
     gate is part (0, 2), the up part (1, 2)), the n parts sharing one key; `chunk` (i, sizes):
     the i-th of len(sizes) contiguous runs, of those relative sizes, that fill fmoe's last dim:
@@ -714,10 +755,22 @@ class Tensor:
     keys: tuple[str, ...]
     transpose: bool = False
     stacked: bool = False
-    unit: Optional[int] = None
+    unit: Optional[Union[int, tuple[int, ...]]] = None
     part: Optional[tuple[int, int]] = None
     chunk: Optional[tuple[int, tuple[int, ...]]] = None
     groups: int = 1
+
+
+def _units(spec: Tensor) -> tuple[int, ...]:
+    """Tensor.unit as a sorted tuple of stored dims (none, one, or several: Kimi Linear's A_log [1, 1, N, 1])."""
+    return () if spec.unit is None else (spec.unit,) if isinstance(spec.unit, int) else tuple(sorted(spec.unit))
+
+
+def _with_units(spec: Tensor, t: torch.Tensor) -> torch.Tensor:
+    """t (fmoe's layout) with Tensor.unit's dims of size 1 put back, as stored."""
+    for u in _units(spec):
+        t = t.unsqueeze(u)
+    return t
 
 
 def _run(chunk: tuple[int, tuple[int, ...]], dim: int) -> tuple[int, int]:
@@ -768,6 +821,9 @@ class Family:
     prefix: tuple[str, str] = ("", "")
     written_as: Optional[str] = None  # folders holding more than fmoe reads are not written back: export as this family
     dense: str = "mlp"  # the dense blocks' MLP module
+    # the dense blocks' MLP module in some folders instead (Kimi Linear's, written by transformers: block_sparse_moe, the MoE
+    # blocks' name; the released ones: mlp): loading reads the name the files hold (_stacked_experts), export writes it back
+    dense_too: Optional[str] = None
     # the norms of a sandwich block (pre_norms and post_norms): before and after the attention, before and after the MLP
     sandwich: Optional[tuple[str, str, str, str]] = None
     # transformers' defaults of the fields config_to_fmoe reads where they differ from its own fallbacks: a
@@ -783,7 +839,8 @@ class Family:
     sinks: str = "sinks"  # the attention sinks' key, under the attention module
     extra_layers_read: bool = True  # False: the layers after the trunk's (HY-V3's MTP layer) are not read, as in transformers
     # the linear-attention (Gated DeltaNet) blocks' projections: "qkvz", Qwen3-Next's fused in_proj_qkvz and in_proj_ba
-    # (their rows grouped by key head); "qkv", Qwen3.5's in_proj_qkv beside in_proj_z, in_proj_b, in_proj_a
+    # (their rows grouped by key head); "qkv", Qwen3.5's in_proj_qkv beside in_proj_z, in_proj_b, in_proj_a; "kda", Kimi
+    # Linear's Kimi Delta Attention under the attention module (q/k/v/b_proj, q/k/v_conv1d, f_a/f_b_proj, g_a/g_b_proj, o_norm)
     linear: str = "qkv"
     gate_in_q: bool = False  # gated attention's gate as rows of q_proj, per head after its query's (Qwen3-Next), not a gate_proj
     # the routed experts one module per expert (what transformers writes) or as [E, 2F, H] gate_up_proj / [E, H, F] down_proj
@@ -824,6 +881,13 @@ _QWEN3_NEXT_MOE = dict(num_experts=512, num_experts_per_tok=10, moe_intermediate
 _QWEN3_5_DEFAULTS = dict(num_key_value_heads=2, head_dim=256, rope_parameters=_QWEN3_NEXT_ROPE, **_QWEN3_NEXT_LINEAR, num_experts=256,
                          num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512)
 _DEEPSEEK_V3_DEFAULTS = dict(n_shared_experts=1, routed_scaling_factor=2.5, q_lora_rank=1536, n_group=8, topk_group=4, first_k_dense_replace=3)
+# Kimi Linear's config.json names (transformers' attribute_map, the releases') for the fields the shared mappings read
+_KIMI_LINEAR_ALIASES = dict(num_experts_per_tok="num_experts_per_token", n_group="num_expert_group", norm_topk_prob="moe_renormalize",
+                            n_shared_experts="num_shared_experts", num_experts="num_local_experts")
+_KIMI_LINEAR_DEFAULTS = dict(n_shared_experts=1, routed_scaling_factor=2.446, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
+                             v_head_dim=128, qk_nope_head_dim=128, n_group=1, topk_group=1, num_experts_per_tok=8, norm_topk_prob=True,
+                             rms_norm_eps=1e-5, num_experts=256, linear_head_dim=128, linear_num_heads=32, linear_conv_kernel_dim=4,
+                             intermediate_size=9216, moe_intermediate_size=1024)
 # the names of Sarvam's released config.json files (written for their own code) for transformers' fields
 _SARVAM_ALIASES = dict(n_routed_experts="num_experts", n_shared_experts="num_shared_experts")
 FAMILIES = {
@@ -894,6 +958,9 @@ FAMILIES = {
     # the released Qwen3.5-MoE folders: the text model under model.language_model. (the head at lm_head), beside a vision model
     "qwen3_5_moe": Family(_qwen3_5_moe, "mlp", _PROJ, "Qwen3_5MoeForConditionalGeneration", gate_in_q=True, stacks_too=True,
                           prefix=("model.", "model.language_model."), not_read=("model.visual.", "mtp."), written_as="qwen3_5_moe_text"),
+    # Kimi Linear: transformers writes the dense MLPs under block_sparse_moe too (the released folders: mlp)
+    "kimi_linear": Family(_kimi_linear, "block_sparse_moe", ("w1", "w3", "w2"), "KimiLinearForCausalLM", "shared_experts", linear="kda",
+                          dense_too="block_sparse_moe", aliases=_KIMI_LINEAR_ALIASES, defaults=_KIMI_LINEAR_DEFAULTS),
     "hunyuan_v1_moe": Family(_hunyuan_v1_moe, "mlp", _PROJ, "HunYuanMoEV1ForCausalLM", "shared_mlp", router="gate.wg.weight",
                              qk_norms=("query_layernorm", "key_layernorm"), defaults=dict(rms_norm_eps=1e-5)),
 }
@@ -907,6 +974,16 @@ def _linear_attention_keys(family: Family, cfg: TransformerConfig, p: str, q: st
     over the q, k, v channels; A_log, dt_bias, the gated norm, out_proj."""
     la, lin, out = p + "linear_attn.", cfg.linear_attention_config(), {}
     qkv = (lin.k_channels, lin.k_channels, lin.v_channels)  # the q, k, v channels of in_proj_qkv and of the conv
+    if family.linear == "kda":  # Kimi Linear: under the attention module, a conv per q, k, v, A_log [1, 1, N, 1]
+        la = p + family.attention + "."
+        for ours, theirs in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wb", "b_proj"), ("wf_a", "f_a_proj"),
+                             ("wf_b", "f_b_proj"), ("wz_a", "g_a_proj"), ("wz_b", "g_b_proj"), ("wo", "o_proj")):
+            out[q + "attn." + ours] = Tensor((f"{la}{theirs}.weight",), transpose=True)
+        for n in "qkv":
+            out[q + f"attn.conv_{n}"] = Tensor((f"{la}{n}_conv1d.weight",), transpose=True, unit=1)
+        out[q + "attn.A_log"], out[q + "attn.dt_bias"] = Tensor((la + "A_log",), unit=(0, 1, 3)), Tensor((la + "dt_bias",))
+        out[q + "attn.out_norm"] = Tensor((la + "o_norm.weight",))
+        return out
     if family.linear == "qkvz":
         r = lin.n_v_heads // lin.n_k_heads
         rows = (lin.k_head_dim, lin.k_head_dim, r * lin.v_head_dim, r * lin.v_head_dim)
@@ -1034,9 +1111,12 @@ def mtp_layer(cfg: TransformerConfig, d: int) -> str:
 def _stacked_experts(family: Family, keys) -> Family:
     """The family as a folder of checkpoint `keys` stores it: with Family.stacks_too and the
     experts stored as stacks (a key ending in experts.gate_up_proj), its stacked layout
-    ("halves_out", Granite's and transformers' [E, 2F, H] / [E, H, F]); the family itself otherwise."""
+    ("halves_out", Granite's and transformers' [E, 2F, H] / [E, H, F]); with Family.dense_too
+    and a dense MLP under that name, that name for the dense blocks; the family itself otherwise."""
     if family.stacks_too and any(key.endswith(".experts.gate_up_proj") for key in keys):
-        return dataclasses.replace(family, fused="halves_out", experts=_STACKS)
+        family = dataclasses.replace(family, fused="halves_out", experts=_STACKS)
+    if family.dense_too and any(key.endswith(f".{family.dense_too}.gate_proj.weight") for key in keys):
+        family = dataclasses.replace(family, dense=family.dense_too)
     return family
 
 
@@ -1152,6 +1232,7 @@ def load_weights(model: Transformer, path, *, model_type: str, strict: bool = Tr
     files = _weight_files(path)
     family = _stacked_experts(FAMILIES[model_type], files)
     model.hf_stacks = family.fused is not None and not FAMILIES[model_type].fused  # the layout save_pretrained writes back
+    model.hf_dense = family.dense  # the dense MLP's name the folder holds (Family.dense_too), written back
     params = _tensors(model)
     block, packed_int = _weight_quantization(path)
     from safetensors import safe_open
@@ -1214,8 +1295,7 @@ def load_weights(model: Transformer, path, *, model_type: str, strict: bool = Tr
                 stored = (E, groups * 32, out)
             else:
                 stored = stored_shape(key)
-            if spec.unit is not None:
-                stored = (*stored[:spec.unit], *stored[spec.unit + 1:])
+            stored = tuple(n for d, n in enumerate(stored) if d not in _units(spec))
             if spec.part is not None:
                 return (*stored[:-1], stored[-1] // spec.part[1])
             if spec.chunk is not None:  # a run of fmoe's last dim (of each group): the stored dim -2 of a transposed weight
@@ -1263,19 +1343,19 @@ def load_weights(model: Transformer, path, *, model_type: str, strict: bool = Tr
                     index = _swap_last(ours) if spec.transpose else ours
                 if spec.chunk is not None:  # the i-th run of the stored dim -2 (transposed) or -1
                     d = _chunk_dim(spec, len(index))
-                    stored_dim = stored_shape(spec.keys[0])[d + (spec.unit is not None and spec.unit <= d)]
+                    stored_dim = stored_shape(spec.keys[0])[d + sum(u <= d for u in _units(spec))]
                     if spec.groups > 1:  # runs in every group: the whole dim is read, as_ours takes them
                         index = (*index[:d], slice(0, stored_dim), *index[d + 1:])
                     else:
                         offset = _run(spec.chunk, stored_dim)[0]
                         index = (*index[:d], slice(index[d].start + offset, index[d].stop + offset), *index[d + 1:])
-                if spec.unit is not None:
-                    index = (*index[:spec.unit], slice(0, 1), *index[spec.unit:])
+                for u in _units(spec):  # ascending: each a stored dim
+                    index = (*index[:u], slice(0, 1), *index[u:])
                 return index
 
             def as_ours(t: torch.Tensor, ours: tuple[slice, ...]) -> torch.Tensor:
-                if spec.unit is not None:
-                    t = t.squeeze(spec.unit)
+                for u in reversed(_units(spec)):
+                    t = t.squeeze(u)
                 if spec.part is not None:
                     return t[..., spec.part[0]::spec.part[1]]
                 if spec.chunk is not None and spec.groups > 1:  # every group's run, then the block's entries of them
@@ -1574,6 +1654,19 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
                   linear_num_key_heads=lin.n_k_heads, linear_num_value_heads=lin.n_v_heads, linear_key_head_dim=lin.k_head_dim,
                   linear_value_head_dim=lin.v_head_dim, linear_conv_kernel_dim=lin.conv,
                   rope_parameters=dict(_rope_parameters(cfg), partial_rotary_factor=(cfg.rope_dim or cfg.head_dim) / cfg.head_dim))
+    elif model_type == "kimi_linear":  # MLA without RoPE beside Kimi Delta Attention, DeepSeek-V3's MoE blocks
+        lin, moe_fields = cfg.linear_attention_config(), _deepseek_moe_config(cfg)
+        rope = cfg.rope_dim or cfg.head_dim
+        hf.update(num_experts=moe_fields.pop("n_routed_experts"), num_shared_experts=moe_fields.pop("n_shared_experts"),
+                  num_expert_group=moe_fields.pop("n_group"), moe_renormalize=moe_fields.pop("norm_topk_prob"),
+                  **{k: v for k, v in moe_fields.items() if k not in ("first_k_dense_replace", "num_nextn_predict_layers")},
+                  mlp_layer_types=["sparse" if cfg.is_moe(i) else "dense" for i in range(cfg.n_layers)],
+                  layer_types=["linear_attention" if cfg.is_linear(i) else "full_attention" for i in range(cfg.n_layers)],
+                  linear_num_heads=lin.n_v_heads, linear_head_dim=lin.k_head_dim, linear_conv_kernel_dim=lin.conv,
+                  q_lora_rank=cfg.q_rank, kv_lora_rank=cfg.kv_rank, qk_nope_head_dim=cfg.head_dim - rope, qk_rope_head_dim=rope,
+                  v_head_dim=cfg.v_head_dim, head_dim=rope, attention_bias=False)
+        hf.pop("num_experts_per_tok")
+        hf.update(num_experts_per_token=cfg.k)
     elif model_type in _DEEPSEEK_STYLE:  # _deepseek_moe_config's fields, below
         pass
     elif model_type in ("olmoe", "flex_olmo"):
@@ -1665,7 +1758,7 @@ def _stored(spec: Tensor, full: torch.Tensor, dtype: torch.dtype) -> list[tuple[
     if spec.stacked:
         return [(key, (full[e].t() if spec.transpose else full[e]).contiguous().to(dtype)) for e, key in enumerate(spec.keys)]
     stored = full.transpose(-2, -1) if spec.transpose else full
-    return [(spec.keys[0], (stored if spec.unit is None else stored.unsqueeze(spec.unit)).contiguous().to(dtype))]
+    return [(spec.keys[0], _with_units(spec, stored).contiguous().to(dtype))]
 
 
 class _ShardWriter:
@@ -1780,7 +1873,7 @@ def _converted(name: str, spec: Tensor, full: torch.Tensor, copies, parts: dict,
     if stored[1]:
         return out
     value = parts.pop(key)[0]
-    return [*out, (key, value if spec.unit is None else value.unsqueeze(spec.unit))]
+    return [*out, (key, _with_units(spec, value))]
 
 
 def save_pretrained(model: Transformer, path, *, model_type: Optional[str] = None, max_shard_bytes: int = 5 * 10**9) -> Path:
@@ -1814,6 +1907,8 @@ def save_pretrained(model: Transformer, path, *, model_type: Optional[str] = Non
     family = FAMILIES[hf["model_type"]]
     if hf is getattr(model, "hf_config", None) and getattr(model, "hf_stacks", False):  # the experts as the folder stored them
         family = _stacked_experts(family, (".experts.gate_up_proj",))
+    if hf is getattr(model, "hf_config", None) and getattr(model, "hf_dense", None):  # the dense MLP's name as the folder had it
+        family = dataclasses.replace(family, dense=model.hf_dense)
     if _quantization(hf):  # written dequantised, in the checkpoint's dtype
         hf = {k: v for k, v in hf.items() if k != "quantization_config"}
         if isinstance(hf.get("text_config"), dict):

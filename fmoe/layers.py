@@ -375,7 +375,8 @@ class AttentionConfig:
     rotary key of rot_dim channels shared by every head; queries from a full projection or,
     with q_rank, a q_rank latent. head_dim is the q/k head dim (nope + rope: the softmax
     scale's), rot_dim the rope part (the last rot_dim channels of each query head), v_dim
-    the value head dim; n_kv_heads must equal n_heads and qk_norm be None.
+    the value head dim; n_kv_heads must equal n_heads and qk_norm be None. rope=False (a NoPE
+    block: Kimi Linear's) uses the rope part of the queries and of the shared key unrotated.
     """
 
     n_heads: int
@@ -459,8 +460,6 @@ class AttentionConfig:
             raise ValueError(f"rot_dim: multi-latent attention rotates a part of each head, expected rot_dim < head_dim = {self.head_dim}, got {self.rot_dim}")
         if self.qk_norm is not None:
             raise ValueError("qk_norm: not with multi-latent attention (its latents have their own norms)")
-        if not self.rope:
-            raise ValueError("rope: multi-latent attention always rotates its rope part (rope=False is grouped-query attention's)")
         if self.temperature_floor is not None:
             raise ValueError("temperature_floor: the query temperature is grouped-query attention's, not with multi-latent attention")
 
@@ -1055,7 +1054,8 @@ def _mla_latent_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext):
 
 def _mla_parts(x, params, cfg: AttentionConfig, ctx: AttentionContext):
     """Multi-latent attention's q nope [T, N, D - R] and rotated q rope [T, N, R], the normed
-    latent [T, kv_rank] and the rotated shared key [T, 1, R]."""
+    latent [T, kv_rank] and the rotated shared key [T, 1, R] (not rotated when cfg.rope is
+    False: a NoPE block)."""
     N, D, R = cfg.n_heads, cfg.head_dim, cfg.rot_dim
     rope_impl = "torch" if cfg.impl == "torch" else "auto"
     if cfg.q_rank is None:
@@ -1063,9 +1063,11 @@ def _mla_parts(x, params, cfg: AttentionConfig, ctx: AttentionContext):
     else:
         q_TQ = _rms_norm(x @ params["wq_a"], params["q_a_norm"], cfg.latent_norm_eps, zero_centered=cfg.zero_centered_norms) @ params["wq_b"]
     q_nope_TNP, q_rope_TNR = rearrange(q_TQ, "t (n d) -> t n d", n=N).split([D - R, R], dim=-1)
-    q_rope_TNR = apply_rope(q_rope_TNR, ctx.cos, ctx.sin, interleaved=cfg.interleaved, impl=rope_impl)
     latent_TC, k_rope_TR = (x @ params["wkv_a"]).split([cfg.kv_rank, R], dim=-1)
-    k_rope_T1R = apply_rope(k_rope_TR[:, None, :], ctx.cos, ctx.sin, interleaved=cfg.interleaved, impl=rope_impl)
+    k_rope_T1R = k_rope_TR[:, None, :]
+    if cfg.rope:  # a NoPE block (Kimi Linear's) keeps the rope slices as they are
+        q_rope_TNR = apply_rope(q_rope_TNR, ctx.cos, ctx.sin, interleaved=cfg.interleaved, impl=rope_impl)
+        k_rope_T1R = apply_rope(k_rope_T1R, ctx.cos, ctx.sin, interleaved=cfg.interleaved, impl=rope_impl)
     return q_nope_TNP, q_rope_TNR, _rms_norm(latent_TC, params["kv_a_norm"], cfg.latent_norm_eps, zero_centered=cfg.zero_centered_norms), k_rope_T1R
 
 
@@ -1092,14 +1094,17 @@ def _mla_expand(latent_TC, k_rope_T1R, params, cfg: AttentionConfig):
 
 @dataclasses.dataclass(frozen=True)
 class LinearAttentionConfig:
-    """Gated DeltaNet (arXiv 2412.06464), the linear-attention layers of Qwen3-Next and Qwen3.5.
+    """Gated DeltaNet (arXiv 2412.06464), the linear-attention layers of Qwen3-Next and Qwen3.5,
+    or (kind="kda") Kimi Delta Attention, Kimi Linear's.
 
     n_k_heads query/key heads of k_head_dim channels, n_v_heads value heads of v_head_dim
     (n_v_heads % n_k_heads == 0: value head h reads key head h // (n_v_heads / n_k_heads));
     conv: the taps of the causal depthwise convolution on q, k and v (its state in
     decoding: the conv - 1 tokens before); norm_eps: the gated output norm's; chunk_size:
     fmoe.ops.gated_delta_rule's chunk (the same result up to rounding); impl: its impl (the
-    states' Triton kernels on CUDA with "auto")."""
+    states' Triton kernels on CUDA with "auto"). kind "kda": a decay per key channel from a
+    rank-Dk projection, the output gate from a rank-Dv projection through a sigmoid, as many
+    key as value heads (linear_attention)."""
 
     n_k_heads: int
     n_v_heads: int
@@ -1109,10 +1114,15 @@ class LinearAttentionConfig:
     norm_eps: float = 1e-6
     chunk_size: int = 64
     impl: str = "auto"
+    kind: str = "gated_deltanet"
 
     def __post_init__(self):
         if self.impl not in IMPLS:
             raise ValueError(f"impl: expected one of {IMPLS}, got {self.impl!r}")
+        if self.kind not in LINEAR_KINDS:
+            raise ValueError(f"kind: expected one of {LINEAR_KINDS}, got {self.kind!r}")
+        if self.kind == "kda" and self.n_k_heads != self.n_v_heads:
+            raise ValueError(f"n_v_heads: Kimi Delta Attention has as many key as value heads, got {self.n_k_heads} and {self.n_v_heads}")
         for name in ("n_k_heads", "n_v_heads", "k_head_dim", "v_head_dim", "conv", "chunk_size"):
             check_positive_int(name, getattr(self, name))
         if self.n_v_heads % self.n_k_heads:
@@ -1129,10 +1139,20 @@ class LinearAttentionConfig:
         return self.n_v_heads * self.v_head_dim
 
 
+LINEAR_KINDS = ("gated_deltanet", "kda")
+
+
 def linear_attention_shapes(H: int, cfg: LinearAttentionConfig) -> dict[str, tuple[int, ...]]:
-    """Gated DeltaNet's parameters, name -> shape (linear_attention's params)."""
+    """Gated DeltaNet's parameters, name -> shape (linear_attention's params); Kimi Delta
+    Attention's (kind "kda") have the decay's and the gate's low-rank pairs wf_a [H, Dk],
+    wf_b [Dk, N Dk] and wz_a [H, Dv], wz_b [Dv, N Dv] instead of wa and wz, and dt_bias [N Dk]."""
     Ck, Cv, Nv, K = cfg.k_channels, cfg.v_channels, cfg.n_v_heads, cfg.conv
-    return dict(wq=(H, Ck), wk=(H, Ck), wv=(H, Cv), wz=(H, Cv), wb=(H, Nv), wa=(H, Nv), conv_q=(K, Ck), conv_k=(K, Ck), conv_v=(K, Cv),
+    convs = dict(conv_q=(K, Ck), conv_k=(K, Ck), conv_v=(K, Cv))
+    if cfg.kind == "kda":
+        Dk, Dv = cfg.k_head_dim, cfg.v_head_dim
+        return dict(wq=(H, Ck), wk=(H, Ck), wv=(H, Cv), wz_a=(H, Dv), wz_b=(Dv, Cv), wb=(H, Nv), wf_a=(H, Dk), wf_b=(Dk, Ck), **convs,
+                    A_log=(Nv,), dt_bias=(Ck,), out_norm=(Dv,), wo=(Cv, H))
+    return dict(wq=(H, Ck), wk=(H, Ck), wv=(H, Cv), wz=(H, Cv), wb=(H, Nv), wa=(H, Nv), **convs,
                 A_log=(Nv,), dt_bias=(Nv,), out_norm=(cfg.v_head_dim,), wo=(Cv, H))
 
 
@@ -1216,6 +1236,12 @@ def linear_attention(x: torch.Tensor, params, cfg: LinearAttentionConfig, ctx: "
         o = gated_delta_rule(q, k, v, g, beta)               q, k repeated over the value heads
         y = (rmsnorm(o) out_norm * silu(x wz)) wo           the norm over each head's Dv
 
+    Kimi Delta Attention (cfg.kind "kda", Kimi Linear) differs in the decay, per key channel,
+    and the output gate, low rank through a sigmoid:
+
+        g = -exp(A_log) softplus(x wf_a wf_b + dt_bias)     [T, N, Dk]: A_log per head
+        y = (rmsnorm(o) out_norm * sigmoid(x wz_a wz_b)) wo
+
     The convolution and the rule restart at each document (ctx.cu_seqlens), so a document's
     outputs do not depend on what it is packed with. In decoding (ctx.linear_states, a
     LinearStates of S sequences) x holds S sequences' T new tokens each, [S T, H] in that
@@ -1270,7 +1296,11 @@ def linear_attention(x: torch.Tensor, params, cfg: LinearAttentionConfig, ctx: "
     q, k = (_l2_normalize(t.reshape(B, T // B, Nk, Dk)).repeat_interleave(r, dim=2) for t in qkv[:2])
     v = qkv[2].reshape(B, T // B, Nv, Dv)
     beta = torch.sigmoid(x @ params["wb"]).reshape(B, T // B, Nv)
-    g = (-params["A_log"].float().exp() * F.softplus((x @ params["wa"]).float() + params["dt_bias"].float())).reshape(B, T // B, Nv)
+    if cfg.kind == "kda":  # a decay per key channel (key and value heads alike)
+        f = ((x @ params["wf_a"]) @ params["wf_b"]).float() + params["dt_bias"].float()
+        g = (-params["A_log"].float().exp().repeat_interleave(Dk) * F.softplus(f)).reshape(B, T // B, Nv, Dk)
+    else:
+        g = (-params["A_log"].float().exp() * F.softplus((x @ params["wa"]).float() + params["dt_bias"].float())).reshape(B, T // B, Nv)
     if split is not None:
         o = split.gated_delta_rule(q, k, v, g, beta, cu, chunk_size=cfg.chunk_size, impl=cfg.impl)
     elif states is None:
@@ -1279,6 +1309,9 @@ def linear_attention(x: torch.Tensor, params, cfg: LinearAttentionConfig, ctx: "
         o, states.state = gated_delta_rule(q, k, v, g, beta, initial_state=states.state, final_state=True, chunk_size=cfg.chunk_size,
                                            impl=cfg.impl)
     o_TNV = o.reshape(T, Nv, Dv)
-    z_TNV = (x @ params["wz"]).reshape(T, Nv, Dv)
-    gated = (_rms_norm(o_TNV, params["out_norm"], cfg.norm_eps).float() * F.silu(z_TNV.float())).to(x.dtype)
+    if cfg.kind == "kda":
+        gate = torch.sigmoid(((x @ params["wz_a"]) @ params["wz_b"]).reshape(T, Nv, Dv).float())
+    else:
+        gate = F.silu((x @ params["wz"]).reshape(T, Nv, Dv).float())
+    gated = (_rms_norm(o_TNV, params["out_norm"], cfg.norm_eps).float() * gate).to(x.dtype)
     return gated.reshape(T, Nv * Dv) @ params["wo"], TensorDict({}, batch_size=[])

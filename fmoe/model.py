@@ -321,7 +321,8 @@ class TransformerConfig:
     linear attention instead of softmax attention (Qwen3-Next, Qwen3.5: three in four;
     fmoe.layers.linear_attention) with linear_k_heads query/key heads of linear_k_dim,
     linear_v_heads value heads of linear_v_dim and a causal convolution of linear_conv taps;
-    the attention knobs (window, chunk, NoPE, q/k norms, gate) are the other blocks'. The
+    linear_kind "kda": Kimi Delta Attention instead (Kimi Linear: a decay per key channel, a
+    low-rank output gate; as many key as value heads); the attention knobs (window, chunk, NoPE, q/k norms, gate) are the other blocks'. The
     MTP blocks always attend. mtp_depth MTP modules; mtp_norm: each with its own output
     norm before the shared head (DeepSeek-V3, GLM-4.5, Megatron Core) instead of the
     trunk's final norm. impl: "auto" | "triton" | "torch"
@@ -406,6 +407,7 @@ class TransformerConfig:
     linear_k_dim: int = 32
     linear_v_dim: int = 32
     linear_conv: int = 4
+    linear_kind: str = "gated_deltanet"
     mtp_depth: int = 0
     mtp_norm: bool = False
     norm_eps: float = 1e-6
@@ -444,8 +446,6 @@ class TransformerConfig:
         for name in ("pre_norms", "post_norms", "nope_qk_norm", "route_on_input", "attn_gate", "zero_centered_norms"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
-        if self.nope_layers is not None and self.kv_rank is not None:
-            raise ValueError("nope_layers: multi-latent attention always rotates its rope part (NoPE blocks are grouped-query attention's)")
         for name in ("moe_layers", "window_layers", "chunk_layers", "nope_layers", "linear_layers"):  # block lists: distinct indices, kept sorted
             layers = getattr(self, name)
             if layers is None:
@@ -520,7 +520,7 @@ class TransformerConfig:
         """The linear-attention blocks' (linear_layers) Gated DeltaNet."""
         return LinearAttentionConfig(n_k_heads=self.linear_k_heads, n_v_heads=self.linear_v_heads, k_head_dim=self.linear_k_dim,
                                      v_head_dim=self.linear_v_dim, conv=self.linear_conv, norm_eps=self.norm_eps,
-                                     impl="auto" if self.impl == "flex" else self.impl)
+                                     impl="auto" if self.impl == "flex" else self.impl, kind=self.linear_kind)
 
     def attention_config(self, *, local: bool = False, rope: bool = True) -> AttentionConfig:
         """The attention of a block that attends over every earlier token, or with local
@@ -643,7 +643,9 @@ class LinearAttention(nn.Module):
     """Parameters of a Gated DeltaNet block's mixer (linear attention); forward calls
     fmoe.layers.linear_attention. Owns wq, wk [H, Nk Dk], wv, wz [H, Nv Dv], wb, wa [H, Nv],
     the convolution's taps conv_q, conv_k [K, Nk Dk], conv_v [K, Nv Dv], A_log, dt_bias
-    [Nv], the gated output norm out_norm [Dv] and wo [Nv Dv, H] (linear_attention_shapes)."""
+    [Nv], the gated output norm out_norm [Dv] and wo [Nv Dv, H] (linear_attention_shapes;
+    Kimi Delta Attention's, linear_kind "kda": wf_a, wf_b, wz_a, wz_b, dt_bias [N Dk] instead
+    of wa, wz and dt_bias [Nv])."""
 
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
@@ -656,8 +658,8 @@ class LinearAttention(nn.Module):
 
     def forward(self, x_TH, ctx: AttentionContext):
         params = {n: _local(getattr(self, n)) for n in self.names}
-        if self.tensor_parallel is not None:  # the output norm's weight: every rank's heads use it
-            params["out_norm"] = self.tensor_parallel.weight(params["out_norm"])
+        if self.tensor_parallel is not None:  # the output norm's weight (and KDA's down projections): every rank's heads use them
+            params.update({n: self.tensor_parallel.weight(params[n]) for n in self.tensor_parallel.replicated})
         return linear_attention(x_TH, params, self.cfg, ctx)[0]
 
 

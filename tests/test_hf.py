@@ -193,6 +193,13 @@ FAMILIES = {
                                                                   linear_value_head_dim=6, linear_conv_kernel_dim=3, tie_word_embeddings=True,
                                                                   rope_parameters=dict(rope_type="default", rope_theta=500.0,
                                                                                        partial_rotary_factor=0.25)),
+    # Kimi Linear: Kimi Delta Attention in layers 0 and 2 (a decay per key channel, low-rank decay and gate), multi-latent
+    # attention without RoPE in layer 1; DeepSeek-V3's routing over 2 groups of 4 experts, x 2.446; a shared expert, layer 0 dense
+    "kimi_linear": lambda: transformers.KimiLinearConfig(
+        **{**COMMON, "num_key_value_heads": 4}, intermediate_size=40, moe_intermediate_size=16, num_local_experts=8, num_experts_per_tok=3,
+        n_group=2, topk_group=1, n_shared_experts=1, kv_lora_rank=8, q_lora_rank=None, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5,
+        linear_head_dim=8, linear_num_heads=4, layer_types=["linear_attention", "full_attention", "linear_attention"],
+        mlp_layer_types=["dense", "sparse", "sparse"], bos_token_id=None, eos_token_id=None, pad_token_id=None),
 }
 DOCS = (7, 12, 5)  # packed documents
 
@@ -1223,6 +1230,44 @@ def test_a_released_kimi_k25_folder_loads_its_text_model(folders, tmp_path):
     out = hf.save_pretrained(model, tmp_path / "text-int4")
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
     assert all(torch.equal(_read_all(out)[k], v) for k, v in dequantised.items())
+
+
+def test_a_released_kimi_linear_folder_loads_as_transformers_reads_it(folders, tmp_path):
+    """Kimi Linear's released folders: the config in their own fields (linear_attn_config with
+    its layers numbered from 1, first_k_dense_replace, mla_use_nope, the router's activation)
+    maps as transformers' KimiLinearConfig reads it; the dense block's MLP under mlp. (where
+    transformers writes block_sparse_moe.) loads with transformers' logits and is written back
+    under that name, the weights bit-identical. mla_use_nope false, another router than the
+    sigmoid and a layer outside the model are refused."""
+    path, ref = folders["kimi_linear"]
+    _, cfg = hf.read_config(path)
+
+    def released(c):
+        for name in ("layer_types", "mlp_layer_types", "linear_head_dim", "linear_num_heads", "linear_conv_kernel_dim"):
+            c.pop(name)
+        c.update(linear_attn_config=dict(num_heads=4, head_dim=8, short_conv_kernel_size=4, full_attn_layers=[2], kda_layers=[1, 3]),
+                 first_k_dense_replace=1, mla_use_nope=True, moe_router_activation_func="sigmoid")
+
+    tensors = {k.replace("layers.0.block_sparse_moe.", "layers.0.mlp."): v for k, v in _read_all(path).items()}
+    assert any(".0.mlp.gate_proj" in k for k in tensors)
+    folder = _copy_folder(path, tmp_path / "released", tensors, released)
+    config = json.loads((folder / "config.json").read_text())
+    theirs = transformers.KimiLinearConfig(**{k: v for k, v in config.items() if k != "model_type"})
+    assert hf.read_config(folder)[1] == cfg == TransformerConfig(**hf.FAMILIES["kimi_linear"].kwargs(dict(theirs.to_dict(), model_type="kimi_linear")))
+    assert (cfg.linear_layers, cfg.nope_layers, cfg.linear_kind, cfg.n_dense) == ((0, 2), (1,), "kda", 1)
+    model, _ = hf.from_pretrained(folder, impl="torch")
+    docs, ids, cu = _packed()
+    with torch.no_grad():
+        want = torch.cat([ref(d[None]).logits[0] for d in docs])
+        assert _rel(model.logits(ids, cu), want) < 1e-5
+    out = hf.save_pretrained(model, tmp_path / "again")
+    assert filecmp.cmp(folder / "model.safetensors", out / "model.safetensors", shallow=False)
+    for change, match in ((dict(mla_use_nope=False), "mla_use_nope = False is not supported"),
+                          (dict(moe_router_activation_func="softmax"), "moe_router_activation_func = 'softmax' is not supported"),
+                          (dict(linear_attn_config=dict(config["linear_attn_config"], kda_layers=[1, 4])),
+                           "linear_attn_config lists layer 4, not one of the 3 layers")):
+        with pytest.raises(ValueError, match=match):
+            hf.read_config(_edit(folder, tmp_path / f"bad-{len(str(change))}", lambda c: c.update(change)))
 
 
 def test_released_routing_semantics_matter(folders):

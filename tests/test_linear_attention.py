@@ -1,6 +1,7 @@
-"""fmoe.layers.linear_attention (Gated DeltaNet) against a token-by-token loop written from
-the paper's recurrence, against transformers' Qwen3.5 GatedDeltaNet module, over packed
-documents, and in decoding (LinearStates) against the whole sequence at once."""
+"""fmoe.layers.linear_attention (Gated DeltaNet, and Kimi Delta Attention) against a
+token-by-token loop written from the papers' recurrence, against transformers' Qwen3.5
+GatedDeltaNet and Kimi Linear KimiDeltaAttention modules, over packed documents, and in
+decoding (LinearStates) against the whole sequence at once."""
 
 import dataclasses
 
@@ -13,6 +14,7 @@ from fmoe.layers import (AttentionConfig, LinearAttentionConfig, LinearStates, a
 
 H = 24
 CFG = LinearAttentionConfig(n_k_heads=2, n_v_heads=4, k_head_dim=8, v_head_dim=6, conv=4, chunk_size=8)
+KDA = LinearAttentionConfig(n_k_heads=3, n_v_heads=3, k_head_dim=8, v_head_dim=6, conv=3, chunk_size=8, kind="kda")
 
 
 def _params(cfg=CFG, seed=0, dtype=torch.float32):
@@ -56,24 +58,32 @@ def _loop(x, p, cfg, cu):
             k = F.normalize(conv["k"].view(Nk, Dk), dim=-1, eps=0).repeat_interleave(Nv // Nk, 0)
             v = conv["v"].view(Nv, Dv)
             beta = torch.sigmoid(x[t] @ p["wb"])
-            g = -p["A_log"].exp() * F.softplus(x[t] @ p["wa"] + p["dt_bias"])
-            S = S * g.exp()[:, None, None]
+            if cfg.kind == "kda":  # a decay per key channel: rows of S
+                g = -p["A_log"].exp()[:, None] * F.softplus(x[t] @ p["wf_a"] @ p["wf_b"] + p["dt_bias"]).view(Nv, Dk)
+                S = S * g.exp()[:, :, None]
+            else:
+                g = -p["A_log"].exp() * F.softplus(x[t] @ p["wa"] + p["dt_bias"])
+                S = S * g.exp()[:, None, None]
             u = beta[:, None] * (v - torch.einsum("nkv,nk->nv", S, k))
             S = S + k[:, :, None] * u[:, None, :]
             o = torch.einsum("nkv,nk->nv", S, q / Dk ** 0.5)
             o = o * torch.rsqrt(o.square().mean(-1, keepdim=True) + cfg.norm_eps) * p["out_norm"]
-            z = (x[t] @ p["wz"]).view(Nv, Dv)
-            out.append((o * F.silu(z)).reshape(-1) @ p["wo"])
+            if cfg.kind == "kda":
+                gate = torch.sigmoid((x[t] @ p["wz_a"] @ p["wz_b"]).view(Nv, Dv))
+            else:
+                gate = F.silu((x[t] @ p["wz"]).view(Nv, Dv))
+            out.append((o * gate).reshape(-1) @ p["wo"])
     return torch.stack(out)
 
 
-def test_matches_the_token_loop_over_packed_documents():
+@pytest.mark.parametrize("cfg", [CFG, KDA], ids=["gated-deltanet", "kda"])
+def test_matches_the_token_loop_over_packed_documents(cfg):
     cu = torch.tensor([0, 5, 5, 19, 20, 31], dtype=torch.int32)
     x = torch.randn(31, H)
-    p = _params()
-    y, stats = linear_attention(x, p, CFG, _ctx(cu, 31))
+    p = _params(cfg)
+    y, stats = linear_attention(x, p, cfg, _ctx(cu, 31))
     assert stats.is_empty()
-    torch.testing.assert_close(y.double(), _loop(x, p, CFG, cu), rtol=2e-4, atol=2e-5)
+    torch.testing.assert_close(y.double(), _loop(x, p, cfg, cu), rtol=2e-4, atol=2e-5)
 
 
 def test_documents_do_not_see_each_other():
@@ -122,29 +132,62 @@ def test_matches_transformers_qwen3_5_gated_delta_net():
             torch.testing.assert_close(got, want[b], rtol=1e-4, atol=1e-5)
 
 
-def test_decoding_continues_the_states():
+def test_matches_transformers_kimi_delta_attention():
+    """transformers' Kimi Linear module (its torch fallback), weights copied into fmoe's
+    layout: the q, k, v convolutions [C, 1, K], A_log [1, 1, N, 1], the low-rank decay
+    (f_a, f_b) and gate (g_a, g_b)."""
+    kimi = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear", reason="transformers (the test extra) not installed")
+    from transformers import KimiLinearConfig
+
+    hf_cfg = KimiLinearConfig(hidden_size=H, linear_num_heads=3, linear_head_dim=8, linear_conv_kernel_dim=3, num_hidden_layers=1,
+                              layer_types=["linear_attention"], mlp_layer_types=["dense"])
+    torch.manual_seed(0)
+    ref = kimi.KimiLinearDeltaAttention(hf_cfg, 0)
+    with torch.no_grad():
+        for prm in ref.parameters():
+            prm.normal_(0, 0.3)
+        ref.forget_gate.A_log.copy_(torch.log(torch.rand(1, 1, 3, 1) * 15 + 1))
+    t = lambda m: m.weight.t()  # noqa: E731
+    conv = lambda m: m.weight[:, 0, :].t()  # noqa: E731  [K, C]
+    gate = ref.forget_gate
+    p = dict(wq=t(ref.q_proj), wk=t(ref.k_proj), wv=t(ref.v_proj), wz_a=t(ref.g_a_proj), wz_b=t(ref.g_b_proj), wb=t(ref.b_proj),
+             wf_a=t(gate.f_a_proj), wf_b=t(gate.f_b_proj), A_log=gate.A_log.flatten(), dt_bias=gate.dt_bias, out_norm=ref.o_norm.weight,
+             wo=t(ref.o_proj))
+    convs = conv(ref.conv1d)  # q's, k's, v's channels
+    p.update(conv_q=convs[:, :24], conv_k=convs[:, 24:48], conv_v=convs[:, 48:])
+    cfg = LinearAttentionConfig(n_k_heads=3, n_v_heads=3, k_head_dim=8, v_head_dim=8, conv=3, norm_eps=hf_cfg.rms_norm_eps, kind="kda")
+    x = torch.randn(2, 70, H)
+    with torch.no_grad():
+        want = ref(x)
+        for b in range(2):
+            got, _ = linear_attention(x[b], p, cfg, _ctx(torch.tensor([0, 70], dtype=torch.int32), 70))
+            torch.testing.assert_close(got, want[b], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("cfg", [CFG, KDA], ids=["gated-deltanet", "kda"])
+def test_decoding_continues_the_states(cfg):
     """A prompt, then steps of one token, of two sequences at once through LinearStates,
     equal each whole sequence's outputs; the conv state holds the last K - 1 projections."""
-    p = {n: t.detach() for n, t in _params(seed=2).items()}
+    p = {n: t.detach() for n, t in _params(cfg, seed=2).items()}
     x = torch.randn(2, 13, H)
-    whole = [linear_attention(x[b], p, CFG, _ctx(torch.tensor([0, 13], dtype=torch.int32), 13))[0] for b in range(2)]
-    C = 2 * CFG.k_channels + CFG.v_channels
-    states = LinearStates(torch.zeros(2, CFG.conv - 1, C), torch.zeros(2, CFG.n_v_heads, CFG.k_head_dim, CFG.v_head_dim))
+    whole = [linear_attention(x[b], p, cfg, _ctx(torch.tensor([0, 13], dtype=torch.int32), 13))[0] for b in range(2)]
+    C = 2 * cfg.k_channels + cfg.v_channels
+    states = LinearStates(torch.zeros(2, cfg.conv - 1, C), torch.zeros(2, cfg.n_v_heads, cfg.k_head_dim, cfg.v_head_dim))
     ctx = dataclasses.replace(_ctx(torch.tensor([0, 1], dtype=torch.int32), 1), linear_states=states, cu_seqlens=None)
-    outs = [linear_attention(x[:, :9].reshape(18, H), p, CFG, ctx)[0].view(2, 9, H)]
+    outs = [linear_attention(x[:, :9].reshape(18, H), p, cfg, ctx)[0].view(2, 9, H)]
     for t in range(9, 13):
-        outs.append(linear_attention(x[:, t], p, CFG, ctx)[0].view(2, 1, H))
+        outs.append(linear_attention(x[:, t], p, cfg, ctx)[0].view(2, 1, H))
     got = torch.cat(outs, dim=1)
     for b in range(2):
         torch.testing.assert_close(got[b], whole[b], rtol=1e-5, atol=1e-6)
-    last = torch.cat([x[:, 10:13] @ p[n] for n in ("wq", "wk", "wv")], dim=-1)
+    last = torch.cat([x[:, 14 - cfg.conv:13] @ p[n] for n in ("wq", "wk", "wv")], dim=-1)
     torch.testing.assert_close(states.conv, last)
     # rows after `tokens` are padding (decoding under tensor parallelism): outputs 0, the states those of the real rows
     padded = LinearStates(torch.zeros_like(states.conv), torch.zeros_like(states.state), tokens=18)
-    y, _ = linear_attention(torch.cat([x[:, :9].reshape(18, H), x[:1, 8]]), p, CFG, dataclasses.replace(ctx, linear_states=padded))
+    y, _ = linear_attention(torch.cat([x[:, :9].reshape(18, H), x[:1, 8]]), p, cfg, dataclasses.replace(ctx, linear_states=padded))
     torch.testing.assert_close(y[:18], outs[0].reshape(18, H))
     assert y.shape == (19, H) and not y[18].any()
-    torch.testing.assert_close(padded.conv, torch.cat([x[:, 6:9] @ p[n] for n in ("wq", "wk", "wv")], dim=-1))
+    torch.testing.assert_close(padded.conv, torch.cat([x[:, 10 - cfg.conv:9] @ p[n] for n in ("wq", "wk", "wv")], dim=-1))
 
 
 def test_bf16():
@@ -163,6 +206,8 @@ def test_bf16():
     (dict(n_v_heads=3), r"n_v_heads: 3 value heads do not split over 2 key heads"),
     (dict(conv=0), r"conv: expected >= 1"),
     (dict(norm_eps=0.0), r"norm_eps: expected a positive number"),
+    (dict(kind="mamba"), r"kind: expected one of \('gated_deltanet', 'kda'\), got 'mamba'"),
+    (dict(kind="kda"), r"n_v_heads: Kimi Delta Attention has as many key as value heads, got 2 and 4"),
 ])
 def test_config_checks(change, match):
     with pytest.raises(ValueError, match=match):

@@ -43,6 +43,11 @@ VARIANTS = {
     # per-head q/k norms and partial RoPE in block 2 (and MTP), zero-centred norms, a gated shared expert
     "gated deltanet": dataclasses.replace(TINY, linear_layers=(0, 1), linear_k_heads=2, linear_v_heads=4, linear_k_dim=8, linear_v_dim=6,
                                           zero_centered_norms=True, attn_gate=True, qk_norm="head", rope_dim=4, shared_gate=True, mtp_depth=1),
+    # Kimi Linear's blocks: Kimi Delta Attention in blocks 0 and 1 (a decay per key channel, low-rank decay and gate),
+    # multi-latent attention without RoPE in block 2 (and MTP's block, with RoPE)
+    "kimi linear": dataclasses.replace(TINY, linear_layers=(0, 1), linear_kind="kda", linear_k_heads=2, linear_v_heads=2, linear_k_dim=8,
+                                       linear_v_dim=6, n_kv_heads=4, head_dim=12, rope_dim=4, kv_rank=6, v_head_dim=5, nope_layers=(2,),
+                                       n_groups=2, topk_groups=1, group_score_topk=2, mtp_depth=1),
     "sandwich norms": dataclasses.replace(TINY, post_norms=True),
     # gpt-oss's pieces: q/k/v/o biases, attention sinks, a router bias, expert biases, the
     # clamped SwiGLU, YaRN without truncation, sliding windows in blocks 0 and 2
@@ -184,12 +189,8 @@ def test_nope_layers_attend_without_rope():
 def test_nope_knobs_are_checked():
     with pytest.raises(ValueError, match=r"nope_layers: expected distinct block indices in 0..2, got \(1, 3\)"):
         dataclasses.replace(TINY, nope_layers=(1, 3))
-    with pytest.raises(ValueError, match="nope_layers: multi-latent attention always rotates"):
-        dataclasses.replace(VARIANTS["mla, group top-2, mtp norm"], nope_layers=(0,))
     with pytest.raises(ValueError, match="rope: expected a bool, got 0"):
         TINY.attention_config(rope=0)
-    with pytest.raises(ValueError, match="rope: multi-latent attention always rotates"):
-        VARIANTS["mla, group top-2, mtp norm"].attention_config(rope=False)
     cfg = dataclasses.replace(TINY, nope_layers=(2, 0))
     assert cfg.nope_layers == (0, 2) and [cfg.is_nope(i) for i in range(3)] == [True, False, True] and not TINY.is_nope(0)
 
@@ -662,6 +663,8 @@ DECODED = {
                                            llama3_factor=4.0, llama3_original_max_positions=16),
     # Qwen3-Next's: Gated DeltaNet blocks 0 and 1 (their conv and delta-rule states) beside a gated-attention block
     "gated deltanet": dataclasses.replace(VARIANTS["gated deltanet"], mtp_depth=0),
+    # Kimi Linear's: Kimi Delta Attention blocks (a decay per key channel in the states) beside an MLA block without RoPE
+    "kimi linear": dataclasses.replace(VARIANTS["kimi linear"], mtp_depth=0),
 }
 
 
@@ -700,10 +703,11 @@ def test_decode_with_a_kv_cache_equals_the_whole_sequence(name, monkeypatch):
     assert not got[0].requires_grad  # inference: no graph kept
     assert cache.k[:, 13:].abs().sum() == 0 and cache.k[:, :13].abs().amin(dim=(2, 3)).gt(0).all()
     cfg = model.cfg
-    if cfg.kv_rank is not None:  # the latents only: kv_rank + rope_dim per token and layer
-        assert cache.k.shape == (cfg.n_layers, 16, 1, cfg.kv_rank + cfg.rope_dim) and cache.v.data_ptr() == cache.k.data_ptr()
-        # 6 calls x 3 layers (and the whole sequence's logits): calls of 1 token absorbed, of 5 and 4 expanded
-        assert forms.count("_mla_latent_qkv") == 4 * cfg.n_layers and forms.count("_mla_expand") == (1 + 2) * cfg.n_layers
+    attending = cfg.n_layers - len(cfg.linear_layers or ())
+    if cfg.kv_rank is not None:  # the latents only: kv_rank + rope_dim per token and attending layer
+        assert cache.k.shape == (attending, 16, 1, cfg.kv_rank + cfg.rope_dim) and cache.v.data_ptr() == cache.k.data_ptr()
+        # 6 calls x the attending layers (and the whole sequence's logits): calls of 1 token absorbed, of 5 and 4 expanded
+        assert forms.count("_mla_latent_qkv") == 4 * attending and forms.count("_mla_expand") == (1 + 2) * attending
     else:
         assert cache.k.shape == cache.v.shape == (len(cache.full_layers), 16, cfg.n_kv_heads, cfg.head_dim)
     if cfg.linear_layers is not None:  # a state of fixed size per linear-attention layer: the conv's last K - 1 tokens, the rule's state
@@ -711,7 +715,8 @@ def test_decode_with_a_kv_cache_equals_the_whole_sequence(name, monkeypatch):
         assert cache.linear_layers == cfg.linear_layers == (0, 1) and cache.full_layers == (2,)
         assert cache.conv.shape == (2, 1, lin.conv - 1, 2 * lin.k_channels + lin.v_channels)
         assert cache.state.shape == (2, 1, lin.n_v_heads, lin.k_head_dim, lin.v_head_dim) and cache.state.abs().amin(dim=(2, 3, 4)).gt(0).all()
-        assert cache.nbytes == 4 * (2 * 16 * cfg.n_kv_heads * cfg.head_dim + cache.conv.numel() + cache.state.numel())
+        keys = cache.k.numel() if cfg.kv_rank is not None else 2 * 16 * cfg.n_kv_heads * cfg.head_dim  # the latents, or keys and values
+        assert cache.nbytes == 4 * (keys + cache.conv.numel() + cache.state.numel())
     elif cfg.window is None and cfg.chunk is None:
         assert cache.full_layers == tuple(range(cfg.n_layers)) and cache.k_window.numel() == 0
     else:  # the sliding-window (chunked) layers keep a ring of the window's (chunk's) newest tokens only

@@ -24,6 +24,8 @@ heads (attention) or of the FFN columns (SwiGLU) and the output is a sum over ra
                 A_log, dt_bias [Nv]      Shard(0)
                 wo [Nv*Dv, H]            Shard(0)
                 out_norm [Dv]            replicated (the gated output norm, per head)
+                (kind "kda": wz_b, wf_b  Shard(1), dt_bias [N*Dk] Shard(0); wz_a, wf_a
+                replicated, their gradients summed over tp)
 
 The parameters become DTensors over the tp mesh (so FSDP2 composes with them and DCP can
 reshard them); the module computes on their local shards.
@@ -335,7 +337,11 @@ class LinearAttentionParallel(_HeadsRegion):
     T tokens (the documents of the micro-batch) for its heads; the outputs are summed."""
 
     head_counts = ("n_k_heads", "n_v_heads")
-    shard_dims = dict(wq=1, wk=1, wv=1, wz=1, wb=1, wa=1, conv_q=1, conv_k=1, conv_v=1, A_log=0, dt_bias=0, wo=0)
+
+    def _shard_dims(self, module):
+        if module.cfg.kind == "kda":  # the low-rank pairs' second halves by their heads; wf_a, wz_a replicated
+            return dict(wq=1, wk=1, wv=1, wz_b=1, wb=1, wf_b=1, conv_q=1, conv_k=1, conv_v=1, A_log=0, dt_bias=0, wo=0)
+        return dict(wq=1, wk=1, wv=1, wz=1, wb=1, wa=1, conv_q=1, conv_k=1, conv_v=1, A_log=0, dt_bias=0, wo=0)
 
 
 class SwiGLUParallel(_ShardedRegion):

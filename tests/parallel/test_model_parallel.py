@@ -32,6 +32,10 @@ LLAMA4 = dict(chunk=5, chunk_layers=(1,), nope_layers=(0,), nope_temperature_flo
 # with per-head q/k norms and partial RoPE, zero-centred norms, a gated shared expert
 QWEN3_NEXT = dict(linear_layers=(0,), linear_k_heads=2, linear_v_heads=4, linear_k_dim=8, linear_v_dim=6, zero_centered_norms=True,
                   attn_gate=True, qk_norm="head", rope_dim=4, shared_gate=True)
+# Kimi Linear's: block 0 Kimi Delta Attention (2 heads, a decay per key channel, low-rank decay
+# and gate: their down projections on every tp rank), block 1 multi-latent attention without RoPE
+KIMI_LINEAR = dict(linear_layers=(0,), linear_kind="kda", linear_k_heads=2, linear_v_heads=2, linear_k_dim=8, linear_v_dim=6, **MLA,
+                   nope_layers=(1,))
 # Granite's multipliers: the softmax scale, the embeddings', the residual branches', the logits' divisor
 GRANITE = dict(attn_scale=0.3, embed_scale=2.0, residual_scale=0.6, logit_divisor=3.0)
 
@@ -260,6 +264,9 @@ CASES = {
     "cp2-gated-deltanet": (2, dict(cp=2), QWEN3_NEXT),
     "cp4-gated-deltanet-ac-full": (4, dict(cp=4), dict(QWEN3_NEXT, ac="full")),
     "cp2xtp2-gated-deltanet": (4, dict(cp=2, tp=2), QWEN3_NEXT),
+    # Kimi Delta Attention's heads over tp and its rule across a cp split
+    "tp2-kimi-linear": (2, dict(tp=2), KIMI_LINEAR),
+    "cp2xtp2-kimi-linear": (4, dict(cp=2, tp=2), KIMI_LINEAR),
 }
 
 
@@ -283,6 +290,7 @@ DECODE_CASES = {
     "ep2xetp2-fsdp": (4, dict(ep=2, etp=2), {}, None, 1e-5),
     # the linear-attention block's states per sequence, its heads split; odd calls padded for tp
     "tp2-gated-deltanet": (2, dict(tp=2), QWEN3_NEXT, None, 1e-5),
+    "tp2-kimi-linear": (2, dict(tp=2), KIMI_LINEAR, None, 1e-5),
 }
 
 
@@ -354,11 +362,11 @@ def results():
 # that mostly cancel, so every exact float32 form of the rule spreads them: on one process,
 # against the token loop, chunks of 24, 6 and 3 tokens are off by 4.6e-6, 3.1e-6 and 2.3e-6
 # (A_log); across a cp split (each cp chunk its own rule, then the scan) by up to 1e-5.
-DECAY = ("attn.A_log", "attn.dt_bias", "attn.wa")
+DECAY = ("attn.A_log", "attn.dt_bias", "attn.wa", "attn.wf_a", "attn.wf_b")  # the decay's parameters (Gated DeltaNet's, KDA's)
 
 
 def _tolerance(case: str, key: str) -> float:
-    return 3e-5 if case.startswith("cp") and "gated-deltanet" in case and key.endswith(DECAY) else 1e-5
+    return 3e-5 if case.startswith("cp") and ("gated-deltanet" in case or "kimi-linear" in case) and key.endswith(DECAY) else 1e-5
 
 
 @pytest.mark.parametrize("case", list(CASES))
