@@ -103,6 +103,17 @@ def test_documents_do_not_see_each_other():
         torch.testing.assert_close(xa.grad, gx[a:b], rtol=1e-4, atol=1e-5)  # chunks cut elsewhere: rounding
 
 
+def _matches_module(ref, p, cfg):
+    """fmoe's layer with the params p (ref's weights in fmoe's layout) gives transformers'
+    module ref's outputs on two sequences of 70 tokens."""
+    x = torch.randn(2, 70, H)
+    with torch.no_grad():
+        want = ref(x)
+        for b in range(2):
+            got, _ = linear_attention(x[b], p, cfg, _ctx(torch.tensor([0, 70], dtype=torch.int32), 70))
+            torch.testing.assert_close(got, want[b], rtol=1e-4, atol=1e-5)
+
+
 def test_matches_transformers_qwen3_5_gated_delta_net():
     """transformers' Qwen3.5 module (its torch fallback), weights copied into fmoe's layout:
     in_proj_qkv's rows are q, k and v; conv1d [C, 1, K]'s channels likewise."""
@@ -123,13 +134,7 @@ def test_matches_transformers_qwen3_5_gated_delta_net():
     p = dict(wq=qkv[:, :Ck], wk=qkv[:, Ck:2 * Ck], wv=qkv[:, 2 * Ck:], wz=ref.in_proj_z.weight.t(), wb=ref.in_proj_b.weight.t(),
              wa=ref.in_proj_a.weight.t(), conv_q=conv[:, :Ck], conv_k=conv[:, Ck:2 * Ck], conv_v=conv[:, 2 * Ck:], A_log=ref.A_log,
              dt_bias=ref.dt_bias, out_norm=ref.norm.weight, wo=ref.out_proj.weight.t())
-    cfg = dataclasses.replace(CFG, norm_eps=hf_cfg.rms_norm_eps, chunk_size=64)
-    x = torch.randn(2, 70, H)
-    with torch.no_grad():
-        want = ref(x)
-        for b in range(2):
-            got, _ = linear_attention(x[b], p, cfg, _ctx(torch.tensor([0, 70], dtype=torch.int32), 70))
-            torch.testing.assert_close(got, want[b], rtol=1e-4, atol=1e-5)
+    _matches_module(ref, p, dataclasses.replace(CFG, norm_eps=hf_cfg.rms_norm_eps, chunk_size=64))
 
 
 def test_matches_transformers_kimi_delta_attention():
@@ -155,13 +160,8 @@ def test_matches_transformers_kimi_delta_attention():
              wo=t(ref.o_proj))
     convs = conv(ref.conv1d)  # q's, k's, v's channels
     p.update(conv_q=convs[:, :24], conv_k=convs[:, 24:48], conv_v=convs[:, 48:])
-    cfg = LinearAttentionConfig(n_k_heads=3, n_v_heads=3, k_head_dim=8, v_head_dim=8, conv=3, norm_eps=hf_cfg.rms_norm_eps, kind="kda")
-    x = torch.randn(2, 70, H)
-    with torch.no_grad():
-        want = ref(x)
-        for b in range(2):
-            got, _ = linear_attention(x[b], p, cfg, _ctx(torch.tensor([0, 70], dtype=torch.int32), 70))
-            torch.testing.assert_close(got, want[b], rtol=1e-4, atol=1e-5)
+    _matches_module(ref, p, LinearAttentionConfig(n_k_heads=3, n_v_heads=3, k_head_dim=8, v_head_dim=8, conv=3, norm_eps=hf_cfg.rms_norm_eps,
+                                                  kind="kda"))
 
 
 @pytest.mark.parametrize("cfg", [CFG, KDA], ids=["gated-deltanet", "kda"])

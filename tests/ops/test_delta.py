@@ -90,28 +90,20 @@ def test_packed_gradients_equal_the_loop():
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
 
 
-def test_matches_transformers_torch_implementation():
-    """transformers' Qwen3-Next fallbacks (an independent implementation: its chunked form
-    and its recurrence), with an initial state and the final state."""
-    qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next", reason="transformers (the test extra) not installed")
-    q, k, v, g, beta = _inputs(2, 70, 3, 16, 8, seed=3)
+@pytest.mark.parametrize("module,chunked,recurrent,channels", [
+    ("qwen3_next.modeling_qwen3_next", "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", False),
+    ("kimi_linear.modeling_kimi_linear", "chunk_kimi_delta_attention", "recurrent_kimi_delta_attention", True),
+], ids=["qwen3-next", "kimi-linear"])
+def test_matches_transformers_torch_implementation(module, chunked, recurrent, channels):
+    """transformers' fallbacks (independent implementations: a chunked form and a recurrence),
+    Qwen3-Next's for a decay per head and Kimi Linear's for a decay per key channel, with an
+    initial state and the final state."""
+    theirs = pytest.importorskip(f"transformers.models.{module}", reason="transformers (the test extra) not installed")
+    q, k, v, g, beta = _inputs(2, 70, 3, 16, 8, seed=3, channels=channels)
     state0 = torch.randn(2, 3, 16, 8)
     o, state = gated_delta_rule(q, k, v, g, beta, initial_state=state0, final_state=True)
-    for theirs in (qwen3_next.torch_chunk_gated_delta_rule, qwen3_next.torch_recurrent_gated_delta_rule):
-        ref_o, ref_state = theirs(q, k, v, g, beta, initial_state=state0, output_final_state=True)
-        torch.testing.assert_close(o, ref_o, rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(state, ref_state, rtol=1e-4, atol=1e-5)
-
-
-def test_matches_kimi_linear_torch_implementation():
-    """A decay per key channel against transformers' Kimi Linear fallbacks (its chunked form
-    and its recurrence), with an initial state and the final state."""
-    kimi = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear", reason="transformers (the test extra) not installed")
-    q, k, v, g, beta = _inputs(2, 70, 3, 16, 8, seed=3, channels=True)
-    state0 = torch.randn(2, 3, 16, 8)
-    o, state = gated_delta_rule(q, k, v, g, beta, initial_state=state0, final_state=True)
-    for theirs in (kimi.chunk_kimi_delta_attention, kimi.recurrent_kimi_delta_attention):
-        ref_o, ref_state = theirs(q, k, v, g, beta, initial_state=state0, output_final_state=True)
+    for name in (chunked, recurrent):
+        ref_o, ref_state = getattr(theirs, name)(q, k, v, g, beta, initial_state=state0, output_final_state=True)
         torch.testing.assert_close(o, ref_o, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(state, ref_state, rtol=1e-4, atol=1e-5)
 
@@ -235,30 +227,16 @@ def test_states_kernels_pass_opcheck():
 
 
 @pytest.mark.gpu
-def test_gpu_real_shape():
-    """On CUDA at Qwen3-Next's heads (Dk = Dv = 128, 32 value heads), 8192 packed tokens in
-    documents of 5000, 3000 and 192: the kernels (impl "auto") against the torch states,
-    bf16 inputs, forward and backward."""
-    T, N, D = 8192, 32, 128
-    xs = [x.cuda().bfloat16().requires_grad_() for x in _inputs(1, T, N, D, D, seed=9)]
-    cu = torch.tensor([0, 5000, 8000, T], device="cuda")
-    grad_o = torch.randn(1, T, N, D, device="cuda", dtype=torch.bfloat16)
-    results = []
-    for impl in ("auto", "torch"):
-        o = gated_delta_rule(*xs, cu, impl=impl)
-        results.append((o, *torch.autograd.grad((o.float() * grad_o.float()).sum(), xs)))
-    for got, ref in zip(*results):
-        assert (got.float() - ref.float()).norm() / ref.float().norm() < 1e-2
-
-
-@pytest.mark.gpu
-def test_gpu_real_shape_per_channel():
-    """On CUDA at Kimi Linear's heads (32 heads of Dk = Dv = 128, a decay per key channel),
-    4096 packed tokens in documents of 3000 and 1096: impl "auto" against the torch states,
-    bf16 inputs, forward and backward."""
-    T, N, D = 4096, 32, 128
-    xs = [x.cuda().bfloat16().requires_grad_() for x in _inputs(1, T, N, D, D, seed=10, channels=True)]
-    cu = torch.tensor([0, 3000, T], device="cuda")
+@pytest.mark.parametrize("T,docs,channels,seed", [(8192, [0, 5000, 8000, 8192], False, 9), (4096, [0, 3000, 4096], True, 10)],
+                         ids=["qwen3-next", "kimi-linear"])
+def test_gpu_real_shape(T, docs, channels, seed):
+    """On CUDA at real heads (32 heads of Dk = Dv = 128): Qwen3-Next's (a decay per head), 8192
+    packed tokens in documents of 5000, 3000 and 192; Kimi Linear's (a decay per key channel),
+    4096 tokens in documents of 3000 and 1096. The kernels (impl "auto") against the torch
+    states, bf16 inputs, forward and backward."""
+    N, D = 32, 128
+    xs = [x.cuda().bfloat16().requires_grad_() for x in _inputs(1, T, N, D, D, seed=seed, channels=channels)]
+    cu = torch.tensor(docs, device="cuda")
     grad_o = torch.randn(1, T, N, D, device="cuda", dtype=torch.bfloat16)
     results = []
     for impl in ("auto", "torch"):
