@@ -1318,7 +1318,8 @@ SHARD_BYTES = 20000  # the sharded ranks' export: several files
 
 def _load_sharded(rank, world, path, family, out):
     """One rank: the model built on meta, sharded (FSDP2 over 2 ranks, experts over ep 2; or
-    its heads over tp 2, for Sarvam's fused q/k/v rows), materialised, then loaded: its bytes
+    its heads over tp 2, TP_FAMILIES: Sarvam's fused q/k/v rows, Kimi Linear's A_log [1, 1, N, 1]
+    and replicated low-rank down projections), materialised, then loaded: its bytes
     read and its gathered weights; then exported to `out` in shards of SHARD_BYTES (rank 0
     writes)."""
     from torch.distributed.tensor import DTensor
@@ -1329,7 +1330,7 @@ def _load_sharded(rank, world, path, family, out):
     config, cfg = hf.read_config(path)
     with torch.device("meta"):
         model = Transformer(dataclasses.replace(cfg, impl="torch"))
-    parallel.parallelize(model, parallel.build_meshes(tp=2) if family == "sarvam_moe" else parallel.build_meshes(ep=2, has_experts=True))
+    parallel.parallelize(model, parallel.build_meshes(tp=2) if family in TP_FAMILIES else parallel.build_meshes(ep=2, has_experts=True))
     parallel.materialize(model, torch.device("cpu"), seed=0)
     read = hf.load_weights(model, path, model_type=family)
     full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in hf._tensors(model).items()}
@@ -1341,7 +1342,8 @@ def _load_sharded(rank, world, path, family, out):
     return read, full
 
 
-SHARDED_FAMILIES = ("qwen3_moe", "deepseek_v3", "gpt_oss", "granitemoeshared", "sarvam_moe")
+SHARDED_FAMILIES = ("qwen3_moe", "deepseek_v3", "gpt_oss", "granitemoeshared", "sarvam_moe", "kimi_linear")
+TP_FAMILIES = ("sarvam_moe", "kimi_linear")
 
 
 def _load_sharded_families(rank, world, paths, out):
