@@ -80,15 +80,13 @@ def _check(q, k, v, g, beta, cu_seqlens, scale, initial_state) -> float:
     check_float("q", q, 4, "[B, T, N, Dk]")
     check_float("v", v, 4, "[B, T, N, Dv]")
     B, T, N, Dk = q.shape
-    for name, x, shape in (("k", k, (B, T, N, Dk)), ("v", v, (B, T, N, v.shape[-1])), ("g", g, (B, T, N)), ("beta", beta, (B, T, N))):
-        if name == "g" and isinstance(g, torch.Tensor) and g.ndim == 4:  # a decay per key channel
-            shape = (B, T, N, Dk)
-        what = "[B, T, N, Dk] or [B, T, N]" if name == "g" else "[B, T, N" + (", Dk]" if name == "k" else ", Dv]" if name == "v" else "]")
-        check_float(name, x, len(shape), what)
-        if tuple(x.shape) != shape:
-            also = f" or {[B, T, N, Dk]} (a decay per key channel)" if name == "g" and len(shape) == 3 else ""
-            raise ValueError(f"{name}: expected shape {list(shape)}{also} (q's B, T, N{', Dk' if len(shape) == 4 and name != 'v' else ''}), "
-                             f"got {list(x.shape)}")
+    per_channel = isinstance(g, torch.Tensor) and g.ndim == 4  # Kimi Delta Attention's decay
+    expected = dict(k=(B, T, N, Dk), v=(B, T, N, v.shape[-1]), g=(B, T, N, Dk) if per_channel else (B, T, N), beta=(B, T, N))
+    docs = dict(k="[B, T, N, Dk]", v="[B, T, N, Dv]", g="[B, T, N] or [B, T, N, Dk]", beta="[B, T, N]")
+    for name, x in (("k", k), ("v", v), ("g", g), ("beta", beta)):
+        check_float(name, x, len(expected[name]), docs[name])
+        if tuple(x.shape) != expected[name]:
+            raise ValueError(f"{name}: expected shape {list(expected[name])} ({docs[name]} of q's B, T, N, Dk), got {list(x.shape)}")
         if x.device != q.device:
             raise ValueError(f"{name}: expected q's device {q.device}, got {x.device}")
     if cu_seqlens is not None:
