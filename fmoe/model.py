@@ -322,8 +322,8 @@ class TransformerConfig:
     fmoe.layers.linear_attention) with linear_k_heads query/key heads of linear_k_dim,
     linear_v_heads value heads of linear_v_dim and a causal convolution of linear_conv taps;
     linear_kind "kda": Kimi Delta Attention instead (Kimi Linear: a decay per key channel, a
-    low-rank output gate; as many key as value heads); the attention knobs (window, chunk, NoPE, q/k norms, gate) are the other blocks'. The
-    MTP blocks always attend. mtp_depth MTP modules; mtp_norm: each with its own output
+    low-rank output gate; as many key as value heads); the attention knobs (window, chunk,
+    NoPE, q/k norms, gate) are the other blocks'. The MTP blocks always attend. mtp_depth MTP modules; mtp_norm: each with its own output
     norm before the shared head (DeepSeek-V3, GLM-4.5, Megatron Core) instead of the
     trunk's final norm. impl: "auto" | "triton" | "torch"
     for every op. ac: activation checkpointing, one of AC_MODES ("none" | "full" |
@@ -517,7 +517,7 @@ class TransformerConfig:
         )
 
     def linear_attention_config(self) -> LinearAttentionConfig:
-        """The linear-attention blocks' (linear_layers) Gated DeltaNet."""
+        """The linear-attention blocks' (linear_layers) Gated DeltaNet, or Kimi Delta Attention (linear_kind "kda")."""
         return LinearAttentionConfig(n_k_heads=self.linear_k_heads, n_v_heads=self.linear_v_heads, k_head_dim=self.linear_k_dim,
                                      v_head_dim=self.linear_v_dim, conv=self.linear_conv, norm_eps=self.norm_eps,
                                      impl="auto" if self.impl == "flex" else self.impl, kind=self.linear_kind)

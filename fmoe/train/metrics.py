@@ -163,10 +163,15 @@ def linear_attention_flops(hidden: int, cfg) -> float:
     and the decay's, the output), the convolution's K taps per channel of q, k and v, and
     the gated delta rule's three products with the Nv [Dk, Dv] states per token (what the
     state recalls for k, the write k u^T, the read for q): 6 (H (2 Ck + 2 Cv + 2 Nv) + Cv H +
-    K (2 Ck + Cv) + 3 Nv Dk Dv). Counted as the recurrence's math, as attention is counted by
-    its scores: the chunked form's own extra work inside each chunk is not."""
+    K (2 Ck + Cv) + 3 Nv Dk Dv). Kimi Delta Attention (kind "kda") counts its own projections
+    (its low-rank decay and gate: H Dk + Dk Ck and H Dv + Dv Cv in place of H Nv and H Cv).
+    Counted as the recurrence's math, as attention is counted by its scores: the chunked
+    form's own extra work inside each chunk is not."""
+    from fmoe.layers import linear_attention_shapes
+
     Ck, Cv, Nv = cfg.n_k_heads * cfg.k_head_dim, cfg.n_v_heads * cfg.v_head_dim, cfg.n_v_heads
-    return 6.0 * (hidden * (2 * Ck + 2 * Cv + 2 * Nv) + Cv * hidden + cfg.conv * (2 * Ck + Cv) + 3 * Nv * cfg.k_head_dim * cfg.v_head_dim)
+    weights = sum(rows * cols for name, (rows, cols) in ((n, s) for n, s in linear_attention_shapes(hidden, cfg).items() if n.startswith("w")))
+    return 6.0 * (weights + cfg.conv * (2 * Ck + Cv) + 3 * Nv * cfg.k_head_dim * cfg.v_head_dim)
 
 
 def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[float] = None) -> float:

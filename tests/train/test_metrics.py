@@ -1,5 +1,6 @@
 """fmoe.train.metrics and fmoe.train.plot: FLOPs by hand, MFU, expert load, JSONL logger."""
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -266,6 +267,11 @@ def test_model_flops_per_token_reads_the_model_config():
                                   "linear_v_dim": 6, "linear_conv": 4, "window": 4})
     layer = 6 * (64 * (2 * 16 + 2 * 24 + 2 * 4) + 24 * 64 + 4 * (2 * 16 + 24) + 3 * 4 * 8 * 6)
     assert M.linear_attention_flops(64, linear.linear_attention_config()) == layer
+    # Kimi Delta Attention (2 heads of 8): q, k, v [64 -> 16], b [64 -> 2], the decay's 64 -> 8 -> 16, the gate's 64 -> 8 -> 16,
+    # out [16 -> 64]; the taps of 3 x 16 channels; 3 products with 2 [8, 8] states
+    kda = dataclasses.replace(linear.linear_attention_config(), n_v_heads=2, v_head_dim=8, kind="kda")
+    kda_layer = 6 * (64 * (3 * 16 + 2) + 2 * (64 * 8 + 8 * 16) + 16 * 64 + 4 * 3 * 16 + 3 * 2 * 8 * 8)
+    assert M.linear_attention_flops(64, kda) == kda_layer
     # block 1 slides over its window (3 keys); the MTP block attends over all
     assert M.model_flops_per_token(linear, n_avg_keys=10.0, n_avg_local_keys=3.0) == expected - 2 * attention + 2 * layer - 12 * 64 * (10.0 - 3.0)
     with pytest.raises(ValueError, match=r"n_dense / n_sliding \+ n_linear: expected at most n_layers=3, got 1 / 2 \+ 2"):
