@@ -739,8 +739,8 @@ class Tensor:
     expert to stack along dim 0), each transposed when `transpose` (HF's [out, in] linear
     weights); `unit`: a stored dim of size 1 that fmoe's parameter leaves out (dim 0 of a
     [1, H] row: the shared expert's gate; dim 1 of a depthwise conv1d's [C, 1, K] weight), or
-    a tuple of them (Kimi Linear's A_log [1, 1, N, 1]: (0, 1, 3)), dropped before anything else; `part` (i, n): every n-th entry of the stored
-    last dim from entry i (gpt-oss's gate_up_proj [E, H, 2F] interleaves gate and up: the
+    a tuple of them (Kimi Linear's A_log [1, 1, N, 1]: (0, 1, 3)), dropped before anything
+    else; `part` (i, n): every n-th entry of the stored last dim from entry i (gpt-oss's gate_up_proj [E, H, 2F] interleaves gate and up: the
     gate is part (0, 2), the up part (1, 2)), the n parts sharing one key; `chunk` (i, sizes):
     the i-th of len(sizes) contiguous runs, of those relative sizes, that fill fmoe's last dim:
     the stored dim -2 of a transposed linear weight, the out dim (Granite's input_linear
