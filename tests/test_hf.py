@@ -235,11 +235,12 @@ def _rel(a, b):
 
 
 # The relative logits error allowed against transformers: 1e-5, but for the Gated DeltaNet
-# families: their rule's chunks round in another order than transformers' and the per-head
+# families (and Kimi Linear's Kimi Delta Attention: 6.7e-6 in this model, too near 1e-5 for a
+# bound): their rule's chunks round in another order than transformers' and the per-head
 # output norm magnifies it in a head whose output is small (in one of these random models
 # fmoe's token-by-token loop, its definition, is itself 2e-5 from transformers). A mapping
 # error moves them by 1e-2 and more.
-TOL = dict(qwen3_next=1e-4, qwen3_5_moe_text=1e-4, qwen3_5_moe=1e-4)
+TOL = dict(qwen3_next=1e-4, qwen3_5_moe_text=1e-4, qwen3_5_moe=1e-4, kimi_linear=1e-4)
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
@@ -1259,7 +1260,7 @@ def test_a_released_kimi_linear_folder_loads_as_transformers_reads_it(folders, t
     docs, ids, cu = _packed()
     with torch.no_grad():
         want = torch.cat([ref(d[None]).logits[0] for d in docs])
-        assert _rel(model.logits(ids, cu), want) < 1e-5
+        assert _rel(model.logits(ids, cu), want) < TOL["kimi_linear"]
     out = hf.save_pretrained(model, tmp_path / "again")
     assert filecmp.cmp(folder / "model.safetensors", out / "model.safetensors", shallow=False)
     for change, match in ((dict(mla_use_nope=False), "mla_use_nope = False is not supported"),
