@@ -143,15 +143,13 @@ def cases():
         yield name, loss._ce_fwd_kernel, ce_ptrs, ce_scalars, dict(MEAN=True, WRITE_GRAD=write_grad, **loss._ce_blocks(131072))
     ce_bwd_ptrs = dict(logits_ptr="*bf16", labels_ptr="*i64", lse_ptr="*fp32", grad_loss_ptr="*fp32", grad_ptr="*bf16", n_valid_ptr="*i64")
     yield "ce_bwd", loss._ce_bwd_kernel, ce_bwd_ptrs, ce_scalars, dict(MEAN=True, **loss._ce_blocks(131072))
-    # the gated delta rule's states over chunks of 64 at Qwen3-Next's heads, Dk = Dv = 128 (float32 terms); "rows": a
-    # decay per key channel (Kimi Delta Attention), a factor per row of the state
+    # the gated delta rule's states over chunks of 64 at Qwen3-Next's heads, Dk = Dv = 128 (float32 terms)
+    meta = delta._blocks(64, 128, 128)
     states_scalars = dict(M="i32", C="i32", K="i32", V="i32")
-    for suffix, rows in (("", False), (" rows", True)):
-        meta = dict(delta._blocks(64, 128, 128), ROWS=rows)
-        yield f"delta_states_fwd{suffix}", delta._delta_states_fwd_kernel, dict(wv_ptr="*fp32", wk_ptr="*fp32", kout_ptr="*fp32",
-                                                                              keep_ptr="*fp32", s0_ptr="*fp32", states_ptr="*fp32"), states_scalars, meta
-        yield f"delta_states_bwd{suffix}", delta._delta_states_bwd_kernel, dict(wk_ptr="*fp32", kout_ptr="*fp32", keep_ptr="*fp32",
-                                                                              dstates_ptr="*fp32", g_ptr="*fp32", du_ptr="*fp32"), states_scalars, meta
+    yield "delta_states_fwd", delta._delta_states_fwd_kernel, dict(wv_ptr="*fp32", wk_ptr="*fp32", kout_ptr="*fp32", keep_ptr="*fp32",
+                                                                   s0_ptr="*fp32", states_ptr="*fp32"), states_scalars, meta
+    yield "delta_states_bwd", delta._delta_states_bwd_kernel, dict(wk_ptr="*fp32", kout_ptr="*fp32", keep_ptr="*fp32", dstates_ptr="*fp32",
+                                                                   g_ptr="*fp32", du_ptr="*fp32"), states_scalars, meta
     # AdamW step (fmoe.optim.adamw), one program per CHUNK elements of a tensor
     adamw_ptrs = dict(table_ptr="*i64", chunk_tensor_ptr="*i64")
     adamw_scalars = dict(n_tensors="i32", decay="fp32", beta1="fp32", beta2="fp32", eps="fp32", step_size="fp32", bc2_sqrt="fp32")

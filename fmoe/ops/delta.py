@@ -145,8 +145,9 @@ def gated_delta_rule_loop(q, k, v, g, beta, cu_seqlens=None, *, scale=None, init
 #     du_m = K_m g,   g <- G_m + keep_m g - W_k,m^T du_m   (then the total of S_m)
 #
 # and the rest at once: dW_v,m = du_m, dW_k,m = -du_m S_m^T, dK_m = u_m g_m+1^T,
-# dkeep_m = sum(S_m * g_m+1), dS_0 = g_0. On CUDA each recurrence is one Triton kernel, one
-# program per (Dv block, batch row x head), the state's (or its gradient's) [Dk, BV] block
+# dkeep_m = the row sums of S_m * g_m+1 (keep_m: a factor per row of the state, the same for
+# every row with a decay per head), dS_0 = g_0. On CUDA each recurrence is one Triton
+# kernel, one program per (Dv block, batch row x head), the state's (or its gradient's) [Dk, BV] block
 # in registers for the whole sequence, in two row halves when Dk > 64. Its products run on
 # the tensor cores in 3xTF32 (each float32 operand as a TF32 part and its remainder: float32
 # accuracy, about 1e-6 relative, where a single TF32 product would round to 1e-3).
@@ -154,14 +155,13 @@ def gated_delta_rule_loop(q, k, v, g, beta, cu_seqlens=None, *, scale=None, init
 
 def _states_ref(w_v, w_k, k_out, keep, state0):
     """The states S_0 .. S_M [R, M + 1, Dk, Dv] of the recurrence above, chunk after chunk in
-    torch (autograd through it). w_v [R, M, C, Dv], w_k and k_out [R, M, C, Dk], keep [R, M]
-    (or [R, M, Dk]: a factor per row of the state, keep_m S_m = diag(keep_m) S_m) float32,
-    state0 [R, Dk, Dv]; R = batch rows x heads."""
+    torch (autograd through it). w_v [R, M, C, Dv], w_k and k_out [R, M, C, Dk], keep
+    [R, M, Dk] (a factor per row of the state: keep_m S_m = diag(keep_m) S_m; the same for
+    every row with a decay per head) float32, state0 [R, Dk, Dv]; R = batch rows x heads."""
     states = [state0]
     for m in range(w_v.shape[1]):
         s = states[-1]
-        kept = keep[:, m, :, None] if keep.ndim == 3 else keep[:, m, None, None]
-        states.append(kept * s + k_out[:, m].transpose(-1, -2) @ (w_v[:, m] - w_k[:, m] @ s))
+        states.append(keep[:, m, :, None] * s + k_out[:, m].transpose(-1, -2) @ (w_v[:, m] - w_k[:, m] @ s))
     return torch.stack(states, 1)
 
 
@@ -178,8 +178,8 @@ def _put(ptr, value, rows, cols, n_rows, n_cols, row_stride):
 
 @triton.jit
 def _delta_states_fwd_kernel(wv_ptr, wk_ptr, kout_ptr, keep_ptr, s0_ptr, states_ptr, M, C, K, V,
-                             BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, TWO: tl.constexpr, ROWS: tl.constexpr):
-    # ROWS: keep holds a factor per row of the state (a decay per key channel), else one per chunk
+                             BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, TWO: tl.constexpr):
+    # keep: a factor per row of the state and chunk
     # a chunk's rows in blocks of BC: S_m+1 = keep S_m + sum over the blocks of K_b^T (W_v,b - W_k,b S_m)
     pid_v = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
@@ -193,15 +193,9 @@ def _delta_states_fwd_kernel(wv_ptr, wk_ptr, kout_ptr, keep_ptr, s0_ptr, states_
         _put(states_ptr + row * (M + 1) * K * V, s_b, kb, v, K, V, V)
     for m in range(M):
         chunk = row * M + m
-        if ROWS:
-            new_a = tl.load(keep_ptr + chunk * K + ka, mask=ka < K, other=0.0)[:, None] * s_a
-            if TWO:
-                new_b = tl.load(keep_ptr + chunk * K + kb, mask=kb < K, other=0.0)[:, None] * s_b
-        else:
-            keep = tl.load(keep_ptr + chunk)
-            new_a = keep * s_a
-            if TWO:
-                new_b = keep * s_b
+        new_a = tl.load(keep_ptr + chunk * K + ka, mask=ka < K, other=0.0)[:, None] * s_a
+        if TWO:
+            new_b = tl.load(keep_ptr + chunk * K + kb, mask=kb < K, other=0.0)[:, None] * s_b
         for c0 in range(0, C, BC):
             c = c0 + tl.arange(0, BC)
             ck = chunk * C * K
@@ -221,7 +215,7 @@ def _delta_states_fwd_kernel(wv_ptr, wk_ptr, kout_ptr, keep_ptr, s0_ptr, states_
 
 @triton.jit
 def _delta_states_bwd_kernel(wk_ptr, kout_ptr, keep_ptr, dstates_ptr, g_ptr, du_ptr, M, C, K, V,
-                             BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, TWO: tl.constexpr, ROWS: tl.constexpr):
+                             BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, TWO: tl.constexpr):
     pid_v = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     ka = tl.arange(0, BK)
@@ -237,15 +231,9 @@ def _delta_states_bwd_kernel(wk_ptr, kout_ptr, keep_ptr, dstates_ptr, g_ptr, du_
         m = M - 1 - i
         chunk = row * M + m
         here = (chunk + row) * K * V  # S_m of this row: row (M + 1) + m
-        if ROWS:
-            new_a = _tile(dstates_ptr + here, ka, v, K, V, V) + tl.load(keep_ptr + chunk * K + ka, mask=ka < K, other=0.0)[:, None] * g_a
-            if TWO:
-                new_b = _tile(dstates_ptr + here, kb, v, K, V, V) + tl.load(keep_ptr + chunk * K + kb, mask=kb < K, other=0.0)[:, None] * g_b
-        else:
-            keep = tl.load(keep_ptr + chunk)
-            new_a = _tile(dstates_ptr + here, ka, v, K, V, V) + keep * g_a
-            if TWO:
-                new_b = _tile(dstates_ptr + here, kb, v, K, V, V) + keep * g_b
+        new_a = _tile(dstates_ptr + here, ka, v, K, V, V) + tl.load(keep_ptr + chunk * K + ka, mask=ka < K, other=0.0)[:, None] * g_a
+        if TWO:
+            new_b = _tile(dstates_ptr + here, kb, v, K, V, V) + tl.load(keep_ptr + chunk * K + kb, mask=kb < K, other=0.0)[:, None] * g_b
         for c0 in range(0, C, BC):  # du_b = K_b g, then g loses W_k,b^T du_b, block by block
             c = c0 + tl.arange(0, BC)
             ck = chunk * C * K
@@ -279,7 +267,7 @@ def _states_kernel(w_v: torch.Tensor, w_k: torch.Tensor, k_out: torch.Tensor, ke
     V = w_v.shape[-1]
     states = w_v.new_empty((R, M + 1, K, V))
     meta = _blocks(C, K, V)
-    _delta_states_fwd_kernel[(triton.cdiv(V, meta["BV"]), R)](w_v, w_k, k_out, keep, state0, states, M, C, K, V, ROWS=keep.ndim == 3, **meta)
+    _delta_states_fwd_kernel[(triton.cdiv(V, meta["BV"]), R)](w_v, w_k, k_out, keep, state0, states, M, C, K, V, **meta)
     return states
 
 
@@ -298,7 +286,7 @@ def _states_bwd_kernel(w_k: torch.Tensor, k_out: torch.Tensor, keep: torch.Tenso
     g = torch.empty_like(grad_states)
     du = grad_states.new_empty((R, M, C, V))
     meta = _blocks(C, K, V)
-    _delta_states_bwd_kernel[(triton.cdiv(V, meta["BV"]), R)](w_k, k_out, keep, grad_states, g, du, M, C, K, V, ROWS=keep.ndim == 3, **meta)
+    _delta_states_bwd_kernel[(triton.cdiv(V, meta["BV"]), R)](w_k, k_out, keep, grad_states, g, du, M, C, K, V, **meta)
     return [g, du]
 
 
@@ -318,8 +306,7 @@ def _states_backward(ctx, grad_states):
     g, du = _states_bwd_kernel(w_k, k_out, keep, grad_states.contiguous())
     before, after = states[:, :-1], g[:, 1:]  # S_m and the total gradient of S_m+1, every chunk at once
     u = w_v - w_k @ before
-    dkeep = (before * after).sum(-1) if keep.ndim == 3 else (before * after).sum((-1, -2))
-    return du, -du @ before.transpose(-1, -2), u @ after.transpose(-1, -2), dkeep, g[:, 0]
+    return du, -du @ before.transpose(-1, -2), u @ after.transpose(-1, -2), (before * after).sum(-1), g[:, 0]
 
 
 _states_kernel.register_autograd(_states_backward, setup_context=_states_setup_context)
@@ -327,7 +314,7 @@ _states_kernel.register_autograd(_states_backward, setup_context=_states_setup_c
 
 def _states(w_v, w_k, k_out, keep, state0, impl: str) -> torch.Tensor:
     """The states S_0 .. S_M [R, M + 1, Dk, Dv]: the Triton kernels (use_triton(impl); Dk at
-    most 128), else _states_ref. keep: [R, M], or [R, M, Dk] (a decay per key channel)."""
+    most 128), else _states_ref."""
     if use_triton(impl, w_v) and w_k.shape[-1] <= 128:
         return _states_kernel(*(t.contiguous() for t in (w_v, w_k, k_out, keep, state0)))
     return _states_ref(w_v, w_k, k_out, keep, state0)
@@ -425,7 +412,7 @@ def gated_delta_rule(q, k, v, g, beta, cu_seqlens=None, *, scale=None, initial_s
         scores_BNMCC = _pair_sums(q_BNMCK, k_BNMCK, gamma) * pairs_B1MCC
         reach = carry_B1MC[..., None] * gamma.exp()  # [B, N, M, C, Dk]: S0's decay at each token
         to_end = (gamma[..., -1:, :] - gamma).exp() * last_B1M[..., None]  # each token's decay to the chunk's end
-        keep_BNM = carry_B1MC[..., -1, None] * gamma[..., -1, :].exp()  # [B, N, M, Dk]: S0's rows' share of the end state
+        keep_BNMK = carry_B1MC[..., -1, None] * gamma[..., -1, :].exp()  # S0's rows' share of the end state
     else:
         gamma = g_BNMC.cumsum(-1)
         # exp(gamma_i - gamma_j) on the pairs, 0 elsewhere (the exponent is masked first: j > i would overflow)
@@ -434,7 +421,7 @@ def gated_delta_rule(q, k, v, g, beta, cu_seqlens=None, *, scale=None, initial_s
         scores_BNMCC = (q_BNMCK @ k_BNMCK.transpose(-1, -2)) * decay_BNMCC
         reach = (carry_B1MC * gamma.exp())[..., None]
         to_end = ((gamma[..., -1:] - gamma).exp() * last_B1M)[..., None]
-        keep_BNM = carry_B1MC[..., -1] * gamma[..., -1].exp()  # S0's share of the chunk's end state
+        keep_BNMK = (carry_B1MC[..., -1] * gamma[..., -1].exp())[..., None]  # S0's share of the chunk's end state, every row alike
     A_BNMCC = beta_BNMC[..., None] * kk_BNMCC * (pairs_B1MCC & strict_CC)
     unit_lower = A_BNMCC + torch.eye(C, device=q.device)
     kbeta_BNMCK = k_BNMCK * beta_BNMC[..., None]
@@ -445,8 +432,7 @@ def gated_delta_rule(q, k, v, g, beta, cu_seqlens=None, *, scale=None, initial_s
     k_out_BNMCK = k_BNMCK * to_end
     R = B * N  # rows of the recurrence: batch rows x heads
     w_v, w_k, k_out = (t.reshape(R, M, C, -1) for t in (W_v, W_k, k_out_BNMCK))
-    keep = keep_BNM.expand(B, N, M, Dk).reshape(R, M, Dk) if g.ndim == 4 else keep_BNM.expand(B, N, M).reshape(R, M)
-    states = _states(w_v, w_k, k_out, keep, state_BNKV.reshape(R, Dk, Dv), impl)
+    states = _states(w_v, w_k, k_out, keep_BNMK.expand(B, N, M, Dk).reshape(R, M, Dk), state_BNKV.reshape(R, Dk, Dv), impl)
     before = states[:, :-1]  # the state each chunk starts from
     u_RMCV = w_v - w_k @ before
     o_RMCV = q_in_BNMCK.reshape(R, M, C, Dk) @ before + scores_BNMCC.reshape(R, M, C, C) @ u_RMCV

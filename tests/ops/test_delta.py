@@ -218,12 +218,10 @@ def test_states_kernels_pass_opcheck():
     R, M, C, K, V = 3, 4, 8, 16, 16
     g = torch.Generator().manual_seed(7)
     w_v, w_k, k_out = (0.3 * torch.randn(R, M, C, d, generator=g) for d in (V, K, K))
-    keep, state0 = torch.rand(R, M, generator=g), torch.randn(R, K, V, generator=g)
+    keep, state0 = torch.rand(R, M, K, generator=g), torch.randn(R, K, V, generator=g)  # keep: a factor per row of the state
     args = tuple(t.requires_grad_() for t in (w_v, w_k, k_out, keep, state0))
     torch.library.opcheck(torch.ops.fmoe.delta_states.default, args)
     torch.library.opcheck(torch.ops.fmoe.delta_states_bwd.default, (w_k.detach(), k_out.detach(), keep.detach(), torch.randn(R, M + 1, K, V, generator=g)))
-    rows = torch.rand(R, M, K, generator=g).requires_grad_()  # a factor per row of the state (a decay per key channel)
-    torch.library.opcheck(torch.ops.fmoe.delta_states.default, (*args[:3], rows, args[4]))
 
 
 @pytest.mark.gpu
