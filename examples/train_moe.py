@@ -29,7 +29,8 @@ Everything a step does is below, in order: the batch-size schedule picks the mic
 their valid-token counts are read on the host, each moves to the device, gets its context
 (RoPE tables, attention mask: once per micro-batch) and runs forward (LM loss + MTP losses
 as sums) plus the balancing losses, backward; the loss is the sum over valid tokens divided
-by the step's valid-token count; then clip, the optimizer step, the aux-loss-free
+by the step's valid-token count; then clip (AdamW multiplies the gradients by the clip's
+factor as its kernel reads them; Muon's are scaled in place), the optimizer step, the aux-loss-free
 expert-bias update from the step's actual counts, ONE transfer of everything logged to the
 host, metrics, and checkpoints (a complete one at the end of every run). Nothing in the
 forward and backward reads a device value on the host.
@@ -53,7 +54,7 @@ import fmoe.hf
 import fmoe.ops as ops
 import fmoe.parallel as parallel
 from fmoe.model import Transformer, TransformerConfig
-from fmoe.optim import (AdamW, batch_size_at, build_optimizers, clip_grad_norm, lr_at, param_norm, parse_batch_schedule, split_param_groups,
+from fmoe.optim import (AdamW, batch_size_at, build_optimizers, clip_factor, clip_grad_norm, grad_norm, lr_at, param_norm, parse_batch_schedule, split_param_groups,
                         zero_grad_count)
 from fmoe.train import checkpoint, metrics
 from fmoe.train.data import BlendSampler, load_blend
@@ -579,12 +580,16 @@ def main(argv: list[str]) -> None:
                 pipe.sync_tied_grads()
                 counted, copies = pipe.norm_parameters()
                 groups = dict(group=meshes.stage_mesh, pp_group=meshes.pp_mesh)
-            grad_norm = clip_grad_norm(counted, cfg.clip, copies=copies, **groups)
+            if cfg.optimizer == "adamw":  # the clip's factor goes into AdamW's step: no pass of its own
+                norm = grad_norm(counted, **groups)
+                step_kwargs = dict(grad_factor=clip_factor(norm, cfg.clip))
+            else:  # Muon and torch's AdamW: the gradients scaled in place
+                norm, step_kwargs = clip_grad_norm(counted, cfg.clip, copies=copies, **groups), {}
             # health: the weights' norm and how many gradient entries are exactly zero (dead
             # experts, unused embedding rows), exact over the mesh, before the update
             weight_norm, zero_grads = param_norm(counted, copies=copies, **groups), zero_grad_count(counted, copies=copies, **groups)
             for opt in optimizers:
-                opt.step()
+                opt.step(**step_kwargs)
                 opt.zero_grad(set_to_none=True)
             # aux-loss-free balancing: each MoE layer's bias moves by the step's actual counts
             if model_cfg.expert_bias and cfg.bias_rate:
@@ -614,7 +619,7 @@ def main(argv: list[str]) -> None:
         # the one transfer of the step: every logged value and count comes to the host here
         if moe_names:  # per MoE layer, in moe_names order: counts, max/mean, CV, dropped share
             record.update(metrics.layer_loads(torch.stack([counts[n] for n in moe_names]), routed * model_cfg.k))
-        record = metrics.to_host({**record, "grad_norm": grad_norm, "param_norm": weight_norm, "zero_grads": zero_grads})
+        record = metrics.to_host({**record, "grad_norm": norm, "param_norm": weight_norm, "zero_grads": zero_grads})
         if "val_loss_by_source" in record:  # source name -> its validation tokens' mean loss
             record["val_loss_by_source"] = dict(zip(val_names, record["val_loss_by_source"]))
         seconds = time.perf_counter() - t0

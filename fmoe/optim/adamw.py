@@ -8,6 +8,12 @@ m, v (exp_avg, exp_avg_sq), exactly as torch.optim.AdamW:
     v <- beta2 * v + (1 - beta2) * g * g
     p <- p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
 
+A step may take a gradient factor c (`step(grad_factor=c)`, a 0-D tensor: the clip factor of
+fmoe.optim.clip_factor): g is then c * g in the lines above, formed in float32 as the
+gradient is read (.grad itself unchanged). Clipping then costs no pass of its own over the
+gradients; with float32 gradients the step equals clip_grad_norm followed by a plain step,
+bit for bit.
+
 All arithmetic is float32. With state_dtype=torch.bfloat16 m and v are stored in bf16 (half
 the state memory): each step loads them, updates in float32 and stores them rounded to
 nearest even. With master_weights=True a float32 copy of each parameter lives in the state
@@ -59,9 +65,12 @@ def _store(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
         torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
 
 
-def _adamw_foreach(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, weight_decay, step):
-    """One AdamW step with torch._foreach ops, in the order of torch.optim.AdamW(foreach=True)."""
+def _adamw_foreach(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, weight_decay, step, factor=None):
+    """One AdamW step with torch._foreach ops, in the order of torch.optim.AdamW(foreach=True);
+    factor (a float32 0-D tensor or None) multiplies float32 copies of the gradients."""
     p32, g32, m32, v32 = _f32(params), _f32(grads), _f32(exp_avgs), _f32(exp_avg_sqs)
+    if factor is not None:
+        g32 = torch._foreach_mul(g32, factor)
     torch._foreach_mul_(p32, 1 - lr * weight_decay)
     torch._foreach_lerp_(m32, g32, 1 - beta1)
     torch._foreach_mul_(v32, beta2)
@@ -93,10 +102,10 @@ def _round_to(x, TY: tl.constexpr):
 
 @triton.jit
 def _adamw_kernel(
-    table_ptr, chunk_tensor_ptr, n_tensors,
+    table_ptr, chunk_tensor_ptr, factor_ptr, n_tensors,
     decay, beta1, beta2, eps, step_size, bc2_sqrt,
     PARAM_TY: tl.constexpr, GRAD_TY: tl.constexpr, STATE_TY: tl.constexpr,
-    MASTER: tl.constexpr, ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+    MASTER: tl.constexpr, FACTOR: tl.constexpr, ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Program c updates elements [j*CHUNK, (j+1)*CHUNK) of tensor i = chunk_tensor[c].
 
@@ -119,6 +128,8 @@ def _adamw_kernel(
     m_ptr = m_addr.to(tl.pointer_type(STATE_TY))
     v_ptr = v_addr.to(tl.pointer_type(STATE_TY))
     w_ptr = w_addr.to(tl.pointer_type(tl.float32))
+    if FACTOR:
+        factor = tl.load(factor_ptr)
     if ALIGNED:  # every address and size of the launch is a multiple of 16: vector accesses
         numel = tl.multiple_of(numel, 16)
         p_ptr = tl.multiple_of(p_ptr, 16)
@@ -134,6 +145,8 @@ def _adamw_kernel(
         else:
             p = tl.load(p_ptr + idx, mask=mask, other=0.0).to(tl.float32)
         g = tl.load(g_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        if FACTOR:
+            g = g * factor
         m = tl.load(m_ptr + idx, mask=mask, other=0.0).to(tl.float32)
         v = tl.load(v_ptr + idx, mask=mask, other=0.0).to(tl.float32)
         p = p * decay
@@ -176,9 +189,11 @@ class _TableCache:
         return hit[1]
 
 
-def _adamw_triton(cache, bucket, params, grads, exp_avgs, exp_avg_sqs, masters, *, lr, beta1, beta2, eps, weight_decay, step):
+def _adamw_triton(cache, bucket, params, grads, exp_avgs, exp_avg_sqs, masters, *, lr, beta1, beta2, eps, weight_decay, step,
+                  factor=None):
     """Fused launches for contiguous tensors sharing param, grad and state dtypes (masters:
-    a float32 tensor per param, or None for all); bucket: their key in the cache. The
+    a float32 tensor per param, or None for all; factor: a float32 0-D tensor on their
+    device, or None); bucket: their key in the cache. The
     tensors whose addresses and size are multiples of 16 go in one launch with vector
     accesses, the others (if any) in a second one without."""
     rows = [params, grads, exp_avgs, exp_avg_sqs, masters or params]
@@ -190,10 +205,10 @@ def _adamw_triton(cache, bucket, params, grads, exp_avgs, exp_avg_sqs, masters, 
             continue
         table, entries = cache.get((bucket, aligned), [list(row) for row in zip(*cols)], numels)
         _adamw_kernel[(entries.numel(),)](
-            table, entries, len(cols),
+            table, entries, table if factor is None else factor, len(cols),
             1 - lr * weight_decay, beta1, beta2, eps, lr / (1 - beta1**step), (1 - beta2**step) ** 0.5,
             PARAM_TY=_TL[params[0].dtype], GRAD_TY=_TL[grads[0].dtype], STATE_TY=_TL[exp_avgs[0].dtype],
-            MASTER=masters is not None, ALIGNED=aligned, CHUNK=CHUNK, **_META,
+            MASTER=masters is not None, FACTOR=factor is not None, ALIGNED=aligned, CHUNK=CHUNK, **_META,
         )
 
 
@@ -275,15 +290,27 @@ class AdamW(torch.optim.Optimizer):
                     self.state[p][key] = value.to(device=p.device, dtype=dtypes[key], copy=True)
 
     @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], float]] = None):
+    def step(self, closure: Optional[Callable[[], float]] = None, *, grad_factor: Optional[torch.Tensor] = None):
         """One optimizer step over the parameters that have a gradient (the others keep
         their values and state). closure: as for any torch optimizer, re-evaluates the model
         (with grad enabled) before the step; its loss is returned (None without one).
+
+        grad_factor: a 0-D floating tensor c (on any device: it is read on the parameters'
+        device, no host sync) by which every gradient is multiplied, in float32, as the step
+        reads it; .grad is left as it was. With c = fmoe.optim.clip_factor(norm, max_norm)
+        this is clipping without a pass of its own over the gradients.
         """
+        if grad_factor is not None and not (
+            isinstance(grad_factor, torch.Tensor) and grad_factor.dim() == 0 and grad_factor.is_floating_point()
+        ):
+            got = f"a tensor of shape {tuple(grad_factor.shape)} and dtype {grad_factor.dtype}" if isinstance(grad_factor, torch.Tensor) \
+                else repr(grad_factor)
+            raise ValueError(f"grad_factor: expected a 0-D floating tensor (e.g. fmoe.optim.clip_factor's) or None, got {got}")
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        factors = {}  # the factor as float32 on each parameter device, made once per step
         for group in self.param_groups:
             buckets = {}
             for p in group["params"]:
@@ -299,19 +326,22 @@ class AdamW(torch.optim.Optimizer):
                 master = state.get("master")
                 key = (p.device, p.dtype, p.grad.dtype, master is not None, step)
                 buckets.setdefault(key, []).append((p, state))
+                if grad_factor is not None and p.device not in factors:
+                    factors[p.device] = _local(grad_factor).to(device=p.device, dtype=torch.float32)
             for (*bucket, step), items in buckets.items():
-                self._update(group, (id(group), *bucket), items, step)
+                self._update(group, (id(group), *bucket), items, step, factors.get(bucket[0]))
         return loss
 
-    def _update(self, group: dict, bucket: tuple, items: list, step: float) -> None:
-        """Update the (param, state) items of one bucket: same group, dtypes and step."""
+    def _update(self, group: dict, bucket: tuple, items: list, step: float, factor: Optional[torch.Tensor]) -> None:
+        """Update the (param, state) items of one bucket: same group, dtypes and step;
+        factor: the gradient factor on their device (float32 0-D) or None."""
         params = [_local(p) for p, _ in items]
         grads = [_local(p.grad) for p, _ in items]
         exp_avgs = [_local(s["exp_avg"]) for _, s in items]
         exp_avg_sqs = [_local(s["exp_avg_sq"]) for _, s in items]
         masters = [_local(s["master"]) for _, s in items] if "master" in items[0][1] else None
         beta1, beta2 = group["betas"]
-        hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], step=step)
+        hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], step=step, factor=factor)
         tensors = params + grads + exp_avgs + exp_avg_sqs + (masters or [])
         if use_triton(self.impl, *params) and all(t.is_contiguous() for t in tensors):
             _adamw_triton(self._cache, bucket, params, grads, exp_avgs, exp_avg_sqs, masters, **hyper)

@@ -4,6 +4,7 @@ zero gradients, float32 accumulation of bf16 gradients.
     grad_norm(parameters, *, norm_type=2.0, group=None, pp_group=None) -> 0-D float32 tensor
     clip_grad_norm(parameters, max_norm, *, norm_type=2.0, group=None, pp_group=None, copies=())
         -> the pre-clip norm
+    clip_factor(norm, max_norm) -> min(1, max_norm / (norm + 1e-6)), a 0-D float32 tensor
     param_norm(parameters, *, group=None, pp_group=None, copies=()) -> 0-D float32 tensor
     zero_grad_count(parameters, *, group=None, pp_group=None, copies=()) -> 0-D int64 tensor
     Float32GradAccumulator(model, patterns)    float32 sums of chosen parameters' gradients
@@ -13,7 +14,10 @@ Clipping (torch.nn.utils.clip_grad_norm_'s rule): every gradient is scaled by
     coef = min(1, max_norm / (norm + 1e-6)),    norm = ||concat of all gradients||_p
 
 and the pre-clip norm is returned as a float32 0-D tensor on the device, never a Python
-number: the train loop reads it once per step, with its other logged values.
+number: the train loop reads it once per step, with its other logged values. Or the factor
+is passed to fmoe.optim.AdamW's step (`grad_norm`, then `step(grad_factor=clip_factor(norm,
+max_norm))`), which multiplies each gradient as it reads it: the same update (bit for bit
+with float32 gradients) without a pass over the gradients of its own.
 
 One process or many: with torch.distributed not initialised, or a group of one rank, no
 collective is issued and plain-tensor gradients go through torch.nn.utils.get_total_norm /
@@ -331,7 +335,7 @@ def clip_grad_norm(
     if pp is None and not copies and _torch_path(grads, world):
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=p, foreach=foreach).float()
     norm = _distributed_norm(grads, p, pg, world, foreach, pp)
-    coef = (max_norm / (norm + _CLIP_EPS)).clamp(max=1.0)
+    coef = clip_factor(norm, max_norm)
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for g, _ in _local_shards(grads + [q.grad for q in copies], world):
         by_device.setdefault(g.device, []).append(g)
@@ -343,6 +347,24 @@ def clip_grad_norm(
         else:
             torch._foreach_mul_(local, coef_here)
     return norm
+
+
+def clip_factor(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """The clipping's factor min(1, max_norm / (norm + 1e-6)), as torch.nn.utils.clip_grad_norm_
+    forms it (the same bits), for fmoe.optim.AdamW.step(grad_factor=...).
+
+    Args: norm: 0-D tensor, the gradients' norm (grad_norm's); max_norm: a positive number.
+    Returns: 0-D float32 tensor on norm's device. No host sync.
+
+    >>> clip_factor(torch.tensor(5.0), 1.0)
+    tensor(0.2000)
+    """
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
+        raise ValueError(f"max_norm: expected a positive number, got {max_norm!r}")
+    if not isinstance(norm, torch.Tensor) or norm.dim() != 0 or not norm.is_floating_point():
+        got = f"shape {tuple(norm.shape)}, dtype {norm.dtype}" if isinstance(norm, torch.Tensor) else repr(norm)
+        raise ValueError(f"norm: expected a 0-D floating tensor (grad_norm's), got {got}")
+    return (max_norm / (norm + _CLIP_EPS)).clamp(max=1.0).float()
 
 
 def _without_copies(params: list[torch.Tensor], copies: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -10,9 +10,13 @@ import torch
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from fmoe.optim.adamw import AdamW
+from fmoe.optim.grads import clip_factor, clip_grad_norm, grad_norm
 
 SHAPES = [(), (1,), (7,), (33, 17), (16, 16), (3, 5, 4)]
 IMPLS = ["torch", "triton"]
+# a step's gradient factor changes the update only as it changes from step to step (Adam's
+# m / sqrt(v) does not see a constant one): these do
+FACTORS = [1.0, 0.3, 0.05, 0.6, 0.2]
 LRS = [1e-2 * (1 + 0.5 * ((i * 7) % 5 - 2) / 2) for i in range(20)]  # changes every step
 
 
@@ -25,8 +29,9 @@ def grads_at(step, params):
     return [torch.randn(p.shape, generator=g).to(p.device) for p in params]
 
 
-def run(opt_fn, init, steps=20, lrs=LRS, dtype=None):
-    """Run `steps` steps of opt_fn(params) on copies of init; grads fixed by step; returns params."""
+def run(opt_fn, init, steps=20, lrs=LRS, dtype=None, factors=None):
+    """Run `steps` steps of opt_fn(params) on copies of init; grads fixed by step; returns params.
+    factors: a gradient factor per step (step(grad_factor=...)), or None."""
     params = [p.clone().requires_grad_() for p in init]
     opt = opt_fn(params)
     for i in range(steps):
@@ -34,7 +39,7 @@ def run(opt_fn, init, steps=20, lrs=LRS, dtype=None):
             group["lr"] = lrs[i]
         for p, g in zip(params, grads_at(i, params)):
             p.grad = g.to(p.dtype)
-        opt.step()
+        opt.step(**({} if factors is None else dict(grad_factor=torch.tensor(factors[i], device=params[0].device))))
     return [p.detach() for p in params], opt
 
 
@@ -155,7 +160,8 @@ def test_state_dict_round_trip(state_dtype, impl, device):
 def test_dtensor(one_rank_mesh, impl):
     mesh = one_rank_mesh
     init = make_params("cpu", shapes=[(8, 3), (5,)])
-    ref, _ = run(lambda ps: AdamW(ps, impl="torch"), init, steps=3)
+    factors = FACTORS[:3]  # gradient factors, as the clip gives, on the shards too
+    ref, _ = run(lambda ps: AdamW(ps, impl="torch"), init, steps=3, factors=factors)
     placements = [Shard(0), Replicate()]
     params = [distribute_tensor(p.clone(), mesh, [pl]).requires_grad_() for p, pl in zip(init, placements)]
     opt = AdamW(params, impl=impl)
@@ -164,10 +170,56 @@ def test_dtensor(one_rank_mesh, impl):
             group["lr"] = LRS[i]
         for p, g, pl in zip(params, grads_at(i, init), placements):
             p.grad = distribute_tensor(g, mesh, [pl])
-        opt.step()
+        opt.step(grad_factor=torch.tensor(factors[i]))
     for p, r in zip(params, ref):
         torch.testing.assert_close(p.full_tensor().detach(), r, rtol=1e-6, atol=1e-7)
     assert all(type(s["exp_avg"]) is type(params[0]) for s in opt.state.values())
+    unfactored, _ = run(lambda ps: AdamW(ps, impl="torch"), init, steps=3)  # the factors do matter
+    assert max((a - b).abs().max().item() for a, b in zip(unfactored, ref)) > 1e-4
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_grad_factor_is_clipping_then_step(state_dtype, impl, device):
+    """step(grad_factor=clip_factor(grad_norm, max_norm)) with float32 gradients: the same
+    parameters and states, bit for bit, as clip_grad_norm then step(); .grad left unscaled.
+    max_norm 10 clips most of these steps (norms 6 to 45), not the first: the factor 1 too."""
+    init = make_params(device)
+
+    def trained(fold):
+        params = [p.clone().requires_grad_() for p in init]
+        opt = AdamW(params, weight_decay=0.1, state_dtype=state_dtype, impl=impl)
+        factors = []
+        for i in range(6):
+            grads = [g * (0.2 + 0.3 * i) for g in grads_at(i, params)]
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            if fold:
+                factors.append(clip_factor(grad_norm(params), 10.0))
+                opt.step(grad_factor=factors[-1])
+                assert all(torch.equal(p.grad, g) for p, g in zip(params, grads))  # not scaled in place
+            else:
+                clip_grad_norm(params, 10.0)
+                opt.step()
+        return params, opt, factors
+
+    folded, opt, factors = trained(True)
+    clipped, ref_opt, _ = trained(False)
+    assert min(f.item() for f in factors) < 0.5 and max(f.item() for f in factors) == 1.0
+    assert all(torch.equal(a.detach(), b.detach()) for a, b in zip(folded, clipped))
+    for a, b in zip(opt.state.values(), ref_opt.state.values()):
+        assert torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
+
+
+@pytest.mark.parametrize("factor, got", [
+    (0.5, "0.5"), (torch.ones(1), r"shape \(1,\)"), (torch.tensor(1), "dtype torch.int64"),
+])
+def test_grad_factor_refusals(factor, got):
+    w = torch.nn.Parameter(torch.zeros(2))
+    w.grad = torch.ones(2)
+    with pytest.raises(ValueError, match=f"^grad_factor: expected a 0-D floating tensor.*{got}"):
+        AdamW([w]).step(grad_factor=factor)
+    assert torch.equal(w, torch.zeros(2)) and not AdamW([w]).state  # nothing stepped
 
 
 @pytest.mark.parametrize(
@@ -188,13 +240,14 @@ def test_validation(kwargs, name):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("factors", [None, FACTORS])
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-def test_fused_matches_foreach_cuda(state_dtype):
+def test_fused_matches_foreach_cuda(state_dtype, factors):
     shapes = [(2048, 2048), (2048, 8192), (8, 2048, 768), (2048,), (1001,), (16, 2048, 768), ()]
     init = make_params("cuda", shapes=shapes)  # about 50M parameters
     assert sum(p.numel() for p in init) > 45e6
-    fused, _ = run(lambda ps: AdamW(ps, state_dtype=state_dtype, impl="triton"), init, steps=5)
-    ref, _ = run(lambda ps: AdamW(ps, state_dtype=state_dtype, impl="torch"), init, steps=5)
+    fused, _ = run(lambda ps: AdamW(ps, state_dtype=state_dtype, impl="triton"), init, steps=5, factors=factors)
+    ref, _ = run(lambda ps: AdamW(ps, state_dtype=state_dtype, impl="torch"), init, steps=5, factors=factors)
     if state_dtype == torch.float32:
         for a, b in zip(fused, ref):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fmoe.optim.grads import Float32GradAccumulator, clip_grad_norm, grad_norm, param_norm, zero_grad_count
+from fmoe.optim.grads import Float32GradAccumulator, clip_factor, clip_grad_norm, grad_norm, param_norm, zero_grad_count
 from tests.parallel.dist import counting_all_reduce
 
 INF = float("inf")
@@ -77,6 +77,22 @@ def test_one_process_is_torch_bit_for_bit(dtype, norm_type, foreach):
     for p, q in zip(params, ref):
         assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad)
     assert not torch.equal(params[0].grad, before[0])  # it did clip
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1e3])
+def test_clip_factor_is_the_clips_scale(max_norm):
+    """clip_factor(grad_norm, max_norm) is the factor clip_grad_norm scales float32 gradients
+    by, bit for bit (1 below max_norm): what AdamW.step(grad_factor=...) takes instead."""
+    params = _params_with_grads()
+    before = [p.grad.clone() for p in params[:2]]
+    factor = clip_factor(grad_norm(params), max_norm)
+    assert factor.dtype == torch.float32 and factor.dim() == 0
+    assert (float(factor) == 1.0) == (max_norm == 1e3)
+    clip_grad_norm(params, max_norm)
+    assert all(torch.equal(p.grad, g * factor) for p, g in zip(params, before))
+    _raises("max_norm: expected a positive number", clip_factor, factor, 0.0)
+    _raises(r"norm: expected a 0-D floating tensor \(grad_norm's\), got shape \(2,\)", clip_factor, torch.ones(2), 1.0)
+    _raises("norm: expected a 0-D floating tensor", clip_factor, 5.0, 1.0)
 
 
 def test_clip_grad_norm_below_max_leaves_grads():
