@@ -150,16 +150,17 @@ def cases():
                                                                    s0_ptr="*fp32", states_ptr="*fp32"), states_scalars, meta
     yield "delta_states_bwd", delta._delta_states_bwd_kernel, dict(wk_ptr="*fp32", kout_ptr="*fp32", keep_ptr="*fp32", dstates_ptr="*fp32",
                                                                    g_ptr="*fp32", du_ptr="*fp32"), states_scalars, meta
-    # AdamW step (fmoe.optim.adamw), one program per CHUNK elements of a tensor
-    adamw_ptrs = dict(table_ptr="*i64", chunk_tensor_ptr="*i64")
+    # AdamW step (fmoe.optim.adamw), one program per CHUNK elements of a tensor; "factor": the
+    # clip's factor taken into the step (the train loop's)
+    adamw_ptrs = dict(table_ptr="*i64", chunk_tensor_ptr="*i64", factor_ptr="*fp32")
     adamw_scalars = dict(n_tensors="i32", decay="fp32", beta1="fp32", beta2="fp32", eps="fp32", step_size="fp32", bc2_sqrt="fp32")
-    for name, param_ty, state_ty, master in (
-        ("adamw fp32", tl.float32, tl.float32, False), ("adamw bf16 states", tl.float32, tl.bfloat16, False),
-        ("adamw master", tl.bfloat16, tl.bfloat16, True),
+    for name, param_ty, state_ty, master, factor in (
+        ("adamw fp32", tl.float32, tl.float32, False, False), ("adamw bf16 states", tl.float32, tl.bfloat16, False, False),
+        ("adamw bf16 factor", tl.float32, tl.bfloat16, False, True), ("adamw master", tl.bfloat16, tl.bfloat16, True, False),
     ):
         for aligned in (True, False):
             yield f"{name}{'' if aligned else ' unaligned'}", adamw._adamw_kernel, adamw_ptrs, adamw_scalars, dict(
-                PARAM_TY=param_ty, GRAD_TY=param_ty, STATE_TY=state_ty, MASTER=master, ALIGNED=aligned,
+                PARAM_TY=param_ty, GRAD_TY=param_ty, STATE_TY=state_ty, MASTER=master, FACTOR=factor, ALIGNED=aligned,
                 CHUNK=adamw.CHUNK, **adamw._META)
 
 
