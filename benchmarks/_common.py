@@ -9,6 +9,15 @@ performance numbers), `--out DIR` (where the CSV goes, default bench_out/) and `
 (after each timing, one more call of the timed function under torch.profiler: its Chrome
 trace in OUT/profile/<benchmark>-<label>.json and its ops by self time, the device's on
 CUDA, appended to OUT/profile/<benchmark>.txt; the timings are taken before, unprofiled).
+
+Two times per call on CUDA. bench(): triton.testing.do_bench, events around each call and
+nothing queued ahead of them, so a call costs whichever side is slower: for small ops, whose
+host cost per call (custom-op dispatch, autograd, Triton's launcher: 100-250 us) exceeds
+their kernels', the device waits for each launch and the time is the host's. device_ms():
+the same calls queued behind a GPU sleep, which the device then runs back to back: its own
+time per call, as inside a busy training step or a CUDA graph, where the host is ahead.
+Bytes-floor fractions of small ops are judged on the latter (device_columns: a row's
+device_ms and device_floor_fraction cells; empty on CPU).
 """
 
 from __future__ import annotations
@@ -68,8 +77,10 @@ def device_name(device: torch.device) -> str:
 def bench(fn, device: torch.device, cpu_warmup: int = 1, cpu_repeats: int = 3, *, label: Optional[str] = None) -> float:
     """Median time of fn() in milliseconds.
 
-    CUDA: triton.testing.do_bench (it flushes the L2 cache between calls). CPU:
-    cpu_warmup untimed calls, then the median of cpu_repeats calls timed with perf_counter.
+    CUDA: triton.testing.do_bench (it flushes the L2 cache between calls); each call is
+    timed from its launch, so where the host's cost of a call exceeds the device's, the time
+    is the host's (device_ms gives the device's). CPU: cpu_warmup untimed calls, then the
+    median of cpu_repeats calls timed with perf_counter.
     With --profile, one more call is then profiled under `label` (profile_call); a timing
     without a label (the copy-bandwidth and matmul-rate probes) is not.
     """
@@ -87,6 +98,88 @@ def bench(fn, device: torch.device, cpu_warmup: int = 1, cpu_repeats: int = 3, *
     if _PROFILE and label is not None:
         profile_call(fn, device, label)
     return ms
+
+
+class HostBehind(RuntimeError):
+    """device_ms could not queue its calls ahead of the device."""
+
+
+_FLUSH: Optional[torch.Tensor] = None  # 256 MB zeroed before each call: flushes the L2 cache, as do_bench does
+_SLEEP_CYCLES_PER_MS: Optional[float] = None  # torch.cuda._sleep's clock cycles per ms, measured once
+
+
+def _sleep_cycles_per_ms() -> float:
+    """Clock cycles per ms of torch.cuda._sleep (a GPU spin of so many cycles), measured on
+    10**7 cycles (about 6 ms at 1.7 GHz) after one untimed sleep has raised the clocks."""
+    global _SLEEP_CYCLES_PER_MS
+    if _SLEEP_CYCLES_PER_MS is None:
+        cycles = 10**7
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(cycles)
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        _SLEEP_CYCLES_PER_MS = cycles / start.elapsed_time(end)
+    return _SLEEP_CYCLES_PER_MS
+
+
+def device_ms(fn, device: torch.device, *, calls: int = 50, probe: int = 3, tries: int = 3) -> Optional[float]:
+    """Median device time of fn() in ms with the host queued ahead (None off CUDA).
+
+    What it measures: the device's own time per call, as inside a busy training step or a
+    CUDA graph, where the host runs ahead; bench()'s time includes the host's cost where the
+    host is the slower side. How: one untimed call; the host's time to queue one call
+    ([zero the L2-flush buffer, event, fn(), event], `probe` calls, unsynchronized); then a GPU
+    sleep of 1.5x the host's time for `calls` calls (+ 1 ms), an event after it, and the calls,
+    each between two events behind its L2 flush. The device reaches them only after the sleep,
+    so when the sleep is still running once all are queued (its event not yet reached), the
+    device runs them back to back and their events time the device alone.
+
+    fn may run autograd (nothing is captured, only queued) but must not synchronize the host:
+    when the sleep ends before the calls are queued, it retries with a 4x longer sleep and half
+    the calls (a full launch queue, about a thousand kernels, blocks the host too), and raises
+    HostBehind (a RuntimeError) after `tries`.
+    """
+    if device.type != "cuda":
+        return None
+    global _FLUSH
+    if _FLUSH is None:
+        _FLUSH = torch.empty(256 << 18, dtype=torch.int32, device=device)  # 256 MB
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(calls)]
+
+    def enqueue(n):
+        for start, end in events[:n]:
+            _FLUSH.zero_()
+            start.record()
+            fn()
+            end.record()
+
+    fn()
+    torch.cuda.synchronize()
+    probe = min(probe, calls)
+    begin = time.perf_counter()
+    enqueue(probe)
+    host_ms = (time.perf_counter() - begin) * 1e3 / probe
+    torch.cuda.synchronize()
+    sleep_ms, cycles_per_ms = 1.5 * host_ms * calls + 1.0, _sleep_cycles_per_ms()
+    for attempt in range(tries):
+        if attempt:
+            sleep_ms, calls = 4 * sleep_ms, max(calls // 2, 1)
+        after_sleep = torch.cuda.Event()
+        torch.cuda._sleep(int(sleep_ms * cycles_per_ms))
+        after_sleep.record()
+        enqueue(calls)
+        behind = after_sleep.query()  # the device reached the calls before the host had queued them all
+        torch.cuda.synchronize()
+        if not behind:
+            return statistics.median(start.elapsed_time(end) for start, end in events[:calls])
+    raise HostBehind(
+        f"expected the host to queue the calls before the device finished a sleep ahead of them; in {tries} tries "
+        f"(the last: {calls} calls behind {sleep_ms:.3g} ms, the host's estimate {host_ms:.3g} ms per call) "
+        f"the device caught up: fn synchronizes with the host (.item(), .tolist(), nonzero, a copy to the CPU) "
+        f"or the host is too slow to run ahead"
+    )
 
 
 def profile_call(fn, device: torch.device, label: str) -> Path:
@@ -139,6 +232,20 @@ def cuda_peak_bytes(fn, device: torch.device):
 def floor_fraction(nbytes: int, bandwidth: float, ms: float) -> float:
     """Time to move nbytes at the copy bandwidth over the measured time (1.0: at the floor)."""
     return nbytes / bandwidth * 1e3 / ms
+
+
+def device_columns(fn, device: torch.device, bandwidth: float, nbytes: Optional[int] = None) -> dict:
+    """A row's device_ms (device_ms(fn)) and device_floor_fraction (nbytes at the copy
+    bandwidth over device_ms; empty without nbytes) cells; both empty off CUDA. Where fn
+    cannot be queued ahead (HostBehind) they are empty too and the reason is printed: the
+    rest of the run goes on."""
+    try:
+        ms = device_ms(fn, device)
+    except HostBehind as err:
+        print(f"device_ms left empty: {err}", flush=True)
+        ms = None
+    fraction = floor_fraction(nbytes, bandwidth, ms) if ms is not None and nbytes else None
+    return {"device_ms": ms, "device_floor_fraction": fraction}
 
 
 def timing_row(case: str, pass_name: str, ms: dict, name: str) -> dict:

@@ -28,9 +28,10 @@ blank on CPU), ratio (peak_MiB / the eager or unfused peak: the fused linear cro
 aims at a quarter or less), floor_fraction (ce: time to read the logits once and write their
 gradient once at the bandwidth of a copy measured in the same run, over ms; an exact gradient
 reads a row twice when the row does not fit on chip, 256 KiB here, so 2/3 is the ceiling of
-any such kernel and of torch's), TFLOP/s
-(linear: the 6 N H V flops of the three GEMMs, over ms). Before timing, each case checks
-fused against eager. The CSV goes to OUT/bench_loss.csv.
+any such kernel and of torch's), device_ms and device_floor_fraction (ce: the device's own
+time per call with the host queued ahead, _common.device_ms, and floor_fraction over it
+instead of ms; empty on CPU), TFLOP/s (linear: the 6 N H V flops of the three GEMMs, over
+ms). Before timing, each case checks fused against eager. The CSV goes to OUT/bench_loss.csv.
 """
 
 import sys
@@ -38,6 +39,7 @@ import sys
 from _common import (  # before torch and fmoe: with --smoke it sets TRITON_INTERPRET
     bench,
     cuda_peak_bytes,
+    device_columns,
     finish,
     floor_fraction,
     rel_err,
@@ -48,7 +50,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from fmoe.ops.loss import cross_entropy, linear_cross_entropy  # noqa: E402
 
-COLUMNS = ["case", "impl", "ms", "speedup", "peak_MiB", "ratio", "floor_fraction", "TFLOP/s"]
+COLUMNS = ["case", "impl", "ms", "speedup", "peak_MiB", "ratio", "floor_fraction", "device_ms", "device_floor_fraction", "TFLOP/s"]
 
 
 def peak_mib(step, device) -> float | None:
@@ -76,8 +78,9 @@ def fwd_bwd(loss_fn):
     return step
 
 
-def measure(case, impls, inputs_of, baseline, device, extra) -> list[dict]:
-    """Time and peak memory of every impl; inputs_of(name) gives the impl's inputs."""
+def measure(case, impls, inputs_of, baseline, device, extra, floor=None) -> list[dict]:
+    """Time and peak memory of every impl; inputs_of(name) gives the impl's inputs. With
+    floor = (bytes, copy bandwidth), also the device's time (device_columns)."""
     rows = []
     for name, step in impls.items():
         inputs = inputs_of(name)
@@ -85,6 +88,8 @@ def measure(case, impls, inputs_of, baseline, device, extra) -> list[dict]:
         # CPU: one timed call, no further warm-up (the interpreter is slow)
         ms = bench(lambda: step(*inputs), device, cpu_warmup=0, cpu_repeats=1, label=f"{case}-{name}")
         rows.append({"case": case, "impl": name, "ms": ms, "peak_MiB": peak_mib(lambda: step(*inputs), device)})
+        if floor is not None:
+            rows[-1].update(device_columns(lambda: step(*inputs), device, floor[1], floor[0]))
     base = next(r for r in rows if r["impl"] == baseline)
     for row in rows:
         row["speedup"] = base["ms"] / row["ms"]
@@ -111,6 +116,7 @@ def run_ce(N, V, device, bandwidth) -> list[dict]:
     rows = measure(
         f"ce N={N} V={V}", impls, lambda name: (overwritten if name == "fused_inplace" else logits,), "eager", device,
         lambda row: {"floor_fraction": floor_fraction(nbytes, bandwidth, row["ms"]), "bytes": nbytes, "floor_ms": nbytes / bandwidth * 1e3},
+        floor=(nbytes, bandwidth),
     )
     return [dict(row, N=N, V=V) for row in rows]
 

@@ -22,8 +22,11 @@ backward: 3x that), the fraction of the bf16 matmul rate measured in the same ru
 of forward+backward, fmoe's speedup over each baseline; then fmoe's permute and unpermute
 alone as a fraction of the copy bandwidth measured in the same run (bytes: x read once,
 T k rows written; and back), permute's plan alone and its rows filled by each kernel, and gpt-oss's clamped SwiGLU (forward + backward over the T k x F
-activations) fused against the torch reference (fused_speedup: its ms / the fused ms).
-CSV in OUT/bench_moe_layer.csv.
+activations) fused against the torch reference (fused_speedup: its ms / the fused ms); on
+these rows also device_ms, the device's own time per call with the host queued ahead
+(_common.device_ms; ms is the host's where launching a call takes longer than its kernels),
+and device_floor_fraction, copy_fraction over device_ms instead of ms (none for the plan,
+which has no bytes; both empty on CPU). CSV in OUT/bench_moe_layer.csv.
 """
 
 import sys
@@ -31,6 +34,7 @@ from dataclasses import dataclass
 
 from _common import (  # before torch and fmoe: with --smoke it sets TRITON_INTERPRET
     bench,
+    device_columns,
     finish,
     floor_fraction,
     matmul_rate,
@@ -44,7 +48,7 @@ from fmoe.layers import MoEConfig, moe  # noqa: E402
 from fmoe.ops import dispatch, permute, swiglu, unpermute  # noqa: E402
 
 COLUMNS = ["shape", "pass", "impl", "ms", "TFLOP/s", "matmul_fraction", "peak_GiB", "fmoe_speedup"]
-BW_COLUMNS = ["shape", "op", "ms", "GB/s", "copy_fraction", "fused_speedup"]
+BW_COLUMNS = ["shape", "op", "ms", "GB/s", "copy_fraction", "fused_speedup", "device_ms", "device_floor_fraction"]
 
 
 @dataclass
@@ -188,14 +192,15 @@ def run_shape(shape, device, dtype, impl, rate, bandwidth):
     bw_rows = []
     for op, fn in (("permute", lambda: permute(xd, experts, shape.E, check=False, impl=impl)), ("unpermute", lambda: unpermute(x_perm, plan, weights, impl=impl))):
         ms = bench(fn, device, cpu_warmup=0, cpu_repeats=1, label=f"{shape.name}-{op}")
-        bw_rows.append(bw_row(shape, op, nbytes, ms, bandwidth))
+        bw_rows.append(bw_row(shape, op, nbytes, ms, bandwidth, fn, device))
     # permute's parts: the plan, then the rows filled by either kernel (same bytes as permute)
-    plan_ms = bench(lambda: torch.ops.fmoe.permute_plan(experts, shape.E, 1), device, cpu_warmup=0, cpu_repeats=1, label=f"{shape.name}-permute-plan")
-    bw_rows.append({"shape": shape.name, "op": "permute: its plan alone", "ms": plan_ms})
+    plan_only = lambda: torch.ops.fmoe.permute_plan(experts, shape.E, 1)  # noqa: E731
+    plan_ms = bench(plan_only, device, cpu_warmup=0, cpu_repeats=1, label=f"{shape.name}-permute-plan")
+    bw_rows.append({"shape": shape.name, "op": "permute: its plan alone", "ms": plan_ms, **device_columns(plan_only, device, bandwidth)})
     for by in ("gather", "scatter"):
         fill = lambda: permuting_by(by, lambda: torch.ops.fmoe.permute_fwd(xd, plan.row_of_slot, plan.slot_of_row))  # noqa: E731
         ms = bench(fill, device, cpu_warmup=0, cpu_repeats=1, label=f"{shape.name}-permute-rows-{by}")
-        bw_rows.append(bw_row(shape, f"permute: its rows by {by}", nbytes, ms, bandwidth))
+        bw_rows.append(bw_row(shape, f"permute: its rows by {by}", nbytes, ms, bandwidth, fill, device))
     bw_rows += swiglu_rows(shape, device, dtype, impl, bandwidth)
     return rows, bw_rows
 
@@ -222,15 +227,19 @@ def swiglu_rows(shape, device, dtype, impl, bandwidth) -> list[dict]:
         if err > 2e-2:
             sys.exit(f"{shape.name}: the fused clamped SwiGLU's gradients differ from the torch reference's by {err:.3g}")
     nbytes = 8 * gate.numel() * gate.element_size()
+    impls = {"fused": impl, "torch": "torch"}
     ms = {name: bench(run(which), device, cpu_warmup=0, cpu_repeats=1, label=f"{shape.name}-swiglu-{name}")
-          for name, which in (("fused", impl), ("torch", "torch"))}
-    return [bw_row(shape, f"swiglu clamped fwd+bwd {name}", nbytes, ms[name], bandwidth, fused_speedup=ms[name] / ms["fused"] if name == "torch" else None)
-            for name in ms]
+          for name, which in impls.items()}
+    return [bw_row(shape, f"swiglu clamped fwd+bwd {name}", nbytes, ms[name], bandwidth, run(which), device,
+                   fused_speedup=ms[name] / ms["fused"] if name == "torch" else None)
+            for name, which in impls.items()]
 
 
-def bw_row(shape, op: str, nbytes: int, ms: float, bandwidth: float, **extra) -> dict:
-    """A row of the bandwidth table: nbytes moved in ms, against the copy bandwidth."""
-    return {"shape": shape.name, "op": op, "ms": ms, "GB/s": nbytes / (ms * 1e-3) / 1e9, "copy_fraction": floor_fraction(nbytes, bandwidth, ms), **extra}
+def bw_row(shape, op: str, nbytes: int, ms: float, bandwidth: float, fn, device, **extra) -> dict:
+    """A row of the bandwidth table: nbytes moved in ms, against the copy bandwidth, and
+    fn()'s device time (device_columns)."""
+    return {"shape": shape.name, "op": op, "ms": ms, "GB/s": nbytes / (ms * 1e-3) / 1e9, "copy_fraction": floor_fraction(nbytes, bandwidth, ms),
+            **extra, **device_columns(fn, device, bandwidth, nbytes)}
 
 
 def main() -> None:

@@ -22,9 +22,11 @@ fused kernel against the reference (output and gradient).
 
 Table: median ms per implementation; on the fused rows the speedups (baseline ms / fused
 ms); on every row the fraction of the bandwidth floor, (bytes / copy bandwidth) / ms, with
-the copy bandwidth measured in the same run. Bytes per pass: read x (or the upstream
-gradient) and write the result, T*H*D elements each, plus cos and sin once, T*D/2 float32
-each. The CSV goes to OUT/bench_rope.csv.
+the copy bandwidth measured in the same run, then device_ms, the device's own time per call
+with the host queued ahead (_common.device_ms; ms is the host's where launching a call takes
+longer than its kernels), and device_floor_fraction, the same fraction over device_ms (both
+empty on CPU). Bytes per pass: read x (or the upstream gradient) and write the result, T*H*D
+elements each, plus cos and sin once, T*D/2 float32 each. The CSV goes to OUT/bench_rope.csv.
 """
 
 import sys
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 
 from _common import (  # before torch and fmoe: with --smoke it sets TRITON_INTERPRET
     bench,
+    device_columns,
     finish,
     floor_fraction,
     start,
@@ -41,7 +44,8 @@ from _common import (  # before torch and fmoe: with --smoke it sets TRITON_INTE
 import torch  # noqa: E402
 from fmoe.ops.rope import apply_rope, rope_cos_sin, rope_inv_freq  # noqa: E402
 
-COLUMNS = ["case", "pass", "impl", "ms", "speedup_vs_eager", "speedup_vs_compiled", "floor_fraction"]
+COLUMNS = ["case", "pass", "impl", "ms", "speedup_vs_eager", "speedup_vs_compiled", "floor_fraction",
+           "device_ms", "device_floor_fraction"]
 DOC_LEN = 4096  # packed documents: positions restart every DOC_LEN tokens
 
 
@@ -108,6 +112,7 @@ def run_case(case: Case, device: torch.device, dtype: torch.dtype, bandwidth: fl
             rows.append({
                 **timing_row(case.name, pass_name, ms, name),
                 "floor_fraction": floor_fraction(nbytes, bandwidth, ms[name]),
+                **device_columns(lambda name=name: step(name), device, bandwidth, nbytes),
                 "T": T, "H": H, "D": D, "interleaved": case.interleaved, "dtype": str(dtype).removeprefix("torch."),
                 "bytes": nbytes, "floor_ms": nbytes / bandwidth * 1e3,
             })

@@ -20,7 +20,10 @@ the fused kernels against the reference (experts, weights, logits gradient).
 
 Table: median ms per implementation; on the fused rows the speedups (baseline ms / fused ms)
 and the fraction of the bandwidth floor: (bytes moved / copy bandwidth) / fused ms, with the
-copy bandwidth measured in the same run. Bytes: forward reads the logits and the bias and
+copy bandwidth measured in the same run; on every row device_ms, the device's own time per
+call with the host queued ahead (_common.device_ms; ms is the host's where launching a call
+takes longer than its kernels), and device_floor_fraction, (bytes / copy bandwidth) /
+device_ms (both empty on CPU). Bytes: forward reads the logits and the bias and
 writes weights (float32) and experts (int64); backward reads the k chosen logits (every
 logit for softmax before top-k), the experts and the weight gradient, and writes the logits
 gradient. The CSV goes to OUT/bench_routing.csv.
@@ -32,6 +35,7 @@ from dataclasses import dataclass
 from _common import (  # before torch and fmoe: with --smoke it sets TRITON_INTERPRET
     bench,
     case_done,
+    device_columns,
     finish,
     floor_fraction,
     start,
@@ -41,7 +45,8 @@ from _common import (  # before torch and fmoe: with --smoke it sets TRITON_INTE
 import torch  # noqa: E402
 from fmoe.ops import route  # noqa: E402
 
-COLUMNS = ["case", "pass", "impl", "ms", "speedup_vs_eager", "speedup_vs_compiled", "floor_fraction"]
+COLUMNS = ["case", "pass", "impl", "ms", "speedup_vs_eager", "speedup_vs_compiled", "floor_fraction",
+           "device_ms", "device_floor_fraction"]
 MIN_SAME_ROWS = 0.9999  # bf16 ties may pick a different expert on a few rows
 
 
@@ -124,6 +129,7 @@ def run_case(case: Case, device: torch.device, dtype: torch.dtype, bandwidth: fl
             rows.append({
                 **timing_row(case.name, pass_name, ms, name),
                 "floor_fraction": floor_fraction(nbytes, bandwidth, ms[name]) if name == "fused" else None,
+                **device_columns(lambda fn=impls[name]: step(fn), device, bandwidth, nbytes),
                 "T": T, "E": E, "k": k, "dtype": str(dtype).removeprefix("torch."),
                 "bytes": nbytes, "floor_ms": nbytes / bandwidth * 1e3,
             })

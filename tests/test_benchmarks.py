@@ -1,4 +1,5 @@
-"""Each benchmark's --smoke mode runs end to end (same code as on a GPU, tiny CPU shapes)."""
+"""Each benchmark's --smoke mode runs end to end (same code as on a GPU, tiny CPU shapes);
+_common.device_ms times the device alone."""
 
 import csv
 import json
@@ -8,8 +9,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+DEVICE_TIMED = {"bench_loss.py", "bench_moe_layer.py", "bench_rope.py", "bench_routing.py"}  # device_ms columns
 
 
 @pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "benchmarks").glob("bench_*.py")))
@@ -27,6 +30,47 @@ def test_benchmark_smoke(script, tmp_path):
     rows = list(csv.DictReader(csv_path.open()))
     assert rows and all(float(r["ms"]) > 0 for r in rows)
     assert len({r["impl"] for r in rows if r.get("impl")}) >= 3  # ours and two baselines
+    if script in DEVICE_TIMED:  # the columns are there, empty on CPU
+        assert all(r["device_ms"] == r["device_floor_fraction"] == "" for r in rows)
+
+
+def _common():
+    """benchmarks/_common.py, imported the way the scripts import it."""
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+    import _common
+
+    return _common
+
+
+def test_device_ms_is_none_off_cuda():
+    common, calls = _common(), []
+    assert common.device_ms(lambda: calls.append(1), torch.device("cpu")) is None and not calls
+    assert common.device_columns(lambda: None, torch.device("cpu"), 1e12, 1 << 20) == {"device_ms": None, "device_floor_fraction": None}
+
+
+@pytest.mark.gpu
+def test_device_ms_times_the_device_alone():
+    """A 1 GiB copy is the device's either way: device_ms is bench()'s time. 20 launches on one
+    element are the host's in bench() (the device waits for each), not in device_ms. A
+    function that synchronizes cannot be queued ahead: HostBehind."""
+    common, device = _common(), torch.device("cuda")
+    src = torch.ones(1 << 29, dtype=torch.bfloat16, device=device)  # 1 GiB
+    dst = torch.empty_like(src)
+    floor_ms = 2 * src.nbytes / common.copy_bandwidth(device, src.nbytes) * 1e3
+    copy_ms = common.device_ms(lambda: dst.copy_(src), device)
+    assert abs(copy_ms / floor_ms - 1) < 0.25, (copy_ms, floor_ms)
+    del src, dst
+    one = torch.zeros(1, device=device)
+
+    def launches():
+        for _ in range(20):
+            one.add_(1)
+
+    host_ms, alone_ms = common.bench(launches, device), common.device_ms(launches, device)
+    assert alone_ms < host_ms, (alone_ms, host_ms)
+    with pytest.raises(common.HostBehind, match="synchronizes"):
+        common.device_ms(lambda: one.add_(1).item(), device, calls=10)
 
 
 def _run_all(tmp_path, *flags):
