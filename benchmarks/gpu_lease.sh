@@ -5,7 +5,7 @@
 # From the repository root, with the tensordict and pyvers wheels in .whl/ when the
 # machine's Python lacks them (see benchmarks/RESULTS.md):
 #
-#     bash benchmarks/gpu_lease.sh a    # the gpu tests; bench_moe_layer, bench_loss, bench_optim, bench_rope; bench_cp_linear (~4 min)
+#     bash benchmarks/gpu_lease.sh a    # the gpu tests; bench_loss, bench_optim, bench_rope; bench_moe_layer profiled; bench_cp_linear (~4 min)
 #     bash benchmarks/gpu_lease.sh b    # bench_routing; bench_train_step; bench_delta (~7 min)
 #
 # What comes back is written to $OUT (the device tool's folder; gpu_out/ elsewhere), at most
@@ -33,7 +33,8 @@ a)
         > "$OUT/gpu_tests.log" 2>&1
     echo "gpu tests: exit $?"
     grep -E "passed|failed|^FAILED|^ERROR" "$OUT/gpu_tests.log" | tail -20
-    bench --only bench_moe_layer,bench_loss,bench_optim,bench_rope --timeout 60
+    bench --only bench_loss,bench_optim,bench_rope --timeout 60
+    bench --only bench_moe_layer --timeout 60 --profile  # where the layer's time goes (55% goal)
     bench --only bench_cp_linear --timeout 60
     ;;
 b)
