@@ -13,12 +13,18 @@ other parameters, i.e. Muon):
     fmoe bf16       the same with bf16 moments (half the state memory)
     torch fused     torch.optim.AdamW(fused=True) (CUDA only; the baseline)
     torch foreach   torch.optim.AdamW(foreach=True) (the baseline on CPU)
+    fmoe bf16 + clip factor     the gradient norm (fmoe.optim.grad_norm), then fmoe bf16's
+                    step with the clip's factor (step(grad_factor=clip_factor(norm, 1.0))),
+                    as examples/train_moe.py clips
+    torch fused + clip          torch.nn.utils.clip_grad_norm_ (the gradients scaled in
+                    place), then torch fused's step (torch foreach's on CPU)
     muon (matrices) fmoe.optim.Muon over the tensors with ndim >= 2 (extra_rows)
 
 Columns: median ms per step, state GiB (moments and masters, not the step counters), the
 ratio of time to the baseline, and the fraction of the bandwidth floor: bytes read and
 written per step (params read+write, grads read, each moment read+write, at their dtypes)
-over the copy bandwidth measured in the same run, divided by the time. Goal on an H100:
+over the copy bandwidth measured in the same run, divided by the time; the clipped rows
+count one more read of the gradients (the norm), the least any clip + step moves. Goal on an H100:
 fmoe bf16 at most 1.1x torch fused with half its state memory. CSV: OUT/bench_optim.csv.
 """
 
@@ -30,17 +36,47 @@ from _common import (  # before torch and fmoe: with --smoke it sets TRITON_INTE
 )
 
 import torch  # noqa: E402
+from fmoe.optim import clip_factor, grad_norm  # noqa: E402
 from fmoe.optim.adamw import AdamW  # noqa: E402
 from fmoe.optim.muon import Muon  # noqa: E402
 
 COLUMNS = ["impl", "ms", "state_GiB", "ratio_vs_baseline", "floor_fraction"]
 
+MAX_NORM = 1.0
+
+
+def fmoe_bf16(ps, dev):
+    return AdamW(ps, state_dtype=torch.bfloat16, impl="triton")
+
+
+def torch_fused(ps, dev):
+    return torch.optim.AdamW(ps, weight_decay=0.01, fused=True) if dev.type == "cuda" else None
+
+
+def torch_foreach(ps, dev):
+    return torch.optim.AdamW(ps, weight_decay=0.01, foreach=True)
+
+
+# name -> (make(params, device): the optimizer or None where it does not exist, clip: None,
+# "factor" (the step takes the clip's factor) or "in place" (torch's clip, then the step)); the
+# clipped rows come last: the in-place clip changes the gradients the others would step with
 IMPLS = {
-    "fmoe fp32": lambda ps, dev: AdamW(ps, impl="triton"),
-    "fmoe bf16": lambda ps, dev: AdamW(ps, state_dtype=torch.bfloat16, impl="triton"),
-    "torch fused": lambda ps, dev: torch.optim.AdamW(ps, weight_decay=0.01, fused=True) if dev.type == "cuda" else None,
-    "torch foreach": lambda ps, dev: torch.optim.AdamW(ps, weight_decay=0.01, foreach=True),
+    "fmoe fp32": (lambda ps, dev: AdamW(ps, impl="triton"), None),
+    "fmoe bf16": (fmoe_bf16, None),
+    "torch fused": (torch_fused, None),
+    "torch foreach": (torch_foreach, None),
+    "fmoe bf16 + clip factor": (fmoe_bf16, "factor"),
+    "torch fused + clip": (lambda ps, dev: torch_fused(ps, dev) or torch_foreach(ps, dev), "in place"),
 }
+
+
+def stepper(opt, params, clip):
+    """The timed call: opt's step, after or with the clip (IMPLS)."""
+    if clip == "factor":
+        return lambda: opt.step(grad_factor=clip_factor(grad_norm(params), MAX_NORM))
+    if clip == "in place":
+        return lambda: (torch.nn.utils.clip_grad_norm_(params, MAX_NORM), opt.step())
+    return opt.step
 
 
 def make_params(smoke: bool, device: torch.device) -> list[torch.Tensor]:
@@ -76,14 +112,15 @@ def main() -> None:
     n = sum(p.numel() for p in params)
     print(f"{len(params)} tensors, {n:,} parameters", flush=True)
     rows = []
-    for name, make in IMPLS.items():
+    for name, (make, clip) in IMPLS.items():
         opt = make(params, device)
         if opt is None:
             continue
-        opt.step()  # creates the state (and compiles)
-        ms = bench(opt.step, device, label=name)
+        step = stepper(opt, params, clip)
+        step()  # creates the state (and compiles)
+        ms = bench(step, device, label=name)
         moments = sum(s["exp_avg"].element_size() for s in opt.state.values()) // len(opt.state)
-        nbytes = n * (4 * 2 + 4 + 2 * moments * 2)
+        nbytes = n * (4 * 2 + 4 + 2 * moments * 2 + (4 if clip else 0))
         rows.append({
             "impl": name, "ms": ms, "state_GiB": state_bytes(opt) / 2**30,
             "floor_fraction": floor_fraction(nbytes, bandwidth, ms), "bytes": nbytes, "params": n,
