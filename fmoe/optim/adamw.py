@@ -295,9 +295,9 @@ class AdamW(torch.optim.Optimizer):
         their values and state). closure: as for any torch optimizer, re-evaluates the model
         (with grad enabled) before the step; its loss is returned (None without one).
 
-        grad_factor: a 0-D floating tensor c (on any device: it is read on the parameters'
-        device, no host sync) by which every gradient is multiplied, in float32, as the step
-        reads it; .grad is left as it was. With c = fmoe.optim.clip_factor(norm, max_norm)
+        grad_factor: a 0-D floating tensor c by which every gradient is multiplied, in
+        float32, as the step reads it; .grad is left as it was. On the parameters' device
+        nothing is read on the host (another device's is copied there). With c = fmoe.optim.clip_factor(norm, max_norm)
         this is clipping without a pass of its own over the gradients.
         """
         if grad_factor is not None and not (
