@@ -16,6 +16,8 @@ other parameters, i.e. Muon):
     fmoe bf16 + clip factor     the gradient norm (fmoe.optim.grad_norm), then fmoe bf16's
                     step with the clip's factor (step(grad_factor=clip_factor(norm, 1.0))),
                     as examples/train_moe.py clips
+    fmoe bf16 + fmoe clip       fmoe.optim.clip_grad_norm (the gradients scaled in place,
+                    one launch per dtype: grads.scale_), then fmoe bf16's step
     torch fused + clip          torch.nn.utils.clip_grad_norm_ (the gradients scaled in
                     place), then torch fused's step (torch foreach's on CPU)
     muon (matrices) fmoe.optim.Muon over the tensors with ndim >= 2 (extra_rows)
@@ -36,7 +38,7 @@ from _common import (  # before torch and fmoe: with --smoke it sets TRITON_INTE
 )
 
 import torch  # noqa: E402
-from fmoe.optim import clip_factor, grad_norm  # noqa: E402
+from fmoe.optim import clip_factor, clip_grad_norm, grad_norm  # noqa: E402
 from fmoe.optim.adamw import AdamW  # noqa: E402
 from fmoe.optim.muon import Muon  # noqa: E402
 
@@ -58,15 +60,16 @@ def torch_foreach(ps, dev):
 
 
 # name -> (make(params, device): the optimizer or None where it does not exist, clip: None,
-# "factor" (the step takes the clip's factor) or "in place" (torch's clip, then the step)); the
-# clipped rows come last: the in-place clip changes the gradients the others would step with
+# "factor" (the step takes the clip's factor), "fmoe" or "torch" (that clip in place, then the
+# step)); the clipped rows come last: an in-place clip changes the gradients the others step with
 IMPLS = {
     "fmoe fp32": (lambda ps, dev: AdamW(ps, impl="triton"), None),
     "fmoe bf16": (fmoe_bf16, None),
     "torch fused": (torch_fused, None),
     "torch foreach": (torch_foreach, None),
     "fmoe bf16 + clip factor": (fmoe_bf16, "factor"),
-    "torch fused + clip": (lambda ps, dev: torch_fused(ps, dev) or torch_foreach(ps, dev), "in place"),
+    "fmoe bf16 + fmoe clip": (fmoe_bf16, "fmoe"),
+    "torch fused + clip": (lambda ps, dev: torch_fused(ps, dev) or torch_foreach(ps, dev), "torch"),
 }
 
 
@@ -74,8 +77,9 @@ def stepper(opt, params, clip):
     """The timed call: opt's step, after or with the clip (IMPLS)."""
     if clip == "factor":
         return lambda: opt.step(grad_factor=clip_factor(grad_norm(params), MAX_NORM))
-    if clip == "in place":
-        return lambda: (torch.nn.utils.clip_grad_norm_(params, MAX_NORM), opt.step())
+    if clip is not None:
+        clip_ = clip_grad_norm if clip == "fmoe" else torch.nn.utils.clip_grad_norm_
+        return lambda: (clip_(params, MAX_NORM), opt.step())
     return opt.step
 
 

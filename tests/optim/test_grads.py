@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fmoe.optim.grads import Float32GradAccumulator, clip_factor, clip_grad_norm, grad_norm, param_norm, zero_grad_count
+from fmoe.optim.grads import Float32GradAccumulator, clip_factor, clip_grad_norm, scale_, grad_norm, param_norm, zero_grad_count
 from tests.parallel.dist import counting_all_reduce
 
 INF = float("inf")
@@ -77,6 +77,78 @@ def test_one_process_is_torch_bit_for_bit(dtype, norm_type, foreach):
     for p, q in zip(params, ref):
         assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad)
     assert not torch.equal(params[0].grad, before[0])  # it did clip
+
+
+def _mixed_tensors():
+    """Every case of scale_'s buckets: float32, bf16 and fp16, sizes that are and are not
+    multiples of 16, a strided tensor (the foreach fallback) and an empty one."""
+    g = torch.Generator().manual_seed(3)
+    shapes = [((33, 17), torch.float32), ((64,), torch.bfloat16), ((7,), torch.bfloat16), ((5, 3), torch.float16),
+              ((32, 4), torch.float32), ((0,), torch.float32)]
+    out = [torch.randn(s, generator=g).to(dt) for s, dt in shapes]
+    out.append(torch.randn(6, 8, generator=g).t())  # strided
+    return out
+
+
+@pytest.mark.parametrize("factor_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_scale_is_mul_bit_for_bit(impl, factor_dtype):
+    """scale_ gives each tensor t.mul_(factor)'s bits: the product in float32, rounded to the
+    tensor's dtype, whatever the mix of dtypes (a bf16 factor read as its float32 value)."""
+    tensors = _mixed_tensors()
+    factor = torch.tensor(0.3129, dtype=factor_dtype)
+    expected = [t.clone().mul_(factor) for t in tensors]
+    scale_(tensors, factor, impl=impl)
+    for t, e in zip(tensors, expected):
+        assert t.dtype == e.dtype and torch.equal(t, e)
+    assert not torch.equal(tensors[1], _mixed_tensors()[1])  # it did scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, None])
+@pytest.mark.parametrize("norm_type", [2.0, INF])
+def test_clip_with_the_kernel_is_torch_bit_for_bit(dtype, norm_type):
+    """clip_grad_norm's one-process path with the multi-tensor kernel (impl="triton", the
+    CUDA default) returns torch's norm and leaves torch's gradients, bit for bit; None: bf16
+    and float32 gradients together (torch's factor is then float32: its own multiply goes
+    tensor by tensor)."""
+    params = _params_with_grads(dtype or torch.float32)
+    if dtype is None:
+        params[1].data, params[1].grad = params[1].data.bfloat16(), params[1].grad.bfloat16()
+    ref = _copies(params)
+    norm = clip_grad_norm(params, 0.5, norm_type=norm_type, impl="triton")
+    expected = torch.nn.utils.clip_grad_norm_(ref, 0.5, norm_type=norm_type)
+    assert norm.dtype == torch.float32 and torch.equal(norm, expected.float())
+    for p, q in zip(params, ref):
+        assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad)
+    assert not torch.equal(params[0].grad, _params_with_grads(dtype or torch.float32)[0].grad)  # it did clip
+
+
+@pytest.mark.gpu
+def test_scale_and_clip_on_cuda_are_torch_bit_for_bit():
+    """On CUDA "auto" takes the kernel: the bits of mul_ and of torch's clip_grad_norm_, for
+    a model's mix (bf16 matrices, a float32 router, an odd-sized tensor) at real sizes."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    shapes = [((64, 2048, 768), torch.bfloat16), ((2048, 8192), torch.bfloat16), ((64, 2048), torch.float32), ((1001,), torch.bfloat16)]
+    tensors = [torch.randn(s, generator=g, device="cuda").to(dt) for s, dt in shapes]
+    factor = torch.tensor(0.0371, device="cuda")
+    expected = [t.clone().mul_(factor) for t in tensors]
+    scale_(tensors, factor)
+    assert all(torch.equal(t, e) for t, e in zip(tensors, expected))
+    params = [torch.nn.Parameter(torch.zeros_like(t)) for t in tensors]
+    for p, t in zip(params, tensors):
+        p.grad = t.clone()
+    ref = _copies(params)
+    assert torch.equal(clip_grad_norm(params, 1.0), torch.nn.utils.clip_grad_norm_(ref, 1.0).float())
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(params, ref))
+
+
+def test_scale_and_clip_refusals():
+    t = torch.ones(3)
+    _raises("factor: expected a 0-D floating tensor", scale_, [t], torch.ones(2))
+    _raises("factor: expected a 0-D floating tensor", scale_, [t], 0.5)
+    _raises("impl: expected one of", scale_, [t], torch.tensor(0.5), impl="cuda")
+    _raises("impl: expected one of", clip_grad_norm, _params_with_grads(), 1.0, impl="cuda")
+    assert torch.equal(t, torch.ones(3))
 
 
 @pytest.mark.parametrize("max_norm", [0.5, 1e3])
@@ -214,11 +286,17 @@ def test_world_of_one_rank_issues_no_collective(one_rank_mesh):
             got = grad_norm([w, plain], norm_type=p)
             assert got.dtype == torch.float32 and got.dim() == 0
             torch.testing.assert_close(got, torch.linalg.vector_norm(both, p), rtol=1e-6, atol=0)
+        kept = (w.grad.to_local().clone(), plain.grad.clone())
         norm = clip_grad_norm([w, plain], 1.0)
         torch.testing.assert_close(norm, both.norm(), rtol=1e-6, atol=0)
         coef = 1.0 / (float(norm) + 1e-6)
         torch.testing.assert_close(w.grad.to_local(), full * coef)
         torch.testing.assert_close(plain.grad, both[12:] * coef)
+        scaled = (w.grad.to_local().clone(), plain.grad.clone())
+        w.grad.to_local().copy_(kept[0])
+        plain.grad.copy_(kept[1])
+        assert torch.equal(clip_grad_norm([w, plain], 1.0, impl="triton"), norm)  # the kernel's scale, the same bits
+        assert torch.equal(w.grad.to_local(), scaled[0]) and torch.equal(plain.grad, scaled[1])
     assert calls == []
 
     partial = torch.nn.Parameter(distribute_tensor(torch.zeros(2), mesh, [Shard(0)]))
