@@ -17,7 +17,7 @@ other parameters, i.e. Muon):
                     step with the clip's factor (step(grad_factor=clip_factor(norm, 1.0))),
                     as examples/train_moe.py clips
     fmoe bf16 + fmoe clip       fmoe.optim.clip_grad_norm (the gradients scaled in place,
-                    one launch per dtype: grads.scale_), then fmoe bf16's step
+                    one launch per dtype: adamw.scale_), then fmoe bf16's step
     torch fused + clip          torch.nn.utils.clip_grad_norm_ (the gradients scaled in
                     place), then torch fused's step (torch foreach's on CPU)
     muon (matrices) fmoe.optim.Muon over the tensors with ndim >= 2 (extra_rows)

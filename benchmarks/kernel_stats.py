@@ -28,7 +28,7 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from fmoe.ops import balance, delta, dispatch, experts, loss, packed, rope, routing  # noqa: E402
-from fmoe.optim import adamw, grads  # noqa: E402
+from fmoe.optim import adamw  # noqa: E402
 
 BIN = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 TARGET = GPUTarget("cuda", 90, 32)
@@ -162,10 +162,10 @@ def cases():
             yield f"{name}{'' if aligned else ' unaligned'}", adamw._adamw_kernel, adamw_ptrs, adamw_scalars, dict(
                 PARAM_TY=param_ty, GRAD_TY=param_ty, STATE_TY=state_ty, MASTER=master, FACTOR=factor, ALIGNED=aligned,
                 CHUNK=adamw.CHUNK, **adamw._META)
-    # the clip's scale of bf16 gradients by a float32 factor (fmoe.optim.grads.scale_)
+    # the clip's scale of bf16 gradients by a float32 factor (fmoe.optim.adamw.scale_)
     scale_ptrs = dict(table_ptr="*i64", chunk_tensor_ptr="*i64", factor_ptr="*fp32")
     for aligned in (True, False):
-        yield f"scale bf16{'' if aligned else ' unaligned'}", grads._scale_kernel, scale_ptrs, dict(n_tensors="i32"), dict(
+        yield f"scale bf16{'' if aligned else ' unaligned'}", adamw._scale_kernel, scale_ptrs, dict(n_tensors="i32"), dict(
             TY=tl.bfloat16, ALIGNED=aligned, CHUNK=adamw.CHUNK, **adamw._META)
 
 

@@ -15,8 +15,8 @@ Clipping (torch.nn.utils.clip_grad_norm_'s rule): every gradient is scaled by
 
 and the pre-clip norm is returned as a float32 0-D tensor on the device, never a Python
 number: the train loop reads it once per step, with its other logged values. On CUDA the
-scale is one Triton launch per gradient dtype (scale_), with the bits of torch's: torch's
-own multi-tensor multiply falls back to a kernel per tensor when the factor's dtype is not
+scale is one Triton launch per gradient dtype (fmoe.optim.adamw.scale_), with the bits of
+torch's: torch's own multi-tensor multiply falls back to a kernel per tensor when the factor's dtype is not
 the gradients' (a float32 norm over bf16 gradients), which ran at 32% of the copy rate on an
 H100 (benchmarks/RESULTS.md). Or the factor
 is passed to fmoe.optim.AdamW's step (`grad_norm`, then `step(grad_factor=clip_factor(norm,
@@ -81,13 +81,11 @@ from typing import Iterable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
-import triton
-import triton.language as tl
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from fmoe.ops.backend import IMPLS, use_triton
-from fmoe.optim.adamw import _ALIGN, _META, _TL, CHUNK, _round_to, _TableCache
+from fmoe.optim.adamw import scale_
 
 Group = Union[dist.ProcessGroup, DeviceMesh]
 Parameters = Union[torch.Tensor, Iterable[torch.Tensor]]
@@ -381,69 +379,6 @@ def clip_factor(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
         got = f"shape {tuple(norm.shape)}, dtype {norm.dtype}" if isinstance(norm, torch.Tensor) else repr(norm)
         raise ValueError(f"norm: expected a 0-D floating tensor (grad_norm's), got {got}")
     return (max_norm / (norm + _CLIP_EPS)).clamp(max=1.0).float()
-
-
-# ----------------------------------------------------------------------------------------
-# Scaling many tensors in place: one launch per dtype
-# ----------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _scale_kernel(table_ptr, chunk_tensor_ptr, factor_ptr, n_tensors, TY: tl.constexpr, ALIGNED: tl.constexpr,
-                  CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    """Program c multiplies elements [j*CHUNK, (j+1)*CHUNK) of tensor i = chunk_tensor[c] in
-    place by factor_ptr[0]: in float32, rounded to nearest even in TY. table [2, n_tensors]
-    (int64): each tensor's address, then its element count; chunk_tensor[c] = j << 32 | i
-    (fmoe.optim.adamw's tables)."""
-    c = tl.program_id(0)
-    entry = tl.load(chunk_tensor_ptr + c)
-    i = entry & 0xFFFFFFFF
-    start = (entry >> 32) * CHUNK
-    numel = tl.load(table_ptr + n_tensors + i)
-    t_ptr = tl.load(table_ptr + i).to(tl.pointer_type(TY))
-    factor = tl.load(factor_ptr).to(tl.float32)
-    if ALIGNED:  # every address and size of the launch is a multiple of 16: vector accesses
-        numel = tl.multiple_of(numel, 16)
-        t_ptr = tl.multiple_of(t_ptr, 16)
-    for off in tl.range(0, tl.minimum(numel - start, CHUNK), BLOCK):
-        idx = start + off + tl.arange(0, BLOCK)
-        mask = idx < numel
-        x = tl.load(t_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-        tl.store(t_ptr + idx, _round_to(x * factor, TY), mask=mask)
-
-
-_SCALE_TABLES = _TableCache()  # gradients keep their addresses from step to step (the caching allocator)
-
-
-def scale_(tensors: Sequence[torch.Tensor], factor: torch.Tensor, *, impl: str = "auto") -> None:
-    """Multiply every tensor in place by the 0-D tensor `factor`, each product formed in
-    float32 and rounded to the tensor's dtype: the bits of t.mul_(factor), whatever the
-    dtypes (torch's own rule for a 0-D factor: the tensor keeps its dtype).
-
-    impl "auto": on CUDA one Triton launch per dtype (and per alignment) over every
-    contiguous float32 / bf16 / fp16 tensor; torch._foreach_mul_ otherwise (CPU, other
-    dtypes, strided tensors). "triton" forces the kernel (CPU tensors under
-    TRITON_INTERPRET=1), "torch" the foreach op. No host sync.
-    """
-    if not isinstance(factor, torch.Tensor) or factor.dim() != 0 or not factor.is_floating_point():
-        raise ValueError(f"factor: expected a 0-D floating tensor, got {getattr(factor, 'shape', type(factor).__name__)}")
-    tensors = [t for t in tensors if t.numel()]
-    if not tensors:
-        return
-    fused = use_triton(impl, *tensors, factor)
-    buckets: dict = {}
-    for t in tensors:
-        kernel = fused and t.dtype in _TL and t.is_contiguous()
-        aligned = t.numel() % _ALIGN == 0 and t.data_ptr() % _ALIGN == 0
-        buckets.setdefault((t.device, t.dtype, kernel, kernel and aligned), []).append(t)
-    for (device, dtype, kernel, aligned), group in buckets.items():
-        here = factor.to(device)
-        if not kernel:
-            torch._foreach_mul_(group, here)
-            continue
-        numels = [t.numel() for t in group]
-        table, entries = _SCALE_TABLES.get((device, dtype, aligned), [group], numels)
-        _scale_kernel[(entries.numel(),)](table, entries, here, len(group), TY=_TL[dtype], ALIGNED=aligned, CHUNK=CHUNK, **_META)
 
 
 def _without_copies(params: list[torch.Tensor], copies: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fmoe.optim.grads import Float32GradAccumulator, clip_factor, clip_grad_norm, scale_, grad_norm, param_norm, zero_grad_count
+from fmoe.optim.adamw import scale_
+from fmoe.optim.grads import Float32GradAccumulator, clip_factor, clip_grad_norm, grad_norm, param_norm, zero_grad_count
 from tests.parallel.dist import counting_all_reduce
 
 INF = float("inf")
