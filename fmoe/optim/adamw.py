@@ -42,6 +42,7 @@ import triton.language as tl
 
 from fmoe.ops.backend import local_tensor as _local
 from fmoe.ops.backend import use_triton
+from fmoe.ops.checks import check_float
 
 STATE_DTYPES = (torch.float32, torch.bfloat16)
 _ROWS = ("param", "grad", "exp_avg", "exp_avg_sq", "master", "numel")  # pointer-table rows
@@ -360,17 +361,14 @@ class AdamW(torch.optim.Optimizer):
         their values and state). closure: as for any torch optimizer, re-evaluates the model
         (with grad enabled) before the step; its loss is returned (None without one).
 
-        grad_factor: a 0-D floating tensor c by which every gradient is multiplied, in
-        float32, as the step reads it; .grad is left as it was. On the parameters' device
-        nothing is read on the host (another device's is copied there). With c = fmoe.optim.clip_factor(norm, max_norm)
-        this is clipping without a pass of its own over the gradients.
+        grad_factor: a 0-D float32 / bf16 / fp16 tensor c by which every gradient is
+        multiplied, in float32, as the step reads it; .grad is left as it was. On the
+        parameters' device nothing is read on the host (another device's is copied there).
+        With c = fmoe.optim.clip_factor(norm, max_norm) this is clipping without a pass of
+        its own over the gradients.
         """
-        if grad_factor is not None and not (
-            isinstance(grad_factor, torch.Tensor) and grad_factor.dim() == 0 and grad_factor.is_floating_point()
-        ):
-            got = f"a tensor of shape {tuple(grad_factor.shape)} and dtype {grad_factor.dtype}" if isinstance(grad_factor, torch.Tensor) \
-                else repr(grad_factor)
-            raise ValueError(f"grad_factor: expected a 0-D floating tensor (e.g. fmoe.optim.clip_factor's) or None, got {got}")
+        if grad_factor is not None:
+            check_float("grad_factor", grad_factor, 0, "[] (e.g. fmoe.optim.clip_factor's)")
         loss = None
         if closure is not None:
             with torch.enable_grad():

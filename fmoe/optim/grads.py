@@ -85,6 +85,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from fmoe.ops.backend import IMPLS, use_triton
+from fmoe.ops.checks import check_float
 from fmoe.optim.adamw import scale_
 
 Group = Union[dist.ProcessGroup, DeviceMesh]
@@ -375,9 +376,7 @@ def clip_factor(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     """
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
         raise ValueError(f"max_norm: expected a positive number, got {max_norm!r}")
-    if not isinstance(norm, torch.Tensor) or norm.dim() != 0 or not norm.is_floating_point():
-        got = f"shape {tuple(norm.shape)}, dtype {norm.dtype}" if isinstance(norm, torch.Tensor) else repr(norm)
-        raise ValueError(f"norm: expected a 0-D floating tensor (grad_norm's), got {got}")
+    check_float("norm", norm, 0, "[] (grad_norm's)")
     return (max_norm / (norm + _CLIP_EPS)).clamp(max=1.0).float()
 
 

@@ -164,8 +164,9 @@ def test_clip_factor_is_the_clips_scale(max_norm):
     clip_grad_norm(params, max_norm)
     assert all(torch.equal(p.grad, g * factor) for p, g in zip(params, before))
     _raises("max_norm: expected a positive number", clip_factor, factor, 0.0)
-    _raises(r"norm: expected a 0-D floating tensor \(grad_norm's\), got shape \(2,\)", clip_factor, torch.ones(2), 1.0)
-    _raises("norm: expected a 0-D floating tensor", clip_factor, 5.0, 1.0)
+    _raises(r"norm: expected a 0-D tensor \[\] \(grad_norm's\), got shape \(2,\)", clip_factor, torch.ones(2), 1.0)
+    _raises(r"norm: expected a tensor \[\] \(grad_norm's\), got float", clip_factor, 5.0, 1.0)
+    _raises("norm: expected dtype float32, bfloat16 or float16, got torch.int64", clip_factor, torch.tensor(5), 1.0)
 
 
 def test_clip_grad_norm_below_max_leaves_grads():
