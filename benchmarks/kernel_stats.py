@@ -98,8 +98,14 @@ def cases():
     plan = dispatch._plan_blocks(E)
     tile = dispatch._row_blocks(H)
     block_rows = tile.pop("BLOCK_ROWS")
-    yield "plan_count", dispatch._plan_count_kernel, dict(experts_ptr="*i64", hist_ptr="*i32"), dict(S="i32"), dict(E=E, **plan)
-    yield "plan_rank", dispatch._plan_rank_kernel, dict(experts_ptr="*i64", base_ptr="*i32", row_of_slot_ptr="*i32", slot_of_row_ptr="*i32"), dict(S="i32"), dict(E=E, BLOCK_S=plan["BLOCK_S"], num_warps=plan["num_warps"])
+    warps = dict(num_warps=plan["num_warps"])
+    yield "plan_count", dispatch._plan_count_kernel, dict(experts_ptr="*i64", hist_ptr="*i32", slot_of_row_ptr="*i32"), dict(S="i32", R="i32"), dict(
+        E=E, BLOCK_S=plan["BLOCK_S"], BLOCK_E=plan["BLOCK_E"], **warps)
+    yield "plan_scan", dispatch._plan_scan_kernel, dict(hist_ptr="*i32", counts_ptr="*i64"), dict(n_chunks="i32"), dict(
+        E=E, BLOCK_C=plan["SCAN_C"], BLOCK_E=plan["SCAN_E"], **warps)
+    yield "plan_rank", dispatch._plan_rank_kernel, dict(experts_ptr="*i64", before_ptr="*i32", counts_ptr="*i64", offsets_ptr="*i32",
+                                                        row_of_slot_ptr="*i32", slot_of_row_ptr="*i32"), dict(S="i32", align="i32"), dict(
+        E=E, BLOCK_S=plan["BLOCK_S"], BLOCK_E=plan["RANK_E"], **warps)
     perm_ptrs = dict(src_ptr="*bf16", slot_of_row_ptr="*i32", weights_ptr="*fp32", y_perm_ptr="*bf16", dst_ptr="*bf16", grad_w_ptr="*fp32")
     yield "permute_fwd", dispatch._permute_rows_kernel, perm_ptrs, dict(R="i32", H="i32"), dict(K=K, WEIGHTED=False, BLOCK_R=block_rows, **tile)
     yield "unpermute_bwd", dispatch._permute_rows_kernel, perm_ptrs, dict(R="i32", H="i32"), dict(K=K, WEIGHTED=True, BLOCK_R=block_rows, **tile)

@@ -148,24 +148,54 @@ def unpermute_ref(y_perm_RH: torch.Tensor, plan: PermutePlan, weights_TK: Option
 
 
 @triton.jit
-def _plan_count_kernel(experts_ptr, hist_ptr, S, E: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr):
-    """hist[c, e] = slots of chunk c (BLOCK_S flat slots) routed to expert e."""
+def _plan_count_kernel(experts_ptr, hist_ptr, slot_of_row_ptr, S, R, E: tl.constexpr, BLOCK_S: tl.constexpr,
+                       BLOCK_E: tl.constexpr):
+    """hist[c, e] = slots of chunk c (BLOCK_S flat slots) routed to expert e; and every row of
+    slot_of_row set to -1 (grid-stride over R >= S), for the rank kernel to fill the kept ones."""
     chunk = tl.program_id(0)
-    slots_S = chunk * BLOCK_S + tl.arange(0, BLOCK_S)
+    i_S = tl.arange(0, BLOCK_S)
+    slots_S = chunk * BLOCK_S + i_S
     ids_S = tl.load(experts_ptr + slots_S, mask=slots_S < S, other=-1).to(tl.int32)
     hist_E = tl.histogram(ids_S, BLOCK_E, mask=(ids_S >= 0) & (ids_S < E))
     e_E = tl.arange(0, BLOCK_E)
     tl.store(hist_ptr + chunk * E + e_E, hist_E.to(tl.int32), mask=e_E < E)
+    for r0 in range(chunk * BLOCK_S, R, tl.num_programs(0) * BLOCK_S):
+        tl.store(slot_of_row_ptr + r0 + i_S, tl.full([BLOCK_S], -1, tl.int32), mask=r0 + i_S < R)
+
+
+@triton.jit
+def _plan_scan_kernel(hist_ptr, counts_ptr, n_chunks, E: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr):
+    """In place over hist [C, E]: before[c, e] = slots of e in chunks before c (an exclusive
+    scan down each column), and counts[e] (int64) = the column's total. A program per BLOCK_E
+    experts, BLOCK_C chunks per step."""
+    e_E = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    c_C = tl.arange(0, BLOCK_C)
+    carry_E = tl.zeros([BLOCK_E], tl.int32)
+    for c0 in range(0, n_chunks, BLOCK_C):
+        live = ((c0 + c_C)[:, None] < n_chunks) & (e_E[None, :] < E)
+        at = hist_ptr + (c0 + c_C)[:, None] * E + e_E[None, :]
+        h_CE = tl.load(at, mask=live, other=0)
+        tl.store(at, carry_E[None, :] + tl.cumsum(h_CE, axis=0) - h_CE, mask=live)
+        carry_E += tl.sum(h_CE, axis=0)
+    tl.store(counts_ptr + e_E, carry_E.to(tl.int64), mask=e_E < E)
+
+
+@triton.jit
+def _padded(counts_ptr, e_E, align, E: tl.constexpr):
+    """Expert e's group size in rows: its count rounded up to a multiple of align (0 past E)."""
+    n_E = tl.load(counts_ptr + e_E, mask=e_E < E, other=0).to(tl.int32)
+    return (n_E + align - 1) // align * align
 
 
 @triton.jit
 def _plan_rank_kernel(
-    experts_ptr, base_ptr, row_of_slot_ptr, slot_of_row_ptr, S,
-    E: tl.constexpr, BLOCK_S: tl.constexpr,
+    experts_ptr, before_ptr, counts_ptr, offsets_ptr, row_of_slot_ptr, slot_of_row_ptr, S, align,
+    E: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
-    """row of each slot of chunk c = base[c, e] (its group's start + the expert's slots in
-    earlier chunks) + the earlier slots of e inside the chunk. Integer counts only, so the
-    plan does not depend on scheduling."""
+    """row of each slot of chunk c = its expert's group start (the padded counts of the
+    experts before it) + the expert's slots in earlier chunks (before[c, e]) + its earlier
+    slots inside the chunk. Program 0 also writes offsets (the group ends). Integer counts
+    only, so the plan does not depend on scheduling."""
     chunk = tl.program_id(0)
     i_S = tl.arange(0, BLOCK_S)
     slots_S = chunk * BLOCK_S + i_S
@@ -176,10 +206,22 @@ def _plan_rank_kernel(
     # pairwise: slot i counts the slots i' < i of the chunk with its expert
     same_SS = (ids_S[:, None] == ids_S[None, :]) & (i_S[None, :] < i_S[:, None])
     rank_S = tl.sum(same_SS.to(tl.int32), axis=1)
-    base_S = tl.load(base_ptr + chunk * E + ids_S, mask=kept_S, other=0)
-    row_S = tl.where(kept_S, base_S + rank_S, -1)
+    # the group start of each slot's expert, in BLOCK_E steps over the experts
+    start_S = tl.zeros([BLOCK_S], tl.int32)
+    e_E = tl.arange(0, BLOCK_E)
+    for e0 in range(0, E, BLOCK_E):
+        padded_E = _padded(counts_ptr, e0 + e_E, align, E)
+        start_S += tl.sum(tl.where((e0 + e_E)[None, :] < ids_S[:, None], padded_E[None, :], 0), axis=1)
+    before_S = tl.load(before_ptr + chunk * E + ids_S, mask=kept_S, other=0)
+    row_S = tl.where(kept_S, start_S + before_S + rank_S, -1)
     tl.store(row_of_slot_ptr + slots_S, row_S.to(tl.int32), mask=live_S)
     tl.store(slot_of_row_ptr + row_S, slots_S.to(tl.int32), mask=kept_S)
+    if chunk == 0:
+        end = 0
+        for e0 in range(0, E, BLOCK_E):
+            padded_E = _padded(counts_ptr, e0 + e_E, align, E)
+            tl.store(offsets_ptr + e0 + e_E, end + tl.cumsum(padded_E, axis=0), mask=e0 + e_E < E)
+            end += tl.sum(padded_E, axis=0)
 
 
 @triton.jit
@@ -307,8 +349,11 @@ def _unpermute_rows_kernel(
 def _plan_blocks(E: int) -> dict:
     """BLOCK_S slots per chunk. The rank kernel's pairwise tile is BLOCK_S^2: 64 slots on
     4 warps take 47 registers (benchmarks/kernel_stats.py), 128 slots 142; the [S/BLOCK_S, E]
-    table of per-chunk counts stays small (1 MB at S = 131072, E = 128)."""
-    return dict(BLOCK_S=64, BLOCK_E=next_pow2(E), num_warps=4)
+    table of per-chunk counts stays small (1 MB at S = 131072, E = 128). The scan walks it in
+    [SCAN_C, SCAN_E] tiles (a program per SCAN_E experts); the rank kernel sums the group
+    sizes of the experts before each slot's in [BLOCK_S, RANK_E] tiles."""
+    scan_e = min(next_pow2(E), 16)
+    return dict(BLOCK_S=64, BLOCK_E=next_pow2(E), SCAN_C=2048 // scan_e, SCAN_E=scan_e, RANK_E=min(next_pow2(E), 32), num_warps=4)
 
 
 def _row_blocks(H: int) -> dict:
@@ -330,25 +375,32 @@ def _permute_plan(
     T, K = experts.shape
     E, S = n_experts, T * K
     device = experts.device
+    R = n_rows(T, K, E, align)
+    if S == 0:  # no slot: empty groups, every row padding
+        zeros = torch.zeros(E, dtype=torch.int64, device=device)
+        return zeros, zeros.int(), torch.empty(T, K, dtype=torch.int32, device=device), torch.full((R,), -1, dtype=torch.int32, device=device)
     meta = _plan_blocks(E)
     n_chunks = triton.cdiv(S, meta["BLOCK_S"])
-    hist_CE = torch.empty(n_chunks, E, dtype=torch.int32, device=device)
     experts = experts.contiguous()
-    if n_chunks:
-        _plan_count_kernel[(n_chunks,)](experts, hist_CE, S, E=E, **meta)
-    counts_E = hist_CE.sum(0, dtype=torch.int64)
-    padded_E = (counts_E + align - 1) // align * align
-    ends_E = torch.cumsum(padded_E, 0)
-    # base[c, e]: expert e's group start + its slots in chunks before c (an exclusive scan)
-    before_CE = torch.cumsum(hist_CE, 0, dtype=torch.int32) - hist_CE
-    base_CE = before_CE + (ends_E - padded_E).to(torch.int32)
+    # three launches, nothing between them: per-chunk counts (and slot_of_row set to -1), an
+    # exclusive scan of them down the chunks in place (and the totals), then each slot's row
+    hist_CE = torch.empty(n_chunks, E, dtype=torch.int32, device=device)
+    counts_E = torch.empty(E, dtype=torch.int64, device=device)
+    offsets_E = torch.empty(E, dtype=torch.int32, device=device)
     row_of_slot = torch.empty(T, K, dtype=torch.int32, device=device)
-    slot_of_row = torch.full((n_rows(T, K, E, align),), -1, dtype=torch.int32, device=device)
-    if n_chunks:
-        _plan_rank_kernel[(n_chunks,)](
-            experts, base_CE, row_of_slot, slot_of_row, S, E=E, BLOCK_S=meta["BLOCK_S"], num_warps=meta["num_warps"]
-        )
-    return counts_E, ends_E.to(torch.int32), row_of_slot, slot_of_row
+    slot_of_row = torch.empty(R, dtype=torch.int32, device=device)
+    warps = meta["num_warps"]
+    _plan_count_kernel[(n_chunks,)](
+        experts, hist_CE, slot_of_row, S, R, E=E, BLOCK_S=meta["BLOCK_S"], BLOCK_E=meta["BLOCK_E"], num_warps=warps
+    )
+    _plan_scan_kernel[(triton.cdiv(E, meta["SCAN_E"]),)](
+        hist_CE, counts_E, n_chunks, E=E, BLOCK_C=meta["SCAN_C"], BLOCK_E=meta["SCAN_E"], num_warps=warps
+    )
+    _plan_rank_kernel[(n_chunks,)](
+        experts, hist_CE, counts_E, offsets_E, row_of_slot, slot_of_row, S, align,
+        E=E, BLOCK_S=meta["BLOCK_S"], BLOCK_E=meta["RANK_E"], num_warps=warps,
+    )
+    return counts_E, offsets_E, row_of_slot, slot_of_row
 
 
 @_permute_plan.register_fake

@@ -163,6 +163,23 @@ def test_scatter_equals_gather(T, k, E, align, dtype, drop, device, monkeypatch)
         permute(args[0], experts, E, align=align, impl="triton")
 
 
+@pytest.mark.parametrize("T,k,E,align", [(37, 3, 11, 1), (37, 3, 11, 8), (50, 4, 16, 32), (5, 2, 3, 4)])
+def test_plan_kernels_with_small_tiles(T, k, E, align, device, monkeypatch):
+    """The three plan kernels with tiles small enough that every loop runs several times:
+    many chunks of 4 slots, the scan down them 2 chunks a step in programs of 4 experts, the
+    group starts and the offsets 4 experts a step, and the -1 fill striding over R > S."""
+    monkeypatch.setattr(
+        dispatch, "_plan_blocks",
+        lambda E: dict(BLOCK_S=4, BLOCK_E=dispatch.next_pow2(E), SCAN_C=2, SCAN_E=4, RANK_E=4, num_warps=1),
+    )
+    for drop in (False, True):
+        experts = _experts(T, k, E, drop, device=device)
+        got = torch.ops.fmoe.permute_plan(experts, E, align)
+        want = dispatch.permute_plan_ref(experts, E, align)
+        for name, g, w in zip(PermutePlan._fields, got, want):
+            assert g.dtype == w.dtype and torch.equal(g, w), name
+
+
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_unweighted_and_low_precision_weights(impl, device):
     T, k, E, H = 11, 3, 5, 7
