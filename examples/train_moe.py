@@ -32,8 +32,9 @@ as sums) plus the balancing losses, backward; the loss is the sum over valid tok
 by the step's valid-token count; then clip (AdamW multiplies the gradients by the clip's
 factor as its kernel reads them; Muon's are scaled in place), the optimizer step, the aux-loss-free
 expert-bias update from the step's actual counts, ONE transfer of everything logged to the
-host, metrics, and checkpoints (a complete one at the end of every run). Nothing in the
-forward and backward reads a device value on the host.
+host, metrics, and checkpoints (a complete one at the end of every run, and at a step after
+which a signal or --stop_after_minutes stops it, every rank agreeing). Nothing in the forward
+and backward reads a device value on the host.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ import time
 import typing
 from dataclasses import dataclass, field
 
+STARTED = time.monotonic()  # --stop_after_minutes counts from here
+
 import torch
 import torch.distributed as dist
 
@@ -59,7 +62,7 @@ from fmoe.optim import (AdamW, batch_size_at, build_optimizers, clip_factor, cli
 from fmoe.train import checkpoint, metrics
 from fmoe.train.data import BlendSampler, load_blend
 from fmoe.train.profile import StepProfiler, parse_steps, phase
-from fmoe.train.run import set_deterministic, write_config
+from fmoe.train.run import StopRequests, set_deterministic, write_config
 
 
 # ------------------------------------------------------------------------------ knobs
@@ -102,6 +105,10 @@ class Config:
     # run
     steps: int = 250
     stop_at: int = 0                # stop after this step (a time-limited job); 0: run to --steps
+    stop_after_minutes: float = 0.0  # stop, with a checkpoint, after the first step that ends this long after the start
+                                    # (a job's wall-clock limit less a step, a checkpoint and a margin); 0: no limit
+    stop_signals: str = "SIGTERM,SIGUSR1"  # these signals stop the run after its step, with a checkpoint (a scheduler's
+                                    # preemption or limit; a second one acts as usual); "": none
     seed: int = 0
     out_dir: str = "out/train_moe"
     resume: bool = False
@@ -227,6 +234,11 @@ def main(argv: list[str]) -> None:
                                 memory=cfg.memory_snapshot)
     except ValueError as err:
         sys.exit(str(err))
+    try:  # a signal or the time limit: stop after the step, with a checkpoint (fmoe.train.run)
+        stop_requests = StopRequests([name.strip() for name in cfg.stop_signals.split(",") if name.strip()], cfg.stop_after_minutes,
+                                     start=STARTED)
+    except ValueError as err:
+        sys.exit(f"--stop_{'signals' if str(err).startswith('signals') else 'after_minutes'}: {err}")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     has_experts = any(cfg.model.is_moe(i) for i in range(cfg.model.n_layers))
     sizes = dict(pp=cfg.pp, dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, cp=cfg.cp, tp=cfg.tp, ep=cfg.ep, etp=cfg.etp)
@@ -522,145 +534,156 @@ def main(argv: list[str]) -> None:
     # ------------------------------------------------------------------------ the loop
     last = min(cfg.steps, cfg.stop_at) if cfg.stop_at > 0 else cfg.steps
     run_start, first = time.perf_counter(), step
-    while step < last:
-        profiler.start_step(step + 1)
-        t0 = time.perf_counter()
-        lr_scale = lr_at(step, **schedule)
-        for opt in optimizers:
-            for group in opt.param_groups:
-                group["lr"] = group["base_lr"] * lr_scale
-        n_micro = batch_size_at(tokens_seen, cfg.batch_schedule)
-        drawn = sampler.tokens_by_source()
-        host_batches = [sampler.next_batch() for _ in range(n_micro)]
-        tokens_by_source = {name: n - drawn[name] for name, n in sampler.tokens_by_source().items()}
-        # the step's valid-token counts, read on the host before the batches move: the loss
-        # is a sum over tokens divided by these
-        loss_tokens = sum(int(b["loss_mask"].sum()) for b in host_batches)
-        valid = {"lm": max(1, loss_tokens)}  # a step of prompts only counts none
-        for d in range(1, model_cfg.mtp_depth + 1):
-            valid[d] = max(1, sum(int(b["mtp_loss_mask"][d - 1].sum()) for b in host_batches))
-        # data-parallel ranks take turns over the micro-batches; a rank short of one runs a
-        # masked copy with zero loss, so that every rank joins every collective (FSDP, EP)
-        mine = host_batches[dp_rank::dp]
-        padding = -(-n_micro // dp) - len(mine)
-        counts = {}
-        # every key from the start: a rank with only padding sums the same keys (one collective)
-        zero = torch.zeros((), device=device)
-        record = dict.fromkeys(["lm_loss", *(f"mtp_{d}_loss" for d in range(1, model_cfg.mtp_depth + 1)), "seq_aux_loss", "aux_loss", "z_loss"], zero)
-        with phase("forward_backward"):
-            if pipe is not None:  # the schedule runs forward and backward of this rank's micro-batches
-                step_state.update(valid=valid, n_micro=n_micro)
-                logged, counts = pipe.step([parallel.MicroBatch(train_batch(b), padding=i >= len(mine))
-                                            for i, b in enumerate(mine + [host_batches[0]] * padding)])
-                for name, value in logged.items():
-                    record[name] = record[name] + value
-            for i, host_batch in enumerate(mine + [host_batches[0]] * padding if pipe is None else []):
-                loss, logged, stats = run_micro_batch(train_batch(host_batch), valid, n_micro)
-                if i >= len(mine):
-                    (loss * 0.0).backward()
-                    continue
-                loss.backward()
-                for name, value in logged.items():
-                    record[name] = record[name] + value
-                for name, layer in stats.items():
-                    counts[name] = counts.get(name, 0) + layer["tokens_per_expert"]
-        if meshes is not None:  # logged sums and counts over every rank, one collective each
-            # the world is the batch mesh dp x cp x tp: the data ranks' values add up, and so
-            # do the tp ranks' shares of the balancing losses; the LM losses, computed alike
-            # on every tp rank, count once (tp rank 0's)
-            if meshes.batch.get_local_rank("tp") > 0:
-                record = {name: v if name in ("seq_aux_loss", "aux_loss", "z_loss") else zero for name, v in record.items()}
-            record = parallel.all_reduce_sums(record, dist.group.WORLD)
-            counts = parallel.all_reduce_counts(counts, dist.group.WORLD, names=moe_names, n_experts=model_cfg.n_experts)
-        with phase("optimizer"):  # the gradients' norm and clipping, the health norms, the step, the expert biases
-            if pipe is None:
-                counted, copies, groups = list(model.parameters()), [], {}
-            else:  # the first stage's embedding and the last stage's copy take the same summed gradient;
-                # the norm counts every stage's parameters once
-                pipe.sync_tied_grads()
-                counted, copies = pipe.norm_parameters()
-                groups = dict(group=meshes.stage_mesh, pp_group=meshes.pp_mesh)
-            if cfg.optimizer == "adamw":  # the clip's factor goes into AdamW's step: no pass of its own
-                norm = grad_norm(counted, **groups)
-                step_kwargs = dict(grad_factor=clip_factor(norm, cfg.clip))
-            else:  # Muon and torch's AdamW: the gradients scaled in place
-                norm, step_kwargs = clip_grad_norm(counted, cfg.clip, copies=copies, **groups), {}
-            # health: the weights' norm and how many gradient entries are exactly zero (dead
-            # experts, unused embedding rows), exact over the mesh, before the update
-            weight_norm, zero_grads = param_norm(counted, copies=copies, **groups), zero_grad_count(counted, copies=copies, **groups)
+    # the first of --stop_signals, or --stop_after_minutes passed, on any rank: every rank
+    # stops after the same step (the requests are summed with the step's logged values)
+    with stop_requests as stop:
+        while step < last:
+            profiler.start_step(step + 1)
+            t0 = time.perf_counter()
+            lr_scale = lr_at(step, **schedule)
             for opt in optimizers:
-                opt.step(**step_kwargs)
-                opt.zero_grad(set_to_none=True)
-            # aux-loss-free balancing: each MoE layer's bias moves by the step's actual counts
-            if model_cfg.expert_bias and cfg.bias_rate:
-                for name, moe in (layer for part in parts for layer in part.moe_layers().items()):
-                    moe.expert_bias.copy_(ops.update_expert_bias(moe.expert_bias, counts[name], cfg.bias_rate,
-                                                                 proportional=cfg.bias_update == "proportional"))
+                for group in opt.param_groups:
+                    group["lr"] = group["base_lr"] * lr_scale
+            n_micro = batch_size_at(tokens_seen, cfg.batch_schedule)
+            drawn = sampler.tokens_by_source()
+            host_batches = [sampler.next_batch() for _ in range(n_micro)]
+            tokens_by_source = {name: n - drawn[name] for name, n in sampler.tokens_by_source().items()}
+            # the step's valid-token counts, read on the host before the batches move: the loss
+            # is a sum over tokens divided by these
+            loss_tokens = sum(int(b["loss_mask"].sum()) for b in host_batches)
+            valid = {"lm": max(1, loss_tokens)}  # a step of prompts only counts none
+            for d in range(1, model_cfg.mtp_depth + 1):
+                valid[d] = max(1, sum(int(b["mtp_loss_mask"][d - 1].sum()) for b in host_batches))
+            # data-parallel ranks take turns over the micro-batches; a rank short of one runs a
+            # masked copy with zero loss, so that every rank joins every collective (FSDP, EP)
+            mine = host_batches[dp_rank::dp]
+            padding = -(-n_micro // dp) - len(mine)
+            counts = {}
+            # every key from the start: a rank with only padding sums the same keys (one collective)
+            zero = torch.zeros((), device=device)
+            record = dict.fromkeys(["lm_loss", *(f"mtp_{d}_loss" for d in range(1, model_cfg.mtp_depth + 1)), "seq_aux_loss", "aux_loss", "z_loss"], zero)
+            with phase("forward_backward"):
+                if pipe is not None:  # the schedule runs forward and backward of this rank's micro-batches
+                    step_state.update(valid=valid, n_micro=n_micro)
+                    logged, counts = pipe.step([parallel.MicroBatch(train_batch(b), padding=i >= len(mine))
+                                                for i, b in enumerate(mine + [host_batches[0]] * padding)])
+                    for name, value in logged.items():
+                        record[name] = record[name] + value
+                for i, host_batch in enumerate(mine + [host_batches[0]] * padding if pipe is None else []):
+                    loss, logged, stats = run_micro_batch(train_batch(host_batch), valid, n_micro)
+                    if i >= len(mine):
+                        (loss * 0.0).backward()
+                        continue
+                    loss.backward()
+                    for name, value in logged.items():
+                        record[name] = record[name] + value
+                    for name, layer in stats.items():
+                        counts[name] = counts.get(name, 0) + layer["tokens_per_expert"]
+            record["stop_requests"] = torch.tensor(float(stop.reason() is not None), device=device)
+            if meshes is not None:  # logged sums and counts over every rank, one collective each
+                # the world is the batch mesh dp x cp x tp: the data ranks' values add up, and so
+                # do the tp ranks' shares of the balancing losses; the LM losses, computed alike
+                # on every tp rank, count once (tp rank 0's)
+                if meshes.batch.get_local_rank("tp") > 0:
+                    record = {name: v if name in ("seq_aux_loss", "aux_loss", "z_loss", "stop_requests") else zero
+                              for name, v in record.items()}
+                record = parallel.all_reduce_sums(record, dist.group.WORLD)
+                counts = parallel.all_reduce_counts(counts, dist.group.WORLD, names=moe_names, n_experts=model_cfg.n_experts)
+            with phase("optimizer"):  # the gradients' norm and clipping, the health norms, the step, the expert biases
+                if pipe is None:
+                    counted, copies, groups = list(model.parameters()), [], {}
+                else:  # the first stage's embedding and the last stage's copy take the same summed gradient;
+                    # the norm counts every stage's parameters once
+                    pipe.sync_tied_grads()
+                    counted, copies = pipe.norm_parameters()
+                    groups = dict(group=meshes.stage_mesh, pp_group=meshes.pp_mesh)
+                if cfg.optimizer == "adamw":  # the clip's factor goes into AdamW's step: no pass of its own
+                    norm = grad_norm(counted, **groups)
+                    step_kwargs = dict(grad_factor=clip_factor(norm, cfg.clip))
+                else:  # Muon and torch's AdamW: the gradients scaled in place
+                    norm, step_kwargs = clip_grad_norm(counted, cfg.clip, copies=copies, **groups), {}
+                # health: the weights' norm and how many gradient entries are exactly zero (dead
+                # experts, unused embedding rows), exact over the mesh, before the update
+                weight_norm, zero_grads = param_norm(counted, copies=copies, **groups), zero_grad_count(counted, copies=copies, **groups)
+                for opt in optimizers:
+                    opt.step(**step_kwargs)
+                    opt.zero_grad(set_to_none=True)
+                # aux-loss-free balancing: each MoE layer's bias moves by the step's actual counts
+                if model_cfg.expert_bias and cfg.bias_rate:
+                    for name, moe in (layer for part in parts for layer in part.moe_layers().items()):
+                        moe.expert_bias.copy_(ops.update_expert_bias(moe.expert_bias, counts[name], cfg.bias_rate,
+                                                                     proportional=cfg.bias_update == "proportional"))
 
-        step += 1
-        if meshes is not None and cfg.check_replicas_every > 0 and (step % cfg.check_replicas_every == 0 or step == last):
-            for opt in optimizers:  # a distributed Muon's last update may still be in flight
-                getattr(opt, "wait", lambda: None)()
-            # ranks holding copies of a tensor (data-parallel replicas, tp copies of norms and
-            # routers, every rank's expert biases, the pipeline's embedding copy) must agree bit
-            # for bit; every rank gets the same list
-            bad = parallel.replica_mismatches(parts, group=meshes.stage_mesh if pipe is not None else None)
-            if pipe is not None:  # and the last stage's embedding copy against the first stage's
-                bad += [f"{name} (the last stage's copy)" for name in pipe.tied_mismatches()]
-            if bad:
-                sys.exit(f"step {step}: the ranks holding copies of {', '.join(bad)} disagree (a non-deterministic collective, "
-                         "a corrupted rank or a bug: stopping before the copies drift further)")
-        step_tokens = n_micro * cfg.tokens_per_micro_batch
-        routed = sum(int(b["token_mask"].sum()) for b in host_batches) if cfg.whole_documents else step_tokens  # host values
-        tokens_seen += step_tokens
-        if step % cfg.eval_every == 0 or step == last:
-            with phase("eval"):
-                record["val_loss"], record["val_loss_by_source"] = evaluate()
-        # the one transfer of the step: every logged value and count comes to the host here
-        if moe_names:  # per MoE layer, in moe_names order: counts, max/mean, CV, dropped share
-            record.update(metrics.layer_loads(torch.stack([counts[n] for n in moe_names]), routed * model_cfg.k))
-        record = metrics.to_host({**record, "grad_norm": norm, "param_norm": weight_norm, "zero_grads": zero_grads})
-        if "val_loss_by_source" in record:  # source name -> its validation tokens' mean loss
-            record["val_loss_by_source"] = dict(zip(val_names, record["val_loss_by_source"]))
-        seconds = time.perf_counter() - t0
-        joules = energy.joules_since_last()  # this rank's device since the last step (after the step's sync); None off CUDA
-        if joules is not None:
-            if meshes is not None:  # every rank's device
-                joules = float(parallel.all_reduce_sums({"j": torch.tensor(joules, device=device)}, dist.group.WORLD)["j"])
-            record.update(energy_j=joules, energy_j_per_token=joules / step_tokens)
-        # attention FLOPs from the step's own documents (SPEC 8), not a full-length causal row
-        n_avg_keys = sum(metrics.mean_attended_keys(b["cu_seqlens"]) for b in host_batches) / n_micro
-        n_avg_local = (sum(metrics.mean_attended_keys(b["cu_seqlens"], model_cfg.window, model_cfg.chunk) for b in host_batches) / n_micro
-                       if model_cfg.any_local else None)
-        flops_per_token = metrics.model_flops_per_token(model_cfg, n_avg_keys=n_avg_keys, n_avg_local_keys=n_avg_local)
-        record.update(
-            step=step, loss=record["lm_loss"], lr=cfg.lr * lr_scale, batch_size=n_micro, tokens=tokens_seen,
-            loss_tokens=loss_tokens, padding_tokens=step_tokens - routed,  # of the step's tokens: trained on, and padding
-            tokens_per_s=step_tokens / seconds, flops_per_token=flops_per_token, tokens_by_source=tokens_by_source,
-            mfu=metrics.mfu(step_tokens / seconds / world, flops_per_token, peak),
-            peak_memory_gib=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
-            planned_memory_gib=plan["total"] / 2**30,
-            eta_seconds=(time.perf_counter() - run_start) / (step - first) * (last - step), moe_layers=moe_names,
-        )
-        logger.log(step, record)
-        if cfg.check_finite and not (math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"])):
-            # every rank holds the same reduced values: every rank stops here, none waits in a collective
-            logger.close()
-            newest = checkpoint.latest(cfg.out_dir)
-            intact = f"The newest checkpoint, {newest}, is intact: --resume starts from it" if newest else "No checkpoint was written yet"
-            sys.exit(f"step {step}: loss {record['loss']}, gradient norm {record['grad_norm']}: not finite, and the weights took the "
-                     f"step's update; stopping before a checkpoint. {intact} (lower --lr, raise --warmup, or check the data; "
-                     "--check_finite=False runs on)" if rank == 0 else 1)
-        if step % cfg.ckpt_every == 0 or step == last:
-            for opt in optimizers:  # a distributed Muon's last update may still be in flight
-                getattr(opt, "wait", lambda: None)()
-            # every rank holds the same extra (same sampler, same seeds): resumable on any mesh
-            extra = {"step": step, "tokens_seen": tokens_seen, "sampler": sampler.state_dict(), "rng": checkpoint.rng_state()}
-            with phase("checkpoint"):
-                checkpoint.save(cfg.out_dir, step, model=parts, optimizers=optimizers, extra=extra)
-            if rank == 0:
-                checkpoint.prune(cfg.out_dir, keep_last=cfg.keep_last, keep_every=cfg.keep_every or None)
-        _report_profile(profiler.end_step(step), rank)
+            step += 1
+            if meshes is not None and cfg.check_replicas_every > 0 and (step % cfg.check_replicas_every == 0 or step == last):
+                for opt in optimizers:  # a distributed Muon's last update may still be in flight
+                    getattr(opt, "wait", lambda: None)()
+                # ranks holding copies of a tensor (data-parallel replicas, tp copies of norms and
+                # routers, every rank's expert biases, the pipeline's embedding copy) must agree bit
+                # for bit; every rank gets the same list
+                bad = parallel.replica_mismatches(parts, group=meshes.stage_mesh if pipe is not None else None)
+                if pipe is not None:  # and the last stage's embedding copy against the first stage's
+                    bad += [f"{name} (the last stage's copy)" for name in pipe.tied_mismatches()]
+                if bad:
+                    sys.exit(f"step {step}: the ranks holding copies of {', '.join(bad)} disagree (a non-deterministic collective, "
+                             "a corrupted rank or a bug: stopping before the copies drift further)")
+            step_tokens = n_micro * cfg.tokens_per_micro_batch
+            routed = sum(int(b["token_mask"].sum()) for b in host_batches) if cfg.whole_documents else step_tokens  # host values
+            tokens_seen += step_tokens
+            if step % cfg.eval_every == 0 or step == last:
+                with phase("eval"):
+                    record["val_loss"], record["val_loss_by_source"] = evaluate()
+            # the one transfer of the step: every logged value and count comes to the host here
+            if moe_names:  # per MoE layer, in moe_names order: counts, max/mean, CV, dropped share
+                record.update(metrics.layer_loads(torch.stack([counts[n] for n in moe_names]), routed * model_cfg.k))
+            record = metrics.to_host({**record, "grad_norm": norm, "param_norm": weight_norm, "zero_grads": zero_grads})
+            stopping = record.pop("stop_requests") > 0  # the same on every rank
+            if "val_loss_by_source" in record:  # source name -> its validation tokens' mean loss
+                record["val_loss_by_source"] = dict(zip(val_names, record["val_loss_by_source"]))
+            seconds = time.perf_counter() - t0
+            joules = energy.joules_since_last()  # this rank's device since the last step (after the step's sync); None off CUDA
+            if joules is not None:
+                if meshes is not None:  # every rank's device
+                    joules = float(parallel.all_reduce_sums({"j": torch.tensor(joules, device=device)}, dist.group.WORLD)["j"])
+                record.update(energy_j=joules, energy_j_per_token=joules / step_tokens)
+            # attention FLOPs from the step's own documents (SPEC 8), not a full-length causal row
+            n_avg_keys = sum(metrics.mean_attended_keys(b["cu_seqlens"]) for b in host_batches) / n_micro
+            n_avg_local = (sum(metrics.mean_attended_keys(b["cu_seqlens"], model_cfg.window, model_cfg.chunk) for b in host_batches) / n_micro
+                           if model_cfg.any_local else None)
+            flops_per_token = metrics.model_flops_per_token(model_cfg, n_avg_keys=n_avg_keys, n_avg_local_keys=n_avg_local)
+            record.update(
+                step=step, loss=record["lm_loss"], lr=cfg.lr * lr_scale, batch_size=n_micro, tokens=tokens_seen,
+                loss_tokens=loss_tokens, padding_tokens=step_tokens - routed,  # of the step's tokens: trained on, and padding
+                tokens_per_s=step_tokens / seconds, flops_per_token=flops_per_token, tokens_by_source=tokens_by_source,
+                mfu=metrics.mfu(step_tokens / seconds / world, flops_per_token, peak),
+                peak_memory_gib=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+                planned_memory_gib=plan["total"] / 2**30,
+                eta_seconds=(time.perf_counter() - run_start) / (step - first) * (last - step), moe_layers=moe_names,
+            )
+            logger.log(step, record)
+            if cfg.check_finite and not (math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"])):
+                # every rank holds the same reduced values: every rank stops here, none waits in a collective
+                logger.close()
+                newest = checkpoint.latest(cfg.out_dir)
+                intact = f"The newest checkpoint, {newest}, is intact: --resume starts from it" if newest else "No checkpoint was written yet"
+                sys.exit(f"step {step}: loss {record['loss']}, gradient norm {record['grad_norm']}: not finite, and the weights took the "
+                         f"step's update; stopping before a checkpoint. {intact} (lower --lr, raise --warmup, or check the data; "
+                         "--check_finite=False runs on)" if rank == 0 else 1)
+            if step % cfg.ckpt_every == 0 or step == last or stopping:
+                for opt in optimizers:  # a distributed Muon's last update may still be in flight
+                    getattr(opt, "wait", lambda: None)()
+                # every rank holds the same extra (same sampler, same seeds): resumable on any mesh
+                extra = {"step": step, "tokens_seen": tokens_seen, "sampler": sampler.state_dict(), "rng": checkpoint.rng_state()}
+                with phase("checkpoint"):
+                    checkpoint.save(cfg.out_dir, step, model=parts, optimizers=optimizers, extra=extra)
+                if rank == 0:
+                    checkpoint.prune(cfg.out_dir, keep_last=cfg.keep_last, keep_every=cfg.keep_every or None)
+            _report_profile(profiler.end_step(step), rank)
+            if stopping:
+                if rank == 0:
+                    print(f"step {step}: stopping on {stop.reason() or 'a request to another rank'}, with the checkpoint of step "
+                          f"{step}; --resume continues the run", flush=True)
+                break
     _report_profile(profiler.close(), rank)  # the run ended inside the profiled steps
     logger.close()
     if rank == 0 and math.isfinite(record.get("val_loss", float("nan"))):

@@ -6,8 +6,10 @@ import math
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -167,6 +169,43 @@ def test_a_step_that_is_not_finite_stops_the_run_before_its_checkpoint(tmp_path)
     assert len(_records(tmp_path / "on")) == 3
 
 
+def test_the_time_limit_stops_after_a_step_with_a_checkpoint_and_resume_continues(tmp_path):
+    """--stop_after_minutes: a limit already passed at the end of step 1 stops the run there
+    (exit 0), with step 1's checkpoint though --ckpt_every is larger; --resume then logs the
+    uninterrupted run's losses."""
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    assert _train(whole, "--steps=4", "--deterministic").returncode == 0
+    first = _train(parts, "--steps=4", "--deterministic", "--stop_after_minutes=1e-9")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "step 1: stopping on the time limit of 1e-09 minutes, with the checkpoint of step 1; --resume continues the run" in first.stdout
+    assert [r["step"] for r in _records(parts)] == [1] and sorted(p.name for p in parts.glob("step_*")) == ["step_000001"]
+    second = _train(parts, "--steps=4", "--deterministic", "--resume")
+    assert second.returncode == 0, second.stderr[-3000:]
+    keys = ("loss", "grad_norm", "lr", "tokens", "mtp_1_loss")
+    assert [[r[k] for k in keys] for r in _records(parts)] == [[r[k] for k in keys] for r in _records(whole)]
+
+
+def test_a_signal_stops_the_run_after_its_step_with_a_checkpoint(tmp_path):
+    """SIGTERM (a scheduler's preemption) in the middle of a long run: the step ends, its
+    checkpoint is written, the process exits 0."""
+    run = subprocess.Popen([sys.executable, str(ROOT / "examples" / "train_moe.py"), f"--out_dir={tmp_path}", *TINY, "--steps=1000"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    try:
+        metrics, deadline = tmp_path / "metrics.jsonl", time.monotonic() + 300
+        while not (metrics.exists() and metrics.read_text().strip()) and run.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)  # the loop has begun: its handlers are in place
+        run.send_signal(signal.SIGTERM)
+        out, err = run.communicate(timeout=300)
+    finally:
+        run.kill()
+    assert run.returncode == 0, err[-3000:]
+    steps = [r["step"] for r in _records(tmp_path)]
+    last = steps[-1]
+    assert steps == list(range(1, last + 1)) and last < 1000
+    assert f"step {last}: stopping on SIGTERM, with the checkpoint of step {last}; --resume continues the run" in out
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == [f"step_{last:06d}"]
+
+
 def test_muon_runs(tmp_path):
     run = _train(tmp_path, "--steps=3", "--optimizer=muon")
     assert run.returncode == 0, run.stderr[-3000:]
@@ -190,6 +229,9 @@ BAD_KNOBS = [
                                 "'stdlib': n_batches: 100000 batches of 128 tokens need 12800000 tokens, the dataset has 857423); lower --eval_batches"),
     (["--init_from=/no/such/run"], "--init_from: path: '/no/such/run' does not exist"),
     (["--optimizer=sgd", "--steps=1"], "--optimizer: expected adamw or muon"),
+    (["--stop_signals=SIGTERM,SIGKILL"], "--stop_signals: signals: expected names of signals a process can catch (e.g. SIGTERM, "
+                                         "SIGUSR1), got 'SIGKILL'"),
+    (["--stop_after_minutes=-5"], "--stop_after_minutes: minutes: expected a time limit in minutes >= 0 (0: none), got -5.0"),
     (["--profile=3:2"], "--profile: expected START:END steps with 1 <= START <= END (or one step N), got '3:2'"),
     (["--memory_snapshot"], "--memory_snapshot: records the --profile steps; set --profile=START:END"),
     (["--profile=1", "--memory_snapshot"], "--memory_snapshot: records the CUDA allocator; this run is on cpu"),

@@ -12,6 +12,7 @@
     metrics     FLOPs per token (SPEC.md 8), MFU, expert load, metrics.jsonl and progress,
                 one host transfer per step (to_host), host-sync counting (HostReads)
     profile     torch.profiler over chosen steps (StepProfiler, phase), its traces and ops tables
-    run         bit-reproducible runs (set_deterministic), config.json with versions and commit
+    run         bit-reproducible runs (set_deterministic), config.json with versions and commit,
+                stop requests: a signal or a time limit ends the run after a step (StopRequests)
     plot        python -m fmoe.train.plot <out_dir>: loss curves and expert-load heatmaps
 """

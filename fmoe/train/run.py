@@ -1,8 +1,9 @@
-"""What a run records about itself, and how to make it bit-reproducible.
+"""What a run records about itself, how to make it bit-reproducible, and when to stop it.
 
     set_deterministic(True)              the same losses, bit for bit, on the same machine
     run_info() -> dict                   torch / triton / fmoe versions, git commit, host
     write_config(out_dir, config, **extra) -> Path   <out_dir>/config.json
+    with StopRequests(signals, minutes) as stop: ... stop.reason()   a signal or a time limit
 
 Determinism. PyTorch picks some kernels whose floating-point sums depend on thread or
 warp timing (atomic adds, split reductions). set_deterministic(True) asks for the
@@ -16,16 +17,31 @@ embedding backward uses F.embedding, whose CPU kernel sums in a fixed order wher
 indexing (`weight[ids]`) does not. Runs are then identical on the same machine, thread
 count and library versions; across machines or thread counts they may still differ in the
 last bits (a different blocking of a matmul).
+
+Stopping. A job scheduler ends a job at its wall-clock limit, or earlier to make room (a
+preemption), after a signal: SIGTERM, then SIGKILL some seconds later (SLURM's KillWait,
+Kubernetes' grace period, torchrun's 30 s after it passes SIGTERM on to its workers), or a
+signal asked for ahead of the limit (SLURM's --signal=USR1@300). StopRequests notes such a
+signal, or a time limit passing, so that the loop stops at the end of its step with a
+checkpoint, and --resume continues the run from there. The handler only notes the first
+signal (nothing is cut in the middle: a step, a collective, a checkpoint's write) and puts
+the handler that was there before back, so a second signal acts as it did before (SIGTERM:
+the process ends at once). Ranks can receive the signal at different moments: the loop sums
+the requests over the ranks with the step's other logged values, so every rank stops after
+the same step.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
+import signal
 import subprocess
+import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -78,3 +94,70 @@ def write_config(out_dir, config: dict, **extra) -> Path:
     path = out_dir / "config.json"
     path.write_text(json.dumps({"config": config, **extra, "run": run_info()}, indent=2, default=str) + "\n")
     return path
+
+
+# a process cannot catch these: no handler can note them
+_UNCATCHABLE = ("SIGKILL", "SIGSTOP")
+
+
+def _signal(name) -> signal.Signals:
+    sig = getattr(signal, name, None) if isinstance(name, str) and name.startswith("SIG") else None
+    if not isinstance(sig, signal.Signals) or name in _UNCATCHABLE or name.startswith("SIG_"):
+        raise ValueError(f"signals: expected names of signals a process can catch (e.g. SIGTERM, SIGUSR1), got {name!r}")
+    return sig
+
+
+class StopRequests:
+    """Requests to stop a run at the end of its step: the first of `signals` received, or
+    `minutes` passed since `start` (module docstring).
+
+    Args:
+        signals: signal names, e.g. ("SIGTERM", "SIGUSR1"); () for none.
+        minutes: the time limit, > 0; 0 for none.
+        start: time.monotonic() at the start the limit counts from (default: now).
+
+    Use as a context manager: entering installs the handlers (from the main thread only, as
+    Python requires), leaving puts the previous ones back. reason() is None until a stop is
+    requested, then the signal's name or the time limit, e.g. "SIGTERM" or "the time limit of
+    90 minutes".
+    """
+
+    def __init__(self, signals: Sequence[str] = ("SIGTERM", "SIGUSR1"), minutes: float = 0.0, *, start: Optional[float] = None):
+        if isinstance(signals, str) or not all(isinstance(name, str) for name in signals):
+            raise ValueError(f"signals: expected a sequence of signal names like ('SIGTERM', 'SIGUSR1'), got {signals!r}")
+        self._signals = list(dict.fromkeys(_signal(name) for name in signals))
+        if isinstance(minutes, bool) or not isinstance(minutes, (int, float)) or not math.isfinite(minutes) or minutes < 0:
+            raise ValueError(f"minutes: expected a time limit in minutes >= 0 (0: none), got {minutes!r}")
+        self.minutes = float(minutes)
+        self.start = time.monotonic() if start is None else start
+        self.signal: Optional[str] = None  # the first signal received
+        self._previous: dict = {}
+
+    def __enter__(self) -> "StopRequests":
+        try:
+            for sig in self._signals:
+                self._previous[sig] = signal.signal(sig, self._note)
+        except ValueError as err:  # not the main thread
+            self.__exit__()
+            raise ValueError(f"StopRequests: signal handlers can only be installed from the main thread ({err})") from err
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, signal.SIG_DFL if previous is None else previous)
+        self._previous.clear()
+
+    def _note(self, signum, frame) -> None:
+        sig = signal.Signals(signum)
+        if self.signal is None:
+            self.signal = sig.name
+        previous = self._previous.get(sig)
+        signal.signal(sig, signal.SIG_DFL if previous is None else previous)  # a second one acts as before
+
+    def reason(self) -> Optional[str]:
+        """Why the run should stop after this step, or None."""
+        if self.signal is not None:
+            return self.signal
+        if self.minutes and time.monotonic() - self.start >= 60 * self.minutes:
+            return f"the time limit of {self.minutes:g} minutes"
+        return None

@@ -3,12 +3,17 @@ same model and log the same losses as one process; a checkpoint saved on 4 ranks
 and its weights start a new run (--init_from) on another mesh."""
 
 import json
+import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
+
+from fmoe.train import checkpoint
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TINY = ["--model.hidden=32", "--model.n_layers=2", "--model.n_dense=1", "--model.ffn_dense=64", "--model.n_experts=4", "--model.k=2", "--model.ffn_expert=32",
@@ -153,6 +158,35 @@ def test_checkpoints_move_between_pipeline_and_one_process(reference, tmp_path):
     _assert_same(_train(tmp_path / "pp", 1, "--resume=True"), reference())
     _train(tmp_path / "one", 1, "--stop_at=3")
     _assert_same(_train(tmp_path / "one", 2, "--pp=2", "--resume=True"), reference())
+
+
+def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
+    """SIGTERM to rank 1 alone (rank 0 never gets it): the ranks agree through the step's
+    sums, both stop after the same step, write its checkpoint together and exit 0; one
+    process resumes from it."""
+    run = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                            str(ROOT / "examples" / "train_moe.py"), f"--out_dir={tmp_path}", *TINY, "--steps=1000"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        metrics, deadline = tmp_path / "metrics.jsonl", time.monotonic() + 300
+        while not (metrics.exists() and metrics.read_text().strip()) and run.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)  # every rank is in the loop: rank 0 logs after the step's collectives
+        ranks = {}
+        for pid in pathlib.Path(f"/proc/{run.pid}/task/{run.pid}/children").read_text().split():
+            env = pathlib.Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            ranks[next(int(v[5:]) for v in env if v.startswith(b"RANK="))] = int(pid)
+        os.kill(ranks[1], signal.SIGTERM)
+        out, err = run.communicate(timeout=300)
+    finally:
+        run.kill()
+    assert sorted(ranks) == [0, 1] and run.returncode == 0, out[-2000:] + err[-4000:]
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    last = steps[-1]
+    assert steps == list(range(1, last + 1)) and last < 1000
+    assert f"step {last}: stopping on a request to another rank, with the checkpoint of step {last}" in out
+    assert checkpoint.latest(tmp_path) == tmp_path / f"step_{last:06d}"  # complete: both ranks wrote their part
+    resumed = _train(tmp_path, 1, "--resume", "--steps=1000", f"--stop_at={last + 1}")
+    assert [r["step"] for r in resumed] == list(range(1, last + 2))
 
 
 def test_compiled_pipeline_stages_log_the_eager_losses(reference, tmp_path):
