@@ -63,6 +63,7 @@ import torch.distributed as dist
 import fmoe.parallel as parallel
 from fmoe.model import Transformer, TransformerConfig
 from fmoe.train.chat import json_object
+from fmoe.train.checkpoint import load_run, run_config  # noqa: F401  (export_hf and the tests use them from here)
 
 
 def is_hf_folder(path: Path) -> bool:
@@ -80,28 +81,6 @@ def load_model(path: Path, *, impl: str = "torch", dtype: torch.dtype = torch.fl
         return fmoe.hf.from_pretrained(path, impl=impl, mtp_depth=0, dtype=dtype, device=device)[0], {}
     model, run = load_run(path, impl=impl)
     return model.to(device=device, dtype=dtype), run
-
-
-def run_config(path: Path, *, impl: str = "torch") -> tuple[TransformerConfig, dict]:
-    """(model config with the ops' impl `impl`, run config) of an fmoe run directory or of
-    one of its checkpoints: the model knobs and vocab_size its config.json recorded."""
-    run_dir = path if (path / "config.json").is_file() else path.parent
-    if not (run_dir / "config.json").is_file():
-        raise ValueError(f"path: {str(path)!r} is neither an fmoe run directory (config.json) nor a checkpoint inside one")
-    run = json.loads((run_dir / "config.json").read_text())
-    knobs = dict(run["config"]["model"], vocab_size=run["vocab_size"])  # block lists come back as lists: the config takes them
-    return TransformerConfig(**{**knobs, "impl": impl}), run
-
-
-def load_run(path: Path, *, impl: str = "torch") -> tuple[Transformer, dict]:
-    """The model of an fmoe run directory (or of one of its checkpoints), its ops' impl
-    `impl`, and the run's config."""
-    from fmoe.train import checkpoint
-
-    cfg, run = run_config(path, impl=impl)
-    model = Transformer(cfg)
-    checkpoint.load_model(path, model=model)
-    return model, run
 
 
 def load_sharded(path: Path, sizes: dict, *, device: torch.device, dtype: torch.dtype, impl: str) -> tuple[Transformer, dict, object]:

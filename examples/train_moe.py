@@ -7,6 +7,7 @@
     python examples/train_moe.py --data=my_texts/                 # a directory of text files
     python examples/train_moe.py --data=tokens.bin --data_dtype=uint16 --separator=50256 --model.vocab_size=50304
     python examples/train_moe.py --deterministic --compile        # bit-reproducible; torch.compile
+    python examples/train_moe.py --upcycle_from=out/dense --model.n_dense=1 --model.ffn_expert=256   # a dense run made an MoE
 
 Several processes (gloo on CPU, nccl on GPUs), one per device; the parallel knobs below:
     torchrun --nproc-per-node 2 examples/train_moe.py                   # FSDP2 over 2 ranks
@@ -63,6 +64,7 @@ from fmoe.train import checkpoint, metrics
 from fmoe.train.data import BlendSampler, load_blend
 from fmoe.train.profile import StepProfiler, parse_steps, phase
 from fmoe.train.run import StopRequests, set_deterministic, write_config
+from fmoe.train.upcycle import granularity, upcycle_
 
 
 # ------------------------------------------------------------------------------ knobs
@@ -115,6 +117,8 @@ class Config:
     init_from: str = ""             # a checkpoint (or a run's out_dir): start from its weights only
     init_from_hf: str = ""          # a Hugging Face folder (config.json + safetensors; fmoe.hf.FAMILIES): its model
                                     # and weights (--model.* knobs other than mtp_depth, impl, ac do not apply)
+    upcycle_from: str = ""          # a dense fmoe run (or checkpoint): its model, with the --model.* knobs given (the MoE
+                                    # ones: n_dense, n_experts, k, ffn_expert, ...), starts from its weights (fmoe.train.upcycle)
     ckpt_every: int = 100
     keep_last: int = 2              # retention: the newest checkpoints kept...
     keep_every: int = 0             # ...plus every keep_every-th step (0: none)
@@ -195,8 +199,16 @@ def parse_args(argv: list[str]) -> Config:
             model_overrides[name.removeprefix(prefix)] = parsed
         else:
             setattr(cfg, name, parsed)
+    base = cfg.model
+    if cfg.upcycle_from:  # the dense run's model; the knobs given make it an MoE
+        if cfg.init_from or cfg.init_from_hf:
+            sys.exit("--upcycle_from: starts from a dense run's weights; --init_from and --init_from_hf start from others: give one")
+        try:
+            base, _ = checkpoint.run_config(cfg.upcycle_from, impl=base.impl)
+        except ValueError as err:
+            sys.exit(f"--upcycle_from: {err}")
     try:
-        cfg.model = dataclasses.replace(cfg.model, **model_overrides)
+        cfg.model = dataclasses.replace(base, **model_overrides)
     except ValueError as err:
         sys.exit(f"model knobs: {err}")
     return cfg
@@ -375,6 +387,16 @@ def main(argv: list[str]) -> None:
             sys.exit(f"--init_from: {err}")
         if rank == 0:
             print(f"initialised from the weights of {path}")
+    elif cfg.upcycle_from:  # a dense run's weights, its FFNs cut into the experts: the dense model's function at step 0
+        try:
+            dense, _ = checkpoint.load_run(cfg.upcycle_from)
+            upcycle_(parts, dense.state_dict(), dense.cfg, seed=cfg.seed)
+        except (FileNotFoundError, ValueError) as err:
+            sys.exit(f"--upcycle_from: {err}")
+        if rank == 0:
+            print(f"upcycled from the dense model of {cfg.upcycle_from}: {model_cfg.n_experts} experts, each a slice of "
+                  f"1/{granularity(model_cfg, dense.cfg)} of its FFN")
+        del dense
     # records are logged for completed steps step+1, step+2, ...: keep the ones up to step
     try:
         logger = metrics.MetricsLogger(cfg.out_dir, rank=rank, total_steps=cfg.steps, start_step=step + 1, tensorboard=cfg.tensorboard)

@@ -206,6 +206,30 @@ def test_a_signal_stops_the_run_after_its_step_with_a_checkpoint(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("step_*")) == [f"step_{last:06d}"]
 
 
+def test_a_dense_run_upcycled_into_an_moe_starts_from_its_function(tmp_path):
+    """--upcycle_from: a dense run's model (hidden, heads, layers, MTP from its config.json)
+    made an MoE by the --model.* knobs given; the first step's losses, computed before any
+    update, are the dense weights' own (a new run from them, --init_from, logs the same)."""
+    dense = _train(tmp_path / "dense", "--steps=3", "--model.n_dense=2")
+    assert dense.returncode == 0, dense.stderr[-3000:]
+    moe_knobs = ["--model.n_dense=1", "--model.n_experts=4", "--model.k=2", "--model.ffn_expert=32"]  # ffn_dense 64: g = 2
+    loop_knobs = [a for a in TINY if not a.startswith("--model.")]  # the model's come from the dense run
+    run = subprocess.run([sys.executable, str(ROOT / "examples" / "train_moe.py"), f"--out_dir={tmp_path / 'moe'}", *loop_knobs,
+                          "--steps=2", "--warmup=0", f"--upcycle_from={tmp_path / 'dense'}", *moe_knobs], capture_output=True, text=True,
+                         timeout=900, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert f"upcycled from the dense model of {tmp_path / 'dense'}: 4 experts, each a slice of 1/2 of its FFN" in run.stdout
+    same = _train(tmp_path / "same", "--steps=2", "--warmup=0", "--model.n_dense=2", f"--init_from={tmp_path / 'dense'}")
+    assert same.returncode == 0, same.stderr[-3000:]
+    upcycled, reference = _records(tmp_path / "moe"), _records(tmp_path / "same")
+    for key in ("loss", "mtp_1_loss"):
+        assert upcycled[0][key] == pytest.approx(reference[0][key], rel=1e-5), key
+    assert upcycled[1]["loss"] != pytest.approx(reference[1]["loss"], rel=1e-5)  # then two different models train
+    model = json.loads((tmp_path / "moe" / "config.json").read_text())["config"]["model"]
+    assert (model["hidden"], model["n_layers"], model["n_dense"], model["n_experts"], model["ffn_dense"]) == (32, 2, 1, 4, 64)
+    assert model["n_heads"] == 2 and model["mtp_depth"] == 1  # the dense run's (TINY's), not the defaults
+
+
 def test_muon_runs(tmp_path):
     run = _train(tmp_path, "--steps=3", "--optimizer=muon")
     assert run.returncode == 0, run.stderr[-3000:]
@@ -231,6 +255,9 @@ BAD_KNOBS = [
     (["--optimizer=sgd", "--steps=1"], "--optimizer: expected adamw or muon"),
     (["--stop_signals=SIGTERM,SIGKILL"], "--stop_signals: signals: expected names of signals a process can catch (e.g. SIGTERM, "
                                          "SIGUSR1), got 'SIGKILL'"),
+    (["--upcycle_from=/no/such/run"], "--upcycle_from: path: '/no/such/run' is neither an fmoe run directory"),
+    (["--upcycle_from=/no/such/run", "--init_from=/x"], "--upcycle_from: starts from a dense run's weights; --init_from and "
+                                                        "--init_from_hf start from others: give one"),
     (["--stop_after_minutes=-5"], "--stop_after_minutes: minutes: expected a time limit in minutes >= 0 (0: none), got -5.0"),
     (["--profile=3:2"], "--profile: expected START:END steps with 1 <= START <= END (or one step N), got '3:2'"),
     (["--memory_snapshot"], "--memory_snapshot: records the --profile steps; set --profile=START:END"),

@@ -6,6 +6,7 @@
     latest(out_dir, *, delete_partial=False) -> Path | None
     load(path, *, model, optimizers) -> extra
     load_model(path, *, model) -> Path          the weights only (start a new run from them)
+    run_config(path) -> (TransformerConfig, run), load_run(path) -> (Transformer, run)   a run's own model
     prune(out_dir, *, keep_last, keep_every=None) -> removed paths
     rng_state() -> dict, set_rng_state(state)   torch CPU/CUDA, python, numpy generators
 
@@ -46,6 +47,7 @@ call prune and latest(delete_partial=True) on rank 0 only, with no async save in
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -65,6 +67,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+
+from fmoe.model import Transformer, TransformerConfig
 
 _NAME = re.compile(r"step_(\d+)")
 
@@ -288,6 +292,28 @@ def load_model(path, *, model: torch.nn.Module) -> Path:
     for m, part in zip(models, parts):
         set_model_state_dict(m, {k: state["model"][k] for k in part})
     return path
+
+
+def run_config(path, *, impl: str = "torch") -> tuple[TransformerConfig, dict]:
+    """(model config with the ops' impl `impl`, run config) of an fmoe run directory or of
+    one of its checkpoints: the model knobs and vocab_size its config.json recorded."""
+    path = Path(path)
+    run_dir = path if (path / "config.json").is_file() else path.parent
+    if not (run_dir / "config.json").is_file():
+        raise ValueError(f"path: {str(path)!r} is neither an fmoe run directory (config.json) nor a checkpoint inside one")
+    run = json.loads((run_dir / "config.json").read_text())
+    knobs = dict(run["config"]["model"], vocab_size=run["vocab_size"])  # block lists come back as lists: the config takes them
+    return TransformerConfig(**{**knobs, "impl": impl}), run
+
+
+def load_run(path, *, impl: str = "torch") -> tuple[Transformer, dict]:
+    """The whole model of an fmoe run directory (its newest checkpoint) or of one of its
+    checkpoints, on this process's CPU in float32, with its ops' impl `impl`, and the run's
+    config. Under torchrun every rank calls it (DCP's collectives) and gets the whole model."""
+    cfg, run = run_config(path, impl=impl)
+    model = Transformer(cfg)
+    load_model(path, model=model)
+    return model, run
 
 
 def load(path, *, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> dict:

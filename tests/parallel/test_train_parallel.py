@@ -189,6 +189,16 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
     assert [r["step"] for r in resumed] == list(range(1, last + 2))
 
 
+def test_an_upcycled_run_on_two_ranks_logs_the_one_process_losses(tmp_path):
+    """--upcycle_from under EP 2 with FSDP2: each rank writes its own shards of the upcycled
+    weights (its experts' slices, its blocks of the rest), and the run logs what one process
+    upcycling the same dense run logs."""
+    _train(tmp_path / "dense", 1, "--model.n_dense=2", "--stop_at=2")
+    one = _train(tmp_path / "one", 1, f"--upcycle_from={tmp_path / 'dense'}")
+    two = _train(tmp_path / "two", 2, f"--upcycle_from={tmp_path / 'dense'}", "--ep=2")
+    _assert_same(two, one)
+
+
 def test_compiled_pipeline_stages_log_the_eager_losses(reference, tmp_path):
     """--compile with --pp: each stage's model compiled in place (forward and backward under
     the schedule); the losses equal one eager process's within 1e-4 relative (the compiler

@@ -1,0 +1,130 @@
+"""Upcycling: a trained dense model's weights as the start of an MoE model.
+
+    upcycle_(model, dense_state, dense_cfg, *, seed=0)    in place, on any mesh
+
+Sparse upcycling (Komatsuzaki et al., 2022) with granularity (He et al., 2024,
+arXiv:2410.07524, as Megatron Core's upcycling does). `model` is a Transformer(cfg) with
+MoE layers, already initialised (reset_parameters(seed), or fmoe.parallel.materialize with
+that seed); `dense_state` the state dict of a dense Transformer(dense_cfg) of the same
+shape otherwise (same hidden size, attention, vocabulary, layer count, MTP depth).
+
+- Every parameter the two models share by name and shape (embedding, attention, norms,
+  head, the layers that stay dense, the MTP projections) is copied.
+- Each MoE layer's routed experts come from the dense FFN of the same block (w_gate, w_up
+  [H, F], w_down [F, H]), cut along F into g = F / ffn_expert slices (the granularity; g = 1:
+  every expert a whole copy): expert e holds slice e mod g, so experts g j .. g j + g - 1
+  (virtual group j) hold the whole FFN between them, and since SwiGLU acts on each of the F
+  channels alone, their outputs sum to the dense FFN's.
+- The router rows of a virtual group are one row: row j of the router's own initial value
+  (init_value(seed, name): what `model` was initialised with). The experts of a group tie
+  on every token, top-k takes ties by the lower index, so with k a multiple of g a token's
+  k experts are k / g whole groups. With the weights normalised over the k chosen (softmax
+  after the top-k, or normalised sigmoids) and times route_scale, a group's g experts share
+  one weight and the groups' weights sum to route_scale / g: the routed output is
+  route_scale / g times the dense FFN's, so w_down is multiplied by g / route_scale.
+- Shared experts start with w_down = 0 (no output until trained; their other weights, a
+  shared gate and the expert biases keep their initial values).
+
+So the MoE model computes the dense model's function at the start, up to float rounding
+(the slices' sums are reordered), as long as no token is dropped by a capacity factor.
+Training breaks the ties: each expert of a group gets its own router-row gradient. Pre-
+softmax routing and unnormalised sigmoids (weights that do not sum to a constant),
+gpt-oss's expert biases and a non-plain SwiGLU are refused: no exact start exists there.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence, Union
+
+import torch
+
+from fmoe.model import Transformer, TransformerConfig, copy_full_value, init_value
+
+
+def _moe_blocks(cfg: TransformerConfig) -> list[str]:
+    """The name prefixes of the blocks that are MoE in a whole Transformer(cfg)."""
+    blocks = [f"blocks.{i}.mlp." for i in range(cfg.n_layers) if cfg.is_moe(i)]
+    if blocks:  # an MTP module's block is MoE when the trunk has MoE blocks
+        blocks += [f"mtp.{d}.block.mlp." for d in range(cfg.mtp_depth)]
+    return blocks
+
+
+def granularity(cfg: TransformerConfig, dense_cfg: TransformerConfig) -> int:
+    """g = dense_cfg.ffn_dense / cfg.ffn_expert, once the pair is checked for an exact start
+    (module docstring); a ValueError names the knob that rules it out."""
+    if any(dense_cfg.is_moe(i) for i in range(dense_cfg.n_layers)):
+        raise ValueError("dense_cfg: expected a dense model (no MoE layer: n_dense = n_layers), got one with MoE layers")
+    if not _moe_blocks(cfg):
+        raise ValueError("cfg: expected a model with MoE layers to upcycle into, got a dense one")
+    F, Fe, E, k = dense_cfg.ffn_dense, cfg.ffn_expert, cfg.n_experts, cfg.k
+    if F % Fe:
+        raise ValueError(f"ffn_expert: expected a divisor of the dense model's ffn_dense={F} (the experts are slices of its FFN), got {Fe}")
+    g = F // Fe
+    if E % g:
+        raise ValueError(f"n_experts: expected a multiple of the granularity g = ffn_dense / ffn_expert = {g}, got {E}")
+    if k % g:
+        raise ValueError(f"k: expected a multiple of the granularity g = {g} (each token takes whole groups of the g slices), got {k}")
+    if cfg.n_groups and (E // cfg.n_groups) % g:
+        raise ValueError(f"n_groups: expected routing groups of a multiple of g = {g} experts, got {E // cfg.n_groups} per group")
+    if cfg.score == "softmax" and cfg.pre_softmax:
+        raise ValueError("pre_softmax: the weights of a softmax over every expert do not sum to a constant over the k chosen; "
+                         "upcycling needs the softmax after the top-k (pre_softmax=False)")
+    if cfg.score == "sigmoid" and not cfg.route_normalize:
+        raise ValueError("route_normalize: unnormalised sigmoid weights do not sum to a constant; upcycling needs route_normalize=True")
+    if cfg.expert_biases:
+        raise ValueError("expert_biases: the dense FFN has no biases to upcycle them from")
+    if (cfg.swiglu_alpha, cfg.swiglu_limit, cfg.swiglu_offset) != (1.0, None, 0.0):
+        raise ValueError("swiglu_alpha, swiglu_limit, swiglu_offset: the dense FFN's SwiGLU is the plain one; the experts' must be too")
+    return g
+
+
+@torch.no_grad()
+def upcycle_(model: Union[Transformer, Sequence[Transformer]], dense_state: Mapping[str, torch.Tensor], dense_cfg: TransformerConfig,
+             *, seed: int = 0) -> None:
+    """Write the dense model's weights into `model`, an initialised MoE Transformer, in place
+    (module docstring).
+
+    Args:
+        model: a Transformer with MoE layers, or this rank's pipeline parts (a list of
+            pruned Transformers: each writes the parameters it holds). Its parameters may be
+            DTensors (FSDP2, TP, EP): each rank writes its own block of every full value.
+        dense_state: the dense model's full state dict (parameter name -> tensor, on the
+            CPU; e.g. fmoe.train.checkpoint.load_run(path)[0].state_dict()).
+        dense_cfg: the dense model's TransformerConfig.
+        seed: the seed `model` was initialised with (its routers' rows come from it).
+
+    Raises a ValueError naming the knob (granularity) or the parameter (a shape, or one the
+    dense model lacks) that rules the pair out.
+    """
+    for part in [model] if isinstance(model, torch.nn.Module) else list(model):
+        cfg = part.cfg
+        g = granularity(cfg, dense_cfg)
+        E, H, Fe = cfg.n_experts, cfg.hidden, cfg.ffn_expert
+        for name, p in part.named_parameters():
+            block = next((b for b in _moe_blocks(cfg) if name.startswith(b)), None)
+            what = name[len(block):] if block is not None else None
+            if what == "router":  # virtual groups: experts g j .. g j + g - 1 share row j
+                fresh = init_value(seed, name, p.shape, cfg.init_std)
+                copy_full_value(p, fresh[: E // g].repeat_interleave(g, dim=0))
+            elif what in ("experts.w_gate", "experts.w_up", "experts.w_down"):
+                source = block + what.split(".")[1]
+                if source not in dense_state:
+                    raise ValueError(f"dense_state: no {source!r} to upcycle {name!r} from")
+                dense = dense_state[source].detach().float().cpu()
+                if what == "experts.w_down":  # [F, H] -> slices [g, Fe, H], times g / route_scale
+                    want, slices = (g * Fe, H), lambda w: w.reshape(g, Fe, H) * (g / (cfg.route_scale or 1.0))
+                else:  # [H, F] -> slices [g, H, Fe]
+                    want, slices = (H, g * Fe), lambda w: w.reshape(H, g, Fe).transpose(0, 1)
+                if tuple(dense.shape) != want:
+                    raise ValueError(f"dense_state: {source!r} has shape {tuple(dense.shape)}, expected {want}")
+                copy_full_value(p, slices(dense).repeat(E // g, 1, 1))  # expert e: slice e mod g
+            elif what == "shared.w_down":  # the shared experts add nothing until trained
+                copy_full_value(p, torch.zeros(p.shape))
+            elif what is not None and what.startswith(("router_bias", "shared.", "shared_gate")):
+                continue  # their initial values
+            elif name not in dense_state:
+                raise ValueError(f"dense_state: no {name!r}: the dense model differs from the MoE model outside the MoE layers")
+            elif tuple(dense_state[name].shape) != tuple(p.shape):
+                raise ValueError(f"dense_state: {name!r} has shape {tuple(dense_state[name].shape)}, the MoE model's is {tuple(p.shape)}")
+            else:
+                copy_full_value(p, dense_state[name].detach().cpu())

@@ -1,0 +1,112 @@
+"""fmoe.train.upcycle: an MoE model started from a dense model's weights computes the dense
+model's function (logits and every loss, MTP included), for copies (g = 1) and granular
+slices (g = 2, 4), softmax and sigmoid routing, group-limited routing and a route scale."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from fmoe.model import Transformer, TransformerConfig
+from fmoe.train.data import make_batch
+from fmoe.train.upcycle import granularity, upcycle_
+
+DENSE = TransformerConfig(vocab_size=64, hidden=32, n_layers=3, n_dense=3, ffn_dense=64, n_heads=4, n_kv_heads=2, head_dim=8,
+                          mtp_depth=1, init_std=0.1, impl="torch")
+
+
+def _moe(**kw):
+    """The dense model's shape with MoE blocks from layer 1 on (and in the MTP module)."""
+    moe = dict(n_dense=1, n_experts=8, k=2, ffn_expert=64, n_shared=0, score="softmax")
+    moe.update(kw)
+    return dataclasses.replace(DENSE, expert_bias=moe["score"] == "sigmoid", **moe)
+
+
+def _dense_model(seed=3):
+    model = Transformer(DENSE)
+    model.reset_parameters(seed=seed)
+    return model
+
+
+def _batch():
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 64, (48,), generator=gen)
+    return make_batch(ids, torch.tensor([0, 20, 48]), mtp_depth=1)
+
+
+CASES = {
+    "copies": _moe(),
+    "g2-softmax": _moe(ffn_expert=32, k=4),
+    "g4-sigmoid-groups-scale": _moe(ffn_expert=16, n_experts=16, k=8, score="sigmoid", n_groups=2, topk_groups=1, route_scale=2.5),
+    "g2-shared-expert": _moe(ffn_expert=32, k=2, n_shared=1, shared_gate=True),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_upcycled_model_computes_the_dense_function(case):
+    cfg = CASES[case]
+    dense = _dense_model()
+    moe = Transformer(cfg)
+    moe.reset_parameters(seed=5)
+    upcycle_(moe, dense.state_dict(), DENSE, seed=5)
+    batch = _batch()
+    with torch.no_grad():
+        torch.testing.assert_close(moe.logits(batch["input_ids"], batch["cu_seqlens"]),
+                                   dense.logits(batch["input_ids"], batch["cu_seqlens"]), rtol=1e-5, atol=1e-5)
+        got, stats = moe(batch, moe.context(batch))
+        want, _ = dense(batch, dense.context(batch))
+    for key in ("lm_sum", "mtp_1_sum"):
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=0), key
+    assert set(stats.keys()) == {"layer_1", "layer_2", "mtp_1"}
+    # the experts: slices of the dense FFN, each virtual group one whole copy of it
+    g = granularity(cfg, DENSE)
+    w_gate = moe.blocks[1].mlp.experts.w_gate
+    F = cfg.ffn_expert
+    for e in range(cfg.n_experts):
+        assert torch.equal(w_gate[e], dense.blocks[1].mlp.w_gate[:, (e % g) * F:(e % g + 1) * F])
+    router = moe.blocks[2].mlp.router
+    assert torch.equal(router, router[::g].repeat_interleave(g, dim=0)) and not torch.equal(router[0], router[g])
+    if cfg.n_shared:
+        assert (moe.blocks[1].mlp.shared.w_down == 0).all() and moe.blocks[1].mlp.shared.w_gate.abs().sum() > 0
+
+
+def test_training_breaks_the_ties():
+    """One SGD step on the upcycled model: the experts of a group get different gradients
+    (each computes its own slice), so the shared router rows and the copies part."""
+    cfg = CASES["g2-softmax"]
+    moe = Transformer(cfg)
+    moe.reset_parameters(seed=0)
+    upcycle_(moe, _dense_model().state_dict(), DENSE, seed=0)
+    batch = _batch()
+    losses, _ = moe(batch, moe.context(batch))
+    losses["lm_sum"].backward()
+    grad = moe.blocks[1].mlp.router.grad
+    assert grad is not None and not torch.allclose(grad[0], grad[1])
+
+
+def test_the_pair_must_allow_an_exact_start():
+    dense = _dense_model().state_dict()
+    bad = [
+        (_moe(ffn_expert=48), "ffn_expert: expected a divisor of the dense model's ffn_dense=64"),
+        (_moe(ffn_expert=16, n_experts=6, k=4), "n_experts: expected a multiple of the granularity g = ffn_dense / ffn_expert = 4, got 6"),
+        (_moe(ffn_expert=32, k=3), "k: expected a multiple of the granularity g = 2"),
+        (_moe(ffn_expert=32, k=4, n_groups=8, topk_groups=4), "n_groups: expected routing groups of a multiple of g = 2 experts, got 1"),
+        (_moe(ffn_expert=16, n_experts=8, k=4, n_groups=4, topk_groups=2), "n_groups: expected routing groups of a multiple of g = 4"),
+        (_moe(pre_softmax=True), "pre_softmax: the weights of a softmax over every expert"),
+        (_moe(score="sigmoid", route_normalize=False), "route_normalize: unnormalised sigmoid weights"),
+        (_moe(expert_biases=True), "expert_biases: the dense FFN has no biases"),
+        (_moe(swiglu_limit=7.0), "swiglu_alpha, swiglu_limit, swiglu_offset: the dense FFN's SwiGLU is the plain one"),
+        (DENSE, "cfg: expected a model with MoE layers"),
+    ]
+    for cfg, message in bad:
+        with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            upcycle_(Transformer(cfg), dense, DENSE)
+    with pytest.raises(ValueError, match="dense_cfg: expected a dense model"):
+        upcycle_(Transformer(_moe()), dense, _moe())
+    # the dense model differs elsewhere: a missing parameter, a shape
+    with pytest.raises(ValueError, match="dense_state: no 'blocks.2.attn.wq'"):
+        upcycle_(Transformer(_moe()), {k: v for k, v in dense.items() if k != "blocks.2.attn.wq"}, DENSE)
+    with pytest.raises(ValueError, match=r"dense_state: 'embed' has shape \(64, 32\), the MoE model's is \(80, 32\)"):
+        upcycle_(Transformer(_moe(vocab_size=80)), dense, DENSE)
+    with pytest.raises(ValueError, match=r"dense_state: 'blocks.1.mlp.w_up' has shape \(32, 60\), expected \(32, 64\)"):
+        upcycle_(Transformer(_moe()), {**dense, "blocks.1.mlp.w_up": torch.zeros(32, 60)}, DENSE)
