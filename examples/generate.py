@@ -63,12 +63,8 @@ import torch.distributed as dist
 import fmoe.parallel as parallel
 from fmoe.model import Transformer, TransformerConfig
 from fmoe.train.chat import json_object
+from fmoe.hf import is_hf_folder
 from fmoe.train.checkpoint import load_run, run_config  # noqa: F401  (export_hf and the tests use them from here)
-
-
-def is_hf_folder(path: Path) -> bool:
-    """Whether path is a Hugging Face folder (its config.json names a model_type)."""
-    return (path / "config.json").is_file() and "model_type" in json.loads((path / "config.json").read_text())
 
 
 def load_model(path: Path, *, impl: str = "torch", dtype: torch.dtype = torch.float32, device="cpu") -> tuple[Transformer, dict]:

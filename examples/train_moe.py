@@ -117,8 +117,9 @@ class Config:
     init_from: str = ""             # a checkpoint (or a run's out_dir): start from its weights only
     init_from_hf: str = ""          # a Hugging Face folder (config.json + safetensors; fmoe.hf.FAMILIES): its model
                                     # and weights (--model.* knobs other than mtp_depth, impl, ac do not apply)
-    upcycle_from: str = ""          # a dense fmoe run (or checkpoint): its model, with the --model.* knobs given (the MoE
-                                    # ones: n_dense, n_experts, k, ffn_expert, ...), starts from its weights (fmoe.train.upcycle)
+    upcycle_from: str = ""          # a dense fmoe run (or checkpoint) or Hugging Face folder (llama, qwen2, qwen3): its model,
+                                    # with the --model.* knobs given (the MoE ones: n_dense, n_experts, k, ffn_expert, ...),
+                                    # starts from its weights (fmoe.train.upcycle)
     ckpt_every: int = 100
     keep_last: int = 2              # retention: the newest checkpoints kept...
     keep_every: int = 0             # ...plus every keep_every-th step (0: none)
@@ -204,8 +205,11 @@ def parse_args(argv: list[str]) -> Config:
         if cfg.init_from or cfg.init_from_hf:
             sys.exit("--upcycle_from: starts from a dense run's weights; --init_from and --init_from_hf start from others: give one")
         try:
-            base, _ = checkpoint.run_config(cfg.upcycle_from, impl=base.impl)
-        except ValueError as err:
+            if fmoe.hf.is_hf_folder(cfg.upcycle_from):  # a released dense model (fmoe.hf.DENSE_FAMILIES); MTP modules start fresh
+                base = dataclasses.replace(fmoe.hf.read_config(cfg.upcycle_from)[1], impl=base.impl, mtp_depth=base.mtp_depth, ac=base.ac)
+            else:
+                base, _ = checkpoint.run_config(cfg.upcycle_from, impl=base.impl)
+        except (OSError, ValueError) as err:
             sys.exit(f"--upcycle_from: {err}")
     try:
         cfg.model = dataclasses.replace(base, **model_overrides)
@@ -294,10 +298,12 @@ def main(argv: list[str]) -> None:
         sys.exit(f"--eval_batches={cfg.eval_batches}: the validation split ({cfg.val_percent}% of the documents) is too small "
                  f"({err}); lower --eval_batches or raise --val_percent")
 
-    if hf_type is not None and corpus.vocab_size > cfg.model.vocab_size:
-        sys.exit(f"--init_from_hf: the data's {corpus.vocab_size} token ids do not fit the model's vocab_size {cfg.model.vocab_size} "
-                 "(tokenize the data with the model's tokenizer: --data=tokens.bin --separator=...)")
-    model_cfg = dataclasses.replace(cfg.model, vocab_size=corpus.vocab_size if hf_type is None else cfg.model.vocab_size)
+    # a released model keeps its vocabulary (the data must be tokenized with its tokenizer)
+    released = hf_type is not None or bool(cfg.upcycle_from) and fmoe.hf.is_hf_folder(cfg.upcycle_from)
+    if released and corpus.vocab_size > cfg.model.vocab_size:
+        sys.exit(f"--{'upcycle_from' if cfg.upcycle_from else 'init_from_hf'}: the data's {corpus.vocab_size} token ids do not fit the "
+                 f"model's vocab_size {cfg.model.vocab_size} (tokenize the data with the model's tokenizer: --data=tokens.bin --separator=...)")
+    model_cfg = dataclasses.replace(cfg.model, vocab_size=cfg.model.vocab_size if released else corpus.vocab_size)
     with torch.device("meta"):  # the whole model's shapes and MoE layer names, allocating nothing
         whole = Transformer(model_cfg)
     moe_names = list(whole.moe_layers())
@@ -389,7 +395,10 @@ def main(argv: list[str]) -> None:
             print(f"initialised from the weights of {path}")
     elif cfg.upcycle_from:  # a dense run's weights, its FFNs cut into the experts: the dense model's function at step 0
         try:
-            dense, _ = checkpoint.load_run(cfg.upcycle_from)
+            if fmoe.hf.is_hf_folder(cfg.upcycle_from):
+                dense = fmoe.hf.from_pretrained(cfg.upcycle_from, mtp_depth=0)[0]
+            else:
+                dense = checkpoint.load_run(cfg.upcycle_from)[0]
             upcycle_(parts, dense.state_dict(), dense.cfg, seed=cfg.seed)
         except (FileNotFoundError, ValueError) as err:
             sys.exit(f"--upcycle_from: {err}")

@@ -7,7 +7,9 @@ A folder holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). Supported `model_type`s: FAMILIES (mixtral, qwen2_moe,
 qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, kimi_k2, kimi_k25, deepseek_v2, glm4_moe_lite, gpt_oss, solar_open,
 exaone_moe, dots1, minimax_m2, granitemoe, granitemoeshared, granitemoe_swa, hunyuan_v1_moe, llama4_text, llama4, afmoe,
-sarvam_moe, sarvam_mla, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, kimi_linear). Each family has one table: its
+sarvam_moe, sarvam_mla, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, kimi_linear), and the dense
+DENSE_FAMILIES (llama, qwen2, qwen3: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with
+fmoe.train.upcycle). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: clipped qkv, ...;
 the fields a config.json leaves out read at transformers' defaults, Family.defaults, and a
 family's own names for the fields the shared mappings read as those, Family.aliases)
@@ -177,6 +179,31 @@ def _common(hf: dict, n_experts: int, *, sliding: bool = False) -> dict:
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)), **_rope(hf), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         n_experts=n_experts, k=hf["num_experts_per_tok"], score="softmax", expert_bias=False, mtp_depth=0,
     )
+
+
+def _dense(hf: dict, *, sliding: bool = False, **extra) -> dict:
+    """A dense Llama-style model (Llama, Qwen2, Qwen3): every block a SwiGLU MLP of
+    intermediate_size, in fmoe a Transformer with no MoE block (n_dense = n_layers; the MoE
+    fields, unused, at one expert of that size). What fine-tuning and upcycling start from."""
+    _refuse(hf, "mlp_bias", lambda v: not v, "no MLP biases")
+    _refuse(hf, "pretraining_tp", lambda v: v == 1, "a plain matmul: pretraining_tp = 1")
+    F = hf["intermediate_size"]
+    return dict(_common(dict(hf, num_experts_per_tok=1), 1, sliding=sliding), ffn_dense=F, ffn_expert=F, n_dense=hf["num_hidden_layers"],
+                n_shared=0, **extra)
+
+
+def _llama(hf: dict) -> dict:
+    bias = bool(hf.get("attention_bias", False))  # on q, k, v and o
+    return _dense(hf, qkv_bias=bias, o_bias=bias)
+
+
+def _qwen2(hf: dict) -> dict:
+    return _dense(hf, sliding=True, qkv_bias=True)  # Qwen2's q, k and v always have biases, o none
+
+
+def _qwen3(hf: dict) -> dict:
+    _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in Qwen3's attention here")
+    return _dense(hf, sliding=True, qk_norm="head")
 
 
 def _mixtral(hf: dict) -> dict:
@@ -890,7 +917,12 @@ _KIMI_LINEAR_DEFAULTS = dict(n_shared_experts=1, routed_scaling_factor=2.446, kv
                              intermediate_size=9216, moe_intermediate_size=1024)
 # the names of Sarvam's released config.json files (written for their own code) for transformers' fields
 _SARVAM_ALIASES = dict(n_routed_experts="num_experts", n_shared_experts="num_shared_experts")
+# the dense families (no MoE block): fine-tuned as they are, or upcycled into an MoE (fmoe.train.upcycle)
+DENSE_FAMILIES = ("llama", "qwen2", "qwen3")
 FAMILIES = {
+    "llama": Family(_llama, "mlp", _PROJ, "LlamaForCausalLM"),
+    "qwen2": Family(_qwen2, "mlp", _PROJ, "Qwen2ForCausalLM", defaults=dict(num_key_value_heads=32)),
+    "qwen3": Family(_qwen3, "mlp", _PROJ, "Qwen3ForCausalLM", defaults=dict(num_key_value_heads=32, head_dim=128)),
     "mixtral": Family(_mixtral, "block_sparse_moe", ("w1", "w3", "w2"), "MixtralForCausalLM",
                       defaults=dict(num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1e6)),
     "qwen2_moe": Family(_qwen2_moe, "mlp", _PROJ, "Qwen2MoeForCausalLM", defaults=dict(num_key_value_heads=16, shared_expert_intermediate_size=5632)),
@@ -1173,6 +1205,13 @@ def _weight_files(path: Path) -> dict[str, Path]:
 
     with safe_open(single, "pt") as f:
         return {k: single for k in f.keys()}
+
+
+def is_hf_folder(path) -> bool:
+    """Whether path is a Hugging Face folder (its config.json names a model_type; an fmoe
+    run's config.json does not)."""
+    file = Path(path) / "config.json"
+    return file.is_file() and "model_type" in json.loads(file.read_text())
 
 
 def read_config(path) -> tuple[dict, TransformerConfig]:
@@ -1669,6 +1708,16 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
         hf.update(num_experts_per_token=cfg.k)
     elif model_type in _DEEPSEEK_STYLE:  # _deepseek_moe_config's fields, below
         pass
+    elif model_type in DENSE_FAMILIES:
+        if moe:
+            raise ValueError(f"model: {model_type} is a dense family; this model has MoE layers {moe}")
+        hf.pop("num_experts_per_tok")
+        hf.update(intermediate_size=cfg.ffn_dense, mlp_bias=False)
+        if model_type == "llama":
+            hf.update(attention_bias=cfg.qkv_bias)
+        else:
+            hf.update(use_sliding_window=cfg.window is not None, sliding_window=cfg.window, max_window_layers=cfg.n_layers,
+                      layer_types=_layer_types(cfg), **(dict(attention_bias=False) if model_type == "qwen3" else {}))
     elif model_type in ("olmoe", "flex_olmo"):
         hf.update(num_experts=cfg.n_experts, intermediate_size=cfg.ffn_expert, norm_topk_prob=not cfg.pre_softmax)
     else:
@@ -1724,6 +1773,12 @@ def written_config(hf: dict) -> dict:
     return dict(_text_config(hf), model_type=family.written_as, architectures=[FAMILIES[family.written_as].architecture])
 
 
+# TransformerConfig fields that only MoE blocks read (the dense MLP is a plain SwiGLU)
+_MOE_ONLY = {"n_experts", "k", "ffn_expert", "n_shared", "shared_ffn", "shared_gate", "score", "pre_softmax", "n_groups", "topk_groups",
+             "group_score_topk", "route_scale", "route_normalize", "expert_bias", "route_on_input", "router_bias", "expert_biases",
+             "swiglu_alpha", "swiglu_limit", "swiglu_offset"}
+
+
 def config_mismatch(cfg: TransformerConfig, hf: dict) -> dict[str, tuple]:
     """{field: (cfg's value, the value config.json `hf` maps to)} for each TransformerConfig
     field in which a model of `cfg` differs from the checkpoint's model (ignoring what does
@@ -1740,9 +1795,11 @@ def config_mismatch(cfg: TransformerConfig, hf: dict) -> dict[str, tuple]:
         ignored |= {"llama3_low_freq_factor", "llama3_high_freq_factor", "llama3_original_max_positions"}
     if family.mtp:  # any depth; MTP modules without their own output norm are written with a copy of the final one
         ignored |= {"mtp_depth", "mtp_norm"}
+    moe = [cfg.is_moe(i) for i in range(cfg.n_layers)], [back.is_moe(i) for i in range(back.n_layers)]
+    if not any(moe[0]) and not any(moe[1]):  # dense models: the MoE fields mean nothing
+        ignored |= _MOE_ONLY
     mismatch = {f.name: (getattr(cfg, f.name), getattr(back, f.name)) for f in dataclasses.fields(TransformerConfig)
                 if f.name not in ignored and getattr(cfg, f.name) != getattr(back, f.name)}
-    moe = [cfg.is_moe(i) for i in range(cfg.n_layers)], [back.is_moe(i) for i in range(back.n_layers)]
     if moe[0] != moe[1]:
         mismatch["MoE layers"] = moe
     if cfg.shared_size != back.shared_size:

@@ -22,6 +22,10 @@ from fmoe.train.data import make_batch  # noqa: E402
 V = 64
 COMMON = dict(vocab_size=V, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
 FAMILIES = {
+    # the dense families: Llama with biases on q, k, v and o; Qwen2's q/k/v biases; Qwen3's per-head q/k norms
+    "llama": lambda: transformers.LlamaConfig(**COMMON, head_dim=8, intermediate_size=40, attention_bias=True),
+    "qwen2": lambda: transformers.Qwen2Config(**COMMON, intermediate_size=40),
+    "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=8, intermediate_size=40),
     "mixtral": lambda: transformers.MixtralConfig(**COMMON, head_dim=8, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2),
     # layer 0 dense (mlp_only_layers), shared experts with their sigmoid gate, q/k/v biases, weights not renormalised
     "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**COMMON, intermediate_size=40, moe_intermediate_size=24, shared_expert_intermediate_size=40,
@@ -847,9 +851,10 @@ def test_checkpoint_keys_the_model_does_not_read_are_refused_unless_not_strict(f
     assert hf.unread_keys(hf.FAMILIES["mixtral"], cfg, mixtral, tensors) == []
 
 
-def test_the_loop_fine_tunes_a_loaded_model(tmp_path):
-    """--init_from_hf: the released model's config and weights; the first step's logged loss
-    is that model's loss on the step's micro-batch, and a step trains it."""
+def _loop_from_folder(config, tmp_path, *knobs):
+    """A random model of `config` saved by transformers, the loop run 2 steps from it (64-token
+    micro-batches of the stdlib corpus, one per step) with these knobs: (its metrics records,
+    its standard output, the folder model's own loss on the first step's micro-batch)."""
     import pathlib
     import subprocess
     import sys
@@ -857,11 +862,9 @@ def test_the_loop_fine_tunes_a_loaded_model(tmp_path):
     from fmoe.train.data import Sampler, load_corpus
 
     torch.manual_seed(0)
-    config = transformers.Qwen3MoeConfig(**{**COMMON, "vocab_size": 260}, head_dim=8, intermediate_size=40, moe_intermediate_size=24,
-                                         num_experts=4, num_experts_per_tok=2)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "hf")
     root = pathlib.Path(__file__).resolve().parents[1]
-    run = subprocess.run([sys.executable, str(root / "examples" / "train_moe.py"), f"--out_dir={tmp_path / 'run'}", f"--init_from_hf={tmp_path / 'hf'}",
+    run = subprocess.run([sys.executable, str(root / "examples" / "train_moe.py"), f"--out_dir={tmp_path / 'run'}", *knobs,
                           "--steps=2", "--tokens_per_micro_batch=64", "--batch_schedule=0:1", "--eval_every=2", "--eval_batches=1",
                           "--model.mtp_depth=0", "--model.impl=torch", "--lr=1e-2"], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
@@ -871,14 +874,51 @@ def test_the_loop_fine_tunes_a_loaded_model(tmp_path):
     batch = Sampler(train, 64, seed=0, mtp_depth=0).next_batch()
     with torch.no_grad():
         losses, _ = model(batch)
-    assert records[0]["loss"] == pytest.approx(float(losses["lm_sum"] / losses["lm_tokens"]), rel=1e-5)
+    return records, run.stdout, float(losses["lm_sum"] / losses["lm_tokens"])
+
+
+def test_the_loop_fine_tunes_a_loaded_model(tmp_path):
+    """--init_from_hf: the released model's config and weights; the first step's logged loss
+    is that model's loss on the step's micro-batch, and a step trains it."""
+    import pathlib
+    import subprocess
+    import sys
+
+    config = transformers.Qwen3MoeConfig(**{**COMMON, "vocab_size": 260}, head_dim=8, intermediate_size=40, moe_intermediate_size=24,
+                                         num_experts=4, num_experts_per_tok=2)
+    records, _, loss = _loop_from_folder(config, tmp_path, f"--init_from_hf={tmp_path / 'hf'}")
+    assert records[0]["loss"] == pytest.approx(loss, rel=1e-5)
     assert records[1]["loss"] != records[0]["loss"]
+    root = pathlib.Path(__file__).resolve().parents[1]
     # a corpus whose ids do not fit the model's vocabulary is refused, naming the knob
     small = tmp_path / "small"
     transformers.AutoModelForCausalLM.from_config(FAMILIES["qwen3_moe"]()).save_pretrained(small)
     run = subprocess.run([sys.executable, str(root / "examples" / "train_moe.py"), f"--out_dir={tmp_path / 'run2'}", f"--init_from_hf={small}"],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode != 0 and "--init_from_hf: the data's 258 token ids do not fit the model's vocab_size 64" in run.stderr
+
+
+def test_the_loop_upcycles_a_released_dense_model(tmp_path):
+    """--upcycle_from a Qwen3 folder: its config made an MoE by the knobs given (layer 0
+    dense, then 4 experts of half its FFN, k = 2); the first step's logged loss is the dense
+    model's own on the step's micro-batch."""
+    config = transformers.Qwen3Config(**{**COMMON, "vocab_size": 260}, head_dim=8, intermediate_size=40)
+    records, out, loss = _loop_from_folder(config, tmp_path, f"--upcycle_from={tmp_path / 'hf'}", "--model.n_dense=1", "--model.n_experts=4",
+                                           "--model.k=2", "--model.ffn_expert=20")
+    assert "4 experts, each a slice of 1/2 of its FFN" in out
+    assert records[0]["loss"] == pytest.approx(loss, rel=1e-5)
+    assert records[0]["tokens_per_expert"][0] and records[1]["loss"] != records[0]["loss"]
+    # the folder's vocabulary stays: a corpus whose ids do not fit it is refused, naming the knob
+    import pathlib
+    import subprocess
+    import sys
+
+    small = tmp_path / "small"
+    transformers.AutoModelForCausalLM.from_config(FAMILIES["qwen3"]()).save_pretrained(small)
+    run = subprocess.run([sys.executable, str(pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_moe.py"),
+                          f"--out_dir={tmp_path / 'run2'}", f"--upcycle_from={small}", "--model.n_dense=1", "--model.ffn_expert=20"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode != 0 and "--upcycle_from: the data's 258 token ids do not fit the model's vocab_size 64" in run.stderr
 
 
 def _copy_folder(src, dst, tensors, config_change=None):

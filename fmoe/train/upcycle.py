@@ -24,6 +24,8 @@ shape otherwise (same hidden size, attention, vocabulary, layer count, MTP depth
   route_scale / g times the dense FFN's, so w_down is multiplied by g / route_scale.
 - Shared experts start with w_down = 0 (no output until trained; their other weights, a
   shared gate and the expert biases keep their initial values).
+- MTP modules the dense model lacks (a Hugging Face model has none) keep their initial
+  values, as fmoe.hf.from_pretrained leaves them.
 
 So the MoE model computes the dense model's function at the start, up to float rounding
 (the slices' sums are reordered), as long as no token is dropped by a capacity factor.
@@ -101,6 +103,8 @@ def upcycle_(model: Union[Transformer, Sequence[Transformer]], dense_state: Mapp
         g = granularity(cfg, dense_cfg)
         E, H, Fe = cfg.n_experts, cfg.hidden, cfg.ffn_expert
         for name, p in part.named_parameters():
+            if name.startswith("mtp.") and int(name.split(".")[1]) >= dense_cfg.mtp_depth:
+                continue  # an MTP module the dense model lacks (a Hugging Face model's): its initial values
             block = next((b for b in _moe_blocks(cfg) if name.startswith(b)), None)
             what = name[len(block):] if block is not None else None
             if what == "router":  # virtual groups: experts g j .. g j + g - 1 share row j

@@ -70,6 +70,23 @@ def test_the_upcycled_model_computes_the_dense_function(case):
         assert (moe.blocks[1].mlp.shared.w_down == 0).all() and moe.blocks[1].mlp.shared.w_gate.abs().sum() > 0
 
 
+def test_mtp_modules_the_dense_model_lacks_keep_their_initial_values():
+    """A dense model without MTP (a Hugging Face one): the MoE's MTP module starts fresh,
+    the trunk is still the dense function."""
+    dense_cfg = dataclasses.replace(DENSE, mtp_depth=0)
+    dense = Transformer(dense_cfg)
+    dense.reset_parameters(seed=3)
+    moe = Transformer(CASES["g2-softmax"])
+    moe.reset_parameters(seed=5)
+    fresh = {n: p.clone() for n, p in moe.named_parameters() if n.startswith("mtp.")}
+    upcycle_(moe, dense.state_dict(), dense_cfg, seed=5)
+    assert fresh and all(torch.equal(p, fresh[n]) for n, p in moe.named_parameters() if n.startswith("mtp."))
+    batch = _batch()
+    with torch.no_grad():
+        torch.testing.assert_close(moe.logits(batch["input_ids"], batch["cu_seqlens"]),
+                                   dense.logits(batch["input_ids"], batch["cu_seqlens"]), rtol=1e-5, atol=1e-5)
+
+
 def test_training_breaks_the_ties():
     """One SGD step on the upcycled model: the experts of a group get different gradients
     (each computes its own slice), so the shared router rows and the copies part."""
