@@ -8,7 +8,7 @@ A folder holds `config.json` and `model.safetensors` (or shards listed in
 qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, kimi_k2, kimi_k25, deepseek_v2, glm4_moe_lite, gpt_oss, solar_open,
 exaone_moe, dots1, minimax_m2, granitemoe, granitemoeshared, granitemoe_swa, hunyuan_v1_moe, llama4_text, llama4, afmoe,
 sarvam_moe, sarvam_mla, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, kimi_linear), and the dense
-DENSE_FAMILIES (llama, qwen2, qwen3: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with
+DENSE_FAMILIES (llama, mistral, qwen2, qwen3: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with
 fmoe.train.upcycle). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: clipped qkv, ...;
 the fields a config.json leaves out read at transformers' defaults, Family.defaults, and a
@@ -195,6 +195,10 @@ def _dense(hf: dict, *, sliding: bool = False, **extra) -> dict:
 def _llama(hf: dict) -> dict:
     bias = bool(hf.get("attention_bias", False))  # on q, k, v and o
     return _dense(hf, qkv_bias=bias, o_bias=bias)
+
+
+def _mistral(hf: dict) -> dict:
+    return _dense(hf, sliding=True)  # Llama's blocks, a sliding window over every layer where sliding_window is set
 
 
 def _qwen2(hf: dict) -> dict:
@@ -918,9 +922,10 @@ _KIMI_LINEAR_DEFAULTS = dict(n_shared_experts=1, routed_scaling_factor=2.446, kv
 # the names of Sarvam's released config.json files (written for their own code) for transformers' fields
 _SARVAM_ALIASES = dict(n_routed_experts="num_experts", n_shared_experts="num_shared_experts")
 # the dense families (no MoE block): fine-tuned as they are, or upcycled into an MoE (fmoe.train.upcycle)
-DENSE_FAMILIES = ("llama", "qwen2", "qwen3")
+DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 FAMILIES = {
     "llama": Family(_llama, "mlp", _PROJ, "LlamaForCausalLM"),
+    "mistral": Family(_mistral, "mlp", _PROJ, "MistralForCausalLM", defaults=dict(num_key_value_heads=8, sliding_window=4096)),
     "qwen2": Family(_qwen2, "mlp", _PROJ, "Qwen2ForCausalLM", defaults=dict(num_key_value_heads=32)),
     "qwen3": Family(_qwen3, "mlp", _PROJ, "Qwen3ForCausalLM", defaults=dict(num_key_value_heads=32, head_dim=128)),
     "mixtral": Family(_mixtral, "block_sparse_moe", ("w1", "w3", "w2"), "MixtralForCausalLM",
@@ -1715,6 +1720,8 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
         hf.update(intermediate_size=cfg.ffn_dense, mlp_bias=False)
         if model_type == "llama":
             hf.update(attention_bias=cfg.qkv_bias)
+        elif model_type == "mistral":
+            hf.update(sliding_window=cfg.window)
         else:
             hf.update(use_sliding_window=cfg.window is not None, sliding_window=cfg.window, max_window_layers=cfg.n_layers,
                       layer_types=_layer_types(cfg), **(dict(attention_bias=False) if model_type == "qwen3" else {}))

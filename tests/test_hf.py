@@ -24,6 +24,7 @@ COMMON = dict(vocab_size=V, hidden_size=32, num_hidden_layers=3, num_attention_h
 FAMILIES = {
     # the dense families: Llama with biases on q, k, v and o; Qwen2's q/k/v biases; Qwen3's per-head q/k norms
     "llama": lambda: transformers.LlamaConfig(**COMMON, head_dim=8, intermediate_size=40, attention_bias=True),
+    "mistral": lambda: transformers.MistralConfig(**COMMON, head_dim=8, intermediate_size=40, sliding_window=None),
     "qwen2": lambda: transformers.Qwen2Config(**COMMON, intermediate_size=40),
     "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=8, intermediate_size=40),
     "mixtral": lambda: transformers.MixtralConfig(**COMMON, head_dim=8, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2),
@@ -377,7 +378,10 @@ def test_a_failed_export_leaves_no_weight_files(folders, tmp_path, monkeypatch):
     assert filecmp.cmp(path / "model.safetensors", out / "model.safetensors", shallow=False)
 
 
-SLIDING = {  # windows narrower than the documents: every layer (Mixtral, Qwen3-MoE), or the layers layer_types names (Qwen2-MoE)
+SLIDING = {  # windows narrower than the documents: every layer (Mixtral, Qwen3-MoE, Mistral), or the layers layer_types names (Qwen2-MoE, Qwen2)
+    "mistral": lambda: transformers.MistralConfig(**COMMON, head_dim=8, intermediate_size=40, sliding_window=4),
+    "qwen2": lambda: transformers.Qwen2Config(**COMMON, intermediate_size=40, use_sliding_window=True, sliding_window=3,
+                                              layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
     "mixtral": lambda: transformers.MixtralConfig(**COMMON, head_dim=8, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
                                                   sliding_window=4),
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**COMMON, head_dim=8, intermediate_size=40, moe_intermediate_size=24, num_experts=4,
@@ -397,7 +401,8 @@ def test_sliding_window_models_give_transformers_logits_and_export_back(family, 
             p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in pname else 0.3 * torch.randn_like(p))
     ref.save_pretrained(tmp_path / "hf")
     model, cfg = hf.from_pretrained(tmp_path / "hf", impl="torch")
-    assert (cfg.window, cfg.window_layers) == {"mixtral": (4, None), "qwen3_moe": (5, None), "qwen2_moe": (3, (0, 2))}[family]
+    assert (cfg.window, cfg.window_layers) == {"mixtral": (4, None), "qwen3_moe": (5, None), "qwen2_moe": (3, (0, 2)), "mistral": (4, None),
+                                               "qwen2": (3, (0, 2))}[family]
     docs, ids, cu = _packed()
     with torch.no_grad():
         theirs = torch.cat([ref(d[None]).logits[0] for d in docs])
@@ -409,7 +414,7 @@ def test_sliding_window_models_give_transformers_logits_and_export_back(family, 
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fmoe", dtype=torch.float32).eval()
     with torch.no_grad():
         assert _rel(torch.cat([back(d[None]).logits[0] for d in docs]), theirs) < 1e-5
-    if family != "qwen2_moe":  # a window on some layers only has no Mixtral / Qwen3-MoE config
+    if family not in ("qwen2_moe", "qwen2"):  # a window on some layers only has no Mixtral / Qwen3-MoE / Mistral config
         part, _ = hf.from_pretrained(tmp_path / "hf", impl="torch", window_layers=(0,))
         del part.hf_config
         with pytest.raises(ValueError, match=f"model: its config has no {family} equivalent"):
