@@ -1809,7 +1809,7 @@ def config_mismatch(cfg: TransformerConfig, hf: dict) -> dict[str, tuple]:
                 if f.name not in ignored and getattr(cfg, f.name) != getattr(back, f.name)}
     if moe[0] != moe[1]:
         mismatch["MoE layers"] = moe
-    if cfg.shared_size != back.shared_size:
+    if cfg.shared_size != back.shared_size and (any(moe[0]) or any(moe[1])):
         mismatch["shared_size"] = (cfg.shared_size, back.shared_size)
     if cfg.ffn_dense != back.ffn_dense and any(not m for m in moe[0]):
         mismatch["ffn_dense"] = (cfg.ffn_dense, back.ffn_dense)

@@ -378,6 +378,26 @@ def test_a_failed_export_leaves_no_weight_files(folders, tmp_path, monkeypatch):
     assert filecmp.cmp(path / "model.safetensors", out / "model.safetensors", shallow=False)
 
 
+@pytest.mark.parametrize("family,knobs", [("llama", {}), ("mistral", {}), ("qwen2", dict(qkv_bias=True)), ("qwen3", dict(qk_norm="head"))])
+def test_a_dense_model_of_fmoe_s_own_exports_as_a_dense_family(family, knobs, tmp_path):
+    """An fmoe model with no MoE block (its MoE fields at the defaults, unused) is written as
+    the dense family and read by transformers with the same logits; the attention must match
+    the family's (Qwen3's q/k norms, Qwen2's q/k/v biases)."""
+    cfg = TransformerConfig(vocab_size=V, hidden=32, n_layers=2, n_dense=2, ffn_dense=48, n_heads=4, n_kv_heads=2, head_dim=8, mtp_depth=0,
+                            init_std=0.2, **knobs)
+    model = hf.Transformer(cfg)
+    model.reset_parameters(seed=1)
+    hf.save_pretrained(model, tmp_path / "hf", model_type=family)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    docs, ids, cu = _packed()
+    with torch.no_grad():
+        assert _rel(model.logits(ids, cu), torch.cat([ref(d[None]).logits[0] for d in docs])) < 1e-5
+    if family in ("qwen2", "qwen3"):
+        with pytest.raises(ValueError, match=f"model: its config has no {family} equivalent"):
+            hf.save_pretrained(hf.Transformer(dataclasses.replace(cfg, **dict.fromkeys(knobs, None if family == "qwen3" else False))),
+                               tmp_path / "plain", model_type=family)
+
+
 SLIDING = {  # windows narrower than the documents: every layer (Mixtral, Qwen3-MoE, Mistral), or the layers layer_types names (Qwen2-MoE, Qwen2)
     "mistral": lambda: transformers.MistralConfig(**COMMON, head_dim=8, intermediate_size=40, sliding_window=4),
     "qwen2": lambda: transformers.Qwen2Config(**COMMON, intermediate_size=40, use_sliding_window=True, sliding_window=3,
