@@ -49,8 +49,6 @@ import time
 import typing
 from dataclasses import dataclass, field
 
-STARTED = time.monotonic()  # --stop_after_minutes counts from here
-
 import torch
 import torch.distributed as dist
 
@@ -65,6 +63,8 @@ from fmoe.train.data import BlendSampler, load_blend
 from fmoe.train.profile import StepProfiler, parse_steps, phase
 from fmoe.train.run import StopRequests, set_deterministic, write_config
 from fmoe.train.upcycle import granularity, upcycle_
+
+STARTED = time.monotonic()  # --stop_after_minutes counts from here
 
 
 # ------------------------------------------------------------------------------ knobs
