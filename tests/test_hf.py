@@ -398,6 +398,28 @@ def test_a_dense_model_of_fmoe_s_own_exports_as_a_dense_family(family, knobs, tm
                                tmp_path / "plain", model_type=family)
 
 
+def test_a_qwen3_model_upcycled_and_written_as_qwen3_moe_gives_the_dense_logits_in_transformers(folders, tmp_path):
+    """Qwen3 (dense) -> fmoe.train.upcycle (4 experts of half its FFN, k = 2, Qwen3-MoE's
+    routing) -> save_pretrained as qwen3_moe: transformers' own Qwen3-MoE code computes the
+    dense model's logits from it."""
+    from fmoe.train.upcycle import upcycle_
+
+    path, dense_ref = folders["qwen3"]
+    dense, dense_cfg = hf.from_pretrained(path, impl="torch")
+    cfg = dataclasses.replace(dense_cfg, n_dense=0, n_experts=4, k=2, ffn_expert=20, score="softmax", pre_softmax=False, n_shared=0,
+                              expert_bias=False)
+    moe = hf.Transformer(cfg)
+    moe.reset_parameters(seed=0)
+    upcycle_(moe, dense.state_dict(), dense_cfg, seed=0)
+    hf.save_pretrained(moe, tmp_path / "moe", model_type="qwen3_moe")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "moe", dtype=torch.float32).eval()
+    assert type(theirs).__name__ == "Qwen3MoeForCausalLM"
+    docs, ids, cu = _packed()
+    with torch.no_grad():
+        want = torch.cat([dense_ref(d[None]).logits[0] for d in docs])
+        assert _rel(torch.cat([theirs(d[None]).logits[0] for d in docs]), want) < 1e-5
+
+
 SLIDING = {  # windows narrower than the documents: every layer (Mixtral, Qwen3-MoE, Mistral), or the layers layer_types names (Qwen2-MoE, Qwen2)
     "mistral": lambda: transformers.MistralConfig(**COMMON, head_dim=8, intermediate_size=40, sliding_window=4),
     "qwen2": lambda: transformers.Qwen2Config(**COMMON, intermediate_size=40, use_sliding_window=True, sliding_window=3,
