@@ -395,17 +395,21 @@ def main(argv: list[str]) -> None:
             print(f"initialised from the weights of {path}")
     elif cfg.upcycle_from:  # a dense run's weights, its FFNs cut into the experts: the dense model's function at step 0
         try:
-            if fmoe.hf.is_hf_folder(cfg.upcycle_from):
-                dense = fmoe.hf.from_pretrained(cfg.upcycle_from, mtp_depth=0)[0]
-            else:
-                dense = checkpoint.load_run(cfg.upcycle_from)[0]
-            upcycle_(parts, dense.state_dict(), dense.cfg, seed=cfg.seed)
+            if fmoe.hf.is_hf_folder(cfg.upcycle_from):  # read whole, in the dtype its config.json names (bf16: half of float32)
+                hf_json = fmoe.hf.read_config(cfg.upcycle_from)[0]
+                stored = getattr(torch, str(hf_json.get("dtype") or hf_json.get("torch_dtype") or "float32").removeprefix("torch."))
+                hf_model = fmoe.hf.from_pretrained(cfg.upcycle_from, mtp_depth=0, dtype=stored)[0]
+                dense_cfg, dense_state = hf_model.cfg, hf_model.state_dict()
+                del hf_model  # its tensors live on in dense_state, until the upcycling is done
+            else:  # an fmoe run's checkpoint, read one tensor at a time
+                dense_cfg, dense_state = checkpoint.run_config(cfg.upcycle_from)[0], checkpoint.ModelTensors(cfg.upcycle_from)
+            upcycle_(parts, dense_state, dense_cfg, seed=cfg.seed)
         except (FileNotFoundError, ValueError) as err:
             sys.exit(f"--upcycle_from: {err}")
         if rank == 0:
             print(f"upcycled from the dense model of {cfg.upcycle_from}: {model_cfg.n_experts} experts, each a slice of "
-                  f"1/{granularity(model_cfg, dense.cfg)} of its FFN")
-        del dense
+                  f"1/{granularity(model_cfg, dense_cfg)} of its FFN")
+        del dense_state
     # records are logged for completed steps step+1, step+2, ...: keep the ones up to step
     try:
         logger = metrics.MetricsLogger(cfg.out_dir, rank=rank, total_steps=cfg.steps, start_step=step + 1, tensorboard=cfg.tensorboard)

@@ -7,6 +7,7 @@
     load(path, *, model, optimizers) -> extra
     load_model(path, *, model) -> Path          the weights only (start a new run from them)
     run_config(path) -> (TransformerConfig, run), load_run(path) -> (Transformer, run)   a run's own model
+    ModelTensors(path): Mapping[name, Tensor]    its full weights, each read only when asked for
     prune(out_dir, *, keep_last, keep_every=None) -> removed paths
     rng_state() -> dict, set_rng_state(state)   torch CPU/CUDA, python, numpy generators
 
@@ -55,11 +56,12 @@ import shutil
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterator, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -304,6 +306,36 @@ def run_config(path, *, impl: str = "torch") -> tuple[TransformerConfig, dict]:
     run = json.loads((run_dir / "config.json").read_text())
     knobs = dict(run["config"]["model"], vocab_size=run["vocab_size"])  # block lists come back as lists: the config takes them
     return TransformerConfig(**{**knobs, "impl": impl}), run
+
+
+class ModelTensors(Mapping):
+    """A checkpoint's model tensors as a read-only mapping, parameter (and buffer) name ->
+    its full value on the CPU, each read from the files only when asked for: a process that
+    reads a model one tensor at a time (fmoe.train.upcycle) never holds all of it. path: a
+    checkpoint directory or a run's out_dir (its newest complete checkpoint). Reads need no
+    process group (each is this process's own); an unknown name is a KeyError."""
+
+    def __init__(self, path):
+        path = Path(path)
+        if not (path / ".metadata").is_file() and path.is_dir() and (newest := latest(path)) is not None:
+            path = newest
+        self.path = _checkpoint_dir(path)
+        stored = dcp.FileSystemReader(self.path).read_metadata().state_dict_metadata
+        self._meta = {key[len("model."):]: meta for key, meta in stored.items()
+                      if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        meta = self._meta[name]
+        state = {"model": {name: torch.empty(meta.size, dtype=meta.properties.dtype)}}
+        with _single_process_quiet():
+            dcp.load(state, checkpoint_id=self.path, no_dist=True)
+        return state["model"][name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._meta)
+
+    def __len__(self) -> int:
+        return len(self._meta)
 
 
 def load_run(path, *, impl: str = "torch") -> tuple[Transformer, dict]:

@@ -90,8 +90,9 @@ def upcycle_(model: Union[Transformer, Sequence[Transformer]], dense_state: Mapp
         model: a Transformer with MoE layers, or this rank's pipeline parts (a list of
             pruned Transformers: each writes the parameters it holds). Its parameters may be
             DTensors (FSDP2, TP, EP): each rank writes its own block of every full value.
-        dense_state: the dense model's full state dict (parameter name -> tensor, on the
-            CPU; e.g. fmoe.train.checkpoint.load_run(path)[0].state_dict()).
+        dense_state: the dense model's full state (parameter name -> tensor): a state dict,
+            or fmoe.train.checkpoint.ModelTensors(path), which reads each tensor from the
+            checkpoint only when it is needed, so a rank holds one dense tensor at a time.
         dense_cfg: the dense model's TransformerConfig.
         seed: the seed `model` was initialised with (its routers' rows come from it).
 
@@ -128,7 +129,8 @@ def upcycle_(model: Union[Transformer, Sequence[Transformer]], dense_state: Mapp
                 continue  # their initial values
             elif name not in dense_state:
                 raise ValueError(f"dense_state: no {name!r}: the dense model differs from the MoE model outside the MoE layers")
-            elif tuple(dense_state[name].shape) != tuple(p.shape):
-                raise ValueError(f"dense_state: {name!r} has shape {tuple(dense_state[name].shape)}, the MoE model's is {tuple(p.shape)}")
             else:
-                copy_full_value(p, dense_state[name].detach().cpu())
+                value = dense_state[name].detach().cpu()  # read once: dense_state may read it from the files
+                if tuple(value.shape) != tuple(p.shape):
+                    raise ValueError(f"dense_state: {name!r} has shape {tuple(value.shape)}, the MoE model's is {tuple(p.shape)}")
+                copy_full_value(p, value)

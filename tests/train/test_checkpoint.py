@@ -241,3 +241,26 @@ def test_load_model_takes_the_weights_only(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="is not a complete checkpoint"):
         ckpt.load_model(tmp_path / "empty", model=fresh)
+
+
+def test_model_tensors_reads_each_tensor_of_a_checkpoint_when_asked(tmp_path):
+    """ModelTensors: the saved model's full tensors by name (a run's out_dir or a step
+    directory), read one at a time; an unknown name is a KeyError."""
+    from fmoe.model import Transformer, TransformerConfig
+
+    model = Transformer(TransformerConfig(vocab_size=32, hidden=16, n_layers=2, n_experts=4, k=2, ffn_expert=8, n_heads=2, n_kv_heads=1,
+                                          head_dim=8, mtp_depth=1))
+    model.reset_parameters(seed=4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ckpt.save(tmp_path, 3, model=model, optimizers=[opt])
+    want = model.state_dict()
+    for path in (tmp_path, tmp_path / "step_000003"):
+        tensors = ckpt.ModelTensors(path)
+        assert sorted(tensors) == sorted(want) and len(tensors) == len(want)
+        for name, value in want.items():
+            got = tensors[name]
+            assert got.dtype == value.dtype and torch.equal(got, value), name
+    with pytest.raises(KeyError):
+        tensors["blocks.9.attn.wq"]
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        ckpt.ModelTensors(tmp_path / "nope")
