@@ -22,6 +22,9 @@ shape otherwise (same hidden size, attention, vocabulary, layer count, MTP depth
   after the top-k, or normalised sigmoids) and times route_scale, a group's g experts share
   one weight and the groups' weights sum to route_scale / g: the routed output is
   route_scale / g times the dense FFN's, so w_down is multiplied by g / route_scale.
+  (Megatron Core multiplies each of the three matrices by the cube root of the factor
+  instead: their sizes stay alike, but the result is exact only for an activation that
+  scales linearly, which silu does not.)
 - Shared experts start with w_down = 0 (no output until trained; their other weights, a
   shared gate and the expert biases keep their initial values).
 - MTP modules the dense model lacks (a Hugging Face model has none) keep their initial
