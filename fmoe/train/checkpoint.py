@@ -272,6 +272,14 @@ def _checkpoint_dir(path) -> Path:
     return path
 
 
+def _checkpoint_or_newest(path) -> Path:
+    """path as a complete checkpoint directory, or a run's out_dir as its newest one."""
+    path = Path(path)
+    if not (path / ".metadata").is_file() and path.is_dir() and (newest := latest(path)) is not None:
+        path = newest
+    return _checkpoint_dir(path)
+
+
 def load_model(path, *, model: torch.nn.Module) -> Path:
     """Restore only the model's weights and buffers (the expert biases) from a checkpoint, to
     start a new run from them (fine-tuning, continued pre-training): the optimizer state and
@@ -282,10 +290,7 @@ def load_model(path, *, model: torch.nn.Module) -> Path:
     reshards the saved DTensors onto this model's (other ranks, FSDP / TP / EP sizes). The
     model must have the saved one's parameter names and shapes.
     """
-    path = Path(path)
-    if not (path / ".metadata").is_file() and path.is_dir() and (newest := latest(path)) is not None:
-        path = newest
-    path = _checkpoint_dir(path)
+    path = _checkpoint_or_newest(path)
     models = _models(model)
     parts = [get_model_state_dict(m) for m in models]
     state = {"model": {k: v for part in parts for k, v in part.items()}}
@@ -316,10 +321,7 @@ class ModelTensors(Mapping):
     process group (each is this process's own); an unknown name is a KeyError."""
 
     def __init__(self, path):
-        path = Path(path)
-        if not (path / ".metadata").is_file() and path.is_dir() and (newest := latest(path)) is not None:
-            path = newest
-        self.path = _checkpoint_dir(path)
+        self.path = _checkpoint_or_newest(path)
         stored = dcp.FileSystemReader(self.path).read_metadata().state_dict_metadata
         self._meta = {key[len("model."):]: meta for key, meta in stored.items()
                       if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
