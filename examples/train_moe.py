@@ -117,7 +117,7 @@ class Config:
     init_from: str = ""             # a checkpoint (or a run's out_dir): start from its weights only
     init_from_hf: str = ""          # a Hugging Face folder (config.json + safetensors; fmoe.hf.FAMILIES): its model
                                     # and weights (--model.* knobs other than mtp_depth, impl, ac do not apply)
-    upcycle_from: str = ""          # a dense fmoe run (or checkpoint) or Hugging Face folder (llama, mistral, qwen2, qwen3): its model,
+    upcycle_from: str = ""          # a dense fmoe run (or checkpoint) or Hugging Face folder (fmoe.hf.DENSE_FAMILIES): its model,
                                     # with the --model.* knobs given (the MoE ones: n_dense, n_experts, k, ffn_expert, ...),
                                     # starts from its weights (fmoe.train.upcycle)
     ckpt_every: int = 100

@@ -8,7 +8,7 @@ A folder holds `config.json` and `model.safetensors` (or shards listed in
 qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, kimi_k2, kimi_k25, deepseek_v2, glm4_moe_lite, gpt_oss, solar_open,
 exaone_moe, dots1, minimax_m2, granitemoe, granitemoeshared, granitemoe_swa, hunyuan_v1_moe, llama4_text, llama4, afmoe,
 sarvam_moe, sarvam_mla, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, kimi_linear), and the dense
-DENSE_FAMILIES (llama, mistral, qwen2, qwen3: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with
+DENSE_FAMILIES (llama, mistral, qwen2, qwen3, olmo2, granite: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with
 fmoe.train.upcycle). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: clipped qkv, ...;
 the fields a config.json leaves out read at transformers' defaults, Family.defaults, and a
@@ -182,7 +182,7 @@ def _common(hf: dict, n_experts: int, *, sliding: bool = False) -> dict:
 
 
 def _dense(hf: dict, *, sliding: bool = False, **extra) -> dict:
-    """A dense Llama-style model (Llama, Qwen2, Qwen3): every block a SwiGLU MLP of
+    """A dense Llama-style model (DENSE_FAMILIES): every block a SwiGLU MLP of
     intermediate_size, in fmoe a Transformer with no MoE block (n_dense = n_layers; the MoE
     fields, unused, at one expert of that size). What fine-tuning and upcycling start from."""
     _refuse(hf, "mlp_bias", lambda v: not v, "no MLP biases")
@@ -208,6 +208,20 @@ def _qwen2(hf: dict) -> dict:
 def _qwen3(hf: dict) -> dict:
     _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in Qwen3's attention here")
     return _dense(hf, sliding=True, qk_norm="head")
+
+
+def _olmo2(hf: dict) -> dict:
+    """OLMo 2 (dense): post-norm blocks (no input norms; RMSNorms on the attention and MLP
+    outputs) and q/k norms over the whole projections, as FlexOlmo's (_flex_olmo)."""
+    _refuse(hf, "clip_qkv", lambda v: v is None, "clipped q/k/v are not built")
+    _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in OLMo 2's attention here")
+    return _dense(hf, qk_norm="proj", pre_norms=False, post_norms=True)
+
+
+def _granite(hf: dict) -> dict:
+    """Granite 3 (dense): Llama's blocks with Granite's multipliers (_granite_multipliers)."""
+    _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in Granite's attention here")
+    return _dense(hf, **_granite_multipliers(hf))
 
 
 def _mixtral(hf: dict) -> dict:
@@ -500,6 +514,18 @@ def _mellum(hf: dict) -> dict:
                 qkv_bias=bias, o_bias=bias, local_rope_base=local if common.get("window") is not None else None)
 
 
+def _granite_multipliers(hf: dict) -> dict:
+    """Granite's multipliers: the softmax scale attention_multiplier (not 1/sqrt(head_dim)),
+    the embeddings x embedding_multiplier, each attention / MLP output x residual_multiplier
+    before its residual add, the logits / logits_scaling."""
+    multipliers = {}
+    for ours, theirs in (("attn_scale", "attention_multiplier"), ("embed_scale", "embedding_multiplier"),
+                         ("residual_scale", "residual_multiplier"), ("logit_divisor", "logits_scaling")):
+        _refuse(hf, theirs, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0, "a positive number")
+        multipliers[ours] = float(_get(hf, theirs, default=1.0))
+    return multipliers
+
+
 def _granitemoe(hf: dict, *, sliding: bool = False) -> dict:
     """GraniteMoE / GraniteMoeShared: every block MoE, softmax over the top-k router logits
     (Mixtral's), the softmax scale attention_multiplier (not 1/sqrt(head_dim)), the
@@ -508,12 +534,7 @@ def _granitemoe(hf: dict, *, sliding: bool = False) -> dict:
     shared expert MLP of that size, ungated. sliding: the layers layer_types names attend
     over the sliding window (GraniteMoeSWA)."""
     _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in Granite's attention here")
-    multipliers = {}
-    for ours, theirs in (("attn_scale", "attention_multiplier"), ("embed_scale", "embedding_multiplier"),
-                         ("residual_scale", "residual_multiplier"), ("logit_divisor", "logits_scaling")):
-        _refuse(hf, theirs, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0, "a positive number")
-        multipliers[ours] = float(_get(hf, theirs, default=1.0))
-    return dict(_common(hf, hf["num_local_experts"], sliding=sliding), **multipliers, ffn_expert=hf["intermediate_size"],
+    return dict(_common(hf, hf["num_local_experts"], sliding=sliding), **_granite_multipliers(hf), ffn_expert=hf["intermediate_size"],
                 ffn_dense=hf["intermediate_size"], n_dense=0, n_shared=0, shared_ffn=hf.get("shared_intermediate_size") or 0)
 
 
@@ -922,12 +943,14 @@ _KIMI_LINEAR_DEFAULTS = dict(n_shared_experts=1, routed_scaling_factor=2.446, kv
 # the names of Sarvam's released config.json files (written for their own code) for transformers' fields
 _SARVAM_ALIASES = dict(n_routed_experts="num_experts", n_shared_experts="num_shared_experts")
 # the dense families (no MoE block): fine-tuned as they are, or upcycled into an MoE (fmoe.train.upcycle)
-DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "granite")
 FAMILIES = {
     "llama": Family(_llama, "mlp", _PROJ, "LlamaForCausalLM"),
     "mistral": Family(_mistral, "mlp", _PROJ, "MistralForCausalLM", defaults=dict(num_key_value_heads=8, sliding_window=4096)),
     "qwen2": Family(_qwen2, "mlp", _PROJ, "Qwen2ForCausalLM", defaults=dict(num_key_value_heads=32)),
     "qwen3": Family(_qwen3, "mlp", _PROJ, "Qwen3ForCausalLM", defaults=dict(num_key_value_heads=32, head_dim=128)),
+    "olmo2": Family(_olmo2, "mlp", _PROJ, "Olmo2ForCausalLM", defaults=dict(rms_norm_eps=1e-5)),
+    "granite": Family(_granite, "mlp", _PROJ, "GraniteForCausalLM"),
     "mixtral": Family(_mixtral, "block_sparse_moe", ("w1", "w3", "w2"), "MixtralForCausalLM",
                       defaults=dict(num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1e6)),
     "qwen2_moe": Family(_qwen2_moe, "mlp", _PROJ, "Qwen2MoeForCausalLM", defaults=dict(num_key_value_heads=16, shared_expert_intermediate_size=5632)),
@@ -1722,6 +1745,13 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
             hf.update(attention_bias=cfg.qkv_bias)
         elif model_type == "mistral":
             hf.update(sliding_window=cfg.window)
+        elif model_type == "olmo2":
+            hf.update(attention_bias=False)
+        elif model_type == "granite":
+            if cfg.attn_scale is None:  # Granite's attention_multiplier is the scale itself: the default one written out
+                cfg = dataclasses.replace(cfg, attn_scale=cfg.head_dim**-0.5)
+            hf.update(attention_bias=False, attention_multiplier=cfg.attn_scale, embedding_multiplier=cfg.embed_scale,
+                      residual_multiplier=cfg.residual_scale, logits_scaling=cfg.logit_divisor)
         else:
             hf.update(use_sliding_window=cfg.window is not None, sliding_window=cfg.window, max_window_layers=cfg.n_layers,
                       layer_types=_layer_types(cfg), **(dict(attention_bias=False) if model_type == "qwen3" else {}))

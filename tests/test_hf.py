@@ -25,6 +25,10 @@ FAMILIES = {
     # the dense families: Llama with biases on q, k, v and o; Qwen2's q/k/v biases; Qwen3's per-head q/k norms
     "llama": lambda: transformers.LlamaConfig(**COMMON, head_dim=8, intermediate_size=40, attention_bias=True),
     "mistral": lambda: transformers.MistralConfig(**COMMON, head_dim=8, intermediate_size=40, sliding_window=None),
+    # OLMo 2's post-norm blocks and whole-projection q/k norms; Granite's multipliers
+    "olmo2": lambda: transformers.Olmo2Config(**COMMON, intermediate_size=40, pad_token_id=None, eos_token_id=None, bos_token_id=None),
+    "granite": lambda: transformers.GraniteConfig(**COMMON, intermediate_size=40, attention_multiplier=0.3, embedding_multiplier=2.0,
+                                                  residual_multiplier=0.5, logits_scaling=4.0),
     "qwen2": lambda: transformers.Qwen2Config(**COMMON, intermediate_size=40),
     "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=8, intermediate_size=40),
     "mixtral": lambda: transformers.MixtralConfig(**COMMON, head_dim=8, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2),
@@ -378,7 +382,8 @@ def test_a_failed_export_leaves_no_weight_files(folders, tmp_path, monkeypatch):
     assert filecmp.cmp(path / "model.safetensors", out / "model.safetensors", shallow=False)
 
 
-@pytest.mark.parametrize("family,knobs", [("llama", {}), ("mistral", {}), ("qwen2", dict(qkv_bias=True)), ("qwen3", dict(qk_norm="head"))])
+@pytest.mark.parametrize("family,knobs", [("llama", {}), ("mistral", {}), ("qwen2", dict(qkv_bias=True)), ("qwen3", dict(qk_norm="head")),
+                                          ("olmo2", dict(qk_norm="proj", pre_norms=False, post_norms=True)), ("granite", {})])
 def test_a_dense_model_of_fmoe_s_own_exports_as_a_dense_family(family, knobs, tmp_path):
     """An fmoe model with no MoE block (its MoE fields at the defaults, unused) is written as
     the dense family and read by transformers with the same logits; the attention must match
