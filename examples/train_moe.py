@@ -120,6 +120,7 @@ class Config:
     upcycle_from: str = ""          # a dense fmoe run (or checkpoint) or Hugging Face folder (fmoe.hf.DENSE_FAMILIES): its model,
                                     # with the --model.* knobs given (the MoE ones: n_dense, n_experts, k, ffn_expert, ...),
                                     # starts from its weights (fmoe.train.upcycle)
+    upcycle_drop: float = 0.0       # Drop-Upcycling: this fraction of each expert's channels drawn afresh (0: the exact start)
     ckpt_every: int = 100
     keep_last: int = 2              # retention: the newest checkpoints kept...
     keep_every: int = 0             # ...plus every keep_every-th step (0: none)
@@ -201,6 +202,9 @@ def parse_args(argv: list[str]) -> Config:
         else:
             setattr(cfg, name, parsed)
     base = cfg.model
+    if not 0.0 <= cfg.upcycle_drop <= 1.0 or cfg.upcycle_drop and not cfg.upcycle_from:
+        sys.exit(f"--upcycle_drop: expected a fraction in [0, 1] with --upcycle_from, got {cfg.upcycle_drop!r}"
+                 f"{'' if cfg.upcycle_from else ' without it'}")
     if cfg.upcycle_from:  # the dense run's model; the knobs given make it an MoE
         if cfg.init_from or cfg.init_from_hf:
             sys.exit("--upcycle_from: starts from a dense run's weights; --init_from and --init_from_hf start from others: give one")
@@ -403,12 +407,13 @@ def main(argv: list[str]) -> None:
                 del hf_model  # its tensors live on in dense_state, until the upcycling is done
             else:  # an fmoe run's checkpoint, read one tensor at a time
                 dense_cfg, dense_state = checkpoint.run_config(cfg.upcycle_from)[0], checkpoint.ModelTensors(cfg.upcycle_from)
-            upcycle_(parts, dense_state, dense_cfg, seed=cfg.seed)
+            upcycle_(parts, dense_state, dense_cfg, seed=cfg.seed, drop=cfg.upcycle_drop)
         except (FileNotFoundError, ValueError) as err:
             sys.exit(f"--upcycle_from: {err}")
         if rank == 0:
             print(f"upcycled from the dense model of {cfg.upcycle_from}: {model_cfg.n_experts} experts, each a slice of "
-                  f"1/{granularity(model_cfg, dense_cfg)} of its FFN")
+                  f"1/{granularity(model_cfg, dense_cfg)} of its FFN" + (f", {cfg.upcycle_drop:.0%} of each one's channels drawn afresh"
+                                                                          if cfg.upcycle_drop else ""))
         del dense_state
     # records are logged for completed steps step+1, step+2, ...: keep the ones up to step
     try:

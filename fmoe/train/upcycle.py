@@ -1,6 +1,6 @@
 """Upcycling: a trained dense model's weights as the start of an MoE model.
 
-    upcycle_(model, dense_state, dense_cfg, *, seed=0)    in place, on any mesh
+    upcycle_(model, dense_state, dense_cfg, *, seed=0, drop=0.0)    in place, on any mesh
 
 Sparse upcycling (Komatsuzaki et al., 2022) with granularity (He et al., 2024,
 arXiv:2410.07524, as Megatron Core's upcycling does). `model` is a Transformer(cfg) with
@@ -35,6 +35,7 @@ So the MoE model computes the dense model's function at the start, up to float r
 Training breaks the ties: each expert of a group gets its own router-row gradient. Pre-
 softmax routing and unnormalised sigmoids (weights that do not sum to a constant),
 gpt-oss's expert biases and a non-plain SwiGLU are refused: no exact start exists there.
+With drop > 0 (Drop-Upcycling) part of each expert starts fresh instead, by design.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def granularity(cfg: TransformerConfig, dense_cfg: TransformerConfig) -> int:
 
 @torch.no_grad()
 def upcycle_(model: Union[Transformer, Sequence[Transformer]], dense_state: Mapping[str, torch.Tensor], dense_cfg: TransformerConfig,
-             *, seed: int = 0) -> None:
+             *, seed: int = 0, drop: float = 0.0) -> None:
     """Write the dense model's weights into `model`, an initialised MoE Transformer, in place
     (module docstring).
 
@@ -98,10 +99,19 @@ def upcycle_(model: Union[Transformer, Sequence[Transformer]], dense_state: Mapp
             checkpoint only when it is needed, so a rank holds one dense tensor at a time.
         dense_cfg: the dense model's TransformerConfig.
         seed: the seed `model` was initialised with (its routers' rows come from it).
+        drop: Drop-Upcycling (Nakamura et al., ICLR 2025): in each expert, this fraction of
+            its Fe channels (chosen at random per expert, round(drop Fe) of them, the same in
+            its w_gate columns, w_up columns and w_down rows) is drawn afresh from a normal
+            with the mean and standard deviation of the dense matrix it came from (w_down's
+            after the scale above), so the
+            copies of an FFN start apart. 0 (the default): the exact start above; 1: every
+            expert fresh, with the dense weights' statistics.
 
     Raises a ValueError naming the knob (granularity) or the parameter (a shape, or one the
     dense model lacks) that rules the pair out.
     """
+    if isinstance(drop, bool) or not isinstance(drop, (int, float)) or not 0.0 <= drop <= 1.0:
+        raise ValueError(f"drop: expected the fraction of each expert's channels to draw afresh, in [0, 1], got {drop!r}")
     for part in [model] if isinstance(model, torch.nn.Module) else list(model):
         cfg = part.cfg
         g = granularity(cfg, dense_cfg)
@@ -125,7 +135,15 @@ def upcycle_(model: Union[Transformer, Sequence[Transformer]], dense_state: Mapp
                     want, slices = (H, g * Fe), lambda w: w.reshape(H, g, Fe).transpose(0, 1)
                 if tuple(dense.shape) != want:
                     raise ValueError(f"dense_state: {source!r} has shape {tuple(dense.shape)}, expected {want}")
-                copy_full_value(p, slices(dense).repeat(E // g, 1, 1))  # expert e: slice e mod g
+                experts = slices(dense).repeat(E // g, 1, 1)  # expert e: slice e mod g
+                if drop > 0:  # Drop-Upcycling: each expert's dropped channels drawn afresh
+                    n = round(drop * Fe)
+                    # the same channels in an expert's three matrices: one draw per block
+                    dropped = torch.zeros(E, Fe, dtype=torch.bool)
+                    dropped.scatter_(1, init_value(seed, block + "drop", (E, Fe), 1.0).argsort(dim=1)[:, :n], True)
+                    fresh = init_value(seed, name + ".drop", experts.shape, 1.0) * experts.std() + experts.mean()
+                    experts = torch.where(dropped[:, :, None] if what == "experts.w_down" else dropped[:, None, :], fresh, experts)
+                copy_full_value(p, experts)
             elif what == "shared.w_down":  # the shared experts add nothing until trained
                 copy_full_value(p, torch.zeros(p.shape))
             elif what is not None and what.startswith(("router_bias", "shared.", "shared_gate")):

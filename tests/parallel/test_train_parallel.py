@@ -190,13 +190,15 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
 
 
 def test_an_upcycled_run_on_two_ranks_logs_the_one_process_losses(tmp_path):
-    """--upcycle_from under EP 2 with FSDP2: each rank writes its own shards of the upcycled
-    weights (its experts' slices, its blocks of the rest), and the run logs what one process
-    upcycling the same dense run logs."""
+    """--upcycle_from under EP 2 with FSDP2, with Drop-Upcycling: each rank writes its own
+    shards of the upcycled weights (its experts' slices, its blocks of the rest), and the run
+    logs what one process upcycling the same dense run logs."""
     _train(tmp_path / "dense", 1, "--model.n_dense=2", "--stop_at=2")
-    one = _train(tmp_path / "one", 1, f"--upcycle_from={tmp_path / 'dense'}")
-    two = _train(tmp_path / "two", 2, f"--upcycle_from={tmp_path / 'dense'}", "--ep=2")
-    _assert_same(two, one)
+    printed = []
+    one = _train(tmp_path / "one", 1, f"--upcycle_from={tmp_path / 'dense'}", "--upcycle_drop=0.25", stdout=printed)
+    two = _train(tmp_path / "two", 2, f"--upcycle_from={tmp_path / 'dense'}", "--upcycle_drop=0.25", "--ep=2")
+    assert "4 experts, each a slice of 1/2 of its FFN, 25% of each one's channels drawn afresh" in printed[0]
+    _assert_same(two, one)  # Drop-Upcycling's draws too: each rank writes its block of the same full values
 
 
 def test_compiled_pipeline_stages_log_the_eager_losses(reference, tmp_path):

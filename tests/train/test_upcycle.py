@@ -101,6 +101,39 @@ def test_training_breaks_the_ties():
     assert grad is not None and not torch.allclose(grad[0], grad[1])
 
 
+def test_drop_upcycling_draws_a_fraction_of_each_expert_afresh():
+    """drop=0.5: in each expert, round(0.5 Fe) channels (its own, the same in its three
+    matrices) are drawn from the dense matrix's normal; the rest are the dense slices; the
+    same seed draws the same."""
+    cfg = CASES["copies"]  # g = 1: every expert a copy of the FFN before the drop
+    dense = _dense_model()
+
+    def upcycled(drop, seed=5):
+        moe = Transformer(cfg)
+        moe.reset_parameters(seed=seed)
+        upcycle_(moe, dense.state_dict(), DENSE, seed=seed, drop=drop)
+        return moe.blocks[1].mlp.experts
+
+    experts, F = upcycled(0.5), cfg.ffn_expert
+    src = dense.blocks[1].mlp
+    changed = [(experts.w_gate[e] != src.w_gate).any(0) for e in range(cfg.n_experts)]  # [F] per expert
+    for e, gate in enumerate(changed):
+        assert int(gate.sum()) == F // 2
+        assert torch.equal((experts.w_up[e] != src.w_up).any(0), gate)
+        assert torch.equal((experts.w_down[e] != src.w_down).any(1), gate)
+        assert torch.equal(experts.w_gate[e][:, ~gate], src.w_gate[:, ~gate])
+    assert len({tuple(c.nonzero().flatten().tolist()) for c in changed}) > 1  # the experts drop different channels
+    fresh = torch.cat([experts.w_gate[e][:, changed[e]].flatten() for e in range(cfg.n_experts)]).detach()
+    assert abs(float(fresh.std()) / float(src.w_gate.detach().std()) - 1) < 0.1 and abs(float(fresh.mean())) < 0.02
+    again = upcycled(0.5)
+    assert torch.equal(again.w_gate, experts.w_gate) and torch.equal(again.w_down, experts.w_down)
+    assert not torch.equal(upcycled(0.5, seed=6).w_gate, experts.w_gate)
+    assert (upcycled(1.0).w_gate != src.w_gate).all()
+    for bad in (-0.1, 1.5, True, "half"):
+        with pytest.raises(ValueError, match="drop: expected the fraction of each expert's channels to draw afresh, in \\[0, 1\\]"):
+            upcycle_(Transformer(cfg), dense.state_dict(), DENSE, drop=bad)
+
+
 def test_the_pair_must_allow_an_exact_start():
     dense = _dense_model().state_dict()
     bad = [
