@@ -103,9 +103,8 @@ def upcycle_(model: Union[Transformer, Sequence[Transformer]], dense_state: Mapp
             its Fe channels (chosen at random per expert, round(drop Fe) of them, the same in
             its w_gate columns, w_up columns and w_down rows) is drawn afresh from a normal
             with the mean and standard deviation of the dense matrix it came from (w_down's
-            after the scale above), so the
-            copies of an FFN start apart. 0 (the default): the exact start above; 1: every
-            expert fresh, with the dense weights' statistics.
+            after the scale above), so the copies of an FFN start apart. 0 (the default):
+            the exact start above; 1: every expert fresh, with the dense weights' statistics.
 
     Raises a ValueError naming the knob (granularity) or the parameter (a shape, or one the
     dense model lacks) that rules the pair out.
@@ -116,10 +115,11 @@ def upcycle_(model: Union[Transformer, Sequence[Transformer]], dense_state: Mapp
         cfg = part.cfg
         g = granularity(cfg, dense_cfg)
         E, H, Fe = cfg.n_experts, cfg.hidden, cfg.ffn_expert
+        blocks = _moe_blocks(cfg)
         for name, p in part.named_parameters():
             if name.startswith("mtp.") and int(name.split(".")[1]) >= dense_cfg.mtp_depth:
                 continue  # an MTP module the dense model lacks (a Hugging Face model's): its initial values
-            block = next((b for b in _moe_blocks(cfg) if name.startswith(b)), None)
+            block = next((b for b in blocks if name.startswith(b)), None)
             what = name[len(block):] if block is not None else None
             if what == "router":  # virtual groups: experts g j .. g j + g - 1 share row j
                 fresh = init_value(seed, name, p.shape, cfg.init_std)
