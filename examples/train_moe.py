@@ -219,6 +219,9 @@ def parse_args(argv: list[str]) -> Config:
         cfg.model = dataclasses.replace(base, **model_overrides)
     except ValueError as err:
         sys.exit(f"model knobs: {err}")
+    if cfg.upcycle_from and not any(cfg.model.is_moe(i) for i in range(cfg.model.n_layers)):
+        sys.exit(f"--upcycle_from: the model made from it has no MoE layer: set --model.n_dense below its {cfg.model.n_layers} layers "
+                 "(or --model.moe_layers), with --model.n_experts, --model.k and --model.ffn_expert")
     return cfg
 
 

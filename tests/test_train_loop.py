@@ -219,6 +219,11 @@ def test_a_dense_run_upcycled_into_an_moe_starts_from_its_function(tmp_path):
                          timeout=900, env={**os.environ, "OMP_NUM_THREADS": "2"})
     assert run.returncode == 0, run.stderr[-3000:]
     assert f"upcycled from the dense model of {tmp_path / 'dense'}: 4 experts, each a slice of 1/2 of its FFN" in run.stdout
+    # without the MoE knobs the dense run's model stays dense: refused, saying which knob makes it an MoE
+    forgot = subprocess.run([sys.executable, str(ROOT / "examples" / "train_moe.py"), f"--out_dir={tmp_path / 'forgot'}", *loop_knobs,
+                             "--steps=1", f"--upcycle_from={tmp_path / 'dense'}"], capture_output=True, text=True, timeout=900)
+    assert forgot.returncode != 0 and "--upcycle_from: the model made from it has no MoE layer: set --model.n_dense below its 2 layers" \
+        in forgot.stderr
     same = _train(tmp_path / "same", "--steps=2", "--warmup=0", "--model.n_dense=2", f"--init_from={tmp_path / 'dense'}")
     assert same.returncode == 0, same.stderr[-3000:]
     upcycled, reference = _records(tmp_path / "moe"), _records(tmp_path / "same")
