@@ -157,7 +157,7 @@ def main(argv: list[str]) -> None:
         copied = copy_folder_files(source, args.out) if source is not None else []
         files = sorted(f for f in args.out.iterdir() if f.is_file())
         print(f"{args.out}: {hf['model_type']}, {len(files)} files, {sum(f.stat().st_size for f in files) / 1e9:.3f} GB "
-              f"(weights in {hf.get('dtype') or hf.get('torch_dtype') or 'float32'})")
+              f"(weights in {str(fmoe.hf.config_dtype(hf)).removeprefix('torch.')})")
         if copied:
             print(f"copied from {source}: {', '.join(copied)}")
         for note in notes:

@@ -61,7 +61,7 @@ import torch
 import torch.distributed as dist
 
 import fmoe.parallel as parallel
-from fmoe.model import Transformer, TransformerConfig
+from fmoe.model import Transformer
 from fmoe.train.chat import json_object
 from fmoe.hf import is_hf_folder
 from fmoe.train.checkpoint import load_run, run_config  # noqa: F401  (export_hf and the tests use them from here)

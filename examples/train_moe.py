@@ -403,8 +403,7 @@ def main(argv: list[str]) -> None:
     elif cfg.upcycle_from:  # a dense run's weights, its FFNs cut into the experts: the dense model's function at step 0
         try:
             if fmoe.hf.is_hf_folder(cfg.upcycle_from):  # read whole, in the dtype its config.json names (bf16: half of float32)
-                hf_json = fmoe.hf.read_config(cfg.upcycle_from)[0]
-                stored = getattr(torch, str(hf_json.get("dtype") or hf_json.get("torch_dtype") or "float32").removeprefix("torch."))
+                stored = fmoe.hf.config_dtype(fmoe.hf.read_config(cfg.upcycle_from)[0])
                 hf_model = fmoe.hf.from_pretrained(cfg.upcycle_from, mtp_depth=0, dtype=stored)[0]
                 dense_cfg, dense_state = hf_model.cfg, hf_model.state_dict()
                 del hf_model  # its tensors live on in dense_state, until the upcycling is done

@@ -1236,6 +1236,12 @@ def _weight_files(path: Path) -> dict[str, Path]:
         return {k: single for k in f.keys()}
 
 
+def config_dtype(hf: dict) -> torch.dtype:
+    """The dtype a config.json names for its weights ("dtype", or the older "torch_dtype";
+    float32 when it names none)."""
+    return getattr(torch, str(hf.get("dtype") or hf.get("torch_dtype") or "float32").removeprefix("torch."))
+
+
 def is_hf_folder(path) -> bool:
     """Whether path is a Hugging Face folder (its config.json names a model_type; an fmoe
     run's config.json does not)."""
@@ -2010,7 +2016,7 @@ def save_pretrained(model: Transformer, path, *, model_type: Optional[str] = Non
             hf["text_config"] = {k: v for k, v in hf["text_config"].items() if k != "quantization_config"}
     params = _tensors(model)
     sharded = any(isinstance(p, DTensor) for p in params.values())  # then every rank calls, and gathers
-    dtype = getattr(torch, hf.get("dtype") or hf.get("torch_dtype") or "float32")
+    dtype = config_dtype(hf)
     path = Path(path)
     writes = not dist.is_initialized() or dist.get_rank() == 0
     writer, failed = None, []  # failed: rank 0's error, raised once every rank has gathered every parameter

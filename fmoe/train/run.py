@@ -102,7 +102,7 @@ _UNCATCHABLE = ("SIGKILL", "SIGSTOP")
 
 def _signal(name) -> signal.Signals:
     sig = getattr(signal, name, None) if isinstance(name, str) and name.startswith("SIG") else None
-    if not isinstance(sig, signal.Signals) or name in _UNCATCHABLE or name.startswith("SIG_"):
+    if not isinstance(sig, signal.Signals) or name in _UNCATCHABLE:
         raise ValueError(f"signals: expected names of signals a process can catch (e.g. SIGTERM, SIGUSR1), got {name!r}")
     return sig
 
