@@ -95,6 +95,7 @@ from fmoe.ops.checks import check_float, check_index, check_positive_int, check_
 from fmoe.ops.delta import gated_delta_rule
 from fmoe.ops.dispatch import permute, unpermute
 from fmoe.ops.experts import EXPERT_BIASES, check_glu, grouped_mlp, swiglu
+from fmoe.ops.fp8 import check_fp8, matmul
 from fmoe.ops.packed import roll_packed, sequence_ids
 from fmoe.ops.rope import (
     apply_rope,
@@ -123,6 +124,8 @@ class MoEConfig:
     1.702, 7.0, 1.0); the defaults are silu(gate) * up. weights_on_input: each slot's
     routing weight scales the token on its way into the expert, and the experts' outputs are
     summed unweighted: y = sum_j expert_j(w_j x) (Llama 4) instead of sum_j w_j expert_j(x).
+    fp8: the routed and shared experts' forward and input-gradient GEMMs in fp8 (row-wise
+    power-of-two scales, fmoe.ops.fp8_matmul; grouped_mlp's fp8).
     """
 
     n_experts: int
@@ -145,9 +148,11 @@ class MoEConfig:
     swiglu_limit: Optional[float] = None
     swiglu_offset: float = 0.0
     weights_on_input: bool = False
+    fp8: bool = False
 
     def __post_init__(self):
         check_glu(self.swiglu_alpha, self.swiglu_limit, self.swiglu_offset)
+        check_fp8(self.fp8)
         if not isinstance(self.weights_on_input, bool):
             raise ValueError(f"weights_on_input: expected a bool, got {self.weights_on_input!r}")
 
@@ -217,10 +222,12 @@ def _check_moe(x_TH, params, cfg, experts, shared, drop) -> None:
         raise ValueError(f"params['shared_gate']: expected [{H}] alongside shared experts, got {tuple(gate.shape)}")
 
 
-def dense_mlp(x_TH: torch.Tensor, w_gate_HF, w_up_HF, w_down_FH, *, impl: str = "auto") -> torch.Tensor:
+def dense_mlp(x_TH: torch.Tensor, w_gate_HF, w_up_HF, w_down_FH, *, impl: str = "auto", fp8: bool = False) -> torch.Tensor:
     """SwiGLU (silu(x w_gate) * (x w_up)) w_down: x [T, H], w_gate / w_up [H, F],
-    w_down [F, H] -> [T, H]. The dense blocks' MLP and the shared experts."""
-    return swiglu(x_TH @ w_gate_HF, x_TH @ w_up_HF, impl=impl) @ w_down_FH
+    w_down [F, H] -> [T, H]. The dense blocks' MLP and the shared experts. fp8: the three
+    projections by fmoe.ops.fp8_matmul."""
+    gate_TF, up_TF = (matmul(x_TH, w, fp8=fp8, impl=impl) for w in (w_gate_HF, w_up_HF))
+    return matmul(swiglu(gate_TF, up_TF, impl=impl), w_down_FH, fp8=fp8, impl=impl)
 
 
 def local_experts(x_TH: torch.Tensor, routes: Routes, params, cfg: MoEConfig):
@@ -238,7 +245,7 @@ def local_experts(x_TH: torch.Tensor, routes: Routes, params, cfg: MoEConfig):
     x_perm, plan = permute(x_TH, routes.experts, cfg.n_experts, align=cfg.align, check=False, impl=cfg.impl)
     x_perm, weights = weigh_rows(x_perm, plan, routes.weights, cfg)
     y_perm = grouped_mlp(x_perm, params["w_gate"], params["w_up"], params["w_down"], plan.offsets, check=False, impl=cfg.impl,
-                         **expert_biases(params), **cfg.glu)
+                         fp8=cfg.fp8, **expert_biases(params), **cfg.glu)
     return unpermute(y_perm, plan, weights, impl=cfg.impl), plan.counts
 
 
@@ -311,7 +318,7 @@ def moe(
         y_TH, counts_E = experts(x, routes)
     if shared is None and params.get("shared_w_gate") is not None:
         shared = functools.partial(dense_mlp, w_gate_HF=params["shared_w_gate"], w_up_HF=params["shared_w_up"],
-                                   w_down_FH=params["shared_w_down"], impl=cfg.impl)
+                                   w_down_FH=params["shared_w_down"], impl=cfg.impl, fp8=cfg.fp8)
     if shared is not None:
         y_shared_TH = shared(x)
         gate = params.get("shared_gate")
@@ -368,7 +375,9 @@ class AttentionConfig:
     others (per-layer-type bases: Mellum's sliding layers at 10000 beside full ones at
     500000); None: one set of tables for every layer. Not with YaRN (its softmax scale).
     zero_centered_norms: the q/k norms' (and the latents' norms') gain is 1 + weight
-    (Qwen3-Next's zero-centred norms), not the weight.
+    (Qwen3-Next's zero-centred norms), not the weight. fp8: the projections (q, k, v, o, the
+    output gate's, multi-latent attention's) by fmoe.ops.fp8_matmul: their forward and
+    input-gradient GEMMs in fp8; the decode path's absorbed latent products stay as they are.
 
     Multi-head latent attention (DeepSeek-V2/V3) when kv_rank is set: keys and values come
     from a kv_rank latent (RMSNorm'd, eps latent_norm_eps) expanded per head, plus one
@@ -412,8 +421,10 @@ class AttentionConfig:
     temperature_scale: float = 0.1
     local_rope_base: Optional[float] = None
     zero_centered_norms: bool = False
+    fp8: bool = False
 
     def __post_init__(self):
+        check_fp8(self.fp8)
         if not isinstance(self.zero_centered_norms, bool):
             raise ValueError(f"zero_centered_norms: expected a bool, got {self.zero_centered_norms!r}")
         if self.local_rope_base is not None:
@@ -972,8 +983,8 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
         out_NTD = torch.einsum("ntc,cnv->ntv", out_NTD, wv_CNV)
     out_TQ = rearrange(out_NTD, "n t d -> t (n d)")
     if params.get("wg") is not None:  # gated attention: each output channel times sigmoid of its gate
-        out_TQ = out_TQ * torch.sigmoid(x @ params["wg"])
-    y_TH = out_TQ @ params["wo"]
+        out_TQ = out_TQ * torch.sigmoid(matmul(x, params["wg"], fp8=cfg.fp8, impl=cfg.impl))
+    y_TH = matmul(out_TQ, params["wo"], fp8=cfg.fp8, impl=cfg.impl)
     if params.get("bo") is not None:
         y_TH = y_TH + params["bo"]
     return y_TH, TensorDict({}, batch_size=[])
@@ -997,7 +1008,7 @@ def _gqa_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext, heads_mean=
     rope_impl = "torch" if cfg.impl == "torch" else "auto"
 
     def project(name, bias):
-        y = x @ params[name]
+        y = matmul(x, params[name], fp8=cfg.fp8, impl=cfg.impl)
         return y + params[bias] if params.get(bias) is not None else y
 
     q_TQ, k_TK = project("wq", "bq"), project("wk", "bk")
@@ -1058,12 +1069,13 @@ def _mla_parts(x, params, cfg: AttentionConfig, ctx: AttentionContext):
     False: a NoPE block)."""
     N, D, R = cfg.n_heads, cfg.head_dim, cfg.rot_dim
     rope_impl = "torch" if cfg.impl == "torch" else "auto"
+    mm = functools.partial(matmul, fp8=cfg.fp8, impl=cfg.impl)
     if cfg.q_rank is None:
-        q_TQ = x @ params["wq"]
+        q_TQ = mm(x, params["wq"])
     else:
-        q_TQ = _rms_norm(x @ params["wq_a"], params["q_a_norm"], cfg.latent_norm_eps, zero_centered=cfg.zero_centered_norms) @ params["wq_b"]
+        q_TQ = mm(_rms_norm(mm(x, params["wq_a"]), params["q_a_norm"], cfg.latent_norm_eps, zero_centered=cfg.zero_centered_norms), params["wq_b"])
     q_nope_TNP, q_rope_TNR = rearrange(q_TQ, "t (n d) -> t n d", n=N).split([D - R, R], dim=-1)
-    latent_TC, k_rope_TR = (x @ params["wkv_a"]).split([cfg.kv_rank, R], dim=-1)
+    latent_TC, k_rope_TR = mm(x, params["wkv_a"]).split([cfg.kv_rank, R], dim=-1)
     k_rope_T1R = k_rope_TR[:, None, :]
     if cfg.rope:  # a NoPE block (Kimi Linear's) keeps the rope slices as they are
         q_rope_TNR = apply_rope(q_rope_TNR, ctx.cos, ctx.sin, interleaved=cfg.interleaved, impl=rope_impl)
@@ -1082,7 +1094,7 @@ def _mla_expand(latent_TC, k_rope_T1R, params, cfg: AttentionConfig):
     """Per-head keys [T, N, D] ([nope | rope], the rotary key shared by every head) and values
     [T, N, v_dim] from the normed latents [T, kv_rank] (wkv_b) and rotated keys [T, 1, R]."""
     N, D, R = cfg.n_heads, cfg.head_dim, cfg.rot_dim
-    kv_TNE = rearrange(latent_TC @ params["wkv_b"], "t (n e) -> t n e", n=N)
+    kv_TNE = rearrange(matmul(latent_TC, params["wkv_b"], fp8=cfg.fp8, impl=cfg.impl), "t (n e) -> t n e", n=N)
     k_nope_TNP, v_TNV = kv_TNE.split([D - R, cfg.v_dim], dim=-1)
     return torch.cat([k_nope_TNP, k_rope_T1R.expand(-1, N, -1)], dim=-1), v_TNV.contiguous()
 

@@ -106,16 +106,16 @@ def copy_full_value(param: torch.Tensor, full: torch.Tensor) -> None:
 class DenseMLP(nn.Module):
     """SwiGLU: (silu(x w_gate) * (x w_up)) w_down, w_gate / w_up [H, F], w_down [F, H]."""
 
-    def __init__(self, hidden: int, ffn: int, impl: str, *, device=None, dtype=None):
+    def __init__(self, hidden: int, ffn: int, impl: str, *, fp8: bool = False, device=None, dtype=None):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
-        self.impl = impl
+        self.impl, self.fp8 = impl, fp8
         self.w_gate = nn.Parameter(torch.empty(hidden, ffn, **kw))
         self.w_up = nn.Parameter(torch.empty(hidden, ffn, **kw))
         self.w_down = nn.Parameter(torch.empty(ffn, hidden, **kw))
 
     def forward(self, x_TH):
-        return dense_mlp(x_TH, _local(self.w_gate), _local(self.w_up), _local(self.w_down), impl=self.impl)
+        return dense_mlp(x_TH, _local(self.w_gate), _local(self.w_up), _local(self.w_down), impl=self.impl, fp8=self.fp8)
 
 
 class GroupedExperts(nn.Module):
@@ -200,7 +200,7 @@ class MoE(nn.Module):
         self.router = nn.Parameter(torch.empty(E, H, device=device, dtype=torch.float32))
         self.router_bias = nn.Parameter(torch.empty(E, device=device, dtype=torch.float32)) if router_bias else None
         self.experts = GroupedExperts(E, H, ffn, cfg, biases=expert_biases, **kw)
-        self.shared = DenseMLP(H, shared_ffn, cfg.impl, **kw) if shared_ffn else None
+        self.shared = DenseMLP(H, shared_ffn, cfg.impl, fp8=cfg.fp8, **kw) if shared_ffn else None
         if shared_gate:
             self.shared_gate = nn.Parameter(torch.empty(H, **kw))
         if expert_bias:
@@ -328,6 +328,11 @@ class TransformerConfig:
     trunk's final norm. impl: "auto" | "triton" | "torch"
     for every op. ac: activation checkpointing, one of AC_MODES ("none" | "full" |
     "attention" | "experts"; trunk and MTP blocks alike; gradients equal those without).
+    fp8: the forward and input-gradient GEMMs of the attention projections, the dense MLPs
+    and the routed and shared experts in fp8 (e4m3, row-wise power-of-two scales; the weight
+    gradients in the compute dtype: fmoe.ops.fp8_matmul), trunk and MTP blocks alike; the
+    embedding, router, head, MTP projections and linear-attention blocks stay in the compute
+    dtype. The weights and the optimizer are unchanged: only the GEMMs' operands are cast.
     """
 
     vocab_size: int = 258
@@ -414,6 +419,7 @@ class TransformerConfig:
     init_std: float = 0.02
     impl: str = "auto"
     ac: str = "none"
+    fp8: bool = False
 
     def __post_init__(self):
         if self.ac not in AC_MODES:
@@ -513,7 +519,7 @@ class TransformerConfig:
             n_experts=self.n_experts, k=self.k, score=self.score, pre_softmax=self.pre_softmax, n_groups=self.n_groups, topk_groups=self.topk_groups,
             scale=self.route_scale, group_score_topk=self.group_score_topk, normalize=self.route_normalize, capacity_factor=self.capacity_factor, capacity_policy=self.capacity_policy, impl=self.impl,
             swiglu_alpha=self.swiglu_alpha, swiglu_limit=self.swiglu_limit, swiglu_offset=self.swiglu_offset,
-            weights_on_input=self.route_on_input,
+            weights_on_input=self.route_on_input, fp8=self.fp8,
         )
 
     def linear_attention_config(self) -> LinearAttentionConfig:
@@ -539,7 +545,7 @@ class TransformerConfig:
             impl=self.impl, q_rank=self.q_rank, kv_rank=self.kv_rank, v_dim=self.v_head_dim, window=self.window if local else None,
             chunk=self.chunk if local else None, scale=self.attn_scale, rope=rope,
             temperature_floor=None if rope else self.nope_temperature_floor, temperature_scale=self.nope_temperature_scale,
-            local_rope_base=self.local_rope_base, zero_centered_norms=self.zero_centered_norms,
+            local_rope_base=self.local_rope_base, zero_centered_norms=self.zero_centered_norms, fp8=self.fp8,
         )
 
     @property
@@ -683,7 +689,7 @@ class Block(nn.Module):
                            expert_bias=cfg.expert_bias, router_bias=cfg.router_bias, expert_biases=cfg.expert_biases)
             self.mlp.experts.recompute = cfg.ac == "experts"
         else:
-            self.mlp = DenseMLP(cfg.hidden, cfg.ffn_dense, cfg.impl)
+            self.mlp = DenseMLP(cfg.hidden, cfg.ffn_dense, cfg.impl, fp8=cfg.fp8)
         self.ac = cfg.ac
         self.residual_scale = cfg.residual_scale
 

@@ -111,6 +111,21 @@ def test_compiled_run_matches_eager(tmp_path):
         assert b["tokens_per_expert"] == a["tokens_per_expert"]
 
 
+def test_fp8_run_compiles_as_the_plain_one_and_logs_close_losses(tmp_path):
+    """--model.fp8=true: the attention, MLP and expert GEMMs in fp8 (fmoe.ops.fp8_matmul),
+    compiled with no more graph breaks than the plain model; its first losses within fp8's
+    few percent of the plain run's, and the knob kept in config.json."""
+    plain = _train(tmp_path / "plain", "--steps=3", "--compile")
+    fp8 = _train(tmp_path / "fp8", "--steps=3", "--compile", "--model.fp8=true")
+    assert plain.returncode == 0 and fp8.returncode == 0, fp8.stderr[-3000:]
+    graphs = [re.search(r"torch.compile: (\d+) graphs, (\d+) graph breaks", run.stdout).groups() for run in (plain, fp8)]
+    assert graphs[0] == graphs[1], graphs
+    for a, b in zip(_records(tmp_path / "plain"), _records(tmp_path / "fp8")):
+        assert math.isfinite(b["loss"]) and b["loss"] != a["loss"]
+        assert b["loss"] == pytest.approx(a["loss"], rel=3e-2), (a["step"], a["loss"], b["loss"])
+    assert json.loads((tmp_path / "fp8" / "config.json").read_text())["config"]["model"]["fp8"] is True
+
+
 def test_knobs_as_users_type_them(tmp_path):
     # a first trial run: the default warmup (20) adapts to 4 steps, and says so
     run = _train(tmp_path / "short", "--steps=4", "--warmup=-1", "--model.n_groups=2", "--model.topk_groups=1",

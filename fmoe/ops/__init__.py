@@ -16,6 +16,7 @@ from fmoe.ops.balance import (
 from fmoe.ops.delta import gated_delta_rule
 from fmoe.ops.dispatch import PermutePlan, permute, unpermute
 from fmoe.ops.experts import grouped_mlp, swiglu
+from fmoe.ops.fp8 import fp8_matmul, fp8_quantize
 from fmoe.ops.loss import cross_entropy, linear_cross_entropy
 from fmoe.ops.packed import mtp_targets, positions_from_cu_seqlens, roll_packed
 from fmoe.ops.rope import (
@@ -38,6 +39,8 @@ __all__ = [
     "aux_scores",
     "cross_entropy",
     "drop_by_capacity",
+    "fp8_matmul",
+    "fp8_quantize",
     "gated_delta_rule",
     "grouped_mlp",
     "linear_cross_entropy",

@@ -53,6 +53,7 @@ import triton.language as tl
 
 from fmoe.ops.backend import interpreting, next_pow2, use_triton
 from fmoe.ops.checks import FLOAT_DTYPES, check_float, checking
+from fmoe.ops.fp8 import fp8_matmul, fp8_quantize
 
 # ----------------------------------------------------------------------------------------
 # 1. Reference (the definition of correctness)
@@ -94,17 +95,17 @@ def _matmul_ref(a_MK, b_KN):
     return (a_MK.float() @ b_KN.float()).to(a_MK.dtype)
 
 
-def grouped_mlp_ref(x_RH, w_gate_EHF, w_up_EHF, w_down_EFH, offsets_E, biases=_NO_BIASES, glu=_PLAIN_GLU):
+def grouped_mlp_ref(x_RH, w_gate_EHF, w_up_EHF, w_down_EFH, offsets_E, biases=_NO_BIASES, glu=_PLAIN_GLU, fp8=False):
     """Plain-torch loop over the experts; differentiable through torch autograd. biases:
     (b_gate, b_up, b_down), each [E, F] / [E, F] / [E, H] or None; glu: swiglu_ref's
-    (alpha, limit, offset).
+    (alpha, limit, offset); fp8: each projection by fmoe.ops.fp8_matmul's emulation.
 
     Reads offsets on the host (offsets.tolist(): one device->host sync); impl="torch" only.
     """
     y_RH = torch.zeros_like(x_RH)  # rows no expert owns stay zero
 
     def project(a, w_EXY, b_EY, e):
-        y = _matmul_ref(a, w_EXY[e])
+        y = fp8_matmul(a, w_EXY[e], impl="torch") if fp8 else _matmul_ref(a, w_EXY[e])
         return y if b_EY is None else y + b_EY[e]
 
     b_gate, b_up, b_down = biases
@@ -405,8 +406,11 @@ def _zero_unowned_triton(out_2d: torch.Tensor, offsets_E: torch.Tensor, per_expe
     )
 
 
-def _gemm(a_RK: torch.Tensor, w: torch.Tensor, offsets_E: torch.Tensor, trans_w: bool, torch_gmm: bool) -> torch.Tensor:
-    """out[R, N] = a @ W[e] (or a @ W[e]^T) per expert, zeros past offsets[E-1]."""
+def _gemm(a_RK: torch.Tensor, w: torch.Tensor, offsets_E: torch.Tensor, trans_w: bool, torch_gmm: bool, fp8: bool = False) -> torch.Tensor:
+    """out[R, N] = a @ W[e] (or a @ W[e]^T) per expert, zeros past offsets[E-1]; fp8: of the
+    operands quantized over the contracted dim (_fp8_gemm)."""
+    if fp8:
+        return _fp8_gemm(a_RK, w, offsets_E, trans_w, torch_gmm)
     if torch_gmm:
         out_RN = torch._grouped_mm(a_RK, w.transpose(-2, -1) if trans_w else w, offs=offsets_E)
         _zero_unowned(out_RN, offsets_E, per_expert=False)
@@ -419,6 +423,23 @@ def _gemm(a_RK: torch.Tensor, w: torch.Tensor, offsets_E: torch.Tensor, trans_w:
     grid = (triton.cdiv(N, meta["BLOCK_N"]) * (triton.cdiv(R, meta["BLOCK_M"]) + E),)
     _grouped_gemm_fwd_kernel[grid](a_RK, w, out_RN, offsets_E, R, K, N, E, TRANS_W=trans_w, BLOCK_E=next_pow2(E), **meta)
     return out_RN
+
+
+def _fp8_gemm(a_RK: torch.Tensor, w: torch.Tensor, offsets_E: torch.Tensor, trans_w: bool, torch_gmm: bool) -> torch.Tensor:
+    """_gemm of q(a) and q(W[e]) (fmoe.ops.fp8: a per row, each expert's matrix per output
+    column, both over the contracted dim): torch._scaled_grouped_mm on CUDA with torch_gmm,
+    else the dequantized (exact) float32 operands through the float32 grouped GEMM, rounded
+    to a's dtype."""
+    w_EOC = w if trans_w else w.transpose(-2, -1)  # [E, out, contracted]
+    a_fp8, scale_a = fp8_quantize(a_RK, 1)
+    w_fp8, scale_w = fp8_quantize(w_EOC.contiguous(), 2)
+    if torch_gmm and a_RK.is_cuda:
+        out_RN = torch._scaled_grouped_mm(a_fp8, w_fp8.transpose(-2, -1), scale_a.reshape(-1), scale_w.squeeze(-1),
+                                          offs=offsets_E, out_dtype=a_RK.dtype)
+        _zero_unowned(out_RN, offsets_E, per_expert=False)
+        return out_RN
+    out_RN = _gemm(a_fp8.float() * scale_a, w_fp8.float() * scale_w, offsets_E, True, torch_gmm and not a_RK.is_cuda)
+    return out_RN.to(a_RK.dtype)
 
 
 def _gemm_dw(x_RK: torch.Tensor, dy_RN: torch.Tensor, offsets_E: torch.Tensor, torch_gmm: bool) -> torch.Tensor:
@@ -437,65 +458,67 @@ def _gemm_dw(x_RK: torch.Tensor, dy_RN: torch.Tensor, offsets_E: torch.Tensor, t
 
 
 @torch.library.custom_op("fmoe::grouped_gemm_fwd", mutates_args=())
-def _grouped_gemm_fwd(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, torch_gmm: bool) -> torch.Tensor:
+def _grouped_gemm_fwd(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, torch_gmm: bool, fp8: bool = False) -> torch.Tensor:
     """y[R, N] = x[R, K] @ w[e][K, N] for the rows of each expert e; zeros past offsets[-1].
 
-    torch_gmm: torch._grouped_mm (CUDA bf16 sm90+, or CPU) instead of the Triton kernel.
+    torch_gmm: torch._grouped_mm (CUDA bf16 sm90+, or CPU) instead of the Triton kernel
+    (with fp8: torch._scaled_grouped_mm on CUDA). fp8: x and w quantized over K (_fp8_gemm).
     """
     x, w = x.contiguous(), w.contiguous()
     if x.numel() == 0 or w.numel() == 0:  # nothing to multiply: zeros (torch._grouped_mm rejects empty operands)
         return x.new_zeros(x.shape[0], w.shape[2])
-    return _gemm(x, w, offsets, False, torch_gmm)
+    return _gemm(x, w, offsets, False, torch_gmm, fp8)
 
 
 @_grouped_gemm_fwd.register_fake
-def _(x, w, offsets, torch_gmm):
+def _(x, w, offsets, torch_gmm, fp8=False):
     return x.new_empty(x.shape[0], w.shape[2])
 
 
 @torch.library.custom_op("fmoe::grouped_gemm_bwd", mutates_args=())
 def _grouped_gemm_bwd(
-    grad_y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, torch_gmm: bool
+    grad_y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, torch_gmm: bool, fp8: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx[R, K] = dy @ w[e]^T, zeros past offsets[-1]; dw[E, K, N] = x_e^T dy_e)."""
+    """(dx[R, K] = dy @ w[e]^T, zeros past offsets[-1], with fp8 of dy and w quantized over
+    N; dw[E, K, N] = x_e^T dy_e, in x's dtype either way)."""
     grad_y, x, w = grad_y.contiguous(), x.contiguous(), w.contiguous()
     if x.numel() == 0 or w.numel() == 0:
         return torch.zeros_like(x), torch.zeros_like(w)
-    return _gemm(grad_y, w, offsets, True, torch_gmm), _gemm_dw(x, grad_y, offsets, torch_gmm)
+    return _gemm(grad_y, w, offsets, True, torch_gmm, fp8), _gemm_dw(x, grad_y, offsets, torch_gmm)
 
 
 @_grouped_gemm_bwd.register_fake
-def _(grad_y, x, w, offsets, torch_gmm):
+def _(grad_y, x, w, offsets, torch_gmm, fp8=False):
     return torch.empty_like(x), torch.empty_like(w)
 
 
 def _grouped_gemm_setup_context(ctx, inputs, output):
-    x, w, offsets, torch_gmm = inputs
+    x, w, offsets, torch_gmm, fp8 = inputs
     ctx.save_for_backward(x, w, offsets)
-    ctx.torch_gmm = torch_gmm
+    ctx.torch_gmm, ctx.fp8 = torch_gmm, fp8
 
 
 def _grouped_gemm_backward(ctx, grad_y):
     x, w, offsets = ctx.saved_tensors
-    grad_x, grad_w = _grouped_gemm_bwd(grad_y, x, w, offsets, ctx.torch_gmm)
-    return grad_x, grad_w, None, None
+    grad_x, grad_w = _grouped_gemm_bwd(grad_y, x, w, offsets, ctx.torch_gmm, ctx.fp8)
+    return grad_x, grad_w, None, None, None
 
 
 _grouped_gemm_fwd.register_autograd(_grouped_gemm_backward, setup_context=_grouped_gemm_setup_context)
 
 
-def _grouped_mlp_kernels(x_RH, w_gate_EHF, w_up_EHF, w_down_EFH, offsets_E, torch_gmm: bool, biases=_NO_BIASES, glu=_PLAIN_GLU):
+def _grouped_mlp_kernels(x_RH, w_gate_EHF, w_up_EHF, w_down_EFH, offsets_E, torch_gmm: bool, biases=_NO_BIASES, glu=_PLAIN_GLU, fp8=False):
     """The CUDA (or interpreted) path: three grouped GEMMs around the fused SwiGLU (either
     form); biases added to each expert's rows."""
     b_gate, b_up, b_down = biases
     expert_R = _row_experts(offsets_E, x_RH.shape[0], biases)
-    gate_RF = _plus(_grouped_gemm_fwd(x_RH, w_gate_EHF, offsets_E, torch_gmm), b_gate, expert_R)
-    up_RF = _plus(_grouped_gemm_fwd(x_RH, w_up_EHF, offsets_E, torch_gmm), b_up, expert_R)
+    gate_RF = _plus(_grouped_gemm_fwd(x_RH, w_gate_EHF, offsets_E, torch_gmm, fp8), b_gate, expert_R)
+    up_RF = _plus(_grouped_gemm_fwd(x_RH, w_up_EHF, offsets_E, torch_gmm, fp8), b_up, expert_R)
     h_RF = _swiglu_fwd(gate_RF, up_RF, *glu)
-    return _plus(_grouped_gemm_fwd(h_RF, w_down_EFH, offsets_E, torch_gmm), b_down, expert_R)
+    return _plus(_grouped_gemm_fwd(h_RF, w_down_EFH, offsets_E, torch_gmm, fp8), b_down, expert_R)
 
 
-def _grouped_mlp_cpu(x_RH, w_gate_EHF, w_up_EHF, w_down_EFH, offsets_E, biases=_NO_BIASES, glu=_PLAIN_GLU):
+def _grouped_mlp_cpu(x_RH, w_gate_EHF, w_up_EHF, w_down_EFH, offsets_E, biases=_NO_BIASES, glu=_PLAIN_GLU, fp8=False):
     """The CPU path of "auto": torch._grouped_mm's three projections (inside the custom op)
     around the plain-torch SwiGLU; no host read, and torch.compile traces it whole.
 
@@ -514,9 +537,9 @@ def _grouped_mlp_cpu(x_RH, w_gate_EHF, w_up_EHF, w_down_EFH, offsets_E, biases=_
         w_gate_EHF, w_up_EHF = pad(w_gate_EHF, (0, pad_F, 0, pad_H)), pad(w_up_EHF, (0, pad_F, 0, pad_H))
         w_down_EFH = pad(w_down_EFH, (0, pad_H, 0, pad_F))
         b_gate, b_up = (None if b is None else pad(b, (0, pad_F)) for b in (b_gate, b_up))
-    gate_RF = _plus(_grouped_gemm_fwd(x_RH, w_gate_EHF, offsets_E, True), b_gate, expert_R)
-    up_RF = _plus(_grouped_gemm_fwd(x_RH, w_up_EHF, offsets_E, True), b_up, expert_R)
-    y_RH = _grouped_gemm_fwd(swiglu_ref(gate_RF, up_RF, *glu), w_down_EFH, offsets_E, True)
+    gate_RF = _plus(_grouped_gemm_fwd(x_RH, w_gate_EHF, offsets_E, True, fp8), b_gate, expert_R)
+    up_RF = _plus(_grouped_gemm_fwd(x_RH, w_up_EHF, offsets_E, True, fp8), b_up, expert_R)
+    y_RH = _grouped_gemm_fwd(swiglu_ref(gate_RF, up_RF, *glu), w_down_EFH, offsets_E, True, fp8)
     return _plus(y_RH[:, :H] if pad_H else y_RH, b_down, expert_R)
 
 
@@ -572,6 +595,7 @@ def grouped_mlp(
     alpha: float = 1.0,
     limit: Optional[float] = None,
     offset: float = 0.0,
+    fp8: bool = False,
 ) -> torch.Tensor:
     """SwiGLU expert MLPs over rows grouped by expert (SPEC.md section 3).
 
@@ -591,6 +615,14 @@ def grouped_mlp(
         alpha, limit, offset: the clamped SwiGLU (module docstring; gpt-oss: 1.702, 7.0,
             1.0); the defaults are silu(gate) * up. The fused Triton SwiGLU computes either
             form (the CPU path of "auto" runs it in plain torch).
+        fp8: each projection's forward and input-gradient GEMMs in fp8, as
+            fmoe.ops.fp8_matmul (x_perm's rows and each expert's columns quantized over the
+            contracted dim, power-of-two scales; the weight gradients in x_perm's dtype):
+            torch._scaled_grouped_mm on CUDA where "auto" would run torch._grouped_mm and H
+            and F are multiples of 16 (give permute align=16 so that each expert's rows
+            start on a multiple of 16), else the dequantized operands' float32 grouped GEMM
+            (the CPU path, the Triton kernel, and "torch"'s loop of fp8_matmul), which gives
+            the same values up to the order of the float32 sums.
 
     Returns:
         y_perm [R, H] in x_perm's dtype: y = (silu(x W_gate[e]) * (x W_up[e])) W_down[e]
@@ -626,13 +658,15 @@ def grouped_mlp(
             raise ValueError(f"{name}: expected shape {list(shape)} ([E, F] for b_gate / b_up, [E, H] for b_down), got {getattr(b, 'shape', type(b).__name__)}")
         _check_like(name, b, "x_perm", x_perm)
     glu = check_glu(alpha, limit, offset)
+    if not isinstance(fp8, bool):
+        raise ValueError(f"fp8: expected a bool, got {fp8!r}")
 
     if use_triton(impl, x_perm, w_gate, w_up, w_down, offsets):
-        torch_gmm = impl == "auto" and _grouped_mm_fast(x_perm, F)
-        return _grouped_mlp_kernels(x_perm, w_gate, w_up, w_down, offsets, torch_gmm, biases, glu)
+        torch_gmm = impl == "auto" and _grouped_mm_fast(x_perm, F) and (not fp8 or (H % 16 == 0 and F % 16 == 0))
+        return _grouped_mlp_kernels(x_perm, w_gate, w_up, w_down, offsets, torch_gmm, biases, glu, fp8)
     if impl == "auto" and x_perm.device.type == "cpu":
-        return _grouped_mlp_cpu(x_perm, w_gate, w_up, w_down, offsets, biases, glu)
-    return grouped_mlp_ref(x_perm, w_gate, w_up, w_down, offsets, biases, glu)
+        return _grouped_mlp_cpu(x_perm, w_gate, w_up, w_down, offsets, biases, glu, fp8)
+    return grouped_mlp_ref(x_perm, w_gate, w_up, w_down, offsets, biases, glu, fp8)
 
 
 def check_glu(alpha, limit, offset) -> tuple:

@@ -568,7 +568,8 @@ class ExpertParallel:
             x_perm, weights = weigh_rows(x_perm, plan, routes.weights, cfg)  # cfg.weights_on_input: on the way in
             x_local, meta = dispatch(x_perm, plan.counts, ep_mesh=self.ep_mesh, etp_mesh=self.etp_mesh)
             # offsets come from dispatch's own counts: skip grouped_mlp's value check (a host sync)
-            y_local = grouped_mlp(x_local, w_gate, w_up, w_down, meta.offsets, check=False, impl=cfg.impl, **biases, **cfg.glu)
+            y_local = grouped_mlp(x_local, w_gate, w_up, w_down, meta.offsets, check=False, impl=cfg.impl, fp8=cfg.fp8,
+                                  **biases, **cfg.glu)
             y_perm = combine(y_local, meta)
         else:
             # moe() dropped every slot past C of the T tokens on entry (before the tp split), or
@@ -578,7 +579,8 @@ class ExpertParallel:
             x_ECH, weights = weigh_rows(x_ECH.view(E * C, H), plan, routes.weights, cfg)
             x_local, meta = dispatch_padded(x_ECH.view(E, C, H), ep_mesh=self.ep_mesh, etp_mesh=self.etp_mesh)
             # the offsets C S Q (l + 1) are right by construction: no value check (a host sync)
-            y_local = grouped_mlp(x_local, w_gate, w_up, w_down, meta.offsets, check=False, impl=cfg.impl, **biases, **cfg.glu)
+            y_local = grouped_mlp(x_local, w_gate, w_up, w_down, meta.offsets, check=False, impl=cfg.impl, fp8=cfg.fp8,
+                                  **biases, **cfg.glu)
             y_perm = combine_padded(y_local, meta).view(E * C, H)
         y_TH = unpermute(y_perm, plan, weights, impl=cfg.impl)
         return gather_tokens(y_TH, self.tp_mesh), plan.counts

@@ -267,6 +267,16 @@ CASES = {
     # Kimi Delta Attention's heads over tp and its rule across a cp split
     "tp2-kimi-linear": (2, dict(tp=2), KIMI_LINEAR),
     "cp2xtp2-kimi-linear": (4, dict(cp=2, tp=2), KIMI_LINEAR),
+    # fp8 GEMMs (row-wise power-of-two scales): each token's scale is its own row's, so
+    # splitting the tokens over data, context and expert ranks quantizes as one process
+    # does; a power-of-two scale changes no quantized value above e4m3's subnormals, so the
+    # tp and etp shares quantize as the whole does too (fmoe/ops/fp8.py)
+    "fsdp2-fp8": (2, dict(), dict(fp8=True)),
+    "ep2-fp8": (2, dict(ep=2), dict(fp8=True)),
+    "cp2-fp8": (2, dict(cp=2), dict(fp8=True)),
+    "tp2-fp8": (2, dict(tp=2), dict(fp8=True)),
+    "etp2-capacity-fp8": (2, dict(etp=2), dict(fp8=True, capacity_factor=1.0)),
+    "ep2xtp2-fp8": (4, dict(tp=2, ep=2), dict(fp8=True)),
 }
 
 

@@ -1,0 +1,238 @@
+"""FP8 matmuls: a linear layer's GEMMs in float8 (e4m3) with row-wise power-of-two scales.
+
+    fp8_quantize(t, dim) -> (t_fp8, scale)         t ~= t_fp8 * scale, one scale per slice along dim
+    fp8_matmul(x[..., K], w[K, N]) -> y[..., N]    y = q(x) q(w), dy's GEMM in fp8, dw's in x's dtype
+    grouped_mlp(..., fp8=True)                     the experts' GEMMs the same way (fmoe.ops.experts)
+
+Quantization (q). A slice of t along `dim` (the contraction dim of the GEMM it feeds) gets
+the scale s = the smallest power of two with amax(|slice|) / s <= 448 (e4m3's largest
+finite value; s = 1 for an all-zero slice), and its values become round_e4m3(t / s),
+clamped to +-448. Power-of-two scales make t / s and t_fp8 * s exact, so a product of two
+quantized values is exact in float32 and the only roundings are e4m3's own and the
+float32 sums (DeepSeek-V3 and MXFP8 scale by powers of two for the same reason).
+
+The GEMMs of y = x w (x [M, K], w [K, N]; "row-wise": one scale per row of each operand
+along the contracted dim):
+
+    forward   y  = q_K(x) q_K(w)          x per row over K, w per column over K
+    backward  dx = q_N(dy) q_N(w)^T       dy per row over N, w per row over N
+              dw = x^T dy                 in x's dtype (float32 accumulation), not fp8
+
+so two of the three GEMMs run in fp8, and the weight gradient, whose error would
+accumulate in the weights, stays in the compute dtype (torchao's "rowwise with high
+precision grad_weight").
+
+Parallel runs. Each token's scale depends only on its own row, so a split of the tokens
+(FSDP, context or expert parallel) quantizes exactly as one process does. A power-of-two
+scale changes no quantized value except in e4m3's subnormal range (|t / s| < 2^-6, values
+more than 2^15 below the slice's amax) and e4m3 is a floating-point format, so the shares
+of a contracted dim that tensor and expert-tensor parallelism multiply quantize as the
+whole does but for such tiny values. What tensor parallelism does change: a gradient that
+is summed over the tp ranks after a GEMM (the input gradient of a projection every rank
+holds whole, such as multi-latent attention's latent projections) is quantized as each
+rank's partial sum, not as the sum; the result is as close to one process's as two fp8
+roundings of the same GEMM are, not equal to it.
+
+Paths: "auto" / "triton" run torch._scaled_mm on the quantized operands (cuBLAS on CUDA,
+for bfloat16 x with K and N multiples of 16; CPU runs it for any float dtype), "torch" the
+float32 emulation that defines the values: the dequantized operands (exact) multiplied in
+float32, rounded to x's dtype. Where the CUDA fast path does not apply, "auto" emulates
+too. The quantization is plain torch (torch.compile fuses the amax and the cast); there is
+no Triton kernel of our own: the GEMMs are the vendor's.
+
+Legend: M rows (tokens), K contracted dim, N output dim; R rows of x_perm, E experts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fmoe.ops.backend import use_triton
+from fmoe.ops.checks import FLOAT_DTYPES
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+_MIN_EXPONENT = -126  # scales stay normal float32 numbers: 2^-126 at least
+
+
+# ----------------------------------------------------------------------------------------
+# 1. Reference: quantization and the emulated GEMMs (the definition of correctness)
+# ----------------------------------------------------------------------------------------
+
+
+def pow2_scale(amax: torch.Tensor) -> torch.Tensor:
+    """float32 scales, the smallest power of two s >= amax / 448 (1 where amax is 0, NaN or
+    infinite where amax is): computed exactly with frexp, no log2 rounding."""
+    ratio = amax.float() / E4M3_MAX
+    mantissa, exponent = torch.frexp(ratio)
+    exponent = (exponent - (mantissa == 0.5).to(exponent.dtype)).clamp(min=_MIN_EXPONENT)  # 0.5 * 2^e is 2^(e-1) exactly
+    scale = torch.ldexp(torch.ones_like(ratio), exponent)
+    return torch.where(torch.isfinite(ratio), scale, ratio)
+
+
+def _quantize(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(t_fp8 in t's layout, float32 scale with dim kept as 1): module docstring's q."""
+    scale = pow2_scale(t.abs().amax(dim=dim, keepdim=True))
+    return (t.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
+
+
+def _dequantized(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """q(t) along dim as exact float32 values."""
+    t_fp8, scale = _quantize(t, dim)
+    return t_fp8.float() * scale
+
+
+def fp8_mm_ref(a_MK: torch.Tensor, b_KN: torch.Tensor) -> torch.Tensor:
+    """q_K(a) @ q_K(b) in float32, rounded to a's dtype: the emulation of one fp8 GEMM."""
+    return (_dequantized(a_MK, 1) @ _dequantized(b_KN, 0)).to(a_MK.dtype)
+
+
+# ----------------------------------------------------------------------------------------
+# 2. The fast path: torch._scaled_mm on the quantized operands
+# ----------------------------------------------------------------------------------------
+
+
+def _scaled_mm(a_MK: torch.Tensor, b_KN: torch.Tensor) -> torch.Tensor:
+    """q_K(a) @ q_K(b) by torch._scaled_mm: a row-major, b column-major (quantized from its
+    transpose, which is where a weight's copy goes anyway), scales [M, 1] and [1, N]."""
+    a_fp8, scale_a = _quantize(a_MK.contiguous(), 1)
+    bt_fp8, scale_bt = _quantize(b_KN.t().contiguous(), 1)  # [N, K] row-major = b column-major
+    return torch._scaled_mm(a_fp8, bt_fp8.t(), scale_a=scale_a, scale_b=scale_bt.t(), out_dtype=a_MK.dtype)
+
+
+def _gemm(a_MK: torch.Tensor, b_KN: torch.Tensor, scaled_mm: bool) -> torch.Tensor:
+    if a_MK.shape[0] == 0 or a_MK.shape[1] == 0 or b_KN.shape[1] == 0:  # nothing to multiply
+        return a_MK.new_zeros(a_MK.shape[0], b_KN.shape[1])
+    return _scaled_mm(a_MK, b_KN) if scaled_mm else fp8_mm_ref(a_MK, b_KN)
+
+
+@torch.library.custom_op("fmoe::fp8_mm_fwd", mutates_args=())
+def _fp8_mm_fwd(x: torch.Tensor, w: torch.Tensor, scaled_mm: bool) -> torch.Tensor:
+    """y[M, N] = q_K(x) q_K(w) in x's dtype."""
+    return _gemm(x, w, scaled_mm)
+
+
+@_fp8_mm_fwd.register_fake
+def _(x, w, scaled_mm):
+    return x.new_empty(x.shape[0], w.shape[1])
+
+
+@torch.library.custom_op("fmoe::fp8_mm_bwd", mutates_args=())
+def _fp8_mm_bwd(grad_y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, scaled_mm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx = q_N(dy) q_N(w)^T in x's dtype, dw = x^T dy in w's dtype, float32 accumulation)."""
+    grad_y = grad_y.to(x.dtype)
+    grad_x = _gemm(grad_y, w.t(), scaled_mm)
+    if scaled_mm:  # the vendor's GEMM in the compute dtype
+        grad_w = (x.t() @ grad_y).to(w.dtype)
+    else:
+        grad_w = (x.float().t() @ grad_y.float()).to(w.dtype)
+    return grad_x, grad_w
+
+
+@_fp8_mm_bwd.register_fake
+def _(grad_y, x, w, scaled_mm):
+    return torch.empty_like(x), torch.empty_like(w)
+
+
+def _fp8_mm_setup_context(ctx, inputs, output):
+    x, w, scaled_mm = inputs
+    ctx.save_for_backward(x, w)
+    ctx.scaled_mm = scaled_mm
+
+
+def _fp8_mm_backward(ctx, grad_y):
+    x, w = ctx.saved_tensors
+    grad_x, grad_w = _fp8_mm_bwd(grad_y, x, w, ctx.scaled_mm)
+    return grad_x, grad_w, None
+
+
+_fp8_mm_fwd.register_autograd(_fp8_mm_backward, setup_context=_fp8_mm_setup_context)
+
+
+# ----------------------------------------------------------------------------------------
+# 3. Public functions
+# ----------------------------------------------------------------------------------------
+
+
+def fp8_quantize(t: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-wise e4m3 quantization with power-of-two scales (module docstring).
+
+    Args:
+        t: a float32 / bfloat16 / float16 tensor of at least one dim.
+        dim: the dim each scale covers (a GEMM's contracted dim).
+
+    Returns:
+        (t_fp8, scale): t_fp8 float8_e4m3fn of t's shape; scale float32 of t's shape with
+        `dim` of size 1, a power of two per slice; t_fp8.float() * scale is the quantized t
+        (t itself wherever t / scale is an e4m3 value; e4m3 keeps 3 mantissa bits, so 600
+        becomes 576 below).
+
+    Example:
+        >>> t_fp8, scale = fp8_quantize(torch.tensor([[1.0, -3.0, 600.0]]))
+        >>> scale, t_fp8.float() * scale
+        (tensor([[2.]]), tensor([[  1.,  -3., 576.]]))
+    """
+    if not isinstance(t, torch.Tensor) or t.dtype not in FLOAT_DTYPES or t.ndim == 0:
+        got = f"{t.dtype} of {t.ndim} dims" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"t: expected a float32 / bfloat16 / float16 tensor of at least 1 dim, got {got}")
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -t.ndim <= dim < t.ndim:
+        raise ValueError(f"dim: expected an int in {-t.ndim}..{t.ndim - 1} (t has {t.ndim} dims), got {dim!r}")
+    return _quantize(t, dim)
+
+
+def _fast_path(x: torch.Tensor, K: int, N: int) -> bool:
+    """Whether torch._scaled_mm runs the GEMMs: CPU always; CUDA for bfloat16 with K and N
+    multiples of 16 (cuBLAS's row-wise fp8 rule) on a GPU with fp8 tensor cores (sm89+)."""
+    if x.device.type == "cpu":
+        return True
+    return (x.is_cuda and x.dtype == torch.bfloat16 and K % 16 == 0 and N % 16 == 0
+            and torch.cuda.get_device_capability(x.device) >= (8, 9))
+
+
+def fp8_matmul(x: torch.Tensor, w: torch.Tensor, *, impl: str = "auto") -> torch.Tensor:
+    """x @ w with the forward and input-gradient GEMMs in fp8 (module docstring).
+
+    Args:
+        x: [..., K] float32 / bfloat16 / float16.
+        w: [K, N], x's dtype and device.
+        impl: "auto" or "triton" (torch._scaled_mm where it runs: CPU, or CUDA bfloat16
+            with K and N multiples of 16; the emulation elsewhere) or "torch" (the float32
+            emulation of the quantized GEMMs, the definition of the values).
+
+    Returns:
+        y [..., N] in x's dtype: q_K(x) q_K(w) accumulated in float32. Differentiable: dx =
+        q_N(dy) q_N(w)^T (fp8), dw = x^T dy (x's dtype, float32 accumulation).
+
+    Example:
+        >>> fp8_matmul(torch.tensor([[1.0, 2.0]]), torch.tensor([[3.0], [0.5]]))
+        tensor([[4.]])
+    """
+    if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_DTYPES or x.ndim == 0:
+        got = f"{x.dtype} of {x.ndim} dims" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"x: expected a float32 / bfloat16 / float16 tensor [..., K], got {got}")
+    if not isinstance(w, torch.Tensor) or w.ndim != 2 or w.shape[0] != x.shape[-1]:
+        got = tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__
+        raise ValueError(f"w: expected a 2-D tensor [K, N] with K = {x.shape[-1]} (x's last dim), got {got}")
+    if w.dtype != x.dtype or w.device != x.device:
+        raise ValueError(f"w: expected x's dtype and device ({x.dtype}, {x.device}), got {w.dtype}, {w.device}")
+    K, N = w.shape
+    use_triton(impl, x, w)  # checks impl
+    fast = impl != "torch" and _fast_path(x, K, N)
+    y = _fp8_mm_fwd(x.reshape(-1, K), w, fast)
+    return y.reshape(*x.shape[:-1], N)
+
+
+def matmul(x: torch.Tensor, w: torch.Tensor, *, fp8: bool, impl: str = "auto") -> torch.Tensor:
+    """x @ w, or with fp8 fp8_matmul(x, w): the layers' projections (fmoe.layers). impl: a
+    layer's ("flex" and the like run as "auto"; "torch" emulates)."""
+    if not fp8:
+        return x @ w
+    return fp8_matmul(x, w, impl="torch" if impl == "torch" else "auto")
+
+
+def check_fp8(value) -> bool:
+    """The fp8 knob as a bool; ValueError otherwise."""
+    if not isinstance(value, bool):
+        raise ValueError(f"fp8: expected a bool (True: the projections' GEMMs in fp8, fmoe.ops.fp8_matmul), got {value!r}")
+    return value
+

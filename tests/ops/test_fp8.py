@@ -1,0 +1,390 @@
+"""fp8_quantize, fp8_matmul and grouped_mlp(fp8=True): against a brute force written from the
+definition (fmoe/ops/fp8.py), between paths, under torch.compile, and in the model."""
+
+import doctest
+import itertools
+import math
+
+import pytest
+import torch
+
+from fmoe.ops import fp8 as fp8_module
+from fmoe.ops import fp8_matmul, fp8_quantize, grouped_mlp
+from fmoe.train.metrics import HostReads
+
+E4M3_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+E4M3_VALUES = E4M3_VALUES[torch.isfinite(E4M3_VALUES)].unique()  # every finite e4m3 value, sorted
+
+
+def _deq(t, dim=-1):
+    """fp8_quantize's values as float32: t_fp8 * scale."""
+    t_fp8, scale = fp8_quantize(t, dim)
+    return t_fp8.float() * scale
+
+
+def _brute_quantize(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """q(t) along dim from the definition, in float64: s = 2^ceil(log2(amax / 448)) (math.log2
+    on Python floats), each value rounded to the nearest e4m3 value of t / s (ties to the
+    even mantissa: the one whose bits end in 0), times s."""
+    values = E4M3_VALUES.double()
+    t64 = t.double().movedim(dim, -1)
+    out = torch.empty_like(t64)
+    for idx in itertools.product(*map(range, t64.shape[:-1])):
+        row = t64[idx]
+        amax = float(row.abs().max())
+        s = 1.0 if amax == 0 else 2.0 ** math.ceil(math.log2(amax / 448.0))
+        for j, v in enumerate((row / s).tolist()):
+            dist = (values - v).abs()
+            best = torch.nonzero(dist == dist.min()).flatten()
+            if len(best) > 1:  # a tie: the even one (its e4m3 bit pattern ends in 0)
+                bits = values[best].float().to(torch.float8_e4m3fn).view(torch.uint8)
+                best = best[(bits % 2 == 0)]
+            out[idx + (j,)] = float(values[best[0]]) * s
+    return out.movedim(-1, dim)
+
+
+def test_doctests():
+    assert doctest.testmod(fp8_module, raise_on_error=True).attempted >= 2
+
+
+def test_quantize_matches_the_definition_and_scales_are_powers_of_two():
+    torch.manual_seed(0)
+    t = torch.randn(5, 7) * torch.tensor([1e-3, 1.0, 30.0, 448.0, 1e4])[:, None]
+    for dim in (0, 1, -1):
+        t_fp8, scale = fp8_quantize(t, dim)
+        assert t_fp8.dtype == torch.float8_e4m3fn and t_fp8.shape == t.shape
+        assert scale.dtype == torch.float32 and scale.shape[dim] == 1
+        mantissa, _ = torch.frexp(scale)
+        assert torch.all(mantissa == 0.5), "every scale is a power of two"
+        # the largest quantized magnitude of each slice lies in [224, 448]: the scale is the smallest that fits
+        top = t_fp8.float().abs().amax(dim=dim, keepdim=True)
+        assert torch.all((top >= 224) & (top <= 448)), top
+        torch.testing.assert_close((t_fp8.float() * scale).double(), _brute_quantize(t, dim), rtol=0, atol=0)
+    # exact ties between neighbouring e4m3 values (scale 1: amax 448) round to the even one
+    ties = 0.5 * (E4M3_VALUES[1:] + E4M3_VALUES[:-1])
+    row = torch.cat([torch.tensor([448.0]), ties[(ties.abs() < 448)][::7]])[None]
+    torch.testing.assert_close(_deq(row).double(), _brute_quantize(row, 1), rtol=0, atol=0)
+
+
+def test_quantize_edges():
+    zeros_fp8, scale = fp8_quantize(torch.zeros(2, 3))
+    assert torch.all(scale == 1) and torch.all(zeros_fp8.float() == 0)
+    # amax exactly 448 * 2^k: scale 2^k; a hair above: 2^(k+1)
+    for k in (-3, 0, 5):
+        _, s = fp8_quantize(torch.tensor([[448.0 * 2.0**k, 1.0]]))
+        assert float(s) == 2.0**k
+        above = torch.nextafter(torch.tensor(448.0 * 2.0**k), torch.tensor(math.inf))  # the next float32
+        _, s = fp8_quantize(torch.stack([above, torch.tensor(1.0)])[None])
+        assert float(s) == 2.0 ** (k + 1)
+    # values e4m3 holds come back exactly, in bfloat16 too
+    t = torch.tensor([[1.0, -3.0, 0.25, 448.0, -6.0]], dtype=torch.bfloat16)
+    t_fp8, s = fp8_quantize(t)
+    assert torch.equal(t_fp8.float() * s, t.float())
+    # a non-finite input stays non-finite in its row, instead of becoming a finite number
+    bad = torch.tensor([[1.0, float("inf")], [1.0, float("nan")], [1.0, 2.0]])
+    t_fp8, s = fp8_quantize(bad)
+    deq = t_fp8.float() * s
+    assert not torch.isfinite(deq[0]).all() and not torch.isfinite(deq[1]).all() and torch.isfinite(deq[2]).all()
+
+
+def test_scale_does_not_change_values_above_subnormals():
+    """The property the parallel tests rely on: quantizing a slice of a row, with its own
+    (smaller) power-of-two scale, gives the same values as quantizing the whole row, except
+    for values in e4m3's subnormal range of that scale."""
+    torch.manual_seed(1)
+    row = torch.randn(1, 64)
+    row[0, :32] *= 3e-4  # the first half's amax is ~3000x smaller: a scale 2^11-2^12 smaller
+    whole, half = _deq(row), _deq(row[:, :32])
+    _, s_whole = fp8_quantize(row, 1)
+    normal = (row[:, :32] / s_whole).abs() >= 2.0**-6  # e4m3's smallest normal
+    assert normal.sum() > 5 and (~normal).sum() > 5
+    assert torch.equal(half[normal], whole[:, :32][normal])
+    assert not torch.equal(half, whole[:, :32]), "the subnormal ones differ: the check has teeth"
+
+
+def _brute_matmul_grads(x, w, grad_y):
+    """y, dx, dw from the module docstring's definition with the brute-force quantizer, float64."""
+    y = _brute_quantize(x, 1) @ _brute_quantize(w, 0)
+    dx = _brute_quantize(grad_y, 1) @ _brute_quantize(w, 1).t()
+    dw = x.double().t() @ grad_y.double()
+    return y, dx, dw
+
+
+def _grads(fn, x, w, grad_y, **kw):
+    x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = fn(x, w, **kw)
+    dx, dw = torch.autograd.grad(y, (x, w), grad_y)
+    return y, dx, dw
+
+
+@pytest.mark.parametrize("impl", ["auto", "torch"])
+def test_matmul_matches_the_definition(impl):
+    torch.manual_seed(2)
+    x, w = torch.randn(9, 12), torch.randn(12, 10) * 0.3
+    grad_y = torch.randn(9, 10)
+    got = _grads(fp8_matmul, x, w, grad_y, impl=impl)
+    for g, want in zip(got, _brute_matmul_grads(x, w, grad_y)):
+        torch.testing.assert_close(g.double(), want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scaled_mm_path_equals_the_emulation(dtype):
+    """impl="auto" on CPU runs torch._scaled_mm; "torch" emulates: the same values up to the
+    order of the float32 sums (bf16: the same rounding of those)."""
+    torch.manual_seed(3)
+    x, w = torch.randn(33, 48).to(dtype), (torch.randn(48, 40) * 0.2).to(dtype)
+    grad_y = torch.randn(33, 40).to(dtype)
+    fast, ref = _grads(fp8_matmul, x, w, grad_y, impl="auto"), _grads(fp8_matmul, x, w, grad_y, impl="torch")
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    for a, b in zip(fast, ref):
+        assert a.dtype == dtype
+        torch.testing.assert_close(a, b, **tol)
+    # the error against the exact product is fp8's (3 mantissa bits): a few percent, not zero
+    exact = x.float() @ w.float()
+    rel = float((fast[0].float() - exact).norm() / exact.norm())
+    assert 5e-3 < rel < 6e-2, rel
+
+
+def test_matmul_shapes_and_empty():
+    torch.manual_seed(4)
+    x, w = torch.randn(2, 3, 16), torch.randn(16, 8)
+    y = fp8_matmul(x, w)
+    assert y.shape == (2, 3, 8)
+    torch.testing.assert_close(y.reshape(6, 8), fp8_matmul(x.reshape(6, 16), w))
+    empty = torch.zeros(0, 16, requires_grad=True)
+    out = fp8_matmul(empty, w)
+    assert out.shape == (0, 8)
+    out.sum().backward()
+    assert empty.grad.shape == (0, 16)
+
+
+def test_bad_input_names_the_argument():
+    x, w = torch.randn(4, 8), torch.randn(8, 2)
+    with pytest.raises(ValueError, match="^x:"):
+        fp8_matmul(torch.ones(4, 8, dtype=torch.int64), w)
+    with pytest.raises(ValueError, match=r"^w: expected a 2-D tensor \[K, N\] with K = 8"):
+        fp8_matmul(x, torch.randn(7, 2))
+    with pytest.raises(ValueError, match="^w: expected x's dtype"):
+        fp8_matmul(x, w.double())
+    with pytest.raises(ValueError, match="^impl:"):
+        fp8_matmul(x, w, impl="cuda")
+    with pytest.raises(ValueError, match="^t:"):
+        fp8_quantize(torch.tensor(1.0))
+    with pytest.raises(ValueError, match="^dim:"):
+        fp8_quantize(x, 2)
+    with pytest.raises(ValueError, match="^fp8: expected a bool"):
+        grouped_mlp(torch.randn(3, 8), torch.randn(2, 8, 4), torch.randn(2, 8, 4), torch.randn(2, 4, 8),
+                    torch.tensor([1, 3], dtype=torch.int32), fp8="rowwise")
+
+
+def test_custom_ops_pass_opcheck():
+    x, w, g = torch.randn(5, 16), torch.randn(16, 8), torch.randn(5, 8)
+    for scaled_mm in (False, True):
+        torch.library.opcheck(torch.ops.fmoe.fp8_mm_fwd.default, (x, w, scaled_mm))
+        torch.library.opcheck(torch.ops.fmoe.fp8_mm_bwd.default, (g, x, w, scaled_mm))
+
+
+def test_compiles_whole_and_equals_eager():
+    torch.manual_seed(5)
+    x, w, grad_y = torch.randn(8, 16), torch.randn(16, 24), torch.randn(8, 24)
+    compiled = torch.compile(lambda a, b: fp8_matmul(a, b), fullgraph=True, backend="aot_eager")
+    for a, b in zip(_grads(compiled, x, w, grad_y), _grads(fp8_matmul, x, w, grad_y)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+# -------------------------------------------------------------------- the experts' GEMMs
+
+
+def _expert_problem(counts, n_unowned, H, F, dtype=torch.float32):
+    torch.manual_seed(6)
+    E, R = len(counts), sum(counts) + n_unowned
+    x = torch.randn(R, H)
+    ws = [torch.randn(E, H, F) / H**0.5, torch.randn(E, H, F) / H**0.5, torch.randn(E, F, H) / F**0.5]
+    offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
+    return [t.to(dtype) for t in (x, *ws)], offsets, torch.randn(R, H).to(dtype)
+
+
+def _expert_grads(tensors, offsets, grad_y, **kw):
+    leaves = [t.clone().requires_grad_() for t in tensors]
+    y = grouped_mlp(*leaves, offsets, **kw)
+    return [y, *torch.autograd.grad(y, leaves, grad_y)]
+
+
+def _per_row_fp8(x, w_gate, w_up, w_down, offsets, grad_y):
+    """Each expert's rows through three fp8_matmul emulations (the definition) with torch's
+    silu, one expert at a time, gradients by autograd through them."""
+    leaves = [t.clone().requires_grad_() for t in (x, w_gate, w_up, w_down)]
+    xl, wg, wu, wd = leaves
+    rows, start = [], 0
+    for e, end in enumerate(offsets.tolist()):
+        xe = xl[start:end]
+        gate, up = fp8_matmul(xe, wg[e], impl="torch"), fp8_matmul(xe, wu[e], impl="torch")
+        h = (torch.nn.functional.silu(gate.float()) * up.float()).to(x.dtype)
+        rows.append(fp8_matmul(h, wd[e], impl="torch"))
+        start = end
+    rows.append(torch.zeros(x.shape[0] - start, x.shape[1], dtype=x.dtype))
+    y = torch.cat(rows)
+    return [y, *torch.autograd.grad(y, leaves, grad_y)]
+
+
+CASES = [([5, 0, 7], 3, 32, 16), ([0, 17, 1, 9], 5, 40, 24), ([13], 0, 20, 12)]
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("impl", ["auto", "torch", "triton"])
+def test_grouped_fp8_matches_the_per_expert_definition(case, impl):
+    """auto (CPU: dequantized operands through torch._grouped_mm), triton (the interpreted
+    grouped GEMM in float32) and torch (the loop of fp8_matmul) against the definition, with
+    the unowned rows zero and ragged H and F (padded on the CPU path)."""
+    tensors, offsets, grad_y = _expert_problem(*case)
+    got = _expert_grads(tensors, offsets, grad_y, fp8=True, impl=impl)
+    want = _per_row_fp8(*tensors, offsets, grad_y)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=2e-5, atol=2e-5)
+    assert torch.all(got[0][int(offsets[-1]):] == 0)
+    plain = _expert_grads(tensors, offsets, grad_y, impl=impl)[0]
+    assert not torch.allclose(plain, got[0], rtol=1e-3, atol=1e-3), "fp8 changed the values: it ran"
+
+
+def test_grouped_fp8_bf16_paths_agree_and_read_nothing_on_the_host():
+    tensors, offsets, grad_y = _expert_problem([6, 0, 9], 2, 32, 16, dtype=torch.bfloat16)
+    with HostReads() as host:
+        auto = _expert_grads(tensors, offsets, grad_y, fp8=True, check=False)
+    assert host.count == 0, host.sites
+    ref = _expert_grads(tensors, offsets, grad_y, fp8=True, impl="torch")
+    for a, b in zip(auto, ref):
+        assert a.dtype == torch.bfloat16
+        assert float((a.float() - b.float()).norm() / b.float().norm()) < 1e-2
+
+
+def test_grouped_fp8_compiles_whole():
+    tensors, offsets, grad_y = _expert_problem([4, 3], 1, 16, 16)
+    fn = torch.compile(lambda *t: grouped_mlp(*t, check=False, fp8=True), fullgraph=True, backend="aot_eager")
+    leaves = [t.clone().requires_grad_() for t in tensors]
+    y = fn(*leaves, offsets)
+    grads = torch.autograd.grad(y, leaves, grad_y)
+    for a, b in zip([y, *grads], _expert_grads(tensors, offsets, grad_y, fp8=True)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+# -------------------------------------------------------------------- the model's knob
+
+
+def _fp8_calls(model, batch):
+    """How many fp8 GEMMs one forward makes: fp8_matmul calls (dense) and grouped GEMM calls
+    with fp8 set (experts)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    calls = {"dense": 0, "grouped": 0, "grouped_plain": 0}
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.ops.fmoe.fp8_mm_fwd.default:
+                calls["dense"] += 1
+            elif func is torch.ops.fmoe.grouped_gemm_fwd.default:
+                fp8 = args[4] if len(args) > 4 else kwargs.get("fp8", False)
+                calls["grouped" if fp8 else "grouped_plain"] += 1
+            return func(*args, **kwargs)
+
+    with Count():
+        model(batch)
+    return calls
+
+
+def test_model_knob_reaches_every_projection_it_names():
+    from fmoe.model import Transformer, TransformerConfig
+    from fmoe.train.data import make_batch
+
+    kw = dict(vocab_size=64, hidden=32, n_layers=3, n_dense=1, ffn_dense=48, n_experts=4, k=2, ffn_expert=16, n_shared=1,
+              n_heads=4, n_kv_heads=2, head_dim=8, mtp_depth=1, attn_gate=True)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (40,))
+    batch = make_batch(ids, torch.tensor([0, 25, 40]), mtp_depth=1)
+    out = {}
+    for fp8 in (False, True):
+        model = Transformer(TransformerConfig(fp8=fp8, **kw))
+        model.reset_parameters(seed=0)
+        out[fp8] = (_fp8_calls(model, batch), model(batch))
+    calls = out[True][0]
+    blocks = 3 + 1  # trunk and MTP blocks: wq, wk, wv, the gate's wg and wo each
+    moe_blocks = 2 + 1  # the MTP block is a MoE block
+    assert calls == {"dense": 5 * blocks + 3 * 1 + 3 * moe_blocks, "grouped": 3 * moe_blocks, "grouped_plain": 0}, calls
+    assert out[False][0] == {"dense": 0, "grouped": 0, "grouped_plain": 3 * moe_blocks}
+    plain, quantized = (out[f][1][0]["lm_sum"] for f in (False, True))
+    assert abs(float(quantized) - float(plain)) / abs(float(plain)) < 2e-2
+
+
+# -------------------------------------------------------------------- on a GPU
+
+
+def _cuda_grads(fn, tensors, grad_y):
+    leaves = [t.clone().requires_grad_() for t in tensors]
+    y = fn(*leaves)
+    return [y, *torch.autograd.grad(y, leaves, grad_y)]
+
+
+@pytest.mark.gpu
+def test_gpu_scaled_mm_equals_the_emulation():
+    """cuBLAS's row-wise fp8 GEMMs (bf16 out) against the float32 emulation of the same
+    quantized operands: equal up to the bf16 rounding of the outputs; dw (a bf16 GEMM) too."""
+    torch.manual_seed(7)
+    x = torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(2048, 1536, device="cuda") / 2048**0.5).to(torch.bfloat16)
+    grad_y = torch.randn(4096, 1536, device="cuda", dtype=torch.bfloat16)
+    assert fp8_module._fast_path(x, 2048, 1536) == (torch.cuda.get_device_capability() >= (8, 9))
+    fast = _cuda_grads(lambda a, b: fp8_matmul(a, b), (x, w), grad_y)
+    ref = _cuda_grads(lambda a, b: fp8_matmul(a, b, impl="torch"), (x, w), grad_y)
+    for a, b in zip(fast, ref):
+        assert float((a.float() - b.float()).norm() / b.float().norm()) < 5e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("align", [1, 16])
+def test_gpu_scaled_grouped_mm_equals_the_emulation(align):
+    """torch._scaled_grouped_mm (sm90) against the float32 emulation through the Triton
+    grouped GEMM, with expert row groups of any size (align 1: the expert-parallel layout)
+    and aligned to 16, an empty expert and unowned rows."""
+    from fmoe.ops import experts
+
+    torch.manual_seed(8)
+    counts = [(c + align - 1) // align * align for c in (300, 0, 17, 1000, 129)]
+    E, H, F = len(counts), 512, 256
+    R = sum(counts) + 5
+    x = torch.randn(R, H, device="cuda", dtype=torch.bfloat16)
+    ws = [(torch.randn(E, *s, device="cuda") / s[0] ** 0.5).to(torch.bfloat16) for s in ((H, F), (H, F), (F, H))]
+    offsets = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
+    grad_y = torch.randn(R, H, device="cuda", dtype=torch.bfloat16)
+    assert experts._grouped_mm_fast(x, F) == (torch.cuda.get_device_capability()[0] >= 9)
+    fast = _cuda_grads(lambda *t: grouped_mlp(*t, offsets, fp8=True), (x, *ws), grad_y)
+    ref = _cuda_grads(lambda *t: grouped_mlp(*t, offsets, fp8=True, impl="triton"), (x, *ws), grad_y)
+    for a, b in zip(fast, ref):
+        assert torch.isfinite(a).all()
+        assert float((a.float() - b.float()).norm() / b.float().norm()) < 1e-2
+    assert torch.all(fast[0][int(offsets[-1]):] == 0) and torch.all(fast[1][int(offsets[-1]):] == 0)
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_model_step_makes_no_host_sync():
+    from fmoe.model import Transformer, TransformerConfig
+    from fmoe.train.data import make_batch
+
+    cfg = TransformerConfig(vocab_size=512, hidden=256, n_layers=2, n_dense=1, ffn_dense=512, n_experts=8, k=2, ffn_expert=128,
+                            n_shared=1, n_heads=4, n_kv_heads=2, head_dim=64, mtp_depth=1, fp8=True)
+    torch.manual_seed(0)
+    model = Transformer(cfg).to(device="cuda", dtype=torch.bfloat16)
+    model.reset_parameters(seed=0)
+    batch = make_batch(torch.randint(0, 512, (1024,)), torch.tensor([0, 300, 1024]), mtp_depth=1).to("cuda")
+    def step(b):
+        return model(b)[0]["lm_sum"]
+
+    step(batch).backward()  # warm-up: compiles FlexAttention, allocates
+    model.zero_grad()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss = step(batch)
+        loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(loss) and all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)
