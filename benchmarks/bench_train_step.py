@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_train_step.py                  # CUDA, bf16, the large model
     .venv/bin/python benchmarks/bench_train_step.py --model small    # CUDA, the first GPU run's model
+    .venv/bin/python benchmarks/bench_train_step.py --fp8            # fp8 GEMMs (--model.fp8) against bf16
     .venv/bin/python benchmarks/bench_train_step.py --smoke          # CPU + Triton interpreter, tiny model
 
 Models (fmoe.model.Transformer, top-k sigmoid routing with an expert bias, vocab 32768, 1 MTP
@@ -26,6 +27,9 @@ Implementations:
                     model under torch.compile
     fmoe eager      the same without torch.compile
     reference ops   impl="torch" for every op (the plain-torch references), eager
+With --fp8 instead: "fmoe compiled fp8" and "fmoe eager fp8" (TransformerConfig.fp8: the
+attention, MLP and expert GEMMs in fp8, fmoe.ops.fp8_matmul) beside "fmoe compiled" (bf16);
+MFU still counts the model's FLOPs over the bf16 matmul rate.
 
 Columns: median ms per step, tokens/s, TFLOP/s (SPEC 8 FLOPs per token of this batch's
 documents, times tokens, over the time), MFU as the fraction of the bf16 matmul rate measured
@@ -114,6 +118,7 @@ def host_syncs(step, fwd_bwd, device) -> tuple[int, int]:
 def main() -> None:
     def add_arguments(parser):
         parser.add_argument("--model", choices=sorted(MODELS), default="large", help="the model on CUDA (default: large)")
+        parser.add_argument("--fp8", action="store_true", help="time the fp8 model (compiled and eager) beside the compiled bf16 one")
 
     args, device, dtype, bandwidth = start(__doc__.splitlines()[0], add_arguments)
     base = SMOKE if args.smoke else MODELS[args.model]
@@ -124,15 +129,18 @@ def main() -> None:
     batch = make_batch(base, T, device)
     flops_per_token = metrics.model_flops_per_token(base, n_avg_keys=metrics.mean_attended_keys(batch["cu_seqlens"]))
     compile_kw = dict(backend="aot_eager") if args.smoke else {}
-    impls = {
-        "fmoe compiled": ("triton" if args.smoke else "auto", True),
-        "fmoe eager": ("triton" if args.smoke else "auto", False),
-        "reference ops": ("torch", False),
+    fast = "triton" if args.smoke else "auto"
+    impls = {  # name: (impl, compiled, fp8)
+        "fmoe compiled": (fast, True, False),
+        "fmoe eager": (fast, False, False),
+        "reference ops": ("torch", False, False),
     }
+    if args.fp8:
+        impls = {"fmoe compiled fp8": (fast, True, True), "fmoe compiled": impls["fmoe compiled"], "fmoe eager fp8": (fast, False, True)}
     rows = []
-    for name, (impl, compiled) in impls.items():
+    for name, (impl, compiled, fp8) in impls.items():
         torch.manual_seed(0)
-        cfg = dataclasses.replace(base, impl=impl)
+        cfg = dataclasses.replace(base, impl=impl, fp8=fp8)
         model = Transformer(cfg).to(device=device, dtype=dtype)
         forward = torch.compile(model, **compile_kw) if compiled else model
         optimizer = AdamW(model.parameters(), lr=1e-4, state_dtype=torch.bfloat16)
