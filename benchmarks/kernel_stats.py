@@ -83,7 +83,8 @@ def cases():
     qw = dict(E=128, K=8, G=1, GS=128, TOPK_GROUPS=1, PER_GROUP=8, SCORE=routing.SOFTMAX_POST, HAS_BIAS=False)
     fwd_ptrs = dict(logits_ptr="*bf16", bias_ptr="*fp32", weights_ptr="*fp32", experts_ptr="*i64")
     fwd_scalars = dict(T="i32", scale="fp32")
-    for name, meta in (("route_fwd deepseek", ds), ("route_fwd qwen", qw)):
+    ernie = dict(E=64, K=6, G=1, GS=64, TOPK_GROUPS=1, PER_GROUP=6, SCORE=routing.SOFTMAX_POST, HAS_BIAS=True)  # probabilities + bias
+    for name, meta in (("route_fwd deepseek", ds), ("route_fwd qwen", qw), ("route_fwd ernie", ernie)):
         yield name, routing._route_fwd_kernel, fwd_ptrs, fwd_scalars, {**meta, **routing._fwd_blocks(meta["E"], meta["G"], meta["K"])}
     bwd_ptrs = dict(logits_ptr="*bf16", experts_ptr="*i64", grad_w_ptr="*fp32", grad_logits_ptr="*bf16")
     for name, E, score in (("route_bwd deepseek", 256, routing.SIGMOID), ("route_bwd qwen", 128, routing.SOFTMAX_POST)):

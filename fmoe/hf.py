@@ -7,7 +7,7 @@ A folder holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). Supported `model_type`s: FAMILIES (mixtral, qwen2_moe,
 qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, kimi_k2, kimi_k25, deepseek_v2, glm4_moe_lite, gpt_oss, solar_open,
 exaone_moe, dots1, minimax_m2, granitemoe, granitemoeshared, granitemoe_swa, hunyuan_v1_moe, llama4_text, llama4, afmoe,
-sarvam_moe, sarvam_mla, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, kimi_linear), and the dense
+sarvam_moe, sarvam_mla, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, kimi_linear, ernie4_5_moe), and the dense
 DENSE_FAMILIES (llama, mistral, qwen2, qwen3, olmo2, granite: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with
 fmoe.train.upcycle). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: clipped qkv, ...;
@@ -29,7 +29,9 @@ e_score_correction_bias (fmoe's expert_bias buffer), score groups by their best 
 routed_scaling_factor (route_scale); MiniMax-M2 routes on sigmoids plus the correction
 bias without groups, always renormalised. DeepSeek-V2 takes the top-k of softmax over
 every expert (pre_softmax), with group_limited_greedy groups scored by their best expert
-(group_score_topk=1), scaled by routed_scaling_factor.
+(group_score_topk=1), scaled by routed_scaling_factor. ERNIE 4.5 chooses on softmax(logits)
+plus its correction bias and renormalises the chosen probabilities: fmoe's softmax routing
+with an expert_bias.
 
 MTP: DeepSeek-V3 / GLM-4.5 / GLM-4.7-Flash store MTP depth d as layer n_layers + d - 1
 (enorm, hnorm, eh_proj, a block, shared_head.norm, and copies of the embedding and the
@@ -769,6 +771,28 @@ def _hunyuan_v1_moe(hf: dict) -> dict:
                 qk_norm="head", qk_norm_after_rope=True)
 
 
+def _ernie4_5_moe(hf: dict) -> dict:
+    """ERNIE 4.5 MoE (ernie4_5_moe): Llama's attention with interleaved RoPE (channel pairs
+    2i, 2i + 1), a MoE block every moe_layer_interval-th block from moe_layer_start_index to
+    moe_layer_end_index (-1: the last), a SwiGLU of intermediate_size in the others;
+    moe_num_shared_experts shared experts of moe_intermediate_size each. The router's
+    softmax probabilities plus the correction bias (moe_statics.e_score_correction_bias,
+    stored [1, E]) choose the moe_k experts, whose probabilities, renormalised, are the
+    weights: fmoe's softmax routing with an expert_bias (fmoe.ops.route)."""
+    _refuse(hf, "use_bias", lambda v: not v, "no biases on the linear layers")
+    _refuse(hf, "moe_norm_min", lambda v: 0 <= v <= 1e-6, "a renormalisation floor of at most 1e-6: fmoe divides by the sum itself")
+    L = hf["num_hidden_layers"]
+    placement = {n: hf.get(n, d) for n, d in (("moe_layer_start_index", 1), ("moe_layer_end_index", -1), ("moe_layer_interval", 1))}
+    for name, value in placement.items():
+        if isinstance(value, bool) or not isinstance(value, int) or (name == "moe_layer_interval" and value < 1):
+            raise ValueError(f"config.json: {name} = {value!r} is not supported (an int{', at least 1' if name == 'moe_layer_interval' else ''})")
+    start, end, step = placement.values()
+    end = L - 1 if end == -1 else end
+    return dict(_common(hf, hf["moe_num_experts"]), ffn_expert=hf["moe_intermediate_size"], ffn_dense=hf["intermediate_size"],
+                moe_layers=tuple(i for i in range(L) if (i + 1) % step == 0 and start <= i <= end),
+                n_shared=hf.get("moe_num_shared_experts") or 0, rope_interleaved=True, expert_bias=True)
+
+
 def _olmoe(hf: dict) -> dict:
     _refuse(hf, "clip_qkv", lambda v: v is None, "clipped q/k/v are not built")
     _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in OLMoE's attention here")
@@ -857,6 +881,7 @@ class Family:
     architecture: str
     shared: str = "shared_expert"  # the shared experts' module name
     correction_bias: str = "gate.e_score_correction_bias"  # the routing correction bias, under the MoE block
+    correction_bias_unit: Optional[int] = None  # its stored dim of size 1 that fmoe's [E] leaves out (ERNIE 4.5's [1, E]: 0)
     mtp: bool = False  # MTP modules as layers n_layers, n_layers + 1, ... (DeepSeek-V3's layout)
     # experts as stacks: [E, H, 2F] gate/up and [E, F, H] down, gate and up "interleaved" (gpt-oss,
     # with biases and a router module with a bias) or in "halves" (Llama 4); or [E, 2F, H] gate/up
@@ -1015,6 +1040,12 @@ FAMILIES = {
     # Kimi Linear: transformers writes the dense MLPs under block_sparse_moe too (the released folders: mlp)
     "kimi_linear": Family(_kimi_linear, "block_sparse_moe", ("w1", "w3", "w2"), "KimiLinearForCausalLM", "shared_experts", linear="kda",
                           dense_too="block_sparse_moe", aliases=_KIMI_LINEAR_ALIASES, defaults=_KIMI_LINEAR_DEFAULTS),
+    # ERNIE 4.5 (21B-A3B, 300B-A47B): its MTP layers (model.mtp_*) are not read, as in transformers
+    "ernie4_5_moe": Family(_ernie4_5_moe, "mlp", _PROJ, "Ernie4_5_MoeForCausalLM", "shared_experts", correction_bias="moe_statics.e_score_correction_bias",
+                           correction_bias_unit=0, not_read=("model.mtp_",), aliases=dict(num_experts_per_tok="moe_k"),
+                           defaults=dict(num_key_value_heads=4, rms_norm_eps=1e-5, tie_word_embeddings=True, intermediate_size=12288,
+                                         rope_parameters=dict(rope_type="default", rope_theta=500000.0), moe_num_experts=64, moe_k=6,
+                                         moe_intermediate_size=1536, moe_num_shared_experts=2)),
     "hunyuan_v1_moe": Family(_hunyuan_v1_moe, "mlp", _PROJ, "HunYuanMoEV1ForCausalLM", "shared_mlp", router="gate.wg.weight",
                              qk_norms=("query_layernorm", "key_layernorm"), defaults=dict(rms_norm_eps=1e-5)),
     # the dense families (DENSE_FAMILIES), after the MoE ones
@@ -1104,7 +1135,7 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
             out[q + "mlp.experts." + ours] = Tensor(tuple(f"{mlp}experts.{e}.{theirs}.weight" for e in range(cfg.n_experts)),
                                                     transpose=True, stacked=True)
     if moe and cfg.expert_bias:  # HF's e_score_correction_bias: fmoe's expert_bias buffer, whatever the experts' layout
-        out[q + "mlp.expert_bias"] = Tensor((mlp + family.correction_bias,))
+        out[q + "mlp.expert_bias"] = Tensor((mlp + family.correction_bias,), unit=family.correction_bias_unit)
     if moe and cfg.shared_size and family.shared_beside:  # Granite: [2Fs, H] gate then up, [H, Fs], beside the MoE block
         shared = p + family.shared + "."
         out[q + "mlp.shared.w_gate"] = Tensor((shared + "input_linear.weight",), transpose=True, chunk=(0, (1, 1)))
@@ -1696,6 +1727,10 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
                   mlp_layer_types=["sparse" if cfg.is_moe(i) else "dense" for i in range(cfg.n_layers)])
     elif model_type == "hunyuan_v1_moe":
         hf.update(num_experts=cfg.n_experts, moe_topk=cfg.k, intermediate_size=cfg.ffn_expert, attention_bias=False)
+    elif model_type == "ernie4_5_moe":
+        hf.pop("num_experts_per_tok")
+        hf.update(moe_num_experts=cfg.n_experts, moe_k=cfg.k, moe_intermediate_size=cfg.ffn_expert, intermediate_size=cfg.ffn_dense,
+                  moe_num_shared_experts=cfg.n_shared, use_bias=False, moe_norm_min=1e-12, **_ernie_moe_layers(cfg, moe))
     elif model_type == "solar_open":  # no dense blocks, no MTP: those fields are not Solar Open's
         moe_fields = _deepseek_moe_config(cfg)
         hf.update({k: v for k, v in moe_fields.items() if k not in ("intermediate_size", "first_k_dense_replace", "num_nextn_predict_layers")},
@@ -1794,6 +1829,17 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
     if mismatch:
         raise ValueError(f"model: its config has no {model_type} equivalent: {mismatch}")
     return hf
+
+
+def _ernie_moe_layers(cfg: TransformerConfig, moe: list[int]) -> dict:
+    """ERNIE 4.5's placement of the MoE blocks (every interval-th block from start to end)
+    that gives `moe`, the smallest interval that does; where none does, the contiguous run's
+    fields, which config_mismatch then reports as a mismatch of the MoE layers."""
+    start, end = (moe[0], moe[-1]) if moe else (cfg.n_layers, cfg.n_layers - 1)
+    for step in range(1, cfg.n_layers + 1):
+        if [i for i in range(cfg.n_layers) if (i + 1) % step == 0 and start <= i <= end] == moe:
+            return dict(moe_layer_start_index=start, moe_layer_end_index=end, moe_layer_interval=step)
+    return dict(moe_layer_start_index=start, moe_layer_end_index=end, moe_layer_interval=1)
 
 
 def _check_writable(model_type: str) -> None:
@@ -1950,7 +1996,7 @@ def _converted(name: str, spec: Tensor, full: torch.Tensor, copies, parts: dict,
     # storage: safetensors refuses shared tensors
     out = [(key, full.to(dtype).clone()) for key in copies]
     if name.endswith("expert_bias"):  # float32 in every checkpoint (HF keeps the correction bias float32)
-        return [*out, (spec.keys[0], full.contiguous())]
+        return [*out, (spec.keys[0], _with_units(spec, full).contiguous())]
     if spec.part is None and spec.chunk is None:
         return [*out, *_stored(spec, full, dtype)]
     key = spec.keys[0]

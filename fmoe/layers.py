@@ -27,7 +27,7 @@ params (a dict or TensorDict; parameters are the caller's, nothing is kept here)
     w_gate, w_up  [E, H, F]         routed experts, x's dtype (unless `experts` is given)
     w_down        [E, F, H]
     b_gate, b_up  [E, F], b_down [E, H]   optional biases of the routed experts (gpt-oss)
-    expert_bias   [E] float32       optional, sigmoid scoring: selection only
+    expert_bias   [E] float32       optional: selection only (added to sigmoids or probabilities)
     shared_w_gate, shared_w_up [H, Fs], shared_w_down [Fs, H]   optional shared experts
                                     (unless `shared` is given)
     shared_gate   [H]               optional sigmoid gate on the shared output

@@ -161,8 +161,9 @@ class MoE(nn.Module):
     Owns: router [E, H] (float32) with an optional router_bias [E] (float32; router_bias=True),
     `experts` (GroupedExperts: w_gate / w_up [E, H, F], w_down [E, F, H], and with
     expert_biases=True b_gate / b_up [E, F], b_down [E, H]), optional `shared` experts (a DenseMLP of Fs) with an optional sigmoid
-    gate `shared_gate` [H], and, with expert_bias=True (sigmoid scoring), the aux-loss-free
-    `expert_bias` [E], a persistent float32 buffer. The router and the bias stay float32
+    gate `shared_gate` [H], and, with expert_bias=True, the aux-loss-free
+    `expert_bias` [E], a persistent float32 buffer (added to the sigmoids or, with softmax
+    scoring, to the probabilities to choose the experts: fmoe.ops.route). The router and the bias stay float32
     when the module is cast (`.to(torch.bfloat16)`, `.half()`): routing decisions and bias
     steps of 1e-3 need it.
 
@@ -180,7 +181,7 @@ class MoE(nn.Module):
         hidden: H. ffn: F per routed expert. cfg: MoEConfig (n_experts, k, routing).
         shared_ffn: Fs of the shared experts (0: none; DeepSeek's n_shared experts of size F
             are one SwiGLU of Fs = n_shared * F). shared_gate: sigmoid gate on their output.
-        expert_bias: own an expert_bias buffer (needs cfg.score == "sigmoid").
+        expert_bias: own an expert_bias buffer.
     """
 
     _FLOAT32 = ("router", "router_bias", "expert_bias")
@@ -191,8 +192,6 @@ class MoE(nn.Module):
         device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None,
     ):
         super().__init__()
-        if expert_bias and cfg.score != "sigmoid":
-            raise ValueError("expert_bias: needs cfg.score == 'sigmoid' (it shifts selection scores)")
         if shared_gate and not shared_ffn:
             raise ValueError("shared_gate: needs shared experts (shared_ffn > 0)")
         E, H, kw = cfg.n_experts, hidden, dict(device=device, dtype=dtype)
@@ -275,7 +274,7 @@ class TransformerConfig:
     weights not renormalised), n_groups/topk_groups with group_score_topk (a group's score
     sums its best group_score_topk scores; None: k // topk_groups), route_scale,
     route_normalize (sigmoid: renormalise the k weights; False keeps the raw sigmoids),
-    expert_bias (aux-loss-free balancing, sigmoid only), capacity_factor with
+    expert_bias (aux-loss-free balancing: a bias on the sigmoids, or softmax's probabilities, for the choice only), capacity_factor with
     capacity_policy ("probs" | "position"), route_on_input (the weights scale each expert's
     input, not its output: Llama 4; fmoe.layers.MoEConfig.weights_on_input). Attention:
     n_heads/n_kv_heads of head_dim, qkv_bias, qk_norm (None | "head" | "proj" | "rms",
@@ -432,8 +431,6 @@ class TransformerConfig:
             raise ValueError(f"n_dense: expected 0..n_layers = {self.n_layers}, got {self.n_dense}")
         if self.mtp_depth < 0 or self.n_shared < 0:
             raise ValueError(f"mtp_depth / n_shared: expected >= 0, got {self.mtp_depth} / {self.n_shared}")
-        if self.expert_bias and self.score != "sigmoid":
-            raise ValueError("expert_bias: needs score='sigmoid' (set expert_bias=False for softmax routing)")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_kv_heads: {self.n_heads} heads do not split over {self.n_kv_heads} kv heads")
         for name in ("attn_scale", "embed_scale", "residual_scale", "logit_divisor"):

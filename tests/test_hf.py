@@ -166,6 +166,9 @@ FAMILIES = {
                                               eos_token_id=None, pad_token_id=None),
     # per-head q/k norms after RoPE, a shared MLP beside every MoE block, NTK-alpha RoPE
     # (the released "dynamic" type with a fixed alpha), tied embeddings
+    # MoE blocks 1 and 2 of 3 (start 1, interval 1), tied embeddings, a correction bias on the probabilities
+    "ernie4_5_moe": lambda: transformers.Ernie4_5_MoeConfig(**COMMON, intermediate_size=40, moe_intermediate_size=16, moe_num_experts=8, moe_k=3,
+                                                            moe_num_shared_experts=1),
     "hunyuan_v1_moe": lambda: transformers.HunYuanMoEV1Config(**COMMON, head_dim=8, intermediate_size=24, num_experts=4, moe_topk=2,
                                                              tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None,
                                                              rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, alpha=50.0, factor=1.0)),
@@ -795,6 +798,9 @@ BAD_CONFIGS = [
      r"config.json: a rotary part of 3 channels is not supported \(an even number in \(0, head_dim = 8\]\)"),
     ("minimax_m2", lambda c: c.update(scoring_func="softmax"), r"config.json: scoring_func = 'softmax' is not supported \(sigmoid routing\)"),
     ("minimax_m2", lambda c: c.update(shared_intermediate_size=16), r"config.json: shared_intermediate_size = 16 is not supported"),
+    ("ernie4_5_moe", lambda c: c.update(use_bias=True), r"config.json: use_bias = True is not supported \(no biases on the linear layers\)"),
+    ("ernie4_5_moe", lambda c: c.update(moe_norm_min=0.5), r"config.json: moe_norm_min = 0.5 is not supported"),
+    ("ernie4_5_moe", lambda c: c.update(moe_layer_interval=0), r"config.json: moe_layer_interval = 0 is not supported \(an int, at least 1\)"),
     ("deepseek_v2", lambda c: c.update(topk_method="noaux_tc"),
      r"config.json: topk_method = 'noaux_tc' is not supported \(greedy or group_limited_greedy\)"),
     ("solar_open", lambda c: c.update(first_k_dense_replace=1),
@@ -1375,6 +1381,41 @@ def test_released_routing_semantics_matter(folders):
     _, ids, cu = _packed()
     with torch.no_grad():
         assert _rel(other.logits(ids, cu), model.logits(ids, cu)) > 1e-3
+
+
+def test_ernie_routes_on_probabilities_plus_its_bias_and_places_its_moe_blocks(folders, tmp_path):
+    """ERNIE 4.5: the correction bias shifts the probabilities (with it zeroed, or added to
+    the logits, the logits move away from transformers'), stored [1, E]; the MoE blocks every
+    moe_layer_interval-th from moe_layer_start_index to moe_layer_end_index, written back so;
+    its MTP layers (model.mtp_*) read by neither transformers nor fmoe."""
+    path, ref = folders["ernie4_5_moe"]
+    model, cfg = hf.from_pretrained(path, impl="torch")
+    assert (cfg.moe_layers, cfg.shared_size, cfg.score, cfg.pre_softmax, cfg.expert_bias) == ((1, 2), 16, "softmax", False, True)
+    assert cfg.rope_interleaved and cfg.tie_embeddings and cfg.rope_base == 500000.0 and cfg.norm_eps == 1e-5
+    assert hf.key_map(hf.FAMILIES["ernie4_5_moe"], cfg)["blocks.1.mlp.expert_bias"].unit == 0
+    bias = model.blocks[1].mlp.expert_bias
+    assert bias.abs().min() > 0  # the folder's random bias, read
+    docs, ids, cu = _packed()
+    with torch.no_grad():
+        theirs = torch.cat([ref(d[None]).logits[0] for d in docs])
+        assert _rel(model.logits(ids, cu), theirs) < 1e-5
+        for moe in model.moe_layers().values():
+            moe.expert_bias.zero_()
+        assert _rel(model.logits(ids, cu), theirs) > 1e-3
+    # the placement: every second block from 0 (blocks 1 and 3 of 4), written back with the same fields
+    placed = _edit(path, tmp_path / "placed", lambda c: c.update(num_hidden_layers=4, moe_layer_start_index=0, moe_layer_end_index=-1,
+                                                                moe_layer_interval=2))
+    _, four = hf.read_config(placed)
+    assert four.moe_layers == (1, 3) and not four.is_moe(0) and not four.is_moe(2)
+    written = hf.hf_config(four, "ernie4_5_moe")
+    assert (written["moe_layer_start_index"], written["moe_layer_end_index"], written["moe_layer_interval"]) == (1, 3, 2)
+    assert hf.read_config(_edit(path, tmp_path / "back", lambda c: c.update(written)))[1] == four
+    # MTP layers beside the trunk (the released folders' model.mtp_block.0..., model.mtp_linear_proj.0...) are not read
+    tensors = _read_all(path)
+    tensors["model.mtp_linear_proj.0.weight"] = torch.zeros(32, 64)
+    with_mtp = _copy_folder(path, tmp_path / "mtp", tensors)
+    again, _ = hf.from_pretrained(with_mtp, impl="torch")
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), hf.from_pretrained(path, impl="torch")[0].state_dict().values()))
 
 
 def test_the_loop_loads_a_released_model_into_sharded_ranks(tmp_path):

@@ -310,8 +310,9 @@ def test_a_few_steps_of_training_lower_the_loss():
 def test_bad_configs():
     with pytest.raises(ValueError, match="n_dense: expected 0..n_layers"):
         TransformerConfig(n_layers=2, n_dense=3)
-    with pytest.raises(ValueError, match="expert_bias: needs score='sigmoid'"):
-        TransformerConfig(score="softmax")
+    # softmax routing takes the aux-loss-free bias too (on the probabilities: ERNIE 4.5's)
+    softmax = Transformer(TransformerConfig(score="softmax", n_layers=2, n_dense=1))
+    assert all(m.expert_bias.shape == (softmax.cfg.n_experts,) for m in softmax.moe_layers().values())
     with pytest.raises(ValueError, match="hidden: expected a positive int"):
         TransformerConfig(hidden=0)
     with pytest.raises(ValueError, match="n_kv_heads"):

@@ -9,6 +9,11 @@ Selection score s and gate weights w, computed in float32 whatever the logits dt
     score="sigmoid"                      s = sigmoid(logits) + expert_bias
                                          w = sigmoid of the chosen / (their sum + 1e-20) if k > 1
 
+With an expert_bias and softmax scoring, s = softmax(logits) + expert_bias (the bias shifts
+probabilities, as it shifts sigmoids: ERNIE 4.5's aux-loss-free routing) and the weights
+are the same functions of the chosen experts as without one; the softmax over the k chosen
+logits is the chosen probabilities renormalised.
+
 Group-limited routing (n_groups=G, topk_groups=g): the score of a group of E/G contiguous
 experts is the sum of its top k//g selection scores; only experts of the g best groups can be
 chosen. `scale` multiplies the final weights. Slots are ordered by descending selection
@@ -56,14 +61,14 @@ class Routes(NamedTuple):
 def _scores_ref(logits_TE, score_code, expert_bias_E):
     """(selection score, weight source) in float32."""
     x_TE = logits_TE.float()
-    if score_code == SOFTMAX_POST:
+    if score_code == SOFTMAX_POST and expert_bias_E is None:
         return x_TE, x_TE
-    if score_code == SOFTMAX_PRE:
+    if score_code in (SOFTMAX_POST, SOFTMAX_PRE):
         probs_TE = torch.softmax(x_TE, dim=-1)
-        return probs_TE, probs_TE
-    sig_TE = torch.sigmoid(x_TE)
-    sel_TE = sig_TE + expert_bias_E if expert_bias_E is not None else sig_TE
-    return sel_TE, sig_TE
+        src_TE = x_TE if score_code == SOFTMAX_POST else probs_TE
+    else:
+        probs_TE = src_TE = torch.sigmoid(x_TE)
+    return (probs_TE + expert_bias_E if expert_bias_E is not None else probs_TE), src_TE
 
 
 def _topk_experts_ref(sel_TE, k, n_groups, topk_groups, per_group):
@@ -133,17 +138,19 @@ def _route_fwd_kernel(
     row_nan_T = tl.max(nan.to(tl.int32), axis=1) > 0
     x = tl.where(nan, float("-inf"), x)  # route NaN rows somewhere valid; weights become NaN
 
-    if SCORE == 0:  # softmax after top-k: select on raw logits
+    if SCORE == 0 and not HAS_BIAS:  # softmax after top-k: select on raw logits
         sel = x
-    elif SCORE == 1:  # softmax before top-k: select on probabilities
+    elif SCORE <= 1:  # softmax before top-k, or after it with a bias: select on probabilities
         xm = tl.where(live, x, float("-inf"))
-        p = tl.exp(xm - tl.max(xm, axis=1)[:, None])
+        row_max_T = tl.max(xm, axis=1)
+        p = tl.exp(xm - row_max_T[:, None])
         p = tl.where(live, p, 0.0)
-        sel = p / tl.sum(p, axis=1)[:, None]
-    else:  # sigmoid, bias for selection only
+        row_sum_T = tl.sum(p, axis=1)
+        sel = p / row_sum_T[:, None]
+    else:  # sigmoid
         sel = tl.sigmoid(x)
-        if HAS_BIAS:
-            sel += tl.load(bias_ptr + eid_E, mask=eid_E < E, other=0.0).to(tl.float32)[None, :]
+    if HAS_BIAS:  # for selection only
+        sel += tl.load(bias_ptr + eid_E, mask=eid_E < E, other=0.0).to(tl.float32)[None, :]
     key = tl.where(live, sort_key(sel), NO_KEY)
     if TOPK_GROUPS < G:
         # group score = sum of the group's top PER_GROUP selection scores, best first
@@ -181,15 +188,20 @@ def _route_fwd_kernel(
 
     slot_ok = k_K[None, :] < K
     out_mask = row_ok_T[:, None] & slot_ok
+    if HAS_BIAS:  # the weights come from the unbiased scores: read the k chosen logits back
+        xk = tl.load(logits_ptr + row_off_T[:, None] + id_TK, mask=out_mask, other=0.0).to(tl.float32)
+        if SCORE == 0:
+            w_TK = xk
+        elif SCORE == 1:  # the probabilities as computed above, at the chosen experts
+            w_TK = tl.exp(xk - row_max_T[:, None]) / row_sum_T[:, None]
+        else:
+            w_TK = tl.where(slot_ok, tl.sigmoid(xk), 0.0)
     if SCORE == 0:
         w_TK = tl.where(slot_ok, w_TK, float("-inf"))
         e = tl.exp(w_TK - tl.max(w_TK, axis=1)[:, None])
         e = tl.where(slot_ok, e, 0.0)
         w_TK = e / tl.sum(e, axis=1)[:, None]
     elif SCORE >= 2:
-        if HAS_BIAS:  # the weights are the unbiased sigmoids: read the k chosen logits back
-            xk = tl.load(logits_ptr + row_off_T[:, None] + id_TK, mask=out_mask, other=0.0).to(tl.float32)
-            w_TK = tl.where(slot_ok, tl.sigmoid(xk), 0.0)
         if K > 1 and SCORE == 2:
             w_TK = tl.where(slot_ok, w_TK, 0.0)
             w_TK = w_TK / (tl.sum(w_TK, axis=1)[:, None] + 1e-20)
@@ -390,8 +402,9 @@ def route(
         group_score_topk: how many of a group's best selection scores are summed into its
             score: None is k // topk_groups (Megatron Core); DeepSeek-V3's released code and
             Hugging Face sum 2 (the two agree for DeepSeek-V3's k = 8, topk_groups = 4).
-        expert_bias: [E] float32, sigmoid scoring only: added to the scores to choose the
-            experts, never to the weights (aux-loss-free balancing).
+        expert_bias: [E] float32: added to the scores to choose the experts, never to the
+            weights (aux-loss-free balancing); with softmax scoring to the probabilities
+            softmax(logits) (module docstring), whichever pre_softmax.
         scale: multiplies the weights (DeepSeek-V3: 2.5).
         normalize: sigmoid scoring only: divide the k chosen sigmoids by their sum (the
             default, DeepSeek-V3); False keeps the raw sigmoids (HF norm_topk_prob=False).
@@ -421,8 +434,6 @@ def route(
         raise ValueError("normalize: applies to score='sigmoid' only (softmax: use pre_softmax=True for unnormalised weights)")
     groups, kept_groups, per_group = _check_groups(E, k, n_groups, topk_groups, group_score_topk)
     if expert_bias is not None:
-        if score != "sigmoid":
-            raise ValueError("expert_bias: only for score='sigmoid' (it shifts selection scores in [0, 1])")
         if not isinstance(expert_bias, torch.Tensor) or expert_bias.shape != (E,) or expert_bias.dtype != torch.float32:
             got = f"{tuple(expert_bias.shape)} {expert_bias.dtype}" if isinstance(expert_bias, torch.Tensor) else type(expert_bias).__name__
             raise ValueError(f"expert_bias: expected a float32 tensor of shape ({E},), got {got}")

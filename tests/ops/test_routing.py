@@ -29,6 +29,8 @@ MODES = [  # (score, pre_softmax, with_bias, scale, normalize, group_score_topk)
     ("sigmoid", False, True, 2.5, True, None),
     ("sigmoid", False, False, None, False, None),  # raw sigmoids (HF norm_topk_prob=False)
     ("sigmoid", False, True, 2.5, True, 2),  # groups scored by their best 2 (DeepSeek-V3 / HF)
+    ("softmax", False, True, None, True, None),  # probabilities + bias choose, the chosen renormalised (ERNIE 4.5)
+    ("softmax", True, True, 2.0, True, 2),  # probabilities + bias choose, kept as they are; groups
 ]
 
 
@@ -51,9 +53,11 @@ def _brute_force(logits_TE, k, score, pre, n_groups, topk_groups, bias, scale, n
         if score == "sigmoid":
             src = [1 / (1 + math.exp(-v)) for v in row]
             sel = [s + (float(bias[e]) if bias is not None else 0.0) for e, s in enumerate(src)]
-        elif pre:
+        elif pre or bias is not None:  # probabilities (+ bias) choose
             z = sum(math.exp(v) for v in row)
-            src = sel = [math.exp(v) / z for v in row]
+            probs = [math.exp(v) / z for v in row]
+            sel = [p + (float(bias[e]) if bias is not None else 0.0) for e, p in enumerate(probs)]
+            src = probs if pre else row
         else:
             src = sel = row
         allowed = range(E)
@@ -166,6 +170,16 @@ def test_expert_bias_changes_selection_only(device):
     assert (e[:, 0] == 3).all()
     sig = torch.sigmoid(logits).gather(1, e)
     torch.testing.assert_close(w, sig / sig.sum(-1, keepdim=True))
+    # softmax scoring: the bias shifts the probabilities; the weights are the chosen ones renormalised
+    bias[3] = 1.0  # more than any probability: expert 3 first again
+    for impl in ("torch", "triton"):
+        w, e = F.route(logits, 2, expert_bias=bias, impl=impl)
+        assert (e[:, 0] == 3).all()
+        probs = torch.softmax(logits, -1).gather(1, e)
+        torch.testing.assert_close(w, probs / probs.sum(-1, keepdim=True))
+        w_pre, e_pre = F.route(logits, 2, pre_softmax=True, expert_bias=bias, impl=impl)
+        assert torch.equal(e_pre, e)
+        torch.testing.assert_close(w_pre, probs)
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
@@ -210,7 +224,6 @@ def test_bad_inputs():
     _raises(r"topk_groups: expected 1\.\.4, got 0", F.route, x, 2, n_groups=4, topk_groups=0)
     _raises("k: group-limited routing .* needs k >= topk_groups = 3", F.route, x, 2, n_groups=4, topk_groups=3)
     _raises("k: the 1 kept groups of 2 experts hold 2 experts, fewer than k = 3", F.route, x, 3, n_groups=4, topk_groups=1)
-    _raises("expert_bias: only for score='sigmoid'", F.route, x, 2, expert_bias=torch.zeros(8))
     _raises(r"expert_bias: expected a float32 tensor of shape \(8,\)", F.route, x, 2, score="sigmoid", expert_bias=torch.zeros(7))
     _raises(r"expert_bias: expected a float32 tensor", F.route, x, 2, score="sigmoid", expert_bias=torch.zeros(8, dtype=torch.bfloat16))
     _raises("scale: expected a positive finite number", F.route, x, 2, scale=0.0)
@@ -336,11 +349,12 @@ def test_compiles_without_graph_breaks(device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T,E,k,G,g,score", [(16384, 256, 8, 8, 4, "sigmoid"), (16384, 128, 8, None, None, "softmax")])
+@pytest.mark.parametrize("T,E,k,G,g,score", [(16384, 256, 8, 8, 4, "sigmoid"), (16384, 128, 8, None, None, "softmax"),
+                                             (16384, 64, 6, None, None, "softmax+bias")])  # the last: ERNIE 4.5's
 def test_gpu_real_shapes(T, E, k, G, g, score):
     logits = torch.randn(T, E, device="cuda", dtype=torch.bfloat16)
-    bias = 0.01 * torch.randn(E, device="cuda") if score == "sigmoid" else None
-    kw = dict(score=score, n_groups=G, topk_groups=g, expert_bias=bias)
+    bias = 0.01 * torch.randn(E, device="cuda") if score != "softmax" else None
+    kw = dict(score=score.removesuffix("+bias"), n_groups=G, topk_groups=g, expert_bias=bias)
     x1, x2 = logits.clone().requires_grad_(), logits.clone().requires_grad_()
     w1, e1 = F.route(x1, k, **kw)  # auto: Triton on CUDA
     w2, e2 = F.route(x2, k, impl="torch", **kw)
