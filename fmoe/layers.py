@@ -1116,7 +1116,8 @@ class LinearAttentionConfig:
     fmoe.ops.gated_delta_rule's chunk (the same result up to rounding); impl: its impl (the
     states' Triton kernels on CUDA with "auto"). kind "kda": a decay per key channel from a
     rank-Dk projection, the output gate from a rank-Dv projection through a sigmoid, as many
-    key as value heads (linear_attention)."""
+    key as value heads (linear_attention). fp8: the projections (q, k, v, the gates', the
+    decay's, the output's) by fmoe.ops.fp8_matmul."""
 
     n_k_heads: int
     n_v_heads: int
@@ -1127,8 +1128,10 @@ class LinearAttentionConfig:
     chunk_size: int = 64
     impl: str = "auto"
     kind: str = "gated_deltanet"
+    fp8: bool = False
 
     def __post_init__(self):
+        check_fp8(self.fp8)
         if self.impl not in IMPLS:
             raise ValueError(f"impl: expected one of {IMPLS}, got {self.impl!r}")
         if self.kind not in LINEAR_KINDS:
@@ -1286,7 +1289,8 @@ def linear_attention(x: torch.Tensor, params, cfg: LinearAttentionConfig, ctx: "
         states.conv, states.state = real.conv, real.state
         return torch.cat([y, y.new_zeros(x.shape[0] - states.tokens, y.shape[1])]), stats
     T, Nk, Nv, Dk, Dv = x.shape[0], cfg.n_k_heads, cfg.n_v_heads, cfg.k_head_dim, cfg.v_head_dim
-    qkv = [x @ params[n] for n in ("wq", "wk", "wv")]
+    mm = functools.partial(matmul, fp8=cfg.fp8, impl=cfg.impl)
+    qkv = [mm(x, params[n]) for n in ("wq", "wk", "wv")]
     taps = [params[n] for n in ("conv_q", "conv_k", "conv_v")]
     if split is not None:  # context parallel: one exchange for the three convolutions
         B, cu = 1, ctx.cu_seqlens
@@ -1307,12 +1311,12 @@ def linear_attention(x: torch.Tensor, params, cfg: LinearAttentionConfig, ctx: "
     r = Nv // Nk
     q, k = (_l2_normalize(t.reshape(B, T // B, Nk, Dk)).repeat_interleave(r, dim=2) for t in qkv[:2])
     v = qkv[2].reshape(B, T // B, Nv, Dv)
-    beta = torch.sigmoid(x @ params["wb"]).reshape(B, T // B, Nv)
+    beta = torch.sigmoid(mm(x, params["wb"])).reshape(B, T // B, Nv)
     if cfg.kind == "kda":  # a decay per key channel (key and value heads alike)
-        f = ((x @ params["wf_a"]) @ params["wf_b"]).float() + params["dt_bias"].float()
+        f = mm(mm(x, params["wf_a"]), params["wf_b"]).float() + params["dt_bias"].float()
         g = (-params["A_log"].float().exp().repeat_interleave(Dk) * F.softplus(f)).reshape(B, T // B, Nv, Dk)
     else:
-        g = (-params["A_log"].float().exp() * F.softplus((x @ params["wa"]).float() + params["dt_bias"].float())).reshape(B, T // B, Nv)
+        g = (-params["A_log"].float().exp() * F.softplus(mm(x, params["wa"]).float() + params["dt_bias"].float())).reshape(B, T // B, Nv)
     if split is not None:
         o = split.gated_delta_rule(q, k, v, g, beta, cu, chunk_size=cfg.chunk_size, impl=cfg.impl)
     elif states is None:
@@ -1322,8 +1326,8 @@ def linear_attention(x: torch.Tensor, params, cfg: LinearAttentionConfig, ctx: "
                                            impl=cfg.impl)
     o_TNV = o.reshape(T, Nv, Dv)
     if cfg.kind == "kda":
-        gate = torch.sigmoid(((x @ params["wz_a"]) @ params["wz_b"]).reshape(T, Nv, Dv).float())
+        gate = torch.sigmoid(mm(mm(x, params["wz_a"]), params["wz_b"]).reshape(T, Nv, Dv).float())
     else:
-        gate = F.silu((x @ params["wz"]).reshape(T, Nv, Dv).float())
+        gate = F.silu(mm(x, params["wz"]).reshape(T, Nv, Dv).float())
     gated = (_rms_norm(o_TNV, params["out_norm"], cfg.norm_eps).float() * gate).to(x.dtype)
-    return gated.reshape(T, Nv * Dv) @ params["wo"], TensorDict({}, batch_size=[])
+    return mm(gated.reshape(T, Nv * Dv), params["wo"]), TensorDict({}, batch_size=[])

@@ -329,9 +329,9 @@ class TransformerConfig:
     "attention" | "experts"; trunk and MTP blocks alike; gradients equal those without).
     fp8: the forward and input-gradient GEMMs of the attention projections, the dense MLPs
     and the routed and shared experts in fp8 (e4m3, row-wise power-of-two scales; the weight
-    gradients in the compute dtype: fmoe.ops.fp8_matmul), trunk and MTP blocks alike; the
-    embedding, router, head, MTP projections and linear-attention blocks stay in the compute
-    dtype. The weights and the optimizer are unchanged: only the GEMMs' operands are cast.
+    gradients in the compute dtype: fmoe.ops.fp8_matmul), trunk and MTP blocks alike, and
+    the linear-attention blocks' projections; the embedding, router, head and MTP projections
+    stay in the compute dtype. The weights and the optimizer are unchanged: only the GEMMs' operands are cast.
     """
 
     vocab_size: int = 258
@@ -523,7 +523,7 @@ class TransformerConfig:
         """The linear-attention blocks' (linear_layers) Gated DeltaNet, or Kimi Delta Attention (linear_kind "kda")."""
         return LinearAttentionConfig(n_k_heads=self.linear_k_heads, n_v_heads=self.linear_v_heads, k_head_dim=self.linear_k_dim,
                                      v_head_dim=self.linear_v_dim, conv=self.linear_conv, norm_eps=self.norm_eps,
-                                     impl="auto" if self.impl == "flex" else self.impl, kind=self.linear_kind)
+                                     impl="auto" if self.impl == "flex" else self.impl, kind=self.linear_kind, fp8=self.fp8)
 
     def attention_config(self, *, local: bool = False, rope: bool = True) -> AttentionConfig:
         """The attention of a block that attends over every earlier token, or with local

@@ -24,14 +24,14 @@ precision grad_weight").
 
 Parallel runs. Each token's scale depends only on its own row, so a split of the tokens
 (FSDP, context or expert parallel) quantizes exactly as one process does. A power-of-two
-scale changes no quantized value except in e4m3's subnormal range (|t / s| < 2^-6, values
-more than 2^15 below the slice's amax) and e4m3 is a floating-point format, so the shares
+scale changes no quantized value except in e4m3's subnormal range (|t / s| < 2^-6: values
+2^14 to 2^15 times smaller than the slice's amax) and e4m3 is a floating-point format, so the shares
 of a contracted dim that tensor and expert-tensor parallelism multiply quantize as the
 whole does but for such tiny values. What tensor parallelism does change: a gradient that
 is summed over the tp ranks after a GEMM (the input gradient of a projection every rank
-holds whole, such as multi-latent attention's latent projections) is quantized as each
-rank's partial sum, not as the sum; the result is as close to one process's as two fp8
-roundings of the same GEMM are, not equal to it.
+holds whole: multi-latent attention's latent projections, Kimi Delta Attention's low-rank
+ones) is quantized as each rank's partial sum, not as the sum; the result is as close to
+one process's as two fp8 roundings of the same GEMM are, not equal to it.
 
 Paths: "auto" / "triton" run torch._scaled_mm on the quantized operands (cuBLAS on CUDA,
 for bfloat16 x with K and N multiples of 16; CPU runs it for any float dtype), "torch" the

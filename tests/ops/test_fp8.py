@@ -311,6 +311,11 @@ def test_model_knob_reaches_every_projection_it_names():
     moe_blocks = 2 + 1  # the MTP block is a MoE block
     assert calls == {"dense": 5 * blocks + 3 * 1 + 3 * moe_blocks, "grouped": 3 * moe_blocks, "grouped_plain": 0}, calls
     assert out[False][0] == {"dense": 0, "grouped": 0, "grouped_plain": 3 * moe_blocks}
+    # a Gated DeltaNet block's projections: q, k, v, the write strength's, the decay's, the gate's and the output's
+    linear = Transformer(TransformerConfig(fp8=True, **dict(kw, linear_layers=(0,), linear_k_heads=2, linear_v_heads=2, linear_k_dim=8,
+                                                            linear_v_dim=8)))
+    linear.reset_parameters(seed=0)
+    assert _fp8_calls(linear, batch)["dense"] == calls["dense"] - 5 + 7
     plain, quantized = (out[f][1][0]["lm_sum"] for f in (False, True))
     assert abs(float(quantized) - float(plain)) / abs(float(plain)) < 2e-2
     # the quantization reads nothing on the host: the fp8 model's forward and backward stay sync-free

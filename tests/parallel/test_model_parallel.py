@@ -277,6 +277,7 @@ CASES = {
     "tp2-fp8": (2, dict(tp=2), dict(fp8=True)),
     "etp2-capacity-fp8": (2, dict(etp=2), dict(fp8=True, capacity_factor=1.0)),
     "ep2xtp2-fp8": (4, dict(tp=2, ep=2), dict(fp8=True)),
+    "cp2-gated-deltanet-fp8": (2, dict(cp=2), dict(QWEN3_NEXT, fp8=True)),
 }
 
 
