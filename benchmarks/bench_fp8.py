@@ -13,7 +13,9 @@ Implementations:
     fp8           fp8_matmul / grouped_mlp(fp8=True): the forward and input-gradient GEMMs
                   in fp8 (torch._scaled_mm / torch._scaled_grouped_mm), the quantization in
                   eager torch ops (an amax, a scale, a cast: passes over each operand)
-    fp8 compiled  the same under torch.compile(dynamic=False), which fuses the quantization
+    fp8 compiled  the same under torch.compile(dynamic=False), which fuses fp8_matmul's
+                  quantization (grouped_mlp's runs inside its grouped-GEMM custom op: the
+                  experts' row times what the compiler leaves as it is)
     bf16          x @ w / grouped_mlp: every GEMM in the compute dtype
 
 Passes: fwd, and fwd+bwd (the gradients of x and w for a fixed upstream gradient).

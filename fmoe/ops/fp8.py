@@ -37,8 +37,10 @@ Paths: "auto" / "triton" run torch._scaled_mm on the quantized operands (cuBLAS 
 for bfloat16 x with K and N multiples of 16; CPU runs it for any float dtype), "torch" the
 float32 emulation that defines the values: the dequantized operands (exact) multiplied in
 float32, rounded to x's dtype. Where the CUDA fast path does not apply, "auto" emulates
-too. The quantization is plain torch (torch.compile fuses the amax and the cast); there is
-no Triton kernel of our own: the GEMMs are the vendor's.
+too. The quantization is plain torch in a torch.autograd.Function, no custom op: under
+torch.compile it is traced with the GEMM, each operand's amax, scale and cast fused. There
+is no Triton kernel of our own: the GEMMs are the vendor's. (grouped_mlp's quantization
+runs inside its grouped-GEMM custom op, opaque to the compiler.)
 
 Legend: M rows (tokens), K contracted dim, N output dim; R rows of x_perm, E experts.
 """
@@ -106,47 +108,27 @@ def _gemm(a_MK: torch.Tensor, b_KN: torch.Tensor, scaled_mm: bool) -> torch.Tens
     return _scaled_mm(a_MK, b_KN) if scaled_mm else fp8_mm_ref(a_MK, b_KN)
 
 
-@torch.library.custom_op("fmoe::fp8_mm_fwd", mutates_args=())
-def _fp8_mm_fwd(x: torch.Tensor, w: torch.Tensor, scaled_mm: bool) -> torch.Tensor:
-    """y[M, N] = q_K(x) q_K(w) in x's dtype."""
-    return _gemm(x, w, scaled_mm)
+class _FP8MatMul(torch.autograd.Function):
+    """y = q_K(x) q_K(w) in x's dtype; backward dx = q_N(dy) q_N(w)^T in x's dtype, dw = x^T dy
+    in w's dtype (float32 accumulation). Plain torch ops, no custom op: torch.compile traces
+    the quantization with the GEMMs and fuses each operand's amax, scale and cast."""
 
+    @staticmethod
+    def forward(ctx, x, w, scaled_mm: bool):
+        ctx.save_for_backward(x, w)
+        ctx.scaled_mm = scaled_mm
+        return _gemm(x, w, scaled_mm)
 
-@_fp8_mm_fwd.register_fake
-def _(x, w, scaled_mm):
-    return x.new_empty(x.shape[0], w.shape[1])
-
-
-@torch.library.custom_op("fmoe::fp8_mm_bwd", mutates_args=())
-def _fp8_mm_bwd(grad_y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, scaled_mm: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx = q_N(dy) q_N(w)^T in x's dtype, dw = x^T dy in w's dtype, float32 accumulation)."""
-    grad_y = grad_y.to(x.dtype)
-    grad_x = _gemm(grad_y, w.t(), scaled_mm)
-    if scaled_mm:  # the vendor's GEMM in the compute dtype
-        grad_w = (x.t() @ grad_y).to(w.dtype)
-    else:
-        grad_w = (x.float().t() @ grad_y.float()).to(w.dtype)
-    return grad_x, grad_w
-
-
-@_fp8_mm_bwd.register_fake
-def _(grad_y, x, w, scaled_mm):
-    return torch.empty_like(x), torch.empty_like(w)
-
-
-def _fp8_mm_setup_context(ctx, inputs, output):
-    x, w, scaled_mm = inputs
-    ctx.save_for_backward(x, w)
-    ctx.scaled_mm = scaled_mm
-
-
-def _fp8_mm_backward(ctx, grad_y):
-    x, w = ctx.saved_tensors
-    grad_x, grad_w = _fp8_mm_bwd(grad_y, x, w, ctx.scaled_mm)
-    return grad_x, grad_w, None
-
-
-_fp8_mm_fwd.register_autograd(_fp8_mm_backward, setup_context=_fp8_mm_setup_context)
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, w = ctx.saved_tensors
+        grad_y = grad_y.to(x.dtype)
+        grad_x = _gemm(grad_y, w.t(), ctx.scaled_mm)
+        if ctx.scaled_mm:  # the vendor's GEMM in the compute dtype
+            grad_w = (x.t() @ grad_y).to(w.dtype)
+        else:
+            grad_w = (x.float().t() @ grad_y.float()).to(w.dtype)
+        return grad_x, grad_w, None
 
 
 # ----------------------------------------------------------------------------------------
@@ -219,7 +201,7 @@ def fp8_matmul(x: torch.Tensor, w: torch.Tensor, *, impl: str = "auto") -> torch
     if impl not in IMPLS:
         raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
     fast = impl != "torch" and _fast_path(x, K, N)
-    y = _fp8_mm_fwd(x.reshape(-1, K), w, fast)
+    y = _FP8MatMul.apply(x.reshape(-1, K), w, fast)
     return y.reshape(*x.shape[:-1], N)
 
 

@@ -177,19 +177,22 @@ def test_bad_input_names_the_argument():
                     torch.tensor([1, 3], dtype=torch.int32), fp8="rowwise")
 
 
-def test_custom_ops_pass_opcheck():
-    x, w, g = torch.randn(5, 16), torch.randn(16, 8), torch.randn(5, 8)
-    for scaled_mm in (False, True):
-        torch.library.opcheck(torch.ops.fmoe.fp8_mm_fwd.default, (x, w, scaled_mm))
-        torch.library.opcheck(torch.ops.fmoe.fp8_mm_bwd.default, (g, x, w, scaled_mm))
+@pytest.mark.parametrize("impl", ["auto", "torch"])
+def test_compiles_whole_and_equals_eager(impl):
+    """No custom op: the compiler traces the quantization (the amax, the scale, the cast) with
+    the GEMMs, one graph, the same values."""
+    from torch._dynamo.testing import CompileCounterWithBackend
 
-
-def test_compiles_whole_and_equals_eager():
     torch.manual_seed(5)
     x, w, grad_y = torch.randn(8, 16), torch.randn(16, 24), torch.randn(8, 24)
-    compiled = torch.compile(lambda a, b: fp8_matmul(a, b), fullgraph=True, backend="aot_eager")
-    for a, b in zip(_grads(compiled, x, w, grad_y), _grads(fp8_matmul, x, w, grad_y)):
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(lambda a, b: fp8_matmul(a, b, impl=impl), fullgraph=True, backend=counter)
+    for a, b in zip(_grads(compiled, x, w, grad_y), _grads(fp8_matmul, x, w, grad_y, impl=impl)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # the autograd.Function's forward and backward bodies, traced as subgraphs of the one graph
+    ops = {str(node.target) for graph in counter.graphs for module in graph.modules() if hasattr(module, "graph")
+           for node in module.graph.nodes if node.op in ("call_function", "call_method")}
+    assert counter.frame_count == 1 and any("frexp" in op for op in ops) and any("amax" in op for op in ops), ops
 
 
 # -------------------------------------------------------------------- the experts' GEMMs
@@ -271,8 +274,8 @@ def test_grouped_fp8_compiles_whole():
 
 
 def _fp8_calls(model, batch):
-    """How many fp8 GEMMs one forward makes: fp8_matmul calls (dense) and grouped GEMM calls
-    with fp8 set (experts)."""
+    """How many fp8 GEMMs one forward makes: torch._scaled_mm calls (fp8_matmul on CPU, the
+    dense projections) and grouped GEMM calls with fp8 set (experts)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     calls = {"dense": 0, "grouped": 0, "grouped_plain": 0}
@@ -280,7 +283,7 @@ def _fp8_calls(model, batch):
     class Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
-            if func is torch.ops.fmoe.fp8_mm_fwd.default:
+            if func is torch.ops.aten._scaled_mm.default:
                 calls["dense"] += 1
             elif func is torch.ops.fmoe.grouped_gemm_fwd.default:
                 fp8 = args[4] if len(args) > 4 else kwargs.get("fp8", False)
