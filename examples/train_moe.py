@@ -220,6 +220,12 @@ def parse_args(argv: list[str]) -> Config:
         cfg.model = dataclasses.replace(base, **model_overrides)
     except ValueError as err:
         sys.exit(f"model knobs: {err}")
+    if model_overrides.get("score") == "softmax" and base.score != "softmax" and "expert_bias" not in model_overrides and base.expert_bias:
+        # the default aux-loss-free bias was made for sigmoid routing: with softmax it shifts the
+        # probabilities (ERNIE 4.5's routing), a choice to make, not to fall into
+        sys.exit("--model.score=softmax: the model's expert_bias (on by default, for sigmoid routing) would shift softmax's "
+                 "probabilities (ERNIE 4.5's routing, with --bias_rate in their units); say --model.expert_bias=true to keep it "
+                 "or --model.expert_bias=false to route without it")
     if cfg.upcycle_from and not any(cfg.model.is_moe(i) for i in range(cfg.model.n_layers)):
         sys.exit(f"--upcycle_from: the model made from it has no MoE layer: set --model.n_dense below its {cfg.model.n_layers} layers "
                  "(or --model.moe_layers), with --model.n_experts, --model.k and --model.ffn_expert")

@@ -263,6 +263,8 @@ BAD_KNOBS = [
     (["--model.n_groups=x"], "--model.n_groups: expected an int or None, got 'x'"),
     (["--model.n_dense=9"], "model knobs: n_dense: expected 0..n_layers"),
     (["--model.ac=most"], "model knobs: ac: expected one of none, full, attention, experts, got 'most'"),
+    (["--model.score=softmax"], "--model.score=softmax: the model's expert_bias (on by default, for sigmoid routing) would shift "
+                                "softmax's probabilities"),
     (["--compile=maybe"], "--compile: expected a bool, got 'maybe'"),
     (["--dtype=fp8"], "--dtype: expected auto, float32 or bfloat16, got 'fp8'"),
     (["--tp=2", "--tokens_per_micro_batch=255"], "--tokens_per_micro_batch: expected a multiple of --tp = 2, got 255"),
