@@ -109,6 +109,9 @@ RUNS = {
     # (OLMoE's, its statistic averaged over tp); multi-latent attention with distributed
     # Muon (the latent down projections whole on each tp rank, their copies agreeing bit for bit)
     "qkv-bias-proj-norm-tp2": (2, ["--tp=2", "--model.qkv_bias=True", "--model.qk_norm=proj", "--check_replicas_every=1"]),
+    # fp8 GEMMs (--model.fp8) through a pipeline with experts over 2 ranks: 5 steps of the
+    # one-process fp8 run's losses (each token quantized on its own row, the weights whole)
+    "pp2xep2-fp8": (4, ["--pp=2", "--ep=2", "--model.fp8=True"]),
     "mla-tp2-muon": (2, ["--tp=2", "--optimizer=muon", "--ns_dtype=float32", "--model.n_kv_heads=4", "--model.head_dim=12", "--model.rope_dim=4",
                          "--model.q_rank=10", "--model.kv_rank=6", "--model.v_head_dim=5", "--check_replicas_every=1"]),
 }
@@ -117,7 +120,7 @@ LOOSE = {"gated-deltanet-cp2": ("param_norm",)}
 SAME_MODEL = ("--optimizer=", "--ns_dtype=", "--batch_schedule=", "--aux_coeff=", "--model.n_layers=", "--model.n_kv_heads=", "--model.head_dim=",
               "--model.rope_dim=", "--model.q_rank=", "--model.kv_rank=", "--model.v_head_dim=", "--model.mtp_norm=", "--model.score=",
               "--model.n_groups=", "--model.topk_groups=", "--model.group_score_topk=", "--model.capacity_factor=", "--model.qkv_bias=",
-              "--model.qk_norm=", "--whole_documents=", "--model.linear_")
+              "--model.qk_norm=", "--whole_documents=", "--model.linear_", "--model.fp8=")
 
 
 @pytest.mark.parametrize("run", list(RUNS))
