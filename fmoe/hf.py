@@ -1878,7 +1878,7 @@ def config_mismatch(cfg: TransformerConfig, hf: dict) -> dict[str, tuple]:
     own); {} when `cfg` is that model."""
     family = FAMILIES[hf["model_type"]]
     back = TransformerConfig(**family.kwargs(hf))
-    ignored = {"impl", "ac", "fp8", "init_std", "ffn_dense", "n_dense", "n_shared", "moe_layers", "capacity_factor", "capacity_policy"}
+    ignored = {"impl", "ac", "fp8", "fp8_layers", "init_std", "ffn_dense", "n_dense", "n_shared", "moe_layers", "capacity_factor", "capacity_policy"}
     if cfg.yarn_factor is None:
         ignored |= {"yarn_original_max_positions", "yarn_truncate"}
     if cfg.llama3_factor is None:

@@ -332,6 +332,9 @@ class TransformerConfig:
     gradients in the compute dtype: fmoe.ops.fp8_matmul), trunk and MTP blocks alike, and
     the linear-attention blocks' projections; the embedding, router, head and MTP projections
     stay in the compute dtype. The weights and the optimizer are unchanged: only the GEMMs' operands are cast.
+    fp8_layers: with fp8, only these trunk blocks' GEMMs in fp8, the others' and the MTP
+    blocks' in the compute dtype (None: every block; e.g. all but the first and the last:
+    Megatron's first and last layers in bf16).
     """
 
     vocab_size: int = 258
@@ -419,6 +422,7 @@ class TransformerConfig:
     impl: str = "auto"
     ac: str = "none"
     fp8: bool = False
+    fp8_layers: Optional[tuple[int, ...]] = None
 
     def __post_init__(self):
         if self.ac not in AC_MODES:
@@ -449,7 +453,9 @@ class TransformerConfig:
         for name in ("pre_norms", "post_norms", "nope_qk_norm", "route_on_input", "attn_gate", "zero_centered_norms"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
-        for name in ("moe_layers", "window_layers", "chunk_layers", "nope_layers", "linear_layers"):  # block lists: distinct indices, kept sorted
+        if self.fp8_layers is not None and self.fp8 is not True:
+            raise ValueError("fp8_layers: the blocks whose GEMMs run in fp8, needs fp8=True")
+        for name in ("moe_layers", "window_layers", "chunk_layers", "nope_layers", "linear_layers", "fp8_layers"):  # block lists: distinct indices, kept sorted
             layers = getattr(self, name)
             if layers is None:
                 continue
@@ -502,6 +508,13 @@ class TransformerConfig:
         context's local mask)."""
         return self.is_sliding(i) or self.is_chunked(i)
 
+    def is_fp8(self, i: Optional[int]) -> bool:
+        """Whether trunk block i's GEMMs run in fp8 (fp8, and i in fp8_layers when given);
+        i None: the MTP blocks', in fp8 when fp8 is on for every block."""
+        if i is None:
+            return self.fp8 and self.fp8_layers is None
+        return self.fp8 and (self.fp8_layers is None or i in self.fp8_layers)
+
     def is_nope(self, i: int) -> bool:
         """Whether trunk block i attends without RoPE: listed in nope_layers."""
         return self.nope_layers is not None and i in self.nope_layers
@@ -511,25 +524,29 @@ class TransformerConfig:
         """The shared experts' FFN size: shared_ffn, or n_shared * ffn_expert."""
         return self.shared_ffn if self.shared_ffn is not None else self.n_shared * self.ffn_expert
 
-    def moe_config(self) -> MoEConfig:
+    def moe_config(self, fp8: Optional[bool] = None) -> MoEConfig:
+        """The MoE blocks' config; fp8: theirs (None: the model's fp8)."""
         return MoEConfig(
             n_experts=self.n_experts, k=self.k, score=self.score, pre_softmax=self.pre_softmax, n_groups=self.n_groups, topk_groups=self.topk_groups,
             scale=self.route_scale, group_score_topk=self.group_score_topk, normalize=self.route_normalize, capacity_factor=self.capacity_factor, capacity_policy=self.capacity_policy, impl=self.impl,
             swiglu_alpha=self.swiglu_alpha, swiglu_limit=self.swiglu_limit, swiglu_offset=self.swiglu_offset,
-            weights_on_input=self.route_on_input, fp8=self.fp8,
+            weights_on_input=self.route_on_input, fp8=self.fp8 if fp8 is None else fp8,
         )
 
-    def linear_attention_config(self) -> LinearAttentionConfig:
-        """The linear-attention blocks' (linear_layers) Gated DeltaNet, or Kimi Delta Attention (linear_kind "kda")."""
+    def linear_attention_config(self, fp8: Optional[bool] = None) -> LinearAttentionConfig:
+        """The linear-attention blocks' (linear_layers) Gated DeltaNet, or Kimi Delta Attention (linear_kind "kda");
+        fp8: theirs (None: the model's fp8)."""
         return LinearAttentionConfig(n_k_heads=self.linear_k_heads, n_v_heads=self.linear_v_heads, k_head_dim=self.linear_k_dim,
                                      v_head_dim=self.linear_v_dim, conv=self.linear_conv, norm_eps=self.norm_eps,
-                                     impl="auto" if self.impl == "flex" else self.impl, kind=self.linear_kind, fp8=self.fp8)
+                                     impl="auto" if self.impl == "flex" else self.impl, kind=self.linear_kind,
+                                     fp8=self.fp8 if fp8 is None else fp8)
 
-    def attention_config(self, *, local: bool = False, rope: bool = True) -> AttentionConfig:
+    def attention_config(self, *, local: bool = False, rope: bool = True, fp8: Optional[bool] = None) -> AttentionConfig:
         """The attention of a block that attends over every earlier token, or with local
         over the sliding window or within its chunk (a config whose window or chunk builds
         that mask too: attention_context); rope=False: a NoPE block's (without q/k norms
-        unless nope_qk_norm, with the NoPE temperature)."""
+        unless nope_qk_norm, with the NoPE temperature); fp8: the block's (None: the model's
+        fp8)."""
         norm = rope or self.nope_qk_norm
         return AttentionConfig(
             n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, head_dim=self.head_dim, rope_base=self.rope_base,
@@ -542,7 +559,7 @@ class TransformerConfig:
             impl=self.impl, q_rank=self.q_rank, kv_rank=self.kv_rank, v_dim=self.v_head_dim, window=self.window if local else None,
             chunk=self.chunk if local else None, scale=self.attn_scale, rope=rope,
             temperature_floor=None if rope else self.nope_temperature_floor, temperature_scale=self.nope_temperature_scale,
-            local_rope_base=self.local_rope_base, zero_centered_norms=self.zero_centered_norms, fp8=self.fp8,
+            local_rope_base=self.local_rope_base, zero_centered_norms=self.zero_centered_norms, fp8=self.fp8 if fp8 is None else fp8,
         )
 
     @property
@@ -588,9 +605,9 @@ class Attention(nn.Module):
     rank holds whole then get their gradients summed over tp, and a qk norm over the whole
     projection averages its statistic over tp."""
 
-    def __init__(self, cfg: TransformerConfig, *, local: bool = False, rope: bool = True):
+    def __init__(self, cfg: TransformerConfig, *, local: bool = False, rope: bool = True, fp8: Optional[bool] = None):
         super().__init__()
-        self.cfg = cfg.attention_config(local=local, rope=rope)
+        self.cfg = cfg.attention_config(local=local, rope=rope, fp8=fp8)
         self.tensor_parallel = None  # fmoe.parallel's HeadShard under tp > 1 (class docstring)
         if cfg.kv_rank is not None:  # multi-latent attention: fmoe.layers names and shapes
             self.names = []
@@ -650,9 +667,9 @@ class LinearAttention(nn.Module):
     Kimi Delta Attention's, linear_kind "kda": wf_a, wf_b, wz_a, wz_b, dt_bias [N Dk] instead
     of wa, wz and dt_bias [Nv])."""
 
-    def __init__(self, cfg: TransformerConfig):
+    def __init__(self, cfg: TransformerConfig, *, fp8: Optional[bool] = None):
         super().__init__()
-        self.cfg = cfg.linear_attention_config()
+        self.cfg = cfg.linear_attention_config(fp8)
         self.tensor_parallel = None  # fmoe.parallel's HeadShard under tp > 1 (LinearAttentionParallel)
         self.names = []
         for name, shape in linear_attention_shapes(cfg.hidden, self.cfg).items():
@@ -671,22 +688,25 @@ class Block(nn.Module):
     Gated DeltaNet's linear attention with linear),
     then a dense SwiGLU or an MoE; each branch x + post_norm(f(pre_norm(x))), with the
     pre-norms attn_norm / mlp_norm (cfg.pre_norms) and the post-norms attn_post_norm /
-    mlp_post_norm (cfg.post_norms), each an RMSNorm or absent (None)."""
+    mlp_post_norm (cfg.post_norms), each an RMSNorm or absent (None). fp8: its GEMMs in fp8
+    (None: cfg.fp8; TransformerConfig.is_fp8)."""
 
-    def __init__(self, cfg: TransformerConfig, moe: bool, *, local: bool = False, rope: bool = True, linear: bool = False):
+    def __init__(self, cfg: TransformerConfig, moe: bool, *, local: bool = False, rope: bool = True, linear: bool = False,
+                 fp8: Optional[bool] = None):
         super().__init__()
         def norm(on: bool) -> Optional[RMSNorm]:
             return RMSNorm(cfg.hidden, cfg.norm_eps, cfg.zero_centered_norms) if on else None
 
         self.attn_norm, self.attn_post_norm = norm(cfg.pre_norms), norm(cfg.post_norms)
-        self.attn = LinearAttention(cfg) if linear else Attention(cfg, local=local, rope=rope)
+        fp8 = cfg.fp8 if fp8 is None else fp8
+        self.attn = LinearAttention(cfg, fp8=fp8) if linear else Attention(cfg, local=local, rope=rope, fp8=fp8)
         self.mlp_norm, self.mlp_post_norm = norm(cfg.pre_norms), norm(cfg.post_norms)
         if moe:
-            self.mlp = MoE(cfg.hidden, cfg.ffn_expert, cfg.moe_config(), shared_ffn=cfg.shared_size, shared_gate=cfg.shared_gate,
+            self.mlp = MoE(cfg.hidden, cfg.ffn_expert, cfg.moe_config(fp8), shared_ffn=cfg.shared_size, shared_gate=cfg.shared_gate,
                            expert_bias=cfg.expert_bias, router_bias=cfg.router_bias, expert_biases=cfg.expert_biases)
             self.mlp.experts.recompute = cfg.ac == "experts"
         else:
-            self.mlp = DenseMLP(cfg.hidden, cfg.ffn_dense, cfg.impl, fp8=cfg.fp8)
+            self.mlp = DenseMLP(cfg.hidden, cfg.ffn_dense, cfg.impl, fp8=fp8)
         self.ac = cfg.ac
         self.residual_scale = cfg.residual_scale
 
@@ -723,7 +743,7 @@ class MTPModule(nn.Module):
         self.emb_norm = RMSNorm(cfg.hidden, cfg.norm_eps, cfg.zero_centered_norms)
         self.hidden_norm = RMSNorm(cfg.hidden, cfg.norm_eps, cfg.zero_centered_norms)
         self.proj = nn.Parameter(torch.empty(2 * cfg.hidden, cfg.hidden))
-        self.block = Block(cfg, moe=any(cfg.is_moe(i) for i in range(cfg.n_layers)))
+        self.block = Block(cfg, moe=any(cfg.is_moe(i) for i in range(cfg.n_layers)), fp8=cfg.is_fp8(None))
         self.out_norm = RMSNorm(cfg.hidden, cfg.norm_eps, cfg.zero_centered_norms) if cfg.mtp_norm else None
 
     def forward(self, emb_TH, h_TH, ctx: AttentionContext, token_mask: Optional[torch.Tensor] = None):
@@ -961,7 +981,8 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden))
-        self.blocks = nn.ModuleList(Block(cfg, moe=cfg.is_moe(i), local=cfg.is_local(i), rope=not cfg.is_nope(i), linear=cfg.is_linear(i))
+        self.blocks = nn.ModuleList(Block(cfg, moe=cfg.is_moe(i), local=cfg.is_local(i), rope=not cfg.is_nope(i), linear=cfg.is_linear(i),
+                                          fp8=cfg.is_fp8(i))
                                     for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps, cfg.zero_centered_norms)
         # [V, H], linear_cross_entropy's layout; with tie_embeddings the head is the embedding

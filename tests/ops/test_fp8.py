@@ -319,6 +319,16 @@ def test_model_knob_reaches_every_projection_it_names():
                                                             linear_v_dim=8)))
     linear.reset_parameters(seed=0)
     assert _fp8_calls(linear, batch)["dense"] == calls["dense"] - 5 + 7
+    # fp8_layers: only block 1 (a MoE block with a shared expert): its attention, shared expert and
+    # routed experts; block 0, block 2 and the MTP block stay in the compute dtype
+    some = Transformer(TransformerConfig(fp8=True, fp8_layers=(1,), **kw))
+    some.reset_parameters(seed=0)
+    assert _fp8_calls(some, batch) == {"dense": 5 + 3, "grouped": 3, "grouped_plain": 3 * (moe_blocks - 1)}
+    assert [some.cfg.is_fp8(i) for i in (0, 1, 2, None)] == [False, True, False, False]
+    with pytest.raises(ValueError, match="fp8_layers: the blocks whose GEMMs run in fp8, needs fp8=True"):
+        TransformerConfig(fp8_layers=(1,), **kw)
+    with pytest.raises(ValueError, match="fp8_layers: expected distinct block indices in 0..2"):
+        TransformerConfig(fp8=True, fp8_layers=(3,), **kw)
     plain, quantized = (out[f][1][0]["lm_sum"] for f in (False, True))
     assert abs(float(quantized) - float(plain)) / abs(float(plain)) < 2e-2
     # the quantization reads nothing on the host: the fp8 model's forward and backward stay sync-free
