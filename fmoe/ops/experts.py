@@ -53,7 +53,7 @@ import triton.language as tl
 
 from fmoe.ops.backend import interpreting, next_pow2, use_triton
 from fmoe.ops.checks import FLOAT_DTYPES, check_float, checking
-from fmoe.ops.fp8 import fp8_matmul, fp8_quantize
+from fmoe.ops.fp8 import check_fp8, fp8_matmul, fp8_quantize
 
 # ----------------------------------------------------------------------------------------
 # 1. Reference (the definition of correctness)
@@ -658,8 +658,7 @@ def grouped_mlp(
             raise ValueError(f"{name}: expected shape {list(shape)} ([E, F] for b_gate / b_up, [E, H] for b_down), got {getattr(b, 'shape', type(b).__name__)}")
         _check_like(name, b, "x_perm", x_perm)
     glu = check_glu(alpha, limit, offset)
-    if not isinstance(fp8, bool):
-        raise ValueError(f"fp8: expected a bool, got {fp8!r}")
+    check_fp8(fp8)
 
     if use_triton(impl, x_perm, w_gate, w_up, w_down, offsets):
         torch_gmm = impl == "auto" and _grouped_mm_fast(x_perm, F) and (not fp8 or (H % 16 == 0 and F % 16 == 0))
