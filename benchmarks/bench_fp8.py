@@ -18,6 +18,17 @@ Implementations:
                   experts' row times what the compiler leaves as it is)
     bf16          x @ w / grouped_mlp: every GEMM in the compute dtype
 
+A second table takes the experts' first GEMM (x [R, H] @ W_gate[e] [H, F]) apart, forward
+only: torch._grouped_mm in bf16; torch._scaled_grouped_mm on operands quantized beforehand,
+with its default float32 accumulation and with use_fast_accum (the tensor cores' own
+accumulator, which fmoe does not use: the row says what it would gain); and the
+quantization of x (the rows) and of W_gate (each expert's columns) by fp8_quantize's Triton
+kernel (impl="auto" on CUDA) and by the torch ops (impl="torch"), with the fraction of the
+bytes floor (read the input once, write a byte per value and the scales, at the copy
+bandwidth measured in the same run; the kernel reads it twice, the second time mostly
+from L2). --smoke (CPU) has the torch ops' quantization rows alone: the kernel's and the
+GEMMs' rows need CUDA.
+
 Passes: fwd, and fwd+bwd (the gradients of x and w for a fixed upstream gradient).
 
 Table: median ms; on the fp8 rows the speedup (bf16 ms / their ms); TFLOP/s (2 M K N per GEMM,
@@ -34,6 +45,7 @@ import torch  # noqa: E402
 from fmoe.ops import fp8_matmul, fp8_quantize, grouped_mlp  # noqa: E402
 
 COLUMNS = ["case", "pass", "impl", "ms", "speedup_vs_bf16", "TFLOPs", "bf16_rate_fraction", "fp8_rate_fraction", "rel_err"]
+PART_COLUMNS = ["part", "impl", "ms", "speedup", "TFLOPs", "bf16_rate_fraction", "fp8_rate_fraction", "floor_fraction"]
 
 
 def fp8_rate(device: torch.device, n: int) -> float:
@@ -89,6 +101,45 @@ def run_case(case, device, rates) -> list[dict]:
     return rows
 
 
+def parts(R, E, H, F, device, dtype, rates, bandwidth) -> list[dict]:
+    """The experts' first GEMM and its operands' quantization, timed apart (module docstring)."""
+    torch.manual_seed(0)
+    x = torch.randn(R, H, device=device, dtype=dtype)
+    w = (torch.randn(E, H, F, device=device) / H**0.5).to(dtype)
+    offsets = torch.full((E,), R // E, device=device).cumsum(0).to(torch.int32)
+    rows = []
+
+    def quant_row(part, impl, t, dim, ms_ref=None):
+        ms = bench(lambda: fp8_quantize(t, dim, impl=impl), device, label=f"quantize-{part}-{impl}")
+        floor_ms = (t.numel() * (t.element_size() + 1) + 4 * t.numel() / t.shape[dim]) / bandwidth * 1e3
+        rows.append({"part": part, "impl": impl, "ms": ms, "speedup": None if ms_ref is None else ms_ref / ms,
+                     "floor_fraction": floor_ms / ms})
+        return ms
+
+    for part, t, dim in (("quantize x (rows)", x, 1), ("quantize W_gate (columns)", w, 1)):
+        torch_ms = quant_row(part, "torch", t, dim)
+        if device.type == "cuda":
+            quant_row(part, "triton", t, dim, torch_ms)
+    if device.type == "cuda" and hasattr(torch, "_scaled_grouped_mm"):
+        flops = 2 * R * H * F
+        x_fp8, sx = fp8_quantize(x, 1)
+        w_fp8, sw = fp8_quantize(w, 1)  # [E, H, F] with H innermost: column-major, as the GEMM takes it
+        gemms = {"bf16 _grouped_mm": lambda: torch._grouped_mm(x, w, offs=offsets)}
+        for fast in (False, True):
+            gemms["_scaled_grouped_mm" + (" fast accum" if fast else "")] = (
+                lambda fast=fast: torch._scaled_grouped_mm(x_fp8, w_fp8, sx.reshape(-1), sw.reshape(E, F), offs=offsets,
+                                                           out_dtype=dtype, use_fast_accum=fast))
+        bf16_ms = None
+        for impl, fn in gemms.items():
+            ms = bench(fn, device, label=f"gemm-{impl}")
+            bf16_ms = bf16_ms or ms
+            rate = flops / (ms * 1e-3)
+            rows.append({"part": "x @ W_gate", "impl": impl, "ms": ms, "speedup": bf16_ms / ms if impl != "bf16 _grouped_mm" else None,
+                         "TFLOPs": rate / 1e12, "bf16_rate_fraction": rate / rates["bf16"], "fp8_rate_fraction": rate / rates["fp8"]})
+    print("parts: timed", flush=True)
+    return rows
+
+
 def main() -> None:
     args, device, dtype, bandwidth = start(__doc__.splitlines()[0])
     n = 256 if args.smoke else 8192
@@ -100,10 +151,13 @@ def main() -> None:
     else:
         cases = [dense_case("up", 16384, 2048, 8192, device, dtype), dense_case("down", 16384, 8192, 2048, device, dtype),
                  experts_case(16384 * 8, 128, 2048, 768, device, dtype)]
+    shape = (64, 4, 32, 16) if args.smoke else (16384 * 8, 128, 2048, 768)
+    part_rows = parts(*shape, device, dtype, rates, bandwidth)
     rows = []
     for case in cases:
         rows += run_case(case, device, rates)
-    finish(args, device, bandwidth, "bench_fp8", [(rows, COLUMNS)], bf16_TFLOPs=rates["bf16"] / 1e12, fp8_TFLOPs=rates["fp8"] / 1e12)
+    finish(args, device, bandwidth, "bench_fp8", [(part_rows, PART_COLUMNS), (rows, COLUMNS)],
+           bf16_TFLOPs=rates["bf16"] / 1e12, fp8_TFLOPs=rates["fp8"] / 1e12)
 
 
 if __name__ == "__main__":

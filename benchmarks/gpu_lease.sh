@@ -7,6 +7,7 @@
 #
 #     bash benchmarks/gpu_lease.sh a    # the gpu tests; bench_loss, bench_optim, bench_rope; bench_moe_layer profiled; bench_cp_linear; bench_fp8 (~5 min)
 #     bash benchmarks/gpu_lease.sh b    # bench_routing; bench_train_step; bench_delta (~7 min)
+#     bash benchmarks/gpu_lease.sh c    # fp8: its gpu tests, bench_fp8, bench_moe_layer, bench_train_step --fp8 (~7 min)
 #
 # What comes back is written to $OUT (the device tool's folder; gpu_out/ elsewhere), at most
 # 8 files: RESULTS.md (run_all.py's sections, to append to benchmarks/RESULTS.md), log.txt,
@@ -45,8 +46,20 @@ b)
     bench --only bench_train_step --timeout 200
     bench --only bench_delta --timeout 60
     ;;
+c)
+    # fp8 after its first GPU run: the gpu tests of fp8 and of the clip's scale, bench_fp8
+    # (with its parts table), bench_moe_layer, and bench_train_step --fp8 (three compiles
+    # of the large model)
+    timeout 150 python3 -m pytest -q -m gpu -n 2 -p no:cacheprovider -o addopts="-ra --durations=5" \
+        tests/ops/test_fp8.py tests/optim/test_grads.py > "$OUT/gpu_tests.log" 2>&1
+    echo "gpu tests: exit $?"
+    grep -E "passed|failed|^FAILED|^ERROR|^E  " "$OUT/gpu_tests.log" | tail -20
+    bench --only bench_fp8 --timeout 90
+    bench --only bench_moe_layer --timeout 60
+    bench --only bench_train_step --timeout 260 --extra=--fp8
+    ;;
 *)
-    echo "usage: bash benchmarks/gpu_lease.sh a|b" >&2
+    echo "usage: bash benchmarks/gpu_lease.sh a|b|c" >&2
     exit 2
     ;;
 esac

@@ -27,7 +27,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from fmoe.ops import balance, delta, dispatch, experts, loss, packed, rope, routing  # noqa: E402
+from fmoe.ops import balance, delta, dispatch, experts, fp8, loss, packed, rope, routing  # noqa: E402
 from fmoe.optim import adamw  # noqa: E402
 
 BIN = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -173,7 +173,15 @@ def cases():
     scale_ptrs = dict(table_ptr="*i64", chunk_tensor_ptr="*i64", factor_ptr="*fp32")
     for aligned in (True, False):
         yield f"scale bf16{'' if aligned else ' unaligned'}", adamw._scale_kernel, scale_ptrs, dict(n_tensors="i32"), dict(
-            TY=tl.bfloat16, ALIGNED=aligned, CHUNK=adamw.CHUNK, **adamw._META)
+            TY=tl.bfloat16, ALIGNED=aligned, ROUND_FACTOR=True, CHUNK=adamw.CHUNK, **adamw._META)
+    # fp8 quantization (fmoe.ops.fp8): bf16 rows along memory (activations; K = 2048) and
+    # across it (a weight's columns); a stride of 1 is a constant, as Triton specialises it
+    quant_ptrs = dict(t_ptr="*bf16", out_ptr="*u8", scale_ptr="*fp32")
+    strides = ("stride_tb", "stride_tr", "stride_tk", "stride_ob", "stride_or", "stride_ok")
+    for name, ones, blocks in (("fp8 quantize rows", ("stride_tk", "stride_ok"), dict(BLOCK_R=4, BLOCK_K=1024)),
+                               ("fp8 quantize columns", ("stride_tr", "stride_ok"), dict(BLOCK_R=64, BLOCK_K=64))):
+        quant_scalars = dict(R="i32", K="i32", **{n: "i32" for n in strides if n not in ones})
+        yield name, fp8._quantize_kernel, quant_ptrs, quant_scalars, dict(num_warps=4, **{n: 1 for n in ones}, **blocks)
 
 
 def main():

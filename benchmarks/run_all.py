@@ -117,6 +117,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", default="bench_out", help="where the benchmarks write their CSVs (default bench_out)")
     parser.add_argument("--profile", action="store_true", help="each benchmark's --profile: a torch.profiler trace and ops table of "
                                                               "every timed call, in OUT/profile/")
+    parser.add_argument("--extra", default="", help="more flags for each benchmark, one string (--extra=--fp8: bench_train_step's fp8 run)")
     args = parser.parse_args(argv)
     names = benchmarks()
     chosen = [n.strip() for n in args.only.split(",") if n.strip()] or names
@@ -145,7 +146,7 @@ def main(argv: list[str]) -> int:
     if args.gpu_tests:
         parts.append(("gpu tests", [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider"], GPU_TEST_TAIL))
     for name in chosen:
-        flags = ["--out", args.out] + (["--smoke"] if args.smoke else []) + (["--profile"] if args.profile else [])
+        flags = ["--out", args.out] + (["--smoke"] if args.smoke else []) + (["--profile"] if args.profile else []) + shlex.split(args.extra)
         parts.append((name, [sys.executable, str(HERE / f"{name}.py"), *flags], None))
     for title, cmd, tail in parts:
         print(f"== {title}", flush=True)

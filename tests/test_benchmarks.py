@@ -102,11 +102,11 @@ def test_run_all_appends_each_benchmark_s_output_with_its_environment(tmp_path):
     assert all(any(e.get("ph") == "X" for e in json.loads(t.read_text())["traceEvents"]) for t in traces)
     table = (tmp_path / "csv" / "profile" / "bench_rope.txt").read_text()
     assert table.count("\n== ") + table.startswith("== ") == len(traces) and "Self CPU" in table
-    second = _run_all(tmp_path, "--only", "bench_loss", "--timeout", "0.5")
+    second = _run_all(tmp_path, "--only", "bench_loss", "--timeout", "0.5", "--extra=--fp8 --model small")
     assert second.returncode == 1
     again = (tmp_path / "RESULTS.md").read_text()
     assert again.startswith(text) and again.count("\n## ") == 1  # appended: the first run kept
-    assert "### bench_loss\n" in again and "timed out after 0.5 s" in again and again.rstrip().endswith("Did not exit 0: bench_loss.")
+    assert "### bench_loss\n" in again and "timed out after 0.5 s" in again and "--smoke --fp8 --model small`" in again and again.rstrip().endswith("Did not exit 0: bench_loss.")
 
 
 def test_run_all_refuses_unknown_benchmarks_and_bad_timeouts(tmp_path):

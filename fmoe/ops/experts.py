@@ -432,7 +432,7 @@ def _fp8_gemm(a_RK: torch.Tensor, w: torch.Tensor, offsets_E: torch.Tensor, tran
     to a's dtype."""
     w_EOC = w if trans_w else w.transpose(-2, -1)  # [E, out, contracted]
     a_fp8, scale_a = fp8_quantize(a_RK, 1)
-    w_fp8, scale_w = fp8_quantize(w_EOC.contiguous(), 2)
+    w_fp8, scale_w = fp8_quantize(w_EOC, 2)  # [E, out, contracted] row-major: the Triton kernel reads w's strides
     if torch_gmm and a_RK.is_cuda:
         out_RN = torch._scaled_grouped_mm(a_fp8, w_fp8.transpose(-2, -1), scale_a.reshape(-1), scale_w.squeeze(-1),
                                           offs=offsets_E, out_dtype=a_RK.dtype)

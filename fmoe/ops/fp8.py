@@ -37,10 +37,13 @@ Paths: "auto" / "triton" run torch._scaled_mm on the quantized operands (cuBLAS 
 for bfloat16 x with K and N multiples of 16; CPU runs it for any float dtype), "torch" the
 float32 emulation that defines the values: the dequantized operands (exact) multiplied in
 float32, rounded to x's dtype. Where the CUDA fast path does not apply, "auto" emulates
-too. The quantization is plain torch in a torch.autograd.Function, no custom op: under
-torch.compile it is traced with the GEMM, each operand's amax, scale and cast fused. There
-is no Triton kernel of our own: the GEMMs are the vendor's. (grouped_mlp's quantization
-runs inside its grouped-GEMM custom op, opaque to the compiler.)
+too. The GEMMs are the vendor's. The quantization: on CUDA outside torch.compile, one
+Triton kernel per operand (_quantize_kernel: the amax pass and the quantize pass over each
+slice, one byte written per value, any input strides, the output laid out as the GEMM reads
+it), the same bits as the torch ops; under torch.compile the torch ops, in a
+torch.autograd.Function (no custom op), so the compiler traces them with the GEMM and fuses
+each operand's amax, scale and cast. grouped_mlp's quantization runs inside its
+grouped-GEMM custom op, always by the kernel on CUDA.
 
 Legend: M rows (tokens), K contracted dim, N output dim; R rows of x_perm, E experts.
 """
@@ -48,8 +51,10 @@ Legend: M rows (tokens), K contracted dim, N output dim; R rows of x_perm, E exp
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
-from fmoe.ops.backend import IMPLS
+from fmoe.ops.backend import IMPLS, next_pow2, use_triton
 from fmoe.ops.checks import FLOAT_DTYPES
 
 E4M3 = torch.float8_e4m3fn
@@ -78,6 +83,100 @@ def _quantize(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     return (t.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
 
 
+# ----------------------------------------------------------------------------------------
+# 1b. The quantization kernel (the same bits as _quantize)
+# ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _e4m3_bits(q):
+    """The e4m3fn byte (in an int32) of float32 q, |q| <= 448 or NaN, rounded to nearest even.
+    Assembled by hand rather than by a cast, so the interpreter gives the GPU's bits."""
+    bits = q.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = tl.abs(q)
+    a_bits = a.to(tl.int32, bitcast=True)
+    # normal (|q| >= 2^-6): float32's 23 mantissa bits rounded to 3, ties to even; a carry
+    # moves into the exponent; the exponent rebiased from 127 to 7
+    kept = (a_bits + 0x7FFFF + ((a_bits >> 20) & 1)) >> 20
+    normal = (((kept >> 3) - 120) << 3) | (kept & 7)
+    # subnormal: a multiple of 2^-9 (float32's ulp at 2^14), 8 of them being 2^-6's byte
+    sub = (((a + 16384.0) - 16384.0) * 512.0).to(tl.int32)
+    byte = tl.where(a < 0.015625, sub, normal)
+    return tl.where(q != q, 0x7F, byte) | sign
+
+
+@triton.jit
+def _quantize_kernel(t_ptr, out_ptr, scale_ptr, R, K, stride_tb, stride_tr, stride_tk, stride_ob, stride_or, stride_ok,
+                     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Slices r of batch b of t [B, R, K] (any strides), each over K: the scale (pow2_scale of
+    its amax) to scale[b, r], its values t / scale clamped to +-448 as e4m3 bytes to out
+    (uint8, any strides). Two passes over K: the amax, then the bytes."""
+    pid_r, b = tl.program_id(0), tl.program_id(1)
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < R
+    t_rows = t_ptr + b.to(tl.int64) * stride_tb + rows.to(tl.int64)[:, None] * stride_tr
+    out_rows = out_ptr + b.to(tl.int64) * stride_ob + rows.to(tl.int64)[:, None] * stride_or
+    amax = tl.zeros([BLOCK_R], dtype=tl.float32)
+    nan = tl.zeros([BLOCK_R], dtype=tl.int32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        mask = row_ok[:, None] & (ks < K)[None, :]
+        x = tl.load(t_rows + ks.to(tl.int64)[None, :] * stride_tk, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+        nan = nan | tl.max((x != x).to(tl.int32), axis=1)
+    # pow2_scale by the bits of amax / 448: the smallest power of two at least that (its
+    # exponent field, +1 unless it is one); 1 for 0, 2^-126 below the normal numbers
+    ratio = tl.div_rn(amax, 448.0)
+    bits = ratio.to(tl.int32, bitcast=True)
+    exponent, mantissa = (bits >> 23) & 0xFF, bits & 0x7FFFFF
+    field = tl.where(mantissa == 0, exponent, exponent + 1)
+    field = tl.where(exponent == 0, tl.where(mantissa == 0, 127, 1), field)
+    big = field >= 255  # amax / 448 infinite (or NaN), or rounding up to 2^128: infinite
+    scale = tl.where(big, float("inf"), (field << 23).to(tl.float32, bitcast=True))
+    inv = tl.where(big, 0.0, ((254 - field) << 23).to(tl.float32, bitcast=True))  # 1 / scale, exactly
+    scale = tl.where(nan != 0, float("nan"), scale)
+    inv = tl.where(nan != 0, float("nan"), inv)
+    tl.store(scale_ptr + b.to(tl.int64) * R + rows, scale, mask=row_ok)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        mask = row_ok[:, None] & (ks < K)[None, :]
+        x = tl.load(t_rows + ks.to(tl.int64)[None, :] * stride_tk, mask=mask, other=0.0).to(tl.float32)
+        q = tl.clamp(x * inv[:, None], -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
+        tl.store(out_rows + ks.to(tl.int64)[None, :] * stride_ok, _e4m3_bits(q).to(tl.uint8), mask=mask)
+
+
+def _quantize_triton(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """_quantize by _quantize_kernel: t_fp8 laid out with `dim` innermost (row-major over the
+    other dims in their order), which is the layout torch._scaled_mm and
+    torch._scaled_grouped_mm read each operand in; the scale as _quantize's."""
+    moved = t.movedim(dim, -1)
+    shape = moved.shape
+    view = moved.reshape(-1, *shape[-2:]) if moved.ndim >= 3 else moved.reshape(1, -1, shape[-1])
+    if view.shape[0] > 65535:  # the grid's second dim
+        view = moved.reshape(1, -1, shape[-1])
+    B, R, K = view.shape
+    out = torch.empty(B, R, K, dtype=E4M3, device=t.device)
+    scale = torch.empty(B, R, dtype=torch.float32, device=t.device)
+    if out.numel():
+        rows_inner = view.stride(2) != 1 and view.stride(1) == 1  # slices along memory: a weight's columns
+        block_r, block_k = (64, 64) if rows_inner else (4, min(1024, next_pow2(K)))
+        grid = (triton.cdiv(R, block_r), B)
+        _quantize_kernel[grid](view, out.view(torch.uint8), scale, R, K, *view.stride(), *out.stride(), BLOCK_R=block_r, BLOCK_K=block_k)
+    elif B * R:
+        scale.fill_(1.0)  # empty slices: amax 0
+    return out.reshape(shape).movedim(-1, dim), scale.reshape(*shape[:-1], 1).movedim(-1, dim)
+
+
+def _quantize_fast(t: torch.Tensor, dim: int, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """_quantize's bits: the kernel where use_triton(impl, t) picks it, except while
+    torch.compile traces (the torch ops, for it to fuse)."""
+    if use_triton(impl, t) and not torch.compiler.is_compiling():
+        return _quantize_triton(t, dim)
+    t_fp8, scale = _quantize(t.movedim(dim, -1).contiguous(), -1)  # the kernel's layout: dim innermost
+    return t_fp8.movedim(-1, dim), scale.movedim(-1, dim)
+
+
 def _dequantized(t: torch.Tensor, dim: int) -> torch.Tensor:
     """q(t) along dim as exact float32 values."""
     t_fp8, scale = _quantize(t, dim)
@@ -95,11 +194,11 @@ def fp8_mm_ref(a_MK: torch.Tensor, b_KN: torch.Tensor) -> torch.Tensor:
 
 
 def _scaled_mm(a_MK: torch.Tensor, b_KN: torch.Tensor) -> torch.Tensor:
-    """q_K(a) @ q_K(b) by torch._scaled_mm: a row-major, b column-major (quantized from its
-    transpose, which is where a weight's copy goes anyway), scales [M, 1] and [1, N]."""
-    a_fp8, scale_a = _quantize(a_MK.contiguous(), 1)
-    bt_fp8, scale_bt = _quantize(b_KN.t().contiguous(), 1)  # [N, K] row-major = b column-major
-    return torch._scaled_mm(a_fp8, bt_fp8.t(), scale_a=scale_a, scale_b=scale_bt.t(), out_dtype=a_MK.dtype)
+    """q_K(a) @ q_K(b) by torch._scaled_mm: each operand quantized with K innermost (a
+    row-major, b column-major, as cuBLAS reads them), scales [M, 1] and [1, N]."""
+    a_fp8, scale_a = _quantize_fast(a_MK, 1)
+    b_fp8, scale_b = _quantize_fast(b_KN, 0)  # K innermost: b column-major
+    return torch._scaled_mm(a_fp8, b_fp8, scale_a=scale_a, scale_b=scale_b, out_dtype=a_MK.dtype)
 
 
 def _gemm(a_MK: torch.Tensor, b_KN: torch.Tensor, scaled_mm: bool) -> torch.Tensor:
@@ -136,17 +235,21 @@ class _FP8MatMul(torch.autograd.Function):
 # ----------------------------------------------------------------------------------------
 
 
-def fp8_quantize(t: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_quantize(t: torch.Tensor, dim: int = -1, *, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Row-wise e4m3 quantization with power-of-two scales (module docstring).
 
     Args:
-        t: a float32 / bfloat16 / float16 tensor of at least one dim.
+        t: a float32 / bfloat16 / float16 tensor of at least one dim, any strides.
         dim: the dim each scale covers (a GEMM's contracted dim).
+        impl: "auto" (the Triton kernel on CUDA, except under torch.compile; torch ops
+            otherwise), "triton" or "torch": the same bits.
 
     Returns:
-        (t_fp8, scale): t_fp8 float8_e4m3fn of t's shape; scale float32 of t's shape with
-        `dim` of size 1, a power of two per slice; t_fp8.float() * scale is the quantized t
-        (t itself wherever t / scale is an e4m3 value; e4m3 keeps 3 mantissa bits, so 600
+        (t_fp8, scale): t_fp8 float8_e4m3fn of t's shape, laid out with `dim` innermost
+        (stride 1; the other dims row-major in their order: the layout torch._scaled_mm and
+        torch._scaled_grouped_mm take an operand in); scale float32 of t's shape with `dim`
+        of size 1, a power of two per slice; t_fp8.float() * scale is the quantized t (t
+        itself wherever t / scale is an e4m3 value; e4m3 keeps 3 mantissa bits, so 600
         becomes 576 below).
 
     Example:
@@ -159,7 +262,7 @@ def fp8_quantize(t: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Te
         raise ValueError(f"t: expected a float32 / bfloat16 / float16 tensor of at least 1 dim, got {got}")
     if isinstance(dim, bool) or not isinstance(dim, int) or not -t.ndim <= dim < t.ndim:
         raise ValueError(f"dim: expected an int in {-t.ndim}..{t.ndim - 1} (t has {t.ndim} dims), got {dim!r}")
-    return _quantize(t, dim)
+    return _quantize_fast(t, dim, impl)
 
 
 def _fast_path(x: torch.Tensor, K: int, N: int) -> bool:

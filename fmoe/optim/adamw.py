@@ -222,11 +222,11 @@ def _adamw_triton(cache, bucket, params, grads, exp_avgs, exp_avg_sqs, masters, 
 
 @triton.jit
 def _scale_kernel(table_ptr, chunk_tensor_ptr, factor_ptr, n_tensors, TY: tl.constexpr, ALIGNED: tl.constexpr,
-                  CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                  ROUND_FACTOR: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     """Program c multiplies elements [j*CHUNK, (j+1)*CHUNK) of tensor i = chunk_tensor[c] in
-    place by factor_ptr[0]: in float32, rounded to nearest even in TY. table [2, n_tensors]
-    (int64): each tensor's address, then its element count; chunk_tensor[c] = j << 32 | i
-    (the tables above)."""
+    place by factor_ptr[0] (first rounded to TY with ROUND_FACTOR): in float32, rounded to
+    nearest even in TY. table [2, n_tensors] (int64): each tensor's address, then its
+    element count; chunk_tensor[c] = j << 32 | i (the tables above)."""
     c = tl.program_id(0)
     entry = tl.load(chunk_tensor_ptr + c)
     i = entry & 0xFFFFFFFF
@@ -234,6 +234,8 @@ def _scale_kernel(table_ptr, chunk_tensor_ptr, factor_ptr, n_tensors, TY: tl.con
     numel = tl.load(table_ptr + n_tensors + i)
     t_ptr = tl.load(table_ptr + i).to(tl.pointer_type(TY))
     factor = tl.load(factor_ptr).to(tl.float32)
+    if ROUND_FACTOR:
+        factor = factor.to(TY).to(tl.float32)
     if ALIGNED:  # every address and size of the launch is a multiple of 16: vector accesses
         numel = tl.multiple_of(numel, 16)
         t_ptr = tl.multiple_of(t_ptr, 16)
@@ -250,7 +252,10 @@ _SCALE_TABLES = _TableCache()  # gradients keep their addresses from step to ste
 def scale_(tensors: Sequence[torch.Tensor], factor: torch.Tensor, *, impl: str = "auto") -> None:
     """Multiply every tensor in place by the 0-D tensor `factor`, each product formed in
     float32 and rounded to the tensor's dtype: the bits of t.mul_(factor), whatever the
-    dtypes (torch's own rule for a 0-D factor: the tensor keeps its dtype).
+    dtypes (torch's own rule for a 0-D factor: the tensor keeps its dtype). Torch's rule
+    differs by device, and so does this: on CUDA a 0-D CUDA factor is an input like any
+    other, cast to the tensor's dtype before the multiply (a bf16 gradient is multiplied by
+    the factor rounded to bf16), on CPU it is a scalar kept in float32.
 
     impl "auto": on CUDA one Triton launch per dtype (and per alignment) over every
     contiguous float32 / bf16 / fp16 tensor; torch._foreach_mul_ otherwise (CPU, other
@@ -275,7 +280,14 @@ def scale_(tensors: Sequence[torch.Tensor], factor: torch.Tensor, *, impl: str =
             continue
         numels = [t.numel() for t in group]
         table, entries = _SCALE_TABLES.get((device, dtype, aligned), [group], numels)
-        _scale_kernel[(entries.numel(),)](table, entries, here, len(group), TY=_TL[dtype], ALIGNED=aligned, CHUNK=CHUNK, **_META)
+        _scale_kernel[(entries.numel(),)](table, entries, here, len(group), TY=_TL[dtype], ALIGNED=aligned,
+                                          ROUND_FACTOR=_torch_rounds_factor(device), CHUNK=CHUNK, **_META)
+
+
+def _torch_rounds_factor(device: torch.device) -> bool:
+    """Whether t.mul_(factor) on `device` rounds a 0-D factor on the same device to t's dtype
+    first: on CUDA (TensorIterator casts it like any input), not on CPU (a CPU scalar)."""
+    return device.type == "cuda"
 
 
 # ----------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from fmoe.ops import fp8 as fp8_module
+from fmoe.ops.backend import interpreting
 from fmoe.ops import fp8_matmul, fp8_quantize, grouped_mlp
 from fmoe.train.metrics import HostReads
 
@@ -85,6 +86,52 @@ def test_quantize_edges():
     t_fp8, s = fp8_quantize(bad)
     deq = t_fp8.float() * s
     assert not torch.isfinite(deq[0]).all() and not torch.isfinite(deq[1]).all() and torch.isfinite(deq[2]).all()
+
+
+def _bits(t_fp8, scale):
+    """(the bytes with NaN ones set to 0x7F, the NaN mask, the scale with NaN as -1): what
+    two quantizations must share (a NaN's sign bit is free)."""
+    nan = torch.isnan(t_fp8.float())
+    return t_fp8.view(torch.uint8).masked_fill(nan, 0x7F), nan, scale.nan_to_num(-1.0)
+
+
+def _special_rows(dtype):
+    """Rows that hit every branch of the kernel's bit arithmetic: ties between e4m3 values,
+    e4m3 subnormals and their rounding into 2^-6, float32 subnormal inputs, amax exactly at
+    and a hair above 448 * 2^k, zeros, infinities and NaN, a huge dynamic range."""
+    ties = 0.5 * (E4M3_VALUES[1:] + E4M3_VALUES[:-1])
+    rows = [torch.cat([torch.tensor([448.0]), ties[ties.abs() < 448][::3]]),
+            torch.tensor([448.0, 2.0**-9 * 7.5, 2.0**-9 * 0.5, 2.0**-9 * 1.5, 2.0**-9 * 2.5, 2.0**-6 * 0.99, -(2.0**-10), 0.0]),
+            torch.tensor([448.0 * 8, torch.nextafter(torch.tensor(448.0 * 8), torch.tensor(1e9)).item(), 3.0, -5.0]),
+            torch.zeros(4), torch.tensor([1.0, float("inf"), -2.0, 0.5]),
+            torch.tensor([1.0, float("nan"), -2.0, 0.5]), torch.tensor([-float("inf"), 1.0, 0.0, -0.0]),
+            torch.tensor([3e38, 1e-30, -1.0, 7.0])]
+    if dtype != torch.bfloat16 or not interpreting():  # the interpreter reads bf16 subnormals wrong (a GPU does not)
+        rows.append(torch.tensor([1e-40, -3e-42, 2e-39, 0.0]))
+    width = max(len(r) for r in rows)
+    return torch.stack([torch.cat([r, r[:1].expand(width - len(r))]) for r in rows]).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_quantize_kernel_gives_the_torch_bits(dtype):
+    """The Triton kernel (impl="triton", the CUDA path) and the torch ops give the same bytes
+    and scales, for every special value, slices along and across memory (a weight's columns),
+    3-D batches, strided views; both lay t_fp8 out with `dim` innermost."""
+    torch.manual_seed(2)
+    special = _special_rows(dtype)
+    wide = (torch.randn(6, 70) * torch.logspace(-8, 8, 70)).to(dtype)
+    batch = torch.randn(3, 20, 33).to(dtype)
+    cases = [(special, 1), (special.t(), 0), (wide, 1), (wide, 0), (wide[:, 5:61:2], 1), (wide.t(), 1),
+             (batch, 2), (batch, 1), (batch.transpose(1, 2), 2), (torch.randn(5).to(dtype), 0), (batch[:, :, 0], 0)]
+    for t, dim in cases:
+        kernel, ref = fp8_quantize(t, dim, impl="triton"), fp8_quantize(t, dim, impl="torch")
+        for a, b in zip(_bits(*kernel), _bits(*ref)):
+            assert torch.equal(a, b), (tuple(t.shape), t.stride(), dim)
+        for t_fp8 in (kernel[0], ref[0]):
+            assert t_fp8.shape == t.shape and t_fp8.stride(dim) == 1 and t_fp8.movedim(dim, -1).is_contiguous()
+    assert torch.isnan(fp8_quantize(special, 1, impl="triton")[1]).any(), "a NaN row's scale is NaN, as torch's"
+    empty_fp8, empty_scale = fp8_quantize(torch.zeros(0, 4, dtype=dtype), 1, impl="triton")
+    assert empty_fp8.shape == (0, 4) and empty_scale.shape == (0, 1)
 
 
 def test_scale_does_not_change_values_above_subnormals():
@@ -387,6 +434,22 @@ def test_gpu_scaled_grouped_mm_equals_the_emulation(align):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_quantize_kernel_gives_the_torch_bits(dtype):
+    """The compiled kernel (its bit arithmetic, the subnormal rounding by adding 2^14, div_rn)
+    against torch's ops on the GPU: the special rows (bf16 subnormals included, which the
+    interpreter cannot read) and real-size rows and weight columns."""
+    torch.manual_seed(0)
+    special = _special_rows(dtype).cuda()
+    x = (torch.randn(4096, 2048, device="cuda") * torch.logspace(-6, 6, 2048, device="cuda")).to(dtype)
+    w = torch.randn(8, 2048, 768, device="cuda").to(dtype)
+    for t, dim in ((special, 1), (special.t(), 0), (x, 1), (w, 1), (w, 2), (w.transpose(1, 2), 2)):
+        kernel, ref = fp8_quantize(t, dim), fp8_quantize(t, dim, impl="torch")
+        for a, b in zip(_bits(*kernel), _bits(*ref)):
+            assert torch.equal(a, b), (tuple(t.shape), t.stride(), dim)
+
+
+@pytest.mark.gpu
 def test_gpu_fp8_model_step_makes_no_host_sync():
     from fmoe.model import Transformer, TransformerConfig
     from fmoe.train.data import make_batch
@@ -397,8 +460,10 @@ def test_gpu_fp8_model_step_makes_no_host_sync():
     model = Transformer(cfg).to(device="cuda", dtype=torch.bfloat16)
     model.reset_parameters(seed=0)
     batch = make_batch(torch.randint(0, 512, (1024,)), torch.tensor([0, 300, 1024]), mtp_depth=1).to("cuda")
+    ctx = model.context(batch)  # the batch's attention context, built before the step as the loop does
+
     def step(b):
-        return model(b)[0]["lm_sum"]
+        return model(b, ctx)[0]["lm_sum"]
 
     step(batch).backward()  # warm-up: compiles FlexAttention, allocates
     model.zero_grad()

@@ -105,6 +105,23 @@ def test_scale_is_mul_bit_for_bit(impl, factor_dtype):
     assert not torch.equal(tensors[1], _mixed_tensors()[1])  # it did scale
 
 
+def test_scale_kernel_rounds_the_factor_as_torch_does_on_cuda(monkeypatch):
+    """On CUDA torch casts a 0-D CUDA factor to the tensor's dtype before it multiplies; the
+    kernel's branch for that rule (taken on CUDA) gives t * round(factor) bit for bit, which
+    differs from the float32 factor's product for bf16 and fp16."""
+    import fmoe.optim.adamw as adamw
+
+    monkeypatch.setattr(adamw, "_torch_rounds_factor", lambda device: True)
+    tensors = _mixed_tensors()
+    factor = torch.tensor(0.3129)
+    expected = [t.clone().mul_(factor.to(t.dtype)) for t in tensors[:-1]]  # a CPU scalar of t's dtype, read exactly
+    unrounded = [t.clone().mul_(factor) for t in tensors[:-1]]
+    scale_(tensors, factor, impl="triton")
+    for t, e in zip(tensors, expected):
+        assert t.dtype == e.dtype and torch.equal(t, e)
+    assert not torch.equal(tensors[1], unrounded[1]) and not torch.equal(tensors[3], unrounded[3])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, None])
 @pytest.mark.parametrize("norm_type", [2.0, INF])
 def test_clip_with_the_kernel_is_torch_bit_for_bit(dtype, norm_type):
@@ -134,7 +151,8 @@ def test_scale_and_clip_on_cuda_are_torch_bit_for_bit():
     factor = torch.tensor(0.0371, device="cuda")
     expected = [t.clone().mul_(factor) for t in tensors]
     scale_(tensors, factor)
-    assert all(torch.equal(t, e) for t, e in zip(tensors, expected))
+    differ = [(tuple(t.shape), t.dtype, (t.float() - e.float()).abs().max().item()) for t, e in zip(tensors, expected) if not torch.equal(t, e)]
+    assert not differ, f"(shape, dtype, max difference) of the tensors that differ from mul_: {differ}"
     params = [torch.nn.Parameter(torch.zeros_like(t)) for t in tensors]
     for p, t in zip(params, tensors):
         p.grad = t.clone()
