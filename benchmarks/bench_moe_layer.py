@@ -10,8 +10,9 @@ Shapes (T tokens, H hidden, E experts, k per token, F expert FFN, shared experts
 Implementations (same softmax-top-k routing math, bf16 experts, float32 router):
     fmoe      fmoe.layers.moe (fused router, Triton permute/unpermute, torch._grouped_mm
               experts with the fused SwiGLU on Hopper)
-    fmoe scatter  the same with permute's rows (and unpermute's backward) filled by token,
-              each x row read once (fmoe.ops.dispatch.PERMUTE_BY = "scatter"), not by row
+    fmoe gather  the same with permute's rows (and unpermute's backward) filled by row, each
+              reading its token's x row (fmoe.ops.dispatch.PERMUTE_BY = "gather"), not by
+              token (the default "scatter": each x row read once)
     fmoe fp8  the same with MoEConfig.fp8: the experts' forward and input-gradient GEMMs in
               fp8 (torch._scaled_grouped_mm on Hopper; fmoe.ops.fp8_matmul's row-wise
               power-of-two scales), its FLOP/s still over the bf16 matmul rate; its output
@@ -158,13 +159,13 @@ def run_shape(shape, device, dtype, impl, rate, bandwidth):
     cfg_fp8 = dataclasses.replace(cfg, fp8=True)
     impls = {
         "fmoe": lambda: moe(x, p, cfg)[0],
-        "fmoe scatter": lambda: permuting_by("scatter", lambda: moe(x, p, cfg)[0]),
+        "fmoe gather": lambda: permuting_by("gather", lambda: moe(x, p, cfg)[0]),
         "fmoe fp8": lambda: moe(x, p, cfg_fp8)[0],
         "loop": lambda: loop_moe(x, p, shape.k),
         "strong": lambda: strong_moe(x, p, shape.k),
     }
     ref = impls["fmoe"]().detach().float()
-    for name in ("fmoe scatter", "fmoe fp8", "loop", "strong"):
+    for name in ("fmoe gather", "fmoe fp8", "loop", "strong"):
         err = rel_err(impls[name]().detach(), ref)
         if err > (0.15 if name == "fmoe fp8" else 2e-2):
             sys.exit(f"{shape.name}: {name} differs from fmoe by {err:.3g} (relative norm)")

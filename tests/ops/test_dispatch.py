@@ -150,6 +150,8 @@ def test_scatter_equals_gather(T, k, E, align, dtype, drop, device, monkeypatch)
         _x(T, H, dtype, device), experts, E, align, torch.randn(R, H, device=device).to(dtype), torch.rand(T, k, device=device),
         torch.randn(R, H, device=device), torch.randn(T, H, device=device),
     )
+    assert dispatch.PERMUTE_BY == "scatter"  # the default
+    monkeypatch.setattr(dispatch, "PERMUTE_BY", "gather")
     gathered = _run(*args, impl="triton")
     monkeypatch.setattr(dispatch, "PERMUTE_BY", "scatter")
     monkeypatch.setattr(dispatch, "_permute_rows_kernel", None)  # the gather kernel cannot run now
