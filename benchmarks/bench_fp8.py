@@ -16,6 +16,9 @@ Implementations:
     fp8 compiled  the same under torch.compile(dynamic=False), which fuses fp8_matmul's
                   quantization (grouped_mlp's runs inside its grouped-GEMM custom op: the
                   experts' row times what the compiler leaves as it is)
+    fp8 fast accum  (experts only) grouped_mlp(fp8=True, fp8_fast_accum=True): the grouped
+                  GEMMs with use_fast_accum (the tensor cores' own accumulator); its rel_err
+                  beside fp8's says what that costs
     bf16          x @ w / grouped_mlp: every GEMM in the compute dtype
 
 A second table takes the experts' first GEMM (x [R, H] @ W_gate[e] [H, F]) apart, forward
@@ -76,7 +79,9 @@ def experts_case(R, E, H, F, device, dtype):
     def fp8():
         return grouped_mlp(x, *ws, offsets, check=False, fp8=True)
 
-    impls = {"fp8": fp8, "fp8 compiled": torch.compile(fp8, dynamic=False), "bf16": lambda: grouped_mlp(x, *ws, offsets, check=False)}
+    impls = {"fp8": fp8, "fp8 compiled": torch.compile(fp8, dynamic=False),
+             "fp8 fast accum": lambda: grouped_mlp(x, *ws, offsets, check=False, fp8=True, fp8_fast_accum=True),
+             "bf16": lambda: grouped_mlp(x, *ws, offsets, check=False)}
     exact = grouped_mlp(x.detach().float(), *(w.detach().float() for w in ws), offsets, check=False)
     return "experts", impls, (x, *ws), grad_y, 3 * 2 * R * H * F, exact
 

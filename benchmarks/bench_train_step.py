@@ -27,9 +27,10 @@ Implementations:
                     model under torch.compile
     fmoe eager      the same without torch.compile
     reference ops   impl="torch" for every op (the plain-torch references), eager
-With --fp8 instead: "fmoe compiled fp8" and "fmoe eager fp8" (TransformerConfig.fp8: the
-attention, MLP and expert GEMMs in fp8, fmoe.ops.fp8_matmul) beside "fmoe compiled" (bf16);
-MFU still counts the model's FLOPs over the bf16 matmul rate.
+With --fp8 instead: "fmoe compiled fp8" (TransformerConfig.fp8: the attention, MLP and
+expert GEMMs in fp8, fmoe.ops.fp8_matmul) and "fmoe compiled fp8 fast accum" (also
+fp8_fast_accum: the experts' grouped GEMMs with the tensor cores' own accumulator) beside
+"fmoe compiled" (bf16); MFU still counts the model's FLOPs over the bf16 matmul rate.
 
 Columns: median ms per step, tokens/s, TFLOP/s (SPEC 8 FLOPs per token of this batch's
 documents, times tokens, over the time), MFU as the fraction of the bf16 matmul rate measured
@@ -118,7 +119,7 @@ def host_syncs(step, fwd_bwd, device) -> tuple[int, int]:
 def main() -> None:
     def add_arguments(parser):
         parser.add_argument("--model", choices=sorted(MODELS), default="large", help="the model on CUDA (default: large)")
-        parser.add_argument("--fp8", action="store_true", help="time the fp8 model (compiled and eager) beside the compiled bf16 one")
+        parser.add_argument("--fp8", action="store_true", help="time the fp8 model (compiled, and with fp8_fast_accum) beside the compiled bf16 one")
 
     args, device, dtype, bandwidth = start(__doc__.splitlines()[0], add_arguments)
     base = SMOKE if args.smoke else MODELS[args.model]
@@ -130,17 +131,18 @@ def main() -> None:
     flops_per_token = metrics.model_flops_per_token(base, n_avg_keys=metrics.mean_attended_keys(batch["cu_seqlens"]))
     compile_kw = dict(backend="aot_eager") if args.smoke else {}
     fast = "triton" if args.smoke else "auto"
-    impls = {  # name: (impl, compiled, fp8)
-        "fmoe compiled": (fast, True, False),
-        "fmoe eager": (fast, False, False),
-        "reference ops": ("torch", False, False),
+    impls = {  # name: (impl, compiled, fp8, fp8_fast_accum)
+        "fmoe compiled": (fast, True, False, False),
+        "fmoe eager": (fast, False, False, False),
+        "reference ops": ("torch", False, False, False),
     }
     if args.fp8:
-        impls = {"fmoe compiled fp8": (fast, True, True), "fmoe compiled": impls["fmoe compiled"], "fmoe eager fp8": (fast, False, True)}
+        impls = {"fmoe compiled fp8": (fast, True, True, False), "fmoe compiled fp8 fast accum": (fast, True, True, True),
+                 "fmoe compiled": impls["fmoe compiled"]}
     rows = []
-    for name, (impl, compiled, fp8) in impls.items():
+    for name, (impl, compiled, fp8, fast_accum) in impls.items():
         torch.manual_seed(0)
-        cfg = dataclasses.replace(base, impl=impl, fp8=fp8)
+        cfg = dataclasses.replace(base, impl=impl, fp8=fp8, fp8_fast_accum=fast_accum)
         model = Transformer(cfg).to(device=device, dtype=dtype)
         forward = torch.compile(model, **compile_kw) if compiled else model
         optimizer = AdamW(model.parameters(), lr=1e-4, state_dtype=torch.bfloat16)

@@ -117,7 +117,8 @@ class Config:
     resume: bool = False
     init_from: str = ""             # a checkpoint (or a run's out_dir): start from its weights only
     init_from_hf: str = ""          # a Hugging Face folder (config.json + safetensors; fmoe.hf.FAMILIES): its model
-                                    # and weights (--model.* knobs other than mtp_depth, impl, ac, fp8, fp8_layers do not apply)
+                                    # and weights (--model.* knobs other than mtp_depth, impl, ac, fp8, fp8_layers,
+                                    # fp8_fast_accum do not apply)
     upcycle_from: str = ""          # a dense fmoe run (or checkpoint) or Hugging Face folder (fmoe.hf.DENSE_FAMILIES): its model,
                                     # with the --model.* knobs given (the MoE ones: n_dense, n_experts, k, ffn_expert, ...),
                                     # starts from its weights (fmoe.train.upcycle)
@@ -250,7 +251,7 @@ def main(argv: list[str]) -> None:
         hf_type = hf_json["model_type"]
         try:
             cfg.model = dataclasses.replace(hf_model, mtp_depth=cfg.model.mtp_depth, impl=cfg.model.impl, ac=cfg.model.ac, fp8=cfg.model.fp8,
-                                            fp8_layers=cfg.model.fp8_layers)
+                                            fp8_layers=cfg.model.fp8_layers, fp8_fast_accum=cfg.model.fp8_fast_accum)
         except ValueError as err:
             sys.exit(f"model knobs: {err}")
     # ------------------------------------------------------------------------ setup

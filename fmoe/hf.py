@@ -1872,13 +1872,13 @@ _MOE_ONLY = {"n_experts", "k", "ffn_expert", "n_shared", "shared_ffn", "shared_g
 def config_mismatch(cfg: TransformerConfig, hf: dict) -> dict[str, tuple]:
     """{field: (cfg's value, the value config.json `hf` maps to)} for each TransformerConfig
     field in which a model of `cfg` differs from the checkpoint's model (ignoring what does
-    not change the weights' meaning: impl, ac, init_std, the capacity, how the dense and MoE
+    not change the weights' meaning: impl, ac, fp8 and its knobs, init_std, the capacity, how the dense and MoE
     layers are spelled, and the MTP depth and mtp_norm of a family that stores MTP layers:
     save_pretrained writes MTP modules that use the final norm with a copy of it as their
     own); {} when `cfg` is that model."""
     family = FAMILIES[hf["model_type"]]
     back = TransformerConfig(**family.kwargs(hf))
-    ignored = {"impl", "ac", "fp8", "fp8_layers", "init_std", "ffn_dense", "n_dense", "n_shared", "moe_layers", "capacity_factor", "capacity_policy"}
+    ignored = {"impl", "ac", "fp8", "fp8_layers", "fp8_fast_accum", "init_std", "ffn_dense", "n_dense", "n_shared", "moe_layers", "capacity_factor", "capacity_policy"}
     if cfg.yarn_factor is None:
         ignored |= {"yarn_original_max_positions", "yarn_truncate"}
     if cfg.llama3_factor is None:

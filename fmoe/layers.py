@@ -95,7 +95,7 @@ from fmoe.ops.checks import check_float, check_index, check_positive_int, check_
 from fmoe.ops.delta import gated_delta_rule
 from fmoe.ops.dispatch import permute, unpermute
 from fmoe.ops.experts import EXPERT_BIASES, check_glu, grouped_mlp, swiglu
-from fmoe.ops.fp8 import check_fp8, matmul
+from fmoe.ops.fp8 import check_fp8, check_fp8_fast_accum, matmul
 from fmoe.ops.packed import roll_packed, sequence_ids
 from fmoe.ops.rope import (
     apply_rope,
@@ -125,7 +125,9 @@ class MoEConfig:
     routing weight scales the token on its way into the expert, and the experts' outputs are
     summed unweighted: y = sum_j expert_j(w_j x) (Llama 4) instead of sum_j w_j expert_j(x).
     fp8: the routed and shared experts' forward and input-gradient GEMMs in fp8 (row-wise
-    power-of-two scales, fmoe.ops.fp8_matmul; grouped_mlp's fp8).
+    power-of-two scales, fmoe.ops.fp8_matmul; grouped_mlp's fp8). fp8_fast_accum: the
+    routed experts' fp8 grouped GEMMs with the tensor cores' own accumulator on CUDA
+    (grouped_mlp's fp8_fast_accum; needs fp8).
     """
 
     n_experts: int
@@ -149,10 +151,12 @@ class MoEConfig:
     swiglu_offset: float = 0.0
     weights_on_input: bool = False
     fp8: bool = False
+    fp8_fast_accum: bool = False
 
     def __post_init__(self):
         check_glu(self.swiglu_alpha, self.swiglu_limit, self.swiglu_offset)
         check_fp8(self.fp8)
+        check_fp8_fast_accum(self.fp8_fast_accum, self.fp8)
         if not isinstance(self.weights_on_input, bool):
             raise ValueError(f"weights_on_input: expected a bool, got {self.weights_on_input!r}")
 
@@ -245,7 +249,7 @@ def local_experts(x_TH: torch.Tensor, routes: Routes, params, cfg: MoEConfig):
     x_perm, plan = permute(x_TH, routes.experts, cfg.n_experts, align=cfg.align, check=False, impl=cfg.impl)
     x_perm, weights = weigh_rows(x_perm, plan, routes.weights, cfg)
     y_perm = grouped_mlp(x_perm, params["w_gate"], params["w_up"], params["w_down"], plan.offsets, check=False, impl=cfg.impl,
-                         fp8=cfg.fp8, **expert_biases(params), **cfg.glu)
+                         fp8=cfg.fp8, fp8_fast_accum=cfg.fp8_fast_accum, **expert_biases(params), **cfg.glu)
     return unpermute(y_perm, plan, weights, impl=cfg.impl), plan.counts
 
 

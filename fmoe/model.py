@@ -50,6 +50,7 @@ from fmoe.layers import (EXPERT_BIASES, AttentionConfig, AttentionContext, Linea
                          attention_context, check_window, dense_mlp, linear_attention, linear_attention_shapes, local_experts, mla_shapes, moe)
 from fmoe.ops import linear_cross_entropy, route
 from fmoe.ops.checks import check_positive_int
+from fmoe.ops.fp8 import check_fp8_fast_accum
 from fmoe.ops.backend import local_tensor as _local
 
 # activation checkpointing (TransformerConfig.ac): what the backward recomputes instead of
@@ -334,7 +335,9 @@ class TransformerConfig:
     stay in the compute dtype. The weights and the optimizer are unchanged: only the GEMMs' operands are cast.
     fp8_layers: with fp8, only these trunk blocks' GEMMs in fp8, the others' and the MTP
     blocks' in the compute dtype (None: every block; e.g. all but the first and the last:
-    Megatron's first and last layers in bf16).
+    Megatron's first and last layers in bf16). fp8_fast_accum: the routed experts' fp8
+    grouped GEMMs with the tensor cores' own accumulator on CUDA (torch._scaled_grouped_mm's
+    use_fast_accum: 3.3x faster on an H100, less exact; fmoe.ops.grouped_mlp); needs fp8.
     """
 
     vocab_size: int = 258
@@ -423,6 +426,7 @@ class TransformerConfig:
     ac: str = "none"
     fp8: bool = False
     fp8_layers: Optional[tuple[int, ...]] = None
+    fp8_fast_accum: bool = False
 
     def __post_init__(self):
         if self.ac not in AC_MODES:
@@ -455,6 +459,7 @@ class TransformerConfig:
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         if self.fp8_layers is not None and self.fp8 is not True:
             raise ValueError("fp8_layers: the blocks whose GEMMs run in fp8, needs fp8=True")
+        check_fp8_fast_accum(self.fp8_fast_accum, self.fp8 is True)
         for name in ("moe_layers", "window_layers", "chunk_layers", "nope_layers", "linear_layers", "fp8_layers"):  # block lists: distinct indices, kept sorted
             layers = getattr(self, name)
             if layers is None:
@@ -531,6 +536,7 @@ class TransformerConfig:
             scale=self.route_scale, group_score_topk=self.group_score_topk, normalize=self.route_normalize, capacity_factor=self.capacity_factor, capacity_policy=self.capacity_policy, impl=self.impl,
             swiglu_alpha=self.swiglu_alpha, swiglu_limit=self.swiglu_limit, swiglu_offset=self.swiglu_offset,
             weights_on_input=self.route_on_input, fp8=self.fp8 if fp8 is None else fp8,
+            fp8_fast_accum=self.fp8_fast_accum and (self.fp8 if fp8 is None else fp8),
         )
 
     def linear_attention_config(self, fp8: Optional[bool] = None) -> LinearAttentionConfig:

@@ -206,7 +206,8 @@ def test_config_mismatch_names_the_fields_that_change_the_model(hf_run):
     folder, _ = hf_run
     config, cfg = hf.read_config(folder)
     assert hf.config_mismatch(cfg, config) == {}
-    assert hf.config_mismatch(dataclasses.replace(cfg, impl="triton", ac="full", capacity_factor=2.0, init_std=0.1), config) == {}
+    assert hf.config_mismatch(dataclasses.replace(cfg, impl="triton", ac="full", capacity_factor=2.0, init_std=0.1, fp8=True,
+                                                     fp8_fast_accum=True), config) == {}
     assert hf.config_mismatch(dataclasses.replace(cfg, qk_norm=None), config) == {"qk_norm": (None, "head")}
     assert hf.config_mismatch(dataclasses.replace(cfg, moe_layers=(1,)), config) == {"MoE layers": ([False, True], [True, True])}
     assert hf.config_mismatch(dataclasses.replace(cfg, n_shared=1), config) == {"shared_size": (24, 0)}

@@ -322,3 +322,12 @@ def check_fp8(value) -> bool:
         raise ValueError(f"fp8: expected a bool (True: the projections' GEMMs in fp8, fmoe.ops.fp8_matmul), got {value!r}")
     return value
 
+
+def check_fp8_fast_accum(value, fp8: bool) -> bool:
+    """The fp8_fast_accum knob as a bool, refused without fp8; ValueError otherwise."""
+    if not isinstance(value, bool):
+        raise ValueError(f"fp8_fast_accum: expected a bool (True: the experts' fp8 GEMMs with the tensor cores' own accumulator), got {value!r}")
+    if value and not fp8:
+        raise ValueError("fp8_fast_accum: the accumulation of the experts' fp8 GEMMs, needs fp8=True")
+    return value
+

@@ -317,6 +317,50 @@ def test_grouped_fp8_compiles_whole():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def _grouped_modes(fn):
+    """The fp8 mode (experts.FP8_OFF / ON / FAST) of each grouped-GEMM custom-op call fn()
+    makes, forward and backward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    modes = {"fwd": [], "bwd": []}
+    ops = {torch.ops.fmoe.grouped_gemm_fwd.default: "fwd", torch.ops.fmoe.grouped_gemm_bwd.default: "bwd"}
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func in ops:
+                modes[ops[func]].append(args[5 if ops[func] == "bwd" else 4] if len(args) > (5 if ops[func] == "bwd" else 4) else kwargs.get("fp8", 0))
+            return func(*args, **kwargs)
+
+    with Record():
+        fn()
+    return modes
+
+
+def test_grouped_fast_accum_reaches_the_scaled_gemm_and_changes_nothing_off_cuda(monkeypatch):
+    """fp8_fast_accum reaches every grouped GEMM (forward and input gradient) as the mode
+    FP8_FAST and _fp8_gemm as fast_accum=True (on CUDA torch._scaled_grouped_mm's
+    use_fast_accum, checked by a `gpu` test); elsewhere the values are fp8's own, bit for
+    bit, on every path. Refused without fp8, or not a bool."""
+    from fmoe.ops import experts
+
+    tensors, offsets, grad_y = _expert_problem(*CASES[1])
+    for impl in ("auto", "triton", "torch"):
+        slow = _expert_grads(tensors, offsets, grad_y, fp8=True, impl=impl)
+        fast = _expert_grads(tensors, offsets, grad_y, fp8=True, fp8_fast_accum=True, impl=impl)
+        assert all(torch.equal(a, b) for a, b in zip(slow, fast)), impl
+    seen = []
+    real = experts._fp8_gemm
+    monkeypatch.setattr(experts, "_fp8_gemm", lambda *a, **kw: seen.append(a[5] if len(a) > 5 else kw.get("fast_accum")) or real(*a, **kw))
+    modes = _grouped_modes(lambda: _expert_grads(tensors, offsets, grad_y, fp8=True, fp8_fast_accum=True))
+    assert modes == {"fwd": [experts.FP8_FAST] * 3, "bwd": [experts.FP8_FAST] * 3} and seen == [True] * 6, (modes, seen)
+    assert _grouped_modes(lambda: _expert_grads(tensors, offsets, grad_y, fp8=True)) == {"fwd": [experts.FP8_ON] * 3, "bwd": [experts.FP8_ON] * 3}
+    with pytest.raises(ValueError, match="fp8_fast_accum: the accumulation of the experts' fp8 GEMMs, needs fp8=True"):
+        grouped_mlp(*tensors, offsets, fp8_fast_accum=True)
+    with pytest.raises(ValueError, match="fp8_fast_accum: expected a bool"):
+        grouped_mlp(*tensors, offsets, fp8=True, fp8_fast_accum=1)
+
+
 # -------------------------------------------------------------------- the model's knob
 
 
@@ -374,6 +418,18 @@ def test_model_knob_reaches_every_projection_it_names():
     assert [some.cfg.is_fp8(i) for i in (0, 1, 2, None)] == [False, True, False, False]
     with pytest.raises(ValueError, match="fp8_layers: the blocks whose GEMMs run in fp8, needs fp8=True"):
         TransformerConfig(fp8_layers=(1,), **kw)
+    # fp8_fast_accum: the fp8 blocks' routed experts (block 1 here), not the MTP block's (not fp8)
+    from fmoe.layers import MoEConfig
+    from fmoe.ops.experts import FP8_FAST, FP8_OFF
+
+    fast = Transformer(TransformerConfig(fp8=True, fp8_layers=(1,), fp8_fast_accum=True, **kw))
+    fast.reset_parameters(seed=0)
+    assert _grouped_modes(lambda: fast(batch))["fwd"] == [FP8_FAST] * 3 + [FP8_OFF] * 6  # blocks 1, 2, the MTP block
+    assert fast.blocks[1].mlp.cfg.fp8_fast_accum and not fast.mtp[0].block.mlp.cfg.fp8_fast_accum
+    with pytest.raises(ValueError, match="fp8_fast_accum: the accumulation of the experts' fp8 GEMMs, needs fp8=True"):
+        TransformerConfig(fp8_fast_accum=True, **kw)
+    with pytest.raises(ValueError, match="fp8_fast_accum: the accumulation of the experts' fp8 GEMMs, needs fp8=True"):
+        MoEConfig(n_experts=4, k=2, fp8_fast_accum=True)
     with pytest.raises(ValueError, match="fp8_layers: expected distinct block indices in 0..2"):
         TransformerConfig(fp8=True, fp8_layers=(3,), **kw)
     plain, quantized = (out[f][1][0]["lm_sum"] for f in (False, True))
@@ -431,6 +487,37 @@ def test_gpu_scaled_grouped_mm_equals_the_emulation(align):
         assert torch.isfinite(a).all()
         assert float((a.float() - b.float()).norm() / b.float().norm()) < 1e-2
     assert torch.all(fast[0][int(offsets[-1]):] == 0) and torch.all(fast[1][int(offsets[-1]):] == 0)
+
+
+@pytest.mark.gpu
+def test_gpu_fast_accum_is_asked_for_and_stays_near_the_emulation():
+    """fp8_fast_accum calls torch._scaled_grouped_mm with use_fast_accum=True (forward and
+    input gradient) and, at an expert shape of the benchmarks (H 2048, F 768), stays within
+    2% of the float32 emulation, output and gradients (fp8's own error against the exact
+    product is about 6%: bench_fp8)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    torch.manual_seed(9)
+    E, H, F, rows = 8, 2048, 768, 1024
+    x = torch.randn(E * rows, H, device="cuda", dtype=torch.bfloat16)
+    ws = [(torch.randn(E, *s, device="cuda") / s[0] ** 0.5).to(torch.bfloat16) for s in ((H, F), (H, F), (F, H))]
+    offsets = torch.full((E,), rows, device="cuda").cumsum(0).to(torch.int32)
+    grad_y = torch.randn(E * rows, H, device="cuda", dtype=torch.bfloat16)
+    flags = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.ops.aten._scaled_grouped_mm.default:
+                flags.append(kwargs.get("use_fast_accum", args[8] if len(args) > 8 else False))
+            return func(*args, **kwargs)
+
+    with Record():
+        fast = _cuda_grads(lambda *t: grouped_mlp(*t, offsets, fp8=True, fp8_fast_accum=True), (x, *ws), grad_y)
+    assert flags == [True] * 6, flags
+    ref = _cuda_grads(lambda *t: grouped_mlp(*t, offsets, fp8=True, impl="triton"), (x, *ws), grad_y)
+    errors = [float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(fast, ref)]
+    assert all(e < 2e-2 for e in errors), f"relative errors of y, dx, dW_gate, dW_up, dW_down: {errors}"
 
 
 @pytest.mark.gpu
