@@ -329,7 +329,8 @@ def _grouped_modes(fn):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             if func in ops:
-                modes[ops[func]].append(args[5 if ops[func] == "bwd" else 4] if len(args) > (5 if ops[func] == "bwd" else 4) else kwargs.get("fp8", 0))
+                at = 5 if ops[func] == "bwd" else 4  # fp8's place: after (grad_y,) x, w, offsets, torch_gmm
+                modes[ops[func]].append(args[at] if len(args) > at else kwargs.get("fp8", 0))
             return func(*args, **kwargs)
 
     with Record():
