@@ -175,7 +175,7 @@ def run_shape(shape, device, dtype, impl, rate, bandwidth):
         if err > (0.15 if fp8 else 2e-2):
             sys.exit(f"{shape.name}: {name} differs from fmoe by {err:.3g} (relative norm)")
         if fp8:
-            print(f"{shape.name}: {name[5:]} experts differ from bf16 by {err:.3g} (relative norm)", flush=True)
+            print(f"{shape.name}: {name.removeprefix('fmoe ')} experts differ from bf16 by {err:.3g} (relative norm)", flush=True)
     print(f"{shape.name}: outputs agree; timing", flush=True)
 
     grad = torch.randn(shape.T, shape.H, device=device, dtype=dtype)

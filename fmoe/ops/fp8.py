@@ -50,6 +50,8 @@ Legend: M rows (tokens), K contracted dim, N output dim; R rows of x_perm, E exp
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -111,8 +113,11 @@ def _quantize_kernel(t_ptr, out_ptr, scale_ptr, R, K, stride_tb, stride_tr, stri
                      BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """Slices r of batch b of t [B, R, K] (any strides), each over K: the scale (pow2_scale of
     its amax) to scale[b, r], its values t / scale clamped to +-448 as e4m3 bytes to out
-    (uint8, any strides). Two passes over K: the amax, then the bytes."""
-    pid_r, b = tl.program_id(0), tl.program_id(1)
+    (uint8, any strides). Two passes over K: the amax, then the bytes. Program pid: batch
+    pid // cdiv(R, BLOCK_R), its block pid % cdiv(R, BLOCK_R) of BLOCK_R slices."""
+    pid = tl.program_id(0)
+    n_blocks = tl.cdiv(R, BLOCK_R)
+    b, pid_r = pid // n_blocks, pid % n_blocks
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < R
     t_rows = t_ptr + b.to(tl.int64) * stride_tb + rows.to(tl.int64)[:, None] * stride_tr
@@ -152,19 +157,16 @@ def _quantize_triton(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Ten
     torch._scaled_grouped_mm read each operand in; the scale as _quantize's."""
     moved = t.movedim(dim, -1)
     shape = moved.shape
-    view = moved.reshape(-1, *shape[-2:]) if moved.ndim >= 3 else moved.reshape(1, -1, shape[-1])
-    if view.shape[0] > 65535:  # the grid's second dim
-        view = moved.reshape(1, -1, shape[-1])
+    rows = shape[-2] if moved.ndim >= 2 else 1
+    view = moved.reshape(math.prod(shape[:-2]), rows, shape[-1])  # [B, R, K], sizes explicit: K or R may be 0
     B, R, K = view.shape
     out = torch.empty(B, R, K, dtype=E4M3, device=t.device)
     scale = torch.empty(B, R, dtype=torch.float32, device=t.device)
-    if out.numel():
+    if B * R:  # empty slices (K = 0) too: amax 0, scale 1
         rows_inner = view.stride(2) != 1 and view.stride(1) == 1  # slices along memory: a weight's columns
         block_r, block_k = (64, 64) if rows_inner else (4, min(1024, next_pow2(K)))
-        grid = (triton.cdiv(R, block_r), B)
+        grid = (B * triton.cdiv(R, block_r),)
         _quantize_kernel[grid](view, out.view(torch.uint8), scale, R, K, *view.stride(), *out.stride(), BLOCK_R=block_r, BLOCK_K=block_k)
-    elif B * R:
-        scale.fill_(1.0)  # empty slices: amax 0
     return out.reshape(shape).movedim(-1, dim), scale.reshape(*shape[:-1], 1).movedim(-1, dim)
 
 

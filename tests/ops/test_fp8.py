@@ -132,6 +132,8 @@ def test_quantize_kernel_gives_the_torch_bits(dtype):
     assert torch.isnan(fp8_quantize(special, 1, impl="triton")[1]).any(), "a NaN row's scale is NaN, as torch's"
     empty_fp8, empty_scale = fp8_quantize(torch.zeros(0, 4, dtype=dtype), 1, impl="triton")
     assert empty_fp8.shape == (0, 4) and empty_scale.shape == (0, 1)
+    no_values, scale = fp8_quantize(torch.zeros(3, 0, dtype=dtype), 1, impl="triton")
+    assert no_values.shape == (3, 0) and torch.equal(scale, torch.ones(3, 1)), "an empty slice's amax is 0: scale 1"
 
 
 def test_scale_does_not_change_values_above_subnormals():
@@ -317,25 +319,32 @@ def test_grouped_fp8_compiles_whole():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def _grouped_modes(fn):
-    """The fp8 mode (experts.FP8_OFF / ON / FAST) of each grouped-GEMM custom-op call fn()
-    makes, forward and backward."""
+def _args_of(fn, ops):
+    """{op: [the value of one argument in each call of op that fn() makes]}, ops {op: (the
+    argument's place, its name, its default)}: what reached the dispatcher."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    modes = {"fwd": [], "bwd": []}
-    ops = {torch.ops.fmoe.grouped_gemm_fwd.default: "fwd", torch.ops.fmoe.grouped_gemm_bwd.default: "bwd"}
+    seen = {op: [] for op in ops}
 
     class Record(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             if func in ops:
-                at = 5 if ops[func] == "bwd" else 4  # fp8's place: after (grad_y,) x, w, offsets, torch_gmm
-                modes[ops[func]].append(args[at] if len(args) > at else kwargs.get("fp8", 0))
+                at, name, default = ops[func]
+                seen[func].append(args[at] if len(args) > at else kwargs.get(name, default))
             return func(*args, **kwargs)
 
     with Record():
         fn()
-    return modes
+    return seen
+
+
+def _grouped_modes(fn):
+    """The fp8 mode (experts.FP8_OFF / ON / FAST) of each grouped-GEMM custom-op call fn()
+    makes, forward and backward (fp8's place: after (grad_y,) x, w, offsets, torch_gmm)."""
+    fwd, bwd = torch.ops.fmoe.grouped_gemm_fwd.default, torch.ops.fmoe.grouped_gemm_bwd.default
+    seen = _args_of(fn, {fwd: (4, "fp8", 0), bwd: (5, "fp8", 0)})
+    return {"fwd": seen[fwd], "bwd": seen[bwd]}
 
 
 def test_grouped_fast_accum_reaches_the_scaled_gemm_and_changes_nothing_off_cuda(monkeypatch):
@@ -368,23 +377,9 @@ def test_grouped_fast_accum_reaches_the_scaled_gemm_and_changes_nothing_off_cuda
 def _fp8_calls(model, batch):
     """How many fp8 GEMMs one forward makes: torch._scaled_mm calls (fp8_matmul on CPU, the
     dense projections) and grouped GEMM calls with fp8 set (experts)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    calls = {"dense": 0, "grouped": 0, "grouped_plain": 0}
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            if func is torch.ops.aten._scaled_mm.default:
-                calls["dense"] += 1
-            elif func is torch.ops.fmoe.grouped_gemm_fwd.default:
-                fp8 = args[4] if len(args) > 4 else kwargs.get("fp8", False)
-                calls["grouped" if fp8 else "grouped_plain"] += 1
-            return func(*args, **kwargs)
-
-    with Count():
-        model(batch)
-    return calls
+    dense, grouped = torch.ops.aten._scaled_mm.default, torch.ops.fmoe.grouped_gemm_fwd.default
+    seen = _args_of(lambda: model(batch), {dense: (0, "self", None), grouped: (4, "fp8", 0)})
+    return {"dense": len(seen[dense]), "grouped": sum(bool(m) for m in seen[grouped]), "grouped_plain": sum(not m for m in seen[grouped])}
 
 
 def test_model_knob_reaches_every_projection_it_names():
@@ -496,26 +491,17 @@ def test_gpu_fast_accum_is_asked_for_and_stays_near_the_emulation():
     input gradient) and, at an expert shape of the benchmarks (H 2048, F 768), stays within
     2% of the float32 emulation, output and gradients (fp8's own error against the exact
     product is about 6%: bench_fp8)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     torch.manual_seed(9)
     E, H, F, rows = 8, 2048, 768, 1024
     x = torch.randn(E * rows, H, device="cuda", dtype=torch.bfloat16)
     ws = [(torch.randn(E, *s, device="cuda") / s[0] ** 0.5).to(torch.bfloat16) for s in ((H, F), (H, F), (F, H))]
     offsets = torch.full((E,), rows, device="cuda").cumsum(0).to(torch.int32)
     grad_y = torch.randn(E * rows, H, device="cuda", dtype=torch.bfloat16)
-    flags = []
-
-    class Record(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            if func is torch.ops.aten._scaled_grouped_mm.default:
-                flags.append(kwargs.get("use_fast_accum", args[8] if len(args) > 8 else False))
-            return func(*args, **kwargs)
-
-    with Record():
-        fast = _cuda_grads(lambda *t: grouped_mlp(*t, offsets, fp8=True, fp8_fast_accum=True), (x, *ws), grad_y)
-    assert flags == [True] * 6, flags
+    scaled, out = torch.ops.aten._scaled_grouped_mm.default, []
+    seen = _args_of(lambda: out.extend(_cuda_grads(lambda *t: grouped_mlp(*t, offsets, fp8=True, fp8_fast_accum=True), (x, *ws), grad_y)),
+                    {scaled: (8, "use_fast_accum", False)})
+    assert seen[scaled] == [True] * 6, seen
+    fast = out
     ref = _cuda_grads(lambda *t: grouped_mlp(*t, offsets, fp8=True, impl="triton"), (x, *ws), grad_y)
     errors = [float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(fast, ref)]
     assert all(e < 2e-2 for e in errors), f"relative errors of y, dx, dW_gate, dW_up, dW_down: {errors}"
