@@ -24,7 +24,7 @@ Implementations:
 A second table takes the experts' first GEMM (x [R, H] @ W_gate[e] [H, F]) apart, forward
 only: torch._grouped_mm in bf16; torch._scaled_grouped_mm on operands quantized beforehand,
 with its default float32 accumulation and with use_fast_accum (the tensor cores' own
-accumulator, which fmoe does not use: the row says what it would gain); and the
+accumulator, fmoe's only with fp8_fast_accum: the row says what it gains); and the
 quantization of x (the rows) and of W_gate (each expert's columns) by fp8_quantize's Triton
 kernel (impl="auto" on CUDA) and by the torch ops (impl="torch"), with the fraction of the
 bytes floor (read the input once, write a byte per value and the scales, at the copy
