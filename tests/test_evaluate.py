@@ -11,6 +11,8 @@ import sys
 import pytest
 import torch
 
+from tests.exits import exits
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 import evaluate  # noqa: E402
@@ -123,17 +125,20 @@ def test_a_hugging_face_folder_on_byte_data(tmp_path, docs):
     assert refused.returncode != 0 and "the data's 258 token ids do not fit the model's vocab_size 64" in refused.stderr
 
 
-@pytest.mark.parametrize("args, message", [
+BAD_KNOBS = [
     (["--split=test"], "argument --split: invalid choice: 'test'"),
     (["--batches=-1"], "--batches: expected >= 0"),
     (["--tokens_per_micro_batch=100000000", "--batches=0", "--split=val"], "--tokens_per_micro_batch: no source of the val split holds"),
     (["--batches=100000"], "n_batches: 100000 batches of 128 tokens need"),
     (["--tp=2"], "parallel knobs (--tp, --ep, --etp, --cp) for 1 process(es), the rest FSDP2: "),
     (["--questions=3"], "--questions: counts the questions of --choices, which is not given"),
-])
-def test_bad_knobs_stop_with_a_message(run_dir, args, message):
-    cli = _cli(run_dir[0], *args)
-    assert cli.returncode != 0 and message in cli.stderr, cli.stderr[-2000:]
+]
+
+
+@pytest.mark.parametrize("case", range(len(BAD_KNOBS)), ids=[" ".join(args) for args, _ in BAD_KNOBS])
+def test_bad_knobs_stop_with_a_message(bad_exits, case):
+    got = bad_exits["knobs"][case]
+    assert got["status"] != 0 and BAD_KNOBS[case][1] in got["text"], got["text"][-2000:]
 
 
 def _reference_logprob(logits_fn, context, continuation):
@@ -248,7 +253,7 @@ def test_choices_of_a_hugging_face_folder_are_transformers_log_probabilities(tmp
     assert [x for lp in got for x in lp] == pytest.approx([x for lp in want for x in lp], rel=1e-5)
 
 
-@pytest.mark.parametrize("rows, args, message", [
+BAD_CHOICES = [
     ([dict(context="a", choices=["b"], answer=0)], [], "q.jsonl:1: expected 'context' a text and 'choices' a list of at least 2"),
     ([dict(context="a", choices=["b", "c"], answer=2)], [], "q.jsonl:1: answer: expected the index of the right choice, 0..1, got 2"),
     ([dict(context="a", choices=["b", "c"], answer=0), dict(context="", choices=["b", "c"], answer=0)], [], "q.jsonl:2: context: empty"),
@@ -263,8 +268,25 @@ def test_choices_of_a_hugging_face_folder_are_transformers_log_probabilities(tmp
     ([dict(context="a", choices=["b", "c"], answer=0)], ["--data=x", "--batches=2"], "--choices: the questions are the data; --data, --batches do not apply"),
     ([dict(context="a", choices=["b" * 200, "c"], answer=0)], ["--tokens_per_micro_batch=128"],
      "--tokens_per_micro_batch: a continuation of 200 tokens needs more than 128"),
-])
-def test_bad_choices_stop_with_a_message(run_dir, tmp_path, rows, args, message):
-    path = _write_jsonl(tmp_path / "q.jsonl", rows)
-    cli = _cli(run_dir[0], f"--choices={path}", *args)
-    assert cli.returncode != 0 and message in cli.stderr, cli.stderr[-2000:]
+]
+
+
+@pytest.fixture(scope="module")
+def bad_exits(run_dir, tmp_path_factory):
+    """How evaluate's main stops for each BAD_KNOBS and BAD_CHOICES case (each case's questions
+    in its own q.jsonl), all in one process (tests/exits.py); the command line's own exit:
+    test_a_hugging_face_folder_on_byte_data."""
+    root = tmp_path_factory.mktemp("bad")
+    knobs = [[run_dir[0], *args] for args, _ in BAD_KNOBS]
+    choices = []
+    for i, (rows, args, _) in enumerate(BAD_CHOICES):
+        (root / str(i)).mkdir()
+        choices.append([run_dir[0], f"--choices={_write_jsonl(root / str(i) / 'q.jsonl', rows)}", *args])
+    got = exits(ROOT / "examples" / "evaluate.py", knobs + choices)
+    return dict(knobs=got[:len(knobs)], choices=got[len(knobs):])
+
+
+@pytest.mark.parametrize("case", range(len(BAD_CHOICES)), ids=[BAD_CHOICES[i][2][:40] for i in range(len(BAD_CHOICES))])
+def test_bad_choices_stop_with_a_message(bad_exits, case):
+    got = bad_exits["choices"][case]
+    assert got["status"] != 0 and BAD_CHOICES[case][2] in got["text"], got["text"][-2000:]

@@ -13,6 +13,8 @@ import time
 
 import pytest
 
+from tests.exits import exits
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = ["--model.hidden=32", "--model.n_layers=2", "--model.n_dense=1", "--model.ffn_dense=64", "--model.n_experts=4", "--model.k=2", "--model.ffn_expert=32",
         "--model.n_heads=2", "--model.n_kv_heads=1", "--model.head_dim=16", "--tokens_per_micro_batch=128", "--batch_schedule=0:2",
@@ -282,41 +284,19 @@ BAD_KNOBS = [
     (["--memory_snapshot"], "--memory_snapshot: records the --profile steps; set --profile=START:END"),
     (["--profile=1", "--memory_snapshot"], "--memory_snapshot: records the CUDA allocator; this run is on cpu"),
 ]
-# every bad knob's message from one process: main(argv) per case, the SystemExit's text kept
-_EXITS = """
-import importlib.util, json, sys
-spec = importlib.util.spec_from_file_location("train_moe", sys.argv[1])
-sys.modules["train_moe"] = module = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(module)
-main = module.main
-messages = []
-for argv in json.loads(sys.argv[2]):
-    try:
-        main(argv)
-        messages.append(None)
-    except SystemExit as exit:
-        messages.append(str(exit.code))
-print(json.dumps(messages))
-"""
-
-
 @pytest.fixture(scope="module")
-def bad_knob_messages(tmp_path_factory):
-    """What `main` exits with for each BAD_KNOBS case, all in one process (a process per
-    case spent 6 s each importing torch). The command line's own exit: test_a_bad_knob_exits_the_process."""
+def bad_knob_exits(tmp_path_factory):
+    """How `main` stops for each BAD_KNOBS case, all in one process (tests/exits.py). The
+    command line's own exit: test_a_bad_knob_exits_the_process."""
     out = tmp_path_factory.mktemp("bad")
-    argvs = [[f"--out_dir={out}", *TINY, *args] for args, _ in BAD_KNOBS]
-    run = subprocess.run([sys.executable, "-c", _EXITS, str(ROOT / "examples" / "train_moe.py"), json.dumps(argvs)],
-                         capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "2"})
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.splitlines()[-1])
+    return exits(ROOT / "examples" / "train_moe.py", [[f"--out_dir={out}", *TINY, *args] for args, _ in BAD_KNOBS])
 
 
 @pytest.mark.parametrize("case", range(len(BAD_KNOBS)), ids=[" ".join(args) for args, _ in BAD_KNOBS])
-def test_bad_knobs_exit_with_a_message(bad_knob_messages, case):
-    message = bad_knob_messages[case]
-    assert message is not None, f"{BAD_KNOBS[case][0]} ran without complaint"
-    assert BAD_KNOBS[case][1] in message, message
+def test_bad_knobs_exit_with_a_message(bad_knob_exits, case):
+    got = bad_knob_exits[case]
+    assert got["status"] != 0, f"{BAD_KNOBS[case][0]} ran without complaint"
+    assert BAD_KNOBS[case][1] in got["text"], got["text"]
 
 
 def test_a_bad_knob_exits_the_process(tmp_path):
