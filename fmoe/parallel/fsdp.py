@@ -18,6 +18,11 @@ FSDP2. FSDP units, innermost first:
     each Block    over the dense data mesh (attention, norms, dense MLP)
     the model     embedding, head, final norm, MTP projections
 
+Every unit is sharded by shard_unit, which first hooks its forward to pass on an output
+that is an autograd view (DTensor's to_local at the edges of a tensor-parallel region, a
+reshape) as a tensor of its own, with no copy: FSDP2's pre-backward hook on a view is lost to
+any in-place op on it (and FSDP2 warns of every such output); on a tensor of its own it stays.
+
 No unit casts its forward inputs (cast_forward_inputs=False): the model's only inputs are
 token ids, every activation already comes out of a param_dtype computation, and the
 float32 RoPE tables of the micro-batch's context and the float32 gate weights of the
@@ -87,6 +92,41 @@ def shard_experts(moe: MoE, meshes: Meshes) -> None:
     moe.experts.dispatcher = ExpertParallel(meshes.axis("ep"), etp_mesh=meshes.axis("etp"), token_shards=meshes.tp * meshes.cp)
 
 
+class _Owned(torch.autograd.Function):
+    """t's values as a tensor that is not an autograd view of t (t.detach(): the same storage,
+    no copy); the gradient passes through unchanged."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def _owned(out):
+    """`out` (a tensor, or tuples, lists and dicts of them) with every output that requires
+    grad and is an autograd view replaced by _Owned's tensor of its own."""
+    if isinstance(out, torch.Tensor):
+        return _Owned.apply(out) if out.requires_grad and out._base is not None else out
+    if isinstance(out, tuple) and hasattr(out, "_fields"):  # a NamedTuple
+        return type(out)(*map(_owned, out))
+    if isinstance(out, (tuple, list)):
+        return type(out)(map(_owned, out))
+    if type(out) is dict:
+        return {k: _owned(v) for k, v in out.items()}
+    return out
+
+
+def shard_unit(module: nn.Module, **kwargs) -> nn.Module:
+    """fully_shard(module, **kwargs), after a forward hook that passes on each output that is
+    an autograd view as a tensor of its own (module docstring). The hook runs after the
+    module's earlier forward hooks (a tensor-parallel region's) and before FSDP2's."""
+    module.register_forward_hook(lambda m, args, out: _owned(out))
+    return fully_shard(module, **kwargs)
+
+
 def apply_fsdp(
     model: nn.Module, meshes: Meshes, *, param_dtype: Optional[torch.dtype] = None,
     reduce_dtype: Optional[torch.dtype] = None, reshard_after_forward: bool = True,
@@ -98,16 +138,16 @@ def apply_fsdp(
     kw = dict(reshard_after_forward=reshard_after_forward)
     for module in model.modules():
         if isinstance(module, MoE):
-            fully_shard(module.experts, mesh=meshes.expert["edp"], mp_policy=mp, **kw)
+            shard_unit(module.experts, mesh=meshes.expert["edp"], mp_policy=mp, **kw)
             if module.shared is not None:
-                fully_shard(module.shared, mesh=dense, mp_policy=mp, **kw)
-            fully_shard(module, mesh=dense, mp_policy=uncast, **kw)
+                shard_unit(module.shared, mesh=dense, mp_policy=mp, **kw)
+            shard_unit(module, mesh=dense, mp_policy=uncast, **kw)
     for module in model.modules():
         if isinstance(module, Block):
-            fully_shard(module, mesh=dense, mp_policy=mp, **kw)
+            shard_unit(module, mesh=dense, mp_policy=mp, **kw)
     # the root stays gathered until backward: its forward returns TensorDicts, which FSDP's
     # pre-backward hooks do not look into, so it could not re-gather for backward
-    fully_shard(model, mesh=dense, mp_policy=mp, reshard_after_forward=False)
+    shard_unit(model, mesh=dense, mp_policy=mp, reshard_after_forward=False)
     # the model's other entry points that use the root's own parameters (the embedding,
     # final norm and head): FSDP2 gathers them there as it does in forward
     for method in ("decode", "logits"):

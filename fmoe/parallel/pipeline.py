@@ -59,7 +59,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from fmoe.model import LayerElsewhere, PipelineChunk, Transformer, TransformerConfig
 from fmoe.parallel.mesh import Meshes
@@ -290,7 +290,7 @@ class Pipeline:
         self._eval: dict[int, object] = {}
         group = meshes.pp_mesh.get_group()
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
-        from fmoe.parallel.fsdp import dense_data_mesh
+        from fmoe.parallel.fsdp import dense_data_mesh, shard_unit
 
         for s in self.stage_ids:
             chunk = PipelineChunk(s, self.n_stages, self.layers[s])
@@ -300,7 +300,7 @@ class Pipeline:
             parallelize(model)
             materialize(model)
             module = StageModule(model, loss_fn)
-            fully_shard(module, mesh=dense_data_mesh(meshes), mp_policy=mp)
+            shard_unit(module, mesh=dense_data_mesh(meshes), mp_policy=mp)
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
             # the stages' static metadata (no shape inference run): the hidden state between

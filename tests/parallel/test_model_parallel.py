@@ -5,6 +5,7 @@ recomputes nothing); and on a model of a user's own built from fmoe.model Blocks
 
 
 import collections
+import warnings
 
 import pytest
 import torch
@@ -140,15 +141,17 @@ def _compare(rank, world, sizes, overrides):
     for name, module in model.named_modules():
         if isinstance(module, (RMSNorm, MoE)):
             module.register_forward_pre_hook(lambda m, args, name=name: rows.setdefault(name, set()).add(args[0].shape[0]))
-    errors, counts, reads, sites = {}, {}, 0, collections.Counter()
+    errors, counts, reads, sites, views = {}, {}, 0, collections.Counter(), 0
     for i in range(dp_rank, len(batches), dp):
         # forward and backward read nothing on the host, but for the expert-parallel count
         # exchange without a capacity factor (one per MoE layer and forward)
         batch = split_batch(batches[i], cp_rank, cp) if cp > 1 else batches[i]  # on the host, as the loop does
-        with HostReads() as host:
+        with HostReads() as host, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             loss, losses, stats = _loss(model, batch, valid, cfg.mtp_depth, meshes)
             loss.backward()
         reads += host.count
+        views += sum("returned a view tensor" in str(w.message) for w in caught)
         sites.update(host.sites)
         if cp > 1:  # each cp rank's LM sum is over its own tokens
             losses = all_reduce_sums({"lm_sum": losses["lm_sum"].detach()}, meshes.group("cp"))
@@ -157,6 +160,7 @@ def _compare(rank, world, sizes, overrides):
         errors[f"lm_sum[{i}]"] = abs(float(losses["lm_sum"]) - ref_sums[i]) / abs(ref_sums[i])
         for name, layer in stats.items():
             counts[name] = counts.get(name, 0) + layer["tokens_per_expert"]
+    errors["fsdp_view_outputs"] = float(views)  # none reaches FSDP2, which warns of each (fmoe.parallel.fsdp.shard_unit)
     exchanges = (sizes.get("ep", 1) * sizes.get("etp", 1) > 1) and cfg.capacity_factor is None
     expected_reads = len(ref.moe_layers()) * len(range(dp_rank, len(batches), dp)) if exchanges else 0
     if cfg.ac in ("full", "experts"):  # the recomputed forward exchanges the counts again
@@ -360,6 +364,7 @@ def _cases(rank, world, names):
     if world == 2:
         out["user_blocks"], out["bad_tp"] = _user_blocks(rank, world), _bad_tp(rank, world)
         out["failed_export"] = _failed_export(rank, world)
+        out["in_place_owned"], out["in_place_plain"] = (_in_place_on_unit_outputs(rank, world, plain) for plain in (False, True))
     return out
 
 
@@ -461,6 +466,66 @@ def _user_blocks(rank, world):
     for n, grad in grads.items():
         errors[n] = float((grad - grads_ref[n]).abs().max() / grads_ref[n].abs().max())
     return errors
+
+
+class _ViewOut(torch.nn.Module):
+    """A linear layer whose output is an autograd view of its product (a reshape)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 6))
+
+    def forward(self, x):
+        return (x @ self.w).view(-1)
+
+
+def _in_place_on_unit_outputs(rank, world, plain: bool):
+    """A unit whose forward returns a view, sharded over every rank inside a root unit, then
+    an in-place add on its output: the largest error of its weight's gradient against one
+    process's (the unit's FSDP2 pre-backward hook must re-gather the weight for backward).
+    plain: fully_shard itself, whose hook the in-place add drops; else shard_unit."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from fmoe.parallel.fsdp import shard_unit
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    ref, model = (torch.nn.Sequential(_ViewOut(), torch.nn.Tanh()) for _ in range(2))
+    model.load_state_dict(ref.state_dict())
+    x = torch.randn(3, 4)
+    out = ref[0](x)
+    out += 1.0
+    ref[1](out).sum().backward()
+    shard = fully_shard if plain else shard_unit
+    shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    try:
+        with warnings.catch_warnings(record=True) as caught:  # the view warning of fully_shard's unit, kept quiet
+            warnings.simplefilter("always")
+            out = model[0](x)
+            out += 1.0
+            model[1](out).sum().backward()
+    except RuntimeError as err:
+        return str(err)
+    if not plain and caught:
+        return f"shard_unit's unit warned: {[str(w.message) for w in caught]}"
+    grad = model[0].w.grad
+    if not isinstance(grad, DTensor):  # FSDP2's backward never reached the unit
+        return f"the sharded weight's gradient is a {type(grad).__name__} of shape {None if grad is None else tuple(grad.shape)}"
+    return float((grad.full_tensor() - ref[0].w.grad).abs().max())
+
+
+def test_in_place_ops_on_a_unit_s_output_keep_its_gradients(results):
+    """Every unit of fmoe.parallel.apply_fsdp (and of the pipeline's stages) is sharded by
+    shard_unit: an output that is an autograd view reaches FSDP2 as a tensor of its own, so
+    an in-place op on it keeps FSDP2's pre-backward hook and the gradients exact. With
+    fully_shard itself the same op loses them."""
+    for rank, by_case in enumerate(results(2)):
+        owned, plain = by_case["in_place_owned"], by_case["in_place_plain"]
+        assert owned == 0.0, f"rank {rank}: {owned}"
+        assert isinstance(plain, str) or plain > 1e-3, f"rank {rank}: fully_shard kept the gradient ({plain}); the test has no teeth"
 
 
 def test_user_blocks_with_gated_shared_experts_and_capacity_match_one_process(results):

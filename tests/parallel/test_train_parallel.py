@@ -28,6 +28,7 @@ def _train(out_dir, nproc, *args, stdout=None):
     run = subprocess.run([*launch, str(ROOT / "examples" / "train_moe.py"), f"--out_dir={out_dir}", *TINY, *args],
                          capture_output=True, text=True, timeout=900, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    assert "returned a view tensor" not in run.stderr, run.stderr[-4000:]  # FSDP2's warning: fmoe.parallel.fsdp.shard_unit
     if stdout is not None:
         stdout.append(run.stdout)
     return [json.loads(line) for line in (pathlib.Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
