@@ -107,7 +107,12 @@ class _Owned(torch.autograd.Function):
 
 def _owned(out):
     """`out` (a tensor, or tuples, lists and dicts of them) with every output that requires
-    grad and is an autograd view replaced by _Owned's tensor of its own."""
+    grad and is an autograd view replaced by _Owned's tensor of its own. Under torch.compile,
+    `out` itself: the compiled graphs stay as they were (with the hook traced they were more),
+    and what a compiled unit hands FSDP2 is the compiler's, not a view (no warning in the
+    pipeline's compiled stages under tp)."""
+    if torch.compiler.is_compiling():
+        return out
     if isinstance(out, torch.Tensor):
         return _Owned.apply(out) if out.requires_grad and out._base is not None else out
     if isinstance(out, tuple) and hasattr(out, "_fields"):  # a NamedTuple

@@ -528,6 +528,30 @@ def test_in_place_ops_on_a_unit_s_output_keep_its_gradients(results):
         assert isinstance(plain, str) or plain > 1e-3, f"rank {rank}: fully_shard kept the gradient ({plain}); the test has no teeth"
 
 
+def test_shard_unit_s_hook_owns_views_in_eager_and_leaves_compiled_graphs_alone():
+    """The hook's function on one process: an eager view output becomes a tensor of its own
+    (the same storage, the gradient passed through; containers kept); under torch.compile
+    the traced graph has no autograd.Function in it (the view as it was)."""
+    from fmoe.parallel.fsdp import _owned
+
+    x = torch.randn(3, 4, requires_grad=True)
+    view = (x * 2).view(-1)
+    y, (kept, none) = _owned((view, [(x * 3).reshape(12), None]))
+    assert view._base is not None and y._base is None and kept._base is None and none is None
+    assert y.data_ptr() == view.data_ptr() and torch.equal(y, view)  # no copy
+    (y.sum() + kept.sum()).backward()
+    assert torch.equal(x.grad, torch.full_like(x, 5.0))
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(lambda t: _owned((t * 2).view(-1)), backend=backend, fullgraph=True)
+    assert torch.equal(compiled(x), (x * 2).view(-1))
+    assert len(graphs) == 1 and not any("autograd_function" in str(n.target) for n in graphs[0].graph.nodes), graphs[0].graph
+
+
 def test_user_blocks_with_gated_shared_experts_and_capacity_match_one_process(results):
     for rank, errors in enumerate(by_case["user_blocks"] for by_case in results(2)):
         bad = {k: v for k, v in errors.items() if isinstance(v, str) or not v < 1e-5}
