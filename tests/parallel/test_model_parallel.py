@@ -494,10 +494,10 @@ def _in_place_on_unit_outputs(rank, world, plain: bool):
     torch.manual_seed(0)
     ref, model = (torch.nn.Sequential(_ViewOut(), torch.nn.Tanh()) for _ in range(2))
     model.load_state_dict(ref.state_dict())
-    x = torch.randn(3, 4)
+    x, upstream = torch.randn(3, 4), torch.randn(18)
     out = ref[0](x)
     out += 1.0
-    ref[1](out).sum().backward()
+    (ref[1](out) * upstream).sum().backward()
     shard = fully_shard if plain else shard_unit
     shard(model[0], mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -506,7 +506,7 @@ def _in_place_on_unit_outputs(rank, world, plain: bool):
             warnings.simplefilter("always")
             out = model[0](x)
             out += 1.0
-            model[1](out).sum().backward()
+            (model[1](out) * upstream).sum().backward()
     except RuntimeError as err:
         return str(err)
     if not plain and caught:
@@ -539,8 +539,9 @@ def test_shard_unit_s_hook_owns_views_in_eager_and_leaves_compiled_graphs_alone(
     y, (kept, none) = _owned((view, [(x * 3).reshape(12), None]))
     assert view._base is not None and y._base is None and kept._base is None and none is None
     assert y.data_ptr() == view.data_ptr() and torch.equal(y, view)  # no copy
-    (y.sum() + kept.sum()).backward()
-    assert torch.equal(x.grad, torch.full_like(x, 5.0))
+    g_y, g_kept = torch.randn(12), torch.randn(12)
+    ((y * g_y).sum() + (kept * g_kept).sum()).backward()
+    torch.testing.assert_close(x.grad, (2 * g_y + 3 * g_kept).view(3, 4))
     graphs = []
 
     def backend(gm, example_inputs):
