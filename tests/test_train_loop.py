@@ -284,6 +284,8 @@ BAD_KNOBS = [
     (["--memory_snapshot"], "--memory_snapshot: records the --profile steps; set --profile=START:END"),
     (["--profile=1", "--memory_snapshot"], "--memory_snapshot: records the CUDA allocator; this run is on cpu"),
 ]
+
+
 @pytest.fixture(scope="module")
 def bad_knob_exits(tmp_path_factory):
     """How `main` stops for each BAD_KNOBS case, all in one process (tests/exits.py). The
