@@ -106,8 +106,9 @@ class _Owned(torch.autograd.Function):
 
 
 def _owned(out):
-    """`out` (a tensor, or tuples, lists and dicts of them) with every output that requires
-    grad and is an autograd view replaced by _Owned's tensor of its own. Under torch.compile,
+    """`out` (a tensor, or tuples of them: what fmoe's units return; anything else, e.g. their
+    stats' TensorDicts, as it is) with every tensor that requires grad and is an autograd view
+    replaced by _Owned's tensor of its own. Under torch.compile,
     `out` itself: the compiled graphs stay as they were (with the hook traced they were more),
     and what a compiled unit hands FSDP2 is the compiler's, not a view (no warning in the
     pipeline's compiled stages under tp)."""
@@ -115,12 +116,8 @@ def _owned(out):
         return out
     if isinstance(out, torch.Tensor):
         return _Owned.apply(out) if out.requires_grad and out._base is not None else out
-    if isinstance(out, tuple) and hasattr(out, "_fields"):  # a NamedTuple
-        return type(out)(*map(_owned, out))
-    if isinstance(out, (tuple, list)):
-        return type(out)(map(_owned, out))
-    if type(out) is dict:
-        return {k: _owned(v) for k, v in out.items()}
+    if type(out) is tuple:
+        return tuple(map(_owned, out))
     return out
 
 

@@ -530,13 +530,13 @@ def test_in_place_ops_on_a_unit_s_output_keep_its_gradients(results):
 
 def test_shard_unit_s_hook_owns_views_in_eager_and_leaves_compiled_graphs_alone():
     """The hook's function on one process: an eager view output becomes a tensor of its own
-    (the same storage, the gradient passed through; containers kept); under torch.compile
+    (the same storage, the gradient passed through; in nested tuples too); under torch.compile
     the traced graph has no autograd.Function in it (the view as it was)."""
     from fmoe.parallel.fsdp import _owned
 
     x = torch.randn(3, 4, requires_grad=True)
     view = (x * 2).view(-1)
-    y, (kept, none) = _owned((view, [(x * 3).reshape(12), None]))
+    y, (kept, none) = _owned((view, ((x * 3).reshape(12), None)))
     assert view._base is not None and y._base is None and kept._base is None and none is None
     assert y.data_ptr() == view.data_ptr() and torch.equal(y, view)  # no copy
     g_y, g_kept = torch.randn(12), torch.randn(12)
