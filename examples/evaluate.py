@@ -60,6 +60,7 @@ from generate import _device, add_parallel_knobs, is_hf_folder, load_model, load
 
 import fmoe.parallel as parallel  # noqa: E402
 from fmoe.model import Transformer  # noqa: E402
+from fmoe.train.run import ArgumentParser, run_script  # noqa: E402
 
 
 @torch.no_grad()
@@ -273,7 +274,7 @@ def score_choices(questions: list[dict], logprobs: list[float]) -> dict:
 def main(argv: list[str]) -> None:
     from fmoe.train.data import load_blend
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("path", type=Path, help="an fmoe run directory or checkpoint, or a Hugging Face folder")
     parser.add_argument("--data", default=None, help="a blend spec (default: the run's data; needed for an HF folder)")
     parser.add_argument("--split", default="val", choices=("val", "train", "all"))
@@ -387,4 +388,4 @@ def report(result: dict, *, unit: str, as_json: bool) -> None:
         print(f"mtp depth {d}: loss {loss:.4f}")
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_script(main, sys.argv[1:])

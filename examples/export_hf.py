@@ -37,7 +37,6 @@ Printed: the folder, its files and their total size, and what was left out.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -54,6 +53,7 @@ from generate import _device, add_parallel_knobs, is_hf_folder, load_run, load_s
 import fmoe.hf  # noqa: E402
 import fmoe.parallel as parallel  # noqa: E402
 from fmoe.model import TransformerConfig  # noqa: E402
+from fmoe.train.run import ArgumentParser, run_script  # noqa: E402
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 
@@ -119,7 +119,7 @@ def copy_folder_files(source: Path, out: Path) -> list[str]:
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("path", type=Path, help="an fmoe run directory, or a checkpoint inside one")
     parser.add_argument("out", type=Path, help="the Hugging Face folder to write")
     parser.add_argument("--model_type", default="", help=f"for a model of fmoe's own: one of {', '.join(fmoe.hf.FAMILIES)}")
@@ -167,4 +167,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_script(main, sys.argv[1:])

@@ -65,6 +65,7 @@ from fmoe.model import Transformer
 from fmoe.train.chat import json_object
 from fmoe.hf import is_hf_folder
 from fmoe.train.checkpoint import load_run, run_config  # noqa: F401  (export_hf and the tests use them from here)
+from fmoe.train.run import ArgumentParser, run_script
 
 
 def load_model(path: Path, *, impl: str = "torch", dtype: torch.dtype = torch.float32, device="cpu") -> tuple[Transformer, dict]:
@@ -329,7 +330,7 @@ def _device(name: str) -> torch.device:
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("path", type=Path, help="an fmoe run directory or checkpoint, or a Hugging Face folder")
     parser.add_argument("--prompt", default="", help="text (bytes for fmoe's byte runs; the folder's tokenizer for HF)")
     parser.add_argument("--prompt_ids", default="", help="comma-separated token ids instead of --prompt")
@@ -410,4 +411,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_script(main, sys.argv[1:])

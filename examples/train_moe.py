@@ -2,6 +2,7 @@
 
     python examples/train_moe.py                                  # CPU: stdlib corpus, minutes
     python examples/train_moe.py --steps=400 --out_dir=out/long   # any knob as --name=value
+    python examples/train_moe.py --help                           # every knob, its type, default and note
     python examples/train_moe.py --model.hidden=256 --model.n_groups=4 --model.topk_groups=2
     python examples/train_moe.py --resume --steps=600             # continue from out_dir
     python examples/train_moe.py --data=my_texts/                 # a directory of text files
@@ -41,10 +42,13 @@ and backward reads a device value on the host.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import inspect
 import math
 import os
 import random
 import sys
+import textwrap
 import time
 import typing
 from dataclasses import dataclass, field
@@ -61,7 +65,7 @@ from fmoe.optim import (AdamW, batch_size_at, build_optimizers, clip_factor, cli
 from fmoe.train import checkpoint, metrics
 from fmoe.train.data import BlendSampler, load_blend
 from fmoe.train.profile import StepProfiler, parse_steps, phase
-from fmoe.train.run import StopRequests, set_deterministic, write_config
+from fmoe.train.run import StopRequests, run_script, set_deterministic, write_config
 from fmoe.train.upcycle import granularity, upcycle_
 
 STARTED = time.monotonic()  # --stop_after_minutes counts from here
@@ -180,9 +184,42 @@ def _parse_value(name: str, kind, value: str):
     return kind(value)
 
 
+def knob_help() -> str:
+    """--help: every knob with its type and default; Config's with the comments beside them in
+    this file, under its section comments; the model's as TransformerConfig's docstring says."""
+    hints, defaults = typing.get_type_hints(Config), Config()
+    wrap = textwrap.TextWrapper(width=110, initial_indent=" " * 6, subsequent_indent=" " * 6)
+    sections: list[tuple[str, dict[str, list[str]]]] = []  # (section comment, {knob: its comment's lines})
+    name = None
+    for line in inspect.getsource(Config).splitlines()[1:]:  # a field, a section's comment, or a comment's next line
+        code, _, comment = line.partition("#")
+        if code.strip().partition(":")[0] in hints:
+            name = code.strip().partition(":")[0]
+            sections[-1][1][name] = [comment.strip()] if comment else []
+        elif not code.strip() and comment and line.index("#") == 4:
+            sections.append((comment.strip(), {}))
+            name = None
+        elif not code.strip() and comment and name:
+            sections[-1][1][name].append(comment.strip())
+    lines = [f"usage: {os.path.basename(__file__)} [--knob=value ...]  (a bool knob also takes the bare --knob)"]
+    for title, knobs in sections:
+        if "model" in knobs:
+            model_title = title  # the model's knobs come last
+            continue
+        lines += ["", title]
+        for knob, note in knobs.items():
+            lines.append(f"  --{knob}=<{_type_name(hints[knob]).split(' ', 1)[1]}>  (default {getattr(defaults, knob)!r})")
+            lines += wrap.wrap(" ".join(note))
+    lines += ["", f"{model_title}; fmoe.model.TransformerConfig's docstring says what each does"]
+    lines += [f"  --model.{n}=<{_type_name(kind).split(' ', 1)[1]}>  (default {getattr(defaults.model, n)!r})"
+              for n, kind in typing.get_type_hints(TransformerConfig).items()]
+    return "\n".join(lines)
+
+
 def parse_args(argv: list[str]) -> Config:
     """--name=value overrides of Config and --model.name=value of its TransformerConfig; a
-    bare --name sets a bool knob. Unknown names and bad values exit with a message."""
+    bare --name sets a bool knob; --help prints every knob (knob_help). Unknown names (with
+    the nearest knobs) and bad values exit with a message."""
     cfg = Config()
     hints = {"": typing.get_type_hints(Config), "model.": typing.get_type_hints(TransformerConfig)}
     model_overrides = {}
@@ -190,9 +227,15 @@ def parse_args(argv: list[str]) -> Config:
         name, sep, value = arg.removeprefix("--").partition("=")
         prefix = "model." if name.startswith("model.") else ""
         kind = hints[prefix].get(name.removeprefix(prefix)) if name != "model" else None
+        if arg in ("--help", "-h"):
+            print(knob_help())
+            sys.exit(0)
         if not arg.startswith("--") or kind is None:
-            knobs = [f"--{n}=" for n in hints[""] if n != "model"] + [f"--model.{n}=" for n in hints["model."]]
-            sys.exit(f"unknown argument {arg!r}; knobs: " + " ".join(knobs))
+            names = [n for n in hints[""] if n != "model"] + [f"model.{n}" for n in hints["model."]]
+            near = list(dict.fromkeys([n for n in names if name and n.startswith(name)]
+                                      + difflib.get_close_matches(name, names, n=3, cutoff=0.6)))[:3]
+            sys.exit(f"unknown argument {arg!r}; " + (f"did you mean {' or '.join('--' + n for n in near)}? " if near else "")
+                     + "--help lists every knob")
         if not sep and kind is not bool:
             sys.exit(f"--{name}: expected --{name}=<{_type_name(kind).split(' ', 1)[1]}>")
         try:
@@ -753,5 +796,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_script(main, sys.argv[1:])
     parallel.leave_ranks()  # exit 0 without the interpreter's teardown, where a gloo rank could abort

@@ -1,6 +1,8 @@
 """examples/train_moe.py end to end on CPU: the loss falls, resume is exact, runs repeat bit
 for bit, torch.compile matches eager, the knobs parse as users type them, bad knobs fail."""
 
+import ast
+import dataclasses
 import json
 import math
 import os
@@ -13,6 +15,7 @@ import time
 
 import pytest
 
+from fmoe.model import TransformerConfig
 from tests.exits import exits
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -252,9 +255,13 @@ def test_muon_runs(tmp_path):
 
 
 BAD_KNOBS = [
-    (["--nope=1"], "unknown argument '--nope=1'"),
+    (["--nope=1"], "unknown argument '--nope=1'; --help lists every knob"),
+    (["--stepz=4"], "unknown argument '--stepz=4'; did you mean --steps? --help lists every knob"),
+    (["--model.n_expert=3"], "unknown argument '--model.n_expert=3'; did you mean --model.n_experts or --model.ffn_expert"),
+    (["warmup=3"], "unknown argument 'warmup=3'; did you mean --warmup?"),
     (["--steps=many"], "--steps: expected an int, got 'many'"),
-    (["--model.nope=1"], "unknown argument '--model.nope=1'"),
+    (["--model.nope=1"], "unknown argument '--model.nope=1'; did you mean --model.nope_qk_norm or --model.nope_layers or "
+                         "--model.nope_temperature_floor?"),
     (["--model.n_groups=x"], "--model.n_groups: expected an int or None, got 'x'"),
     (["--model.n_dense=9"], "model knobs: n_dense: expected 0..n_layers"),
     (["--model.ac=most"], "model knobs: ac: expected one of none, full, attention, experts, got 'most'"),
@@ -287,18 +294,33 @@ BAD_KNOBS = [
 
 
 @pytest.fixture(scope="module")
-def bad_knob_exits(tmp_path_factory):
-    """How `main` stops for each BAD_KNOBS case, all in one process (tests/exits.py). The
-    command line's own exit: test_a_bad_knob_exits_the_process."""
+def knob_exits(tmp_path_factory):
+    """How `main` stops for each BAD_KNOBS case, then for --help, all in one process
+    (tests/exits.py). The command line's own exit: test_a_bad_knob_exits_the_process."""
     out = tmp_path_factory.mktemp("bad")
-    return exits(ROOT / "examples" / "train_moe.py", [[f"--out_dir={out}", *TINY, *args] for args, _ in BAD_KNOBS])
+    return exits(ROOT / "examples" / "train_moe.py", [[f"--out_dir={out}", *TINY, *args] for args, _ in BAD_KNOBS] + [["--help"]])
 
 
 @pytest.mark.parametrize("case", range(len(BAD_KNOBS)), ids=[" ".join(args) for args, _ in BAD_KNOBS])
-def test_bad_knobs_exit_with_a_message(bad_knob_exits, case):
-    got = bad_knob_exits[case]
+def test_bad_knobs_exit_with_a_message(knob_exits, case):
+    got = knob_exits[case]
     assert got["status"] != 0, f"{BAD_KNOBS[case][0]} ran without complaint"
     assert BAD_KNOBS[case][1] in got["text"], got["text"]
+
+
+def test_help_lists_every_knob_with_its_type_default_and_comment(knob_exits):
+    got = knob_exits[-1]
+    assert got["status"] == 0 and got["text"] == "", got["text"]
+    listed = re.findall(r"^  --([\w.]+)=<", got["out"], flags=re.M)
+    tree = ast.parse((ROOT / "examples" / "train_moe.py").read_text())
+    config = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "Config")
+    knobs = [node.target.id for node in config.body if isinstance(node, ast.AnnAssign) and node.target.id != "model"]
+    assert listed == knobs + [f"model.{f.name}" for f in dataclasses.fields(TransformerConfig)]
+    assert "  --batch_schedule=<str>  (default '0:2 2M:4')\n      micro-batches per step, by tokens consumed\n" in got["out"]
+    assert "  --model.n_groups=<int or None>  (default None)\n" in got["out"] and "  --model.mtp_depth=<int>  (default 1)\n" in got["out"]
+    words = " ".join(got["out"].split())  # a comment's next lines are part of it
+    assert "(a scheduler's preemption or limit; a second one acts as usual); \"\": none --seed=<int> (default 0)" in words
+    assert "\nlosses\n  --mtp_lambda=" in got["out"] and "\nparallelism (under torchrun; fmoe.parallel)" in got["out"]
 
 
 def test_a_bad_knob_exits_the_process(tmp_path):

@@ -4,6 +4,8 @@
     run_info() -> dict                   torch / triton / fmoe versions, git commit, host
     write_config(out_dir, config, **extra) -> Path   <out_dir>/config.json
     with StopRequests(signals, minutes) as stop: ... stop.reason()   a signal or a time limit
+    run_script(main, argv)               a script's main(argv): under torchrun, a refusal said once
+    ArgumentParser(...)                  argparse's, its errors a SystemExit(message), as run_script expects
 
 Determinism. PyTorch picks some kernels whose floating-point sums depend on thread or
 warp timing (atomic adds, split reductions). set_deterministic(True) asks for the
@@ -33,15 +35,17 @@ the same step.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
 import platform
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -161,3 +165,35 @@ class StopRequests:
         if self.minutes and time.monotonic() - self.start >= 60 * self.minutes:
             return f"the time limit of {self.minutes:g} minutes"
         return None
+
+
+def run_script(main: Callable[[list[str]], None], argv: list[str], *, wait: float = 10.0) -> None:
+    """main(argv), so that under torchrun a refusal is said once, not once per rank.
+
+    A script refuses bad arguments with SystemExit(message) (`sys.exit("--knob: expected ...")`,
+    or an ArgumentParser below), and every rank of a launch checks the same arguments. On
+    rank 0, and outside torchrun (WORLD_SIZE unset or 1), main runs as it is. Another rank
+    that refuses holds its message back for `wait` seconds, with SIGTERM's default action
+    restored: when rank 0 refuses too, it says why, and torchrun ends the others with SIGTERM
+    during their wait. A refusal that rank 0 does not share (a file missing on one node's
+    disk) still comes out, after the wait. Exit status 0 (SystemExit(None) or (0), a
+    --help) and every other exception pass at once.
+    """
+    if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not wait >= 0:
+        raise ValueError(f"wait: expected seconds >= 0, got {wait!r}")
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        main(argv)
+    except SystemExit as stop:
+        if rank != 0 and world > 1 and stop.code not in (None, 0):
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a run's StopRequests may have noted SIGTERM instead
+            time.sleep(wait)
+        raise
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse.ArgumentParser whose errors exit with SystemExit(usage + message), status 1,
+    rather than writing to standard error first: run_script can then hold a rank's copy back."""
+
+    def error(self, message: str):
+        sys.exit(f"{self.format_usage()}{self.prog}: error: {message}")

@@ -228,3 +228,15 @@ def test_bad_parallel_knobs_exit_with_the_reason(tmp_path):
     run = subprocess.run([sys.executable, str(ROOT / "examples" / "train_moe.py"), f"--out_dir={tmp_path}", *TINY, "--pp=2"],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode != 0 and "pp: 2 pipeline stages do not divide the world size 1" in run.stderr
+
+
+def test_under_torchrun_a_bad_knob_is_said_once(tmp_path):
+    """Every rank refuses the knob; rank 0 says so and the others hold their copies back until
+    torchrun ends them (fmoe.train.run.run_script), so the message comes once, not once per rank."""
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                          str(ROOT / "examples" / "train_moe.py"), f"--out_dir={tmp_path}", "--stepz=4"],
+                         capture_output=True, text=True, timeout=300)
+    said = "unknown argument '--stepz=4'; did you mean --steps? --help lists every knob"
+    assert run.returncode != 0 and run.stderr.count(said) == 1, run.stderr[-3000:]
+    root_cause = run.stderr.partition("Root Cause")[2].split("error_file")[0]  # torchrun's report: rank 0 failed first
+    assert re.search(r"rank\s*: 0 \(local_rank: 0\)\s+exitcode\s*: 1 ", root_cause), run.stderr[-2000:]

@@ -1,13 +1,16 @@
-"""fmoe.train.run.StopRequests: a signal or a time limit asks the loop to stop after its step."""
+"""fmoe.train.run.StopRequests: a signal or a time limit asks the loop to stop after its step.
+run_script: under torchrun a refusal is said by rank 0 alone, the others hold theirs back."""
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 
-from fmoe.train.run import StopRequests
+from fmoe.train.run import ArgumentParser, StopRequests, run_script
 
 
 def _handlers():
@@ -77,3 +80,59 @@ def test_handlers_need_the_main_thread():
     thread.join()
     assert errors and "main thread" in errors[0]
     assert _handlers() == before
+
+
+def _refuse(argv):
+    sys.exit(f"--{argv[0]}: expected a number")
+
+
+def _timed(main, argv, wait):
+    start = time.monotonic()
+    try:
+        run_script(main, argv, wait=wait)
+    except SystemExit as stop:
+        return stop.code, time.monotonic() - start
+    return "returned", time.monotonic() - start
+
+
+@pytest.mark.parametrize("rank, world, held", [(None, None, False), ("0", "2", False), ("1", "2", True), ("3", "4", True), ("0", "1", False)])
+def test_a_refusal_is_held_back_on_ranks_other_than_0(monkeypatch, rank, world, held):
+    for name, value in (("RANK", rank), ("WORLD_SIZE", world)):
+        monkeypatch.delenv(name, raising=False) if value is None else monkeypatch.setenv(name, value)
+    code, took = _timed(_refuse, ["lr"], wait=0.5)
+    assert code == "--lr: expected a number"  # the message itself, after the wait or at once
+    assert (took >= 0.5) == held, took
+    # a clean exit, a --help's SystemExit(0) and other errors pass at once on every rank
+    assert _timed(lambda argv: None, [], wait=5)[0] == "returned"
+    assert _timed(lambda argv: sys.exit(0), [], wait=5)[1] < 1
+    with pytest.raises(KeyError):
+        run_script(lambda argv: {}["x"], [], wait=5)
+
+
+def test_argument_parser_errors_are_system_exits_with_the_message():
+    parser = ArgumentParser(prog="tool")
+    parser.add_argument("--n", type=int, required=True)
+    for argv, said in ((["--n=x"], "argument --n: invalid int value: 'x'"), ([], "the following arguments are required: --n"),
+                       (["--n=1", "--m=2"], "unrecognized arguments: --m=2")):
+        with pytest.raises(SystemExit) as stop:
+            parser.parse_args(argv)
+        assert stop.value.code == f"usage: tool [-h] --n N\ntool: error: {said}"
+    assert parser.parse_args(["--n=3"]).n == 3
+    for wait in (-1, True, "5", float("nan")):
+        with pytest.raises(ValueError, match="wait: expected seconds >= 0"):
+            run_script(_refuse, ["lr"], wait=wait)
+
+
+def test_torchrun_s_sigterm_ends_a_rank_during_its_wait_without_a_word():
+    """torchrun stops the other ranks with SIGTERM once rank 0 fails: a waiting rank ends at once,
+    silent, even where the run had noted SIGTERM for a clean stop (StopRequests)."""
+    script = ("import sys; from fmoe.train.run import StopRequests, run_script\n"
+              "def main(argv):\n    StopRequests(('SIGTERM',)).__enter__()\n    print('waiting', flush=True)\n    sys.exit('--x: refused')\n"
+              "run_script(main, [], wait=60)")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "RANK": "1", "WORLD_SIZE": "2"})
+    assert proc.stdout.readline() == "waiting\n"
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == -signal.SIGTERM and err == "", err
