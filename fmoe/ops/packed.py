@@ -31,15 +31,17 @@ I inner = prod(shape[dim+1:]), D MTP depth.
 from __future__ import annotations
 
 import math
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 import triton
 import triton.language as tl
-from tensordict import TensorDict
 
 from fmoe.ops.backend import next_pow2, use_triton
 from fmoe.ops.checks import check_cu_seqlens, check_index, check_positive_int
+
+if TYPE_CHECKING:  # imported where used: tensordict's import brings torch._dynamo, a second at `import fmoe.ops`
+    from tensordict import TensorDict
 
 # the integer dtype the kernel sees x as, by element size
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -376,6 +378,8 @@ def mtp_targets(
 
     def roll(x, k, fill):
         return _roll(x, cu, -k, 0, fill, impl) if k else x
+
+    from tensordict import TensorDict
 
     return [
         TensorDict(
