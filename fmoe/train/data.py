@@ -386,6 +386,19 @@ def _from_index(field: str, given, index: dict, path: Path):
     return given
 
 
+def _looks_like_text(path: Path, n: int = 4096) -> bool:
+    """The file's first n bytes decode as UTF-8 (a cut last character allowed) with no NUL:
+    text, where token ids below 256 of a uint16 file would hold zero bytes."""
+    with open(path, "rb") as f:
+        head = f.read(n)
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as err:
+        if err.start < len(head) - 3:
+            return False
+    return bool(head) and b"\0" not in head
+
+
 def load_token_file(path: Union[str, os.PathLike], *, separator: Optional[int] = None,
                     vocab_size: Optional[int] = None, dtype: Optional[str] = None) -> TokenDataset:
     """A flat binary file of token ids (nanoGPT-style), memory-mapped.
@@ -413,7 +426,10 @@ def load_token_file(path: Union[str, os.PathLike], *, separator: Optional[int] =
                                         (("separator", separator), ("vocab_size", vocab_size), ("dtype", dtype)))
     missing = [name for name, value in (("separator", separator), ("vocab_size", vocab_size)) if value is None]
     if missing:
-        raise ValueError(f"{', '.join(missing)}: required for the token file {str(path)!r} (it has no {INDEX_SUFFIX} index)")
+        text = path.suffix.lower() not in (*SUFFIX_DTYPES, ".bin") and _looks_like_text(path)
+        raise ValueError(f"{', '.join(missing)}: required for the token file {str(path)!r} (it has no {INDEX_SUFFIX} index)"
+                         + ("; it looks like text, not token ids: a directory of text files is read as their bytes "
+                            "(load_text_dir), and `python -m fmoe.train.prepare` makes a token file of text" if text else ""))
     if dtype is None:
         if path.suffix.lower() not in SUFFIX_DTYPES:
             raise ValueError(f"dtype: cannot infer it from the suffix of {str(path)!r}; pass dtype='uint16' or 'uint32' "

@@ -261,8 +261,25 @@ def test_errors(tmp_path):
         load_text_dir(f)
     with pytest.raises(ValueError, match="not a regular file"):
         load_token_file(empty_dir, separator=0, vocab_size=10, dtype="uint16")
-    with pytest.raises(ValueError, match="separator, vocab_size"):
+    with pytest.raises(ValueError, match="separator, vocab_size") as refused:
         load_corpus(f)
+    assert "looks like text" not in str(refused.value)  # token ids below 256 hold zero bytes
+
+
+def test_a_text_file_given_as_a_token_file_is_named_text(tmp_path):
+    """A user's first try, --data=notes.txt: the refusal says it looks like text and how to
+    train on text; a binary file of another suffix, or a token suffix, gets no such hint."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("xx" + "déjà vu: " * 600)  # 11-byte repeats after 2: the 4096 bytes read end inside an "é"
+    with pytest.raises(ValueError, match=r"separator: required for the token file .*notes.txt.*; it looks like text, not "
+                                         r"token ids: a directory of text files is read as their bytes \(load_text_dir\), and "
+                                         r"`python -m fmoe.train.prepare` makes a token file of text"):
+        load_corpus(notes, vocab_size=258)
+    for name, data in (("ids.dat", np.arange(300, 600, dtype=np.uint16).tobytes()), ("notes.u16", b"ab" * 50)):
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(ValueError, match="separator: required") as refused:
+            load_corpus(tmp_path / name, vocab_size=1000)
+        assert "looks like text" not in str(refused.value), name
     ds = _synthetic()
     with pytest.raises(ValueError, match="tokens_per_batch"):
         Sampler(ds, 0, seed=0)
