@@ -42,7 +42,6 @@ and backward reads a device value on the host.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import inspect
 import math
 import os
@@ -65,7 +64,7 @@ from fmoe.optim import (AdamW, batch_size_at, build_optimizers, clip_factor, cli
 from fmoe.train import checkpoint, metrics
 from fmoe.train.data import BlendSampler, load_blend
 from fmoe.train.profile import StepProfiler, parse_steps, phase
-from fmoe.train.run import StopRequests, run_script, set_deterministic, write_config
+from fmoe.train.run import StopRequests, nearest, run_script, set_deterministic, write_config
 from fmoe.train.upcycle import granularity, upcycle_
 
 STARTED = time.monotonic()  # --stop_after_minutes counts from here
@@ -232,8 +231,7 @@ def parse_args(argv: list[str]) -> Config:
             sys.exit(0)
         if not arg.startswith("--") or kind is None:
             names = [n for n in hints[""] if n != "model"] + [f"model.{n}" for n in hints["model."]]
-            near = list(dict.fromkeys([n for n in names if name and n.startswith(name)]
-                                      + difflib.get_close_matches(name, names, n=3, cutoff=0.6)))[:3]
+            near = nearest(name, names)
             sys.exit(f"unknown argument {arg!r}; " + (f"did you mean {' or '.join('--' + n for n in near)}? " if near else "")
                      + "--help lists every knob")
         if not sep and kind is not bool:

@@ -6,6 +6,7 @@
     with StopRequests(signals, minutes) as stop: ... stop.reason()   a signal or a time limit
     run_script(main, argv)               a script's main(argv): under torchrun, a refusal said once
     ArgumentParser(...)                  argparse's, its errors a SystemExit(message), as run_script expects
+    nearest(name, names) -> list[str]    the names a mistyped one may have meant, for "did you mean"
 
 Determinism. PyTorch picks some kernels whose floating-point sums depend on thread or
 warp timing (atomic adds, split reductions). set_deterministic(True) asks for the
@@ -36,6 +37,7 @@ the same step.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import math
 import os
@@ -191,9 +193,23 @@ def run_script(main: Callable[[list[str]], None], argv: list[str], *, wait: floa
         raise
 
 
+def nearest(name: str, names: Sequence[str], n: int = 3) -> list[str]:
+    """Up to n of `names` that a mistyped `name` may have meant: those it begins (in their
+    order), then the closest by difflib's ratio (>= 0.6). E.g. "stepz" in ("seed", "steps")
+    -> ["steps"]; "ffn" in ("hidden", "ffn_dense", "ffn_expert") -> ["ffn_dense", "ffn_expert"]."""
+    begun = [other for other in names if name and other.startswith(name)]
+    return list(dict.fromkeys(begun + difflib.get_close_matches(name, names, n=n, cutoff=0.6)))[:n]
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse.ArgumentParser whose errors exit with SystemExit(usage + message), status 1,
-    rather than writing to standard error first: run_script can then hold a rank's copy back."""
+    rather than writing to standard error first: run_script can then hold a rank's copy back.
+    An unrecognized option gets the options it may have meant (nearest)."""
 
     def error(self, message: str):
+        if message.startswith("unrecognized arguments: "):
+            options = [option[2:] for action in self._actions for option in action.option_strings if option.startswith("--")]
+            unknown = [arg[2:].partition("=")[0] for arg in message.removeprefix("unrecognized arguments: ").split() if arg.startswith("--")]
+            near = dict.fromkeys(f"--{option}" for arg in unknown for option in nearest(arg, options))
+            message += f"; did you mean {' or '.join(near)}?" if near else ""
         sys.exit(f"{self.format_usage()}{self.prog}: error: {message}")

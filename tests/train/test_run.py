@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from fmoe.train.run import ArgumentParser, StopRequests, run_script
+from fmoe.train.run import ArgumentParser, StopRequests, nearest, run_script
 
 
 def _handlers():
@@ -113,11 +113,15 @@ def test_argument_parser_errors_are_system_exits_with_the_message():
     parser = ArgumentParser(prog="tool")
     parser.add_argument("--n", type=int, required=True)
     for argv, said in ((["--n=x"], "argument --n: invalid int value: 'x'"), ([], "the following arguments are required: --n"),
-                       (["--n=1", "--m=2"], "unrecognized arguments: --m=2")):
+                       (["--n=1", "--zzz=2"], "unrecognized arguments: --zzz=2")):
         with pytest.raises(SystemExit) as stop:
             parser.parse_args(argv)
         assert stop.value.code == f"usage: tool [-h] --n N\ntool: error: {said}"
     assert parser.parse_args(["--n=3"]).n == 3
+    parser.add_argument("--tokens", type=int)
+    with pytest.raises(SystemExit) as stop:
+        parser.parse_args(["--n=1", "--max_new_tokens", "5", "--x=1"])
+    assert stop.value.code.endswith("tool: error: unrecognized arguments: --max_new_tokens 5 --x=1; did you mean --tokens?")
     for wait in (-1, True, "5", float("nan")):
         with pytest.raises(ValueError, match="wait: expected seconds >= 0"):
             run_script(_refuse, ["lr"], wait=wait)
@@ -136,3 +140,12 @@ def test_torchrun_s_sigterm_ends_a_rank_during_its_wait_without_a_word():
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == -signal.SIGTERM and err == "", err
+
+
+def test_nearest_names_begun_then_close():
+    assert nearest("stepz", ("seed", "steps")) == ["steps"]
+    assert nearest("ffn", ("hidden", "ffn_dense", "ffn_expert")) == ["ffn_dense", "ffn_expert"]
+    assert nearest("model.n_expert", ("model.k", "model.n_experts", "model.ffn_expert", "model.expert_bias", "lr")) == [
+        "model.n_experts", "model.ffn_expert", "model.expert_bias"]
+    assert nearest("zzz", ("steps", "seed")) == [] and nearest("", ("steps",)) == []
+    assert nearest("s", ("seed", "steps", "stop_at", "sx")) == ["seed", "steps", "stop_at"]  # at most n
