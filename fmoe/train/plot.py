@@ -8,7 +8,8 @@ Writes into out_dir (needs matplotlib, the `plots` extra: pip install 'fmoe[plot
                      slots relative to uniform (count * E / sum) per layer
     health.png       run health, the panels that were logged: grad_norm with param_norm,
                      zero_grads (parameters whose gradient is exactly zero), energy per
-                     token (joules), and each data source's share of the step's tokens
+                     token (joules), and, for a blend, each data source's share of the step's
+                     tokens
 """
 
 from __future__ import annotations
@@ -142,6 +143,7 @@ def plot_health(records: list[dict], path: Path, plt) -> bool:
     panels = [[key for key in keys if _series(records, key)[0]] for keys in HEALTH_PANELS]
     panels = [keys for keys in panels if keys]
     shares = _source_shares(records)
+    shares = shares if len(shares) > 1 else {}  # one source's share is 1 at every step: no panel
     n = len(panels) + bool(shares)
     if not n:
         return False
@@ -150,7 +152,7 @@ def plot_health(records: list[dict], path: Path, plt) -> bool:
         _draw_panel(ax, {key: _series(records, key) for key in keys}, " / ".join(keys))
     if shares:
         _draw_panel(axes[-1, 0], shares, "share of tokens")
-        axes[-1, 0].set_ylim(0, 1)
+        axes[-1, 0].set_ylim(0, 1.05)  # a share of 1 above the frame, not on it
     axes[0, 0].set_title("run health")
     axes[-1, 0].set_xlabel("step")
     fig.tight_layout()

@@ -364,6 +364,38 @@ def test_plot_health_needs_its_signals(tmp_path):
     assert not (tmp_path / "health.png").exists()
 
 
+def test_plot_health_shows_the_sources_shares_of_a_blend_only(tmp_path):
+    """One source has a share of 1 at every step: no panel for it (it drew a line hidden on the
+    frame of an empty-looking panel). A blend's shares get theirs, with room above 1."""
+    from fmoe.train import plot
+
+    pytest.importorskip("matplotlib", reason="the plots extra (matplotlib) is not installed")
+
+    class Spy:  # pyplot, noting the figures plot_health makes
+        def __init__(self, plt):
+            self.plt, self.figures = plt, []
+
+        def subplots(self, *args, **kwargs):
+            fig, axes = self.plt.subplots(*args, **kwargs)
+            self.figures.append(axes[:, 0])
+            return fig, axes
+
+        def close(self, fig):
+            self.plt.close(fig)
+
+    base = [{"step": s, "grad_norm": 1.0 / s, "param_norm": 40.0, "zero_grads": 10 * s} for s in (1, 2, 3)]
+    one = [{**r, "tokens_by_source": {"stdlib": 2048}} for r in base]
+    blend = [{**r, "tokens_by_source": {"code": 1024 + 256 * r["step"], "prose": 1024 - 256 * r["step"]}} for r in base]
+    spy = Spy(plot._pyplot())
+    assert plot.plot_health(one, tmp_path / "one.png", spy) and plot.plot_health(blend, tmp_path / "blend.png", spy)
+    (one_axes, blend_axes) = spy.figures
+    assert [ax.get_ylabel() for ax in one_axes] == ["grad_norm / param_norm", "zero_grads"]
+    assert [ax.get_ylabel() for ax in blend_axes] == ["grad_norm / param_norm", "zero_grads", "share of tokens"]
+    shares = blend_axes[-1]
+    assert [line.get_label() for line in shares.get_lines()] == ["code", "prose"] and shares.get_ylim() == (0, 1.05)
+    assert list(shares.get_lines()[0].get_ydata()) == [0.625, 0.75, 0.875]
+
+
 def test_tensorboard_gets_every_number_of_a_record(tmp_path):
     pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
