@@ -2,7 +2,9 @@
 
 Writes into out_dir (needs matplotlib, the `plots` extra: pip install 'fmoe[plots]'):
     loss.png         loss with val_loss (and each data source's validation loss when the
-                     run blends several), and aux_loss / z_loss / mtp_loss panels, when logged
+                     run blends several), and panels for the MTP losses (each depth's
+                     mtp_<d>_loss), the balancing losses (seq_aux_loss, aux_loss) and z_loss,
+                     those logged and not all zero (a coefficient of 0 logs zeros)
     expert_load.png  heatmaps over steps: max/mean load per MoE layer (rows: layers) and,
                      when tokens_per_expert is logged, each expert's share of its layer's
                      slots relative to uniform (count * E / sum) per layer
@@ -15,12 +17,14 @@ Writes into out_dir (needs matplotlib, the `plots` extra: pip install 'fmoe[plot
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
 from fmoe.train.metrics import read_metrics
 
-LOSS_PANELS = (("loss", "val_loss"), ("aux_loss",), ("z_loss",), ("mtp_loss",))  # keys sharing an axis
+# keys sharing an axis; mtp_*_loss: each MTP depth's (the loop's mtp_1_loss, mtp_2_loss, ...)
+LOSS_PANELS = (("loss", "val_loss"), ("mtp_*_loss", "mtp_loss"), ("seq_aux_loss", "aux_loss"), ("z_loss",))
 HEALTH_PANELS = (("grad_norm", "param_norm"), ("zero_grads",), ("energy_j_per_token",))
 
 
@@ -40,10 +44,24 @@ def _series(records: list[dict], key: str) -> tuple[list, list]:
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
+def _logged(records: list[dict], keys) -> list[str]:
+    """A panel's keys as the records hold them: a `*` key expanded to each logged key it
+    matches (by its number), and a series of zeros left out (the loop logs 0 for a balancing
+    loss whose coefficient is 0: it is not computed)."""
+    found = []
+    for key in keys:
+        if "*" in key:
+            pattern = re.compile(re.escape(key).replace(r"\*", r"(\d+)"))
+            matches = {k: int(m.group(1)) for r in records for k in r if (m := pattern.fullmatch(k))}
+            found += sorted(matches, key=matches.get)
+        else:
+            found.append(key)
+    return [key for key in found if any(v != 0 for v in _series(records, key)[1])]
+
+
 def plot_losses(records: list[dict], path: Path, plt) -> bool:
     """loss.png; False (nothing written) when no loss was logged."""
-    panels = [[key for key in keys if _series(records, key)[0]] for keys in LOSS_PANELS]
-    panels = [keys for keys in panels if keys]
+    panels = [keys for keys in (_logged(records, keys) for keys in LOSS_PANELS) if keys]
     if not panels:
         return False
     fig, axes = plt.subplots(len(panels), 1, figsize=(8, 2.6 * len(panels)), sharex=True, squeeze=False)

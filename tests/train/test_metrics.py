@@ -223,6 +223,27 @@ def test_loss_plot_shows_each_sources_validation_loss(tmp_path, monkeypatch):
     assert list(drawn[0][1]) == ["loss", "val_loss"]
 
 
+def test_loss_plot_shows_the_losses_the_default_run_logs(tmp_path, monkeypatch):
+    """The loop logs lm loss, mtp_<d>_loss per depth and every balancing loss, a loss whose
+    coefficient is 0 as 0: a panel per kind, each MTP depth in one, the all-zero ones left out."""
+    pytest.importorskip("matplotlib", reason="the plots extra (matplotlib) is not installed")
+    from fmoe.train import plot
+
+    drawn = []
+    monkeypatch.setattr(plot, "_draw_panel", lambda ax, series, ylabel: drawn.append((ylabel, dict(series))))
+    records = [{"step": s, "loss": 4.0 / s, "lm_loss": 4.0 / s, "mtp_1_loss": 4.5 / s, "mtp_10_loss": 6.0 / s, "mtp_2_loss": 5.0 / s,
+                "seq_aux_loss": 1.0 + s / 100, "aux_loss": 0.0, "z_loss": 0.0} for s in (1, 2)]
+    assert plot.plot_losses(records, tmp_path / "loss.png", plot._pyplot())
+    assert [(ylabel, list(series)) for ylabel, series in drawn] == [
+        ("loss", ["loss"]), ("mtp_1_loss / mtp_2_loss / mtp_10_loss", ["mtp_1_loss", "mtp_2_loss", "mtp_10_loss"]),
+        ("seq_aux_loss", ["seq_aux_loss"])]
+    assert drawn[2][1]["seq_aux_loss"] == ([1, 2], [1.01, 1.02])
+    drawn.clear()
+    records[1]["z_loss"] = 1e-4  # logged, not all zero: its panel, the zero at step 1 kept
+    assert plot.plot_losses(records, tmp_path / "loss.png", plot._pyplot())
+    assert drawn[-1] == ("z_loss", {"z_loss": ([1, 2], [0.0, 1e-4])})
+
+
 def test_plot_missing_metrics(tmp_path):
     from fmoe.train import plot
 
