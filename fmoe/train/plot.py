@@ -167,7 +167,10 @@ def plot_health(records: list[dict], path: Path, plt) -> bool:
         return False
     fig, axes = plt.subplots(n, 1, figsize=(8, 2.6 * n), sharex=True, squeeze=False)
     for ax, keys in zip(axes[:, 0], panels):
-        _draw_panel(ax, {key: _series(records, key) for key in keys}, " / ".join(keys))
+        series = {key: _series(records, key) for key in keys}
+        _draw_panel(ax, series, " / ".join(keys))
+        if len(keys) > 1 and all(v > 0 for _, values in series.values() for v in values):
+            ax.set_yscale("log")  # the gradient's norm beside the weights', tens of times larger
     if shares:
         _draw_panel(axes[-1, 0], shares, "share of tokens")
         axes[-1, 0].set_ylim(0, 1.05)  # a share of 1 above the frame, not on it

@@ -411,6 +411,7 @@ def test_plot_health_shows_the_sources_shares_of_a_blend_only(tmp_path):
     assert plot.plot_health(one, tmp_path / "one.png", spy) and plot.plot_health(blend, tmp_path / "blend.png", spy)
     (one_axes, blend_axes) = spy.figures
     assert [ax.get_ylabel() for ax in one_axes] == ["grad_norm / param_norm", "zero_grads"]
+    assert [ax.get_yscale() for ax in one_axes] == ["log", "linear"]  # norms 40 and 1/3 apart: both readable
     assert [ax.get_ylabel() for ax in blend_axes] == ["grad_norm / param_norm", "zero_grads", "share of tokens"]
     shares = blend_axes[-1]
     assert [line.get_label() for line in shares.get_lines()] == ["code", "prose"] and shares.get_ylim() == (0, 1.05)
