@@ -130,7 +130,7 @@ class Config:
     keep_last: int = 2              # retention: the newest checkpoints kept...
     keep_every: int = 0             # ...plus every keep_every-th step (0: none)
     eval_every: int = 50
-    eval_batches: int = 4
+    eval_batches: int = 4           # validation micro-batches (0: no validation, no document held out: a corpus of a few files)
     tensorboard: bool = False       # also TensorBoard event files in out_dir/tensorboard (pip install 'fmoe[tensorboard]')
     check_replicas_every: int = 100  # compare a hash of the parameters across the ranks that hold copies (0: never)
     check_finite: bool = True       # stop at a step whose loss or gradient norm is nan/inf, before its checkpoint
@@ -244,6 +244,12 @@ def parse_args(argv: list[str]) -> Config:
             model_overrides[name.removeprefix(prefix)] = parsed
         else:
             setattr(cfg, name, parsed)
+    # counts the loop divides by or counts down: refused here, not at the step that would fail
+    least = dict(steps=1, tokens_per_micro_batch=1, eval_every=1, ckpt_every=1, keep_last=1, eval_batches=0, keep_every=0, stop_at=0,
+                 check_replicas_every=0, seed=0, val_percent=0)
+    for name, low in least.items():
+        if getattr(cfg, name) < low:
+            sys.exit(f"--{name}: expected an int >= {low}, got {getattr(cfg, name)}")
     base = cfg.model
     if not 0.0 <= cfg.upcycle_drop <= 1.0 or cfg.upcycle_drop and not cfg.upcycle_from:
         sys.exit(f"--upcycle_drop: expected a fraction in [0, 1] with --upcycle_from, got {cfg.upcycle_drop!r}"
@@ -345,18 +351,20 @@ def main(argv: list[str]) -> None:
     try:  # one source or a weighted blend; each micro-batch comes from one source, in the weights' proportions
         corpus = load_blend(cfg.data or None, separator=cfg.separator if cfg.separator >= 0 else None,
                             vocab_size=cfg.model.vocab_size if cfg.data else None, dtype=cfg.data_dtype or None)
-        train_set, val_set = corpus.split(cfg.val_percent)
+        train_set, val_set = corpus.split(cfg.val_percent) if cfg.eval_batches else (corpus, None)
         sampler = BlendSampler(train_set, cfg.tokens_per_micro_batch, seed=cfg.seed, mtp_depth=cfg.model.mtp_depth,
                                whole_documents=cfg.whole_documents)
     except (OSError, ValueError) as err:
         sys.exit(str(err) if str(err).startswith("data:") else f"data: {err}")
+    val_batches, val_sources = [], []
     try:
-        val_batches = val_set.validation_batches(cfg.tokens_per_micro_batch, cfg.eval_batches, mtp_depth=cfg.model.mtp_depth,
-                                                 whole_documents=cfg.whole_documents)
-        val_sources = val_set.validation_sources(cfg.eval_batches)  # the source of each validation batch
+        if val_set is not None:
+            val_batches = val_set.validation_batches(cfg.tokens_per_micro_batch, cfg.eval_batches, mtp_depth=cfg.model.mtp_depth,
+                                                     whole_documents=cfg.whole_documents)
+            val_sources = val_set.validation_sources(cfg.eval_batches)  # the source of each validation batch
     except ValueError as err:
         sys.exit(f"--eval_batches={cfg.eval_batches}: the validation split ({cfg.val_percent}% of the documents) is too small "
-                 f"({err}); lower --eval_batches or raise --val_percent")
+                 f"({err}); lower --eval_batches (0: no validation) or raise --val_percent")
 
     # a released model keeps its vocabulary (the data must be tokenized with its tokenizer)
     released = hf_type is not None or bool(cfg.upcycle_from) and fmoe.hf.is_hf_folder(cfg.upcycle_from)
@@ -492,7 +500,8 @@ def main(argv: list[str]) -> None:
         print(f"model: {n_params / 1e6:.2f}M parameters, {n_active / 1e6:.2f}M active per token ({len(moe_names)} MoE layers of "
               f"{model_cfg.n_experts} experts, top-{model_cfg.k})\n"
               f"data: {cfg.data or 'the stdlib corpus'}: {len(train_set)} documents, {train_set.n_tokens / 1e6:.1f}M tokens "
-              f"(+ {len(val_set)} for validation); {first_step} tokens per step now (--batch_schedule={cfg.batch_schedule!r})\n"
+              f"({f'+ {len(val_set)} for validation' if val_set is not None else 'no validation: --eval_batches=0'}); "
+              f"{first_step} tokens per step now (--batch_schedule={cfg.batch_schedule!r})\n"
               + ("".join(f"  source {n}: weight {w:.3f}, {len(d)} documents, {d.n_tokens / 1e6:.2f}M tokens\n"
                          for n, w, d in zip(train_set.names, train_set.weights, train_set.datasets)) if len(train_set.names) > 1 else "") +
               f"run: {cfg.steps} steps on {device} x {world} ({mesh}), {dtype}; warmup {warmup} steps"
@@ -725,7 +734,7 @@ def main(argv: list[str]) -> None:
             step_tokens = n_micro * cfg.tokens_per_micro_batch
             routed = sum(int(b["token_mask"].sum()) for b in host_batches) if cfg.whole_documents else step_tokens  # host values
             tokens_seen += step_tokens
-            if step % cfg.eval_every == 0 or step == last:
+            if val_batches and (step % cfg.eval_every == 0 or step == last):
                 with phase("eval"):
                     record["val_loss"], record["val_loss_by_source"] = evaluate()
             # the one transfer of the step: every logged value and count comes to the host here
@@ -786,6 +795,8 @@ def main(argv: list[str]) -> None:
         each = "; by source: " + ", ".join(f"{name} {v:.4f}" for name, v in sources.items()) if len(sources) > 1 else ""
         unit = "byte" if corpus.byte_tokens else "token"
         print(f"done: step {step}, validation loss {record['val_loss']:.4f} (bits per {unit} {record['val_loss'] / math.log(2):.3f}){each}")
+    elif rank == 0 and not val_batches:
+        print(f"done: step {step}, loss {record['loss']:.4f} (no validation: --eval_batches=0)")
     if rank == 0 and cfg.compile:  # what the compiler made of the model: graph breaks cost speed
         counters = torch._dynamo.utils.counters
         print(f"torch.compile: {counters['stats']['unique_graphs']} graphs, {sum(counters['graph_break'].values())} graph breaks")

@@ -273,10 +273,17 @@ BAD_KNOBS = [
     (["--dtype=fp8"], "--dtype: expected auto, float32 or bfloat16, got 'fp8'"),
     (["--tp=2", "--tokens_per_micro_batch=255"], "--tokens_per_micro_batch: expected a multiple of --tp = 2, got 255"),
     (["--steps"], "--steps: expected --steps=<int>"),
+    (["--steps=0"], "--steps: expected an int >= 1, got 0"),
+    (["--eval_every=0"], "--eval_every: expected an int >= 1, got 0"),
+    (["--ckpt_every=0"], "--ckpt_every: expected an int >= 1, got 0"),
+    (["--keep_last=0"], "--keep_last: expected an int >= 1, got 0"),
+    (["--eval_batches=-1"], "--eval_batches: expected an int >= 0, got -1"),
+    (["--seed=-3"], "--seed: expected an int >= 0, got -3"),
     (["--warmup=50", "--steps=10"], "warmup: expected at most total=10"),
     (["--data=/no/such/dir"], "data: source 'dir' (/no/such/dir): path: '/no/such/dir' does not exist"),
     (["--eval_batches=100000"], "--eval_batches=100000: the validation split (5% of the documents) is too small (data: source "
-                                "'stdlib': n_batches: 100000 batches of 128 tokens need 12800000 tokens, the dataset has 857423); lower --eval_batches"),
+                                "'stdlib': n_batches: 100000 batches of 128 tokens need 12800000 tokens, the dataset has 857423); lower --eval_batches "
+                                "(0: no validation) or raise --val_percent"),
     (["--init_from=/no/such/run"], "--init_from: path: '/no/such/run' does not exist"),
     (["--optimizer=sgd", "--steps=1"], "--optimizer: expected adamw or muon"),
     (["--stop_signals=SIGTERM,SIGKILL"], "--stop_signals: signals: expected names of signals a process can catch (e.g. SIGTERM, "
@@ -494,3 +501,17 @@ def test_prompt_and_response_data_counts_the_responses_only(tmp_path):
     model, _ = evaluate.load_model(tmp_path / "whole")
     cut = evaluate.evaluate(model, val.validation_batches(512, 4, mtp_depth=1), ["sft.u16"] * 4, device=torch.device("cpu"))
     assert abs(cut["loss"] - record["val_loss"]) > 1e-3
+
+
+def test_a_corpus_of_one_file_trains_without_validation(tmp_path):
+    """--eval_batches=0: no document is held out for validation and none runs, so a directory
+    of one text file trains (with validation it cannot: its one document is in one split)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "notes.txt").write_text("def add(a, b):\n    return a + b\n" * 100)
+    run = _train(tmp_path / "run", f"--data={data}", "--eval_batches=0", "--steps=2", "--warmup=1")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert f"data: {data}: 1 documents, 0.0M tokens (no validation: --eval_batches=0)" in run.stdout, run.stdout
+    assert re.search(r"^done: step 2, loss \d+\.\d{4} \(no validation: --eval_batches=0\)$", run.stdout, flags=re.M), run.stdout
+    records = _records(tmp_path / "run")
+    assert [r["step"] for r in records] == [1, 2] and not any("val_loss" in r for r in records)
