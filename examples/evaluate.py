@@ -280,7 +280,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--split", default="val", choices=("val", "train", "all"))
     parser.add_argument("--val_percent", type=int, default=None, help="validation documents (default: the run's, else 5)")
     parser.add_argument("--tokens_per_micro_batch", type=int, default=None, help="default: the run's, else 2048")
-    parser.add_argument("--batches", type=int, default=None, help="micro-batches (default: the run's eval_batches, else 16; 0: all)")
+    parser.add_argument("--batches", type=int, default=None, help="micro-batches (default: the run's eval_batches if not 0, else 16; 0: all)")
     parser.add_argument("--whole_documents", action=argparse.BooleanOptionalAction, default=None,
                         help="a document that does not fit the rest of a micro-batch starts the next one (default: the run's, else no)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (under torchrun: cpu or cuda, each rank its LOCAL_RANK's GPU)")
@@ -333,9 +333,12 @@ def main(argv: list[str]) -> None:
         split = (2 if args.cp > 1 else 1) * args.cp * args.tp
         if tokens % split:
             raise ValueError(f"--tokens_per_micro_batch: expected a multiple of {'2 x --cp x ' if args.cp > 1 else ''}--tp = {split}, got {tokens}")
+        if same_data and args.split == "val" and loop.get("eval_batches") == 0:
+            raise ValueError("--split=val: the run held no documents out (it trained with --eval_batches=0, on every document): "
+                             "give --data of documents it did not see, or --split=train or all to measure its fit")
         batches, sources = data_batches(
             corpus, split=args.split, val_percent=args.val_percent if args.val_percent is not None else loop.get("val_percent", 5),
-            tokens=tokens, n_batches=args.batches if args.batches is not None else loop.get("eval_batches", 16), mtp_depth=model.cfg.mtp_depth,
+            tokens=tokens, n_batches=args.batches if args.batches is not None else loop.get("eval_batches") or 16, mtp_depth=model.cfg.mtp_depth,
             whole_documents=args.whole_documents if args.whole_documents is not None else loop.get("whole_documents", False))
     except (OSError, ValueError) as err:
         sys.exit(f"data: {err}")

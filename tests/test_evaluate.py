@@ -5,6 +5,7 @@ numbers; bad knobs stop with a message."""
 
 import json
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -290,3 +291,17 @@ def bad_exits(run_dir, tmp_path_factory):
 def test_bad_choices_stop_with_a_message(bad_exits, case):
     got = bad_exits["choices"][case]
     assert got["status"] != 0 and BAD_CHOICES[case][2] in got["text"], got["text"][-2000:]
+
+
+def test_a_run_without_validation_has_no_split_of_its_own_to_measure(run_dir, tmp_path):
+    """A run trained with --eval_batches=0 held no document out, so --split=val of its own data
+    (documents it trained on) is refused; --split=train measures its fit, 16 batches by default."""
+    out = tmp_path / "run"
+    shutil.copytree(run_dir[0], out)
+    config = json.loads((out / "config.json").read_text())
+    config["config"]["eval_batches"] = 0
+    (out / "config.json").write_text(json.dumps(config))
+    got = exits(ROOT / "examples" / "evaluate.py", [[out], [out, "--split=train", "--json"], [out, "--data=", "--split=val", "--batches=1"]])
+    assert got[0]["status"] != 0 and "data: --split=val: the run held no documents out (it trained with --eval_batches=0" in got[0]["text"]
+    assert got[1]["status"] == 0 and 15 * 128 < json.loads(got[1]["out"])["tokens"] <= 16 * 128, got[1]  # labels of 16 batches, not all
+    assert got[2]["status"] == 0, got[2]  # other data given: its validation split is the user's to choose
