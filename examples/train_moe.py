@@ -46,6 +46,7 @@ import inspect
 import math
 import os
 import random
+import re
 import sys
 import textwrap
 import time
@@ -107,7 +108,7 @@ class Config:
     wsd_style: str = "linear"       # wsd: linear | cosine | exponential | minus_sqrt
     weight_decay: float = 0.1       # matrices only: never norms, biases, gates (Megatron Core's default)
     decay_embeddings: bool = True   # ...and the embedding and output head by this knob
-    clip: float = 1.0
+    clip: float = 1.0               # the gradients' max norm (inf: no clipping)
     # run
     steps: int = 250
     stop_at: int = 0                # stop after this step (a time-limited job); 0: run to --steps
@@ -250,6 +251,16 @@ def parse_args(argv: list[str]) -> Config:
     for name, low in least.items():
         if getattr(cfg, name) < low:
             sys.exit(f"--{name}: expected an int >= {low}, got {getattr(cfg, name)}")
+    # numbers: finite (nan and inf parse as floats), the losses' weights and rates not negative
+    for name in (n for n, kind in hints[""].items() if kind is float):
+        value = getattr(cfg, name)
+        if not math.isfinite(value) and not (name == "clip" and value == math.inf):
+            sys.exit(f"--{name}: expected a finite number{' (or inf: no clipping)' if name == 'clip' else ''}, got {value}")
+    for name in ("lr", "init_lr", "mtp_lambda", "seq_aux_coeff", "aux_coeff", "z_coeff", "bias_rate", "weight_decay"):
+        if getattr(cfg, name) < 0:
+            sys.exit(f"--{name}: expected a number >= 0, got {getattr(cfg, name)}")
+    if not cfg.clip > 0:
+        sys.exit(f"--clip: expected a max norm > 0 (inf: no clipping), got {cfg.clip}")
     base = cfg.model
     if not 0.0 <= cfg.upcycle_drop <= 1.0 or cfg.upcycle_drop and not cfg.upcycle_from:
         sys.exit(f"--upcycle_drop: expected a fraction in [0, 1] with --upcycle_from, got {cfg.upcycle_drop!r}"
@@ -304,6 +315,10 @@ def main(argv: list[str]) -> None:
     # ------------------------------------------------------------------------ setup
     if cfg.deterministic:
         set_deterministic(True)  # before any CUDA work: cuBLAS reads its workspace setting once
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device):
+        sys.exit(f"--device: expected auto, cpu, cuda or cuda:N, got {cfg.device!r}")
+    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+        sys.exit(f"--device={cfg.device}: this torch sees no CUDA device (torch {torch.__version__}); --device=auto or cpu runs on the CPU")
     device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else (cfg.device if cfg.device != "auto" else "cpu"))
     if cfg.dtype not in ("auto", "float32", "bfloat16"):
         sys.exit(f"--dtype: expected auto, float32 or bfloat16, got {cfg.dtype!r}")

@@ -14,6 +14,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from fmoe.model import TransformerConfig
 from tests.exits import exits
@@ -279,6 +280,17 @@ BAD_KNOBS = [
     (["--keep_last=0"], "--keep_last: expected an int >= 1, got 0"),
     (["--eval_batches=-1"], "--eval_batches: expected an int >= 0, got -1"),
     (["--seed=-3"], "--seed: expected an int >= 0, got -3"),
+    (["--lr=-1"], "--lr: expected a number >= 0, got -1.0"),
+    (["--lr=nan"], "--lr: expected a finite number, got nan"),
+    (["--z_coeff=inf"], "--z_coeff: expected a finite number, got inf"),
+    (["--mtp_lambda=-0.1"], "--mtp_lambda: expected a number >= 0, got -0.1"),
+    (["--seq_aux_coeff=-1e-2"], "--seq_aux_coeff: expected a number >= 0, got -0.01"),
+    (["--bias_rate=-1"], "--bias_rate: expected a number >= 0, got -1.0"),
+    (["--weight_decay=-1"], "--weight_decay: expected a number >= 0, got -1.0"),
+    (["--clip=0"], "--clip: expected a max norm > 0 (inf: no clipping), got 0.0"),
+    (["--clip=nan"], "--clip: expected a finite number (or inf: no clipping), got nan"),
+    (["--device=tpu"], "--device: expected auto, cpu, cuda or cuda:N, got 'tpu'"),
+    *([(["--device=cuda:0"], "--device=cuda:0: this torch sees no CUDA device")] if not torch.cuda.is_available() else []),
     (["--warmup=50", "--steps=10"], "warmup: expected at most total=10"),
     (["--data=/no/such/dir"], "data: source 'dir' (/no/such/dir): path: '/no/such/dir' does not exist"),
     (["--eval_batches=100000"], "--eval_batches=100000: the validation split (5% of the documents) is too small (data: source "

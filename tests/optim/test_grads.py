@@ -2,6 +2,7 @@
 multi-process checks are in tests/parallel/test_reduce.py and test_pipeline.py), and
 Float32GradAccumulator."""
 
+import math
 import subprocess
 import sys
 
@@ -170,15 +171,16 @@ def test_scale_and_clip_refusals():
     assert torch.equal(t, torch.ones(3))
 
 
-@pytest.mark.parametrize("max_norm", [0.5, 1e3])
+@pytest.mark.parametrize("max_norm", [0.5, 1e3, math.inf])
 def test_clip_factor_is_the_clips_scale(max_norm):
     """clip_factor(grad_norm, max_norm) is the factor clip_grad_norm scales float32 gradients
-    by, bit for bit (1 below max_norm): what AdamW.step(grad_factor=...) takes instead."""
+    by, bit for bit (1 below max_norm; inf: no clipping, train_moe's --clip=inf): what
+    AdamW.step(grad_factor=...) takes instead."""
     params = _params_with_grads()
     before = [p.grad.clone() for p in params[:2]]
     factor = clip_factor(grad_norm(params), max_norm)
     assert factor.dtype == torch.float32 and factor.dim() == 0
-    assert (float(factor) == 1.0) == (max_norm == 1e3)
+    assert (float(factor) == 1.0) == (max_norm > 1.0)
     clip_grad_norm(params, max_norm)
     assert all(torch.equal(p.grad, g * factor) for p, g in zip(params, before))
     _raises("max_norm: expected a positive number", clip_factor, factor, 0.0)
