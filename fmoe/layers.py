@@ -155,6 +155,11 @@ class MoEConfig:
 
     def __post_init__(self):
         check_glu(self.swiglu_alpha, self.swiglu_limit, self.swiglu_offset)
+        if self.capacity_factor is not None and (isinstance(self.capacity_factor, bool) or not isinstance(self.capacity_factor, (int, float))
+                                                 or not 0 < self.capacity_factor < math.inf):
+            raise ValueError(f"capacity_factor: expected None or a positive finite number, got {self.capacity_factor!r}")
+        if self.capacity_policy not in ("probs", "position"):
+            raise ValueError(f"capacity_policy: expected 'probs' or 'position', got {self.capacity_policy!r}")
         check_fp8(self.fp8)
         check_fp8_fast_accum(self.fp8_fast_accum, self.fp8)
         if not isinstance(self.weights_on_input, bool):
@@ -461,6 +466,14 @@ class AttentionConfig:
             raise ValueError(f"temperature_scale: expected a finite number, got {self.temperature_scale!r}")
         if not isinstance(self.rope, bool):
             raise ValueError(f"rope: expected a bool, got {self.rope!r}")
+        if self.rope and self.llama3_factor is None:  # the RoPE or YaRN knobs, checked by the ops on no positions, named as this config's fields
+            try:
+                rope_tables(torch.zeros(0, dtype=torch.long), self)
+                softmax_scale(self)
+            except ValueError as e:
+                name, rest = str(e).split(":", 1)
+                field = {"base": "rope_base", "dim": "rot_dim"}.get(name, name if name.startswith("yarn_") else f"yarn_{name}")
+                raise ValueError(f"{field}:{rest}") from None
         if self.kv_rank is None:
             if self.q_rank is not None or self.v_dim is not None:
                 raise ValueError("q_rank / v_dim: multi-latent attention knobs, need kv_rank")

@@ -431,10 +431,14 @@ class TransformerConfig:
     def __post_init__(self):
         if self.ac not in AC_MODES:
             raise ValueError(f"ac: expected one of {', '.join(AC_MODES)}, got {self.ac!r}")
-        for name in ("vocab_size", "hidden", "n_layers", "n_heads", "n_kv_heads", "head_dim", "n_experts", "k"):
+        for name in ("vocab_size", "hidden", "n_layers", "n_heads", "n_kv_heads", "head_dim", "n_experts", "k", "ffn_dense", "ffn_expert"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        for name in ("init_std", "norm_eps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise ValueError(f"{name}: expected a finite number >= 0, got {value!r}")
         if not 0 <= self.n_dense <= self.n_layers:
             raise ValueError(f"n_dense: expected 0..n_layers = {self.n_layers}, got {self.n_dense}")
         if self.mtp_depth < 0 or self.n_shared < 0:

@@ -253,8 +253,10 @@ def test_attention_bad_inputs():
     with pytest.raises(ValueError, match="cfg.impl: FlexAttention has no backward on CPU"):
         attention(x, p, flex, _ctx(cu, flex))
     # the context checks shapes (its values were checked where the batch was made)
-    with pytest.raises(ValueError, match="cfg.rot_dim"):
-        _ctx(cu, dataclasses.replace(CFG, rot_dim=7))
+    with pytest.raises(ValueError, match=r"cfg.rot_dim: expected an even number <= head_dim = 16, got 18"):
+        _ctx(cu, dataclasses.replace(CFG, rot_dim=18))
+    with pytest.raises(ValueError, match=r"rot_dim: expected an even number of rotated channels \(pairs\), got 7"):
+        dataclasses.replace(CFG, rot_dim=7)  # the config itself refuses an odd one
     with pytest.raises(ValueError, match="positions: expected a 1-D tensor"):
         attention_context(cu, torch.arange(6)[None], CFG)
     with pytest.raises(ValueError, match="cfg.impl: expected one of"):

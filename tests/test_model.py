@@ -328,6 +328,19 @@ def test_bad_configs():
             TransformerConfig(**{name: bad})
     with pytest.raises(ValueError, match="scale: expected None or a positive finite number"):
         fmoe.layers.AttentionConfig(n_heads=4, n_kv_heads=2, head_dim=8, scale=float("nan"))
+    # knobs that failed later, in the first forward or the initialisation, fail at the config, named as its fields
+    for kwargs, said in ((dict(ffn_expert=0), "ffn_expert: expected a positive int, got 0"),
+                         (dict(ffn_dense=-4), "ffn_dense: expected a positive int, got -4"),
+                         (dict(init_std=-0.02), "init_std: expected a finite number >= 0, got -0.02"),
+                         (dict(norm_eps=float("nan")), "norm_eps: expected a finite number >= 0, got nan"),
+                         (dict(head_dim=7), r"rot_dim: expected an even number of rotated channels \(pairs\), got 7"),
+                         (dict(rope_base=0.5), "rope_base: expected a finite number > 1, got 0.5"),
+                         (dict(yarn_factor=0.0), "yarn_factor: expected a finite number > 0, got 0.0"),
+                         (dict(yarn_factor=4.0, yarn_original_max_positions=0), "yarn_original_max_positions: "),
+                         (dict(capacity_factor=0.0), "capacity_factor: expected None or a positive finite number, got 0.0"),
+                         (dict(capacity_factor=1.0, capacity_policy="random"), "capacity_policy: expected 'probs' or 'position', got 'random'")):
+        with pytest.raises(ValueError, match=said):
+            TransformerConfig(**kwargs)
     with pytest.raises(ValueError, match=r"qk_norm_after_rope: needs per-head norms \(qk_norm 'head' or 'rms'\), got qk_norm='proj'"):
         TransformerConfig(qk_norm="proj", qk_norm_after_rope=True)
     model = Transformer(dataclasses.replace(TINY, mtp_depth=1))
