@@ -386,6 +386,9 @@ def main(argv: list[str]) -> None:
     if released and corpus.vocab_size > cfg.model.vocab_size:
         sys.exit(f"--{'upcycle_from' if cfg.upcycle_from else 'init_from_hf'}: the data's {corpus.vocab_size} token ids do not fit the "
                  f"model's vocab_size {cfg.model.vocab_size} (tokenize the data with the model's tokenizer: --data=tokens.bin --separator=...)")
+    if not released and corpus.byte_tokens and cfg.model.vocab_size != corpus.vocab_size:  # it would be the corpus's, silently
+        sys.exit(f"--model.vocab_size={cfg.model.vocab_size}: byte data has a vocabulary of {corpus.vocab_size} (256 bytes, the "
+                 "separator and padding), which the model takes; leave the knob out (it sizes token files' vocabularies)")
     model_cfg = dataclasses.replace(cfg.model, vocab_size=cfg.model.vocab_size if released else corpus.vocab_size)
     with torch.device("meta"):  # the whole model's shapes and MoE layer names, allocating nothing
         whole = Transformer(model_cfg)

@@ -290,6 +290,8 @@ BAD_KNOBS = [
     (["--clip=0"], "--clip: expected a max norm > 0 (inf: no clipping), got 0.0"),
     (["--clip=nan"], "--clip: expected a finite number (or inf: no clipping), got nan"),
     (["--device=tpu"], "--device: expected auto, cpu, cuda or cuda:N, got 'tpu'"),
+    (["--model.vocab_size=10"], "--model.vocab_size=10: byte data has a vocabulary of 258 (256 bytes, the separator and padding), which "
+                                "the model takes; leave the knob out"),
     *([(["--device=cuda:0"], "--device=cuda:0: this torch sees no CUDA device")] if not torch.cuda.is_available() else []),
     (["--warmup=50", "--steps=10"], "warmup: expected at most total=10"),
     (["--data=/no/such/dir"], "data: source 'dir' (/no/such/dir): path: '/no/such/dir' does not exist"),
