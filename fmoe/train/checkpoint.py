@@ -79,11 +79,14 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+_SINGLE_PROCESS_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
+
+
 @contextmanager
 def _single_process_quiet():
     """DCP warns that it assumes a single process even with no_dist=True: that is meant."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
         yield
 
 
@@ -245,6 +248,8 @@ def save(
             _finalize(tmp, final)
         _barrier()
         return SaveHandle(tmp, final)
+    if no_dist:  # the background writer warns after the block below has left: the filter stays (added once, moved to the front)
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
     with _single_process_quiet():
         result = dcp.async_save(state, checkpoint_id=tmp, no_dist=no_dist)
     future = getattr(result, "upload_completion", result)  # AsyncSaveResponse or Future
