@@ -466,14 +466,8 @@ class AttentionConfig:
             raise ValueError(f"temperature_scale: expected a finite number, got {self.temperature_scale!r}")
         if not isinstance(self.rope, bool):
             raise ValueError(f"rope: expected a bool, got {self.rope!r}")
-        if self.rope and self.llama3_factor is None:  # the RoPE or YaRN knobs, checked by the ops on no positions, named as this config's fields
-            try:
-                rope_tables(torch.zeros(0, dtype=torch.long), self)
-                softmax_scale(self)
-            except ValueError as e:
-                name, rest = str(e).split(":", 1)
-                field = {"base": "rope_base", "dim": "rot_dim"}.get(name, name if name.startswith("yarn_") else f"yarn_{name}")
-                raise ValueError(f"{field}:{rest}") from None
+        if self.rope and self.llama3_factor is None:
+            _check_rope_knobs(self)
         if self.kv_rank is None:
             if self.q_rank is not None or self.v_dim is not None:
                 raise ValueError("q_rank / v_dim: multi-latent attention knobs, need kv_rank")
@@ -502,6 +496,20 @@ def check_window(window) -> None:
     tokens a query attends to, itself included)."""
     if window is not None:
         check_positive_int("window", window)
+
+
+@functools.lru_cache(maxsize=256)
+def _check_rope_knobs(cfg: AttentionConfig) -> None:
+    """The RoPE or YaRN knobs, checked by the ops on no positions and named as the config's
+    fields; once per distinct config (each micro-batch's context and each decode step build
+    an equal one)."""
+    try:
+        rope_tables(torch.zeros(0, dtype=torch.long), cfg)
+        softmax_scale(cfg)
+    except ValueError as e:
+        name, rest = str(e).split(":", 1)
+        field = {"base": "rope_base", "dim": "rot_dim"}.get(name, name if name.startswith("yarn_") else f"yarn_{name}")
+        raise ValueError(f"{field}:{rest}") from None
 
 
 def rope_tables(positions: torch.Tensor, cfg: AttentionConfig):

@@ -248,10 +248,9 @@ def save(
             _finalize(tmp, final)
         _barrier()
         return SaveHandle(tmp, final)
-    if no_dist:  # the background writer warns after the block below has left: the filter stays (added once, moved to the front)
+    if no_dist:  # its background writer warns after the call returns: the filter stays (added once, moved to the front)
         warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
-    with _single_process_quiet():
-        result = dcp.async_save(state, checkpoint_id=tmp, no_dist=no_dist)
+    result = dcp.async_save(state, checkpoint_id=tmp, no_dist=no_dist)
     future = getattr(result, "upload_completion", result)  # AsyncSaveResponse or Future
     return SaveHandle(tmp, final, future)
 
