@@ -423,6 +423,7 @@ def main(argv: list[str]) -> None:
     # this rank's part of the model: the whole model, or its pipeline stages (each with the
     # whole model's parameter names; optimizers and checkpoints take them as a list)
     parts = pipe.chunks if pipe is not None else [model]
+    index_loss = model_cfg.index_topk is not None and model_cfg.index_loss_coeff > 0  # DeepSeek sparse attention's indexer trained
     if hf_type is not None:  # each rank reads the tensors of its own parameters (blocks of them when sharded)
         for part in parts:
             fmoe.hf.load_weights(part, cfg.init_from_hf, model_type=hf_type)
@@ -546,6 +547,8 @@ def main(argv: list[str]) -> None:
                 mtp_loss = losses[f"mtp_{d}_sum"] / valid[d]
                 loss = loss + cfg.mtp_lambda / model_cfg.mtp_depth * mtp_loss
                 logged[f"mtp_{d}_loss"] = mtp_loss.detach()
+        if pipe is None and index_loss:  # DeepSeek sparse attention's indexer losses (trained apart: their gradients added in the backward)
+            logged["index_loss"] = model.index_loss_sum() / n_micro
         if not len(stats.keys()):  # no MoE layer here (a dense model, or a pipeline stage without one)
             return loss, logged
         # balancing losses: averaged over layers and micro-batches (a layer's sequences are
@@ -684,6 +687,11 @@ def main(argv: list[str]) -> None:
             # every key from the start: a rank with only padding sums the same keys (one collective)
             zero = torch.zeros((), device=device)
             record = dict.fromkeys(["lm_loss", *(f"mtp_{d}_loss" for d in range(1, model_cfg.mtp_depth + 1)), "seq_aux_loss", "aux_loss", "z_loss"], zero)
+            if index_loss:  # each indexer's loss weighs index_loss_coeff / n_micro: the step averages the micro-batches'
+                for part in parts:
+                    part.set_index_loss_weight(model_cfg.index_loss_coeff / n_micro)
+                if pipe is None:  # logged from the whole model (a pipeline's stages hold some layers each: not logged)
+                    record["index_loss"] = zero
             with phase("forward_backward"):
                 if pipe is not None:  # the schedule runs forward and backward of this rank's micro-batches
                     step_state.update(valid=valid, n_micro=n_micro)
@@ -772,7 +780,10 @@ def main(argv: list[str]) -> None:
             n_avg_keys = sum(metrics.mean_attended_keys(b["cu_seqlens"]) for b in host_batches) / n_micro
             n_avg_local = (sum(metrics.mean_attended_keys(b["cu_seqlens"], model_cfg.window, model_cfg.chunk) for b in host_batches) / n_micro
                            if model_cfg.any_local else None)
-            flops_per_token = metrics.model_flops_per_token(model_cfg, n_avg_keys=n_avg_keys, n_avg_local_keys=n_avg_local)
+            n_avg_index = (sum(metrics.mean_attended_keys(b["cu_seqlens"], model_cfg.index_topk) for b in host_batches) / n_micro
+                           if model_cfg.index_topk is not None else None)  # DeepSeek sparse attention's kept keys
+            flops_per_token = metrics.model_flops_per_token(model_cfg, n_avg_keys=n_avg_keys, n_avg_local_keys=n_avg_local,
+                                                            n_avg_index_keys=n_avg_index)
             record.update(
                 step=step, loss=record["lm_loss"], lr=cfg.lr * lr_scale, batch_size=n_micro, tokens=tokens_seen,
                 loss_tokens=loss_tokens, padding_tokens=step_tokens - routed,  # of the step's tokens: trained on, and padding

@@ -5,7 +5,7 @@
 
 A folder holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). Supported `model_type`s: FAMILIES (mixtral, qwen2_moe,
-qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, kimi_k2, kimi_k25, deepseek_v2, glm4_moe_lite, gpt_oss, solar_open,
+qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, kimi_k2, kimi_k25, deepseek_v2, deepseek_v32, glm_moe_dsa, glm4_moe_lite, gpt_oss, solar_open,
 exaone_moe, dots1, minimax_m2, granitemoe, granitemoeshared, granitemoe_swa, hunyuan_v1_moe, llama4_text, llama4, afmoe,
 sarvam_moe, sarvam_mla, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, kimi_linear, ernie4_5_moe), and the dense
 DENSE_FAMILIES (llama, mistral, qwen2, qwen3, olmo2, granite: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with
@@ -74,6 +74,11 @@ written back as its folder had it (its remote code's model_type; model_type="dee
 writes a folder transformers reads without remote code). A released Kimi K2.5 / K2.6 folder
 (kimi_k25) holds that model under language_model. beside a vision tower, and is written
 back only as deepseek_v3.
+DeepSeek-V3.2 (deepseek_v32) and GLM-5 (glm_moe_dsa): DeepSeek-V3's model with DeepSeek sparse
+attention in every block, its lightning indexer under self_attn.indexer (wq_b, wk, k_norm's
+weight and bias, weights_proj: TransformerConfig.index_*), the indexer's RoPE on halves
+(DeepSeek-V3.2) or interleaved pairs (GLM-5); GLM-5 layers that reuse another layer's top-k
+(indexer_types "shared") are refused.
 Kimi Linear (kimi_linear): Kimi Delta Attention blocks under self_attn (q/k/v_proj,
 q/k/v_conv1d, the decay's f_a_proj / f_b_proj, dt_bias, A_log [1, 1, N, 1] (Tensor.unit of
 several dims), b_proj, the gate's g_a_proj / g_b_proj, o_norm, o_proj), multi-latent attention
@@ -424,6 +429,31 @@ def _glm4_moe_lite(hf: dict) -> dict:
     params = hf.get("rope_parameters") or {}
     _refuse(params, "partial_rotary_factor", lambda v: v == 1.0, "RoPE over the whole qk_rope_head_dim")
     return dict(_mla(hf), **_mlp_layer_types(hf, 1), **_sigmoid_routing(hf))
+
+
+def _dsa(hf: dict, *, interleaved: bool) -> dict:
+    """DeepSeek sparse attention's fields (DeepSeek-V3.2, GLM-5): the indexer's top-k,
+    heads and head dim; its RoPE on interleaved pairs (GLM-5) or halves (DeepSeek-V3.2)."""
+    return dict(index_topk=hf["index_topk"], index_heads=hf["index_n_heads"], index_head_dim=hf["index_head_dim"], index_rope_interleaved=interleaved)
+
+
+def _deepseek_v32(hf: dict) -> dict:
+    """DeepSeek-V3.2 (deepseek_v32): DeepSeek-V3's model (multi-latent attention with RoPE on
+    interleaved pairs, its MoE blocks and routing, the dense and MoE blocks by
+    mlp_layer_types, by default first_k_dense_replace dense blocks first) with DeepSeek sparse
+    attention in every block, the indexer's RoPE on halves."""
+    return dict(_mla(hf, interleaved=True), **_mlp_layer_types(hf, hf.get("first_k_dense_replace", 3)), **_sigmoid_routing(hf),
+                **_dsa(hf, interleaved=False))
+
+
+def _glm_moe_dsa(hf: dict) -> dict:
+    """GLM-5 (glm_moe_dsa): DeepSeek-V3.2's model with the indexer's RoPE on interleaved
+    pairs. Layers that reuse an earlier layer's top-k (indexer_types "shared") are refused:
+    every layer runs its own indexer here."""
+    _refuse(hf, "indexer_types", lambda v: v is None or all(kind == "full" for kind in v), "an indexer in every layer (all \"full\")")
+    for name in ("index_topk_freq", "index_topk_pattern"):
+        _refuse(hf, name, lambda v: v is None or v == 1 or (isinstance(v, str) and set(v) <= {"F"}), "an indexer in every layer")
+    return dict(_deepseek_v32(hf), **_dsa(hf, interleaved=True))
 
 
 def _exaone_moe(hf: dict) -> dict:
@@ -957,6 +987,7 @@ _QWEN3_NEXT_LINEAR = dict(linear_num_key_heads=16, linear_num_value_heads=32, li
 _QWEN3_NEXT_MOE = dict(num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512)
 _QWEN3_5_DEFAULTS = dict(num_key_value_heads=2, head_dim=256, rope_parameters=_QWEN3_NEXT_ROPE, **_QWEN3_NEXT_LINEAR, num_experts=256,
                          num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512)
+_DSA_DEFAULTS = dict(index_topk=2048, index_head_dim=128)
 _DEEPSEEK_V3_DEFAULTS = dict(n_shared_experts=1, routed_scaling_factor=2.5, q_lora_rank=1536, n_group=8, topk_group=4, first_k_dense_replace=3)
 # Kimi Linear's config.json names (transformers' attribute_map, the releases') for the fields the shared mappings read
 _KIMI_LINEAR_ALIASES = dict(num_experts_per_tok="num_experts_per_token", n_group="num_expert_group", norm_topk_prob="moe_renormalize",
@@ -985,6 +1016,12 @@ FAMILIES = {
     "kimi_k25": Family(_kimi_k25, "mlp", _PROJ, "KimiK25ForConditionalGeneration", "shared_experts", prefix=("", "language_model."),
                        not_read=("vision_tower.", "mm_projector."), written_as="deepseek_v3", defaults=dict(tie_word_embeddings=True)),
     "deepseek_v2": Family(_deepseek_v2, "mlp", _PROJ, "DeepseekV2ForCausalLM", "shared_experts", defaults=dict(q_lora_rank=1536, n_shared_experts=2)),
+    # DeepSeek-V3.2 and GLM-5: DeepSeek-V3's model with DeepSeek sparse attention (the indexer under self_attn.indexer)
+    "deepseek_v32": Family(_deepseek_v32, "mlp", _PROJ, "DeepseekV32ForCausalLM", "shared_experts", mtp=True,
+                           defaults=dict(_DEEPSEEK_V3_DEFAULTS, **_DSA_DEFAULTS, index_n_heads=64)),
+    "glm_moe_dsa": Family(_glm_moe_dsa, "mlp", _PROJ, "GlmMoeDsaForCausalLM", "shared_experts", mtp=True,
+                          defaults=dict(_DEEPSEEK_V3_DEFAULTS, **_DSA_DEFAULTS, index_n_heads=32, n_group=1, topk_group=1, q_lora_rank=2048,
+                                        rms_norm_eps=1e-5)),
     "glm4_moe_lite": Family(_glm4_moe_lite, "mlp", _PROJ, "Glm4MoeLiteForCausalLM", "shared_experts", mtp=True,
                             defaults=dict(n_shared_experts=1, routed_scaling_factor=1.8, q_lora_rank=768, rms_norm_eps=1e-5)),
     "gpt_oss": Family(_gpt_oss, "mlp", _STACKS, "GptOssForCausalLM", fused="interleaved", router="router.weight",
@@ -1165,6 +1202,12 @@ def _attention_keys(family: Family, cfg: TransformerConfig, p: str, q: str, rope
         if cfg.q_rank is not None:
             out[q + "attn.q_a_norm"] = Tensor((attn + "q_a_layernorm.weight",))
         out[q + "attn.kv_a_norm"] = Tensor((attn + "kv_a_layernorm.weight",))
+        if cfg.index_topk is not None:  # DeepSeek sparse attention's indexer
+            index = attn + "indexer."
+            for ours, theirs in (("index_wq", "wq_b"), ("index_wk", "wk"), ("index_w", "weights_proj")):
+                out[q + "attn." + ours] = Tensor((f"{index}{theirs}.weight",), transpose=True)
+            out[q + "attn.index_k_norm"] = Tensor((index + "k_norm.weight",))
+            out[q + "attn.index_k_bias"] = Tensor((index + "k_norm.bias",))
     elif family.qkv is not None:  # q, k and v: the rows of one module, in that order
         rows = (cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim)
         for j, name in enumerate(("q", "k", "v")):
@@ -1669,7 +1712,8 @@ def _yarn_parameters(cfg: TransformerConfig) -> dict:
 
 
 # the families whose config.json holds _deepseek_moe_config's fields
-_DEEPSEEK_STYLE = ("glm4_moe", "sarvam_moe", "deepseek_v2", "deepseek_v3", "kimi_k2", "sarvam_mla", "glm4_moe_lite", "dots1")
+_DEEPSEEK_STYLE = ("glm4_moe", "sarvam_moe", "deepseek_v2", "deepseek_v3", "kimi_k2", "sarvam_mla", "glm4_moe_lite", "dots1", "deepseek_v32",
+                   "glm_moe_dsa")
 
 
 def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
@@ -1815,12 +1859,18 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
         hf.update(attention_bias=cfg.qkv_bias, use_qk_norm=cfg.qk_norm == "head")
     if model_type == "dots1":
         hf.update(attention_bias=cfg.qkv_bias, sliding_window=cfg.window, max_window_layers=cfg.n_layers, layer_types=_layer_types(cfg))
-    if model_type == "glm4_moe_lite":
+    if model_type in ("glm4_moe_lite", "deepseek_v32", "glm_moe_dsa"):
         hf.update(mlp_layer_types=["sparse" if cfg.is_moe(i) else "dense" for i in range(cfg.n_layers)])
-    if model_type in ("deepseek_v2", "deepseek_v3", "kimi_k2", "sarvam_mla", "glm4_moe_lite"):
+    if model_type in ("deepseek_v2", "deepseek_v3", "kimi_k2", "sarvam_mla", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa"):
         rope = cfg.rope_dim or cfg.head_dim
         hf.update(q_lora_rank=cfg.q_rank, kv_lora_rank=cfg.kv_rank, qk_nope_head_dim=cfg.head_dim - rope, qk_rope_head_dim=rope,
-                  v_head_dim=cfg.v_head_dim, head_dim=rope, rope_interleave=cfg.rope_interleaved, attention_bias=False)
+                  v_head_dim=cfg.v_head_dim, head_dim=rope, attention_bias=False)
+        if model_type in ("deepseek_v32", "glm_moe_dsa"):  # RoPE always on interleaved pairs: no rope_interleave field
+            hf.update(index_topk=cfg.index_topk, index_n_heads=cfg.index_heads, index_head_dim=cfg.index_head_dim)
+            if model_type == "glm_moe_dsa":
+                hf.update(indexer_types=["full"] * cfg.n_layers)
+        else:
+            hf.update(rope_interleave=cfg.rope_interleaved)
         if cfg.yarn_factor is not None:
             hf["rope_parameters"] = _yarn_parameters(cfg)
     mismatch = config_mismatch(cfg, hf)

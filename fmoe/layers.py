@@ -395,6 +395,25 @@ class AttentionConfig:
     scale's), rot_dim the rope part (the last rot_dim channels of each query head), v_dim
     the value head dim; n_kv_heads must equal n_heads and qk_norm be None. rope=False (a NoPE
     block: Kimi Linear's) uses the rope part of the queries and of the shared key unrotated.
+
+    DeepSeek sparse attention (DSA: DeepSeek-V3.2, GLM-5) when index_topk is set, on
+    multi-latent attention with a q latent (q_rank): each query attends to the index_topk
+    keys, among those its mask allows, that a lightning indexer scores highest (all of them
+    when it allows fewer). The indexer has index_heads query heads of index_head_dim, made
+    from the normed q latent (index_wq), one key per token (index_wk, then a LayerNorm of
+    weight index_k_norm and bias index_k_bias, eps 1e-6) and per-token head weights
+    (index_w); RoPE on the first rot_dim channels of its queries and key (on interleaved
+    pairs with index_interleaved: GLM-5's; halves: DeepSeek-V3.2's). A key s's score for
+    query t is sum_h w[t, h] / sqrt(index_heads) * relu(q[t, h] . k[s] / sqrt(index_head_dim)),
+    in float32 (fmoe.layers.index_scores). The choice is discrete: the indexer's weights get
+    no gradient from the attention output. DSA trains them with a loss of their own:
+    with index_loss (and gradients on) attention returns it as stats["index_loss"]
+    (fmoe.layers.index_loss: the KL divergence of the indexer's distribution over the chosen
+    keys from the attention's, summed over heads), whose gradient reaches the indexer's
+    weights only; add it to the loss (fmoe.model.Attention adds its gradient in the backward,
+    with_loss_gradient). The
+    top-k mask is a dense [T, S] mask, so these layers attend by the SDPA reference (impl
+    "auto" picks it on CUDA too; "flex" is refused), whose memory grows with T S.
     """
 
     n_heads: int
@@ -431,9 +450,15 @@ class AttentionConfig:
     local_rope_base: Optional[float] = None
     zero_centered_norms: bool = False
     fp8: bool = False
+    index_topk: Optional[int] = None
+    index_heads: int = 64
+    index_head_dim: int = 128
+    index_interleaved: bool = False
+    index_loss: bool = False
 
     def __post_init__(self):
         check_fp8(self.fp8)
+        self._check_index_knobs()
         if not isinstance(self.zero_centered_norms, bool):
             raise ValueError(f"zero_centered_norms: expected a bool, got {self.zero_centered_norms!r}")
         if self.local_rope_base is not None:
@@ -484,6 +509,27 @@ class AttentionConfig:
             raise ValueError("qk_norm: not with multi-latent attention (its latents have their own norms)")
         if self.temperature_floor is not None:
             raise ValueError("temperature_floor: the query temperature is grouped-query attention's, not with multi-latent attention")
+
+    def _check_index_knobs(self) -> None:
+        """DeepSeek sparse attention's knobs (class docstring): ValueError naming the field."""
+        if self.index_topk is None:
+            knobs = dict(index_heads=64, index_head_dim=128, index_interleaved=False, index_loss=False)
+            changed = [name for name, default in knobs.items() if getattr(self, name) != default]
+            if changed:
+                raise ValueError(f"{changed[0]}: a knob of DeepSeek sparse attention's indexer, needs index_topk")
+            return
+        for name in ("index_topk", "index_heads", "index_head_dim"):
+            check_positive_int(name, getattr(self, name))
+        for name in ("index_interleaved", "index_loss"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
+        if self.kv_rank is None or self.q_rank is None:
+            raise ValueError("index_topk: DeepSeek sparse attention's indexer reads the q latent of multi-latent attention, needs kv_rank and q_rank")
+        if self.rot_dim is None or self.rot_dim > self.index_head_dim:
+            raise ValueError(f"index_head_dim: the indexer rotates its first rot_dim = {self.rot_dim} channels, expected index_head_dim >= rot_dim, "
+                             f"got {self.index_head_dim}")
+        if self.impl == "flex":
+            raise ValueError("impl: DeepSeek sparse attention's top-k mask is a dense mask, attended by the SDPA reference; use impl 'auto' or 'torch'")
 
     def _llama3(self) -> dict:
         """llama3_inv_freq's keyword arguments."""
@@ -796,7 +842,7 @@ def attention_context(
                              f"got {type(linear_cp).__name__} without {missing}")
     T = positions.shape[0]
     T_kv = T if kv_index is None else kv_index.shape[0]
-    flex = _use_flex(cfg.impl, positions.device)
+    flex = _use_flex(cfg.impl, positions.device) and cfg.index_topk is None  # DSA's top-k mask is a dense one
     if window_only and ((cfg.window is None and cfg.chunk is None) or mask is not None):
         raise ValueError(f"window_only: a context of the sliding window's (chunk's) layers alone needs cfg.window or cfg.chunk and no mask, "
                          f"got window {cfg.window}, chunk {cfg.chunk}{' and a mask' if mask is not None else ''}")
@@ -854,6 +900,17 @@ def mla_shapes(H: int, cfg: AttentionConfig) -> tuple[dict, dict]:
     return mats, norms
 
 
+def index_shapes(H: int, cfg: AttentionConfig) -> dict:
+    """DeepSeek sparse attention's indexer (cfg.index_topk; AttentionConfig) name -> shape:
+    index_wq [q_rank, index_heads index_head_dim], index_wk [H, index_head_dim], the key's
+    LayerNorm index_k_norm and index_k_bias [index_head_dim], the head weights index_w
+    [H, index_heads]; {} without index_topk."""
+    if cfg.index_topk is None:
+        return {}
+    Ni, Di = cfg.index_heads, cfg.index_head_dim
+    return {"index_wq": (cfg.q_rank, Ni * Di), "index_wk": (H, Di), "index_k_norm": (Di,), "index_k_bias": (Di,), "index_w": (H, Ni)}
+
+
 def _check_attention(x_TH, params, cfg, ctx) -> None:
     check_float("x", x_TH, 2, "[T, H]")
     T, H = x_TH.shape
@@ -881,9 +938,16 @@ def _check_attention(x_TH, params, cfg, ctx) -> None:
             kind = x_TH.dtype if name == "wg" else "a float"
             raise ValueError(f"params['{name}']: expected {kind} {list(shape)} tensor or none, got {w.dtype} {list(w.shape)}")
     if cfg.kv_rank is not None:
-        unknown = set(params) - set(mats) - set(norms) - set(extras)
+        index = index_shapes(H, cfg)
+        for name, shape in index.items():
+            w = params.get(name)
+            if w is None or tuple(w.shape) != shape or not w.is_floating_point():
+                raise ValueError(f"params['{name}']: expected a float {list(shape)} tensor (the indexer of cfg.index_topk), "
+                                 f"got {f'{w.dtype} {list(w.shape)}' if w is not None else 'nothing'}")
+        unknown = set(params) - set(mats) - set(norms) - set(extras) - set(index)
         if unknown:
-            raise ValueError(f"params: unknown multi-latent attention parameters {sorted(unknown)} (expected {sorted(mats) + sorted(norms)}, optional bo, sinks, wg)")
+            raise ValueError(f"params: unknown multi-latent attention parameters {sorted(unknown)} (expected {sorted(mats) + sorted(norms) + sorted(index)}, "
+                             "optional bo, sinks, wg)")
         _check_ctx(ctx, T, cfg.rot_dim)
         return
     optional = {"bq": (N * D,), "bk": (G * D,), "bv": (G * D,)}
@@ -934,8 +998,9 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
             normalises over the whole projection (one call for q's and k's: n = 2). None:
             this process holds every head.
     Returns:
-        (y [T, H] in x's dtype, stats): stats is an empty TensorDict (attention has no
-        losses), kept for the layers' common (output, stats) form.
+        (y [T, H] in x's dtype, stats): stats is a TensorDict, empty but for DeepSeek sparse
+        attention's "index_loss" (a float32 scalar with the indexer's gradient, when
+        cfg.index_loss and gradients are on), kept for the layers' common (output, stats) form.
     """
     _check_attention(x, params, cfg, ctx)
     if heads_mean is not None and not callable(heads_mean):
@@ -957,26 +1022,43 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
         raise ValueError("ctx.latents: a cache of latents is multi-latent attention's (cfg.kv_rank), not grouped-query attention's")
     if ctx.latents == "expanded" and ctx.gather_kv is None:
         raise ValueError("ctx.latents: 'expanded' needs the cache's gather_kv (the latents of every key)")
+    sparse = cfg.index_topk is not None  # DeepSeek sparse attention: the indexer's top-k keys
+    if sparse and ctx.gather_kv is not None and ctx.latents is None:
+        raise ValueError("ctx.gather_kv: DeepSeek sparse attention (cfg.index_topk) is not built under context parallel (its indexer's keys are not gathered)")
+    q_lat = _mla_q_latent(x, params, cfg) if sparse else None  # the indexer's queries read it too
     wv_CNV = None
     if ctx.latents == "absorbed":
-        q_TND, k_TGD, v_TGD, wv_CNV = _mla_latent_qkv(x, params, cfg, ctx)
+        q_TND, k_TGD, v_TGD, wv_CNV = _mla_latent_qkv(x, params, cfg, ctx, q_lat)
     elif ctx.latents == "expanded":
-        q_nope_TNP, q_rope_TNR, latent_TC, k_rope_T1R = _mla_parts(x, params, cfg, ctx)
+        q_nope_TNP, q_rope_TNR, latent_TC, k_rope_T1R = _mla_parts(x, params, cfg, ctx, q_lat)
         q_TND = torch.cat([q_nope_TNP, q_rope_TNR], dim=-1)
         k_TGD, v_TGD = torch.cat([latent_TC[:, None, :], k_rope_T1R], dim=-1), latent_TC[:, None, :]  # the cache's form
     elif cfg.kv_rank is not None:
-        q_TND, k_TGD, v_TGD = _mla_qkv(x, params, cfg, ctx)
+        q_TND, k_TGD, v_TGD = _mla_qkv(x, params, cfg, ctx, q_lat)
     else:
         q_TND, k_TGD, v_TGD = _gqa_qkv(x, params, cfg, ctx, heads_mean)
+    index_k_SD = None
+    if sparse:
+        with torch.no_grad():
+            index_k_SD = index_keys(x, params, cfg, ctx.cos, ctx.sin)
+        if ctx.latents is not None:  # decoding: the indexer's key is cached after the latent and the rotated key
+            k_TGD = torch.cat([k_TGD, index_k_SD[:, None, :].to(k_TGD.dtype)], dim=-1)
     if ctx.gather_kv is not None:  # every rank's keys and values (cp), or the cache's and these (decoding)
         k_TGD, v_TGD = ctx.gather_kv(k_TGD, v_TGD)
         n_keys = ctx.mask.shape[-1]
         if k_TGD.shape[0] != n_keys or v_TGD.shape[0] != n_keys:
             raise ValueError(f"ctx.gather_kv: returned {k_TGD.shape[0]} keys and {v_TGD.shape[0]} values, the mask has {n_keys} keys")
+        if sparse:
+            index_k_SD, k_TGD = k_TGD[:, 0, -cfg.index_head_dim:].float(), k_TGD[..., :-cfg.index_head_dim]
         if ctx.latents == "expanded":  # every key's latent and rotated key -> per-head keys and values
             k_TGD, v_TGD = _mla_expand(k_TGD[:, 0, :cfg.kv_rank], k_TGD[:, :, cfg.kv_rank:], params, cfg)
     q_NTD, k_GTD, v_GTD = (rearrange(t, "t h d -> h t d") for t in (q_TND, k_TGD, v_TGD))
     mask = ctx.local_mask if local else ctx.mask
+    if sparse:
+        if not isinstance(mask, torch.Tensor):
+            raise ValueError("ctx: DeepSeek sparse attention (cfg.index_topk) needs the dense mask; build the context with this cfg (attention_context)")
+        with torch.no_grad():
+            mask = index_mask(index_scores(x, q_lat, index_k_SD, params, cfg, ctx.cos, ctx.sin), mask, cfg.index_topk)
     sinks = params.get("sinks")
     if isinstance(mask, torch.Tensor) and sinks is not None:  # the reference, with sinks
         out_NTD = _attention_with_sinks(q_NTD, k_GTD, v_GTD, mask, softmax_scale(cfg), sinks)
@@ -1012,7 +1094,55 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
     y_TH = matmul(out_TQ, params["wo"], fp8=cfg.fp8, impl=cfg.impl)
     if params.get("bo") is not None:
         y_TH = y_TH + params["bo"]
-    return y_TH, TensorDict({}, batch_size=[])
+    stats = {}
+    index_params = [params[name] for name in index_shapes(x.shape[1], cfg)]
+    if sparse and cfg.index_loss and torch.is_grad_enabled() and any(w.requires_grad for w in index_params):
+        if heads_mean is not None:
+            raise ValueError("cfg.index_loss: the indexer's loss is not built under tensor parallel (its target sums every rank's heads); "
+                             "train the indexer without tp")
+        stats["index_loss"] = index_loss(x, q_lat, q_NTD, k_GTD, mask, params, cfg, ctx.cos, ctx.sin)
+    return y_TH, TensorDict(stats, batch_size=[])
+
+
+class _LossGradient(torch.autograd.Function):
+    """y unchanged, and in the backward the gradient of `loss` (a scalar) with weight 1."""
+
+    @staticmethod
+    def forward(ctx, y, loss):
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.ones((), dtype=torch.float32, device=grad.device)
+
+
+def with_loss_gradient(y: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+    """y itself, through which the backward also takes the gradient of the scalar `loss`
+    (weight 1): a loss that trains its own parameters from inside a layer, without being
+    added to the model's loss (DeepSeek sparse attention's indexer loss, fmoe.model.Attention;
+    Megatron's MoEAuxLossAutoScaler's way). Weigh the loss before: with_loss_gradient(y, c * loss)."""
+    return _LossGradient.apply(y, loss)
+
+
+def index_loss(x_TH, q_lat_TC, q_NTD, k_GTD, mask_TS, params, cfg: AttentionConfig, cos, sin) -> torch.Tensor:
+    """DeepSeek sparse attention's indexer loss (DeepSeek-V3.2's sparse training stage), a
+    float32 scalar: the mean over the T queries of KL(p_t || softmax(I_t)) over the keys
+    mask [T, S] keeps for each, where p_t is the attention's distribution summed over its
+    heads and renormalised (from q [N, T, D] and k [G, S, D], no gradient) and I_t the
+    indexer's scores (index_scores). Its gradient reaches the indexer's weights only: x [T, H]
+    and the q latent [T, q_rank] are detached, as DeepSeek trains the indexer apart from the
+    model."""
+    with torch.no_grad():
+        N, G = q_NTD.shape[0], k_GTD.shape[0]
+        k_NSD = k_GTD.float().repeat_interleave(N // G, dim=0)
+        scores_NTS = (q_NTD.float() @ k_NSD.transpose(1, 2) * softmax_scale(cfg)).masked_fill(~mask_TS, float("-inf"))
+        p_TS = torch.softmax(scores_NTS, dim=-1).sum(0)
+        p_TS = p_TS / p_TS.sum(-1, keepdim=True)
+    x_TH, q_lat_TC = x_TH.detach(), q_lat_TC.detach()
+    scores_TS = index_scores(x_TH, q_lat_TC, index_keys(x_TH, params, cfg, cos, sin), params, cfg, cos, sin)
+    log_q_TS = torch.log_softmax(scores_TS.masked_fill(~mask_TS, float("-inf")), dim=-1)
+    kl_TS = torch.where(mask_TS, torch.xlogy(p_TS, p_TS) - p_TS * log_q_TS.masked_fill(~mask_TS, 0.0), 0.0)
+    return kl_TS.sum(-1).mean()
 
 
 def _attention_with_sinks(q_NTD, k_GTD, v_GTD, mask_TS, scale: float, sinks_N):
@@ -1073,14 +1203,14 @@ def query_temperature(positions: torch.Tensor, cfg: AttentionConfig) -> torch.Te
     return torch.log1p(steps) * cfg.temperature_scale + 1.0
 
 
-def _mla_latent_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext):
+def _mla_latent_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext, q_lat=None):
     """Multi-latent attention absorbed (AttentionContext.latents = "absorbed"): q [T, N, C + R] (each
     head's nope query times its key slice of wkv_b, then its rotated query), one shared key
     [T, 1, C + R] (the normed latent, then the rotated key) and value [T, 1, C] (the latent),
     and the value slices wv [C, N, v_dim] that take the output back to each head's values.
     q . k equals _mla_qkv's per-head scores, so attention computes the same function."""
     N, D, R, C = cfg.n_heads, cfg.head_dim, cfg.rot_dim, cfg.kv_rank
-    q_nope_TNP, q_rope_TNR, latent_TC, k_rope_T1R = _mla_parts(x, params, cfg, ctx)
+    q_nope_TNP, q_rope_TNR, latent_TC, k_rope_T1R = _mla_parts(x, params, cfg, ctx, q_lat)
     wk_CNP, wv_CNV = rearrange(params["wkv_b"], "c (n e) -> c n e", n=N).split([D - R, cfg.v_dim], dim=-1)
     q_TNC = torch.einsum("tnp,cnp->tnc", q_nope_TNP, wk_CNP)
     q_TNQ = torch.cat([q_TNC, q_rope_TNR], dim=-1)
@@ -1088,17 +1218,23 @@ def _mla_latent_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext):
     return q_TNQ, k_T1Q, latent_TC[:, None, :], wv_CNV
 
 
-def _mla_parts(x, params, cfg: AttentionConfig, ctx: AttentionContext):
+def _mla_q_latent(x, params, cfg: AttentionConfig) -> torch.Tensor:
+    """Multi-latent attention's normed q latent [T, q_rank] (cfg.q_rank)."""
+    w = matmul(x, params["wq_a"], fp8=cfg.fp8, impl=cfg.impl)
+    return _rms_norm(w, params["q_a_norm"], cfg.latent_norm_eps, zero_centered=cfg.zero_centered_norms)
+
+
+def _mla_parts(x, params, cfg: AttentionConfig, ctx: AttentionContext, q_lat=None):
     """Multi-latent attention's q nope [T, N, D - R] and rotated q rope [T, N, R], the normed
     latent [T, kv_rank] and the rotated shared key [T, 1, R] (not rotated when cfg.rope is
-    False: a NoPE block)."""
+    False: a NoPE block). q_lat: the normed q latent when already made (_mla_q_latent)."""
     N, D, R = cfg.n_heads, cfg.head_dim, cfg.rot_dim
     rope_impl = "torch" if cfg.impl == "torch" else "auto"
     mm = functools.partial(matmul, fp8=cfg.fp8, impl=cfg.impl)
     if cfg.q_rank is None:
         q_TQ = mm(x, params["wq"])
     else:
-        q_TQ = mm(_rms_norm(mm(x, params["wq_a"]), params["q_a_norm"], cfg.latent_norm_eps, zero_centered=cfg.zero_centered_norms), params["wq_b"])
+        q_TQ = mm(_mla_q_latent(x, params, cfg) if q_lat is None else q_lat, params["wq_b"])
     q_nope_TNP, q_rope_TNR = rearrange(q_TQ, "t (n d) -> t n d", n=N).split([D - R, R], dim=-1)
     latent_TC, k_rope_TR = mm(x, params["wkv_a"]).split([cfg.kv_rank, R], dim=-1)
     k_rope_T1R = k_rope_TR[:, None, :]
@@ -1108,10 +1244,10 @@ def _mla_parts(x, params, cfg: AttentionConfig, ctx: AttentionContext):
     return q_nope_TNP, q_rope_TNR, _rms_norm(latent_TC, params["kv_a_norm"], cfg.latent_norm_eps, zero_centered=cfg.zero_centered_norms), k_rope_T1R
 
 
-def _mla_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext):
+def _mla_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext, q_lat=None):
     """Multi-latent attention's q, k [T, N, D] ([nope | rope] per head) and v [T, N, v_dim]:
     the latents RMSNorm'd, the rope slices rotated, the one rotary key shared by all heads."""
-    q_nope_TNP, q_rope_TNR, latent_TC, k_rope_T1R = _mla_parts(x, params, cfg, ctx)
+    q_nope_TNP, q_rope_TNR, latent_TC, k_rope_T1R = _mla_parts(x, params, cfg, ctx, q_lat)
     return (torch.cat([q_nope_TNP, q_rope_TNR], dim=-1), *_mla_expand(latent_TC, k_rope_T1R, params, cfg))
 
 
@@ -1122,6 +1258,42 @@ def _mla_expand(latent_TC, k_rope_T1R, params, cfg: AttentionConfig):
     kv_TNE = rearrange(matmul(latent_TC, params["wkv_b"], fp8=cfg.fp8, impl=cfg.impl), "t (n e) -> t n e", n=N)
     k_nope_TNP, v_TNV = kv_TNE.split([D - R, cfg.v_dim], dim=-1)
     return torch.cat([k_nope_TNP, k_rope_T1R.expand(-1, N, -1)], dim=-1), v_TNV.contiguous()
+
+
+def index_keys(x_TH: torch.Tensor, params, cfg: AttentionConfig, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """DeepSeek sparse attention's indexer keys [T, index_head_dim] float32 of tokens x [T, H]:
+    LayerNorm(x index_wk) (weight index_k_norm, bias index_k_bias, eps 1e-6), its first
+    rot_dim channels rotated by the tables cos, sin [T, rot_dim/2] (on interleaved pairs with
+    cfg.index_interleaved). No autograd needed: the top-k choice is not differentiable."""
+    Di = cfg.index_head_dim
+    k_TD = F.layer_norm(x_TH.float() @ params["index_wk"].float(), (Di,), params["index_k_norm"].float(), params["index_k_bias"].float(), eps=1e-6)
+    return apply_rope(k_TD[:, None, :], cos, sin, interleaved=cfg.index_interleaved, impl="torch")[:, 0]
+
+
+def index_scores(x_TH: torch.Tensor, q_lat_TC: torch.Tensor, keys_SD: torch.Tensor, params, cfg: AttentionConfig,
+                 cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The lightning indexer's scores [T, S] float32 of T queries (tokens x [T, H], their
+    normed q latents q_lat [T, q_rank]) over S keys (index_keys' [S, index_head_dim]):
+    sum_h w[t, h] / sqrt(Ni) * relu(q[t, h] . k[s] / sqrt(Di)), q = q_lat index_wq per head
+    (first rot_dim channels rotated by cos, sin [T, rot_dim/2]), w = x index_w."""
+    T, Ni, Di = x_TH.shape[0], cfg.index_heads, cfg.index_head_dim
+    q_TND = (q_lat_TC.float() @ params["index_wq"].float()).view(T, Ni, Di)
+    q_TND = apply_rope(q_TND, cos, sin, interleaved=cfg.index_interleaved, impl="torch")
+    w_TN = (x_TH.float() @ params["index_w"].float()) * Ni**-0.5
+    relu_TNS = torch.relu(torch.einsum("tnd,sd->tns", q_TND, keys_SD.float()) * Di**-0.5)
+    return torch.einsum("tn,tns->ts", w_TN, relu_TNS)
+
+
+def index_mask(scores_TS: torch.Tensor, mask_TS: torch.Tensor, topk: int) -> torch.Tensor:
+    """The keys each query attends to under DeepSeek sparse attention, [T, S] bool: of the
+    keys mask [T, S] allows, the topk of highest score (scores [T, S], index_scores'); all of
+    them where it allows topk or fewer. Equal scores go to the earlier key (the lower
+    column): a stable sort, so that a token's choice is the same whatever else shares its
+    row (a packed batch, a cache's rows). Equal scores are common: a key whose dot products
+    with every indexer head are <= 0 scores exactly 0."""
+    masked_TS = scores_TS.masked_fill(~mask_TS, float("-inf"))
+    top_TK = torch.sort(masked_TS, dim=-1, descending=True, stable=True).indices[:, :topk]
+    return torch.zeros_like(mask_TS).scatter_(-1, top_TK, True) & mask_TS
 
 
 # ----------------------------------------------------------------------------------------

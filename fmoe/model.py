@@ -47,7 +47,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fmoe.layers import (EXPERT_BIASES, AttentionConfig, AttentionContext, LinearAttentionConfig, LinearStates, MoEConfig, attention,
-                         attention_context, check_window, dense_mlp, linear_attention, linear_attention_shapes, local_experts, mla_shapes, moe)
+                         attention_context, check_window, dense_mlp, index_shapes, linear_attention, linear_attention_shapes, local_experts, mla_shapes,
+                         moe, with_loss_gradient)
 from fmoe.ops import linear_cross_entropy, route
 from fmoe.ops.checks import check_positive_int
 from fmoe.ops.fp8 import check_fp8_fast_accum
@@ -293,7 +294,13 @@ class TransformerConfig:
     experts' three projections; swiglu_alpha / swiglu_limit / swiglu_offset: the routed
     experts' clamped SwiGLU (fmoe.ops.grouped_mlp; gpt-oss: 1.702, 7.0, 1.0). kv_rank (with q_rank,
     v_head_dim): multi-latent attention (DeepSeek-V2/V3; head_dim = nope + rope dims,
-    rope_dim the rope part, n_kv_heads = n_heads; fmoe.layers.AttentionConfig). tie_embeddings: the
+    rope_dim the rope part, n_kv_heads = n_heads; fmoe.layers.AttentionConfig). index_topk
+    (with q_rank and kv_rank): DeepSeek sparse attention in every block (DeepSeek-V3.2,
+    GLM-5), each query attending to the index_topk keys a lightning indexer of index_heads
+    heads of index_head_dim scores highest (its RoPE on interleaved pairs with
+    index_rope_interleaved; fmoe.layers.AttentionConfig; not under context parallel), the
+    indexer trained by its own loss with weight index_loss_coeff per micro-batch (0: not
+    trained; not under tensor parallel: fmoe.layers.index_loss, Attention). tie_embeddings: the
     output head is the embedding. Granite's multipliers (each 1 / None: none): attn_scale,
     the softmax scale (None: 1/sqrt(head_dim), or YaRN's); embed_scale multiplies every
     embedding lookup (the trunk's and the MTP modules'); residual_scale multiplies each
@@ -387,6 +394,11 @@ class TransformerConfig:
     q_rank: Optional[int] = None
     kv_rank: Optional[int] = None
     v_head_dim: Optional[int] = None
+    index_topk: Optional[int] = None
+    index_heads: int = 64
+    index_head_dim: int = 128
+    index_rope_interleaved: bool = False
+    index_loss_coeff: float = 1.0
     o_bias: bool = False
     attn_sinks: bool = False
     attn_gate: bool = False
@@ -479,6 +491,11 @@ class TransformerConfig:
         if self.rope_dim is not None and (isinstance(self.rope_dim, bool) or not isinstance(self.rope_dim, int)
                                           or not 2 <= self.rope_dim <= self.head_dim or self.rope_dim % 2):
             raise ValueError(f"rope_dim: expected an even int in 2..head_dim = {self.head_dim}, or None, got {self.rope_dim!r}")
+        coeff = self.index_loss_coeff
+        if isinstance(coeff, bool) or not isinstance(coeff, (int, float)) or not 0 <= coeff < math.inf:
+            raise ValueError(f"index_loss_coeff: expected a finite number >= 0, got {coeff!r}")
+        if self.index_topk is None and coeff != 1.0:
+            raise ValueError("index_loss_coeff: the weight of DeepSeek sparse attention's indexer loss, needs index_topk")
         if self.linear_layers is not None:
             for name in ("window_layers", "chunk_layers", "nope_layers"):
                 both = sorted(set(self.linear_layers) & set(getattr(self, name) or ()))
@@ -570,6 +587,8 @@ class TransformerConfig:
             chunk=self.chunk if local else None, scale=self.attn_scale, rope=rope,
             temperature_floor=None if rope else self.nope_temperature_floor, temperature_scale=self.nope_temperature_scale,
             local_rope_base=self.local_rope_base, zero_centered_norms=self.zero_centered_norms, fp8=self.fp8 if fp8 is None else fp8,
+            index_topk=self.index_topk, index_heads=self.index_heads, index_head_dim=self.index_head_dim,
+            index_interleaved=self.index_rope_interleaved, index_loss=self.index_topk is not None and self.index_loss_coeff > 0,
         )
 
     @property
@@ -613,15 +632,23 @@ class Attention(nn.Module):
     kind's optional output bias bo and attention sinks, under the fmoe.layers names. Under tensor parallelism fmoe.parallel splits the heads over the
     tp ranks and sets `tensor_parallel` (a HeadShard; None otherwise): the weights every
     rank holds whole then get their gradients summed over tp, and a qk norm over the whole
-    projection averages its statistic over tp."""
+    projection averages its statistic over tp.
+
+    DeepSeek sparse attention (cfg.index_topk) trains its indexer by the indexer's loss
+    (fmoe.layers.index_loss), whose gradient times `index_loss_weight` (cfg.index_loss_coeff;
+    the loop sets it per step, Transformer.set_index_loss_weight) the backward adds through
+    the attention output (fmoe.layers.with_loss_gradient): the model's loss does not include
+    it, and only the indexer's weights receive it. `index_loss` keeps the last forward's
+    value (detached; None before one that computed it)."""
 
     def __init__(self, cfg: TransformerConfig, *, local: bool = False, rope: bool = True, fp8: Optional[bool] = None):
         super().__init__()
         self.cfg = cfg.attention_config(local=local, rope=rope, fp8=fp8)
         self.tensor_parallel = None  # fmoe.parallel's HeadShard under tp > 1 (class docstring)
+        self.index_loss_weight, self.index_loss = cfg.index_loss_coeff, None  # DeepSeek sparse attention's indexer loss
         if cfg.kv_rank is not None:  # multi-latent attention: fmoe.layers names and shapes
             self.names = []
-            for kind in mla_shapes(cfg.hidden, self.cfg):
+            for kind in (*mla_shapes(cfg.hidden, self.cfg), index_shapes(cfg.hidden, self.cfg)):
                 for name, shape in kind.items():
                     init = torch.ones if name.endswith("norm") else torch.empty  # norms one at initialisation
                     setattr(self, name, nn.Parameter(init(shape)))
@@ -662,11 +689,18 @@ class Attention(nn.Module):
         params = {n: _local(getattr(self, n)) for n in self.names}
         tp = self.tensor_parallel
         if tp is None:
-            return attention(x_TH, params, self.cfg, ctx)[0]
-        params.update({n: tp.weight(params[n]) for n in tp.replicated})
-        if "bo" in params:  # every rank adds its share before the ranks' outputs are summed
-            params["bo"] = params["bo"] / tp.mesh.size()
-        return attention(x_TH, params, self.cfg, ctx, heads_mean=tp.mean)[0]
+            y_TH, stats = attention(x_TH, params, self.cfg, ctx)
+        else:
+            params.update({n: tp.weight(params[n]) for n in tp.replicated})
+            if "bo" in params:  # every rank adds its share before the ranks' outputs are summed
+                params["bo"] = params["bo"] / tp.mesh.size()
+            y_TH, stats = attention(x_TH, params, self.cfg, ctx, heads_mean=tp.mean)
+        self.index_loss = None
+        if "index_loss" in stats.keys():  # the indexer's loss: its gradient in the backward, its value kept
+            loss = stats["index_loss"]
+            y_TH = with_loss_gradient(y_TH, loss * self.index_loss_weight)
+            self.index_loss = loss.detach()
+        return y_TH
 
 
 class LinearAttention(nn.Module):
@@ -829,7 +863,8 @@ class KVCache:
     keeps its latents instead (AttentionContext.latents): k [.., 1, kv_rank + rope_dim] (the
     normed latent, then the rotated key) and v = k[..., :kv_rank], a view: kv_rank + rope_dim
     numbers per token and layer where the expanded keys and values would take n_heads
-    (head_dim + v_head_dim). Make one with Transformer.kv_cache (the model's device and
+    (head_dim + v_head_dim); with DeepSeek sparse attention (cfg.index_topk) each row also
+    holds the token's indexer key, its last index_head_dim channels. Make one with Transformer.kv_cache (the model's device and
     dtype), or here for a TransformerConfig. `length` is the one sequence's length of a
     cache of batch 1; setting it (or reset()) starts over. With sliding-window layers a
     sequence goes back one token at most (the token's row held a key out of its window), or
@@ -847,8 +882,8 @@ class KVCache:
         self.full_layers = tuple(i for i in range(cfg.n_layers) if i not in self.window_layers and i not in self.linear_layers)
         if cfg.kv_rank is None:
             row = (cfg.n_kv_heads, cfg.head_dim)
-        else:  # the latent is both the key's first kv_rank channels and the value
-            row = (1, cfg.kv_rank + cfg.rope_dim)
+        else:  # the latent is both the key's first kv_rank channels and the value (then DSA's indexer key)
+            row = (1, cfg.kv_rank + cfg.rope_dim + (cfg.index_head_dim if cfg.index_topk is not None else 0))
         self.k, self.v = self._store(len(self.full_layers), batch * max_tokens, row, cfg, device, dtype)
         self.k_window, self.v_window = self._store(len(self.window_layers), batch * (self.window or 0), row, cfg, device, dtype)
         lin = cfg.linear_attention_config()
@@ -1035,7 +1070,7 @@ class Transformer(nn.Module):
             if name.endswith(("norm.weight", "q_norm", "k_norm", "q_a_norm", "kv_a_norm")):
                 _local(p).fill_(0.0 if self.cfg.zero_centered_norms else 1.0)
                 continue
-            if name.endswith(("attn.bq", "attn.bk", "attn.bv", "attn.bo", "attn.sinks", "router_bias") + EXPERT_BIASES):
+            if name.endswith(("attn.bq", "attn.bk", "attn.bv", "attn.bo", "attn.sinks", "attn.index_k_bias", "router_bias") + EXPERT_BIASES):
                 _local(p).zero_()
                 continue
             if name.endswith("attn.A_log"):  # log A, A uniform in [1, 16] (Mamba-2's range): the uniform as the normal's CDF
@@ -1048,6 +1083,27 @@ class Transformer(nn.Module):
         for name, b in self.named_buffers():
             if name.endswith("expert_bias") and not b.is_meta:
                 b.zero_()
+
+    def _index_attentions(self) -> list[Attention]:
+        """The attention modules of DeepSeek sparse attention with an indexer loss, this chunk's."""
+        return [m for m in self.modules() if isinstance(m, Attention) and m.cfg.index_loss]
+
+    def set_index_loss_weight(self, weight: float) -> None:
+        """The weight of every DeepSeek sparse attention layer's indexer loss in the next
+        backward passes (Attention.index_loss_weight; cfg.index_loss_coeff at first): the
+        loop sets index_loss_coeff / n_micro each step, so that the step's gradients average
+        the micro-batches' losses as they do the balancing losses'."""
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 <= weight < math.inf:
+            raise ValueError(f"weight: expected a finite number >= 0, got {weight!r}")
+        for m in self._index_attentions():
+            m.index_loss_weight = weight
+
+    def index_loss_sum(self) -> Optional[torch.Tensor]:
+        """The sum over this model's (this pipeline chunk's) DeepSeek sparse attention layers
+        of their indexer losses in the last forward (float32 scalar, detached); None when no
+        layer computed one (no such layers, no gradients, or index_loss_coeff 0)."""
+        losses = [m.index_loss for m in self._index_attentions() if m.index_loss is not None]
+        return torch.stack(losses).sum() if losses else None
 
     def moe_layers(self) -> dict[str, MoE]:
         """The MoE modules by the key their stats carry in forward's output: "layer_{i}"

@@ -767,6 +767,207 @@ def test_multi_latent_attention_bad_inputs():
         attention(x, p, MLA, dataclasses.replace(_ctx(cu, MLA), latents="expanded"))
 
 
+# ---------------------------------------------------------------------------- DeepSeek sparse attention
+DSA = dataclasses.replace(MLA, index_topk=3, index_heads=8, index_head_dim=6)
+
+
+def _dsa_params(cfg):
+    from fmoe.layers import index_shapes
+
+    p = _mla_params(cfg)
+    for name, shape in index_shapes(H, cfg).items():
+        value = 1 + 0.3 * torch.randn(shape) if name == "index_k_norm" else torch.randn(shape) * (0.3 if name == "index_k_bias" else shape[0] ** -0.5)
+        p[name] = value.requires_grad_()
+    return p
+
+
+def _loop_dsa(x, p, cfg, cu, with_loss=False):
+    """DeepSeek-V3.2's sparse attention written out per query: the indexer's LayerNorm'd key
+    and per-head queries from the q latent (RoPE on their first rot_dim channels), each
+    earlier key of the document scored sum_h w_h / sqrt(Ni) relu(q_h . k / sqrt(Di)), the
+    top index_topk kept (equal scores: the earlier key), and multi-latent attention over those
+    keys alone. with_loss: also the indexer's loss, the mean over queries of KL(p || q) over
+    the kept keys, p the attention's distribution averaged over heads, q the softmax of the
+    indexer's scores (its gradient reaching the indexer's weights only)."""
+    T, N, D, R, Dv, Ni, Di = x.shape[0], cfg.n_heads, cfg.head_dim, cfg.rot_dim, cfg.v_dim, cfg.index_heads, cfg.index_head_dim
+
+    def rms(t, w):
+        return t * torch.rsqrt(t.square().mean(-1, keepdim=True) + 1e-6) * w
+
+    q_lat = rms(x @ p["wq_a"], p["q_a_norm"])
+    q = (q_lat @ p["wq_b"]).view(T, N, D)
+    kv_a = x @ p["wkv_a"]
+    kv = (rms(kv_a[:, :cfg.kv_rank], p["kv_a_norm"]) @ p["wkv_b"]).view(T, N, D - R + Dv)
+    cos, sin = rope_tables(positions_from_cu_seqlens(cu), cfg)
+    q_rope = apply_rope(q[..., D - R:], cos, sin, interleaved=cfg.interleaved, impl="torch")
+    k_rope = apply_rope(kv_a[:, None, cfg.kv_rank:], cos, sin, interleaved=cfg.interleaved, impl="torch")[:, 0]
+    scale = (yarn_mscale(cfg.yarn_factor, cfg.yarn_mscale_all_dim) ** 2 if cfg.yarn_factor else 1.0) / math.sqrt(D)
+    x_, q_lat_ = x.detach(), q_lat.detach()  # the indexer's inputs
+    k_raw = x_ @ p["index_wk"]
+    k_norm = (k_raw - k_raw.mean(-1, keepdim=True)) / torch.sqrt(k_raw.var(-1, unbiased=False, keepdim=True) + 1e-6)
+    k_idx = apply_rope((k_norm * p["index_k_norm"] + p["index_k_bias"])[:, None], cos, sin, interleaved=cfg.index_interleaved, impl="torch")[:, 0]
+    q_idx = apply_rope((q_lat_ @ p["index_wq"]).view(T, Ni, Di), cos, sin, interleaved=cfg.index_interleaved, impl="torch")
+    w_idx = x_ @ p["index_w"]
+    rows, kls = [], []
+    bounds = cu.tolist()
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        for t in range(a, b):
+            score = sum(w_idx[t, h] / math.sqrt(Ni) * torch.relu(k_idx[a:t + 1] @ q_idx[t, h] / math.sqrt(Di)) for h in range(Ni))
+            chosen = torch.sort(score.detach(), descending=True, stable=True).indices[:cfg.index_topk]
+            keys = a + chosen
+            heads, probs = [], []
+            for h in range(N):
+                s = kv[keys, h, :D - R] @ q[t, h, :D - R] + k_rope[keys] @ q_rope[t, h]
+                probs.append(torch.softmax(s * scale, dim=0))
+                heads.append(probs[-1] @ kv[keys, h, D - R:])
+            rows.append(torch.cat(heads))
+            target = (sum(probs) / N).detach()
+            kls.append((target * (target.log() - torch.log_softmax(score[chosen], dim=0))).sum())
+    y = torch.stack(rows) @ p["wo"]
+    return (y, torch.stack(kls).mean()) if with_loss else y
+
+
+@pytest.mark.parametrize("cfg", [DSA, dataclasses.replace(DSA, index_interleaved=True, yarn_factor=None, index_topk=1)], ids=["halves-yarn", "pairs-top1"])
+def test_deepseek_sparse_attention_matches_per_query_loop(cfg):
+    """Values and gradients against the definition; the indexer's weights get no gradient
+    (its choice is discrete), the other weights theirs through the chosen keys."""
+    cu = torch.tensor([0, 5, 6, 17], dtype=torch.int32)
+    p = _dsa_params(cfg)
+    x = torch.randn(17, H, requires_grad=True)
+    y, _ = attention(x, p, cfg, _ctx(cu, cfg))
+    want = _loop_dsa(x, p, cfg, cu)
+    assert _rel(y, want) < 1e-5
+    dense = attention(x, {n: t for n, t in p.items() if not n.startswith("index_")}, MLA if cfg is DSA else dataclasses.replace(cfg, index_topk=None,
+                      index_heads=64, index_head_dim=128, index_interleaved=False), _ctx(cu, cfg))[0]
+    assert _rel(y, dense) > 1e-2  # the documents of 5 and 11 tokens are attended sparsely
+    mla = [n for n in p if not n.startswith("index_")]
+    up = torch.randn_like(y)
+    grads = torch.autograd.grad(y, [x, *p.values()], up, allow_unused=True)
+    want_grads = torch.autograd.grad(want, [x, *(p[n] for n in mla)], up)
+    for name, a, b in zip(["x", *mla], grads, want_grads):
+        assert _rel(a, b) < 1e-5, name
+    assert grads[1 + len(mla):] == (None,) * (len(p) - len(mla))  # the index_ weights, last in p
+
+
+def test_deepseek_sparse_attention_with_topk_over_the_document_is_multi_latent_attention():
+    cu = torch.tensor([0, 5, 6, 17], dtype=torch.int32)
+    cfg = dataclasses.replace(DSA, index_topk=11)  # the longest document: every earlier key is kept
+    p = {n: t.detach() for n, t in _dsa_params(cfg).items()}
+    x = torch.randn(17, H)
+    plain = attention(x, {n: t for n, t in p.items() if not n.startswith("index_")}, MLA, _ctx(cu, MLA))[0]
+    torch.testing.assert_close(attention(x, p, cfg, _ctx(cu, cfg))[0], plain, rtol=1e-5, atol=1e-6)
+
+
+def test_index_mask_keeps_the_topk_allowed_keys_as_worked_by_hand():
+    from fmoe.layers import index_mask
+
+    scores = torch.tensor([[5.0, 1.0, 9.0, 0.0], [2.0, 7.0, 1.0, 3.0], [0.0, 0.0, 4.0, 8.0]])
+    mask = torch.tensor([[True, False, False, False], [True, True, True, False], [True, True, True, True]])
+    got = index_mask(scores, mask, 2)
+    # row 0 allows one key (kept though key 2 scores higher); row 1 keeps 7 and 2, not the masked 3; row 2 keeps 8 and 4
+    assert got.tolist() == [[True, False, False, False], [True, True, False, False], [False, False, True, True]]
+    assert index_mask(scores, mask, 4).equal(mask)
+    # equal scores go to the earlier key, wherever the row has other keys
+    ties = torch.tensor([[0.0, 0.0, 0.0, 5.0, 0.0]])
+    assert index_mask(ties, torch.ones(1, 5, dtype=torch.bool), 3).tolist() == [[True, True, False, True, False]]
+    assert index_mask(ties, torch.tensor([[False, True, True, True, True]]), 2).tolist() == [[False, True, False, True, False]]
+
+
+def test_the_indexer_loss_is_the_definition_s_and_trains_the_indexer_alone():
+    """index_loss: stats["index_loss"] is the per-query definition's KL, its gradient reaches
+    the indexer's weights alone (as the definition's), and the output and its gradients are
+    those without it."""
+    cu = torch.tensor([0, 5, 6, 17], dtype=torch.int32)
+    cfg = dataclasses.replace(DSA, index_loss=True)
+    p = _dsa_params(cfg)
+    x = torch.randn(17, H, requires_grad=True)
+    y, stats = attention(x, p, cfg, _ctx(cu, cfg))
+    want, want_loss = _loop_dsa(x, p, cfg, cu, with_loss=True)
+    assert list(stats.keys()) == ["index_loss"] and float(stats["index_loss"].detach()) == pytest.approx(float(want_loss.detach()), rel=1e-5)
+    assert float(want_loss.detach()) > 1e-3
+    everything = [x, *p.values()]
+    grads = torch.autograd.grad(stats["index_loss"], everything, allow_unused=True)
+    want_grads = torch.autograd.grad(want_loss, everything, allow_unused=True)
+    for name, a, b in zip(["x", *p], grads, want_grads):
+        if name.startswith("index_"):
+            assert _rel(a, b) < 1e-5 and float(a.abs().max()) > 0, name
+        else:
+            assert a is None and b is None, name  # x and the q latent enter detached
+    up = torch.randn_like(y)
+    plain_y = attention(x, p, DSA, _ctx(cu, DSA))[0]
+    assert torch.equal(y, plain_y)
+    for a, b in zip(torch.autograd.grad(y, everything, up, allow_unused=True), torch.autograd.grad(plain_y, everything, up, allow_unused=True)):
+        assert (a is None and b is None) or torch.equal(a, b)
+    with torch.no_grad():  # no gradients, no loss
+        assert len(attention(x, p, cfg, _ctx(cu, cfg))[1].keys()) == 0
+    with pytest.raises(ValueError, match="cfg.index_loss: the indexer's loss is not built under tensor parallel"):
+        attention(x, p, cfg, _ctx(cu, cfg), heads_mean=lambda t: t)
+
+
+def test_with_loss_gradient_adds_the_loss_s_gradient_in_the_backward():
+    from fmoe.layers import with_loss_gradient
+
+    w = torch.tensor([1.0, 2.0], requires_grad=True)
+    v = torch.tensor(3.0, requires_grad=True)
+    y = with_loss_gradient(w * 2.0, 0.5 * v.square())
+    assert torch.equal(y, torch.tensor([2.0, 4.0]))
+    (y * torch.tensor([1.0, -1.0])).sum().backward()
+    assert w.grad.tolist() == [2.0, -2.0] and float(v.grad) == 3.0  # d(0.5 v^2)/dv = v, with weight 1
+
+
+@pytest.mark.parametrize("form", ["absorbed", "expanded"])
+def test_deepseek_sparse_attention_over_cached_latents_is_the_same_function(form):
+    """The indexer's key travels with the latent through gather_kv (a cache's rows: latent,
+    rotated key, indexer key), and the output is the per-query definition's."""
+    cu = torch.tensor([0, 3, 4, 13, 16], dtype=torch.int32)
+    p = {n: t.detach() for n, t in _dsa_params(DSA).items()}
+    x = torch.randn(16, H)
+    seen = []
+
+    def gather_kv(k, v):
+        seen.append((tuple(k.shape), tuple(v.shape)))
+        return k, v
+
+    ctx = dataclasses.replace(_ctx(cu, DSA), gather_kv=gather_kv, latents=form)
+    with torch.no_grad():
+        y, _ = attention(x, p, DSA, ctx)
+        want = _loop_dsa(x, p, DSA, cu)
+    assert seen == [((16, 1, DSA.kv_rank + DSA.rot_dim + DSA.index_head_dim), (16, 1, DSA.kv_rank))]
+    assert _rel(y, want) < 1e-5
+
+
+def test_deepseek_sparse_attention_bad_inputs():
+    with pytest.raises(ValueError, match="index_heads: a knob of DeepSeek sparse attention's indexer, needs index_topk"):
+        dataclasses.replace(MLA, index_heads=4)
+    with pytest.raises(ValueError, match="index_topk: expected >= 1, got 0"):
+        dataclasses.replace(DSA, index_topk=0)
+    with pytest.raises(ValueError, match="index_topk: DeepSeek sparse attention's indexer reads the q latent"):
+        dataclasses.replace(DSA, q_rank=None)
+    with pytest.raises(ValueError, match="index_head_dim: the indexer rotates its first rot_dim = 4 channels"):
+        dataclasses.replace(DSA, index_head_dim=2)
+    with pytest.raises(ValueError, match="impl: DeepSeek sparse attention's top-k mask is a dense mask"):
+        dataclasses.replace(DSA, impl="flex")
+    with pytest.raises(ValueError, match="index_interleaved: expected a bool"):
+        dataclasses.replace(DSA, index_interleaved=1)
+    with pytest.raises(ValueError, match="index_loss: expected a bool, got 1"):
+        dataclasses.replace(DSA, index_loss=1)
+    with pytest.raises(ValueError, match="index_loss: a knob of DeepSeek sparse attention's indexer, needs index_topk"):
+        dataclasses.replace(MLA, index_loss=True)
+    cu = torch.tensor([0, 6], dtype=torch.int32)
+    x, p = torch.randn(6, H), {n: t.detach() for n, t in _dsa_params(DSA).items()}
+    with pytest.raises(ValueError, match=r"params\['index_w'\]: expected a float \[32, 8\] tensor \(the indexer of cfg.index_topk\), got nothing"):
+        attention(x, {n: t for n, t in p.items() if n != "index_w"}, DSA, _ctx(cu, DSA))
+    with pytest.raises(ValueError, match=r"params: unknown multi-latent attention parameters \['index_w'\]"):
+        attention(x, {n: t for n, t in p.items() if n.startswith(("w", "q_a", "kv_a"))} | {"index_w": p["index_w"]}, MLA, _ctx(cu, MLA))
+    with pytest.raises(ValueError, match="ctx.gather_kv: DeepSeek sparse attention .* is not built under context parallel"):
+        attention(x, p, DSA, dataclasses.replace(_ctx(cu, DSA), gather_kv=lambda k, v: (k, v)))
+    flex = dataclasses.replace(MLA, impl="flex")  # a context built for another layer: FlexAttention's block mask
+    with pytest.raises(ValueError, match="ctx: DeepSeek sparse attention .* needs the dense mask"):
+        attention(x, p, DSA, _ctx(cu, flex))
+    # the context of a DSA config holds the dense mask, whatever impl "auto" picks for the others
+    assert isinstance(_ctx(cu, DSA).mask, torch.Tensor)
+
+
 @pytest.mark.gpu
 def test_gpu_multi_latent_flex_attention_matches_reference():
     """FlexAttention (compiled, v_dim != q/k dim) against the SDPA path, forward and backward, bf16."""

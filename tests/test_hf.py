@@ -8,6 +8,7 @@ same logits, and re-exporting a loaded folder gives bit-identical files."""
 import dataclasses
 import filecmp
 import json
+import math
 import pathlib
 
 import pytest
@@ -89,6 +90,22 @@ FAMILIES = {
         qk_rope_head_dim=4, v_head_dim=5, routed_scaling_factor=2.5, rope_parameters=dict(
             rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32, beta_fast=32, beta_slow=1,
             mscale=0.8, mscale_all_dim=1.0)),
+    # DeepSeek-V3's model with DeepSeek sparse attention: each query attends to the 4 keys of
+    # its document an indexer of 8 heads scores highest (RoPE on halves), so every document
+    # longer than 4 tokens is attended sparsely; YaRN, a dense block first
+    "deepseek_v32": lambda: transformers.DeepseekV32Config(
+        **{**COMMON, "num_key_value_heads": 4}, intermediate_size=40, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=3,
+        n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=12, kv_lora_rank=8, qk_nope_head_dim=6,
+        qk_rope_head_dim=4, v_head_dim=5, routed_scaling_factor=2.5, index_topk=4, index_n_heads=8, index_head_dim=8,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32, beta_fast=32,
+                             beta_slow=1, mscale=0.8, mscale_all_dim=1.0), bos_token_id=None, eos_token_id=None),
+    # GLM-5: DeepSeek-V3.2's model, the indexer's RoPE on interleaved pairs; no groups, plain
+    # RoPE, the MoE and dense blocks by mlp_layer_types
+    "glm_moe_dsa": lambda: transformers.GlmMoeDsaConfig(
+        **{**COMMON, "num_key_value_heads": 4}, intermediate_size=40, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=3,
+        n_shared_experts=1, q_lora_rank=12, kv_lora_rank=8, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5,
+        routed_scaling_factor=2.5, index_topk=3, index_n_heads=8, index_head_dim=6, mlp_layer_types=["sparse", "dense", "sparse"],
+        bos_token_id=None, eos_token_id=None),
     # multi-latent attention without the low-rank q, YaRN with mscale == mscale_all_dim (the
     # -Lite release's); softmax over every expert, 4 groups of 2 scored by their best expert
     # (group_limited_greedy), the top-3 probabilities x 2.5; a shared expert, layer 0 dense
@@ -954,6 +971,17 @@ def test_the_loop_fine_tunes_a_loaded_model(tmp_path):
     run = subprocess.run([sys.executable, str(root / "examples" / "train_moe.py"), f"--out_dir={tmp_path / 'run2'}", f"--init_from_hf={small}"],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode != 0 and "--init_from_hf: the data's 258 token ids do not fit the model's vocab_size 64" in run.stderr
+
+
+def test_the_loop_fine_tunes_a_deepseek_v32_model_and_its_indexer(tmp_path):
+    """--init_from_hf of a DeepSeek-V3.2 folder: the first step's loss is the model's own
+    (sparse attention: the micro-batch's documents are longer than index_topk = 8), and the
+    indexers' loss is logged each step (their weights trained by it)."""
+    config = FAMILIES["deepseek_v32"]()
+    config.vocab_size, config.index_topk = 260, 8
+    records, _, loss = _loop_from_folder(config, tmp_path, f"--init_from_hf={tmp_path / 'hf'}")
+    assert records[0]["loss"] == pytest.approx(loss, rel=1e-5)
+    assert all(math.isfinite(r["index_loss"]) and r["index_loss"] > 0 for r in records[:2])
 
 
 def test_the_loop_upcycles_a_released_dense_model(tmp_path):

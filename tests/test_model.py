@@ -23,6 +23,10 @@ VARIANTS = {
     # DeepSeek-V3's pieces: multi-latent attention, groups scored by their best 2, MTP with its own norm
     "mla, group top-2, mtp norm": dataclasses.replace(TINY, n_kv_heads=4, head_dim=12, rope_dim=4, rope_interleaved=True, q_rank=10, kv_rank=6,
                                                        v_head_dim=5, n_groups=2, topk_groups=1, group_score_topk=2, mtp_depth=1, mtp_norm=True),
+    # DeepSeek-V3.2's: DeepSeek sparse attention over the latents (each query attends to the 3 keys its indexer
+    # scores highest), the indexer trained by its loss
+    "dsa": dataclasses.replace(TINY, n_kv_heads=4, head_dim=12, rope_dim=4, rope_interleaved=True, q_rank=10, kv_rank=6, v_head_dim=5,
+                               index_topk=3, index_heads=4, index_head_dim=6, mtp_depth=1, mtp_norm=True),
     # gpt-oss's and Gemma's local layers: a sliding window in blocks 0 and 2, the others and MTP full
     "sliding window, mtp": dataclasses.replace(TINY, window=4, window_layers=(0, 2), mtp_depth=1),
     # EXAONE's layout: per-head q/k norms, local blocks 0 and 2 with RoPE, block 1 global without (NoPE)
@@ -636,6 +640,61 @@ def test_multi_latent_attention_model_builds_its_parameters():
         TransformerConfig(**{**_SMALL, "kv_rank": 6, "v_head_dim": 5, "rope_dim": 4})
 
 
+def test_deepseek_sparse_attention_trains_its_indexer_by_its_own_loss():
+    """Each DSA block's indexer gets index_loss_weight times its loss's gradient (added in the
+    backward; the LM loss does not include it), the other weights the LM loss's alone."""
+    cfg = VARIANTS["dsa"]
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    batch = _batch(cfg)
+    grads, sums = [], []
+    for weight in (1.0, 0.5, 0.0):
+        model.zero_grad()
+        model.set_index_loss_weight(weight)
+        losses, _ = model(batch)
+        sums.append(model.index_loss_sum())
+        (losses["lm_sum"] + losses["mtp_1_sum"]).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    attns = [m for m in model.modules() if isinstance(m, fmoe.model.Attention)]
+    assert len(attns) == 4 and all(m.index_loss_weight == 0.0 for m in attns)  # 3 blocks and the MTP block
+    assert sums[0] == sums[1] == sums[2] == sum(m.index_loss for m in attns) and float(sums[0]) > 0 and not sums[0].requires_grad
+    for name in grads[0]:
+        if ".index_" in name:
+            torch.testing.assert_close(grads[1][name], 0.5 * grads[0][name], rtol=1e-5, atol=0)
+            assert float(grads[0][name].abs().max()) > 0 and float(grads[2][name].abs().max()) == 0, name
+        else:
+            assert torch.equal(grads[0][name], grads[1][name]) and torch.equal(grads[0][name], grads[2][name]), name
+    with torch.no_grad():
+        model(batch)
+    assert model.index_loss_sum() is None  # no gradients: no indexer loss
+    assert Transformer(TINY).index_loss_sum() is None
+    with pytest.raises(ValueError, match="weight: expected a finite number >= 0, got -1"):
+        model.set_index_loss_weight(-1)
+    with pytest.raises(ValueError, match="index_loss_coeff: expected a finite number >= 0, got nan"):
+        dataclasses.replace(cfg, index_loss_coeff=float("nan"))
+    with pytest.raises(ValueError, match="index_loss_coeff: the weight of DeepSeek sparse attention's indexer loss, needs index_topk"):
+        dataclasses.replace(TINY, index_loss_coeff=0.5)
+    with pytest.raises(ValueError, match="index_heads: a knob of DeepSeek sparse attention's indexer, needs index_topk"):
+        dataclasses.replace(TINY, index_heads=4)
+    with pytest.raises(ValueError, match="index_topk: DeepSeek sparse attention's indexer reads the q latent"):
+        dataclasses.replace(cfg, q_rank=None)
+    # the FLOPs: multi-latent attention's over the kept keys (2.5 per query here), and per block (3 and the MTP
+    # block's) the indexer's projections (q latent 10 -> 4 heads x 6, H 32 -> a key of 6, H -> 4 head weights)
+    # and its scores over every earlier key (8 per query)
+    from fmoe.train.metrics import model_flops_per_token
+
+    mla = dataclasses.replace(cfg, index_topk=None, index_heads=64, index_head_dim=128)
+    weights = 10 * 4 * 6 + 32 * 6 + 32 * 4
+    want = model_flops_per_token(mla, n_avg_keys=2.5) + 4 * (6 * weights + 6 * 4 * 6 * 8.0)
+    assert model_flops_per_token(cfg, n_avg_keys=8.0, n_avg_index_keys=2.5) == pytest.approx(want)
+    with pytest.raises(ValueError, match="n_avg_index_keys: the blocks attend to at most index_topk = 3 keys"):
+        model_flops_per_token(cfg, n_avg_keys=8.0)
+    # index_loss_coeff 0: the indexer is not trained (no loss computed, no gradient)
+    frozen = Transformer(dataclasses.replace(cfg, index_loss_coeff=0.0))
+    frozen(batch)[0]["lm_sum"].backward()
+    assert frozen.index_loss_sum() is None and frozen.blocks[0].attn.index_w.grad is None
+
+
 def test_released_model_knobs_build_what_they_say():
     cfg = TransformerConfig(**{**_SMALL, "moe_layers": (3, 1), "shared_ffn": 24, "shared_gate": True, "qkv_bias": True,
                                "qk_norm": "head", "tie_embeddings": True, "score": "softmax", "expert_bias": False, "pre_softmax": True})
@@ -664,6 +723,7 @@ DECODED = {
                                                     tie_embeddings=True),
     "qkv bias, qk norm": dataclasses.replace(TINY, qkv_bias=True, qk_norm="head", rope_dim=4),
     "mla": VARIANTS["mla, group top-2, mtp norm"],
+    "dsa": dataclasses.replace(VARIANTS["dsa"], mtp_depth=0),
     "sliding window": dataclasses.replace(TINY, window=4, window_layers=(0, 2)),
     "nope global, window local, llama3 rope": dataclasses.replace(TINY, qk_norm="head", window=4, window_layers=(0, 2), nope_layers=(1,),
                                                                   llama3_factor=4.0, llama3_original_max_positions=16),
@@ -718,8 +778,9 @@ def test_decode_with_a_kv_cache_equals_the_whole_sequence(name, monkeypatch):
     assert cache.k[:, 13:].abs().sum() == 0 and cache.k[:, :13].abs().amin(dim=(2, 3)).gt(0).all()
     cfg = model.cfg
     attending = cfg.n_layers - len(cfg.linear_layers or ())
-    if cfg.kv_rank is not None:  # the latents only: kv_rank + rope_dim per token and attending layer
-        assert cache.k.shape == (attending, 16, 1, cfg.kv_rank + cfg.rope_dim) and cache.v.data_ptr() == cache.k.data_ptr()
+    if cfg.kv_rank is not None:  # the latents only: kv_rank + rope_dim per token and attending layer (and DSA's indexer key)
+        index = cfg.index_head_dim if cfg.index_topk is not None else 0
+        assert cache.k.shape == (attending, 16, 1, cfg.kv_rank + cfg.rope_dim + index) and cache.v.data_ptr() == cache.k.data_ptr()
         # 6 calls x the attending layers (and the whole sequence's logits): calls of 1 token absorbed, of 5 and 4 expanded
         assert forms.count("_mla_latent_qkv") == 4 * attending and forms.count("_mla_expand") == (1 + 2) * attending
     else:

@@ -7,7 +7,7 @@ a JSONL logger.
     flops_per_token(*, hidden, n_layers, n_dense, ffn_dense, ffn_expert, k, n_shared,
                     n_heads, n_kv_heads, head_dim, vocab, mtp_depth=0, n_avg_keys,
                     n_experts=0) -> float
-    model_flops_per_token(cfg, *, n_avg_keys, n_avg_local_keys=None) -> float   the same for a
+    model_flops_per_token(cfg, *, n_avg_keys, n_avg_local_keys=None, n_avg_index_keys=None) -> float   the same for a
                                                     TransformerConfig (sliding blocks: the local mean)
     datasheet_peak_flops(name) / peak_flops(device) -> float | None   dense bf16 peaks
     mfu(tokens_per_s, flops_per_token, peak) -> float | None
@@ -174,7 +174,8 @@ def linear_attention_flops(hidden: int, cfg) -> float:
     return 6.0 * (weights + cfg.conv * (2 * Ck + Cv) + 3 * Nv * cfg.k_head_dim * cfg.v_head_dim)
 
 
-def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[float] = None) -> float:
+def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[float] = None,
+                          n_avg_index_keys: Optional[float] = None) -> float:
     """flops_per_token of an fmoe.model.TransformerConfig (any object with its fields): the
     dense blocks are those that are not MoE (moe_layers or n_dense), the shared experts'
     size in units of ffn_expert (shared_ffn, or n_shared), the router over n_experts, the
@@ -184,7 +185,12 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
     Gated attention (attn_gate) adds its gate's H N Dv weights to each block's projections.
     Blocks with a sliding window or chunked attention (cfg.is_local) count n_avg_local_keys
     keys per query (mean_attended_keys with cfg.window, cfg.chunk): required when there are any.
-    Linear-attention blocks (cfg.is_linear) count linear_attention_flops in place of attention."""
+    Linear-attention blocks (cfg.is_linear) count linear_attention_flops in place of attention.
+    DeepSeek sparse attention (cfg.index_topk) attends n_avg_index_keys keys per query
+    (mean_attended_keys(cu_seqlens, index_topk): at most index_topk; required), and its
+    indexer adds per attending block (trunk and MTP) 6 x its projection weights and
+    6 index_heads index_head_dim n_avg_keys for its scores (every earlier key scored for the
+    choice, again for its loss, and the loss's backward)."""
     names = ("hidden", "n_layers", "ffn_dense", "ffn_expert", "k", "n_heads", "n_kv_heads", "head_dim", "mtp_depth", "n_experts")
     is_moe = getattr(cfg, "is_moe", lambda i: i >= cfg.n_dense)
     n_dense = sum(not is_moe(i) for i in range(cfg.n_layers))
@@ -202,9 +208,23 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
                          "pass their mean attended keys (mean_attended_keys(cu_seqlens, window, chunk))")
     n_linear = sum(getattr(cfg, "is_linear", lambda i: False)(i) for i in range(cfg.n_layers))
     linear = dict(n_linear=n_linear, linear_layer=linear_attention_flops(cfg.hidden, cfg.linear_attention_config())) if n_linear else {}
-    return flops_per_token(**{n: getattr(cfg, n) for n in names}, n_dense=n_dense, n_shared=shared, vocab=cfg.vocab_size,
-                           n_avg_keys=n_avg_keys, n_sliding=n_sliding, n_avg_local_keys=n_avg_local_keys,
-                           attn_gate=bool(getattr(cfg, "attn_gate", False)), **attention, **linear)
+    values = {n: getattr(cfg, n) for n in names}
+    indexer = 0.0
+    if getattr(cfg, "index_topk", None) is not None:  # DeepSeek sparse attention: the kept keys, and the indexer
+        from fmoe.layers import index_shapes
+
+        if n_avg_index_keys is None:
+            raise ValueError(f"n_avg_index_keys: the blocks attend to at most index_topk = {cfg.index_topk} keys: pass their mean "
+                             "attended keys (mean_attended_keys(cu_seqlens, index_topk))")
+        _check_count("n_avg_index_keys", n_avg_index_keys)
+        _check_count("n_avg_keys", n_avg_keys)
+        weights = sum(a * b for a, b in (shape for shape in index_shapes(cfg.hidden, cfg.attention_config()).values() if len(shape) == 2))
+        blocks = cfg.n_layers - n_linear + cfg.mtp_depth
+        indexer = blocks * (6 * weights + 6 * cfg.index_heads * cfg.index_head_dim * n_avg_keys)
+        n_avg_keys = n_avg_index_keys
+    return indexer + flops_per_token(**values, n_dense=n_dense, n_shared=shared, vocab=cfg.vocab_size,
+                                     n_avg_keys=n_avg_keys, n_sliding=n_sliding, n_avg_local_keys=n_avg_local_keys,
+                                     attn_gate=bool(getattr(cfg, "attn_gate", False)), **attention, **linear)
 
 
 def datasheet_peak_flops(name: str) -> Optional[float]:

@@ -24,7 +24,7 @@ from pathlib import Path
 from fmoe.train.metrics import read_metrics
 
 # keys sharing an axis; mtp_*_loss: each MTP depth's (the loop's mtp_1_loss, mtp_2_loss, ...)
-LOSS_PANELS = (("loss", "val_loss"), ("mtp_*_loss", "mtp_loss"), ("seq_aux_loss", "aux_loss"), ("z_loss",))
+LOSS_PANELS = (("loss", "val_loss"), ("mtp_*_loss", "mtp_loss"), ("seq_aux_loss", "aux_loss"), ("z_loss",), ("index_loss",))
 HEALTH_PANELS = (("grad_norm", "param_norm"), ("zero_grads",), ("energy_j_per_token",))
 
 

@@ -37,6 +37,9 @@ QWEN3_NEXT = dict(linear_layers=(0,), linear_k_heads=2, linear_v_heads=4, linear
 # and gate: their down projections on every tp rank), block 1 multi-latent attention without RoPE
 KIMI_LINEAR = dict(linear_layers=(0,), linear_kind="kda", linear_k_heads=2, linear_v_heads=2, linear_k_dim=8, linear_v_dim=6, **MLA,
                    nope_layers=(1,))
+# DeepSeek-V3.2's sparse attention: multi-latent attention with a query latent, each query attending to the 3 keys
+# its indexer scores highest, the indexer trained by its own loss (its gradient added in the backward)
+DSA = dict(MLA, q_rank=10, index_topk=3, index_heads=4, index_head_dim=6)
 # Granite's multipliers: the softmax scale, the embeddings', the residual branches', the logits' divisor
 GRANITE = dict(attn_scale=0.3, embed_scale=2.0, residual_scale=0.6, logit_divisor=3.0)
 
@@ -233,6 +236,9 @@ CASES = {
     "tp2-post-norm-ac-attention": (2, dict(tp=2), dict(qk_norm="proj", pre_norms=False, post_norms=True, ac="attention")),
     "tp2-mla": (2, dict(tp=2), dict(MLA, q_rank=10)),
     "cp2xtp2-mla": (4, dict(cp=2, tp=2), MLA),
+    # DeepSeek sparse attention (DSA) with its indexer's loss under FSDP2 and EP: the ranks' indexer
+    # gradients add up to one process's
+    "ep2-dsa": (2, dict(ep=2), DSA),
     # a sliding window of 5 tokens in block 1 (the MoE one) with its own plain RoPE base, block
     # 0 full and without RoPE, Llama 3.1's RoPE scaling (EXAONE's layout, Mellum's bases): each
     # cp rank's keys of every rank masked by the window at their global indices, the NoPE
@@ -298,6 +304,7 @@ DECODE_CASES = {
     "tp2": (2, dict(tp=2), dict(GPT_OSS, **WINDOW, nope_layers=(0,)), None, 1e-5),  # the full block NoPE, as EXAONE's
     "tp2-proj-norm": (2, dict(tp=2), dict(qk_norm="proj", **WINDOW, **GRANITE, post_norms=True), None, 1e-5),  # sandwich norms
     "tp2-mla": (2, dict(tp=2), dict(MLA, q_rank=10), None, 1e-5),
+    "tp2-dsa": (2, dict(tp=2), dict(DSA, index_loss_coeff=0.0), None, 1e-5),  # the cache's rows hold the indexer's keys too
     "tp2-llama4": (2, dict(tp=2), LLAMA4, None, 1e-5),  # chunks over the cache's rows, the temperature at the new tokens' positions
     # the window's ring layer with its own RoPE base
     "tp2-head-norm-after-rope": (2, dict(tp=2), dict(qk_norm="head", qk_norm_after_rope=True, **WINDOW, local_rope_base=100.0), None, 1e-5),
@@ -580,6 +587,11 @@ def _bad_tp(rank, world):
             parallelize(Transformer(TransformerConfig(**{**TINY, **overrides})), build_meshes(**sizes))
         except ValueError as err:
             messages.append(str(err))
+    for sizes in (dict(cp=2), dict(tp=2)):  # DeepSeek sparse attention: not under cp; its indexer's loss not under tp
+        try:
+            parallelize(Transformer(TransformerConfig(**{**TINY, **DSA})), build_meshes(**sizes))
+        except ValueError as err:
+            messages.append(str(err))
     model = parallelize(Transformer(TransformerConfig(**TINY)), build_meshes(tp=2))
     batch = make_batch(torch.randint(0, TINY["vocab_size"], (25,)), torch.tensor([0, 25]), TINY["mtp_depth"])
     try:
@@ -591,12 +603,14 @@ def _bad_tp(rank, world):
 
 def test_parallelize_refuses_what_does_not_split(results):
     for messages in (by_case["bad_tp"] for by_case in results(2)):
-        assert len(messages) == 5
+        assert len(messages) == 7
         assert "n_heads = 2 and n_kv_heads = 1 must both be divisible by tp = 2" in messages[0]
         assert "n_experts = 3 is not divisible by ep = 2" in messages[1]
         assert "n_heads = 3 and n_kv_heads = 3 must both be divisible by tp = 2" in messages[2]  # multi-latent
         assert "LinearAttention's n_k_heads = 1 and n_v_heads = 2 must both be divisible by tp = 2" in messages[3]
-        assert "T = 25 tokens do not split evenly over tp = 2 ranks" in messages[4] and "tokens_per_micro_batch" in messages[4]
+        assert messages[4] == "cp: DeepSeek sparse attention (index_topk) is not built under context parallel (its indexer's keys are not gathered); got cp = 2"
+        assert messages[5].startswith("tp: DeepSeek sparse attention's indexer loss is not built under tensor parallel (tp = 2)")
+        assert "T = 25 tokens do not split evenly over tp = 2 ranks" in messages[6] and "tokens_per_micro_batch" in messages[6]
 
 
 def _failed_export(rank, world):

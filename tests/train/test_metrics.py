@@ -242,6 +242,12 @@ def test_loss_plot_shows_the_losses_the_default_run_logs(tmp_path, monkeypatch):
     records[1]["z_loss"] = 1e-4  # logged, not all zero: its panel, the zero at step 1 kept
     assert plot.plot_losses(records, tmp_path / "loss.png", plot._pyplot())
     assert drawn[-1] == ("z_loss", {"z_loss": ([1, 2], [0.0, 1e-4])})
+    # DeepSeek sparse attention's indexer loss, where the run logs it: a panel of its own
+    drawn.clear()
+    for s, record in enumerate(records, start=1):
+        record["index_loss"] = 0.5 / s
+    assert plot.plot_losses(records, tmp_path / "loss.png", plot._pyplot())
+    assert drawn[-1] == ("index_loss", {"index_loss": ([1, 2], [0.5, 0.25])})
 
 
 def test_plot_missing_metrics(tmp_path):
