@@ -77,8 +77,8 @@ back only as deepseek_v3.
 DeepSeek-V3.2 (deepseek_v32) and GLM-5 (glm_moe_dsa): DeepSeek-V3's model with DeepSeek sparse
 attention in every block, its lightning indexer under self_attn.indexer (wq_b, wk, k_norm's
 weight and bias, weights_proj: TransformerConfig.index_*), the indexer's RoPE on halves
-(DeepSeek-V3.2) or interleaved pairs (GLM-5); GLM-5 layers that reuse another layer's top-k
-(indexer_types "shared") are refused.
+(DeepSeek-V3.2) or interleaved pairs (GLM-5); GLM-5's layers without an indexer (indexer_types
+"shared") attend to the keys the previous full layer chose (index_shared_layers).
 Kimi Linear (kimi_linear): Kimi Delta Attention blocks under self_attn (q/k/v_proj,
 q/k/v_conv1d, the decay's f_a_proj / f_b_proj, dt_bias, A_log [1, 1, N, 1] (Tensor.unit of
 several dims), b_proj, the gate's g_a_proj / g_b_proj, o_norm, o_proj), multi-latent attention
@@ -446,14 +446,29 @@ def _deepseek_v32(hf: dict) -> dict:
                 **_dsa(hf, interleaved=False))
 
 
+def _indexer_types(hf: dict) -> list[str]:
+    """GLM-5's indexer_types, "full" (the layer's own indexer) or "shared" (the previous full
+    layer's choice) per layer: as config.json gives them, or as transformers derives them from
+    index_topk_pattern ("F" / "S" per layer) or index_topk_freq and index_skip_topk_offset."""
+    n = hf["num_hidden_layers"]
+    kinds = hf.get("indexer_types")
+    if kinds is None and hf.get("index_topk_pattern") is not None:
+        pattern = hf["index_topk_pattern"]
+        kinds = [{"F": "full", "S": "shared"}.get(c, c) for c in pattern] if isinstance(pattern, str) else list(pattern)
+    elif kinds is None:
+        freq, offset = max(hf.get("index_topk_freq", 1), 1), hf.get("index_skip_topk_offset", 2)
+        kinds = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
+    if len(kinds) != n or set(kinds) - {"full", "shared"} or (kinds and kinds[0] != "full"):
+        raise ValueError(f"config.json: indexer_types = {kinds!r} is not supported (full / shared per layer, the first full)")
+    return kinds
+
+
 def _glm_moe_dsa(hf: dict) -> dict:
     """GLM-5 (glm_moe_dsa): DeepSeek-V3.2's model with the indexer's RoPE on interleaved
-    pairs. Layers that reuse an earlier layer's top-k (indexer_types "shared") are refused:
-    every layer runs its own indexer here."""
-    _refuse(hf, "indexer_types", lambda v: v is None or all(kind == "full" for kind in v), "an indexer in every layer (all \"full\")")
-    for name in ("index_topk_freq", "index_topk_pattern"):
-        _refuse(hf, name, lambda v: v is None or v == 1 or (isinstance(v, str) and set(v) <= {"F"}), "an indexer in every layer")
-    return dict(_deepseek_v32(hf), **_dsa(hf, interleaved=True))
+    pairs; the layers indexer_types names "shared" have no indexer and attend to the keys
+    the previous "full" layer chose (index_shared_layers)."""
+    shared = tuple(i for i, kind in enumerate(_indexer_types(hf)) if kind == "shared")
+    return dict(_deepseek_v32(hf), **_dsa(hf, interleaved=True), index_shared_layers=shared or None)
 
 
 def _exaone_moe(hf: dict) -> dict:
@@ -1133,10 +1148,11 @@ def _linear_attention_keys(family: Family, cfg: TransformerConfig, p: str, q: st
     return out
 
 
-def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: bool, rope: bool = True, linear: bool = False) -> dict[str, Tensor]:
+def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: bool, rope: bool = True, linear: bool = False,
+                index_shared: bool = False) -> dict[str, Tensor]:
     """One transformer block: HF prefix p ("model.layers.{i}."), fmoe prefix q; rope=False:
     a NoPE block (its q/k norms only with cfg.nope_qk_norm); linear: a Gated DeltaNet block."""
-    out = _linear_attention_keys(family, cfg, p, q) if linear else _attention_keys(family, cfg, p, q, rope)
+    out = _linear_attention_keys(family, cfg, p, q) if linear else _attention_keys(family, cfg, p, q, rope, index_shared)
     if cfg.pre_norms and cfg.post_norms:  # a sandwich block (AFMoE)
         if family.sandwich is None:
             raise ValueError("model: pre- and post-norms together (a sandwich block) have no key names in this family")
@@ -1189,9 +1205,10 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
     return out
 
 
-def _attention_keys(family: Family, cfg: TransformerConfig, p: str, q: str, rope: bool) -> dict[str, Tensor]:
+def _attention_keys(family: Family, cfg: TransformerConfig, p: str, q: str, rope: bool, index_shared: bool = False) -> dict[str, Tensor]:
     """An attention block's mixer (family.attention): grouped-query or multi-latent attention
-    with their biases, sinks, gate and q/k norms."""
+    with their biases, sinks, gate and q/k norms, and DeepSeek sparse attention's indexer
+    (none in a block of index_shared_layers)."""
     out = {}
     attn = p + family.attention + "."
     if cfg.kv_rank is not None:  # multi-latent attention
@@ -1202,7 +1219,7 @@ def _attention_keys(family: Family, cfg: TransformerConfig, p: str, q: str, rope
         if cfg.q_rank is not None:
             out[q + "attn.q_a_norm"] = Tensor((attn + "q_a_layernorm.weight",))
         out[q + "attn.kv_a_norm"] = Tensor((attn + "kv_a_layernorm.weight",))
-        if cfg.index_topk is not None:  # DeepSeek sparse attention's indexer
+        if cfg.index_topk is not None and not index_shared:  # DeepSeek sparse attention's indexer
             index = attn + "indexer."
             for ours, theirs in (("index_wq", "wq_b"), ("index_wk", "wk"), ("index_w", "weights_proj")):
                 out[q + "attn." + ours] = Tensor((f"{index}{theirs}.weight",), transpose=True)
@@ -1262,7 +1279,8 @@ def key_map(family: Family, cfg: TransformerConfig) -> dict[str, Tensor]:
     head are mtp_copies')."""
     out = {"embed": Tensor((family.embed,))}
     for i in range(cfg.n_layers):
-        out.update(_block_keys(family, cfg, f"model.layers.{i}.", f"blocks.{i}.", cfg.is_moe(i), rope=not cfg.is_nope(i), linear=cfg.is_linear(i)))
+        out.update(_block_keys(family, cfg, f"model.layers.{i}.", f"blocks.{i}.", cfg.is_moe(i), rope=not cfg.is_nope(i), linear=cfg.is_linear(i),
+                               index_shared=cfg.is_index_shared(i)))
     out["norm.weight"] = Tensor(("model.norm.weight",))
     if not cfg.tie_embeddings:
         out["head"] = Tensor(("lm_head.weight",))
@@ -1868,7 +1886,7 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
         if model_type in ("deepseek_v32", "glm_moe_dsa"):  # RoPE always on interleaved pairs: no rope_interleave field
             hf.update(index_topk=cfg.index_topk, index_n_heads=cfg.index_heads, index_head_dim=cfg.index_head_dim)
             if model_type == "glm_moe_dsa":
-                hf.update(indexer_types=["full"] * cfg.n_layers)
+                hf.update(indexer_types=["shared" if cfg.is_index_shared(i) else "full" for i in range(cfg.n_layers)])
         else:
             hf.update(rope_interleave=cfg.rope_interleaved)
         if cfg.yarn_factor is not None:

@@ -411,7 +411,9 @@ class AttentionConfig:
     (fmoe.layers.index_loss: the KL divergence of the indexer's distribution over the chosen
     keys from the attention's, summed over heads), whose gradient reaches the indexer's
     weights only; add it to the loss (fmoe.model.Attention adds its gradient in the backward,
-    with_loss_gradient). The
+    attach_loss). index_shared: a layer without an indexer, which attends to the keys
+    an earlier layer chose (attention's index_choice, that layer's stats["index_choice"]:
+    GLM-5's "shared" layers). The
     top-k mask is a dense [T, S] mask, so these layers attend by the SDPA reference (impl
     "auto" picks it on CUDA too; "flex" is refused), whose memory grows with T S.
     """
@@ -455,6 +457,7 @@ class AttentionConfig:
     index_head_dim: int = 128
     index_interleaved: bool = False
     index_loss: bool = False
+    index_shared: bool = False
 
     def __post_init__(self):
         check_fp8(self.fp8)
@@ -513,16 +516,18 @@ class AttentionConfig:
     def _check_index_knobs(self) -> None:
         """DeepSeek sparse attention's knobs (class docstring): ValueError naming the field."""
         if self.index_topk is None:
-            knobs = dict(index_heads=64, index_head_dim=128, index_interleaved=False, index_loss=False)
+            knobs = dict(index_heads=64, index_head_dim=128, index_interleaved=False, index_loss=False, index_shared=False)
             changed = [name for name, default in knobs.items() if getattr(self, name) != default]
             if changed:
                 raise ValueError(f"{changed[0]}: a knob of DeepSeek sparse attention's indexer, needs index_topk")
             return
         for name in ("index_topk", "index_heads", "index_head_dim"):
             check_positive_int(name, getattr(self, name))
-        for name in ("index_interleaved", "index_loss"):
+        for name in ("index_interleaved", "index_loss", "index_shared"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
+        if self.index_shared and self.index_loss:
+            raise ValueError("index_loss: a layer of index_shared has no indexer of its own to train")
         if self.kv_rank is None or self.q_rank is None:
             raise ValueError("index_topk: DeepSeek sparse attention's indexer reads the q latent of multi-latent attention, needs kv_rank and q_rank")
         if self.rot_dim is None or self.rot_dim > self.index_head_dim:
@@ -623,6 +628,10 @@ class AttentionContext:
     linear_cp: the linear-attention layers' exchange under context parallel
         (fmoe.parallel.ContextParallel: token_index(n, device), conv_halo(x, n) and
         gated_delta_rule(q, k, v, g, beta, cu_seqlens, ...)); None: no split.
+    index_choices: DeepSeek sparse attention (a context of a cfg with index_topk): an empty
+        dict in which the layers with an indexer leave their choice of keys for the layers
+        that reuse it (fmoe.model.Attention: keyed by layer, attention's index_choice); None
+        otherwise.
     """
 
     cos: torch.Tensor
@@ -640,6 +649,7 @@ class AttentionContext:
     cu_seqlens: Optional[torch.Tensor] = None
     linear_states: Optional["LinearStates"] = None
     linear_cp: object = None
+    index_choices: Optional[dict] = None
 
 
 def _use_flex(impl: str, device: torch.device) -> bool:
@@ -860,7 +870,8 @@ def attention_context(
     local_cos, local_sin = (None, None) if local_base is None else rope_tables(positions, dataclasses.replace(cfg, rope_base=local_base,
                                                                                                                 llama3_factor=None))
     return AttentionContext(cos, sin, mask, gather_kv, window=cfg.window, local_mask=local, chunk=cfg.chunk, positions=positions,
-                            local_rope_base=local_base, local_cos=local_cos, local_sin=local_sin, cu_seqlens=cu_seqlens, linear_cp=linear_cp)
+                            local_rope_base=local_base, local_cos=local_cos, local_sin=local_sin, cu_seqlens=cu_seqlens, linear_cp=linear_cp,
+                            index_choices={} if cfg.index_topk is not None else None)
 
 
 _FLEX_MIN_DIM = 16  # the compiled FlexAttention kernel's smallest head dim (torch 2.11: "NYI ... at least 16")
@@ -905,7 +916,7 @@ def index_shapes(H: int, cfg: AttentionConfig) -> dict:
     index_wq [q_rank, index_heads index_head_dim], index_wk [H, index_head_dim], the key's
     LayerNorm index_k_norm and index_k_bias [index_head_dim], the head weights index_w
     [H, index_heads]; {} without index_topk."""
-    if cfg.index_topk is None:
+    if cfg.index_topk is None or cfg.index_shared:
         return {}
     Ni, Di = cfg.index_heads, cfg.index_head_dim
     return {"index_wq": (cfg.q_rank, Ni * Di), "index_wk": (H, Di), "index_k_norm": (Di,), "index_k_bias": (Di,), "index_w": (H, Ni)}
@@ -974,7 +985,7 @@ def _check_ctx(ctx, T: int, rot: int) -> None:
         raise ValueError(f"ctx: RoPE tables of shape {tuple(ctx.cos.shape)} do not fit x's {T} tokens and rot_dim {rot} (expected ({T}, {rot // 2}))")
 
 
-def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionContext, *, heads_mean=None):
+def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionContext, *, heads_mean=None, index_choice=None):
     """Causal grouped-query self-attention over packed documents; no host sync.
 
     Args:
@@ -997,9 +1008,13 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
             ranks holding the others, each the same number of heads, so that qk_norm="proj"
             normalises over the whole projection (one call for q's and k's: n = 2). None:
             this process holds every head.
+        index_choice: for a layer of cfg.index_shared (DeepSeek sparse attention without an
+            indexer of its own), the keys it attends to: [T, S] bool, an earlier layer's
+            stats["index_choice"] over the same context; None otherwise.
     Returns:
         (y [T, H] in x's dtype, stats): stats is a TensorDict, empty but for DeepSeek sparse
-        attention's "index_loss" (a float32 scalar with the indexer's gradient, when
+        attention's "index_choice" ([T, S] bool, the keys each query attended to; a layer
+        with an indexer) and "index_loss" (a float32 scalar with the indexer's gradient, when
         cfg.index_loss and gradients are on), kept for the layers' common (output, stats) form.
     """
     _check_attention(x, params, cfg, ctx)
@@ -1023,9 +1038,13 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
     if ctx.latents == "expanded" and ctx.gather_kv is None:
         raise ValueError("ctx.latents: 'expanded' needs the cache's gather_kv (the latents of every key)")
     sparse = cfg.index_topk is not None  # DeepSeek sparse attention: the indexer's top-k keys
+    shared = sparse and cfg.index_shared  # ... an earlier layer's choice of them
     if sparse and ctx.gather_kv is not None and ctx.latents is None:
         raise ValueError("ctx.gather_kv: DeepSeek sparse attention (cfg.index_topk) is not built under context parallel (its indexer's keys are not gathered)")
-    q_lat = _mla_q_latent(x, params, cfg) if sparse else None  # the indexer's queries read it too
+    if shared != (index_choice is not None):
+        raise ValueError("index_choice: expected the keys an earlier layer chose (its stats['index_choice']) for a layer of cfg.index_shared, and None "
+                         f"otherwise; got {'None' if index_choice is None else 'a choice'} with index_shared = {cfg.index_shared}")
+    q_lat = _mla_q_latent(x, params, cfg) if sparse and not shared else None  # the indexer's queries read it too
     wv_CNV = None
     if ctx.latents == "absorbed":
         q_TND, k_TGD, v_TGD, wv_CNV = _mla_latent_qkv(x, params, cfg, ctx, q_lat)
@@ -1039,8 +1058,8 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
         q_TND, k_TGD, v_TGD = _gqa_qkv(x, params, cfg, ctx, heads_mean)
     index_k_SD = None
     if sparse:
-        with torch.no_grad():
-            index_k_SD = index_keys(x, params, cfg, ctx.cos, ctx.sin)
+        with torch.no_grad():  # a layer without an indexer caches zeros in the indexer key's place
+            index_k_SD = x.new_zeros(x.shape[0], cfg.index_head_dim, dtype=torch.float32) if shared else index_keys(x, params, cfg, ctx.cos, ctx.sin)
         if ctx.latents is not None:  # decoding: the indexer's key is cached after the latent and the rotated key
             k_TGD = torch.cat([k_TGD, index_k_SD[:, None, :].to(k_TGD.dtype)], dim=-1)
     if ctx.gather_kv is not None:  # every rank's keys and values (cp), or the cache's and these (decoding)
@@ -1057,8 +1076,14 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
     if sparse:
         if not isinstance(mask, torch.Tensor):
             raise ValueError("ctx: DeepSeek sparse attention (cfg.index_topk) needs the dense mask; build the context with this cfg (attention_context)")
-        with torch.no_grad():
-            mask = index_mask(index_scores(x, q_lat, index_k_SD, params, cfg, ctx.cos, ctx.sin), mask, cfg.index_topk)
+        if shared:
+            if not isinstance(index_choice, torch.Tensor) or index_choice.dtype != torch.bool or index_choice.shape != mask.shape:
+                raise ValueError(f"index_choice: expected a {list(mask.shape)} bool tensor (an earlier layer's over this context), "
+                                 f"got {getattr(index_choice, 'dtype', type(index_choice).__name__)} {list(getattr(index_choice, 'shape', []))}")
+            mask = index_choice & mask
+        else:
+            with torch.no_grad():
+                mask = index_mask(index_scores(x, q_lat, index_k_SD, params, cfg, ctx.cos, ctx.sin), mask, cfg.index_topk)
     sinks = params.get("sinks")
     if isinstance(mask, torch.Tensor) and sinks is not None:  # the reference, with sinks
         out_NTD = _attention_with_sinks(q_NTD, k_GTD, v_GTD, mask, softmax_scale(cfg), sinks)
@@ -1094,9 +1119,9 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
     y_TH = matmul(out_TQ, params["wo"], fp8=cfg.fp8, impl=cfg.impl)
     if params.get("bo") is not None:
         y_TH = y_TH + params["bo"]
-    stats = {}
+    stats = {"index_choice": mask} if sparse and not shared else {}
     index_params = [params[name] for name in index_shapes(x.shape[1], cfg)]
-    if sparse and cfg.index_loss and torch.is_grad_enabled() and any(w.requires_grad for w in index_params):
+    if sparse and not shared and cfg.index_loss and torch.is_grad_enabled() and any(w.requires_grad for w in index_params):
         if heads_mean is not None:
             raise ValueError("cfg.index_loss: the indexer's loss is not built under tensor parallel (its target sums every rank's heads); "
                              "train the indexer without tp")
@@ -1104,24 +1129,28 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
     return y_TH, TensorDict(stats, batch_size=[])
 
 
-class _LossGradient(torch.autograd.Function):
-    """y unchanged, and in the backward the gradient of `loss` (a scalar) with weight 1."""
-
+class _AttachLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y, loss):
-        return y.view_as(y)
+    def forward(ctx, x, loss):
+        ctx.loss_shape, ctx.loss_dtype = loss.shape, loss.dtype
+        return x.clone()  # not a view: the zero-bubble schedules detach stage outputs in place
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, torch.ones((), dtype=torch.float32, device=grad.device)
+        return grad, torch.ones(ctx.loss_shape, dtype=ctx.loss_dtype, device=grad.device)
 
 
-def with_loss_gradient(y: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
-    """y itself, through which the backward also takes the gradient of the scalar `loss`
-    (weight 1): a loss that trains its own parameters from inside a layer, without being
-    added to the model's loss (DeepSeek sparse attention's indexer loss, fmoe.model.Attention;
-    Megatron's MoEAuxLossAutoScaler's way). Weigh the loss before: with_loss_gradient(y, c * loss)."""
-    return _LossGradient.apply(y, loss)
+def attach_loss(x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+    """x, with `loss` (a scalar computed from activations before it) riding along: the
+    forward returns x unchanged; the backward passes x's gradient through and gives `loss`
+    the gradient 1, as if it had been added to the final loss (Megatron's
+    MoEAuxLossAutoScaler). For a loss that trains parameters from inside a layer without
+    being added to the model's loss (DeepSeek sparse attention's indexer loss,
+    fmoe.model.Attention: weigh it first, attach_loss(y, c * loss)), or for the losses of a
+    pipeline stage's layers that are not on the last stage (fmoe.parallel)."""
+    if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+        raise ValueError(f"loss: expected a 0-D tensor, got {type(loss).__name__} of shape {getattr(loss, 'shape', None)}")
+    return _AttachLoss.apply(x, loss)
 
 
 def index_loss(x_TH, q_lat_TC, q_NTD, k_GTD, mask_TS, params, cfg: AttentionConfig, cos, sin) -> torch.Tensor:

@@ -46,9 +46,9 @@ from tensordict import TensorDict
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from fmoe.layers import (EXPERT_BIASES, AttentionConfig, AttentionContext, LinearAttentionConfig, LinearStates, MoEConfig, attention,
+from fmoe.layers import (EXPERT_BIASES, AttentionConfig, AttentionContext, LinearAttentionConfig, LinearStates, MoEConfig, attach_loss, attention,
                          attention_context, check_window, dense_mlp, index_shapes, linear_attention, linear_attention_shapes, local_experts, mla_shapes,
-                         moe, with_loss_gradient)
+                         moe)
 from fmoe.ops import linear_cross_entropy, route
 from fmoe.ops.checks import check_positive_int
 from fmoe.ops.fp8 import check_fp8_fast_accum
@@ -300,7 +300,9 @@ class TransformerConfig:
     heads of index_head_dim scores highest (its RoPE on interleaved pairs with
     index_rope_interleaved; fmoe.layers.AttentionConfig; not under context parallel), the
     indexer trained by its own loss with weight index_loss_coeff per micro-batch (0: not
-    trained; not under tensor parallel: fmoe.layers.index_loss, Attention). tie_embeddings: the
+    trained; not under tensor parallel: fmoe.layers.index_loss, Attention);
+    index_shared_layers: the trunk blocks without an indexer, which attend to the keys the
+    nearest earlier block with one chose (GLM-5's "shared" layers; not block 0). tie_embeddings: the
     output head is the embedding. Granite's multipliers (each 1 / None: none): attn_scale,
     the softmax scale (None: 1/sqrt(head_dim), or YaRN's); embed_scale multiplies every
     embedding lookup (the trunk's and the MTP modules'); residual_scale multiplies each
@@ -399,6 +401,7 @@ class TransformerConfig:
     index_head_dim: int = 128
     index_rope_interleaved: bool = False
     index_loss_coeff: float = 1.0
+    index_shared_layers: Optional[tuple[int, ...]] = None
     o_bias: bool = False
     attn_sinks: bool = False
     attn_gate: bool = False
@@ -476,7 +479,7 @@ class TransformerConfig:
         if self.fp8_layers is not None and self.fp8 is not True:
             raise ValueError("fp8_layers: the blocks whose GEMMs run in fp8, needs fp8=True")
         check_fp8_fast_accum(self.fp8_fast_accum, self.fp8 is True)
-        for name in ("moe_layers", "window_layers", "chunk_layers", "nope_layers", "linear_layers", "fp8_layers"):  # block lists: distinct indices, kept sorted
+        for name in ("moe_layers", "window_layers", "chunk_layers", "nope_layers", "linear_layers", "fp8_layers", "index_shared_layers"):  # block lists: distinct indices, kept sorted
             layers = getattr(self, name)
             if layers is None:
                 continue
@@ -496,6 +499,8 @@ class TransformerConfig:
             raise ValueError(f"index_loss_coeff: expected a finite number >= 0, got {coeff!r}")
         if self.index_topk is None and coeff != 1.0:
             raise ValueError("index_loss_coeff: the weight of DeepSeek sparse attention's indexer loss, needs index_topk")
+        if self.index_shared_layers is not None and self.index_topk is None:
+            raise ValueError("index_shared_layers: blocks reusing an earlier block's choice of keys (DeepSeek sparse attention), needs index_topk")
         if self.linear_layers is not None:
             for name in ("window_layers", "chunk_layers", "nope_layers"):
                 both = sorted(set(self.linear_layers) & set(getattr(self, name) or ()))
@@ -505,6 +510,11 @@ class TransformerConfig:
         self.attention_config(local=True)  # its own checks (qk_norm, window and chunk)
         if self.nope_layers is not None:
             self.attention_config(rope=False)  # the NoPE blocks' (the temperature)
+        for i in self.index_shared_layers or ():
+            if not any(not self.is_index_shared(j) and not self.is_linear(j) for j in range(i)):
+                raise ValueError(f"index_shared_layers: block {i} reuses the choice of an earlier block with an indexer, and none is before it")
+            if self.is_linear(i):
+                raise ValueError(f"index_shared_layers: block {i} is a linear-attention block (linear_layers), which does not attend")
         self.moe_config()  # its own checks (the SwiGLU options)
         # the routing knobs, checked by the op itself on no tokens
         route(torch.zeros(0, self.n_experts, device="cpu"), self.k, score=self.score, pre_softmax=self.pre_softmax,
@@ -541,6 +551,15 @@ class TransformerConfig:
             return self.fp8 and self.fp8_layers is None
         return self.fp8 and (self.fp8_layers is None or i in self.fp8_layers)
 
+    def is_index_shared(self, i: int) -> bool:
+        """Whether trunk block i reuses an earlier block's choice of keys (index_shared_layers)."""
+        return self.index_shared_layers is not None and i in self.index_shared_layers
+
+    def index_source(self, i: int) -> int:
+        """The block whose indexer chooses trunk block i's keys: i itself, or for a block of
+        index_shared_layers the nearest earlier block with an indexer."""
+        return max(j for j in range(i + 1) if not self.is_index_shared(j) and not self.is_linear(j))
+
     def is_nope(self, i: int) -> bool:
         """Whether trunk block i attends without RoPE: listed in nope_layers."""
         return self.nope_layers is not None and i in self.nope_layers
@@ -568,12 +587,12 @@ class TransformerConfig:
                                      impl="auto" if self.impl == "flex" else self.impl, kind=self.linear_kind,
                                      fp8=self.fp8 if fp8 is None else fp8)
 
-    def attention_config(self, *, local: bool = False, rope: bool = True, fp8: Optional[bool] = None) -> AttentionConfig:
+    def attention_config(self, *, local: bool = False, rope: bool = True, fp8: Optional[bool] = None, index_shared: bool = False) -> AttentionConfig:
         """The attention of a block that attends over every earlier token, or with local
         over the sliding window or within its chunk (a config whose window or chunk builds
         that mask too: attention_context); rope=False: a NoPE block's (without q/k norms
         unless nope_qk_norm, with the NoPE temperature); fp8: the block's (None: the model's
-        fp8)."""
+        fp8); index_shared: a block of index_shared_layers (no indexer of its own)."""
         norm = rope or self.nope_qk_norm
         return AttentionConfig(
             n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, head_dim=self.head_dim, rope_base=self.rope_base,
@@ -588,7 +607,8 @@ class TransformerConfig:
             temperature_floor=None if rope else self.nope_temperature_floor, temperature_scale=self.nope_temperature_scale,
             local_rope_base=self.local_rope_base, zero_centered_norms=self.zero_centered_norms, fp8=self.fp8 if fp8 is None else fp8,
             index_topk=self.index_topk, index_heads=self.index_heads, index_head_dim=self.index_head_dim,
-            index_interleaved=self.index_rope_interleaved, index_loss=self.index_topk is not None and self.index_loss_coeff > 0,
+            index_interleaved=self.index_rope_interleaved, index_shared=index_shared,
+            index_loss=self.index_topk is not None and self.index_loss_coeff > 0 and not index_shared,
         )
 
     @property
@@ -637,13 +657,17 @@ class Attention(nn.Module):
     DeepSeek sparse attention (cfg.index_topk) trains its indexer by the indexer's loss
     (fmoe.layers.index_loss), whose gradient times `index_loss_weight` (cfg.index_loss_coeff;
     the loop sets it per step, Transformer.set_index_loss_weight) the backward adds through
-    the attention output (fmoe.layers.with_loss_gradient): the model's loss does not include
+    the attention output (fmoe.layers.attach_loss): the model's loss does not include
     it, and only the indexer's weights receive it. `index_loss` keeps the last forward's
     value (detached; None before one that computed it)."""
 
-    def __init__(self, cfg: TransformerConfig, *, local: bool = False, rope: bool = True, fp8: Optional[bool] = None):
+    def __init__(self, cfg: TransformerConfig, *, local: bool = False, rope: bool = True, fp8: Optional[bool] = None,
+                 index_shared: bool = False):
         super().__init__()
-        self.cfg = cfg.attention_config(local=local, rope=rope, fp8=fp8)
+        self.cfg = cfg.attention_config(local=local, rope=rope, fp8=fp8, index_shared=index_shared)
+        # DeepSeek sparse attention: the key of this layer's choice of keys in the context (AttentionContext.index_choices),
+        # and of the choice it reuses (a block of index_shared_layers); set by Transformer, each layer its own
+        self.index_key, self.index_source = id(self), None
         self.tensor_parallel = None  # fmoe.parallel's HeadShard under tp > 1 (class docstring)
         self.index_loss_weight, self.index_loss = cfg.index_loss_coeff, None  # DeepSeek sparse attention's indexer loss
         if cfg.kv_rank is not None:  # multi-latent attention: fmoe.layers names and shapes
@@ -687,18 +711,27 @@ class Attention(nn.Module):
 
     def forward(self, x_TH, ctx: AttentionContext):
         params = {n: _local(getattr(self, n)) for n in self.names}
+        choice = None
+        if self.cfg.index_shared:  # the keys an earlier layer's indexer chose over this context
+            choices = ctx.index_choices or {}
+            if self.index_source not in choices:
+                raise ValueError(f"ctx: block {self.index_key} attends to the keys block {self.index_source} chose (index_shared_layers), which this "
+                                 f"forward has not run over this context (a pipeline stage without block {self.index_source}?)")
+            choice = choices[self.index_source]
         tp = self.tensor_parallel
         if tp is None:
-            y_TH, stats = attention(x_TH, params, self.cfg, ctx)
+            y_TH, stats = attention(x_TH, params, self.cfg, ctx, index_choice=choice)
         else:
             params.update({n: tp.weight(params[n]) for n in tp.replicated})
             if "bo" in params:  # every rank adds its share before the ranks' outputs are summed
                 params["bo"] = params["bo"] / tp.mesh.size()
-            y_TH, stats = attention(x_TH, params, self.cfg, ctx, heads_mean=tp.mean)
+            y_TH, stats = attention(x_TH, params, self.cfg, ctx, heads_mean=tp.mean, index_choice=choice)
+        if "index_choice" in stats.keys() and ctx.index_choices is not None:  # for the layers that reuse it
+            ctx.index_choices[self.index_key] = stats["index_choice"]
         self.index_loss = None
         if "index_loss" in stats.keys():  # the indexer's loss: its gradient in the backward, its value kept
             loss = stats["index_loss"]
-            y_TH = with_loss_gradient(y_TH, loss * self.index_loss_weight)
+            y_TH = attach_loss(y_TH, loss * self.index_loss_weight)
             self.index_loss = loss.detach()
         return y_TH
 
@@ -736,14 +769,14 @@ class Block(nn.Module):
     (None: cfg.fp8; TransformerConfig.is_fp8)."""
 
     def __init__(self, cfg: TransformerConfig, moe: bool, *, local: bool = False, rope: bool = True, linear: bool = False,
-                 fp8: Optional[bool] = None):
+                 fp8: Optional[bool] = None, index_shared: bool = False):
         super().__init__()
         def norm(on: bool) -> Optional[RMSNorm]:
             return RMSNorm(cfg.hidden, cfg.norm_eps, cfg.zero_centered_norms) if on else None
 
         self.attn_norm, self.attn_post_norm = norm(cfg.pre_norms), norm(cfg.post_norms)
         fp8 = cfg.fp8 if fp8 is None else fp8
-        self.attn = LinearAttention(cfg, fp8=fp8) if linear else Attention(cfg, local=local, rope=rope, fp8=fp8)
+        self.attn = LinearAttention(cfg, fp8=fp8) if linear else Attention(cfg, local=local, rope=rope, fp8=fp8, index_shared=index_shared)
         self.mlp_norm, self.mlp_post_norm = norm(cfg.pre_norms), norm(cfg.post_norms)
         if moe:
             self.mlp = MoE(cfg.hidden, cfg.ffn_expert, cfg.moe_config(fp8), shared_ffn=cfg.shared_size, shared_gate=cfg.shared_gate,
@@ -1027,8 +1060,11 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden))
         self.blocks = nn.ModuleList(Block(cfg, moe=cfg.is_moe(i), local=cfg.is_local(i), rope=not cfg.is_nope(i), linear=cfg.is_linear(i),
-                                          fp8=cfg.is_fp8(i))
+                                          fp8=cfg.is_fp8(i), index_shared=cfg.is_index_shared(i))
                                     for i in range(cfg.n_layers))
+        for i, block in enumerate(self.blocks):  # DeepSeek sparse attention: each block's choice of keys by its index, and the one it reuses
+            if isinstance(block.attn, Attention):
+                block.attn.index_key, block.attn.index_source = i, cfg.index_source(i) if cfg.is_index_shared(i) else None
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps, cfg.zero_centered_norms)
         # [V, H], linear_cross_entropy's layout; with tie_embeddings the head is the embedding
         self.head = None if cfg.tie_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden))

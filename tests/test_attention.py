@@ -883,7 +883,8 @@ def test_the_indexer_loss_is_the_definition_s_and_trains_the_indexer_alone():
     x = torch.randn(17, H, requires_grad=True)
     y, stats = attention(x, p, cfg, _ctx(cu, cfg))
     want, want_loss = _loop_dsa(x, p, cfg, cu, with_loss=True)
-    assert list(stats.keys()) == ["index_loss"] and float(stats["index_loss"].detach()) == pytest.approx(float(want_loss.detach()), rel=1e-5)
+    assert sorted(stats.keys()) == ["index_choice", "index_loss"]
+    assert float(stats["index_loss"].detach()) == pytest.approx(float(want_loss.detach()), rel=1e-5)
     assert float(want_loss.detach()) > 1e-3
     everything = [x, *p.values()]
     grads = torch.autograd.grad(stats["index_loss"], everything, allow_unused=True)
@@ -899,20 +900,41 @@ def test_the_indexer_loss_is_the_definition_s_and_trains_the_indexer_alone():
     for a, b in zip(torch.autograd.grad(y, everything, up, allow_unused=True), torch.autograd.grad(plain_y, everything, up, allow_unused=True)):
         assert (a is None and b is None) or torch.equal(a, b)
     with torch.no_grad():  # no gradients, no loss
-        assert len(attention(x, p, cfg, _ctx(cu, cfg))[1].keys()) == 0
+        assert list(attention(x, p, cfg, _ctx(cu, cfg))[1].keys()) == ["index_choice"]
     with pytest.raises(ValueError, match="cfg.index_loss: the indexer's loss is not built under tensor parallel"):
         attention(x, p, cfg, _ctx(cu, cfg), heads_mean=lambda t: t)
 
 
-def test_with_loss_gradient_adds_the_loss_s_gradient_in_the_backward():
-    from fmoe.layers import with_loss_gradient
+def test_a_layer_without_an_indexer_attends_to_the_keys_another_chose():
+    """index_shared (GLM-5's "shared" layers): no indexer weights; given an indexer layer's
+    stats["index_choice"], the same function as that layer's attention with its weights."""
+    from fmoe.layers import index_shapes
 
-    w = torch.tensor([1.0, 2.0], requires_grad=True)
-    v = torch.tensor(3.0, requires_grad=True)
-    y = with_loss_gradient(w * 2.0, 0.5 * v.square())
-    assert torch.equal(y, torch.tensor([2.0, 4.0]))
-    (y * torch.tensor([1.0, -1.0])).sum().backward()
-    assert w.grad.tolist() == [2.0, -2.0] and float(v.grad) == 3.0  # d(0.5 v^2)/dv = v, with weight 1
+    cu = torch.tensor([0, 5, 6, 17], dtype=torch.int32)
+    shared = dataclasses.replace(DSA, index_shared=True)
+    assert index_shapes(H, shared) == {}
+    p = _dsa_params(DSA)
+    mla_p = {n: t for n, t in p.items() if not n.startswith("index_")}
+    x = torch.randn(17, H, requires_grad=True)
+    y, stats = attention(x, p, DSA, _ctx(cu, DSA))
+    choice = stats["index_choice"]
+    assert choice.dtype == torch.bool and choice.shape == (17, 17) and int(choice.sum(-1).max()) == DSA.index_topk
+    y_shared, shared_stats = attention(x, mla_p, shared, _ctx(cu, shared), index_choice=choice)
+    assert torch.equal(y_shared, y) and len(shared_stats.keys()) == 0
+    up = torch.randn_like(y)
+    for a, b in zip(torch.autograd.grad(y_shared, [x, *mla_p.values()], up), torch.autograd.grad(y, [x, *mla_p.values()], up)):
+        assert torch.equal(a, b)
+    other = torch.tril(torch.ones(17, 17, dtype=torch.bool))  # another choice: every earlier key
+    assert _rel(attention(x, mla_p, shared, _ctx(cu, shared), index_choice=other)[0], y) > 1e-2
+    with pytest.raises(ValueError, match=r"index_choice: expected the keys an earlier layer chose .* got None with index_shared = True"):
+        attention(x, mla_p, shared, _ctx(cu, shared))
+    with pytest.raises(ValueError, match=r"index_choice: expected .* got a choice with index_shared = False"):
+        attention(x, p, DSA, _ctx(cu, DSA), index_choice=choice)
+    with pytest.raises(ValueError, match=r"index_choice: expected a \[17, 17\] bool tensor"):
+        attention(x, mla_p, shared, _ctx(cu, shared), index_choice=choice[:5])
+    with pytest.raises(ValueError, match="index_loss: a layer of index_shared has no indexer of its own to train"):
+        dataclasses.replace(shared, index_loss=True)
+    assert isinstance(_ctx(cu, DSA).index_choices, dict) and _ctx(cu, MLA).index_choices is None
 
 
 @pytest.mark.parametrize("form", ["absorbed", "expanded"])

@@ -99,13 +99,14 @@ FAMILIES = {
         qk_rope_head_dim=4, v_head_dim=5, routed_scaling_factor=2.5, index_topk=4, index_n_heads=8, index_head_dim=8,
         rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32, beta_fast=32,
                              beta_slow=1, mscale=0.8, mscale_all_dim=1.0), bos_token_id=None, eos_token_id=None),
-    # GLM-5: DeepSeek-V3.2's model, the indexer's RoPE on interleaved pairs; no groups, plain
-    # RoPE, the MoE and dense blocks by mlp_layer_types
+    # GLM-5: DeepSeek-V3.2's model, the indexer's RoPE on interleaved pairs, layer 1 without an
+    # indexer attending to the keys layer 0's chose ("shared"); no groups, plain RoPE, the MoE
+    # and dense blocks by mlp_layer_types
     "glm_moe_dsa": lambda: transformers.GlmMoeDsaConfig(
         **{**COMMON, "num_key_value_heads": 4}, intermediate_size=40, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=3,
         n_shared_experts=1, q_lora_rank=12, kv_lora_rank=8, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5,
         routed_scaling_factor=2.5, index_topk=3, index_n_heads=8, index_head_dim=6, mlp_layer_types=["sparse", "dense", "sparse"],
-        bos_token_id=None, eos_token_id=None),
+        indexer_types=["full", "shared", "full"], bos_token_id=None, eos_token_id=None),
     # multi-latent attention without the low-rank q, YaRN with mscale == mscale_all_dim (the
     # -Lite release's); softmax over every expert, 4 groups of 2 scored by their best expert
     # (group_limited_greedy), the top-3 probabilities x 2.5; a shared expert, layer 0 dense
@@ -687,6 +688,23 @@ def test_a_field_left_out_reads_as_transformers_fills_it(family):
         assert mine == ours(theirs), f"{family} without {field}"
         checked += 1
     assert checked >= 10
+
+
+@pytest.mark.parametrize("fields", [dict(index_topk_freq=2, index_skip_topk_offset=1), dict(index_topk_freq=3), dict(index_topk_pattern="FSFF"),
+                                    dict(index_topk_pattern=["full", "shared", "shared", "full"]), {}])
+def test_glm5_shared_indexer_layers_read_as_transformers_derives_them(fields):
+    """GLM-5's layers without an indexer: the indexer_types transformers derives from
+    index_topk_freq / index_skip_topk_offset or index_topk_pattern (without indexer_types)
+    are fmoe's index_shared_layers; a first layer without an indexer is refused."""
+    config = FAMILIES["glm_moe_dsa"]().to_dict()
+    config.update(num_hidden_layers=4, mlp_layer_types=["dense"] + ["sparse"] * 3)
+    del config["indexer_types"], config["layer_types"]
+    theirs = transformers.GlmMoeDsaConfig(**{k: v for k, v in config.items() if k != "model_type"}, **fields).indexer_types
+    cfg = TransformerConfig(**hf.FAMILIES["glm_moe_dsa"].kwargs(dict(config, **fields)))
+    assert [cfg.is_index_shared(i) for i in range(4)] == [kind == "shared" for kind in theirs]
+    assert cfg.index_shared_layers == (tuple(i for i, kind in enumerate(theirs) if kind == "shared") or None)
+    with pytest.raises(ValueError, match=r"indexer_types = \['shared', 'full', 'full', 'full'\] is not supported \(full / shared per layer, the first full\)"):
+        hf.FAMILIES["glm_moe_dsa"].kwargs(dict(config, indexer_types=["shared", "full", "full", "full"]))
 
 
 def test_a_released_llama4_folder_loads_its_text_model(folders, tmp_path):

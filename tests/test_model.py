@@ -23,10 +23,10 @@ VARIANTS = {
     # DeepSeek-V3's pieces: multi-latent attention, groups scored by their best 2, MTP with its own norm
     "mla, group top-2, mtp norm": dataclasses.replace(TINY, n_kv_heads=4, head_dim=12, rope_dim=4, rope_interleaved=True, q_rank=10, kv_rank=6,
                                                        v_head_dim=5, n_groups=2, topk_groups=1, group_score_topk=2, mtp_depth=1, mtp_norm=True),
-    # DeepSeek-V3.2's: DeepSeek sparse attention over the latents (each query attends to the 3 keys its indexer
-    # scores highest), the indexer trained by its loss
+    # DeepSeek-V3.2's and GLM-5's: DeepSeek sparse attention over the latents (each query attends to the 3 keys its
+    # indexer scores highest), the indexers trained by their loss; block 2 without an indexer, attending to block 1's choice
     "dsa": dataclasses.replace(TINY, n_kv_heads=4, head_dim=12, rope_dim=4, rope_interleaved=True, q_rank=10, kv_rank=6, v_head_dim=5,
-                               index_topk=3, index_heads=4, index_head_dim=6, mtp_depth=1, mtp_norm=True),
+                               index_topk=3, index_heads=4, index_head_dim=6, index_shared_layers=(2,), mtp_depth=1, mtp_norm=True),
     # gpt-oss's and Gemma's local layers: a sliding window in blocks 0 and 2, the others and MTP full
     "sliding window, mtp": dataclasses.replace(TINY, window=4, window_layers=(0, 2), mtp_depth=1),
     # EXAONE's layout: per-head q/k norms, local blocks 0 and 2 with RoPE, block 1 global without (NoPE)
@@ -391,11 +391,13 @@ def test_forward_and_backward_read_nothing_on_the_host(cfg):
     assert reads.count == 0, reads.sites
 
 
-def test_the_whole_model_compiles_without_a_graph_break():
+@pytest.mark.parametrize("name", ["full", "dsa"])
+def test_the_whole_model_compiles_without_a_graph_break(name):
     """torch.compile(fullgraph=True) of forward + losses (a host sync would be a graph break),
     then the backward; same values and gradients as eager. The batch ends in padding (its
-    token_mask)."""
-    cfg = FULL
+    token_mask). DeepSeek sparse attention: its stable sort, and its indexer loss's gradient
+    added in the backward and its value kept on the module."""
+    cfg = FULL if name == "full" else dataclasses.replace(VARIANTS["dsa"], impl="auto")
     torch.manual_seed(0)
     model = Transformer(cfg)
     batch = _batch(cfg, T=32, cu=(0, 7, 8, 24, 32), padding=8)
@@ -409,6 +411,8 @@ def test_the_whole_model_compiles_without_a_graph_break():
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, grads[n], rtol=1e-4, atol=1e-6, msg=n)
+    if name == "dsa":
+        assert float(model.index_loss_sum()) > 0 and float(grads["blocks.0.attn.index_wq"].abs().max()) > 0
 
 
 def test_gated_deltanet_compiles_once_for_every_document_count():
@@ -655,8 +659,9 @@ def test_deepseek_sparse_attention_trains_its_indexer_by_its_own_loss():
         sums.append(model.index_loss_sum())
         (losses["lm_sum"] + losses["mtp_1_sum"]).backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-    attns = [m for m in model.modules() if isinstance(m, fmoe.model.Attention)]
-    assert len(attns) == 4 and all(m.index_loss_weight == 0.0 for m in attns)  # 3 blocks and the MTP block
+    attns = [m for m in model.modules() if isinstance(m, fmoe.model.Attention) and m.cfg.index_loss]
+    assert len(attns) == 3 and all(m.index_loss_weight == 0.0 for m in attns)  # blocks 0, 1 and the MTP block (block 2 has no indexer)
+    assert not any(".index_" in n for n, _ in model.blocks[2].named_parameters()) and model.blocks[2].attn.index_source == 1
     assert sums[0] == sums[1] == sums[2] == sum(m.index_loss for m in attns) and float(sums[0]) > 0 and not sums[0].requires_grad
     for name in grads[0]:
         if ".index_" in name:
@@ -678,17 +683,25 @@ def test_deepseek_sparse_attention_trains_its_indexer_by_its_own_loss():
         dataclasses.replace(TINY, index_heads=4)
     with pytest.raises(ValueError, match="index_topk: DeepSeek sparse attention's indexer reads the q latent"):
         dataclasses.replace(cfg, q_rank=None)
-    # the FLOPs: multi-latent attention's over the kept keys (2.5 per query here), and per block (3 and the MTP
-    # block's) the indexer's projections (q latent 10 -> 4 heads x 6, H 32 -> a key of 6, H -> 4 head weights)
-    # and its scores over every earlier key (8 per query)
+    # the FLOPs: multi-latent attention's over the kept keys (2.5 per query here), and per block with an indexer
+    # (blocks 0 and 1, and the MTP block's) the indexer's projections (q latent 10 -> 4 heads x 6, H 32 -> a key of
+    # 6, H -> 4 head weights) and its scores over every earlier key (8 per query)
     from fmoe.train.metrics import model_flops_per_token
 
-    mla = dataclasses.replace(cfg, index_topk=None, index_heads=64, index_head_dim=128)
+    mla = dataclasses.replace(cfg, index_topk=None, index_heads=64, index_head_dim=128, index_shared_layers=None)
     weights = 10 * 4 * 6 + 32 * 6 + 32 * 4
-    want = model_flops_per_token(mla, n_avg_keys=2.5) + 4 * (6 * weights + 6 * 4 * 6 * 8.0)
+    want = model_flops_per_token(mla, n_avg_keys=2.5) + 3 * (6 * weights + 6 * 4 * 6 * 8.0)
     assert model_flops_per_token(cfg, n_avg_keys=8.0, n_avg_index_keys=2.5) == pytest.approx(want)
     with pytest.raises(ValueError, match="n_avg_index_keys: the blocks attend to at most index_topk = 3 keys"):
         model_flops_per_token(cfg, n_avg_keys=8.0)
+    with pytest.raises(ValueError, match="index_shared_layers: block 0 reuses the choice of an earlier block with an indexer, and none is before it"):
+        dataclasses.replace(cfg, index_shared_layers=(0,))
+    with pytest.raises(ValueError, match="index_shared_layers: blocks reusing an earlier block's choice .* needs index_topk"):
+        dataclasses.replace(TINY, index_shared_layers=(1,))
+    # a block whose source block did not run over the context (a pipeline stage without it)
+    ctx = model.context(batch)
+    with pytest.raises(ValueError, match=r"ctx: block 2 attends to the keys block 1 chose \(index_shared_layers\), which this forward has not run"):
+        model.blocks[2](torch.randn(24, cfg.hidden), ctx.attention[0])
     # index_loss_coeff 0: the indexer is not trained (no loss computed, no gradient)
     frozen = Transformer(dataclasses.replace(cfg, index_loss_coeff=0.0))
     frozen(batch)[0]["lm_sum"].backward()
@@ -775,8 +788,9 @@ def test_decode_with_a_kv_cache_equals_the_whole_sequence(name, monkeypatch):
     torch.testing.assert_close(torch.cat(got), want, rtol=1e-5, atol=1e-5)
     assert float((want[1:] - want[:-1]).abs().max()) > 0.1  # the rows differ: positions and keys matter here
     assert not got[0].requires_grad  # inference: no graph kept
-    assert cache.k[:, 13:].abs().sum() == 0 and cache.k[:, :13].abs().amin(dim=(2, 3)).gt(0).all()
     cfg = model.cfg
+    filled = cache.k[..., :cfg.kv_rank + cfg.rope_dim] if cfg.kv_rank is not None else cache.k  # (a layer without an indexer caches zeros as its key)
+    assert cache.k[:, 13:].abs().sum() == 0 and filled[:, :13].abs().amin(dim=(2, 3)).gt(0).all()
     attending = cfg.n_layers - len(cfg.linear_layers or ())
     if cfg.kv_rank is not None:  # the latents only: kv_rank + rope_dim per token and attending layer (and DSA's indexer key)
         index = cfg.index_head_dim if cfg.index_topk is not None else 0

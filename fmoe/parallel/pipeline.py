@@ -61,6 +61,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from fmoe.layers import attach_loss
 from fmoe.model import LayerElsewhere, PipelineChunk, Transformer, TransformerConfig
 from fmoe.parallel.mesh import Meshes
 
@@ -124,6 +125,10 @@ def pipeline_chunk(model: Transformer, chunk: PipelineChunk) -> Transformer:
     n = len(model.blocks)
     if not chunk.layers or chunk.layers.start < 0 or chunk.layers.stop > n or chunk.layers.step != 1:
         raise ValueError(f"chunk: expected a non-empty range of consecutive layers within range({n}), got {chunk.layers}")
+    for i in chunk.layers:  # DeepSeek sparse attention: a block reusing another's choice of keys needs it in its own forward
+        if model.cfg.is_index_shared(i) and model.cfg.index_source(i) not in chunk.layers:
+            raise ValueError(f"chunk: block {i} attends to the keys block {model.cfg.index_source(i)} chose (index_shared_layers), which is in another "
+                             f"stage than {chunk.layers}; split the layers so that they share a stage")
     for i in range(n):
         if i not in chunk.layers:
             model.blocks[i] = LayerElsewhere(i)
@@ -167,28 +172,6 @@ def check_micro_batches(schedule: str, n: int, pp: int, virtual: int = 1) -> Non
         if n % rounds:
             raise ValueError(f"batch_schedule: the {schedule} schedule needs the micro-batches per data-parallel rank ({n}) "
                              f"to be a multiple of its rounds max(1, n // pp) = {rounds}: e.g. a multiple of pp = {pp}")
-
-
-class _AttachLoss(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, loss):
-        ctx.loss_shape, ctx.loss_dtype = loss.shape, loss.dtype
-        return x.clone()  # not a view: the zero-bubble schedules detach stage outputs in place
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, torch.ones(ctx.loss_shape, dtype=ctx.loss_dtype, device=grad.device)
-
-
-def attach_loss(x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
-    """x, with `loss` (a scalar computed from this stage's activations) riding along: the
-    forward returns x unchanged; the backward passes x's gradient through and gives `loss`
-    the gradient 1, as if it had been added to the final loss (Megatron's
-    MoEAuxLossAutoScaler). Use it on a pipeline stage's output for losses of layers that
-    are not on the last stage."""
-    if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
-        raise ValueError(f"loss: expected a 0-D tensor, got {type(loss).__name__} of shape {getattr(loss, 'shape', None)}")
-    return _AttachLoss.apply(x, loss)
 
 
 @dataclasses.dataclass

@@ -188,7 +188,7 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
     Linear-attention blocks (cfg.is_linear) count linear_attention_flops in place of attention.
     DeepSeek sparse attention (cfg.index_topk) attends n_avg_index_keys keys per query
     (mean_attended_keys(cu_seqlens, index_topk): at most index_topk; required), and its
-    indexer adds per attending block (trunk and MTP) 6 x its projection weights and
+    indexer adds per block with one (trunk and MTP; not index_shared_layers) 6 x its projection weights and
     6 index_heads index_head_dim n_avg_keys for its scores (every earlier key scored for the
     choice, again for its loss, and the loss's backward)."""
     names = ("hidden", "n_layers", "ffn_dense", "ffn_expert", "k", "n_heads", "n_kv_heads", "head_dim", "mtp_depth", "n_experts")
@@ -219,7 +219,7 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
         _check_count("n_avg_index_keys", n_avg_index_keys)
         _check_count("n_avg_keys", n_avg_keys)
         weights = sum(a * b for a, b in (shape for shape in index_shapes(cfg.hidden, cfg.attention_config()).values() if len(shape) == 2))
-        blocks = cfg.n_layers - n_linear + cfg.mtp_depth
+        blocks = cfg.n_layers - n_linear - len(cfg.index_shared_layers or ()) + cfg.mtp_depth  # those with an indexer
         indexer = blocks * (6 * weights + 6 * cfg.index_heads * cfg.index_head_dim * n_avg_keys)
         n_avg_keys = n_avg_index_keys
     return indexer + flops_per_token(**values, n_dense=n_dense, n_shared=shared, vocab=cfg.vocab_size,

@@ -38,8 +38,9 @@ QWEN3_NEXT = dict(linear_layers=(0,), linear_k_heads=2, linear_v_heads=4, linear
 KIMI_LINEAR = dict(linear_layers=(0,), linear_kind="kda", linear_k_heads=2, linear_v_heads=2, linear_k_dim=8, linear_v_dim=6, **MLA,
                    nope_layers=(1,))
 # DeepSeek-V3.2's sparse attention: multi-latent attention with a query latent, each query attending to the 3 keys
-# its indexer scores highest, the indexer trained by its own loss (its gradient added in the backward)
-DSA = dict(MLA, q_rank=10, index_topk=3, index_heads=4, index_head_dim=6)
+# its indexer scores highest, the indexer trained by its own loss (its gradient added in the backward); block 1
+# without an indexer, attending to block 0's choice (GLM-5's "shared" layers)
+DSA = dict(MLA, q_rank=10, index_topk=3, index_heads=4, index_head_dim=6, index_shared_layers=(1,))
 # Granite's multipliers: the softmax scale, the embeddings', the residual branches', the logits' divisor
 GRANITE = dict(attn_scale=0.3, embed_scale=2.0, residual_scale=0.6, logit_divisor=3.0)
 

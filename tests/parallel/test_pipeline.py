@@ -213,6 +213,21 @@ def test_attach_loss_is_the_identity_forward_and_adds_the_loss_gradient():
         attach_loss(x, torch.ones(2))
 
 
+def test_a_block_reusing_another_s_choice_of_keys_shares_its_stage():
+    """DeepSeek sparse attention's index_shared_layers: block 2 attends to the keys block 1
+    chose, so a split between them is refused (each stage's forward has its own context)."""
+    from fmoe.model import PipelineChunk, Transformer, TransformerConfig
+    from fmoe.parallel import pipeline_chunk
+
+    dsa = dict(n_kv_heads=TINY["n_heads"], head_dim=12, rope_dim=4, q_rank=10, kv_rank=6, v_head_dim=5, index_topk=3, index_heads=2,
+               index_head_dim=4, index_shared_layers=(2,))
+    cfg = TransformerConfig(**{**TINY, **dsa})
+    with torch.device("meta"):
+        pipeline_chunk(Transformer(cfg), PipelineChunk(0, 2, range(0, 3)))  # blocks 1 and 2 together
+        with pytest.raises(ValueError, match=r"chunk: block 2 attends to the keys block 1 chose \(index_shared_layers\), which is in another stage"):
+            pipeline_chunk(Transformer(cfg), PipelineChunk(1, 2, range(2, 4)))
+
+
 def test_pruned_chunks_keep_the_whole_models_names():
     from fmoe.model import LayerElsewhere, PipelineChunk, Transformer, TransformerConfig
     from fmoe.parallel import pipeline_chunk
