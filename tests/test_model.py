@@ -470,13 +470,20 @@ GPU_CFG = TransformerConfig(vocab_size=4096, hidden=512, n_layers=3, n_dense=1, 
                             ffn_expert=256, n_shared=1, n_heads=8, n_kv_heads=2, head_dim=64, mtp_depth=1)
 
 
+# DeepSeek sparse attention at GPU sizes: 256 keys per query of documents up to 2000 tokens, block 2 reusing block 1's choice
+GPU_DSA = dataclasses.replace(GPU_CFG, n_kv_heads=8, head_dim=96, rope_dim=32, rope_interleaved=True, q_rank=256, kv_rank=128, v_head_dim=64,
+                              index_topk=256, index_heads=16, index_head_dim=64, index_shared_layers=(2,))
+
+
 @pytest.mark.gpu
-def test_gpu_training_step_never_syncs():
+@pytest.mark.parametrize("name", ["default", "dsa"])
+def test_gpu_training_step_never_syncs(name):
     """One whole training step (forward, losses, backward, clip, AdamW, expert-bias update)
-    under torch.cuda.set_sync_debug_mode("error"): any device->host sync raises."""
+    under torch.cuda.set_sync_debug_mode("error"): any device->host sync raises. DeepSeek
+    sparse attention: its choice of keys (a stable sort) and its indexer loss too."""
     from fmoe.optim import AdamW, clip_grad_norm
 
-    model, batch = _gpu_step(GPU_CFG)
+    model, batch = _gpu_step(GPU_CFG if name == "default" else GPU_DSA)
     opt = AdamW(model.parameters(), lr=1e-4, state_dtype=torch.bfloat16)
 
     ctx = model.context(batch)
@@ -491,11 +498,13 @@ def test_gpu_training_step_never_syncs():
         clip_grad_norm(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        for name, moe in model.moe_layers().items():
-            moe.expert_bias.copy_(fmoe.ops.update_expert_bias(moe.expert_bias, stats[name]["tokens_per_expert"], 1e-3))
+        for layer, moe in model.moe_layers().items():
+            moe.expert_bias.copy_(fmoe.ops.update_expert_bias(moe.expert_bias, stats[layer]["tokens_per_expert"], 1e-3))
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(loss.detach().float().cpu())
+    if name == "dsa":
+        assert torch.isfinite(model.index_loss_sum().cpu()) and isinstance(ctx.attention[0].mask, torch.Tensor)  # the dense mask on CUDA too
 
 
 @pytest.mark.gpu
@@ -953,7 +962,7 @@ def test_decode_bad_inputs():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["default", "mla", "gpt-oss"])
+@pytest.mark.parametrize("name", ["default", "mla", "gpt-oss", "dsa"])
 def test_gpu_decode_with_flex_attention_equals_the_whole_sequence(name):
     """On CUDA (FlexAttention, the block mask of the new tokens against the cached keys;
     multi-latent attention absorbed, with the dense mask): a prompt of 300 tokens, then one
@@ -968,7 +977,7 @@ def test_gpu_decode_with_flex_attention_equals_the_whole_sequence(name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["default", "mla", "gpt-oss"])
+@pytest.mark.parametrize("name", ["default", "mla", "gpt-oss", "dsa"])
 def test_gpu_batched_decode_with_flex_attention_equals_each_sequence(name):
     """On CUDA: two sequences in one cache (block mask over both slots), prompts of 300 and
     140 tokens, then steps of both together."""
