@@ -659,7 +659,7 @@ class Attention(nn.Module):
     the loop sets it per step, Transformer.set_index_loss_weight) the backward adds through
     the attention output (fmoe.layers.attach_loss): the model's loss does not include
     it, and only the indexer's weights receive it. `index_loss` keeps the last forward's
-    value (detached; None before one that computed it)."""
+    value (detached; None when that forward computed none: no gradients, or no indexer)."""
 
     def __init__(self, cfg: TransformerConfig, *, local: bool = False, rope: bool = True, fp8: Optional[bool] = None,
                  index_shared: bool = False):
