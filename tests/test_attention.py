@@ -655,21 +655,31 @@ def _mla_params(cfg, dtype=torch.float32, device="cpu"):
     return {n: t.requires_grad_() for n, t in p.items()}
 
 
-def _loop_mla(x, p, cfg, cu):
-    """DeepSeek-V3's attention written out per token and head: latents, norms, the rotary
-    key shared by all heads, a softmax over q.k (nope + rope) scaled by YaRN's mscale_all_dim."""
+def _mla_loop_parts(x, p, cfg, cu):
+    """The per-token definitions' pieces of multi-latent attention: the normed q latent (None
+    without q_rank), q [T, N, D], the expanded kv [T, N, D - R + v_dim], the rotated q rope
+    and shared k rope, the softmax scale (YaRN's mscale_all_dim) and the RoPE tables."""
     T, N, D, R, Dv = x.shape[0], cfg.n_heads, cfg.head_dim, cfg.rot_dim, cfg.v_dim
 
     def rms(t, w):
         return t * torch.rsqrt(t.square().mean(-1, keepdim=True) + 1e-6) * w
 
-    q = (rms(x @ p["wq_a"], p["q_a_norm"]) @ p["wq_b"]).view(T, N, D) if cfg.q_rank else (x @ p["wq"]).view(T, N, D)
+    q_lat = rms(x @ p["wq_a"], p["q_a_norm"]) if cfg.q_rank else None
+    q = (q_lat @ p["wq_b"]).view(T, N, D) if cfg.q_rank else (x @ p["wq"]).view(T, N, D)
     kv_a = x @ p["wkv_a"]
     kv = (rms(kv_a[:, :cfg.kv_rank], p["kv_a_norm"]) @ p["wkv_b"]).view(T, N, D - R + Dv)
     cos, sin = rope_tables(positions_from_cu_seqlens(cu), cfg)
     q_rope = apply_rope(q[..., D - R:], cos, sin, interleaved=cfg.interleaved, impl="torch")
     k_rope = apply_rope(kv_a[:, None, cfg.kv_rank:], cos, sin, interleaved=cfg.interleaved, impl="torch")[:, 0]
     scale = (yarn_mscale(cfg.yarn_factor, cfg.yarn_mscale_all_dim) ** 2 if cfg.yarn_factor else 1.0) / math.sqrt(D)
+    return q_lat, q, kv, q_rope, k_rope, scale, (cos, sin)
+
+
+def _loop_mla(x, p, cfg, cu):
+    """DeepSeek-V3's attention written out per token and head: latents, norms, the rotary
+    key shared by all heads, a softmax over q.k (nope + rope) scaled by YaRN's mscale_all_dim."""
+    N, D, R = cfg.n_heads, cfg.head_dim, cfg.rot_dim
+    _, q, kv, q_rope, k_rope, scale, _ = _mla_loop_parts(x, p, cfg, cu)
     rows = []
     bounds = cu.tolist()
     for a, b in zip(bounds[:-1], bounds[1:]):
@@ -789,19 +799,8 @@ def _loop_dsa(x, p, cfg, cu, with_loss=False):
     keys alone. with_loss: also the indexer's loss, the mean over queries of KL(p || q) over
     the kept keys, p the attention's distribution averaged over heads, q the softmax of the
     indexer's scores (its gradient reaching the indexer's weights only)."""
-    T, N, D, R, Dv, Ni, Di = x.shape[0], cfg.n_heads, cfg.head_dim, cfg.rot_dim, cfg.v_dim, cfg.index_heads, cfg.index_head_dim
-
-    def rms(t, w):
-        return t * torch.rsqrt(t.square().mean(-1, keepdim=True) + 1e-6) * w
-
-    q_lat = rms(x @ p["wq_a"], p["q_a_norm"])
-    q = (q_lat @ p["wq_b"]).view(T, N, D)
-    kv_a = x @ p["wkv_a"]
-    kv = (rms(kv_a[:, :cfg.kv_rank], p["kv_a_norm"]) @ p["wkv_b"]).view(T, N, D - R + Dv)
-    cos, sin = rope_tables(positions_from_cu_seqlens(cu), cfg)
-    q_rope = apply_rope(q[..., D - R:], cos, sin, interleaved=cfg.interleaved, impl="torch")
-    k_rope = apply_rope(kv_a[:, None, cfg.kv_rank:], cos, sin, interleaved=cfg.interleaved, impl="torch")[:, 0]
-    scale = (yarn_mscale(cfg.yarn_factor, cfg.yarn_mscale_all_dim) ** 2 if cfg.yarn_factor else 1.0) / math.sqrt(D)
+    T, N, D, R, Ni, Di = x.shape[0], cfg.n_heads, cfg.head_dim, cfg.rot_dim, cfg.index_heads, cfg.index_head_dim
+    q_lat, q, kv, q_rope, k_rope, scale, (cos, sin) = _mla_loop_parts(x, p, cfg, cu)
     x_, q_lat_ = x.detach(), q_lat.detach()  # the indexer's inputs
     k_raw = x_ @ p["index_wk"]
     k_norm = (k_raw - k_raw.mean(-1, keepdim=True)) / torch.sqrt(k_raw.var(-1, unbiased=False, keepdim=True) + 1e-6)
@@ -958,23 +957,22 @@ def test_deepseek_sparse_attention_over_cached_latents_is_the_same_function(form
     assert _rel(y, want) < 1e-5
 
 
+DSA_BAD_KNOBS = [  # (config, change, message)
+    (MLA, dict(index_heads=4), "index_heads: a knob of DeepSeek sparse attention's indexer, needs index_topk"),
+    (MLA, dict(index_loss=True), "index_loss: a knob of DeepSeek sparse attention's indexer, needs index_topk"),
+    (DSA, dict(index_topk=0), "index_topk: expected >= 1, got 0"),
+    (DSA, dict(q_rank=None), "index_topk: DeepSeek sparse attention's indexer reads the q latent"),
+    (DSA, dict(index_head_dim=2), "index_head_dim: the indexer rotates its first rot_dim = 4 channels"),
+    (DSA, dict(impl="flex"), "impl: DeepSeek sparse attention's top-k mask is a dense mask"),
+    (DSA, dict(index_interleaved=1), "index_interleaved: expected a bool"),
+    (DSA, dict(index_loss=1), "index_loss: expected a bool, got 1"),
+]
+
+
 def test_deepseek_sparse_attention_bad_inputs():
-    with pytest.raises(ValueError, match="index_heads: a knob of DeepSeek sparse attention's indexer, needs index_topk"):
-        dataclasses.replace(MLA, index_heads=4)
-    with pytest.raises(ValueError, match="index_topk: expected >= 1, got 0"):
-        dataclasses.replace(DSA, index_topk=0)
-    with pytest.raises(ValueError, match="index_topk: DeepSeek sparse attention's indexer reads the q latent"):
-        dataclasses.replace(DSA, q_rank=None)
-    with pytest.raises(ValueError, match="index_head_dim: the indexer rotates its first rot_dim = 4 channels"):
-        dataclasses.replace(DSA, index_head_dim=2)
-    with pytest.raises(ValueError, match="impl: DeepSeek sparse attention's top-k mask is a dense mask"):
-        dataclasses.replace(DSA, impl="flex")
-    with pytest.raises(ValueError, match="index_interleaved: expected a bool"):
-        dataclasses.replace(DSA, index_interleaved=1)
-    with pytest.raises(ValueError, match="index_loss: expected a bool, got 1"):
-        dataclasses.replace(DSA, index_loss=1)
-    with pytest.raises(ValueError, match="index_loss: a knob of DeepSeek sparse attention's indexer, needs index_topk"):
-        dataclasses.replace(MLA, index_loss=True)
+    for cfg, change, message in DSA_BAD_KNOBS:
+        with pytest.raises(ValueError, match=message):
+            dataclasses.replace(cfg, **change)
     cu = torch.tensor([0, 6], dtype=torch.int32)
     x, p = torch.randn(6, H), {n: t.detach() for n, t in _dsa_params(DSA).items()}
     with pytest.raises(ValueError, match=r"params\['index_w'\]: expected a float \[32, 8\] tensor \(the indexer of cfg.index_topk\), got nothing"):

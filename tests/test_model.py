@@ -688,10 +688,6 @@ def test_deepseek_sparse_attention_trains_its_indexer_by_its_own_loss():
         dataclasses.replace(cfg, index_loss_coeff=float("nan"))
     with pytest.raises(ValueError, match="index_loss_coeff: the weight of DeepSeek sparse attention's indexer loss, needs index_topk"):
         dataclasses.replace(TINY, index_loss_coeff=0.5)
-    with pytest.raises(ValueError, match="index_heads: a knob of DeepSeek sparse attention's indexer, needs index_topk"):
-        dataclasses.replace(TINY, index_heads=4)
-    with pytest.raises(ValueError, match="index_topk: DeepSeek sparse attention's indexer reads the q latent"):
-        dataclasses.replace(cfg, q_rank=None)
     # the FLOPs: multi-latent attention's over the kept keys (2.5 per query here), and per block with an indexer
     # (blocks 0 and 1, and the MTP block's) the indexer's projections (q latent 10 -> 4 heads x 6, H 32 -> a key of
     # 6, H -> 4 head weights) and its scores over every earlier key (8 per query)
