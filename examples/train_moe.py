@@ -121,8 +121,8 @@ class Config:
     resume: bool = False
     init_from: str = ""             # a checkpoint (or a run's out_dir): start from its weights only
     init_from_hf: str = ""          # a Hugging Face folder (config.json + safetensors; fmoe.hf.FAMILIES): its model
-                                    # and weights (--model.* knobs other than mtp_depth, impl, ac, fp8, fp8_layers,
-                                    # fp8_fast_accum do not apply)
+                                    # and weights; only the --model.* knobs of how it runs and trains apply (mtp_depth,
+                                    # impl, ac, fp8*, capacity_*, index_loss_coeff, init_std), the others are refused
     upcycle_from: str = ""          # a dense fmoe run (or checkpoint) or Hugging Face folder (fmoe.hf.DENSE_FAMILIES): its model,
                                     # with the --model.* knobs given (the MoE ones: n_dense, n_experts, k, ffn_expert, ...),
                                     # starts from its weights (fmoe.train.upcycle)
@@ -298,6 +298,12 @@ def _report_profile(written: list, rank: int) -> None:
               flush=True)
 
 
+# the model knobs that apply on top of a Hugging Face folder's model (--init_from_hf): how it runs and trains, not
+# what its weights mean (the MTP modules it lacks start fresh, at init_std)
+HF_RUN_KNOBS = ("mtp_depth", "impl", "ac", "fp8", "fp8_layers", "fp8_fast_accum", "capacity_factor", "capacity_policy", "index_loss_coeff",
+                "init_std")
+
+
 def main(argv: list[str]) -> None:
     cfg = parse_args(argv)
     hf_type = None
@@ -307,9 +313,15 @@ def main(argv: list[str]) -> None:
         except (OSError, ValueError) as err:
             sys.exit(f"--init_from_hf: {err}")
         hf_type = hf_json["model_type"]
+        # the folder's architecture stays; only the knobs of how it runs and trains apply on top
+        default = Config().model
+        for name in (f.name for f in dataclasses.fields(TransformerConfig) if f.name not in HF_RUN_KNOBS):
+            if getattr(cfg.model, name) != getattr(default, name) and getattr(cfg.model, name) != getattr(hf_model, name):
+                sys.exit(f"--model.{name}={getattr(cfg.model, name)}: the model of --init_from_hf keeps its own architecture ({name} = "
+                         f"{getattr(hf_model, name)} in its config.json); the knobs that apply on top of it: "
+                         + ", ".join(f"--model.{n}" for n in HF_RUN_KNOBS))
         try:
-            cfg.model = dataclasses.replace(hf_model, mtp_depth=cfg.model.mtp_depth, impl=cfg.model.impl, ac=cfg.model.ac, fp8=cfg.model.fp8,
-                                            fp8_layers=cfg.model.fp8_layers, fp8_fast_accum=cfg.model.fp8_fast_accum)
+            cfg.model = dataclasses.replace(hf_model, **{name: getattr(cfg.model, name) for name in HF_RUN_KNOBS})
         except ValueError as err:
             sys.exit(f"model knobs: {err}")
     # ------------------------------------------------------------------------ setup

@@ -991,6 +991,27 @@ def test_the_loop_fine_tunes_a_loaded_model(tmp_path):
     assert run.returncode != 0 and "--init_from_hf: the data's 258 token ids do not fit the model's vocab_size 64" in run.stderr
 
 
+def test_the_loop_keeps_a_loaded_model_s_architecture_and_applies_its_run_knobs(tmp_path):
+    """--init_from_hf with --model knobs: one that changes the folder's architecture is refused
+    (it was ignored without a word), one of how it runs and trains (a capacity factor) applies."""
+    from tests.exits import exits
+
+    config = transformers.Qwen3MoeConfig(**{**COMMON, "vocab_size": 260}, head_dim=8, intermediate_size=40, moe_intermediate_size=24,
+                                         num_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "hf")
+    script = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_moe.py"
+    run = ["--steps=1", "--tokens_per_micro_batch=64", "--batch_schedule=0:1", "--eval_batches=0", "--model.mtp_depth=0", "--model.impl=torch"]
+    got = exits(script, [[f"--init_from_hf={tmp_path / 'hf'}", "--model.n_layers=5", f"--out_dir={tmp_path / 'a'}"],
+                         [f"--init_from_hf={tmp_path / 'hf'}", "--model.capacity_factor=1.5", f"--out_dir={tmp_path / 'b'}", *run]])
+    assert got[0]["status"] != 0
+    assert "--model.n_layers=5: the model of --init_from_hf keeps its own architecture (n_layers = 3 in its config.json)" in got[0]["text"]
+    assert "--model.capacity_factor" in got[0]["text"]  # the knobs that do apply are named
+    assert got[1]["status"] == 0, got[1]["text"]
+    saved = json.loads((tmp_path / "b" / "config.json").read_text())["config"]["model"]
+    assert saved["capacity_factor"] == 1.5 and saved["n_layers"] == 3
+
+
 def test_the_loop_fine_tunes_a_deepseek_v32_model_and_its_indexer(tmp_path):
     """--init_from_hf of a DeepSeek-V3.2 folder: the first step's loss is the model's own
     (sparse attention: the micro-batch's documents are longer than index_topk = 8), and the
