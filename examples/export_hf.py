@@ -11,7 +11,9 @@ examples/generate.py loads them). The config:
   depth set to the run's where the family stores MTP layers, and every other file of the
   folder but its weights (tokenizer, generation config, license, ...) is copied beside the
   new weights. The folder's model must be the run's: a field in which they differ is an
-  error (fmoe.hf.config_mismatch);
+  error (fmoe.hf.config_mismatch), unless --model_type names another family, whose config
+  is then built from the run's model, the folder's other files still copied (DeepSeek
+  sparse attention added to a DeepSeek-V3 folder's model: --model_type=deepseek_v32);
 - a released llama4 folder (Llama4ForConditionalGeneration) holds a vision model that fmoe
   does not read: the run's text model is written as llama4_text with the folder's
   text_config (fmoe.hf.written_config), with a note;
@@ -83,10 +85,14 @@ def export_config(cfg: TransformerConfig, run: dict, *, model_type: str = "", hf
             notes.append(f"the {kind} folder's {', '.join(family.not_read)} weights: fmoe does not read them; "
                          f"written as {family.written_as} with the folder's text config")
             hf = fmoe.hf.written_config(hf)
-        if model_type and model_type != hf["model_type"]:
+        if model_type and model_type != hf["model_type"] and (family is None or family.written_as is not None or model_type == kind):
             written = f", written as {hf['model_type']!r}" if hf["model_type"] != kind else ""
             raise ValueError(f"--model_type: {model_type!r}, but the run's Hugging Face folder {str(folder)!r} is {kind!r}{written}")
-        model_type = hf["model_type"]
+        if model_type and model_type != hf["model_type"]:  # the run's model as another family (DSA added to DeepSeek-V3: deepseek_v32)
+            if model_type not in fmoe.hf.FAMILIES:
+                raise ValueError(f"--model_type: expected one of {', '.join(fmoe.hf.FAMILIES)}, got {model_type!r}")
+            hf = None
+        model_type = model_type or hf["model_type"]
     elif not model_type:
         raise ValueError(f"--model_type: needed for a model of fmoe's own, one of {', '.join(fmoe.hf.FAMILIES)}")
     elif model_type not in fmoe.hf.FAMILIES:
@@ -95,11 +101,12 @@ def export_config(cfg: TransformerConfig, run: dict, *, model_type: str = "", hf
     if cfg.mtp_depth and not family.mtp:
         notes.append(f"the {cfg.mtp_depth} MTP module(s): {model_type} checkpoints hold none; not exported")
         cfg = dataclasses.replace(cfg, mtp_depth=0, mtp_norm=False)
-    if source:
+    if source and hf is not None:
         hf = dict(hf, num_nextn_predict_layers=cfg.mtp_depth) if family.mtp else hf
         mismatch = fmoe.hf.config_mismatch(cfg, hf)
         if mismatch:
-            raise ValueError(f"--hf_config: {str(folder)!r} is not the run's model; {{field: (run, folder)}}: {mismatch}")
+            raise ValueError(f"--hf_config: {str(folder)!r} is not the run's model; {{field: (run, folder)}}: {mismatch} (a model_type that fits "
+                             "the run's model writes a config of its own, with the folder's other files)")
     else:
         hf = fmoe.hf.hf_config(cfg, model_type)
     if dtype:

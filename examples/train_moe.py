@@ -127,6 +127,8 @@ class Config:
                                     # with the --model.* knobs given (the MoE ones: n_dense, n_experts, k, ffn_expert, ...),
                                     # starts from its weights (fmoe.train.upcycle)
     upcycle_drop: float = 0.0       # Drop-Upcycling: this fraction of each expert's channels drawn afresh (0: the exact start)
+    train_only: str = ""            # a regex: only the parameters whose names it matches train, the others stay frozen
+                                    # ('' : all train); e.g. '[.]index_' trains DeepSeek sparse attention's indexers alone
     ckpt_every: int = 100
     keep_last: int = 2              # retention: the newest checkpoints kept...
     keep_every: int = 0             # ...plus every keep_every-th step (0: none)
@@ -275,8 +277,9 @@ def parse_args(argv: list[str]) -> Config:
                 base, _ = checkpoint.run_config(cfg.upcycle_from, impl=base.impl)
         except (OSError, ValueError) as err:
             sys.exit(f"--upcycle_from: {err}")
+    cfg.model_overrides = model_overrides  # --init_from_hf applies them to its folder's model (main), not to this default one
     try:
-        cfg.model = dataclasses.replace(base, **model_overrides)
+        cfg.model = base if cfg.init_from_hf else dataclasses.replace(base, **model_overrides)
     except ValueError as err:
         sys.exit(f"model knobs: {err}")
     if model_overrides.get("score") == "softmax" and base.score != "softmax" and "expert_bias" not in model_overrides and base.expert_bias:
@@ -302,6 +305,9 @@ def _report_profile(written: list, rank: int) -> None:
 # what its weights mean (the MTP modules it lacks start fresh, at init_std)
 HF_RUN_KNOBS = ("mtp_depth", "impl", "ac", "fp8", "fp8_layers", "fp8_fast_accum", "capacity_factor", "capacity_policy", "index_loss_coeff",
                 "init_std")
+# ...and on a folder of multi-latent attention without an indexer (DeepSeek-V3's), DeepSeek sparse attention's: its
+# indexers start fresh (fmoe.hf.load_weights), DeepSeek-V3.2's start
+HF_DSA_KNOBS = ("index_topk", "index_heads", "index_head_dim", "index_rope_interleaved", "index_shared_layers")
 
 
 def main(argv: list[str]) -> None:
@@ -314,14 +320,16 @@ def main(argv: list[str]) -> None:
             sys.exit(f"--init_from_hf: {err}")
         hf_type = hf_json["model_type"]
         # the folder's architecture stays; only the knobs of how it runs and trains apply on top
-        default = Config().model
-        for name in (f.name for f in dataclasses.fields(TransformerConfig) if f.name not in HF_RUN_KNOBS):
-            if getattr(cfg.model, name) != getattr(default, name) and getattr(cfg.model, name) != getattr(hf_model, name):
-                sys.exit(f"--model.{name}={getattr(cfg.model, name)}: the model of --init_from_hf keeps its own architecture ({name} = "
+        on_top = HF_RUN_KNOBS + (HF_DSA_KNOBS if hf_model.q_rank is not None and hf_model.kv_rank is not None and hf_model.index_topk is None else ())
+        overrides = cfg.model_overrides
+        for name, value in overrides.items():
+            if name not in on_top and value != getattr(hf_model, name):
+                sys.exit(f"--model.{name}={value}: the model of --init_from_hf keeps its own architecture ({name} = "
                          f"{getattr(hf_model, name)} in its config.json); the knobs that apply on top of it: "
-                         + ", ".join(f"--model.{n}" for n in HF_RUN_KNOBS))
-        try:
-            cfg.model = dataclasses.replace(hf_model, **{name: getattr(cfg.model, name) for name in HF_RUN_KNOBS})
+                         + ", ".join(f"--model.{n}" for n in on_top))
+        try:  # the run knobs at the loop's defaults (its MTP depth, ...) unless given
+            cfg.model = dataclasses.replace(hf_model, **{name: getattr(cfg.model, name) for name in HF_RUN_KNOBS}
+                                            | {name: value for name, value in overrides.items() if name in on_top})
         except ValueError as err:
             sys.exit(f"model knobs: {err}")
     # ------------------------------------------------------------------------ setup
@@ -405,14 +413,28 @@ def main(argv: list[str]) -> None:
     with torch.device("meta"):  # the whole model's shapes and MoE layer names, allocating nothing
         whole = Transformer(model_cfg)
     moe_names = list(whole.moe_layers())
+    if cfg.train_only:  # --train_only: a regex naming some of the model's parameters
+        try:
+            pattern = re.compile(cfg.train_only)
+        except re.error as err:
+            sys.exit(f"--train_only={cfg.train_only!r}: not a regular expression ({err})")
+        if not any(pattern.search(name) for name, _ in whole.named_parameters()):
+            sys.exit(f"--train_only={cfg.train_only!r}: matches none of the model's parameter names (e.g. {next(whole.named_parameters())[0]!r})")
+
+    def freeze(m: torch.nn.Module) -> torch.nn.Module:
+        """--train_only: the parameters it does not name stop requiring gradients (before sharding)."""
+        if cfg.train_only:
+            for name, p in m.named_parameters():
+                p.requires_grad_(re.search(cfg.train_only, name) is not None)
+        return m
     pipe, precision = None, dict(param_dtype=dtype if dtype != torch.float32 else None, reduce_dtype=torch.float32)
     if meshes is None:  # initial weights: a function of --seed and each parameter's name
-        model = Transformer(model_cfg).to(device=device)
+        model = freeze(Transformer(model_cfg).to(device=device))
         model.reset_parameters(seed=cfg.seed)
     elif cfg.pp == 1:  # built on the meta device, sharded, then each rank allocates and initialises its own shards
         model = whole
         try:  # float32 master weights; FSDP2 computes in dtype (the router stays float32)
-            parallel.parallelize(model, meshes, **precision)
+            parallel.parallelize(freeze(model), meshes, **precision)
         except ValueError as err:
             sys.exit(f"parallel knobs: {err}")
         parallel.materialize(model, device, seed=cfg.seed)  # the same weights as one process's
@@ -425,7 +447,7 @@ def main(argv: list[str]) -> None:
             pipe = parallel.Pipeline(
                 model_cfg, meshes, schedule=cfg.pp_schedule, virtual=cfg.pp_virtual, loss_fn=lambda *a: stage_loss(*a),
                 tokens=cfg.tokens_per_micro_batch // cfg.cp, device=device, dtype=dtype, layers_per_stage=layers, **precision,
-                parallelize=lambda m: parallel.parallelize(m, meshes, **precision),
+                parallelize=lambda m: parallel.parallelize(freeze(m), meshes, **precision),
                 materialize=lambda m: parallel.materialize(m, device, seed=cfg.seed))
             for n in {-(-b // dp) for _, b in parse_batch_schedule(cfg.batch_schedule)}:
                 pipe.check_micro_batches(n)
@@ -746,7 +768,8 @@ def main(argv: list[str]) -> None:
                     norm, step_kwargs = clip_grad_norm(counted, cfg.clip, copies=copies, **groups), {}
                 # health: the weights' norm and how many gradient entries are exactly zero (dead
                 # experts, unused embedding rows), exact over the mesh, before the update
-                weight_norm, zero_grads = param_norm(counted, copies=copies, **groups), zero_grad_count(counted, copies=copies, **groups)
+                trained = [p for p in counted if p.requires_grad]  # --train_only: the frozen ones have no gradient to count
+                weight_norm, zero_grads = param_norm(counted, copies=copies, **groups), zero_grad_count(trained, copies=copies, **groups)
                 for opt in optimizers:
                     opt.step(**step_kwargs)
                     opt.zero_grad(set_to_none=True)

@@ -1391,7 +1391,11 @@ def load_weights(model: Transformer, path, *, model_type: str, strict: bool = Tr
     naming the parameter for one (outside the MTP modules) that the family's checkpoints do
     not hold. With strict (the default), a checkpoint key that the model's config reads
     nowhere (unread_keys: e.g. the shared experts when loaded with n_shared=0) is a
-    ValueError naming it, checked before anything is read; strict=False loads the rest."""
+    ValueError naming it, checked before anything is read; strict=False loads the rest.
+    A model with DeepSeek sparse attention (cfg.index_topk) read from a checkpoint that holds
+    no indexer at all (a DeepSeek-V3 or other multi-latent attention folder: DeepSeek-V3.2's
+    start) keeps its indexers as initialised, to be trained (their loss; index_topk at least
+    the context length attends densely while they learn: DeepSeek's dense warm-up)."""
     from torch.distributed.tensor import DTensor
 
     path = Path(path)
@@ -1480,11 +1484,15 @@ def load_weights(model: Transformer, path, *, model_type: str, strict: bool = Tr
                              f"e.g. {unmapped[0]!r} (an option the family does not have?)")
         chunk = getattr(model, "pipeline_chunk", None)
         absent = {f"mtp.{d - 1}." for d in range(1, model.cfg.mtp_depth + 1) if mtp_layer(model.cfg, d) + "eh_proj.weight" not in files}
+        # DeepSeek sparse attention over a checkpoint without any indexer (DeepSeek-V3's: DeepSeek-V3.2's start): fresh indexers
+        fresh_indexers = model.cfg.index_topk is not None and not any(".indexer." in key for key in files)
         for name, spec in keys.items():
             if name not in params and chunk is not None:
                 continue  # held by another pipeline stage
             if any(name.startswith(prefix) for prefix in absent):
                 continue  # an MTP depth the checkpoint does not hold: left as initialised
+            if fresh_indexers and ".attn.index_" in name:
+                continue  # an indexer the checkpoint has none of: left as initialised
             if name not in params:
                 raise ValueError(f"model: has no parameter {name!r} for checkpoint key {spec.keys[0]!r}")
             param = params[name]
@@ -2118,6 +2126,12 @@ def save_pretrained(model: Transformer, path, *, model_type: Optional[str] = Non
         if model_type is None:
             raise ValueError("model_type: needed for a model not loaded with from_pretrained (one of " + ", ".join(FAMILIES) + ")")
         hf = hf_config(model.cfg, model_type)
+    else:  # the loaded folder's config: only while it still describes the model (options may have changed it; MTP
+        # modules a family does not store are not written)
+        mismatch = {k: v for k, v in config_mismatch(model.cfg, hf).items() if k not in ("mtp_depth", "mtp_norm")}
+        if mismatch:
+            raise ValueError(f"model: differs from the config.json it was loaded with ({mismatch}); pass model_type= to write a config of "
+                             "its own (e.g. deepseek_v32 for DeepSeek sparse attention added to a DeepSeek-V3 model)")
     _check_writable(hf["model_type"])
     family = FAMILIES[hf["model_type"]]
     if hf is getattr(model, "hf_config", None) and getattr(model, "hf_stacks", False):  # the experts as the folder stored them

@@ -690,6 +690,33 @@ def test_a_field_left_out_reads_as_transformers_fills_it(family):
     assert checked >= 10
 
 
+def test_sparse_attention_added_to_a_deepseek_v3_model_starts_with_fresh_indexers(folders, tmp_path):
+    """DeepSeek-V3.2's start: a DeepSeek-V3 folder read with DeepSeek sparse attention's knobs
+    keeps the indexers it has none of as initialised; with index_topk over every key it is
+    the folder's own model (DeepSeek's dense warm-up), and it writes back as a deepseek_v32
+    folder that transformers reads, not under the DeepSeek-V3 config it no longer fits."""
+    path, _ = folders["deepseek_v3"]
+    docs, ids, cu = _packed()
+    plain, _ = hf.from_pretrained(path, impl="torch")
+    dense, cfg = hf.from_pretrained(path, impl="torch", index_topk=64, index_heads=4, index_head_dim=8)
+    assert cfg.index_topk == 64 and float(dense.blocks[0].attn.index_wq.detach().abs().max()) > 0  # initialised, not zero
+    with torch.no_grad():
+        torch.testing.assert_close(dense.logits(ids, cu), plain.logits(ids, cu), rtol=0, atol=0)
+        sparse, _ = hf.from_pretrained(path, impl="torch", index_topk=3, index_heads=8, index_head_dim=8)
+        assert _rel(sparse.logits(ids, cu), plain.logits(ids, cu)) > 1e-2
+    with pytest.raises(ValueError, match=r"model: differs from the config.json it was loaded with \(\{'index_topk': \(3, None\)"):
+        hf.save_pretrained(sparse, tmp_path / "v3")
+    with torch.no_grad():  # indexers as trained ones would be: scores far apart (the fresh ones' are near 0, often equal)
+        for name, p in sparse.named_parameters():
+            if ".index_" in name:
+                p.copy_(1 + 0.3 * torch.randn_like(p) if name.endswith("norm") else 0.3 * torch.randn_like(p))
+    hf.save_pretrained(sparse, tmp_path / "v32", model_type="deepseek_v32")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "v32", dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = torch.cat([back(d[None]).logits[0] for d in docs])
+        assert _rel(sparse.logits(ids, cu), theirs) < 1e-5
+
+
 @pytest.mark.parametrize("fields", [dict(index_topk_freq=2, index_skip_topk_offset=1), dict(index_topk_freq=3), dict(index_topk_pattern="FSFF"),
                                     dict(index_topk_pattern=["full", "shared", "shared", "full"]), {}])
 def test_glm5_shared_indexer_layers_read_as_transformers_derives_them(fields):
@@ -1010,6 +1037,40 @@ def test_the_loop_keeps_a_loaded_model_s_architecture_and_applies_its_run_knobs(
     assert got[1]["status"] == 0, got[1]["text"]
     saved = json.loads((tmp_path / "b" / "config.json").read_text())["config"]["model"]
     assert saved["capacity_factor"] == 1.5 and saved["n_layers"] == 3
+
+
+def test_the_loop_warms_up_fresh_indexers_on_a_deepseek_v3_model(tmp_path):
+    """DeepSeek-V3.2's dense warm-up from a DeepSeek-V3 folder: --init_from_hf with DeepSeek
+    sparse attention's knobs (fresh indexers; index_topk over the whole micro-batch: dense)
+    and --train_only=[.]index_: the first step's loss is the folder model's own, the indexer
+    loss is logged, and only the indexers' weights move."""
+    from fmoe.train.checkpoint import load_run
+
+    config = FAMILIES["deepseek_v3"]()
+    config.vocab_size = 260
+    records, _, loss = _loop_from_folder(config, tmp_path, f"--init_from_hf={tmp_path / 'hf'}", "--model.index_topk=64",
+                                         "--model.index_heads=4", "--model.index_head_dim=8", "--train_only=[.]index_")
+    assert records[0]["loss"] == pytest.approx(loss, rel=1e-5)
+    assert all(r["index_loss"] > 0 for r in records[:2])
+    trained, _ = load_run(tmp_path / "run")
+    start, _ = hf.from_pretrained(tmp_path / "hf", impl="torch", mtp_depth=0, index_topk=64, index_heads=4, index_head_dim=8)
+    start.reset_parameters(seed=0)  # the fresh indexers as the run drew them (its --seed), then the folder's weights
+    hf.load_weights(start, tmp_path / "hf", model_type="deepseek_v3")
+    moved = {name for name, p in trained.named_parameters() if not torch.equal(p, start.get_parameter(name))}
+    assert moved and all(".index_" in name for name in moved), sorted(moved)[:5]
+    # written as a DeepSeek-V3.2 folder (not as the DeepSeek-V3 folder's config, which it no longer fits) that transformers reads
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+    import export_hf
+
+    with pytest.raises(SystemExit, match="is not the run's model"):
+        export_hf.main([str(tmp_path / "run"), str(tmp_path / "v3")])
+    export_hf.main([str(tmp_path / "run"), str(tmp_path / "v32"), "--model_type=deepseek_v32"])
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "v32", dtype=torch.float32).eval()
+    docs, ids, cu = _packed()
+    with torch.no_grad():
+        assert _rel(trained.logits(ids, cu), torch.cat([back(d[None]).logits[0] for d in docs])) < 1e-5
 
 
 def test_the_loop_fine_tunes_a_deepseek_v32_model_and_its_indexer(tmp_path):

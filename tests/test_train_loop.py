@@ -271,6 +271,9 @@ BAD_KNOBS = [
     (["--model.score=softmax"], "--model.score=softmax: the model's expert_bias (on by default, for sigmoid routing) would shift "
                                 "softmax's probabilities"),
     (["--compile=maybe"], "--compile: expected a bool, got 'maybe'"),
+    (["--train_only=[.index_"], "--train_only='[.index_': not a regular expression"),
+    (["--train_only=indexer"], "--train_only='indexer': matches none of the model's parameter names (e.g. 'embed')"),
+    (["--model.index_topk=8"], "model knobs: index_topk: DeepSeek sparse attention's indexer reads the q latent of multi-latent attention"),
     (["--dtype=fp8"], "--dtype: expected auto, float32 or bfloat16, got 'fp8'"),
     (["--tp=2", "--tokens_per_micro_batch=255"], "--tokens_per_micro_batch: expected a multiple of --tp = 2, got 255"),
     (["--steps"], "--steps: expected --steps=<int>"),
