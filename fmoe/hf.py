@@ -456,7 +456,9 @@ def _indexer_types(hf: dict) -> list[str]:
         pattern = hf["index_topk_pattern"]
         kinds = [{"F": "full", "S": "shared"}.get(c, c) for c in pattern] if isinstance(pattern, str) else list(pattern)
     elif kinds is None:
-        freq, offset = max(hf.get("index_topk_freq", 1), 1), hf.get("index_skip_topk_offset", 2)
+        freq = max(hf.get("index_topk_freq") or 1, 1)
+        offset = hf.get("index_skip_topk_offset")
+        offset = 2 if offset is None else offset
         kinds = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
     if len(kinds) != n or set(kinds) - {"full", "shared"} or (kinds and kinds[0] != "full"):
         raise ValueError(f"config.json: indexer_types = {kinds!r} is not supported (full / shared per layer, the first full)")
