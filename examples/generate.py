@@ -393,6 +393,9 @@ def main(argv: list[str]) -> None:
     try:
         if args.samples < 1:
             raise ValueError(f"--samples: expected a positive number of continuations, got {args.samples}")
+        if args.samples > 1 and args.temperature == 0:  # greedy: one continuation, printed n times
+            raise ValueError(f"--samples={args.samples}: greedy decoding (--temperature=0, the default) continues the prompt one way only; "
+                             "set --temperature > 0 to draw several")
         with parallel.gathered(model) if args.keep_gathered else contextlib.nullcontext():
             samples = generate_many(model, [prompt] * args.samples, tokens=args.tokens, temperature=args.temperature,
                                     top_p=args.top_p, seed=args.seed, eos=stops, group=group)

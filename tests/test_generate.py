@@ -175,6 +175,7 @@ def test_cli_samples_in_one_batch_on_a_device_and_dtype(run_dir):
     bf16 = run("--tokens=4", "--dtype=bfloat16")
     assert bf16.returncode == 0 and bf16.stdout.startswith("def "), bf16.stderr[-2000:]
     for args, message in ((["--samples=0"], "--samples: expected a positive number of continuations, got 0"),
+                          (["--samples=2"], "--samples=2: greedy decoding (--temperature=0, the default) continues the prompt one way only"),
                           (["--device=cuda:7"], "--device: cuda:7 is not available here"),
                           (["--device=nowhere"], "--device: expected cpu, cuda or cuda:N, got 'nowhere'")):
         bad = run("--tokens=2", *args)
