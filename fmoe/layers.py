@@ -1120,8 +1120,8 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
     if params.get("bo") is not None:
         y_TH = y_TH + params["bo"]
     stats = {"index_choice": mask} if sparse and not shared else {}
-    index_params = [params[name] for name in index_shapes(x.shape[1], cfg)]
-    if sparse and not shared and cfg.index_loss and torch.is_grad_enabled() and any(w.requires_grad for w in index_params):
+    if (sparse and not shared and cfg.index_loss and torch.is_grad_enabled()
+            and any(params[name].requires_grad for name in index_shapes(x.shape[1], cfg))):
         if heads_mean is not None:
             raise ValueError("cfg.index_loss: the indexer's loss is not built under tensor parallel (its target sums every rank's heads); "
                              "train the indexer without tp")

@@ -666,8 +666,9 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg = cfg.attention_config(local=local, rope=rope, fp8=fp8, index_shared=index_shared)
         # DeepSeek sparse attention: the key of this layer's choice of keys in the context (AttentionContext.index_choices),
-        # and of the choice it reuses (a block of index_shared_layers); set by Transformer, each layer its own
-        self.index_key, self.index_source = id(self), None
+        # whether a later block reuses it (then it is left there), and the choice this one reuses (a block of
+        # index_shared_layers); set by Transformer
+        self.index_key, self.index_keep, self.index_source = id(self), False, None
         self.tensor_parallel = None  # fmoe.parallel's HeadShard under tp > 1 (class docstring)
         self.index_loss_weight, self.index_loss = cfg.index_loss_coeff, None  # DeepSeek sparse attention's indexer loss
         if cfg.kv_rank is not None:  # multi-latent attention: fmoe.layers names and shapes
@@ -726,13 +727,14 @@ class Attention(nn.Module):
             if "bo" in params:  # every rank adds its share before the ranks' outputs are summed
                 params["bo"] = params["bo"] / tp.mesh.size()
             y_TH, stats = attention(x_TH, params, self.cfg, ctx, heads_mean=tp.mean, index_choice=choice)
-        if "index_choice" in stats.keys() and ctx.index_choices is not None:  # for the layers that reuse it
+        if self.index_keep and ctx.index_choices is not None:  # for the blocks that reuse it
             ctx.index_choices[self.index_key] = stats["index_choice"]
-        self.index_loss = None
-        if "index_loss" in stats.keys():  # the indexer's loss: its gradient in the backward, its value kept
-            loss = stats["index_loss"]
-            y_TH = attach_loss(y_TH, loss * self.index_loss_weight)
-            self.index_loss = loss.detach()
+        if self.cfg.index_loss:
+            self.index_loss = None
+            if "index_loss" in stats.keys():  # the indexer's loss: its gradient in the backward, its value kept
+                loss = stats["index_loss"]
+                y_TH = attach_loss(y_TH, loss * self.index_loss_weight)
+                self.index_loss = loss.detach()
         return y_TH
 
 
@@ -1064,7 +1066,10 @@ class Transformer(nn.Module):
                                     for i in range(cfg.n_layers))
         for i, block in enumerate(self.blocks):  # DeepSeek sparse attention: each block's choice of keys by its index, and the one it reuses
             if isinstance(block.attn, Attention):
-                block.attn.index_key, block.attn.index_source = i, cfg.index_source(i) if cfg.is_index_shared(i) else None
+                block.attn.index_key = i
+                if cfg.is_index_shared(i):
+                    block.attn.index_source = cfg.index_source(i)
+                    self.blocks[block.attn.index_source].attn.index_keep = True
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps, cfg.zero_centered_norms)
         # [V, H], linear_cross_entropy's layout; with tie_embeddings the head is the embedding
         self.head = None if cfg.tie_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden))

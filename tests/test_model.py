@@ -703,6 +703,12 @@ def test_deepseek_sparse_attention_trains_its_indexer_by_its_own_loss():
         dataclasses.replace(cfg, index_shared_layers=(0,))
     with pytest.raises(ValueError, match="index_shared_layers: blocks reusing an earlier block's choice .* needs index_topk"):
         dataclasses.replace(TINY, index_shared_layers=(1,))
+    # only block 1's choice stays in the context, for block 2 (a [T, S] mask per block would add up over 61 layers)
+    assert [b.attn.index_keep for b in model.blocks] == [False, True, False]
+    ctx = model.context(batch)
+    with torch.no_grad():
+        model(batch, ctx)
+    assert list(ctx.attention[0].index_choices) == [1] and ctx.attention[0].index_choices[1].shape == (24, 24)
     # a block whose source block did not run over the context (a pipeline stage without it)
     ctx = model.context(batch)
     with pytest.raises(ValueError, match=r"ctx: block 2 attends to the keys block 1 chose \(index_shared_layers\), which this forward has not run"):
