@@ -68,6 +68,8 @@ def export_config(cfg: TransformerConfig, run: dict, *, model_type: str = "", hf
     folder that is gone, a model_type other than the folder's, a folder whose model is not
     the run's, a knob the family has no field for."""
     source = hf_folder or run.get("config", {}).get("init_from_hf", "")
+    if model_type and model_type not in fmoe.hf.FAMILIES:
+        raise ValueError(f"--model_type: expected one of {', '.join(fmoe.hf.FAMILIES)}, got {model_type!r}")
     notes = []
     if cfg.capacity_factor is not None:
         notes.append(f"capacity_factor={cfg.capacity_factor}: a training-time drop, not exported")
@@ -85,18 +87,14 @@ def export_config(cfg: TransformerConfig, run: dict, *, model_type: str = "", hf
             notes.append(f"the {kind} folder's {', '.join(family.not_read)} weights: fmoe does not read them; "
                          f"written as {family.written_as} with the folder's text config")
             hf = fmoe.hf.written_config(hf)
-        if model_type and model_type != hf["model_type"] and (family is None or family.written_as is not None or model_type == kind):
-            written = f", written as {hf['model_type']!r}" if hf["model_type"] != kind else ""
-            raise ValueError(f"--model_type: {model_type!r}, but the run's Hugging Face folder {str(folder)!r} is {kind!r}{written}")
         if model_type and model_type != hf["model_type"]:  # the run's model as another family (DSA added to DeepSeek-V3: deepseek_v32)
-            if model_type not in fmoe.hf.FAMILIES:
-                raise ValueError(f"--model_type: expected one of {', '.join(fmoe.hf.FAMILIES)}, got {model_type!r}")
+            if family is None or family.written_as is not None or model_type == kind:
+                written = f", written as {hf['model_type']!r}" if hf["model_type"] != kind else ""
+                raise ValueError(f"--model_type: {model_type!r}, but the run's Hugging Face folder {str(folder)!r} is {kind!r}{written}")
             hf = None
         model_type = model_type or hf["model_type"]
     elif not model_type:
         raise ValueError(f"--model_type: needed for a model of fmoe's own, one of {', '.join(fmoe.hf.FAMILIES)}")
-    elif model_type not in fmoe.hf.FAMILIES:
-        raise ValueError(f"--model_type: expected one of {', '.join(fmoe.hf.FAMILIES)}, got {model_type!r}")
     family = fmoe.hf.FAMILIES[model_type]
     if cfg.mtp_depth and not family.mtp:
         notes.append(f"the {cfg.mtp_depth} MTP module(s): {model_type} checkpoints hold none; not exported")

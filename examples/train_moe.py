@@ -413,19 +413,20 @@ def main(argv: list[str]) -> None:
     with torch.device("meta"):  # the whole model's shapes and MoE layer names, allocating nothing
         whole = Transformer(model_cfg)
     moe_names = list(whole.moe_layers())
-    if cfg.train_only:  # --train_only: a regex naming some of the model's parameters
+    trained_names = None  # --train_only: a regex naming some of the model's parameters
+    if cfg.train_only:
         try:
-            pattern = re.compile(cfg.train_only)
+            trained_names = re.compile(cfg.train_only)
         except re.error as err:
             sys.exit(f"--train_only={cfg.train_only!r}: not a regular expression ({err})")
-        if not any(pattern.search(name) for name, _ in whole.named_parameters()):
+        if not any(trained_names.search(name) for name, _ in whole.named_parameters()):
             sys.exit(f"--train_only={cfg.train_only!r}: matches none of the model's parameter names (e.g. {next(whole.named_parameters())[0]!r})")
 
     def freeze(m: torch.nn.Module) -> torch.nn.Module:
         """--train_only: the parameters it does not name stop requiring gradients (before sharding)."""
-        if cfg.train_only:
+        if trained_names is not None:
             for name, p in m.named_parameters():
-                p.requires_grad_(re.search(cfg.train_only, name) is not None)
+                p.requires_grad_(trained_names.search(name) is not None)
         return m
     pipe, precision = None, dict(param_dtype=dtype if dtype != torch.float32 else None, reduce_dtype=torch.float32)
     if meshes is None:  # initial weights: a function of --seed and each parameter's name

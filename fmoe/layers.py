@@ -1038,7 +1038,7 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
     if ctx.latents == "expanded" and ctx.gather_kv is None:
         raise ValueError("ctx.latents: 'expanded' needs the cache's gather_kv (the latents of every key)")
     sparse = cfg.index_topk is not None  # DeepSeek sparse attention: the indexer's top-k keys
-    shared = sparse and cfg.index_shared  # ... an earlier layer's choice of them
+    shared = cfg.index_shared  # ... an earlier layer's choice of them (AttentionConfig: only with index_topk)
     if sparse and ctx.gather_kv is not None and ctx.latents is None:
         raise ValueError("ctx.gather_kv: DeepSeek sparse attention (cfg.index_topk) is not built under context parallel (its indexer's keys are not gathered)")
     if shared != (index_choice is not None):
