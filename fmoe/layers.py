@@ -69,7 +69,9 @@ token_index [T/cp] of the micro-batch; after RoPE, the context's gather_kv retur
 and values of all T tokens, row j being global token kv_index[j]; query i sees key j iff
 both lie in the same document (of the global cu_seqlens) and kv_index[j] <= token_index[i].
 The mask is [T/cp, T] (a BlockMask with Q_LEN = T/cp, KV_LEN = T on the flex path). With no
-CP arguments the context, the mask and the layer are the single-process ones.
+CP arguments the context, the mask and the layer are the single-process ones. DeepSeek
+sparse attention gathers its indexer's keys too (gather_kv), breaks its equal scores by the
+keys' global order (AttentionContext.key_order) and returns this rank's share of its loss.
 
 Legend: T tokens, H hidden, E experts, K = k slots, F expert FFN size, Fs shared FFN size,
 N query heads, G kv heads, D head dim, R = rot_dim / 2 rotary frequencies.
@@ -632,6 +634,9 @@ class AttentionContext:
         dict in which the layers with an indexer leave their choice of keys for the layers
         that reuse it (fmoe.model.Attention: keyed by layer, attention's index_choice); None
         otherwise.
+    key_order: DeepSeek sparse attention over keys from gather_kv: [S] int64, the mask's
+        columns in token order (argsort of attention_context's kv_index; the indexer's equal
+        scores go to the earlier token, fmoe.layers.index_mask); None: no gather_kv.
     """
 
     cos: torch.Tensor
@@ -650,6 +655,7 @@ class AttentionContext:
     linear_states: Optional["LinearStates"] = None
     linear_cp: object = None
     index_choices: Optional[dict] = None
+    key_order: Optional[torch.Tensor] = None
 
 
 def _use_flex(impl: str, device: torch.device) -> bool:
@@ -871,7 +877,8 @@ def attention_context(
                                                                                                                 llama3_factor=None))
     return AttentionContext(cos, sin, mask, gather_kv, window=cfg.window, local_mask=local, chunk=cfg.chunk, positions=positions,
                             local_rope_base=local_base, local_cos=local_cos, local_sin=local_sin, cu_seqlens=cu_seqlens, linear_cp=linear_cp,
-                            index_choices={} if cfg.index_topk is not None else None)
+                            index_choices={} if cfg.index_topk is not None else None,
+                            key_order=torch.argsort(kv_index) if cfg.index_topk is not None and kv_index is not None else None)
 
 
 _FLEX_MIN_DIM = 16  # the compiled FlexAttention kernel's smallest head dim (torch 2.11: "NYI ... at least 16")
@@ -1039,8 +1046,12 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
         raise ValueError("ctx.latents: 'expanded' needs the cache's gather_kv (the latents of every key)")
     sparse = cfg.index_topk is not None  # DeepSeek sparse attention: the indexer's top-k keys
     shared = cfg.index_shared  # ... an earlier layer's choice of them (AttentionConfig: only with index_topk)
-    if sparse and ctx.gather_kv is not None and ctx.latents is None:
-        raise ValueError("ctx.gather_kv: DeepSeek sparse attention (cfg.index_topk) is not built under context parallel (its indexer's keys are not gathered)")
+    # the indexer's loss: with gradients on, and some indexer weight to train
+    train_index = (sparse and not shared and cfg.index_loss and torch.is_grad_enabled()
+                   and any(params[name].requires_grad for name in index_shapes(x.shape[1], cfg)))
+    if train_index and heads_mean is not None:
+        raise ValueError("cfg.index_loss: the indexer's loss is not built under tensor parallel (its target sums every rank's heads); "
+                         "train the indexer without tp")
     if shared != (index_choice is not None):
         raise ValueError("index_choice: expected the keys an earlier layer chose (its stats['index_choice']) for a layer of cfg.index_shared, and None "
                          f"otherwise; got {'None' if index_choice is None else 'a choice'} with index_shared = {cfg.index_shared}")
@@ -1058,16 +1069,21 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
         q_TND, k_TGD, v_TGD = _gqa_qkv(x, params, cfg, ctx, heads_mean)
     index_k_SD = None
     if sparse:
-        with torch.no_grad():  # a layer without an indexer caches zeros in the indexer key's place
-            index_k_SD = x.new_zeros(x.shape[0], cfg.index_head_dim, dtype=torch.float32) if shared else index_keys(x, params, cfg, ctx.cos, ctx.sin)
+        if shared:  # a layer without an indexer caches zeros in the indexer key's place
+            index_k_SD = x.new_zeros(x.shape[0], cfg.index_head_dim, dtype=torch.float32)
+        else:  # differentiable only for the indexer's loss, whose gradient reaches the indexer's weights alone
+            with torch.set_grad_enabled(train_index):
+                index_k_SD = index_keys(x.detach(), params, cfg, ctx.cos, ctx.sin)
         if ctx.latents is not None:  # decoding: the indexer's key is cached after the latent and the rotated key
-            k_TGD = torch.cat([k_TGD, index_k_SD[:, None, :].to(k_TGD.dtype)], dim=-1)
+            k_TGD = torch.cat([k_TGD, index_k_SD.detach()[:, None, :].to(k_TGD.dtype)], dim=-1)
+        elif ctx.gather_kv is not None and not shared:  # context parallel: every rank's indexer keys (the loss's gradient returns to each)
+            index_k_SD = ctx.gather_kv(index_k_SD[:, None, :], index_k_SD[:, None, :0])[0][:, 0]
     if ctx.gather_kv is not None:  # every rank's keys and values (cp), or the cache's and these (decoding)
         k_TGD, v_TGD = ctx.gather_kv(k_TGD, v_TGD)
         n_keys = ctx.mask.shape[-1]
         if k_TGD.shape[0] != n_keys or v_TGD.shape[0] != n_keys:
             raise ValueError(f"ctx.gather_kv: returned {k_TGD.shape[0]} keys and {v_TGD.shape[0]} values, the mask has {n_keys} keys")
-        if sparse:
+        if sparse and ctx.latents is not None:  # decoding: the cached indexer keys
             index_k_SD, k_TGD = k_TGD[:, 0, -cfg.index_head_dim:].float(), k_TGD[..., :-cfg.index_head_dim]
         if ctx.latents == "expanded":  # every key's latent and rotated key -> per-head keys and values
             k_TGD, v_TGD = _mla_expand(k_TGD[:, 0, :cfg.kv_rank], k_TGD[:, :, cfg.kv_rank:], params, cfg)
@@ -1082,8 +1098,9 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
                                  f"got {getattr(index_choice, 'dtype', type(index_choice).__name__)} {list(getattr(index_choice, 'shape', []))}")
             mask = index_choice & mask
         else:
-            with torch.no_grad():
-                mask = index_mask(index_scores(x, q_lat, index_k_SD, params, cfg, ctx.cos, ctx.sin), mask, cfg.index_topk)
+            with torch.set_grad_enabled(train_index):
+                index_TS = index_scores(x.detach(), q_lat.detach(), index_k_SD, params, cfg, ctx.cos, ctx.sin)
+            mask = index_mask(index_TS.detach(), mask, cfg.index_topk, key_order=ctx.key_order)
     sinks = params.get("sinks")
     if isinstance(mask, torch.Tensor) and sinks is not None:  # the reference, with sinks
         out_NTD = _attention_with_sinks(q_NTD, k_GTD, v_GTD, mask, softmax_scale(cfg), sinks)
@@ -1120,12 +1137,9 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
     if params.get("bo") is not None:
         y_TH = y_TH + params["bo"]
     stats = {"index_choice": mask} if sparse and not shared else {}
-    if (sparse and not shared and cfg.index_loss and torch.is_grad_enabled()
-            and any(params[name].requires_grad for name in index_shapes(x.shape[1], cfg))):
-        if heads_mean is not None:
-            raise ValueError("cfg.index_loss: the indexer's loss is not built under tensor parallel (its target sums every rank's heads); "
-                             "train the indexer without tp")
-        stats["index_loss"] = index_loss(x, q_lat, q_NTD, k_GTD, mask, params, cfg, ctx.cos, ctx.sin)
+    if train_index:  # under context parallel this rank's share: its queries' sum over the micro-batch's count (the keys')
+        cp = ctx.gather_kv is not None and ctx.latents is None
+        stats["index_loss"] = index_loss(index_TS, q_NTD, k_GTD, mask, cfg, n_queries=mask.shape[1] if cp else None)
     return y_TH, TensorDict(stats, batch_size=[])
 
 
@@ -1153,25 +1167,29 @@ def attach_loss(x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
     return _AttachLoss.apply(x, loss)
 
 
-def index_loss(x_TH, q_lat_TC, q_NTD, k_GTD, mask_TS, params, cfg: AttentionConfig, cos, sin) -> torch.Tensor:
+def index_loss(scores_TS: torch.Tensor, q_NTD: torch.Tensor, k_GTD: torch.Tensor, mask_TS: torch.Tensor, cfg: AttentionConfig, *,
+               n_queries: Optional[int] = None) -> torch.Tensor:
     """DeepSeek sparse attention's indexer loss (DeepSeek-V3.2's sparse training stage), a
     float32 scalar: the mean over the T queries of KL(p_t || softmax(I_t)) over the keys
     mask [T, S] keeps for each, where p_t is the attention's distribution summed over its
     heads and renormalised (from q [N, T, D] and k [G, S, D], no gradient) and I_t the
-    indexer's scores (index_scores). Its gradient reaches the indexer's weights only: x [T, H]
-    and the q latent [T, q_rank] are detached, as DeepSeek trains the indexer apart from the
-    model."""
+    indexer's scores [T, S] (index_scores'). Its gradient reaches what the scores were
+    computed from: attention computes them from the detached tokens and q latents, so that
+    it reaches the indexer's weights only, as DeepSeek trains the indexer apart from the
+    model. n_queries: the mean's count (None: T); under context parallel the micro-batch's
+    T, so that this rank's T/cp queries give its share of the loss (the shares add up to
+    one process's)."""
+    if n_queries is not None and (isinstance(n_queries, bool) or not isinstance(n_queries, int) or n_queries < 1):
+        raise ValueError(f"n_queries: expected a positive int (the queries the mean runs over) or None, got {n_queries!r}")
     with torch.no_grad():
         N, G = q_NTD.shape[0], k_GTD.shape[0]
         k_NSD = k_GTD.float().repeat_interleave(N // G, dim=0)
         scores_NTS = (q_NTD.float() @ k_NSD.transpose(1, 2) * softmax_scale(cfg)).masked_fill(~mask_TS, float("-inf"))
         p_TS = torch.softmax(scores_NTS, dim=-1).sum(0)
         p_TS = p_TS / p_TS.sum(-1, keepdim=True)
-    x_TH, q_lat_TC = x_TH.detach(), q_lat_TC.detach()
-    scores_TS = index_scores(x_TH, q_lat_TC, index_keys(x_TH, params, cfg, cos, sin), params, cfg, cos, sin)
     log_q_TS = torch.log_softmax(scores_TS.masked_fill(~mask_TS, float("-inf")), dim=-1)
     kl_TS = torch.where(mask_TS, torch.xlogy(p_TS, p_TS) - p_TS * log_q_TS.masked_fill(~mask_TS, 0.0), 0.0)
-    return kl_TS.sum(-1).mean()
+    return kl_TS.sum(-1).sum() / (scores_TS.shape[0] if n_queries is None else n_queries)
 
 
 def _attention_with_sinks(q_NTD, k_GTD, v_GTD, mask_TS, scale: float, sinks_N):
@@ -1313,15 +1331,22 @@ def index_scores(x_TH: torch.Tensor, q_lat_TC: torch.Tensor, keys_SD: torch.Tens
     return torch.einsum("tn,tns->ts", w_TN, relu_TNS)
 
 
-def index_mask(scores_TS: torch.Tensor, mask_TS: torch.Tensor, topk: int) -> torch.Tensor:
+def index_mask(scores_TS: torch.Tensor, mask_TS: torch.Tensor, topk: int, *, key_order: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The keys each query attends to under DeepSeek sparse attention, [T, S] bool: of the
     keys mask [T, S] allows, the topk of highest score (scores [T, S], index_scores'); all of
     them where it allows topk or fewer. Equal scores go to the earlier key (the lower
-    column): a stable sort, so that a token's choice is the same whatever else shares its
-    row (a packed batch, a cache's rows). Equal scores are common: a key whose dot products
-    with every indexer head are <= 0 scores exactly 0."""
+    column; with key_order, the earlier token): a stable sort, so that a token's choice is
+    the same whatever else shares its row (a packed batch, a cache's rows, a
+    context-parallel split). Equal scores are common: a key whose dot products with every
+    indexer head are <= 0 scores exactly 0. key_order: [S] int64, the columns in token
+    order (under context parallel the gathered keys are in rank order:
+    argsort(kv_index), AttentionContext.key_order); None: the columns are in token order."""
     masked_TS = scores_TS.masked_fill(~mask_TS, float("-inf"))
+    if key_order is not None:
+        masked_TS = masked_TS.index_select(1, key_order)
     top_TK = torch.sort(masked_TS, dim=-1, descending=True, stable=True).indices[:, :topk]
+    if key_order is not None:  # back to the columns
+        top_TK = key_order[top_TK]
     return torch.zeros_like(mask_TS).scatter_(-1, top_TK, True) & mask_TS
 
 

@@ -298,7 +298,8 @@ class TransformerConfig:
     (with q_rank and kv_rank): DeepSeek sparse attention in every block (DeepSeek-V3.2,
     GLM-5), each query attending to the index_topk keys a lightning indexer of index_heads
     heads of index_head_dim scores highest (its RoPE on interleaved pairs with
-    index_rope_interleaved; fmoe.layers.AttentionConfig; not under context parallel), the
+    index_rope_interleaved; fmoe.layers.AttentionConfig; under context parallel the indexer's
+    keys gathered like K and V), the
     indexer trained by its own loss with weight index_loss_coeff per micro-batch (0: not
     trained; not under tensor parallel: fmoe.layers.index_loss, Attention);
     index_shared_layers: the trunk blocks without an indexer, which attend to the keys the

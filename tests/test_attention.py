@@ -870,6 +870,11 @@ def test_index_mask_keeps_the_topk_allowed_keys_as_worked_by_hand():
     ties = torch.tensor([[0.0, 0.0, 0.0, 5.0, 0.0]])
     assert index_mask(ties, torch.ones(1, 5, dtype=torch.bool), 3).tolist() == [[True, True, False, True, False]]
     assert index_mask(ties, torch.tensor([[False, True, True, True, True]]), 2).tolist() == [[False, True, False, True, False]]
+    # ...the earlier token, with the columns in another order (key_order: the columns in token order)
+    perm = torch.tensor([3, 4, 0, 2, 1])  # column j holds token perm[j]
+    got = index_mask(ties[:, perm], torch.ones(1, 5, dtype=torch.bool), 3, key_order=torch.argsort(perm))
+    assert got.tolist() == [[True, False, True, False, True]]  # tokens 3, 0, 1: columns 0, 2, 4
+    assert index_mask(ties[:, perm], torch.ones(1, 5, dtype=torch.bool), 3).tolist() == [[True, True, True, False, False]]
 
 
 def test_the_indexer_loss_is_the_definition_s_and_trains_the_indexer_alone():
@@ -936,6 +941,54 @@ def test_a_layer_without_an_indexer_attends_to_the_keys_another_chose():
     assert isinstance(_ctx(cu, DSA).index_choices, dict) and _ctx(cu, MLA).index_choices is None
 
 
+def test_deepseek_sparse_attention_under_context_parallel():
+    """cp = 2 in one process: each rank's queries choose among every rank's keys (the
+    indexer's keys gathered too) the keys the whole batch's rows choose, equal scores going
+    to the earlier token although the gathered keys are in rank order; the ranks' outputs are
+    the whole batch's rows, and their indexer losses (each its queries' sum over the whole
+    batch's count) and those losses' gradients add up to the whole batch's."""
+    from fmoe.layers import _mla_qkv, index_keys
+    from fmoe.parallel import cp_kv_index, cp_token_index
+
+    cu, cp, T = torch.tensor([0, 3, 4, 24], dtype=torch.int32), 2, 24  # the last document crosses every chunk edge
+    # one indexer head: about half of its ReLUs are 0, and where its head weight is negative
+    # the zero scores are the highest, so equal scores decide many choices of 2 keys
+    cfg = dataclasses.replace(DSA, index_heads=1, index_topk=2, index_loss=True)
+    p = _dsa_params(cfg)
+    x = torch.randn(T, H)
+    positions = positions_from_cu_seqlens(cu)
+    whole_ctx = _ctx(cu, cfg)
+    whole, stats = attention(x, p, cfg, whole_ctx)
+    indexer = [n for n in p if n.startswith("index_")]
+    want_grads = torch.autograd.grad(stats["index_loss"], [p[n] for n in indexer])
+    kv_index = cp_kv_index(T, cp)
+    k_all, v_all = (t[kv_index] for t in _mla_qkv(x, p, cfg, whole_ctx)[1:])
+    i_all = index_keys(x, p, cfg, whole_ctx.cos, whole_ctx.sin)[kv_index]
+    losses, unordered = [], 0
+    for rank in range(cp):
+        index = cp_token_index(T, cp, rank)
+        own = torch.arange(rank * T // cp, (rank + 1) * T // cp)
+
+        def gather_kv(k, v):  # every rank's rows, this rank's own (differentiable) in its place
+            if v.shape[-1] == 0:  # the indexer's keys
+                return i_all[:, None].index_copy(0, own, k), v.new_zeros(T, 1, 0)
+            return k_all.index_copy(0, own, k), v_all.index_copy(0, own, v)
+
+        ctx = attention_context(cu, positions[index], cfg, token_index=index, kv_index=kv_index, gather_kv=gather_kv)
+        assert torch.equal(ctx.key_order, torch.argsort(kv_index))
+        y, rank_stats = attention(x[index], p, cfg, ctx)
+        assert _rel(y, whole[index]) < 1e-5, rank
+        assert torch.equal(rank_stats["index_choice"], stats["index_choice"][index][:, kv_index]), rank
+        losses.append(rank_stats["index_loss"])
+        with torch.no_grad():  # the gathered keys' own order breaks the ties otherwise
+            rank_order = attention(x[index], p, cfg, dataclasses.replace(ctx, key_order=None))[1]["index_choice"]
+        unordered += int((rank_order != rank_stats["index_choice"]).any(-1).sum())
+    assert unordered > 0
+    assert float(sum(losses).detach()) == pytest.approx(float(stats["index_loss"].detach()), rel=1e-5) and float(stats["index_loss"].detach()) > 1e-3
+    for name, a, b in zip(indexer, torch.autograd.grad(sum(losses), [p[n] for n in indexer]), want_grads):
+        assert _rel(a, b) < 1e-5, name
+
+
 @pytest.mark.parametrize("form", ["absorbed", "expanded"])
 def test_deepseek_sparse_attention_over_cached_latents_is_the_same_function(form):
     """The indexer's key travels with the latent through gather_kv (a cache's rows: latent,
@@ -970,6 +1023,8 @@ DSA_BAD_KNOBS = [  # (config, change, message)
 
 
 def test_deepseek_sparse_attention_bad_inputs():
+    from fmoe.layers import index_loss
+
     for cfg, change, message in DSA_BAD_KNOBS:
         with pytest.raises(ValueError, match=message):
             dataclasses.replace(cfg, **change)
@@ -979,8 +1034,8 @@ def test_deepseek_sparse_attention_bad_inputs():
         attention(x, {n: t for n, t in p.items() if n != "index_w"}, DSA, _ctx(cu, DSA))
     with pytest.raises(ValueError, match=r"params: unknown multi-latent attention parameters \['index_w'\]"):
         attention(x, {n: t for n, t in p.items() if n.startswith(("w", "q_a", "kv_a"))} | {"index_w": p["index_w"]}, MLA, _ctx(cu, MLA))
-    with pytest.raises(ValueError, match="ctx.gather_kv: DeepSeek sparse attention .* is not built under context parallel"):
-        attention(x, p, DSA, dataclasses.replace(_ctx(cu, DSA), gather_kv=lambda k, v: (k, v)))
+    with pytest.raises(ValueError, match="n_queries: expected a positive int"):
+        index_loss(torch.zeros(6, 6), torch.zeros(4, 6, 12), torch.zeros(4, 6, 12), torch.ones(6, 6, dtype=torch.bool), DSA, n_queries=0)
     flex = dataclasses.replace(MLA, impl="flex")  # a context built for another layer: FlexAttention's block mask
     with pytest.raises(ValueError, match="ctx: DeepSeek sparse attention .* needs the dense mask"):
         attention(x, p, DSA, _ctx(cu, flex))

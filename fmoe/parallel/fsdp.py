@@ -224,14 +224,13 @@ def parallelize(
     `capacity_drop` (ContextCapacityDrop) drops over the whole micro-batch, every cp rank's
     chunks (and tp slices), as one process does. Linear-attention blocks (Gated DeltaNet) run
     across the split too (fmoe.parallel.gated_delta_rule_cp: the states between chunks are
-    exchanged, every rank's outputs equal one process's).
+    exchanged, every rank's outputs equal one process's), and so does DeepSeek sparse
+    attention (its indexer's keys gathered with K and V, its loss each rank's share).
     """
     moe_blocks = [m for m in model.modules() if isinstance(m, MoE)]
     if moe_blocks and meshes.expert is None:
         raise ValueError("meshes: the model has MoE blocks but the meshes were built with has_experts=False")
     sparse = [m.cfg for m in model.modules() if isinstance(getattr(m, "cfg", None), AttentionConfig) and m.cfg.index_topk is not None]
-    if sparse and meshes.cp > 1:
-        raise ValueError(f"cp: DeepSeek sparse attention (index_topk) is not built under context parallel (its indexer's keys are not gathered); got cp = {meshes.cp}")
     if any(c.index_loss for c in sparse) and meshes.tp > 1:
         raise ValueError(f"tp: DeepSeek sparse attention's indexer loss is not built under tensor parallel (tp = {meshes.tp}); "
                          "set the model's index_loss_coeff to 0 (the indexer then untrained) or tp to 1")
