@@ -725,15 +725,14 @@ def main(argv: list[str]) -> None:
             if index_loss:  # each indexer's loss weighs index_loss_coeff / n_micro: the step averages the micro-batches'
                 for part in parts:
                     part.set_index_loss_weight(model_cfg.index_loss_coeff / n_micro)
-                if pipe is None:  # logged from the whole model (a pipeline's stages hold some layers each: not logged)
-                    record["index_loss"] = zero
+                record["index_loss"] = zero  # summed over the layers (a pipeline's stages: each its own)
             with phase("forward_backward"):
                 if pipe is not None:  # the schedule runs forward and backward of this rank's micro-batches
                     step_state.update(valid=valid, n_micro=n_micro)
                     logged, counts = pipe.step([parallel.MicroBatch(train_batch(b), padding=i >= len(mine))
                                                 for i, b in enumerate(mine + [host_batches[0]] * padding)])
-                    for name, value in logged.items():
-                        record[name] = record[name] + value
+                    for name, value in logged.items():  # the indexer losses' mean over the micro-batches, as micro_batch_loss's
+                        record[name] = record[name] + (value / n_micro if name == "index_loss" else value)
                 for i, host_batch in enumerate(mine + [host_batches[0]] * padding if pipe is None else []):
                     loss, logged, stats = run_micro_batch(train_batch(host_batch), valid, n_micro)
                     if i >= len(mine):

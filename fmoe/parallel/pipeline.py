@@ -196,7 +196,8 @@ class StageModule(nn.Module):
     Transformer `model` (x: token ids on the first stage, else the previous stage's hidden
     state) and returns the hidden state with the stage's loss attached, or on the last
     stage the loss. It sums what `loss_fn` logs and the MoE layers' tokens_per_expert over
-    the step's micro-batches (`logged`, `counts`; padding left out). With `evaluating`
+    the step's micro-batches (`logged`, with the stage's indexer losses as "index_loss";
+    `counts`; padding left out). With `evaluating`
     set it returns the hidden state, or on the last stage the LM loss sum."""
 
     def __init__(self, model: Transformer, loss_fn: LossFn):
@@ -219,7 +220,8 @@ class StageModule(nn.Module):
         if mb.padding:
             loss = loss * 0.0 if loss is not None else None
         else:
-            for name, value in logged.items():
+            index = self.model.index_loss_sum()  # DeepSeek sparse attention's indexer losses (None: none)
+            for name, value in ({**logged, "index_loss": index} if index is not None else logged).items():
                 self.logged[name] = self.logged.get(name, 0) + value
             for name, layer in stats.items():
                 self.counts[name] = self.counts.get(name, 0) + layer["tokens_per_expert"]
@@ -321,7 +323,9 @@ class Pipeline:
         """Forward and backward of one optimizer step's micro-batches (this rank's share)
         through the pipeline; gradients accumulate in the chunks' parameters. Returns the
         sums of what loss_fn logged and the MoE counts over this rank's stages (names of
-        layers held elsewhere absent)."""
+        layers held elsewhere absent); with DeepSeek sparse attention's indexer losses
+        (Transformer.index_loss_sum: their gradients added in each stage's backward) their
+        sum over the stages' layers and the micro-batches as "index_loss" too."""
         n = len(micro_batches)
         schedule = self.schedule(n)
         for module in self.modules:

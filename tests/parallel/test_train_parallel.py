@@ -107,6 +107,10 @@ RUNS = {
                         "--model.kv_rank=6", "--model.v_head_dim=5", "--model.mtp_norm=True", "--model.score=sigmoid", "--model.n_groups=2",
                         "--model.topk_groups=1", "--model.group_score_topk=2", "--model.index_topk=3", "--model.index_heads=4",
                         "--model.index_head_dim=6", "--model.index_shared_layers=1"]),
+    # ...and through a pipeline: each stage's indexer losses logged (block 0's on stage 0, block 1's and the MTP
+    # block's on stage 1), their gradients added in each stage's backward
+    "dsa-pp2": (2, ["--pp=2", "--model.n_kv_heads=4", "--model.head_dim=12", "--model.rope_dim=4", "--model.q_rank=10", "--model.kv_rank=6",
+                    "--model.v_head_dim=5", "--model.index_topk=3", "--model.index_heads=4", "--model.index_head_dim=6"]),
     # Qwen3-Next's hybrid: a Gated DeltaNet block under cp (its convolution's halos and its
     # rule's states exchanged between the ranks' chunks)
     "gated-deltanet-cp2": (2, ["--cp=2", "--model.linear_layers=0", "--model.linear_k_heads=2", "--model.linear_v_heads=4",
