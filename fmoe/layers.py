@@ -1013,7 +1013,8 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
         heads_mean: when cfg and params hold a slice of the heads (tensor parallel,
             fmoe.parallel.HeadShard.mean): averages per-token statistics [T, n] over the
             ranks holding the others, each the same number of heads, so that qk_norm="proj"
-            normalises over the whole projection (one call for q's and k's: n = 2). None:
+            normalises over the whole projection (one call for q's and k's: n = 2), and
+            DeepSeek sparse attention's indexer loss sums every rank's heads (n = S). None:
             this process holds every head.
         index_choice: for a layer of cfg.index_shared (DeepSeek sparse attention without an
             indexer of its own), the keys it attends to: [T, S] bool, an earlier layer's
@@ -1022,7 +1023,9 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
         (y [T, H] in x's dtype, stats): stats is a TensorDict, empty but for DeepSeek sparse
         attention's "index_choice" ([T, S] bool, the keys each query attended to; a layer
         with an indexer) and "index_loss" (a float32 scalar with the indexer's gradient, when
-        cfg.index_loss and gradients are on), kept for the layers' common (output, stats) form.
+        cfg.index_loss and gradients are on: under context parallel this rank's share, under
+        tensor parallel the whole loss on every rank), kept for the layers' common (output,
+        stats) form.
     """
     _check_attention(x, params, cfg, ctx)
     if heads_mean is not None and not callable(heads_mean):
@@ -1049,9 +1052,6 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
     # the indexer's loss: with gradients on, and some indexer weight to train
     train_index = (sparse and not shared and cfg.index_loss and torch.is_grad_enabled()
                    and any(params[name].requires_grad for name in index_shapes(x.shape[1], cfg)))
-    if train_index and heads_mean is not None:
-        raise ValueError("cfg.index_loss: the indexer's loss is not built under tensor parallel (its target sums every rank's heads); "
-                         "train the indexer without tp")
     if shared != (index_choice is not None):
         raise ValueError("index_choice: expected the keys an earlier layer chose (its stats['index_choice']) for a layer of cfg.index_shared, and None "
                          f"otherwise; got {'None' if index_choice is None else 'a choice'} with index_shared = {cfg.index_shared}")
@@ -1139,7 +1139,7 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
     stats = {"index_choice": mask} if sparse and not shared else {}
     if train_index:  # under context parallel this rank's share: its queries' sum over the micro-batch's count (the keys')
         cp = ctx.gather_kv is not None and ctx.latents is None
-        stats["index_loss"] = index_loss(index_TS, q_NTD, k_GTD, mask, cfg, n_queries=mask.shape[1] if cp else None)
+        stats["index_loss"] = index_loss(index_TS, q_NTD, k_GTD, mask, cfg, n_queries=mask.shape[1] if cp else None, heads_mean=heads_mean)
     return y_TH, TensorDict(stats, batch_size=[])
 
 
@@ -1168,7 +1168,7 @@ def attach_loss(x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
 
 
 def index_loss(scores_TS: torch.Tensor, q_NTD: torch.Tensor, k_GTD: torch.Tensor, mask_TS: torch.Tensor, cfg: AttentionConfig, *,
-               n_queries: Optional[int] = None) -> torch.Tensor:
+               n_queries: Optional[int] = None, heads_mean: Optional[Callable] = None) -> torch.Tensor:
     """DeepSeek sparse attention's indexer loss (DeepSeek-V3.2's sparse training stage), a
     float32 scalar: the mean over the T queries of KL(p_t || softmax(I_t)) over the keys
     mask [T, S] keeps for each, where p_t is the attention's distribution summed over its
@@ -1178,7 +1178,9 @@ def index_loss(scores_TS: torch.Tensor, q_NTD: torch.Tensor, k_GTD: torch.Tensor
     it reaches the indexer's weights only, as DeepSeek trains the indexer apart from the
     model. n_queries: the mean's count (None: T); under context parallel the micro-batch's
     T, so that this rank's T/cp queries give its share of the loss (the shares add up to
-    one process's)."""
+    one process's). heads_mean: under tensor parallel (q holding this rank's heads) the
+    mean over the tp ranks of a [T, S] statistic (attention's heads_mean): the target sums
+    every rank's heads, and every tp rank computes the same loss."""
     if n_queries is not None and (isinstance(n_queries, bool) or not isinstance(n_queries, int) or n_queries < 1):
         raise ValueError(f"n_queries: expected a positive int (the queries the mean runs over) or None, got {n_queries!r}")
     with torch.no_grad():
@@ -1186,6 +1188,8 @@ def index_loss(scores_TS: torch.Tensor, q_NTD: torch.Tensor, k_GTD: torch.Tensor
         k_NSD = k_GTD.float().repeat_interleave(N // G, dim=0)
         scores_NTS = (q_NTD.float() @ k_NSD.transpose(1, 2) * softmax_scale(cfg)).masked_fill(~mask_TS, float("-inf"))
         p_TS = torch.softmax(scores_NTS, dim=-1).sum(0)
+        if heads_mean is not None:  # every tp rank's heads (a mean over the ranks: the scale goes below)
+            p_TS = heads_mean(p_TS)
         p_TS = p_TS / p_TS.sum(-1, keepdim=True)
     log_q_TS = torch.log_softmax(scores_TS.masked_fill(~mask_TS, float("-inf")), dim=-1)
     kl_TS = torch.where(mask_TS, torch.xlogy(p_TS, p_TS) - p_TS * log_q_TS.masked_fill(~mask_TS, 0.0), 0.0)

@@ -301,7 +301,7 @@ class TransformerConfig:
     index_rope_interleaved; fmoe.layers.AttentionConfig; under context parallel the indexer's
     keys gathered like K and V), the
     indexer trained by its own loss with weight index_loss_coeff per micro-batch (0: not
-    trained; not under tensor parallel: fmoe.layers.index_loss, Attention);
+    trained: fmoe.layers.index_loss, Attention);
     index_shared_layers: the trunk blocks without an indexer, which attend to the keys the
     nearest earlier block with one chose (GLM-5's "shared" layers; not block 0). tie_embeddings: the
     output head is the embedding. Granite's multipliers (each 1 / None: none): attn_scale,
@@ -660,7 +660,10 @@ class Attention(nn.Module):
     the loop sets it per step, Transformer.set_index_loss_weight) the backward adds through
     the attention output (fmoe.layers.attach_loss): the model's loss does not include
     it, and only the indexer's weights receive it. `index_loss` keeps the last forward's
-    value (detached; None when that forward computed none: no gradients, or no indexer)."""
+    value (detached; None when that forward computed none: no gradients, or no indexer).
+    Under tensor parallelism every tp rank computes the whole loss (its target over every
+    rank's heads) and attaches 1/tp of it: the indexer's replicated weights sum the ranks'
+    gradients."""
 
     def __init__(self, cfg: TransformerConfig, *, local: bool = False, rope: bool = True, fp8: Optional[bool] = None,
                  index_shared: bool = False):
@@ -734,7 +737,10 @@ class Attention(nn.Module):
             self.index_loss = None
             if "index_loss" in stats.keys():  # the indexer's loss: its gradient in the backward, its value kept
                 loss = stats["index_loss"]
-                y_TH = attach_loss(y_TH, loss * self.index_loss_weight)
+                # under tp every rank computes the same loss, and the indexer's weights (replicated,
+                # HeadShard.weight) sum the ranks' gradients: each rank attaches its 1/tp
+                weight = self.index_loss_weight / (1 if tp is None else tp.mesh.size())
+                y_TH = attach_loss(y_TH, loss * weight)
                 self.index_loss = loss.detach()
         return y_TH
 

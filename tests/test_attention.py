@@ -905,8 +905,23 @@ def test_the_indexer_loss_is_the_definition_s_and_trains_the_indexer_alone():
         assert (a is None and b is None) or torch.equal(a, b)
     with torch.no_grad():  # no gradients, no loss
         assert list(attention(x, p, cfg, _ctx(cu, cfg))[1].keys()) == ["index_choice"]
-    with pytest.raises(ValueError, match="cfg.index_loss: the indexer's loss is not built under tensor parallel"):
-        attention(x, p, cfg, _ctx(cu, cfg), heads_mean=lambda t: t)
+    # under tensor parallel the target is over every rank's heads (heads_mean: here two ranks of two heads each)
+    halves = [dataclasses.replace(cfg, n_heads=2, n_kv_heads=2)] * 2
+    parts = {n: [t] * 2 for n, t in p.items()}
+    for name in ("wq_b", "wkv_b"):  # per-head columns
+        heads = p[name].view(p[name].shape[0], cfg.n_heads, -1)
+        parts[name] = [heads[:, :2].flatten(1), heads[:, 2:].flatten(1)]
+    parts["wo"] = list(p["wo"].chunk(2, dim=0))
+    sums = []
+
+    def heads_mean(t):  # rank 0's call records its heads' sum; rank 1's averages both
+        sums.append(t)
+        return t if len(sums) == 1 else (sums[0] + sums[1]) / 2
+
+    tp_losses = [attention(x, {n: v[r] for n, v in parts.items()}, halves[r], _ctx(cu, halves[r]), heads_mean=heads_mean)[1]["index_loss"]
+                 for r in range(2)]
+    assert float(tp_losses[1].detach()) == pytest.approx(float(want_loss.detach()), rel=1e-5)
+    assert abs(float(tp_losses[0].detach()) - float(want_loss.detach())) > 1e-4 * float(want_loss.detach())  # half of the heads: not the target
 
 
 def test_a_layer_without_an_indexer_attends_to_the_keys_another_chose():

@@ -45,7 +45,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
 
-from fmoe.layers import EXPERT_BIASES, AttentionConfig
+from fmoe.layers import EXPERT_BIASES
 from fmoe.model import Block, MoE, Transformer
 from fmoe.parallel.context import ContextCapacityDrop, ContextParallel
 from fmoe.parallel.expert import ExpertParallel
@@ -230,10 +230,6 @@ def parallelize(
     moe_blocks = [m for m in model.modules() if isinstance(m, MoE)]
     if moe_blocks and meshes.expert is None:
         raise ValueError("meshes: the model has MoE blocks but the meshes were built with has_experts=False")
-    sparse = [m.cfg for m in model.modules() if isinstance(getattr(m, "cfg", None), AttentionConfig) and m.cfg.index_topk is not None]
-    if any(c.index_loss for c in sparse) and meshes.tp > 1:
-        raise ValueError(f"tp: DeepSeek sparse attention's indexer loss is not built under tensor parallel (tp = {meshes.tp}); "
-                         "set the model's index_loss_coeff to 0 (the indexer then untrained) or tp to 1")
     if meshes.cp > 1:
         if not hasattr(model, "context_parallel"):
             raise ValueError(f"cp: {type(model).__name__} has no context_parallel attribute (fmoe.model.Transformer has), so cp = {meshes.cp} cannot apply")

@@ -258,6 +258,9 @@ CASES = {
     # rank's share, block 1 reusing block 0's choice; with FSDP2 over dp_shard x cp and EP
     "cp2-dsa": (2, dict(cp=2), DSA),
     "cp2xep2-dsa": (4, dict(cp=2, ep=2), DSA),
+    # ...and with the heads over tp: the loss's target sums every rank's heads, each rank attaching 1/tp of it
+    "tp2-dsa": (2, dict(tp=2), DSA),
+    "cp2xtp2-dsa": (4, dict(cp=2, tp=2), DSA),
     # a sliding window of 5 tokens in block 1 (the MoE one) with its own plain RoPE base, block
     # 0 full and without RoPE, Llama 3.1's RoPE scaling (EXAONE's layout, Mellum's bases): each
     # cp rank's keys of every rank masked by the window at their global indices, the NoPE
@@ -323,7 +326,7 @@ DECODE_CASES = {
     "tp2": (2, dict(tp=2), dict(GPT_OSS, **WINDOW, nope_layers=(0,)), None, 1e-5),  # the full block NoPE, as EXAONE's
     "tp2-proj-norm": (2, dict(tp=2), dict(qk_norm="proj", **WINDOW, **GRANITE, post_norms=True), None, 1e-5),  # sandwich norms
     "tp2-mla": (2, dict(tp=2), dict(MLA, q_rank=10), None, 1e-5),
-    "tp2-dsa": (2, dict(tp=2), dict(DSA, index_loss_coeff=0.0), None, 1e-5),  # the cache's rows hold the indexer's keys too
+    "tp2-dsa": (2, dict(tp=2), DSA, None, 1e-5),  # the cache's rows hold the indexer's keys too
     "tp2-llama4": (2, dict(tp=2), LLAMA4, None, 1e-5),  # chunks over the cache's rows, the temperature at the new tokens' positions
     # the window's ring layer with its own RoPE base
     "tp2-head-norm-after-rope": (2, dict(tp=2), dict(qk_norm="head", qk_norm_after_rope=True, **WINDOW, local_rope_base=100.0), None, 1e-5),
@@ -606,10 +609,6 @@ def _bad_tp(rank, world):
             parallelize(Transformer(TransformerConfig(**{**TINY, **overrides})), build_meshes(**sizes))
         except ValueError as err:
             messages.append(str(err))
-    try:  # DeepSeek sparse attention's indexer loss: not under tp
-        parallelize(Transformer(TransformerConfig(**{**TINY, **DSA})), build_meshes(tp=2))
-    except ValueError as err:
-        messages.append(str(err))
     model = parallelize(Transformer(TransformerConfig(**TINY)), build_meshes(tp=2))
     batch = make_batch(torch.randint(0, TINY["vocab_size"], (25,)), torch.tensor([0, 25]), TINY["mtp_depth"])
     try:
@@ -621,13 +620,12 @@ def _bad_tp(rank, world):
 
 def test_parallelize_refuses_what_does_not_split(results):
     for messages in (by_case["bad_tp"] for by_case in results(2)):
-        assert len(messages) == 6
+        assert len(messages) == 5
         assert "n_heads = 2 and n_kv_heads = 1 must both be divisible by tp = 2" in messages[0]
         assert "n_experts = 3 is not divisible by ep = 2" in messages[1]
         assert "n_heads = 3 and n_kv_heads = 3 must both be divisible by tp = 2" in messages[2]  # multi-latent
         assert "LinearAttention's n_k_heads = 1 and n_v_heads = 2 must both be divisible by tp = 2" in messages[3]
-        assert messages[4].startswith("tp: DeepSeek sparse attention's indexer loss is not built under tensor parallel (tp = 2)")
-        assert "T = 25 tokens do not split evenly over tp = 2 ranks" in messages[5] and "tokens_per_micro_batch" in messages[5]
+        assert "T = 25 tokens do not split evenly over tp = 2 ranks" in messages[4] and "tokens_per_micro_batch" in messages[4]
 
 
 def _failed_export(rank, world):

@@ -102,8 +102,9 @@ RUNS = {
     "pp2xcp2": (4, ["--pp=2", "--cp=2"]),
     # DeepSeek-V3's pieces: multi-latent attention under cp (keys and values gathered), group top-2 routing, MTP norm;
     # and V3.2's sparse attention: each query's 3 keys chosen among every rank's (the indexer's keys gathered too), the
-    # indexer's loss each rank's share (logged: index_loss), block 1 reusing block 0's choice (GLM-5's shared layers)
-    "dsa-cp2xep2": (4, ["--cp=2", "--ep=2", "--model.n_kv_heads=4", "--model.head_dim=12", "--model.rope_dim=4", "--model.q_rank=10",
+    # indexer's loss each rank's share (logged: index_loss), its target over every tp rank's heads, block 1 reusing
+    # block 0's choice (GLM-5's shared layers)
+    "dsa-cp2xtp2": (4, ["--cp=2", "--tp=2", "--model.n_kv_heads=4", "--model.head_dim=12", "--model.rope_dim=4", "--model.q_rank=10",
                         "--model.kv_rank=6", "--model.v_head_dim=5", "--model.mtp_norm=True", "--model.score=sigmoid", "--model.n_groups=2",
                         "--model.topk_groups=1", "--model.group_score_topk=2", "--model.index_topk=3", "--model.index_heads=4",
                         "--model.index_head_dim=6", "--model.index_shared_layers=1"]),
