@@ -31,6 +31,7 @@ from fmoe.ops.rope import (
     yarn_softmax_scale,
 )
 from fmoe.ops.routing import Routes, drop_by_capacity, random_logits, route
+from fmoe.ops.sparse import sparse_attention
 
 __all__ = [
     "PermutePlan",
@@ -56,6 +57,7 @@ __all__ = [
     "rope_inv_freq",
     "route",
     "seq_load_balancing_loss",
+    "sparse_attention",
     "swiglu",
     "tokens_per_expert",
     "unpermute",

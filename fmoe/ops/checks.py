@@ -12,8 +12,8 @@ tensor on the host: one device->host sync each. One rule for every op:
 The ops with `check`: route (NaN logits), drop_by_capacity and permute (expert ids in
 -1..E-1), grouped_mlp (offsets), cross_entropy and linear_cross_entropy (labels), and
 seq_load_balancing_loss, roll_packed, positions_from_cu_seqlens and mtp_targets
-(cu_seqlens). Research code calling an op directly keeps the default and gets a clear
-error; a model's forward passes check=False where the values are right by construction or
+(cu_seqlens), and sparse_attention (keys in range). Research code calling an op directly
+keeps the default and gets a clear error; a model's forward passes check=False where the values are right by construction or
 were checked once where the micro-batch was made (DESIGN.md "One micro-batch, one
 context"). With check=False the forward and backward of these ops, and of every other op a
 MoE transformer uses, read no tensor value on the host (tests/ops/test_checks.py).

@@ -12,6 +12,8 @@ from typing import Callable, NamedTuple
 import pytest
 import torch
 
+import tensordict.nn  # noqa: F401  (its import reads a tensor value, once per process: mtp_targets imports it on first call)
+
 import fmoe.ops as F
 from fmoe.train.metrics import HostReads
 
@@ -100,6 +102,12 @@ CASES = {
         run=lambda check: F.positions_from_cu_seqlens(_cu(), n_tokens=T, check=check),
         bad=lambda: F.positions_from_cu_seqlens(_cu(), n_tokens=T + 1),
         match=r"cu_seqlens: must end at the token count 14",
+    ),
+    "sparse_attention": Case(
+        run=lambda check: F.sparse_attention(torch.randn(T, 2, 8, requires_grad=True), torch.randn(5, 8, requires_grad=True),
+                                             torch.randint(-1, 5, (T, 3)), v_dim=4, check=check),
+        bad=lambda: F.sparse_attention(torch.randn(2, 2, 8), torch.randn(5, 8), torch.tensor([[0, 5], [1, -1]])),
+        match=r"index: expected keys in 0 \.\. S-1 = 4 or -1",
     ),
     "mtp_targets": Case(
         run=lambda check: F.mtp_targets(torch.randint(0, 50, (T,)), _cu(), 2, check=check),

@@ -1,0 +1,324 @@
+"""Sparse attention: each query attends to its own list of keys, one key and value row
+shared by every head (the multi-query form). It is the attention of DeepSeek sparse
+attention (DSA: DeepSeek-V3.2, GLM-5) in multi-latent attention's absorbed form, where kv is
+each token's [latent, rotated key] and the latent is also the value.
+
+    sparse_attention(q [T, N, D], kv [S, D], index [T, J] int, *, v_dim=None, scale=None,
+                     check=True, impl="auto") -> (o [T, N, Dv], lse [T, N] float32)
+
+For query t and head n, over the J slots of index[t] that hold a key (index[t, j] in
+0 .. S-1; -1 marks an empty slot):
+
+    s_tnj  = scale q_tn . kv_{index[t, j]}                    (all D channels: the key)
+    lse_tn = log sum_j exp(s_tnj)                             (-inf when no slot holds a key)
+    o_tn   = sum_j exp(s_tnj - lse_tn) kv_{index[t, j], :Dv}  (the first Dv channels: the value;
+                                                              0 when no slot holds a key)
+
+In DSA, q_tn = [q_nope W_uk^n, q_rope] (absorbed per head), kv = [latent, k_rope], Dv =
+kv_rank, and head n's output is o_tn W_uv^n (fmoe.layers.attention). A key written twice in
+a row counts twice. o is returned in q's dtype, lse in float32; both are differentiable:
+with p = exp(s - lse) and ds_tnj = p_tnj (do_tn . v_j - do_tn . o_tn + dlse_tn),
+
+    dq_tn = scale sum_j ds_tnj kv_{index[t, j]}
+    dkv_s = sum over the slots (t, j) holding s of sum_n (scale ds_tnj q_tn + p_tnj [do_tn, 0])
+
+Work and memory are O(T J N D): no [T, S] matrix is formed.
+
+`_sparse_attention_ref` gathers every slot's row ([T, J, D]) and is the definition of
+correctness (torch autograd). The kernels: the forward, one program per query and block of
+heads, runs an online softmax over blocks of slots, each block's rows gathered by index,
+every product split into the value channels and the rest (each a power-of-two block: 512 +
+64 for DeepSeek's 576, no padding to 1024), multiplied in the inputs' dtype with float32
+sums (bf16 on tensor cores; float32 exactly, not TF32); the backward's dq kernel has the same grid and
+recomputes the probabilities from lse; its dkv kernel runs one program per key over the
+(slot, head) rows that chose it, from the slots sorted by key (a CSR built by torch on the
+device: no atomics, so the gradient is the same on every run).
+
+Legend: T queries, N heads, D key dim, Dv value dim (the first Dv channels of kv), Dr = D -
+Dv the rest, S keys, J slots per query.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+import triton
+import triton.language as tl
+
+from fmoe.ops.backend import next_pow2, use_triton
+from fmoe.ops.checks import check_float, check_index, checking
+
+# ----------------------------------------------------------------------------------------
+# 1. Reference
+# ----------------------------------------------------------------------------------------
+
+
+def _sparse_attention_ref(q: torch.Tensor, kv: torch.Tensor, index: torch.Tensor, v_dim: int, scale: float):
+    """(o [T, N, Dv] in q's dtype, lse [T, N] float32): every slot's row gathered, float32."""
+    valid_TJ = index >= 0
+    rows_TJD = kv.float()[index.clamp(min=0).long()]
+    s_TNJ = torch.einsum("tnd,tjd->tnj", q.float(), rows_TJD) * scale
+    s_TNJ = s_TNJ.masked_fill(~valid_TJ[:, None, :], float("-inf"))
+    m_TN1 = s_TNJ.amax(-1, keepdim=True).detach()
+    m_TN1 = torch.where(torch.isfinite(m_TN1), m_TN1, torch.zeros_like(m_TN1))  # a row without keys
+    e_TNJ = torch.exp(s_TNJ - m_TN1)  # 0 in the empty slots
+    z_TN1 = e_TNJ.sum(-1, keepdim=True)
+    has_TN1 = z_TN1 > 0
+    p_TNJ = e_TNJ / torch.where(has_TN1, z_TN1, torch.ones_like(z_TN1))
+    o_TNV = torch.einsum("tnj,tjv->tnv", p_TNJ, rows_TJD[..., :v_dim])
+    lse_TN1 = torch.where(has_TN1, m_TN1 + torch.log(torch.where(has_TN1, z_TN1, torch.ones_like(z_TN1))), float("-inf"))
+    return o_TNV.to(q.dtype), lse_TN1[..., 0]
+
+
+# ----------------------------------------------------------------------------------------
+# 2. Triton kernels
+# ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rows(ptr, idx, valid, offs, lo, width, stride):
+    """[BJ, BD] in the tensor's dtype: columns lo + offs (< width) of the rows idx (zeros where not valid)."""
+    safe = tl.where(valid, idx, 0).to(tl.int64)
+    mask = valid[:, None] & (offs[None, :] < width)
+    return tl.load(ptr + safe[:, None] * stride + lo + offs[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _heads(ptr, t, offs_n, N, offs, lo, width, stride_t, stride_n):
+    """[BN, BD] in the tensor's dtype: channels lo + offs (< width) of query t's heads offs_n (< N)."""
+    mask = (offs_n[:, None] < N) & (offs[None, :] < width)
+    return tl.load(ptr + t * stride_t + offs_n[:, None] * stride_n + lo + offs[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _sparse_attention_fwd_kernel(q_ptr, kv_ptr, index_ptr, o_ptr, lse_ptr, N, J, scale,
+                                 stride_qt, stride_qn, stride_kv, stride_it, stride_ot, stride_on,
+                                 DV: tl.constexpr, DR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr,
+                                 BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_v, offs_r = tl.arange(0, BLOCK_DV), tl.arange(0, BLOCK_DR)
+    q_v = _heads(q_ptr, t, offs_n, N, offs_v, 0, DV, stride_qt, stride_qn)
+    q_r = _heads(q_ptr, t, offs_n, N, offs_r, DV, DR, stride_qt, stride_qn)
+    m = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+    l = tl.zeros((BLOCK_N,), tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
+    for j0 in range(0, J, BLOCK_J):
+        offs_j = j0 + tl.arange(0, BLOCK_J)
+        idx = tl.load(index_ptr + t * stride_it + offs_j, mask=offs_j < J, other=-1).to(tl.int64)
+        valid = idx >= 0
+        k_v = _rows(kv_ptr, idx, valid, offs_v, 0, DV, stride_kv)
+        k_r = _rows(kv_ptr, idx, valid, offs_r, DV, DR, stride_kv)
+        s = tl.dot(q_v, tl.trans(k_v), input_precision="ieee") + tl.dot(q_r, tl.trans(k_r), input_precision="ieee")
+        s = tl.where(valid[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(k_v.dtype), k_v, input_precision="ieee")
+        m = m_new
+    has = l > 0
+    o = acc / tl.where(has, l, 1.0)[:, None]
+    lse = tl.where(has, m + tl.log(tl.where(has, l, 1.0)), float("-inf"))
+    mask_n = offs_n < N
+    tl.store(o_ptr + t * stride_ot + offs_n[:, None] * stride_on + offs_v[None, :], o.to(o_ptr.dtype.element_ty),
+             mask=mask_n[:, None] & (offs_v[None, :] < DV))
+    tl.store(lse_ptr + t * N + offs_n, lse, mask=mask_n)
+
+
+@triton.jit
+def _sparse_attention_dq_kernel(q_ptr, kv_ptr, index_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, N, J, scale,
+                                stride_qt, stride_qn, stride_kv, stride_it, stride_dot, stride_don,
+                                DV: tl.constexpr, DR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr,
+                                BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_v, offs_r = tl.arange(0, BLOCK_DV), tl.arange(0, BLOCK_DR)
+    q_v = _heads(q_ptr, t, offs_n, N, offs_v, 0, DV, stride_qt, stride_qn)
+    q_r = _heads(q_ptr, t, offs_n, N, offs_r, DV, DR, stride_qt, stride_qn)
+    do = _heads(do_ptr, t, offs_n, N, offs_v, 0, DV, stride_dot, stride_don)
+    lse = tl.load(lse_ptr + t * N + offs_n, mask=mask_n, other=0.0)
+    lse = tl.where(lse == float("-inf"), 0.0, lse)  # a row without keys: every p is 0 below
+    delta = tl.load(delta_ptr + t * N + offs_n, mask=mask_n, other=0.0)
+    dq_v = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
+    dq_r = tl.zeros((BLOCK_N, BLOCK_DR), tl.float32)
+    for j0 in range(0, J, BLOCK_J):
+        offs_j = j0 + tl.arange(0, BLOCK_J)
+        idx = tl.load(index_ptr + t * stride_it + offs_j, mask=offs_j < J, other=-1).to(tl.int64)
+        valid = idx >= 0
+        k_v = _rows(kv_ptr, idx, valid, offs_v, 0, DV, stride_kv)
+        k_r = _rows(kv_ptr, idx, valid, offs_r, DV, DR, stride_kv)
+        s = tl.dot(q_v, tl.trans(k_v), input_precision="ieee") + tl.dot(q_r, tl.trans(k_r), input_precision="ieee")
+        p = tl.where(valid[None, :], tl.exp(s * scale - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(k_v), input_precision="ieee")
+        ds = p * (dp - delta[:, None])
+        dq_v += tl.dot(ds.to(k_v.dtype), k_v, input_precision="ieee")
+        dq_r += tl.dot(ds.to(k_r.dtype), k_r, input_precision="ieee")
+    base = dq_ptr + t * stride_qt + offs_n[:, None] * stride_qn
+    tl.store(base + offs_v[None, :], (dq_v * scale).to(dq_ptr.dtype.element_ty), mask=mask_n[:, None] & (offs_v[None, :] < DV))
+    tl.store(base + DV + offs_r[None, :], (dq_r * scale).to(dq_ptr.dtype.element_ty), mask=mask_n[:, None] & (offs_r[None, :] < DR))
+
+
+@triton.jit
+def _sparse_attention_dkv_kernel(q_ptr, kv_ptr, do_ptr, lse_ptr, delta_ptr, slots_ptr, offsets_ptr, dkv_ptr, N, J, scale,
+                                 stride_qt, stride_qn, stride_kv, stride_dot, stride_don,
+                                 DV: tl.constexpr, DR: tl.constexpr, BLOCK_R: tl.constexpr,
+                                 BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr):
+    """Key s: the rows (slot, head) of the slots holding s, BLOCK_R at a time."""
+    s = tl.program_id(0).to(tl.int64)
+    offs_v, offs_r = tl.arange(0, BLOCK_DV), tl.arange(0, BLOCK_DR)
+    k_v = tl.load(kv_ptr + s * stride_kv + offs_v, mask=offs_v < DV, other=0.0).to(tl.float32)  # float32 sums here: no tl.dot
+    k_r = tl.load(kv_ptr + s * stride_kv + DV + offs_r, mask=offs_r < DR, other=0.0).to(tl.float32)
+    start = tl.load(offsets_ptr + s).to(tl.int64) * N
+    end = tl.load(offsets_ptr + s + 1).to(tl.int64) * N
+    acc_v = tl.zeros((BLOCK_DV,), tl.float32)
+    acc_r = tl.zeros((BLOCK_DR,), tl.float32)
+    for r0 in range(start, end, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        live = rows < end
+        slot = tl.load(slots_ptr + rows // N, mask=live, other=0).to(tl.int64)
+        t, n = slot // J, rows % N
+        mv = live[:, None] & (offs_v[None, :] < DV)
+        mr = live[:, None] & (offs_r[None, :] < DR)
+        q_row = q_ptr + t[:, None] * stride_qt + n[:, None] * stride_qn
+        q_v = tl.load(q_row + offs_v[None, :], mask=mv, other=0.0).to(tl.float32)
+        q_r = tl.load(q_row + DV + offs_r[None, :], mask=mr, other=0.0).to(tl.float32)
+        do = tl.load(do_ptr + t[:, None] * stride_dot + n[:, None] * stride_don + offs_v[None, :], mask=mv, other=0.0).to(tl.float32)
+        lse = tl.load(lse_ptr + t * N + n, mask=live, other=0.0)
+        delta = tl.load(delta_ptr + t * N + n, mask=live, other=0.0)
+        score = (tl.sum(q_v * k_v[None, :], 1) + tl.sum(q_r * k_r[None, :], 1)) * scale
+        p = tl.where(live, tl.exp(score - lse), 0.0)
+        ds = p * (tl.sum(do * k_v[None, :], 1) - delta)
+        acc_v += tl.sum(scale * ds[:, None] * q_v + p[:, None] * do, 0)
+        acc_r += tl.sum(scale * ds[:, None] * q_r, 0)
+    tl.store(dkv_ptr + s * stride_kv + offs_v, acc_v.to(dkv_ptr.dtype.element_ty), mask=offs_v < DV)
+    tl.store(dkv_ptr + s * stride_kv + DV + offs_r, acc_r.to(dkv_ptr.dtype.element_ty), mask=offs_r < DR)
+
+
+def _blocks(N: int, D: int, v_dim: int) -> dict:
+    """Power-of-two blocks, at least 16 wide where tl.dot multiplies them."""
+    return dict(DV=v_dim, DR=D - v_dim, BLOCK_N=max(16, min(64, next_pow2(N))), BLOCK_J=16 if N > 16 else 32,
+                BLOCK_DV=max(16, next_pow2(v_dim)), BLOCK_DR=max(16, next_pow2(D - v_dim)))
+
+
+# ----------------------------------------------------------------------------------------
+# 3. torch.library registration
+# ----------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("fmoe::sparse_attention_fwd", mutates_args=())
+def _sparse_attention_fwd(q: torch.Tensor, kv: torch.Tensor, index: torch.Tensor, v_dim: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    T, N, D = q.shape
+    o = q.new_empty((T, N, v_dim))
+    lse = q.new_empty((T, N), dtype=torch.float32)
+    meta = _blocks(N, D, v_dim)
+    _sparse_attention_fwd_kernel[(T, triton.cdiv(N, meta["BLOCK_N"]))](
+        q, kv, index, o, lse, N, index.shape[1], scale, q.stride(0), q.stride(1), kv.stride(0), index.stride(0), o.stride(0), o.stride(1), **meta)
+    return o, lse
+
+
+@_sparse_attention_fwd.register_fake
+def _(q, kv, index, v_dim, scale):
+    T, N, _ = q.shape
+    return q.new_empty((T, N, v_dim)), q.new_empty((T, N), dtype=torch.float32)
+
+
+@torch.library.custom_op("fmoe::sparse_attention_bwd", mutates_args=())
+def _sparse_attention_bwd(q: torch.Tensor, kv: torch.Tensor, index: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
+                          grad_o: torch.Tensor, v_dim: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dq [T, N, D], dkv [S, D]); delta [T, N] = do . o - dlse, float32."""
+    T, N, D = q.shape
+    S, J = kv.shape[0], index.shape[1]
+    meta = _blocks(N, D, v_dim)
+    dq = torch.empty_like(q)
+    _sparse_attention_dq_kernel[(T, triton.cdiv(N, meta["BLOCK_N"]))](
+        q, kv, index, grad_o, lse, delta, dq, N, J, scale, q.stride(0), q.stride(1), kv.stride(0), index.stride(0),
+        grad_o.stride(0), grad_o.stride(1), **meta)
+    # the slots by key (empty ones last): key s's slots are slots[offsets[s]:offsets[s + 1]]
+    key = index.reshape(-1).long()
+    key = torch.where(key >= 0, key, S)
+    slots = torch.argsort(key, stable=True)
+    offsets = torch.searchsorted(key[slots], torch.arange(S + 1, device=key.device))
+    dkv = torch.empty_like(kv)
+    blocks = {k: v for k, v in meta.items() if k in ("DV", "DR", "BLOCK_DV", "BLOCK_DR")}
+    _sparse_attention_dkv_kernel[(S,)](
+        q, kv, grad_o, lse, delta, slots, offsets, dkv, N, J, scale, q.stride(0), q.stride(1), kv.stride(0),
+        grad_o.stride(0), grad_o.stride(1), BLOCK_R=32, **blocks)
+    return dq, dkv
+
+
+@_sparse_attention_bwd.register_fake
+def _(q, kv, index, lse, delta, grad_o, v_dim, scale):
+    return torch.empty_like(q), torch.empty_like(kv)
+
+
+def _setup_context(ctx, inputs, output):
+    q, kv, index, v_dim, scale = inputs
+    o, lse = output
+    ctx.save_for_backward(q, kv, index, o, lse)
+    ctx.v_dim, ctx.scale = v_dim, scale
+
+
+def _backward(ctx, grad_o, grad_lse):
+    q, kv, index, o, lse = ctx.saved_tensors
+    if grad_o is None:
+        grad_o = torch.zeros_like(o)
+    delta = (grad_o.float() * o.float()).sum(-1)
+    if grad_lse is not None:
+        delta = delta - grad_lse
+    dq, dkv = _sparse_attention_bwd(q, kv, index, lse, delta, grad_o.contiguous(), ctx.v_dim, ctx.scale)
+    return dq, dkv, None, None, None
+
+
+_sparse_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------
+# 4. Public function
+# ----------------------------------------------------------------------------------------
+
+
+def sparse_attention(q: torch.Tensor, kv: torch.Tensor, index: torch.Tensor, *, v_dim: Optional[int] = None, scale: Optional[float] = None,
+                     check: bool = True, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query's attention over the keys its index row names (module docstring).
+
+    Args:
+        q: [T, N, D] float queries, N heads sharing the keys.
+        kv: [S, D] float, q's dtype and device: the rows; a row's D channels are the key,
+            its first v_dim the value.
+        index: [T, J] int32 or int64, q's device: the keys (rows of kv) of each query's J
+            slots, -1 in an empty slot; values in -1 .. S-1 (read on the host with check=True).
+        v_dim: Dv, the value channels (default D).
+        scale: the scores' factor (default 1 / sqrt(D)).
+        check: read index on the host to check its values (one sync); False skips it.
+        impl: "auto" (Triton on CUDA, the reference otherwise), "triton" or "torch".
+    Returns:
+        (o [T, N, Dv] in q's dtype, lse [T, N] float32), both differentiable; a query whose
+        slots are all empty gets o = 0 and lse = -inf.
+    """
+    check_float("q", q, 3, "[T, N, D]")
+    check_float("kv", kv, 2, "[S, D]")
+    check_index("index", index, 2, "[T, J]")
+    T, N, D = q.shape
+    if kv.shape[1] != D or kv.dtype != q.dtype or kv.device != q.device:
+        raise ValueError(f"kv: expected [S, {D}] (q's D) in {q.dtype} on {q.device}, got {list(kv.shape)} {kv.dtype} {kv.device}")
+    if index.shape[0] != T or index.device != q.device:
+        raise ValueError(f"index: expected [{T}, J] (q's T) on {q.device}, got {list(index.shape)} on {index.device}")
+    v_dim = D if v_dim is None else v_dim
+    if isinstance(v_dim, bool) or not isinstance(v_dim, int) or not 1 <= v_dim <= D:
+        raise ValueError(f"v_dim: expected an int in 1 .. D = {D} (the value channels, the first of each kv row), got {v_dim!r}")
+    scale = D**-0.5 if scale is None else scale
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < float("inf"):
+        raise ValueError(f"scale: expected a positive number or None (1/sqrt(D)), got {scale!r}")
+    if checking(check) and index.numel():
+        lo, hi = int(index.min()), int(index.max())
+        if lo < -1 or hi >= kv.shape[0]:
+            raise ValueError(f"index: expected keys in 0 .. S-1 = {kv.shape[0] - 1} or -1 (an empty slot), got values in {lo} .. {hi} "
+                             "(pass check=False to skip this check)")
+    if T == 0 or index.shape[1] == 0 or kv.shape[0] == 0 or not use_triton(impl, q, kv, index):
+        return _sparse_attention_ref(q, kv, index, v_dim, float(scale))
+    return _sparse_attention_fwd(q.contiguous(), kv.contiguous(), index.contiguous(), v_dim, float(scale))

@@ -1,0 +1,158 @@
+"""Sparse attention (fmoe/ops/sparse.py): a worked example, the reference against dense
+attention under the mask the index makes (values and every gradient), the Triton kernels
+against the reference (the interpreter on CPU; real shapes on a GPU), their registration,
+torch.compile, and the argument checks."""
+
+import math
+
+import pytest
+import torch
+
+from fmoe.ops import sparse_attention
+from fmoe.ops.sparse import _sparse_attention_ref
+from tests.conftest import DEVICE
+
+
+def _inputs(T, N, D, S, J, *, dtype=torch.float32, device="cpu", empty=0.3, seed=0):
+    """q [T, N, D], kv [S, D], index [T, J] of distinct keys per row with a fraction `empty`
+    of -1 slots, and row 1 all empty (a query without keys)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(T, N, D, generator=g)
+    kv = torch.randn(S, D, generator=g)
+    index = torch.stack([torch.randperm(S, generator=g)[:J] for _ in range(T)])
+    index = torch.where(torch.rand(T, J, generator=g) < empty, -1, index)
+    if T > 1:
+        index[1] = -1
+    return q.to(device, dtype), kv.to(device, dtype), index.to(device)
+
+
+def _dense(q, kv, index, v_dim, scale):
+    """The definition by dense attention: the [T, S] mask of the keys each row names (a key
+    named twice counted twice: its score gets + log 2)."""
+    T, N, S = q.shape[0], q.shape[1], kv.shape[0]
+    counts = torch.zeros(T, S + 1).scatter_add_(1, torch.where(index >= 0, index, S).long(), torch.ones(index.shape))[:, :S]
+    rows = (index >= 0).any(-1).nonzero()[:, 0]  # the queries with keys; the others: o = 0, lse = -inf
+    s = torch.einsum("tnd,sd->tns", q.float()[rows], kv.float()) * scale + torch.log(counts[rows])[:, None, :]
+    o = torch.zeros(T, N, v_dim).index_copy(0, rows, torch.softmax(s, -1) @ kv.float()[:, :v_dim])
+    return o, torch.full((T, N), float("-inf")).index_copy(0, rows, torch.logsumexp(s, -1))
+
+
+def test_worked_example():
+    """One head, D = 2, Dv = 1, scale 1: q = (1, 0); keys (0, 1), (log 3, 5), (7, 7) as rows 0..2.
+    Query 0 names keys 0 and 1 (and an empty slot): scores 0 and log 3, p = (1/4, 3/4),
+    o = 0/4 + 3/4 log 3, lse = log 4. Query 1 names none: o = 0, lse = -inf."""
+    q = torch.tensor([[[1.0, 0.0]], [[1.0, 0.0]]])
+    kv = torch.tensor([[0.0, 1.0], [math.log(3), 5.0], [7.0, 7.0]])
+    index = torch.tensor([[0, -1, 1], [-1, -1, -1]])
+    for impl in ("torch", "triton"):
+        o, lse = sparse_attention(q, kv, index, v_dim=1, scale=1.0, impl=impl)
+        torch.testing.assert_close(o.flatten(), torch.tensor([0.75 * math.log(3), 0.0]))
+        assert lse[0, 0].item() == pytest.approx(math.log(4)) and lse[1, 0].item() == float("-inf")
+
+
+@pytest.mark.parametrize("T,N,D,v_dim,S,J", [(9, 3, 12, 8, 20, 5), (5, 1, 16, 16, 7, 7), (6, 4, 6, 2, 11, 1)])
+def test_reference_is_dense_attention_under_the_index_mask(T, N, D, v_dim, S, J):
+    """Values and every gradient (random upstream gradients on o and lse), a key named twice
+    in a row counting twice."""
+    q, kv, index = _inputs(T, N, D, S, J)
+    index[0, 0] = index[0, -1] = 3  # twice
+    q.requires_grad_(), kv.requires_grad_()
+    go, glse = torch.randn(T, N, v_dim), torch.randn(T, N)
+    got = _sparse_attention_ref(q, kv, index, v_dim, 0.7)
+    want = _dense(q, kv, index, v_dim, 0.7)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)
+    live = torch.isfinite(want[1])  # the dense lse's -inf rows have no gradient to give
+    grads = [torch.autograd.grad((o * go).sum() + (torch.where(live, lse, 0.0) * glse).sum(), [q, kv]) for o, lse in (got, want)]
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert float(grads[0][0][1].abs().max()) == 0.0  # the query without keys
+
+
+@pytest.mark.parametrize("T,N,D,v_dim,S,J", [(7, 3, 12, 8, 20, 5), (4, 17, 20, 16, 9, 9), (5, 2, 8, 8, 40, 33), (3, 2, 70, 64, 6, 2)])
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+def test_kernels_match_the_reference(T, N, D, v_dim, S, J, index_dtype, device):
+    """Forward and backward: heads beyond one block (17), slots beyond one block (33), no rope
+    channels (v_dim = D), a value width that is not a power of two's neighbour (70 = 64 + 6),
+    empty slots and a query without keys, keys named twice in a row and by many rows."""
+    q, kv, index = _inputs(T, N, D, S, J, device=device)
+    index = index.to(index_dtype)
+    index[0, 0] = index[0, -1] = 2
+    q.requires_grad_(), kv.requires_grad_()
+    go, glse = torch.randn(T, N, v_dim, device=device), torch.randn(T, N, device=device)
+    results = []
+    for impl in ("torch", "triton"):
+        o, lse = sparse_attention(q, kv, index, v_dim=v_dim, scale=0.4, impl=impl)
+        finite = torch.isfinite(lse)
+        grads = torch.autograd.grad((o * go).sum() + (torch.where(finite, lse, 0.0) * glse).sum(), [q, kv])
+        results.append((o, torch.where(finite, lse, 0.0), finite, *grads))
+    for name, a, b in zip(("o", "lse", "finite", "dq", "dkv"), *results):
+        if name == "finite":
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(b, a, rtol=2e-5, atol=2e-5, msg=name)
+
+
+def test_kernels_are_deterministic(device):
+    """The dkv kernel sums each key's rows in one program, in slot order: bit-identical runs."""
+    q, kv, index = _inputs(6, 4, 12, 5, 5, device=device, empty=0.0)  # every row names every key
+    q.requires_grad_(), kv.requires_grad_()
+    go = torch.randn(6, 4, 8, device=device)
+    runs = [torch.autograd.grad((sparse_attention(q, kv, index, v_dim=8, impl="triton")[0] * go).sum(), [q, kv]) for _ in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_registration_and_compile(device):
+    """torch.library.opcheck of the forward (and its autograd), and torch.compile(fullgraph=True)
+    of forward and backward giving eager's values."""
+    from fmoe.ops.sparse import _sparse_attention_fwd
+
+    q, kv, index = _inputs(5, 2, 12, 9, 4, device=device)
+    torch.library.opcheck(_sparse_attention_fwd, (q.requires_grad_(), kv.requires_grad_(), index, 8, 0.5),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+    def loss(q, kv):
+        o, lse = sparse_attention(q, kv, index, v_dim=8, scale=0.5, check=False, impl="triton")
+        return (o * o).sum() + torch.where(torch.isfinite(lse), lse, 0.0).sum()
+
+    eager, compiled = loss(q, kv), torch.compile(loss, fullgraph=True)(q, kv)
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+    for a, b in zip(torch.autograd.grad(eager, [q, kv]), torch.autograd.grad(compiled, [q, kv])):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_bad_inputs():
+    q, kv, index = _inputs(4, 2, 8, 6, 3)
+    cases = [
+        (dict(q=q[0]), "q: expected a 3-D tensor"),
+        (dict(kv=kv[:, :5]), r"kv: expected \[S, 8\] \(q's D\)"),
+        (dict(kv=kv.double()), "kv: expected dtype float32"),
+        (dict(index=index.float()), "index: expected dtype int32 or int64"),
+        (dict(index=index[:3]), r"index: expected \[4, J\] \(q's T\)"),
+        (dict(index=index + 7), r"index: expected keys in 0 .. S-1 = 5 or -1 \(an empty slot\), got values in"),
+        (dict(v_dim=9), "v_dim: expected an int in 1 .. D = 8"),
+        (dict(scale=0.0), "scale: expected a positive number"),
+        (dict(impl="cuda"), "impl: expected one of"),
+    ]
+    for change, message in cases:
+        args = dict(q=q, kv=kv, index=index) | change
+        kw = {k: args.pop(k) for k in ("v_dim", "scale", "impl") if k in args}
+        with pytest.raises(ValueError, match=message):
+            sparse_attention(args["q"], args["kv"], args["index"], **kw)
+    # check=False reads no value on the host: tests/ops/test_checks.py
+
+
+@pytest.mark.gpu
+def test_gpu_kernels_at_deepseek_v32_shapes():
+    """bf16 at DeepSeek-V3.2's absorbed shapes (one tp rank's 16 heads of 576 = 512 + 64
+    channels, 2048 slots, 4096 keys) against the float32 reference."""
+    T, N, D, Dv, S, J = 256, 16, 576, 512, 4096, 2048
+    q, kv, index = _inputs(T, N, D, S, J, dtype=torch.bfloat16, device="cuda", empty=0.1)
+    q.requires_grad_(), kv.requires_grad_()
+    go = torch.randn(T, N, Dv, device="cuda", dtype=torch.bfloat16)
+    outs = []
+    for x, y in ((q, kv), (q.detach().float().requires_grad_(), kv.detach().float().requires_grad_())):
+        o, _ = sparse_attention(x, y, index, v_dim=Dv, scale=192**-0.5, impl="triton" if x.dtype == torch.bfloat16 else "torch")
+        outs.append((o, *torch.autograd.grad((o.float() * go.float()).sum(), [x, y])))
+    for a, b in zip(*outs):
+        assert float((a.float() - b.float()).norm() / b.float().norm()) < 2e-2
