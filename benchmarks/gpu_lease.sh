@@ -8,6 +8,7 @@
 #     bash benchmarks/gpu_lease.sh a    # the gpu tests; bench_loss, bench_optim, bench_rope; bench_moe_layer profiled; bench_cp_linear; bench_fp8 (~5 min)
 #     bash benchmarks/gpu_lease.sh b    # bench_routing; bench_train_step; bench_delta (~7 min)
 #     bash benchmarks/gpu_lease.sh c    # fp8: its gpu tests, bench_fp8, bench_moe_layer, bench_train_step --fp8 (~7 min)
+#     bash benchmarks/gpu_lease.sh d    # DeepSeek sparse attention's kernels: their gpu tests, bench_sparse_attention (not yet run)
 #
 # What comes back is written to $OUT (the device tool's folder; gpu_out/ elsewhere), at most
 # 8 files: RESULTS.md (run_all.py's sections, to append to benchmarks/RESULTS.md), log.txt,
@@ -58,8 +59,17 @@ c)
     bench --only bench_moe_layer --timeout 60
     bench --only bench_train_step --timeout 260 --extra=--fp8
     ;;
+d)
+    # DeepSeek sparse attention's kernels (not yet run on a GPU): their gpu tests and the DSA
+    # model's (the training step's host syncs, decoding), then bench_sparse_attention
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-ra --durations=5" tests/ops/test_sparse.py \
+        tests/test_model.py -k "sparse or dsa" > "$OUT/gpu_tests.log" 2>&1
+    echo "gpu tests: exit $?"
+    grep -E "passed|failed|^FAILED|^ERROR|^E  " "$OUT/gpu_tests.log" | tail -20
+    bench --only bench_sparse_attention --timeout 200
+    ;;
 *)
-    echo "usage: bash benchmarks/gpu_lease.sh a|b|c" >&2
+    echo "usage: bash benchmarks/gpu_lease.sh a|b|c|d" >&2
     exit 2
     ;;
 esac

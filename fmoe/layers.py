@@ -91,7 +91,7 @@ from tensordict import TensorDict
 
 from fmoe.ops import aux_scores as _aux_scores
 from fmoe.ops import drop_by_capacity, random_logits, route
-from fmoe.ops.backend import IMPLS
+from fmoe.ops.backend import IMPLS, use_triton
 from fmoe.ops.balance import mask_tokens, tokens_per_expert
 from fmoe.ops.checks import check_float, check_index, check_positive_int, check_token_mask
 from fmoe.ops.delta import gated_delta_rule
@@ -99,6 +99,7 @@ from fmoe.ops.dispatch import permute, unpermute
 from fmoe.ops.experts import EXPERT_BIASES, check_glu, grouped_mlp, swiglu
 from fmoe.ops.fp8 import check_fp8, check_fp8_fast_accum, matmul
 from fmoe.ops.packed import roll_packed, sequence_ids
+from fmoe.ops.sparse import sparse_attention
 from fmoe.ops.rope import (
     apply_rope,
     llama3_inv_freq,
@@ -416,8 +417,13 @@ class AttentionConfig:
     attach_loss). index_shared: a layer without an indexer, which attends to the keys
     an earlier layer chose (attention's index_choice, that layer's stats["index_choice"]:
     GLM-5's "shared" layers). The
-    top-k mask is a dense [T, S] mask, so these layers attend by the SDPA reference (impl
-    "auto" picks it on CUDA too; "flex" is refused), whose memory grows with T S.
+    choice is each query's slots of key indices ([T, index_topk], fmoe.layers.index_slots).
+    Where Triton runs (impl "auto" on CUDA, "triton") a query attends to its chosen keys alone:
+    fmoe.ops.sparse_attention over the absorbed form (each head's query moved into the latent
+    space, the latent and rotated key shared by every head), O(T index_topk) work. impl
+    "torch" (and "auto" off CUDA) is the dense reference: SDPA under the choice as a [T, S]
+    mask ("flex" is refused). The indexer's scores of every key are a [T, S] product either
+    way, as DeepSeek's indexer computes them; its loss runs over the chosen keys alone.
     """
 
     n_heads: int
@@ -1014,14 +1020,15 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
             fmoe.parallel.HeadShard.mean): averages per-token statistics [T, n] over the
             ranks holding the others, each the same number of heads, so that qk_norm="proj"
             normalises over the whole projection (one call for q's and k's: n = 2), and
-            DeepSeek sparse attention's indexer loss sums every rank's heads (n = S). None:
+            DeepSeek sparse attention's indexer loss sums every rank's heads (n = J). None:
             this process holds every head.
         index_choice: for a layer of cfg.index_shared (DeepSeek sparse attention without an
-            indexer of its own), the keys it attends to: [T, S] bool, an earlier layer's
-            stats["index_choice"] over the same context; None otherwise.
+            indexer of its own), the keys it attends to: [T, J] int64 slots, an earlier
+            layer's stats["index_choice"] over the same context; None otherwise.
     Returns:
         (y [T, H] in x's dtype, stats): stats is a TensorDict, empty but for DeepSeek sparse
-        attention's "index_choice" ([T, S] bool, the keys each query attended to; a layer
+        attention's "index_choice" ([T, J] int64, J = min(index_topk, S): the keys each query
+        attended to, best first, -1 in an empty slot; index_slots; a layer
         with an indexer) and "index_loss" (a float32 scalar with the indexer's gradient, when
         cfg.index_loss and gradients are on: under context parallel this rank's share, under
         tensor parallel the whole loss on every rank), kept for the layers' common (output,
@@ -1055,9 +1062,12 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
     if shared != (index_choice is not None):
         raise ValueError("index_choice: expected the keys an earlier layer chose (its stats['index_choice']) for a layer of cfg.index_shared, and None "
                          f"otherwise; got {'None' if index_choice is None else 'a choice'} with index_shared = {cfg.index_shared}")
+    # the sparse kernel (fmoe.ops.sparse_attention: each query over its chosen keys alone) on the
+    # absorbed form, in training and prompts where Triton runs; the dense reference otherwise
+    kernel = sparse and ctx.latents is None and params.get("sinks") is None and use_triton(cfg.impl, x)
     q_lat = _mla_q_latent(x, params, cfg) if sparse and not shared else None  # the indexer's queries read it too
     wv_CNV = None
-    if ctx.latents == "absorbed":
+    if ctx.latents == "absorbed" or kernel:
         q_TND, k_TGD, v_TGD, wv_CNV = _mla_latent_qkv(x, params, cfg, ctx, q_lat)
     elif ctx.latents == "expanded":
         q_nope_TNP, q_rope_TNR, latent_TC, k_rope_T1R = _mla_parts(x, params, cfg, ctx, q_lat)
@@ -1089,20 +1099,30 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
             k_TGD, v_TGD = _mla_expand(k_TGD[:, 0, :cfg.kv_rank], k_TGD[:, :, cfg.kv_rank:], params, cfg)
     q_NTD, k_GTD, v_GTD = (rearrange(t, "t h d -> h t d") for t in (q_TND, k_TGD, v_TGD))
     mask = ctx.local_mask if local else ctx.mask
+    slots_TJ = None
     if sparse:
         if not isinstance(mask, torch.Tensor):
             raise ValueError("ctx: DeepSeek sparse attention (cfg.index_topk) needs the dense mask; build the context with this cfg (attention_context)")
         if shared:
-            if not isinstance(index_choice, torch.Tensor) or index_choice.dtype != torch.bool or index_choice.shape != mask.shape:
-                raise ValueError(f"index_choice: expected a {list(mask.shape)} bool tensor (an earlier layer's over this context), "
+            J = min(cfg.index_topk, mask.shape[1])
+            if not isinstance(index_choice, torch.Tensor) or index_choice.dtype != torch.int64 or index_choice.shape != (mask.shape[0], J):
+                raise ValueError(f"index_choice: expected a [{mask.shape[0]}, {J}] int64 tensor of key slots (an earlier layer's over this context), "
                                  f"got {getattr(index_choice, 'dtype', type(index_choice).__name__)} {list(getattr(index_choice, 'shape', []))}")
-            mask = index_choice & mask
+            # the keys this layer's own mask allows too (the same, but for a local layer reusing a full one's)
+            slots_TJ = torch.where((index_choice >= 0) & mask.gather(1, index_choice.clamp(min=0)), index_choice, -1)
         else:
-            with torch.set_grad_enabled(train_index):
-                index_TS = index_scores(x.detach(), q_lat.detach(), index_k_SD, params, cfg, ctx.cos, ctx.sin)
-            mask = index_mask(index_TS.detach(), mask, cfg.index_topk, key_order=ctx.key_order)
+            with torch.no_grad():
+                index_TS = index_scores(x, q_lat, index_k_SD.detach(), params, cfg, ctx.cos, ctx.sin)
+                slots_TJ = index_slots(index_TS, mask, cfg.index_topk, key_order=ctx.key_order)
+            del index_TS
+        if not kernel:  # the dense reference attends under the choice's mask
+            mask = slots_mask(slots_TJ, mask.shape[1])
     sinks = params.get("sinks")
-    if isinstance(mask, torch.Tensor) and sinks is not None:  # the reference, with sinks
+    lse_TN = None
+    if kernel:  # every head over each query's chosen latents; the latent output to each head's values below
+        o_TNC, lse_TN = sparse_attention(q_TND, k_TGD[:, 0], slots_TJ, v_dim=cfg.kv_rank, scale=softmax_scale(cfg), check=False, impl=cfg.impl)
+        out_NTD = rearrange(o_TNC, "t n c -> n t c")
+    elif isinstance(mask, torch.Tensor) and sinks is not None:  # the reference, with sinks
         out_NTD = _attention_with_sinks(q_NTD, k_GTD, v_GTD, mask, softmax_scale(cfg), sinks)
     elif isinstance(mask, torch.Tensor):  # the reference
         out_NTD = F.scaled_dot_product_attention(q_NTD, k_GTD, v_GTD, attn_mask=mask, scale=softmax_scale(cfg), enable_gqa=True)
@@ -1136,10 +1156,20 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
     y_TH = matmul(out_TQ, params["wo"], fp8=cfg.fp8, impl=cfg.impl)
     if params.get("bo") is not None:
         y_TH = y_TH + params["bo"]
-    stats = {"index_choice": mask} if sparse and not shared else {}
-    if train_index:  # under context parallel this rank's share: its queries' sum over the micro-batch's count (the keys')
+    stats = {"index_choice": slots_TJ} if sparse and not shared else {}
+    if train_index:
+        with torch.no_grad():  # the attention's distribution over each query's chosen keys, summed over its heads
+            if kernel:
+                target_TJ = _chosen_probs(q_TND, k_TGD[:, 0], slots_TJ, lse_TN, softmax_scale(cfg))
+            else:
+                p_NTS = _attention_probs(q_NTD, k_GTD, mask, softmax_scale(cfg))
+                target_TJ = p_NTS.sum(0).gather(1, slots_TJ.clamp(min=0)) * (slots_TJ >= 0)
+            if heads_mean is not None:  # tensor parallel: every rank's heads (a mean over the ranks; the scale goes in index_loss)
+                target_TJ = heads_mean(target_TJ)
+        scores_TJ = index_scores(x.detach(), q_lat.detach(), index_k_SD, params, cfg, ctx.cos, ctx.sin, slots=slots_TJ)
+        # under context parallel this rank's share: its queries' sum over the micro-batch's count (the keys')
         cp = ctx.gather_kv is not None and ctx.latents is None
-        stats["index_loss"] = index_loss(index_TS, q_NTD, k_GTD, mask, cfg, n_queries=mask.shape[1] if cp else None, heads_mean=heads_mean)
+        stats["index_loss"] = index_loss(scores_TJ, target_TJ, slots_TJ >= 0, n_queries=mask.shape[1] if cp else None)
     return y_TH, TensorDict(stats, batch_size=[])
 
 
@@ -1167,33 +1197,51 @@ def attach_loss(x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
     return _AttachLoss.apply(x, loss)
 
 
-def index_loss(scores_TS: torch.Tensor, q_NTD: torch.Tensor, k_GTD: torch.Tensor, mask_TS: torch.Tensor, cfg: AttentionConfig, *,
-               n_queries: Optional[int] = None, heads_mean: Optional[Callable] = None) -> torch.Tensor:
+def index_loss(scores_TJ: torch.Tensor, target_TJ: torch.Tensor, keep_TJ: torch.Tensor, *, n_queries: Optional[int] = None) -> torch.Tensor:
     """DeepSeek sparse attention's indexer loss (DeepSeek-V3.2's sparse training stage), a
     float32 scalar: the mean over the T queries of KL(p_t || softmax(I_t)) over the keys
-    mask [T, S] keeps for each, where p_t is the attention's distribution summed over its
-    heads and renormalised (from q [N, T, D] and k [G, S, D], no gradient) and I_t the
-    indexer's scores [T, S] (index_scores'). Its gradient reaches what the scores were
-    computed from: attention computes them from the detached tokens and q latents, so that
-    it reaches the indexer's weights only, as DeepSeek trains the indexer apart from the
-    model. n_queries: the mean's count (None: T); under context parallel the micro-batch's
-    T, so that this rank's T/cp queries give its share of the loss (the shares add up to
-    one process's). heads_mean: under tensor parallel (q holding this rank's heads) the
-    mean over the tp ranks of a [T, S] statistic (attention's heads_mean): the target sums
-    every rank's heads, and every tp rank computes the same loss."""
+    each attended to (the J slots of its row where keep [T, J] is True), where p_t is
+    target [T, J] (the attention's distribution over those keys summed over its heads, no
+    gradient; renormalised here) and I_t the indexer's scores [T, J] of the same keys
+    (index_scores with slots=). Its gradient reaches what the scores were computed from:
+    attention computes them from the detached tokens and q latents, so that it reaches the
+    indexer's weights only, as DeepSeek trains the indexer apart from the model. n_queries:
+    the mean's count (None: T); under context parallel the micro-batch's T, so that this
+    rank's T/cp queries give its share of the loss (the shares add up to one process's)."""
     if n_queries is not None and (isinstance(n_queries, bool) or not isinstance(n_queries, int) or n_queries < 1):
         raise ValueError(f"n_queries: expected a positive int (the queries the mean runs over) or None, got {n_queries!r}")
+    if scores_TJ.shape != target_TJ.shape or scores_TJ.shape != keep_TJ.shape or keep_TJ.dtype != torch.bool:
+        raise ValueError(f"keep: expected bool [T, J] like scores {list(scores_TJ.shape)} and target {list(target_TJ.shape)}, "
+                         f"got {keep_TJ.dtype} {list(keep_TJ.shape)}")
     with torch.no_grad():
-        N, G = q_NTD.shape[0], k_GTD.shape[0]
-        k_NSD = k_GTD.float().repeat_interleave(N // G, dim=0)
-        scores_NTS = (q_NTD.float() @ k_NSD.transpose(1, 2) * softmax_scale(cfg)).masked_fill(~mask_TS, float("-inf"))
-        p_TS = torch.softmax(scores_NTS, dim=-1).sum(0)
-        if heads_mean is not None:  # every tp rank's heads (a mean over the ranks: the scale goes below)
-            p_TS = heads_mean(p_TS)
-        p_TS = p_TS / p_TS.sum(-1, keepdim=True)
-    log_q_TS = torch.log_softmax(scores_TS.masked_fill(~mask_TS, float("-inf")), dim=-1)
-    kl_TS = torch.where(mask_TS, torch.xlogy(p_TS, p_TS) - p_TS * log_q_TS.masked_fill(~mask_TS, 0.0), 0.0)
-    return kl_TS.sum(-1).sum() / (scores_TS.shape[0] if n_queries is None else n_queries)
+        p_TJ = torch.where(keep_TJ, target_TJ.float(), 0.0)
+        p_TJ = p_TJ / p_TJ.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+    log_q_TJ = torch.log_softmax(scores_TJ.float().masked_fill(~keep_TJ, float("-inf")), dim=-1)
+    kl_TJ = torch.where(keep_TJ, torch.xlogy(p_TJ, p_TJ) - p_TJ * log_q_TJ.masked_fill(~keep_TJ, 0.0), 0.0)
+    return kl_TJ.sum(-1).sum() / (scores_TJ.shape[0] if n_queries is None else n_queries)
+
+
+def _chosen_probs(q_TNQ, kv_SQ, slots_TJ, lse_TN, scale: float, rows: int = 1 << 26) -> torch.Tensor:
+    """[T, J] float32: the sum over heads of each query's attention probability of each of its
+    slots' keys (0 in an empty slot), from sparse_attention's inputs and lse; blocks of queries
+    whose gathered key rows hold about `rows` floats (never all T J at once)."""
+    T, J = slots_TJ.shape
+    block = max(1, rows // max(1, J * kv_SQ.shape[1]))
+    lse_TN = torch.where(torch.isfinite(lse_TN), lse_TN, 0.0)
+    out = []
+    for t0 in range(0, T, block):
+        slots = slots_TJ[t0:t0 + block]
+        s_TNJ = torch.einsum("tnq,tjq->tnj", q_TNQ[t0:t0 + block].float(), kv_SQ.float()[slots.clamp(min=0)]) * scale
+        out.append(torch.where(slots[:, None, :] >= 0, torch.exp(s_TNJ - lse_TN[t0:t0 + block, :, None]), 0.0).sum(1))
+    return torch.cat(out)
+
+
+def _attention_probs(q_NTD, k_GTD, mask_TS, scale: float) -> torch.Tensor:
+    """Each head's attention distribution [N, T, S] float32 under mask (a row without keys: 0)."""
+    N, G = q_NTD.shape[0], k_GTD.shape[0]
+    k_NSD = k_GTD.float().repeat_interleave(N // G, dim=0)
+    scores_NTS = (q_NTD.float() @ k_NSD.transpose(1, 2) * scale).masked_fill(~mask_TS, float("-inf"))
+    return torch.softmax(scores_NTS, dim=-1).nan_to_num(0.0)
 
 
 def _attention_with_sinks(q_NTD, k_GTD, v_GTD, mask_TS, scale: float, sinks_N):
@@ -1322,36 +1370,56 @@ def index_keys(x_TH: torch.Tensor, params, cfg: AttentionConfig, cos: torch.Tens
 
 
 def index_scores(x_TH: torch.Tensor, q_lat_TC: torch.Tensor, keys_SD: torch.Tensor, params, cfg: AttentionConfig,
-                 cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+                 cos: torch.Tensor, sin: torch.Tensor, *, slots: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The lightning indexer's scores [T, S] float32 of T queries (tokens x [T, H], their
     normed q latents q_lat [T, q_rank]) over S keys (index_keys' [S, index_head_dim]):
     sum_h w[t, h] / sqrt(Ni) * relu(q[t, h] . k[s] / sqrt(Di)), q = q_lat index_wq per head
-    (first rot_dim channels rotated by cos, sin [T, rot_dim/2]), w = x index_w."""
+    (first rot_dim channels rotated by cos, sin [T, rot_dim/2]), w = x index_w. slots: [T, J]
+    int64 (index_slots'): the scores [T, J] of each query's keys keys[slots[t, j]] alone
+    (0 in an empty slot, -1), for the indexer's loss without a [T, S] product."""
     T, Ni, Di = x_TH.shape[0], cfg.index_heads, cfg.index_head_dim
     q_TND = (q_lat_TC.float() @ params["index_wq"].float()).view(T, Ni, Di)
     q_TND = apply_rope(q_TND, cos, sin, interleaved=cfg.index_interleaved, impl="torch")
     w_TN = (x_TH.float() @ params["index_w"].float()) * Ni**-0.5
-    relu_TNS = torch.relu(torch.einsum("tnd,sd->tns", q_TND, keys_SD.float()) * Di**-0.5)
-    return torch.einsum("tn,tns->ts", w_TN, relu_TNS)
+    if slots is None:
+        relu_TNS = torch.relu(torch.einsum("tnd,sd->tns", q_TND, keys_SD.float()) * Di**-0.5)
+        return torch.einsum("tn,tns->ts", w_TN, relu_TNS)
+    keys_TJD = keys_SD.float()[slots.clamp(min=0)]
+    relu_TNJ = torch.relu(torch.einsum("tnd,tjd->tnj", q_TND, keys_TJD) * Di**-0.5)
+    return torch.einsum("tn,tnj->tj", w_TN, relu_TNJ) * (slots >= 0)
 
 
-def index_mask(scores_TS: torch.Tensor, mask_TS: torch.Tensor, topk: int, *, key_order: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The keys each query attends to under DeepSeek sparse attention, [T, S] bool: of the
-    keys mask [T, S] allows, the topk of highest score (scores [T, S], index_scores'); all of
-    them where it allows topk or fewer. Equal scores go to the earlier key (the lower
-    column; with key_order, the earlier token): a stable sort, so that a token's choice is
-    the same whatever else shares its row (a packed batch, a cache's rows, a
-    context-parallel split). Equal scores are common: a key whose dot products with every
-    indexer head are <= 0 scores exactly 0. key_order: [S] int64, the columns in token
-    order (under context parallel the gathered keys are in rank order:
-    argsort(kv_index), AttentionContext.key_order); None: the columns are in token order."""
+def index_slots(scores_TS: torch.Tensor, mask_TS: torch.Tensor, topk: int, *, key_order: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The keys each query attends to under DeepSeek sparse attention, as slots [T, J]
+    int64, J = min(topk, S): of the keys mask [T, S] allows, the topk of highest score
+    (scores [T, S], index_scores'), best first, then -1 in the slots left empty where the
+    mask allows fewer. Equal scores go to the earlier key (the lower column; with
+    key_order, the earlier token): a stable sort, so that a token's choice is the same
+    whatever else shares its row (a packed batch, a cache's rows, a context-parallel split).
+    Equal scores are common: a key whose dot products with every indexer head are <= 0
+    scores exactly 0. key_order: [S] int64, the columns in token order (under context
+    parallel the gathered keys are in rank order: argsort(kv_index),
+    AttentionContext.key_order); None: the columns are in token order."""
     masked_TS = scores_TS.masked_fill(~mask_TS, float("-inf"))
     if key_order is not None:
         masked_TS = masked_TS.index_select(1, key_order)
-    top_TK = torch.sort(masked_TS, dim=-1, descending=True, stable=True).indices[:, :topk]
+    best = torch.sort(masked_TS, dim=-1, descending=True, stable=True)
+    top_TJ = best.indices[:, :topk]
     if key_order is not None:  # back to the columns
-        top_TK = key_order[top_TK]
-    return torch.zeros_like(mask_TS).scatter_(-1, top_TK, True) & mask_TS
+        top_TJ = key_order[top_TJ]
+    return torch.where(best.values[:, :topk] > float("-inf"), top_TJ, -1)
+
+
+def slots_mask(slots_TJ: torch.Tensor, n_keys: int) -> torch.Tensor:
+    """[T, n_keys] bool: True at each query's keys in slots [T, J] (index_slots'; -1: none)."""
+    T = slots_TJ.shape[0]
+    hit = torch.where(slots_TJ >= 0, slots_TJ, n_keys)
+    return torch.zeros(T, n_keys + 1, dtype=torch.bool, device=slots_TJ.device).scatter_(1, hit, True)[:, :n_keys]
+
+
+def index_mask(scores_TS: torch.Tensor, mask_TS: torch.Tensor, topk: int, *, key_order: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """index_slots' choice as a [T, S] bool mask (the keys each query attends to)."""
+    return slots_mask(index_slots(scores_TS, mask_TS, topk, key_order=key_order), mask_TS.shape[1])
 
 
 # ----------------------------------------------------------------------------------------

@@ -858,7 +858,7 @@ def test_deepseek_sparse_attention_with_topk_over_the_document_is_multi_latent_a
 
 
 def test_index_mask_keeps_the_topk_allowed_keys_as_worked_by_hand():
-    from fmoe.layers import index_mask
+    from fmoe.layers import index_mask, index_slots
 
     scores = torch.tensor([[5.0, 1.0, 9.0, 0.0], [2.0, 7.0, 1.0, 3.0], [0.0, 0.0, 4.0, 8.0]])
     mask = torch.tensor([[True, False, False, False], [True, True, True, False], [True, True, True, True]])
@@ -866,6 +866,8 @@ def test_index_mask_keeps_the_topk_allowed_keys_as_worked_by_hand():
     # row 0 allows one key (kept though key 2 scores higher); row 1 keeps 7 and 2, not the masked 3; row 2 keeps 8 and 4
     assert got.tolist() == [[True, False, False, False], [True, True, False, False], [False, False, True, True]]
     assert index_mask(scores, mask, 4).equal(mask)
+    # as slots (index_slots): each row's keys best first, -1 where the row allows fewer
+    assert index_slots(scores, mask, 2).tolist() == [[0, -1], [1, 0], [3, 2]]
     # equal scores go to the earlier key, wherever the row has other keys
     ties = torch.tensor([[0.0, 0.0, 0.0, 5.0, 0.0]])
     assert index_mask(ties, torch.ones(1, 5, dtype=torch.bool), 3).tolist() == [[True, True, False, True, False]]
@@ -936,39 +938,42 @@ def test_a_layer_without_an_indexer_attends_to_the_keys_another_chose():
     mla_p = {n: t for n, t in p.items() if not n.startswith("index_")}
     x = torch.randn(17, H, requires_grad=True)
     y, stats = attention(x, p, DSA, _ctx(cu, DSA))
-    choice = stats["index_choice"]
-    assert choice.dtype == torch.bool and choice.shape == (17, 17) and int(choice.sum(-1).max()) == DSA.index_topk
+    choice = stats["index_choice"]  # slots: each query's keys, best first, -1 where its document has fewer
+    assert choice.dtype == torch.int64 and choice.shape == (17, DSA.index_topk)
+    assert (choice >= 0).sum(-1).tolist() == [1, 2, 3, 3, 3, 1, 1, 2, *[3] * 9]  # documents of 5, 1 and 11 tokens
     y_shared, shared_stats = attention(x, mla_p, shared, _ctx(cu, shared), index_choice=choice)
     assert torch.equal(y_shared, y) and len(shared_stats.keys()) == 0
     up = torch.randn_like(y)
     for a, b in zip(torch.autograd.grad(y_shared, [x, *mla_p.values()], up), torch.autograd.grad(y, [x, *mla_p.values()], up)):
         assert torch.equal(a, b)
-    other = torch.tril(torch.ones(17, 17, dtype=torch.bool))  # another choice: every earlier key
+    other = torch.where(torch.arange(3) == 0, -1, choice)  # another choice: the best key left out
     assert _rel(attention(x, mla_p, shared, _ctx(cu, shared), index_choice=other)[0], y) > 1e-2
     with pytest.raises(ValueError, match=r"index_choice: expected the keys an earlier layer chose .* got None with index_shared = True"):
         attention(x, mla_p, shared, _ctx(cu, shared))
     with pytest.raises(ValueError, match=r"index_choice: expected .* got a choice with index_shared = False"):
         attention(x, p, DSA, _ctx(cu, DSA), index_choice=choice)
-    with pytest.raises(ValueError, match=r"index_choice: expected a \[17, 17\] bool tensor"):
+    with pytest.raises(ValueError, match=r"index_choice: expected a \[17, 3\] int64 tensor of key slots"):
         attention(x, mla_p, shared, _ctx(cu, shared), index_choice=choice[:5])
     with pytest.raises(ValueError, match="index_loss: a layer of index_shared has no indexer of its own to train"):
         dataclasses.replace(shared, index_loss=True)
     assert isinstance(_ctx(cu, DSA).index_choices, dict) and _ctx(cu, MLA).index_choices is None
 
 
-def test_deepseek_sparse_attention_under_context_parallel():
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_deepseek_sparse_attention_under_context_parallel(impl):
     """cp = 2 in one process: each rank's queries choose among every rank's keys (the
     indexer's keys gathered too) the keys the whole batch's rows choose, equal scores going
     to the earlier token although the gathered keys are in rank order; the ranks' outputs are
     the whole batch's rows, and their indexer losses (each its queries' sum over the whole
-    batch's count) and those losses' gradients add up to the whole batch's."""
-    from fmoe.layers import _mla_qkv, index_keys
+    batch's count) and those losses' gradients add up to the whole batch's. With the sparse
+    kernel ("triton") the gathered rows are the latents and rotated keys."""
+    from fmoe.layers import _mla_latent_qkv, _mla_qkv, index_keys
     from fmoe.parallel import cp_kv_index, cp_token_index
 
     cu, cp, T = torch.tensor([0, 3, 4, 24], dtype=torch.int32), 2, 24  # the last document crosses every chunk edge
     # one indexer head: about half of its ReLUs are 0, and where its head weight is negative
     # the zero scores are the highest, so equal scores decide many choices of 2 keys
-    cfg = dataclasses.replace(DSA, index_heads=1, index_topk=2, index_loss=True)
+    cfg = dataclasses.replace(DSA, index_heads=1, index_topk=2, index_loss=True, impl=impl)
     p = _dsa_params(cfg)
     x = torch.randn(T, H)
     positions = positions_from_cu_seqlens(cu)
@@ -977,7 +982,7 @@ def test_deepseek_sparse_attention_under_context_parallel():
     indexer = [n for n in p if n.startswith("index_")]
     want_grads = torch.autograd.grad(stats["index_loss"], [p[n] for n in indexer])
     kv_index = cp_kv_index(T, cp)
-    k_all, v_all = (t[kv_index] for t in _mla_qkv(x, p, cfg, whole_ctx)[1:])
+    k_all, v_all = (t[kv_index] for t in (_mla_latent_qkv(x, p, cfg, whole_ctx)[1:3] if impl == "triton" else _mla_qkv(x, p, cfg, whole_ctx)[1:]))
     i_all = index_keys(x, p, cfg, whole_ctx.cos, whole_ctx.sin)[kv_index]
     losses, unordered = [], 0
     for rank in range(cp):
@@ -993,7 +998,8 @@ def test_deepseek_sparse_attention_under_context_parallel():
         assert torch.equal(ctx.key_order, torch.argsort(kv_index))
         y, rank_stats = attention(x[index], p, cfg, ctx)
         assert _rel(y, whole[index]) < 1e-5, rank
-        assert torch.equal(rank_stats["index_choice"], stats["index_choice"][index][:, kv_index]), rank
+        rank_choice = rank_stats["index_choice"]  # slots of the gathered rows: their tokens are kv_index's
+        assert torch.equal(torch.where(rank_choice >= 0, kv_index[rank_choice.clamp(min=0)], -1), stats["index_choice"][index]), rank
         losses.append(rank_stats["index_loss"])
         with torch.no_grad():  # the gathered keys' own order breaks the ties otherwise
             rank_order = attention(x[index], p, cfg, dataclasses.replace(ctx, key_order=None))[1]["index_choice"]
@@ -1002,6 +1008,32 @@ def test_deepseek_sparse_attention_under_context_parallel():
     assert float(sum(losses).detach()) == pytest.approx(float(stats["index_loss"].detach()), rel=1e-5) and float(stats["index_loss"].detach()) > 1e-3
     for name, a, b in zip(indexer, torch.autograd.grad(sum(losses), [p[n] for n in indexer]), want_grads):
         assert _rel(a, b) < 1e-5, name
+
+
+def test_deepseek_sparse_attention_kernel_is_the_reference():
+    """impl="triton" (CUDA's "auto"): the absorbed queries over each one's chosen latents
+    (fmoe.ops.sparse_attention), against the dense reference (impl="torch"): the output, the
+    choice, the indexer's loss and every gradient (a random upstream gradient on the output,
+    the loss's own), for a layer with an indexer and one reusing its choice."""
+    from fmoe.layers import index_shapes
+
+    cu = torch.tensor([0, 5, 6, 17], dtype=torch.int32)
+    p = _dsa_params(DSA)
+    x = torch.randn(17, H, requires_grad=True)
+    up = torch.randn(17, H)
+    mla = [n for n in p if not n.startswith("index_")]
+    runs = {}
+    for impl in ("torch", "triton"):
+        cfg = dataclasses.replace(DSA, index_loss=True, impl=impl)
+        y, stats = attention(x, p, cfg, _ctx(cu, cfg))
+        shared = dataclasses.replace(DSA, index_shared=True, impl=impl)
+        y_shared = attention(x, {n: p[n] for n in mla}, shared, _ctx(cu, shared), index_choice=stats["index_choice"])[0]
+        grads = torch.autograd.grad((y * up).sum() + (y_shared * up.flip(0)).sum() + stats["index_loss"], [x, *p.values()])
+        runs[impl] = (y, y_shared, stats["index_loss"], *grads)
+        assert torch.equal(stats["index_choice"], runs.setdefault("choice", stats["index_choice"]))
+    for name, a, b in zip(["y", "y_shared", "index_loss", "x", *p], runs["torch"], runs["triton"]):
+        assert _rel(b, a) < 2e-5, name
+    assert set(index_shapes(H, DSA)) <= set(p) and float(runs["torch"][2].detach()) > 1e-3
 
 
 @pytest.mark.parametrize("form", ["absorbed", "expanded"])
@@ -1050,7 +1082,9 @@ def test_deepseek_sparse_attention_bad_inputs():
     with pytest.raises(ValueError, match=r"params: unknown multi-latent attention parameters \['index_w'\]"):
         attention(x, {n: t for n, t in p.items() if n.startswith(("w", "q_a", "kv_a"))} | {"index_w": p["index_w"]}, MLA, _ctx(cu, MLA))
     with pytest.raises(ValueError, match="n_queries: expected a positive int"):
-        index_loss(torch.zeros(6, 6), torch.zeros(4, 6, 12), torch.zeros(4, 6, 12), torch.ones(6, 6, dtype=torch.bool), DSA, n_queries=0)
+        index_loss(torch.zeros(6, 3), torch.ones(6, 3), torch.ones(6, 3, dtype=torch.bool), n_queries=0)
+    with pytest.raises(ValueError, match=r"keep: expected bool \[T, J\] like scores \[6, 3\]"):
+        index_loss(torch.zeros(6, 3), torch.ones(6, 3), torch.ones(6, 2, dtype=torch.bool))
     flex = dataclasses.replace(MLA, impl="flex")  # a context built for another layer: FlexAttention's block mask
     with pytest.raises(ValueError, match="ctx: DeepSeek sparse attention .* needs the dense mask"):
         attention(x, p, DSA, _ctx(cu, flex))

@@ -261,6 +261,9 @@ CASES = {
     # ...and with the heads over tp: the loss's target sums every rank's heads, each rank attaching 1/tp of it
     "tp2-dsa": (2, dict(tp=2), DSA),
     "cp2xtp2-dsa": (4, dict(cp=2, tp=2), DSA),
+    # ...and with the sparse kernel (impl "triton", the interpreter here; CUDA's "auto"): the gathered rows are the
+    # latents and rotated keys, each rank's queries over its chosen ones
+    "cp2-dsa-kernel": (2, dict(cp=2), dict(DSA, impl="triton")),
     # a sliding window of 5 tokens in block 1 (the MoE one) with its own plain RoPE base, block
     # 0 full and without RoPE, Llama 3.1's RoPE scaling (EXAONE's layout, Mellum's bases): each
     # cp rank's keys of every rank masked by the window at their global indices, the NoPE
