@@ -27,7 +27,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from fmoe.ops import balance, delta, dispatch, experts, fp8, loss, packed, rope, routing  # noqa: E402
+from fmoe.ops import balance, delta, dispatch, experts, fp8, loss, packed, rope, routing, sparse  # noqa: E402
 from fmoe.optim import adamw  # noqa: E402
 
 BIN = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -157,6 +157,19 @@ def cases():
                                                                    s0_ptr="*fp32", states_ptr="*fp32"), states_scalars, meta
     yield "delta_states_bwd", delta._delta_states_bwd_kernel, dict(wk_ptr="*fp32", kout_ptr="*fp32", keep_ptr="*fp32", dstates_ptr="*fp32",
                                                                    g_ptr="*fp32", du_ptr="*fp32"), states_scalars, meta
+    # DeepSeek sparse attention at one tp rank of DeepSeek-V3.2 (16 heads, rows of 512 latent + 64 rotated channels,
+    # bf16): the forward, dq, and the keys' gradients (fmoe.ops.sparse_attention)
+    meta = sparse._blocks(16, 576, 512)
+    attn_scalars = dict(N="i32", J="i32", scale="fp32", stride_qt="i32", stride_qn="i32", stride_kv="i32", stride_it="i32")
+    yield "sparse_attention_fwd", sparse._sparse_attention_fwd_kernel, dict(q_ptr="*bf16", kv_ptr="*bf16", index_ptr="*i64", o_ptr="*bf16",
+                                                                         lse_ptr="*fp32"), dict(attn_scalars, stride_ot="i32", stride_on="i32"), meta
+    yield "sparse_attention_dq", sparse._sparse_attention_dq_kernel, dict(q_ptr="*bf16", kv_ptr="*bf16", index_ptr="*i64", do_ptr="*bf16",
+                                                                       lse_ptr="*fp32", delta_ptr="*fp32", dq_ptr="*bf16"), dict(
+        attn_scalars, stride_dot="i32", stride_don="i32"), meta
+    dkv_meta = {k: v for k, v in meta.items() if k in ("DV", "DR", "BLOCK_DV", "BLOCK_DR", "num_warps")} | sparse._dkv_blocks()
+    yield "sparse_attention_dkv", sparse._sparse_attention_dkv_kernel, dict(q_ptr="*bf16", kv_ptr="*bf16", do_ptr="*bf16", lse_ptr="*fp32",
+                                                                         delta_ptr="*fp32", slots_ptr="*i64", offsets_ptr="*i64", dkv_ptr="*bf16"), dict(
+        N="i32", J="i32", scale="fp32", stride_qt="i32", stride_qn="i32", stride_kv="i32", stride_dot="i32", stride_don="i32"), dkv_meta
     # AdamW step (fmoe.optim.adamw), one program per CHUNK elements of a tensor; "factor": the
     # clip's factor taken into the step (the train loop's)
     adamw_ptrs = dict(table_ptr="*i64", chunk_tensor_ptr="*i64", factor_ptr="*fp32")

@@ -200,9 +200,14 @@ def _sparse_attention_dkv_kernel(q_ptr, kv_ptr, do_ptr, lse_ptr, delta_ptr, slot
 
 
 def _blocks(N: int, D: int, v_dim: int) -> dict:
-    """Power-of-two blocks, at least 16 wide where tl.dot multiplies them."""
+    """Power-of-two blocks, at least 16 wide where tl.dot multiplies them, and the warps."""
     return dict(DV=v_dim, DR=D - v_dim, BLOCK_N=max(16, min(64, next_pow2(N))), BLOCK_J=16 if N > 16 else 32,
-                BLOCK_DV=max(16, next_pow2(v_dim)), BLOCK_DR=max(16, next_pow2(D - v_dim)))
+                BLOCK_DV=max(16, next_pow2(v_dim)), BLOCK_DR=max(16, next_pow2(D - v_dim)), num_warps=4)
+
+
+def _dkv_blocks() -> dict:
+    """The dkv kernel's rows per step (a slot's head each)."""
+    return dict(BLOCK_R=8)
 
 
 # ----------------------------------------------------------------------------------------
@@ -244,10 +249,10 @@ def _sparse_attention_bwd(q: torch.Tensor, kv: torch.Tensor, index: torch.Tensor
     slots = torch.argsort(key, stable=True)
     offsets = torch.searchsorted(key[slots], torch.arange(S + 1, device=key.device))
     dkv = torch.empty_like(kv)
-    blocks = {k: v for k, v in meta.items() if k in ("DV", "DR", "BLOCK_DV", "BLOCK_DR")}
+    blocks = {k: v for k, v in meta.items() if k in ("DV", "DR", "BLOCK_DV", "BLOCK_DR", "num_warps")} | _dkv_blocks()
     _sparse_attention_dkv_kernel[(S,)](
         q, kv, grad_o, lse, delta, slots, offsets, dkv, N, J, scale, q.stride(0), q.stride(1), kv.stride(0),
-        grad_o.stride(0), grad_o.stride(1), BLOCK_R=32, **blocks)
+        grad_o.stride(0), grad_o.stride(1), **blocks)
     return dq, dkv
 
 
