@@ -99,7 +99,6 @@ from fmoe.ops.dispatch import permute, unpermute
 from fmoe.ops.experts import EXPERT_BIASES, check_glu, grouped_mlp, swiglu
 from fmoe.ops.fp8 import check_fp8, check_fp8_fast_accum, matmul
 from fmoe.ops.packed import roll_packed, sequence_ids
-from fmoe.ops.sparse import sparse_attention
 from fmoe.ops.rope import (
     apply_rope,
     llama3_inv_freq,
@@ -110,6 +109,7 @@ from fmoe.ops.rope import (
     yarn_softmax_scale,
 )
 from fmoe.ops.routing import Routes, keep_slots
+from fmoe.ops.sparse import sparse_attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -642,7 +642,7 @@ class AttentionContext:
         otherwise.
     key_order: DeepSeek sparse attention over keys from gather_kv: [S] int64, the mask's
         columns in token order (argsort of attention_context's kv_index; the indexer's equal
-        scores go to the earlier token, fmoe.layers.index_mask); None: no gather_kv.
+        scores go to the earlier token, fmoe.layers.index_slots); None: no gather_kv.
     """
 
     cos: torch.Tensor
@@ -1112,7 +1112,7 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
             slots_TJ = torch.where((index_choice >= 0) & mask.gather(1, index_choice.clamp(min=0)), index_choice, -1)
         else:
             with torch.no_grad():
-                index_TS = index_scores(x, q_lat, index_k_SD.detach(), params, cfg, ctx.cos, ctx.sin)
+                index_TS = index_scores(x, q_lat, index_k_SD, params, cfg, ctx.cos, ctx.sin)
                 slots_TJ = index_slots(index_TS, mask, cfg.index_topk, key_order=ctx.key_order)
             del index_TS
         if not kernel:  # the dense reference attends under the choice's mask
@@ -1376,7 +1376,7 @@ def index_scores(x_TH: torch.Tensor, q_lat_TC: torch.Tensor, keys_SD: torch.Tens
     sum_h w[t, h] / sqrt(Ni) * relu(q[t, h] . k[s] / sqrt(Di)), q = q_lat index_wq per head
     (first rot_dim channels rotated by cos, sin [T, rot_dim/2]), w = x index_w. slots: [T, J]
     int64 (index_slots'): the scores [T, J] of each query's keys keys[slots[t, j]] alone
-    (0 in an empty slot, -1), for the indexer's loss without a [T, S] product."""
+    (0 in an empty slot), for the indexer's loss without a [T, S] product."""
     T, Ni, Di = x_TH.shape[0], cfg.index_heads, cfg.index_head_dim
     q_TND = (q_lat_TC.float() @ params["index_wq"].float()).view(T, Ni, Di)
     q_TND = apply_rope(q_TND, cos, sin, interleaved=cfg.index_interleaved, impl="torch")
