@@ -93,6 +93,21 @@ def _heads(ptr, t, offs_n, N, offs, lo, width, stride_t, stride_n):
 
 
 @triton.jit
+def _slot_block(q_v, q_r, kv_ptr, index_ptr, t, j0, J, stride_it, stride_kv, DV: tl.constexpr, DR: tl.constexpr,
+                BLOCK_J: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr):
+    """Query t's slots j0 .. j0 + BLOCK_J: which hold a key [BJ], their rows' value channels
+    [BJ, BDV] and the rest [BJ, BDR], and the heads' scores q . k [BN, BJ] (float32, unscaled)."""
+    offs_j = j0 + tl.arange(0, BLOCK_J)
+    offs_v, offs_r = tl.arange(0, BLOCK_DV), tl.arange(0, BLOCK_DR)
+    idx = tl.load(index_ptr + t * stride_it + offs_j, mask=offs_j < J, other=-1).to(tl.int64)
+    valid = idx >= 0
+    k_v = _rows(kv_ptr, idx, valid, offs_v, 0, DV, stride_kv)
+    k_r = _rows(kv_ptr, idx, valid, offs_r, DV, DR, stride_kv)
+    s = tl.dot(q_v, tl.trans(k_v), input_precision="ieee") + tl.dot(q_r, tl.trans(k_r), input_precision="ieee")
+    return valid, k_v, k_r, s
+
+
+@triton.jit
 def _sparse_attention_fwd_kernel(q_ptr, kv_ptr, index_ptr, o_ptr, lse_ptr, N, J, scale,
                                  stride_qt, stride_qn, stride_kv, stride_it, stride_ot, stride_on,
                                  DV: tl.constexpr, DR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr,
@@ -106,12 +121,7 @@ def _sparse_attention_fwd_kernel(q_ptr, kv_ptr, index_ptr, o_ptr, lse_ptr, N, J,
     l = tl.zeros((BLOCK_N,), tl.float32)
     acc = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
     for j0 in range(0, J, BLOCK_J):
-        offs_j = j0 + tl.arange(0, BLOCK_J)
-        idx = tl.load(index_ptr + t * stride_it + offs_j, mask=offs_j < J, other=-1).to(tl.int64)
-        valid = idx >= 0
-        k_v = _rows(kv_ptr, idx, valid, offs_v, 0, DV, stride_kv)
-        k_r = _rows(kv_ptr, idx, valid, offs_r, DV, DR, stride_kv)
-        s = tl.dot(q_v, tl.trans(k_v), input_precision="ieee") + tl.dot(q_r, tl.trans(k_r), input_precision="ieee")
+        valid, k_v, k_r, s = _slot_block(q_v, q_r, kv_ptr, index_ptr, t, j0, J, stride_it, stride_kv, DV, DR, BLOCK_J, BLOCK_DV, BLOCK_DR)
         s = tl.where(valid[None, :], s * scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -147,12 +157,7 @@ def _sparse_attention_dq_kernel(q_ptr, kv_ptr, index_ptr, do_ptr, lse_ptr, delta
     dq_v = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
     dq_r = tl.zeros((BLOCK_N, BLOCK_DR), tl.float32)
     for j0 in range(0, J, BLOCK_J):
-        offs_j = j0 + tl.arange(0, BLOCK_J)
-        idx = tl.load(index_ptr + t * stride_it + offs_j, mask=offs_j < J, other=-1).to(tl.int64)
-        valid = idx >= 0
-        k_v = _rows(kv_ptr, idx, valid, offs_v, 0, DV, stride_kv)
-        k_r = _rows(kv_ptr, idx, valid, offs_r, DV, DR, stride_kv)
-        s = tl.dot(q_v, tl.trans(k_v), input_precision="ieee") + tl.dot(q_r, tl.trans(k_r), input_precision="ieee")
+        valid, k_v, k_r, s = _slot_block(q_v, q_r, kv_ptr, index_ptr, t, j0, J, stride_it, stride_kv, DV, DR, BLOCK_J, BLOCK_DV, BLOCK_DR)
         p = tl.where(valid[None, :], tl.exp(s * scale - lse[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(k_v), input_precision="ieee")
         ds = p * (dp - delta[:, None])
