@@ -270,6 +270,16 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
+def check_agree(case: str, got: dict, names: tuple[str, str], dtype: torch.dtype, what: str = "") -> None:
+    """Exit unless got[a] and got[b] (tuples of tensors: an output and its gradients) agree
+    within 1e-4 in float32, 2e-2 in bf16 (the largest rel_err); print the check otherwise."""
+    a, b = names
+    worst = max(rel_err(x, y) for x, y in zip(got[a], got[b]))
+    if worst > (1e-4 if dtype == torch.float32 else 2e-2):
+        sys.exit(f"{case}: {a} and {b} disagree (relative error {worst:.3g})")
+    print(f"{case}: checked ({a} vs {b}{what}, relative error {worst:.2g}); timing", flush=True)
+
+
 def _cell(value) -> str:
     if value is None:
         return ""

@@ -34,16 +34,15 @@ do about half the q k^T and k k^T work, plus the decays' elementwise products). 
 to OUT/bench_delta.csv.
 """
 
-import sys
 import time
 from dataclasses import dataclass
 
 from _common import (  # before torch and fmoe: with --smoke it sets TRITON_INTERPRET
     bench,
+    check_agree,
     case_done,
     finish,
     matmul_rate,
-    rel_err,
     start,
     timing_row,
 )
@@ -105,10 +104,7 @@ def run_case(case: Case, device: torch.device, dtype: torch.dtype, rate: float, 
     for name in ("fused", "eager"):
         o = impls[name](*inputs)
         outs[name] = (o.detach(), *torch.autograd.grad(o, inputs, grad_o))
-    worst = max(rel_err(a, b) for a, b in zip(outs["fused"], outs["eager"]))
-    if worst > (1e-4 if dtype == torch.float32 else 2e-2):
-        sys.exit(f"{case.name}: fused and eager disagree (relative error {worst:.3g})")
-    print(f"{case.name}: checked (fused vs eager, relative error {worst:.2g}); timing", flush=True)
+    check_agree(case.name, outs, ("fused", "eager"), dtype)
 
     def fwd(name):
         with torch.no_grad():
