@@ -422,8 +422,9 @@ class AttentionConfig:
     fmoe.ops.sparse_attention over the absorbed form (each head's query moved into the latent
     space, the latent and rotated key shared by every head), O(T index_topk) work. impl
     "torch" (and "auto" off CUDA) is the dense reference: SDPA under the choice as a [T, S]
-    mask ("flex" is refused). The indexer's scores of every key are a [T, S] product either
-    way, as DeepSeek's indexer computes them; its loss runs over the chosen keys alone.
+    mask ("flex" is refused). The indexer scores every allowed key, as DeepSeek's does, for
+    blocks of queries (never a [T, index_heads, S] product at once); its loss runs over the
+    chosen keys alone.
     """
 
     n_heads: int
@@ -1112,9 +1113,7 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
             slots_TJ = torch.where((index_choice >= 0) & mask.gather(1, index_choice.clamp(min=0)), index_choice, -1)
         else:
             with torch.no_grad():
-                index_TS = index_scores(x, q_lat, index_k_SD, params, cfg, ctx.cos, ctx.sin)
-                slots_TJ = index_slots(index_TS, mask, cfg.index_topk, key_order=ctx.key_order)
-            del index_TS
+                slots_TJ = _index_choice(x, q_lat, index_k_SD, params, cfg, ctx, mask)
         if not kernel:  # the dense reference attends under the choice's mask
             mask = slots_mask(slots_TJ, mask.shape[1])
     sinks = params.get("sinks")
@@ -1408,6 +1407,20 @@ def index_slots(scores_TS: torch.Tensor, mask_TS: torch.Tensor, topk: int, *, ke
     if key_order is not None:  # back to the columns
         top_TJ = key_order[top_TJ]
     return torch.where(best.values[:, :topk] > float("-inf"), top_TJ, -1)
+
+
+def _index_choice(x_TH, q_lat_TC, keys_SD, params, cfg: AttentionConfig, ctx: AttentionContext, mask_TS, rows: int = 1 << 26) -> torch.Tensor:
+    """index_slots of index_scores (no gradient) for blocks of queries whose indexer products
+    [block, index_heads, S] hold about `rows` floats: never the [T, index_heads, S] product
+    of every query at once (4 GiB in float32 at T = S = 4096 and 64 heads)."""
+    T, S = mask_TS.shape
+    block = max(1, rows // max(1, cfg.index_heads * S))
+    slots = []
+    for t0 in range(0, T, block):
+        b = slice(t0, t0 + block)
+        scores_BS = index_scores(x_TH[b], q_lat_TC[b], keys_SD, params, cfg, ctx.cos[b], ctx.sin[b])
+        slots.append(index_slots(scores_BS, mask_TS[b], cfg.index_topk, key_order=ctx.key_order))
+    return torch.cat(slots)
 
 
 def slots_mask(slots_TJ: torch.Tensor, n_keys: int) -> torch.Tensor:

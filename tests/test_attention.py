@@ -879,6 +879,32 @@ def test_index_mask_keeps_the_topk_allowed_keys_as_worked_by_hand():
     assert index_mask(ties[:, perm], torch.ones(1, 5, dtype=torch.bool), 3).tolist() == [[True, True, True, False, False]]
 
 
+def test_the_choice_is_made_for_blocks_of_queries_alike():
+    """The indexer's scores and top-k run over blocks of queries (never the [T, heads, S]
+    product at once): blocks of 1 and 3 queries choose what one block of all 17 does."""
+    from fmoe.layers import _index_choice, _mla_q_latent, index_keys
+
+    cu = torch.tensor([0, 5, 6, 17], dtype=torch.int32)
+    p = {n: t.detach() for n, t in _dsa_params(DSA).items()}
+    x = torch.randn(17, H)
+    ctx = _ctx(cu, DSA)
+    keys = index_keys(x, p, DSA, ctx.cos, ctx.sin)
+    whole = _index_choice(x, _mla_q_latent(x, p, DSA), keys, p, DSA, ctx, ctx.mask)
+    assert torch.equal(whole, attention(x, p, DSA, ctx)[1]["index_choice"])
+    for rows in (DSA.index_heads * 17, 3 * DSA.index_heads * 17):  # blocks of 1 and 3 queries
+        assert torch.equal(_index_choice(x, _mla_q_latent(x, p, DSA), keys, p, DSA, ctx, ctx.mask, rows=rows), whole)
+    # ...and so does the indexer loss's target on the kernel's path (the attention probabilities of the chosen keys)
+    from fmoe.layers import _chosen_probs
+    from fmoe.ops import sparse_attention
+
+    q, kv = torch.randn(17, 4, 10), torch.randn(17, 10)
+    lse = sparse_attention(q, kv, whole, v_dim=6, scale=0.3)[1]
+    probs = _chosen_probs(q, kv, whole, lse, 0.3)
+    torch.testing.assert_close(probs.sum(-1), torch.full((17,), 4.0))  # each head's distribution sums to 1
+    for rows in (3 * 10, 4 * 3 * 10):  # blocks of 1 and 4 queries
+        assert torch.equal(_chosen_probs(q, kv, whole, lse, 0.3, rows=rows), probs)
+
+
 def test_the_indexer_loss_is_the_definition_s_and_trains_the_indexer_alone():
     """index_loss: stats["index_loss"] is the per-query definition's KL, its gradient reaches
     the indexer's weights alone (as the definition's), and the output and its gradients are
