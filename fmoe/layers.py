@@ -88,6 +88,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 from tensordict import TensorDict
+from torch.utils.checkpoint import checkpoint
 
 from fmoe.ops import aux_scores as _aux_scores
 from fmoe.ops import drop_by_capacity, random_logits, route
@@ -424,7 +425,7 @@ class AttentionConfig:
     "torch" (and "auto" off CUDA) is the dense reference: SDPA under the choice as a [T, S]
     mask ("flex" is refused). The indexer scores every allowed key, as DeepSeek's does, for
     blocks of queries (never a [T, index_heads, S] product at once); its loss runs over the
-    chosen keys alone.
+    chosen keys alone, block by block, each block recomputed in the backward.
     """
 
     n_heads: int
@@ -1165,10 +1166,10 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
                 target_TJ = p_NTS.sum(0).gather(1, slots_TJ.clamp(min=0)) * (slots_TJ >= 0)
             if heads_mean is not None:  # tensor parallel: every rank's heads (a mean over the ranks; the scale goes in index_loss)
                 target_TJ = heads_mean(target_TJ)
-        scores_TJ = index_scores(x.detach(), q_lat.detach(), index_k_SD, params, cfg, ctx.cos, ctx.sin, slots=slots_TJ)
         # under context parallel this rank's share: its queries' sum over the micro-batch's count (the keys')
         cp = ctx.gather_kv is not None and ctx.latents is None
-        stats["index_loss"] = index_loss(scores_TJ, target_TJ, slots_TJ >= 0, n_queries=mask.shape[1] if cp else None)
+        stats["index_loss"] = _index_loss_blocks(x.detach(), q_lat.detach(), index_k_SD, slots_TJ, target_TJ, params, cfg, ctx,
+                                                 n_queries=mask.shape[1] if cp else x.shape[0])
     return y_TH, TensorDict(stats, batch_size=[])
 
 
@@ -1218,6 +1219,29 @@ def index_loss(scores_TJ: torch.Tensor, target_TJ: torch.Tensor, keep_TJ: torch.
     log_q_TJ = torch.log_softmax(scores_TJ.float().masked_fill(~keep_TJ, float("-inf")), dim=-1)
     kl_TJ = torch.where(keep_TJ, torch.xlogy(p_TJ, p_TJ) - p_TJ * log_q_TJ.masked_fill(~keep_TJ, 0.0), 0.0)
     return kl_TJ.sum(-1).sum() / (scores_TJ.shape[0] if n_queries is None else n_queries)
+
+
+def _index_loss_block(x_BH, q_lat_BC, keys_SD, slots_BJ, target_BJ, cos_BR, sin_BR, params, cfg: AttentionConfig) -> torch.Tensor:
+    """A block of queries' indexer loss, summed over them."""
+    scores_BJ = index_scores(x_BH, q_lat_BC, keys_SD, params, cfg, cos_BR, sin_BR, slots=slots_BJ)
+    return index_loss(scores_BJ, target_BJ, slots_BJ >= 0, n_queries=1)
+
+
+def _index_loss_blocks(x_TH, q_lat_TC, keys_SD, slots_TJ, target_TJ, params, cfg: AttentionConfig, ctx: AttentionContext, *,
+                       n_queries: int, rows: int = 1 << 26) -> torch.Tensor:
+    """index_loss of index_scores(slots=) (attention's indexer loss, the sum over the queries
+    divided by n_queries) for blocks of queries whose gathered keys and products [block, J,
+    index_head_dim or index_heads] hold about `rows` floats, each block recomputed in the
+    backward (torch.utils.checkpoint): only the inputs are kept, never those of every query
+    (6 GiB per layer at T = 4096, J = 2048, 64 heads of 128)."""
+    T, J = slots_TJ.shape
+    block = max(1, rows // max(1, J * max(cfg.index_head_dim, cfg.index_heads)))
+    fn = functools.partial(_index_loss_block, params=params, cfg=cfg)
+    total = 0.0
+    for t0 in range(0, T, block):
+        b = slice(t0, t0 + block)
+        total = total + checkpoint(fn, x_TH[b], q_lat_TC[b], keys_SD, slots_TJ[b], target_TJ[b], ctx.cos[b], ctx.sin[b], use_reentrant=False)
+    return total / n_queries
 
 
 def _chosen_probs(q_TNQ, kv_SQ, slots_TJ, lse_TN, scale: float, rows: int = 1 << 26) -> torch.Tensor:

@@ -893,6 +893,21 @@ def test_the_choice_is_made_for_blocks_of_queries_alike():
     assert torch.equal(whole, attention(x, p, DSA, ctx)[1]["index_choice"])
     for rows in (DSA.index_heads * 17, 3 * DSA.index_heads * 17):  # blocks of 1 and 3 queries
         assert torch.equal(_index_choice(x, _mla_q_latent(x, p, DSA), keys, p, DSA, ctx, ctx.mask, rows=rows), whole)
+    # ...and so do the indexer's loss (each block recomputed in the backward) and its gradients
+    from fmoe.layers import _index_loss_blocks, index_loss, index_scores
+
+    pg = _dsa_params(DSA)
+    indexer = [n for n in pg if n.startswith("index_")]
+    keys_g, q_lat = index_keys(x, pg, DSA, ctx.cos, ctx.sin), _mla_q_latent(x, pg, DSA).detach()
+    target = torch.rand(17, 3)
+    want = index_loss(index_scores(x, q_lat, keys_g, pg, DSA, ctx.cos, ctx.sin, slots=whole), target, whole >= 0)
+    want_grads = torch.autograd.grad(want, [pg[n] for n in indexer])
+    for rows in (3 * DSA.index_head_dim, 1 << 26):  # blocks of 1 query, one block
+        keys_g = index_keys(x, pg, DSA, ctx.cos, ctx.sin)
+        got = _index_loss_blocks(x, q_lat, keys_g, whole, target, pg, DSA, ctx, n_queries=17, rows=rows)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+        for a, b in zip(torch.autograd.grad(got, [pg[n] for n in indexer]), want_grads):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
     # ...and so does the indexer loss's target on the kernel's path (the attention probabilities of the chosen keys)
     from fmoe.layers import _chosen_probs
     from fmoe.ops import sparse_attention
