@@ -419,9 +419,10 @@ class AttentionConfig:
     an earlier layer chose (attention's index_choice, that layer's stats["index_choice"]:
     GLM-5's "shared" layers). The
     choice is each query's slots of key indices ([T, index_topk], fmoe.layers.index_slots).
-    Where Triton runs (impl "auto" on CUDA, "triton") a query attends to its chosen keys alone:
-    fmoe.ops.sparse_attention over the absorbed form (each head's query moved into the latent
-    space, the latent and rotated key shared by every head), O(T index_topk) work. impl
+    Where Triton runs (impl "auto" on CUDA, "triton") a query attends to its chosen keys alone,
+    in training and in decoding (its chosen rows of the cache): fmoe.ops.sparse_attention over
+    the absorbed form (each head's query moved into the latent space, the latent and rotated
+    key shared by every head), O(T index_topk) work. impl
     "torch" (and "auto" off CUDA) is the dense reference: SDPA under the choice as a [T, S]
     mask ("flex" is refused). The indexer scores every allowed key, as DeepSeek's does, for
     blocks of queries (never a [T, index_heads, S] product at once); its loss runs over the
@@ -1065,13 +1066,15 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
         raise ValueError("index_choice: expected the keys an earlier layer chose (its stats['index_choice']) for a layer of cfg.index_shared, and None "
                          f"otherwise; got {'None' if index_choice is None else 'a choice'} with index_shared = {cfg.index_shared}")
     # the sparse kernel (fmoe.ops.sparse_attention: each query over its chosen keys alone) on the
-    # absorbed form, in training and prompts where Triton runs; the dense reference otherwise
-    kernel = sparse and ctx.latents is None and params.get("sinks") is None and use_triton(cfg.impl, x)
+    # absorbed form where Triton runs (training, and decoding over a cache: a prompt's
+    # "expanded" latents absorbed too); the dense reference otherwise
+    kernel = sparse and params.get("sinks") is None and use_triton(cfg.impl, x)
+    latents = "absorbed" if kernel and ctx.latents == "expanded" else ctx.latents
     q_lat = _mla_q_latent(x, params, cfg) if sparse and not shared else None  # the indexer's queries read it too
     wv_CNV = None
-    if ctx.latents == "absorbed" or kernel:
+    if latents == "absorbed" or kernel:
         q_TND, k_TGD, v_TGD, wv_CNV = _mla_latent_qkv(x, params, cfg, ctx, q_lat)
-    elif ctx.latents == "expanded":
+    elif latents == "expanded":
         q_nope_TNP, q_rope_TNR, latent_TC, k_rope_T1R = _mla_parts(x, params, cfg, ctx, q_lat)
         q_TND = torch.cat([q_nope_TNP, q_rope_TNR], dim=-1)
         k_TGD, v_TGD = torch.cat([latent_TC[:, None, :], k_rope_T1R], dim=-1), latent_TC[:, None, :]  # the cache's form
@@ -1097,7 +1100,7 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
             raise ValueError(f"ctx.gather_kv: returned {k_TGD.shape[0]} keys and {v_TGD.shape[0]} values, the mask has {n_keys} keys")
         if sparse and ctx.latents is not None:  # decoding: the cached indexer keys
             index_k_SD, k_TGD = k_TGD[:, 0, -cfg.index_head_dim:].float(), k_TGD[..., :-cfg.index_head_dim]
-        if ctx.latents == "expanded":  # every key's latent and rotated key -> per-head keys and values
+        if latents == "expanded":  # every key's latent and rotated key -> per-head keys and values
             k_TGD, v_TGD = _mla_expand(k_TGD[:, 0, :cfg.kv_rank], k_TGD[:, :, cfg.kv_rank:], params, cfg)
     q_NTD, k_GTD, v_GTD = (rearrange(t, "t h d -> h t d") for t in (q_TND, k_TGD, v_TGD))
     mask = ctx.local_mask if local else ctx.mask

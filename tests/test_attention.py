@@ -1077,10 +1077,12 @@ def test_deepseek_sparse_attention_kernel_is_the_reference():
     assert set(index_shapes(H, DSA)) <= set(p) and float(runs["torch"][2].detach()) > 1e-3
 
 
+@pytest.mark.parametrize("impl", ["torch", "triton"])
 @pytest.mark.parametrize("form", ["absorbed", "expanded"])
-def test_deepseek_sparse_attention_over_cached_latents_is_the_same_function(form):
+def test_deepseek_sparse_attention_over_cached_latents_is_the_same_function(form, impl):
     """The indexer's key travels with the latent through gather_kv (a cache's rows: latent,
-    rotated key, indexer key), and the output is the per-query definition's."""
+    rotated key, indexer key), and the output is the per-query definition's; with the sparse
+    kernel ("triton") each query reads its chosen rows of the cache, both forms absorbed."""
     cu = torch.tensor([0, 3, 4, 13, 16], dtype=torch.int32)
     p = {n: t.detach() for n, t in _dsa_params(DSA).items()}
     x = torch.randn(16, H)
@@ -1090,9 +1092,10 @@ def test_deepseek_sparse_attention_over_cached_latents_is_the_same_function(form
         seen.append((tuple(k.shape), tuple(v.shape)))
         return k, v
 
-    ctx = dataclasses.replace(_ctx(cu, DSA), gather_kv=gather_kv, latents=form)
+    cfg = dataclasses.replace(DSA, impl=impl)
+    ctx = dataclasses.replace(_ctx(cu, cfg), gather_kv=gather_kv, latents=form)
     with torch.no_grad():
-        y, _ = attention(x, p, DSA, ctx)
+        y, _ = attention(x, p, cfg, ctx)
         want = _loop_dsa(x, p, DSA, cu)
     assert seen == [((16, 1, DSA.kv_rank + DSA.rot_dim + DSA.index_head_dim), (16, 1, DSA.kv_rank))]
     assert _rel(y, want) < 1e-5

@@ -748,6 +748,8 @@ DECODED = {
     "qkv bias, qk norm": dataclasses.replace(TINY, qkv_bias=True, qk_norm="head", rope_dim=4),
     "mla": VARIANTS["mla, group top-2, mtp norm"],
     "dsa": dataclasses.replace(VARIANTS["dsa"], mtp_depth=0),
+    # ...on the sparse kernel (CUDA's "auto"; the interpreter here): each query over its chosen rows of the cache
+    "dsa, sparse kernel": dataclasses.replace(VARIANTS["dsa"], mtp_depth=0, impl="triton"),
     "sliding window": dataclasses.replace(TINY, window=4, window_layers=(0, 2)),
     "nope global, window local, llama3 rope": dataclasses.replace(TINY, qk_norm="head", window=4, window_layers=(0, 2), nope_layers=(1,),
                                                                   llama3_factor=4.0, llama3_original_max_positions=16),
@@ -806,8 +808,10 @@ def test_decode_with_a_kv_cache_equals_the_whole_sequence(name, monkeypatch):
     if cfg.kv_rank is not None:  # the latents only: kv_rank + rope_dim per token and attending layer (and DSA's indexer key)
         index = cfg.index_head_dim if cfg.index_topk is not None else 0
         assert cache.k.shape == (attending, 16, 1, cfg.kv_rank + cfg.rope_dim + index) and cache.v.data_ptr() == cache.k.data_ptr()
-        # 6 calls x the attending layers (and the whole sequence's logits): calls of 1 token absorbed, of 5 and 4 expanded
-        assert forms.count("_mla_latent_qkv") == 4 * attending and forms.count("_mla_expand") == (1 + 2) * attending
+        # 6 calls x the attending layers (and the whole sequence's logits): calls of 1 token absorbed, of 5 and 4 expanded;
+        # DeepSeek sparse attention's kernel reads the latents absorbed in every call
+        kernel = cfg.index_topk is not None and cfg.impl == "triton"
+        assert forms.count("_mla_latent_qkv") == (7 if kernel else 4) * attending and forms.count("_mla_expand") == (0 if kernel else 3) * attending
     else:
         assert cache.k.shape == cache.v.shape == (len(cache.full_layers), 16, cfg.n_kv_heads, cfg.head_dim)
     if cfg.linear_layers is not None:  # a state of fixed size per linear-attention layer: the conv's last K - 1 tokens, the rule's state
