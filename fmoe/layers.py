@@ -673,8 +673,44 @@ def _use_flex(impl: str, device: torch.device) -> bool:
     return impl == "flex" or (impl == "auto" and device.type == "cuda")
 
 
+@dataclasses.dataclass(frozen=True)
+class MaskRows:
+    """A document mask kept as its rule, not as its [T, S] values: query t sees key s iff
+    q_doc[t] == kv_doc[s] and kv_pos[s] <= q_pos[t] (and q_pos[t] - kv_pos[s] < window);
+    document_mask(rows=True) builds it. DeepSeek sparse attention's context on its kernel's
+    path: the indexer reads the mask a block of queries at a time (rows), and the kernel
+    never needs it whole. O(T + S) memory where the dense mask is T S bytes (16 GiB at
+    T = S = 128K)."""
+
+    q_doc: torch.Tensor
+    q_pos: torch.Tensor
+    kv_doc: torch.Tensor
+    kv_pos: torch.Tensor
+    window: Optional[int] = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.q_doc.shape[0], self.kv_doc.shape[0])
+
+    def rows(self, b: slice = slice(None)) -> torch.Tensor:
+        """[len(b), S] bool: the mask's rows b (every row: the dense mask)."""
+        return self.at(b, slice(None))
+
+    def at(self, b, keys) -> torch.Tensor:
+        """The mask at queries b and keys `keys`: keys a slice of the columns (-> [len(b), S'])
+        or an int64 [T', J] tensor of key indices per query row (-> [T', J]; -1: False)."""
+        if isinstance(keys, torch.Tensor):
+            safe = keys.clamp(min=0)
+            doc, pos, live = self.kv_doc[safe], self.kv_pos[safe], keys >= 0
+        else:
+            doc, pos, live = self.kv_doc[None, keys], self.kv_pos[None, keys], True
+        q_doc, q_pos = self.q_doc[b, None], self.q_pos[b, None]
+        allowed = (q_doc == doc) & (pos <= q_pos) & live
+        return allowed if self.window is None else allowed & (q_pos - pos < self.window)
+
+
 def document_mask(cu_seqlens: torch.Tensor, n_tokens: int, *, flex: bool, token_index=None, kv_index=None, block_size: int = 128,
-                  window: Optional[int] = None, chunk: Optional[int] = None):
+                  window: Optional[int] = None, chunk: Optional[int] = None, rows: bool = False):
     """The causal, same-document mask of a packed micro-batch: a FlexAttention BlockMask
     (flex=True) or a [T, T] bool tensor, True where query t may attend to key s (s <= t
     and both in the same document; with a sliding window also t - s < window; with a
@@ -693,7 +729,8 @@ def document_mask(cu_seqlens: torch.Tensor, n_tokens: int, *, flex: bool, token_
     The BlockMask is built from each block's first and last document and token index
     (_document_block_mask): memory O((Tq / block_size) (Tk / block_size)), never the
     [Tq, Tk] mask that create_block_mask evaluates (4 GiB at T = 64K). block_size: its
-    query and key block (FlexAttention's default 128)."""
+    query and key block (FlexAttention's default 128). rows=True (with flex=False): the rule
+    alone, a MaskRows, evaluated a block of queries at a time where needed."""
     if (token_index is None) != (kv_index is None):
         raise ValueError(f"{'kv_index' if kv_index is None else 'token_index'}: expected token_index and kv_index together (context parallel) or neither")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
@@ -732,6 +769,10 @@ def document_mask(cu_seqlens: torch.Tensor, n_tokens: int, *, flex: bool, token_
     else:
         def mask_mod(b, h, q_idx, kv_idx):  # the sliding window on top
             return same_doc_causal(b, h, q_idx, kv_idx) & in_window(q_idx, kv_idx)
+    if rows:
+        if flex:
+            raise ValueError("rows: the mask's rule (MaskRows) or FlexAttention's block mask (flex), not both")
+        return MaskRows(q_doc, q_pos, kv_doc, kv_pos, window)
     if not flex:
         allowed = (q_doc[:, None] == kv_doc[None, :]) & (kv_pos[None, :] <= q_pos[:, None])
         return allowed if window is None else allowed & (q_pos[:, None] - kv_pos[None, :] < window)
@@ -868,18 +909,27 @@ def attention_context(
     T = positions.shape[0]
     T_kv = T if kv_index is None else kv_index.shape[0]
     flex = _use_flex(cfg.impl, positions.device) and cfg.index_topk is None  # DSA's top-k mask is a dense one
+    # ...or, on its sparse kernel's path, the mask's rule alone (MaskRows: never T x S values)
+    rows = cfg.index_topk is not None and use_triton(cfg.impl, positions)
     if window_only and ((cfg.window is None and cfg.chunk is None) or mask is not None):
         raise ValueError(f"window_only: a context of the sliding window's (chunk's) layers alone needs cfg.window or cfg.chunk and no mask, "
                          f"got window {cfg.window}, chunk {cfg.chunk}{' and a mask' if mask is not None else ''}")
     local = None
     if cfg.window is not None or cfg.chunk is not None:  # the window's or chunk's mask too, for the layers that use it
-        local = document_mask(cu_seqlens, T_kv, flex=flex, token_index=token_index, kv_index=kv_index, window=cfg.window, chunk=cfg.chunk)
+        local = document_mask(cu_seqlens, T_kv, flex=flex, token_index=token_index, kv_index=kv_index, window=cfg.window, chunk=cfg.chunk,
+                              rows=rows)
     if window_only:
         mask = local
     elif mask is None:
-        mask = document_mask(cu_seqlens, T_kv, flex=flex, token_index=token_index, kv_index=kv_index)
-    elif isinstance(mask, torch.Tensor) == flex or (isinstance(mask, torch.Tensor) and mask.shape != (T, T_kv)):
-        raise ValueError(f"mask: expected {'a BlockMask' if flex else f'a [{T}, {T_kv}] bool tensor'} (cfg.impl = {cfg.impl!r}), got {type(mask).__name__}")
+        mask = document_mask(cu_seqlens, T_kv, flex=flex, token_index=token_index, kv_index=kv_index, rows=rows)
+    else:  # a shared mask: the kind this cfg builds
+        if flex:
+            fits = not isinstance(mask, (torch.Tensor, MaskRows))  # a BlockMask
+        else:
+            fits = isinstance(mask, MaskRows if rows else torch.Tensor) and tuple(mask.shape) == (T, T_kv)
+        if not fits:
+            expected = "a BlockMask" if flex else f"a [{T}, {T_kv}] {'MaskRows' if rows else 'bool tensor'}"
+            raise ValueError(f"mask: expected {expected} (cfg.impl = {cfg.impl!r}), got {type(mask).__name__}")
     cos, sin = rope_tables(positions, cfg)
     local_base = cfg.local_rope_base if local is not None else None  # the local layers' own plain RoPE
     local_cos, local_sin = (None, None) if local_base is None else rope_tables(positions, dataclasses.replace(cfg, rope_base=local_base,
@@ -1106,20 +1156,24 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
     mask = ctx.local_mask if local else ctx.mask
     slots_TJ = None
     if sparse:
-        if not isinstance(mask, torch.Tensor):
-            raise ValueError("ctx: DeepSeek sparse attention (cfg.index_topk) needs the dense mask; build the context with this cfg (attention_context)")
+        if not isinstance(mask, (torch.Tensor, MaskRows)):
+            raise ValueError("ctx: DeepSeek sparse attention (cfg.index_topk) needs the dense mask or its rows; build the context with this cfg "
+                             "(attention_context)")
         if shared:
             J = min(cfg.index_topk, mask.shape[1])
             if not isinstance(index_choice, torch.Tensor) or index_choice.dtype != torch.int64 or index_choice.shape != (mask.shape[0], J):
                 raise ValueError(f"index_choice: expected a [{mask.shape[0]}, {J}] int64 tensor of key slots (an earlier layer's over this context), "
                                  f"got {getattr(index_choice, 'dtype', type(index_choice).__name__)} {list(getattr(index_choice, 'shape', []))}")
             # the keys this layer's own mask allows too (the same, but for a local layer reusing a full one's)
-            slots_TJ = torch.where((index_choice >= 0) & mask.gather(1, index_choice.clamp(min=0)), index_choice, -1)
+            allowed = mask.at(slice(None), index_choice) if isinstance(mask, MaskRows) else mask.gather(1, index_choice.clamp(min=0))
+            slots_TJ = torch.where((index_choice >= 0) & allowed, index_choice, -1)
         else:
             with torch.no_grad():
                 slots_TJ = _index_choice(x, q_lat, index_k_SD, params, cfg, ctx, mask)
         if not kernel:  # the dense reference attends under the choice's mask
             mask = slots_mask(slots_TJ, mask.shape[1])
+    elif isinstance(mask, MaskRows):  # a layer without DeepSeek sparse attention in a context built for it: the dense mask
+        mask = mask.rows()
     sinks = params.get("sinks")
     lse_TN = None
     if kernel:  # every head over each query's chosen latents; the latent output to each head's values below
@@ -1446,7 +1500,8 @@ def _index_choice(x_TH, q_lat_TC, keys_SD, params, cfg: AttentionConfig, ctx: At
     for t0 in range(0, T, block):
         b = slice(t0, t0 + block)
         scores_BS = index_scores(x_TH[b], q_lat_TC[b], keys_SD, params, cfg, ctx.cos[b], ctx.sin[b])
-        slots.append(index_slots(scores_BS, mask_TS[b], cfg.index_topk, key_order=ctx.key_order))
+        rows_BS = mask_TS.rows(b) if isinstance(mask_TS, MaskRows) else mask_TS[b]
+        slots.append(index_slots(scores_BS, rows_BS, cfg.index_topk, key_order=ctx.key_order))
     return torch.cat(slots)
 
 

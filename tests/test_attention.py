@@ -355,6 +355,34 @@ def test_chunked_mask_is_the_document_mask_of_the_chunks(cu, block, chunk):
             dataclasses.replace(CFG, chunk=bad)
 
 
+@pytest.mark.parametrize("kind", ["documents", "window", "chunk"])
+def test_mask_rows_are_the_dense_mask(kind):
+    """document_mask(rows=True): the rule alone (MaskRows), whose rows, blocks of rows and
+    values at given keys are the dense mask's, on one process and at a cp rank's global
+    indices; FlexAttention's form and the rule together are refused."""
+    from fmoe.layers import MaskRows
+    from fmoe.parallel import cp_kv_index, cp_token_index
+
+    cu, T = torch.tensor([0, 3, 4, 13, 21, 24]), 24
+    kw = {"documents": {}, "window": dict(window=4), "chunk": dict(chunk=5)}[kind]
+    kv_index = cp_kv_index(T, 2)
+    for cp in ({}, dict(token_index=cp_token_index(T, 2, 1), kv_index=kv_index)):
+        dense = document_mask(cu, T, flex=False, **cp, **kw)
+        rows = document_mask(cu, T, flex=False, rows=True, **cp, **kw)
+        assert isinstance(rows, MaskRows) and rows.shape == tuple(dense.shape)
+        assert torch.equal(rows.rows(), dense) and torch.equal(rows.rows(slice(2, 7)), dense[2:7])
+        keys = torch.randint(-1, T, (dense.shape[0], 5))
+        want = dense.gather(1, keys.clamp(min=0)) & (keys >= 0)
+        assert torch.equal(rows.at(slice(None), keys), want) and bool(want.any()) and not bool(want.all())
+    with pytest.raises(ValueError, match=r"rows: the mask's rule \(MaskRows\) or FlexAttention's block mask \(flex\), not both"):
+        document_mask(cu, T, flex=True, rows=True)
+    # DeepSeek sparse attention's context on its kernel's path holds the rule; the reference's the dense mask
+    assert isinstance(_ctx(cu, dataclasses.replace(DSA, impl="triton")).mask, MaskRows)
+    assert isinstance(_ctx(cu, DSA).mask, torch.Tensor)
+    with pytest.raises(ValueError, match=r"mask: expected a \[24, 24\] MaskRows \(cfg.impl = 'triton'\), got Tensor"):
+        attention_context(cu, positions_from_cu_seqlens(cu), dataclasses.replace(DSA, impl="triton"), mask=_ctx(cu, DSA).mask)
+
+
 def test_llama4_attention_knobs_are_checked():
     with pytest.raises(ValueError, match=r"chunk: chunked attention or a sliding window, not both \(window = 4\)"):
         dataclasses.replace(CFG, window=4, chunk=8)
