@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/bench_train_step.py                  # CUDA, bf16, the large model
     .venv/bin/python benchmarks/bench_train_step.py --model small    # CUDA, the first GPU run's model
     .venv/bin/python benchmarks/bench_train_step.py --fp8            # fp8 GEMMs (--model.fp8) against bf16
+    .venv/bin/python benchmarks/bench_train_step.py --model dsa      # DeepSeek-V3.2's attention on the large model
     .venv/bin/python benchmarks/bench_train_step.py --smoke          # CPU + Triton interpreter, tiny model
 
 Models (fmoe.model.Transformer, top-k sigmoid routing with an expert bias, vocab 32768, 1 MTP
@@ -16,6 +17,12 @@ depth):
     small  H=1024, 12 layers (1 dense, FFN 4096), 64 experts of F=512, top-4 and 1 shared
            expert, 16 query / 4 kv heads of 64: the model of the first H100 run
            (benchmarks/RESULTS.md), whose GEMMs are small for the GPU.
+    dsa    the large model with DeepSeek-V3.2's attention: multi-latent attention (q latent
+           768, kv latent 512, 16 heads of 128 + 64 rotated, values of 128) and its sparse
+           attention (2048 keys per query, an indexer of 64 heads of 128 trained by its loss):
+           the sparse kernels (fmoe.ops.sparse_attention) in a whole step; its FLOPs count the
+           kept keys and the indexer (n_avg_index_keys). The reference's dense attention
+           (impl="torch") may run out of memory at 16384 tokens (its row is then left empty).
 One step: forward and backward of a packed micro-batch of 16384 tokens (documents of random
 lengths), the balancing losses, clipping and an AdamW step (bf16 states), the clip's factor
 taken by the AdamW kernel (step(grad_factor=...)) as examples/train_moe.py does: on the
@@ -69,9 +76,15 @@ SMALL = TransformerConfig(vocab_size=32768, hidden=1024, n_layers=12, n_dense=1,
                         ffn_expert=512, n_shared=1, n_heads=16, n_kv_heads=4, head_dim=64, mtp_depth=1)
 LARGE = TransformerConfig(vocab_size=32768, hidden=2048, n_layers=8, n_dense=1, ffn_dense=8192, n_experts=64, k=6,
                           ffn_expert=1024, n_shared=2, n_heads=16, n_kv_heads=4, head_dim=128, mtp_depth=1)
-MODELS = {"large": LARGE, "small": SMALL}
+# the large model with DeepSeek-V3.2's attention: multi-latent (q latent 768, kv latent 512, heads of 128 + 64 rotated,
+# values of 128) and its sparse attention (each query's 2048 keys, an indexer of 64 heads of 128, trained by its loss)
+DSA = dataclasses.replace(LARGE, n_kv_heads=16, head_dim=192, rope_dim=64, q_rank=768, kv_rank=512, v_head_dim=128, index_topk=2048,
+                          index_heads=64, index_head_dim=128)
+MODELS = {"large": LARGE, "small": SMALL, "dsa": DSA}
 SMOKE = TransformerConfig(vocab_size=64, hidden=16, n_layers=2, n_dense=1, ffn_dense=64, n_experts=4, k=2,
                           ffn_expert=16, n_shared=1, n_heads=2, n_kv_heads=1, head_dim=16, mtp_depth=1)
+SMOKE_DSA = dataclasses.replace(SMOKE, n_kv_heads=2, head_dim=12, rope_dim=4, q_rank=8, kv_rank=6, v_head_dim=5, index_topk=4, index_heads=2,
+                                index_head_dim=6)
 
 
 def make_batch(cfg: TransformerConfig, T: int, device):
@@ -118,17 +131,19 @@ def host_syncs(step, fwd_bwd, device) -> tuple[int, int]:
 
 def main() -> None:
     def add_arguments(parser):
-        parser.add_argument("--model", choices=sorted(MODELS), default="large", help="the model on CUDA (default: large)")
+        parser.add_argument("--model", choices=sorted(MODELS), default="large",
+                            help="the model on CUDA (default: large; dsa: with --smoke, a tiny DeepSeek sparse attention model)")
         parser.add_argument("--fp8", action="store_true", help="time the fp8 model (compiled, and with fp8_fast_accum) beside the compiled bf16 one")
 
     args, device, dtype, bandwidth = start(__doc__.splitlines()[0], add_arguments)
-    base = SMOKE if args.smoke else MODELS[args.model]
+    base = (SMOKE_DSA if args.model == "dsa" else SMOKE) if args.smoke else MODELS[args.model]
     print(f"model: {'smoke' if args.smoke else args.model}", flush=True)
     T = 32 if args.smoke else 16384
     rate = matmul_rate(device, dtype, 256 if args.smoke else 8192)
     print(f"matmul rate: {rate / 1e12:.3g} TFLOP/s ({dtype})", flush=True)
     batch = make_batch(base, T, device)
-    flops_per_token = metrics.model_flops_per_token(base, n_avg_keys=metrics.mean_attended_keys(batch["cu_seqlens"]))
+    index_keys = metrics.mean_attended_keys(batch["cu_seqlens"], base.index_topk) if base.index_topk is not None else None
+    flops_per_token = metrics.model_flops_per_token(base, n_avg_keys=metrics.mean_attended_keys(batch["cu_seqlens"]), n_avg_index_keys=index_keys)
     compile_kw = dict(backend="aot_eager") if args.smoke else {}
     fast = "triton" if args.smoke else "auto"
     impls = {  # name: (impl, compiled, fp8, fp8_fast_accum)
