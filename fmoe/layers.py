@@ -110,7 +110,7 @@ from fmoe.ops.rope import (
     yarn_softmax_scale,
 )
 from fmoe.ops.routing import Routes, keep_slots
-from fmoe.ops.sparse import sparse_attention
+from fmoe.ops.sparse import sparse_attention, sparse_attention_probs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1217,7 +1217,7 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
     if train_index:
         with torch.no_grad():  # the attention's distribution over each query's chosen keys, summed over its heads
             if kernel:
-                target_TJ = _chosen_probs(q_TND, k_TGD[:, 0], slots_TJ, lse_TN, softmax_scale(cfg))
+                target_TJ = sparse_attention_probs(q_TND, k_TGD[:, 0], slots_TJ, lse_TN, v_dim=cfg.kv_rank, scale=softmax_scale(cfg), impl=cfg.impl)
             else:
                 p_NTS = _attention_probs(q_NTD, k_GTD, mask, softmax_scale(cfg))
                 target_TJ = p_NTS.sum(0).gather(1, slots_TJ.clamp(min=0)) * (slots_TJ >= 0)
@@ -1285,7 +1285,7 @@ def _index_loss_block(x_BH, q_lat_BC, keys_SD, slots_BJ, target_BJ, cos_BR, sin_
 
 
 def _index_loss_blocks(x_TH, q_lat_TC, keys_SD, slots_TJ, target_TJ, params, cfg: AttentionConfig, ctx: AttentionContext, *,
-                       n_queries: int, rows: int = 1 << 26) -> torch.Tensor:
+                       n_queries: int, rows: int = 1 << 28) -> torch.Tensor:
     """index_loss of index_scores(slots=) (attention's indexer loss, the sum over the queries
     divided by n_queries) for blocks of queries whose gathered keys and products [block, J,
     index_head_dim or index_heads] hold about `rows` floats, each block recomputed in the
@@ -1299,21 +1299,6 @@ def _index_loss_blocks(x_TH, q_lat_TC, keys_SD, slots_TJ, target_TJ, params, cfg
         b = slice(t0, t0 + block)
         total = total + checkpoint(fn, x_TH[b], q_lat_TC[b], keys_SD, slots_TJ[b], target_TJ[b], ctx.cos[b], ctx.sin[b], use_reentrant=False)
     return total / n_queries
-
-
-def _chosen_probs(q_TNQ, kv_SQ, slots_TJ, lse_TN, scale: float, rows: int = 1 << 26) -> torch.Tensor:
-    """[T, J] float32: the sum over heads of each query's attention probability of each of its
-    slots' keys (0 in an empty slot), from sparse_attention's inputs and lse; blocks of queries
-    whose gathered key rows hold about `rows` floats (never all T J at once)."""
-    T, J = slots_TJ.shape
-    block = max(1, rows // max(1, J * kv_SQ.shape[1]))
-    lse_TN = torch.where(torch.isfinite(lse_TN), lse_TN, 0.0)
-    out = []
-    for t0 in range(0, T, block):
-        slots = slots_TJ[t0:t0 + block]
-        s_TNJ = torch.einsum("tnq,tjq->tnj", q_TNQ[t0:t0 + block].float(), kv_SQ.float()[slots.clamp(min=0)]) * scale
-        out.append(torch.where(slots[:, None, :] >= 0, torch.exp(s_TNJ - lse_TN[t0:t0 + block, :, None]), 0.0).sum(1))
-    return torch.cat(out)
 
 
 def _attention_probs(q_NTD, k_GTD, mask_TS, scale: float) -> torch.Tensor:
@@ -1490,7 +1475,7 @@ def index_slots(scores_TS: torch.Tensor, mask_TS: torch.Tensor, topk: int, *, ke
     return torch.where(best.values[:, :topk] > float("-inf"), top_TJ, -1)
 
 
-def _index_choice(x_TH, q_lat_TC, keys_SD, params, cfg: AttentionConfig, ctx: AttentionContext, mask_TS, rows: int = 1 << 26) -> torch.Tensor:
+def _index_choice(x_TH, q_lat_TC, keys_SD, params, cfg: AttentionConfig, ctx: AttentionContext, mask_TS, rows: int = 1 << 28) -> torch.Tensor:
     """index_slots of index_scores (no gradient) for blocks of queries whose indexer products
     [block, index_heads, S] hold about `rows` floats: never the [T, index_heads, S] product
     of every query at once (4 GiB in float32 at T = S = 4096 and 64 heads)."""

@@ -936,16 +936,6 @@ def test_the_choice_is_made_for_blocks_of_queries_alike():
         torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
         for a, b in zip(torch.autograd.grad(got, [pg[n] for n in indexer]), want_grads):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
-    # ...and so does the indexer loss's target on the kernel's path (the attention probabilities of the chosen keys)
-    from fmoe.layers import _chosen_probs
-    from fmoe.ops import sparse_attention
-
-    q, kv = torch.randn(17, 4, 10), torch.randn(17, 10)
-    lse = sparse_attention(q, kv, whole, v_dim=6, scale=0.3)[1]
-    probs = _chosen_probs(q, kv, whole, lse, 0.3)
-    torch.testing.assert_close(probs.sum(-1), torch.full((17,), 4.0))  # each head's distribution sums to 1
-    for rows in (3 * 10, 4 * 3 * 10):  # blocks of 1 and 4 queries
-        assert torch.equal(_chosen_probs(q, kv, whole, lse, 0.3, rows=rows), probs)
 
 
 def test_the_indexer_loss_is_the_definition_s_and_trains_the_indexer_alone():

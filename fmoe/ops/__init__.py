@@ -31,7 +31,7 @@ from fmoe.ops.rope import (
     yarn_softmax_scale,
 )
 from fmoe.ops.routing import Routes, drop_by_capacity, random_logits, route
-from fmoe.ops.sparse import sparse_attention
+from fmoe.ops.sparse import sparse_attention, sparse_attention_probs
 
 __all__ = [
     "PermutePlan",
@@ -58,6 +58,7 @@ __all__ = [
     "route",
     "seq_load_balancing_loss",
     "sparse_attention",
+    "sparse_attention_probs",
     "swiglu",
     "tokens_per_expert",
     "unpermute",

@@ -5,6 +5,8 @@ each token's [latent, rotated key] and the latent is also the value.
 
     sparse_attention(q [T, N, D], kv [S, D], index [T, J] int, *, v_dim=None, scale=None,
                      check=True, impl="auto") -> (o [T, N, Dv], lse [T, N] float32)
+    sparse_attention_probs(q, kv, index, lse, *, v_dim=None, scale=None, impl="auto")
+        -> p [T, J] float32: each slot's probability summed over the heads (no gradient)
 
 For query t and head n, over the J slots of index[t] that hold a key (index[t, j] in
 0 .. S-1; -1 marks an empty slot):
@@ -70,6 +72,13 @@ def _sparse_attention_ref(q: torch.Tensor, kv: torch.Tensor, index: torch.Tensor
     o_TNV = torch.einsum("tnj,tjv->tnv", p_TNJ, rows_TJD[..., :v_dim])
     lse_TN1 = torch.where(has_TN1, m_TN1 + torch.log(torch.where(has_TN1, z_TN1, torch.ones_like(z_TN1))), float("-inf"))
     return o_TNV.to(q.dtype), lse_TN1[..., 0]
+
+
+def _sparse_attention_probs_ref(q, kv, index, lse, scale: float) -> torch.Tensor:
+    """[T, J] float32: each slot's probability summed over the heads (0 in an empty slot)."""
+    s_TNJ = torch.einsum("tnd,tjd->tnj", q.float(), kv.float()[index.clamp(min=0).long()]) * scale
+    lse_TN1 = torch.where(torch.isfinite(lse), lse, 0.0)[..., None]
+    return torch.where(index[:, None, :] >= 0, torch.exp(s_TNJ - lse_TN1), 0.0).sum(1)
 
 
 # ----------------------------------------------------------------------------------------
@@ -204,6 +213,28 @@ def _sparse_attention_dkv_kernel(q_ptr, kv_ptr, do_ptr, lse_ptr, delta_ptr, slot
     tl.store(dkv_ptr + s * stride_kv + DV + offs_r, acc_r.to(dkv_ptr.dtype.element_ty), mask=offs_r < DR)
 
 
+@triton.jit
+def _sparse_attention_probs_kernel(q_ptr, kv_ptr, index_ptr, lse_ptr, p_ptr, N, J, scale, stride_qt, stride_qn, stride_kv, stride_it,
+                                   DV: tl.constexpr, DR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr,
+                                   BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr):
+    """Query t: each slot's probability summed over the heads, p [T, J] float32."""
+    t = tl.program_id(0).to(tl.int64)
+    offs_v, offs_r = tl.arange(0, BLOCK_DV), tl.arange(0, BLOCK_DR)
+    for j0 in range(0, J, BLOCK_J):
+        total = tl.zeros((BLOCK_J,), tl.float32)
+        for n0 in range(0, N, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < N
+            q_v = _heads(q_ptr, t, offs_n, N, offs_v, 0, DV, stride_qt, stride_qn)
+            q_r = _heads(q_ptr, t, offs_n, N, offs_r, DV, DR, stride_qt, stride_qn)
+            lse = tl.load(lse_ptr + t * N + offs_n, mask=mask_n, other=0.0)
+            lse = tl.where(lse == float("-inf"), 0.0, lse)
+            valid, k_v, k_r, s = _slot_block(q_v, q_r, kv_ptr, index_ptr, t, j0, J, stride_it, stride_kv, DV, DR, BLOCK_J, BLOCK_DV, BLOCK_DR)
+            total += tl.sum(tl.where(valid[None, :] & mask_n[:, None], tl.exp(s * scale - lse[:, None]), 0.0), 0)
+        offs_j = j0 + tl.arange(0, BLOCK_J)
+        tl.store(p_ptr + t * J + offs_j, total, mask=offs_j < J)
+
+
 def _blocks(N: int, D: int, v_dim: int) -> dict:
     """Power-of-two blocks, at least 16 wide where tl.dot multiplies them, and the warps."""
     return dict(DV=v_dim, DR=D - v_dim, BLOCK_N=max(16, min(64, next_pow2(N))), BLOCK_J=16 if N > 16 else 32,
@@ -266,6 +297,21 @@ def _(q, kv, index, lse, delta, grad_o, v_dim, scale):
     return torch.empty_like(q), torch.empty_like(kv)
 
 
+@torch.library.custom_op("fmoe::sparse_attention_probs", mutates_args=())
+def _sparse_attention_probs(q: torch.Tensor, kv: torch.Tensor, index: torch.Tensor, lse: torch.Tensor, v_dim: int, scale: float) -> torch.Tensor:
+    T, N, D = q.shape
+    J = index.shape[1]
+    p = q.new_empty((T, J), dtype=torch.float32)
+    meta = _blocks(N, D, v_dim)
+    _sparse_attention_probs_kernel[(T,)](q, kv, index, lse, p, N, J, scale, q.stride(0), q.stride(1), kv.stride(0), index.stride(0), **meta)
+    return p
+
+
+@_sparse_attention_probs.register_fake
+def _(q, kv, index, lse, v_dim, scale):
+    return q.new_empty(index.shape, dtype=torch.float32)
+
+
 def _setup_context(ctx, inputs, output):
     q, kv, index, v_dim, scale = inputs
     o, lse = output
@@ -290,6 +336,17 @@ _sparse_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 # ----------------------------------------------------------------------------------------
 # 4. Public function
 # ----------------------------------------------------------------------------------------
+
+
+def _check_dims(D: int, v_dim, scale) -> tuple[int, float]:
+    """(v_dim, scale) with their defaults (D, 1 / sqrt(D)), checked."""
+    v_dim = D if v_dim is None else v_dim
+    if isinstance(v_dim, bool) or not isinstance(v_dim, int) or not 1 <= v_dim <= D:
+        raise ValueError(f"v_dim: expected an int in 1 .. D = {D} (the value channels, the first of each kv row), got {v_dim!r}")
+    scale = D**-0.5 if scale is None else scale
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < float("inf"):
+        raise ValueError(f"scale: expected a positive number or None (1/sqrt(D)), got {scale!r}")
+    return v_dim, float(scale)
 
 
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, index: torch.Tensor, *, v_dim: Optional[int] = None, scale: Optional[float] = None,
@@ -318,17 +375,37 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, index: torch.Tensor, *, 
         raise ValueError(f"kv: expected [S, {D}] (q's D) in {q.dtype} on {q.device}, got {list(kv.shape)} {kv.dtype} {kv.device}")
     if index.shape[0] != T or index.device != q.device:
         raise ValueError(f"index: expected [{T}, J] (q's T) on {q.device}, got {list(index.shape)} on {index.device}")
-    v_dim = D if v_dim is None else v_dim
-    if isinstance(v_dim, bool) or not isinstance(v_dim, int) or not 1 <= v_dim <= D:
-        raise ValueError(f"v_dim: expected an int in 1 .. D = {D} (the value channels, the first of each kv row), got {v_dim!r}")
-    scale = D**-0.5 if scale is None else scale
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < float("inf"):
-        raise ValueError(f"scale: expected a positive number or None (1/sqrt(D)), got {scale!r}")
+    v_dim, scale = _check_dims(D, v_dim, scale)
     if checking(check) and index.numel():
         lo, hi = int(index.min()), int(index.max())
         if lo < -1 or hi >= kv.shape[0]:
             raise ValueError(f"index: expected keys in 0 .. S-1 = {kv.shape[0] - 1} or -1 (an empty slot), got values in {lo} .. {hi} "
                              "(pass check=False to skip this check)")
     if T == 0 or index.shape[1] == 0 or kv.shape[0] == 0 or not use_triton(impl, q, kv, index):
-        return _sparse_attention_ref(q, kv, index, v_dim, float(scale))
-    return _sparse_attention_fwd(q.contiguous(), kv.contiguous(), index.contiguous(), v_dim, float(scale))
+        return _sparse_attention_ref(q, kv, index, v_dim, scale)
+    return _sparse_attention_fwd(q.contiguous(), kv.contiguous(), index.contiguous(), v_dim, scale)
+
+
+def sparse_attention_probs(q: torch.Tensor, kv: torch.Tensor, index: torch.Tensor, lse: torch.Tensor, *, v_dim: Optional[int] = None,
+                           scale: Optional[float] = None, impl: str = "auto") -> torch.Tensor:
+    """The attention probability of each slot's key summed over the heads, [T, J] float32
+    (0 in an empty slot; each row sums to N where the query has keys), from sparse_attention's
+    q, kv, index and its lse [T, N]; no gradient (DeepSeek sparse attention's indexer loss
+    takes it as its target: fmoe.layers.attention). scale: sparse_attention's (default
+    1 / sqrt(D)); v_dim: only how the kernel splits each row's channels, as sparse_attention
+    does (default D). The kernel recomputes the scores a query's slots at a time: no [T, N, J]
+    tensor; impl as sparse_attention's (the reference gathers [T, J, D])."""
+    check_float("q", q, 3, "[T, N, D]")
+    check_float("kv", kv, 2, "[S, D]")
+    check_index("index", index, 2, "[T, J]")
+    T, N, D = q.shape
+    if kv.shape[1] != D or kv.dtype != q.dtype or index.shape[0] != T:
+        raise ValueError(f"kv, index: expected kv [S, {D}] in {q.dtype} and index [{T}, J] (q's D and T), got {list(kv.shape)} {kv.dtype} and {list(index.shape)}")
+    if not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32 or tuple(lse.shape) != (T, N):
+        raise ValueError(f"lse: expected sparse_attention's float32 [{T}, {N}], got {getattr(lse, 'dtype', type(lse).__name__)} "
+                         f"{list(getattr(lse, 'shape', []))}")
+    v_dim, scale = _check_dims(D, v_dim, scale)
+    with torch.no_grad():
+        if T == 0 or index.shape[1] == 0 or kv.shape[0] == 0 or not use_triton(impl, q, kv, index):
+            return _sparse_attention_probs_ref(q, kv, index, lse, float(scale))
+        return _sparse_attention_probs(q.contiguous(), kv.contiguous(), index.contiguous(), lse.contiguous(), v_dim, scale)

@@ -93,6 +93,28 @@ def test_kernels_match_the_reference(T, N, D, v_dim, S, J, index_dtype, device):
             torch.testing.assert_close(b, a, rtol=2e-5, atol=2e-5, msg=name)
 
 
+@pytest.mark.parametrize("T,N,D,v_dim,S,J", [(7, 3, 12, 8, 20, 5), (4, 17, 20, 16, 9, 9), (5, 2, 8, 8, 40, 33)])
+def test_probabilities_of_the_slots(T, N, D, v_dim, S, J, device):
+    """sparse_attention_probs: each slot's probability summed over the heads, from the
+    forward's lse; the kernel is the reference, each row with keys sums to N (every head's
+    distribution to 1), an empty slot and a row without keys give 0, and it carries no
+    gradient."""
+    from fmoe.ops import sparse_attention_probs
+
+    q, kv, index = _inputs(T, N, D, S, J, device=device)
+    q.requires_grad_()
+    lse = sparse_attention(q, kv, index, v_dim=v_dim, scale=0.4)[1]
+    got = {impl: sparse_attention_probs(q, kv, index, lse, v_dim=v_dim, scale=0.4, impl=impl) for impl in ("torch", "triton")}
+    torch.testing.assert_close(got["triton"], got["torch"], rtol=1e-5, atol=1e-6)
+    p = got["triton"]
+    assert not p.requires_grad and p.dtype == torch.float32 and p.shape == (T, J)
+    has = (index >= 0).any(-1)
+    torch.testing.assert_close(p.sum(-1)[has], torch.full((int(has.sum()),), float(N), device=device))
+    assert float(p[index < 0].abs().max()) == 0.0 and not bool(has[1])
+    with pytest.raises(ValueError, match=r"lse: expected sparse_attention's float32 \[%d, %d\]" % (T, N)):
+        sparse_attention_probs(q, kv, index, lse[:, :1])
+
+
 def test_kernels_are_deterministic(device):
     """The dkv kernel sums each key's rows in one program, in slot order: bit-identical runs."""
     q, kv, index = _inputs(6, 4, 12, 5, 5, device=device, empty=0.0)  # every row names every key
