@@ -24,17 +24,19 @@ with p = exp(s - lse) and ds_tnj = p_tnj (do_tn . v_j - do_tn . o_tn + dlse_tn),
     dq_tn = scale sum_j ds_tnj kv_{index[t, j]}
     dkv_s = sum over the slots (t, j) holding s of sum_n (scale ds_tnj q_tn + p_tnj [do_tn, 0])
 
-Work and memory are O(T J N D): no [T, S] matrix is formed.
+The kernels' work is O(T J N D) and their memory O(T N D + S D + T J): no [T, S] matrix
+and no [T, J, D] gather is formed.
 
 `_sparse_attention_ref` gathers every slot's row ([T, J, D]) and is the definition of
 correctness (torch autograd). The kernels: the forward, one program per query and block of
 heads, runs an online softmax over blocks of slots, each block's rows gathered by index,
 every product split into the value channels and the rest (each a power-of-two block: 512 +
 64 for DeepSeek's 576, no padding to 1024), multiplied in the inputs' dtype with float32
-sums (bf16 on tensor cores; float32 exactly, not TF32); the backward's dq kernel has the same grid and
-recomputes the probabilities from lse; its dkv kernel runs one program per key over the
-(slot, head) rows that chose it, from the slots sorted by key (a CSR built by torch on the
-device: no atomics, so the gradient is the same on every run).
+sums (bf16 on tensor cores; float32 exactly, not TF32). The backward's dq kernel has the
+same grid and recomputes the probabilities from lse; its dkv kernel runs one program per key
+over the (slot, head) rows that chose it, from the slots sorted by key (a CSR built by torch
+on the device: no atomics, so the gradient is the same on every run). The probabilities'
+kernel (sparse_attention_probs) recomputes them from lse, one program per query.
 
 Legend: T queries, N heads, D key dim, Dv value dim (the first Dv channels of kv), Dr = D -
 Dv the rest, S keys, J slots per query.
