@@ -1497,11 +1497,6 @@ def slots_mask(slots_TJ: torch.Tensor, n_keys: int) -> torch.Tensor:
     return torch.zeros(T, n_keys + 1, dtype=torch.bool, device=slots_TJ.device).scatter_(1, hit, True)[:, :n_keys]
 
 
-def index_mask(scores_TS: torch.Tensor, mask_TS: torch.Tensor, topk: int, *, key_order: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """index_slots' choice as a [T, S] bool mask (the keys each query attends to)."""
-    return slots_mask(index_slots(scores_TS, mask_TS, topk, key_order=key_order), mask_TS.shape[1])
-
-
 # ----------------------------------------------------------------------------------------
 # linear attention: Gated DeltaNet
 # ----------------------------------------------------------------------------------------

@@ -885,17 +885,19 @@ def test_deepseek_sparse_attention_with_topk_over_the_document_is_multi_latent_a
     torch.testing.assert_close(attention(x, p, cfg, _ctx(cu, cfg))[0], plain, rtol=1e-5, atol=1e-6)
 
 
-def test_index_mask_keeps_the_topk_allowed_keys_as_worked_by_hand():
-    from fmoe.layers import index_mask, index_slots
+def test_index_slots_keep_the_topk_allowed_keys_as_worked_by_hand():
+    from fmoe.layers import index_slots, slots_mask
+
+    def index_mask(scores, mask, topk, **kw):  # the choice as a [T, S] mask
+        return slots_mask(index_slots(scores, mask, topk, **kw), scores.shape[1])
 
     scores = torch.tensor([[5.0, 1.0, 9.0, 0.0], [2.0, 7.0, 1.0, 3.0], [0.0, 0.0, 4.0, 8.0]])
     mask = torch.tensor([[True, False, False, False], [True, True, True, False], [True, True, True, True]])
-    got = index_mask(scores, mask, 2)
-    # row 0 allows one key (kept though key 2 scores higher); row 1 keeps 7 and 2, not the masked 3; row 2 keeps 8 and 4
-    assert got.tolist() == [[True, False, False, False], [True, True, False, False], [False, False, True, True]]
-    assert index_mask(scores, mask, 4).equal(mask)
-    # as slots (index_slots): each row's keys best first, -1 where the row allows fewer
+    # each row's keys best first, -1 where the row allows fewer: row 0 allows one key (kept though key 2
+    # scores higher); row 1 keeps 7 and 2, not the masked 3; row 2 keeps 8 and 4
     assert index_slots(scores, mask, 2).tolist() == [[0, -1], [1, 0], [3, 2]]
+    assert index_mask(scores, mask, 2).tolist() == [[True, False, False, False], [True, True, False, False], [False, False, True, True]]
+    assert index_mask(scores, mask, 4).equal(mask)
     # equal scores go to the earlier key, wherever the row has other keys
     ties = torch.tensor([[0.0, 0.0, 0.0, 5.0, 0.0]])
     assert index_mask(ties, torch.ones(1, 5, dtype=torch.bool), 3).tolist() == [[True, True, False, True, False]]
