@@ -299,9 +299,8 @@ class TransformerConfig:
     GLM-5), each query attending to the index_topk keys a lightning indexer of index_heads
     heads of index_head_dim scores highest (its RoPE on interleaved pairs with
     index_rope_interleaved; fmoe.layers.AttentionConfig; under context parallel the indexer's
-    keys gathered like K and V), the
-    indexer trained by its own loss with weight index_loss_coeff per micro-batch (0: not
-    trained: fmoe.layers.index_loss, Attention);
+    keys gathered like K and V), the indexer trained by its own loss with weight
+    index_loss_coeff per micro-batch (0: not trained: fmoe.layers.index_loss, Attention);
     index_shared_layers: the trunk blocks without an indexer, which attend to the keys the
     nearest earlier block with one chose (GLM-5's "shared" layers; not block 0). tie_embeddings: the
     output head is the embedding. Granite's multipliers (each 1 / None: none): attn_scale,
