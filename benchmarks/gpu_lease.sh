@@ -63,7 +63,7 @@ d)
     # DeepSeek sparse attention's kernels (not yet run on a GPU): their gpu tests and the DSA
     # model's (the training step's host syncs, decoding), then bench_sparse_attention
     timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-ra --durations=5" tests/ops/test_sparse.py \
-        tests/test_model.py -k "sparse or dsa" > "$OUT/gpu_tests.log" 2>&1
+        tests/test_attention.py tests/test_model.py -k "sparse or dsa" > "$OUT/gpu_tests.log" 2>&1
     echo "gpu tests: exit $?"
     grep -E "passed|failed|^FAILED|^ERROR|^E  " "$OUT/gpu_tests.log" | tail -20
     bench --only bench_sparse_attention --timeout 200
