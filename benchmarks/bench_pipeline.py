@@ -107,7 +107,7 @@ def make_loss_fn(cfg: TransformerConfig, scale: dict):
 
     n_moe = cfg.n_layers - cfg.n_dense
 
-    def loss_fn(losses, stats, batch):
+    def loss_fn(losses, stats, batch, model):
         loss = None if losses is None else losses["lm_sum"] / scale["valid"]
         if len(stats.keys()):
             aux = sum(1e-2 * seq_load_balancing_loss(s["aux_scores"], s["aux_experts"], batch["cu_seqlens"], k=cfg.k, check=False)
@@ -314,7 +314,7 @@ def no_pipeline(setup: dict, device: torch.device) -> list[dict]:
                 t0 = time.perf_counter()
                 for b in batches[:m]:
                     losses, stats = model(b, model.context(b))
-                    loss, _ = loss_fn(losses, stats, b)
+                    loss, _ = loss_fn(losses, stats, b, model)
                     loss.backward()
                 sync(device)
                 if i >= setup["warmup"]:

@@ -569,11 +569,11 @@ def main(argv: list[str]) -> None:
                      dtype=str(dtype), warmup=warmup, wsd_decay=schedule["wsd_decay"], vocab_size=model_cfg.vocab_size, byte_tokens=corpus.byte_tokens,
                      data_sources=[dict(name=n, weight=w, path=None if p is None else str(p)) for n, w, p in zip(corpus.names, corpus.weights, corpus.paths)])
 
-    def micro_batch_loss(losses, stats, batch, valid, n_micro):
+    def micro_batch_loss(losses, stats, batch, valid, n_micro, part):
         """One micro-batch's share of the step's loss (a tensor; None when there is nothing
         to add) and the values to log (tensors), from the model's losses (None on a pipeline
-        stage before the last, which adds only its own MoE layers' balancing losses) and
-        MoE stats."""
+        stage before the last, which adds only its own MoE layers' balancing losses), MoE
+        stats and the model that ran (`part`: the whole model, or a pipeline stage's)."""
         loss, logged = None, {}
         if losses is not None:
             loss = losses["lm_sum"] / valid["lm"]
@@ -582,8 +582,9 @@ def main(argv: list[str]) -> None:
                 mtp_loss = losses[f"mtp_{d}_sum"] / valid[d]
                 loss = loss + cfg.mtp_lambda / model_cfg.mtp_depth * mtp_loss
                 logged[f"mtp_{d}_loss"] = mtp_loss.detach()
-        if pipe is None and index_loss:  # DeepSeek sparse attention's indexer losses (trained apart: their gradients added in the backward)
-            logged["index_loss"] = model.index_loss_sum() / n_micro
+        index = part.index_loss_sum() if index_loss else None  # DeepSeek sparse attention's indexer losses (this part's layers)
+        if index is not None:  # trained apart: their gradients were added in the backward
+            logged["index_loss"] = index / n_micro
         if not len(stats.keys()):  # no MoE layer here (a dense model, or a pipeline stage without one)
             return loss, logged
         # balancing losses: averaged over layers and micro-batches (a layer's sequences are
@@ -636,15 +637,15 @@ def main(argv: list[str]) -> None:
         """Forward of one micro-batch (on the device): its share of the step's loss, the
         values to log (tensors) and the MoE stats."""
         losses, stats = forward(batch, model.context(batch))
-        loss, logged = micro_batch_loss(losses, stats, batch, valid, n_micro)
+        loss, logged = micro_batch_loss(losses, stats, batch, valid, n_micro, model)
         return loss, logged, stats
 
     # pipeline stages compute their part of the loss inside the schedule: the step's
     # valid-token counts and micro-batch count are set here before each step
     step_state = {}
 
-    def stage_loss(losses, stats, batch):
-        return micro_batch_loss(losses, stats, batch, step_state["valid"], step_state["n_micro"])
+    def stage_loss(losses, stats, batch, stage):
+        return micro_batch_loss(losses, stats, batch, step_state["valid"], step_state["n_micro"], stage)
 
     def split(host_batch):
         """This rank's share of a micro-batch under context parallelism (its two load-balanced
@@ -725,14 +726,14 @@ def main(argv: list[str]) -> None:
             if index_loss:  # each indexer's loss weighs index_loss_coeff / n_micro: the step averages the micro-batches'
                 for part in parts:
                     part.set_index_loss_weight(model_cfg.index_loss_coeff / n_micro)
-                record["index_loss"] = zero  # summed over the layers (a pipeline's stages: each its own)
+                record["index_loss"] = zero  # summed over the layers (each pipeline stage logs its own)
             with phase("forward_backward"):
                 if pipe is not None:  # the schedule runs forward and backward of this rank's micro-batches
                     step_state.update(valid=valid, n_micro=n_micro)
                     logged, counts = pipe.step([parallel.MicroBatch(train_batch(b), padding=i >= len(mine))
                                                 for i, b in enumerate(mine + [host_batches[0]] * padding)])
-                    for name, value in logged.items():  # the indexer losses' mean over the micro-batches, as micro_batch_loss's
-                        record[name] = record[name] + (value / n_micro if name == "index_loss" else value)
+                    for name, value in logged.items():
+                        record[name] = record[name] + value
                 for i, host_batch in enumerate(mine + [host_batches[0]] * padding if pipe is None else []):
                     loss, logged, stats = run_micro_batch(train_batch(host_batch), valid, n_micro)
                     if i >= len(mine):

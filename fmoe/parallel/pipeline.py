@@ -184,10 +184,12 @@ class MicroBatch:
     padding: bool = False
 
 
-# loss_fn(out, stats, batch) -> (loss, logged): out is the Transformer's losses TensorDict on
-# the last stage and None elsewhere; stats the stage's MoE stats; loss the stage's share of
-# the step's loss (a 0-D tensor) or None; logged {name: detached 0-D tensor} to sum
-LossFn = Callable[[Optional[object], object, object], tuple[Optional[torch.Tensor], dict]]
+# loss_fn(out, stats, batch, model) -> (loss, logged): out is the Transformer's losses
+# TensorDict on the last stage and None elsewhere; stats the stage's MoE stats; model the
+# stage's (pruned) Transformer, for what its layers keep from the forward (e.g. DeepSeek sparse
+# attention's indexer losses, Transformer.index_loss_sum); loss the stage's share of the step's
+# loss (a 0-D tensor) or None; logged {name: detached 0-D tensor} to sum
+LossFn = Callable[[Optional[object], object, object, Transformer], tuple[Optional[torch.Tensor], dict]]
 
 
 class StageModule(nn.Module):
@@ -196,8 +198,7 @@ class StageModule(nn.Module):
     Transformer `model` (x: token ids on the first stage, else the previous stage's hidden
     state) and returns the hidden state with the stage's loss attached, or on the last
     stage the loss. It sums what `loss_fn` logs and the MoE layers' tokens_per_expert over
-    the step's micro-batches (`logged`, with the stage's indexer losses as "index_loss";
-    `counts`; padding left out). With `evaluating`
+    the step's micro-batches (`logged`, `counts`; padding left out). With `evaluating`
     set it returns the hidden state, or on the last stage the LM loss sum."""
 
     def __init__(self, model: Transformer, loss_fn: LossFn):
@@ -216,12 +217,11 @@ class StageModule(nn.Module):
         out, stats = self.model(batch, self.model.context(batch), hidden=None if chunk.first else x)
         if self.evaluating:
             return out["lm_sum"] if chunk.last else out
-        loss, logged = self.loss_fn(out if chunk.last else None, stats, batch)
+        loss, logged = self.loss_fn(out if chunk.last else None, stats, batch, self.model)
         if mb.padding:
             loss = loss * 0.0 if loss is not None else None
         else:
-            index = self.model.index_loss_sum()  # DeepSeek sparse attention's indexer losses (None: none)
-            for name, value in ({**logged, "index_loss": index} if index is not None else logged).items():
+            for name, value in logged.items():
                 self.logged[name] = self.logged.get(name, 0) + value
             for name, layer in stats.items():
                 self.counts[name] = self.counts.get(name, 0) + layer["tokens_per_expert"]
@@ -323,9 +323,7 @@ class Pipeline:
         """Forward and backward of one optimizer step's micro-batches (this rank's share)
         through the pipeline; gradients accumulate in the chunks' parameters. Returns the
         sums of what loss_fn logged and the MoE counts over this rank's stages (names of
-        layers held elsewhere absent); with DeepSeek sparse attention's indexer losses
-        (Transformer.index_loss_sum: their gradients added in each stage's backward) their
-        sum over the stages' layers and the micro-batches as "index_loss" too."""
+        layers held elsewhere absent)."""
         n = len(micro_batches)
         schedule = self.schedule(n)
         for module in self.modules:

@@ -34,7 +34,7 @@ def _loss_fn(valid, n_layers_moe, n_micro):
     averaged over all MoE layers and micro-batches."""
     from fmoe.ops import seq_load_balancing_loss, z_loss
 
-    def loss_fn(losses, stats, batch):
+    def loss_fn(losses, stats, batch, model):
         loss, logged = None, {}
         if losses is not None:
             loss = (losses["lm_sum"] + 0.1 * losses["mtp_1_sum"]) / valid
@@ -61,7 +61,7 @@ def _reference(cfg, batches, valid, n_micro):
     lm, aux, counts = 0.0, 0.0, {}
     for b in batches:
         losses, stats = model(b, model.context(b))
-        loss, logged = loss_fn(losses, stats, b)
+        loss, logged = loss_fn(losses, stats, b, model)
         loss.backward()
         lm, aux = lm + float(logged["lm_sum"]), aux + float(logged["aux"])
         for name, layer in stats.items():
