@@ -340,6 +340,19 @@ _sparse_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 # ----------------------------------------------------------------------------------------
 
 
+def _check_inputs(q, kv, index) -> tuple[int, int, int]:
+    """Shapes, dtypes and devices of q [T, N, D], kv [S, D] and index [T, J]; returns (T, N, D)."""
+    check_float("q", q, 3, "[T, N, D]")
+    check_float("kv", kv, 2, "[S, D]")
+    check_index("index", index, 2, "[T, J]")
+    T, N, D = q.shape
+    if kv.shape[1] != D or kv.dtype != q.dtype or kv.device != q.device:
+        raise ValueError(f"kv: expected [S, {D}] (q's D) in {q.dtype} on {q.device}, got {list(kv.shape)} {kv.dtype} {kv.device}")
+    if index.shape[0] != T or index.device != q.device:
+        raise ValueError(f"index: expected [{T}, J] (q's T) on {q.device}, got {list(index.shape)} on {index.device}")
+    return T, N, D
+
+
 def _check_dims(D: int, v_dim, scale) -> tuple[int, float]:
     """(v_dim, scale) with their defaults (D, 1 / sqrt(D)), checked."""
     v_dim = D if v_dim is None else v_dim
@@ -369,14 +382,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, index: torch.Tensor, *, 
         (o [T, N, Dv] in q's dtype, lse [T, N] float32), both differentiable; a query whose
         slots are all empty gets o = 0 and lse = -inf.
     """
-    check_float("q", q, 3, "[T, N, D]")
-    check_float("kv", kv, 2, "[S, D]")
-    check_index("index", index, 2, "[T, J]")
-    T, N, D = q.shape
-    if kv.shape[1] != D or kv.dtype != q.dtype or kv.device != q.device:
-        raise ValueError(f"kv: expected [S, {D}] (q's D) in {q.dtype} on {q.device}, got {list(kv.shape)} {kv.dtype} {kv.device}")
-    if index.shape[0] != T or index.device != q.device:
-        raise ValueError(f"index: expected [{T}, J] (q's T) on {q.device}, got {list(index.shape)} on {index.device}")
+    T, N, D = _check_inputs(q, kv, index)
     v_dim, scale = _check_dims(D, v_dim, scale)
     if checking(check) and index.numel():
         lo, hi = int(index.min()), int(index.max())
@@ -397,17 +403,12 @@ def sparse_attention_probs(q: torch.Tensor, kv: torch.Tensor, index: torch.Tenso
     1 / sqrt(D)); v_dim: only how the kernel splits each row's channels, as sparse_attention
     does (default D). The kernel recomputes the scores a query's slots at a time: no [T, N, J]
     tensor; impl as sparse_attention's (the reference gathers [T, J, D])."""
-    check_float("q", q, 3, "[T, N, D]")
-    check_float("kv", kv, 2, "[S, D]")
-    check_index("index", index, 2, "[T, J]")
-    T, N, D = q.shape
-    if kv.shape[1] != D or kv.dtype != q.dtype or index.shape[0] != T:
-        raise ValueError(f"kv, index: expected kv [S, {D}] in {q.dtype} and index [{T}, J] (q's D and T), got {list(kv.shape)} {kv.dtype} and {list(index.shape)}")
+    T, N, D = _check_inputs(q, kv, index)
     if not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32 or tuple(lse.shape) != (T, N):
         raise ValueError(f"lse: expected sparse_attention's float32 [{T}, {N}], got {getattr(lse, 'dtype', type(lse).__name__)} "
                          f"{list(getattr(lse, 'shape', []))}")
     v_dim, scale = _check_dims(D, v_dim, scale)
     with torch.no_grad():
         if T == 0 or index.shape[1] == 0 or kv.shape[0] == 0 or not use_triton(impl, q, kv, index):
-            return _sparse_attention_probs_ref(q, kv, index, lse, float(scale))
+            return _sparse_attention_probs_ref(q, kv, index, lse, scale)
         return _sparse_attention_probs(q.contiguous(), kv.contiguous(), index.contiguous(), lse.contiguous(), v_dim, scale)

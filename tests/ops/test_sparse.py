@@ -113,6 +113,8 @@ def test_probabilities_of_the_slots(T, N, D, v_dim, S, J, device):
     assert float(p[index < 0].abs().max()) == 0.0 and not bool(has[1])
     with pytest.raises(ValueError, match=r"lse: expected sparse_attention's float32 \[%d, %d\]" % (T, N)):
         sparse_attention_probs(q, kv, index, lse[:, :1])
+    with pytest.raises(ValueError, match=r"kv: expected \[S, %d\] \(q's D\)" % D):  # sparse_attention's checks
+        sparse_attention_probs(q, kv[:, :-1], index, lse)
 
 
 def test_kernels_are_deterministic(device):
