@@ -1301,24 +1301,27 @@ def _index_loss_blocks(x_TH, q_lat_TC, keys_SD, slots_TJ, target_TJ, params, cfg
     return total / n_queries
 
 
-def _attention_probs(q_NTD, k_GTD, mask_TS, scale: float) -> torch.Tensor:
-    """Each head's attention distribution [N, T, S] float32 under mask (a row without keys: 0)."""
+def _masked_scores(q_NTD, k_GTD, mask_TS, scale: float) -> torch.Tensor:
+    """Each head's scores [N, T, S] float32 (the kv heads repeated to the query heads), -inf
+    where mask [T, S] is False."""
     N, G = q_NTD.shape[0], k_GTD.shape[0]
     k_NSD = k_GTD.float().repeat_interleave(N // G, dim=0)
-    scores_NTS = (q_NTD.float() @ k_NSD.transpose(1, 2) * scale).masked_fill(~mask_TS, float("-inf"))
-    return torch.softmax(scores_NTS, dim=-1).nan_to_num(0.0)
+    return (q_NTD.float() @ k_NSD.transpose(1, 2) * scale).masked_fill(~mask_TS, float("-inf"))
+
+
+def _attention_probs(q_NTD, k_GTD, mask_TS, scale: float) -> torch.Tensor:
+    """Each head's attention distribution [N, T, S] float32 under mask (a row without keys: 0)."""
+    return torch.softmax(_masked_scores(q_NTD, k_GTD, mask_TS, scale), dim=-1).nan_to_num(0.0)
 
 
 def _attention_with_sinks(q_NTD, k_GTD, v_GTD, mask_TS, scale: float, sinks_N):
     """The reference attention with sinks: softmax over [the allowed scores, the head's
     sink], the sink's share dropped (it has no value), in float32; [N, T, Dv] in q's dtype."""
     N, G = q_NTD.shape[0], k_GTD.shape[0]
-    k_NSD, v_NSD = (t.float().repeat_interleave(N // G, dim=0) for t in (k_GTD, v_GTD))
-    scores_NTS = (q_NTD.float() @ k_NSD.transpose(1, 2)) * scale
-    scores_NTS = scores_NTS.masked_fill(~mask_TS, float("-inf"))
+    scores_NTS = _masked_scores(q_NTD, k_GTD, mask_TS, scale)
     sink_NT1 = sinks_N.float()[:, None, None].expand(N, scores_NTS.shape[1], 1)
     probs_NTS = torch.softmax(torch.cat([scores_NTS, sink_NT1], dim=-1), dim=-1)[..., :-1]
-    return (probs_NTS @ v_NSD).to(q_NTD.dtype)
+    return (probs_NTS @ v_GTD.float().repeat_interleave(N // G, dim=0)).to(q_NTD.dtype)
 
 
 def _gqa_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext, heads_mean=None):
