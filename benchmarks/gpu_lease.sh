@@ -9,6 +9,7 @@
 #     bash benchmarks/gpu_lease.sh b    # bench_routing; bench_train_step; bench_delta (~7 min)
 #     bash benchmarks/gpu_lease.sh c    # fp8: its gpu tests, bench_fp8, bench_moe_layer, bench_train_step --fp8 (~7 min)
 #     bash benchmarks/gpu_lease.sh d    # DeepSeek sparse attention's kernels: their gpu tests, bench_sparse_attention (not yet run)
+#     bash benchmarks/gpu_lease.sh e    # d, the fp8 tests changed after part c, then bench_routing (~9 min)
 #
 # What comes back is written to $OUT (the device tool's folder; gpu_out/ elsewhere), at most
 # 8 files: RESULTS.md (run_all.py's sections, to append to benchmarks/RESULTS.md), log.txt,
@@ -68,8 +69,24 @@ d)
     grep -E "passed|failed|^FAILED|^ERROR|^E  " "$OUT/gpu_tests.log" | tail -20
     bench --only bench_sparse_attention --timeout 200
     ;;
+e)
+    # one call for the fourth run: the gpu tests of d and those changed after part c (the fp8
+    # model step's MTP term, fast accumulation, the quantization kernel's one grid dimension),
+    # bench_sparse_attention, then the router's goal (bench_routing, never whole on a GPU)
+    t=tests/ops/test_fp8.py
+    timeout 170 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider -o addopts="-ra --durations=10" \
+        tests/ops/test_sparse.py tests/test_attention.py tests/test_model.py -k "sparse or dsa" > "$OUT/gpu_tests.log" 2>&1
+    echo "gpu tests (dsa): exit $?"
+    timeout 120 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider -o addopts="-ra --durations=5" \
+        $t::test_gpu_fp8_model_step_makes_no_host_sync $t::test_gpu_fast_accum_is_asked_for_and_stays_near_the_emulation \
+        $t::test_gpu_quantize_kernel_gives_the_torch_bits >> "$OUT/gpu_tests.log" 2>&1
+    echo "gpu tests (fp8): exit $?"
+    grep -E "passed|failed|^FAILED|^ERROR|^E  " "$OUT/gpu_tests.log" | tail -30
+    bench --only bench_sparse_attention --timeout 150
+    bench --only bench_routing --timeout 200
+    ;;
 *)
-    echo "usage: bash benchmarks/gpu_lease.sh a|b|c|d" >&2
+    echo "usage: bash benchmarks/gpu_lease.sh a|b|c|d|e" >&2
     exit 2
     ;;
 esac
