@@ -9,7 +9,8 @@
 #     bash benchmarks/gpu_lease.sh b    # bench_routing; bench_train_step; bench_delta (~7 min)
 #     bash benchmarks/gpu_lease.sh c    # fp8: its gpu tests, bench_fp8, bench_moe_layer, bench_train_step --fp8 (~7 min)
 #     bash benchmarks/gpu_lease.sh d    # DeepSeek sparse attention's kernels: their gpu tests, bench_sparse_attention (not yet run)
-#     bash benchmarks/gpu_lease.sh e    # d, the fp8 tests changed after part c, then bench_routing (~9 min)
+#     bash benchmarks/gpu_lease.sh e    # d's tests, the fp8 tests changed after part c, bench_sparse_attention (~6 min at most)
+#     bash benchmarks/gpu_lease.sh f    # bench_moe_layer (permute by scatter), bench_routing, bench_delta (~7 min at most)
 #
 # What comes back is written to $OUT (the device tool's folder; gpu_out/ elsewhere), at most
 # 8 files: RESULTS.md (run_all.py's sections, to append to benchmarks/RESULTS.md), log.txt,
@@ -32,7 +33,7 @@ bench() {  # run_all.py's sections appended to $OUT/RESULTS.md, its own output t
 case "${1:-}" in
 a)
     # 4 workers: the compiles are CPU-bound; 8 ran one test out of GPU memory
-    timeout 170 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider -o addopts="-ra --durations=10" tests \
+    timeout 150 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider -o addopts="-ra --durations=10" tests \
         > "$OUT/gpu_tests.log" 2>&1
     echo "gpu tests: exit $?"
     grep -E "passed|failed|^FAILED|^ERROR" "$OUT/gpu_tests.log" | tail -20
@@ -72,21 +73,27 @@ d)
 e)
     # one call for the fourth run: the gpu tests of d and those changed after part c (the fp8
     # model step's MTP term, fast accumulation, the quantization kernel's one grid dimension),
-    # bench_sparse_attention, then the router's goal (bench_routing, never whole on a GPU)
+    # then bench_sparse_attention
     t=tests/ops/test_fp8.py
-    timeout 170 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider -o addopts="-ra --durations=10" \
+    timeout 150 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider -o addopts="-ra --durations=10" \
         tests/ops/test_sparse.py tests/test_attention.py tests/test_model.py -k "sparse or dsa" > "$OUT/gpu_tests.log" 2>&1
     echo "gpu tests (dsa): exit $?"
-    timeout 120 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider -o addopts="-ra --durations=5" \
+    timeout 90 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider -o addopts="-ra --durations=5" \
         $t::test_gpu_fp8_model_step_makes_no_host_sync $t::test_gpu_fast_accum_is_asked_for_and_stays_near_the_emulation \
         $t::test_gpu_quantize_kernel_gives_the_torch_bits >> "$OUT/gpu_tests.log" 2>&1
     echo "gpu tests (fp8): exit $?"
     grep -E "passed|failed|^FAILED|^ERROR|^E  " "$OUT/gpu_tests.log" | tail -30
     bench --only bench_sparse_attention --timeout 150
+    ;;
+f)
+    # the rest of the fourth run: the MoE layer with permute by scatter (the default since part
+    # c), the router's goal (bench_routing, never whole on a GPU), the delta rule
+    bench --only bench_moe_layer --timeout 60
     bench --only bench_routing --timeout 200
+    bench --only bench_delta --timeout 60
     ;;
 *)
-    echo "usage: bash benchmarks/gpu_lease.sh a|b|c|d|e" >&2
+    echo "usage: bash benchmarks/gpu_lease.sh a|b|c|d|e|f" >&2
     exit 2
     ;;
 esac
