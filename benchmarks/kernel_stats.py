@@ -168,6 +168,9 @@ def cases():
         attn_scalars, stride_dot="i32", stride_don="i32"), meta
     yield "sparse_attention_probs", sparse._sparse_attention_probs_kernel, dict(q_ptr="*bf16", kv_ptr="*bf16", index_ptr="*i64", lse_ptr="*fp32",
                                                                              p_ptr="*fp32"), attn_scalars, meta
+    yield "sparse_attention_dkv_atomic", sparse._sparse_attention_dkv_atomic_kernel, dict(
+        q_ptr="*bf16", kv_ptr="*bf16", index_ptr="*i64", do_ptr="*bf16", lse_ptr="*fp32", delta_ptr="*fp32", dkv_ptr="*fp32"), dict(
+        attn_scalars, stride_dot="i32", stride_don="i32", stride_dkv="i32"), sparse._dkv_atomic_blocks(16, 576, 512)
     dkv_meta = {k: v for k, v in meta.items() if k in ("DV", "DR", "BLOCK_DV", "BLOCK_DR", "num_warps")} | sparse._dkv_blocks()
     yield "sparse_attention_dkv", sparse._sparse_attention_dkv_kernel, dict(q_ptr="*bf16", kv_ptr="*bf16", do_ptr="*bf16", lse_ptr="*fp32",
                                                                          delta_ptr="*fp32", slots_ptr="*i64", offsets_ptr="*i64", dkv_ptr="*bf16"), dict(

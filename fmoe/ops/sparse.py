@@ -33,10 +33,17 @@ heads, runs an online softmax over blocks of slots, each block's rows gathered b
 every product split into the value channels and the rest (each a power-of-two block: 512 +
 64 for DeepSeek's 576, no padding to 1024), multiplied in the inputs' dtype with float32
 sums (bf16 on tensor cores; float32 exactly, not TF32). The backward's dq kernel has the
-same grid and recomputes the probabilities from lse; its dkv kernel runs one program per key
-over the (slot, head) rows that chose it, from the slots sorted by key (a CSR built by torch
-on the device: no atomics, so the gradient is the same on every run). The probabilities'
-kernel (sparse_attention_probs) recomputes them from lse, one program per query.
+same grid and recomputes the probabilities from lse. dkv has two kernels:
+- by default, the same grid again: each block of slots' key gradients summed over the block
+  of heads by tensor-core products ([BJ, BN] x [BN, D]), then added to a float32 dkv by
+  atomics (their order, so dkv's last bits, may differ from run to run);
+- under torch.use_deterministic_algorithms(True) (fmoe.train.set_deterministic), one
+  program per key over the (slot, head) rows that chose it, from the slots sorted by key (a
+  CSR built by torch on the device): the same bits on every run, but each (slot, head) reads
+  its query's row again, N times the atomic kernel's reads (8x slower on an H100 at
+  DeepSeek-V3.2's shapes: benchmarks/RESULTS.md).
+The probabilities' kernel (sparse_attention_probs) recomputes them from lse, one program per
+query.
 
 Legend: T queries, N heads, D key dim, Dv value dim (the first Dv channels of kv), Dr = D -
 Dv the rest, S keys, J slots per query.
@@ -180,6 +187,36 @@ def _sparse_attention_dq_kernel(q_ptr, kv_ptr, index_ptr, do_ptr, lse_ptr, delta
 
 
 @triton.jit
+def _sparse_attention_dkv_atomic_kernel(q_ptr, kv_ptr, index_ptr, do_ptr, lse_ptr, delta_ptr, dkv_ptr, N, J, scale,
+                                        stride_qt, stride_qn, stride_kv, stride_it, stride_dot, stride_don, stride_dkv,
+                                        DV: tl.constexpr, DR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr,
+                                        BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr):
+    """Query t and a block of heads: each slot block's key gradients, summed over the heads
+    by tensor-core products ([BJ, BN] x [BN, D]), added to dkv (float32) by atomics."""
+    t = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_v, offs_r = tl.arange(0, BLOCK_DV), tl.arange(0, BLOCK_DR)
+    q_v = _heads(q_ptr, t, offs_n, N, offs_v, 0, DV, stride_qt, stride_qn)
+    q_r = _heads(q_ptr, t, offs_n, N, offs_r, DV, DR, stride_qt, stride_qn)
+    do = _heads(do_ptr, t, offs_n, N, offs_v, 0, DV, stride_dot, stride_don)
+    lse = tl.load(lse_ptr + t * N + offs_n, mask=mask_n, other=0.0)
+    lse = tl.where(lse == float("-inf"), 0.0, lse)
+    delta = tl.load(delta_ptr + t * N + offs_n, mask=mask_n, other=0.0)
+    for j0 in range(0, J, BLOCK_J):
+        valid, k_v, k_r, s = _slot_block(q_v, q_r, kv_ptr, index_ptr, t, j0, J, stride_it, stride_kv, DV, DR, BLOCK_J, BLOCK_DV, BLOCK_DR)
+        p = tl.where(valid[None, :] & mask_n[:, None], tl.exp(s * scale - lse[:, None]), 0.0)
+        ds = p * (tl.dot(do, tl.trans(k_v), input_precision="ieee") - delta[:, None]) * scale
+        ds_t = tl.trans(ds).to(q_v.dtype)
+        dk_v = tl.dot(ds_t, q_v, input_precision="ieee") + tl.dot(tl.trans(p).to(do.dtype), do, input_precision="ieee")
+        dk_r = tl.dot(ds_t, q_r, input_precision="ieee")
+        idx = tl.load(index_ptr + t * stride_it + j0 + tl.arange(0, BLOCK_J), mask=j0 + tl.arange(0, BLOCK_J) < J, other=-1).to(tl.int64)
+        row = dkv_ptr + tl.where(valid, idx, 0)[:, None] * stride_dkv
+        tl.atomic_add(row + offs_v[None, :], dk_v, mask=valid[:, None] & (offs_v[None, :] < DV), sem="relaxed")
+        tl.atomic_add(row + DV + offs_r[None, :], dk_r, mask=valid[:, None] & (offs_r[None, :] < DR), sem="relaxed")
+
+
+@triton.jit
 def _sparse_attention_dkv_kernel(q_ptr, kv_ptr, do_ptr, lse_ptr, delta_ptr, slots_ptr, offsets_ptr, dkv_ptr, N, J, scale,
                                  stride_qt, stride_qn, stride_kv, stride_dot, stride_don,
                                  DV: tl.constexpr, DR: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -243,6 +280,12 @@ def _blocks(N: int, D: int, v_dim: int) -> dict:
                 BLOCK_DV=max(16, next_pow2(v_dim)), BLOCK_DR=max(16, next_pow2(D - v_dim)), num_warps=4)
 
 
+def _dkv_atomic_blocks(N: int, D: int, v_dim: int) -> dict:
+    """The atomic dkv kernel's: 16 slots a step and 8 warps (its [BJ, D] float32 gradient
+    tiles fit 128 registers at DeepSeek's 576 channels, no spills; 32 slots and 4 warps spill)."""
+    return _blocks(N, D, v_dim) | dict(BLOCK_J=16, num_warps=4)
+
+
 def _dkv_blocks() -> dict:
     """The dkv kernel's rows per step (a slot's head each)."""
     return dict(BLOCK_R=8)
@@ -281,7 +324,13 @@ def _sparse_attention_bwd(q: torch.Tensor, kv: torch.Tensor, index: torch.Tensor
     _sparse_attention_dq_kernel[(T, triton.cdiv(N, meta["BLOCK_N"]))](
         q, kv, index, grad_o, lse, delta, dq, N, J, scale, q.stride(0), q.stride(1), kv.stride(0), index.stride(0),
         grad_o.stride(0), grad_o.stride(1), **meta)
-    # the slots by key (empty ones last): key s's slots are slots[offsets[s]:offsets[s + 1]]
+    if not torch.are_deterministic_algorithms_enabled():
+        dkv = torch.zeros(kv.shape, device=kv.device, dtype=torch.float32)
+        _sparse_attention_dkv_atomic_kernel[(T, triton.cdiv(N, meta["BLOCK_N"]))](
+            q, kv, index, grad_o, lse, delta, dkv, N, J, scale, q.stride(0), q.stride(1), kv.stride(0), index.stride(0),
+            grad_o.stride(0), grad_o.stride(1), dkv.stride(0), **_dkv_atomic_blocks(N, D, v_dim))
+        return dq, dkv.to(kv.dtype)
+    # deterministic: the slots by key (empty ones last), key s's at slots[offsets[s]:offsets[s + 1]]
     key = index.reshape(-1).long()
     key = torch.where(key >= 0, key, S)
     slots = torch.argsort(key, stable=True)

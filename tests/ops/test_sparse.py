@@ -3,6 +3,7 @@ attention under the mask the index makes (values and every gradient), the Triton
 against the reference (the interpreter on CPU; real shapes on a GPU), their registration,
 torch.compile, and the argument checks."""
 
+import contextlib
 import math
 
 import pytest
@@ -69,10 +70,22 @@ def test_reference_is_dense_attention_under_the_index_mask(T, N, D, v_dim, S, J)
     assert float(grads[0][0][1].abs().max()) == 0.0  # the query without keys
 
 
-@pytest.mark.parametrize("T,N,D,v_dim,S,J", [(7, 3, 12, 8, 20, 5), (4, 17, 20, 16, 9, 9), (5, 2, 8, 8, 40, 33), (3, 2, 70, 64, 6, 2)])
+@contextlib.contextmanager
+def _deterministic(enabled: bool):
+    """torch.use_deterministic_algorithms(enabled) for a with block, then as it was."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(enabled)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+@pytest.mark.parametrize("T,N,D,v_dim,S,J", [(7, 3, 12, 8, 20, 5), (3, 70, 20, 16, 9, 9), (5, 2, 8, 8, 40, 33), (3, 2, 70, 64, 6, 2)])
 @pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
 def test_kernels_match_the_reference(T, N, D, v_dim, S, J, index_dtype, device):
-    """Forward and backward: heads beyond one block (17), slots beyond one block (33), no rope
+    """Forward and backward, dkv by atomics (the default) and by key (deterministic
+    algorithms): heads beyond one block (70 > 64), slots beyond one block (33), no rope
     channels (v_dim = D), a value width that is not a power of two's neighbour (70 = 64 + 6),
     empty slots and a query without keys, keys named twice in a row and by many rows."""
     q, kv, index = _inputs(T, N, D, S, J, device=device)
@@ -81,16 +94,18 @@ def test_kernels_match_the_reference(T, N, D, v_dim, S, J, index_dtype, device):
     q.requires_grad_(), kv.requires_grad_()
     go, glse = torch.randn(T, N, v_dim, device=device), torch.randn(T, N, device=device)
     results = []
-    for impl in ("torch", "triton"):
-        o, lse = sparse_attention(q, kv, index, v_dim=v_dim, scale=0.4, impl=impl)
-        finite = torch.isfinite(lse)
-        grads = torch.autograd.grad((o * go).sum() + (torch.where(finite, lse, 0.0) * glse).sum(), [q, kv])
+    for impl, deterministic in (("torch", False), ("triton", False), ("triton", True)):
+        with _deterministic(deterministic):
+            o, lse = sparse_attention(q, kv, index, v_dim=v_dim, scale=0.4, impl=impl)
+            finite = torch.isfinite(lse)
+            grads = torch.autograd.grad((o * go).sum() + (torch.where(finite, lse, 0.0) * glse).sum(), [q, kv])
         results.append((o, torch.where(finite, lse, 0.0), finite, *grads))
-    for name, a, b in zip(("o", "lse", "finite", "dq", "dkv"), *results):
-        if name == "finite":
-            assert torch.equal(a, b)
-        else:
-            torch.testing.assert_close(b, a, rtol=2e-5, atol=2e-5, msg=name)
+    for got in results[1:]:
+        for name, a, b in zip(("o", "lse", "finite", "dq", "dkv"), results[0], got):
+            if name == "finite":
+                assert torch.equal(a, b)
+            else:
+                torch.testing.assert_close(b, a, rtol=2e-5, atol=2e-5, msg=name)
 
 
 @pytest.mark.parametrize("T,N,D,v_dim,S,J", [(7, 3, 12, 8, 20, 5), (4, 17, 20, 16, 9, 9), (5, 2, 8, 8, 40, 33)])
@@ -117,12 +132,15 @@ def test_probabilities_of_the_slots(T, N, D, v_dim, S, J, device):
         sparse_attention_probs(q, kv[:, :-1], index, lse)
 
 
-def test_kernels_are_deterministic(device):
-    """The dkv kernel sums each key's rows in one program, in slot order: bit-identical runs."""
+def test_kernels_are_deterministic_when_asked(device):
+    """Under torch.use_deterministic_algorithms(True) (fmoe.train.set_deterministic) the dkv
+    kernel sums each key's rows in one program, in slot order: bit-identical runs. (By
+    default the atomics' order may differ from run to run on a GPU.)"""
     q, kv, index = _inputs(6, 4, 12, 5, 5, device=device, empty=0.0)  # every row names every key
     q.requires_grad_(), kv.requires_grad_()
     go = torch.randn(6, 4, 8, device=device)
-    runs = [torch.autograd.grad((sparse_attention(q, kv, index, v_dim=8, impl="triton")[0] * go).sum(), [q, kv]) for _ in range(2)]
+    with _deterministic(True):
+        runs = [torch.autograd.grad((sparse_attention(q, kv, index, v_dim=8, impl="triton")[0] * go).sum(), [q, kv]) for _ in range(2)]
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
@@ -169,14 +187,17 @@ def test_bad_inputs():
 @pytest.mark.gpu
 def test_gpu_kernels_at_deepseek_v32_shapes():
     """bf16 at DeepSeek-V3.2's absorbed shapes (one tp rank's 16 heads of 576 = 512 + 64
-    channels, 2048 slots, 4096 keys) against the float32 reference."""
+    channels, 2048 slots, 4096 keys) against the float32 reference, dkv by atomics and by key."""
     T, N, D, Dv, S, J = 256, 16, 576, 512, 4096, 2048
     q, kv, index = _inputs(T, N, D, S, J, dtype=torch.bfloat16, device="cuda", empty=0.1)
     q.requires_grad_(), kv.requires_grad_()
     go = torch.randn(T, N, Dv, device="cuda", dtype=torch.bfloat16)
+    x32, y32 = q.detach().float().requires_grad_(), kv.detach().float().requires_grad_()
     outs = []
-    for x, y in ((q, kv), (q.detach().float().requires_grad_(), kv.detach().float().requires_grad_())):
-        o, _ = sparse_attention(x, y, index, v_dim=Dv, scale=192**-0.5, impl="triton" if x.dtype == torch.bfloat16 else "torch")
-        outs.append((o, *torch.autograd.grad((o.float() * go.float()).sum(), [x, y])))
-    for a, b in zip(*outs):
-        assert float((a.float() - b.float()).norm() / b.float().norm()) < 2e-2
+    for x, y, deterministic in ((x32, y32, False), (q, kv, False), (q, kv, True)):
+        with _deterministic(deterministic):
+            o, _ = sparse_attention(x, y, index, v_dim=Dv, scale=192**-0.5, impl="triton" if x.dtype == torch.bfloat16 else "torch")
+            outs.append((o, *torch.autograd.grad((o.float() * go.float()).sum(), [x, y])))
+    for got in outs[1:]:
+        for a, b in zip(got, outs[0]):
+            assert float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm()) < 2e-2
