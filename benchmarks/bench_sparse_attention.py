@@ -14,7 +14,7 @@ rotated channels, the latent the value: Dv = 512; one tensor-parallel rank's hea
 
 Implementations:
     fused   impl="triton": the forward's online softmax over blocks of gathered rows; dq, and
-            each key's gradient summed over the slots that chose it (no atomics)
+            the keys' gradients added by atomics (the default; not the deterministic kernel)
     gather  impl="torch" (the reference): every slot's row gathered into [T, J, D], then
             einsums; autograd
     dense   what fmoe's DSA layers ran before the kernel: SDPA over all S keys under the choice
@@ -25,10 +25,11 @@ fused against gather (output and gradients) on its first 256 queries; an impleme
 that runs out of memory gets an empty row (the gather at v3.2-tp8 needs T J D float32 rows
 and their gradient: about 40 GiB). Table: median ms, the speedups over gather and
 dense, CUDA peak memory of the pass, and the floor fraction: the larger of two lower bounds
-on the time over the measured time. The bytes bound: every slot's row read once per query
-(T J D elements: the heads of a query share them) plus q and o, x 2.5 for fwd+bwd (dq and
-dkv read the rows again); the FLOPs bound: 2 T N J (D + Dv) for fwd, x 3.5 for fwd+bwd,
-at the bf16 matmul rate measured in the same run. The CSV goes to
+on the time over the measured time. The bytes bound: each tensor read or written once (fwd:
+q, kv, index, o; fwd+bwd adds the backward's q, kv, index, do, dq and dkv; the slots' rows
+are gathered again per query, but from L2: kv is 4.5 MiB at v3.2-tp8); the FLOPs bound:
+2 T N J (D + Dv) for fwd, x 3.5 for fwd+bwd (no recomputation counted), at the bf16
+matmul rate measured in the same run. The CSV goes to
 OUT/bench_sparse_attention.csv.
 """
 
@@ -117,10 +118,12 @@ def run_case(case: Case, device: torch.device, dtype: torch.dtype, rate: float, 
         return torch.autograd.grad(impls[name](), [q, kv], grad_o)
 
     elem = torch.finfo(dtype).bits // 8
-    fwd_bytes = (case.T * case.J * D + case.T * case.N * (D + case.Dv)) * elem
+    q_bytes, kv_bytes, o_bytes = case.T * case.N * D * elem, case.S * D * elem, case.T * case.N * case.Dv * elem
+    fwd_bytes = q_bytes + kv_bytes + index.nbytes + o_bytes
+    bwd_bytes = 2 * (q_bytes + kv_bytes) + index.nbytes + o_bytes  # q, kv, index, do read; dq, dkv written
     fwd_flops = 2 * case.T * case.N * case.J * (D + case.Dv)
     rows = []
-    for pass_name, step, nbytes, flops in (("fwd", fwd, fwd_bytes, fwd_flops), ("fwd+bwd", fwd_bwd, 2.5 * fwd_bytes, 3.5 * fwd_flops)):
+    for pass_name, step, nbytes, flops in (("fwd", fwd, fwd_bytes, fwd_flops), ("fwd+bwd", fwd_bwd, fwd_bytes + bwd_bytes, 3.5 * fwd_flops)):
         ms = {}
         floor_ms = {"bytes": nbytes / bandwidth * 1e3, "flops": flops / rate * 1e3}
         bound = max(floor_ms, key=floor_ms.get)
