@@ -8,9 +8,9 @@
 #     bash benchmarks/gpu_lease.sh a    # the gpu tests; bench_loss, bench_optim, bench_rope; bench_moe_layer profiled; bench_cp_linear; bench_fp8 (~5 min)
 #     bash benchmarks/gpu_lease.sh b    # bench_routing; bench_train_step; bench_delta (~7 min)
 #     bash benchmarks/gpu_lease.sh c    # fp8: its gpu tests, bench_fp8, bench_moe_layer, bench_train_step --fp8 (~7 min)
-#     bash benchmarks/gpu_lease.sh d    # DeepSeek sparse attention's kernels: their gpu tests, bench_sparse_attention (not yet run)
-#     bash benchmarks/gpu_lease.sh e    # d's tests, the fp8 tests changed after part c, bench_sparse_attention (~6 min at most)
-#     bash benchmarks/gpu_lease.sh f    # bench_moe_layer (permute by scatter), bench_routing, bench_delta (~7 min at most)
+#     bash benchmarks/gpu_lease.sh d    # DeepSeek sparse attention's kernels: their gpu tests, bench_sparse_attention (part e holds them)
+#     bash benchmarks/gpu_lease.sh e    # d's tests, the fp8 tests changed after part c, bench_sparse_attention (122 s on 2026-11-27)
+#     bash benchmarks/gpu_lease.sh f    # bench_moe_layer (permute by scatter), bench_routing, bench_delta (269 s on 2026-11-27)
 #
 # What comes back is written to $OUT (the device tool's folder; gpu_out/ elsewhere), at most
 # 8 files: RESULTS.md (run_all.py's sections, to append to benchmarks/RESULTS.md), log.txt,
