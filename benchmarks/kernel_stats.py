@@ -171,6 +171,11 @@ def cases():
     yield "sparse_attention_dkv_atomic", sparse._sparse_attention_dkv_atomic_kernel, dict(
         q_ptr="*bf16", kv_ptr="*bf16", index_ptr="*i64", do_ptr="*bf16", lse_ptr="*fp32", delta_ptr="*fp32", dkv_ptr="*fp32"), dict(
         attn_scalars, stride_dot="i32", stride_don="i32", stride_dkv="i32"), sparse._dkv_atomic_blocks(16, 576, 512)
+    # its lightning indexer's scores (fmoe.ops.indexer_scores): 64 heads of 128 channels, bf16 and float32 (the layers' own)
+    for ty, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        yield f"indexer_scores {ty}", sparse._indexer_scores_kernel, dict(q_ptr=f"*{ty}", w_ptr="*fp32", k_ptr=f"*{ty}", out_ptr="*fp32"), dict(
+            T="i32", S="i32", N="i32", scale="fp32", stride_qt="i32", stride_qn="i32", stride_wt="i32", stride_ks="i32", stride_ot="i32"), dict(
+            D=128, **sparse._indexer_blocks(128, dtype))
     dkv_meta = {k: v for k, v in meta.items() if k in ("DV", "DR", "BLOCK_DV", "BLOCK_DR", "num_warps")} | sparse._dkv_blocks()
     yield "sparse_attention_dkv", sparse._sparse_attention_dkv_kernel, dict(q_ptr="*bf16", kv_ptr="*bf16", do_ptr="*bf16", lse_ptr="*fp32",
                                                                          delta_ptr="*fp32", slots_ptr="*i64", offsets_ptr="*i64", dkv_ptr="*bf16"), dict(

@@ -110,7 +110,7 @@ from fmoe.ops.rope import (
     yarn_softmax_scale,
 )
 from fmoe.ops.routing import Routes, keep_slots
-from fmoe.ops.sparse import sparse_attention, sparse_attention_probs
+from fmoe.ops.sparse import indexer_scores, sparse_attention, sparse_attention_probs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1449,9 +1449,8 @@ def index_scores(x_TH: torch.Tensor, q_lat_TC: torch.Tensor, keys_SD: torch.Tens
     q_TND = (q_lat_TC.float() @ params["index_wq"].float()).view(T, Ni, Di)
     q_TND = apply_rope(q_TND, cos, sin, interleaved=cfg.index_interleaved, impl="torch")
     w_TN = (x_TH.float() @ params["index_w"].float()) * Ni**-0.5
-    if slots is None:
-        relu_TNS = torch.relu(torch.einsum("tnd,sd->tns", q_TND, keys_SD.float()) * Di**-0.5)
-        return torch.einsum("tn,tns->ts", w_TN, relu_TNS)
+    if slots is None:  # the kernel with cfg.impl's Triton (no [T, index_heads, S] products)
+        return indexer_scores(q_TND, w_TN, keys_SD.float(), scale=Di**-0.5, impl=cfg.impl)
     keys_TJD = keys_SD.float()[slots.clamp(min=0)]
     relu_TNJ = torch.relu(torch.einsum("tnd,tjd->tnj", q_TND, keys_TJD) * Di**-0.5)
     return torch.einsum("tn,tnj->tj", w_TN, relu_TNJ) * (slots >= 0)

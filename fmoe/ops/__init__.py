@@ -31,7 +31,7 @@ from fmoe.ops.rope import (
     yarn_softmax_scale,
 )
 from fmoe.ops.routing import Routes, drop_by_capacity, random_logits, route
-from fmoe.ops.sparse import sparse_attention, sparse_attention_probs
+from fmoe.ops.sparse import indexer_scores, sparse_attention, sparse_attention_probs
 
 __all__ = [
     "PermutePlan",
@@ -44,6 +44,7 @@ __all__ = [
     "fp8_quantize",
     "gated_delta_rule",
     "grouped_mlp",
+    "indexer_scores",
     "linear_cross_entropy",
     "llama3_inv_freq",
     "load_balancing_loss",

@@ -7,6 +7,8 @@ each token's [latent, rotated key] and the latent is also the value.
                      check=True, impl="auto") -> (o [T, N, Dv], lse [T, N] float32)
     sparse_attention_probs(q, kv, index, lse, *, v_dim=None, scale=None, impl="auto")
         -> p [T, J] float32: each slot's probability summed over the heads (no gradient)
+    indexer_scores(q [T, N, D], w [T, N], k [S, D], *, scale=None, impl="auto")
+        -> [T, S] float32: the lightning indexer's scores (no gradient)
 
 For query t and head n, over the J slots of index[t] that hold a key (index[t, j] in
 0 .. S-1; -1 marks an empty slot):
@@ -44,6 +46,16 @@ same grid and recomputes the probabilities from lse. dkv has two kernels:
   DeepSeek-V3.2's shapes: benchmarks/RESULTS.md).
 The probabilities' kernel (sparse_attention_probs) recomputes them from lse, one program per
 query.
+
+DSA chooses each query's keys by its lightning indexer: with N indexer heads of D channels,
+one key row k_s per token, and per-query head weights w,
+
+    scores_ts = sum_n w_tn relu(scale q_tn . k_s)
+
+and the top J of each row (fmoe.layers.index_slots). indexer_scores computes them without the
+[T, N, S] products that torch's einsums form (64 times the scores' size at DeepSeek-V3.2's 64
+heads): its kernel runs one program per block of queries and keys, the heads in a loop, the
+products on tensor cores in the inputs' dtype (float32: exact IEEE products, not TF32).
 
 Legend: T queries, N heads, D key dim, Dv value dim (the first Dv channels of kv), Dr = D -
 Dv the rest, S keys, J slots per query.
@@ -88,6 +100,12 @@ def _sparse_attention_probs_ref(q, kv, index, lse, scale: float) -> torch.Tensor
     s_TNJ = torch.einsum("tnd,tjd->tnj", q.float(), kv.float()[index.clamp(min=0).long()]) * scale
     lse_TN1 = torch.where(torch.isfinite(lse), lse, 0.0)[..., None]
     return torch.where(index[:, None, :] >= 0, torch.exp(s_TNJ - lse_TN1), 0.0).sum(1)
+
+
+def _indexer_scores_ref(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """[T, S] float32: sum_n w[t, n] relu(scale q[t, n] . k[s]), through the [T, N, S] products."""
+    relu_TNS = torch.relu(torch.einsum("tnd,sd->tns", q.float(), k.float()) * scale)
+    return torch.einsum("tn,tns->ts", w.float(), relu_TNS)
 
 
 # ----------------------------------------------------------------------------------------
@@ -274,6 +292,31 @@ def _sparse_attention_probs_kernel(q_ptr, kv_ptr, index_ptr, lse_ptr, p_ptr, N, 
         tl.store(p_ptr + t * J + offs_j, total, mask=offs_j < J)
 
 
+@triton.jit
+def _indexer_scores_kernel(q_ptr, w_ptr, k_ptr, out_ptr, T, S, N, scale, stride_qt, stride_qn, stride_wt, stride_ks, stride_ot,
+                           D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A block of queries and of keys: their scores [BT, BS] summed over the N heads."""
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_s = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_t, mask_s, mask_d = offs_t < T, offs_s < S, offs_d < D
+    k = tl.load(k_ptr + offs_s.to(tl.int64)[:, None] * stride_ks + offs_d[None, :], mask=mask_s[:, None] & mask_d[None, :], other=0.0)
+    q_rows = q_ptr + offs_t.to(tl.int64)[:, None] * stride_qt + offs_d[None, :]
+    acc = tl.zeros((BLOCK_T, BLOCK_S), tl.float32)
+    for n in range(N):
+        q = tl.load(q_rows + n * stride_qn, mask=mask_t[:, None] & mask_d[None, :], other=0.0)
+        w = tl.load(w_ptr + offs_t.to(tl.int64) * stride_wt + n, mask=mask_t, other=0.0).to(tl.float32)
+        prod = tl.dot(q, tl.trans(k), input_precision="ieee")
+        acc += w[:, None] * tl.maximum(prod * scale, 0.0)
+    tl.store(out_ptr + offs_t.to(tl.int64)[:, None] * stride_ot + offs_s[None, :], acc, mask=mask_t[:, None] & mask_s[None, :])
+
+
+def _indexer_blocks(D: int, dtype: torch.dtype) -> dict:
+    """64 x 64 scores a program, the D channels in one power-of-two block (at least 16: tl.dot);
+    8 warps for float32 inputs (4 spill at D = 128: the IEEE products' operands are 4 bytes)."""
+    return dict(BLOCK_T=64, BLOCK_S=64, BLOCK_D=max(16, next_pow2(D)), num_warps=8 if dtype == torch.float32 else 4)
+
+
 def _blocks(N: int, D: int, v_dim: int) -> dict:
     """Power-of-two blocks, at least 16 wide where tl.dot multiplies them, and the warps."""
     return dict(DV=v_dim, DR=D - v_dim, BLOCK_N=max(16, min(64, next_pow2(N))), BLOCK_J=16 if N > 16 else 32,
@@ -361,6 +404,22 @@ def _sparse_attention_probs(q: torch.Tensor, kv: torch.Tensor, index: torch.Tens
 @_sparse_attention_probs.register_fake
 def _(q, kv, index, lse, v_dim, scale):
     return q.new_empty(index.shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("fmoe::indexer_scores", mutates_args=())
+def _indexer_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    T, N, D = q.shape
+    S = k.shape[0]
+    out = q.new_empty((T, S), dtype=torch.float32)
+    meta = _indexer_blocks(D, q.dtype)
+    grid = (triton.cdiv(T, meta["BLOCK_T"]), triton.cdiv(S, meta["BLOCK_S"]))
+    _indexer_scores_kernel[grid](q, w, k, out, T, S, N, scale, q.stride(0), q.stride(1), w.stride(0), k.stride(0), out.stride(0), D=D, **meta)
+    return out
+
+
+@_indexer_scores.register_fake
+def _(q, w, k, scale):
+    return q.new_empty((q.shape[0], k.shape[0]), dtype=torch.float32)
 
 
 def _setup_context(ctx, inputs, output):
@@ -461,3 +520,33 @@ def sparse_attention_probs(q: torch.Tensor, kv: torch.Tensor, index: torch.Tenso
         if T == 0 or index.shape[1] == 0 or kv.shape[0] == 0 or not use_triton(impl, q, kv, index):
             return _sparse_attention_probs_ref(q, kv, index, lse, scale)
         return _sparse_attention_probs(q.contiguous(), kv.contiguous(), index.contiguous(), lse.contiguous(), v_dim, scale)
+
+
+def indexer_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, *, scale: Optional[float] = None, impl: str = "auto") -> torch.Tensor:
+    """DeepSeek sparse attention's lightning-indexer scores (module docstring), [T, S] float32,
+    no gradient (the top-k choice they feed is not differentiable):
+
+        scores[t, s] = sum_n w[t, n] relu(scale q[t, n] . k[s])
+
+    Args:
+        q: [T, N, D] float: each query's N indexer heads.
+        w: [T, N] float, q's device: each query's head weights.
+        k: [S, D] float, q's dtype and device: the keys.
+        scale: the products' factor inside the relu (default 1 / sqrt(D)).
+        impl: "auto" (Triton on CUDA, the reference otherwise), "triton" or "torch". The
+            kernel multiplies in q's dtype with float32 sums (bf16 on tensor cores; float32
+            exactly, not TF32) and forms no [T, N, S] tensor; the reference does.
+    """
+    check_float("q", q, 3, "[T, N, D]")
+    check_float("w", w, 2, "[T, N]")
+    check_float("k", k, 2, "[S, D]")
+    T, N, D = q.shape
+    if tuple(w.shape) != (T, N) or w.device != q.device:
+        raise ValueError(f"w: expected [{T}, {N}] (q's T and N) on {q.device}, got {list(w.shape)} on {w.device}")
+    if k.shape[1] != D or k.dtype != q.dtype or k.device != q.device:
+        raise ValueError(f"k: expected [S, {D}] (q's D) in {q.dtype} on {q.device}, got {list(k.shape)} {k.dtype} {k.device}")
+    _, scale = _check_dims(D, None, scale)
+    with torch.no_grad():
+        if T == 0 or N == 0 or k.shape[0] == 0 or not use_triton(impl, q, w, k):
+            return _indexer_scores_ref(q, w, k, scale)
+        return _indexer_scores(q.contiguous(), w.contiguous(), k.contiguous(), scale)

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from fmoe.ops import sparse_attention
+from fmoe.ops import indexer_scores, sparse_attention
 from fmoe.ops.sparse import _sparse_attention_ref
 from tests.conftest import DEVICE
 
@@ -201,3 +201,75 @@ def test_gpu_kernels_at_deepseek_v32_shapes():
     for got in outs[1:]:
         for a, b in zip(got, outs[0]):
             assert float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm()) < 2e-2
+
+
+# -------------------------------------------------------------------- the indexer's scores
+
+
+def test_indexer_scores_worked_example():
+    """Two heads, D = 2, scale 1: q = (1, 0) and (0, 1), weights 2 and -1; keys (3, -1) and
+    (-2, 4). Head 0's products 3, -2 -> relu 3, 0; head 1's -1, 4 -> 0, 4. Scores:
+    2 * 3 - 1 * 0 = 6 and 2 * 0 - 1 * 4 = -4."""
+    q = torch.tensor([[[1.0, 0.0], [0.0, 1.0]]])
+    w = torch.tensor([[2.0, -1.0]])
+    k = torch.tensor([[3.0, -1.0], [-2.0, 4.0]])
+    for impl in ("torch", "triton"):
+        assert indexer_scores(q, w, k, scale=1.0, impl=impl).tolist() == [[6.0, -4.0]], impl
+
+
+@pytest.mark.parametrize("T,N,D,S", [(5, 3, 24, 70), (70, 2, 16, 9), (65, 4, 128, 130), (1, 1, 8, 1)])
+def test_indexer_scores_kernel_matches_the_reference(T, N, D, S, device):
+    """Blocks of queries and keys beyond one (64), D not a power of two (24) and below tl.dot's
+    16 (8), one query and one key; no gradient, whatever the inputs', and no host read."""
+    from fmoe.train.metrics import HostReads
+
+    g = torch.Generator().manual_seed(T + S)
+    q, w, k = (torch.randn(*shape, generator=g).to(device).requires_grad_() for shape in ((T, N, D), (T, N), (S, D)))
+    want = indexer_scores(q, w, k, scale=0.3, impl="torch")
+    with HostReads() as reads:
+        got = indexer_scores(q, w, k, scale=0.3, impl="triton")
+    assert reads.count == 0, reads.sites
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert got.dtype == torch.float32 and got.shape == (T, S) and not got.requires_grad and not want.requires_grad
+    # the definition, head by head; scale defaults to 1 / sqrt(D)
+    by_head = sum(w[:, n, None] * torch.relu(q[:, n] @ k.T * D**-0.5) for n in range(N))
+    torch.testing.assert_close(indexer_scores(q, w, k, impl="triton"), by_head.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_indexer_scores_registration_and_compile(device):
+    from fmoe.ops.sparse import _indexer_scores
+
+    q, w, k = torch.randn(9, 2, 16, device=device), torch.randn(9, 2, device=device), torch.randn(70, 16, device=device)
+    torch.library.opcheck(_indexer_scores, (q, w, k, 0.25), test_utils=("test_schema", "test_faketensor"))
+    compiled = torch.compile(lambda q, w, k: indexer_scores(q, w, k, impl="triton"), backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(q, w, k), indexer_scores(q, w, k, impl="triton"), rtol=0, atol=0)
+
+
+def test_indexer_scores_bad_inputs():
+    q, w, k = torch.randn(4, 2, 8), torch.randn(4, 2), torch.randn(6, 8)
+    cases = [
+        (dict(q=q[0]), "q: expected a 3-D tensor"),
+        (dict(w=w[:3]), r"w: expected \[4, 2\] \(q's T and N\)"),
+        (dict(w=w.long()), "w: expected dtype"),
+        (dict(k=k[:, :5]), r"k: expected \[S, 8\] \(q's D\) in torch.float32"),
+        (dict(k=k.double()), "k: expected dtype float32"),
+        (dict(scale=-1.0), "scale: expected a positive number"),
+        (dict(impl="cuda"), "impl: expected one of"),
+    ]
+    for change, message in cases:
+        args = dict(q=q, w=w, k=k) | change
+        kw = {key: args.pop(key) for key in ("scale", "impl") if key in args}
+        with pytest.raises(ValueError, match=message):
+            indexer_scores(args["q"], args["w"], args["k"], **kw)
+
+
+@pytest.mark.gpu
+def test_gpu_indexer_scores_at_deepseek_v32_shapes():
+    """DeepSeek-V3.2's indexer (64 heads of 128 channels) over 4096 keys: float32 within 1e-5 of
+    the reference, bf16 (tensor cores) within 1% of it (relative norm)."""
+    T, N, D, S = 512, 64, 128, 4096
+    q, w, k = torch.randn(T, N, D, device="cuda"), torch.randn(T, N, device="cuda") * N**-0.5, torch.randn(S, D, device="cuda")
+    want = indexer_scores(q, w, k, impl="torch")
+    torch.testing.assert_close(indexer_scores(q, w, k, impl="triton"), want, rtol=1e-5, atol=1e-4)
+    got = indexer_scores(q.bfloat16(), w, k.bfloat16(), impl="triton")
+    assert float((got - want).norm() / want.norm()) < 1e-2
