@@ -29,8 +29,16 @@ on the time over the measured time. The bytes bound: each tensor read or written
 q, kv, index, o; fwd+bwd adds the backward's q, kv, index, do, dq and dkv; the slots' rows
 are gathered again per query, but from L2: kv is 4.5 MiB at v3.2-tp8); the FLOPs bound:
 2 T N J (D + Dv) for fwd, x 3.5 for fwd+bwd (no recomputation counted), at the bf16
-matmul rate measured in the same run. The CSV goes to
-OUT/bench_sparse_attention.csv.
+matmul rate measured in the same run.
+
+A second table times DSA's lightning indexer, fmoe.ops.indexer_scores: the scores [T, S] of
+64 heads of 128 channels (DeepSeek-V3.2's) over every key, at v3.2-tp8's and long-ctx's T and
+S. Rows: the kernel in bf16 and in float32 (what the layers pass it), against the torch
+einsums in float32 (what the layers ran before: a [T, 64, S] product) and in bf16. Floor: the
+FLOPs 2 T S N D at the matmul rate of the row's dtype measured in the same run (float32:
+no TF32). --smoke: 4 heads of 16 channels, float32 alone.
+
+The CSV goes to OUT/bench_sparse_attention.csv.
 """
 
 from dataclasses import dataclass
@@ -47,9 +55,10 @@ from _common import (  # before torch and fmoe: with --smoke it sets TRITON_INTE
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from fmoe.ops import sparse_attention  # noqa: E402
+from fmoe.ops import indexer_scores, sparse_attention  # noqa: E402
 
 COLUMNS = ["case", "pass", "impl", "ms", "speedup_vs_gather", "speedup_vs_dense", "peak_GiB", "floor_fraction", "bound"]
+INDEXER_COLUMNS = ["case", "impl", "ms", "speedup_vs_torch_fp32", "peak_GiB", "floor_fraction"]
 
 
 @dataclass
@@ -146,14 +155,60 @@ def run_case(case: Case, device: torch.device, dtype: torch.dtype, rate: float, 
     return rows
 
 
+def _short(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def run_indexer(case: Case, device: torch.device, dtype: torch.dtype, rates: dict, smoke: bool) -> list[dict]:
+    """indexer_scores' kernel against torch's einsums, in dtype and in float32 (the second table)."""
+    N, D = (4, 16) if smoke else (64, 128)
+    g = torch.Generator(device=device).manual_seed(1)
+    q = torch.randn(case.T, N, D, device=device, generator=g)
+    w = torch.randn(case.T, N, device=device, generator=g) * N**-0.5
+    k = torch.randn(case.S, D, device=device, generator=g)
+    impls = {}
+    for ty in dict.fromkeys((dtype, torch.float32)):
+        q_ty, k_ty = q.to(ty), k.to(ty)
+        for impl in ("triton", "torch"):
+            impls[f"{'fused' if impl == 'triton' else 'torch'} {_short(ty)}"] = lambda q_ty=q_ty, k_ty=k_ty, impl=impl: indexer_scores(q_ty, w, k_ty, impl=impl)
+    outs = {name: (fn(),) for name, fn in impls.items()}
+    check_agree(f"{case.name} indexer", outs, ("fused fp32", "torch fp32"), torch.float32)
+    if dtype != torch.float32:
+        check_agree(f"{case.name} indexer", outs, (f"fused {_short(dtype)}", "torch fp32"), dtype)
+    del outs
+    flops = 2 * case.T * case.S * N * D
+    ms, rows = {}, []
+    for name, fn in impls.items():
+        try:
+            ms[name] = bench(fn, device, label=f"{case.name}-indexer-{name}")
+            peak = cuda_peak_bytes(fn, device)
+        except torch.OutOfMemoryError:  # the einsums' [T, N, S] products in float32
+            print(f"{case.name} indexer {name}: out of memory", flush=True)
+            ms[name] = peak = None
+            torch.cuda.empty_cache()
+        rate = rates[torch.float32 if name.endswith("fp32") else dtype]
+        rows.append({"case": case.name, "impl": name, "ms": ms[name], "peak_GiB": None if peak is None else peak / 2**30,
+                     "floor_fraction": None if ms[name] is None else flops / rate * 1e3 / ms[name],
+                     "T": case.T, "S": case.S, "N": N, "D": D})
+    for row in rows:
+        if row["impl"].startswith("fused") and row["ms"] and ms.get("torch fp32"):
+            row["speedup_vs_torch_fp32"] = ms["torch fp32"] / row["ms"]
+    case_done(rows, INDEXER_COLUMNS)
+    return rows
+
+
 def main() -> None:
     args, device, dtype, bandwidth = start(__doc__.splitlines()[0])
-    rate = matmul_rate(device, dtype, 256 if args.smoke else 8192)
-    print(f"{str(dtype).removeprefix('torch.')} matmul rate: {rate / 1e12:.1f} TFLOP/s (measured now)", flush=True)
-    rows = []
+    rates = {ty: matmul_rate(device, ty, 256 if args.smoke else 8192) for ty in dict.fromkeys((dtype, torch.float32))}
+    for ty, r in rates.items():
+        print(f"{str(ty).removeprefix('torch.')} matmul rate: {r / 1e12:.1f} TFLOP/s (measured now)", flush=True)
+    rate = rates[dtype]
+    rows, indexer_rows = [], []
     for case in make_cases(args.smoke):
         rows += run_case(case, device, dtype, rate, bandwidth)
-    finish(args, device, bandwidth, "bench_sparse_attention", [(rows, COLUMNS)], matmul_TFLOPs=rate / 1e12)
+    for case in make_cases(args.smoke):
+        indexer_rows += run_indexer(case, device, dtype, rates, args.smoke)
+    finish(args, device, bandwidth, "bench_sparse_attention", [(indexer_rows, INDEXER_COLUMNS), (rows, COLUMNS)], matmul_TFLOPs=rate / 1e12)
 
 
 if __name__ == "__main__":
