@@ -1449,7 +1449,7 @@ def index_scores(x_TH: torch.Tensor, q_lat_TC: torch.Tensor, keys_SD: torch.Tens
     q_TND = (q_lat_TC.float() @ params["index_wq"].float()).view(T, Ni, Di)
     q_TND = apply_rope(q_TND, cos, sin, interleaved=cfg.index_interleaved, impl="torch")
     w_TN = (x_TH.float() @ params["index_w"].float()) * Ni**-0.5
-    if slots is None:  # the kernel with cfg.impl's Triton (no [T, index_heads, S] products)
+    if slots is None:  # float32: the kernel with impl="triton" alone (faster than torch's in 16-bit inputs only)
         return indexer_scores(q_TND, w_TN, keys_SD.float(), scale=Di**-0.5, impl=cfg.impl)
     keys_TJD = keys_SD.float()[slots.clamp(min=0)]
     relu_TNJ = torch.relu(torch.einsum("tnd,tjd->tnj", q_TND, keys_TJD) * Di**-0.5)

@@ -55,7 +55,8 @@ one key row k_s per token, and per-query head weights w,
 and the top J of each row (fmoe.layers.index_slots). indexer_scores computes them without the
 [T, N, S] products that torch's einsums form (64 times the scores' size at DeepSeek-V3.2's 64
 heads): its kernel runs one program per block of queries and keys, the heads in a loop, the
-products on tensor cores in the inputs' dtype (float32: exact IEEE products, not TF32).
+products on tensor cores in the inputs' dtype (float32: exact IEEE products, not TF32, and
+slower than torch's on an H100, so impl="auto" takes the kernel for 16-bit inputs alone).
 
 Legend: T queries, N heads, D key dim, Dv value dim (the first Dv channels of kv), Dr = D -
 Dv the rest, S keys, J slots per query.
@@ -533,9 +534,13 @@ def indexer_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, *, scale: 
         w: [T, N] float, q's device: each query's head weights.
         k: [S, D] float, q's dtype and device: the keys.
         scale: the products' factor inside the relu (default 1 / sqrt(D)).
-        impl: "auto" (Triton on CUDA, the reference otherwise), "triton" or "torch". The
-            kernel multiplies in q's dtype with float32 sums (bf16 on tensor cores; float32
-            exactly, not TF32) and forms no [T, N, S] tensor; the reference does.
+        impl: "auto" (Triton on CUDA for 16-bit q, the reference otherwise), "triton" or
+            "torch". The kernel multiplies in q's dtype with float32 sums (bf16 on tensor
+            cores; float32 exactly, not TF32) and forms no [T, N, S] tensor; the reference
+            does. On an H100 at DeepSeek-V3.2's indexer (64 heads of 128, 4096 queries and
+            keys) the kernel takes 0.68 ms in bf16, 20x the reference's 13.6 ms, but 36 ms
+            in float32, where cuBLAS's float32 products make the reference faster: so
+            "auto" keeps float32 on the reference (benchmarks/bench_sparse_attention.py).
     """
     check_float("q", q, 3, "[T, N, D]")
     check_float("w", w, 2, "[T, N]")
@@ -547,6 +552,6 @@ def indexer_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, *, scale: 
         raise ValueError(f"k: expected [S, {D}] (q's D) in {q.dtype} on {q.device}, got {list(k.shape)} {k.dtype} {k.device}")
     _, scale = _check_dims(D, None, scale)
     with torch.no_grad():
-        if T == 0 or N == 0 or k.shape[0] == 0 or not use_triton(impl, q, w, k):
+        if T == 0 or N == 0 or k.shape[0] == 0 or not use_triton(impl, q, w, k) or (impl == "auto" and q.dtype == torch.float32):
             return _indexer_scores_ref(q, w, k, scale)
         return _indexer_scores(q.contiguous(), w.contiguous(), k.contiguous(), scale)

@@ -236,6 +236,25 @@ def test_indexer_scores_kernel_matches_the_reference(T, N, D, S, device):
     torch.testing.assert_close(indexer_scores(q, w, k, impl="triton"), by_head.detach(), rtol=1e-5, atol=1e-5)
 
 
+def test_indexer_scores_auto_takes_the_kernel_for_16_bit_inputs_alone(monkeypatch):
+    """impl="auto" where Triton runs (CUDA; here forced): the kernel for 16-bit q and k, the
+    reference (torch's float32 products, faster than the IEEE kernel) for float32. float16
+    here: the interpreter's bf16 products are wrong (bf16 runs in the gpu test below)."""
+    from fmoe.ops import sparse
+
+    calls = []
+    real = sparse._indexer_scores_ref
+    monkeypatch.setattr(sparse, "use_triton", lambda impl, *tensors: impl != "torch")
+    monkeypatch.setattr(sparse, "_indexer_scores_ref", lambda *a: calls.append(a[0].dtype) or real(*a))
+    q, w, k = torch.randn(3, 2, 16), torch.randn(3, 2), torch.randn(5, 16)
+    want = real(q.half(), w, k.half(), 0.25)
+    torch.testing.assert_close(indexer_scores(q.half(), w, k.half()), want, rtol=1e-5, atol=1e-5)
+    assert calls == []
+    indexer_scores(q, w, k)
+    indexer_scores(q, w, k, impl="triton")
+    assert calls == [torch.float32]
+
+
 def test_indexer_scores_registration_and_compile(device):
     from fmoe.ops.sparse import _indexer_scores
 
