@@ -13,9 +13,11 @@ warp timing (atomic adds, split reductions). set_deterministic(True) asks for th
 deterministic ones everywhere (torch.use_deterministic_algorithms; an op that has none
 raises instead of silently varying), makes cuBLAS use a fixed workspace
 (CUBLAS_WORKSPACE_CONFIG, read when the first cuBLAS handle is made: call this before any
-CUDA matmul) and turns cuDNN's autotuner off. fmoe's own kernels need no switch: none sums
-floats with atomics (the routing, unpermute and grouped-GEMM backwards are gathers or
-per-expert loops; the one atomic, the aux-score counts, adds integers), and the model's
+CUDA matmul) and turns cuDNN's autotuner off. fmoe's own kernels follow the same switch:
+one sums floats with atomics by default, DeepSeek sparse attention's key gradients
+(fmoe.ops.sparse_attention), and under deterministic algorithms sums them by key instead;
+the others never do (the routing, unpermute and grouped-GEMM backwards are gathers or
+per-expert loops; the aux-score counts' atomics add integers), and the model's
 embedding backward uses F.embedding, whose CPU kernel sums in a fixed order where
 indexing (`weight[ids]`) does not. Runs are then identical on the same machine, thread
 count and library versions; across machines or thread counts they may still differ in the
