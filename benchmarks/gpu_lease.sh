@@ -11,6 +11,7 @@
 #     bash benchmarks/gpu_lease.sh d    # DeepSeek sparse attention's kernels: their gpu tests, bench_sparse_attention (part e holds them)
 #     bash benchmarks/gpu_lease.sh e    # d's tests, the fp8 tests changed after part c, bench_sparse_attention (122 s on 2026-11-27)
 #     bash benchmarks/gpu_lease.sh f    # bench_moe_layer (permute by scatter), bench_routing, bench_delta (269 s on 2026-11-27)
+#     bash benchmarks/gpu_lease.sh g    # not yet run: the DSA model's train step (its MFU, host syncs), the gpu tests changed since
 #
 # What comes back is written to $OUT (the device tool's folder; gpu_out/ elsewhere), at most
 # 8 files: RESULTS.md (run_all.py's sections, to append to benchmarks/RESULTS.md), log.txt,
@@ -92,8 +93,18 @@ f)
     bench --only bench_routing --timeout 200
     bench --only bench_delta --timeout 60
     ;;
+g)
+    # after the fourth run: the gpu tests of the sparse ops and of the DSA model (the
+    # deterministic dkv path included), then bench_train_step --model dsa (the large model
+    # with DeepSeek-V3.2's attention: compiled and eager, never yet on a GPU)
+    timeout 120 python3 -m pytest -q -m gpu -n 3 -p no:cacheprovider -o addopts="-ra --durations=5" tests/ops/test_sparse.py \
+        tests/test_attention.py tests/test_model.py -k "sparse or dsa or indexer" > "$OUT/gpu_tests.log" 2>&1
+    echo "gpu tests: exit $?"
+    grep -E "passed|failed|^FAILED|^ERROR|^E  " "$OUT/gpu_tests.log" | tail -20
+    bench --only bench_train_step --timeout 300 --extra="--model dsa"
+    ;;
 *)
-    echo "usage: bash benchmarks/gpu_lease.sh a|b|c|d|e|f" >&2
+    echo "usage: bash benchmarks/gpu_lease.sh a|b|c|d|e|f|g" >&2
     exit 2
     ;;
 esac
