@@ -177,10 +177,11 @@ def _sparse_attention_fwd_kernel(q_ptr, kv_ptr, index_ptr, o_ptr, lse_ptr, N, J,
 
 
 @triton.jit
-def _sparse_attention_dq_kernel(q_ptr, kv_ptr, index_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, N, J, scale,
-                                stride_qt, stride_qn, stride_kv, stride_it, stride_dot, stride_don,
-                                DV: tl.constexpr, DR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr,
-                                BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr):
+def _backward_program(q_ptr, do_ptr, lse_ptr, delta_ptr, N, stride_qt, stride_qn, stride_dot, stride_don,
+                      DV: tl.constexpr, DR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr):
+    """A backward program's query t and block of heads offs_n (mask_n: < N), its channel
+    offsets, and what it reads of them: q's value channels and the rest, do, lse (0 for a
+    row without keys: every p is 0 then) and delta."""
     t = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -189,8 +190,18 @@ def _sparse_attention_dq_kernel(q_ptr, kv_ptr, index_ptr, do_ptr, lse_ptr, delta
     q_r = _heads(q_ptr, t, offs_n, N, offs_r, DV, DR, stride_qt, stride_qn)
     do = _heads(do_ptr, t, offs_n, N, offs_v, 0, DV, stride_dot, stride_don)
     lse = tl.load(lse_ptr + t * N + offs_n, mask=mask_n, other=0.0)
-    lse = tl.where(lse == float("-inf"), 0.0, lse)  # a row without keys: every p is 0 below
+    lse = tl.where(lse == float("-inf"), 0.0, lse)
     delta = tl.load(delta_ptr + t * N + offs_n, mask=mask_n, other=0.0)
+    return t, offs_n, mask_n, offs_v, offs_r, q_v, q_r, do, lse, delta
+
+
+@triton.jit
+def _sparse_attention_dq_kernel(q_ptr, kv_ptr, index_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, N, J, scale,
+                                stride_qt, stride_qn, stride_kv, stride_it, stride_dot, stride_don,
+                                DV: tl.constexpr, DR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr,
+                                BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr):
+    t, offs_n, mask_n, offs_v, offs_r, q_v, q_r, do, lse, delta = _backward_program(
+        q_ptr, do_ptr, lse_ptr, delta_ptr, N, stride_qt, stride_qn, stride_dot, stride_don, DV, DR, BLOCK_N, BLOCK_DV, BLOCK_DR)
     dq_v = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
     dq_r = tl.zeros((BLOCK_N, BLOCK_DR), tl.float32)
     for j0 in range(0, J, BLOCK_J):
@@ -212,16 +223,8 @@ def _sparse_attention_dkv_atomic_kernel(q_ptr, kv_ptr, index_ptr, do_ptr, lse_pt
                                         BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr):
     """Query t and a block of heads: each slot block's key gradients, summed over the heads
     by tensor-core products ([BJ, BN] x [BN, D]), added to dkv (float32) by atomics."""
-    t = tl.program_id(0).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    offs_v, offs_r = tl.arange(0, BLOCK_DV), tl.arange(0, BLOCK_DR)
-    q_v = _heads(q_ptr, t, offs_n, N, offs_v, 0, DV, stride_qt, stride_qn)
-    q_r = _heads(q_ptr, t, offs_n, N, offs_r, DV, DR, stride_qt, stride_qn)
-    do = _heads(do_ptr, t, offs_n, N, offs_v, 0, DV, stride_dot, stride_don)
-    lse = tl.load(lse_ptr + t * N + offs_n, mask=mask_n, other=0.0)
-    lse = tl.where(lse == float("-inf"), 0.0, lse)
-    delta = tl.load(delta_ptr + t * N + offs_n, mask=mask_n, other=0.0)
+    t, offs_n, mask_n, offs_v, offs_r, q_v, q_r, do, lse, delta = _backward_program(
+        q_ptr, do_ptr, lse_ptr, delta_ptr, N, stride_qt, stride_qn, stride_dot, stride_don, DV, DR, BLOCK_N, BLOCK_DV, BLOCK_DR)
     for j0 in range(0, J, BLOCK_J):
         valid, k_v, k_r, s = _slot_block(q_v, q_r, kv_ptr, index_ptr, t, j0, J, stride_it, stride_kv, DV, DR, BLOCK_J, BLOCK_DV, BLOCK_DR)
         p = tl.where(valid[None, :] & mask_n[:, None], tl.exp(s * scale - lse[:, None]), 0.0)
