@@ -33,8 +33,9 @@ matmul rate measured in the same run.
 
 A second table times DSA's lightning indexer, fmoe.ops.indexer_scores: the scores [T, S] of
 64 heads of 128 channels (DeepSeek-V3.2's) over every key, at v3.2-tp8's and long-ctx's T and
-S. Rows: the kernel in bf16 and in float32 (what the layers pass it), against the torch
-einsums in float32 (what the layers ran before: a [T, 64, S] product) and in bf16. Floor: the
+S. Rows: the kernel in bf16 and in float32 (the layers' dtype), against the torch einsums
+in float32 (what the layers run: a [T, 64, S] product; impl="auto" keeps float32 there) and
+in bf16. Floor: the
 FLOPs 2 T S N D at the matmul rate of the row's dtype measured in the same run (float32:
 no TF32). --smoke: 4 heads of 16 channels, float32 alone.
 

@@ -8,8 +8,7 @@
 #     bash benchmarks/gpu_lease.sh a    # the gpu tests; bench_loss, bench_optim, bench_rope; bench_moe_layer profiled; bench_cp_linear; bench_fp8 (~5 min)
 #     bash benchmarks/gpu_lease.sh b    # bench_routing; bench_train_step; bench_delta (~7 min)
 #     bash benchmarks/gpu_lease.sh c    # fp8: its gpu tests, bench_fp8, bench_moe_layer, bench_train_step --fp8 (~7 min)
-#     bash benchmarks/gpu_lease.sh d    # DeepSeek sparse attention's kernels: their gpu tests, bench_sparse_attention (part e holds them)
-#     bash benchmarks/gpu_lease.sh e    # d's tests, the fp8 tests changed after part c, bench_sparse_attention (122 s on 2026-11-27)
+#     bash benchmarks/gpu_lease.sh e    # DeepSeek sparse attention's gpu tests, the fp8 tests changed after part c, bench_sparse_attention (122 s on 2026-11-27)
 #     bash benchmarks/gpu_lease.sh f    # bench_moe_layer (permute by scatter), bench_routing, bench_delta (269 s on 2026-11-27)
 #     bash benchmarks/gpu_lease.sh g    # not yet run: the DSA model's train step (its MFU, host syncs), the gpu tests changed since
 #
@@ -34,7 +33,7 @@ bench() {  # run_all.py's sections appended to $OUT/RESULTS.md, its own output t
 case "${1:-}" in
 a)
     # 4 workers: the compiles are CPU-bound; 8 ran one test out of GPU memory
-    timeout 150 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider -o addopts="-ra --durations=10" tests \
+    timeout 170 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider -o addopts="-ra --durations=10" tests \
         > "$OUT/gpu_tests.log" 2>&1
     echo "gpu tests: exit $?"
     grep -E "passed|failed|^FAILED|^ERROR" "$OUT/gpu_tests.log" | tail -20
@@ -62,17 +61,8 @@ c)
     bench --only bench_moe_layer --timeout 60
     bench --only bench_train_step --timeout 260 --extra=--fp8
     ;;
-d)
-    # DeepSeek sparse attention's kernels (not yet run on a GPU): their gpu tests and the DSA
-    # model's (the training step's host syncs, decoding), then bench_sparse_attention
-    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-ra --durations=5" tests/ops/test_sparse.py \
-        tests/test_attention.py tests/test_model.py -k "sparse or dsa" > "$OUT/gpu_tests.log" 2>&1
-    echo "gpu tests: exit $?"
-    grep -E "passed|failed|^FAILED|^ERROR|^E  " "$OUT/gpu_tests.log" | tail -20
-    bench --only bench_sparse_attention --timeout 200
-    ;;
 e)
-    # one call for the fourth run: the gpu tests of d and those changed after part c (the fp8
+    # one call for the fourth run: DeepSeek sparse attention's gpu tests and those changed after part c (the fp8
     # model step's MTP term, fast accumulation, the quantization kernel's one grid dimension),
     # then bench_sparse_attention
     t=tests/ops/test_fp8.py
@@ -104,7 +94,7 @@ g)
     bench --only bench_train_step --timeout 300 --extra="--model dsa"
     ;;
 *)
-    echo "usage: bash benchmarks/gpu_lease.sh a|b|c|d|e|f|g" >&2
+    echo "usage: bash benchmarks/gpu_lease.sh a|b|c|e|f|g" >&2
     exit 2
     ;;
 esac
