@@ -7,7 +7,7 @@ A folder holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). Supported `model_type`s: FAMILIES (mixtral, qwen2_moe,
 qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, kimi_k2, kimi_k25, deepseek_v2, deepseek_v32, glm_moe_dsa, glm4_moe_lite, gpt_oss, solar_open,
 exaone_moe, dots1, minimax_m2, granitemoe, granitemoeshared, granitemoe_swa, hunyuan_v1_moe, llama4_text, llama4, afmoe,
-sarvam_moe, sarvam_mla, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, kimi_linear, ernie4_5_moe), and the dense
+sarvam_moe, sarvam_mla, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, kimi_linear, ernie4_5_moe, mistral4, mistral3), and the dense
 DENSE_FAMILIES (llama, mistral, qwen2, qwen3, olmo2, granite: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with
 fmoe.train.upcycle). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: clipped qkv, ...;
@@ -79,6 +79,12 @@ attention in every block, its lightning indexer under self_attn.indexer (wq_b, w
 weight and bias, weights_proj: TransformerConfig.index_*), the indexer's RoPE on halves
 (DeepSeek-V3.2) or interleaved pairs (GLM-5); GLM-5's layers without an indexer (indexer_types
 "shared") attend to the keys the previous full layer chose (index_shared_layers).
+Mistral 4 (mistral4, Mistral Small 4's text model): DeepSeek-V3's multi-latent attention with
+the queries scaled by position (TransformerConfig.query_temperature_floor / _scale, from
+rope_parameters' original_max_position_embeddings / llama_4_scaling_beta), softmax routing
+(renormalised by norm_topk_prob) beside shared experts, the experts as [E, 2F, H] / [E, H, F]
+stacks. A released mistral3 folder (Mistral3ForConditionalGeneration) holds that model under
+language_model. beside a vision model that is not read, and is written back only as mistral4.
 Kimi Linear (kimi_linear): Kimi Delta Attention blocks under self_attn (q/k/v_proj,
 q/k/v_conv1d, the decay's f_a_proj / f_b_proj, dt_bias, A_log [1, 1, N, 1] (Tensor.unit of
 several dims), b_proj, the gate's g_a_proj / g_b_proj, o_norm, o_proj), multi-latent attention
@@ -408,6 +414,35 @@ def _deepseek_v2(hf: dict) -> dict:
     grouped = hf.get("topk_method") == "group_limited_greedy" and groups > 1
     return dict(_mla(hf, interleaved=True), **_deepseek_moe(hf), pre_softmax=True, n_groups=groups if grouped else None,
                 topk_groups=hf.get("topk_group") if grouped else None, group_score_topk=1 if grouped else None)
+
+
+def _mistral4(hf: dict) -> dict:
+    """Mistral 4 (mistral4, Mistral Small 4's text model): DeepSeek-V3's multi-latent
+    attention (_mla: YaRN, RoPE on interleaved pairs by rope_interleave) with every query
+    scaled after RoPE by 1 + beta * log(1 + floor(p / L)) at position p, beta and L
+    rope_parameters' llama_4_scaling_beta and original_max_position_embeddings
+    (query_temperature_scale and _floor; a beta of 0: no scale); the dense and MoE blocks,
+    shared experts and scale of _deepseek_moe; the top-k of softmax over every expert,
+    renormalised with norm_topk_prob (fmoe's softmax over the k chosen logits) or not
+    (pre_softmax); no expert groups."""
+    _refuse(hf, "n_group", lambda v: v is None or v == 1, "no expert groups: n_group = 1")
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    beta, floor = params.get("llama_4_scaling_beta"), params.get("original_max_position_embeddings")
+    if beta is None or floor is None:
+        raise ValueError("config.json: Mistral 4's rope_parameters need llama_4_scaling_beta and original_max_position_embeddings "
+                         "(the queries' scale by position)")
+    temperature = dict(query_temperature_floor=int(floor), query_temperature_scale=float(beta)) if beta else {}  # 0: no scale
+    return dict(_mla(hf), **_deepseek_moe(hf), pre_softmax=not hf.get("norm_topk_prob", True), **temperature)
+
+
+def _mistral3(hf: dict) -> dict:
+    """A released Mistral Small 4 folder (mistral3, Mistral3ForConditionalGeneration): its
+    text_config's Mistral 4 model (_mistral4); the vision model beside it is not read.
+    Mistral 3 folders of a dense text model (mistral, ministral3) are not read."""
+    text = _text_config(hf)
+    if text.get("model_type") != "mistral4":
+        raise ValueError(f"config.json: a mistral3 folder whose text model is {text.get('model_type')!r} is not supported (mistral4 only)")
+    return FAMILIES["mistral4"].kwargs(text)
 
 
 def _mlp_layer_types(hf: dict, n_dense: int) -> dict:
@@ -1015,6 +1050,8 @@ _KIMI_LINEAR_DEFAULTS = dict(n_shared_experts=1, routed_scaling_factor=2.446, kv
                              intermediate_size=9216, moe_intermediate_size=1024)
 # the names of Sarvam's released config.json files (written for their own code) for transformers' fields
 _SARVAM_ALIASES = dict(n_routed_experts="num_experts", n_shared_experts="num_shared_experts")
+_MISTRAL4_ROPE = dict(rope_type="yarn", rope_theta=10000.0, factor=128.0, original_max_position_embeddings=8192, beta_fast=32.0, beta_slow=1.0,
+                      mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1)
 # the dense families (no MoE block): fine-tuned as they are, or upcycled into an MoE (fmoe.train.upcycle)
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "granite")
 FAMILIES = {
@@ -1100,6 +1137,13 @@ FAMILIES = {
                            defaults=dict(num_key_value_heads=4, rms_norm_eps=1e-5, tie_word_embeddings=True, intermediate_size=12288,
                                          rope_parameters=dict(rope_type="default", rope_theta=500000.0), moe_num_experts=64, moe_k=6,
                                          moe_intermediate_size=1536, moe_num_shared_experts=2)),
+    # Mistral 4: the experts as stacks, [E, 2F, H] gate_up_proj (each expert's gate rows, then its up rows) and [E, H, F] down_proj
+    "mistral4": Family(_mistral4, "mlp", _STACKS, "Mistral4ForCausalLM", "shared_experts", fused="halves_out",
+                       defaults=dict(n_shared_experts=1, q_lora_rank=1024, kv_lora_rank=256, qk_rope_head_dim=64, qk_nope_head_dim=64,
+                                     v_head_dim=128, rope_parameters=_MISTRAL4_ROPE)),
+    # the released Mistral Small 4 folders: the text model under language_model. (the head too), beside a vision model
+    "mistral3": Family(_mistral3, "mlp", _STACKS, "Mistral3ForConditionalGeneration", "shared_experts", fused="halves_out",
+                       prefix=("", "language_model."), not_read=("vision_tower.", "multi_modal_projector."), written_as="mistral4"),
     "hunyuan_v1_moe": Family(_hunyuan_v1_moe, "mlp", _PROJ, "HunYuanMoEV1ForCausalLM", "shared_mlp", router="gate.wg.weight",
                              qk_norms=("query_layernorm", "key_layernorm"), defaults=dict(rms_norm_eps=1e-5)),
     # the dense families (DENSE_FAMILIES), after the MoE ones
@@ -1850,6 +1894,8 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
         hf.update(num_experts_per_token=cfg.k)
     elif model_type in _DEEPSEEK_STYLE:  # _deepseek_moe_config's fields, below
         pass
+    elif model_type == "mistral4":  # DeepSeek-V3's fields (the MLA ones below) but MTP's; softmax routing
+        hf.update({k: v for k, v in _deepseek_moe_config(cfg).items() if k != "num_nextn_predict_layers"}, norm_topk_prob=not cfg.pre_softmax)
     elif model_type in DENSE_FAMILIES:
         if moe:
             raise ValueError(f"model: {model_type} is a dense family; this model has MoE layers {moe}")
@@ -1889,7 +1935,7 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
         hf.update(attention_bias=cfg.qkv_bias, sliding_window=cfg.window, max_window_layers=cfg.n_layers, layer_types=_layer_types(cfg))
     if model_type in ("glm4_moe_lite", "deepseek_v32", "glm_moe_dsa"):
         hf.update(mlp_layer_types=["sparse" if cfg.is_moe(i) else "dense" for i in range(cfg.n_layers)])
-    if model_type in ("deepseek_v2", "deepseek_v3", "kimi_k2", "sarvam_mla", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa"):
+    if model_type in ("deepseek_v2", "deepseek_v3", "kimi_k2", "sarvam_mla", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa", "mistral4"):
         rope = cfg.rope_dim or cfg.head_dim
         hf.update(q_lora_rank=cfg.q_rank, kv_lora_rank=cfg.kv_rank, qk_nope_head_dim=cfg.head_dim - rope, qk_rope_head_dim=rope,
                   v_head_dim=cfg.v_head_dim, head_dim=rope, attention_bias=False)
@@ -1901,6 +1947,11 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
             hf.update(rope_interleave=cfg.rope_interleaved)
         if cfg.yarn_factor is not None:
             hf["rope_parameters"] = _yarn_parameters(cfg)
+    if model_type == "mistral4":  # the queries' scale by position (a beta of 0: none), its floor YaRN's original length
+        floor = cfg.query_temperature_floor or cfg.yarn_original_max_positions
+        hf["rope_parameters"].update(llama_4_scaling_beta=cfg.query_temperature_scale if cfg.query_temperature_floor else 0.0,
+                                     original_max_position_embeddings=floor, partial_rotary_factor=(cfg.rope_dim or cfg.head_dim) / cfg.head_dim)
+        hf["head_dim"] = cfg.head_dim  # Mistral 4's RoPE rotates partial_rotary_factor x head_dim (nope + rope) channels
     mismatch = config_mismatch(cfg, hf)
     if cfg.capacity_factor is not None:
         mismatch["capacity_factor"] = (cfg.capacity_factor, None)

@@ -375,8 +375,11 @@ class AttentionConfig:
     chunk: chunked attention, a query attends to the earlier tokens of its own chunk of
     `chunk` tokens of its document (positions p // chunk equal; Llama 4's
     attention_chunk_size); not with a window. temperature_floor: the queries are scaled by
-    1 + temperature_scale * log(1 + floor((p + 1) / temperature_floor)) at position p
-    (Llama 4's attention temperature tuning, floor_scale and attn_scale; None: not).
+    1 + temperature_scale * log(1 + floor((p + temperature_offset) / temperature_floor)) at
+    position p (None: not): Llama 4's attention temperature tuning (floor_scale and
+    attn_scale, offset 1), Mistral 4's and Ministral 3's (original_max_position_embeddings
+    and llama_4_scaling_beta, offset 0); with multi-latent attention on every query channel,
+    after RoPE.
     scale: the softmax scale (None: 1/sqrt(head_dim), or YaRN's; Granite's attention_multiplier).
     llama3_factor: Llama 3.1's frequency-dependent RoPE scaling (None: none; not with YaRN),
     with llama3_low_freq_factor, llama3_high_freq_factor, llama3_original_max_positions
@@ -460,6 +463,7 @@ class AttentionConfig:
     chunk: Optional[int] = None
     temperature_floor: Optional[int] = None
     temperature_scale: float = 0.1
+    temperature_offset: int = 1
     local_rope_base: Optional[float] = None
     zero_centered_norms: bool = False
     fp8: bool = False
@@ -503,6 +507,8 @@ class AttentionConfig:
             check_positive_int("temperature_floor", self.temperature_floor)
         if isinstance(self.temperature_scale, bool) or not isinstance(self.temperature_scale, (int, float)) or not math.isfinite(self.temperature_scale):
             raise ValueError(f"temperature_scale: expected a finite number, got {self.temperature_scale!r}")
+        if self.temperature_offset not in (0, 1) or isinstance(self.temperature_offset, bool):
+            raise ValueError(f"temperature_offset: expected 0 (Mistral 4) or 1 (Llama 4), got {self.temperature_offset!r}")
         if not isinstance(self.rope, bool):
             raise ValueError(f"rope: expected a bool, got {self.rope!r}")
         if self.rope and self.llama3_factor is None:
@@ -521,8 +527,6 @@ class AttentionConfig:
             raise ValueError(f"rot_dim: multi-latent attention rotates a part of each head, expected rot_dim < head_dim = {self.head_dim}, got {self.rot_dim}")
         if self.qk_norm is not None:
             raise ValueError("qk_norm: not with multi-latent attention (its latents have their own norms)")
-        if self.temperature_floor is not None:
-            raise ValueError("temperature_floor: the query temperature is grouped-query attention's, not with multi-latent attention")
 
     def _check_index_knobs(self) -> None:
         """DeepSeek sparse attention's knobs (class docstring): ValueError naming the field."""
@@ -1356,18 +1360,24 @@ def _gqa_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext, heads_mean=
         k_TGD = apply_rope(k_TGD, ctx.cos, ctx.sin, interleaved=cfg.interleaved, impl=rope_impl)
     if head_norm and cfg.qk_norm_after_rope:
         q_TND, k_TGD = norm_heads(q_TND, k_TGD)
-    if cfg.temperature_floor is not None:  # Llama 4's attention temperature, by the query's position
-        q_TND = (q_TND * query_temperature(ctx.positions, cfg)[:, None, None]).to(q_TND.dtype)
+    if cfg.temperature_floor is not None:  # the query temperature (Llama 4's, Mistral 4's), by the query's position
+        q_TND = _temperature(q_TND, ctx, cfg)
     v_TGD = rearrange(project("wv", "bv"), "t (g d) -> t g d", g=G)
     return q_TND, k_TGD, v_TGD
 
 
 def query_temperature(positions: torch.Tensor, cfg: AttentionConfig) -> torch.Tensor:
-    """[T] float32: the queries' scale 1 + temperature_scale * log(1 + floor((p + 1) /
-    temperature_floor)) at positions p [T] (Llama 4's attention temperature tuning: 1 up to
-    position temperature_floor - 2, then growing with the log of the position)."""
-    steps = torch.floor((positions.float() + 1.0) / cfg.temperature_floor)
+    """[T] float32: the queries' scale 1 + temperature_scale * log(1 + floor((p +
+    temperature_offset) / temperature_floor)) at positions p [T] (Llama 4's attention
+    temperature tuning, offset 1: 1 up to position temperature_floor - 2, then growing with
+    the log of the position; Mistral 4's, offset 0: 1 up to temperature_floor - 1)."""
+    steps = torch.floor((positions.float() + float(cfg.temperature_offset)) / cfg.temperature_floor)
     return torch.log1p(steps) * cfg.temperature_scale + 1.0
+
+
+def _temperature(q_TN_: torch.Tensor, ctx: AttentionContext, cfg: AttentionConfig) -> torch.Tensor:
+    """Queries [T, N, *] times their position's query_temperature, in their own dtype."""
+    return (q_TN_ * query_temperature(ctx.positions, cfg)[:, None, None]).to(q_TN_.dtype)
 
 
 def _mla_latent_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext, q_lat=None):
@@ -1408,6 +1418,8 @@ def _mla_parts(x, params, cfg: AttentionConfig, ctx: AttentionContext, q_lat=Non
     if cfg.rope:  # a NoPE block (Kimi Linear's) keeps the rope slices as they are
         q_rope_TNR = apply_rope(q_rope_TNR, ctx.cos, ctx.sin, interleaved=cfg.interleaved, impl=rope_impl)
         k_rope_T1R = apply_rope(k_rope_T1R, ctx.cos, ctx.sin, interleaved=cfg.interleaved, impl=rope_impl)
+    if cfg.temperature_floor is not None:  # Mistral 4's query scale by position, on every channel after RoPE
+        q_nope_TNP, q_rope_TNR = _temperature(q_nope_TNP, ctx, cfg), _temperature(q_rope_TNR, ctx, cfg)
     return q_nope_TNP, q_rope_TNR, _rms_norm(latent_TC, params["kv_a_norm"], cfg.latent_norm_eps, zero_centered=cfg.zero_centered_norms), k_rope_T1R
 
 

@@ -318,6 +318,10 @@ class TransformerConfig:
     grouped-query attention only); the MTP blocks always rotate. nope_temperature_floor
     (None: off) and nope_temperature_scale: the NoPE blocks' queries scaled by 1 + scale *
     log(1 + floor((p + 1) / floor)) at position p (Llama 4's attention temperature tuning).
+    query_temperature_floor (None: off) and query_temperature_scale: every block's queries
+    scaled by 1 + scale * log(1 + floor(p / floor)) at position p, after RoPE (Mistral 4's and
+    Ministral 3's llama_4_scaling_beta over original_max_position_embeddings; either kind of
+    attention; not with nope_temperature_floor).
     local_rope_base: the RoPE base of the window's or chunk's blocks (plain RoPE at this base
     there, rope_base and its scaling in the others: Mellum; None: rope_base everywhere;
     fmoe.layers.AttentionConfig.local_rope_base). pre_norms: an RMSNorm on
@@ -422,6 +426,8 @@ class TransformerConfig:
     nope_layers: Optional[tuple[int, ...]] = None
     nope_temperature_floor: Optional[int] = None
     nope_temperature_scale: float = 0.1
+    query_temperature_floor: Optional[int] = None
+    query_temperature_scale: float = 0.1
     local_rope_base: Optional[float] = None
     pre_norms: bool = True
     post_norms: bool = False
@@ -471,6 +477,13 @@ class TransformerConfig:
             raise ValueError("chunk_layers: needs a chunk (the attention chunk's length)")
         if self.nope_temperature_floor is not None and self.nope_layers is None:
             raise ValueError("nope_temperature_floor: scales the NoPE blocks' queries, needs nope_layers")
+        if self.query_temperature_floor is not None:
+            check_positive_int("query_temperature_floor", self.query_temperature_floor)
+        scale = self.query_temperature_scale
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+            raise ValueError(f"query_temperature_scale: expected a finite number, got {scale!r}")
+        if self.query_temperature_floor is not None and self.nope_temperature_floor is not None:
+            raise ValueError("query_temperature_floor: scales every block's queries, not beside nope_temperature_floor (the NoPE blocks' own)")
         if self.local_rope_base is not None and self.window is None and self.chunk is None:
             raise ValueError("local_rope_base: the RoPE base of the window's or chunk's blocks, needs a window or a chunk")
         for name in ("pre_norms", "post_norms", "nope_qk_norm", "route_on_input", "attn_gate", "zero_centered_norms"):
@@ -604,12 +617,18 @@ class TransformerConfig:
             qk_norm=self.qk_norm if norm else None, qk_norm_after_rope=self.qk_norm_after_rope and norm, norm_eps=self.norm_eps,
             impl=self.impl, q_rank=self.q_rank, kv_rank=self.kv_rank, v_dim=self.v_head_dim, window=self.window if local else None,
             chunk=self.chunk if local else None, scale=self.attn_scale, rope=rope,
-            temperature_floor=None if rope else self.nope_temperature_floor, temperature_scale=self.nope_temperature_scale,
+            **self._temperature(rope),
             local_rope_base=self.local_rope_base, zero_centered_norms=self.zero_centered_norms, fp8=self.fp8 if fp8 is None else fp8,
             index_topk=self.index_topk, index_heads=self.index_heads, index_head_dim=self.index_head_dim,
             index_interleaved=self.index_rope_interleaved, index_shared=index_shared,
             index_loss=self.index_topk is not None and self.index_loss_coeff > 0 and not index_shared,
         )
+
+    def _temperature(self, rope: bool) -> dict:
+        """AttentionConfig's query temperature of a block (with or without RoPE)."""
+        if self.query_temperature_floor is not None:  # every block's (Mistral 4)
+            return dict(temperature_floor=self.query_temperature_floor, temperature_scale=self.query_temperature_scale, temperature_offset=0)
+        return dict(temperature_floor=None if rope else self.nope_temperature_floor, temperature_scale=self.nope_temperature_scale)
 
     @property
     def any_sliding(self) -> bool:

@@ -27,6 +27,13 @@ def _ctx(cu, cfg, positions=None):
     return attention_context(cu.to(positions.device), positions, cfg)
 
 
+def _temperatures(positions, cfg):
+    """[T]: the queries' scale 1 + s log(1 + floor((p + offset) / f)) written out (Llama 4's
+    offset 1, Mistral 4's 0)."""
+    p, f = positions.tolist(), cfg.temperature_floor
+    return torch.tensor([1 + cfg.temperature_scale * math.log(1 + (t + cfg.temperature_offset) // f) for t in p])
+
+
 def _loop_attention(x, p, cfg, cu):
     """Token by token, head by head, each document on its own: the definition."""
     T, (N, G, D) = x.shape[0], (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
@@ -44,8 +51,8 @@ def _loop_attention(x, p, cfg, cu):
         q, k = (apply_rope(t, cos, sin, interleaved=cfg.interleaved, impl="torch") for t in (q, k))
     if cfg.qk_norm == "rms":  # each head's channels / their root mean square, no weight
         q, k = (t / (t.square().mean(-1, keepdim=True) + cfg.norm_eps).sqrt() for t in (q, k))
-    if cfg.temperature_floor is not None:  # Llama 4's query temperature: 1 + s log(1 + floor((p + 1) / f))
-        q = q * torch.tensor([1 + cfg.temperature_scale * math.log(1 + (p + 1) // cfg.temperature_floor) for p in positions.tolist()])[:, None, None]
+    if cfg.temperature_floor is not None:  # the query temperature: 1 + s log(1 + floor((p + offset) / f))
+        q = q * _temperatures(positions, cfg)[:, None, None]
     rows = []
     bounds = cu.tolist()
     for a, b in zip(bounds[:-1], bounds[1:]):
@@ -79,10 +86,11 @@ def _rel(a, b):
 @pytest.mark.parametrize("cfg", [CFG, YARN, dataclasses.replace(CFG, rot_dim=8, interleaved=True), dataclasses.replace(CFG, window=4),
                                  dataclasses.replace(CFG, chunk=4), dataclasses.replace(CFG, chunk=3, qk_norm="rms", qk_norm_after_rope=True),
                                  dataclasses.replace(CFG, rope=False, temperature_floor=2, temperature_scale=0.5),
+                                 dataclasses.replace(CFG, temperature_floor=3, temperature_scale=0.5, temperature_offset=0),
                                  dataclasses.replace(CFG, window=4, local_rope_base=100.0),
                                  dataclasses.replace(CFG, chunk=3, local_rope_base=50.0, rot_dim=8, llama3_factor=8.0, llama3_original_max_positions=4)],
                          ids=["rope", "yarn", "partial-interleaved", "sliding-window", "chunked", "chunked-rms-norms", "nope-temperature",
-                              "window-local-base", "chunk-local-base-llama3"])
+                              "rope-temperature-offset-0", "window-local-base", "chunk-local-base-llama3"])
 def test_attention_matches_per_token_loop(cfg, impl):
     _check_against_definition(cfg, impl, _params(cfg), _loop_attention)
 
@@ -98,6 +106,11 @@ def test_llama4_pieces_change_the_output_and_have_their_numbers():
     torch.testing.assert_close(query_temperature(torch.arange(6), floor2), torch.tensor(want))
     llama4 = dataclasses.replace(floor2, temperature_floor=8192, temperature_scale=0.1)  # Llama 4's: 1 below 8191, then 1 + 0.1 ln 2
     assert query_temperature(torch.tensor([8190, 8191, 16383]), llama4).tolist() == pytest.approx([1.0, 1 + 0.1 * math.log(2), 1 + 0.1 * math.log(3)])
+    # offset 0 (Mistral 4's, floor(p / L)): 1 below L, then the same steps one position later
+    want = [1.0, 1.0, 1 + 0.5 * math.log(2), 1 + 0.5 * math.log(2), 1 + 0.5 * math.log(3), 1 + 0.5 * math.log(3)]
+    torch.testing.assert_close(query_temperature(torch.arange(6), dataclasses.replace(floor2, temperature_offset=0)), torch.tensor(want))
+    mistral4 = dataclasses.replace(llama4, temperature_offset=0)  # original_max_position_embeddings 8192, llama_4_scaling_beta 0.1
+    assert query_temperature(torch.tensor([8191, 8192, 16384]), mistral4).tolist() == pytest.approx([1.0, 1 + 0.1 * math.log(2), 1 + 0.1 * math.log(3)])
     cu = torch.tensor([0, 9, 17], dtype=torch.int32)
     x, p = torch.randn(17, H), {n: t.detach() for n, t in _params(CFG).items()}
 
@@ -107,6 +120,7 @@ def test_llama4_pieces_change_the_output_and_have_their_numbers():
     nope = dataclasses.replace(CFG, rope=False)
     window = dataclasses.replace(CFG, window=4)
     for changed, plain in ((dataclasses.replace(CFG, chunk=4), CFG), (floor2, nope), (dataclasses.replace(CFG, qk_norm="rms"), CFG),
+                           (dataclasses.replace(CFG, temperature_floor=2, temperature_scale=0.5, temperature_offset=0), CFG),
                            (dataclasses.replace(window, local_rope_base=100.0), window)):
         assert _rel(out(changed), out(plain)) > 1e-2
     # the local layers' base is theirs alone: a full-attention layer of the same config keeps rope_base
@@ -390,8 +404,9 @@ def test_llama4_attention_knobs_are_checked():
         dataclasses.replace(CFG, temperature_floor=0)
     with pytest.raises(ValueError, match="temperature_scale: expected a finite number, got nan"):
         dataclasses.replace(CFG, temperature_scale=float("nan"))
-    with pytest.raises(ValueError, match="temperature_floor: the query temperature is grouped-query attention's"):
-        AttentionConfig(n_heads=4, n_kv_heads=4, head_dim=24, rot_dim=8, kv_rank=16, v_dim=16, temperature_floor=4)
+    for bad in (2, -1, True):
+        with pytest.raises(ValueError, match=rf"temperature_offset: expected 0 \(Mistral 4\) or 1 \(Llama 4\), got {bad!r}"):
+            dataclasses.replace(CFG, temperature_floor=4, temperature_offset=bad)
     p, x, cu = _params(CFG), torch.randn(6, H), torch.tensor([0, 6])
     rms = dataclasses.replace(CFG, qk_norm="rms")
     with pytest.raises(ValueError, match=r"params\['q_norm'\]: expected none with cfg.qk_norm = 'rms'"):
@@ -699,6 +714,9 @@ def _mla_loop_parts(x, p, cfg, cu):
     cos, sin = rope_tables(positions_from_cu_seqlens(cu), cfg)
     q_rope = apply_rope(q[..., D - R:], cos, sin, interleaved=cfg.interleaved, impl="torch")
     k_rope = apply_rope(kv_a[:, None, cfg.kv_rank:], cos, sin, interleaved=cfg.interleaved, impl="torch")[:, 0]
+    if cfg.temperature_floor is not None:  # Mistral 4's query scale, on every channel after RoPE
+        temp = _temperatures(positions_from_cu_seqlens(cu), cfg)[:, None, None]
+        q, q_rope = q * temp, q_rope * temp
     scale = (yarn_mscale(cfg.yarn_factor, cfg.yarn_mscale_all_dim) ** 2 if cfg.yarn_factor else 1.0) / math.sqrt(D)
     return q_lat, q, kv, q_rope, k_rope, scale, (cos, sin)
 
@@ -720,8 +738,12 @@ def _loop_mla(x, p, cfg, cu):
     return torch.stack(rows) @ p["wo"]
 
 
+MLA_TEMPERATURE = dataclasses.replace(MLA, temperature_floor=2, temperature_scale=0.5, temperature_offset=0)  # Mistral 4's
+
+
 @pytest.mark.parametrize("impl", ["torch", "flex"])
-@pytest.mark.parametrize("cfg", [MLA, dataclasses.replace(MLA, q_rank=None, interleaved=False, yarn_factor=None)], ids=["q-latent-yarn", "full-q-rope"])
+@pytest.mark.parametrize("cfg", [MLA, dataclasses.replace(MLA, q_rank=None, interleaved=False, yarn_factor=None), MLA_TEMPERATURE],
+                         ids=["q-latent-yarn", "full-q-rope", "query-temperature"])
 def test_multi_latent_attention_matches_per_token_loop(cfg, impl):
     _check_against_definition(cfg, impl, _mla_params(cfg), _loop_mla)  # flex: v_dim 5 != q/k dim 12
 
@@ -749,7 +771,8 @@ def test_multi_latent_attention_under_context_parallel():
 
 
 @pytest.mark.parametrize("form", ["absorbed", "expanded"])
-@pytest.mark.parametrize("cfg", [MLA, dataclasses.replace(MLA, q_rank=None, interleaved=False, yarn_factor=None)], ids=["q-latent-yarn", "full-q-rope"])
+@pytest.mark.parametrize("cfg", [MLA, dataclasses.replace(MLA, q_rank=None, interleaved=False, yarn_factor=None), MLA_TEMPERATURE],
+                         ids=["q-latent-yarn", "full-q-rope", "query-temperature"])
 def test_multi_latent_attention_over_cached_latents_is_the_same_function(cfg, form):
     """latents "absorbed": each query head moved into the latent space, one shared latent key
     and value, the output moved back per head; "expanded": the gathered latents expanded

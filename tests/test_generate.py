@@ -21,7 +21,7 @@ from fmoe.model import Transformer, TransformerConfig  # noqa: E402
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "deepseek_v2", "granitemoeshared", "hunyuan_v1_moe", "exaone_moe", "llama4_text",
-                                    "granitemoe_swa", "afmoe", "flint", "mellum", "qwen3_next"])
+                                    "granitemoe_swa", "afmoe", "flint", "mellum", "qwen3_next", "mistral4"])
 def test_greedy_matches_transformers_generate(tmp_path, family):
     """Through fmoe's KV cache (DeepSeek-V3 / -V2: multi-latent attention absorbed, latents
     cached; -V2 without the low-rank q; Granite: the embedding, attention and residual
@@ -33,8 +33,9 @@ def test_greedy_matches_transformers_generate(tmp_path, family):
     Flint: sinks, q/k norms and biases, a 3-token window ring in layer 0, layer 1 NoPE;
     Mellum: a 3-token window ring in layer 0 with plain RoPE at its own base, layer 1 full
     with Llama 3.1's scaling; Qwen3-Next: layer 0 Gated DeltaNet, its conv and delta-rule
-    states carried from the prompt through every step, layer 1 gated attention)
-    against transformers' own generate and cache."""
+    states carried from the prompt through every step, layer 1 gated attention; Mistral 4:
+    multi-latent attention absorbed with the queries scaled from position 2 on) against
+    transformers' own generate and cache."""
     transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]'")
     import fmoe.hf
 
@@ -89,6 +90,13 @@ def test_greedy_matches_transformers_generate(tmp_path, family):
                                                num_local_experts=4, num_experts_per_tok=1, no_rope_layer_interval=2, attention_chunk_size=4,
                                                floor_scale=2, attn_scale=0.5, rope_parameters=dict(rope_type="llama3", rope_theta=10000.0,
                                                factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8))
+    elif family == "mistral4":  # an original length of 2: queries from position 2 on scaled by 1 + 2 log(1 + floor(p / 2))
+        config = transformers.Mistral4Config(
+            **common, num_key_value_heads=4, intermediate_size=40, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=3,
+            n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=12, kv_lora_rank=8, qk_nope_head_dim=6, qk_rope_head_dim=4,
+            v_head_dim=5, max_position_embeddings=128, rope_parameters=dict(
+                rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=2, beta_fast=32.0, beta_slow=1.0,
+                mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=2.0))
     else:
         config = transformers.DeepseekV3Config(
             **common, num_key_value_heads=4, intermediate_size=40, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=3,
@@ -96,7 +104,8 @@ def test_greedy_matches_transformers_generate(tmp_path, family):
             qk_rope_head_dim=4, v_head_dim=5, routed_scaling_factor=2.5, max_position_embeddings=128, rope_parameters=dict(
                 rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32, beta_fast=32, beta_slow=1,
                 mscale=0.8, mscale_all_dim=1.0))
-    ref = transformers.AutoModelForCausalLM.from_config(config).eval()
+    # transformers 5.24's AutoModelForCausalLM does not map mistral4: its own class
+    ref = (transformers.Mistral4ForCausalLM(config) if family == "mistral4" else transformers.AutoModelForCausalLM.from_config(config)).eval()
     with torch.no_grad():
         for name, p in ref.named_parameters():
             if name.endswith("router.gate.weight"):  # AFMoE starts its routers at zero: every expert tied, picked in no defined order

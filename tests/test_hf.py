@@ -230,8 +230,23 @@ FAMILIES = {
         n_group=2, topk_group=1, n_shared_experts=1, kv_lora_rank=8, q_lora_rank=None, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5,
         linear_head_dim=8, linear_num_heads=4, layer_types=["linear_attention", "full_attention", "linear_attention"],
         mlp_layer_types=["dense", "sparse", "sparse"], bos_token_id=None, eos_token_id=None, pad_token_id=None),
+    # Mistral 4: DeepSeek-V3's multi-latent attention (YaRN, interleaved RoPE) with every query
+    # scaled by 1 + 0.5 log(1 + floor(p / 4)) (an original length of 4, so that these short
+    # documents reach it); softmax top-3 renormalised x 1.5, a shared expert, layer 0 dense;
+    # the experts stored as [E, 2F, H] / [E, H, F] stacks
+    "mistral4": lambda: transformers.Mistral4Config(
+        **{**COMMON, "num_key_value_heads": 4}, intermediate_size=40, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=3,
+        n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=12, kv_lora_rank=8, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5,
+        routed_scaling_factor=1.5, rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=4,
+                                                        beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.5),
+        bos_token_id=None, eos_token_id=None, pad_token_id=None),
 }
 DOCS = (7, 12, 5)  # packed documents
+
+
+def _causal_lm(model_type: str):
+    """transformers' class of a family's causal LM (5.24's AutoModelForCausalLM does not map mistral4)."""
+    return transformers.Mistral4ForCausalLM if model_type == "mistral4" else transformers.AutoModelForCausalLM
 
 
 @pytest.fixture(scope="module")
@@ -240,7 +255,8 @@ def folders(tmp_path_factory):
     out = {}
     for name, make in FAMILIES.items():
         torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(make()).eval()
+        config = make()
+        model = (transformers.Mistral4ForCausalLM(config) if name == "mistral4" else transformers.AutoModelForCausalLM.from_config(config)).eval()
         with torch.no_grad():
             for pname, p in model.named_parameters():  # norms near 1, everything else random
                 p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in pname else 0.3 * torch.randn_like(p))
@@ -305,7 +321,7 @@ def test_export_loads_in_transformers_and_reexport_is_bit_identical(family, fold
         for p in fresh.parameters():
             p.add_(0.01 * torch.randn_like(p))
     hf.save_pretrained(fresh, tmp_path / "fresh", model_type=family)
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fresh", dtype=torch.float32).eval()
+    back = _causal_lm(family).from_pretrained(tmp_path / "fresh", dtype=torch.float32).eval()
     # no padding row (OLMoE's, Hunyuan's and EXAONE's configs default to one: its embedding would get no gradient in transformers)
     assert back.get_input_embeddings().padding_idx is None
     docs, ids, cu = _packed(2)
@@ -840,6 +856,67 @@ def test_a_released_qwen3_5_moe_folder_loads_its_text_model(tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(back_ours.state_dict().values(), model.state_dict().values()))
 
 
+def test_a_released_mistral3_folder_loads_its_mistral4_text_model(folders, tmp_path):
+    """A released Mistral Small 4 folder (mistral3, Mistral3ForConditionalGeneration): the
+    Mistral 4 text model under language_model. (the head too) loads with transformers' logits
+    of a text-only forward, the vision model's keys neither read nor counted as unread; it is
+    not written back without the vision model, and writes as mistral4, which transformers
+    loads with the same logits. A mistral3 folder of a dense text model is refused by name."""
+    text = FAMILIES["mistral4"]().to_dict()
+    vision = dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, head_dim=8, image_size=28, patch_size=14)
+    torch.manual_seed(0)
+    ref = transformers.Mistral3ForConditionalGeneration(transformers.Mistral3Config(text_config=text, vision_config=vision,
+                                                                                    tie_word_embeddings=False)).eval()
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
+    ref.save_pretrained(tmp_path / "mistral3")
+    model, cfg = hf.from_pretrained(tmp_path / "mistral3", impl="torch")
+    assert dataclasses.replace(cfg, impl="auto") == hf.read_config(folders["mistral4"][0])[1]
+    assert (cfg.query_temperature_floor, cfg.query_temperature_scale) == (4, 0.5)
+    keys = [k for spec in hf.key_map(hf.FAMILIES["mistral3"], cfg).values() for k in spec.keys]
+    assert all(k.startswith("language_model.") for k in keys)
+    docs, ids, cu = _packed()
+    with torch.no_grad():
+        theirs = torch.cat([ref(input_ids=d[None]).logits[0] for d in docs])
+        assert _rel(model.logits(ids, cu), theirs) < 1e-5
+    with pytest.raises(ValueError, match="model_type: a mistral3 folder holds a model fmoe does not read .vision_tower., multi_modal_projector.., "
+                                         "so it is not written; pass model_type='mistral4'"):
+        hf.save_pretrained(model, tmp_path / "again")
+    hf.save_pretrained(model, tmp_path / "text", model_type="mistral4")
+    back = transformers.Mistral4ForCausalLM.from_pretrained(tmp_path / "text", dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert _rel(torch.cat([back(d[None]).logits[0] for d in docs]), theirs) < 1e-5
+    dense = _edit(tmp_path / "mistral3", tmp_path / "dense", lambda c: c["text_config"].update(model_type="mistral"))
+    with pytest.raises(ValueError, match="config.json: a mistral3 folder whose text model is 'mistral' is not supported .mistral4 only."):
+        hf.from_pretrained(dense)
+
+
+def test_mistral4_query_scale_is_read_and_written(folders, tmp_path):
+    """Mistral 4's query scale by position: it changes the logits (so the family test checks
+    it); a llama_4_scaling_beta of 0 reads as none; a model without one exports with a beta
+    of 0 and transformers gives its logits; one whose floor is not YaRN's original length has
+    no mistral4 config."""
+    path, ref = folders["mistral4"]
+    model, cfg = hf.from_pretrained(path, impl="torch")
+    docs, ids, cu = _packed()
+    plain_cfg = dataclasses.replace(cfg, query_temperature_floor=None, query_temperature_scale=0.1, impl="auto")
+    plain = hf.Transformer(plain_cfg)
+    plain.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert _rel(plain.logits(ids, cu), model.logits(ids, cu)) > 1e-2
+    zero = _edit(path, tmp_path / "zero", lambda c: c["rope_parameters"].update(llama_4_scaling_beta=0.0))
+    assert hf.read_config(zero)[1] == plain_cfg
+    hf.save_pretrained(plain, tmp_path / "plain", model_type="mistral4")
+    assert json.loads((tmp_path / "plain" / "config.json").read_text())["rope_parameters"]["llama_4_scaling_beta"] == 0.0
+    back = transformers.Mistral4ForCausalLM.from_pretrained(tmp_path / "plain", dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert _rel(plain.logits(ids, cu), torch.cat([back(d[None]).logits[0] for d in docs])) < 1e-5
+    # one original_max_position_embeddings for both: the floor's 8 would move YaRN's 4
+    with pytest.raises(ValueError, match=r"model: its config has no mistral4 equivalent: \{'yarn_original_max_positions': \(4, 8\)\}"):
+        hf.hf_config(dataclasses.replace(cfg, query_temperature_floor=8), "mistral4")
+
+
 def _edit(src, dst, change):
     import shutil
 
@@ -877,6 +954,9 @@ BAD_CONFIGS = [
      r"config.json: layer_rope_theta = \[5000.0, 100.0, 200.0\] is not supported \(0 for NoPE, else one RoPE base per layer type"),
     ("afmoe", lambda c: c.update(num_experts_per_tok=1), r"config.json: num_experts_per_tok = 1 is not supported \(k > 1: this family renormalises"),
     ("llama4_text", lambda c: c.update(attention_chunk_size=None), r"config.json: attention_chunk_size = None is not supported"),
+    ("mistral4", lambda c: c.update(n_group=2, topk_group=1), r"config.json: n_group = 2 is not supported \(no expert groups: n_group = 1\)"),
+    ("mistral4", lambda c: c["rope_parameters"].pop("llama_4_scaling_beta"),
+     r"config.json: Mistral 4's rope_parameters need llama_4_scaling_beta and original_max_position_embeddings"),
     ("llama4_text", lambda c: c.update(layer_types=["sliding_attention"] * 3), r"config.json: layer_types = .* is not supported"),
     ("llama4_text", lambda c: c.update(no_rope_layers=[1, 2, 1]), r"config.json: no_rope_layers = \[1, 2, 1\] is not supported"),
     ("granitemoe", lambda c: c.update(attention_bias=True), r"config.json: attention_bias = True is not supported"),

@@ -1,6 +1,7 @@
 """The reference transformer: each feature on and off, losses as sums, and it learns."""
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -170,6 +171,23 @@ def test_llama4_knobs_are_checked_and_build_what_they_say():
     # nope_qk_norm=True keeps the NoPE blocks' norms (EXAONE's global layers)
     kept = Transformer(dataclasses.replace(TINY, qk_norm="head", nope_layers=(1,)))
     assert kept.blocks[1].attn.cfg.qk_norm == "head" and hasattr(kept.blocks[1].attn, "q_norm")
+
+
+def test_query_temperature_knobs_are_checked_and_reach_every_block():
+    """Mistral 4's query scale by position: every block's attention (the MTP block's too,
+    multi-latent or grouped-query) takes floor(p / floor), offset 0; bad knobs are refused by
+    name, and so is the NoPE blocks' temperature beside it."""
+    with pytest.raises(ValueError, match="query_temperature_floor: expected >= 1, got 0"):
+        dataclasses.replace(TINY, query_temperature_floor=0)
+    with pytest.raises(ValueError, match="query_temperature_scale: expected a finite number, got inf"):
+        dataclasses.replace(TINY, query_temperature_floor=4, query_temperature_scale=math.inf)
+    with pytest.raises(ValueError, match="query_temperature_floor: scales every block's queries, not beside nope_temperature_floor"):
+        dataclasses.replace(TINY, nope_layers=(1,), nope_temperature_floor=2, query_temperature_floor=4)
+    for cfg in (dataclasses.replace(VARIANTS["mla, group top-2, mtp norm"], query_temperature_floor=4, query_temperature_scale=0.5),
+                dataclasses.replace(TINY, nope_layers=(1,), query_temperature_floor=4, query_temperature_scale=0.5, mtp_depth=1)):
+        model = Transformer(cfg)
+        attn = [b.attn.cfg for b in model.blocks] + [m.block.attn.cfg for m in model.mtp]
+        assert len(attn) == 4 and all((a.temperature_floor, a.temperature_scale, a.temperature_offset) == (4, 0.5, 0) for a in attn)
 
 
 def test_nope_layers_attend_without_rope():
