@@ -84,9 +84,9 @@ def export_config(cfg: TransformerConfig, run: dict, *, model_type: str = "", hf
         kind = hf.get("model_type")
         family = fmoe.hf.FAMILIES.get(kind)
         if family is not None and family.written_as is not None:  # a released llama4 folder: its text model, as llama4_text
-            notes.append(f"the {kind} folder's {', '.join(family.not_read)} weights: fmoe does not read them; "
-                         f"written as {family.written_as} with the folder's text config")
             hf = fmoe.hf.written_config(hf)
+            notes.append(f"the {kind} folder's {', '.join(family.not_read)} weights: fmoe does not read them; "
+                         f"written as {hf['model_type']} with the folder's text config")
         if model_type and model_type != hf["model_type"]:  # the run's model as another family (DSA added to DeepSeek-V3: deepseek_v32)
             if family is None or family.written_as is not None or model_type == kind:
                 written = f", written as {hf['model_type']!r}" if hf["model_type"] != kind else ""

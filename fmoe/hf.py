@@ -8,7 +8,7 @@ A folder holds `config.json` and `model.safetensors` (or shards listed in
 qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, kimi_k2, kimi_k25, deepseek_v2, deepseek_v32, glm_moe_dsa, glm4_moe_lite, gpt_oss, solar_open,
 exaone_moe, dots1, minimax_m2, granitemoe, granitemoeshared, granitemoe_swa, hunyuan_v1_moe, llama4_text, llama4, afmoe,
 sarvam_moe, sarvam_mla, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, kimi_linear, ernie4_5_moe, mistral4, mistral3), and the dense
-DENSE_FAMILIES (llama, mistral, qwen2, qwen3, olmo2, granite: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with
+DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, granite: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with
 fmoe.train.upcycle). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: clipped qkv, ...;
 the fields a config.json leaves out read at transformers' defaults, Family.defaults, and a
@@ -83,8 +83,10 @@ Mistral 4 (mistral4, Mistral Small 4's text model): DeepSeek-V3's multi-latent a
 the queries scaled by position (TransformerConfig.query_temperature_floor / _scale, from
 rope_parameters' original_max_position_embeddings / llama_4_scaling_beta), softmax routing
 (renormalised by norm_topk_prob) beside shared experts, the experts as [E, 2F, H] / [E, H, F]
-stacks. A released mistral3 folder (Mistral3ForConditionalGeneration) holds that model under
-language_model. beside a vision model that is not read, and is written back only as mistral4.
+stacks. A released mistral3 folder (Mistral3ForConditionalGeneration) holds that model, or
+a dense Ministral 3 (ministral3: Mistral's blocks with YaRN and the same query scale) or
+Mistral (Mistral Small 3.x) one, under language_model. beside a vision model that is not
+read, and is written back only as its text model's family (Family.written_as "text_config").
 Kimi Linear (kimi_linear): Kimi Delta Attention blocks under self_attn (q/k/v_proj,
 q/k/v_conv1d, the decay's f_a_proj / f_b_proj, dt_bias, A_log [1, 1, N, 1] (Tensor.unit of
 several dims), b_proj, the gate's g_a_proj / g_b_proj, o_norm, o_proj), multi-latent attention
@@ -212,6 +214,35 @@ def _llama(hf: dict) -> dict:
 
 def _mistral(hf: dict) -> dict:
     return _dense(hf, sliding=True)  # Llama's blocks, a sliding window over every layer where sliding_window is set
+
+
+def _ministral3(hf: dict) -> dict:
+    """Ministral 3 (ministral3, dense): Mistral's blocks with YaRN (rope_parameters; on cos and
+    sin mscale(factor) / mscale_all_dim's, the softmax scale 1 / sqrt(head_dim) as Llama's
+    attention has it) and every query scaled after RoPE by 1 + llama_4_scaling_beta *
+    log(1 + floor(p / original_max_position_embeddings)) (_mistral4's rule)."""
+    rope_type, params, _ = _rope_params(hf, "yarn", ("factor", "original_max_position_embeddings"), 1e6)
+    out = _dense(dict(hf, rope_parameters=dict(params, rope_type="default"), rope_scaling=None), sliding=True, **_query_temperature(hf))
+    if rope_type == "default":
+        return out
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if bool(mscale) != bool(mscale_all_dim) or (mscale and mscale != mscale_all_dim):
+        raise ValueError(f"config.json: rope_parameters with mscale {mscale!r} and mscale_all_dim {mscale_all_dim!r} are not supported "
+                         "in Ministral 3 (both equal, or neither)")
+    # both equal: cos and sin unscaled (fmoe's mscale 0 over mscale_all_dim 0); neither: 0.1 ln(factor) + 1 on them (1 over 0)
+    yarn = _yarn(dict(hf, rope_parameters=dict(params, mscale=None, mscale_all_dim=None)), 1e6)
+    return dict(out, **dict(yarn, yarn_mscale=0.0 if mscale else 1.0, yarn_mscale_all_dim=0.0))
+
+
+def _query_temperature(hf: dict) -> dict:
+    """TransformerConfig's query temperature of Mistral 4 and Ministral 3: rope_parameters'
+    llama_4_scaling_beta over original_max_position_embeddings (a beta of 0: none)."""
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    beta, floor = params.get("llama_4_scaling_beta"), params.get("original_max_position_embeddings")
+    if beta is None or floor is None:
+        raise ValueError(f"config.json: {hf.get('model_type')}'s rope_parameters need llama_4_scaling_beta and original_max_position_embeddings "
+                         "(the queries' scale by position)")
+    return dict(query_temperature_floor=int(floor), query_temperature_scale=float(beta)) if beta else {}
 
 
 def _qwen2(hf: dict) -> dict:
@@ -426,23 +457,21 @@ def _mistral4(hf: dict) -> dict:
     renormalised with norm_topk_prob (fmoe's softmax over the k chosen logits) or not
     (pre_softmax); no expert groups."""
     _refuse(hf, "n_group", lambda v: v is None or v == 1, "no expert groups: n_group = 1")
-    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    beta, floor = params.get("llama_4_scaling_beta"), params.get("original_max_position_embeddings")
-    if beta is None or floor is None:
-        raise ValueError("config.json: Mistral 4's rope_parameters need llama_4_scaling_beta and original_max_position_embeddings "
-                         "(the queries' scale by position)")
-    temperature = dict(query_temperature_floor=int(floor), query_temperature_scale=float(beta)) if beta else {}  # 0: no scale
-    return dict(_mla(hf), **_deepseek_moe(hf), pre_softmax=not hf.get("norm_topk_prob", True), **temperature)
+    return dict(_mla(hf), **_deepseek_moe(hf), pre_softmax=not hf.get("norm_topk_prob", True), **_query_temperature(hf))
+
+
+_MISTRAL3_TEXT = ("mistral4", "ministral3", "mistral")  # the text models of the mistral3 folders fmoe reads
 
 
 def _mistral3(hf: dict) -> dict:
-    """A released Mistral Small 4 folder (mistral3, Mistral3ForConditionalGeneration): its
-    text_config's Mistral 4 model (_mistral4); the vision model beside it is not read.
-    Mistral 3 folders of a dense text model (mistral, ministral3) are not read."""
+    """A released Mistral 3 folder (mistral3, Mistral3ForConditionalGeneration): its
+    text_config's model, Mistral 4 (Mistral Small 4), Ministral 3 or Mistral (Mistral Small
+    3.1 / 3.2, Magistral and Devstral Small); the vision model beside it is not read."""
     text = _text_config(hf)
-    if text.get("model_type") != "mistral4":
-        raise ValueError(f"config.json: a mistral3 folder whose text model is {text.get('model_type')!r} is not supported (mistral4 only)")
-    return FAMILIES["mistral4"].kwargs(text)
+    if text.get("model_type") not in _MISTRAL3_TEXT:
+        raise ValueError(f"config.json: a mistral3 folder whose text model is {text.get('model_type')!r} is not supported "
+                         f"({', '.join(_MISTRAL3_TEXT)})")
+    return FAMILIES[text["model_type"]].kwargs(text)
 
 
 def _mlp_layer_types(hf: dict, n_dense: int) -> dict:
@@ -978,7 +1007,8 @@ class Family:
     # "language_model.") before every key; Qwen3.5's ("model.", "model.language_model."), the head left at lm_head), beside a
     # vision model
     prefix: tuple[str, str] = ("", "")
-    written_as: Optional[str] = None  # folders holding more than fmoe reads are not written back: export as this family
+    # folders holding more than fmoe reads are not written back: export as this family ("text_config": the text model's own)
+    written_as: Optional[str] = None
     dense: str = "mlp"  # the dense blocks' MLP module
     # the dense blocks' MLP module in some folders instead (Kimi Linear's, written by transformers: block_sparse_moe, the MoE
     # blocks' name; the released ones: mlp): loading reads the name the files hold (_stacked_experts), export writes it back
@@ -1052,8 +1082,10 @@ _KIMI_LINEAR_DEFAULTS = dict(n_shared_experts=1, routed_scaling_factor=2.446, kv
 _SARVAM_ALIASES = dict(n_routed_experts="num_experts", n_shared_experts="num_shared_experts")
 _MISTRAL4_ROPE = dict(rope_type="yarn", rope_theta=10000.0, factor=128.0, original_max_position_embeddings=8192, beta_fast=32.0, beta_slow=1.0,
                       mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1)
+_MINISTRAL3_ROPE = dict(rope_type="yarn", rope_theta=1e6, factor=16.0, original_max_position_embeddings=16384, beta_fast=32.0, beta_slow=1.0,
+                        mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1)
 # the dense families (no MoE block): fine-tuned as they are, or upcycled into an MoE (fmoe.train.upcycle)
-DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "granite")
+DENSE_FAMILIES = ("llama", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "granite")
 FAMILIES = {
     "mixtral": Family(_mixtral, "block_sparse_moe", ("w1", "w3", "w2"), "MixtralForCausalLM",
                       defaults=dict(num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1e6)),
@@ -1141,14 +1173,17 @@ FAMILIES = {
     "mistral4": Family(_mistral4, "mlp", _STACKS, "Mistral4ForCausalLM", "shared_experts", fused="halves_out",
                        defaults=dict(n_shared_experts=1, q_lora_rank=1024, kv_lora_rank=256, qk_rope_head_dim=64, qk_nope_head_dim=64,
                                      v_head_dim=128, rope_parameters=_MISTRAL4_ROPE)),
-    # the released Mistral Small 4 folders: the text model under language_model. (the head too), beside a vision model
+    # the released Mistral 3 folders (Mistral Small 4, Ministral 3, Mistral Small 3.x): the text model under language_model.
+    # (the head too), beside a vision model
     "mistral3": Family(_mistral3, "mlp", _STACKS, "Mistral3ForConditionalGeneration", "shared_experts", fused="halves_out",
-                       prefix=("", "language_model."), not_read=("vision_tower.", "multi_modal_projector."), written_as="mistral4"),
+                       prefix=("", "language_model."), not_read=("vision_tower.", "multi_modal_projector."), written_as="text_config"),
     "hunyuan_v1_moe": Family(_hunyuan_v1_moe, "mlp", _PROJ, "HunYuanMoEV1ForCausalLM", "shared_mlp", router="gate.wg.weight",
                              qk_norms=("query_layernorm", "key_layernorm"), defaults=dict(rms_norm_eps=1e-5)),
     # the dense families (DENSE_FAMILIES), after the MoE ones
     "llama": Family(_llama, "mlp", _PROJ, "LlamaForCausalLM"),
     "mistral": Family(_mistral, "mlp", _PROJ, "MistralForCausalLM", defaults=dict(num_key_value_heads=8, sliding_window=4096)),
+    "ministral3": Family(_ministral3, "mlp", _PROJ, "Ministral3ForCausalLM",
+                         defaults=dict(num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_parameters=_MINISTRAL3_ROPE)),
     "qwen2": Family(_qwen2, "mlp", _PROJ, "Qwen2ForCausalLM", defaults=dict(num_key_value_heads=32)),
     "qwen3": Family(_qwen3, "mlp", _PROJ, "Qwen3ForCausalLM", defaults=dict(num_key_value_heads=32, head_dim=128)),
     "olmo2": Family(_olmo2, "mlp", _PROJ, "Olmo2ForCausalLM", defaults=dict(rms_norm_eps=1e-5)),
@@ -1783,6 +1818,17 @@ def _yarn_parameters(cfg: TransformerConfig) -> dict:
     return out
 
 
+def _ministral3_rope(cfg: TransformerConfig) -> dict:
+    """Ministral 3's rope_parameters (what _ministral3 reads back): plain RoPE or YaRN (its
+    mscale pair equal where fmoe leaves cos and sin unscaled), and the query temperature."""
+    floor = cfg.query_temperature_floor or (cfg.yarn_original_max_positions if cfg.yarn_factor else 16384)
+    out = dict(rope_type="default", rope_theta=cfg.rope_base)
+    if cfg.yarn_factor is not None:
+        out.update(rope_type="yarn", factor=cfg.yarn_factor, beta_fast=cfg.yarn_beta_fast, beta_slow=cfg.yarn_beta_slow,
+                   **(dict(mscale=1.0, mscale_all_dim=1.0) if cfg.yarn_mscale == 0 else {}))
+    return dict(out, original_max_position_embeddings=floor, llama_4_scaling_beta=cfg.query_temperature_scale if cfg.query_temperature_floor else 0.0)
+
+
 # the families whose config.json holds _deepseek_moe_config's fields
 _DEEPSEEK_STYLE = ("glm4_moe", "sarvam_moe", "deepseek_v2", "deepseek_v3", "kimi_k2", "sarvam_mla", "glm4_moe_lite", "dots1", "deepseek_v32",
                    "glm_moe_dsa")
@@ -1905,6 +1951,8 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
             hf.update(attention_bias=cfg.qkv_bias)
         elif model_type == "mistral":
             hf.update(sliding_window=cfg.window)
+        elif model_type == "ministral3":
+            hf.update(sliding_window=cfg.window, rope_parameters=_ministral3_rope(cfg))
         elif model_type == "olmo2":
             hf.update(attention_bias=False)
         elif model_type == "granite":
@@ -1975,21 +2023,27 @@ def _check_writable(model_type: str) -> None:
     """ValueError for a family whose folders hold more than fmoe reads (Llama 4's vision
     model, Family.written_as): such a folder is not written back incomplete."""
     family = FAMILIES[model_type]
-    if family.written_as is not None:
-        raise ValueError(f"model_type: a {model_type} folder holds a model fmoe does not read ({', '.join(family.not_read)}), so it is "
-                         f"not written; pass model_type={family.written_as!r} to write what fmoe holds ({FAMILIES[family.written_as].architecture}), "
-                         "or set model.hf_config = written_config(model.hf_config) to keep the folder's own text config")
+    if family.written_as is None:
+        return
+    if family.written_as == "text_config":
+        what = f"its text model's model_type (one of {', '.join(_MISTRAL3_TEXT)})"
+    else:
+        what = f"model_type={family.written_as!r} to write what fmoe holds ({FAMILIES[family.written_as].architecture})"
+    raise ValueError(f"model_type: a {model_type} folder holds a model fmoe does not read ({', '.join(family.not_read)}), so it is not written; "
+                     f"pass {what}, or set model.hf_config = written_config(model.hf_config) to keep the folder's own text config")
 
 
 def written_config(hf: dict) -> dict:
     """The config.json that a loaded folder's model is written back with: the folder's own,
     or for a family whose folders hold more than fmoe reads (Family.written_as: a released
     llama4 folder) its text_config as that family's (llama4_text, Llama4ForCausalLM: token
-    ids, RoPE and every text field kept)."""
+    ids, RoPE and every text field kept; a mistral3 folder's as its text model's own)."""
     family = FAMILIES[hf["model_type"]]
     if family.written_as is None:
         return hf
-    return dict(_text_config(hf), model_type=family.written_as, architectures=[FAMILIES[family.written_as].architecture])
+    text = _text_config(hf)
+    kind = text["model_type"] if family.written_as == "text_config" else family.written_as
+    return dict(text, model_type=kind, architectures=[FAMILIES[kind].architecture])
 
 
 # TransformerConfig fields that only MoE blocks read (the dense MLP is a plain SwiGLU)

@@ -30,6 +30,12 @@ FAMILIES = {
     "olmo2": lambda: transformers.Olmo2Config(**COMMON, intermediate_size=40, pad_token_id=None, eos_token_id=None, bos_token_id=None),
     "granite": lambda: transformers.GraniteConfig(**COMMON, intermediate_size=40, attention_multiplier=0.3, embedding_multiplier=2.0,
                                                   residual_multiplier=0.5, logits_scaling=4.0),
+    # Ministral 3: Mistral's blocks, YaRN with cos and sin unscaled (mscale = mscale_all_dim), every query
+    # scaled by 1 + 0.5 log(1 + floor(p / 4))
+    "ministral3": lambda: transformers.Ministral3Config(**COMMON, head_dim=8, intermediate_size=40, bos_token_id=None, eos_token_id=None,
+                                                        pad_token_id=None, rope_parameters=dict(
+                                                            rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=4,
+                                                            beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.5)),
     "qwen2": lambda: transformers.Qwen2Config(**COMMON, intermediate_size=40),
     "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=8, intermediate_size=40),
     "mixtral": lambda: transformers.MixtralConfig(**COMMON, head_dim=8, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2),
@@ -420,6 +426,8 @@ def test_a_failed_export_leaves_no_weight_files(folders, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("family,knobs", [("llama", {}), ("mistral", {}), ("qwen2", dict(qkv_bias=True)), ("qwen3", dict(qk_norm="head")),
+                                          ("ministral3", dict(query_temperature_floor=4, query_temperature_scale=0.5)),
+                                          ("ministral3", dict(yarn_factor=4.0, yarn_original_max_positions=8, yarn_mscale=1.0, yarn_mscale_all_dim=0.0)),
                                           ("olmo2", dict(qk_norm="proj", pre_norms=False, post_norms=True)), ("granite", {})])
 def test_a_dense_model_of_fmoe_s_own_exports_as_a_dense_family(family, knobs, tmp_path):
     """An fmoe model with no MoE block (its MoE fields at the defaults, unused) is written as
@@ -856,13 +864,15 @@ def test_a_released_qwen3_5_moe_folder_loads_its_text_model(tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(back_ours.state_dict().values(), model.state_dict().values()))
 
 
-def test_a_released_mistral3_folder_loads_its_mistral4_text_model(folders, tmp_path):
-    """A released Mistral Small 4 folder (mistral3, Mistral3ForConditionalGeneration): the
-    Mistral 4 text model under language_model. (the head too) loads with transformers' logits
-    of a text-only forward, the vision model's keys neither read nor counted as unread; it is
-    not written back without the vision model, and writes as mistral4, which transformers
-    loads with the same logits. A mistral3 folder of a dense text model is refused by name."""
-    text = FAMILIES["mistral4"]().to_dict()
+@pytest.mark.parametrize("text_model", ["mistral4", "ministral3", "mistral"])
+def test_a_released_mistral3_folder_loads_its_text_model(text_model, folders, tmp_path):
+    """A released Mistral 3 folder (mistral3, Mistral3ForConditionalGeneration: Mistral Small
+    4, Ministral 3, Mistral Small 3.x): the text model under language_model. (the head too)
+    loads with transformers' logits of a text-only forward, the vision model's keys neither
+    read nor counted as unread; it is not written back without the vision model, and writes
+    as its text model's family, which transformers loads with the same logits. A mistral3
+    folder of another text model is refused by name."""
+    text = FAMILIES[text_model]().to_dict()
     vision = dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, head_dim=8, image_size=28, patch_size=14)
     torch.manual_seed(0)
     ref = transformers.Mistral3ForConditionalGeneration(transformers.Mistral3Config(text_config=text, vision_config=vision,
@@ -872,8 +882,7 @@ def test_a_released_mistral3_folder_loads_its_mistral4_text_model(folders, tmp_p
             p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
     ref.save_pretrained(tmp_path / "mistral3")
     model, cfg = hf.from_pretrained(tmp_path / "mistral3", impl="torch")
-    assert dataclasses.replace(cfg, impl="auto") == hf.read_config(folders["mistral4"][0])[1]
-    assert (cfg.query_temperature_floor, cfg.query_temperature_scale) == (4, 0.5)
+    assert dataclasses.replace(cfg, impl="auto") == hf.read_config(folders[text_model][0])[1]
     keys = [k for spec in hf.key_map(hf.FAMILIES["mistral3"], cfg).values() for k in spec.keys]
     assert all(k.startswith("language_model.") for k in keys)
     docs, ids, cu = _packed()
@@ -881,15 +890,18 @@ def test_a_released_mistral3_folder_loads_its_mistral4_text_model(folders, tmp_p
         theirs = torch.cat([ref(input_ids=d[None]).logits[0] for d in docs])
         assert _rel(model.logits(ids, cu), theirs) < 1e-5
     with pytest.raises(ValueError, match="model_type: a mistral3 folder holds a model fmoe does not read .vision_tower., multi_modal_projector.., "
-                                         "so it is not written; pass model_type='mistral4'"):
+                                         "so it is not written; pass its text model's model_type .one of mistral4, ministral3, mistral."):
         hf.save_pretrained(model, tmp_path / "again")
-    hf.save_pretrained(model, tmp_path / "text", model_type="mistral4")
-    back = transformers.Mistral4ForCausalLM.from_pretrained(tmp_path / "text", dtype=torch.float32).eval()
+    model.hf_config = hf.written_config(model.hf_config)  # the folder's own text config, as its text model's family
+    assert model.hf_config["model_type"] == text_model
+    hf.save_pretrained(model, tmp_path / "text")
+    back = _causal_lm(text_model).from_pretrained(tmp_path / "text", dtype=torch.float32).eval()
     with torch.no_grad():
         assert _rel(torch.cat([back(d[None]).logits[0] for d in docs]), theirs) < 1e-5
-    dense = _edit(tmp_path / "mistral3", tmp_path / "dense", lambda c: c["text_config"].update(model_type="mistral"))
-    with pytest.raises(ValueError, match="config.json: a mistral3 folder whose text model is 'mistral' is not supported .mistral4 only."):
-        hf.from_pretrained(dense)
+    if text_model == "mistral":
+        other = _edit(tmp_path / "mistral3", tmp_path / "other", lambda c: c["text_config"].update(model_type="qwen3"))
+        with pytest.raises(ValueError, match="config.json: a mistral3 folder whose text model is 'qwen3' is not supported .mistral4, ministral3, mistral."):
+            hf.from_pretrained(other)
 
 
 def test_mistral4_query_scale_is_read_and_written(folders, tmp_path):
@@ -956,7 +968,9 @@ BAD_CONFIGS = [
     ("llama4_text", lambda c: c.update(attention_chunk_size=None), r"config.json: attention_chunk_size = None is not supported"),
     ("mistral4", lambda c: c.update(n_group=2, topk_group=1), r"config.json: n_group = 2 is not supported \(no expert groups: n_group = 1\)"),
     ("mistral4", lambda c: c["rope_parameters"].pop("llama_4_scaling_beta"),
-     r"config.json: Mistral 4's rope_parameters need llama_4_scaling_beta and original_max_position_embeddings"),
+     r"config.json: mistral4's rope_parameters need llama_4_scaling_beta and original_max_position_embeddings"),
+    ("ministral3", lambda c: c["rope_parameters"].update(mscale_all_dim=0.5),
+     r"config.json: rope_parameters with mscale 1.0 and mscale_all_dim 0.5 are not supported in Ministral 3 \(both equal, or neither\)"),
     ("llama4_text", lambda c: c.update(layer_types=["sliding_attention"] * 3), r"config.json: layer_types = .* is not supported"),
     ("llama4_text", lambda c: c.update(no_rope_layers=[1, 2, 1]), r"config.json: no_rope_layers = \[1, 2, 1\] is not supported"),
     ("granitemoe", lambda c: c.update(attention_bias=True), r"config.json: attention_bias = True is not supported"),
