@@ -255,6 +255,15 @@ def _causal_lm(model_type: str):
     return transformers.Mistral4ForCausalLM if model_type == "mistral4" else transformers.AutoModelForCausalLM
 
 
+def _randomised(model):
+    """The transformers model with every weight drawn again, so that a wrong mapping shows: the
+    norms' near 1, everything else about 0.3; in eval mode."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
+    return model.eval()
+
+
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """family -> a folder saved by transformers (weights randomised), and the HF model."""
@@ -262,10 +271,8 @@ def folders(tmp_path_factory):
     for name, make in FAMILIES.items():
         torch.manual_seed(0)
         config = make()
-        model = (transformers.Mistral4ForCausalLM(config) if name == "mistral4" else transformers.AutoModelForCausalLM.from_config(config)).eval()
+        model = _randomised(transformers.Mistral4ForCausalLM(config) if name == "mistral4" else transformers.AutoModelForCausalLM.from_config(config))
         with torch.no_grad():
-            for pname, p in model.named_parameters():  # norms near 1, everything else random
-                p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in pname else 0.3 * torch.randn_like(p))
             for bname, b in model.named_buffers():  # the routers' correction biases
                 if bname.endswith("e_score_correction_bias"):
                     b.copy_(0.2 * torch.randn_like(b))
@@ -487,10 +494,7 @@ SLIDING = {  # windows narrower than the documents: every layer (Mixtral, Qwen3-
 @pytest.mark.parametrize("family", list(SLIDING))
 def test_sliding_window_models_give_transformers_logits_and_export_back(family, tmp_path):
     torch.manual_seed(0)
-    ref = transformers.AutoModelForCausalLM.from_config(SLIDING[family]()).eval()
-    with torch.no_grad():
-        for pname, p in ref.named_parameters():
-            p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in pname else 0.3 * torch.randn_like(p))
+    ref = _randomised(transformers.AutoModelForCausalLM.from_config(SLIDING[family]()))
     ref.save_pretrained(tmp_path / "hf")
     model, cfg = hf.from_pretrained(tmp_path / "hf", impl="torch")
     assert (cfg.window, cfg.window_layers) == {"mixtral": (4, None), "qwen3_moe": (5, None), "qwen2_moe": (3, (0, 2)), "mistral": (4, None),
@@ -524,10 +528,7 @@ def test_llama3_rope_scaling_gives_transformers_logits_and_exports_back(family, 
     torch.manual_seed(0)
     config = FAMILIES[family]()
     config.rope_parameters = dict(LLAMA3)
-    ref = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for pname, p in ref.named_parameters():
-            p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in pname else 0.3 * torch.randn_like(p))
+    ref = _randomised(transformers.AutoModelForCausalLM.from_config(config))
     ref.save_pretrained(tmp_path / "hf")
     model, cfg = hf.from_pretrained(tmp_path / "hf", impl="torch")
     assert (cfg.llama3_factor, cfg.llama3_low_freq_factor, cfg.llama3_high_freq_factor, cfg.llama3_original_max_positions) == (4.0, 1.0, 4.0, 16)
@@ -767,10 +768,7 @@ def test_a_released_llama4_folder_loads_its_text_model(folders, tmp_path):
     vision = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16, vision_output_dim=16, image_size=28,
                   patch_size=14, projector_input_dim=16, projector_output_dim=16)
     torch.manual_seed(0)
-    ref = transformers.Llama4ForConditionalGeneration(transformers.Llama4Config(text_config=text, vision_config=vision)).eval()
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
+    ref = _randomised(transformers.Llama4ForConditionalGeneration(transformers.Llama4Config(text_config=text, vision_config=vision)))
     ref.save_pretrained(tmp_path / "llama4")
     model, cfg = hf.from_pretrained(tmp_path / "llama4", impl="torch")
     assert dataclasses.replace(cfg, impl="auto") == hf.read_config(folders["llama4_text"][0])[1]
@@ -828,11 +826,8 @@ def test_a_released_qwen3_5_moe_folder_loads_its_text_model(tmp_path):
     vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32, patch_size=2, temporal_patch_size=1,
                   spatial_merge_size=1, num_position_embeddings=16)
     torch.manual_seed(0)
-    ref = transformers.Qwen3_5MoeForConditionalGeneration(transformers.Qwen3_5MoeConfig(text_config=text, vision_config=vision,
-                                                                                        tie_word_embeddings=True)).eval()
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
+    ref = _randomised(transformers.Qwen3_5MoeForConditionalGeneration(transformers.Qwen3_5MoeConfig(text_config=text, vision_config=vision,
+                                                                                                    tie_word_embeddings=True)))
     ref.save_pretrained(tmp_path / "modules")
     stacks = _stacked_experts(tmp_path / "modules", tmp_path / "stacks")
     docs, ids, cu = _packed()
@@ -875,11 +870,8 @@ def test_a_released_mistral3_folder_loads_its_text_model(text_model, folders, tm
     text = FAMILIES[text_model]().to_dict()
     vision = dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, head_dim=8, image_size=28, patch_size=14)
     torch.manual_seed(0)
-    ref = transformers.Mistral3ForConditionalGeneration(transformers.Mistral3Config(text_config=text, vision_config=vision,
-                                                                                    tie_word_embeddings=False)).eval()
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
+    ref = _randomised(transformers.Mistral3ForConditionalGeneration(transformers.Mistral3Config(text_config=text, vision_config=vision,
+                                                                                                tie_word_embeddings=False)))
     ref.save_pretrained(tmp_path / "mistral3")
     model, cfg = hf.from_pretrained(tmp_path / "mistral3", impl="torch")
     assert dataclasses.replace(cfg, impl="auto") == hf.read_config(folders[text_model][0])[1]
