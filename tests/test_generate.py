@@ -21,7 +21,7 @@ from fmoe.model import Transformer, TransformerConfig  # noqa: E402
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "deepseek_v2", "granitemoeshared", "hunyuan_v1_moe", "exaone_moe", "llama4_text",
-                                    "granitemoe_swa", "afmoe", "flint", "mellum", "qwen3_next", "mistral4"])
+                                    "granitemoe_swa", "afmoe", "flint", "mellum", "qwen3_next", "mistral4", "ministral3"])
 def test_greedy_matches_transformers_generate(tmp_path, family):
     """Through fmoe's KV cache (DeepSeek-V3 / -V2: multi-latent attention absorbed, latents
     cached; -V2 without the low-rank q; Granite: the embedding, attention and residual
@@ -34,8 +34,9 @@ def test_greedy_matches_transformers_generate(tmp_path, family):
     Mellum: a 3-token window ring in layer 0 with plain RoPE at its own base, layer 1 full
     with Llama 3.1's scaling; Qwen3-Next: layer 0 Gated DeltaNet, its conv and delta-rule
     states carried from the prompt through every step, layer 1 gated attention; Mistral 4:
-    multi-latent attention absorbed with the queries scaled from position 2 on) against
-    transformers' own generate and cache."""
+    multi-latent attention absorbed with the queries scaled from position 2 on; Ministral 3:
+    grouped-query attention with YaRN and the same scale) against transformers' own generate
+    and cache."""
     transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]'")
     import fmoe.hf
 
@@ -97,6 +98,11 @@ def test_greedy_matches_transformers_generate(tmp_path, family):
             v_head_dim=5, max_position_embeddings=128, rope_parameters=dict(
                 rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=2, beta_fast=32.0, beta_slow=1.0,
                 mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=2.0))
+    elif family == "ministral3":  # dense: YaRN over an original length of 2, the queries' scale from position 2 on
+        config = transformers.Ministral3Config(**common, num_key_value_heads=2, head_dim=8, intermediate_size=40, max_position_embeddings=128,
+                                               rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=2,
+                                                                    beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0,
+                                                                    llama_4_scaling_beta=2.0))
     else:
         config = transformers.DeepseekV3Config(
             **common, num_key_value_heads=4, intermediate_size=40, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=3,
