@@ -748,25 +748,27 @@ def test_multi_latent_attention_matches_per_token_loop(cfg, impl):
     _check_against_definition(cfg, impl, _mla_params(cfg), _loop_mla)  # flex: v_dim 5 != q/k dim 12
 
 
-def test_multi_latent_attention_under_context_parallel():
-    """One cp rank's rows of the whole batch, with the expanded keys and values gathered."""
+@pytest.mark.parametrize("cfg", [MLA, MLA_TEMPERATURE], ids=["q-latent-yarn", "query-temperature"])
+def test_multi_latent_attention_under_context_parallel(cfg):
+    """One cp rank's rows of the whole batch, with the expanded keys and values gathered (the
+    query temperature by each rank's own tokens' positions)."""
     from fmoe.layers import _mla_qkv
     from fmoe.parallel import cp_kv_index, cp_token_index
 
     cu, cp, T = torch.tensor([0, 3, 4, 13, 21, 24], dtype=torch.int32), 2, 24
-    p = {n: t.detach() for n, t in _mla_params(MLA).items()}
+    p = {n: t.detach() for n, t in _mla_params(cfg).items()}
     x = torch.randn(T, H)
     positions = positions_from_cu_seqlens(cu)
     with torch.no_grad():
-        whole, _ = attention(x, p, MLA, _ctx(cu, MLA))
-        _, k_all, v_all = _mla_qkv(x, p, MLA, _ctx(cu, MLA))
+        whole, _ = attention(x, p, cfg, _ctx(cu, cfg))
+        _, k_all, v_all = _mla_qkv(x, p, cfg, _ctx(cu, cfg))
         kv_index = cp_kv_index(T, cp)
         for rank in range(cp):
             index = cp_token_index(T, cp, rank)
             own = torch.arange(rank * T // cp, (rank + 1) * T // cp)
-            ctx = attention_context(cu, positions[index], MLA, token_index=index, kv_index=kv_index,
+            ctx = attention_context(cu, positions[index], cfg, token_index=index, kv_index=kv_index,
                                     gather_kv=lambda k, v: (k_all[kv_index].index_copy(0, own, k), v_all[kv_index].index_copy(0, own, v)))
-            y, _ = attention(x[index], p, MLA, ctx)
+            y, _ = attention(x[index], p, cfg, ctx)
             assert _rel(y, whole[index]) < 1e-5, rank
 
 
