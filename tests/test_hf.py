@@ -1058,9 +1058,10 @@ def test_checkpoint_keys_the_model_does_not_read_are_refused_unless_not_strict(f
 
 
 def _loop_from_folder(config, tmp_path, *knobs):
-    """A random model of `config` saved by transformers, the loop run 2 steps from it (64-token
-    micro-batches of the stdlib corpus, one per step) with these knobs: (its metrics records,
-    its standard output, the folder model's own loss on the first step's micro-batch)."""
+    """A random model of `config` (or that transformers model) saved by transformers, the loop
+    run 2 steps from it (64-token micro-batches of the stdlib corpus, one per step) with these
+    knobs: (its metrics records, its standard output, the folder model's own loss on the first
+    step's micro-batch)."""
     import pathlib
     import subprocess
     import sys
@@ -1068,7 +1069,8 @@ def _loop_from_folder(config, tmp_path, *knobs):
     from fmoe.train.data import Sampler, load_corpus
 
     torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "hf")
+    made = config if isinstance(config, transformers.PreTrainedModel) else transformers.AutoModelForCausalLM.from_config(config)
+    made.save_pretrained(tmp_path / "hf")
     root = pathlib.Path(__file__).resolve().parents[1]
     run = subprocess.run([sys.executable, str(root / "examples" / "train_moe.py"), f"--out_dir={tmp_path / 'run'}", *knobs,
                           "--steps=2", "--tokens_per_micro_batch=64", "--batch_schedule=0:1", "--eval_every=2", "--eval_batches=1",
@@ -1191,6 +1193,23 @@ def test_the_loop_upcycles_a_released_dense_model(tmp_path):
                           f"--out_dir={tmp_path / 'run2'}", f"--upcycle_from={small}", "--model.n_dense=1", "--model.ffn_expert=20"],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode != 0 and "--upcycle_from: the data's 258 token ids do not fit the model's vocab_size 64" in run.stderr
+
+
+def test_the_loop_upcycles_a_released_ministral3_folder(tmp_path):
+    """--upcycle_from a released Mistral 3 folder of Ministral 3 (its text model under
+    language_model., YaRN and the query scale; the vision model unread): the first step's
+    logged loss is the dense text model's own, the MoE's query scale the folder's."""
+    text = FAMILIES["ministral3"]()
+    text.vocab_size = 260
+    vision = dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, head_dim=8, image_size=28, patch_size=14)
+    torch.manual_seed(0)
+    folder = transformers.Mistral3ForConditionalGeneration(transformers.Mistral3Config(text_config=text.to_dict(), vision_config=vision,
+                                                                                       tie_word_embeddings=False))
+    records, out, loss = _loop_from_folder(folder, tmp_path, f"--upcycle_from={tmp_path / 'hf'}", "--model.n_dense=1", "--model.n_experts=4",
+                                           "--model.k=2", "--model.ffn_expert=20")
+    assert records[0]["loss"] == pytest.approx(loss, rel=1e-5)
+    model = json.loads((tmp_path / "run" / "config.json").read_text())["config"]["model"]
+    assert (model["query_temperature_floor"], model["query_temperature_scale"], model["n_experts"]) == (4, 0.5, 4)
 
 
 def _copy_folder(src, dst, tensors, config_change=None):
