@@ -217,9 +217,10 @@ def _mistral(hf: dict) -> dict:
 
 
 def _ministral3(hf: dict) -> dict:
-    """Ministral 3 (ministral3, dense): Mistral's blocks with YaRN (rope_parameters; on cos and
-    sin mscale(factor) / mscale_all_dim's, the softmax scale 1 / sqrt(head_dim) as Llama's
-    attention has it) and every query scaled after RoPE by 1 + llama_4_scaling_beta *
+    """Ministral 3 (ministral3, dense): Mistral's blocks with YaRN (rope_parameters: cos and sin
+    scaled by mscale(factor, mscale) / mscale(factor, mscale_all_dim), which is 1 where the two
+    are equal, or by 0.1 ln(factor) + 1 without them; the softmax scale 1 / sqrt(head_dim), as
+    Llama's attention has it) and every query scaled after RoPE by 1 + llama_4_scaling_beta *
     log(1 + floor(p / original_max_position_embeddings)) (_mistral4's rule)."""
     rope_type, params, _ = _rope_params(hf, "yarn", ("factor", "original_max_position_embeddings"), 1e6)
     out = _dense(dict(hf, rope_parameters=dict(params, rope_type="default"), rope_scaling=None), sliding=True, **_query_temperature(hf))
