@@ -1819,15 +1819,22 @@ def _yarn_parameters(cfg: TransformerConfig) -> dict:
     return out
 
 
+def _query_temperature_parameters(cfg: TransformerConfig, floor: int) -> dict:
+    """The rope_parameters fields _query_temperature reads back: the query temperature's beta
+    (0: none) and floor (`floor` for a model without one: YaRN's original length, when the
+    family has YaRN, since the two share the field)."""
+    return dict(llama_4_scaling_beta=cfg.query_temperature_scale if cfg.query_temperature_floor else 0.0,
+                original_max_position_embeddings=cfg.query_temperature_floor or floor)
+
+
 def _ministral3_rope(cfg: TransformerConfig) -> dict:
     """Ministral 3's rope_parameters (what _ministral3 reads back): plain RoPE or YaRN (its
     mscale pair equal where fmoe leaves cos and sin unscaled), and the query temperature."""
-    floor = cfg.query_temperature_floor or (cfg.yarn_original_max_positions if cfg.yarn_factor else 16384)
     out = dict(rope_type="default", rope_theta=cfg.rope_base)
     if cfg.yarn_factor is not None:
         out.update(rope_type="yarn", factor=cfg.yarn_factor, beta_fast=cfg.yarn_beta_fast, beta_slow=cfg.yarn_beta_slow,
                    **(dict(mscale=1.0, mscale_all_dim=1.0) if cfg.yarn_mscale == 0 else {}))
-    return dict(out, original_max_position_embeddings=floor, llama_4_scaling_beta=cfg.query_temperature_scale if cfg.query_temperature_floor else 0.0)
+    return dict(out, **_query_temperature_parameters(cfg, cfg.yarn_original_max_positions if cfg.yarn_factor else 16384))
 
 
 # the families whose config.json holds _deepseek_moe_config's fields
@@ -1996,10 +2003,9 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
             hf.update(rope_interleave=cfg.rope_interleaved)
         if cfg.yarn_factor is not None:
             hf["rope_parameters"] = _yarn_parameters(cfg)
-    if model_type == "mistral4":  # the queries' scale by position (a beta of 0: none), its floor YaRN's original length
-        floor = cfg.query_temperature_floor or cfg.yarn_original_max_positions
-        hf["rope_parameters"].update(llama_4_scaling_beta=cfg.query_temperature_scale if cfg.query_temperature_floor else 0.0,
-                                     original_max_position_embeddings=floor, partial_rotary_factor=(cfg.rope_dim or cfg.head_dim) / cfg.head_dim)
+    if model_type == "mistral4":  # the queries' scale by position, and the rotated share of each head
+        hf["rope_parameters"].update(**_query_temperature_parameters(cfg, cfg.yarn_original_max_positions),
+                                     partial_rotary_factor=(cfg.rope_dim or cfg.head_dim) / cfg.head_dim)
         hf["head_dim"] = cfg.head_dim  # Mistral 4's RoPE rotates partial_rotary_factor x head_dim (nope + rope) channels
     mismatch = config_mismatch(cfg, hf)
     if cfg.capacity_factor is not None:

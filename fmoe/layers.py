@@ -1361,7 +1361,7 @@ def _gqa_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext, heads_mean=
     if head_norm and cfg.qk_norm_after_rope:
         q_TND, k_TGD = norm_heads(q_TND, k_TGD)
     if cfg.temperature_floor is not None:  # the query temperature (Llama 4's, Mistral 4's), by the query's position
-        q_TND = _temperature(q_TND, ctx, cfg)
+        (q_TND,) = _temperature(ctx, cfg, q_TND)
     v_TGD = rearrange(project("wv", "bv"), "t (g d) -> t g d", g=G)
     return q_TND, k_TGD, v_TGD
 
@@ -1375,9 +1375,11 @@ def query_temperature(positions: torch.Tensor, cfg: AttentionConfig) -> torch.Te
     return torch.log1p(steps) * cfg.temperature_scale + 1.0
 
 
-def _temperature(q_TN_: torch.Tensor, ctx: AttentionContext, cfg: AttentionConfig) -> torch.Tensor:
-    """Queries [T, N, *] times their position's query_temperature, in their own dtype."""
-    return (q_TN_ * query_temperature(ctx.positions, cfg)[:, None, None]).to(q_TN_.dtype)
+def _temperature(ctx: AttentionContext, cfg: AttentionConfig, *queries: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each of the queries [T, N, *] times its position's query_temperature (computed once),
+    in its own dtype."""
+    scale_T11 = query_temperature(ctx.positions, cfg)[:, None, None]
+    return tuple((q * scale_T11).to(q.dtype) for q in queries)
 
 
 def _mla_latent_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext, q_lat=None):
@@ -1419,7 +1421,7 @@ def _mla_parts(x, params, cfg: AttentionConfig, ctx: AttentionContext, q_lat=Non
         q_rope_TNR = apply_rope(q_rope_TNR, ctx.cos, ctx.sin, interleaved=cfg.interleaved, impl=rope_impl)
         k_rope_T1R = apply_rope(k_rope_T1R, ctx.cos, ctx.sin, interleaved=cfg.interleaved, impl=rope_impl)
     if cfg.temperature_floor is not None:  # Mistral 4's query scale by position, on every channel after RoPE
-        q_nope_TNP, q_rope_TNR = _temperature(q_nope_TNP, ctx, cfg), _temperature(q_rope_TNR, ctx, cfg)
+        q_nope_TNP, q_rope_TNR = _temperature(ctx, cfg, q_nope_TNP, q_rope_TNR)
     return q_nope_TNP, q_rope_TNR, _rms_norm(latent_TC, params["kv_a_norm"], cfg.latent_norm_eps, zero_centered=cfg.zero_centered_norms), k_rope_T1R
 
 
