@@ -389,7 +389,9 @@ class AttentionConfig:
     local_rope_base: the RoPE base of a layer with a window or a chunk: plain RoPE at this
     base there (attention_context builds those tables too), rope_base and its scaling in the
     others (per-layer-type bases: Mellum's sliding layers at 10000 beside full ones at
-    500000); None: one set of tables for every layer. Not with YaRN (its softmax scale).
+    500000; OLMo 3's plain sliding layers beside YaRN in the full ones); None: one set of
+    tables for every layer. Not beside YaRN with a yarn_mscale_all_dim (its softmax scale,
+    every layer's).
     zero_centered_norms: the q/k norms' (and the latents' norms') gain is 1 + weight
     (Qwen3-Next's zero-centred norms), not the weight. fp8: the projections (q, k, v, o, the
     output gate's, multi-latent attention's) by fmoe.ops.fp8_matmul: their forward and
@@ -482,8 +484,9 @@ class AttentionConfig:
         if self.local_rope_base is not None:
             if isinstance(self.local_rope_base, bool) or not isinstance(self.local_rope_base, (int, float)) or not 1 < self.local_rope_base < math.inf:
                 raise ValueError(f"local_rope_base: expected None or a finite number > 1, got {self.local_rope_base!r}")
-            if self.yarn_factor is not None:
-                raise ValueError("local_rope_base: plain RoPE in the local layers is not built beside YaRN (its softmax scale is every layer's)")
+            if self.yarn_factor is not None and self.yarn_mscale_all_dim:
+                raise ValueError("local_rope_base: plain RoPE in the local layers is not built beside YaRN with a yarn_mscale_all_dim "
+                                 "(its softmax scale is every layer's)")
         if self.llama3_factor is not None:
             if self.yarn_factor is not None:
                 raise ValueError("llama3_factor: one RoPE scaling at a time, not with yarn_factor")
@@ -937,7 +940,7 @@ def attention_context(
     cos, sin = rope_tables(positions, cfg)
     local_base = cfg.local_rope_base if local is not None else None  # the local layers' own plain RoPE
     local_cos, local_sin = (None, None) if local_base is None else rope_tables(positions, dataclasses.replace(cfg, rope_base=local_base,
-                                                                                                                llama3_factor=None))
+                                                                                                                llama3_factor=None, yarn_factor=None))
     return AttentionContext(cos, sin, mask, gather_kv, window=cfg.window, local_mask=local, chunk=cfg.chunk, positions=positions,
                             local_rope_base=local_base, local_cos=local_cos, local_sin=local_sin, cu_seqlens=cu_seqlens, linear_cp=linear_cp,
                             index_choices={} if cfg.index_topk is not None else None,

@@ -323,7 +323,7 @@ class TransformerConfig:
     Ministral 3's llama_4_scaling_beta over original_max_position_embeddings; either kind of
     attention; not with nope_temperature_floor).
     local_rope_base: the RoPE base of the window's or chunk's blocks (plain RoPE at this base
-    there, rope_base and its scaling in the others: Mellum; None: rope_base everywhere;
+    there, rope_base and its scaling in the others: Mellum, OLMo 3; None: rope_base everywhere;
     fmoe.layers.AttentionConfig.local_rope_base). pre_norms: an RMSNorm on
     each block's attention and MLP input (the usual pre-norm block); post_norms: one on each
     branch's output before its residual add (OLMo 2 / FlexOlmo without pre_norms; both:

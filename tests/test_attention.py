@@ -88,9 +88,10 @@ def _rel(a, b):
                                  dataclasses.replace(CFG, rope=False, temperature_floor=2, temperature_scale=0.5),
                                  dataclasses.replace(CFG, temperature_floor=3, temperature_scale=0.5, temperature_offset=0),
                                  dataclasses.replace(CFG, window=4, local_rope_base=100.0),
-                                 dataclasses.replace(CFG, chunk=3, local_rope_base=50.0, rot_dim=8, llama3_factor=8.0, llama3_original_max_positions=4)],
+                                 dataclasses.replace(CFG, chunk=3, local_rope_base=50.0, rot_dim=8, llama3_factor=8.0, llama3_original_max_positions=4),
+                                 dataclasses.replace(YARN, window=4, local_rope_base=100.0, yarn_mscale=1.0, yarn_mscale_all_dim=0.0)],
                          ids=["rope", "yarn", "partial-interleaved", "sliding-window", "chunked", "chunked-rms-norms", "nope-temperature",
-                              "rope-temperature-offset-0", "window-local-base", "chunk-local-base-llama3"])
+                              "rope-temperature-offset-0", "window-local-base", "chunk-local-base-llama3", "window-local-base-yarn"])
 def test_attention_matches_per_token_loop(cfg, impl):
     _check_against_definition(cfg, impl, _params(cfg), _loop_attention)
 
@@ -125,6 +126,12 @@ def test_llama4_pieces_change_the_output_and_have_their_numbers():
         assert _rel(out(changed), out(plain)) > 1e-2
     # the local layers' base is theirs alone: a full-attention layer of the same config keeps rope_base
     assert _rel(out(dataclasses.replace(CFG, local_rope_base=100.0)), out(CFG)) == 0.0
+    # OLMo 3's: YaRN (its cos / sin scaled, the softmax scale plain) in the full layers, plain RoPE at the same base in
+    # the window's: a window layer's output is the plain config's, a full layer's YaRN's
+    olmo3 = dataclasses.replace(YARN, yarn_mscale=1.0, yarn_mscale_all_dim=0.0)
+    assert _rel(out(dataclasses.replace(olmo3, window=4, local_rope_base=10000.0)), out(window)) < 1e-6
+    assert _rel(out(dataclasses.replace(olmo3, window=4)), out(window)) > 1e-2
+    assert _rel(out(dataclasses.replace(olmo3, local_rope_base=10000.0)), out(olmo3)) == 0.0
     assert _rel(out(dataclasses.replace(window, local_rope_base=10000.0)), out(window)) < 1e-6  # the trunk's base: no change
     assert _rel(out(dataclasses.replace(CFG, chunk=9)), out(CFG)) < 1e-6  # a chunk as long as every document: no change
     ones = dict(p, q_norm=torch.ones(16), k_norm=torch.ones(16))
@@ -425,7 +432,7 @@ def test_llama4_attention_knobs_are_checked():
     for bad in (1.0, float("inf"), True, "100"):
         with pytest.raises(ValueError, match=f"local_rope_base: expected None or a finite number > 1, got {bad!r}"):
             dataclasses.replace(window, local_rope_base=bad)
-    with pytest.raises(ValueError, match="local_rope_base: plain RoPE in the local layers is not built beside YaRN"):
+    with pytest.raises(ValueError, match="local_rope_base: plain RoPE in the local layers is not built beside YaRN with a yarn_mscale_all_dim"):
         dataclasses.replace(YARN, window=4, local_rope_base=100.0)
 
 
