@@ -8,8 +8,8 @@ A folder holds `config.json` and `model.safetensors` (or shards listed in
 qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, kimi_k2, kimi_k25, deepseek_v2, deepseek_v32, glm_moe_dsa, glm4_moe_lite, gpt_oss, solar_open,
 exaone_moe, dots1, minimax_m2, granitemoe, granitemoeshared, granitemoe_swa, hunyuan_v1_moe, llama4_text, llama4, afmoe,
 sarvam_moe, sarvam_mla, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, kimi_linear, ernie4_5_moe, mistral4, mistral3), and the dense
-DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, granite: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with
-fmoe.train.upcycle). Each family has one table: its
+DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, smollm3, exaone4, seed_oss, hunyuan_v1_dense: Transformers
+without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: clipped qkv, ...;
 the fields a config.json leaves out read at transformers' defaults, Family.defaults, and a
 family's own names for the fields the shared mappings read as those, Family.aliases)
@@ -112,6 +112,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from pathlib import Path
 from typing import Callable, Optional, Union
@@ -119,6 +120,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from fmoe.model import Transformer, TransformerConfig, local_block
+from fmoe.ops.rope import yarn_mscale
 
 
 # ------------------------------------------------------------------------------ configs
@@ -255,12 +257,99 @@ def _qwen3(hf: dict) -> dict:
     return _dense(hf, sliding=True, qk_norm="head")
 
 
-def _olmo2(hf: dict) -> dict:
+def _olmo2(hf: dict, **extra) -> dict:
     """OLMo 2 (dense): post-norm blocks (no input norms; RMSNorms on the attention and MLP
     outputs) and q/k norms over the whole projections, as FlexOlmo's (_flex_olmo)."""
     _refuse(hf, "clip_qkv", lambda v: v is None, "clipped q/k/v are not built")
-    _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in OLMo 2's attention here")
-    return _dense(hf, qk_norm="proj", pre_norms=False, post_norms=True)
+    _refuse(hf, "attention_bias", lambda v: not v, f"no attention biases in {'OLMo 3' if extra else 'OLMo 2'}'s attention here")
+    return _dense(hf, qk_norm="proj", pre_norms=False, post_norms=True, **extra)
+
+
+def _olmo3(hf: dict) -> dict:
+    """OLMo 3 (olmo3, dense): OLMo 2's blocks (_olmo2) with a sliding window in the layers
+    layer_types names sliding_attention (by default three in four: every fourth layer, from
+    layer 3, attends to every earlier token) and each layer type's own RoPE (rope_parameters
+    keyed by full_attention / sliding_attention; an older config.json's rope_theta for both,
+    its rope_scaling for the full layers only): the full layers' plain or YaRN, the sliding
+    layers' the same or plain RoPE (at their own base: local_rope_base)."""
+    n = hf["num_hidden_layers"]
+    if hf.get("layer_types") is None:
+        hf = dict(hf, layer_types=["full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(n)])
+    if hf.get("rope_parameters") is None:  # an older config.json
+        theta = float(hf.get("rope_theta", 500000.0))
+        hf = dict(hf, rope_parameters=dict(full_attention=dict(hf.get("rope_scaling") or {}, rope_theta=theta),
+                                           sliding_attention=dict(rope_type="default", rope_theta=theta)))
+    full, local = _rope_by_layer_type(hf, _OLMO3_ROPE)
+    plain = dict(hf, rope_parameters=dict(rope_type="default", rope_theta=full.get("rope_theta", 500000.0)), rope_scaling=None)
+    out = dict(_olmo2(plain, sliding=True), **_yarn(dict(hf, rope_parameters=full), 500000.0))
+    return dict(out, local_rope_base=local if out.get("window") is not None else None)
+
+
+def _rope_by_layer_type(hf: dict, defaults: dict) -> tuple[dict, Optional[float]]:
+    """rope_parameters keyed by layer type (full_attention / sliding_attention, a missing one
+    at `defaults`'): the full layers' parameters, and the sliding layers' own base where their
+    RoPE is not the full layers' (plain RoPE there: local_rope_base; None where it is)."""
+    params = hf.get("rope_parameters")
+    if not isinstance(params, dict) or not params or set(params) - {"full_attention", "sliding_attention"}:
+        raise ValueError(f"config.json: rope_parameters = {params!r} is not supported (one per layer type, full_attention / sliding_attention)")
+    full = params.get("full_attention", defaults["full_attention"])
+    sliding = params.get("sliding_attention", defaults["sliding_attention"])
+    for kind, p in (("full_attention", full), ("sliding_attention", sliding)):
+        _refuse(p, "partial_rotary_factor", lambda v: v == 1.0, f"RoPE over every channel in the {kind} layers")
+
+    def kind(p: dict) -> dict:  # the rope type under its one name
+        return dict({k: v for k, v in p.items() if k != "type"}, rope_type=p.get("rope_type", p.get("type")) or "default")
+
+    if kind(sliding) == kind(full):
+        return full, None
+    if kind(sliding)["rope_type"] != "default":
+        raise ValueError(f"config.json: rope_parameters.sliding_attention = {sliding!r} is not supported (plain RoPE, or the full layers' RoPE)")
+    return full, float(sliding.get("rope_theta", 10000.0))
+
+
+def _smollm3(hf: dict) -> dict:
+    """SmolLM3 (smollm3, dense): Llama's blocks (attention_bias on q, k, v and o) without RoPE
+    in the layers no_rope_layers marks 0 (by default every no_rope_layer_interval-th, from
+    layer interval - 1); with use_sliding_window and a sliding_window, a sliding window in
+    the layers layer_types names sliding_attention (by default the NoPE ones)."""
+    n = hf["num_hidden_layers"]
+    interval = hf.get("no_rope_layer_interval", 4)
+    flags = hf.get("no_rope_layers")
+    if flags is None:
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise ValueError(f"config.json: no_rope_layer_interval = {interval!r} is not supported (a positive int)")
+        flags = [int((i + 1) % interval != 0) for i in range(n)]
+    if not isinstance(flags, list) or len(flags) != n or any(f not in (0, 1) or isinstance(f, float) for f in flags):
+        raise ValueError(f"config.json: no_rope_layers = {flags!r} is not supported (1 for a layer with RoPE, 0 without, one per layer)")
+    if hf.get("use_sliding_window") and hf.get("sliding_window") is not None:
+        if hf.get("layer_types") is None:
+            hf = dict(hf, layer_types=["full_attention" if flag else "sliding_attention" for flag in flags])
+    else:  # transformers' window only with use_sliding_window
+        hf = dict(hf, layer_types=None, sliding_window=None)
+    bias = bool(hf.get("attention_bias", False))
+    nope = tuple(i for i, flag in enumerate(flags) if not flag)
+    return _dense(hf, sliding=True, qkv_bias=bias, o_bias=bias, nope_layers=nope or None)
+
+
+def _exaone4(hf: dict) -> dict:
+    """EXAONE 4.0 (exaone4, dense): OLMo 2's post-norm blocks (RMSNorms on the attention and
+    MLP outputs, no input norms) with EXAONE's attention (_exaone_attention: per-head q/k
+    norms before RoPE, sliding layers with RoPE beside global ones without)."""
+    hf, nope = _exaone_attention(hf)
+    return _dense(hf, sliding=True, qk_norm="head", pre_norms=False, post_norms=True, nope_layers=nope or None)
+
+
+def _seed_oss(hf: dict) -> dict:
+    """Seed-OSS (seed_oss, dense): Llama's blocks with biases on q, k and v (attention_bias)
+    and on o apart (attention_out_bias)."""
+    return _dense(hf, qkv_bias=bool(hf["attention_bias"]), o_bias=bool(hf.get("attention_out_bias", False)))
+
+
+def _hunyuan_v1_dense(hf: dict) -> dict:
+    """Hunyuan dense (hunyuan_v1_dense): Llama's blocks with Hunyuan-A13B's attention (per-head
+    q/k norms after RoPE, NTK-alpha RoPE: _ntk_alpha)."""
+    _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in Hunyuan's attention here")
+    return _ntk_alpha(hf, lambda plain: _dense(plain, qk_norm="head", qk_norm_after_rope=True))
 
 
 def _granite(hf: dict) -> dict:
@@ -393,9 +482,13 @@ def _yarn(hf: dict, default_base: float = 10000.0) -> dict:
     rope_type, params, out = _rope_params(hf, "yarn", ("factor", "original_max_position_embeddings"), default_base)
     if rope_type == "default":
         return out
-    _refuse(params, "attention_factor", lambda v: v is None, "YaRN's attention factor from factor / mscale / mscale_all_dim")
     _refuse(params, "truncate", lambda v: v is None or isinstance(v, bool), "a bool")
     mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    # an attention_factor written out (OLMo 3's) is the one transformers computes without it, or another model
+    factor = float(params["factor"])
+    own = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim) if mscale and mscale_all_dim else yarn_mscale(factor)
+    _refuse(params, "attention_factor", lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isclose(v, own, rel_tol=1e-9)),
+            f"YaRN's own attention factor, {own!r} from factor / mscale / mscale_all_dim")
     if mscale_all_dim and not mscale:
         raise ValueError("config.json: rope_parameters.mscale_all_dim without mscale is not supported")
     return dict(out, yarn_factor=float(params["factor"]), yarn_original_max_positions=int(params["original_max_position_embeddings"]),
@@ -548,17 +641,31 @@ def _exaone_moe(hf: dict) -> dict:
     experts; the dense and MoE blocks by mlp_layer_types (by default first_k_dense_replace
     dense blocks first). The MTP layers (mtp.*) are not read, as in transformers."""
     _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in EXAONE's attention")
+    hf, nope = _exaone_attention(hf)
+    return dict(_common(hf, hf["num_experts"], sliding=True), **_mlp_layer_types(hf, hf.get("first_k_dense_replace", 1)),
+                **_sigmoid_routing(hf), qk_norm="head", nope_layers=nope or None)
+
+
+def _exaone_attention(hf: dict) -> tuple[dict, tuple[int, ...]]:
+    """EXAONE's layers (EXAONE 4.0, K-EXAONE): with a sliding_window, the layers layer_types
+    names sliding_attention (by default from sliding_window_pattern: all but every n-th for
+    an int n, or a string of L (local) and G (global) repeated over the layers, "LLLG")
+    attend over it with RoPE and the others attend globally without RoPE (NoPE); without
+    one, every layer is global with RoPE. The config with its layer_types, and the NoPE layers."""
     n, window = hf["num_hidden_layers"], hf.get("sliding_window")
     if window is not None and hf.get("layer_types") is None:
         pattern = hf.get("sliding_window_pattern", 4)
-        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
-            raise ValueError(f"config.json: sliding_window_pattern = {pattern!r} is not supported without layer_types (a positive int)")
-        hf = dict(hf, layer_types=["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)])
+        if isinstance(pattern, str) and pattern and set(pattern) <= {"L", "G"}:
+            kinds = ["sliding_attention" if pattern[i % len(pattern)] == "L" else "full_attention" for i in range(n)]
+        elif isinstance(pattern, int) and not isinstance(pattern, bool) and pattern >= 1:
+            kinds = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
+        else:
+            raise ValueError(f"config.json: sliding_window_pattern = {pattern!r} is not supported without layer_types "
+                             "(a positive int, or a string of L and G)")
+        hf = dict(hf, layer_types=kinds)
     elif window is None:  # every layer global, with RoPE
         hf = dict(hf, layer_types=None)
-    nope = tuple(i for i in range(n) if window is not None and hf["layer_types"][i] != "sliding_attention")
-    return dict(_common(hf, hf["num_experts"], sliding=True), **_mlp_layer_types(hf, hf.get("first_k_dense_replace", 1)),
-                **_sigmoid_routing(hf), qk_norm="head", nope_layers=nope or None)
+    return hf, tuple(i for i in range(n) if window is not None and hf["layer_types"][i] != "sliding_attention")
 
 
 def _gpt_oss(hf: dict) -> dict:
@@ -609,18 +716,7 @@ def _mellum(hf: dict) -> dict:
     trunk's, plain or Llama 3.1's; the sliding layers' the same, or plain RoPE at their own
     base, local_rope_base); dense and MoE blocks by mlp_layer_types (by default every block
     MoE). Its MTP layers (mtp.*) are not read, as in transformers."""
-    params = hf.get("rope_parameters")
-    if not isinstance(params, dict) or not params or set(params) - {"full_attention", "sliding_attention"}:
-        raise ValueError(f"config.json: rope_parameters = {params!r} is not supported (one per layer type, full_attention / sliding_attention)")
-    full = params.get("full_attention", _MELLUM_ROPE["full_attention"])
-    sliding = params.get("sliding_attention", _MELLUM_ROPE["sliding_attention"])
-    for kind, p in (("full_attention", full), ("sliding_attention", sliding)):
-        _refuse(p, "partial_rotary_factor", lambda v: v == 1.0, f"RoPE over every channel in the {kind} layers")
-    local = None
-    if sliding != full:  # the sliding layers' own RoPE: plain, at their base
-        if (sliding.get("rope_type") or "default") != "default":
-            raise ValueError(f"config.json: rope_parameters.sliding_attention = {sliding!r} is not supported (plain RoPE, or the full layers' RoPE)")
-        local = float(sliding.get("rope_theta", 10000.0))
+    full, local = _rope_by_layer_type(hf, _MELLUM_ROPE)
     kinds = hf.get("layer_types") or ["full_attention"] * hf["num_hidden_layers"]  # by default no window (not every layer's)
     bias = bool(hf.get("attention_bias", False))
     common = _common(dict(hf, rope_parameters=full, layer_types=kinds), hf["num_local_experts"], sliding=True)
@@ -870,17 +966,22 @@ def _hunyuan_v1_moe(hf: dict) -> dict:
     shared MLP of intermediate_size (as the experts); RoPE "dynamic" with a fixed alpha is
     NTK-alpha, the base stretched to rope_theta x alpha^(D / (D - 2))."""
     _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in Hunyuan's attention here")
-    rope_type, params, base = _rope_params(hf)  # "dynamic" with alpha here; other types, _common's
-    plain = dict(hf, num_experts_per_tok=_one_per_model(hf, "moe_topk"))
-    alpha = params.get("alpha") if rope_type == "dynamic" else None
-    if alpha:  # plain RoPE of rope_theta, stretched below (without alpha, _common refuses "dynamic")
-        plain["rope_parameters"] = dict(rope_type="default", rope_theta=base["rope_base"])
-    common = _common(plain, _one_per_model(hf, "num_experts"))
-    if alpha:
-        D = common["head_dim"]
-        common["rope_base"] = common["rope_base"] * float(alpha) ** (D / (D - 2))
+    common = _ntk_alpha(dict(hf, num_experts_per_tok=_one_per_model(hf, "moe_topk")), lambda plain: _common(plain, _one_per_model(hf, "num_experts")))
     return dict(common, ffn_expert=hf["intermediate_size"], ffn_dense=hf["intermediate_size"], n_dense=0, n_shared=1,
                 qk_norm="head", qk_norm_after_rope=True)
+
+
+def _ntk_alpha(hf: dict, fields: Callable[[dict], dict]) -> dict:
+    """Hunyuan's RoPE: "dynamic" with a fixed alpha is NTK-alpha, the base stretched to
+    rope_theta x alpha^(D / (D - 2)); fields(hf) maps the config with that RoPE as plain RoPE
+    of rope_theta (stretched after; without alpha, _common refuses "dynamic")."""
+    rope_type, params, base = _rope_params(hf)
+    alpha = params.get("alpha") if rope_type == "dynamic" else None
+    out = fields(dict(hf, rope_parameters=dict(rope_type="default", rope_theta=base["rope_base"])) if alpha else hf)
+    if alpha:
+        D = out["head_dim"]
+        out["rope_base"] = out["rope_base"] * float(alpha) ** (D / (D - 2))
+    return out
 
 
 def _ernie4_5_moe(hf: dict) -> dict:
@@ -1063,6 +1164,7 @@ _GRANITE = ("input_linear.weight", "input_linear.weight", "output_linear.weight"
 _GPT_OSS_ROPE = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False, original_max_position_embeddings=4096,
                      rope_theta=150000.0)
 _PROJ = ("gate_proj", "up_proj", "down_proj")
+_OLMO3_ROPE = dict(full_attention=dict(rope_type="default", rope_theta=500000.0), sliding_attention=dict(rope_type="default", rope_theta=500000.0))
 _MELLUM_ROPE = dict(full_attention=dict(rope_type="default", rope_theta=500000.0), sliding_attention=dict(rope_type="default", rope_theta=10000.0))
 _QWEN3_NEXT_ROPE = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25)
 _QWEN3_NEXT_LINEAR = dict(linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
@@ -1086,7 +1188,7 @@ _MISTRAL4_ROPE = dict(rope_type="yarn", rope_theta=10000.0, factor=128.0, origin
 _MINISTRAL3_ROPE = dict(rope_type="yarn", rope_theta=1e6, factor=16.0, original_max_position_embeddings=16384, beta_fast=32.0, beta_slow=1.0,
                         mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1)
 # the dense families (no MoE block): fine-tuned as they are, or upcycled into an MoE (fmoe.train.upcycle)
-DENSE_FAMILIES = ("llama", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "granite")
+DENSE_FAMILIES = ("llama", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense")
 FAMILIES = {
     "mixtral": Family(_mixtral, "block_sparse_moe", ("w1", "w3", "w2"), "MixtralForCausalLM",
                       defaults=dict(num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1e6)),
@@ -1188,7 +1290,13 @@ FAMILIES = {
     "qwen2": Family(_qwen2, "mlp", _PROJ, "Qwen2ForCausalLM", defaults=dict(num_key_value_heads=32)),
     "qwen3": Family(_qwen3, "mlp", _PROJ, "Qwen3ForCausalLM", defaults=dict(num_key_value_heads=32, head_dim=128)),
     "olmo2": Family(_olmo2, "mlp", _PROJ, "Olmo2ForCausalLM", defaults=dict(rms_norm_eps=1e-5)),
+    "olmo3": Family(_olmo3, "mlp", _PROJ, "Olmo3ForCausalLM", defaults=dict(rms_norm_eps=1e-5, sliding_window=4096)),
     "granite": Family(_granite, "mlp", _PROJ, "GraniteForCausalLM"),
+    "smollm3": Family(_smollm3, "mlp", _PROJ, "SmolLM3ForCausalLM", defaults=dict(num_key_value_heads=4, rope_theta=2e6, tie_word_embeddings=True)),
+    "exaone4": Family(_exaone4, "mlp", _PROJ, "Exaone4ForCausalLM", defaults=dict(rms_norm_eps=1e-5, sliding_window=4096, num_key_value_heads=32)),
+    "seed_oss": Family(_seed_oss, "mlp", _PROJ, "SeedOssForCausalLM", defaults=dict(num_key_value_heads=8, head_dim=128, attention_bias=True)),
+    "hunyuan_v1_dense": Family(_hunyuan_v1_dense, "mlp", _PROJ, "HunYuanDenseV1ForCausalLM", qk_norms=("query_layernorm", "key_layernorm"),
+                               defaults=dict(rms_norm_eps=1e-5)),
 }
 _MLA = (("wq", "q_proj"), ("wq_a", "q_a_proj"), ("wq_b", "q_b_proj"), ("wkv_a", "kv_a_proj_with_mqa"), ("wkv_b", "kv_b_proj"), ("wo", "o_proj"))
 
@@ -1961,8 +2069,20 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
             hf.update(sliding_window=cfg.window)
         elif model_type == "ministral3":
             hf.update(sliding_window=cfg.window, rope_parameters=_ministral3_rope(cfg))
-        elif model_type == "olmo2":
+        elif model_type in ("olmo2", "hunyuan_v1_dense"):
             hf.update(attention_bias=False)
+        elif model_type == "olmo3":  # each layer type's RoPE: YaRN or plain in the full layers, plain at its base in the sliding ones
+            full = _yarn_parameters(cfg) if cfg.yarn_factor is not None else _rope_parameters(cfg)
+            sliding = full if cfg.local_rope_base is None else {"rope_type": "default", "rope_theta": cfg.local_rope_base}
+            hf.update(attention_bias=False, sliding_window=cfg.window or 4096, layer_types=_layer_types(cfg),
+                      rope_parameters={"full_attention": full, "sliding_attention": sliding})
+        elif model_type == "smollm3":
+            hf.update(attention_bias=cfg.qkv_bias, no_rope_layers=[int(not cfg.is_nope(i)) for i in range(cfg.n_layers)],
+                      use_sliding_window=cfg.window is not None, sliding_window=cfg.window, layer_types=_layer_types(cfg))
+        elif model_type == "exaone4":  # without a window, every layer global (layer_types written: transformers divides by the pattern)
+            hf.update(sliding_window=cfg.window, layer_types=_layer_types(cfg))
+        elif model_type == "seed_oss":
+            hf.update(attention_bias=cfg.qkv_bias, attention_out_bias=cfg.o_bias)
         elif model_type == "granite":
             if cfg.attn_scale is None:  # Granite's attention_multiplier is the scale itself: the default one written out
                 cfg = dataclasses.replace(cfg, attn_scale=cfg.head_dim**-0.5)

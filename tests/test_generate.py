@@ -21,7 +21,7 @@ from fmoe.model import Transformer, TransformerConfig  # noqa: E402
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "deepseek_v2", "granitemoeshared", "hunyuan_v1_moe", "exaone_moe", "llama4_text",
-                                    "granitemoe_swa", "afmoe", "flint", "mellum", "qwen3_next", "mistral4", "ministral3"])
+                                    "granitemoe_swa", "afmoe", "flint", "mellum", "qwen3_next", "mistral4", "ministral3", "olmo3", "smollm3"])
 def test_greedy_matches_transformers_generate(tmp_path, family):
     """Through fmoe's KV cache (DeepSeek-V3 / -V2: multi-latent attention absorbed, latents
     cached; -V2 without the low-rank q; Granite: the embedding, attention and residual
@@ -35,8 +35,9 @@ def test_greedy_matches_transformers_generate(tmp_path, family):
     with Llama 3.1's scaling; Qwen3-Next: layer 0 Gated DeltaNet, its conv and delta-rule
     states carried from the prompt through every step, layer 1 gated attention; Mistral 4:
     multi-latent attention absorbed with the queries scaled from position 2 on; Ministral 3:
-    grouped-query attention with YaRN and the same scale) against transformers' own generate
-    and cache."""
+    grouped-query attention with YaRN and the same scale; OLMo 3: post-norm blocks, a 3-token
+    window ring in layer 0 with plain RoPE beside YaRN in the full layer 1; SmolLM3: layer 1
+    NoPE over a 3-token window ring) against transformers' own generate and cache."""
     transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]'")
     import fmoe.hf
 
@@ -103,6 +104,14 @@ def test_greedy_matches_transformers_generate(tmp_path, family):
                                                rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=2,
                                                                     beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0,
                                                                     llama_4_scaling_beta=2.0))
+    elif family == "olmo3":  # YaRN over an original length of 2 in the full layer, plain RoPE at the same base in the window's
+        config = transformers.Olmo3Config(**common, intermediate_size=40, sliding_window=3, layer_types=["sliding_attention", "full_attention"], pad_token_id=None,
+                                          max_position_embeddings=128, rope_parameters=dict(
+                                              full_attention=dict(rope_type="yarn", rope_theta=5e5, factor=4.0, original_max_position_embeddings=2),
+                                              sliding_attention=dict(rope_type="default", rope_theta=5e5)))
+    elif family == "smollm3":
+        config = transformers.SmolLM3Config(**common, num_key_value_heads=2, intermediate_size=40, no_rope_layer_interval=2, use_sliding_window=True,
+                                            sliding_window=3, attention_bias=True, pad_token_id=None, bos_token_id=None, eos_token_id=None)
     else:
         config = transformers.DeepseekV3Config(
             **common, num_key_value_heads=4, intermediate_size=40, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=3,

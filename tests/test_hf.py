@@ -36,6 +36,27 @@ FAMILIES = {
                                                         pad_token_id=None, rope_parameters=dict(
                                                             rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=4,
                                                             beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.5)),
+    # OLMo 3: OLMo 2's blocks with a 4-token window in layers 0 and 2, there plain RoPE, in layer 1 YaRN (its
+    # attention_factor written out, as the released configs have it)
+    "olmo3": lambda: transformers.Olmo3Config(**COMMON, intermediate_size=40, sliding_window=4, pad_token_id=None, eos_token_id=None, bos_token_id=None,
+                                              layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                              rope_parameters=dict(full_attention=dict(rope_type="yarn", rope_theta=5e5, factor=4.0,
+                                                                                       original_max_position_embeddings=4, beta_fast=32.0, beta_slow=1.0,
+                                                                                       attention_factor=0.1 * math.log(4.0) + 1),
+                                                                   sliding_attention=dict(rope_type="default", rope_theta=5e5))),
+    # SmolLM3: Llama's blocks with q/k/v/o biases, layer 1 without RoPE and over a 4-token window, tied embeddings
+    "smollm3": lambda: transformers.SmolLM3Config(**COMMON, intermediate_size=40, no_rope_layer_interval=2, use_sliding_window=True, sliding_window=4,
+                                                  attention_bias=True, bos_token_id=None, eos_token_id=None, pad_token_id=None),
+    # EXAONE 4.0: post-norm blocks, per-head q/k norms, layers 0 and 2 over a 4-token window with RoPE, layer 1 global without
+    "exaone4": lambda: transformers.Exaone4Config(**COMMON, head_dim=8, intermediate_size=40, sliding_window=4, sliding_window_pattern=2,
+                                                  bos_token_id=None, eos_token_id=None, pad_token_id=None),
+    # Seed-OSS: Llama's blocks with q/k/v biases and an o bias apart
+    "seed_oss": lambda: transformers.SeedOssConfig(**COMMON, head_dim=8, intermediate_size=40, attention_bias=True, attention_out_bias=True,
+                                                   bos_token_id=None, eos_token_id=None, pad_token_id=None),
+    # Hunyuan dense: per-head q/k norms after NTK-alpha RoPE
+    "hunyuan_v1_dense": lambda: transformers.HunYuanDenseV1Config(**COMMON, head_dim=8, intermediate_size=40, bos_token_id=None, eos_token_id=None,
+                                                                  pad_token_id=None, rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0,
+                                                                                                          alpha=50.0, factor=1.0)),
     "qwen2": lambda: transformers.Qwen2Config(**COMMON, intermediate_size=40),
     "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=8, intermediate_size=40),
     "mixtral": lambda: transformers.MixtralConfig(**COMMON, head_dim=8, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2),
@@ -435,7 +456,14 @@ def test_a_failed_export_leaves_no_weight_files(folders, tmp_path, monkeypatch):
 @pytest.mark.parametrize("family,knobs", [("llama", {}), ("mistral", {}), ("qwen2", dict(qkv_bias=True)), ("qwen3", dict(qk_norm="head")),
                                           ("ministral3", dict(query_temperature_floor=4, query_temperature_scale=0.5)),
                                           ("ministral3", dict(yarn_factor=4.0, yarn_original_max_positions=8, yarn_mscale=1.0, yarn_mscale_all_dim=0.0)),
-                                          ("olmo2", dict(qk_norm="proj", pre_norms=False, post_norms=True)), ("granite", {})])
+                                          ("olmo2", dict(qk_norm="proj", pre_norms=False, post_norms=True)), ("granite", {}),
+                                          ("olmo3", dict(qk_norm="proj", pre_norms=False, post_norms=True, window=4, window_layers=(0,), local_rope_base=100.0)),
+                                          ("olmo3", dict(qk_norm="proj", pre_norms=False, post_norms=True, window=4, window_layers=(1,), local_rope_base=10000.0,
+                                                         yarn_factor=4.0, yarn_original_max_positions=4, yarn_mscale=1.0, yarn_mscale_all_dim=0.0)),
+                                          ("smollm3", dict(qkv_bias=True, o_bias=True, nope_layers=(1,), window=4, window_layers=(1,))),
+                                          ("exaone4", dict(qk_norm="head", pre_norms=False, post_norms=True, window=4, window_layers=(0,), nope_layers=(1,))),
+                                          ("exaone4", dict(qk_norm="head", pre_norms=False, post_norms=True)),
+                                          ("seed_oss", dict(qkv_bias=True)), ("hunyuan_v1_dense", dict(qk_norm="head", qk_norm_after_rope=True))])
 def test_a_dense_model_of_fmoe_s_own_exports_as_a_dense_family(family, knobs, tmp_path):
     """An fmoe model with no MoE block (its MoE fields at the defaults, unused) is written as
     the dense family and read by transformers with the same logits; the attention must match
@@ -684,6 +712,59 @@ def _left_out(config: dict):
     for field in config.get("rope_parameters") or {}:
         if field != "rope_type":
             yield f"rope_parameters.{field}", dict(config, rope_parameters={k: v for k, v in config["rope_parameters"].items() if k != field})
+
+
+def test_olmo3_smollm3_and_exaone4_read_their_layer_patterns_as_transformers_completes_them(folders):
+    """The per-layer knobs of the newer dense families: read from the test's configs; left out
+    (the default patterns), or in an older config.json's form, read as the config transformers
+    completes from it; bad values refused by name."""
+    def ours(family: str, config: dict) -> TransformerConfig:
+        return TransformerConfig(**hf.FAMILIES[family].kwargs(config))
+
+    def theirs(cls, config: dict) -> dict:
+        return cls(**{k: v for k, v in config.items() if k != "model_type"}).to_dict()
+
+    cfg = hf.read_config(folders["olmo3"][0])[1]
+    assert (cfg.window, cfg.window_layers, cfg.local_rope_base, cfg.rope_base, cfg.yarn_factor, cfg.yarn_mscale, cfg.yarn_mscale_all_dim) == (
+        4, (0, 2), 5e5, 5e5, 4.0, 1.0, 0.0)
+    assert (cfg.qk_norm, cfg.pre_norms, cfg.post_norms, cfg.n_dense) == ("proj", False, True, 3)
+    # OLMo 3's older config.json: rope_theta for both layer types, rope_scaling for the full layers alone; three sliding
+    # layers in four by default
+    older = dict(model_type="olmo3", vocab_size=V, hidden_size=32, num_hidden_layers=8, num_attention_heads=4, intermediate_size=40,
+                 sliding_window=4, rope_theta=5e5, rope_scaling=dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=4,
+                                                                     attention_factor=0.1 * math.log(8.0) + 1))
+    mine = ours("olmo3", older)
+    assert mine == ours("olmo3", theirs(transformers.Olmo3Config, older))
+    assert (mine.window_layers, mine.local_rope_base, mine.yarn_factor) == ((0, 1, 2, 4, 5, 6), 5e5, 8.0)
+    plain = ours("olmo3", dict(older, rope_scaling=None))  # the same RoPE in every layer: one set of tables
+    assert (plain.local_rope_base, plain.yarn_factor) == (None, None) and plain == ours("olmo3", theirs(transformers.Olmo3Config, dict(older, rope_scaling=None)))
+    # SmolLM3: every fourth layer NoPE by default; the window only with use_sliding_window, then in the NoPE layers
+    smol = dict(model_type="smollm3", vocab_size=V, hidden_size=32, num_hidden_layers=8, num_attention_heads=4, intermediate_size=40, sliding_window=4)
+    for config in (smol, dict(smol, use_sliding_window=True)):
+        mine = ours("smollm3", config)
+        assert mine == ours("smollm3", theirs(transformers.SmolLM3Config, config))
+        assert mine.nope_layers == (3, 7) and mine.tie_embeddings and mine.n_kv_heads == 4 and mine.rope_base == 2e6
+    assert ours("smollm3", smol).window is None and ours("smollm3", dict(smol, use_sliding_window=True)).window_layers == (3, 7)
+    # EXAONE 4.0: sliding_window_pattern as an int or its string of L (local) and G (global); no window: RoPE everywhere
+    exaone = dict(model_type="exaone4", vocab_size=V, hidden_size=32, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=40, sliding_window=4, sliding_window_pattern=4)
+    mine = ours("exaone4", exaone)
+    assert mine == ours("exaone4", theirs(transformers.Exaone4Config, exaone)) == ours("exaone4", dict(exaone, sliding_window_pattern="LLLG"))
+    assert (mine.window_layers, mine.nope_layers) == ((0, 1, 2, 4, 5, 6), (3, 7))
+    assert (ours("exaone4", dict(exaone, sliding_window=None)).window, ours("exaone4", dict(exaone, sliding_window=None)).nope_layers) == (None, None)
+    for family, config, match in (
+            ("olmo3", dict(older, rope_scaling=dict(older["rope_scaling"], attention_factor=1.5)),
+             r"attention_factor = 1.5 is not supported \(YaRN's own attention factor, 1.20794"),
+            ("olmo3", dict(older, rope_parameters=dict(full_attention=dict(rope_type="default", rope_theta=5e5),
+                                                       sliding_attention=dict(rope_type="yarn", factor=2.0, rope_theta=5e5))),
+             r"rope_parameters.sliding_attention = .* is not supported \(plain RoPE, or the full layers' RoPE\)"),
+            ("olmo3", dict(older, rope_parameters=dict(rope_type="default", rope_theta=5e5)), r"rope_parameters = .* is not supported \(one per layer type"),
+            ("olmo3", dict(older, attention_bias=True), r"attention_bias = True is not supported \(no attention biases in OLMo 3's"),
+            ("smollm3", dict(smol, no_rope_layers=[1, 2, 1, 1, 1, 1, 1, 0]), r"no_rope_layers = \[1, 2, .* \(1 for a layer with RoPE, 0 without"),
+            ("smollm3", dict(smol, no_rope_layer_interval=0), r"no_rope_layer_interval = 0 is not supported"),
+            ("exaone4", dict(exaone, sliding_window_pattern="LXG"), r"sliding_window_pattern = 'LXG' is not supported without layer_types")):
+        with pytest.raises(ValueError, match=f"config.json: {match}"):
+            ours(family, config)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -1193,6 +1274,20 @@ def test_the_loop_upcycles_a_released_dense_model(tmp_path):
                           f"--out_dir={tmp_path / 'run2'}", f"--upcycle_from={small}", "--model.n_dense=1", "--model.ffn_expert=20"],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode != 0 and "--upcycle_from: the data's 258 token ids do not fit the model's vocab_size 64" in run.stderr
+
+
+def test_the_loop_upcycles_a_released_olmo3_folder(tmp_path):
+    """--upcycle_from an OLMo 3 folder: its post-norm blocks, sliding windows with plain RoPE
+    beside YaRN in the full layer, kept in the MoE the knobs make (block 0 dense, then 4
+    experts of half its FFN, k = 2); the first step's logged loss is the dense model's own."""
+    config = FAMILIES["olmo3"]()
+    config.vocab_size = 260
+    records, out, loss = _loop_from_folder(config, tmp_path, f"--upcycle_from={tmp_path / 'hf'}", "--model.n_dense=1", "--model.n_experts=4",
+                                           "--model.k=2", "--model.ffn_expert=20")
+    assert "4 experts, each a slice of 1/2 of its FFN" in out
+    assert records[0]["loss"] == pytest.approx(loss, rel=1e-5) and records[0]["tokens_per_expert"][0]
+    run = json.loads((tmp_path / "run" / "config.json").read_text())["config"]["model"]
+    assert (run["window_layers"], run["local_rope_base"], run["yarn_factor"], run["post_norms"], run["n_experts"]) == ([0, 2], 5e5, 4.0, True, 4)
 
 
 def test_the_loop_upcycles_a_released_ministral3_folder(tmp_path):
