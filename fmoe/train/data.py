@@ -94,7 +94,7 @@ import os
 import sysconfig
 import zlib
 from pathlib import Path
-from typing import Iterator, Optional, Sequence, Union
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -292,12 +292,20 @@ def load_stdlib(*, include_tests: bool = False) -> TokenDataset:
     stdlib root."""
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = {"site-packages"} | (set() if include_tests else _TEST_DIRS)
+    return _byte_dataset(root, _walk_files(root, lambda name: name.endswith(".py"), lambda name: name not in skip))
+
+
+def _walk_files(root: Path, keep_file: Callable[[str], bool], enter_dir: Callable[[str], bool]) -> list[str]:
+    """The regular files below root (symlinks to files included, symlinked directories not
+    entered) whose name keep_file keeps, in the directories whose names enter_dir lets the
+    walk into (never walked at all: the stdlib's site-packages, a corpus' .git), as POSIX
+    paths relative to root."""
     rels = []
-    for p in root.rglob("*.py"):
-        rel = p.relative_to(root)
-        if p.is_file() and not skip.intersection(rel.parts):
-            rels.append(rel.as_posix())
-    return _byte_dataset(root, rels)
+    for top, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if enter_dir(d)]
+        rel_top = Path(top).relative_to(root)
+        rels += [(rel_top / f).as_posix() for f in files if keep_file(f) and os.path.isfile(os.path.join(top, f))]
+    return rels
 
 
 def _existing(path: Union[str, os.PathLike]) -> Path:
@@ -312,12 +320,7 @@ def list_text_files(root: Union[str, os.PathLike]) -> list[str]:
     files and directories whose name starts with '.' are skipped), as sorted POSIX paths
     relative to root."""
     root = Path(root)
-    rels = []
-    for p in root.rglob("*"):
-        rel = p.relative_to(root)
-        if p.is_file() and not any(part.startswith(".") for part in rel.parts):
-            rels.append(rel.as_posix())
-    return sorted(rels)
+    return sorted(_walk_files(root, lambda name: not name.startswith("."), lambda name: not name.startswith(".")))
 
 
 def load_text_dir(path: Union[str, os.PathLike]) -> TokenDataset:

@@ -1,5 +1,8 @@
 """fmoe.train.data: corpora, byte tokens, packing, MTP targets, the resumable sampler."""
 
+import pathlib
+import sysconfig
+
 import numpy as np
 import pytest
 import torch
@@ -45,6 +48,11 @@ def test_stdlib_corpus(stdlib):
     assert len(stdlib) > 100 and stdlib.n_tokens > 1_000_000
     assert stdlib.names == sorted(stdlib.names)
     assert not any(part in ("site-packages", "test", "tests") for n in stdlib.names for part in n.split("/"))
+    # the definition: every *.py file below the stdlib root outside those directories (the walk never enters them)
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    want = sorted(p.relative_to(root).as_posix() for p in root.rglob("*.py")
+                  if p.is_file() and not {"site-packages", "test", "tests", "idle_test"} & set(p.relative_to(root).parts))
+    assert stdlib.names == [n for n in want if (root / n).stat().st_size]
     i = stdlib.names.index("json/__init__.py")
     doc = stdlib.document(i)
     assert doc[-1] == EOS and int(doc[:-1].max()) < 256 and doc.shape == (stdlib.doc_len(i),)
@@ -199,8 +207,13 @@ def test_text_dir(tmp_path):
     (tmp_path / "sub" / "c.md").write_bytes(b"\xff\x00third")
     (tmp_path / "empty.txt").write_bytes(b"")
     (tmp_path / ".hidden").write_text("skip me")
+    (tmp_path / ".git" / "objects").mkdir(parents=True)  # a hidden directory: never entered
+    (tmp_path / ".git" / "objects" / "pack").write_text("skip me")
+    (tmp_path / "dir.txt").mkdir()  # a directory is no document, whatever its name
+    (tmp_path / "sub" / "link.txt").symlink_to(tmp_path / "b.txt")  # a link to a file is one
+    (tmp_path / "linked").symlink_to(tmp_path / "sub", target_is_directory=True)  # a linked directory is not entered
     ds = load_text_dir(tmp_path)
-    assert ds.names == ["a.txt", "b.txt", "sub/c.md"] and ds.vocab_size == BYTE_VOCAB_SIZE
+    assert ds.names == ["a.txt", "b.txt", "sub/c.md", "sub/link.txt"] and ds.vocab_size == BYTE_VOCAB_SIZE
     assert decode_text(ds.document(0)) == "first ü"
     assert ds.document(2).tolist() == [255, 0, *b"third", EOS]
     assert load_corpus(tmp_path).names == ds.names
