@@ -8,8 +8,8 @@ A folder holds `config.json` and `model.safetensors` (or shards listed in
 qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, kimi_k2, kimi_k25, deepseek_v2, deepseek_v32, glm_moe_dsa, glm4_moe_lite, gpt_oss, solar_open,
 exaone_moe, dots1, minimax_m2, granitemoe, granitemoeshared, granitemoe_swa, hunyuan_v1_moe, llama4_text, llama4, afmoe,
 sarvam_moe, sarvam_mla, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, kimi_linear, ernie4_5_moe, mistral4, mistral3), and the dense
-DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, smollm3, exaone4, seed_oss, hunyuan_v1_dense: Transformers
-without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
+DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
+glm4: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: clipped qkv, ...;
 the fields a config.json leaves out read at transformers' defaults, Family.defaults, and a
 family's own names for the fields the shared mappings read as those, Family.aliases)
@@ -305,6 +305,24 @@ def _rope_by_layer_type(hf: dict, defaults: dict) -> tuple[dict, Optional[float]
     if kind(sliding)["rope_type"] != "default":
         raise ValueError(f"config.json: rope_parameters.sliding_attention = {sliding!r} is not supported (plain RoPE, or the full layers' RoPE)")
     return full, float(sliding.get("rope_theta", 10000.0))
+
+
+def _phi3(hf: dict) -> dict:
+    """Phi-3 / Phi-4 (phi3, dense): Llama's blocks with q, k and v as the rows of one qkv_proj
+    and the MLP's gate and up as the rows of one gate_up_proj (Family.qkv, dense_gate_up), RoPE
+    on the first partial_rotary_factor of each head (Phi-4-mini's 0.75), a sliding window over
+    every layer where sliding_window is set."""
+    common = _dense(hf, sliding=True)
+    return dict(common, rope_dim=_partial_rope(hf, common["head_dim"]))
+
+
+def _glm4(hf: dict) -> dict:
+    """GLM-4 (glm4, dense; GLM-4-0414): sandwich blocks (an RMSNorm before and after the
+    attention and the MLP: Family.sandwich), biases on q, k and v (attention_bias), RoPE on
+    interleaved pairs of the first partial_rotary_factor (by default half) of each head, the
+    MLP's gate and up as the rows of one gate_up_proj."""
+    common = _dense(hf)
+    return dict(common, qkv_bias=bool(hf["attention_bias"]), post_norms=True, rope_interleaved=True, rope_dim=_partial_rope(hf, common["head_dim"]))
 
 
 def _smollm3(hf: dict) -> dict:
@@ -1115,6 +1133,8 @@ class Family:
     # the dense blocks' MLP module in some folders instead (Kimi Linear's, written by transformers: block_sparse_moe, the MoE
     # blocks' name; the released ones: mlp): loading reads the name the files hold (_stacked_experts), export writes it back
     dense_too: Optional[str] = None
+    # the dense MLP's gate and up as the rows of one gate_up_proj [2F, H] (the gate's F rows, then the up's: Phi-3, GLM-4)
+    dense_gate_up: bool = False
     # the norms of a sandwich block (pre_norms and post_norms): before and after the attention, before and after the MLP
     sandwich: Optional[tuple[str, str, str, str]] = None
     # transformers' defaults of the fields config_to_fmoe reads where they differ from its own fallbacks: a
@@ -1188,7 +1208,8 @@ _MISTRAL4_ROPE = dict(rope_type="yarn", rope_theta=10000.0, factor=128.0, origin
 _MINISTRAL3_ROPE = dict(rope_type="yarn", rope_theta=1e6, factor=16.0, original_max_position_embeddings=16384, beta_fast=32.0, beta_slow=1.0,
                         mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1)
 # the dense families (no MoE block): fine-tuned as they are, or upcycled into an MoE (fmoe.train.upcycle)
-DENSE_FAMILIES = ("llama", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense")
+DENSE_FAMILIES = ("llama", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
+                  "phi3", "glm4")
 FAMILIES = {
     "mixtral": Family(_mixtral, "block_sparse_moe", ("w1", "w3", "w2"), "MixtralForCausalLM",
                       defaults=dict(num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1e6)),
@@ -1292,6 +1313,10 @@ FAMILIES = {
     "olmo2": Family(_olmo2, "mlp", _PROJ, "Olmo2ForCausalLM", defaults=dict(rms_norm_eps=1e-5)),
     "olmo3": Family(_olmo3, "mlp", _PROJ, "Olmo3ForCausalLM", defaults=dict(rms_norm_eps=1e-5, sliding_window=4096)),
     "granite": Family(_granite, "mlp", _PROJ, "GraniteForCausalLM"),
+    "phi3": Family(_phi3, "mlp", _PROJ, "Phi3ForCausalLM", qkv="qkv_proj", dense_gate_up=True, defaults=dict(rms_norm_eps=1e-5)),
+    "glm4": Family(_glm4, "mlp", _PROJ, "Glm4ForCausalLM", dense_gate_up=True,
+                   sandwich=("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm"),
+                   defaults=dict(num_key_value_heads=2, head_dim=128, rms_norm_eps=1.5625e-07, attention_bias=True, partial_rotary_factor=0.5)),
     "smollm3": Family(_smollm3, "mlp", _PROJ, "SmolLM3ForCausalLM", defaults=dict(num_key_value_heads=4, rope_theta=2e6, tie_word_embeddings=True)),
     "exaone4": Family(_exaone4, "mlp", _PROJ, "Exaone4ForCausalLM", defaults=dict(rms_norm_eps=1e-5, sliding_window=4096, num_key_value_heads=32)),
     "seed_oss": Family(_seed_oss, "mlp", _PROJ, "SeedOssForCausalLM", defaults=dict(num_key_value_heads=8, head_dim=128, attention_bias=True)),
@@ -1389,7 +1414,11 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
             out[q + "mlp.shared." + ours] = Tensor((f"{mlp}{family.shared}.{theirs}.weight",), transpose=True)
         if cfg.shared_gate:
             out[q + "mlp.shared_gate"] = Tensor((mlp + "shared_expert_gate.weight",), unit=0)
-    if not moe:
+    if not moe and family.dense_gate_up:  # [2F, H]: the gate's F rows, then the up's
+        out[q + "mlp.w_gate"] = Tensor((f"{p}{family.dense}.gate_up_proj.weight",), transpose=True, chunk=(0, (1, 1)))
+        out[q + "mlp.w_up"] = Tensor((f"{p}{family.dense}.gate_up_proj.weight",), transpose=True, chunk=(1, (1, 1)))
+        out[q + "mlp.w_down"] = Tensor((f"{p}{family.dense}.down_proj.weight",), transpose=True)
+    elif not moe:
         for ours, theirs in zip(("w_gate", "w_up", "w_down"), ("gate_proj", "up_proj", "down_proj")):
             out[q + "mlp." + ours] = Tensor((f"{p}{family.dense}.{theirs}.weight",), transpose=True)
     return out
@@ -2083,6 +2112,9 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
             hf.update(sliding_window=cfg.window, layer_types=_layer_types(cfg))
         elif model_type == "seed_oss":
             hf.update(attention_bias=cfg.qkv_bias, attention_out_bias=cfg.o_bias)
+        elif model_type in ("phi3", "glm4"):  # RoPE on the first partial_rotary_factor of each head
+            hf["rope_parameters"]["partial_rotary_factor"] = (cfg.rope_dim or cfg.head_dim) / cfg.head_dim
+            hf.update(dict(sliding_window=cfg.window) if model_type == "phi3" else dict(attention_bias=cfg.qkv_bias))
         elif model_type == "granite":
             if cfg.attn_scale is None:  # Granite's attention_multiplier is the scale itself: the default one written out
                 cfg = dataclasses.replace(cfg, attn_scale=cfg.head_dim**-0.5)

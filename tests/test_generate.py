@@ -21,7 +21,7 @@ from fmoe.model import Transformer, TransformerConfig  # noqa: E402
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "deepseek_v2", "granitemoeshared", "hunyuan_v1_moe", "exaone_moe", "llama4_text",
-                                    "granitemoe_swa", "afmoe", "flint", "mellum", "qwen3_next", "mistral4", "ministral3", "olmo3", "smollm3"])
+                                    "granitemoe_swa", "afmoe", "flint", "mellum", "qwen3_next", "mistral4", "ministral3", "olmo3", "smollm3", "glm4"])
 def test_greedy_matches_transformers_generate(tmp_path, family):
     """Through fmoe's KV cache (DeepSeek-V3 / -V2: multi-latent attention absorbed, latents
     cached; -V2 without the low-rank q; Granite: the embedding, attention and residual
@@ -37,7 +37,8 @@ def test_greedy_matches_transformers_generate(tmp_path, family):
     multi-latent attention absorbed with the queries scaled from position 2 on; Ministral 3:
     grouped-query attention with YaRN and the same scale; OLMo 3: post-norm blocks, a 3-token
     window ring in layer 0 with plain RoPE beside YaRN in the full layer 1; SmolLM3: layer 1
-    NoPE over a 3-token window ring) against transformers' own generate and cache."""
+    NoPE over a 3-token window ring; GLM-4: sandwich norms, RoPE on interleaved pairs of half
+    of each head) against transformers' own generate and cache."""
     transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]'")
     import fmoe.hf
 
@@ -112,6 +113,8 @@ def test_greedy_matches_transformers_generate(tmp_path, family):
     elif family == "smollm3":
         config = transformers.SmolLM3Config(**common, num_key_value_heads=2, intermediate_size=40, no_rope_layer_interval=2, use_sliding_window=True,
                                             sliding_window=3, attention_bias=True, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    elif family == "glm4":
+        config = transformers.Glm4Config(**common, num_key_value_heads=2, head_dim=8, intermediate_size=40, pad_token_id=None)
     else:
         config = transformers.DeepseekV3Config(
             **common, num_key_value_heads=4, intermediate_size=40, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=3,

@@ -57,6 +57,11 @@ FAMILIES = {
     "hunyuan_v1_dense": lambda: transformers.HunYuanDenseV1Config(**COMMON, head_dim=8, intermediate_size=40, bos_token_id=None, eos_token_id=None,
                                                                   pad_token_id=None, rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0,
                                                                                                           alpha=50.0, factor=1.0)),
+    # Phi-3 / Phi-4: q, k and v the rows of qkv_proj, gate and up of gate_up_proj; RoPE on the first 3/4 of each head
+    "phi3": lambda: transformers.Phi3Config(**COMMON, intermediate_size=40, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                                            rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.75)),
+    # GLM-4: sandwich norms, q/k/v biases, RoPE on interleaved pairs of the first half of each head, gate and up of gate_up_proj
+    "glm4": lambda: transformers.Glm4Config(**COMMON, head_dim=8, intermediate_size=40, bos_token_id=None, eos_token_id=None, pad_token_id=None),
     "qwen2": lambda: transformers.Qwen2Config(**COMMON, intermediate_size=40),
     "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=8, intermediate_size=40),
     "mixtral": lambda: transformers.MixtralConfig(**COMMON, head_dim=8, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2),
@@ -463,7 +468,8 @@ def test_a_failed_export_leaves_no_weight_files(folders, tmp_path, monkeypatch):
                                           ("smollm3", dict(qkv_bias=True, o_bias=True, nope_layers=(1,), window=4, window_layers=(1,))),
                                           ("exaone4", dict(qk_norm="head", pre_norms=False, post_norms=True, window=4, window_layers=(0,), nope_layers=(1,))),
                                           ("exaone4", dict(qk_norm="head", pre_norms=False, post_norms=True)),
-                                          ("seed_oss", dict(qkv_bias=True)), ("hunyuan_v1_dense", dict(qk_norm="head", qk_norm_after_rope=True))])
+                                          ("seed_oss", dict(qkv_bias=True)), ("hunyuan_v1_dense", dict(qk_norm="head", qk_norm_after_rope=True)),
+                                          ("phi3", dict(rope_dim=4, window=4)), ("glm4", dict(qkv_bias=True, post_norms=True, rope_interleaved=True, rope_dim=4))])
 def test_a_dense_model_of_fmoe_s_own_exports_as_a_dense_family(family, knobs, tmp_path):
     """An fmoe model with no MoE block (its MoE fields at the defaults, unused) is written as
     the dense family and read by transformers with the same logits; the attention must match
@@ -714,7 +720,7 @@ def _left_out(config: dict):
             yield f"rope_parameters.{field}", dict(config, rope_parameters={k: v for k, v in config["rope_parameters"].items() if k != field})
 
 
-def test_olmo3_smollm3_and_exaone4_read_their_layer_patterns_as_transformers_completes_them(folders):
+def test_the_newer_dense_families_read_their_layer_patterns_as_transformers_completes_them(folders):
     """The per-layer knobs of the newer dense families: read from the test's configs; left out
     (the default patterns), or in an older config.json's form, read as the config transformers
     completes from it; bad values refused by name."""
@@ -762,7 +768,11 @@ def test_olmo3_smollm3_and_exaone4_read_their_layer_patterns_as_transformers_com
             ("olmo3", dict(older, attention_bias=True), r"attention_bias = True is not supported \(no attention biases in OLMo 3's"),
             ("smollm3", dict(smol, no_rope_layers=[1, 2, 1, 1, 1, 1, 1, 0]), r"no_rope_layers = \[1, 2, .* \(1 for a layer with RoPE, 0 without"),
             ("smollm3", dict(smol, no_rope_layer_interval=0), r"no_rope_layer_interval = 0 is not supported"),
-            ("exaone4", dict(exaone, sliding_window_pattern="LXG"), r"sliding_window_pattern = 'LXG' is not supported without layer_types")):
+            ("exaone4", dict(exaone, sliding_window_pattern="LXG"), r"sliding_window_pattern = 'LXG' is not supported without layer_types"),
+            # Phi-3.5's and Phi-4-mini's LongRoPE is not built
+            ("phi3", dict(FAMILIES["phi3"]().to_dict(), rope_parameters=dict(rope_type="longrope", rope_theta=1e4, short_factor=[1.0] * 4,
+                                                                               long_factor=[2.0] * 4)),
+             r"rope type 'longrope' is not supported for phi3 \(plain RoPE or llama3\)")):
         with pytest.raises(ValueError, match=f"config.json: {match}"):
             ours(family, config)
 
