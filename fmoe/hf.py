@@ -7,7 +7,8 @@ A folder holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). Supported `model_type`s: FAMILIES (mixtral, qwen2_moe,
 qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, kimi_k2, kimi_k25, deepseek_v2, deepseek_v32, glm_moe_dsa, glm4_moe_lite, gpt_oss, solar_open,
 exaone_moe, dots1, minimax_m2, granitemoe, granitemoeshared, granitemoe_swa, hunyuan_v1_moe, llama4_text, llama4, afmoe,
-sarvam_moe, sarvam_mla, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, kimi_linear, ernie4_5_moe, mistral4, mistral3), and the dense
+sarvam_moe, sarvam_mla, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, kimi_linear, ernie4_5_moe, mimo_v2_flash, mistral4,
+mistral3), and the dense
 DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
 glm4: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: clipped qkv, ...;
@@ -285,17 +286,25 @@ def _olmo3(hf: dict) -> dict:
     return dict(out, local_rope_base=local if out.get("window") is not None else None)
 
 
-def _rope_by_layer_type(hf: dict, defaults: dict) -> tuple[dict, Optional[float]]:
+def _rope_by_layer_type(hf: dict, defaults: dict, partial: Optional[float] = None) -> tuple[dict, Optional[float]]:
     """rope_parameters keyed by layer type (full_attention / sliding_attention, a missing one
     at `defaults`'): the full layers' parameters, and the sliding layers' own base where their
-    RoPE is not the full layers' (plain RoPE there: local_rope_base; None where it is)."""
+    RoPE is not the full layers' (plain RoPE there: local_rope_base; None where it is).
+    partial: the family's partial_rotary_factor where a layer type's leaves it out (MiMo's
+    0.334), the same in both; None: RoPE over every channel."""
     params = hf.get("rope_parameters")
     if not isinstance(params, dict) or not params or set(params) - {"full_attention", "sliding_attention"}:
         raise ValueError(f"config.json: rope_parameters = {params!r} is not supported (one per layer type, full_attention / sliding_attention)")
     full = params.get("full_attention", defaults["full_attention"])
     sliding = params.get("sliding_attention", defaults["sliding_attention"])
-    for kind, p in (("full_attention", full), ("sliding_attention", sliding)):
-        _refuse(p, "partial_rotary_factor", lambda v: v == 1.0, f"RoPE over every channel in the {kind} layers")
+    if partial is None:
+        for kind, p in (("full_attention", full), ("sliding_attention", sliding)):
+            _refuse(p, "partial_rotary_factor", lambda v: v == 1.0, f"RoPE over every channel in the {kind} layers")
+    else:
+        full, sliding = (dict(p, partial_rotary_factor=p.get("partial_rotary_factor", partial)) for p in (full, sliding))
+        if full["partial_rotary_factor"] != sliding["partial_rotary_factor"]:
+            raise ValueError(f"config.json: rope_parameters with partial_rotary_factor {full['partial_rotary_factor']!r} (full_attention) and "
+                             f"{sliding['partial_rotary_factor']!r} (sliding_attention) are not supported (the same in both)")
 
     def kind(p: dict) -> dict:  # the rope type under its one name
         return dict({k: v for k, v in p.items() if k != "type"}, rope_type=p.get("rope_type", p.get("type")) or "default")
@@ -323,6 +332,36 @@ def _glm4(hf: dict) -> dict:
     MLP's gate and up as the rows of one gate_up_proj."""
     common = _dense(hf)
     return dict(common, qkv_bias=bool(hf["attention_bias"]), post_norms=True, rope_interleaved=True, rope_dim=_partial_rope(hf, common["head_dim"]))
+
+
+def _mimo_v2_flash(hf: dict) -> dict:
+    """MiMo-V2-Flash (mimo_v2_flash): grouped-query attention with q/k heads of head_dim,
+    values of v_head_dim scaled by attention_value_scale, q/k/v biases with attention_bias;
+    the layers layer_types names sliding_attention (by default all but layer 0 and every
+    sixth from layer 5) attend over sliding_window (an older config's sliding_window_size + 1)
+    with twice num_key_value_heads and a sink per head (attention_sink_bias; local_kv_heads,
+    sink_layers); each layer type's RoPE on the first partial_rotary_factor of each head (by
+    default 0.334, the same in both), plain, the sliding layers' at their own base
+    (local_rope_base); DeepSeek-V3's routing (sigmoid scores with the correction bias,
+    n_group groups scored by their best 2, norm_topk_prob, x routed_scaling_factor) without
+    shared experts; dense and MoE blocks by mlp_layer_types (by default the first dense). Its
+    MTP layers (model.mtp.*) are not read, as in transformers."""
+    n = hf["num_hidden_layers"]
+    if hf.get("layer_types") is None:
+        hf = dict(hf, layer_types=["full_attention" if i == 0 or (i + 1) % 6 == 0 else "sliding_attention" for i in range(n)])
+    if hf.get("sliding_window_size") is not None:  # an older config's name, one token short
+        hf = dict(hf, sliding_window=hf["sliding_window_size"] + 1)
+    full, local = _rope_by_layer_type(hf, _MIMO_ROPE, partial=0.334)
+    common = _common(dict(hf, rope_parameters=full, rope_scaling=None), hf["n_routed_experts"], sliding=True)
+    D, Dv, G = common["head_dim"], hf["v_head_dim"], common["n_kv_heads"]
+    window = common.get("window") is not None
+    sliding = tuple(i for i in range(n) if window and (common.get("window_layers") is None or i in common["window_layers"]))
+    scale = hf.get("attention_value_scale")
+    bias = bool(hf.get("attention_bias", False))
+    return dict(common, **_mlp_layer_types(hf, 1), **_sigmoid_routing(hf), rope_dim=_partial_rope(dict(hf, rope_parameters=full), D),
+                v_head_dim=None if Dv == D else Dv, value_scale=1.0 if scale is None else float(scale), qkv_bias=bias,
+                local_kv_heads=2 * G if window else None, attn_sinks=bool(sliding), sink_layers=sliding if sliding and len(sliding) < n else None,
+                local_rope_base=local if window else None)
 
 
 def _smollm3(hf: dict) -> dict:
@@ -1184,6 +1223,8 @@ _GRANITE = ("input_linear.weight", "input_linear.weight", "output_linear.weight"
 _GPT_OSS_ROPE = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False, original_max_position_embeddings=4096,
                      rope_theta=150000.0)
 _PROJ = ("gate_proj", "up_proj", "down_proj")
+_MIMO_ROPE = dict(full_attention=dict(rope_type="default", rope_theta=5e6, partial_rotary_factor=0.334),
+                  sliding_attention=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.334))
 _OLMO3_ROPE = dict(full_attention=dict(rope_type="default", rope_theta=500000.0), sliding_attention=dict(rope_type="default", rope_theta=500000.0))
 _MELLUM_ROPE = dict(full_attention=dict(rope_type="default", rope_theta=500000.0), sliding_attention=dict(rope_type="default", rope_theta=10000.0))
 _QWEN3_NEXT_ROPE = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25)
@@ -1294,6 +1335,10 @@ FAMILIES = {
                                          rope_parameters=dict(rope_type="default", rope_theta=500000.0), moe_num_experts=64, moe_k=6,
                                          moe_intermediate_size=1536, moe_num_shared_experts=2)),
     # Mistral 4: the experts as stacks, [E, 2F, H] gate_up_proj (each expert's gate rows, then its up rows) and [E, H, F] down_proj
+    "mimo_v2_flash": Family(_mimo_v2_flash, "mlp", _PROJ, "MiMoV2FlashForCausalLM", sinks="attention_sink_bias", not_read=("model.mtp.",),
+                            defaults=dict(head_dim=192, v_head_dim=128, num_key_value_heads=4, rms_norm_eps=1e-5, sliding_window=129,
+                                          attention_value_scale=0.707, rope_parameters=_MIMO_ROPE, n_group=1, topk_group=1,
+                                          routed_scaling_factor=1.0, norm_topk_prob=True)),
     "mistral4": Family(_mistral4, "mlp", _STACKS, "Mistral4ForCausalLM", "shared_experts", fused="halves_out",
                        defaults=dict(n_shared_experts=1, q_lora_rank=1024, kv_lora_rank=256, qk_rope_head_dim=64, qk_nope_head_dim=64,
                                      v_head_dim=128, rope_parameters=_MISTRAL4_ROPE)),
@@ -1364,10 +1409,11 @@ def _linear_attention_keys(family: Family, cfg: TransformerConfig, p: str, q: st
 
 
 def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: bool, rope: bool = True, linear: bool = False,
-                index_shared: bool = False) -> dict[str, Tensor]:
+                index_shared: bool = False, layer: Optional[int] = None) -> dict[str, Tensor]:
     """One transformer block: HF prefix p ("model.layers.{i}."), fmoe prefix q; rope=False:
-    a NoPE block (its q/k norms only with cfg.nope_qk_norm); linear: a Gated DeltaNet block."""
-    out = _linear_attention_keys(family, cfg, p, q) if linear else _attention_keys(family, cfg, p, q, rope, index_shared)
+    a NoPE block (its q/k norms only with cfg.nope_qk_norm); linear: a Gated DeltaNet block;
+    layer: the trunk block's index (its sinks and kv heads; None: an MTP block)."""
+    out = _linear_attention_keys(family, cfg, p, q) if linear else _attention_keys(family, cfg, p, q, rope, index_shared, layer)
     if cfg.pre_norms and cfg.post_norms:  # a sandwich block (AFMoE)
         if family.sandwich is None:
             raise ValueError("model: pre- and post-norms together (a sandwich block) have no key names in this family")
@@ -1424,7 +1470,8 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
     return out
 
 
-def _attention_keys(family: Family, cfg: TransformerConfig, p: str, q: str, rope: bool, index_shared: bool = False) -> dict[str, Tensor]:
+def _attention_keys(family: Family, cfg: TransformerConfig, p: str, q: str, rope: bool, index_shared: bool = False,
+                    layer: Optional[int] = None) -> dict[str, Tensor]:
     """An attention block's mixer (family.attention): grouped-query or multi-latent attention
     with their biases, sinks, gate and q/k norms, and DeepSeek sparse attention's indexer
     (none in a block of index_shared_layers)."""
@@ -1445,7 +1492,8 @@ def _attention_keys(family: Family, cfg: TransformerConfig, p: str, q: str, rope
             out[q + "attn.index_k_norm"] = Tensor((index + "k_norm.weight",))
             out[q + "attn.index_k_bias"] = Tensor((index + "k_norm.bias",))
     elif family.qkv is not None:  # q, k and v: the rows of one module, in that order
-        rows = (cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim)
+        G = cfg.kv_heads(layer)
+        rows = (cfg.n_heads * cfg.head_dim, G * cfg.head_dim, G * (cfg.v_head_dim or cfg.head_dim))
         for j, name in enumerate(("q", "k", "v")):
             out[q + "attn.w" + name] = Tensor((f"{attn}{family.qkv}.weight",), transpose=True, chunk=(j, rows))
             if cfg.qkv_bias:
@@ -1462,7 +1510,7 @@ def _attention_keys(family: Family, cfg: TransformerConfig, p: str, q: str, rope
             out[q + "attn." + ours] = Tensor((f"{attn}{theirs}.bias",))
     if cfg.o_bias:
         out[q + "attn.bo"] = Tensor((f"{attn}{family.o_proj}.bias",))
-    if cfg.attn_sinks:
+    if cfg.has_sinks(layer):
         out[q + "attn.sinks"] = Tensor((attn + family.sinks,))
     if gate_in_q:
         out[q + "attn.wg"] = Tensor((attn + "q_proj.weight",), transpose=True, chunk=(1, (1, 1)), groups=cfg.n_heads)
@@ -1499,7 +1547,7 @@ def key_map(family: Family, cfg: TransformerConfig) -> dict[str, Tensor]:
     out = {"embed": Tensor((family.embed,))}
     for i in range(cfg.n_layers):
         out.update(_block_keys(family, cfg, f"model.layers.{i}.", f"blocks.{i}.", cfg.is_moe(i), rope=not cfg.is_nope(i), linear=cfg.is_linear(i),
-                               index_shared=cfg.is_index_shared(i)))
+                               index_shared=cfg.is_index_shared(i), layer=i))
     out["norm.weight"] = Tensor(("model.norm.weight",))
     if not cfg.tie_embeddings:
         out["head"] = Tensor(("lm_head.weight",))
@@ -1938,6 +1986,14 @@ def _layer_types(cfg: TransformerConfig) -> list[str]:
     return ["sliding_attention" if cfg.is_sliding(i) else "full_attention" for i in range(cfg.n_layers)]
 
 
+def _rotary_factor(cfg: TransformerConfig) -> float:
+    """config.json's partial_rotary_factor of rope_dim: rope_dim / head_dim, or where
+    int(head_dim * that) rounds below rope_dim (30 / 44), half a channel more, which
+    transformers' and _partial_rope's int(head_dim * factor) read back as rope_dim."""
+    rope, D = cfg.rope_dim or cfg.head_dim, cfg.head_dim
+    return rope / D if int(D * (rope / D)) == rope else (rope + 0.5) / D
+
+
 def _rope_parameters(cfg: TransformerConfig) -> dict:
     """config.json's rope_parameters of plain RoPE, or with Llama 3.1's scaling (what _rope reads back)."""
     if cfg.llama3_factor is None:
@@ -2069,7 +2125,7 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
                   layer_types=["linear_attention" if cfg.is_linear(i) else "full_attention" for i in range(cfg.n_layers)],
                   linear_num_key_heads=lin.n_k_heads, linear_num_value_heads=lin.n_v_heads, linear_key_head_dim=lin.k_head_dim,
                   linear_value_head_dim=lin.v_head_dim, linear_conv_kernel_dim=lin.conv,
-                  rope_parameters=dict(_rope_parameters(cfg), partial_rotary_factor=(cfg.rope_dim or cfg.head_dim) / cfg.head_dim))
+                  rope_parameters=dict(_rope_parameters(cfg), partial_rotary_factor=_rotary_factor(cfg)))
     elif model_type == "kimi_linear":  # MLA without RoPE beside Kimi Delta Attention, DeepSeek-V3's MoE blocks
         lin, moe_fields = cfg.linear_attention_config(), _deepseek_moe_config(cfg)
         rope = cfg.rope_dim or cfg.head_dim
@@ -2085,6 +2141,17 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
         hf.update(num_experts_per_token=cfg.k)
     elif model_type in _DEEPSEEK_STYLE:  # _deepseek_moe_config's fields, below
         pass
+    elif model_type == "mimo_v2_flash":  # DeepSeek-V3's routing without shared experts; each layer type's RoPE, kv heads and sinks
+        if cfg.local_kv_heads not in (None, 2 * cfg.n_kv_heads) or (cfg.window is not None and cfg.local_kv_heads is None):
+            raise ValueError(f"model: MiMo-V2-Flash's sliding layers have twice the kv heads, 2 x {cfg.n_kv_heads}; this model's have "
+                             f"{cfg.local_kv_heads or cfg.n_kv_heads}")
+        moe_fields = _deepseek_moe_config(cfg)
+        full = dict(_rope_parameters(cfg), partial_rotary_factor=_rotary_factor(cfg))
+        sliding = full if cfg.local_rope_base is None else dict(rope_type="default", rope_theta=cfg.local_rope_base, partial_rotary_factor=_rotary_factor(cfg))
+        hf.update({k: v for k, v in moe_fields.items() if k not in ("first_k_dense_replace", "n_shared_experts", "num_nextn_predict_layers")},
+                  mlp_layer_types=["sparse" if cfg.is_moe(i) else "dense" for i in range(cfg.n_layers)], layer_types=_layer_types(cfg),
+                  sliding_window=cfg.window or 129, v_head_dim=cfg.v_head_dim or cfg.head_dim, attention_value_scale=cfg.value_scale,
+                  attention_bias=cfg.qkv_bias, rope_parameters={"full_attention": full, "sliding_attention": sliding})
     elif model_type == "mistral4":  # DeepSeek-V3's fields (the MLA ones below) but MTP's; softmax routing
         hf.update({k: v for k, v in _deepseek_moe_config(cfg).items() if k != "num_nextn_predict_layers"}, norm_topk_prob=not cfg.pre_softmax)
     elif model_type in DENSE_FAMILIES:
@@ -2113,7 +2180,7 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
         elif model_type == "seed_oss":
             hf.update(attention_bias=cfg.qkv_bias, attention_out_bias=cfg.o_bias)
         elif model_type in ("phi3", "glm4"):  # RoPE on the first partial_rotary_factor of each head
-            hf["rope_parameters"]["partial_rotary_factor"] = (cfg.rope_dim or cfg.head_dim) / cfg.head_dim
+            hf["rope_parameters"]["partial_rotary_factor"] = _rotary_factor(cfg)
             hf.update(dict(sliding_window=cfg.window) if model_type == "phi3" else dict(attention_bias=cfg.qkv_bias))
         elif model_type == "granite":
             if cfg.attn_scale is None:  # Granite's attention_multiplier is the scale itself: the default one written out
@@ -2136,7 +2203,7 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
     if model_type == "deepseek_v2":
         hf.update(topk_method="group_limited_greedy" if cfg.n_groups else "greedy")
     if model_type in ("glm4_moe", "sarvam_moe", "minimax_m2"):
-        hf["rope_parameters"]["partial_rotary_factor"] = (cfg.rope_dim or cfg.head_dim) / cfg.head_dim
+        hf["rope_parameters"]["partial_rotary_factor"] = _rotary_factor(cfg)
     if model_type in ("glm4_moe", "sarvam_moe"):
         hf.update(attention_bias=cfg.qkv_bias, use_qk_norm=cfg.qk_norm == "head")
     if model_type == "dots1":
@@ -2157,7 +2224,7 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
             hf["rope_parameters"] = _yarn_parameters(cfg)
     if model_type == "mistral4":  # the queries' scale by position, and the rotated share of each head
         hf["rope_parameters"].update(**_query_temperature_parameters(cfg, cfg.yarn_original_max_positions),
-                                     partial_rotary_factor=(cfg.rope_dim or cfg.head_dim) / cfg.head_dim)
+                                     partial_rotary_factor=_rotary_factor(cfg))
         hf["head_dim"] = cfg.head_dim  # Mistral 4's RoPE rotates partial_rotary_factor x head_dim (nope + rope) channels
     mismatch = config_mismatch(cfg, hf)
     if cfg.capacity_factor is not None:

@@ -59,7 +59,8 @@ sqrt(head_dim), and a mask that lets a token see the earlier tokens of its own d
 only, so a document's outputs do not depend on what it is packed with. CUDA: FlexAttention
 with a block mask (built from each 128-token block's documents and indices, never the
 [T, T] mask: document_mask); CPU: scaled_dot_product_attention with the dense mask (the reference).
-params: wq [H, n_heads*D], wk, wv [H, n_kv_heads*D], wo [n_heads*D, H]; optional output
+params: wq [H, n_heads*D], wk [H, n_kv_heads*D], wv [H, n_kv_heads*Dv], wo [n_heads*Dv, H]
+(Dv = AttentionConfig.v_dim, by default D); optional output
 bias bo [H] and attention sinks [n_heads] (gpt-oss: a learned logit per head that joins each
 query's softmax denominator and adds no value, so out = softmax-attention * sigmoid(lse -
 sink), lse the log-sum-exp of the query's scores).
@@ -396,6 +397,10 @@ class AttentionConfig:
     (Qwen3-Next's zero-centred norms), not the weight. fp8: the projections (q, k, v, o, the
     output gate's, multi-latent attention's) by fmoe.ops.fp8_matmul: their forward and
     input-gradient GEMMs in fp8; the decode path's absorbed latent products stay as they are.
+    v_dim without kv_rank: grouped-query attention's value head dim Dv where it is not
+    head_dim (MiMo-V2-Flash: q/k heads of 192, values of 128; wv [H, G Dv], wo [N Dv, H]);
+    None: head_dim. v_scale: the values times this constant (MiMo-V2-Flash's
+    attention_value_scale; grouped-query attention only).
 
     Multi-head latent attention (DeepSeek-V2/V3) when kv_rank is set: keys and values come
     from a kv_rank latent (RMSNorm'd, eps latent_norm_eps) expanded per head, plus one
@@ -468,6 +473,7 @@ class AttentionConfig:
     temperature_offset: int = 1
     local_rope_base: Optional[float] = None
     zero_centered_norms: bool = False
+    v_scale: float = 1.0
     fp8: bool = False
     index_topk: Optional[int] = None
     index_heads: int = 64
@@ -516,10 +522,16 @@ class AttentionConfig:
             raise ValueError(f"rope: expected a bool, got {self.rope!r}")
         if self.rope and self.llama3_factor is None:
             _check_rope_knobs(self)
+        if isinstance(self.v_scale, bool) or not isinstance(self.v_scale, (int, float)) or not 0 < self.v_scale < math.inf:
+            raise ValueError(f"v_scale: expected a finite number > 0, got {self.v_scale!r}")
         if self.kv_rank is None:
-            if self.q_rank is not None or self.v_dim is not None:
-                raise ValueError("q_rank / v_dim: multi-latent attention knobs, need kv_rank")
+            if self.q_rank is not None:
+                raise ValueError("q_rank: a multi-latent attention knob, needs kv_rank")
+            if self.v_dim is not None and (isinstance(self.v_dim, bool) or not isinstance(self.v_dim, int) or self.v_dim < 1):
+                raise ValueError(f"v_dim: expected None or a positive int (the value head dim), got {self.v_dim!r}")
             return
+        if self.v_scale != 1.0:
+            raise ValueError("v_scale: scales grouped-query attention's values, not multi-latent attention's")
         for name in ("kv_rank", "v_dim") + (("q_rank",) if self.q_rank is not None else ()):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -1004,7 +1016,8 @@ def _check_attention(x_TH, params, cfg, ctx) -> None:
     if cfg.kv_rank is not None:
         mats, norms = mla_shapes(H, cfg)
     else:
-        mats, norms = {"wq": (H, N * D), "wk": (H, G * D), "wv": (H, G * D), "wo": (N * D, H)}, {}
+        Dv = cfg.v_dim or D
+        mats, norms = {"wq": (H, N * D), "wk": (H, G * D), "wv": (H, G * Dv), "wo": (N * Dv, H)}, {}
     for name, shape in mats.items():
         w = params.get(name)
         if w is None or tuple(w.shape) != shape or w.dtype != x_TH.dtype:
@@ -1015,7 +1028,7 @@ def _check_attention(x_TH, params, cfg, ctx) -> None:
         if w is None or tuple(w.shape) != shape:
             raise ValueError(f"params['{name}']: expected a {list(shape)} norm weight, got {list(w.shape) if w is not None else 'nothing'}")
     # an output bias, attention sinks and the output gate's weight, either kind
-    extras = {"bo": (H,), "sinks": (N,), "wg": (H, N * (cfg.v_dim if cfg.kv_rank is not None else D))}
+    extras = {"bo": (H,), "sinks": (N,), "wg": (H, N * (cfg.v_dim or D))}
     for name, shape in extras.items():
         w = params.get(name)
         if w is not None and (tuple(w.shape) != shape or not w.is_floating_point() or (name == "wg" and w.dtype != x_TH.dtype)):
@@ -1034,7 +1047,7 @@ def _check_attention(x_TH, params, cfg, ctx) -> None:
                              "optional bo, sinks, wg)")
         _check_ctx(ctx, T, cfg.rot_dim)
         return
-    optional = {"bq": (N * D,), "bk": (G * D,), "bv": (G * D,)}
+    optional = {"bq": (N * D,), "bk": (G * D,), "bv": (G * (cfg.v_dim or D),)}
     weighted = cfg.qk_norm in ("head", "proj")  # "rms" has no weights
     if weighted:
         optional.update(q_norm=(D,) if cfg.qk_norm == "head" else (N * D,), k_norm=(D,) if cfg.qk_norm == "head" else (G * D,))
@@ -1063,7 +1076,7 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
 
     Args:
         x: [T, H] packed tokens. params: wq, wk, wv, wo (module docstring); optional biases
-            bq [N D], bk, bv [G D] added to the projections; q_norm, k_norm with cfg.qk_norm;
+            bq [N D], bk [G D], bv [G Dv] added to the projections; q_norm, k_norm with cfg.qk_norm;
             optional output bias bo [H] (under tensor parallel: its 1/tp share, the ranks'
             outputs being summed), attention sinks [N] (module docstring; either kind) and
             an output gate wg [H, N Dv]: the heads' outputs times sigmoid(x wg), channel by
@@ -1332,7 +1345,8 @@ def _attention_with_sinks(q_NTD, k_GTD, v_GTD, mask_TS, scale: float, sinks_N):
 
 
 def _gqa_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext, heads_mean=None):
-    """Grouped-query attention's q [T, N, D] and k, v [T, G, D], RoPE applied (unless cfg.rope is False)."""
+    """Grouped-query attention's q [T, N, D], k [T, G, D] and v [T, G, Dv] (times cfg.v_scale),
+    RoPE applied (unless cfg.rope is False)."""
     N, G = cfg.n_heads, cfg.n_kv_heads
     rope_impl = "torch" if cfg.impl == "torch" else "auto"
 
@@ -1366,6 +1380,8 @@ def _gqa_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext, heads_mean=
     if cfg.temperature_floor is not None:  # the query temperature (Llama 4's, Mistral 4's), by the query's position
         (q_TND,) = _temperature(ctx, cfg, q_TND)
     v_TGD = rearrange(project("wv", "bv"), "t (g d) -> t g d", g=G)
+    if cfg.v_scale != 1.0:  # MiMo-V2-Flash's attention_value_scale
+        v_TGD = v_TGD * cfg.v_scale
     return q_TND, k_TGD, v_TGD
 
 

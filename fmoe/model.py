@@ -287,14 +287,21 @@ class TransformerConfig:
     yarn_mscale_all_dim / yarn_truncate; llama3_factor (None: none; not with YaRN) with
     llama3_low_freq_factor / llama3_high_freq_factor / llama3_original_max_positions:
     Llama 3.1's RoPE scaling (fmoe.ops.rope.llama3_inv_freq). o_bias:
-    an attention output bias; attn_sinks: a learned sink logit per head; attn_gate: gated
+    an attention output bias; attn_sinks: a learned sink logit per head (sink_layers: in
+    those trunk blocks only, the MTP blocks without; None: every block; MiMo-V2-Flash's
+    sliding-window blocks); attn_gate: gated
     attention, the heads' outputs times sigmoid(x wg) channel by channel before wo (AFMoE;
     fmoe.layers.attention).
     router_bias: a float32 bias on the router logits; expert_biases: biases of the routed
     experts' three projections; swiglu_alpha / swiglu_limit / swiglu_offset: the routed
     experts' clamped SwiGLU (fmoe.ops.grouped_mlp; gpt-oss: 1.702, 7.0, 1.0). kv_rank (with q_rank,
     v_head_dim): multi-latent attention (DeepSeek-V2/V3; head_dim = nope + rope dims,
-    rope_dim the rope part, n_kv_heads = n_heads; fmoe.layers.AttentionConfig). index_topk
+    rope_dim the rope part, n_kv_heads = n_heads; fmoe.layers.AttentionConfig). Without
+    kv_rank, v_head_dim is grouped-query attention's value head dim where it is not head_dim
+    (MiMo-V2-Flash; None: head_dim), and value_scale multiplies its values (MiMo-V2-Flash's
+    attention_value_scale). local_kv_heads: the kv heads of the window's or chunk's blocks
+    where they differ from n_kv_heads (MiMo-V2-Flash's sliding blocks: twice as many; None:
+    n_kv_heads). index_topk
     (with q_rank and kv_rank): DeepSeek sparse attention in every block (DeepSeek-V3.2,
     GLM-5), each query attending to the index_topk keys a lightning indexer of index_heads
     heads of index_head_dim scores highest (its RoPE on interleaved pairs with
@@ -408,6 +415,9 @@ class TransformerConfig:
     index_shared_layers: Optional[tuple[int, ...]] = None
     o_bias: bool = False
     attn_sinks: bool = False
+    sink_layers: Optional[tuple[int, ...]] = None
+    value_scale: float = 1.0
+    local_kv_heads: Optional[int] = None
     attn_gate: bool = False
     router_bias: bool = False
     expert_biases: bool = False
@@ -466,7 +476,7 @@ class TransformerConfig:
             raise ValueError(f"mtp_depth / n_shared: expected >= 0, got {self.mtp_depth} / {self.n_shared}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_kv_heads: {self.n_heads} heads do not split over {self.n_kv_heads} kv heads")
-        for name in ("attn_scale", "embed_scale", "residual_scale", "logit_divisor"):
+        for name in ("attn_scale", "embed_scale", "residual_scale", "logit_divisor", "value_scale"):
             value = getattr(self, name)
             if (value is not None or name != "attn_scale") and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf):
                 raise ValueError(f"{name}: expected a positive finite number{' or None' if name == 'attn_scale' else ''}, got {value!r}")
@@ -486,13 +496,28 @@ class TransformerConfig:
             raise ValueError("query_temperature_floor: scales every block's queries, not beside nope_temperature_floor (the NoPE blocks' own)")
         if self.local_rope_base is not None and self.window is None and self.chunk is None:
             raise ValueError("local_rope_base: the RoPE base of the window's or chunk's blocks, needs a window or a chunk")
+        if self.local_kv_heads is not None:
+            check_positive_int("local_kv_heads", self.local_kv_heads)
+            if self.window is None and self.chunk is None:
+                raise ValueError("local_kv_heads: the kv heads of the window's or chunk's blocks, needs a window or a chunk")
+            if self.n_heads % self.local_kv_heads:
+                raise ValueError(f"local_kv_heads: {self.n_heads} heads do not split over {self.local_kv_heads} kv heads")
+            if self.kv_rank is not None:
+                raise ValueError("local_kv_heads: grouped-query attention's kv heads; multi-latent attention has n_heads")
+        if self.v_head_dim is not None:
+            check_positive_int("v_head_dim", self.v_head_dim)
+        if self.value_scale != 1.0 and self.kv_rank is not None:
+            raise ValueError("value_scale: scales grouped-query attention's values, not multi-latent attention's")
+        if self.sink_layers is not None and not self.attn_sinks:
+            raise ValueError("sink_layers: the blocks with attention sinks, needs attn_sinks")
         for name in ("pre_norms", "post_norms", "nope_qk_norm", "route_on_input", "attn_gate", "zero_centered_norms"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         if self.fp8_layers is not None and self.fp8 is not True:
             raise ValueError("fp8_layers: the blocks whose GEMMs run in fp8, needs fp8=True")
         check_fp8_fast_accum(self.fp8_fast_accum, self.fp8 is True)
-        for name in ("moe_layers", "window_layers", "chunk_layers", "nope_layers", "linear_layers", "fp8_layers", "index_shared_layers"):  # block lists: distinct indices, kept sorted
+        for name in ("moe_layers", "window_layers", "chunk_layers", "nope_layers", "linear_layers", "fp8_layers", "index_shared_layers",
+                     "sink_layers"):  # block lists: distinct indices, kept sorted
             layers = getattr(self, name)
             if layers is None:
                 continue
@@ -515,7 +540,7 @@ class TransformerConfig:
         if self.index_shared_layers is not None and self.index_topk is None:
             raise ValueError("index_shared_layers: blocks reusing an earlier block's choice of keys (DeepSeek sparse attention), needs index_topk")
         if self.linear_layers is not None:
-            for name in ("window_layers", "chunk_layers", "nope_layers"):
+            for name in ("window_layers", "chunk_layers", "nope_layers", "sink_layers"):
                 both = sorted(set(self.linear_layers) & set(getattr(self, name) or ()))
                 if both:
                     raise ValueError(f"{name}: blocks {both} are linear-attention blocks (linear_layers), which do not attend")
@@ -577,6 +602,16 @@ class TransformerConfig:
         """Whether trunk block i attends without RoPE: listed in nope_layers."""
         return self.nope_layers is not None and i in self.nope_layers
 
+    def has_sinks(self, i: Optional[int]) -> bool:
+        """Whether trunk block i's attention has sinks (attn_sinks, and i in sink_layers when
+        given); i None: the MTP blocks', with sinks when every block has them."""
+        return self.attn_sinks and (self.sink_layers is None if i is None else self.sink_layers is None or i in self.sink_layers)
+
+    def kv_heads(self, i: Optional[int]) -> int:
+        """Trunk block i's kv heads: local_kv_heads in a window's or chunk's block where set,
+        else n_kv_heads (i None: the MTP blocks', which attend over every earlier token)."""
+        return self.local_kv_heads if self.local_kv_heads is not None and i is not None and self.is_local(i) else self.n_kv_heads
+
     @property
     def shared_size(self) -> int:
         """The shared experts' FFN size: shared_ffn, or n_shared * ffn_expert."""
@@ -608,7 +643,8 @@ class TransformerConfig:
         fp8); index_shared: a block of index_shared_layers (no indexer of its own)."""
         norm = rope or self.nope_qk_norm
         return AttentionConfig(
-            n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, head_dim=self.head_dim, rope_base=self.rope_base,
+            n_heads=self.n_heads, n_kv_heads=self.local_kv_heads if local and self.local_kv_heads is not None else self.n_kv_heads,
+            head_dim=self.head_dim, rope_base=self.rope_base, v_scale=self.value_scale,
             rot_dim=self.rope_dim, interleaved=self.rope_interleaved, yarn_factor=self.yarn_factor,
             yarn_original_max_positions=self.yarn_original_max_positions, yarn_beta_fast=self.yarn_beta_fast,
             yarn_beta_slow=self.yarn_beta_slow, yarn_mscale=self.yarn_mscale, yarn_mscale_all_dim=self.yarn_mscale_all_dim,
@@ -684,9 +720,10 @@ class Attention(nn.Module):
     gradients."""
 
     def __init__(self, cfg: TransformerConfig, *, local: bool = False, rope: bool = True, fp8: Optional[bool] = None,
-                 index_shared: bool = False):
+                 index_shared: bool = False, sinks: Optional[bool] = None):
         super().__init__()
         self.cfg = cfg.attention_config(local=local, rope=rope, fp8=fp8, index_shared=index_shared)
+        sinks = cfg.attn_sinks if sinks is None else sinks  # this block's (TransformerConfig.has_sinks)
         # DeepSeek sparse attention: the key of this layer's choice of keys in the context (AttentionContext.index_choices),
         # whether a later block reuses it (then it is left there), and the choice this one reuses (a block of
         # index_shared_layers); set by Transformer
@@ -700,36 +737,37 @@ class Attention(nn.Module):
                     init = torch.ones if name.endswith("norm") else torch.empty  # norms one at initialisation
                     setattr(self, name, nn.Parameter(init(shape)))
                     self.names.append(name)
-            self._extras(cfg)
+            self._extras(cfg, sinks)
             return
-        H, q, kv = cfg.hidden, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        G, Dv = self.cfg.n_kv_heads, cfg.v_head_dim or cfg.head_dim  # this block's kv heads; the value head dim
+        H, q, kv, o = cfg.hidden, cfg.n_heads * cfg.head_dim, G * cfg.head_dim, cfg.n_heads * Dv
         self.wq = nn.Parameter(torch.empty(H, q))
         self.wk = nn.Parameter(torch.empty(H, kv))
-        self.wv = nn.Parameter(torch.empty(H, kv))
-        self.wo = nn.Parameter(torch.empty(q, H))
+        self.wv = nn.Parameter(torch.empty(H, G * Dv))
+        self.wo = nn.Parameter(torch.empty(o, H))
         self.names = ["wq", "wk", "wv", "wo"]
         if cfg.qkv_bias:  # zero at initialisation (Transformer.reset_parameters)
-            self.bq, self.bk, self.bv = (nn.Parameter(torch.empty(n)) for n in (q, kv, kv))
+            self.bq, self.bk, self.bv = (nn.Parameter(torch.empty(n)) for n in (q, kv, G * Dv))
             self.names += ["bq", "bk", "bv"]
         if self.cfg.qk_norm in ("head", "proj"):  # one at initialisation ("rms" has no weights)
             head = self.cfg.qk_norm == "head"
             self.q_norm = nn.Parameter(torch.ones(cfg.head_dim if head else q))
             self.k_norm = nn.Parameter(torch.ones(cfg.head_dim if head else kv))
             self.names += ["q_norm", "k_norm"]
-        self._extras(cfg)
+        self._extras(cfg, sinks)
 
-    def _extras(self, cfg: TransformerConfig) -> None:
-        """The output bias bo [H] (o_bias) and the attention sinks [n_heads] (attn_sinks),
-        zero at initialisation (Transformer.reset_parameters), and the output gate wg
-        [H, n_heads Dv] (attn_gate)."""
+    def _extras(self, cfg: TransformerConfig, sinks: bool) -> None:
+        """The output bias bo [H] (o_bias) and the attention sinks [n_heads] (sinks: this
+        block's, TransformerConfig.has_sinks), zero at initialisation
+        (Transformer.reset_parameters), and the output gate wg [H, n_heads Dv] (attn_gate)."""
         if cfg.o_bias:
             self.bo = nn.Parameter(torch.empty(cfg.hidden))
             self.names.append("bo")
-        if cfg.attn_sinks:
+        if sinks:
             self.sinks = nn.Parameter(torch.empty(cfg.n_heads))
             self.names.append("sinks")
         if cfg.attn_gate:
-            self.wg = nn.Parameter(torch.empty(cfg.hidden, cfg.n_heads * (cfg.v_head_dim if cfg.kv_rank is not None else cfg.head_dim)))
+            self.wg = nn.Parameter(torch.empty(cfg.hidden, cfg.n_heads * (cfg.v_head_dim or cfg.head_dim)))
             self.names.append("wg")
 
     def forward(self, x_TH, ctx: AttentionContext):
@@ -796,14 +834,15 @@ class Block(nn.Module):
     (None: cfg.fp8; TransformerConfig.is_fp8)."""
 
     def __init__(self, cfg: TransformerConfig, moe: bool, *, local: bool = False, rope: bool = True, linear: bool = False,
-                 fp8: Optional[bool] = None, index_shared: bool = False):
+                 fp8: Optional[bool] = None, index_shared: bool = False, sinks: Optional[bool] = None):
         super().__init__()
         def norm(on: bool) -> Optional[RMSNorm]:
             return RMSNorm(cfg.hidden, cfg.norm_eps, cfg.zero_centered_norms) if on else None
 
         self.attn_norm, self.attn_post_norm = norm(cfg.pre_norms), norm(cfg.post_norms)
         fp8 = cfg.fp8 if fp8 is None else fp8
-        self.attn = LinearAttention(cfg, fp8=fp8) if linear else Attention(cfg, local=local, rope=rope, fp8=fp8, index_shared=index_shared)
+        self.attn = LinearAttention(cfg, fp8=fp8) if linear else Attention(cfg, local=local, rope=rope, fp8=fp8, index_shared=index_shared,
+                                                                                     sinks=sinks)
         self.mlp_norm, self.mlp_post_norm = norm(cfg.pre_norms), norm(cfg.post_norms)
         if moe:
             self.mlp = MoE(cfg.hidden, cfg.ffn_expert, cfg.moe_config(fp8), shared_ffn=cfg.shared_size, shared_gate=cfg.shared_gate,
@@ -847,7 +886,7 @@ class MTPModule(nn.Module):
         self.emb_norm = RMSNorm(cfg.hidden, cfg.norm_eps, cfg.zero_centered_norms)
         self.hidden_norm = RMSNorm(cfg.hidden, cfg.norm_eps, cfg.zero_centered_norms)
         self.proj = nn.Parameter(torch.empty(2 * cfg.hidden, cfg.hidden))
-        self.block = Block(cfg, moe=any(cfg.is_moe(i) for i in range(cfg.n_layers)), fp8=cfg.is_fp8(None))
+        self.block = Block(cfg, moe=any(cfg.is_moe(i) for i in range(cfg.n_layers)), fp8=cfg.is_fp8(None), sinks=cfg.has_sinks(None))
         self.out_norm = RMSNorm(cfg.hidden, cfg.norm_eps, cfg.zero_centered_norms) if cfg.mtp_norm else None
 
     def forward(self, emb_TH, h_TH, ctx: AttentionContext, token_mask: Optional[torch.Tensor] = None):
@@ -905,7 +944,9 @@ class KVCache:
     forward pass rather than the whole sequence's.
 
     k [n_full, batch * max_tokens, G, D], v [n_full, batch * max_tokens, G, Dv] for the
-    n_full layers that attend over every earlier token (G = n_kv_heads, D = Dv = head_dim),
+    n_full layers that attend over every earlier token (G = n_kv_heads, D = head_dim, Dv =
+    v_head_dim or head_dim; a store whose layers differ in kv heads, local_kv_heads, holds
+    the most, each layer using its first TransformerConfig.kv_heads(i)),
     keys after RoPE: sequence b owns the rows [b max_tokens, (b + 1) max_tokens), of which
     the first lengths[b] are filled. The sliding-window layers (cfg.window narrower than
     max_tokens) keep only the window: k_window / v_window [n_window, batch * window, G, D],
@@ -940,12 +981,16 @@ class KVCache:
         self.window = self.ring_length(cfg) if self.window_layers else None  # the sliding window, or the chunk
         self.linear_layers = tuple(i for i in range(cfg.n_layers) if cfg.is_linear(i))
         self.full_layers = tuple(i for i in range(cfg.n_layers) if i not in self.window_layers and i not in self.linear_layers)
+        # each layer's kv heads (TransformerConfig.kv_heads; one latent row under multi-latent attention); a store whose
+        # layers differ in them holds the most, a layer using its first ones
+        self.heads = {i: cfg.kv_heads(i) if cfg.kv_rank is None else 1 for i in range(cfg.n_layers)}
         if cfg.kv_rank is None:
-            row = (cfg.n_kv_heads, cfg.head_dim)
+            row, v_dim = (cfg.head_dim,), cfg.v_head_dim or cfg.head_dim
         else:  # the latent is both the key's first kv_rank channels and the value (then DSA's indexer key)
-            row = (1, cfg.kv_rank + cfg.rope_dim + (cfg.index_head_dim if cfg.index_topk is not None else 0))
-        self.k, self.v = self._store(len(self.full_layers), batch * max_tokens, row, cfg, device, dtype)
-        self.k_window, self.v_window = self._store(len(self.window_layers), batch * (self.window or 0), row, cfg, device, dtype)
+            row, v_dim = (cfg.kv_rank + cfg.rope_dim + (cfg.index_head_dim if cfg.index_topk is not None else 0),), cfg.kv_rank
+        heads = [max((self.heads[i] for i in layers), default=1) for layers in (self.full_layers, self.window_layers)]
+        self.k, self.v = self._store(len(self.full_layers), batch * max_tokens, (heads[0], *row), v_dim, cfg, device, dtype)
+        self.k_window, self.v_window = self._store(len(self.window_layers), batch * (self.window or 0), (heads[1], *row), v_dim, cfg, device, dtype)
         lin = cfg.linear_attention_config()
         self.conv = torch.zeros(len(self.linear_layers), batch, lin.conv - 1, 2 * lin.k_channels + lin.v_channels, device=device, dtype=dtype)
         self.state = torch.zeros(len(self.linear_layers), batch, lin.n_v_heads, lin.k_head_dim, lin.v_head_dim, device=device)
@@ -972,9 +1017,9 @@ class KVCache:
         return cfg.window if cfg.window is not None else cfg.chunk
 
     @staticmethod
-    def _store(n_layers: int, rows: int, row: tuple, cfg: TransformerConfig, device, dtype):
+    def _store(n_layers: int, rows: int, row: tuple, v_dim: int, cfg: TransformerConfig, device, dtype):
         k = torch.zeros(n_layers, rows, *row, device=device, dtype=dtype)
-        return k, (torch.zeros_like(k) if cfg.kv_rank is None else k[..., :cfg.kv_rank])
+        return k, (torch.zeros(n_layers, rows, row[0], v_dim, device=device, dtype=dtype) if cfg.kv_rank is None else k[..., :v_dim])
 
     @property
     def nbytes(self) -> int:
@@ -1005,9 +1050,10 @@ class KVCache:
 
     def _check_new(self, layer: int, k_TGD: torch.Tensor, v_TGD: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor) -> None:
         for name, new, cached in (("k", k_TGD, k_store), ("v", v_TGD, v_store)):
-            if new.shape[1:] != cached.shape[2:] or new.dtype != cached.dtype or new.device != cached.device:
-                raise ValueError(f"cache.{name}: holds {cached.dtype} [.., {', '.join(map(str, cached.shape[2:]))}] on {cached.device}, "
-                                 f"layer {layer} gave {new.dtype} {list(new.shape)} on {new.device} (make the cache with model.kv_cache)")
+            row = (self.heads[layer], cached.shape[-1])  # the layer's heads of the store's
+            if tuple(new.shape[1:]) != row or new.dtype != cached.dtype or new.device != cached.device:
+                raise ValueError(f"cache.{name}: holds {cached.dtype} [.., {', '.join(map(str, row))}] for layer {layer} on {cached.device}, "
+                                 f"the layer gave {new.dtype} {list(new.shape)} on {new.device} (make the cache with model.kv_cache)")
 
     def write(self, layer: int, rows: torch.Tensor, n_keys: int, k_TGD: torch.Tensor, v_TGD: torch.Tensor):
         """Writes full-attention layer `layer`'s keys k [T, G, D] and values v [T, G, Dv] of
@@ -1016,12 +1062,12 @@ class KVCache:
         being decoded, and rows of other sequences or unfilled ones that the decode mask
         hides. Transformer.decode binds layer, rows and n_keys as each layer's
         AttentionContext.gather_kv and advances `lengths` once every layer has been written."""
-        j = self.full_layers.index(layer)
+        j, G = self.full_layers.index(layer), self.heads[layer]
         self._check_new(layer, k_TGD, v_TGD, self.k, self.v)
-        self.k[j].index_copy_(0, rows, k_TGD)
+        self.k[j, :, :G].index_copy_(0, rows, k_TGD)
         if not self.v_in_k:
-            self.v[j].index_copy_(0, rows, v_TGD)
-        return self.k[j, :n_keys], self.v[j, :n_keys]
+            self.v[j, :, :G].index_copy_(0, rows, v_TGD)
+        return self.k[j, :n_keys, :G], self.v[j, :n_keys, :G]
 
     def linear_states(self, layer: int, seqs: list[int], tokens: Optional[int] = None) -> LinearStates:
         """Linear-attention layer `layer`'s states of the sequences `seqs` (copies, in that
@@ -1050,9 +1096,9 @@ class KVCache:
         write, followed by the T new tokens' (a copy: the prompt's early queries may need keys
         that its later tokens overwrite). Transformer.decode binds the rows (and the index
         of each returned row, kv_index, in its mask)."""
-        j = self.window_layers.index(layer)
+        j, G = self.window_layers.index(layer), self.heads[layer]
         self._check_new(layer, k_TGD, v_TGD, self.k_window, self.v_window)
-        ring_k, ring_v = self.k_window[j], self.v_window[j]
+        ring_k, ring_v = self.k_window[j, :, :G], self.v_window[j, :, :G]
         if new_rows is None:
             keys, values = ring_k, ring_v
         else:
@@ -1087,7 +1133,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden))
         self.blocks = nn.ModuleList(Block(cfg, moe=cfg.is_moe(i), local=cfg.is_local(i), rope=not cfg.is_nope(i), linear=cfg.is_linear(i),
-                                          fp8=cfg.is_fp8(i), index_shared=cfg.is_index_shared(i))
+                                          fp8=cfg.is_fp8(i), index_shared=cfg.is_index_shared(i), sinks=cfg.has_sinks(i))
                                     for i in range(cfg.n_layers))
         for i, block in enumerate(self.blocks):  # DeepSeek sparse attention: each block's choice of keys by its index, and the one it reuses
             if isinstance(block.attn, Attention):
@@ -1269,7 +1315,10 @@ class Transformer(nn.Module):
         # the heads this rank's attention and linear attention compute (the model's where it has none)
         local = next((b.attn.cfg for b in self.blocks if isinstance(getattr(b, "attn", None), Attention)), self.cfg)
         linear = next((b.attn.cfg for b in self.blocks if isinstance(getattr(b, "attn", None), LinearAttention)), self.cfg.linear_attention_config())
-        heads = dict(n_heads=local.n_heads, n_kv_heads=local.n_kv_heads, linear_k_heads=linear.n_k_heads, linear_v_heads=linear.n_v_heads)
+        tp = self.cfg.n_heads // local.n_heads  # the tp ranks the heads split over (whole heads, each count divisible)
+        heads = dict(n_heads=local.n_heads, n_kv_heads=self.cfg.n_kv_heads // tp, linear_k_heads=linear.n_k_heads, linear_v_heads=linear.n_v_heads)
+        if self.cfg.local_kv_heads is not None:
+            heads["local_kv_heads"] = self.cfg.local_kv_heads // tp
         cfg = dataclasses.replace(self.cfg, **heads) if any(getattr(self.cfg, k) != v for k, v in heads.items()) else self.cfg
         return KVCache(cfg, max_tokens, batch=batch, device=self.embed.device, dtype=self.compute_dtype or self.embed.dtype)
 

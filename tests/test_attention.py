@@ -15,8 +15,8 @@ YARN = dataclasses.replace(CFG, yarn_factor=4.0, yarn_original_max_positions=16,
 
 
 def _params(cfg, dtype=torch.float32, device="cpu"):
-    N, G, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    shapes = {"wq": (H, N * D), "wk": (H, G * D), "wv": (H, G * D), "wo": (N * D, H)}
+    N, G, D, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.v_dim or cfg.head_dim
+    shapes = {"wq": (H, N * D), "wk": (H, G * D), "wv": (H, G * Dv), "wo": (N * Dv, H)}
     return {n: (torch.randn(*s, device=device) * s[0] ** -0.5).to(dtype).requires_grad_() for n, s in shapes.items()}
 
 
@@ -46,7 +46,7 @@ def _loop_attention(x, p, cfg, cu):
         cos, sin = angles.cos().float(), angles.sin().float()
     else:
         cos, sin = rope_tables(positions, cfg)
-    q, k, v = (x @ p["wq"]).view(T, N, D), (x @ p["wk"]).view(T, G, D), (x @ p["wv"]).view(T, G, D)
+    q, k, v = (x @ p["wq"]).view(T, N, D), (x @ p["wk"]).view(T, G, D), (x @ p["wv"]).view(T, G, -1) * cfg.v_scale
     if cfg.rope:
         q, k = (apply_rope(t, cos, sin, interleaved=cfg.interleaved, impl="torch") for t in (q, k))
     if cfg.qk_norm == "rms":  # each head's channels / their root mean square, no weight
@@ -89,9 +89,11 @@ def _rel(a, b):
                                  dataclasses.replace(CFG, temperature_floor=3, temperature_scale=0.5, temperature_offset=0),
                                  dataclasses.replace(CFG, window=4, local_rope_base=100.0),
                                  dataclasses.replace(CFG, chunk=3, local_rope_base=50.0, rot_dim=8, llama3_factor=8.0, llama3_original_max_positions=4),
-                                 dataclasses.replace(YARN, window=4, local_rope_base=100.0, yarn_mscale=1.0, yarn_mscale_all_dim=0.0)],
+                                 dataclasses.replace(YARN, window=4, local_rope_base=100.0, yarn_mscale=1.0, yarn_mscale_all_dim=0.0),
+                                 dataclasses.replace(CFG, v_dim=12, v_scale=0.7, window=4)],
                          ids=["rope", "yarn", "partial-interleaved", "sliding-window", "chunked", "chunked-rms-norms", "nope-temperature",
-                              "rope-temperature-offset-0", "window-local-base", "chunk-local-base-llama3", "window-local-base-yarn"])
+                              "rope-temperature-offset-0", "window-local-base", "chunk-local-base-llama3", "window-local-base-yarn",
+                              "value-dim-scale"])
 def test_attention_matches_per_token_loop(cfg, impl):
     _check_against_definition(cfg, impl, _params(cfg), _loop_attention)
 
@@ -815,10 +817,18 @@ def test_multi_latent_attention_bad_inputs():
         dataclasses.replace(MLA, rot_dim=None)
     with pytest.raises(ValueError, match="qk_norm: not with multi-latent attention"):
         dataclasses.replace(MLA, qk_norm="head")
-    with pytest.raises(ValueError, match="q_rank / v_dim: multi-latent attention knobs, need kv_rank"):
-        dataclasses.replace(CFG, v_dim=8)
+    with pytest.raises(ValueError, match="q_rank: a multi-latent attention knob, needs kv_rank"):
+        dataclasses.replace(CFG, q_rank=8)
     with pytest.raises(ValueError, match="v_dim: expected a positive int"):
         dataclasses.replace(MLA, v_dim=0)
+    for bad in (0, True, 1.5):  # grouped-query attention's value head dim
+        with pytest.raises(ValueError, match=f"v_dim: expected None or a positive int \\(the value head dim\\), got {bad!r}"):
+            dataclasses.replace(CFG, v_dim=bad)
+    for bad in (0.0, -1.0, float("inf"), True):
+        with pytest.raises(ValueError, match=f"v_scale: expected a finite number > 0, got {bad!r}"):
+            dataclasses.replace(CFG, v_scale=bad)
+    with pytest.raises(ValueError, match="v_scale: scales grouped-query attention's values, not multi-latent attention's"):
+        dataclasses.replace(MLA, v_scale=0.5)
     cu = torch.tensor([0, 6], dtype=torch.int32)
     x, p = torch.randn(6, H), {n: t.detach() for n, t in _mla_params(MLA).items()}
     with pytest.raises(ValueError, match=r"params\['wkv_b'\]: expected torch.float32 \[6, 52\]"):

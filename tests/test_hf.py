@@ -262,6 +262,13 @@ FAMILIES = {
         n_group=2, topk_group=1, n_shared_experts=1, kv_lora_rank=8, q_lora_rank=None, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5,
         linear_head_dim=8, linear_num_heads=4, layer_types=["linear_attention", "full_attention", "linear_attention"],
         mlp_layer_types=["dense", "sparse", "sparse"], bos_token_id=None, eos_token_id=None, pad_token_id=None),
+    # MiMo-V2-Flash: q/k heads of 12, values of 8 scaled by 0.707, q/k/v biases; layer 0 full attention with 2 kv heads
+    # and RoPE at 5e6, layers 1 and 2 over a 4-token window with 4 kv heads, sinks and RoPE at 1e4, each on the first
+    # 4 channels (0.334 of 12); layer 0 dense, DeepSeek-V3's routing over 2 groups of 4 experts, x 1.5, no shared expert
+    "mimo_v2_flash": lambda: transformers.MiMoV2FlashConfig(**COMMON, head_dim=12, v_head_dim=8, intermediate_size=40, moe_intermediate_size=16,
+                                                            n_routed_experts=8, num_experts_per_tok=3, n_group=2, topk_group=1, sliding_window=4,
+                                                            routed_scaling_factor=1.5, attention_bias=True, bos_token_id=None, eos_token_id=None,
+                                                            pad_token_id=None),
     # Mistral 4: DeepSeek-V3's multi-latent attention (YaRN, interleaved RoPE) with every query
     # scaled by 1 + 0.5 log(1 + floor(p / 4)) (an original length of 4, so that these short
     # documents reach it); softmax top-3 renormalised x 1.5, a shared expert, layer 0 dense;

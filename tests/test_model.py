@@ -54,6 +54,10 @@ VARIANTS = {
                                        linear_v_dim=6, n_kv_heads=4, head_dim=12, rope_dim=4, kv_rank=6, v_head_dim=5, nope_layers=(2,),
                                        n_groups=2, topk_groups=1, group_score_topk=2, mtp_depth=1),
     "sandwich norms": dataclasses.replace(TINY, post_norms=True),
+    # MiMo-V2-Flash's attention: values of 6 channels beside q/k heads of 8, scaled by 0.7; the window's blocks 0 and 2
+    # with 4 kv heads (1 and the MTP block's 2), sinks and their own RoPE base
+    "mimo": dataclasses.replace(TINY, v_head_dim=6, value_scale=0.7, window=4, window_layers=(0, 2), local_kv_heads=4, attn_sinks=True,
+                                sink_layers=(0, 2), local_rope_base=100.0, mtp_depth=1),
     # gpt-oss's pieces: q/k/v/o biases, attention sinks, a router bias, expert biases, the
     # clamped SwiGLU, YaRN without truncation, sliding windows in blocks 0 and 2
     "gpt-oss": dataclasses.replace(TINY, qkv_bias=True, o_bias=True, attn_sinks=True, router_bias=True, expert_biases=True, swiglu_alpha=1.702,
@@ -738,6 +742,46 @@ def test_deepseek_sparse_attention_trains_its_indexer_by_its_own_loss():
     assert frozen.index_loss_sum() is None and frozen.blocks[0].attn.index_w.grad is None
 
 
+def test_mimo_attention_knobs_build_what_they_say():
+    """v_head_dim without kv_rank: grouped-query attention's values of their own dim;
+    local_kv_heads: the window's blocks' kv heads; sink_layers: the blocks with sinks (the
+    MTP block without); value_scale: the values scaled (the output changes, and is the
+    unscaled model's with wv scaled instead)."""
+    cfg = VARIANTS["mimo"]
+    model = Transformer(cfg)
+    shapes = [(b.attn.wk.shape, b.attn.wv.shape, b.attn.wo.shape, hasattr(b.attn, "sinks")) for b in (*model.blocks, model.mtp[0].block)]
+    local, full = ((32, 4 * 8), (32, 4 * 6), (4 * 6, 32), True), ((32, 2 * 8), (32, 2 * 6), (4 * 6, 32), False)
+    assert shapes == [local, full, local, full]
+    assert [cfg.kv_heads(i) for i in (0, 1, 2, None)] == [4, 2, 4, 2] and [cfg.has_sinks(i) for i in (0, 1, None)] == [True, False, False]
+    batch = _batch(cfg)
+    torch.manual_seed(1)
+    with torch.no_grad():  # weights large enough that the values' scale shows in the loss
+        for name, p in model.named_parameters():
+            if not name.endswith("norm.weight"):
+                p.normal_(0.0, 0.3)
+    with torch.no_grad():
+        losses, _ = model(batch)
+        unscaled = Transformer(dataclasses.replace(cfg, value_scale=1.0))
+        unscaled.load_state_dict(model.state_dict())
+        other, _ = unscaled(batch)
+    assert float(other["lm_sum"]) != pytest.approx(float(losses["lm_sum"]), rel=1e-2)
+    with torch.no_grad():
+        for b in (*unscaled.blocks, unscaled.mtp[0].block):
+            b.attn.wv.mul_(0.7)
+        folded, _ = unscaled(batch)
+    assert float(folded["lm_sum"]) == pytest.approx(float(losses["lm_sum"]), rel=1e-5)
+    for overrides, message in ((dict(local_kv_heads=3, window=4), "local_kv_heads: 4 heads do not split over 3 kv heads"),
+                               (dict(local_kv_heads=4), "local_kv_heads: the kv heads of the window's or chunk's blocks, needs a window or a chunk"),
+                               (dict(sink_layers=(0,)), "sink_layers: the blocks with attention sinks, needs attn_sinks"),
+                               (dict(attn_sinks=True, sink_layers=(3,)), r"sink_layers: expected distinct block indices in 0..2"),
+                               (dict(value_scale=0.0), "value_scale: expected a positive finite number"),
+                               (dict(v_head_dim=0), "v_head_dim: expected >= 1, got 0"),
+                               (dict(n_kv_heads=4, head_dim=12, rope_dim=4, q_rank=10, kv_rank=6, v_head_dim=5, value_scale=0.5),
+                                "value_scale: scales grouped-query attention's values, not multi-latent attention's")):
+        with pytest.raises(ValueError, match=message):
+            dataclasses.replace(TINY, **overrides)
+
+
 def test_released_model_knobs_build_what_they_say():
     cfg = TransformerConfig(**{**_SMALL, "moe_layers": (3, 1), "shared_ffn": 24, "shared_gate": True, "qkv_bias": True,
                                "qk_norm": "head", "tie_embeddings": True, "score": "softmax", "expert_bias": False, "pre_softmax": True})
@@ -784,6 +828,10 @@ DECODED = {
     "gated deltanet": dataclasses.replace(VARIANTS["gated deltanet"], mtp_depth=0),
     # Kimi Linear's: Kimi Delta Attention blocks (a decay per key channel in the states) beside an MLA block without RoPE
     "kimi linear": dataclasses.replace(VARIANTS["kimi linear"], mtp_depth=0),
+    # MiMo-V2-Flash's: the window's blocks (rings) with twice the kv heads, values of their own dim; and with a window
+    # wider than the cache, all three blocks in one store, of the most heads
+    "mimo": dataclasses.replace(VARIANTS["mimo"], mtp_depth=0),
+    "mimo, wide window": dataclasses.replace(VARIANTS["mimo"], mtp_depth=0, window=40),
 }
 
 
@@ -822,7 +870,10 @@ def test_decode_with_a_kv_cache_equals_the_whole_sequence(name, monkeypatch):
     assert not got[0].requires_grad  # inference: no graph kept
     cfg = model.cfg
     filled = cache.k[..., :cfg.kv_rank + cfg.rope_dim] if cfg.kv_rank is not None else cache.k  # (a layer without an indexer caches zeros as its key)
-    assert cache.k[:, 13:].abs().sum() == 0 and filled[:, :13].abs().amin(dim=(2, 3)).gt(0).all()
+    assert cache.k[:, 13:].abs().sum() == 0
+    for j, layer in enumerate(cache.full_layers):  # each layer's own kv heads filled (of a store holding the most), the others untouched
+        G = 1 if cfg.kv_rank is not None else cfg.kv_heads(layer)
+        assert filled[j, :13, :G].abs().amin(dim=(1, 2)).gt(0).all() and filled[j, :, G:].abs().sum() == 0
     attending = cfg.n_layers - len(cfg.linear_layers or ())
     if cfg.kv_rank is not None:  # the latents only: kv_rank + rope_dim per token and attending layer (and DSA's indexer key)
         index = cfg.index_head_dim if cfg.index_topk is not None else 0
@@ -831,8 +882,10 @@ def test_decode_with_a_kv_cache_equals_the_whole_sequence(name, monkeypatch):
         # DeepSeek sparse attention's kernel reads the latents absorbed in every call
         kernel = cfg.index_topk is not None and cfg.impl == "triton"
         assert forms.count("_mla_latent_qkv") == (7 if kernel else 4) * attending and forms.count("_mla_expand") == (0 if kernel else 3) * attending
-    else:
-        assert cache.k.shape == cache.v.shape == (len(cache.full_layers), 16, cfg.n_kv_heads, cfg.head_dim)
+    else:  # values of their own dim (MiMo-V2-Flash's); a store of layers with other kv heads holds the most of them
+        heads = max(cfg.kv_heads(i) for i in cache.full_layers)
+        assert cache.k.shape == (len(cache.full_layers), 16, heads, cfg.head_dim)
+        assert cache.v.shape == (len(cache.full_layers), 16, heads, cfg.v_head_dim or cfg.head_dim)
     if cfg.linear_layers is not None:  # a state of fixed size per linear-attention layer: the conv's last K - 1 tokens, the rule's state
         lin = cfg.linear_attention_config()
         assert cache.linear_layers == cfg.linear_layers == (0, 1) and cache.full_layers == (2,)
@@ -840,14 +893,15 @@ def test_decode_with_a_kv_cache_equals_the_whole_sequence(name, monkeypatch):
         assert cache.state.shape == (2, 1, lin.n_v_heads, lin.k_head_dim, lin.v_head_dim) and cache.state.abs().amin(dim=(2, 3, 4)).gt(0).all()
         keys = cache.k.numel() if cfg.kv_rank is not None else 2 * 16 * cfg.n_kv_heads * cfg.head_dim  # the latents, or keys and values
         assert cache.nbytes == 4 * (keys + cache.conv.numel() + cache.state.numel())
-    elif cfg.window is None and cfg.chunk is None:
+    elif (cfg.window is None and cfg.chunk is None) or (cfg.window or cfg.chunk) >= 16:  # no local layers, or none narrower than the cache
         assert cache.full_layers == tuple(range(cfg.n_layers)) and cache.k_window.numel() == 0
     else:  # the sliding-window (chunked) layers keep a ring of the window's (chunk's) newest tokens only
         local, length = (cfg.window_layers, cfg.window) if cfg.window is not None else (cfg.chunk_layers, cfg.chunk)
+        G, Dv = cfg.kv_heads(0), cfg.v_head_dim or cfg.head_dim
         assert cache.window_layers == local == (0, 2) and cache.full_layers == (1,) and cache.window == length
-        assert cache.k_window.shape == cache.v_window.shape == (2, length, cfg.n_kv_heads, cfg.head_dim)
-        token = 2 * cfg.n_kv_heads * cfg.head_dim * 4  # a token's key and value in float32
-        assert cache.nbytes == (16 + 2 * length) * token < 3 * 16 * token
+        assert cache.k_window.shape == (2, length, G, cfg.head_dim) and cache.v_window.shape == (2, length, G, Dv)
+        token = cfg.n_kv_heads * (cfg.head_dim + Dv) * 4  # a token's key and value in float32, in a full layer
+        assert cache.nbytes == (16 + 2 * length * G // cfg.n_kv_heads) * token < 3 * 16 * token
     # a new sequence in the same cache
     cache.length = 0
     with torch.no_grad():

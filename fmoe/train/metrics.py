@@ -108,7 +108,7 @@ def flops_per_token(
     n_heads: int, n_kv_heads: int, head_dim: int, vocab: int, mtp_depth: int = 0, n_avg_keys: float,
     n_experts: int = 0, attention_weights: Optional[int] = None, v_dim: Optional[int] = None,
     n_sliding: int = 0, n_avg_local_keys: Optional[float] = None, attn_gate: bool = False, n_linear: int = 0,
-    linear_layer: float = 0.0,
+    linear_layer: float = 0.0, local_attention_weights: Optional[int] = None,
 ) -> float:
     """Training FLOPs per token (forward + backward): SPEC.md section 8 with the router and
     the MTP modules' blocks (the module docstring's formula). n_shared counts shared experts
@@ -120,8 +120,10 @@ def flops_per_token(
     cost 6 n_heads (head_dim + v_dim) n_avg_keys (12 q n_avg_keys when they are equal).
     n_sliding of the n_layers trunk layers attend over a sliding window or within chunks,
     n_avg_local_keys keys each on average (mean_attended_keys(cu_seqlens, window, chunk));
-    the MTP blocks over all. n_linear of them are linear-attention layers instead, of
-    linear_layer FLOPs per token each (linear_attention_flops)."""
+    the MTP blocks over all, local_attention_weights the sliding layers' projection
+    elements where they differ (other kv heads: MiMo-V2-Flash; None: attention_weights').
+    n_linear of them are linear-attention layers instead, of linear_layer FLOPs per token
+    each (linear_attention_flops)."""
     args = dict(hidden=hidden, n_layers=n_layers, n_dense=n_dense, ffn_dense=ffn_dense, ffn_expert=ffn_expert, k=k,
                 n_shared=n_shared, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, vocab=vocab,
                 mtp_depth=mtp_depth, n_avg_keys=n_avg_keys, n_experts=n_experts)
@@ -140,18 +142,20 @@ def flops_per_token(
     n_moe = n_layers - n_dense
     q, kv = n_heads * head_dim, n_kv_heads * head_dim
     weights = H * (q + 2 * kv) + q * H if attention_weights is None else attention_weights
-    if attn_gate:  # the output gate [H, n_heads v_dim] beside the projections
-        weights += H * n_heads * (head_dim if v_dim is None else v_dim)
+    gate = H * n_heads * (head_dim if v_dim is None else v_dim) if attn_gate else 0  # the output gate [H, n_heads v_dim]
+    if local_attention_weights is not None:
+        _check_count("local_attention_weights", local_attention_weights)
 
-    def attention_layer(keys):  # projections, then scores and values over `keys` keys per query
-        return 6 * weights + 6 * n_heads * (head_dim + (head_dim if v_dim is None else v_dim)) * keys
+    def attention_layer(keys, local=False):  # projections, then scores and values over `keys` keys per query
+        own = local_attention_weights if local and local_attention_weights is not None else weights
+        return 6 * (own + gate) + 6 * n_heads * (head_dim + (head_dim if v_dim is None else v_dim)) * keys
 
     attention = attention_layer(n_avg_keys)
     dense_ffn = 6 * H * m * ffn_dense
     moe_ffn = 6 * H * m * ffn_expert * (k + n_shared) + 6 * H * n_experts  # experts, router
     trunk = (n_layers - n_sliding - n_linear) * attention + n_linear * linear_layer + n_dense * dense_ffn + n_moe * moe_ffn
     if n_sliding:
-        trunk += n_sliding * attention_layer(n_avg_local_keys)
+        trunk += n_sliding * attention_layer(n_avg_local_keys, local=True)
     mtp = mtp_depth * (6 * 2 * H * H + attention + (moe_ffn if n_moe else dense_ffn))
     head = (1 + mtp_depth) * 6 * H * vocab
     return float(trunk + mtp + head)
@@ -183,6 +187,8 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
     terms of every block (trunk and MTP) are its own: 6 x its projection weights, and
     6 N (D + v_dim) n_avg_keys for the scores (q.k over D) and the values (over v_dim).
     Gated attention (attn_gate) adds its gate's H N Dv weights to each block's projections.
+    Grouped-query attention with a value head dim of its own (v_head_dim) counts H N D + H G
+    (D + Dv) + N Dv H projection weights, G = local_kv_heads in the local blocks where set.
     Blocks with a sliding window or chunked attention (cfg.is_local) count n_avg_local_keys
     keys per query (mean_attended_keys with cfg.window, cfg.chunk): required when there are any.
     Linear-attention blocks (cfg.is_linear) count linear_attention_flops in place of attention.
@@ -201,6 +207,16 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
 
         mats, _ = mla_shapes(cfg.hidden, cfg.attention_config())
         attention = dict(attention_weights=sum(a * b for a, b in mats.values()), v_dim=cfg.v_head_dim)
+    elif getattr(cfg, "v_head_dim", None) is not None or getattr(cfg, "local_kv_heads", None) is not None:
+        # grouped-query attention with its own value head dim, or other kv heads in the local blocks
+        D, Dv = cfg.head_dim, getattr(cfg, "v_head_dim", None) or cfg.head_dim
+
+        def gqa(G):
+            return cfg.hidden * (cfg.n_heads * D + G * (D + Dv)) + cfg.n_heads * Dv * cfg.hidden
+
+        attention = dict(attention_weights=gqa(cfg.n_kv_heads), v_dim=Dv)
+        if getattr(cfg, "local_kv_heads", None) is not None:
+            attention["local_attention_weights"] = gqa(cfg.local_kv_heads)
     n_sliding = sum(getattr(cfg, "is_local", getattr(cfg, "is_sliding", lambda i: False))(i) for i in range(cfg.n_layers))
     if n_sliding and n_avg_local_keys is None:
         local = f"within chunks of {cfg.chunk}" if getattr(cfg, "chunk", None) is not None else f"over a sliding window of {cfg.window}"

@@ -43,6 +43,9 @@ KIMI_LINEAR = dict(linear_layers=(0,), linear_kind="kda", linear_k_heads=2, line
 DSA = dict(MLA, q_rank=10, index_topk=3, index_heads=4, index_head_dim=6, index_shared_layers=(1,))
 # Granite's multipliers: the softmax scale, the embeddings', the residual branches', the logits' divisor
 GRANITE = dict(attn_scale=0.3, embed_scale=2.0, residual_scale=0.6, logit_divisor=3.0)
+# MiMo-V2-Flash's attention: values of 6 channels beside q/k heads of 8, scaled; the window's block 1 with 4 kv heads
+# (block 0 and the MTP block's 2), sinks and its own RoPE base
+MIMO = dict(v_head_dim=6, value_scale=0.7, window=5, window_layers=(1,), local_kv_heads=4, attn_sinks=True, sink_layers=(1,), local_rope_base=100.0)
 
 # context parallel layouts of 24 tokens (cp = 4: 8 chunks of 3): one document over every
 # rank; documents shorter than a chunk next to one crossing most chunk edges; ...
@@ -309,6 +312,8 @@ CASES = {
     "fsdp2-fp8": (2, dict(), dict(fp8=True)),
     "ep2-fp8": (2, dict(ep=2), dict(fp8=True)),
     "cp2-fp8": (2, dict(cp=2), dict(fp8=True)),
+    # MiMo-V2-Flash's attention (MIMO): each block's own kv heads and the values' dim split over tp, gathered over cp
+    "cp2xtp2-mimo": (4, dict(cp=2, tp=2), MIMO),
     "tp2-fp8": (2, dict(tp=2), dict(fp8=True)),
     "etp2-capacity-fp8": (2, dict(etp=2), dict(fp8=True, capacity_factor=1.0)),
     "ep2xtp2-fp8": (4, dict(tp=2, ep=2), dict(fp8=True)),
@@ -327,6 +332,7 @@ DECODE_CASES = {
     "ep2": (2, dict(ep=2), dict(GPT_OSS, **WINDOW), None, 1e-5),
     "etp2": (2, dict(etp=2), GPT_OSS, None, 1e-5),
     "tp2": (2, dict(tp=2), dict(GPT_OSS, **WINDOW, nope_layers=(0,)), None, 1e-5),  # the full block NoPE, as EXAONE's
+    "tp2-mimo": (2, dict(tp=2), dict(MIMO, window=3), None, 1e-5),  # each rank's share of each block's kv heads in the cache
     "tp2-proj-norm": (2, dict(tp=2), dict(qk_norm="proj", **WINDOW, **GRANITE, post_norms=True), None, 1e-5),  # sandwich norms
     "tp2-mla": (2, dict(tp=2), dict(MLA, q_rank=10), None, 1e-5),
     "tp2-dsa": (2, dict(tp=2), DSA, None, 1e-5),  # the cache's rows hold the indexer's keys too

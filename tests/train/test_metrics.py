@@ -282,6 +282,15 @@ def test_model_flops_per_token_reads_the_model_config():
     with pytest.raises(ValueError, match="attn_gate: expected a bool, got 1"):
         M.flops_per_token(hidden=64, n_layers=3, n_dense=1, ffn_dense=128, ffn_expert=32, k=2, n_shared=1, n_heads=4, n_kv_heads=2,
                           head_dim=16, vocab=300, n_avg_keys=10.0, attn_gate=1)
+    # MiMo-V2-Flash's attention: values of 8 (not 16) per head, 4 kv heads (not 2) in the window's blocks 0 and 2: by hand,
+    # q [64 -> 64], k [64 -> G 16], v [64 -> G 8], o [32 -> 64]; the scores over 16 channels and the values over 8
+    mimo = TransformerConfig(**{**cfg.__dict__, "v_head_dim": 8, "window": 4, "window_layers": (0, 2), "local_kv_heads": 4})
+
+    def mimo_attention(G, keys):
+        return 6 * (64 * 64 + 64 * G * 16 + 64 * G * 8 + 32 * 64) + 6 * 4 * (16 + 8) * keys
+
+    want = 2 * mimo_attention(4, 3.0) + 2 * mimo_attention(2, 10.0) + 6 * 64 * 3 * 128 + 3 * moe + 6 * 2 * 64 * 64 + 2 * 6 * 64 * 300
+    assert M.model_flops_per_token(mimo, n_avg_keys=10.0, n_avg_local_keys=3.0) == want
     # and chunked blocks (Llama 4) alike
     chunked = TransformerConfig(**{**cfg.__dict__, "chunk": 4, "chunk_layers": (0, 2)})
     assert M.model_flops_per_token(chunked, n_avg_keys=10.0, n_avg_local_keys=3.0) == expected - 2 * 12 * 64 * (10.0 - 3.0)
