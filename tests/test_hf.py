@@ -765,6 +765,14 @@ def test_the_newer_dense_families_read_their_layer_patterns_as_transformers_comp
     assert mine == ours("exaone4", theirs(transformers.Exaone4Config, exaone)) == ours("exaone4", dict(exaone, sliding_window_pattern="LLLG"))
     assert (mine.window_layers, mine.nope_layers) == ((0, 1, 2, 4, 5, 6), (3, 7))
     assert (ours("exaone4", dict(exaone, sliding_window=None)).window, ours("exaone4", dict(exaone, sliding_window=None)).nope_layers) == (None, None)
+    # a rotary part whose fraction of the head rounds below it in int(head_dim x factor) (30 / 44 x 44 = 29.99...): written
+    # half a channel over, so that transformers and fmoe read 30 back
+    odd = TransformerConfig(vocab_size=V, hidden=32, n_layers=2, n_dense=2, ffn_dense=48, n_heads=2, n_kv_heads=2, head_dim=44, rope_dim=30,
+                            qkv_bias=True, post_norms=True, rope_interleaved=True, mtp_depth=0)
+    assert int(44 * (30 / 44)) == 29
+    written = hf.hf_config(odd, "glm4")
+    factor = written["rope_parameters"]["partial_rotary_factor"]
+    assert int(44 * factor) == 30 and ours("glm4", written).rope_dim == 30 and not hf.config_mismatch(odd, written)
     for family, config, match in (
             ("olmo3", dict(older, rope_scaling=dict(older["rope_scaling"], attention_factor=1.5)),
              r"attention_factor = 1.5 is not supported \(YaRN's own attention factor, 1.20794"),
