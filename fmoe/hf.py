@@ -10,7 +10,7 @@ exaone_moe, dots1, minimax_m2, granitemoe, granitemoeshared, granitemoe_swa, hun
 sarvam_moe, sarvam_mla, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, kimi_linear, ernie4_5_moe, mimo_v2_flash, mistral4,
 mistral3), and the dense
 DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
-glm4: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
+glm4, ernie4_5: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: clipped qkv, ...;
 the fields a config.json leaves out read at transformers' defaults, Family.defaults, and a
 family's own names for the fields the shared mappings read as those, Family.aliases)
@@ -362,6 +362,13 @@ def _mimo_v2_flash(hf: dict) -> dict:
                 v_head_dim=None if Dv == D else Dv, value_scale=1.0 if scale is None else float(scale), qkv_bias=bias,
                 local_kv_heads=2 * G if window else None, attn_sinks=bool(sliding), sink_layers=sliding if sliding and len(sliding) < n else None,
                 local_rope_base=local if window else None)
+
+
+def _ernie4_5(hf: dict) -> dict:
+    """ERNIE 4.5 dense (ernie4_5; ERNIE-4.5-0.3B): Llama's blocks with RoPE on interleaved
+    pairs (ERNIE 4.5 MoE's attention), tied embeddings by default, no biases (use_bias)."""
+    _refuse(hf, "use_bias", lambda v: not v, "no biases on the linear layers")
+    return _dense(hf, rope_interleaved=True)
 
 
 def _smollm3(hf: dict) -> dict:
@@ -1250,7 +1257,7 @@ _MINISTRAL3_ROPE = dict(rope_type="yarn", rope_theta=1e6, factor=16.0, original_
                         mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1)
 # the dense families (no MoE block): fine-tuned as they are, or upcycled into an MoE (fmoe.train.upcycle)
 DENSE_FAMILIES = ("llama", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
-                  "phi3", "glm4")
+                  "phi3", "glm4", "ernie4_5")
 FAMILIES = {
     "mixtral": Family(_mixtral, "block_sparse_moe", ("w1", "w3", "w2"), "MixtralForCausalLM",
                       defaults=dict(num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1e6)),
@@ -1362,6 +1369,9 @@ FAMILIES = {
     "glm4": Family(_glm4, "mlp", _PROJ, "Glm4ForCausalLM", dense_gate_up=True,
                    sandwich=("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm"),
                    defaults=dict(num_key_value_heads=2, head_dim=128, rms_norm_eps=1.5625e-07, attention_bias=True, partial_rotary_factor=0.5)),
+    "ernie4_5": Family(_ernie4_5, "mlp", _PROJ, "Ernie4_5ForCausalLM",
+                       defaults=dict(num_key_value_heads=2, head_dim=128, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                                     rope_parameters=dict(rope_type="default", rope_theta=500000.0))),
     "smollm3": Family(_smollm3, "mlp", _PROJ, "SmolLM3ForCausalLM", defaults=dict(num_key_value_heads=4, rope_theta=2e6, tie_word_embeddings=True)),
     "exaone4": Family(_exaone4, "mlp", _PROJ, "Exaone4ForCausalLM", defaults=dict(rms_norm_eps=1e-5, sliding_window=4096, num_key_value_heads=32)),
     "seed_oss": Family(_seed_oss, "mlp", _PROJ, "SeedOssForCausalLM", defaults=dict(num_key_value_heads=8, head_dim=128, attention_bias=True)),
@@ -2177,6 +2187,8 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
                       use_sliding_window=cfg.window is not None, sliding_window=cfg.window, layer_types=_layer_types(cfg))
         elif model_type == "exaone4":  # without a window, every layer global (layer_types written: transformers divides by the pattern)
             hf.update(sliding_window=cfg.window, layer_types=_layer_types(cfg))
+        elif model_type == "ernie4_5":
+            hf.update(use_bias=False)
         elif model_type == "seed_oss":
             hf.update(attention_bias=cfg.qkv_bias, attention_out_bias=cfg.o_bias)
         elif model_type in ("phi3", "glm4"):  # RoPE on the first partial_rotary_factor of each head

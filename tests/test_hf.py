@@ -62,6 +62,8 @@ FAMILIES = {
                                             rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.75)),
     # GLM-4: sandwich norms, q/k/v biases, RoPE on interleaved pairs of the first half of each head, gate and up of gate_up_proj
     "glm4": lambda: transformers.Glm4Config(**COMMON, head_dim=8, intermediate_size=40, bos_token_id=None, eos_token_id=None, pad_token_id=None),
+    # ERNIE 4.5 dense: Llama's blocks with RoPE on interleaved pairs, tied embeddings
+    "ernie4_5": lambda: transformers.Ernie4_5Config(**COMMON, head_dim=8, intermediate_size=40, bos_token_id=None, eos_token_id=None, pad_token_id=None),
     "qwen2": lambda: transformers.Qwen2Config(**COMMON, intermediate_size=40),
     "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=8, intermediate_size=40),
     "mixtral": lambda: transformers.MixtralConfig(**COMMON, head_dim=8, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2),
@@ -476,7 +478,7 @@ def test_a_failed_export_leaves_no_weight_files(folders, tmp_path, monkeypatch):
                                           ("exaone4", dict(qk_norm="head", pre_norms=False, post_norms=True, window=4, window_layers=(0,), nope_layers=(1,))),
                                           ("exaone4", dict(qk_norm="head", pre_norms=False, post_norms=True)),
                                           ("seed_oss", dict(qkv_bias=True)), ("hunyuan_v1_dense", dict(qk_norm="head", qk_norm_after_rope=True)),
-                                          ("phi3", dict(rope_dim=4, window=4)), ("glm4", dict(qkv_bias=True, post_norms=True, rope_interleaved=True, rope_dim=4))])
+                                          ("phi3", dict(rope_dim=4, window=4)), ("ernie4_5", dict(rope_interleaved=True, tie_embeddings=True)), ("glm4", dict(qkv_bias=True, post_norms=True, rope_interleaved=True, rope_dim=4))])
 def test_a_dense_model_of_fmoe_s_own_exports_as_a_dense_family(family, knobs, tmp_path):
     """An fmoe model with no MoE block (its MoE fields at the defaults, unused) is written as
     the dense family and read by transformers with the same logits; the attention must match
