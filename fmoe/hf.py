@@ -7,10 +7,10 @@ A folder holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). Supported `model_type`s: FAMILIES (mixtral, qwen2_moe,
 qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, kimi_k2, kimi_k25, deepseek_v2, deepseek_v32, glm_moe_dsa, glm4_moe_lite, gpt_oss, solar_open,
 exaone_moe, dots1, minimax_m2, granitemoe, granitemoeshared, granitemoe_swa, hunyuan_v1_moe, llama4_text, llama4, afmoe,
-sarvam_moe, sarvam_mla, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, kimi_linear, ernie4_5_moe, mimo_v2_flash, mistral4,
-mistral3), and the dense
+sarvam_moe, sarvam_mla, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, kimi_linear, ernie4_5_moe, mimo_v2_flash, lfm2_moe,
+mistral4, mistral3), and the dense
 DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
-glm4, ernie4_5: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
+glm4, ernie4_5, lfm2: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: clipped qkv, ...;
 the fields a config.json leaves out read at transformers' defaults, Family.defaults, and a
 family's own names for the fields the shared mappings read as those, Family.aliases)
@@ -369,6 +369,53 @@ def _ernie4_5(hf: dict) -> dict:
     pairs (ERNIE 4.5 MoE's attention), tied embeddings by default, no biases (use_bias)."""
     _refuse(hf, "use_bias", lambda v: not v, "no biases on the linear layers")
     return _dense(hf, rope_interleaved=True)
+
+
+def _lfm2_common(hf: dict, n_experts: int) -> dict:
+    """LFM2's blocks (dense and MoE): gated short convolutions (fmoe.layers.linear_attention's
+    "short_conv": conv.in_proj's B, C and x rows, conv_L_cache taps, over the hidden channels,
+    which are its heads) in the layers layer_types names conv (an older config's: all but
+    full_attn_idxs), grouped-query attention with per-head q/k norms before RoPE in the
+    others (out_proj, q_layernorm, k_layernorm); pre-norms operator_norm and ffn_norm, the
+    final norm embedding_norm."""
+    _refuse(hf, "conv_bias", lambda v: not v, "no biases in the short convolutions")
+    n, kinds = hf["num_hidden_layers"], hf.get("layer_types")
+    if kinds is None:
+        full = hf.get("full_attn_idxs")
+        kinds = ["full_attention" if full is None or i in full else "conv" for i in range(n)]
+    if not isinstance(kinds, list) or len(kinds) != n or set(kinds) - {"full_attention", "conv"}:
+        raise ValueError(f"config.json: layer_types = {kinds!r} is not supported (one of full_attention / conv per layer)")
+    conv = tuple(i for i, kind in enumerate(kinds) if kind == "conv")
+    H = hf["hidden_size"]
+    return dict(_common(dict(hf, layer_types=None), n_experts), qk_norm="head", linear_layers=conv or None, linear_kind="short_conv",
+                linear_k_heads=H, linear_v_heads=H, linear_k_dim=1, linear_v_dim=1, linear_conv=hf.get("conv_L_cache", 3))
+
+
+def _lfm2(hf: dict) -> dict:
+    """LFM2 (lfm2, dense; LFM2-350M to -2.6B): _lfm2_common's blocks, each with a SwiGLU
+    (feed_forward w1, w3, w2) of intermediate_size or, with block_auto_adjust_ff_dim, of
+    2/3 of it (then times block_ffn_dim_multiplier, rounded up to block_multiple_of)."""
+    F = hf["intermediate_size"]
+    if hf.get("block_auto_adjust_ff_dim", True):
+        F, mult = int(2 * F / 3), hf.get("block_ffn_dim_multiplier", 1.0)
+        if mult is not None:
+            m = hf.get("block_multiple_of", 256)
+            F = m * ((int(mult * F) + m - 1) // m)
+    common = _lfm2_common(dict(hf, num_experts_per_tok=1), 1)
+    return dict(common, ffn_dense=F, ffn_expert=F, n_dense=hf["num_hidden_layers"], n_shared=0)
+
+
+def _lfm2_moe(hf: dict) -> dict:
+    """LFM2-MoE (lfm2_moe; LFM2-8B-A1B): _lfm2_common's blocks, num_dense_layers dense ones
+    first (a SwiGLU of intermediate_size), then MoE blocks of num_experts experts routed on
+    sigmoids (plus the expert_bias buffer with use_expert_bias), renormalised with
+    norm_topk_prob, x routed_scaling_factor; no shared experts."""
+    normalize, scale = bool(hf.get("norm_topk_prob", True)), float(hf.get("routed_scaling_factor", 1.0))
+    if normalize:
+        _refuse_single_renormalised(hf)
+    return dict(_lfm2_common(hf, hf["num_experts"]), ffn_expert=hf["moe_intermediate_size"], ffn_dense=hf["intermediate_size"],
+                n_dense=hf.get("num_dense_layers", 2), n_shared=0, score="sigmoid", expert_bias=bool(hf.get("use_expert_bias", True)),
+                route_normalize=normalize, route_scale=None if scale == 1.0 else scale)
 
 
 def _smollm3(hf: dict) -> dict:
@@ -1145,6 +1192,9 @@ def _grouped_runs(spec: Tensor, t: torch.Tensor, d: int) -> torch.Tensor:
     return grouped.narrow(d + 1, offset, size)
 
 
+_PROJ = ("gate_proj", "up_proj", "down_proj")  # the experts' and the dense MLP's three projections, in most families
+
+
 @dataclasses.dataclass(frozen=True)
 class Family:
     """A model family: config.json -> TransformerConfig kwargs, the key map, and the
@@ -1181,6 +1231,9 @@ class Family:
     dense_too: Optional[str] = None
     # the dense MLP's gate and up as the rows of one gate_up_proj [2F, H] (the gate's F rows, then the up's: Phi-3, GLM-4)
     dense_gate_up: bool = False
+    dense_names: tuple[str, str, str] = _PROJ  # the dense MLP's gate, up and down projections (LFM2's w1, w3, w2)
+    norms: tuple[str, str] = ("input_layernorm", "post_attention_layernorm")  # a pre-norm block's norms (LFM2's operator_norm, ffn_norm)
+    final_norm: str = "model.norm.weight"  # the final norm's key (LFM2's model.embedding_norm)
     # the norms of a sandwich block (pre_norms and post_norms): before and after the attention, before and after the MLP
     sandwich: Optional[tuple[str, str, str, str]] = None
     # transformers' defaults of the fields config_to_fmoe reads where they differ from its own fallbacks: a
@@ -1229,7 +1282,13 @@ _STACKS = ("experts.gate_up_proj", "experts.gate_up_proj", "experts.down_proj") 
 _GRANITE = ("input_linear.weight", "input_linear.weight", "output_linear.weight")
 _GPT_OSS_ROPE = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False, original_max_position_embeddings=4096,
                      rope_theta=150000.0)
-_PROJ = ("gate_proj", "up_proj", "down_proj")
+_LFM2_MLP = ("w1", "w3", "w2")
+# LFM2's names (Family's fields): the attention's output projection and q/k norms, the short convolutions, the dense MLP, the
+# pre-norms, the final norm; its own names of the norms' eps, the tied head and the FFN; transformers' defaults
+_LFM2 = dict(o_proj="out_proj", qk_norms=("q_layernorm", "k_layernorm"), linear="short_conv", dense="feed_forward", dense_names=_LFM2_MLP,
+             norms=("operator_norm", "ffn_norm"), final_norm="model.embedding_norm.weight",
+             aliases=dict(rms_norm_eps="norm_eps", tie_word_embeddings="tie_embedding", intermediate_size="block_ff_dim"),
+             defaults=dict(num_key_value_heads=8, rms_norm_eps=1e-5, tie_word_embeddings=True, rope_parameters=dict(rope_type="default", rope_theta=1e6)))
 _MIMO_ROPE = dict(full_attention=dict(rope_type="default", rope_theta=5e6, partial_rotary_factor=0.334),
                   sliding_attention=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.334))
 _OLMO3_ROPE = dict(full_attention=dict(rope_type="default", rope_theta=500000.0), sliding_attention=dict(rope_type="default", rope_theta=500000.0))
@@ -1257,7 +1316,7 @@ _MINISTRAL3_ROPE = dict(rope_type="yarn", rope_theta=1e6, factor=16.0, original_
                         mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1)
 # the dense families (no MoE block): fine-tuned as they are, or upcycled into an MoE (fmoe.train.upcycle)
 DENSE_FAMILIES = ("llama", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
-                  "phi3", "glm4", "ernie4_5")
+                  "phi3", "glm4", "ernie4_5", "lfm2")
 FAMILIES = {
     "mixtral": Family(_mixtral, "block_sparse_moe", ("w1", "w3", "w2"), "MixtralForCausalLM",
                       defaults=dict(num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1e6)),
@@ -1342,6 +1401,7 @@ FAMILIES = {
                                          rope_parameters=dict(rope_type="default", rope_theta=500000.0), moe_num_experts=64, moe_k=6,
                                          moe_intermediate_size=1536, moe_num_shared_experts=2)),
     # Mistral 4: the experts as stacks, [E, 2F, H] gate_up_proj (each expert's gate rows, then its up rows) and [E, H, F] down_proj
+    "lfm2_moe": Family(_lfm2_moe, "feed_forward", _LFM2_MLP, "Lfm2MoeForCausalLM", correction_bias="expert_bias", **_LFM2),
     "mimo_v2_flash": Family(_mimo_v2_flash, "mlp", _PROJ, "MiMoV2FlashForCausalLM", sinks="attention_sink_bias", not_read=("model.mtp.",),
                             defaults=dict(head_dim=192, v_head_dim=128, num_key_value_heads=4, rms_norm_eps=1e-5, sliding_window=129,
                                           attention_value_scale=0.707, rope_parameters=_MIMO_ROPE, n_group=1, topk_group=1,
@@ -1372,6 +1432,7 @@ FAMILIES = {
     "ernie4_5": Family(_ernie4_5, "mlp", _PROJ, "Ernie4_5ForCausalLM",
                        defaults=dict(num_key_value_heads=2, head_dim=128, rms_norm_eps=1e-5, tie_word_embeddings=True,
                                      rope_parameters=dict(rope_type="default", rope_theta=500000.0))),
+    "lfm2": Family(_lfm2, "feed_forward", _LFM2_MLP, "Lfm2ForCausalLM", **_LFM2),
     "smollm3": Family(_smollm3, "mlp", _PROJ, "SmolLM3ForCausalLM", defaults=dict(num_key_value_heads=4, rope_theta=2e6, tie_word_embeddings=True)),
     "exaone4": Family(_exaone4, "mlp", _PROJ, "Exaone4ForCausalLM", defaults=dict(rms_norm_eps=1e-5, sliding_window=4096, num_key_value_heads=32)),
     "seed_oss": Family(_seed_oss, "mlp", _PROJ, "SeedOssForCausalLM", defaults=dict(num_key_value_heads=8, head_dim=128, attention_bias=True)),
@@ -1388,6 +1449,13 @@ def _linear_attention_keys(family: Family, cfg: TransformerConfig, p: str, q: st
     over the q, k, v channels; A_log, dt_bias, the gated norm, out_proj."""
     la, lin, out = p + "linear_attn.", cfg.linear_attention_config(), {}
     qkv = (lin.k_channels, lin.k_channels, lin.v_channels)  # the q, k, v channels of in_proj_qkv and of the conv
+    if family.linear == "short_conv":  # LFM2: conv.in_proj [3C, H] (the rows of B, C and x), conv.conv [C, 1, K], conv.out_proj
+        conv = p + "conv."
+        for j, name in enumerate(("wb", "wc", "wv")):
+            out[q + "attn." + name] = Tensor((conv + "in_proj.weight",), transpose=True, chunk=(j, (1, 1, 1)))
+        out[q + "attn.conv_v"] = Tensor((conv + "conv.weight",), transpose=True, unit=1)
+        out[q + "attn.wo"] = Tensor((conv + "out_proj.weight",), transpose=True)
+        return out
     if family.linear == "kda":  # Kimi Linear: under the attention module, a conv per q, k, v, A_log [1, 1, N, 1]
         la = p + family.attention + "."
         for ours, theirs in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wb", "b_proj"), ("wf_a", "f_a_proj"),
@@ -1433,8 +1501,8 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
         out[q + "attn_post_norm.weight"] = Tensor((p + "post_attention_layernorm.weight",))
         out[q + "mlp_post_norm.weight"] = Tensor((p + "post_feedforward_layernorm.weight",))
     elif cfg.pre_norms:
-        out[q + "attn_norm.weight"] = Tensor((p + "input_layernorm.weight",))
-        out[q + "mlp_norm.weight"] = Tensor((p + "post_attention_layernorm.weight",))
+        out[q + "attn_norm.weight"] = Tensor((p + family.norms[0] + ".weight",))
+        out[q + "mlp_norm.weight"] = Tensor((p + family.norms[1] + ".weight",))
     mlp = p + family.moe + "."
     if moe:
         out[q + "mlp.router"] = Tensor((mlp + family.router,))
@@ -1475,7 +1543,7 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
         out[q + "mlp.w_up"] = Tensor((f"{p}{family.dense}.gate_up_proj.weight",), transpose=True, chunk=(1, (1, 1)))
         out[q + "mlp.w_down"] = Tensor((f"{p}{family.dense}.down_proj.weight",), transpose=True)
     elif not moe:
-        for ours, theirs in zip(("w_gate", "w_up", "w_down"), ("gate_proj", "up_proj", "down_proj")):
+        for ours, theirs in zip(("w_gate", "w_up", "w_down"), family.dense_names):
             out[q + "mlp." + ours] = Tensor((f"{p}{family.dense}.{theirs}.weight",), transpose=True)
     return out
 
@@ -1558,7 +1626,7 @@ def key_map(family: Family, cfg: TransformerConfig) -> dict[str, Tensor]:
     for i in range(cfg.n_layers):
         out.update(_block_keys(family, cfg, f"model.layers.{i}.", f"blocks.{i}.", cfg.is_moe(i), rope=not cfg.is_nope(i), linear=cfg.is_linear(i),
                                index_shared=cfg.is_index_shared(i), layer=i))
-    out["norm.weight"] = Tensor(("model.norm.weight",))
+    out["norm.weight"] = Tensor((family.final_norm,))
     if not cfg.tie_embeddings:
         out["head"] = Tensor(("lm_head.weight",))
     for d in range(1, cfg.mtp_depth + 1 if family.mtp else 1):  # other families: MTP modules start fresh
@@ -1996,6 +2064,13 @@ def _layer_types(cfg: TransformerConfig) -> list[str]:
     return ["sliding_attention" if cfg.is_sliding(i) else "full_attention" for i in range(cfg.n_layers)]
 
 
+def _lfm2_config(cfg: TransformerConfig) -> dict:
+    """The config.json fields of LFM2's blocks (what _lfm2_common reads): the layer types, the
+    convolutions' taps, the norms' eps under LFM2's name."""
+    return dict(layer_types=["conv" if cfg.is_linear(i) else "full_attention" for i in range(cfg.n_layers)],
+                conv_L_cache=cfg.linear_conv, conv_bias=False, norm_eps=cfg.norm_eps)
+
+
 def _rotary_factor(cfg: TransformerConfig) -> float:
     """config.json's partial_rotary_factor of rope_dim: rope_dim / head_dim, or where
     int(head_dim * that) rounds below rope_dim (30 / 44), half a channel more, which
@@ -2151,6 +2226,10 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
         hf.update(num_experts_per_token=cfg.k)
     elif model_type in _DEEPSEEK_STYLE:  # _deepseek_moe_config's fields, below
         pass
+    elif model_type == "lfm2_moe":
+        hf.update(_lfm2_config(cfg), num_experts=cfg.n_experts, moe_intermediate_size=cfg.ffn_expert, intermediate_size=cfg.ffn_dense,
+                  num_dense_layers=cfg.n_dense, use_expert_bias=cfg.expert_bias, norm_topk_prob=cfg.route_normalize,
+                  routed_scaling_factor=cfg.route_scale if cfg.route_scale is not None else 1.0)
     elif model_type == "mimo_v2_flash":  # DeepSeek-V3's routing without shared experts; each layer type's RoPE, kv heads and sinks
         if cfg.local_kv_heads not in (None, 2 * cfg.n_kv_heads) or (cfg.window is not None and cfg.local_kv_heads is None):
             raise ValueError(f"model: MiMo-V2-Flash's sliding layers have twice the kv heads, 2 x {cfg.n_kv_heads}; this model's have "
@@ -2189,6 +2268,8 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
             hf.update(sliding_window=cfg.window, layer_types=_layer_types(cfg))
         elif model_type == "ernie4_5":
             hf.update(use_bias=False)
+        elif model_type == "lfm2":  # the FFN's size as it is
+            hf.update(_lfm2_config(cfg), block_auto_adjust_ff_dim=False)
         elif model_type == "seed_oss":
             hf.update(attention_bias=cfg.qkv_bias, attention_out_bias=cfg.o_bias)
         elif model_type in ("phi3", "glm4"):  # RoPE on the first partial_rotary_factor of each head

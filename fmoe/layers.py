@@ -1549,8 +1549,11 @@ class LinearAttentionConfig:
     fmoe.ops.gated_delta_rule's chunk (the same result up to rounding); impl: its impl (the
     states' Triton kernels on CUDA with "auto"). kind "kda": a decay per key channel from a
     rank-Dk projection, the output gate from a rank-Dv projection through a sigmoid, as many
-    key as value heads (linear_attention). fp8: the projections (q, k, v, the gates', the
-    decay's, the output's) by fmoe.ops.fp8_matmul."""
+    key as value heads (linear_attention). kind "short_conv": LFM2's gated short convolution
+    instead, over n_v_heads x v_head_dim channels (as many key heads and key dims: the
+    channels are its heads, one or more each, which tensor parallelism splits), conv taps,
+    no state but the convolution's. fp8: the projections (q, k, v, the gates', the decay's,
+    the output's) by fmoe.ops.fp8_matmul."""
 
     n_k_heads: int
     n_v_heads: int
@@ -1571,6 +1574,9 @@ class LinearAttentionConfig:
             raise ValueError(f"kind: expected one of {LINEAR_KINDS}, got {self.kind!r}")
         if self.kind == "kda" and self.n_k_heads != self.n_v_heads:
             raise ValueError(f"n_v_heads: Kimi Delta Attention has as many key as value heads, got {self.n_k_heads} and {self.n_v_heads}")
+        if self.kind == "short_conv" and (self.n_k_heads, self.k_head_dim) != (self.n_v_heads, self.v_head_dim):
+            raise ValueError(f"n_k_heads / k_head_dim: a short convolution's channels are n_v_heads x v_head_dim, the key fields the same, got "
+                             f"{self.n_k_heads} x {self.k_head_dim} beside {self.n_v_heads} x {self.v_head_dim}")
         for name in ("n_k_heads", "n_v_heads", "k_head_dim", "v_head_dim", "conv", "chunk_size"):
             check_positive_int(name, getattr(self, name))
         if self.n_v_heads % self.n_k_heads:
@@ -1586,15 +1592,23 @@ class LinearAttentionConfig:
     def v_channels(self) -> int:
         return self.n_v_heads * self.v_head_dim
 
+    @property
+    def conv_channels(self) -> int:
+        """The channels the convolution runs over (its decoding state's): q, k and v's, or a short convolution's."""
+        return self.v_channels if self.kind == "short_conv" else 2 * self.k_channels + self.v_channels
 
-LINEAR_KINDS = ("gated_deltanet", "kda")
+
+LINEAR_KINDS = ("gated_deltanet", "kda", "short_conv")
 
 
 def linear_attention_shapes(H: int, cfg: LinearAttentionConfig) -> dict[str, tuple[int, ...]]:
     """Gated DeltaNet's parameters, name -> shape (linear_attention's params); Kimi Delta
     Attention's (kind "kda") have the decay's and the gate's low-rank pairs wf_a [H, Dk],
-    wf_b [Dk, N Dk] and wz_a [H, Dv], wz_b [Dv, N Dv] instead of wa and wz, and dt_bias [N Dk]."""
+    wf_b [Dk, N Dk] and wz_a [H, Dv], wz_b [Dv, N Dv] instead of wa and wz, and dt_bias [N Dk].
+    A short convolution's (kind "short_conv"): wb, wc, wv [H, C], conv_v [K, C], wo [C, H]."""
     Ck, Cv, Nv, K = cfg.k_channels, cfg.v_channels, cfg.n_v_heads, cfg.conv
+    if cfg.kind == "short_conv":
+        return dict(wb=(H, Cv), wc=(H, Cv), wv=(H, Cv), conv_v=(K, Cv), wo=(Cv, H))
     convs = dict(conv_q=(K, Ck), conv_k=(K, Ck), conv_v=(K, Cv))
     if cfg.kind == "kda":
         Dk, Dv = cfg.k_head_dim, cfg.v_head_dim
@@ -1619,18 +1633,18 @@ class LinearStates:
     tokens: Optional[int] = None
 
 
-def _causal_conv(x_TC, w_KC, cu_seqlens):
-    """silu of the causal depthwise convolution of each document's tokens x [T, C] with taps
-    w [K, C] (w[K-1] on the token itself, w[K-1-j] on the token j before it, 0 before the
-    document's start), in float32; [T, C] in x's dtype."""
+def _causal_conv(x_TC, w_KC, cu_seqlens, silu: bool = True):
+    """silu (with silu; else none) of the causal depthwise convolution of each document's
+    tokens x [T, C] with taps w [K, C] (w[K-1] on the token itself, w[K-1-j] on the token j
+    before it, 0 before the document's start), in float32; [T, C] in x's dtype."""
     K = w_KC.shape[0]
     y = x_TC.float() * w_KC[K - 1].float()
     for j in range(1, K):
         y = y + roll_packed(x_TC, cu_seqlens, shift=j, check=False).float() * w_KC[K - 1 - j].float()
-    return F.silu(y).to(x_TC.dtype)
+    return (F.silu(y) if silu else y).to(x_TC.dtype)
 
 
-def _causal_conv_split(x_TC, w_KC, cu_seqlens, cp):
+def _causal_conv_split(x_TC, w_KC, cu_seqlens, cp, silu: bool = True):
     """_causal_conv of this rank's tokens of a context-parallel split, its two chunks of
     L = T/cp / 2 (cp: the context's linear_cp): the K - 1 tokens before each chunk come
     from the rank that holds them (cp.conv_halo, one all-gather), and a tap reaches a token
@@ -1643,17 +1657,32 @@ def _causal_conv_split(x_TC, w_KC, cu_seqlens, cp):
     cu = cu_seqlens.long()
     start = cu[sequence_ids(cu, T, index=index)]  # each token's document start
     y = sum(full[:, K - 1 - j:K - 1 - j + L].float() * w_KC[K - 1 - j].float() * (index - j >= start) for j in range(K))
-    return F.silu(y).to(x_TC.dtype).reshape(T, -1)
+    return (F.silu(y) if silu else y).to(x_TC.dtype).reshape(T, -1)
 
 
-def _causal_conv_continued(x_STC, w_KC, before_SJC):
+def _causal_conv_continued(x_STC, w_KC, before_SJC, silu: bool = True):
     """_causal_conv of S sequences' T new tokens x [S, T, C] after the J = K - 1 tokens
     before_SJC [S, J, C] they continue; returns (y [S, T, C], the new last J tokens)."""
     K = w_KC.shape[0]
     full = torch.cat([before_SJC.to(x_STC.dtype), x_STC], dim=1)  # [S, J + T, C]
     T = x_STC.shape[1]
     y = sum(full[:, j:j + T].float() * w_KC[j].float() for j in range(K))
-    return F.silu(y).to(x_STC.dtype), full[:, full.shape[1] - (K - 1):]
+    return (F.silu(y) if silu else y).to(x_STC.dtype), full[:, full.shape[1] - (K - 1):]
+
+
+def _short_conv(x, params, cfg: LinearAttentionConfig, cu, split, states, mm) -> torch.Tensor:
+    """LFM2's gated short convolution (linear_attention's kind "short_conv"): [T, H]."""
+    T = x.shape[0]
+    u = mm(x, params["wb"]) * mm(x, params["wv"])
+    if split is not None:  # context parallel: the K - 1 tokens before each chunk from the rank holding them
+        y = _causal_conv_split(u, params["conv_v"], cu, split, silu=False)
+    elif states is None:
+        y = _causal_conv(u, params["conv_v"], cu, silu=False)
+    else:
+        S = states.conv.shape[0]
+        y, states.conv = _causal_conv_continued(u.view(S, T // S, -1), params["conv_v"], states.conv, silu=False)
+        y = y.reshape(T, -1)
+    return mm(mm(x, params["wc"]) * y, params["wo"])
 
 
 def _l2_normalize(x):
@@ -1690,6 +1719,11 @@ def linear_attention(x: torch.Tensor, params, cfg: LinearAttentionConfig, ctx: "
         g = -exp(A_log) softplus(x wf_a wf_b + dt_bias)     [T, N, Dk]: A_log per head
         y = (rmsnorm(o) out_norm * sigmoid(x wz_a wz_b)) wo
 
+    LFM2's gated short convolution (cfg.kind "short_conv") has no rule, only the convolution
+    (without silu, conv_v's taps) between two gates:
+
+        y = ((x wc) * causal_conv((x wb) * (x wv))) wo
+
     The convolution and the rule restart at each document (ctx.cu_seqlens), so a document's
     outputs do not depend on what it is packed with. In decoding (ctx.linear_states, a
     LinearStates of S sequences) x holds S sequences' T new tokens each, [S T, H] in that
@@ -1723,6 +1757,11 @@ def linear_attention(x: torch.Tensor, params, cfg: LinearAttentionConfig, ctx: "
         return torch.cat([y, y.new_zeros(x.shape[0] - states.tokens, y.shape[1])]), stats
     T, Nk, Nv, Dk, Dv = x.shape[0], cfg.n_k_heads, cfg.n_v_heads, cfg.k_head_dim, cfg.v_head_dim
     mm = functools.partial(matmul, fp8=cfg.fp8, impl=cfg.impl)
+    if states is not None and (T % states.conv.shape[0] or tuple(states.conv.shape[1:]) != (cfg.conv - 1, cfg.conv_channels)):
+        raise ValueError(f"ctx.linear_states: conv {list(states.conv.shape)} and state {list(states.state.shape)} do not fit {T} tokens "
+                         f"of cfg's layer (expected [S, {cfg.conv - 1}, {cfg.conv_channels}], T a multiple of S)")
+    if cfg.kind == "short_conv":
+        return _short_conv(x, params, cfg, ctx.cu_seqlens if states is None else None, split, states, mm), TensorDict({}, batch_size=[])
     qkv = [mm(x, params[n]) for n in ("wq", "wk", "wv")]
     taps = [params[n] for n in ("conv_q", "conv_k", "conv_v")]
     if split is not None:  # context parallel: one exchange for the three convolutions
@@ -1734,9 +1773,6 @@ def linear_attention(x: torch.Tensor, params, cfg: LinearAttentionConfig, ctx: "
         qkv = [_causal_conv(t, w, cu) for t, w in zip(qkv, taps)]
     else:
         B, cu = states.state.shape[0], None
-        if T % B or tuple(states.conv.shape) != (B, cfg.conv - 1, 2 * cfg.k_channels + cfg.v_channels):
-            raise ValueError(f"ctx.linear_states: conv {list(states.conv.shape)} and state {list(states.state.shape)} do not fit {T} tokens "
-                             f"of cfg's layer (expected [S, {cfg.conv - 1}, {2 * cfg.k_channels + cfg.v_channels}], T a multiple of S)")
         sizes = [t.shape[-1] for t in qkv]
         y, conv = _causal_conv_continued(torch.cat(qkv, -1).view(B, T // B, -1), torch.cat(taps, -1), states.conv)
         qkv = list(y.reshape(T, -1).split(sizes, dim=-1))

@@ -342,7 +342,9 @@ class TransformerConfig:
     fmoe.layers.linear_attention) with linear_k_heads query/key heads of linear_k_dim,
     linear_v_heads value heads of linear_v_dim and a causal convolution of linear_conv taps;
     linear_kind "kda": Kimi Delta Attention instead (Kimi Linear: a decay per key channel, a
-    low-rank output gate; as many key as value heads); the attention knobs (window, chunk,
+    low-rank output gate; as many key as value heads); linear_kind "short_conv": LFM2's gated
+    short convolution of linear_conv taps over linear_v_heads x linear_v_dim channels (the
+    key fields the same; LFM2's: hidden heads of one channel); the attention knobs (window, chunk,
     NoPE, q/k norms, gate) are the other blocks'. The MTP blocks always attend. mtp_depth MTP modules; mtp_norm: each with its own output
     norm before the shared head (DeepSeek-V3, GLM-4.5, Megatron Core) instead of the
     trunk's final norm. impl: "auto" | "triton" | "torch"
@@ -628,8 +630,8 @@ class TransformerConfig:
         )
 
     def linear_attention_config(self, fp8: Optional[bool] = None) -> LinearAttentionConfig:
-        """The linear-attention blocks' (linear_layers) Gated DeltaNet, or Kimi Delta Attention (linear_kind "kda");
-        fp8: theirs (None: the model's fp8)."""
+        """The linear-attention blocks' (linear_layers) Gated DeltaNet, or Kimi Delta Attention (linear_kind "kda"), or
+        LFM2's short convolution ("short_conv"); fp8: theirs (None: the model's fp8)."""
         return LinearAttentionConfig(n_k_heads=self.linear_k_heads, n_v_heads=self.linear_v_heads, k_head_dim=self.linear_k_dim,
                                      v_head_dim=self.linear_v_dim, conv=self.linear_conv, norm_eps=self.norm_eps,
                                      impl="auto" if self.impl == "flex" else self.impl, kind=self.linear_kind,
@@ -807,7 +809,8 @@ class LinearAttention(nn.Module):
     the convolution's taps conv_q, conv_k [K, Nk Dk], conv_v [K, Nv Dv], A_log, dt_bias
     [Nv], the gated output norm out_norm [Dv] and wo [Nv Dv, H] (linear_attention_shapes;
     Kimi Delta Attention's, linear_kind "kda": wf_a, wf_b, wz_a, wz_b, dt_bias [N Dk] instead
-    of wa, wz and dt_bias [Nv])."""
+    of wa, wz and dt_bias [Nv]; LFM2's short convolution's, "short_conv": wb, wc, wv [H, C],
+    conv_v [K, C], wo [C, H])."""
 
     def __init__(self, cfg: TransformerConfig, *, fp8: Optional[bool] = None):
         super().__init__()
@@ -958,8 +961,9 @@ class KVCache:
     `full_layers` and `window_layers` list the layers of each store. Linear-attention layers
     (cfg.linear_layers, Gated DeltaNet) keep a state of fixed size instead, `linear_layers`:
     conv [n_linear, batch, K - 1, 2 Nk Dk + Nv Dv] (the last K - 1 tokens' q, k, v
-    projections, which the causal convolution reads) and state [n_linear, batch, Nv, Dk, Dv]
-    (float32, the gated delta rule's): a sequence there continues from its last token or
+    projections, which the causal convolution reads; a short convolution's: its Nv Dv gated
+    inputs) and state [n_linear, batch, Nv, Dk, Dv] (float32, the gated delta rule's; a
+    short convolution leaves it as it is): a sequence there continues from its last token or
     restarts from 0, never goes back (decode refuses it). Multi-latent attention
     keeps its latents instead (AttentionContext.latents): k [.., 1, kv_rank + rope_dim] (the
     normed latent, then the rotated key) and v = k[..., :kv_rank], a view: kv_rank + rope_dim
@@ -992,7 +996,7 @@ class KVCache:
         self.k, self.v = self._store(len(self.full_layers), batch * max_tokens, (heads[0], *row), v_dim, cfg, device, dtype)
         self.k_window, self.v_window = self._store(len(self.window_layers), batch * (self.window or 0), (heads[1], *row), v_dim, cfg, device, dtype)
         lin = cfg.linear_attention_config()
-        self.conv = torch.zeros(len(self.linear_layers), batch, lin.conv - 1, 2 * lin.k_channels + lin.v_channels, device=device, dtype=dtype)
+        self.conv = torch.zeros(len(self.linear_layers), batch, lin.conv - 1, lin.conv_channels, device=device, dtype=dtype)
         self.state = torch.zeros(len(self.linear_layers), batch, lin.n_v_heads, lin.k_head_dim, lin.v_head_dim, device=device)
         self.max_tokens, self.batch = max_tokens, batch
         self.lengths = [0] * batch

@@ -21,7 +21,7 @@ from fmoe.model import Transformer, TransformerConfig  # noqa: E402
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "deepseek_v2", "granitemoeshared", "hunyuan_v1_moe", "exaone_moe", "llama4_text",
-                                    "granitemoe_swa", "afmoe", "flint", "mellum", "qwen3_next", "mistral4", "ministral3", "olmo3", "smollm3", "glm4", "mimo_v2_flash"])
+                                    "granitemoe_swa", "afmoe", "flint", "mellum", "qwen3_next", "mistral4", "ministral3", "olmo3", "smollm3", "glm4", "mimo_v2_flash", "lfm2_moe"])
 def test_greedy_matches_transformers_generate(tmp_path, family):
     """Through fmoe's KV cache (DeepSeek-V3 / -V2: multi-latent attention absorbed, latents
     cached; -V2 without the low-rank q; Granite: the embedding, attention and residual
@@ -39,7 +39,9 @@ def test_greedy_matches_transformers_generate(tmp_path, family):
     window ring in layer 0 with plain RoPE beside YaRN in the full layer 1; SmolLM3: layer 1
     NoPE over a 3-token window ring; GLM-4: sandwich norms, RoPE on interleaved pairs of half
     of each head; MiMo-V2-Flash: values of their own dim, scaled, a 3-token window ring of
-    twice the kv heads with sinks in layer 1) against transformers' own generate and cache."""
+    twice the kv heads with sinks in layer 1; LFM2-MoE: layer 0 a gated short convolution, its
+    last 2 inputs carried from the prompt through every step) against transformers' own
+    generate and cache."""
     transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]'")
     import fmoe.hf
 
@@ -118,6 +120,10 @@ def test_greedy_matches_transformers_generate(tmp_path, family):
         config = transformers.MiMoV2FlashConfig(**common, num_key_value_heads=1, head_dim=12, v_head_dim=8, intermediate_size=40,
                                                 moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=3, n_group=2, topk_group=1,
                                                 sliding_window=3, routed_scaling_factor=1.5, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    elif family == "lfm2_moe":
+        config = transformers.Lfm2MoeConfig(**common, num_key_value_heads=2, intermediate_size=40, moe_intermediate_size=16, num_experts=4,
+                                            num_experts_per_tok=2, num_dense_layers=1, layer_types=["conv", "full_attention"],
+                                            bos_token_id=None, eos_token_id=None, pad_token_id=None)
     elif family == "glm4":
         config = transformers.Glm4Config(**common, num_key_value_heads=2, head_dim=8, intermediate_size=40, pad_token_id=None)
     else:

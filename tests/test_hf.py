@@ -64,6 +64,10 @@ FAMILIES = {
     "glm4": lambda: transformers.Glm4Config(**COMMON, head_dim=8, intermediate_size=40, bos_token_id=None, eos_token_id=None, pad_token_id=None),
     # ERNIE 4.5 dense: Llama's blocks with RoPE on interleaved pairs, tied embeddings
     "ernie4_5": lambda: transformers.Ernie4_5Config(**COMMON, head_dim=8, intermediate_size=40, bos_token_id=None, eos_token_id=None, pad_token_id=None),
+    # LFM2: gated short convolutions (3 taps) in layers 0 and 2, attention with per-head q/k norms in layer 1; the FFN 2/3
+    # of intermediate_size, rounded up to a multiple of 16 (66 -> 44 -> 48); tied embeddings
+    "lfm2": lambda: transformers.Lfm2Config(**COMMON, intermediate_size=66, block_multiple_of=16, layer_types=["conv", "full_attention", "conv"],
+                                            bos_token_id=None, eos_token_id=None, pad_token_id=None),
     "qwen2": lambda: transformers.Qwen2Config(**COMMON, intermediate_size=40),
     "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=8, intermediate_size=40),
     "mixtral": lambda: transformers.MixtralConfig(**COMMON, head_dim=8, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2),
@@ -271,6 +275,10 @@ FAMILIES = {
                                                             n_routed_experts=8, num_experts_per_tok=3, n_group=2, topk_group=1, sliding_window=4,
                                                             routed_scaling_factor=1.5, attention_bias=True, bos_token_id=None, eos_token_id=None,
                                                             pad_token_id=None),
+    # LFM2-MoE: LFM2's blocks, layer 0 dense, then 4 experts routed on sigmoids plus the expert bias, renormalised x 1.5
+    "lfm2_moe": lambda: transformers.Lfm2MoeConfig(**COMMON, intermediate_size=40, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                                                   num_dense_layers=1, routed_scaling_factor=1.5, layer_types=["conv", "full_attention", "conv"],
+                                                   bos_token_id=None, eos_token_id=None, pad_token_id=None),
     # Mistral 4: DeepSeek-V3's multi-latent attention (YaRN, interleaved RoPE) with every query
     # scaled by 1 + 0.5 log(1 + floor(p / 4)) (an original length of 4, so that these short
     # documents reach it); softmax top-3 renormalised x 1.5, a shared expert, layer 0 dense;
@@ -309,7 +317,7 @@ def folders(tmp_path_factory):
         model = _randomised(transformers.Mistral4ForCausalLM(config) if name == "mistral4" else transformers.AutoModelForCausalLM.from_config(config))
         with torch.no_grad():
             for bname, b in model.named_buffers():  # the routers' correction biases
-                if bname.endswith("e_score_correction_bias"):
+                if bname.endswith(("e_score_correction_bias", "feed_forward.expert_bias")):  # LFM2-MoE's too
                     b.copy_(0.2 * torch.randn_like(b))
         path = tmp_path_factory.mktemp(name)
         model.save_pretrained(path)
@@ -478,7 +486,9 @@ def test_a_failed_export_leaves_no_weight_files(folders, tmp_path, monkeypatch):
                                           ("exaone4", dict(qk_norm="head", pre_norms=False, post_norms=True, window=4, window_layers=(0,), nope_layers=(1,))),
                                           ("exaone4", dict(qk_norm="head", pre_norms=False, post_norms=True)),
                                           ("seed_oss", dict(qkv_bias=True)), ("hunyuan_v1_dense", dict(qk_norm="head", qk_norm_after_rope=True)),
-                                          ("phi3", dict(rope_dim=4, window=4)), ("ernie4_5", dict(rope_interleaved=True, tie_embeddings=True)), ("glm4", dict(qkv_bias=True, post_norms=True, rope_interleaved=True, rope_dim=4))])
+                                          ("phi3", dict(rope_dim=4, window=4)), ("ernie4_5", dict(rope_interleaved=True, tie_embeddings=True)),
+                                          ("lfm2", dict(linear_layers=(0,), linear_kind="short_conv", linear_k_heads=32, linear_v_heads=32,
+                                                        linear_k_dim=1, linear_v_dim=1, linear_conv=3, qk_norm="head", tie_embeddings=True)), ("glm4", dict(qkv_bias=True, post_norms=True, rope_interleaved=True, rope_dim=4))])
 def test_a_dense_model_of_fmoe_s_own_exports_as_a_dense_family(family, knobs, tmp_path):
     """An fmoe model with no MoE block (its MoE fields at the defaults, unused) is written as
     the dense family and read by transformers with the same logits; the attention must match

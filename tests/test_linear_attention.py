@@ -15,6 +15,8 @@ from fmoe.layers import (AttentionConfig, LinearAttentionConfig, LinearStates, a
 H = 24
 CFG = LinearAttentionConfig(n_k_heads=2, n_v_heads=4, k_head_dim=8, v_head_dim=6, conv=4, chunk_size=8)
 KDA = LinearAttentionConfig(n_k_heads=3, n_v_heads=3, k_head_dim=8, v_head_dim=6, conv=3, chunk_size=8, kind="kda")
+# LFM2's gated short convolution over 16 channels (8 heads of 2), 3 taps
+SHORT = LinearAttentionConfig(n_k_heads=8, n_v_heads=8, k_head_dim=2, v_head_dim=2, conv=3, kind="short_conv")
 
 
 def _params(cfg=CFG, seed=0, dtype=torch.float32):
@@ -41,9 +43,15 @@ def _ctx(cu, T):
 
 def _loop(x, p, cfg, cu):
     """Each document token by token, in float64: the conv as a dot with the last K inputs,
-    the state S updated by S <- exp(g) S; S <- S + k (beta (v - S^T k))^T; o = S^T q / sqrt(Dk)."""
+    the state S updated by S <- exp(g) S; S <- S + k (beta (v - S^T k))^T; o = S^T q / sqrt(Dk).
+    LFM2's short convolution: ((x wc) * sum_j w[K-1-j] (x_{t-j} wb) * (x_{t-j} wv)) wo."""
     p = {n: t.double() for n, t in p.items()}
     x = x.double()
+    if cfg.kind == "short_conv":
+        K = cfg.conv
+        return torch.stack([((x[t] @ p["wc"]) * sum(p["conv_v"][K - 1 - j] * (x[t - j] @ p["wb"]) * (x[t - j] @ p["wv"])
+                                                      for j in range(K) if t - j >= a)) @ p["wo"]
+                            for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()) for t in range(a, b)])
     Nk, Nv, Dk, Dv, K = cfg.n_k_heads, cfg.n_v_heads, cfg.k_head_dim, cfg.v_head_dim, cfg.conv
     out = []
     for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
@@ -76,7 +84,7 @@ def _loop(x, p, cfg, cu):
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("cfg", [CFG, KDA], ids=["gated-deltanet", "kda"])
+@pytest.mark.parametrize("cfg", [CFG, KDA, SHORT], ids=["gated-deltanet", "kda", "short-conv"])
 def test_matches_the_token_loop_over_packed_documents(cfg):
     cu = torch.tensor([0, 5, 5, 19, 20, 31], dtype=torch.int32)
     x = torch.randn(31, H)
@@ -164,14 +172,35 @@ def test_matches_transformers_kimi_delta_attention():
                                                   kind="kda"))
 
 
-@pytest.mark.parametrize("cfg", [CFG, KDA], ids=["gated-deltanet", "kda"])
+def test_matches_transformers_lfm2_short_conv():
+    transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]'")
+    from transformers.models.lfm2.modeling_lfm2 import Lfm2ShortConv
+
+    torch.manual_seed(0)
+    hf_cfg = transformers.Lfm2Config(hidden_size=H, conv_L_cache=3, num_hidden_layers=1, layer_types=["conv"])
+    ref = Lfm2ShortConv(hf_cfg, 0).eval()
+    with torch.no_grad():
+        for w in ref.parameters():
+            w.normal_(0.0, 0.3)
+    B, C, X = ref.in_proj.weight.t().detach().chunk(3, dim=1)  # in_proj's rows: B, C, x
+    p = dict(wb=B, wc=C, wv=X, conv_v=ref.conv.weight.detach()[:, 0].t(), wo=ref.out_proj.weight.t().detach())
+    cfg = LinearAttentionConfig(n_k_heads=H, n_v_heads=H, k_head_dim=1, v_head_dim=1, conv=3, kind="short_conv")
+    x = torch.randn(2, 70, H)
+    with torch.no_grad():
+        want = ref(x)
+        for b in range(2):
+            got, _ = linear_attention(x[b], p, cfg, _ctx(torch.tensor([0, 70], dtype=torch.int32), 70))
+            torch.testing.assert_close(got, want[b], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("cfg", [CFG, KDA, SHORT], ids=["gated-deltanet", "kda", "short-conv"])
 def test_decoding_continues_the_states(cfg):
     """A prompt, then steps of one token, of two sequences at once through LinearStates,
     equal each whole sequence's outputs; the conv state holds the last K - 1 projections."""
     p = {n: t.detach() for n, t in _params(cfg, seed=2).items()}
     x = torch.randn(2, 13, H)
     whole = [linear_attention(x[b], p, cfg, _ctx(torch.tensor([0, 13], dtype=torch.int32), 13))[0] for b in range(2)]
-    C = 2 * cfg.k_channels + cfg.v_channels
+    C = cfg.conv_channels
     states = LinearStates(torch.zeros(2, cfg.conv - 1, C), torch.zeros(2, cfg.n_v_heads, cfg.k_head_dim, cfg.v_head_dim))
     ctx = dataclasses.replace(_ctx(torch.tensor([0, 1], dtype=torch.int32), 1), linear_states=states, cu_seqlens=None)
     outs = [linear_attention(x[:, :9].reshape(18, H), p, cfg, ctx)[0].view(2, 9, H)]
@@ -180,14 +209,16 @@ def test_decoding_continues_the_states(cfg):
     got = torch.cat(outs, dim=1)
     for b in range(2):
         torch.testing.assert_close(got[b], whole[b], rtol=1e-5, atol=1e-6)
-    last = torch.cat([x[:, 14 - cfg.conv:13] @ p[n] for n in ("wq", "wk", "wv")], dim=-1)
-    torch.testing.assert_close(states.conv, last)
+    def inputs(rows):  # what the convolution reads: q, k and v's projections, or the short convolution's gated input
+        return (rows @ p["wb"]) * (rows @ p["wv"]) if cfg.kind == "short_conv" else torch.cat([rows @ p[n] for n in ("wq", "wk", "wv")], dim=-1)
+
+    torch.testing.assert_close(states.conv, inputs(x[:, 14 - cfg.conv:13]))
     # rows after `tokens` are padding (decoding under tensor parallelism): outputs 0, the states those of the real rows
     padded = LinearStates(torch.zeros_like(states.conv), torch.zeros_like(states.state), tokens=18)
     y, _ = linear_attention(torch.cat([x[:, :9].reshape(18, H), x[:1, 8]]), p, cfg, dataclasses.replace(ctx, linear_states=padded))
     torch.testing.assert_close(y[:18], outs[0].reshape(18, H))
     assert y.shape == (19, H) and not y[18].any()
-    torch.testing.assert_close(padded.conv, torch.cat([x[:, 10 - cfg.conv:9] @ p[n] for n in ("wq", "wk", "wv")], dim=-1))
+    torch.testing.assert_close(padded.conv, inputs(x[:, 10 - cfg.conv:9]))
 
 
 def test_bf16():
@@ -206,7 +237,8 @@ def test_bf16():
     (dict(n_v_heads=3), r"n_v_heads: 3 value heads do not split over 2 key heads"),
     (dict(conv=0), r"conv: expected >= 1"),
     (dict(norm_eps=0.0), r"norm_eps: expected a positive number"),
-    (dict(kind="mamba"), r"kind: expected one of \('gated_deltanet', 'kda'\), got 'mamba'"),
+    (dict(kind="mamba"), r"kind: expected one of \('gated_deltanet', 'kda', 'short_conv'\), got 'mamba'"),
+    (dict(kind="short_conv"), r"n_k_heads / k_head_dim: a short convolution's channels are n_v_heads x v_head_dim, the key fields the same, got 2 x 8"),
     (dict(kind="kda"), r"n_v_heads: Kimi Delta Attention has as many key as value heads, got 2 and 4"),
 ])
 def test_config_checks(change, match):

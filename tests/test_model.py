@@ -54,6 +54,9 @@ VARIANTS = {
                                        linear_v_dim=6, n_kv_heads=4, head_dim=12, rope_dim=4, kv_rank=6, v_head_dim=5, nope_layers=(2,),
                                        n_groups=2, topk_groups=1, group_score_topk=2, mtp_depth=1),
     "sandwich norms": dataclasses.replace(TINY, post_norms=True),
+    # LFM2's blocks: gated short convolutions (3 taps over the 32 channels, 8 heads of 4) in blocks 0 and 1, per-head q/k norms
+    "lfm2": dataclasses.replace(TINY, linear_layers=(0, 1), linear_kind="short_conv", linear_k_heads=8, linear_v_heads=8, linear_k_dim=4,
+                                linear_v_dim=4, linear_conv=3, qk_norm="head", mtp_depth=1),
     # MiMo-V2-Flash's attention: values of 6 channels beside q/k heads of 8, scaled by 0.7; the window's blocks 0 and 2
     # with 4 kv heads (1 and the MTP block's 2), sinks and their own RoPE base
     "mimo": dataclasses.replace(TINY, v_head_dim=6, value_scale=0.7, window=4, window_layers=(0, 2), local_kv_heads=4, attn_sinks=True,
@@ -831,6 +834,8 @@ DECODED = {
     # MiMo-V2-Flash's: the window's blocks (rings) with twice the kv heads, values of their own dim; and with a window
     # wider than the cache, all three blocks in one store, of the most heads
     "mimo": dataclasses.replace(VARIANTS["mimo"], mtp_depth=0),
+    # LFM2's: the short convolutions' last 2 gated inputs carried from the prompt through every step
+    "lfm2": dataclasses.replace(VARIANTS["lfm2"], mtp_depth=0),
     "mimo, wide window": dataclasses.replace(VARIANTS["mimo"], mtp_depth=0, window=40),
 }
 
@@ -889,8 +894,11 @@ def test_decode_with_a_kv_cache_equals_the_whole_sequence(name, monkeypatch):
     if cfg.linear_layers is not None:  # a state of fixed size per linear-attention layer: the conv's last K - 1 tokens, the rule's state
         lin = cfg.linear_attention_config()
         assert cache.linear_layers == cfg.linear_layers == (0, 1) and cache.full_layers == (2,)
-        assert cache.conv.shape == (2, 1, lin.conv - 1, 2 * lin.k_channels + lin.v_channels)
-        assert cache.state.shape == (2, 1, lin.n_v_heads, lin.k_head_dim, lin.v_head_dim) and cache.state.abs().amin(dim=(2, 3, 4)).gt(0).all()
+        # the conv's inputs: q, k and v's projections, or a short convolution's gated input (which has no rule: its state stays 0)
+        assert cache.conv.shape == (2, 1, lin.conv - 1, 2 * lin.k_channels + lin.v_channels if lin.kind != "short_conv" else lin.v_channels)
+        assert cache.conv.abs().amin(dim=(2, 3)).gt(0).all()
+        assert cache.state.shape == (2, 1, lin.n_v_heads, lin.k_head_dim, lin.v_head_dim)
+        assert cache.state.abs().amin(dim=(2, 3, 4)).gt(0).all() if lin.kind != "short_conv" else not cache.state.any()
         keys = cache.k.numel() if cfg.kv_rank is not None else 2 * 16 * cfg.n_kv_heads * cfg.head_dim  # the latents, or keys and values
         assert cache.nbytes == 4 * (keys + cache.conv.numel() + cache.state.numel())
     elif (cfg.window is None and cfg.chunk is None) or (cfg.window or cfg.chunk) >= 16:  # no local layers, or none narrower than the cache

@@ -339,6 +339,8 @@ class LinearAttentionParallel(_HeadsRegion):
     head_counts = ("n_k_heads", "n_v_heads")
 
     def _shard_dims(self, module):
+        if module.cfg.kind == "short_conv":  # LFM2's: the channels (its heads) of the gates, the input and the taps, wo by its rows
+            return dict(wb=1, wc=1, wv=1, conv_v=1, wo=0)
         if module.cfg.kind == "kda":  # the low-rank pairs' second halves by their heads; wf_a, wz_a replicated
             return dict(wq=1, wk=1, wv=1, wz_b=1, wb=1, wf_b=1, conv_q=1, conv_k=1, conv_v=1, A_log=0, dt_bias=0, wo=0)
         return dict(wq=1, wk=1, wv=1, wz=1, wb=1, wa=1, conv_q=1, conv_k=1, conv_v=1, A_log=0, dt_bias=0, wo=0)

@@ -170,12 +170,14 @@ def linear_attention_flops(hidden: int, cfg) -> float:
     K (2 Ck + Cv) + 3 Nv Dk Dv). Kimi Delta Attention (kind "kda") counts its own projections
     (its low-rank decay and gate: H Dk + Dk Ck and H Dv + Dv Cv in place of H Nv and H Cv).
     Counted as the recurrence's math, as attention is counted by its scores: the chunked
-    form's own extra work inside each chunk is not."""
+    form's own extra work inside each chunk is not. LFM2's short convolution (kind
+    "short_conv") counts its four projections and K taps per channel: 6 (4 H C + K C)."""
     from fmoe.layers import linear_attention_shapes
 
-    Ck, Cv, Nv = cfg.n_k_heads * cfg.k_head_dim, cfg.n_v_heads * cfg.v_head_dim, cfg.n_v_heads
+    Nv = cfg.n_v_heads
     weights = sum(rows * cols for name, (rows, cols) in ((n, s) for n, s in linear_attention_shapes(hidden, cfg).items() if n.startswith("w")))
-    return 6.0 * (weights + cfg.conv * (2 * Ck + Cv) + 3 * Nv * cfg.k_head_dim * cfg.v_head_dim)
+    rule = 0 if cfg.kind == "short_conv" else 3 * Nv * cfg.k_head_dim * cfg.v_head_dim  # LFM2's short convolution has none
+    return 6.0 * (weights + cfg.conv * cfg.conv_channels + rule)
 
 
 def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[float] = None,

@@ -314,6 +314,9 @@ CASES = {
     "cp2-fp8": (2, dict(cp=2), dict(fp8=True)),
     # MiMo-V2-Flash's attention (MIMO): each block's own kv heads and the values' dim split over tp, gathered over cp
     "cp2xtp2-mimo": (4, dict(cp=2, tp=2), MIMO),
+    # LFM2's short convolution: its channels split over tp, the 2 tokens before each cp chunk from the rank holding them
+    "cp2xtp2-short-conv": (4, dict(cp=2, tp=2), dict(linear_layers=(0,), linear_kind="short_conv", linear_k_heads=8, linear_v_heads=8,
+                                                    linear_k_dim=4, linear_v_dim=4, linear_conv=3)),
     "tp2-fp8": (2, dict(tp=2), dict(fp8=True)),
     "etp2-capacity-fp8": (2, dict(etp=2), dict(fp8=True, capacity_factor=1.0)),
     "ep2xtp2-fp8": (4, dict(tp=2, ep=2), dict(fp8=True)),

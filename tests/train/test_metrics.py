@@ -303,6 +303,9 @@ def test_model_flops_per_token_reads_the_model_config():
                                   "linear_v_dim": 6, "linear_conv": 4, "window": 4})
     layer = 6 * (64 * (2 * 16 + 2 * 24 + 2 * 4) + 24 * 64 + 4 * (2 * 16 + 24) + 3 * 4 * 8 * 6)
     assert M.linear_attention_flops(64, linear.linear_attention_config()) == layer
+    # LFM2's short convolution over 16 channels (4 heads of 4), 3 taps: wb, wc, wv [64 -> 16], wo [16 -> 64], 3 taps per channel
+    short = dataclasses.replace(linear.linear_attention_config(), n_k_heads=4, n_v_heads=4, k_head_dim=4, v_head_dim=4, conv=3, kind="short_conv")
+    assert M.linear_attention_flops(64, short) == 6 * (3 * 64 * 16 + 16 * 64 + 3 * 16)
     # Kimi Delta Attention (2 heads of 8): q, k, v [64 -> 16], b [64 -> 2], the decay's 64 -> 8 -> 16, the gate's 64 -> 8 -> 16,
     # out [16 -> 64]; the taps of 3 x 16 channels; 3 products with 2 [8, 8] states
     kda = dataclasses.replace(linear.linear_attention_config(), n_v_heads=2, v_head_dim=8, kind="kda")
