@@ -184,13 +184,7 @@ def test_matches_transformers_lfm2_short_conv():
             w.normal_(0.0, 0.3)
     B, C, X = ref.in_proj.weight.t().detach().chunk(3, dim=1)  # in_proj's rows: B, C, x
     p = dict(wb=B, wc=C, wv=X, conv_v=ref.conv.weight.detach()[:, 0].t(), wo=ref.out_proj.weight.t().detach())
-    cfg = LinearAttentionConfig(n_k_heads=H, n_v_heads=H, k_head_dim=1, v_head_dim=1, conv=3, kind="short_conv")
-    x = torch.randn(2, 70, H)
-    with torch.no_grad():
-        want = ref(x)
-        for b in range(2):
-            got, _ = linear_attention(x[b], p, cfg, _ctx(torch.tensor([0, 70], dtype=torch.int32), 70))
-            torch.testing.assert_close(got, want[b], rtol=1e-4, atol=1e-5)
+    _matches_module(ref, p, LinearAttentionConfig(n_k_heads=H, n_v_heads=H, k_head_dim=1, v_head_dim=1, conv=3, kind="short_conv"))
 
 
 @pytest.mark.parametrize("cfg", [CFG, KDA, SHORT], ids=["gated-deltanet", "kda", "short-conv"])
