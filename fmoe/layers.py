@@ -1757,7 +1757,8 @@ def linear_attention(x: torch.Tensor, params, cfg: LinearAttentionConfig, ctx: "
         return torch.cat([y, y.new_zeros(x.shape[0] - states.tokens, y.shape[1])]), stats
     T, Nk, Nv, Dk, Dv = x.shape[0], cfg.n_k_heads, cfg.n_v_heads, cfg.k_head_dim, cfg.v_head_dim
     mm = functools.partial(matmul, fp8=cfg.fp8, impl=cfg.impl)
-    if states is not None and (T % states.conv.shape[0] or tuple(states.conv.shape[1:]) != (cfg.conv - 1, cfg.conv_channels)):
+    if states is not None and (T % states.conv.shape[0] or states.state.shape[0] != states.conv.shape[0]
+                               or tuple(states.conv.shape[1:]) != (cfg.conv - 1, cfg.conv_channels)):
         raise ValueError(f"ctx.linear_states: conv {list(states.conv.shape)} and state {list(states.state.shape)} do not fit {T} tokens "
                          f"of cfg's layer (expected [S, {cfg.conv - 1}, {cfg.conv_channels}], T a multiple of S)")
     if cfg.kind == "short_conv":

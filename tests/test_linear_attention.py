@@ -253,3 +253,6 @@ def test_argument_checks():
     bad = LinearStates(torch.zeros(2, 2, 64), torch.zeros(2, 4, 8, 6))
     with pytest.raises(ValueError, match=r"ctx.linear_states: conv \[2, 2, 64\]"):
         linear_attention(x, p, CFG, dataclasses.replace(ctx, linear_states=bad))
+    unequal = LinearStates(torch.zeros(1, 3, 40), torch.zeros(2, 4, 8, 6))  # one sequence's conv, two sequences' states
+    with pytest.raises(ValueError, match=r"ctx.linear_states: conv \[1, 3, 40\] and state \[2, 4, 8, 6\] do not fit 5 tokens"):
+        linear_attention(x, p, CFG, dataclasses.replace(ctx, linear_states=unequal))
