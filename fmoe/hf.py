@@ -354,14 +354,12 @@ def _mimo_v2_flash(hf: dict) -> dict:
     full, local = _rope_by_layer_type(hf, _MIMO_ROPE, partial=0.334)
     common = _common(dict(hf, rope_parameters=full, rope_scaling=None), hf["n_routed_experts"], sliding=True)
     D, Dv, G = common["head_dim"], hf["v_head_dim"], common["n_kv_heads"]
-    window = common.get("window") is not None
-    sliding = tuple(i for i in range(n) if window and (common.get("window_layers") is None or i in common["window_layers"]))
+    window = common.get("window") is not None  # the sliding layers: window_layers (None: every layer), with their sinks
     scale = hf.get("attention_value_scale")
-    bias = bool(hf.get("attention_bias", False))
     return dict(common, **_mlp_layer_types(hf, 1), **_sigmoid_routing(hf), rope_dim=_partial_rope(dict(hf, rope_parameters=full), D),
-                v_head_dim=None if Dv == D else Dv, value_scale=1.0 if scale is None else float(scale), qkv_bias=bias,
-                local_kv_heads=2 * G if window else None, attn_sinks=bool(sliding), sink_layers=sliding if sliding and len(sliding) < n else None,
-                local_rope_base=local if window else None)
+                v_head_dim=None if Dv == D else Dv, value_scale=1.0 if scale is None else float(scale),
+                qkv_bias=bool(hf.get("attention_bias", False)), local_kv_heads=2 * G if window else None, attn_sinks=window,
+                sink_layers=common.get("window_layers"), local_rope_base=local if window else None)
 
 
 def _ernie4_5(hf: dict) -> dict:
