@@ -258,11 +258,12 @@ def _qwen3(hf: dict) -> dict:
     return _dense(hf, sliding=True, qk_norm="head")
 
 
-def _olmo2(hf: dict, **extra) -> dict:
+def _olmo2(hf: dict, name: str = "OLMo 2", **extra) -> dict:
     """OLMo 2 (dense): post-norm blocks (no input norms; RMSNorms on the attention and MLP
-    outputs) and q/k norms over the whole projections, as FlexOlmo's (_flex_olmo)."""
+    outputs) and q/k norms over the whole projections, as FlexOlmo's (_flex_olmo); `extra`
+    for OLMo 3's (name: the family's, in the refusals)."""
     _refuse(hf, "clip_qkv", lambda v: v is None, "clipped q/k/v are not built")
-    _refuse(hf, "attention_bias", lambda v: not v, f"no attention biases in {'OLMo 3' if extra else 'OLMo 2'}'s attention here")
+    _refuse(hf, "attention_bias", lambda v: not v, f"no attention biases in {name}'s attention here")
     return _dense(hf, qk_norm="proj", pre_norms=False, post_norms=True, **extra)
 
 
@@ -282,7 +283,7 @@ def _olmo3(hf: dict) -> dict:
                                            sliding_attention=dict(rope_type="default", rope_theta=theta)))
     full, local = _rope_by_layer_type(hf, _OLMO3_ROPE)
     plain = dict(hf, rope_parameters=dict(rope_type="default", rope_theta=full.get("rope_theta", 500000.0)), rope_scaling=None)
-    out = dict(_olmo2(plain, sliding=True), **_yarn(dict(hf, rope_parameters=full), 500000.0))
+    out = dict(_olmo2(plain, "OLMo 3", sliding=True), **_yarn(dict(hf, rope_parameters=full), 500000.0))
     return dict(out, local_rope_base=local if out.get("window") is not None else None)
 
 
