@@ -386,7 +386,7 @@ def _lfm2_common(hf: dict, n_experts: int) -> dict:
         raise ValueError(f"config.json: layer_types = {kinds!r} is not supported (one of full_attention / conv per layer)")
     conv = tuple(i for i, kind in enumerate(kinds) if kind == "conv")
     H = hf["hidden_size"]
-    return dict(_common(dict(hf, layer_types=None), n_experts), qk_norm="head", linear_layers=conv or None, linear_kind="short_conv",
+    return dict(_common(hf, n_experts), qk_norm="head", linear_layers=conv or None, linear_kind="short_conv",
                 linear_k_heads=H, linear_v_heads=H, linear_k_dim=1, linear_v_dim=1, linear_conv=hf.get("conv_L_cache", 3))
 
 
@@ -2070,6 +2070,15 @@ def _lfm2_config(cfg: TransformerConfig) -> dict:
                 conv_L_cache=cfg.linear_conv, conv_bias=False, norm_eps=cfg.norm_eps)
 
 
+def _rope_by_layer_type_parameters(cfg: TransformerConfig, full: dict) -> dict:
+    """config.json's rope_parameters keyed by layer type (what _rope_by_layer_type reads back):
+    the full layers' `full`; the sliding layers' the same, or plain RoPE at local_rope_base
+    (on the same partial rotary)."""
+    partial = {k: v for k, v in full.items() if k == "partial_rotary_factor"}
+    sliding = full if cfg.local_rope_base is None else dict(rope_type="default", rope_theta=cfg.local_rope_base, **partial)
+    return {"full_attention": full, "sliding_attention": sliding}
+
+
 def _rotary_factor(cfg: TransformerConfig) -> float:
     """config.json's partial_rotary_factor of rope_dim: rope_dim / head_dim, or where
     int(head_dim * that) rounds below rope_dim (30 / 44), half a channel more, which
@@ -2194,12 +2203,10 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
                   shared_expert_intermediate_size=cfg.shared_size, attention_bias=cfg.qkv_bias, sliding_window=cfg.window or 513,
                   layer_types=_layer_types(cfg))
     elif model_type == "mellum":
-        full = _rope_parameters(cfg)
-        sliding = full if cfg.local_rope_base is None else {"rope_type": "default", "rope_theta": cfg.local_rope_base}
         hf.update(num_local_experts=cfg.n_experts, moe_intermediate_size=cfg.ffn_expert, intermediate_size=cfg.ffn_dense,
                   norm_topk_prob=not cfg.pre_softmax, attention_bias=cfg.qkv_bias, sliding_window=cfg.window or 1024, layer_types=_layer_types(cfg),
                   mlp_layer_types=["sparse" if cfg.is_moe(i) else "dense" for i in range(cfg.n_layers)],
-                  rope_parameters={"full_attention": full, "sliding_attention": sliding})
+                  rope_parameters=_rope_by_layer_type_parameters(cfg, _rope_parameters(cfg)))
     elif model_type in ("qwen3_next", "qwen3_5_moe_text"):
         lin = cfg.linear_attention_config()
         if model_type == "qwen3_next":  # Qwen3.5-MoE's blocks are all MoE, renormalised
@@ -2234,12 +2241,11 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
             raise ValueError(f"model: MiMo-V2-Flash's sliding layers have twice the kv heads, 2 x {cfg.n_kv_heads}; this model's have "
                              f"{cfg.local_kv_heads or cfg.n_kv_heads}")
         moe_fields = _deepseek_moe_config(cfg)
-        full = dict(_rope_parameters(cfg), partial_rotary_factor=_rotary_factor(cfg))
-        sliding = full if cfg.local_rope_base is None else dict(rope_type="default", rope_theta=cfg.local_rope_base, partial_rotary_factor=_rotary_factor(cfg))
         hf.update({k: v for k, v in moe_fields.items() if k not in ("first_k_dense_replace", "n_shared_experts", "num_nextn_predict_layers")},
                   mlp_layer_types=["sparse" if cfg.is_moe(i) else "dense" for i in range(cfg.n_layers)], layer_types=_layer_types(cfg),
                   sliding_window=cfg.window or 129, v_head_dim=cfg.v_head_dim or cfg.head_dim, attention_value_scale=cfg.value_scale,
-                  attention_bias=cfg.qkv_bias, rope_parameters={"full_attention": full, "sliding_attention": sliding})
+                  attention_bias=cfg.qkv_bias,
+                  rope_parameters=_rope_by_layer_type_parameters(cfg, dict(_rope_parameters(cfg), partial_rotary_factor=_rotary_factor(cfg))))
     elif model_type == "mistral4":  # DeepSeek-V3's fields (the MLA ones below) but MTP's; softmax routing
         hf.update({k: v for k, v in _deepseek_moe_config(cfg).items() if k != "num_nextn_predict_layers"}, norm_topk_prob=not cfg.pre_softmax)
     elif model_type in DENSE_FAMILIES:
@@ -2257,9 +2263,8 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
             hf.update(attention_bias=False)
         elif model_type == "olmo3":  # each layer type's RoPE: YaRN or plain in the full layers, plain at its base in the sliding ones
             full = _yarn_parameters(cfg) if cfg.yarn_factor is not None else _rope_parameters(cfg)
-            sliding = full if cfg.local_rope_base is None else {"rope_type": "default", "rope_theta": cfg.local_rope_base}
             hf.update(attention_bias=False, sliding_window=cfg.window or 4096, layer_types=_layer_types(cfg),
-                      rope_parameters={"full_attention": full, "sliding_attention": sliding})
+                      rope_parameters=_rope_by_layer_type_parameters(cfg, full))
         elif model_type == "smollm3":
             hf.update(attention_bias=cfg.qkv_bias, no_rope_layers=[int(not cfg.is_nope(i)) for i in range(cfg.n_layers)],
                       use_sliding_window=cfg.window is not None, sliding_window=cfg.window, layer_types=_layer_types(cfg))
