@@ -26,6 +26,8 @@ computes in bf16 with float32 master weights and gradient sums, on one process t
 The tokens of an optimizer step do not depend on the number of processes: every rank reads
 the step's micro-batches and the data-parallel ranks take turns, so the same command with
 other parallel knobs trains the same model and logs the same losses (up to float rounding).
+main(argv) can be called several times in one launch (a sweep of small runs without each
+run's start-up): set up the process group first and main uses it and leaves it up.
 
 Everything a step does is below, in order: the batch-size schedule picks the micro-batches,
 their valid-token counts are read on the host, each moves to the device, gets its context
@@ -356,7 +358,9 @@ def main(argv: list[str]) -> None:
                                      start=STARTED)
     except ValueError as err:
         sys.exit(f"--stop_{'signals' if str(err).startswith('signals') else 'after_minutes'}: {err}")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    # a process group set up by the caller (several runs in one launch, main called for each) is used and left up
+    caller_group = dist.is_initialized()
+    world = dist.get_world_size() if caller_group else int(os.environ.get("WORLD_SIZE", "1"))
     has_experts = any(cfg.model.is_moe(i) for i in range(cfg.model.n_layers))
     sizes = dict(pp=cfg.pp, dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, cp=cfg.cp, tp=cfg.tp, ep=cfg.ep, etp=cfg.etp)
     # context parallel: 2 cp chunks per micro-batch; sequence parallel: T/(cp tp) tokens per rank
@@ -375,10 +379,8 @@ def main(argv: list[str]) -> None:
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
             torch.cuda.set_device(device)
-        if world > 1:
-            dist.init_process_group(backend)
-        else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        if not caller_group:  # torchrun's ranks, or one process in a group of its own
+            dist.init_process_group(backend, **({} if world > 1 else dict(store=dist.HashStore(), rank=0, world_size=1)))
         meshes = parallel.build_meshes(**sizes, has_experts=has_experts, device_type=device.type)
         rank, dp_rank, dp, cp_rank = dist.get_rank(), meshes.batch.get_local_rank("dp"), meshes.dp, meshes.batch.get_local_rank("cp")
     torch.manual_seed(cfg.seed)
@@ -865,7 +867,7 @@ def main(argv: list[str]) -> None:
     if rank == 0 and cfg.compile:  # what the compiler made of the model: graph breaks cost speed
         counters = torch._dynamo.utils.counters
         print(f"torch.compile: {counters['stats']['unique_graphs']} graphs, {sum(counters['graph_break'].values())} graph breaks")
-    if dist.is_initialized():
+    if dist.is_initialized() and not caller_group:
         dist.destroy_process_group()
 
 
