@@ -7,8 +7,8 @@ A folder holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). Supported `model_type`s: FAMILIES (mixtral, qwen2_moe,
 qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, kimi_k2, kimi_k25, deepseek_v2, deepseek_v32, glm_moe_dsa, glm4_moe_lite, gpt_oss, solar_open,
 exaone_moe, dots1, minimax_m2, granitemoe, granitemoeshared, granitemoe_swa, hunyuan_v1_moe, llama4_text, llama4, afmoe,
-sarvam_moe, sarvam_mla, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, kimi_linear, ernie4_5_moe, mimo_v2_flash, lfm2_moe,
-mistral4, mistral3), and the dense
+sarvam_moe, sarvam_mla, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, qwen3_vl_moe, qwen3_vl, kimi_linear, ernie4_5_moe,
+mimo_v2_flash, lfm2_moe, mistral4, mistral3), and the dense
 DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
 glm4, ernie4_5, lfm2: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: clipped qkv, ...;
@@ -88,6 +88,12 @@ stacks. A released mistral3 folder (Mistral3ForConditionalGeneration) holds that
 a dense Ministral 3 (ministral3: Mistral's blocks with YaRN and the same query scale) or
 Mistral (Mistral Small 3.x) one, under language_model. beside a vision model that is not
 read, and is written back only as its text model's family (Family.written_as "text_config").
+A released Qwen3-VL-MoE folder (qwen3_vl_moe) holds Qwen3-MoE's text model (its router always
+renormalised) under model.language_model., the dense Qwen3-VL (qwen3_vl) Qwen3's, beside a
+vision model that is not read; written back only as qwen3_moe / qwen3 (_qwen3_vl_text: the
+mrope_section of text positions is plain RoPE). Its experts are stacks, [E, H, 2F] / [E, F, H]
+as released or [E, 2F, H] / [E, H, F] as transformers writes them, told apart by their shapes
+(Family.stacks_by_shape).
 Kimi Linear (kimi_linear): Kimi Delta Attention blocks under self_attn (q/k/v_proj,
 q/k/v_conv1d, the decay's f_a_proj / f_b_proj, dt_bias, A_log [1, 1, N, 1] (Tensor.unit of
 several dims), b_proj, the gate's g_a_proj / g_b_proj, o_norm, o_proj), multi-latent attention
@@ -1046,6 +1052,42 @@ def _qwen3_5_moe(hf: dict) -> dict:
     return FAMILIES["qwen3_5_moe_text"].kwargs(dict(_text_config(hf), model_type="qwen3_5_moe_text"))
 
 
+# a released Qwen3-VL folder's model_type -> its text model's family, transformers' defaults of its text_config where they
+# differ from that family's, and the fields it always has (the MoE router renormalises its top-k whatever the config says)
+_QWEN3_VL = {"qwen3_vl_moe": ("qwen3_moe", dict(num_key_value_heads=16, rope_theta=5e5), dict(norm_topk_prob=True)),
+             "qwen3_vl": ("qwen3", dict(num_key_value_heads=32, head_dim=128, rope_theta=5e5), {})}
+
+
+def _qwen3_vl_text(hf: dict) -> dict:
+    """The text model's config of a released Qwen3-VL folder as its family's (_QWEN3_VL): its
+    text_config at transformers' defaults, with the fixed fields, the sliding_window that
+    transformers always clears left out, and RoPE without its mrope_section and
+    mrope_interleaved. Those place the rotary pairs of image and video positions; text
+    positions are equal in all three, where that is plain RoPE over the whole head, the only
+    input fmoe reads (the vision model's deepstack features join the first blocks' outputs
+    only at image tokens)."""
+    kind, defaults, fixed = _QWEN3_VL[hf["model_type"]]
+    text = {**defaults, **_text_config(hf), **fixed, "model_type": kind}
+    text.pop("sliding_window", None)
+    for field in ("rope_parameters", "rope_scaling"):
+        if isinstance(text.get(field), dict):
+            text[field] = {k: v for k, v in text[field].items() if k not in ("mrope_section", "mrope_interleaved")}
+    return text
+
+
+def _qwen3_vl_moe(hf: dict) -> dict:
+    """A released Qwen3-VL-MoE folder (qwen3_vl_moe, Qwen3VLMoeForConditionalGeneration:
+    Qwen3-VL-30B-A3B, -235B-A22B): Qwen3-MoE's text model whose router always renormalises
+    the top-k (_qwen3_vl_text); the vision model beside it is not read."""
+    return FAMILIES["qwen3_moe"].kwargs(_qwen3_vl_text(hf))
+
+
+def _qwen3_vl(hf: dict) -> dict:
+    """A released Qwen3-VL folder (qwen3_vl, Qwen3VLForConditionalGeneration: Qwen3-VL-2B to
+    -32B): Qwen3's dense text model (_qwen3_vl_text); the vision model beside it is not read."""
+    return FAMILIES["qwen3"].kwargs(_qwen3_vl_text(hf))
+
+
 def _one_per_model(hf: dict, field: str):
     """A field that may be a per-layer list (Hunyuan's num_experts, moe_topk): one value for
     every layer, or a ValueError."""
@@ -1256,6 +1298,9 @@ class Family:
     # stacks (Qwen3.5's released folders, "halves_out"): loading reads the layout the files hold (_stacked_experts), export
     # writes the layout a folder was loaded from
     stacks_too: bool = False
+    # the experts' stacks as the released folders store them ([E, H, 2F] gate_up_proj, [E, F, H] down_proj: "halves") or as
+    # transformers writes them ([E, 2F, H], [E, H, F]: "halves_out"), told apart by their shapes (Qwen3-VL-MoE: _stacks_by_shape)
+    stacks_by_shape: bool = False
 
     def renamed(self, key: str) -> str:
         """key (as the family's own models name it) in the family's folders (prefix)."""
@@ -1390,6 +1435,14 @@ FAMILIES = {
     # the released Qwen3.5-MoE folders: the text model under model.language_model. (the head at lm_head), beside a vision model
     "qwen3_5_moe": Family(_qwen3_5_moe, "mlp", _PROJ, "Qwen3_5MoeForConditionalGeneration", gate_in_q=True, stacks_too=True,
                           prefix=("model.", "model.language_model."), not_read=("model.visual.", "mtp."), written_as="qwen3_5_moe_text"),
+    # the released Qwen3-VL-MoE folders: Qwen3-MoE's text model under model.language_model. (the head at lm_head), beside a
+    # vision model; the experts as stacks, as released or as transformers writes them (Family.stacks_by_shape)
+    "qwen3_vl_moe": Family(_qwen3_vl_moe, "mlp", _STACKS, "Qwen3VLMoeForConditionalGeneration", fused="halves", stacks_by_shape=True,
+                           prefix=("model.", "model.language_model."), not_read=("model.visual.",), written_as="qwen3_moe",
+                           defaults=dict(tie_word_embeddings=False)),
+    # ...and the dense Qwen3-VL folders: Qwen3's text model there
+    "qwen3_vl": Family(_qwen3_vl, "mlp", _PROJ, "Qwen3VLForConditionalGeneration", prefix=("model.", "model.language_model."),
+                       not_read=("model.visual.",), written_as="qwen3", defaults=dict(tie_word_embeddings=False)),
     # Kimi Linear: transformers writes the dense MLPs under block_sparse_moe too (the released folders: mlp)
     "kimi_linear": Family(_kimi_linear, "block_sparse_moe", ("w1", "w3", "w2"), "KimiLinearForCausalLM", "shared_experts", linear="kda",
                           dense_too="block_sparse_moe", aliases=_KIMI_LINEAR_ALIASES, defaults=_KIMI_LINEAR_DEFAULTS),
@@ -1616,6 +1669,27 @@ def _stacked_experts(family: Family, keys) -> Family:
     return family
 
 
+def _stacks_by_shape(family: Family, cfg: TransformerConfig, files: dict[str, Path]) -> Family:
+    """A Family.stacks_by_shape family as the folder of `files` stores its experts: "halves_out"
+    where the first MoE block's gate_up_proj is [E, 2F, H], transformers' own layout (where 2F
+    = H, where its down_proj is [E, H, F]), as transformers tells them apart; the family as it
+    is (the released [E, H, 2F] / [E, F, H]) otherwise, or where the keys are missing (the
+    load names them)."""
+    layer = next((i for i in range(cfg.n_layers) if cfg.is_moe(i)), None)
+    if not family.stacks_by_shape or layer is None:
+        return family
+    gate_up, _, down = (family.renamed(f"model.layers.{layer}.{family.moe}.{name}") for name in family.experts)
+    F, H = cfg.ffn_expert, cfg.hidden
+    key, transformers_shape = (gate_up, (2 * F, H)) if 2 * F != H else (down, (H, F))
+    if key not in files:
+        return family
+    from safetensors import safe_open
+
+    with safe_open(files[key], "pt") as f:
+        stored = tuple(f.get_slice(key).get_shape()[1:])
+    return dataclasses.replace(family, fused="halves_out") if stored == transformers_shape else family
+
+
 def key_map(family: Family, cfg: TransformerConfig) -> dict[str, Tensor]:
     """Every fmoe parameter (and expert-bias buffer) name -> its Tensor in the HF
     checkpoint, in HF's key order. MTP depth d (family.mtp) is the layer n_layers + d - 1:
@@ -1744,7 +1818,7 @@ def load_weights(model: Transformer, path, *, model_type: str, strict: bool = Tr
 
     path = Path(path)
     files = _weight_files(path)
-    family = _stacked_experts(FAMILIES[model_type], files)
+    family = _stacks_by_shape(_stacked_experts(FAMILIES[model_type], files), model.cfg, files)
     model.hf_stacks = family.fused is not None and not FAMILIES[model_type].fused  # the layout save_pretrained writes back
     model.hf_dense = family.dense  # the dense MLP's name the folder holds (Family.dense_too), written back
     params = _tensors(model)
@@ -2364,7 +2438,7 @@ def written_config(hf: dict) -> dict:
     family = FAMILIES[hf["model_type"]]
     if family.written_as is None:
         return hf
-    text = _text_config(hf)
+    text = _qwen3_vl_text(hf) if hf["model_type"] in _QWEN3_VL else _text_config(hf)
     kind = text["model_type"] if family.written_as == "text_config" else family.written_as
     return dict(text, model_type=kind, architectures=[FAMILIES[kind].architecture])
 

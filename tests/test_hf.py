@@ -977,6 +977,96 @@ def test_a_released_qwen3_5_moe_folder_loads_its_text_model(tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(back_ours.state_dict().values(), model.state_dict().values()))
 
 
+def _qwen3_vl(kind, ffn_expert=8):
+    """A tiny Qwen3-VL(-MoE) model (randomised) whose RoPE has the released folders' mrope_section."""
+    text = dict(vocab_size=V, hidden_size=32, intermediate_size=40, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                rope_parameters=dict(rope_type="default", rope_theta=5e5, mrope_section=[2, 1, 1], mrope_interleaved=True))
+    vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32, patch_size=2, temporal_patch_size=1,
+                  spatial_merge_size=1, num_position_embeddings=16, deepstack_visual_indexes=[0])
+    torch.manual_seed(0)
+    if kind == "qwen3_vl":
+        return _randomised(transformers.Qwen3VLForConditionalGeneration(transformers.Qwen3VLConfig(text_config=text, vision_config=vision)))
+    text.update(moe_intermediate_size=ffn_expert, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1])
+    return _randomised(transformers.Qwen3VLMoeForConditionalGeneration(transformers.Qwen3VLMoeConfig(text_config=text, vision_config=vision)))
+
+
+def _released_stacks(src, dst):
+    """A copy of the folder src (written by transformers: [E, 2F, H] gate_up_proj, [E, H, F]
+    down_proj) with the experts' stacks as the released Qwen3-VL-MoE folders store them,
+    [E, H, 2F] and [E, F, H]."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    save_file({k: v.transpose(1, 2).contiguous() if ".mlp.experts." in k else v for k, v in tensors.items()}, dst / "model.safetensors",
+              metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize("kind", ["qwen3_vl_moe", "qwen3_vl"])
+def test_a_released_qwen3_vl_folder_loads_its_text_model(kind, tmp_path):
+    """A qwen3_vl_moe / qwen3_vl folder (Qwen3-VL-30B-A3B, Qwen3-VL-8B, ...): the text model
+    under model.language_model. (the head at lm_head, untied) loads with transformers' logits
+    of a text-only forward (its mrope_section is plain RoPE there), the vision model's keys
+    neither read nor counted as unread; the experts' stacks as transformers writes them or
+    as released (transposed), which transformers reads too. The router renormalises its
+    top-k whatever norm_topk_prob says. Not written back without the vision model; written
+    as qwen3_moe / qwen3, which transformers loads with the same logits and fmoe reads back
+    exactly."""
+    ref = _qwen3_vl(kind)
+    ref.save_pretrained(tmp_path / "written")
+    folders = [tmp_path / "written"] + ([_released_stacks(tmp_path / "written", tmp_path / "released")] if kind == "qwen3_vl_moe" else [])
+    docs, ids, cu = _packed()
+    with torch.no_grad():
+        theirs = torch.cat([ref(input_ids=d[None]).logits[0] for d in docs])
+    text_kind = dict(qwen3_vl_moe="qwen3_moe", qwen3_vl="qwen3")[kind]
+    for folder in folders:
+        if folder.name == "released":
+            again = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+            with torch.no_grad():
+                assert _rel(torch.cat([again(input_ids=d[None]).logits[0] for d in docs]), theirs) < 1e-6  # transformers reads them too
+        model, cfg = hf.from_pretrained(folder, impl="torch")
+        assert not cfg.tie_embeddings and cfg.rope_base == 5e5
+        assert (cfg.moe_layers, cfg.pre_softmax) == ((0, 2), False) if kind == "qwen3_vl_moe" else cfg.n_dense == 3
+        keys = [k for spec in hf.key_map(hf.FAMILIES[kind], cfg).values() for k in spec.keys]
+        assert all(k.startswith("model.language_model.") or k == "lm_head.weight" for k in keys)
+        with torch.no_grad():
+            assert _rel(model.logits(ids, cu), theirs) < 1e-5
+        with pytest.raises(ValueError, match=f"model_type: a {kind} folder holds a model fmoe does not read .model.visual..,"
+                                             f" so it is not written; pass model_type='{text_kind}'"):
+            hf.save_pretrained(model, tmp_path / "again")
+        model.hf_config = hf.written_config(model.hf_config)  # its own text config, as the text model's family
+        assert model.hf_config["model_type"] == text_kind and "mrope_section" not in model.hf_config["rope_parameters"]
+        out = hf.save_pretrained(model, tmp_path / f"text-{folder.name}")
+        back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+        assert type(back).__name__ == hf.FAMILIES[text_kind].architecture
+        with torch.no_grad():
+            assert _rel(torch.cat([back(d[None]).logits[0] for d in docs]), theirs) < 1e-5
+        back_ours, _ = hf.from_pretrained(out, impl="torch")
+        assert all(torch.equal(a, b) for a, b in zip(back_ours.state_dict().values(), model.state_dict().values()))
+    # transformers clears the text model's sliding_window, and the MoE router ignores norm_topk_prob; the head is untied
+    # where the top level leaves tie_word_embeddings out (the text_config's true is not the whole model's)
+    ignored = _edit(tmp_path / "written", tmp_path / "ignored",
+                    lambda c: [c["text_config"].update(norm_topk_prob=False, sliding_window=4, tie_word_embeddings=True), c.pop("tie_word_embeddings")])
+    assert hf.read_config(ignored)[1] == hf.read_config(tmp_path / "written")[1]
+
+
+def test_qwen3_vl_moe_stacks_are_told_apart_by_their_shapes(tmp_path):
+    """Where 2F = H, a gate_up_proj stack has one shape either way: the down_proj's tells them
+    apart ([E, H, F] as transformers writes it, [E, F, H] as released), so fmoe reads the
+    released folder as the model it is (transformers takes its gate_up_proj as its own layout)."""
+    ref = _qwen3_vl("qwen3_vl_moe", ffn_expert=16)  # 2F = H = 32
+    ref.save_pretrained(tmp_path / "written")
+    released = _released_stacks(tmp_path / "written", tmp_path / "released")
+    docs, ids, cu = _packed()
+    with torch.no_grad():
+        theirs = torch.cat([ref(input_ids=d[None]).logits[0] for d in docs])
+        for folder in (tmp_path / "written", released):
+            assert _rel(hf.from_pretrained(folder, impl="torch")[0].logits(ids, cu), theirs) < 1e-5
+
+
 @pytest.mark.parametrize("text_model", ["mistral4", "ministral3", "mistral"])
 def test_a_released_mistral3_folder_loads_its_text_model(text_model, folders, tmp_path):
     """A released Mistral 3 folder (mistral3, Mistral3ForConditionalGeneration: Mistral Small
