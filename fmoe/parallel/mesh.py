@@ -119,8 +119,8 @@ class Meshes:
     def token_mesh(self) -> DeviceMesh:
         """(cp, tp) flattened to 1-D, "cp_tp": the ranks that split one micro-batch's tokens
         (the group of the sequence-level balancing loss and of the micro-batch's counts).
-        Its local rank is cp_rank * tp + tp_rank. Built once (slicing a mesh reads its rank
-        table on the host)."""
+        Its local rank is cp_rank * tp + tp_rank. Built once, by build_meshes (slicing a mesh
+        reads its rank table on the host)."""
         return self.dense["cp", "tp"]._flatten("cp_tp")
 
     @functools.cached_property
@@ -177,7 +177,12 @@ def build_meshes(
     batch = view(("dp", "cp", "tp"), (sizes["dp"], sizes["cp"], sizes["tp"]))
     expert = view(EXPERT_AXES, tuple(sizes[a] for a in EXPERT_AXES)) if has_experts else None
     pp_mesh = DeviceMesh(device_type, ranks.view(pp, -1), mesh_dim_names=("pp", "stage_rank"))["pp"] if pp > 1 else None
-    return Meshes(dense=dense, batch=batch, expert=expert, sizes=sizes, pp_mesh=pp_mesh)
+    meshes = Meshes(dense=dense, batch=batch, expert=expert, sizes=sizes, pp_mesh=pp_mesh)
+    # the flattened meshes' groups, made here by every rank in one order: a group's name counts the groups made before it,
+    # so made later by some ranks only (the last pipeline stage's loss reads token_mesh), they would give every group made
+    # after them another name on those ranks, and its first collective would wait forever
+    meshes.token_mesh, meshes.stage_mesh
+    return meshes
 
 
 def leave_ranks(*, barrier: bool = True) -> None:

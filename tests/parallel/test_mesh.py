@@ -1,6 +1,8 @@
 """build_meshes / plan_sizes: sizes, MoE folding, and the promised ValueErrors."""
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from fmoe.parallel import build_meshes, plan_sizes
 from tests.parallel.dist import run_distributed
@@ -60,6 +62,22 @@ def test_views_over_four_ranks():
         assert r["no_experts"] and r["replicate"] == [rank % 2, rank % 2 + 2]
         assert r["ep_size"] == 2
         assert "ep * etp = 3 does not divide dp_shard * cp * tp = 4" in r["raised"]
+
+
+def _a_group_after_the_meshes(rank, world):
+    meshes = build_meshes(pp=2, tp=2)
+    if meshes.pp_rank == 1:  # the last stage alone reads them (its loss's group), as examples/train_moe.py does
+        meshes.token_mesh, meshes.stage_mesh
+    group = dist.new_group(list(range(world)))  # then every rank makes a group: the same one on each
+    total = torch.ones(1)
+    dist.all_reduce(total, group=group)
+    return total.item()
+
+
+def test_a_group_made_after_the_meshes_is_one_group_on_every_rank():
+    """build_meshes makes the flattened meshes' groups on every rank: made later on one
+    pipeline stage only, they gave the ranks' later groups different names (a hang)."""
+    assert run_distributed(_a_group_after_the_meshes, 4, timeout=90) == [4.0] * 4
 
 
 _LEAVE = """
