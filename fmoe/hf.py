@@ -7,7 +7,7 @@ A folder holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). Supported `model_type`s: FAMILIES (mixtral, qwen2_moe,
 qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, kimi_k2, kimi_k25, deepseek_v2, deepseek_v32, glm_moe_dsa, glm4_moe_lite, gpt_oss, solar_open,
 exaone_moe, dots1, minimax_m2, granitemoe, granitemoeshared, granitemoe_swa, hunyuan_v1_moe, llama4_text, llama4, afmoe,
-sarvam_moe, sarvam_mla, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, qwen3_vl_moe, qwen3_vl, kimi_linear, ernie4_5_moe,
+sarvam_moe, sarvam_mla, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, kimi_linear, ernie4_5_moe,
 mimo_v2_flash, lfm2_moe, mistral4, mistral3), and the dense
 DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
 glm4, ernie4_5, lfm2: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
@@ -90,9 +90,11 @@ Mistral (Mistral Small 3.x) one, under language_model. beside a vision model tha
 read, and is written back only as its text model's family (Family.written_as "text_config").
 A released Qwen3-VL-MoE folder (qwen3_vl_moe) holds Qwen3-MoE's text model (its router always
 renormalised) under model.language_model., the dense Qwen3-VL (qwen3_vl) Qwen3's, beside a
-vision model that is not read; written back only as qwen3_moe / qwen3 (_qwen3_vl_text: the
-mrope_section of text positions is plain RoPE). Its experts are stacks, [E, H, 2F] / [E, F, H]
-as released or [E, 2F, H] / [E, H, F] as transformers writes them, told apart by their shapes
+vision model that is not read; a Qwen3-Omni folder (qwen3_omni_moe) holds Qwen3-MoE's under
+thinker. beside its audio and vision encoders, talker and code-to-wave model, none read.
+Each is written back only as qwen3_moe / qwen3 (_qwen3_mm_text: the mrope_section of text
+positions is plain RoPE). Qwen3-VL-MoE's experts are stacks, [E, H, 2F] / [E, F, H] as
+released or [E, 2F, H] / [E, H, F] as transformers writes them, told apart by their shapes
 (Family.stacks_by_shape).
 Kimi Linear (kimi_linear): Kimi Delta Attention blocks under self_attn (q/k/v_proj,
 q/k/v_conv1d, the decay's f_a_proj / f_b_proj, dt_bias, A_log [1, 1, N, 1] (Tensor.unit of
@@ -1052,40 +1054,55 @@ def _qwen3_5_moe(hf: dict) -> dict:
     return FAMILIES["qwen3_5_moe_text"].kwargs(dict(_text_config(hf), model_type="qwen3_5_moe_text"))
 
 
-# a released Qwen3-VL folder's model_type -> its text model's family, transformers' defaults of its text_config where they
-# differ from that family's, and the fields it always has (the MoE router renormalises its top-k whatever the config says)
-_QWEN3_VL = {"qwen3_vl_moe": ("qwen3_moe", dict(num_key_value_heads=16, rope_theta=5e5), dict(norm_topk_prob=True)),
-             "qwen3_vl": ("qwen3", dict(num_key_value_heads=32, head_dim=128, rope_theta=5e5), {})}
+# a released multimodal Qwen3 folder's model_type -> its text model's family; the sub-config holding its text_config (None:
+# the top level); transformers' defaults of that holder's fields and of the text_config's where they differ from the
+# family's (the head untied); the fields the text model always has (the VL MoE router renormalises its top-k whatever the
+# config says)
+_QWEN3_MM = {
+    "qwen3_vl_moe": ("qwen3_moe", None, dict(tie_word_embeddings=False), dict(num_key_value_heads=16, rope_theta=5e5), dict(norm_topk_prob=True)),
+    "qwen3_vl": ("qwen3", None, dict(tie_word_embeddings=False), dict(num_key_value_heads=32, head_dim=128, rope_theta=5e5), {}),
+    "qwen3_omni_moe": ("qwen3_moe", "thinker_config", dict(tie_word_embeddings=False), dict(num_key_value_heads=4, rope_theta=1e6), {}),
+}
 
 
-def _qwen3_vl_text(hf: dict) -> dict:
-    """The text model's config of a released Qwen3-VL folder as its family's (_QWEN3_VL): its
-    text_config at transformers' defaults, with the fixed fields, the sliding_window that
-    transformers always clears left out, and RoPE without its mrope_section and
-    mrope_interleaved. Those place the rotary pairs of image and video positions; text
-    positions are equal in all three, where that is plain RoPE over the whole head, the only
-    input fmoe reads (the vision model's deepstack features join the first blocks' outputs
-    only at image tokens)."""
-    kind, defaults, fixed = _QWEN3_VL[hf["model_type"]]
-    text = {**defaults, **_text_config(hf), **fixed, "model_type": kind}
+def _qwen3_mm_text(hf: dict) -> dict:
+    """The text model's config of a released multimodal Qwen3 folder as its family's
+    (_QWEN3_MM): its text_config at transformers' defaults, with the fixed fields, the
+    sliding_window that transformers always clears left out, and RoPE without its
+    mrope_section and mrope_interleaved. Those place the rotary pairs of image, video and
+    audio positions; text positions are equal in all three, where that is plain RoPE over the
+    whole head, the only input fmoe reads (the vision model's deepstack features join the
+    first blocks' outputs only at image tokens)."""
+    kind, holder, outer_defaults, defaults, fixed = _QWEN3_MM[hf["model_type"]]
+    outer = hf if holder is None else hf.get(holder)
+    if not isinstance(outer, dict):
+        raise ValueError(f"config.json: a {hf['model_type']} config without a {holder} is not supported")
+    text = {**defaults, **_text_config({**outer_defaults, **outer, "model_type": hf["model_type"]}), **fixed, "model_type": kind}
     text.pop("sliding_window", None)
     for field in ("rope_parameters", "rope_scaling"):
         if isinstance(text.get(field), dict):
-            text[field] = {k: v for k, v in text[field].items() if k not in ("mrope_section", "mrope_interleaved")}
+            text[field] = {k: v for k, v in text[field].items() if k not in ("mrope_section", "mrope_interleaved", "interleaved")}
     return text
 
 
 def _qwen3_vl_moe(hf: dict) -> dict:
     """A released Qwen3-VL-MoE folder (qwen3_vl_moe, Qwen3VLMoeForConditionalGeneration:
     Qwen3-VL-30B-A3B, -235B-A22B): Qwen3-MoE's text model whose router always renormalises
-    the top-k (_qwen3_vl_text); the vision model beside it is not read."""
-    return FAMILIES["qwen3_moe"].kwargs(_qwen3_vl_text(hf))
+    the top-k (_qwen3_mm_text); the vision model beside it is not read."""
+    return FAMILIES["qwen3_moe"].kwargs(_qwen3_mm_text(hf))
 
 
 def _qwen3_vl(hf: dict) -> dict:
     """A released Qwen3-VL folder (qwen3_vl, Qwen3VLForConditionalGeneration: Qwen3-VL-2B to
-    -32B): Qwen3's dense text model (_qwen3_vl_text); the vision model beside it is not read."""
-    return FAMILIES["qwen3"].kwargs(_qwen3_vl_text(hf))
+    -32B): Qwen3's dense text model (_qwen3_mm_text); the vision model beside it is not read."""
+    return FAMILIES["qwen3"].kwargs(_qwen3_mm_text(hf))
+
+
+def _qwen3_omni_moe(hf: dict) -> dict:
+    """A released Qwen3-Omni folder (qwen3_omni_moe, Qwen3OmniMoeForConditionalGeneration:
+    Qwen3-Omni-30B-A3B): its thinker's text model, Qwen3-MoE's (_qwen3_mm_text); the thinker's
+    audio and vision encoders, the talker and the code-to-wave model beside it are not read."""
+    return FAMILIES["qwen3_moe"].kwargs(_qwen3_mm_text(hf))
 
 
 def _one_per_model(hf: dict, field: str):
@@ -1438,11 +1455,13 @@ FAMILIES = {
     # the released Qwen3-VL-MoE folders: Qwen3-MoE's text model under model.language_model. (the head at lm_head), beside a
     # vision model; the experts as stacks, as released or as transformers writes them (Family.stacks_by_shape)
     "qwen3_vl_moe": Family(_qwen3_vl_moe, "mlp", _STACKS, "Qwen3VLMoeForConditionalGeneration", fused="halves", stacks_by_shape=True,
-                           prefix=("model.", "model.language_model."), not_read=("model.visual.",), written_as="qwen3_moe",
-                           defaults=dict(tie_word_embeddings=False)),
+                           prefix=("model.", "model.language_model."), not_read=("model.visual.",), written_as="qwen3_moe"),
     # ...and the dense Qwen3-VL folders: Qwen3's text model there
     "qwen3_vl": Family(_qwen3_vl, "mlp", _PROJ, "Qwen3VLForConditionalGeneration", prefix=("model.", "model.language_model."),
-                       not_read=("model.visual.",), written_as="qwen3", defaults=dict(tie_word_embeddings=False)),
+                       not_read=("model.visual.",), written_as="qwen3"),
+    # ...and the released Qwen3-Omni folders: Qwen3-MoE's text model under thinker.model. (the head at thinker.lm_head)
+    "qwen3_omni_moe": Family(_qwen3_omni_moe, "mlp", _PROJ, "Qwen3OmniMoeForConditionalGeneration", prefix=("", "thinker."),
+                             not_read=("thinker.audio_tower.", "thinker.visual.", "talker.", "code2wav."), written_as="qwen3_moe"),
     # Kimi Linear: transformers writes the dense MLPs under block_sparse_moe too (the released folders: mlp)
     "kimi_linear": Family(_kimi_linear, "block_sparse_moe", ("w1", "w3", "w2"), "KimiLinearForCausalLM", "shared_experts", linear="kda",
                           dense_too="block_sparse_moe", aliases=_KIMI_LINEAR_ALIASES, defaults=_KIMI_LINEAR_DEFAULTS),
@@ -2438,7 +2457,7 @@ def written_config(hf: dict) -> dict:
     family = FAMILIES[hf["model_type"]]
     if family.written_as is None:
         return hf
-    text = _qwen3_vl_text(hf) if hf["model_type"] in _QWEN3_VL else _text_config(hf)
+    text = _qwen3_mm_text(hf) if hf["model_type"] in _QWEN3_MM else _text_config(hf)
     kind = text["model_type"] if family.written_as == "text_config" else family.written_as
     return dict(text, model_type=kind, architectures=[FAMILIES[kind].architecture])
 

@@ -1053,6 +1053,52 @@ def test_a_released_qwen3_vl_folder_loads_its_text_model(kind, tmp_path):
     assert hf.read_config(ignored)[1] == hf.read_config(tmp_path / "written")[1]
 
 
+def test_a_released_qwen3_omni_folder_loads_its_thinker_s_text_model(tmp_path):
+    """A qwen3_omni_moe folder (Qwen3-Omni-30B-A3B): the thinker's text model under
+    thinker.model. (the head at thinker.lm_head) loads with the thinker's logits of a
+    text-only forward, its audio and vision encoders' keys neither read nor counted as unread;
+    it is not written back without them, and writes as qwen3_moe (norm_topk_prob as the
+    thinker has it), which transformers loads with the same logits and fmoe reads back exactly."""
+    text = dict(vocab_size=V, hidden_size=32, intermediate_size=40, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                moe_intermediate_size=8, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1], norm_topk_prob=False,
+                rope_parameters=dict(rope_type="default", rope_theta=1e6, mrope_section=[2, 1, 1], interleaved=True))
+    audio = dict(num_mel_bins=8, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=16, d_model=16, output_dim=32, downsample_hidden_size=8)
+    vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32, patch_size=2, temporal_patch_size=1,
+                  spatial_merge_size=1, num_position_embeddings=16, deepstack_visual_indexes=[0])
+    torch.manual_seed(0)
+    config = transformers.Qwen3OmniMoeConfig(thinker_config=dict(text_config=text, audio_config=audio, vision_config=vision), enable_audio_output=False)
+    ref = _randomised(transformers.Qwen3OmniMoeForConditionalGeneration(config))
+    ref.save_pretrained(tmp_path / "omni")
+    docs, ids, cu = _packed()
+    with torch.no_grad():
+        theirs = torch.cat([ref.thinker(input_ids=d[None]).logits[0] for d in docs])
+    model, cfg = hf.from_pretrained(tmp_path / "omni", impl="torch")
+    assert not cfg.tie_embeddings and cfg.pre_softmax and cfg.moe_layers == (0, 2) and cfg.rope_base == 1e6
+    keys = [k for spec in hf.key_map(hf.FAMILIES["qwen3_omni_moe"], cfg).values() for k in spec.keys]
+    assert all(k.startswith("thinker.model.") for k in keys if k != "thinker.lm_head.weight") and "thinker.lm_head.weight" in keys
+    with torch.no_grad():
+        assert _rel(model.logits(ids, cu), theirs) < 1e-5
+    with pytest.raises(ValueError, match="model_type: a qwen3_omni_moe folder holds a model fmoe does not read .thinker.audio_tower., thinker.visual., "
+                                         "talker., code2wav.., so it is not written; pass model_type='qwen3_moe'"):
+        hf.save_pretrained(model, tmp_path / "again")
+    model.hf_config = hf.written_config(model.hf_config)
+    assert model.hf_config["model_type"] == "qwen3_moe" and model.hf_config["norm_topk_prob"] is False
+    assert model.hf_config["rope_parameters"] == dict(rope_type="default", rope_theta=1e6)  # the mrope fields left out
+    out = hf.save_pretrained(model, tmp_path / "text")
+    back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(back).__name__ == "Qwen3MoeForCausalLM"
+    with torch.no_grad():
+        assert _rel(torch.cat([back(d[None]).logits[0] for d in docs]), theirs) < 1e-5
+    back_ours, _ = hf.from_pretrained(out, impl="torch")
+    assert all(torch.equal(a, b) for a, b in zip(back_ours.state_dict().values(), model.state_dict().values()))
+    # transformers clears the text model's sliding_window; the head is untied where the thinker leaves tie_word_embeddings out
+    ignored = _edit(tmp_path / "omni", tmp_path / "ignored",
+                    lambda c: [c["thinker_config"]["text_config"].update(sliding_window=4, tie_word_embeddings=True), c["thinker_config"].pop("tie_word_embeddings")])
+    assert hf.read_config(ignored)[1] == hf.read_config(tmp_path / "omni")[1]
+    with pytest.raises(ValueError, match="config.json: a qwen3_omni_moe config without a thinker_config is not supported"):
+        hf.from_pretrained(_edit(tmp_path / "omni", tmp_path / "bad", lambda c: c.pop("thinker_config")))
+
+
 def test_qwen3_vl_moe_stacks_are_told_apart_by_their_shapes(tmp_path):
     """Where 2F = H, a gate_up_proj stack has one shape either way: the down_proj's tells them
     apart ([E, H, F] as transformers writes it, [E, F, H] as released), so fmoe reads the
