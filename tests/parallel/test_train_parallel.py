@@ -52,7 +52,7 @@ def _train_together(nproc, runs: dict):
     what it logs launched alone, bit for bit; the launch costs a 4-rank run more than its 5 steps."""
     spec = pathlib.Path(next(iter(runs))).parent / f"runs_{nproc}.json"
     spec.write_text(json.dumps([[f"--out_dir={out_dir}", *TINY, *args] for out_dir, args in runs.items()]))
-    _launch(nproc, HERE / "train_runs.py", str(spec), timeout=300 + 120 * len(runs))
+    _launch(nproc, HERE / "train_runs.py", str(spec), timeout=300 + 60 * len(runs))  # alone: about 5 s a run
     return {out_dir: _records(out_dir) for out_dir in runs}
 
 
