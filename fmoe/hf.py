@@ -1068,9 +1068,9 @@ _QWEN3_MM = {
 def _qwen3_mm_text(hf: dict) -> dict:
     """The text model's config of a released multimodal Qwen3 folder as its family's
     (_QWEN3_MM): its text_config at transformers' defaults, with the fixed fields, the
-    sliding_window that transformers always clears left out, and RoPE without its
-    mrope_section and mrope_interleaved. Those place the rotary pairs of image, video and
-    audio positions; text positions are equal in all three, where that is plain RoPE over the
+    sliding_window that transformers always clears left out, and RoPE without its multimodal
+    fields (mrope_section, and mrope_interleaved or Qwen3-Omni's interleaved). Those place the
+    rotary pairs of image, video and audio positions; text positions are equal in all three, where that is plain RoPE over the
     whole head, the only input fmoe reads (the vision model's deepstack features join the
     first blocks' outputs only at image tokens)."""
     kind, holder, outer_defaults, defaults, fixed = _QWEN3_MM[hf["model_type"]]
@@ -1689,11 +1689,10 @@ def _stacked_experts(family: Family, keys) -> Family:
 
 
 def _stacks_by_shape(family: Family, cfg: TransformerConfig, files: dict[str, Path]) -> Family:
-    """A Family.stacks_by_shape family as the folder of `files` stores its experts: "halves_out"
-    where the first MoE block's gate_up_proj is [E, 2F, H], transformers' own layout (where 2F
-    = H, where its down_proj is [E, H, F]), as transformers tells them apart; the family as it
-    is (the released [E, H, 2F] / [E, F, H]) otherwise, or where the keys are missing (the
-    load names them)."""
+    """A Family.stacks_by_shape family as the folder of `files` stores its experts: "halves_out",
+    transformers' own layout, where the first MoE block's gate_up_proj is [E, 2F, H] (or, where
+    2F = H and that shape says nothing, its down_proj [E, H, F]); the family as it is (the
+    released [E, H, 2F] / [E, F, H]) otherwise, or where the key is missing (the load names it)."""
     layer = next((i for i in range(cfg.n_layers) if cfg.is_moe(i)), None)
     if not family.stacks_by_shape or layer is None:
         return family

@@ -10,6 +10,7 @@ import filecmp
 import json
 import math
 import pathlib
+import re
 
 import pytest
 import torch
@@ -915,7 +916,6 @@ def _stacked_experts(src, dst):
     """A copy of the folder src whose experts are stacks, as the released Qwen3.5-MoE folders
     store them: per MoE block experts.gate_up_proj [E, 2F, H] (each expert's gate rows, then
     its up rows) and experts.down_proj [E, H, F], in place of the per-expert modules."""
-    import re
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -1005,6 +1005,34 @@ def _released_stacks(src, dst):
     return dst
 
 
+def _text_model_round_trip(folder, theirs, out, *, kind, prefix, head, text_kind):
+    """fmoe reads a multimodal `folder` of `kind`: every key it reads under `prefix` (or the
+    `head`), the logits of transformers' text-only forward (`theirs`, over _packed's
+    documents); the folder is not written back without its other models; written with its
+    text config as `text_kind` (written_config) to `out`, transformers loads the same logits
+    and fmoe reads back the same weights. -> (the model as loaded, its config, the written config)."""
+    docs, ids, cu = _packed()
+    model, cfg = hf.from_pretrained(folder, impl="torch")
+    keys = [k for spec in hf.key_map(hf.FAMILIES[kind], cfg).values() for k in spec.keys]
+    assert all(k.startswith(prefix) for k in keys if k != head) and (head in keys) == (not cfg.tie_embeddings)
+    with torch.no_grad():
+        assert _rel(model.logits(ids, cu), theirs) < 1e-5
+    not_read = ", ".join(re.escape(p) for p in hf.FAMILIES[kind].not_read)
+    with pytest.raises(ValueError, match=rf"model_type: a {kind} folder holds a model fmoe does not read \({not_read}\), so it is not written; "
+                                         rf"pass model_type='{text_kind}'"):
+        hf.save_pretrained(model, out.parent / "whole")
+    written = model.hf_config = hf.written_config(model.hf_config)  # its own text config, as the text model's family
+    assert written["model_type"] == text_kind
+    hf.save_pretrained(model, out)
+    back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(back).__name__ == hf.FAMILIES[text_kind].architecture
+    with torch.no_grad():
+        assert _rel(torch.cat([back(d[None]).logits[0] for d in docs]), theirs) < 1e-5
+    back_ours, _ = hf.from_pretrained(out, impl="torch")
+    assert all(torch.equal(a, b) for a, b in zip(back_ours.state_dict().values(), model.state_dict().values()))
+    return model, cfg, written
+
+
 @pytest.mark.parametrize("kind", ["qwen3_vl_moe", "qwen3_vl"])
 def test_a_released_qwen3_vl_folder_loads_its_text_model(kind, tmp_path):
     """A qwen3_vl_moe / qwen3_vl folder (Qwen3-VL-30B-A3B, Qwen3-VL-8B, ...): the text model
@@ -1018,7 +1046,7 @@ def test_a_released_qwen3_vl_folder_loads_its_text_model(kind, tmp_path):
     ref = _qwen3_vl(kind)
     ref.save_pretrained(tmp_path / "written")
     folders = [tmp_path / "written"] + ([_released_stacks(tmp_path / "written", tmp_path / "released")] if kind == "qwen3_vl_moe" else [])
-    docs, ids, cu = _packed()
+    docs = _packed()[0]
     with torch.no_grad():
         theirs = torch.cat([ref(input_ids=d[None]).logits[0] for d in docs])
     text_kind = dict(qwen3_vl_moe="qwen3_moe", qwen3_vl="qwen3")[kind]
@@ -1027,25 +1055,11 @@ def test_a_released_qwen3_vl_folder_loads_its_text_model(kind, tmp_path):
             again = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
             with torch.no_grad():
                 assert _rel(torch.cat([again(input_ids=d[None]).logits[0] for d in docs]), theirs) < 1e-6  # transformers reads them too
-        model, cfg = hf.from_pretrained(folder, impl="torch")
+        _, cfg, written = _text_model_round_trip(folder, theirs, tmp_path / f"text-{folder.name}", kind=kind, prefix="model.language_model.",
+                                                 head="lm_head.weight", text_kind=text_kind)
         assert not cfg.tie_embeddings and cfg.rope_base == 5e5
         assert (cfg.moe_layers, cfg.pre_softmax) == ((0, 2), False) if kind == "qwen3_vl_moe" else cfg.n_dense == 3
-        keys = [k for spec in hf.key_map(hf.FAMILIES[kind], cfg).values() for k in spec.keys]
-        assert all(k.startswith("model.language_model.") or k == "lm_head.weight" for k in keys)
-        with torch.no_grad():
-            assert _rel(model.logits(ids, cu), theirs) < 1e-5
-        with pytest.raises(ValueError, match=f"model_type: a {kind} folder holds a model fmoe does not read .model.visual..,"
-                                             f" so it is not written; pass model_type='{text_kind}'"):
-            hf.save_pretrained(model, tmp_path / "again")
-        model.hf_config = hf.written_config(model.hf_config)  # its own text config, as the text model's family
-        assert model.hf_config["model_type"] == text_kind and "mrope_section" not in model.hf_config["rope_parameters"]
-        out = hf.save_pretrained(model, tmp_path / f"text-{folder.name}")
-        back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-        assert type(back).__name__ == hf.FAMILIES[text_kind].architecture
-        with torch.no_grad():
-            assert _rel(torch.cat([back(d[None]).logits[0] for d in docs]), theirs) < 1e-5
-        back_ours, _ = hf.from_pretrained(out, impl="torch")
-        assert all(torch.equal(a, b) for a, b in zip(back_ours.state_dict().values(), model.state_dict().values()))
+        assert "mrope_section" not in written["rope_parameters"]
     # transformers clears the text model's sliding_window, and the MoE router ignores norm_topk_prob; the head is untied
     # where the top level leaves tie_word_embeddings out (the text_config's true is not the whole model's)
     ignored = _edit(tmp_path / "written", tmp_path / "ignored",
@@ -1069,28 +1083,13 @@ def test_a_released_qwen3_omni_folder_loads_its_thinker_s_text_model(tmp_path):
     config = transformers.Qwen3OmniMoeConfig(thinker_config=dict(text_config=text, audio_config=audio, vision_config=vision), enable_audio_output=False)
     ref = _randomised(transformers.Qwen3OmniMoeForConditionalGeneration(config))
     ref.save_pretrained(tmp_path / "omni")
-    docs, ids, cu = _packed()
+    docs = _packed()[0]
     with torch.no_grad():
         theirs = torch.cat([ref.thinker(input_ids=d[None]).logits[0] for d in docs])
-    model, cfg = hf.from_pretrained(tmp_path / "omni", impl="torch")
+    _, cfg, written = _text_model_round_trip(tmp_path / "omni", theirs, tmp_path / "text", kind="qwen3_omni_moe", prefix="thinker.model.",
+                                             head="thinker.lm_head.weight", text_kind="qwen3_moe")
     assert not cfg.tie_embeddings and cfg.pre_softmax and cfg.moe_layers == (0, 2) and cfg.rope_base == 1e6
-    keys = [k for spec in hf.key_map(hf.FAMILIES["qwen3_omni_moe"], cfg).values() for k in spec.keys]
-    assert all(k.startswith("thinker.model.") for k in keys if k != "thinker.lm_head.weight") and "thinker.lm_head.weight" in keys
-    with torch.no_grad():
-        assert _rel(model.logits(ids, cu), theirs) < 1e-5
-    with pytest.raises(ValueError, match="model_type: a qwen3_omni_moe folder holds a model fmoe does not read .thinker.audio_tower., thinker.visual., "
-                                         "talker., code2wav.., so it is not written; pass model_type='qwen3_moe'"):
-        hf.save_pretrained(model, tmp_path / "again")
-    model.hf_config = hf.written_config(model.hf_config)
-    assert model.hf_config["model_type"] == "qwen3_moe" and model.hf_config["norm_topk_prob"] is False
-    assert model.hf_config["rope_parameters"] == dict(rope_type="default", rope_theta=1e6)  # the mrope fields left out
-    out = hf.save_pretrained(model, tmp_path / "text")
-    back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    assert type(back).__name__ == "Qwen3MoeForCausalLM"
-    with torch.no_grad():
-        assert _rel(torch.cat([back(d[None]).logits[0] for d in docs]), theirs) < 1e-5
-    back_ours, _ = hf.from_pretrained(out, impl="torch")
-    assert all(torch.equal(a, b) for a, b in zip(back_ours.state_dict().values(), model.state_dict().values()))
+    assert written["norm_topk_prob"] is False and written["rope_parameters"] == dict(rope_type="default", rope_theta=1e6)  # no mrope fields
     # transformers clears the text model's sliding_window; the head is untied where the thinker leaves tie_word_embeddings out
     ignored = _edit(tmp_path / "omni", tmp_path / "ignored",
                     lambda c: [c["thinker_config"]["text_config"].update(sliding_window=4, tie_word_embeddings=True), c["thinker_config"].pop("tie_word_embeddings")])
