@@ -1054,14 +1054,14 @@ def _qwen3_5_moe(hf: dict) -> dict:
     return FAMILIES["qwen3_5_moe_text"].kwargs(dict(_text_config(hf), model_type="qwen3_5_moe_text"))
 
 
-# a released multimodal Qwen3 folder's model_type -> its text model's family; the sub-config holding its text_config (None:
-# the top level); transformers' defaults of that holder's fields and of the text_config's where they differ from the
-# family's (the head untied); the fields the text model always has (the VL MoE router renormalises its top-k whatever the
-# config says)
+# a released multimodal Qwen3 folder's model_type (its text model read as its Family.written_as) -> the sub-config holding
+# its text_config (None: the top level); transformers' defaults of that holder's fields and of the text_config's where they
+# differ from the family's (the head untied); the fields the text model always has (the VL MoE router renormalises its
+# top-k whatever the config says)
 _QWEN3_MM = {
-    "qwen3_vl_moe": ("qwen3_moe", None, dict(tie_word_embeddings=False), dict(num_key_value_heads=16, rope_theta=5e5), dict(norm_topk_prob=True)),
-    "qwen3_vl": ("qwen3", None, dict(tie_word_embeddings=False), dict(num_key_value_heads=32, head_dim=128, rope_theta=5e5), {}),
-    "qwen3_omni_moe": ("qwen3_moe", "thinker_config", dict(tie_word_embeddings=False), dict(num_key_value_heads=4, rope_theta=1e6), {}),
+    "qwen3_vl_moe": (None, dict(tie_word_embeddings=False), dict(num_key_value_heads=16, rope_theta=5e5), dict(norm_topk_prob=True)),
+    "qwen3_vl": (None, dict(tie_word_embeddings=False), dict(num_key_value_heads=32, head_dim=128, rope_theta=5e5), {}),
+    "qwen3_omni_moe": ("thinker_config", dict(tie_word_embeddings=False), dict(num_key_value_heads=4, rope_theta=1e6), {}),
 }
 
 
@@ -1070,10 +1070,11 @@ def _qwen3_mm_text(hf: dict) -> dict:
     (_QWEN3_MM): its text_config at transformers' defaults, with the fixed fields, the
     sliding_window that transformers always clears left out, and RoPE without its multimodal
     fields (mrope_section, and mrope_interleaved or Qwen3-Omni's interleaved). Those place the
-    rotary pairs of image, video and audio positions; text positions are equal in all three, where that is plain RoPE over the
-    whole head, the only input fmoe reads (the vision model's deepstack features join the
-    first blocks' outputs only at image tokens)."""
-    kind, holder, outer_defaults, defaults, fixed = _QWEN3_MM[hf["model_type"]]
+    rotary pairs of image, video and audio positions; text positions are equal in all three,
+    where that is plain RoPE over the whole head, the only input fmoe reads (the vision
+    model's deepstack features join the first blocks' outputs only at image tokens)."""
+    holder, outer_defaults, defaults, fixed = _QWEN3_MM[hf["model_type"]]
+    kind = FAMILIES[hf["model_type"]].written_as
     outer = hf if holder is None else hf.get(holder)
     if not isinstance(outer, dict):
         raise ValueError(f"config.json: a {hf['model_type']} config without a {holder} is not supported")
@@ -1085,24 +1086,15 @@ def _qwen3_mm_text(hf: dict) -> dict:
     return text
 
 
-def _qwen3_vl_moe(hf: dict) -> dict:
-    """A released Qwen3-VL-MoE folder (qwen3_vl_moe, Qwen3VLMoeForConditionalGeneration:
-    Qwen3-VL-30B-A3B, -235B-A22B): Qwen3-MoE's text model whose router always renormalises
-    the top-k (_qwen3_mm_text); the vision model beside it is not read."""
-    return FAMILIES["qwen3_moe"].kwargs(_qwen3_mm_text(hf))
-
-
-def _qwen3_vl(hf: dict) -> dict:
-    """A released Qwen3-VL folder (qwen3_vl, Qwen3VLForConditionalGeneration: Qwen3-VL-2B to
-    -32B): Qwen3's dense text model (_qwen3_mm_text); the vision model beside it is not read."""
-    return FAMILIES["qwen3"].kwargs(_qwen3_mm_text(hf))
-
-
-def _qwen3_omni_moe(hf: dict) -> dict:
-    """A released Qwen3-Omni folder (qwen3_omni_moe, Qwen3OmniMoeForConditionalGeneration:
-    Qwen3-Omni-30B-A3B): its thinker's text model, Qwen3-MoE's (_qwen3_mm_text); the thinker's
-    audio and vision encoders, the talker and the code-to-wave model beside it are not read."""
-    return FAMILIES["qwen3_moe"].kwargs(_qwen3_mm_text(hf))
+def _qwen3_mm(hf: dict) -> dict:
+    """A released multimodal Qwen3 folder: qwen3_vl_moe (Qwen3VLMoeForConditionalGeneration:
+    Qwen3-VL-30B-A3B, -235B-A22B) and qwen3_vl (Qwen3VLForConditionalGeneration: Qwen3-VL-2B to
+    -32B) hold Qwen3-MoE's and Qwen3's text model beside a vision model; qwen3_omni_moe
+    (Qwen3OmniMoeForConditionalGeneration: Qwen3-Omni-30B-A3B) Qwen3-MoE's as its thinker's,
+    beside the thinker's audio and vision encoders, the talker and the code-to-wave model. The
+    text model is read as its family's (Family.written_as, _qwen3_mm_text); nothing beside it is."""
+    text = _qwen3_mm_text(hf)
+    return FAMILIES[text["model_type"]].kwargs(text)
 
 
 def _one_per_model(hf: dict, field: str):
@@ -1454,13 +1446,13 @@ FAMILIES = {
                           prefix=("model.", "model.language_model."), not_read=("model.visual.", "mtp."), written_as="qwen3_5_moe_text"),
     # the released Qwen3-VL-MoE folders: Qwen3-MoE's text model under model.language_model. (the head at lm_head), beside a
     # vision model; the experts as stacks, as released or as transformers writes them (Family.stacks_by_shape)
-    "qwen3_vl_moe": Family(_qwen3_vl_moe, "mlp", _STACKS, "Qwen3VLMoeForConditionalGeneration", fused="halves", stacks_by_shape=True,
+    "qwen3_vl_moe": Family(_qwen3_mm, "mlp", _STACKS, "Qwen3VLMoeForConditionalGeneration", fused="halves", stacks_by_shape=True,
                            prefix=("model.", "model.language_model."), not_read=("model.visual.",), written_as="qwen3_moe"),
     # ...and the dense Qwen3-VL folders: Qwen3's text model there
-    "qwen3_vl": Family(_qwen3_vl, "mlp", _PROJ, "Qwen3VLForConditionalGeneration", prefix=("model.", "model.language_model."),
+    "qwen3_vl": Family(_qwen3_mm, "mlp", _PROJ, "Qwen3VLForConditionalGeneration", prefix=("model.", "model.language_model."),
                        not_read=("model.visual.",), written_as="qwen3"),
     # ...and the released Qwen3-Omni folders: Qwen3-MoE's text model under thinker.model. (the head at thinker.lm_head)
-    "qwen3_omni_moe": Family(_qwen3_omni_moe, "mlp", _PROJ, "Qwen3OmniMoeForConditionalGeneration", prefix=("", "thinker."),
+    "qwen3_omni_moe": Family(_qwen3_mm, "mlp", _PROJ, "Qwen3OmniMoeForConditionalGeneration", prefix=("", "thinker."),
                              not_read=("thinker.audio_tower.", "thinker.visual.", "talker.", "code2wav."), written_as="qwen3_moe"),
     # Kimi Linear: transformers writes the dense MLPs under block_sparse_moe too (the released folders: mlp)
     "kimi_linear": Family(_kimi_linear, "block_sparse_moe", ("w1", "w3", "w2"), "KimiLinearForCausalLM", "shared_experts", linear="kda",
