@@ -7,7 +7,7 @@ A folder holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). Supported `model_type`s: FAMILIES (mixtral, qwen2_moe,
 qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, kimi_k2, kimi_k25, deepseek_v2, deepseek_v32, glm_moe_dsa, glm4_moe_lite, gpt_oss, solar_open,
 exaone_moe, dots1, minimax_m2, granitemoe, granitemoeshared, granitemoe_swa, hunyuan_v1_moe, llama4_text, llama4, afmoe,
-sarvam_moe, sarvam_mla, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, kimi_linear, ernie4_5_moe,
+laguna, sarvam_moe, sarvam_mla, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, kimi_linear, ernie4_5_moe,
 mimo_v2_flash, lfm2_moe, mistral4, mistral3), and the dense
 DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
 glm4, ernie4_5, lfm2: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
@@ -995,6 +995,71 @@ def _afmoe(hf: dict) -> dict:
                 nope_layers=nope or None, attn_gate=True, post_norms=True, embed_scale=hf["hidden_size"] ** 0.5 if hf.get("mup_enabled") else 1.0)
 
 
+_LAGUNA_ROPE = dict(full_attention=dict(rope_type="default", rope_theta=500000.0, partial_rotary_factor=0.5),
+                    sliding_attention=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=1.0))
+
+
+def _laguna(hf: dict) -> dict:
+    """Laguna (laguna, Poolside): the layers layer_types names sliding_attention (by default
+    none) attend over the sliding window, the others globally, each kind with its own plain
+    RoPE (rope_parameters keyed by layer type: the full layers' base and partial rotary
+    factor, rope_base and rope_dim, plain or YaRN; the sliding layers' plain RoPE,
+    local_rope_base and local_rope_dim)
+    and its own query heads (num_attention_heads_per_layer: one count for each kind, n_heads
+    and local_heads); per-head q/k norms; an output gate softplus(x g_proj) before o_proj,
+    one per head (gating true or "per-head") or per channel ("per-element"); dense and MoE
+    blocks by mlp_layer_types (by default the first dense), MoE blocks routed on sigmoids of
+    the logits soft-capped at moe_router_logit_softcapping (0: none), plus the correction
+    bias for the choice, renormalised, x moe_routed_scaling_factor, beside one shared
+    expert of shared_expert_intermediate_size."""
+    n = hf["num_hidden_layers"]
+    _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in Laguna's attention here")
+    _refuse(hf, "moe_apply_router_weight_on_input", lambda v: not v, "the router's weights on the experts' outputs, as in transformers")
+    _refuse(hf, "moe_router_score_func", lambda v: v == "sigmoid", "sigmoid router scores")
+    _refuse(hf, "gating", lambda v: v is True or v in ("per-head", "per-element"), 'true, "per-head" or "per-element"')
+    _refuse_single_renormalised(hf)
+    kinds = hf.get("layer_types") or ["full_attention"] * n
+    hf = dict(hf, layer_types=kinds)
+    common = _common(hf, hf["num_experts"], sliding=True)
+    heads = hf.get("num_attention_heads_per_layer") or [hf["num_attention_heads"]] * n
+    if len(heads) != n:
+        raise ValueError(f"config.json: num_attention_heads_per_layer = {heads!r} is not supported (one count per layer)")
+    by_kind = {kind: sorted({h for h, k in zip(heads, kinds) if k == kind}) for kind in ("full_attention", "sliding_attention")}
+    if any(len(counts) > 1 for counts in by_kind.values()):
+        raise ValueError(f"config.json: num_attention_heads_per_layer = {heads!r} is not supported (one head count for the full layers and one "
+                         "for the sliding layers)")
+    full_heads = (by_kind["full_attention"] or by_kind["sliding_attention"])[0]
+    local_heads = by_kind["sliding_attention"][0] if by_kind["sliding_attention"] else full_heads
+    params = hf.get("rope_parameters") or _LAGUNA_ROPE
+    if not isinstance(params, dict) or set(params) - set(_LAGUNA_ROPE):
+        raise ValueError(f"config.json: rope_parameters = {params!r} is not supported (one per layer type, full_attention / sliding_attention)")
+    D, rope, yarn = common["head_dim"], {}, {}
+    for kind, p in params.items():
+        if kind not in kinds:  # a layer type no layer has: transformers builds its tables, which no layer reads
+            continue
+        rope_type = p.get("rope_type", p.get("type")) or "default"
+        if kind == "full_attention" and rope_type == "yarn":  # YaRN's cos / sin factor only: Laguna's softmax scale stays 1/sqrt(D)
+            _refuse(p, "mscale_all_dim", lambda v: not v, "YaRN without mscale_all_dim: Laguna's softmax scale is 1/sqrt(head_dim)")
+            yarn = {k: v for k, v in _yarn(dict(hf, rope_parameters=p), 500000.0).items() if k.startswith("yarn_")}
+        elif rope_type != "default":
+            raise ValueError(f"config.json: rope_parameters.{kind} = {p!r} is not supported (plain RoPE in each layer type, or YaRN in the "
+                             "full layers)")
+        rope[kind] = (float(p.get("rope_theta", _LAGUNA_ROPE[kind]["rope_theta"])), _partial_rope(dict(partial_rotary_factor=p.get("partial_rotary_factor", 1.0)), D))
+    for kind in set(kinds) - set(rope):
+        raise ValueError(f"config.json: rope_parameters has no {kind} entry for the {kind} layers")
+    full, sliding = rope.get("full_attention"), rope.get("sliding_attention")
+    base, dim = full or sliding
+    local = sliding if full is not None and sliding is not None and (sliding != full or yarn) else None
+    cap = float(hf.get("moe_router_logit_softcapping") or 0.0)
+    scale = float(hf.get("moe_routed_scaling_factor", 1.0))
+    return {**common, **_mlp_layer_types(hf, 1)} | dict(n_heads=full_heads, local_heads=local_heads if local_heads != full_heads else None,
+                rope_base=base, rope_dim=dim, local_rope_base=local[0] if local else None,
+                local_rope_dim=(local[1] or D) if local and local[1] != dim else None,
+                n_shared=0, shared_ffn=hf.get("shared_expert_intermediate_size") or 0, route_scale=None if scale == 1.0 else scale,
+                score="sigmoid", expert_bias=True, route_normalize=True, qk_norm="head", attn_gate=True, attn_gate_act="softplus",
+                attn_gate_per_head=hf.get("gating", True) in (True, "per-head"), router_softcap=cap or None, **yarn)
+
+
 def _linear_layers(hf: dict) -> dict:
     """Qwen3-Next's and Qwen3.5's Gated DeltaNet blocks: the layers layer_types names
     linear_attention (by default all but every full_attention_interval-th), with
@@ -1303,6 +1368,7 @@ class Family:
     # Linear's Kimi Delta Attention under the attention module (q/k/v/b_proj, q/k/v_conv1d, f_a/f_b_proj, g_a/g_b_proj, o_norm)
     linear: str = "qkv"
     gate_in_q: bool = False  # gated attention's gate as rows of q_proj, per head after its query's (Qwen3-Next), not a gate_proj
+    gate_proj: str = "gate_proj"  # gated attention's own gate module, under the attention module (AFMoE's; Laguna's g_proj)
     # the routed experts one module per expert (what transformers writes) or as [E, 2F, H] gate_up_proj / [E, H, F] down_proj
     # stacks (Qwen3.5's released folders, "halves_out"): loading reads the layout the files hold (_stacked_experts), export
     # writes the layout a folder was loaded from
@@ -1428,6 +1494,9 @@ FAMILIES = {
                                shared_beside=True, router="router.layer.weight"),
     "granitemoe_swa": Family(_granitemoe_swa, "block_sparse_moe", _STACKS, "GraniteMoeSWAForCausalLM", "shared_mlp", fused="halves_out",
                              shared_beside=True, router="router.weight"),
+    "laguna": Family(_laguna, "mlp", _PROJ, "LagunaForCausalLM", "shared_expert", correction_bias="experts.e_score_correction_bias",
+                     gate_proj="g_proj", defaults=dict(num_key_value_heads=8, head_dim=128, sliding_window=512, num_experts=256, num_experts_per_tok=8,
+                                                         intermediate_size=8192, moe_intermediate_size=512, shared_expert_intermediate_size=512)),
     "afmoe": Family(_afmoe, "mlp", _PROJ, "AfmoeForCausalLM", "shared_experts", correction_bias="expert_bias", router="router.gate.weight",
                     sandwich=("input_layernorm", "post_attention_layernorm", "pre_mlp_layernorm", "post_mlp_layernorm"),
                     aliases=dict(n_shared_experts="num_shared_experts", routed_scaling_factor="route_scale"),
@@ -1634,7 +1703,7 @@ def _attention_keys(family: Family, cfg: TransformerConfig, p: str, q: str, rope
             out[q + "attn.index_k_bias"] = Tensor((index + "k_norm.bias",))
     elif family.qkv is not None:  # q, k and v: the rows of one module, in that order
         G = cfg.kv_heads(layer)
-        rows = (cfg.n_heads * cfg.head_dim, G * cfg.head_dim, G * (cfg.v_head_dim or cfg.head_dim))
+        rows = (cfg.heads(layer) * cfg.head_dim, G * cfg.head_dim, G * (cfg.v_head_dim or cfg.head_dim))
         for j, name in enumerate(("q", "k", "v")):
             out[q + "attn.w" + name] = Tensor((f"{attn}{family.qkv}.weight",), transpose=True, chunk=(j, rows))
             if cfg.qkv_bias:
@@ -1655,8 +1724,8 @@ def _attention_keys(family: Family, cfg: TransformerConfig, p: str, q: str, rope
         out[q + "attn.sinks"] = Tensor((attn + family.sinks,))
     if gate_in_q:
         out[q + "attn.wg"] = Tensor((attn + "q_proj.weight",), transpose=True, chunk=(1, (1, 1)), groups=cfg.n_heads)
-    elif cfg.attn_gate:  # gated attention's gate_proj (AFMoE)
-        out[q + "attn.wg"] = Tensor((attn + "gate_proj.weight",), transpose=True)
+    elif cfg.attn_gate:  # gated attention's own gate module (AFMoE's gate_proj, Laguna's g_proj)
+        out[q + "attn.wg"] = Tensor((attn + family.gate_proj + ".weight",), transpose=True)
     if cfg.qk_norm in ("head", "proj") and (rope or cfg.nope_qk_norm):  # weighted norms ("rms" has none)
         out[q + "attn.q_norm"] = Tensor((attn + family.qk_norms[0] + ".weight",))
         out[q + "attn.k_norm"] = Tensor((attn + family.qk_norms[1] + ".weight",))
@@ -2260,6 +2329,20 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
         hf.update(num_experts=cfg.n_experts, num_shared_experts=moe_fields["n_shared_experts"], moe_intermediate_size=cfg.ffn_expert,
                   intermediate_size=cfg.ffn_dense, num_dense_layers=cfg.n_dense, route_scale=moe_fields["routed_scaling_factor"],
                   attention_bias=False, sliding_window=cfg.window, layer_types=_layer_types(cfg), mup_enabled=cfg.embed_scale != 1.0)
+    elif model_type == "laguna":
+        full = _yarn_parameters(cfg) if cfg.yarn_factor is not None else dict(rope_type="default", rope_theta=cfg.rope_base)
+        rope = {"full_attention": dict(full, partial_rotary_factor=_rotary_factor(cfg))}
+        if cfg.local_rope_base is not None:
+            local = dataclasses.replace(cfg, rope_dim=cfg.local_rope_dim or cfg.rope_dim)
+            rope["sliding_attention"] = dict(rope_type="default", rope_theta=cfg.local_rope_base, partial_rotary_factor=_rotary_factor(local))
+        else:
+            rope["sliding_attention"] = rope["full_attention"]
+        hf.update(num_experts=cfg.n_experts, moe_intermediate_size=cfg.ffn_expert, intermediate_size=cfg.ffn_dense,
+                  shared_expert_intermediate_size=cfg.shared_size, moe_routed_scaling_factor=cfg.route_scale or 1.0,
+                  moe_router_logit_softcapping=cfg.router_softcap or 0.0, attention_bias=False, sliding_window=cfg.window or 512,
+                  layer_types=_layer_types(cfg), num_attention_heads_per_layer=[cfg.heads(i) for i in range(cfg.n_layers)],
+                  mlp_layer_types=["sparse" if cfg.is_moe(i) else "dense" for i in range(cfg.n_layers)],
+                  gating="per-head" if cfg.attn_gate_per_head else "per-element", rope_parameters=rope)
     elif model_type == "hy_v3":
         moe_fields = _deepseek_moe_config(cfg)
         hf.update(num_experts=cfg.n_experts, num_shared_experts=moe_fields["n_shared_experts"], moe_intermediate_size=cfg.ffn_expert,
@@ -2456,7 +2539,7 @@ def written_config(hf: dict) -> dict:
 # TransformerConfig fields that only MoE blocks read (the dense MLP is a plain SwiGLU)
 _MOE_ONLY = {"n_experts", "k", "ffn_expert", "n_shared", "shared_ffn", "shared_gate", "score", "pre_softmax", "n_groups", "topk_groups",
              "group_score_topk", "route_scale", "route_normalize", "expert_bias", "route_on_input", "router_bias", "expert_biases",
-             "swiglu_alpha", "swiglu_limit", "swiglu_offset"}
+             "swiglu_alpha", "swiglu_limit", "swiglu_offset", "router_softcap"}
 
 
 def config_mismatch(cfg: TransformerConfig, hf: dict) -> dict[str, tuple]:

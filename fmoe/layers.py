@@ -132,7 +132,10 @@ class MoEConfig:
     fp8: the routed and shared experts' forward and input-gradient GEMMs in fp8 (row-wise
     power-of-two scales, fmoe.ops.fp8_matmul; grouped_mlp's fp8). fp8_fast_accum: the
     routed experts' fp8 grouped GEMMs with the tensor cores' own accumulator on CUDA
-    (grouped_mlp's fp8_fast_accum; needs fp8).
+    (grouped_mlp's fp8_fast_accum; needs fp8). logit_softcap: the router's logits l
+    become c tanh(l / c) before routing, for c = logit_softcap (Laguna's
+    moe_router_logit_softcapping; None: as they are); stats["router_logits"], the aux
+    scores' and the z-loss's input, are the capped ones.
     """
 
     n_experts: int
@@ -157,9 +160,13 @@ class MoEConfig:
     weights_on_input: bool = False
     fp8: bool = False
     fp8_fast_accum: bool = False
+    logit_softcap: Optional[float] = None
 
     def __post_init__(self):
         check_glu(self.swiglu_alpha, self.swiglu_limit, self.swiglu_offset)
+        cap = self.logit_softcap
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 < cap < math.inf):
+            raise ValueError(f"logit_softcap: expected None or a positive finite number, got {cap!r}")
         if self.capacity_factor is not None and (isinstance(self.capacity_factor, bool) or not isinstance(self.capacity_factor, (int, float))
                                                  or not 0 < self.capacity_factor < math.inf):
             raise ValueError(f"capacity_factor: expected None or a positive finite number, got {self.capacity_factor!r}")
@@ -313,6 +320,8 @@ def moe(
     E, k = cfg.n_experts, cfg.k
 
     logits_TE = F.linear(x.float(), params["router"], params.get("router_bias"))  # router in float32
+    if cfg.logit_softcap is not None:  # Laguna's tanh soft cap
+        logits_TE = torch.tanh(logits_TE / cfg.logit_softcap) * cfg.logit_softcap
     routes = route(
         random_logits(logits_TE) if cfg.random_routing else logits_TE, k,
         score=cfg.score, pre_softmax=cfg.pre_softmax, n_groups=cfg.n_groups, topk_groups=cfg.topk_groups,
@@ -355,6 +364,9 @@ def moe(
 # ----------------------------------------------------------------------------------------
 
 
+GATE_ACTS = ("sigmoid", "softplus")  # gated attention's gate activations (AttentionConfig.gate_act)
+
+
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
     """Grouped-query attention with RoPE or YaRN.
@@ -392,7 +404,13 @@ class AttentionConfig:
     others (per-layer-type bases: Mellum's sliding layers at 10000 beside full ones at
     500000; OLMo 3's plain sliding layers beside YaRN in the full ones); None: one set of
     tables for every layer. Not beside YaRN with a yarn_mscale_all_dim (its softmax scale,
-    every layer's).
+    every layer's). local_rot_dim: with local_rope_base, the channels of each head that the
+    local layers rotate where they are not rot_dim's (Laguna's sliding layers rotate all
+    128 beside its full layers' 64); None: rot_dim.
+    gate_act, gate_per_head: gated attention's gate (params["wg"]): the heads' outputs
+    times gate_act ("sigmoid": AFMoE, Qwen3-Next; "softplus": Laguna) of x wg before wo,
+    channel by channel (wg [H, N Dv]) or, with gate_per_head, one gate per head over its
+    Dv channels (wg [H, N]; Laguna's default); the gate computed in float32 for softplus.
     zero_centered_norms: the q/k norms' (and the latents' norms') gain is 1 + weight
     (Qwen3-Next's zero-centred norms), not the weight. fp8: the projections (q, k, v, o, the
     output gate's, multi-latent attention's) by fmoe.ops.fp8_matmul: their forward and
@@ -474,6 +492,9 @@ class AttentionConfig:
     local_rope_base: Optional[float] = None
     zero_centered_norms: bool = False
     v_scale: float = 1.0
+    local_rot_dim: Optional[int] = None
+    gate_act: str = "sigmoid"
+    gate_per_head: bool = False
     fp8: bool = False
     index_topk: Optional[int] = None
     index_heads: int = 64
@@ -493,6 +514,16 @@ class AttentionConfig:
             if self.yarn_factor is not None and self.yarn_mscale_all_dim:
                 raise ValueError("local_rope_base: plain RoPE in the local layers is not built beside YaRN with a yarn_mscale_all_dim "
                                  "(its softmax scale is every layer's)")
+        if self.local_rot_dim is not None:
+            if self.local_rope_base is None:
+                raise ValueError("local_rot_dim: the channels the local layers' own RoPE rotates, needs local_rope_base")
+            if isinstance(self.local_rot_dim, bool) or not isinstance(self.local_rot_dim, int) or not 2 <= self.local_rot_dim <= self.head_dim \
+                    or self.local_rot_dim % 2:
+                raise ValueError(f"local_rot_dim: expected an even int in 2..head_dim = {self.head_dim}, or None, got {self.local_rot_dim!r}")
+        if self.gate_act not in GATE_ACTS:
+            raise ValueError(f"gate_act: expected one of {', '.join(GATE_ACTS)}, got {self.gate_act!r}")
+        if not isinstance(self.gate_per_head, bool):
+            raise ValueError(f"gate_per_head: expected a bool, got {self.gate_per_head!r}")
         if self.llama3_factor is not None:
             if self.yarn_factor is not None:
                 raise ValueError("llama3_factor: one RoPE scaling at a time, not with yarn_factor")
@@ -951,8 +982,8 @@ def attention_context(
             raise ValueError(f"mask: expected {expected} (cfg.impl = {cfg.impl!r}), got {type(mask).__name__}")
     cos, sin = rope_tables(positions, cfg)
     local_base = cfg.local_rope_base if local is not None else None  # the local layers' own plain RoPE
-    local_cos, local_sin = (None, None) if local_base is None else rope_tables(positions, dataclasses.replace(cfg, rope_base=local_base,
-                                                                                                                llama3_factor=None, yarn_factor=None))
+    local_cos, local_sin = (None, None) if local_base is None else rope_tables(positions, dataclasses.replace(
+        cfg, rope_base=local_base, rot_dim=cfg.local_rot_dim or cfg.rot_dim, llama3_factor=None, yarn_factor=None))
     return AttentionContext(cos, sin, mask, gather_kv, window=cfg.window, local_mask=local, chunk=cfg.chunk, positions=positions,
                             local_rope_base=local_base, local_cos=local_cos, local_sin=local_sin, cu_seqlens=cu_seqlens, linear_cp=linear_cp,
                             index_choices={} if cfg.index_topk is not None else None,
@@ -1028,7 +1059,7 @@ def _check_attention(x_TH, params, cfg, ctx) -> None:
         if w is None or tuple(w.shape) != shape:
             raise ValueError(f"params['{name}']: expected a {list(shape)} norm weight, got {list(w.shape) if w is not None else 'nothing'}")
     # an output bias, attention sinks and the output gate's weight, either kind
-    extras = {"bo": (H,), "sinks": (N,), "wg": (H, N * (cfg.v_dim or D))}
+    extras = {"bo": (H,), "sinks": (N,), "wg": (H, N if cfg.gate_per_head else N * (cfg.v_dim or D))}
     for name, shape in extras.items():
         w = params.get(name)
         if w is not None and (tuple(w.shape) != shape or not w.is_floating_point() or (name == "wg" and w.dtype != x_TH.dtype)):
@@ -1079,8 +1110,9 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
             bq [N D], bk [G D], bv [G Dv] added to the projections; q_norm, k_norm with cfg.qk_norm;
             optional output bias bo [H] (under tensor parallel: its 1/tp share, the ranks'
             outputs being summed), attention sinks [N] (module docstring; either kind) and
-            an output gate wg [H, N Dv]: the heads' outputs times sigmoid(x wg), channel by
-            channel, before wo (gated attention, AFMoE's gate_proj; either kind).
+            an output gate wg [H, N Dv] ([H, N] with cfg.gate_per_head): the heads' outputs
+            times cfg.gate_act(x wg), channel by channel (or head by head), before wo (gated
+            attention, AFMoE's gate_proj, Laguna's g_proj; either kind).
             Multi-latent attention (cfg.kv_rank): wq [H, N D] or wq_a [H, q_rank],
             q_a_norm [q_rank], wq_b [q_rank, N D]; wkv_a [H, kv_rank + R] (latent, then
             the shared rotary key), kv_a_norm [kv_rank], wkv_b [kv_rank, N (D - R + v_dim)]
@@ -1118,6 +1150,10 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
         raise ValueError(f"ctx: built with the local layers' RoPE base {ctx.local_rope_base}, this layer's is {cfg.local_rope_base} "
                          "(build the context with the layer's AttentionConfig)")
     if local and ctx.local_cos is not None:  # the local layers' own RoPE tables
+        rot = cfg.local_rot_dim or cfg.rot_dim or cfg.head_dim
+        if ctx.local_cos.shape[-1] * 2 != rot:
+            raise ValueError(f"ctx: built with the local layers' RoPE over {ctx.local_cos.shape[-1] * 2} channels, this layer rotates {rot} "
+                             "(build the context with the layer's AttentionConfig)")
         ctx = dataclasses.replace(ctx, cos=ctx.local_cos, sin=ctx.local_sin)
     if cfg.temperature_floor is not None and ctx.positions is None:
         raise ValueError("ctx: has no positions for cfg.temperature_floor's query scales (build it with attention_context)")
@@ -1228,8 +1264,8 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
     if wv_CNV is not None:  # absorbed: each head's latent output to its values
         out_NTD = torch.einsum("ntc,cnv->ntv", out_NTD, wv_CNV)
     out_TQ = rearrange(out_NTD, "n t d -> t (n d)")
-    if params.get("wg") is not None:  # gated attention: each output channel times sigmoid of its gate
-        out_TQ = out_TQ * torch.sigmoid(matmul(x, params["wg"], fp8=cfg.fp8, impl=cfg.impl))
+    if params.get("wg") is not None:  # gated attention: each output channel (or head) times its gate
+        out_TQ = _gated(out_TQ, matmul(x, params["wg"], fp8=cfg.fp8, impl=cfg.impl), cfg)
     y_TH = matmul(out_TQ, params["wo"], fp8=cfg.fp8, impl=cfg.impl)
     if params.get("bo") is not None:
         y_TH = y_TH + params["bo"]
@@ -1342,6 +1378,20 @@ def _attention_with_sinks(q_NTD, k_GTD, v_GTD, mask_TS, scale: float, sinks_N):
     sink_NT1 = sinks_N.float()[:, None, None].expand(N, scores_NTS.shape[1], 1)
     probs_NTS = torch.softmax(torch.cat([scores_NTS, sink_NT1], dim=-1), dim=-1)[..., :-1]
     return (probs_NTS @ v_GTD.float().repeat_interleave(N // G, dim=0)).to(q_NTD.dtype)
+
+
+def _gated(out_TQ: torch.Tensor, gate_TG: torch.Tensor, cfg: AttentionConfig) -> torch.Tensor:
+    """The attention output [T, N Dv] times cfg.gate_act of the gate's pre-activations
+    gate_TG ([T, N Dv] channel by channel, [T, N] with cfg.gate_per_head: each head's Dv
+    channels by one), in out_TQ's dtype."""
+    if cfg.gate_act == "softplus":  # in float32 (Laguna's)
+        gate_TG = F.softplus(gate_TG.float()).to(out_TQ.dtype)
+    else:
+        gate_TG = torch.sigmoid(gate_TG)
+    if cfg.gate_per_head:
+        N = gate_TG.shape[-1]
+        return (rearrange(out_TQ, "t (n d) -> t n d", n=N) * gate_TG[..., None]).flatten(1)
+    return out_TQ * gate_TG
 
 
 def _gqa_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext, heads_mean=None):

@@ -291,7 +291,10 @@ class TransformerConfig:
     those trunk blocks only, the MTP blocks without; None: every block; MiMo-V2-Flash's
     sliding-window blocks); attn_gate: gated
     attention, the heads' outputs times sigmoid(x wg) channel by channel before wo (AFMoE;
-    fmoe.layers.attention).
+    fmoe.layers.attention); attn_gate_act "softplus" instead of "sigmoid", and
+    attn_gate_per_head: one gate per head (wg [H, n_heads]; Laguna's g_proj:
+    fmoe.layers.AttentionConfig.gate_act, gate_per_head). router_softcap: the router's
+    logits capped at c tanh(l / c) before routing (Laguna; fmoe.layers.MoEConfig.logit_softcap).
     router_bias: a float32 bias on the router logits; expert_biases: biases of the routed
     experts' three projections; swiglu_alpha / swiglu_limit / swiglu_offset: the routed
     experts' clamped SwiGLU (fmoe.ops.grouped_mlp; gpt-oss: 1.702, 7.0, 1.0). kv_rank (with q_rank,
@@ -301,7 +304,9 @@ class TransformerConfig:
     (MiMo-V2-Flash; None: head_dim), and value_scale multiplies its values (MiMo-V2-Flash's
     attention_value_scale). local_kv_heads: the kv heads of the window's or chunk's blocks
     where they differ from n_kv_heads (MiMo-V2-Flash's sliding blocks: twice as many; None:
-    n_kv_heads). index_topk
+    n_kv_heads). local_heads: the query heads of the window's or chunk's blocks where they
+    differ from n_heads (Laguna's num_attention_heads_per_layer; None: n_heads).
+    index_topk
     (with q_rank and kv_rank): DeepSeek sparse attention in every block (DeepSeek-V3.2,
     GLM-5), each query attending to the index_topk keys a lightning indexer of index_heads
     heads of index_head_dim scores highest (its RoPE on interleaved pairs with
@@ -331,7 +336,9 @@ class TransformerConfig:
     attention; not with nope_temperature_floor).
     local_rope_base: the RoPE base of the window's or chunk's blocks (plain RoPE at this base
     there, rope_base and its scaling in the others: Mellum, OLMo 3; None: rope_base everywhere;
-    fmoe.layers.AttentionConfig.local_rope_base). pre_norms: an RMSNorm on
+    fmoe.layers.AttentionConfig.local_rope_base); local_rope_dim: with local_rope_base, the
+    channels those blocks rotate where they are not rope_dim's (Laguna: every channel in the
+    sliding blocks beside half in the full ones; None: rope_dim). pre_norms: an RMSNorm on
     each block's attention and MLP input (the usual pre-norm block); post_norms: one on each
     branch's output before its residual add (OLMo 2 / FlexOlmo without pre_norms; both:
     Gemma's sandwich). zero_centered_norms: every RMSNorm's gain is 1 + its weight, the weight
@@ -420,7 +427,11 @@ class TransformerConfig:
     sink_layers: Optional[tuple[int, ...]] = None
     value_scale: float = 1.0
     local_kv_heads: Optional[int] = None
+    local_heads: Optional[int] = None
     attn_gate: bool = False
+    attn_gate_act: str = "sigmoid"
+    attn_gate_per_head: bool = False
+    router_softcap: Optional[float] = None
     router_bias: bool = False
     expert_biases: bool = False
     swiglu_alpha: float = 1.0
@@ -441,6 +452,7 @@ class TransformerConfig:
     query_temperature_floor: Optional[int] = None
     query_temperature_scale: float = 0.1
     local_rope_base: Optional[float] = None
+    local_rope_dim: Optional[int] = None
     pre_norms: bool = True
     post_norms: bool = False
     zero_centered_norms: bool = False
@@ -502,10 +514,20 @@ class TransformerConfig:
             check_positive_int("local_kv_heads", self.local_kv_heads)
             if self.window is None and self.chunk is None:
                 raise ValueError("local_kv_heads: the kv heads of the window's or chunk's blocks, needs a window or a chunk")
-            if self.n_heads % self.local_kv_heads:
-                raise ValueError(f"local_kv_heads: {self.n_heads} heads do not split over {self.local_kv_heads} kv heads")
+            if (self.local_heads or self.n_heads) % self.local_kv_heads:
+                raise ValueError(f"local_kv_heads: {self.local_heads or self.n_heads} heads do not split over {self.local_kv_heads} kv heads")
             if self.kv_rank is not None:
                 raise ValueError("local_kv_heads: grouped-query attention's kv heads; multi-latent attention has n_heads")
+        if self.local_heads is not None:
+            check_positive_int("local_heads", self.local_heads)
+            if self.window is None and self.chunk is None:
+                raise ValueError("local_heads: the query heads of the window's or chunk's blocks, needs a window or a chunk")
+            if self.kv_rank is not None:
+                raise ValueError("local_heads: grouped-query attention's query heads; multi-latent attention has n_heads")
+            if self.local_heads % (self.local_kv_heads or self.n_kv_heads):
+                raise ValueError(f"local_heads: {self.local_heads} heads do not split over {self.local_kv_heads or self.n_kv_heads} kv heads")
+        if (self.attn_gate_act != "sigmoid" or self.attn_gate_per_head) and not self.attn_gate:
+            raise ValueError("attn_gate_act / attn_gate_per_head: gated attention's gate, needs attn_gate=True")
         if self.v_head_dim is not None:
             check_positive_int("v_head_dim", self.v_head_dim)
         if self.value_scale != 1.0 and self.kv_rank is not None:
@@ -609,6 +631,11 @@ class TransformerConfig:
         given); i None: the MTP blocks', with sinks when every block has them."""
         return self.attn_sinks and (self.sink_layers is None if i is None else self.sink_layers is None or i in self.sink_layers)
 
+    def heads(self, i: Optional[int]) -> int:
+        """Trunk block i's query heads: local_heads in a window's or chunk's block where set,
+        else n_heads (i None: the MTP blocks', which attend over every earlier token)."""
+        return self.local_heads if self.local_heads is not None and i is not None and self.is_local(i) else self.n_heads
+
     def kv_heads(self, i: Optional[int]) -> int:
         """Trunk block i's kv heads: local_kv_heads in a window's or chunk's block where set,
         else n_kv_heads (i None: the MTP blocks', which attend over every earlier token)."""
@@ -626,7 +653,7 @@ class TransformerConfig:
             scale=self.route_scale, group_score_topk=self.group_score_topk, normalize=self.route_normalize, capacity_factor=self.capacity_factor, capacity_policy=self.capacity_policy, impl=self.impl,
             swiglu_alpha=self.swiglu_alpha, swiglu_limit=self.swiglu_limit, swiglu_offset=self.swiglu_offset,
             weights_on_input=self.route_on_input, fp8=self.fp8 if fp8 is None else fp8,
-            fp8_fast_accum=self.fp8_fast_accum and (self.fp8 if fp8 is None else fp8),
+            fp8_fast_accum=self.fp8_fast_accum and (self.fp8 if fp8 is None else fp8), logit_softcap=self.router_softcap,
         )
 
     def linear_attention_config(self, fp8: Optional[bool] = None) -> LinearAttentionConfig:
@@ -645,7 +672,8 @@ class TransformerConfig:
         fp8); index_shared: a block of index_shared_layers (no indexer of its own)."""
         norm = rope or self.nope_qk_norm
         return AttentionConfig(
-            n_heads=self.n_heads, n_kv_heads=self.local_kv_heads if local and self.local_kv_heads is not None else self.n_kv_heads,
+            n_heads=self.local_heads if local and self.local_heads is not None else self.n_heads,
+            n_kv_heads=self.local_kv_heads if local and self.local_kv_heads is not None else self.n_kv_heads,
             head_dim=self.head_dim, rope_base=self.rope_base, v_scale=self.value_scale,
             rot_dim=self.rope_dim, interleaved=self.rope_interleaved, yarn_factor=self.yarn_factor,
             yarn_original_max_positions=self.yarn_original_max_positions, yarn_beta_fast=self.yarn_beta_fast,
@@ -656,7 +684,8 @@ class TransformerConfig:
             impl=self.impl, q_rank=self.q_rank, kv_rank=self.kv_rank, v_dim=self.v_head_dim, window=self.window if local else None,
             chunk=self.chunk if local else None, scale=self.attn_scale, rope=rope,
             **self._temperature(rope),
-            local_rope_base=self.local_rope_base, zero_centered_norms=self.zero_centered_norms, fp8=self.fp8 if fp8 is None else fp8,
+            local_rope_base=self.local_rope_base, local_rot_dim=self.local_rope_dim, zero_centered_norms=self.zero_centered_norms,
+            fp8=self.fp8 if fp8 is None else fp8, gate_act=self.attn_gate_act, gate_per_head=self.attn_gate_per_head,
             index_topk=self.index_topk, index_heads=self.index_heads, index_head_dim=self.index_head_dim,
             index_interleaved=self.index_rope_interleaved, index_shared=index_shared,
             index_loss=self.index_topk is not None and self.index_loss_coeff > 0 and not index_shared,
@@ -742,7 +771,8 @@ class Attention(nn.Module):
             self._extras(cfg, sinks)
             return
         G, Dv = self.cfg.n_kv_heads, cfg.v_head_dim or cfg.head_dim  # this block's kv heads; the value head dim
-        H, q, kv, o = cfg.hidden, cfg.n_heads * cfg.head_dim, G * cfg.head_dim, cfg.n_heads * Dv
+        N = self.cfg.n_heads  # this block's query heads (TransformerConfig.heads)
+        H, q, kv, o = cfg.hidden, N * cfg.head_dim, G * cfg.head_dim, N * Dv
         self.wq = nn.Parameter(torch.empty(H, q))
         self.wk = nn.Parameter(torch.empty(H, kv))
         self.wv = nn.Parameter(torch.empty(H, G * Dv))
@@ -761,15 +791,17 @@ class Attention(nn.Module):
     def _extras(self, cfg: TransformerConfig, sinks: bool) -> None:
         """The output bias bo [H] (o_bias) and the attention sinks [n_heads] (sinks: this
         block's, TransformerConfig.has_sinks), zero at initialisation
-        (Transformer.reset_parameters), and the output gate wg [H, n_heads Dv] (attn_gate)."""
+        (Transformer.reset_parameters), and the output gate wg [H, n_heads Dv] (attn_gate;
+        [H, n_heads] with attn_gate_per_head), n_heads this block's."""
+        N = self.cfg.n_heads
         if cfg.o_bias:
             self.bo = nn.Parameter(torch.empty(cfg.hidden))
             self.names.append("bo")
         if sinks:
-            self.sinks = nn.Parameter(torch.empty(cfg.n_heads))
+            self.sinks = nn.Parameter(torch.empty(N))
             self.names.append("sinks")
         if cfg.attn_gate:
-            self.wg = nn.Parameter(torch.empty(cfg.hidden, cfg.n_heads * (cfg.v_head_dim or cfg.head_dim)))
+            self.wg = nn.Parameter(torch.empty(cfg.hidden, N if cfg.attn_gate_per_head else N * (cfg.v_head_dim or cfg.head_dim)))
             self.names.append("wg")
 
     def forward(self, x_TH, ctx: AttentionContext):
@@ -1317,12 +1349,14 @@ class Transformer(nn.Module):
         heads (n_kv_heads / tp; multi-latent attention's latents are every rank's) and the
         states of its linear-attention heads."""
         # the heads this rank's attention and linear attention compute (the model's where it has none)
-        local = next((b.attn.cfg for b in self.blocks if isinstance(getattr(b, "attn", None), Attention)), self.cfg)
+        i, local = next(((i, b.attn.cfg) for i, b in enumerate(self.blocks) if isinstance(getattr(b, "attn", None), Attention)), (None, self.cfg))
         linear = next((b.attn.cfg for b in self.blocks if isinstance(getattr(b, "attn", None), LinearAttention)), self.cfg.linear_attention_config())
-        tp = self.cfg.n_heads // local.n_heads  # the tp ranks the heads split over (whole heads, each count divisible)
-        heads = dict(n_heads=local.n_heads, n_kv_heads=self.cfg.n_kv_heads // tp, linear_k_heads=linear.n_k_heads, linear_v_heads=linear.n_v_heads)
-        if self.cfg.local_kv_heads is not None:
-            heads["local_kv_heads"] = self.cfg.local_kv_heads // tp
+        # the tp ranks the heads split over (whole heads, each count divisible): block i's heads over this rank's
+        tp = (self.cfg.heads(i) if i is not None else self.cfg.n_heads) // local.n_heads
+        heads = dict(n_heads=self.cfg.n_heads // tp, n_kv_heads=self.cfg.n_kv_heads // tp, linear_k_heads=linear.n_k_heads, linear_v_heads=linear.n_v_heads)
+        for name in ("local_kv_heads", "local_heads"):
+            if getattr(self.cfg, name) is not None:
+                heads[name] = getattr(self.cfg, name) // tp
         cfg = dataclasses.replace(self.cfg, **heads) if any(getattr(self.cfg, k) != v for k, v in heads.items()) else self.cfg
         return KVCache(cfg, max_tokens, batch=batch, device=self.embed.device, dtype=self.compute_dtype or self.embed.dtype)
 

@@ -438,6 +438,34 @@ def test_llama4_attention_knobs_are_checked():
         dataclasses.replace(YARN, window=4, local_rope_base=100.0)
 
 
+def test_laguna_attention_knobs_gate_per_head_and_rotate_the_local_layers_own_channels():
+    """gate_act / gate_per_head: softplus or sigmoid of one gate per head over its channels;
+    local_rot_dim: the local layers' own RoPE over its own channels (tables of that width)."""
+    p, x, cu = _params(CFG), torch.randn(6, H), torch.tensor([0, 6])
+    based = dataclasses.replace(CFG, window=4, local_rope_base=100.0)
+    # a gate per head is the per-channel gate with each head's column repeated over its channels, for either activation
+    wg = torch.randn(H, 4)
+    for act in ("sigmoid", "softplus"):
+        per_head, per_channel = (dataclasses.replace(CFG, gate_act=act, gate_per_head=h) for h in (True, False))
+        y = attention(x, dict(p, wg=wg), per_head, _ctx(cu, CFG))[0]
+        torch.testing.assert_close(y, attention(x, dict(p, wg=wg.repeat_interleave(16, dim=1)), per_channel, _ctx(cu, CFG))[0])
+        assert not torch.allclose(y, attention(x, p, CFG, _ctx(cu, CFG))[0], atol=1e-3)
+    with pytest.raises(ValueError, match=r"params\['wg'\]: expected torch.float32 \[32, 64\] tensor or none, got torch.float32 \[32, 4\]"):
+        attention(x, dict(p, wg=wg), CFG, _ctx(cu, CFG))
+    with pytest.raises(ValueError, match="gate_act: expected one of sigmoid, softplus, got 'tanh'"):
+        dataclasses.replace(CFG, gate_act="tanh")
+    # the local layers' own rotated channels (Laguna's: all of them, beside the full layers' part): their tables that wide
+    part = dataclasses.replace(based, rot_dim=8)
+    wide = dataclasses.replace(part, local_rot_dim=16)
+    ctx = _ctx(cu, wide)
+    assert ctx.cos.shape == (6, 4) and ctx.local_cos.shape == (6, 8)
+    with pytest.raises(ValueError, match="ctx: built with the local layers' RoPE over 8 channels, this layer rotates 16"):
+        attention(x, p, wide, _ctx(cu, part))
+    # the wide local layer is the narrow one on q and k rotated over every channel (the same tables, whole heads)
+    whole = dataclasses.replace(based, rot_dim=None)
+    torch.testing.assert_close(attention(x, p, wide, ctx)[0], attention(x, p, whole, _ctx(cu, whole))[0])
+
+
 def _block_sets(bm):
     """(visited-but-masked, full) [n_q_blocks, n_kv_blocks] bool of a BlockMask (B = H = 1)."""
     out = []

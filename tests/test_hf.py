@@ -221,6 +221,16 @@ FAMILIES = {
                                               num_experts_per_tok=2, num_shared_experts=1, num_dense_layers=1, sliding_window=4,
                                               global_attn_every_n_layers=2, route_scale=2.0, mup_enabled=True, bos_token_id=None,
                                               eos_token_id=None, pad_token_id=None),
+    # Laguna: layer 0 global with 4 heads and RoPE at 5e5 on half of each head, layers 1 and 2
+    # over a 4-token window with 8 heads and RoPE at 1e4 on all of it (the default
+    # rope_parameters); a softplus output gate per head, per-head q/k norms; layer 0 dense,
+    # sigmoid routing with the correction bias on logits soft-capped at 1.5, renormalised x 2,
+    # a shared expert
+    "laguna": lambda: transformers.LagunaConfig(**COMMON, head_dim=8, intermediate_size=40, moe_intermediate_size=16, num_experts=4,
+                                                num_experts_per_tok=2, shared_expert_intermediate_size=24, sliding_window=4,
+                                                layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+                                                num_attention_heads_per_layer=[4, 8, 8], moe_router_logit_softcapping=1.5,
+                                                moe_routed_scaling_factor=2.0, bos_token_id=None, eos_token_id=None, pad_token_id=None),
     # per-head q/k norms after RoPE, a shared MLP beside every MoE block, NTK-alpha RoPE
     # (the released "dynamic" type with a fixed alpha), tied embeddings
     # MoE blocks 1 and 2 of 3 (start 1, interval 1), tied embeddings, a correction bias on the probabilities
@@ -730,6 +740,52 @@ def test_config_mapping_reads_the_family_fields(folders, tmp_path):
     assert hf.read_config(plain)[1] == dataclasses.replace(cfg, nope_temperature_floor=None, qk_norm=None, qk_norm_after_rope=False)
 
 
+def test_laguna_reads_its_heads_rope_and_gate_per_layer_type(folders, tmp_path):
+    """Laguna's layer types each have their own query heads and RoPE (base and rotated
+    channels); its gate is softplus per head, or per channel with gating "per-element"; its
+    router's logits are soft-capped. A per-element model with every layer sliding (one head
+    count, one RoPE), and one whose full layers have YaRN beside the sliding layer's plain
+    RoPE, load with transformers' logits, and fmoe's own such models export as ones
+    transformers reads with fmoe's logits."""
+    _, cfg = hf.read_config(folders["laguna"][0])
+    assert (cfg.n_heads, cfg.local_heads, cfg.window, cfg.window_layers) == (4, 8, 4, (1, 2))
+    assert (cfg.rope_base, cfg.rope_dim, cfg.local_rope_base, cfg.local_rope_dim) == (5e5, 4, 1e4, 8)
+    assert (cfg.attn_gate, cfg.attn_gate_act, cfg.attn_gate_per_head, cfg.qk_norm) == (True, "softplus", True, "head")
+    assert (cfg.router_softcap, cfg.route_scale, cfg.score, cfg.expert_bias, cfg.n_dense, cfg.shared_size) == (1.5, 2.0, "sigmoid", True, 1, 24)
+    torch.manual_seed(3)
+
+    def laguna(**fields):
+        return transformers.LagunaConfig(**COMMON, head_dim=8, intermediate_size=40, moe_intermediate_size=16, num_experts=4,
+                                         num_experts_per_tok=2, shared_expert_intermediate_size=24, sliding_window=4, bos_token_id=None,
+                                         eos_token_id=None, pad_token_id=None, **fields)
+
+    config = laguna(gating="per-element", layer_types=["sliding_attention"] * 3, mlp_layer_types=["sparse", "dense", "sparse"])
+    yarn = laguna(layer_types=["full_attention", "sliding_attention", "full_attention"],
+                  rope_parameters=dict(full_attention=dict(rope_type="yarn", rope_theta=5e5, factor=4.0, original_max_position_embeddings=8,
+                                                           partial_rotary_factor=0.5),
+                                       sliding_attention=dict(rope_type="default", rope_theta=1e4)))
+    docs, ids, cu = _packed()
+    for name, made in (("per-element", config), ("yarn", yarn)):
+        ref = _randomised(transformers.AutoModelForCausalLM.from_config(made))
+        ref.save_pretrained(tmp_path / name)
+        model, cfg = hf.from_pretrained(tmp_path / name, impl="torch")
+        if name == "per-element":
+            assert (cfg.attn_gate_per_head, cfg.local_heads, cfg.local_rope_base, cfg.rope_base, cfg.rope_dim, cfg.router_softcap) == (
+                False, None, None, 1e4, None, None)
+            assert cfg.moe_layers == (0, 2) and model.blocks[0].attn.wg.shape == (32, 4 * 8)
+        else:  # YaRN in the full layers' half of each head; the sliding layer's plain RoPE over all of it
+            assert (cfg.yarn_factor, cfg.yarn_original_max_positions, cfg.rope_dim, cfg.local_rope_base, cfg.local_rope_dim) == (4.0, 8, 4, 1e4, 8)
+        with torch.no_grad():
+            assert _rel(model.logits(ids, cu), torch.cat([ref(d[None]).logits[0] for d in docs])) < 1e-5
+        del model.hf_config  # fmoe's own: written from its config
+        hf.save_pretrained(model, tmp_path / f"{name}-out", model_type="laguna")
+        written = json.loads((tmp_path / f"{name}-out" / "config.json").read_text())
+        assert written["gating"] == ("per-element" if name == "per-element" else "per-head") and written["num_attention_heads_per_layer"] == [4] * 3
+        back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / f"{name}-out", dtype=torch.float32).eval()
+        with torch.no_grad():
+            assert _rel(model.logits(ids, cu), torch.cat([back(d[None]).logits[0] for d in docs])) < 1e-5
+
+
 def _left_out(config: dict):
     """(field, config.json without it) for each field of `config`, and each of its rope_parameters'."""
     for field in config:
@@ -1232,6 +1288,22 @@ BAD_CONFIGS = [
     ("flint", lambda c: c.update(num_experts_per_tok=1), r"config.json: num_experts_per_tok = 1 is not supported \(k > 1: this family renormalises"),
     ("sarvam_moe", lambda c: c.update(use_bias=True), r"config.json: use_bias = True is not supported \(no biases in Sarvam's projections"),
     ("sarvam_moe", lambda c: c.update(moe_router_enable_expert_bias=False), r"config.json: moe_router_enable_expert_bias = False is not supported"),
+    ("laguna", lambda c: c.update(num_attention_heads_per_layer=[4, 8, 4]),
+     r"config.json: num_attention_heads_per_layer = \[4, 8, 4\] is not supported \(one head count for the full layers and one for the sliding"),
+    ("laguna", lambda c: c.update(num_attention_heads_per_layer=[4, 8]),
+     r"config.json: num_attention_heads_per_layer = \[4, 8\] is not supported \(one count per layer\)"),
+    ("laguna", lambda c: c.update(moe_router_score_func="sqrtsoftplus"),
+     r"config.json: moe_router_score_func = 'sqrtsoftplus' is not supported \(sigmoid router scores\)"),
+    ("laguna", lambda c: c.update(gating="per-channel"), r"config.json: gating = 'per-channel' is not supported"),
+    ("laguna", lambda c: c["rope_parameters"]["full_attention"].update(rope_type="linear", factor=2.0),
+     r"config.json: rope_parameters.full_attention = .* is not supported \(plain RoPE in each layer type, or YaRN in the full layers\)"),
+    ("laguna", lambda c: c["rope_parameters"].pop("sliding_attention"),
+     r"config.json: rope_parameters has no sliding_attention entry for the sliding_attention layers"),
+    ("laguna", lambda c: c["rope_parameters"]["full_attention"].update(rope_type="yarn", factor=4.0, original_max_position_embeddings=8,
+                                                                        mscale=1.0, mscale_all_dim=1.0),
+     r"config.json: mscale_all_dim = 1.0 is not supported \(YaRN without mscale_all_dim"),
+    ("laguna", lambda c: c.update(moe_apply_router_weight_on_input=True), r"config.json: moe_apply_router_weight_on_input = True is not supported"),
+    ("laguna", lambda c: c.update(num_experts_per_tok=1), r"config.json: num_experts_per_tok = 1 is not supported \(k > 1: this family renormalises"),
     ("mixtral", lambda c: c.pop("vocab_size"), r"config.json: a mixtral config without vocab_size is not supported"),
     ("mixtral", lambda c: c.update(hidden_size=16),
      r"checkpoint: model.embed_tokens.weight gives embed the shape \(64, 32\), the model expects \(64, 16\)"),

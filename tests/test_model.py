@@ -61,6 +61,12 @@ VARIANTS = {
     # with 4 kv heads (1 and the MTP block's 2), sinks and their own RoPE base
     "mimo": dataclasses.replace(TINY, v_head_dim=6, value_scale=0.7, window=4, window_layers=(0, 2), local_kv_heads=4, attn_sinks=True,
                                 sink_layers=(0, 2), local_rope_base=100.0, mtp_depth=1),
+    # Laguna's: the window's blocks 1 and 2 with 8 query heads (block 0 and the MTP block's 4)
+    # and their own RoPE over every channel (the others' over half), a softplus output gate
+    # per head, router logits soft-capped at 1.5
+    "laguna": dataclasses.replace(TINY, window=4, window_layers=(1, 2), local_heads=8, rope_dim=4, rope_base=5e5, local_rope_base=100.0,
+                                  local_rope_dim=8, attn_gate=True, attn_gate_act="softplus", attn_gate_per_head=True, router_softcap=1.5,
+                                  qk_norm="head", score="sigmoid", route_scale=2.0, mtp_depth=1),
     # gpt-oss's pieces: q/k/v/o biases, attention sinks, a router bias, expert biases, the
     # clamped SwiGLU, YaRN without truncation, sliding windows in blocks 0 and 2
     "gpt-oss": dataclasses.replace(TINY, qkv_bias=True, o_bias=True, attn_sinks=True, router_bias=True, expert_biases=True, swiglu_alpha=1.702,
@@ -785,6 +791,52 @@ def test_mimo_attention_knobs_build_what_they_say():
             dataclasses.replace(TINY, **overrides)
 
 
+def test_laguna_attention_knobs_build_what_they_say():
+    """local_heads: the window's blocks' query heads (wq, wo, the per-head gate's columns);
+    local_rope_dim: the channels their own RoPE rotates (block 1's output changes with it,
+    block 0's does not); attn_gate_act / attn_gate_per_head: softplus of one gate per head;
+    router_softcap: the router's logits (stats and routing) are c tanh(l / c)."""
+    cfg = VARIANTS["laguna"]
+    model = _sharp(cfg)
+    shapes = [(b.attn.wq.shape, b.attn.wo.shape, b.attn.wg.shape) for b in (*model.blocks, model.mtp[0].block)]
+    full, local = ((32, 4 * 8), (4 * 8, 32), (32, 4)), ((32, 8 * 8), (8 * 8, 32), (32, 8))
+    assert shapes == [full, local, local, full] and [cfg.heads(i) for i in (0, 1, 2, None)] == [4, 8, 8, 4]
+    batch = _batch(cfg)
+    ctx = model.context(batch)
+    x = torch.randn(24, cfg.hidden)
+    with torch.no_grad():
+        ys = [model.blocks[i].attn(x, ctx.attention[0]) for i in (0, 1)]
+        other = Transformer(dataclasses.replace(cfg, local_rope_dim=4))
+        other.load_state_dict(model.state_dict())
+        octx = other.context(batch)
+        assert torch.equal(other.blocks[0].attn(x, octx.attention[0]), ys[0])
+        assert not torch.allclose(other.blocks[1].attn(x, octx.attention[0]), ys[1], atol=1e-3)
+        # the gate by hand: block 0's heads' outputs, each times softplus of its own gate column
+        attn = model.blocks[0].attn
+        params = {n: getattr(attn, n) for n in attn.names if n != "wg"}
+        plain, _ = fmoe.layers.attention(x, params, dataclasses.replace(attn.cfg, gate_per_head=False), ctx.attention[0])
+        out = (plain @ torch.linalg.pinv(attn.wo)).view(24, 4, 8)  # the heads' outputs before wo (wo [32, 32] is invertible)
+        want = (out * torch.nn.functional.softplus(x @ attn.wg)[..., None]).reshape(24, 32) @ attn.wo
+        assert torch.allclose(ys[0], want, rtol=1e-4, atol=1e-4)
+    moe = model.blocks[1].mlp
+    h = torch.randn(5, cfg.hidden)
+    y, st = moe(h)
+    raw = h @ moe.router.t()
+    assert torch.allclose(st["router_logits"], 1.5 * torch.tanh(raw / 1.5)) and float(raw.detach().abs().max()) > 1.5
+    for overrides, message in ((dict(local_heads=8), "local_heads: the query heads of the window's or chunk's blocks, needs a window or a chunk"),
+                               (dict(local_heads=3, window=4), "local_heads: 3 heads do not split over 2 kv heads"),
+                               (dict(local_heads=0, window=4), "local_heads: expected >= 1, got 0"),
+                               (dict(attn_gate_act="softplus"), "attn_gate_act / attn_gate_per_head: gated attention's gate, needs attn_gate=True"),
+                               (dict(attn_gate=True, attn_gate_act="relu"), "gate_act: expected one of sigmoid, softplus, got 'relu'"),
+                               (dict(attn_gate=True, attn_gate_per_head=1), "gate_per_head: expected a bool, got 1"),
+                               (dict(window=4, local_rope_dim=4), "local_rot_dim: the channels the local layers' own RoPE rotates, needs local_rope_base"),
+                               (dict(window=4, local_rope_base=100.0, local_rope_dim=5), r"local_rot_dim: expected an even int in 2..head_dim = 8"),
+                               (dict(router_softcap=0.0), "logit_softcap: expected None or a positive finite number, got 0.0"),
+                               (dict(local_heads=4, local_kv_heads=3, window=4), "local_kv_heads: 4 heads do not split over 3 kv heads")):
+        with pytest.raises(ValueError, match=message):
+            dataclasses.replace(TINY, **overrides)
+
+
 def test_released_model_knobs_build_what_they_say():
     cfg = TransformerConfig(**{**_SMALL, "moe_layers": (3, 1), "shared_ffn": 24, "shared_gate": True, "qkv_bias": True,
                                "qk_norm": "head", "tie_embeddings": True, "score": "softmax", "expert_bias": False, "pre_softmax": True})
@@ -837,6 +889,8 @@ DECODED = {
     # LFM2's: the short convolutions' last 2 gated inputs carried from the prompt through every step
     "lfm2": dataclasses.replace(VARIANTS["lfm2"], mtp_depth=0),
     "mimo, wide window": dataclasses.replace(VARIANTS["mimo"], mtp_depth=0, window=40),
+    # Laguna's: the window's blocks with more query heads and their own RoPE (base and channels), a gate per head
+    "laguna": dataclasses.replace(VARIANTS["laguna"], mtp_depth=0, window_layers=(0, 2)),
 }
 
 

@@ -108,7 +108,8 @@ def flops_per_token(
     n_heads: int, n_kv_heads: int, head_dim: int, vocab: int, mtp_depth: int = 0, n_avg_keys: float,
     n_experts: int = 0, attention_weights: Optional[int] = None, v_dim: Optional[int] = None,
     n_sliding: int = 0, n_avg_local_keys: Optional[float] = None, attn_gate: bool = False, n_linear: int = 0,
-    linear_layer: float = 0.0, local_attention_weights: Optional[int] = None,
+    linear_layer: float = 0.0, local_attention_weights: Optional[int] = None, local_heads: Optional[int] = None,
+    attn_gate_per_head: bool = False,
 ) -> float:
     """Training FLOPs per token (forward + backward): SPEC.md section 8 with the router and
     the MTP modules' blocks (the module docstring's formula). n_shared counts shared experts
@@ -121,8 +122,10 @@ def flops_per_token(
     n_sliding of the n_layers trunk layers attend over a sliding window or within chunks,
     n_avg_local_keys keys each on average (mean_attended_keys(cu_seqlens, window, chunk));
     the MTP blocks over all, local_attention_weights the sliding layers' projection
-    elements where they differ (other kv heads: MiMo-V2-Flash; None: attention_weights').
-    n_linear of them are linear-attention layers instead, of linear_layer FLOPs per token
+    elements where they differ (other kv heads: MiMo-V2-Flash; None: attention_weights', or
+    grouped-query attention's with local_heads), local_heads their query heads where they
+    differ (Laguna; None: n_heads: their scores, values and gate). attn_gate_per_head: the
+    gate has one column per head (H n_heads weights). n_linear of them are linear-attention layers instead, of linear_layer FLOPs per token
     each (linear_attention_flops)."""
     args = dict(hidden=hidden, n_layers=n_layers, n_dense=n_dense, ffn_dense=ffn_dense, ffn_expert=ffn_expert, k=k,
                 n_shared=n_shared, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, vocab=vocab,
@@ -132,8 +135,11 @@ def flops_per_token(
     _check_count("n_sliding", n_sliding)
     _check_count("n_linear", n_linear)
     _check_count("linear_layer", linear_layer)
-    if not isinstance(attn_gate, bool):
-        raise ValueError(f"attn_gate: expected a bool, got {attn_gate!r}")
+    for name, flag in (("attn_gate", attn_gate), ("attn_gate_per_head", attn_gate_per_head)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name}: expected a bool, got {flag!r}")
+    if local_heads is not None:
+        _check_count("local_heads", local_heads, 1)
     if n_dense > n_layers or n_sliding + n_linear > n_layers:
         raise ValueError(f"n_dense / n_sliding + n_linear: expected at most n_layers={n_layers}, got {n_dense} / {n_sliding} + {n_linear}")
     if n_sliding:
@@ -142,13 +148,20 @@ def flops_per_token(
     n_moe = n_layers - n_dense
     q, kv = n_heads * head_dim, n_kv_heads * head_dim
     weights = H * (q + 2 * kv) + q * H if attention_weights is None else attention_weights
-    gate = H * n_heads * (head_dim if v_dim is None else v_dim) if attn_gate else 0  # the output gate [H, n_heads v_dim]
+    Dv = head_dim if v_dim is None else v_dim
+
+    def gate(N):  # the output gate [H, N v_dim], or [H, N] per head
+        return H * N * (1 if attn_gate_per_head else Dv) if attn_gate else 0
+
     if local_attention_weights is not None:
         _check_count("local_attention_weights", local_attention_weights)
+    elif local_heads is not None:  # grouped-query attention's, of the local blocks' query heads
+        local_attention_weights = H * (local_heads * head_dim + 2 * kv) + local_heads * head_dim * H
 
     def attention_layer(keys, local=False):  # projections, then scores and values over `keys` keys per query
         own = local_attention_weights if local and local_attention_weights is not None else weights
-        return 6 * (own + gate) + 6 * n_heads * (head_dim + (head_dim if v_dim is None else v_dim)) * keys
+        N = local_heads if local and local_heads is not None else n_heads
+        return 6 * (own + gate(N)) + 6 * N * (head_dim + Dv) * keys
 
     attention = attention_layer(n_avg_keys)
     dense_ffn = 6 * H * m * ffn_dense
@@ -190,7 +203,8 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
     6 N (D + v_dim) n_avg_keys for the scores (q.k over D) and the values (over v_dim).
     Gated attention (attn_gate) adds its gate's H N Dv weights to each block's projections.
     Grouped-query attention with a value head dim of its own (v_head_dim) counts H N D + H G
-    (D + Dv) + N Dv H projection weights, G = local_kv_heads in the local blocks where set.
+    (D + Dv) + N Dv H projection weights, G = local_kv_heads and N = local_heads in the local
+    blocks where set.
     Blocks with a sliding window or chunked attention (cfg.is_local) count n_avg_local_keys
     keys per query (mean_attended_keys with cfg.window, cfg.chunk): required when there are any.
     Linear-attention blocks (cfg.is_linear) count linear_attention_flops in place of attention.
@@ -209,16 +223,17 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
 
         mats, _ = mla_shapes(cfg.hidden, cfg.attention_config())
         attention = dict(attention_weights=sum(a * b for a, b in mats.values()), v_dim=cfg.v_head_dim)
-    elif getattr(cfg, "v_head_dim", None) is not None or getattr(cfg, "local_kv_heads", None) is not None:
-        # grouped-query attention with its own value head dim, or other kv heads in the local blocks
+    elif any(getattr(cfg, n, None) is not None for n in ("v_head_dim", "local_kv_heads", "local_heads")):
+        # grouped-query attention with its own value head dim, or other kv or query heads in the local blocks
         D, Dv = cfg.head_dim, getattr(cfg, "v_head_dim", None) or cfg.head_dim
 
-        def gqa(G):
-            return cfg.hidden * (cfg.n_heads * D + G * (D + Dv)) + cfg.n_heads * Dv * cfg.hidden
+        def gqa(G, N):
+            return cfg.hidden * (N * D + G * (D + Dv)) + N * Dv * cfg.hidden
 
-        attention = dict(attention_weights=gqa(cfg.n_kv_heads), v_dim=Dv)
-        if getattr(cfg, "local_kv_heads", None) is not None:
-            attention["local_attention_weights"] = gqa(cfg.local_kv_heads)
+        attention = dict(attention_weights=gqa(cfg.n_kv_heads, cfg.n_heads), v_dim=Dv)
+        local_kv, local_heads = getattr(cfg, "local_kv_heads", None), getattr(cfg, "local_heads", None)
+        if local_kv is not None or local_heads is not None:
+            attention.update(local_attention_weights=gqa(local_kv or cfg.n_kv_heads, local_heads or cfg.n_heads), local_heads=local_heads)
     n_sliding = sum(getattr(cfg, "is_local", getattr(cfg, "is_sliding", lambda i: False))(i) for i in range(cfg.n_layers))
     if n_sliding and n_avg_local_keys is None:
         local = f"within chunks of {cfg.chunk}" if getattr(cfg, "chunk", None) is not None else f"over a sliding window of {cfg.window}"
@@ -242,7 +257,8 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
         n_avg_keys = n_avg_index_keys
     return indexer + flops_per_token(**values, n_dense=n_dense, n_shared=shared, vocab=cfg.vocab_size,
                                      n_avg_keys=n_avg_keys, n_sliding=n_sliding, n_avg_local_keys=n_avg_local_keys,
-                                     attn_gate=bool(getattr(cfg, "attn_gate", False)), **attention, **linear)
+                                     attn_gate=bool(getattr(cfg, "attn_gate", False)),
+                                     attn_gate_per_head=bool(getattr(cfg, "attn_gate_per_head", False)), **attention, **linear)
 
 
 def datasheet_peak_flops(name: str) -> Optional[float]:

@@ -46,6 +46,10 @@ GRANITE = dict(attn_scale=0.3, embed_scale=2.0, residual_scale=0.6, logit_diviso
 # MiMo-V2-Flash's attention: values of 6 channels beside q/k heads of 8, scaled; the window's block 1 with 4 kv heads
 # (block 0 and the MTP block's 2), sinks and its own RoPE base
 MIMO = dict(v_head_dim=6, value_scale=0.7, window=5, window_layers=(1,), local_kv_heads=4, attn_sinks=True, sink_layers=(1,), local_rope_base=100.0)
+# Laguna's attention: the window's block 1 with 8 query heads (block 0 and the MTP block's 4) and its own RoPE over every
+# channel (the others' over half), a softplus output gate per head; the router's logits soft-capped
+LAGUNA = dict(window=5, window_layers=(1,), local_heads=8, rope_dim=4, local_rope_base=100.0, local_rope_dim=8, attn_gate=True,
+              attn_gate_act="softplus", attn_gate_per_head=True, qk_norm="head", router_softcap=0.5)
 
 # context parallel layouts of 24 tokens (cp = 4: 8 chunks of 3): one document over every
 # rank; documents shorter than a chunk next to one crossing most chunk edges; ...
@@ -253,6 +257,8 @@ CASES = {
     "tp2-post-norm-ac-attention": (2, dict(tp=2), dict(qk_norm="proj", pre_norms=False, post_norms=True, ac="attention")),
     "tp2-mla": (2, dict(tp=2), dict(MLA, q_rank=10)),
     "cp2xtp2-mla": (4, dict(cp=2, tp=2), MLA),
+    # Laguna's (LAGUNA): each block's own query heads and their gate's columns split over tp
+    "tp2-laguna": (2, dict(tp=2), LAGUNA),
     # DeepSeek sparse attention (DSA) with its indexer's loss under FSDP2 and EP: the ranks' indexer
     # gradients add up to one process's
     "ep2-dsa": (2, dict(ep=2), DSA),
@@ -336,6 +342,8 @@ DECODE_CASES = {
     "etp2": (2, dict(etp=2), GPT_OSS, None, 1e-5),
     "tp2": (2, dict(tp=2), dict(GPT_OSS, **WINDOW, nope_layers=(0,)), None, 1e-5),  # the full block NoPE, as EXAONE's
     "tp2-mimo": (2, dict(tp=2), dict(MIMO, window=3), None, 1e-5),  # each rank's share of each block's kv heads in the cache
+    # each block's own query heads (the first block the window's, of 8: the cache's heads counted from it), the ring's own RoPE
+    "tp2-laguna": (2, dict(tp=2), dict(LAGUNA, window=3, window_layers=(0,)), None, 1e-5),
     "tp2-proj-norm": (2, dict(tp=2), dict(qk_norm="proj", **WINDOW, **GRANITE, post_norms=True), None, 1e-5),  # sandwich norms
     "tp2-mla": (2, dict(tp=2), dict(MLA, q_rank=10), None, 1e-5),
     "tp2-dsa": (2, dict(tp=2), DSA, None, 1e-5),  # the cache's rows hold the indexer's keys too

@@ -291,6 +291,19 @@ def test_model_flops_per_token_reads_the_model_config():
 
     want = 2 * mimo_attention(4, 3.0) + 2 * mimo_attention(2, 10.0) + 6 * 64 * 3 * 128 + 3 * moe + 6 * 2 * 64 * 64 + 2 * 6 * 64 * 300
     assert M.model_flops_per_token(mimo, n_avg_keys=10.0, n_avg_local_keys=3.0) == want
+    # Laguna's attention: 8 query heads (not 4) in the window's blocks 0 and 2, a per-head gate [64 -> N] in every block: by
+    # hand, q [64 -> N 16], k, v [64 -> 32], o [N 16 -> 64], the gate 64 N; the scores and values over N heads
+    laguna = TransformerConfig(**{**cfg.__dict__, "window": 4, "window_layers": (0, 2), "local_heads": 8, "attn_gate": True,
+                                  "attn_gate_per_head": True})
+
+    def laguna_attention(N, keys):
+        return 6 * (64 * N * 16 + 2 * 64 * 32 + N * 16 * 64 + 64 * N) + 6 * N * (16 + 16) * keys
+
+    want = 2 * laguna_attention(8, 3.0) + 2 * laguna_attention(4, 10.0) + 6 * 64 * 3 * 128 + 3 * moe + 6 * 2 * 64 * 64 + 2 * 6 * 64 * 300
+    assert M.model_flops_per_token(laguna, n_avg_keys=10.0, n_avg_local_keys=3.0) == want
+    with pytest.raises(ValueError, match="local_heads: expected a number >= 1, got 0"):
+        M.flops_per_token(hidden=64, n_layers=3, n_dense=1, ffn_dense=128, ffn_expert=32, k=2, n_shared=1, n_heads=4, n_kv_heads=2,
+                          head_dim=16, vocab=300, n_avg_keys=10.0, local_heads=0)
     # and chunked blocks (Llama 4) alike
     chunked = TransformerConfig(**{**cfg.__dict__, "chunk": 4, "chunk_layers": (0, 2)})
     assert M.model_flops_per_token(chunked, n_avg_keys=10.0, n_avg_local_keys=3.0) == expected - 2 * 12 * 64 * (10.0 - 3.0)
