@@ -1714,7 +1714,7 @@ def _attention_keys(family: Family, cfg: TransformerConfig, p: str, q: str, rope
             out[q + "attn." + ours] = Tensor((f"{attn}{theirs}.weight",), transpose=True)
     gate_in_q = cfg.attn_gate and family.gate_in_q and cfg.kv_rank is None
     if gate_in_q:  # Qwen3-Next: q_proj's rows are per head its query's D rows, then its gate's
-        out[q + "attn.wq"] = Tensor((attn + "q_proj.weight",), transpose=True, chunk=(0, (1, 1)), groups=cfg.n_heads)
+        out[q + "attn.wq"] = Tensor((attn + "q_proj.weight",), transpose=True, chunk=(0, (1, 1)), groups=cfg.heads(layer))
     if cfg.qkv_bias and family.qkv is None:
         for ours, theirs in (("bq", "q_proj"), ("bk", "k_proj"), ("bv", "v_proj")):
             out[q + "attn." + ours] = Tensor((f"{attn}{theirs}.bias",))
@@ -1723,7 +1723,7 @@ def _attention_keys(family: Family, cfg: TransformerConfig, p: str, q: str, rope
     if cfg.has_sinks(layer):
         out[q + "attn.sinks"] = Tensor((attn + family.sinks,))
     if gate_in_q:
-        out[q + "attn.wg"] = Tensor((attn + "q_proj.weight",), transpose=True, chunk=(1, (1, 1)), groups=cfg.n_heads)
+        out[q + "attn.wg"] = Tensor((attn + "q_proj.weight",), transpose=True, chunk=(1, (1, 1)), groups=cfg.heads(layer))
     elif cfg.attn_gate:  # gated attention's own gate module (AFMoE's gate_proj, Laguna's g_proj)
         out[q + "attn.wg"] = Tensor((attn + family.gate_proj + ".weight",), transpose=True)
     if cfg.qk_norm in ("head", "proj") and (rope or cfg.nope_qk_norm):  # weighted norms ("rms" has none)

@@ -2025,7 +2025,7 @@ SHARD_BYTES = 20000  # the sharded ranks' export: several files
 def _load_sharded(rank, world, path, family, out):
     """One rank: the model built on meta, sharded (FSDP2 over 2 ranks, experts over ep 2; or
     its heads over tp 2, TP_FAMILIES: Sarvam's fused q/k/v rows, Kimi Linear's A_log [1, 1, N, 1]
-    and replicated low-rank down projections), materialised, then loaded: its bytes
+    and replicated low-rank down projections, Laguna's blocks of their own head counts), materialised, then loaded: its bytes
     read and its gathered weights; then exported to `out` in shards of SHARD_BYTES (rank 0
     writes)."""
     from torch.distributed.tensor import DTensor
@@ -2048,8 +2048,8 @@ def _load_sharded(rank, world, path, family, out):
     return read, full
 
 
-SHARDED_FAMILIES = ("qwen3_moe", "deepseek_v3", "gpt_oss", "granitemoeshared", "sarvam_moe", "kimi_linear")
-TP_FAMILIES = ("sarvam_moe", "kimi_linear")
+SHARDED_FAMILIES = ("qwen3_moe", "deepseek_v3", "gpt_oss", "granitemoeshared", "sarvam_moe", "kimi_linear", "laguna")
+TP_FAMILIES = ("sarvam_moe", "kimi_linear", "laguna")  # Laguna's: each block's own query heads, a gate column per head
 
 
 def _load_sharded_families(rank, world, paths, out):
