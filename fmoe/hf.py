@@ -7,7 +7,7 @@ A folder holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). Supported `model_type`s: FAMILIES (mixtral, qwen2_moe,
 qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, kimi_k2, kimi_k25, deepseek_v2, deepseek_v32, glm_moe_dsa, glm4_moe_lite, gpt_oss, solar_open,
 exaone_moe, dots1, minimax_m2, granitemoe, granitemoeshared, granitemoe_swa, hunyuan_v1_moe, llama4_text, llama4, afmoe,
-laguna, sarvam_moe, sarvam_mla, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, kimi_linear, ernie4_5_moe,
+laguna, sarvam_moe, sarvam_mla, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, kimi_linear, ernie4_5_moe,
 mimo_v2_flash, lfm2_moe, mistral4, mistral3), and the dense
 DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
 glm4, ernie4_5, lfm2: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
@@ -92,8 +92,10 @@ A released Qwen3-VL-MoE folder (qwen3_vl_moe) holds Qwen3-MoE's text model (its 
 renormalised) under model.language_model., the dense Qwen3-VL (qwen3_vl) Qwen3's, beside a
 vision model that is not read; a Qwen3-Omni folder (qwen3_omni_moe) holds Qwen3-MoE's under
 thinker. beside its audio and vision encoders, talker and code-to-wave model, none read.
-Each is written back only as qwen3_moe / qwen3 (_qwen3_mm_text: the mrope_section of text
-positions is plain RoPE). Qwen3-VL-MoE's experts are stacks, [E, H, 2F] / [E, F, H] as
+Each is written back only as qwen3_moe / qwen3 (_multimodal_text: the mrope_section of text
+positions is plain RoPE). A released GLM-4.5V / GLM-4.6V folder (glm4v_moe) holds GLM-4.5's
+text model (glm4_moe's, without q/k norms) under model.language_model. beside a vision model
+that is not read, and is written back only as glm4_moe. Qwen3-VL-MoE's experts are stacks, [E, H, 2F] / [E, F, H] as
 released or [E, 2F, H] / [E, H, F] as transformers writes them, told apart by their shapes
 (Family.stacks_by_shape).
 Kimi Linear (kimi_linear): Kimi Delta Attention blocks under self_attn (q/k/v_proj,
@@ -1119,26 +1121,27 @@ def _qwen3_5_moe(hf: dict) -> dict:
     return FAMILIES["qwen3_5_moe_text"].kwargs(dict(_text_config(hf), model_type="qwen3_5_moe_text"))
 
 
-# a released multimodal Qwen3 folder's model_type (its text model read as its Family.written_as) -> the sub-config holding
-# its text_config (None: the top level); transformers' defaults of that holder's fields and of the text_config's where they
-# differ from the family's (the head untied); the fields the text model always has (the VL MoE router renormalises its
-# top-k whatever the config says)
-_QWEN3_MM = {
+# a released multimodal folder's model_type (Qwen3-VL, Qwen3-Omni, GLM-4.5V; its text model read as its Family.written_as) ->
+# the sub-config holding its text_config (None: the top level); transformers' defaults of that holder's fields and of the
+# text_config's where they differ from the family's (the head untied); the fields the text model always has (the VL MoE
+# router renormalises its top-k whatever the config says; GLM-4.5V's attention has q/k/v biases by default and no q/k norms)
+_MULTIMODAL = {
     "qwen3_vl_moe": (None, dict(tie_word_embeddings=False), dict(num_key_value_heads=16, rope_theta=5e5), dict(norm_topk_prob=True)),
     "qwen3_vl": (None, dict(tie_word_embeddings=False), dict(num_key_value_heads=32, head_dim=128, rope_theta=5e5), {}),
     "qwen3_omni_moe": ("thinker_config", dict(tie_word_embeddings=False), dict(num_key_value_heads=4, rope_theta=1e6), {}),
+    "glm4v_moe": (None, dict(tie_word_embeddings=False), dict(vocab_size=151424, attention_bias=True), dict(use_qk_norm=False)),
 }
 
 
-def _qwen3_mm_text(hf: dict) -> dict:
-    """The text model's config of a released multimodal Qwen3 folder as its family's
-    (_QWEN3_MM): its text_config at transformers' defaults, with the fixed fields, the
+def _multimodal_text(hf: dict) -> dict:
+    """The text model's config of a released multimodal folder as its family's
+    (_MULTIMODAL): its text_config at transformers' defaults, with the fixed fields, the
     sliding_window that transformers always clears left out, and RoPE without its multimodal
     fields (mrope_section, and mrope_interleaved or Qwen3-Omni's interleaved). Those place the
     rotary pairs of image, video and audio positions; text positions are equal in all three,
     where that is plain RoPE over the whole head, the only input fmoe reads (the vision
     model's deepstack features join the first blocks' outputs only at image tokens)."""
-    holder, outer_defaults, defaults, fixed = _QWEN3_MM[hf["model_type"]]
+    holder, outer_defaults, defaults, fixed = _MULTIMODAL[hf["model_type"]]
     kind = FAMILIES[hf["model_type"]].written_as
     outer = hf if holder is None else hf.get(holder)
     if not isinstance(outer, dict):
@@ -1151,14 +1154,17 @@ def _qwen3_mm_text(hf: dict) -> dict:
     return text
 
 
-def _qwen3_mm(hf: dict) -> dict:
-    """A released multimodal Qwen3 folder: qwen3_vl_moe (Qwen3VLMoeForConditionalGeneration:
+def _multimodal(hf: dict) -> dict:
+    """A released multimodal folder: qwen3_vl_moe (Qwen3VLMoeForConditionalGeneration:
     Qwen3-VL-30B-A3B, -235B-A22B) and qwen3_vl (Qwen3VLForConditionalGeneration: Qwen3-VL-2B to
     -32B) hold Qwen3-MoE's and Qwen3's text model beside a vision model; qwen3_omni_moe
     (Qwen3OmniMoeForConditionalGeneration: Qwen3-Omni-30B-A3B) Qwen3-MoE's as its thinker's,
-    beside the thinker's audio and vision encoders, the talker and the code-to-wave model. The
-    text model is read as its family's (Family.written_as, _qwen3_mm_text); nothing beside it is."""
-    text = _qwen3_mm_text(hf)
+    beside the thinker's audio and vision encoders, the talker and the code-to-wave model;
+    glm4v_moe (Glm4vMoeForConditionalGeneration: GLM-4.5V, GLM-4.6V) GLM-4.5's (glm4_moe:
+    without q/k norms, and its MTP layer, which transformers does not read) beside a vision
+    model. The text model is read as its family's (Family.written_as, _multimodal_text);
+    nothing beside it is."""
+    text = _multimodal_text(hf)
     return FAMILIES[text["model_type"]].kwargs(text)
 
 
@@ -1515,13 +1521,16 @@ FAMILIES = {
                           prefix=("model.", "model.language_model."), not_read=("model.visual.", "mtp."), written_as="qwen3_5_moe_text"),
     # the released Qwen3-VL-MoE folders: Qwen3-MoE's text model under model.language_model. (the head at lm_head), beside a
     # vision model; the experts as stacks, as released or as transformers writes them (Family.stacks_by_shape)
-    "qwen3_vl_moe": Family(_qwen3_mm, "mlp", _STACKS, "Qwen3VLMoeForConditionalGeneration", fused="halves", stacks_by_shape=True,
+    "qwen3_vl_moe": Family(_multimodal, "mlp", _STACKS, "Qwen3VLMoeForConditionalGeneration", fused="halves", stacks_by_shape=True,
                            prefix=("model.", "model.language_model."), not_read=("model.visual.",), written_as="qwen3_moe"),
     # ...and the dense Qwen3-VL folders: Qwen3's text model there
-    "qwen3_vl": Family(_qwen3_mm, "mlp", _PROJ, "Qwen3VLForConditionalGeneration", prefix=("model.", "model.language_model."),
+    "qwen3_vl": Family(_multimodal, "mlp", _PROJ, "Qwen3VLForConditionalGeneration", prefix=("model.", "model.language_model."),
                        not_read=("model.visual.",), written_as="qwen3"),
     # ...and the released Qwen3-Omni folders: Qwen3-MoE's text model under thinker.model. (the head at thinker.lm_head)
-    "qwen3_omni_moe": Family(_qwen3_mm, "mlp", _PROJ, "Qwen3OmniMoeForConditionalGeneration", prefix=("", "thinker."),
+    # GLM-4.5V / GLM-4.6V: GLM-4.5's text model (its MTP layer too, which transformers leaves unread) under model.language_model.
+    "glm4v_moe": Family(_multimodal, "mlp", _PROJ, "Glm4vMoeForConditionalGeneration", "shared_experts", mtp=True,
+                        prefix=("model.", "model.language_model."), not_read=("model.visual.",), written_as="glm4_moe"),
+    "qwen3_omni_moe": Family(_multimodal, "mlp", _PROJ, "Qwen3OmniMoeForConditionalGeneration", prefix=("", "thinker."),
                              not_read=("thinker.audio_tower.", "thinker.visual.", "talker.", "code2wav."), written_as="qwen3_moe"),
     # Kimi Linear: transformers writes the dense MLPs under block_sparse_moe too (the released folders: mlp)
     "kimi_linear": Family(_kimi_linear, "block_sparse_moe", ("w1", "w3", "w2"), "KimiLinearForCausalLM", "shared_experts", linear="kda",
@@ -1732,9 +1741,11 @@ def _attention_keys(family: Family, cfg: TransformerConfig, p: str, q: str, rope
     return out
 
 
-def mtp_layer(cfg: TransformerConfig, d: int) -> str:
-    """The HF prefix of MTP depth d (1, 2, ...): the layers after the trunk's."""
-    return f"model.layers.{cfg.n_layers + d - 1}."
+def mtp_layer(cfg: TransformerConfig, d: int, family: Optional[Family] = None) -> str:
+    """The HF prefix of MTP depth d (1, 2, ...): the layers after the trunk's (in `family`'s
+    folders, Family.prefix: GLM-4.5V's under model.language_model.)."""
+    key = f"model.layers.{cfg.n_layers + d - 1}."
+    return key if family is None else family.renamed(key)
 
 
 def _stacked_experts(family: Family, keys) -> Family:
@@ -1802,10 +1813,11 @@ def mtp_copies(family: Family, cfg: TransformerConfig, *, final_norm: bool = Fal
     MTP norm is not taken for one."""
     out = {}
     for d in range(1, cfg.mtp_depth + 1 if family.mtp else 1):
-        out[mtp_layer(cfg, d) + "embed_tokens.weight"] = "embed"
-        out[mtp_layer(cfg, d) + "shared_head.head.weight"] = "embed" if cfg.tie_embeddings else "head"
+        p = mtp_layer(cfg, d, family)
+        out[p + "embed_tokens.weight"] = "embed"
+        out[p + "shared_head.head.weight"] = "embed" if cfg.tie_embeddings else "head"
         if final_norm and not cfg.mtp_norm:
-            out[mtp_layer(cfg, d) + "shared_head.norm.weight"] = "norm.weight"
+            out[p + "shared_head.norm.weight"] = "norm.weight"
     return out
 
 
@@ -1870,7 +1882,7 @@ def unread_keys(family: Family, cfg: TransformerConfig, path, stored) -> list[st
         read.add(family.renamed("lm_head.weight"))
 
     def dropped_mtp(key: str) -> bool:  # MTP depths not asked for, or a family's layers after the trunk's that are never read
-        layer = re.match(r"model\.layers\.(\d+)\.", key)
+        layer = re.match(re.escape(family.renamed("model.layers.")) + r"(\d+)\.", key)
         past = cfg.n_layers + (cfg.mtp_depth if family.mtp else 0)
         return (family.mtp or not family.extra_layers_read) and layer is not None and int(layer[1]) >= past
 
@@ -1980,7 +1992,7 @@ def load_weights(model: Transformer, path, *, model_type: str, strict: bool = Tr
             raise ValueError(f"model: {len(unmapped)} parameter(s) that a {model_type} checkpoint does not hold, "
                              f"e.g. {unmapped[0]!r} (an option the family does not have?)")
         chunk = getattr(model, "pipeline_chunk", None)
-        absent = {f"mtp.{d - 1}." for d in range(1, model.cfg.mtp_depth + 1) if mtp_layer(model.cfg, d) + "eh_proj.weight" not in files}
+        absent = {f"mtp.{d - 1}." for d in range(1, model.cfg.mtp_depth + 1) if mtp_layer(model.cfg, d, family) + "eh_proj.weight" not in files}
         # DeepSeek sparse attention over a checkpoint without any indexer (DeepSeek-V3's: DeepSeek-V3.2's start): fresh indexers
         fresh_indexers = model.cfg.index_topk is not None and not any(".indexer." in key for key in files)
         for name, spec in keys.items():
@@ -2186,9 +2198,10 @@ def from_pretrained(path, *, dtype: torch.dtype = torch.float32, device="cpu", s
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype: expected a floating torch.dtype (torch.float32, torch.bfloat16, ...), got {dtype!r}")
     hf, cfg = read_config(path)
-    if FAMILIES[hf["model_type"]].mtp and "mtp_depth" not in options:
+    family = FAMILIES[hf["model_type"]]
+    if family.mtp and "mtp_depth" not in options:
         files = _weight_files(Path(path))
-        options["mtp_depth"] = next(d for d in range(cfg.n_layers + 1) if mtp_layer(cfg, d + 1) + "eh_proj.weight" not in files)
+        options["mtp_depth"] = next(d for d in range(cfg.n_layers + 1) if mtp_layer(cfg, d + 1, family) + "eh_proj.weight" not in files)
     if options:
         cfg = dataclasses.replace(cfg, **options)
     with torch.device("meta"):
@@ -2531,7 +2544,7 @@ def written_config(hf: dict) -> dict:
     family = FAMILIES[hf["model_type"]]
     if family.written_as is None:
         return hf
-    text = _qwen3_mm_text(hf) if hf["model_type"] in _QWEN3_MM else _text_config(hf)
+    text = _multimodal_text(hf) if hf["model_type"] in _MULTIMODAL else _text_config(hf)
     kind = text["model_type"] if family.written_as == "text_config" else family.written_as
     return dict(text, model_type=kind, architectures=[FAMILIES[kind].architecture])
 

@@ -1154,6 +1154,54 @@ def test_a_released_qwen3_omni_folder_loads_its_thinker_s_text_model(tmp_path):
         hf.from_pretrained(_edit(tmp_path / "omni", tmp_path / "bad", lambda c: c.pop("thinker_config")))
 
 
+def test_a_released_glm4v_moe_folder_loads_its_text_model(tmp_path):
+    """A glm4v_moe folder (GLM-4.5V, GLM-4.6V): GLM-4.5's text model (q/k/v biases by default,
+    no q/k norms, RoPE on half of each head with the released mrope_section, plain for text)
+    under model.language_model. (the head at lm_head) loads with transformers' logits of a
+    text-only forward, the vision model's keys neither read nor counted as unread; it is not
+    written back without the vision model, and writes as glm4_moe, which transformers loads
+    with the same logits and fmoe reads back exactly."""
+    text = dict(vocab_size=V, hidden_size=32, intermediate_size=40, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                moe_intermediate_size=8, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                routed_scaling_factor=1.5, rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.5, mrope_section=[1, 1, 0]))
+    vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32, patch_size=2, temporal_patch_size=1,
+                  spatial_merge_size=1)
+    torch.manual_seed(0)
+    ref = _randomised(transformers.Glm4vMoeForConditionalGeneration(transformers.Glm4vMoeConfig(text_config=text, vision_config=vision)))
+    with torch.no_grad():
+        for name, b in ref.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.2 * torch.randn_like(b))
+    ref.save_pretrained(tmp_path / "glm4v")
+    docs = _packed()[0]
+    with torch.no_grad():
+        theirs = torch.cat([ref(input_ids=d[None]).logits[0] for d in docs])
+    _, cfg, written = _text_model_round_trip(tmp_path / "glm4v", theirs, tmp_path / "text", kind="glm4v_moe", prefix="model.language_model.",
+                                             head="lm_head.weight", text_kind="glm4_moe")
+    assert (cfg.qkv_bias, cfg.qk_norm, cfg.rope_dim, cfg.n_dense, cfg.route_scale, cfg.expert_bias, cfg.tie_embeddings) == (
+        True, None, 4, 1, 1.5, True, False)
+    assert "mrope_section" not in written["rope_parameters"] and written["use_qk_norm"] is False
+    # a config.json that leaves attention_bias out has the biases (transformers' GLM-4.5V default), and no q/k norms whatever it says
+    left_out = _edit(tmp_path / "glm4v", tmp_path / "left-out", lambda c: [c["text_config"].pop("attention_bias"), c["text_config"].update(use_qk_norm=True)])
+    assert hf.read_config(left_out)[1] == hf.read_config(tmp_path / "glm4v")[1]
+    # the released folders' MTP layer (model.language_model.layers.n, which transformers leaves unread) loads into the MTP module
+    # and writes back as glm4_moe's model.layers.n
+    tensors = _read_all(tmp_path / "glm4v")
+    p, last, g = "model.language_model.layers.3.", "model.language_model.layers.2.", torch.Generator().manual_seed(3)
+    mtp = {p + k[len(last):]: t + 0.1 * torch.randn(t.shape, generator=g) for k, t in tensors.items() if k.startswith(last)}
+    mtp.update({p + "enorm.weight": torch.ones(32), p + "hnorm.weight": torch.ones(32), p + "eh_proj.weight": torch.randn(32, 64, generator=g),
+                p + "shared_head.norm.weight": torch.ones(32), p + "embed_tokens.weight": tensors["model.language_model.embed_tokens.weight"].clone(),
+                p + "shared_head.head.weight": tensors["lm_head.weight"].clone()})
+    model, cfg = hf.from_pretrained(_copy_folder(tmp_path / "glm4v", tmp_path / "mtp", {**tensors, **mtp}), impl="torch")
+    assert cfg.mtp_depth == 1 and torch.equal(model.mtp[0].proj, mtp[p + "eh_proj.weight"].t())
+    assert hf.from_pretrained(tmp_path / "mtp", mtp_depth=0)[1].mtp_depth == 0  # asked for none, the layer is left unread
+    assert torch.equal(model.mtp[0].block.mlp.experts.w_up[1], mtp[p + "mlp.experts.1.up_proj.weight"].t())
+    model.hf_config = hf.written_config(model.hf_config)
+    hf.save_pretrained(model, tmp_path / "mtp-text")
+    assert torch.equal(_read_all(tmp_path / "mtp-text")["model.layers.3.eh_proj.weight"], mtp[p + "eh_proj.weight"])
+    assert hf.from_pretrained(tmp_path / "mtp-text")[1].mtp_depth == 1
+
+
 def test_qwen3_vl_moe_stacks_are_told_apart_by_their_shapes(tmp_path):
     """Where 2F = H, a gate_up_proj stack has one shape either way: the down_proj's tells them
     apart ([E, H, F] as transformers writes it, [E, F, H] as released), so fmoe reads the
