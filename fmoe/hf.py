@@ -7,7 +7,7 @@ A folder holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). Supported `model_type`s: FAMILIES (mixtral, qwen2_moe,
 qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, kimi_k2, kimi_k25, deepseek_v2, deepseek_v32, glm_moe_dsa, glm4_moe_lite, gpt_oss, solar_open,
 exaone_moe, dots1, minimax_m2, granitemoe, granitemoeshared, granitemoe_swa, hunyuan_v1_moe, llama4_text, llama4, afmoe,
-laguna, sarvam_moe, sarvam_mla, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, kimi_linear, ernie4_5_moe,
+laguna, sarvam_moe, sarvam_mla, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, kimi_linear, ernie4_5_moe,
 mimo_v2_flash, lfm2_moe, mistral4, mistral3), and the dense
 DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
 glm4, ernie4_5, lfm2: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
@@ -95,7 +95,8 @@ thinker. beside its audio and vision encoders, talker and code-to-wave model, no
 Each is written back only as qwen3_moe / qwen3 (_multimodal_text: the mrope_section of text
 positions is plain RoPE). A released GLM-4.5V / GLM-4.6V folder (glm4v_moe) holds GLM-4.5's
 text model (glm4_moe's, without q/k norms) under model.language_model. beside a vision model
-that is not read, and is written back only as glm4_moe. Qwen3-VL-MoE's experts are stacks, [E, H, 2F] / [E, F, H] as
+that is not read, and is written back only as glm4_moe; a GLM-4.1V / GLM-4.6V-Flash folder
+(glm4v, glm46v) GLM-4's dense text model, written back only as glm4. Qwen3-VL-MoE's experts are stacks, [E, H, 2F] / [E, F, H] as
 released or [E, 2F, H] / [E, H, F] as transformers writes them, told apart by their shapes
 (Family.stacks_by_shape).
 Kimi Linear (kimi_linear): Kimi Delta Attention blocks under self_attn (q/k/v_proj,
@@ -1121,15 +1122,27 @@ def _qwen3_5_moe(hf: dict) -> dict:
     return FAMILIES["qwen3_5_moe_text"].kwargs(dict(_text_config(hf), model_type="qwen3_5_moe_text"))
 
 
+def _whole_heads(text: dict) -> int:
+    """A text config's head dim as an attention that reads no head_dim makes it: hidden_size / heads."""
+    return text["hidden_size"] // text["num_attention_heads"]
+
+
 # a released multimodal folder's model_type (Qwen3-VL, Qwen3-Omni, GLM-4.5V; its text model read as its Family.written_as) ->
 # the sub-config holding its text_config (None: the top level); transformers' defaults of that holder's fields and of the
 # text_config's where they differ from the family's (the head untied); the fields the text model always has (the VL MoE
-# router renormalises its top-k whatever the config says; GLM-4.5V's attention has q/k/v biases by default and no q/k norms)
+# router renormalises its top-k whatever the config says; GLM-4.5V's attention has q/k/v biases by default and no q/k norms;
+# a function of the text config where the field follows from others)
 _MULTIMODAL = {
     "qwen3_vl_moe": (None, dict(tie_word_embeddings=False), dict(num_key_value_heads=16, rope_theta=5e5), dict(norm_topk_prob=True)),
     "qwen3_vl": (None, dict(tie_word_embeddings=False), dict(num_key_value_heads=32, head_dim=128, rope_theta=5e5), {}),
     "qwen3_omni_moe": ("thinker_config", dict(tie_word_embeddings=False), dict(num_key_value_heads=4, rope_theta=1e6), {}),
     "glm4v_moe": (None, dict(tie_word_embeddings=False), dict(vocab_size=151424, attention_bias=True), dict(use_qk_norm=False)),
+    # GLM-4.1V / GLM-4.6V-Flash: GLM-4's dense text model, its q/k/v biases always there, its heads hidden_size / heads wide
+    # whatever head_dim says, RoPE over every channel unless the rope_parameters say otherwise
+    "glm4v": (None, dict(tie_word_embeddings=False), dict(vocab_size=151552, rms_norm_eps=1e-5, partial_rotary_factor=1.0),
+              dict(attention_bias=True, head_dim=_whole_heads)),
+    "glm46v": (None, dict(tie_word_embeddings=False), dict(vocab_size=151552, rms_norm_eps=1e-5, partial_rotary_factor=1.0),
+               dict(attention_bias=True, head_dim=_whole_heads)),
 }
 
 
@@ -1146,7 +1159,8 @@ def _multimodal_text(hf: dict) -> dict:
     outer = hf if holder is None else hf.get(holder)
     if not isinstance(outer, dict):
         raise ValueError(f"config.json: a {hf['model_type']} config without a {holder} is not supported")
-    text = {**defaults, **_text_config({**outer_defaults, **outer, "model_type": hf["model_type"]}), **fixed, "model_type": kind}
+    text = {**defaults, **_text_config({**outer_defaults, **outer, "model_type": hf["model_type"]})}
+    text.update({field: value(text) if callable(value) else value for field, value in fixed.items()}, model_type=kind)
     text.pop("sliding_window", None)
     for field in ("rope_parameters", "rope_scaling"):
         if isinstance(text.get(field), dict):
@@ -1162,7 +1176,7 @@ def _multimodal(hf: dict) -> dict:
     beside the thinker's audio and vision encoders, the talker and the code-to-wave model;
     glm4v_moe (Glm4vMoeForConditionalGeneration: GLM-4.5V, GLM-4.6V) GLM-4.5's (glm4_moe:
     without q/k norms, and its MTP layer, which transformers does not read) beside a vision
-    model. The text model is read as its family's (Family.written_as, _multimodal_text);
+    model, glm4v and glm46v (GLM-4.1V-9B, GLM-4.6V-Flash) GLM-4's dense one (glm4). The text model is read as its family's (Family.written_as, _multimodal_text);
     nothing beside it is."""
     text = _multimodal_text(hf)
     return FAMILIES[text["model_type"]].kwargs(text)
@@ -1530,6 +1544,13 @@ FAMILIES = {
     # GLM-4.5V / GLM-4.6V: GLM-4.5's text model (its MTP layer too, which transformers leaves unread) under model.language_model.
     "glm4v_moe": Family(_multimodal, "mlp", _PROJ, "Glm4vMoeForConditionalGeneration", "shared_experts", mtp=True,
                         prefix=("model.", "model.language_model."), not_read=("model.visual.",), written_as="glm4_moe"),
+    # GLM-4.1V-9B and GLM-4.6V-Flash: GLM-4's dense text model under model.language_model.
+    "glm4v": Family(_multimodal, "mlp", _PROJ, "Glm4vForConditionalGeneration", dense_gate_up=True, prefix=("model.", "model.language_model."),
+                    sandwich=("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm"),
+                    not_read=("model.visual.",), written_as="glm4"),
+    "glm46v": Family(_multimodal, "mlp", _PROJ, "Glm46VForConditionalGeneration", dense_gate_up=True, prefix=("model.", "model.language_model."),
+                     sandwich=("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm"),
+                     not_read=("model.visual.",), written_as="glm4"),
     "qwen3_omni_moe": Family(_multimodal, "mlp", _PROJ, "Qwen3OmniMoeForConditionalGeneration", prefix=("", "thinker."),
                              not_read=("thinker.audio_tower.", "thinker.visual.", "talker.", "code2wav."), written_as="qwen3_moe"),
     # Kimi Linear: transformers writes the dense MLPs under block_sparse_moe too (the released folders: mlp)

@@ -1202,6 +1202,34 @@ def test_a_released_glm4v_moe_folder_loads_its_text_model(tmp_path):
     assert hf.from_pretrained(tmp_path / "mtp-text")[1].mtp_depth == 1
 
 
+@pytest.mark.parametrize("kind", ["glm4v", "glm46v"])
+def test_a_released_glm4v_folder_loads_its_dense_text_model(kind, tmp_path):
+    """A glm4v / glm46v folder (GLM-4.1V-9B, GLM-4.6V-Flash): GLM-4's dense text model
+    (sandwich norms, q/k/v biases always, gate and up as one gate_up_proj, RoPE on interleaved
+    pairs of the part of each head its rope_parameters name, all of it where they name none)
+    under model.language_model. loads with transformers' logits of a text-only forward; not
+    written back without the vision model, it writes as glm4, which transformers loads with
+    the same logits and fmoe reads back exactly."""
+    made = dict(glm4v=(transformers.Glm4vConfig, transformers.Glm4vForConditionalGeneration),
+                glm46v=(transformers.Glm46VConfig, transformers.Glm46VForConditionalGeneration))[kind]
+    vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32, patch_size=2, temporal_patch_size=1,
+                  spatial_merge_size=1)
+    docs = _packed()[0]
+    for rope, rope_dim in ((dict(partial_rotary_factor=0.5, mrope_section=[1, 1, 0]), 4), (dict(mrope_section=[2, 1, 1]), None)):
+        text = dict(vocab_size=V, hidden_size=32, intermediate_size=40, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                    rope_parameters=dict(rope_type="default", rope_theta=1e4, **rope))
+        torch.manual_seed(0)
+        ref = _randomised(made[1](made[0](text_config=text, vision_config=vision)))
+        folder = tmp_path / f"{kind}-{rope_dim}"
+        ref.save_pretrained(folder)
+        with torch.no_grad():
+            theirs = torch.cat([ref(input_ids=d[None]).logits[0] for d in docs])
+        _, cfg, written = _text_model_round_trip(folder, theirs, tmp_path / f"text-{rope_dim}", kind=kind, prefix="model.language_model.",
+                                                 head="lm_head.weight", text_kind="glm4")
+        assert (cfg.qkv_bias, cfg.post_norms, cfg.rope_interleaved, cfg.rope_dim, cfg.n_dense, cfg.norm_eps) == (True, True, True, rope_dim, 3, 1e-5)
+        assert "mrope_section" not in written["rope_parameters"]
+
+
 def test_qwen3_vl_moe_stacks_are_told_apart_by_their_shapes(tmp_path):
     """Where 2F = H, a gate_up_proj stack has one shape either way: the down_proj's tells them
     apart ([E, H, F] as transformers writes it, [E, F, H] as released), so fmoe reads the
