@@ -5,7 +5,7 @@
 
 A folder holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). Supported `model_type`s: FAMILIES (mixtral, qwen2_moe,
-qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, kimi_k2, kimi_k25, deepseek_v2, deepseek_v32, glm_moe_dsa, glm4_moe_lite, gpt_oss, solar_open,
+qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, axk1, kimi_k2, kimi_k25, deepseek_v2, deepseek_v32, glm_moe_dsa, glm4_moe_lite, gpt_oss, solar_open,
 exaone_moe, dots1, minimax_m2, granitemoe, granitemoeshared, granitemoe_swa, hunyuan_v1_moe, llama4_text, llama4, afmoe,
 laguna, sarvam_moe, sarvam_mla, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, kimi_linear, ernie4_5_moe,
 mimo_v2_flash, lfm2_moe, mistral4, mistral3), and the dense
@@ -74,7 +74,10 @@ Kimi K2 (kimi_k2: K2-Instruct, K2-Thinking) is DeepSeek-V3's model under its own
 written back as its folder had it (its remote code's model_type; model_type="deepseek_v3"
 writes a folder transformers reads without remote code). A released Kimi K2.5 / K2.6 folder
 (kimi_k25) holds that model under language_model. beside a vision tower, and is written
-back only as deepseek_v3.
+back only as deepseek_v3. A.X-K1 (axk1) is DeepSeek-V3's model with an RMSNorm on each MoE
+block's output (post_mlp_layernorm: moe_out_norm); its released folders hold one for the dense
+blocks too, which nothing reads (Family.ignored), and route without a correction bias, which
+reads as zero (Family.correction_bias_optional).
 DeepSeek-V3.2 (deepseek_v32) and GLM-5 (glm_moe_dsa): DeepSeek-V3's model with DeepSeek sparse
 attention in every block, its lightning indexer under self_attn.indexer (wq_b, wk, k_norm's
 weight and bias, weights_proj: TransformerConfig.index_*), the indexer's RoPE on halves
@@ -633,6 +636,22 @@ def _mla(hf: dict, *, interleaved: Optional[bool] = None) -> dict:
 
 def _deepseek_v3(hf: dict) -> dict:
     return dict(_mla(hf), **_deepseek_moe(hf), **_sigmoid_routing(hf))
+
+
+def _axk1(hf: dict) -> dict:
+    """A.X-K1 (axk1, SK Telecom): DeepSeek-V3's model (always with a q latent) with an RMSNorm on
+    each MoE block's output, routed plus shared experts (post_mlp_layernorm: moe_out_norm;
+    the released folders hold one for the dense blocks too, which nothing reads); dense and
+    MoE blocks by mlp_layer_types, or an older config's first_k_dense_replace and
+    moe_layer_freq (block i MoE from the first_k-th on, when i % freq == 0). The released
+    folders route without a correction bias: it reads as zero where the folder has none."""
+    n = hf["num_hidden_layers"]
+    if hf.get("mlp_layer_types") is None:
+        first, freq = hf.get("first_k_dense_replace", 1), hf.get("moe_layer_freq", 1)
+        hf = dict(hf, mlp_layer_types=["sparse" if i >= first and i % freq == 0 else "dense" for i in range(n)])
+    if not hf.get("q_lora_rank"):
+        raise ValueError(f"config.json: q_lora_rank = {hf.get('q_lora_rank')!r} is not supported (A.X-K1's queries always come from a latent)")
+    return dict(_mla(hf), **_mlp_layer_types(hf, 1), **_sigmoid_routing(hf), moe_out_norm=True)
 
 
 def _sarvam_mla(hf: dict) -> dict:
@@ -1396,6 +1415,11 @@ class Family:
     # the experts' stacks as the released folders store them ([E, H, 2F] gate_up_proj, [E, F, H] down_proj: "halves") or as
     # transformers writes them ([E, 2F, H], [E, H, F]: "halves_out"), told apart by their shapes (Qwen3-VL-MoE: _stacks_by_shape)
     stacks_by_shape: bool = False
+    moe_out_norm: str = "post_mlp_layernorm"  # the norm on a MoE block's output (moe_out_norm: A.X-K1's), under the block
+    # patterns (re.search) of keys the family's folders hold and transformers never reads (A.X-K1's dense blocks' post_mlp_layernorm)
+    ignored: tuple[str, ...] = ()
+    # folders without the routing correction bias route without one (A.X-K1's released ones): the expert bias reads as zero
+    correction_bias_optional: bool = False
 
     def renamed(self, key: str) -> str:
         """key (as the family's own models name it) in the family's folders (prefix)."""
@@ -1466,6 +1490,9 @@ FAMILIES = {
     "glm4_moe": Family(_glm4_moe, "mlp", _PROJ, "Glm4MoeForCausalLM", "shared_experts", mtp=True,
                        defaults=dict(num_key_value_heads=8, rms_norm_eps=1e-5, n_shared_experts=1, first_k_dense_replace=1, partial_rotary_factor=0.5)),
     "deepseek_v3": Family(_deepseek_v3, "mlp", _PROJ, "DeepseekV3ForCausalLM", "shared_experts", mtp=True, defaults=_DEEPSEEK_V3_DEFAULTS),
+    # A.X-K1: DeepSeek-V3's model with a norm on each MoE block's output (its dense blocks' stored ones unread, as in transformers)
+    "axk1": Family(_axk1, "mlp", _PROJ, "AXK1ForCausalLM", "shared_experts", mtp=True, ignored=(r"\.post_mlp_layernorm\.",),
+                   correction_bias_optional=True, defaults=dict(_DEEPSEEK_V3_DEFAULTS, first_k_dense_replace=1, rms_norm_eps=1e-6)),
     # Kimi K2 / K2-Instruct / K2-Thinking: DeepSeek-V3's model and names under their own model_type (the releases' remote code)
     "kimi_k2": Family(_deepseek_v3, "mlp", _PROJ, "DeepseekV3ForCausalLM", "shared_experts", mtp=True, defaults=_DEEPSEEK_V3_DEFAULTS),
     # the released Kimi K2.5 / K2.6 folders: Kimi K2's text model under language_model., beside a vision tower
@@ -1665,6 +1692,8 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
     elif cfg.pre_norms:
         out[q + "attn_norm.weight"] = Tensor((p + family.norms[0] + ".weight",))
         out[q + "mlp_norm.weight"] = Tensor((p + family.norms[1] + ".weight",))
+    if moe and cfg.moe_out_norm:  # the MoE block's output norm (A.X-K1's)
+        out[q + "mlp_post_norm.weight"] = Tensor((p + family.moe_out_norm + ".weight",))
     mlp = p + family.moe + "."
     if moe:
         out[q + "mlp.router"] = Tensor((mlp + family.router,))
@@ -1908,7 +1937,7 @@ def unread_keys(family: Family, cfg: TransformerConfig, path, stored) -> list[st
         return (family.mtp or not family.extra_layers_read) and layer is not None and int(layer[1]) >= past
 
     return [key for key in stored if key not in read and not key.endswith(".rotary_emb.inv_freq") and not dropped_mtp(key)
-            and not key.startswith(family.not_read)]
+            and not key.startswith(family.not_read) and not any(re.search(pattern, key) for pattern in family.ignored)]
 
 
 def load_weights(model: Transformer, path, *, model_type: str, strict: bool = True) -> int:
@@ -2023,6 +2052,8 @@ def load_weights(model: Transformer, path, *, model_type: str, strict: bool = Tr
                 continue  # an MTP depth the checkpoint does not hold: left as initialised
             if fresh_indexers and ".attn.index_" in name:
                 continue  # an indexer the checkpoint has none of: left as initialised
+            if family.correction_bias_optional and name.endswith(".expert_bias") and spec.keys[0] not in files:
+                continue  # a folder that routes without a correction bias: left at zero (A.X-K1's released ones)
             if name not in params:
                 raise ValueError(f"model: has no parameter {name!r} for checkpoint key {spec.keys[0]!r}")
             param = params[name]
@@ -2311,7 +2342,7 @@ def _ministral3_rope(cfg: TransformerConfig) -> dict:
 
 
 # the families whose config.json holds _deepseek_moe_config's fields
-_DEEPSEEK_STYLE = ("glm4_moe", "sarvam_moe", "deepseek_v2", "deepseek_v3", "kimi_k2", "sarvam_mla", "glm4_moe_lite", "dots1", "deepseek_v32",
+_DEEPSEEK_STYLE = ("glm4_moe", "sarvam_moe", "deepseek_v2", "deepseek_v3", "kimi_k2", "sarvam_mla", "glm4_moe_lite", "dots1", "deepseek_v32", "axk1",
                    "glm_moe_dsa")
 
 
@@ -2506,9 +2537,12 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
         hf.update(attention_bias=cfg.qkv_bias, use_qk_norm=cfg.qk_norm == "head")
     if model_type == "dots1":
         hf.update(attention_bias=cfg.qkv_bias, sliding_window=cfg.window, max_window_layers=cfg.n_layers, layer_types=_layer_types(cfg))
-    if model_type in ("glm4_moe_lite", "deepseek_v32", "glm_moe_dsa"):
+    if model_type in ("glm4_moe_lite", "deepseek_v32", "glm_moe_dsa", "axk1"):
         hf.update(mlp_layer_types=["sparse" if cfg.is_moe(i) else "dense" for i in range(cfg.n_layers)])
-    if model_type in ("deepseek_v2", "deepseek_v3", "kimi_k2", "sarvam_mla", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa", "mistral4"):
+    if model_type == "axk1":  # no first_k_dense_replace (mlp_layer_types says it) nor MTP field in its config
+        hf.pop("first_k_dense_replace")
+        hf.pop("num_nextn_predict_layers")
+    if model_type in ("deepseek_v2", "deepseek_v3", "kimi_k2", "sarvam_mla", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa", "mistral4", "axk1"):
         rope = cfg.rope_dim or cfg.head_dim
         hf.update(q_lora_rank=cfg.q_rank, kv_lora_rank=cfg.kv_rank, qk_nope_head_dim=cfg.head_dim - rope, qk_rope_head_dim=rope,
                   v_head_dim=cfg.v_head_dim, head_dim=rope, attention_bias=False)

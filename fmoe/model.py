@@ -341,7 +341,9 @@ class TransformerConfig:
     sliding blocks beside half in the full ones; None: rope_dim). pre_norms: an RMSNorm on
     each block's attention and MLP input (the usual pre-norm block); post_norms: one on each
     branch's output before its residual add (OLMo 2 / FlexOlmo without pre_norms; both:
-    Gemma's sandwich). zero_centered_norms: every RMSNorm's gain is 1 + its weight, the weight
+    Gemma's sandwich); moe_out_norm: one on each MoE block's output (routed plus shared
+    experts) before its residual add, the dense blocks' and the attention's without
+    (A.X-K1's post_mlp_layernorm; not with post_norms). zero_centered_norms: every RMSNorm's gain is 1 + its weight, the weight
     0 at initialisation (Qwen3-Next's zero-centred norms: weight decay pulls the gain to 1;
     the blocks', the final, the MTP modules' and the q/k norms; not the linear-attention
     layers' gated output norm). linear_layers: the trunk blocks whose mixer is Gated DeltaNet
@@ -455,6 +457,7 @@ class TransformerConfig:
     local_rope_dim: Optional[int] = None
     pre_norms: bool = True
     post_norms: bool = False
+    moe_out_norm: bool = False
     zero_centered_norms: bool = False
     linear_layers: Optional[tuple[int, ...]] = None
     linear_k_heads: int = 2
@@ -526,6 +529,8 @@ class TransformerConfig:
                 raise ValueError("local_heads: grouped-query attention's query heads; multi-latent attention has n_heads")
             if self.local_heads % (self.local_kv_heads or self.n_kv_heads):
                 raise ValueError(f"local_heads: {self.local_heads} heads do not split over {self.local_kv_heads or self.n_kv_heads} kv heads")
+        if self.moe_out_norm and self.post_norms:
+            raise ValueError("moe_out_norm: a norm on the MoE blocks' output, which post_norms already puts on every block's")
         if (self.attn_gate_act != "sigmoid" or self.attn_gate_per_head) and not self.attn_gate:
             raise ValueError("attn_gate_act / attn_gate_per_head: gated attention's gate, needs attn_gate=True")
         if self.v_head_dim is not None:
@@ -534,7 +539,7 @@ class TransformerConfig:
             raise ValueError("value_scale: scales grouped-query attention's values, not multi-latent attention's")
         if self.sink_layers is not None and not self.attn_sinks:
             raise ValueError("sink_layers: the blocks with attention sinks, needs attn_sinks")
-        for name in ("pre_norms", "post_norms", "nope_qk_norm", "route_on_input", "attn_gate", "zero_centered_norms"):
+        for name in ("pre_norms", "post_norms", "moe_out_norm", "nope_qk_norm", "route_on_input", "attn_gate", "zero_centered_norms"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         if self.fp8_layers is not None and self.fp8 is not True:
@@ -865,7 +870,8 @@ class Block(nn.Module):
     Gated DeltaNet's linear attention with linear),
     then a dense SwiGLU or an MoE; each branch x + post_norm(f(pre_norm(x))), with the
     pre-norms attn_norm / mlp_norm (cfg.pre_norms) and the post-norms attn_post_norm /
-    mlp_post_norm (cfg.post_norms), each an RMSNorm or absent (None). fp8: its GEMMs in fp8
+    mlp_post_norm (cfg.post_norms; mlp_post_norm also with cfg.moe_out_norm in a MoE block),
+    each an RMSNorm or absent (None). fp8: its GEMMs in fp8
     (None: cfg.fp8; TransformerConfig.is_fp8)."""
 
     def __init__(self, cfg: TransformerConfig, moe: bool, *, local: bool = False, rope: bool = True, linear: bool = False,
@@ -878,7 +884,7 @@ class Block(nn.Module):
         fp8 = cfg.fp8 if fp8 is None else fp8
         self.attn = LinearAttention(cfg, fp8=fp8) if linear else Attention(cfg, local=local, rope=rope, fp8=fp8, index_shared=index_shared,
                                                                                      sinks=sinks)
-        self.mlp_norm, self.mlp_post_norm = norm(cfg.pre_norms), norm(cfg.post_norms)
+        self.mlp_norm, self.mlp_post_norm = norm(cfg.pre_norms), norm(cfg.post_norms or (moe and cfg.moe_out_norm))
         if moe:
             self.mlp = MoE(cfg.hidden, cfg.ffn_expert, cfg.moe_config(fp8), shared_ffn=cfg.shared_size, shared_gate=cfg.shared_gate,
                            expert_bias=cfg.expert_bias, router_bias=cfg.router_bias, expert_biases=cfg.expert_biases)

@@ -282,6 +282,12 @@ FAMILIES = {
     # MiMo-V2-Flash: q/k heads of 12, values of 8 scaled by 0.707, q/k/v biases; layer 0 full attention with 2 kv heads
     # and RoPE at 5e6, layers 1 and 2 over a 4-token window with 4 kv heads, sinks and RoPE at 1e4, each on the first
     # 4 channels (0.334 of 12); layer 0 dense, DeepSeek-V3's routing over 2 groups of 4 experts, x 1.5, no shared expert
+    # A.X-K1: DeepSeek-V3's model (a q latent, RoPE on interleaved pairs, 2 groups of 4 experts, x 1.5, a shared expert,
+    # layer 0 dense) with an RMSNorm on each MoE block's output
+    "axk1": lambda: transformers.AXK1Config(**{**COMMON, "num_key_value_heads": 4}, intermediate_size=40, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=3,
+                                            n_group=2, topk_group=1, n_shared_experts=1, kv_lora_rank=8, q_lora_rank=12, qk_nope_head_dim=6,
+                                            qk_rope_head_dim=4, v_head_dim=5, routed_scaling_factor=1.5, bos_token_id=None, eos_token_id=None,
+                                            pad_token_id=None),
     "mimo_v2_flash": lambda: transformers.MiMoV2FlashConfig(**COMMON, head_dim=12, v_head_dim=8, intermediate_size=40, moe_intermediate_size=16,
                                                             n_routed_experts=8, num_experts_per_tok=3, n_group=2, topk_group=1, sliding_window=4,
                                                             routed_scaling_factor=1.5, attention_bias=True, bos_token_id=None, eos_token_id=None,
@@ -1154,6 +1160,36 @@ def test_a_released_qwen3_omni_folder_loads_its_thinker_s_text_model(tmp_path):
         hf.from_pretrained(_edit(tmp_path / "omni", tmp_path / "bad", lambda c: c.pop("thinker_config")))
 
 
+def test_a_released_axk1_folder_reads_as_transformers_reads_it(folders, tmp_path):
+    """A.X-K1: DeepSeek-V3's model with a norm on each MoE block's output (the MTP block's too).
+    Its released folders also hold that norm for the dense blocks (transformers leaves it
+    unread, and so does fmoe) and route without a correction bias (zero in both), and their
+    configs give the MoE blocks by first_k_dense_replace and moe_layer_freq."""
+    path, ref = folders["axk1"]
+    _, cfg = hf.read_config(path)
+    assert cfg.moe_out_norm and not cfg.post_norms and cfg.n_dense == 1 and cfg.q_rank == 12
+    model, _ = hf.from_pretrained(path, impl="torch")
+    assert model.blocks[0].mlp_post_norm is None and model.blocks[1].mlp_post_norm is not None and model.blocks[0].attn_post_norm is None
+    tensors = {k: v for k, v in _read_all(path).items() if not k.endswith("e_score_correction_bias")}
+    tensors["model.layers.0.post_mlp_layernorm.weight"] = 1 + 0.3 * torch.randn(32)
+
+    def legacy(c):
+        c.pop("mlp_layer_types")
+        c.update(first_k_dense_replace=1, moe_layer_freq=1)
+
+    released = _copy_folder(path, tmp_path / "released", tensors, legacy)
+    theirs_model = transformers.AutoModelForCausalLM.from_pretrained(released, dtype=torch.float32).eval()
+    model, got = hf.from_pretrained(released, impl="torch")
+    assert got == dataclasses.replace(cfg, impl="torch") and not model.blocks[1].mlp.expert_bias.any()
+    docs, ids, cu = _packed()
+    with torch.no_grad():
+        theirs = torch.cat([theirs_model(d[None]).logits[0] for d in docs])
+        assert _rel(model.logits(ids, cu), theirs) < 1e-5
+        assert _rel(hf.from_pretrained(path, impl="torch")[0].logits(ids, cu), theirs) > 1e-3  # the correction bias mattered
+    every_other = hf.read_config(_edit(released, tmp_path / "every-other", lambda c: c.update(moe_layer_freq=2)))[1]
+    assert [every_other.is_moe(i) for i in range(3)] == [False, False, True]  # from block 1 on, i % 2 == 0
+
+
 def test_a_released_glm4v_moe_folder_loads_its_text_model(tmp_path):
     """A glm4v_moe folder (GLM-4.5V, GLM-4.6V): GLM-4.5's text model (q/k/v biases by default,
     no q/k norms, RoPE on half of each head with the released mrope_section, plain for text)
@@ -1364,6 +1400,7 @@ BAD_CONFIGS = [
     ("flint", lambda c: c.update(num_experts_per_tok=1), r"config.json: num_experts_per_tok = 1 is not supported \(k > 1: this family renormalises"),
     ("sarvam_moe", lambda c: c.update(use_bias=True), r"config.json: use_bias = True is not supported \(no biases in Sarvam's projections"),
     ("sarvam_moe", lambda c: c.update(moe_router_enable_expert_bias=False), r"config.json: moe_router_enable_expert_bias = False is not supported"),
+    ("axk1", lambda c: c.update(q_lora_rank=None), r"config.json: q_lora_rank = None is not supported \(A.X-K1's queries always come from a latent\)"),
     ("laguna", lambda c: c.update(num_attention_heads_per_layer=[4, 8, 4]),
      r"config.json: num_attention_heads_per_layer = \[4, 8, 4\] is not supported \(one head count for the full layers and one for the sliding"),
     ("laguna", lambda c: c.update(num_attention_heads_per_layer=[4, 8]),

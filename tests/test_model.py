@@ -54,6 +54,8 @@ VARIANTS = {
                                        linear_v_dim=6, n_kv_heads=4, head_dim=12, rope_dim=4, kv_rank=6, v_head_dim=5, nope_layers=(2,),
                                        n_groups=2, topk_groups=1, group_score_topk=2, mtp_depth=1),
     "sandwich norms": dataclasses.replace(TINY, post_norms=True),
+    # A.X-K1's: a norm on the MoE blocks' output only (blocks 1 and 2, and the MTP block's), none on the dense block's or the attention's
+    "moe out norm": dataclasses.replace(TINY, moe_out_norm=True, mtp_depth=1),
     # LFM2's blocks: gated short convolutions (3 taps over the 32 channels, 8 heads of 4) in blocks 0 and 1, per-head q/k norms
     "lfm2": dataclasses.replace(TINY, linear_layers=(0, 1), linear_kind="short_conv", linear_k_heads=8, linear_v_heads=8, linear_k_dim=4,
                                 linear_v_dim=4, linear_conv=3, qk_norm="head", mtp_depth=1),
@@ -835,6 +837,29 @@ def test_laguna_attention_knobs_build_what_they_say():
                                (dict(local_heads=4, local_kv_heads=3, window=4), "local_kv_heads: 4 heads do not split over 3 kv heads")):
         with pytest.raises(ValueError, match=message):
             dataclasses.replace(TINY, **overrides)
+
+
+def test_moe_out_norm_normalises_the_moe_blocks_output_only():
+    """moe_out_norm: each MoE block's output (routed plus shared) RMSNormed before its residual
+    add: a MoE block's output is the norm of its MLP's; the dense block and the attention
+    branches have no such norm; not beside post_norms, which already has one."""
+    cfg = VARIANTS["moe out norm"]
+    model = Transformer(cfg)
+    assert [b.mlp_post_norm is not None for b in (*model.blocks, model.mtp[0].block)] == [False, True, True, True]
+    assert all(b.attn_post_norm is None for b in model.blocks)
+    block, x = model.blocks[1], torch.randn(24, cfg.hidden)
+    with torch.no_grad():
+        block.mlp_post_norm.weight.normal_(1.0, 0.3)
+        ctx = model.context(_batch(cfg))
+        h = x + block.attn(block.attn_norm(x), ctx.attention[0])  # the attention branch, unnormed
+        y, _ = block.mlp(block.mlp_norm(h))
+        got, _ = block(x, ctx.attention[0])
+        torch.testing.assert_close(got, h + block.mlp_post_norm(y))
+        assert not torch.allclose(got, h + y, atol=1e-3)
+    with pytest.raises(ValueError, match="moe_out_norm: a norm on the MoE blocks' output, which post_norms already puts on every block's"):
+        dataclasses.replace(TINY, moe_out_norm=True, post_norms=True)
+    with pytest.raises(ValueError, match="moe_out_norm: expected a bool, got 1"):
+        dataclasses.replace(TINY, moe_out_norm=1)
 
 
 def test_released_model_knobs_build_what_they_say():

@@ -81,6 +81,8 @@ def granularity(cfg: TransformerConfig, dense_cfg: TransformerConfig) -> int:
         raise ValueError("expert_biases: the dense FFN has no biases to upcycle them from")
     if (cfg.swiglu_alpha, cfg.swiglu_limit, cfg.swiglu_offset) != (1.0, None, 0.0):
         raise ValueError("swiglu_alpha, swiglu_limit, swiglu_offset: the dense FFN's SwiGLU is the plain one; the experts' must be too")
+    if cfg.moe_out_norm:
+        raise ValueError("moe_out_norm: a norm on the MoE blocks' output changes the dense block's function; upcycle without it")
     return g
 
 
