@@ -343,7 +343,12 @@ class TransformerConfig:
     branch's output before its residual add (OLMo 2 / FlexOlmo without pre_norms; both:
     Gemma's sandwich); moe_out_norm: one on each MoE block's output (routed plus shared
     experts) before its residual add, the dense blocks' and the attention's without
-    (A.X-K1's post_mlp_layernorm; not with post_norms). zero_centered_norms: every RMSNorm's gain is 1 + its weight, the weight
+    (A.X-K1's post_mlp_layernorm; not with post_norms). parallel_blocks: each block adds its
+    attention and its MLP of the same normed input, x + attn(n(x)) + mlp(n(x)), one pre-norm
+    (attn_norm) and no mlp_norm (Cohere's; needs pre_norms, not with post_norms or
+    moe_out_norm). layer_norms: every block norm, the final norm and the MTP modules' are
+    LayerNorms without bias, the mean taken out before the scale (Cohere's; the q/k norms stay
+    RMSNorms). zero_centered_norms: every RMSNorm's gain is 1 + its weight, the weight
     0 at initialisation (Qwen3-Next's zero-centred norms: weight decay pulls the gain to 1;
     the blocks', the final, the MTP modules' and the q/k norms; not the linear-attention
     layers' gated output norm). linear_layers: the trunk blocks whose mixer is Gated DeltaNet
@@ -458,6 +463,8 @@ class TransformerConfig:
     pre_norms: bool = True
     post_norms: bool = False
     moe_out_norm: bool = False
+    parallel_blocks: bool = False
+    layer_norms: bool = False
     zero_centered_norms: bool = False
     linear_layers: Optional[tuple[int, ...]] = None
     linear_k_heads: int = 2
@@ -531,6 +538,8 @@ class TransformerConfig:
                 raise ValueError(f"local_heads: {self.local_heads} heads do not split over {self.local_kv_heads or self.n_kv_heads} kv heads")
         if self.moe_out_norm and self.post_norms:
             raise ValueError("moe_out_norm: a norm on the MoE blocks' output, which post_norms already puts on every block's")
+        if self.parallel_blocks and (not self.pre_norms or self.post_norms or self.moe_out_norm):
+            raise ValueError("parallel_blocks: attention and MLP of one pre-norm's output, needs pre_norms and neither post_norms nor moe_out_norm")
         if (self.attn_gate_act != "sigmoid" or self.attn_gate_per_head) and not self.attn_gate:
             raise ValueError("attn_gate_act / attn_gate_per_head: gated attention's gate, needs attn_gate=True")
         if self.v_head_dim is not None:
@@ -539,7 +548,7 @@ class TransformerConfig:
             raise ValueError("value_scale: scales grouped-query attention's values, not multi-latent attention's")
         if self.sink_layers is not None and not self.attn_sinks:
             raise ValueError("sink_layers: the blocks with attention sinks, needs attn_sinks")
-        for name in ("pre_norms", "post_norms", "moe_out_norm", "nope_qk_norm", "route_on_input", "attn_gate", "zero_centered_norms"):
+        for name in ("pre_norms", "post_norms", "moe_out_norm", "parallel_blocks", "layer_norms", "nope_qk_norm", "route_on_input", "attn_gate", "zero_centered_norms"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         if self.fp8_layers is not None and self.fp8 is not True:
@@ -715,15 +724,17 @@ class TransformerConfig:
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight over the last dim, statistics in float32; with zero_centered
-    x / rms(x) * (1 + weight), the weight 0 at initialisation (Qwen3-Next's). `sequence_parallel`:
+    x / rms(x) * (1 + weight), the weight 0 at initialisation (Qwen3-Next's); with centered,
+    a LayerNorm without bias: (x - mean(x)) / std(x) * weight (Cohere's, DBRX's). `sequence_parallel`:
     set by fmoe.parallel under tensor parallelism for the norms inside Blocks (a
     SequenceShard; None otherwise): x is then this rank's token shard, and the weight's
     gradient is summed over the tp ranks where it is used."""
 
-    def __init__(self, dim: int, eps: float, zero_centered: bool = False):
+    def __init__(self, dim: int, eps: float, zero_centered: bool = False, centered: bool = False):
         super().__init__()
         self.eps = eps
         self.zero_centered = zero_centered
+        self.centered = centered
         self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
         self.sequence_parallel = None
 
@@ -731,6 +742,8 @@ class RMSNorm(nn.Module):
         weight = self.weight if self.sequence_parallel is None else self.sequence_parallel.weight(self.weight)
         # float32 statistics whatever x's dtype
         x32 = x.float()
+        if self.centered:  # a LayerNorm without bias
+            x32 = x32 - x32.mean(-1, keepdim=True)
         gain = weight.float() + 1.0 if self.zero_centered else weight.float()
         return (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.eps) * gain).to(x.dtype)
 
@@ -878,13 +891,16 @@ class Block(nn.Module):
                  fp8: Optional[bool] = None, index_shared: bool = False, sinks: Optional[bool] = None):
         super().__init__()
         def norm(on: bool) -> Optional[RMSNorm]:
-            return RMSNorm(cfg.hidden, cfg.norm_eps, cfg.zero_centered_norms) if on else None
+            return RMSNorm(cfg.hidden, cfg.norm_eps, cfg.zero_centered_norms, cfg.layer_norms) if on else None
 
         self.attn_norm, self.attn_post_norm = norm(cfg.pre_norms), norm(cfg.post_norms)
         fp8 = cfg.fp8 if fp8 is None else fp8
         self.attn = LinearAttention(cfg, fp8=fp8) if linear else Attention(cfg, local=local, rope=rope, fp8=fp8, index_shared=index_shared,
                                                                                      sinks=sinks)
-        self.mlp_norm, self.mlp_post_norm = norm(cfg.pre_norms), norm(cfg.post_norms or (moe and cfg.moe_out_norm))
+        # a parallel block's MLP reads the attention's normed input (attn_norm)
+        self.mlp_norm = norm(cfg.pre_norms and not cfg.parallel_blocks)
+        self.mlp_post_norm = norm(cfg.post_norms or (moe and cfg.moe_out_norm))
+        self.parallel = cfg.parallel_blocks
         if moe:
             self.mlp = MoE(cfg.hidden, cfg.ffn_expert, cfg.moe_config(fp8), shared_ffn=cfg.shared_size, shared_gate=cfg.shared_gate,
                            expert_bias=cfg.expert_bias, router_bias=cfg.router_bias, expert_biases=cfg.expert_biases)
@@ -908,11 +924,21 @@ class Block(nn.Module):
         return x_TH + (y_TH if self.residual_scale == 1.0 else y_TH * self.residual_scale)
 
     def _block(self, x_TH, ctx, token_mask=None):
-        x_TH = self._residual(x_TH, recompute(self._attend, x_TH, ctx) if self.ac == "attention" else self._attend(x_TH, ctx))
+        attended = self._residual(x_TH, recompute(self._attend, x_TH, ctx) if self.ac == "attention" else self._attend(x_TH, ctx))
+        if self.parallel:  # attention and MLP of the same normed input, both added to x (Cohere's)
+            return self._parallel_mlp(attended, _normed(self.attn_norm, x_TH), token_mask)
+        x_TH = attended
         if isinstance(self.mlp, MoE):
             y, stats = self.mlp(_normed(self.mlp_norm, x_TH), token_mask)
             return self._residual(x_TH, _normed(self.mlp_post_norm, y)), stats
         return self._residual(x_TH, _normed(self.mlp_post_norm, self.mlp(_normed(self.mlp_norm, x_TH)))), None
+
+    def _parallel_mlp(self, attended_TH, normed_TH, token_mask=None):
+        """A parallel block's end: the MLP of the block's normed input added to x + attention."""
+        if isinstance(self.mlp, MoE):
+            y, stats = self.mlp(normed_TH, token_mask)
+            return self._residual(attended_TH, y), stats
+        return self._residual(attended_TH, self.mlp(normed_TH)), None
 
 
 def _normed(norm: Optional[RMSNorm], x_TH: torch.Tensor) -> torch.Tensor:
@@ -924,11 +950,11 @@ class MTPModule(nn.Module):
 
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
-        self.emb_norm = RMSNorm(cfg.hidden, cfg.norm_eps, cfg.zero_centered_norms)
-        self.hidden_norm = RMSNorm(cfg.hidden, cfg.norm_eps, cfg.zero_centered_norms)
+        self.emb_norm = RMSNorm(cfg.hidden, cfg.norm_eps, cfg.zero_centered_norms, cfg.layer_norms)
+        self.hidden_norm = RMSNorm(cfg.hidden, cfg.norm_eps, cfg.zero_centered_norms, cfg.layer_norms)
         self.proj = nn.Parameter(torch.empty(2 * cfg.hidden, cfg.hidden))
         self.block = Block(cfg, moe=any(cfg.is_moe(i) for i in range(cfg.n_layers)), fp8=cfg.is_fp8(None), sinks=cfg.has_sinks(None))
-        self.out_norm = RMSNorm(cfg.hidden, cfg.norm_eps, cfg.zero_centered_norms) if cfg.mtp_norm else None
+        self.out_norm = RMSNorm(cfg.hidden, cfg.norm_eps, cfg.zero_centered_norms, cfg.layer_norms) if cfg.mtp_norm else None
 
     def forward(self, emb_TH, h_TH, ctx: AttentionContext, token_mask: Optional[torch.Tensor] = None):
         x_TH = torch.cat([self.emb_norm(emb_TH), self.hidden_norm(h_TH)], dim=-1) @ self.proj
@@ -1183,7 +1209,7 @@ class Transformer(nn.Module):
                 if cfg.is_index_shared(i):
                     block.attn.index_source = cfg.index_source(i)
                     self.blocks[block.attn.index_source].attn.index_keep = True
-        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps, cfg.zero_centered_norms)
+        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps, cfg.zero_centered_norms, cfg.layer_norms)
         # [V, H], linear_cross_entropy's layout; with tie_embeddings the head is the embedding
         self.head = None if cfg.tie_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden))
         self.mtp = nn.ModuleList(MTPModule(cfg) for _ in range(cfg.mtp_depth))

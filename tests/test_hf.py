@@ -284,6 +284,11 @@ FAMILIES = {
     # 4 channels (0.334 of 12); layer 0 dense, DeepSeek-V3's routing over 2 groups of 4 experts, x 1.5, no shared expert
     # A.X-K1: DeepSeek-V3's model (a q latent, RoPE on interleaved pairs, 2 groups of 4 experts, x 1.5, a shared expert,
     # layer 0 dense) with an RMSNorm on each MoE block's output
+    # Cohere 2 (Command R7B, Command A): parallel blocks of one bias-free LayerNorm, layers 0 and 2 over a 4-token window with
+    # RoPE on interleaved pairs, layer 1 global without RoPE, the logits x 0.25, tied embeddings
+    "cohere2": lambda: transformers.Cohere2Config(**COMMON, head_dim=8, intermediate_size=40, sliding_window=4, logit_scale=0.25,
+                                                  layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                                  bos_token_id=None, eos_token_id=None, pad_token_id=None),
     "axk1": lambda: transformers.AXK1Config(**{**COMMON, "num_key_value_heads": 4}, intermediate_size=40, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=3,
                                             n_group=2, topk_group=1, n_shared_experts=1, kv_lora_rank=8, q_lora_rank=12, qk_nope_head_dim=6,
                                             qk_rope_head_dim=4, v_head_dim=5, routed_scaling_factor=1.5, bos_token_id=None, eos_token_id=None,

@@ -54,6 +54,10 @@ VARIANTS = {
                                        linear_v_dim=6, n_kv_heads=4, head_dim=12, rope_dim=4, kv_rank=6, v_head_dim=5, nope_layers=(2,),
                                        n_groups=2, topk_groups=1, group_score_topk=2, mtp_depth=1),
     "sandwich norms": dataclasses.replace(TINY, post_norms=True),
+    # Cohere's: parallel blocks of one bias-free LayerNorm (the final and the MTP norms LayerNorms too), blocks 0 and 2
+    # over a window with RoPE on interleaved pairs, block 1 global without RoPE, the logits scaled
+    "cohere": dataclasses.replace(TINY, parallel_blocks=True, layer_norms=True, window=4, window_layers=(0, 2), nope_layers=(1,),
+                                  rope_interleaved=True, logit_divisor=4.0, mtp_depth=1),
     # A.X-K1's: a norm on the MoE blocks' output only (blocks 1 and 2, and the MTP block's), none on the dense block's or the attention's
     "moe out norm": dataclasses.replace(TINY, moe_out_norm=True, mtp_depth=1),
     # LFM2's blocks: gated short convolutions (3 taps over the 32 channels, 8 heads of 4) in blocks 0 and 1, per-head q/k norms
@@ -862,6 +866,31 @@ def test_moe_out_norm_normalises_the_moe_blocks_output_only():
         dataclasses.replace(TINY, moe_out_norm=1)
 
 
+def test_cohere_blocks_add_attention_and_mlp_of_one_layernorm():
+    """parallel_blocks: x + attn(n(x)) + mlp(n(x)), one norm (no mlp_norm); layer_norms: that
+    norm, the final one and the MTP modules' are LayerNorms without bias (torch's, to float
+    rounding), the q/k norms RMSNorms still."""
+    cfg = VARIANTS["cohere"]
+    model = _sharp(cfg)
+    block = model.blocks[1]
+    assert block.mlp_norm is None and all(b.mlp_norm is None for b in (*model.blocks, model.mtp[0].block))
+    assert block.attn_norm.centered and model.norm.centered and model.mtp[0].emb_norm.centered
+    x, ctx = torch.randn(24, cfg.hidden), model.context(_batch(cfg))
+    with torch.no_grad():
+        block.attn_norm.weight.normal_(1.0, 0.3)
+        layer_norm = torch.nn.functional.layer_norm(x, (cfg.hidden,), block.attn_norm.weight, None, cfg.norm_eps)
+        torch.testing.assert_close(block.attn_norm(x), layer_norm)
+        y, _ = block.mlp(layer_norm)
+        got, _ = block(x, ctx.attention[0])
+        torch.testing.assert_close(got, x + block.attn(layer_norm, ctx.attention[0]) + y)
+    for overrides, message in ((dict(parallel_blocks=True, post_norms=True), "parallel_blocks: attention and MLP of one pre-norm's output"),
+                               (dict(parallel_blocks=True, pre_norms=False), "parallel_blocks: attention and MLP of one pre-norm's output"),
+                               (dict(parallel_blocks=True, moe_out_norm=True), "parallel_blocks: attention and MLP of one pre-norm's output"),
+                               (dict(layer_norms=1), "layer_norms: expected a bool, got 1")):
+        with pytest.raises(ValueError, match=message):
+            dataclasses.replace(TINY, **overrides)
+
+
 def test_released_model_knobs_build_what_they_say():
     cfg = TransformerConfig(**{**_SMALL, "moe_layers": (3, 1), "shared_ffn": 24, "shared_gate": True, "qkv_bias": True,
                                "qk_norm": "head", "tie_embeddings": True, "score": "softmax", "expert_bias": False, "pre_softmax": True})
@@ -916,6 +945,8 @@ DECODED = {
     "mimo, wide window": dataclasses.replace(VARIANTS["mimo"], mtp_depth=0, window=40),
     # Laguna's: the window's blocks with more query heads and their own RoPE (base and channels), a gate per head
     "laguna": dataclasses.replace(VARIANTS["laguna"], mtp_depth=0, window_layers=(0, 2)),
+    # Cohere's: parallel blocks of one LayerNorm, the window's blocks with RoPE, the global one NoPE
+    "cohere": dataclasses.replace(VARIANTS["cohere"], mtp_depth=0),
 }
 
 
