@@ -7,7 +7,7 @@ A folder holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). Supported `model_type`s: FAMILIES (mixtral, qwen2_moe,
 qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, axk1, kimi_k2, kimi_k25, deepseek_v2, deepseek_v32, glm_moe_dsa, glm4_moe_lite, gpt_oss, solar_open,
 exaone_moe, dots1, minimax_m2, granitemoe, granitemoeshared, granitemoe_swa, hunyuan_v1_moe, llama4_text, llama4, afmoe,
-laguna, sarvam_moe, sarvam_mla, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, kimi_linear, ernie4_5_moe,
+laguna, cohere2_moe, sarvam_moe, sarvam_mla, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, kimi_linear, ernie4_5_moe,
 mimo_v2_flash, lfm2_moe, mistral4, mistral3), and the dense
 DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
 glm4, ernie4_5, lfm2, cohere2: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
@@ -490,6 +490,47 @@ def _cohere2(hf: dict) -> dict:
     layers layer_types names sliding_attention (by default three in four) over the window."""
     hf = _cohere_layer_types(hf)
     return dict(_dense(hf, sliding=True), **_cohere_blocks(hf))
+
+
+def _cohere2_moe(hf: dict) -> dict:
+    """Cohere 2 MoE (cohere2_moe): Cohere's blocks (_cohere_blocks) with RMSNorms where
+    rms_norm_eps is set, LayerNorms without bias (layer_norm_eps) otherwise; dense blocks
+    (of prefix_dense_intermediate_size, by default intermediate_size) and MoE blocks by
+    mlp_layer_types (an older config's first_k_dense_replace dense blocks first, their
+    layers full or sliding by prefix_dense_sliding_window_pattern, the others' by
+    sliding_window_pattern); the dense blocks of pattern 1 rotate in their global layers
+    too. Experts of intermediate_size: softmax over the top-k logits, or their sigmoids
+    (renormalised with norm_topk_prob); num_shared_experts shared ones (one SwiGLU of that
+    many times intermediate_size) summed with the routed output, or averaged with it
+    (shared_expert_combination_strategy "average": both x 0.5, route_scale and shared_scale)."""
+    n, first = hf["num_hidden_layers"], hf.get("first_k_dense_replace", 0)
+    if hf.get("layer_types") is None:
+        prefix, every = hf.get("prefix_dense_sliding_window_pattern", 1), hf.get("sliding_window_pattern", 4)
+        hf = dict(hf, layer_types=["sliding_attention" if (i + 1) % prefix else "full_attention" for i in range(first)]
+                  + ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n - first)])
+    if hf.get("mlp_layer_types") is None:
+        hf = dict(hf, mlp_layer_types=["dense" if i < first else "sparse" for i in range(n)])
+    kinds = hf["mlp_layer_types"]
+    if len(kinds) != n or set(kinds) - {"dense", "sparse"}:
+        raise ValueError(f"config.json: mlp_layer_types = {kinds!r} is not supported (one of dense / sparse per layer)")
+    select = hf.get("expert_selection_fn", "softmax")
+    _refuse(hf, "expert_selection_fn", lambda v: v in ("softmax", "sigmoid"), "softmax or sigmoid")
+    combine = hf.get("shared_expert_combination_strategy", "average")
+    _refuse(hf, "shared_expert_combination_strategy", lambda v: v in ("average", "sum"), "average or sum")
+    shared = hf.get("num_shared_experts") or 0
+    blocks = _cohere_blocks(hf)
+    # the dense prefix of pattern 1 keeps RoPE in its (global) layers
+    forced = hf.get("prefix_dense_sliding_window_pattern", 1) == 1
+    nope = tuple(i for i in blocks["nope_layers"] or () if not (forced and kinds[i] == "dense"))
+    rms = hf.get("rms_norm_eps") is not None
+    F = hf["intermediate_size"]
+    moe = tuple(i for i, kind in enumerate(kinds) if kind == "sparse")
+    half = combine == "average" and shared > 0
+    return dict(_common(dict(hf, rms_norm_eps=hf.get("rms_norm_eps") or 1e-6), hf["num_experts"], sliding=True), **blocks) | dict(
+        nope_layers=nope or None, layer_norms=not rms, norm_eps=float(hf["rms_norm_eps"] if rms else hf.get("layer_norm_eps", 1e-5)),
+        ffn_expert=F, ffn_dense=hf.get("prefix_dense_intermediate_size") or F, n_shared=shared, moe_layers=moe, n_dense=0,
+        score=select, expert_bias=False, route_normalize=select == "softmax" or bool(hf.get("norm_topk_prob", True)),
+        route_scale=0.5 if half else None, shared_scale=0.5 if half else 1.0)
 
 
 def _seed_oss(hf: dict) -> dict:
@@ -1633,6 +1674,9 @@ FAMILIES = {
                        prefix=("", "language_model."), not_read=("vision_tower.", "multi_modal_projector."), written_as="text_config"),
     "hunyuan_v1_moe": Family(_hunyuan_v1_moe, "mlp", _PROJ, "HunYuanMoEV1ForCausalLM", "shared_mlp", router="gate.wg.weight",
                              qk_norms=("query_layernorm", "key_layernorm"), defaults=dict(rms_norm_eps=1e-5)),
+    # Command A's MoE: Cohere's blocks, experts one module each (as transformers writes them)
+    "cohere2_moe": Family(_cohere2_moe, "mlp", _PROJ, "Cohere2MoeForCausalLM", "shared_experts", norms=("input_layernorm", ""),
+                          defaults=dict(head_dim=128, tie_word_embeddings=True, sliding_window=4096, num_experts=8, num_experts_per_tok=2)),
     # the dense families (DENSE_FAMILIES), after the MoE ones
     "llama": Family(_llama, "mlp", _PROJ, "LlamaForCausalLM"),
     "mistral": Family(_mistral, "mlp", _PROJ, "MistralForCausalLM", defaults=dict(num_key_value_heads=8, sliding_window=4096)),
@@ -2421,6 +2465,17 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
                   layer_types=["chunked_attention" if cfg.is_chunked(i) else "full_attention" for i in range(cfg.n_layers)],
                   attn_temperature_tuning=cfg.nope_temperature_floor is not None, floor_scale=cfg.nope_temperature_floor or 8192,
                   attn_scale=cfg.nope_temperature_scale)
+    elif model_type == "cohere2_moe":
+        if cfg.shared_size % cfg.ffn_expert:
+            raise ValueError(f"model: shared experts of {cfg.shared_size} are not a whole number of experts of {cfg.ffn_expert}")
+        rotating_prefix = any(not cfg.is_moe(i) and not cfg.is_sliding(i) and not cfg.is_nope(i) for i in range(cfg.n_layers))
+        hf.pop("rms_norm_eps")
+        hf.update(num_experts=cfg.n_experts, intermediate_size=cfg.ffn_expert, prefix_dense_intermediate_size=cfg.ffn_dense,
+                  num_shared_experts=cfg.shared_size // cfg.ffn_expert, expert_selection_fn=cfg.score, norm_topk_prob=cfg.route_normalize,
+                  shared_expert_combination_strategy="average" if cfg.shared_scale == 0.5 else "sum",
+                  mlp_layer_types=["sparse" if cfg.is_moe(i) else "dense" for i in range(cfg.n_layers)], layer_types=_layer_types(cfg),
+                  sliding_window=cfg.window or 4096, prefix_dense_sliding_window_pattern=1 if rotating_prefix else 2, attention_bias=False,
+                  logit_scale=1 / cfg.logit_divisor, rms_norm_eps=None if cfg.layer_norms else cfg.norm_eps, layer_norm_eps=cfg.norm_eps)
     elif model_type == "afmoe":
         moe_fields = _deepseek_moe_config(cfg)
         hf.update(num_experts=cfg.n_experts, num_shared_experts=moe_fields["n_shared_experts"], moe_intermediate_size=cfg.ffn_expert,
@@ -2643,7 +2698,7 @@ def written_config(hf: dict) -> dict:
 # TransformerConfig fields that only MoE blocks read (the dense MLP is a plain SwiGLU)
 _MOE_ONLY = {"n_experts", "k", "ffn_expert", "n_shared", "shared_ffn", "shared_gate", "score", "pre_softmax", "n_groups", "topk_groups",
              "group_score_topk", "route_scale", "route_normalize", "expert_bias", "route_on_input", "router_bias", "expert_biases",
-             "swiglu_alpha", "swiglu_limit", "swiglu_offset", "router_softcap"}
+             "swiglu_alpha", "swiglu_limit", "swiglu_offset", "router_softcap", "shared_scale"}
 
 
 def config_mismatch(cfg: TransformerConfig, hf: dict) -> dict[str, tuple]:

@@ -135,7 +135,9 @@ class MoEConfig:
     (grouped_mlp's fp8_fast_accum; needs fp8). logit_softcap: the router's logits l
     become c tanh(l / c) before routing, for c = logit_softcap (Laguna's
     moe_router_logit_softcapping; None: as they are); stats["router_logits"], the aux
-    scores' and the z-loss's input, are the capped ones.
+    scores' and the z-loss's input, are the capped ones. shared_scale: the shared experts'
+    output times this constant before it joins the routed one (Cohere 2 MoE's "average":
+    0.5, beside a route scale of 0.5).
     """
 
     n_experts: int
@@ -161,9 +163,12 @@ class MoEConfig:
     fp8: bool = False
     fp8_fast_accum: bool = False
     logit_softcap: Optional[float] = None
+    shared_scale: float = 1.0
 
     def __post_init__(self):
         check_glu(self.swiglu_alpha, self.swiglu_limit, self.swiglu_offset)
+        if isinstance(self.shared_scale, bool) or not isinstance(self.shared_scale, (int, float)) or not 0 < self.shared_scale < math.inf:
+            raise ValueError(f"shared_scale: expected a positive finite number, got {self.shared_scale!r}")
         cap = self.logit_softcap
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 < cap < math.inf):
             raise ValueError(f"logit_softcap: expected None or a positive finite number, got {cap!r}")
@@ -347,6 +352,8 @@ def moe(
         gate = params.get("shared_gate")
         if gate is not None:  # on the complete shared output (after any tensor-parallel sum)
             y_shared_TH = y_shared_TH * torch.sigmoid(x @ gate.to(x.dtype))[:, None]
+        if cfg.shared_scale != 1.0:
+            y_shared_TH = y_shared_TH * cfg.shared_scale
         y_TH = y_TH + y_shared_TH
 
     stats = {"router_logits": logits_TE, "tokens_per_expert": counts_E}

@@ -272,7 +272,8 @@ class TransformerConfig:
     MoE blocks (or exactly the blocks listed in moe_layers, e.g. Qwen's decoder_sparse_step
     / mlp_only_layers) of n_experts experts of ffn_expert, k per token, n_shared shared
     experts (one SwiGLU of shared_ffn, default n_shared * ffn_expert) with an optional
-    sigmoid shared_gate. Routing: score, pre_softmax (softmax over all experts, then top-k,
+    sigmoid shared_gate, their output times shared_scale (Cohere 2 MoE's "average": 0.5
+    beside route_scale 0.5). Routing: score, pre_softmax (softmax over all experts, then top-k,
     weights not renormalised), n_groups/topk_groups with group_score_topk (a group's score
     sums its best group_score_topk scores; None: k // topk_groups), route_scale,
     route_normalize (sigmoid: renormalise the k weights; False keeps the raw sigmoids),
@@ -387,6 +388,7 @@ class TransformerConfig:
     n_shared: int = 1
     shared_ffn: Optional[int] = None
     shared_gate: bool = False
+    shared_scale: float = 1.0
     moe_layers: Optional[tuple[int, ...]] = None
     score: str = "sigmoid"
     pre_softmax: bool = False
@@ -667,7 +669,7 @@ class TransformerConfig:
             scale=self.route_scale, group_score_topk=self.group_score_topk, normalize=self.route_normalize, capacity_factor=self.capacity_factor, capacity_policy=self.capacity_policy, impl=self.impl,
             swiglu_alpha=self.swiglu_alpha, swiglu_limit=self.swiglu_limit, swiglu_offset=self.swiglu_offset,
             weights_on_input=self.route_on_input, fp8=self.fp8 if fp8 is None else fp8,
-            fp8_fast_accum=self.fp8_fast_accum and (self.fp8 if fp8 is None else fp8), logit_softcap=self.router_softcap,
+            fp8_fast_accum=self.fp8_fast_accum and (self.fp8 if fp8 is None else fp8), logit_softcap=self.router_softcap, shared_scale=self.shared_scale,
         )
 
     def linear_attention_config(self, fp8: Optional[bool] = None) -> LinearAttentionConfig:

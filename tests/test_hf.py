@@ -289,6 +289,13 @@ FAMILIES = {
     "cohere2": lambda: transformers.Cohere2Config(**COMMON, head_dim=8, intermediate_size=40, sliding_window=4, logit_scale=0.25,
                                                   layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                                                   bos_token_id=None, eos_token_id=None, pad_token_id=None),
+    # Cohere 2 MoE: Cohere 2's blocks (RMSNorms here), layer 0 dense (of 24) with RoPE in its global attention (the prefix's
+    # pattern 1), layers 1 and 2 MoE, layer 1 over the window, layer 2 global without RoPE; softmax over the top-2 logits,
+    # a shared expert averaged with the routed output
+    "cohere2_moe": lambda: transformers.Cohere2MoeConfig(**COMMON, head_dim=8, intermediate_size=16, prefix_dense_intermediate_size=24,
+                                                         num_experts=4, num_experts_per_tok=2, num_shared_experts=1, sliding_window=4,
+                                                         rms_norm_eps=1e-5, logit_scale=0.5, first_k_dense_replace=1, sliding_window_pattern=2,
+                                                         bos_token_id=None, eos_token_id=None, pad_token_id=None),
     "axk1": lambda: transformers.AXK1Config(**{**COMMON, "num_key_value_heads": 4}, intermediate_size=40, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=3,
                                             n_group=2, topk_group=1, n_shared_experts=1, kv_lora_rank=8, q_lora_rank=12, qk_nope_head_dim=6,
                                             qk_rope_head_dim=4, v_head_dim=5, routed_scaling_factor=1.5, bos_token_id=None, eos_token_id=None,
@@ -1165,6 +1172,39 @@ def test_a_released_qwen3_omni_folder_loads_its_thinker_s_text_model(tmp_path):
         hf.from_pretrained(_edit(tmp_path / "omni", tmp_path / "bad", lambda c: c.pop("thinker_config")))
 
 
+def test_cohere2_moe_reads_its_norms_routing_and_shared_experts_as_transformers_does(folders, tmp_path):
+    """Cohere 2 MoE: the test folder's (RMSNorms, softmax over the top-2 logits, a shared expert
+    averaged with the routed output: both x 0.5, the dense prefix rotating in its global layer);
+    then LayerNorms without bias (rms_norm_eps null), sigmoid routing without renormalising, the
+    shared expert summed, the prefix of pattern 2 (its global layer NoPE), each loading with
+    transformers' logits, and fmoe's own such model exporting as one transformers reads with
+    fmoe's logits."""
+    _, cfg = hf.read_config(folders["cohere2_moe"][0])
+    assert (cfg.parallel_blocks, cfg.layer_norms, cfg.norm_eps, cfg.moe_layers, cfg.ffn_dense, cfg.ffn_expert, cfg.shared_size) == (
+        True, False, 1e-5, (1, 2), 24, 16, 16)
+    assert (cfg.score, cfg.pre_softmax, cfg.route_scale, cfg.shared_scale, cfg.window_layers, cfg.nope_layers, cfg.logit_divisor) == (
+        "softmax", False, 0.5, 0.5, (1,), (2,), 2.0)
+    config = FAMILIES["cohere2_moe"]().to_dict()
+    config.update(rms_norm_eps=None, layer_norm_eps=1e-4, expert_selection_fn="sigmoid", norm_topk_prob=False,
+                  shared_expert_combination_strategy="sum", prefix_dense_sliding_window_pattern=2)
+    config.pop("layer_types")
+    torch.manual_seed(1)
+    ref = _randomised(transformers.AutoModelForCausalLM.from_config(transformers.Cohere2MoeConfig(
+        **{k: v for k, v in config.items() if k not in ("model_type", "transformers_version", "architectures")}, first_k_dense_replace=1)))
+    ref.save_pretrained(tmp_path / "other")
+    model, cfg = hf.from_pretrained(tmp_path / "other", impl="torch")
+    assert (cfg.layer_norms, cfg.norm_eps, cfg.score, cfg.route_normalize, cfg.route_scale, cfg.shared_scale) == (True, 1e-4, "sigmoid", False, None, 1.0)
+    assert ref.config.layer_types == ["sliding_attention", "sliding_attention", "full_attention"] and cfg.nope_layers == (2,)
+    docs, ids, cu = _packed()
+    with torch.no_grad():
+        assert _rel(model.logits(ids, cu), torch.cat([ref(d[None]).logits[0] for d in docs])) < 1e-5
+    del model.hf_config
+    hf.save_pretrained(model, tmp_path / "out", model_type="cohere2_moe")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert _rel(model.logits(ids, cu), torch.cat([back(d[None]).logits[0] for d in docs])) < 1e-5
+
+
 def test_a_released_axk1_folder_reads_as_transformers_reads_it(folders, tmp_path):
     """A.X-K1: DeepSeek-V3's model with a norm on each MoE block's output (the MTP block's too).
     Its released folders also hold that norm for the dense blocks (transformers leaves it
@@ -1405,6 +1445,10 @@ BAD_CONFIGS = [
     ("flint", lambda c: c.update(num_experts_per_tok=1), r"config.json: num_experts_per_tok = 1 is not supported \(k > 1: this family renormalises"),
     ("sarvam_moe", lambda c: c.update(use_bias=True), r"config.json: use_bias = True is not supported \(no biases in Sarvam's projections"),
     ("sarvam_moe", lambda c: c.update(moe_router_enable_expert_bias=False), r"config.json: moe_router_enable_expert_bias = False is not supported"),
+    ("cohere2_moe", lambda c: c.update(shared_expert_combination_strategy="max"), r"config.json: shared_expert_combination_strategy = 'max' is not"),
+    ("cohere2_moe", lambda c: c.update(expert_selection_fn="relu"), r"config.json: expert_selection_fn = 'relu' is not supported \(softmax or sigmoid\)"),
+    ("cohere2", lambda c: c.update(logit_scale=0), r"config.json: logit_scale = 0 is not supported \(a positive number\)"),
+    ("cohere2", lambda c: c.update(attention_bias=True), r"config.json: attention_bias = True is not supported"),
     ("axk1", lambda c: c.update(q_lora_rank=None), r"config.json: q_lora_rank = None is not supported \(A.X-K1's queries always come from a latent\)"),
     ("laguna", lambda c: c.update(num_attention_heads_per_layer=[4, 8, 4]),
      r"config.json: num_attention_heads_per_layer = \[4, 8, 4\] is not supported \(one head count for the full layers and one for the sliding"),

@@ -883,6 +883,15 @@ def test_cohere_blocks_add_attention_and_mlp_of_one_layernorm():
         y, _ = block.mlp(layer_norm)
         got, _ = block(x, ctx.attention[0])
         torch.testing.assert_close(got, x + block.attn(layer_norm, ctx.attention[0]) + y)
+    # shared_scale: the shared experts' output scaled before it joins the routed one (Cohere 2 MoE's "average": 0.5)
+    half = Transformer(dataclasses.replace(cfg, shared_scale=0.5))
+    half.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        whole_y, _ = block.mlp(x)
+        half_y, _ = half.blocks[1].mlp(x)
+        torch.testing.assert_close(whole_y - half_y, 0.5 * block.mlp.shared(x))
+    with pytest.raises(ValueError, match="shared_scale: expected a positive finite number, got 0"):
+        dataclasses.replace(TINY, shared_scale=0)
     for overrides, message in ((dict(parallel_blocks=True, post_norms=True), "parallel_blocks: attention and MLP of one pre-norm's output"),
                                (dict(parallel_blocks=True, pre_norms=False), "parallel_blocks: attention and MLP of one pre-norm's output"),
                                (dict(parallel_blocks=True, moe_out_norm=True), "parallel_blocks: attention and MLP of one pre-norm's output"),
