@@ -10,7 +10,7 @@ exaone_moe, dots1, minimax_m2, granitemoe, granitemoeshared, granitemoe_swa, hun
 laguna, cohere2_moe, sarvam_moe, sarvam_mla, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, kimi_linear, ernie4_5_moe,
 mimo_v2_flash, lfm2_moe, mistral4, mistral3), and the dense
 DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
-glm4, ernie4_5, lfm2, cohere2: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
+glm4, ernie4_5, lfm2, cohere, cohere2: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: clipped qkv, ...;
 the fields a config.json leaves out read at transformers' defaults, Family.defaults, and a
 family's own names for the fields the shared mappings read as those, Family.aliases)
@@ -471,18 +471,26 @@ def _cohere_layer_types(hf: dict) -> dict:
                                                           for i in range(hf["num_hidden_layers"])])
 
 
-def _cohere_blocks(hf: dict) -> dict:
-    """Cohere's blocks (Command R7B, Command A): the attention and the MLP of one LayerNorm's
+def _cohere_blocks(hf: dict, *, rope_everywhere: bool = False) -> dict:
+    """Cohere's blocks (Command R, R7B, A): the attention and the MLP of one LayerNorm's
     output (without bias, layer_norm_eps) added together to the residual (parallel_blocks,
-    layer_norms), RoPE on interleaved pairs in the sliding layers only (the global ones NoPE),
-    the logits x logit_scale (logit_divisor); no attention biases here."""
+    layer_norms), RoPE on interleaved pairs in the sliding layers only (the global ones NoPE;
+    with rope_everywhere, Command R's, in every layer), the logits x logit_scale
+    (logit_divisor); no attention biases here."""
     _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in Cohere's attention here")
     scale = hf.get("logit_scale", 0.0625)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
         raise ValueError(f"config.json: logit_scale = {scale!r} is not supported (a positive number)")
-    nope = tuple(i for i, kind in enumerate(hf["layer_types"]) if kind != "sliding_attention")
+    nope = () if rope_everywhere else tuple(i for i, kind in enumerate(hf["layer_types"]) if kind != "sliding_attention")
     return dict(norm_eps=float(hf.get("layer_norm_eps", 1e-5)), parallel_blocks=True, layer_norms=True, rope_interleaved=True,
                 nope_layers=nope or None, logit_divisor=1 / scale)
+
+
+def _cohere(hf: dict) -> dict:
+    """Cohere (cohere, dense; Command R): Cohere's blocks (_cohere_blocks) with RoPE in every
+    layer and no sliding window; not its per-head q/k LayerNorms (use_qk_norm: Command R+'s)."""
+    _refuse(hf, "use_qk_norm", lambda v: not v, "no q/k norms: Command R+'s LayerNorm weights per head are not built")
+    return dict(_dense(hf), **_cohere_blocks(hf, rope_everywhere=True))
 
 
 def _cohere2(hf: dict) -> dict:
@@ -1549,7 +1557,7 @@ _MINISTRAL3_ROPE = dict(rope_type="yarn", rope_theta=1e6, factor=16.0, original_
                         mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1)
 # the dense families (no MoE block): fine-tuned as they are, or upcycled into an MoE (fmoe.train.upcycle)
 DENSE_FAMILIES = ("llama", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
-                  "phi3", "glm4", "ernie4_5", "lfm2", "cohere2")
+                  "phi3", "glm4", "ernie4_5", "lfm2", "cohere", "cohere2")
 FAMILIES = {
     "mixtral": Family(_mixtral, "block_sparse_moe", ("w1", "w3", "w2"), "MixtralForCausalLM",
                       defaults=dict(num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1e6)),
@@ -1696,6 +1704,8 @@ FAMILIES = {
                                      rope_parameters=dict(rope_type="default", rope_theta=500000.0))),
     "lfm2": Family(_lfm2, "feed_forward", _LFM2_MLP, "Lfm2ForCausalLM", **_LFM2),
     "smollm3": Family(_smollm3, "mlp", _PROJ, "SmolLM3ForCausalLM", defaults=dict(num_key_value_heads=4, rope_theta=2e6, tie_word_embeddings=True)),
+    "cohere": Family(_cohere, "mlp", _PROJ, "CohereForCausalLM", norms=("input_layernorm", ""),
+                     defaults=dict(tie_word_embeddings=True, rope_theta=500000.0)),
     "cohere2": Family(_cohere2, "mlp", _PROJ, "Cohere2ForCausalLM", norms=("input_layernorm", ""),
                       defaults=dict(tie_word_embeddings=True, sliding_window=4096)),
     "exaone4": Family(_exaone4, "mlp", _PROJ, "Exaone4ForCausalLM", defaults=dict(rms_norm_eps=1e-5, sliding_window=4096, num_key_value_heads=32)),
@@ -2589,10 +2599,11 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
                       use_sliding_window=cfg.window is not None, sliding_window=cfg.window, layer_types=_layer_types(cfg))
         elif model_type == "exaone4":  # without a window, every layer global (layer_types written: transformers divides by the pattern)
             hf.update(sliding_window=cfg.window, layer_types=_layer_types(cfg))
-        elif model_type == "cohere2":  # the LayerNorms' eps under their own name, the logits' scale
+        elif model_type in ("cohere", "cohere2"):  # the LayerNorms' eps under their own name, the logits' scale
             hf.pop("rms_norm_eps")
-            hf.update(sliding_window=cfg.window or 4096, layer_types=_layer_types(cfg), layer_norm_eps=cfg.norm_eps, logit_scale=1 / cfg.logit_divisor,
-                      attention_bias=False)
+            hf.update(layer_norm_eps=cfg.norm_eps, logit_scale=1 / cfg.logit_divisor, attention_bias=False)
+            if model_type == "cohere2":
+                hf.update(sliding_window=cfg.window or 4096, layer_types=_layer_types(cfg))
         elif model_type == "ernie4_5":
             hf.update(use_bias=False)
         elif model_type == "lfm2":  # the FFN's size as it is
