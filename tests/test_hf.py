@@ -1686,6 +1686,21 @@ def test_the_loop_upcycles_a_released_dense_model(tmp_path):
     assert run.returncode != 0 and "--upcycle_from: the data's 258 token ids do not fit the model's vocab_size 64" in run.stderr
 
 
+def test_the_loop_upcycles_a_released_cohere2_folder(tmp_path):
+    """--upcycle_from a Cohere 2 folder (Command A's blocks: the attention and the MLP of one
+    LayerNorm, RoPE in the sliding layers only, the logits scaled): the MoE made from it keeps
+    its parallel blocks, and the first step's logged loss is the dense model's own."""
+    config = transformers.Cohere2Config(**{**COMMON, "vocab_size": 260}, head_dim=8, intermediate_size=40, sliding_window=4, logit_scale=0.5,
+                                        layer_types=["sliding_attention", "full_attention", "sliding_attention"], bos_token_id=None,
+                                        eos_token_id=None, pad_token_id=None)
+    records, out, loss = _loop_from_folder(config, tmp_path, f"--upcycle_from={tmp_path / 'hf'}", "--model.n_dense=1", "--model.n_experts=4",
+                                           "--model.k=2", "--model.ffn_expert=20")
+    assert "4 experts, each a slice of 1/2 of its FFN" in out
+    assert records[0]["loss"] == pytest.approx(loss, rel=1e-5) and records[1]["loss"] != records[0]["loss"]
+    model = json.loads((tmp_path / "run" / "config.json").read_text())["config"]["model"]
+    assert model["parallel_blocks"] and model["layer_norms"] and model["nope_layers"] == [1]
+
+
 def test_the_loop_upcycles_a_released_olmo3_folder(tmp_path):
     """--upcycle_from an OLMo 3 folder: its post-norm blocks, sliding windows with plain RoPE
     beside YaRN in the full layer, kept in the MoE the knobs make (block 0 dense, then 4
