@@ -259,6 +259,8 @@ CASES = {
     "cp2xtp2-mla": (4, dict(cp=2, tp=2), MLA),
     # Laguna's (LAGUNA): each block's own query heads and their gate's columns split over tp
     "tp2-laguna": (2, dict(tp=2), LAGUNA),
+    # ...and across a context-parallel split: the window's block rotating its own channels at the ranks' global positions
+    "cp2-laguna": (2, dict(cp=2), LAGUNA),
     # Cohere's parallel blocks: one LayerNorm's token shard read by the attention and the MoE regions alike
     "tp2-cohere": (2, dict(tp=2), dict(parallel_blocks=True, layer_norms=True, window=5, window_layers=(1,), nope_layers=(0,),
                                        rope_interleaved=True)),
