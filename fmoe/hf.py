@@ -1104,9 +1104,8 @@ def _laguna(hf: dict) -> dict:
     none) attend over the sliding window, the others globally, each kind with its own plain
     RoPE (rope_parameters keyed by layer type: the full layers' base and partial rotary
     factor, rope_base and rope_dim, plain or YaRN; the sliding layers' plain RoPE,
-    local_rope_base and local_rope_dim)
-    and its own query heads (num_attention_heads_per_layer: one count for each kind, n_heads
-    and local_heads); per-head q/k norms; an output gate softplus(x g_proj) before o_proj,
+    local_rope_base and local_rope_dim) and its own query heads (num_attention_heads_per_layer:
+    one count for each kind, n_heads and local_heads); per-head q/k norms; an output gate softplus(x g_proj) before o_proj,
     one per head (gating true or "per-head") or per channel ("per-element"); dense and MoE
     blocks by mlp_layer_types (by default the first dense), MoE blocks routed on sigmoids of
     the logits soft-capped at moe_router_logit_softcapping (0: none), plus the correction
@@ -1144,7 +1143,8 @@ def _laguna(hf: dict) -> dict:
         elif rope_type != "default":
             raise ValueError(f"config.json: rope_parameters.{kind} = {p!r} is not supported (plain RoPE in each layer type, or YaRN in the "
                              "full layers)")
-        rope[kind] = (float(p.get("rope_theta", _LAGUNA_ROPE[kind]["rope_theta"])), _partial_rope(dict(partial_rotary_factor=p.get("partial_rotary_factor", 1.0)), D))
+        rotated = _partial_rope(dict(partial_rotary_factor=p.get("partial_rotary_factor", 1.0)), D)
+        rope[kind] = (float(p.get("rope_theta", _LAGUNA_ROPE[kind]["rope_theta"])), rotated)
     for kind in set(kinds) - set(rope):
         raise ValueError(f"config.json: rope_parameters has no {kind} entry for the {kind} layers")
     full, sliding = rope.get("full_attention"), rope.get("sliding_attention")

@@ -550,7 +550,8 @@ class TransformerConfig:
             raise ValueError("value_scale: scales grouped-query attention's values, not multi-latent attention's")
         if self.sink_layers is not None and not self.attn_sinks:
             raise ValueError("sink_layers: the blocks with attention sinks, needs attn_sinks")
-        for name in ("pre_norms", "post_norms", "moe_out_norm", "parallel_blocks", "layer_norms", "nope_qk_norm", "route_on_input", "attn_gate", "zero_centered_norms"):
+        for name in ("pre_norms", "post_norms", "moe_out_norm", "parallel_blocks", "layer_norms", "nope_qk_norm", "route_on_input", "attn_gate",
+                     "zero_centered_norms"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         if self.fp8_layers is not None and self.fp8 is not True:
