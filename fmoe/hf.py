@@ -487,10 +487,11 @@ def _cohere_blocks(hf: dict, *, rope_everywhere: bool = False) -> dict:
 
 
 def _cohere(hf: dict) -> dict:
-    """Cohere (cohere, dense; Command R): Cohere's blocks (_cohere_blocks) with RoPE in every
-    layer and no sliding window; not its per-head q/k LayerNorms (use_qk_norm: Command R+'s)."""
-    _refuse(hf, "use_qk_norm", lambda v: not v, "no q/k norms: Command R+'s LayerNorm weights per head are not built")
-    return dict(_dense(hf), **_cohere_blocks(hf, rope_everywhere=True))
+    """Cohere (cohere, dense; Command R, R+): Cohere's blocks (_cohere_blocks) with RoPE in every
+    layer and no sliding window; with use_qk_norm (Command R+) a LayerNorm without bias on
+    each head's queries and keys before RoPE, each head with its own weights (qk_norm
+    "head_layer")."""
+    return dict(_dense(hf), **_cohere_blocks(hf, rope_everywhere=True), qk_norm="head_layer" if hf.get("use_qk_norm") else None)
 
 
 def _cohere2(hf: dict) -> dict:
@@ -1871,7 +1872,7 @@ def _attention_keys(family: Family, cfg: TransformerConfig, p: str, q: str, rope
         out[q + "attn.wg"] = Tensor((attn + "q_proj.weight",), transpose=True, chunk=(1, (1, 1)), groups=cfg.heads(layer))
     elif cfg.attn_gate:  # gated attention's own gate module (AFMoE's gate_proj, Laguna's g_proj)
         out[q + "attn.wg"] = Tensor((attn + family.gate_proj + ".weight",), transpose=True)
-    if cfg.qk_norm in ("head", "proj") and (rope or cfg.nope_qk_norm):  # weighted norms ("rms" has none)
+    if cfg.qk_norm in ("head", "proj", "head_layer") and (rope or cfg.nope_qk_norm):  # weighted norms ("rms" has none)
         out[q + "attn.q_norm"] = Tensor((attn + family.qk_norms[0] + ".weight",))
         out[q + "attn.k_norm"] = Tensor((attn + family.qk_norms[1] + ".weight",))
     return out
@@ -2602,6 +2603,8 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
         elif model_type in ("cohere", "cohere2"):  # the LayerNorms' eps under their own name, the logits' scale
             hf.pop("rms_norm_eps")
             hf.update(layer_norm_eps=cfg.norm_eps, logit_scale=1 / cfg.logit_divisor, attention_bias=False)
+            if model_type == "cohere":
+                hf.update(use_qk_norm=cfg.qk_norm == "head_layer")
             if model_type == "cohere2":
                 hf.update(sliding_window=cfg.window or 4096, layer_types=_layer_types(cfg))
         elif model_type == "ernie4_5":

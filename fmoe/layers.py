@@ -372,6 +372,7 @@ def moe(
 
 
 GATE_ACTS = ("sigmoid", "softplus")  # gated attention's gate activations (AttentionConfig.gate_act)
+QK_NORMS = (None, "head", "proj", "rms", "head_layer")  # AttentionConfig.qk_norm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -386,7 +387,9 @@ class AttentionConfig:
     and the mscale pair (the softmax scale uses yarn_mscale_all_dim). qk_norm: RMSNorm of the queries and keys before RoPE, None, "head"
     (over each head's D channels, weights q_norm / k_norm [D]: Qwen3, GLM-4.5) or "proj"
     (over the whole projection, q_norm [N D], k_norm [G D]: OLMoE) or "rms" (over each
-    head's D channels without weights: x / sqrt(mean(x^2) + eps), Llama 4's L2Norm), with eps
+    head's D channels without weights: x / sqrt(mean(x^2) + eps), Llama 4's L2Norm) or
+    "head_layer" (a LayerNorm without bias over each head's D channels, each head with its own
+    weights: q_norm [N, D], k_norm [G, D]; Cohere's Command R+), with eps
     norm_eps; qk_norm_after_rope: the per-head norms after RoPE instead (Hunyuan, Llama 4).
     impl: "auto" (FlexAttention on CUDA, the SDPA reference on CPU), "flex", "torch"; the
     RoPE op follows "auto" / "torch". window: sliding-window attention, a query attends to
@@ -543,8 +546,10 @@ class AttentionConfig:
             raise ValueError(f"qk_norm_after_rope: needs per-head norms (qk_norm 'head' or 'rms'), got qk_norm={self.qk_norm!r}")
         if self.scale is not None and (isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) or not 0 < self.scale < math.inf):
             raise ValueError(f"scale: expected None or a positive finite number, got {self.scale!r}")
-        if self.qk_norm not in (None, "head", "proj", "rms"):
-            raise ValueError(f"qk_norm: expected None, 'head', 'proj' or 'rms', got {self.qk_norm!r}")
+        if self.qk_norm not in QK_NORMS:
+            raise ValueError(f"qk_norm: expected None, 'head', 'proj', 'rms' or 'head_layer', got {self.qk_norm!r}")
+        if self.qk_norm == "head_layer" and self.zero_centered_norms:
+            raise ValueError("zero_centered_norms: a gain of 1 + weight in RMSNorms, not in the LayerNorms of qk_norm 'head_layer'")
         check_window(self.window)
         if self.chunk is not None:
             check_positive_int("chunk", self.chunk)
@@ -1086,9 +1091,10 @@ def _check_attention(x_TH, params, cfg, ctx) -> None:
         _check_ctx(ctx, T, cfg.rot_dim)
         return
     optional = {"bq": (N * D,), "bk": (G * D,), "bv": (G * (cfg.v_dim or D),)}
-    weighted = cfg.qk_norm in ("head", "proj")  # "rms" has no weights
+    weighted = cfg.qk_norm in ("head", "proj", "head_layer")  # "rms" has no weights
     if weighted:
-        optional.update(q_norm=(D,) if cfg.qk_norm == "head" else (N * D,), k_norm=(D,) if cfg.qk_norm == "head" else (G * D,))
+        optional.update(dict(head=dict(q_norm=(D,), k_norm=(D,)), proj=dict(q_norm=(N * D,), k_norm=(G * D,)),
+                             head_layer=dict(q_norm=(N, D), k_norm=(G, D)))[cfg.qk_norm])
     for name in ("q_norm", "k_norm"):
         if (params.get(name) is not None) != weighted:
             raise ValueError(f"params['{name}']: expected {'a weight' if weighted else 'none'} with cfg.qk_norm = {cfg.qk_norm!r}")
@@ -1387,6 +1393,14 @@ def _attention_with_sinks(q_NTD, k_GTD, v_GTD, mask_TS, scale: float, sinks_N):
     return (probs_NTS @ v_GTD.float().repeat_interleave(N // G, dim=0)).to(q_NTD.dtype)
 
 
+def _head_layer_norm(x_THD: torch.Tensor, weight_HD: torch.Tensor, eps: float) -> torch.Tensor:
+    """A LayerNorm without bias over each head's last dim, weight_HD [heads, D] each head's own;
+    statistics in float32, the result in x's dtype."""
+    x32 = x_THD.float()
+    x32 = x32 - x32.mean(-1, keepdim=True)
+    return (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + eps) * weight_HD.float()).to(x_THD.dtype)
+
+
 def _gated(out_TQ: torch.Tensor, gate_TG: torch.Tensor, cfg: AttentionConfig) -> torch.Tensor:
     """The attention output [T, N Dv] times cfg.gate_act of the gate's pre-activations
     gate_TG ([T, N Dv] channel by channel, [T, N] with cfg.gate_per_head: each head's Dv
@@ -1419,6 +1433,8 @@ def _gqa_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext, heads_mean=
         q_TQ, k_TK = (_rms_norm(t, params[n], cfg.norm_eps, m, zero_centered=cfg.zero_centered_norms)
                       for t, n, m in zip((q_TQ, k_TK), ("q_norm", "k_norm"), ms))
     q_TND, k_TGD = rearrange(q_TQ, "t (n d) -> t n d", n=N), rearrange(k_TK, "t (g d) -> t g d", g=G)
+    if cfg.qk_norm == "head_layer":  # a LayerNorm per head, each head its own weights (Cohere's), before RoPE
+        q_TND, k_TGD = (_head_layer_norm(t, params[name], cfg.norm_eps) for t, name in ((q_TND, "q_norm"), (k_TGD, "k_norm")))
     # over each head's channels: before RoPE (Qwen3, GLM-4.5) or after (Hunyuan, Llama 4's weightless "rms")
     head_norm = cfg.qk_norm in ("head", "rms")
 

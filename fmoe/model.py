@@ -280,7 +280,7 @@ class TransformerConfig:
     expert_bias (aux-loss-free balancing: a bias on the sigmoids, or softmax's probabilities, for the choice only), capacity_factor with
     capacity_policy ("probs" | "position"), route_on_input (the weights scale each expert's
     input, not its output: Llama 4; fmoe.layers.MoEConfig.weights_on_input). Attention:
-    n_heads/n_kv_heads of head_dim, qkv_bias, qk_norm (None | "head" | "proj" | "rms",
+    n_heads/n_kv_heads of head_dim, qkv_bias, qk_norm (None | "head" | "proj" | "rms" | "head_layer",
     fmoe.layers.AttentionConfig; qk_norm_after_rope: the per-head norms after RoPE, Hunyuan,
     Llama 4; nope_qk_norm=False: none in the NoPE blocks, Llama 4), rope_base, rope_dim (rotated
     channels per head, None: all), rope_interleaved, yarn_factor (None: plain RoPE) with
@@ -802,10 +802,9 @@ class Attention(nn.Module):
         if cfg.qkv_bias:  # zero at initialisation (Transformer.reset_parameters)
             self.bq, self.bk, self.bv = (nn.Parameter(torch.empty(n)) for n in (q, kv, G * Dv))
             self.names += ["bq", "bk", "bv"]
-        if self.cfg.qk_norm in ("head", "proj"):  # one at initialisation ("rms" has no weights)
-            head = self.cfg.qk_norm == "head"
-            self.q_norm = nn.Parameter(torch.ones(cfg.head_dim if head else q))
-            self.k_norm = nn.Parameter(torch.ones(cfg.head_dim if head else kv))
+        if self.cfg.qk_norm in ("head", "proj", "head_layer"):  # one at initialisation ("rms" has no weights)
+            shapes = dict(head=((cfg.head_dim,), (cfg.head_dim,)), proj=((q,), (kv,)), head_layer=((N, cfg.head_dim), (G, cfg.head_dim)))
+            self.q_norm, self.k_norm = (nn.Parameter(torch.ones(shape)) for shape in shapes[self.cfg.qk_norm])
             self.names += ["q_norm", "k_norm"]
         self._extras(cfg, sinks)
 

@@ -466,6 +466,27 @@ def test_laguna_attention_knobs_gate_per_head_and_rotate_the_local_layers_own_ch
     torch.testing.assert_close(attention(x, p, wide, ctx)[0], attention(x, p, whole, _ctx(cu, whole))[0])
 
 
+def test_head_layer_qk_norms_are_a_layernorm_per_head_with_its_own_weights():
+    """qk_norm "head_layer" (Command R+'s): a LayerNorm without bias over each head's queries and
+    keys before RoPE, each head with its own weights q_norm [N, D], k_norm [G, D]."""
+    p, x, cu = _params(CFG), torch.randn(6, H), torch.tensor([0, 6])
+    cohere = dataclasses.replace(CFG, qk_norm="head_layer")
+    q_norm, k_norm = 1 + 0.3 * torch.randn(4, 16), 1 + 0.3 * torch.randn(2, 16)
+    plain = dataclasses.replace(CFG, rope=False)
+    got = attention(x, dict(p, q_norm=q_norm, k_norm=k_norm), dataclasses.replace(cohere, rope=False), _ctx(cu, plain))[0]
+    # by hand: the normed q and k from the projections, then the plain attention on them (wq, wk folded away)
+    q, k = (x @ p["wq"]).view(6, 4, 16), (x @ p["wk"]).view(6, 2, 16)
+    q, k = (torch.nn.functional.layer_norm(t, (16,), eps=CFG.norm_eps) * w for t, w in ((q, q_norm), (k, k_norm)))
+    scores = torch.einsum("tnd,snd->nts", q, k.repeat_interleave(2, dim=1)) / 4.0
+    probs = scores.masked_fill(~torch.ones(6, 6, dtype=torch.bool).tril(), float("-inf")).softmax(-1)
+    want = torch.einsum("nts,snd->tnd", probs, (x @ p["wv"]).view(6, 2, 16).repeat_interleave(2, dim=1)).reshape(6, 64) @ p["wo"]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match=r"params\['q_norm'\]: expected \[4, 16\], got \[16\]"):
+        attention(x, dict(p, q_norm=torch.ones(16), k_norm=k_norm), cohere, _ctx(cu, cohere))
+    with pytest.raises(ValueError, match=r"zero_centered_norms: a gain of 1 \+ weight in RMSNorms, not in the LayerNorms of qk_norm 'head_layer'"):
+        dataclasses.replace(cohere, zero_centered_norms=True)
+
+
 def _block_sets(bm):
     """(visited-but-masked, full) [n_q_blocks, n_kv_blocks] bool of a BlockMask (B = H = 1)."""
     out = []

@@ -286,9 +286,10 @@ FAMILIES = {
     # layer 0 dense) with an RMSNorm on each MoE block's output
     # Cohere 2 (Command R7B, Command A): parallel blocks of one bias-free LayerNorm, layers 0 and 2 over a 4-token window with
     # RoPE on interleaved pairs, layer 1 global without RoPE, the logits x 0.25, tied embeddings
-    # Cohere (Command R): the same blocks with RoPE in every layer, no window; the logits x 0.5
-    "cohere": lambda: transformers.CohereConfig(**COMMON, intermediate_size=40, logit_scale=0.5, bos_token_id=None, eos_token_id=None,
-                                                pad_token_id=None),
+    # Cohere (Command R+): the same blocks with RoPE in every layer, no window, a LayerNorm per head on the queries and
+    # keys, each head's own weights (use_qk_norm); the logits x 0.5
+    "cohere": lambda: transformers.CohereConfig(**COMMON, intermediate_size=40, logit_scale=0.5, use_qk_norm=True, bos_token_id=None,
+                                                eos_token_id=None, pad_token_id=None),
     "cohere2": lambda: transformers.Cohere2Config(**COMMON, head_dim=8, intermediate_size=40, sliding_window=4, logit_scale=0.25,
                                                   layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                                                   bos_token_id=None, eos_token_id=None, pad_token_id=None),
@@ -1450,7 +1451,6 @@ BAD_CONFIGS = [
     ("sarvam_moe", lambda c: c.update(moe_router_enable_expert_bias=False), r"config.json: moe_router_enable_expert_bias = False is not supported"),
     ("cohere2_moe", lambda c: c.update(shared_expert_combination_strategy="max"), r"config.json: shared_expert_combination_strategy = 'max' is not"),
     ("cohere2_moe", lambda c: c.update(expert_selection_fn="relu"), r"config.json: expert_selection_fn = 'relu' is not supported \(softmax or sigmoid\)"),
-    ("cohere", lambda c: c.update(use_qk_norm=True), r"config.json: use_qk_norm = True is not supported \(no q/k norms"),
     ("cohere2", lambda c: c.update(logit_scale=0), r"config.json: logit_scale = 0 is not supported \(a positive number\)"),
     ("cohere2", lambda c: c.update(attention_bias=True), r"config.json: attention_bias = True is not supported"),
     ("axk1", lambda c: c.update(q_lora_rank=None), r"config.json: q_lora_rank = None is not supported \(A.X-K1's queries always come from a latent\)"),

@@ -55,9 +55,10 @@ VARIANTS = {
                                        n_groups=2, topk_groups=1, group_score_topk=2, mtp_depth=1),
     "sandwich norms": dataclasses.replace(TINY, post_norms=True),
     # Cohere's: parallel blocks of one bias-free LayerNorm (the final and the MTP norms LayerNorms too), blocks 0 and 2
-    # over a window with RoPE on interleaved pairs, block 1 global without RoPE, the logits scaled
+    # over a window with RoPE on interleaved pairs, block 1 global without RoPE, the logits scaled; Command R+'s q/k
+    # LayerNorms, each head its own weights
     "cohere": dataclasses.replace(TINY, parallel_blocks=True, layer_norms=True, window=4, window_layers=(0, 2), nope_layers=(1,),
-                                  rope_interleaved=True, logit_divisor=4.0, mtp_depth=1),
+                                  rope_interleaved=True, logit_divisor=4.0, qk_norm="head_layer", mtp_depth=1),
     # A.X-K1's: a norm on the MoE blocks' output only (blocks 1 and 2, and the MTP block's), none on the dense block's or the attention's
     "moe out norm": dataclasses.replace(TINY, moe_out_norm=True, mtp_depth=1),
     # LFM2's blocks: gated short convolutions (3 taps over the 32 channels, 8 heads of 4) in blocks 0 and 1, per-head q/k norms

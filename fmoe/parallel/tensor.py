@@ -303,7 +303,8 @@ class AttentionParallel(_HeadsRegion):
 
     Grouped-query attention: wq, wk, wv Shard(1), wo Shard(0); the biases bq, bk, bv
     Shard(0) with their columns; qk_norm="head" weights [D] replicated (HeadShard.weight),
-    qk_norm="proj" weights Shard(0), their mean square averaged over tp (HeadShard.mean).
+    qk_norm="proj" weights Shard(0), their mean square averaged over tp (HeadShard.mean);
+    qk_norm="head_layer" weights [heads, D] Shard(0) with their heads.
     Multi-latent attention: the per-head up projections wq (or wq_b) and wkv_b Shard(1), wo
     Shard(0); the latent down projections wq_a, wkv_a and the norms kv_a_norm, q_a_norm
     replicated (each rank computes the latents of all T tokens, HeadShard.weight). Either
@@ -321,7 +322,7 @@ class AttentionParallel(_HeadsRegion):
             dims["sinks"] = 0
         if getattr(module, "wg", None) is not None:  # the output gate: its columns with their heads
             dims["wg"] = 1
-        if cfg.qk_norm == "proj":  # never with multi-latent attention
+        if cfg.qk_norm in ("proj", "head_layer"):  # never with multi-latent attention; Cohere's [heads, D] with their heads
             dims.update(q_norm=0, k_norm=0)
         return dims
 

@@ -261,9 +261,10 @@ CASES = {
     "tp2-laguna": (2, dict(tp=2), LAGUNA),
     # ...and across a context-parallel split: the window's block rotating its own channels at the ranks' global positions
     "cp2-laguna": (2, dict(cp=2), LAGUNA),
-    # Cohere's parallel blocks: one LayerNorm's token shard read by the attention and the MoE regions alike
+    # Cohere's parallel blocks: one LayerNorm's token shard read by the attention and the MoE regions alike; the q/k
+    # LayerNorms' weights [heads, D] split with their heads
     "tp2-cohere": (2, dict(tp=2), dict(parallel_blocks=True, layer_norms=True, window=5, window_layers=(1,), nope_layers=(0,),
-                                       rope_interleaved=True)),
+                                       rope_interleaved=True, qk_norm="head_layer")),  # Command R+'s q/k norms with their heads
     # DeepSeek sparse attention (DSA) with its indexer's loss under FSDP2 and EP: the ranks' indexer
     # gradients add up to one process's
     "ep2-dsa": (2, dict(ep=2), DSA),
