@@ -7,7 +7,7 @@ A folder holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). Supported `model_type`s: FAMILIES (mixtral, qwen2_moe,
 qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, axk1, kimi_k2, kimi_k25, deepseek_v2, deepseek_v32, glm_moe_dsa, glm4_moe_lite, gpt_oss, solar_open,
 exaone_moe, dots1, minimax_m2, granitemoe, granitemoeshared, granitemoe_swa, hunyuan_v1_moe, llama4_text, llama4, afmoe,
-laguna, cohere2_moe, sarvam_moe, sarvam_mla, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, kimi_linear, ernie4_5_moe,
+laguna, cohere2_moe, sarvam_moe, sarvam_mla, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
 mimo_v2_flash, lfm2_moe, mistral4, mistral3), and the dense
 DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
 glm4, ernie4_5, lfm2, cohere, cohere2: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
@@ -1220,6 +1220,22 @@ def _qwen3_5_moe(hf: dict) -> dict:
     return FAMILIES["qwen3_5_moe_text"].kwargs(dict(_text_config(hf), model_type="qwen3_5_moe_text"))
 
 
+def _text_part(text: dict, field: str):
+    """ERNIE-4.5-VL's per-modality field ([text, vision], or one value for both): the text experts'."""
+    value = text.get(field)
+    return value[0] if isinstance(value, (list, tuple)) else value
+
+
+def _ernie_vl_placement(text: dict) -> dict:
+    """ERNIE-4.5-VL's MoE blocks (mlp_layer_types; by default all but the first) as ERNIE 4.5
+    MoE's placement fields, or a ValueError where those cannot say them."""
+    n = text["num_hidden_layers"]
+    kinds = text.get("mlp_layer_types") or ["dense"] + ["sparse"] * (n - 1)
+    if len(kinds) != n or set(kinds) - {"dense", "sparse"}:
+        raise ValueError(f"config.json: mlp_layer_types = {kinds!r} is not supported (one of dense / sparse per layer)")
+    return _ernie_moe_layers(n, [i for i, kind in enumerate(kinds) if kind == "sparse"], strict=True)
+
+
 def _whole_heads(text: dict) -> int:
     """A text config's head dim as an attention that reads no head_dim makes it: hidden_size / heads."""
     return text["hidden_size"] // text["num_attention_heads"]
@@ -1241,6 +1257,13 @@ _MULTIMODAL = {
               dict(attention_bias=True, head_dim=_whole_heads)),
     "glm46v": (None, dict(tie_word_embeddings=False), dict(vocab_size=151552, rms_norm_eps=1e-5, partial_rotary_factor=1.0),
                dict(attention_bias=True, head_dim=_whole_heads)),
+    # ERNIE-4.5-VL: ERNIE 4.5 MoE's text model, its text experts' size the first of moe_intermediate_size's [text, vision],
+    # its MoE blocks by mlp_layer_types (by default all but the first) in ERNIE 4.5 MoE's placement fields
+    "ernie4_5_vl_moe": (None, dict(tie_word_embeddings=True), dict(moe_intermediate_size=[1536, 512], rms_norm_eps=1e-5),
+                        dict(moe_intermediate_size=lambda t: _text_part(t, "moe_intermediate_size"),
+                             moe_num_experts=lambda t: _text_part(t, "moe_num_experts"),
+                             **{name: (lambda t, name=name: _ernie_vl_placement(t)[name])
+                                for name in ("moe_layer_start_index", "moe_layer_end_index", "moe_layer_interval")})),
 }
 
 
@@ -1383,7 +1406,9 @@ class Tensor:
     holds n equal groups one after the other, each cut into those runs, and the chunk is the
     i-th run of every group, in group order (Qwen3-Next's in_proj_qkvz: per key head its
     q, k, v and z rows; its gated attention's q_proj: per head its query's D rows, then its
-    gate's). `transpose` swaps the last two dims (a stack [E, out, in] too)."""
+    gate's). `transpose` swaps the last two dims (a stack [E, out, in] too). `row`: the index of
+    stored dim 0 to read, a dim fmoe's parameter leaves out (ERNIE-4.5-VL's [2, E] correction
+    bias, one row per modality: the text row 0); such a parameter is read, never written."""
 
     keys: tuple[str, ...]
     transpose: bool = False
@@ -1392,15 +1417,20 @@ class Tensor:
     part: Optional[tuple[int, int]] = None
     chunk: Optional[tuple[int, tuple[int, ...]]] = None
     groups: int = 1
+    row: Optional[int] = None
 
 
 def _units(spec: Tensor) -> tuple[int, ...]:
-    """Tensor.unit as a sorted tuple of stored dims (none, one, or several: Kimi Linear's A_log [1, 1, N, 1])."""
-    return () if spec.unit is None else (spec.unit,) if isinstance(spec.unit, int) else tuple(sorted(spec.unit))
+    """Tensor.unit as a sorted tuple of stored dims (none, one, or several: Kimi Linear's A_log [1, 1, N, 1]), and
+    Tensor.row's dim 0: the stored dims fmoe's parameter leaves out."""
+    units = () if spec.unit is None else (spec.unit,) if isinstance(spec.unit, int) else tuple(sorted(spec.unit))
+    return units if spec.row is None else tuple(sorted({0, *units}))
 
 
 def _with_units(spec: Tensor, t: torch.Tensor) -> torch.Tensor:
     """t (fmoe's layout) with Tensor.unit's dims of size 1 put back, as stored."""
+    if spec.row is not None:
+        raise ValueError(f"model: {spec.keys[0]} holds other rows than the one read (Tensor.row), so it is not written")
     for u in _units(spec):
         t = t.unsqueeze(u)
     return t
@@ -1499,6 +1529,9 @@ class Family:
     ignored: tuple[str, ...] = ()
     # folders without the routing correction bias route without one (A.X-K1's released ones): the expert bias reads as zero
     correction_bias_optional: bool = False
+    # the correction bias as row i of a stored [modalities, E] (ERNIE-4.5-VL's [2, E]: the text row 0)
+    correction_bias_row: Optional[int] = None
+    router_transposed: bool = False  # the router's weight stored [H, E] (ERNIE-4.5-VL's), not as a linear weight [E, H]
 
     def renamed(self, key: str) -> str:
         """key (as the family's own models name it) in the family's folders (prefix)."""
@@ -1663,6 +1696,12 @@ FAMILIES = {
     "kimi_linear": Family(_kimi_linear, "block_sparse_moe", ("w1", "w3", "w2"), "KimiLinearForCausalLM", "shared_experts", linear="kda",
                           dense_too="block_sparse_moe", aliases=_KIMI_LINEAR_ALIASES, defaults=_KIMI_LINEAR_DEFAULTS),
     # ERNIE 4.5 (21B-A3B, 300B-A47B): its MTP layers (model.mtp_*) are not read, as in transformers
+    # ERNIE-4.5-VL: ERNIE 4.5 MoE's text model, its router stored [H, E], its correction bias a row of [2, E], its text experts
+    # those of the first half of the indices (the vision ones, their router weight_1 and the vision model left unread)
+    "ernie4_5_vl_moe": Family(_multimodal, "mlp", _PROJ, "Ernie4_5_VLMoeForConditionalGeneration", "shared_experts",
+                              correction_bias="moe_statics.e_score_correction_bias", correction_bias_row=0, router_transposed=True,
+                              not_read=("model.vision_model.", "model.resampler_model."), ignored=(r"\.mlp\.experts\.\d+\.", r"\.mlp\.gate\.weight_1$"),
+                              written_as="ernie4_5_moe"),
     "ernie4_5_moe": Family(_ernie4_5_moe, "mlp", _PROJ, "Ernie4_5_MoeForCausalLM", "shared_experts", correction_bias="moe_statics.e_score_correction_bias",
                            correction_bias_unit=0, not_read=("model.mtp_",), aliases=dict(num_experts_per_tok="moe_k"),
                            defaults=dict(num_key_value_heads=4, rms_norm_eps=1e-5, tie_word_embeddings=True, intermediate_size=12288,
@@ -1783,7 +1822,7 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
         out[q + "mlp_post_norm.weight"] = Tensor((p + family.moe_out_norm + ".weight",))
     mlp = p + family.moe + "."
     if moe:
-        out[q + "mlp.router"] = Tensor((mlp + family.router,))
+        out[q + "mlp.router"] = Tensor((mlp + family.router,), transpose=family.router_transposed)
         if cfg.router_bias:  # gpt-oss: the router module's bias
             out[q + "mlp.router_bias"] = Tensor((mlp + family.router.removesuffix("weight") + "bias",))
     if moe and family.fused:  # the experts' stacks (Family.fused), each bias beside its stack (gpt-oss)
@@ -1805,7 +1844,7 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
             out[q + "mlp.experts." + ours] = Tensor(tuple(f"{mlp}experts.{e}.{theirs}.weight" for e in range(cfg.n_experts)),
                                                     transpose=True, stacked=True)
     if moe and cfg.expert_bias:  # HF's e_score_correction_bias: fmoe's expert_bias buffer, whatever the experts' layout
-        out[q + "mlp.expert_bias"] = Tensor((mlp + family.correction_bias,), unit=family.correction_bias_unit)
+        out[q + "mlp.expert_bias"] = Tensor((mlp + family.correction_bias,), unit=family.correction_bias_unit, row=family.correction_bias_row)
     if moe and cfg.shared_size and family.shared_beside:  # Granite: [2Fs, H] gate then up, [H, Fs], beside the MoE block
         shared = p + family.shared + "."
         out[q + "mlp.shared.w_gate"] = Tensor((shared + "input_linear.weight",), transpose=True, chunk=(0, (1, 1)))
@@ -2171,8 +2210,9 @@ def load_weights(model: Transformer, path, *, model_type: str, strict: bool = Tr
                     else:
                         offset = _run(spec.chunk, stored_dim)[0]
                         index = (*index[:d], slice(index[d].start + offset, index[d].stop + offset), *index[d + 1:])
-                for u in _units(spec):  # ascending: each a stored dim
-                    index = (*index[:u], slice(0, 1), *index[u:])
+                for u in _units(spec):  # ascending: each a stored dim (Tensor.row's dim 0: its row)
+                    at = spec.row if spec.row is not None and u == 0 else 0
+                    index = (*index[:u], slice(at, at + 1), *index[u:])
                 return index
 
             def as_ours(t: torch.Tensor, ours: tuple[slice, ...]) -> torch.Tensor:
@@ -2516,7 +2556,7 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
     elif model_type == "ernie4_5_moe":
         hf.pop("num_experts_per_tok")
         hf.update(moe_num_experts=cfg.n_experts, moe_k=cfg.k, moe_intermediate_size=cfg.ffn_expert, intermediate_size=cfg.ffn_dense,
-                  moe_num_shared_experts=cfg.n_shared, use_bias=False, moe_norm_min=1e-12, **_ernie_moe_layers(cfg, moe))
+                  moe_num_shared_experts=cfg.n_shared, use_bias=False, moe_norm_min=1e-12, **_ernie_moe_layers(cfg.n_layers, moe))
     elif model_type == "solar_open":  # no dense blocks, no MTP: those fields are not Solar Open's
         moe_fields = _deepseek_moe_config(cfg)
         hf.update({k: v for k, v in moe_fields.items() if k not in ("intermediate_size", "first_k_dense_replace", "num_nextn_predict_layers")},
@@ -2671,14 +2711,17 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
     return hf
 
 
-def _ernie_moe_layers(cfg: TransformerConfig, moe: list[int]) -> dict:
+def _ernie_moe_layers(n_layers: int, moe: list[int], *, strict: bool = False) -> dict:
     """ERNIE 4.5's placement of the MoE blocks (every interval-th block from start to end)
-    that gives `moe`, the smallest interval that does; where none does, the contiguous run's
-    fields, which config_mismatch then reports as a mismatch of the MoE layers."""
-    start, end = (moe[0], moe[-1]) if moe else (cfg.n_layers, cfg.n_layers - 1)
-    for step in range(1, cfg.n_layers + 1):
-        if [i for i in range(cfg.n_layers) if (i + 1) % step == 0 and start <= i <= end] == moe:
+    that gives `moe` of n_layers blocks, the smallest interval that does; where none does, the
+    contiguous run's fields, which config_mismatch then reports as a mismatch of the MoE
+    layers (strict: a ValueError)."""
+    start, end = (moe[0], moe[-1]) if moe else (n_layers, n_layers - 1)
+    for step in range(1, n_layers + 1):
+        if [i for i in range(n_layers) if (i + 1) % step == 0 and start <= i <= end] == moe:
             return dict(moe_layer_start_index=start, moe_layer_end_index=end, moe_layer_interval=step)
+    if strict:
+        raise ValueError(f"config.json: MoE blocks {moe} are not supported (every interval-th block from a start to an end, ERNIE 4.5's)")
     return dict(moe_layer_start_index=start, moe_layer_end_index=end, moe_layer_interval=1)
 
 

@@ -1315,6 +1315,42 @@ def test_a_released_glm4v_folder_loads_its_dense_text_model(kind, tmp_path):
         assert "mrope_section" not in written["rope_parameters"]
 
 
+def test_a_released_ernie4_5_vl_moe_folder_loads_its_text_model(tmp_path):
+    """An ernie4_5_vl_moe folder (ERNIE-4.5-VL-28B-A3B, -424B-A47B): ERNIE 4.5 MoE's text model
+    with modality-isolated experts (the first half of each block's experts the text ones, the
+    rest and their router weight_1 the vision ones), the router stored [H, E], the correction
+    bias a [2, E] of one row per modality, and 3-D RoPE that text positions make ERNIE 4.5's
+    interleaved RoPE. It loads with transformers' logits of a text-only forward, the vision
+    experts, the vision model and the resampler neither read nor counted as unread; it is not
+    written back without them, and writes as ernie4_5_moe, which transformers loads with the
+    same logits and fmoe reads back exactly."""
+    from safetensors import safe_open
+
+    text = dict(vocab_size=V, hidden_size=32, intermediate_size=40, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                moe_intermediate_size=[8, 12], moe_num_experts=4, moe_k=2, moe_num_shared_experts=1,
+                rope_parameters=dict(rope_type="default", rope_theta=1e4, mrope_section=[1, 1, 2]))
+    vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, patch_size=2, temporal_patch_size=1, spatial_merge_size=1)
+    torch.manual_seed(0)
+    ref = _randomised(transformers.Ernie4_5_VLMoeForConditionalGeneration(transformers.Ernie4_5_VLMoeConfig(text_config=text, vision_config=vision)))
+    with torch.no_grad():
+        for name, b in ref.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.2 * torch.randn_like(b))
+    ref.save_pretrained(tmp_path / "vl")
+    docs = _packed()[0]
+    with torch.no_grad():
+        theirs = torch.cat([ref(input_ids=d[None]).logits[0] for d in docs])
+    model, cfg, written = _text_model_round_trip(tmp_path / "vl", theirs, tmp_path / "text", kind="ernie4_5_vl_moe", prefix="model.",
+                                                 head="lm_head.weight", text_kind="ernie4_5_moe")
+    assert (cfg.moe_layers, cfg.ffn_expert, cfg.n_experts, cfg.shared_size, cfg.tie_embeddings, cfg.rope_interleaved) == ((1, 2), 8, 4, 8, True, True)
+    with safe_open(tmp_path / "vl" / "model.safetensors", "pt") as f:
+        bias, router = f.get_tensor("model.layers.1.mlp.moe_statics.e_score_correction_bias"), f.get_tensor("model.layers.1.mlp.gate.weight")
+    assert torch.equal(model.blocks[1].mlp.expert_bias, bias[0]) and torch.equal(model.blocks[1].mlp.router, router.t())
+    assert (written["moe_intermediate_size"], written["moe_layer_start_index"], written["moe_layer_end_index"]) == (8, 1, 2)
+    with pytest.raises(ValueError, match=r"config.json: MoE blocks \[0, 2\] are not supported \(every interval-th block"):
+        hf.read_config(_edit(tmp_path / "vl", tmp_path / "bad", lambda c: c["text_config"].update(mlp_layer_types=["sparse", "dense", "sparse"])))
+
+
 def test_qwen3_vl_moe_stacks_are_told_apart_by_their_shapes(tmp_path):
     """Where 2F = H, a gate_up_proj stack has one shape either way: the down_proj's tells them
     apart ([E, H, F] as transformers writes it, [E, F, H] as released), so fmoe reads the
