@@ -1083,6 +1083,19 @@ def _released_stacks(src, dst):
     return dst
 
 
+def _saved_multimodal(cls, config, folder):
+    """A randomised multimodal model of transformers' class `cls` (its routers' correction biases
+    drawn too) saved to `folder`; its logits of a text-only forward over _packed's documents."""
+    torch.manual_seed(0)
+    ref = _randomised(cls(config))
+    with torch.no_grad():
+        for name, b in ref.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.2 * torch.randn_like(b))
+        ref.save_pretrained(folder)
+        return torch.cat([ref(input_ids=d[None]).logits[0] for d in _packed()[0]])
+
+
 def _text_model_round_trip(folder, theirs, out, *, kind, prefix, head, text_kind):
     """fmoe reads a multimodal `folder` of `kind`: every key it reads under `prefix` (or the
     `head`), the logits of transformers' text-only forward (`theirs`, over _packed's
@@ -1251,16 +1264,8 @@ def test_a_released_glm4v_moe_folder_loads_its_text_model(tmp_path):
                 routed_scaling_factor=1.5, rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.5, mrope_section=[1, 1, 0]))
     vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32, patch_size=2, temporal_patch_size=1,
                   spatial_merge_size=1)
-    torch.manual_seed(0)
-    ref = _randomised(transformers.Glm4vMoeForConditionalGeneration(transformers.Glm4vMoeConfig(text_config=text, vision_config=vision)))
-    with torch.no_grad():
-        for name, b in ref.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.2 * torch.randn_like(b))
-    ref.save_pretrained(tmp_path / "glm4v")
-    docs = _packed()[0]
-    with torch.no_grad():
-        theirs = torch.cat([ref(input_ids=d[None]).logits[0] for d in docs])
+    theirs = _saved_multimodal(transformers.Glm4vMoeForConditionalGeneration, transformers.Glm4vMoeConfig(text_config=text, vision_config=vision),
+                               tmp_path / "glm4v")
     _, cfg, written = _text_model_round_trip(tmp_path / "glm4v", theirs, tmp_path / "text", kind="glm4v_moe", prefix="model.language_model.",
                                              head="lm_head.weight", text_kind="glm4_moe")
     assert (cfg.qkv_bias, cfg.qk_norm, cfg.rope_dim, cfg.n_dense, cfg.route_scale, cfg.expert_bias, cfg.tie_embeddings) == (
@@ -1330,16 +1335,8 @@ def test_a_released_ernie4_5_vl_moe_folder_loads_its_text_model(tmp_path):
                 moe_intermediate_size=[8, 12], moe_num_experts=4, moe_k=2, moe_num_shared_experts=1,
                 rope_parameters=dict(rope_type="default", rope_theta=1e4, mrope_section=[1, 1, 2]))
     vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, patch_size=2, temporal_patch_size=1, spatial_merge_size=1)
-    torch.manual_seed(0)
-    ref = _randomised(transformers.Ernie4_5_VLMoeForConditionalGeneration(transformers.Ernie4_5_VLMoeConfig(text_config=text, vision_config=vision)))
-    with torch.no_grad():
-        for name, b in ref.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.2 * torch.randn_like(b))
-    ref.save_pretrained(tmp_path / "vl")
-    docs = _packed()[0]
-    with torch.no_grad():
-        theirs = torch.cat([ref(input_ids=d[None]).logits[0] for d in docs])
+    theirs = _saved_multimodal(transformers.Ernie4_5_VLMoeForConditionalGeneration,
+                               transformers.Ernie4_5_VLMoeConfig(text_config=text, vision_config=vision), tmp_path / "vl")
     model, cfg, written = _text_model_round_trip(tmp_path / "vl", theirs, tmp_path / "text", kind="ernie4_5_vl_moe", prefix="model.",
                                                  head="lm_head.weight", text_kind="ernie4_5_moe")
     assert (cfg.moe_layers, cfg.ffn_expert, cfg.n_experts, cfg.shared_size, cfg.tie_embeddings, cfg.rope_interleaved) == ((1, 2), 8, 4, 8, True, True)
