@@ -125,8 +125,8 @@ def flops_per_token(
     elements where they differ (other kv heads: MiMo-V2-Flash; None: attention_weights', or
     grouped-query attention's with local_heads), local_heads their query heads where they
     differ (Laguna; None: n_heads: their scores, values and gate). attn_gate_per_head: the
-    gate has one column per head (H n_heads weights). n_linear of them are linear-attention layers instead, of linear_layer FLOPs per token
-    each (linear_attention_flops)."""
+    gate has one column per head (H n_heads weights). n_linear of them are linear-attention
+    layers instead, of linear_layer FLOPs per token each (linear_attention_flops)."""
     args = dict(hidden=hidden, n_layers=n_layers, n_dense=n_dense, ffn_dense=ffn_dense, ffn_expert=ffn_expert, k=k,
                 n_shared=n_shared, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, vocab=vocab,
                 mtp_depth=mtp_depth, n_avg_keys=n_avg_keys, n_experts=n_experts)
