@@ -920,27 +920,29 @@ class Block(nn.Module):
         return self._block(x_TH, ctx, token_mask)
 
     def _attend(self, x_TH, ctx):
-        return _normed(self.attn_post_norm, self.attn(_normed(self.attn_norm, x_TH), ctx))
+        return self._attend_normed(_normed(self.attn_norm, x_TH), ctx)
+
+    def _attend_normed(self, h_TH, ctx):
+        return _normed(self.attn_post_norm, self.attn(h_TH, ctx))
 
     def _residual(self, x_TH, y_TH):
         return x_TH + (y_TH if self.residual_scale == 1.0 else y_TH * self.residual_scale)
 
     def _block(self, x_TH, ctx, token_mask=None):
-        attended = self._residual(x_TH, recompute(self._attend, x_TH, ctx) if self.ac == "attention" else self._attend(x_TH, ctx))
-        if self.parallel:  # attention and MLP of the same normed input, both added to x (Cohere's)
-            return self._parallel_mlp(attended, _normed(self.attn_norm, x_TH), token_mask)
-        x_TH = attended
-        if isinstance(self.mlp, MoE):
-            y, stats = self.mlp(_normed(self.mlp_norm, x_TH), token_mask)
-            return self._residual(x_TH, _normed(self.mlp_post_norm, y)), stats
-        return self._residual(x_TH, _normed(self.mlp_post_norm, self.mlp(_normed(self.mlp_norm, x_TH)))), None
+        if self.parallel:  # attention and MLP of one normed input, both added to x (Cohere's)
+            h_TH = _normed(self.attn_norm, x_TH)
+            y_TH = recompute(self._attend_normed, h_TH, ctx) if self.ac == "attention" else self._attend_normed(h_TH, ctx)
+            return self._mlp_branch(self._residual(x_TH, y_TH), h_TH, token_mask)
+        x_TH = self._residual(x_TH, recompute(self._attend, x_TH, ctx) if self.ac == "attention" else self._attend(x_TH, ctx))
+        return self._mlp_branch(x_TH, _normed(self.mlp_norm, x_TH), token_mask)
 
-    def _parallel_mlp(self, attended_TH, normed_TH, token_mask=None):
-        """A parallel block's end: the MLP of the block's normed input added to x + attention."""
+    def _mlp_branch(self, x_TH, h_TH, token_mask=None):
+        """x + post_norm(mlp(h)): the block's end, h the MLP's input (its own pre-norm's output,
+        or a parallel block's one normed input) -> (x [T, H], the MoE stats or None)."""
         if isinstance(self.mlp, MoE):
-            y, stats = self.mlp(normed_TH, token_mask)
-            return self._residual(attended_TH, y), stats
-        return self._residual(attended_TH, self.mlp(normed_TH)), None
+            y, stats = self.mlp(h_TH, token_mask)
+            return self._residual(x_TH, _normed(self.mlp_post_norm, y)), stats
+        return self._residual(x_TH, _normed(self.mlp_post_norm, self.mlp(h_TH))), None
 
 
 def _normed(norm: Optional[RMSNorm], x_TH: torch.Tensor) -> torch.Tensor:

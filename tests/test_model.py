@@ -606,16 +606,19 @@ def test_padding_trains_as_if_it_were_not_in_the_batch(name, ac):
 AC_CFG = dataclasses.replace(TINY, mtp_depth=1, impl="auto", n_groups=2, topk_groups=1, capacity_factor=1.25, post_norms=True)
 
 
+@pytest.mark.parametrize("blocks", ["sandwich", "parallel"])
 @pytest.mark.parametrize("ac", ["full", "attention", "experts"])
-def test_activation_checkpointing_gives_the_same_gradients_and_stats(ac):
+def test_activation_checkpointing_gives_the_same_gradients_and_stats(ac, blocks):
     """Recomputing in the backward changes nothing: the gradients are bit-identical (the
     recomputation is deterministic on CPU), the losses and the MoE stats too, and the token
-    counts are those of one forward (the recomputed forward counts nothing)."""
-    batch = _batch(AC_CFG, T=48, cu=(0, 7, 30, 48))
+    counts are those of one forward (the recomputed forward counts nothing); in sandwich
+    blocks and in Cohere's parallel blocks (the attention recomputed from the one normed input)."""
+    cfg = AC_CFG if blocks == "sandwich" else dataclasses.replace(AC_CFG, post_norms=False, parallel_blocks=True, layer_norms=True)
+    batch = _batch(cfg, T=48, cu=(0, 7, 30, 48))
     results = {}
     for mode in ("none", ac):
         torch.manual_seed(0)
-        model = Transformer(dataclasses.replace(AC_CFG, ac=mode))
+        model = Transformer(dataclasses.replace(cfg, ac=mode))
         loss, stats = _loss(model, batch, model.context(batch), with_stats=True)
         loss.backward()
         results[mode] = loss.detach(), stats.detach(), {n: p.grad for n, p in model.named_parameters()}
@@ -624,7 +627,7 @@ def test_activation_checkpointing_gives_the_same_gradients_and_stats(ac):
     for name, layer in stats0.items():
         for key, value in layer.items():
             assert torch.equal(stats1[name][key], value), (name, key)
-        assert int(stats1[name]["tokens_per_expert"].sum()) <= 48 * AC_CFG.k  # one forward's slots (capacity drops some)
+        assert int(stats1[name]["tokens_per_expert"].sum()) <= 48 * cfg.k  # one forward's slots (capacity drops some)
     for name, g in grads0.items():
         assert torch.equal(grads1[name], g), name
 
