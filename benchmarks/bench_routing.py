@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_routing.py            # CUDA, bf16 logits, real shapes
     .venv/bin/python benchmarks/bench_routing.py --smoke    # CPU + Triton interpreter, tiny shapes
+    .venv/bin/python benchmarks/bench_routing.py --cases dsv3    # only the named cases (here both T)
 
 Cases (T tokens, E experts, k per token):
     dsv3   DeepSeek-V3-like: E=256, k=8, sigmoid score, 8 groups keep 4, expert bias, scale 2.5
@@ -31,6 +32,7 @@ gradient. The CSV goes to OUT/bench_routing.csv.
 
 import sys
 from dataclasses import dataclass
+from typing import Optional
 
 from _common import (  # before torch and fmoe: with --smoke it sets TRITON_INTERPRET
     bench,
@@ -71,6 +73,18 @@ def make_cases(smoke: bool, device: torch.device) -> list[Case]:
         cases.append(Case(f"dsv3 T={T}", T, 256, 8, dsv3))
         cases.append(Case(f"qwen3 T={T}", T, 128, 8, dict(score="softmax", pre_softmax=False)))
     return cases
+
+
+def select_cases(cases: list[Case], spec: Optional[str]) -> list[Case]:
+    """The cases that spec names (--cases): comma-separated, each a whole case name
+    ("dsv3 T=65536") or its model ("dsv3": every T); None keeps them all."""
+    if spec is None:
+        return cases
+    wanted = [w.strip() for w in spec.split(",") if w.strip()]
+    known = sorted({c.name.split()[0] for c in cases} | {c.name for c in cases})
+    if not wanted or any(w not in known for w in wanted):
+        raise ValueError(f"--cases: expected names among {known}, got {spec!r}")
+    return [c for c in cases if c.name in wanted or c.name.split()[0] in wanted]
 
 
 def check(case: Case, fused, eager, logits: torch.Tensor, grad_w: torch.Tensor) -> float:
@@ -138,9 +152,17 @@ def run_case(case: Case, device: torch.device, dtype: torch.dtype, bandwidth: fl
 
 
 def main() -> None:
-    args, device, dtype, bandwidth = start(__doc__.splitlines()[0])
+    def add_arguments(parser):
+        parser.add_argument("--cases", default=None,
+                            help="comma-separated case names to run, e.g. dsv3 (both T) or 'qwen3 T=65536' (default: all)")
+
+    args, device, dtype, bandwidth = start(__doc__.splitlines()[0], add_arguments)
+    try:
+        cases = select_cases(make_cases(args.smoke, device), args.cases)
+    except ValueError as err:
+        sys.exit(str(err))
     rows = []
-    for case in make_cases(args.smoke, device):
+    for case in cases:
         rows += run_case(case, device, dtype, bandwidth)
     finish(args, device, bandwidth, "bench_routing", [(rows, COLUMNS)])
 

@@ -115,3 +115,17 @@ def test_run_all_refuses_unknown_benchmarks_and_bad_timeouts(tmp_path):
     bad = _run_all(tmp_path, "--timeout", "0")
     assert bad.returncode == 2 and "--timeout: expected a positive number of seconds, got 0" in bad.stderr
     assert not (tmp_path / "RESULTS.md").exists()
+
+
+def test_bench_routing_runs_the_cases_named():
+    _common()  # benchmarks/ on the path
+    import bench_routing
+
+    cases = bench_routing.make_cases(False, torch.device("cpu"))
+    names = lambda spec: [c.name for c in bench_routing.select_cases(cases, spec)]  # noqa: E731
+    assert names(None) == ["dsv3 T=16384", "qwen3 T=16384", "dsv3 T=65536", "qwen3 T=65536"]
+    assert names("dsv3") == ["dsv3 T=16384", "dsv3 T=65536"]
+    assert names("qwen3 T=65536, dsv3 T=16384") == ["dsv3 T=16384", "qwen3 T=65536"]
+    for bad in ("nope", "", "dsv3 T=8"):
+        with pytest.raises(ValueError, match="--cases: expected names among"):
+            bench_routing.select_cases(cases, bad)
