@@ -117,18 +117,17 @@ def _route_fwd_kernel(
     E: tl.constexpr, K: tl.constexpr, G: tl.constexpr, GS: tl.constexpr,
     TOPK_GROUPS: tl.constexpr, PER_GROUP: tl.constexpr,
     SCORE: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One pass over BLOCK_T rows of logits: scores, group selection, top-k, weights.
 
-    The top-k runs on a row as one flat [BLOCK_E] axis. The group scores run on the same
-    logits loaded a second time as a [BLOCK_T, BLOCK_G, BLOCK_S] tile (expert g * GS + j),
-    so that each reduction serves every group at once: masking the flat row to one group at
-    a time took G times the reductions, most of the kernel's time. The second tile is a
-    load, not a reshape of the first: a 3-D tile reshaped to a row computed wrong experts
-    when compiled for the H100 (triton 3.6), though right in the interpreter. Both tiles
-    compute the selection scores by the same operations, so their bits agree.
+    A row is one flat [BLOCK_E] axis; expert e is in group e // GS, and each group's score is
+    taken over the row masked to that group (G static iterations). Every tile is 2-D: a 3-D
+    [group, expert] tile reshaped to a row for the top-k computed wrong experts when
+    compiled for the H100 (triton 3.6), though right in the interpreter. The group scores
+    on a second, 3-D [row, group, expert] tile loaded beside the row (every group in one
+    reduction) chose the same experts but took 4.9x longer at DeepSeek-V3's T = 65536 on
+    an H200 (770.9 us against 157.3 us; benchmarks/RESULTS.md, 2026-11-28).
     """
     pid = tl.program_id(0)
     rows_T = pid * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -157,34 +156,19 @@ def _route_fwd_kernel(
         sel += tl.load(bias_ptr + eid_E, mask=eid_E < E, other=0.0).to(tl.float32)[None, :]
     key = tl.where(live, sort_key(sel), NO_KEY)
     if TOPK_GROUPS < G:
-        # group score = sum of the group's top PER_GROUP selection scores, best first (the
-        # lower expert on ties), all groups at once on the [row, group, expert] tile
+        # group score = sum of the group's top PER_GROUP selection scores, best first
         group_E = eid_E // GS
         g_G = tl.arange(0, BLOCK_G)
-        j_S = tl.arange(0, BLOCK_S)
-        in_group = (g_G[None, :, None] < G) & (j_S[None, None, :] < GS)
-        live3 = row_ok_T[:, None, None] & in_group
-        e3 = g_G[None, :, None] * GS + j_S[None, None, :]
-        x3 = tl.load(logits_ptr + row_off_T[:, None, None] + e3, mask=live3, other=0.0).to(tl.float32)
-        x3 = tl.where(x3 != x3, float("-inf"), x3)
-        if SCORE == 0 and not HAS_BIAS:
-            sel3 = x3
-        elif SCORE <= 1:
-            p3 = tl.exp(tl.where(live3, x3, float("-inf")) - row_max_T[:, None, None])
-            p3 = tl.where(live3, p3, 0.0)
-            sel3 = p3 / row_sum_T[:, None, None]
-        else:
-            sel3 = tl.sigmoid(x3)
-        if HAS_BIAS:
-            sel3 += tl.load(bias_ptr + e3, mask=in_group, other=0.0).to(tl.float32)
-        left = tl.where(live3, sort_key(sel3), NO_KEY)
-        group_score = tl.zeros([BLOCK_T, BLOCK_G], dtype=tl.float32)
-        for _ in tl.static_range(PER_GROUP):
-            best = tl.max(left, axis=2)
-            first = tl.min(tl.where(left == best[:, :, None], j_S[None, None, :], NO_ID), axis=2)
-            left = tl.where(j_S[None, None, :] == first[:, :, None], NO_KEY, left)
-            group_score += key_score(best)
-        group_key = tl.where(g_G[None, :] < G, sort_key(group_score), NO_KEY)
+        group_key = tl.full([BLOCK_T, BLOCK_G], NO_KEY, tl.int32)
+        for g in tl.static_range(G):
+            left = tl.where(group_E[None, :] == g, key, NO_KEY)
+            group_score_T = tl.zeros([BLOCK_T], dtype=tl.float32)
+            for _ in tl.static_range(PER_GROUP):
+                best = tl.max(left, axis=1)
+                first = tl.min(tl.where(left == best[:, None], eid_E[None, :], NO_ID), axis=1)
+                left = tl.where(eid_E[None, :] == first[:, None], NO_KEY, left)
+                group_score_T += key_score(best)
+            group_key = tl.where(g_G[None, :] == g, sort_key(group_score_T)[:, None], group_key)
         # keep the TOPK_GROUPS best groups (lower group index on ties)
         kept = eid_E[None, :] < 0
         for _ in tl.static_range(TOPK_GROUPS):
@@ -288,8 +272,7 @@ def _route_bwd_kernel(
 
 
 def _fwd_blocks(E: int, n_groups: int, k: int) -> dict:
-    return dict(BLOCK_T=rows_per_program(next_pow2(E)), BLOCK_E=next_pow2(E), BLOCK_G=next_pow2(n_groups),
-                BLOCK_S=next_pow2(E // n_groups), BLOCK_K=next_pow2(k), num_warps=1)
+    return dict(BLOCK_T=rows_per_program(next_pow2(E)), BLOCK_E=next_pow2(E), BLOCK_G=next_pow2(n_groups), BLOCK_K=next_pow2(k), num_warps=1)
 
 
 def _bwd_blocks(E: int, k: int) -> dict:
