@@ -343,6 +343,21 @@ def start(description: str, add_arguments=None):
     return args, device, dtype, bandwidth
 
 
+def select(names: list[str], spec: Optional[str], flag: str, groups: Optional[dict[str, list[str]]] = None) -> list[str]:
+    """The names that a flag's value picks, in the order of names: spec is comma-separated,
+    each item a name or a key of groups (all of that group's names); None picks them all.
+    Raises a ValueError naming the flag and the known choices for an unknown or empty pick."""
+    if spec is None:
+        return list(names)
+    groups = groups or {}
+    wanted = [w.strip() for w in spec.split(",") if w.strip()]
+    known = sorted(set(names) | set(groups))
+    if not wanted or any(w not in known for w in wanted):
+        raise ValueError(f"{flag}: expected names among {known}, got {spec!r}")
+    picked = {n for w in wanted for n in groups.get(w, [w])}
+    return [n for n in names if n in picked]
+
+
 def finish(args, device: torch.device, bandwidth: float, name: str, tables: list, **columns) -> None:
     """Write every table's rows to OUT/<name>.csv, with the device, the copy bandwidth and
     `columns` on each row, then print the tables (the last one last).

@@ -40,6 +40,7 @@ from _common import (  # before torch and fmoe: with --smoke it sets TRITON_INTE
     device_columns,
     finish,
     floor_fraction,
+    select,
     start,
     timing_row,
 )
@@ -78,13 +79,11 @@ def make_cases(smoke: bool, device: torch.device) -> list[Case]:
 def select_cases(cases: list[Case], spec: Optional[str]) -> list[Case]:
     """The cases that spec names (--cases): comma-separated, each a whole case name
     ("dsv3 T=65536") or its model ("dsv3": every T); None keeps them all."""
-    if spec is None:
-        return cases
-    wanted = [w.strip() for w in spec.split(",") if w.strip()]
-    known = sorted({c.name.split()[0] for c in cases} | {c.name for c in cases})
-    if not wanted or any(w not in known for w in wanted):
-        raise ValueError(f"--cases: expected names among {known}, got {spec!r}")
-    return [c for c in cases if c.name in wanted or c.name.split()[0] in wanted]
+    models: dict[str, list[str]] = {}
+    for c in cases:
+        models.setdefault(c.name.split()[0], []).append(c.name)
+    picked = select([c.name for c in cases], spec, "--cases", models)
+    return [c for c in cases if c.name in picked]
 
 
 def check(case: Case, fused, eager, logits: torch.Tensor, grad_w: torch.Tensor) -> float:

@@ -5,6 +5,7 @@
     .venv/bin/python benchmarks/bench_train_step.py --fp8            # fp8 GEMMs (--model.fp8) against bf16
     .venv/bin/python benchmarks/bench_train_step.py --model dsa      # DeepSeek-V3.2's attention on the large model
     .venv/bin/python benchmarks/bench_train_step.py --smoke          # CPU + Triton interpreter, tiny model
+    .venv/bin/python benchmarks/bench_train_step.py --impls "fmoe compiled"   # only the implementations named
 
 Models (fmoe.model.Transformer, top-k sigmoid routing with an expert bias, vocab 32768, 1 MTP
 depth):
@@ -55,11 +56,13 @@ takes minutes). CSV: OUT/bench_train_step.csv.
 """
 
 import dataclasses
+import sys
 
 from _common import (  # before torch and fmoe: with --smoke it sets TRITON_INTERPRET
     bench,
     finish,
     matmul_rate,
+    select,
     start,
 )
 
@@ -134,6 +137,8 @@ def main() -> None:
         parser.add_argument("--model", choices=sorted(MODELS), default="large",
                             help="the model on CUDA (default: large; dsa: with --smoke, a tiny DeepSeek sparse attention model)")
         parser.add_argument("--fp8", action="store_true", help="time the fp8 model (compiled, and with fp8_fast_accum) beside the compiled bf16 one")
+        parser.add_argument("--impls", default=None,
+                            help="comma-separated implementations to time, e.g. 'fmoe compiled' (default: all)")
 
     args, device, dtype, bandwidth = start(__doc__.splitlines()[0], add_arguments)
     base = (SMOKE_DSA if args.model == "dsa" else SMOKE) if args.smoke else MODELS[args.model]
@@ -154,6 +159,10 @@ def main() -> None:
     if args.fp8:
         impls = {"fmoe compiled fp8": (fast, True, True, False), "fmoe compiled fp8 fast accum": (fast, True, True, True),
                  "fmoe compiled": impls["fmoe compiled"]}
+    try:
+        impls = {name: impls[name] for name in select(list(impls), args.impls, "--impls")}
+    except ValueError as err:
+        sys.exit(str(err))
     rows = []
     for name, (impl, compiled, fp8, fast_accum) in impls.items():
         torch.manual_seed(0)

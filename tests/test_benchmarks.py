@@ -129,3 +129,23 @@ def test_bench_routing_runs_the_cases_named():
     for bad in ("nope", "", "dsv3 T=8"):
         with pytest.raises(ValueError, match="--cases: expected names among"):
             bench_routing.select_cases(cases, bad)
+
+
+def test_select_picks_names_and_groups_in_order():
+    select = _common().select
+    names = ["fmoe compiled", "fmoe eager", "reference ops"]
+    assert select(names, None, "--impls") == names
+    assert select(names, "reference ops, fmoe compiled", "--impls") == ["fmoe compiled", "reference ops"]
+    assert select(names, "fmoe", "--impls", {"fmoe": names[:2]}) == names[:2]
+    for bad in ("fmoe", "", " , ", "fmoe compiled,nope"):
+        with pytest.raises(ValueError, match=r"--impls: expected names among \['fmoe compiled', 'fmoe eager', 'reference ops'\]"):
+            select(names, bad, "--impls")
+
+
+def test_bench_train_step_refuses_an_unknown_implementation(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_train_step.py"), "--smoke", "--out", str(tmp_path),
+                          "--impls", "fmoe compiled,nope"], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode != 0 and "--impls: expected names among" in out.stderr, out.stdout[-2000:] + out.stderr[-2000:]
+    assert not list(tmp_path.glob("*.csv"))
