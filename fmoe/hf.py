@@ -8,10 +8,10 @@ A folder holds `config.json` and `model.safetensors` (or shards listed in
 qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, axk1, kimi_k2, kimi_k25, deepseek_v2, deepseek_v32, glm_moe_dsa, glm4_moe_lite, gpt_oss, solar_open,
 exaone_moe, dots1, minimax_m2, granitemoe, granitemoeshared, granitemoe_swa, hunyuan_v1_moe, llama4_text, llama4, afmoe,
 laguna, cohere2_moe, sarvam_moe, sarvam_mla, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
-mimo_v2_flash, lfm2_moe, mistral4, mistral3), and the dense
+mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx), and the dense
 DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
 glm4, ernie4_5, lfm2, cohere, cohere2: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
-config mapping (`config_to_fmoe`, which refuses what fmoe does not build: clipped qkv, ...;
+config mapping (`config_to_fmoe`, which refuses what fmoe does not build: OLMoE's q and k clamped after their norms, ...;
 the fields a config.json leaves out read at transformers' defaults, Family.defaults, and a
 family's own names for the fields the shared mappings read as those, Family.aliases)
 and its key map (HF key <-> fmoe
@@ -276,7 +276,7 @@ def _olmo2(hf: dict, name: str = "OLMo 2", **extra) -> dict:
     """OLMo 2 (dense): post-norm blocks (no input norms; RMSNorms on the attention and MLP
     outputs) and q/k norms over the whole projections, as FlexOlmo's (_flex_olmo); `extra`
     for OLMo 3's (name: the family's, in the refusals)."""
-    _refuse(hf, "clip_qkv", lambda v: v is None, "clipped q/k/v are not built")
+    _refuse(hf, "clip_qkv", lambda v: v is None, f"{name}'s attention in transformers clamps no q/k/v")
     _refuse(hf, "attention_bias", lambda v: not v, f"no attention biases in {name}'s attention here")
     return _dense(hf, qk_norm="proj", pre_norms=False, post_norms=True, **extra)
 
@@ -1373,8 +1373,46 @@ def _ernie4_5_moe(hf: dict) -> dict:
                 n_shared=hf.get("moe_num_shared_experts") or 0, rope_interleaved=True, expert_bias=True)
 
 
+_DBRX_ATTN = dict(clip_qkv=None, kv_n_heads=1)  # DbrxAttentionConfig's defaults (of the fields read here)
+_DBRX_FFN = dict(ffn_act_fn=None, ffn_hidden_size=3584, moe_num_experts=4, moe_top_k=1, moe_normalize_expert_weights=1.0)
+
+
+def _dbrx(hf: dict) -> dict:
+    """DBRX (dbrx): every block MoE, with its own names (d_model, n_heads, n_layers; the
+    attention's fields in attn_config, the experts' in ffn_config). Bias-free LayerNorms
+    (eps 1e-5: nn.LayerNorm's) before the attention and the experts and at the end; q, k
+    and v the rows of one Wqkv, each clamped to [-clip_qkv, clip_qkv] (fmoe's clip_qkv);
+    softmax over every expert, its top moe_top_k divided by their sum
+    (moe_normalize_expert_weights 1, fmoe's default softmax routing) or kept as they are
+    (None: pre_softmax); each expert's F rows in turn of one [E F, H] w1 (the gate), v1 (the
+    up) and w2 (the down's transpose).
+
+    RoPE: the top level's (rope_parameters, as transformers 5 writes them), else the base
+    that the released config.json files give in attn_config.rope_theta (500000), as DBRX was
+    trained and transformers 4 read it; transformers 5.24 reads the top level alone and
+    builds such a folder at the default base 10000. moe_jitter_eps, the router input's
+    multiplicative noise in training, is not built (a loaded model's function is the same;
+    fmoe's fine-tuning routes without it); the dropouts are not either."""
+    attn, ffn = {**_DBRX_ATTN, **(hf.get("attn_config") or {})}, {**_DBRX_FFN, **(hf.get("ffn_config") or {})}
+    act = ffn["ffn_act_fn"] or {"name": "silu"}
+    _refuse(ffn, "ffn_act_fn", lambda v: act == {"name": "silu"}, "SwiGLU with silu only")
+    norm = ffn["moe_normalize_expert_weights"]
+    _refuse(ffn, "moe_normalize_expert_weights", lambda v: v is None or v == 1,
+            "the chosen weights divided by their sum (1) or kept as they are (None)")
+    _refuse(hf, "tie_word_embeddings", lambda v: not v, "DBRX's head is its own, as transformers builds it")
+    d, heads = hf["d_model"], hf["n_heads"]
+    if d % heads:
+        raise ValueError(f"config.json: d_model = {d} is not supported (n_heads = {heads} heads of d_model / n_heads channels)")
+    top_level_rope = any(field in hf for field in ("rope_parameters", "rope_theta", "rope_scaling"))
+    rope = _rope(hf if top_level_rope else dict(hf, rope_theta=attn.get("rope_theta", 10000.0)))
+    return dict(vocab_size=hf["vocab_size"], hidden=d, n_layers=hf["n_layers"], n_heads=heads, n_kv_heads=attn["kv_n_heads"], head_dim=d // heads,
+                norm_eps=1e-5, layer_norms=True, clip_qkv=attn["clip_qkv"], **rope, tie_embeddings=False, n_experts=ffn["moe_num_experts"],
+                k=ffn["moe_top_k"], score="softmax", pre_softmax=norm is None, expert_bias=False, mtp_depth=0,
+                ffn_expert=ffn["ffn_hidden_size"], ffn_dense=ffn["ffn_hidden_size"], n_dense=0, n_shared=0)
+
+
 def _olmoe(hf: dict) -> dict:
-    _refuse(hf, "clip_qkv", lambda v: v is None, "clipped q/k/v are not built")
+    _refuse(hf, "clip_qkv", lambda v: v is None, "OLMoE clamps q and k after their norms; fmoe's clip_qkv clamps before them")
     _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in OLMoE's attention here")
     return dict(_common(hf, hf["num_experts"]), ffn_expert=hf["intermediate_size"], ffn_dense=hf["intermediate_size"], n_dense=0,
                 n_shared=0, pre_softmax=not hf.get("norm_topk_prob", False), qk_norm="proj")
@@ -1408,7 +1446,10 @@ class Tensor:
     q, k, v and z rows; its gated attention's q_proj: per head its query's D rows, then its
     gate's). `transpose` swaps the last two dims (a stack [E, out, in] too). `row`: the index of
     stored dim 0 to read, a dim fmoe's parameter leaves out (ERNIE-4.5-VL's [2, E] correction
-    bias, one row per modality: the text row 0); such a parameter is read, never written."""
+    bias, one row per modality: the text row 0); such a parameter is read, never written.
+    `experts` n: the stored dim 0 holds n equal runs of rows one after the other, one per
+    expert, read as a stack [n, rows, ...] (DBRX's w1, v1, w2 [E F, H]: [E, F, H]); a rank
+    reads its experts' whole runs."""
 
     keys: tuple[str, ...]
     transpose: bool = False
@@ -1418,6 +1459,7 @@ class Tensor:
     chunk: Optional[tuple[int, tuple[int, ...]]] = None
     groups: int = 1
     row: Optional[int] = None
+    experts: Optional[int] = None
 
 
 def _units(spec: Tensor) -> tuple[int, ...]:
@@ -1476,6 +1518,7 @@ class Family:
     # experts as stacks: [E, H, 2F] gate/up and [E, F, H] down, gate and up "interleaved" (gpt-oss,
     # with biases and a router module with a bias) or in "halves" (Llama 4); or [E, 2F, H] gate/up
     # (the gate's F rows, then the up's) and [E, H, F] down, linear weights: "halves_out" (Granite);
+    # or one [E F, H] key per matrix, each expert's F rows in turn, the down's as [F, H] (DBRX's w1, v1, w2): "rows";
     # None: one module per expert
     fused: Optional[str] = None
     shared_beside: bool = False  # Granite: the shared MLP beside the MoE block, input_linear [2Fs, H] (gate, then up) / output_linear
@@ -1725,6 +1768,10 @@ FAMILIES = {
     # Command A's MoE: Cohere's blocks, experts one module each (as transformers writes them)
     "cohere2_moe": Family(_cohere2_moe, "mlp", _PROJ, "Cohere2MoeForCausalLM", "shared_experts", norms=("input_layernorm", ""),
                           defaults=dict(head_dim=128, tie_word_embeddings=True, sliding_window=4096, num_experts=8, num_experts_per_tok=2)),
+    "dbrx": Family(_dbrx, "ffn", ("experts.mlp.w1", "experts.mlp.v1", "experts.mlp.w2"), "DbrxForCausalLM", fused="rows",
+                   router="router.layer.weight", prefix=("model.layers.", "transformer.blocks."), embed="transformer.wte.weight",
+                   final_norm="transformer.norm_f.weight", attention="norm_attn_norm.attn", qkv="Wqkv", o_proj="out_proj",
+                   norms=("norm_attn_norm.norm_1", "norm_attn_norm.norm_2"), defaults=dict(d_model=2048, n_heads=16, n_layers=24, vocab_size=32000)),
     # the dense families (DENSE_FAMILIES), after the MoE ones
     "llama": Family(_llama, "mlp", _PROJ, "LlamaForCausalLM"),
     "mistral": Family(_mistral, "mlp", _PROJ, "MistralForCausalLM", defaults=dict(num_key_value_heads=8, sliding_window=4096)),
@@ -1825,7 +1872,10 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
         out[q + "mlp.router"] = Tensor((mlp + family.router,), transpose=family.router_transposed)
         if cfg.router_bias:  # gpt-oss: the router module's bias
             out[q + "mlp.router_bias"] = Tensor((mlp + family.router.removesuffix("weight") + "bias",))
-    if moe and family.fused:  # the experts' stacks (Family.fused), each bias beside its stack (gpt-oss)
+    if moe and family.fused == "rows":  # one [E F, H] key per matrix, expert after expert (DBRX's w1, v1 and w2: the down's [F, H] rows)
+        for ours, theirs in zip(("w_gate", "w_up", "w_down"), family.experts):
+            out[q + "mlp.experts." + ours] = Tensor((mlp + theirs,), transpose=ours != "w_down", experts=cfg.n_experts)
+    elif moe and family.fused:  # the experts' stacks (Family.fused), each bias beside its stack (gpt-oss)
         gate_up, _, down = (mlp + name for name in family.experts)
         stored_linear = family.fused == "halves_out"  # [E, 2F, H] / [E, H, F]: linear weights, transposed
 
@@ -2151,6 +2201,8 @@ def load_weights(model: Transformer, path, *, model_type: str, strict: bool = Tr
             else:
                 stored = stored_shape(key)
             stored = tuple(n for d, n in enumerate(stored) if d not in _units(spec))
+            if spec.experts is not None:  # [E rows, ...] as [E, rows, ...]
+                stored = (spec.experts, stored[0] // spec.experts, *stored[1:])
             if spec.part is not None:
                 return (*stored[:-1], stored[-1] // spec.part[1])
             if spec.chunk is not None:  # a run of fmoe's last dim (of each group): the stored dim -2 of a transposed weight
@@ -2213,11 +2265,17 @@ def load_weights(model: Transformer, path, *, model_type: str, strict: bool = Tr
                 for u in _units(spec):  # ascending: each a stored dim (Tensor.row's dim 0: its row)
                     at = spec.row if spec.row is not None and u == 0 else 0
                     index = (*index[:u], slice(at, at + 1), *index[u:])
+                if spec.experts is not None:  # the experts' whole runs of rows (as_ours narrows each run)
+                    rows = stored_shape(spec.keys[0])[0] // spec.experts
+                    index = (slice(index[0].start * rows, index[0].stop * rows), *index[2:])
                 return index
 
             def as_ours(t: torch.Tensor, ours: tuple[slice, ...]) -> torch.Tensor:
                 for u in reversed(_units(spec)):
                     t = t.squeeze(u)
+                if spec.experts is not None:  # [experts rows, ...] -> [experts, rows, ...], each run narrowed to the block's rows
+                    run = (_swap_last(ours) if spec.transpose else ours)[1]
+                    t = t.unflatten(0, (-1, stored_shape(spec.keys[0])[0] // spec.experts))[:, run]
                 if spec.part is not None:
                     return t[..., spec.part[0]::spec.part[1]]
                 if spec.chunk is not None and spec.groups > 1:  # every group's run, then the block's entries of them
@@ -2478,6 +2536,13 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
     if model_type not in FAMILIES:
         raise ValueError(f"model_type: expected one of {', '.join(FAMILIES)}, got {model_type!r}")
     _check_writable(model_type)
+    if model_type == "dbrx":  # its own names, the attention's and the experts' fields in their own dicts (transformers' attention reads
+        # attn_config.rope_theta, its RoPE the top level's)
+        ffn = dict(ffn_act_fn={"name": "silu"}, ffn_hidden_size=cfg.ffn_expert, moe_num_experts=cfg.n_experts, moe_top_k=cfg.k,
+                   moe_normalize_expert_weights=None if cfg.pre_softmax else 1.0)
+        return dict(architectures=[FAMILIES[model_type].architecture], model_type=model_type, vocab_size=cfg.vocab_size, d_model=cfg.hidden,
+                    n_heads=cfg.n_heads, n_layers=cfg.n_layers, rope_parameters=_rope_parameters(cfg), tie_word_embeddings=cfg.tie_embeddings,
+                    attn_config=dict(clip_qkv=cfg.clip_qkv, kv_n_heads=cfg.n_kv_heads, rope_theta=cfg.rope_base), ffn_config=ffn, dtype="float32", pad_token_id=None)
     hf = dict(architectures=[FAMILIES[model_type].architecture], model_type=model_type, vocab_size=cfg.vocab_size,
               hidden_size=cfg.hidden, num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
               num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.norm_eps, hidden_act="silu",
@@ -2794,6 +2859,8 @@ def _stored(spec: Tensor, full: torch.Tensor, dtype: torch.dtype) -> list[tuple[
     if spec.stacked:
         return [(key, (full[e].t() if spec.transpose else full[e]).contiguous().to(dtype)) for e, key in enumerate(spec.keys)]
     stored = full.transpose(-2, -1) if spec.transpose else full
+    if spec.experts is not None:  # [E, rows, ...] as the stored [E rows, ...]
+        stored = stored.flatten(0, 1)
     return [(spec.keys[0], _with_units(spec, stored).contiguous().to(dtype))]
 
 

@@ -375,6 +375,17 @@ GATE_ACTS = ("sigmoid", "softplus")  # gated attention's gate activations (Atten
 QK_NORMS = (None, "head", "proj", "rms", "head_layer")  # AttentionConfig.qk_norm
 
 
+def check_clip_qkv(clip_qkv, kv_rank) -> None:
+    """ValueError unless clip_qkv is None or a finite number > 0 for grouped-query attention
+    (kv_rank None): the bound that q, k and v are clamped to."""
+    if clip_qkv is None:
+        return
+    if isinstance(clip_qkv, bool) or not isinstance(clip_qkv, (int, float)) or not 0 < clip_qkv < math.inf:
+        raise ValueError(f"clip_qkv: expected None or a finite number > 0, got {clip_qkv!r}")
+    if kv_rank is not None:
+        raise ValueError("clip_qkv: clamps grouped-query attention's q, k and v, not multi-latent attention's")
+
+
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
     """Grouped-query attention with RoPE or YaRN.
@@ -428,7 +439,9 @@ class AttentionConfig:
     v_dim without kv_rank: grouped-query attention's value head dim Dv where it is not
     head_dim (MiMo-V2-Flash: q/k heads of 192, values of 128; wv [H, G Dv], wo [N Dv, H]);
     None: head_dim. v_scale: the values times this constant (MiMo-V2-Flash's
-    attention_value_scale; grouped-query attention only).
+    attention_value_scale; grouped-query attention only). clip_qkv: q, k and v each clamped
+    to [-clip_qkv, clip_qkv] right after their projections (biases included), before any
+    norm or RoPE (DBRX's clip_qkv); None: not clamped; grouped-query attention only.
 
     Multi-head latent attention (DeepSeek-V2/V3) when kv_rank is set: keys and values come
     from a kv_rank latent (RMSNorm'd, eps latent_norm_eps) expanded per head, plus one
@@ -502,6 +515,7 @@ class AttentionConfig:
     local_rope_base: Optional[float] = None
     zero_centered_norms: bool = False
     v_scale: float = 1.0
+    clip_qkv: Optional[float] = None
     local_rot_dim: Optional[int] = None
     gate_act: str = "sigmoid"
     gate_per_head: bool = False
@@ -567,6 +581,7 @@ class AttentionConfig:
             _check_rope_knobs(self)
         if isinstance(self.v_scale, bool) or not isinstance(self.v_scale, (int, float)) or not 0 < self.v_scale < math.inf:
             raise ValueError(f"v_scale: expected a finite number > 0, got {self.v_scale!r}")
+        check_clip_qkv(self.clip_qkv, self.kv_rank)
         if self.kv_rank is None:
             if self.q_rank is not None:
                 raise ValueError("q_rank: a multi-latent attention knob, needs kv_rank")
@@ -1423,7 +1438,8 @@ def _gqa_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext, heads_mean=
 
     def project(name, bias):
         y = matmul(x, params[name], fp8=cfg.fp8, impl=cfg.impl)
-        return y + params[bias] if params.get(bias) is not None else y
+        y = y + params[bias] if params.get(bias) is not None else y
+        return y if cfg.clip_qkv is None else y.clamp(-cfg.clip_qkv, cfg.clip_qkv)  # DBRX's clip_qkv
 
     q_TQ, k_TK = project("wq", "bq"), project("wk", "bk")
     if cfg.qk_norm == "proj":  # over the whole projection (OLMoE)

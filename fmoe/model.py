@@ -47,7 +47,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fmoe.layers import (EXPERT_BIASES, AttentionConfig, AttentionContext, LinearAttentionConfig, LinearStates, MoEConfig, attach_loss, attention,
-                         attention_context, check_window, dense_mlp, index_shapes, linear_attention, linear_attention_shapes, local_experts, mla_shapes,
+                         attention_context, check_clip_qkv, check_window, dense_mlp, index_shapes, linear_attention, linear_attention_shapes, local_experts, mla_shapes,
                          moe)
 from fmoe.ops import linear_cross_entropy, route
 from fmoe.ops.checks import check_positive_int
@@ -303,7 +303,9 @@ class TransformerConfig:
     rope_dim the rope part, n_kv_heads = n_heads; fmoe.layers.AttentionConfig). Without
     kv_rank, v_head_dim is grouped-query attention's value head dim where it is not head_dim
     (MiMo-V2-Flash; None: head_dim), and value_scale multiplies its values (MiMo-V2-Flash's
-    attention_value_scale). local_kv_heads: the kv heads of the window's or chunk's blocks
+    attention_value_scale). clip_qkv: grouped-query attention's q, k and v clamped to
+    [-clip_qkv, clip_qkv] after their projections (DBRX; fmoe.layers.AttentionConfig.clip_qkv;
+    not beside linear-attention blocks, which would not clamp). local_kv_heads: the kv heads of the window's or chunk's blocks
     where they differ from n_kv_heads (MiMo-V2-Flash's sliding blocks: twice as many; None:
     n_kv_heads). local_heads: the query heads of the window's or chunk's blocks where they
     differ from n_heads (Laguna's num_attention_heads_per_layer; None: n_heads).
@@ -435,6 +437,7 @@ class TransformerConfig:
     attn_sinks: bool = False
     sink_layers: Optional[tuple[int, ...]] = None
     value_scale: float = 1.0
+    clip_qkv: Optional[float] = None
     local_kv_heads: Optional[int] = None
     local_heads: Optional[int] = None
     attn_gate: bool = False
@@ -548,6 +551,9 @@ class TransformerConfig:
             check_positive_int("v_head_dim", self.v_head_dim)
         if self.value_scale != 1.0 and self.kv_rank is not None:
             raise ValueError("value_scale: scales grouped-query attention's values, not multi-latent attention's")
+        check_clip_qkv(self.clip_qkv, self.kv_rank)
+        if self.clip_qkv is not None and self.linear_layers:
+            raise ValueError("clip_qkv: clamps the attention blocks' q, k and v; the linear-attention blocks (linear_layers) have no such clamp")
         if self.sink_layers is not None and not self.attn_sinks:
             raise ValueError("sink_layers: the blocks with attention sinks, needs attn_sinks")
         for name in ("pre_norms", "post_norms", "moe_out_norm", "parallel_blocks", "layer_norms", "nope_qk_norm", "route_on_input", "attn_gate",
@@ -691,7 +697,7 @@ class TransformerConfig:
         return AttentionConfig(
             n_heads=self.local_heads if local and self.local_heads is not None else self.n_heads,
             n_kv_heads=self.local_kv_heads if local and self.local_kv_heads is not None else self.n_kv_heads,
-            head_dim=self.head_dim, rope_base=self.rope_base, v_scale=self.value_scale,
+            head_dim=self.head_dim, rope_base=self.rope_base, v_scale=self.value_scale, clip_qkv=self.clip_qkv,
             rot_dim=self.rope_dim, interleaved=self.rope_interleaved, yarn_factor=self.yarn_factor,
             yarn_original_max_positions=self.yarn_original_max_positions, yarn_beta_fast=self.yarn_beta_fast,
             yarn_beta_slow=self.yarn_beta_slow, yarn_mscale=self.yarn_mscale, yarn_mscale_all_dim=self.yarn_mscale_all_dim,

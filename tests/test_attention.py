@@ -46,7 +46,10 @@ def _loop_attention(x, p, cfg, cu):
         cos, sin = angles.cos().float(), angles.sin().float()
     else:
         cos, sin = rope_tables(positions, cfg)
-    q, k, v = (x @ p["wq"]).view(T, N, D), (x @ p["wk"]).view(T, G, D), (x @ p["wv"]).view(T, G, -1) * cfg.v_scale
+    q, k, v = (x @ p["wq"]).view(T, N, D), (x @ p["wk"]).view(T, G, D), (x @ p["wv"]).view(T, G, -1)
+    if cfg.clip_qkv is not None:  # each projection clamped to [-c, c] (DBRX)
+        q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
+    v = v * cfg.v_scale
     if cfg.rope:
         q, k = (apply_rope(t, cos, sin, interleaved=cfg.interleaved, impl="torch") for t in (q, k))
     if cfg.qk_norm == "rms":  # each head's channels / their root mean square, no weight
@@ -90,10 +93,10 @@ def _rel(a, b):
                                  dataclasses.replace(CFG, window=4, local_rope_base=100.0),
                                  dataclasses.replace(CFG, chunk=3, local_rope_base=50.0, rot_dim=8, llama3_factor=8.0, llama3_original_max_positions=4),
                                  dataclasses.replace(YARN, window=4, local_rope_base=100.0, yarn_mscale=1.0, yarn_mscale_all_dim=0.0),
-                                 dataclasses.replace(CFG, v_dim=12, v_scale=0.7, window=4)],
+                                 dataclasses.replace(CFG, v_dim=12, v_scale=0.7, window=4), dataclasses.replace(CFG, clip_qkv=0.5)],
                          ids=["rope", "yarn", "partial-interleaved", "sliding-window", "chunked", "chunked-rms-norms", "nope-temperature",
                               "rope-temperature-offset-0", "window-local-base", "chunk-local-base-llama3", "window-local-base-yarn",
-                              "value-dim-scale"])
+                              "value-dim-scale", "clip-qkv"])
 def test_attention_matches_per_token_loop(cfg, impl):
     _check_against_definition(cfg, impl, _params(cfg), _loop_attention)
 
@@ -174,6 +177,25 @@ def test_gated_attention_matches_per_token_loop(impl):
         assert _rel(attention(x, p, cfg, _ctx(cu, cfg))[0], attention(x, plain, cfg, _ctx(cu, cfg))[0]) > 1e-1
     with pytest.raises(ValueError, match=r"params\['wg'\]: expected torch.float32 \[32, 64\] tensor or none, got torch.float32 \[32, 32\]"):
         attention(x, dict(p, wg=torch.zeros(H, H)), cfg, _ctx(cu, cfg))
+
+
+def test_clip_qkv_clamps_q_k_and_v_and_is_checked():
+    """DBRX's clip_qkv: a bound the projections pass changes nothing (bit for bit); 0.5 clamps
+    most of these unit-scale projections and changes the output (its definition: the loop's
+    clamp, test_attention_matches_per_token_loop[clip-qkv]); bad bounds are refused."""
+    p, cu = _params(CFG), torch.tensor([0, 5, 6, 17], dtype=torch.int32)
+    x = torch.randn(17, H)
+    with torch.no_grad():
+        bound = max(float((x @ p[n]).abs().max()) for n in ("wq", "wk", "wv")) * 1.01
+        plain = attention(x, p, CFG, _ctx(cu, CFG))[0]
+        loose, tight = (dataclasses.replace(CFG, clip_qkv=c) for c in (bound, 0.5))
+        assert torch.equal(attention(x, p, loose, _ctx(cu, loose))[0], plain)
+        assert _rel(attention(x, p, tight, _ctx(cu, tight))[0], plain) > 1e-1
+    for bad in (0, -1.0, math.inf, True, "8"):
+        with pytest.raises(ValueError, match=r"clip_qkv: expected None or a finite number > 0, got "):
+            dataclasses.replace(CFG, clip_qkv=bad)
+    with pytest.raises(ValueError, match="clip_qkv: clamps grouped-query attention's q, k and v, not multi-latent attention's"):
+        AttentionConfig(n_heads=4, n_kv_heads=4, head_dim=12, rot_dim=4, kv_rank=6, v_dim=5, clip_qkv=8.0)
 
 
 def _check_against_definition(cfg, impl, p, definition):

@@ -322,6 +322,11 @@ FAMILIES = {
         routed_scaling_factor=1.5, rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=4,
                                                         beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.5),
         bos_token_id=None, eos_token_id=None, pad_token_id=None),
+    # DBRX: its own names; bias-free LayerNorms, q, k and v the rows of one Wqkv clamped to [-2, 2] (about a
+    # quarter of these projections clamped), softmax top-2 renormalised, the experts' rows in one [E F, H] per matrix
+    "dbrx": lambda: transformers.DbrxConfig(vocab_size=V, d_model=32, n_layers=3, n_heads=4, max_seq_len=128, attn_config=dict(clip_qkv=2.0, kv_n_heads=2, rope_theta=5e5),
+                                            ffn_config=dict(ffn_hidden_size=24, moe_num_experts=4, moe_top_k=2),
+                                            rope_parameters=dict(rope_type="default", rope_theta=5e5)),
 }
 DOCS = (7, 12, 5)  # packed documents
 
@@ -333,10 +338,11 @@ def _causal_lm(model_type: str):
 
 def _randomised(model):
     """The transformers model with every weight drawn again, so that a wrong mapping shows: the
-    norms' near 1, everything else about 0.3; in eval mode."""
+    norms' near 1 (a norm: its module's name says so; DBRX's attention sits under a module
+    named norm_attn_norm), everything else about 0.3; in eval mode."""
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
+            p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in name.rsplit(".", 2)[-2] else 0.3 * torch.randn_like(p))
     return model.eval()
 
 
@@ -900,6 +906,8 @@ def test_a_field_left_out_reads_as_transformers_fills_it(family):
 
     checked = 0
     for field, config in _left_out(made.to_dict()):
+        if (family, field) == ("dbrx", "rope_parameters"):  # fmoe reads attn_config.rope_theta there (test_a_released_dbrx_folder_...)
+            continue
         try:
             theirs = cls(**{k: v for k, v in config.items() if k != "model_type"}).to_dict()
         except Exception:  # transformers refuses it too
@@ -1252,6 +1260,37 @@ def test_a_released_axk1_folder_reads_as_transformers_reads_it(folders, tmp_path
     assert [every_other.is_moe(i) for i in range(3)] == [False, False, True]  # from block 1 on, i % 2 == 0
 
 
+def test_a_released_dbrx_folder_reads_its_rope_base_clip_and_routing(folders, tmp_path):
+    """DBRX: a released config.json gives the RoPE base only in attn_config.rope_theta (and a
+    router jitter, training noise, not built). fmoe reads that base, as DBRX was trained and
+    transformers 4 read it; transformers 5.24 builds such a folder at its default 10000. The
+    clamp and the weights kept as they are (moe_normalize_expert_weights None) are as
+    transformers computes them."""
+    path, ref = folders["dbrx"]
+
+    def released(c):
+        c.pop("rope_parameters")
+        c["attn_config"] = dict(clip_qkv=2.0, kv_n_heads=2, rope_theta=5e5, model_type="")
+        c["ffn_config"] = dict(ffn_hidden_size=24, moe_num_experts=4, moe_top_k=2, moe_jitter_eps=0.01, moe_loss_weight=0.05, model_type="")
+
+    folder = _edit(path, tmp_path / "released", released)
+    assert transformers.AutoConfig.from_pretrained(folder).rope_parameters["rope_theta"] == 10000.0  # transformers 5.24's reading
+    model, cfg = hf.from_pretrained(folder, impl="torch")
+    assert (cfg.rope_base, cfg.clip_qkv, cfg.layer_norms, cfg.pre_softmax, cfg.n_dense, cfg.norm_eps) == (5e5, 2.0, True, False, 0, 1e-5)
+    docs, ids, cu = _packed()
+    with torch.no_grad():
+        theirs = torch.cat([ref(d[None]).logits[0] for d in docs])  # the table's model: its top level at 5e5
+        assert _rel(model.logits(ids, cu), theirs) < 1e-5
+        for name, change in (("unclamped", lambda c: c["attn_config"].update(clip_qkv=1e9)),
+                             ("weights kept", lambda c: c["ffn_config"].update(moe_normalize_expert_weights=None))):
+            other = _edit(path, tmp_path / name, change)
+            theirs_other = transformers.AutoModelForCausalLM.from_pretrained(other, dtype=torch.float32).eval()
+            want = torch.cat([theirs_other(d[None]).logits[0] for d in docs])
+            mine = hf.from_pretrained(other, impl="torch")[0].logits(ids, cu)
+            assert _rel(mine, want) < 1e-5 and _rel(want, theirs) > 1e-3, name  # each piece matters, and fmoe has it
+    assert hf.read_config(tmp_path / "weights kept")[1].pre_softmax
+
+
 def test_a_released_glm4v_moe_folder_loads_its_text_model(tmp_path):
     """A glm4v_moe folder (GLM-4.5V, GLM-4.6V): GLM-4.5's text model (q/k/v biases by default,
     no q/k norms, RoPE on half of each head with the released mrope_section, plain for text)
@@ -1437,6 +1476,11 @@ def _edit(src, dst, change):
 # config.json edits fmoe refuses: (family, edit, the error it names)
 BAD_CONFIGS = [
     ("mixtral", lambda c: c.update(model_type="gpt2"), "config.json: model_type 'gpt2' is not supported"),
+    ("dbrx", lambda c: c["ffn_config"].update(moe_normalize_expert_weights=2.0),
+     r"config.json: moe_normalize_expert_weights = 2.0 is not supported \(the chosen weights divided by their sum \(1\) or kept as they are"),
+    ("dbrx", lambda c: c["ffn_config"].update(ffn_act_fn={"name": "gelu"}), r"config.json: ffn_act_fn = \{'name': 'gelu'\} is not supported"),
+    ("dbrx", lambda c: c.update(tie_word_embeddings=True), r"config.json: tie_word_embeddings = True is not supported \(DBRX's head is its own"),
+    ("dbrx", lambda c: c.update(n_heads=3), r"config.json: d_model = 32 is not supported \(n_heads = 3 heads of d_model / n_heads channels\)"),
     ("olmoe", lambda c: c.update(sliding_window=64),
      r"config.json: sliding_window = 64 is not supported \(no sliding-window attention in this family\)"),
     ("qwen2_moe", lambda c: c.update(layer_types=["chunked_attention"] * 3), "config.json: layer_types = .* is not supported"),
@@ -2262,7 +2306,7 @@ def _load_sharded(rank, world, path, family, out):
     return read, full
 
 
-SHARDED_FAMILIES = ("qwen3_moe", "deepseek_v3", "gpt_oss", "granitemoeshared", "sarvam_moe", "kimi_linear", "laguna")
+SHARDED_FAMILIES = ("qwen3_moe", "deepseek_v3", "gpt_oss", "granitemoeshared", "sarvam_moe", "kimi_linear", "laguna", "dbrx")
 TP_FAMILIES = ("sarvam_moe", "kimi_linear", "laguna")  # Laguna's: each block's own query heads, a gate column per head
 
 

@@ -59,6 +59,8 @@ VARIANTS = {
     # LayerNorms, each head its own weights
     "cohere": dataclasses.replace(TINY, parallel_blocks=True, layer_norms=True, window=4, window_layers=(0, 2), nope_layers=(1,),
                                   rope_interleaved=True, logit_divisor=4.0, qk_norm="head_layer", mtp_depth=1),
+    # DBRX's: every block MoE (softmax top-2 renormalised, no shared expert), bias-free LayerNorms, q, k and v clamped to [-0.5, 0.5]
+    "dbrx": dataclasses.replace(TINY, n_dense=0, n_shared=0, score="softmax", expert_bias=False, layer_norms=True, clip_qkv=0.5, mtp_depth=1),
     # A.X-K1's: a norm on the MoE blocks' output only (blocks 1 and 2, and the MTP block's), none on the dense block's or the attention's
     "moe out norm": dataclasses.replace(TINY, moe_out_norm=True, mtp_depth=1),
     # LFM2's blocks: gated short convolutions (3 taps over the 32 channels, 8 heads of 4) in blocks 0 and 1, per-head q/k norms
@@ -796,7 +798,11 @@ def test_mimo_attention_knobs_build_what_they_say():
                                (dict(value_scale=0.0), "value_scale: expected a positive finite number"),
                                (dict(v_head_dim=0), "v_head_dim: expected >= 1, got 0"),
                                (dict(n_kv_heads=4, head_dim=12, rope_dim=4, q_rank=10, kv_rank=6, v_head_dim=5, value_scale=0.5),
-                                "value_scale: scales grouped-query attention's values, not multi-latent attention's")):
+                                "value_scale: scales grouped-query attention's values, not multi-latent attention's"),
+                               (dict(clip_qkv=0.0), "clip_qkv: expected None or a finite number > 0, got 0.0"),
+                               (dict(n_kv_heads=4, head_dim=12, rope_dim=4, q_rank=10, kv_rank=6, v_head_dim=5, clip_qkv=8.0),
+                                "clip_qkv: clamps grouped-query attention's q, k and v, not multi-latent attention's"),
+                               (dict(clip_qkv=8.0, linear_layers=(0,)), r"clip_qkv: clamps the attention blocks' q, k and v; the linear-attention")):
         with pytest.raises(ValueError, match=message):
             dataclasses.replace(TINY, **overrides)
 
@@ -943,6 +949,8 @@ DECODED = {
     "llama4": dataclasses.replace(VARIANTS["llama4"], mtp_depth=0, llama3_factor=4.0, llama3_original_max_positions=16),
     "mla, sinks, output bias, gate": dataclasses.replace(VARIANTS["mla, group top-2, mtp norm"], attn_sinks=True, o_bias=True, attn_gate=True),
     "afmoe": dataclasses.replace(VARIANTS["afmoe"], mtp_depth=0),
+    # DBRX's: q, k and v clamped (the cached keys and values are the clamped ones)
+    "dbrx": dataclasses.replace(VARIANTS["dbrx"], mtp_depth=0),
     # Mellum's: the window's blocks (rings) with their own plain RoPE base beside full blocks with Llama 3.1's scaling
     "local rope base": dataclasses.replace(TINY, qk_norm="head", window=4, window_layers=(0, 2), local_rope_base=100.0, rope_base=5e5,
                                            llama3_factor=4.0, llama3_original_max_positions=16),
