@@ -1394,8 +1394,7 @@ def _dbrx(hf: dict) -> dict:
     multiplicative noise in training, is not built (a loaded model's function is the same;
     fmoe's fine-tuning routes without it); the dropouts are not either."""
     attn, ffn = {**_DBRX_ATTN, **(hf.get("attn_config") or {})}, {**_DBRX_FFN, **(hf.get("ffn_config") or {})}
-    act = ffn["ffn_act_fn"] or {"name": "silu"}
-    _refuse(ffn, "ffn_act_fn", lambda v: act == {"name": "silu"}, "SwiGLU with silu only")
+    _refuse(ffn, "ffn_act_fn", lambda v: (v or {"name": "silu"}) == {"name": "silu"}, "SwiGLU with silu only")
     norm = ffn["moe_normalize_expert_weights"]
     _refuse(ffn, "moe_normalize_expert_weights", lambda v: v is None or v == 1,
             "the chosen weights divided by their sum (1) or kept as they are (None)")

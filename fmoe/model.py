@@ -305,9 +305,9 @@ class TransformerConfig:
     (MiMo-V2-Flash; None: head_dim), and value_scale multiplies its values (MiMo-V2-Flash's
     attention_value_scale). clip_qkv: grouped-query attention's q, k and v clamped to
     [-clip_qkv, clip_qkv] after their projections (DBRX; fmoe.layers.AttentionConfig.clip_qkv;
-    not beside linear-attention blocks, which would not clamp). local_kv_heads: the kv heads of the window's or chunk's blocks
-    where they differ from n_kv_heads (MiMo-V2-Flash's sliding blocks: twice as many; None:
-    n_kv_heads). local_heads: the query heads of the window's or chunk's blocks where they
+    not beside linear-attention blocks, which would not clamp). local_kv_heads: the kv heads
+    of the window's or chunk's blocks where they differ from n_kv_heads (MiMo-V2-Flash's
+    sliding blocks: twice as many; None: n_kv_heads). local_heads: the query heads of the window's or chunk's blocks where they
     differ from n_heads (Laguna's num_attention_heads_per_layer; None: n_heads).
     index_topk
     (with q_rank and kv_rank): DeepSeek sparse attention in every block (DeepSeek-V3.2,
