@@ -125,9 +125,36 @@ def _perturb_zeros_and_ones(*models):
                     m.get_parameter(name).mul_(10.0)
 
 
+def _reference(ref, batches, valid, mtp_depth, rank, world):
+    """The one-process reference over every micro-batch, batch i computed by rank i % world
+    alone and the ranks' shares summed (each rank's reference is the same model): ref's
+    gradients (in .grad), and per batch its LM sum and indexer loss (None: none), with the
+    tokens per expert summed over the batches. One reference pass over the batches in all,
+    not one per rank: 4 ranks share 2 cores here."""
+    n, names = len(batches), list(ref.moe_layers())
+    sums, index, has_index = (torch.zeros(n, dtype=torch.float64) for _ in range(3))
+    counts = torch.zeros(len(names), ref.cfg.n_experts, dtype=torch.int64)
+    for i in range(rank, n, world):
+        loss, losses, stats = _loss(ref, batches[i], valid, mtp_depth)
+        loss.backward()
+        sums[i] = float(losses["lm_sum"].detach())
+        if ref.index_loss_sum() is not None:  # DeepSeek sparse attention's indexer losses
+            index[i], has_index[i] = float(ref.index_loss_sum()), 1.0
+        for j, name in enumerate(names):
+            counts[j] += stats[name]["tokens_per_expert"]
+    for p in ref.parameters():
+        if p.grad is None:  # a rank with no batch of its own adds nothing
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad)
+    for t in (sums, index, has_index, counts):
+        dist.all_reduce(t)
+    return sums.tolist(), [float(v) if h else None for v, h in zip(index, has_index)], dict(zip(names, counts))
+
+
 def _compare(rank, world, sizes, overrides):
-    """Reference in every process on all micro-batches, then the parallel model on this
-    rank's data share; returns the max relative errors of the losses and every gradient."""
+    """The one-process reference on all micro-batches (shared out over the ranks: _reference),
+    then the parallel model on this rank's data share; returns the max relative errors of the
+    losses and every gradient."""
     from fmoe.model import MoE, RMSNorm, Transformer, TransformerConfig
     from fmoe.ops import update_expert_bias
     from fmoe.optim import grad_norm
@@ -146,14 +173,7 @@ def _compare(rank, world, sizes, overrides):
     cp, cp_rank = meshes.cp, meshes.batch.get_local_rank("cp")
     meshes.token_mesh, meshes.tp_mesh  # noqa: B018 (sliced once, before the host reads are counted)
     valid = sum(int(b["loss_mask"].sum()) for b in batches)
-    ref_sums, ref_index, ref_counts = [], [], {}
-    for b in batches:
-        loss, losses, stats = _loss(ref, b, valid, cfg.mtp_depth)
-        loss.backward()
-        ref_sums.append(float(losses["lm_sum"].detach()))
-        ref_index.append(ref.index_loss_sum())  # DeepSeek sparse attention's indexer losses (None: none)
-        for name, layer in stats.items():
-            ref_counts[name] = ref_counts.get(name, 0) + layer["tokens_per_expert"]
+    ref_sums, ref_index, ref_counts = _reference(ref, batches, valid, cfg.mtp_depth, rank, world)
     parallelize(model, meshes)
     # sequence parallelism: every norm inside a block (the residual stream) and every MoE
     # layer sees T/tp rows under tp; the final norm (before the head) sees all T
