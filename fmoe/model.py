@@ -307,8 +307,9 @@ class TransformerConfig:
     [-clip_qkv, clip_qkv] after their projections (DBRX; fmoe.layers.AttentionConfig.clip_qkv;
     not beside linear-attention blocks, which would not clamp). local_kv_heads: the kv heads
     of the window's or chunk's blocks where they differ from n_kv_heads (MiMo-V2-Flash's
-    sliding blocks: twice as many; None: n_kv_heads). local_heads: the query heads of the window's or chunk's blocks where they
-    differ from n_heads (Laguna's num_attention_heads_per_layer; None: n_heads).
+    sliding blocks: twice as many; None: n_kv_heads). local_heads: the query heads of the
+    window's or chunk's blocks where they differ from n_heads (Laguna's
+    num_attention_heads_per_layer; None: n_heads).
     index_topk
     (with q_rank and kv_rank): DeepSeek sparse attention in every block (DeepSeek-V3.2,
     GLM-5), each query attending to the index_topk keys a lightning indexer of index_heads

@@ -138,8 +138,9 @@ def _reference(ref, batches, valid, mtp_depth, rank, world):
         loss, losses, stats = _loss(ref, batches[i], valid, mtp_depth)
         loss.backward()
         sums[i] = float(losses["lm_sum"].detach())
-        if ref.index_loss_sum() is not None:  # DeepSeek sparse attention's indexer losses
-            index[i], has_index[i] = float(ref.index_loss_sum()), 1.0
+        index_loss = ref.index_loss_sum()  # DeepSeek sparse attention's indexer losses (None: none)
+        if index_loss is not None:
+            index[i], has_index[i] = float(index_loss), 1.0
         for j, name in enumerate(names):
             counts[j] += stats[name]["tokens_per_expert"]
     for p in ref.parameters():
