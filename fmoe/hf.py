@@ -334,10 +334,49 @@ def _rope_by_layer_type(hf: dict, defaults: dict, partial: Optional[float] = Non
 def _phi3(hf: dict) -> dict:
     """Phi-3 / Phi-4 (phi3, dense): Llama's blocks with q, k and v as the rows of one qkv_proj
     and the MLP's gate and up as the rows of one gate_up_proj (Family.qkv, dense_gate_up), RoPE
-    on the first partial_rotary_factor of each head (Phi-4-mini's 0.75), a sliding window over
-    every layer where sliding_window is set."""
-    common = _dense(hf, sliding=True)
-    return dict(common, rope_dim=_partial_rope(hf, common["head_dim"]))
+    on the first partial_rotary_factor of each head (Phi-4-mini's 0.75), plain or LongRoPE
+    (_longrope: Phi-3.5-mini's, Phi-4-mini's), a sliding window over every layer where
+    sliding_window is set."""
+    _rope_params(dict(hf, rope_parameters=_longrope_renamed(hf)), "longrope")  # plain RoPE or LongRoPE, else a ValueError
+    plain, longrope = _longrope(hf)
+    common = _dense(plain, sliding=True)
+    return dict(common, rope_dim=_partial_rope(hf, common["head_dim"]), **longrope)
+
+
+def _longrope_renamed(hf: dict) -> dict:
+    """config.json's RoPE parameters, the older rope type "su" named "longrope"."""
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    return dict(params, rope_type="longrope") if params.get("rope_type", params.get("type")) == "su" else params
+
+
+def _longrope(hf: dict, mscales: bool = False) -> tuple[dict, dict]:
+    """(config.json with plain RoPE, TransformerConfig's LongRoPE knobs) of rope_type
+    "longrope" (older "su"): short_factor and long_factor, switched beyond
+    original_max_position_embeddings (the top level's first, as transformers reads it, else
+    rope_parameters', else max_position_embeddings); cos and sin scaled by attention_factor,
+    else sqrt(1 + ln s / ln L) with s = factor, else max_position_embeddings / L (Phi-3's), or
+    with `mscales` by short_mscale and long_mscale (Phi-3.5-MoE's). ({} for plain RoPE.)"""
+    params = _longrope_renamed(hf)
+    if (params.get("rope_type", params.get("type")) or "default") != "longrope":
+        return hf, {}
+    needs = ("short_factor", "long_factor") + (("short_mscale", "long_mscale") if mscales else ())
+    missing = [name for name in needs if params.get(name) is None]
+    if missing:
+        raise ValueError(f"config.json: rope_parameters of rope type 'longrope' lack {', '.join(missing)}")
+    L = _get(hf, "original_max_position_embeddings", default=params.get("original_max_position_embeddings"))
+    L = int(hf["max_position_embeddings"] if L is None else L)
+    if mscales:
+        short, long = float(params["short_mscale"]), float(params["long_mscale"])
+    elif params.get("attention_factor"):
+        short = long = float(params["attention_factor"])
+    else:
+        factor = params.get("factor") or hf["max_position_embeddings"] / L
+        short = long = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(L))
+    plain = dict(hf, rope_parameters=dict(rope_type="default", rope_theta=params.get("rope_theta", hf.get("rope_theta", 10000.0)),
+                                          **{k: v for k, v in params.items() if k == "partial_rotary_factor"}), rope_scaling=None)
+    return plain, dict(longrope_short_factors=tuple(float(f) for f in params["short_factor"]),
+                       longrope_long_factors=tuple(float(f) for f in params["long_factor"]), longrope_original_max_positions=L,
+                       longrope_short_scale=short, longrope_long_scale=long)
 
 
 def _glm4(hf: dict) -> dict:
@@ -1781,7 +1820,8 @@ FAMILIES = {
     "olmo2": Family(_olmo2, "mlp", _PROJ, "Olmo2ForCausalLM", defaults=dict(rms_norm_eps=1e-5)),
     "olmo3": Family(_olmo3, "mlp", _PROJ, "Olmo3ForCausalLM", defaults=dict(rms_norm_eps=1e-5, sliding_window=4096)),
     "granite": Family(_granite, "mlp", _PROJ, "GraniteForCausalLM"),
-    "phi3": Family(_phi3, "mlp", _PROJ, "Phi3ForCausalLM", qkv="qkv_proj", dense_gate_up=True, defaults=dict(rms_norm_eps=1e-5)),
+    "phi3": Family(_phi3, "mlp", _PROJ, "Phi3ForCausalLM", qkv="qkv_proj", dense_gate_up=True,
+                   defaults=dict(rms_norm_eps=1e-5, max_position_embeddings=4096, original_max_position_embeddings=4096)),
     "glm4": Family(_glm4, "mlp", _PROJ, "Glm4ForCausalLM", dense_gate_up=True,
                    sandwich=("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm"),
                    defaults=dict(num_key_value_heads=2, head_dim=128, rms_norm_eps=1.5625e-07, attention_bias=True, partial_rotary_factor=0.5)),
@@ -2490,7 +2530,13 @@ def _rotary_factor(cfg: TransformerConfig) -> float:
 
 
 def _rope_parameters(cfg: TransformerConfig) -> dict:
-    """config.json's rope_parameters of plain RoPE, or with Llama 3.1's scaling (what _rope reads back)."""
+    """config.json's rope_parameters of plain RoPE, or with Llama 3.1's scaling (what _rope
+    reads back), or LongRoPE (what _longrope reads back; its short scale as attention_factor,
+    Phi-3's, which config_mismatch finds wrong where the long one differs)."""
+    if cfg.longrope_short_factors is not None:
+        return dict(rope_type="longrope", rope_theta=cfg.rope_base, short_factor=list(cfg.longrope_short_factors),
+                    long_factor=list(cfg.longrope_long_factors or cfg.longrope_short_factors),
+                    original_max_position_embeddings=cfg.longrope_original_max_positions, attention_factor=cfg.longrope_short_scale)
     if cfg.llama3_factor is None:
         return {"rope_theta": cfg.rope_base, "rope_type": "default"}
     return dict(rope_type="llama3", rope_theta=cfg.rope_base, factor=cfg.llama3_factor, low_freq_factor=cfg.llama3_low_freq_factor,
@@ -2719,6 +2765,8 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
             hf.update(attention_bias=cfg.qkv_bias, attention_out_bias=cfg.o_bias)
         elif model_type in ("phi3", "glm4"):  # RoPE on the first partial_rotary_factor of each head
             hf["rope_parameters"]["partial_rotary_factor"] = _rotary_factor(cfg)
+            if model_type == "phi3" and cfg.longrope_short_factors is not None:  # transformers reads the top level's, by default 4096
+                hf.update(original_max_position_embeddings=cfg.longrope_original_max_positions)
             hf.update(dict(sliding_window=cfg.window) if model_type == "phi3" else dict(attention_bias=cfg.qkv_bias))
         elif model_type == "granite":
             if cfg.attn_scale is None:  # Granite's attention_multiplier is the scale itself: the default one written out
@@ -2838,6 +2886,8 @@ def config_mismatch(cfg: TransformerConfig, hf: dict) -> dict[str, tuple]:
         ignored |= {"llama3_low_freq_factor", "llama3_high_freq_factor", "llama3_original_max_positions"}
     if family.mtp:  # any depth; MTP modules without their own output norm are written with a copy of the final one
         ignored |= {"mtp_depth", "mtp_norm"}
+    if cfg.longrope_short_factors is not None:  # LongRoPE without long factors has the short ones there too (written as both)
+        cfg, back = (dataclasses.replace(c, longrope_long_factors=c.longrope_long_factors or c.longrope_short_factors) for c in (cfg, back))
     moe = [cfg.is_moe(i) for i in range(cfg.n_layers)], [back.is_moe(i) for i in range(back.n_layers)]
     if not any(moe[0]) and not any(moe[1]):  # dense models: the MoE fields mean nothing
         ignored |= _MOE_ONLY

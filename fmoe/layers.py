@@ -104,6 +104,7 @@ from fmoe.ops.packed import roll_packed, sequence_ids
 from fmoe.ops.rope import (
     apply_rope,
     llama3_inv_freq,
+    longrope_inv_freq,
     rope_cos_sin,
     rope_inv_freq,
     yarn_cos_sin_scale,
@@ -418,6 +419,15 @@ class AttentionConfig:
     llama3_factor: Llama 3.1's frequency-dependent RoPE scaling (None: none; not with YaRN),
     with llama3_low_freq_factor, llama3_high_freq_factor, llama3_original_max_positions
     (fmoe.ops.rope.llama3_inv_freq).
+    longrope_short_factors: LongRoPE (Phi-3's "longrope"; None: none; not with YaRN or
+    Llama 3.1's scaling): rot_dim/2 factors dividing the frequencies
+    (fmoe.ops.rope.longrope_inv_freq) in a document of at most
+    longrope_original_max_positions positions, cos and sin times longrope_short_scale;
+    longrope_long_factors and longrope_long_scale in a longer one (None: the short ones). A
+    document's length is its largest position + 1, read on the device (no host sync);
+    under context parallel, its span in the global cu_seqlens (attention_context). Decoding
+    switches as the sequence grows past longrope_original_max_positions, its cached keys
+    keep the short factors (transformers drops such a cache; fmoe does not).
     rope: False leaves q and k unrotated (NoPE: position only through the causal mask;
     EXAONE's global layers), the context's RoPE tables unused; grouped-query attention only.
     local_rope_base: the RoPE base of a layer with a window or a chunk: plain RoPE at this
@@ -508,6 +518,11 @@ class AttentionConfig:
     llama3_low_freq_factor: float = 1.0
     llama3_high_freq_factor: float = 4.0
     llama3_original_max_positions: int = 8192
+    longrope_short_factors: Optional[tuple[float, ...]] = None
+    longrope_long_factors: Optional[tuple[float, ...]] = None
+    longrope_original_max_positions: int = 4096
+    longrope_short_scale: float = 1.0
+    longrope_long_scale: float = 1.0
     chunk: Optional[int] = None
     temperature_floor: Optional[int] = None
     temperature_scale: float = 0.1
@@ -556,6 +571,7 @@ class AttentionConfig:
             except ValueError as e:
                 name, rest = str(e).split(":", 1)
                 raise ValueError(f"{'rope_base' if name == 'base' else 'llama3_' + name}:{rest}") from None
+        self._check_longrope_knobs()
         if self.qk_norm_after_rope and self.qk_norm not in ("head", "rms"):
             raise ValueError(f"qk_norm_after_rope: needs per-head norms (qk_norm 'head' or 'rms'), got qk_norm={self.qk_norm!r}")
         if self.scale is not None and (isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) or not 0 < self.scale < math.inf):
@@ -577,7 +593,7 @@ class AttentionConfig:
             raise ValueError(f"temperature_offset: expected 0 (Mistral 4) or 1 (Llama 4), got {self.temperature_offset!r}")
         if not isinstance(self.rope, bool):
             raise ValueError(f"rope: expected a bool, got {self.rope!r}")
-        if self.rope and self.llama3_factor is None:
+        if self.rope and self.llama3_factor is None and self.longrope_short_factors is None:
             _check_rope_knobs(self)
         if isinstance(self.v_scale, bool) or not isinstance(self.v_scale, (int, float)) or not 0 < self.v_scale < math.inf:
             raise ValueError(f"v_scale: expected a finite number > 0, got {self.v_scale!r}")
@@ -624,6 +640,33 @@ class AttentionConfig:
         if self.impl == "flex":
             raise ValueError("impl: DeepSeek sparse attention's top-k mask is a dense mask, attended by the SDPA reference; use impl 'auto' or 'torch'")
 
+    def _check_longrope_knobs(self) -> None:
+        """LongRoPE's knobs (class docstring): ValueError naming the field."""
+        if self.longrope_short_factors is None:
+            knobs = dict(longrope_long_factors=None, longrope_original_max_positions=4096, longrope_short_scale=1.0, longrope_long_scale=1.0)
+            changed = [name for name, default in knobs.items() if getattr(self, name) != default]
+            if changed:
+                raise ValueError(f"{changed[0]}: a knob of LongRoPE, needs longrope_short_factors")
+            return
+        if self.yarn_factor is not None or self.llama3_factor is not None:
+            raise ValueError(f"longrope_short_factors: one RoPE scaling at a time, not with {'yarn' if self.yarn_factor is not None else 'llama3'}_factor")
+        check_positive_int("longrope_original_max_positions", self.longrope_original_max_positions)
+        for kind in ("short", "long"):
+            factors = getattr(self, f"longrope_{kind}_factors")
+            if factors is not None and not isinstance(factors, (tuple, list)):
+                raise ValueError(f"longrope_{kind}_factors: expected a tuple of numbers, got {type(factors).__name__}")
+            if isinstance(factors, list):  # a config read back from JSON: kept as a tuple (the config is hashed)
+                factors = tuple(factors)
+                object.__setattr__(self, f"longrope_{kind}_factors", factors)
+            try:  # the factors and the base, checked by the op and named as this config's fields
+                longrope_inv_freq(self.rot_dim or self.head_dim, base=self.rope_base, factors=factors or self.longrope_short_factors)
+            except ValueError as e:
+                name, rest = str(e).split(":", 1)
+                raise ValueError(f"{'rope_base' if name == 'base' else f'longrope_{kind}_' + name}:{rest}") from None
+            scale = getattr(self, f"longrope_{kind}_scale")
+            if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
+                raise ValueError(f"longrope_{kind}_scale: expected a finite number > 0, got {scale!r}")
+
     def _llama3(self) -> dict:
         """llama3_inv_freq's keyword arguments."""
         return dict(factor=self.llama3_factor, original_max_positions=self.llama3_original_max_positions,
@@ -651,9 +694,22 @@ def _check_rope_knobs(cfg: AttentionConfig) -> None:
         raise ValueError(f"{field}:{rest}") from None
 
 
-def rope_tables(positions: torch.Tensor, cfg: AttentionConfig):
-    """(cos, sin) [T, rot_dim/2] float32 for cfg's RoPE (Llama 3.1's scaling) or YaRN at positions [T]."""
+def rope_tables(positions: torch.Tensor, cfg: AttentionConfig, lengths: Optional[torch.Tensor] = None):
+    """(cos, sin) [T, rot_dim/2] float32 for cfg's RoPE (Llama 3.1's scaling, LongRoPE) or
+    YaRN at positions [T]. lengths: LongRoPE's switch, [T] int, the length of each token's
+    sequence (None: positions.max() + 1 for every token); a token of a sequence longer than
+    cfg.longrope_original_max_positions gets the long factors and scale, chosen on the device."""
     rot = cfg.rot_dim or cfg.head_dim
+    if cfg.longrope_short_factors is not None:
+        short = longrope_inv_freq(rot, base=cfg.rope_base, factors=cfg.longrope_short_factors).to(positions.device)
+        cos, sin = rope_cos_sin(positions, short, scale=cfg.longrope_short_scale)
+        long = cfg.longrope_long_factors
+        if positions.numel() == 0 or (long in (None, cfg.longrope_short_factors) and cfg.longrope_long_scale == cfg.longrope_short_scale):
+            return cos, sin
+        long = short if long is None else longrope_inv_freq(rot, base=cfg.rope_base, factors=long).to(positions.device)
+        long_cos, long_sin = rope_cos_sin(positions, long, scale=cfg.longrope_long_scale)
+        is_long = ((positions.max() + 1) if lengths is None else lengths[:, None]) > cfg.longrope_original_max_positions
+        return torch.where(is_long, long_cos, cos), torch.where(is_long, long_sin, sin)
     if cfg.llama3_factor is not None:
         return rope_cos_sin(positions, llama3_inv_freq(rot, base=cfg.rope_base, **cfg._llama3()).to(positions.device))
     if cfg.yarn_factor is None:
@@ -1007,14 +1063,29 @@ def attention_context(
         if not fits:
             expected = "a BlockMask" if flex else f"a [{T}, {T_kv}] {'MaskRows' if rows else 'bool tensor'}"
             raise ValueError(f"mask: expected {expected} (cfg.impl = {cfg.impl!r}), got {type(mask).__name__}")
-    cos, sin = rope_tables(positions, cfg)
+    lengths = _sequence_lengths(cu_seqlens, positions, token_index, linear_cp) if cfg.longrope_short_factors is not None else None
+    cos, sin = rope_tables(positions, cfg, lengths)
     local_base = cfg.local_rope_base if local is not None else None  # the local layers' own plain RoPE
     local_cos, local_sin = (None, None) if local_base is None else rope_tables(positions, dataclasses.replace(
-        cfg, rope_base=local_base, rot_dim=cfg.local_rot_dim or cfg.rot_dim, llama3_factor=None, yarn_factor=None))
+        cfg, rope_base=local_base, rot_dim=cfg.local_rot_dim or cfg.rot_dim, llama3_factor=None, yarn_factor=None,
+        longrope_short_factors=None, longrope_long_factors=None, longrope_original_max_positions=4096, longrope_short_scale=1.0,
+        longrope_long_scale=1.0))
     return AttentionContext(cos, sin, mask, gather_kv, window=cfg.window, local_mask=local, chunk=cfg.chunk, positions=positions,
                             local_rope_base=local_base, local_cos=local_cos, local_sin=local_sin, cu_seqlens=cu_seqlens, linear_cp=linear_cp,
                             index_choices={} if cfg.index_topk is not None else None,
                             key_order=torch.argsort(kv_index) if cfg.index_topk is not None and kv_index is not None else None)
+
+
+def _sequence_lengths(cu_seqlens: torch.Tensor, positions: torch.Tensor, token_index: Optional[torch.Tensor], linear_cp) -> torch.Tensor:
+    """[T] the length of each token's document, LongRoPE's switch (rope_tables): its largest
+    position + 1 (a decoded sequence's length so far), or under context parallel (linear_cp:
+    this rank's positions are a part of each document's) the global cu_seqlens' span. No host sync."""
+    rows = torch.arange(positions.shape[0], device=positions.device) if token_index is None else token_index
+    doc = torch.searchsorted(cu_seqlens[1:], rows.to(cu_seqlens.dtype), right=True).clamp_(max=cu_seqlens.shape[0] - 2)
+    if linear_cp is not None:
+        return cu_seqlens.diff()[doc]
+    top = torch.zeros(cu_seqlens.shape[0] - 1, dtype=positions.dtype, device=positions.device)
+    return top.scatter_reduce(0, doc, positions, "amax", include_self=False)[doc] + 1
 
 
 _FLEX_MIN_DIM = 16  # the compiled FlexAttention kernel's smallest head dim (torch 2.11: "NYI ... at least 16")

@@ -287,7 +287,11 @@ class TransformerConfig:
     yarn_original_max_positions, yarn_beta_fast / yarn_beta_slow / yarn_mscale /
     yarn_mscale_all_dim / yarn_truncate; llama3_factor (None: none; not with YaRN) with
     llama3_low_freq_factor / llama3_high_freq_factor / llama3_original_max_positions:
-    Llama 3.1's RoPE scaling (fmoe.ops.rope.llama3_inv_freq). o_bias:
+    Llama 3.1's RoPE scaling (fmoe.ops.rope.llama3_inv_freq); longrope_short_factors (None:
+    none; not with YaRN or Llama 3.1's scaling) with longrope_long_factors /
+    longrope_original_max_positions / longrope_short_scale / longrope_long_scale: LongRoPE,
+    Phi-3's (fmoe.layers.AttentionConfig; the short factors and scale in a document of at
+    most longrope_original_max_positions positions, the long ones in a longer one). o_bias:
     an attention output bias; attn_sinks: a learned sink logit per head (sink_layers: in
     those trunk blocks only, the MTP blocks without; None: every block; MiMo-V2-Flash's
     sliding-window blocks); attn_gate: gated
@@ -425,6 +429,11 @@ class TransformerConfig:
     llama3_low_freq_factor: float = 1.0
     llama3_high_freq_factor: float = 4.0
     llama3_original_max_positions: int = 8192
+    longrope_short_factors: Optional[tuple[float, ...]] = None
+    longrope_long_factors: Optional[tuple[float, ...]] = None
+    longrope_original_max_positions: int = 4096
+    longrope_short_scale: float = 1.0
+    longrope_long_scale: float = 1.0
     q_rank: Optional[int] = None
     kv_rank: Optional[int] = None
     v_head_dim: Optional[int] = None
@@ -573,6 +582,9 @@ class TransformerConfig:
             if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.n_layers for i in layers) or len(set(layers)) != len(layers):
                 raise ValueError(f"{name}: expected distinct block indices in 0..{self.n_layers - 1}, got {getattr(self, name)!r}")
             object.__setattr__(self, name, tuple(sorted(layers)))
+        for name in ("longrope_short_factors", "longrope_long_factors"):  # read back from JSON as lists (AttentionConfig checks them)
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         if self.shared_ffn is not None and (isinstance(self.shared_ffn, bool) or not isinstance(self.shared_ffn, int) or self.shared_ffn < 0):
             raise ValueError(f"shared_ffn: expected an int >= 0 or None, got {self.shared_ffn!r}")
         if self.shared_gate and not self.shared_size:
@@ -704,6 +716,9 @@ class TransformerConfig:
             yarn_beta_slow=self.yarn_beta_slow, yarn_mscale=self.yarn_mscale, yarn_mscale_all_dim=self.yarn_mscale_all_dim,
             yarn_truncate=self.yarn_truncate, llama3_factor=self.llama3_factor, llama3_low_freq_factor=self.llama3_low_freq_factor,
             llama3_high_freq_factor=self.llama3_high_freq_factor, llama3_original_max_positions=self.llama3_original_max_positions,
+            longrope_short_factors=self.longrope_short_factors, longrope_long_factors=self.longrope_long_factors,
+            longrope_original_max_positions=self.longrope_original_max_positions, longrope_short_scale=self.longrope_short_scale,
+            longrope_long_scale=self.longrope_long_scale,
             qk_norm=self.qk_norm if norm else None, qk_norm_after_rope=self.qk_norm_after_rope and norm, norm_eps=self.norm_eps,
             impl=self.impl, q_rank=self.q_rank, kv_rank=self.kv_rank, v_dim=self.v_head_dim, window=self.window if local else None,
             chunk=self.chunk if local else None, scale=self.attn_scale, rope=rope,

@@ -1326,3 +1326,64 @@ def test_proj_qk_norm_averages_q_and_k_statistics_in_one_call():
     # the statistics are q's and k's own: doubling k's mean square changes the output
     other = attention(x, p, cfg, _ctx(cu, cfg), heads_mean=lambda ms: ms * torch.tensor([1.0, 2.0]))[0]
     assert (other - y).abs().max() > 1e-3
+
+
+LONGROPE = dataclasses.replace(CFG, rot_dim=8, longrope_short_factors=(1.0, 1.5, 2.0, 3.0), longrope_long_factors=(2.0, 4.0, 8.0, 16.0),
+                               longrope_original_max_positions=6, longrope_short_scale=1.1, longrope_long_scale=1.3)
+
+
+class _LinearCP:
+    """Stands in for fmoe.parallel.ContextParallel: only its presence matters to the tables."""
+    token_index = conv_halo = gated_delta_rule = staticmethod(lambda *a, **k: None)
+
+
+def test_longrope_switches_per_document_and_reads_the_global_document_under_context_parallel():
+    """Each document of more than longrope_original_max_positions (6) positions gets the long
+    factors and scale, the others the short ones, written out; a context-parallel rank holding
+    only the first 4 tokens of a long document still gives them the long ones (the global
+    cu_seqlens' span), where its positions alone would say short; decoding reads each
+    sequence's largest position."""
+    cu = torch.tensor([0, 5, 14, 20], dtype=torch.int32)  # documents of 5, 9 and 6 positions: short, long, short
+    positions = positions_from_cu_seqlens(cu)
+    ctx = attention_context(cu, positions, LONGROPE)
+    base = 10000.0 ** (-torch.arange(0, 8, 2, dtype=torch.float64) / 8)
+    for a, b, kind in ((0, 5, "short"), (5, 14, "long"), (14, 20, "short")):
+        factors, scale = torch.tensor(getattr(LONGROPE, f"longrope_{kind}_factors"), dtype=torch.float64), getattr(LONGROPE, f"longrope_{kind}_scale")
+        angles = torch.arange(b - a, dtype=torch.float64)[:, None] * (base / factors)[None, :]
+        torch.testing.assert_close(ctx.cos[a:b], (angles.cos() * scale).float(), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(ctx.sin[a:b], (angles.sin() * scale).float(), rtol=1e-6, atol=1e-6)
+    # one document alone: its own length decides, as a model run on it alone
+    torch.testing.assert_close(attention_context(torch.tensor([0, 9], dtype=torch.int32), torch.arange(9), LONGROPE).cos, ctx.cos[5:14])
+    # a context-parallel rank's tokens (the first 4 of the long document and the last 3 of the third)
+    rows = torch.tensor([5, 6, 7, 8, 17, 18, 19])
+    split = attention_context(cu, positions[rows], LONGROPE, token_index=rows, kv_index=torch.arange(20), gather_kv=lambda k, v: (k, v),
+                              linear_cp=_LinearCP())
+    torch.testing.assert_close(split.cos, ctx.cos[rows])
+    torch.testing.assert_close(split.sin, ctx.sin[rows])
+    alone = rope_tables(positions[rows[:4]], LONGROPE)[0]  # those 4 positions alone: 4 <= 6, the short factors
+    assert (alone - ctx.cos[rows[:4]]).abs().max() > 0.1
+    # decoding: a cache of 2 sequences of 16 rows, the new tokens at positions 3 (row 3) and 8 (row 24): short, long
+    decode = attention_context(torch.tensor([0, 16, 32], dtype=torch.int32), torch.tensor([3, 8]), LONGROPE, token_index=torch.tensor([3, 24]),
+                               kv_index=torch.arange(32), gather_kv=lambda k, v: (k, v))
+    torch.testing.assert_close(decode.cos, torch.stack([rope_tables(torch.arange(4), LONGROPE)[0][3], rope_tables(torch.arange(9), LONGROPE)[0][8]]))
+    # without long factors (nor a long scale of its own), the short ones everywhere
+    short = dataclasses.replace(LONGROPE, longrope_long_factors=None, longrope_long_scale=1.1)
+    torch.testing.assert_close(attention_context(cu, positions, short).cos[5:14], rope_tables(torch.arange(9), short)[0])
+    assert (rope_tables(torch.arange(9), short)[0] - ctx.cos[5:14]).abs().max() > 0.1
+
+
+def test_longrope_knobs_are_checked():
+    for knobs, match in ((dict(longrope_long_scale=2.0), "longrope_long_scale: a knob of LongRoPE, needs longrope_short_factors"),
+                         (dict(longrope_short_factors=(1.0,) * 3, rot_dim=8), r"longrope_short_factors: expected 4 numbers"),
+                         (dict(longrope_short_factors=(1.0,) * 8, longrope_long_factors=(1.0,) * 7), r"longrope_long_factors: expected 8 numbers"),
+                         (dict(longrope_short_factors=(1.0,) * 8, longrope_long_factors=(-1.0,) * 8), r"longrope_long_factors\[0\]: expected a finite"),
+                         (dict(longrope_short_factors="12345678"), "longrope_short_factors: expected a tuple of numbers, got str"),
+                         (dict(longrope_short_factors=(1.0,) * 8, longrope_short_scale=0.0), "longrope_short_scale: expected a finite number > 0"),
+                         (dict(longrope_short_factors=(1.0,) * 8, longrope_original_max_positions=0), "longrope_original_max_positions: expected >= 1"),
+                         (dict(longrope_short_factors=(1.0,) * 8, yarn_factor=2.0), "longrope_short_factors: one RoPE scaling at a time, not with yarn"),
+                         (dict(longrope_short_factors=(1.0,) * 8, llama3_factor=2.0), "one RoPE scaling at a time"),
+                         (dict(longrope_short_factors=(1.0,) * 8, rope_base=1.0), "rope_base: expected a finite number > 1")):
+        with pytest.raises(ValueError, match=match):
+            dataclasses.replace(CFG, **knobs)
+    # a config read back from JSON holds lists: kept as tuples (the config is hashed)
+    assert dataclasses.replace(CFG, longrope_short_factors=[1.0] * 8).longrope_short_factors == (1.0,) * 8

@@ -58,9 +58,12 @@ FAMILIES = {
     "hunyuan_v1_dense": lambda: transformers.HunYuanDenseV1Config(**COMMON, head_dim=8, intermediate_size=40, bos_token_id=None, eos_token_id=None,
                                                                   pad_token_id=None, rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0,
                                                                                                           alpha=50.0, factor=1.0)),
-    # Phi-3 / Phi-4: q, k and v the rows of qkv_proj, gate and up of gate_up_proj; RoPE on the first 3/4 of each head
+    # Phi-3 / Phi-4: q, k and v the rows of qkv_proj, gate and up of gate_up_proj; LongRoPE on the first 3/4 of each head,
+    # its long factors in a document of more than 8 positions (DOCS' second), cos and sin scaled by sqrt(1 + ln 16 / ln 8)
     "phi3": lambda: transformers.Phi3Config(**COMMON, intermediate_size=40, bos_token_id=None, eos_token_id=None, pad_token_id=None,
-                                            rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.75)),
+                                            original_max_position_embeddings=8,
+                                            rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.75,
+                                                                 short_factor=[1.0, 1.1, 1.3], long_factor=[1.5, 3.0, 6.0])),
     # GLM-4: sandwich norms, q/k/v biases, RoPE on interleaved pairs of the first half of each head, gate and up of gate_up_proj
     "glm4": lambda: transformers.Glm4Config(**COMMON, head_dim=8, intermediate_size=40, bos_token_id=None, eos_token_id=None, pad_token_id=None),
     # ERNIE 4.5 dense: Llama's blocks with RoPE on interleaved pairs, tied embeddings
@@ -525,7 +528,11 @@ def test_a_failed_export_leaves_no_weight_files(folders, tmp_path, monkeypatch):
                                           ("exaone4", dict(qk_norm="head", pre_norms=False, post_norms=True, window=4, window_layers=(0,), nope_layers=(1,))),
                                           ("exaone4", dict(qk_norm="head", pre_norms=False, post_norms=True)),
                                           ("seed_oss", dict(qkv_bias=True)), ("hunyuan_v1_dense", dict(qk_norm="head", qk_norm_after_rope=True)),
-                                          ("phi3", dict(rope_dim=4, window=4)), ("ernie4_5", dict(rope_interleaved=True, tie_embeddings=True)),
+                                          ("phi3", dict(rope_dim=4, window=4)),
+                                          ("phi3", dict(rope_dim=4, longrope_short_factors=(1.0, 1.5), longrope_long_factors=(2.0, 4.0),
+                                                        longrope_original_max_positions=8, longrope_short_scale=1.25, longrope_long_scale=1.25)),
+                                          ("phi3", dict(longrope_short_factors=(1.0, 1.5, 2.0, 3.0), longrope_original_max_positions=8)),
+                                          ("ernie4_5", dict(rope_interleaved=True, tie_embeddings=True)),
                                           ("lfm2", dict(linear_layers=(0,), linear_kind="short_conv", linear_k_heads=32, linear_v_heads=32,
                                                         linear_k_dim=1, linear_v_dim=1, linear_conv=3, qk_norm="head", tie_embeddings=True)), ("glm4", dict(qkv_bias=True, post_norms=True, rope_interleaved=True, rope_dim=4))])
 def test_a_dense_model_of_fmoe_s_own_exports_as_a_dense_family(family, knobs, tmp_path):
@@ -881,12 +888,33 @@ def test_the_newer_dense_families_read_their_layer_patterns_as_transformers_comp
             ("smollm3", dict(smol, no_rope_layers=[1, 2, 1, 1, 1, 1, 1, 0]), r"no_rope_layers = \[1, 2, .* \(1 for a layer with RoPE, 0 without"),
             ("smollm3", dict(smol, no_rope_layer_interval=0), r"no_rope_layer_interval = 0 is not supported"),
             ("exaone4", dict(exaone, sliding_window_pattern="LXG"), r"sliding_window_pattern = 'LXG' is not supported without layer_types"),
-            # Phi-3.5's and Phi-4-mini's LongRoPE is not built
-            ("phi3", dict(FAMILIES["phi3"]().to_dict(), rope_parameters=dict(rope_type="longrope", rope_theta=1e4, short_factor=[1.0] * 4,
-                                                                               long_factor=[2.0] * 4)),
-             r"rope type 'longrope' is not supported for phi3 \(plain RoPE or llama3\)")):
+            # LongRoPE needs both sets of factors, one per rotated pair
+            ("phi3", dict(FAMILIES["phi3"]().to_dict(), rope_parameters=dict(rope_type="longrope", rope_theta=1e4, short_factor=[1.0] * 3)),
+             r"rope_parameters of rope type 'longrope' lack long_factor"),
+            ("phi3", dict(FAMILIES["phi3"]().to_dict(), rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=2.0)),
+             r"rope type 'yarn' is not supported for phi3 \(plain RoPE or longrope\)")):
         with pytest.raises(ValueError, match=f"config.json: {match}"):
             ours(family, config)
+
+
+def test_phi3_reads_the_released_longrope_layout_and_refuses_to_write_two_scales(tmp_path):
+    """Phi-3.5-mini's and Phi-4-mini's config.json: rope_scaling of type "longrope" (older
+    Phi-3 folders "su") with 3/4 of each head rotated, original_max_position_embeddings at the
+    top level: cos and sin scaled by sqrt(1 + ln 32 / ln 4096), the factors as written; a
+    model whose long scale differs has no phi3 config (its one attention_factor)."""
+    released = dict(FAMILIES["phi3"]().to_dict(), max_position_embeddings=131072, original_max_position_embeddings=4096, rope_parameters=None,
+                    rope_theta=10000.0, partial_rotary_factor=0.75,
+                    rope_scaling=dict(type="longrope", short_factor=[1.0, 1.05, 1.1], long_factor=[1.0, 4.0, 16.0]))
+    for kind in ("longrope", "su"):
+        cfg = TransformerConfig(**hf.FAMILIES["phi3"].kwargs(dict(released, rope_scaling=dict(released["rope_scaling"], type=kind))))
+        assert (cfg.rope_dim, cfg.longrope_short_factors, cfg.longrope_long_factors) == (6, (1.0, 1.05, 1.1), (1.0, 4.0, 16.0))
+        assert cfg.longrope_original_max_positions == 4096
+        assert cfg.longrope_short_scale == cfg.longrope_long_scale == pytest.approx(math.sqrt(1 + math.log(32) / math.log(4096)))
+    theirs = transformers.Phi3Config(**{k: v for k, v in released.items() if k not in ("rope_parameters", "transformers_version")})
+    assert theirs.rope_parameters["short_factor"] == [1.0, 1.05, 1.1] and theirs.rope_parameters["original_max_position_embeddings"] == 4096
+    two = dataclasses.replace(cfg, n_dense=cfg.n_layers, longrope_long_scale=1.5)
+    with pytest.raises(ValueError, match=r"model: its config has no phi3 equivalent: .*longrope_long_scale"):
+        hf.save_pretrained(hf.Transformer(two), tmp_path / "two", model_type="phi3")
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -968,6 +968,11 @@ DECODED = {
     "laguna": dataclasses.replace(VARIANTS["laguna"], mtp_depth=0, window_layers=(0, 2)),
     # Cohere's: parallel blocks of one LayerNorm, the window's blocks with RoPE, the global one NoPE
     "cohere": dataclasses.replace(VARIANTS["cohere"], mtp_depth=0),
+    # Phi-3's LongRoPE past 1 original position: every prompt here is longer, every call has the long factors (a
+    # sequence that grows past the original positions while decoding keeps its earlier keys' short ones, unlike
+    # the whole sequence's forward)
+    "longrope": dataclasses.replace(TINY, rope_dim=4, longrope_short_factors=(1.0, 1.5), longrope_long_factors=(3.0, 9.0),
+                                    longrope_original_max_positions=1, longrope_short_scale=1.1, longrope_long_scale=1.3),
 }
 
 

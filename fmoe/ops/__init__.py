@@ -22,6 +22,8 @@ from fmoe.ops.packed import mtp_targets, positions_from_cu_seqlens, roll_packed
 from fmoe.ops.rope import (
     apply_rope,
     llama3_inv_freq,
+    longrope_inv_freq,
+    longrope_scale,
     rope_cos_sin,
     rope_inv_freq,
     yarn_correction_range,
@@ -47,6 +49,8 @@ __all__ = [
     "indexer_scores",
     "linear_cross_entropy",
     "llama3_inv_freq",
+    "longrope_inv_freq",
+    "longrope_scale",
     "load_balancing_loss",
     "load_stats",
     "mtp_targets",

@@ -3,6 +3,7 @@
     rope_inv_freq(D) -> inv_freq[F]                    inv_freq_j = base^(-2j/D), j < F = D/2
     yarn_inv_freq(D, base, factor, L) -> inv_freq[F]
     llama3_inv_freq(D, base, factor, L) -> inv_freq[F]
+    longrope_inv_freq(D, base, factors[F]) -> inv_freq[F]
     rope_cos_sin(positions[T], inv_freq[F]) -> cos[T,F], sin[T,F]
     apply_rope(x[..., T, H, D], cos[T,F], sin[T,F]) -> x[..., T, H, D]
 
@@ -47,6 +48,17 @@ with no attention scale. Llama 3.1 (D 128, base 5e5, s 8, a 1, b 4, L 8192): fre
 0..28 kept, 29..34 blended (divided by 1.2075 at 29 up to 5.2573 at 34), 35..63 divided by 8.
 a = b has no blend, a step at w = L / a (Llama 4 Scout: s 16, a = b = 1, L 8192: 0..34 kept,
 35..63 divided by 16).
+
+LongRoPE (Phi-3's rope_type "longrope", also "su"), with per-frequency factors f_j > 0 over
+an original context L, extended to L' positions (s = L' / L):
+
+    inv_freq_j = base_inv_freq_j / f_j
+    cos/sin scale = sqrt(1 + ln s / ln L) if s > 1 else 1       (longrope_scale)
+
+A checkpoint holds two sets of factors: the short ones for sequences of at most L positions,
+the long ones beyond (the switch is the model's: fmoe.layers.rope_tables). Phi-3.5-mini
+(D 96, base 1e4, L 4096, s 32): scale sqrt(1 + ln 32 / ln 4096) = 1.19024; short factors
+near 1, long ones up to about 40 for the slowest frequencies.
 
 Legend: T tokens (positions), H heads, D head_dim, R rotated channels (rot_dim), F = R/2
 frequencies (pairs), P = D - R pass-through channels, N = prod(leading dims) * T rows of
@@ -205,6 +217,35 @@ def llama3_inv_freq(
     else:
         smooth_F = ((original_max_positions / wavelen_F - low) / (high - low)).clamp(0.0, 1.0)  # 1 fast, 0 slow
     return ((1 - smooth_F) * base_F / factor + smooth_F * base_F).to(device=device, dtype=torch.float32)
+
+
+def longrope_inv_freq(dim: int, *, base: float, factors, device=None) -> torch.Tensor:
+    """LongRoPE's inverse frequencies (module docstring): base^(-2j/dim) / factors[j].
+
+    Args:
+        dim: R, the number of rotated channels (even, >= 2).
+        base: the RoPE base (> 1).
+        factors: dim/2 finite numbers > 0, one per frequency (a checkpoint's short_factor or
+            long_factor; all 1 gives rope_inv_freq).
+    Returns:
+        [dim/2] float32 (computed in float64, rounded once).
+    """
+    dim = _check_dim(dim)
+    base = _check_number("base", base, above=1.0)
+    if isinstance(factors, (str, bytes)) or not hasattr(factors, "__len__") or len(factors) != dim // 2:
+        raise ValueError(f"factors: expected {dim // 2} numbers (one per frequency of dim = {dim}), got {factors!r}")
+    factors_F = [_check_number(f"factors[{j}]", f, above=0.0) for j, f in enumerate(factors)]
+    return (_base_inv_freq_F(dim, base) / torch.tensor(factors_F, dtype=torch.float64)).to(device=device, dtype=torch.float32)
+
+
+def longrope_scale(max_positions: int, original_max_positions: int) -> float:
+    """LongRoPE's cos/sin scale for a context of max_positions extended from
+    original_max_positions = L: sqrt(1 + ln(s) / ln(L)) with s = max_positions / L, 1 when
+    s <= 1 (Phi-3's attention factor where config.json gives none)."""
+    check_positive_int("max_positions", max_positions)
+    check_positive_int("original_max_positions", original_max_positions, 2)
+    factor = max_positions / original_max_positions
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original_max_positions))
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:

@@ -10,6 +10,8 @@ from fmoe.ops.rope import (
     apply_rope,
     apply_rope_ref,
     llama3_inv_freq,
+    longrope_inv_freq,
+    longrope_scale,
     rope_cos_sin,
     rope_inv_freq,
     yarn_correction_range,
@@ -291,6 +293,25 @@ def test_llama3_scaling_numbers():
     torch.testing.assert_close(inv[35:], base_F[35:] / 16, rtol=1e-7, atol=0)
     _raises("factor: expected a finite number > 0", llama3_inv_freq, 8, **dict(llama31, factor=0.0))
     _raises("original_max_positions", llama3_inv_freq, 8, **dict(llama31, original_max_positions=0))
+
+
+def test_longrope_numbers():
+    """LongRoPE divides frequency j by its own factor f_j; its cos/sin scale is
+    sqrt(1 + ln s / ln L) (Phi-3.5-mini's L 4096, s 32: 1.19024), 1 where s <= 1."""
+    factors = [1.0, 2.0, 4.0, 8.0]
+    inv, base_F = longrope_inv_freq(8, base=10000.0, factors=factors), rope_inv_freq(8)
+    torch.testing.assert_close(inv, base_F / torch.tensor(factors), rtol=1e-7, atol=0)
+    assert inv.dtype == torch.float32 and inv[3].item() == pytest.approx(10000.0 ** (-6 / 8) / 8, rel=1e-7)
+    assert torch.equal(longrope_inv_freq(8, base=10000.0, factors=(1, 1, 1, 1)), base_F)
+    assert longrope_scale(131072, 4096) == pytest.approx(1.19024, abs=1e-5)
+    assert longrope_scale(4096, 4096) == longrope_scale(100, 4096) == 1.0
+    _raises(r"factors: expected 4 numbers \(one per frequency of dim = 8\)", longrope_inv_freq, 8, base=1e4, factors=[1.0] * 3)
+    _raises("factors: expected 4 numbers", longrope_inv_freq, 8, base=1e4, factors="abcd")
+    _raises(r"factors\[2\]: expected a finite number > 0, got 0.0", longrope_inv_freq, 8, base=1e4, factors=[1.0, 1.0, 0.0, 1.0])
+    _raises(r"factors\[0\]: expected a finite number > 0", longrope_inv_freq, 8, base=1e4, factors=[math.inf, 1.0, 1.0, 1.0])
+    _raises("base: expected a finite number > 1", longrope_inv_freq, 8, base=1.0, factors=factors)
+    _raises("original_max_positions: expected >= 2", longrope_scale, 8, 1)
+    _raises("max_positions: expected an int", longrope_scale, 8.0, 4)
 
 
 def test_yarn_softmax_scale_uses_mscale_all_dim_not_mscale():
