@@ -8,7 +8,7 @@ A folder holds `config.json` and `model.safetensors` (or shards listed in
 qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, axk1, kimi_k2, kimi_k25, deepseek_v2, deepseek_v32, glm_moe_dsa, glm4_moe_lite, gpt_oss, solar_open,
 exaone_moe, dots1, minimax_m2, granitemoe, granitemoeshared, granitemoe_swa, hunyuan_v1_moe, llama4_text, llama4, afmoe,
 laguna, cohere2_moe, sarvam_moe, sarvam_mla, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
-mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx), and the dense
+mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe), and the dense
 DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
 glm4, ernie4_5, lfm2, cohere, cohere2: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: OLMoE's q and k clamped after their norms, ...;
@@ -352,7 +352,7 @@ def _longrope_renamed(hf: dict) -> dict:
 def _longrope(hf: dict, mscales: bool = False) -> tuple[dict, dict]:
     """(config.json with plain RoPE, TransformerConfig's LongRoPE knobs) of rope_type
     "longrope" (older "su"): short_factor and long_factor, switched beyond
-    original_max_position_embeddings (the top level's first, as transformers reads it, else
+    original_max_position_embeddings (the top level's first, as transformers reads Phi-3's;
     rope_parameters', else max_position_embeddings); cos and sin scaled by attention_factor,
     else sqrt(1 + ln s / ln L) with s = factor, else max_position_embeddings / L (Phi-3's), or
     with `mscales` by short_mscale and long_mscale (Phi-3.5-MoE's). ({} for plain RoPE.)"""
@@ -363,7 +363,9 @@ def _longrope(hf: dict, mscales: bool = False) -> tuple[dict, dict]:
     missing = [name for name in needs if params.get(name) is None]
     if missing:
         raise ValueError(f"config.json: rope_parameters of rope type 'longrope' lack {', '.join(missing)}")
-    L = _get(hf, "original_max_position_embeddings", default=params.get("original_max_position_embeddings"))
+    # Phi-3's transformers reads the top level's first (its class default 4096 over rope_parameters'), Phi-3.5-MoE's rope_parameters' alone
+    L = params.get("original_max_position_embeddings") if mscales else _get(hf, "original_max_position_embeddings",
+                                                                              default=params.get("original_max_position_embeddings"))
     L = int(hf["max_position_embeddings"] if L is None else L)
     if mscales:
         short, long = float(params["short_mscale"]), float(params["long_mscale"])
@@ -1449,6 +1451,30 @@ def _dbrx(hf: dict) -> dict:
                 ffn_expert=ffn["ffn_hidden_size"], ffn_dense=ffn["ffn_hidden_size"], n_dense=0, n_shared=0)
 
 
+def _phimoe(hf: dict) -> dict:
+    """Phi-3.5-MoE (phimoe): Mixtral's blocks and layout with LayerNorms with biases
+    (eps rms_norm_eps) before the attention and the experts and at the end, biases on q, k, v
+    and o (attention_bias) and on the head (lm_head_bias), LongRoPE with its own cos/sin
+    scales short_mscale and long_mscale (_longrope), a sliding window where sliding_window is
+    set, and SparseMixer's top-2 routing with the gap router_jitter_noise (fmoe.ops.sparsemixer_route;
+    num_experts_per_tok 2, as transformers' router takes two whatever it says).
+
+    Departures: a document longer than original_max_position_embeddings gets the long
+    factors, as Phi-3.5-MoE's own code and every Phi-3 model do; transformers 5.24's phimoe
+    keeps the short ones there (its scale switches alone). Training routes by the same
+    deterministic choice: the sampled one of Phi-3.5-MoE's training (Gumbel noise, Heun's
+    third-order gradient) and input_jitter_noise are not built (a loaded model's function
+    is the same); the router's logits are float32 (transformers': the hidden states' dtype)."""
+    _refuse(hf, "num_experts_per_tok", lambda v: v == 2, "2: SparseMixer chooses two experts")
+    _refuse(hf, "router_jitter_noise", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < math.inf,
+            "a finite number >= 0: SparseMixer's gap")
+    plain, longrope = _longrope(hf, mscales=True)
+    bias = bool(hf.get("attention_bias", False))
+    return dict(_common(plain, hf["num_local_experts"], sliding=True), **longrope, ffn_expert=hf["intermediate_size"], ffn_dense=hf["intermediate_size"],
+                n_dense=0, n_shared=0, score="sparsemixer", sparsemixer_eps=float(hf["router_jitter_noise"]), layer_norms=True, norm_bias=True,
+                qkv_bias=bias, o_bias=bias, head_bias=bool(hf.get("lm_head_bias", False)))
+
+
 def _olmoe(hf: dict) -> dict:
     _refuse(hf, "clip_qkv", lambda v: v is None, "OLMoE clamps q and k after their norms; fmoe's clip_qkv clamps before them")
     _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in OLMoE's attention here")
@@ -1676,6 +1702,8 @@ DENSE_FAMILIES = ("llama", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "
 FAMILIES = {
     "mixtral": Family(_mixtral, "block_sparse_moe", ("w1", "w3", "w2"), "MixtralForCausalLM",
                       defaults=dict(num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1e6)),
+    "phimoe": Family(_phimoe, "block_sparse_moe", ("w1", "w3", "w2"), "PhimoeForCausalLM",
+                     defaults=dict(num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1e6, max_position_embeddings=131072, router_jitter_noise=0.01)),
     "qwen2_moe": Family(_qwen2_moe, "mlp", _PROJ, "Qwen2MoeForCausalLM", defaults=dict(num_key_value_heads=16, shared_expert_intermediate_size=5632)),
     "qwen3_moe": Family(_qwen3_moe, "mlp", _PROJ, "Qwen3MoeForCausalLM"),
     "olmoe": Family(_olmoe, "mlp", _PROJ, "OlmoeForCausalLM", defaults=dict(rms_norm_eps=1e-5)),
@@ -2057,6 +2085,8 @@ def key_map(family: Family, cfg: TransformerConfig) -> dict[str, Tensor]:
     out["norm.weight"] = Tensor((family.final_norm,))
     if not cfg.tie_embeddings:
         out["head"] = Tensor(("lm_head.weight",))
+    if cfg.head_bias:
+        out["head_bias"] = Tensor(("lm_head.bias",))
     for d in range(1, cfg.mtp_depth + 1 if family.mtp else 1):  # other families: MTP modules start fresh
         p, q = mtp_layer(cfg, d), f"mtp.{d - 1}."
         out[q + "emb_norm.weight"] = Tensor((p + "enorm.weight",))
@@ -2065,6 +2095,10 @@ def key_map(family: Family, cfg: TransformerConfig) -> dict[str, Tensor]:
         out.update(_block_keys(family, cfg, p, q + "block.", any(cfg.is_moe(i) for i in range(cfg.n_layers))))
         if cfg.mtp_norm:
             out[q + "out_norm.weight"] = Tensor((p + "shared_head.norm.weight",))
+    if cfg.norm_bias:  # each LayerNorm's bias beside its weight (Phi-3.5-MoE's)
+        out = {n: s for name, spec in out.items()
+               for n, s in [(name, spec)] + ([(name[:-len("weight")] + "bias", Tensor((spec.keys[0][:-len("weight")] + "bias",)))]
+                                             if name.endswith("norm.weight") else [])}
     if family.prefix != ("", ""):
         out = {name: dataclasses.replace(spec, keys=tuple(family.renamed(key) for key in spec.keys)) for name, spec in out.items()}
     return out
@@ -2602,6 +2636,12 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
         hf.update(use_sliding_window=True, sliding_window=cfg.window, max_window_layers=cfg.n_layers, layer_types=_layer_types(cfg))
     if model_type in ("mixtral", "minimax_m2"):
         hf.update(num_local_experts=cfg.n_experts, intermediate_size=cfg.ffn_expert)
+    elif model_type == "phimoe":  # LongRoPE's two scales under their own names (_longrope)
+        hf.update(num_local_experts=cfg.n_experts, intermediate_size=cfg.ffn_expert, router_jitter_noise=cfg.sparsemixer_eps,
+                  attention_bias=cfg.qkv_bias, lm_head_bias=cfg.head_bias, sliding_window=cfg.window)
+        if cfg.longrope_short_factors is not None:
+            hf["rope_parameters"].pop("attention_factor")
+            hf["rope_parameters"].update(short_mscale=cfg.longrope_short_scale, long_mscale=cfg.longrope_long_scale)
     elif model_type in ("granitemoe", "granitemoeshared", "granitemoe_swa"):
         if cfg.attn_scale is None:  # Granite's attention_multiplier is the scale itself: the default one written out
             cfg = dataclasses.replace(cfg, attn_scale=cfg.head_dim**-0.5)

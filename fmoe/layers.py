@@ -92,7 +92,7 @@ from tensordict import TensorDict
 from torch.utils.checkpoint import checkpoint
 
 from fmoe.ops import aux_scores as _aux_scores
-from fmoe.ops import drop_by_capacity, random_logits, route
+from fmoe.ops import drop_by_capacity, random_logits, route, sparsemixer_route
 from fmoe.ops.backend import IMPLS, use_triton
 from fmoe.ops.balance import mask_tokens, tokens_per_expert
 from fmoe.ops.checks import check_float, check_index, check_positive_int, check_token_mask
@@ -111,7 +111,7 @@ from fmoe.ops.rope import (
     yarn_inv_freq,
     yarn_softmax_scale,
 )
-from fmoe.ops.routing import Routes, keep_slots
+from fmoe.ops.routing import Routes, check_sparsemixer_eps, keep_slots
 from fmoe.ops.sparse import indexer_scores, sparse_attention, sparse_attention_probs
 
 
@@ -120,7 +120,9 @@ class MoEConfig:
     """How a MoE block routes and computes (the tensors live in params).
 
     n_experts, k: E experts, k per token. score, pre_softmax, n_groups, topk_groups, scale,
-    group_score_topk, normalize: as fmoe.ops.route. capacity_factor: drop slots past ceil(T k / E * factor) per expert
+    group_score_topk, normalize: as fmoe.ops.route; score "sparsemixer": Phi-3.5-MoE's
+    top-2 (fmoe.ops.sparsemixer_route; k = 2, none of route's other knobs) with its gap
+    sparsemixer_eps, the aux scores softmax's. capacity_factor: drop slots past ceil(T k / E * factor) per expert
     (None: no dropping) with capacity_policy "probs" or "position". random_routing: route on
     N(0,1) noise instead of the logits (benchmarks). align: pad each expert's rows to a
     multiple (16/32 for fp8 grouped GEMMs). aux_scores: also compute the aux-loss scores.
@@ -165,9 +167,12 @@ class MoEConfig:
     fp8_fast_accum: bool = False
     logit_softcap: Optional[float] = None
     shared_scale: float = 1.0
+    sparsemixer_eps: float = 0.01
 
     def __post_init__(self):
         check_glu(self.swiglu_alpha, self.swiglu_limit, self.swiglu_offset)
+        check_sparsemixer_knobs(self.score, self.k, self.sparsemixer_eps, pre_softmax=self.pre_softmax, n_groups=self.n_groups,
+                                topk_groups=self.topk_groups, scale=self.scale, group_score_topk=self.group_score_topk, normalize=self.normalize)
         if isinstance(self.shared_scale, bool) or not isinstance(self.shared_scale, (int, float)) or not 0 < self.shared_scale < math.inf:
             raise ValueError(f"shared_scale: expected a positive finite number, got {self.shared_scale!r}")
         cap = self.logit_softcap
@@ -187,6 +192,27 @@ class MoEConfig:
     def glu(self) -> dict:
         """grouped_mlp's keyword arguments of the experts' SwiGLU."""
         return dict(alpha=self.swiglu_alpha, limit=self.swiglu_limit, offset=self.swiglu_offset)
+
+
+def check_sparsemixer_knobs(score: str, k: int, eps, **route_knobs) -> None:
+    """ValueError naming the knob: sparsemixer routing (score "sparsemixer") chooses k = 2
+    experts with none of route's other knobs (route_knobs at their defaults: pre_softmax
+    False, normalize / route_normalize True, the rest None), eps >= 0; another score takes eps at its default
+    0.01 (it reads no eps)."""
+    if score != "sparsemixer":
+        if eps != 0.01:
+            raise ValueError(f"sparsemixer_eps: the gap of sparsemixer routing, needs score='sparsemixer' (got score={score!r})")
+        return
+    if k != 2:
+        raise ValueError(f"k: sparsemixer routing chooses 2 experts per token, got k={k!r}")
+    defaults = dict(pre_softmax=False, normalize=True, route_normalize=True)
+    for name, value in route_knobs.items():
+        if value != defaults.get(name):
+            raise ValueError(f"{name}: a knob of route, not of sparsemixer routing (score='sparsemixer'), got {value!r}")
+    try:
+        check_sparsemixer_eps(eps)
+    except ValueError as e:
+        raise ValueError(f"sparsemixer_{e}") from None
 
 
 def expert_biases(params) -> dict:
@@ -328,12 +354,17 @@ def moe(
     logits_TE = F.linear(x.float(), params["router"], params.get("router_bias"))  # router in float32
     if cfg.logit_softcap is not None:  # Laguna's tanh soft cap
         logits_TE = torch.tanh(logits_TE / cfg.logit_softcap) * cfg.logit_softcap
-    routes = route(
-        random_logits(logits_TE) if cfg.random_routing else logits_TE, k,
-        score=cfg.score, pre_softmax=cfg.pre_softmax, n_groups=cfg.n_groups, topk_groups=cfg.topk_groups,
-        expert_bias=params.get("expert_bias"), scale=cfg.scale, check=cfg.check_nan, impl=cfg.impl,
-        group_score_topk=cfg.group_score_topk, normalize=cfg.normalize,
-    )
+    if cfg.score == "sparsemixer":
+        if params.get("expert_bias") is not None:
+            raise ValueError("params['expert_bias']: sparsemixer routing takes no expert bias")
+        routes = sparsemixer_route(random_logits(logits_TE) if cfg.random_routing else logits_TE, eps=cfg.sparsemixer_eps, check=cfg.check_nan)
+    else:
+        routes = route(
+            random_logits(logits_TE) if cfg.random_routing else logits_TE, k,
+            score=cfg.score, pre_softmax=cfg.pre_softmax, n_groups=cfg.n_groups, topk_groups=cfg.topk_groups,
+            expert_bias=params.get("expert_bias"), scale=cfg.scale, check=cfg.check_nan, impl=cfg.impl,
+            group_score_topk=cfg.group_score_topk, normalize=cfg.normalize,
+        )
     if token_mask is not None:  # padding is not routed: its slots are dropped before any capacity
         routes = keep_slots(routes, token_mask[:, None])
     if cfg.capacity_factor is not None and drop is not None:
@@ -359,7 +390,8 @@ def moe(
 
     stats = {"router_logits": logits_TE, "tokens_per_expert": counts_E}
     if cfg.aux_scores:
-        scores_TE, experts_TK, counts = _aux_scores(logits_TE, k, score=cfg.score, return_counts=True, impl=cfg.impl)
+        aux = "softmax" if cfg.score == "sparsemixer" else cfg.score  # sparsemixer's probabilities: a softmax over E
+        scores_TE, experts_TK, counts = _aux_scores(logits_TE, k, score=aux, return_counts=True, impl=cfg.impl)
         if token_mask is not None:
             scores_TE, experts_TK = mask_tokens(scores_TE, experts_TK, token_mask)
             counts = tokens_per_expert(experts_TK, E)

@@ -47,7 +47,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fmoe.layers import (EXPERT_BIASES, AttentionConfig, AttentionContext, LinearAttentionConfig, LinearStates, MoEConfig, attach_loss, attention,
-                         attention_context, check_clip_qkv, check_window, dense_mlp, index_shapes, linear_attention, linear_attention_shapes, local_experts, mla_shapes,
+                         attention_context, check_clip_qkv, check_sparsemixer_knobs, check_window, dense_mlp, index_shapes, linear_attention, linear_attention_shapes, local_experts, mla_shapes,
                          moe)
 from fmoe.ops import linear_cross_entropy, route
 from fmoe.ops.checks import check_positive_int
@@ -273,7 +273,8 @@ class TransformerConfig:
     / mlp_only_layers) of n_experts experts of ffn_expert, k per token, n_shared shared
     experts (one SwiGLU of shared_ffn, default n_shared * ffn_expert) with an optional
     sigmoid shared_gate, their output times shared_scale (Cohere 2 MoE's "average": 0.5
-    beside route_scale 0.5). Routing: score, pre_softmax (softmax over all experts, then top-k,
+    beside route_scale 0.5). Routing: score ("softmax", "sigmoid", or "sparsemixer": Phi-3.5-MoE's
+    top-2 with its gap sparsemixer_eps, k = 2, without expert_bias; fmoe.ops.sparsemixer_route), pre_softmax (softmax over all experts, then top-k,
     weights not renormalised), n_groups/topk_groups with group_score_topk (a group's score
     sums its best group_score_topk scores; None: k // topk_groups), route_scale,
     route_normalize (sigmoid: renormalise the k weights; False keeps the raw sigmoids),
@@ -323,7 +324,8 @@ class TransformerConfig:
     index_loss_coeff per micro-batch (0: not trained: fmoe.layers.index_loss, Attention);
     index_shared_layers: the trunk blocks without an indexer, which attend to the keys the
     nearest earlier block with one chose (GLM-5's "shared" layers; not block 0). tie_embeddings: the
-    output head is the embedding. Granite's multipliers (each 1 / None: none): attn_scale,
+    output head is the embedding; head_bias: the head adds a bias [V] to the logits (Phi-3.5-MoE's
+    lm_head; fmoe.ops.linear_cross_entropy's bias). Granite's multipliers (each 1 / None: none): attn_scale,
     the softmax scale (None: 1/sqrt(head_dim), or YaRN's); embed_scale multiplies every
     embedding lookup (the trunk's and the MTP modules'); residual_scale multiplies each
     attention and MLP output before its residual add; the logits are divided by
@@ -356,7 +358,7 @@ class TransformerConfig:
     (attn_norm) and no mlp_norm (Cohere's; needs pre_norms, not with post_norms or
     moe_out_norm). layer_norms: every block norm, the final norm and the MTP modules' are
     LayerNorms without bias, the mean taken out before the scale (Cohere's; the q/k norms stay
-    RMSNorms). zero_centered_norms: every RMSNorm's gain is 1 + its weight, the weight
+    RMSNorms); norm_bias: with a bias each (Phi-3.5-MoE's; needs layer_norms). zero_centered_norms: every RMSNorm's gain is 1 + its weight, the weight
     0 at initialisation (Qwen3-Next's zero-centred norms: weight decay pulls the gain to 1;
     the blocks', the final, the MTP modules' and the q/k norms; not the linear-attention
     layers' gated output norm). linear_layers: the trunk blocks whose mixer is Gated DeltaNet
@@ -405,6 +407,7 @@ class TransformerConfig:
     route_scale: Optional[float] = None
     route_normalize: bool = True
     expert_bias: bool = True
+    sparsemixer_eps: float = 0.01
     capacity_factor: Optional[float] = None
     capacity_policy: str = "probs"
     route_on_input: bool = False
@@ -480,6 +483,8 @@ class TransformerConfig:
     moe_out_norm: bool = False
     parallel_blocks: bool = False
     layer_norms: bool = False
+    norm_bias: bool = False
+    head_bias: bool = False
     zero_centered_norms: bool = False
     linear_layers: Optional[tuple[int, ...]] = None
     linear_k_heads: int = 2
@@ -567,9 +572,11 @@ class TransformerConfig:
         if self.sink_layers is not None and not self.attn_sinks:
             raise ValueError("sink_layers: the blocks with attention sinks, needs attn_sinks")
         for name in ("pre_norms", "post_norms", "moe_out_norm", "parallel_blocks", "layer_norms", "nope_qk_norm", "route_on_input", "attn_gate",
-                     "zero_centered_norms"):
+                     "zero_centered_norms", "norm_bias", "head_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
+        if self.norm_bias and not self.layer_norms:
+            raise ValueError("norm_bias: a bias on each LayerNorm, needs layer_norms (the RMSNorms have none)")
         if self.fp8_layers is not None and self.fp8 is not True:
             raise ValueError("fp8_layers: the blocks whose GEMMs run in fp8, needs fp8=True")
         check_fp8_fast_accum(self.fp8_fast_accum, self.fp8 is True)
@@ -613,7 +620,14 @@ class TransformerConfig:
                 raise ValueError(f"index_shared_layers: block {i} reuses the choice of an earlier block with an indexer, and none is before it")
             if self.is_linear(i):
                 raise ValueError(f"index_shared_layers: block {i} is a linear-attention block (linear_layers), which does not attend")
+        check_sparsemixer_knobs(self.score, self.k, self.sparsemixer_eps, pre_softmax=self.pre_softmax, n_groups=self.n_groups,
+                                topk_groups=self.topk_groups, route_scale=self.route_scale, group_score_topk=self.group_score_topk,
+                                route_normalize=self.route_normalize)
         self.moe_config()  # its own checks (the SwiGLU options)
+        if self.score == "sparsemixer":  # its knobs checked above
+            if self.expert_bias:
+                raise ValueError("expert_bias: sparsemixer routing (score='sparsemixer') takes no expert bias; set expert_bias=False")
+            return
         # the routing knobs, checked by the op itself on no tokens
         route(torch.zeros(0, self.n_experts, device="cpu"), self.k, score=self.score, pre_softmax=self.pre_softmax,
               n_groups=self.n_groups, topk_groups=self.topk_groups, scale=self.route_scale, group_score_topk=self.group_score_topk,
@@ -690,6 +704,7 @@ class TransformerConfig:
             swiglu_alpha=self.swiglu_alpha, swiglu_limit=self.swiglu_limit, swiglu_offset=self.swiglu_offset,
             weights_on_input=self.route_on_input, fp8=self.fp8 if fp8 is None else fp8,
             fp8_fast_accum=self.fp8_fast_accum and (self.fp8 if fp8 is None else fp8), logit_softcap=self.router_softcap, shared_scale=self.shared_scale,
+            sparsemixer_eps=self.sparsemixer_eps,
         )
 
     def linear_attention_config(self, fp8: Optional[bool] = None) -> LinearAttentionConfig:
@@ -750,27 +765,39 @@ class TransformerConfig:
 class RMSNorm(nn.Module):
     """x / rms(x) * weight over the last dim, statistics in float32; with zero_centered
     x / rms(x) * (1 + weight), the weight 0 at initialisation (Qwen3-Next's); with centered,
-    a LayerNorm without bias: (x - mean(x)) / std(x) * weight (Cohere's, DBRX's). `sequence_parallel`:
-    set by fmoe.parallel under tensor parallelism for the norms inside Blocks (a
-    SequenceShard; None otherwise): x is then this rank's token shard, and the weight's
-    gradient is summed over the tp ranks where it is used."""
+    a LayerNorm: (x - mean(x)) / std(x) * weight (Cohere's, DBRX's), + bias with bias
+    (Phi-3.5-MoE's; the bias 0 at initialisation). `sequence_parallel`: set by fmoe.parallel
+    under tensor parallelism for the norms inside Blocks (a SequenceShard; None otherwise): x
+    is then this rank's token shard, and the weight's (bias's) gradient is summed over the tp
+    ranks where it is used."""
 
-    def __init__(self, dim: int, eps: float, zero_centered: bool = False, centered: bool = False):
+    def __init__(self, dim: int, eps: float, zero_centered: bool = False, centered: bool = False, bias: bool = False):
         super().__init__()
         self.eps = eps
         self.zero_centered = zero_centered
         self.centered = centered
         self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
         self.sequence_parallel = None
 
+    @classmethod
+    def of(cls, cfg: "TransformerConfig") -> "RMSNorm":
+        """A block's, the final or an MTP module's norm of the model cfg (its layer_norms,
+        norm_bias, zero_centered_norms)."""
+        return cls(cfg.hidden, cfg.norm_eps, cfg.zero_centered_norms, cfg.layer_norms, cfg.norm_bias)
+
     def forward(self, x):
-        weight = self.weight if self.sequence_parallel is None else self.sequence_parallel.weight(self.weight)
+        sp = self.sequence_parallel
+        weight = self.weight if sp is None else sp.weight(self.weight)
         # float32 statistics whatever x's dtype
         x32 = x.float()
-        if self.centered:  # a LayerNorm without bias
+        if self.centered:  # a LayerNorm
             x32 = x32 - x32.mean(-1, keepdim=True)
         gain = weight.float() + 1.0 if self.zero_centered else weight.float()
-        return (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.eps) * gain).to(x.dtype)
+        y = x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.eps) * gain
+        if self.bias is not None:
+            y = y + (self.bias if sp is None else sp.weight(self.bias)).float()
+        return y.to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -915,7 +942,7 @@ class Block(nn.Module):
                  fp8: Optional[bool] = None, index_shared: bool = False, sinks: Optional[bool] = None):
         super().__init__()
         def norm(on: bool) -> Optional[RMSNorm]:
-            return RMSNorm(cfg.hidden, cfg.norm_eps, cfg.zero_centered_norms, cfg.layer_norms) if on else None
+            return RMSNorm.of(cfg) if on else None
 
         self.attn_norm, self.attn_post_norm = norm(cfg.pre_norms), norm(cfg.post_norms)
         fp8 = cfg.fp8 if fp8 is None else fp8
@@ -976,11 +1003,11 @@ class MTPModule(nn.Module):
 
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
-        self.emb_norm = RMSNorm(cfg.hidden, cfg.norm_eps, cfg.zero_centered_norms, cfg.layer_norms)
-        self.hidden_norm = RMSNorm(cfg.hidden, cfg.norm_eps, cfg.zero_centered_norms, cfg.layer_norms)
+        self.emb_norm = RMSNorm.of(cfg)
+        self.hidden_norm = RMSNorm.of(cfg)
         self.proj = nn.Parameter(torch.empty(2 * cfg.hidden, cfg.hidden))
         self.block = Block(cfg, moe=any(cfg.is_moe(i) for i in range(cfg.n_layers)), fp8=cfg.is_fp8(None), sinks=cfg.has_sinks(None))
-        self.out_norm = RMSNorm(cfg.hidden, cfg.norm_eps, cfg.zero_centered_norms, cfg.layer_norms) if cfg.mtp_norm else None
+        self.out_norm = RMSNorm.of(cfg) if cfg.mtp_norm else None
 
     def forward(self, emb_TH, h_TH, ctx: AttentionContext, token_mask: Optional[torch.Tensor] = None):
         x_TH = torch.cat([self.emb_norm(emb_TH), self.hidden_norm(h_TH)], dim=-1) @ self.proj
@@ -1235,9 +1262,10 @@ class Transformer(nn.Module):
                 if cfg.is_index_shared(i):
                     block.attn.index_source = cfg.index_source(i)
                     self.blocks[block.attn.index_source].attn.index_keep = True
-        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps, cfg.zero_centered_norms, cfg.layer_norms)
+        self.norm = RMSNorm.of(cfg)
         # [V, H], linear_cross_entropy's layout; with tie_embeddings the head is the embedding
         self.head = None if cfg.tie_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden))
+        self.head_bias = nn.Parameter(torch.zeros(cfg.vocab_size)) if cfg.head_bias else None
         self.mtp = nn.ModuleList(MTPModule(cfg) for _ in range(cfg.mtp_depth))
         # context parallelism (cp > 1): fmoe.parallel.parallelize sets a ContextParallel,
         # whose attention_kwargs(token_index) give attention_context its CP arguments
@@ -1276,7 +1304,8 @@ class Transformer(nn.Module):
             if name.endswith(("norm.weight", "q_norm", "k_norm", "q_a_norm", "kv_a_norm")):
                 _local(p).fill_(0.0 if self.cfg.zero_centered_norms else 1.0)
                 continue
-            if name.endswith(("attn.bq", "attn.bk", "attn.bv", "attn.bo", "attn.sinks", "attn.index_k_bias", "router_bias") + EXPERT_BIASES):
+            if name.endswith(("attn.bq", "attn.bk", "attn.bv", "attn.bo", "attn.sinks", "attn.index_k_bias", "router_bias", "norm.bias", "head_bias")
+                             + EXPERT_BIASES):
                 _local(p).zero_()
                 continue
             if name.endswith("attn.A_log"):  # log A, A uniform in [1, 16] (Mamba-2's range): the uniform as the normal's CDF
@@ -1351,7 +1380,8 @@ class Transformer(nn.Module):
     def _lm_loss(self, h_TH, labels, loss_mask, norm=None):
         # the labels were checked where the batch was made: no host sync here
         labels = torch.where(loss_mask.bool(), labels, torch.full_like(labels, -100))
-        loss_sum = linear_cross_entropy(self._head_input(h_TH, norm), self.output_weight(), labels, reduction="sum", check=False, impl=self.cfg.impl)
+        loss_sum = linear_cross_entropy(self._head_input(h_TH, norm), self.output_weight(), labels, reduction="sum", check=False, impl=self.cfg.impl,
+                                        bias=self.head_bias)
         return loss_sum, loss_mask.sum()
 
     def _embedding(self, ids: torch.Tensor) -> torch.Tensor:
@@ -1397,8 +1427,10 @@ class Transformer(nn.Module):
             raise ValueError(f"model: {what} needs the whole model on one process (not a pipeline chunk, not context parallel)")
 
     def _head(self, h_TH: torch.Tensor) -> torch.Tensor:
-        """The final norm and the output head: float32 logits [T, V]."""
-        return (self._head_input(h_TH) @ self.output_weight().t()).float()
+        """The final norm and the output head (and its bias): float32 logits [T, V]."""
+        x = self._head_input(h_TH)
+        logits = x @ self.output_weight().t() if self.head_bias is None else torch.addmm(self.head_bias, x, self.output_weight().t())
+        return logits.float()
 
     def kv_cache(self, max_tokens: int, batch: int = 1) -> KVCache:
         """An empty KVCache of `batch` sequences of up to max_tokens tokens each, on the

@@ -330,6 +330,14 @@ FAMILIES = {
     "dbrx": lambda: transformers.DbrxConfig(vocab_size=V, d_model=32, n_layers=3, n_heads=4, max_seq_len=128, attn_config=dict(clip_qkv=2.0, kv_n_heads=2, rope_theta=5e5),
                                             ffn_config=dict(ffn_hidden_size=24, moe_num_experts=4, moe_top_k=2),
                                             rope_parameters=dict(rope_type="default", rope_theta=5e5)),
+    # Phi-3.5-MoE: LayerNorms with biases, q/k/v/o and head biases, a 9-token window, SparseMixer's top-2 (a gap of 0.3: a
+    # softmax over several experts in each round), LongRoPE whose scale switches past 8 positions (DOCS' second)
+    "phimoe": lambda: transformers.PhimoeConfig(**COMMON, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.3,
+                                                attention_bias=True, lm_head_bias=True, sliding_window=9, bos_token_id=None, eos_token_id=None,
+                                                pad_token_id=None, rope_parameters=dict(
+                                                    rope_type="longrope", rope_theta=10000.0, short_factor=[1.0, 1.1, 1.3, 1.6],
+                                                    long_factor=[1.0, 1.1, 1.3, 1.6], original_max_position_embeddings=8, short_mscale=1.1,
+                                                    long_mscale=1.3)),
 }
 DOCS = (7, 12, 5)  # packed documents
 
@@ -2334,7 +2342,7 @@ def _load_sharded(rank, world, path, family, out):
     return read, full
 
 
-SHARDED_FAMILIES = ("qwen3_moe", "deepseek_v3", "gpt_oss", "granitemoeshared", "sarvam_moe", "kimi_linear", "laguna", "dbrx")
+SHARDED_FAMILIES = ("qwen3_moe", "deepseek_v3", "gpt_oss", "granitemoeshared", "sarvam_moe", "kimi_linear", "laguna", "dbrx", "phimoe")
 TP_FAMILIES = ("sarvam_moe", "kimi_linear", "laguna")  # Laguna's: each block's own query heads, a gate column per head
 
 

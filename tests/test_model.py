@@ -61,6 +61,12 @@ VARIANTS = {
                                   rope_interleaved=True, logit_divisor=4.0, qk_norm="head_layer", mtp_depth=1),
     # DBRX's: every block MoE (softmax top-2 renormalised, no shared expert), bias-free LayerNorms, q, k and v clamped to [-0.5, 0.5]
     "dbrx": dataclasses.replace(TINY, n_dense=0, n_shared=0, score="softmax", expert_bias=False, layer_norms=True, clip_qkv=0.5, mtp_depth=1),
+    # Phi-3.5-MoE's: every block MoE with SparseMixer's top-2, LayerNorms with biases, q/k/v/o and head biases, LongRoPE
+    # on the first half of each head
+    "phimoe": dataclasses.replace(TINY, n_dense=0, n_shared=0, score="sparsemixer", sparsemixer_eps=0.2, expert_bias=False, layer_norms=True,
+                                  norm_bias=True, qkv_bias=True, o_bias=True, head_bias=True, rope_dim=4, longrope_short_factors=(1.0, 1.5),
+                                  longrope_long_factors=(3.0, 9.0), longrope_original_max_positions=1, longrope_short_scale=1.1,
+                                  longrope_long_scale=1.3, mtp_depth=1),
     # A.X-K1's: a norm on the MoE blocks' output only (blocks 1 and 2, and the MTP block's), none on the dense block's or the attention's
     "moe out norm": dataclasses.replace(TINY, moe_out_norm=True, mtp_depth=1),
     # LFM2's blocks: gated short convolutions (3 taps over the 32 channels, 8 heads of 4) in blocks 0 and 1, per-head q/k norms
@@ -382,7 +388,15 @@ def test_bad_configs():
                          (dict(yarn_factor=0.0), "yarn_factor: expected a finite number > 0, got 0.0"),
                          (dict(yarn_factor=4.0, yarn_original_max_positions=0), "yarn_original_max_positions: "),
                          (dict(capacity_factor=0.0), "capacity_factor: expected None or a positive finite number, got 0.0"),
-                         (dict(capacity_factor=1.0, capacity_policy="random"), "capacity_policy: expected 'probs' or 'position', got 'random'")):
+                         (dict(capacity_factor=1.0, capacity_policy="random"), "capacity_policy: expected 'probs' or 'position', got 'random'"),
+                         (dict(score="sparsemixer", expert_bias=False, k=3), "k: sparsemixer routing chooses 2 experts per token, got k=3"),
+                         (dict(score="sparsemixer"), "expert_bias: sparsemixer routing .* takes no expert bias; set expert_bias=False"),
+                         (dict(score="sparsemixer", expert_bias=False, route_scale=2.5), r"route_scale: a knob of route, not of sparsemixer routing"),
+                         (dict(score="sparsemixer", expert_bias=False, n_groups=2, topk_groups=1), r"n_groups: a knob of route, not of sparsemixer"),
+                         (dict(score="sparsemixer", expert_bias=False, sparsemixer_eps=-1.0), "sparsemixer_eps: expected a finite number >= 0"),
+                         (dict(sparsemixer_eps=0.1), "sparsemixer_eps: the gap of sparsemixer routing, needs score='sparsemixer'"),
+                         (dict(norm_bias=True), r"norm_bias: a bias on each LayerNorm, needs layer_norms"),
+                         (dict(head_bias=1), "head_bias: expected a bool, got 1")):
         with pytest.raises(ValueError, match=said):
             TransformerConfig(**kwargs)
     with pytest.raises(ValueError, match=r"qk_norm_after_rope: needs per-head norms \(qk_norm 'head' or 'rms'\), got qk_norm='proj'"):
@@ -968,6 +982,8 @@ DECODED = {
     "laguna": dataclasses.replace(VARIANTS["laguna"], mtp_depth=0, window_layers=(0, 2)),
     # Cohere's: parallel blocks of one LayerNorm, the window's blocks with RoPE, the global one NoPE
     "cohere": dataclasses.replace(VARIANTS["cohere"], mtp_depth=0),
+    # Phi-3.5-MoE's: SparseMixer's top-2, LayerNorms with biases, a head bias, LongRoPE (the long factors throughout)
+    "phimoe": dataclasses.replace(VARIANTS["phimoe"], mtp_depth=0),
     # Phi-3's LongRoPE past 1 original position: every prompt here is longer, every call has the long factors (a
     # sequence that grows past the original positions while decoding keeps its earlier keys' short ones, unlike
     # the whole sequence's forward)

@@ -32,7 +32,7 @@ from fmoe.ops.rope import (
     yarn_mscale,
     yarn_softmax_scale,
 )
-from fmoe.ops.routing import Routes, drop_by_capacity, random_logits, route
+from fmoe.ops.routing import Routes, drop_by_capacity, random_logits, route, sparsemixer_route
 from fmoe.ops.sparse import indexer_scores, sparse_attention, sparse_attention_probs
 
 __all__ = [
@@ -61,6 +61,7 @@ __all__ = [
     "rope_cos_sin",
     "rope_inv_freq",
     "route",
+    "sparsemixer_route",
     "seq_load_balancing_loss",
     "sparse_attention",
     "sparse_attention_probs",

@@ -63,9 +63,10 @@ def cross_entropy_ref(logits_NV, labels_N, ignore_index, mean):
     return total / valid_N.sum().clamp(min=1) if mean else total
 
 
-def linear_cross_entropy_ref(h_NH, weight_VH, labels_N, ignore_index, mean):
-    """The unfused computation: all N x V logits in h's dtype, then cross_entropy_ref."""
-    return cross_entropy_ref(h_NH @ weight_VH.T, labels_N, ignore_index, mean)
+def linear_cross_entropy_ref(h_NH, weight_VH, labels_N, ignore_index, mean, bias_V=None):
+    """The unfused computation: all N x V logits in h's dtype (+ bias), then cross_entropy_ref."""
+    logits_NV = h_NH @ weight_VH.T if bias_V is None else torch.addmm(bias_V, h_NH, weight_VH.T)
+    return cross_entropy_ref(logits_NV, labels_N, ignore_index, mean)
 
 
 # ----------------------------------------------------------------------------------------
@@ -322,9 +323,10 @@ def _accumulate(acc_VH, dlogits_CV, h_CH):
 @torch.library.custom_op("fmoe::linear_cross_entropy_fwd", mutates_args=())
 def _linear_ce_fwd(
     h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int, mean: bool,
-    chunk_rows: int, need_dh: bool, need_dw: bool, fp32_accumulate: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, dloss/dh or empty, dloss/dweight or empty), chunk_rows rows of logits at a time."""
+    chunk_rows: int, need_dh: bool, need_dw: bool, fp32_accumulate: bool, bias: Optional[torch.Tensor] = None, need_db: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, dloss/dh or empty, dloss/dweight or empty, dloss/dbias or empty), chunk_rows
+    rows of logits at a time (each chunk's h @ weight.T + bias)."""
     N, H = h.shape
     V = weight.shape[0]
     labels = labels.contiguous()
@@ -334,44 +336,53 @@ def _linear_ce_fwd(
     dh_NH = torch.empty((N, H) if need_dh else (0,), dtype=h.dtype, device=h.device)
     acc_dtype = torch.float32 if fp32_accumulate else weight.dtype
     dw_VH = torch.zeros((V, H) if need_dw else (0,), dtype=acc_dtype, device=h.device)
+    db_V = torch.zeros(V if need_db else 0, dtype=torch.float32, device=h.device)  # the bias's gradient: column sums, in float32
     rows = max(1, min(chunk_rows, N))
     logits_CV = torch.empty(rows, V, dtype=h.dtype, device=h.device)  # reused by every chunk
     for start in range(0, N, rows):
         end = min(start + rows, N)
         h_CH, x_CV = h[start:end], logits_CV[: end - start]
-        torch.mm(h_CH, weight.T, out=x_CV)
+        if bias is None:
+            torch.mm(h_CH, weight.T, out=x_CV)
+        else:
+            torch.addmm(bias, h_CH, weight.T, out=x_CV)
         # the kernel turns the chunk's logits into their gradient, in place
         _launch_ce(x_CV, labels[start:end], x_CV, loss_N[start:end], lse_N[start:end], n_valid, ignore_index, mean,
-                   need_dh or need_dw)
+                   need_dh or need_dw or need_db)
         if need_dh:
             torch.mm(x_CV, weight, out=dh_NH[start:end])
         if need_dw:
             _accumulate(dw_VH, x_CV, h_CH)
+        if need_db:
+            db_V += x_CV.sum(0, dtype=torch.float32)
     del logits_CV  # freed before the accumulator's rounded copy is made
-    return _finish(loss_N, n_valid, mean), dh_NH, dw_VH.to(weight.dtype)
+    return _finish(loss_N, n_valid, mean), dh_NH, dw_VH.to(weight.dtype), db_V.to(bias.dtype) if need_db else db_V
 
 
 @_linear_ce_fwd.register_fake
-def _(h, weight, labels, ignore_index, mean, chunk_rows, need_dh, need_dw, fp32_accumulate):
+def _(h, weight, labels, ignore_index, mean, chunk_rows, need_dh, need_dw, fp32_accumulate, bias=None, need_db=False):
     return (
         h.new_empty((), dtype=torch.float32),
         h.new_empty(h.shape if need_dh else (0,)),
         weight.new_empty(weight.shape if need_dw else (0,)),
+        (bias.new_empty(bias.shape) if need_db else h.new_empty((0,), dtype=torch.float32)),
     )
 
 
 def _linear_ce_setup_context(ctx, inputs, output):
-    ctx.need_dh, ctx.need_dw = inputs[6], inputs[7]
+    ctx.need_dh, ctx.need_dw, ctx.need_db = inputs[6], inputs[7], inputs[10]
     ctx.set_materialize_grads(False)  # as in _ce_setup_context
-    ctx.save_for_backward(output[1], output[2])
+    ctx.save_for_backward(output[1], output[2], output[3])
 
 
-def _linear_ce_backward(ctx, grad_loss, _grad_dh, _grad_dw):
-    dh, dw = _saved_once(ctx, "linear_cross_entropy")  # scaled in place: a second backward fails there
+def _linear_ce_backward(ctx, grad_loss, _grad_dh, _grad_dw, _grad_db):
+    dh, dw, db = _saved_once(ctx, "linear_cross_entropy")  # scaled in place: a second backward fails there
     return (
         dh.detach().mul_(grad_loss) if ctx.need_dh else None,
         dw.detach().mul_(grad_loss) if ctx.need_dw else None,
         None, None, None, None, None, None, None,
+        db.detach().mul_(grad_loss) if ctx.need_db else None,
+        None,
     )
 
 
@@ -476,8 +487,9 @@ def linear_cross_entropy(
     accumulate_dtype: Optional[torch.dtype] = None,
     check: bool = True,
     impl: str = "auto",
+    bias: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """cross_entropy(h @ weight.T, labels) without holding the N x V logits (SPEC.md 6).
+    """cross_entropy(h @ weight.T + bias, labels) without holding the N x V logits (SPEC.md 6).
 
     The Triton path takes chunk_rows rows at a time: the chunk's logits (in h's dtype, as
     h @ weight.T makes them), the fused cross-entropy kernel turning them into their
@@ -499,8 +511,11 @@ def linear_cross_entropy(
             linear_cross_entropy and Liger do: the least memory. torch.float32: a float32
             V x H buffer rounded once at the end, the unfused computation's rounding, for
             an extra V x H x 4 bytes while the forward runs.
+        bias: None, or [V] in h's dtype added to every row's logits (an LM head with a
+            bias: Phi-3.5-MoE's); its gradient is the logits' gradients summed over the rows
+            (in float32, rounded once).
     Returns:
-        0-D float32 tensor, differentiable with respect to h and weight (either may not
+        0-D float32 tensor, differentiable with respect to h, weight and bias (any may not
         require grad; only the needed gradients are computed).
     """
     check_float("h", h, 2, "[N, H]")
@@ -516,6 +531,9 @@ def linear_cross_entropy(
     if V == 0:
         raise ValueError(f"weight: expected at least one class (row), got shape {tuple(weight.shape)}")
     _check_labels(labels, N, ignore_index, reduction, h.device)
+    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (V,) or bias.dtype != h.dtype or bias.device != h.device):
+        got = f"{bias.dtype} {list(bias.shape)} on {bias.device}" if isinstance(bias, torch.Tensor) else type(bias).__name__
+        raise ValueError(f"bias: expected None or [{V}] (one per row of weight) in h's dtype {h.dtype} on {h.device}, got {got}")
     if chunk_rows is None:
         chunk_rows = max(1, _CHUNK_BYTES // (V * h.element_size()))
     check_positive_int("chunk_rows", chunk_rows)
@@ -526,8 +544,9 @@ def linear_cross_entropy(
     _check_label_values(labels, V, ignore_index, check)
     mean = reduction == "mean"
     if not use_triton(impl, h, weight, labels):
-        return linear_cross_entropy_ref(h, weight, labels, ignore_index, mean)
+        return linear_cross_entropy_ref(h, weight, labels, ignore_index, mean, bias)
     grad_on = torch.is_grad_enabled()
     need_dh, need_dw = grad_on and h.requires_grad, grad_on and weight.requires_grad
+    need_db = grad_on and bias is not None and bias.requires_grad
     fp32_accumulate = accumulate_dtype == torch.float32
-    return _linear_ce_fwd(h, weight, labels, ignore_index, mean, chunk_rows, need_dh, need_dw, fp32_accumulate)[0]
+    return _linear_ce_fwd(h, weight, labels, ignore_index, mean, chunk_rows, need_dh, need_dw, fp32_accumulate, bias, need_db)[0]

@@ -1,6 +1,7 @@
 """Routing: which k experts each token goes to, and with what gate weight (SPEC.md section 1).
 
     route(logits[T,E], k) -> Routes(weights[T,k] float32, experts[T,k] int64)
+    sparsemixer_route(logits[T,E], eps=) -> Routes(weights[T,2], experts[T,2])
 
 Selection score s and gate weights w, computed in float32 whatever the logits dtype:
 
@@ -18,6 +19,18 @@ Group-limited routing (n_groups=G, topk_groups=g): the score of a group of E/G c
 experts is the sum of its top k//g selection scores; only experts of the g best groups can be
 chosen. `scale` multiplies the final weights. Slots are ordered by descending selection
 score; ties go to the lower expert (and group) index, in the kernels and in the reference.
+
+sparsemixer_route(logits[T,E], eps) is Phi-3.5-MoE's SparseMixer top-2, its deterministic form
+(transformers' eval path), round r = 1, 2 over the scores s_r (s_1 = logits, s_2 = logits with
+the first choice at -inf):
+
+    e_r = argmax s_r,  m_r = s_r[e_r]
+    kept_r = { j : (m_r - logits_j) / max(|logits_j|, m_r) <= 2 eps }
+    w_r = softmax of s_r over kept_r, at e_r  (= 1 / sum_{j in kept_r} exp(s_r,j - m_r))
+
+not renormalised; the gradient is the softmax's, the kept sets held fixed. logits [1, 3, 2, 0]
+with eps 0.5 keep every expert: experts (1, 2), weights (0.6439, 0.6652); with eps 0.01 only
+the chosen ones: weights (1, 1).
 
 drop_by_capacity keeps at most ceil(T*k/E * capacity_factor) slots per expert; a dropped slot
 keeps its place with weight 0 and expert -1. random_logits replaces the logits by N(0,1)
@@ -457,6 +470,53 @@ def route(
         weights, experts = _route_fwd(logits, k, code, groups, kept_groups, expert_bias, float(scale), per_group)
         return Routes(weights, experts)
     return route_ref(logits, k, code, groups, kept_groups, expert_bias, float(scale), per_group)
+
+
+def check_sparsemixer_eps(eps) -> float:
+    """ValueError unless eps is a finite number >= 0 (SparseMixer's relative gap, halved)."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf:
+        raise ValueError(f"eps: expected a finite number >= 0, got {eps!r}")
+    return float(eps)
+
+
+def sparsemixer_route(logits: torch.Tensor, *, eps: float, check: bool = True) -> Routes:
+    """Phi-3.5-MoE's SparseMixer top-2 routing, deterministic (module docstring): the best
+    expert, weighted by the softmax over the experts within a relative gap 2 eps of it; then
+    the best of the others, weighted likewise among the others.
+
+    Args:
+        logits: [T, E] router logits, E >= 2, float32 / bfloat16 / float16.
+        eps: the relative gap's half, >= 0 (config.json's router_jitter_noise: 0.01).
+        check: raise a ValueError on NaN logits (one device->host sync).
+    Returns:
+        Routes(weights [T, 2] float32, experts [T, 2] int64), the first choice first.
+        Differentiable with respect to logits through the weights (the softmax's gradient
+        with the kept sets fixed). Plain torch on every device: a few [T, E] passes, no kernel.
+        Training runs this form too: the sampled choice of Phi-3.5-MoE's training (Gumbel
+        noise, Heun's third-order gradient) is not built.
+
+    Example:
+        >>> w, e = sparsemixer_route(torch.tensor([[1.0, 3.0, 2.0, 0.0]]), eps=0.5)
+        >>> e.tolist(), [round(v, 4) for v in w[0].tolist()]
+        ([[1, 2]], [0.6439, 0.6652])
+    """
+    check_float("logits", logits, 2, "[T, E]")
+    if logits.shape[1] < 2:
+        raise ValueError(f"logits: sparsemixer routing chooses 2 experts, expected E >= 2 columns, got {logits.shape[1]}")
+    eps = check_sparsemixer_eps(eps)
+    if check:
+        check_no_nan("logits", logits)
+    logits_TE = logits.float()
+    scores_TE, weights, experts = logits_TE, [], []
+    for _ in range(2):
+        with torch.no_grad():
+            best_T1, expert_T1 = scores_TE.max(dim=-1, keepdim=True)
+            dropped_TE = (best_T1 - logits_TE) / logits_TE.abs().clamp(min=best_T1) > 2 * eps
+        gates_TE = torch.softmax(scores_TE.masked_fill(dropped_TE, -math.inf), dim=-1)
+        weights.append(gates_TE.gather(1, expert_T1))
+        experts.append(expert_T1)
+        scores_TE = logits_TE.scatter(1, expert_T1, -math.inf)  # the second round: the first choice out
+    return Routes(torch.cat(weights, dim=1), torch.cat(experts, dim=1))
 
 
 def expert_capacity(n_tokens: int, k: int, n_experts: int, capacity_factor: float) -> int:

@@ -137,6 +137,7 @@ def pipeline_chunk(model: Transformer, chunk: PipelineChunk) -> Transformer:
     if not chunk.last:
         model.norm = None
         model.head = None
+        model.head_bias = None
         model.mtp = nn.ModuleList()
     model.pipeline_chunk = chunk
     return model

@@ -56,6 +56,11 @@ def _scores_experts():
 
 
 CASES = {
+    "sparsemixer_route": Case(
+        run=lambda check: F.sparsemixer_route(torch.randn(T, E, requires_grad=True), eps=0.1, check=check),
+        bad=lambda: F.sparsemixer_route(torch.tensor([[0.0, float("nan"), 1.0]]), eps=0.1),
+        match=r"logits: contains NaN",
+    ),
     "route": Case(
         run=lambda check: F.route(torch.randn(T, E, requires_grad=True), K, score="sigmoid", check=check),
         bad=lambda: F.route(torch.tensor([[0.0, float("nan"), 1.0]]), 2, score="sigmoid"),

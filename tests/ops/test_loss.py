@@ -317,6 +317,36 @@ def test_linear_matches_unfused(dtype, chunk_rows, device):
         _close_norm(dw, dw_ref, rel)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_linear_with_a_bias_matches_the_unfused_logits_plus_bias(dtype, device):
+    """h @ weight.T + bias (an LM head with a bias): the value and the three gradients equal
+    F.cross_entropy's of the whole logits, every chunking; the bias's gradient alone when only
+    it requires grad; a bias of the wrong length or dtype is refused by name."""
+    N, H, V = 23, 16, 50
+    h = torch.randn(N, H, device=device).to(dtype).requires_grad_()
+    w = (0.3 * torch.randn(V, H, device=device)).to(dtype).requires_grad_()
+    b = torch.randn(V, device=device).to(dtype).requires_grad_()
+    labels = _labels(N, V, device)
+    upstream = torch.randn((), device=device)
+    whole = lambda a, c, d: TF.cross_entropy((a @ c.T + d).float(), labels, ignore_index=IGNORE)  # noqa: E731
+    expected, grads_ref = _grads(whole, h, w, b, upstream=upstream)
+    rel = 1e-5 if dtype == torch.float32 else 2e-2
+    for impl, chunk_rows in (("torch", None), ("triton", 1), ("triton", 7), ("triton", 64)):
+        fused = lambda a, c, d: linear_cross_entropy(a, c, labels, bias=d, chunk_rows=chunk_rows, impl=impl)  # noqa: E731
+        value, grads = _grads(fused, h, w, b, upstream=upstream)
+        torch.testing.assert_close(value, expected, **VALUE_TOL[dtype])
+        assert grads[2].dtype == dtype
+        for got, want in zip(grads, grads_ref):
+            _close_norm(got, want, rel)
+    _, (_, _, db) = _grads(lambda a, c, d: linear_cross_entropy(a, c, labels, bias=d, chunk_rows=5, impl="triton"), h.detach(), w.detach(), b,
+                           upstream=upstream)
+    _close_norm(db, grads_ref[2], rel)
+    without = linear_cross_entropy(h, w, labels, impl="triton")
+    assert (without - expected).abs() > 1e-2  # the bias counts
+    _raises(r"bias: expected None or \[50\] \(one per row of weight\)", linear_cross_entropy, h, w, labels, bias=b[:-1])
+    _raises(r"bias: expected None or \[50\]", linear_cross_entropy, h, w, labels, bias=b.double())
+
+
 @pytest.mark.parametrize("needs", [(True, False), (False, True), (False, False)], ids=["h", "weight", "neither"])
 def test_linear_with_one_or_no_input_requiring_grad(needs, device):
     N, H, V = 10, 8, 30

@@ -397,3 +397,88 @@ def test_released_model_routing_options(impl, device):
     _, e_megatron = F.route(x, 1, score="sigmoid", n_groups=2, topk_groups=1, impl=impl)
     _, e_top2 = F.route(x, 1, score="sigmoid", n_groups=2, topk_groups=1, group_score_topk=2, impl=impl)
     assert e_megatron.tolist() == [[0]] and e_top2.tolist() == [[3]]
+
+
+# ---------------------------------------------------------------------------- sparsemixer_route
+
+
+def _sparsemixer_per_token(logits_TE, eps):
+    """Phi-3.5-MoE's SparseMixer top-2 written out, token by token in float64: each round's
+    best expert and its softmax over the experts within the relative gap 2 eps of it."""
+    weights, experts = [], []
+    for row in logits_TE.double().tolist():
+        taken, w_row, e_row = set(), [], []
+        for _ in range(2):
+            best = max((v, -j) for j, v in enumerate(row) if j not in taken)
+            top, e = best[0], -best[1]
+            kept = [j for j, v in enumerate(row) if j not in taken and (top - v) / max(abs(v), top) <= 2 * eps]
+            w_row.append(1.0 / sum(math.exp(row[j] - top) for j in kept))
+            e_row.append(e)
+            taken.add(e)
+        weights.append(w_row)
+        experts.append(e_row)
+    return torch.tensor(weights), torch.tensor(experts)
+
+
+def test_sparsemixer_worked_example_per_token_definition_and_gradient():
+    """The module docstring's numbers; random logits against the per-token definition at
+    several gaps; the weights' gradient is the softmax's over each round's kept experts
+    (checked against float64 finite differences)."""
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
+    w, e = F.sparsemixer_route(logits, eps=0.5)
+    assert e.tolist() == [[1, 2]] and [round(v, 4) for v in w[0].tolist()] == [0.6439, 0.6652]
+    w, e = F.sparsemixer_route(logits, eps=0.01)
+    assert e.tolist() == [[1, 2]] and w.tolist() == [[1.0, 1.0]]
+    g = torch.Generator().manual_seed(0)
+    for eps in (0.0, 0.01, 0.2, 1.0):
+        x = torch.randn(40, 8, generator=g)
+        w, e = F.sparsemixer_route(x, eps=eps)
+        w_ref, e_ref = _sparsemixer_per_token(x, eps)
+        assert e.dtype == torch.int64 and torch.equal(e, e_ref)
+        torch.testing.assert_close(w, w_ref.float(), rtol=1e-6, atol=1e-7)
+    assert F.sparsemixer_route(torch.randn(5, 6, generator=g).to(torch.bfloat16), eps=0.1).weights.dtype == torch.float32
+    # the gradient: d w_r / d s_j = w_r (1[j = e_r] - p_r,j) over round r's kept experts j (p_r their softmax), 0 elsewhere
+    x = torch.randn(6, 5, generator=g).requires_grad_()
+    upstream = torch.randn(6, 2, generator=g)
+    w, e = F.sparsemixer_route(x, eps=0.3)
+    (grad,) = torch.autograd.grad((w * upstream).sum(), x)
+    want = torch.zeros(6, 5, dtype=torch.float64)
+    for t, row in enumerate(x.detach().double().tolist()):
+        taken = set()
+        for r in range(2):
+            top = max(v for j, v in enumerate(row) if j not in taken)
+            kept = [j for j, v in enumerate(row) if j not in taken and (top - v) / max(abs(v), top) <= 0.6]
+            z = sum(math.exp(row[j] - top) for j in kept)
+            for j in kept:
+                want[t, j] += upstream[t, r] * w[t, r].item() * (float(j == e[t, r]) - math.exp(row[j] - top) / z)
+            taken.add(int(e[t, r]))
+    assert want.abs().max() > 0.01
+    torch.testing.assert_close(grad, want.float(), rtol=1e-5, atol=1e-6)
+
+
+def test_sparsemixer_matches_transformers_phimoe_in_eval():
+    """transformers' phimoe router (its eval path) on the same logits: the same experts and
+    weights, and the same gradient to the logits."""
+    from transformers.models.phimoe.modeling_phimoe import sparsemixer
+
+    x = (2 * torch.randn(64, 16, generator=torch.Generator().manual_seed(1))).requires_grad_()
+    theirs_w, theirs_e = sparsemixer(x, jitter_eps=0.05, training=False)
+    ours_w, ours_e = F.sparsemixer_route(x, eps=0.05)
+    assert torch.equal(ours_e, theirs_e)
+    torch.testing.assert_close(ours_w, theirs_w)
+    upstream = torch.randn(64, 2)
+    (theirs,) = torch.autograd.grad((theirs_w * upstream).sum(), x)
+    (ours,) = torch.autograd.grad((ours_w * upstream).sum(), x)
+    torch.testing.assert_close(ours, theirs)
+
+
+def test_sparsemixer_bad_inputs():
+    for kwargs, match in ((dict(logits=torch.zeros(3, 1), eps=0.1), r"logits: sparsemixer routing chooses 2 experts, expected E >= 2"),
+                          (dict(logits=torch.zeros(3), eps=0.1), r"logits: expected"),
+                          (dict(logits=torch.zeros(3, 4), eps=-0.1), r"eps: expected a finite number >= 0, got -0.1"),
+                          (dict(logits=torch.zeros(3, 4), eps=math.nan), r"eps: expected a finite number >= 0"),
+                          (dict(logits=torch.zeros(3, 4), eps=True), r"eps: expected a finite number >= 0"),
+                          (dict(logits=torch.tensor([[0.0, math.nan]]), eps=0.1), r"logits")):
+        with pytest.raises(ValueError, match=match):
+            F.sparsemixer_route(kwargs.pop("logits"), **kwargs)
+    assert F.sparsemixer_route(torch.zeros(0, 4), eps=0.1).weights.shape == (0, 2)

@@ -48,6 +48,11 @@ GRANITE = dict(attn_scale=0.3, embed_scale=2.0, residual_scale=0.6, logit_diviso
 MIMO = dict(v_head_dim=6, value_scale=0.7, window=5, window_layers=(1,), local_kv_heads=4, attn_sinks=True, sink_layers=(1,), local_rope_base=100.0)
 # Laguna's attention: the window's block 1 with 8 query heads (block 0 and the MTP block's 4) and its own RoPE over every
 # channel (the others' over half), a softplus output gate per head; the router's logits soft-capped
+# Phi-3.5-MoE's pieces: SparseMixer's top-2, LayerNorms with biases (each token shard's under sequence parallelism), q/k/v/o
+# and head biases, LongRoPE switching past 6 positions (a document's span under cp: a rank may hold only its first tokens)
+PHIMOE = dict(score="sparsemixer", expert_bias=False, sparsemixer_eps=0.2, layer_norms=True, norm_bias=True, head_bias=True, qkv_bias=True,
+              o_bias=True, rope_dim=4, longrope_short_factors=(1.0, 1.5), longrope_long_factors=(2.0, 4.0), longrope_original_max_positions=6,
+              longrope_short_scale=1.05, longrope_long_scale=1.15)
 LAGUNA = dict(window=5, window_layers=(1,), local_heads=8, rope_dim=4, local_rope_base=100.0, local_rope_dim=8, attn_gate=True,
               attn_gate_act="softplus", attn_gate_per_head=True, qk_norm="head", router_softcap=0.5)
 
@@ -286,6 +291,9 @@ CASES = {
     # LayerNorms' weights [heads, D] split with their heads
     "tp2-cohere": (2, dict(tp=2), dict(parallel_blocks=True, layer_norms=True, window=5, window_layers=(1,), nope_layers=(0,),
                                        rope_interleaved=True, qk_norm="head_layer")),  # Command R+'s q/k norms with their heads
+    # Phi-3.5-MoE's (PHIMOE) over tp and over cp
+    "tp2-phimoe": (2, dict(tp=2), PHIMOE),
+    "cp2-phimoe": (2, dict(cp=2), PHIMOE),
     # DeepSeek sparse attention (DSA) with its indexer's loss under FSDP2 and EP: the ranks' indexer
     # gradients add up to one process's
     "ep2-dsa": (2, dict(ep=2), DSA),
