@@ -681,7 +681,8 @@ class AttentionConfig:
                 raise ValueError(f"{changed[0]}: a knob of LongRoPE, needs longrope_short_factors")
             return
         if self.yarn_factor is not None or self.llama3_factor is not None:
-            raise ValueError(f"longrope_short_factors: one RoPE scaling at a time, not with {'yarn' if self.yarn_factor is not None else 'llama3'}_factor")
+            other = "yarn_factor" if self.yarn_factor is not None else "llama3_factor"
+            raise ValueError(f"longrope_short_factors: one RoPE scaling at a time, not with {other}")
         check_positive_int("longrope_original_max_positions", self.longrope_original_max_positions)
         for kind in ("short", "long"):
             factors = getattr(self, f"longrope_{kind}_factors")

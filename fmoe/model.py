@@ -358,8 +358,9 @@ class TransformerConfig:
     (attn_norm) and no mlp_norm (Cohere's; needs pre_norms, not with post_norms or
     moe_out_norm). layer_norms: every block norm, the final norm and the MTP modules' are
     LayerNorms without bias, the mean taken out before the scale (Cohere's; the q/k norms stay
-    RMSNorms); norm_bias: with a bias each (Phi-3.5-MoE's; needs layer_norms). zero_centered_norms: every RMSNorm's gain is 1 + its weight, the weight
-    0 at initialisation (Qwen3-Next's zero-centred norms: weight decay pulls the gain to 1;
+    RMSNorms); norm_bias: with a bias each (Phi-3.5-MoE's; needs layer_norms).
+    zero_centered_norms: every RMSNorm's gain is 1 + its weight, the weight 0 at initialisation
+    (Qwen3-Next's zero-centred norms: weight decay pulls the gain to 1;
     the blocks', the final, the MTP modules' and the q/k norms; not the linear-attention
     layers' gated output norm). linear_layers: the trunk blocks whose mixer is Gated DeltaNet
     linear attention instead of softmax attention (Qwen3-Next, Qwen3.5: three in four;
