@@ -925,6 +925,27 @@ def test_phi3_reads_the_released_longrope_layout_and_refuses_to_write_two_scales
         hf.save_pretrained(hf.Transformer(two), tmp_path / "two", model_type="phi3")
 
 
+def test_phimoe_reads_the_released_layout():
+    """Phi-3.5-MoE's config.json: rope_scaling of type "longrope" with the original positions
+    and both mscales inside it, rope_theta at the top level, the gap router_jitter_noise, every
+    bias on; transformers' own config of it agrees. Two experts per token only."""
+    released = dict(FAMILIES["phimoe"]().to_dict(), rope_parameters=None, rope_theta=10000.0, max_position_embeddings=131072,
+                    router_jitter_noise=0.01, rope_scaling=dict(type="longrope", short_factor=[1.0, 1.02, 1.05, 1.1], long_factor=[1.0, 2.0, 8.0, 30.0],
+                                                                original_max_position_embeddings=4096, short_mscale=1.243, long_mscale=1.243))
+    released.pop("original_max_position_embeddings", None)
+    cfg = TransformerConfig(**hf.FAMILIES["phimoe"].kwargs(released))
+    assert (cfg.score, cfg.k, cfg.sparsemixer_eps, cfg.expert_bias, cfg.rope_base) == ("sparsemixer", 2, 0.01, False, 10000.0)
+    assert (cfg.layer_norms, cfg.norm_bias, cfg.qkv_bias, cfg.o_bias, cfg.head_bias) == (True,) * 5
+    assert (cfg.longrope_short_factors, cfg.longrope_long_factors) == ((1.0, 1.02, 1.05, 1.1), (1.0, 2.0, 8.0, 30.0))
+    assert (cfg.longrope_original_max_positions, cfg.longrope_short_scale, cfg.longrope_long_scale) == (4096, 1.243, 1.243)
+    theirs = transformers.PhimoeConfig(**{k: v for k, v in released.items() if k not in ("rope_parameters", "transformers_version")})
+    assert TransformerConfig(**hf.FAMILIES["phimoe"].kwargs(theirs.to_dict())) == cfg
+    with pytest.raises(ValueError, match=r"config.json: num_experts_per_tok = 4 is not supported \(2: SparseMixer chooses two experts\)"):
+        hf.FAMILIES["phimoe"].kwargs(dict(released, num_experts_per_tok=4))
+    with pytest.raises(ValueError, match=r"rope_parameters of rope type 'longrope' lack long_mscale"):
+        hf.FAMILIES["phimoe"].kwargs(dict(released, rope_scaling={k: v for k, v in released["rope_scaling"].items() if k != "long_mscale"}))
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_a_field_left_out_reads_as_transformers_fills_it(family):
     """A config.json that leaves out a field means the model transformers builds from it (the
