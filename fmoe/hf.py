@@ -337,7 +337,6 @@ def _phi3(hf: dict) -> dict:
     on the first partial_rotary_factor of each head (Phi-4-mini's 0.75), plain or LongRoPE
     (_longrope: Phi-3.5-mini's, Phi-4-mini's), a sliding window over every layer where
     sliding_window is set."""
-    _rope_params(dict(hf, rope_parameters=_longrope_renamed(hf)), "longrope")  # plain RoPE or LongRoPE, else a ValueError
     plain, longrope = _longrope(hf)
     common = _dense(plain, sliding=True)
     return dict(common, rope_dim=_partial_rope(hf, common["head_dim"]), **longrope)
@@ -355,14 +354,12 @@ def _longrope(hf: dict, mscales: bool = False) -> tuple[dict, dict]:
     original_max_position_embeddings (the top level's first, as transformers reads Phi-3's;
     rope_parameters', else max_position_embeddings); cos and sin scaled by attention_factor,
     else sqrt(1 + ln s / ln L) with s = factor, else max_position_embeddings / L (Phi-3's), or
-    with `mscales` by short_mscale and long_mscale (Phi-3.5-MoE's). ({} for plain RoPE.)"""
-    params = _longrope_renamed(hf)
-    if (params.get("rope_type", params.get("type")) or "default") != "longrope":
-        return hf, {}
+    with `mscales` by short_mscale and long_mscale (Phi-3.5-MoE's). ({} for plain RoPE; a
+    ValueError for another type or a missing field, _rope_params'.)"""
     needs = ("short_factor", "long_factor") + (("short_mscale", "long_mscale") if mscales else ())
-    missing = [name for name in needs if params.get(name) is None]
-    if missing:
-        raise ValueError(f"config.json: rope_parameters of rope type 'longrope' lack {', '.join(missing)}")
+    kind, params, _ = _rope_params(dict(hf, rope_parameters=_longrope_renamed(hf), rope_scaling=None), "longrope", needs)
+    if kind == "default":
+        return hf, {}
     # Phi-3's transformers reads the top level's first (its class default 4096 over rope_parameters'), Phi-3.5-MoE's rope_parameters' alone
     L = params.get("original_max_position_embeddings") if mscales else _get(hf, "original_max_position_embeddings",
                                                                               default=params.get("original_max_position_embeddings"))

@@ -1113,8 +1113,7 @@ def _sequence_lengths(cu_seqlens: torch.Tensor, positions: torch.Tensor, token_i
     """[T] the length of each token's document, LongRoPE's switch (rope_tables): its largest
     position + 1 (a decoded sequence's length so far), or under context parallel (linear_cp:
     this rank's positions are a part of each document's) the global cu_seqlens' span. No host sync."""
-    rows = torch.arange(positions.shape[0], device=positions.device) if token_index is None else token_index
-    doc = torch.searchsorted(cu_seqlens[1:], rows.to(cu_seqlens.dtype), right=True).clamp_(max=cu_seqlens.shape[0] - 2)
+    doc = sequence_ids(cu_seqlens, positions.shape[0], index=token_index)
     if linear_cp is not None:
         return cu_seqlens.diff()[doc]
     top = torch.zeros(cu_seqlens.shape[0] - 1, dtype=positions.dtype, device=positions.device)
