@@ -547,14 +547,15 @@ def main(argv: list[str]) -> None:
     if rank == 0:
         n_params = sum(p.numel() for p in whole.parameters())
         per_expert = 3 * model_cfg.hidden * model_cfg.ffn_expert
-        n_active = n_params - len(moe_names) * (model_cfg.n_experts - model_cfg.k) * per_expert
+        n_active = n_params - len(moe_names) * (model_cfg.n_experts - model_cfg.k) * per_expert  # zero experts: at most
         first_step = cfg.tokens_per_micro_batch * batch_size_at(tokens_seen, cfg.batch_schedule)
         mesh = " ".join(f"{k}={v}" for k, v in mesh_shape.items() if v > 1) or "one process"
         if pipe is not None:
             mesh += (f"; pipeline {cfg.pp_schedule}, {pipe.n_stages} stages of layers "
                      + " ".join(f"{r.start}-{r.stop - 1}" for r in pipe.layers) + " (embedding on the first, head and MTP on the last)")
-        print(f"model: {n_params / 1e6:.2f}M parameters, {n_active / 1e6:.2f}M active per token ({len(moe_names)} MoE layers of "
-              f"{model_cfg.n_experts} experts, top-{model_cfg.k})\n"
+        print(f"model: {n_params / 1e6:.2f}M parameters, {'at most ' if model_cfg.zero_experts else ''}{n_active / 1e6:.2f}M active per token ({len(moe_names)} MoE layers of "
+              f"{model_cfg.n_experts} experts{f' and {model_cfg.zero_experts} zero experts' if model_cfg.zero_experts else ''}, "
+              f"top-{model_cfg.k})\n"
               f"data: {cfg.data or 'the stdlib corpus'}: {len(train_set)} documents, {train_set.n_tokens / 1e6:.1f}M tokens "
               f"({f'+ {len(val_set)} for validation' if val_set is not None else 'no validation: --eval_batches=0'}); "
               f"{first_step} tokens per step now (--batch_schedule={cfg.batch_schedule!r})\n"
@@ -618,11 +619,11 @@ def main(argv: list[str]) -> None:
             aux_counts = seq_losses = {}
             if cfg.aux_coeff:
                 aux_counts = parallel.all_reduce_counts({n: s["aux_counts"] for n, s in stats.items()}, group,
-                                                        names=moe_names, n_experts=model_cfg.n_experts)
+                                                        names=moe_names, n_experts=model_cfg.n_choices)
             if cfg.seq_aux_coeff:
                 seq_losses = parallel.seq_load_balancing_losses_split(
                     {n: s["aux_scores"] for n, s in stats.items()}, {n: s["aux_experts"] for n, s in stats.items()}, cu_seqlens,
-                    k=k, group=group, names=moe_names, n_experts=model_cfg.n_experts, token_index=index, check=False, mask=mask)
+                    k=k, group=group, names=moe_names, n_experts=model_cfg.n_choices, token_index=index, check=False, mask=mask)
             terms = {
                 "seq_aux_loss": (cfg.seq_aux_coeff, lambda n, s: seq_losses[n]),
                 "aux_loss": (cfg.aux_coeff, lambda n, s: ops.load_balancing_loss(s["aux_scores"], aux_counts[n], k=k, n_tokens=n_tokens)),
@@ -755,7 +756,7 @@ def main(argv: list[str]) -> None:
                     record = {name: v if name in ("seq_aux_loss", "aux_loss", "z_loss", "stop_requests") else zero
                               for name, v in record.items()}
                 record = parallel.all_reduce_sums(record, dist.group.WORLD)
-                counts = parallel.all_reduce_counts(counts, dist.group.WORLD, names=moe_names, n_experts=model_cfg.n_experts)
+                counts = parallel.all_reduce_counts(counts, dist.group.WORLD, names=moe_names, n_experts=model_cfg.n_choices)
             with phase("optimizer"):  # the gradients' norm and clipping, the health norms, the step, the expert biases
                 if pipe is None:
                     counted, copies, groups = list(model.parameters()), [], {}
@@ -802,8 +803,9 @@ def main(argv: list[str]) -> None:
                 with phase("eval"):
                     record["val_loss"], record["val_loss_by_source"] = evaluate()
             # the one transfer of the step: every logged value and count comes to the host here
-            if moe_names:  # per MoE layer, in moe_names order: counts, max/mean, CV, dropped share
-                record.update(metrics.layer_loads(torch.stack([counts[n] for n in moe_names]), routed * model_cfg.k))
+            if moe_names:  # per MoE layer, in moe_names order: counts, max/mean, CV, dropped share (and the zero experts')
+                record.update(metrics.layer_loads(torch.stack([counts[n] for n in moe_names]), routed * model_cfg.k,
+                                                  zero_experts=model_cfg.zero_experts))
             record = metrics.to_host({**record, "grad_norm": norm, "param_norm": weight_norm, "zero_grads": zero_grads})
             stopping = record.pop("stop_requests") > 0  # the same on every rank
             if "val_loss_by_source" in record:  # source name -> its validation tokens' mean loss
@@ -820,8 +822,11 @@ def main(argv: list[str]) -> None:
                            if model_cfg.any_local else None)
             n_avg_index = (sum(metrics.mean_attended_keys(b["cu_seqlens"], model_cfg.index_topk) for b in host_batches) / n_micro
                            if model_cfg.index_topk is not None else None)  # DeepSeek sparse attention's kept keys
+            # zero experts: the routed experts' FLOPs at the step's share of computing slots
+            k_computing = (model_cfg.k * (1 - sum(record["zero_fraction"]) / len(moe_names))
+                           if model_cfg.zero_experts and moe_names else None)
             flops_per_token = metrics.model_flops_per_token(model_cfg, n_avg_keys=n_avg_keys, n_avg_local_keys=n_avg_local,
-                                                            n_avg_index_keys=n_avg_index)
+                                                            n_avg_index_keys=n_avg_index, k=k_computing)
             record.update(
                 step=step, loss=record["lm_loss"], lr=cfg.lr * lr_scale, batch_size=n_micro, tokens=tokens_seen,
                 loss_tokens=loss_tokens, padding_tokens=step_tokens - routed,  # of the step's tokens: trained on, and padding

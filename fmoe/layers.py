@@ -19,7 +19,10 @@ attention mask) is built once by attention_context and passed to every attention
 route (optionally random or capacity-limited) -> the routed experts (permute ->
 grouped_mlp -> unpermute, gate weights in float32; or an expert-parallel callable) -> plus
 the shared experts: a dense SwiGLU on every token, optionally scaled by
-sigmoid(x . shared_gate) (Qwen-style). SPEC.md 1-3.
+sigmoid(x . shared_gate) (Qwen-style). SPEC.md 1-3. With cfg.zero_experts = Z the router
+scores E + Z choices, the last Z zero-computation experts: a slot routed to one adds its
+token times the slot's weight, and only the other slots reach the routed experts (and the
+capacity drop); below, the router's, the biases' and the stats' E then read E + Z.
 
 params (a dict or TensorDict; parameters are the caller's, nothing is kept here):
     router        [E, H] float32    router logits = x.float() @ router.T, in float32
@@ -111,7 +114,7 @@ from fmoe.ops.rope import (
     yarn_inv_freq,
     yarn_softmax_scale,
 )
-from fmoe.ops.routing import Routes, check_sparsemixer_eps, keep_slots
+from fmoe.ops.routing import Routes, check_sparsemixer_eps, keep_slots, split_zero_experts
 from fmoe.ops.sparse import indexer_scores, sparse_attention, sparse_attention_probs
 
 
@@ -140,7 +143,11 @@ class MoEConfig:
     moe_router_logit_softcapping; None: as they are); stats["router_logits"], the aux
     scores' and the z-loss's input, are the capped ones. shared_scale: the shared experts'
     output times this constant before it joins the routed one (Cohere 2 MoE's "average":
-    0.5, beside a route scale of 0.5).
+    0.5, beside a route scale of 0.5). zero_experts: Z zero-computation experts beside the
+    E = n_experts computing ones (LongCat-Flash's identity experts): the router scores
+    E + Z choices (n_choices), and a slot routed to a zero expert passes its token through
+    times its weight, with no FLOPs (fmoe.ops.split_zero_experts); the capacity, the
+    expert weights and expert parallelism count the E computing experts only.
     """
 
     n_experts: int
@@ -168,8 +175,11 @@ class MoEConfig:
     logit_softcap: Optional[float] = None
     shared_scale: float = 1.0
     sparsemixer_eps: float = 0.01
+    zero_experts: int = 0
 
     def __post_init__(self):
+        check_positive_int("n_experts", self.n_experts)
+        check_positive_int("zero_experts", self.zero_experts, 0)
         check_glu(self.swiglu_alpha, self.swiglu_limit, self.swiglu_offset)
         check_sparsemixer_knobs(self.score, self.k, self.sparsemixer_eps, pre_softmax=self.pre_softmax, n_groups=self.n_groups,
                                 topk_groups=self.topk_groups, scale=self.scale, group_score_topk=self.group_score_topk, normalize=self.normalize)
@@ -187,6 +197,11 @@ class MoEConfig:
         check_fp8_fast_accum(self.fp8_fast_accum, self.fp8)
         if not isinstance(self.weights_on_input, bool):
             raise ValueError(f"weights_on_input: expected a bool, got {self.weights_on_input!r}")
+
+    @property
+    def n_choices(self) -> int:
+        """The router's choices: n_experts computing experts and zero_experts after them."""
+        return self.n_experts + self.zero_experts
 
     @property
     def glu(self) -> dict:
@@ -248,11 +263,12 @@ _SHARED = ("shared_w_gate", "shared_w_up", "shared_w_down")
 def _check_moe(x_TH, params, cfg, experts, shared, drop) -> None:
     if not isinstance(x_TH, torch.Tensor) or x_TH.ndim != 2 or not x_TH.is_floating_point():
         raise ValueError(f"x: expected a 2-D float tensor [T, H], got {getattr(x_TH, 'shape', type(x_TH).__name__)}")
-    H, E = x_TH.shape[1], cfg.n_experts
+    H, E = x_TH.shape[1], cfg.n_choices
+    what = "cfg.n_experts" if not cfg.zero_experts else "cfg.n_experts + cfg.zero_experts"
     router = params.get("router")
     if router is None or router.shape != (E, H) or router.dtype != torch.float32:
         got = f"{tuple(router.shape)} {router.dtype}" if router is not None else "nothing"
-        raise ValueError(f"params['router']: expected float32 [{E}, {H}] (E = cfg.n_experts, H = x's hidden size), got {got}")
+        raise ValueError(f"params['router']: expected float32 [{E}, {H}] ({what}, x's hidden size), got {got}")
     bias = params.get("router_bias")
     if bias is not None and (bias.shape != (E,) or bias.dtype != torch.float32):
         raise ValueError(f"params['router_bias']: expected float32 [{E}] or none, got {bias.dtype} {list(bias.shape)}")
@@ -349,7 +365,7 @@ def moe(
     """
     _check_moe(x, params, cfg, experts, shared, drop)
     check_token_mask("token_mask", token_mask, x.shape[0])
-    E, k = cfg.n_experts, cfg.k
+    E, k, n = cfg.n_experts, cfg.k, cfg.n_choices
 
     logits_TE = F.linear(x.float(), params["router"], params.get("router_bias"))  # router in float32
     if cfg.logit_softcap is not None:  # Laguna's tanh soft cap
@@ -367,6 +383,9 @@ def moe(
         )
     if token_mask is not None:  # padding is not routed: its slots are dropped before any capacity
         routes = keep_slots(routes, token_mask[:, None])
+    if cfg.zero_experts:  # the zero experts' slots pass their tokens through; the rest go on to the computing experts
+        counts_Z = tokens_per_expert(routes.experts, n)[E:]
+        routes, identity_T = split_zero_experts(routes, E)
     if cfg.capacity_factor is not None and drop is not None:
         routes = drop(routes, E, cfg.capacity_factor, policy=cfg.capacity_policy)
     elif cfg.capacity_factor is not None:
@@ -376,6 +395,9 @@ def moe(
         y_TH, counts_E = local_experts(x, routes, params, cfg)
     else:
         y_TH, counts_E = experts(x, routes)
+    if cfg.zero_experts:
+        y_TH = y_TH + (x * identity_T[:, None]).to(x.dtype)
+        counts_E = torch.cat([counts_E, counts_Z])
     if shared is None and params.get("shared_w_gate") is not None:
         shared = functools.partial(dense_mlp, w_gate_HF=params["shared_w_gate"], w_up_HF=params["shared_w_up"],
                                    w_down_FH=params["shared_w_down"], impl=cfg.impl, fp8=cfg.fp8)
@@ -394,7 +416,7 @@ def moe(
         scores_TE, experts_TK, counts = _aux_scores(logits_TE, k, score=aux, return_counts=True, impl=cfg.impl)
         if token_mask is not None:
             scores_TE, experts_TK = mask_tokens(scores_TE, experts_TK, token_mask)
-            counts = tokens_per_expert(experts_TK, E)
+            counts = tokens_per_expert(experts_TK, n)
         stats.update(aux_scores=scores_TE, aux_experts=experts_TK, aux_counts=counts)
     return y_TH, TensorDict(stats, batch_size=[])
 

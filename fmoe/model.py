@@ -165,7 +165,9 @@ class MoE(nn.Module):
     expert_biases=True b_gate / b_up [E, F], b_down [E, H]), optional `shared` experts (a DenseMLP of Fs) with an optional sigmoid
     gate `shared_gate` [H], and, with expert_bias=True, the aux-loss-free
     `expert_bias` [E], a persistent float32 buffer (added to the sigmoids or, with softmax
-    scoring, to the probabilities to choose the experts: fmoe.ops.route). The router and the bias stay float32
+    scoring, to the probabilities to choose the experts: fmoe.ops.route). With cfg.zero_experts = Z
+    the router, router_bias and expert_bias have E + Z rows (cfg.n_choices), the experts
+    E: the last Z choices are zero-computation experts (fmoe.layers.moe). The router and the bias stay float32
     when the module is cast (`.to(torch.bfloat16)`, `.half()`): routing decisions and bias
     steps of 1e-3 need it.
 
@@ -198,14 +200,14 @@ class MoE(nn.Module):
             raise ValueError("shared_gate: needs shared experts (shared_ffn > 0)")
         E, H, kw = cfg.n_experts, hidden, dict(device=device, dtype=dtype)
         self.cfg = cfg
-        self.router = nn.Parameter(torch.empty(E, H, device=device, dtype=torch.float32))
-        self.router_bias = nn.Parameter(torch.empty(E, device=device, dtype=torch.float32)) if router_bias else None
+        self.router = nn.Parameter(torch.empty(cfg.n_choices, H, device=device, dtype=torch.float32))
+        self.router_bias = nn.Parameter(torch.empty(cfg.n_choices, device=device, dtype=torch.float32)) if router_bias else None
         self.experts = GroupedExperts(E, H, ffn, cfg, biases=expert_biases, **kw)
         self.shared = DenseMLP(H, shared_ffn, cfg.impl, fp8=cfg.fp8, **kw) if shared_ffn else None
         if shared_gate:
             self.shared_gate = nn.Parameter(torch.empty(H, **kw))
         if expert_bias:
-            self.register_buffer("expert_bias", torch.zeros(E, device=device, dtype=torch.float32), persistent=True)
+            self.register_buffer("expert_bias", torch.zeros(cfg.n_choices, device=device, dtype=torch.float32), persistent=True)
         self.sequence_parallel = None  # fmoe.parallel's SequenceShard under tp > 1 (class docstring)
         self.capacity_drop = None  # fmoe.parallel's ContextCapacityDrop under cp > 1 (class docstring)
         self.reset_parameters()
@@ -279,7 +281,10 @@ class TransformerConfig:
     sums its best group_score_topk scores; None: k // topk_groups), route_scale,
     route_normalize (sigmoid: renormalise the k weights; False keeps the raw sigmoids),
     expert_bias (aux-loss-free balancing: a bias on the sigmoids, or softmax's probabilities, for the choice only), capacity_factor with
-    capacity_policy ("probs" | "position"), route_on_input (the weights scale each expert's
+    capacity_policy ("probs" | "position"), zero_experts (Z zero-computation experts beside
+    the n_experts computing ones: the router chooses among n_experts + Z, and a slot routed
+    to a zero expert passes its token through times its weight, with no FLOPs: LongCat-Flash's
+    identity experts; fmoe.layers.MoEConfig.zero_experts), route_on_input (the weights scale each expert's
     input, not its output: Llama 4; fmoe.layers.MoEConfig.weights_on_input). Attention:
     n_heads/n_kv_heads of head_dim, qkv_bias, qk_norm (None | "head" | "proj" | "rms" | "head_layer",
     fmoe.layers.AttentionConfig; qk_norm_after_rope: the per-head norms after RoPE, Hunyuan,
@@ -409,6 +414,7 @@ class TransformerConfig:
     route_normalize: bool = True
     expert_bias: bool = True
     sparsemixer_eps: float = 0.01
+    zero_experts: int = 0
     capacity_factor: Optional[float] = None
     capacity_policy: str = "probs"
     route_on_input: bool = False
@@ -630,7 +636,7 @@ class TransformerConfig:
                 raise ValueError("expert_bias: sparsemixer routing (score='sparsemixer') takes no expert bias; set expert_bias=False")
             return
         # the routing knobs, checked by the op itself on no tokens
-        route(torch.zeros(0, self.n_experts, device="cpu"), self.k, score=self.score, pre_softmax=self.pre_softmax,
+        route(torch.zeros(0, self.n_experts + self.zero_experts, device="cpu"), self.k, score=self.score, pre_softmax=self.pre_softmax,
               n_groups=self.n_groups, topk_groups=self.topk_groups, scale=self.route_scale, group_score_topk=self.group_score_topk,
               normalize=self.route_normalize, check=False, impl="torch")
 
@@ -693,6 +699,11 @@ class TransformerConfig:
         return self.local_kv_heads if self.local_kv_heads is not None and i is not None and self.is_local(i) else self.n_kv_heads
 
     @property
+    def n_choices(self) -> int:
+        """The router's choices per MoE block: n_experts and the zero_experts after them."""
+        return self.n_experts + self.zero_experts
+
+    @property
     def shared_size(self) -> int:
         """The shared experts' FFN size: shared_ffn, or n_shared * ffn_expert."""
         return self.shared_ffn if self.shared_ffn is not None else self.n_shared * self.ffn_expert
@@ -705,7 +716,7 @@ class TransformerConfig:
             swiglu_alpha=self.swiglu_alpha, swiglu_limit=self.swiglu_limit, swiglu_offset=self.swiglu_offset,
             weights_on_input=self.route_on_input, fp8=self.fp8 if fp8 is None else fp8,
             fp8_fast_accum=self.fp8_fast_accum and (self.fp8 if fp8 is None else fp8), logit_softcap=self.router_softcap, shared_scale=self.shared_scale,
-            sparsemixer_eps=self.sparsemixer_eps,
+            sparsemixer_eps=self.sparsemixer_eps, zero_experts=self.zero_experts,
         )
 
     def linear_attention_config(self, fp8: Optional[bool] = None) -> LinearAttentionConfig:

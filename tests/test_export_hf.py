@@ -212,3 +212,5 @@ def test_config_mismatch_names_the_fields_that_change_the_model(hf_run):
     assert hf.config_mismatch(dataclasses.replace(cfg, qk_norm=None), config) == {"qk_norm": (None, "head")}
     assert hf.config_mismatch(dataclasses.replace(cfg, moe_layers=(1,)), config) == {"MoE layers": ([False, True], [True, True])}
     assert hf.config_mismatch(dataclasses.replace(cfg, n_shared=1), config) == {"shared_size": (24, 0)}
+    # zero-computation experts: no family has them (its router would be the wrong size)
+    assert hf.config_mismatch(dataclasses.replace(cfg, zero_experts=2), config) == {"zero_experts": (2, 0)}

@@ -22,13 +22,19 @@ CONFIGS = {
     "llama4 weights on input": MoEConfig(n_experts=4, k=1, score="sigmoid", normalize=False, weights_on_input=True),
     # the same over padded rows (align) and dropped slots (capacity): those rows get weight 0
     "weights on input capacity align": MoEConfig(n_experts=4, k=2, capacity_factor=0.5, align=16, weights_on_input=True),
+    # LongCat-Flash's zero-computation experts: the router chooses among 4 experts and 2 identity experts after them
+    "zero experts softmax": MoEConfig(n_experts=4, k=2, zero_experts=2),
+    # ... with groups over all 6 choices, the expert bias, shared experts, and the computing experts' capacity
+    "zero experts sigmoid groups bias shared capacity": MoEConfig(n_experts=4, k=3, score="sigmoid", zero_experts=2, n_groups=3, topk_groups=2,
+                                                                  capacity_factor=0.75),
+    "zero experts weights on input": MoEConfig(n_experts=4, k=2, score="sigmoid", normalize=False, zero_experts=1, weights_on_input=True),
 }
 
 
 def _params(cfg, dtype, device, shared=False, bias=False):
     E = cfg.n_experts
     p = {
-        "router": torch.randn(E, H, device=device) * 0.5,
+        "router": torch.randn(cfg.n_choices, H, device=device) * 0.5,
         "w_gate": torch.randn(E, H, FFN, device=device) * 0.2,
         "w_up": torch.randn(E, H, FFN, device=device) * 0.2,
         "w_down": torch.randn(E, FFN, H, device=device) * 0.2,
@@ -40,25 +46,33 @@ def _params(cfg, dtype, device, shared=False, bias=False):
         )
     p = {n: (t if n == "router" else t.to(dtype)).requires_grad_() for n, t in p.items()}
     if bias:
-        p["expert_bias"] = 0.1 * torch.randn(E, device=device)
+        p["expert_bias"] = 0.1 * torch.randn(cfg.n_choices, device=device)
     return p
 
 
 def _loop_moe(x, params, cfg):
-    """Each token through each of its experts, one at a time, in float32."""
+    """Each token through each of its experts, one at a time, in float32 (a zero expert's
+    slot: the token times its weight). Returns the output and the routes taken (the
+    computing experts' slots after the capacity drop, the zero experts' as chosen)."""
     p = {n: t.float() for n, t in params.items()}
     x = x.float()
     logits = x @ p["router"].T
     routes = ops.route(logits, cfg.k, score=cfg.score, pre_softmax=cfg.pre_softmax, n_groups=cfg.n_groups,
                        topk_groups=cfg.topk_groups, expert_bias=params.get("expert_bias"), scale=cfg.scale, normalize=cfg.normalize, impl="torch")
-    if cfg.capacity_factor is not None:
-        routes = ops.drop_by_capacity(routes, cfg.n_experts, cfg.capacity_factor, policy=cfg.capacity_policy)
+    if cfg.capacity_factor is not None:  # over the computing experts' slots only
+        zero = routes.experts >= cfg.n_experts
+        computing = ops.Routes(routes.weights, torch.where(zero, -1, routes.experts))
+        computing = ops.drop_by_capacity(computing, cfg.n_experts, cfg.capacity_factor, policy=cfg.capacity_policy)
+        routes = ops.Routes(torch.where(zero, routes.weights, computing.weights), torch.where(zero, routes.experts, computing.experts))
     rows = []
     for t in range(x.shape[0]):
         y_t = torch.zeros(H, device=x.device)
         for j in range(cfg.k):
             e = int(routes.experts[t, j])
             if e < 0:
+                continue
+            if e >= cfg.n_experts:  # an identity expert, whatever weights_on_input says
+                y_t = y_t + routes.weights[t, j] * x[t]
                 continue
             if cfg.weights_on_input:  # the weight scales what the expert sees, its output is summed as is
                 x_in = routes.weights[t, j] * x[t]
@@ -106,8 +120,11 @@ def test_moe_matches_per_token_loop(name, dtype, impl, device):
             loose = n == "router" and cfg.weights_on_input and dtype == torch.bfloat16
             assert _rel(t.grad, ref_params[n].grad) < (3e-2 if loose else tol), n
 
-    counts = ops.tokens_per_expert(routes.experts, cfg.n_experts)
+    counts = ops.tokens_per_expert(routes.experts, cfg.n_choices)
     assert torch.equal(stats["tokens_per_expert"], counts)
+    assert stats["aux_scores"].shape == (13, cfg.n_choices) and stats["aux_counts"].shape == (cfg.n_choices,)
+    if cfg.zero_experts:  # both kinds of expert took slots here (a test that checks both paths)
+        assert counts[:cfg.n_experts].sum() > 0 and counts[cfg.n_experts:].sum() > 0
     # the stats hold what their consumers use, nothing more
     assert sorted(stats.keys()) == ["aux_counts", "aux_experts", "aux_scores", "router_logits", "tokens_per_expert"]
 
@@ -129,7 +146,7 @@ def test_stats_feed_the_losses_and_bias_update(device):
     assert "aux_scores" not in no_aux.keys()
 
 
-@pytest.mark.parametrize("name", ["softmax top-2", "sigmoid groups bias shared"])
+@pytest.mark.parametrize("name", ["softmax top-2", "sigmoid groups bias shared", "zero experts softmax"])
 def test_padding_is_not_routed_and_the_stats_leave_it_out(name, device):
     """token_mask: the kept tokens' outputs, gradients and stats are those of a batch
     without the padding; the padding takes no expert (its output is the shared experts')."""
@@ -214,6 +231,13 @@ def test_moe_bad_inputs(device):
         dataclasses.replace(cfg, weights_on_input=1)
     with pytest.raises(ValueError, match="params: shared experts need all of"):
         moe(x, dict(params, shared_w_gate=torch.randn(H, 8, device=device)), cfg)
+    zero = dataclasses.replace(cfg, zero_experts=2)  # the router scores the 4 experts and the 2 zero experts
+    with pytest.raises(ValueError, match=r"params\['router'\]: expected float32 \[6, 32\] \(cfg.n_experts \+ cfg.zero_experts"):
+        moe(x, params, zero)
+    with pytest.raises(ValueError, match=r"expert_bias: expected a float32 tensor of shape \(6,\)"):
+        moe(x, dict(params, router=torch.randn(6, H, device=device), expert_bias=torch.zeros(4, device=device)), zero)
+    with pytest.raises(ValueError, match="zero_experts: expected an int"):
+        dataclasses.replace(cfg, zero_experts=1.0)
 
 
 def test_gpt_oss_moe_matches_per_token_loop():

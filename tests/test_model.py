@@ -82,6 +82,9 @@ VARIANTS = {
     "laguna": dataclasses.replace(TINY, window=4, window_layers=(1, 2), local_heads=8, rope_dim=4, rope_base=5e5, local_rope_base=100.0,
                                   local_rope_dim=8, attn_gate=True, attn_gate_act="softplus", attn_gate_per_head=True, router_softcap=1.5,
                                   qk_norm="head", score="sigmoid", route_scale=2.0, mtp_depth=1),
+    # LongCat-Flash's zero-computation experts: 3 identity experts beside the 4 computing ones, softmax scores with
+    # the expert bias, the computing experts' capacity
+    "zero experts": dataclasses.replace(TINY, zero_experts=3, score="softmax", capacity_factor=1.0, mtp_depth=1),
     # gpt-oss's pieces: q/k/v/o biases, attention sinks, a router bias, expert biases, the
     # clamped SwiGLU, YaRN without truncation, sliding windows in blocks 0 and 2
     "gpt-oss": dataclasses.replace(TINY, qkv_bias=True, o_bias=True, attn_sinks=True, router_bias=True, expert_biases=True, swiglu_alpha=1.702,
@@ -365,6 +368,15 @@ def test_bad_configs():
     assert all(m.expert_bias.shape == (softmax.cfg.n_experts,) for m in softmax.moe_layers().values())
     with pytest.raises(ValueError, match="hidden: expected a positive int"):
         TransformerConfig(hidden=0)
+    # zero experts: the router, its bias and the expert bias score E + Z choices, the experts are E
+    zero = Transformer(TransformerConfig(n_layers=2, n_dense=1, n_experts=4, zero_experts=3, router_bias=True))
+    for m in zero.moe_layers().values():
+        assert m.router.shape[0] == m.router_bias.shape[0] == m.expert_bias.shape[0] == 7 and m.experts.w_gate.shape[0] == 4
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="zero_experts: expected"):
+            TransformerConfig(zero_experts=bad)
+    with pytest.raises(ValueError, match="n_groups"):  # the groups split all E + Z choices
+        TransformerConfig(n_experts=8, zero_experts=2, n_groups=4, topk_groups=2)
     with pytest.raises(ValueError, match="n_kv_heads"):
         TransformerConfig(n_heads=4, n_kv_heads=3)
     with pytest.raises(ValueError, match="normalize: applies to score='sigmoid' only"):
@@ -984,6 +996,8 @@ DECODED = {
     "cohere": dataclasses.replace(VARIANTS["cohere"], mtp_depth=0),
     # Phi-3.5-MoE's: SparseMixer's top-2, LayerNorms with biases, a head bias, LongRoPE (the long factors throughout)
     "phimoe": dataclasses.replace(VARIANTS["phimoe"], mtp_depth=0),
+    # LongCat-Flash's zero-computation experts (without the capacity, which a step of one token would change)
+    "zero experts": dataclasses.replace(VARIANTS["zero experts"], mtp_depth=0, capacity_factor=None),
     # Phi-3's LongRoPE past 1 original position: every prompt here is longer, every call has the long factors (a
     # sequence that grows past the original positions while decoding keeps its earlier keys' short ones, unlike
     # the whole sequence's forward)

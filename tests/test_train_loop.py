@@ -131,9 +131,17 @@ def test_knobs_as_users_type_them(tmp_path):
                  "--model.capacity_factor=1.5", "--model.capacity_policy=position", "--adamw_state_dtype=bfloat16",
                  "--model.ac=full", "--dtype=bfloat16", "--decay_embeddings=false", "--model.window=16", "--model.window_layers=1",
                  "--model.attn_sinks=true", "--model.o_bias=true", "--model.router_bias=true", "--model.expert_biases=true",
-                 "--model.swiglu_alpha=1.702", "--model.swiglu_limit=7", "--model.swiglu_offset=1")
+                 "--model.swiglu_alpha=1.702", "--model.swiglu_limit=7", "--model.swiglu_offset=1", "--model.zero_experts=2")
     assert run.returncode == 0, run.stderr[-3000:]
     assert "warmup 0 steps (a tenth of this short run)" in run.stdout
+    assert "of 4 experts and 2 zero experts, top-2" in run.stdout
+    # the zero experts' share of each MoE layer's slots is logged; their slots are counted, not dropped
+    for r in _records(tmp_path / "short"):
+        slots = r["batch_size"] * 128 * 2
+        assert [len(row) for row in r["tokens_per_expert"]] == [6] * len(r["zero_fraction"])
+        assert r["zero_fraction"] == pytest.approx([sum(row[4:]) / slots for row in r["tokens_per_expert"]])
+        assert r["dropped_fraction"] == pytest.approx([1 - sum(row) / slots for row in r["tokens_per_expert"]])
+    assert any(f > 0 for r in _records(tmp_path / "short") for f in r["zero_fraction"])
     # bf16 compute on one process: float32 master weights through FSDP2 over a group of one
     assert "torch.bfloat16" in run.stdout and all(math.isfinite(r["loss"]) for r in _records(tmp_path / "short"))
     config = json.loads((tmp_path / "short" / "config.json").read_text())
@@ -141,7 +149,7 @@ def test_knobs_as_users_type_them(tmp_path):
     assert (model["n_groups"], model["topk_groups"], model["capacity_factor"], model["capacity_policy"], model["ac"]) == (2, 1, 1.5, "position", "full")
     assert (model["window"], model["window_layers"]) == (16, [1])
     assert (model["attn_sinks"], model["o_bias"], model["router_bias"], model["expert_biases"]) == (True,) * 4
-    assert (model["swiglu_alpha"], model["swiglu_limit"], model["swiglu_offset"]) == (1.702, 7.0, 1.0)
+    assert (model["swiglu_alpha"], model["swiglu_limit"], model["swiglu_offset"], model["zero_experts"]) == (1.702, 7.0, 1.0, 2)
     assert config["config"]["adamw_state_dtype"] == "bfloat16" and config["warmup"] == 0
     assert (config["dtype"], config["config"]["decay_embeddings"]) == ("torch.bfloat16", False)
     # WSD decays over its last fifth by default (no jump from the peak to min_lr)

@@ -32,7 +32,7 @@ from fmoe.ops.rope import (
     yarn_mscale,
     yarn_softmax_scale,
 )
-from fmoe.ops.routing import Routes, drop_by_capacity, random_logits, route, sparsemixer_route
+from fmoe.ops.routing import Routes, drop_by_capacity, random_logits, route, sparsemixer_route, split_zero_experts
 from fmoe.ops.sparse import indexer_scores, sparse_attention, sparse_attention_probs
 
 __all__ = [
@@ -63,6 +63,7 @@ __all__ = [
     "route",
     "sparsemixer_route",
     "seq_load_balancing_loss",
+    "split_zero_experts",
     "sparse_attention",
     "sparse_attention_probs",
     "swiglu",

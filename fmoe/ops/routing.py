@@ -33,7 +33,9 @@ with eps 0.5 keep every expert: experts (1, 2), weights (0.6439, 0.6652); with e
 the chosen ones: weights (1, 1).
 
 drop_by_capacity keeps at most ceil(T*k/E * capacity_factor) slots per expert; a dropped slot
-keeps its place with weight 0 and expert -1. random_logits replaces the logits by N(0,1)
+keeps its place with weight 0 and expert -1. split_zero_experts(routes, E) takes the slots
+routed past the E computing experts (zero-computation experts, LongCat-Flash's identity
+experts) out of the routes: their tokens pass through, times the slot's weight. random_logits replaces the logits by N(0,1)
 noise with a straight-through gradient (for benchmarks).
 
 Legend: T tokens, E experts, K = k slots per token, G groups, GS = E/G experts per group.
@@ -532,6 +534,40 @@ def keep_slots(routes: Routes, keep: torch.Tensor) -> Routes:
     fmoe.layers.moe does not route). Gradients reach the kept weights."""
     weights_TK, experts_TK = routes
     return Routes(torch.where(keep, weights_TK, torch.zeros_like(weights_TK)), torch.where(keep, experts_TK, torch.full_like(experts_TK, -1)))
+
+
+def split_zero_experts(routes: Routes, n_experts: int) -> tuple[Routes, torch.Tensor]:
+    """Take the zero-computation experts' slots out of routes chosen over E computing experts
+    and the zero experts after them (ids E, E+1, ...: LongCat-Flash's identity experts, MoE++'s
+    copy experts). A zero expert costs no FLOPs: its token passes through unchanged, times
+    the slot's weight, so a block's output is experts(x, kept) + identity[:, None] * x.
+
+    Args:
+        routes: Routes(weights [T, k] float, experts [T, k] int32/int64), ids -1 (dropped)
+            or >= 0 (route's over E + Z logits).
+        n_experts: E, the computing experts (ids 0..E-1).
+    Returns:
+        (kept, identity): kept, Routes of the same shapes and dtypes with every slot of an
+        id >= E dropped (weight 0, expert -1, as keep_slots drops; a dropped slot stays
+        dropped, its weight 0 too), and identity [T] in the
+        weights' dtype, the sum of each token's zero-expert weights (0 where it chose
+        none). Gradients reach every weight, through kept or through identity. No
+        device->host sync.
+
+    Example: weights [[0.5, 0.3, 0.2]], experts [[1, 4, 5]], E = 4: kept weights
+    [[0.5, 0, 0]], experts [[1, -1, -1]]; identity [0.5].
+    """
+    if not (isinstance(routes, tuple) and len(routes) == 2):
+        raise ValueError("routes: expected Routes(weights, experts)")
+    weights_TK, experts_TK = routes
+    check_float("routes.weights", weights_TK, 2, "[T, k]")
+    check_index("routes.experts", experts_TK, 2, "[T, k]")
+    if experts_TK.shape != weights_TK.shape:
+        raise ValueError(f"routes: weights {tuple(weights_TK.shape)} and experts {tuple(experts_TK.shape)} differ in shape")
+    check_positive_int("n_experts", n_experts)
+    zero_TK = experts_TK >= n_experts
+    identity_T = torch.where(zero_TK, weights_TK, torch.zeros_like(weights_TK)).sum(dim=-1)
+    return keep_slots(routes, (experts_TK >= 0) & ~zero_TK), identity_T
 
 
 def drop_by_capacity(

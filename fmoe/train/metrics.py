@@ -7,11 +7,11 @@ a JSONL logger.
     flops_per_token(*, hidden, n_layers, n_dense, ffn_dense, ffn_expert, k, n_shared,
                     n_heads, n_kv_heads, head_dim, vocab, mtp_depth=0, n_avg_keys,
                     n_experts=0) -> float
-    model_flops_per_token(cfg, *, n_avg_keys, n_avg_local_keys=None, n_avg_index_keys=None) -> float   the same for a
-                                                    TransformerConfig (sliding blocks: the local mean)
+    model_flops_per_token(cfg, *, n_avg_keys, n_avg_local_keys=None, n_avg_index_keys=None, k=None) -> float   the same
+                                                    for a TransformerConfig (sliding blocks: the local mean)
     datasheet_peak_flops(name) / peak_flops(device) -> float | None   dense bf16 peaks
     mfu(tokens_per_s, flops_per_token, peak) -> float | None
-    layer_loads(counts[L, E], slots) -> record entries, one item per MoE layer (fmoe.ops.load_stats)
+    layer_loads(counts[L, E], slots, *, zero_experts=0) -> record entries, one item per MoE layer (fmoe.ops.load_stats)
     MetricsLogger(out_dir, *, rank=0, total_steps, start_step=0).log(step, record)
     format_progress(step, total_steps, record) -> the one-line progress string
     to_host(values) -> {name: float | int | list}   tensors to Python numbers in one transfer
@@ -194,7 +194,7 @@ def linear_attention_flops(hidden: int, cfg) -> float:
 
 
 def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[float] = None,
-                          n_avg_index_keys: Optional[float] = None) -> float:
+                          n_avg_index_keys: Optional[float] = None, k: Optional[float] = None) -> float:
     """flops_per_token of an fmoe.model.TransformerConfig (any object with its fields): the
     dense blocks are those that are not MoE (moe_layers or n_dense), the shared experts'
     size in units of ffn_expert (shared_ffn, or n_shared), the router over n_experts, the
@@ -212,7 +212,10 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
     (mean_attended_keys(cu_seqlens, index_topk): at most index_topk; required), and its
     indexer adds per block with one (trunk and MTP; not index_shared_layers) 6 x its projection weights and
     6 index_heads index_head_dim n_avg_keys for its scores (every earlier key scored for the
-    choice, again for its loss, and the loss's backward)."""
+    choice, again for its loss, and the loss's backward).
+    The router counts its n_choices outputs (cfg.n_choices where the model has zero experts,
+    else n_experts). k: the mean computing experts per token where it is not cfg.k (with
+    zero experts, cfg.k (1 - zero_fraction), the step's measured share: layer_loads)."""
     names = ("hidden", "n_layers", "ffn_dense", "ffn_expert", "k", "n_heads", "n_kv_heads", "head_dim", "mtp_depth", "n_experts")
     is_moe = getattr(cfg, "is_moe", lambda i: i >= cfg.n_dense)
     n_dense = sum(not is_moe(i) for i in range(cfg.n_layers))
@@ -242,6 +245,10 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
     n_linear = sum(getattr(cfg, "is_linear", lambda i: False)(i) for i in range(cfg.n_layers))
     linear = dict(n_linear=n_linear, linear_layer=linear_attention_flops(cfg.hidden, cfg.linear_attention_config())) if n_linear else {}
     values = {n: getattr(cfg, n) for n in names}
+    values["n_experts"] = getattr(cfg, "n_choices", cfg.n_experts)  # the router's outputs
+    if k is not None:
+        _check_count("k", k)
+        values["k"] = k
     indexer = 0.0
     if getattr(cfg, "index_topk", None) is not None:  # DeepSeek sparse attention: the kept keys, and the indexer
         from fmoe.layers import index_shapes
@@ -289,23 +296,33 @@ def mfu(tokens_per_s: float, flops_per_token: float, peak: Optional[float]) -> O
     return tokens_per_s * flops_per_token / peak
 
 
-def layer_loads(counts: Union[torch.Tensor, Sequence], slots: int) -> dict:
+def layer_loads(counts: Union[torch.Tensor, Sequence], slots: int, *, zero_experts: int = 0) -> dict:
     """Record entries for the MoE layers from their counts [L, E] (a tensor or a list of
     [E] rows, each layer's tokens_per_expert summed as wanted) and the slots requested (T k):
     tokens_per_expert [L, E], load_max_over_mean [L], load_cv [L], dropped_fraction [L].
+    zero_experts: the last Z of the E columns count zero-computation experts' slots
+    (fmoe.layers.MoEConfig.zero_experts): max/mean and CV are then the computing experts'
+    alone, and zero_fraction [L] is the share of the slots the zero experts took.
     The maths is fmoe.ops.load_stats'; tensors in, tensors out (no host sync: to_host turns
     them into numbers with the step's other values)."""
     counts_LE = torch.as_tensor(counts) if not isinstance(counts, torch.Tensor) else counts
     if counts_LE.ndim != 2:
         raise ValueError(f"counts: expected [L, E] counts (one row per MoE layer), got shape {tuple(counts_LE.shape)}")
     _check_count("slots", slots)
-    load = load_stats(counts_LE, slots)
-    return {
+    if isinstance(zero_experts, bool) or not isinstance(zero_experts, int) or not 0 <= zero_experts < counts_LE.shape[1]:
+        raise ValueError(f"zero_experts: expected an int in 0..{counts_LE.shape[1] - 1} (fewer than counts' {counts_LE.shape[1]} "
+                         f"columns), got {zero_experts!r}")
+    E = counts_LE.shape[1] - zero_experts
+    load = load_stats(counts_LE[:, :E], slots)
+    record = {
         "tokens_per_expert": counts_LE,
         "load_max_over_mean": load["max_over_mean"],
         "load_cv": load["cv"],
-        "dropped_fraction": load["dropped_fraction"],
+        "dropped_fraction": load_stats(counts_LE, slots)["dropped_fraction"] if zero_experts else load["dropped_fraction"],
     }
+    if zero_experts:
+        record["zero_fraction"] = counts_LE[:, E:].sum(dim=-1).float() / max(slots, 1)
+    return record
 
 
 def _plain(value):

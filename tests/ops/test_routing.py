@@ -304,6 +304,29 @@ def test_capacity_bad_inputs():
     _raises("routes: weights", F.drop_by_capacity, F.Routes(r.weights, r.experts[:, :1]), 8, 1.0)
 
 
+def test_split_zero_experts_worked_example_and_gradients():
+    """The docstring's example; every slot's weight reaches the loss through the kept routes
+    or through the identity, and dropped slots stay dropped."""
+    weights = torch.tensor([[0.5, 0.3, 0.2], [0.6, 0.4, 0.0], [0.7, 0.2, 0.1]], requires_grad=True)
+    experts = torch.tensor([[1, 4, 5], [5, 3, -1], [0, 2, 3]], dtype=torch.int32)
+    (w, e), identity = F.split_zero_experts(F.Routes(weights, experts), 4)
+    assert e.dtype == torch.int32 and e.tolist() == [[1, -1, -1], [-1, 3, -1], [0, 2, 3]]
+    torch.testing.assert_close(w, torch.tensor([[0.5, 0.0, 0.0], [0.0, 0.4, 0.0], [0.7, 0.2, 0.1]]))
+    torch.testing.assert_close(identity, torch.tensor([0.5, 0.6, 0.0]))
+    up_w, up_i = torch.randn(3, 3), torch.randn(3)
+    ((w * up_w).sum() + (identity * up_i).sum()).backward()
+    zero = experts >= 4
+    torch.testing.assert_close(weights.grad, torch.where(zero, up_i[:, None].expand(3, 3), torch.where(experts >= 0, up_w, 0.0)))
+
+
+def test_split_zero_experts_bad_inputs():
+    r = F.route(torch.randn(4, 8), 2)
+    _raises("n_experts: expected", F.split_zero_experts, r, 0)
+    _raises("routes: expected Routes", F.split_zero_experts, r.weights, 4)
+    _raises("routes: weights", F.split_zero_experts, F.Routes(r.weights, r.experts[:, :1]), 4)
+    _raises("routes.experts", F.split_zero_experts, F.Routes(r.weights, r.experts.float()), 4)
+
+
 # ---------------------------------------------------------------------------- random
 
 

@@ -138,7 +138,7 @@ def _reference(ref, batches, valid, mtp_depth, rank, world):
     not one per rank: 4 ranks share 2 cores here."""
     n, names = len(batches), list(ref.moe_layers())
     sums, index, has_index = (torch.zeros(n, dtype=torch.float64) for _ in range(3))
-    counts = torch.zeros(len(names), ref.cfg.n_experts, dtype=torch.int64)
+    counts = torch.zeros(len(names), ref.cfg.n_choices, dtype=torch.int64)
     for i in range(rank, n, world):
         loss, losses, stats = _loss(ref, batches[i], valid, mtp_depth)
         loss.backward()
@@ -230,7 +230,7 @@ def _compare(rank, world, sizes, overrides):
     ref_norm = torch.linalg.vector_norm(torch.cat([g.flatten() for g in ref_grads.values()]))
     errors["grad_norm"] = abs(float(grad_norm(model.parameters())) - float(ref_norm)) / float(ref_norm)
     names = list(ref.moe_layers())
-    counts = all_reduce_counts(counts, dist.group.WORLD, names=names, n_experts=cfg.n_experts)
+    counts = all_reduce_counts(counts, dist.group.WORLD, names=names, n_experts=cfg.n_choices)
     for name in names:
         errors[f"{name}.counts"] = float((counts[name] - ref_counts[name]).abs().sum())
         if not cfg.expert_bias:
@@ -253,6 +253,8 @@ CASES = {
     "ep2xetp2": (4, dict(ep=2, etp=2), {}),
     # capacity-padded all-to-alls: no host read (dropping happens on every micro-batch)
     "ep2xtp2-capacity": (4, dict(tp=2, ep=2), dict(capacity_factor=1.0)),
+    # zero-computation experts beside the computing ones: their slots never reach the all-to-alls or the capacity
+    "ep2xtp2-capacity-zero-experts": (4, dict(tp=2, ep=2), dict(zero_experts=3, capacity_factor=1.0)),
     # activation checkpointing under FSDP2, TP and EP: the recomputation inside FSDP units
     # and TP regions, and the all-to-alls run again in the backward
     "ep2xtp2-ac-full": (4, dict(tp=2, ep=2), dict(ac="full")),

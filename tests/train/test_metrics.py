@@ -104,6 +104,20 @@ def test_layer_loads_are_load_stats_as_record_entries():
         M.layer_loads(torch.zeros(4), slots=4)
 
 
+def test_layer_loads_with_zero_experts():
+    """The last Z columns count zero experts' slots: max/mean and CV are the computing
+    experts', the dropped share counts both kinds, zero_fraction the zero experts' share."""
+    rec = M.to_host(M.layer_loads(torch.tensor([[6, 2, 0, 4, 4], [3, 3, 3, 3, 0]]), slots=20, zero_experts=1))
+    assert rec["load_max_over_mean"] == pytest.approx([2.0, 1.0])  # over [6, 2, 0, 4] and [3, 3, 3, 3]
+    assert rec["load_cv"] == pytest.approx([math.sqrt(5) / 3, 0.0])
+    assert rec["zero_fraction"] == pytest.approx([4 / 20, 0.0])
+    assert rec["dropped_fraction"] == pytest.approx([(20 - 16) / 20, (20 - 12) / 20])
+    assert "zero_fraction" not in M.layer_loads(torch.tensor([[6, 2]]), slots=8)
+    for bad in (-1, 2, 1.0, True):
+        with pytest.raises(ValueError, match="zero_experts: expected an int in 0..1"):
+            M.layer_loads(torch.tensor([[6, 2]]), slots=8, zero_experts=bad)
+
+
 def test_to_host_one_transfer_per_device():
     from fmoe.train.metrics import HostReads
 
@@ -264,6 +278,12 @@ def test_model_flops_per_token_reads_the_model_config():
     expected = M.flops_per_token(hidden=64, n_layers=3, n_dense=1, ffn_dense=128, ffn_expert=32, k=2, n_shared=1,
                                        n_heads=4, n_kv_heads=2, head_dim=16, vocab=300, mtp_depth=1, n_avg_keys=10.0, n_experts=4)
     assert M.model_flops_per_token(cfg, n_avg_keys=10.0) == expected
+    # zero experts: the router scores 4 + 3 choices; k the step's mean computing experts per token
+    zero = TransformerConfig(**{**cfg.__dict__, "zero_experts": 3})
+    assert M.model_flops_per_token(zero, n_avg_keys=10.0) == expected + 3 * 6 * 64 * 3
+    assert M.model_flops_per_token(zero, n_avg_keys=10.0, k=1.5) == expected + 3 * 6 * 64 * 3 - 3 * 6 * 64 * 3 * 32 * 0.5
+    with pytest.raises(ValueError, match="k: expected a number >= 0"):
+        M.model_flops_per_token(zero, n_avg_keys=10.0, k=-1.0)
     # by hand: 3 attention layers + the MTP block's, 1 dense MLP, 2 MoE layers + the MTP block's
     attention = 6 * (64 * (64 + 2 * 32) + 64 * 64) + 12 * 64 * 10.0
     moe = 6 * 64 * 3 * 32 * (2 + 1) + 6 * 64 * 4
