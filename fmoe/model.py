@@ -636,7 +636,7 @@ class TransformerConfig:
                 raise ValueError("expert_bias: sparsemixer routing (score='sparsemixer') takes no expert bias; set expert_bias=False")
             return
         # the routing knobs, checked by the op itself on no tokens
-        route(torch.zeros(0, self.n_experts + self.zero_experts, device="cpu"), self.k, score=self.score, pre_softmax=self.pre_softmax,
+        route(torch.zeros(0, self.n_choices, device="cpu"), self.k, score=self.score, pre_softmax=self.pre_softmax,
               n_groups=self.n_groups, topk_groups=self.topk_groups, scale=self.route_scale, group_score_topk=self.group_score_topk,
               normalize=self.route_normalize, check=False, impl="torch")
 

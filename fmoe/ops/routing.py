@@ -35,8 +35,9 @@ the chosen ones: weights (1, 1).
 drop_by_capacity keeps at most ceil(T*k/E * capacity_factor) slots per expert; a dropped slot
 keeps its place with weight 0 and expert -1. split_zero_experts(routes, E) takes the slots
 routed past the E computing experts (zero-computation experts, LongCat-Flash's identity
-experts) out of the routes: their tokens pass through, times the slot's weight. random_logits replaces the logits by N(0,1)
-noise with a straight-through gradient (for benchmarks).
+experts) out of the routes: their tokens pass through, times the slot's weight.
+random_logits replaces the logits by N(0,1) noise with a straight-through gradient (for
+benchmarks).
 
 Legend: T tokens, E experts, K = k slots per token, G groups, GS = E/G experts per group.
 """
@@ -528,6 +529,18 @@ def expert_capacity(n_tokens: int, k: int, n_experts: int, capacity_factor: floa
     return math.ceil(n_tokens * k / n_experts * capacity_factor)
 
 
+def _check_routes(routes) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] float, experts [T, k] int) of routes, or a ValueError naming what is wrong."""
+    if not (isinstance(routes, tuple) and len(routes) == 2):
+        raise ValueError("routes: expected Routes(weights, experts)")
+    weights_TK, experts_TK = routes
+    check_float("routes.weights", weights_TK, 2, "[T, k]")
+    check_index("routes.experts", experts_TK, 2, "[T, k]")
+    if experts_TK.shape != weights_TK.shape:
+        raise ValueError(f"routes: weights {tuple(weights_TK.shape)} and experts {tuple(experts_TK.shape)} differ in shape")
+    return weights_TK, experts_TK
+
+
 def keep_slots(routes: Routes, keep: torch.Tensor) -> Routes:
     """routes with the slots where `keep` ([T, k], or [T, 1] for whole tokens; bool) is
     False dropped: weight 0, expert -1 (what drop_by_capacity drops, and the padding that
@@ -549,21 +562,14 @@ def split_zero_experts(routes: Routes, n_experts: int) -> tuple[Routes, torch.Te
     Returns:
         (kept, identity): kept, Routes of the same shapes and dtypes with every slot of an
         id >= E dropped (weight 0, expert -1, as keep_slots drops; a dropped slot stays
-        dropped, its weight 0 too), and identity [T] in the
-        weights' dtype, the sum of each token's zero-expert weights (0 where it chose
-        none). Gradients reach every weight, through kept or through identity. No
-        device->host sync.
+        dropped, its weight 0 too), and identity [T] in the weights' dtype, the sum of
+        each token's zero-expert weights (0 where it chose none). Gradients reach every
+        weight, through kept or through identity. No device->host sync.
 
     Example: weights [[0.5, 0.3, 0.2]], experts [[1, 4, 5]], E = 4: kept weights
     [[0.5, 0, 0]], experts [[1, -1, -1]]; identity [0.5].
     """
-    if not (isinstance(routes, tuple) and len(routes) == 2):
-        raise ValueError("routes: expected Routes(weights, experts)")
-    weights_TK, experts_TK = routes
-    check_float("routes.weights", weights_TK, 2, "[T, k]")
-    check_index("routes.experts", experts_TK, 2, "[T, k]")
-    if experts_TK.shape != weights_TK.shape:
-        raise ValueError(f"routes: weights {tuple(weights_TK.shape)} and experts {tuple(experts_TK.shape)} differ in shape")
+    weights_TK, experts_TK = _check_routes(routes)
     check_positive_int("n_experts", n_experts)
     zero_TK = experts_TK >= n_experts
     identity_T = torch.where(zero_TK, weights_TK, torch.zeros_like(weights_TK)).sum(dim=-1)
@@ -589,13 +595,7 @@ def drop_by_capacity(
     Returns:
         Routes of the same shapes and dtypes.
     """
-    if not (isinstance(routes, tuple) and len(routes) == 2):
-        raise ValueError("routes: expected Routes(weights, experts)")
-    weights_TK, experts_TK = routes
-    check_float("routes.weights", weights_TK, 2, "[T, k]")
-    check_index("routes.experts", experts_TK, 2, "[T, k]")
-    if experts_TK.shape != weights_TK.shape:
-        raise ValueError(f"routes: weights {tuple(weights_TK.shape)} and experts {tuple(experts_TK.shape)} differ in shape")
+    weights_TK, experts_TK = _check_routes(routes)
     check_positive_int("n_experts", n_experts)
     if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) or not (0 < capacity_factor < math.inf):
         raise ValueError(f"capacity_factor: expected a positive finite number, got {capacity_factor!r}")
