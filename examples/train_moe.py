@@ -504,7 +504,10 @@ def main(argv: list[str]) -> None:
 
     step, tokens_seen = 0, 0
     if cfg.resume and (path := checkpoint.latest(cfg.out_dir)):
-        extra = checkpoint.load(path, model=parts, optimizers=optimizers)
+        try:
+            extra = checkpoint.load(path, model=parts, optimizers=optimizers)
+        except ValueError as err:  # a model of other knobs than the saved one's
+            sys.exit(f"--resume: {err}")
         step, tokens_seen = extra["step"], extra["tokens_seen"]
         sampler.load_state_dict(extra["sampler"])
         checkpoint.set_rng_state(extra["rng"])
@@ -513,7 +516,7 @@ def main(argv: list[str]) -> None:
     elif cfg.init_from:  # the weights only: a new run (step 0, fresh optimizer, schedules and sampler)
         try:
             path = checkpoint.load_model(cfg.init_from, model=parts)
-        except (FileNotFoundError, RuntimeError) as err:
+        except (FileNotFoundError, RuntimeError, ValueError) as err:
             sys.exit(f"--init_from: {err}")
         if rank == 0:
             print(f"initialised from the weights of {path}")

@@ -48,6 +48,7 @@ call prune and latest(delete_partial=True) on rank 0 only, with no async save in
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -284,6 +285,39 @@ def _checkpoint_or_newest(path) -> Path:
     return _checkpoint_dir(path)
 
 
+def _check_model_shapes(path: Path, model_state: Mapping[str, torch.Tensor], cfg=None) -> None:
+    """ValueError naming the parameters (and buffers) of model_state that checkpoint `path`
+    lacks or holds in another shape (full shapes: a DTensor's global one), before DCP reads
+    any of them: a model built with other knobs than the saved one's. cfg: the model's
+    TransformerConfig, whose knobs that differ from the saving run's (its config.json, when
+    the checkpoint lies in a run directory) the message names too."""
+    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    bad = []
+    for name, value in model_state.items():
+        meta = stored.get(f"model.{name}")
+        if not isinstance(value, torch.Tensor):
+            continue
+        if meta is None:
+            bad.append(f"{name} (not saved)")
+        elif isinstance(meta, TensorStorageMetadata) and tuple(meta.size) != tuple(value.shape):
+            bad.append(f"{name} (saved {list(meta.size)}, here {list(value.shape)})")
+    if not bad:
+        return
+    more = f" and {len(bad) - 4} more" if len(bad) > 4 else ""
+    knobs = ""
+    if isinstance(cfg, TransformerConfig):
+        try:
+            saved, _ = run_config(path, impl=cfg.impl)
+        except (ValueError, TypeError, KeyError, OSError):  # not in a run directory, or its config.json is not one
+            saved = None
+        if saved is not None:
+            diff = [f"{f.name}={getattr(saved, f.name)!r} (here {getattr(cfg, f.name)!r})" for f in dataclasses.fields(cfg)
+                    if getattr(saved, f.name) != getattr(cfg, f.name)]
+            knobs = f"; the saving run's model has {', '.join(diff)}" if diff else ""
+    raise ValueError(f"path: the model of {str(path)!r} differs from this one: {', '.join(bad[:4])}{more}{knobs}; "
+                     "build the model with the saved one's knobs")
+
+
 def load_model(path, *, model: torch.nn.Module) -> Path:
     """Restore only the model's weights and buffers (the expert biases) from a checkpoint, to
     start a new run from them (fine-tuning, continued pre-training): the optimizer state and
@@ -292,12 +326,14 @@ def load_model(path, *, model: torch.nn.Module) -> Path:
     path: a checkpoint directory (`out_dir/step_000123`) or a run's out_dir, whose newest
     complete checkpoint is taken. Returns the checkpoint directory used. Any mesh: DCP
     reshards the saved DTensors onto this model's (other ranks, FSDP / TP / EP sizes). The
-    model must have the saved one's parameter names and shapes.
+    model must have the saved one's parameter names and shapes: a ValueError names those
+    it lacks or holds in another shape, before any is read.
     """
     path = _checkpoint_or_newest(path)
     models = _models(model)
     parts = [get_model_state_dict(m) for m in models]
     state = {"model": {k: v for part in parts for k, v in part.items()}}
+    _check_model_shapes(path, state["model"], getattr(models[0], "cfg", None))
     with _single_process_quiet():
         dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
     for m, part in zip(models, parts):
@@ -361,7 +397,9 @@ def load(path, *, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optim
 
     The model and optimizer state may be loaded on another mesh (other ranks, other
     FSDP / TP / EP sizes): DCP reshards DTensors. A rank beyond those that saved reads rank
-    0's extra, which is right when extra is the same on every rank (the train loop's is)."""
+    0's extra, which is right when extra is the same on every rank (the train loop's is).
+    A model of other parameter names or shapes than the saved one's: a ValueError naming
+    them, before anything is read."""
     path = _checkpoint_dir(path)
     extra_file = path / f"extra_rank{_rank()}.pt"
     if not extra_file.is_file():  # resumed on more ranks than saved: rank 0's (see the docstring)
@@ -371,6 +409,7 @@ def load(path, *, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optim
     optimizers = _optimizers(optimizers)
     pairs = _pairs(_models(model), optimizers)
     state, parts = _state(pairs)
+    _check_model_shapes(path, state["model"], getattr(pairs[0][0], "cfg", None) if pairs else None)
     with _single_process_quiet():
         dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
     for (m, opts), (model_sd, optim_sd) in zip(pairs, parts):

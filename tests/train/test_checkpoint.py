@@ -246,6 +246,36 @@ def test_load_model_takes_the_weights_only(tmp_path):
         ckpt.load_model(tmp_path / "empty", model=fresh)
 
 
+def test_a_model_of_other_knobs_is_refused_by_name_before_anything_is_read(tmp_path):
+    """load_model and load on a model whose parameters differ in shape from the saved ones
+    (or are not saved): a ValueError naming them, and, for a run's checkpoint, the knobs in
+    which the saving run's config.json differs; the model keeps its values."""
+    import json
+
+    from fmoe.model import Transformer, TransformerConfig
+
+    cfg = TransformerConfig(vocab_size=32, hidden=16, n_layers=2, n_experts=4, k=2, ffn_expert=8, n_heads=2, n_kv_heads=1, head_dim=8)
+    model = Transformer(cfg)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ckpt.save(tmp_path, 1, model=model, optimizers=[opt])
+    other = Transformer(TransformerConfig(**{**cfg.__dict__, "zero_experts": 2}))
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    shapes = r"blocks.1.mlp.router \(saved \[4, 16\], here \[6, 16\]\), blocks.1.mlp.expert_bias \(saved \[4\], here \[6\]\)"
+    with pytest.raises(ValueError, match=rf"path: the model of '.*step_000001' differs from this one: {shapes}; build the model"):
+        ckpt.load_model(tmp_path, model=other)
+    with pytest.raises(ValueError, match="differs from this one: blocks.1.mlp.router"):
+        ckpt.load(tmp_path / "step_000001", model=other, optimizers=[torch.optim.SGD(other.parameters(), lr=0.1)])
+    assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items())
+    # in a run directory: the saving run's knobs that differ are named too
+    run = {"config": {"model": {n: v for n, v in cfg.__dict__.items() if n not in ("impl", "vocab_size")}}, "vocab_size": 32}
+    (tmp_path / "config.json").write_text(json.dumps(run))
+    with pytest.raises(ValueError, match=r"\[6\]\); the saving run's model has zero_experts=0 \(here 2\); build"):
+        ckpt.load_model(tmp_path, model=other)
+    # parameters the checkpoint lacks: the first four named, the rest counted
+    with pytest.raises(ValueError, match=r"mtp\.0\.\S+ \(not saved\), .* and \d+ more; the saving run's model has mtp_depth=0 \(here 1\)"):
+        ckpt.load_model(tmp_path, model=Transformer(TransformerConfig(**{**cfg.__dict__, "mtp_depth": 1})))
+
+
 def test_model_tensors_reads_each_tensor_of_a_checkpoint_when_asked(tmp_path):
     """ModelTensors: the saved model's full tensors by name (a run's out_dir or a step
     directory), read one at a time; an unknown name is a KeyError."""
