@@ -699,6 +699,15 @@ class TransformerConfig:
         return self.local_kv_heads if self.local_kv_heads is not None and i is not None and self.is_local(i) else self.n_kv_heads
 
     @property
+    def longrope_switches(self) -> bool:
+        """Whether LongRoPE's long factors or scale differ from its short ones: a sequence
+        that grows past longrope_original_max_positions then changes every key's rotation."""
+        if self.longrope_short_factors is None:
+            return False
+        long = self.longrope_long_factors if self.longrope_long_factors is not None else self.longrope_short_factors
+        return tuple(long) != tuple(self.longrope_short_factors) or self.longrope_long_scale != self.longrope_short_scale
+
+    @property
     def n_choices(self) -> int:
         """The router's choices per MoE block: n_experts and the zero_experts after them."""
         return self.n_experts + self.zero_experts
@@ -1103,7 +1112,9 @@ class KVCache:
     cache of batch 1; setting it (or reset()) starts over. With sliding-window layers a
     sequence goes back one token at most (the token's row held a key out of its window), or
     starts over from 0: the ring no longer holds the keys a shorter length needs, and
-    decode refuses it.
+    decode refuses it. A model whose LongRoPE switches (TransformerConfig.longrope_switches)
+    also keeps each sequence's token ids, tokens [batch, max_tokens] int64 (None otherwise):
+    decode recomputes a sequence from them when it grows past the original positions.
     """
 
     def __init__(self, cfg: TransformerConfig, max_tokens: int, *, batch: int = 1, device=None, dtype: torch.dtype = torch.float32):
@@ -1128,6 +1139,7 @@ class KVCache:
         self.conv = torch.zeros(len(self.linear_layers), batch, lin.conv - 1, lin.conv_channels, device=device, dtype=dtype)
         self.state = torch.zeros(len(self.linear_layers), batch, lin.n_v_heads, lin.k_head_dim, lin.v_head_dim, device=device)
         self.max_tokens, self.batch = max_tokens, batch
+        self.tokens = torch.zeros(batch, max_tokens, dtype=torch.int64, device=device) if cfg.longrope_switches else None
         self.lengths = [0] * batch
         # each sequence's length after its last decode call, what the rings and the linear states hold: a ring layer's
         # sequence goes back one token at most, a linear layer's none
@@ -1158,7 +1170,8 @@ class KVCache:
     def nbytes(self) -> int:
         """The bytes the cache holds (keys and values of every layer and sequence)."""
         stores = (self.k, self.k_window) if self.v_in_k else (self.k, self.v, self.k_window, self.v_window)
-        return sum(t.numel() * t.element_size() for t in (*stores, self.conv, self.state))
+        tokens = () if self.tokens is None else (self.tokens,)
+        return sum(t.numel() * t.element_size() for t in (*stores, self.conv, self.state, *tokens))
 
     @property
     def length(self) -> int:
@@ -1483,6 +1496,10 @@ class Transformer(nn.Module):
         Each sequence attends to its own tokens only: equals the rows of logits(...) of each
         whole sequence, as long as no capacity_factor drops tokens (a capacity counts the
         tokens of one call). Reads the cache's lengths on the host, never a device value.
+        LongRoPE: a sequence's keys rotate by the short factors while it is at most
+        longrope_original_max_positions long and by the long ones past that, as in the whole
+        sequence's forward; the call that takes a sequence past it recomputes the sequence
+        from its cached token ids (KVCache.tokens), as one prompt.
 
         The whole model, as logits: on one process, or parallelized by fmoe.parallel.
         parallelize over FSDP2, tensor and expert parallelism (a model larger than one device),
@@ -1499,6 +1516,9 @@ class Transformer(nn.Module):
         if (cache.window_layers, cache.window) != (rings, KVCache.ring_length(self.cfg) if rings else None):
             raise ValueError(f"cache: made for sliding-window (chunked) layers {list(cache.window_layers)} of window (chunk) {cache.window}, the model's differ "
                              "(make the cache with model.kv_cache)")
+        if self.cfg.longrope_switches and cache.tokens is None:
+            raise ValueError("cache: made without the token ids that the model's LongRoPE recomputes a sequence from past its original positions "
+                             "(make the cache with model.kv_cache)")
         if input_ids.ndim not in (1, 2) or input_ids.shape[-1] < 1 or input_ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"input_ids: expected [T] or [S, T] int64 with T >= 1, got {input_ids.dtype} {list(input_ids.shape)}")
         seq_list = self._decoded_seqs(input_ids, cache, seqs)
@@ -1512,6 +1532,11 @@ class Transformer(nn.Module):
             if cache.linear_layers and 0 < cache.lengths[b] != cache.decoded_lengths[b]:
                 raise ValueError(f"cache.lengths[{b}]: {cache.lengths[b]} tokens after {cache.decoded_lengths[b]}: the linear-attention layers keep only the "
                                  "state after the last token, so a sequence continues from there or restarts from 0 (cache.reset)")
+        if self.cfg.longrope_switches:  # a sequence going past the original positions: every key's rotation changes
+            L = self.cfg.longrope_original_max_positions
+            crossing = [b for b in seq_list if 0 < cache.lengths[b] <= L < cache.lengths[b] + T]
+            if crossing:
+                return self._decode_past_longrope(input_ids, cache, seq_list, crossing)
         # the new tokens are queries at their rows of the cache (sequence b's slot of M rows
         # is a document) against the cache's first n_keys rows: attention_context's
         # context-parallel form, the cache standing in for the gather of every rank's keys
@@ -1557,11 +1582,32 @@ class Transformer(nn.Module):
                 kv = functools.partial(_unpadded, n, kv)
             layer_ctx = dataclasses.replace(contexts[ring], gather_kv=kv, latents=None if not mla else "absorbed" if absorbed else "expanded")
             h_TH, _ = block(h_TH, layer_ctx)
-        for b in seq_list:
+        for j, b in enumerate(seq_list):
+            if cache.tokens is not None:
+                cache.tokens[b, cache.lengths[b]:cache.lengths[b] + T] = input_ids.reshape(-1, T)[j]
             cache.lengths[b] += T
             cache.decoded_lengths[b] = cache.lengths[b]
         logits = self._head(h_TH[:n])
         return logits if input_ids.ndim == 1 else logits.view(len(seq_list), T, -1)
+
+    def _decode_past_longrope(self, input_ids: torch.Tensor, cache: KVCache, seq_list: list[int], crossing: list[int]) -> torch.Tensor:
+        """decode's logits where the sequences `crossing` go past LongRoPE's original positions
+        in this call: each of those restarts and takes its cached tokens and the new ones as
+        one prompt (its keys all rotated by the long factors), the others continue together."""
+        T = input_ids.shape[-1]
+        rows = input_ids.reshape(-1, T)
+        out: list[Optional[torch.Tensor]] = [None] * len(seq_list)
+        rest = [j for j, b in enumerate(seq_list) if b not in crossing]
+        if rest:
+            logits = self.decode(rows[rest], cache, seqs=[seq_list[j] for j in rest])
+            for i, j in enumerate(rest):
+                out[j] = logits[i]
+        for j, b in enumerate(seq_list):
+            if b in crossing:
+                prefix = cache.tokens[b, :cache.lengths[b]].to(input_ids.device)
+                cache.reset([b])
+                out[j] = self.decode(torch.cat([prefix, rows[j].to(prefix.dtype)]), cache, seqs=b)[-T:]
+        return out[0] if input_ids.ndim == 1 else torch.stack(out)
 
     @staticmethod
     def _window_context(cache: KVCache, seq_list: list[int], T: int, positions, rows, rows_host: list[int], cfg):

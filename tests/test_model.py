@@ -8,7 +8,7 @@ import torch
 
 import fmoe.layers
 import fmoe.ops
-from fmoe.model import BatchContext, Transformer, TransformerConfig
+from fmoe.model import BatchContext, KVCache, Transformer, TransformerConfig
 from fmoe.train.data import make_batch
 from fmoe.train.metrics import HostReads
 
@@ -999,8 +999,7 @@ DECODED = {
     # LongCat-Flash's zero-computation experts (without the capacity, which a step of one token would change)
     "zero experts": dataclasses.replace(VARIANTS["zero experts"], mtp_depth=0, capacity_factor=None),
     # Phi-3's LongRoPE past 1 original position: every prompt here is longer, every call has the long factors (a
-    # sequence that grows past the original positions while decoding keeps its earlier keys' short ones, unlike
-    # the whole sequence's forward)
+    # sequence crossing the original positions: test_decode_past_longrope_s_original_positions_recomputes_the_sequence)
     "longrope": dataclasses.replace(TINY, rope_dim=4, longrope_short_factors=(1.0, 1.5), longrope_long_factors=(3.0, 9.0),
                                     longrope_original_max_positions=1, longrope_short_scale=1.1, longrope_long_scale=1.3),
 }
@@ -1015,6 +1014,39 @@ def _sharp(cfg):
             if not name.endswith("norm.weight"):
                 p.normal_(0.0, 0.3)
     return model
+
+
+def test_decode_past_longrope_s_original_positions_recomputes_the_sequence():
+    """LongRoPE switching past 6 positions: each call's logits are those of the whole
+    sequence so far (the short factors up to 6 tokens, the long ones past), the call that
+    crosses recomputing its sequence from the cached token ids; in a batched step one
+    sequence crosses while the other continues."""
+    model = _sharp(dataclasses.replace(DECODED["longrope"], longrope_original_max_positions=6))
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 12))
+
+    def whole(b, n):  # the logits of sequence b's first n tokens, as one forward
+        with torch.no_grad():
+            return model.logits(ids[b, :n], torch.tensor([0, n], dtype=torch.int32))
+
+    cache = model.kv_cache(16)
+    assert cache.tokens.shape == (1, 16)
+    for a, b in [(0, 4), (4, 6), (6, 7), (7, 10), (10, 11)]:  # (4, 6) ends at 6 (short), (6, 7) crosses
+        torch.testing.assert_close(model.decode(ids[0, a:b], cache), whole(0, b)[a:b], rtol=1e-5, atol=1e-5)
+    assert torch.equal(cache.tokens[0, :11], ids[0, :11])
+    # the switch matters here: the short factors' keys kept past the crossing would give other logits
+    assert float((whole(0, 7)[:6] - whole(0, 6)).abs().max()) > 0.1
+    batched = model.kv_cache(16, batch=2)
+    model.decode(ids[0, :6], batched, seqs=0)
+    model.decode(ids[1, :3], batched, seqs=1)
+    got = model.decode(torch.stack([ids[0, 6:7], ids[1, 3:4]]), batched, seqs=[0, 1])  # sequence 0 crosses, 1 does not
+    torch.testing.assert_close(got[0], whole(0, 7)[6:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1], whole(1, 4)[3:], rtol=1e-5, atol=1e-5)
+    assert batched.lengths == [7, 4] and batched.decoded_lengths == [7, 4]
+    # a model without LongRoPE's switch keeps no token ids; a cache without them is refused by one that needs them
+    assert model.kv_cache(16).nbytes == Transformer(TINY).kv_cache(16).nbytes + 16 * 8
+    assert Transformer(TINY).kv_cache(16).tokens is None
+    with pytest.raises(ValueError, match="cache: made without the token ids"):
+        model.decode(ids[0, :2], KVCache(TINY, 16))
 
 
 @pytest.mark.parametrize("name", list(DECODED))
