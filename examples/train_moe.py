@@ -296,6 +296,11 @@ def parse_args(argv: list[str]) -> Config:
     return cfg
 
 
+# the model knobs that --resume may change: how the model runs (kernels, recomputation, fp8
+# GEMMs), the capacity drop, the indexer loss's weight, and the initialisation it no longer uses
+RESUME_MAY_CHANGE = ("impl", "ac", "fp8", "fp8_layers", "fp8_fast_accum", "capacity_factor", "capacity_policy", "index_loss_coeff", "init_std")
+
+
 def _report_profile(written: list, rank: int) -> None:
     """Rank 0 names the profile's files once they are written (each rank writes its own)."""
     if written and rank == 0:
@@ -504,6 +509,14 @@ def main(argv: list[str]) -> None:
 
     step, tokens_seen = 0, 0
     if cfg.resume and (path := checkpoint.latest(cfg.out_dir)):
+        # a resumed run continues its model: a knob that would change it stops the run (how the model runs may change)
+        try:
+            changed = {n: d for n, d in checkpoint.model_differences(path, model_cfg).items() if n not in RESUME_MAY_CHANGE}
+        except ValueError:  # a checkpoint without its run's config.json: nothing to compare with
+            changed = {}
+        if changed:
+            sys.exit(f"--resume: the run in {cfg.out_dir} was trained with {checkpoint.knob_list(changed)}; a resumed run continues "
+                     "its model: leave those --model.* knobs as they were, or start a new run from its weights with --init_from")
         try:
             extra = checkpoint.load(path, model=parts, optimizers=optimizers)
         except ValueError as err:  # a model of other knobs than the saved one's

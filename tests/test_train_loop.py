@@ -86,12 +86,16 @@ def test_resume_reproduces_the_uninterrupted_losses(tmp_path):
     assert "resumed from" in second.stdout and "step_000006" in second.stdout
     keys = ("loss", "grad_norm", "lr", "tokens", "mtp_1_loss")
     assert [[r[k] for k in keys] for r in _records(parts)] == [[r[k] for k in keys] for r in _records(whole)]
-    # the same knobs or a clear stop: a model of other knobs is refused by name, before anything is read
-    for flag, out in (("--resume", parts), (f"--init_from={parts}", tmp_path / "other")):
-        run = _train(out, "--steps=12", flag, "--model.zero_experts=2")
-        assert run.returncode != 0 and "Traceback" not in run.stderr, run.stderr[-3000:]
-        assert f"{flag.split('=')[0]}: path: the model of " in run.stderr and "blocks.1.mlp.router (saved [4, 32], here [6, 32])" in run.stderr
-        assert "the saving run's model has zero_experts=0 (here 2)" in run.stderr, run.stderr[-3000:]
+    # --resume continues the run's model: a knob that would change it stops the run, by name, before anything is
+    # read (one of how it runs does not); --init_from takes the weights into a model of the same shapes
+    run = _train(parts, "--steps=12", "--resume", "--model.zero_experts=2", "--model.route_scale=2.0", "--model.ac=full")
+    assert run.returncode != 0 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert (f"--resume: the run in {parts} was trained with route_scale=None (here 2.0), zero_experts=0 (here 2); a resumed run "
+            "continues its model") in run.stderr, run.stderr[-3000:]
+    run = _train(tmp_path / "other", "--steps=12", f"--init_from={parts}", "--model.zero_experts=2")
+    assert run.returncode != 0 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert "--init_from: path: the model of " in run.stderr and "blocks.1.mlp.router (saved [4, 32], here [6, 32])" in run.stderr
+    assert "the saving run's model has zero_experts=0 (here 2)" in run.stderr, run.stderr[-3000:]
 
 
 def test_deterministic_runs_repeat_bit_for_bit(tmp_path):

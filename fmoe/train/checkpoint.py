@@ -7,6 +7,7 @@
     load(path, *, model, optimizers) -> extra
     load_model(path, *, model) -> Path          the weights only (start a new run from them)
     run_config(path) -> (TransformerConfig, run), load_run(path) -> (Transformer, run)   a run's own model
+    model_differences(path, cfg) -> {knob: (saved, cfg's)}   where a run's model differs from cfg
     ModelTensors(path): Mapping[name, Tensor]    its full weights, each read only when asked for
     prune(out_dir, *, keep_last, keep_every=None) -> removed paths
     rng_state() -> dict, set_rng_state(state)   torch CPU/CUDA, python, numpy generators
@@ -307,13 +308,10 @@ def _check_model_shapes(path: Path, model_state: Mapping[str, torch.Tensor], cfg
     knobs = ""
     if isinstance(cfg, TransformerConfig):
         try:
-            saved, _ = run_config(path, impl=cfg.impl)
-        except (ValueError, TypeError, KeyError, OSError):  # not in a run directory, or its config.json is not one
-            saved = None
-        if saved is not None:
-            diff = [f"{f.name}={getattr(saved, f.name)!r} (here {getattr(cfg, f.name)!r})" for f in dataclasses.fields(cfg)
-                    if getattr(saved, f.name) != getattr(cfg, f.name)]
-            knobs = f"; the saving run's model has {', '.join(diff)}" if diff else ""
+            diff = model_differences(path, cfg)
+        except ValueError:  # not in a run directory, or its config.json is not one
+            diff = {}
+        knobs = f"; the saving run's model has {knob_list(diff)}" if diff else ""
     raise ValueError(f"path: the model of {str(path)!r} differs from this one: {', '.join(bad[:4])}{more}{knobs}; "
                      "build the model with the saved one's knobs")
 
@@ -351,6 +349,24 @@ def run_config(path, *, impl: str = "torch") -> tuple[TransformerConfig, dict]:
     run = json.loads((run_dir / "config.json").read_text())
     knobs = dict(run["config"]["model"], vocab_size=run["vocab_size"])  # block lists come back as lists: the config takes them
     return TransformerConfig(**{**knobs, "impl": impl}), run
+
+
+def model_differences(path, cfg: TransformerConfig) -> dict[str, tuple]:
+    """{knob: (the saving run's value, cfg's)} for each TransformerConfig field in which the
+    model of the fmoe run at `path` (a run directory or a checkpoint inside one: its
+    config.json) differs from cfg; {} when they agree. A ValueError when path holds no run
+    config that fmoe reads."""
+    try:
+        saved, _ = run_config(path, impl=cfg.impl)
+    except (TypeError, KeyError, OSError, json.JSONDecodeError) as err:  # knobs of another version, a config.json of another kind
+        raise ValueError(f"path: {str(path)!r} has no fmoe run config to compare with ({type(err).__name__}: {err})") from None
+    return {f.name: (getattr(saved, f.name), getattr(cfg, f.name)) for f in dataclasses.fields(cfg)
+            if getattr(saved, f.name) != getattr(cfg, f.name)}
+
+
+def knob_list(differences: Mapping[str, tuple]) -> str:
+    """model_differences' knobs as text: "zero_experts=0 (here 4), k=2 (here 8)"."""
+    return ", ".join(f"{name}={saved!r} (here {here!r})" for name, (saved, here) in differences.items())
 
 
 class ModelTensors(Mapping):
