@@ -516,7 +516,8 @@ def main(argv: list[str]) -> None:
             changed = {}
         if changed:
             sys.exit(f"--resume: the run in {cfg.out_dir} was trained with {checkpoint.knob_list(changed)}; a resumed run continues "
-                     "its model: leave those --model.* knobs as they were, or start a new run from its weights with --init_from")
+                     "its model: give the --model.* knobs (and --init_from_hf) it was started with, or start a new run from its weights "
+                     "with --init_from")
         try:
             extra = checkpoint.load(path, model=parts, optimizers=optimizers)
         except ValueError as err:  # a model of other knobs than the saved one's

@@ -295,9 +295,9 @@ def _check_model_shapes(path: Path, model_state: Mapping[str, torch.Tensor], cfg
     stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     bad = []
     for name, value in model_state.items():
-        meta = stored.get(f"model.{name}")
         if not isinstance(value, torch.Tensor):
             continue
+        meta = stored.get(f"model.{name}")
         if meta is None:
             bad.append(f"{name} (not saved)")
         elif isinstance(meta, TensorStorageMetadata) and tuple(meta.size) != tuple(value.shape):
