@@ -296,11 +296,6 @@ def parse_args(argv: list[str]) -> Config:
     return cfg
 
 
-# the model knobs that --resume may change: how the model runs (kernels, recomputation, fp8
-# GEMMs), the capacity drop, the indexer loss's weight, and the initialisation it no longer uses
-RESUME_MAY_CHANGE = ("impl", "ac", "fp8", "fp8_layers", "fp8_fast_accum", "capacity_factor", "capacity_policy", "index_loss_coeff", "init_std")
-
-
 def _report_profile(written: list, rank: int) -> None:
     """Rank 0 names the profile's files once they are written (each rank writes its own)."""
     if written and rank == 0:
@@ -308,10 +303,12 @@ def _report_profile(written: list, rank: int) -> None:
               flush=True)
 
 
-# the model knobs that apply on top of a Hugging Face folder's model (--init_from_hf): how it runs and trains, not
-# what its weights mean (the MTP modules it lacks start fresh, at init_std)
-HF_RUN_KNOBS = ("mtp_depth", "impl", "ac", "fp8", "fp8_layers", "fp8_fast_accum", "capacity_factor", "capacity_policy", "index_loss_coeff",
-                "init_std")
+# the model knobs of how it runs and trains, not what it computes (kernels, recomputation, fp8 GEMMs, the capacity
+# drop, the indexer loss's weight, the initialisation): --resume may change them
+RUN_KNOBS = ("impl", "ac", "fp8", "fp8_layers", "fp8_fast_accum", "capacity_factor", "capacity_policy", "index_loss_coeff", "init_std")
+# the model knobs that apply on top of a Hugging Face folder's model (--init_from_hf): those, and the MTP depth (the
+# MTP modules it lacks start fresh, at init_std)
+HF_RUN_KNOBS = ("mtp_depth",) + RUN_KNOBS
 # ...and on a folder of multi-latent attention without an indexer (DeepSeek-V3's), DeepSeek sparse attention's: its
 # indexers start fresh (fmoe.hf.load_weights), DeepSeek-V3.2's start
 HF_DSA_KNOBS = ("index_topk", "index_heads", "index_head_dim", "index_rope_interleaved", "index_shared_layers")
@@ -511,7 +508,7 @@ def main(argv: list[str]) -> None:
     if cfg.resume and (path := checkpoint.latest(cfg.out_dir)):
         # a resumed run continues its model: a knob that would change it stops the run (how the model runs may change)
         try:
-            changed = {n: d for n, d in checkpoint.model_differences(path, model_cfg).items() if n not in RESUME_MAY_CHANGE}
+            changed = {n: d for n, d in checkpoint.model_differences(path, model_cfg).items() if n not in RUN_KNOBS}
         except ValueError:  # a checkpoint without its run's config.json: nothing to compare with
             changed = {}
         if changed:

@@ -62,6 +62,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 
 from fmoe.ops import load_stats
+from fmoe.ops.checks import check_positive_int
 
 _PEAKS = (  # dense bf16 tensor-core peaks (NVIDIA datasheets), most specific name first
     ("H200", 989e12),
@@ -309,9 +310,7 @@ def layer_loads(counts: Union[torch.Tensor, Sequence], slots: int, *, zero_exper
     if counts_LE.ndim != 2:
         raise ValueError(f"counts: expected [L, E] counts (one row per MoE layer), got shape {tuple(counts_LE.shape)}")
     _check_count("slots", slots)
-    if isinstance(zero_experts, bool) or not isinstance(zero_experts, int) or not 0 <= zero_experts < counts_LE.shape[1]:
-        raise ValueError(f"zero_experts: expected an int in 0..{counts_LE.shape[1] - 1} (fewer than counts' {counts_LE.shape[1]} "
-                         f"columns), got {zero_experts!r}")
+    check_positive_int("zero_experts", zero_experts, 0, counts_LE.shape[1] - 1)  # fewer than counts' columns
     E = counts_LE.shape[1] - zero_experts
     load = load_stats(counts_LE[:, :E], slots)
     record = {

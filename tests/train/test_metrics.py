@@ -113,8 +113,9 @@ def test_layer_loads_with_zero_experts():
     assert rec["zero_fraction"] == pytest.approx([4 / 20, 0.0])
     assert rec["dropped_fraction"] == pytest.approx([(20 - 16) / 20, (20 - 12) / 20])
     assert "zero_fraction" not in M.layer_loads(torch.tensor([[6, 2]]), slots=8)
-    for bad in (-1, 2, 1.0, True):
-        with pytest.raises(ValueError, match="zero_experts: expected an int in 0..1"):
+    for bad, message in ((-1, "expected 0..1, got -1"), (2, "expected 0..1, got 2"), (1.0, "expected an int, got 1.0"),
+                         (True, "expected an int, got True")):
+        with pytest.raises(ValueError, match=f"zero_experts: {message}"):
             M.layer_loads(torch.tensor([[6, 2]]), slots=8, zero_experts=bad)
 
 
