@@ -512,7 +512,10 @@ class AttentionConfig:
     rotary key of rot_dim channels shared by every head; queries from a full projection or,
     with q_rank, a q_rank latent. head_dim is the q/k head dim (nope + rope: the softmax
     scale's), rot_dim the rope part (the last rot_dim channels of each query head), v_dim
-    the value head dim; n_kv_heads must equal n_heads and qk_norm be None. rope=False (a NoPE
+    the value head dim; n_kv_heads must equal n_heads and qk_norm be None. latent_scales
+    (with q_rank; None: none): (sq, skv), every query channel times sq before RoPE and the
+    normed kv latent times skv (the keys' and the values' source, and what a cache of
+    latents holds): LongCat-Flash's sqrt(hidden / q_rank), sqrt(hidden / kv_rank). rope=False (a NoPE
     block: Kimi Linear's) uses the rope part of the queries and of the shared key unrotated.
 
     DeepSeek sparse attention (DSA: DeepSeek-V3.2, GLM-5) when index_topk is set, on
@@ -563,6 +566,7 @@ class AttentionConfig:
     q_rank: Optional[int] = None
     kv_rank: Optional[int] = None
     v_dim: Optional[int] = None
+    latent_scales: Optional[tuple[float, float]] = None
     latent_norm_eps: float = 1e-6
     window: Optional[int] = None
     scale: Optional[float] = None
@@ -652,6 +656,13 @@ class AttentionConfig:
         if isinstance(self.v_scale, bool) or not isinstance(self.v_scale, (int, float)) or not 0 < self.v_scale < math.inf:
             raise ValueError(f"v_scale: expected a finite number > 0, got {self.v_scale!r}")
         check_clip_qkv(self.clip_qkv, self.kv_rank)
+        if self.latent_scales is not None:
+            scales = self.latent_scales
+            if (not isinstance(scales, tuple) or len(scales) != 2
+                    or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf for v in scales)):
+                raise ValueError(f"latent_scales: expected None or two finite numbers > 0 (the queries', the kv latent's), got {scales!r}")
+            if self.kv_rank is None or self.q_rank is None:
+                raise ValueError("latent_scales: scales multi-latent attention's queries and kv latent, needs q_rank and kv_rank")
         if self.kv_rank is None:
             if self.q_rank is not None:
                 raise ValueError("q_rank: a multi-latent attention knob, needs kv_rank")
@@ -1647,6 +1658,8 @@ def _mla_parts(x, params, cfg: AttentionConfig, ctx: AttentionContext, q_lat=Non
         q_TQ = mm(x, params["wq"])
     else:
         q_TQ = mm(_mla_q_latent(x, params, cfg) if q_lat is None else q_lat, params["wq_b"])
+    if cfg.latent_scales is not None:  # LongCat-Flash's
+        q_TQ = q_TQ * cfg.latent_scales[0]
     q_nope_TNP, q_rope_TNR = rearrange(q_TQ, "t (n d) -> t n d", n=N).split([D - R, R], dim=-1)
     latent_TC, k_rope_TR = mm(x, params["wkv_a"]).split([cfg.kv_rank, R], dim=-1)
     k_rope_T1R = k_rope_TR[:, None, :]
@@ -1655,7 +1668,10 @@ def _mla_parts(x, params, cfg: AttentionConfig, ctx: AttentionContext, q_lat=Non
         k_rope_T1R = apply_rope(k_rope_T1R, ctx.cos, ctx.sin, interleaved=cfg.interleaved, impl=rope_impl)
     if cfg.temperature_floor is not None:  # Mistral 4's query scale by position, on every channel after RoPE
         q_nope_TNP, q_rope_TNR = _temperature(ctx, cfg, q_nope_TNP, q_rope_TNR)
-    return q_nope_TNP, q_rope_TNR, _rms_norm(latent_TC, params["kv_a_norm"], cfg.latent_norm_eps, zero_centered=cfg.zero_centered_norms), k_rope_T1R
+    latent_TC = _rms_norm(latent_TC, params["kv_a_norm"], cfg.latent_norm_eps, zero_centered=cfg.zero_centered_norms)
+    if cfg.latent_scales is not None:
+        latent_TC = latent_TC * cfg.latent_scales[1]
+    return q_nope_TNP, q_rope_TNR, latent_TC, k_rope_T1R
 
 
 def _mla_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext, q_lat=None):

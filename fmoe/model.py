@@ -285,7 +285,15 @@ class TransformerConfig:
     the n_experts computing ones: the router chooses among n_experts + Z, and a slot routed
     to a zero expert passes its token through times its weight, with no FLOPs: LongCat-Flash's
     identity experts; fmoe.layers.MoEConfig.zero_experts), route_on_input (the weights scale each expert's
-    input, not its output: Llama 4; fmoe.layers.MoEConfig.weights_on_input). Attention:
+    input, not its output: Llama 4; fmoe.layers.MoEConfig.weights_on_input). shortcut_moe:
+    LongCat-Flash's shortcut-connected MoE: the blocks go in pairs (2j, 2j + 1); a pair whose
+    first block is a MoE block (is_moe(2j); the second never is) gives that block a dense
+    SwiGLU of ffn_dense beside the MoE, both of its MLP input, and adds the MoE's output (its
+    shared experts' too) after the second block's MLP: x + attn, then + dense; x + attn,
+    then + mlp + the MoE's output (so the MoE overlaps the next attention). Between the two
+    blocks the stream is [T, 2H], the residual and the MoE's output side by side (Block).
+    n_layers even; not with parallel_blocks, post_norms, moe_out_norm or residual_scale;
+    the MTP blocks are ordinary blocks; a pipeline stage holds whole pairs. Attention:
     n_heads/n_kv_heads of head_dim, qkv_bias, qk_norm (None | "head" | "proj" | "rms" | "head_layer",
     fmoe.layers.AttentionConfig; qk_norm_after_rope: the per-head norms after RoPE, Hunyuan,
     Llama 4; nope_qk_norm=False: none in the NoPE blocks, Llama 4), rope_base, rope_dim (rotated
@@ -310,7 +318,9 @@ class TransformerConfig:
     experts' three projections; swiglu_alpha / swiglu_limit / swiglu_offset: the routed
     experts' clamped SwiGLU (fmoe.ops.grouped_mlp; gpt-oss: 1.702, 7.0, 1.0). kv_rank (with q_rank,
     v_head_dim): multi-latent attention (DeepSeek-V2/V3; head_dim = nope + rope dims,
-    rope_dim the rope part, n_kv_heads = n_heads; fmoe.layers.AttentionConfig). Without
+    rope_dim the rope part, n_kv_heads = n_heads; fmoe.layers.AttentionConfig); mla_scales
+    (with q_rank and kv_rank): its queries times sqrt(hidden / q_rank) and its normed kv
+    latent times sqrt(hidden / kv_rank) (LongCat-Flash's; AttentionConfig.latent_scales). Without
     kv_rank, v_head_dim is grouped-query attention's value head dim where it is not head_dim
     (MiMo-V2-Flash; None: head_dim), and value_scale multiplies its values (MiMo-V2-Flash's
     attention_value_scale). clip_qkv: grouped-query attention's q, k and v clamped to
@@ -415,6 +425,7 @@ class TransformerConfig:
     expert_bias: bool = True
     sparsemixer_eps: float = 0.01
     zero_experts: int = 0
+    shortcut_moe: bool = False
     capacity_factor: Optional[float] = None
     capacity_policy: str = "probs"
     route_on_input: bool = False
@@ -447,6 +458,7 @@ class TransformerConfig:
     q_rank: Optional[int] = None
     kv_rank: Optional[int] = None
     v_head_dim: Optional[int] = None
+    mla_scales: bool = False
     index_topk: Optional[int] = None
     index_heads: int = 64
     index_head_dim: int = 128
@@ -579,7 +591,7 @@ class TransformerConfig:
         if self.sink_layers is not None and not self.attn_sinks:
             raise ValueError("sink_layers: the blocks with attention sinks, needs attn_sinks")
         for name in ("pre_norms", "post_norms", "moe_out_norm", "parallel_blocks", "layer_norms", "nope_qk_norm", "route_on_input", "attn_gate",
-                     "zero_centered_norms", "norm_bias", "head_bias"):
+                     "zero_centered_norms", "norm_bias", "head_bias", "shortcut_moe", "mla_scales"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         if self.norm_bias and not self.layer_norms:
@@ -596,6 +608,16 @@ class TransformerConfig:
             if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.n_layers for i in layers) or len(set(layers)) != len(layers):
                 raise ValueError(f"{name}: expected distinct block indices in 0..{self.n_layers - 1}, got {getattr(self, name)!r}")
             object.__setattr__(self, name, tuple(sorted(layers)))
+        if self.shortcut_moe:
+            if self.n_layers % 2:
+                raise ValueError(f"n_layers: shortcut_moe builds the blocks in pairs, expected an even number, got {self.n_layers}")
+            odd = [i for i in self.moe_layers or () if i % 2]
+            if odd:
+                raise ValueError(f"moe_layers: with shortcut_moe the MoE is the first block's of a pair (an even index), got blocks {odd}")
+            if self.parallel_blocks or self.post_norms or self.moe_out_norm or self.residual_scale != 1.0:
+                raise ValueError("shortcut_moe: a pair of pre-norm blocks, not with parallel_blocks, post_norms, moe_out_norm or residual_scale")
+        if self.mla_scales and (self.q_rank is None or self.kv_rank is None):
+            raise ValueError("mla_scales: scales multi-latent attention's queries and kv latent, needs q_rank and kv_rank")
         for name in ("longrope_short_factors", "longrope_long_factors"):  # read back from JSON as lists (AttentionConfig checks them)
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
@@ -641,8 +663,21 @@ class TransformerConfig:
               normalize=self.route_normalize, check=False, impl="torch")
 
     def is_moe(self, i: int) -> bool:
-        """Whether trunk block i is a MoE block: listed in moe_layers, or i >= n_dense."""
+        """Whether trunk block i is a MoE block: listed in moe_layers, or i >= n_dense (with
+        shortcut_moe, an even i only: a pair's first block)."""
+        if self.shortcut_moe and i % 2:
+            return False
         return i in self.moe_layers if self.moe_layers is not None else i >= self.n_dense
+
+    def shortcut(self, i: int) -> Optional[str]:
+        """Trunk block i's part in a shortcut-connected MoE pair (shortcut_moe): "out" for a
+        pair's first block with the MoE (its output handed on), "in" for the second (it adds
+        that output), None for a block of neither (or without shortcut_moe)."""
+        if not self.shortcut_moe:
+            return None
+        if i % 2 == 0:
+            return "out" if self.is_moe(i) else None
+        return "in" if self.is_moe(i - 1) else None
 
     def is_linear(self, i: int) -> bool:
         """Whether trunk block i is a linear-attention (Gated DeltaNet) block: listed in linear_layers."""
@@ -757,6 +792,7 @@ class TransformerConfig:
             longrope_long_scale=self.longrope_long_scale,
             qk_norm=self.qk_norm if norm else None, qk_norm_after_rope=self.qk_norm_after_rope and norm, norm_eps=self.norm_eps,
             impl=self.impl, q_rank=self.q_rank, kv_rank=self.kv_rank, v_dim=self.v_head_dim, window=self.window if local else None,
+            latent_scales=((self.hidden / self.q_rank) ** 0.5, (self.hidden / self.kv_rank) ** 0.5) if self.mla_scales else None,
             chunk=self.chunk if local else None, scale=self.attn_scale, rope=rope,
             **self._temperature(rope),
             local_rope_base=self.local_rope_base, local_rot_dim=self.local_rope_dim, zero_centered_norms=self.zero_centered_norms,
@@ -957,10 +993,14 @@ class Block(nn.Module):
     pre-norms attn_norm / mlp_norm (cfg.pre_norms) and the post-norms attn_post_norm /
     mlp_post_norm (cfg.post_norms; mlp_post_norm also with cfg.moe_out_norm in a MoE block),
     each an RMSNorm or absent (None). fp8: its GEMMs in fp8
-    (None: cfg.fp8; TransformerConfig.is_fp8)."""
+    (None: cfg.fp8; TransformerConfig.is_fp8). shortcut (cfg.shortcut_moe;
+    TransformerConfig.shortcut): "out", a pair's first block: its MLP input also feeds a
+    dense SwiGLU `dense` of cfg.ffn_dense, added here, while the MoE's output is handed on
+    beside the residual (its output [T, 2H]); "in", the pair's second: its input [T, 2H],
+    it adds the MoE's output after its MLP's."""
 
     def __init__(self, cfg: TransformerConfig, moe: bool, *, local: bool = False, rope: bool = True, linear: bool = False,
-                 fp8: Optional[bool] = None, index_shared: bool = False, sinks: Optional[bool] = None):
+                 fp8: Optional[bool] = None, index_shared: bool = False, sinks: Optional[bool] = None, shortcut: Optional[str] = None):
         super().__init__()
         def norm(on: bool) -> Optional[RMSNorm]:
             return RMSNorm.of(cfg) if on else None
@@ -979,11 +1019,16 @@ class Block(nn.Module):
             self.mlp.experts.recompute = cfg.ac == "experts"
         else:
             self.mlp = DenseMLP(cfg.hidden, cfg.ffn_dense, cfg.impl, fp8=fp8)
+        if shortcut not in (None, "out", "in") or (shortcut is not None and (not cfg.shortcut_moe or (shortcut == "out") != moe)):
+            raise ValueError(f"shortcut: expected None, or with cfg.shortcut_moe 'out' (a MoE block) or 'in' (a dense one), got {shortcut!r}")
+        self.shortcut = shortcut
+        self.dense = DenseMLP(cfg.hidden, cfg.ffn_dense, cfg.impl, fp8=fp8) if shortcut == "out" else None
         self.ac = cfg.ac
         self.residual_scale = cfg.residual_scale
 
     def forward(self, x_TH, ctx: AttentionContext, token_mask: Optional[torch.Tensor] = None):
-        """x [T, H] -> (x [T, H], the MoE stats or None for a dense block). token_mask:
+        """x [T, H] -> (x [T, H], the MoE stats or None for a dense block); a shortcut pair's
+        first block returns [T, 2H] and its second takes it (class docstring). token_mask:
         None, or [T] bool, False on padding, which the MoE does not route (MoE.forward)."""
         if self.ac == "full":
             return recompute(self._block, x_TH, ctx, token_mask)
@@ -999,20 +1044,28 @@ class Block(nn.Module):
         return x_TH + (y_TH if self.residual_scale == 1.0 else y_TH * self.residual_scale)
 
     def _block(self, x_TH, ctx, token_mask=None):
+        carry_TH = None
+        if self.shortcut == "in":  # the residual, then the pair's MoE output
+            x_TH, carry_TH = x_TH.chunk(2, dim=-1)
         if self.parallel:  # attention and MLP of one normed input, both added to x (Cohere's)
             h_TH = _normed(self.attn_norm, x_TH)
             y_TH = recompute(self._attend_normed, h_TH, ctx) if self.ac == "attention" else self._attend_normed(h_TH, ctx)
             return self._mlp_branch(self._residual(x_TH, y_TH), h_TH, token_mask)
         x_TH = self._residual(x_TH, recompute(self._attend, x_TH, ctx) if self.ac == "attention" else self._attend(x_TH, ctx))
-        return self._mlp_branch(x_TH, _normed(self.mlp_norm, x_TH), token_mask)
+        return self._mlp_branch(x_TH, _normed(self.mlp_norm, x_TH), token_mask, carry_TH)
 
-    def _mlp_branch(self, x_TH, h_TH, token_mask=None):
+    def _mlp_branch(self, x_TH, h_TH, token_mask=None, carry_TH=None):
         """x + post_norm(mlp(h)): the block's end, h the MLP's input (its own pre-norm's output,
-        or a parallel block's one normed input) -> (x [T, H], the MoE stats or None)."""
+        or a parallel block's one normed input) -> (x [T, H], the MoE stats or None); a
+        shortcut pair's first block: ([x + dense(h) | moe(h)] [T, 2H], stats); its second
+        adds carry [T, H], the pair's MoE output, last."""
         if isinstance(self.mlp, MoE):
             y, stats = self.mlp(h_TH, token_mask)
+            if self.dense is not None:
+                return torch.cat([x_TH + self.dense(h_TH), y], dim=-1), stats
             return self._residual(x_TH, _normed(self.mlp_post_norm, y)), stats
-        return self._residual(x_TH, _normed(self.mlp_post_norm, self.mlp(h_TH))), None
+        x_TH = self._residual(x_TH, _normed(self.mlp_post_norm, self.mlp(h_TH)))
+        return (x_TH if carry_TH is None else x_TH + carry_TH), None
 
 
 def _normed(norm: Optional[RMSNorm], x_TH: torch.Tensor) -> torch.Tensor:
@@ -1279,7 +1332,8 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden))
         self.blocks = nn.ModuleList(Block(cfg, moe=cfg.is_moe(i), local=cfg.is_local(i), rope=not cfg.is_nope(i), linear=cfg.is_linear(i),
-                                          fp8=cfg.is_fp8(i), index_shared=cfg.is_index_shared(i), sinks=cfg.has_sinks(i))
+                                          fp8=cfg.is_fp8(i), index_shared=cfg.is_index_shared(i), sinks=cfg.has_sinks(i),
+                                          shortcut=cfg.shortcut(i))
                                     for i in range(cfg.n_layers))
         for i, block in enumerate(self.blocks):  # DeepSeek sparse attention: each block's choice of keys by its index, and the one it reuses
             if isinstance(block.attn, Attention):

@@ -85,6 +85,12 @@ VARIANTS = {
     # LongCat-Flash's zero-computation experts: 3 identity experts beside the 4 computing ones, softmax scores with
     # the expert bias, the computing experts' capacity
     "zero experts": dataclasses.replace(TINY, zero_experts=3, score="softmax", capacity_factor=1.0, mtp_depth=1),
+    # LongCat-Flash's blocks: shortcut pairs (0, 1) and (2, 3), each first block's MoE beside its dense MLP and its
+    # output added after the second block's MLP; multi-latent attention with its q and kv latents scaled; softmax over
+    # 4 experts and 2 identity experts, the top-2 probabilities (plus the expert bias for the choice) x 6
+    "longcat": dataclasses.replace(TINY, n_layers=4, n_dense=0, n_shared=0, shortcut_moe=True, zero_experts=2, score="softmax", pre_softmax=True,
+                                   route_scale=6.0, n_kv_heads=4, head_dim=12, rope_dim=4, rope_interleaved=True, q_rank=10, kv_rank=6,
+                                   v_head_dim=5, mla_scales=True, mtp_depth=1),
     # gpt-oss's pieces: q/k/v/o biases, attention sinks, a router bias, expert biases, the
     # clamped SwiGLU, YaRN without truncation, sliding windows in blocks 0 and 2
     "gpt-oss": dataclasses.replace(TINY, qkv_bias=True, o_bias=True, attn_sinks=True, router_bias=True, expert_biases=True, swiglu_alpha=1.702,
@@ -115,7 +121,7 @@ def test_forward_backward_each_feature(name):
         # depth d predicts d + 1 tokens ahead: a document of length n keeps n - d - 1 labels
         assert int(losses[f"mtp_{d}_tokens"]) == sum(max(0, n - d - 1) for n in (7, 1, 16))
         total = total + losses[f"mtp_{d}_sum"]
-    moe_layers = [i for i in range(cfg.n_layers) if i >= cfg.n_dense]
+    moe_layers = [i for i in range(cfg.n_layers) if cfg.is_moe(i)]
     assert sorted(stats.keys()) == sorted([f"layer_{i}" for i in moe_layers] + [f"mtp_{d}" for d in range(1, cfg.mtp_depth + 1) if moe_layers])
     assert sorted(model.moe_layers()) == sorted(stats.keys())  # the bias update finds each layer's counts by name
     for key in stats.keys():
@@ -998,6 +1004,8 @@ DECODED = {
     "phimoe": dataclasses.replace(VARIANTS["phimoe"], mtp_depth=0),
     # LongCat-Flash's zero-computation experts (without the capacity, which a step of one token would change)
     "zero experts": dataclasses.replace(VARIANTS["zero experts"], mtp_depth=0, capacity_factor=None),
+    # LongCat-Flash's: shortcut pairs (the [T, 2H] stream between a pair's blocks), scaled latents in the cache
+    "longcat": dataclasses.replace(VARIANTS["longcat"], mtp_depth=0),
     # Phi-3's LongRoPE past 1 original position: every prompt here is longer, every call has the long factors (a
     # sequence crossing the original positions: test_decode_past_longrope_s_original_positions_recomputes_the_sequence)
     "longrope": dataclasses.replace(TINY, rope_dim=4, longrope_short_factors=(1.0, 1.5), longrope_long_factors=(3.0, 9.0),
@@ -1305,3 +1313,92 @@ def test_granite_multipliers_in_the_logits_the_loss_and_decode():
         stepped = torch.cat([every.decode(ids[:5], cache), *(every.decode(ids[t:t + 1], cache) for t in range(5, 9))])
         whole = every.logits(ids, torch.tensor([0, 9]))
     torch.testing.assert_close(stepped, whole, rtol=1e-5, atol=1e-5)
+
+
+def test_a_shortcut_pair_adds_its_moe_output_after_the_second_block():
+    """shortcut_moe, by hand from the blocks' own modules: x + attn; the MLP input n feeds the
+    dense MLP (added) and the MoE (held); x + attn; x + mlp + the held MoE output. Adding the
+    MoE's output in its own block instead changes the logits."""
+    cfg = dataclasses.replace(VARIANTS["longcat"], mtp_depth=0)
+    torch.manual_seed(0)
+    model = Transformer(cfg).eval()
+    with torch.no_grad():  # the MoE's output large enough to show where it is added
+        for moe in model.moe_layers().values():
+            moe.experts.w_down.mul_(30.0)
+    assert [b.shortcut for b in model.blocks] == ["out", "in", "out", "in"]
+    assert [type(b.mlp).__name__ for b in model.blocks] == ["MoE", "DenseMLP"] * 2 and model.blocks[1].dense is None
+    ids, cu = torch.randint(0, cfg.vocab_size, (20,)), torch.tensor([0, 12, 20], dtype=torch.int32)
+    ctx = fmoe.layers.attention_context(cu, fmoe.ops.positions_from_cu_seqlens(cu), cfg.attention_config())
+
+    def by_hand(deferred: bool):
+        h = model._embedding(ids)
+        for first, second in (model.blocks[0:2], model.blocks[2:4]):
+            h = h + first.attn(first.attn_norm(h), ctx)
+            n = first.mlp_norm(h)
+            moe, _ = first.mlp(n)
+            h = h + first.dense(n) + (0 if deferred else moe)
+            h = h + second.attn(second.attn_norm(h), ctx)
+            h = h + second.mlp(second.mlp_norm(h)) + (moe if deferred else 0)
+        return model._head(h)
+
+    with torch.no_grad():
+        got = model.logits(ids, cu)
+        torch.testing.assert_close(got, by_hand(True), rtol=1e-5, atol=1e-6)
+        assert float((got - by_hand(False)).abs().max()) > 1e-3
+        # the pair's first block hands on [T, 2H]: the residual, then the MoE's output
+        out, stats = model.blocks[0](model._embedding(ids), ctx)
+        assert out.shape == (20, 2 * cfg.hidden) and stats is not None
+
+
+def test_shortcut_pairs_take_their_moe_from_the_even_blocks_and_refuse_what_they_cannot_pair():
+    cfg = dataclasses.replace(VARIANTS["longcat"], n_layers=6, n_dense=2, mtp_depth=0)
+    assert [cfg.is_moe(i) for i in range(6)] == [False, False, True, False, True, False]
+    assert [cfg.shortcut(i) for i in range(6)] == [None, None, "out", "in", "out", "in"]
+    assert [b.dense is not None for b in Transformer(cfg).blocks] == [False, False, True, False, True, False]
+    assert dataclasses.replace(cfg, moe_layers=(4,)).shortcut(2) is None and dataclasses.replace(TINY).shortcut(1) is None
+    with pytest.raises(ValueError, match="n_layers: shortcut_moe builds the blocks in pairs, expected an even number, got 3"):
+        dataclasses.replace(TINY, shortcut_moe=True)
+    with pytest.raises(ValueError, match=r"moe_layers: with shortcut_moe the MoE is the first block's of a pair \(an even index\), got blocks \[1, 3\]"):
+        dataclasses.replace(cfg, moe_layers=(0, 1, 3))
+    for knob in (dict(parallel_blocks=True), dict(post_norms=True), dict(moe_out_norm=True), dict(residual_scale=0.5)):
+        with pytest.raises(ValueError, match="shortcut_moe: a pair of pre-norm blocks"):
+            dataclasses.replace(cfg, **knob)
+    with pytest.raises(ValueError, match="shortcut_moe: expected a bool, got 1"):
+        dataclasses.replace(TINY, n_layers=4, shortcut_moe=1)
+    from fmoe.model import Block
+
+    for shortcut, moe, c in (("out", False, cfg), ("in", True, cfg), ("both", True, cfg), ("out", True, TINY)):
+        with pytest.raises(ValueError, match="shortcut: expected None, or with cfg.shortcut_moe 'out'"):
+            Block(c, moe=moe, shortcut=shortcut)
+
+
+def test_mla_scales_are_the_latent_weights_scaled():
+    """mla_scales (LongCat-Flash's): the queries times sqrt(H / q_rank) and the normed kv latent
+    times sqrt(H / kv_rank) give the logits of the same model without them whose wq_b and
+    kv_a_norm carry those factors; cached decoding (the latents scaled) matches too."""
+    cfg = dataclasses.replace(VARIANTS["mla, group top-2, mtp norm"], mtp_depth=0, mla_scales=True)
+    sq, skv = (cfg.hidden / cfg.q_rank) ** 0.5, (cfg.hidden / cfg.kv_rank) ** 0.5
+    assert cfg.attention_config().latent_scales == (sq, skv)
+    torch.manual_seed(0)
+    scaled = Transformer(cfg).eval()
+    plain = Transformer(dataclasses.replace(cfg, mla_scales=False)).eval()
+    state = scaled.state_dict()
+    for i in range(cfg.n_layers):
+        state[f"blocks.{i}.attn.wq_b"] = state[f"blocks.{i}.attn.wq_b"] * sq
+        state[f"blocks.{i}.attn.kv_a_norm"] = state[f"blocks.{i}.attn.kv_a_norm"] * skv
+    plain.load_state_dict(state)
+    ids, cu = torch.randint(0, cfg.vocab_size, (12,)), torch.tensor([0, 12], dtype=torch.int32)
+    with torch.no_grad():
+        want = plain.logits(ids, cu)
+        assert float((want - Transformer(dataclasses.replace(cfg, mla_scales=False)).logits(ids, cu)).abs().max()) > 1e-3
+        torch.testing.assert_close(scaled.logits(ids, cu), want, rtol=1e-5, atol=1e-6)
+        cache = scaled.kv_cache(12)
+        steps = torch.cat([scaled.decode(ids[:8], cache)] + [scaled.decode(ids[t:t + 1], cache) for t in range(8, 12)])
+        torch.testing.assert_close(steps, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="mla_scales: scales multi-latent attention's queries and kv latent, needs q_rank and kv_rank"):
+        dataclasses.replace(cfg, q_rank=None)
+    for bad in ((1.0,), (1.0, 0.0), (1.0, float("inf")), ("1", 2.0)):
+        with pytest.raises(ValueError, match="latent_scales: expected None or two finite numbers > 0"):
+            dataclasses.replace(cfg.attention_config(), latent_scales=bad)
+    with pytest.raises(ValueError, match="latent_scales: scales multi-latent attention's queries and kv latent, needs q_rank and kv_rank"):
+        dataclasses.replace(cfg.attention_config(), latent_scales=(1.0, 2.0), q_rank=None)
