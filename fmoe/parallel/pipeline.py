@@ -129,6 +129,11 @@ def pipeline_chunk(model: Transformer, chunk: PipelineChunk) -> Transformer:
         if model.cfg.is_index_shared(i) and model.cfg.index_source(i) not in chunk.layers:
             raise ValueError(f"chunk: block {i} attends to the keys block {model.cfg.index_source(i)} chose (index_shared_layers), which is in another "
                              f"stage than {chunk.layers}; split the layers so that they share a stage")
+    for i in chunk.layers:  # a shortcut pair hands its MoE's output from one block to the next: one stage holds both
+        pair = (i - 1, i) if model.cfg.shortcut(i) == "in" else (i, i + 1) if model.cfg.shortcut(i) == "out" else (i, i)
+        if not all(j in chunk.layers for j in pair):
+            raise ValueError(f"chunk: blocks {pair[0]} and {pair[1]} are a shortcut pair (shortcut_moe), the first's MoE output added in the second, "
+                             f"and {chunk.layers} holds one of them; split the layers so that each pair shares a stage (layers_per_stage)")
     for i in range(n):
         if i not in chunk.layers:
             model.blocks[i] = LayerElsewhere(i)
@@ -243,7 +248,8 @@ class Pipeline:
         loss_fn: see LossFn; the train loop's losses of one micro-batch on one stage.
         tokens: the tokens of a micro-batch on this rank (T / cp), for the stages' buffers.
         device, dtype: where the stages run and the compute dtype of the hidden states.
-        layers_per_stage: explicit stage sizes (stage_layers), or None for an even split.
+        layers_per_stage: explicit stage sizes (stage_layers), or None for an even split (of
+            whole pairs with cfg.shortcut_moe).
         parallelize: a function (model) -> None that shards a meta-device chunk over the
             stage's meshes (fmoe.parallel.parallelize with the caller's precision) and
             materialize: (model) -> None that allocates and initialises it.
@@ -266,6 +272,11 @@ class Pipeline:
         self.schedule_name, self.meshes, self.device = schedule, meshes, torch.device(device)
         self.pp, self.virtual = meshes.pp, virtual
         self.n_stages = self.pp * virtual
+        if layers_per_stage is None and cfg.shortcut_moe:  # whole shortcut pairs per stage, as even as they go
+            if self.n_stages > cfg.n_layers // 2:
+                raise ValueError(f"pp: {self.n_stages} pipeline stages (pp x pp_virtual) for {cfg.n_layers // 2} shortcut pairs of blocks "
+                                 "(shortcut_moe): every stage needs at least one pair")
+            layers_per_stage = [2 * len(r) for r in stage_layers(cfg.n_layers // 2, self.n_stages)]
         self.layers = stage_layers(cfg.n_layers, self.n_stages, layers_per_stage)
         self.stage_ids = rank_stages(meshes.pp_rank, self.pp, virtual)
         self.loss_fn = loss_fn

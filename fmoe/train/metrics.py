@@ -216,7 +216,9 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
     choice, again for its loss, and the loss's backward).
     The router counts its n_choices outputs (cfg.n_choices where the model has zero experts,
     else n_experts). k: the mean computing experts per token where it is not cfg.k (with
-    zero experts, cfg.k (1 - zero_fraction), the step's measured share: layer_loads)."""
+    zero experts, cfg.k (1 - zero_fraction), the step's measured share: layer_loads).
+    Shortcut pairs (cfg.shortcut_moe) add each trunk MoE block's dense SwiGLU of ffn_dense
+    beside its MoE: 6 x 3 H ffn_dense."""
     names = ("hidden", "n_layers", "ffn_dense", "ffn_expert", "k", "n_heads", "n_kv_heads", "head_dim", "mtp_depth", "n_experts")
     is_moe = getattr(cfg, "is_moe", lambda i: i >= cfg.n_dense)
     n_dense = sum(not is_moe(i) for i in range(cfg.n_layers))
@@ -263,7 +265,10 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
         blocks = cfg.n_layers - n_linear - len(cfg.index_shared_layers or ()) + cfg.mtp_depth  # those with an indexer
         indexer = blocks * (6 * weights + 6 * cfg.index_heads * cfg.index_head_dim * n_avg_keys)
         n_avg_keys = n_avg_index_keys
-    return indexer + flops_per_token(**values, n_dense=n_dense, n_shared=shared, vocab=cfg.vocab_size,
+    shortcut = 0.0
+    if getattr(cfg, "shortcut_moe", False):  # the dense MLP beside each trunk MoE
+        shortcut = sum(is_moe(i) for i in range(cfg.n_layers)) * 6 * 3 * cfg.hidden * cfg.ffn_dense
+    return indexer + shortcut + flops_per_token(**values, n_dense=n_dense, n_shared=shared, vocab=cfg.vocab_size,
                                      n_avg_keys=n_avg_keys, n_sliding=n_sliding, n_avg_local_keys=n_avg_local_keys,
                                      attn_gate=bool(getattr(cfg, "attn_gate", False)),
                                      attn_gate_per_head=bool(getattr(cfg, "attn_gate_per_head", False)), **attention, **linear)

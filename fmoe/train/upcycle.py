@@ -86,6 +86,9 @@ def granularity(cfg: TransformerConfig, dense_cfg: TransformerConfig) -> int:
     if cfg.zero_experts:
         raise ValueError("zero_experts: a slot routed to a zero expert passes its token through, which changes the dense block's "
                          "function; upcycle without them")
+    if cfg.shortcut_moe:
+        raise ValueError("shortcut_moe: a pair's MoE output added after the next block (beside a dense MLP of its own) changes the "
+                         "dense blocks' function; upcycle without it")
     return g
 
 

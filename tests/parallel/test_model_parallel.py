@@ -41,6 +41,10 @@ KIMI_LINEAR = dict(linear_layers=(0,), linear_kind="kda", linear_k_heads=2, line
 # its indexer scores highest, the indexer trained by its own loss (its gradient added in the backward); block 1
 # without an indexer, attending to block 0's choice (GLM-5's "shared" layers)
 DSA = dict(MLA, q_rank=10, index_topk=3, index_heads=4, index_head_dim=6, index_shared_layers=(1,))
+# LongCat-Flash's: one shortcut pair (block 0's MoE beside its dense MLP, its output added after block 1's MLP), the
+# scaled q and kv latents, softmax over 4 experts and 2 identity experts x 6
+LONGCAT = dict(MLA, q_rank=10, mla_scales=True, rope_interleaved=True, n_dense=0, n_shared=0, shortcut_moe=True, zero_experts=2, score="softmax",
+               pre_softmax=True, route_scale=6.0)
 # Granite's multipliers: the softmax scale, the embeddings', the residual branches', the logits' divisor
 GRANITE = dict(attn_scale=0.3, embed_scale=2.0, residual_scale=0.6, logit_divisor=3.0)
 # MiMo-V2-Flash's attention: values of 6 channels beside q/k heads of 8, scaled; the window's block 1 with 4 kv heads
@@ -255,6 +259,10 @@ CASES = {
     "ep2xtp2-capacity": (4, dict(tp=2, ep=2), dict(capacity_factor=1.0)),
     # zero-computation experts beside the computing ones: their slots never reach the all-to-alls or the capacity
     "ep2xtp2-capacity-zero-experts": (4, dict(tp=2, ep=2), dict(zero_experts=3, capacity_factor=1.0)),
+    # LongCat-Flash's blocks (LONGCAT): the shortcut pair's [T, 2H] stream under sequence parallelism, the dense MLP
+    # beside the MoE over tp, the scaled latents with the heads over tp, identity experts beside the ep ones
+    "ep2xtp2-longcat": (4, dict(tp=2, ep=2), LONGCAT),
+    "cp2-longcat": (2, dict(cp=2), LONGCAT),
     # activation checkpointing under FSDP2, TP and EP: the recomputation inside FSDP units
     # and TP regions, and the all-to-alls run again in the backward
     "ep2xtp2-ac-full": (4, dict(tp=2, ep=2), dict(ac="full")),
@@ -384,6 +392,7 @@ DECODE_CASES = {
     "tp2-proj-norm": (2, dict(tp=2), dict(qk_norm="proj", **WINDOW, **GRANITE, post_norms=True), None, 1e-5),  # sandwich norms
     "tp2-mla": (2, dict(tp=2), dict(MLA, q_rank=10), None, 1e-5),
     "tp2-dsa": (2, dict(tp=2), DSA, None, 1e-5),  # the cache's rows hold the indexer's keys too
+    "tp2-longcat": (2, dict(tp=2), LONGCAT, None, 1e-5),  # the shortcut pair's [T, 2H] stream of padded calls, scaled latents cached
     "tp2-llama4": (2, dict(tp=2), LLAMA4, None, 1e-5),  # chunks over the cache's rows, the temperature at the new tokens' positions
     # the window's ring layer with its own RoPE base
     "tp2-head-norm-after-rope": (2, dict(tp=2), dict(qk_norm="head", qk_norm_after_rope=True, **WINDOW, local_rope_base=100.0), None, 1e-5),

@@ -228,6 +228,20 @@ def test_a_block_reusing_another_s_choice_of_keys_shares_its_stage():
             pipeline_chunk(Transformer(cfg), PipelineChunk(1, 2, range(2, 4)))
 
 
+def test_a_shortcut_pair_shares_its_stage():
+    """shortcut_moe: block 2j's MoE output is added in block 2j + 1, so a split between them is
+    refused (and the loop's default split keeps pairs whole: test_train_parallel's pp run)."""
+    from fmoe.model import PipelineChunk, Transformer, TransformerConfig
+    from fmoe.parallel import pipeline_chunk
+
+    cfg = TransformerConfig(**{**TINY, "n_dense": 0, "shortcut_moe": True})
+    with torch.device("meta"):
+        pipeline_chunk(Transformer(cfg), PipelineChunk(1, 2, range(2, 4)))
+        for s, layers in ((0, range(0, 3)), (1, range(1, 4))):
+            with pytest.raises(ValueError, match=r"chunk: blocks (2 and 3|0 and 1) are a shortcut pair \(shortcut_moe\)"):
+                pipeline_chunk(Transformer(cfg), PipelineChunk(s, 2, layers))
+
+
 def test_pruned_chunks_keep_the_whole_models_names():
     from fmoe.model import LayerElsewhere, PipelineChunk, Transformer, TransformerConfig
     from fmoe.parallel import pipeline_chunk

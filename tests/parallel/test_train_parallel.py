@@ -183,6 +183,9 @@ RUNS = {
     # fp8 GEMMs (--model.fp8) through a pipeline with experts over 2 ranks: 5 steps of the
     # one-process fp8 run's losses (each token quantized on its own row, the weights whole)
     "pp2xep2-fp8": (4, ["--pp=2", "--ep=2", "--model.fp8=True"]),
+    # LongCat-Flash's blocks: three shortcut pairs through a pipeline, split as whole pairs (blocks 0-3, then 4-5; an
+    # even split of the blocks would part pair 2-3), the zero experts' share in each stage's loads
+    "shortcut-pairs-pp2": (2, ["--pp=2", "--model.n_layers=6", "--model.n_dense=0", "--model.shortcut_moe=True", "--model.zero_experts=2"]),
     "mla-tp2-muon": (2, ["--tp=2", "--optimizer=muon", "--ns_dtype=float32", "--model.n_kv_heads=4", "--model.head_dim=12", "--model.rope_dim=4",
                          "--model.q_rank=10", "--model.kv_rank=6", "--model.v_head_dim=5", "--check_replicas_every=1"]),
 }
@@ -191,7 +194,8 @@ LOOSE = {"gated-deltanet-cp2": ("param_norm",)}
 SAME_MODEL = ("--optimizer=", "--ns_dtype=", "--batch_schedule=", "--aux_coeff=", "--model.n_layers=", "--model.n_kv_heads=", "--model.head_dim=",
               "--model.rope_dim=", "--model.q_rank=", "--model.kv_rank=", "--model.v_head_dim=", "--model.mtp_norm=", "--model.score=",
               "--model.n_groups=", "--model.topk_groups=", "--model.group_score_topk=", "--model.capacity_factor=", "--model.qkv_bias=",
-              "--model.qk_norm=", "--whole_documents=", "--model.linear_", "--model.fp8=", "--model.index_")
+              "--model.qk_norm=", "--whole_documents=", "--model.linear_", "--model.fp8=", "--model.index_", "--model.n_dense=",
+              "--model.shortcut_moe=", "--model.zero_experts=")
 
 
 @pytest.mark.parametrize("run", list(RUNS))

@@ -285,6 +285,10 @@ def test_model_flops_per_token_reads_the_model_config():
     assert M.model_flops_per_token(zero, n_avg_keys=10.0, k=1.5) == expected + 3 * 6 * 64 * 3 - 3 * 6 * 64 * 3 * 32 * 0.5
     with pytest.raises(ValueError, match="k: expected a number >= 0"):
         M.model_flops_per_token(zero, n_avg_keys=10.0, k=-1.0)
+    # shortcut pairs (4 blocks, n_dense 1): block 2 the only trunk MoE, its dense MLP of 128 beside it; blocks 0, 1 and 3 dense
+    pairs = TransformerConfig(**{**cfg.__dict__, "n_layers": 4, "shortcut_moe": True})
+    plain = TransformerConfig(**{**cfg.__dict__, "n_layers": 4, "moe_layers": (2,)})
+    assert M.model_flops_per_token(pairs, n_avg_keys=10.0) == M.model_flops_per_token(plain, n_avg_keys=10.0) + 6 * 3 * 64 * 128
     # by hand: 3 attention layers + the MTP block's, 1 dense MLP, 2 MoE layers + the MTP block's
     attention = 6 * (64 * (64 + 2 * 32) + 64 * 64) + 12 * 64 * 10.0
     moe = 6 * 64 * 3 * 32 * (2 + 1) + 6 * 64 * 4
@@ -358,6 +362,9 @@ COUNTED = {
     "moe, mtp": dict(),
     "dense, mtp": dict(moe_layers=()),
     "mla, mtp": dict(n_kv_heads=4, head_dim=12, rope_dim=4, q_rank=10, kv_rank=6, v_head_dim=5),
+    # LongCat-Flash's blocks: one shortcut pair (block 0's MoE beside its dense MLP), scaled latents
+    "shortcut pair, mla": dict(n_dense=0, shortcut_moe=True, n_kv_heads=4, head_dim=12, rope_dim=4, q_rank=10, kv_rank=6, v_head_dim=5,
+                               mla_scales=True),
 }
 
 
