@@ -7,7 +7,7 @@ A folder holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). Supported `model_type`s: FAMILIES (mixtral, qwen2_moe,
 qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, axk1, kimi_k2, kimi_k25, deepseek_v2, deepseek_v32, glm_moe_dsa, glm4_moe_lite, gpt_oss, solar_open,
 exaone_moe, dots1, minimax_m2, granitemoe, granitemoeshared, granitemoe_swa, hunyuan_v1_moe, llama4_text, llama4, afmoe,
-laguna, cohere2_moe, sarvam_moe, sarvam_mla, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
+laguna, cohere2_moe, sarvam_moe, sarvam_mla, longcat_flash, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
 mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe), and the dense
 DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
 glm4, ernie4_5, lfm2, cohere, cohere2: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
@@ -77,7 +77,15 @@ writes a folder transformers reads without remote code). A released Kimi K2.5 / 
 back only as deepseek_v3. A.X-K1 (axk1) is DeepSeek-V3's model with an RMSNorm on each MoE
 block's output (post_mlp_layernorm: moe_out_norm); its released folders hold one for the dense
 blocks too, which nothing reads (Family.ignored), and route without a correction bias, which
-reads as zero (Family.correction_bias_optional).
+reads as zero (Family.correction_bias_optional). LongCat-Flash (longcat_flash): layer j's two
+sublayers are fmoe's shortcut pair of blocks 2j and 2j + 1 (shortcut_moe; Family.pairs: the
+attention, the pre-norms and the dense MLP as self_attn.{s}, input_layernorm.{s},
+post_attention_layernorm.{s}, mlps.{s}; the pair's MoE under mlp., its router as
+router.classifier), multi-latent attention with its q and kv latents scaled (mla_scales) and
+identity experts (zero_experts). transformers keeps a gate and up projection for each zero
+expert too, unused (Family.zero_expert_rows): they are not read, and are written as zeros
+(zero_expert_keys), which transformers needs to load the folder; the MTP layer under
+model.mtp. is not read, as in transformers.
 DeepSeek-V3.2 (deepseek_v32) and GLM-5 (glm_moe_dsa): DeepSeek-V3's model with DeepSeek sparse
 attention in every block, its lightning indexer under self_attn.indexer (wq_b, wk, k_norm's
 weight and bias, weights_proj: TransformerConfig.index_*), the indexer's RoPE on halves
@@ -781,6 +789,28 @@ def _sarvam_mla(hf: dict) -> dict:
         params = {k: v for k, v in scaling.items() if k != "type"}
         hf = dict(hf, rope_scaling=None, rope_parameters=dict(params, rope_type="yarn"))
     return _deepseek_v3(hf)
+
+
+def _longcat_flash(hf: dict) -> dict:
+    """LongCat-Flash (longcat_flash): num_layers layers of two sublayers each, fmoe's shortcut
+    pairs (shortcut_moe: 2 num_layers blocks, each pair's first with the MoE beside its dense
+    MLP of ffn_hidden_size); multi-latent attention with a q latent, RoPE on interleaved
+    pairs, the query and kv latent scales (mla_scales); experts of expert_ffn_hidden_size,
+    zero_expert_num identity experts (zero_experts); the router a float32 softmax over every
+    choice, the choice by the probabilities plus the correction bias, the weights the chosen
+    probabilities (pre_softmax) x routed_scaling_factor; no shared experts."""
+    nope, rope = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"]
+    _refuse(hf, "qk_head_dim", lambda v: v is None or v == nope + rope, f"qk_nope_head_dim + qk_rope_head_dim = {nope + rope}")
+    _refuse(hf, "q_lora_rank", lambda v: bool(v), "a q latent (LongCat-Flash's queries always come from one)")
+    _refuse(hf, "zero_expert_type", lambda v: v in (None, "identity"), "identity zero experts")
+    for field in ("mla_scale_q_lora", "mla_scale_kv_lora"):  # the released configs' flags: transformers always scales
+        _refuse(hf, field, lambda v: v is None or v is True, "true (transformers scales the q and kv latents)")
+    scale = float(hf.get("routed_scaling_factor", 1.0))
+    n = 2 * hf["num_layers"]
+    return dict(_mla(dict(hf, num_hidden_layers=n), interleaved=True), n_layers=n, ffn_dense=hf["ffn_hidden_size"],
+                ffn_expert=hf["expert_ffn_hidden_size"], n_dense=0, n_shared=0, shortcut_moe=True, zero_experts=hf.get("zero_expert_num") or 0,
+                pre_softmax=True, expert_bias=True, route_scale=None if scale == 1.0 else scale, router_bias=bool(hf.get("router_bias", False)),
+                mla_scales=True)
 
 
 def _deepseek_v2(hf: dict) -> dict:
@@ -1636,6 +1666,12 @@ class Family:
     # the correction bias as row i of a stored [modalities, E] (ERNIE-4.5-VL's [2, E]: the text row 0)
     correction_bias_row: Optional[int] = None
     router_transposed: bool = False  # the router's weight stored [H, E] (ERNIE-4.5-VL's), not as a linear weight [E, H]
+    # LongCat-Flash: layer j holds fmoe's shortcut pair (2j, 2j + 1), block 2j + s its sublayer s: the attention, the two
+    # pre-norms and the dense MLP as `<name>.{s}` under the layer, the pair's MoE (the first block's) under the layer itself
+    pairs: bool = False
+    # LongCat-Flash's transformers model stacks a gate and up projection per choice (n_experts + zero_experts), the zero
+    # experts' unused: its folders hold them as experts n_experts, ... (loading skips them, export writes zeros there)
+    zero_expert_rows: bool = False
 
     def renamed(self, key: str) -> str:
         """key (as the family's own models name it) in the family's folders (prefix)."""
@@ -1716,6 +1752,15 @@ FAMILIES = {
     # the released Kimi K2.5 / K2.6 folders: Kimi K2's text model under language_model., beside a vision tower
     "kimi_k25": Family(_kimi_k25, "mlp", _PROJ, "KimiK25ForConditionalGeneration", "shared_experts", prefix=("", "language_model."),
                        not_read=("vision_tower.", "mm_projector."), written_as="deepseek_v3", defaults=dict(tie_word_embeddings=True)),
+    # LongCat-Flash: two sublayers per layer (Family.pairs), the router's weight and correction bias under router., the
+    # zero experts' unused gate and up rows (Family.zero_expert_rows), the MTP layer under model.mtp. (never read, as in transformers)
+    "longcat_flash": Family(_longcat_flash, "mlp", _PROJ, "LongcatFlashForCausalLM", dense="mlps", router="router.classifier.weight",
+                            correction_bias="router.e_score_correction_bias", pairs=True, zero_expert_rows=True, not_read=("model.mtp.",),
+                            aliases=dict(num_experts_per_tok="moe_topk"),
+                            defaults=dict(vocab_size=131072, hidden_size=6144, num_layers=28, num_attention_heads=64, rms_norm_eps=1e-5,
+                                          rope_parameters=dict(rope_type="default", rope_theta=1e7), ffn_hidden_size=12288, q_lora_rank=1536,
+                                          kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, moe_topk=12,
+                                          n_routed_experts=512, zero_expert_num=256, expert_ffn_hidden_size=2048, routed_scaling_factor=6.0)),
     "deepseek_v2": Family(_deepseek_v2, "mlp", _PROJ, "DeepseekV2ForCausalLM", "shared_experts", defaults=dict(q_lora_rank=1536, n_shared_experts=2)),
     # DeepSeek-V3.2 and GLM-5: DeepSeek-V3's model with DeepSeek sparse attention (the indexer under self_attn.indexer)
     "deepseek_v32": Family(_deepseek_v32, "mlp", _PROJ, "DeepseekV32ForCausalLM", "shared_experts", mtp=True,
@@ -1969,6 +2014,9 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
             out[q + "mlp.shared." + ours] = Tensor((f"{mlp}{family.shared}.{theirs}.weight",), transpose=True)
         if cfg.shared_gate:
             out[q + "mlp.shared_gate"] = Tensor((mlp + "shared_expert_gate.weight",), unit=0)
+    if moe and layer is not None and cfg.shortcut(layer) == "out":  # the dense MLP beside a shortcut pair's MoE
+        for ours, theirs in zip(("w_gate", "w_up", "w_down"), family.dense_names):
+            out[q + "dense." + ours] = Tensor((f"{p}{family.dense}.{theirs}.weight",), transpose=True)
     if not moe and family.dense_gate_up:  # [2F, H]: the gate's F rows, then the up's
         out[q + "mlp.w_gate"] = Tensor((f"{p}{family.dense}.gate_up_proj.weight",), transpose=True, chunk=(0, (1, 1)))
         out[q + "mlp.w_up"] = Tensor((f"{p}{family.dense}.gate_up_proj.weight",), transpose=True, chunk=(1, (1, 1)))
@@ -2076,9 +2124,15 @@ def key_map(family: Family, cfg: TransformerConfig) -> dict[str, Tensor]:
     enorm, hnorm, eh_proj, a block, shared_head.norm (its copies of the embedding and the
     head are mtp_copies')."""
     out = {"embed": Tensor((family.embed,))}
+    if family.pairs and not cfg.shortcut_moe:
+        raise ValueError("model: this family's layers are shortcut pairs of blocks (shortcut_moe=True)")
     for i in range(cfg.n_layers):
-        out.update(_block_keys(family, cfg, f"model.layers.{i}.", f"blocks.{i}.", cfg.is_moe(i), rope=not cfg.is_nope(i), linear=cfg.is_linear(i),
-                               index_shared=cfg.is_index_shared(i), layer=i))
+        p = f"model.layers.{i // 2 if family.pairs else i}."
+        block = _block_keys(family, cfg, p, f"blocks.{i}.", cfg.is_moe(i), rope=not cfg.is_nope(i), linear=cfg.is_linear(i),
+                            index_shared=cfg.is_index_shared(i), layer=i)
+        if family.pairs:
+            block = {name: dataclasses.replace(spec, keys=tuple(_sublayer(family, key, p, i % 2) for key in spec.keys)) for name, spec in block.items()}
+        out.update(block)
     out["norm.weight"] = Tensor((family.final_norm,))
     if not cfg.tie_embeddings:
         out["head"] = Tensor(("lm_head.weight",))
@@ -2098,6 +2152,28 @@ def key_map(family: Family, cfg: TransformerConfig) -> dict[str, Tensor]:
                                              if name.endswith("norm.weight") else [])}
     if family.prefix != ("", ""):
         out = {name: dataclasses.replace(spec, keys=tuple(family.renamed(key) for key in spec.keys)) for name, spec in out.items()}
+    return out
+
+
+def _sublayer(family: Family, key: str, p: str, s: int) -> str:
+    """A key under layer prefix p as Family.pairs stores sublayer s's: its attention, pre-norms
+    and dense MLP as `<name>.{s}`; the MoE's as they are."""
+    name, _, rest = key[len(p):].partition(".")
+    return f"{p}{name}.{s}.{rest}" if name in (family.attention, *family.norms, family.dense) else key
+
+
+def zero_expert_keys(family: Family, cfg: TransformerConfig) -> dict[str, tuple[int, ...]]:
+    """The keys (and their shapes) of the unused zero-expert gate and up projections that a
+    Family.zero_expert_rows family's folders hold: not read, written as zeros."""
+    if not family.zero_expert_rows:
+        return {}
+    out = {}
+    for i in range(cfg.n_layers):
+        if cfg.is_moe(i):
+            mlp = f"model.layers.{i // 2 if family.pairs else i}.{family.moe}."
+            for e in range(cfg.n_experts, cfg.n_choices):
+                for name in family.experts[:2]:
+                    out[family.renamed(f"{mlp}experts.{e}.{name}.weight")] = (cfg.ffn_expert, cfg.hidden)
     return out
 
 
@@ -2172,7 +2248,7 @@ def unread_keys(family: Family, cfg: TransformerConfig, path, stored) -> list[st
     read = {key for spec in key_map(family, cfg).values() for key in spec.keys}
     read |= {key + suffix for key in list(read) for suffix in ("_blocks", "_scales")}
     read |= {key + suffix for key in list(read) if key.endswith("weight") for suffix in ("_scale_inv", "_packed", "_scale", "_shape")}
-    read |= set(mtp_copies(family, cfg))
+    read |= set(mtp_copies(family, cfg)) | set(zero_expert_keys(family, cfg))
     config = Path(path) / "config.json"
     if cfg.tie_embeddings and config.is_file() and json.loads(config.read_text()).get("tie_word_embeddings"):
         read.add(family.renamed("lm_head.weight"))
@@ -2747,7 +2823,7 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
                   v_head_dim=cfg.v_head_dim, head_dim=rope, attention_bias=False)
         hf.pop("num_experts_per_tok")
         hf.update(num_experts_per_token=cfg.k)
-    elif model_type in _DEEPSEEK_STYLE:  # _deepseek_moe_config's fields, below
+    elif model_type in _DEEPSEEK_STYLE or model_type == "longcat_flash":  # their fields, below
         pass
     elif model_type == "lfm2_moe":
         hf.update(_lfm2_config(cfg), num_experts=cfg.n_experts, moe_intermediate_size=cfg.ffn_expert, intermediate_size=cfg.ffn_dense,
@@ -2823,6 +2899,12 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
             hf.update(shared_expert_intermediate_size=cfg.shared_size, qkv_bias=cfg.qkv_bias)
     if model_type in _DEEPSEEK_STYLE:
         hf.update(_deepseek_moe_config(cfg))
+    if model_type == "longcat_flash":  # its own names; num_layers of two sublayers each; MLA as DeepSeek-V3's (below)
+        scale = _deepseek_moe_config(cfg)["routed_scaling_factor"]
+        hf.pop("num_hidden_layers")
+        hf.pop("num_experts_per_tok")
+        hf.update(num_layers=cfg.n_layers // 2, moe_topk=cfg.k, n_routed_experts=cfg.n_experts, ffn_hidden_size=cfg.ffn_dense,
+                  expert_ffn_hidden_size=cfg.ffn_expert, zero_expert_num=cfg.zero_experts, routed_scaling_factor=scale, router_bias=cfg.router_bias)
     if model_type == "deepseek_v2":
         hf.update(topk_method="group_limited_greedy" if cfg.n_groups else "greedy")
     if model_type in ("glm4_moe", "sarvam_moe", "minimax_m2"):
@@ -2836,11 +2918,14 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
     if model_type == "axk1":  # no first_k_dense_replace (mlp_layer_types says it) nor MTP field in its config
         hf.pop("first_k_dense_replace")
         hf.pop("num_nextn_predict_layers")
-    if model_type in ("deepseek_v2", "deepseek_v3", "kimi_k2", "sarvam_mla", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa", "mistral4", "axk1"):
+    if model_type in ("deepseek_v2", "deepseek_v3", "kimi_k2", "sarvam_mla", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa", "mistral4", "axk1",
+                      "longcat_flash"):
         rope = cfg.rope_dim or cfg.head_dim
         hf.update(q_lora_rank=cfg.q_rank, kv_lora_rank=cfg.kv_rank, qk_nope_head_dim=cfg.head_dim - rope, qk_rope_head_dim=rope,
                   v_head_dim=cfg.v_head_dim, head_dim=rope, attention_bias=False)
-        if model_type in ("deepseek_v32", "glm_moe_dsa"):  # RoPE always on interleaved pairs: no rope_interleave field
+        if model_type == "longcat_flash":  # RoPE always on interleaved pairs: no rope_interleave field
+            pass
+        elif model_type in ("deepseek_v32", "glm_moe_dsa"):  # RoPE always on interleaved pairs: no rope_interleave field
             hf.update(index_topk=cfg.index_topk, index_n_heads=cfg.index_heads, index_head_dim=cfg.index_head_dim)
             if model_type == "glm_moe_dsa":
                 hf.update(indexer_types=["shared" if cfg.is_index_shared(i) else "full" for i in range(cfg.n_layers)])
@@ -3030,6 +3115,9 @@ def _checkpoint_tensors(model: Transformer, family, params: dict, dtype: torch.d
             failed.append(err)
             continue
         yield from stored
+    if keep and not failed:
+        for key, shape in zero_expert_keys(family, model.cfg).items():
+            yield key, torch.zeros(shape, dtype=dtype)
 
 
 def _converted(name: str, spec: Tensor, full: torch.Tensor, copies, parts: dict, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:

@@ -123,6 +123,13 @@ FAMILIES = {
     "sarvam_mla": lambda: transformers.SarvamMLAConfig(
         **{**COMMON, "num_key_value_heads": 4}, intermediate_size=40, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=3,
         n_shared_experts=1, kv_lora_rank=8, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5, bos_token_id=None, eos_token_id=None),
+    # LongCat-Flash: two sublayers per layer, the first's MoE output added after the second's MLP (fmoe's shortcut
+    # pairs); multi-latent attention with the q and kv latents scaled; softmax over 4 experts and 2 identity experts,
+    # the top-3 of the probabilities plus the correction bias, unrenormalised x 6
+    "longcat_flash": lambda: transformers.LongcatFlashConfig(
+        vocab_size=V, hidden_size=32, num_layers=2, num_attention_heads=4, max_position_embeddings=128, ffn_hidden_size=40, q_lora_rank=12,
+        kv_lora_rank=8, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5, head_dim=4, moe_topk=3, n_routed_experts=4, zero_expert_num=2,
+        expert_ffn_hidden_size=16, routed_scaling_factor=6.0, bos_token_id=None, eos_token_id=None),
     # multi-latent attention (low-rank q and kv, interleaved rotary key shared by the heads,
     # v_head_dim != q/k dim), YaRN with mscale != mscale_all_dim, 4 groups of 2 experts scored
     # by their best 2 (Megatron's k // topk_groups would score by 1), renormalised x 2.5
@@ -418,8 +425,18 @@ def test_export_loads_in_transformers_and_reexport_is_bit_identical(family, fold
     path, ref = folders[family]
     model, cfg = hf.from_pretrained(path, impl="torch")
     hf.save_pretrained(model, tmp_path / "again")
-    for file in ("model.safetensors", "config.json"):
+    zero_rows = hf.zero_expert_keys(hf.FAMILIES[family], cfg)
+    for file in ("model.safetensors", "config.json") if not zero_rows else ("config.json",):
         assert filecmp.cmp(path / file, tmp_path / "again" / file, shallow=False), file
+    if zero_rows:  # LongCat-Flash: transformers' unused zero-expert rows (random there) written as zeros, every other tensor as it was
+        from safetensors.torch import load_file
+
+        theirs, ours = load_file(path / "model.safetensors"), load_file(tmp_path / "again" / "model.safetensors")
+        assert sorted(theirs) == sorted(ours) and set(zero_rows) < set(ours)
+        for key, value in ours.items():
+            assert torch.equal(value, torch.zeros_like(value) if key in zero_rows else theirs[key]), key
+        hf.save_pretrained(hf.from_pretrained(tmp_path / "again", impl="torch")[0], tmp_path / "twice")
+        assert filecmp.cmp(tmp_path / "again" / "model.safetensors", tmp_path / "twice" / "model.safetensors", shallow=False)
     # a model of fmoe's own (fresh weights, no HF config kept) exported with model_type=
     fresh, _ = hf.from_pretrained(path, impl="torch")
     del fresh.hf_config
@@ -1554,6 +1571,10 @@ BAD_CONFIGS = [
      r"config.json: first_k_dense_replace = 1 is not supported \(every Solar Open block is MoE\)"),
     ("solar_open", lambda c: c.update(use_qk_norm=True), r"config.json: use_qk_norm = True is not supported"),
     ("deepseek_v3", lambda c: c["rope_parameters"].pop("factor"), r"config.json: rope_parameters of rope type 'yarn' lack factor"),
+    ("longcat_flash", lambda c: c.update(qk_head_dim=11), r"config.json: qk_head_dim = 11 is not supported \(qk_nope_head_dim \+ qk_rope_head_dim = 10\)"),
+    ("longcat_flash", lambda c: c.update(q_lora_rank=None), r"config.json: q_lora_rank = None is not supported \(a q latent"),
+    ("longcat_flash", lambda c: c.update(zero_expert_type="constant"), r"config.json: zero_expert_type = 'constant' is not supported \(identity"),
+    ("longcat_flash", lambda c: c.update(mla_scale_kv_lora=False), r"config.json: mla_scale_kv_lora = False is not supported \(true"),
     ("hunyuan_v1_moe", lambda c: c.update(moe_topk=[2, 1, 2]),
      r"config.json: moe_topk = \[2, 1, 2\] is not supported \(the same value in every layer\)"),
     ("hunyuan_v1_moe", lambda c: c["rope_parameters"].pop("alpha"), r"config.json: rope type 'dynamic' is not supported"),
@@ -2447,3 +2468,35 @@ def test_from_pretrained_allocates_in_the_dtype_asked_for(family, folders, tmp_p
         for name in ("w_gate", "w_up", "w_down"):
             w16, w32 = getattr(half.blocks[0].mlp.experts, name), getattr(full.blocks[0].mlp.experts, name)
             assert w16.dtype == torch.bfloat16 and torch.equal(w16, w32.to(torch.bfloat16))
+
+
+def test_longcat_flash_reads_its_pairs_its_released_layout_and_routes_through_identity_experts(folders, tmp_path):
+    """LongCat-Flash's layer j is fmoe's shortcut pair (2j, 2j + 1); the parity test's tokens
+    reach its identity experts; a folder in the released layout (no rows for the zero experts,
+    an MTP layer under model.mtp.) loads to the same model, neither read."""
+    from safetensors.torch import load_file, save_file
+
+    path, _ = folders["longcat_flash"]
+    model, cfg = hf.from_pretrained(path, impl="torch")
+    assert (cfg.n_layers, cfg.shortcut_moe, cfg.zero_experts, cfg.mla_scales, cfg.pre_softmax, cfg.route_scale, cfg.n_shared) == (4, True, 2, True, True, 6.0, 0)
+    assert [cfg.shortcut(i) for i in range(4)] == ["out", "in", "out", "in"] and cfg.rope_interleaved and cfg.expert_bias
+    docs, ids, cu = _packed()
+    with torch.no_grad():
+        _, stats = model(make_batch(ids, cu))
+        want = model.logits(ids, cu)
+    for layer in ("layer_0", "layer_2"):  # slots taken by the identity experts (4 and 5), and by the computing ones
+        counts = stats[layer]["tokens_per_expert"]
+        assert int(counts[cfg.n_experts:].sum()) > 0 and int(counts[:cfg.n_experts].sum()) > 0
+    zero_rows = hf.zero_expert_keys(hf.FAMILIES["longcat_flash"], cfg)
+    assert len(zero_rows) == 2 * 2 * 2 and "model.layers.1.mlp.experts.5.up_proj.weight" in zero_rows
+    released = tmp_path / "released"
+    released.mkdir()
+    (released / "config.json").write_text((path / "config.json").read_text())
+    weights = {k: v for k, v in load_file(path / "model.safetensors").items() if k not in zero_rows}
+    weights["model.mtp.layers.0.eh_proj.weight"] = torch.zeros(32, 64)
+    save_file(weights, released / "model.safetensors", metadata={"format": "pt"})
+    again, _ = hf.from_pretrained(released, impl="torch")
+    with torch.no_grad():
+        assert torch.equal(again.logits(ids, cu), want)
+    with pytest.raises(ValueError, match="model: this family's layers are shortcut pairs of blocks"):
+        hf.key_map(hf.FAMILIES["longcat_flash"], dataclasses.replace(cfg, shortcut_moe=False))
