@@ -2923,13 +2923,11 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
         rope = cfg.rope_dim or cfg.head_dim
         hf.update(q_lora_rank=cfg.q_rank, kv_lora_rank=cfg.kv_rank, qk_nope_head_dim=cfg.head_dim - rope, qk_rope_head_dim=rope,
                   v_head_dim=cfg.v_head_dim, head_dim=rope, attention_bias=False)
-        if model_type == "longcat_flash":  # RoPE always on interleaved pairs: no rope_interleave field
-            pass
-        elif model_type in ("deepseek_v32", "glm_moe_dsa"):  # RoPE always on interleaved pairs: no rope_interleave field
+        if model_type in ("deepseek_v32", "glm_moe_dsa"):
             hf.update(index_topk=cfg.index_topk, index_n_heads=cfg.index_heads, index_head_dim=cfg.index_head_dim)
             if model_type == "glm_moe_dsa":
                 hf.update(indexer_types=["shared" if cfg.is_index_shared(i) else "full" for i in range(cfg.n_layers)])
-        else:
+        if model_type not in ("deepseek_v32", "glm_moe_dsa", "longcat_flash"):  # theirs always on interleaved pairs: no such field
             hf.update(rope_interleave=cfg.rope_interleaved)
         if cfg.yarn_factor is not None:
             hf["rope_parameters"] = _yarn_parameters(cfg)
