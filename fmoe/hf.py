@@ -7,7 +7,7 @@ A folder holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). Supported `model_type`s: FAMILIES (mixtral, qwen2_moe,
 qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, axk1, kimi_k2, kimi_k25, deepseek_v2, deepseek_v32, glm_moe_dsa, glm4_moe_lite, gpt_oss, solar_open,
 exaone_moe, dots1, minimax_m2, granitemoe, granitemoeshared, granitemoe_swa, hunyuan_v1_moe, llama4_text, llama4, afmoe,
-laguna, cohere2_moe, sarvam_moe, sarvam_mla, longcat_flash, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
+laguna, cohere2_moe, sarvam_moe, sarvam_mla, longcat_flash, bailing_hybrid, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
 mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe), and the dense
 DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
 glm4, ernie4_5, lfm2, cohere, cohere2: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
@@ -115,6 +115,12 @@ q/k/v_conv1d, the decay's f_a_proj / f_b_proj, dt_bias, A_log [1, 1, N, 1] (Tens
 several dims), b_proj, the gate's g_a_proj / g_b_proj, o_norm, o_proj), multi-latent attention
 without RoPE, Mixtral's expert names under block_sparse_moe with DeepSeek-V3's routing and
 shared experts; the dense MLP under mlp or block_sparse_moe (Family.dense_too).
+Ling's hybrid models (bailing_hybrid): Kimi Delta Attention in Ling's variant under attention.
+(Family.linear "ling": q/k/v_proj, q/k/v_conv1d, the whole f_proj and g_proj, dt_bias, A_log
+[N], b_proj, o_norm, dense: linear_full_rank, linear_decay_bound) beside multi-latent attention
+with a sigmoid gate per head (g_proj) and its output projection dense (Family.o_proj); the
+embedding model.word_embeddings, DeepSeek-V3's MoE blocks with the correction bias as
+gate.expert_bias; the MTP layers after the trunk's not read (Family.extra_layers_read).
 
 Loading reads the safetensors files tensor by tensor with the `safetensors` library (an
 expert stack is filled expert by expert): the checkpoint is never in memory twice. Into a
@@ -1138,6 +1144,30 @@ def _kimi_linear(hf: dict) -> dict:
                 linear_v_dim=dim, linear_conv=released.get("short_conv_kernel_size", hf["linear_conv_kernel_dim"]))
 
 
+def _bailing_hybrid(hf: dict) -> dict:
+    """Ling's hybrid models (bailing_hybrid): Kimi Delta Attention blocks in Ling's variant
+    (linear_kind "kda" with linear_full_rank: the decay's f_proj and the gate's g_proj whole;
+    the bounded decay kda_lower_bound sigmoid(...) with kda_safe_gate, linear_decay_bound,
+    else Kimi's) of linear_num_heads heads of linear_head_dim (by default num_attention_heads
+    and head_dim, as transformers derives them), and in each layer_group_size-th layer (or
+    by layer_types) multi-latent attention with RoPE on interleaved pairs and a sigmoid gate
+    per head (attn_gate_per_head); DeepSeek-V3's MoE blocks and routing with shared experts,
+    the dense and MoE blocks by mlp_layer_types (by default first_k_dense_replace dense
+    blocks first). The MTP layers after the trunk's are not read, as in transformers."""
+    n = hf["num_hidden_layers"]
+    kinds = hf.get("layer_types") or ["full_attention" if (i + 1) % hf.get("layer_group_size", 6) == 0 else "linear_attention" for i in range(n)]
+    if len(kinds) != n or set(kinds) - {"full_attention", "linear_attention"}:
+        raise ValueError(f"config.json: layer_types = {kinds!r} is not supported (full_attention or linear_attention for each of the {n} layers)")
+    linear = tuple(i for i, kind in enumerate(kinds) if kind == "linear_attention")
+    heads, dim = hf.get("linear_num_heads", hf["num_attention_heads"]), hf.get("linear_head_dim", hf["head_dim"])
+    mla = _mla(dict(hf, n_routed_experts=hf["num_experts"]), interleaved=True)
+    return dict(mla, **_mlp_layer_types(hf, hf.get("first_k_dense_replace", 2)), **_sigmoid_routing(hf), linear_layers=linear or None,
+                linear_kind="kda", linear_k_heads=heads, linear_v_heads=heads, linear_k_dim=dim, linear_v_dim=dim,
+                linear_conv=hf.get("linear_conv_kernel_dim", hf.get("short_conv_kernel_size", 4)), linear_full_rank=True,
+                linear_decay_bound=float(hf.get("kda_lower_bound", -5.0)) if hf.get("kda_safe_gate", True) else None,
+                attn_gate=True, attn_gate_per_head=True)
+
+
 def _kimi_k25(hf: dict) -> dict:
     """A released Kimi K2.5 / K2.6 folder (kimi_k25, KimiK25ForConditionalGeneration): its
     text_config's model, Kimi K2's (DeepSeek-V3's: transformers reads a kimi_k2 text config
@@ -1723,6 +1753,9 @@ _KIMI_LINEAR_DEFAULTS = dict(n_shared_experts=1, routed_scaling_factor=2.446, kv
                              v_head_dim=128, qk_nope_head_dim=128, n_group=1, topk_group=1, num_experts_per_tok=8, norm_topk_prob=True,
                              rms_norm_eps=1e-5, num_experts=256, linear_head_dim=128, linear_num_heads=32, linear_conv_kernel_dim=4,
                              intermediate_size=9216, moe_intermediate_size=1024)
+# Ling's config.json names (transformers' attribute_map) for the fields the shared mappings read
+_BAILING_ALIASES = dict(num_experts_per_tok="num_experts_per_token", n_group="num_expert_group", norm_topk_prob="moe_renormalize",
+                        n_shared_experts="num_shared_experts")
 # the names of Sarvam's released config.json files (written for their own code) for transformers' fields
 _SARVAM_ALIASES = dict(n_routed_experts="num_experts", n_shared_experts="num_shared_experts")
 _MISTRAL4_ROPE = dict(rope_type="yarn", rope_theta=10000.0, factor=128.0, original_max_position_embeddings=8192, beta_fast=32.0, beta_slow=1.0,
@@ -1846,6 +1879,17 @@ FAMILIES = {
     # Kimi Linear: transformers writes the dense MLPs under block_sparse_moe too (the released folders: mlp)
     "kimi_linear": Family(_kimi_linear, "block_sparse_moe", ("w1", "w3", "w2"), "KimiLinearForCausalLM", "shared_experts", linear="kda",
                           dense_too="block_sparse_moe", aliases=_KIMI_LINEAR_ALIASES, defaults=_KIMI_LINEAR_DEFAULTS),
+    # Ling's hybrid models: Kimi Delta Attention in Ling's variant (Family.linear "ling") and gated multi-latent attention
+    # under attention. (its output projection dense), the embedding model.word_embeddings, the correction bias gate.expert_bias,
+    # the MTP layers after the trunk's not read (as in transformers)
+    "bailing_hybrid": Family(_bailing_hybrid, "mlp", _PROJ, "BailingHybridForCausalLM", "shared_experts", linear="ling", attention="attention",
+                             o_proj="dense", gate_proj="g_proj", embed="model.word_embeddings.weight", correction_bias="gate.expert_bias",
+                             extra_layers_read=False, aliases=_BAILING_ALIASES,
+                             defaults=dict(vocab_size=157184, hidden_size=2560, intermediate_size=6144, moe_intermediate_size=768,
+                                           num_hidden_layers=42, num_attention_heads=32, num_experts=512, num_experts_per_tok=8,
+                                           n_shared_experts=1, n_group=8, topk_group=4, routed_scaling_factor=2.5, first_k_dense_replace=2,
+                                           rms_norm_eps=1e-6, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                                           v_head_dim=128, head_dim=128, rope_parameters=dict(rope_type="default", rope_theta=6e6))),
     # ERNIE 4.5 (21B-A3B, 300B-A47B): its MTP layers (model.mtp_*) are not read, as in transformers
     # ERNIE-4.5-VL: ERNIE 4.5 MoE's text model, its router stored [H, E], its correction bias a row of [2, E], its text experts
     # those of the first half of the indices (the vision ones, their router weight_1 and the vision model left unread)
@@ -1925,6 +1969,16 @@ def _linear_attention_keys(family: Family, cfg: TransformerConfig, p: str, q: st
             out[q + "attn." + name] = Tensor((conv + "in_proj.weight",), transpose=True, chunk=(j, (1, 1, 1)))
         out[q + "attn.conv_v"] = Tensor((conv + "conv.weight",), transpose=True, unit=1)
         out[q + "attn.wo"] = Tensor((conv + "out_proj.weight",), transpose=True)
+        return out
+    if family.linear == "ling":  # Ling's: under the attention module, a conv per q, k, v, the whole f_proj and g_proj, A_log [N]
+        la = p + family.attention + "."
+        for ours, theirs in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wb", "b_proj"), ("wf", "f_proj"), ("wz", "g_proj"),
+                             ("wo", family.o_proj)):
+            out[q + "attn." + ours] = Tensor((f"{la}{theirs}.weight",), transpose=True)
+        for n in "qkv":
+            out[q + f"attn.conv_{n}"] = Tensor((f"{la}{n}_conv1d.weight",), transpose=True, unit=1)
+        out[q + "attn.A_log"], out[q + "attn.dt_bias"] = Tensor((la + "A_log",)), Tensor((la + "dt_bias",))
+        out[q + "attn.out_norm"] = Tensor((la + "o_norm.weight",))
         return out
     if family.linear == "kda":  # Kimi Linear: under the attention module, a conv per q, k, v, A_log [1, 1, N, 1]
         la = p + family.attention + "."
@@ -2038,7 +2092,7 @@ def _attention_keys(family: Family, cfg: TransformerConfig, p: str, q: str, rope
         q_weights = ("wq",) if cfg.q_rank is None else ("wq_a", "wq_b")  # a full-rank q, or its low-rank pair
         for ours, theirs in _MLA:
             if not ours.startswith("wq") or ours in q_weights:
-                out[q + "attn." + ours] = Tensor((f"{attn}{theirs}.weight",), transpose=True)
+                out[q + "attn." + ours] = Tensor((f"{attn}{family.o_proj if ours == 'wo' else theirs}.weight",), transpose=True)
         if cfg.q_rank is not None:
             out[q + "attn.q_a_norm"] = Tensor((attn + "q_a_layernorm.weight",))
         out[q + "attn.kv_a_norm"] = Tensor((attn + "kv_a_layernorm.weight",))
@@ -2823,6 +2877,17 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
                   v_head_dim=cfg.v_head_dim, head_dim=rope, attention_bias=False)
         hf.pop("num_experts_per_tok")
         hf.update(num_experts_per_token=cfg.k)
+    elif model_type == "bailing_hybrid":  # Ling's Kimi Delta Attention beside gated MLA, DeepSeek-V3's MoE blocks, under Ling's names
+        lin, moe_fields = cfg.linear_attention_config(), _deepseek_moe_config(cfg)
+        hf.update(num_experts=moe_fields.pop("n_routed_experts"), num_shared_experts=moe_fields.pop("n_shared_experts"),
+                  num_expert_group=moe_fields.pop("n_group"), moe_renormalize=moe_fields.pop("norm_topk_prob"),
+                  **{k: v for k, v in moe_fields.items() if k != "first_k_dense_replace"},
+                  mlp_layer_types=["sparse" if cfg.is_moe(i) else "dense" for i in range(cfg.n_layers)],
+                  layer_types=["linear_attention" if cfg.is_linear(i) else "full_attention" for i in range(cfg.n_layers)],
+                  linear_num_heads=lin.n_v_heads, linear_head_dim=lin.k_head_dim, linear_conv_kernel_dim=lin.conv, short_conv_kernel_size=lin.conv,
+                  kda_safe_gate=lin.decay_bound is not None, kda_lower_bound=-5.0 if lin.decay_bound is None else lin.decay_bound)
+        hf.pop("num_experts_per_tok")
+        hf.update(num_experts_per_token=cfg.k)
     elif model_type in _DEEPSEEK_STYLE or model_type == "longcat_flash":  # their fields, below
         pass
     elif model_type == "lfm2_moe":
@@ -2919,7 +2984,7 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
         hf.pop("first_k_dense_replace")
         hf.pop("num_nextn_predict_layers")
     if model_type in ("deepseek_v2", "deepseek_v3", "kimi_k2", "sarvam_mla", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa", "mistral4", "axk1",
-                      "longcat_flash"):
+                      "longcat_flash", "bailing_hybrid"):
         rope = cfg.rope_dim or cfg.head_dim
         hf.update(q_lora_rank=cfg.q_rank, kv_lora_rank=cfg.kv_rank, qk_nope_head_dim=cfg.head_dim - rope, qk_rope_head_dim=rope,
                   v_head_dim=cfg.v_head_dim, head_dim=rope, attention_bias=False)
@@ -2927,7 +2992,7 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
             hf.update(index_topk=cfg.index_topk, index_n_heads=cfg.index_heads, index_head_dim=cfg.index_head_dim)
             if model_type == "glm_moe_dsa":
                 hf.update(indexer_types=["shared" if cfg.is_index_shared(i) else "full" for i in range(cfg.n_layers)])
-        if model_type not in ("deepseek_v32", "glm_moe_dsa", "longcat_flash"):  # theirs always on interleaved pairs: no such field
+        if model_type not in ("deepseek_v32", "glm_moe_dsa", "longcat_flash", "bailing_hybrid"):  # theirs always on interleaved pairs: no such field
             hf.update(rope_interleave=cfg.rope_interleaved)
         if cfg.yarn_factor is not None:
             hf["rope_parameters"] = _yarn_parameters(cfg)
@@ -3006,6 +3071,8 @@ def config_mismatch(cfg: TransformerConfig, hf: dict) -> dict[str, tuple]:
         ignored |= {"llama3_low_freq_factor", "llama3_high_freq_factor", "llama3_original_max_positions"}
     if family.mtp:  # any depth; MTP modules without their own output norm are written with a copy of the final one
         ignored |= {"mtp_depth", "mtp_norm"}
+    elif cfg.mtp_depth == 0 and back.mtp_depth == 0:  # no MTP module: its norm means nothing
+        ignored.add("mtp_norm")
     if cfg.longrope_short_factors is not None:  # LongRoPE without long factors has the short ones there too (written as both)
         cfg, back = (dataclasses.replace(c, longrope_long_factors=c.longrope_long_factors or c.longrope_short_factors) for c in (cfg, back))
     moe = [cfg.is_moe(i) for i in range(cfg.n_layers)], [back.is_moe(i) for i in range(back.n_layers)]

@@ -1782,8 +1782,12 @@ class LinearAttentionConfig:
     key as value heads (linear_attention). kind "short_conv": LFM2's gated short convolution
     instead, over n_v_heads x v_head_dim channels (as many key heads and key dims: the
     channels are its heads, one or more each, which tensor parallelism splits), conv taps,
-    no state but the convolution's. fp8: the projections (q, k, v, the gates', the decay's,
-    the output's) by fmoe.ops.fp8_matmul."""
+    no state but the convolution's. Kimi Delta Attention's variants (Ling's, kind "kda"
+    only): full_rank, the decay's and the gate's projections whole (wf [H, N Dk], wz
+    [H, N Dv]) instead of low-rank pairs; decay_bound b < 0 (None: Kimi's softplus decay),
+    the bounded decay g = b sigmoid(exp(A_log) (x wf + dt_bias)), each step's log-decay in
+    (b, 0). fp8: the projections (q, k, v, the gates', the decay's, the output's) by
+    fmoe.ops.fp8_matmul."""
 
     n_k_heads: int
     n_v_heads: int
@@ -1794,6 +1798,8 @@ class LinearAttentionConfig:
     chunk_size: int = 64
     impl: str = "auto"
     kind: str = "gated_deltanet"
+    full_rank: bool = False
+    decay_bound: Optional[float] = None
     fp8: bool = False
 
     def __post_init__(self):
@@ -1802,6 +1808,13 @@ class LinearAttentionConfig:
             raise ValueError(f"impl: expected one of {IMPLS}, got {self.impl!r}")
         if self.kind not in LINEAR_KINDS:
             raise ValueError(f"kind: expected one of {LINEAR_KINDS}, got {self.kind!r}")
+        if not isinstance(self.full_rank, bool):
+            raise ValueError(f"full_rank: expected a bool, got {self.full_rank!r}")
+        bound = self.decay_bound
+        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, (int, float)) or not -math.inf < bound < 0):
+            raise ValueError(f"decay_bound: expected None or a finite number < 0 (the bounded decay's least log-decay), got {bound!r}")
+        if (self.full_rank or bound is not None) and self.kind != "kda":
+            raise ValueError(f"{'full_rank' if self.full_rank else 'decay_bound'}: a variant of Kimi Delta Attention, needs kind 'kda', got {self.kind!r}")
         if self.kind == "kda" and self.n_k_heads != self.n_v_heads:
             raise ValueError(f"n_v_heads: Kimi Delta Attention has as many key as value heads, got {self.n_k_heads} and {self.n_v_heads}")
         if self.kind == "short_conv" and (self.n_k_heads, self.k_head_dim) != (self.n_v_heads, self.v_head_dim):
@@ -1834,16 +1847,16 @@ LINEAR_KINDS = ("gated_deltanet", "kda", "short_conv")
 def linear_attention_shapes(H: int, cfg: LinearAttentionConfig) -> dict[str, tuple[int, ...]]:
     """Gated DeltaNet's parameters, name -> shape (linear_attention's params); Kimi Delta
     Attention's (kind "kda") have the decay's and the gate's low-rank pairs wf_a [H, Dk],
-    wf_b [Dk, N Dk] and wz_a [H, Dv], wz_b [Dv, N Dv] instead of wa and wz, and dt_bias [N Dk].
-    A short convolution's (kind "short_conv"): wb, wc, wv [H, C], conv_v [K, C], wo [C, H]."""
+    wf_b [Dk, N Dk] and wz_a [H, Dv], wz_b [Dv, N Dv] instead of wa and wz, and dt_bias [N Dk];
+    with full_rank, wf [H, N Dk] and wz [H, N Dv] instead of the pairs. A short convolution's (kind "short_conv"): wb, wc, wv [H, C], conv_v [K, C], wo [C, H]."""
     Ck, Cv, Nv, K = cfg.k_channels, cfg.v_channels, cfg.n_v_heads, cfg.conv
     if cfg.kind == "short_conv":
         return dict(wb=(H, Cv), wc=(H, Cv), wv=(H, Cv), conv_v=(K, Cv), wo=(Cv, H))
     convs = dict(conv_q=(K, Ck), conv_k=(K, Ck), conv_v=(K, Cv))
     if cfg.kind == "kda":
         Dk, Dv = cfg.k_head_dim, cfg.v_head_dim
-        return dict(wq=(H, Ck), wk=(H, Ck), wv=(H, Cv), wz_a=(H, Dv), wz_b=(Dv, Cv), wb=(H, Nv), wf_a=(H, Dk), wf_b=(Dk, Ck), **convs,
-                    A_log=(Nv,), dt_bias=(Ck,), out_norm=(Dv,), wo=(Cv, H))
+        gates = dict(wz=(H, Cv), wb=(H, Nv), wf=(H, Ck)) if cfg.full_rank else dict(wz_a=(H, Dv), wz_b=(Dv, Cv), wb=(H, Nv), wf_a=(H, Dk), wf_b=(Dk, Ck))
+        return dict(wq=(H, Ck), wk=(H, Ck), wv=(H, Cv), **gates, **convs, A_log=(Nv,), dt_bias=(Ck,), out_norm=(Dv,), wo=(Cv, H))
     return dict(wq=(H, Ck), wk=(H, Ck), wv=(H, Cv), wz=(H, Cv), wb=(H, Nv), wa=(H, Nv), **convs,
                 A_log=(Nv,), dt_bias=(Nv,), out_norm=(cfg.v_head_dim,), wo=(Cv, H))
 
@@ -1949,6 +1962,10 @@ def linear_attention(x: torch.Tensor, params, cfg: LinearAttentionConfig, ctx: "
         g = -exp(A_log) softplus(x wf_a wf_b + dt_bias)     [T, N, Dk]: A_log per head
         y = (rmsnorm(o) out_norm * sigmoid(x wz_a wz_b)) wo
 
+    and Ling's variant (cfg.full_rank, cfg.decay_bound b) in its projections and decay:
+
+        g = b sigmoid(exp(A_log) (x wf + dt_bias)),  y = (rmsnorm(o) out_norm * sigmoid(x wz)) wo
+
     LFM2's gated short convolution (cfg.kind "short_conv") has no rule, only the convolution
     (without silu, conv_v's taps) between two gates:
 
@@ -2013,8 +2030,9 @@ def linear_attention(x: torch.Tensor, params, cfg: LinearAttentionConfig, ctx: "
     v = qkv[2].reshape(B, T // B, Nv, Dv)
     beta = torch.sigmoid(mm(x, params["wb"])).reshape(B, T // B, Nv)
     if cfg.kind == "kda":  # a decay per key channel (key and value heads alike)
-        f = mm(mm(x, params["wf_a"]), params["wf_b"]).float() + params["dt_bias"].float()
-        g = (-params["A_log"].float().exp().repeat_interleave(Dk) * F.softplus(f)).reshape(B, T // B, Nv, Dk)
+        f = (mm(x, params["wf"]) if cfg.full_rank else mm(mm(x, params["wf_a"]), params["wf_b"])).float() + params["dt_bias"].float()
+        rate = params["A_log"].float().exp().repeat_interleave(Dk)
+        g = (-rate * F.softplus(f) if cfg.decay_bound is None else cfg.decay_bound * torch.sigmoid(rate * f)).reshape(B, T // B, Nv, Dk)
     else:
         g = (-params["A_log"].float().exp() * F.softplus(mm(x, params["wa"]).float() + params["dt_bias"].float())).reshape(B, T // B, Nv)
     if split is not None:
@@ -2026,7 +2044,8 @@ def linear_attention(x: torch.Tensor, params, cfg: LinearAttentionConfig, ctx: "
                                            impl=cfg.impl)
     o_TNV = o.reshape(T, Nv, Dv)
     if cfg.kind == "kda":
-        gate = torch.sigmoid(mm(mm(x, params["wz_a"]), params["wz_b"]).reshape(T, Nv, Dv).float())
+        z = mm(x, params["wz"]) if cfg.full_rank else mm(mm(x, params["wz_a"]), params["wz_b"])
+        gate = torch.sigmoid(z.reshape(T, Nv, Dv).float())
     else:
         gate = F.silu(mm(x, params["wz"]).reshape(T, Nv, Dv).float())
     gated = (_rms_norm(o_TNV, params["out_norm"], cfg.norm_eps).float() * gate).to(x.dtype)

@@ -382,7 +382,9 @@ class TransformerConfig:
     fmoe.layers.linear_attention) with linear_k_heads query/key heads of linear_k_dim,
     linear_v_heads value heads of linear_v_dim and a causal convolution of linear_conv taps;
     linear_kind "kda": Kimi Delta Attention instead (Kimi Linear: a decay per key channel, a
-    low-rank output gate; as many key as value heads); linear_kind "short_conv": LFM2's gated
+    low-rank output gate; as many key as value heads; linear_full_rank: its decay's and gate's
+    projections whole, linear_decay_bound b < 0: the bounded decay b sigmoid(...), Ling's
+    hybrid models': fmoe.layers.LinearAttentionConfig's full_rank, decay_bound); linear_kind "short_conv": LFM2's gated
     short convolution of linear_conv taps over linear_v_heads x linear_v_dim channels (the
     key fields the same; LFM2's: hidden heads of one channel); the attention knobs (window, chunk,
     NoPE, q/k norms, gate) are the other blocks'. The MTP blocks always attend. mtp_depth MTP modules; mtp_norm: each with its own output
@@ -512,6 +514,8 @@ class TransformerConfig:
     linear_v_dim: int = 32
     linear_conv: int = 4
     linear_kind: str = "gated_deltanet"
+    linear_full_rank: bool = False
+    linear_decay_bound: Optional[float] = None
     mtp_depth: int = 0
     mtp_norm: bool = False
     norm_eps: float = 1e-6
@@ -635,6 +639,9 @@ class TransformerConfig:
             raise ValueError("index_loss_coeff: the weight of DeepSeek sparse attention's indexer loss, needs index_topk")
         if self.index_shared_layers is not None and self.index_topk is None:
             raise ValueError("index_shared_layers: blocks reusing an earlier block's choice of keys (DeepSeek sparse attention), needs index_topk")
+        for name, unset in (("linear_full_rank", False), ("linear_decay_bound", None)):
+            if getattr(self, name) is not unset and (self.linear_layers is None or self.linear_kind != "kda"):
+                raise ValueError(f"{name}: a knob of Kimi Delta Attention's blocks, needs linear_layers and linear_kind='kda'")
         if self.linear_layers is not None:
             for name in ("window_layers", "chunk_layers", "nope_layers", "sink_layers"):
                 both = sorted(set(self.linear_layers) & set(getattr(self, name) or ()))
@@ -769,6 +776,7 @@ class TransformerConfig:
         return LinearAttentionConfig(n_k_heads=self.linear_k_heads, n_v_heads=self.linear_v_heads, k_head_dim=self.linear_k_dim,
                                      v_head_dim=self.linear_v_dim, conv=self.linear_conv, norm_eps=self.norm_eps,
                                      impl="auto" if self.impl == "flex" else self.impl, kind=self.linear_kind,
+                                     full_rank=self.linear_full_rank, decay_bound=self.linear_decay_bound,
                                      fp8=self.fp8 if fp8 is None else fp8)
 
     def attention_config(self, *, local: bool = False, rope: bool = True, fp8: Optional[bool] = None, index_shared: bool = False) -> AttentionConfig:
@@ -967,7 +975,7 @@ class LinearAttention(nn.Module):
     the convolution's taps conv_q, conv_k [K, Nk Dk], conv_v [K, Nv Dv], A_log, dt_bias
     [Nv], the gated output norm out_norm [Dv] and wo [Nv Dv, H] (linear_attention_shapes;
     Kimi Delta Attention's, linear_kind "kda": wf_a, wf_b, wz_a, wz_b, dt_bias [N Dk] instead
-    of wa, wz and dt_bias [Nv]; LFM2's short convolution's, "short_conv": wb, wc, wv [H, C],
+    of wa, wz and dt_bias [Nv] (linear_full_rank: wf, wz [H, N D]); LFM2's short convolution's, "short_conv": wb, wc, wv [H, C],
     conv_v [K, C], wo [C, H])."""
 
     def __init__(self, cfg: TransformerConfig, *, fp8: Optional[bool] = None):

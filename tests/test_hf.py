@@ -130,6 +130,14 @@ FAMILIES = {
         vocab_size=V, hidden_size=32, num_layers=2, num_attention_heads=4, max_position_embeddings=128, ffn_hidden_size=40, q_lora_rank=12,
         kv_lora_rank=8, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5, head_dim=4, moe_topk=3, n_routed_experts=4, zero_expert_num=2,
         expert_ffn_hidden_size=16, routed_scaling_factor=6.0, bos_token_id=None, eos_token_id=None),
+    # Ling's hybrid (bailing_hybrid): Kimi Delta Attention blocks 0 and 1 with the whole decay and gate projections and
+    # the bounded decay, gated multi-latent attention (a sigmoid per head) with interleaved RoPE in block 2; block 0
+    # dense, then 2 groups of 4 experts on sigmoids with the correction bias, renormalised x 2.5, a shared expert
+    "bailing_hybrid": lambda: transformers.BailingHybridConfig(
+        vocab_size=V, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, intermediate_size=40,
+        moe_intermediate_size=16, num_experts=8, num_experts_per_tok=3, n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1,
+        kv_lora_rank=8, q_lora_rank=None, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5, head_dim=8, layer_group_size=3,
+        num_mtp_layers=0, routed_scaling_factor=2.5, bos_token_id=None, eos_token_id=None, pad_token_id=None),
     # multi-latent attention (low-rank q and kv, interleaved rotary key shared by the heads,
     # v_head_dim != q/k dim), YaRN with mscale != mscale_all_dim, 4 groups of 2 experts scored
     # by their best 2 (Megatron's k // topk_groups would score by 1), renormalised x 2.5
@@ -1571,6 +1579,8 @@ BAD_CONFIGS = [
      r"config.json: first_k_dense_replace = 1 is not supported \(every Solar Open block is MoE\)"),
     ("solar_open", lambda c: c.update(use_qk_norm=True), r"config.json: use_qk_norm = True is not supported"),
     ("deepseek_v3", lambda c: c["rope_parameters"].pop("factor"), r"config.json: rope_parameters of rope type 'yarn' lack factor"),
+    ("bailing_hybrid", lambda c: c.update(layer_types=["linear_attention", "sliding_attention", "full_attention"]),
+     r"config.json: layer_types = .* is not supported \(full_attention or linear_attention for each of the 3 layers\)"),
     ("longcat_flash", lambda c: c.update(qk_head_dim=11), r"config.json: qk_head_dim = 11 is not supported \(qk_nope_head_dim \+ qk_rope_head_dim = 10\)"),
     ("longcat_flash", lambda c: c.update(q_lora_rank=None), r"config.json: q_lora_rank = None is not supported \(a q latent"),
     ("longcat_flash", lambda c: c.update(zero_expert_type="constant"), r"config.json: zero_expert_type = 'constant' is not supported \(identity"),
@@ -2500,3 +2510,31 @@ def test_longcat_flash_reads_its_pairs_its_released_layout_and_routes_through_id
         assert torch.equal(again.logits(ids, cu), want)
     with pytest.raises(ValueError, match="model: this family's layers are shortcut pairs of blocks"):
         hf.key_map(hf.FAMILIES["longcat_flash"], dataclasses.replace(cfg, shortcut_moe=False))
+
+
+def test_bailing_hybrid_reads_the_unbounded_decay_and_leaves_its_mtp_layers_unread(folders, tmp_path):
+    """Ling's hybrid: kda_safe_gate false is Kimi's softplus decay (linear_decay_bound None), read
+    as transformers reads it; the MTP layers stored after the trunk's are not read; the linear
+    blocks by layer_group_size where layer_types is left out."""
+    from safetensors.torch import load_file, save_file
+
+    path, _ = folders["bailing_hybrid"]
+    _, cfg = hf.read_config(path)
+    assert (cfg.linear_layers, cfg.linear_kind, cfg.linear_full_rank, cfg.linear_decay_bound) == ((0, 1), "kda", True, -5.0)
+    assert cfg.attn_gate and cfg.attn_gate_per_head and cfg.rope_interleaved and cfg.n_dense == 1
+    unbounded = _edit(path, tmp_path / "unbounded", lambda c: c.update(kda_safe_gate=False))
+    model, cfg = hf.from_pretrained(unbounded, impl="torch")
+    assert cfg.linear_decay_bound is None
+    ref = transformers.AutoModelForCausalLM.from_pretrained(unbounded, dtype=torch.float32).eval()
+    docs, ids, cu = _packed()
+    with torch.no_grad():
+        theirs = torch.cat([ref(d[None]).logits[0] for d in docs])
+        want = model.logits(ids, cu)
+        assert _rel(want, theirs) < 1e-5
+    weights = load_file(unbounded / "model.safetensors")
+    weights["model.layers.3.attention.dense.weight"] = torch.zeros(32, 20)  # an MTP layer's
+    save_file(weights, unbounded / "model.safetensors", metadata={"format": "pt"})
+    with torch.no_grad():
+        assert torch.equal(hf.from_pretrained(unbounded, impl="torch")[0].logits(ids, cu), want)
+    grouped = _edit(path, tmp_path / "grouped", lambda c: c.pop("layer_types"))
+    assert hf.read_config(grouped)[1].linear_layers == (0, 1)  # layer_group_size 3: the third layer attends

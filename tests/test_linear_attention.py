@@ -15,6 +15,8 @@ from fmoe.layers import (AttentionConfig, LinearAttentionConfig, LinearStates, a
 H = 24
 CFG = LinearAttentionConfig(n_k_heads=2, n_v_heads=4, k_head_dim=8, v_head_dim=6, conv=4, chunk_size=8)
 KDA = LinearAttentionConfig(n_k_heads=3, n_v_heads=3, k_head_dim=8, v_head_dim=6, conv=3, chunk_size=8, kind="kda")
+# Ling's Kimi Delta Attention (Bailing hybrid): the decay's and the gate's projections whole, the decay bounded in (-5, 0)
+LING = dataclasses.replace(KDA, full_rank=True, decay_bound=-5.0)
 # LFM2's gated short convolution over 16 channels (8 heads of 2), 3 taps
 SHORT = LinearAttentionConfig(n_k_heads=8, n_v_heads=8, k_head_dim=2, v_head_dim=2, conv=3, kind="short_conv")
 
@@ -67,7 +69,12 @@ def _loop(x, p, cfg, cu):
             v = conv["v"].view(Nv, Dv)
             beta = torch.sigmoid(x[t] @ p["wb"])
             if cfg.kind == "kda":  # a decay per key channel: rows of S
-                g = -p["A_log"].exp()[:, None] * F.softplus(x[t] @ p["wf_a"] @ p["wf_b"] + p["dt_bias"]).view(Nv, Dk)
+                f = (x[t] @ p["wf"] if cfg.full_rank else x[t] @ p["wf_a"] @ p["wf_b"]) + p["dt_bias"]
+                rate = p["A_log"].exp()[:, None]
+                if cfg.decay_bound is None:
+                    g = -rate * F.softplus(f).view(Nv, Dk)
+                else:
+                    g = cfg.decay_bound * torch.sigmoid(rate * f.view(Nv, Dk))
                 S = S * g.exp()[:, :, None]
             else:
                 g = -p["A_log"].exp() * F.softplus(x[t] @ p["wa"] + p["dt_bias"])
@@ -77,14 +84,14 @@ def _loop(x, p, cfg, cu):
             o = torch.einsum("nkv,nk->nv", S, q / Dk ** 0.5)
             o = o * torch.rsqrt(o.square().mean(-1, keepdim=True) + cfg.norm_eps) * p["out_norm"]
             if cfg.kind == "kda":
-                gate = torch.sigmoid((x[t] @ p["wz_a"] @ p["wz_b"]).view(Nv, Dv))
+                gate = torch.sigmoid((x[t] @ p["wz"] if cfg.full_rank else x[t] @ p["wz_a"] @ p["wz_b"]).view(Nv, Dv))
             else:
                 gate = F.silu((x[t] @ p["wz"]).view(Nv, Dv))
             out.append((o * gate).reshape(-1) @ p["wo"])
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("cfg", [CFG, KDA, SHORT], ids=["gated-deltanet", "kda", "short-conv"])
+@pytest.mark.parametrize("cfg", [CFG, KDA, LING, SHORT], ids=["gated-deltanet", "kda", "kda-ling", "short-conv"])
 def test_matches_the_token_loop_over_packed_documents(cfg):
     cu = torch.tensor([0, 5, 5, 19, 20, 31], dtype=torch.int32)
     x = torch.randn(31, H)
@@ -187,7 +194,7 @@ def test_matches_transformers_lfm2_short_conv():
     _matches_module(ref, p, LinearAttentionConfig(n_k_heads=H, n_v_heads=H, k_head_dim=1, v_head_dim=1, conv=3, kind="short_conv"))
 
 
-@pytest.mark.parametrize("cfg", [CFG, KDA, SHORT], ids=["gated-deltanet", "kda", "short-conv"])
+@pytest.mark.parametrize("cfg", [CFG, KDA, LING, SHORT], ids=["gated-deltanet", "kda", "kda-ling", "short-conv"])
 def test_decoding_continues_the_states(cfg):
     """A prompt, then steps of one token, of two sequences at once through LinearStates,
     equal each whole sequence's outputs; the conv state holds the last K - 1 projections."""
@@ -234,6 +241,11 @@ def test_bf16():
     (dict(kind="mamba"), r"kind: expected one of \('gated_deltanet', 'kda', 'short_conv'\), got 'mamba'"),
     (dict(kind="short_conv"), r"n_k_heads / k_head_dim: a short convolution's channels are n_v_heads x v_head_dim, the key fields the same, got 2 x 8"),
     (dict(kind="kda"), r"n_v_heads: Kimi Delta Attention has as many key as value heads, got 2 and 4"),
+    (dict(full_rank=True), r"full_rank: a variant of Kimi Delta Attention, needs kind 'kda', got 'gated_deltanet'"),
+    (dict(decay_bound=-5.0), r"decay_bound: a variant of Kimi Delta Attention, needs kind 'kda', got 'gated_deltanet'"),
+    (dict(full_rank=1), r"full_rank: expected a bool, got 1"),
+    (dict(decay_bound=0.0), r"decay_bound: expected None or a finite number < 0 \(the bounded decay's least log-decay\), got 0.0"),
+    (dict(decay_bound=float("-inf")), r"decay_bound: expected None or a finite number < 0"),
 ])
 def test_config_checks(change, match):
     with pytest.raises(ValueError, match=match):

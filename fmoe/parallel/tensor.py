@@ -25,7 +25,7 @@ heads (attention) or of the FFN columns (SwiGLU) and the output is a sum over ra
                 wo [Nv*Dv, H]            Shard(0)
                 out_norm [Dv]            replicated (the gated output norm, per head)
                 (kind "kda": wz_b, wf_b  Shard(1), dt_bias [N*Dk] Shard(0); wz_a, wf_a
-                replicated, their gradients summed over tp)
+                replicated, their gradients summed over tp; with full_rank wz, wf Shard(1))
 
 The parameters become DTensors over the tp mesh (so FSDP2 composes with them and DCP can
 reshard them); the module computes on their local shards.
@@ -342,6 +342,8 @@ class LinearAttentionParallel(_HeadsRegion):
     def _shard_dims(self, module):
         if module.cfg.kind == "short_conv":  # LFM2's: the channels (its heads) of the gates, the input and the taps, wo by its rows
             return dict(wb=1, wc=1, wv=1, conv_v=1, wo=0)
+        if module.cfg.kind == "kda" and module.cfg.full_rank:  # Ling's: the decay's and the gate's projections by their heads
+            return dict(wq=1, wk=1, wv=1, wz=1, wb=1, wf=1, conv_q=1, conv_k=1, conv_v=1, A_log=0, dt_bias=0, wo=0)
         if module.cfg.kind == "kda":  # the low-rank pairs' second halves by their heads; wf_a, wz_a replicated
             return dict(wq=1, wk=1, wv=1, wz_b=1, wb=1, wf_b=1, conv_q=1, conv_k=1, conv_v=1, A_log=0, dt_bias=0, wo=0)
         return dict(wq=1, wk=1, wv=1, wz=1, wb=1, wa=1, conv_q=1, conv_k=1, conv_v=1, A_log=0, dt_bias=0, wo=0)

@@ -37,6 +37,10 @@ QWEN3_NEXT = dict(linear_layers=(0,), linear_k_heads=2, linear_v_heads=4, linear
 # and gate: their down projections on every tp rank), block 1 multi-latent attention without RoPE
 KIMI_LINEAR = dict(linear_layers=(0,), linear_kind="kda", linear_k_heads=2, linear_v_heads=2, linear_k_dim=8, linear_v_dim=6, **MLA,
                    nope_layers=(1,))
+# Ling's hybrid's: Kimi Delta Attention with the whole decay and gate projections (split with their heads) and the
+# bounded decay in block 0, multi-latent attention with interleaved RoPE and a sigmoid gate per head in block 1
+LING = dict(linear_layers=(0,), linear_kind="kda", linear_k_heads=2, linear_v_heads=2, linear_k_dim=8, linear_v_dim=6, **MLA,
+            rope_interleaved=True, linear_full_rank=True, linear_decay_bound=-5.0, attn_gate=True, attn_gate_per_head=True)
 # DeepSeek-V3.2's sparse attention: multi-latent attention with a query latent, each query attending to the 3 keys
 # its indexer scores highest, the indexer trained by its own loss (its gradient added in the backward); block 1
 # without an indexer, attending to block 0's choice (GLM-5's "shared" layers)
@@ -356,6 +360,7 @@ CASES = {
     # Kimi Delta Attention's heads over tp and its rule across a cp split
     "tp2-kimi-linear": (2, dict(tp=2), KIMI_LINEAR),
     "cp2xtp2-kimi-linear": (4, dict(cp=2, tp=2), KIMI_LINEAR),
+    "cp2xtp2-ling": (4, dict(cp=2, tp=2), LING),
     # fp8 GEMMs (row-wise power-of-two scales): each token's scale is its own row's, so
     # splitting the tokens over data, context and expert ranks quantizes as one process
     # does; a power-of-two scale changes no quantized value above e4m3's subnormals, so the
@@ -401,6 +406,7 @@ DECODE_CASES = {
     # the linear-attention block's states per sequence, its heads split; odd calls padded for tp
     "tp2-gated-deltanet": (2, dict(tp=2), QWEN3_NEXT, None, 1e-5),
     "tp2-kimi-linear": (2, dict(tp=2), KIMI_LINEAR, None, 1e-5),
+    "tp2-ling": (2, dict(tp=2), LING, None, 1e-5),  # the whole decay and gate projections' heads split
 }
 
 
