@@ -645,14 +645,16 @@ def test_padding_trains_as_if_it_were_not_in_the_batch(name, ac):
 AC_CFG = dataclasses.replace(TINY, mtp_depth=1, impl="auto", n_groups=2, topk_groups=1, capacity_factor=1.25, post_norms=True)
 
 
-@pytest.mark.parametrize("blocks", ["sandwich", "parallel"])
+@pytest.mark.parametrize("blocks", ["sandwich", "parallel", "shortcut"])
 @pytest.mark.parametrize("ac", ["full", "attention", "experts"])
 def test_activation_checkpointing_gives_the_same_gradients_and_stats(ac, blocks):
     """Recomputing in the backward changes nothing: the gradients are bit-identical (the
     recomputation is deterministic on CPU), the losses and the MoE stats too, and the token
     counts are those of one forward (the recomputed forward counts nothing); in sandwich
-    blocks and in Cohere's parallel blocks (the attention recomputed from the one normed input)."""
-    cfg = AC_CFG if blocks == "sandwich" else dataclasses.replace(AC_CFG, post_norms=False, parallel_blocks=True, layer_norms=True)
+    blocks, in Cohere's parallel blocks (the attention recomputed from the one normed input)
+    and in LongCat-Flash's shortcut pairs (a pair's [T, 2H] stream recomputed block by block)."""
+    cfg = {"sandwich": AC_CFG, "parallel": dataclasses.replace(AC_CFG, post_norms=False, parallel_blocks=True, layer_norms=True),
+           "shortcut": dataclasses.replace(AC_CFG, post_norms=False, n_layers=4, n_dense=0, shortcut_moe=True, zero_experts=2)}[blocks]
     batch = _batch(cfg, T=48, cu=(0, 7, 30, 48))
     results = {}
     for mode in ("none", ac):
