@@ -1970,24 +1970,16 @@ def _linear_attention_keys(family: Family, cfg: TransformerConfig, p: str, q: st
         out[q + "attn.conv_v"] = Tensor((conv + "conv.weight",), transpose=True, unit=1)
         out[q + "attn.wo"] = Tensor((conv + "out_proj.weight",), transpose=True)
         return out
-    if family.linear == "ling":  # Ling's: under the attention module, a conv per q, k, v, the whole f_proj and g_proj, A_log [N]
+    if family.linear in ("kda", "ling"):  # under the attention module, a conv per q, k, v; Kimi Linear's A_log [1, 1, N, 1], Ling's [N]
         la = p + family.attention + "."
-        for ours, theirs in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wb", "b_proj"), ("wf", "f_proj"), ("wz", "g_proj"),
-                             ("wo", family.o_proj)):
+        gates = ((("wf", "f_proj"), ("wz", "g_proj")) if lin.full_rank  # Ling's whole decay and gate projections
+                 else (("wf_a", "f_a_proj"), ("wf_b", "f_b_proj"), ("wz_a", "g_a_proj"), ("wz_b", "g_b_proj")))
+        for ours, theirs in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wb", "b_proj"), *gates, ("wo", family.o_proj)):
             out[q + "attn." + ours] = Tensor((f"{la}{theirs}.weight",), transpose=True)
         for n in "qkv":
             out[q + f"attn.conv_{n}"] = Tensor((f"{la}{n}_conv1d.weight",), transpose=True, unit=1)
-        out[q + "attn.A_log"], out[q + "attn.dt_bias"] = Tensor((la + "A_log",)), Tensor((la + "dt_bias",))
-        out[q + "attn.out_norm"] = Tensor((la + "o_norm.weight",))
-        return out
-    if family.linear == "kda":  # Kimi Linear: under the attention module, a conv per q, k, v, A_log [1, 1, N, 1]
-        la = p + family.attention + "."
-        for ours, theirs in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wb", "b_proj"), ("wf_a", "f_a_proj"),
-                             ("wf_b", "f_b_proj"), ("wz_a", "g_a_proj"), ("wz_b", "g_b_proj"), ("wo", "o_proj")):
-            out[q + "attn." + ours] = Tensor((f"{la}{theirs}.weight",), transpose=True)
-        for n in "qkv":
-            out[q + f"attn.conv_{n}"] = Tensor((f"{la}{n}_conv1d.weight",), transpose=True, unit=1)
-        out[q + "attn.A_log"], out[q + "attn.dt_bias"] = Tensor((la + "A_log",), unit=(0, 1, 3)), Tensor((la + "dt_bias",))
+        out[q + "attn.A_log"] = Tensor((la + "A_log",), unit=(0, 1, 3) if family.linear == "kda" else None)
+        out[q + "attn.dt_bias"] = Tensor((la + "dt_bias",))
         out[q + "attn.out_norm"] = Tensor((la + "o_norm.weight",))
         return out
     if family.linear == "qkvz":

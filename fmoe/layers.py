@@ -1848,7 +1848,8 @@ def linear_attention_shapes(H: int, cfg: LinearAttentionConfig) -> dict[str, tup
     """Gated DeltaNet's parameters, name -> shape (linear_attention's params); Kimi Delta
     Attention's (kind "kda") have the decay's and the gate's low-rank pairs wf_a [H, Dk],
     wf_b [Dk, N Dk] and wz_a [H, Dv], wz_b [Dv, N Dv] instead of wa and wz, and dt_bias [N Dk];
-    with full_rank, wf [H, N Dk] and wz [H, N Dv] instead of the pairs. A short convolution's (kind "short_conv"): wb, wc, wv [H, C], conv_v [K, C], wo [C, H]."""
+    with full_rank, wf [H, N Dk] and wz [H, N Dv] instead of the pairs. A short convolution's
+    (kind "short_conv"): wb, wc, wv [H, C], conv_v [K, C], wo [C, H]."""
     Ck, Cv, Nv, K = cfg.k_channels, cfg.v_channels, cfg.n_v_heads, cfg.conv
     if cfg.kind == "short_conv":
         return dict(wb=(H, Cv), wc=(H, Cv), wv=(H, Cv), conv_v=(K, Cv), wo=(Cv, H))
