@@ -10,7 +10,9 @@ examples/generate.py loads them). The config:
   that folder's config.json (its model_type, token ids, RoPE fields, dtype, ...), the MTP
   depth set to the run's where the family stores MTP layers, and every other file of the
   folder but its weights (tokenizer, generation config, license, ...) is copied beside the
-  new weights. The folder's model must be the run's: a field in which they differ is an
+  new weights, laid out as the folder's (its experts as stacks or one module each, a released
+  LongCat-Flash folder without the zero experts' unused rows: fmoe.hf.keep_folder_layout).
+  The folder's model must be the run's: a field in which they differ is an
   error (fmoe.hf.config_mismatch), unless --model_type names another family, whose config
   is then built from the run's model, the folder's other files still copied (DeepSeek
   sparse attention added to a DeepSeek-V3 folder's model: --model_type=deepseek_v32);
@@ -157,6 +159,8 @@ def main(argv: list[str]) -> None:
     except ValueError as err:
         sys.exit(str(err))
     model.hf_config = hf
+    if source is not None and json.loads((source / "config.json").read_text()).get("model_type") == hf["model_type"]:
+        fmoe.hf.keep_folder_layout(model, source, hf["model_type"])  # the folder's experts' layout, written back
     fmoe.hf.save_pretrained(model, args.out, max_shard_bytes=int(args.max_shard_gb * 10**9))
     if rank == 0:
         copied = copy_folder_files(source, args.out) if source is not None else []

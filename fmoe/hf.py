@@ -84,7 +84,8 @@ post_attention_layernorm.{s}, mlps.{s}; the pair's MoE under mlp., its router as
 router.classifier), multi-latent attention with its q and kv latents scaled (mla_scales) and
 identity experts (zero_experts). transformers keeps a gate and up projection for each zero
 expert too, unused (Family.zero_expert_rows): they are not read, and are written as zeros
-(zero_expert_keys), which transformers needs to load the folder; the MTP layer under
+(zero_expert_keys), which transformers needs to load the folder, unless the model was read
+from a folder without them (a released one: keep_folder_layout); the MTP layer under
 model.mtp. is not read, as in transformers.
 DeepSeek-V3.2 (deepseek_v32) and GLM-5 (glm_moe_dsa): DeepSeek-V3's model with DeepSeek sparse
 attention in every block, its lightning indexer under self_attn.indexer (wq_b, wk, k_norm's
@@ -2210,7 +2211,8 @@ def _sublayer(family: Family, key: str, p: str, s: int) -> str:
 
 def zero_expert_keys(family: Family, cfg: TransformerConfig) -> dict[str, tuple[int, ...]]:
     """The keys (and their shapes) of the unused zero-expert gate and up projections that a
-    Family.zero_expert_rows family's folders hold: not read, written as zeros."""
+    Family.zero_expert_rows family's folders hold: not read, written as zeros (save_pretrained;
+    not where the folder the model came from had none)."""
     if not family.zero_expert_rows:
         return {}
     out = {}
@@ -2308,6 +2310,22 @@ def unread_keys(family: Family, cfg: TransformerConfig, path, stored) -> list[st
             and not key.startswith(family.not_read) and not any(re.search(pattern, key) for pattern in family.ignored)]
 
 
+def keep_folder_layout(model: Transformer, path, model_type: str) -> Family:
+    """The layout of the weights in the Hugging Face folder `path` (of family model_type), kept
+    on `model` for save_pretrained to write back with the folder's config: hf_stacks, the
+    experts as stacks (Family.stacks_too, stacks_by_shape); hf_dense, the dense MLP's name
+    (Family.dense_too); hf_zero_rows, whether it holds the zero experts' unused rows
+    (Family.zero_expert_rows: a released LongCat-Flash folder does not, transformers' does).
+    load_weights calls it; so does examples/export_hf.py for a run started from the folder.
+    Returns the family as the folder stores it."""
+    files = _weight_files(Path(path))
+    family = _stacks_by_shape(_stacked_experts(FAMILIES[model_type], files), model.cfg, files)
+    model.hf_stacks = family.fused is not None and not FAMILIES[model_type].fused
+    model.hf_dense = family.dense
+    model.hf_zero_rows = any(key in files for key in zero_expert_keys(family, model.cfg))
+    return family
+
+
 def load_weights(model: Transformer, path, *, model_type: str, strict: bool = True) -> int:
     """Read the checkpoint in `path` into model's parameters (see the module docstring): a
     whole model, one parallelized over ranks, or a pipeline chunk (its own parameters only).
@@ -2327,9 +2345,7 @@ def load_weights(model: Transformer, path, *, model_type: str, strict: bool = Tr
 
     path = Path(path)
     files = _weight_files(path)
-    family = _stacks_by_shape(_stacked_experts(FAMILIES[model_type], files), model.cfg, files)
-    model.hf_stacks = family.fused is not None and not FAMILIES[model_type].fused  # the layout save_pretrained writes back
-    model.hf_dense = family.dense  # the dense MLP's name the folder holds (Family.dense_too), written back
+    family = keep_folder_layout(model, path, model_type)
     params = _tensors(model)
     block, packed_int = _weight_quantization(path)
     from safetensors import safe_open
@@ -3149,12 +3165,13 @@ class _ShardWriter:
         self.files, self.shard = [], {}
 
 
-def _checkpoint_tensors(model: Transformer, family, params: dict, dtype: torch.dtype, keep: bool, failed: list):
+def _checkpoint_tensors(model: Transformer, family, params: dict, dtype: torch.dtype, keep: bool, failed: list, zero_rows: bool = True):
     """(HF key, complete CPU tensor) pairs of `model` in the checkpoint's layout and dtype,
-    one parameter at a time. A DTensor is gathered (full_tensor) whatever `keep` says: every
-    rank must walk this in step; a rank with keep=False yields nothing, and neither does one
-    once `failed` holds an error (a conversion that raises is appended to it: the walk goes
-    on, gathering, so that the other ranks are not left waiting in a collective)."""
+    one parameter at a time, then (zero_rows) the zero experts' unused rows as zeros. A
+    DTensor is gathered (full_tensor) whatever `keep` says: every rank must walk this in
+    step; a rank with keep=False yields nothing, and neither does one once `failed` holds an
+    error (a conversion that raises is appended to it: the walk goes on, gathering, so that
+    the other ranks are not left waiting in a collective)."""
     from torch.distributed.tensor import DTensor
 
     copies: dict[str, list[str]] = {}
@@ -3172,7 +3189,7 @@ def _checkpoint_tensors(model: Transformer, family, params: dict, dtype: torch.d
             failed.append(err)
             continue
         yield from stored
-    if keep and not failed:
+    if keep and not failed and zero_rows:
         for key, shape in zero_expert_keys(family, model.cfg).items():
             yield key, torch.zeros(shape, dtype=dtype)
 
@@ -3249,6 +3266,8 @@ def save_pretrained(model: Transformer, path, *, model_type: Optional[str] = Non
         family = _stacked_experts(family, (".experts.gate_up_proj",))
     if hf is getattr(model, "hf_config", None) and getattr(model, "hf_dense", None):  # the dense MLP's name as the folder had it
         family = dataclasses.replace(family, dense=model.hf_dense)
+    # the zero experts' unused rows (LongCat-Flash's): what transformers needs to load the folder, left out where the folder had none
+    zero_rows = hf is not getattr(model, "hf_config", None) or getattr(model, "hf_zero_rows", True)
     if _quantization(hf):  # written dequantised, in the checkpoint's dtype
         hf = {k: v for k, v in hf.items() if k != "quantization_config"}
         if isinstance(hf.get("text_config"), dict):
@@ -3265,7 +3284,7 @@ def save_pretrained(model: Transformer, path, *, model_type: Optional[str] = Non
         except Exception as err:
             failed.append(err)
     try:
-        for key, value in _checkpoint_tensors(model, family, params, dtype, keep=writes, failed=failed):
+        for key, value in _checkpoint_tensors(model, family, params, dtype, keep=writes, failed=failed, zero_rows=zero_rows):
             try:
                 writer.add(key, value)
             except Exception as err:

@@ -203,6 +203,37 @@ def test_a_released_llama4_folder_exports_its_text_model(tmp_path):
         assert _rel(_transformers_logits(tmp_path / "out", docs), model.logits(ids, cu)) < 1e-5
 
 
+def test_a_run_from_a_released_longcat_flash_folder_exports_its_layout(tmp_path):
+    """A run from a LongCat-Flash folder in the released layout (no rows for the zero experts,
+    which transformers' own model keeps unused) exports without them, every key the folder's;
+    from transformers' own folder (with them) the export keeps them, as zeros, and
+    transformers loads it with the run's logits."""
+    from safetensors.torch import load_file, save_file
+
+    config = transformers.LongcatFlashConfig(vocab_size=260, hidden_size=32, num_layers=1, num_attention_heads=4, ffn_hidden_size=40,
+                                             q_lora_rank=12, kv_lora_rank=8, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5, head_dim=4,
+                                             moe_topk=2, n_routed_experts=4, zero_expert_num=2, expert_ffn_hidden_size=16, bos_token_id=None,
+                                             eos_token_id=None)
+    torch.manual_seed(0)
+    transformers.LongcatFlashForCausalLM(config).save_pretrained(tmp_path / "own")
+    zero_rows = hf.zero_expert_keys(hf.FAMILIES["longcat_flash"], hf.read_config(tmp_path / "own")[1])
+    (tmp_path / "released").mkdir()
+    (tmp_path / "released" / "config.json").write_text((tmp_path / "own" / "config.json").read_text())
+    weights = {k: v for k, v in load_file(tmp_path / "own" / "model.safetensors").items() if k not in zero_rows}
+    save_file(weights, tmp_path / "released" / "model.safetensors", metadata={"format": "pt"})
+    for folder, rows in (("released", False), ("own", True)):
+        run = _train(tmp_path / f"run_{folder}", f"--init_from_hf={tmp_path / folder}", knobs=[*RUN, "--model.mtp_depth=0"])
+        cli = _export(run, tmp_path / f"out_{folder}")
+        assert cli.returncode == 0, cli.stderr[-3000:]
+        out = load_file(tmp_path / f"out_{folder}" / "model.safetensors")
+        assert sorted(out) == sorted([*weights, *zero_rows] if rows else weights), folder
+        assert all(not out[k].any() for k in zero_rows if rows)
+    model, _ = load_run(tmp_path / "run_own")
+    docs, ids, cu = _docs(260)
+    with torch.no_grad():
+        assert _rel(_transformers_logits(tmp_path / "out_own", docs), model.logits(ids, cu)) < 1e-5
+
+
 def test_config_mismatch_names_the_fields_that_change_the_model(hf_run):
     folder, _ = hf_run
     config, cfg = hf.read_config(folder)
