@@ -1156,16 +1156,16 @@ def _bailing_hybrid(hf: dict) -> dict:
     the dense and MoE blocks by mlp_layer_types (by default first_k_dense_replace dense
     blocks first). The MTP layers after the trunk's are not read, as in transformers."""
     n = hf["num_hidden_layers"]
-    kinds = hf.get("layer_types") or ["full_attention" if (i + 1) % hf.get("layer_group_size", 6) == 0 else "linear_attention" for i in range(n)]
+    kinds = hf.get("layer_types") or ["full_attention" if (i + 1) % hf["layer_group_size"] == 0 else "linear_attention" for i in range(n)]
     if len(kinds) != n or set(kinds) - {"full_attention", "linear_attention"}:
         raise ValueError(f"config.json: layer_types = {kinds!r} is not supported (full_attention or linear_attention for each of the {n} layers)")
     linear = tuple(i for i, kind in enumerate(kinds) if kind == "linear_attention")
     heads, dim = hf.get("linear_num_heads", hf["num_attention_heads"]), hf.get("linear_head_dim", hf["head_dim"])
     mla = _mla(dict(hf, n_routed_experts=hf["num_experts"]), interleaved=True)
-    return dict(mla, **_mlp_layer_types(hf, hf.get("first_k_dense_replace", 2)), **_sigmoid_routing(hf), linear_layers=linear or None,
+    return dict(mla, **_mlp_layer_types(hf, hf["first_k_dense_replace"]), **_sigmoid_routing(hf), linear_layers=linear or None,
                 linear_kind="kda", linear_k_heads=heads, linear_v_heads=heads, linear_k_dim=dim, linear_v_dim=dim,
-                linear_conv=hf.get("linear_conv_kernel_dim", hf.get("short_conv_kernel_size", 4)), linear_full_rank=True,
-                linear_decay_bound=float(hf.get("kda_lower_bound", -5.0)) if hf.get("kda_safe_gate", True) else None,
+                linear_conv=hf.get("linear_conv_kernel_dim", hf["short_conv_kernel_size"]), linear_full_rank=True,
+                linear_decay_bound=float(hf["kda_lower_bound"]) if hf["kda_safe_gate"] else None,
                 attn_gate=True, attn_gate_per_head=True)
 
 
@@ -1890,7 +1890,8 @@ FAMILIES = {
                                            num_hidden_layers=42, num_attention_heads=32, num_experts=512, num_experts_per_tok=8,
                                            n_shared_experts=1, n_group=8, topk_group=4, routed_scaling_factor=2.5, first_k_dense_replace=2,
                                            rms_norm_eps=1e-6, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64,
-                                           v_head_dim=128, head_dim=128, rope_parameters=dict(rope_type="default", rope_theta=6e6))),
+                                           v_head_dim=128, head_dim=128, rope_parameters=dict(rope_type="default", rope_theta=6e6),
+                                           layer_group_size=6, short_conv_kernel_size=4, kda_safe_gate=True, kda_lower_bound=-5.0)),
     # ERNIE 4.5 (21B-A3B, 300B-A47B): its MTP layers (model.mtp_*) are not read, as in transformers
     # ERNIE-4.5-VL: ERNIE 4.5 MoE's text model, its router stored [H, E], its correction bias a row of [2, E], its text experts
     # those of the first half of the indices (the vision ones, their router weight_1 and the vision model left unread)
@@ -2316,9 +2317,14 @@ def keep_folder_layout(model: Transformer, path, model_type: str) -> Family:
     experts as stacks (Family.stacks_too, stacks_by_shape); hf_dense, the dense MLP's name
     (Family.dense_too); hf_zero_rows, whether it holds the zero experts' unused rows
     (Family.zero_expert_rows: a released LongCat-Flash folder does not, transformers' does).
-    load_weights calls it; so does examples/export_hf.py for a run started from the folder.
+    load_weights records it (from the file list it reads anyway); examples/export_hf.py calls
+    it for a run started from the folder.
     Returns the family as the folder stores it."""
-    files = _weight_files(Path(path))
+    return _folder_layout(model, _weight_files(Path(path)), model_type)
+
+
+def _folder_layout(model: Transformer, files: dict[str, Path], model_type: str) -> Family:
+    """keep_folder_layout of a folder whose weight files (_weight_files) are already listed."""
     family = _stacks_by_shape(_stacked_experts(FAMILIES[model_type], files), model.cfg, files)
     model.hf_stacks = family.fused is not None and not FAMILIES[model_type].fused
     model.hf_dense = family.dense
@@ -2345,7 +2351,7 @@ def load_weights(model: Transformer, path, *, model_type: str, strict: bool = Tr
 
     path = Path(path)
     files = _weight_files(path)
-    family = keep_folder_layout(model, path, model_type)
+    family = _folder_layout(model, files, model_type)
     params = _tensors(model)
     block, packed_int = _weight_quantization(path)
     from safetensors import safe_open
@@ -3165,9 +3171,9 @@ class _ShardWriter:
         self.files, self.shard = [], {}
 
 
-def _checkpoint_tensors(model: Transformer, family, params: dict, dtype: torch.dtype, keep: bool, failed: list, zero_rows: bool = True):
+def _checkpoint_tensors(model: Transformer, family, params: dict, dtype: torch.dtype, keep: bool, failed: list):
     """(HF key, complete CPU tensor) pairs of `model` in the checkpoint's layout and dtype,
-    one parameter at a time, then (zero_rows) the zero experts' unused rows as zeros. A
+    one parameter at a time, then the zero experts' unused rows as zeros (zero_expert_keys). A
     DTensor is gathered (full_tensor) whatever `keep` says: every rank must walk this in
     step; a rank with keep=False yields nothing, and neither does one once `failed` holds an
     error (a conversion that raises is appended to it: the walk goes on, gathering, so that
@@ -3189,7 +3195,7 @@ def _checkpoint_tensors(model: Transformer, family, params: dict, dtype: torch.d
             failed.append(err)
             continue
         yield from stored
-    if keep and not failed and zero_rows:
+    if keep and not failed:
         for key, shape in zero_expert_keys(family, model.cfg).items():
             yield key, torch.zeros(shape, dtype=dtype)
 
@@ -3262,12 +3268,13 @@ def save_pretrained(model: Transformer, path, *, model_type: Optional[str] = Non
                              "its own (e.g. deepseek_v32 for DeepSeek sparse attention added to a DeepSeek-V3 model)")
     _check_writable(hf["model_type"])
     family = FAMILIES[hf["model_type"]]
-    if hf is getattr(model, "hf_config", None) and getattr(model, "hf_stacks", False):  # the experts as the folder stored them
-        family = _stacked_experts(family, (".experts.gate_up_proj",))
-    if hf is getattr(model, "hf_config", None) and getattr(model, "hf_dense", None):  # the dense MLP's name as the folder had it
-        family = dataclasses.replace(family, dense=model.hf_dense)
-    # the zero experts' unused rows (LongCat-Flash's): what transformers needs to load the folder, left out where the folder had none
-    zero_rows = hf is not getattr(model, "hf_config", None) or getattr(model, "hf_zero_rows", True)
+    if hf is getattr(model, "hf_config", None):  # written back as the folder stored it (keep_folder_layout)
+        if getattr(model, "hf_stacks", False):  # the experts as stacks
+            family = _stacked_experts(family, (".experts.gate_up_proj",))
+        if getattr(model, "hf_dense", None):  # the dense MLP's name
+            family = dataclasses.replace(family, dense=model.hf_dense)
+        if not getattr(model, "hf_zero_rows", True):  # no zero-expert rows (transformers needs them: written where the folder had them)
+            family = dataclasses.replace(family, zero_expert_rows=False)
     if _quantization(hf):  # written dequantised, in the checkpoint's dtype
         hf = {k: v for k, v in hf.items() if k != "quantization_config"}
         if isinstance(hf.get("text_config"), dict):
@@ -3284,7 +3291,7 @@ def save_pretrained(model: Transformer, path, *, model_type: Optional[str] = Non
         except Exception as err:
             failed.append(err)
     try:
-        for key, value in _checkpoint_tensors(model, family, params, dtype, keep=writes, failed=failed, zero_rows=zero_rows):
+        for key, value in _checkpoint_tensors(model, family, params, dtype, keep=writes, failed=failed):
             try:
                 writer.add(key, value)
             except Exception as err:
