@@ -58,6 +58,7 @@ from fmoe.ops.backend import local_tensor as _local
 # keeping. none; full: each block; attention: each block's norm + attention; experts: each
 # MoE layer's routed experts (dispatch, grouped SwiGLU MLP, combine: the [T k, F] tensors)
 AC_MODES = ("none", "full", "attention", "experts")
+HC_KINDS = ("manifold", "independent")
 
 
 def recompute(fn, *args):
@@ -157,7 +158,24 @@ class GroupedExperts(nn.Module):
         return (self.dispatcher or local_experts)(x_TH, routes, params, self.cfg)
 
 
-class MoE(nn.Module):
+class KeepsFloat32(nn.Module):
+    """A module whose tensors named in _FLOAT32 stay float32 when it is cast (`.to(torch.
+    bfloat16)`, `.half()`): they are restored from their float32 values (on the new device),
+    not from a rounded copy."""
+
+    _FLOAT32: tuple[str, ...] = ()
+
+    def _apply(self, fn, recurse=True):
+        kept = {n: getattr(self, n).data for n in self._FLOAT32 if getattr(self, n, None) is not None}
+        super()._apply(fn, recurse)
+        for name, data in kept.items():
+            t = getattr(self, name)
+            if t.dtype != torch.float32:
+                t.data = data.to(device=t.device)
+        return self
+
+
+class MoE(KeepsFloat32):
     """Parameters of a mixture-of-experts block; forward calls fmoe.layers.moe.
 
     Owns: router [E, H] (float32) with an optional router_bias [E] (float32; router_bias=True),
@@ -224,17 +242,6 @@ class MoE(nn.Module):
                 nn.init.normal_(p, std=std)
         if "expert_bias" in self._buffers:
             self.expert_bias.zero_()
-
-    def _apply(self, fn, recurse=True):
-        # nn.Module casts every floating tensor; keep the float32 ones float32 (on the new
-        # device), restoring them from their float32 values, not from a rounded copy
-        kept = {n: getattr(self, n).data for n in self._FLOAT32 if getattr(self, n, None) is not None}
-        super()._apply(fn, recurse)
-        for name, data in kept.items():
-            t = getattr(self, name)
-            if t.dtype != torch.float32:
-                t.data = data.to(device=t.device)
-        return self
 
     def forward(self, x: torch.Tensor, token_mask: Optional[torch.Tensor] = None):
         """x [..., H] -> (y [..., H], stats TensorDict of fmoe.layers.moe). token_mask: None,
@@ -402,6 +409,18 @@ class TransformerConfig:
     Megatron's first and last layers in bf16). fp8_fast_accum: the routed experts' fp8
     grouped GEMMs with the tensor cores' own accumulator on CUDA (torch._scaled_grouped_mm's
     use_fast_accum: 3.3x faster on an H100, less exact; fmoe.ops.grouped_mlp); needs fp8.
+    hyper_connections: n >= 2 residual streams instead of one (hyper-connections; the stream
+    between blocks is [T, n H], stream s its columns s H .. (s + 1) H): the embedding is
+    copied into every stream; each attention and MLP reads a weighted sum of the streams
+    (the "pre" weights) and its output is added into each stream times that stream's "post"
+    weight, both per token from the streams themselves (HyperConnection); before the final
+    norm a last weighted sum collapses them (Transformer.hc_head). hc_kind "manifold":
+    DeepSeek-V4's mHC, the streams also mixed before the add by a per-token doubly
+    stochastic n x n matrix (hc_sinkhorn_iters Sinkhorn-Knopp steps); "independent": HY-V4's,
+    no mixing, hc_eps added to the post weights too. hc_magnitude: the post weights' bound
+    (hc_magnitude sigmoid(...)); hc_eps: added to the pre weights. At initialisation the
+    model equals the one-stream model. Not with shortcut_moe, parallel_blocks,
+    residual_scale or MTP modules.
     """
 
     vocab_size: int = 258
@@ -525,6 +544,11 @@ class TransformerConfig:
     fp8: bool = False
     fp8_layers: Optional[tuple[int, ...]] = None
     fp8_fast_accum: bool = False
+    hyper_connections: int = 0
+    hc_kind: str = "manifold"
+    hc_magnitude: float = 2.0
+    hc_eps: float = 1e-6
+    hc_sinkhorn_iters: int = 20
 
     def __post_init__(self):
         if self.ac not in AC_MODES:
@@ -620,6 +644,7 @@ class TransformerConfig:
                 raise ValueError(f"moe_layers: with shortcut_moe the MoE is the first block's of a pair (an even index), got blocks {odd}")
             if self.parallel_blocks or self.post_norms or self.moe_out_norm or self.residual_scale != 1.0:
                 raise ValueError("shortcut_moe: a pair of pre-norm blocks, not with parallel_blocks, post_norms, moe_out_norm or residual_scale")
+        self._check_hyper_connections()
         if self.mla_scales and (self.q_rank is None or self.kv_rank is None):
             raise ValueError("mla_scales: scales multi-latent attention's queries and kv latent, needs q_rank and kv_rank")
         for name in ("longrope_short_factors", "longrope_long_factors"):  # read back from JSON as lists (AttentionConfig checks them)
@@ -668,6 +693,33 @@ class TransformerConfig:
         route(torch.zeros(0, self.n_choices, device="cpu"), self.k, score=self.score, pre_softmax=self.pre_softmax,
               n_groups=self.n_groups, topk_groups=self.topk_groups, scale=self.route_scale, group_score_topk=self.group_score_topk,
               normalize=self.route_normalize, check=False, impl="torch")
+
+    def _check_hyper_connections(self) -> None:
+        n = self.hyper_connections
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0 or n == 1:
+            raise ValueError(f"hyper_connections: expected 0 (one residual stream, no hyper-connections) or an int >= 2 (the streams), got {n!r}")
+        if self.hc_kind not in HC_KINDS:
+            raise ValueError(f"hc_kind: expected one of {', '.join(HC_KINDS)}, got {self.hc_kind!r}")
+        m, eps = self.hc_magnitude, self.hc_eps
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 < m < math.inf:
+            raise ValueError(f"hc_magnitude: expected a positive finite number, got {m!r}")
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf:
+            raise ValueError(f"hc_eps: expected a finite number >= 0, got {eps!r}")
+        check_positive_int("hc_sinkhorn_iters", self.hc_sinkhorn_iters)
+        if not n:
+            changed = [name for name, default in (("hc_kind", "manifold"), ("hc_magnitude", 2.0), ("hc_eps", 1e-6), ("hc_sinkhorn_iters", 20))
+                       if getattr(self, name) != default]
+            if changed:
+                raise ValueError(f"{', '.join(changed)}: knobs of hyper-connections, need hyper_connections >= 2")
+            return
+        if self.shortcut_moe or self.parallel_blocks or self.residual_scale != 1.0 or self.mtp_depth:
+            raise ValueError("hyper_connections: streams of sequential blocks, not with shortcut_moe, parallel_blocks, residual_scale or mtp_depth")
+
+    @property
+    def stream_width(self) -> int:
+        """The width of the residual stream between blocks: hidden, or n hidden with n
+        hyper_connections streams."""
+        return self.hidden * max(1, self.hyper_connections)
 
     def is_moe(self, i: int) -> bool:
         """Whether trunk block i is a MoE block: listed in moe_layers, or i >= n_dense (with
@@ -865,6 +917,87 @@ class RMSNorm(nn.Module):
         return y.to(x.dtype)
 
 
+class HyperConnection(KeepsFloat32):
+    """The weights of hyper-connections (TransformerConfig.hyper_connections) for one
+    attention or MLP over n residual streams x [T, n H] (stream s the columns s H .. (s+1) H),
+    or (head=True) the last collapse of the streams before the final norm.
+
+    Per token, in float32: m = (x fn^T) / rms(x) ([T, M], rms over the n H channels, eps
+    cfg.norm_eps), split into logits of n pre weights, n post weights and (kind "manifold")
+    n x n mixing weights; scale [2] or [3] (one per kind of weight) and base [M]:
+
+        pre  = sigmoid(scale_0 m_pre + base_pre) + eps                  [T, n]
+        post = magnitude sigmoid(scale_1 m_post + base_post) (+ eps: "independent")
+        comb = Sinkhorn(softmax_rows(scale_2 m_comb + base_comb) + eps) [T, n, n] ("manifold")
+
+    Sinkhorn: columns then rows normalised to sum 1 (each sum + eps), sinkhorn_iters times
+    in all, the columns first and last: a doubly stochastic matrix, so the mixing keeps the
+    streams' scale. The sublayer reads h = sum_s pre_s x_s [T, H] (forward), and its output
+    y [T, H] goes back into every stream (add): x'_s = post_s y + x_s ("independent") or
+    post_s y + sum_j comb[j, s] x_j ("manifold"). The head: pre alone (fn [n, n H], base [n],
+    scale [1]), h = sum_s pre_s x_s.
+
+    fn [M, n H] (M = 2 n, or 2 n + n^2 with "manifold"), base [M] and scale are float32 and
+    stay so when the model is cast, as the router does (their sums need it); the streams
+    keep their dtype. Initialised (Transformer.reset_parameters) with fn Normal(0, init_std),
+    scale 0.01, the pre bias -log(n - 1) (pre ~ 1/n) and the other biases 0 (post ~
+    magnitude / 2, comb ~ uniform): with equal streams and magnitude 2 the block starts as a one-stream
+    block. `sequence_parallel`: set by fmoe.parallel under tensor parallelism for those
+    inside Blocks, which then see this rank's token shard (their gradients summed over tp)."""
+
+    _FLOAT32 = ("fn", "base", "scale")
+
+    def __init__(self, cfg: TransformerConfig, *, head: bool = False):
+        super().__init__()
+        n = cfg.hyper_connections
+        self.n, self.hidden, self.head, self.kind = n, cfg.hidden, head, None if head else cfg.hc_kind
+        self.eps, self.norm_eps, self.magnitude, self.sinkhorn_iters = cfg.hc_eps, cfg.norm_eps, cfg.hc_magnitude, cfg.hc_sinkhorn_iters
+        M = n if head else 2 * n + (n * n if self.kind == "manifold" else 0)
+        self.fn = nn.Parameter(torch.empty(M, n * cfg.hidden, dtype=torch.float32))
+        self.base = nn.Parameter(torch.empty(M, dtype=torch.float32))
+        self.scale = nn.Parameter(torch.empty(1 if head else 3 if self.kind == "manifold" else 2, dtype=torch.float32))
+        self.sequence_parallel = None
+
+    def _params(self):
+        sp = self.sequence_parallel
+        return [p if sp is None else sp.weight(p) for p in (self.fn, self.base, self.scale)]
+
+    def forward(self, x_TS: torch.Tensor):
+        """x [T, n H] -> (h [T, H] in x's dtype, post [T, n] float32, comb [T, n, n] float32
+        or None); the head: h alone."""
+        fn, base, scale = self._params()
+        n, H = self.n, self.hidden
+        x32 = x_TS.float()
+        mix_TM = (x32 @ fn.t()) * torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.norm_eps)
+        pre_Tn = torch.sigmoid(mix_TM[:, :n] * scale[0] + base[:n]) + self.eps
+        h_TH = torch.einsum("tn,tnh->th", pre_Tn, x32.view(-1, n, H)).to(x_TS.dtype)
+        if self.head:
+            return h_TH
+        post_Tn = self.magnitude * torch.sigmoid(mix_TM[:, n:2 * n] * scale[1] + base[n:2 * n])
+        if self.kind == "independent":
+            return h_TH, post_Tn + self.eps, None
+        logits_Tnn = mix_TM[:, 2 * n:].view(-1, n, n) * scale[2] + base[2 * n:].view(n, n)
+        comb_Tnn = torch.softmax(logits_Tnn, dim=-1) + self.eps
+        comb_Tnn = comb_Tnn / (comb_Tnn.sum(dim=-2, keepdim=True) + self.eps)
+        for _ in range(self.sinkhorn_iters - 1):
+            comb_Tnn = comb_Tnn / (comb_Tnn.sum(dim=-1, keepdim=True) + self.eps)
+            comb_Tnn = comb_Tnn / (comb_Tnn.sum(dim=-2, keepdim=True) + self.eps)
+        return h_TH, post_Tn, comb_Tnn
+
+    def add(self, x_TS: torch.Tensor, y_TH: torch.Tensor, post_Tn: torch.Tensor, comb_Tnn: Optional[torch.Tensor]) -> torch.Tensor:
+        """The streams after the sublayer: x [T, n H] and its output y [T, H] with forward's
+        post and comb -> [T, n H] in x's dtype (class docstring; float32 sums)."""
+        n, H = self.n, self.hidden
+        x_TnH = x_TS.float().view(-1, n, H)
+        if comb_Tnn is not None:
+            x_TnH = torch.einsum("tjs,tjh->tsh", comb_Tnn, x_TnH)
+        out = x_TnH + post_Tn[:, :, None] * y_TH.float()[:, None, :]
+        return out.reshape(x_TS.shape).to(x_TS.dtype)
+
+    def extra_repr(self) -> str:
+        return f"streams={self.n}, hidden={self.hidden}" + (", head" if self.head else f", kind={self.kind}")
+
+
 class Attention(nn.Module):
     """Parameters of an attention block; forward calls fmoe.layers.attention.
 
@@ -1033,6 +1166,9 @@ class Block(nn.Module):
         self.dense = DenseMLP(cfg.hidden, cfg.ffn_dense, cfg.impl, fp8=fp8) if shortcut == "out" else None
         self.ac = cfg.ac
         self.residual_scale = cfg.residual_scale
+        # hyper-connections: the attention's and the MLP's weights over the streams
+        self.attn_hc = HyperConnection(cfg) if cfg.hyper_connections else None
+        self.mlp_hc = HyperConnection(cfg) if cfg.hyper_connections else None
 
     def forward(self, x_TH, ctx: AttentionContext, token_mask: Optional[torch.Tensor] = None):
         """x [T, H] -> (x [T, H], the MoE stats or None for a dense block); a shortcut pair's
@@ -1052,6 +1188,8 @@ class Block(nn.Module):
         return x_TH + (y_TH if self.residual_scale == 1.0 else y_TH * self.residual_scale)
 
     def _block(self, x_TH, ctx, token_mask=None):
+        if self.attn_hc is not None:
+            return self._hc_block(x_TH, ctx, token_mask)
         carry_TH = None
         if self.shortcut == "in":  # the residual, then the pair's MoE output
             x_TH, carry_TH = x_TH.chunk(2, dim=-1)
@@ -1062,18 +1200,34 @@ class Block(nn.Module):
         x_TH = self._residual(x_TH, recompute(self._attend, x_TH, ctx) if self.ac == "attention" else self._attend(x_TH, ctx))
         return self._mlp_branch(x_TH, _normed(self.mlp_norm, x_TH), token_mask, carry_TH)
 
+    def _hc_block(self, x_TS, ctx, token_mask=None):
+        """With hyper-connections: the streams x [T, n H] -> (x' [T, n H], the MoE stats or
+        None); the attention and the MLP each read their weighted sum of the streams and add
+        their output back (HyperConnection)."""
+        h_TH, post, comb = self.attn_hc(x_TS)
+        y_TH = recompute(self._attend, h_TH, ctx) if self.ac == "attention" else self._attend(h_TH, ctx)
+        x_TS = self.attn_hc.add(x_TS, y_TH, post, comb)
+        h_TH, post, comb = self.mlp_hc(x_TS)
+        y_TH, stats = self._mlp_out(_normed(self.mlp_norm, h_TH), token_mask)
+        return self.mlp_hc.add(x_TS, y_TH, post, comb), stats
+
+    def _mlp_out(self, h_TH, token_mask=None):
+        """post_norm(mlp(h)) [T, H] of the MLP's input h, and the MoE stats (None for a dense MLP)."""
+        if isinstance(self.mlp, MoE):
+            y, stats = self.mlp(h_TH, token_mask)
+            return _normed(self.mlp_post_norm, y), stats
+        return _normed(self.mlp_post_norm, self.mlp(h_TH)), None
+
     def _mlp_branch(self, x_TH, h_TH, token_mask=None, carry_TH=None):
         """x + post_norm(mlp(h)): the block's end, h the MLP's input (its own pre-norm's output,
         or a parallel block's one normed input) -> (x [T, H], the MoE stats or None); a
-        shortcut pair's first block: ([x + dense(h) | moe(h)] [T, 2H], stats); its second
-        adds carry [T, H], the pair's MoE output, last."""
-        if isinstance(self.mlp, MoE):
-            y, stats = self.mlp(h_TH, token_mask)
-            if self.dense is not None:
-                return torch.cat([x_TH + self.dense(h_TH), y], dim=-1), stats
-            return self._residual(x_TH, _normed(self.mlp_post_norm, y)), stats
-        x_TH = self._residual(x_TH, _normed(self.mlp_post_norm, self.mlp(h_TH)))
-        return (x_TH if carry_TH is None else x_TH + carry_TH), None
+        shortcut pair's first block: ([x + dense(h) | moe(h)] [T, 2H], stats; no post-norms
+        there); its second adds carry [T, H], the pair's MoE output, last."""
+        y_TH, stats = self._mlp_out(h_TH, token_mask)
+        if self.dense is not None:
+            return torch.cat([x_TH + self.dense(h_TH), y_TH], dim=-1), stats
+        x_TH = self._residual(x_TH, y_TH)
+        return (x_TH if carry_TH is None else x_TH + carry_TH), stats
 
 
 def _normed(norm: Optional[RMSNorm], x_TH: torch.Tensor) -> torch.Tensor:
@@ -1350,6 +1504,8 @@ class Transformer(nn.Module):
                     block.attn.index_source = cfg.index_source(i)
                     self.blocks[block.attn.index_source].attn.index_keep = True
         self.norm = RMSNorm.of(cfg)
+        # hyper-connections: the streams' last collapse, before the final norm
+        self.hc_head = HyperConnection(cfg, head=True) if cfg.hyper_connections else None
         # [V, H], linear_cross_entropy's layout; with tie_embeddings the head is the embedding
         self.head = None if cfg.tie_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden))
         self.head_bias = nn.Parameter(torch.zeros(cfg.vocab_size)) if cfg.head_bias else None
@@ -1372,6 +1528,8 @@ class Transformer(nn.Module):
         (0 with zero_centered_norms), every bias, the attention sinks and the expert-bias
         buffers 0; in linear-attention blocks the convolution's taps Normal(0, 1/sqrt(3 K)),
         A_log = log A with A uniform in [1, 16], dt_bias and the output norm 1. The router stays float32 (MoE owns it).
+        Hyper-connections (HyperConnection): fn Normal(0, init_std), scale 0.01, the pre
+        biases -log(n - 1), the others 0.
 
         The values are a function of `seed` and each parameter's name only (init_value), so
         the full weights are the same bit for bit on any mesh: a parameter that is a DTensor
@@ -1382,8 +1540,15 @@ class Transformer(nn.Module):
         """
         seed = torch.initial_seed() if seed is None else seed
         base = self.cfg.init_std
+        n = self.cfg.hyper_connections
         for name, p in self.named_parameters():
             if p.is_meta:
+                continue
+            if name.endswith(("_hc.base", "_hc.scale", "hc_head.base", "hc_head.scale")):  # HyperConnection's biases and scales
+                if name.endswith("scale"):
+                    _local(p).fill_(0.01)
+                else:  # pre ~ 1/n: sigmoid(-log(n - 1)); the post and mixing biases 0
+                    copy_full_value(p, torch.cat([torch.full((n,), -math.log(n - 1)), torch.zeros(p.shape[0] - n)]))
                 continue
             if name.endswith(("attn.out_norm", "attn.dt_bias")):  # Gated DeltaNet's output norm (never zero-centred), decay's bias
                 _local(p).fill_(1.0)
@@ -1477,9 +1642,18 @@ class Transformer(nn.Module):
         h = F.embedding(ids, self.embed)
         return h if self.cfg.embed_scale == 1.0 else h * self.cfg.embed_scale
 
+    def _trunk_input(self, ids: torch.Tensor) -> torch.Tensor:
+        """The first block's input of token ids [T]: their embeddings [T, H], or with
+        hyper_connections n copies side by side [T, n H] (the streams)."""
+        h_TH = self._embedding(ids)
+        return h_TH.repeat(1, self.cfg.hyper_connections) if self.cfg.hyper_connections else h_TH
+
     def _head_input(self, h_TH: torch.Tensor, norm=None) -> torch.Tensor:
-        """What the output head multiplies: the final norm (or an MTP module's own) of h,
-        / logit_divisor."""
+        """What the output head multiplies: the final norm (or an MTP module's own) of h (the
+        trunk's output; with hyper_connections its streams [T, n H] collapsed by hc_head
+        first), / logit_divisor."""
+        if self.hc_head is not None:
+            h_TH = self.hc_head(h_TH)
         x = (self.norm if norm is None else norm)(h_TH)
         return x if self.cfg.logit_divisor == 1.0 else x / self.cfg.logit_divisor
 
@@ -1504,7 +1678,7 @@ class Transformer(nn.Module):
         if positions is None:
             positions = positions_from_cu_seqlens(cu_seqlens)
         ctx = attention_context(cu_seqlens, positions, self.cfg.attention_config(local=self.cfg.any_local))
-        h_TH = self._embedding(input_ids)
+        h_TH = self._trunk_input(input_ids)
         for block in self.blocks:
             h_TH, _ = block(h_TH, ctx)
         return self._head(h_TH)
@@ -1631,7 +1805,7 @@ class Transformer(nn.Module):
                                                 token_index=queries, kv_index=torch.arange(n_keys, device=device), gather_kv=_bound_per_layer)
         if cache.window_layers:
             contexts[True], window_kv = self._window_context(cache, seq_list, T, positions, queries, rows_host, cfg)
-        h_TH = self._embedding(ids)
+        h_TH = self._trunk_input(ids)
         for i, block in enumerate(self.blocks):
             if i in cache.linear_layers:  # the states its tokens continue, then the states after them
                 states = cache.linear_states(i, seq_list, tokens=n)  # the padding's rows (tp) continue nothing
@@ -1748,7 +1922,7 @@ class Transformer(nn.Module):
             raise ValueError("hidden: expected the previous stage's output for a pipeline chunk that is not the first, "
                              f"and None otherwise; got {'None' if hidden is None else 'a tensor'} (pipeline_chunk={chunk})")
         if hidden is None:
-            h_TH = self._embedding(batch["input_ids"])
+            h_TH = self._trunk_input(batch["input_ids"])
         else:
             h_TH = hidden
         stats = {}

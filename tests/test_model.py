@@ -96,6 +96,13 @@ VARIANTS = {
     "longcat": dataclasses.replace(TINY, n_layers=4, n_dense=0, n_shared=0, shortcut_moe=True, zero_experts=2, score="softmax", pre_softmax=True,
                                    route_scale=6.0, n_kv_heads=4, head_dim=12, rope_dim=4, rope_interleaved=True, q_rank=10, kv_rank=6,
                                    v_head_dim=5, mla_scales=True, mtp_depth=1),
+    # DeepSeek-V4's manifold-constrained hyper-connections: 4 residual streams, mixed by doubly stochastic matrices
+    "mhc": dataclasses.replace(TINY, hyper_connections=4, hc_sinkhorn_iters=5),
+    # HY-V4's blocks: 3 independent streams (no mixing); multi-latent attention with DeepSeek sparse attention (block 2
+    # reusing block 1's choice), an elementwise sigmoid output gate and sinks; the routed experts' SwiGLU clamped
+    "hy_v4": dataclasses.replace(TINY, hyper_connections=3, hc_kind="independent", n_kv_heads=4, head_dim=12, rope_dim=4, q_rank=10,
+                                 kv_rank=6, v_head_dim=5, index_topk=3, index_heads=4, index_head_dim=6, index_shared_layers=(2,),
+                                 attn_gate=True, attn_sinks=True, swiglu_alpha=1.0, swiglu_limit=0.5, swiglu_offset=0.0),
     # gpt-oss's pieces: q/k/v/o biases, attention sinks, a router bias, expert biases, the
     # clamped SwiGLU, YaRN without truncation, sliding windows in blocks 0 and 2
     "gpt-oss": dataclasses.replace(TINY, qkv_bias=True, o_bias=True, attn_sinks=True, router_bias=True, expert_biases=True, swiglu_alpha=1.702,
@@ -468,13 +475,14 @@ def test_forward_and_backward_read_nothing_on_the_host(cfg):
     assert reads.count == 0, reads.sites
 
 
-@pytest.mark.parametrize("name", ["full", "dsa"])
+@pytest.mark.parametrize("name", ["full", "dsa", "mhc"])
 def test_the_whole_model_compiles_without_a_graph_break(name):
     """torch.compile(fullgraph=True) of forward + losses (a host sync would be a graph break),
     then the backward; same values and gradients as eager. The batch ends in padding (its
     token_mask). DeepSeek sparse attention: its stable sort, and its indexer loss's gradient
-    added in the backward and its value kept on the module."""
-    cfg = FULL if name == "full" else dataclasses.replace(VARIANTS["dsa"], impl="auto")
+    added in the backward and its value kept on the module. Hyper-connections: the streams'
+    Sinkhorn steps."""
+    cfg = FULL if name == "full" else dataclasses.replace(VARIANTS[name], impl="auto")
     torch.manual_seed(0)
     model = Transformer(cfg)
     batch = _batch(cfg, T=32, cu=(0, 7, 8, 24, 32), padding=8)
@@ -645,16 +653,18 @@ def test_padding_trains_as_if_it_were_not_in_the_batch(name, ac):
 AC_CFG = dataclasses.replace(TINY, mtp_depth=1, impl="auto", n_groups=2, topk_groups=1, capacity_factor=1.25, post_norms=True)
 
 
-@pytest.mark.parametrize("blocks", ["sandwich", "parallel", "shortcut"])
+@pytest.mark.parametrize("blocks", ["sandwich", "parallel", "shortcut", "hyper"])
 @pytest.mark.parametrize("ac", ["full", "attention", "experts"])
 def test_activation_checkpointing_gives_the_same_gradients_and_stats(ac, blocks):
     """Recomputing in the backward changes nothing: the gradients are bit-identical (the
     recomputation is deterministic on CPU), the losses and the MoE stats too, and the token
     counts are those of one forward (the recomputed forward counts nothing); in sandwich
     blocks, in Cohere's parallel blocks (the attention recomputed from the one normed input)
-    and in LongCat-Flash's shortcut pairs (a pair's [T, 2H] stream recomputed block by block)."""
+    and in LongCat-Flash's shortcut pairs (a pair's [T, 2H] stream recomputed block by block), and
+    with hyper-connections (the attention recomputed from the streams' weighted sum)."""
     cfg = {"sandwich": AC_CFG, "parallel": dataclasses.replace(AC_CFG, post_norms=False, parallel_blocks=True, layer_norms=True),
-           "shortcut": dataclasses.replace(AC_CFG, post_norms=False, n_layers=4, n_dense=0, shortcut_moe=True, zero_experts=2)}[blocks]
+           "shortcut": dataclasses.replace(AC_CFG, post_norms=False, n_layers=4, n_dense=0, shortcut_moe=True, zero_experts=2),
+           "hyper": dataclasses.replace(AC_CFG, mtp_depth=0, hyper_connections=3)}[blocks]
     batch = _batch(cfg, T=48, cu=(0, 7, 30, 48))
     results = {}
     for mode in ("none", ac):
@@ -1015,6 +1025,9 @@ DECODED = {
     "ling": dataclasses.replace(VARIANTS["ling"], mtp_depth=0),
     # LongCat-Flash's: shortcut pairs (the [T, 2H] stream between a pair's blocks), scaled latents in the cache
     "longcat": dataclasses.replace(VARIANTS["longcat"], mtp_depth=0),
+    # hyper-connections: the [T, n H] streams through the cache's steps, collapsed before the head
+    "mhc": VARIANTS["mhc"],
+    "hy_v4": VARIANTS["hy_v4"],
     # Phi-3's LongRoPE past 1 original position: every prompt here is longer, every call has the long factors (a
     # sequence crossing the original positions: test_decode_past_longrope_s_original_positions_recomputes_the_sequence)
     "longrope": dataclasses.replace(TINY, rope_dim=4, longrope_short_factors=(1.0, 1.5), longrope_long_factors=(3.0, 9.0),
@@ -1429,3 +1442,136 @@ def test_ling_s_linear_knobs_need_kimi_delta_attention_blocks():
             dataclasses.replace(VARIANTS["gated deltanet"], **knob)
     with pytest.raises(ValueError, match="decay_bound: expected None or a finite number < 0"):
         dataclasses.replace(VARIANTS["ling"], linear_decay_bound=1.0)
+
+
+@pytest.mark.parametrize("kind", ["manifold", "independent"])
+def test_hyper_connections_with_flat_weights_are_the_one_stream_model(kind):
+    """With every scale and eps 0 (and magnitude 2) the pre weights are 1/n, the post weights
+    1 and the mixing uniform: equal streams stay equal, and the model is the one-stream model
+    of the same weights (logits within 1e-5). With the initial scales the streams part and the
+    logits move; the hc weights get gradients."""
+    cfg = dataclasses.replace(TINY, hyper_connections=3, hc_kind=kind, hc_eps=0.0, n_layers=2)
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    plain = Transformer(dataclasses.replace(cfg, hyper_connections=0, hc_kind="manifold", hc_eps=1e-6))
+    plain.load_state_dict({k: v for k, v in model.state_dict().items() if "hc" not in k})
+    ids, cu = torch.randint(0, cfg.vocab_size, (12,)), torch.tensor([0, 5, 12], dtype=torch.int32)
+    with torch.no_grad():
+        moved = model.logits(ids, cu)
+        for name, p in model.named_parameters():
+            if name.endswith("hc.scale") or name.endswith("hc_head.scale"):
+                p.zero_()
+        torch.testing.assert_close(model.logits(ids, cu), plain.logits(ids, cu), rtol=1e-5, atol=1e-5)
+        assert float((moved - plain.logits(ids, cu)).abs().max()) > 1e-4
+    scales = [n for n, _ in model.named_parameters() if "hc" in n]
+    assert len(scales) == 3 * (2 * cfg.n_layers + 1)  # fn, base, scale: two per block and the head's
+    model = Transformer(dataclasses.replace(cfg, hc_eps=1e-6))
+    batch = _batch(model.cfg)
+    losses, _ = model(batch, model.context(batch))
+    losses["lm_sum"].backward()
+    for name in scales:
+        assert float(model.get_parameter(name).grad.abs().max()) > 0, name
+
+
+def test_hyper_connection_weights_by_hand():
+    """One HyperConnection against the formulas written out per token and stream: the pre
+    weights' sum, the post weights, and (manifold) the Sinkhorn-projected mixing, doubly
+    stochastic; the float32 weights stay float32 when the model is cast."""
+    from fmoe.model import HyperConnection
+
+    torch.manual_seed(0)
+    n, H, T = 3, 8, 5
+    for kind in ("manifold", "independent"):
+        cfg = dataclasses.replace(TINY, hidden=H, n_heads=2, n_kv_heads=1, head_dim=4, hyper_connections=n, hc_kind=kind, hc_magnitude=1.5,
+                                  hc_eps=1e-3, hc_sinkhorn_iters=30)
+        hc = HyperConnection(cfg)
+        M = 2 * n + (n * n if kind == "manifold" else 0)
+        assert hc.fn.shape == (M, n * H) and hc.base.shape == (M,) and hc.scale.shape == ((3,) if kind == "manifold" else (2,))
+        with torch.no_grad():
+            for p in hc.parameters():
+                p.normal_()
+        x, y = torch.randn(T, n * H), torch.randn(T, H)
+        with torch.no_grad():
+            h, post, comb = hc(x)
+        for t in range(T):
+            m = (hc.fn @ x[t]) / (x[t].square().mean() + cfg.norm_eps).sqrt()
+            pre = torch.sigmoid(m[:n] * hc.scale[0] + hc.base[:n]) + 1e-3
+            want_post = 1.5 * torch.sigmoid(m[n:2 * n] * hc.scale[1] + hc.base[n:2 * n]) + (1e-3 if kind == "independent" else 0.0)
+            streams = x[t].view(n, H)
+            torch.testing.assert_close(h[t], sum(pre[s] * streams[s] for s in range(n)), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(post[t], want_post, rtol=1e-5, atol=1e-6)
+            out = hc.add(x, y, post, comb)[t].view(n, H)
+            for s in range(n):
+                kept = streams[s] if comb is None else sum(comb[t, j, s] * streams[j] for j in range(n))
+                torch.testing.assert_close(out[s], post[t, s] * y[t] + kept, rtol=1e-5, atol=1e-5)
+        if kind == "manifold":  # Sinkhorn's steps: the columns sum to 1 (the last step's), the rows nearly
+            torch.testing.assert_close(comb.sum(-2), torch.ones(T, n) / (1 + 1e-3), rtol=0, atol=1e-5)
+            assert float((comb.sum(-1) - 1).abs().max()) < 0.01
+            with torch.no_grad():  # doubly stochastic without eps and with moderate weights
+                flat = HyperConnection(dataclasses.replace(cfg, hc_eps=0.0))
+                flat.load_state_dict(hc.state_dict())
+                flat.scale.mul_(0.1)
+                comb = flat(x)[2]
+            torch.testing.assert_close(comb.sum(-1), torch.ones(T, n), rtol=0, atol=1e-5)
+            torch.testing.assert_close(comb.sum(-2), torch.ones(T, n), rtol=0, atol=1e-6)
+        else:
+            assert comb is None
+    model = Transformer(dataclasses.replace(TINY, hyper_connections=2)).to(torch.bfloat16)
+    assert model.blocks[0].attn_hc.fn.dtype == model.hc_head.scale.dtype == torch.float32 and model.blocks[0].attn.wq.dtype == torch.bfloat16
+
+
+def test_hyper_connections_equal_transformers_modules():
+    """fmoe's HyperConnection (manifold) and DeepSeek-V4's mHC module, and (independent) and
+    HY-V4's, and the head's collapse, of the same weights: the same block input, post and
+    mixing weights and streams after the add, to float32 rounding."""
+    dsv4 = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4", reason="transformers (the test extra) not installed")
+    hyv4 = pytest.importorskip("transformers.models.hy_v4.modeling_hy_v4", reason="transformers (the test extra) not installed")
+    from fmoe.model import HyperConnection
+
+    torch.manual_seed(0)
+    n, H, T = 4, 16, 6
+    x = torch.randn(1, T, n, H)
+    y = torch.randn(1, T, H)
+    for kind, module, theirs in (("manifold", dsv4, dsv4.DeepseekV4Config(hidden_size=H, hc_mult=n, hc_sinkhorn_iters=7, rms_norm_eps=1e-6)),
+                                 ("independent", hyv4, hyv4.HYV4Config(hidden_size=H, hc_mult=n, hc_magnitude=1.7, rms_norm_eps=1e-6))):
+        prefix = "DeepseekV4" if kind == "manifold" else "HYV4"
+        ref, ref_head = getattr(module, prefix + "HyperConnection")(theirs), getattr(module, prefix + "HyperHead")(theirs)
+        for p in list(ref.parameters()) + list(ref_head.parameters()):
+            torch.nn.init.normal_(p)
+        cfg = dataclasses.replace(TINY, hidden=H, n_heads=2, n_kv_heads=1, head_dim=8, hyper_connections=n, hc_kind=kind,
+                                  hc_magnitude=1.7 if kind == "independent" else 2.0, hc_sinkhorn_iters=7)
+        ours, head = HyperConnection(cfg), HyperConnection(cfg, head=True)
+        ours.load_state_dict({"fn": ref.fn, "base": ref.base, "scale": ref.scale})
+        head.load_state_dict({"fn": ref_head.hc_fn, "base": ref_head.hc_base, "scale": ref_head.hc_scale})
+        with torch.no_grad():
+            h, post, comb = ours(x.view(T, n * H))
+            if kind == "manifold":
+                want_post, want_comb, want_h = ref(x)
+                torch.testing.assert_close(comb, want_comb[0], rtol=1e-5, atol=1e-6)
+                want_next = want_post[0, :, :, None] * y[0, :, None, :] + torch.matmul(want_comb[0].transpose(-1, -2), x[0])
+            else:
+                want_post, want_h = ref(x)
+                want_next = want_post[0, :, :, None] * y[0, :, None, :] + x[0]
+            torch.testing.assert_close(h, want_h[0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(post, want_post[0], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(ours.add(x.view(T, n * H), y[0], post, comb), want_next.reshape(T, n * H), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(head(x.view(T, n * H)), ref_head(x)[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(hyper_connections=1), r"hyper_connections: expected 0 \(one residual stream, no hyper-connections\) or an int >= 2"),
+    (dict(hyper_connections=True), r"hyper_connections: expected 0"),
+    (dict(hyper_connections=2, hc_kind="dynamic"), r"hc_kind: expected one of manifold, independent, got 'dynamic'"),
+    (dict(hyper_connections=2, hc_magnitude=0.0), r"hc_magnitude: expected a positive finite number"),
+    (dict(hyper_connections=2, hc_eps=-1.0), r"hc_eps: expected a finite number >= 0"),
+    (dict(hyper_connections=2, hc_sinkhorn_iters=0), r"hc_sinkhorn_iters"),
+    (dict(hc_kind="independent"), r"hc_kind: knobs of hyper-connections, need hyper_connections >= 2"),
+    (dict(hc_magnitude=1.0, hc_sinkhorn_iters=3), r"hc_magnitude, hc_sinkhorn_iters: knobs of hyper-connections"),
+    (dict(hyper_connections=2, mtp_depth=1), r"hyper_connections: streams of sequential blocks, not with shortcut_moe, parallel_blocks, residual_scale or mtp_depth"),
+    (dict(hyper_connections=2, parallel_blocks=True), r"hyper_connections: streams of sequential blocks"),
+    (dict(hyper_connections=2, residual_scale=0.5), r"hyper_connections: streams of sequential blocks"),
+    (dict(hyper_connections=2, shortcut_moe=True), r"hyper_connections: streams of sequential blocks"),
+])
+def test_hyper_connection_knobs_are_checked(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        TransformerConfig(**{**_SMALL, **overrides})

@@ -60,7 +60,8 @@ from fmoe.ops.experts import EXPERT_BIASES
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 SCALES = ("moonlight", "spectral")
-ADAMW_PATTERNS = ("embed", "lm_head", "head", "router", "norm", "bias", "attn.conv_")  # conv_: a linear-attention layer's taps, per channel
+# conv_: a linear-attention layer's taps, per channel; _hc.: hyper-connections' weights (hc_head matches "head")
+ADAMW_PATTERNS = ("embed", "lm_head", "head", "router", "norm", "bias", "attn.conv_", "_hc.")
 EMBEDDING_PATTERNS = ("embed", "head")  # the weights decay_embeddings=False leaves undecayed
 STACKED_BIASES = tuple(f"experts.{name}" for name in EXPERT_BIASES)  # [E, F] / [E, H]: a bias per expert, not a matrix
 

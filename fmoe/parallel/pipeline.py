@@ -27,7 +27,8 @@ The step's micro-batches are the schedule's micro-batches; each stage's module r
 its micro-batch (positions, cu_seqlens, labels, MTP rows) from the step's list by the
 micro-batch index the schedule passes along (a keyword argument, chunked like the inputs),
 and builds its own context. Stage 0's input is the micro-batch's token ids, the others' the
-previous stage's hidden state [T, H] (in the compute dtype). The last stage returns the
+previous stage's hidden state [T, H] (in the compute dtype; [T, n H], the n streams, with
+hyper_connections). The last stage returns the
 micro-batch's loss, already divided by the step's global valid-token counts: gradients are
 not scaled by the schedule (scale_grads=False), and the loss is still a sum over tokens
 divided by the step's count.
@@ -118,7 +119,7 @@ def pipeline_chunk(model: Transformer, chunk: PipelineChunk) -> Transformer:
     """Prune `model` (a whole Transformer, best built on the meta device) in place to the
     part `chunk` holds, and set model.pipeline_chunk: blocks outside chunk.layers become
     LayerElsewhere placeholders; the embedding stays on the first stage (and on the last
-    when there are MTP modules); the final norm, head and MTP modules on the last. Call it
+    when there are MTP modules); the final norm, head (hyper-connections' hc_head) and MTP modules on the last. Call it
     before fmoe.parallel.parallelize. Returns model."""
     if not isinstance(model, Transformer):
         raise ValueError(f"model: expected a fmoe.model.Transformer, got {type(model).__name__}")
@@ -141,6 +142,7 @@ def pipeline_chunk(model: Transformer, chunk: PipelineChunk) -> Transformer:
         model.embed = None
     if not chunk.last:
         model.norm = None
+        model.hc_head = None
         model.head = None
         model.head_bias = None
         model.mtp = nn.ModuleList()
@@ -302,7 +304,7 @@ class Pipeline:
             module.set_force_sum_reduction_for_comms(True)
             # the stages' static metadata (no shape inference run): the hidden state between
             # stages requires grad, so its gradient travels back
-            hidden = torch.empty(tokens, cfg.hidden, dtype=dtype, device="meta", requires_grad=True)
+            hidden = torch.empty(tokens, cfg.stream_width, dtype=dtype, device="meta", requires_grad=True)
             inputs = torch.empty(tokens, dtype=torch.long, device="meta") if chunk.first else hidden
             outputs = torch.empty((), dtype=torch.float32, device="meta") if chunk.last else hidden
             self.chunks.append(model)

@@ -218,7 +218,11 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
     else n_experts). k: the mean computing experts per token where it is not cfg.k (with
     zero experts, cfg.k (1 - zero_fraction), the step's measured share: layer_loads).
     Shortcut pairs (cfg.shortcut_moe) add each trunk MoE block's dense SwiGLU of ffn_dense
-    beside its MoE: 6 x 3 H ffn_dense."""
+    beside its MoE: 6 x 3 H ffn_dense. Hyper-connections (cfg.hyper_connections = n streams)
+    add per trunk block, for its attention's and its MLP's HyperConnection, 6 (M n H + n H)
+    (the weights' projection, M = 2 n + n^2 with hc_kind "manifold" else 2 n, and the
+    streams' weighted sum) and 6 n^2 H for the manifold kind's mixing, and for the head's
+    collapse 6 (n^2 H + n H)."""
     names = ("hidden", "n_layers", "ffn_dense", "ffn_expert", "k", "n_heads", "n_kv_heads", "head_dim", "mtp_depth", "n_experts")
     is_moe = getattr(cfg, "is_moe", lambda i: i >= cfg.n_dense)
     n_dense = sum(not is_moe(i) for i in range(cfg.n_layers))
@@ -268,7 +272,13 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
     shortcut = 0.0
     if getattr(cfg, "shortcut_moe", False):  # the dense MLP beside each trunk MoE
         shortcut = sum(is_moe(i) for i in range(cfg.n_layers)) * 6 * 3 * cfg.hidden * cfg.ffn_dense
-    return indexer + shortcut + flops_per_token(**values, n_dense=n_dense, n_shared=shared, vocab=cfg.vocab_size,
+    hc = 0.0
+    n = getattr(cfg, "hyper_connections", 0)
+    if n:  # the streams' weights and sums: two per trunk block, and the head's
+        H, manifold = cfg.hidden, cfg.hc_kind == "manifold"
+        M = 2 * n + (n * n if manifold else 0)
+        hc = 2 * cfg.n_layers * 6 * (M * n * H + n * H + (n * n * H if manifold else 0)) + 6 * (n * n * H + n * H)
+    return indexer + shortcut + hc + flops_per_token(**values, n_dense=n_dense, n_shared=shared, vocab=cfg.vocab_size,
                                      n_avg_keys=n_avg_keys, n_sliding=n_sliding, n_avg_local_keys=n_avg_local_keys,
                                      attn_gate=bool(getattr(cfg, "attn_gate", False)),
                                      attn_gate_per_head=bool(getattr(cfg, "attn_gate_per_head", False)), **attention, **linear)

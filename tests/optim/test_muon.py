@@ -263,6 +263,21 @@ def test_split_param_groups_keeps_linear_attention_taps_out_of_muon():
     assert {id(getattr(attn, n)) for n in ("A_log", "dt_bias", "out_norm")} <= no_decay_ids
 
 
+def test_split_param_groups_keeps_hyper_connection_weights_out_of_muon():
+    """Hyper-connections' weights decide each token's mixing of the streams, as the router
+    decides its experts: fn [M, n H] (and the head's) to AdamW with weight decay, base and
+    scale without; the blocks' projections stay Muon's."""
+    from fmoe.model import Transformer, TransformerConfig
+
+    model = Transformer(TransformerConfig(vocab_size=20, hidden=16, n_layers=2, n_dense=2, ffn_dense=16, n_heads=2, n_kv_heads=1, head_dim=8,
+                                          hyper_connections=2))
+    muon, adamw = split_param_groups(model, weight_decay=0.1)
+    (muon_ids,), (decay_ids, no_decay_ids) = _ids(muon), _ids(adamw)
+    hcs = [model.hc_head] + [getattr(b, n) for b in model.blocks for n in ("attn_hc", "mlp_hc")]
+    assert {id(hc.fn) for hc in hcs} <= decay_ids and {id(p) for hc in hcs for p in (hc.base, hc.scale)} <= no_decay_ids
+    assert {id(model.blocks[0].attn.wq), id(model.blocks[1].mlp.w_down)} <= muon_ids
+
+
 def test_split_param_groups_by_name_pattern():
     model = nn.ModuleDict(dict(
         embed=nn.Embedding(10, 8), proj=nn.Linear(8, 8), norm=nn.LayerNorm(8), lm_head=nn.Linear(8, 10, bias=False),

@@ -4,6 +4,8 @@ keeps float32 master weights and sums micro-batch gradients in float32 (the rout
 in float32, and every other one) while computing in bf16; an update
 far below bf16's resolution accumulates, where a model cast to bf16 loses it."""
 
+import math
+
 import torch
 
 from tests.parallel.dist import run_distributed
@@ -107,3 +109,42 @@ def test_master_weights_accumulate_updates_below_bf16_resolution():
     assert out["bf16_of_master_changed"] > 0.5, out  # and the bf16 compute copy follows
     # cast to bf16, the weights above 0.01 in size never move
     assert out["plain_large"] > 100 and out["plain_changed_large"] == 0, out
+
+
+def _hyper_connections(rank, world):
+    """A model with hyper-connections under FSDP2's bf16 compute: what each HyperConnection
+    computes with and sees, and the streams' dtype between blocks."""
+    from fmoe.model import HyperConnection, Transformer, TransformerConfig
+    from fmoe.parallel import build_meshes, materialize, parallelize
+    from fmoe.train.data import make_batch
+
+    cfg = TransformerConfig(**{**TINY, "mtp_depth": 0, "hyper_connections": 3})
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    parallelize(model, build_meshes(), param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    materialize(model, "cpu", seed=0)
+    seen = {}
+    for name, module in model.named_modules():
+        if isinstance(module, HyperConnection):
+            module.register_forward_pre_hook(lambda m, args, name=name: seen.update({name: (str(m.fn.dtype), str(m.scale.dtype), str(args[0].dtype))}))
+    streams = set()
+    for block in model.blocks:
+        block.register_forward_hook(lambda m, args, out: streams.add((tuple(out[0].shape), str(out[0].dtype))))
+    batch = make_batch(torch.randint(0, 64, (32,), generator=torch.Generator().manual_seed(1)), torch.tensor([0, 11, 32]), 0)
+    losses, _ = model(batch)
+    (losses["lm_sum"] / 32).backward()
+    grads = {n: str(p.grad.dtype) for n, p in model.named_parameters() if "hc" in n}
+    return dict(seen=seen, streams=streams, grads=grads, loss=float(losses["lm_sum"]))
+
+
+def test_hyper_connection_weights_stay_float32_under_bf16_compute():
+    """The streams' weights (fn, base, scale: FSDP2 units of their own, never cast, like the
+    router) compute in float32 while the blocks and the [T, 3 H] streams between them are
+    bf16; their gradients float32."""
+    (out,) = run_distributed(_hyper_connections, 1, timeout=200)
+    assert len(out["seen"]) == 2 * TINY["n_layers"] + 1, out  # every block's two and the head's
+    assert all(fn == scale == "torch.float32" for fn, scale, _ in out["seen"].values()), out
+    assert {x for _, _, x in out["seen"].values()} == {"torch.bfloat16"}, out
+    assert out["streams"] == {((32, 3 * TINY["hidden"]), "torch.bfloat16")}, out
+    assert set(out["grads"].values()) == {"torch.float32"} and len(out["grads"]) == 3 * (2 * TINY["n_layers"] + 1), out
+    assert math.isfinite(out["loss"]), out

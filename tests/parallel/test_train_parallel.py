@@ -186,6 +186,8 @@ RUNS = {
     # LongCat-Flash's blocks: three shortcut pairs through a pipeline, split as whole pairs (blocks 0-3, then 4-5; an
     # even split of the blocks would part pair 2-3), the zero experts' share in each stage's loads
     "shortcut-pairs-pp2": (2, ["--pp=2", "--model.n_layers=6", "--model.n_dense=0", "--model.shortcut_moe=True", "--model.zero_experts=2"]),
+    # hyper-connections: the [T, 3 H] streams handed from stage to stage, collapsed on the last
+    "hyper-connections-pp2": (2, ["--pp=2", "--model.hyper_connections=3", "--model.mtp_depth=0"]),
     "mla-tp2-muon": (2, ["--tp=2", "--optimizer=muon", "--ns_dtype=float32", "--model.n_kv_heads=4", "--model.head_dim=12", "--model.rope_dim=4",
                          "--model.q_rank=10", "--model.kv_rank=6", "--model.v_head_dim=5", "--check_replicas_every=1"]),
 }
@@ -195,7 +197,7 @@ SAME_MODEL = ("--optimizer=", "--ns_dtype=", "--batch_schedule=", "--aux_coeff="
               "--model.rope_dim=", "--model.q_rank=", "--model.kv_rank=", "--model.v_head_dim=", "--model.mtp_norm=", "--model.score=",
               "--model.n_groups=", "--model.topk_groups=", "--model.group_score_topk=", "--model.capacity_factor=", "--model.qkv_bias=",
               "--model.qk_norm=", "--whole_documents=", "--model.linear_", "--model.fp8=", "--model.index_", "--model.n_dense=",
-              "--model.shortcut_moe=", "--model.zero_experts=")
+              "--model.shortcut_moe=", "--model.zero_experts=", "--model.hyper_connections=", "--model.hc_", "--model.mtp_depth=")
 
 
 @pytest.mark.parametrize("run", list(RUNS))
@@ -204,6 +206,8 @@ def test_parallel_knobs_log_the_one_process_losses(run, reference, parallel_runs
     records = parallel_runs(run)
     assert len(records) == STEPS
     keys = KEYS + (("index_loss",) if "--model.index_topk=3" in args else ())  # DeepSeek sparse attention's indexer loss
+    if "--model.mtp_depth=0" in args:  # no MTP module, no MTP loss
+        keys = tuple(key for key in keys if key != "mtp_1_loss")
     _assert_same(records, reference(*_one_process_args(args)), keys=keys, loose=LOOSE.get(run, ()))
 
 

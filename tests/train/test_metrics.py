@@ -289,6 +289,15 @@ def test_model_flops_per_token_reads_the_model_config():
     pairs = TransformerConfig(**{**cfg.__dict__, "n_layers": 4, "shortcut_moe": True})
     plain = TransformerConfig(**{**cfg.__dict__, "n_layers": 4, "moe_layers": (2,)})
     assert M.model_flops_per_token(pairs, n_avg_keys=10.0) == M.model_flops_per_token(plain, n_avg_keys=10.0) + 6 * 3 * 64 * 128
+    # hyper-connections over 4 streams, without the MTP module: per block two weight projections [256 -> 24] (8 + 16
+    # mixing) and sums over 4 streams, the mixing's 16 x 64; the head's projection [256 -> 4] and sum
+    one = TransformerConfig(**{**cfg.__dict__, "mtp_depth": 0})
+    hc = TransformerConfig(**{**cfg.__dict__, "mtp_depth": 0, "hyper_connections": 4})
+    assert M.model_flops_per_token(hc, n_avg_keys=10.0) == M.model_flops_per_token(one, n_avg_keys=10.0) + 3 * 2 * 6 * (
+        24 * 256 + 4 * 64 + 16 * 64) + 6 * (4 * 256 + 4 * 64)
+    independent = TransformerConfig(**{**hc.__dict__, "hc_kind": "independent"})
+    assert M.model_flops_per_token(independent, n_avg_keys=10.0) == M.model_flops_per_token(one, n_avg_keys=10.0) + 3 * 2 * 6 * (
+        8 * 256 + 4 * 64) + 6 * (4 * 256 + 4 * 64)
     # by hand: 3 attention layers + the MTP block's, 1 dense MLP, 2 MoE layers + the MTP block's
     attention = 6 * (64 * (64 + 2 * 32) + 64 * 64) + 12 * 64 * 10.0
     moe = 6 * 64 * 3 * 32 * (2 + 1) + 6 * 64 * 4
@@ -365,6 +374,9 @@ COUNTED = {
     # LongCat-Flash's blocks: one shortcut pair (block 0's MoE beside its dense MLP), scaled latents
     "shortcut pair, mla": dict(n_dense=0, shortcut_moe=True, n_kv_heads=4, head_dim=12, rope_dim=4, q_rank=10, kv_rank=6, v_head_dim=5,
                                mla_scales=True),
+    # hyper-connections over 3 streams (no MTP beside them): DeepSeek-V4's mixed streams, HY-V4's independent ones
+    "mhc": dict(hyper_connections=3, mtp_depth=0),
+    "independent hc": dict(hyper_connections=3, hc_kind="independent", mtp_depth=0),
 }
 
 
@@ -377,7 +389,9 @@ def test_flops_per_token_matches_counted_matmuls(name):
     the dense mask runs its math path, q k^T and p v over ALL T x T pairs, the mask applied
     but not exploited). So the count equals the formula with n_avg_keys = T (every key),
     exactly, and the mm part alone equals the formula without its score term. Every token
-    has all k routes (no capacity), so the experts see T k rows."""
+    has all k routes (no capacity), so the experts see T k rows. Hyper-connections' weighted
+    sums of the streams (and mixing) are batched products too (aten.bmm), their weights'
+    projections aten.mm."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from fmoe.model import Transformer, TransformerConfig
@@ -391,13 +405,15 @@ def test_flops_per_token_matches_counted_matmuls(name):
     batch = make_batch(torch.randint(0, cfg.vocab_size, (T,)), torch.tensor([0, 10, T]), cfg.mtp_depth)
     with FlopCounterMode(display=False) as counter:
         losses, _ = model(batch, model.context(batch))
-        (losses["lm_sum"] + losses["mtp_1_sum"]).backward()
+        sum(losses[key] for key in losses.keys() if key.endswith("_sum")).backward()
     by_op = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
     assert set(by_op) == {"aten.mm", "aten.bmm"}, by_op
     assert counter.get_total_flops() == T * M.model_flops_per_token(cfg, n_avg_keys=T)
     no_scores = M.model_flops_per_token(cfg, n_avg_keys=0)  # the score / value term is linear in n_avg_keys
-    assert by_op["aten.mm"] == T * no_scores
-    assert by_op["aten.bmm"] == T * (M.model_flops_per_token(cfg, n_avg_keys=T) - no_scores)
+    n, H = cfg.hyper_connections, cfg.hidden  # the streams' sums (and mixing) in each block's two, and the head's
+    sums = 6 * (2 * cfg.n_layers * (n * H + (n * n * H if cfg.hc_kind == "manifold" else 0)) + n * H) if n else 0
+    assert by_op["aten.mm"] == T * (no_scores - sums)
+    assert by_op["aten.bmm"] == T * (M.model_flops_per_token(cfg, n_avg_keys=T) - no_scores + sums)
 
 
 
