@@ -311,7 +311,8 @@ RUN_KNOBS = ("impl", "ac", "fp8", "fp8_layers", "fp8_fast_accum", "capacity_fact
 HF_RUN_KNOBS = ("mtp_depth",) + RUN_KNOBS
 # ...and on a folder of multi-latent attention without an indexer (DeepSeek-V3's), DeepSeek sparse attention's: its
 # indexers start fresh (fmoe.hf.load_weights), DeepSeek-V3.2's start
-HF_DSA_KNOBS = ("index_topk", "index_heads", "index_head_dim", "index_rope_interleaved", "index_shared_layers")
+HF_DSA_KNOBS = ("index_topk", "index_heads", "index_head_dim", "index_rope_interleaved", "index_rope_last", "index_norm_eps",
+                "index_shared_layers")
 
 
 def main(argv: list[str]) -> None:

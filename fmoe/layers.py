@@ -523,9 +523,10 @@ class AttentionConfig:
     keys, among those its mask allows, that a lightning indexer scores highest (all of them
     when it allows fewer). The indexer has index_heads query heads of index_head_dim, made
     from the normed q latent (index_wq), one key per token (index_wk, then a LayerNorm of
-    weight index_k_norm and bias index_k_bias, eps 1e-6) and per-token head weights
-    (index_w); RoPE on the first rot_dim channels of its queries and key (on interleaved
-    pairs with index_interleaved: GLM-5's; halves: DeepSeek-V3.2's). A key s's score for
+    weight index_k_norm and bias index_k_bias, eps index_norm_eps: 1e-6, HY-V4's rms_norm_eps) and per-token head weights
+    (index_w); RoPE on the first rot_dim channels of its queries and key (the last ones with
+    index_rope_last: HY-V4's; on interleaved pairs with index_interleaved: GLM-5's; halves:
+    DeepSeek-V3.2's). A key s's score for
     query t is sum_h w[t, h] / sqrt(index_heads) * relu(q[t, h] . k[s] / sqrt(index_head_dim)),
     in float32 (fmoe.layers.index_scores). The choice is discrete: the indexer's weights get
     no gradient from the attention output. DSA trains them with a loss of their own:
@@ -597,6 +598,8 @@ class AttentionConfig:
     index_heads: int = 64
     index_head_dim: int = 128
     index_interleaved: bool = False
+    index_rope_last: bool = False
+    index_norm_eps: float = 1e-6
     index_loss: bool = False
     index_shared: bool = False
 
@@ -685,22 +688,26 @@ class AttentionConfig:
     def _check_index_knobs(self) -> None:
         """DeepSeek sparse attention's knobs (class docstring): ValueError naming the field."""
         if self.index_topk is None:
-            knobs = dict(index_heads=64, index_head_dim=128, index_interleaved=False, index_loss=False, index_shared=False)
+            knobs = dict(index_heads=64, index_head_dim=128, index_interleaved=False, index_rope_last=False, index_norm_eps=1e-6, index_loss=False,
+                         index_shared=False)
             changed = [name for name, default in knobs.items() if getattr(self, name) != default]
             if changed:
                 raise ValueError(f"{changed[0]}: a knob of DeepSeek sparse attention's indexer, needs index_topk")
             return
         for name in ("index_topk", "index_heads", "index_head_dim"):
             check_positive_int(name, getattr(self, name))
-        for name in ("index_interleaved", "index_loss", "index_shared"):
+        for name in ("index_interleaved", "index_rope_last", "index_loss", "index_shared"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
+        eps = self.index_norm_eps
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < math.inf:
+            raise ValueError(f"index_norm_eps: expected a positive finite number, got {eps!r}")
         if self.index_shared and self.index_loss:
             raise ValueError("index_loss: a layer of index_shared has no indexer of its own to train")
         if self.kv_rank is None or self.q_rank is None:
             raise ValueError("index_topk: DeepSeek sparse attention's indexer reads the q latent of multi-latent attention, needs kv_rank and q_rank")
         if self.rot_dim is None or self.rot_dim > self.index_head_dim:
-            raise ValueError(f"index_head_dim: the indexer rotates its first rot_dim = {self.rot_dim} channels, expected index_head_dim >= rot_dim, "
+            raise ValueError(f"index_head_dim: the indexer rotates rot_dim = {self.rot_dim} of its channels, expected index_head_dim >= rot_dim, "
                              f"got {self.index_head_dim}")
         if self.impl == "flex":
             raise ValueError("impl: DeepSeek sparse attention's top-k mask is a dense mask, attended by the SDPA reference; use impl 'auto' or 'torch'")
@@ -1690,14 +1697,27 @@ def _mla_expand(latent_TC, k_rope_T1R, params, cfg: AttentionConfig):
     return torch.cat([k_nope_TNP, k_rope_T1R.expand(-1, N, -1)], dim=-1), v_TNV.contiguous()
 
 
+def _index_rope(x_TND: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: AttentionConfig) -> torch.Tensor:
+    """The indexer's RoPE on x [T, N, index_head_dim]: its first rot_dim channels rotated by
+    cos, sin [T, rot_dim/2], or its last with cfg.index_rope_last (on interleaved pairs with
+    cfg.index_interleaved)."""
+    if not cfg.index_rope_last:
+        return apply_rope(x_TND, cos, sin, interleaved=cfg.index_interleaved, impl="torch")
+    R = 2 * cos.shape[-1]
+    rotated = apply_rope(x_TND[..., -R:].contiguous(), cos, sin, interleaved=cfg.index_interleaved, impl="torch")
+    return torch.cat([x_TND[..., :-R], rotated], dim=-1)
+
+
 def index_keys(x_TH: torch.Tensor, params, cfg: AttentionConfig, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """DeepSeek sparse attention's indexer keys [T, index_head_dim] float32 of tokens x [T, H]:
-    LayerNorm(x index_wk) (weight index_k_norm, bias index_k_bias, eps 1e-6), its first
-    rot_dim channels rotated by the tables cos, sin [T, rot_dim/2] (on interleaved pairs with
-    cfg.index_interleaved). No autograd needed: the top-k choice is not differentiable."""
+    LayerNorm(x index_wk) (weight index_k_norm, bias index_k_bias, eps cfg.index_norm_eps), its first
+    rot_dim channels (the last with cfg.index_rope_last) rotated by the tables cos, sin
+    [T, rot_dim/2] (on interleaved pairs with cfg.index_interleaved). No autograd needed: the
+    top-k choice is not differentiable."""
     Di = cfg.index_head_dim
-    k_TD = F.layer_norm(x_TH.float() @ params["index_wk"].float(), (Di,), params["index_k_norm"].float(), params["index_k_bias"].float(), eps=1e-6)
-    return apply_rope(k_TD[:, None, :], cos, sin, interleaved=cfg.index_interleaved, impl="torch")[:, 0]
+    k_TD = F.layer_norm(x_TH.float() @ params["index_wk"].float(), (Di,), params["index_k_norm"].float(), params["index_k_bias"].float(),
+                        eps=cfg.index_norm_eps)
+    return _index_rope(k_TD[:, None, :], cos, sin, cfg)[:, 0]
 
 
 def index_scores(x_TH: torch.Tensor, q_lat_TC: torch.Tensor, keys_SD: torch.Tensor, params, cfg: AttentionConfig,
@@ -1705,12 +1725,12 @@ def index_scores(x_TH: torch.Tensor, q_lat_TC: torch.Tensor, keys_SD: torch.Tens
     """The lightning indexer's scores [T, S] float32 of T queries (tokens x [T, H], their
     normed q latents q_lat [T, q_rank]) over S keys (index_keys' [S, index_head_dim]):
     sum_h w[t, h] / sqrt(Ni) * relu(q[t, h] . k[s] / sqrt(Di)), q = q_lat index_wq per head
-    (first rot_dim channels rotated by cos, sin [T, rot_dim/2]), w = x index_w. slots: [T, J]
+    (rot_dim channels rotated by cos, sin [T, rot_dim/2], as index_keys'), w = x index_w. slots: [T, J]
     int64 (index_slots'): the scores [T, J] of each query's keys keys[slots[t, j]] alone
     (0 in an empty slot), for the indexer's loss without a [T, S] product."""
     T, Ni, Di = x_TH.shape[0], cfg.index_heads, cfg.index_head_dim
     q_TND = (q_lat_TC.float() @ params["index_wq"].float()).view(T, Ni, Di)
-    q_TND = apply_rope(q_TND, cos, sin, interleaved=cfg.index_interleaved, impl="torch")
+    q_TND = _index_rope(q_TND, cos, sin, cfg)
     w_TN = (x_TH.float() @ params["index_w"].float()) * Ni**-0.5
     if slots is None:  # float32: the kernel with impl="triton" alone (faster than torch's in 16-bit inputs only)
         return indexer_scores(q_TND, w_TN, keys_SD.float(), scale=Di**-0.5, impl=cfg.impl)

@@ -341,7 +341,8 @@ class TransformerConfig:
     (with q_rank and kv_rank): DeepSeek sparse attention in every block (DeepSeek-V3.2,
     GLM-5), each query attending to the index_topk keys a lightning indexer of index_heads
     heads of index_head_dim scores highest (its RoPE on interleaved pairs with
-    index_rope_interleaved; fmoe.layers.AttentionConfig; under context parallel the indexer's
+    index_rope_interleaved, on its last channels with index_rope_last; its key's LayerNorm eps
+    index_norm_eps; fmoe.layers.AttentionConfig; under context parallel the indexer's
     keys gathered like K and V), the indexer trained by its own loss with weight
     index_loss_coeff per micro-batch (0: not trained: fmoe.layers.index_loss, Attention);
     index_shared_layers: the trunk blocks without an indexer, which attend to the keys the
@@ -484,6 +485,8 @@ class TransformerConfig:
     index_heads: int = 64
     index_head_dim: int = 128
     index_rope_interleaved: bool = False
+    index_rope_last: bool = False
+    index_norm_eps: float = 1e-6
     index_loss_coeff: float = 1.0
     index_shared_layers: Optional[tuple[int, ...]] = None
     o_bias: bool = False
@@ -858,7 +861,8 @@ class TransformerConfig:
             local_rope_base=self.local_rope_base, local_rot_dim=self.local_rope_dim, zero_centered_norms=self.zero_centered_norms,
             fp8=self.fp8 if fp8 is None else fp8, gate_act=self.attn_gate_act, gate_per_head=self.attn_gate_per_head,
             index_topk=self.index_topk, index_heads=self.index_heads, index_head_dim=self.index_head_dim,
-            index_interleaved=self.index_rope_interleaved, index_shared=index_shared,
+            index_interleaved=self.index_rope_interleaved, index_rope_last=self.index_rope_last,
+            index_norm_eps=self.index_norm_eps, index_shared=index_shared,
             index_loss=self.index_topk is not None and self.index_loss_coeff > 0 and not index_shared,
         )
 

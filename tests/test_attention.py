@@ -939,14 +939,22 @@ def _loop_dsa(x, p, cfg, cu, with_loss=False):
     top index_topk kept (equal scores: the earlier key), and multi-latent attention over those
     keys alone. with_loss: also the indexer's loss, the mean over queries of KL(p || q) over
     the kept keys, p the attention's distribution averaged over heads, q the softmax of the
-    indexer's scores (its gradient reaching the indexer's weights only)."""
+    indexer's scores (its gradient reaching the indexer's weights only). With index_rope_last
+    (HY-V4's) the indexer's RoPE is on its last rot_dim channels; its key's LayerNorm eps is
+    index_norm_eps."""
     T, N, D, R, Ni, Di = x.shape[0], cfg.n_heads, cfg.head_dim, cfg.rot_dim, cfg.index_heads, cfg.index_head_dim
     q_lat, q, kv, q_rope, k_rope, scale, (cos, sin) = _mla_loop_parts(x, p, cfg, cu)
     x_, q_lat_ = x.detach(), q_lat.detach()  # the indexer's inputs
+
+    def rope(t):  # [T, n, Di]: the first R channels rotated, or the last R
+        if not cfg.index_rope_last:
+            return apply_rope(t, cos, sin, interleaved=cfg.index_interleaved, impl="torch")
+        return torch.cat([t[..., :Di - R], apply_rope(t[..., Di - R:].contiguous(), cos, sin, interleaved=cfg.index_interleaved, impl="torch")], -1)
+
     k_raw = x_ @ p["index_wk"]
-    k_norm = (k_raw - k_raw.mean(-1, keepdim=True)) / torch.sqrt(k_raw.var(-1, unbiased=False, keepdim=True) + 1e-6)
-    k_idx = apply_rope((k_norm * p["index_k_norm"] + p["index_k_bias"])[:, None], cos, sin, interleaved=cfg.index_interleaved, impl="torch")[:, 0]
-    q_idx = apply_rope((q_lat_ @ p["index_wq"]).view(T, Ni, Di), cos, sin, interleaved=cfg.index_interleaved, impl="torch")
+    k_norm = (k_raw - k_raw.mean(-1, keepdim=True)) / torch.sqrt(k_raw.var(-1, unbiased=False, keepdim=True) + cfg.index_norm_eps)
+    k_idx = rope((k_norm * p["index_k_norm"] + p["index_k_bias"])[:, None])[:, 0]
+    q_idx = rope((q_lat_ @ p["index_wq"]).view(T, Ni, Di))
     w_idx = x_ @ p["index_w"]
     rows, kls = [], []
     bounds = cu.tolist()
@@ -967,7 +975,8 @@ def _loop_dsa(x, p, cfg, cu, with_loss=False):
     return (y, torch.stack(kls).mean()) if with_loss else y
 
 
-@pytest.mark.parametrize("cfg", [DSA, dataclasses.replace(DSA, index_interleaved=True, yarn_factor=None, index_topk=1)], ids=["halves-yarn", "pairs-top1"])
+@pytest.mark.parametrize("cfg", [DSA, dataclasses.replace(DSA, index_interleaved=True, yarn_factor=None, index_topk=1),
+                                 dataclasses.replace(DSA, index_rope_last=True, index_norm_eps=0.5)], ids=["halves-yarn", "pairs-top1", "hy_v4-rope-last"])
 def test_deepseek_sparse_attention_matches_per_query_loop(cfg):
     """Values and gradients against the definition; the indexer's weights get no gradient
     (its choice is discrete), the other weights theirs through the chosen keys."""
@@ -978,7 +987,8 @@ def test_deepseek_sparse_attention_matches_per_query_loop(cfg):
     want = _loop_dsa(x, p, cfg, cu)
     assert _rel(y, want) < 1e-5
     dense = attention(x, {n: t for n, t in p.items() if not n.startswith("index_")}, MLA if cfg is DSA else dataclasses.replace(cfg, index_topk=None,
-                      index_heads=64, index_head_dim=128, index_interleaved=False), _ctx(cu, cfg))[0]
+                      index_heads=64, index_head_dim=128, index_interleaved=False, index_rope_last=False, index_norm_eps=1e-6),
+                      _ctx(cu, cfg))[0]
     assert _rel(y, dense) > 1e-2  # the documents of 5 and 11 tokens are attended sparsely
     mla = [n for n in p if not n.startswith("index_")]
     up = torch.randn_like(y)
@@ -987,6 +997,35 @@ def test_deepseek_sparse_attention_matches_per_query_loop(cfg):
     for name, a, b in zip(["x", *mla], grads, want_grads):
         assert _rel(a, b) < 1e-5, name
     assert grads[1 + len(mla):] == (None,) * (len(p) - len(mla))  # the index_ weights, last in p
+
+
+def test_indexer_keys_rotate_their_last_channels_with_index_rope_last_and_norm_with_its_eps():
+    """HY-V4's indexer (index_rope_last): its key's first index_head_dim - rot_dim channels are
+    the LayerNorm's output as they are, the last rot_dim rotated (DeepSeek-V3.2's: the first
+    rotated, the rest as they are); index_norm_eps is the LayerNorm's eps."""
+    from fmoe.layers import index_keys
+
+    cu = torch.tensor([0, 5, 6, 17], dtype=torch.int32)
+    p = {n: t.detach() for n, t in _dsa_params(DSA).items()}
+    x = 0.01 * torch.randn(17, H)  # keys of a small spread: the eps shows
+    R, Di = DSA.rot_dim, DSA.index_head_dim
+    ctx = _ctx(cu, DSA)
+    k_raw = x @ p["index_wk"]
+    for eps in (1e-6, 1e-3):
+        normed = torch.nn.functional.layer_norm(k_raw, (Di,), p["index_k_norm"], p["index_k_bias"], eps=eps)
+        first = index_keys(x, p, dataclasses.replace(DSA, index_norm_eps=eps), ctx.cos, ctx.sin)
+        last = index_keys(x, p, dataclasses.replace(DSA, index_norm_eps=eps, index_rope_last=True), ctx.cos, ctx.sin)
+        torch.testing.assert_close(first[:, R:], normed[:, R:], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(last[:, :Di - R], normed[:, :Di - R], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(last[:, Di - R:], apply_rope(normed[:, None, Di - R:].contiguous(), ctx.cos, ctx.sin, impl="torch")[:, 0],
+                                   rtol=1e-5, atol=1e-6)
+        assert float((last[1:, Di - R:] - normed[1:, Di - R:]).abs().max()) > 1e-2  # rotated past position 0
+    wide = index_keys(x, p, dataclasses.replace(DSA, index_norm_eps=1e-3), ctx.cos, ctx.sin)
+    assert float((wide - index_keys(x, p, DSA, ctx.cos, ctx.sin)).abs().max()) > 1e-2
+    with pytest.raises(ValueError, match="index_rope_last: a knob of DeepSeek sparse attention's indexer, needs index_topk"):
+        dataclasses.replace(MLA, index_rope_last=True)
+    with pytest.raises(ValueError, match="index_norm_eps: expected a positive finite number, got 0"):
+        dataclasses.replace(DSA, index_norm_eps=0)
 
 
 def test_deepseek_sparse_attention_with_topk_over_the_document_is_multi_latent_attention():
@@ -1239,7 +1278,7 @@ DSA_BAD_KNOBS = [  # (config, change, message)
     (MLA, dict(index_loss=True), "index_loss: a knob of DeepSeek sparse attention's indexer, needs index_topk"),
     (DSA, dict(index_topk=0), "index_topk: expected >= 1, got 0"),
     (DSA, dict(q_rank=None), "index_topk: DeepSeek sparse attention's indexer reads the q latent"),
-    (DSA, dict(index_head_dim=2), "index_head_dim: the indexer rotates its first rot_dim = 4 channels"),
+    (DSA, dict(index_head_dim=2), "index_head_dim: the indexer rotates rot_dim = 4 of its channels"),
     (DSA, dict(impl="flex"), "impl: DeepSeek sparse attention's top-k mask is a dense mask"),
     (DSA, dict(index_interleaved=1), "index_interleaved: expected a bool"),
     (DSA, dict(index_loss=1), "index_loss: expected a bool, got 1"),
