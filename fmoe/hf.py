@@ -5,7 +5,7 @@
 
 A folder holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). Supported `model_type`s: FAMILIES (mixtral, qwen2_moe,
-qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, axk1, kimi_k2, kimi_k25, deepseek_v2, deepseek_v32, glm_moe_dsa, glm4_moe_lite, gpt_oss, solar_open,
+qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, axk1, kimi_k2, kimi_k25, deepseek_v2, deepseek_v32, glm_moe_dsa, hy_v4, glm4_moe_lite, gpt_oss, solar_open,
 exaone_moe, dots1, minimax_m2, granitemoe, granitemoeshared, granitemoe_swa, hunyuan_v1_moe, llama4_text, llama4, afmoe,
 laguna, cohere2_moe, sarvam_moe, sarvam_mla, longcat_flash, bailing_hybrid, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
 mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe), and the dense
@@ -92,6 +92,11 @@ attention in every block, its lightning indexer under self_attn.indexer (wq_b, w
 weight and bias, weights_proj: TransformerConfig.index_*), the indexer's RoPE on halves
 (DeepSeek-V3.2) or interleaved pairs (GLM-5); GLM-5's layers without an indexer (indexer_types
 "shared") attend to the keys the previous full layer chose (index_shared_layers).
+HY-V4 (hy_v4): hc_mult residual streams of independent hyper-connections (under
+layers.{i}.hc_pre.hc_attn_layer / hc_mlp_layer and model.hc_pre.hc_head, Family.hyper) around
+DeepSeek-V3.2's sparse attention with HY-V4's own pieces: the indexer's RoPE on its last
+channels (index_rope_last), an elementwise sigmoid output gate (linear_gate) and a sink per head
+(learnable_sink_param), the routed experts' SwiGLU clamped; its MTP layers are not read.
 Mistral 4 (mistral4, Mistral Small 4's text model): DeepSeek-V3's multi-latent attention with
 the queries scaled by position (TransformerConfig.query_temperature_floor / _scale, from
 rope_parameters' original_max_position_embeddings / llama_4_scaling_beta), softmax routing
@@ -925,6 +930,33 @@ def _glm_moe_dsa(hf: dict) -> dict:
     return dict(_deepseek_v32(hf), **_dsa(hf, interleaved=True), index_shared_layers=shared or None)
 
 
+def _hy_v4(hf: dict) -> dict:
+    """HY-V4 (hy_v4, Hy4): hc_mult residual streams of independent hyper-connections
+    (TransformerConfig.hyper_connections, hc_kind "independent": no mixing, the post weights
+    x hc_magnitude + hc_eps) around DeepSeek-V3.2's sparse attention on multi-latent attention
+    (RoPE on halves, the indexer's on its last qk_rope_head_dim channels, its key's LayerNorm
+    eps rms_norm_eps) with an elementwise sigmoid output gate and a sink per head; the layers
+    indexer_types names "shared" (by default all but layer 0 and every fourth from layer 1)
+    attend to the keys the previous "full" layer chose. DeepSeek-V3's MoE blocks and routing
+    (sigmoid scores with the correction bias, norm_topk_prob, x routed_scaling_factor) beside
+    n_shared_experts shared experts, the routed experts' SwiGLU clamped at swiglu_limit (gate
+    below it, up within +-it); the dense and MoE blocks by mlp_layer_types (by default one
+    dense block first). The MTP layers (model.mtp_layers.*) are not read, as in transformers."""
+    n = hf["num_hidden_layers"]
+    kinds = hf.get("layer_types")
+    if kinds is not None and set(kinds) != {"indexed_attention"}:
+        raise ValueError(f"config.json: layer_types = {kinds!r} is not supported (HY-V4's indexed_attention in every layer)")
+    limit = float(hf.get("swiglu_limit", 10.0))
+    if not limit > 0:
+        raise ValueError(f"config.json: swiglu_limit = {limit!r} is not supported (a positive clamp of the routed experts' SwiGLU)")
+    default = ["full" if i == 0 or (i - 1) % 4 == 0 else "shared" for i in range(n)]
+    shared = tuple(i for i, kind in enumerate(_indexer_types(dict(hf, indexer_types=hf.get("indexer_types") or default))) if kind == "shared")
+    return dict(_mla(hf, interleaved=False), **_mlp_layer_types(hf, 1), **_sigmoid_routing(hf), **_dsa(hf, interleaved=False), index_rope_last=True,
+                index_norm_eps=float(hf.get("rms_norm_eps", 1e-5)), index_shared_layers=shared or None, attn_gate=True, attn_sinks=True,
+                swiglu_alpha=1.0, swiglu_limit=limit, swiglu_offset=0.0, hyper_connections=hf["hc_mult"], hc_kind="independent",
+                hc_magnitude=float(hf["hc_magnitude"]), hc_eps=float(hf["hc_eps"]))
+
+
 def _exaone_moe(hf: dict) -> dict:
     """EXAONE MoE (exaone_moe, K-EXAONE): per-head q/k norms before RoPE; with a
     sliding_window, the layers layer_types names sliding_attention (by default all but every
@@ -1659,7 +1691,8 @@ class Family:
     dense_too: Optional[str] = None
     # the dense MLP's gate and up as the rows of one gate_up_proj [2F, H] (the gate's F rows, then the up's: Phi-3, GLM-4)
     dense_gate_up: bool = False
-    dense_names: tuple[str, str, str] = _PROJ  # the dense MLP's gate, up and down projections (LFM2's w1, w3, w2)
+    # the dense MLP's and the shared experts' gate, up and down projections (LFM2's w1, w3, w2; HY-V4's gate linear_gate)
+    dense_names: tuple[str, str, str] = _PROJ
     norms: tuple[str, str] = ("input_layernorm", "post_attention_layernorm")  # a pre-norm block's norms (LFM2's operator_norm, ffn_norm)
     final_norm: str = "model.norm.weight"  # the final norm's key (LFM2's model.embedding_norm)
     # the norms of a sandwich block (pre_norms and post_norms): before and after the attention, before and after the MLP
@@ -1703,6 +1736,9 @@ class Family:
     # LongCat-Flash's transformers model stacks a gate and up projection per choice (n_experts + zero_experts), the zero
     # experts' unused: its folders hold them as experts n_experts, ... (loading skips them, export writes zeros there)
     zero_expert_rows: bool = False
+    # hyper-connections' weights (TransformerConfig.hyper_connections): the prefixes of a block's attention's and MLP's fn,
+    # base and scale, under the layer, and of the head's, HY-V4's released names (transformers renames them on load)
+    hyper: tuple[str, str, str] = ("hc_pre.hc_attn_layer.hc_", "hc_pre.hc_mlp_layer.hc_", "model.hc_pre.hc_head.hc_head_")
 
     def renamed(self, key: str) -> str:
         """key (as the family's own models name it) in the family's folders (prefix)."""
@@ -1802,6 +1838,17 @@ FAMILIES = {
     "glm_moe_dsa": Family(_glm_moe_dsa, "mlp", _PROJ, "GlmMoeDsaForCausalLM", "shared_experts", mtp=True,
                           defaults=dict(_DEEPSEEK_V3_DEFAULTS, **_DSA_DEFAULTS, index_n_heads=32, n_group=1, topk_group=1, q_lora_rank=2048,
                                         rms_norm_eps=1e-5)),
+    # HY-V4: hyper-connections around DeepSeek sparse attention with a gate and sinks; the experts as [E, 2F, H] / [E, H, F]
+    # stacks; the dense MLPs' and shared experts' gate linear_gate, the attention's gate linear_gate and sinks
+    # learnable_sink_param (the released names, which transformers writes back)
+    "hy_v4": Family(_hy_v4, "mlp", _STACKS, "HYV4ForCausalLM", "shared_experts", fused="halves_out", dense_names=("linear_gate", "up_proj", "down_proj"),
+                    gate_proj="linear_gate", sinks="learnable_sink_param", not_read=("model.mtp_layers.",), aliases=dict(n_routed_experts="num_local_experts"),
+                    defaults=dict(vocab_size=120832, hidden_size=2816, intermediate_size=6912, moe_intermediate_size=768, num_hidden_layers=34,
+                                  num_attention_heads=32, rms_norm_eps=1e-5, n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8,
+                                  routed_scaling_factor=2.827, norm_topk_prob=True, n_group=1, topk_group=1, q_lora_rank=1536, kv_lora_rank=512,
+                                  qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256, index_topk=2048, index_head_dim=128, index_n_heads=16,
+                                  hc_mult=4, hc_magnitude=2.0, hc_eps=1e-6, swiglu_limit=10.0,
+                                  rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
     "glm4_moe_lite": Family(_glm4_moe_lite, "mlp", _PROJ, "Glm4MoeLiteForCausalLM", "shared_experts", mtp=True,
                             defaults=dict(n_shared_experts=1, routed_scaling_factor=1.8, q_lora_rank=768, rms_norm_eps=1e-5)),
     "gpt_oss": Family(_gpt_oss, "mlp", _STACKS, "GptOssForCausalLM", fused="interleaved", router="router.weight",
@@ -2058,7 +2105,7 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
         out[q + "mlp.shared.w_up"] = Tensor((shared + "input_linear.weight",), transpose=True, chunk=(1, (1, 1)))
         out[q + "mlp.shared.w_down"] = Tensor((shared + "output_linear.weight",), transpose=True)
     elif moe and cfg.shared_size:  # the shared experts inside the MoE block
-        for ours, theirs in zip(("w_gate", "w_up", "w_down"), ("gate_proj", "up_proj", "down_proj")):
+        for ours, theirs in zip(("w_gate", "w_up", "w_down"), family.dense_names):
             out[q + "mlp.shared." + ours] = Tensor((f"{mlp}{family.shared}.{theirs}.weight",), transpose=True)
         if cfg.shared_gate:
             out[q + "mlp.shared_gate"] = Tensor((mlp + "shared_expert_gate.weight",), unit=0)
@@ -2072,6 +2119,9 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
     elif not moe:
         for ours, theirs in zip(("w_gate", "w_up", "w_down"), family.dense_names):
             out[q + "mlp." + ours] = Tensor((f"{p}{family.dense}.{theirs}.weight",), transpose=True)
+    if cfg.hyper_connections:  # the streams' weights of the attention and of the MLP (Family.hyper)
+        for ours, theirs in zip(("attn_hc.", "mlp_hc."), family.hyper[:2]):
+            out.update({q + ours + name: Tensor((p + theirs + name,)) for name in ("fn", "base", "scale")})
     return out
 
 
@@ -2181,6 +2231,8 @@ def key_map(family: Family, cfg: TransformerConfig) -> dict[str, Tensor]:
         if family.pairs:
             block = {name: dataclasses.replace(spec, keys=tuple(_sublayer(family, key, p, i % 2) for key in spec.keys)) for name, spec in block.items()}
         out.update(block)
+    if cfg.hyper_connections:  # the streams' last collapse
+        out.update({"hc_head." + name: Tensor((family.hyper[2] + name,)) for name in ("fn", "base", "scale")})
     out["norm.weight"] = Tensor((family.final_norm,))
     if not cfg.tie_embeddings:
         out["head"] = Tensor(("lm_head.weight",))
@@ -2748,7 +2800,7 @@ def _ministral3_rope(cfg: TransformerConfig) -> dict:
 
 # the families whose config.json holds _deepseek_moe_config's fields
 _DEEPSEEK_STYLE = ("glm4_moe", "sarvam_moe", "deepseek_v2", "deepseek_v3", "kimi_k2", "sarvam_mla", "glm4_moe_lite", "dots1", "deepseek_v32", "axk1",
-                   "glm_moe_dsa")
+                   "glm_moe_dsa", "hy_v4")
 
 
 def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
@@ -2992,21 +3044,27 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
         hf.update(attention_bias=cfg.qkv_bias, use_qk_norm=cfg.qk_norm == "head")
     if model_type == "dots1":
         hf.update(attention_bias=cfg.qkv_bias, sliding_window=cfg.window, max_window_layers=cfg.n_layers, layer_types=_layer_types(cfg))
-    if model_type in ("glm4_moe_lite", "deepseek_v32", "glm_moe_dsa", "axk1"):
+    if model_type in ("glm4_moe_lite", "deepseek_v32", "glm_moe_dsa", "axk1", "hy_v4"):
         hf.update(mlp_layer_types=["sparse" if cfg.is_moe(i) else "dense" for i in range(cfg.n_layers)])
+    if model_type == "hy_v4":  # no MTP field (its MTP layers are not read); the streams, the clamp
+        hf.pop("num_nextn_predict_layers")
+        hf.pop("first_k_dense_replace")
+        hf.update(hc_mult=cfg.hyper_connections, hc_magnitude=cfg.hc_magnitude, hc_eps=cfg.hc_eps, swiglu_limit=cfg.swiglu_limit,
+                  layer_types=["indexed_attention"] * cfg.n_layers)
     if model_type == "axk1":  # no first_k_dense_replace (mlp_layer_types says it) nor MTP field in its config
         hf.pop("first_k_dense_replace")
         hf.pop("num_nextn_predict_layers")
     if model_type in ("deepseek_v2", "deepseek_v3", "kimi_k2", "sarvam_mla", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa", "mistral4", "axk1",
-                      "longcat_flash", "bailing_hybrid"):
+                      "longcat_flash", "bailing_hybrid", "hy_v4"):
         rope = cfg.rope_dim or cfg.head_dim
         hf.update(q_lora_rank=cfg.q_rank, kv_lora_rank=cfg.kv_rank, qk_nope_head_dim=cfg.head_dim - rope, qk_rope_head_dim=rope,
                   v_head_dim=cfg.v_head_dim, head_dim=rope, attention_bias=False)
-        if model_type in ("deepseek_v32", "glm_moe_dsa"):
+        if model_type in ("deepseek_v32", "glm_moe_dsa", "hy_v4"):
             hf.update(index_topk=cfg.index_topk, index_n_heads=cfg.index_heads, index_head_dim=cfg.index_head_dim)
-            if model_type == "glm_moe_dsa":
+            if model_type in ("glm_moe_dsa", "hy_v4"):
                 hf.update(indexer_types=["shared" if cfg.is_index_shared(i) else "full" for i in range(cfg.n_layers)])
-        if model_type not in ("deepseek_v32", "glm_moe_dsa", "longcat_flash", "bailing_hybrid"):  # theirs always on interleaved pairs: no such field
+        if model_type not in ("deepseek_v32", "glm_moe_dsa", "longcat_flash", "bailing_hybrid", "hy_v4"):  # theirs always on interleaved pairs (HY-V4's
+            # on halves): no such field
             hf.update(rope_interleave=cfg.rope_interleaved)
         if cfg.yarn_factor is not None:
             hf["rope_parameters"] = _yarn_parameters(cfg)

@@ -715,8 +715,12 @@ class TransformerConfig:
             if changed:
                 raise ValueError(f"{', '.join(changed)}: knobs of hyper-connections, need hyper_connections >= 2")
             return
-        if self.shortcut_moe or self.parallel_blocks or self.residual_scale != 1.0 or self.mtp_depth:
-            raise ValueError("hyper_connections: streams of sequential blocks, not with shortcut_moe, parallel_blocks, residual_scale or mtp_depth")
+        beside = {"shortcut_moe": self.shortcut_moe, "parallel_blocks": self.parallel_blocks, "residual_scale": self.residual_scale != 1.0,
+                  "mtp_depth": self.mtp_depth}
+        if any(beside.values()):
+            found = ", ".join(f"{name}={getattr(self, name)!r}" for name, on in beside.items() if on)
+            raise ValueError(f"hyper_connections: streams of sequential blocks, not with shortcut_moe, parallel_blocks, residual_scale or MTP modules "
+                             f"(got {found}; MTP: mtp_depth=0, --model.mtp_depth=0)")
 
     @property
     def stream_width(self) -> int:

@@ -164,6 +164,14 @@ FAMILIES = {
         n_shared_experts=1, q_lora_rank=12, kv_lora_rank=8, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5,
         routed_scaling_factor=2.5, index_topk=3, index_n_heads=8, index_head_dim=6, mlp_layer_types=["sparse", "dense", "sparse"],
         indexer_types=["full", "shared", "full"], bos_token_id=None, eos_token_id=None),
+    # HY-V4: 3 independent residual streams (post weights x 1.7); DeepSeek sparse attention (the indexer's RoPE on its
+    # last channels, layer 2 attending to layer 1's choice) with an elementwise sigmoid gate and sinks; layer 0 dense,
+    # then 2 groups of 4 experts on sigmoids with the correction bias, renormalised x 2.5, the SwiGLU clamped at 0.5
+    "hy_v4": lambda: transformers.HYV4Config(
+        vocab_size=V, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, max_position_embeddings=128, intermediate_size=40,
+        moe_intermediate_size=12, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1, n_group=2, topk_group=1, q_lora_rank=12,
+        kv_lora_rank=8, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5, routed_scaling_factor=2.5, index_topk=3, index_n_heads=8,
+        index_head_dim=6, hc_mult=3, hc_magnitude=1.7, swiglu_limit=0.5, bos_token_id=None, eos_token_id=None, pad_token_id=None),
     # multi-latent attention without the low-rank q, YaRN with mscale == mscale_all_dim (the
     # -Lite release's); softmax over every expert, 4 groups of 2 scored by their best expert
     # (group_limited_greedy), the top-3 probabilities x 2.5; a shared expert, layer 0 dense
@@ -1581,6 +1589,11 @@ BAD_CONFIGS = [
     ("deepseek_v3", lambda c: c["rope_parameters"].pop("factor"), r"config.json: rope_parameters of rope type 'yarn' lack factor"),
     ("bailing_hybrid", lambda c: c.update(layer_types=["linear_attention", "sliding_attention", "full_attention"]),
      r"config.json: layer_types = .* is not supported \(full_attention or linear_attention for each of the 3 layers\)"),
+    ("hy_v4", lambda c: c.update(layer_types=["indexed_attention", "full_attention", "indexed_attention"]),
+     r"config.json: layer_types = .* is not supported \(HY-V4's indexed_attention in every layer\)"),
+    ("hy_v4", lambda c: c.update(swiglu_limit=0.0), r"config.json: swiglu_limit = 0.0 is not supported \(a positive clamp"),
+    ("hy_v4", lambda c: c.update(attention_bias=True), r"config.json: attention_bias = True is not supported"),
+    ("hy_v4", lambda c: c.update(indexer_types=["shared", "full", "full"]), r"config.json: indexer_types = .* is not supported"),
     ("longcat_flash", lambda c: c.update(qk_head_dim=11), r"config.json: qk_head_dim = 11 is not supported \(qk_nope_head_dim \+ qk_rope_head_dim = 10\)"),
     ("longcat_flash", lambda c: c.update(q_lora_rank=None), r"config.json: q_lora_rank = None is not supported \(a q latent"),
     ("longcat_flash", lambda c: c.update(zero_expert_type="constant"), r"config.json: zero_expert_type = 'constant' is not supported \(identity"),
@@ -2543,3 +2556,34 @@ def test_bailing_hybrid_reads_the_unbounded_decay_and_leaves_its_mtp_layers_unre
         assert torch.equal(hf.from_pretrained(unbounded, impl="torch")[0].logits(ids, cu), want)
     grouped = _edit(path, tmp_path / "grouped", lambda c: c.pop("layer_types"))
     assert hf.read_config(grouped)[1].linear_layers == (0, 1)  # layer_group_size 3: the third layer attends
+
+
+def test_hy_v4_reads_its_streams_and_indexer_layers_and_leaves_its_mtp_layers_unread(folders, tmp_path):
+    """HY-V4: the streams (3, independent, x hc_magnitude), the indexer's RoPE on its last
+    channels and its LayerNorm's eps, the shared indexer layers as config.json lists them or,
+    left out, as transformers derives them (layer 0 and every fourth from layer 1 full); the
+    MTP layers (model.mtp_layers.*) are not read; a model with hyper-connections is not
+    written as a family without them."""
+    from safetensors.torch import load_file, save_file
+
+    path, _ = folders["hy_v4"]
+    _, cfg = hf.read_config(path)
+    assert (cfg.hyper_connections, cfg.hc_kind, cfg.hc_magnitude, cfg.hc_eps) == (3, "independent", 1.7, 1e-6)
+    assert cfg.index_rope_last and not cfg.index_rope_interleaved and not cfg.rope_interleaved and cfg.index_norm_eps == 1e-5
+    assert (cfg.index_shared_layers, cfg.attn_gate, cfg.attn_gate_per_head, cfg.attn_sinks) == ((2,), True, False, True)
+    assert (cfg.swiglu_alpha, cfg.swiglu_limit, cfg.swiglu_offset, cfg.n_dense, cfg.mtp_depth) == (1.0, 0.5, 0.0, 1, 0)
+    six = _edit(path, tmp_path / "six", lambda c: c.update(num_hidden_layers=6, indexer_types=None, mlp_layer_types=None))
+    assert hf.read_config(six)[1].index_shared_layers == (2, 3, 4)  # full: 0, 1, 5
+    model, _ = hf.from_pretrained(path, impl="torch")
+    docs, ids, cu = _packed()
+    with torch.no_grad():
+        want = model.logits(ids, cu)
+    unread = _edit(path, tmp_path / "mtp", lambda c: None)
+    weights = load_file(unread / "model.safetensors")
+    weights["model.mtp_layers.0.self_attn.o_proj.weight"] = torch.zeros(32, 20)
+    save_file(weights, unread / "model.safetensors", metadata={"format": "pt"})
+    with torch.no_grad():
+        assert torch.equal(hf.from_pretrained(unread, impl="torch")[0].logits(ids, cu), want)
+    del model.hf_config
+    with pytest.raises(ValueError, match=r"model: its config has no deepseek_v32 equivalent: .*'hyper_connections': \(3, 0\)"):
+        hf.save_pretrained(model, tmp_path / "v32", model_type="deepseek_v32")

@@ -1567,9 +1567,10 @@ def test_hyper_connections_equal_transformers_modules():
     (dict(hyper_connections=2, hc_sinkhorn_iters=0), r"hc_sinkhorn_iters"),
     (dict(hc_kind="independent"), r"hc_kind: knobs of hyper-connections, need hyper_connections >= 2"),
     (dict(hc_magnitude=1.0, hc_sinkhorn_iters=3), r"hc_magnitude, hc_sinkhorn_iters: knobs of hyper-connections"),
-    (dict(hyper_connections=2, mtp_depth=1), r"hyper_connections: streams of sequential blocks, not with shortcut_moe, parallel_blocks, residual_scale or mtp_depth"),
+    (dict(hyper_connections=2, mtp_depth=1), r"hyper_connections: streams of sequential blocks, not with shortcut_moe, parallel_blocks, residual_scale "
+                                             r"or MTP modules \(got mtp_depth=1; MTP: mtp_depth=0, --model.mtp_depth=0\)"),
     (dict(hyper_connections=2, parallel_blocks=True), r"hyper_connections: streams of sequential blocks"),
-    (dict(hyper_connections=2, residual_scale=0.5), r"hyper_connections: streams of sequential blocks"),
+    (dict(hyper_connections=2, residual_scale=0.5), r"hyper_connections: streams of sequential blocks.*\(got residual_scale=0.5;"),
     (dict(hyper_connections=2, shortcut_moe=True), r"hyper_connections: streams of sequential blocks"),
 ])
 def test_hyper_connection_knobs_are_checked(overrides, message):

@@ -163,3 +163,24 @@ def test_the_pair_must_allow_an_exact_start():
         upcycle_(Transformer(_moe(vocab_size=80)), dense, DENSE)
     with pytest.raises(ValueError, match=r"dense_state: 'blocks.1.mlp.w_up' has shape \(32, 60\), expected \(32, 64\)"):
         upcycle_(Transformer(_moe()), {**dense, "blocks.1.mlp.w_up": torch.zeros(32, 60)}, DENSE)
+
+
+def test_a_dense_model_with_hyper_connections_upcycles_to_its_own_function():
+    """The streams' weights (every block's and the head's) are the dense model's, copied as
+    they are: the upcycled model of 2 x 32 slices computes the dense model's logits."""
+    dense_cfg = dataclasses.replace(DENSE, mtp_depth=0, hyper_connections=3, hc_kind="independent")
+    dense = Transformer(dense_cfg)
+    dense.reset_parameters(seed=3)
+    with torch.no_grad():  # streams that differ: scales of 0.5
+        for name, p in dense.named_parameters():
+            if name.endswith("hc.scale") or name.endswith("hc_head.scale"):
+                p.fill_(0.5)
+    cfg = dataclasses.replace(dense_cfg, n_dense=1, n_experts=8, k=4, ffn_expert=32, n_shared=0, score="softmax", expert_bias=False)
+    moe = Transformer(cfg)
+    moe.reset_parameters(seed=5)
+    upcycle_(moe, dense.state_dict(), dense_cfg, seed=5)
+    assert torch.equal(moe.blocks[2].mlp_hc.fn, dense.blocks[2].mlp_hc.fn) and torch.equal(moe.hc_head.scale, dense.hc_head.scale)
+    batch = make_batch(torch.randint(0, 64, (48,), generator=torch.Generator().manual_seed(0)), torch.tensor([0, 20, 48]))
+    with torch.no_grad():
+        torch.testing.assert_close(moe.logits(batch["input_ids"], batch["cu_seqlens"]), dense.logits(batch["input_ids"], batch["cu_seqlens"]),
+                                   rtol=1e-5, atol=1e-5)
