@@ -419,8 +419,9 @@ class TransformerConfig:
     DeepSeek-V4's mHC, the streams also mixed before the add by a per-token doubly
     stochastic n x n matrix (hc_sinkhorn_iters Sinkhorn-Knopp steps); "independent": HY-V4's,
     no mixing, hc_eps added to the post weights too. hc_magnitude: the post weights' bound
-    (hc_magnitude sigmoid(...)); hc_eps: added to the pre weights. At initialisation the
-    model equals the one-stream model. Not with shortcut_moe, parallel_blocks,
+    (hc_magnitude sigmoid(...)); hc_eps: added to the pre weights. At initialisation (scales
+    0.01) the model is near the one-stream model of its other weights; with the scales and
+    hc_eps 0 and magnitude 2 it is that model. Not with shortcut_moe, parallel_blocks,
     residual_scale or MTP modules.
     """
 
@@ -949,9 +950,10 @@ class HyperConnection(KeepsFloat32):
     stay so when the model is cast, as the router does (their sums need it); the streams
     keep their dtype. Initialised (Transformer.reset_parameters) with fn Normal(0, init_std),
     scale 0.01, the pre bias -log(n - 1) (pre ~ 1/n) and the other biases 0 (post ~
-    magnitude / 2, comb ~ uniform): with equal streams and magnitude 2 the block starts as a one-stream
-    block. `sequence_parallel`: set by fmoe.parallel under tensor parallelism for those
-    inside Blocks, which then see this rank's token shard (their gradients summed over tp)."""
+    magnitude / 2, comb ~ uniform): with equal streams and magnitude 2 the block starts near
+    a one-stream block (exactly one with the scales and eps 0). `sequence_parallel`: set by
+    fmoe.parallel under tensor parallelism for those inside Blocks, which then see this
+    rank's token shard (their gradients summed over tp)."""
 
     _FLOAT32 = ("fn", "base", "scale")
 
@@ -1146,7 +1148,9 @@ class Block(nn.Module):
     TransformerConfig.shortcut): "out", a pair's first block: its MLP input also feeds a
     dense SwiGLU `dense` of cfg.ffn_dense, added here, while the MoE's output is handed on
     beside the residual (its output [T, 2H]); "in", the pair's second: its input [T, 2H],
-    it adds the MoE's output after its MLP's."""
+    it adds the MoE's output after its MLP's. With cfg.hyper_connections n its input and
+    output are the n streams [T, n H]: the attention and the MLP each read their weighted
+    sum and add their output back (HyperConnection: attn_hc, mlp_hc)."""
 
     def __init__(self, cfg: TransformerConfig, moe: bool, *, local: bool = False, rope: bool = True, linear: bool = False,
                  fp8: Optional[bool] = None, index_shared: bool = False, sinks: Optional[bool] = None, shortcut: Optional[str] = None):
@@ -1180,7 +1184,8 @@ class Block(nn.Module):
 
     def forward(self, x_TH, ctx: AttentionContext, token_mask: Optional[torch.Tensor] = None):
         """x [T, H] -> (x [T, H], the MoE stats or None for a dense block); a shortcut pair's
-        first block returns [T, 2H] and its second takes it (class docstring). token_mask:
+        first block returns [T, 2H] and its second takes it, and with hyper-connections x is
+        the streams [T, n H] in and out (class docstring). token_mask:
         None, or [T] bool, False on padding, which the MoE does not route (MoE.forward)."""
         if self.ac == "full":
             return recompute(self._block, x_TH, ctx, token_mask)
@@ -1911,15 +1916,16 @@ class Transformer(nn.Module):
                 layers do not route the padding (fmoe.layers.moe's token_mask).
             ctx: self.context(batch), built once per micro-batch; None builds it here.
             hidden: for a pipeline chunk that is not the first (fmoe.parallel.pipeline_chunk
-                set `pipeline_chunk`): the previous stage's output [T, H]; None otherwise.
+                set `pipeline_chunk`): the previous stage's output [T, H] ([T, n H], the streams,
+                with hyper_connections n); None otherwise.
         Returns:
             (losses, stats) TensorDicts. losses: "lm_sum" (float32 sum of cross-entropy over
             valid tokens), "lm_tokens" (their count), and "mtp_{d}_sum" / "mtp_{d}_tokens".
             stats: "layer_{i}" -> the MoE stats of block i (fmoe.layers.moe), and
             "mtp_{d}" for MTP blocks with experts.
             A pipeline chunk runs only the blocks it holds (the others are placeholders):
-            the first embeds input_ids, one that is not the last returns (hidden [T, H],
-            stats) instead, its output for the next stage; the last returns the losses.
+            the first embeds input_ids, one that is not the last returns (hidden [T, H] or the
+            streams [T, n H], stats) instead, its output for the next stage; the last returns the losses.
         """
         if ctx is None:
             ctx = self.context(batch)

@@ -2587,3 +2587,9 @@ def test_hy_v4_reads_its_streams_and_indexer_layers_and_leaves_its_mtp_layers_un
     del model.hf_config
     with pytest.raises(ValueError, match=r"model: its config has no deepseek_v32 equivalent: .*'hyper_connections': \(3, 0\)"):
         hf.save_pretrained(model, tmp_path / "v32", model_type="deepseek_v32")
+    # and a model without HY-V4's streams or clamp is not written as HY-V4
+    for change in (dict(hyper_connections=0, hc_kind="manifold", hc_magnitude=2.0), dict(hc_kind="manifold"), dict(swiglu_limit=None)):
+        with pytest.raises(ValueError, match=r"model: its config has no hy_v4 equivalent: HY-V4's blocks are independent hyper-connections"):
+            hf.hf_config(dataclasses.replace(cfg, **change), "hy_v4")
+    with pytest.raises(ValueError, match=r"config.json: swiglu_limit = None is not supported \(a positive clamp"):
+        hf.read_config(_edit(path, tmp_path / "no_clamp", lambda c: c.update(swiglu_limit=None)))
