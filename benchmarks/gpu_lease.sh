@@ -12,6 +12,7 @@
 #     bash benchmarks/gpu_lease.sh f    # bench_moe_layer (permute by scatter), bench_routing, bench_delta (269 s on 2026-11-27)
 #     bash benchmarks/gpu_lease.sh g    # the DSA model's compiled train step alone (its MFU, host syncs): past 200 s on 2026-11-28
 #     bash benchmarks/gpu_lease.sh h    # the gpu tests (4 workers), bench_loss, bench_routing (dsv3 cases) (~4 min on an H200)
+#     bash benchmarks/gpu_lease.sh i    # the model's gpu tests, bench_hyper_connections (not yet run)
 #
 # What comes back is written to $OUT (the device tool's folder; gpu_out/ elsewhere), at most
 # 8 files: RESULTS.md (run_all.py's sections, to append to benchmarks/RESULTS.md), log.txt,
@@ -100,8 +101,17 @@ h)
     bench --only bench_loss --timeout 60
     bench --only bench_routing --timeout 180 --extra="--cases dsv3"
     ;;
+i)
+    # hyper-connections (2026-11-28, not yet run on a GPU): their model tests on the device, then
+    # bench_hyper_connections (two cases, each compiling its sublayer twice)
+    timeout 150 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider -o addopts="-ra --durations=5" tests/test_model.py \
+        > "$OUT/gpu_tests.log" 2>&1
+    echo "gpu tests (model): exit $?"
+    grep -E "passed|failed|^FAILED|^ERROR|^E  " "$OUT/gpu_tests.log" | tail -20
+    bench --only bench_hyper_connections --timeout 150
+    ;;
 *)
-    echo "usage: bash benchmarks/gpu_lease.sh a|b|c|e|f|g|h" >&2
+    echo "usage: bash benchmarks/gpu_lease.sh a|b|c|e|f|g|h|i" >&2
     exit 2
     ;;
 esac

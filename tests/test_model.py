@@ -560,15 +560,20 @@ GPU_DSA = dataclasses.replace(GPU_CFG, n_kv_heads=8, head_dim=96, rope_dim=32, r
                               index_topk=256, index_heads=16, index_head_dim=64, index_shared_layers=(2,))
 
 
+# hyper-connections at GPU sizes: 4 mixed streams (bf16) beside their float32 weights
+GPU_MHC = dataclasses.replace(GPU_CFG, hyper_connections=4, mtp_depth=0)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["default", "dsa"])
+@pytest.mark.parametrize("name", ["default", "dsa", "mhc"])
 def test_gpu_training_step_never_syncs(name):
     """One whole training step (forward, losses, backward, clip, AdamW, expert-bias update)
     under torch.cuda.set_sync_debug_mode("error"): any device->host sync raises. DeepSeek
-    sparse attention: its choice of keys (a stable sort) and its indexer loss too."""
+    sparse attention: its choice of keys (a stable sort) and its indexer loss too.
+    Hyper-connections: the streams' weights kept float32 in a bf16 model."""
     from fmoe.optim import AdamW, clip_grad_norm
 
-    model, batch = _gpu_step(GPU_CFG if name == "default" else GPU_DSA)
+    model, batch = _gpu_step({"default": GPU_CFG, "dsa": GPU_DSA, "mhc": GPU_MHC}[name])
     opt = AdamW(model.parameters(), lr=1e-4, state_dtype=torch.bfloat16)
 
     ctx = model.context(batch)
@@ -591,6 +596,8 @@ def test_gpu_training_step_never_syncs(name):
     if name == "dsa":
         # on CUDA the sparse kernel's path: the context keeps the mask's rule, no [T, S] mask
         assert torch.isfinite(model.index_loss_sum().cpu()) and isinstance(ctx.attention[0].mask, fmoe.layers.MaskRows)
+    if name == "mhc":
+        assert model.hc_head.fn.dtype == model.blocks[0].attn_hc.fn.dtype == torch.float32
 
 
 @pytest.mark.gpu
@@ -1282,7 +1289,7 @@ def test_decode_bad_inputs():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["default", "mla", "gpt-oss", "dsa"])
+@pytest.mark.parametrize("name", ["default", "mla", "gpt-oss", "dsa", "mhc"])
 def test_gpu_decode_with_flex_attention_equals_the_whole_sequence(name):
     """On CUDA (FlexAttention, the block mask of the new tokens against the cached keys;
     multi-latent attention absorbed, with the dense mask): a prompt of 300 tokens, then one
