@@ -234,6 +234,42 @@ def test_a_run_from_a_released_longcat_flash_folder_exports_its_layout(tmp_path)
         assert _rel(_transformers_logits(tmp_path / "out_own", docs), model.logits(ids, cu)) < 1e-5
 
 
+def test_a_run_from_an_hy_v4_folder_and_one_of_fmoe_s_own_with_its_streams_export_as_hy_v4(tmp_path):
+    """HY-V4's streams through the user's path: a run from transformers' HY-V4 folder
+    (--model.mtp_depth=0: no MTP module beside hyper-connections) exports with the folder's
+    keys and config, and transformers loads it with the run's logits; a run of fmoe's own with
+    the same pieces (--model.hyper_connections and the rest) exports with --model_type=hy_v4
+    and loads alike."""
+    from safetensors.torch import load_file
+
+    config = transformers.HYV4Config(vocab_size=260, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=40,
+                                     moe_intermediate_size=12, n_routed_experts=4, num_experts_per_tok=2, q_lora_rank=12, kv_lora_rank=8,
+                                     qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5, index_topk=3, index_n_heads=4, index_head_dim=6,
+                                     hc_mult=3, max_position_embeddings=256, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    transformers.HYV4ForCausalLM(config).save_pretrained(tmp_path / "hf")
+    run = _train(tmp_path / "run", f"--init_from_hf={tmp_path / 'hf'}", knobs=[*RUN, "--model.mtp_depth=0"])
+    assert _export(run, tmp_path / "out").returncode == 0
+    assert sorted(load_file(tmp_path / "out" / "model.safetensors")) == sorted(load_file(tmp_path / "hf" / "model.safetensors"))
+    docs, ids, cu = _docs(260)
+    model, _ = load_run(run)
+    with torch.no_grad():
+        assert _rel(_transformers_logits(tmp_path / "out", docs), model.logits(ids, cu)) < 1e-5
+    own = ["--model.hidden=32", "--model.n_layers=2", "--model.n_dense=1", "--model.n_experts=4", "--model.k=2", "--model.ffn_expert=16",
+           "--model.n_heads=4", "--model.n_kv_heads=4", "--model.head_dim=10", "--model.rope_dim=4", "--model.q_rank=12", "--model.kv_rank=8",
+           "--model.v_head_dim=5", "--model.index_topk=3", "--model.index_heads=4", "--model.index_head_dim=6", "--model.index_rope_last=True",
+           "--model.index_norm_eps=1e-5", "--model.attn_gate=True", "--model.attn_sinks=True", "--model.swiglu_alpha=1.0",
+           "--model.swiglu_limit=10.0", "--model.swiglu_offset=0.0", "--model.hyper_connections=3", "--model.hc_kind=independent",
+           "--model.norm_eps=1e-5", *RUN, "--model.mtp_depth=0"]
+    run = _train(tmp_path / "own_run", knobs=own)
+    cli = _export(run, tmp_path / "own_out", "--model_type=hy_v4")
+    assert cli.returncode == 0, cli.stderr[-3000:]
+    model, _ = load_run(run)
+    docs, ids, cu = _docs(258)  # byte data's vocabulary
+    with torch.no_grad():
+        assert _rel(_transformers_logits(tmp_path / "own_out", docs), model.logits(ids, cu)) < 1e-5
+
+
 def test_config_mismatch_names_the_fields_that_change_the_model(hf_run):
     folder, _ = hf_run
     config, cfg = hf.read_config(folder)
