@@ -358,6 +358,15 @@ def select(names: list[str], spec: Optional[str], flag: str, groups: Optional[di
     return [n for n in names if n in picked]
 
 
+def run_cases(doc: str, name: str, make_cases, run_case, columns: list[str]) -> None:
+    """The main of a benchmark of one table over its cases: start (doc's first line), then
+    run_case(case, device, dtype, bandwidth) -> rows for each of make_cases(smoke), then
+    finish (OUT/<name>.csv, the table of `columns`)."""
+    args, device, dtype, bandwidth = start(doc.splitlines()[0])
+    rows = [row for case in make_cases(args.smoke) for row in run_case(case, device, dtype, bandwidth)]
+    finish(args, device, bandwidth, name, [(rows, columns)])
+
+
 def finish(args, device: torch.device, bandwidth: float, name: str, tables: list, **columns) -> None:
     """Write every table's rows to OUT/<name>.csv, with the device, the copy bandwidth and
     `columns` on each row, then print the tables (the last one last).

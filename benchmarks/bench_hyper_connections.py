@@ -35,9 +35,8 @@ from _common import (  # before torch and fmoe: with --smoke it sets TRITON_INTE
     bench,
     check_agree,
     device_columns,
-    finish,
     floor_fraction,
-    start,
+    run_cases,
 )
 
 import torch  # noqa: E402
@@ -127,11 +126,7 @@ def run_case(case: Case, device: torch.device, dtype: torch.dtype, bandwidth: fl
 
 
 def main() -> None:
-    args, device, dtype, bandwidth = start(__doc__.splitlines()[0])
-    rows = []
-    for case in make_cases(args.smoke):
-        rows += run_case(case, device, dtype, bandwidth)
-    finish(args, device, bandwidth, "bench_hyper_connections", [(rows, COLUMNS)])
+    run_cases(__doc__, "bench_hyper_connections", make_cases, run_case, COLUMNS)
 
 
 if __name__ == "__main__":
