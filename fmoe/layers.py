@@ -523,10 +523,10 @@ class AttentionConfig:
     keys, among those its mask allows, that a lightning indexer scores highest (all of them
     when it allows fewer). The indexer has index_heads query heads of index_head_dim, made
     from the normed q latent (index_wq), one key per token (index_wk, then a LayerNorm of
-    weight index_k_norm and bias index_k_bias, eps index_norm_eps: 1e-6, HY-V4's rms_norm_eps) and per-token head weights
-    (index_w); RoPE on the first rot_dim channels of its queries and key (the last ones with
-    index_rope_last: HY-V4's; on interleaved pairs with index_interleaved: GLM-5's; halves:
-    DeepSeek-V3.2's). A key s's score for
+    weight index_k_norm and bias index_k_bias, eps index_norm_eps: 1e-6, HY-V4's
+    rms_norm_eps) and per-token head weights (index_w); RoPE on the first rot_dim channels
+    of its queries and key (the last ones with index_rope_last: HY-V4's; on interleaved
+    pairs with index_interleaved: GLM-5's; halves: DeepSeek-V3.2's). A key s's score for
     query t is sum_h w[t, h] / sqrt(index_heads) * relu(q[t, h] . k[s] / sqrt(index_head_dim)),
     in float32 (fmoe.layers.index_scores). The choice is discrete: the indexer's weights get
     no gradient from the attention output. DSA trains them with a loss of their own:
@@ -1710,8 +1710,8 @@ def _index_rope(x_TND: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: 
 
 def index_keys(x_TH: torch.Tensor, params, cfg: AttentionConfig, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """DeepSeek sparse attention's indexer keys [T, index_head_dim] float32 of tokens x [T, H]:
-    LayerNorm(x index_wk) (weight index_k_norm, bias index_k_bias, eps cfg.index_norm_eps), its first
-    rot_dim channels (the last with cfg.index_rope_last) rotated by the tables cos, sin
+    LayerNorm(x index_wk) (weight index_k_norm, bias index_k_bias, eps cfg.index_norm_eps),
+    its first rot_dim channels (the last with cfg.index_rope_last) rotated by the tables cos, sin
     [T, rot_dim/2] (on interleaved pairs with cfg.index_interleaved). No autograd needed: the
     top-k choice is not differentiable."""
     Di = cfg.index_head_dim

@@ -28,8 +28,7 @@ its micro-batch (positions, cu_seqlens, labels, MTP rows) from the step's list b
 micro-batch index the schedule passes along (a keyword argument, chunked like the inputs),
 and builds its own context. Stage 0's input is the micro-batch's token ids, the others' the
 previous stage's hidden state [T, H] (in the compute dtype; [T, n H], the n streams, with
-hyper_connections). The last stage returns the
-micro-batch's loss, already divided by the step's global valid-token counts: gradients are
+hyper_connections). The last stage returns the micro-batch's loss, already divided by the step's global valid-token counts: gradients are
 not scaled by the schedule (scale_grads=False), and the loss is still a sum over tokens
 divided by the step's count.
 
@@ -119,8 +118,8 @@ def pipeline_chunk(model: Transformer, chunk: PipelineChunk) -> Transformer:
     """Prune `model` (a whole Transformer, best built on the meta device) in place to the
     part `chunk` holds, and set model.pipeline_chunk: blocks outside chunk.layers become
     LayerElsewhere placeholders; the embedding stays on the first stage (and on the last
-    when there are MTP modules); the final norm, head (hyper-connections' hc_head) and MTP modules on the last. Call it
-    before fmoe.parallel.parallelize. Returns model."""
+    when there are MTP modules); the final norm, head (with hyper-connections' hc_head) and
+    MTP modules on the last. Call it before fmoe.parallel.parallelize. Returns model."""
     if not isinstance(model, Transformer):
         raise ValueError(f"model: expected a fmoe.model.Transformer, got {type(model).__name__}")
     n = len(model.blocks)

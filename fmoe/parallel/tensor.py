@@ -26,6 +26,8 @@ heads (attention) or of the FFN columns (SwiGLU) and the output is a sum over ra
                 out_norm [Dv]            replicated (the gated output norm, per head)
                 (kind "kda": wz_b, wf_b  Shard(1), dt_bias [N*Dk] Shard(0); wz_a, wf_a
                 replicated, their gradients summed over tp; with full_rank wz, wf Shard(1))
+    hyper-      attn_hc, mlp_hc's        replicated (per token, on the token shard, like the
+    connections fn, base, scale          norms; their gradients summed over tp)
 
 The parameters become DTensors over the tp mesh (so FSDP2 composes with them and DCP can
 reshard them); the module computes on their local shards.
@@ -58,8 +60,8 @@ rank that holds it (no tp split inside fmoe.parallel.ExpertParallel). Their weig
 alone here, get each rank's partial gradient too; FSDP2 sums those over the expert data
 mesh edp, which holds the tp ranks (fmoe.parallel.parallelize), as under expert parallelism.
 
-Parameters that stay replicated over tp but are used on a token shard (the norms inside
-Blocks, the MoE router and shared-expert gate) get a partial gradient on each tp rank:
+Parameters that stay replicated over tp but are used on a token shard (the norms and the
+hyper-connections' weights inside Blocks, the MoE router and shared-expert gate) get a partial gradient on each tp rank:
 SequenceShard.weight (copy_to_tp) sums it over tp where the weight is used, so their
 gradients are whole and alike on every tp rank, as before. The MoE's capacity drop
 (cfg.capacity_factor) looks at the micro-batch's whole T tokens (SequenceShard.
@@ -170,8 +172,9 @@ def drop_by_capacity_over_ranks(routes: Routes, n_experts: int, capacity_factor:
 
 class SequenceParallelModule(ParallelStyle):
     """A module whose parameters stay replicated over tp but which runs on this rank's token
-    shard (RMSNorm, HyperConnection inside a Block; MoE: router, shared gate, capacity drop): sets its
-    `sequence_parallel` attribute to SequenceShard(tp mesh). Its input is not changed."""
+    shard (RMSNorm, HyperConnection inside a Block; MoE: router, shared gate, capacity
+    drop): sets its `sequence_parallel` attribute to SequenceShard(tp mesh). Its input is not
+    changed."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not hasattr(module, "sequence_parallel"):
