@@ -29,7 +29,6 @@ left out: a few MB, read once. The CSV goes to OUT/bench_hyper_connections.csv.
 """
 
 import dataclasses
-import math
 
 from _common import (  # before torch and fmoe: with --smoke it sets TRITON_INTERPRET
     bench,
@@ -40,7 +39,7 @@ from _common import (  # before torch and fmoe: with --smoke it sets TRITON_INTE
 )
 
 import torch  # noqa: E402
-from fmoe.model import HyperConnection, TransformerConfig  # noqa: E402
+from fmoe.model import HyperConnection, Transformer, TransformerConfig  # noqa: E402
 
 COLUMNS = ["case", "pass", "impl", "ms", "speedup_vs_eager", "floor_fraction", "device_ms", "device_floor_fraction"]
 
@@ -60,13 +59,13 @@ def make_cases(smoke: bool) -> list[Case]:
 
 
 def _module(case: Case, device: torch.device) -> HyperConnection:
-    """A sublayer's HyperConnection with the model's initial weights (Transformer.
-    reset_parameters) but its scales 0.5: streams that part, as after training."""
-    cfg = TransformerConfig(hidden=case.H, n_heads=1, n_kv_heads=1, head_dim=8, n_layers=1, hyper_connections=case.n, hc_kind=case.kind)
-    hc = HyperConnection(cfg).to(device)
+    """A sublayer's HyperConnection with the model's initial weights (a one-block model's
+    attn_hc, Transformer.reset_parameters) but its scales 0.5: streams that part, as after
+    training."""
+    cfg = TransformerConfig(vocab_size=8, hidden=case.H, n_heads=1, n_kv_heads=1, head_dim=8, n_layers=1, ffn_dense=8,
+                            hyper_connections=case.n, hc_kind=case.kind)
+    hc = Transformer(cfg).blocks[0].attn_hc.to(device)
     with torch.no_grad():
-        torch.nn.init.normal_(hc.fn, std=cfg.init_std)
-        hc.base.zero_()[: case.n] = -math.log(case.n - 1)
         hc.scale.fill_(0.5)
     return hc
 

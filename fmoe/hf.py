@@ -946,13 +946,13 @@ def _hy_v4(hf: dict) -> dict:
     kinds = hf.get("layer_types")
     if kinds is not None and set(kinds) != {"indexed_attention"}:
         raise ValueError(f"config.json: layer_types = {kinds!r} is not supported (HY-V4's indexed_attention in every layer)")
-    limit = hf.get("swiglu_limit", 10.0)
+    limit = hf["swiglu_limit"]
     if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not 0 < limit < math.inf:
         raise ValueError(f"config.json: swiglu_limit = {limit!r} is not supported (a positive clamp of the routed experts' SwiGLU)")
     default = ["full" if i == 0 or (i - 1) % 4 == 0 else "shared" for i in range(n)]
     shared = tuple(i for i, kind in enumerate(_indexer_types(dict(hf, indexer_types=hf.get("indexer_types") or default))) if kind == "shared")
     return dict(_mla(hf, interleaved=False), **_mlp_layer_types(hf, 1), **_sigmoid_routing(hf), **_dsa(hf, interleaved=False), index_rope_last=True,
-                index_norm_eps=float(hf.get("rms_norm_eps", 1e-5)), index_shared_layers=shared or None, attn_gate=True, attn_sinks=True,
+                index_norm_eps=float(hf["rms_norm_eps"]), index_shared_layers=shared or None, attn_gate=True, attn_sinks=True,
                 swiglu_alpha=1.0, swiglu_limit=float(limit), swiglu_offset=0.0, hyper_connections=hf["hc_mult"], hc_kind="independent",
                 hc_magnitude=float(hf["hc_magnitude"]), hc_eps=float(hf["hc_eps"]))
 
@@ -3046,18 +3046,16 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
         hf.update(attention_bias=cfg.qkv_bias, sliding_window=cfg.window, max_window_layers=cfg.n_layers, layer_types=_layer_types(cfg))
     if model_type in ("glm4_moe_lite", "deepseek_v32", "glm_moe_dsa", "axk1", "hy_v4"):
         hf.update(mlp_layer_types=["sparse" if cfg.is_moe(i) else "dense" for i in range(cfg.n_layers)])
-    if model_type == "hy_v4":  # no MTP field (its MTP layers are not read); the streams, the clamp
+    if model_type in ("axk1", "hy_v4"):  # no first_k_dense_replace (mlp_layer_types says it) nor MTP field in their configs
+        hf.pop("first_k_dense_replace")
+        hf.pop("num_nextn_predict_layers")
+    if model_type == "hy_v4":  # the streams, the clamp
         if cfg.hyper_connections < 2 or cfg.hc_kind != "independent" or cfg.swiglu_limit is None:
             raise ValueError(f"model: its config has no hy_v4 equivalent: HY-V4's blocks are independent hyper-connections with the routed "
                              f"experts' SwiGLU clamped (hyper_connections >= 2, hc_kind='independent', swiglu_limit), got hyper_connections="
                              f"{cfg.hyper_connections}, hc_kind={cfg.hc_kind!r}, swiglu_limit={cfg.swiglu_limit}")
-        hf.pop("num_nextn_predict_layers")
-        hf.pop("first_k_dense_replace")
         hf.update(hc_mult=cfg.hyper_connections, hc_magnitude=cfg.hc_magnitude, hc_eps=cfg.hc_eps, swiglu_limit=cfg.swiglu_limit,
                   layer_types=["indexed_attention"] * cfg.n_layers)
-    if model_type == "axk1":  # no first_k_dense_replace (mlp_layer_types says it) nor MTP field in its config
-        hf.pop("first_k_dense_replace")
-        hf.pop("num_nextn_predict_layers")
     if model_type in ("deepseek_v2", "deepseek_v3", "kimi_k2", "sarvam_mla", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa", "mistral4", "axk1",
                       "longcat_flash", "bailing_hybrid", "hy_v4"):
         rope = cfg.rope_dim or cfg.head_dim
