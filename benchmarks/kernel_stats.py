@@ -84,8 +84,10 @@ def cases():
     fwd_ptrs = dict(logits_ptr="*bf16", bias_ptr="*fp32", weights_ptr="*fp32", experts_ptr="*i64")
     fwd_scalars = dict(T="i32", scale="fp32")
     ernie = dict(E=64, K=6, G=1, GS=64, TOPK_GROUPS=1, PER_GROUP=6, SCORE=routing.SOFTMAX_POST, HAS_BIAS=True)  # probabilities + bias
-    for name, meta in (("route_fwd deepseek", ds), ("route_fwd qwen", qw), ("route_fwd ernie", ernie)):
-        yield name, routing._route_fwd_kernel, fwd_ptrs, fwd_scalars, {**meta, **routing._fwd_blocks(meta["E"], meta["G"], meta["K"])}
+    # logits + bias choose, raw sigmoids
+    kolibri = dict(E=384, K=6, G=1, GS=384, TOPK_GROUPS=1, PER_GROUP=6, SCORE=routing.SIGMOID_RAW, HAS_BIAS=True, BIAS_ON_LOGITS=True)
+    for name, meta in (("route_fwd deepseek", ds), ("route_fwd qwen", qw), ("route_fwd ernie", ernie), ("route_fwd kolibri", kolibri)):
+        yield name, routing._route_fwd_kernel, fwd_ptrs, fwd_scalars, {"BIAS_ON_LOGITS": False, **meta, **routing._fwd_blocks(meta["E"], meta["G"], meta["K"])}
     bwd_ptrs = dict(logits_ptr="*bf16", experts_ptr="*i64", grad_w_ptr="*fp32", grad_logits_ptr="*bf16")
     for name, E, score in (("route_bwd deepseek", 256, routing.SIGMOID), ("route_bwd qwen", 128, routing.SOFTMAX_POST)):
         yield name, routing._route_bwd_kernel, bwd_ptrs, fwd_scalars, dict(E=E, K=8, SCORE=score, **routing._bwd_blocks(E, 8))

@@ -95,7 +95,8 @@ class Config:
     aux_coeff: float = 0.0          # switch loss over the micro-batch
     z_coeff: float = 0.0            # router z-loss (softmax routing; the default sigmoid routing runs better without)
     bias_rate: float = 3e-2         # aux-loss-free expert-bias step, in the selection scores' units: sigmoids (0..1), or with
-                                    # --model.score=softmax probabilities (about 1/n_experts each: a smaller rate there)
+                                    # --model.score=softmax probabilities (about 1/n_experts each: a smaller rate there), or
+                                    # with --model.expert_bias_on_logits the router's logits
     bias_update: str = "proportional"  # bias_rate * relative load error; sign: +-bias_rate
     # optimizer and schedule
     optimizer: str = "adamw"        # adamw | muon (Muon for matrices, AdamW for the rest)

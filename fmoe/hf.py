@@ -6,7 +6,7 @@
 A folder holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). Supported `model_type`s: FAMILIES (mixtral, qwen2_moe,
 qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, axk1, kimi_k2, kimi_k25, deepseek_v2, deepseek_v32, glm_moe_dsa, hy_v4, glm4_moe_lite, gpt_oss, solar_open,
-exaone_moe, dots1, minimax_m2, granitemoe, granitemoeshared, granitemoe_swa, hunyuan_v1_moe, llama4_text, llama4, afmoe,
+exaone_moe, kolibri1, dots1, minimax_m2, granitemoe, granitemoeshared, granitemoe_swa, hunyuan_v1_moe, llama4_text, llama4, afmoe,
 laguna, cohere2_moe, sarvam_moe, sarvam_mla, longcat_flash, bailing_hybrid, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
 mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe), and the dense
 DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
@@ -97,6 +97,10 @@ layers.{i}.hc_pre.hc_attn_layer / hc_mlp_layer and model.hc_pre.hc_head, Family.
 DeepSeek-V3.2's sparse attention with HY-V4's own pieces: the indexer's RoPE on its last
 channels (index_rope_last), an elementwise sigmoid output gate (linear_gate) and a sink per head
 (learnable_sink_param), the routed experts' SwiGLU clamped; its MTP layers are not read.
+Kolibri-1 (kolibri1): EXAONE's attention in GLM-4's sandwich blocks (the released
+post_attn_norm / post_ffn_norm), every block MoE with a shared expert, routed on the logits
+plus the correction bias (expert_bias_on_logits; released as layers.{i}.moe.router.expert_bias,
+beside the MoE block: Family.correction_bias "../") and weighted by the chosen sigmoids.
 Mistral 4 (mistral4, Mistral Small 4's text model): DeepSeek-V3's multi-latent attention with
 the queries scaled by position (TransformerConfig.query_temperature_floor / _scale, from
 rope_parameters' original_max_position_embeddings / llama_4_scaling_beta), softmax routing
@@ -972,6 +976,31 @@ def _exaone_moe(hf: dict) -> dict:
                 **_sigmoid_routing(hf), qk_norm="head", nope_layers=nope or None)
 
 
+def _kolibri1(hf: dict) -> dict:
+    """Kolibri-1 (kolibri1, Aleph Alpha): EXAONE's attention (per-head q/k norms before RoPE;
+    the layers layer_types names sliding_attention, by default all but every fifth, attend
+    over sliding_window with RoPE, the others globally without RoPE; without a window every
+    layer is global with RoPE), GLM-4's sandwich norms (Family.sandwich: its released
+    post_attn_norm and post_ffn_norm around the attention's and the MLP's outputs); every
+    block MoE: the top-k of the router logits plus the correction bias (on the logits, not
+    their sigmoids: expert_bias_on_logits), weighted by the chosen sigmoids (renormalised
+    with norm_topk_prob, by default not), beside a shared expert of
+    shared_expert_intermediate_size."""
+    if hf.get("layer_types") is None:
+        hf = dict(hf, layer_types=["full_attention" if (i + 1) % 5 == 0 else "sliding_attention" for i in range(hf["num_hidden_layers"])])
+    if hf.get("sliding_window") is None and "sliding_attention" in hf["layer_types"]:
+        raise ValueError("config.json: sliding_window = None is not supported with sliding_attention layers in layer_types "
+                         "(Kolibri-1's sliding layers need a positive window)")
+    _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in Kolibri-1's attention")
+    normalize = bool(hf.get("norm_topk_prob", False))
+    if normalize:
+        _refuse_single_renormalised(hf)
+    hf, nope = _exaone_attention(hf)
+    return dict(_common(hf, hf["num_local_experts"], sliding=True), ffn_expert=hf["moe_intermediate_size"], n_dense=0, n_shared=0,
+                shared_ffn=hf["shared_expert_intermediate_size"], score="sigmoid", expert_bias=True, expert_bias_on_logits=True,
+                route_normalize=normalize, qk_norm="head", nope_layers=nope or None, post_norms=True)
+
+
 def _exaone_attention(hf: dict) -> tuple[dict, tuple[int, ...]]:
     """EXAONE's layers (EXAONE 4.0, K-EXAONE): with a sliding_window, the layers layer_types
     names sliding_attention (by default from sliding_window_pattern: all but every n-th for
@@ -1666,7 +1695,8 @@ class Family:
     experts: tuple[str, str, str]
     architecture: str
     shared: str = "shared_expert"  # the shared experts' module name
-    correction_bias: str = "gate.e_score_correction_bias"  # the routing correction bias, under the MoE block
+    # the routing correction bias, under the MoE block (after "../": under the block itself, Kolibri-1's moe.router.expert_bias)
+    correction_bias: str = "gate.e_score_correction_bias"
     correction_bias_unit: Optional[int] = None  # its stored dim of size 1 that fmoe's [E] leaves out (ERNIE 4.5's [1, E]: 0)
     mtp: bool = False  # MTP modules as layers n_layers, n_layers + 1, ... (DeepSeek-V3's layout)
     # experts as stacks: [E, H, 2F] gate/up and [E, F, H] down, gate and up "interleaved" (gpt-oss,
@@ -1877,6 +1907,10 @@ FAMILIES = {
     "exaone_moe": Family(_exaone_moe, "mlp", _PROJ, "ExaoneMoeForCausalLM", "shared_experts", correction_bias="e_score_correction_bias",
                          not_read=("mtp.",), aliases=dict(n_shared_experts="num_shared_experts"),
                          defaults=dict(num_key_value_heads=32, rms_norm_eps=1e-5, sliding_window=4096, routed_scaling_factor=2.5, n_shared_experts=1)),
+    "kolibri1": Family(_kolibri1, "mlp", _PROJ, "Kolibri1ForCausalLM", "shared_experts", correction_bias="../moe.router.expert_bias",
+                       sandwich=("input_layernorm", "post_attn_norm", "post_attention_layernorm", "post_ffn_norm"),
+                       defaults=dict(num_key_value_heads=4, head_dim=128, sliding_window=513, moe_intermediate_size=512, num_local_experts=384,
+                                     num_experts_per_tok=6, shared_expert_intermediate_size=512)),
     "dots1": Family(_dots1, "mlp", _PROJ, "Dots1ForCausalLM", "shared_experts", defaults=dict(num_key_value_heads=32)),
     "minimax_m2": Family(_minimax_m2, "block_sparse_moe", ("w1", "w3", "w2"), "MiniMaxM2ForCausalLM", correction_bias="e_score_correction_bias",
                          defaults=dict(num_key_value_heads=8, head_dim=128, rope_theta=5e6)),
@@ -2098,7 +2132,8 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
             out[q + "mlp.experts." + ours] = Tensor(tuple(f"{mlp}experts.{e}.{theirs}.weight" for e in range(cfg.n_experts)),
                                                     transpose=True, stacked=True)
     if moe and cfg.expert_bias:  # HF's e_score_correction_bias: fmoe's expert_bias buffer, whatever the experts' layout
-        out[q + "mlp.expert_bias"] = Tensor((mlp + family.correction_bias,), unit=family.correction_bias_unit, row=family.correction_bias_row)
+        bias = p + family.correction_bias[3:] if family.correction_bias.startswith("../") else mlp + family.correction_bias
+        out[q + "mlp.expert_bias"] = Tensor((bias,), unit=family.correction_bias_unit, row=family.correction_bias_row)
     if moe and cfg.shared_size and family.shared_beside:  # Granite: [2Fs, H] gate then up, [H, Fs], beside the MoE block
         shared = p + family.shared + "."
         out[q + "mlp.shared.w_gate"] = Tensor((shared + "input_linear.weight",), transpose=True, chunk=(0, (1, 1)))
@@ -2910,6 +2945,9 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
                   **{k: v for k, v in moe_fields.items() if k != "num_nextn_predict_layers"}, attention_bias=False,
                   mlp_layer_types=["sparse" if cfg.is_moe(i) else "dense" for i in range(cfg.n_layers)],
                   sliding_window=cfg.window, layer_types=_layer_types(cfg))
+    elif model_type == "kolibri1":
+        hf.update(num_local_experts=cfg.n_experts, moe_intermediate_size=cfg.ffn_expert, shared_expert_intermediate_size=cfg.shared_size,
+                  norm_topk_prob=cfg.route_normalize, sliding_window=cfg.window, layer_types=_layer_types(cfg))
     elif model_type == "flint":
         hf.update(num_experts=cfg.n_experts, moe_intermediate_size=cfg.ffn_expert, intermediate_size=cfg.ffn_dense, decoder_sparse_step=1,
                   mlp_only_layers=[i for i in range(cfg.n_layers) if i not in moe], norm_topk_prob=cfg.route_normalize,
@@ -3126,19 +3164,20 @@ def written_config(hf: dict) -> dict:
 # TransformerConfig fields that only MoE blocks read (the dense MLP is a plain SwiGLU)
 _MOE_ONLY = {"n_experts", "k", "ffn_expert", "n_shared", "shared_ffn", "shared_gate", "score", "pre_softmax", "n_groups", "topk_groups",
              "group_score_topk", "route_scale", "route_normalize", "expert_bias", "route_on_input", "router_bias", "expert_biases",
-             "swiglu_alpha", "swiglu_limit", "swiglu_offset", "router_softcap", "shared_scale"}
+             "swiglu_alpha", "swiglu_limit", "swiglu_offset", "router_softcap", "shared_scale", "expert_bias_on_logits"}
 
 
 def config_mismatch(cfg: TransformerConfig, hf: dict) -> dict[str, tuple]:
     """{field: (cfg's value, the value config.json `hf` maps to)} for each TransformerConfig
     field in which a model of `cfg` differs from the checkpoint's model (ignoring what does
     not change the weights' meaning: impl, ac, fp8 and its knobs, init_std, the capacity, how the dense and MoE
-    layers are spelled, and the MTP depth and mtp_norm of a family that stores MTP layers:
+    layers and the shared experts' size (n_shared or shared_ffn) are spelled, and the MTP depth and mtp_norm of a family that stores MTP layers:
     save_pretrained writes MTP modules that use the final norm with a copy of it as their
     own); {} when `cfg` is that model."""
     family = FAMILIES[hf["model_type"]]
     back = TransformerConfig(**family.kwargs(hf))
-    ignored = {"impl", "ac", "fp8", "fp8_layers", "fp8_fast_accum", "init_std", "ffn_dense", "n_dense", "n_shared", "moe_layers", "capacity_factor", "capacity_policy"}
+    ignored = {"impl", "ac", "fp8", "fp8_layers", "fp8_fast_accum", "init_std", "ffn_dense", "n_dense", "n_shared", "shared_ffn", "moe_layers",
+               "capacity_factor", "capacity_policy"}
     if cfg.yarn_factor is None:
         ignored |= {"yarn_original_max_positions", "yarn_truncate"}
     if cfg.llama3_factor is None:

@@ -148,6 +148,9 @@ class MoEConfig:
     E + Z choices (n_choices), and a slot routed to a zero expert passes its token through
     times its weight, with no FLOPs (fmoe.ops.split_zero_experts); the capacity, the
     expert weights and expert parallelism count the E computing experts only.
+    bias_on_logits: sigmoid scoring chooses on the logits + params["expert_bias"] instead of
+    the sigmoids + it (fmoe.ops.route's bias_on_logits; Kolibri-1); the weights are the
+    chosen sigmoids all the same.
     """
 
     n_experts: int
@@ -176,6 +179,7 @@ class MoEConfig:
     shared_scale: float = 1.0
     sparsemixer_eps: float = 0.01
     zero_experts: int = 0
+    bias_on_logits: bool = False
 
     def __post_init__(self):
         check_positive_int("n_experts", self.n_experts)
@@ -197,6 +201,10 @@ class MoEConfig:
         check_fp8_fast_accum(self.fp8_fast_accum, self.fp8)
         if not isinstance(self.weights_on_input, bool):
             raise ValueError(f"weights_on_input: expected a bool, got {self.weights_on_input!r}")
+        if not isinstance(self.bias_on_logits, bool):
+            raise ValueError(f"bias_on_logits: expected a bool, got {self.bias_on_logits!r}")
+        if self.bias_on_logits and self.score != "sigmoid":
+            raise ValueError(f"bias_on_logits: applies to score='sigmoid' only, got score={self.score!r}")
 
     @property
     def n_choices(self) -> int:
@@ -379,7 +387,7 @@ def moe(
             random_logits(logits_TE) if cfg.random_routing else logits_TE, k,
             score=cfg.score, pre_softmax=cfg.pre_softmax, n_groups=cfg.n_groups, topk_groups=cfg.topk_groups,
             expert_bias=params.get("expert_bias"), scale=cfg.scale, check=cfg.check_nan, impl=cfg.impl,
-            group_score_topk=cfg.group_score_topk, normalize=cfg.normalize,
+            group_score_topk=cfg.group_score_topk, normalize=cfg.normalize, bias_on_logits=cfg.bias_on_logits,
         )
     if token_mask is not None:  # padding is not routed: its slots are dropped before any capacity
         routes = keep_slots(routes, token_mask[:, None])

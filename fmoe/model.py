@@ -287,7 +287,8 @@ class TransformerConfig:
     weights not renormalised), n_groups/topk_groups with group_score_topk (a group's score
     sums its best group_score_topk scores; None: k // topk_groups), route_scale,
     route_normalize (sigmoid: renormalise the k weights; False keeps the raw sigmoids),
-    expert_bias (aux-loss-free balancing: a bias on the sigmoids, or softmax's probabilities, for the choice only), capacity_factor with
+    expert_bias (aux-loss-free balancing: a bias on the sigmoids, or softmax's probabilities, for the choice only;
+    with expert_bias_on_logits on the sigmoid scoring's logits instead: Kolibri-1's), capacity_factor with
     capacity_policy ("probs" | "position"), zero_experts (Z zero-computation experts beside
     the n_experts computing ones: the router chooses among n_experts + Z, and a slot routed
     to a zero expert passes its token through times its weight, with no FLOPs: LongCat-Flash's
@@ -446,6 +447,7 @@ class TransformerConfig:
     route_scale: Optional[float] = None
     route_normalize: bool = True
     expert_bias: bool = True
+    expert_bias_on_logits: bool = False
     sparsemixer_eps: float = 0.01
     zero_experts: int = 0
     shortcut_moe: bool = False
@@ -688,6 +690,11 @@ class TransformerConfig:
         check_sparsemixer_knobs(self.score, self.k, self.sparsemixer_eps, pre_softmax=self.pre_softmax, n_groups=self.n_groups,
                                 topk_groups=self.topk_groups, route_scale=self.route_scale, group_score_topk=self.group_score_topk,
                                 route_normalize=self.route_normalize)
+        if not isinstance(self.expert_bias_on_logits, bool):
+            raise ValueError(f"expert_bias_on_logits: expected a bool, got {self.expert_bias_on_logits!r}")
+        if self.expert_bias_on_logits and (self.score != "sigmoid" or not self.expert_bias):
+            raise ValueError("expert_bias_on_logits: the expert bias on sigmoid scoring's logits, needs score='sigmoid' and expert_bias=True "
+                             f"(got score={self.score!r}, expert_bias={self.expert_bias!r})")
         self.moe_config()  # its own checks (the SwiGLU options)
         if self.score == "sparsemixer":  # its knobs checked above
             if self.expert_bias:
@@ -696,7 +703,8 @@ class TransformerConfig:
         # the routing knobs, checked by the op itself on no tokens
         route(torch.zeros(0, self.n_choices, device="cpu"), self.k, score=self.score, pre_softmax=self.pre_softmax,
               n_groups=self.n_groups, topk_groups=self.topk_groups, scale=self.route_scale, group_score_topk=self.group_score_topk,
-              normalize=self.route_normalize, check=False, impl="torch")
+              normalize=self.route_normalize, check=False, impl="torch", expert_bias=torch.zeros(self.n_choices, device="cpu") if self.expert_bias else None,
+              bias_on_logits=self.expert_bias_on_logits)
 
     def _check_hyper_connections(self) -> None:
         n = self.hyper_connections
@@ -827,7 +835,7 @@ class TransformerConfig:
             swiglu_alpha=self.swiglu_alpha, swiglu_limit=self.swiglu_limit, swiglu_offset=self.swiglu_offset,
             weights_on_input=self.route_on_input, fp8=self.fp8 if fp8 is None else fp8,
             fp8_fast_accum=self.fp8_fast_accum and (self.fp8 if fp8 is None else fp8), logit_softcap=self.router_softcap, shared_scale=self.shared_scale,
-            sparsemixer_eps=self.sparsemixer_eps, zero_experts=self.zero_experts,
+            sparsemixer_eps=self.sparsemixer_eps, zero_experts=self.zero_experts, bias_on_logits=self.expert_bias_on_logits,
         )
 
     def linear_attention_config(self, fp8: Optional[bool] = None) -> LinearAttentionConfig:

@@ -281,3 +281,25 @@ def test_config_mismatch_names_the_fields_that_change_the_model(hf_run):
     assert hf.config_mismatch(dataclasses.replace(cfg, n_shared=1), config) == {"shared_size": (24, 0)}
     # zero-computation experts: no family has them (its router would be the wrong size)
     assert hf.config_mismatch(dataclasses.replace(cfg, zero_experts=2), config) == {"zero_experts": (2, 0)}
+
+
+def test_a_run_of_fmoe_s_own_routed_on_the_logits_plus_the_bias_exports_as_kolibri1(tmp_path):
+    """Kolibri-1's pieces through the user's path: a run of fmoe's own with the expert bias
+    on the logits (--model.expert_bias_on_logits; the loop's bias updates move it), EXAONE's
+    attention over a window and sandwich blocks exports with --model_type=kolibri1, and
+    transformers loads it with the run's logits and the moved bias."""
+    from safetensors.torch import load_file
+
+    own = ["--model.hidden=32", "--model.n_layers=2", "--model.n_dense=0", "--model.n_experts=4", "--model.k=2", "--model.ffn_expert=16",
+           "--model.n_heads=4", "--model.n_kv_heads=2", "--model.head_dim=8", "--model.qk_norm=head", "--model.window=4",
+           "--model.post_norms=True", "--model.route_normalize=False", "--model.expert_bias_on_logits=True", *RUN, "--model.mtp_depth=0",
+           "--bias_rate=0.1"]
+    run = _train(tmp_path / "run", knobs=own)
+    cli = _export(run, tmp_path / "out", "--model_type=kolibri1")
+    assert cli.returncode == 0, cli.stderr[-3000:]
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["layer_types"] == ["sliding_attention"] * 2
+    assert load_file(tmp_path / "out" / "model.safetensors")["model.layers.1.moe.router.expert_bias"].abs().max() > 0
+    model, _ = load_run(run)
+    docs, ids, cu = _docs(258)  # byte data's vocabulary
+    with torch.no_grad():
+        assert _rel(_transformers_logits(tmp_path / "out", docs), model.logits(ids, cu)) < 1e-5

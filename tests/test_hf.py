@@ -206,6 +206,12 @@ FAMILIES = {
     # per-head q/k norms; a 4-token window with RoPE in layers 0 and 2, layer 1 global
     # without RoPE (NoPE); DeepSeek-V3's routing (2 groups of 4 experts scored by their best 2,
     # the correction bias beside the router, renormalised x 2.5) and a shared expert; layer 0 dense
+    # Kolibri-1: EXAONE's attention (layers 0 and 2 over a window of 4 with RoPE, layer 1 global without) in sandwich
+    # blocks, every block MoE: the top-3 of the logits plus the correction bias, their raw sigmoids, a shared expert
+    "kolibri1": lambda: transformers.Kolibri1Config(**COMMON, head_dim=8, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=3,
+                                                    shared_expert_intermediate_size=24, sliding_window=4,
+                                                    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                                    bos_token_id=None, eos_token_id=None, pad_token_id=None),
     "exaone_moe": lambda: transformers.ExaoneMoeConfig(**COMMON, head_dim=8, intermediate_size=40, moe_intermediate_size=16, num_experts=8,
                                                        num_experts_per_tok=3, n_group=2, topk_group=1, num_shared_experts=1,
                                                        routed_scaling_factor=2.5, sliding_window=4, sliding_window_pattern=2,
@@ -1589,6 +1595,10 @@ BAD_CONFIGS = [
     ("deepseek_v3", lambda c: c["rope_parameters"].pop("factor"), r"config.json: rope_parameters of rope type 'yarn' lack factor"),
     ("bailing_hybrid", lambda c: c.update(layer_types=["linear_attention", "sliding_attention", "full_attention"]),
      r"config.json: layer_types = .* is not supported \(full_attention or linear_attention for each of the 3 layers\)"),
+    ("kolibri1", lambda c: c.update(sliding_window=None),
+     r"config.json: sliding_window = None is not supported with sliding_attention layers in layer_types"),
+    ("kolibri1", lambda c: c.update(attention_bias=True), r"config.json: attention_bias = True is not supported \(no attention biases"),
+    ("kolibri1", lambda c: c.update(norm_topk_prob=True, num_experts_per_tok=1), r"config.json: num_experts_per_tok = 1 is not supported"),
     ("hy_v4", lambda c: c.update(layer_types=["indexed_attention", "full_attention", "indexed_attention"]),
      r"config.json: layer_types = .* is not supported \(HY-V4's indexed_attention in every layer\)"),
     ("hy_v4", lambda c: c.update(swiglu_limit=0.0), r"config.json: swiglu_limit = 0.0 is not supported \(a positive clamp"),
@@ -2593,3 +2603,30 @@ def test_hy_v4_reads_its_streams_and_indexer_layers_and_leaves_its_mtp_layers_un
             hf.hf_config(dataclasses.replace(cfg, **change), "hy_v4")
     with pytest.raises(ValueError, match=r"config.json: swiglu_limit = None is not supported \(a positive clamp"):
         hf.read_config(_edit(path, tmp_path / "no_clamp", lambda c: c.update(swiglu_limit=None)))
+
+
+def test_kolibri1_routes_on_the_logits_plus_the_bias_and_reads_its_layer_pattern(folders, tmp_path):
+    """Kolibri-1: the correction bias (released as layers.{i}.moe.router.expert_bias) added to
+    the logits to choose, which matters in this model: the same weights with the bias on the
+    sigmoids give other logits, and such a model is not written as kolibri1. Sandwich norms,
+    the window's layers with RoPE and the global one without; left out, layer_types is every
+    fifth layer global; without a window, every layer global with RoPE."""
+    path, ref = folders["kolibri1"]
+    _, cfg = hf.read_config(path)
+    assert (cfg.score, cfg.expert_bias, cfg.expert_bias_on_logits, cfg.route_normalize, cfg.n_dense, cfg.shared_size) == ("sigmoid", True, True, False, 0, 24)
+    assert (cfg.window, cfg.window_layers, cfg.nope_layers, cfg.qk_norm, cfg.pre_norms, cfg.post_norms) == (4, (0, 2), (1,), "head", True, True)
+    docs, ids, cu = _packed()
+    with torch.no_grad():
+        theirs = torch.cat([ref(d[None]).logits[0] for d in docs])
+        model, _ = hf.from_pretrained(path, impl="torch")
+        assert _rel(model.logits(ids, cu), theirs) < 1e-5
+        on_sigmoids, _ = hf.from_pretrained(path, impl="torch", expert_bias_on_logits=False)
+        assert _rel(on_sigmoids.logits(ids, cu), theirs) > 1e-2
+    del on_sigmoids.hf_config
+    with pytest.raises(ValueError, match=r"model: its config has no kolibri1 equivalent: .*'expert_bias_on_logits': \(False, True\)"):
+        hf.save_pretrained(on_sigmoids, tmp_path / "on-sigmoids", model_type="kolibri1")
+    ten = _edit(path, tmp_path / "ten", lambda c: c.update(num_hidden_layers=10, layer_types=None))
+    assert hf.read_config(ten)[1].nope_layers == (4, 9)
+    plain = _edit(path, tmp_path / "plain", lambda c: c.update(sliding_window=None, layer_types=["full_attention"] * 3))
+    _, cfg = hf.read_config(plain)
+    assert cfg.window is None and cfg.nope_layers is None

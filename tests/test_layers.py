@@ -28,6 +28,8 @@ CONFIGS = {
     "zero experts sigmoid groups bias shared capacity": MoEConfig(n_experts=4, k=3, score="sigmoid", zero_experts=2, n_groups=3, topk_groups=2,
                                                                   capacity_factor=0.75),
     "zero experts weights on input": MoEConfig(n_experts=4, k=2, score="sigmoid", normalize=False, zero_experts=1, weights_on_input=True),
+    # Kolibri-1: the expert bias added to the logits to choose, the raw sigmoids as weights, a shared expert
+    "bias on logits shared": MoEConfig(n_experts=8, k=3, score="sigmoid", normalize=False, bias_on_logits=True),
 }
 
 
@@ -58,7 +60,8 @@ def _loop_moe(x, params, cfg):
     x = x.float()
     logits = x @ p["router"].T
     routes = ops.route(logits, cfg.k, score=cfg.score, pre_softmax=cfg.pre_softmax, n_groups=cfg.n_groups,
-                       topk_groups=cfg.topk_groups, expert_bias=params.get("expert_bias"), scale=cfg.scale, normalize=cfg.normalize, impl="torch")
+                       topk_groups=cfg.topk_groups, expert_bias=params.get("expert_bias"), scale=cfg.scale, normalize=cfg.normalize,
+                       bias_on_logits=cfg.bias_on_logits, impl="torch")
     if cfg.capacity_factor is not None:  # over the computing experts' slots only
         zero = routes.experts >= cfg.n_experts
         computing = ops.Routes(routes.weights, torch.where(zero, -1, routes.experts))
@@ -229,6 +232,13 @@ def test_moe_bad_inputs(device):
         moe(x, params, dataclasses.replace(cfg, align=0))
     with pytest.raises(ValueError, match="weights_on_input: expected a bool, got 1"):
         dataclasses.replace(cfg, weights_on_input=1)
+    with pytest.raises(ValueError, match="bias_on_logits: expected a bool, got 1"):
+        dataclasses.replace(cfg, score="sigmoid", bias_on_logits=1)
+    with pytest.raises(ValueError, match="bias_on_logits: applies to score='sigmoid' only, got score='softmax'"):
+        dataclasses.replace(cfg, bias_on_logits=True)
+    logit_bias = dataclasses.replace(cfg, score="sigmoid", bias_on_logits=True)  # a config without the bias it moves
+    with pytest.raises(ValueError, match="bias_on_logits: applies to score='sigmoid' with an expert_bias only"):
+        moe(x, params, logit_bias)
     with pytest.raises(ValueError, match="params: shared experts need all of"):
         moe(x, dict(params, shared_w_gate=torch.randn(H, 8, device=device)), cfg)
     zero = dataclasses.replace(cfg, zero_experts=2)  # the router scores the 4 experts and the 2 zero experts

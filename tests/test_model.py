@@ -103,6 +103,10 @@ VARIANTS = {
     "hy_v4": dataclasses.replace(TINY, hyper_connections=3, hc_kind="independent", n_kv_heads=4, head_dim=12, rope_dim=4, q_rank=10,
                                  kv_rank=6, v_head_dim=5, index_topk=3, index_heads=4, index_head_dim=6, index_shared_layers=(2,),
                                  attn_gate=True, attn_sinks=True, swiglu_alpha=1.0, swiglu_limit=0.5, swiglu_offset=0.0),
+    # Kolibri-1's blocks: EXAONE's attention (blocks 0 and 1 over a window with RoPE, block 2 global without) in
+    # sandwich blocks, every block MoE routed on the logits plus the expert bias, the raw sigmoids as weights
+    "kolibri1": dataclasses.replace(TINY, qk_norm="head", window=4, window_layers=(0, 1), nope_layers=(2,), post_norms=True, n_dense=0,
+                                    route_normalize=False, expert_bias_on_logits=True, mtp_depth=1),
     # gpt-oss's pieces: q/k/v/o biases, attention sinks, a router bias, expert biases, the
     # clamped SwiGLU, YaRN without truncation, sliding windows in blocks 0 and 2
     "gpt-oss": dataclasses.replace(TINY, qkv_bias=True, o_bias=True, attn_sinks=True, router_bias=True, expert_biases=True, swiglu_alpha=1.702,
@@ -725,6 +729,9 @@ _SMALL = dict(vocab_size=40, hidden=32, n_layers=4, n_dense=1, ffn_dense=48, n_e
     (dict(rope_dim=7), r"rope_dim: expected an even int in 2..head_dim"),
     (dict(n_shared=0, shared_gate=True), r"shared_gate: needs shared experts"),
     (dict(shared_ffn=-1), r"shared_ffn: expected an int >= 0 or None"),
+    (dict(expert_bias_on_logits=1), r"expert_bias_on_logits: expected a bool, got 1"),
+    (dict(expert_bias_on_logits=True, score="softmax"), r"expert_bias_on_logits: .* needs score='sigmoid' and expert_bias=True \(got score='softmax'"),
+    (dict(expert_bias_on_logits=True, expert_bias=False), r"expert_bias_on_logits: .* \(got score='sigmoid', expert_bias=False\)"),
 ])
 def test_released_model_knobs_are_checked(overrides, message):
     with pytest.raises(ValueError, match=message):

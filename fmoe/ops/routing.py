@@ -9,6 +9,7 @@ Selection score s and gate weights w, computed in float32 whatever the logits dt
     score="softmax", pre_softmax=True    s = softmax(logits) w = s of the chosen, not renormalised
     score="sigmoid"                      s = sigmoid(logits) + expert_bias
                                          w = sigmoid of the chosen / (their sum + 1e-20) if k > 1
+    score="sigmoid", bias_on_logits      s = logits + expert_bias (Kolibri-1), w as above
 
 With an expert_bias and softmax scoring, s = softmax(logits) + expert_bias (the bias shifts
 probabilities, as it shifts sigmoids: ERNIE 4.5's aux-loss-free routing) and the weights
@@ -74,9 +75,11 @@ class Routes(NamedTuple):
 # ----------------------------------------------------------------------------------------
 
 
-def _scores_ref(logits_TE, score_code, expert_bias_E):
+def _scores_ref(logits_TE, score_code, expert_bias_E, bias_on_logits=False):
     """(selection score, weight source) in float32."""
     x_TE = logits_TE.float()
+    if bias_on_logits:  # sigmoid scoring, the bias added before the (monotone) sigmoid
+        return x_TE + expert_bias_E, torch.sigmoid(x_TE)
     if score_code == SOFTMAX_POST and expert_bias_E is None:
         return x_TE, x_TE
     if score_code in (SOFTMAX_POST, SOFTMAX_PRE):
@@ -106,10 +109,11 @@ def _topk_experts_ref(sel_TE, k, n_groups, topk_groups, per_group):
     return order_TE[:, :k]
 
 
-def route_ref(logits_TE, k, score_code, n_groups, topk_groups, expert_bias_E, scale, per_group=None):
+def route_ref(logits_TE, k, score_code, n_groups, topk_groups, expert_bias_E, scale, per_group=None, bias_on_logits=False):
     """Plain-torch routing; differentiable w.r.t. the logits through torch autograd.
-    per_group: experts summed per group score (None: k // topk_groups)."""
-    sel_TE, src_TE = _scores_ref(logits_TE, score_code, expert_bias_E)
+    per_group: experts summed per group score (None: k // topk_groups); bias_on_logits:
+    sigmoid scoring chooses on logits + expert_bias."""
+    sel_TE, src_TE = _scores_ref(logits_TE, score_code, expert_bias_E, bias_on_logits)
     per_group = k // topk_groups if per_group is None else per_group
     experts_TK = _topk_experts_ref(sel_TE.detach(), k, n_groups, topk_groups, per_group)
     chosen_TK = src_TE.gather(1, experts_TK)
@@ -132,7 +136,7 @@ def _route_fwd_kernel(
     logits_ptr, bias_ptr, weights_ptr, experts_ptr, T, scale,
     E: tl.constexpr, K: tl.constexpr, G: tl.constexpr, GS: tl.constexpr,
     TOPK_GROUPS: tl.constexpr, PER_GROUP: tl.constexpr,
-    SCORE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SCORE: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_ON_LOGITS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One pass over BLOCK_T rows of logits: scores, group selection, top-k, weights.
@@ -166,6 +170,8 @@ def _route_fwd_kernel(
         p = tl.where(live, p, 0.0)
         row_sum_T = tl.sum(p, axis=1)
         sel = p / row_sum_T[:, None]
+    elif BIAS_ON_LOGITS:  # sigmoid, the bias added to the logits: choose on them (the sigmoid is monotone)
+        sel = x
     else:  # sigmoid
         sel = tl.sigmoid(x)
     if HAS_BIAS:  # for selection only
@@ -303,7 +309,7 @@ def _bwd_blocks(E: int, k: int) -> dict:
 @torch.library.custom_op("fmoe::route_fwd", mutates_args=())
 def _route_fwd(
     logits: torch.Tensor, k: int, score_code: int, n_groups: int, topk_groups: int,
-    expert_bias: Optional[torch.Tensor], scale: float, per_group: int,
+    expert_bias: Optional[torch.Tensor], scale: float, per_group: int, bias_on_logits: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     T, E = logits.shape
     weights = torch.empty(T, k, dtype=torch.float32, device=logits.device)
@@ -314,13 +320,13 @@ def _route_fwd(
     _route_fwd_kernel[(triton.cdiv(T, meta["BLOCK_T"]),)](
         logits.contiguous(), expert_bias if expert_bias is not None else logits, weights, experts, T, scale,
         E=E, K=k, G=n_groups, GS=E // n_groups, TOPK_GROUPS=topk_groups, PER_GROUP=per_group,
-        SCORE=score_code, HAS_BIAS=expert_bias is not None, **meta,
+        SCORE=score_code, HAS_BIAS=expert_bias is not None, BIAS_ON_LOGITS=bias_on_logits, **meta,
     )
     return weights, experts
 
 
 @_route_fwd.register_fake
-def _(logits, k, score_code, n_groups, topk_groups, expert_bias, scale, per_group):
+def _(logits, k, score_code, n_groups, topk_groups, expert_bias, scale, per_group, bias_on_logits):
     T = logits.shape[0]
     return (logits.new_empty(T, k, dtype=torch.float32), logits.new_empty(T, k, dtype=torch.int64))
 
@@ -348,7 +354,7 @@ def _(grad_weights, logits, experts, score_code, scale):
 
 
 def _route_setup_context(ctx, inputs, output):
-    logits, _k, score_code, *_rest, scale, _per_group = inputs
+    logits, _k, score_code, *_rest, scale, _per_group, _bias_on_logits = inputs
     ctx.save_for_backward(logits, output[1])
     ctx.score_code, ctx.scale = score_code, scale
 
@@ -356,7 +362,7 @@ def _route_setup_context(ctx, inputs, output):
 def _route_backward(ctx, grad_weights, _grad_experts):
     logits, experts = ctx.saved_tensors
     grad_logits = _route_bwd(grad_weights, logits, experts, ctx.score_code, ctx.scale)
-    return grad_logits, None, None, None, None, None, None, None
+    return grad_logits, None, None, None, None, None, None, None, None
 
 
 _route_fwd.register_autograd(_route_backward, setup_context=_route_setup_context)
@@ -405,6 +411,7 @@ def route(
     impl: str = "auto",
     group_score_topk: Optional[int] = None,
     normalize: bool = True,
+    bias_on_logits: bool = False,
 ) -> Routes:
     """Choose k experts per token and their gate weights (SPEC.md section 1).
 
@@ -427,6 +434,9 @@ def route(
         scale: multiplies the weights (DeepSeek-V3: 2.5).
         normalize: sigmoid scoring only: divide the k chosen sigmoids by their sum (the
             default, DeepSeek-V3); False keeps the raw sigmoids (HF norm_topk_prob=False).
+        bias_on_logits: sigmoid scoring with an expert_bias only: choose on logits +
+            expert_bias instead of sigmoid(logits) + expert_bias (Kolibri-1); the weights are
+            the chosen sigmoids all the same.
         check: raise a ValueError on NaN logits (one device->host sync; skipped under
             torch.compile). Unchecked NaN rows get NaN weights, never finite ones.
         impl: "auto" (Triton on CUDA, torch otherwise), "triton" or "torch".
@@ -451,6 +461,11 @@ def route(
         raise ValueError(f"normalize: expected a bool, got {normalize!r}")
     if score == "softmax" and not normalize:
         raise ValueError("normalize: applies to score='sigmoid' only (softmax: use pre_softmax=True for unnormalised weights)")
+    if not isinstance(bias_on_logits, bool):
+        raise ValueError(f"bias_on_logits: expected a bool, got {bias_on_logits!r}")
+    if bias_on_logits and (score != "sigmoid" or expert_bias is None):
+        raise ValueError(f"bias_on_logits: applies to score='sigmoid' with an expert_bias only (got score={score!r}, "
+                         f"expert_bias {'given' if expert_bias is not None else 'None'})")
     groups, kept_groups, per_group = _check_groups(E, k, n_groups, topk_groups, group_score_topk)
     if expert_bias is not None:
         if not isinstance(expert_bias, torch.Tensor) or expert_bias.shape != (E,) or expert_bias.dtype != torch.float32:
@@ -470,9 +485,9 @@ def route(
     else:
         code = SOFTMAX_PRE if pre_softmax else SOFTMAX_POST
     if use_triton(impl, logits):
-        weights, experts = _route_fwd(logits, k, code, groups, kept_groups, expert_bias, float(scale), per_group)
+        weights, experts = _route_fwd(logits, k, code, groups, kept_groups, expert_bias, float(scale), per_group, bias_on_logits)
         return Routes(weights, experts)
-    return route_ref(logits, k, code, groups, kept_groups, expert_bias, float(scale), per_group)
+    return route_ref(logits, k, code, groups, kept_groups, expert_bias, float(scale), per_group, bias_on_logits)
 
 
 def check_sparsemixer_eps(eps) -> float:

@@ -22,7 +22,7 @@ SHAPES = [
     (9, 256, 8, None, None),
     (5, 12, 12, None, None),
 ]
-MODES = [  # (score, pre_softmax, with_bias, scale, normalize, group_score_topk)
+MODES = [  # (score, pre_softmax, with_bias (True, or "logits": bias_on_logits), scale, normalize, group_score_topk)
     ("softmax", False, False, None, True, None),
     ("softmax", True, False, None, True, None),
     ("sigmoid", False, False, None, True, None),
@@ -31,12 +31,16 @@ MODES = [  # (score, pre_softmax, with_bias, scale, normalize, group_score_topk)
     ("sigmoid", False, True, 2.5, True, 2),  # groups scored by their best 2 (DeepSeek-V3 / HF)
     ("softmax", False, True, None, True, None),  # probabilities + bias choose, the chosen renormalised (ERNIE 4.5)
     ("softmax", True, True, 2.0, True, 2),  # probabilities + bias choose, kept as they are; groups
+    ("sigmoid", False, "logits", None, False, None),  # logits + bias choose, raw sigmoids (Kolibri-1)
+    ("sigmoid", False, "logits", 2.5, True, 2),  # logits + bias choose, renormalised; groups
 ]
 
 
 def _kwargs(E, groups, score, pre, with_bias, scale, device, normalize=True, per_group=None):
     bias = 0.05 * torch.randn(E, device=device) if with_bias else None
     kw = dict(score=score, pre_softmax=pre, n_groups=groups[0], topk_groups=groups[1], expert_bias=bias, scale=scale)
+    if with_bias == "logits":
+        kw["bias_on_logits"] = True
     if not normalize:
         kw["normalize"] = False
     if per_group is not None and groups[0] is not None:
@@ -44,7 +48,7 @@ def _kwargs(E, groups, score, pre, with_bias, scale, device, normalize=True, per
     return kw
 
 
-def _brute_force(logits_TE, k, score, pre, n_groups, topk_groups, bias, scale, normalize=True, per_group=None):
+def _brute_force(logits_TE, k, score, pre, n_groups, topk_groups, bias, scale, normalize=True, per_group=None, on_logits=False):
     """Per-token python loop over SPEC.md section 1, independent of the vectorised reference."""
     out_w, out_e = [], []
     x = logits_TE.double().tolist()
@@ -52,7 +56,7 @@ def _brute_force(logits_TE, k, score, pre, n_groups, topk_groups, bias, scale, n
     for row in x:
         if score == "sigmoid":
             src = [1 / (1 + math.exp(-v)) for v in row]
-            sel = [s + (float(bias[e]) if bias is not None else 0.0) for e, s in enumerate(src)]
+            sel = [(row[e] if on_logits else s) + (float(bias[e]) if bias is not None else 0.0) for e, s in enumerate(src)]
         elif pre or bias is not None:  # probabilities (+ bias) choose
             z = sum(math.exp(v) for v in row)
             probs = [math.exp(v) / z for v in row]
@@ -89,7 +93,7 @@ def test_reference_matches_spec_brute_force(shape, mode):
     logits = torch.randn(T, E)
     kw = _kwargs(E, (G, g), score, pre, with_bias, scale, "cpu", normalize, per_group)
     w, e = F.route(logits, k, impl="torch", **kw)
-    w_bf, e_bf = _brute_force(logits, k, score, pre, G, g, kw["expert_bias"], scale, normalize, kw.get("group_score_topk"))
+    w_bf, e_bf = _brute_force(logits, k, score, pre, G, g, kw["expert_bias"], scale, normalize, kw.get("group_score_topk"), with_bias == "logits")
     assert torch.equal(e, e_bf)
     torch.testing.assert_close(w, w_bf.float(), rtol=1e-5, atol=1e-6)
     assert w.dtype == torch.float32 and e.dtype == torch.int64
@@ -183,6 +187,24 @@ def test_expert_bias_changes_selection_only(device):
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_bias_on_logits_chooses_on_logits_plus_bias(impl, device):
+    """Logits [0, 4, 1], bias [0.5, 0, 3.5]: on the sigmoids the scores are 1.0, 0.982, 4.23
+    (experts 2, 0); on the logits 0.5, 4, 4.5 (experts 2, 1). The weights are the chosen
+    sigmoids either way, and so is the gradient."""
+    x = torch.tensor([[0.0, 4.0, 1.0]], device=device)
+    bias = torch.tensor([0.5, 0.0, 3.5], device=device)
+    _, e = F.route(x, 2, score="sigmoid", expert_bias=bias, normalize=False, impl=impl)
+    assert e.tolist() == [[2, 0]]
+    x.requires_grad_()
+    w, e = F.route(x, 2, score="sigmoid", expert_bias=bias, normalize=False, bias_on_logits=True, impl=impl)
+    assert e.tolist() == [[2, 1]]
+    torch.testing.assert_close(w, torch.sigmoid(torch.tensor([[1.0, 4.0]], device=device)))
+    w.sum().backward()
+    s = torch.sigmoid(x.detach())
+    torch.testing.assert_close(x.grad, (s * (1 - s)) * torch.tensor([[0.0, 1.0, 1.0]], device=device))
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_nan_logits_are_reported(impl, device):
     logits = torch.randn(6, 8, device=device)
     logits[4, 2] = float("nan")
@@ -227,6 +249,11 @@ def test_bad_inputs():
     _raises(r"expert_bias: expected a float32 tensor of shape \(8,\)", F.route, x, 2, score="sigmoid", expert_bias=torch.zeros(7))
     _raises(r"expert_bias: expected a float32 tensor", F.route, x, 2, score="sigmoid", expert_bias=torch.zeros(8, dtype=torch.bfloat16))
     _raises("scale: expected a positive finite number", F.route, x, 2, scale=0.0)
+    bias = torch.zeros(8)
+    _raises("bias_on_logits: expected a bool", F.route, x, 2, score="sigmoid", expert_bias=bias, bias_on_logits=1)
+    _raises(r"bias_on_logits: applies to score='sigmoid' with an expert_bias only \(got score='softmax', expert_bias given\)",
+            F.route, x, 2, expert_bias=bias, bias_on_logits=True)
+    _raises(r"bias_on_logits: applies to .* \(got score='sigmoid', expert_bias None\)", F.route, x, 2, score="sigmoid", bias_on_logits=True)
     _raises("impl: expected one of", F.route, x, 2, impl="cuda")
 
 
@@ -354,7 +381,8 @@ def test_custom_ops_pass_opcheck(device):
     logits = torch.randn(9, 16, device=device, requires_grad=True)
     bias = torch.randn(16, device=device)
     for code, bias_or_none, per_group in ((SOFTMAX_POST, None, 2), (SOFTMAX_PRE, None, 2), (SIGMOID, bias, 2), (SIGMOID_RAW, bias, 3)):
-        torch.library.opcheck(torch.ops.fmoe.route_fwd.default, (logits, 4, code, 4, 2, bias_or_none, 1.5, per_group))
+        for on_logits in (False, True) if bias_or_none is not None else (False,):
+            torch.library.opcheck(torch.ops.fmoe.route_fwd.default, (logits, 4, code, 4, 2, bias_or_none, 1.5, per_group, on_logits))
 
 
 def test_compiles_without_graph_breaks(device):
@@ -373,11 +401,12 @@ def test_compiles_without_graph_breaks(device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T,E,k,G,g,score", [(16384, 256, 8, 8, 4, "sigmoid"), (16384, 128, 8, None, None, "softmax"),
-                                             (16384, 64, 6, None, None, "softmax+bias")])  # the last: ERNIE 4.5's
+                                             (16384, 64, 6, None, None, "softmax+bias"),  # ERNIE 4.5's
+                                             (16384, 384, 6, None, None, "sigmoid+logits")])  # Kolibri-1's
 def test_gpu_real_shapes(T, E, k, G, g, score):
     logits = torch.randn(T, E, device="cuda", dtype=torch.bfloat16)
     bias = 0.01 * torch.randn(E, device="cuda") if score != "softmax" else None
-    kw = dict(score=score.removesuffix("+bias"), n_groups=G, topk_groups=g, expert_bias=bias)
+    kw = dict(score=score.split("+")[0], n_groups=G, topk_groups=g, expert_bias=bias, bias_on_logits=score.endswith("+logits"))
     x1, x2 = logits.clone().requires_grad_(), logits.clone().requires_grad_()
     w1, e1 = F.route(x1, k, **kw)  # auto: Triton on CUDA
     w2, e2 = F.route(x2, k, impl="torch", **kw)
