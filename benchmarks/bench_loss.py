@@ -5,6 +5,7 @@
 
 Cases (bf16; --smoke: N=16, V=1000, H=32, chunks of 4 rows):
     ce      cross-entropy of logits [N=8192, V=131072]
+    ce softcap=30   the same of the logits capped at 30 tanh(logits / 30) (Gemma 2's, Beam's)
     linear  cross-entropy of h [N=8192, H=4096] @ weight [V=131072, H]^T
 
 Implementations, each timed forward + backward (the gradient of the inputs for a unit
@@ -14,6 +15,8 @@ upstream gradient); fmoe's with check=False (the label check syncs with the host
             fused_inplace  the same with inplace_grad=True: the gradient overwrites the logits
             eager          torch.nn.functional.cross_entropy on the bf16 logits, as users call it
             compiled       torch.compile(F.cross_entropy), warmed up before timing
+            (softcap: fused and fused_inplace cap inside the kernels; eager and compiled
+            cap the logits with torch.tanh first, then F.cross_entropy)
     linear  fused          linear_cross_entropy(impl="triton"): dweight accumulates in place in
                            the weight's dtype (bf16), the default
             fused_fp32acc  the same with accumulate_dtype=float32: a float32 dweight buffer
@@ -59,11 +62,16 @@ def peak_mib(step, device) -> float | None:
     return None if peak is None else peak / 2**20
 
 
-def check(case: str, fused, baseline, inputs, logits, labels) -> None:
-    """Exits unless fused's loss matches torch's in float32 on the same logits and its input
-    gradients match the baseline's (bf16 rounding apart)."""
+def capped(x, softcap):
+    """softcap tanh(x / softcap), or x for None."""
+    return x if softcap is None else torch.tanh(x / softcap) * softcap
+
+
+def check(case: str, fused, baseline, inputs, logits, labels, softcap=None) -> None:
+    """Exits unless fused's loss matches torch's in float32 on the same (capped) logits and
+    its input gradients match the baseline's (bf16 rounding apart)."""
     (value, *grads), (_, *grads_base) = fused(*inputs), baseline(*inputs)
-    expected = F.cross_entropy(logits.detach().float(), labels)
+    expected = F.cross_entropy(capped(logits.detach().float(), softcap), labels)
     errs = [abs(float(value) - float(expected)) / abs(float(expected))] + [rel_err(a, b) for a, b in zip(grads, grads_base)]
     if errs[0] > 1e-4 or max(errs[1:]) > 2e-2:
         sys.exit(f"{case}: fused disagrees (relative errors of the loss and the gradients: {errs})")
@@ -98,23 +106,24 @@ def measure(case, impls, inputs_of, baseline, device, extra, floor=None) -> list
     return rows
 
 
-def run_ce(N, V, device, bandwidth) -> list[dict]:
+def run_ce(N, V, device, bandwidth, softcap=None) -> list[dict]:
     torch._dynamo.reset()
     logits = (4 * torch.randn(N, V, device=device)).to(torch.bfloat16)
     labels = torch.randint(0, V, (N,), device=device)
     labels[::16] = -100  # some padding
     impls = {
-        "fused": fwd_bwd(lambda x: cross_entropy(x, labels, check=False, impl="triton")),
-        "fused_inplace": fwd_bwd(lambda x: cross_entropy(x, labels, inplace_grad=True, check=False, impl="triton")),
-        "eager": fwd_bwd(lambda x: F.cross_entropy(x, labels)),
-        "compiled": fwd_bwd(torch.compile(lambda x: F.cross_entropy(x, labels), dynamic=False)),
+        "fused": fwd_bwd(lambda x: cross_entropy(x, labels, check=False, impl="triton", softcap=softcap)),
+        "fused_inplace": fwd_bwd(lambda x: cross_entropy(x, labels, inplace_grad=True, check=False, impl="triton", softcap=softcap)),
+        "eager": fwd_bwd(lambda x: F.cross_entropy(capped(x, softcap), labels)),
+        "compiled": fwd_bwd(torch.compile(lambda x: F.cross_entropy(capped(x, softcap), labels), dynamic=False)),
     }
-    check("ce", impls["fused"], impls["eager"], (logits.requires_grad_(),), logits, labels)
+    case = "ce" if softcap is None else f"ce softcap={softcap:g}"
+    check(case, impls["fused"], impls["eager"], (logits.requires_grad_(),), logits, labels, softcap)
     # the in-place variant overwrites its logits with their gradient at every call: a copy
     overwritten = logits.detach().clone().requires_grad_()
     nbytes = 2 * logits.numel() * logits.element_size()  # read the logits, write the gradient
     rows = measure(
-        f"ce N={N} V={V}", impls, lambda name: (overwritten if name == "fused_inplace" else logits,), "eager", device,
+        f"{case} N={N} V={V}", impls, lambda name: (overwritten if name == "fused_inplace" else logits,), "eager", device,
         lambda row: {"floor_fraction": floor_fraction(nbytes, bandwidth, row["ms"]), "bytes": nbytes, "floor_ms": nbytes / bandwidth * 1e3},
         floor=(nbytes, bandwidth),
     )
@@ -153,7 +162,7 @@ def main() -> None:
     args, device, _, bandwidth = start(__doc__.splitlines()[0])  # bf16 inputs even in --smoke
     N, V, H = (16, 1000, 32) if args.smoke else (8192, 131072, 4096)
     chunk_rows = 4 if args.smoke else None  # None: the default, 1024 rows at V = 131072 bf16
-    rows = run_ce(N, V, device, bandwidth) + run_linear(N, H, V, chunk_rows, device)
+    rows = run_ce(N, V, device, bandwidth) + run_ce(N, V, device, bandwidth, softcap=30.0) + run_linear(N, H, V, chunk_rows, device)
     finish(args, device, bandwidth, "bench_loss", [(rows, COLUMNS)], dtype="bfloat16")
 
 

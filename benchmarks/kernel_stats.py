@@ -147,11 +147,12 @@ def cases():
     yield "roll_packed ids", packed._roll_packed_kernel, dict(x_ptr="*i64", cu_ptr="*i32", fill_ptr="*i64", out_ptr="*i64"), roll_sc, packed._roll_blocks(1)
     # cross-entropy at V=131072, bf16 (linear_cross_entropy runs the same kernel on its chunks)
     ce_ptrs = dict(logits_ptr="*bf16", labels_ptr="*i64", grad_ptr="*bf16", loss_ptr="*fp32", lse_ptr="*fp32", n_valid_ptr="*i64")
-    ce_scalars = dict(N="i32", V="i32", stride_x="i32", stride_g="i32", ignore_index="i32")
-    for name, write_grad in (("ce_fwd grad", True), ("ce_fwd", False)):
-        yield name, loss._ce_fwd_kernel, ce_ptrs, ce_scalars, dict(MEAN=True, WRITE_GRAD=write_grad, **loss._ce_blocks(131072))
+    ce_scalars = dict(N="i32", V="i32", stride_x="i32", stride_g="i32", ignore_index="i32", softcap="fp32")
+    for name, write_grad, cap in (("ce_fwd grad", True, False), ("ce_fwd", False, False), ("ce_fwd grad softcap", True, True)):
+        yield name, loss._ce_fwd_kernel, ce_ptrs, ce_scalars, dict(MEAN=True, WRITE_GRAD=write_grad, SOFTCAP=cap, **loss._ce_blocks(131072))
     ce_bwd_ptrs = dict(logits_ptr="*bf16", labels_ptr="*i64", lse_ptr="*fp32", grad_loss_ptr="*fp32", grad_ptr="*bf16", n_valid_ptr="*i64")
-    yield "ce_bwd", loss._ce_bwd_kernel, ce_bwd_ptrs, ce_scalars, dict(MEAN=True, **loss._ce_blocks(131072))
+    for name, cap in (("ce_bwd", False), ("ce_bwd softcap", True)):
+        yield name, loss._ce_bwd_kernel, ce_bwd_ptrs, ce_scalars, dict(MEAN=True, SOFTCAP=cap, **loss._ce_blocks(131072))
     # the gated delta rule's states over chunks of 64 at Qwen3-Next's heads, Dk = Dv = 128 (float32 terms)
     meta = delta._blocks(64, 128, 128)
     states_scalars = dict(M="i32", C="i32", K="i32", V="i32")

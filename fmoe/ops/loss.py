@@ -9,7 +9,9 @@ With valid rows R = {n : labels[n] != ignore_index} and lse_n = logsumexp_v logi
          = that sum / |R|                                   reduction="mean" (the default)
     dloss/dlogits[n,v] = (softmax(logits[n])_v - [v == labels[n]]) / |R|   for n in R, else 0
 
-all in float32 whatever the logits dtype. When every row is ignored (|R| = 0) the loss is 0
+all in float32 whatever the logits dtype. With a softcap c (Gemma 2's and Beam's
+final_logit_softcapping) the logits are first capped, logits <- c tanh(logits / c), and the
+gradient carries the cap's derivative 1 - tanh^2. When every row is ignored (|R| = 0) the loss is 0
 with a zero gradient, where torch.nn.functional.cross_entropy returns NaN: a micro-batch of
 padding must not poison a sum of losses. reduction="sum" is what a train loop needs that
 divides by the valid-token count of the whole global batch (DESIGN.md, Parallelism).
@@ -49,9 +51,14 @@ REDUCTIONS = ("mean", "sum")
 # ----------------------------------------------------------------------------------------
 
 
-def cross_entropy_ref(logits_NV, labels_N, ignore_index, mean):
+def softcap_ref(x, softcap):
+    """c tanh(x / c) for c = softcap; x itself for None."""
+    return x if softcap is None else torch.tanh(x / softcap) * softcap
+
+
+def cross_entropy_ref(logits_NV, labels_N, ignore_index, mean, softcap=None):
     """Plain torch in float32; differentiable through torch autograd."""
-    x_NV = logits_NV.float()
+    x_NV = softcap_ref(logits_NV.float(), softcap)
     V = x_NV.shape[1]
     valid_N = labels_N != ignore_index
     # unchecked labels outside [0, V) get a NaN loss, as in the kernel, not a bad gather
@@ -63,10 +70,10 @@ def cross_entropy_ref(logits_NV, labels_N, ignore_index, mean):
     return total / valid_N.sum().clamp(min=1) if mean else total
 
 
-def linear_cross_entropy_ref(h_NH, weight_VH, labels_N, ignore_index, mean, bias_V=None):
+def linear_cross_entropy_ref(h_NH, weight_VH, labels_N, ignore_index, mean, bias_V=None, softcap=None):
     """The unfused computation: all N x V logits in h's dtype (+ bias), then cross_entropy_ref."""
     logits_NV = h_NH @ weight_VH.T if bias_V is None else torch.addmm(bias_V, h_NH, weight_VH.T)
-    return cross_entropy_ref(logits_NV, labels_N, ignore_index, mean)
+    return cross_entropy_ref(logits_NV, labels_N, ignore_index, mean, softcap)
 
 
 # ----------------------------------------------------------------------------------------
@@ -88,18 +95,32 @@ def _ce_rows(labels_ptr, N, V, ignore_index, BLOCK_R: tl.constexpr):
 
 
 @triton.jit
-def _ce_grad_sweep(logits_ptr, grad_ptr, x_row_R, g_row_R, row_ok_R, valid_R, target_R, lse_R, scale, V,
-                   BLOCK_V: tl.constexpr):
+def _capped(x, softcap, SOFTCAP: tl.constexpr):
+    """c tanh(x / c) with SOFTCAP (c = softcap), else x: tanh(y) = (1 - e^-2y) / (1 + e^-2y)
+    for y = |x| / c >= 0, from one exp (the interpreter has no tanh); -inf gives -c."""
+    if SOFTCAP:
+        t = tl.exp(-2.0 * tl.abs(x) / softcap)
+        th = (1.0 - t) / (1.0 + t)
+        x = tl.where(x < 0, -th, th) * softcap
+    return x
+
+
+@triton.jit
+def _ce_grad_sweep(logits_ptr, grad_ptr, x_row_R, g_row_R, row_ok_R, valid_R, target_R, lse_R, scale, V, softcap,
+                   SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr):
     """grad = (softmax - onehot(target)) * scale over the rows, in BLOCK_V steps, last block
-    first (after a forward sweep the end of the row is the part most likely still in L2).
+    first (after a forward sweep the end of the row is the part most likely still in L2);
+    with SOFTCAP, of the capped logits z, times the cap's derivative 1 - (z / c)^2.
     grad_ptr may be logits_ptr: each element is read before this program overwrites it."""
     cols_V = tl.arange(0, BLOCK_V)
     n_blocks = tl.cdiv(V, BLOCK_V)
     for i in range(n_blocks):
         cols = (n_blocks - 1 - i) * BLOCK_V + cols_V
         live = row_ok_R[:, None] & (cols[None, :] < V)
-        x = tl.load(logits_ptr + x_row_R[:, None] + cols[None, :], mask=live, other=0.0).to(tl.float32)
+        x = _capped(tl.load(logits_ptr + x_row_R[:, None] + cols[None, :], mask=live, other=0.0).to(tl.float32), softcap, SOFTCAP)
         g = tl.exp(x - lse_R[:, None]) - tl.where(cols[None, :] == target_R[:, None], 1.0, 0.0)
+        if SOFTCAP:
+            g = g * (1.0 - (x / softcap) * (x / softcap))
         # ignored rows get exact zeros, even where their logits hold inf or NaN
         g = tl.where(valid_R[:, None], g * scale, 0.0)
         tl.store(grad_ptr + g_row_R[:, None] + cols[None, :], g.to(grad_ptr.dtype.element_ty), mask=live)
@@ -108,8 +129,8 @@ def _ce_grad_sweep(logits_ptr, grad_ptr, x_row_R, g_row_R, row_ok_R, valid_R, ta
 @triton.jit
 def _ce_fwd_kernel(
     logits_ptr, labels_ptr, grad_ptr, loss_ptr, lse_ptr, n_valid_ptr,
-    N, V, stride_x, stride_g, ignore_index,
-    MEAN: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
+    N, V, stride_x, stride_g, ignore_index, softcap,
+    MEAN: tl.constexpr, WRITE_GRAD: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """Loss and logsumexp of BLOCK_R rows and, with WRITE_GRAD (linear_cross_entropy's
     chunks), their gradient too, in a second sweep (grad_ptr may be logits_ptr)."""
@@ -125,12 +146,14 @@ def _ce_fwd_kernel(
         cols = v0 + cols_V
         live = row_ok_R[:, None] & (cols[None, :] < V)
         x = tl.load(logits_ptr + x_row_R[:, None] + cols[None, :], mask=live, other=float("-inf")).to(tl.float32)
+        if SOFTCAP:  # the masked lanes stay -inf
+            x = tl.where(live, _capped(x, softcap, SOFTCAP), float("-inf"))
         m_new_R = tl.maximum(m_R, tl.max(x, axis=1))
         s_R = s_R * tl.exp(m_R - m_new_R) + tl.sum(tl.exp(x - m_new_R[:, None]), axis=1)
         m_R = m_new_R
     # padding rows (past N) get lse 0: no log(0) or exp overflow on lanes never stored
     lse_R = tl.where(row_ok_R, m_R, 0.0) + tl.log(tl.where(row_ok_R, s_R, 1.0))
-    x_target_R = tl.load(logits_ptr + x_row_R + target_R, mask=target_R >= 0, other=0.0).to(tl.float32)
+    x_target_R = _capped(tl.load(logits_ptr + x_row_R + target_R, mask=target_R >= 0, other=0.0).to(tl.float32), softcap, SOFTCAP)
     loss_R = tl.where(target_R >= 0, lse_R - x_target_R, float("nan"))
     tl.store(loss_ptr + rows_R, tl.where(valid_R, loss_R, 0.0), mask=row_ok_R)
     tl.store(lse_ptr + rows_R, lse_R, mask=row_ok_R)
@@ -140,14 +163,14 @@ def _ce_fwd_kernel(
         if MEAN:
             scale = 1.0 / tl.maximum(tl.load(n_valid_ptr), 1).to(tl.float32)
         _ce_grad_sweep(logits_ptr, grad_ptr, x_row_R, rows_R.to(tl.int64) * stride_g, row_ok_R, valid_R, target_R, lse_R,
-                       scale, V, BLOCK_V)
+                       scale, V, softcap, SOFTCAP, BLOCK_V)
 
 
 @triton.jit
 def _ce_bwd_kernel(
     logits_ptr, labels_ptr, lse_ptr, grad_loss_ptr, grad_ptr, n_valid_ptr,
-    N, V, stride_x, stride_g, ignore_index,
-    MEAN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
+    N, V, stride_x, stride_g, ignore_index, softcap,
+    MEAN: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """The gradient of BLOCK_R rows from their logits and the forward's logsumexp, times the
     incoming gradient (a float32 scalar on the device); grad_ptr may be logits_ptr."""
@@ -157,7 +180,7 @@ def _ce_bwd_kernel(
     if MEAN:
         scale = scale / tl.maximum(tl.load(n_valid_ptr), 1).to(tl.float32)
     _ce_grad_sweep(logits_ptr, grad_ptr, rows_R.to(tl.int64) * stride_x, rows_R.to(tl.int64) * stride_g, row_ok_R, valid_R,
-                   target_R, lse_R, scale, V, BLOCK_V)
+                   target_R, lse_R, scale, V, softcap, SOFTCAP, BLOCK_V)
 
 
 # columns per loop step; tests lower it to run the loop over V on small vocabularies
@@ -178,20 +201,21 @@ def _ce_grid(N: int, V: int) -> tuple[tuple[int], dict]:
     return (triton.cdiv(N, meta["BLOCK_R"]),), meta
 
 
-def _launch_ce(logits_NV, labels_N, grad_NV, loss_N, lse_N, n_valid, ignore_index, mean, write_grad):
-    """Run _ce_fwd_kernel; logits_NV and grad_NV have unit column stride (may be the same)."""
+def _launch_ce(logits_NV, labels_N, grad_NV, loss_N, lse_N, n_valid, ignore_index, mean, write_grad, softcap=0.0):
+    """Run _ce_fwd_kernel; logits_NV and grad_NV have unit column stride (may be the same);
+    softcap 0: none."""
     N, V = logits_NV.shape
     if N == 0:
         return
     grid, meta = _ce_grid(N, V)
     _ce_fwd_kernel[grid](
         logits_NV, labels_N, grad_NV, loss_N, lse_N, n_valid,
-        N, V, logits_NV.stride(0), grad_NV.stride(0), ignore_index,
-        MEAN=mean, WRITE_GRAD=write_grad, **meta,
+        N, V, logits_NV.stride(0), grad_NV.stride(0), ignore_index, softcap,
+        MEAN=mean, WRITE_GRAD=write_grad, SOFTCAP=softcap > 0, **meta,
     )
 
 
-def _launch_ce_bwd(grad_loss, logits_NV, labels_N, lse_N, grad_NV, ignore_index, mean):
+def _launch_ce_bwd(grad_loss, logits_NV, labels_N, lse_N, grad_NV, ignore_index, mean, softcap=0.0):
     """Run _ce_bwd_kernel; logits_NV and grad_NV have unit column stride (may be the same)."""
     N, V = logits_NV.shape
     if N == 0:
@@ -199,8 +223,8 @@ def _launch_ce_bwd(grad_loss, logits_NV, labels_N, lse_N, grad_NV, ignore_index,
     grid, meta = _ce_grid(N, V)
     _ce_bwd_kernel[grid](
         logits_NV, labels_N, lse_N, grad_loss.float(), grad_NV, (labels_N != ignore_index).sum(),
-        N, V, logits_NV.stride(0), grad_NV.stride(0), ignore_index,
-        MEAN=mean, **meta,
+        N, V, logits_NV.stride(0), grad_NV.stride(0), ignore_index, softcap,
+        MEAN=mean, SOFTCAP=softcap > 0, **meta,
     )
 
 
@@ -220,49 +244,52 @@ def _finish(loss_N, n_valid, mean):
 
 
 @torch.library.custom_op("fmoe::cross_entropy_fwd", mutates_args=())
-def _ce_fwd(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, mean: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss, lse [N] float32: each row's logsumexp, what the backward needs beside the logits)."""
+def _ce_fwd(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, mean: bool, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, lse [N] float32: each row's logsumexp (of the capped logits with a softcap > 0),
+    what the backward needs beside the logits)."""
     logits = _row_major(logits)
     labels = labels.contiguous()
     N = logits.shape[0]
     n_valid = (labels != ignore_index).sum()
     loss_N = torch.empty(N, dtype=torch.float32, device=logits.device)
     lse_N = torch.empty(N, dtype=torch.float32, device=logits.device)
-    _launch_ce(logits, labels, logits, loss_N, lse_N, n_valid, ignore_index, mean, False)
+    _launch_ce(logits, labels, logits, loss_N, lse_N, n_valid, ignore_index, mean, False, softcap)
     return _finish(loss_N, n_valid, mean), lse_N
 
 
 @_ce_fwd.register_fake
-def _(logits, labels, ignore_index, mean):
+def _(logits, labels, ignore_index, mean, softcap=0.0):
     return logits.new_empty((), dtype=torch.float32), logits.new_empty(logits.shape[0], dtype=torch.float32)
 
 
 @torch.library.custom_op("fmoe::cross_entropy_bwd", mutates_args=())
 def _ce_bwd(
-    grad_loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, ignore_index: int, mean: bool
+    grad_loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, ignore_index: int, mean: bool,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """dloss/dlogits [N, V] in logits' dtype, times grad_loss (a 0-D tensor)."""
     logits = _row_major(logits)
     grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-    _launch_ce_bwd(grad_loss, logits, labels.contiguous(), lse, grad, ignore_index, mean)
+    _launch_ce_bwd(grad_loss, logits, labels.contiguous(), lse, grad, ignore_index, mean, softcap)
     return grad
 
 
 @_ce_bwd.register_fake
-def _(grad_loss, logits, labels, lse, ignore_index, mean):
+def _(grad_loss, logits, labels, lse, ignore_index, mean, softcap=0.0):
     return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
 
 
 @torch.library.custom_op("fmoe::cross_entropy_bwd_", mutates_args=("logits",))
 def _ce_bwd_inplace(
-    grad_loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, ignore_index: int, mean: bool
+    grad_loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, ignore_index: int, mean: bool,
+    softcap: float = 0.0,
 ) -> None:
     """_ce_bwd written over the logits themselves (unit column stride)."""
-    _launch_ce_bwd(grad_loss, logits, labels.contiguous(), lse, logits, ignore_index, mean)
+    _launch_ce_bwd(grad_loss, logits, labels.contiguous(), lse, logits, ignore_index, mean, softcap)
 
 
 def _ce_setup_context(ctx, inputs, output):
-    logits, labels, ctx.ignore_index, ctx.mean = inputs
+    logits, labels, ctx.ignore_index, ctx.mean, ctx.softcap = inputs
     # the logsumexp output gets no incoming gradient: left None, not a tensor of zeros
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(logits, labels, output[1])
@@ -270,9 +297,9 @@ def _ce_setup_context(ctx, inputs, output):
 
 def _ce_backward(ctx, grad_loss, _grad_lse):
     if grad_loss is None:
-        return None, None, None, None
+        return None, None, None, None, None
     logits, labels, lse = ctx.saved_tensors
-    return _ce_bwd(grad_loss, logits, labels, lse, ctx.ignore_index, ctx.mean), None, None, None
+    return _ce_bwd(grad_loss, logits, labels, lse, ctx.ignore_index, ctx.mean, ctx.softcap), None, None, None, None
 
 
 _ce_fwd.register_autograd(_ce_backward, setup_context=_ce_setup_context)
@@ -295,9 +322,9 @@ class _CrossEntropyInplace(torch.autograd.Function):
     autograd to functional ops only)."""
 
     @staticmethod
-    def forward(ctx, logits, labels, ignore_index, mean):
-        loss, lse = _ce_fwd(logits, labels, ignore_index, mean)
-        ctx.ignore_index, ctx.mean = ignore_index, mean
+    def forward(ctx, logits, labels, ignore_index, mean, softcap):
+        loss, lse = _ce_fwd(logits, labels, ignore_index, mean, softcap)
+        ctx.ignore_index, ctx.mean, ctx.softcap = ignore_index, mean, softcap
         ctx.save_for_backward(logits, labels, lse)
         return loss
 
@@ -306,8 +333,8 @@ class _CrossEntropyInplace(torch.autograd.Function):
         logits, labels, lse = _saved_once(ctx, "cross_entropy(inplace_grad=True)")
         # detached: autograd takes the overwritten logits as the gradient of a leaf instead of cloning them
         logits = logits.detach()
-        _ce_bwd_inplace(grad_loss, logits, labels, lse, ctx.ignore_index, ctx.mean)
-        return logits, None, None, None
+        _ce_bwd_inplace(grad_loss, logits, labels, lse, ctx.ignore_index, ctx.mean, ctx.softcap)
+        return logits, None, None, None, None
 
 
 def _accumulate(acc_VH, dlogits_CV, h_CH):
@@ -324,6 +351,7 @@ def _accumulate(acc_VH, dlogits_CV, h_CH):
 def _linear_ce_fwd(
     h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int, mean: bool,
     chunk_rows: int, need_dh: bool, need_dw: bool, fp32_accumulate: bool, bias: Optional[torch.Tensor] = None, need_db: bool = False,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, dloss/dh or empty, dloss/dweight or empty, dloss/dbias or empty), chunk_rows
     rows of logits at a time (each chunk's h @ weight.T + bias)."""
@@ -348,7 +376,7 @@ def _linear_ce_fwd(
             torch.addmm(bias, h_CH, weight.T, out=x_CV)
         # the kernel turns the chunk's logits into their gradient, in place
         _launch_ce(x_CV, labels[start:end], x_CV, loss_N[start:end], lse_N[start:end], n_valid, ignore_index, mean,
-                   need_dh or need_dw or need_db)
+                   need_dh or need_dw or need_db, softcap)
         if need_dh:
             torch.mm(x_CV, weight, out=dh_NH[start:end])
         if need_dw:
@@ -360,7 +388,7 @@ def _linear_ce_fwd(
 
 
 @_linear_ce_fwd.register_fake
-def _(h, weight, labels, ignore_index, mean, chunk_rows, need_dh, need_dw, fp32_accumulate, bias=None, need_db=False):
+def _(h, weight, labels, ignore_index, mean, chunk_rows, need_dh, need_dw, fp32_accumulate, bias=None, need_db=False, softcap=0.0):
     return (
         h.new_empty((), dtype=torch.float32),
         h.new_empty(h.shape if need_dh else (0,)),
@@ -382,7 +410,7 @@ def _linear_ce_backward(ctx, grad_loss, _grad_dh, _grad_dw, _grad_db):
         dw.detach().mul_(grad_loss) if ctx.need_dw else None,
         None, None, None, None, None, None, None,
         db.detach().mul_(grad_loss) if ctx.need_db else None,
-        None,
+        None, None,
     )
 
 
@@ -409,6 +437,15 @@ def _check_labels(labels, n_rows, ignore_index, reduction, device):
         raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
 
 
+def _check_softcap(softcap) -> float:
+    """The kernels' softcap argument: 0.0 for None; ValueError unless None or a positive finite number."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0 < softcap < float("inf"):
+        raise ValueError(f"softcap: expected None or a positive finite number, got {softcap!r}")
+    return float(softcap)
+
+
 def _check_label_values(labels, n_classes, ignore_index, check):
     """Labels lie in [0, V) or equal ignore_index. One device->host sync."""
     if not checking(check):
@@ -431,6 +468,7 @@ def cross_entropy(
     inplace_grad: bool = False,
     check: bool = True,
     impl: str = "auto",
+    softcap: Optional[float] = None,
 ) -> torch.Tensor:
     """Cross-entropy of logits against class labels, in float32 (SPEC.md section 6).
 
@@ -450,6 +488,9 @@ def cross_entropy(
             device->host sync; skipped under torch.compile). Unchecked, such rows get a
             NaN loss.
         impl: "auto" (Triton on CUDA, torch otherwise), "triton" or "torch".
+        softcap: None, or c > 0: the loss of the capped logits c tanh(logits / c) (Gemma 2's
+            and Beam's final_logit_softcapping), capped inside the kernels' passes (no capped
+            N x V copy).
 
     Returns:
         0-D float32 tensor, differentiable with respect to logits. The Triton path saves the
@@ -465,15 +506,16 @@ def cross_entropy(
     if V == 0:
         raise ValueError(f"logits: expected at least one class, got shape {tuple(logits.shape)}")
     _check_labels(labels, N, ignore_index, reduction, logits.device)
+    cap = _check_softcap(softcap)
     _check_label_values(labels, V, ignore_index, check)
     mean = reduction == "mean"
     if not use_triton(impl, logits, labels):
-        return cross_entropy_ref(logits, labels, ignore_index, mean)
+        return cross_entropy_ref(logits, labels, ignore_index, mean, softcap)
     if inplace_grad:
         if logits.stride(-1) != 1:
             raise ValueError(f"logits: inplace_grad needs unit column stride, got strides {logits.stride()}")
-        return _CrossEntropyInplace.apply(logits, labels, ignore_index, mean)
-    return _ce_fwd(logits, labels, ignore_index, mean)[0]
+        return _CrossEntropyInplace.apply(logits, labels, ignore_index, mean, cap)
+    return _ce_fwd(logits, labels, ignore_index, mean, cap)[0]
 
 
 def linear_cross_entropy(
@@ -488,6 +530,7 @@ def linear_cross_entropy(
     check: bool = True,
     impl: str = "auto",
     bias: Optional[torch.Tensor] = None,
+    softcap: Optional[float] = None,
 ) -> torch.Tensor:
     """cross_entropy(h @ weight.T + bias, labels) without holding the N x V logits (SPEC.md 6).
 
@@ -514,6 +557,7 @@ def linear_cross_entropy(
         bias: None, or [V] in h's dtype added to every row's logits (an LM head with a
             bias: Phi-3.5-MoE's); its gradient is the logits' gradients summed over the rows
             (in float32, rounded once).
+        softcap: as in cross_entropy: each chunk's logits capped in the kernel.
     Returns:
         0-D float32 tensor, differentiable with respect to h, weight and bias (any may not
         require grad; only the needed gradients are computed).
@@ -541,12 +585,13 @@ def linear_cross_entropy(
         accumulate_dtype = weight.dtype
     if accumulate_dtype not in (torch.float32, weight.dtype):
         raise ValueError(f"accumulate_dtype: expected torch.float32 or weight's dtype {weight.dtype}, got {accumulate_dtype}")
+    cap = _check_softcap(softcap)
     _check_label_values(labels, V, ignore_index, check)
     mean = reduction == "mean"
     if not use_triton(impl, h, weight, labels):
-        return linear_cross_entropy_ref(h, weight, labels, ignore_index, mean, bias)
+        return linear_cross_entropy_ref(h, weight, labels, ignore_index, mean, bias, softcap)
     grad_on = torch.is_grad_enabled()
     need_dh, need_dw = grad_on and h.requires_grad, grad_on and weight.requires_grad
     need_db = grad_on and bias is not None and bias.requires_grad
     fp32_accumulate = accumulate_dtype == torch.float32
-    return _linear_ce_fwd(h, weight, labels, ignore_index, mean, chunk_rows, need_dh, need_dw, fp32_accumulate, bias, need_db)[0]
+    return _linear_ce_fwd(h, weight, labels, ignore_index, mean, chunk_rows, need_dh, need_dw, fp32_accumulate, bias, need_db, cap)[0]

@@ -100,6 +100,60 @@ def test_triton_matches_reference(shape, dtype, reduction, device):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_softcap_is_the_loss_of_the_capped_logits(shape, dtype, device, monkeypatch):
+    """softcap c: the loss and gradient of c tanh(logits / c), against torch's autograd of it,
+    on the Triton path (one block and, with 32-column steps, a loop over the vocabulary;
+    -inf logits stay masked out) and on the torch path."""
+    N, V = shape
+    logits = (8 * torch.randn(N, V, device=device)).to(dtype)
+    logits[0, 0] = float("-inf")  # capped, but still no probability
+    logits.requires_grad_()
+    labels = _labels(N, V, device)
+    labels[0] = V - 1
+    upstream = torch.randn((), device=device)
+    capped = lambda x: TF.cross_entropy(torch.tanh(x.float() / 5.0) * 5.0, labels.long(), ignore_index=IGNORE)  # noqa: E731
+    l_want, (g_want,) = _grads(capped, logits, upstream=upstream)
+    tol = _grad_tol(dtype, upstream, labels)
+    for impl, block in (("triton", None), ("triton", 32), ("torch", None)):
+        if block is not None:
+            monkeypatch.setattr(loss, "_MAX_BLOCK_V", block)
+        l_got, (g_got,) = _grads(lambda x: cross_entropy(x, labels, softcap=5.0, impl=impl), logits, upstream=upstream)
+        torch.testing.assert_close(l_got, l_want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(g_got, g_want, **tol)
+    assert g_got[0, 0] == 0
+    assert (cross_entropy(logits, labels, impl="triton") - l_want).abs() > 1e-2  # the cap counts at these logits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_linear_softcap_matches_the_unfused_capped_logits(dtype, device):
+    """linear_cross_entropy's softcap: each chunk's logits capped in the kernel, the value and
+    the three gradients (h, weight, bias) those of the whole capped logits; the in-place
+    backward of cross_entropy likewise."""
+    N, H, V = 23, 16, 50
+    h = torch.randn(N, H, device=device).to(dtype).requires_grad_()
+    w = torch.randn(V, H, device=device).to(dtype).requires_grad_()
+    b = torch.randn(V, device=device).to(dtype).requires_grad_()
+    labels = _labels(N, V, device)
+    upstream = torch.randn((), device=device)
+    whole = lambda a, c, d: TF.cross_entropy(torch.tanh((a @ c.T + d).float() / 3.0) * 3.0, labels, ignore_index=IGNORE)  # noqa: E731
+    expected, grads_ref = _grads(whole, h, w, b, upstream=upstream)
+    rel = 1e-5 if dtype == torch.float32 else 2e-2
+    for impl, chunk_rows in (("torch", None), ("triton", 1), ("triton", 7)):
+        fused = lambda a, c, d: linear_cross_entropy(a, c, labels, bias=d, chunk_rows=chunk_rows, impl=impl, softcap=3.0)  # noqa: E731
+        value, grads = _grads(fused, h, w, b, upstream=upstream)
+        torch.testing.assert_close(value, expected, **VALUE_TOL[dtype])
+        for got, want in zip(grads, grads_ref):
+            _close_norm(got, want, rel)
+    logits = (h @ w.T + b).detach()
+    l_in, (g_in,) = _grads(lambda x: cross_entropy(x, labels, softcap=3.0, inplace_grad=True, impl="triton"), logits.requires_grad_(),
+                           upstream=upstream)
+    l_ref, (g_ref,) = _grads(lambda x: cross_entropy(x, labels, softcap=3.0, impl="torch"), logits, upstream=upstream)
+    torch.testing.assert_close(l_in, l_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(g_in, g_ref, **_grad_tol(dtype, upstream, labels))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("V", [100, 1000])
 def test_triton_loops_over_the_vocabulary(V, dtype, device, monkeypatch):
     # 32-column steps: 4 and 32 of them, the last one ragged
@@ -277,6 +331,10 @@ def test_bad_inputs():
     _raises("ignore_index: expected an int", cross_entropy, x, y, ignore_index=True)
     _raises("reduction: expected one of", cross_entropy, x, y, reduction="none")
     _raises("impl: expected one of", cross_entropy, x, y, impl="cuda")
+    _raises("softcap: expected None or a positive finite number, got 0", cross_entropy, x, y, softcap=0)
+    _raises("softcap: expected None or a positive finite number, got inf", cross_entropy, x, y, softcap=float("inf"))
+    _raises("softcap: expected None or a positive finite number, got True", linear_cross_entropy, torch.randn(4, 3), torch.randn(10, 3), y,
+            softcap=True)
 
     h, w = torch.randn(4, 3), torch.randn(10, 3)
     _raises("h: expected a 2-D tensor", linear_cross_entropy, h[0], w, y)
@@ -456,6 +514,7 @@ def test_custom_ops_pass_opcheck(device):
     w = torch.randn(V, H, device=device, requires_grad=True)
     torch.library.opcheck(torch.ops.fmoe.cross_entropy_fwd.default, (logits, labels, IGNORE, True))
     torch.library.opcheck(torch.ops.fmoe.cross_entropy_fwd.default, (logits.detach(), labels, IGNORE, False))
+    torch.library.opcheck(torch.ops.fmoe.cross_entropy_fwd.default, (logits, labels, IGNORE, True, 2.0))  # a softcap
     lse = torch.logsumexp(logits.detach(), dim=-1)
     grad_loss = torch.tensor(0.5, device=device)
     torch.library.opcheck(torch.ops.fmoe.cross_entropy_bwd.default, (grad_loss, logits.detach(), labels, lse, IGNORE, True))
@@ -467,6 +526,8 @@ def test_custom_ops_pass_opcheck(device):
     no_aot = ("test_schema", "test_autograd_registration", "test_faketensor")
     torch.library.opcheck(torch.ops.fmoe.linear_cross_entropy_fwd.default, (h, w, labels, IGNORE, True, 3, True, True, True), test_utils=no_aot)
     torch.library.opcheck(torch.ops.fmoe.linear_cross_entropy_fwd.default, (h.detach(), w.detach(), labels, IGNORE, False, 3, False, False, True))
+    torch.library.opcheck(torch.ops.fmoe.linear_cross_entropy_fwd.default, (h, w, labels, IGNORE, True, 3, True, True, True, None, False, 2.0),
+                          test_utils=no_aot)
 
 
 def test_compile_without_graph_breaks(device):
