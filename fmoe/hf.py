@@ -6,7 +6,7 @@
 A folder holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). Supported `model_type`s: FAMILIES (mixtral, qwen2_moe,
 qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, axk1, kimi_k2, kimi_k25, deepseek_v2, deepseek_v32, glm_moe_dsa, hy_v4, glm4_moe_lite, gpt_oss, solar_open,
-exaone_moe, kolibri1, dots1, minimax_m2, granitemoe, granitemoeshared, granitemoe_swa, hunyuan_v1_moe, llama4_text, llama4, afmoe,
+exaone_moe, kolibri1, beam, dots1, minimax_m2, granitemoe, granitemoeshared, granitemoe_swa, hunyuan_v1_moe, llama4_text, llama4, afmoe,
 laguna, cohere2_moe, sarvam_moe, sarvam_mla, longcat_flash, bailing_hybrid, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
 mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe), and the dense
 DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
@@ -1001,6 +1001,51 @@ def _kolibri1(hf: dict) -> dict:
                 route_normalize=normalize, qk_norm="head", nope_layers=nope or None, post_norms=True)
 
 
+_BEAM_ROPE = dict(sliding_attention=dict(rope_type="default", rope_theta=10000.0), full_attention=None)
+
+
+def _beam(hf: dict) -> dict:
+    """Beam (beam): Qwen3-MoE's attention (per-head q/k norms) with an elementwise sigmoid
+    output gate (gate_proj) plus a bias per head (gate_bias: attn_gate_bias); the layers
+    layer_types names sliding_attention (by default all but every sixth and the last) attend
+    over sliding_window; each layer type with RoPE (rope_parameters keyed by layer type, plain
+    or Llama 3.1's; the sliding layers' own plain base local_rope_base) or, where its entry is
+    None (by default the full layers), without, its queries scaled by (1 + (p + 1) / 2048) **
+    0.1 (nope_temperature_kind "power"); sandwich norms (input_layernorm,
+    post_attention_layernorm, pre_feedforward_layernorm, post_feedforward_layernorm) with
+    depth-scaled residual adds (depth_scaled_residual); dense and MoE blocks by
+    mlp_layer_types (by default 3 dense first), DeepSeek-V3's routing (sigmoid scores with the
+    correction bias, n_group groups scored by their best 2, norm_topk_prob, x
+    routed_scaling_factor), no shared expert; the logits capped at final_logit_softcapping."""
+    _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in Beam's attention here")
+    n = hf["num_hidden_layers"]
+    if hf.get("layer_types") is None:
+        hf = dict(hf, layer_types=["sliding_attention" if (i + 1) % 6 and i < n - 1 else "full_attention" for i in range(n)])
+    if hf.get("mlp_layer_types") is None:
+        hf = dict(hf, mlp_layer_types=["dense"] * min(3, n) + ["sparse"] * (n - min(3, n)))
+    params = hf.get("rope_parameters") or _BEAM_ROPE
+    if not isinstance(params, dict) or set(params) != {"full_attention", "sliding_attention"} or not all(
+            p is None or isinstance(p, dict) for p in params.values()):
+        raise ValueError(f"config.json: rope_parameters = {params!r} is not supported (one per layer type, full_attention / "
+                         "sliding_attention, each RoPE's parameters or None)")
+    nope = tuple(i for i, kind in enumerate(hf["layer_types"]) if params.get(kind) is None)
+    roped = [p for p in (params["full_attention"], params["sliding_attention"]) if p is not None]
+    rope = {}
+    if len(roped) == 2:  # both kinds rotate: the full layers' RoPE, the sliding layers' own plain base where it differs
+        full, local = _rope_by_layer_type(dict(hf, rope_parameters=params), _BEAM_ROPE)
+        rope = dict(rope_parameters=full, local_rope_base=local)
+    elif roped:
+        rope = dict(rope_parameters=roped[0])
+    softcap = hf.get("final_logit_softcapping")
+    _refuse(hf, "final_logit_softcapping", lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf),
+            "None or a positive cap")
+    common = _common(dict(hf, rope_parameters=rope.get("rope_parameters"), rope_scaling=None), hf["num_experts"], sliding=True)
+    return dict(common, **_mlp_layer_types(hf, 3), **_sigmoid_routing(hf), qk_norm="head", attn_gate=True, attn_gate_bias=True,
+                post_norms=True, depth_scaled_residual=True, nope_layers=nope or None, local_rope_base=rope.get("local_rope_base"),
+                nope_temperature_floor=2048 if nope else None, nope_temperature_kind="power" if nope else "log",
+                logit_softcap=None if softcap is None else float(softcap))
+
+
 def _exaone_attention(hf: dict) -> tuple[dict, tuple[int, ...]]:
     """EXAONE's layers (EXAONE 4.0, K-EXAONE): with a sliding_window, the layers layer_types
     names sliding_attention (by default from sliding_window_pattern: all but every n-th for
@@ -1911,6 +1956,11 @@ FAMILIES = {
                        sandwich=("input_layernorm", "post_attn_norm", "post_attention_layernorm", "post_ffn_norm"),
                        defaults=dict(num_key_value_heads=4, head_dim=128, sliding_window=513, moe_intermediate_size=512, num_local_experts=384,
                                      num_experts_per_tok=6, shared_expert_intermediate_size=512)),
+    "beam": Family(_beam, "mlp", _PROJ, "BeamForCausalLM", sandwich=("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                                                                      "post_feedforward_layernorm"),
+                   defaults=dict(num_key_value_heads=8, head_dim=128, sliding_window=512, intermediate_size=20480, moe_intermediate_size=2560,
+                                 num_experts=256, num_experts_per_tok=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True,
+                                 final_logit_softcapping=30.0)),
     "dots1": Family(_dots1, "mlp", _PROJ, "Dots1ForCausalLM", "shared_experts", defaults=dict(num_key_value_heads=32)),
     "minimax_m2": Family(_minimax_m2, "block_sparse_moe", ("w1", "w3", "w2"), "MiniMaxM2ForCausalLM", correction_bias="e_score_correction_bias",
                          defaults=dict(num_key_value_heads=8, head_dim=128, rope_theta=5e6)),
@@ -2206,6 +2256,8 @@ def _attention_keys(family: Family, cfg: TransformerConfig, p: str, q: str, rope
         out[q + "attn.wg"] = Tensor((attn + "q_proj.weight",), transpose=True, chunk=(1, (1, 1)), groups=cfg.heads(layer))
     elif cfg.attn_gate:  # gated attention's own gate module (AFMoE's gate_proj, Laguna's g_proj)
         out[q + "attn.wg"] = Tensor((attn + family.gate_proj + ".weight",), transpose=True)
+    if cfg.attn_gate_bias:  # its bias per head (Beam's gate_bias)
+        out[q + "attn.bg"] = Tensor((attn + "gate_bias",))
     if cfg.qk_norm in ("head", "proj", "head_layer") and (rope or cfg.nope_qk_norm):  # weighted norms ("rms" has none)
         out[q + "attn.q_norm"] = Tensor((attn + family.qk_norms[0] + ".weight",))
         out[q + "attn.k_norm"] = Tensor((attn + family.qk_norms[1] + ".weight",))
@@ -2945,6 +2997,19 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
                   **{k: v for k, v in moe_fields.items() if k != "num_nextn_predict_layers"}, attention_bias=False,
                   mlp_layer_types=["sparse" if cfg.is_moe(i) else "dense" for i in range(cfg.n_layers)],
                   sliding_window=cfg.window, layer_types=_layer_types(cfg))
+    elif model_type == "beam":
+        moe_fields, kinds = _deepseek_moe_config(cfg), _layer_types(cfg)
+
+        def rope_of(kind: str) -> Optional[dict]:  # None: the layers of this kind are NoPE
+            if all(cfg.is_nope(i) for i, k in enumerate(kinds) if k == kind):
+                return None
+            return dict(rope_type="default", rope_theta=cfg.local_rope_base) if kind == "sliding_attention" and cfg.local_rope_base else _rope_parameters(cfg)
+
+        hf.update(num_experts=cfg.n_experts, moe_intermediate_size=cfg.ffn_expert, intermediate_size=cfg.ffn_dense,
+                  **{k: moe_fields[k] for k in ("n_group", "topk_group", "routed_scaling_factor", "norm_topk_prob")},
+                  mlp_layer_types=["sparse" if cfg.is_moe(i) else "dense" for i in range(cfg.n_layers)], layer_types=kinds,
+                  sliding_window=cfg.window, rope_parameters={kind: rope_of(kind) for kind in ("full_attention", "sliding_attention")},
+                  final_logit_softcapping=cfg.logit_softcap, attention_bias=False)
     elif model_type == "kolibri1":
         hf.update(num_local_experts=cfg.n_experts, moe_intermediate_size=cfg.ffn_expert, shared_expert_intermediate_size=cfg.shared_size,
                   norm_topk_prob=cfg.route_normalize, sliding_window=cfg.window, layer_types=_layer_types(cfg))

@@ -436,6 +436,7 @@ def moe(
 
 GATE_ACTS = ("sigmoid", "softplus")  # gated attention's gate activations (AttentionConfig.gate_act)
 QK_NORMS = (None, "head", "proj", "rms", "head_layer")  # AttentionConfig.qk_norm
+TEMPERATURE_KINDS = ("log", "power")  # AttentionConfig.temperature_kind
 
 
 def check_clip_qkv(clip_qkv, kv_rank) -> None:
@@ -476,7 +477,9 @@ class AttentionConfig:
     position p (None: not): Llama 4's attention temperature tuning (floor_scale and
     attn_scale, offset 1), Mistral 4's and Ministral 3's (original_max_position_embeddings
     and llama_4_scaling_beta, offset 0); with multi-latent attention on every query channel,
-    after RoPE.
+    after RoPE. temperature_kind "power": the scale is (1 + (p + temperature_offset) /
+    temperature_floor) ** temperature_scale instead (Beam's scalable softmax in its NoPE
+    layers: floor 2048, scale 0.1, offset 1).
     scale: the softmax scale (None: 1/sqrt(head_dim), or YaRN's; Granite's attention_multiplier).
     llama3_factor: Llama 3.1's frequency-dependent RoPE scaling (None: none; not with YaRN),
     with llama3_low_freq_factor, llama3_high_freq_factor, llama3_original_max_positions
@@ -594,6 +597,7 @@ class AttentionConfig:
     temperature_floor: Optional[int] = None
     temperature_scale: float = 0.1
     temperature_offset: int = 1
+    temperature_kind: str = "log"
     local_rope_base: Optional[float] = None
     zero_centered_norms: bool = False
     v_scale: float = 1.0
@@ -660,6 +664,8 @@ class AttentionConfig:
             raise ValueError(f"temperature_scale: expected a finite number, got {self.temperature_scale!r}")
         if self.temperature_offset not in (0, 1) or isinstance(self.temperature_offset, bool):
             raise ValueError(f"temperature_offset: expected 0 (Mistral 4) or 1 (Llama 4), got {self.temperature_offset!r}")
+        if self.temperature_kind not in TEMPERATURE_KINDS:
+            raise ValueError(f"temperature_kind: expected one of {', '.join(TEMPERATURE_KINDS)}, got {self.temperature_kind!r}")
         if not isinstance(self.rope, bool):
             raise ValueError(f"rope: expected a bool, got {self.rope!r}")
         if self.rope and self.llama3_factor is None and self.longrope_short_factors is None:
@@ -1237,12 +1243,14 @@ def _check_attention(x_TH, params, cfg, ctx) -> None:
         if w is None or tuple(w.shape) != shape:
             raise ValueError(f"params['{name}']: expected a {list(shape)} norm weight, got {list(w.shape) if w is not None else 'nothing'}")
     # an output bias, attention sinks and the output gate's weight, either kind
-    extras = {"bo": (H,), "sinks": (N,), "wg": (H, N if cfg.gate_per_head else N * (cfg.v_dim or D))}
+    extras = {"bo": (H,), "sinks": (N,), "wg": (H, N if cfg.gate_per_head else N * (cfg.v_dim or D)), "bg": (N,)}
     for name, shape in extras.items():
         w = params.get(name)
         if w is not None and (tuple(w.shape) != shape or not w.is_floating_point() or (name == "wg" and w.dtype != x_TH.dtype)):
             kind = x_TH.dtype if name == "wg" else "a float"
             raise ValueError(f"params['{name}']: expected {kind} {list(shape)} tensor or none, got {w.dtype} {list(w.shape)}")
+    if params.get("bg") is not None and params.get("wg") is None:
+        raise ValueError("params['bg']: the output gate's bias per head, needs its weight wg")
     if cfg.kv_rank is not None:
         index = index_shapes(H, cfg)
         for name, shape in index.items():
@@ -1291,7 +1299,8 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
             outputs being summed), attention sinks [N] (module docstring; either kind) and
             an output gate wg [H, N Dv] ([H, N] with cfg.gate_per_head): the heads' outputs
             times cfg.gate_act(x wg), channel by channel (or head by head), before wo (gated
-            attention, AFMoE's gate_proj, Laguna's g_proj; either kind).
+            attention, AFMoE's gate_proj, Laguna's g_proj; either kind), with an optional bias
+            per head bg [N] added to the head's gate pre-activations (Beam's gate_bias).
             Multi-latent attention (cfg.kv_rank): wq [H, N D] or wq_a [H, q_rank],
             q_a_norm [q_rank], wq_b [q_rank, N D]; wkv_a [H, kv_rank + R] (latent, then
             the shared rotary key), kv_a_norm [kv_rank], wkv_b [kv_rank, N (D - R + v_dim)]
@@ -1444,7 +1453,7 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
         out_NTD = torch.einsum("ntc,cnv->ntv", out_NTD, wv_CNV)
     out_TQ = rearrange(out_NTD, "n t d -> t (n d)")
     if params.get("wg") is not None:  # gated attention: each output channel (or head) times its gate
-        out_TQ = _gated(out_TQ, matmul(x, params["wg"], fp8=cfg.fp8, impl=cfg.impl), cfg)
+        out_TQ = _gated(out_TQ, matmul(x, params["wg"], fp8=cfg.fp8, impl=cfg.impl), cfg, params.get("bg"))
     y_TH = matmul(out_TQ, params["wo"], fp8=cfg.fp8, impl=cfg.impl)
     if params.get("bo") is not None:
         y_TH = y_TH + params["bo"]
@@ -1567,10 +1576,14 @@ def _head_layer_norm(x_THD: torch.Tensor, weight_HD: torch.Tensor, eps: float) -
     return (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + eps) * weight_HD.float()).to(x_THD.dtype)
 
 
-def _gated(out_TQ: torch.Tensor, gate_TG: torch.Tensor, cfg: AttentionConfig) -> torch.Tensor:
+def _gated(out_TQ: torch.Tensor, gate_TG: torch.Tensor, cfg: AttentionConfig, bias_N: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The attention output [T, N Dv] times cfg.gate_act of the gate's pre-activations
     gate_TG ([T, N Dv] channel by channel, [T, N] with cfg.gate_per_head: each head's Dv
-    channels by one), in out_TQ's dtype."""
+    channels by one), in out_TQ's dtype; bias_N [N]: each head's bias, added to its gate's
+    pre-activations (Beam's gate_bias)."""
+    if bias_N is not None:
+        N = bias_N.shape[0]
+        gate_TG = gate_TG + (bias_N if cfg.gate_per_head else bias_N.repeat_interleave(gate_TG.shape[-1] // N)).to(gate_TG.dtype)
     if cfg.gate_act == "softplus":  # in float32 (Laguna's)
         gate_TG = F.softplus(gate_TG.float()).to(out_TQ.dtype)
     else:
@@ -1629,7 +1642,11 @@ def query_temperature(positions: torch.Tensor, cfg: AttentionConfig) -> torch.Te
     """[T] float32: the queries' scale 1 + temperature_scale * log(1 + floor((p +
     temperature_offset) / temperature_floor)) at positions p [T] (Llama 4's attention
     temperature tuning, offset 1: 1 up to position temperature_floor - 2, then growing with
-    the log of the position; Mistral 4's, offset 0: 1 up to temperature_floor - 1)."""
+    the log of the position; Mistral 4's, offset 0: 1 up to temperature_floor - 1); with
+    temperature_kind "power", (1 + (p + temperature_offset) / temperature_floor) **
+    temperature_scale (Beam's: above 1 from position 0 on, growing smoothly)."""
+    if cfg.temperature_kind == "power":
+        return torch.exp(torch.log1p((positions.float() + float(cfg.temperature_offset)) / cfg.temperature_floor) * cfg.temperature_scale)
     steps = torch.floor((positions.float() + float(cfg.temperature_offset)) / cfg.temperature_floor)
     return torch.log1p(steps) * cfg.temperature_scale + 1.0
 

@@ -320,7 +320,8 @@ class TransformerConfig:
     attention, the heads' outputs times sigmoid(x wg) channel by channel before wo (AFMoE;
     fmoe.layers.attention); attn_gate_act "softplus" instead of "sigmoid", and
     attn_gate_per_head: one gate per head (wg [H, n_heads]; Laguna's g_proj:
-    fmoe.layers.AttentionConfig.gate_act, gate_per_head). router_softcap: the router's
+    fmoe.layers.AttentionConfig.gate_act, gate_per_head); attn_gate_bias: a bias per head
+    bg [n_heads] added to its gate's pre-activations (Beam's gate_bias). router_softcap: the router's
     logits capped at c tanh(l / c) before routing (Laguna; fmoe.layers.MoEConfig.logit_softcap).
     router_bias: a float32 bias on the router logits; expert_biases: biases of the routed
     experts' three projections; swiglu_alpha / swiglu_limit / swiglu_offset: the routed
@@ -352,8 +353,12 @@ class TransformerConfig:
     lm_head; fmoe.ops.linear_cross_entropy's bias). Granite's multipliers (each 1 / None: none): attn_scale,
     the softmax scale (None: 1/sqrt(head_dim), or YaRN's); embed_scale multiplies every
     embedding lookup (the trunk's and the MTP modules'); residual_scale multiplies each
-    attention and MLP output before its residual add; the logits are divided by
-    logit_divisor (the normed hidden states are, before the head). window: sliding-window
+    attention and MLP output before its residual add; depth_scaled_residual: the n-th
+    residual add (the embedding the first, block i's attention the 2i + 2-th, its MLP the
+    2i + 3-th) is x sqrt((n - 1) / n) + y / sqrt(n) (Beam's); the logits are divided by
+    logit_divisor (the normed hidden states are, before the head); logit_softcap c (None:
+    off): the logits capped at c tanh(l / c), in the loss (fmoe.ops.linear_cross_entropy's
+    softcap), in logits and in decode (Gemma 2's and Beam's final_logit_softcapping). window: sliding-window
     attention (a query attends to the `window` newest tokens of its document, itself
     included) in the trunk blocks listed in window_layers (None: every trunk block); the
     other blocks and the MTP blocks attend to every earlier token. chunk: chunked attention
@@ -363,7 +368,9 @@ class TransformerConfig:
     blocks whose attention has no RoPE (NoPE: q and k unrotated, EXAONE 4's global layers;
     grouped-query attention only); the MTP blocks always rotate. nope_temperature_floor
     (None: off) and nope_temperature_scale: the NoPE blocks' queries scaled by 1 + scale *
-    log(1 + floor((p + 1) / floor)) at position p (Llama 4's attention temperature tuning).
+    log(1 + floor((p + 1) / floor)) at position p (Llama 4's attention temperature tuning);
+    nope_temperature_kind "power": by (1 + (p + 1) / floor) ** scale instead (Beam's
+    scalable softmax: floor 2048, scale 0.1; fmoe.layers.AttentionConfig.temperature_kind).
     query_temperature_floor (None: off) and query_temperature_scale: every block's queries
     scaled by 1 + scale * log(1 + floor(p / floor)) at position p, after RoPE (Mistral 4's and
     Ministral 3's llama_4_scaling_beta over original_max_position_embeddings; either kind of
@@ -502,6 +509,7 @@ class TransformerConfig:
     attn_gate: bool = False
     attn_gate_act: str = "sigmoid"
     attn_gate_per_head: bool = False
+    attn_gate_bias: bool = False
     router_softcap: Optional[float] = None
     router_bias: bool = False
     expert_biases: bool = False
@@ -512,7 +520,9 @@ class TransformerConfig:
     attn_scale: Optional[float] = None
     embed_scale: float = 1.0
     residual_scale: float = 1.0
+    depth_scaled_residual: bool = False
     logit_divisor: float = 1.0
+    logit_softcap: Optional[float] = None
     window: Optional[int] = None
     window_layers: Optional[tuple[int, ...]] = None
     chunk: Optional[int] = None
@@ -520,6 +530,7 @@ class TransformerConfig:
     nope_layers: Optional[tuple[int, ...]] = None
     nope_temperature_floor: Optional[int] = None
     nope_temperature_scale: float = 0.1
+    nope_temperature_kind: str = "log"
     query_temperature_floor: Optional[int] = None
     query_temperature_scale: float = 0.1
     local_rope_base: Optional[float] = None
@@ -584,6 +595,15 @@ class TransformerConfig:
             raise ValueError("chunk_layers: needs a chunk (the attention chunk's length)")
         if self.nope_temperature_floor is not None and self.nope_layers is None:
             raise ValueError("nope_temperature_floor: scales the NoPE blocks' queries, needs nope_layers")
+        if self.nope_temperature_kind != "log" and self.nope_temperature_floor is None:
+            raise ValueError(f"nope_temperature_kind: the form of the NoPE blocks' query scale, needs nope_temperature_floor "
+                             f"(got {self.nope_temperature_kind!r})")
+        cap = self.logit_softcap
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 < cap < math.inf):
+            raise ValueError(f"logit_softcap: expected None or a positive finite number, got {cap!r}")
+        if not isinstance(self.attn_gate_bias, bool) or (self.attn_gate_bias and not self.attn_gate):
+            raise ValueError(f"attn_gate_bias: the output gate's bias per head, a bool, True needs attn_gate=True (got {self.attn_gate_bias!r})")
+        self._check_depth_scaled_residual()
         if self.query_temperature_floor is not None:
             check_positive_int("query_temperature_floor", self.query_temperature_floor)
         scale = self.query_temperature_scale
@@ -705,6 +725,16 @@ class TransformerConfig:
               n_groups=self.n_groups, topk_groups=self.topk_groups, scale=self.route_scale, group_score_topk=self.group_score_topk,
               normalize=self.route_normalize, check=False, impl="torch", expert_bias=torch.zeros(self.n_choices, device="cpu") if self.expert_bias else None,
               bias_on_logits=self.expert_bias_on_logits)
+
+    def _check_depth_scaled_residual(self) -> None:
+        if not isinstance(self.depth_scaled_residual, bool):
+            raise ValueError(f"depth_scaled_residual: expected a bool, got {self.depth_scaled_residual!r}")
+        beside = {"shortcut_moe": self.shortcut_moe, "parallel_blocks": self.parallel_blocks, "residual_scale": self.residual_scale != 1.0,
+                  "hyper_connections": self.hyper_connections, "mtp_depth": self.mtp_depth}
+        if self.depth_scaled_residual and any(beside.values()):
+            found = ", ".join(f"{name}={getattr(self, name)!r}" for name, on in beside.items() if on)
+            raise ValueError(f"depth_scaled_residual: the residual adds of sequential trunk blocks, not with shortcut_moe, parallel_blocks, "
+                             f"residual_scale, hyper_connections or MTP modules (got {found}; MTP: --model.mtp_depth=0)")
 
     def _check_hyper_connections(self) -> None:
         n = self.hyper_connections
@@ -883,7 +913,8 @@ class TransformerConfig:
         """AttentionConfig's query temperature of a block (with or without RoPE)."""
         if self.query_temperature_floor is not None:  # every block's (Mistral 4)
             return dict(temperature_floor=self.query_temperature_floor, temperature_scale=self.query_temperature_scale, temperature_offset=0)
-        return dict(temperature_floor=None if rope else self.nope_temperature_floor, temperature_scale=self.nope_temperature_scale)
+        return dict(temperature_floor=None if rope else self.nope_temperature_floor, temperature_scale=self.nope_temperature_scale,
+                    temperature_kind="log" if rope else self.nope_temperature_kind)
 
     @property
     def any_sliding(self) -> bool:
@@ -1077,7 +1108,8 @@ class Attention(nn.Module):
         """The output bias bo [H] (o_bias) and the attention sinks [n_heads] (sinks: this
         block's, TransformerConfig.has_sinks), zero at initialisation
         (Transformer.reset_parameters), and the output gate wg [H, n_heads Dv] (attn_gate;
-        [H, n_heads] with attn_gate_per_head), n_heads this block's."""
+        [H, n_heads] with attn_gate_per_head) with its bias per head bg [n_heads] (attn_gate_bias,
+        zero at initialisation), n_heads this block's."""
         N = self.cfg.n_heads
         if cfg.o_bias:
             self.bo = nn.Parameter(torch.empty(cfg.hidden))
@@ -1088,6 +1120,9 @@ class Attention(nn.Module):
         if cfg.attn_gate:
             self.wg = nn.Parameter(torch.empty(cfg.hidden, N if cfg.attn_gate_per_head else N * (cfg.v_head_dim or cfg.head_dim)))
             self.names.append("wg")
+        if cfg.attn_gate_bias:
+            self.bg = nn.Parameter(torch.empty(N))
+            self.names.append("bg")
 
     def forward(self, x_TH, ctx: AttentionContext):
         params = {n: _local(getattr(self, n)) for n in self.names}
@@ -1161,7 +1196,8 @@ class Block(nn.Module):
     sum and add their output back (HyperConnection: attn_hc, mlp_hc)."""
 
     def __init__(self, cfg: TransformerConfig, moe: bool, *, local: bool = False, rope: bool = True, linear: bool = False,
-                 fp8: Optional[bool] = None, index_shared: bool = False, sinks: Optional[bool] = None, shortcut: Optional[str] = None):
+                 fp8: Optional[bool] = None, index_shared: bool = False, sinks: Optional[bool] = None, shortcut: Optional[str] = None,
+                 depth: Optional[int] = None):
         super().__init__()
         def norm(on: bool) -> Optional[RMSNorm]:
             return RMSNorm.of(cfg) if on else None
@@ -1186,6 +1222,11 @@ class Block(nn.Module):
         self.dense = DenseMLP(cfg.hidden, cfg.ffn_dense, cfg.impl, fp8=fp8) if shortcut == "out" else None
         self.ac = cfg.ac
         self.residual_scale = cfg.residual_scale
+        if cfg.depth_scaled_residual and depth is None:
+            raise ValueError("depth: the block's index in the trunk, needed with cfg.depth_scaled_residual")
+        # depth_scaled_residual: (the residual's, the branch's) weights of the attention's add and of the MLP's, the 2i + 2-th and 2i + 3-th adds
+        self.residual_weights = ([(((n - 1) / n) ** 0.5, n ** -0.5) for n in (2 * depth + 2, 2 * depth + 3)]
+                                 if cfg.depth_scaled_residual else None)
         # hyper-connections: the attention's and the MLP's weights over the streams
         self.attn_hc = HyperConnection(cfg) if cfg.hyper_connections else None
         self.mlp_hc = HyperConnection(cfg) if cfg.hyper_connections else None
@@ -1205,7 +1246,12 @@ class Block(nn.Module):
     def _attend_normed(self, h_TH, ctx):
         return _normed(self.attn_post_norm, self.attn(h_TH, ctx))
 
-    def _residual(self, x_TH, y_TH):
+    def _residual(self, x_TH, y_TH, add: int = 0):
+        """x + y (y x residual_scale); with depth_scaled_residual the block's add-th (0: the
+        attention's, 1: the MLP's) weighted sum of the two."""
+        if self.residual_weights is not None:
+            keep, branch = self.residual_weights[add]
+            return x_TH * keep + y_TH * branch
         return x_TH + (y_TH if self.residual_scale == 1.0 else y_TH * self.residual_scale)
 
     def _block(self, x_TH, ctx, token_mask=None):
@@ -1247,7 +1293,7 @@ class Block(nn.Module):
         y_TH, stats = self._mlp_out(h_TH, token_mask)
         if self.dense is not None:
             return torch.cat([x_TH + self.dense(h_TH), y_TH], dim=-1), stats
-        x_TH = self._residual(x_TH, y_TH)
+        x_TH = self._residual(x_TH, y_TH, 1)
         return (x_TH if carry_TH is None else x_TH + carry_TH), stats
 
 
@@ -1516,7 +1562,7 @@ class Transformer(nn.Module):
         self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden))
         self.blocks = nn.ModuleList(Block(cfg, moe=cfg.is_moe(i), local=cfg.is_local(i), rope=not cfg.is_nope(i), linear=cfg.is_linear(i),
                                           fp8=cfg.is_fp8(i), index_shared=cfg.is_index_shared(i), sinks=cfg.has_sinks(i),
-                                          shortcut=cfg.shortcut(i))
+                                          shortcut=cfg.shortcut(i), depth=i)
                                     for i in range(cfg.n_layers))
         for i, block in enumerate(self.blocks):  # DeepSeek sparse attention: each block's choice of keys by its index, and the one it reuses
             if isinstance(block.attn, Attention):
@@ -1577,7 +1623,7 @@ class Transformer(nn.Module):
             if name.endswith(("norm.weight", "q_norm", "k_norm", "q_a_norm", "kv_a_norm")):
                 _local(p).fill_(0.0 if self.cfg.zero_centered_norms else 1.0)
                 continue
-            if name.endswith(("attn.bq", "attn.bk", "attn.bv", "attn.bo", "attn.sinks", "attn.index_k_bias", "router_bias", "norm.bias", "head_bias")
+            if name.endswith(("attn.bq", "attn.bk", "attn.bv", "attn.bo", "attn.sinks", "attn.bg", "attn.index_k_bias", "router_bias", "norm.bias", "head_bias")
                              + EXPERT_BIASES):
                 _local(p).zero_()
                 continue
@@ -1654,7 +1700,7 @@ class Transformer(nn.Module):
         # the labels were checked where the batch was made: no host sync here
         labels = torch.where(loss_mask.bool(), labels, torch.full_like(labels, -100))
         loss_sum = linear_cross_entropy(self._head_input(h_TH, norm), self.output_weight(), labels, reduction="sum", check=False, impl=self.cfg.impl,
-                                        bias=self.head_bias)
+                                        bias=self.head_bias, softcap=self.cfg.logit_softcap)
         return loss_sum, loss_mask.sum()
 
     def _embedding(self, ids: torch.Tensor) -> torch.Tensor:
@@ -1709,10 +1755,12 @@ class Transformer(nn.Module):
             raise ValueError(f"model: {what} needs the whole model on one process (not a pipeline chunk, not context parallel)")
 
     def _head(self, h_TH: torch.Tensor) -> torch.Tensor:
-        """The final norm and the output head (and its bias): float32 logits [T, V]."""
+        """The final norm and the output head (and its bias): float32 logits [T, V], capped
+        with logit_softcap."""
         x = self._head_input(h_TH)
         logits = x @ self.output_weight().t() if self.head_bias is None else torch.addmm(self.head_bias, x, self.output_weight().t())
-        return logits.float()
+        cap = self.cfg.logit_softcap
+        return logits.float() if cap is None else torch.tanh(logits.float() / cap) * cap
 
     def kv_cache(self, max_tokens: int, batch: int = 1) -> KVCache:
         """An empty KVCache of `batch` sequences of up to max_tokens tokens each, on the

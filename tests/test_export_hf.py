@@ -303,3 +303,28 @@ def test_a_run_of_fmoe_s_own_routed_on_the_logits_plus_the_bias_exports_as_kolib
     docs, ids, cu = _docs(258)  # byte data's vocabulary
     with torch.no_grad():
         assert _rel(_transformers_logits(tmp_path / "out", docs), model.logits(ids, cu)) < 1e-5
+
+
+def test_a_run_of_fmoe_s_own_with_beam_s_pieces_exports_as_beam(tmp_path):
+    """Beam's pieces through the user's path: a run of fmoe's own with the gate's bias per
+    head, depth-scaled residual adds, a NoPE block with the power-law query scale beside a
+    window's block, sandwich norms, groups and the capped logits (--model.logit_softcap: the
+    loss's kernels cap them too) exports with --model_type=beam, and transformers loads it
+    with the run's logits."""
+    own = ["--model.hidden=32", "--model.n_layers=2", "--model.n_dense=1", "--model.n_experts=4", "--model.k=2", "--model.ffn_expert=16",
+           "--model.n_shared=0", "--model.n_heads=4", "--model.n_kv_heads=2", "--model.head_dim=8", "--model.qk_norm=head",
+           "--model.window=4", "--model.window_layers=0", "--model.nope_layers=1", "--model.nope_temperature_floor=2048",
+           "--model.nope_temperature_kind=power", "--model.attn_gate=True", "--model.attn_gate_bias=True", "--model.post_norms=True",
+           "--model.depth_scaled_residual=True", "--model.n_groups=2", "--model.topk_groups=1", "--model.group_score_topk=2",
+           "--model.route_scale=2.5", "--model.logit_softcap=2.0", *RUN, "--model.mtp_depth=0"]
+    run = _train(tmp_path / "run", knobs=own)
+    cli = _export(run, tmp_path / "out", "--model_type=beam")
+    assert cli.returncode == 0, cli.stderr[-3000:]
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["rope_parameters"]["full_attention"] is None and config["final_logit_softcapping"] == 2.0
+    model, _ = load_run(run)
+    docs, ids, cu = _docs(258)  # byte data's vocabulary
+    with torch.no_grad():
+        logits = model.logits(ids, cu)
+        assert logits.abs().max() < 2.0
+        assert _rel(_transformers_logits(tmp_path / "out", docs), logits) < 1e-5

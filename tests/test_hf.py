@@ -206,6 +206,14 @@ FAMILIES = {
     # per-head q/k norms; a 4-token window with RoPE in layers 0 and 2, layer 1 global
     # without RoPE (NoPE); DeepSeek-V3's routing (2 groups of 4 experts scored by their best 2,
     # the correction bias beside the router, renormalised x 2.5) and a shared expert; layer 0 dense
+    # Beam: layers 0 and 2 over a window of 4 with RoPE, layer 1 global without (its queries scaled by position); an
+    # elementwise sigmoid gate with a bias per head; sandwich norms, depth-scaled residual adds; layer 0 dense, then 2
+    # groups of 4 experts scored by their best 2, renormalised x 2.5; the logits capped at 3
+    "beam": lambda: transformers.BeamConfig(**COMMON, head_dim=8, intermediate_size=40, moe_intermediate_size=16, num_experts=8,
+                                            num_experts_per_tok=3, n_group=2, topk_group=1, sliding_window=4,
+                                            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                            mlp_layer_types=["dense", "sparse", "sparse"], final_logit_softcapping=3.0,
+                                            bos_token_id=None, eos_token_id=None, pad_token_id=None),
     # Kolibri-1: EXAONE's attention (layers 0 and 2 over a window of 4 with RoPE, layer 1 global without) in sandwich
     # blocks, every block MoE: the top-3 of the logits plus the correction bias, their raw sigmoids, a shared expert
     "kolibri1": lambda: transformers.Kolibri1Config(**COMMON, head_dim=8, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=3,
@@ -1595,6 +1603,10 @@ BAD_CONFIGS = [
     ("deepseek_v3", lambda c: c["rope_parameters"].pop("factor"), r"config.json: rope_parameters of rope type 'yarn' lack factor"),
     ("bailing_hybrid", lambda c: c.update(layer_types=["linear_attention", "sliding_attention", "full_attention"]),
      r"config.json: layer_types = .* is not supported \(full_attention or linear_attention for each of the 3 layers\)"),
+    ("beam", lambda c: c.update(attention_bias=True), r"config.json: attention_bias = True is not supported \(no attention biases"),
+    ("beam", lambda c: c.update(rope_parameters=dict(rope_type="default", rope_theta=1e4)),
+     r"config.json: rope_parameters = .* is not supported \(one per layer type, full_attention / sliding_attention, each RoPE's parameters or None\)"),
+    ("beam", lambda c: c.update(final_logit_softcapping=0), r"config.json: final_logit_softcapping = 0 is not supported \(None or a positive cap\)"),
     ("kolibri1", lambda c: c.update(sliding_window=None),
      r"config.json: sliding_window = None is not supported with sliding_attention layers in layer_types"),
     ("kolibri1", lambda c: c.update(attention_bias=True), r"config.json: attention_bias = True is not supported \(no attention biases"),
@@ -2630,3 +2642,39 @@ def test_kolibri1_routes_on_the_logits_plus_the_bias_and_reads_its_layer_pattern
     plain = _edit(path, tmp_path / "plain", lambda c: c.update(sliding_window=None, layer_types=["full_attention"] * 3))
     _, cfg = hf.read_config(plain)
     assert cfg.window is None and cfg.nope_layers is None
+
+
+def test_beam_reads_its_layer_pattern_and_rope_and_matches_each_layer_s_output(folders, tmp_path):
+    """Beam: the global layers without RoPE, their queries scaled by (1 + (p + 1) / 2048) **
+    0.1; the gate's bias per head; the depth-scaled residual adds, which the logits cannot
+    show (with pre- and post-norms they scale the whole residual by 1 / sqrt(n) only): each
+    layer's output equals transformers' hidden state; left out, layer_types is every sixth and
+    the last layer global, mlp_layer_types 3 dense layers first, rope_parameters RoPE in the
+    sliding layers only; both kinds with RoPE read the sliding layers' own base."""
+    path, ref = folders["beam"]
+    _, cfg = hf.read_config(path)
+    assert (cfg.window, cfg.window_layers, cfg.nope_layers, cfg.nope_temperature_floor, cfg.nope_temperature_scale, cfg.nope_temperature_kind) == (
+        4, (0, 2), (1,), 2048, 0.1, "power")
+    assert (cfg.attn_gate, cfg.attn_gate_bias, cfg.pre_norms, cfg.post_norms, cfg.depth_scaled_residual, cfg.logit_softcap) == (
+        True, True, True, True, True, 3.0)
+    assert (cfg.n_dense, cfg.shared_size, cfg.n_groups, cfg.group_score_topk, cfg.route_scale) == (1, 0, 2, 2, 2.5)
+    model, _ = hf.from_pretrained(path, impl="torch")
+    docs, ids, cu = _packed()
+    outputs = []
+    hooks = [block.register_forward_hook(lambda _m, _i, out: outputs.append(out[0])) for block in model.blocks]
+    with torch.no_grad():
+        model.logits(ids, cu)
+        theirs = [torch.cat([h[0] for h in layer]) for layer in zip(*[ref(d[None], output_hidden_states=True).hidden_states[1:-1] for d in docs])]
+    for hook in hooks:
+        hook.remove()
+    assert len(outputs) == 3 and len(theirs) == 2  # transformers' last hidden state is the final norm's, not layer 2's
+    for ours, want in zip(outputs, theirs):
+        assert _rel(ours, want) < 1e-5
+    ten = _edit(path, tmp_path / "ten", lambda c: c.update(num_hidden_layers=13, layer_types=None, mlp_layer_types=None, rope_parameters=None))
+    _, cfg = hf.read_config(ten)
+    assert (cfg.window_layers, cfg.nope_layers, cfg.n_dense, cfg.local_rope_base) == (
+        tuple(i for i in range(12) if i not in (5, 11)), (5, 11, 12), 3, None)
+    both = _edit(path, tmp_path / "both", lambda c: c.update(rope_parameters=dict(full_attention=dict(rope_type="default", rope_theta=5e5),
+                                                                                  sliding_attention=dict(rope_type="default", rope_theta=100.0))))
+    _, cfg = hf.read_config(both)
+    assert (cfg.nope_layers, cfg.nope_temperature_floor, cfg.rope_base, cfg.local_rope_base) == (None, None, 5e5, 100.0)

@@ -107,6 +107,13 @@ VARIANTS = {
     # sandwich blocks, every block MoE routed on the logits plus the expert bias, the raw sigmoids as weights
     "kolibri1": dataclasses.replace(TINY, qk_norm="head", window=4, window_layers=(0, 1), nope_layers=(2,), post_norms=True, n_dense=0,
                                     route_normalize=False, expert_bias_on_logits=True, mtp_depth=1),
+    # Beam's blocks: blocks 0 and 2 over a window with RoPE, block 1 global without and its queries scaled by
+    # (1 + (p + 1) / 4) ** 0.5; an elementwise sigmoid output gate with a bias per head; sandwich norms; depth-scaled
+    # residual adds; groups scored by their best 2, x 2.5, no shared expert; the logits capped at 3
+    "beam": dataclasses.replace(TINY, qk_norm="head", window=4, window_layers=(0, 2), nope_layers=(1,), nope_temperature_floor=4,
+                                nope_temperature_scale=0.5, nope_temperature_kind="power", attn_gate=True, attn_gate_bias=True, post_norms=True,
+                                depth_scaled_residual=True, n_groups=2, topk_groups=1, group_score_topk=2, route_scale=2.5, n_shared=0,
+                                logit_softcap=3.0),
     # gpt-oss's pieces: q/k/v/o biases, attention sinks, a router bias, expert biases, the
     # clamped SwiGLU, YaRN without truncation, sliding windows in blocks 0 and 2
     "gpt-oss": dataclasses.replace(TINY, qkv_bias=True, o_bias=True, attn_sinks=True, router_bias=True, expert_biases=True, swiglu_alpha=1.702,
@@ -729,6 +736,14 @@ _SMALL = dict(vocab_size=40, hidden=32, n_layers=4, n_dense=1, ffn_dense=48, n_e
     (dict(rope_dim=7), r"rope_dim: expected an even int in 2..head_dim"),
     (dict(n_shared=0, shared_gate=True), r"shared_gate: needs shared experts"),
     (dict(shared_ffn=-1), r"shared_ffn: expected an int >= 0 or None"),
+    (dict(logit_softcap=0.0), r"logit_softcap: expected None or a positive finite number, got 0.0"),
+    (dict(attn_gate_bias=True), r"attn_gate_bias: the output gate's bias per head, a bool, True needs attn_gate=True"),
+    (dict(nope_temperature_kind="power"), r"nope_temperature_kind: the form of the NoPE blocks' query scale, needs nope_temperature_floor"),
+    (dict(nope_layers=(1,), nope_temperature_floor=4, nope_temperature_kind="exp"), r"temperature_kind: expected one of log, power, got 'exp'"),
+    (dict(depth_scaled_residual=1), r"depth_scaled_residual: expected a bool, got 1"),
+    (dict(depth_scaled_residual=True, mtp_depth=1),
+     r"depth_scaled_residual: the residual adds of sequential trunk blocks, not with .* \(got mtp_depth=1; MTP: --model.mtp_depth=0\)"),
+    (dict(depth_scaled_residual=True, residual_scale=0.5), r"depth_scaled_residual: .* \(got residual_scale=0.5"),
     (dict(expert_bias_on_logits=1), r"expert_bias_on_logits: expected a bool, got 1"),
     (dict(expert_bias_on_logits=True, score="softmax"), r"expert_bias_on_logits: .* needs score='sigmoid' and expert_bias=True \(got score='softmax'"),
     (dict(expert_bias_on_logits=True, expert_bias=False), r"expert_bias_on_logits: .* \(got score='sigmoid', expert_bias=False\)"),
@@ -1012,6 +1027,8 @@ DECODED = {
     "llama4": dataclasses.replace(VARIANTS["llama4"], mtp_depth=0, llama3_factor=4.0, llama3_original_max_positions=16),
     "mla, sinks, output bias, gate": dataclasses.replace(VARIANTS["mla, group top-2, mtp norm"], attn_sinks=True, o_bias=True, attn_gate=True),
     "afmoe": dataclasses.replace(VARIANTS["afmoe"], mtp_depth=0),
+    # Beam's: the power-law query scale of the NoPE block by each decoded position, the gate's bias, the capped logits
+    "beam": VARIANTS["beam"],
     # DBRX's: q, k and v clamped (the cached keys and values are the clamped ones)
     "dbrx": dataclasses.replace(VARIANTS["dbrx"], mtp_depth=0),
     # Mellum's: the window's blocks (rings) with their own plain RoPE base beside full blocks with Llama 3.1's scaling
@@ -1590,3 +1607,40 @@ def test_hyper_connections_equal_transformers_modules():
 def test_hyper_connection_knobs_are_checked(overrides, message):
     with pytest.raises(ValueError, match=message):
         TransformerConfig(**{**_SMALL, **overrides})
+
+
+def test_beam_knobs_build_what_they_say():
+    """depth_scaled_residual: block i's two adds weigh the residual and the branch by
+    sqrt((n - 1) / n) and 1 / sqrt(n), n = 2i + 2 and 2i + 3; logit_softcap: the logits are
+    c tanh(l / c) of the uncapped model's, and the loss is theirs; nope_temperature_kind
+    "power": the NoPE queries' scale (1 + (p + 1) / floor) ** scale; attn_gate_bias: the gate's
+    pre-activations plus each head's bias."""
+    from fmoe.layers import query_temperature
+
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(VARIANTS["beam"], logit_softcap=0.2)  # a cap the initial logits reach
+    model = Transformer(cfg).eval()
+    assert model.blocks[1].residual_weights == [((3 / 4) ** 0.5, 4 ** -0.5), ((4 / 5) ** 0.5, 5 ** -0.5)]
+    block, x = model.blocks[1], torch.randn(24, cfg.hidden)
+    batch = _batch(cfg)
+    ctx = model.context(batch).attention[0]
+    with torch.no_grad():
+        mid = x * (3 / 4) ** 0.5 + block._attend(x, ctx) / 2
+        want = mid * (4 / 5) ** 0.5 + block._mlp_out(block.mlp_norm(mid))[0] / 5 ** 0.5
+        torch.testing.assert_close(block(x, ctx)[0], want)
+        ids, cu = batch["input_ids"], batch["cu_seqlens"]
+        uncapped = Transformer(dataclasses.replace(cfg, logit_softcap=None)).eval()
+        uncapped.load_state_dict(model.state_dict())
+        raw, capped = uncapped.logits(ids, cu), model.logits(ids, cu)
+        assert raw.abs().max() > 0.2  # the cap bites
+        torch.testing.assert_close(capped, torch.tanh(raw / 0.2) * 0.2)
+        losses, _ = model(batch, model.context(batch))
+        labels = torch.where(batch["loss_mask"].bool(), batch["labels"], -100)
+        torch.testing.assert_close(losses["lm_sum"], torch.nn.functional.cross_entropy(capped, labels, reduction="sum"))
+        assert block._attend(x, ctx).abs().amin(dim=-1).gt(0).all()
+        block.attn.bg.fill_(-1e4)  # every head's gate shut: sigmoid(x wg - 1e4) = 0
+        assert not block._attend(x, ctx).any()
+    attn = model.blocks[1].attn.cfg
+    assert (attn.rope, attn.temperature_kind, attn.temperature_floor) == (False, "power", 4)
+    assert model.blocks[0].attn.cfg.temperature_floor is None
+    torch.testing.assert_close(query_temperature(torch.tensor([0, 3, 11]), attn), torch.tensor([1.25, 2.0, 4.0]) ** 0.5)

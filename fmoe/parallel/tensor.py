@@ -311,7 +311,7 @@ class AttentionParallel(_HeadsRegion):
     Multi-latent attention: the per-head up projections wq (or wq_b) and wkv_b Shard(1), wo
     Shard(0); the latent down projections wq_a, wkv_a and the norms kv_a_norm, q_a_norm
     replicated (each rank computes the latents of all T tokens, HeadShard.weight). Either
-    kind: attention sinks [n_heads] Shard(0) with their heads; the output bias bo [H]
+    kind: attention sinks and the output gate's bias bg [n_heads] Shard(0) with their heads; the output bias bo [H]
     replicated, each rank adding bo / tp before the ranks' outputs are summed."""
 
     def _shard_dims(self, module):
@@ -325,6 +325,8 @@ class AttentionParallel(_HeadsRegion):
             dims["sinks"] = 0
         if getattr(module, "wg", None) is not None:  # the output gate: its columns with their heads
             dims["wg"] = 1
+        if getattr(module, "bg", None) is not None:  # the gate's bias per head
+            dims["bg"] = 0
         if cfg.qk_norm in ("proj", "head_layer"):  # never with multi-latent attention; Cohere's [heads, D] with their heads
             dims.update(q_norm=0, k_norm=0)
         return dims

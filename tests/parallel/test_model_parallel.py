@@ -54,6 +54,11 @@ LONGCAT = dict(MLA, q_rank=10, mla_scales=True, rope_interleaved=True, n_dense=0
 HY_V4 = dict(DSA, hyper_connections=3, hc_kind="independent", attn_gate=True, attn_sinks=True, swiglu_alpha=1.0, swiglu_limit=0.5,
              swiglu_offset=0.0, mtp_depth=0)
 MHC = dict(hyper_connections=3, mtp_depth=0)
+# Beam's: a gate with a bias per head, sandwich norms, depth-scaled residual adds, a NoPE block with the power-law
+# query scale beside a window's block, the logits capped
+BEAM = dict(attn_gate=True, attn_gate_bias=True, post_norms=True, qk_norm="head", depth_scaled_residual=True, window=5, window_layers=(1,),
+            nope_layers=(0,), nope_temperature_floor=2, nope_temperature_kind="power", logit_softcap=1.5, n_groups=2, topk_groups=1,
+            group_score_topk=2, route_scale=2.5, n_shared=0, mtp_depth=0)
 # Granite's multipliers: the softmax scale, the embeddings', the residual branches', the logits' divisor
 GRANITE = dict(attn_scale=0.3, embed_scale=2.0, residual_scale=0.6, logit_divisor=3.0)
 # MiMo-V2-Flash's attention: values of 6 channels beside q/k heads of 8, scaled; the window's block 1 with 4 kv heads
@@ -353,6 +358,8 @@ CASES = {
     # sandwich norms; and with multi-latent attention's heads
     "tp2-gate-sandwich": (2, dict(tp=2), dict(attn_gate=True, post_norms=True, qk_norm="head")),
     "tp2-mla-gate": (2, dict(tp=2), dict(MLA, attn_gate=True)),
+    # ... and Beam's gate bias split with its heads, the capped logits' loss
+    "tp2-beam": (2, dict(tp=2), BEAM),
     "ep2xtp2-llama4": (4, dict(tp=2, ep=2), LLAMA4),
     # gpt-oss's extras: the sinks split with their heads and the output bias added once over
     # tp; the expert biases with their experts over ep (exchanged rows, and the padded
