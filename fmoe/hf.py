@@ -6,7 +6,7 @@
 A folder holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). Supported `model_type`s: FAMILIES (mixtral, qwen2_moe,
 qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, axk1, kimi_k2, kimi_k25, deepseek_v2, deepseek_v32, glm_moe_dsa, hy_v4, glm4_moe_lite, gpt_oss, solar_open,
-exaone_moe, kolibri1, beam, dots1, minimax_m2, granitemoe, granitemoeshared, granitemoe_swa, hunyuan_v1_moe, llama4_text, llama4, afmoe,
+exaone_moe, kolibri1, beam, axk2, dots1, minimax_m2, granitemoe, granitemoeshared, granitemoe_swa, hunyuan_v1_moe, llama4_text, llama4, afmoe,
 laguna, cohere2_moe, sarvam_moe, sarvam_mla, longcat_flash, bailing_hybrid, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
 mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe), and the dense
 DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
@@ -905,6 +905,36 @@ def _deepseek_v32(hf: dict) -> dict:
     attention in every block, the indexer's RoPE on halves."""
     return dict(_mla(hf, interleaved=True), **_mlp_layer_types(hf, hf.get("first_k_dense_replace", 3)), **_sigmoid_routing(hf),
                 **_dsa(hf, interleaved=False))
+
+
+def _axk2(hf: dict) -> dict:
+    """A.X-K2 (axk2, SK Telecom): DeepSeek-V3.2's model (multi-latent attention with RoPE on
+    interleaved pairs and DeepSeek sparse attention in every layer, the indexer's RoPE on
+    halves) with A.X-K2's pieces: the queries made from [q_a_layernorm(c) | c] of the q
+    latent c (q_latent_raw) and an elementwise sigmoid output gate made from the same input
+    (attn_gate_on_q): its q_b_proj holds each head's query rows, then its gate rows; gated
+    RMSNorms (norm_gate_rank = gated_norm_rank: input_layernorm in every layer,
+    post_attention_layernorm in the MoE layers; released as norm.weight beside the gate's
+    W_down / W_up); dense and MoE layers by mlp_layer_types, or first_k_dense_replace and
+    moe_layer_freq; sigmoid routing with the correction bias, renormalised x
+    routed_scaling_factor, beside shared experts. Its grouped routing (n_group) fills the
+    other groups' scores with 0, not -inf, and is refused. The MTP layers after the trunk's
+    are not read, as in transformers."""
+    n = hf["num_hidden_layers"]
+    if hf.get("mlp_layer_types") is None:
+        first, freq = hf.get("first_k_dense_replace", 1), hf.get("moe_layer_freq", 1)
+        hf = dict(hf, mlp_layer_types=["sparse" if i >= first and i % freq == 0 else "dense" for i in range(n)])
+    if not hf.get("q_lora_rank"):
+        raise ValueError(f"config.json: q_lora_rank = {hf.get('q_lora_rank')!r} is not supported (A.X-K2's queries and gate come from a latent)")
+    _refuse(hf, "n_group", lambda v: v in (None, 1), "no expert groups: A.X-K2's grouped routing fills the other groups' scores with 0, "
+            "not -inf, which fmoe does not build")
+    _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in A.X-K2's attention")
+    _refuse(hf, "layer_types", lambda v: v is None or set(v) == {"indexed_attention"}, "A.X-K2's indexed_attention in every layer")
+    rank = hf.get("gated_norm_rank", 16)
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"config.json: gated_norm_rank = {rank!r} is not supported (a positive int)")
+    return dict(_mla(hf, interleaved=True), **_mlp_layer_types(hf, 1), **_sigmoid_routing(hf), **_dsa(hf, interleaved=False), q_latent_raw=True,
+                attn_gate=True, attn_gate_on_q=True, norm_gate_rank=rank)
 
 
 def _indexer_types(hf: dict) -> list[str]:
@@ -1908,6 +1938,9 @@ FAMILIES = {
                                           n_routed_experts=512, zero_expert_num=256, expert_ffn_hidden_size=2048, routed_scaling_factor=6.0)),
     "deepseek_v2": Family(_deepseek_v2, "mlp", _PROJ, "DeepseekV2ForCausalLM", "shared_experts", defaults=dict(q_lora_rank=1536, n_shared_experts=2)),
     # DeepSeek-V3.2 and GLM-5: DeepSeek-V3's model with DeepSeek sparse attention (the indexer under self_attn.indexer)
+    "axk2": Family(_axk2, "mlp", _PROJ, "AXK2ForCausalLM", "shared_experts", extra_layers_read=False,
+                   defaults={**_DEEPSEEK_V3_DEFAULTS, **_DSA_DEFAULTS, **dict(index_n_heads=16, q_lora_rank=384, kv_lora_rank=128, n_group=None,
+                                                                                topk_group=None, rms_norm_eps=1e-6, first_k_dense_replace=1)}),
     "deepseek_v32": Family(_deepseek_v32, "mlp", _PROJ, "DeepseekV32ForCausalLM", "shared_experts", mtp=True,
                            defaults=dict(_DEEPSEEK_V3_DEFAULTS, **_DSA_DEFAULTS, index_n_heads=64)),
     "glm_moe_dsa": Family(_glm_moe_dsa, "mlp", _PROJ, "GlmMoeDsaForCausalLM", "shared_experts", mtp=True,
@@ -2150,9 +2183,9 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
         out[q + "attn_post_norm.weight"] = Tensor((p + "post_attention_layernorm.weight",))
         out[q + "mlp_post_norm.weight"] = Tensor((p + "post_feedforward_layernorm.weight",))
     elif cfg.pre_norms:
-        out[q + "attn_norm.weight"] = Tensor((p + family.norms[0] + ".weight",))
+        out.update(_norm_keys(p + family.norms[0], q + "attn_norm", cfg, gated=True))
         if not cfg.parallel_blocks:  # a parallel block's MLP reads the attention's norm
-            out[q + "mlp_norm.weight"] = Tensor((p + family.norms[1] + ".weight",))
+            out.update(_norm_keys(p + family.norms[1], q + "mlp_norm", cfg, gated=moe))
     if moe and cfg.moe_out_norm:  # the MoE block's output norm (A.X-K1's)
         out[q + "mlp_post_norm.weight"] = Tensor((p + family.moe_out_norm + ".weight",))
     mlp = p + family.moe + "."
@@ -2210,6 +2243,21 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
     return out
 
 
+def _q_gate_rows(cfg: TransformerConfig) -> tuple[int, int]:
+    """Each head's rows in A.X-K2's fused q_b_proj: its query's (head_dim), then its gate's."""
+    return cfg.head_dim, 1 if cfg.attn_gate_per_head else cfg.v_head_dim
+
+
+def _norm_keys(theirs: str, ours: str, cfg: TransformerConfig, gated: bool) -> dict[str, Tensor]:
+    """A pre-norm's weight; where norm_gate_rank gates it (gated: an attention's pre-norm, or a
+    MoE block's MLP's) A.X-K2's names: the norm's under norm., the gate's [H, r] / [r, H] as
+    the linear weights W_down [r, H] / W_up [H, r]."""
+    if not (gated and cfg.norm_gate_rank):
+        return {ours + ".weight": Tensor((theirs + ".weight",))}
+    return {ours + ".weight": Tensor((theirs + ".norm.weight",)), ours + ".gate_down": Tensor((theirs + ".W_down.weight",), transpose=True),
+            ours + ".gate_up": Tensor((theirs + ".W_up.weight",), transpose=True)}
+
+
 def _attention_keys(family: Family, cfg: TransformerConfig, p: str, q: str, rope: bool, index_shared: bool = False,
                     layer: Optional[int] = None) -> dict[str, Tensor]:
     """An attention block's mixer (family.attention): grouped-query or multi-latent attention
@@ -2224,6 +2272,8 @@ def _attention_keys(family: Family, cfg: TransformerConfig, p: str, q: str, rope
                 out[q + "attn." + ours] = Tensor((f"{attn}{family.o_proj if ours == 'wo' else theirs}.weight",), transpose=True)
         if cfg.q_rank is not None:
             out[q + "attn.q_a_norm"] = Tensor((attn + "q_a_layernorm.weight",))
+        if cfg.attn_gate_on_q:  # A.X-K2's q_b_proj: each head's query rows, then its gate rows
+            out[q + "attn.wq_b"] = Tensor((attn + "q_b_proj.weight",), transpose=True, chunk=(0, _q_gate_rows(cfg)), groups=cfg.n_heads)
         out[q + "attn.kv_a_norm"] = Tensor((attn + "kv_a_layernorm.weight",))
         if cfg.index_topk is not None and not index_shared:  # DeepSeek sparse attention's indexer
             index = attn + "indexer."
@@ -2254,6 +2304,8 @@ def _attention_keys(family: Family, cfg: TransformerConfig, p: str, q: str, rope
         out[q + "attn.sinks"] = Tensor((attn + family.sinks,))
     if gate_in_q:
         out[q + "attn.wg"] = Tensor((attn + "q_proj.weight",), transpose=True, chunk=(1, (1, 1)), groups=cfg.heads(layer))
+    elif cfg.attn_gate_on_q:
+        out[q + "attn.wg"] = Tensor((attn + "q_b_proj.weight",), transpose=True, chunk=(1, _q_gate_rows(cfg)), groups=cfg.n_heads)
     elif cfg.attn_gate:  # gated attention's own gate module (AFMoE's gate_proj, Laguna's g_proj)
         out[q + "attn.wg"] = Tensor((attn + family.gate_proj + ".weight",), transpose=True)
     if cfg.attn_gate_bias:  # its bias per head (Beam's gate_bias)
@@ -2887,7 +2939,7 @@ def _ministral3_rope(cfg: TransformerConfig) -> dict:
 
 # the families whose config.json holds _deepseek_moe_config's fields
 _DEEPSEEK_STYLE = ("glm4_moe", "sarvam_moe", "deepseek_v2", "deepseek_v3", "kimi_k2", "sarvam_mla", "glm4_moe_lite", "dots1", "deepseek_v32", "axk1",
-                   "glm_moe_dsa", "hy_v4")
+                   "glm_moe_dsa", "hy_v4", "axk2")
 
 
 def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
@@ -3147,11 +3199,14 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
         hf.update(attention_bias=cfg.qkv_bias, use_qk_norm=cfg.qk_norm == "head")
     if model_type == "dots1":
         hf.update(attention_bias=cfg.qkv_bias, sliding_window=cfg.window, max_window_layers=cfg.n_layers, layer_types=_layer_types(cfg))
-    if model_type in ("glm4_moe_lite", "deepseek_v32", "glm_moe_dsa", "axk1", "hy_v4"):
+    if model_type in ("glm4_moe_lite", "deepseek_v32", "glm_moe_dsa", "axk1", "hy_v4", "axk2"):
         hf.update(mlp_layer_types=["sparse" if cfg.is_moe(i) else "dense" for i in range(cfg.n_layers)])
-    if model_type in ("axk1", "hy_v4"):  # no first_k_dense_replace (mlp_layer_types says it) nor MTP field in their configs
+    if model_type in ("axk1", "hy_v4", "axk2"):  # no first_k_dense_replace (mlp_layer_types says it) nor MTP field in their configs
         hf.pop("first_k_dense_replace")
         hf.pop("num_nextn_predict_layers")
+    if model_type == "axk2":  # the gated norms; no groups (refused on read), written as A.X-K2-Light's None
+        hf.update(gated_norm_rank=cfg.norm_gate_rank, layer_types=["indexed_attention"] * cfg.n_layers,
+                  **({} if cfg.n_groups else dict(n_group=None, topk_group=None)))
     if model_type == "hy_v4":  # the streams, the clamp
         if cfg.hyper_connections < 2 or cfg.hc_kind != "independent" or cfg.swiglu_limit is None:
             raise ValueError(f"model: its config has no hy_v4 equivalent: HY-V4's blocks are independent hyper-connections with the routed "
@@ -3160,16 +3215,16 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
         hf.update(hc_mult=cfg.hyper_connections, hc_magnitude=cfg.hc_magnitude, hc_eps=cfg.hc_eps, swiglu_limit=cfg.swiglu_limit,
                   layer_types=["indexed_attention"] * cfg.n_layers)
     if model_type in ("deepseek_v2", "deepseek_v3", "kimi_k2", "sarvam_mla", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa", "mistral4", "axk1",
-                      "longcat_flash", "bailing_hybrid", "hy_v4"):
+                      "longcat_flash", "bailing_hybrid", "hy_v4", "axk2"):
         rope = cfg.rope_dim or cfg.head_dim
         hf.update(q_lora_rank=cfg.q_rank, kv_lora_rank=cfg.kv_rank, qk_nope_head_dim=cfg.head_dim - rope, qk_rope_head_dim=rope,
                   v_head_dim=cfg.v_head_dim, head_dim=rope, attention_bias=False)
-        if model_type in ("deepseek_v32", "glm_moe_dsa", "hy_v4"):
+        if model_type in ("deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2"):
             hf.update(index_topk=cfg.index_topk, index_n_heads=cfg.index_heads, index_head_dim=cfg.index_head_dim)
             if model_type in ("glm_moe_dsa", "hy_v4"):
                 hf.update(indexer_types=["shared" if cfg.is_index_shared(i) else "full" for i in range(cfg.n_layers)])
         # no such field where the family's RoPE is always on interleaved pairs (HY-V4's: always on halves)
-        if model_type not in ("deepseek_v32", "glm_moe_dsa", "longcat_flash", "bailing_hybrid", "hy_v4"):
+        if model_type not in ("deepseek_v32", "glm_moe_dsa", "longcat_flash", "bailing_hybrid", "hy_v4", "axk2"):
             hf.update(rope_interleave=cfg.rope_interleaved)
         if cfg.yarn_factor is not None:
             hf["rope_parameters"] = _yarn_parameters(cfg)

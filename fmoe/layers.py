@@ -507,6 +507,10 @@ class AttentionConfig:
     times gate_act ("sigmoid": AFMoE, Qwen3-Next; "softplus": Laguna) of x wg before wo,
     channel by channel (wg [H, N Dv]) or, with gate_per_head, one gate per head over its
     Dv channels (wg [H, N]; Laguna's default); the gate computed in float32 for softplus.
+    q_latent_raw: multi-latent attention's wq_b reads the q latent both normed and as it
+    is, [q_a_norm(x wq_a) | x wq_a] ([2 q_rank, N D]; A.X-K2's), the indexer the normed half;
+    gate_on_q: the gate reads wq_b's input instead of x (wg [q_in, N Dv], q_in = q_rank or
+    2 q_rank: A.X-K2's gate, the other half of its q_b_proj's rows); both need q_rank.
     zero_centered_norms: the q/k norms' (and the latents' norms') gain is 1 + weight
     (Qwen3-Next's zero-centred norms), not the weight. fp8: the projections (q, k, v, o, the
     output gate's, multi-latent attention's) by fmoe.ops.fp8_matmul: their forward and
@@ -580,6 +584,8 @@ class AttentionConfig:
     v_dim: Optional[int] = None
     latent_scales: Optional[tuple[float, float]] = None
     latent_norm_eps: float = 1e-6
+    q_latent_raw: bool = False
+    gate_on_q: bool = False
     window: Optional[int] = None
     scale: Optional[float] = None
     qk_norm_after_rope: bool = False
@@ -680,6 +686,9 @@ class AttentionConfig:
                 raise ValueError(f"latent_scales: expected None or two finite numbers > 0 (the queries', the kv latent's), got {scales!r}")
             if self.kv_rank is None or self.q_rank is None:
                 raise ValueError("latent_scales: scales multi-latent attention's queries and kv latent, needs q_rank and kv_rank")
+        for name in ("q_latent_raw", "gate_on_q"):
+            if not isinstance(getattr(self, name), bool) or (getattr(self, name) and self.q_rank is None):
+                raise ValueError(f"{name}: a knob of multi-latent attention's q latent, a bool, True needs q_rank (got {getattr(self, name)!r})")
         if self.kv_rank is None:
             if self.q_rank is not None:
                 raise ValueError("q_rank: a multi-latent attention knob, needs kv_rank")
@@ -1206,9 +1215,14 @@ def mla_shapes(H: int, cfg: AttentionConfig) -> tuple[dict, dict]:
     if cfg.q_rank is None:
         mats["wq"] = (H, N * D)
     else:
-        mats.update(wq_a=(H, cfg.q_rank), wq_b=(cfg.q_rank, N * D))
+        mats.update(wq_a=(H, cfg.q_rank), wq_b=(q_in(cfg), N * D))
         norms["q_a_norm"] = (cfg.q_rank,)
     return mats, norms
+
+
+def q_in(cfg: AttentionConfig) -> int:
+    """The width of multi-latent attention's wq_b input: q_rank, or 2 q_rank with cfg.q_latent_raw."""
+    return 2 * cfg.q_rank if cfg.q_latent_raw else cfg.q_rank
 
 
 def index_shapes(H: int, cfg: AttentionConfig) -> dict:
@@ -1243,7 +1257,7 @@ def _check_attention(x_TH, params, cfg, ctx) -> None:
         if w is None or tuple(w.shape) != shape:
             raise ValueError(f"params['{name}']: expected a {list(shape)} norm weight, got {list(w.shape) if w is not None else 'nothing'}")
     # an output bias, attention sinks and the output gate's weight, either kind
-    extras = {"bo": (H,), "sinks": (N,), "wg": (H, N if cfg.gate_per_head else N * (cfg.v_dim or D)), "bg": (N,)}
+    extras = {"bo": (H,), "sinks": (N,), "wg": (q_in(cfg) if cfg.gate_on_q else H, N if cfg.gate_per_head else N * (cfg.v_dim or D)), "bg": (N,)}
     for name, shape in extras.items():
         w = params.get(name)
         if w is not None and (tuple(w.shape) != shape or not w.is_floating_point() or (name == "wg" and w.dtype != x_TH.dtype)):
@@ -1364,7 +1378,9 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
     # "expanded" latents absorbed too); the dense reference otherwise
     kernel = sparse and params.get("sinks") is None and use_triton(cfg.impl, x)
     latents = "absorbed" if kernel and ctx.latents == "expanded" else ctx.latents
-    q_lat = _mla_q_latent(x, params, cfg) if sparse and not shared else None  # the indexer's queries read it too
+    # wq_b's input, made once where the indexer's queries (its normed q latent) or the gate (gate_on_q) read it too
+    q_lat = _mla_q_latent(x, params, cfg) if (sparse and not shared) or cfg.gate_on_q else None
+    q_index = None if q_lat is None else q_lat[:, :cfg.q_rank]
     wv_CNV = None
     if latents == "absorbed" or kernel:
         q_TND, k_TGD, v_TGD, wv_CNV = _mla_latent_qkv(x, params, cfg, ctx, q_lat)
@@ -1413,7 +1429,7 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
             slots_TJ = torch.where((index_choice >= 0) & allowed, index_choice, -1)
         else:
             with torch.no_grad():
-                slots_TJ = _index_choice(x, q_lat, index_k_SD, params, cfg, ctx, mask)
+                slots_TJ = _index_choice(x, q_index, index_k_SD, params, cfg, ctx, mask)
         if not kernel:  # the dense reference attends under the choice's mask
             mask = slots_mask(slots_TJ, mask.shape[1])
     elif isinstance(mask, MaskRows):  # a layer without DeepSeek sparse attention in a context built for it: the dense mask
@@ -1453,7 +1469,7 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
         out_NTD = torch.einsum("ntc,cnv->ntv", out_NTD, wv_CNV)
     out_TQ = rearrange(out_NTD, "n t d -> t (n d)")
     if params.get("wg") is not None:  # gated attention: each output channel (or head) times its gate
-        out_TQ = _gated(out_TQ, matmul(x, params["wg"], fp8=cfg.fp8, impl=cfg.impl), cfg, params.get("bg"))
+        out_TQ = _gated(out_TQ, matmul(q_lat if cfg.gate_on_q else x, params["wg"], fp8=cfg.fp8, impl=cfg.impl), cfg, params.get("bg"))
     y_TH = matmul(out_TQ, params["wo"], fp8=cfg.fp8, impl=cfg.impl)
     if params.get("bo") is not None:
         y_TH = y_TH + params["bo"]
@@ -1469,7 +1485,7 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
                 target_TJ = heads_mean(target_TJ)
         # under context parallel this rank's share: its queries' sum over the micro-batch's count (the keys')
         cp = ctx.gather_kv is not None and ctx.latents is None
-        stats["index_loss"] = _index_loss_blocks(x.detach(), q_lat.detach(), index_k_SD, slots_TJ, target_TJ, params, cfg, ctx,
+        stats["index_loss"] = _index_loss_blocks(x.detach(), q_index.detach(), index_k_SD, slots_TJ, target_TJ, params, cfg, ctx,
                                                  n_queries=mask.shape[1] if cp else x.shape[0])
     return y_TH, TensorDict(stats, batch_size=[])
 
@@ -1674,15 +1690,17 @@ def _mla_latent_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext, q_la
 
 
 def _mla_q_latent(x, params, cfg: AttentionConfig) -> torch.Tensor:
-    """Multi-latent attention's normed q latent [T, q_rank] (cfg.q_rank)."""
+    """Multi-latent attention's wq_b input: the normed q latent [T, q_rank] (cfg.q_rank), or
+    with cfg.q_latent_raw [normed | as it is] [T, 2 q_rank]."""
     w = matmul(x, params["wq_a"], fp8=cfg.fp8, impl=cfg.impl)
-    return _rms_norm(w, params["q_a_norm"], cfg.latent_norm_eps, zero_centered=cfg.zero_centered_norms)
+    normed = _rms_norm(w, params["q_a_norm"], cfg.latent_norm_eps, zero_centered=cfg.zero_centered_norms)
+    return torch.cat([normed, w], dim=-1) if cfg.q_latent_raw else normed
 
 
 def _mla_parts(x, params, cfg: AttentionConfig, ctx: AttentionContext, q_lat=None):
     """Multi-latent attention's q nope [T, N, D - R] and rotated q rope [T, N, R], the normed
     latent [T, kv_rank] and the rotated shared key [T, 1, R] (not rotated when cfg.rope is
-    False: a NoPE block). q_lat: the normed q latent when already made (_mla_q_latent)."""
+    False: a NoPE block). q_lat: wq_b's input when already made (_mla_q_latent)."""
     N, D, R = cfg.n_heads, cfg.head_dim, cfg.rot_dim
     rope_impl = "torch" if cfg.impl == "torch" else "auto"
     mm = functools.partial(matmul, fp8=cfg.fp8, impl=cfg.impl)

@@ -48,7 +48,7 @@ from torch.utils.checkpoint import checkpoint
 
 from fmoe.layers import (EXPERT_BIASES, AttentionConfig, AttentionContext, LinearAttentionConfig, LinearStates, MoEConfig, attach_loss, attention,
                          attention_context, check_clip_qkv, check_sparsemixer_knobs, check_window, dense_mlp, index_shapes, linear_attention, linear_attention_shapes, local_experts, mla_shapes,
-                         moe)
+                         moe, q_in)
 from fmoe.ops import linear_cross_entropy, route
 from fmoe.ops.checks import check_positive_int
 from fmoe.ops.fp8 import check_fp8_fast_accum
@@ -329,7 +329,12 @@ class TransformerConfig:
     v_head_dim): multi-latent attention (DeepSeek-V2/V3; head_dim = nope + rope dims,
     rope_dim the rope part, n_kv_heads = n_heads; fmoe.layers.AttentionConfig); mla_scales
     (with q_rank and kv_rank): its queries times sqrt(hidden / q_rank) and its normed kv
-    latent times sqrt(hidden / kv_rank) (LongCat-Flash's; AttentionConfig.latent_scales). Without
+    latent times sqrt(hidden / kv_rank) (LongCat-Flash's; AttentionConfig.latent_scales);
+    q_latent_raw (with q_rank): wq_b reads the q latent normed and as it is, [2 q_rank, N D],
+    and attn_gate_on_q: the output gate reads that input instead of x (A.X-K2's;
+    AttentionConfig.q_latent_raw, gate_on_q). norm_gate_rank r (None: off): the attention's
+    pre-norm of every block and the MLP's of MoE blocks are GatedRMSNorms, y = rmsnorm(x)
+    times sigmoid(silu(y gate_down) gate_up) over rank r (A.X-K2's). Without
     kv_rank, v_head_dim is grouped-query attention's value head dim where it is not head_dim
     (MiMo-V2-Flash; None: head_dim), and value_scale multiplies its values (MiMo-V2-Flash's
     attention_value_scale). clip_qkv: grouped-query attention's q, k and v clamped to
@@ -491,6 +496,9 @@ class TransformerConfig:
     kv_rank: Optional[int] = None
     v_head_dim: Optional[int] = None
     mla_scales: bool = False
+    q_latent_raw: bool = False
+    attn_gate_on_q: bool = False
+    norm_gate_rank: Optional[int] = None
     index_topk: Optional[int] = None
     index_heads: int = 64
     index_head_dim: int = 128
@@ -604,6 +612,13 @@ class TransformerConfig:
         if not isinstance(self.attn_gate_bias, bool) or (self.attn_gate_bias and not self.attn_gate):
             raise ValueError(f"attn_gate_bias: the output gate's bias per head, a bool, True needs attn_gate=True (got {self.attn_gate_bias!r})")
         self._check_depth_scaled_residual()
+        if self.norm_gate_rank is not None:
+            check_positive_int("norm_gate_rank", self.norm_gate_rank)
+            if not self.pre_norms or self.layer_norms or self.zero_centered_norms or self.norm_bias:
+                raise ValueError("norm_gate_rank: gates the blocks' plain RMSNorm pre-norms, needs pre_norms and not layer_norms, "
+                                 "zero_centered_norms or norm_bias")
+        if self.attn_gate_on_q and not self.attn_gate:
+            raise ValueError("attn_gate_on_q: the output gate reads the q latent, needs attn_gate=True")
         if self.query_temperature_floor is not None:
             check_positive_int("query_temperature_floor", self.query_temperature_floor)
         scale = self.query_temperature_scale
@@ -645,7 +660,7 @@ class TransformerConfig:
         if self.sink_layers is not None and not self.attn_sinks:
             raise ValueError("sink_layers: the blocks with attention sinks, needs attn_sinks")
         for name in ("pre_norms", "post_norms", "moe_out_norm", "parallel_blocks", "layer_norms", "nope_qk_norm", "route_on_input", "attn_gate",
-                     "zero_centered_norms", "norm_bias", "head_bias", "shortcut_moe", "mla_scales"):
+                     "zero_centered_norms", "norm_bias", "head_bias", "shortcut_moe", "mla_scales", "q_latent_raw", "attn_gate_on_q"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         if self.norm_bias and not self.layer_norms:
@@ -899,6 +914,7 @@ class TransformerConfig:
             qk_norm=self.qk_norm if norm else None, qk_norm_after_rope=self.qk_norm_after_rope and norm, norm_eps=self.norm_eps,
             impl=self.impl, q_rank=self.q_rank, kv_rank=self.kv_rank, v_dim=self.v_head_dim, window=self.window if local else None,
             latent_scales=((self.hidden / self.q_rank) ** 0.5, (self.hidden / self.kv_rank) ** 0.5) if self.mla_scales else None,
+            q_latent_raw=self.q_latent_raw, gate_on_q=self.attn_gate_on_q,
             chunk=self.chunk if local else None, scale=self.attn_scale, rope=rope,
             **self._temperature(rope),
             local_rope_base=self.local_rope_base, local_rot_dim=self.local_rope_dim, zero_centered_norms=self.zero_centered_norms,
@@ -963,6 +979,26 @@ class RMSNorm(nn.Module):
         if self.bias is not None:
             y = y + (self.bias if sp is None else sp.weight(self.bias)).float()
         return y.to(x.dtype)
+
+
+class GatedRMSNorm(RMSNorm):
+    """An RMSNorm whose output y is gated by a low-rank function of itself (A.X-K2's
+    GatedRMSNorm; TransformerConfig.norm_gate_rank): y * sigmoid(silu(y gate_down) gate_up),
+    gate_down [dim, rank] and gate_up [rank, dim], the sigmoid in float32. Under tensor
+    parallelism, like an RMSNorm, it runs on this rank's token shard with its weights'
+    gradients summed over tp."""
+
+    def __init__(self, dim: int, eps: float, rank: int):
+        super().__init__(dim, eps)
+        self.gate_down = nn.Parameter(torch.empty(dim, rank))
+        self.gate_up = nn.Parameter(torch.empty(rank, dim))
+
+    def forward(self, x):
+        y = super().forward(x)
+        sp = self.sequence_parallel
+        down, up = (w if sp is None else sp.weight(w) for w in (self.gate_down, self.gate_up))
+        gate = F.silu(y @ down.to(y.dtype)) @ up.to(y.dtype)
+        return (y * torch.sigmoid(gate.float())).to(y.dtype)
 
 
 class HyperConnection(KeepsFloat32):
@@ -1118,7 +1154,8 @@ class Attention(nn.Module):
             self.sinks = nn.Parameter(torch.empty(N))
             self.names.append("sinks")
         if cfg.attn_gate:
-            self.wg = nn.Parameter(torch.empty(cfg.hidden, N if cfg.attn_gate_per_head else N * (cfg.v_head_dim or cfg.head_dim)))
+            rows = q_in(self.cfg) if cfg.attn_gate_on_q else cfg.hidden  # the gate's input: x, or wq_b's (A.X-K2's)
+            self.wg = nn.Parameter(torch.empty(rows, N if cfg.attn_gate_per_head else N * (cfg.v_head_dim or cfg.head_dim)))
             self.names.append("wg")
         if cfg.attn_gate_bias:
             self.bg = nn.Parameter(torch.empty(N))
@@ -1199,15 +1236,17 @@ class Block(nn.Module):
                  fp8: Optional[bool] = None, index_shared: bool = False, sinks: Optional[bool] = None, shortcut: Optional[str] = None,
                  depth: Optional[int] = None):
         super().__init__()
-        def norm(on: bool) -> Optional[RMSNorm]:
-            return RMSNorm.of(cfg) if on else None
+        def norm(on: bool, gated: bool = False) -> Optional[RMSNorm]:
+            if not on:
+                return None
+            return GatedRMSNorm(cfg.hidden, cfg.norm_eps, cfg.norm_gate_rank) if gated and cfg.norm_gate_rank else RMSNorm.of(cfg)
 
-        self.attn_norm, self.attn_post_norm = norm(cfg.pre_norms), norm(cfg.post_norms)
+        self.attn_norm, self.attn_post_norm = norm(cfg.pre_norms, gated=True), norm(cfg.post_norms)
         fp8 = cfg.fp8 if fp8 is None else fp8
         self.attn = LinearAttention(cfg, fp8=fp8) if linear else Attention(cfg, local=local, rope=rope, fp8=fp8, index_shared=index_shared,
                                                                                      sinks=sinks)
         # a parallel block's MLP reads the attention's normed input (attn_norm)
-        self.mlp_norm = norm(cfg.pre_norms and not cfg.parallel_blocks)
+        self.mlp_norm = norm(cfg.pre_norms and not cfg.parallel_blocks, gated=moe)
         self.mlp_post_norm = norm(cfg.post_norms or (moe and cfg.moe_out_norm))
         self.parallel = cfg.parallel_blocks
         if moe:

@@ -328,3 +328,28 @@ def test_a_run_of_fmoe_s_own_with_beam_s_pieces_exports_as_beam(tmp_path):
         logits = model.logits(ids, cu)
         assert logits.abs().max() < 2.0
         assert _rel(_transformers_logits(tmp_path / "out", docs), logits) < 1e-5
+
+
+def test_a_run_of_fmoe_s_own_with_axk2_s_pieces_exports_as_axk2(tmp_path):
+    """A.X-K2's pieces through the user's path: a run of fmoe's own with DeepSeek sparse
+    attention whose queries and gate read the q latent normed and raw (--model.q_latent_raw,
+    --model.attn_gate_on_q) and gated RMSNorms (--model.norm_gate_rank) exports with
+    --model_type=axk2 (each head's query and gate rows joined in one q_b_proj), and
+    transformers loads it with the run's logits. The indexer keeps 12 keys, every key of these
+    documents: a young indexer's ReLU scores tie at 0 for some queries, where fmoe's choice
+    (the lower key) and torch.topk's differ; the folder parity test checks the choice."""
+    from safetensors.torch import load_file
+
+    own = ["--model.hidden=32", "--model.n_layers=2", "--model.n_dense=1", "--model.n_experts=4", "--model.k=2", "--model.ffn_expert=16",
+           "--model.n_heads=4", "--model.n_kv_heads=4", "--model.head_dim=10", "--model.rope_dim=4", "--model.rope_interleaved=True",
+           "--model.q_rank=12", "--model.kv_rank=8", "--model.v_head_dim=5", "--model.index_topk=12", "--model.index_heads=4",
+           "--model.index_head_dim=6", "--model.q_latent_raw=True", "--model.attn_gate=True", "--model.attn_gate_on_q=True",
+           "--model.norm_gate_rank=3", *RUN, "--model.mtp_depth=0"]
+    run = _train(tmp_path / "run", knobs=own)
+    cli = _export(run, tmp_path / "out", "--model_type=axk2")
+    assert cli.returncode == 0, cli.stderr[-3000:]
+    assert load_file(tmp_path / "out" / "model.safetensors")["model.layers.1.self_attn.q_b_proj.weight"].shape == (4 * (10 + 5), 24)
+    model, _ = load_run(run)
+    docs, ids, cu = _docs(258)  # byte data's vocabulary
+    with torch.no_grad():
+        assert _rel(_transformers_logits(tmp_path / "out", docs), model.logits(ids, cu)) < 1e-5

@@ -206,6 +206,14 @@ FAMILIES = {
     # per-head q/k norms; a 4-token window with RoPE in layers 0 and 2, layer 1 global
     # without RoPE (NoPE); DeepSeek-V3's routing (2 groups of 4 experts scored by their best 2,
     # the correction bias beside the router, renormalised x 2.5) and a shared expert; layer 0 dense
+    # A.X-K2: DeepSeek sparse attention over multi-latent attention whose queries and gate come from the q latent normed
+    # and raw (one q_b_proj); gated RMSNorms of rank 3 before the attention and before each MoE; layer 0 dense, then
+    # sigmoid routing with the correction bias, renormalised x 2.5, beside a shared expert
+    "axk2": lambda: transformers.AXK2Config(vocab_size=V, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                                            max_position_embeddings=128, intermediate_size=40, moe_intermediate_size=12, n_routed_experts=8,
+                                            num_experts_per_tok=3, q_lora_rank=12, kv_lora_rank=8, qk_nope_head_dim=6, qk_rope_head_dim=4,
+                                            v_head_dim=5, index_topk=3, index_n_heads=4, index_head_dim=6, gated_norm_rank=3,
+                                            bos_token_id=None, eos_token_id=None, pad_token_id=None),
     # Beam: layers 0 and 2 over a window of 4 with RoPE, layer 1 global without (its queries scaled by position); an
     # elementwise sigmoid gate with a bias per head; sandwich norms, depth-scaled residual adds; layer 0 dense, then 2
     # groups of 4 experts scored by their best 2, renormalised x 2.5; the logits capped at 3
@@ -1603,6 +1611,11 @@ BAD_CONFIGS = [
     ("deepseek_v3", lambda c: c["rope_parameters"].pop("factor"), r"config.json: rope_parameters of rope type 'yarn' lack factor"),
     ("bailing_hybrid", lambda c: c.update(layer_types=["linear_attention", "sliding_attention", "full_attention"]),
      r"config.json: layer_types = .* is not supported \(full_attention or linear_attention for each of the 3 layers\)"),
+    ("axk2", lambda c: c.update(n_group=2, topk_group=1), r"config.json: n_group = 2 is not supported \(no expert groups: A.X-K2's grouped routing"),
+    ("axk2", lambda c: c.update(q_lora_rank=None), r"config.json: q_lora_rank = None is not supported \(A.X-K2's queries and gate"),
+    ("axk2", lambda c: c.update(gated_norm_rank=0), r"config.json: gated_norm_rank = 0 is not supported \(a positive int\)"),
+    ("axk2", lambda c: c.update(layer_types=["indexed_attention", "full_attention", "indexed_attention"]),
+     r"config.json: layer_types = .* is not supported \(A.X-K2's indexed_attention in every layer\)"),
     ("beam", lambda c: c.update(attention_bias=True), r"config.json: attention_bias = True is not supported \(no attention biases"),
     ("beam", lambda c: c.update(rope_parameters=dict(rope_type="default", rope_theta=1e4)),
      r"config.json: rope_parameters = .* is not supported \(one per layer type, full_attention / sliding_attention, each RoPE's parameters or None\)"),
@@ -2678,3 +2691,33 @@ def test_beam_reads_its_layer_pattern_and_rope_and_matches_each_layer_s_output(f
                                                                                   sliding_attention=dict(rope_type="default", rope_theta=100.0))))
     _, cfg = hf.read_config(both)
     assert (cfg.nope_layers, cfg.nope_temperature_floor, cfg.rope_base, cfg.local_rope_base) == (None, None, 5e5, 100.0)
+
+
+def test_axk2_reads_its_gated_norms_and_fused_query_gate_and_leaves_its_mtp_layers_unread(folders, tmp_path):
+    """A.X-K2: gated RMSNorms of gated_norm_rank before the attention and before each MoE (the
+    dense layer's pre-MLP norm plain), the q_b_proj rows split into the queries' and the
+    gate's; an older config's first_k_dense_replace / moe_layer_freq name the MoE layers; an
+    MTP layer after the trunk's is not read."""
+    from safetensors.torch import load_file, save_file
+
+    path, _ = folders["axk2"]
+    _, cfg = hf.read_config(path)
+    assert (cfg.norm_gate_rank, cfg.q_latent_raw, cfg.attn_gate, cfg.attn_gate_on_q, cfg.n_dense, cfg.n_groups, cfg.mtp_depth) == (
+        3, True, True, True, 1, None, 0)
+    assert (cfg.index_topk, cfg.rope_interleaved, cfg.index_rope_interleaved) == (3, True, False)
+    keys = hf.key_map(hf.FAMILIES["axk2"], cfg)
+    assert keys["blocks.0.mlp_norm.weight"].keys == ("model.layers.0.post_attention_layernorm.weight",)
+    assert keys["blocks.1.mlp_norm.gate_down"].keys == ("model.layers.1.post_attention_layernorm.W_down.weight",)
+    assert keys["blocks.0.attn_norm.weight"].keys == ("model.layers.0.input_layernorm.norm.weight",)
+    model, _ = hf.from_pretrained(path, impl="torch")
+    docs, ids, cu = _packed()
+    with torch.no_grad():
+        want = model.logits(ids, cu)
+    older = _edit(path, tmp_path / "older", lambda c: c.update(mlp_layer_types=None, first_k_dense_replace=0, moe_layer_freq=2))
+    assert hf.read_config(older)[1].moe_layers == (0, 2)
+    unread = _edit(path, tmp_path / "mtp", lambda c: None)
+    weights = load_file(unread / "model.safetensors")
+    weights["model.layers.3.eh_proj.weight"] = torch.zeros(32, 64)
+    save_file(weights, unread / "model.safetensors", metadata={"format": "pt"})
+    with torch.no_grad():
+        assert torch.equal(hf.from_pretrained(unread, impl="torch")[0].logits(ids, cu), want)

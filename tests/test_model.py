@@ -107,6 +107,11 @@ VARIANTS = {
     # sandwich blocks, every block MoE routed on the logits plus the expert bias, the raw sigmoids as weights
     "kolibri1": dataclasses.replace(TINY, qk_norm="head", window=4, window_layers=(0, 1), nope_layers=(2,), post_norms=True, n_dense=0,
                                     route_normalize=False, expert_bias_on_logits=True, mtp_depth=1),
+    # A.X-K2's blocks: DeepSeek sparse attention over multi-latent attention whose wq_b reads the q latent normed and
+    # raw, an output gate over that input too; gated RMSNorms before the attention and before each MoE
+    "axk2": dataclasses.replace(TINY, n_kv_heads=4, head_dim=12, rope_dim=4, rope_interleaved=True, q_rank=10, kv_rank=6, v_head_dim=5,
+                                index_topk=3, index_heads=4, index_head_dim=6, q_latent_raw=True, attn_gate=True, attn_gate_on_q=True,
+                                norm_gate_rank=3, mtp_depth=1),
     # Beam's blocks: blocks 0 and 2 over a window with RoPE, block 1 global without and its queries scaled by
     # (1 + (p + 1) / 4) ** 0.5; an elementwise sigmoid output gate with a bias per head; sandwich norms; depth-scaled
     # residual adds; groups scored by their best 2, x 2.5, no shared expert; the logits capped at 3
@@ -737,6 +742,10 @@ _SMALL = dict(vocab_size=40, hidden=32, n_layers=4, n_dense=1, ffn_dense=48, n_e
     (dict(n_shared=0, shared_gate=True), r"shared_gate: needs shared experts"),
     (dict(shared_ffn=-1), r"shared_ffn: expected an int >= 0 or None"),
     (dict(logit_softcap=0.0), r"logit_softcap: expected None or a positive finite number, got 0.0"),
+    (dict(norm_gate_rank=0), r"norm_gate_rank: expected >= 1, got 0"),
+    (dict(norm_gate_rank=2, layer_norms=True), r"norm_gate_rank: gates the blocks' plain RMSNorm pre-norms, needs pre_norms and not layer_norms"),
+    (dict(q_latent_raw=True), r"q_latent_raw: a knob of multi-latent attention's q latent, a bool, True needs q_rank \(got True\)"),
+    (dict(attn_gate_on_q=True), r"attn_gate_on_q: the output gate reads the q latent, needs attn_gate=True"),
     (dict(attn_gate_bias=True), r"attn_gate_bias: the output gate's bias per head, a bool, True needs attn_gate=True"),
     (dict(nope_temperature_kind="power"), r"nope_temperature_kind: the form of the NoPE blocks' query scale, needs nope_temperature_floor"),
     (dict(nope_layers=(1,), nope_temperature_floor=4, nope_temperature_kind="exp"), r"temperature_kind: expected one of log, power, got 'exp'"),
@@ -1027,6 +1036,8 @@ DECODED = {
     "llama4": dataclasses.replace(VARIANTS["llama4"], mtp_depth=0, llama3_factor=4.0, llama3_original_max_positions=16),
     "mla, sinks, output bias, gate": dataclasses.replace(VARIANTS["mla, group top-2, mtp norm"], attn_sinks=True, o_bias=True, attn_gate=True),
     "afmoe": dataclasses.replace(VARIANTS["afmoe"], mtp_depth=0),
+    # A.X-K2's: the gate over the q latent, on the cache's absorbed latents
+    "axk2": dataclasses.replace(VARIANTS["axk2"], mtp_depth=0),
     # Beam's: the power-law query scale of the NoPE block by each decoded position, the gate's bias, the capped logits
     "beam": VARIANTS["beam"],
     # DBRX's: q, k and v clamped (the cached keys and values are the clamped ones)
@@ -1644,3 +1655,23 @@ def test_beam_knobs_build_what_they_say():
     assert (attn.rope, attn.temperature_kind, attn.temperature_floor) == (False, "power", 4)
     assert model.blocks[0].attn.cfg.temperature_floor is None
     torch.testing.assert_close(query_temperature(torch.tensor([0, 3, 11]), attn), torch.tensor([1.25, 2.0, 4.0]) ** 0.5)
+
+
+def test_gated_rms_norm_is_the_norm_times_its_low_rank_gate():
+    """GatedRMSNorm (norm_gate_rank): y = rmsnorm(x) w, times sigmoid(silu(y gate_down)
+    gate_up); in a model, the attention's pre-norm of every block and the MLP's of the MoE
+    blocks only."""
+    from fmoe.model import GatedRMSNorm
+
+    torch.manual_seed(0)
+    norm = GatedRMSNorm(8, 1e-6, 3)
+    with torch.no_grad():
+        for p in norm.parameters():
+            p.normal_()
+    x = torch.randn(5, 8)
+    y = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6) * norm.weight
+    torch.testing.assert_close(norm(x), y * torch.sigmoid(torch.nn.functional.silu(y @ norm.gate_down) @ norm.gate_up))
+    model = Transformer(VARIANTS["axk2"])
+    assert [type(b.attn_norm).__name__ for b in model.blocks] == ["GatedRMSNorm"] * 3
+    assert [type(b.mlp_norm).__name__ for b in model.blocks] == ["RMSNorm", "GatedRMSNorm", "GatedRMSNorm"]
+    assert model.blocks[1].attn.wg.shape == (20, 4 * 5) and model.blocks[1].attn.wq_b.shape == (20, 4 * 12)  # [2 q_rank, N Dv], [2 q_rank, N D]

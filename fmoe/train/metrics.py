@@ -222,7 +222,9 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
     add per trunk block, for its attention's and its MLP's HyperConnection, 6 (M n H + n H)
     (the weights' projection, M = 2 n + n^2 with hc_kind "manifold" else 2 n, and the
     streams' weighted sum) and 6 n^2 H for the manifold kind's mixing, and for the head's
-    collapse 6 (n^2 H + n H)."""
+    collapse 6 (n^2 H + n H). Gated norms (cfg.norm_gate_rank r) add 6 x 2 H r for each: the
+    attention's pre-norm of every block (trunk and MTP), the MLP's of each MoE block. A gate
+    on the q latent (cfg.attn_gate_on_q) counts its q_in N Dv weights instead of H N Dv."""
     names = ("hidden", "n_layers", "ffn_dense", "ffn_expert", "k", "n_heads", "n_kv_heads", "head_dim", "mtp_depth", "n_experts")
     is_moe = getattr(cfg, "is_moe", lambda i: i >= cfg.n_dense)
     n_dense = sum(not is_moe(i) for i in range(cfg.n_layers))
@@ -231,8 +233,14 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
     if getattr(cfg, "kv_rank", None) is not None:
         from fmoe.layers import mla_shapes
 
-        mats, _ = mla_shapes(cfg.hidden, cfg.attention_config())
-        attention = dict(attention_weights=sum(a * b for a, b in mats.values()), v_dim=cfg.v_head_dim)
+        attn_cfg = cfg.attention_config()
+        mats, _ = mla_shapes(cfg.hidden, attn_cfg)
+        weights = sum(a * b for a, b in mats.values())
+        if getattr(cfg, "attn_gate_on_q", False):  # the gate over wq_b's input, not x: counted here, not as flops_per_token's H N Dv
+            from fmoe.layers import q_in
+
+            weights += q_in(attn_cfg) * cfg.n_heads * (1 if cfg.attn_gate_per_head else cfg.v_head_dim)
+        attention = dict(attention_weights=weights, v_dim=cfg.v_head_dim)
     elif any(getattr(cfg, n, None) is not None for n in ("v_head_dim", "local_kv_heads", "local_heads")):
         # grouped-query attention with its own value head dim, or other kv or query heads in the local blocks
         D, Dv = cfg.head_dim, getattr(cfg, "v_head_dim", None) or cfg.head_dim
@@ -272,15 +280,20 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
     shortcut = 0.0
     if getattr(cfg, "shortcut_moe", False):  # the dense MLP beside each trunk MoE
         shortcut = sum(is_moe(i) for i in range(cfg.n_layers)) * 6 * 3 * cfg.hidden * cfg.ffn_dense
+    gated_norms = 0.0
+    rank = getattr(cfg, "norm_gate_rank", None)
+    if rank:  # the attention's pre-norm of every block, the MLP's of MoE blocks: 2 H r weights each
+        n_moe = cfg.n_layers - n_dense
+        gated_norms = 6 * 2 * cfg.hidden * rank * (cfg.n_layers + n_moe + cfg.mtp_depth * (2 if n_moe else 1))
     hc = 0.0
     n = getattr(cfg, "hyper_connections", 0)
     if n:  # the streams' weights and sums: two per trunk block, and the head's
         H, manifold = cfg.hidden, cfg.hc_kind == "manifold"
         M = 2 * n + (n * n if manifold else 0)
         hc = 2 * cfg.n_layers * 6 * (M * n * H + n * H + (n * n * H if manifold else 0)) + 6 * (n * n * H + n * H)
-    return indexer + shortcut + hc + flops_per_token(**values, n_dense=n_dense, n_shared=shared, vocab=cfg.vocab_size,
+    return indexer + shortcut + hc + gated_norms + flops_per_token(**values, n_dense=n_dense, n_shared=shared, vocab=cfg.vocab_size,
                                      n_avg_keys=n_avg_keys, n_sliding=n_sliding, n_avg_local_keys=n_avg_local_keys,
-                                     attn_gate=bool(getattr(cfg, "attn_gate", False)),
+                                     attn_gate=bool(getattr(cfg, "attn_gate", False)) and not getattr(cfg, "attn_gate_on_q", False),
                                      attn_gate_per_head=bool(getattr(cfg, "attn_gate_per_head", False)), **attention, **linear)
 
 

@@ -54,6 +54,9 @@ LONGCAT = dict(MLA, q_rank=10, mla_scales=True, rope_interleaved=True, n_dense=0
 HY_V4 = dict(DSA, hyper_connections=3, hc_kind="independent", attn_gate=True, attn_sinks=True, swiglu_alpha=1.0, swiglu_limit=0.5,
              swiglu_offset=0.0, mtp_depth=0)
 MHC = dict(hyper_connections=3, mtp_depth=0)
+# A.X-K2's: multi-latent attention with DeepSeek sparse attention, wq_b and the gate over the q latent normed and raw, gated
+# RMSNorms on each rank's token shard
+AXK2 = dict(DSA, q_latent_raw=True, attn_gate=True, attn_gate_on_q=True, norm_gate_rank=3)
 # Beam's: a gate with a bias per head, sandwich norms, depth-scaled residual adds, a NoPE block with the power-law
 # query scale beside a window's block, the logits capped
 BEAM = dict(attn_gate=True, attn_gate_bias=True, post_norms=True, qk_norm="head", depth_scaled_residual=True, window=5, window_layers=(1,),
@@ -360,6 +363,7 @@ CASES = {
     "tp2-mla-gate": (2, dict(tp=2), dict(MLA, attn_gate=True)),
     # ... and Beam's gate bias split with its heads, the capped logits' loss
     "tp2-beam": (2, dict(tp=2), BEAM),
+    "tp2-axk2": (2, dict(tp=2), AXK2),
     "ep2xtp2-llama4": (4, dict(tp=2, ep=2), LLAMA4),
     # gpt-oss's extras: the sinks split with their heads and the output bias added once over
     # tp; the expert biases with their experts over ep (exchanged rows, and the padded

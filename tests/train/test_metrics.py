@@ -377,6 +377,10 @@ COUNTED = {
     # hyper-connections over 3 streams (no MTP beside them): DeepSeek-V4's mixed streams, HY-V4's independent ones
     "mhc": dict(hyper_connections=3, mtp_depth=0),
     "independent hc": dict(hyper_connections=3, hc_kind="independent", mtp_depth=0),
+    # A.X-K2's: wq_b over the q latent normed and raw, the output gate over that input too, gated pre-norms (the
+    # attention's in every block, the MLP's in the MoE blocks, the MTP block's both)
+    "axk2": dict(n_kv_heads=4, head_dim=12, rope_dim=4, q_rank=10, kv_rank=6, v_head_dim=5, q_latent_raw=True, attn_gate=True,
+                 attn_gate_on_q=True, norm_gate_rank=3),
 }
 
 
