@@ -786,13 +786,20 @@ def _axk1(hf: dict) -> dict:
     MoE blocks by mlp_layer_types, or an older config's first_k_dense_replace and
     moe_layer_freq (block i MoE from the first_k-th on, when i % freq == 0). The released
     folders route without a correction bias: it reads as zero where the folder has none."""
-    n = hf["num_hidden_layers"]
+    hf = _ax_layers(hf, "A.X-K1's queries always come from a latent")
+    return dict(_mla(hf), **_mlp_layer_types(hf, 1), **_sigmoid_routing(hf), moe_out_norm=True)
+
+
+def _ax_layers(hf: dict, why_q_latent: str) -> dict:
+    """A.X-K1's and A.X-K2's config with mlp_layer_types: its own, or an older config's
+    first_k_dense_replace and moe_layer_freq (block i MoE from the first_k-th on, when i %
+    freq == 0); ValueError (naming why_q_latent) without a q latent (q_lora_rank)."""
     if hf.get("mlp_layer_types") is None:
         first, freq = hf.get("first_k_dense_replace", 1), hf.get("moe_layer_freq", 1)
-        hf = dict(hf, mlp_layer_types=["sparse" if i >= first and i % freq == 0 else "dense" for i in range(n)])
+        hf = dict(hf, mlp_layer_types=["sparse" if i >= first and i % freq == 0 else "dense" for i in range(hf["num_hidden_layers"])])
     if not hf.get("q_lora_rank"):
-        raise ValueError(f"config.json: q_lora_rank = {hf.get('q_lora_rank')!r} is not supported (A.X-K1's queries always come from a latent)")
-    return dict(_mla(hf), **_mlp_layer_types(hf, 1), **_sigmoid_routing(hf), moe_out_norm=True)
+        raise ValueError(f"config.json: q_lora_rank = {hf.get('q_lora_rank')!r} is not supported ({why_q_latent})")
+    return hf
 
 
 def _sarvam_mla(hf: dict) -> dict:
@@ -920,12 +927,7 @@ def _axk2(hf: dict) -> dict:
     routed_scaling_factor, beside shared experts. Its grouped routing (n_group) fills the
     other groups' scores with 0, not -inf, and is refused. The MTP layers after the trunk's
     are not read, as in transformers."""
-    n = hf["num_hidden_layers"]
-    if hf.get("mlp_layer_types") is None:
-        first, freq = hf.get("first_k_dense_replace", 1), hf.get("moe_layer_freq", 1)
-        hf = dict(hf, mlp_layer_types=["sparse" if i >= first and i % freq == 0 else "dense" for i in range(n)])
-    if not hf.get("q_lora_rank"):
-        raise ValueError(f"config.json: q_lora_rank = {hf.get('q_lora_rank')!r} is not supported (A.X-K2's queries and gate come from a latent)")
+    hf = _ax_layers(hf, "A.X-K2's queries and gate come from a latent")
     _refuse(hf, "n_group", lambda v: v in (None, 1), "no expert groups: A.X-K2's grouped routing fills the other groups' scores with 0, "
             "not -inf, which fmoe does not build")
     _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in A.X-K2's attention")

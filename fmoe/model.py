@@ -744,12 +744,18 @@ class TransformerConfig:
     def _check_depth_scaled_residual(self) -> None:
         if not isinstance(self.depth_scaled_residual, bool):
             raise ValueError(f"depth_scaled_residual: expected a bool, got {self.depth_scaled_residual!r}")
+        if self.depth_scaled_residual:
+            self._refuse_beside("depth_scaled_residual: the residual adds of sequential trunk blocks", hyper_connections=self.hyper_connections)
+
+    def _refuse_beside(self, what: str, **more) -> None:
+        """ValueError `what`, not with shortcut_moe, parallel_blocks, residual_scale, the `more`
+        knobs (name=on) or MTP modules, naming those that are on."""
         beside = {"shortcut_moe": self.shortcut_moe, "parallel_blocks": self.parallel_blocks, "residual_scale": self.residual_scale != 1.0,
-                  "hyper_connections": self.hyper_connections, "mtp_depth": self.mtp_depth}
-        if self.depth_scaled_residual and any(beside.values()):
+                  **more, "mtp_depth": self.mtp_depth}
+        if any(beside.values()):
             found = ", ".join(f"{name}={getattr(self, name)!r}" for name, on in beside.items() if on)
-            raise ValueError(f"depth_scaled_residual: the residual adds of sequential trunk blocks, not with shortcut_moe, parallel_blocks, "
-                             f"residual_scale, hyper_connections or MTP modules (got {found}; MTP: --model.mtp_depth=0)")
+            raise ValueError(f"{what}, not with shortcut_moe, parallel_blocks, residual_scale{''.join(', ' + name for name in more)} or MTP modules "
+                             f"(got {found}; MTP: mtp_depth=0, --model.mtp_depth=0)")
 
     def _check_hyper_connections(self) -> None:
         n = self.hyper_connections
@@ -769,12 +775,7 @@ class TransformerConfig:
             if changed:
                 raise ValueError(f"{', '.join(changed)}: knobs of hyper-connections, need hyper_connections >= 2")
             return
-        beside = {"shortcut_moe": self.shortcut_moe, "parallel_blocks": self.parallel_blocks, "residual_scale": self.residual_scale != 1.0,
-                  "mtp_depth": self.mtp_depth}
-        if any(beside.values()):
-            found = ", ".join(f"{name}={getattr(self, name)!r}" for name, on in beside.items() if on)
-            raise ValueError(f"hyper_connections: streams of sequential blocks, not with shortcut_moe, parallel_blocks, residual_scale or MTP modules "
-                             f"(got {found}; MTP: mtp_depth=0, --model.mtp_depth=0)")
+        self._refuse_beside("hyper_connections: streams of sequential blocks")
 
     @property
     def stream_width(self) -> int:

@@ -1585,6 +1585,17 @@ def _edit(src, dst, change):
     return dst
 
 
+def _with_extra_key(src, dst, key, value):
+    """A copy of folder src at dst whose weights hold one more tensor, `key`."""
+    from safetensors.torch import load_file, save_file
+
+    _edit(src, dst, lambda c: None)
+    weights = load_file(dst / "model.safetensors")
+    weights[key] = value
+    save_file(weights, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
 # config.json edits fmoe refuses: (family, edit, the error it names)
 BAD_CONFIGS = [
     ("mixtral", lambda c: c.update(model_type="gpt2"), "config.json: model_type 'gpt2' is not supported"),
@@ -2599,8 +2610,6 @@ def test_hy_v4_reads_its_streams_and_indexer_layers_and_leaves_its_mtp_layers_un
     left out, as transformers derives them (layer 0 and every fourth from layer 1 full); the
     MTP layers (model.mtp_layers.*) are not read; a model with hyper-connections is not
     written as a family without them."""
-    from safetensors.torch import load_file, save_file
-
     path, _ = folders["hy_v4"]
     _, cfg = hf.read_config(path)
     assert (cfg.hyper_connections, cfg.hc_kind, cfg.hc_magnitude, cfg.hc_eps) == (3, "independent", 1.7, 1e-6)
@@ -2613,10 +2622,7 @@ def test_hy_v4_reads_its_streams_and_indexer_layers_and_leaves_its_mtp_layers_un
     docs, ids, cu = _packed()
     with torch.no_grad():
         want = model.logits(ids, cu)
-    unread = _edit(path, tmp_path / "mtp", lambda c: None)
-    weights = load_file(unread / "model.safetensors")
-    weights["model.mtp_layers.0.self_attn.o_proj.weight"] = torch.zeros(32, 20)
-    save_file(weights, unread / "model.safetensors", metadata={"format": "pt"})
+    unread = _with_extra_key(path, tmp_path / "mtp", "model.mtp_layers.0.self_attn.o_proj.weight", torch.zeros(32, 20))
     with torch.no_grad():
         assert torch.equal(hf.from_pretrained(unread, impl="torch")[0].logits(ids, cu), want)
     del model.hf_config
@@ -2698,8 +2704,6 @@ def test_axk2_reads_its_gated_norms_and_fused_query_gate_and_leaves_its_mtp_laye
     dense layer's pre-MLP norm plain), the q_b_proj rows split into the queries' and the
     gate's; an older config's first_k_dense_replace / moe_layer_freq name the MoE layers; an
     MTP layer after the trunk's is not read."""
-    from safetensors.torch import load_file, save_file
-
     path, _ = folders["axk2"]
     _, cfg = hf.read_config(path)
     assert (cfg.norm_gate_rank, cfg.q_latent_raw, cfg.attn_gate, cfg.attn_gate_on_q, cfg.n_dense, cfg.n_groups, cfg.mtp_depth) == (
@@ -2715,9 +2719,6 @@ def test_axk2_reads_its_gated_norms_and_fused_query_gate_and_leaves_its_mtp_laye
         want = model.logits(ids, cu)
     older = _edit(path, tmp_path / "older", lambda c: c.update(mlp_layer_types=None, first_k_dense_replace=0, moe_layer_freq=2))
     assert hf.read_config(older)[1].moe_layers == (0, 2)
-    unread = _edit(path, tmp_path / "mtp", lambda c: None)
-    weights = load_file(unread / "model.safetensors")
-    weights["model.layers.3.eh_proj.weight"] = torch.zeros(32, 64)
-    save_file(weights, unread / "model.safetensors", metadata={"format": "pt"})
+    unread = _with_extra_key(path, tmp_path / "mtp", "model.layers.3.eh_proj.weight", torch.zeros(32, 64))
     with torch.no_grad():
         assert torch.equal(hf.from_pretrained(unread, impl="torch")[0].logits(ids, cu), want)

@@ -751,7 +751,7 @@ _SMALL = dict(vocab_size=40, hidden=32, n_layers=4, n_dense=1, ffn_dense=48, n_e
     (dict(nope_layers=(1,), nope_temperature_floor=4, nope_temperature_kind="exp"), r"temperature_kind: expected one of log, power, got 'exp'"),
     (dict(depth_scaled_residual=1), r"depth_scaled_residual: expected a bool, got 1"),
     (dict(depth_scaled_residual=True, mtp_depth=1),
-     r"depth_scaled_residual: the residual adds of sequential trunk blocks, not with .* \(got mtp_depth=1; MTP: --model.mtp_depth=0\)"),
+     r"depth_scaled_residual: the residual adds of sequential trunk blocks, not with .* \(got mtp_depth=1; MTP: mtp_depth=0, --model.mtp_depth=0\)"),
     (dict(depth_scaled_residual=True, residual_scale=0.5), r"depth_scaled_residual: .* \(got residual_scale=0.5"),
     (dict(expert_bias_on_logits=1), r"expert_bias_on_logits: expected a bool, got 1"),
     (dict(expert_bias_on_logits=True, score="softmax"), r"expert_bias_on_logits: .* needs score='sigmoid' and expert_bias=True \(got score='softmax'"),
