@@ -9,7 +9,7 @@ qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, axk1, kimi_k2, kimi_k25, dee
 exaone_moe, kolibri1, beam, axk2, dots1, minimax_m2, granitemoe, granitemoeshared, granitemoe_swa, hunyuan_v1_moe, llama4_text, llama4, afmoe,
 laguna, cohere2_moe, sarvam_moe, sarvam_mla, longcat_flash, bailing_hybrid, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
 mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe), and the dense
-DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
+DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
 glm4, ernie4_5, lfm2, cohere, cohere2: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: OLMoE's q and k clamped after their norms, ...;
 the fields a config.json leaves out read at transformers' defaults, Family.defaults, and a
@@ -1181,11 +1181,28 @@ def _granitemoe(hf: dict, *, sliding: bool = False) -> dict:
 
 
 def _granitemoe_swa(hf: dict) -> dict:
-    """GraniteMoeSWA: Granite's MoE blocks and multipliers (_granitemoe), a learned attention
-    sink per head in every layer, a sliding window of sliding_window tokens in the layers
-    layer_types names sliding_attention (by default all but every fourth, from layer 0), and
-    layer_rope_theta: each layer's RoPE base, 0 for a NoPE layer (one base for the others, or
-    one for the full layers and another for the sliding ones: local_rope_base)."""
+    """GraniteMoeSWA: Granite's MoE blocks and multipliers (_granitemoe) with Granite SWA's
+    attention (_granite_swa_attention)."""
+    hf, attention = _granite_swa_attention(hf)
+    return dict(_granitemoe(hf, sliding=True), **attention)
+
+
+def _granite_swa(hf: dict) -> dict:
+    """Granite SWA (granite_swa, dense): Granite 3's blocks and multipliers with its own
+    attention (_granite_swa_attention)."""
+    _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in Granite's attention here")
+    hf, attention = _granite_swa_attention(hf)
+    return _dense(hf, sliding=True, **_granite_multipliers(hf), **attention)
+
+
+def _granite_swa_attention(hf: dict) -> tuple[dict, dict]:
+    """Granite SWA's attention (granite_swa, granitemoe_swa): a learned attention sink per head
+    in every layer, a sliding window of sliding_window tokens in the layers layer_types names
+    sliding_attention (by default all but every fourth, from layer 0), and layer_rope_theta:
+    each layer's RoPE base, 0 for a NoPE layer (one base for the others, or one for the full
+    layers and another for the sliding ones: local_rope_base). (The config with its
+    layer_types, window and RoPE base; the TransformerConfig fields of the sinks, the NoPE
+    layers and the sliding layers' base.)"""
     n = hf["num_hidden_layers"]
     hf = dict(hf, layer_types=hf.get("layer_types") or ["full_attention" if i % 4 == 0 else "sliding_attention" for i in range(n)],
               sliding_window=hf.get("sliding_window", 128))
@@ -1201,7 +1218,7 @@ def _granitemoe_swa(hf: dict) -> dict:
     if full or sliding:  # the base of the (full) RoPE layers
         hf["rope_parameters"] = dict(params, rope_theta=(full or sliding).pop())
     nope = tuple(i for i, t in enumerate(thetas) if not t)
-    return dict(_granitemoe(hf, sliding=True), attn_sinks=True, nope_layers=nope or None, local_rope_base=local)
+    return hf, dict(attn_sinks=True, nope_layers=nope or None, local_rope_base=local)
 
 
 def _llama4_text(hf: dict) -> dict:
@@ -1907,7 +1924,7 @@ _MISTRAL4_ROPE = dict(rope_type="yarn", rope_theta=10000.0, factor=128.0, origin
 _MINISTRAL3_ROPE = dict(rope_type="yarn", rope_theta=1e6, factor=16.0, original_max_position_embeddings=16384, beta_fast=32.0, beta_slow=1.0,
                         mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1)
 # the dense families (no MoE block): fine-tuned as they are, or upcycled into an MoE (fmoe.train.upcycle)
-DENSE_FAMILIES = ("llama", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
+DENSE_FAMILIES = ("llama", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
                   "phi3", "glm4", "ernie4_5", "lfm2", "cohere", "cohere2")
 FAMILIES = {
     "mixtral": Family(_mixtral, "block_sparse_moe", ("w1", "w3", "w2"), "MixtralForCausalLM",
@@ -2102,6 +2119,8 @@ FAMILIES = {
     "olmo2": Family(_olmo2, "mlp", _PROJ, "Olmo2ForCausalLM", defaults=dict(rms_norm_eps=1e-5)),
     "olmo3": Family(_olmo3, "mlp", _PROJ, "Olmo3ForCausalLM", defaults=dict(rms_norm_eps=1e-5, sliding_window=4096)),
     "granite": Family(_granite, "mlp", _PROJ, "GraniteForCausalLM"),
+    "granite_swa": Family(_granite_swa, "mlp", _PROJ, "GraniteSWAForCausalLM",
+                          defaults=dict(num_key_value_heads=4, rms_norm_eps=1e-5, tie_word_embeddings=True, sliding_window=128)),
     "phi3": Family(_phi3, "mlp", _PROJ, "Phi3ForCausalLM", qkv="qkv_proj", dense_gate_up=True,
                    defaults=dict(rms_norm_eps=1e-5, max_position_embeddings=4096, original_max_position_embeddings=4096)),
     "glm4": Family(_glm4, "mlp", _PROJ, "Glm4ForCausalLM", dense_gate_up=True,
@@ -2873,6 +2892,27 @@ def _layer_types(cfg: TransformerConfig) -> list[str]:
     return ["sliding_attention" if cfg.is_sliding(i) else "full_attention" for i in range(cfg.n_layers)]
 
 
+def _granite_scaled(cfg: TransformerConfig) -> TransformerConfig:
+    """cfg with its softmax scale stated: Granite's attention_multiplier is the scale itself, so
+    the default 1 / sqrt(head_dim) (attn_scale None) is written out, and read back."""
+    return cfg if cfg.attn_scale is not None else dataclasses.replace(cfg, attn_scale=cfg.head_dim**-0.5)
+
+
+def _granite_multiplier_fields(cfg: TransformerConfig) -> dict:
+    """Granite's multipliers in config.json (what _granite_multipliers reads back), of a
+    _granite_scaled cfg."""
+    return dict(attention_multiplier=cfg.attn_scale, embedding_multiplier=cfg.embed_scale, residual_multiplier=cfg.residual_scale,
+                logits_scaling=cfg.logit_divisor)
+
+
+def _granite_swa_fields(cfg: TransformerConfig) -> dict:
+    """Granite SWA's attention fields (what _granite_swa_attention reads back): the window's
+    layers (a sink per head in every layer), 0 as the RoPE base of a NoPE layer."""
+    return dict(sliding_window=cfg.window or 128, layer_types=_layer_types(cfg), attention_bias=False,
+                layer_rope_theta=[0 if cfg.is_nope(i) else cfg.local_rope_base if cfg.is_sliding(i) and cfg.local_rope_base else cfg.rope_base
+                                  for i in range(cfg.n_layers)])
+
+
 def _lfm2_config(cfg: TransformerConfig) -> dict:
     """The config.json fields of LFM2's blocks (what _lfm2_common reads): the layer types, the
     convolutions' taps, the norms' eps under LFM2's name."""
@@ -2977,16 +3017,12 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
             hf["rope_parameters"].pop("attention_factor")
             hf["rope_parameters"].update(short_mscale=cfg.longrope_short_scale, long_mscale=cfg.longrope_long_scale)
     elif model_type in ("granitemoe", "granitemoeshared", "granitemoe_swa"):
-        if cfg.attn_scale is None:  # Granite's attention_multiplier is the scale itself: the default one written out
-            cfg = dataclasses.replace(cfg, attn_scale=cfg.head_dim**-0.5)
-        hf.update(num_local_experts=cfg.n_experts, intermediate_size=cfg.ffn_expert, attention_multiplier=cfg.attn_scale,
-                  embedding_multiplier=cfg.embed_scale, residual_multiplier=cfg.residual_scale, logits_scaling=cfg.logit_divisor)
+        cfg = _granite_scaled(cfg)
+        hf.update(num_local_experts=cfg.n_experts, intermediate_size=cfg.ffn_expert, **_granite_multiplier_fields(cfg))
         if model_type in ("granitemoeshared", "granitemoe_swa"):
             hf.update(shared_intermediate_size=cfg.shared_size)
-        if model_type == "granitemoe_swa":  # the window's layers, a sink per head, 0 as the base of a NoPE layer
-            hf.update(sliding_window=cfg.window or 128, layer_types=_layer_types(cfg), attention_bias=False,
-                      layer_rope_theta=[0 if cfg.is_nope(i) else cfg.local_rope_base if cfg.is_sliding(i) and cfg.local_rope_base else cfg.rope_base
-                                        for i in range(cfg.n_layers)])
+        if model_type == "granitemoe_swa":
+            hf.update(_granite_swa_fields(cfg))
     elif model_type == "gpt_oss":
         hf.update(num_local_experts=cfg.n_experts, intermediate_size=cfg.ffn_expert, attention_bias=cfg.qkv_bias,
                   swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit, sliding_window=cfg.window, layer_types=_layer_types(cfg))
@@ -3169,11 +3205,11 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
             if model_type == "phi3" and cfg.longrope_short_factors is not None:  # transformers reads the top level's, by default 4096
                 hf.update(original_max_position_embeddings=cfg.longrope_original_max_positions)
             hf.update(dict(sliding_window=cfg.window) if model_type == "phi3" else dict(attention_bias=cfg.qkv_bias))
-        elif model_type == "granite":
-            if cfg.attn_scale is None:  # Granite's attention_multiplier is the scale itself: the default one written out
-                cfg = dataclasses.replace(cfg, attn_scale=cfg.head_dim**-0.5)
-            hf.update(attention_bias=False, attention_multiplier=cfg.attn_scale, embedding_multiplier=cfg.embed_scale,
-                      residual_multiplier=cfg.residual_scale, logits_scaling=cfg.logit_divisor)
+        elif model_type in ("granite", "granite_swa"):
+            cfg = _granite_scaled(cfg)
+            hf.update(attention_bias=False, **_granite_multiplier_fields(cfg))
+            if model_type == "granite_swa":
+                hf.update(_granite_swa_fields(cfg))
         else:
             hf.update(use_sliding_window=cfg.window is not None, sliding_window=cfg.window, max_window_layers=cfg.n_layers,
                       layer_types=_layer_types(cfg), **(dict(attention_bias=False) if model_type == "qwen3" else {}))

@@ -31,6 +31,13 @@ FAMILIES = {
     "olmo2": lambda: transformers.Olmo2Config(**COMMON, intermediate_size=40, pad_token_id=None, eos_token_id=None, bos_token_id=None),
     "granite": lambda: transformers.GraniteConfig(**COMMON, intermediate_size=40, attention_multiplier=0.3, embedding_multiplier=2.0,
                                                   residual_multiplier=0.5, logits_scaling=4.0),
+    # Granite SWA: Granite 3's blocks and multipliers, a sink per head, layer 0 global with RoPE at 5000, layer 1 over a
+    # window of 4 without RoPE, layer 2 global at 100
+    "granite_swa": lambda: transformers.GraniteSWAConfig(**COMMON, intermediate_size=40, attention_multiplier=0.3, embedding_multiplier=2.0,
+                                                         residual_multiplier=0.5, logits_scaling=4.0, sliding_window=4,
+                                                         layer_types=["full_attention", "sliding_attention", "full_attention"],
+                                                         layer_rope_theta=[5000.0, 0, 5000.0], tie_word_embeddings=False,
+                                                         bos_token_id=None, eos_token_id=None, pad_token_id=None),
     # Ministral 3: Mistral's blocks, YaRN with cos and sin unscaled (mscale = mscale_all_dim), every query
     # scaled by 1 + 0.5 log(1 + floor(p / 4))
     "ministral3": lambda: transformers.Ministral3Config(**COMMON, head_dim=8, intermediate_size=40, bos_token_id=None, eos_token_id=None,
@@ -590,6 +597,9 @@ def test_a_failed_export_leaves_no_weight_files(folders, tmp_path, monkeypatch):
                                           ("smollm3", dict(qkv_bias=True, o_bias=True, nope_layers=(1,), window=4, window_layers=(1,))),
                                           ("exaone4", dict(qk_norm="head", pre_norms=False, post_norms=True, window=4, window_layers=(0,), nope_layers=(1,))),
                                           ("exaone4", dict(qk_norm="head", pre_norms=False, post_norms=True)),
+                                          ("granite_swa", dict(attn_scale=0.3, embed_scale=2.0, residual_scale=0.5, logit_divisor=4.0, attn_sinks=True,
+                                                               window=4, window_layers=(1,), local_rope_base=100.0)),
+                                          ("granite_swa", dict(attn_sinks=True, window=4, window_layers=(1,), nope_layers=(0,))),
                                           ("seed_oss", dict(qkv_bias=True)), ("hunyuan_v1_dense", dict(qk_norm="head", qk_norm_after_rope=True)),
                                           ("phi3", dict(rope_dim=4, window=4)),
                                           ("phi3", dict(rope_dim=4, longrope_short_factors=(1.0, 1.5), longrope_long_factors=(2.0, 4.0),
@@ -1622,6 +1632,8 @@ BAD_CONFIGS = [
     ("deepseek_v3", lambda c: c["rope_parameters"].pop("factor"), r"config.json: rope_parameters of rope type 'yarn' lack factor"),
     ("bailing_hybrid", lambda c: c.update(layer_types=["linear_attention", "sliding_attention", "full_attention"]),
      r"config.json: layer_types = .* is not supported \(full_attention or linear_attention for each of the 3 layers\)"),
+    ("granite_swa", lambda c: c.update(attention_bias=True), r"config.json: attention_bias = True is not supported \(no attention biases in Granite's"),
+    ("granite_swa", lambda c: c.update(layer_rope_theta=[5000.0, 0, 7.0]), r"config.json: layer_rope_theta = \[5000.0, 0, 7.0\] is not supported"),
     ("axk2", lambda c: c.update(n_group=2, topk_group=1), r"config.json: n_group = 2 is not supported \(no expert groups: A.X-K2's grouped routing"),
     ("axk2", lambda c: c.update(q_lora_rank=None), r"config.json: q_lora_rank = None is not supported \(A.X-K2's queries and gate"),
     ("axk2", lambda c: c.update(gated_norm_rank=0), r"config.json: gated_norm_rank = 0 is not supported \(a positive int\)"),
