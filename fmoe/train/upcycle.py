@@ -83,6 +83,9 @@ def granularity(cfg: TransformerConfig, dense_cfg: TransformerConfig) -> int:
         raise ValueError("swiglu_alpha, swiglu_limit, swiglu_offset: the dense FFN's SwiGLU is the plain one; the experts' must be too")
     if cfg.moe_out_norm:
         raise ValueError("moe_out_norm: a norm on the MoE blocks' output changes the dense block's function; upcycle without it")
+    if cfg.norm_gate_rank:
+        raise ValueError("norm_gate_rank: a MoE block's pre-MLP norm is gated (GatedRMSNorm), a dense block's is not, which changes the "
+                         "dense block's function; upcycle without it")
     if cfg.zero_experts:
         raise ValueError("zero_experts: a slot routed to a zero expert passes its token through, which changes the dense block's "
                          "function; upcycle without them")

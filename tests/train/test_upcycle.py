@@ -146,6 +146,7 @@ def test_the_pair_must_allow_an_exact_start():
         (_moe(score="sigmoid", route_normalize=False), "route_normalize: unnormalised sigmoid weights"),
         (_moe(expert_biases=True), "expert_biases: the dense FFN has no biases"),
         (_moe(moe_out_norm=True), "moe_out_norm: a norm on the MoE blocks' output changes the dense block's function"),
+        (_moe(norm_gate_rank=2), "norm_gate_rank: a MoE block's pre-MLP norm is gated (GatedRMSNorm), a dense block's is not"),
         (_moe(zero_experts=2), "zero_experts: a slot routed to a zero expert passes its token through"),
         (_moe(shortcut_moe=True, n_layers=4, n_dense=0), "shortcut_moe: a pair's MoE output added after the next block"),
         (_moe(swiglu_limit=7.0), "swiglu_alpha, swiglu_limit, swiglu_offset: the dense FFN's SwiGLU is the plain one"),
