@@ -7,6 +7,7 @@
 Cases (T tokens, E experts, k per token):
     dsv3   DeepSeek-V3-like: E=256, k=8, sigmoid score, 8 groups keep 4, expert bias, scale 2.5
     qwen3  Qwen3-like: E=128, k=8, softmax over the k chosen logits
+    kolibri  Kolibri-1-like: E=384, k=6, the top-k of logits + expert bias, raw sigmoids as weights
 each with T = 16384 and 65536 (--smoke: T = 8 only, float32 logits: the kernels run two or
 four programs).
 
@@ -69,10 +70,12 @@ class Case:
 def make_cases(smoke: bool, device: torch.device) -> list[Case]:
     bias = 0.01 * torch.randn(256, device=device)  # small, like a trained balancing bias
     dsv3 = dict(score="sigmoid", n_groups=8, topk_groups=4, expert_bias=bias, scale=2.5)
+    kolibri = dict(score="sigmoid", normalize=False, expert_bias=0.1 * torch.randn(384, device=device), bias_on_logits=True)
     cases = []
     for T in (8,) if smoke else (16384, 65536):
         cases.append(Case(f"dsv3 T={T}", T, 256, 8, dsv3))
         cases.append(Case(f"qwen3 T={T}", T, 128, 8, dict(score="softmax", pre_softmax=False)))
+        cases.append(Case(f"kolibri T={T}", T, 384, 6, kolibri))
     return cases
 
 

@@ -12,7 +12,7 @@
 #     bash benchmarks/gpu_lease.sh f    # bench_moe_layer (permute by scatter), bench_routing, bench_delta (269 s on 2026-11-27)
 #     bash benchmarks/gpu_lease.sh g    # the DSA model's compiled train step alone (its MFU, host syncs): past 200 s on 2026-11-28
 #     bash benchmarks/gpu_lease.sh h    # the gpu tests (4 workers), bench_loss, bench_routing (dsv3 cases) (~4 min on an H200)
-#     bash benchmarks/gpu_lease.sh i    # the model's gpu tests, bench_hyper_connections (not yet run)
+#     bash benchmarks/gpu_lease.sh i    # the model's gpu tests, bench_hyper_connections, bench_routing's kolibri cases (not yet run)
 #
 # What comes back is written to $OUT (the device tool's folder; gpu_out/ elsewhere), at most
 # 8 files: RESULTS.md (run_all.py's sections, to append to benchmarks/RESULTS.md), log.txt,
@@ -98,7 +98,7 @@ h)
         > "$OUT/gpu_tests.log" 2>&1
     echo "gpu tests: exit $?"
     grep -E "passed|failed|^FAILED|^ERROR" "$OUT/gpu_tests.log" | tail -20
-    bench --only bench_loss --timeout 60
+    bench --only bench_loss --timeout 90  # its softcap case (2026-11-28) compiles one more reference
     bench --only bench_routing --timeout 180 --extra="--cases dsv3"
     ;;
 i)
@@ -109,6 +109,8 @@ i)
     echo "gpu tests (model): exit $?"
     grep -E "passed|failed|^FAILED|^ERROR|^E  " "$OUT/gpu_tests.log" | tail -20
     bench --only bench_hyper_connections --timeout 150
+    # the router choosing on logits + bias (Kolibri-1's, 2026-11-28): two cases, each compiling its reference
+    bench --only bench_routing --timeout 100 --extra="--cases kolibri"
     ;;
 *)
     echo "usage: bash benchmarks/gpu_lease.sh a|b|c|e|f|g|h|i" >&2
