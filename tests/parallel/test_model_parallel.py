@@ -363,6 +363,8 @@ CASES = {
     "tp2-mla-gate": (2, dict(tp=2), dict(MLA, attn_gate=True)),
     # ... and Beam's gate bias split with its heads, the capped logits' loss
     "tp2-beam": (2, dict(tp=2), BEAM),
+    # ... across a context-parallel split: the NoPE block's query scale by each token's global position, the window's block
+    "cp2-beam": (2, dict(cp=2), BEAM),
     "tp2-axk2": (2, dict(tp=2), AXK2),
     "ep2xtp2-llama4": (4, dict(tp=2, ep=2), LLAMA4),
     # gpt-oss's extras: the sinks split with their heads and the output bias added once over
