@@ -738,8 +738,7 @@ class TransformerConfig:
         # the routing knobs, checked by the op itself on no tokens
         route(torch.zeros(0, self.n_choices, device="cpu"), self.k, score=self.score, pre_softmax=self.pre_softmax,
               n_groups=self.n_groups, topk_groups=self.topk_groups, scale=self.route_scale, group_score_topk=self.group_score_topk,
-              normalize=self.route_normalize, check=False, impl="torch", expert_bias=torch.zeros(self.n_choices, device="cpu") if self.expert_bias else None,
-              bias_on_logits=self.expert_bias_on_logits)
+              normalize=self.route_normalize, check=False, impl="torch")
 
     def _check_depth_scaled_residual(self) -> None:
         if not isinstance(self.depth_scaled_residual, bool):
