@@ -1456,6 +1456,33 @@ def _qwen3_5_moe_text(hf: dict) -> dict:
     return _qwen3_next(dict(hf, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], intermediate_size=hf["moe_intermediate_size"]))
 
 
+def _lara_mini(hf: dict) -> dict:
+    """Lara Mini (lara_mini, Lara 4 Mini): Qwen3.5's Gated DeltaNet blocks in the layers
+    layer_types names linear_attention (by default the released period of five: linear,
+    sliding, linear, full, sliding), the others Qwen3's attention (per-head q/k norms before
+    RoPE; attention_bias on q, k, v and o; no output gate): sliding_attention layers attend
+    over sliding_window with RoPE, full_attention layers globally without RoPE (NoPE); plain
+    RMSNorms (gain weight, not Qwen3-Next's 1 + weight); every block MoE, softmax top-k
+    (renormalised with norm_topk_prob) beside an ungated shared expert of
+    shared_expert_intermediate_size."""
+    n = hf["num_hidden_layers"]
+    period = ("linear_attention", "sliding_attention", "linear_attention", "full_attention", "sliding_attention")
+    kinds = hf.get("layer_types") or [period[i % len(period)] for i in range(n)]
+    if len(kinds) != n or set(kinds) - {"linear_attention", "sliding_attention", "full_attention"}:
+        raise ValueError(f"config.json: layer_types = {kinds!r} is not supported (one of linear_attention / sliding_attention / "
+                         "full_attention per layer)")
+    normalize = bool(hf.get("norm_topk_prob", True))
+    bias = bool(hf.get("attention_bias", False))
+    # the sliding layers as _sliding reads them, the linear ones (no window) as full attention; the Gated DeltaNet blocks
+    common = _common(dict(hf, layer_types=[kind if kind == "sliding_attention" else "full_attention" for kind in kinds]), hf["num_experts"],
+                     sliding=True)
+    linear = _linear_layers(dict(hf, layer_types=[kind if kind == "linear_attention" else "full_attention" for kind in kinds]))
+    nope = tuple(i for i, kind in enumerate(kinds) if kind == "full_attention")
+    return dict(common, **linear, ffn_expert=hf["moe_intermediate_size"], ffn_dense=hf["moe_intermediate_size"], moe_layers=tuple(range(n)), n_shared=0,
+                shared_ffn=hf.get("shared_expert_intermediate_size") or 0, shared_gate=False, pre_softmax=not normalize, qk_norm="head",
+                qkv_bias=bias, o_bias=bias, nope_layers=nope or None)
+
+
 def _text_config(hf: dict) -> dict:
     """The text model's config of a multimodal folder (Llama 4's, Qwen3.5's): its text_config,
     with the top level's tie_word_embeddings where it has one (the field transformers' class
@@ -1834,7 +1861,8 @@ class Family:
     sinks: str = "sinks"  # the attention sinks' key, under the attention module
     extra_layers_read: bool = True  # False: the layers after the trunk's (HY-V3's MTP layer) are not read, as in transformers
     # the linear-attention (Gated DeltaNet) blocks' projections: "qkvz", Qwen3-Next's fused in_proj_qkvz and in_proj_ba
-    # (their rows grouped by key head); "qkv", Qwen3.5's in_proj_qkv beside in_proj_z, in_proj_b, in_proj_a; "kda", Kimi
+    # (their rows grouped by key head); "qkv", Qwen3.5's in_proj_qkv beside in_proj_z, in_proj_b, in_proj_a; "fused", Lara
+    # Mini's one in_proj (the rows of q, k, v, z, b and a in turn) and out_norm; "kda", Kimi
     # Linear's Kimi Delta Attention under the attention module (q/k/v/b_proj, q/k/v_conv1d, f_a/f_b_proj, g_a/g_b_proj, o_norm)
     linear: str = "qkv"
     gate_in_q: bool = False  # gated attention's gate as rows of q_proj, per head after its query's (Qwen3-Next), not a gate_proj
@@ -2037,6 +2065,11 @@ FAMILIES = {
                                        intermediate_size=5632, shared_expert_intermediate_size=512, **_QWEN3_NEXT_MOE)),
     "qwen3_5_moe_text": Family(_qwen3_5_moe_text, "mlp", _PROJ, "Qwen3_5MoeForCausalLM", gate_in_q=True, stacks_too=True, not_read=("mtp.",),
                                defaults=_QWEN3_5_DEFAULTS),
+    "lara_mini": Family(_lara_mini, "mlp", _STACKS, "LaraMiniForCausalLM", fused="halves_out", linear="fused",
+                        defaults=dict(num_key_value_heads=4, head_dim=128, sliding_window=512, linear_num_key_heads=8, linear_num_value_heads=16,
+                                      linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=128,
+                                      num_experts_per_tok=4, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+                                      tie_word_embeddings=True)),
     # the released Qwen3.5-MoE folders: the text model under model.language_model. (the head at lm_head), beside a vision model
     "qwen3_5_moe": Family(_qwen3_5_moe, "mlp", _PROJ, "Qwen3_5MoeForConditionalGeneration", gate_in_q=True, stacks_too=True,
                           prefix=("model.", "model.language_model."), not_read=("model.visual.", "mtp."), written_as="qwen3_5_moe_text"),
@@ -2146,8 +2179,9 @@ _MLA = (("wq", "q_proj"), ("wq_a", "q_a_proj"), ("wq_b", "q_b_proj"), ("wkv_a", 
 def _linear_attention_keys(family: Family, cfg: TransformerConfig, p: str, q: str) -> dict[str, Tensor]:
     """A Gated DeltaNet block's mixer (linear_attn): Qwen3-Next's fused in_proj_qkvz (per key
     head its q, k, v and z rows) and in_proj_ba (per key head its b's and a's rows), or
-    Qwen3.5's in_proj_qkv (q, k, v) beside in_proj_z, in_proj_b, in_proj_a; conv1d [C, 1, K]
-    over the q, k, v channels; A_log, dt_bias, the gated norm, out_proj."""
+    Qwen3.5's in_proj_qkv (q, k, v) beside in_proj_z, in_proj_b, in_proj_a, or Lara Mini's
+    one in_proj (q, k, v, z, b, a); conv1d [C, 1, K] over the q, k, v channels; A_log,
+    dt_bias, the gated norm (Lara Mini's out_norm), out_proj."""
     la, lin, out = p + "linear_attn.", cfg.linear_attention_config(), {}
     qkv = (lin.k_channels, lin.k_channels, lin.v_channels)  # the q, k, v channels of in_proj_qkv and of the conv
     if family.linear == "short_conv":  # LFM2: conv.in_proj [3C, H] (the rows of B, C and x), conv.conv [C, 1, K], conv.out_proj
@@ -2169,7 +2203,13 @@ def _linear_attention_keys(family: Family, cfg: TransformerConfig, p: str, q: st
         out[q + "attn.dt_bias"] = Tensor((la + "dt_bias",))
         out[q + "attn.out_norm"] = Tensor((la + "o_norm.weight",))
         return out
-    if family.linear == "qkvz":
+    norm = "norm"
+    if family.linear == "fused":
+        rows = (*qkv, lin.v_channels, lin.n_v_heads, lin.n_v_heads)
+        for j, name in enumerate(("wq", "wk", "wv", "wz", "wb", "wa")):
+            out[q + "attn." + name] = Tensor((la + "in_proj.weight",), transpose=True, chunk=(j, rows))
+        norm = "out_norm"
+    elif family.linear == "qkvz":
         r = lin.n_v_heads // lin.n_k_heads
         rows = (lin.k_head_dim, lin.k_head_dim, r * lin.v_head_dim, r * lin.v_head_dim)
         for j, name in enumerate(("wq", "wk", "wv", "wz")):
@@ -2184,7 +2224,7 @@ def _linear_attention_keys(family: Family, cfg: TransformerConfig, p: str, q: st
     for j, name in enumerate(("conv_q", "conv_k", "conv_v")):
         out[q + "attn." + name] = Tensor((la + "conv1d.weight",), transpose=True, unit=1, chunk=(j, qkv))
     out[q + "attn.A_log"], out[q + "attn.dt_bias"] = Tensor((la + "A_log",)), Tensor((la + "dt_bias",))
-    out[q + "attn.out_norm"] = Tensor((la + "norm.weight",))
+    out[q + "attn.out_norm"] = Tensor((la + norm + ".weight",))
     out[q + "attn.wo"] = Tensor((la + "out_proj.weight",), transpose=True)
     return out
 
@@ -3123,6 +3163,13 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
                   linear_num_key_heads=lin.n_k_heads, linear_num_value_heads=lin.n_v_heads, linear_key_head_dim=lin.k_head_dim,
                   linear_value_head_dim=lin.v_head_dim, linear_conv_kernel_dim=lin.conv,
                   rope_parameters=dict(_rope_parameters(cfg), partial_rotary_factor=_rotary_factor(cfg)))
+    elif model_type == "lara_mini":
+        lin = cfg.linear_attention_config()
+        kinds = ["linear_attention" if cfg.is_linear(i) else "sliding_attention" if cfg.is_sliding(i) else "full_attention" for i in range(cfg.n_layers)]
+        hf.update(num_experts=cfg.n_experts, moe_intermediate_size=cfg.ffn_expert, shared_expert_intermediate_size=cfg.shared_size,
+                  norm_topk_prob=not cfg.pre_softmax, attention_bias=cfg.qkv_bias, sliding_window=cfg.window or 512, layer_types=kinds,
+                  linear_num_key_heads=lin.n_k_heads, linear_num_value_heads=lin.n_v_heads, linear_key_head_dim=lin.k_head_dim,
+                  linear_value_head_dim=lin.v_head_dim, linear_conv_kernel_dim=lin.conv)
     elif model_type == "kimi_linear":  # MLA without RoPE beside Kimi Delta Attention, DeepSeek-V3's MoE blocks
         lin, moe_fields = cfg.linear_attention_config(), _deepseek_moe_config(cfg)
         rope = cfg.rope_dim or cfg.head_dim

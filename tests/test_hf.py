@@ -327,6 +327,14 @@ FAMILIES = {
                                                                   linear_value_head_dim=6, linear_conv_kernel_dim=3, tie_word_embeddings=True,
                                                                   rope_parameters=dict(rope_type="default", rope_theta=500.0,
                                                                                        partial_rotary_factor=0.25)),
+    # Lara Mini: a Gated DeltaNet block (its one in_proj, its out_norm), Qwen3's attention with biases over a window of 4
+    # with RoPE, then globally without; plain RMSNorms; softmax top-k renormalised beside an ungated shared expert
+    "lara_mini": lambda: transformers.LaraMiniConfig(**COMMON, head_dim=8, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                                                     shared_expert_intermediate_size=24, attention_bias=True, sliding_window=4,
+                                                     layer_types=["linear_attention", "sliding_attention", "full_attention"],
+                                                     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                                                     linear_value_head_dim=6, linear_conv_kernel_dim=3, tie_word_embeddings=False,
+                                                     rope_parameters=dict(rope_type="default", rope_theta=500.0), eos_token_id=None),
     # Kimi Linear: Kimi Delta Attention in layers 0 and 2 (a decay per key channel, low-rank decay and gate), multi-latent
     # attention without RoPE in layer 1; DeepSeek-V3's routing over 2 groups of 4 experts, x 2.446; a shared expert, layer 0 dense
     "kimi_linear": lambda: transformers.KimiLinearConfig(
@@ -444,7 +452,7 @@ def _rel(a, b):
 # output norm magnifies it in a head whose output is small (in one of these random models
 # fmoe's token-by-token loop, its definition, is itself 2e-5 from transformers). A mapping
 # error moves them by 1e-2 and more.
-TOL = dict(qwen3_next=1e-4, qwen3_5_moe_text=1e-4, qwen3_5_moe=1e-4, kimi_linear=1e-4)
+TOL = dict(qwen3_next=1e-4, qwen3_5_moe_text=1e-4, qwen3_5_moe=1e-4, kimi_linear=1e-4, lara_mini=1e-4)
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
@@ -1643,6 +1651,10 @@ BAD_CONFIGS = [
     ("beam", lambda c: c.update(rope_parameters=dict(rope_type="default", rope_theta=1e4)),
      r"config.json: rope_parameters = .* is not supported \(one per layer type, full_attention / sliding_attention, each RoPE's parameters or None\)"),
     ("beam", lambda c: c.update(final_logit_softcapping=0), r"config.json: final_logit_softcapping = 0 is not supported \(None or a positive cap\)"),
+    ("lara_mini", lambda c: c.update(layer_types=["linear_attention", "chunked_attention", "full_attention"]),
+     r"config.json: layer_types = .* is not supported \(one of linear_attention / sliding_attention / full_attention per layer\)"),
+    ("lara_mini", lambda c: c.update(sliding_window=None), r"config.json: sliding_window = None is not supported \(a positive width"),
+    ("lara_mini", lambda c: c.update(hidden_act="gelu"), r"config.json: hidden_act = 'gelu' is not supported"),
     ("kolibri1", lambda c: c.update(sliding_window=None),
      r"config.json: sliding_window = None is not supported with sliding_attention layers in layer_types"),
     ("kolibri1", lambda c: c.update(attention_bias=True), r"config.json: attention_bias = True is not supported \(no attention biases"),
@@ -2673,6 +2685,53 @@ def test_kolibri1_routes_on_the_logits_plus_the_bias_and_reads_its_layer_pattern
     plain = _edit(path, tmp_path / "plain", lambda c: c.update(sliding_window=None, layer_types=["full_attention"] * 3))
     _, cfg = hf.read_config(plain)
     assert cfg.window is None and cfg.nope_layers is None
+
+
+def test_lara_mini_reads_its_fused_projection_norms_and_layer_pattern(folders, tmp_path):
+    """Lara Mini: the Gated DeltaNet's q, k, v, z, b and a are runs of one in_proj's rows, in
+    that order, and its gated norm is out_norm; the RMSNorms are plain (gain weight): read as
+    Qwen3-Next's (1 + weight) the logits move. The window's layer has RoPE, the global one
+    none; left out, layer_types is the released period of five. A model of fmoe's own with
+    its blocks in another order exports as lara_mini with its logits; one whose global block
+    has RoPE has no lara_mini equivalent."""
+    from safetensors.torch import load_file
+
+    path, ref = folders["lara_mini"]
+    model, cfg = hf.from_pretrained(path, impl="torch")
+    assert (cfg.linear_layers, cfg.window, cfg.window_layers, cfg.nope_layers, cfg.qk_norm, cfg.qkv_bias, cfg.o_bias) == ((0,), 4, (1,), (2,), "head", True, True)
+    assert (cfg.zero_centered_norms, [cfg.is_moe(i) for i in range(3)], cfg.shared_size, cfg.shared_gate, cfg.pre_softmax) == (
+        False, [True] * 3, 24, False, False)
+    in_proj = load_file(path / "model.safetensors")["model.layers.0.linear_attn.in_proj.weight"]
+    assert in_proj.shape == (16 + 16 + 24 + 24 + 4 + 4, 32)  # q, k (2 heads of 8), v, z (4 heads of 6), b, a (4 heads)
+    attn = model.blocks[0].attn
+    for weight, start in ((attn.wq, 0), (attn.wk, 16), (attn.wv, 32), (attn.wz, 56), (attn.wb, 80), (attn.wa, 84)):
+        assert torch.equal(weight.detach(), in_proj[start:start + weight.shape[1]].T)
+    assert "model.layers.0.linear_attn.out_norm.weight" in hf.key_map(hf.FAMILIES["lara_mini"], cfg)["blocks.0.attn.out_norm"].keys
+    docs, ids, cu = _packed()
+    with torch.no_grad():
+        theirs = torch.cat([ref(d[None]).logits[0] for d in docs])
+        assert _rel(model.logits(ids, cu), theirs) < 1e-4
+        centred, _ = hf.from_pretrained(path, impl="torch", zero_centered_norms=True)
+        assert _rel(centred.logits(ids, cu), theirs) > 1e-2
+    ten = hf.read_config(_edit(path, tmp_path / "ten", lambda c: c.update(num_hidden_layers=10, layer_types=None)))[1]
+    kinds = transformers.LaraMiniConfig(num_hidden_layers=10).layer_types
+    assert ten.linear_layers == tuple(i for i, kind in enumerate(kinds) if kind == "linear_attention") == (0, 2, 5, 7)
+    assert ten.window_layers == tuple(i for i, kind in enumerate(kinds) if kind == "sliding_attention") == (1, 4, 6, 9)
+    assert ten.nope_layers == tuple(i for i, kind in enumerate(kinds) if kind == "full_attention") == (3, 8)
+
+    own = TransformerConfig(vocab_size=V, hidden=32, n_layers=3, n_dense=0, n_experts=4, k=2, ffn_expert=16, n_shared=0, shared_ffn=24,
+                            shared_gate=False, score="softmax", expert_bias=False, n_heads=4, n_kv_heads=2, head_dim=8, mtp_depth=0, init_std=0.2,
+                            qk_norm="head", linear_layers=(1,), linear_k_heads=2, linear_v_heads=4, linear_k_dim=8, linear_v_dim=6, linear_conv=3,
+                            window=4, window_layers=(2,), nope_layers=(0,))
+    mine = hf.Transformer(own)
+    mine.reset_parameters(seed=1)
+    hf.save_pretrained(mine, tmp_path / "own", model_type="lara_mini")
+    assert json.loads((tmp_path / "own" / "config.json").read_text())["layer_types"] == ["full_attention", "linear_attention", "sliding_attention"]
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "own", dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert _rel(mine.logits(ids, cu), torch.cat([theirs(d[None]).logits[0] for d in docs])) < 1e-4
+    with pytest.raises(ValueError, match=r"model: its config has no lara_mini equivalent: .*'nope_layers': \(None, \(0,\)\)"):
+        hf.save_pretrained(hf.Transformer(dataclasses.replace(own, nope_layers=None)), tmp_path / "roped", model_type="lara_mini")
 
 
 def test_beam_reads_its_layer_pattern_and_rope_and_matches_each_layer_s_output(folders, tmp_path):
