@@ -1187,6 +1187,21 @@ def _granitemoe_swa(hf: dict) -> dict:
     return dict(_granitemoe(hf, sliding=True), **attention)
 
 
+def _hyperclovax(hf: dict) -> dict:
+    """HyperCLOVA X (hyperclovax, dense; HyperCLOVAX-SEED): Granite 3's blocks and multipliers
+    (_granite_multipliers; the softmax scale by default 1/sqrt(head_dim)) but the logits
+    multiplied by logits_scaling, not divided, and with Peri-Layer Normalization
+    (use_post_norm, by default on): an RMSNorm on each attention and MLP output
+    (post_norm1, post_norm2) before residual_multiplier and the residual add."""
+    _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in Granite's attention here")
+    _refuse(hf, "use_post_norm", lambda v: isinstance(v, bool), "true or false")
+    multipliers = _granite_multipliers({k: v for k, v in hf.items() if k != "attention_multiplier" or v is not None})
+    if multipliers["attn_scale"] == _get(hf, "head_dim", default=hf["hidden_size"] // hf["num_attention_heads"]) ** -0.5 or hf.get(
+            "attention_multiplier") is None:  # transformers' default (what its configs write), fmoe's: 1/sqrt(head_dim)
+        multipliers["attn_scale"] = None
+    return _dense(hf, **dict(multipliers, logit_divisor=1 / multipliers["logit_divisor"]), post_norms=hf.get("use_post_norm", True))
+
+
 def _granite_swa(hf: dict) -> dict:
     """Granite SWA (granite_swa, dense): Granite 3's blocks and multipliers with its own
     attention (_granite_swa_attention)."""
@@ -1952,7 +1967,7 @@ _MISTRAL4_ROPE = dict(rope_type="yarn", rope_theta=10000.0, factor=128.0, origin
 _MINISTRAL3_ROPE = dict(rope_type="yarn", rope_theta=1e6, factor=16.0, original_max_position_embeddings=16384, beta_fast=32.0, beta_slow=1.0,
                         mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1)
 # the dense families (no MoE block): fine-tuned as they are, or upcycled into an MoE (fmoe.train.upcycle)
-DENSE_FAMILIES = ("llama", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
+DENSE_FAMILIES = ("llama", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
                   "phi3", "glm4", "ernie4_5", "lfm2", "cohere", "cohere2")
 FAMILIES = {
     "mixtral": Family(_mixtral, "block_sparse_moe", ("w1", "w3", "w2"), "MixtralForCausalLM",
@@ -2152,6 +2167,8 @@ FAMILIES = {
     "olmo2": Family(_olmo2, "mlp", _PROJ, "Olmo2ForCausalLM", defaults=dict(rms_norm_eps=1e-5)),
     "olmo3": Family(_olmo3, "mlp", _PROJ, "Olmo3ForCausalLM", defaults=dict(rms_norm_eps=1e-5, sliding_window=4096)),
     "granite": Family(_granite, "mlp", _PROJ, "GraniteForCausalLM"),
+    "hyperclovax": Family(_hyperclovax, "mlp", _PROJ, "HyperCLOVAXForCausalLM",
+                          sandwich=("input_layernorm", "post_norm1", "post_attention_layernorm", "post_norm2")),
     "granite_swa": Family(_granite_swa, "mlp", _PROJ, "GraniteSWAForCausalLM",
                           defaults=dict(num_key_value_heads=4, rms_norm_eps=1e-5, tie_word_embeddings=True, sliding_window=128)),
     "phi3": Family(_phi3, "mlp", _PROJ, "Phi3ForCausalLM", qkv="qkv_proj", dense_gate_up=True,
@@ -3252,6 +3269,9 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
             if model_type == "phi3" and cfg.longrope_short_factors is not None:  # transformers reads the top level's, by default 4096
                 hf.update(original_max_position_embeddings=cfg.longrope_original_max_positions)
             hf.update(dict(sliding_window=cfg.window) if model_type == "phi3" else dict(attention_bias=cfg.qkv_bias))
+        elif model_type == "hyperclovax":  # the logits multiplied by logits_scaling; no attention_multiplier: 1/sqrt(head_dim)
+            hf.update(attention_bias=False, use_post_norm=cfg.post_norms,
+                      **dict(_granite_multiplier_fields(cfg), attention_multiplier=cfg.attn_scale, logits_scaling=1 / cfg.logit_divisor))
         elif model_type in ("granite", "granite_swa"):
             cfg = _granite_scaled(cfg)
             hf.update(attention_bias=False, **_granite_multiplier_fields(cfg))

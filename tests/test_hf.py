@@ -33,6 +33,9 @@ FAMILIES = {
                                                   residual_multiplier=0.5, logits_scaling=4.0),
     # Granite SWA: Granite 3's blocks and multipliers, a sink per head, layer 0 global with RoPE at 5000, layer 1 over a
     # window of 4 without RoPE, layer 2 global at 100
+    # HyperCLOVA X: Granite's multipliers (the logits multiplied by logits_scaling) with an RMSNorm on each sublayer's output
+    "hyperclovax": lambda: transformers.HyperCLOVAXConfig(**COMMON, intermediate_size=40, attention_multiplier=0.3, embedding_multiplier=2.0,
+                                                          residual_multiplier=0.5, logits_scaling=0.25),
     "granite_swa": lambda: transformers.GraniteSWAConfig(**COMMON, intermediate_size=40, attention_multiplier=0.3, embedding_multiplier=2.0,
                                                          residual_multiplier=0.5, logits_scaling=4.0, sliding_window=4,
                                                          layer_types=["full_attention", "sliding_attention", "full_attention"],
@@ -608,6 +611,7 @@ def test_a_failed_export_leaves_no_weight_files(folders, tmp_path, monkeypatch):
                                           ("granite_swa", dict(attn_scale=0.3, embed_scale=2.0, residual_scale=0.5, logit_divisor=4.0, attn_sinks=True,
                                                                window=4, window_layers=(1,), local_rope_base=100.0)),
                                           ("granite_swa", dict(attn_sinks=True, window=4, window_layers=(1,), nope_layers=(0,))),
+                                          ("hyperclovax", dict(post_norms=True, embed_scale=2.0, residual_scale=0.5, logit_divisor=4.0)), ("hyperclovax", {}),
                                           ("seed_oss", dict(qkv_bias=True)), ("hunyuan_v1_dense", dict(qk_norm="head", qk_norm_after_rope=True)),
                                           ("phi3", dict(rope_dim=4, window=4)),
                                           ("phi3", dict(rope_dim=4, longrope_short_factors=(1.0, 1.5), longrope_long_factors=(2.0, 4.0),
@@ -1640,6 +1644,8 @@ BAD_CONFIGS = [
     ("deepseek_v3", lambda c: c["rope_parameters"].pop("factor"), r"config.json: rope_parameters of rope type 'yarn' lack factor"),
     ("bailing_hybrid", lambda c: c.update(layer_types=["linear_attention", "sliding_attention", "full_attention"]),
      r"config.json: layer_types = .* is not supported \(full_attention or linear_attention for each of the 3 layers\)"),
+    ("hyperclovax", lambda c: c.update(use_post_norm="yes"), r"config.json: use_post_norm = 'yes' is not supported \(true or false\)"),
+    ("hyperclovax", lambda c: c.update(logits_scaling=0), r"config.json: logits_scaling = 0 is not supported \(a positive number\)"),
     ("granite_swa", lambda c: c.update(attention_bias=True), r"config.json: attention_bias = True is not supported \(no attention biases in Granite's"),
     ("granite_swa", lambda c: c.update(layer_rope_theta=[5000.0, 0, 7.0]), r"config.json: layer_rope_theta = \[5000.0, 0, 7.0\] is not supported"),
     ("axk2", lambda c: c.update(n_group=2, topk_group=1), r"config.json: n_group = 2 is not supported \(no expert groups: A.X-K2's grouped routing"),
