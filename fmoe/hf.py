@@ -9,7 +9,7 @@ qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, axk1, kimi_k2, kimi_k25, dee
 exaone_moe, kolibri1, beam, axk2, dots1, minimax_m2, granitemoe, granitemoeshared, granitemoe_swa, hunyuan_v1_moe, llama4_text, llama4, afmoe,
 laguna, cohere2_moe, sarvam_moe, sarvam_mla, longcat_flash, bailing_hybrid, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, lara_mini, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
 mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe), and the dense
-DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
+DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
 glm4, ernie4_5, lfm2, cohere, cohere2: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: OLMoE's q and k clamped after their norms, ...;
 the fields a config.json leaves out read at transformers' defaults, Family.defaults, and a
@@ -776,6 +776,15 @@ def _mla(hf: dict, *, interleaved: Optional[bool] = None) -> dict:
     common = _common(dict(hf, rope_parameters=None, rope_scaling=None, head_dim=nope + rope, num_key_value_heads=heads), hf["n_routed_experts"])
     return dict(common, **_yarn(hf), rope_dim=rope, rope_interleaved=bool(hf.get("rope_interleave", True)) if interleaved is None else interleaved,
                 q_rank=hf.get("q_lora_rank"), kv_rank=hf["kv_lora_rank"], v_head_dim=hf["v_head_dim"])
+
+
+def _youtu(hf: dict) -> dict:
+    """Youtu-LLM (youtu, dense): DeepSeek-V3's multi-latent attention (_mla: RoPE, plain or
+    YaRN, on interleaved pairs by rope_interleave) in Llama's blocks, each a SwiGLU MLP of
+    intermediate_size."""
+    _refuse(hf, "mlp_bias", lambda v: not v, "no MLP biases")
+    F = hf["intermediate_size"]
+    return dict(_mla(dict(hf, n_routed_experts=1, num_experts_per_tok=1)), ffn_dense=F, ffn_expert=F, n_dense=hf["num_hidden_layers"], n_shared=0)
 
 
 def _deepseek_v3(hf: dict) -> dict:
@@ -1970,7 +1979,7 @@ _MISTRAL4_ROPE = dict(rope_type="yarn", rope_theta=10000.0, factor=128.0, origin
 _MINISTRAL3_ROPE = dict(rope_type="yarn", rope_theta=1e6, factor=16.0, original_max_position_embeddings=16384, beta_fast=32.0, beta_slow=1.0,
                         mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1)
 # the dense families (no MoE block): fine-tuned as they are, or upcycled into an MoE (fmoe.train.upcycle)
-DENSE_FAMILIES = ("llama", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
+DENSE_FAMILIES = ("llama", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "youtu", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
                   "phi3", "glm4", "ernie4_5", "lfm2", "cohere", "cohere2")
 FAMILIES = {
     "mixtral": Family(_mixtral, "block_sparse_moe", ("w1", "w3", "w2"), "MixtralForCausalLM",
@@ -2170,6 +2179,9 @@ FAMILIES = {
     "olmo2": Family(_olmo2, "mlp", _PROJ, "Olmo2ForCausalLM", defaults=dict(rms_norm_eps=1e-5)),
     "olmo3": Family(_olmo3, "mlp", _PROJ, "Olmo3ForCausalLM", defaults=dict(rms_norm_eps=1e-5, sliding_window=4096)),
     "granite": Family(_granite, "mlp", _PROJ, "GraniteForCausalLM"),
+    "youtu": Family(_youtu, "mlp", _PROJ, "YoutuForCausalLM",
+                    defaults=dict(vocab_size=128256, num_key_value_heads=16, tie_word_embeddings=True, q_lora_rank=1536, kv_lora_rank=512,
+                                  qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128)),
     "hyperclovax": Family(_hyperclovax, "mlp", _PROJ, "HyperCLOVAXForCausalLM",
                           sandwich=("input_layernorm", "post_norm1", "post_attention_layernorm", "post_norm2")),
     "granite_swa": Family(_granite_swa, "mlp", _PROJ, "GraniteSWAForCausalLM",
@@ -3323,7 +3335,7 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
         hf.update(hc_mult=cfg.hyper_connections, hc_magnitude=cfg.hc_magnitude, hc_eps=cfg.hc_eps, swiglu_limit=cfg.swiglu_limit,
                   layer_types=["indexed_attention"] * cfg.n_layers)
     if model_type in ("deepseek_v2", "deepseek_v3", "kimi_k2", "sarvam_mla", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa", "mistral4", "axk1",
-                      "longcat_flash", "bailing_hybrid", "hy_v4", "axk2"):
+                      "longcat_flash", "bailing_hybrid", "hy_v4", "axk2", "youtu"):
         rope = cfg.rope_dim or cfg.head_dim
         hf.update(q_lora_rank=cfg.q_rank, kv_lora_rank=cfg.kv_rank, qk_nope_head_dim=cfg.head_dim - rope, qk_rope_head_dim=rope,
                   v_head_dim=cfg.v_head_dim, head_dim=rope, attention_bias=False)

@@ -33,6 +33,11 @@ FAMILIES = {
                                                   residual_multiplier=0.5, logits_scaling=4.0),
     # Granite SWA: Granite 3's blocks and multipliers, a sink per head, layer 0 global with RoPE at 5000, layer 1 over a
     # window of 4 without RoPE, layer 2 global at 100
+    # Youtu-LLM: DeepSeek-V3's multi-latent attention (a q latent, YaRN, interleaved pairs) in dense Llama blocks
+    "youtu": lambda: transformers.YoutuConfig(**{**COMMON, "num_key_value_heads": 4}, intermediate_size=40, q_lora_rank=12, kv_lora_rank=8,
+                                              qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5, tie_word_embeddings=False,
+                                              rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32,
+                                                                   beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0)),
     # HyperCLOVA X: Granite's multipliers (the logits multiplied by logits_scaling) with an RMSNorm on each sublayer's output
     "hyperclovax": lambda: transformers.HyperCLOVAXConfig(**COMMON, intermediate_size=40, attention_multiplier=0.3, embedding_multiplier=2.0,
                                                           residual_multiplier=0.5, logits_scaling=0.25),
@@ -612,6 +617,7 @@ def test_a_failed_export_leaves_no_weight_files(folders, tmp_path, monkeypatch):
                                                                window=4, window_layers=(1,), local_rope_base=100.0)),
                                           ("granite_swa", dict(attn_sinks=True, window=4, window_layers=(1,), nope_layers=(0,))),
                                           ("hyperclovax", dict(post_norms=True, embed_scale=2.0, residual_scale=0.5, logit_divisor=4.0)), ("hyperclovax", {}),
+                                          ("youtu", dict(n_kv_heads=4, kv_rank=8, rope_dim=4, v_head_dim=6, rope_interleaved=False)),
                                           ("seed_oss", dict(qkv_bias=True)), ("hunyuan_v1_dense", dict(qk_norm="head", qk_norm_after_rope=True)),
                                           ("phi3", dict(rope_dim=4, window=4)),
                                           ("phi3", dict(rope_dim=4, longrope_short_factors=(1.0, 1.5), longrope_long_factors=(2.0, 4.0),
@@ -624,8 +630,8 @@ def test_a_dense_model_of_fmoe_s_own_exports_as_a_dense_family(family, knobs, tm
     """An fmoe model with no MoE block (its MoE fields at the defaults, unused) is written as
     the dense family and read by transformers with the same logits; the attention must match
     the family's (Qwen3's q/k norms, Qwen2's q/k/v biases)."""
-    cfg = TransformerConfig(vocab_size=V, hidden=32, n_layers=2, n_dense=2, ffn_dense=48, n_heads=4, n_kv_heads=2, head_dim=8, mtp_depth=0,
-                            init_std=0.2, **knobs)
+    cfg = TransformerConfig(**{**dict(vocab_size=V, hidden=32, n_layers=2, n_dense=2, ffn_dense=48, n_heads=4, n_kv_heads=2, head_dim=8, mtp_depth=0,
+                                      init_std=0.2), **knobs})
     model = hf.Transformer(cfg)
     model.reset_parameters(seed=1)
     hf.save_pretrained(model, tmp_path / "hf", model_type=family)
