@@ -5,6 +5,7 @@
     interpreter_problem()        why the installed Triton interpreter cannot run the kernels, or None
     next_pow2(n)                 Triton block sizes
     local_tensor(t)              the local shard of a DTensor (the tensor itself otherwise)
+    tanh(x)                      tanh inside a Triton kernel, from one exp (the interpreter has no tanh)
 """
 
 from __future__ import annotations
@@ -13,8 +14,19 @@ import os
 import re
 
 import torch
+import triton
+import triton.language as tl
 
 IMPLS = ("auto", "triton", "torch")
+
+
+@triton.jit
+def tanh(x):
+    """tanh(x) in a Triton kernel, float32: (1 - e^-2|x|) / (1 + e^-2|x|) with x's sign, from
+    one exp that never overflows (the interpreter has no tanh; -inf gives -1)."""
+    t = tl.exp(-2.0 * tl.abs(x))
+    th = (1.0 - t) / (1.0 + t)
+    return tl.where(x < 0, -th, th)
 
 
 def next_pow2(n: int) -> int:

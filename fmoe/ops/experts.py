@@ -9,7 +9,10 @@ to each expert's rows after its projections, and the clamped SwiGLU
     swiglu(gate, up; alpha, limit, offset) = g sigmoid(alpha g) (u + offset),
         g = min(gate, limit), u = clamp(up, -limit, limit)   (limit None: no clamp)
 
-whose defaults (1, None, 0) are silu(gate) * up.
+whose defaults (1, None, 0) are silu(gate) * up; and GeGLU (act "gelu_tanh", Gemma's), the
+gate through GELU's tanh form instead of silu (with the same clamps and offset):
+
+    geglu(gate, up) = 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))) (u + offset)
 
 Expert e owns rows offsets[e-1] .. offsets[e] of x_perm, expert 0 from row 0 (`offsets` are
 int32 cumulative group ends, the `offs` of torch._grouped_mm). Experts may own no rows; the
@@ -60,18 +63,23 @@ from fmoe.ops.fp8 import check_fp8, check_fp8_fast_accum, fp8_matmul, fp8_quanti
 # ----------------------------------------------------------------------------------------
 
 
-def swiglu_ref(gate, up, alpha: float = 1.0, limit=None, offset: float = 0.0):
+def swiglu_ref(gate, up, alpha: float = 1.0, limit=None, offset: float = 0.0, act: str = "silu"):
     """silu(gate) * up in float32, stored in gate's dtype; with alpha / limit / offset the
-    clamped form g sigmoid(alpha g) (u + offset) of the module docstring."""
+    clamped form g sigmoid(alpha g) (u + offset) of the module docstring; act "gelu_tanh":
+    GELU's tanh form of g in place of g sigmoid(alpha g) (GeGLU)."""
     g, u = gate.float(), up.float()
     if limit is not None:
         g, u = g.clamp(max=limit), u.clamp(-limit, limit)
-    act = torch.nn.functional.silu(g) if alpha == 1.0 else g * torch.sigmoid(alpha * g)
+    if act == "gelu_tanh":
+        act = torch.nn.functional.gelu(g, approximate="tanh")
+    else:
+        act = torch.nn.functional.silu(g) if alpha == 1.0 else g * torch.sigmoid(alpha * g)
     return (act * (u + offset if offset else u)).to(gate.dtype)
 
 
 EXPERT_BIASES = ("b_gate", "b_up", "b_down")  # grouped_mlp's optional per-expert biases: [E, F], [E, F], [E, H]
-_PLAIN_GLU = (1.0, None, 0.0)  # (alpha, limit, offset) of silu(gate) * up
+GLU_ACTS = ("silu", "gelu_tanh")  # the gate's activation: SwiGLU's, GeGLU's (GELU's tanh form)
+_PLAIN_GLU = (1.0, None, 0.0, "silu")  # (alpha, limit, offset, act) of silu(gate) * up
 _NO_BIASES = (None,) * len(EXPERT_BIASES)
 
 
@@ -140,9 +148,28 @@ def _dot(a, b, acc):
 
 
 @triton.jit
-def _swiglu_fwd_kernel(gate_ptr, up_ptr, h_ptr, n, alpha, limit, offset, CLAMP: tl.constexpr, BLOCK: tl.constexpr):
+def _glu_act(g, alpha, GELU: tl.constexpr):
+    """(act(g), act'(g)) in float32: g sigmoid(alpha g), or with GELU its tanh form
+    0.5 g (1 + tanh(c (g + 0.044715 g^3)))."""
+    if GELU:  # 1 + tanh(y) and 1 - tanh(y) each from e = exp(-2|y|) without cancellation, y = sqrt(2 / pi) (g + 0.044715 g^3)
+        y = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        e = tl.exp(-2.0 * tl.abs(y))
+        plus = 2.0 * tl.where(y < 0, e, 1.0) / (1.0 + e)
+        minus = 2.0 * tl.where(y < 0, 1.0, e) / (1.0 + e)
+        act = 0.5 * g * plus
+        dact = 0.5 * plus + 0.5 * g * minus * plus * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * g * g)
+    else:
+        sig = tl.sigmoid(alpha * g)
+        act = g * sig
+        dact = sig * (1.0 + alpha * g * (1.0 - sig))
+    return act, dact
+
+
+@triton.jit
+def _swiglu_fwd_kernel(gate_ptr, up_ptr, h_ptr, n, alpha, limit, offset, CLAMP: tl.constexpr, GELU: tl.constexpr, BLOCK: tl.constexpr):
     """h = g sigmoid(alpha g) (u + offset) over n elements, float32 math: silu(gate) * up
-    with alpha 1 and offset 0; with CLAMP g = min(gate, limit), u = clamp(up, -limit, limit)."""
+    with alpha 1 and offset 0; with CLAMP g = min(gate, limit), u = clamp(up, -limit, limit);
+    with GELU, GELU's tanh form of g in place of g sigmoid(alpha g)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -150,16 +177,17 @@ def _swiglu_fwd_kernel(gate_ptr, up_ptr, h_ptr, n, alpha, limit, offset, CLAMP: 
     if CLAMP:
         g = tl.minimum(g, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)
-    h = g * tl.sigmoid(alpha * g) * (u + offset)
+    act, _ = _glu_act(g, alpha, GELU)
+    h = act * (u + offset)
     tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _swiglu_bwd_kernel(gate_ptr, up_ptr, grad_h_ptr, grad_gate_ptr, grad_up_ptr, n, alpha, limit, offset,
-                       CLAMP: tl.constexpr, BLOCK: tl.constexpr):
-    """d gate = dh (u + offset) act'(g), d up = dh act(g), act(g) = g sigmoid(alpha g)
-    recomputed from gate; with CLAMP zero where the clamps cut (gate > limit, |up| > limit:
-    torch.clamp's gradient, which passes at the bounds)."""
+                       CLAMP: tl.constexpr, GELU: tl.constexpr, BLOCK: tl.constexpr):
+    """d gate = dh (u + offset) act'(g), d up = dh act(g), act(g) = g sigmoid(alpha g) (with
+    GELU its tanh form) recomputed from gate; with CLAMP zero where the clamps cut (gate >
+    limit, |up| > limit: torch.clamp's gradient, which passes at the bounds)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -170,9 +198,7 @@ def _swiglu_bwd_kernel(gate_ptr, up_ptr, grad_h_ptr, grad_gate_ptr, grad_up_ptr,
         du_pass = (u >= -limit) & (u <= limit)
         g = tl.minimum(g, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)
-    sig = tl.sigmoid(alpha * g)
-    act = g * sig
-    dact = sig * (1.0 + alpha * g * (1.0 - sig))
+    act, dact = _glu_act(g, alpha, GELU)
     grad_gate = dh * (u + offset) * dact
     grad_up = dh * act
     if CLAMP:
@@ -331,40 +357,41 @@ def _dw_blocks(dtype: torch.dtype) -> dict:
 # ----------------------------------------------------------------------------------------
 
 
-def _glu_args(alpha: float, limit: Optional[float], offset: float) -> dict:
-    """The SwiGLU kernels' (alpha, limit, offset) scalars and CLAMP flag."""
-    return dict(alpha=alpha, limit=0.0 if limit is None else limit, offset=offset, CLAMP=limit is not None)
+def _glu_args(alpha: float, limit: Optional[float], offset: float, act: str = "silu") -> dict:
+    """The SwiGLU kernels' (alpha, limit, offset) scalars and CLAMP and GELU flags."""
+    return dict(alpha=alpha, limit=0.0 if limit is None else limit, offset=offset, CLAMP=limit is not None, GELU=act == "gelu_tanh")
 
 
 @torch.library.custom_op("fmoe::swiglu_fwd", mutates_args=())
-def _swiglu_fwd(gate: torch.Tensor, up: torch.Tensor, alpha: float = 1.0, limit: Optional[float] = None, offset: float = 0.0) -> torch.Tensor:
+def _swiglu_fwd(gate: torch.Tensor, up: torch.Tensor, alpha: float = 1.0, limit: Optional[float] = None, offset: float = 0.0,
+                act: str = "silu") -> torch.Tensor:
     gate, up = gate.contiguous(), up.contiguous()
     h = torch.empty_like(gate)
     n = gate.numel()
     if n:
-        _swiglu_fwd_kernel[(triton.cdiv(n, _SWIGLU_META["BLOCK"]),)](gate, up, h, n, **_glu_args(alpha, limit, offset), **_SWIGLU_META)
+        _swiglu_fwd_kernel[(triton.cdiv(n, _SWIGLU_META["BLOCK"]),)](gate, up, h, n, **_glu_args(alpha, limit, offset, act), **_SWIGLU_META)
     return h
 
 
 @_swiglu_fwd.register_fake
-def _(gate, up, alpha=1.0, limit=None, offset=0.0):
+def _(gate, up, alpha=1.0, limit=None, offset=0.0, act="silu"):
     return torch.empty_like(gate)
 
 
 @torch.library.custom_op("fmoe::swiglu_bwd", mutates_args=())
 def _swiglu_bwd(grad_h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, alpha: float = 1.0, limit: Optional[float] = None,
-                offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                offset: float = 0.0, act: str = "silu") -> tuple[torch.Tensor, torch.Tensor]:
     gate, up, grad_h = gate.contiguous(), up.contiguous(), grad_h.contiguous()
     grad_gate, grad_up = torch.empty_like(gate), torch.empty_like(up)
     n = gate.numel()
     if n:
-        _swiglu_bwd_kernel[(triton.cdiv(n, _SWIGLU_META["BLOCK"]),)](gate, up, grad_h, grad_gate, grad_up, n, **_glu_args(alpha, limit, offset),
-                                                                      **_SWIGLU_META)
+        _swiglu_bwd_kernel[(triton.cdiv(n, _SWIGLU_META["BLOCK"]),)](gate, up, grad_h, grad_gate, grad_up, n,
+                                                                      **_glu_args(alpha, limit, offset, act), **_SWIGLU_META)
     return grad_gate, grad_up
 
 
 @_swiglu_bwd.register_fake
-def _(grad_h, gate, up, alpha=1.0, limit=None, offset=0.0):
+def _(grad_h, gate, up, alpha=1.0, limit=None, offset=0.0, act="silu"):
     return torch.empty_like(gate), torch.empty_like(up)
 
 
@@ -376,7 +403,7 @@ def _swiglu_setup_context(ctx, inputs, output):
 
 def _swiglu_backward(ctx, grad_h):
     gate, up = ctx.saved_tensors
-    return (*_swiglu_bwd(grad_h, gate, up, *ctx.glu), None, None, None)
+    return (*_swiglu_bwd(grad_h, gate, up, *ctx.glu), None, None, None, None)
 
 
 _swiglu_fwd.register_autograd(_swiglu_backward, setup_context=_swiglu_setup_context)
@@ -601,6 +628,7 @@ def grouped_mlp(
     offset: float = 0.0,
     fp8: bool = False,
     fp8_fast_accum: bool = False,
+    act: str = "silu",
 ) -> torch.Tensor:
     """SwiGLU expert MLPs over rows grouped by expert (SPEC.md section 3).
 
@@ -620,6 +648,8 @@ def grouped_mlp(
         alpha, limit, offset: the clamped SwiGLU (module docstring; gpt-oss: 1.702, 7.0,
             1.0); the defaults are silu(gate) * up. The fused Triton SwiGLU computes either
             form (the CPU path of "auto" runs it in plain torch).
+        act: the gate's activation, "silu" (SwiGLU) or "gelu_tanh" (GeGLU: GELU's tanh
+            form, Gemma's; with alpha 1).
         fp8: each projection's forward and input-gradient GEMMs in fp8, as
             fmoe.ops.fp8_matmul (x_perm's rows and each expert's columns quantized over the
             contracted dim, power-of-two scales; the weight gradients in x_perm's dtype):
@@ -668,7 +698,7 @@ def grouped_mlp(
         if not isinstance(b, torch.Tensor) or tuple(b.shape) != shape:
             raise ValueError(f"{name}: expected shape {list(shape)} ([E, F] for b_gate / b_up, [E, H] for b_down), got {getattr(b, 'shape', type(b).__name__)}")
         _check_like(name, b, "x_perm", x_perm)
-    glu = check_glu(alpha, limit, offset)
+    glu = check_glu(alpha, limit, offset, act)
     check_fp8(fp8)
     fp8 = FP8_FAST if check_fp8_fast_accum(fp8_fast_accum, fp8) else (FP8_ON if fp8 else FP8_OFF)
 
@@ -680,8 +710,9 @@ def grouped_mlp(
     return grouped_mlp_ref(x_perm, w_gate, w_up, w_down, offsets, biases, glu, fp8)
 
 
-def check_glu(alpha, limit, offset) -> tuple:
-    """(alpha, limit, offset) as floats (limit None or > 0); ValueError naming the bad one."""
+def check_glu(alpha, limit, offset, act: str = "silu") -> tuple:
+    """(alpha, limit, offset, act): three floats (limit None or > 0) and the gate's activation
+    (GLU_ACTS; "gelu_tanh" with alpha 1); ValueError naming the bad one."""
     def number(name, v):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
             raise ValueError(f"{name}: expected a finite number, got {v!r}")
@@ -692,14 +723,19 @@ def check_glu(alpha, limit, offset) -> tuple:
         limit = number("limit", limit)
         if limit <= 0:
             raise ValueError(f"limit: expected > 0 (the SwiGLU clamp) or None, got {limit!r}")
-    return alpha, limit, offset
+    if act not in GLU_ACTS:
+        raise ValueError(f"act: expected one of {', '.join(GLU_ACTS)} (the gate's activation), got {act!r}")
+    if act == "gelu_tanh" and alpha != 1.0:
+        raise ValueError(f"alpha: the slope of SwiGLU's sigmoid, expected 1.0 with act 'gelu_tanh' (GELU has none), got {alpha!r}")
+    return alpha, limit, offset, act
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, *, impl: str = "auto", alpha: float = 1.0, limit: Optional[float] = None,
-           offset: float = 0.0) -> torch.Tensor:
+           offset: float = 0.0, act: str = "silu") -> torch.Tensor:
     """silu(gate) * up, float32 math, in gate's dtype; any shape (gate and up alike).
     alpha, limit, offset: the clamped form g sigmoid(alpha g) (u + offset), g = min(gate,
-    limit), u = clamp(up, -limit, limit) (gpt-oss: 1.702, 7.0, 1.0).
+    limit), u = clamp(up, -limit, limit) (gpt-oss: 1.702, 7.0, 1.0). act "gelu_tanh":
+    GeGLU, gelu_tanh(gate) * up (Gemma's; GELU's tanh form in place of g sigmoid(alpha g)).
 
     The Triton backward recomputes the activation from gate and up: only they are saved.
 
@@ -714,7 +750,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, impl: str = "auto", alpha: f
     if up.shape != gate.shape:
         raise ValueError(f"up: expected shape {tuple(gate.shape)} like gate, got {tuple(up.shape)}")
     _check_like("up", up, "gate", gate)
-    glu = check_glu(alpha, limit, offset)
+    glu = check_glu(alpha, limit, offset, act)
     if use_triton(impl, gate, up):
         return _swiglu_fwd(gate, up, *glu)
     return swiglu_ref(gate, up, *glu)

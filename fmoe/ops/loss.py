@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fmoe.ops.backend import next_pow2, use_triton
+from fmoe.ops.backend import next_pow2, tanh, use_triton
 from fmoe.ops.checks import check_float, check_index, check_positive_int, checking
 
 REDUCTIONS = ("mean", "sum")
@@ -96,12 +96,10 @@ def _ce_rows(labels_ptr, N, V, ignore_index, BLOCK_R: tl.constexpr):
 
 @triton.jit
 def _capped(x, softcap, SOFTCAP: tl.constexpr):
-    """c tanh(x / c) with SOFTCAP (c = softcap), else x: tanh(y) = (1 - e^-2y) / (1 + e^-2y)
-    for y = |x| / c >= 0, from one exp (the interpreter has no tanh); -inf gives -c."""
+    """c tanh(x / c) with SOFTCAP (c = softcap), else x (fmoe.ops.backend.tanh: from one exp);
+    -inf gives -c."""
     if SOFTCAP:
-        t = tl.exp(-2.0 * tl.abs(x) / softcap)
-        th = (1.0 - t) / (1.0 + t)
-        x = tl.where(x < 0, -th, th) * softcap
+        x = tanh(x / softcap) * softcap
     return x
 
 

@@ -1,6 +1,7 @@
 """grouped_mlp, swiglu: kernels vs reference vs a per-row brute force (SPEC.md section 3)."""
 
 import doctest
+import math
 
 import pytest
 import torch
@@ -40,10 +41,16 @@ def _run(fn, tensors, offsets, grad_y, **kwargs):
     return y, [t.grad for t in leaves]
 
 
-def _brute_force(x, w_gate, w_up, w_down, offsets, biases=None, alpha=1.0, limit=None, offset=0.0):
+def _gelu_tanh(g):
+    """GELU's tanh form by its formula: 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3)))."""
+    return 0.5 * g * (1 + torch.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g**3)))
+
+
+def _brute_force(x, w_gate, w_up, w_down, offsets, biases=None, alpha=1.0, limit=None, offset=0.0, act="silu"):
     """Each row through its own expert's SwiGLU, one row at a time, float64; zero rows for
     none. biases (b_gate, b_up, b_down) after each projection; alpha, limit, offset: the
-    clamped SwiGLU g sigmoid(alpha g) (u + offset), g = min(gate, limit), u = clamp(up, -limit, limit)."""
+    clamped SwiGLU g sigmoid(alpha g) (u + offset), g = min(gate, limit), u = clamp(up, -limit, limit);
+    act "gelu_tanh": GeGLU, _gelu_tanh(g) in place of g sigmoid(alpha g)."""
     ends = offsets.tolist()
     rows = []
     for r in range(x.shape[0]):
@@ -56,7 +63,8 @@ def _brute_force(x, w_gate, w_up, w_down, offsets, biases=None, alpha=1.0, limit
             gate, up = gate + biases[0][e], up + biases[1][e]
         if limit is not None:
             gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-        y = (gate * torch.sigmoid(alpha * gate) * (up + offset)) @ w_down[e]
+        activated = _gelu_tanh(gate) if act == "gelu_tanh" else gate * torch.sigmoid(alpha * gate)
+        y = (activated * (up + offset)) @ w_down[e]
         rows.append(y if biases is None else y + biases[2][e])
     return torch.stack(rows)
 
@@ -290,7 +298,36 @@ def test_clamped_swiglu_triton_matches_reference(dtype, device):
     assert int((gate > limit).sum()) > 10 and int((up.abs() > limit).sum()) > 10
 
 
-@pytest.mark.parametrize("glu", [{}, dict(alpha=1.702, limit=7.0, offset=1.0)], ids=["plain", "clamped"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_geglu_triton_matches_reference_and_gelu_s_formula(dtype, device):
+    """act "gelu_tanh" (GeGLU, Gemma's): the fused kernels' value and both gradients against
+    torch's autograd of gelu(approximate="tanh"), over gates out to +-12 (where tanh
+    saturates), and the values against GELU's tanh formula in float64; with the clamps
+    and offset too; a worked value."""
+    g = torch.Generator().manual_seed(4)
+    gate = torch.cat([4 * torch.randn(300, generator=g), torch.tensor([0.0, 12.0, -12.0, 1e-4])]).to(device, dtype)
+    up = torch.randn(gate.shape, generator=g).to(device, dtype)
+    grad_h = torch.randn(gate.shape, generator=g).to(device, dtype)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-3)
+    for glu in (dict(), dict(limit=1.5, offset=1.0)):
+        # float64 autograd of the formula; torch's float32 gelu is itself 1e-6 off it where its tanh nears -1
+        g64, u64 = gate.double().requires_grad_(), up.double().requires_grad_()
+        lim = glu.get("limit")
+        h64 = _gelu_tanh(g64 if lim is None else g64.clamp(max=lim)) * ((u64 if lim is None else u64.clamp(-lim, lim)) + glu.get("offset", 0.0))
+        (h64 * grad_h.double()).sum().backward()
+        for impl in ("triton", "torch"):
+            gi, ui = gate.clone().requires_grad_(), up.clone().requires_grad_()
+            h = swiglu(gi, ui, impl=impl, act="gelu_tanh", **glu)
+            (h * grad_h).sum().backward()
+            for ours, exact in ((h, h64), (gi.grad, g64.grad), (ui.grad, u64.grad)):
+                assert ours.dtype == dtype
+                torch.testing.assert_close(ours.double(), exact, **(tol if impl == "triton" else dict(tol, atol=2 * tol["atol"])))
+    # 0.5 (1 + tanh(sqrt(2/pi) (1 + 0.044715))) = 0.84119..., times up = 2
+    assert swiglu(torch.tensor([1.0]), torch.tensor([2.0]), act="gelu_tanh", impl="torch").item() == pytest.approx(2 * 0.8411920, rel=1e-6)
+    assert not torch.allclose(swiglu(gate, up, act="gelu_tanh", impl="torch"), swiglu(gate, up, impl="torch"))
+
+
+@pytest.mark.parametrize("glu", [{}, dict(alpha=1.702, limit=7.0, offset=1.0), dict(act="gelu_tanh")], ids=["plain", "clamped", "geglu"])
 def test_swiglu_backward_saves_only_gate_and_up(glu, device):
     gate = torch.randn(6, 40, device=device, requires_grad=True)
     up = torch.randn(6, 40, device=device, requires_grad=True)
@@ -337,6 +374,12 @@ def test_biases_and_clamped_swiglu_match_per_row_brute_force(case, impl):
         torch.testing.assert_close(grad, grad64.float(), rtol=1e-5, atol=1e-5)
     _assert_unowned_zero(y, grads[0], offsets)
     assert (x @ wg[1] + biases[0][1]).max() > GPT_OSS_GLU["limit"]  # the clamps act
+    # GeGLU (Gemma's experts) on every path
+    y, grads = _run(lambda *t: grouped_mlp(*t[:4], t[-1], impl=impl, act="gelu_tanh"), tensors[:4], offsets, grad_y)
+    y64, grads64 = _run(lambda *t: _brute_force(*t[:4], t[-1], act="gelu_tanh"), [t.double() for t in tensors[:4]], offsets, grad_y.double())
+    torch.testing.assert_close(y, y64.float(), rtol=1e-5, atol=1e-5)
+    for grad, grad64 in zip(grads, grads64):
+        torch.testing.assert_close(grad, grad64.float(), rtol=1e-5, atol=1e-5)
     # the defaults are the plain SwiGLU, and zero biases change nothing
     plain = grouped_mlp(x, wg, wu, wd, offsets, impl=impl)
     zeros = grouped_mlp(x, wg, wu, wd, offsets, impl=impl, b_gate=0 * biases[0], b_up=0 * biases[1], b_down=0 * biases[2])
@@ -386,6 +429,8 @@ def test_bad_inputs():
     _raises(r"limit: expected > 0 \(the SwiGLU clamp\) or None, got 0", grouped_mlp, x, wg, wu, wd, off, limit=0)
     _raises("alpha: expected a finite number, got nan", grouped_mlp, x, wg, wu, wd, off, alpha=float("nan"))
     _raises("offset: expected a finite number, got '1'", swiglu, torch.ones(3), torch.ones(3), offset="1")
+    _raises("act: expected one of silu, gelu_tanh \\(the gate's activation\\), got 'gelu'", grouped_mlp, x, wg, wu, wd, off, act="gelu")
+    _raises("alpha: the slope of SwiGLU's sigmoid, expected 1.0 with act 'gelu_tanh'", swiglu, torch.ones(3), torch.ones(3), act="gelu_tanh", alpha=1.7)
 
 
 def test_docstring_examples():
@@ -404,7 +449,7 @@ def test_offset_values_unchecked_on_request():
 def test_custom_ops_pass_opcheck(device):
     (x, wg, *_), offsets = _problem([5, 0, 8], 3, 16, 16, device=device)
     gate, up = torch.randn(7, 33, device=device, requires_grad=True), torch.randn(7, 33, device=device, requires_grad=True)
-    for glu in ((), (1.702, 0.5, 1.0)):  # silu(gate) * up, and the clamped form
+    for glu in ((), (1.702, 0.5, 1.0), (1.0, None, 0.0, "gelu_tanh")):  # silu(gate) * up, the clamped form, GeGLU
         torch.library.opcheck(torch.ops.fmoe.swiglu_fwd.default, (gate, up, *glu))
         torch.library.opcheck(torch.ops.fmoe.swiglu_bwd.default, (torch.randn(7, 33, device=device), gate.detach(), up.detach(), *glu))
     backends = [False, True] if device == "cpu" or experts._grouped_mm_fast(x.bfloat16(), 16) else [False]
