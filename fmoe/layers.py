@@ -150,7 +150,9 @@ class MoEConfig:
     expert weights and expert parallelism count the E computing experts only.
     bias_on_logits: sigmoid scoring chooses on the logits + params["expert_bias"] instead of
     the sigmoids + it (fmoe.ops.route's bias_on_logits; Kolibri-1); the weights are the
-    chosen sigmoids all the same.
+    chosen sigmoids all the same. glu_act: the experts' gate activation, "silu" (SwiGLU)
+    or "gelu_tanh" (GeGLU: GELU's tanh form, Gemma's), the routed and the shared experts'
+    (fmoe.ops.grouped_mlp's act).
     """
 
     n_experts: int
@@ -180,11 +182,12 @@ class MoEConfig:
     sparsemixer_eps: float = 0.01
     zero_experts: int = 0
     bias_on_logits: bool = False
+    glu_act: str = "silu"
 
     def __post_init__(self):
         check_positive_int("n_experts", self.n_experts)
         check_positive_int("zero_experts", self.zero_experts, 0)
-        check_glu(self.swiglu_alpha, self.swiglu_limit, self.swiglu_offset)
+        check_glu(self.swiglu_alpha, self.swiglu_limit, self.swiglu_offset, self.glu_act)
         check_sparsemixer_knobs(self.score, self.k, self.sparsemixer_eps, pre_softmax=self.pre_softmax, n_groups=self.n_groups,
                                 topk_groups=self.topk_groups, scale=self.scale, group_score_topk=self.group_score_topk, normalize=self.normalize)
         if isinstance(self.shared_scale, bool) or not isinstance(self.shared_scale, (int, float)) or not 0 < self.shared_scale < math.inf:
@@ -213,8 +216,8 @@ class MoEConfig:
 
     @property
     def glu(self) -> dict:
-        """grouped_mlp's keyword arguments of the experts' SwiGLU."""
-        return dict(alpha=self.swiglu_alpha, limit=self.swiglu_limit, offset=self.swiglu_offset)
+        """grouped_mlp's keyword arguments of the experts' SwiGLU (or GeGLU)."""
+        return dict(alpha=self.swiglu_alpha, limit=self.swiglu_limit, offset=self.swiglu_offset, act=self.glu_act)
 
 
 def check_sparsemixer_knobs(score: str, k: int, eps, **route_knobs) -> None:
@@ -299,12 +302,13 @@ def _check_moe(x_TH, params, cfg, experts, shared, drop) -> None:
         raise ValueError(f"params['shared_gate']: expected [{H}] alongside shared experts, got {tuple(gate.shape)}")
 
 
-def dense_mlp(x_TH: torch.Tensor, w_gate_HF, w_up_HF, w_down_FH, *, impl: str = "auto", fp8: bool = False) -> torch.Tensor:
+def dense_mlp(x_TH: torch.Tensor, w_gate_HF, w_up_HF, w_down_FH, *, impl: str = "auto", fp8: bool = False, act: str = "silu") -> torch.Tensor:
     """SwiGLU (silu(x w_gate) * (x w_up)) w_down: x [T, H], w_gate / w_up [H, F],
     w_down [F, H] -> [T, H]. The dense blocks' MLP and the shared experts. fp8: the three
-    projections by fmoe.ops.fp8_matmul."""
+    projections by fmoe.ops.fp8_matmul. act "gelu_tanh": GeGLU, GELU's tanh form of x w_gate
+    in place of silu (fmoe.ops.swiglu's act)."""
     gate_TF, up_TF = (matmul(x_TH, w, fp8=fp8, impl=impl) for w in (w_gate_HF, w_up_HF))
-    return matmul(swiglu(gate_TF, up_TF, impl=impl), w_down_FH, fp8=fp8, impl=impl)
+    return matmul(swiglu(gate_TF, up_TF, impl=impl, act=act), w_down_FH, fp8=fp8, impl=impl)
 
 
 def local_experts(x_TH: torch.Tensor, routes: Routes, params, cfg: MoEConfig):
@@ -408,7 +412,7 @@ def moe(
         counts_E = torch.cat([counts_E, counts_Z])
     if shared is None and params.get("shared_w_gate") is not None:
         shared = functools.partial(dense_mlp, w_gate_HF=params["shared_w_gate"], w_up_HF=params["shared_w_up"],
-                                   w_down_FH=params["shared_w_down"], impl=cfg.impl, fp8=cfg.fp8)
+                                   w_down_FH=params["shared_w_down"], impl=cfg.impl, fp8=cfg.fp8, act=cfg.glu_act)
     if shared is not None:
         y_shared_TH = shared(x)
         gate = params.get("shared_gate")

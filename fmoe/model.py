@@ -51,6 +51,7 @@ from fmoe.layers import (EXPERT_BIASES, AttentionConfig, AttentionContext, Linea
                          moe, q_in)
 from fmoe.ops import linear_cross_entropy, route
 from fmoe.ops.checks import check_positive_int
+from fmoe.ops.experts import GLU_ACTS
 from fmoe.ops.fp8 import check_fp8_fast_accum
 from fmoe.ops.backend import local_tensor as _local
 
@@ -107,18 +108,19 @@ def copy_full_value(param: torch.Tensor, full: torch.Tensor) -> None:
 
 
 class DenseMLP(nn.Module):
-    """SwiGLU: (silu(x w_gate) * (x w_up)) w_down, w_gate / w_up [H, F], w_down [F, H]."""
+    """SwiGLU: (silu(x w_gate) * (x w_up)) w_down, w_gate / w_up [H, F], w_down [F, H]; with
+    act "gelu_tanh" GeGLU (fmoe.layers.dense_mlp's act)."""
 
-    def __init__(self, hidden: int, ffn: int, impl: str, *, fp8: bool = False, device=None, dtype=None):
+    def __init__(self, hidden: int, ffn: int, impl: str, *, fp8: bool = False, act: str = "silu", device=None, dtype=None):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
-        self.impl, self.fp8 = impl, fp8
+        self.impl, self.fp8, self.act = impl, fp8, act
         self.w_gate = nn.Parameter(torch.empty(hidden, ffn, **kw))
         self.w_up = nn.Parameter(torch.empty(hidden, ffn, **kw))
         self.w_down = nn.Parameter(torch.empty(ffn, hidden, **kw))
 
     def forward(self, x_TH):
-        return dense_mlp(x_TH, _local(self.w_gate), _local(self.w_up), _local(self.w_down), impl=self.impl, fp8=self.fp8)
+        return dense_mlp(x_TH, _local(self.w_gate), _local(self.w_up), _local(self.w_down), impl=self.impl, fp8=self.fp8, act=self.act)
 
 
 class GroupedExperts(nn.Module):
@@ -221,7 +223,7 @@ class MoE(KeepsFloat32):
         self.router = nn.Parameter(torch.empty(cfg.n_choices, H, device=device, dtype=torch.float32))
         self.router_bias = nn.Parameter(torch.empty(cfg.n_choices, device=device, dtype=torch.float32)) if router_bias else None
         self.experts = GroupedExperts(E, H, ffn, cfg, biases=expert_biases, **kw)
-        self.shared = DenseMLP(H, shared_ffn, cfg.impl, fp8=cfg.fp8, **kw) if shared_ffn else None
+        self.shared = DenseMLP(H, shared_ffn, cfg.impl, fp8=cfg.fp8, act=cfg.glu_act, **kw) if shared_ffn else None
         if shared_gate:
             self.shared_gate = nn.Parameter(torch.empty(H, **kw))
         if expert_bias:
@@ -325,7 +327,9 @@ class TransformerConfig:
     logits capped at c tanh(l / c) before routing (Laguna; fmoe.layers.MoEConfig.logit_softcap).
     router_bias: a float32 bias on the router logits; expert_biases: biases of the routed
     experts' three projections; swiglu_alpha / swiglu_limit / swiglu_offset: the routed
-    experts' clamped SwiGLU (fmoe.ops.grouped_mlp; gpt-oss: 1.702, 7.0, 1.0). kv_rank (with q_rank,
+    experts' clamped SwiGLU (fmoe.ops.grouped_mlp; gpt-oss: 1.702, 7.0, 1.0). mlp_act: every
+    MLP's gate activation (dense blocks, shared and routed experts), "silu" (SwiGLU) or
+    "gelu_tanh" (GeGLU: GELU's tanh form, Gemma's; fmoe.ops.swiglu's act). kv_rank (with q_rank,
     v_head_dim): multi-latent attention (DeepSeek-V2/V3; head_dim = nope + rope dims,
     rope_dim the rope part, n_kv_heads = n_heads; fmoe.layers.AttentionConfig); mla_scales
     (with q_rank and kv_rank): its queries times sqrt(hidden / q_rank) and its normed kv
@@ -524,6 +528,7 @@ class TransformerConfig:
     swiglu_alpha: float = 1.0
     swiglu_limit: Optional[float] = None
     swiglu_offset: float = 0.0
+    mlp_act: str = "silu"
     tie_embeddings: bool = False
     attn_scale: Optional[float] = None
     embed_scale: float = 1.0
@@ -592,6 +597,8 @@ class TransformerConfig:
             raise ValueError(f"mtp_depth / n_shared: expected >= 0, got {self.mtp_depth} / {self.n_shared}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_kv_heads: {self.n_heads} heads do not split over {self.n_kv_heads} kv heads")
+        if self.mlp_act not in GLU_ACTS:
+            raise ValueError(f"mlp_act: expected one of {', '.join(GLU_ACTS)} (the MLPs' gate activation), got {self.mlp_act!r}")
         for name in ("attn_scale", "embed_scale", "residual_scale", "logit_divisor", "value_scale"):
             value = getattr(self, name)
             if (value is not None or name != "attn_scale") and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf):
@@ -881,6 +888,7 @@ class TransformerConfig:
             weights_on_input=self.route_on_input, fp8=self.fp8 if fp8 is None else fp8,
             fp8_fast_accum=self.fp8_fast_accum and (self.fp8 if fp8 is None else fp8), logit_softcap=self.router_softcap, shared_scale=self.shared_scale,
             sparsemixer_eps=self.sparsemixer_eps, zero_experts=self.zero_experts, bias_on_logits=self.expert_bias_on_logits,
+            glu_act=self.mlp_act,
         )
 
     def linear_attention_config(self, fp8: Optional[bool] = None) -> LinearAttentionConfig:
@@ -1254,11 +1262,11 @@ class Block(nn.Module):
                            expert_bias=cfg.expert_bias, router_bias=cfg.router_bias, expert_biases=cfg.expert_biases)
             self.mlp.experts.recompute = cfg.ac == "experts"
         else:
-            self.mlp = DenseMLP(cfg.hidden, cfg.ffn_dense, cfg.impl, fp8=fp8)
+            self.mlp = DenseMLP(cfg.hidden, cfg.ffn_dense, cfg.impl, fp8=fp8, act=cfg.mlp_act)
         if shortcut not in (None, "out", "in") or (shortcut is not None and (not cfg.shortcut_moe or (shortcut == "out") != moe)):
             raise ValueError(f"shortcut: expected None, or with cfg.shortcut_moe 'out' (a MoE block) or 'in' (a dense one), got {shortcut!r}")
         self.shortcut = shortcut
-        self.dense = DenseMLP(cfg.hidden, cfg.ffn_dense, cfg.impl, fp8=fp8) if shortcut == "out" else None
+        self.dense = DenseMLP(cfg.hidden, cfg.ffn_dense, cfg.impl, fp8=fp8, act=cfg.mlp_act) if shortcut == "out" else None
         self.ac = cfg.ac
         self.residual_scale = cfg.residual_scale
         if cfg.depth_scaled_residual and depth is None:

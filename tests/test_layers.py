@@ -1,6 +1,7 @@
 """fmoe.layers.moe and fmoe.model.MoE against a plain per-token loop over experts."""
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -30,6 +31,8 @@ CONFIGS = {
     "zero experts weights on input": MoEConfig(n_experts=4, k=2, score="sigmoid", normalize=False, zero_experts=1, weights_on_input=True),
     # Kolibri-1: the expert bias added to the logits to choose, the raw sigmoids as weights, a shared expert
     "bias on logits shared": MoEConfig(n_experts=8, k=3, score="sigmoid", normalize=False, bias_on_logits=True),
+    # Gemma's GeGLU in the routed and the shared experts
+    "geglu shared": MoEConfig(n_experts=4, k=2, glu_act="gelu_tanh"),
 }
 
 
@@ -58,6 +61,7 @@ def _loop_moe(x, params, cfg):
     computing experts' slots after the capacity drop, the zero experts' as chosen)."""
     p = {n: t.float() for n, t in params.items()}
     x = x.float()
+    act = functools.partial(F.gelu, approximate="tanh") if cfg.glu_act == "gelu_tanh" else F.silu
     logits = x @ p["router"].T
     routes = ops.route(logits, cfg.k, score=cfg.score, pre_softmax=cfg.pre_softmax, n_groups=cfg.n_groups,
                        topk_groups=cfg.topk_groups, expert_bias=params.get("expert_bias"), scale=cfg.scale, normalize=cfg.normalize,
@@ -79,12 +83,12 @@ def _loop_moe(x, params, cfg):
                 continue
             if cfg.weights_on_input:  # the weight scales what the expert sees, its output is summed as is
                 x_in = routes.weights[t, j] * x[t]
-                y_t = y_t + (F.silu(x_in @ p["w_gate"][e]) * (x_in @ p["w_up"][e])) @ p["w_down"][e]
+                y_t = y_t + (act(x_in @ p["w_gate"][e]) * (x_in @ p["w_up"][e])) @ p["w_down"][e]
                 continue
-            h = F.silu(x[t] @ p["w_gate"][e]) * (x[t] @ p["w_up"][e])
+            h = act(x[t] @ p["w_gate"][e]) * (x[t] @ p["w_up"][e])
             y_t = y_t + routes.weights[t, j] * (h @ p["w_down"][e])
         if "shared_w_gate" in p:
-            s = (F.silu(x[t] @ p["shared_w_gate"]) * (x[t] @ p["shared_w_up"])) @ p["shared_w_down"]
+            s = (act(x[t] @ p["shared_w_gate"]) * (x[t] @ p["shared_w_up"])) @ p["shared_w_down"]
             y_t = y_t + s * torch.sigmoid(x[t] @ p["shared_gate"])
         rows.append(y_t)
     return torch.stack(rows), routes
@@ -286,6 +290,8 @@ def test_gpt_oss_moe_matches_per_token_loop():
         moe(x, dict(params, b_down=params["b_gate"]), cfg)
     with pytest.raises(ValueError, match="limit: expected > 0"):
         MoEConfig(n_experts=4, k=2, swiglu_limit=-1.0)
+    with pytest.raises(ValueError, match="act: expected one of silu, gelu_tanh"):
+        MoEConfig(n_experts=4, k=2, glu_act="relu")
 
 
 # ---------------------------------------------------------------------------- module

@@ -119,6 +119,8 @@ VARIANTS = {
                                 nope_temperature_scale=0.5, nope_temperature_kind="power", attn_gate=True, attn_gate_bias=True, post_norms=True,
                                 depth_scaled_residual=True, n_groups=2, topk_groups=1, group_score_topk=2, route_scale=2.5, n_shared=0,
                                 logit_softcap=3.0),
+    # Gemma's GeGLU in every MLP: the dense block's, the shared expert's, the routed experts', the MTP module's
+    "geglu": dataclasses.replace(TINY, mlp_act="gelu_tanh", mtp_depth=1),
     # gpt-oss's pieces: q/k/v/o biases, attention sinks, a router bias, expert biases, the
     # clamped SwiGLU, YaRN without truncation, sliding windows in blocks 0 and 2
     "gpt-oss": dataclasses.replace(TINY, qkv_bias=True, o_bias=True, attn_sinks=True, router_bias=True, expert_biases=True, swiglu_alpha=1.702,
@@ -995,6 +997,28 @@ def test_cohere_blocks_add_attention_and_mlp_of_one_layernorm():
                                (dict(layer_norms=1), "layer_norms: expected a bool, got 1")):
         with pytest.raises(ValueError, match=message):
             dataclasses.replace(TINY, **overrides)
+
+
+def test_geglu_models_put_gelu_s_tanh_form_in_every_mlp():
+    """mlp_act="gelu_tanh": the dense block's MLP is (gelu_tanh(x w_gate) * (x w_up)) w_down, and
+    the MoE block's shared and routed experts use it too (its MoEConfig's glu_act); the same
+    weights with silu give other outputs; an unknown activation is refused by name."""
+    cfg = dataclasses.replace(TINY, mlp_act="gelu_tanh")
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    mlp = model.blocks[0].mlp
+    x = torch.randn(5, cfg.hidden)
+    want = (torch.nn.functional.gelu(x @ mlp.w_gate, approximate="tanh") * (x @ mlp.w_up)) @ mlp.w_down
+    torch.testing.assert_close(mlp(x), want, rtol=1e-6, atol=1e-6)
+    moe = model.blocks[1].mlp
+    assert moe.cfg.glu_act == "gelu_tanh" and moe.shared.act == "gelu_tanh"
+    silu = Transformer(dataclasses.replace(cfg, mlp_act="silu"))
+    silu.load_state_dict(model.state_dict())
+    batch = _batch(cfg)
+    with torch.no_grad():
+        assert not torch.allclose(model.logits(batch["input_ids"], batch["cu_seqlens"]), silu.logits(batch["input_ids"], batch["cu_seqlens"]))
+    with pytest.raises(ValueError, match=r"mlp_act: expected one of silu, gelu_tanh \(the MLPs' gate activation\), got 'gelu'"):
+        dataclasses.replace(TINY, mlp_act="gelu")
 
 
 def test_released_model_knobs_build_what_they_say():

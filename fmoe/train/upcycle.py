@@ -79,6 +79,8 @@ def granularity(cfg: TransformerConfig, dense_cfg: TransformerConfig) -> int:
         raise ValueError("route_normalize: unnormalised sigmoid weights do not sum to a constant; upcycling needs route_normalize=True")
     if cfg.expert_biases:
         raise ValueError("expert_biases: the dense FFN has no biases to upcycle them from")
+    if cfg.mlp_act != dense_cfg.mlp_act:
+        raise ValueError(f"mlp_act: the experts' gate activation must be the dense FFN's, {dense_cfg.mlp_act!r}, got {cfg.mlp_act!r}")
     if (cfg.swiglu_alpha, cfg.swiglu_limit, cfg.swiglu_offset) != (1.0, None, 0.0):
         raise ValueError("swiglu_alpha, swiglu_limit, swiglu_offset: the dense FFN's SwiGLU is the plain one; the experts' must be too")
     if cfg.moe_out_norm:

@@ -22,8 +22,8 @@ def _moe(**kw):
     return dataclasses.replace(DENSE, expert_bias=moe["score"] == "sigmoid", **moe)
 
 
-def _dense_model(seed=3):
-    model = Transformer(DENSE)
+def _dense_model(seed=3, cfg=DENSE):
+    model = Transformer(cfg)
     model.reset_parameters(seed=seed)
     return model
 
@@ -39,16 +39,19 @@ CASES = {
     "g2-softmax": _moe(ffn_expert=32, k=4),
     "g4-sigmoid-groups-scale": _moe(ffn_expert=16, n_experts=16, k=8, score="sigmoid", n_groups=2, topk_groups=1, route_scale=2.5),
     "g2-shared-expert": _moe(ffn_expert=32, k=2, n_shared=1, shared_gate=True),
+    # a GeGLU dense model (Gemma's MLP) into GeGLU experts
+    "g2-geglu-shared-expert": _moe(ffn_expert=32, k=2, n_shared=1, mlp_act="gelu_tanh"),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_upcycled_model_computes_the_dense_function(case):
     cfg = CASES[case]
-    dense = _dense_model()
+    dense_cfg = dataclasses.replace(DENSE, mlp_act=cfg.mlp_act)
+    dense = _dense_model(cfg=dense_cfg)
     moe = Transformer(cfg)
     moe.reset_parameters(seed=5)
-    upcycle_(moe, dense.state_dict(), DENSE, seed=5)
+    upcycle_(moe, dense.state_dict(), dense_cfg, seed=5)
     batch = _batch()
     with torch.no_grad():
         torch.testing.assert_close(moe.logits(batch["input_ids"], batch["cu_seqlens"]),
@@ -59,7 +62,7 @@ def test_the_upcycled_model_computes_the_dense_function(case):
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=0), key
     assert set(stats.keys()) == {"layer_1", "layer_2", "mtp_1"}
     # the experts: slices of the dense FFN, each virtual group one whole copy of it
-    g = granularity(cfg, DENSE)
+    g = granularity(cfg, dense_cfg)
     w_gate = moe.blocks[1].mlp.experts.w_gate
     F = cfg.ffn_expert
     for e in range(cfg.n_experts):
@@ -150,6 +153,7 @@ def test_the_pair_must_allow_an_exact_start():
         (_moe(zero_experts=2), "zero_experts: a slot routed to a zero expert passes its token through"),
         (_moe(shortcut_moe=True, n_layers=4, n_dense=0), "shortcut_moe: a pair's MoE output added after the next block"),
         (_moe(swiglu_limit=7.0), "swiglu_alpha, swiglu_limit, swiglu_offset: the dense FFN's SwiGLU is the plain one"),
+        (_moe(mlp_act="gelu_tanh"), "mlp_act: the experts' gate activation must be the dense FFN's, 'silu', got 'gelu_tanh'"),
         (DENSE, "cfg: expected a model with MoE layers"),
     ]
     for cfg, message in bad:
