@@ -8,8 +8,8 @@ A folder holds `config.json` and `model.safetensors` (or shards listed in
 qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, axk1, kimi_k2, kimi_k25, deepseek_v2, deepseek_v32, glm_moe_dsa, hy_v4, glm4_moe_lite, gpt_oss, solar_open,
 exaone_moe, kolibri1, beam, axk2, dots1, minimax_m2, granitemoe, granitemoeshared, granitemoe_swa, hunyuan_v1_moe, llama4_text, llama4, afmoe,
 laguna, cohere2_moe, sarvam_moe, sarvam_mla, longcat_flash, bailing_hybrid, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, lara_mini, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
-mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe), and the dense
-DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
+mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe, gemma3), and the dense
+DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, gemma3_text, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
 glm4, ernie4_5, lfm2, cohere, cohere2: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: OLMoE's q and k clamped after their norms, ...;
 the fields a config.json leaves out read at transformers' defaults, Family.defaults, and a
@@ -131,6 +131,10 @@ Ling's hybrid models (bailing_hybrid): Kimi Delta Attention in Ling's variant un
 with a sigmoid gate per head (g_proj) and its output projection dense (Family.o_proj); the
 embedding model.word_embeddings, DeepSeek-V3's MoE blocks with the correction bias as
 gate.expert_bias; the MTP layers after the trunk's not read (Family.extra_layers_read).
+Gemma 3 (gemma3_text, dense): GeGLU MLPs (mlp_act "gelu_tanh"), zero-centred sandwich norms,
+the embeddings x sqrt(hidden), linear RoPE in the global layers; a released gemma3 folder
+(Gemma3ForConditionalGeneration) holds it under language_model. beside a vision model that is
+not read, and is written back only as gemma3_text.
 Lara Mini (lara_mini): Qwen3.5's Gated DeltaNet blocks with q, k, v, z, b and a as runs of one
 in_proj's rows (Family.linear "fused", Tensor.chunk) and the gated norm as out_norm, beside
 Qwen3's attention over a window with RoPE or global without; plain RMSNorms.
@@ -326,6 +330,58 @@ def _olmo3(hf: dict) -> dict:
     plain = dict(hf, rope_parameters=dict(rope_type="default", rope_theta=full.get("rope_theta", 500000.0)), rope_scaling=None)
     out = dict(_olmo2(plain, "OLMo 3", sliding=True), **_yarn(dict(hf, rope_parameters=full), 500000.0))
     return dict(out, local_rope_base=local if out.get("window") is not None else None)
+
+
+def _gemma3_text(hf: dict) -> dict:
+    """Gemma 3 (gemma3_text, dense: Gemma 3 1B, the text model of the larger ones): sandwich
+    blocks (input_layernorm, post_attention_layernorm, pre_feedforward_layernorm,
+    post_feedforward_layernorm), every RMSNorm zero-centred (gain 1 + weight), per-head q/k
+    norms, the softmax scale query_pre_attn_scalar ** -0.5, the embeddings times
+    sqrt(hidden_size), GeGLU MLPs (hidden_activation gelu_pytorch_tanh: mlp_act
+    "gelu_tanh"); the layers layer_types names sliding_attention (by default five in six, an
+    older config's sliding_window_pattern) attend over sliding_window with their own plain
+    RoPE (rope_parameters' sliding_attention; an older config's rope_local_base_freq), the
+    others globally with the full_attention RoPE, plain or linear (rope_linear_factor; an
+    older config's rope_theta and rope_scaling); the logits capped at
+    final_logit_softcapping. A softcap on the attention's scores and bidirectional attention
+    are refused."""
+    _refuse(hf, "attn_logit_softcapping", lambda v: v is None, "no softcap on the attention's scores")
+    _refuse(hf, "use_bidirectional_attention", lambda v: not v, "causal attention")
+    _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in Gemma's attention here")
+    _refuse(hf, "hidden_activation", lambda v: v in ("gelu_pytorch_tanh", "gelu_tanh"), "GeGLU with GELU's tanh form, gelu_pytorch_tanh")
+    _refuse(hf, "final_logit_softcapping", lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf),
+            "None or a positive cap")
+    n = hf["num_hidden_layers"]
+    if hf.get("layer_types") is None:
+        every = hf.get("sliding_window_pattern", 6)
+        hf = dict(hf, layer_types=["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)])
+    if hf.get("rope_parameters") is None:  # an older config.json
+        hf = dict(hf, rope_parameters=dict(full_attention=dict(hf.get("rope_scaling") or {}, rope_theta=float(hf.get("rope_theta", 1e6))),
+                                           sliding_attention=dict(rope_type="default", rope_theta=float(hf.get("rope_local_base_freq", 1e4)))))
+    full, local = _rope_by_layer_type(hf, _GEMMA3_ROPE)
+    rope_type, params, base = _rope_params(dict(rope_parameters=full, model_type=hf.get("model_type")), "linear", ("factor",), default_base=1e6)
+    head_dim = _get(hf, "head_dim", default=hf["hidden_size"] // hf["num_attention_heads"])
+    scalar = _get(hf, "query_pre_attn_scalar", default=head_dim)
+    _refuse(dict(query_pre_attn_scalar=scalar), "query_pre_attn_scalar", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0,
+            "a positive number")
+    softcap = hf.get("final_logit_softcapping")
+    plain = dict(hf, hidden_act="silu", rope_parameters=dict(rope_type="default", rope_theta=base["rope_base"]), rope_scaling=None)
+    return _dense(plain, sliding=True, mlp_act="gelu_tanh", qk_norm="head", post_norms=True, zero_centered_norms=True,
+                  embed_scale=float(hf["hidden_size"]) ** 0.5, attn_scale=None if scalar == head_dim else float(scalar) ** -0.5,
+                  rope_linear_factor=float(params["factor"]) if rope_type == "linear" else None,
+                  local_rope_base=local if hf["layer_types"].count("sliding_attention") else None,
+                  logit_softcap=None if softcap is None else float(softcap))
+
+
+def _gemma3(hf: dict) -> dict:
+    """A released Gemma 3 folder (gemma3, Gemma3ForConditionalGeneration: Gemma 3 4B, 12B,
+    27B): its text_config's model (_gemma3_text) under language_model.; the vision model
+    beside it is not read. Its text model's final_logit_softcapping is refused: the released
+    ones have none, and transformers' Gemma3ForConditionalGeneration would not apply it
+    (its Gemma3ForCausalLM does)."""
+    text = _text_config(hf)
+    _refuse(text, "final_logit_softcapping", lambda v: v is None, "none in a gemma3 folder, whose transformers class does not cap the logits")
+    return FAMILIES["gemma3_text"].kwargs(dict(text, model_type="gemma3_text"))
 
 
 def _rope_by_layer_type(hf: dict, defaults: dict, partial: Optional[float] = None) -> tuple[dict, Optional[float]]:
@@ -1953,6 +2009,7 @@ _LFM2 = dict(o_proj="out_proj", qk_norms=("q_layernorm", "k_layernorm"), linear=
 _MIMO_ROPE = dict(full_attention=dict(rope_type="default", rope_theta=5e6, partial_rotary_factor=0.334),
                   sliding_attention=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.334))
 _OLMO3_ROPE = dict(full_attention=dict(rope_type="default", rope_theta=500000.0), sliding_attention=dict(rope_type="default", rope_theta=500000.0))
+_GEMMA3_ROPE = dict(full_attention=dict(rope_type="default", rope_theta=1e6), sliding_attention=dict(rope_type="default", rope_theta=1e4))
 _MELLUM_ROPE = dict(full_attention=dict(rope_type="default", rope_theta=500000.0), sliding_attention=dict(rope_type="default", rope_theta=10000.0))
 _QWEN3_NEXT_ROPE = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25)
 _QWEN3_NEXT_LINEAR = dict(linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
@@ -1979,7 +2036,7 @@ _MISTRAL4_ROPE = dict(rope_type="yarn", rope_theta=10000.0, factor=128.0, origin
 _MINISTRAL3_ROPE = dict(rope_type="yarn", rope_theta=1e6, factor=16.0, original_max_position_embeddings=16384, beta_fast=32.0, beta_slow=1.0,
                         mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1)
 # the dense families (no MoE block): fine-tuned as they are, or upcycled into an MoE (fmoe.train.upcycle)
-DENSE_FAMILIES = ("llama", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "youtu", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
+DENSE_FAMILIES = ("llama", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "youtu", "gemma3_text", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
                   "phi3", "glm4", "ernie4_5", "lfm2", "cohere", "cohere2")
 FAMILIES = {
     "mixtral": Family(_mixtral, "block_sparse_moe", ("w1", "w3", "w2"), "MixtralForCausalLM",
@@ -2179,6 +2236,14 @@ FAMILIES = {
     "olmo2": Family(_olmo2, "mlp", _PROJ, "Olmo2ForCausalLM", defaults=dict(rms_norm_eps=1e-5)),
     "olmo3": Family(_olmo3, "mlp", _PROJ, "Olmo3ForCausalLM", defaults=dict(rms_norm_eps=1e-5, sliding_window=4096)),
     "granite": Family(_granite, "mlp", _PROJ, "GraniteForCausalLM"),
+    "gemma3_text": Family(_gemma3_text, "mlp", _PROJ, "Gemma3ForCausalLM",
+                          sandwich=("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"),
+                          defaults=dict(vocab_size=262208, num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256, sliding_window=4096,
+                                        tie_word_embeddings=True, rope_parameters=_GEMMA3_ROPE)),
+    # the released Gemma 3 folders: the text model under language_model., beside a vision model
+    "gemma3": Family(_gemma3, "mlp", _PROJ, "Gemma3ForConditionalGeneration",
+                     sandwich=("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"),
+                     prefix=("", "language_model."), not_read=("vision_tower.", "multi_modal_projector."), written_as="gemma3_text"),
     "youtu": Family(_youtu, "mlp", _PROJ, "YoutuForCausalLM",
                     defaults=dict(vocab_size=128256, num_key_value_heads=16, tie_word_embeddings=True, q_lora_rank=1536, kv_lora_rank=512,
                                   qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128)),
@@ -3001,6 +3066,15 @@ def _rope_by_layer_type_parameters(cfg: TransformerConfig, full: dict) -> dict:
     return {"full_attention": full, "sliding_attention": sliding}
 
 
+def _query_pre_attn_scalar(cfg: TransformerConfig):
+    """Gemma's query_pre_attn_scalar q of attn_scale (q ** -0.5; None: head_dim): the whole
+    number, or the float, that reads back as attn_scale exactly."""
+    if cfg.attn_scale is None:
+        return cfg.head_dim
+    q = cfg.attn_scale ** -2
+    return next((c for c in (round(q), q) if c > 0 and float(c) ** -0.5 == cfg.attn_scale), q)
+
+
 def _rotary_factor(cfg: TransformerConfig) -> float:
     """config.json's partial_rotary_factor of rope_dim: rope_dim / head_dim, or where
     int(head_dim * that) rounds below rope_dim (30 / 44), half a channel more, which
@@ -3284,6 +3358,14 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
             if model_type == "phi3" and cfg.longrope_short_factors is not None:  # transformers reads the top level's, by default 4096
                 hf.update(original_max_position_embeddings=cfg.longrope_original_max_positions)
             hf.update(dict(sliding_window=cfg.window) if model_type == "phi3" else dict(attention_bias=cfg.qkv_bias))
+        elif model_type == "gemma3_text":  # GeGLU; the softmax scale as query_pre_attn_scalar; each layer type's RoPE
+            if cfg.mlp_act != "gelu_tanh":
+                raise ValueError(f"model: its config has no gemma3_text equivalent: Gemma 3's MLPs are GeGLU (mlp_act='gelu_tanh'), got {cfg.mlp_act!r}")
+            hf.pop("hidden_act")
+            full = dict(_rope_parameters(cfg), **({} if cfg.rope_linear_factor is None else dict(rope_type="linear", factor=cfg.rope_linear_factor)))
+            hf.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=_query_pre_attn_scalar(cfg), sliding_window=cfg.window or 4096,
+                      layer_types=_layer_types(cfg), rope_parameters=_rope_by_layer_type_parameters(cfg, full), final_logit_softcapping=cfg.logit_softcap,
+                      attn_logit_softcapping=None, attention_bias=False)
         elif model_type == "hyperclovax":  # the logits multiplied by logits_scaling; no attention_multiplier: 1/sqrt(head_dim)
             hf.update(attention_bias=False, use_post_norm=cfg.post_norms,
                       **dict(_granite_multiplier_fields(cfg), attention_multiplier=cfg.attn_scale, logits_scaling=1 / cfg.logit_divisor))

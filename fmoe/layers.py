@@ -487,7 +487,9 @@ class AttentionConfig:
     scale: the softmax scale (None: 1/sqrt(head_dim), or YaRN's; Granite's attention_multiplier).
     llama3_factor: Llama 3.1's frequency-dependent RoPE scaling (None: none; not with YaRN),
     with llama3_low_freq_factor, llama3_high_freq_factor, llama3_original_max_positions
-    (fmoe.ops.rope.llama3_inv_freq).
+    (fmoe.ops.rope.llama3_inv_freq). linear_factor: linear position interpolation (rope type
+    "linear": every frequency divided by the factor, positions read as p / factor; Gemma 3's
+    global layers); None: none; not with YaRN, Llama 3.1's scaling or LongRoPE.
     longrope_short_factors: LongRoPE (Phi-3's "longrope"; None: none; not with YaRN or
     Llama 3.1's scaling): rot_dim/2 factors dividing the frequencies
     (fmoe.ops.rope.longrope_inv_freq) in a document of at most
@@ -598,6 +600,7 @@ class AttentionConfig:
     llama3_low_freq_factor: float = 1.0
     llama3_high_freq_factor: float = 4.0
     llama3_original_max_positions: int = 8192
+    linear_factor: Optional[float] = None
     longrope_short_factors: Optional[tuple[float, ...]] = None
     longrope_long_factors: Optional[tuple[float, ...]] = None
     longrope_original_max_positions: int = 4096
@@ -655,6 +658,12 @@ class AttentionConfig:
                 name, rest = str(e).split(":", 1)
                 raise ValueError(f"{'rope_base' if name == 'base' else 'llama3_' + name}:{rest}") from None
         self._check_longrope_knobs()
+        if self.linear_factor is not None:
+            f = self.linear_factor
+            if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f < math.inf:
+                raise ValueError(f"linear_factor: expected None or a positive finite number (positions read as p / factor), got {f!r}")
+            if self.yarn_factor is not None or self.llama3_factor is not None or self.longrope_short_factors is not None:
+                raise ValueError("linear_factor: one RoPE scaling at a time, not with yarn_factor, llama3_factor or longrope_short_factors")
         if self.qk_norm_after_rope and self.qk_norm not in ("head", "rms"):
             raise ValueError(f"qk_norm_after_rope: needs per-head norms (qk_norm 'head' or 'rms'), got qk_norm={self.qk_norm!r}")
         if self.scale is not None and (isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) or not 0 < self.scale < math.inf):
@@ -813,7 +822,8 @@ def rope_tables(positions: torch.Tensor, cfg: AttentionConfig, lengths: Optional
     if cfg.llama3_factor is not None:
         return rope_cos_sin(positions, llama3_inv_freq(rot, base=cfg.rope_base, **cfg._llama3()).to(positions.device))
     if cfg.yarn_factor is None:
-        return rope_cos_sin(positions, rope_inv_freq(rot, base=cfg.rope_base).to(positions.device))
+        inv_freq = rope_inv_freq(rot, base=cfg.rope_base)
+        return rope_cos_sin(positions, (inv_freq if cfg.linear_factor is None else inv_freq / cfg.linear_factor).to(positions.device))
     inv_freq = yarn_inv_freq(
         rot, base=cfg.rope_base, factor=cfg.yarn_factor, original_max_positions=cfg.yarn_original_max_positions,
         beta_fast=cfg.yarn_beta_fast, beta_slow=cfg.yarn_beta_slow, truncate=cfg.yarn_truncate,
@@ -1167,7 +1177,7 @@ def attention_context(
     cos, sin = rope_tables(positions, cfg, lengths)
     local_base = cfg.local_rope_base if local is not None else None  # the local layers' own plain RoPE
     local_cos, local_sin = (None, None) if local_base is None else rope_tables(positions, dataclasses.replace(
-        cfg, rope_base=local_base, rot_dim=cfg.local_rot_dim or cfg.rot_dim, llama3_factor=None, yarn_factor=None,
+        cfg, rope_base=local_base, rot_dim=cfg.local_rot_dim or cfg.rot_dim, llama3_factor=None, yarn_factor=None, linear_factor=None,
         longrope_short_factors=None, longrope_long_factors=None, longrope_original_max_positions=4096, longrope_short_scale=1.0,
         longrope_long_scale=1.0))
     return AttentionContext(cos, sin, mask, gather_kv, window=cfg.window, local_mask=local, chunk=cfg.chunk, positions=positions,

@@ -315,7 +315,10 @@ class TransformerConfig:
     none; not with YaRN or Llama 3.1's scaling) with longrope_long_factors /
     longrope_original_max_positions / longrope_short_scale / longrope_long_scale: LongRoPE,
     Phi-3's (fmoe.layers.AttentionConfig; the short factors and scale in a document of at
-    most longrope_original_max_positions positions, the long ones in a longer one). o_bias:
+    most longrope_original_max_positions positions, the long ones in a longer one);
+    rope_linear_factor (None: none; not with the other scalings): linear position
+    interpolation, every RoPE frequency divided by it (Gemma 3's "linear" rope type; beside
+    local_rope_base, in the global blocks only). o_bias:
     an attention output bias; attn_sinks: a learned sink logit per head (sink_layers: in
     those trunk blocks only, the MTP blocks without; None: every block; MiMo-V2-Flash's
     sliding-window blocks); attn_gate: gated
@@ -488,6 +491,7 @@ class TransformerConfig:
     yarn_mscale_all_dim: float = 1.0
     yarn_truncate: bool = True
     llama3_factor: Optional[float] = None
+    rope_linear_factor: Optional[float] = None
     llama3_low_freq_factor: float = 1.0
     llama3_high_freq_factor: float = 4.0
     llama3_original_max_positions: int = 8192
@@ -916,7 +920,7 @@ class TransformerConfig:
             yarn_beta_slow=self.yarn_beta_slow, yarn_mscale=self.yarn_mscale, yarn_mscale_all_dim=self.yarn_mscale_all_dim,
             yarn_truncate=self.yarn_truncate, llama3_factor=self.llama3_factor, llama3_low_freq_factor=self.llama3_low_freq_factor,
             llama3_high_freq_factor=self.llama3_high_freq_factor, llama3_original_max_positions=self.llama3_original_max_positions,
-            longrope_short_factors=self.longrope_short_factors, longrope_long_factors=self.longrope_long_factors,
+            linear_factor=self.rope_linear_factor, longrope_short_factors=self.longrope_short_factors, longrope_long_factors=self.longrope_long_factors,
             longrope_original_max_positions=self.longrope_original_max_positions, longrope_short_scale=self.longrope_short_scale,
             longrope_long_scale=self.longrope_long_scale,
             qk_norm=self.qk_norm if norm else None, qk_norm_after_rope=self.qk_norm_after_rope and norm, norm_eps=self.norm_eps,

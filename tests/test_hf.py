@@ -33,6 +33,13 @@ FAMILIES = {
                                                   residual_multiplier=0.5, logits_scaling=4.0),
     # Granite SWA: Granite 3's blocks and multipliers, a sink per head, layer 0 global with RoPE at 5000, layer 1 over a
     # window of 4 without RoPE, layer 2 global at 100
+    # Gemma 3: sandwich blocks of zero-centred RMSNorms, GeGLU, the embeddings x sqrt(32), the softmax scale 6 ** -0.5;
+    # blocks 0 and 2 over a window of 4 with plain RoPE at 100, block 1 global with linear RoPE (factor 2); logits capped
+    "gemma3_text": lambda: transformers.Gemma3TextConfig(**COMMON, head_dim=8, intermediate_size=40, query_pre_attn_scalar=6, sliding_window=4,
+                                                         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                                         rope_parameters=dict(full_attention=dict(rope_type="linear", factor=2.0, rope_theta=10000.0),
+                                                                              sliding_attention=dict(rope_type="default", rope_theta=100.0)),
+                                                         final_logit_softcapping=3.0, pad_token_id=None),
     # Youtu-LLM: DeepSeek-V3's multi-latent attention (a q latent, YaRN, interleaved pairs) in dense Llama blocks
     "youtu": lambda: transformers.YoutuConfig(**{**COMMON, "num_key_value_heads": 4}, intermediate_size=40, q_lora_rank=12, kv_lora_rank=8,
                                               qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5, tie_word_embeddings=False,
@@ -1650,6 +1657,11 @@ BAD_CONFIGS = [
     ("deepseek_v3", lambda c: c["rope_parameters"].pop("factor"), r"config.json: rope_parameters of rope type 'yarn' lack factor"),
     ("bailing_hybrid", lambda c: c.update(layer_types=["linear_attention", "sliding_attention", "full_attention"]),
      r"config.json: layer_types = .* is not supported \(full_attention or linear_attention for each of the 3 layers\)"),
+    ("gemma3_text", lambda c: c.update(attn_logit_softcapping=50.0), r"config.json: attn_logit_softcapping = 50.0 is not supported \(no softcap"),
+    ("gemma3_text", lambda c: c.update(use_bidirectional_attention=True), r"config.json: use_bidirectional_attention = True is not supported"),
+    ("gemma3_text", lambda c: c.update(hidden_activation="gelu"), r"config.json: hidden_activation = 'gelu' is not supported \(GeGLU with GELU's tanh"),
+    ("gemma3_text", lambda c: c["rope_parameters"]["full_attention"].update(rope_type="yarn"),
+     r"config.json: rope type 'yarn' is not supported for gemma3_text \(plain RoPE or linear\)"),
     ("hyperclovax", lambda c: c.update(use_post_norm="yes"), r"config.json: use_post_norm = 'yes' is not supported \(true or false\)"),
     ("hyperclovax", lambda c: c.update(logits_scaling=0), r"config.json: logits_scaling = 0 is not supported \(a positive number\)"),
     ("granite_swa", lambda c: c.update(attention_bias=True), r"config.json: attention_bias = True is not supported \(no attention biases in Granite's"),
@@ -2744,6 +2756,58 @@ def test_lara_mini_reads_its_fused_projection_norms_and_layer_pattern(folders, t
         assert _rel(mine.logits(ids, cu), torch.cat([theirs(d[None]).logits[0] for d in docs])) < 1e-4
     with pytest.raises(ValueError, match=r"model: its config has no lara_mini equivalent: .*'nope_layers': \(None, \(0,\)\)"):
         hf.save_pretrained(hf.Transformer(dataclasses.replace(own, nope_layers=None)), tmp_path / "roped", model_type="lara_mini")
+
+
+def test_gemma3_reads_its_norms_scales_rope_per_layer_type_and_released_folders(folders, tmp_path):
+    """Gemma 3: GeGLU, zero-centred sandwich norms, the embeddings x sqrt(hidden), the softmax
+    scale query_pre_attn_scalar ** -0.5, the window's layers with their own plain RoPE and the
+    global one with linear RoPE, the capped logits; read with SwiGLU or without the linear
+    factor the logits move. An older config.json (rope_theta, rope_local_base_freq,
+    rope_scaling, sliding_window_pattern) reads as the same model; left out, five layers in
+    six slide. A released gemma3 folder (Gemma3ForConditionalGeneration) loads its text model
+    under language_model., the vision model unread, and is written back as gemma3_text."""
+    path, ref = folders["gemma3_text"]
+    model, cfg = hf.from_pretrained(path, impl="torch")
+    assert (cfg.mlp_act, cfg.zero_centered_norms, cfg.pre_norms, cfg.post_norms, cfg.qk_norm, cfg.embed_scale, cfg.attn_scale) == (
+        "gelu_tanh", True, True, True, "head", 32**0.5, 6**-0.5)
+    assert (cfg.window, cfg.window_layers, cfg.rope_base, cfg.rope_linear_factor, cfg.local_rope_base, cfg.logit_softcap) == (
+        4, (0, 2), 10000.0, 2.0, 100.0, 3.0)
+    docs, ids, cu = _packed()
+    with torch.no_grad():
+        theirs = torch.cat([ref(d[None]).logits[0] for d in docs])
+        assert _rel(model.logits(ids, cu), theirs) < 1e-5
+        for knob, value in (("mlp_act", "silu"), ("rope_linear_factor", None)):
+            other, _ = hf.from_pretrained(path, impl="torch", **{knob: value})
+            assert _rel(other.logits(ids, cu), theirs) > 1e-3, knob
+    older = _edit(path, tmp_path / "older", lambda c: (c.pop("rope_parameters"), c.pop("layer_types"), c.update(
+        rope_theta=10000.0, rope_local_base_freq=100.0, rope_scaling=dict(rope_type="linear", factor=2.0), sliding_window_pattern=2)))
+    assert hf.read_config(older)[1] == dataclasses.replace(cfg, impl="auto")
+    six = hf.read_config(_edit(path, tmp_path / "six", lambda c: c.update(num_hidden_layers=12, layer_types=None)))[1]
+    assert six.window_layers == tuple(i for i, kind in enumerate(transformers.Gemma3TextConfig(num_hidden_layers=12).layer_types)
+                                      if kind == "sliding_attention") == (0, 1, 2, 3, 4, 6, 7, 8, 9, 10)
+
+    text = dict(FAMILIES["gemma3_text"]().to_dict(), final_logit_softcapping=None)  # which Gemma3ForConditionalGeneration would not apply
+    vision = dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)
+    torch.manual_seed(0)
+    released = _randomised(transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(text_config=text, vision_config=vision,
+                                                                                                  mm_tokens_per_image=4)))
+    released.save_pretrained(tmp_path / "gemma3")
+    loaded, read = hf.from_pretrained(tmp_path / "gemma3", impl="torch")
+    assert read == dataclasses.replace(cfg, logit_softcap=None)
+    keys = [k for spec in hf.key_map(hf.FAMILIES["gemma3"], read).values() for k in spec.keys]
+    assert all(k.startswith("language_model.") for k in keys)
+    with torch.no_grad():
+        theirs = torch.cat([released(input_ids=d[None]).logits[0] for d in docs])
+        assert _rel(loaded.logits(ids, cu), theirs) < 1e-5
+    loaded.hf_config = hf.written_config(loaded.hf_config)
+    assert loaded.hf_config["model_type"] == "gemma3_text"
+    hf.save_pretrained(loaded, tmp_path / "text")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "text", dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert _rel(torch.cat([back(d[None]).logits[0] for d in docs]), theirs) < 1e-5
+    capped = _edit(tmp_path / "gemma3", tmp_path / "capped", lambda c: c["text_config"].update(final_logit_softcapping=30.0))
+    with pytest.raises(ValueError, match="config.json: final_logit_softcapping = 30.0 is not supported \\(none in a gemma3 folder"):
+        hf.read_config(capped)
 
 
 def test_beam_reads_its_layer_pattern_and_rope_and_matches_each_layer_s_output(folders, tmp_path):

@@ -121,6 +121,11 @@ VARIANTS = {
                                 logit_softcap=3.0),
     # Gemma's GeGLU in every MLP: the dense block's, the shared expert's, the routed experts', the MTP module's
     "geglu": dataclasses.replace(TINY, mlp_act="gelu_tanh", mtp_depth=1),
+    # Gemma 3's blocks: zero-centred sandwich norms, the embeddings x sqrt(32), a softmax scale of 6 ** -0.5, blocks 0
+    # and 2 over a window with plain RoPE at 100, block 1 global with linear RoPE (factor 4); GeGLU; the logits capped
+    "gemma3": dataclasses.replace(TINY, mlp_act="gelu_tanh", qk_norm="head", post_norms=True, zero_centered_norms=True, embed_scale=32**0.5,
+                                  attn_scale=6**-0.5, window=4, window_layers=(0, 2), local_rope_base=100.0, rope_linear_factor=4.0,
+                                  logit_softcap=3.0),
     # gpt-oss's pieces: q/k/v/o biases, attention sinks, a router bias, expert biases, the
     # clamped SwiGLU, YaRN without truncation, sliding windows in blocks 0 and 2
     "gpt-oss": dataclasses.replace(TINY, qkv_bias=True, o_bias=True, attn_sinks=True, router_bias=True, expert_biases=True, swiglu_alpha=1.702,
@@ -368,6 +373,27 @@ def test_llama3_rope_knobs_are_checked():
         dataclasses.replace(TINY, llama3_factor=-1)
     with pytest.raises(ValueError, match="rope_base: expected a finite number > 1"):
         dataclasses.replace(TINY, llama3_factor=8.0, rope_base=1.0)
+
+
+def test_linear_rope_reads_positions_over_the_factor_in_the_global_blocks_only():
+    """rope_linear_factor f: the RoPE tables at position p are plain RoPE's at p / f (every
+    frequency divided by f); beside local_rope_base the window's blocks keep their own plain
+    tables; the knob is checked."""
+    from fmoe.layers import attention_context
+
+    cfg = dataclasses.replace(TINY, rope_linear_factor=4.0, window=3, window_layers=(0,), local_rope_base=100.0)
+    positions = torch.arange(12)
+    ctx = attention_context(torch.tensor([0, 12], dtype=torch.int32), positions, cfg.attention_config(local=True))
+    inv_freq = 1.0 / (cfg.rope_base ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
+    angles = (positions.double() / 4.0)[:, None] * inv_freq[None, :]
+    torch.testing.assert_close(ctx.cos.double(), angles.cos(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(ctx.sin.double(), angles.sin(), rtol=0, atol=1e-6)
+    local = positions.double()[:, None] / (100.0 ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))[None, :]
+    torch.testing.assert_close(ctx.local_cos.double(), local.cos(), rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="linear_factor: one RoPE scaling at a time, not with yarn_factor"):
+        dataclasses.replace(TINY, rope_linear_factor=4.0, yarn_factor=4.0)
+    with pytest.raises(ValueError, match=r"linear_factor: expected None or a positive finite number \(positions read as p / factor\), got 0"):
+        dataclasses.replace(TINY, rope_linear_factor=0)
 
 
 def test_init_scales_output_projections_and_zeroes_biases():
@@ -1064,6 +1090,7 @@ DECODED = {
     "axk2": dataclasses.replace(VARIANTS["axk2"], mtp_depth=0),
     # Beam's: the power-law query scale of the NoPE block by each decoded position, the gate's bias, the capped logits
     "beam": VARIANTS["beam"],
+    "gemma3": VARIANTS["gemma3"],
     # DBRX's: q, k and v clamped (the cached keys and values are the clamped ones)
     "dbrx": dataclasses.replace(VARIANTS["dbrx"], mtp_depth=0),
     # Mellum's: the window's blocks (rings) with their own plain RoPE base beside full blocks with Llama 3.1's scaling
