@@ -2873,9 +2873,9 @@ def _swap_last(dims: tuple) -> tuple:
 
 
 def _tensors(model: Transformer) -> dict[str, torch.Tensor]:
-    """The model's parameters and expert-bias buffers by name (what a checkpoint holds)."""
+    """The model's parameters and its expert-bias and layer-scalar buffers by name (what a checkpoint holds)."""
     out = dict(model.named_parameters())
-    out.update((n, b) for n, b in model.named_buffers() if n.endswith("expert_bias"))
+    out.update((n, b) for n, b in model.named_buffers() if n.endswith(("expert_bias", "layer_scalar")))
     return out
 
 

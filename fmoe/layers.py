@@ -27,6 +27,10 @@ capacity drop); below, the router's, the biases' and the stats' E then read E + 
 params (a dict or TensorDict; parameters are the caller's, nothing is kept here):
     router        [E, H] float32    router logits = x.float() @ router.T, in float32
     router_bias   [E] float32       optional, added to the router logits (gpt-oss)
+    router_norm   [H] float32       optional: the router reads rmsnorm(x) * router_norm / sqrt(H)
+                                    (eps cfg.norm_eps; Gemma 4's router scale), not x
+    expert_scale  [E] float32       optional: each slot's weight times its expert's scale, after
+                                    the routing (Gemma 4's per_expert_scale)
     w_gate, w_up  [E, H, F]         routed experts, x's dtype (unless `experts` is given)
     w_down        [E, F, H]
     b_gate, b_up  [E, F], b_down [E, H]   optional biases of the routed experts (gpt-oss)
@@ -152,7 +156,7 @@ class MoEConfig:
     the sigmoids + it (fmoe.ops.route's bias_on_logits; Kolibri-1); the weights are the
     chosen sigmoids all the same. glu_act: the experts' gate activation, "silu" (SwiGLU)
     or "gelu_tanh" (GeGLU: GELU's tanh form, Gemma's), the routed and the shared experts'
-    (fmoe.ops.grouped_mlp's act).
+    (fmoe.ops.grouped_mlp's act). norm_eps: the router's RMSNorm's eps (params["router_norm"]).
     """
 
     n_experts: int
@@ -183,11 +187,14 @@ class MoEConfig:
     zero_experts: int = 0
     bias_on_logits: bool = False
     glu_act: str = "silu"
+    norm_eps: float = 1e-6
 
     def __post_init__(self):
         check_positive_int("n_experts", self.n_experts)
         check_positive_int("zero_experts", self.zero_experts, 0)
         check_glu(self.swiglu_alpha, self.swiglu_limit, self.swiglu_offset, self.glu_act)
+        if isinstance(self.norm_eps, bool) or not isinstance(self.norm_eps, (int, float)) or not 0 <= self.norm_eps < math.inf:
+            raise ValueError(f"norm_eps: expected a finite number >= 0, got {self.norm_eps!r}")
         check_sparsemixer_knobs(self.score, self.k, self.sparsemixer_eps, pre_softmax=self.pre_softmax, n_groups=self.n_groups,
                                 topk_groups=self.topk_groups, scale=self.scale, group_score_topk=self.group_score_topk, normalize=self.normalize)
         if isinstance(self.shared_scale, bool) or not isinstance(self.shared_scale, (int, float)) or not 0 < self.shared_scale < math.inf:
@@ -280,9 +287,10 @@ def _check_moe(x_TH, params, cfg, experts, shared, drop) -> None:
     if router is None or router.shape != (E, H) or router.dtype != torch.float32:
         got = f"{tuple(router.shape)} {router.dtype}" if router is not None else "nothing"
         raise ValueError(f"params['router']: expected float32 [{E}, {H}] ({what}, x's hidden size), got {got}")
-    bias = params.get("router_bias")
-    if bias is not None and (bias.shape != (E,) or bias.dtype != torch.float32):
-        raise ValueError(f"params['router_bias']: expected float32 [{E}] or none, got {bias.dtype} {list(bias.shape)}")
+    for name, shape in (("router_bias", (E,)), ("router_norm", (H,)), ("expert_scale", (E,))):
+        w = params.get(name)
+        if w is not None and (w.shape != shape or w.dtype != torch.float32):
+            raise ValueError(f"params['{name}']: expected float32 [{shape[0]}] or none, got {w.dtype} {list(w.shape)}")
     for name, fn in (("experts", experts), ("shared", shared), ("drop", drop)):
         if fn is not None and not callable(fn):
             raise ValueError(f"{name}: expected a callable or None, got {type(fn).__name__}")
@@ -350,6 +358,7 @@ def moe(
     shared: Optional[Callable] = None,
     drop: Optional[Callable] = None,
     token_mask: Optional[torch.Tensor] = None,
+    route_x: Optional[torch.Tensor] = None,
 ):
     """A mixture-of-experts block as a pure function; no host sync.
 
@@ -372,14 +381,22 @@ def moe(
             fmoe.parallel's SequenceShard.drop_by_capacity, which drops over all of it.
         token_mask: None, or [T] bool on x's device: False on tokens that are not routed
             (padding; module docstring). None routes every token.
+        route_x: the router's input [T, H] where it is not x (Gemma 4 routes on the block's
+            input, its experts read that input's own norm), x's dtype and shape. None: x.
     Returns:
         (y [T, H] in x's dtype, stats TensorDict): see the module docstring.
     """
     _check_moe(x, params, cfg, experts, shared, drop)
     check_token_mask("token_mask", token_mask, x.shape[0])
+    if route_x is not None and (not isinstance(route_x, torch.Tensor) or route_x.shape != x.shape or route_x.dtype != x.dtype):
+        raise ValueError(f"route_x: expected None or a {x.dtype} tensor of x's shape {tuple(x.shape)}, got "
+                         f"{getattr(route_x, 'dtype', type(route_x).__name__)} {tuple(getattr(route_x, 'shape', ()))}")
     E, k, n = cfg.n_experts, cfg.k, cfg.n_choices
 
-    logits_TE = F.linear(x.float(), params["router"], params.get("router_bias"))  # router in float32
+    r_TH = (x if route_x is None else route_x).float()
+    if params.get("router_norm") is not None:  # Gemma 4's: rmsnorm(x) times a learned scale and 1 / sqrt(H)
+        r_TH = _rms_norm(r_TH, params["router_norm"] * r_TH.shape[-1] ** -0.5, cfg.norm_eps)
+    logits_TE = F.linear(r_TH, params["router"], params.get("router_bias"))  # router in float32
     if cfg.logit_softcap is not None:  # Laguna's tanh soft cap
         logits_TE = torch.tanh(logits_TE / cfg.logit_softcap) * cfg.logit_softcap
     if cfg.score == "sparsemixer":
@@ -393,6 +410,8 @@ def moe(
             expert_bias=params.get("expert_bias"), scale=cfg.scale, check=cfg.check_nan, impl=cfg.impl,
             group_score_topk=cfg.group_score_topk, normalize=cfg.normalize, bias_on_logits=cfg.bias_on_logits,
         )
+    if params.get("expert_scale") is not None:  # Gemma 4's per-expert scale of the chosen (renormalised) weights
+        routes = Routes(routes.weights * params["expert_scale"][routes.experts.clamp(min=0)], routes.experts)
     if token_mask is not None:  # padding is not routed: its slots are dropped before any capacity
         routes = keep_slots(routes, token_mask[:, None])
     if cfg.zero_experts:  # the zero experts' slots pass their tokens through; the rest go on to the computing experts
@@ -508,7 +527,9 @@ class AttentionConfig:
     tables for every layer. Not beside YaRN with a yarn_mscale_all_dim (its softmax scale,
     every layer's). local_rot_dim: with local_rope_base, the channels of each head that the
     local layers rotate where they are not rot_dim's (Laguna's sliding layers rotate all
-    128 beside its full layers' 64); None: rot_dim.
+    128 beside its full layers' 64); None: rot_dim. local_head_dim: the local layers' head
+    dim where it is not head_dim (a context's config: TransformerConfig.context_config; the
+    local layers' own configs have it as head_dim), local_rot_dim's bound.
     gate_act, gate_per_head: gated attention's gate (params["wg"]): the heads' outputs
     times gate_act ("sigmoid": AFMoE, Qwen3-Next; "softplus": Laguna) of x wg before wo,
     channel by channel (wg [H, N Dv]) or, with gate_per_head, one gate per head over its
@@ -527,6 +548,14 @@ class AttentionConfig:
     attention_value_scale; grouped-query attention only). clip_qkv: q, k and v each clamped
     to [-clip_qkv, clip_qkv] right after their projections (biases included), before any
     norm or RoPE (DBRX's clip_qkv); None: not clamped; grouped-query attention only.
+    v_norm: the values RMS-normed over each head's channels, without weights (Gemma 4's
+    v_norm); k_eq_v: no wv, the values are the keys' projection x wk (with bk) as it comes,
+    before the keys' norm and RoPE (Gemma 4's attention_k_eq_v in its global layers); both
+    grouped-query attention only. rope_proportion p: proportional RoPE (Gemma 4's global
+    layers): the frequencies base^(-2i / D) of a RoPE over every channel of each head (halves),
+    only the first int(p D / 2) of them turning, the rest zero (those channel pairs stay as
+    they are); None: all of them turn; not with YaRN, Llama 3.1's scaling, LongRoPE or a
+    rot_dim (linear_factor divides them too).
 
     Multi-head latent attention (DeepSeek-V2/V3) when kv_rank is set: keys and values come
     from a kv_rank latent (RMSNorm'd, eps latent_norm_eps) expanded per head, plus one
@@ -615,7 +644,11 @@ class AttentionConfig:
     zero_centered_norms: bool = False
     v_scale: float = 1.0
     clip_qkv: Optional[float] = None
+    v_norm: bool = False
+    k_eq_v: bool = False
+    rope_proportion: Optional[float] = None
     local_rot_dim: Optional[int] = None
+    local_head_dim: Optional[int] = None
     gate_act: str = "sigmoid"
     gate_per_head: bool = False
     fp8: bool = False
@@ -642,9 +675,11 @@ class AttentionConfig:
         if self.local_rot_dim is not None:
             if self.local_rope_base is None:
                 raise ValueError("local_rot_dim: the channels the local layers' own RoPE rotates, needs local_rope_base")
-            if isinstance(self.local_rot_dim, bool) or not isinstance(self.local_rot_dim, int) or not 2 <= self.local_rot_dim <= self.head_dim \
+            # at most the local layers' head dim: head_dim, or TransformerConfig.local_head_dim (checked there)
+            top = self.head_dim if self.local_head_dim is None else self.local_head_dim
+            if isinstance(self.local_rot_dim, bool) or not isinstance(self.local_rot_dim, int) or not 2 <= self.local_rot_dim <= top \
                     or self.local_rot_dim % 2:
-                raise ValueError(f"local_rot_dim: expected an even int in 2..head_dim = {self.head_dim}, or None, got {self.local_rot_dim!r}")
+                raise ValueError(f"local_rot_dim: expected an even int in 2..head_dim = {top}, or None, got {self.local_rot_dim!r}")
         if self.gate_act not in GATE_ACTS:
             raise ValueError(f"gate_act: expected one of {', '.join(GATE_ACTS)}, got {self.gate_act!r}")
         if not isinstance(self.gate_per_head, bool):
@@ -658,6 +693,17 @@ class AttentionConfig:
                 name, rest = str(e).split(":", 1)
                 raise ValueError(f"{'rope_base' if name == 'base' else 'llama3_' + name}:{rest}") from None
         self._check_longrope_knobs()
+        for name in ("v_norm", "k_eq_v"):
+            if not isinstance(getattr(self, name), bool) or (getattr(self, name) and (self.kv_rank is not None or self.v_dim is not None)):
+                raise ValueError(f"{name}: a knob of grouped-query attention's values (a bool; True needs kv_rank and v_dim None), "
+                                 f"got {getattr(self, name)!r}")
+        p = self.rope_proportion
+        if p is not None:
+            if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+                raise ValueError(f"rope_proportion: expected None or a number in (0, 1] (the share of the frequencies that turn), got {p!r}")
+            if self.yarn_factor is not None or self.llama3_factor is not None or self.longrope_short_factors is not None or self.rot_dim is not None:
+                raise ValueError("rope_proportion: proportional RoPE over every channel of each head, not with yarn_factor, llama3_factor, "
+                                 "longrope_short_factors or a rot_dim")
         if self.linear_factor is not None:
             f = self.linear_factor
             if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f < math.inf:
@@ -823,6 +869,8 @@ def rope_tables(positions: torch.Tensor, cfg: AttentionConfig, lengths: Optional
         return rope_cos_sin(positions, llama3_inv_freq(rot, base=cfg.rope_base, **cfg._llama3()).to(positions.device))
     if cfg.yarn_factor is None:
         inv_freq = rope_inv_freq(rot, base=cfg.rope_base)
+        if cfg.rope_proportion is not None:  # proportional RoPE: the first int(p D / 2) frequencies turn, the rest are zero
+            inv_freq = torch.where(torch.arange(rot // 2) < int(cfg.rope_proportion * rot // 2), inv_freq, 0.0)
         return rope_cos_sin(positions, (inv_freq if cfg.linear_factor is None else inv_freq / cfg.linear_factor).to(positions.device))
     inv_freq = yarn_inv_freq(
         rot, base=cfg.rope_base, factor=cfg.yarn_factor, original_max_positions=cfg.yarn_original_max_positions,
@@ -1178,6 +1226,7 @@ def attention_context(
     local_base = cfg.local_rope_base if local is not None else None  # the local layers' own plain RoPE
     local_cos, local_sin = (None, None) if local_base is None else rope_tables(positions, dataclasses.replace(
         cfg, rope_base=local_base, rot_dim=cfg.local_rot_dim or cfg.rot_dim, llama3_factor=None, yarn_factor=None, linear_factor=None,
+        rope_proportion=None,
         longrope_short_factors=None, longrope_long_factors=None, longrope_original_max_positions=4096, longrope_short_scale=1.0,
         longrope_long_scale=1.0))
     return AttentionContext(cos, sin, mask, gather_kv, window=cfg.window, local_mask=local, chunk=cfg.chunk, positions=positions,
@@ -1261,6 +1310,8 @@ def _check_attention(x_TH, params, cfg, ctx) -> None:
     else:
         Dv = cfg.v_dim or D
         mats, norms = {"wq": (H, N * D), "wk": (H, G * D), "wv": (H, G * Dv), "wo": (N * Dv, H)}, {}
+        if cfg.k_eq_v:  # the values are the keys' projection
+            del mats["wv"]
     for name, shape in mats.items():
         w = params.get(name)
         if w is None or tuple(w.shape) != shape or w.dtype != x_TH.dtype:
@@ -1292,7 +1343,7 @@ def _check_attention(x_TH, params, cfg, ctx) -> None:
                              "optional bo, sinks, wg)")
         _check_ctx(ctx, T, cfg.rot_dim)
         return
-    optional = {"bq": (N * D,), "bk": (G * D,), "bv": (G * (cfg.v_dim or D),)}
+    optional = {"bq": (N * D,), "bk": (G * D,), **({} if cfg.k_eq_v else {"bv": (G * (cfg.v_dim or D),)})}
     weighted = cfg.qk_norm in ("head", "proj", "head_layer")  # "rms" has no weights
     if weighted:
         optional.update(dict(head=dict(q_norm=(D,), k_norm=(D,)), proj=dict(q_norm=(N * D,), k_norm=(G * D,)),
@@ -1304,9 +1355,11 @@ def _check_attention(x_TH, params, cfg, ctx) -> None:
         w = params.get(name)
         if w is not None and tuple(w.shape) != shape:
             raise ValueError(f"params['{name}']: expected {list(shape)}, got {list(w.shape)}")
-    unknown = set(params) - {"wq", "wk", "wv", "wo", *optional, *extras}
+    unknown = set(params) - {*mats, *optional, *extras}
     if unknown:
         raise ValueError(f"params: unknown attention parameters {sorted(unknown)} (wq, wk, wv, wo, optional bq, bk, bv, q_norm, k_norm, bo, sinks, wg)")
+    if (cfg.window is not None or cfg.chunk is not None) and getattr(ctx, "local_cos", None) is not None:
+        return  # a local layer's own tables, which attention checks against it
     _check_ctx(ctx, T, cfg.rot_dim or D)
 
 
@@ -1371,6 +1424,7 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
             raise ValueError(f"ctx: built with the local layers' RoPE over {ctx.local_cos.shape[-1] * 2} channels, this layer rotates {rot} "
                              "(build the context with the layer's AttentionConfig)")
         ctx = dataclasses.replace(ctx, cos=ctx.local_cos, sin=ctx.local_sin)
+        _check_ctx(ctx, x.shape[0], rot)
     if cfg.temperature_floor is not None and ctx.positions is None:
         raise ValueError("ctx: has no positions for cfg.temperature_floor's query scales (build it with attention_context)")
     if ctx.latents not in (None, "absorbed", "expanded"):
@@ -1636,6 +1690,7 @@ def _gqa_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext, heads_mean=
         return y if cfg.clip_qkv is None else y.clamp(-cfg.clip_qkv, cfg.clip_qkv)  # DBRX's clip_qkv
 
     q_TQ, k_TK = project("wq", "bq"), project("wk", "bk")
+    v_TV = k_TK if cfg.k_eq_v else project("wv", "bv")  # k_eq_v: the keys' projection as it comes (Gemma 4's global layers)
     if cfg.qk_norm == "proj":  # over the whole projection (OLMoE)
         ms = [t.float().square().mean(-1, keepdim=True) for t in (q_TQ, k_TK)]
         if heads_mean is not None:  # q's and k's [T, 2] averaged over the tp ranks' heads in one collective
@@ -1662,7 +1717,9 @@ def _gqa_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext, heads_mean=
         q_TND, k_TGD = norm_heads(q_TND, k_TGD)
     if cfg.temperature_floor is not None:  # the query temperature (Llama 4's, Mistral 4's), by the query's position
         (q_TND,) = _temperature(ctx, cfg, q_TND)
-    v_TGD = rearrange(project("wv", "bv"), "t (g d) -> t g d", g=G)
+    v_TGD = rearrange(v_TV, "t (g d) -> t g d", g=G)
+    if cfg.v_norm:  # over each value head's channels, without weights (Gemma 4's)
+        v_TGD = _rms_norm(v_TGD, None, cfg.norm_eps)
     if cfg.v_scale != 1.0:  # MiMo-V2-Flash's attention_value_scale
         v_TGD = v_TGD * cfg.v_scale
     return q_TND, k_TGD, v_TGD

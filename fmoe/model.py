@@ -181,6 +181,8 @@ class MoE(KeepsFloat32):
     """Parameters of a mixture-of-experts block; forward calls fmoe.layers.moe.
 
     Owns: router [E, H] (float32) with an optional router_bias [E] (float32; router_bias=True),
+    optional router_norm [H] and expert_scale [E] (float32, one at initialisation; Gemma 4's
+    router: fmoe.layers.moe's params of those names),
     `experts` (GroupedExperts: w_gate / w_up [E, H, F], w_down [E, F, H], and with
     expert_biases=True b_gate / b_up [E, F], b_down [E, H]), optional `shared` experts (a DenseMLP of Fs) with an optional sigmoid
     gate `shared_gate` [H], and, with expert_bias=True, the aux-loss-free
@@ -208,12 +210,12 @@ class MoE(KeepsFloat32):
         expert_bias: own an expert_bias buffer.
     """
 
-    _FLOAT32 = ("router", "router_bias", "expert_bias")
+    _FLOAT32 = ("router", "router_bias", "expert_bias", "router_norm", "expert_scale")
 
     def __init__(
         self, hidden: int, ffn: int, cfg: MoEConfig, *, shared_ffn: int = 0, shared_gate: bool = False,
-        expert_bias: bool = False, router_bias: bool = False, expert_biases: bool = False,
-        device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None,
+        expert_bias: bool = False, router_bias: bool = False, expert_biases: bool = False, router_norm: bool = False,
+        expert_scale: bool = False, device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None,
     ):
         super().__init__()
         if shared_gate and not shared_ffn:
@@ -222,6 +224,9 @@ class MoE(KeepsFloat32):
         self.cfg = cfg
         self.router = nn.Parameter(torch.empty(cfg.n_choices, H, device=device, dtype=torch.float32))
         self.router_bias = nn.Parameter(torch.empty(cfg.n_choices, device=device, dtype=torch.float32)) if router_bias else None
+        # Gemma 4's router: the weight of its input's RMSNorm [H], and a scale per expert of the chosen weights [E] (fmoe.layers.moe)
+        self.router_norm = nn.Parameter(torch.ones(H, device=device, dtype=torch.float32)) if router_norm else None
+        self.expert_scale = nn.Parameter(torch.ones(cfg.n_choices, device=device, dtype=torch.float32)) if expert_scale else None
         self.experts = GroupedExperts(E, H, ffn, cfg, biases=expert_biases, **kw)
         self.shared = DenseMLP(H, shared_ffn, cfg.impl, fp8=cfg.fp8, act=cfg.glu_act, **kw) if shared_ffn else None
         if shared_gate:
@@ -240,23 +245,27 @@ class MoE(KeepsFloat32):
         for name, p in self.named_parameters():
             if name.endswith(("router_bias",) + EXPERT_BIASES):
                 nn.init.zeros_(p)
+            elif name in ("router_norm", "expert_scale"):
+                nn.init.ones_(p)
             else:
                 nn.init.normal_(p, std=std)
         if "expert_bias" in self._buffers:
             self.expert_bias.zero_()
 
-    def forward(self, x: torch.Tensor, token_mask: Optional[torch.Tensor] = None):
+    def forward(self, x: torch.Tensor, token_mask: Optional[torch.Tensor] = None, route_x: Optional[torch.Tensor] = None):
         """x [..., H] -> (y [..., H], stats TensorDict of fmoe.layers.moe). token_mask: None,
         or [T] bool over the micro-batch's tokens (x's under sequence parallelism: this rank
-        routes its slice of it), False on padding, which is not routed (fmoe.layers.moe)."""
+        routes its slice of it), False on padding, which is not routed (fmoe.layers.moe).
+        route_x: the router's input where it is not x (fmoe.layers.moe's), x's shape."""
         x_TH = x.reshape(-1, x.shape[-1])
         # under tensor parallelism x is this rank's token shard: the router's and the gate's
         # gradients are summed over tp where they are used; the capacity drop sees every token
         sp = self.sequence_parallel
         replicated = (lambda w: w) if sp is None else sp.weight
         params = {"router": replicated(_local(self.router))}
-        if self.router_bias is not None:
-            params["router_bias"] = replicated(_local(self.router_bias))
+        for name in ("router_bias", "router_norm", "expert_scale"):
+            if getattr(self, name) is not None:
+                params[name] = replicated(_local(getattr(self, name)))
         if "expert_bias" in self._buffers:
             params["expert_bias"] = self.expert_bias
         if getattr(self, "shared_gate", None) is not None:
@@ -266,7 +275,8 @@ class MoE(KeepsFloat32):
             drop = sp.drop_by_capacity
         if token_mask is not None and sp is not None:
             token_mask = sp.local_rows(token_mask, x_TH.shape[0])
-        y_TH, stats = moe(x_TH, params, self.cfg, experts=self.experts, shared=self.shared, drop=drop, token_mask=token_mask)
+        y_TH, stats = moe(x_TH, params, self.cfg, experts=self.experts, shared=self.shared, drop=drop, token_mask=token_mask,
+                          route_x=None if route_x is None else route_x.reshape(-1, route_x.shape[-1]))
         return (y_TH if x.ndim == 2 else y_TH.reshape(x.shape)), stats  # no view: FSDP hooks the output
 
 
@@ -332,7 +342,15 @@ class TransformerConfig:
     experts' three projections; swiglu_alpha / swiglu_limit / swiglu_offset: the routed
     experts' clamped SwiGLU (fmoe.ops.grouped_mlp; gpt-oss: 1.702, 7.0, 1.0). mlp_act: every
     MLP's gate activation (dense blocks, shared and routed experts), "silu" (SwiGLU) or
-    "gelu_tanh" (GeGLU: GELU's tanh form, Gemma's; fmoe.ops.swiglu's act). kv_rank (with q_rank,
+    "gelu_tanh" (GeGLU: GELU's tanh form, Gemma's; fmoe.ops.swiglu's act). Gemma 4's MoE
+    blocks: dense_beside_moe, a dense MLP of ffn_dense beside the MoE, each with its own pre-
+    and post-norm (mlp_norm / dense_post_norm, moe_norm / moe_post_norm), their sum through
+    mlp_post_norm before the residual add (needs pre_norms and post_norms); router_norm, the
+    router reads its block's input through an RMSNorm of weight router_norm [H] times 1 /
+    sqrt(H); router_expert_scale, each chosen weight times its expert's expert_scale [E]
+    (fmoe.layers.moe's params). layer_scalars: each trunk block's output, the whole
+    residual, times its buffer layer_scalar [1] (Gemma 4's, read from its checkpoints; 1
+    at initialisation, not trained). kv_rank (with q_rank,
     v_head_dim): multi-latent attention (DeepSeek-V2/V3; head_dim = nope + rope dims,
     rope_dim the rope part, n_kv_heads = n_heads; fmoe.layers.AttentionConfig); mla_scales
     (with q_rank and kv_rank): its queries times sqrt(hidden / q_rank) and its normed kv
@@ -350,7 +368,14 @@ class TransformerConfig:
     of the window's or chunk's blocks where they differ from n_kv_heads (MiMo-V2-Flash's
     sliding blocks: twice as many; None: n_kv_heads). local_heads: the query heads of the
     window's or chunk's blocks where they differ from n_heads (Laguna's
-    num_attention_heads_per_layer; None: n_heads).
+    num_attention_heads_per_layer; None: n_heads). local_head_dim: the head dim of the
+    window's or chunk's blocks where it differs from head_dim (Gemma 4's sliding blocks,
+    256 beside its global ones' 512; grouped-query attention; needs local_rope_base: those
+    blocks' own RoPE tables, over local_rope_dim or all their channels). v_norm: the values
+    RMS-normed per head without weights; global_k_eq_v: the blocks without a window or chunk
+    have no wv, their values the keys' projection (Gemma 4's attention_k_eq_v); rope_proportion:
+    proportional RoPE in the blocks without a window or chunk, only the first share of the
+    frequency pairs turning (Gemma 4's "proportional" rope type; fmoe.layers.AttentionConfig).
     index_topk
     (with q_rank and kv_rank): DeepSeek sparse attention in every block (DeepSeek-V3.2,
     GLM-5), each query attending to the index_topk keys a lightning indexer of index_heads
@@ -522,6 +547,10 @@ class TransformerConfig:
     clip_qkv: Optional[float] = None
     local_kv_heads: Optional[int] = None
     local_heads: Optional[int] = None
+    local_head_dim: Optional[int] = None
+    v_norm: bool = False
+    global_k_eq_v: bool = False
+    rope_proportion: Optional[float] = None
     attn_gate: bool = False
     attn_gate_act: str = "sigmoid"
     attn_gate_per_head: bool = False
@@ -533,6 +562,10 @@ class TransformerConfig:
     swiglu_limit: Optional[float] = None
     swiglu_offset: float = 0.0
     mlp_act: str = "silu"
+    dense_beside_moe: bool = False
+    router_norm: bool = False
+    router_expert_scale: bool = False
+    layer_scalars: bool = False
     tie_embeddings: bool = False
     attn_scale: Optional[float] = None
     embed_scale: float = 1.0
@@ -603,6 +636,17 @@ class TransformerConfig:
             raise ValueError(f"n_kv_heads: {self.n_heads} heads do not split over {self.n_kv_heads} kv heads")
         if self.mlp_act not in GLU_ACTS:
             raise ValueError(f"mlp_act: expected one of {', '.join(GLU_ACTS)} (the MLPs' gate activation), got {self.mlp_act!r}")
+        for name in ("dense_beside_moe", "router_norm", "router_expert_scale", "layer_scalars", "v_norm", "global_k_eq_v"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
+        if self.dense_beside_moe:
+            bad = [name for name in ("shortcut_moe", "parallel_blocks", "hyper_connections", "moe_out_norm", "norm_gate_rank") if getattr(self, name)]
+            if bad:
+                raise ValueError(f"dense_beside_moe: Gemma 4's dense MLP beside the MoE, each with its own norms, not with {', '.join(bad)}")
+            if not (self.pre_norms and self.post_norms):
+                raise ValueError("dense_beside_moe: the dense MLP and the MoE each have a pre- and a post-norm, needs pre_norms and post_norms")
+        if self.layer_scalars and (self.shortcut_moe or self.hyper_connections):
+            raise ValueError("layer_scalars: a scale of each block's output stream, not with shortcut_moe or hyper_connections")
         for name in ("attn_scale", "embed_scale", "residual_scale", "logit_divisor", "value_scale"):
             value = getattr(self, name)
             if (value is not None or name != "attn_scale") and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf):
@@ -647,6 +691,14 @@ class TransformerConfig:
                 raise ValueError(f"local_kv_heads: {self.local_heads or self.n_heads} heads do not split over {self.local_kv_heads} kv heads")
             if self.kv_rank is not None:
                 raise ValueError("local_kv_heads: grouped-query attention's kv heads; multi-latent attention has n_heads")
+        if self.local_head_dim is not None:
+            check_positive_int("local_head_dim", self.local_head_dim)
+            if self.window is None and self.chunk is None:
+                raise ValueError("local_head_dim: the head dim of the window's or chunk's blocks, needs a window or a chunk")
+            if self.kv_rank is not None or self.v_head_dim is not None:
+                raise ValueError("local_head_dim: grouped-query attention's head dim (its values' too), not with kv_rank or v_head_dim")
+            if self.local_rope_base is None:
+                raise ValueError("local_head_dim: the local blocks' RoPE tables are their own (of their head dim), needs local_rope_base")
         if self.local_heads is not None:
             check_positive_int("local_heads", self.local_heads)
             if self.window is None and self.chunk is None:
@@ -726,6 +778,8 @@ class TransformerConfig:
                     raise ValueError(f"{name}: blocks {both} are linear-attention blocks (linear_layers), which do not attend")
             self.linear_attention_config()  # its own checks (heads, dims, taps)
         self.attention_config(local=True)  # its own checks (qk_norm, window and chunk)
+        if self.rope_proportion is not None or self.global_k_eq_v or self.local_head_dim is not None:
+            self.attention_config()  # the global blocks' (proportional RoPE, values from the keys) where they differ
         if self.nope_layers is not None:
             self.attention_config(rope=False)  # the NoPE blocks' (the temperature)
         for i in self.index_shared_layers or ():
@@ -859,6 +913,11 @@ class TransformerConfig:
         else n_heads (i None: the MTP blocks', which attend over every earlier token)."""
         return self.local_heads if self.local_heads is not None and i is not None and self.is_local(i) else self.n_heads
 
+    def layer_head_dim(self, i: Optional[int]) -> int:
+        """Trunk block i's head dim: local_head_dim in a window's or chunk's block where set,
+        else head_dim (MTP blocks, i None: head_dim)."""
+        return self.local_head_dim if self.local_head_dim is not None and i is not None and self.is_local(i) else self.head_dim
+
     def kv_heads(self, i: Optional[int]) -> int:
         """Trunk block i's kv heads: local_kv_heads in a window's or chunk's block where set,
         else n_kv_heads (i None: the MTP blocks', which attend over every earlier token)."""
@@ -892,7 +951,7 @@ class TransformerConfig:
             weights_on_input=self.route_on_input, fp8=self.fp8 if fp8 is None else fp8,
             fp8_fast_accum=self.fp8_fast_accum and (self.fp8 if fp8 is None else fp8), logit_softcap=self.router_softcap, shared_scale=self.shared_scale,
             sparsemixer_eps=self.sparsemixer_eps, zero_experts=self.zero_experts, bias_on_logits=self.expert_bias_on_logits,
-            glu_act=self.mlp_act,
+            glu_act=self.mlp_act, norm_eps=self.norm_eps,
         )
 
     def linear_attention_config(self, fp8: Optional[bool] = None) -> LinearAttentionConfig:
@@ -914,7 +973,9 @@ class TransformerConfig:
         return AttentionConfig(
             n_heads=self.local_heads if local and self.local_heads is not None else self.n_heads,
             n_kv_heads=self.local_kv_heads if local and self.local_kv_heads is not None else self.n_kv_heads,
-            head_dim=self.head_dim, rope_base=self.rope_base, v_scale=self.value_scale, clip_qkv=self.clip_qkv,
+            head_dim=self.local_head_dim if local and self.local_head_dim is not None else self.head_dim, rope_base=self.rope_base,
+            v_scale=self.value_scale, clip_qkv=self.clip_qkv, v_norm=self.v_norm, k_eq_v=self.global_k_eq_v and not local,
+            rope_proportion=None if local else self.rope_proportion,
             rot_dim=self.rope_dim, interleaved=self.rope_interleaved, yarn_factor=self.yarn_factor,
             yarn_original_max_positions=self.yarn_original_max_positions, yarn_beta_fast=self.yarn_beta_fast,
             yarn_beta_slow=self.yarn_beta_slow, yarn_mscale=self.yarn_mscale, yarn_mscale_all_dim=self.yarn_mscale_all_dim,
@@ -929,7 +990,9 @@ class TransformerConfig:
             q_latent_raw=self.q_latent_raw, gate_on_q=self.attn_gate_on_q,
             chunk=self.chunk if local else None, scale=self.attn_scale, rope=rope,
             **self._temperature(rope),
-            local_rope_base=self.local_rope_base, local_rot_dim=self.local_rope_dim, zero_centered_norms=self.zero_centered_norms,
+            local_rope_base=self.local_rope_base, local_rot_dim=self.local_rope_dim or self.local_head_dim,
+            local_head_dim=None if local else self.local_head_dim,
+            zero_centered_norms=self.zero_centered_norms,
             fp8=self.fp8 if fp8 is None else fp8, gate_act=self.attn_gate_act, gate_per_head=self.attn_gate_per_head,
             index_topk=self.index_topk, index_heads=self.index_heads, index_head_dim=self.index_head_dim,
             index_interleaved=self.index_rope_interleaved, index_rope_last=self.index_rope_last,
@@ -948,6 +1011,15 @@ class TransformerConfig:
     def any_sliding(self) -> bool:
         """Whether some trunk block attends over the sliding window."""
         return any(self.is_sliding(i) for i in range(self.n_layers))
+
+    def context_config(self) -> AttentionConfig:
+        """The AttentionConfig a micro-batch's AttentionContext is built from: the local blocks'
+        (both masks) where some block is local, with the global blocks' head dim and RoPE for
+        the global tables (their local_head_dim is the local tables' width, local_rot_dim)."""
+        cfg = self.attention_config(local=self.any_local)
+        if self.local_head_dim is None or not self.any_local:
+            return cfg
+        return dataclasses.replace(cfg, head_dim=self.head_dim, rope_proportion=self.rope_proportion, local_head_dim=self.local_head_dim)
 
     @property
     def any_local(self) -> bool:
@@ -1135,19 +1207,24 @@ class Attention(nn.Module):
                     self.names.append(name)
             self._extras(cfg, sinks)
             return
-        G, Dv = self.cfg.n_kv_heads, cfg.v_head_dim or cfg.head_dim  # this block's kv heads; the value head dim
+        D = self.cfg.head_dim  # this block's head dim (TransformerConfig.layer_head_dim)
+        G, Dv = self.cfg.n_kv_heads, cfg.v_head_dim or D  # this block's kv heads; the value head dim
         N = self.cfg.n_heads  # this block's query heads (TransformerConfig.heads)
-        H, q, kv, o = cfg.hidden, N * cfg.head_dim, G * cfg.head_dim, N * Dv
+        H, q, kv, o = cfg.hidden, N * D, G * D, N * Dv
         self.wq = nn.Parameter(torch.empty(H, q))
         self.wk = nn.Parameter(torch.empty(H, kv))
-        self.wv = nn.Parameter(torch.empty(H, G * Dv))
+        if not self.cfg.k_eq_v:  # else the values are the keys' projection
+            self.wv = nn.Parameter(torch.empty(H, G * Dv))
         self.wo = nn.Parameter(torch.empty(o, H))
-        self.names = ["wq", "wk", "wv", "wo"]
+        self.names = ["wq", "wk", "wo"] if self.cfg.k_eq_v else ["wq", "wk", "wv", "wo"]
         if cfg.qkv_bias:  # zero at initialisation (Transformer.reset_parameters)
-            self.bq, self.bk, self.bv = (nn.Parameter(torch.empty(n)) for n in (q, kv, G * Dv))
-            self.names += ["bq", "bk", "bv"]
+            self.bq, self.bk = nn.Parameter(torch.empty(q)), nn.Parameter(torch.empty(kv))
+            self.names += ["bq", "bk"]
+            if not self.cfg.k_eq_v:
+                self.bv = nn.Parameter(torch.empty(G * Dv))
+                self.names.append("bv")
         if self.cfg.qk_norm in ("head", "proj", "head_layer"):  # one at initialisation ("rms" has no weights)
-            shapes = dict(head=((cfg.head_dim,), (cfg.head_dim,)), proj=((q,), (kv,)), head_layer=((N, cfg.head_dim), (G, cfg.head_dim)))
+            shapes = dict(head=((D,), (D,)), proj=((q,), (kv,)), head_layer=((N, D), (G, D)))
             self.q_norm, self.k_norm = (nn.Parameter(torch.ones(shape)) for shape in shapes[self.cfg.qk_norm])
             self.names += ["q_norm", "k_norm"]
         self._extras(cfg, sinks)
@@ -1167,7 +1244,7 @@ class Attention(nn.Module):
             self.names.append("sinks")
         if cfg.attn_gate:
             rows = q_in(self.cfg) if cfg.attn_gate_on_q else cfg.hidden  # the gate's input: x, or wq_b's (A.X-K2's)
-            self.wg = nn.Parameter(torch.empty(rows, N if cfg.attn_gate_per_head else N * (cfg.v_head_dim or cfg.head_dim)))
+            self.wg = nn.Parameter(torch.empty(rows, N if cfg.attn_gate_per_head else N * (cfg.v_head_dim or self.cfg.head_dim)))
             self.names.append("wg")
         if cfg.attn_gate_bias:
             self.bg = nn.Parameter(torch.empty(N))
@@ -1263,7 +1340,8 @@ class Block(nn.Module):
         self.parallel = cfg.parallel_blocks
         if moe:
             self.mlp = MoE(cfg.hidden, cfg.ffn_expert, cfg.moe_config(fp8), shared_ffn=cfg.shared_size, shared_gate=cfg.shared_gate,
-                           expert_bias=cfg.expert_bias, router_bias=cfg.router_bias, expert_biases=cfg.expert_biases)
+                           expert_bias=cfg.expert_bias, router_bias=cfg.router_bias, expert_biases=cfg.expert_biases,
+                           router_norm=cfg.router_norm, expert_scale=cfg.router_expert_scale)
             self.mlp.experts.recompute = cfg.ac == "experts"
         else:
             self.mlp = DenseMLP(cfg.hidden, cfg.ffn_dense, cfg.impl, fp8=fp8, act=cfg.mlp_act)
@@ -1271,6 +1349,13 @@ class Block(nn.Module):
             raise ValueError(f"shortcut: expected None, or with cfg.shortcut_moe 'out' (a MoE block) or 'in' (a dense one), got {shortcut!r}")
         self.shortcut = shortcut
         self.dense = DenseMLP(cfg.hidden, cfg.ffn_dense, cfg.impl, fp8=fp8, act=cfg.mlp_act) if shortcut == "out" else None
+        # Gemma 4's MoE blocks: a dense MLP beside the MoE, its output normed by dense_post_norm, the MoE's input by
+        # moe_norm and its output by moe_post_norm (TransformerConfig.dense_beside_moe)
+        self.beside = DenseMLP(cfg.hidden, cfg.ffn_dense, cfg.impl, fp8=fp8, act=cfg.mlp_act) if moe and cfg.dense_beside_moe else None
+        if self.beside is not None:
+            self.dense_post_norm, self.moe_norm, self.moe_post_norm = (RMSNorm.of(cfg) for _ in range(3))
+        if cfg.layer_scalars:  # Gemma 4's scale of the block's output (a checkpoint's constant, not trained)
+            self.register_buffer("layer_scalar", torch.ones(1), persistent=True)
         self.ac = cfg.ac
         self.residual_scale = cfg.residual_scale
         if cfg.depth_scaled_residual and depth is None:
@@ -1329,8 +1414,13 @@ class Block(nn.Module):
         y_TH, stats = self._mlp_out(_normed(self.mlp_norm, h_TH), token_mask)
         return self.mlp_hc.add(x_TS, y_TH, post, comb), stats
 
-    def _mlp_out(self, h_TH, token_mask=None):
-        """post_norm(mlp(h)) [T, H] of the MLP's input h, and the MoE stats (None for a dense MLP)."""
+    def _mlp_out(self, h_TH, token_mask=None, x_TH=None):
+        """post_norm(mlp(h)) [T, H] of the MLP's input h, and the MoE stats (None for a dense MLP);
+        beside a dense MLP (dense_beside_moe), post_norm(dense_post_norm(dense(h)) +
+        moe_post_norm(moe(moe_norm(x)))), the router reading the block's stream x itself."""
+        if self.beside is not None:
+            y, stats = self.mlp(self.moe_norm(x_TH), token_mask, route_x=x_TH)
+            return self.mlp_post_norm(self.dense_post_norm(self.beside(h_TH)) + self.moe_post_norm(y)), stats
         if isinstance(self.mlp, MoE):
             y, stats = self.mlp(h_TH, token_mask)
             return _normed(self.mlp_post_norm, y), stats
@@ -1341,10 +1431,12 @@ class Block(nn.Module):
         or a parallel block's one normed input) -> (x [T, H], the MoE stats or None); a
         shortcut pair's first block: ([x + dense(h) | moe(h)] [T, 2H], stats; no post-norms
         there); its second adds carry [T, H], the pair's MoE output, last."""
-        y_TH, stats = self._mlp_out(h_TH, token_mask)
+        y_TH, stats = self._mlp_out(h_TH, token_mask, x_TH)
         if self.dense is not None:
             return torch.cat([x_TH + self.dense(h_TH), y_TH], dim=-1), stats
         x_TH = self._residual(x_TH, y_TH, 1)
+        if "layer_scalar" in self._buffers:  # Gemma 4's: the whole stream
+            x_TH = x_TH * self.layer_scalar.to(x_TH.dtype)
         return (x_TH if carry_TH is None else x_TH + carry_TH), stats
 
 
@@ -1461,13 +1553,19 @@ class KVCache:
         # each layer's kv heads (TransformerConfig.kv_heads; one latent row under multi-latent attention); a store whose
         # layers differ in them holds the most, a layer using its first ones
         self.heads = {i: cfg.kv_heads(i) if cfg.kv_rank is None else 1 for i in range(cfg.n_layers)}
+        # each layer's key and value channels per head (TransformerConfig.layer_head_dim: local_head_dim's layers have
+        # fewer); a store whose layers differ in them holds the most, a layer using its first ones
         if cfg.kv_rank is None:
-            row, v_dim = (cfg.head_dim,), cfg.v_head_dim or cfg.head_dim
+            self.dims = {i: (cfg.layer_head_dim(i), cfg.v_head_dim or cfg.layer_head_dim(i)) for i in range(cfg.n_layers)}
         else:  # the latent is both the key's first kv_rank channels and the value (then DSA's indexer key)
-            row, v_dim = (cfg.kv_rank + cfg.rope_dim + (cfg.index_head_dim if cfg.index_topk is not None else 0),), cfg.kv_rank
-        heads = [max((self.heads[i] for i in layers), default=1) for layers in (self.full_layers, self.window_layers)]
-        self.k, self.v = self._store(len(self.full_layers), batch * max_tokens, (heads[0], *row), v_dim, cfg, device, dtype)
-        self.k_window, self.v_window = self._store(len(self.window_layers), batch * (self.window or 0), (heads[1], *row), v_dim, cfg, device, dtype)
+            self.dims = dict.fromkeys(range(cfg.n_layers), (cfg.kv_rank + cfg.rope_dim + (cfg.index_head_dim if cfg.index_topk is not None else 0),
+                                                            cfg.kv_rank))
+        for store, layers, rows in (("", self.full_layers, batch * max_tokens), ("_window", self.window_layers, batch * (self.window or 0))):
+            heads = max((self.heads[i] for i in layers), default=1)
+            D, v_dim = (max((self.dims[i][j] for i in layers), default=self.dims[0][j]) for j in (0, 1))
+            k, v = self._store(len(layers), rows, (heads, D), v_dim, cfg, device, dtype)
+            setattr(self, "k" + store, k)
+            setattr(self, "v" + store, v)
         lin = cfg.linear_attention_config()
         self.conv = torch.zeros(len(self.linear_layers), batch, lin.conv - 1, lin.conv_channels, device=device, dtype=dtype)
         self.state = torch.zeros(len(self.linear_layers), batch, lin.n_v_heads, lin.k_head_dim, lin.v_head_dim, device=device)
@@ -1528,8 +1626,8 @@ class KVCache:
             self.lengths[b] = 0
 
     def _check_new(self, layer: int, k_TGD: torch.Tensor, v_TGD: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor) -> None:
-        for name, new, cached in (("k", k_TGD, k_store), ("v", v_TGD, v_store)):
-            row = (self.heads[layer], cached.shape[-1])  # the layer's heads of the store's
+        for name, new, cached, dim in (("k", k_TGD, k_store, self.dims[layer][0]), ("v", v_TGD, v_store, self.dims[layer][1])):
+            row = (self.heads[layer], dim)  # the layer's heads and channels of the store's
             if tuple(new.shape[1:]) != row or new.dtype != cached.dtype or new.device != cached.device:
                 raise ValueError(f"cache.{name}: holds {cached.dtype} [.., {', '.join(map(str, row))}] for layer {layer} on {cached.device}, "
                                  f"the layer gave {new.dtype} {list(new.shape)} on {new.device} (make the cache with model.kv_cache)")
@@ -1541,12 +1639,13 @@ class KVCache:
         being decoded, and rows of other sequences or unfilled ones that the decode mask
         hides. Transformer.decode binds layer, rows and n_keys as each layer's
         AttentionContext.gather_kv and advances `lengths` once every layer has been written."""
-        j, G = self.full_layers.index(layer), self.heads[layer]
+        j, G, (D, Dv) = self.full_layers.index(layer), self.heads[layer], self.dims[layer]
         self._check_new(layer, k_TGD, v_TGD, self.k, self.v)
-        self.k[j, :, :G].index_copy_(0, rows, k_TGD)
+        k, v = self.k[j, :, :G, :D], self.v[j, :, :G, :Dv]
+        k.index_copy_(0, rows, k_TGD)
         if not self.v_in_k:
-            self.v[j, :, :G].index_copy_(0, rows, v_TGD)
-        return self.k[j, :n_keys, :G], self.v[j, :n_keys, :G]
+            v.index_copy_(0, rows, v_TGD)
+        return k[:n_keys], v[:n_keys]
 
     def linear_states(self, layer: int, seqs: list[int], tokens: Optional[int] = None) -> LinearStates:
         """Linear-attention layer `layer`'s states of the sequences `seqs` (copies, in that
@@ -1575,9 +1674,9 @@ class KVCache:
         write, followed by the T new tokens' (a copy: the prompt's early queries may need keys
         that its later tokens overwrite). Transformer.decode binds the rows (and the index
         of each returned row, kv_index, in its mask)."""
-        j, G = self.window_layers.index(layer), self.heads[layer]
+        j, G, (D, Dv) = self.window_layers.index(layer), self.heads[layer], self.dims[layer]
         self._check_new(layer, k_TGD, v_TGD, self.k_window, self.v_window)
-        ring_k, ring_v = self.k_window[j, :, :G], self.v_window[j, :, :G]
+        ring_k, ring_v = self.k_window[j, :, :G, :D], self.v_window[j, :, :G, :Dv]
         if new_rows is None:
             keys, values = ring_k, ring_v
         else:
@@ -1668,8 +1767,8 @@ class Transformer(nn.Module):
                 else:  # pre ~ 1/n: sigmoid(-log(n - 1)); the post and mixing biases 0
                     copy_full_value(p, torch.cat([torch.full((n,), -math.log(n - 1)), torch.zeros(p.shape[0] - n)]))
                 continue
-            if name.endswith(("attn.out_norm", "attn.dt_bias")):  # Gated DeltaNet's output norm (never zero-centred), decay's bias
-                _local(p).fill_(1.0)
+            if name.endswith(("attn.out_norm", "attn.dt_bias", "mlp.router_norm", "mlp.expert_scale")):
+                _local(p).fill_(1.0)  # Gated DeltaNet's output norm (never zero-centred), decay's bias; Gemma 4's router scales
                 continue
             if name.endswith(("norm.weight", "q_norm", "k_norm", "q_a_norm", "kv_a_norm")):
                 _local(p).fill_(0.0 if self.cfg.zero_centered_norms else 1.0)
@@ -1688,6 +1787,8 @@ class Transformer(nn.Module):
         for name, b in self.named_buffers():
             if name.endswith("expert_bias") and not b.is_meta:
                 b.zero_()
+            if name.endswith("layer_scalar") and not b.is_meta:
+                b.fill_(1.0)
 
     def _index_attentions(self) -> list[Attention]:
         """The attention modules of DeepSeek sparse attention with an indexer loss, this chunk's."""
@@ -1736,7 +1837,7 @@ class Transformer(nn.Module):
         MTP depth's, and one attention mask from cu_seqlens, on the batch's device. Reads no
         value on the host; build it once per micro-batch, after the batch has moved."""
         self._check_batch(batch)
-        cfg = self.cfg.attention_config(local=self.cfg.any_local)  # both masks when some block is local
+        cfg = self.cfg.context_config()  # both masks when some block is local
         split = "token_index" in batch.keys()
         if split != (self.context_parallel is not None):
             raise ValueError("batch: a context-parallel model takes the batch split by fmoe.parallel.split_batch (with token_index), "
@@ -1795,7 +1896,7 @@ class Transformer(nn.Module):
         cu_seqlens = cu_seqlens.to(device=input_ids.device, dtype=torch.int32)
         if positions is None:
             positions = positions_from_cu_seqlens(cu_seqlens)
-        ctx = attention_context(cu_seqlens, positions, self.cfg.attention_config(local=self.cfg.any_local))
+        ctx = attention_context(cu_seqlens, positions, self.cfg.context_config())
         h_TH = self._trunk_input(input_ids)
         for block in self.blocks:
             h_TH, _ = block(h_TH, ctx)
@@ -1915,7 +2016,7 @@ class Transformer(nn.Module):
         queries = torch.tensor(rows_host + rows_host[-1:] * pad, device=device)  # each query's row: its index in the mask
         rows = queries[:n]
         cu = torch.tensor([*range(0, n_keys, M), n_keys], dtype=torch.int32, device=device)
-        cfg, mla = self.cfg.attention_config(local=self.cfg.any_local), self.cfg.kv_rank is not None
+        cfg, mla = self.cfg.context_config(), self.cfg.kv_rank is not None
         absorbed = mla and T == 1
         if absorbed:
             cfg = dataclasses.replace(cfg, impl="torch")

@@ -294,6 +294,38 @@ def test_gpt_oss_moe_matches_per_token_loop():
         MoEConfig(n_experts=4, k=2, glu_act="relu")
 
 
+def test_gemma4_router_reads_its_own_input_through_its_norm_and_scales_each_expert():
+    """params router_norm [H] and expert_scale [E], route_x: the router reads rmsnorm(route_x)
+    * router_norm / sqrt(H), the experts x; each chosen (renormalised) weight times its
+    expert's scale; a per-token loop gives the same values and gradients (the scales' too);
+    bad shapes are named."""
+    cfg = MoEConfig(n_experts=4, k=2, glu_act="gelu_tanh", impl="torch")
+    g = torch.Generator().manual_seed(3)
+    params = _params(cfg, torch.float32, "cpu")
+    params.update(router_norm=(1 + 0.3 * torch.randn(H, generator=g)).requires_grad_(),
+                  expert_scale=(1 + 0.3 * torch.randn(4, generator=g)).requires_grad_())
+    x, r = torch.randn(7, H, generator=g), torch.randn(7, H, generator=g)
+    y, stats = moe(x, params, cfg, route_x=r)
+    p = {n: t.detach().clone().requires_grad_() for n, t in params.items()}
+    logits = (F.rms_norm(r, (H,), eps=cfg.norm_eps) * p["router_norm"] / H**0.5) @ p["router"].T
+    top, experts = torch.softmax(logits, -1).topk(2, dim=-1)
+    weights = top / top.sum(-1, keepdim=True) * p["expert_scale"][experts]
+    want = torch.stack([sum(weights[t, j] * ((F.gelu(x[t] @ p["w_gate"][e], approximate="tanh") * (x[t] @ p["w_up"][e])) @ p["w_down"][e])
+                            for j, e in enumerate(experts[t].tolist())) for t in range(7)])
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(stats["router_logits"], logits, rtol=1e-5, atol=1e-6)
+    upstream = torch.randn(y.shape, generator=g)
+    (y * upstream).sum().backward()
+    (want * upstream).sum().backward()
+    for n in params:
+        torch.testing.assert_close(params[n].grad, p[n].grad, rtol=1e-5, atol=1e-6, msg=n)
+    assert params["router_norm"].grad.abs().sum() > 0 and params["expert_scale"].grad.abs().sum() > 0
+    with pytest.raises(ValueError, match=r"params\['router_norm'\]: expected float32 \[32\] or none, got torch.float32 \[4\]"):
+        moe(x, dict(params, router_norm=torch.ones(4)), cfg)
+    with pytest.raises(ValueError, match=r"route_x: expected None or a torch.float32 tensor of x's shape \(7, 32\)"):
+        moe(x, params, cfg, route_x=r[:3])
+
+
 # ---------------------------------------------------------------------------- module
 
 

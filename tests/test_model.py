@@ -126,6 +126,14 @@ VARIANTS = {
     "gemma3": dataclasses.replace(TINY, mlp_act="gelu_tanh", qk_norm="head", post_norms=True, zero_centered_norms=True, embed_scale=32**0.5,
                                   attn_scale=6**-0.5, window=4, window_layers=(0, 2), local_rope_base=100.0, rope_linear_factor=4.0,
                                   logit_softcap=3.0),
+    # Gemma 4's blocks: blocks 0 and 2 over a window with heads of 6 and 4 kv heads (plain RoPE at 100), block 1 global
+    # with proportional RoPE (a quarter of the frequencies turn) and its values the keys' projection; the values
+    # RMS-normed; each MoE beside a dense MLP, routed over its own norm, each expert's weights scaled; layer scalars
+    "gemma4": dataclasses.replace(TINY, mlp_act="gelu_tanh", qk_norm="head", post_norms=True, v_norm=True, global_k_eq_v=True, window=4,
+                                  window_layers=(0, 2), local_head_dim=6, local_kv_heads=4, local_rope_base=100.0, rope_proportion=0.25,
+                                  n_dense=0, n_shared=0, score="softmax", expert_bias=False, dense_beside_moe=True, router_norm=True,
+                                  router_expert_scale=True, layer_scalars=True, attn_scale=1.0, embed_scale=32**0.5, logit_softcap=3.0,
+                                  mtp_depth=1),
     # gpt-oss's pieces: q/k/v/o biases, attention sinks, a router bias, expert biases, the
     # clamped SwiGLU, YaRN without truncation, sliding windows in blocks 0 and 2
     "gpt-oss": dataclasses.replace(TINY, qkv_bias=True, o_bias=True, attn_sinks=True, router_bias=True, expert_biases=True, swiglu_alpha=1.702,
@@ -394,6 +402,87 @@ def test_linear_rope_reads_positions_over_the_factor_in_the_global_blocks_only()
         dataclasses.replace(TINY, rope_linear_factor=4.0, yarn_factor=4.0)
     with pytest.raises(ValueError, match=r"linear_factor: expected None or a positive finite number \(positions read as p / factor\), got 0"):
         dataclasses.replace(TINY, rope_linear_factor=0)
+
+
+def test_gemma4_attention_knobs_build_what_they_say():
+    """local_head_dim and local_kv_heads shape the window's blocks (their own RoPE tables, of
+    their head dim); global_k_eq_v leaves the global blocks without wv, their values the keys'
+    projection: the same as a wv equal to wk; v_norm RMS-norms each value head (a document of
+    one token attends to its own value alone); rope_proportion turns only the first share of
+    the global tables' frequencies; the knobs are checked."""
+    from fmoe.layers import attention, attention_context
+
+    cfg = VARIANTS["gemma4"]
+    model = Transformer(cfg)
+    local, glob = model.blocks[0].attn, model.blocks[1].attn
+    assert (local.wq.shape, local.wk.shape, local.wv.shape, local.q_norm.shape) == ((32, 24), (32, 24), (32, 24), (6,))
+    assert (glob.wq.shape, glob.wk.shape, glob.q_norm.shape, glob.names) == ((32, 32), (32, 16), (8,), ["wq", "wk", "wo", "q_norm", "k_norm"])
+    assert not hasattr(glob, "wv") and glob.cfg.k_eq_v and not local.cfg.k_eq_v
+    cu, positions = torch.tensor([0, 1, 9], dtype=torch.int32), torch.tensor([0, *range(8)])
+    ctx = attention_context(cu, positions, cfg.context_config())
+    assert ctx.cos.shape == (9, 4) and ctx.local_cos.shape == (9, 3)
+    # a quarter of the 4 frequency pairs turns: base^0 = 1; the other 3 stay (cos 1, sin 0)
+    torch.testing.assert_close(ctx.cos[:, 0], positions.float().cos())
+    assert (ctx.cos[:, 1:] == 1).all() and (ctx.sin[:, 1:] == 0).all()
+    x = torch.randn(9, 32)
+    params = {n: getattr(glob, n).detach() for n in glob.names}
+    with torch.no_grad():
+        y = attention(x, params, glob.cfg, ctx)[0]
+        wv = attention(x, dict(params, wv=params["wk"]), dataclasses.replace(glob.cfg, k_eq_v=False), ctx)[0]
+        torch.testing.assert_close(y, wv, rtol=1e-6, atol=1e-6)
+        # token 0 is a document alone: its output is its normed values (per kv head, repeated over the query heads), then wo
+        v = (x[:1] @ params["wk"]).view(2, 8)
+        want = (v * torch.rsqrt(v.square().mean(-1, keepdim=True) + cfg.norm_eps)).repeat_interleave(2, dim=0).reshape(1, 32) @ params["wo"]
+        torch.testing.assert_close(y[:1], want, rtol=1e-5, atol=1e-6)
+    for knobs, message in ((dict(local_head_dim=6), "local_head_dim: the head dim of the window's or chunk's blocks, needs a window"),
+                           (dict(window=4, local_head_dim=6), "local_head_dim: the local blocks' RoPE tables are their own"),
+                           (dict(kv_rank=6, q_rank=10, n_kv_heads=4, head_dim=12, rope_dim=4, v_head_dim=5, v_norm=True),
+                            "v_norm: a knob of grouped-query attention's values"),
+                           (dict(rope_proportion=1.5), r"rope_proportion: expected None or a number in \(0, 1\]"),
+                           (dict(rope_proportion=0.5, rope_dim=4), "rope_proportion: proportional RoPE over every channel of each head"),
+                           (dict(global_k_eq_v=1), "global_k_eq_v: expected a bool")):
+        with pytest.raises(ValueError, match=message):
+            dataclasses.replace(TINY, **knobs)
+
+
+def test_gemma4_moe_blocks_add_a_dense_mlp_beside_the_moe_and_scale_their_output():
+    """dense_beside_moe: x + post(dense_post(dense(mlp_norm(x))) + moe_post(moe(moe_norm(x),
+    routed on x))), router_norm's RMSNorm and 1 / sqrt(H) before the router, each chosen
+    weight times expert_scale; layer_scalars: the block's output, the whole stream, times
+    layer_scalar; the knobs are checked."""
+    from fmoe.layers import attention_context
+
+    cfg = dataclasses.replace(VARIANTS["gemma4"], mtp_depth=0)
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    block = model.blocks[1]
+    with torch.no_grad():
+        for name in ("router_norm", "expert_scale"):
+            getattr(block.mlp, name).uniform_(0.5, 1.5)
+        block.layer_scalar.fill_(0.75)
+    x = torch.randn(9, 32)
+    ctx = attention_context(torch.tensor([0, 9], dtype=torch.int32), torch.arange(9), cfg.context_config())
+    with torch.no_grad():
+        got, stats = block(x, ctx)
+        h = x + block.attn_post_norm(block.attn(block.attn_norm(x), ctx))
+        moe = block.mlp
+        routed = torch.nn.functional.rms_norm(h, (32,), eps=cfg.norm_eps) * moe.router_norm / 32**0.5
+        logits = routed @ moe.router.T
+        top, experts = torch.softmax(logits, -1).topk(2, dim=-1)
+        weights = top / top.sum(-1, keepdim=True) * moe.expert_scale[experts]
+        m = block.moe_norm(h)
+        experts_out = torch.stack([sum(weights[t, j] * ((torch.nn.functional.gelu(m[t] @ moe.experts.w_gate[e], approximate="tanh")
+                                                         * (m[t] @ moe.experts.w_up[e])) @ moe.experts.w_down[e])
+                                       for j, e in enumerate(experts[t].tolist())) for t in range(9)])
+        y = block.mlp_post_norm(block.dense_post_norm(block.beside(block.mlp_norm(h))) + block.moe_post_norm(experts_out))
+        torch.testing.assert_close(got, 0.75 * (h + y), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(stats["router_logits"], logits, rtol=1e-5, atol=1e-6)
+    for knobs, message in ((dict(dense_beside_moe=True), "dense_beside_moe: the dense MLP and the MoE each have a pre- and a post-norm"),
+                           (dict(dense_beside_moe=True, post_norms=True, parallel_blocks=True), "dense_beside_moe: .* not with parallel_blocks"),
+                           (dict(layer_scalars=True, hyper_connections=2), "layer_scalars: a scale of each block's output stream"),
+                           (dict(router_norm="yes"), "router_norm: expected a bool")):
+        with pytest.raises(ValueError, match=message):
+            dataclasses.replace(TINY, **knobs)
 
 
 def test_init_scales_output_projections_and_zeroes_biases():
@@ -1091,6 +1180,9 @@ DECODED = {
     # Beam's: the power-law query scale of the NoPE block by each decoded position, the gate's bias, the capped logits
     "beam": VARIANTS["beam"],
     "gemma3": VARIANTS["gemma3"],
+    "gemma4": dataclasses.replace(VARIANTS["gemma4"], mtp_depth=0),
+    # ...with a window as long as the cache: its local blocks' heads of 6 in the full layers' store of 8
+    "gemma4, one store": dataclasses.replace(VARIANTS["gemma4"], mtp_depth=0, window=16),
     # DBRX's: q, k and v clamped (the cached keys and values are the clamped ones)
     "dbrx": dataclasses.replace(VARIANTS["dbrx"], mtp_depth=0),
     # Mellum's: the window's blocks (rings) with their own plain RoPE base beside full blocks with Llama 3.1's scaling
@@ -1202,9 +1294,10 @@ def test_decode_with_a_kv_cache_equals_the_whole_sequence(name, monkeypatch):
     cfg = model.cfg
     filled = cache.k[..., :cfg.kv_rank + cfg.rope_dim] if cfg.kv_rank is not None else cache.k  # (a layer without an indexer caches zeros as its key)
     assert cache.k[:, 13:].abs().sum() == 0
-    for j, layer in enumerate(cache.full_layers):  # each layer's own kv heads filled (of a store holding the most), the others untouched
-        G = 1 if cfg.kv_rank is not None else cfg.kv_heads(layer)
-        assert filled[j, :13, :G].abs().amin(dim=(1, 2)).gt(0).all() and filled[j, :, G:].abs().sum() == 0
+    for j, layer in enumerate(cache.full_layers):  # each layer's own kv heads and channels filled (of a store holding the most), the others untouched
+        G, D = (1, filled.shape[-1]) if cfg.kv_rank is not None else (cfg.kv_heads(layer), cfg.layer_head_dim(layer))
+        assert filled[j, :13, :G, :D].abs().amin(dim=(1, 2)).gt(0).all() and filled[j, :, G:].abs().sum() == 0
+        assert filled[j, :, :, D:].abs().sum() == 0
     attending = cfg.n_layers - len(cfg.linear_layers or ())
     if cfg.kv_rank is not None:  # the latents only: kv_rank + rope_dim per token and attending layer (and DSA's indexer key)
         index = cfg.index_head_dim if cfg.index_topk is not None else 0
@@ -1231,11 +1324,12 @@ def test_decode_with_a_kv_cache_equals_the_whole_sequence(name, monkeypatch):
         assert cache.full_layers == tuple(range(cfg.n_layers)) and cache.k_window.numel() == 0
     else:  # the sliding-window (chunked) layers keep a ring of the window's (chunk's) newest tokens only
         local, length = (cfg.window_layers, cfg.window) if cfg.window is not None else (cfg.chunk_layers, cfg.chunk)
-        G, Dv = cfg.kv_heads(0), cfg.v_head_dim or cfg.head_dim
+        G, D = cfg.kv_heads(0), cfg.layer_head_dim(0)  # the local layers' own (local_kv_heads, local_head_dim)
+        Dv = cfg.v_head_dim or D
         assert cache.window_layers == local == (0, 2) and cache.full_layers == (1,) and cache.window == length
-        assert cache.k_window.shape == (2, length, G, cfg.head_dim) and cache.v_window.shape == (2, length, G, Dv)
-        token = cfg.n_kv_heads * (cfg.head_dim + Dv) * 4  # a token's key and value in float32, in a full layer
-        assert cache.nbytes == (16 + 2 * length * G // cfg.n_kv_heads) * token < 3 * 16 * token
+        assert cache.k_window.shape == (2, length, G, D) and cache.v_window.shape == (2, length, G, Dv)
+        token = cfg.n_kv_heads * (cfg.head_dim + (cfg.v_head_dim or cfg.head_dim)) * 4  # a token's key and value in float32, in a full layer
+        assert cache.nbytes == 16 * token + 2 * length * G * (D + Dv) * 4 < 3 * 16 * token
     # a new sequence in the same cache
     cache.length = 0
     with torch.no_grad():

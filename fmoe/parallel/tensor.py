@@ -319,7 +319,7 @@ class AttentionParallel(_HeadsRegion):
         if cfg.kv_rank is not None:
             dims = {"wq" if cfg.q_rank is None else "wq_b": 1, "wkv_b": 1, "wo": 0}
         else:
-            dims = {"wq": 1, "wk": 1, "wv": 1, "wo": 0}
+            dims = {"wq": 1, "wk": 1, "wo": 0, **({} if cfg.k_eq_v else {"wv": 1})}  # k_eq_v: no wv
             dims.update({n: 0 for n in ("bq", "bk", "bv") if getattr(module, n, None) is not None})
         if getattr(module, "sinks", None) is not None:
             dims["sinks"] = 0

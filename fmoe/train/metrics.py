@@ -110,7 +110,7 @@ def flops_per_token(
     n_experts: int = 0, attention_weights: Optional[int] = None, v_dim: Optional[int] = None,
     n_sliding: int = 0, n_avg_local_keys: Optional[float] = None, attn_gate: bool = False, n_linear: int = 0,
     linear_layer: float = 0.0, local_attention_weights: Optional[int] = None, local_heads: Optional[int] = None,
-    attn_gate_per_head: bool = False,
+    attn_gate_per_head: bool = False, local_head_dim: Optional[int] = None,
 ) -> float:
     """Training FLOPs per token (forward + backward): SPEC.md section 8 with the router and
     the MTP modules' blocks (the module docstring's formula). n_shared counts shared experts
@@ -125,7 +125,9 @@ def flops_per_token(
     the MTP blocks over all, local_attention_weights the sliding layers' projection
     elements where they differ (other kv heads: MiMo-V2-Flash; None: attention_weights', or
     grouped-query attention's with local_heads), local_heads their query heads where they
-    differ (Laguna; None: n_heads: their scores, values and gate). attn_gate_per_head: the
+    differ (Laguna; None: n_heads: their scores, values and gate), local_head_dim their head dim
+    where it differs (Gemma 4; None: head_dim: their scores, values and gate; with v_dim
+    None their values' too). attn_gate_per_head: the
     gate has one column per head (H n_heads weights). n_linear of them are linear-attention
     layers instead, of linear_layer FLOPs per token each (linear_attention_flops)."""
     args = dict(hidden=hidden, n_layers=n_layers, n_dense=n_dense, ffn_dense=ffn_dense, ffn_expert=ffn_expert, k=k,
@@ -141,6 +143,8 @@ def flops_per_token(
             raise ValueError(f"{name}: expected a bool, got {flag!r}")
     if local_heads is not None:
         _check_count("local_heads", local_heads, 1)
+    if local_head_dim is not None:
+        _check_count("local_head_dim", local_head_dim, 1)
     if n_dense > n_layers or n_sliding + n_linear > n_layers:
         raise ValueError(f"n_dense / n_sliding + n_linear: expected at most n_layers={n_layers}, got {n_dense} / {n_sliding} + {n_linear}")
     if n_sliding:
@@ -151,7 +155,7 @@ def flops_per_token(
     weights = H * (q + 2 * kv) + q * H if attention_weights is None else attention_weights
     Dv = head_dim if v_dim is None else v_dim
 
-    def gate(N):  # the output gate [H, N v_dim], or [H, N] per head
+    def gate(N, Dv=Dv):  # the output gate [H, N v_dim], or [H, N] per head
         return H * N * (1 if attn_gate_per_head else Dv) if attn_gate else 0
 
     if local_attention_weights is not None:
@@ -162,7 +166,9 @@ def flops_per_token(
     def attention_layer(keys, local=False):  # projections, then scores and values over `keys` keys per query
         own = local_attention_weights if local and local_attention_weights is not None else weights
         N = local_heads if local and local_heads is not None else n_heads
-        return 6 * (own + gate(N)) + 6 * N * (head_dim + Dv) * keys
+        D = local_head_dim if local and local_head_dim is not None else head_dim
+        V = D if local and local_head_dim is not None and v_dim is None else Dv
+        return 6 * (own + gate(N, V)) + 6 * N * (D + V) * keys
 
     attention = attention_layer(n_avg_keys)
     dense_ffn = 6 * H * m * ffn_dense
@@ -204,8 +210,10 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
     6 N (D + v_dim) n_avg_keys for the scores (q.k over D) and the values (over v_dim).
     Gated attention (attn_gate) adds its gate's H N Dv weights to each block's projections.
     Grouped-query attention with a value head dim of its own (v_head_dim) counts H N D + H G
-    (D + Dv) + N Dv H projection weights, G = local_kv_heads and N = local_heads in the local
-    blocks where set.
+    (D + Dv) + N Dv H projection weights, G = local_kv_heads, N = local_heads and D =
+    local_head_dim in the local blocks where set; without wv (global_k_eq_v, the global
+    blocks) H N D + H G D + N Dv H. Gemma 4's dense MLP beside each MoE (dense_beside_moe)
+    adds 6 x 3 H ffn_dense per MoE block (trunk and MTP).
     Blocks with a sliding window or chunked attention (cfg.is_local) count n_avg_local_keys
     keys per query (mean_attended_keys with cfg.window, cfg.chunk): required when there are any.
     Linear-attention blocks (cfg.is_linear) count linear_attention_flops in place of attention.
@@ -241,17 +249,22 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
 
             weights += q_in(attn_cfg) * cfg.n_heads * (1 if cfg.attn_gate_per_head else cfg.v_head_dim)
         attention = dict(attention_weights=weights, v_dim=cfg.v_head_dim)
-    elif any(getattr(cfg, n, None) is not None for n in ("v_head_dim", "local_kv_heads", "local_heads")):
-        # grouped-query attention with its own value head dim, or other kv or query heads in the local blocks
-        D, Dv = cfg.head_dim, getattr(cfg, "v_head_dim", None) or cfg.head_dim
+    elif any(getattr(cfg, n, None) is not None for n in ("v_head_dim", "local_kv_heads", "local_heads", "local_head_dim")) or getattr(
+            cfg, "global_k_eq_v", False):
+        # grouped-query attention with its own value head dim, other kv or query heads or head dim in the local blocks,
+        # or no wv in the global ones
+        v_head_dim = getattr(cfg, "v_head_dim", None)
 
-        def gqa(G, N):
-            return cfg.hidden * (N * D + G * (D + Dv)) + N * Dv * cfg.hidden
+        def gqa(G, N, D, k_eq_v=False):
+            Dv = v_head_dim or D
+            return cfg.hidden * (N * D + G * (D + (0 if k_eq_v else Dv))) + N * Dv * cfg.hidden
 
-        attention = dict(attention_weights=gqa(cfg.n_kv_heads, cfg.n_heads), v_dim=Dv)
-        local_kv, local_heads = getattr(cfg, "local_kv_heads", None), getattr(cfg, "local_heads", None)
-        if local_kv is not None or local_heads is not None:
-            attention.update(local_attention_weights=gqa(local_kv or cfg.n_kv_heads, local_heads or cfg.n_heads), local_heads=local_heads)
+        attention = dict(attention_weights=gqa(cfg.n_kv_heads, cfg.n_heads, cfg.head_dim, getattr(cfg, "global_k_eq_v", False)),
+                         v_dim=v_head_dim)  # None: each block's head dim
+        local_kv, local_heads, local_dim = (getattr(cfg, n, None) for n in ("local_kv_heads", "local_heads", "local_head_dim"))
+        if local_kv is not None or local_heads is not None or local_dim is not None:
+            attention.update(local_attention_weights=gqa(local_kv or cfg.n_kv_heads, local_heads or cfg.n_heads, local_dim or cfg.head_dim),
+                             local_heads=local_heads, local_head_dim=local_dim)
     n_sliding = sum(getattr(cfg, "is_local", getattr(cfg, "is_sliding", lambda i: False))(i) for i in range(cfg.n_layers))
     if n_sliding and n_avg_local_keys is None:
         local = f"within chunks of {cfg.chunk}" if getattr(cfg, "chunk", None) is not None else f"over a sliding window of {cfg.window}"
@@ -280,6 +293,9 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
     shortcut = 0.0
     if getattr(cfg, "shortcut_moe", False):  # the dense MLP beside each trunk MoE
         shortcut = sum(is_moe(i) for i in range(cfg.n_layers)) * 6 * 3 * cfg.hidden * cfg.ffn_dense
+    if getattr(cfg, "dense_beside_moe", False):  # Gemma 4's dense MLP beside each MoE, trunk and MTP
+        n_moe = sum(is_moe(i) for i in range(cfg.n_layers))
+        shortcut += (n_moe + (cfg.mtp_depth if n_moe else 0)) * 6 * 3 * cfg.hidden * cfg.ffn_dense
     gated_norms = 0.0
     rank = getattr(cfg, "norm_gate_rank", None)
     if rank:  # the attention's pre-norm of every block, the MLP's of MoE blocks: 2 H r weights each

@@ -381,6 +381,11 @@ COUNTED = {
     # attention's in every block, the MLP's in the MoE blocks, the MTP block's both)
     "axk2": dict(n_kv_heads=4, head_dim=12, rope_dim=4, q_rank=10, kv_rank=6, v_head_dim=5, q_latent_raw=True, attn_gate=True,
                  attn_gate_on_q=True, norm_gate_rank=3),
+    # Gemma 4's: block 0 over a window with heads of 6 and 4 kv heads, block 1 global without wv; a dense MLP beside each
+    # MoE (the MTP block's too), the router over its own norm
+    "gemma4": dict(qk_norm="head", post_norms=True, v_norm=True, global_k_eq_v=True, window=4, window_layers=(0,), local_head_dim=6,
+                   local_kv_heads=4, local_rope_base=100.0, rope_proportion=0.5, n_dense=0, dense_beside_moe=True, router_norm=True,
+                   router_expert_scale=True, layer_scalars=True, attn_gate=True),
 }
 
 
@@ -412,12 +417,13 @@ def test_flops_per_token_matches_counted_matmuls(name):
         sum(losses[key] for key in losses.keys() if key.endswith("_sum")).backward()
     by_op = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
     assert set(by_op) == {"aten.mm", "aten.bmm"}, by_op
-    assert counter.get_total_flops() == T * M.model_flops_per_token(cfg, n_avg_keys=T)
-    no_scores = M.model_flops_per_token(cfg, n_avg_keys=0)  # the score / value term is linear in n_avg_keys
+    local = dict(n_avg_local_keys=T) if cfg.any_local else {}  # the math path scores every key there too
+    assert counter.get_total_flops() == T * M.model_flops_per_token(cfg, n_avg_keys=T, **local)
+    no_scores = M.model_flops_per_token(cfg, n_avg_keys=0, **{k: 0 for k in local})  # the score / value term is linear in n_avg_keys
     n, H = cfg.hyper_connections, cfg.hidden  # the streams' sums (and mixing) in each block's two, and the head's
     sums = 6 * (2 * cfg.n_layers * (n * H + (n * n * H if cfg.hc_kind == "manifold" else 0)) + n * H) if n else 0
     assert by_op["aten.mm"] == T * (no_scores - sums)
-    assert by_op["aten.bmm"] == T * (M.model_flops_per_token(cfg, n_avg_keys=T) - no_scores + sums)
+    assert by_op["aten.bmm"] == T * (M.model_flops_per_token(cfg, n_avg_keys=T, **local) - no_scores + sums)
 
 
 
