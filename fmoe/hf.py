@@ -8,7 +8,7 @@ A folder holds `config.json` and `model.safetensors` (or shards listed in
 qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, axk1, kimi_k2, kimi_k25, deepseek_v2, deepseek_v32, glm_moe_dsa, hy_v4, glm4_moe_lite, gpt_oss, solar_open,
 exaone_moe, kolibri1, beam, axk2, dots1, minimax_m2, granitemoe, granitemoeshared, granitemoe_swa, hunyuan_v1_moe, llama4_text, llama4, afmoe,
 laguna, cohere2_moe, sarvam_moe, sarvam_mla, longcat_flash, bailing_hybrid, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, lara_mini, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
-mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe, gemma3), and the dense
+mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe, gemma3, gemma4_text, gemma4), and the dense
 DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, gemma3_text, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
 glm4, ernie4_5, lfm2, cohere, cohere2: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: OLMoE's q and k clamped after their norms, ...;
@@ -135,6 +135,13 @@ Gemma 3 (gemma3_text, dense): GeGLU MLPs (mlp_act "gelu_tanh"), zero-centred san
 the embeddings x sqrt(hidden), linear RoPE in the global layers; a released gemma3 folder
 (Gemma3ForConditionalGeneration) holds it under language_model. beside a vision model that is
 not read, and is written back only as gemma3_text.
+Gemma 4 (gemma4_text): its MoE is the layer's own (Family.moe ""): router.proj, router.scale
+(router_norm), router.per_expert_scale (router_expert_scale) and the experts' stacks under
+model.layers.{i}, beside the dense mlp with its own norms (Family.beside_norms); the full
+layers' head dim and kv heads per layer (per_layer_config), no v_proj there with
+attention_k_eq_v; each layer's layer_scalar a buffer. A released gemma4 folder holds it
+under model.language_model. beside vision and audio models that are not read, and is
+written back only as gemma4_text.
 Lara Mini (lara_mini): Qwen3.5's Gated DeltaNet blocks with q, k, v, z, b and a as runs of one
 in_proj's rows (Family.linear "fused", Tensor.chunk) and the gated norm as out_norm, beside
 Qwen3's attention over a window with RoPE or global without; plain RMSNorms.
@@ -371,6 +378,85 @@ def _gemma3_text(hf: dict) -> dict:
                   rope_linear_factor=float(params["factor"]) if rope_type == "linear" else None,
                   local_rope_base=local if hf["layer_types"].count("sliding_attention") else None,
                   logit_softcap=None if softcap is None else float(softcap))
+
+
+def _gemma4_text(hf: dict) -> dict:
+    """Gemma 4 (gemma4_text: Gemma 4 26B-A4B, 31B): Gemma 3's sandwich blocks, GeGLU MLPs and
+    scaled embeddings, with plain RMSNorms (gain weight), per-head q/k norms and the values
+    RMS-normed without weights (v_norm), a softmax scale of 1; the layers layer_types names
+    sliding_attention (by default five in six, the last layer always full) attend over
+    sliding_window with head_dim and num_key_value_heads, plain RoPE at their own base; the
+    full layers with per_layer_config's head_dim and kv heads (an older config's
+    global_head_dim and, with attention_k_eq_v, num_global_key_value_heads: local_head_dim and
+    local_kv_heads for the sliding ones), "proportional" RoPE (rope_proportion: its
+    partial_rotary_factor of the frequencies turn; its factor rope_linear_factor) and, with
+    attention_k_eq_v, no v_proj: the values are the keys' projection (global_k_eq_v). With
+    enable_moe_block every block's MLP is beside a MoE (dense_beside_moe, the extra norms
+    pre_feedforward_layernorm_2, post_feedforward_layernorm_1 / _2) of num_experts experts
+    of moe_intermediate_size, top_k_experts per token, routed on the block's input through
+    router.scale (router_norm) by softmax top-k renormalised and times router.per_expert_scale
+    (router_expert_scale); each layer's output times its layer_scalar (layer_scalars); the
+    logits capped at final_logit_softcapping. Per-layer embeddings (hidden_size_per_layer_input),
+    layers sharing an earlier layer's keys and values (num_kv_shared_layers) and
+    bidirectional attention are refused."""
+    _refuse(hf, "hidden_size_per_layer_input", lambda v: not v, "no per-layer embeddings (PLE): 0 or None")
+    _refuse(hf, "num_kv_shared_layers", lambda v: not v, "every layer with its own keys and values: 0")
+    _refuse(hf, "use_bidirectional_attention", lambda v: not v, "causal attention")
+    _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in Gemma's attention here")
+    _refuse(hf, "hidden_activation", lambda v: v in ("gelu_pytorch_tanh", "gelu_tanh"), "GeGLU with GELU's tanh form, gelu_pytorch_tanh")
+    _refuse(hf, "final_logit_softcapping", lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf),
+            "None or a positive cap")
+    n, k_eq_v = hf["num_hidden_layers"], bool(hf.get("attention_k_eq_v", False))
+    kinds = list(hf.get("layer_types") or ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)])
+    if len(kinds) != n or set(kinds) - {"sliding_attention", "full_attention"}:
+        raise ValueError(f"config.json: layer_types = {kinds!r} is not supported (one of sliding_attention / full_attention per layer)")
+    kinds[-1] = "full_attention"  # as transformers forces it
+    full = [i for i, kind in enumerate(kinds) if kind == "full_attention"]
+    sliding_dim, sliding_kv = _get(hf, "head_dim", default=hf["hidden_size"] // hf["num_attention_heads"]), hf["num_key_value_heads"]
+    overrides = {int(i): dict(v) for i, v in (hf.get("per_layer_config") or {}).items()}
+    if not overrides:  # an older config.json: the full layers' head dim, and with k_eq_v their kv heads, at the top level
+        over = {"head_dim": hf.get("global_head_dim", 512)}
+        if k_eq_v and hf.get("num_global_key_value_heads") is not None:
+            over["num_key_value_heads"] = hf["num_global_key_value_heads"]
+        overrides = dict.fromkeys(full, over)
+    if set(overrides) - set(full) or any(set(v) - {"head_dim", "num_key_value_heads"} for v in overrides.values()) or len(
+            {tuple(sorted(v.items())) for v in overrides.values()}) > 1:
+        raise ValueError(f"config.json: per_layer_config = {hf.get('per_layer_config')!r} is not supported (one head_dim and "
+                         "num_key_value_heads for every full_attention layer)")
+    over = next(iter(overrides.values()), {})
+    dim, kv = over.get("head_dim", sliding_dim), over.get("num_key_value_heads", sliding_kv)
+    params = hf.get("rope_parameters") or {}
+    if set(params) - {"full_attention", "sliding_attention"}:
+        raise ValueError(f"config.json: rope_parameters = {params!r} is not supported (one per layer type, full_attention / sliding_attention)")
+    globe, local = (dict(params.get(k) or _GEMMA4_ROPE[k]) for k in ("full_attention", "sliding_attention"))
+    if local.get("rope_type", "default") != "default" or local.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"config.json: rope_parameters.sliding_attention = {local!r} is not supported (plain RoPE over every channel)")
+    kind = globe.get("rope_type", "default")
+    if kind not in ("default", "proportional") or (kind == "default" and globe.get("partial_rotary_factor", 1.0) != 1.0):
+        raise ValueError(f"config.json: rope_parameters.full_attention = {globe!r} is not supported (plain RoPE over every channel, or "
+                         "proportional RoPE)")
+    share, factor = float(globe.get("partial_rotary_factor", 1.0)), float(globe.get("factor", 1.0))
+    window = bool(len(full) < n)
+    common = _common(dict(hf, hidden_act="silu", layer_types=kinds, head_dim=dim, num_key_value_heads=kv, num_experts_per_tok=1,
+                          rope_parameters=dict(rope_type="default", rope_theta=float(globe.get("rope_theta", 1e6)))), 1, sliding=True)
+    softcap = hf.get("final_logit_softcapping")
+    out = dict(common, mlp_act="gelu_tanh", qk_norm="head", v_norm=True, global_k_eq_v=k_eq_v, post_norms=True, attn_scale=1.0,
+               embed_scale=float(hf["hidden_size"]) ** 0.5, layer_scalars=True, logit_softcap=None if softcap is None else float(softcap),
+               rope_proportion=None if kind == "default" or share == 1.0 else share, rope_linear_factor=None if factor == 1.0 else factor,
+               local_rope_base=float(local.get("rope_theta", 1e4)) if window else None,
+               local_head_dim=sliding_dim if window and sliding_dim != dim else None, local_kv_heads=sliding_kv if window and sliding_kv != kv else None,
+               ffn_dense=hf["intermediate_size"], n_shared=0)
+    if not hf.get("enable_moe_block"):
+        return dict(out, n_dense=n, ffn_expert=hf["intermediate_size"])
+    return dict(out, n_experts=hf["num_experts"], k=hf["top_k_experts"], ffn_expert=hf["moe_intermediate_size"], moe_layers=tuple(range(n)),
+                dense_beside_moe=True, router_norm=True, router_expert_scale=True)
+
+
+def _gemma4(hf: dict) -> dict:
+    """A released Gemma 4 folder (gemma4, Gemma4ForConditionalGeneration): its text_config's
+    model (_gemma4_text) under model.language_model. (the head at lm_head); the vision and
+    audio models beside it are not read."""
+    return FAMILIES["gemma4_text"].kwargs(dict(_text_config(hf), model_type="gemma4_text"))
 
 
 def _gemma3(hf: dict) -> dict:
@@ -1958,6 +2044,12 @@ class Family:
     # transformers writes them ([E, 2F, H], [E, H, F]: "halves_out"), told apart by their shapes (Qwen3-VL-MoE: _stacks_by_shape)
     stacks_by_shape: bool = False
     moe_out_norm: str = "post_mlp_layernorm"  # the norm on a MoE block's output (moe_out_norm: A.X-K1's), under the block
+    # Gemma 4's MoE blocks (dense_beside_moe: the norms of the dense MLP's output, the MoE's input and output, under the
+    # layer; the router's scale (router_norm) and its scale per expert (router_expert_scale), under the MoE block (Family.moe
+    # "": the layer itself)
+    beside_norms: tuple[str, str, str] = ("post_feedforward_layernorm_1", "pre_feedforward_layernorm_2", "post_feedforward_layernorm_2")
+    router_norm: str = "router.scale"
+    expert_scale: str = "router.per_expert_scale"
     # patterns (re.search) of keys the family's folders hold and transformers never reads (A.X-K1's dense blocks' post_mlp_layernorm)
     ignored: tuple[str, ...] = ()
     # folders without the routing correction bias route without one (A.X-K1's released ones): the expert bias reads as zero
@@ -2010,6 +2102,8 @@ _MIMO_ROPE = dict(full_attention=dict(rope_type="default", rope_theta=5e6, parti
                   sliding_attention=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.334))
 _OLMO3_ROPE = dict(full_attention=dict(rope_type="default", rope_theta=500000.0), sliding_attention=dict(rope_type="default", rope_theta=500000.0))
 _GEMMA3_ROPE = dict(full_attention=dict(rope_type="default", rope_theta=1e6), sliding_attention=dict(rope_type="default", rope_theta=1e4))
+_GEMMA4_ROPE = dict(full_attention=dict(rope_type="proportional", partial_rotary_factor=0.25, rope_theta=1e6),
+                    sliding_attention=dict(rope_type="default", rope_theta=1e4))
 _MELLUM_ROPE = dict(full_attention=dict(rope_type="default", rope_theta=500000.0), sliding_attention=dict(rope_type="default", rope_theta=10000.0))
 _QWEN3_NEXT_ROPE = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25)
 _QWEN3_NEXT_LINEAR = dict(linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
@@ -2236,6 +2330,16 @@ FAMILIES = {
     "olmo2": Family(_olmo2, "mlp", _PROJ, "Olmo2ForCausalLM", defaults=dict(rms_norm_eps=1e-5)),
     "olmo3": Family(_olmo3, "mlp", _PROJ, "Olmo3ForCausalLM", defaults=dict(rms_norm_eps=1e-5, sliding_window=4096)),
     "granite": Family(_granite, "mlp", _PROJ, "GraniteForCausalLM"),
+    # Gemma 4: the MoE is the layer's own (its router and experts under model.layers.{i}), beside its dense mlp
+    "gemma4_text": Family(_gemma4_text, "", _STACKS, "Gemma4ForCausalLM", fused="halves_out", router="router.proj.weight",
+                          sandwich=("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"),
+                          defaults=dict(vocab_size=262144, num_key_value_heads=4, head_dim=256, sliding_window=512, tie_word_embeddings=True,
+                                        hidden_size_per_layer_input=256, rope_parameters=_GEMMA4_ROPE)),
+    # the released Gemma 4 folders: the text model under model.language_model., beside vision and audio models
+    "gemma4": Family(_gemma4, "", _STACKS, "Gemma4ForConditionalGeneration", fused="halves_out", router="router.proj.weight",
+                     sandwich=("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"),
+                     prefix=("model.", "model.language_model."), written_as="gemma4_text",
+                     not_read=("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")),
     "gemma3_text": Family(_gemma3_text, "mlp", _PROJ, "Gemma3ForCausalLM",
                           sandwich=("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"),
                           defaults=dict(vocab_size=262208, num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256, sliding_window=4096,
@@ -2346,9 +2450,13 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
             out.update(_norm_keys(p + family.norms[1], q + "mlp_norm", cfg, gated=moe))
     if moe and cfg.moe_out_norm:  # the MoE block's output norm (A.X-K1's)
         out[q + "mlp_post_norm.weight"] = Tensor((p + family.moe_out_norm + ".weight",))
-    mlp = p + family.moe + "."
+    mlp = p + family.moe + "." if family.moe else p  # Gemma 4's MoE is the layer's own: its router and experts under it
     if moe:
         out[q + "mlp.router"] = Tensor((mlp + family.router,), transpose=family.router_transposed)
+        if cfg.router_norm:  # Gemma 4's router scale and scale per expert
+            out[q + "mlp.router_norm"] = Tensor((mlp + family.router_norm,))
+        if cfg.router_expert_scale:
+            out[q + "mlp.expert_scale"] = Tensor((mlp + family.expert_scale,))
         if cfg.router_bias:  # gpt-oss: the router module's bias
             out[q + "mlp.router_bias"] = Tensor((mlp + family.router.removesuffix("weight") + "bias",))
     if moe and family.fused == "rows":  # one [E F, H] key per matrix, expert after expert (DBRX's w1, v1 and w2: the down's [F, H] rows)
@@ -2385,6 +2493,13 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
             out[q + "mlp.shared." + ours] = Tensor((f"{mlp}{family.shared}.{theirs}.weight",), transpose=True)
         if cfg.shared_gate:
             out[q + "mlp.shared_gate"] = Tensor((mlp + "shared_expert_gate.weight",), unit=0)
+    if moe and cfg.dense_beside_moe:  # Gemma 4's dense MLP beside the MoE, and their norms
+        for ours, theirs in zip(("w_gate", "w_up", "w_down"), family.dense_names):
+            out[q + "beside." + ours] = Tensor((f"{p}{family.dense}.{theirs}.weight",), transpose=True)
+        for ours, theirs in zip(("dense_post_norm", "moe_norm", "moe_post_norm"), family.beside_norms):
+            out[q + ours + ".weight"] = Tensor((p + theirs + ".weight",))
+    if cfg.layer_scalars:  # Gemma 4's scale of the layer's output (a buffer)
+        out[q + "layer_scalar"] = Tensor((p + "layer_scalar",))
     if moe and layer is not None and cfg.shortcut(layer) == "out":  # the dense MLP beside a shortcut pair's MoE
         for ours, theirs in zip(("w_gate", "w_up", "w_down"), family.dense_names):
             out[q + "dense." + ours] = Tensor((f"{p}{family.dense}.{theirs}.weight",), transpose=True)
@@ -2448,8 +2563,10 @@ def _attention_keys(family: Family, cfg: TransformerConfig, p: str, q: str, rope
                 out[q + "attn.b" + name] = Tensor((f"{attn}{family.qkv}.bias",), chunk=(j, rows))
         out[q + "attn.wo"] = Tensor((f"{attn}{family.o_proj}.weight",), transpose=True)
     else:
+        k_eq_v = cfg.global_k_eq_v and (layer is None or not cfg.is_local(layer))  # Gemma 4's global layers: no v_proj
         for ours, theirs in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", family.o_proj)):
-            out[q + "attn." + ours] = Tensor((f"{attn}{theirs}.weight",), transpose=True)
+            if not (ours == "wv" and k_eq_v):
+                out[q + "attn." + ours] = Tensor((f"{attn}{theirs}.weight",), transpose=True)
     gate_in_q = cfg.attn_gate and family.gate_in_q and cfg.kv_rank is None
     if gate_in_q:  # Qwen3-Next: q_proj's rows are per head its query's D rows, then its gate's
         out[q + "attn.wq"] = Tensor((attn + "q_proj.weight",), transpose=True, chunk=(0, (1, 1)), groups=cfg.heads(layer))
@@ -3246,6 +3363,24 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
                   mlp_layer_types=["sparse" if cfg.is_moe(i) else "dense" for i in range(cfg.n_layers)], layer_types=kinds,
                   sliding_window=cfg.window, rope_parameters={kind: rope_of(kind) for kind in ("full_attention", "sliding_attention")},
                   final_logit_softcapping=cfg.logit_softcap, attention_bias=False)
+    elif model_type == "gemma4_text":  # GeGLU; the sliding layers' geometry at the top level, the full ones' per layer; each type's RoPE
+        if cfg.mlp_act != "gelu_tanh":
+            raise ValueError(f"model: its config has no gemma4_text equivalent: Gemma 4's MLPs are GeGLU (mlp_act='gelu_tanh'), got {cfg.mlp_act!r}")
+        hf.pop("hidden_act")
+        hf.pop("num_experts_per_tok")
+        full = [i for i in range(cfg.n_layers) if not cfg.is_sliding(i)]
+        globe = dict(rope_type="proportional", partial_rotary_factor=cfg.rope_proportion or 1.0, rope_theta=cfg.rope_base,
+                     **({} if cfg.rope_linear_factor is None else dict(factor=cfg.rope_linear_factor)))
+        if cfg.rope_proportion is None and cfg.rope_linear_factor is None:
+            globe = dict(rope_type="default", rope_theta=cfg.rope_base)
+        hf.update(hidden_activation="gelu_pytorch_tanh", head_dim=cfg.local_head_dim or cfg.head_dim, num_key_value_heads=cfg.local_kv_heads or cfg.n_kv_heads,
+                  per_layer_config={str(i): dict(head_dim=cfg.head_dim, num_key_value_heads=cfg.n_kv_heads) for i in full},
+                  attention_k_eq_v=cfg.global_k_eq_v, layer_types=_layer_types(cfg), sliding_window=cfg.window or 512,
+                  rope_parameters=dict(full_attention=globe, sliding_attention=dict(rope_type="default", rope_theta=cfg.local_rope_base or cfg.rope_base)),
+                  final_logit_softcapping=cfg.logit_softcap, hidden_size_per_layer_input=0, num_kv_shared_layers=0, attention_bias=False,
+                  intermediate_size=cfg.ffn_dense, enable_moe_block=bool(moe))
+        if moe:
+            hf.update(num_experts=cfg.n_experts, top_k_experts=cfg.k, moe_intermediate_size=cfg.ffn_expert)
     elif model_type == "kolibri1":
         hf.update(num_local_experts=cfg.n_experts, moe_intermediate_size=cfg.ffn_expert, shared_expert_intermediate_size=cfg.shared_size,
                   norm_topk_prob=cfg.route_normalize, sliding_window=cfg.window, layer_types=_layer_types(cfg))

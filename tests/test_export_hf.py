@@ -353,3 +353,28 @@ def test_a_run_of_fmoe_s_own_with_axk2_s_pieces_exports_as_axk2(tmp_path):
     docs, ids, cu = _docs(258)  # byte data's vocabulary
     with torch.no_grad():
         assert _rel(_transformers_logits(tmp_path / "out", docs), model.logits(ids, cu)) < 1e-5
+
+
+def test_a_run_of_fmoe_s_own_with_gemma4_s_pieces_exports_as_gemma4_text(tmp_path):
+    """Gemma 4's pieces through the user's path: a run of fmoe's own with GeGLU
+    (--model.mlp_act=gelu_tanh), sliding blocks of their own head dim and kv heads beside a
+    global block whose values are its keys' projection under proportional RoPE, normed
+    values, each MoE beside a dense MLP and routed over its own norm with a scale per expert,
+    and layer scalars exports with --model_type=gemma4_text, and transformers loads it with
+    the run's logits."""
+    own = ["--model.hidden=32", "--model.n_layers=2", "--model.n_dense=0", "--model.n_experts=4", "--model.k=2", "--model.ffn_expert=16",
+           "--model.ffn_dense=24", "--model.n_shared=0", "--model.score=softmax", "--model.expert_bias=False", "--model.n_heads=4",
+           "--model.n_kv_heads=1", "--model.head_dim=16", "--model.qk_norm=head", "--model.post_norms=True", "--model.mlp_act=gelu_tanh",
+           "--model.v_norm=True", "--model.global_k_eq_v=True", "--model.window=4", "--model.window_layers=0", "--model.local_head_dim=8",
+           "--model.local_kv_heads=2", "--model.local_rope_base=100", "--model.rope_proportion=0.25", "--model.dense_beside_moe=True",
+           "--model.router_norm=True", "--model.router_expert_scale=True", "--model.layer_scalars=True", "--model.attn_scale=1.0",
+           "--model.embed_scale=5.656854249492381", "--model.logit_softcap=3.0", "--model.tie_embeddings=True", *RUN, "--model.mtp_depth=0"]
+    run = _train(tmp_path / "run", knobs=own)
+    cli = _export(run, tmp_path / "out", "--model_type=gemma4_text")
+    assert cli.returncode == 0, cli.stderr[-3000:]
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["per_layer_config"] == {"1": {"head_dim": 16, "num_key_value_heads": 1}} and config["enable_moe_block"] is True
+    model, _ = load_run(run)
+    docs, ids, cu = _docs(258)  # byte data's vocabulary
+    with torch.no_grad():
+        assert _rel(_transformers_logits(tmp_path / "out", docs), model.logits(ids, cu)) < 1e-5

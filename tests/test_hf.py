@@ -33,6 +33,17 @@ FAMILIES = {
                                                   residual_multiplier=0.5, logits_scaling=4.0),
     # Granite SWA: Granite 3's blocks and multipliers, a sink per head, layer 0 global with RoPE at 5000, layer 1 over a
     # window of 4 without RoPE, layer 2 global at 100
+    # Gemma 4: blocks 0 and 1 over a window of 4 with heads of 8 and 2 kv heads, plain RoPE at 100; block 2 (the last, always
+    # full) with heads of 16, 1 kv head whose values are its keys' projection, proportional RoPE (a quarter turns); values
+    # RMS-normed; each MoE (4 experts, top 2 renormalised, scaled per expert) beside a dense GeGLU; layer scalars; logits capped
+    "gemma4_text": lambda: transformers.Gemma4TextConfig(**COMMON, head_dim=8, intermediate_size=40, sliding_window=4,
+                                                         layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                                                         hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=4, top_k_experts=2,
+                                                         moe_intermediate_size=16, attention_k_eq_v=True, global_head_dim=16,
+                                                         num_global_key_value_heads=1, final_logit_softcapping=3.0, pad_token_id=None,
+                                                         rope_parameters=dict(full_attention=dict(rope_type="proportional", partial_rotary_factor=0.25,
+                                                                                                  rope_theta=10000.0),
+                                                                              sliding_attention=dict(rope_type="default", rope_theta=100.0))),
     # Gemma 3: sandwich blocks of zero-centred RMSNorms, GeGLU, the embeddings x sqrt(32), the softmax scale 6 ** -0.5;
     # blocks 0 and 2 over a window of 4 with plain RoPE at 100, block 1 global with linear RoPE (factor 2); logits capped
     "gemma3_text": lambda: transformers.Gemma3TextConfig(**COMMON, head_dim=8, intermediate_size=40, query_pre_attn_scalar=6, sliding_window=4,
@@ -441,9 +452,11 @@ def folders(tmp_path_factory):
         config = make()
         model = _randomised(transformers.Mistral4ForCausalLM(config) if name == "mistral4" else transformers.AutoModelForCausalLM.from_config(config))
         with torch.no_grad():
-            for bname, b in model.named_buffers():  # the routers' correction biases
+            for bname, b in model.named_buffers():  # the routers' correction biases; Gemma 4's layer scalars
                 if bname.endswith(("e_score_correction_bias", "feed_forward.expert_bias")):  # LFM2-MoE's too
                     b.copy_(0.2 * torch.randn_like(b))
+                elif bname.endswith("layer_scalar"):
+                    b.copy_(0.5 + torch.rand_like(b))
         path = tmp_path_factory.mktemp(name)
         model.save_pretrained(path)
         out[name] = (path, model)
@@ -1657,6 +1670,12 @@ BAD_CONFIGS = [
     ("deepseek_v3", lambda c: c["rope_parameters"].pop("factor"), r"config.json: rope_parameters of rope type 'yarn' lack factor"),
     ("bailing_hybrid", lambda c: c.update(layer_types=["linear_attention", "sliding_attention", "full_attention"]),
      r"config.json: layer_types = .* is not supported \(full_attention or linear_attention for each of the 3 layers\)"),
+    ("gemma4_text", lambda c: c.update(hidden_size_per_layer_input=256), r"config.json: hidden_size_per_layer_input = 256 is not supported \(no per-layer"),
+    ("gemma4_text", lambda c: c.update(num_kv_shared_layers=1), r"config.json: num_kv_shared_layers = 1 is not supported"),
+    ("gemma4_text", lambda c: c.update(per_layer_config={"0": {"head_dim": 16}, "2": {"head_dim": 16}}),
+     r"config.json: per_layer_config = .* is not supported \(one head_dim and num_key_value_heads for every full_attention layer\)"),
+    ("gemma4_text", lambda c: c["rope_parameters"]["full_attention"].update(rope_type="yarn"),
+     r"config.json: rope_parameters.full_attention = .* is not supported \(plain RoPE over every channel, or proportional RoPE\)"),
     ("gemma3_text", lambda c: c.update(attn_logit_softcapping=50.0), r"config.json: attn_logit_softcapping = 50.0 is not supported \(no softcap"),
     ("gemma3_text", lambda c: c.update(use_bidirectional_attention=True), r"config.json: use_bidirectional_attention = True is not supported"),
     ("gemma3_text", lambda c: c.update(hidden_activation="gelu"), r"config.json: hidden_activation = 'gelu' is not supported \(GeGLU with GELU's tanh"),
@@ -2808,6 +2827,61 @@ def test_gemma3_reads_its_norms_scales_rope_per_layer_type_and_released_folders(
     capped = _edit(tmp_path / "gemma3", tmp_path / "capped", lambda c: c["text_config"].update(final_logit_softcapping=30.0))
     with pytest.raises(ValueError, match="config.json: final_logit_softcapping = 30.0 is not supported \\(none in a gemma3 folder"):
         hf.read_config(capped)
+
+
+def test_gemma4_reads_its_per_layer_geometry_rope_and_moe_blocks(folders, tmp_path):
+    """Gemma 4: the sliding layers' heads of 8 and 2 kv heads (local_head_dim, local_kv_heads)
+    beside the full layer's 16 and 1, whose values are its keys' projection; proportional RoPE
+    there, plain at the sliding layers' own base; values RMS-normed; each MoE beside a dense
+    MLP, routed through router.scale, weights times router.per_expert_scale; layer scalars.
+    Each of these read wrong (the knob off) moves the logits. An older config.json
+    (global_head_dim, num_global_key_value_heads) reads as the same model; left out, five
+    layers in six slide and the last is full; a model of fmoe's own without MoE blocks writes
+    as a dense Gemma 4 (enable_moe_block false) that transformers reads with its logits."""
+    path, ref = folders["gemma4_text"]
+    model, cfg = hf.from_pretrained(path, impl="torch")
+    assert (cfg.head_dim, cfg.n_kv_heads, cfg.local_head_dim, cfg.local_kv_heads, cfg.window, cfg.window_layers) == (16, 1, 8, 2, 4, (0, 1))
+    assert (cfg.global_k_eq_v, cfg.v_norm, cfg.rope_proportion, cfg.rope_base, cfg.local_rope_base, cfg.attn_scale, cfg.zero_centered_norms) == (
+        True, True, 0.25, 10000.0, 100.0, 1.0, False)
+    assert (cfg.dense_beside_moe, cfg.router_norm, cfg.router_expert_scale, cfg.layer_scalars, cfg.mlp_act, [cfg.is_moe(i) for i in range(3)]) == (
+        True, True, True, True, "gelu_tanh", [True] * 3)
+    assert not hasattr(model.blocks[2].attn, "wv") and float(model.blocks[1].layer_scalar) != 1.0
+    docs, ids, cu = _packed()
+    with torch.no_grad():
+        theirs = torch.cat([ref(d[None]).logits[0] for d in docs])
+        assert _rel(model.logits(ids, cu), theirs) < 1e-5
+        for knob, value in (("rope_proportion", None), ("v_norm", False), ("layer_scalars", False)):
+            other, _ = hf.from_pretrained(path, impl="torch", strict=False, **{knob: value})
+            assert _rel(other.logits(ids, cu), theirs) > 1e-3, knob
+    older = _edit(path, tmp_path / "older", lambda c: (c.pop("per_layer_config"), c.update(global_head_dim=16, num_global_key_value_heads=1)))
+    assert hf.read_config(older)[1] == dataclasses.replace(cfg, impl="auto")
+    eight = hf.read_config(_edit(path, tmp_path / "eight", lambda c: (c.pop("per_layer_config"), c.update(num_hidden_layers=8, layer_types=None))))[1]
+    kinds = transformers.Gemma4TextConfig(num_hidden_layers=8, hidden_size_per_layer_input=0).layer_types
+    assert eight.window_layers == tuple(i for i, kind in enumerate(kinds) if kind == "sliding_attention") == (0, 1, 2, 3, 4, 6)
+
+    # a released folder: the text model under model.language_model., a vision model beside it (and a padding id, which it needs)
+    text = dict(FAMILIES["gemma4_text"]().to_dict(), pad_token_id=0)
+    vision = dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2)
+    torch.manual_seed(0)
+    released = _randomised(transformers.Gemma4ForConditionalGeneration(transformers.Gemma4Config(text_config=text, vision_config=vision,
+                                                                                                  audio_config=None)))
+    released.save_pretrained(tmp_path / "gemma4")
+    loaded, read = hf.from_pretrained(tmp_path / "gemma4", impl="torch")
+    assert read == cfg
+    with torch.no_grad():
+        assert _rel(loaded.logits(ids, cu), torch.cat([released(input_ids=d[None]).logits[0] for d in docs])) < 1e-5
+    assert hf.written_config(loaded.hf_config)["model_type"] == "gemma4_text"
+
+    dense = dataclasses.replace(cfg, moe_layers=(), n_dense=3, dense_beside_moe=False, router_norm=False, router_expert_scale=False, impl="torch")
+    mine = hf.Transformer(dense)
+    mine.reset_parameters(seed=1)
+    hf.save_pretrained(mine, tmp_path / "dense", model_type="gemma4_text")
+    assert json.loads((tmp_path / "dense" / "config.json").read_text())["enable_moe_block"] is False
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "dense", dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert _rel(mine.logits(ids, cu), torch.cat([back(d[None]).logits[0] for d in docs])) < 1e-5
+    with pytest.raises(ValueError, match=r"model: its config has no gemma4_text equivalent: .*'window_layers'"):
+        hf.save_pretrained(hf.Transformer(dataclasses.replace(dense, window_layers=(0, 2))), tmp_path / "last", model_type="gemma4_text")
 
 
 def test_beam_reads_its_layer_pattern_and_rope_and_matches_each_layer_s_output(folders, tmp_path):
