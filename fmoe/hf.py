@@ -9,7 +9,7 @@ qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, axk1, kimi_k2, kimi_k25, dee
 exaone_moe, kolibri1, beam, axk2, dots1, minimax_m2, granitemoe, granitemoeshared, granitemoe_swa, hunyuan_v1_moe, llama4_text, llama4, afmoe,
 laguna, cohere2_moe, sarvam_moe, sarvam_mla, longcat_flash, bailing_hybrid, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, lara_mini, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
 mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe, gemma3, gemma4_text, gemma4), and the dense
-DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, gemma3_text, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
+DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
 glm4, ernie4_5, lfm2, cohere, cohere2: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: OLMoE's q and k clamped after their norms, ...;
 the fields a config.json leaves out read at transformers' defaults, Family.defaults, and a
@@ -131,6 +131,9 @@ Ling's hybrid models (bailing_hybrid): Kimi Delta Attention in Ling's variant un
 with a sigmoid gate per head (g_proj) and its output projection dense (Family.o_proj); the
 embedding model.word_embeddings, DeepSeek-V3's MoE blocks with the correction bias as
 gate.expert_bias; the MTP layers after the trunk's not read (Family.extra_layers_read).
+Gemma 2 (gemma2, dense): Gemma 3's blocks without q/k norms, every attention score capped
+(attn_softcap). LFM3 (lfm3, dense): LFM2's names for its convolutions and MLPs, Qwen3's for
+its attention (o_proj, q_norm, k_norm), the gate per head as the checkpoints name it (gate_proj).
 Gemma 3 (gemma3_text, dense): GeGLU MLPs (mlp_act "gelu_tanh"), zero-centred sandwich norms,
 the embeddings x sqrt(hidden), linear RoPE in the global layers; a released gemma3 folder
 (Gemma3ForConditionalGeneration) holds it under language_model. beside a vision model that is
@@ -353,11 +356,6 @@ def _gemma3_text(hf: dict) -> dict:
     final_logit_softcapping. A softcap on the attention's scores and bidirectional attention
     are refused."""
     _refuse(hf, "attn_logit_softcapping", lambda v: v is None, "no softcap on the attention's scores")
-    _refuse(hf, "use_bidirectional_attention", lambda v: not v, "causal attention")
-    _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in Gemma's attention here")
-    _refuse(hf, "hidden_activation", lambda v: v in ("gelu_pytorch_tanh", "gelu_tanh"), "GeGLU with GELU's tanh form, gelu_pytorch_tanh")
-    _refuse(hf, "final_logit_softcapping", lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf),
-            "None or a positive cap")
     n = hf["num_hidden_layers"]
     if hf.get("layer_types") is None:
         every = hf.get("sliding_window_pattern", 6)
@@ -367,17 +365,41 @@ def _gemma3_text(hf: dict) -> dict:
                                            sliding_attention=dict(rope_type="default", rope_theta=float(hf.get("rope_local_base_freq", 1e4)))))
     full, local = _rope_by_layer_type(hf, _GEMMA3_ROPE)
     rope_type, params, base = _rope_params(dict(rope_parameters=full, model_type=hf.get("model_type")), "linear", ("factor",), default_base=1e6)
+    plain = dict(hf, rope_parameters=dict(rope_type="default", rope_theta=base["rope_base"]), rope_scaling=None)
+    return dict(_gemma_dense(plain), qk_norm="head", rope_linear_factor=float(params["factor"]) if rope_type == "linear" else None,
+                local_rope_base=local if hf["layer_types"].count("sliding_attention") else None)
+
+
+def _gemma_dense(hf: dict) -> dict:
+    """The dense blocks of Gemma 2 and 3 (_dense): zero-centred sandwich norms, GeGLU MLPs
+    (hidden_activation gelu_pytorch_tanh: mlp_act "gelu_tanh"), the embeddings times
+    sqrt(hidden_size), the softmax scale query_pre_attn_scalar ** -0.5 (None where it is
+    head_dim's), the window over the layers layer_types names sliding_attention, the logits
+    capped at final_logit_softcapping; bidirectional attention and attention biases refused."""
+    _refuse(hf, "use_bidirectional_attention", lambda v: not v, "causal attention")
+    _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in Gemma's attention here")
+    _refuse(hf, "hidden_activation", lambda v: v in ("gelu_pytorch_tanh", "gelu_tanh"), "GeGLU with GELU's tanh form, gelu_pytorch_tanh")
+    for cap in ("final_logit_softcapping", "attn_logit_softcapping"):
+        _refuse(hf, cap, lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf), "None or a positive cap")
     head_dim = _get(hf, "head_dim", default=hf["hidden_size"] // hf["num_attention_heads"])
     scalar = _get(hf, "query_pre_attn_scalar", default=head_dim)
     _refuse(dict(query_pre_attn_scalar=scalar), "query_pre_attn_scalar", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0,
             "a positive number")
     softcap = hf.get("final_logit_softcapping")
-    plain = dict(hf, hidden_act="silu", rope_parameters=dict(rope_type="default", rope_theta=base["rope_base"]), rope_scaling=None)
-    return _dense(plain, sliding=True, mlp_act="gelu_tanh", qk_norm="head", post_norms=True, zero_centered_norms=True,
+    return _dense(dict(hf, hidden_act="silu"), sliding=True, mlp_act="gelu_tanh", post_norms=True, zero_centered_norms=True,
                   embed_scale=float(hf["hidden_size"]) ** 0.5, attn_scale=None if scalar == head_dim else float(scalar) ** -0.5,
-                  rope_linear_factor=float(params["factor"]) if rope_type == "linear" else None,
-                  local_rope_base=local if hf["layer_types"].count("sliding_attention") else None,
                   logit_softcap=None if softcap is None else float(softcap))
+
+
+def _gemma2(hf: dict) -> dict:
+    """Gemma 2 (gemma2, dense): Gemma's dense blocks (_gemma_dense) without q/k norms, every
+    attention score capped at attn_logit_softcapping (attn_softcap); the layers layer_types
+    names sliding_attention (by default every other one, from layer 0) attend over
+    sliding_window; one plain RoPE (rope_theta)."""
+    if hf.get("layer_types") is None:
+        hf = dict(hf, layer_types=["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(hf["num_hidden_layers"])])
+    out, cap = _gemma_dense(hf), hf.get("attn_logit_softcapping")  # the cap checked there
+    return dict(out, attn_softcap=None if cap is None else float(cap))
 
 
 def _gemma4_text(hf: dict) -> dict:
@@ -425,10 +447,31 @@ def _gemma4_text(hf: dict) -> dict:
                          "num_key_value_heads for every full_attention layer)")
     over = next(iter(overrides.values()), {})
     dim, kv = over.get("head_dim", sliding_dim), over.get("num_key_value_heads", sliding_kv)
+    window = bool(len(full) < n)
+    rope = _proportional_rope(hf, _GEMMA4_ROPE, window)
+    common = _common(dict(hf, hidden_act="silu", layer_types=kinds, head_dim=dim, num_key_value_heads=kv, num_experts_per_tok=1,
+                          rope_parameters=dict(rope_type="default", rope_theta=rope.pop("rope_base"))), 1, sliding=True)
+    softcap = hf.get("final_logit_softcapping")
+    out = dict(common, **rope, mlp_act="gelu_tanh", qk_norm="head", v_norm=True, global_k_eq_v=k_eq_v, post_norms=True, attn_scale=1.0,
+               embed_scale=float(hf["hidden_size"]) ** 0.5, layer_scalars=True, logit_softcap=None if softcap is None else float(softcap),
+               local_head_dim=sliding_dim if window and sliding_dim != dim else None, local_kv_heads=sliding_kv if window and sliding_kv != kv else None,
+               ffn_dense=hf["intermediate_size"], n_shared=0)
+    if not hf.get("enable_moe_block"):
+        return dict(out, n_dense=n, ffn_expert=hf["intermediate_size"])
+    return dict(out, n_experts=hf["num_experts"], k=hf["top_k_experts"], ffn_expert=hf["moe_intermediate_size"], moe_layers=tuple(range(n)),
+                dense_beside_moe=True, router_norm=True, router_expert_scale=True)
+
+
+def _proportional_rope(hf: dict, defaults: dict, window: bool) -> dict:
+    """Gemma 4's and LFM3's RoPE, rope_parameters keyed by layer type (a missing one at
+    `defaults`'): the full layers' plain, or "proportional" (rope_proportion: the
+    partial_rotary_factor of the frequencies turn; its factor rope_linear_factor), at
+    rope_base; the sliding layers' plain over every channel at their own base (local_rope_base,
+    where some layer slides: `window`)."""
     params = hf.get("rope_parameters") or {}
-    if set(params) - {"full_attention", "sliding_attention"}:
+    if not isinstance(params, dict) or set(params) - {"full_attention", "sliding_attention"}:
         raise ValueError(f"config.json: rope_parameters = {params!r} is not supported (one per layer type, full_attention / sliding_attention)")
-    globe, local = (dict(params.get(k) or _GEMMA4_ROPE[k]) for k in ("full_attention", "sliding_attention"))
+    globe, local = (dict(params.get(k) or defaults[k]) for k in ("full_attention", "sliding_attention"))
     if local.get("rope_type", "default") != "default" or local.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError(f"config.json: rope_parameters.sliding_attention = {local!r} is not supported (plain RoPE over every channel)")
     kind = globe.get("rope_type", "default")
@@ -436,20 +479,36 @@ def _gemma4_text(hf: dict) -> dict:
         raise ValueError(f"config.json: rope_parameters.full_attention = {globe!r} is not supported (plain RoPE over every channel, or "
                          "proportional RoPE)")
     share, factor = float(globe.get("partial_rotary_factor", 1.0)), float(globe.get("factor", 1.0))
-    window = bool(len(full) < n)
-    common = _common(dict(hf, hidden_act="silu", layer_types=kinds, head_dim=dim, num_key_value_heads=kv, num_experts_per_tok=1,
-                          rope_parameters=dict(rope_type="default", rope_theta=float(globe.get("rope_theta", 1e6)))), 1, sliding=True)
-    softcap = hf.get("final_logit_softcapping")
-    out = dict(common, mlp_act="gelu_tanh", qk_norm="head", v_norm=True, global_k_eq_v=k_eq_v, post_norms=True, attn_scale=1.0,
-               embed_scale=float(hf["hidden_size"]) ** 0.5, layer_scalars=True, logit_softcap=None if softcap is None else float(softcap),
-               rope_proportion=None if kind == "default" or share == 1.0 else share, rope_linear_factor=None if factor == 1.0 else factor,
-               local_rope_base=float(local.get("rope_theta", 1e4)) if window else None,
-               local_head_dim=sliding_dim if window and sliding_dim != dim else None, local_kv_heads=sliding_kv if window and sliding_kv != kv else None,
-               ffn_dense=hf["intermediate_size"], n_shared=0)
-    if not hf.get("enable_moe_block"):
-        return dict(out, n_dense=n, ffn_expert=hf["intermediate_size"])
-    return dict(out, n_experts=hf["num_experts"], k=hf["top_k_experts"], ffn_expert=hf["moe_intermediate_size"], moe_layers=tuple(range(n)),
-                dense_beside_moe=True, router_norm=True, router_expert_scale=True)
+    return dict(rope_base=float(globe.get("rope_theta", 1e6)), rope_proportion=None if kind == "default" or share == 1.0 else share,
+                rope_linear_factor=None if factor == 1.0 else factor, local_rope_base=float(local.get("rope_theta", 1e4)) if window else None)
+
+
+def _lfm3(hf: dict) -> dict:
+    """LFM3 (lfm3, dense; LFM3-1.7B): LFM2's short convolutions (_lfm2_common's "short_conv"
+    blocks, conv_L_cache taps) in the layers layer_types names conv, Qwen3's attention with
+    per-head q/k norms in the others (by default every fourth from layer 2 full_attention,
+    every fourth from layer 4 sliding_attention, over sliding_window), each layer type with
+    its RoPE (_proportional_rope: the full layers' proportional, the sliding layers' plain at
+    their own base); a sigmoid gate per head on the attention's output (use_attention_gate;
+    gate_proj in the checkpoints, transformers' g_proj); RMSNorms on each branch's output (post_operator_norm, post_ffn_norm:
+    use_sandwich_norm); every block a SwiGLU (feed_forward w1, w3, w2) of intermediate_size."""
+    _refuse(hf, "conv_bias", lambda v: not v, "no biases in the short convolutions")
+    _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in LFM3's attention here")
+    n = hf["num_hidden_layers"]
+    kinds = hf.get("layer_types") or ["full_attention" if i % 4 == 2 else "sliding_attention" if i % 4 == 0 and i > 0 else "conv" for i in range(n)]
+    if not isinstance(kinds, list) or len(kinds) != n or set(kinds) - {"full_attention", "sliding_attention", "conv"}:
+        raise ValueError(f"config.json: layer_types = {kinds!r} is not supported (one of conv / full_attention / sliding_attention per layer)")
+    rope = _proportional_rope(hf, _LFM3_ROPE, "sliding_attention" in kinds)
+    attention = [kind if kind != "conv" else "full_attention" for kind in kinds]  # the window's layers as _sliding reads them
+    common = _common(dict(hf, num_experts_per_tok=1, layer_types=attention, rope_parameters=dict(rope_type="default", rope_theta=rope.pop("rope_base"))),
+                     1, sliding=True)
+    conv, H, F = tuple(i for i, kind in enumerate(kinds) if kind == "conv"), hf["hidden_size"], hf["intermediate_size"]
+    gate, sandwich = hf.get("use_attention_gate", True), hf.get("use_sandwich_norm", True)
+    for name, value in (("use_attention_gate", gate), ("use_sandwich_norm", sandwich)):
+        _refuse({name: value}, name, lambda v: isinstance(v, bool), "true or false")
+    return dict(common, **rope, qk_norm="head", linear_layers=conv or None, linear_kind="short_conv", linear_k_heads=H, linear_v_heads=H,
+                linear_k_dim=1, linear_v_dim=1, linear_conv=hf.get("conv_L_cache", 7), attn_gate=gate, attn_gate_per_head=gate,
+                post_norms=sandwich, ffn_dense=F, ffn_expert=F, n_dense=n, n_shared=0)
 
 
 def _gemma4(hf: dict) -> dict:
@@ -2104,6 +2163,8 @@ _OLMO3_ROPE = dict(full_attention=dict(rope_type="default", rope_theta=500000.0)
 _GEMMA3_ROPE = dict(full_attention=dict(rope_type="default", rope_theta=1e6), sliding_attention=dict(rope_type="default", rope_theta=1e4))
 _GEMMA4_ROPE = dict(full_attention=dict(rope_type="proportional", partial_rotary_factor=0.25, rope_theta=1e6),
                     sliding_attention=dict(rope_type="default", rope_theta=1e4))
+_LFM3_ROPE = dict(full_attention=dict(rope_type="proportional", partial_rotary_factor=0.5, rope_theta=1e6),
+                  sliding_attention=dict(rope_type="default", rope_theta=1e4))
 _MELLUM_ROPE = dict(full_attention=dict(rope_type="default", rope_theta=500000.0), sliding_attention=dict(rope_type="default", rope_theta=10000.0))
 _QWEN3_NEXT_ROPE = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25)
 _QWEN3_NEXT_LINEAR = dict(linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
@@ -2130,7 +2191,7 @@ _MISTRAL4_ROPE = dict(rope_type="yarn", rope_theta=10000.0, factor=128.0, origin
 _MINISTRAL3_ROPE = dict(rope_type="yarn", rope_theta=1e6, factor=16.0, original_max_position_embeddings=16384, beta_fast=32.0, beta_slow=1.0,
                         mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1)
 # the dense families (no MoE block): fine-tuned as they are, or upcycled into an MoE (fmoe.train.upcycle)
-DENSE_FAMILIES = ("llama", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "youtu", "gemma3_text", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
+DENSE_FAMILIES = ("llama", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "youtu", "gemma2", "gemma3_text", "lfm3", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
                   "phi3", "glm4", "ernie4_5", "lfm2", "cohere", "cohere2")
 FAMILIES = {
     "mixtral": Family(_mixtral, "block_sparse_moe", ("w1", "w3", "w2"), "MixtralForCausalLM",
@@ -2340,6 +2401,10 @@ FAMILIES = {
                      sandwich=("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"),
                      prefix=("model.", "model.language_model."), written_as="gemma4_text",
                      not_read=("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")),
+    "gemma2": Family(_gemma2, "mlp", _PROJ, "Gemma2ForCausalLM",
+                     sandwich=("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"),
+                     defaults=dict(vocab_size=256000, num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256, sliding_window=4096,
+                                   tie_word_embeddings=True, final_logit_softcapping=30.0, attn_logit_softcapping=50.0)),
     "gemma3_text": Family(_gemma3_text, "mlp", _PROJ, "Gemma3ForCausalLM",
                           sandwich=("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"),
                           defaults=dict(vocab_size=262208, num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256, sliding_window=4096,
@@ -2364,6 +2429,12 @@ FAMILIES = {
                        defaults=dict(num_key_value_heads=2, head_dim=128, rms_norm_eps=1e-5, tie_word_embeddings=True,
                                      rope_parameters=dict(rope_type="default", rope_theta=500000.0))),
     "lfm2": Family(_lfm2, "feed_forward", _LFM2_MLP, "Lfm2ForCausalLM", **_LFM2),
+    # LFM3: LFM2's names but Qwen3's attention (o_proj, q_norm, k_norm), its sandwich norms and the attention's gate per head
+    "lfm3": Family(_lfm3, "feed_forward", _LFM2_MLP, "Lfm3ForCausalLM",
+                   sandwich=("operator_norm", "post_operator_norm", "ffn_norm", "post_ffn_norm"),
+                   **dict(_LFM2, o_proj="o_proj", qk_norms=("q_norm", "k_norm"),
+                          defaults=dict(num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-5, tie_word_embeddings=True, sliding_window=256,
+                                        rope_parameters=_LFM3_ROPE))),
     "smollm3": Family(_smollm3, "mlp", _PROJ, "SmolLM3ForCausalLM", defaults=dict(num_key_value_heads=4, rope_theta=2e6, tie_word_embeddings=True)),
     "cohere": Family(_cohere, "mlp", _PROJ, "CohereForCausalLM", norms=("input_layernorm", ""),
                      defaults=dict(tie_word_embeddings=True, rope_theta=500000.0)),
@@ -3174,6 +3245,16 @@ def _lfm2_config(cfg: TransformerConfig) -> dict:
                 conv_L_cache=cfg.linear_conv, conv_bias=False, norm_eps=cfg.norm_eps)
 
 
+def _proportional_rope_parameters(cfg: TransformerConfig) -> dict:
+    """config.json's rope_parameters of Gemma 4 and LFM3 (what _proportional_rope reads back): the
+    full layers' proportional RoPE (or plain), the sliding layers' plain at local_rope_base."""
+    globe = dict(rope_type="proportional", partial_rotary_factor=cfg.rope_proportion or 1.0, rope_theta=cfg.rope_base,
+                 **({} if cfg.rope_linear_factor is None else dict(factor=cfg.rope_linear_factor)))
+    if cfg.rope_proportion is None and cfg.rope_linear_factor is None:
+        globe = dict(rope_type="default", rope_theta=cfg.rope_base)
+    return dict(full_attention=globe, sliding_attention=dict(rope_type="default", rope_theta=cfg.local_rope_base or cfg.rope_base))
+
+
 def _rope_by_layer_type_parameters(cfg: TransformerConfig, full: dict) -> dict:
     """config.json's rope_parameters keyed by layer type (what _rope_by_layer_type reads back):
     the full layers' `full`; the sliding layers' the same, or plain RoPE at local_rope_base
@@ -3369,15 +3450,10 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
         hf.pop("hidden_act")
         hf.pop("num_experts_per_tok")
         full = [i for i in range(cfg.n_layers) if not cfg.is_sliding(i)]
-        globe = dict(rope_type="proportional", partial_rotary_factor=cfg.rope_proportion or 1.0, rope_theta=cfg.rope_base,
-                     **({} if cfg.rope_linear_factor is None else dict(factor=cfg.rope_linear_factor)))
-        if cfg.rope_proportion is None and cfg.rope_linear_factor is None:
-            globe = dict(rope_type="default", rope_theta=cfg.rope_base)
         hf.update(hidden_activation="gelu_pytorch_tanh", head_dim=cfg.local_head_dim or cfg.head_dim, num_key_value_heads=cfg.local_kv_heads or cfg.n_kv_heads,
                   per_layer_config={str(i): dict(head_dim=cfg.head_dim, num_key_value_heads=cfg.n_kv_heads) for i in full},
                   attention_k_eq_v=cfg.global_k_eq_v, layer_types=_layer_types(cfg), sliding_window=cfg.window or 512,
-                  rope_parameters=dict(full_attention=globe, sliding_attention=dict(rope_type="default", rope_theta=cfg.local_rope_base or cfg.rope_base)),
-                  final_logit_softcapping=cfg.logit_softcap, hidden_size_per_layer_input=0, num_kv_shared_layers=0, attention_bias=False,
+                  rope_parameters=_proportional_rope_parameters(cfg), final_logit_softcapping=cfg.logit_softcap, hidden_size_per_layer_input=0, num_kv_shared_layers=0, attention_bias=False,
                   intermediate_size=cfg.ffn_dense, enable_moe_block=bool(moe))
         if moe:
             hf.update(num_experts=cfg.n_experts, top_k_experts=cfg.k, moe_intermediate_size=cfg.ffn_expert)
@@ -3486,6 +3562,12 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
             hf.update(use_bias=False)
         elif model_type == "lfm2":  # the FFN's size as it is
             hf.update(_lfm2_config(cfg), block_auto_adjust_ff_dim=False)
+        elif model_type == "lfm3":  # the window's layers beside the conv and full ones, each type's RoPE; the gate and sandwich norms
+            if cfg.attn_gate != cfg.attn_gate_per_head:
+                raise ValueError("model: its config has no lfm3 equivalent: LFM3's attention gate is one per head (attn_gate_per_head)")
+            hf.update(_lfm2_config(cfg), sliding_window=cfg.window or 256, rope_parameters=_proportional_rope_parameters(cfg),
+                      use_attention_gate=cfg.attn_gate, use_sandwich_norm=cfg.post_norms, attention_bias=False,
+                      layer_types=["conv" if cfg.is_linear(i) else "sliding_attention" if cfg.is_sliding(i) else "full_attention" for i in range(cfg.n_layers)])
         elif model_type == "seed_oss":
             hf.update(attention_bias=cfg.qkv_bias, attention_out_bias=cfg.o_bias)
         elif model_type in ("phi3", "glm4"):  # RoPE on the first partial_rotary_factor of each head
@@ -3493,14 +3575,16 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
             if model_type == "phi3" and cfg.longrope_short_factors is not None:  # transformers reads the top level's, by default 4096
                 hf.update(original_max_position_embeddings=cfg.longrope_original_max_positions)
             hf.update(dict(sliding_window=cfg.window) if model_type == "phi3" else dict(attention_bias=cfg.qkv_bias))
-        elif model_type == "gemma3_text":  # GeGLU; the softmax scale as query_pre_attn_scalar; each layer type's RoPE
+        elif model_type in ("gemma2", "gemma3_text"):  # GeGLU; the softmax scale as query_pre_attn_scalar; Gemma 3's RoPE per layer type
             if cfg.mlp_act != "gelu_tanh":
-                raise ValueError(f"model: its config has no gemma3_text equivalent: Gemma 3's MLPs are GeGLU (mlp_act='gelu_tanh'), got {cfg.mlp_act!r}")
+                raise ValueError(f"model: its config has no {model_type} equivalent: Gemma's MLPs are GeGLU (mlp_act='gelu_tanh'), got {cfg.mlp_act!r}")
             hf.pop("hidden_act")
-            full = dict(_rope_parameters(cfg), **({} if cfg.rope_linear_factor is None else dict(rope_type="linear", factor=cfg.rope_linear_factor)))
             hf.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=_query_pre_attn_scalar(cfg), sliding_window=cfg.window or 4096,
-                      layer_types=_layer_types(cfg), rope_parameters=_rope_by_layer_type_parameters(cfg, full), final_logit_softcapping=cfg.logit_softcap,
-                      attn_logit_softcapping=None, attention_bias=False)
+                      layer_types=_layer_types(cfg), final_logit_softcapping=cfg.logit_softcap, attn_logit_softcapping=cfg.attn_softcap,
+                      attention_bias=False)
+            if model_type == "gemma3_text":
+                full = dict(_rope_parameters(cfg), **({} if cfg.rope_linear_factor is None else dict(rope_type="linear", factor=cfg.rope_linear_factor)))
+                hf.update(rope_parameters=_rope_by_layer_type_parameters(cfg, full))
         elif model_type == "hyperclovax":  # the logits multiplied by logits_scaling; no attention_multiplier: 1/sqrt(head_dim)
             hf.update(attention_bias=False, use_post_norm=cfg.post_norms,
                       **dict(_granite_multiplier_fields(cfg), attention_multiplier=cfg.attn_scale, logits_scaling=1 / cfg.logit_divisor))

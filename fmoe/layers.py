@@ -555,7 +555,9 @@ class AttentionConfig:
     layers): the frequencies base^(-2i / D) of a RoPE over every channel of each head (halves),
     only the first int(p D / 2) of them turning, the rest zero (those channel pairs stay as
     they are); None: all of them turn; not with YaRN, Llama 3.1's scaling, LongRoPE or a
-    rot_dim (linear_factor divides them too).
+    rot_dim (linear_factor divides them too). score_softcap c: each score (q . k times the softmax
+    scale) becomes c tanh(score / c) before the softmax (Gemma 2's attn_logit_softcapping);
+    None: as it is; not with DeepSeek sparse attention.
 
     Multi-head latent attention (DeepSeek-V2/V3) when kv_rank is set: keys and values come
     from a kv_rank latent (RMSNorm'd, eps latent_norm_eps) expanded per head, plus one
@@ -647,6 +649,7 @@ class AttentionConfig:
     v_norm: bool = False
     k_eq_v: bool = False
     rope_proportion: Optional[float] = None
+    score_softcap: Optional[float] = None
     local_rot_dim: Optional[int] = None
     local_head_dim: Optional[int] = None
     gate_act: str = "sigmoid"
@@ -697,6 +700,10 @@ class AttentionConfig:
             if not isinstance(getattr(self, name), bool) or (getattr(self, name) and (self.kv_rank is not None or self.v_dim is not None)):
                 raise ValueError(f"{name}: a knob of grouped-query attention's values (a bool; True needs kv_rank and v_dim None), "
                                  f"got {getattr(self, name)!r}")
+        cap = self.score_softcap
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 < cap < math.inf or self.index_topk is not None):
+            raise ValueError(f"score_softcap: expected None or a positive finite number, without index_topk (the sparse kernel has no cap), "
+                             f"got {cap!r}")
         p = self.rope_proportion
         if p is not None:
             if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
@@ -1507,8 +1514,8 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
     if kernel:  # every head over each query's chosen latents; the latent output to each head's values below
         o_TNC, lse_TN = sparse_attention(q_TND, k_TGD[:, 0], slots_TJ, v_dim=cfg.kv_rank, scale=softmax_scale(cfg), check=False, impl=cfg.impl)
         out_NTD = rearrange(o_TNC, "t n c -> n t c")
-    elif isinstance(mask, torch.Tensor) and sinks is not None:  # the reference, with sinks
-        out_NTD = _attention_with_sinks(q_NTD, k_GTD, v_GTD, mask, softmax_scale(cfg), sinks)
+    elif isinstance(mask, torch.Tensor) and (sinks is not None or cfg.score_softcap is not None):  # the reference, with sinks or a cap
+        out_NTD = _attention_with_sinks(q_NTD, k_GTD, v_GTD, mask, softmax_scale(cfg), sinks, cfg.score_softcap)
     elif isinstance(mask, torch.Tensor):  # the reference
         out_NTD = F.scaled_dot_product_attention(q_NTD, k_GTD, v_GTD, attn_mask=mask, scale=softmax_scale(cfg), enable_gqa=True)
     else:
@@ -1520,6 +1527,8 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
         # (inside a compiled model dynamo compiles flex_attention itself, with the model)
         flex = _compiled_flex() if x.is_cuda and not torch.compiler.is_compiling() else flex_attention
         kw = dict(block_mask=mask, scale=softmax_scale(cfg), enable_gqa=True)
+        if cfg.score_softcap is not None:  # each scaled score capped (Gemma 2's)
+            kw["score_mod"] = functools.partial(_capped_score, cap=float(cfg.score_softcap))
         Dv = v_GTD.shape[-1]
         # the compiled kernel needs head dims of at least 16: zeros added to q, k and v change no
         # score (the scale is passed) and only add output columns, cut below (on CPU too, so
@@ -1629,12 +1638,20 @@ def _index_loss_blocks(x_TH, q_lat_TC, keys_SD, slots_TJ, target_TJ, params, cfg
     return total / n_queries
 
 
-def _masked_scores(q_NTD, k_GTD, mask_TS, scale: float) -> torch.Tensor:
-    """Each head's scores [N, T, S] float32 (the kv heads repeated to the query heads), -inf
-    where mask [T, S] is False."""
+def _capped_score(score, b, h, q_idx, kv_idx, cap: float):
+    """FlexAttention's score_mod of a softcap: cap tanh(score / cap)."""
+    return torch.tanh(score / cap) * cap
+
+
+def _masked_scores(q_NTD, k_GTD, mask_TS, scale: float, softcap: Optional[float] = None) -> torch.Tensor:
+    """Each head's scores [N, T, S] float32 (the kv heads repeated to the query heads), capped
+    at softcap tanh(s / softcap) where softcap is set, -inf where mask [T, S] is False."""
     N, G = q_NTD.shape[0], k_GTD.shape[0]
     k_NSD = k_GTD.float().repeat_interleave(N // G, dim=0)
-    return (q_NTD.float() @ k_NSD.transpose(1, 2) * scale).masked_fill(~mask_TS, float("-inf"))
+    scores = q_NTD.float() @ k_NSD.transpose(1, 2) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    return scores.masked_fill(~mask_TS, float("-inf"))
 
 
 def _attention_probs(q_NTD, k_GTD, mask_TS, scale: float) -> torch.Tensor:
@@ -1642,13 +1659,17 @@ def _attention_probs(q_NTD, k_GTD, mask_TS, scale: float) -> torch.Tensor:
     return torch.softmax(_masked_scores(q_NTD, k_GTD, mask_TS, scale), dim=-1).nan_to_num(0.0)
 
 
-def _attention_with_sinks(q_NTD, k_GTD, v_GTD, mask_TS, scale: float, sinks_N):
-    """The reference attention with sinks: softmax over [the allowed scores, the head's
-    sink], the sink's share dropped (it has no value), in float32; [N, T, Dv] in q's dtype."""
+def _attention_with_sinks(q_NTD, k_GTD, v_GTD, mask_TS, scale: float, sinks_N, softcap: Optional[float] = None):
+    """The reference attention with sinks (None: none) and capped scores (softcap, None:
+    none): softmax over [the allowed scores, the head's sink], the sink's share dropped (it has
+    no value), in float32; [N, T, Dv] in q's dtype."""
     N, G = q_NTD.shape[0], k_GTD.shape[0]
-    scores_NTS = _masked_scores(q_NTD, k_GTD, mask_TS, scale)
-    sink_NT1 = sinks_N.float()[:, None, None].expand(N, scores_NTS.shape[1], 1)
-    probs_NTS = torch.softmax(torch.cat([scores_NTS, sink_NT1], dim=-1), dim=-1)[..., :-1]
+    scores_NTS = _masked_scores(q_NTD, k_GTD, mask_TS, scale, softcap)
+    if sinks_N is None:
+        probs_NTS = torch.softmax(scores_NTS, dim=-1)
+    else:
+        sink_NT1 = sinks_N.float()[:, None, None].expand(N, scores_NTS.shape[1], 1)
+        probs_NTS = torch.softmax(torch.cat([scores_NTS, sink_NT1], dim=-1), dim=-1)[..., :-1]
     return (probs_NTS @ v_GTD.float().repeat_interleave(N // G, dim=0)).to(q_NTD.dtype)
 
 

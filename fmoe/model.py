@@ -376,6 +376,8 @@ class TransformerConfig:
     have no wv, their values the keys' projection (Gemma 4's attention_k_eq_v); rope_proportion:
     proportional RoPE in the blocks without a window or chunk, only the first share of the
     frequency pairs turning (Gemma 4's "proportional" rope type; fmoe.layers.AttentionConfig).
+    attn_softcap: every attention score capped at c tanh(s / c) before the softmax (Gemma 2's
+    attn_logit_softcapping; fmoe.layers.AttentionConfig.score_softcap).
     index_topk
     (with q_rank and kv_rank): DeepSeek sparse attention in every block (DeepSeek-V3.2,
     GLM-5), each query attending to the index_topk keys a lightning indexer of index_heads
@@ -548,6 +550,7 @@ class TransformerConfig:
     local_kv_heads: Optional[int] = None
     local_heads: Optional[int] = None
     local_head_dim: Optional[int] = None
+    attn_softcap: Optional[float] = None
     v_norm: bool = False
     global_k_eq_v: bool = False
     rope_proportion: Optional[float] = None
@@ -780,6 +783,9 @@ class TransformerConfig:
         self.attention_config(local=True)  # its own checks (qk_norm, window and chunk)
         if self.rope_proportion is not None or self.global_k_eq_v or self.local_head_dim is not None:
             self.attention_config()  # the global blocks' (proportional RoPE, values from the keys) where they differ
+        if self.rope_proportion is not None and (self.window is not None or self.chunk is not None) and self.local_rope_base is None:
+            raise ValueError("rope_proportion: proportional RoPE in the blocks without a window or chunk; those with one need their own plain "
+                             "tables, local_rope_base")
         if self.nope_layers is not None:
             self.attention_config(rope=False)  # the NoPE blocks' (the temperature)
         for i in self.index_shared_layers or ():
@@ -975,6 +981,7 @@ class TransformerConfig:
             n_kv_heads=self.local_kv_heads if local and self.local_kv_heads is not None else self.n_kv_heads,
             head_dim=self.local_head_dim if local and self.local_head_dim is not None else self.head_dim, rope_base=self.rope_base,
             v_scale=self.value_scale, clip_qkv=self.clip_qkv, v_norm=self.v_norm, k_eq_v=self.global_k_eq_v and not local,
+            score_softcap=self.attn_softcap,
             rope_proportion=None if local else self.rope_proportion,
             rot_dim=self.rope_dim, interleaved=self.rope_interleaved, yarn_factor=self.yarn_factor,
             yarn_original_max_positions=self.yarn_original_max_positions, yarn_beta_fast=self.yarn_beta_fast,
@@ -1014,10 +1021,11 @@ class TransformerConfig:
 
     def context_config(self) -> AttentionConfig:
         """The AttentionConfig a micro-batch's AttentionContext is built from: the local blocks'
-        (both masks) where some block is local, with the global blocks' head dim and RoPE for
-        the global tables (their local_head_dim is the local tables' width, local_rot_dim)."""
+        (both masks) where some block is local, with the global blocks' head dim and
+        proportional RoPE for the global tables (local_head_dim the local tables' width,
+        local_rot_dim)."""
         cfg = self.attention_config(local=self.any_local)
-        if self.local_head_dim is None or not self.any_local:
+        if not self.any_local or (self.local_head_dim is None and self.rope_proportion is None):
             return cfg
         return dataclasses.replace(cfg, head_dim=self.head_dim, rope_proportion=self.rope_proportion, local_head_dim=self.local_head_dim)
 

@@ -44,6 +44,18 @@ FAMILIES = {
                                                          rope_parameters=dict(full_attention=dict(rope_type="proportional", partial_rotary_factor=0.25,
                                                                                                   rope_theta=10000.0),
                                                                               sliding_attention=dict(rope_type="default", rope_theta=100.0))),
+    # LFM3: a short convolution (3 taps), a block over a window of 4 with plain RoPE at 100, a full block with proportional
+    # RoPE (half the frequencies turn); the attention's gate per head, sandwich norms
+    "lfm3": lambda: transformers.Lfm3Config(**COMMON, head_dim=8, intermediate_size=40, conv_L_cache=3, sliding_window=4,
+                                            layer_types=["conv", "sliding_attention", "full_attention"], tie_word_embeddings=False,
+                                            rope_parameters=dict(full_attention=dict(rope_type="proportional", partial_rotary_factor=0.5,
+                                                                                     rope_theta=10000.0),
+                                                                 sliding_attention=dict(rope_type="default", rope_theta=100.0)),
+                                            pad_token_id=None, bos_token_id=None, eos_token_id=None),
+    # Gemma 2: Gemma's dense blocks without q/k norms, every attention score capped at 2 (these random scores reach past it),
+    # blocks 0 and 2 over a window of 4, the logits capped at 3
+    "gemma2": lambda: transformers.Gemma2Config(**COMMON, head_dim=8, intermediate_size=40, query_pre_attn_scalar=6, sliding_window=4,
+                                                attn_logit_softcapping=2.0, final_logit_softcapping=3.0, pad_token_id=None),
     # Gemma 3: sandwich blocks of zero-centred RMSNorms, GeGLU, the embeddings x sqrt(32), the softmax scale 6 ** -0.5;
     # blocks 0 and 2 over a window of 4 with plain RoPE at 100, block 1 global with linear RoPE (factor 2); logits capped
     "gemma3_text": lambda: transformers.Gemma3TextConfig(**COMMON, head_dim=8, intermediate_size=40, query_pre_attn_scalar=6, sliding_window=4,
@@ -1676,6 +1688,10 @@ BAD_CONFIGS = [
      r"config.json: per_layer_config = .* is not supported \(one head_dim and num_key_value_heads for every full_attention layer\)"),
     ("gemma4_text", lambda c: c["rope_parameters"]["full_attention"].update(rope_type="yarn"),
      r"config.json: rope_parameters.full_attention = .* is not supported \(plain RoPE over every channel, or proportional RoPE\)"),
+    ("gemma2", lambda c: c.update(attn_logit_softcapping=0), r"config.json: attn_logit_softcapping = 0 is not supported \(None or a positive cap\)"),
+    ("lfm3", lambda c: c.update(layer_types=["conv", "chunked_attention", "full_attention"]),
+     r"config.json: layer_types = .* is not supported \(one of conv / full_attention / sliding_attention per layer\)"),
+    ("lfm3", lambda c: c.update(use_attention_gate="yes"), r"config.json: use_attention_gate = 'yes' is not supported \(true or false\)"),
     ("gemma3_text", lambda c: c.update(attn_logit_softcapping=50.0), r"config.json: attn_logit_softcapping = 50.0 is not supported \(no softcap"),
     ("gemma3_text", lambda c: c.update(use_bidirectional_attention=True), r"config.json: use_bidirectional_attention = True is not supported"),
     ("gemma3_text", lambda c: c.update(hidden_activation="gelu"), r"config.json: hidden_activation = 'gelu' is not supported \(GeGLU with GELU's tanh"),
@@ -2882,6 +2898,40 @@ def test_gemma4_reads_its_per_layer_geometry_rope_and_moe_blocks(folders, tmp_pa
         assert _rel(mine.logits(ids, cu), torch.cat([back(d[None]).logits[0] for d in docs])) < 1e-5
     with pytest.raises(ValueError, match=r"model: its config has no gemma4_text equivalent: .*'window_layers'"):
         hf.save_pretrained(hf.Transformer(dataclasses.replace(dense, window_layers=(0, 2))), tmp_path / "last", model_type="gemma4_text")
+
+
+def test_gemma2_caps_its_attention_scores_and_lfm3_reads_its_three_layer_kinds(folders, tmp_path):
+    """Gemma 2: every attention score capped at attn_logit_softcapping (read without the cap,
+    the logits move); left out, every other layer slides. LFM3: a short convolution, a
+    window's layer with plain RoPE at its own base and a full one with proportional RoPE, the
+    attention's gate per head (gate_proj, as released) and sandwich norms; read with RoPE over every channel,
+    or without the gate, the logits move; left out, layer_types is LFM3's pattern (every
+    fourth layer from 2 full, from 4 sliding, the rest convolutions)."""
+    docs, ids, cu = _packed()
+    path, ref = folders["gemma2"]
+    model, cfg = hf.from_pretrained(path, impl="torch")
+    assert (cfg.attn_softcap, cfg.logit_softcap, cfg.window_layers, cfg.qk_norm, cfg.attn_scale) == (2.0, 3.0, (0, 2), None, 6**-0.5)
+    with torch.no_grad():
+        theirs = torch.cat([ref(d[None]).logits[0] for d in docs])
+        assert _rel(model.logits(ids, cu), theirs) < 1e-5
+        assert _rel(hf.from_pretrained(path, impl="torch", attn_softcap=None)[0].logits(ids, cu), theirs) > 1e-3
+    six = hf.read_config(_edit(path, tmp_path / "six", lambda c: c.update(num_hidden_layers=6, layer_types=None)))[1]
+    assert six.window_layers == tuple(i for i, k in enumerate(transformers.Gemma2Config(num_hidden_layers=6).layer_types) if k == "sliding_attention")
+
+    path, ref = folders["lfm3"]
+    model, cfg = hf.from_pretrained(path, impl="torch")
+    assert (cfg.linear_layers, cfg.window_layers, cfg.rope_proportion, cfg.local_rope_base, cfg.attn_gate, cfg.attn_gate_per_head, cfg.post_norms) == (
+        (0,), (1,), 0.5, 100.0, True, True, True)
+    assert hf.key_map(hf.FAMILIES["lfm3"], cfg)["blocks.2.attn.wg"].keys == ("model.layers.2.self_attn.gate_proj.weight",)  # as released
+    with torch.no_grad():
+        theirs = torch.cat([ref(d[None]).logits[0] for d in docs])
+        assert _rel(model.logits(ids, cu), theirs) < 1e-5
+        assert _rel(hf.from_pretrained(path, impl="torch", rope_proportion=None)[0].logits(ids, cu), theirs) > 1e-3
+        assert _rel(hf.from_pretrained(path, impl="torch", strict=False, attn_gate=False, attn_gate_per_head=False)[0].logits(ids, cu), theirs) > 1e-3
+    ten = hf.read_config(_edit(path, tmp_path / "ten", lambda c: c.update(num_hidden_layers=10, layer_types=None)))[1]
+    kinds = transformers.Lfm3Config(num_hidden_layers=10).layer_types
+    assert ten.linear_layers == tuple(i for i, k in enumerate(kinds) if k == "conv") == (0, 1, 3, 5, 7, 9)
+    assert ten.window_layers == tuple(i for i, k in enumerate(kinds) if k == "sliding_attention") == (4, 8)
 
 
 def test_beam_reads_its_layer_pattern_and_rope_and_matches_each_layer_s_output(folders, tmp_path):

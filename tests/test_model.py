@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from einops import rearrange
 
 import fmoe.layers
 import fmoe.ops
@@ -424,6 +425,10 @@ def test_gemma4_attention_knobs_build_what_they_say():
     # a quarter of the 4 frequency pairs turns: base^0 = 1; the other 3 stay (cos 1, sin 0)
     torch.testing.assert_close(ctx.cos[:, 0], positions.float().cos())
     assert (ctx.cos[:, 1:] == 1).all() and (ctx.sin[:, 1:] == 0).all()
+    # ...with the local blocks' heads as wide (LFM3's): the same global tables beside the local ones
+    same = dataclasses.replace(TINY, window=4, window_layers=(0,), local_rope_base=100.0, rope_proportion=0.25)
+    lfm3 = attention_context(cu, positions, same.context_config())
+    assert torch.equal(lfm3.cos, ctx.cos) and lfm3.local_cos.shape == (9, 4) and (lfm3.local_cos[:, 1:] != 1).any()
     x = torch.randn(9, 32)
     params = {n: getattr(glob, n).detach() for n in glob.names}
     with torch.no_grad():
@@ -440,9 +445,51 @@ def test_gemma4_attention_knobs_build_what_they_say():
                             "v_norm: a knob of grouped-query attention's values"),
                            (dict(rope_proportion=1.5), r"rope_proportion: expected None or a number in \(0, 1\]"),
                            (dict(rope_proportion=0.5, rope_dim=4), "rope_proportion: proportional RoPE over every channel of each head"),
+                           (dict(rope_proportion=0.5, window=4), "rope_proportion: proportional RoPE in the blocks without a window or chunk; "
+                                                                 "those with one need their own plain tables, local_rope_base"),
                            (dict(global_k_eq_v=1), "global_k_eq_v: expected a bool")):
         with pytest.raises(ValueError, match=message):
             dataclasses.replace(TINY, **knobs)
+
+
+def test_attention_softcap_caps_every_score_before_the_softmax_on_both_paths():
+    """attn_softcap c (Gemma 2's): softmax(c tanh(q k^T s / c)) v, the reference's and
+    FlexAttention's (its score_mod) alike, the window's block too; with sinks beside it; the
+    knob is checked (not beside DeepSeek sparse attention)."""
+    from fmoe.layers import attention, attention_context
+
+    cfg = dataclasses.replace(TINY, attn_softcap=0.5, window=4, window_layers=(0,))
+    model = Transformer(cfg)
+    cu, positions = torch.tensor([0, 9], dtype=torch.int32), torch.arange(9)
+    x = torch.randn(9, 32)
+    for block in (0, 1):
+        attn = model.blocks[block].attn
+        params = {n: getattr(attn, n).detach() * (30 if n in ("wq", "wk") else 1) for n in attn.names}  # scores past the cap
+        ctx = attention_context(cu, positions, cfg.context_config())
+        with torch.no_grad():
+            y = attention(x, params, attn.cfg, ctx)[0]
+            flex = attention(x, params, dataclasses.replace(attn.cfg, impl="flex"),
+                             attention_context(cu, positions, dataclasses.replace(cfg.context_config(), impl="flex")))[0]
+            torch.testing.assert_close(flex, y, rtol=1e-5, atol=1e-6)
+            q, k, v = (rearrange(t, "t (h d) -> h t d", d=8) for t in (x @ params["wq"], x @ params["wk"], x @ params["wv"]))
+            cos, sin = (ctx.local_cos, ctx.local_sin) if block == 0 and ctx.local_cos is not None else (ctx.cos, ctx.sin)
+            q, k = (fmoe.ops.apply_rope(t.transpose(0, 1), cos, sin, impl="torch").transpose(0, 1) for t in (q, k))
+            scores = 0.5 * torch.tanh(q @ k.repeat_interleave(2, dim=0).transpose(1, 2) * 8**-0.5 / 0.5)
+            keys = torch.arange(9)
+            allowed = (keys[None, :] <= keys[:, None]) & ((keys[:, None] - keys[None, :] < 4) if block == 0 else True)
+            out = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1) @ v.repeat_interleave(2, dim=0)
+            torch.testing.assert_close(y, rearrange(out, "h t d -> t (h d)") @ params["wo"], rtol=1e-5, atol=1e-6)
+            uncapped = attention(x, params, dataclasses.replace(attn.cfg, score_softcap=None), ctx)[0]
+            assert (uncapped - y).abs().max() > 1e-3
+    with torch.no_grad():  # beside sinks
+        sinks = Transformer(dataclasses.replace(cfg, attn_sinks=True)).blocks[1].attn
+        params = {n: getattr(sinks, n).detach() for n in sinks.names}
+        ctx = attention_context(cu, positions, cfg.context_config())
+        flex = attention(x, params, dataclasses.replace(sinks.cfg, impl="flex"),
+                         attention_context(cu, positions, dataclasses.replace(cfg.context_config(), impl="flex")))[0]
+        torch.testing.assert_close(flex, attention(x, params, sinks.cfg, ctx)[0], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="score_softcap: expected None or a positive finite number, without index_topk"):
+        dataclasses.replace(VARIANTS["dsa"], attn_softcap=30.0)
 
 
 def test_gemma4_moe_blocks_add_a_dense_mlp_beside_the_moe_and_scale_their_output():
@@ -1181,6 +1228,9 @@ DECODED = {
     "beam": VARIANTS["beam"],
     "gemma3": VARIANTS["gemma3"],
     "gemma4": dataclasses.replace(VARIANTS["gemma4"], mtp_depth=0),
+    # Gemma 2's: every attention score capped, over the window's blocks and the full one
+    "gemma2": dataclasses.replace(TINY, mlp_act="gelu_tanh", post_norms=True, zero_centered_norms=True, attn_softcap=0.5, window=4,
+                                  window_layers=(0, 2), logit_softcap=3.0),
     # ...with a window as long as the cache: its local blocks' heads of 6 in the full layers' store of 8
     "gemma4, one store": dataclasses.replace(VARIANTS["gemma4"], mtp_depth=0, window=16),
     # DBRX's: q, k and v clamped (the cached keys and values are the clamped ones)
