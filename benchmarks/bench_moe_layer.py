@@ -223,31 +223,36 @@ def run_shape(shape, device, dtype, impl, rate, bandwidth):
 GPT_OSS_GLU = dict(alpha=1.702, limit=7.0, offset=1.0)
 
 
+GLUS = {"swiglu clamped": GPT_OSS_GLU, "geglu": dict(act="gelu_tanh")}  # gpt-oss's experts; Gemma's (GELU's tanh form)
+
+
 def swiglu_rows(shape, device, dtype, impl, bandwidth) -> list[dict]:
-    """gpt-oss's clamped SwiGLU between the expert projections, forward + backward over the
-    T k x F activations: the fused kernels (impl) against the torch reference's autograd.
-    Bytes: gate and up read, h written (forward); gate, up and dh read, d gate and d up
-    written (backward): 8 T k F elements."""
+    """gpt-oss's clamped SwiGLU and Gemma's GeGLU between the expert projections, forward +
+    backward over the T k x F activations: the fused kernels (impl) against the torch
+    reference's autograd. Bytes: gate and up read, h written (forward); gate, up and dh read,
+    d gate and d up written (backward): 8 T k F elements."""
     g = torch.Generator(device=device).manual_seed(1)
     gate, up, dh = ((3 * torch.randn(shape.T * shape.k, shape.F, device=device, generator=g)).to(dtype) for _ in range(3))
     gate.requires_grad_()
     up.requires_grad_()
-
-    def run(which):
-        return lambda: torch.autograd.grad(swiglu(gate, up, impl=which, **GPT_OSS_GLU), (gate, up), dh)
-
-    fused, ref = run(impl)(), run("torch")()
-    for a, b in zip(fused, ref):
-        err = rel_err(a, b)
-        if err > 2e-2:
-            sys.exit(f"{shape.name}: the fused clamped SwiGLU's gradients differ from the torch reference's by {err:.3g}")
     nbytes = 8 * gate.numel() * gate.element_size()
     impls = {"fused": impl, "torch": "torch"}
-    ms = {name: bench(run(which), device, cpu_warmup=0, cpu_repeats=1, label=f"{shape.name}-swiglu-{name}")
-          for name, which in impls.items()}
-    return [bw_row(shape, f"swiglu clamped fwd+bwd {name}", nbytes, ms[name], bandwidth, run(which), device,
-                   fused_speedup=ms[name] / ms["fused"] if name == "torch" else None)
-            for name, which in impls.items()]
+    rows = []
+    for kind, glu in GLUS.items():
+        def run(which, glu=glu):
+            return lambda: torch.autograd.grad(swiglu(gate, up, impl=which, **glu), (gate, up), dh)
+
+        fused, ref = run(impl)(), run("torch")()
+        for a, b in zip(fused, ref):
+            err = rel_err(a, b)
+            if err > 2e-2:
+                sys.exit(f"{shape.name}: the fused {kind}'s gradients differ from the torch reference's by {err:.3g}")
+        ms = {name: bench(run(which), device, cpu_warmup=0, cpu_repeats=1, label=f"{shape.name}-{kind.replace(' ', '-')}-{name}")
+              for name, which in impls.items()}
+        rows += [bw_row(shape, f"{kind} fwd+bwd {name}", nbytes, ms[name], bandwidth, run(which), device,
+                        fused_speedup=ms[name] / ms["fused"] if name == "torch" else None)
+                 for name, which in impls.items()]
+    return rows
 
 
 def bw_row(shape, op: str, nbytes: int, ms: float, bandwidth: float, fn, device, **extra) -> dict:
