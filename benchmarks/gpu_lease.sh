@@ -13,6 +13,7 @@
 #     bash benchmarks/gpu_lease.sh g    # the DSA model's compiled train step alone (its MFU, host syncs): past 200 s on 2026-11-28
 #     bash benchmarks/gpu_lease.sh h    # the gpu tests (4 workers), bench_loss, bench_routing (dsv3 cases) (~4 min on an H200)
 #     bash benchmarks/gpu_lease.sh i    # the model's gpu tests, bench_hyper_connections, bench_routing's kolibri cases (not yet run)
+#                                       # (part h's gpu tests include GeGLU's kernels at a real shape; bench_moe_layer, parts a, c, f, its GeGLU rows)
 #
 # What comes back is written to $OUT (the device tool's folder; gpu_out/ elsewhere), at most
 # 8 files: RESULTS.md (run_all.py's sections, to append to benchmarks/RESULTS.md), log.txt,

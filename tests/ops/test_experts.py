@@ -526,7 +526,7 @@ def test_gpu_real_shape_auto_triton_reference():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("glu", [{}, dict(alpha=1.702, limit=1.0, offset=1.0)], ids=["plain", "clamped"])
+@pytest.mark.parametrize("glu", [{}, dict(alpha=1.702, limit=1.0, offset=1.0), dict(act="gelu_tanh")], ids=["plain", "clamped", "geglu"])
 def test_gpu_swiglu_real_shape(glu):
     gate = torch.randn(131072, 768, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     up = torch.randn_like(gate, requires_grad=True)
