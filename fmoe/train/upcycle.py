@@ -88,6 +88,9 @@ def granularity(cfg: TransformerConfig, dense_cfg: TransformerConfig) -> int:
     if cfg.norm_gate_rank:
         raise ValueError("norm_gate_rank: a MoE block's pre-MLP norm is gated (GatedRMSNorm), a dense block's is not, which changes the "
                          "dense block's function; upcycle without it")
+    if cfg.dense_beside_moe:
+        raise ValueError("dense_beside_moe: Gemma 4's MoE blocks keep a dense MLP beside the experts, each with norms of its own, which "
+                         "changes the dense block's function; upcycle without it")
     if cfg.zero_experts:
         raise ValueError("zero_experts: a slot routed to a zero expert passes its token through, which changes the dense block's "
                          "function; upcycle without them")
@@ -159,8 +162,8 @@ def upcycle_(model: Union[Transformer, Sequence[Transformer]], dense_state: Mapp
                 copy_full_value(p, experts)
             elif what == "shared.w_down":  # the shared experts add nothing until trained
                 copy_full_value(p, torch.zeros(p.shape))
-            elif what is not None and what.startswith(("router_bias", "shared.", "shared_gate")):
-                continue  # their initial values
+            elif what is not None and what.startswith(("router_bias", "router_norm", "expert_scale", "shared.", "shared_gate")):
+                continue  # their initial values (Gemma 4's router scales: ones, each group's weights alike)
             elif name not in dense_state:
                 raise ValueError(f"dense_state: no {name!r}: the dense model differs from the MoE model outside the MoE layers")
             else:

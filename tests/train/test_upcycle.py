@@ -41,6 +41,8 @@ CASES = {
     "g2-shared-expert": _moe(ffn_expert=32, k=2, n_shared=1, shared_gate=True),
     # a GeGLU dense model (Gemma's MLP) into GeGLU experts
     "g2-geglu-shared-expert": _moe(ffn_expert=32, k=2, n_shared=1, mlp_act="gelu_tanh"),
+    # Gemma 4's router: over its own norm, each weight times its expert's scale (both one at first)
+    "g2-router-norm-expert-scale": _moe(ffn_expert=32, k=2, router_norm=True, router_expert_scale=True),
 }
 
 
@@ -154,6 +156,7 @@ def test_the_pair_must_allow_an_exact_start():
         (_moe(shortcut_moe=True, n_layers=4, n_dense=0), "shortcut_moe: a pair's MoE output added after the next block"),
         (_moe(swiglu_limit=7.0), "swiglu_alpha, swiglu_limit, swiglu_offset: the dense FFN's SwiGLU is the plain one"),
         (_moe(mlp_act="gelu_tanh"), "mlp_act: the experts' gate activation must be the dense FFN's, 'silu', got 'gelu_tanh'"),
+        (_moe(dense_beside_moe=True, post_norms=True), "dense_beside_moe: Gemma 4's MoE blocks keep a dense MLP beside the experts"),
         (DENSE, "cfg: expected a model with MoE layers"),
     ]
     for cfg, message in bad:
