@@ -515,7 +515,7 @@ def _gemma4(hf: dict) -> dict:
     """A released Gemma 4 folder (gemma4, Gemma4ForConditionalGeneration): its text_config's
     model (_gemma4_text) under model.language_model. (the head at lm_head); the vision and
     audio models beside it are not read."""
-    return FAMILIES["gemma4_text"].kwargs(dict(_text_config(hf), model_type="gemma4_text"))
+    return _text_family(hf, "gemma4_text")
 
 
 def _gemma3(hf: dict) -> dict:
@@ -526,7 +526,7 @@ def _gemma3(hf: dict) -> dict:
     (its Gemma3ForCausalLM does)."""
     text = _text_config(hf)
     _refuse(text, "final_logit_softcapping", lambda v: v is None, "none in a gemma3 folder, whose transformers class does not cap the logits")
-    return FAMILIES["gemma3_text"].kwargs(dict(text, model_type="gemma3_text"))
+    return _text_family(hf, "gemma3_text", text)
 
 
 def _rope_by_layer_type(hf: dict, defaults: dict, partial: Optional[float] = None) -> tuple[dict, Optional[float]]:
@@ -1489,7 +1489,7 @@ def _llama4_text(hf: dict) -> dict:
 def _llama4(hf: dict) -> dict:
     """A released Llama 4 folder (llama4, Llama4ForConditionalGeneration): its text_config's
     model (_llama4_text); the vision model beside it is not read."""
-    return FAMILIES["llama4_text"].kwargs(dict(_text_config(hf), model_type="llama4_text"))
+    return _text_family(hf, "llama4_text")
 
 
 def _kimi_linear(hf: dict) -> dict:
@@ -1556,7 +1556,7 @@ def _kimi_k25(hf: dict) -> dict:
     """A released Kimi K2.5 / K2.6 folder (kimi_k25, KimiK25ForConditionalGeneration): its
     text_config's model, Kimi K2's (DeepSeek-V3's: transformers reads a kimi_k2 text config
     as deepseek_v3), under language_model.; the vision tower and projector are not read."""
-    return FAMILIES["kimi_k2"].kwargs(dict(_text_config(hf), model_type="kimi_k2"))
+    return _text_family(hf, "kimi_k2")
 
 
 def _afmoe(hf: dict) -> dict:
@@ -1723,10 +1723,16 @@ def _text_config(hf: dict) -> dict:
     return text
 
 
+def _text_family(hf: dict, kind: str, text: Optional[dict] = None) -> dict:
+    """A multimodal folder's text model (its text_config, _text_config; or `text`, that read
+    and checked) read as family `kind`'s."""
+    return FAMILIES[kind].kwargs(dict(_text_config(hf) if text is None else text, model_type=kind))
+
+
 def _qwen3_5_moe(hf: dict) -> dict:
     """A released Qwen3.5-MoE folder (qwen3_5_moe, Qwen3_5MoeForConditionalGeneration): its
     text_config's model (_qwen3_5_moe_text); the vision model beside it is not read."""
-    return FAMILIES["qwen3_5_moe_text"].kwargs(dict(_text_config(hf), model_type="qwen3_5_moe_text"))
+    return _text_family(hf, "qwen3_5_moe_text")
 
 
 def _text_part(text: dict, field: str):
@@ -2161,6 +2167,9 @@ _MIMO_ROPE = dict(full_attention=dict(rope_type="default", rope_theta=5e6, parti
                   sliding_attention=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.334))
 _OLMO3_ROPE = dict(full_attention=dict(rope_type="default", rope_theta=500000.0), sliding_attention=dict(rope_type="default", rope_theta=500000.0))
 _GEMMA3_ROPE = dict(full_attention=dict(rope_type="default", rope_theta=1e6), sliding_attention=dict(rope_type="default", rope_theta=1e4))
+# Gemma's sandwich norms (Gemma 2, 3 and 4; Beam's too): before and after the attention, before and after the MLP
+_GEMMA_SANDWICH = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+_GEMMA4 = dict(fused="halves_out", router="router.proj.weight", sandwich=_GEMMA_SANDWICH)  # Gemma 4's layout (Family's fields)
 _GEMMA4_ROPE = dict(full_attention=dict(rope_type="proportional", partial_rotary_factor=0.25, rope_theta=1e6),
                     sliding_attention=dict(rope_type="default", rope_theta=1e4))
 _LFM3_ROPE = dict(full_attention=dict(rope_type="proportional", partial_rotary_factor=0.5, rope_theta=1e6),
@@ -2275,8 +2284,7 @@ FAMILIES = {
                        sandwich=("input_layernorm", "post_attn_norm", "post_attention_layernorm", "post_ffn_norm"),
                        defaults=dict(num_key_value_heads=4, head_dim=128, sliding_window=513, moe_intermediate_size=512, num_local_experts=384,
                                      num_experts_per_tok=6, shared_expert_intermediate_size=512)),
-    "beam": Family(_beam, "mlp", _PROJ, "BeamForCausalLM", sandwich=("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                                                                      "post_feedforward_layernorm"),
+    "beam": Family(_beam, "mlp", _PROJ, "BeamForCausalLM", sandwich=_GEMMA_SANDWICH,
                    defaults=dict(num_key_value_heads=8, head_dim=128, sliding_window=512, intermediate_size=20480, moe_intermediate_size=2560,
                                  num_experts=256, num_experts_per_tok=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True,
                                  final_logit_softcapping=30.0)),
@@ -2392,26 +2400,24 @@ FAMILIES = {
     "olmo3": Family(_olmo3, "mlp", _PROJ, "Olmo3ForCausalLM", defaults=dict(rms_norm_eps=1e-5, sliding_window=4096)),
     "granite": Family(_granite, "mlp", _PROJ, "GraniteForCausalLM"),
     # Gemma 4: the MoE is the layer's own (its router and experts under model.layers.{i}), beside its dense mlp
-    "gemma4_text": Family(_gemma4_text, "", _STACKS, "Gemma4ForCausalLM", fused="halves_out", router="router.proj.weight",
-                          sandwich=("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"),
+    "gemma4_text": Family(_gemma4_text, "", _STACKS, "Gemma4ForCausalLM", **_GEMMA4,
                           defaults=dict(vocab_size=262144, num_key_value_heads=4, head_dim=256, sliding_window=512, tie_word_embeddings=True,
                                         hidden_size_per_layer_input=256, rope_parameters=_GEMMA4_ROPE)),
     # the released Gemma 4 folders: the text model under model.language_model., beside vision and audio models
-    "gemma4": Family(_gemma4, "", _STACKS, "Gemma4ForConditionalGeneration", fused="halves_out", router="router.proj.weight",
-                     sandwich=("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"),
+    "gemma4": Family(_gemma4, "", _STACKS, "Gemma4ForConditionalGeneration", **_GEMMA4,
                      prefix=("model.", "model.language_model."), written_as="gemma4_text",
                      not_read=("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")),
     "gemma2": Family(_gemma2, "mlp", _PROJ, "Gemma2ForCausalLM",
-                     sandwich=("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"),
+                     sandwich=_GEMMA_SANDWICH,
                      defaults=dict(vocab_size=256000, num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256, sliding_window=4096,
                                    tie_word_embeddings=True, final_logit_softcapping=30.0, attn_logit_softcapping=50.0)),
     "gemma3_text": Family(_gemma3_text, "mlp", _PROJ, "Gemma3ForCausalLM",
-                          sandwich=("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"),
+                          sandwich=_GEMMA_SANDWICH,
                           defaults=dict(vocab_size=262208, num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256, sliding_window=4096,
                                         tie_word_embeddings=True, rope_parameters=_GEMMA3_ROPE)),
     # the released Gemma 3 folders: the text model under language_model., beside a vision model
     "gemma3": Family(_gemma3, "mlp", _PROJ, "Gemma3ForConditionalGeneration",
-                     sandwich=("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"),
+                     sandwich=_GEMMA_SANDWICH,
                      prefix=("", "language_model."), not_read=("vision_tower.", "multi_modal_projector."), written_as="gemma3_text"),
     "youtu": Family(_youtu, "mlp", _PROJ, "YoutuForCausalLM",
                     defaults=dict(vocab_size=128256, num_key_value_heads=16, tie_word_embeddings=True, q_lora_rank=1536, kv_lora_rank=512,
@@ -3445,8 +3451,6 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
                   sliding_window=cfg.window, rope_parameters={kind: rope_of(kind) for kind in ("full_attention", "sliding_attention")},
                   final_logit_softcapping=cfg.logit_softcap, attention_bias=False)
     elif model_type == "gemma4_text":  # GeGLU; the sliding layers' geometry at the top level, the full ones' per layer; each type's RoPE
-        if cfg.mlp_act != "gelu_tanh":
-            raise ValueError(f"model: its config has no gemma4_text equivalent: Gemma 4's MLPs are GeGLU (mlp_act='gelu_tanh'), got {cfg.mlp_act!r}")
         hf.pop("hidden_act")
         hf.pop("num_experts_per_tok")
         full = [i for i in range(cfg.n_layers) if not cfg.is_sliding(i)]
@@ -3563,8 +3567,6 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
         elif model_type == "lfm2":  # the FFN's size as it is
             hf.update(_lfm2_config(cfg), block_auto_adjust_ff_dim=False)
         elif model_type == "lfm3":  # the window's layers beside the conv and full ones, each type's RoPE; the gate and sandwich norms
-            if cfg.attn_gate != cfg.attn_gate_per_head:
-                raise ValueError("model: its config has no lfm3 equivalent: LFM3's attention gate is one per head (attn_gate_per_head)")
             hf.update(_lfm2_config(cfg), sliding_window=cfg.window or 256, rope_parameters=_proportional_rope_parameters(cfg),
                       use_attention_gate=cfg.attn_gate, use_sandwich_norm=cfg.post_norms, attention_bias=False,
                       layer_types=["conv" if cfg.is_linear(i) else "sliding_attention" if cfg.is_sliding(i) else "full_attention" for i in range(cfg.n_layers)])
@@ -3576,8 +3578,6 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
                 hf.update(original_max_position_embeddings=cfg.longrope_original_max_positions)
             hf.update(dict(sliding_window=cfg.window) if model_type == "phi3" else dict(attention_bias=cfg.qkv_bias))
         elif model_type in ("gemma2", "gemma3_text"):  # GeGLU; the softmax scale as query_pre_attn_scalar; Gemma 3's RoPE per layer type
-            if cfg.mlp_act != "gelu_tanh":
-                raise ValueError(f"model: its config has no {model_type} equivalent: Gemma's MLPs are GeGLU (mlp_act='gelu_tanh'), got {cfg.mlp_act!r}")
             hf.pop("hidden_act")
             hf.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=_query_pre_attn_scalar(cfg), sliding_window=cfg.window or 4096,
                       layer_types=_layer_types(cfg), final_logit_softcapping=cfg.logit_softcap, attn_logit_softcapping=cfg.attn_softcap,

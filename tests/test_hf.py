@@ -2840,6 +2840,9 @@ def test_gemma3_reads_its_norms_scales_rope_per_layer_type_and_released_folders(
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "text", dtype=torch.float32).eval()
     with torch.no_grad():
         assert _rel(torch.cat([back(d[None]).logits[0] for d in docs]), theirs) < 1e-5
+    silu = dataclasses.replace(read, mlp_act="silu", impl="torch")  # GeGLU is Gemma's: a SwiGLU model has no gemma3_text equivalent
+    with pytest.raises(ValueError, match=r"model: its config has no gemma3_text equivalent: \{'mlp_act': \('silu', 'gelu_tanh'\)\}"):
+        hf.save_pretrained(hf.Transformer(silu), tmp_path / "silu", model_type="gemma3_text")
     capped = _edit(tmp_path / "gemma3", tmp_path / "capped", lambda c: c["text_config"].update(final_logit_softcapping=30.0))
     with pytest.raises(ValueError, match="config.json: final_logit_softcapping = 30.0 is not supported \\(none in a gemma3 folder"):
         hf.read_config(capped)
@@ -2928,6 +2931,9 @@ def test_gemma2_caps_its_attention_scores_and_lfm3_reads_its_three_layer_kinds(f
         assert _rel(model.logits(ids, cu), theirs) < 1e-5
         assert _rel(hf.from_pretrained(path, impl="torch", rope_proportion=None)[0].logits(ids, cu), theirs) > 1e-3
         assert _rel(hf.from_pretrained(path, impl="torch", strict=False, attn_gate=False, attn_gate_per_head=False)[0].logits(ids, cu), theirs) > 1e-3
+    whole = dataclasses.replace(cfg, attn_gate_per_head=False)  # LFM3's gate is one per head
+    with pytest.raises(ValueError, match=r"model: its config has no lfm3 equivalent: \{'attn_gate_per_head': \(False, True\)\}"):
+        hf.save_pretrained(hf.Transformer(whole), tmp_path / "whole", model_type="lfm3")
     ten = hf.read_config(_edit(path, tmp_path / "ten", lambda c: c.update(num_hidden_layers=10, layer_types=None)))[1]
     kinds = transformers.Lfm3Config(num_hidden_layers=10).layer_types
     assert ten.linear_layers == tuple(i for i, k in enumerate(kinds) if k == "conv") == (0, 1, 3, 5, 7, 9)
