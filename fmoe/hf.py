@@ -373,7 +373,7 @@ def _gemma3_text(hf: dict) -> dict:
 def _gemma_dense(hf: dict) -> dict:
     """The dense blocks of Gemma 2 and 3 (_dense): zero-centred sandwich norms, GeGLU MLPs
     (hidden_activation gelu_pytorch_tanh: mlp_act "gelu_tanh"), the embeddings times
-    sqrt(hidden_size), the softmax scale query_pre_attn_scalar ** -0.5 (None where it is
+    sqrt(hidden_size) rounded to their dtype (round_embed_scale), the softmax scale query_pre_attn_scalar ** -0.5 (None where it is
     head_dim's), the window over the layers layer_types names sliding_attention, the logits
     capped at final_logit_softcapping; bidirectional attention and attention biases refused."""
     _refuse(hf, "use_bidirectional_attention", lambda v: not v, "causal attention")
@@ -387,7 +387,7 @@ def _gemma_dense(hf: dict) -> dict:
             "a positive number")
     softcap = hf.get("final_logit_softcapping")
     return _dense(dict(hf, hidden_act="silu"), sliding=True, mlp_act="gelu_tanh", post_norms=True, zero_centered_norms=True,
-                  embed_scale=float(hf["hidden_size"]) ** 0.5, attn_scale=None if scalar == head_dim else float(scalar) ** -0.5,
+                  embed_scale=float(hf["hidden_size"]) ** 0.5, round_embed_scale=True, attn_scale=None if scalar == head_dim else float(scalar) ** -0.5,
                   logit_softcap=None if softcap is None else float(softcap))
 
 
@@ -453,7 +453,7 @@ def _gemma4_text(hf: dict) -> dict:
                           rope_parameters=dict(rope_type="default", rope_theta=rope.pop("rope_base"))), 1, sliding=True)
     softcap = hf.get("final_logit_softcapping")
     out = dict(common, **rope, mlp_act="gelu_tanh", qk_norm="head", v_norm=True, global_k_eq_v=k_eq_v, post_norms=True, attn_scale=1.0,
-               embed_scale=float(hf["hidden_size"]) ** 0.5, layer_scalars=True, logit_softcap=None if softcap is None else float(softcap),
+               embed_scale=float(hf["hidden_size"]) ** 0.5, round_embed_scale=True, layer_scalars=True, logit_softcap=None if softcap is None else float(softcap),
                local_head_dim=sliding_dim if window and sliding_dim != dim else None, local_kv_heads=sliding_kv if window and sliding_kv != kv else None,
                ffn_dense=hf["intermediate_size"], n_shared=0)
     if not hf.get("enable_moe_block"):

@@ -391,7 +391,9 @@ class TransformerConfig:
     output head is the embedding; head_bias: the head adds a bias [V] to the logits (Phi-3.5-MoE's
     lm_head; fmoe.ops.linear_cross_entropy's bias). Granite's multipliers (each 1 / None: none): attn_scale,
     the softmax scale (None: 1/sqrt(head_dim), or YaRN's); embed_scale multiplies every
-    embedding lookup (the trunk's and the MTP modules'); residual_scale multiplies each
+    embedding lookup (the trunk's and the MTP modules'); round_embed_scale: embed_scale rounded
+    to the embeddings' dtype before it multiplies (Gemma's: sqrt(1152) = 33.94 multiplies bf16
+    embeddings as 34.0; float32 ones as itself); residual_scale multiplies each
     attention and MLP output before its residual add; depth_scaled_residual: the n-th
     residual add (the embedding the first, block i's attention the 2i + 2-th, its MLP the
     2i + 3-th) is x sqrt((n - 1) / n) + y / sqrt(n) (Beam's); the logits are divided by
@@ -572,6 +574,7 @@ class TransformerConfig:
     tie_embeddings: bool = False
     attn_scale: Optional[float] = None
     embed_scale: float = 1.0
+    round_embed_scale: bool = False
     residual_scale: float = 1.0
     depth_scaled_residual: bool = False
     logit_divisor: float = 1.0
@@ -1864,10 +1867,13 @@ class Transformer(nn.Module):
         return loss_sum, loss_mask.sum()
 
     def _embedding(self, ids: torch.Tensor) -> torch.Tensor:
-        """The embeddings of token ids [...] -> [..., H], x embed_scale (F.embedding: a
+        """The embeddings of token ids [...] -> [..., H], x embed_scale, rounded to their dtype
+        first with round_embed_scale (a 0-dim CPU tensor: no device copy) (F.embedding: a
         deterministic backward on CPU, unlike indexing)."""
         h = F.embedding(ids, self.embed)
-        return h if self.cfg.embed_scale == 1.0 else h * self.cfg.embed_scale
+        if self.cfg.embed_scale == 1.0:
+            return h
+        return h * (torch.tensor(self.cfg.embed_scale, dtype=h.dtype) if self.cfg.round_embed_scale else self.cfg.embed_scale)
 
     def _trunk_input(self, ids: torch.Tensor) -> torch.Tensor:
         """The first block's input of token ids [T]: their embeddings [T, H], or with

@@ -361,14 +361,15 @@ def test_a_run_of_fmoe_s_own_with_gemma4_s_pieces_exports_as_gemma4_text(tmp_pat
     global block whose values are its keys' projection under proportional RoPE, normed
     values, each MoE beside a dense MLP and routed over its own norm with a scale per expert,
     and layer scalars exports with --model_type=gemma4_text, and transformers loads it with
-    the run's logits."""
+    the run's logits. Without Gemma's embedding scale rounded to the embeddings' dtype
+    (--model.round_embed_scale) it has no gemma4_text equivalent."""
     own = ["--model.hidden=32", "--model.n_layers=2", "--model.n_dense=0", "--model.n_experts=4", "--model.k=2", "--model.ffn_expert=16",
            "--model.ffn_dense=24", "--model.n_shared=0", "--model.score=softmax", "--model.expert_bias=False", "--model.n_heads=4",
            "--model.n_kv_heads=1", "--model.head_dim=16", "--model.qk_norm=head", "--model.post_norms=True", "--model.mlp_act=gelu_tanh",
            "--model.v_norm=True", "--model.global_k_eq_v=True", "--model.window=4", "--model.window_layers=0", "--model.local_head_dim=8",
            "--model.local_kv_heads=2", "--model.local_rope_base=100", "--model.rope_proportion=0.25", "--model.dense_beside_moe=True",
            "--model.router_norm=True", "--model.router_expert_scale=True", "--model.layer_scalars=True", "--model.attn_scale=1.0",
-           "--model.embed_scale=5.656854249492381", "--model.logit_softcap=3.0", "--model.tie_embeddings=True", *RUN, "--model.mtp_depth=0"]
+           "--model.embed_scale=5.656854249492381", "--model.round_embed_scale=True", "--model.logit_softcap=3.0", "--model.tie_embeddings=True", *RUN, "--model.mtp_depth=0"]
     run = _train(tmp_path / "run", knobs=own)
     cli = _export(run, tmp_path / "out", "--model_type=gemma4_text")
     assert cli.returncode == 0, cli.stderr[-3000:]
@@ -378,3 +379,6 @@ def test_a_run_of_fmoe_s_own_with_gemma4_s_pieces_exports_as_gemma4_text(tmp_pat
     docs, ids, cu = _docs(258)  # byte data's vocabulary
     with torch.no_grad():
         assert _rel(_transformers_logits(tmp_path / "out", docs), model.logits(ids, cu)) < 1e-5
+    unrounded = hf.Transformer(dataclasses.replace(model.cfg, round_embed_scale=False))
+    with pytest.raises(ValueError, match=r"no gemma4_text equivalent: \{'round_embed_scale': \(False, True\)\}"):
+        hf.save_pretrained(unrounded, tmp_path / "unrounded", model_type="gemma4_text")

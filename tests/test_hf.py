@@ -5,6 +5,7 @@ packed documents (fmoe's packed forward against HF run per document) through the
 the Triton paths, and the same loss; fmoe's export loads back into transformers with the
 same logits, and re-exporting a loaded folder gives bit-identical files."""
 
+import copy
 import dataclasses
 import filecmp
 import json
@@ -2846,6 +2847,30 @@ def test_gemma3_reads_its_norms_scales_rope_per_layer_type_and_released_folders(
     capped = _edit(tmp_path / "gemma3", tmp_path / "capped", lambda c: c["text_config"].update(final_logit_softcapping=30.0))
     with pytest.raises(ValueError, match="config.json: final_logit_softcapping = 30.0 is not supported \\(none in a gemma3 folder"):
         hf.read_config(capped)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "gemma4_text"])
+def test_gemma_rounds_its_embedding_scale_to_the_embeddings_dtype(family, folders):
+    """Gemma multiplies its embeddings by sqrt(hidden_size) rounded to their dtype
+    (round_embed_scale): loaded in bf16, the first block's input equals transformers' bf16
+    embeddings bit for bit (sqrt(32) = 5.657 is 5.656 in bf16); read without the rounding it
+    does not. In float32 the scale is itself (the parity tests)."""
+    path, ref = folders[family]
+    model, cfg = hf.from_pretrained(path, impl="torch", dtype=torch.bfloat16)
+    plain, _ = hf.from_pretrained(path, impl="torch", dtype=torch.bfloat16, round_embed_scale=False)
+    assert cfg.round_embed_scale and cfg.embed_scale == 32**0.5 != float(torch.tensor(32**0.5, dtype=torch.bfloat16))
+    theirs_model = copy.deepcopy(ref).to(torch.bfloat16)
+    docs, _, _ = _packed()
+    ids, cu = docs[0], torch.tensor([0, len(docs[0])], dtype=torch.int32)
+    with torch.no_grad():
+        theirs = theirs_model(ids[None], output_hidden_states=True).hidden_states[0][0]
+        assert theirs.dtype == torch.bfloat16
+        for m, equal in ((model, True), (plain, False)):
+            seen = []
+            hook = m.blocks[0].register_forward_pre_hook(lambda mod, args: seen.append(args[0]))
+            m.logits(ids, cu)
+            hook.remove()
+            assert seen[0].dtype == torch.bfloat16 and torch.equal(seen[0], theirs) == equal
 
 
 def test_gemma4_reads_its_per_layer_geometry_rope_and_moe_blocks(folders, tmp_path):
