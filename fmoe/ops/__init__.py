@@ -13,7 +13,7 @@ from fmoe.ops.balance import (
     update_expert_bias,
     z_loss,
 )
-from fmoe.ops.delta import gated_delta_rule
+from fmoe.ops.delta import gated_delta_rule, gated_linear_attention
 from fmoe.ops.dispatch import PermutePlan, permute, unpermute
 from fmoe.ops.experts import grouped_mlp, swiglu
 from fmoe.ops.fp8 import fp8_matmul, fp8_quantize
@@ -45,6 +45,7 @@ __all__ = [
     "fp8_matmul",
     "fp8_quantize",
     "gated_delta_rule",
+    "gated_linear_attention",
     "grouped_mlp",
     "indexer_scores",
     "linear_cross_entropy",

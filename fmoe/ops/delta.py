@@ -22,7 +22,15 @@ The decay is a head's (g [B, T, N]: Gated DeltaNet) or each key channel's (g [B,
 Kimi Delta Attention, KDA, of Kimi Linear): S'_t = diag(exp(g_t)) S_{t-1}, row d of the
 state decayed by exp(g_t,d).
 
-`gated_delta_rule_loop` is that recurrence token by token: the definition of correctness.
+Without the delta rule (`gated_linear_attention`: Mamba-2's SSD, MiniMax's lightning
+attention, RetNet, GLA) every token writes its key and value whole, u_t = v_t:
+
+    S_t = exp(g_t) S_{t-1} + k_t v_t^T,     o_t = S_t^T (scale q_t)
+
+computed by the same chunks with beta = 1 and A = 0 (no solve, no recall of S0).
+
+`gated_delta_rule_loop` is that recurrence token by token: the definition of correctness
+(`gated_linear_attention_loop` without the rule).
 `gated_delta_rule` computes the same in chunks of C = chunk_size tokens (the WY form of
 DeltaNet, Yang et al. 2024): inside a chunk, with gamma_i = g_1 + ... + g_i (the chunk's tokens
 i = 1..C), Gamma_i = exp(gamma_i), and the state S0 the chunk starts from,
@@ -76,14 +84,15 @@ def _documents(cu_seqlens: Optional[torch.Tensor], B: int, T: int, device) -> to
 
 
 def _check(q, k, v, g, beta, cu_seqlens, scale, initial_state) -> float:
-    """Shapes, dtypes and devices (no value is read); returns the scale."""
+    """Shapes, dtypes and devices (no value is read); returns the scale. beta None: the
+    linear attention without the delta rule (gated_linear_attention)."""
     check_float("q", q, 4, "[B, T, N, Dk]")
     check_float("v", v, 4, "[B, T, N, Dv]")
     B, T, N, Dk = q.shape
     per_channel = isinstance(g, torch.Tensor) and g.ndim == 4  # Kimi Delta Attention's decay
     expected = dict(k=(B, T, N, Dk), v=(B, T, N, v.shape[-1]), g=(B, T, N, Dk) if per_channel else (B, T, N), beta=(B, T, N))
     docs = dict(k="[B, T, N, Dk]", v="[B, T, N, Dv]", g="[B, T, N] or [B, T, N, Dk]", beta="[B, T, N]")
-    for name, x in (("k", k), ("v", v), ("g", g), ("beta", beta)):
+    for name, x in (("k", k), ("v", v), ("g", g), ("beta", beta))[:None if beta is not None else 3]:  # beta None: no delta rule
         check_float(name, x, len(expected[name]), docs[name])
         if tuple(x.shape) != expected[name]:
             raise ValueError(f"{name}: expected shape {list(expected[name])} ({docs[name]} of q's B, T, N, Dk), got {list(x.shape)}")
@@ -109,10 +118,17 @@ def gated_delta_rule_loop(q, k, v, g, beta, cu_seqlens=None, *, scale=None, init
     """The gated delta rule token by token (module docstring): the definition the chunked
     form is tested against, and the cheapest form for a token or two (decoding). Same
     arguments and results as gated_delta_rule."""
+    check_float("beta", beta, 3, "[B, T, N]")
+    return _loop(q, k, v, g, beta, cu_seqlens, scale, initial_state, final_state)
+
+
+def _loop(q, k, v, g, beta, cu_seqlens, scale, initial_state, final_state: bool):
+    """gated_delta_rule_loop, or gated_linear_attention_loop with beta None."""
     scale = _check(q, k, v, g, beta, cu_seqlens, scale, initial_state)
     B, T, N, Dk = q.shape
     Dv = v.shape[-1]
-    q32, k32, v32, g32, beta32 = (x.float() for x in (q, k, v, g, beta))
+    q32, k32, v32, g32 = (x.float() for x in (q, k, v, g))
+    beta32 = None if beta is None else beta.float()
     doc_BT = _documents(cu_seqlens, B, T, q.device)
     S = torch.zeros(B, N, Dk, Dv, device=q.device) if initial_state is None else initial_state.float()
     outs = []
@@ -120,8 +136,7 @@ def gated_delta_rule_loop(q, k, v, g, beta, cu_seqlens=None, *, scale=None, init
         if t > 0:  # a new document starts from S = 0 (a product, not a branch on a value)
             S = S * (doc_BT[:, t] == doc_BT[:, t - 1]).float()[:, None, None, None]
         S = S * (g32[:, t].exp()[..., None] if g.ndim == 4 else g32[:, t].exp()[..., None, None])  # per channel: rows of S
-        recalled = torch.einsum("bnkv,bnk->bnv", S, k32[:, t])
-        u = beta32[:, t, :, None] * (v32[:, t] - recalled)
+        u = v32[:, t] if beta is None else beta32[:, t, :, None] * (v32[:, t] - torch.einsum("bnkv,bnk->bnv", S, k32[:, t]))
         S = S + k32[:, t, :, :, None] * u[:, :, None, :]
         outs.append(torch.einsum("bnkv,bnk->bnv", S, scale * q32[:, t]))
     o = (torch.stack(outs, 1) if outs else v32.new_zeros(B, 0, N, Dv)).to(v.dtype)
@@ -377,6 +392,31 @@ def gated_delta_rule(q, k, v, g, beta, cu_seqlens=None, *, scale=None, initial_s
 
     Example: o = gated_delta_rule(q, k, v, -F.softplus(a), torch.sigmoid(b), cu_seqlens)
     """
+    check_float("beta", beta, 3, "[B, T, N]")
+    return _chunked(q, k, v, g, beta, cu_seqlens, scale, initial_state, final_state, chunk_size, impl)
+
+
+def gated_linear_attention(q, k, v, g, cu_seqlens=None, *, scale=None, initial_state=None, final_state: bool = False,
+                           chunk_size: int = 64, impl: str = "auto"):
+    """Gated linear attention over packed documents, in chunks: the gated delta rule without
+    the rule (module docstring), S_t = exp(g_t) S_{t-1} + k_t v_t^T, o_t = S_t^T (scale q_t).
+    Mamba-2's SSD (q = C, k = B, v = x dt, g = A dt), MiniMax's lightning attention (g a
+    constant per head), RetNet and GLA (g per key channel). Arguments and results as
+    gated_delta_rule's, without beta.
+
+    Example: o = gated_linear_attention(q, k, v, -slope.expand(1, T, N), cu_seqlens, scale=1.0)
+    """
+    return _chunked(q, k, v, g, None, cu_seqlens, scale, initial_state, final_state, chunk_size, impl)
+
+
+def gated_linear_attention_loop(q, k, v, g, cu_seqlens=None, *, scale=None, initial_state=None, final_state: bool = False):
+    """gated_linear_attention token by token (gated_delta_rule_loop without the rule): its
+    definition, and the cheapest form for a token or two."""
+    return _loop(q, k, v, g, None, cu_seqlens, scale, initial_state, final_state)
+
+
+def _chunked(q, k, v, g, beta, cu_seqlens, scale, initial_state, final_state: bool, chunk_size: int, impl: str):
+    """gated_delta_rule (beta [B, T, N]) or gated_linear_attention (beta None: u = v, no solve)."""
     scale = _check(q, k, v, g, beta, cu_seqlens, scale, initial_state)
     check_positive_int("chunk_size", chunk_size)
     B, T, N, Dk = q.shape
@@ -398,7 +438,7 @@ def gated_delta_rule(q, k, v, g, beta, cu_seqlens=None, *, scale=None, initial_s
         return x.reshape(B, M, C, *x.shape[2:]).movedim(3, 1)
 
     q_BNMCK, k_BNMCK, v_BNMCV = chunks(q, scale), chunks(k), chunks(v)
-    g_BNMC, beta_BNMC = chunks(g), chunks(beta)  # g_BNMC: [B, N, M, C, Dk] with a decay per key channel
+    g_BNMC = chunks(g)  # [B, N, M, C, Dk] with a decay per key channel
     doc_BMC = doc_BT.reshape(B, M, C)
     prev_BM = torch.cat([doc_BMC[:, :1, 0], doc_BMC[:, :-1, -1]], 1)  # the document each chunk's S0 belongs to
     carry_B1MC = (doc_BMC == prev_BM[..., None]).float()[:, None]  # tokens continuing it
@@ -408,7 +448,7 @@ def gated_delta_rule(q, k, v, g, beta, cu_seqlens=None, *, scale=None, initial_s
     last_B1M = (doc_BMC == doc_BMC[..., -1:]).float()[:, None]  # tokens of each chunk's last document
     if g.ndim == 4:  # per key channel: gamma [B, N, M, C, Dk], the pairs' decays inside the dot products
         gamma = g_BNMC.cumsum(-2)
-        kk_BNMCC = _pair_sums(k_BNMCK, k_BNMCK, gamma)
+        kk_BNMCC = None if beta is None else _pair_sums(k_BNMCK, k_BNMCK, gamma)
         scores_BNMCC = _pair_sums(q_BNMCK, k_BNMCK, gamma) * pairs_B1MCC
         reach = carry_B1MC[..., None] * gamma.exp()  # [B, N, M, C, Dk]: S0's decay at each token
         to_end = (gamma[..., -1:, :] - gamma).exp() * last_B1M[..., None]  # each token's decay to the chunk's end
@@ -417,24 +457,28 @@ def gated_delta_rule(q, k, v, g, beta, cu_seqlens=None, *, scale=None, initial_s
         gamma = g_BNMC.cumsum(-1)
         # exp(gamma_i - gamma_j) on the pairs, 0 elsewhere (the exponent is masked first: j > i would overflow)
         decay_BNMCC = (gamma[..., :, None] - gamma[..., None, :]).masked_fill(~pairs_B1MCC, float("-inf")).exp()
-        kk_BNMCC = (k_BNMCK @ k_BNMCK.transpose(-1, -2)) * decay_BNMCC
+        kk_BNMCC = None if beta is None else (k_BNMCK @ k_BNMCK.transpose(-1, -2)) * decay_BNMCC
         scores_BNMCC = (q_BNMCK @ k_BNMCK.transpose(-1, -2)) * decay_BNMCC
         reach = (carry_B1MC * gamma.exp())[..., None]
         to_end = ((gamma[..., -1:] - gamma).exp() * last_B1M)[..., None]
         keep_BNMK = (carry_B1MC[..., -1] * gamma[..., -1].exp())[..., None]  # S0's share of the chunk's end state, every row alike
-    A_BNMCC = beta_BNMC[..., None] * kk_BNMCC * (pairs_B1MCC & strict_CC)
-    unit_lower = A_BNMCC + torch.eye(C, device=q.device)
-    kbeta_BNMCK = k_BNMCK * beta_BNMC[..., None]
-    # U = W_v - W_k S0: the parts of the solve that do not need the state, for every chunk at once
-    W_v = torch.linalg.solve_triangular(unit_lower, v_BNMCV * beta_BNMC[..., None], upper=False, unitriangular=True)
-    W_k = torch.linalg.solve_triangular(unit_lower, kbeta_BNMCK * reach, upper=False, unitriangular=True)
+    if beta is None:  # no rule: U = V, nothing recalled from S0
+        W_v, W_k = v_BNMCV, k_BNMCK.new_zeros(k_BNMCK.shape)
+    else:
+        beta_BNMC = chunks(beta)
+        A_BNMCC = beta_BNMC[..., None] * kk_BNMCC * (pairs_B1MCC & strict_CC)
+        unit_lower = A_BNMCC + torch.eye(C, device=q.device)
+        kbeta_BNMCK = k_BNMCK * beta_BNMC[..., None]
+        # U = W_v - W_k S0: the parts of the solve that do not need the state, for every chunk at once
+        W_v = torch.linalg.solve_triangular(unit_lower, v_BNMCV * beta_BNMC[..., None], upper=False, unitriangular=True)
+        W_k = torch.linalg.solve_triangular(unit_lower, kbeta_BNMCK * reach, upper=False, unitriangular=True)
     q_in_BNMCK = q_BNMCK * reach  # the queries' reach into S0
     k_out_BNMCK = k_BNMCK * to_end
     R = B * N  # rows of the recurrence: batch rows x heads
     w_v, w_k, k_out = (t.reshape(R, M, C, -1) for t in (W_v, W_k, k_out_BNMCK))
     states = _states(w_v, w_k, k_out, keep_BNMK.expand(B, N, M, Dk).reshape(R, M, Dk), state_BNKV.reshape(R, Dk, Dv), impl)
     before = states[:, :-1]  # the state each chunk starts from
-    u_RMCV = w_v - w_k @ before
+    u_RMCV = w_v if beta is None else w_v - w_k @ before
     o_RMCV = q_in_BNMCK.reshape(R, M, C, Dk) @ before + scores_BNMCC.reshape(R, M, C, C) @ u_RMCV
     o = o_RMCV.reshape(B, N, M * C, Dv)[:, :, :T].transpose(1, 2).to(v.dtype)
     state_BNKV = states[:, -1].reshape(B, N, Dk, Dv)

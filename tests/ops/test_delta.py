@@ -1,4 +1,5 @@
-"""The gated delta rule (fmoe/ops/delta.py): a worked example, the chunked form against the
+"""The gated delta rule and gated linear attention, the rule without the delta
+(fmoe/ops/delta.py): worked examples, the chunked form against the
 token-by-token loop (forward and backward, packed documents, states, chunk sizes; a decay per
 head and per key channel), against transformers' own torch implementations (Qwen3-Next's and
 Kimi Linear's), the states' Triton kernels against torch (the interpreter on CPU; real shapes
@@ -10,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fmoe.ops import gated_delta_rule
-from fmoe.ops.delta import _pair_sums, gated_delta_rule_loop
+from fmoe.ops import gated_delta_rule, gated_linear_attention
+from fmoe.ops.delta import _pair_sums, gated_delta_rule_loop, gated_linear_attention_loop
 from fmoe.train.metrics import HostReads
 
 
@@ -225,20 +226,21 @@ def test_states_kernels_pass_opcheck():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T,docs,channels,seed", [(8192, [0, 5000, 8000, 8192], False, 9), (4096, [0, 3000, 4096], True, 10)],
-                         ids=["qwen3-next", "kimi-linear"])
-def test_gpu_real_shape(T, docs, channels, seed):
+@pytest.mark.parametrize("T,docs,channels,seed,rule", [(8192, [0, 5000, 8000, 8192], False, 9, True), (4096, [0, 3000, 4096], True, 10, True),
+                                                      (8192, [0, 5000, 8192], False, 11, False)], ids=["qwen3-next", "kimi-linear", "lightning"])
+def test_gpu_real_shape(T, docs, channels, seed, rule):
     """On CUDA at real heads (32 heads of Dk = Dv = 128): Qwen3-Next's (a decay per head), 8192
     packed tokens in documents of 5000, 3000 and 192; Kimi Linear's (a decay per key channel),
-    4096 tokens in documents of 3000 and 1096. The kernels (impl "auto") against the torch
-    states, bf16 inputs, forward and backward."""
+    4096 tokens in documents of 3000 and 1096; gated linear attention (no rule: MiniMax's
+    lightning attention), 8192 tokens in documents of 5000 and 3192. The kernels (impl
+    "auto") against the torch states, bf16 inputs, forward and backward."""
     N, D = 32, 128
-    xs = [x.cuda().bfloat16().requires_grad_() for x in _inputs(1, T, N, D, D, seed=seed, channels=channels)]
+    xs = [x.cuda().bfloat16().requires_grad_() for x in _inputs(1, T, N, D, D, seed=seed, channels=channels)][:5 if rule else 4]
     cu = torch.tensor(docs, device="cuda")
     grad_o = torch.randn(1, T, N, D, device="cuda", dtype=torch.bfloat16)
     results = []
     for impl in ("auto", "torch"):
-        o = gated_delta_rule(*xs, cu, impl=impl)
+        o = (gated_delta_rule if rule else gated_linear_attention)(*xs, cu, impl=impl)
         results.append((o, *torch.autograd.grad((o.float() * grad_o.float()).sum(), xs)))
     for got, ref in zip(*results):
         assert (got.float() - ref.float()).norm() / ref.float().norm() < 1e-2
@@ -264,3 +266,98 @@ def test_bad_arguments_are_named(change, match):
     args = change(dict(q=q, k=k, v=v, g=g, beta=beta))
     with pytest.raises(ValueError, match=match):
         gated_delta_rule(**args)
+
+
+# ---------------------------------------------------------------------------- gated linear attention (no delta rule)
+
+
+def test_linear_attention_worked_example():
+    """One head, Dk = Dv = 1, q = k = 1, scale 1: v = (2, 4), decays (1, 0.5). t=1: S = 2,
+    o = 2. t=2: S = 0.5 * 2 + 4 = 5, o = 5. A second document restarts: v = 3 -> o = 3, and
+    the final state is the last document's, 3. gated_delta_rule needs its beta."""
+    ones = torch.ones(1, 3, 1, 1)
+    v = torch.tensor([2.0, 4.0, 3.0]).view(1, 3, 1, 1)
+    g = torch.tensor([0.0, math.log(0.5), -1.0]).view(1, 3, 1)
+    cu = torch.tensor([0, 2, 3], dtype=torch.int32)
+    for fn in (gated_linear_attention_loop, gated_linear_attention):
+        o, state = fn(ones, ones, v, g, cu, scale=1.0, final_state=True)
+        torch.testing.assert_close(o.flatten(), torch.tensor([2.0, 5.0, 3.0]))
+        torch.testing.assert_close(state.flatten(), torch.tensor([3.0]))
+    for fn in (gated_delta_rule, gated_delta_rule_loop):
+        with pytest.raises(ValueError, match=r"beta: expected a tensor|beta: expected a 3-D tensor"):
+            fn(ones, ones, v, g, None)
+
+
+@pytest.mark.parametrize("channels", [False, True], ids=["per-head", "per-channel"])
+def test_linear_attention_loop_is_its_attention_form(channels):
+    """The loop against the attention form in float64, with two documents and an initial
+    state of the first: o_t = sum_{j <= t, one document} (scale q_t . (k_j exp(gamma_t - gamma_j))) v_j
+    + (scale q_t exp(gamma_t)) S0 (the S0 term in the first document only), gamma the
+    document's cumulative log-decays (per key channel with channels)."""
+    T, N, Dk, Dv, cut = 9, 2, 3, 2, 4
+    q, k, v, g, _ = _inputs(1, T, N, Dk, Dv, seed=20, channels=channels)
+    state0 = torch.randn(1, N, Dk, Dv)
+    cu = torch.tensor([0, cut, T])
+    o = gated_linear_attention_loop(q, k, v, g, cu, scale=0.7, initial_state=state0)
+    g4 = (g if channels else g[..., None].expand(1, T, N, Dk)).double()
+    want = torch.zeros(1, T, N, Dv, dtype=torch.float64)
+    for a, b in ((0, cut), (cut, T)):
+        gamma = g4[0, a:b].cumsum(0)  # [L, N, Dk]
+        for t in range(b - a):
+            for j in range(t + 1):
+                w = (0.7 * q[0, a + t].double() * k[0, a + j].double() * (gamma[t] - gamma[j]).exp()).sum(-1)  # [N]
+                want[0, a + t] += w[:, None] * v[0, a + j].double()
+            if a == 0:
+                want[0, t] += torch.einsum("nk,nkv->nv", 0.7 * q[0, t].double() * gamma[t].exp(), state0[0].double())
+    torch.testing.assert_close(o.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("channels", [False, True], ids=["per-head", "per-channel"])
+@pytest.mark.parametrize("B,T,N,Dk,Dv,chunk,packed", [(2, 37, 3, 8, 5, 8, False), (1, 45, 2, 16, 8, 16, True), (1, 1, 2, 4, 4, 64, False)])
+def test_linear_attention_chunks_equal_the_loop(B, T, N, Dk, Dv, chunk, packed, channels, impl):
+    """Forward, final state and every gradient with an initial state, packed documents
+    (one empty), chunks that do not divide T; the states in torch or in their Triton
+    kernels (the interpreter on CPU)."""
+    q, k, v, g, _ = _inputs(B, T, N, Dk, Dv, seed=21, requires_grad=True, channels=channels)
+    xs = [q, k, v, g]
+    state0 = torch.randn(B, N, Dk, Dv, requires_grad=True)
+    cu = torch.tensor([0, 9, 9, 30, T]) if packed else None
+    grad_o, grad_s = torch.randn(B, T, N, Dv), torch.randn(B, N, Dk, Dv)
+    results = []
+    for fn, kw in ((gated_linear_attention_loop, {}), (gated_linear_attention, dict(chunk_size=chunk, impl=impl))):
+        o, s = fn(*xs, cu, initial_state=state0, final_state=True, **kw)
+        grads = torch.autograd.grad((o * grad_o).sum() + (s * grad_s).sum(), [*xs, state0])
+        results.append((o, s, *grads))
+    for ref, got in zip(*results):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * max(1.0, float(ref.detach().abs().max())))
+
+
+def test_linear_attention_reads_nothing_on_the_host_and_compiles_whole():
+    q, k, v, g, _ = _inputs(1, 24, 2, 8, 4, seed=22, requires_grad=True)
+    xs, cu = [q, k, v, g], torch.tensor([0, 7, 24])
+    with HostReads() as reads:
+        o, s = gated_linear_attention(*xs, cu, final_state=True, chunk_size=8)
+        torch.autograd.backward([o, s], [torch.randn_like(o), torch.randn_like(s)])
+    assert reads.count == 0, reads.sites
+
+    def step(*xs):
+        o, s = gated_linear_attention(*xs, cu, final_state=True, chunk_size=8)
+        return (o * 2).sum() + (s * 3).sum()
+
+    eager = torch.autograd.grad(step(*xs), xs)
+    compiled = torch.autograd.grad(torch.compile(step, backend="aot_eager", fullgraph=True)(*xs), xs)
+    for e, c in zip(eager, compiled):
+        torch.testing.assert_close(c, e)
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda a: dict(a, g=a["g"][:, :5]), r"g: expected shape \[1, 6, 2\] \(\[B, T, N\] or \[B, T, N, Dk\]"),
+    (lambda a: dict(a, k=a["k"][..., :4]), r"k: expected shape \[1, 6, 2, 8\]"),
+    (lambda a: dict(a, initial_state=torch.zeros(1, 2, 4, 4)), r"initial_state: expected \[1, 2, 8, 4\]"),
+    (lambda a: dict(a, chunk_size=0), r"chunk_size: expected >= 1"),
+])
+def test_linear_attention_bad_arguments_are_named(change, match):
+    q, k, v, g, _ = _inputs(1, 6, 2, 8, 4)
+    with pytest.raises(ValueError, match=match):
+        gated_linear_attention(**change(dict(q=q, k=k, v=v, g=g)))
