@@ -5,7 +5,9 @@
     attention_context(cu_seqlens[n+1], positions[T/cp], cfg, token_index=, kv_index=, gather_kv=)
                                               the same for this rank's tokens under context parallel
     attention(x[T,H], params, cfg, ctx) -> (y[T,H], stats)
-    linear_attention(x[T,H], params, cfg, ctx) -> (y[T,H], stats)     Gated DeltaNet (section at the end)
+    linear_attention(x[T,H], params, cfg, ctx) -> (y[T,H], stats)     Gated DeltaNet (section at the end), Kimi
+                                              Delta Attention, LFM2's short convolution, lightning attention
+    lightning_decay(n_heads, layer, n_layers) -> [n_heads]     lightning attention's constant log-decays
     dense_mlp(x[T,H], w_gate, w_up, w_down) -> y[T,H]
 
 Nothing here reads a tensor's values on the host: the forward and backward of every layer
@@ -103,7 +105,7 @@ from fmoe.ops import drop_by_capacity, random_logits, route, sparsemixer_route
 from fmoe.ops.backend import IMPLS, use_triton
 from fmoe.ops.balance import mask_tokens, tokens_per_expert
 from fmoe.ops.checks import check_float, check_index, check_positive_int, check_token_mask
-from fmoe.ops.delta import gated_delta_rule
+from fmoe.ops.delta import gated_delta_rule, gated_linear_attention
 from fmoe.ops.dispatch import permute, unpermute
 from fmoe.ops.experts import EXPERT_BIASES, check_glu, grouped_mlp, swiglu
 from fmoe.ops.fp8 import check_fp8, check_fp8_fast_accum, matmul
@@ -1937,7 +1939,10 @@ class LinearAttentionConfig:
     key as value heads (linear_attention). kind "short_conv": LFM2's gated short convolution
     instead, over n_v_heads x v_head_dim channels (as many key heads and key dims: the
     channels are its heads, one or more each, which tensor parallelism splits), conv taps,
-    no state but the convolution's. Kimi Delta Attention's variants (Ling's, kind "kda"
+    no state but the convolution's. kind "lightning": MiniMax's lightning attention, no
+    convolution (conv is not used), q, k, v through silu, a constant decay per head
+    (lightning_decay), the output RMS-normed over all heads' channels and gated by a sigmoid;
+    as many key as value heads of one dim. Kimi Delta Attention's variants (Ling's, kind "kda"
     only): full_rank, the decay's and the gate's projections whole (wf [H, N Dk], wz
     [H, N Dv]) instead of low-rank pairs; decay_bound b < 0 (None: Kimi's softplus decay),
     the bounded decay g = b sigmoid(exp(A_log) (x wf + dt_bias)), each step's log-decay in
@@ -1972,6 +1977,9 @@ class LinearAttentionConfig:
             raise ValueError(f"{'full_rank' if self.full_rank else 'decay_bound'}: a variant of Kimi Delta Attention, needs kind 'kda', got {self.kind!r}")
         if self.kind == "kda" and self.n_k_heads != self.n_v_heads:
             raise ValueError(f"n_v_heads: Kimi Delta Attention has as many key as value heads, got {self.n_k_heads} and {self.n_v_heads}")
+        if self.kind == "lightning" and (self.n_k_heads, self.k_head_dim) != (self.n_v_heads, self.v_head_dim):
+            raise ValueError(f"n_k_heads / k_head_dim: lightning attention has as many key as value heads, of one dim, got "
+                             f"{self.n_k_heads} x {self.k_head_dim} beside {self.n_v_heads} x {self.v_head_dim}")
         if self.kind == "short_conv" and (self.n_k_heads, self.k_head_dim) != (self.n_v_heads, self.v_head_dim):
             raise ValueError(f"n_k_heads / k_head_dim: a short convolution's channels are n_v_heads x v_head_dim, the key fields the same, got "
                              f"{self.n_k_heads} x {self.k_head_dim} beside {self.n_v_heads} x {self.v_head_dim}")
@@ -1992,11 +2000,27 @@ class LinearAttentionConfig:
 
     @property
     def conv_channels(self) -> int:
-        """The channels the convolution runs over (its decoding state's): q, k and v's, or a short convolution's."""
+        """The channels the convolution runs over (its decoding state's): q, k and v's, or a short convolution's
+        (lightning attention has none: 0)."""
+        if self.kind == "lightning":
+            return 0
         return self.v_channels if self.kind == "short_conv" else 2 * self.k_channels + self.v_channels
 
 
-LINEAR_KINDS = ("gated_deltanet", "kda", "short_conv")
+LINEAR_KINDS = ("gated_deltanet", "kda", "short_conv", "lightning")
+
+
+def lightning_decay(n_heads: int, layer: int, n_layers: int, device=None) -> torch.Tensor:
+    """MiniMax's lightning attention's log-decay per token of each head [n_heads] float32
+    (<= 0), layer `layer` of n_layers: -b^(h + 1) (1 - layer / (n_layers - 1 + 1e-5) + 1e-5),
+    b = 2^(-8 / n_heads), h = 0 .. n_heads - 1 (ALiBi's slopes, slower in deeper layers).
+    Computed on `device` (no copy from the host)."""
+    for name, value in (("n_heads", n_heads), ("n_layers", n_layers)):
+        check_positive_int(name, value)
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n_layers:
+        raise ValueError(f"layer: expected an int in [0, {n_layers}), got {layer!r}")
+    rate = (1 / 2 ** (8 / n_heads)) ** (torch.arange(n_heads, device=device) + 1)
+    return -rate * (1 - layer / (n_layers - 1 + 1e-5) + 1e-5)
 
 
 def linear_attention_shapes(H: int, cfg: LinearAttentionConfig) -> dict[str, tuple[int, ...]]:
@@ -2004,10 +2028,14 @@ def linear_attention_shapes(H: int, cfg: LinearAttentionConfig) -> dict[str, tup
     Attention's (kind "kda") have the decay's and the gate's low-rank pairs wf_a [H, Dk],
     wf_b [Dk, N Dk] and wz_a [H, Dv], wz_b [Dv, N Dv] instead of wa and wz, and dt_bias [N Dk];
     with full_rank, wf [H, N Dk] and wz [H, N Dv] instead of the pairs. A short convolution's
-    (kind "short_conv"): wb, wc, wv [H, C], conv_v [K, C], wo [C, H]."""
+    (kind "short_conv"): wb, wc, wv [H, C], conv_v [K, C], wo [C, H]. Lightning attention's
+    (kind "lightning"): wq, wk, wv, wz [H, N D], out_norm [N D], wo [N D, H] (its decay, a
+    constant, is params["decay"] [N], not a weight: lightning_decay)."""
     Ck, Cv, Nv, K = cfg.k_channels, cfg.v_channels, cfg.n_v_heads, cfg.conv
     if cfg.kind == "short_conv":
         return dict(wb=(H, Cv), wc=(H, Cv), wv=(H, Cv), conv_v=(K, Cv), wo=(Cv, H))
+    if cfg.kind == "lightning":
+        return dict(wq=(H, Cv), wk=(H, Cv), wv=(H, Cv), wz=(H, Cv), out_norm=(Cv,), wo=(Cv, H))
     convs = dict(conv_q=(K, Ck), conv_k=(K, Ck), conv_v=(K, Cv))
     if cfg.kind == "kda":
         Dk, Dv = cfg.k_head_dim, cfg.v_head_dim
@@ -2084,6 +2112,30 @@ def _short_conv(x, params, cfg: LinearAttentionConfig, cu, split, states, mm) ->
     return mm(mm(x, params["wc"]) * y, params["wo"])
 
 
+def _lightning(x, params, cfg: LinearAttentionConfig, cu, split, states, mm, heads_mean) -> torch.Tensor:
+    """MiniMax's lightning attention (linear_attention's kind "lightning"): [T, H]."""
+    T, N, D = x.shape[0], cfg.n_v_heads, cfg.v_head_dim
+    B = 1 if states is None else states.state.shape[0]
+    q, k, v = (F.silu(mm(x, params[n])).reshape(B, T // B, N, D) for n in ("wq", "wk", "wv"))
+    g = params["decay"].float().expand(B, T // B, N)
+    kw = dict(scale=1.0, chunk_size=cfg.chunk_size, impl=cfg.impl)
+    if split is not None:
+        if not callable(getattr(split, "gated_linear_attention", None)):
+            raise ValueError(f"ctx.linear_cp: lightning attention needs its gated_linear_attention (fmoe.parallel.ContextParallel), "
+                             f"got {type(split).__name__} without it")
+        o = split.gated_linear_attention(q, k, v, g, cu, **kw)
+    elif states is None:
+        o = gated_linear_attention(q, k, v, g, cu, **kw)
+    else:
+        o, states.state = gated_linear_attention(q, k, v, g, initial_state=states.state, final_state=True, **kw)
+    o_TC = o.reshape(T, N * D).float()
+    ms = o_TC.square().mean(-1, keepdim=True)
+    if heads_mean is not None:  # tensor parallel: the mean square over every rank's heads
+        ms = heads_mean(ms)
+    gated = (_rms_norm(o_TC, params["out_norm"], cfg.norm_eps, ms) * torch.sigmoid(mm(x, params["wz"]).float())).to(x.dtype)
+    return mm(gated, params["wo"])
+
+
 def _l2_normalize(x):
     """x / sqrt(sum(x^2) + 1e-6) over the last dim, float32 (Gated DeltaNet's q and k; the
     eps of fla's kernels and of transformers)."""
@@ -2100,9 +2152,13 @@ def _check_linear_attention(x, params, cfg: LinearAttentionConfig) -> None:
         if not isinstance(p, torch.Tensor) or tuple(p.shape) != shape:
             got = list(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__
             raise ValueError(f"params[{name!r}]: expected a tensor {list(shape)}, got {got}")
+    decay = params.get("decay")
+    if cfg.kind == "lightning" and (not isinstance(decay, torch.Tensor) or tuple(decay.shape) != (cfg.n_v_heads,)):
+        got = list(decay.shape) if isinstance(decay, torch.Tensor) else type(decay).__name__
+        raise ValueError(f"params['decay']: expected lightning attention's log-decay per head, a tensor [{cfg.n_v_heads}] (lightning_decay), got {got}")
 
 
-def linear_attention(x: torch.Tensor, params, cfg: LinearAttentionConfig, ctx: "AttentionContext"):
+def linear_attention(x: torch.Tensor, params, cfg: LinearAttentionConfig, ctx: "AttentionContext", *, heads_mean=None):
     """Gated DeltaNet over packed documents (Qwen3-Next's and Qwen3.5's linear attention);
     no host sync.
 
@@ -2127,6 +2183,13 @@ def linear_attention(x: torch.Tensor, params, cfg: LinearAttentionConfig, ctx: "
 
         y = ((x wc) * causal_conv((x wb) * (x wv))) wo
 
+    MiniMax's lightning attention (cfg.kind "lightning") has no convolution and no rule, a
+    constant decay per head (params["decay"], lightning_decay) and a query scale of 1:
+
+        q, k, v = silu(x wq), silu(x wk), silu(x wv)
+        o = gated_linear_attention(q, k, v, decay, scale=1)
+        y = (rmsnorm(o) out_norm * sigmoid(x wz)) wo        the norm over all N Dv channels
+
     The convolution and the rule restart at each document (ctx.cu_seqlens), so a document's
     outputs do not depend on what it is packed with. In decoding (ctx.linear_states, a
     LinearStates of S sequences) x holds S sequences' T new tokens each, [S T, H] in that
@@ -2142,6 +2205,9 @@ def linear_attention(x: torch.Tensor, params, cfg: LinearAttentionConfig, ctx: "
             wo [Nv Dv, H] (linear_attention_shapes).
         cfg: LinearAttentionConfig. ctx: an AttentionContext with cu_seqlens (attention_context
             builds one), or with linear_states.
+        heads_mean: when params hold a slice of the heads (tensor parallel,
+            fmoe.parallel.HeadShard.mean): the mean over the ranks of per-token statistics,
+            for lightning attention's norm over every head's channels; None: all heads here.
     Returns:
         (y [T, H] in x's dtype, an empty TensorDict): the layers' (output, stats) form.
     """
@@ -2153,9 +2219,11 @@ def linear_attention(x: torch.Tensor, params, cfg: LinearAttentionConfig, ctx: "
     if states is None and split is None and getattr(ctx, "gather_kv", None) is not None:
         raise ValueError("ctx: a context-parallel context (gather_kv) without linear_cp: linear attention needs the rule's exchange across the split "
                          "(build it with fmoe.parallel.ContextParallel(cp_mesh).attention_kwargs(token_index))")
+    if heads_mean is not None and not callable(heads_mean):
+        raise ValueError(f"heads_mean: expected a function of a [T, n] tensor (fmoe.parallel.HeadShard.mean) or None, got {type(heads_mean).__name__}")
     if states is not None and states.tokens is not None and states.tokens < x.shape[0]:  # decoding's padding: outputs 0
         real = dataclasses.replace(states, tokens=None)
-        y, stats = linear_attention(x[:states.tokens], params, cfg, dataclasses.replace(ctx, linear_states=real))
+        y, stats = linear_attention(x[:states.tokens], params, cfg, dataclasses.replace(ctx, linear_states=real), heads_mean=heads_mean)
         states.conv, states.state = real.conv, real.state
         return torch.cat([y, y.new_zeros(x.shape[0] - states.tokens, y.shape[1])]), stats
     T, Nk, Nv, Dk, Dv = x.shape[0], cfg.n_k_heads, cfg.n_v_heads, cfg.k_head_dim, cfg.v_head_dim
@@ -2166,6 +2234,8 @@ def linear_attention(x: torch.Tensor, params, cfg: LinearAttentionConfig, ctx: "
                          f"of cfg's layer (expected [S, {cfg.conv - 1}, {cfg.conv_channels}], T a multiple of S)")
     if cfg.kind == "short_conv":
         return _short_conv(x, params, cfg, ctx.cu_seqlens if states is None else None, split, states, mm), TensorDict({}, batch_size=[])
+    if cfg.kind == "lightning":
+        return _lightning(x, params, cfg, ctx.cu_seqlens if states is None else None, split, states, mm, heads_mean), TensorDict({}, batch_size=[])
     qkv = [mm(x, params[n]) for n in ("wq", "wk", "wv")]
     taps = [params[n] for n in ("conv_q", "conv_k", "conv_v")]
     if split is not None:  # context parallel: one exchange for the three convolutions

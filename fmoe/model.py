@@ -47,7 +47,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fmoe.layers import (EXPERT_BIASES, AttentionConfig, AttentionContext, LinearAttentionConfig, LinearStates, MoEConfig, attach_loss, attention,
-                         attention_context, check_clip_qkv, check_sparsemixer_knobs, check_window, dense_mlp, index_shapes, linear_attention, linear_attention_shapes, local_experts, mla_shapes,
+                         attention_context, check_clip_qkv, check_sparsemixer_knobs, check_window, dense_mlp, index_shapes, lightning_decay, linear_attention, linear_attention_shapes, local_experts, mla_shapes,
                          moe, q_in)
 from fmoe.ops import linear_cross_entropy, route
 from fmoe.ops.checks import check_positive_int
@@ -396,7 +396,9 @@ class TransformerConfig:
     embeddings as 34.0; float32 ones as itself); residual_scale multiplies each
     attention and MLP output before its residual add; depth_scaled_residual: the n-th
     residual add (the embedding the first, block i's attention the 2i + 2-th, its MLP the
-    2i + 3-th) is x sqrt((n - 1) / n) + y / sqrt(n) (Beam's); the logits are divided by
+    2i + 3-th) is x sqrt((n - 1) / n) + y / sqrt(n) (Beam's); normed_residual a (None: off):
+    each sublayer's residual is its normed input, x <- a norm(x) + f(norm(x)) x residual_scale
+    (MiniMax's blocks; DeepNorm's a); the logits are divided by
     logit_divisor (the normed hidden states are, before the head); logit_softcap c (None:
     off): the logits capped at c tanh(l / c), in the loss (fmoe.ops.linear_cross_entropy's
     softcap), in logits and in decode (Gemma 2's and Beam's final_logit_softcapping). window: sliding-window
@@ -443,7 +445,10 @@ class TransformerConfig:
     projections whole, linear_decay_bound b < 0: the bounded decay b sigmoid(...), Ling's
     hybrid models': fmoe.layers.LinearAttentionConfig's full_rank, decay_bound); linear_kind "short_conv": LFM2's gated
     short convolution of linear_conv taps over linear_v_heads x linear_v_dim channels (the
-    key fields the same; LFM2's: hidden heads of one channel); the attention knobs (window, chunk,
+    key fields the same; LFM2's: hidden heads of one channel); linear_kind "lightning": MiniMax's
+    lightning attention, linear_v_heads heads of linear_v_dim (the key fields the same), no
+    convolution, a constant decay per head by the block's depth (fmoe.layers.lightning_decay),
+    its output norm over every head's channels with eps 1e-6 (MiniMax's); the attention knobs (window, chunk,
     NoPE, q/k norms, gate) are the other blocks'. The MTP blocks always attend. mtp_depth MTP modules; mtp_norm: each with its own output
     norm before the shared head (DeepSeek-V3, GLM-4.5, Megatron Core) instead of the
     trunk's final norm. impl: "auto" | "triton" | "torch"
@@ -577,6 +582,7 @@ class TransformerConfig:
     round_embed_scale: bool = False
     residual_scale: float = 1.0
     depth_scaled_residual: bool = False
+    normed_residual: Optional[float] = None
     logit_divisor: float = 1.0
     logit_softcap: Optional[float] = None
     window: Optional[int] = None
@@ -673,6 +679,7 @@ class TransformerConfig:
         if not isinstance(self.attn_gate_bias, bool) or (self.attn_gate_bias and not self.attn_gate):
             raise ValueError(f"attn_gate_bias: the output gate's bias per head, a bool, True needs attn_gate=True (got {self.attn_gate_bias!r})")
         self._check_depth_scaled_residual()
+        self._check_normed_residual()
         if self.norm_gate_rank is not None:
             check_positive_int("norm_gate_rank", self.norm_gate_rank)
             if not self.pre_norms or self.layer_norms or self.zero_centered_norms or self.norm_bias:
@@ -820,6 +827,18 @@ class TransformerConfig:
         if self.depth_scaled_residual:
             self._refuse_beside("depth_scaled_residual: the residual adds of sequential trunk blocks", hyper_connections=self.hyper_connections)
 
+    def _check_normed_residual(self) -> None:
+        a = self.normed_residual
+        if a is None:
+            return
+        if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0 < a < math.inf:
+            raise ValueError(f"normed_residual: expected None or a positive finite number (the normed residual's weight), got {a!r}")
+        bad = [name for name in ("parallel_blocks", "hyper_connections", "shortcut_moe", "depth_scaled_residual", "dense_beside_moe", "layer_scalars")
+               if getattr(self, name)]
+        if bad or not self.pre_norms:
+            raise ValueError(f"normed_residual: each sublayer's residual is its pre-norm's output (MiniMax's blocks), needs pre_norms and not "
+                             f"{', '.join(bad) if bad else 'pre_norms=False'}")
+
     def _refuse_beside(self, what: str, **more) -> None:
         """ValueError `what`, not with shortcut_moe, parallel_blocks, residual_scale, the `more`
         knobs (name=on) or MTP modules, naming those that are on."""
@@ -965,9 +984,10 @@ class TransformerConfig:
 
     def linear_attention_config(self, fp8: Optional[bool] = None) -> LinearAttentionConfig:
         """The linear-attention blocks' (linear_layers) Gated DeltaNet, or Kimi Delta Attention (linear_kind "kda"), or
-        LFM2's short convolution ("short_conv"); fp8: theirs (None: the model's fp8)."""
+        LFM2's short convolution ("short_conv"), or MiniMax's lightning attention ("lightning"); fp8: theirs (None: the model's fp8)."""
         return LinearAttentionConfig(n_k_heads=self.linear_k_heads, n_v_heads=self.linear_v_heads, k_head_dim=self.linear_k_dim,
-                                     v_head_dim=self.linear_v_dim, conv=self.linear_conv, norm_eps=self.norm_eps,
+                                     v_head_dim=self.linear_v_dim, conv=self.linear_conv,
+                                     norm_eps=1e-6 if self.linear_kind == "lightning" else self.norm_eps,  # MiniMax's output norm's
                                      impl="auto" if self.impl == "flex" else self.impl, kind=self.linear_kind,
                                      full_rank=self.linear_full_rank, decay_bound=self.linear_decay_bound,
                                      fp8=self.fp8 if fp8 is None else fp8)
@@ -1301,10 +1321,12 @@ class LinearAttention(nn.Module):
     of wa, wz and dt_bias [Nv] (linear_full_rank: wf, wz [H, N D]); LFM2's short convolution's, "short_conv": wb, wc, wv [H, C],
     conv_v [K, C], wo [C, H])."""
 
-    def __init__(self, cfg: TransformerConfig, *, fp8: Optional[bool] = None):
+    def __init__(self, cfg: TransformerConfig, *, fp8: Optional[bool] = None, layer: int = 0):
         super().__init__()
         self.cfg = cfg.linear_attention_config(fp8)
         self.tensor_parallel = None  # fmoe.parallel's HeadShard under tp > 1 (LinearAttentionParallel)
+        # lightning attention's decay: a constant of the block's depth and every head (the rank's slice under tp)
+        self.layer, self.n_layers, self.heads = layer, cfg.n_layers, self.cfg.n_v_heads
         self.names = []
         for name, shape in linear_attention_shapes(cfg.hidden, self.cfg).items():
             setattr(self, name, nn.Parameter(torch.ones(shape) if name == "out_norm" else torch.empty(shape)))
@@ -1312,15 +1334,22 @@ class LinearAttention(nn.Module):
 
     def forward(self, x_TH, ctx: AttentionContext):
         params = {n: _local(getattr(self, n)) for n in self.names}
+        heads_mean = None
         if self.tensor_parallel is not None:  # the output norm's weight (and KDA's down projections): every rank's heads use them
             params.update({n: self.tensor_parallel.weight(params[n]) for n in self.tensor_parallel.replicated})
-        return linear_attention(x_TH, params, self.cfg, ctx)[0]
+            heads_mean = self.tensor_parallel.mean if self.cfg.kind == "lightning" else None  # its norm spans every head
+        if self.cfg.kind == "lightning":
+            local = self.cfg.n_v_heads  # this rank's heads, a contiguous run
+            first = 0 if self.tensor_parallel is None else self.tensor_parallel.mesh.get_local_rank() * local
+            params["decay"] = lightning_decay(self.heads, self.layer, self.n_layers, device=x_TH.device)[first:first + local]
+        return linear_attention(x_TH, params, self.cfg, ctx, heads_mean=heads_mean)[0]
 
 
 class Block(nn.Module):
     """Residual block: attention (over cfg.window or within cfg.chunk with local; without RoPE unless rope;
     Gated DeltaNet's linear attention with linear),
-    then a dense SwiGLU or an MoE; each branch x + post_norm(f(pre_norm(x))), with the
+    then a dense SwiGLU or an MoE; each branch x + post_norm(f(pre_norm(x))) (with
+    cfg.normed_residual a: a pre_norm(x) + post_norm(f(pre_norm(x))), MiniMax's), with the
     pre-norms attn_norm / mlp_norm (cfg.pre_norms) and the post-norms attn_post_norm /
     mlp_post_norm (cfg.post_norms; mlp_post_norm also with cfg.moe_out_norm in a MoE block),
     each an RMSNorm or absent (None). fp8: its GEMMs in fp8
@@ -1343,7 +1372,7 @@ class Block(nn.Module):
 
         self.attn_norm, self.attn_post_norm = norm(cfg.pre_norms, gated=True), norm(cfg.post_norms)
         fp8 = cfg.fp8 if fp8 is None else fp8
-        self.attn = LinearAttention(cfg, fp8=fp8) if linear else Attention(cfg, local=local, rope=rope, fp8=fp8, index_shared=index_shared,
+        self.attn = LinearAttention(cfg, fp8=fp8, layer=depth or 0) if linear else Attention(cfg, local=local, rope=rope, fp8=fp8, index_shared=index_shared,
                                                                                      sinks=sinks)
         # a parallel block's MLP reads the attention's normed input (attn_norm)
         self.mlp_norm = norm(cfg.pre_norms and not cfg.parallel_blocks, gated=moe)
@@ -1374,6 +1403,9 @@ class Block(nn.Module):
         # depth_scaled_residual: (the residual's, the branch's) weights of the attention's add and of the MLP's, the 2i + 2-th and 2i + 3-th adds
         self.residual_weights = ([(((n - 1) / n) ** 0.5, n ** -0.5) for n in (2 * depth + 2, 2 * depth + 3)]
                                  if cfg.depth_scaled_residual else None)
+        self.normed_residual = cfg.normed_residual  # (the normed residual's, the branch's) weights of both adds
+        if cfg.normed_residual is not None:
+            self.residual_weights = [(cfg.normed_residual, cfg.residual_scale)] * 2
         # hyper-connections: the attention's and the MLP's weights over the streams
         self.attn_hc = HyperConnection(cfg) if cfg.hyper_connections else None
         self.mlp_hc = HyperConnection(cfg) if cfg.hyper_connections else None
@@ -1411,6 +1443,11 @@ class Block(nn.Module):
             h_TH = _normed(self.attn_norm, x_TH)
             y_TH = recompute(self._attend_normed, h_TH, ctx) if self.ac == "attention" else self._attend_normed(h_TH, ctx)
             return self._mlp_branch(self._residual(x_TH, y_TH), h_TH, token_mask)
+        if self.normed_residual is not None:  # MiniMax's: each residual is its sublayer's normed input, x a
+            h_TH = self.attn_norm(x_TH)
+            x_TH = self._residual(h_TH, recompute(self._attend_normed, h_TH, ctx) if self.ac == "attention" else self._attend_normed(h_TH, ctx))
+            h_TH = self.mlp_norm(x_TH)
+            return self._mlp_branch(h_TH, h_TH, token_mask, carry_TH)
         x_TH = self._residual(x_TH, recompute(self._attend, x_TH, ctx) if self.ac == "attention" else self._attend(x_TH, ctx))
         return self._mlp_branch(x_TH, _normed(self.mlp_norm, x_TH), token_mask, carry_TH)
 

@@ -1,6 +1,7 @@
-"""fmoe.layers.linear_attention (Gated DeltaNet, and Kimi Delta Attention) against a
-token-by-token loop written from the papers' recurrence, against transformers' Qwen3.5
-GatedDeltaNet and Kimi Linear KimiDeltaAttention modules, over packed documents, and in
+"""fmoe.layers.linear_attention (Gated DeltaNet, Kimi Delta Attention, LFM2's short
+convolution and MiniMax's lightning attention) against a token-by-token loop written from
+the papers' recurrence, against transformers' Qwen3.5 GatedDeltaNet, Kimi Linear
+KimiDeltaAttention, LFM2 and MiniMax modules, over packed documents, and in
 decoding (LinearStates) against the whole sequence at once."""
 
 import dataclasses
@@ -9,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fmoe.layers import (AttentionConfig, LinearAttentionConfig, LinearStates, attention_context, linear_attention,
+from fmoe.layers import (AttentionConfig, LinearAttentionConfig, LinearStates, attention_context, lightning_decay, linear_attention,
                          linear_attention_shapes)
 
 H = 24
@@ -19,6 +20,8 @@ KDA = LinearAttentionConfig(n_k_heads=3, n_v_heads=3, k_head_dim=8, v_head_dim=6
 LING = dataclasses.replace(KDA, full_rank=True, decay_bound=-5.0)
 # LFM2's gated short convolution over 16 channels (8 heads of 2), 3 taps
 SHORT = LinearAttentionConfig(n_k_heads=8, n_v_heads=8, k_head_dim=2, v_head_dim=2, conv=3, kind="short_conv")
+# MiniMax's lightning attention: 3 heads of 8, a constant decay per head (params["decay"]: layer 1 of 4's)
+LIGHT = LinearAttentionConfig(n_k_heads=3, n_v_heads=3, k_head_dim=8, v_head_dim=8, chunk_size=8, kind="lightning")
 
 
 def _params(cfg=CFG, seed=0, dtype=torch.float32):
@@ -35,7 +38,10 @@ def _params(cfg=CFG, seed=0, dtype=torch.float32):
             p[name] = torch.randn(shape, generator=gen) * 0.5
         else:
             p[name] = torch.randn(shape, generator=gen) / shape[0] ** 0.5
-    return {n: t.to(dtype).requires_grad_() for n, t in p.items()}
+    p = {n: t.to(dtype).requires_grad_() for n, t in p.items()}
+    if cfg.kind == "lightning":  # a constant, not a weight
+        p["decay"] = lightning_decay(cfg.n_v_heads, 1, 4)
+    return p
 
 
 def _ctx(cu, T):
@@ -49,6 +55,17 @@ def _loop(x, p, cfg, cu):
     LFM2's short convolution: ((x wc) * sum_j w[K-1-j] (x_{t-j} wb) * (x_{t-j} wv)) wo."""
     p = {n: t.double() for n, t in p.items()}
     x = x.double()
+    if cfg.kind == "lightning":  # S <- exp(decay) S + k v^T, o = S^T q; the norm over every head's channels, a sigmoid gate
+        N, D, out = cfg.n_v_heads, cfg.v_head_dim, []
+        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            S = torch.zeros(N, D, D, dtype=torch.float64)
+            for t in range(a, b):
+                q, k, v = (F.silu(x[t] @ p[n]).view(N, D) for n in ("wq", "wk", "wv"))
+                S = S * p["decay"].exp()[:, None, None] + k[:, :, None] * v[:, None, :]
+                o = torch.einsum("nkv,nk->nv", S, q).reshape(-1)
+                o = o * torch.rsqrt(o.square().mean() + cfg.norm_eps) * p["out_norm"]
+                out.append((o * torch.sigmoid(x[t] @ p["wz"])) @ p["wo"])
+        return torch.stack(out)
     if cfg.kind == "short_conv":
         K = cfg.conv
         return torch.stack([((x[t] @ p["wc"]) * sum(p["conv_v"][K - 1 - j] * (x[t - j] @ p["wb"]) * (x[t - j] @ p["wv"])
@@ -91,7 +108,7 @@ def _loop(x, p, cfg, cu):
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("cfg", [CFG, KDA, LING, SHORT], ids=["gated-deltanet", "kda", "kda-ling", "short-conv"])
+@pytest.mark.parametrize("cfg", [CFG, KDA, LING, SHORT, LIGHT], ids=["gated-deltanet", "kda", "kda-ling", "short-conv", "lightning"])
 def test_matches_the_token_loop_over_packed_documents(cfg):
     cu = torch.tensor([0, 5, 5, 19, 20, 31], dtype=torch.int32)
     x = torch.randn(31, H)
@@ -194,7 +211,7 @@ def test_matches_transformers_lfm2_short_conv():
     _matches_module(ref, p, LinearAttentionConfig(n_k_heads=H, n_v_heads=H, k_head_dim=1, v_head_dim=1, conv=3, kind="short_conv"))
 
 
-@pytest.mark.parametrize("cfg", [CFG, KDA, LING, SHORT], ids=["gated-deltanet", "kda", "kda-ling", "short-conv"])
+@pytest.mark.parametrize("cfg", [CFG, KDA, LING, SHORT, LIGHT], ids=["gated-deltanet", "kda", "kda-ling", "short-conv", "lightning"])
 def test_decoding_continues_the_states(cfg):
     """A prompt, then steps of one token, of two sequences at once through LinearStates,
     equal each whole sequence's outputs; the conv state holds the last K - 1 projections."""
@@ -210,7 +227,9 @@ def test_decoding_continues_the_states(cfg):
     got = torch.cat(outs, dim=1)
     for b in range(2):
         torch.testing.assert_close(got[b], whole[b], rtol=1e-5, atol=1e-6)
-    def inputs(rows):  # what the convolution reads: q, k and v's projections, or the short convolution's gated input
+    def inputs(rows):  # what the convolution reads: q, k and v's projections, or the short convolution's gated input; none (lightning)
+        if cfg.kind == "lightning":
+            return rows[..., :0]
         return (rows @ p["wb"]) * (rows @ p["wv"]) if cfg.kind == "short_conv" else torch.cat([rows @ p[n] for n in ("wq", "wk", "wv")], dim=-1)
 
     torch.testing.assert_close(states.conv, inputs(x[:, 14 - cfg.conv:13]))
@@ -220,6 +239,45 @@ def test_decoding_continues_the_states(cfg):
     torch.testing.assert_close(y[:18], outs[0].reshape(18, H))
     assert y.shape == (19, H) and not y[18].any()
     torch.testing.assert_close(padded.conv, inputs(x[:, 10 - cfg.conv:9]))
+
+
+def test_matches_transformers_minimax_lightning_attention():
+    """transformers' MiniMax module (its blocks of block_size tokens, 5 here, over 70), weights
+    copied into fmoe's layout: qkv_proj's rows per head its q's, k's and v's; the decay of
+    its layer (2 of 4) its slope_rate buffer, negated."""
+    transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]'")
+    from transformers.models.minimax.modeling_minimax import MiniMaxLightningAttention
+
+    hf_cfg = transformers.MiniMaxConfig(hidden_size=H, num_attention_heads=3, head_dim=8, num_hidden_layers=4, block_size=5)
+    torch.manual_seed(0)
+    ref = MiniMaxLightningAttention(hf_cfg, 2).eval()
+    with torch.no_grad():
+        for w in ref.parameters():
+            w.normal_(0.0, 0.3)
+    assert torch.equal(ref.slope_rate.flatten(), -lightning_decay(3, 2, 4))
+    t = lambda m: m.weight.t().detach()  # noqa: E731
+    q, k, v = t(ref.qkv_proj).view(H, 3, 3, 8).unbind(2)  # per head: q, k, v
+    p = dict(wq=q.reshape(H, 24), wk=k.reshape(H, 24), wv=v.reshape(H, 24), wz=t(ref.output_gate), out_norm=ref.norm.weight.detach(),
+             wo=t(ref.out_proj), decay=lightning_decay(3, 2, 4))
+    x = torch.randn(2, 70, H)
+    cos_sin = (torch.ones(1, 70, 8), torch.zeros(1, 70, 8))
+    with torch.no_grad():
+        want = ref(x, cos_sin, None)[0]
+    for b in range(2):
+        got, _ = linear_attention(x[b], p, LIGHT, _ctx(torch.tensor([0, 70], dtype=torch.int32), 70))
+        torch.testing.assert_close(got, want[b], rtol=1e-4, atol=1e-5)
+
+
+def test_lightning_decay():
+    """MiniMax's slopes: 2^(-8/N) to the powers 1 .. N, times 1 - layer / (L - 1 + 1e-5) + 1e-5
+    (negated: log-decays); checked arguments."""
+    want = -torch.tensor([2.0 ** (-8 / 4 * (h + 1)) for h in range(4)]) * (1 - 1 / (3 + 1e-5) + 1e-5)
+    torch.testing.assert_close(lightning_decay(4, 1, 4), want)
+    assert lightning_decay(4, 0, 1).dtype == torch.float32 and bool((lightning_decay(8, 5, 6) < 0).all())
+    for args, match in (((4, 4, 4), r"layer: expected an int in \[0, 4\), got 4"), ((0, 0, 4), r"n_heads: expected >= 1"),
+                        ((4, 0, 0), r"n_layers: expected >= 1")):
+        with pytest.raises(ValueError, match=match):
+            lightning_decay(*args)
 
 
 def test_bf16():
@@ -238,7 +296,8 @@ def test_bf16():
     (dict(n_v_heads=3), r"n_v_heads: 3 value heads do not split over 2 key heads"),
     (dict(conv=0), r"conv: expected >= 1"),
     (dict(norm_eps=0.0), r"norm_eps: expected a positive number"),
-    (dict(kind="mamba"), r"kind: expected one of \('gated_deltanet', 'kda', 'short_conv'\), got 'mamba'"),
+    (dict(kind="mamba"), r"kind: expected one of \('gated_deltanet', 'kda', 'short_conv', 'lightning'\), got 'mamba'"),
+    (dict(kind="lightning"), r"n_k_heads / k_head_dim: lightning attention has as many key as value heads, of one dim, got 2 x 8 beside 4 x 6"),
     (dict(kind="short_conv"), r"n_k_heads / k_head_dim: a short convolution's channels are n_v_heads x v_head_dim, the key fields the same, got 2 x 8"),
     (dict(kind="kda"), r"n_v_heads: Kimi Delta Attention has as many key as value heads, got 2 and 4"),
     (dict(full_rank=True), r"full_rank: a variant of Kimi Delta Attention, needs kind 'kda', got 'gated_deltanet'"),
@@ -260,6 +319,15 @@ def test_argument_checks():
         linear_attention(x, dict(p, wz=p["wz"][:, :3]), CFG, ctx)
     with pytest.raises(ValueError, match=r"ctx: linear attention needs the micro-batch's cu_seqlens"):
         linear_attention(x, p, CFG, dataclasses.replace(ctx, cu_seqlens=None))
+    light = _params(LIGHT)
+    with pytest.raises(ValueError, match=r"params\['decay'\]: expected lightning attention's log-decay per head, a tensor \[3\]"):
+        linear_attention(x, dict(light, decay=light["decay"][:2]), LIGHT, ctx)
+    with pytest.raises(ValueError, match=r"heads_mean: expected a function of a \[T, n\] tensor"):
+        linear_attention(x, light, LIGHT, ctx, heads_mean=2.0)
+    with pytest.raises(ValueError, match=r"ctx.linear_cp: lightning attention needs its gated_linear_attention"):
+        class OldCP:  # a context-parallel exchange without the rule-free form
+            token_index = conv_halo = gated_delta_rule = staticmethod(lambda *a, **k: None)
+        linear_attention(x, light, LIGHT, dataclasses.replace(ctx, linear_cp=OldCP()))
     with pytest.raises(ValueError, match=r"cfg: expected a LinearAttentionConfig"):
         linear_attention(x, p, AttentionConfig(n_heads=1, n_kv_heads=1, head_dim=2), ctx)
     bad = LinearStates(torch.zeros(2, 2, 64), torch.zeros(2, 4, 8, 6))

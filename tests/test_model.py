@@ -51,6 +51,12 @@ VARIANTS = {
                                           zero_centered_norms=True, attn_gate=True, qk_norm="head", rope_dim=4, shared_gate=True, mtp_depth=1),
     # Kimi Linear's blocks: Kimi Delta Attention in blocks 0 and 1 (a decay per key channel, low-rank decay and gate),
     # multi-latent attention without RoPE in block 2 (and MTP's block, with RoPE)
+    # MiniMax-Text-01's blocks: lightning attention in blocks 0 and 1 (a constant decay per head and depth, the output norm
+    # over every head's channels) beside softmax attention, each residual the sublayer's normed input x 1.7 beside its
+    # output x 0.6; Mixtral's MoE
+    "minimax": dataclasses.replace(TINY, linear_layers=(0, 1), linear_kind="lightning", linear_k_heads=4, linear_v_heads=4, linear_k_dim=6,
+                                   linear_v_dim=6, normed_residual=1.7, residual_scale=0.6, n_dense=0, n_shared=0, score="softmax",
+                                   expert_bias=False, mtp_depth=1),
     "kimi linear": dataclasses.replace(TINY, linear_layers=(0, 1), linear_kind="kda", linear_k_heads=2, linear_v_heads=2, linear_k_dim=8,
                                        linear_v_dim=6, n_kv_heads=4, head_dim=12, rope_dim=4, kv_rank=6, v_head_dim=5, nope_layers=(2,),
                                        n_groups=2, topk_groups=1, group_score_topk=2, mtp_depth=1),
@@ -490,6 +496,39 @@ def test_attention_softcap_caps_every_score_before_the_softmax_on_both_paths():
         torch.testing.assert_close(flex, attention(x, params, sinks.cfg, ctx)[0], rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="score_softcap: expected None or a positive finite number, without index_topk"):
         dataclasses.replace(VARIANTS["dsa"], attn_softcap=30.0)
+
+
+def test_minimax_blocks_keep_the_normed_input_as_their_residual():
+    """normed_residual a (MiniMax's blocks): h = a attn_norm(x) + b attn(attn_norm(x)), then
+    a mlp_norm(h) + b moe(mlp_norm(h)), b = residual_scale, in a lightning block and a
+    softmax one (each block's own decay: lightning_decay of its depth); the knob is checked."""
+    from fmoe.layers import attention_context, lightning_decay, linear_attention
+
+    cfg = dataclasses.replace(VARIANTS["minimax"], mtp_depth=0)
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    x = torch.randn(9, 32)
+    ctx = attention_context(torch.tensor([0, 9], dtype=torch.int32), torch.arange(9), cfg.context_config())
+    with torch.no_grad():
+        for block in model.blocks:
+            got, _ = block(x, ctx)
+            h = block.attn_norm(x)
+            h = 1.7 * h + 0.6 * block.attn(h, ctx)
+            m = block.mlp_norm(h)
+            torch.testing.assert_close(got, 1.7 * m + 0.6 * block.mlp(m, None)[0], rtol=1e-5, atol=1e-6)
+        assert [b.attn.layer for b in model.blocks[:2]] == [0, 1]
+        # the lightning block's decay is its depth's: block 1 with block 0's decay differs
+        params = {n: getattr(model.blocks[1].attn, n) for n in model.blocks[1].attn.names}
+        own = linear_attention(x, dict(params, decay=lightning_decay(4, 1, 3)), model.blocks[1].attn.cfg, ctx)[0]
+        torch.testing.assert_close(model.blocks[1].attn(x, ctx), own)
+        assert not torch.allclose(own, linear_attention(x, dict(params, decay=lightning_decay(4, 0, 3)), model.blocks[1].attn.cfg, ctx)[0])
+    for knobs, message in ((dict(normed_residual=0.0), r"normed_residual: expected None or a positive finite number .*, got 0.0"),
+                           (dict(normed_residual=True), r"normed_residual: expected None or a positive finite number"),
+                           (dict(normed_residual=2.0, parallel_blocks=True), r"normed_residual: .* needs pre_norms and not parallel_blocks"),
+                           (dict(normed_residual=2.0, hyper_connections=2), r"normed_residual: .* not hyper_connections"),
+                           (dict(normed_residual=2.0, pre_norms=False, post_norms=True), r"normed_residual: .* not pre_norms=False")):
+        with pytest.raises(ValueError, match=message):
+            dataclasses.replace(TINY, **knobs)
 
 
 def test_gemma4_moe_blocks_add_a_dense_mlp_beside_the_moe_and_scale_their_output():
@@ -1240,6 +1279,8 @@ DECODED = {
                                            llama3_factor=4.0, llama3_original_max_positions=16),
     # Qwen3-Next's: Gated DeltaNet blocks 0 and 1 (their conv and delta-rule states) beside a gated-attention block
     "gated deltanet": dataclasses.replace(VARIANTS["gated deltanet"], mtp_depth=0),
+    # MiniMax's: lightning attention's states (no convolution) beside a softmax block
+    "minimax": dataclasses.replace(VARIANTS["minimax"], mtp_depth=0),
     # Kimi Linear's: Kimi Delta Attention blocks (a decay per key channel in the states) beside an MLA block without RoPE
     "kimi linear": dataclasses.replace(VARIANTS["kimi linear"], mtp_depth=0),
     # MiMo-V2-Flash's: the window's blocks (rings) with twice the kv heads, values of their own dim; and with a window
@@ -1363,9 +1404,10 @@ def test_decode_with_a_kv_cache_equals_the_whole_sequence(name, monkeypatch):
     if cfg.linear_layers is not None:  # a state of fixed size per linear-attention layer: the conv's last K - 1 tokens, the rule's state
         lin = cfg.linear_attention_config()
         assert cache.linear_layers == cfg.linear_layers == (0, 1) and cache.full_layers == (2,)
-        # the conv's inputs: q, k and v's projections, or a short convolution's gated input (which has no rule: its state stays 0)
-        assert cache.conv.shape == (2, 1, lin.conv - 1, 2 * lin.k_channels + lin.v_channels if lin.kind != "short_conv" else lin.v_channels)
-        assert cache.conv.abs().amin(dim=(2, 3)).gt(0).all()
+        # the conv's inputs: q, k and v's projections, or a short convolution's gated input (which has no rule: its state stays 0);
+        # lightning attention has no convolution (no channels)
+        assert cache.conv.shape == (2, 1, lin.conv - 1, {"short_conv": lin.v_channels, "lightning": 0}.get(lin.kind, 2 * lin.k_channels + lin.v_channels))
+        assert lin.kind == "lightning" or cache.conv.abs().amin(dim=(2, 3)).gt(0).all()
         assert cache.state.shape == (2, 1, lin.n_v_heads, lin.k_head_dim, lin.v_head_dim)
         assert cache.state.abs().amin(dim=(2, 3, 4)).gt(0).all() if lin.kind != "short_conv" else not cache.state.any()
         keys = cache.k.numel() if cfg.kv_rank is not None else 2 * 16 * cfg.n_kv_heads * cfg.head_dim  # the latents, or keys and values

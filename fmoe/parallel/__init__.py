@@ -24,6 +24,7 @@ collectives, DCP) arranged for MoE models. DESIGN.md "Parallelism".
                                        all-gather, the model's attention over the split
     ContextCapacityDrop                the capacity drop of a MoE block over every cp rank's tokens
     gated_delta_rule_cp, conv_halo     Gated DeltaNet's rule and convolution across the split
+    gated_linear_attention_cp          the rule without the delta (lightning attention) across it
     Pipeline, MicroBatch, StageModule, stage_layers, rank_stages, pipeline_chunk, attach_loss,
     SCHEDULES                          pipeline parallel on torch.distributed.pipelining: the
                                        split by layers, the stages, the schedules, the tied
@@ -40,6 +41,7 @@ from fmoe.parallel.context import (
     cp_kv_index,
     cp_token_index,
     gated_delta_rule_cp,
+    gated_linear_attention_cp,
     gather_kv,
     split_batch,
 )
@@ -115,6 +117,7 @@ __all__ = [
     "cp_kv_index",
     "cp_token_index",
     "gated_delta_rule_cp",
+    "gated_linear_attention_cp",
     "gather_kv",
     "split_batch",
     "dispatch",

@@ -12,6 +12,8 @@ the split by an all-gather of K and V. DESIGN.md "Parallelism".
     conv_halo(x [T/cp, C], n, cp_mesh) -> [2, n, C]        the n tokens before each chunk
     gated_delta_rule_cp(q, k, v, g, beta, cu_seqlens, cp_mesh) -> o [1, T/cp, N, Dv]
                                          the gated delta rule across the split (exact)
+    gated_linear_attention_cp(q, k, v, g, cu_seqlens, cp_mesh) -> o [1, T/cp, N, Dv]
+                                         the same without the rule (lightning attention)
 
 One rank's attention, step by step (fmoe.layers.attention does 2-4 when its context has CP):
 
@@ -91,7 +93,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from fmoe.ops.checks import check_index, check_positive_int
-from fmoe.ops.delta import gated_delta_rule
+from fmoe.ops.delta import gated_delta_rule, gated_linear_attention
 from fmoe.ops.routing import Routes
 from fmoe.parallel.tensor import drop_by_capacity_over_ranks, gather_rows
 
@@ -318,6 +320,13 @@ def gated_delta_rule_cp(q, k, v, g, beta, cu_seqlens, cp_mesh: DeviceMesh, *, sc
     Returns:
         o [1, T/cp, N, Dv] in v's dtype: rows token_index of the rule over the whole batch.
     """
+    if not isinstance(beta, torch.Tensor):
+        raise ValueError(f"beta: expected this rank's [1, T/cp, N] (gated_linear_attention_cp is the rule without it), got {type(beta).__name__}")
+    return _rule_cp(q, k, v, g, beta, cu_seqlens, cp_mesh, scale=scale, chunk_size=chunk_size, impl=impl)
+
+
+def _rule_cp(q, k, v, g, beta, cu_seqlens, cp_mesh: DeviceMesh, **kwargs) -> torch.Tensor:
+    """gated_delta_rule_cp, or gated_linear_attention_cp with beta None."""
     _check_cp_mesh(cp_mesh)
     check_index("cu_seqlens", cu_seqlens, 1, "[n_docs + 1]")
     if not isinstance(q, torch.Tensor) or q.ndim != 4 or q.shape[0] != 1:
@@ -326,9 +335,17 @@ def gated_delta_rule_cp(q, k, v, g, beta, cu_seqlens, cp_mesh: DeviceMesh, *, sc
         raise ValueError(f"v: expected [1, T/cp, N, Dv], got {getattr(v, 'shape', type(v).__name__)}")
     L = _halves("q", q.shape[1])
     cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
-    outs, ends = _rule_chunks(q, k, v, g, beta, cu_seqlens, cp, rank, scale=scale, chunk_size=chunk_size, impl=impl)
+    outs, ends = _rule_chunks(q, k, v, g, beta, cu_seqlens, cp, rank, **kwargs)
     every = (ends if cp == 1 else _gather(ends, cp_mesh))[_chunk_rows(cp)]  # [2 cp, ...] global chunk order
     return _rule_outputs(outs, every, cu_seqlens, L, cp, rank).to(v.dtype)
+
+
+def gated_linear_attention_cp(q, k, v, g, cu_seqlens, cp_mesh: DeviceMesh, *, scale=None, chunk_size: int = 64, impl: str = "auto"):
+    """fmoe.ops.gated_linear_attention over a context-parallel split (MiniMax's lightning
+    attention): gated_delta_rule_cp without the rule, the same exchange (the state after a
+    chunk is as linear in the state it starts from; A is the chunk's decay). Arguments and
+    result as gated_delta_rule_cp's, without beta."""
+    return _rule_cp(q, k, v, g, None, cu_seqlens, cp_mesh, scale=scale, chunk_size=chunk_size, impl=impl)
 
 
 def _rule_chunks(q, k, v, g, beta, cu_seqlens, cp: int, rank: int, **kwargs):
@@ -343,8 +360,9 @@ def _rule_chunks(q, k, v, g, beta, cu_seqlens, cp: int, rank: int, **kwargs):
     for slot, chunk in enumerate((rank, 2 * cp - 1 - rank)):
         rows = slice(slot * L, (slot + 1) * L)
         v_wide = torch.cat([v[:, rows].float(), v.new_zeros(1, L, N, Dk, dtype=torch.float32)], -1)
-        o, end = gated_delta_rule(q[:, rows], k[:, rows], v_wide, g[:, rows], beta[:, rows], (cu - chunk * L).clamp(0, L),
-                                  initial_state=start_from, final_state=True, **kwargs)
+        rule = () if beta is None else (beta[:, rows],)  # beta None: no delta rule (gated_linear_attention)
+        o, end = (gated_delta_rule if rule else gated_linear_attention)(q[:, rows], k[:, rows], v_wide, g[:, rows], *rule, (cu - chunk * L).clamp(0, L),
+                                                                      initial_state=start_from, final_state=True, **kwargs)
         outs.append(o)
         ends.append(end[0])
     return outs, torch.stack(ends)
@@ -405,6 +423,10 @@ class ContextParallel:
     def gated_delta_rule(self, q, k, v, g, beta, cu_seqlens, **kwargs) -> torch.Tensor:
         """gated_delta_rule_cp over this object's cp mesh: o [1, T/cp, N, Dv]."""
         return gated_delta_rule_cp(q, k, v, g, beta, cu_seqlens, self.mesh, **kwargs)
+
+    def gated_linear_attention(self, q, k, v, g, cu_seqlens, **kwargs) -> torch.Tensor:
+        """gated_linear_attention_cp over this object's cp mesh: o [1, T/cp, N, Dv]."""
+        return gated_linear_attention_cp(q, k, v, g, cu_seqlens, self.mesh, **kwargs)
 
 
 class ContextCapacityDrop:

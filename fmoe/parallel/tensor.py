@@ -25,7 +25,8 @@ heads (attention) or of the FFN columns (SwiGLU) and the output is a sum over ra
                 wo [Nv*Dv, H]            Shard(0)
                 out_norm [Dv]            replicated (the gated output norm, per head)
                 (kind "kda": wz_b, wf_b  Shard(1), dt_bias [N*Dk] Shard(0); wz_a, wf_a
-                replicated, their gradients summed over tp; with full_rank wz, wf Shard(1))
+                replicated, their gradients summed over tp; with full_rank wz, wf Shard(1);
+                kind "lightning": out_norm [N*Dv] Shard(0), its mean square over tp)
     hyper-      attn_hc, mlp_hc's        replicated (per token, on the token shard, like the
     connections fn, base, scale          norms; their gradients summed over tp)
 
@@ -339,7 +340,9 @@ class LinearAttentionParallel(_HeadsRegion):
     by tp; value head h reads key head h // (Nv / Nk), so a rank's contiguous value heads read
     its contiguous key heads): the projections and the convolution's taps by their columns,
     A_log, dt_bias by their heads, wo by its rows; the gated output norm's weight [Dv]
-    replicated (HeadShard.weight sums its gradient over tp). Every rank runs the layer on all
+    replicated (HeadShard.weight sums its gradient over tp). Lightning attention's norm over
+    every head's channels: its weight [N Dv] by its heads, the mean square averaged over tp
+    (HeadShard.mean), each rank's decays its own heads' (fmoe.model.LinearAttention). Every rank runs the layer on all
     T tokens (the documents of the micro-batch) for its heads; the outputs are summed."""
 
     head_counts = ("n_k_heads", "n_v_heads")
@@ -347,6 +350,8 @@ class LinearAttentionParallel(_HeadsRegion):
     def _shard_dims(self, module):
         if module.cfg.kind == "short_conv":  # LFM2's: the channels (its heads) of the gates, the input and the taps, wo by its rows
             return dict(wb=1, wc=1, wv=1, conv_v=1, wo=0)
+        if module.cfg.kind == "lightning":  # MiniMax's: the output norm's weight by its heads' channels, its mean square over tp
+            return dict(wq=1, wk=1, wv=1, wz=1, out_norm=0, wo=0)
         if module.cfg.kind == "kda" and module.cfg.full_rank:  # Ling's: the decay's and the gate's projections by their heads
             return dict(wq=1, wk=1, wv=1, wz=1, wb=1, wf=1, conv_q=1, conv_k=1, conv_v=1, A_log=0, dt_bias=0, wo=0)
         if module.cfg.kind == "kda":  # the low-rank pairs' second halves by their heads; wf_a, wz_a replicated

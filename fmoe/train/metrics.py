@@ -191,12 +191,15 @@ def linear_attention_flops(hidden: int, cfg) -> float:
     (its low-rank decay and gate: H Dk + Dk Ck and H Dv + Dv Cv in place of H Nv and H Cv).
     Counted as the recurrence's math, as attention is counted by its scores: the chunked
     form's own extra work inside each chunk is not. LFM2's short convolution (kind
-    "short_conv") counts its four projections and K taps per channel: 6 (4 H C + K C)."""
+    "short_conv") counts its four projections and K taps per channel: 6 (4 H C + K C).
+    MiniMax's lightning attention (kind "lightning") its five projections and two products
+    with the states (no delta rule: no recall; no convolution): 6 (5 H C + 2 N D D)."""
     from fmoe.layers import linear_attention_shapes
 
     Nv = cfg.n_v_heads
     weights = sum(rows * cols for name, (rows, cols) in ((n, s) for n, s in linear_attention_shapes(hidden, cfg).items() if n.startswith("w")))
-    rule = 0 if cfg.kind == "short_conv" else 3 * Nv * cfg.k_head_dim * cfg.v_head_dim  # LFM2's short convolution has none
+    # LFM2's short convolution has no rule; lightning attention's no recall (the write and the read only)
+    rule = {"short_conv": 0, "lightning": 2}.get(cfg.kind, 3) * Nv * cfg.k_head_dim * cfg.v_head_dim
     return 6.0 * (weights + cfg.conv * cfg.conv_channels + rule)
 
 

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from fmoe.layers import AttentionConfig, LinearAttentionConfig, attention, attention_context, linear_attention, linear_attention_shapes
-from fmoe.ops import gated_delta_rule
-from fmoe.parallel import ContextParallel, cp_kv_index, cp_token_index, gated_delta_rule_cp, gather_kv, split_batch
+from fmoe.ops import gated_delta_rule, gated_linear_attention
+from fmoe.parallel import ContextParallel, cp_kv_index, cp_token_index, gated_delta_rule_cp, gated_linear_attention_cp, gather_kv, split_batch
 from fmoe.train.data import make_batch
 from tests.parallel.dist import run_distributed
 
@@ -395,14 +395,15 @@ def _rule_inputs(T, N, Dk, Dv, device, dtype, seed, channels=False):
     return [t.to(device=device, dtype=dtype).requires_grad_() for t in (q, k, v, g, beta)]
 
 
-def _rule_over_one_rank(one_rank_mesh, T, N, Dk, Dv, cu, device, dtype, chunk_size, channels=False):
+def _rule_over_one_rank(one_rank_mesh, T, N, Dk, Dv, cu, device, dtype, chunk_size, channels=False, rule=True):
     """gated_delta_rule_cp on one rank (its two chunks, the scan between them, no
-    collective) and gated_delta_rule, outputs and gradients (relative errors)."""
-    ref_in = _rule_inputs(T, N, Dk, Dv, device, dtype, 3, channels)
+    collective) and gated_delta_rule, outputs and gradients (relative errors); rule False:
+    gated_linear_attention_cp and gated_linear_attention (no beta)."""
+    ref_in = _rule_inputs(T, N, Dk, Dv, device, dtype, 3, channels)[:None if rule else 4]
     cp_in = [t.detach().clone().requires_grad_() for t in ref_in]
     cu = torch.tensor(cu, device=device)
-    ref_o = gated_delta_rule(*ref_in, cu, chunk_size=chunk_size)
-    o = gated_delta_rule_cp(*cp_in, cu, one_rank_mesh, chunk_size=chunk_size)
+    ref_o = (gated_delta_rule if rule else gated_linear_attention)(*ref_in, cu, chunk_size=chunk_size)
+    o = (gated_delta_rule_cp if rule else gated_linear_attention_cp)(*cp_in, cu, one_rank_mesh, chunk_size=chunk_size)
     grad_o = torch.randn_like(o)
     ref_o.backward(grad_o)
     o.backward(grad_o)
@@ -416,6 +417,11 @@ def test_rule_over_one_rank_equals_the_rule(one_rank_mesh):
     assert max(errors) < 1e-5, errors
     errors = _rule_over_one_rank(one_rank_mesh, 16, 2, 4, 5, [0, 3, 9, 16], "cpu", torch.float32, 3, channels=True)  # a decay per key channel
     assert max(errors) < 1e-5, errors
+    for channels in (False, True):  # without the rule (lightning attention)
+        errors = _rule_over_one_rank(one_rank_mesh, 16, 2, 4, 5, [0, 3, 9, 16], "cpu", torch.float32, 3, channels=channels, rule=False)
+        assert max(errors) < 1e-5, errors
+    with pytest.raises(ValueError, match=r"beta: expected this rank's \[1, T/cp, N\] \(gated_linear_attention_cp is the rule without it\)"):
+        gated_delta_rule_cp(*_rule_inputs(8, 2, 4, 5, "cpu", torch.float32, 0)[:4], None, torch.tensor([0, 8]), one_rank_mesh)
     with pytest.raises(ValueError, match="q: expected this rank's T/cp tokens, its two chunks"):
         gated_delta_rule_cp(*_rule_inputs(7, 2, 4, 5, "cpu", torch.float32, 0), torch.tensor([0, 7]), one_rank_mesh)
     with pytest.raises(ValueError, match="cp_mesh: expected a 1-D DeviceMesh"):

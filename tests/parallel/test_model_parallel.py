@@ -67,6 +67,10 @@ BEAM = dict(attn_gate=True, attn_gate_bias=True, post_norms=True, qk_norm="head"
 GEMMA4 = dict(mlp_act="gelu_tanh", qk_norm="head", post_norms=True, v_norm=True, global_k_eq_v=True, window=5, window_layers=(1,),
               local_head_dim=6, local_kv_heads=4, local_rope_base=100.0, rope_proportion=0.5, n_dense=0, dense_beside_moe=True, router_norm=True,
               router_expert_scale=True, layer_scalars=True, attn_scale=1.0, embed_scale=2.0, logit_softcap=1.5)
+# MiniMax's: block 0 lightning attention (4 heads, a constant decay per head and depth, its output norm over every head's
+# channels), each residual the sublayer's normed input x 1.7 beside its output x 0.6
+MINIMAX = dict(linear_layers=(0,), linear_kind="lightning", linear_k_heads=4, linear_v_heads=4, linear_k_dim=6, linear_v_dim=6,
+               normed_residual=1.7, residual_scale=0.6)
 # Granite's multipliers: the softmax scale, the embeddings', the residual branches', the logits' divisor
 GRANITE = dict(attn_scale=0.3, embed_scale=2.0, residual_scale=0.6, logit_divisor=3.0)
 # MiMo-V2-Flash's attention: values of 6 channels beside q/k heads of 8, scaled; the window's block 1 with 4 kv heads
@@ -376,6 +380,10 @@ CASES = {
     # MoE split by its columns, the router's norm and scales replicated over tp; across a cp split, each block's own RoPE
     "tp2-gemma4": (2, dict(tp=2), GEMMA4),
     "cp2-gemma4": (2, dict(cp=2), GEMMA4),
+    # MiniMax's (MINIMAX): the lightning heads and their norm's weight split over tp, each rank's heads' decays, the norm's
+    # mean square over every rank's heads; across a cp split, the rule without the delta run across the ranks
+    "tp2-minimax": (2, dict(tp=2), MINIMAX),
+    "cp2-minimax": (2, dict(cp=2), MINIMAX),
     "ep2xtp2-llama4": (4, dict(tp=2, ep=2), LLAMA4),
     # gpt-oss's extras: the sinks split with their heads and the output bias added once over
     # tp; the expert biases with their experts over ep (exchanged rows, and the padded
@@ -449,6 +457,7 @@ DECODE_CASES = {
     "tp2-ling": (2, dict(tp=2), LING, None, 1e-5),  # the whole decay and gate projections' heads split
     "tp2-hy-v4": (2, dict(tp=2), HY_V4, None, 1e-5),  # the streams of padded calls, collapsed before the head
     "tp2-gemma4": (2, dict(tp=2), dict(GEMMA4, window=3), None, 1e-5),  # the ring's heads of 6 beside the full store's of 8
+    "tp2-minimax": (2, dict(tp=2), MINIMAX, None, 1e-5),  # the lightning states of each rank's heads
 }
 
 

@@ -358,6 +358,10 @@ def test_model_flops_per_token_reads_the_model_config():
     kda = dataclasses.replace(linear.linear_attention_config(), n_v_heads=2, v_head_dim=8, kind="kda")
     kda_layer = 6 * (64 * (3 * 16 + 2) + 2 * (64 * 8 + 8 * 16) + 16 * 64 + 4 * 3 * 16 + 3 * 2 * 8 * 8)
     assert M.linear_attention_flops(64, kda) == kda_layer
+    # MiniMax's lightning attention (2 heads of 8): q, k, v, the gate [64 -> 16], out [16 -> 64]; no taps; 2 products with
+    # 2 [8, 8] states
+    light = dataclasses.replace(kda, kind="lightning")
+    assert M.linear_attention_flops(64, light) == 6 * (5 * 64 * 16 + 2 * 2 * 8 * 8)
     # block 1 slides over its window (3 keys); the MTP block attends over all
     assert M.model_flops_per_token(linear, n_avg_keys=10.0, n_avg_local_keys=3.0) == expected - 2 * attention + 2 * layer - 12 * 64 * (10.0 - 3.0)
     with pytest.raises(ValueError, match=r"n_dense / n_sliding \+ n_linear: expected at most n_layers=3, got 1 / 2 \+ 2"):
