@@ -1,5 +1,6 @@
-"""Gated delta rule benchmark: fmoe.ops.gated_delta_rule with the states' Triton kernels
-against the same op with the states in torch, eager and compiled.
+"""Gated delta rule benchmark: fmoe.ops.gated_delta_rule (and gated_linear_attention, the rule
+without its delta) with the states' Triton kernels against the same op with the states in
+torch, eager and compiled.
 
     .venv/bin/python benchmarks/bench_delta.py            # CUDA, bf16 inputs, real shapes
     .venv/bin/python benchmarks/bench_delta.py --smoke    # CPU + Triton interpreter, tiny shapes
@@ -10,7 +11,8 @@ already repeated to them, Dk = Dv = D, chunks of 64; --smoke: T = 96, N = 2, D =
     long doc     T = 16384, DOC = 16384, N = 16, D = 128 (one long document)
     kimi-linear  T = 16384, DOC = 4096, N = 32, D = 128, a decay per key channel (g [1, T, N, D]:
                  Kimi Linear's Kimi Delta Attention; its in-chunk pairs in halves of blocks)
-
+    lightning    T = 16384, DOC = 4096, N = 64, D = 128, gated_linear_attention (MiniMax-Text-01's
+                 lightning layers: no delta rule, so no solves; a decay per head)
 Implementations:
     fused     impl="triton": the chunks' terms in torch, the states chunk after chunk in one
               Triton kernel (and its backward in another)
@@ -29,7 +31,8 @@ fraction of the float32 matmul floor: the chunked algorithm's matmul FLOPs over 
 matmul rate measured in the same run, divided by the time. FLOPs per token and head (C = 64):
 4 C Dk (q k^T and k k^T in the chunk) + C (Dk + Dv) (the two triangular solves) + 8 Dk Dv (the
 states' two products, then u and the outputs' read of the state) + 2 C Dv (the outputs from
-u), x 3 for fwd+bwd; the same count for the per-channel case (its halves-of-blocks pair sums
+u), x 3 for fwd+bwd; without the rule (lightning) 4 C D + 4 D D (q k^T, the outputs from v,
+the read of the state and its update); the same count for the per-channel case (its halves-of-blocks pair sums
 do about half the q k^T and k k^T work, plus the decays' elementwise products). The CSV goes
 to OUT/bench_delta.csv.
 """
@@ -49,7 +52,7 @@ from _common import (  # before torch and fmoe: with --smoke it sets TRITON_INTE
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from fmoe.ops import gated_delta_rule  # noqa: E402
+from fmoe.ops import gated_delta_rule, gated_linear_attention  # noqa: E402
 
 COLUMNS = ["case", "pass", "impl", "ms", "speedup_vs_eager", "speedup_vs_compiled", "flop_fraction"]
 CHUNK = 64
@@ -63,15 +66,20 @@ class Case:
     N: int
     D: int
     channels: bool = False  # a decay per key channel
+    rule: bool = True  # False: gated_linear_attention (no delta rule, no beta)
 
 
 def make_cases(smoke: bool) -> list[Case]:
     if smoke:
-        return [Case("qwen3-next", 96, 40, 2, 16), Case("long doc", 96, 96, 2, 16), Case("kimi-linear", 96, 40, 2, 16, True)]
-    return [Case("qwen3-next", 16384, 4096, 32, 128), Case("long doc", 16384, 16384, 16, 128), Case("kimi-linear", 16384, 4096, 32, 128, True)]
+        return [Case("qwen3-next", 96, 40, 2, 16), Case("long doc", 96, 96, 2, 16), Case("kimi-linear", 96, 40, 2, 16, True),
+                Case("lightning", 96, 40, 2, 16, rule=False)]
+    return [Case("qwen3-next", 16384, 4096, 32, 128), Case("long doc", 16384, 16384, 16, 128), Case("kimi-linear", 16384, 4096, 32, 128, True),
+            Case("lightning", 16384, 4096, 64, 128, rule=False)]
 
 
-def flops_per_token_head(D: int, C: int = CHUNK) -> int:
+def flops_per_token_head(D: int, C: int = CHUNK, rule: bool = True) -> int:
+    if not rule:  # q k^T, the outputs from v, the read of the state and its update
+        return 4 * C * D + 4 * D * D
     return 4 * C * D + C * 2 * D + 8 * D * D + 2 * C * D
 
 
@@ -90,14 +98,15 @@ def rule_inputs(T: int, N: int, D: int, device, dtype, channels: bool = False) -
 def run_case(case: Case, device: torch.device, dtype: torch.dtype, rate: float, compiled: bool) -> list[dict]:
     T, N, D = case.T, case.N, case.D
     torch._dynamo.reset()
-    inputs = [t.requires_grad_() for t in rule_inputs(T, N, D, device, dtype, case.channels)]
+    inputs = [t.requires_grad_() for t in rule_inputs(T, N, D, device, dtype, case.channels)][:None if case.rule else 4]
     cu = torch.arange(0, T + 1, case.doc, device=device)
     if cu[-1] != T:
         cu = torch.cat([cu, torch.tensor([T], device=device)])
     grad_o = torch.randn(1, T, N, D, device=device, dtype=dtype)
 
     def rule(impl):
-        return lambda *xs: gated_delta_rule(*xs, cu, chunk_size=CHUNK, impl=impl)
+        op = gated_delta_rule if case.rule else gated_linear_attention
+        return lambda *xs: op(*xs, cu, chunk_size=CHUNK, impl=impl)
 
     impls = {"fused": rule("triton"), "eager": rule("torch"), "compiled": torch.compile(rule("torch"), dynamic=False)}
     outs = {}
@@ -113,7 +122,7 @@ def run_case(case: Case, device: torch.device, dtype: torch.dtype, rate: float, 
     def fwd_bwd(name):
         return torch.autograd.grad(impls[name](*inputs), inputs, grad_o)
 
-    flops = T * N * flops_per_token_head(D)
+    flops = T * N * flops_per_token_head(D, rule=case.rule)
     passes = (("fwd", fwd, flops), ("fwd+bwd", fwd_bwd, 3 * flops))
 
     def timed(names, ms):

@@ -6,7 +6,7 @@
 A folder holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). Supported `model_type`s: FAMILIES (mixtral, qwen2_moe,
 qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, axk1, kimi_k2, kimi_k25, deepseek_v2, deepseek_v32, glm_moe_dsa, hy_v4, glm4_moe_lite, gpt_oss, solar_open,
-exaone_moe, kolibri1, beam, axk2, dots1, minimax_m2, granitemoe, granitemoeshared, granitemoe_swa, hunyuan_v1_moe, llama4_text, llama4, afmoe,
+exaone_moe, kolibri1, beam, axk2, dots1, minimax_m2, minimax, granitemoe, granitemoeshared, granitemoe_swa, hunyuan_v1_moe, llama4_text, llama4, afmoe,
 laguna, cohere2_moe, sarvam_moe, sarvam_mla, longcat_flash, bailing_hybrid, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, lara_mini, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
 mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe, gemma3, gemma4_text, gemma4), and the dense
 DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
@@ -52,6 +52,13 @@ gpt-oss: the experts are stacks ([E, H, 2F] gate_up_proj with gate and up interl
 joined back on export; the released MXFP4 experts (`*_blocks` and `*_scales`, quant_method
 "mxfp4") are dequantised on load (dequantize_mxfp4), this rank's experts only, then cast to
 the parameters' dtype.
+
+MiniMax-Text-01 / M1 (minimax): lightning attention (fmoe.layers' linear_kind "lightning")
+beside softmax attention, Mixtral's MoE, each sublayer's residual its normed input
+(normed_residual). The lightning layers' decay tables (slope_rate, query_decay, key_decay,
+diagonal_decay) are constants of the config (constant_tensors): a folder's slope_rate is
+checked against fmoe's decay on load, and the tables are written on export as transformers
+computes them.
 
 GraniteMoE / GraniteMoeShared (IBM Granite 3 MoE): Mixtral's routing with Granite's
 multipliers (TransformerConfig.attn_scale, embed_scale, residual_scale, logit_divisor); the
@@ -175,6 +182,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
+from fmoe.layers import lightning_decay
 from fmoe.model import Transformer, TransformerConfig, local_block
 from fmoe.ops.rope import yarn_mscale
 
@@ -830,6 +838,34 @@ def _granite(hf: dict) -> dict:
 def _mixtral(hf: dict) -> dict:
     n = hf["num_local_experts"]
     return dict(_common(hf, n, sliding=True), ffn_expert=hf["intermediate_size"], ffn_dense=hf["intermediate_size"], n_dense=0, n_shared=0)
+
+
+def _minimax(hf: dict) -> dict:
+    """MiniMax-Text-01 and MiniMax-M1 (minimax): lightning attention (linear_kind "lightning":
+    num_attention_heads heads of head_dim, a constant decay per head by depth, no RoPE) in the
+    layers layer_types names linear_attention (by default every second layer from layer 1),
+    softmax attention with RoPE over every channel in the others; every block Mixtral's MoE
+    (softmax top-k, renormalised); each sublayer's residual its normed input, weighted by the
+    alpha factors (normed_residual) beside the output's beta factors (residual_scale), one
+    alpha and one beta for every kind of sublayer."""
+    n = hf["num_hidden_layers"]
+    kinds = hf.get("layer_types") or ["full_attention" if (i + 1) % 2 else "linear_attention" for i in range(n)]
+    if len(kinds) != n or set(kinds) - {"full_attention", "linear_attention"}:
+        raise ValueError(f"config.json: layer_types = {kinds!r} is not supported (full_attention or linear_attention for each of the {n} layers)")
+    weights = {}
+    for kind in ("alpha", "beta"):
+        names = [f"full_attn_{kind}_factor", f"linear_attn_{kind}_factor", f"mlp_{kind}_factor"]
+        values = {hf.get(name, 1) for name in names}
+        if len(values) > 1 or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf for v in values):
+            raise ValueError(f"config.json: {' / '.join(names)} = {[hf.get(name, 1) for name in names]!r} is not supported "
+                             f"(one positive {kind} for every sublayer)")
+        weights[kind] = float(values.pop())
+    common = _common(hf, hf["num_local_experts"])
+    heads, dim = common["n_heads"], common["head_dim"]
+    linear = tuple(i for i, kind in enumerate(kinds) if kind == "linear_attention")
+    return dict(common, ffn_expert=hf["intermediate_size"], ffn_dense=hf["intermediate_size"], n_dense=0, n_shared=0,
+                linear_layers=linear or None, linear_kind="lightning", linear_k_heads=heads, linear_v_heads=heads, linear_k_dim=dim,
+                linear_v_dim=dim, normed_residual=weights["alpha"], residual_scale=weights["beta"])
 
 
 def _qwen_moe_layers(hf: dict) -> tuple[int, ...]:
@@ -2097,7 +2133,8 @@ class Family:
     # the linear-attention (Gated DeltaNet) blocks' projections: "qkvz", Qwen3-Next's fused in_proj_qkvz and in_proj_ba
     # (their rows grouped by key head); "qkv", Qwen3.5's in_proj_qkv beside in_proj_z, in_proj_b, in_proj_a; "fused", Lara
     # Mini's one in_proj (the rows of q, k, v, z, b and a in turn) and out_norm; "kda", Kimi
-    # Linear's Kimi Delta Attention under the attention module (q/k/v/b_proj, q/k/v_conv1d, f_a/f_b_proj, g_a/g_b_proj, o_norm)
+    # Linear's Kimi Delta Attention under the attention module (q/k/v/b_proj, q/k/v_conv1d, f_a/f_b_proj, g_a/g_b_proj, o_norm);
+    # "lightning", MiniMax's lightning attention under the attention module (qkv_proj, output_gate, norm, out_proj)
     linear: str = "qkv"
     gate_in_q: bool = False  # gated attention's gate as rows of q_proj, per head after its query's (Qwen3-Next), not a gate_proj
     gate_proj: str = "gate_proj"  # gated attention's own gate module, under the attention module (AFMoE's; Laguna's g_proj)
@@ -2204,6 +2241,9 @@ DENSE_FAMILIES = ("llama", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "
                   "phi3", "glm4", "ernie4_5", "lfm2", "cohere", "cohere2")
 FAMILIES = {
     "mixtral": Family(_mixtral, "block_sparse_moe", ("w1", "w3", "w2"), "MixtralForCausalLM",
+                      defaults=dict(num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1e6)),
+    "minimax": Family(_minimax, "block_sparse_moe", ("w1", "w3", "w2"), "MiniMaxForCausalLM", linear="lightning",
+                      ignored=(r"\.self_attn\.(slope_rate|query_decay|key_decay|diagonal_decay)$",),  # lightning's decay: constants
                       defaults=dict(num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1e6)),
     "phimoe": Family(_phimoe, "block_sparse_moe", ("w1", "w3", "w2"), "PhimoeForCausalLM",
                      defaults=dict(num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1e6, max_position_embeddings=131072, router_jitter_noise=0.01)),
@@ -2462,6 +2502,14 @@ def _linear_attention_keys(family: Family, cfg: TransformerConfig, p: str, q: st
     dt_bias, the gated norm (Lara Mini's out_norm), out_proj."""
     la, lin, out = p + "linear_attn.", cfg.linear_attention_config(), {}
     qkv = (lin.k_channels, lin.k_channels, lin.v_channels)  # the q, k, v channels of in_proj_qkv and of the conv
+    if family.linear == "lightning":  # MiniMax: under the attention module, qkv_proj [N 3D, H] (per head its q, k, v rows)
+        la = p + family.attention + "."
+        for j, name in enumerate(("wq", "wk", "wv")):
+            out[q + "attn." + name] = Tensor((la + "qkv_proj.weight",), transpose=True, chunk=(j, (1, 1, 1)), groups=lin.n_v_heads)
+        out[q + "attn.wz"] = Tensor((la + "output_gate.weight",), transpose=True)
+        out[q + "attn.out_norm"] = Tensor((la + "norm.weight",))
+        out[q + "attn.wo"] = Tensor((la + "out_proj.weight",), transpose=True)
+        return out
     if family.linear == "short_conv":  # LFM2: conv.in_proj [3C, H] (the rows of B, C and x), conv.conv [C, 1, K], conv.out_proj
         conv = p + "conv."
         for j, name in enumerate(("wb", "wc", "wv")):
@@ -2972,6 +3020,10 @@ def load_weights(model: Transformer, path, *, model_type: str, strict: bool = Tr
         if unread:  # part of the checkpoint would be dropped without a word: refused
             raise ValueError(f"checkpoint: {len(unread)} key(s) in {str(path)!r} that the model's config reads nowhere, e.g. "
                              f"{unread[0]!r} (an option that leaves out part of the model? strict=False loads the rest)")
+        for key, rate in constant_tensors(family, model.cfg, {"block_size": 1}).items():  # the decay a folder's lightning layers use
+            if key.endswith(".slope_rate") and key in files and not torch.allclose(open_slice(key)[:].float(), rate, rtol=1e-5, atol=0.0):
+                raise ValueError(f"checkpoint: {key} is not the lightning decay fmoe computes for its layer "
+                                 f"(fmoe.layers.lightning_decay: {(-rate.flatten()).tolist()})")
         unmapped = [n for n in params if n not in keys and not n.startswith("mtp.") and not n.endswith("expert_bias")]
         if unmapped:  # a trunk weight would keep its initial value: refused, not silently fresh
             raise ValueError(f"model: {len(unmapped)} parameter(s) that a {model_type} checkpoint does not hold, "
@@ -3358,8 +3410,13 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
         hf.update(use_sliding_window=True, sliding_window=cfg.window)
     elif cfg.window is not None and model_type == "qwen2_moe":
         hf.update(use_sliding_window=True, sliding_window=cfg.window, max_window_layers=cfg.n_layers, layer_types=_layer_types(cfg))
-    if model_type in ("mixtral", "minimax_m2"):
+    if model_type in ("mixtral", "minimax_m2", "minimax"):
         hf.update(num_local_experts=cfg.n_experts, intermediate_size=cfg.ffn_expert)
+    if model_type == "minimax":  # one alpha (None: a plain pre-norm block, which config_mismatch names) and one beta
+        alpha = 1.0 if cfg.normed_residual is None else cfg.normed_residual
+        hf.update(layer_types=["linear_attention" if cfg.is_linear(i) else "full_attention" for i in range(cfg.n_layers)],
+                  **{f"{kind}_alpha_factor": alpha for kind in ("full_attn", "linear_attn", "mlp")},
+                  **{f"{kind}_beta_factor": cfg.residual_scale for kind in ("full_attn", "linear_attn", "mlp")})
     elif model_type == "phimoe":  # LongRoPE's two scales under their own names (_longrope)
         hf.update(num_local_experts=cfg.n_experts, intermediate_size=cfg.ffn_expert, router_jitter_noise=cfg.sparsemixer_eps,
                   attention_bias=cfg.qkv_bias, lm_head_bias=cfg.head_bias, sliding_window=cfg.window)
@@ -3811,9 +3868,35 @@ class _ShardWriter:
         self.files, self.shard = [], {}
 
 
-def _checkpoint_tensors(model: Transformer, family, params: dict, dtype: torch.dtype, keep: bool, failed: list):
+_LIGHTNING_TABLES = ("slope_rate", "query_decay", "key_decay", "diagonal_decay")
+
+
+def constant_tensors(family: Family, cfg: TransformerConfig, hf: dict) -> dict[str, torch.Tensor]:
+    """{HF key: float32 tensor} of what a family's checkpoints hold beside the weights that is
+    a function of the config: MiniMax's lightning attention's decay tables per linear layer
+    (slope_rate [N, 1, 1] = -lightning_decay, and of config.json's block_size b
+    query_decay, key_decay [N, b, 1], diagonal_decay [1, N, b, b]), computed as transformers
+    computes them. save_pretrained writes them; load_weights checks a folder's slope_rate."""
+    if family.linear != "lightning":
+        return {}
+    lin, block, out = cfg.linear_attention_config(), int(hf.get("block_size", 256)), {}
+    steps = torch.arange(block) + 1
+    for i in range(cfg.n_layers):
+        if not cfg.is_linear(i):
+            continue
+        rate = -lightning_decay(lin.n_v_heads, i, cfg.n_layers)[:, None, None]
+        diagonal = rate * (steps[:, None] - steps[None, :])[None, None]
+        p = f"{family.prefix[0]}model.layers.{i}.{family.attention}."
+        out.update({p + "slope_rate": rate, p + "query_decay": torch.exp(-rate * steps[:, None]),
+                    p + "key_decay": torch.exp(-rate * (block - steps[:, None])),
+                    p + "diagonal_decay": torch.exp(torch.where(diagonal >= 0, -diagonal, float("-inf")))})
+    return out
+
+
+def _checkpoint_tensors(model: Transformer, family, params: dict, dtype: torch.dtype, keep: bool, failed: list, hf: Optional[dict] = None):
     """(HF key, complete CPU tensor) pairs of `model` in the checkpoint's layout and dtype,
-    one parameter at a time, then the zero experts' unused rows as zeros (zero_expert_keys). A
+    one parameter at a time, then the zero experts' unused rows as zeros (zero_expert_keys) and
+    the config's constant tables (constant_tensors; hf: the config.json written). A
     DTensor is gathered (full_tensor) whatever `keep` says: every rank must walk this in
     step; a rank with keep=False yields nothing, and neither does one once `failed` holds an
     error (a conversion that raises is appended to it: the walk goes on, gathering, so that
@@ -3838,6 +3921,8 @@ def _checkpoint_tensors(model: Transformer, family, params: dict, dtype: torch.d
     if keep and not failed:
         for key, shape in zero_expert_keys(family, model.cfg).items():
             yield key, torch.zeros(shape, dtype=dtype)
+        for key, value in constant_tensors(family, model.cfg, hf or {}).items():
+            yield key, value.to(dtype)
 
 
 def _converted(name: str, spec: Tensor, full: torch.Tensor, copies, parts: dict, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
@@ -3931,7 +4016,7 @@ def save_pretrained(model: Transformer, path, *, model_type: Optional[str] = Non
         except Exception as err:
             failed.append(err)
     try:
-        for key, value in _checkpoint_tensors(model, family, params, dtype, keep=writes, failed=failed):
+        for key, value in _checkpoint_tensors(model, family, params, dtype, keep=writes, failed=failed, hf=hf):
             try:
                 writer.add(key, value)
             except Exception as err:
