@@ -382,3 +382,26 @@ def test_a_run_of_fmoe_s_own_with_gemma4_s_pieces_exports_as_gemma4_text(tmp_pat
     unrounded = hf.Transformer(dataclasses.replace(model.cfg, round_embed_scale=False))
     with pytest.raises(ValueError, match=r"no gemma4_text equivalent: \{'round_embed_scale': \(False, True\)\}"):
         hf.save_pretrained(unrounded, tmp_path / "unrounded", model_type="gemma4_text")
+
+
+def test_a_run_of_fmoe_s_own_with_lightning_attention_exports_as_minimax(tmp_path):
+    """MiniMax's pieces through the user's path: a run of fmoe's own with lightning attention
+    in block 0 (--model.linear_kind=lightning) and normed residuals (--model.normed_residual,
+    --model.residual_scale), every block Mixtral's MoE, exports with --model_type=minimax, decay
+    tables included, and transformers loads it (no key missing) with the run's logits."""
+    own = ["--model.hidden=32", "--model.n_layers=2", "--model.n_dense=0", "--model.n_experts=4", "--model.k=2", "--model.ffn_expert=16",
+           "--model.n_shared=0", "--model.score=softmax", "--model.expert_bias=False", "--model.n_heads=4", "--model.n_kv_heads=2",
+           "--model.head_dim=8", "--model.linear_layers=0", "--model.linear_kind=lightning", "--model.linear_k_heads=4",
+           "--model.linear_v_heads=4", "--model.linear_k_dim=8", "--model.linear_v_dim=8", "--model.normed_residual=1.5",
+           "--model.residual_scale=0.75", "--model.norm_eps=1e-5", *RUN, "--model.mtp_depth=0"]
+    run = _train(tmp_path / "run", knobs=own)
+    cli = _export(run, tmp_path / "out", "--model_type=minimax")
+    assert cli.returncode == 0, cli.stderr[-3000:]
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["layer_types"] == ["linear_attention", "full_attention"] and config["mlp_alpha_factor"] == 1.5
+    model, _ = load_run(run)
+    docs, ids, cu = _docs(258)  # byte data's vocabulary
+    _, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    with torch.no_grad():
+        assert _rel(_transformers_logits(tmp_path / "out", docs), model.logits(ids, cu)) < 1e-5
