@@ -48,6 +48,15 @@ def _docs(vocab, seed=0):
     return docs, torch.cat(docs), torch.tensor([0, 7, 19], dtype=torch.int32)
 
 
+def _own_run_exported(tmp_path, knobs, model_type):
+    """A run of fmoe's own with these knobs, exported with --model_type: (its config.json,
+    the run's model)."""
+    run = _train(tmp_path / "run", knobs=knobs)
+    cli = _export(run, tmp_path / "out", f"--model_type={model_type}")
+    assert cli.returncode == 0, cli.stderr[-3000:]
+    return json.loads((tmp_path / "out" / "config.json").read_text()), load_run(run)[0]
+
+
 def _transformers_logits(path, docs, dtype=torch.float32):
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     with torch.no_grad():
@@ -294,12 +303,9 @@ def test_a_run_of_fmoe_s_own_routed_on_the_logits_plus_the_bias_exports_as_kolib
            "--model.n_heads=4", "--model.n_kv_heads=2", "--model.head_dim=8", "--model.qk_norm=head", "--model.window=4",
            "--model.post_norms=True", "--model.route_normalize=False", "--model.expert_bias_on_logits=True", *RUN, "--model.mtp_depth=0",
            "--bias_rate=0.1"]
-    run = _train(tmp_path / "run", knobs=own)
-    cli = _export(run, tmp_path / "out", "--model_type=kolibri1")
-    assert cli.returncode == 0, cli.stderr[-3000:]
-    assert json.loads((tmp_path / "out" / "config.json").read_text())["layer_types"] == ["sliding_attention"] * 2
+    config, model = _own_run_exported(tmp_path, own, "kolibri1")
+    assert config["layer_types"] == ["sliding_attention"] * 2
     assert load_file(tmp_path / "out" / "model.safetensors")["model.layers.1.moe.router.expert_bias"].abs().max() > 0
-    model, _ = load_run(run)
     docs, ids, cu = _docs(258)  # byte data's vocabulary
     with torch.no_grad():
         assert _rel(_transformers_logits(tmp_path / "out", docs), model.logits(ids, cu)) < 1e-5
@@ -317,12 +323,8 @@ def test_a_run_of_fmoe_s_own_with_beam_s_pieces_exports_as_beam(tmp_path):
            "--model.nope_temperature_kind=power", "--model.attn_gate=True", "--model.attn_gate_bias=True", "--model.post_norms=True",
            "--model.depth_scaled_residual=True", "--model.n_groups=2", "--model.topk_groups=1", "--model.group_score_topk=2",
            "--model.route_scale=2.5", "--model.logit_softcap=2.0", *RUN, "--model.mtp_depth=0"]
-    run = _train(tmp_path / "run", knobs=own)
-    cli = _export(run, tmp_path / "out", "--model_type=beam")
-    assert cli.returncode == 0, cli.stderr[-3000:]
-    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    config, model = _own_run_exported(tmp_path, own, "beam")
     assert config["rope_parameters"]["full_attention"] is None and config["final_logit_softcapping"] == 2.0
-    model, _ = load_run(run)
     docs, ids, cu = _docs(258)  # byte data's vocabulary
     with torch.no_grad():
         logits = model.logits(ids, cu)
@@ -345,11 +347,8 @@ def test_a_run_of_fmoe_s_own_with_axk2_s_pieces_exports_as_axk2(tmp_path):
            "--model.q_rank=12", "--model.kv_rank=8", "--model.v_head_dim=5", "--model.index_topk=12", "--model.index_heads=4",
            "--model.index_head_dim=6", "--model.q_latent_raw=True", "--model.attn_gate=True", "--model.attn_gate_on_q=True",
            "--model.norm_gate_rank=3", *RUN, "--model.mtp_depth=0"]
-    run = _train(tmp_path / "run", knobs=own)
-    cli = _export(run, tmp_path / "out", "--model_type=axk2")
-    assert cli.returncode == 0, cli.stderr[-3000:]
+    _, model = _own_run_exported(tmp_path, own, "axk2")
     assert load_file(tmp_path / "out" / "model.safetensors")["model.layers.1.self_attn.q_b_proj.weight"].shape == (4 * (10 + 5), 24)
-    model, _ = load_run(run)
     docs, ids, cu = _docs(258)  # byte data's vocabulary
     with torch.no_grad():
         assert _rel(_transformers_logits(tmp_path / "out", docs), model.logits(ids, cu)) < 1e-5
@@ -370,12 +369,8 @@ def test_a_run_of_fmoe_s_own_with_gemma4_s_pieces_exports_as_gemma4_text(tmp_pat
            "--model.local_kv_heads=2", "--model.local_rope_base=100", "--model.rope_proportion=0.25", "--model.dense_beside_moe=True",
            "--model.router_norm=True", "--model.router_expert_scale=True", "--model.layer_scalars=True", "--model.attn_scale=1.0",
            "--model.embed_scale=5.656854249492381", "--model.round_embed_scale=True", "--model.logit_softcap=3.0", "--model.tie_embeddings=True", *RUN, "--model.mtp_depth=0"]
-    run = _train(tmp_path / "run", knobs=own)
-    cli = _export(run, tmp_path / "out", "--model_type=gemma4_text")
-    assert cli.returncode == 0, cli.stderr[-3000:]
-    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    config, model = _own_run_exported(tmp_path, own, "gemma4_text")
     assert config["per_layer_config"] == {"1": {"head_dim": 16, "num_key_value_heads": 1}} and config["enable_moe_block"] is True
-    model, _ = load_run(run)
     docs, ids, cu = _docs(258)  # byte data's vocabulary
     with torch.no_grad():
         assert _rel(_transformers_logits(tmp_path / "out", docs), model.logits(ids, cu)) < 1e-5
@@ -394,12 +389,8 @@ def test_a_run_of_fmoe_s_own_with_lightning_attention_exports_as_minimax(tmp_pat
            "--model.head_dim=8", "--model.linear_layers=0", "--model.linear_kind=lightning", "--model.linear_k_heads=4",
            "--model.linear_v_heads=4", "--model.linear_k_dim=8", "--model.linear_v_dim=8", "--model.normed_residual=1.5",
            "--model.residual_scale=0.75", "--model.norm_eps=1e-5", *RUN, "--model.mtp_depth=0"]
-    run = _train(tmp_path / "run", knobs=own)
-    cli = _export(run, tmp_path / "out", "--model_type=minimax")
-    assert cli.returncode == 0, cli.stderr[-3000:]
-    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    config, model = _own_run_exported(tmp_path, own, "minimax")
     assert config["layer_types"] == ["linear_attention", "full_attention"] and config["mlp_alpha_factor"] == 1.5
-    model, _ = load_run(run)
     docs, ids, cu = _docs(258)  # byte data's vocabulary
     _, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
