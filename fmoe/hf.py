@@ -6,7 +6,7 @@
 A folder holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). Supported `model_type`s: FAMILIES (mixtral, qwen2_moe,
 qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, axk1, kimi_k2, kimi_k25, deepseek_v2, deepseek_v32, glm_moe_dsa, hy_v4, glm4_moe_lite, gpt_oss, solar_open,
-exaone_moe, kolibri1, beam, axk2, dots1, minimax_m2, minimax, granitemoe, granitemoeshared, granitemoe_swa, hunyuan_v1_moe, llama4_text, llama4, afmoe,
+exaone_moe, kolibri1, beam, axk2, dots1, minimax_m2, minimax, granitemoe, granitemoeshared, granitemoe_swa, granitemoehybrid, hunyuan_v1_moe, llama4_text, llama4, afmoe,
 laguna, cohere2_moe, sarvam_moe, sarvam_mla, longcat_flash, bailing_hybrid, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, lara_mini, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
 mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe, gemma3, gemma4_text, gemma4), and the dense
 DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
@@ -1429,6 +1429,39 @@ def _granitemoe(hf: dict, *, sliding: bool = False) -> dict:
                 ffn_dense=hf["intermediate_size"], n_dense=0, n_shared=0, shared_ffn=hf.get("shared_intermediate_size") or 0)
 
 
+_LEGACY_KINDS = {"mamba": "linear_attention", "attention": "full_attention"}  # transformers' remap of older layer_types
+
+
+def _granitemoehybrid(hf: dict) -> dict:
+    """Granite 4.0-H (granitemoehybrid; H-Tiny, H-Small): Granite's MoE blocks with a shared MLP
+    and multipliers (_granitemoe), Mamba-2 mixers (linear_kind "mamba2") in the layers
+    layer_types names linear_attention (or mamba; by default all) and attention in the others,
+    with RoPE where position_embedding_type is "rope", else none (NoPE). The mixer:
+    mamba_n_heads heads of mamba_d_head (by default mamba_expand x hidden / heads),
+    mamba_n_groups groups of C and B of mamba_d_state, mamba_d_conv taps with biases."""
+    n = hf["num_hidden_layers"]
+    kinds = [_LEGACY_KINDS.get(k, k) for k in (hf.get("layer_types") or hf.get("layers_block_type") or ["linear_attention"] * n)]
+    if len(kinds) != n or set(kinds) - {"full_attention", "linear_attention"}:
+        raise ValueError(f"config.json: layer_types = {kinds!r} is not supported (linear_attention (mamba) or full_attention for each of the {n} layers)")
+    _refuse(hf, "num_local_experts", lambda v: isinstance(v, int) and v > 0, "MoE blocks: Granite 4.0-H's dense blocks (shared_mlp alone) are not read")
+    _refuse(hf, "mamba_conv_bias", lambda v: v is True, "the convolution's biases, Granite 4.0-H's")
+    _refuse(hf, "mamba_proj_bias", lambda v: not v, "no biases on the mixer's projections")
+    # transformers writes inf as {"__float__": "Infinity"}
+    _refuse(hf, "time_step_limit", lambda v: v is None or [x if not isinstance(x, dict) else float(x.get("__float__", "nan")) for x in v] == [0.0, math.inf],
+            "dt unclamped, (0.0, inf)")
+    heads, expand = hf.get("mamba_n_heads", 128), hf.get("mamba_expand", 2)
+    head_dim = hf.get("mamba_d_head", "auto")
+    head_dim = expand * hf["hidden_size"] // heads if head_dim == "auto" else head_dim
+    if heads * head_dim != expand * hf["hidden_size"]:
+        raise ValueError(f"config.json: mamba_n_heads x mamba_d_head = {heads} x {head_dim} is not supported (mamba_expand x hidden_size, "
+                         f"{expand * hf['hidden_size']})")
+    attention = tuple(i for i, kind in enumerate(kinds) if kind == "full_attention")
+    nope = attention if hf.get("position_embedding_type") != "rope" else ()
+    return dict(_granitemoe(hf), linear_layers=tuple(i for i, kind in enumerate(kinds) if kind == "linear_attention") or None,
+                linear_kind="mamba2", linear_k_heads=hf.get("mamba_n_groups", 1), linear_v_heads=heads, linear_k_dim=hf.get("mamba_d_state", 256),
+                linear_v_dim=head_dim, linear_conv=hf.get("mamba_d_conv", 4), nope_layers=nope or None)
+
+
 def _granitemoe_swa(hf: dict) -> dict:
     """GraniteMoeSWA: Granite's MoE blocks and multipliers (_granitemoe) with Granite SWA's
     attention (_granite_swa_attention)."""
@@ -2334,6 +2367,8 @@ FAMILIES = {
     "granitemoe": Family(_granitemoe, "block_sparse_moe", _GRANITE, "GraniteMoeForCausalLM", fused="halves_out", router="router.layer.weight"),
     "granitemoeshared": Family(_granitemoe, "block_sparse_moe", _GRANITE, "GraniteMoeSharedForCausalLM", "shared_mlp", fused="halves_out",
                                shared_beside=True, router="router.layer.weight"),
+    "granitemoehybrid": Family(_granitemoehybrid, "block_sparse_moe", _GRANITE, "GraniteMoeHybridForCausalLM", "shared_mlp", fused="halves_out",
+                               shared_beside=True, router="router.layer.weight", linear="mamba2", defaults=dict(shared_intermediate_size=1024)),
     "granitemoe_swa": Family(_granitemoe_swa, "block_sparse_moe", _STACKS, "GraniteMoeSWAForCausalLM", "shared_mlp", fused="halves_out",
                              shared_beside=True, router="router.weight"),
     "laguna": Family(_laguna, "mlp", _PROJ, "LagunaForCausalLM", "shared_expert", correction_bias="experts.e_score_correction_bias",
@@ -2502,6 +2537,17 @@ def _linear_attention_keys(family: Family, cfg: TransformerConfig, p: str, q: st
     dt_bias, the gated norm (Lara Mini's out_norm), out_proj."""
     la, lin, out = p + "linear_attn.", cfg.linear_attention_config(), {}
     qkv = (lin.k_channels, lin.k_channels, lin.v_channels)  # the q, k, v channels of in_proj_qkv and of the conv
+    if family.linear == "mamba2":  # Granite 4.0-H: mamba.in_proj's rows z, x, B, C, dt; conv1d's channels (and bias) x, B, C
+        m, rows, channels = p + "mamba.", (lin.v_channels, lin.v_channels, lin.k_channels, lin.k_channels, lin.n_v_heads), qkv[::-1]
+        for j, name in enumerate(("wz", "wv", "wk", "wq", "wa")):
+            out[q + "attn." + name] = Tensor((m + "in_proj.weight",), transpose=True, chunk=(j, rows))
+        for j, name in enumerate("vkq"):
+            out[q + f"attn.conv_{name}"] = Tensor((m + "conv1d.weight",), transpose=True, unit=1, chunk=(j, channels))
+            out[q + f"attn.conv_{name}_bias"] = Tensor((m + "conv1d.bias",), chunk=(j, channels))
+        out.update({q + "attn." + name: Tensor((m + name,)) for name in ("A_log", "dt_bias", "D")})
+        out[q + "attn.out_norm"] = Tensor((m + "norm.weight",))
+        out[q + "attn.wo"] = Tensor((m + "out_proj.weight",), transpose=True)
+        return out
     if family.linear == "lightning":  # MiniMax: under the attention module, qkv_proj [N 3D, H] (per head its q, k, v rows)
         la = p + family.attention + "."
         for j, name in enumerate(("wq", "wk", "wv")):
@@ -3423,11 +3469,21 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
         if cfg.longrope_short_factors is not None:
             hf["rope_parameters"].pop("attention_factor")
             hf["rope_parameters"].update(short_mscale=cfg.longrope_short_scale, long_mscale=cfg.longrope_long_scale)
-    elif model_type in ("granitemoe", "granitemoeshared", "granitemoe_swa"):
+    elif model_type in ("granitemoe", "granitemoeshared", "granitemoe_swa", "granitemoehybrid"):
         cfg = _granite_scaled(cfg)
         hf.update(num_local_experts=cfg.n_experts, intermediate_size=cfg.ffn_expert, **_granite_multiplier_fields(cfg))
-        if model_type in ("granitemoeshared", "granitemoe_swa"):
+        if model_type in ("granitemoeshared", "granitemoe_swa", "granitemoehybrid"):
             hf.update(shared_intermediate_size=cfg.shared_size)
+        if model_type == "granitemoehybrid":  # one rope or none for every attention layer (config_mismatch names the rest)
+            lin = cfg.linear_attention_config()
+            if lin.v_channels % cfg.hidden:
+                raise ValueError(f"model: Mamba-2's x channels (linear_v_heads x linear_v_dim = {lin.v_channels}) are not a whole multiple of "
+                                 f"hidden = {cfg.hidden} (Granite 4.0-H's mamba_expand)")
+            hf.update(layer_types=["linear_attention" if cfg.is_linear(i) else "full_attention" for i in range(cfg.n_layers)],
+                      position_embedding_type=None if cfg.nope_layers else "rope", mamba_n_heads=lin.n_v_heads, mamba_d_head=lin.v_head_dim,
+                      mamba_expand=lin.v_channels // cfg.hidden,
+                      mamba_n_groups=lin.n_k_heads, mamba_d_state=lin.k_head_dim, mamba_d_conv=lin.conv, mamba_conv_bias=True,
+                      mamba_proj_bias=False)
         if model_type == "granitemoe_swa":
             hf.update(_granite_swa_fields(cfg))
     elif model_type == "gpt_oss":

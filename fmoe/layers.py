@@ -1942,7 +1942,11 @@ class LinearAttentionConfig:
     no state but the convolution's. kind "lightning": MiniMax's lightning attention, no
     convolution (conv is not used), q, k, v through silu, a constant decay per head
     (lightning_decay), the output RMS-normed over all heads' channels and gated by a sigmoid;
-    as many key as value heads of one dim. Kimi Delta Attention's variants (Ling's, kind "kda"
+    as many key as value heads of one dim. kind "mamba2": Mamba-2's mixer (SSD), its C and B
+    as n_k_heads groups of k_head_dim (the state size) read by the n_v_heads heads of
+    v_head_dim, the convolution over them and x with biases, dt = softplus(x wa + dt_bias),
+    the rule without its delta, a skip D, and its output gated by silu(x wz), then RMS-normed
+    per group of key heads. Kimi Delta Attention's variants (Ling's, kind "kda"
     only): full_rank, the decay's and the gate's projections whole (wf [H, N Dk], wz
     [H, N Dv]) instead of low-rank pairs; decay_bound b < 0 (None: Kimi's softplus decay),
     the bounded decay g = b sigmoid(exp(A_log) (x wf + dt_bias)), each step's log-decay in
@@ -2007,7 +2011,7 @@ class LinearAttentionConfig:
         return self.v_channels if self.kind == "short_conv" else 2 * self.k_channels + self.v_channels
 
 
-LINEAR_KINDS = ("gated_deltanet", "kda", "short_conv", "lightning")
+LINEAR_KINDS = ("gated_deltanet", "kda", "short_conv", "lightning", "mamba2")
 
 
 def lightning_decay(n_heads: int, layer: int, n_layers: int, device=None) -> torch.Tensor:
@@ -2030,13 +2034,19 @@ def linear_attention_shapes(H: int, cfg: LinearAttentionConfig) -> dict[str, tup
     with full_rank, wf [H, N Dk] and wz [H, N Dv] instead of the pairs. A short convolution's
     (kind "short_conv"): wb, wc, wv [H, C], conv_v [K, C], wo [C, H]. Lightning attention's
     (kind "lightning"): wq, wk, wv, wz [H, N D], out_norm [N D], wo [N D, H] (its decay, a
-    constant, is params["decay"] [N], not a weight: lightning_decay)."""
+    constant, is params["decay"] [N], not a weight: lightning_decay). Mamba-2's (kind "mamba2"):
+    wq (its C), wk (its B) [H, Nk Dk], wv (its x), wz [H, Nv Dv], wa (its dt) [H, Nv], the
+    convolutions' taps and biases conv_q_bias, conv_k_bias [Nk Dk], conv_v_bias [Nv Dv], A_log,
+    dt_bias, D [Nv], out_norm [Nv Dv] (its gated norm's, per group of key heads), wo."""
     Ck, Cv, Nv, K = cfg.k_channels, cfg.v_channels, cfg.n_v_heads, cfg.conv
     if cfg.kind == "short_conv":
         return dict(wb=(H, Cv), wc=(H, Cv), wv=(H, Cv), conv_v=(K, Cv), wo=(Cv, H))
     if cfg.kind == "lightning":
         return dict(wq=(H, Cv), wk=(H, Cv), wv=(H, Cv), wz=(H, Cv), out_norm=(Cv,), wo=(Cv, H))
     convs = dict(conv_q=(K, Ck), conv_k=(K, Ck), conv_v=(K, Cv))
+    if cfg.kind == "mamba2":
+        return dict(wq=(H, Ck), wk=(H, Ck), wv=(H, Cv), wz=(H, Cv), wa=(H, Nv), **convs, conv_q_bias=(Ck,), conv_k_bias=(Ck,),
+                    conv_v_bias=(Cv,), A_log=(Nv,), dt_bias=(Nv,), D=(Nv,), out_norm=(Cv,), wo=(Cv, H))
     if cfg.kind == "kda":
         Dk, Dv = cfg.k_head_dim, cfg.v_head_dim
         gates = dict(wz=(H, Cv), wb=(H, Nv), wf=(H, Ck)) if cfg.full_rank else dict(wz_a=(H, Dv), wz_b=(Dv, Cv), wb=(H, Nv), wf_a=(H, Dk), wf_b=(Dk, Ck))
@@ -2060,18 +2070,25 @@ class LinearStates:
     tokens: Optional[int] = None
 
 
-def _causal_conv(x_TC, w_KC, cu_seqlens, silu: bool = True):
+def _conv_out(y, bias, silu: bool, dtype):
+    """A convolution's float32 sum y, plus its bias [C] (None: none), through silu (with silu)."""
+    y = y if bias is None else y + bias.float()
+    return (F.silu(y) if silu else y).to(dtype)
+
+
+def _causal_conv(x_TC, w_KC, cu_seqlens, silu: bool = True, bias=None):
     """silu (with silu; else none) of the causal depthwise convolution of each document's
     tokens x [T, C] with taps w [K, C] (w[K-1] on the token itself, w[K-1-j] on the token j
-    before it, 0 before the document's start), in float32; [T, C] in x's dtype."""
+    before it, 0 before the document's start) plus bias [C] (None: none; Mamba-2's), in
+    float32; [T, C] in x's dtype."""
     K = w_KC.shape[0]
     y = x_TC.float() * w_KC[K - 1].float()
     for j in range(1, K):
         y = y + roll_packed(x_TC, cu_seqlens, shift=j, check=False).float() * w_KC[K - 1 - j].float()
-    return (F.silu(y) if silu else y).to(x_TC.dtype)
+    return _conv_out(y, bias, silu, x_TC.dtype)
 
 
-def _causal_conv_split(x_TC, w_KC, cu_seqlens, cp, silu: bool = True):
+def _causal_conv_split(x_TC, w_KC, cu_seqlens, cp, silu: bool = True, bias=None):
     """_causal_conv of this rank's tokens of a context-parallel split, its two chunks of
     L = T/cp / 2 (cp: the context's linear_cp): the K - 1 tokens before each chunk come
     from the rank that holds them (cp.conv_halo, one all-gather), and a tap reaches a token
@@ -2084,17 +2101,17 @@ def _causal_conv_split(x_TC, w_KC, cu_seqlens, cp, silu: bool = True):
     cu = cu_seqlens.long()
     start = cu[sequence_ids(cu, T, index=index)]  # each token's document start
     y = sum(full[:, K - 1 - j:K - 1 - j + L].float() * w_KC[K - 1 - j].float() * (index - j >= start) for j in range(K))
-    return (F.silu(y) if silu else y).to(x_TC.dtype).reshape(T, -1)
+    return _conv_out(y, bias, silu, x_TC.dtype).reshape(T, -1)
 
 
-def _causal_conv_continued(x_STC, w_KC, before_SJC, silu: bool = True):
+def _causal_conv_continued(x_STC, w_KC, before_SJC, silu: bool = True, bias=None):
     """_causal_conv of S sequences' T new tokens x [S, T, C] after the J = K - 1 tokens
     before_SJC [S, J, C] they continue; returns (y [S, T, C], the new last J tokens)."""
     K = w_KC.shape[0]
     full = torch.cat([before_SJC.to(x_STC.dtype), x_STC], dim=1)  # [S, J + T, C]
     T = x_STC.shape[1]
     y = sum(full[:, j:j + T].float() * w_KC[j].float() for j in range(K))
-    return (F.silu(y) if silu else y).to(x_STC.dtype), full[:, full.shape[1] - (K - 1):]
+    return _conv_out(y, bias, silu, x_STC.dtype), full[:, full.shape[1] - (K - 1):]
 
 
 def _short_conv(x, params, cfg: LinearAttentionConfig, cu, split, states, mm) -> torch.Tensor:
@@ -2134,6 +2151,49 @@ def _lightning(x, params, cfg: LinearAttentionConfig, cu, split, states, mm, hea
         ms = heads_mean(ms)
     gated = (_rms_norm(o_TC, params["out_norm"], cfg.norm_eps, ms) * torch.sigmoid(mm(x, params["wz"]).float())).to(x.dtype)
     return mm(gated, params["wo"])
+
+
+def _qkv_conv(x, params, ctx, split, states, mm):
+    """q, k and v's projections (wq, wk, wv) through their causal convolutions (conv_q,
+    conv_k, conv_v; Mamba-2's with biases conv_q_bias, ...) and silu: (B, cu, [q, k, v] [T, C]
+    each): B rows of T / B tokens, the documents' cu_seqlens (None in decoding, whose conv
+    state is updated)."""
+    T = x.shape[0]
+    qkv = [mm(x, params[n]) for n in ("wq", "wk", "wv")]
+    taps = torch.cat([params[n] for n in ("conv_q", "conv_k", "conv_v")], -1)
+    bias = torch.cat([params[n] for n in ("conv_q_bias", "conv_k_bias", "conv_v_bias")]) if "conv_q_bias" in params else None
+    sizes = [t.shape[-1] for t in qkv]
+    if states is not None:
+        B = states.state.shape[0]
+        y, states.conv = _causal_conv_continued(torch.cat(qkv, -1).view(B, T // B, -1), taps, states.conv, bias=bias)
+        return B, None, list(y.reshape(T, -1).split(sizes, dim=-1))
+    if split is not None:  # context parallel: one exchange for the three convolutions
+        y = _causal_conv_split(torch.cat(qkv, -1), taps, ctx.cu_seqlens, split, bias=bias)
+    else:
+        y = _causal_conv(torch.cat(qkv, -1), taps, ctx.cu_seqlens, bias=bias)
+    return 1, ctx.cu_seqlens, list(y.split(sizes, dim=-1))
+
+
+def _mamba2(x, qkv, params, cfg: LinearAttentionConfig, B: int, cu, split, states, mm) -> torch.Tensor:
+    """Mamba-2's mixer (linear_attention's kind "mamba2") from its convolved q (C), k (B) and
+    v (x) [T, C]: [T, H]."""
+    T, Nk, Nv, Dk, Dv = x.shape[0], cfg.n_k_heads, cfg.n_v_heads, cfg.k_head_dim, cfg.v_head_dim
+    r = Nv // Nk
+    q, k = (t.reshape(B, T // B, Nk, Dk).repeat_interleave(r, dim=2) for t in qkv[:2])
+    xv = qkv[2].reshape(B, T // B, Nv, Dv).float()
+    dt = F.softplus(mm(x, params["wa"]).float() + params["dt_bias"].float()).reshape(B, T // B, Nv)
+    g, v = -params["A_log"].float().exp() * dt, xv * dt[..., None]
+    kw = dict(scale=1.0, chunk_size=cfg.chunk_size, impl=cfg.impl)
+    if split is not None:
+        o = split.gated_linear_attention(q, k, v, g, cu, **kw)
+    elif states is None:
+        o = gated_linear_attention(q, k, v, g, cu, **kw)
+    else:
+        o, states.state = gated_linear_attention(q, k, v, g, initial_state=states.state, final_state=True, **kw)
+    o = o.float() + params["D"].float()[:, None] * xv  # the skip
+    gated = (o.reshape(T, Nv * Dv) * F.silu(mm(x, params["wz"]).float())).view(T, Nk, r * Dv)  # a norm per group of key heads
+    normed = _rms_norm(gated, params["out_norm"].view(Nk, r * Dv), cfg.norm_eps)
+    return mm(normed.reshape(T, Nv * Dv).to(x.dtype), params["wo"])
 
 
 def _l2_normalize(x):
@@ -2182,6 +2242,14 @@ def linear_attention(x: torch.Tensor, params, cfg: LinearAttentionConfig, ctx: "
     (without silu, conv_v's taps) between two gates:
 
         y = ((x wc) * causal_conv((x wb) * (x wv))) wo
+
+    Mamba-2's mixer (cfg.kind "mamba2", SSD; Granite 4.0-H's, Nemotron-H's) has the
+    convolution (with biases) and no rule; C, B (q, k: Nk groups of the state's Dk) are read by
+    the Nv heads of x (v, Dv), unnormalised:
+
+        q, k, x = silu(causal_conv(x wq) + b_q), ..., dt = softplus(x wa + dt_bias)   [T, Nv]
+        o = gated_linear_attention(q, k, x dt, -exp(A_log) dt, scale=1) + D x
+        y = (groupnorm(o * silu(x wz)) out_norm) wo       the norm over each key group's r Dv
 
     MiniMax's lightning attention (cfg.kind "lightning") has no convolution and no rule, a
     constant decay per head (params["decay"], lightning_decay) and a query scale of 1:
@@ -2236,21 +2304,9 @@ def linear_attention(x: torch.Tensor, params, cfg: LinearAttentionConfig, ctx: "
         return _short_conv(x, params, cfg, ctx.cu_seqlens if states is None else None, split, states, mm), TensorDict({}, batch_size=[])
     if cfg.kind == "lightning":
         return _lightning(x, params, cfg, ctx.cu_seqlens if states is None else None, split, states, mm, heads_mean), TensorDict({}, batch_size=[])
-    qkv = [mm(x, params[n]) for n in ("wq", "wk", "wv")]
-    taps = [params[n] for n in ("conv_q", "conv_k", "conv_v")]
-    if split is not None:  # context parallel: one exchange for the three convolutions
-        B, cu = 1, ctx.cu_seqlens
-        sizes = [t.shape[-1] for t in qkv]
-        qkv = list(_causal_conv_split(torch.cat(qkv, -1), torch.cat(taps, -1), cu, split).split(sizes, dim=-1))
-    elif states is None:
-        B, cu = 1, ctx.cu_seqlens
-        qkv = [_causal_conv(t, w, cu) for t, w in zip(qkv, taps)]
-    else:
-        B, cu = states.state.shape[0], None
-        sizes = [t.shape[-1] for t in qkv]
-        y, conv = _causal_conv_continued(torch.cat(qkv, -1).view(B, T // B, -1), torch.cat(taps, -1), states.conv)
-        qkv = list(y.reshape(T, -1).split(sizes, dim=-1))
-        states.conv = conv
+    B, cu, qkv = _qkv_conv(x, params, ctx, split, states, mm)
+    if cfg.kind == "mamba2":
+        return _mamba2(x, qkv, params, cfg, B, cu, split, states, mm), TensorDict({}, batch_size=[])
     r = Nv // Nk
     q, k = (_l2_normalize(t.reshape(B, T // B, Nk, Dk)).repeat_interleave(r, dim=2) for t in qkv[:2])
     v = qkv[2].reshape(B, T // B, Nv, Dv)

@@ -448,7 +448,10 @@ class TransformerConfig:
     key fields the same; LFM2's: hidden heads of one channel); linear_kind "lightning": MiniMax's
     lightning attention, linear_v_heads heads of linear_v_dim (the key fields the same), no
     convolution, a constant decay per head by the block's depth (fmoe.layers.lightning_decay),
-    its output norm over every head's channels with eps 1e-6 (MiniMax's); the attention knobs (window, chunk,
+    its output norm over every head's channels with eps 1e-6 (MiniMax's); linear_kind "mamba2":
+    Mamba-2's mixer (Granite 4.0-H's), its C and B as linear_k_heads groups of linear_k_dim (the
+    state) read by linear_v_heads heads of x of linear_v_dim, the convolution of linear_conv
+    taps with biases, a skip D, the output gated then RMS-normed per group; the attention knobs (window, chunk,
     NoPE, q/k norms, gate) are the other blocks'. The MTP blocks always attend. mtp_depth MTP modules; mtp_norm: each with its own output
     norm before the shared head (DeepSeek-V3, GLM-4.5, Megatron Core) instead of the
     trunk's final norm. impl: "auto" | "triton" | "torch"
@@ -1319,7 +1322,8 @@ class LinearAttention(nn.Module):
     [Nv], the gated output norm out_norm [Dv] and wo [Nv Dv, H] (linear_attention_shapes;
     Kimi Delta Attention's, linear_kind "kda": wf_a, wf_b, wz_a, wz_b, dt_bias [N Dk] instead
     of wa, wz and dt_bias [Nv] (linear_full_rank: wf, wz [H, N D]); LFM2's short convolution's, "short_conv": wb, wc, wv [H, C],
-    conv_v [K, C], wo [C, H])."""
+    conv_v [K, C], wo [C, H]; Mamba-2's, "mamba2": wa its dt, the convolutions' biases conv_q_bias,
+    conv_k_bias, conv_v_bias, and D [Nv]; lightning attention's, "lightning": wq, wk, wv, wz, out_norm [N D], wo)."""
 
     def __init__(self, cfg: TransformerConfig, *, fp8: Optional[bool] = None, layer: int = 0):
         super().__init__()
@@ -1792,7 +1796,8 @@ class Transformer(nn.Module):
         divided by sqrt(2 * n_layers) (GPT-2: the residual stream sums 2 per block), norms 1
         (0 with zero_centered_norms), every bias, the attention sinks and the expert-bias
         buffers 0; in linear-attention blocks the convolution's taps Normal(0, 1/sqrt(3 K)),
-        A_log = log A with A uniform in [1, 16], dt_bias and the output norm 1. The router stays float32 (MoE owns it).
+        A_log = log A with A uniform in [1, 16], dt_bias and the output norm 1 (Mamba-2's: its
+        convolutions' biases 0, its skip D 1). The router stays float32 (MoE owns it).
         Hyper-connections (HyperConnection): fn Normal(0, init_std), scale 0.01, the pre
         biases -log(n - 1), the others 0.
 
@@ -1815,13 +1820,14 @@ class Transformer(nn.Module):
                 else:  # pre ~ 1/n: sigmoid(-log(n - 1)); the post and mixing biases 0
                     copy_full_value(p, torch.cat([torch.full((n,), -math.log(n - 1)), torch.zeros(p.shape[0] - n)]))
                 continue
-            if name.endswith(("attn.out_norm", "attn.dt_bias", "mlp.router_norm", "mlp.expert_scale")):
-                _local(p).fill_(1.0)  # Gated DeltaNet's output norm (never zero-centred), decay's bias; Gemma 4's router scales
+            if name.endswith(("attn.out_norm", "attn.dt_bias", "attn.D", "mlp.router_norm", "mlp.expert_scale")):
+                _local(p).fill_(1.0)  # Gated DeltaNet's output norm (never zero-centred), decay's bias; Mamba-2's skip; Gemma 4's router scales
                 continue
             if name.endswith(("norm.weight", "q_norm", "k_norm", "q_a_norm", "kv_a_norm")):
                 _local(p).fill_(0.0 if self.cfg.zero_centered_norms else 1.0)
                 continue
-            if name.endswith(("attn.bq", "attn.bk", "attn.bv", "attn.bo", "attn.sinks", "attn.bg", "attn.index_k_bias", "router_bias", "norm.bias", "head_bias")
+            if name.endswith(("attn.bq", "attn.bk", "attn.bv", "attn.bo", "attn.sinks", "attn.bg", "attn.index_k_bias", "router_bias", "norm.bias", "head_bias",
+                              "attn.conv_q_bias", "attn.conv_k_bias", "attn.conv_v_bias")
                              + EXPERT_BIASES):
                 _local(p).zero_()
                 continue

@@ -396,3 +396,24 @@ def test_a_run_of_fmoe_s_own_with_lightning_attention_exports_as_minimax(tmp_pat
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     with torch.no_grad():
         assert _rel(_transformers_logits(tmp_path / "out", docs), model.logits(ids, cu)) < 1e-5
+
+
+def test_a_run_of_fmoe_s_own_with_mamba2_mixers_exports_as_granite_4_hybrid(tmp_path):
+    """Granite 4.0-H's pieces through the user's path: a run of fmoe's own with a Mamba-2
+    mixer in block 0 (--model.linear_kind=mamba2), a NoPE attention block, Granite's
+    multipliers and a shared expert exports with --model_type=granitemoehybrid, and
+    transformers loads it (no key missing) with the run's logits."""
+    own = ["--model.hidden=32", "--model.n_layers=2", "--model.n_dense=0", "--model.n_experts=4", "--model.k=2", "--model.ffn_expert=16",
+           "--model.n_shared=0", "--model.shared_ffn=20", "--model.score=softmax", "--model.expert_bias=False", "--model.n_heads=4",
+           "--model.n_kv_heads=2", "--model.head_dim=8", "--model.linear_layers=0", "--model.linear_kind=mamba2", "--model.linear_k_heads=2",
+           "--model.linear_v_heads=4", "--model.linear_k_dim=8", "--model.linear_v_dim=16", "--model.linear_conv=3", "--model.nope_layers=1",
+           "--model.attn_scale=0.3", "--model.embed_scale=2.0", "--model.residual_scale=0.5", "--model.logit_divisor=4.0", *RUN,
+           "--model.mtp_depth=0"]
+    config, model = _own_run_exported(tmp_path, own, "granitemoehybrid")
+    assert config["layer_types"] == ["linear_attention", "full_attention"] and config["position_embedding_type"] is None
+    assert (config["mamba_n_heads"], config["mamba_d_head"], config["mamba_expand"], config["mamba_n_groups"]) == (4, 16, 2, 2)
+    docs, ids, cu = _docs(258)  # byte data's vocabulary
+    _, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    with torch.no_grad():
+        assert _rel(_transformers_logits(tmp_path / "out", docs), model.logits(ids, cu)) < 1e-5

@@ -122,6 +122,13 @@ FAMILIES = {
     "qwen2": lambda: transformers.Qwen2Config(**COMMON, intermediate_size=40),
     "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=8, intermediate_size=40),
     "mixtral": lambda: transformers.MixtralConfig(**COMMON, head_dim=8, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2),
+    # Granite 4.0-H: Mamba-2 mixers in blocks 0 and 2 (4 heads of 16, C and B in 2 groups of a state of 8, 3 taps) beside
+    # attention without RoPE; Granite's MoE with a shared MLP and multipliers
+    "granitemoehybrid": lambda: transformers.GraniteMoeHybridConfig(**COMMON, intermediate_size=24, shared_intermediate_size=20, num_local_experts=4,
+                                                                    num_experts_per_tok=2, layer_types=["mamba", "attention", "mamba"],
+                                                                    mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8,
+                                                                    mamba_d_conv=3, mamba_chunk_size=8, attention_multiplier=0.3,
+                                                                    embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=4.0),
     # MiniMax-Text-01: lightning attention (blocks 0 and 2; blocks of 4 tokens in transformers' chunked form) beside softmax
     # attention, Mixtral's MoE, each residual the normed input x 1.7 beside the output x 0.6
     "minimax": lambda: transformers.MiniMaxConfig(**COMMON, head_dim=8, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
@@ -1697,6 +1704,12 @@ BAD_CONFIGS = [
     ("gemma4_text", lambda c: c["rope_parameters"]["full_attention"].update(rope_type="yarn"),
      r"config.json: rope_parameters.full_attention = .* is not supported \(plain RoPE over every channel, or proportional RoPE\)"),
     ("gemma2", lambda c: c.update(attn_logit_softcapping=0), r"config.json: attn_logit_softcapping = 0 is not supported \(None or a positive cap\)"),
+    ("granitemoehybrid", lambda c: c.update(num_local_experts=0), r"config.json: num_local_experts = 0 is not supported \(MoE blocks"),
+    ("granitemoehybrid", lambda c: c.update(mamba_conv_bias=False), r"config.json: mamba_conv_bias = False is not supported"),
+    ("granitemoehybrid", lambda c: c.update(mamba_proj_bias=True), r"config.json: mamba_proj_bias = True is not supported"),
+    ("granitemoehybrid", lambda c: c.update(time_step_limit=[0.001, 0.1]), r"config.json: time_step_limit = \[0.001, 0.1\] is not supported"),
+    ("granitemoehybrid", lambda c: c.update(mamba_d_head=8), r"config.json: mamba_n_heads x mamba_d_head = 4 x 8 is not supported"),
+    ("granitemoehybrid", lambda c: c.update(layer_types=["mamba", "sliding_attention", "mamba"]), r"config.json: layer_types = .* is not supported"),
     ("minimax", lambda c: c.update(mlp_alpha_factor=2.0), r"config.json: full_attn_alpha_factor / linear_attn_alpha_factor / mlp_alpha_factor = "
      r"\[1.7, 1.7, 2.0\] is not supported \(one positive alpha for every sublayer\)"),
     ("minimax", lambda c: c.update(full_attn_beta_factor=0), r"config.json: full_attn_beta_factor .* = \[0, 0.6, 0.6\] is not supported"),
@@ -2862,6 +2875,31 @@ def test_gemma3_reads_its_norms_scales_rope_per_layer_type_and_released_folders(
     capped = _edit(tmp_path / "gemma3", tmp_path / "capped", lambda c: c["text_config"].update(final_logit_softcapping=30.0))
     with pytest.raises(ValueError, match="config.json: final_logit_softcapping = 30.0 is not supported \\(none in a gemma3 folder"):
         hf.read_config(capped)
+
+
+def test_granite_4_hybrid_reads_its_mamba2_mixers_rope_or_none_and_layer_names(folders, tmp_path):
+    """Granite 4.0-H: Mamba-2 mixers (linear_kind "mamba2": 2 groups of C and B of a state of 8
+    read by 4 heads of 16, 3 taps) in the layers layer_types names mamba (or linear_attention),
+    attention without RoPE in the others unless position_embedding_type is "rope" (then the
+    logits equal transformers' too, and reading without it moves them); left out, every
+    layer is a mixer; Granite's multipliers."""
+    path, ref = folders["granitemoehybrid"]
+    _, cfg = hf.read_config(path)
+    assert (cfg.linear_layers, cfg.linear_kind, cfg.linear_k_heads, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim, cfg.linear_conv,
+            cfg.nope_layers, cfg.shared_size, cfg.attn_scale, cfg.logit_divisor) == ((0, 2), "mamba2", 2, 4, 8, 16, 3, (1,), 20, 0.3, 4.0)
+    named = _edit(path, tmp_path / "named", lambda c: c.update(layer_types=["linear_attention", "full_attention", "linear_attention"]))
+    assert hf.read_config(named)[1] == cfg
+    assert hf.read_config(_edit(path, tmp_path / "all", lambda c: c.pop("layer_types")))[1].linear_layers == (0, 1, 2)
+    roped = _edit(path, tmp_path / "rope", lambda c: c.update(position_embedding_type="rope"))
+    model, read = hf.from_pretrained(roped, impl="torch")
+    assert read.nope_layers is None
+    theirs_model = transformers.AutoModelForCausalLM.from_pretrained(roped, dtype=torch.float32).eval()
+    docs, ids, cu = _packed()
+    with torch.no_grad():
+        theirs = torch.cat([theirs_model(d[None]).logits[0] for d in docs])
+        assert _rel(model.logits(ids, cu), theirs) < 1e-5
+        unroped, _ = hf.from_pretrained(roped, impl="torch", nope_layers=(1,))
+        assert _rel(unroped.logits(ids, cu), theirs) > 1e-3
 
 
 def test_minimax_reads_lightning_attention_its_decay_and_normed_residuals(folders, tmp_path):

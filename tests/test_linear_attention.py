@@ -1,7 +1,7 @@
 """fmoe.layers.linear_attention (Gated DeltaNet, Kimi Delta Attention, LFM2's short
-convolution and MiniMax's lightning attention) against a token-by-token loop written from
-the papers' recurrence, against transformers' Qwen3.5 GatedDeltaNet, Kimi Linear
-KimiDeltaAttention, LFM2 and MiniMax modules, over packed documents, and in
+convolution, MiniMax's lightning attention and Mamba-2's mixer) against a token-by-token
+loop written from the papers' recurrence, against transformers' Qwen3.5 GatedDeltaNet, Kimi
+Linear KimiDeltaAttention, LFM2, MiniMax and Granite 4.0-H Mamba-2 modules, over packed documents, and in
 decoding (LinearStates) against the whole sequence at once."""
 
 import dataclasses
@@ -22,6 +22,8 @@ LING = dataclasses.replace(KDA, full_rank=True, decay_bound=-5.0)
 SHORT = LinearAttentionConfig(n_k_heads=8, n_v_heads=8, k_head_dim=2, v_head_dim=2, conv=3, kind="short_conv")
 # MiniMax's lightning attention: 3 heads of 8, a constant decay per head (params["decay"]: layer 1 of 4's)
 LIGHT = LinearAttentionConfig(n_k_heads=3, n_v_heads=3, k_head_dim=8, v_head_dim=8, chunk_size=8, kind="lightning")
+# Mamba-2's mixer: C and B in 2 groups of a state of 8, read by 4 heads of x of 6, 4 taps with biases
+MAMBA = LinearAttentionConfig(n_k_heads=2, n_v_heads=4, k_head_dim=8, v_head_dim=6, conv=4, chunk_size=8, kind="mamba2")
 
 
 def _params(cfg=CFG, seed=0, dtype=torch.float32):
@@ -66,6 +68,23 @@ def _loop(x, p, cfg, cu):
                 o = o * torch.rsqrt(o.square().mean() + cfg.norm_eps) * p["out_norm"]
                 out.append((o * torch.sigmoid(x[t] @ p["wz"])) @ p["wo"])
         return torch.stack(out)
+    if cfg.kind == "mamba2":  # h <- exp(-exp(A_log) dt) h + dt B x^T, o = h^T C + D x; silu(z) gate, then a norm per group
+        Nk, Nv, Dk, Dv, K = cfg.n_k_heads, cfg.n_v_heads, cfg.k_head_dim, cfg.v_head_dim, cfg.conv
+        out = []
+        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            S = torch.zeros(Nv, Dk, Dv, dtype=torch.float64)
+            for t in range(a, b):
+                conv = {n: F.silu(sum(p["conv_" + n][K - 1 - j] * (x[t - j] @ p["w" + n]) for j in range(K) if t - j >= a) + p[f"conv_{n}_bias"])
+                        for n in "qkv"}
+                C, Bm = (conv[n].view(Nk, Dk).repeat_interleave(Nv // Nk, 0) for n in "qk")
+                xv = conv["v"].view(Nv, Dv)
+                dt = F.softplus(x[t] @ p["wa"] + p["dt_bias"])
+                S = S * (-p["A_log"].exp() * dt).exp()[:, None, None] + Bm[:, :, None] * (dt[:, None] * xv)[:, None, :]
+                o = (torch.einsum("nkv,nk->nv", S, C) + p["D"][:, None] * xv).reshape(-1) * F.silu(x[t] @ p["wz"])
+                o = o.view(Nk, -1)
+                o = (o * torch.rsqrt(o.square().mean(-1, keepdim=True) + cfg.norm_eps)).reshape(-1) * p["out_norm"]
+                out.append(o @ p["wo"])
+        return torch.stack(out)
     if cfg.kind == "short_conv":
         K = cfg.conv
         return torch.stack([((x[t] @ p["wc"]) * sum(p["conv_v"][K - 1 - j] * (x[t - j] @ p["wb"]) * (x[t - j] @ p["wv"])
@@ -108,7 +127,7 @@ def _loop(x, p, cfg, cu):
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("cfg", [CFG, KDA, LING, SHORT, LIGHT], ids=["gated-deltanet", "kda", "kda-ling", "short-conv", "lightning"])
+@pytest.mark.parametrize("cfg", [CFG, KDA, LING, SHORT, LIGHT, MAMBA], ids=["gated-deltanet", "kda", "kda-ling", "short-conv", "lightning", "mamba2"])
 def test_matches_the_token_loop_over_packed_documents(cfg):
     cu = torch.tensor([0, 5, 5, 19, 20, 31], dtype=torch.int32)
     x = torch.randn(31, H)
@@ -211,7 +230,7 @@ def test_matches_transformers_lfm2_short_conv():
     _matches_module(ref, p, LinearAttentionConfig(n_k_heads=H, n_v_heads=H, k_head_dim=1, v_head_dim=1, conv=3, kind="short_conv"))
 
 
-@pytest.mark.parametrize("cfg", [CFG, KDA, LING, SHORT, LIGHT], ids=["gated-deltanet", "kda", "kda-ling", "short-conv", "lightning"])
+@pytest.mark.parametrize("cfg", [CFG, KDA, LING, SHORT, LIGHT, MAMBA], ids=["gated-deltanet", "kda", "kda-ling", "short-conv", "lightning", "mamba2"])
 def test_decoding_continues_the_states(cfg):
     """A prompt, then steps of one token, of two sequences at once through LinearStates,
     equal each whole sequence's outputs; the conv state holds the last K - 1 projections."""
@@ -227,7 +246,7 @@ def test_decoding_continues_the_states(cfg):
     got = torch.cat(outs, dim=1)
     for b in range(2):
         torch.testing.assert_close(got[b], whole[b], rtol=1e-5, atol=1e-6)
-    def inputs(rows):  # what the convolution reads: q, k and v's projections, or the short convolution's gated input; none (lightning)
+    def inputs(rows):  # what the convolution reads: q, k and v's projections (Mamba-2's C, B, x), or the short convolution's gated input; none (lightning)
         if cfg.kind == "lightning":
             return rows[..., :0]
         return (rows @ p["wb"]) * (rows @ p["wv"]) if cfg.kind == "short_conv" else torch.cat([rows @ p[n] for n in ("wq", "wk", "wv")], dim=-1)
@@ -268,6 +287,31 @@ def test_matches_transformers_minimax_lightning_attention():
         torch.testing.assert_close(got, want[b], rtol=1e-4, atol=1e-5)
 
 
+def test_matches_transformers_granite_4_mamba2_mixer():
+    """transformers' Granite 4.0-H Mamba-2 layer (its torch fallback: chunks of 16 over 70
+    tokens), weights copied into fmoe's layout: in_proj's rows are z, x, B, C and dt; conv1d
+    [C, 1, K] over x, B, C with its bias; the gated norm per group."""
+    transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]'")
+    from transformers.models.granitemoehybrid.modeling_granitemoehybrid import GraniteMoeHybridMambaLayer
+
+    hf_cfg = transformers.GraniteMoeHybridConfig(hidden_size=H, mamba_n_heads=4, mamba_d_head=6, mamba_expand=1, mamba_n_groups=2,
+                                                 mamba_d_state=8, mamba_d_conv=4, mamba_chunk_size=16, num_hidden_layers=1,
+                                                 layer_types=["mamba"])
+    torch.manual_seed(0)
+    ref = GraniteMoeHybridMambaLayer(hf_cfg, 0).eval()
+    with torch.no_grad():
+        for w in ref.parameters():
+            w.normal_(0.0, 0.3)
+        ref.A_log.copy_(torch.log(torch.rand(4) * 15 + 1))
+    t = lambda m: m.weight.t().detach()  # noqa: E731
+    z, xs, Bm, C, dt = t(ref.in_proj).split([24, 24, 16, 16, 4], dim=1)
+    conv, bias = ref.conv1d.weight.detach()[:, 0].t(), ref.conv1d.bias.detach()  # [K, x | B | C]
+    p = dict(wq=C, wk=Bm, wv=xs, wz=z, wa=dt, conv_q=conv[:, 40:], conv_k=conv[:, 24:40], conv_v=conv[:, :24], conv_q_bias=bias[40:],
+             conv_k_bias=bias[24:40], conv_v_bias=bias[:24], A_log=ref.A_log.detach(), dt_bias=ref.dt_bias.detach(), D=ref.D.detach(),
+             out_norm=ref.norm.weight.detach(), wo=t(ref.out_proj))
+    _matches_module(ref, p, dataclasses.replace(MAMBA, norm_eps=hf_cfg.rms_norm_eps, impl="torch"))
+
+
 def test_lightning_decay():
     """MiniMax's slopes: 2^(-8/N) to the powers 1 .. N, times 1 - layer / (L - 1 + 1e-5) + 1e-5
     (negated: log-decays); checked arguments."""
@@ -296,7 +340,7 @@ def test_bf16():
     (dict(n_v_heads=3), r"n_v_heads: 3 value heads do not split over 2 key heads"),
     (dict(conv=0), r"conv: expected >= 1"),
     (dict(norm_eps=0.0), r"norm_eps: expected a positive number"),
-    (dict(kind="mamba"), r"kind: expected one of \('gated_deltanet', 'kda', 'short_conv', 'lightning'\), got 'mamba'"),
+    (dict(kind="mamba"), r"kind: expected one of \('gated_deltanet', 'kda', 'short_conv', 'lightning', 'mamba2'\), got 'mamba'"),
     (dict(kind="lightning"), r"n_k_heads / k_head_dim: lightning attention has as many key as value heads, of one dim, got 2 x 8 beside 4 x 6"),
     (dict(kind="short_conv"), r"n_k_heads / k_head_dim: a short convolution's channels are n_v_heads x v_head_dim, the key fields the same, got 2 x 8"),
     (dict(kind="kda"), r"n_v_heads: Kimi Delta Attention has as many key as value heads, got 2 and 4"),

@@ -51,6 +51,11 @@ VARIANTS = {
                                           zero_centered_norms=True, attn_gate=True, qk_norm="head", rope_dim=4, shared_gate=True, mtp_depth=1),
     # Kimi Linear's blocks: Kimi Delta Attention in blocks 0 and 1 (a decay per key channel, low-rank decay and gate),
     # multi-latent attention without RoPE in block 2 (and MTP's block, with RoPE)
+    # Granite 4.0-H's blocks: Mamba-2 mixers in blocks 0 and 1 (C and B in 2 groups of a state of 8, read by 4 heads of 6; 3
+    # taps with biases) beside a NoPE attention block; Granite's multipliers, an ungated shared expert
+    "granite4": dataclasses.replace(TINY, linear_layers=(0, 1), linear_kind="mamba2", linear_k_heads=2, linear_v_heads=4, linear_k_dim=8,
+                                    linear_v_dim=6, linear_conv=3, nope_layers=(2,), n_dense=0, n_shared=0, shared_ffn=20, score="softmax",
+                                    expert_bias=False, attn_scale=0.3, embed_scale=2.0, residual_scale=0.5, logit_divisor=4.0, mtp_depth=1),
     # MiniMax-Text-01's blocks: lightning attention in blocks 0 and 1 (a constant decay per head and depth, the output norm
     # over every head's channels) beside softmax attention, each residual the sublayer's normed input x 1.7 beside its
     # output x 0.6; Mixtral's MoE
@@ -1279,6 +1284,8 @@ DECODED = {
                                            llama3_factor=4.0, llama3_original_max_positions=16),
     # Qwen3-Next's: Gated DeltaNet blocks 0 and 1 (their conv and delta-rule states) beside a gated-attention block
     "gated deltanet": dataclasses.replace(VARIANTS["gated deltanet"], mtp_depth=0),
+    # Granite 4.0-H's: Mamba-2's conv and SSD states beside a NoPE block
+    "granite4": dataclasses.replace(VARIANTS["granite4"], mtp_depth=0),
     # MiniMax's: lightning attention's states (no convolution) beside a softmax block
     "minimax": dataclasses.replace(VARIANTS["minimax"], mtp_depth=0),
     # Kimi Linear's: Kimi Delta Attention blocks (a decay per key channel in the states) beside an MLA block without RoPE

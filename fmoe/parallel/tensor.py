@@ -26,7 +26,8 @@ heads (attention) or of the FFN columns (SwiGLU) and the output is a sum over ra
                 out_norm [Dv]            replicated (the gated output norm, per head)
                 (kind "kda": wz_b, wf_b  Shard(1), dt_bias [N*Dk] Shard(0); wz_a, wf_a
                 replicated, their gradients summed over tp; with full_rank wz, wf Shard(1);
-                kind "lightning": out_norm [N*Dv] Shard(0), its mean square over tp)
+                kind "lightning": out_norm [N*Dv] Shard(0), its mean square over tp;
+                kind "mamba2": out_norm [Nv*Dv], the conv biases and D Shard(0) too)
     hyper-      attn_hc, mlp_hc's        replicated (per token, on the token shard, like the
     connections fn, base, scale          norms; their gradients summed over tp)
 
@@ -352,6 +353,9 @@ class LinearAttentionParallel(_HeadsRegion):
             return dict(wb=1, wc=1, wv=1, conv_v=1, wo=0)
         if module.cfg.kind == "lightning":  # MiniMax's: the output norm's weight by its heads' channels, its mean square over tp
             return dict(wq=1, wk=1, wv=1, wz=1, out_norm=0, wo=0)
+        if module.cfg.kind == "mamba2":  # the norm per group of key heads: a rank's groups whole, their weight with them
+            return dict(wq=1, wk=1, wv=1, wz=1, wa=1, conv_q=1, conv_k=1, conv_v=1, conv_q_bias=0, conv_k_bias=0, conv_v_bias=0, A_log=0,
+                        dt_bias=0, D=0, out_norm=0, wo=0)
         if module.cfg.kind == "kda" and module.cfg.full_rank:  # Ling's: the decay's and the gate's projections by their heads
             return dict(wq=1, wk=1, wv=1, wz=1, wb=1, wf=1, conv_q=1, conv_k=1, conv_v=1, A_log=0, dt_bias=0, wo=0)
         if module.cfg.kind == "kda":  # the low-rank pairs' second halves by their heads; wf_a, wz_a replicated

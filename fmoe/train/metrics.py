@@ -193,13 +193,15 @@ def linear_attention_flops(hidden: int, cfg) -> float:
     form's own extra work inside each chunk is not. LFM2's short convolution (kind
     "short_conv") counts its four projections and K taps per channel: 6 (4 H C + K C).
     MiniMax's lightning attention (kind "lightning") its five projections and two products
-    with the states (no delta rule: no recall; no convolution): 6 (5 H C + 2 N D D)."""
+    with the states (no delta rule: no recall; no convolution): 6 (5 H C + 2 N D D); Mamba-2's
+    (kind "mamba2") its projections, the taps and two products: 6 (H (2 Ck + 2 Cv + Nv) + Cv H +
+    K (2 Ck + Cv) + 2 Nv Dk Dv)."""
     from fmoe.layers import linear_attention_shapes
 
     Nv = cfg.n_v_heads
     weights = sum(rows * cols for name, (rows, cols) in ((n, s) for n, s in linear_attention_shapes(hidden, cfg).items() if n.startswith("w")))
     # LFM2's short convolution has no rule; lightning attention's no recall (the write and the read only)
-    rule = {"short_conv": 0, "lightning": 2}.get(cfg.kind, 3) * Nv * cfg.k_head_dim * cfg.v_head_dim
+    rule = {"short_conv": 0, "lightning": 2, "mamba2": 2}.get(cfg.kind, 3) * Nv * cfg.k_head_dim * cfg.v_head_dim
     return 6.0 * (weights + cfg.conv * cfg.conv_channels + rule)
 
 

@@ -362,6 +362,10 @@ def test_model_flops_per_token_reads_the_model_config():
     # 2 [8, 8] states
     light = dataclasses.replace(kda, kind="lightning")
     assert M.linear_attention_flops(64, light) == 6 * (5 * 64 * 16 + 2 * 2 * 8 * 8)
+    # Mamba-2's (2 groups of C and B of 8, 4 heads of x of 6, 4 taps): C, B [64 -> 16], x, z [64 -> 24], dt [64 -> 4],
+    # out [24 -> 64]; the taps of 16 + 16 + 24 channels; 2 products with 4 [8, 6] states
+    mamba = dataclasses.replace(linear.linear_attention_config(), kind="mamba2")
+    assert M.linear_attention_flops(64, mamba) == 6 * (64 * (2 * 16 + 2 * 24 + 4) + 24 * 64 + 4 * (2 * 16 + 24) + 2 * 4 * 8 * 6)
     # block 1 slides over its window (3 keys); the MTP block attends over all
     assert M.model_flops_per_token(linear, n_avg_keys=10.0, n_avg_local_keys=3.0) == expected - 2 * attention + 2 * layer - 12 * 64 * (10.0 - 3.0)
     with pytest.raises(ValueError, match=r"n_dense / n_sliding \+ n_linear: expected at most n_layers=3, got 1 / 2 \+ 2"):
