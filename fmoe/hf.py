@@ -1436,14 +1436,14 @@ def _granitemoehybrid(hf: dict) -> dict:
     """Granite 4.0-H (granitemoehybrid; H-Tiny, H-Small): Granite's MoE blocks with a shared MLP
     and multipliers (_granitemoe), Mamba-2 mixers (linear_kind "mamba2") in the layers
     layer_types names linear_attention (or mamba; by default all) and attention in the others,
-    with RoPE where position_embedding_type is "rope", else none (NoPE). The mixer:
+    with RoPE where position_embedding_type is "rope", else none (NoPE); with num_local_experts
+    0 (H-Micro) every block's MLP is the shared one alone, a dense SwiGLU. The mixer:
     mamba_n_heads heads of mamba_d_head (by default mamba_expand x hidden / heads),
     mamba_n_groups groups of C and B of mamba_d_state, mamba_d_conv taps with biases."""
     n = hf["num_hidden_layers"]
     kinds = [_LEGACY_KINDS.get(k, k) for k in (hf.get("layer_types") or hf.get("layers_block_type") or ["linear_attention"] * n)]
     if len(kinds) != n or set(kinds) - {"full_attention", "linear_attention"}:
         raise ValueError(f"config.json: layer_types = {kinds!r} is not supported (linear_attention (mamba) or full_attention for each of the {n} layers)")
-    _refuse(hf, "num_local_experts", lambda v: isinstance(v, int) and v > 0, "MoE blocks: Granite 4.0-H's dense blocks (shared_mlp alone) are not read")
     _refuse(hf, "mamba_conv_bias", lambda v: v is True, "the convolution's biases, Granite 4.0-H's")
     _refuse(hf, "mamba_proj_bias", lambda v: not v, "no biases on the mixer's projections")
     # transformers writes inf as {"__float__": "Infinity"}
@@ -1457,7 +1457,12 @@ def _granitemoehybrid(hf: dict) -> dict:
                          f"{expand * hf['hidden_size']})")
     attention = tuple(i for i, kind in enumerate(kinds) if kind == "full_attention")
     nope = attention if hf.get("position_embedding_type") != "rope" else ()
-    return dict(_granitemoe(hf), linear_layers=tuple(i for i, kind in enumerate(kinds) if kind == "linear_attention") or None,
+    if hf.get("num_local_experts", 8) == 0:  # H-Micro: every block's MLP the shared one alone, a dense SwiGLU
+        _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in Granite's attention here")
+        blocks = _dense(dict(hf, intermediate_size=hf["shared_intermediate_size"]), **_granite_multipliers(hf))
+    else:
+        blocks = _granitemoe(hf)
+    return dict(blocks, linear_layers=tuple(i for i, kind in enumerate(kinds) if kind == "linear_attention") or None,
                 linear_kind="mamba2", linear_k_heads=hf.get("mamba_n_groups", 1), linear_v_heads=heads, linear_k_dim=hf.get("mamba_d_state", 256),
                 linear_v_dim=head_dim, linear_conv=hf.get("mamba_d_conv", 4), nope_layers=nope or None)
 
@@ -2145,6 +2150,8 @@ class Family:
     dense_too: Optional[str] = None
     # the dense MLP's gate and up as the rows of one gate_up_proj [2F, H] (the gate's F rows, then the up's: Phi-3, GLM-4)
     dense_gate_up: bool = False
+    gate_up: tuple[str, str] = ("gate_up_proj", "down_proj")  # with dense_gate_up, that module's and the down projection's names
+
     # the dense MLP's and the shared experts' gate, up and down projections (LFM2's w1, w3, w2; HY-V4's gate linear_gate)
     dense_names: tuple[str, str, str] = _PROJ
     norms: tuple[str, str] = ("input_layernorm", "post_attention_layernorm")  # a pre-norm block's norms (LFM2's operator_norm, ffn_norm)
@@ -2368,7 +2375,8 @@ FAMILIES = {
     "granitemoeshared": Family(_granitemoe, "block_sparse_moe", _GRANITE, "GraniteMoeSharedForCausalLM", "shared_mlp", fused="halves_out",
                                shared_beside=True, router="router.layer.weight"),
     "granitemoehybrid": Family(_granitemoehybrid, "block_sparse_moe", _GRANITE, "GraniteMoeHybridForCausalLM", "shared_mlp", fused="halves_out",
-                               shared_beside=True, router="router.layer.weight", linear="mamba2", defaults=dict(shared_intermediate_size=1024)),
+                               shared_beside=True, router="router.layer.weight", linear="mamba2", defaults=dict(shared_intermediate_size=1024),
+                               dense="shared_mlp", dense_gate_up=True, gate_up=("input_linear", "output_linear")),  # H-Micro's blocks
     "granitemoe_swa": Family(_granitemoe_swa, "block_sparse_moe", _STACKS, "GraniteMoeSWAForCausalLM", "shared_mlp", fused="halves_out",
                              shared_beside=True, router="router.weight"),
     "laguna": Family(_laguna, "mlp", _PROJ, "LagunaForCausalLM", "shared_expert", correction_bias="experts.e_score_correction_bias",
@@ -2674,10 +2682,11 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
     if moe and layer is not None and cfg.shortcut(layer) == "out":  # the dense MLP beside a shortcut pair's MoE
         for ours, theirs in zip(("w_gate", "w_up", "w_down"), family.dense_names):
             out[q + "dense." + ours] = Tensor((f"{p}{family.dense}.{theirs}.weight",), transpose=True)
-    if not moe and family.dense_gate_up:  # [2F, H]: the gate's F rows, then the up's
-        out[q + "mlp.w_gate"] = Tensor((f"{p}{family.dense}.gate_up_proj.weight",), transpose=True, chunk=(0, (1, 1)))
-        out[q + "mlp.w_up"] = Tensor((f"{p}{family.dense}.gate_up_proj.weight",), transpose=True, chunk=(1, (1, 1)))
-        out[q + "mlp.w_down"] = Tensor((f"{p}{family.dense}.down_proj.weight",), transpose=True)
+    if not moe and family.dense_gate_up:  # [2F, H]: the gate's F rows, then the up's (Granite 4.0-H's input_linear)
+        gate_up, down = family.gate_up
+        out[q + "mlp.w_gate"] = Tensor((f"{p}{family.dense}.{gate_up}.weight",), transpose=True, chunk=(0, (1, 1)))
+        out[q + "mlp.w_up"] = Tensor((f"{p}{family.dense}.{gate_up}.weight",), transpose=True, chunk=(1, (1, 1)))
+        out[q + "mlp.w_down"] = Tensor((f"{p}{family.dense}.{down}.weight",), transpose=True)
     elif not moe:
         for ours, theirs in zip(("w_gate", "w_up", "w_down"), family.dense_names):
             out[q + "mlp." + ours] = Tensor((f"{p}{family.dense}.{theirs}.weight",), transpose=True)
@@ -3474,6 +3483,10 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
         hf.update(num_local_experts=cfg.n_experts, intermediate_size=cfg.ffn_expert, **_granite_multiplier_fields(cfg))
         if model_type in ("granitemoeshared", "granitemoe_swa", "granitemoehybrid"):
             hf.update(shared_intermediate_size=cfg.shared_size)
+        if model_type == "granitemoehybrid" and not moe:  # H-Micro: the shared MLP alone in every block
+            hf.update(num_local_experts=0, shared_intermediate_size=cfg.ffn_dense)
+        elif model_type == "granitemoehybrid" and len(moe) < cfg.n_layers:
+            raise ValueError(f"model: Granite 4.0-H's blocks are all MoE or all dense; this model has MoE layers {moe} of {cfg.n_layers}")
         if model_type == "granitemoehybrid":  # one rope or none for every attention layer (config_mismatch names the rest)
             lin = cfg.linear_attention_config()
             if lin.v_channels % cfg.hidden:

@@ -2902,6 +2902,29 @@ def test_granite_4_hybrid_reads_its_mamba2_mixers_rope_or_none_and_layer_names(f
         assert _rel(unroped.logits(ids, cu), theirs) > 1e-3
 
 
+def test_granite_4_hybrid_micro_reads_its_shared_mlp_as_dense_blocks(tmp_path):
+    """Granite 4.0-H-Micro (num_local_experts 0): every block's MLP the shared one alone
+    (shared_mlp.input_linear, the gate's rows then the up's; output_linear), read as dense
+    blocks with transformers' logits; written back bit for bit; an fmoe model of mixed MoE and
+    dense blocks is refused as Granite 4.0-H."""
+    config = dict(FAMILIES["granitemoehybrid"]().to_dict(), num_local_experts=0)
+    torch.manual_seed(0)
+    ref = _randomised(transformers.AutoModelForCausalLM.from_config(transformers.GraniteMoeHybridConfig(**config)))
+    ref.save_pretrained(tmp_path / "micro")
+    model, cfg = hf.from_pretrained(tmp_path / "micro", impl="torch")
+    assert (cfg.n_dense, cfg.ffn_dense, cfg.linear_kind, cfg.linear_layers) == (3, 20, "mamba2", (0, 2))
+    docs, ids, cu = _packed()
+    with torch.no_grad():
+        theirs = torch.cat([ref(d[None]).logits[0] for d in docs])
+        assert _rel(model.logits(ids, cu), theirs) < 1e-5
+    hf.save_pretrained(model, tmp_path / "again")
+    for file in ("model.safetensors", "config.json"):
+        assert filecmp.cmp(tmp_path / "micro" / file, tmp_path / "again" / file, shallow=False), file
+    mixed = hf.Transformer(dataclasses.replace(cfg, n_dense=1, n_experts=4, k=2, ffn_expert=16, shared_ffn=20))
+    with pytest.raises(ValueError, match=r"model: Granite 4.0-H's blocks are all MoE or all dense; this model has MoE layers \[1, 2\] of 3"):
+        hf.save_pretrained(mixed, tmp_path / "mixed", model_type="granitemoehybrid")
+
+
 def test_minimax_reads_lightning_attention_its_decay_and_normed_residuals(folders, tmp_path):
     """MiniMax: the lightning blocks that layer_types names (by default every second layer
     from layer 1), their decay per head and depth equal to transformers' slope_rate buffers,
