@@ -10,7 +10,7 @@ exaone_moe, kolibri1, beam, axk2, dots1, minimax_m2, minimax, granitemoe, granit
 laguna, cohere2_moe, sarvam_moe, sarvam_mla, longcat_flash, bailing_hybrid, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, lara_mini, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
 mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe, gemma3, gemma4_text, gemma4), and the dense
 DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
-glm4, ernie4_5, lfm2, cohere, cohere2: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
+glm4, ernie4_5, lfm2, cohere, cohere2, bamba: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: OLMoE's q and k clamped after their norms, ...;
 the fields a config.json leaves out read at transformers' defaults, Family.defaults, and a
 family's own names for the fields the shared mappings read as those, Family.aliases)
@@ -1432,6 +1432,48 @@ def _granitemoe(hf: dict, *, sliding: bool = False) -> dict:
 _LEGACY_KINDS = {"mamba": "linear_attention", "attention": "full_attention"}  # transformers' remap of older layer_types
 
 
+def _mamba2_fields(hf: dict, linear: tuple[int, ...]) -> dict:
+    """The Mamba-2 mixers' fields (linear_kind "mamba2") of Granite 4.0-H and Bamba, in the
+    blocks `linear`: mamba_n_heads heads of mamba_d_head (by default mamba_expand x hidden /
+    heads), mamba_n_groups groups of C and B of mamba_d_state, mamba_d_conv taps with biases;
+    projection biases and a clamped dt refused."""
+    _refuse(hf, "mamba_conv_bias", lambda v: v is True, "the convolution's biases")
+    _refuse(hf, "mamba_proj_bias", lambda v: not v, "no biases on the mixer's projections")
+    # transformers writes inf as {"__float__": "Infinity"}
+    _refuse(hf, "time_step_limit", lambda v: v is None or [x if not isinstance(x, dict) else float(x.get("__float__", "nan")) for x in v] == [0.0, math.inf],
+            "dt unclamped, (0.0, inf)")
+    heads, expand = hf.get("mamba_n_heads", 128), hf.get("mamba_expand", 2)
+    head_dim = hf.get("mamba_d_head", "auto")
+    head_dim = expand * hf["hidden_size"] // heads if head_dim == "auto" else head_dim
+    if heads * head_dim != expand * hf["hidden_size"]:
+        raise ValueError(f"config.json: mamba_n_heads x mamba_d_head = {heads} x {head_dim} is not supported (mamba_expand x hidden_size, "
+                         f"{expand * hf['hidden_size']})")
+    return dict(linear_layers=linear or None, linear_kind="mamba2", linear_k_heads=hf.get("mamba_n_groups", 1), linear_v_heads=heads,
+                linear_k_dim=hf.get("mamba_d_state", 256), linear_v_dim=head_dim, linear_conv=hf.get("mamba_d_conv", 4))
+
+
+def _mamba2_config(cfg: TransformerConfig) -> dict:
+    """The config.json fields _mamba2_fields reads back."""
+    lin = cfg.linear_attention_config()
+    if lin.v_channels % cfg.hidden:
+        raise ValueError(f"model: Mamba-2's x channels (linear_v_heads x linear_v_dim = {lin.v_channels}) are not a whole multiple of "
+                         f"hidden = {cfg.hidden} (mamba_expand)")
+    return dict(mamba_n_heads=lin.n_v_heads, mamba_d_head=lin.v_head_dim, mamba_expand=lin.v_channels // cfg.hidden, mamba_n_groups=lin.n_k_heads,
+                mamba_d_state=lin.k_head_dim, mamba_d_conv=lin.conv, mamba_conv_bias=True, mamba_proj_bias=False)
+
+
+def _bamba(hf: dict) -> dict:
+    """Bamba (bamba, dense; Bamba-9B): Llama's blocks (the MLP feed_forward after its norm
+    pre_ff_layernorm) with Mamba-2 mixers (_mamba2_fields) in every layer but those
+    attn_layer_indices names, whose attention rotates the first half of each head's channels
+    (transformers' partial_rotary_factor 0.5)."""
+    n = hf["num_hidden_layers"]
+    attention = set(hf.get("attn_layer_indices") or ())
+    out = _dense(hf)
+    _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in Bamba's attention here")
+    return dict(out, rope_dim=out["head_dim"] // 2, **_mamba2_fields(hf, tuple(i for i in range(n) if i not in attention)))
+
+
 def _granitemoehybrid(hf: dict) -> dict:
     """Granite 4.0-H (granitemoehybrid; H-Tiny, H-Small): Granite's MoE blocks with a shared MLP
     and multipliers (_granitemoe), Mamba-2 mixers (linear_kind "mamba2") in the layers
@@ -1444,17 +1486,6 @@ def _granitemoehybrid(hf: dict) -> dict:
     kinds = [_LEGACY_KINDS.get(k, k) for k in (hf.get("layer_types") or hf.get("layers_block_type") or ["linear_attention"] * n)]
     if len(kinds) != n or set(kinds) - {"full_attention", "linear_attention"}:
         raise ValueError(f"config.json: layer_types = {kinds!r} is not supported (linear_attention (mamba) or full_attention for each of the {n} layers)")
-    _refuse(hf, "mamba_conv_bias", lambda v: v is True, "the convolution's biases, Granite 4.0-H's")
-    _refuse(hf, "mamba_proj_bias", lambda v: not v, "no biases on the mixer's projections")
-    # transformers writes inf as {"__float__": "Infinity"}
-    _refuse(hf, "time_step_limit", lambda v: v is None or [x if not isinstance(x, dict) else float(x.get("__float__", "nan")) for x in v] == [0.0, math.inf],
-            "dt unclamped, (0.0, inf)")
-    heads, expand = hf.get("mamba_n_heads", 128), hf.get("mamba_expand", 2)
-    head_dim = hf.get("mamba_d_head", "auto")
-    head_dim = expand * hf["hidden_size"] // heads if head_dim == "auto" else head_dim
-    if heads * head_dim != expand * hf["hidden_size"]:
-        raise ValueError(f"config.json: mamba_n_heads x mamba_d_head = {heads} x {head_dim} is not supported (mamba_expand x hidden_size, "
-                         f"{expand * hf['hidden_size']})")
     attention = tuple(i for i, kind in enumerate(kinds) if kind == "full_attention")
     nope = attention if hf.get("position_embedding_type") != "rope" else ()
     if hf.get("num_local_experts", 8) == 0:  # H-Micro: every block's MLP the shared one alone, a dense SwiGLU
@@ -1462,9 +1493,9 @@ def _granitemoehybrid(hf: dict) -> dict:
         blocks = _dense(dict(hf, intermediate_size=hf["shared_intermediate_size"]), **_granite_multipliers(hf))
     else:
         blocks = _granitemoe(hf)
-    return dict(blocks, linear_layers=tuple(i for i, kind in enumerate(kinds) if kind == "linear_attention") or None,
-                linear_kind="mamba2", linear_k_heads=hf.get("mamba_n_groups", 1), linear_v_heads=heads, linear_k_dim=hf.get("mamba_d_state", 256),
-                linear_v_dim=head_dim, linear_conv=hf.get("mamba_d_conv", 4), nope_layers=nope or None)
+    attention = tuple(i for i, kind in enumerate(kinds) if kind == "full_attention")
+    nope = attention if hf.get("position_embedding_type") != "rope" else ()
+    return dict(blocks, **_mamba2_fields(hf, tuple(i for i, kind in enumerate(kinds) if kind == "linear_attention")), nope_layers=nope or None)
 
 
 def _granitemoe_swa(hf: dict) -> dict:
@@ -2278,7 +2309,7 @@ _MINISTRAL3_ROPE = dict(rope_type="yarn", rope_theta=1e6, factor=16.0, original_
                         mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1)
 # the dense families (no MoE block): fine-tuned as they are, or upcycled into an MoE (fmoe.train.upcycle)
 DENSE_FAMILIES = ("llama", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "youtu", "gemma2", "gemma3_text", "lfm3", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
-                  "phi3", "glm4", "ernie4_5", "lfm2", "cohere", "cohere2")
+                  "phi3", "glm4", "ernie4_5", "lfm2", "cohere", "cohere2", "bamba")
 FAMILIES = {
     "mixtral": Family(_mixtral, "block_sparse_moe", ("w1", "w3", "w2"), "MixtralForCausalLM",
                       defaults=dict(num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1e6)),
@@ -2524,6 +2555,9 @@ FAMILIES = {
                    **dict(_LFM2, o_proj="o_proj", qk_norms=("q_norm", "k_norm"),
                           defaults=dict(num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-5, tie_word_embeddings=True, sliding_window=256,
                                         rope_parameters=_LFM3_ROPE))),
+    "bamba": Family(_bamba, "feed_forward", _PROJ, "BambaForCausalLM", dense="feed_forward", norms=("input_layernorm", "pre_ff_layernorm"),
+                    final_norm="model.final_layernorm.weight",
+                    linear="mamba2", defaults=dict(num_key_value_heads=8, rms_norm_eps=1e-5)),
     "smollm3": Family(_smollm3, "mlp", _PROJ, "SmolLM3ForCausalLM", defaults=dict(num_key_value_heads=4, rope_theta=2e6, tie_word_embeddings=True)),
     "cohere": Family(_cohere, "mlp", _PROJ, "CohereForCausalLM", norms=("input_layernorm", ""),
                      defaults=dict(tie_word_embeddings=True, rope_theta=500000.0)),
@@ -3488,15 +3522,8 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
         elif model_type == "granitemoehybrid" and len(moe) < cfg.n_layers:
             raise ValueError(f"model: Granite 4.0-H's blocks are all MoE or all dense; this model has MoE layers {moe} of {cfg.n_layers}")
         if model_type == "granitemoehybrid":  # one rope or none for every attention layer (config_mismatch names the rest)
-            lin = cfg.linear_attention_config()
-            if lin.v_channels % cfg.hidden:
-                raise ValueError(f"model: Mamba-2's x channels (linear_v_heads x linear_v_dim = {lin.v_channels}) are not a whole multiple of "
-                                 f"hidden = {cfg.hidden} (Granite 4.0-H's mamba_expand)")
             hf.update(layer_types=["linear_attention" if cfg.is_linear(i) else "full_attention" for i in range(cfg.n_layers)],
-                      position_embedding_type=None if cfg.nope_layers else "rope", mamba_n_heads=lin.n_v_heads, mamba_d_head=lin.v_head_dim,
-                      mamba_expand=lin.v_channels // cfg.hidden,
-                      mamba_n_groups=lin.n_k_heads, mamba_d_state=lin.k_head_dim, mamba_d_conv=lin.conv, mamba_conv_bias=True,
-                      mamba_proj_bias=False)
+                      position_embedding_type=None if cfg.nope_layers else "rope", **_mamba2_config(cfg))
         if model_type == "granitemoe_swa":
             hf.update(_granite_swa_fields(cfg))
     elif model_type == "gpt_oss":
@@ -3676,6 +3703,8 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
             full = _yarn_parameters(cfg) if cfg.yarn_factor is not None else _rope_parameters(cfg)
             hf.update(attention_bias=False, sliding_window=cfg.window or 4096, layer_types=_layer_types(cfg),
                       rope_parameters=_rope_by_layer_type_parameters(cfg, full))
+        elif model_type == "bamba":  # RoPE on half of each head's channels (transformers fixes it; config_mismatch names another)
+            hf.update(attention_bias=False, attn_layer_indices=[i for i in range(cfg.n_layers) if not cfg.is_linear(i)], **_mamba2_config(cfg))
         elif model_type == "smollm3":
             hf.update(attention_bias=cfg.qkv_bias, no_rope_layers=[int(not cfg.is_nope(i)) for i in range(cfg.n_layers)],
                       use_sliding_window=cfg.window is not None, sliding_window=cfg.window, layer_types=_layer_types(cfg))

@@ -120,6 +120,10 @@ FAMILIES = {
     "lfm2": lambda: transformers.Lfm2Config(**COMMON, intermediate_size=66, block_multiple_of=16, layer_types=["conv", "full_attention", "conv"],
                                             bos_token_id=None, eos_token_id=None, pad_token_id=None),
     "qwen2": lambda: transformers.Qwen2Config(**COMMON, intermediate_size=40),
+    # Bamba: Mamba-2 mixers in blocks 0 and 2 (4 heads of 16, C and B in 2 groups of 8, 3 taps), attention in block 1 with
+    # RoPE on half of each head's channels; Llama's MLP
+    "bamba": lambda: transformers.BambaConfig(**COMMON, intermediate_size=40, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16,
+                                              mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=3, mamba_chunk_size=8, pad_token_id=None),
     "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=8, intermediate_size=40),
     "mixtral": lambda: transformers.MixtralConfig(**COMMON, head_dim=8, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2),
     # Granite 4.0-H: Mamba-2 mixers in blocks 0 and 2 (4 heads of 16, C and B in 2 groups of a state of 8, 3 taps) beside

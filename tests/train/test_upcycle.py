@@ -43,13 +43,18 @@ CASES = {
     "g2-geglu-shared-expert": _moe(ffn_expert=32, k=2, n_shared=1, mlp_act="gelu_tanh"),
     # Gemma 4's router: over its own norm, each weight times its expert's scale (both one at first)
     "g2-router-norm-expert-scale": _moe(ffn_expert=32, k=2, router_norm=True, router_expert_scale=True),
+    # a dense hybrid (Bamba's: Mamba-2 mixers in blocks 0 and 2) into an MoE hybrid (Granite 4.0-H's): the mixers copied
+    "g2-mamba2-hybrid": _moe(ffn_expert=32, k=2, linear_layers=(0, 2), linear_kind="mamba2", linear_k_heads=2, linear_v_heads=4, linear_k_dim=8,
+                             linear_v_dim=16, linear_conv=3),
 }
+# the fields of the blocks' mixers, the dense model's as the MoE's
+MIXER = ("mlp_act", "linear_layers", "linear_kind", "linear_k_heads", "linear_v_heads", "linear_k_dim", "linear_v_dim", "linear_conv")
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_upcycled_model_computes_the_dense_function(case):
     cfg = CASES[case]
-    dense_cfg = dataclasses.replace(DENSE, mlp_act=cfg.mlp_act)
+    dense_cfg = dataclasses.replace(DENSE, **{name: getattr(cfg, name) for name in MIXER})
     dense = _dense_model(cfg=dense_cfg)
     moe = Transformer(cfg)
     moe.reset_parameters(seed=5)
