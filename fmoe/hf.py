@@ -3501,11 +3501,11 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
         hf.update(use_sliding_window=True, sliding_window=cfg.window, max_window_layers=cfg.n_layers, layer_types=_layer_types(cfg))
     if model_type in ("mixtral", "minimax_m2", "minimax"):
         hf.update(num_local_experts=cfg.n_experts, intermediate_size=cfg.ffn_expert)
-    if model_type == "minimax":  # one alpha (None: a plain pre-norm block, which config_mismatch names) and one beta
-        alpha = 1.0 if cfg.normed_residual is None else cfg.normed_residual
-        hf.update(layer_types=["linear_attention" if cfg.is_linear(i) else "full_attention" for i in range(cfg.n_layers)],
-                  **{f"{kind}_alpha_factor": alpha for kind in ("full_attn", "linear_attn", "mlp")},
-                  **{f"{kind}_beta_factor": cfg.residual_scale for kind in ("full_attn", "linear_attn", "mlp")})
+        if model_type == "minimax":  # one alpha (None: a plain pre-norm block, which config_mismatch names) and one beta
+            alpha = 1.0 if cfg.normed_residual is None else cfg.normed_residual
+            hf.update(layer_types=["linear_attention" if cfg.is_linear(i) else "full_attention" for i in range(cfg.n_layers)],
+                      **{f"{kind}_alpha_factor": alpha for kind in ("full_attn", "linear_attn", "mlp")},
+                      **{f"{kind}_beta_factor": cfg.residual_scale for kind in ("full_attn", "linear_attn", "mlp")})
     elif model_type == "phimoe":  # LongRoPE's two scales under their own names (_longrope)
         hf.update(num_local_experts=cfg.n_experts, intermediate_size=cfg.ffn_expert, router_jitter_noise=cfg.sparsemixer_eps,
                   attention_bias=cfg.qkv_bias, lm_head_bias=cfg.head_bias, sliding_window=cfg.window)

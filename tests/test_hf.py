@@ -2929,6 +2929,16 @@ def test_granite_4_hybrid_micro_reads_its_shared_mlp_as_dense_blocks(tmp_path):
         hf.save_pretrained(mixed, tmp_path / "mixed", model_type="granitemoehybrid")
 
 
+@pytest.mark.parametrize("family", ["mixtral", "minimax_m2", "minimax", "phimoe"])
+def test_mixtral_like_configs_write_the_experts_size_as_intermediate_size(family, folders):
+    """Mixtral's layout names the experts' width intermediate_size: an fmoe model whose dense
+    MLP width differs (unused there) writes its experts' (48, not 40), and reads back alike."""
+    _, cfg = hf.read_config(folders[family][0])
+    cfg = dataclasses.replace(cfg, ffn_expert=48, ffn_dense=40)
+    written = hf.hf_config(cfg, family)
+    assert written["intermediate_size"] == 48 and hf.FAMILIES[family].kwargs(written)["ffn_expert"] == 48
+
+
 def test_minimax_reads_lightning_attention_its_decay_and_normed_residuals(folders, tmp_path):
     """MiniMax: the lightning blocks that layer_types names (by default every second layer
     from layer 1), their decay per head and depth equal to transformers' slope_rate buffers,
