@@ -3186,7 +3186,7 @@ def load_weights(model: Transformer, path, *, model_type: str, strict: bool = Tr
             if spec.stacked:  # only this rank's experts, each its own block
                 experts = range(len(spec.keys))[index[0]]
                 value = torch.stack([as_ours(read(spec.keys[e], stored_index(index[1:])), index[1:]) for e in experts]) if len(experts) else None
-            elif spec.part is not None:  # the parts of a key share one read of its block
+            elif spec.part is not None or (spec.chunk is not None and spec.groups > 1):  # the parts (every group's runs) of a key share one read
                 where = (spec.keys[0], tuple((sl.start, sl.stop) for sl in stored_index(index)))
                 if last_part[0] != where:
                     last_part[:] = where, read(spec.keys[0], stored_index(index))

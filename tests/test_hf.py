@@ -1708,7 +1708,9 @@ BAD_CONFIGS = [
     ("gemma4_text", lambda c: c["rope_parameters"]["full_attention"].update(rope_type="yarn"),
      r"config.json: rope_parameters.full_attention = .* is not supported \(plain RoPE over every channel, or proportional RoPE\)"),
     ("gemma2", lambda c: c.update(attn_logit_softcapping=0), r"config.json: attn_logit_softcapping = 0 is not supported \(None or a positive cap\)"),
-    ("granitemoehybrid", lambda c: c.update(num_local_experts=0), r"config.json: num_local_experts = 0 is not supported \(MoE blocks"),
+    # a dense config (H-Micro's) over an MoE checkpoint: the experts are read nowhere
+    ("granitemoehybrid", lambda c: c.update(num_local_experts=0), r"checkpoint: 9 key\(s\) in .* that the model's config reads nowhere, e.g. "
+     r"'model.layers.0.block_sparse_moe.input_linear.weight'"),
     ("granitemoehybrid", lambda c: c.update(mamba_conv_bias=False), r"config.json: mamba_conv_bias = False is not supported"),
     ("granitemoehybrid", lambda c: c.update(mamba_proj_bias=True), r"config.json: mamba_proj_bias = True is not supported"),
     ("granitemoehybrid", lambda c: c.update(time_step_limit=[0.001, 0.1]), r"config.json: time_step_limit = \[0.001, 0.1\] is not supported"),
@@ -2601,9 +2603,9 @@ def test_each_rank_reads_only_its_own_blocks(family, folders, sharded_loads):
         assert set(full) == set(want)
         for name, value in want.items():
             assert torch.equal(full[name], value), name
-        # about half the weights, plus the small replicated ones; MiniMax's qkv_proj (per head its q, k and v rows) is read
-        # whole for each of wq, wk and wv, which take every head's run of it
-        assert read < (0.65 if family == "minimax" else 0.6) * total, (read, total)
+        # about half the weights, plus the small replicated ones (MiniMax's qkv_proj, per head its q, k and v rows, read once
+        # for wq, wk and wv)
+        assert read < 0.6 * total, (read, total)
     assert sum(read for read, _ in results) >= 0.95 * total - 4096  # together every tensor is read
 
 
