@@ -9,7 +9,7 @@ qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, axk1, kimi_k2, kimi_k25, dee
 exaone_moe, kolibri1, beam, axk2, dots1, minimax_m2, minimax, granitemoe, granitemoeshared, granitemoe_swa, granitemoehybrid, hunyuan_v1_moe, llama4_text, llama4, afmoe,
 laguna, cohere2_moe, sarvam_moe, sarvam_mla, longcat_flash, bailing_hybrid, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, lara_mini, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
 mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe, gemma3, gemma4_text, gemma4), and the dense
-DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
+DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, gemma, vaultgemma, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
 glm4, ernie4_5, lfm2, cohere, cohere2, bamba: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: OLMoE's q and k clamped after their norms, ...;
 the fields a config.json leaves out read at transformers' defaults, Family.defaults, and a
@@ -408,6 +408,23 @@ def _gemma2(hf: dict) -> dict:
         hf = dict(hf, layer_types=["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(hf["num_hidden_layers"])])
     out, cap = _gemma_dense(hf), hf.get("attn_logit_softcapping")  # the cap checked there
     return dict(out, attn_softcap=None if cap is None else float(cap))
+
+
+def _vaultgemma(hf: dict) -> dict:
+    """VaultGemma (vaultgemma, dense): Gemma 2's blocks (_gemma2) with pre-norms only
+    (input_layernorm, pre_feedforward_layernorm), no norm on the sublayers' outputs."""
+    return dict(_gemma2(hf), post_norms=False)
+
+
+def _gemma(hf: dict) -> dict:
+    """Gemma (gemma, dense; Gemma 1, CodeGemma): GeGLU MLPs (hidden_act gelu_pytorch_tanh; the
+    releases' legacy "gelu" is read as that, as transformers reads it), zero-centred RMSNorms
+    before the attention and the MLP, the embeddings times sqrt(hidden_size) rounded to their
+    dtype, the softmax scale 1/sqrt(head_dim); attention biases refused."""
+    _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in Gemma's attention here")
+    _refuse(hf, "hidden_act", lambda v: v in ("gelu_pytorch_tanh", "gelu_tanh", "gelu"), "GeGLU with GELU's tanh form, gelu_pytorch_tanh")
+    return _dense(dict(hf, hidden_act="silu"), mlp_act="gelu_tanh", zero_centered_norms=True, embed_scale=float(hf["hidden_size"]) ** 0.5,
+                  round_embed_scale=True)
 
 
 def _gemma4_text(hf: dict) -> dict:
@@ -2308,7 +2325,7 @@ _MISTRAL4_ROPE = dict(rope_type="yarn", rope_theta=10000.0, factor=128.0, origin
 _MINISTRAL3_ROPE = dict(rope_type="yarn", rope_theta=1e6, factor=16.0, original_max_position_embeddings=16384, beta_fast=32.0, beta_slow=1.0,
                         mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1)
 # the dense families (no MoE block): fine-tuned as they are, or upcycled into an MoE (fmoe.train.upcycle)
-DENSE_FAMILIES = ("llama", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "youtu", "gemma2", "gemma3_text", "lfm3", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
+DENSE_FAMILIES = ("llama", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "youtu", "gemma", "vaultgemma", "gemma2", "gemma3_text", "lfm3", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
                   "phi3", "glm4", "ernie4_5", "lfm2", "cohere", "cohere2", "bamba")
 FAMILIES = {
     "mixtral": Family(_mixtral, "block_sparse_moe", ("w1", "w3", "w2"), "MixtralForCausalLM",
@@ -2521,6 +2538,11 @@ FAMILIES = {
     "gemma4": Family(_gemma4, "", _STACKS, "Gemma4ForConditionalGeneration", **_GEMMA4,
                      prefix=("model.", "model.language_model."), written_as="gemma4_text",
                      not_read=("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")),
+    "gemma": Family(_gemma, "mlp", _PROJ, "GemmaForCausalLM", defaults=dict(vocab_size=256000, num_key_value_heads=16, head_dim=256,
+                                                                               tie_word_embeddings=True)),
+    "vaultgemma": Family(_vaultgemma, "mlp", _PROJ, "VaultGemmaForCausalLM", norms=("input_layernorm", "pre_feedforward_layernorm"),
+                         defaults=dict(vocab_size=256000, num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256, sliding_window=4096,
+                                       tie_word_embeddings=True, final_logit_softcapping=30.0, attn_logit_softcapping=50.0)),
     "gemma2": Family(_gemma2, "mlp", _PROJ, "Gemma2ForCausalLM",
                      sandwich=_GEMMA_SANDWICH,
                      defaults=dict(vocab_size=256000, num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256, sliding_window=4096,
@@ -3732,7 +3754,9 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
             if model_type == "phi3" and cfg.longrope_short_factors is not None:  # transformers reads the top level's, by default 4096
                 hf.update(original_max_position_embeddings=cfg.longrope_original_max_positions)
             hf.update(dict(sliding_window=cfg.window) if model_type == "phi3" else dict(attention_bias=cfg.qkv_bias))
-        elif model_type in ("gemma2", "gemma3_text"):  # GeGLU; the softmax scale as query_pre_attn_scalar; Gemma 3's RoPE per layer type
+        elif model_type == "gemma":  # GeGLU
+            hf.update(hidden_act="gelu_pytorch_tanh", attention_bias=False)
+        elif model_type in ("gemma2", "gemma3_text", "vaultgemma"):  # GeGLU; the softmax scale as query_pre_attn_scalar; Gemma 3's RoPE per layer type
             hf.pop("hidden_act")
             hf.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=_query_pre_attn_scalar(cfg), sliding_window=cfg.window or 4096,
                       layer_types=_layer_types(cfg), final_logit_softcapping=cfg.logit_softcap, attn_logit_softcapping=cfg.attn_softcap,

@@ -54,6 +54,11 @@ FAMILIES = {
                                                                                      rope_theta=10000.0),
                                                                  sliding_attention=dict(rope_type="default", rope_theta=100.0)),
                                             pad_token_id=None, bos_token_id=None, eos_token_id=None),
+    # Gemma (1): GeGLU, zero-centred pre-norms, the embeddings x sqrt(32) rounded to their dtype
+    "gemma": lambda: transformers.GemmaConfig(**COMMON, head_dim=8, intermediate_size=40, pad_token_id=None),
+    # VaultGemma: Gemma 2's blocks with pre-norms only
+    "vaultgemma": lambda: transformers.VaultGemmaConfig(**COMMON, head_dim=8, intermediate_size=40, query_pre_attn_scalar=6, sliding_window=4,
+                                                        attn_logit_softcapping=2.0, final_logit_softcapping=3.0, pad_token_id=None),
     # Gemma 2: Gemma's dense blocks without q/k norms, every attention score capped at 2 (these random scores reach past it),
     # blocks 0 and 2 over a window of 4, the logits capped at 3
     "gemma2": lambda: transformers.Gemma2Config(**COMMON, head_dim=8, intermediate_size=40, query_pre_attn_scalar=6, sliding_window=4,
@@ -1707,6 +1712,7 @@ BAD_CONFIGS = [
      r"config.json: per_layer_config = .* is not supported \(one head_dim and num_key_value_heads for every full_attention layer\)"),
     ("gemma4_text", lambda c: c["rope_parameters"]["full_attention"].update(rope_type="yarn"),
      r"config.json: rope_parameters.full_attention = .* is not supported \(plain RoPE over every channel, or proportional RoPE\)"),
+    ("gemma", lambda c: c.update(hidden_act="relu"), r"config.json: hidden_act = 'relu' is not supported \(GeGLU with GELU's tanh form"),
     ("gemma2", lambda c: c.update(attn_logit_softcapping=0), r"config.json: attn_logit_softcapping = 0 is not supported \(None or a positive cap\)"),
     # a dense config (H-Micro's) over an MoE checkpoint: the experts are read nowhere
     ("granitemoehybrid", lambda c: c.update(num_local_experts=0), r"checkpoint: 9 key\(s\) in .* that the model's config reads nowhere, e.g. "
@@ -2972,7 +2978,19 @@ def test_minimax_reads_lightning_attention_its_decay_and_normed_residuals(folder
         hf.from_pretrained(edited, impl="torch")
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "gemma4_text"])
+def test_gemma_1_reads_the_releases_legacy_gelu_and_vaultgemma_has_no_post_norms(folders, tmp_path):
+    """Gemma 1's released configs say hidden_act "gelu", which transformers reads as GELU's tanh
+    form: the same model. VaultGemma: Gemma 2's config without post-norms."""
+    path, _ = folders["gemma"]
+    _, cfg = hf.read_config(path)
+    assert (cfg.mlp_act, cfg.zero_centered_norms, cfg.post_norms, cfg.round_embed_scale, cfg.attn_scale) == ("gelu_tanh", True, False, True, None)
+    assert hf.read_config(_edit(path, tmp_path / "gelu", lambda c: c.update(hidden_act="gelu")))[1] == cfg
+    assert transformers.GemmaConfig(hidden_act="gelu").hidden_act == "gelu_pytorch_tanh"
+    vault, gemma2 = (hf.read_config(folders[f][0])[1] for f in ("vaultgemma", "gemma2"))
+    assert not vault.post_norms and dataclasses.replace(vault, post_norms=True) == gemma2
+
+
+@pytest.mark.parametrize("family", ["gemma", "vaultgemma", "gemma2", "gemma3_text", "gemma4_text"])
 def test_gemma_rounds_its_embedding_scale_to_the_embeddings_dtype(family, folders):
     """Gemma multiplies its embeddings by sqrt(hidden_size) rounded to their dtype
     (round_embed_scale): loaded in bf16, the first block's input equals transformers' bf16
