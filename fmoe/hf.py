@@ -2176,6 +2176,9 @@ class Family:
     correction_bias: str = "gate.e_score_correction_bias"
     correction_bias_unit: Optional[int] = None  # its stored dim of size 1 that fmoe's [E] leaves out (ERNIE 4.5's [1, E]: 0)
     mtp: bool = False  # MTP modules as layers n_layers, n_layers + 1, ... (DeepSeek-V3's layout)
+    # one MTP module under mtp. (Qwen3-Next's layout: pre_fc_norm_embedding, pre_fc_norm_hidden, fc, layers.0, norm), read
+    # where the folder holds it (mtp.fc), else left unread
+    mtp_module: bool = False
     # experts as stacks: [E, H, 2F] gate/up and [E, F, H] down, gate and up "interleaved" (gpt-oss,
     # with biases and a router module with a bias) or in "halves" (Llama 4); or [E, 2F, H] gate/up
     # (the gate's F rows, then the up's) and [E, H, F] down, linear weights: "halves_out" (Granite);
@@ -2438,10 +2441,11 @@ FAMILIES = {
                     extra_layers_read=False, aliases=dict(n_shared_experts="num_shared_experts", routed_scaling_factor="router_scaling_factor"),
                     defaults=dict(num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=11158840.0, n_shared_experts=1,
                                   routed_scaling_factor=2.826)),
-    "qwen3_next": Family(_qwen3_next, "mlp", _PROJ, "Qwen3NextForCausalLM", linear="qkvz", gate_in_q=True, not_read=("mtp.",),
+    "qwen3_next": Family(_qwen3_next, "mlp", _PROJ, "Qwen3NextForCausalLM", linear="qkvz", gate_in_q=True, not_read=("mtp.",), mtp_module=True,
                          defaults=dict(num_key_value_heads=2, head_dim=256, norm_topk_prob=True, rope_parameters=_QWEN3_NEXT_ROPE, **_QWEN3_NEXT_LINEAR,
                                        intermediate_size=5632, shared_expert_intermediate_size=512, **_QWEN3_NEXT_MOE)),
     "qwen3_5_moe_text": Family(_qwen3_5_moe_text, "mlp", _PROJ, "Qwen3_5MoeForCausalLM", gate_in_q=True, stacks_too=True, not_read=("mtp.",),
+                               mtp_module=True,
                                defaults=_QWEN3_5_DEFAULTS),
     "lara_mini": Family(_lara_mini, "mlp", _STACKS, "LaraMiniForCausalLM", fused="halves_out", linear="fused",
                         defaults=dict(num_key_value_heads=4, head_dim=128, sliding_window=512, linear_num_key_heads=8, linear_num_value_heads=16,
@@ -2834,6 +2838,14 @@ def mtp_layer(cfg: TransformerConfig, d: int, family: Optional[Family] = None) -
     return key if family is None else family.renamed(key)
 
 
+def _holds_mtp(family: Family, cfg: TransformerConfig, d: int, files) -> bool:
+    """Whether a folder of checkpoint keys `files` holds MTP depth d: DeepSeek-V3's layer
+    n_layers + d - 1 (its eh_proj), or Qwen3-Next's one module (mtp.fc, depth 1)."""
+    if family.mtp_module:
+        return d == 1 and "mtp.fc.weight" in files
+    return mtp_layer(cfg, d, family) + "eh_proj.weight" in files
+
+
 def _stacked_experts(family: Family, keys) -> Family:
     """The family as a folder of checkpoint `keys` stores it: with Family.stacks_too and the
     experts stored as stacks (a key ending in experts.gate_up_proj), its stacked layout
@@ -2870,7 +2882,7 @@ def key_map(family: Family, cfg: TransformerConfig) -> dict[str, Tensor]:
     """Every fmoe parameter (and expert-bias buffer) name -> its Tensor in the HF
     checkpoint, in HF's key order. MTP depth d (family.mtp) is the layer n_layers + d - 1:
     enorm, hnorm, eh_proj, a block, shared_head.norm (its copies of the embedding and the
-    head are mtp_copies')."""
+    head are mtp_copies'); with family.mtp_module, depth 1 is Qwen3-Next's module under mtp."""
     out = {"embed": Tensor((family.embed,))}
     if family.pairs and not cfg.shortcut_moe:
         raise ValueError("model: this family's layers are shortcut pairs of blocks (shortcut_moe=True)")
@@ -2896,6 +2908,16 @@ def key_map(family: Family, cfg: TransformerConfig) -> dict[str, Tensor]:
         out.update(_block_keys(family, cfg, p, q + "block.", any(cfg.is_moe(i) for i in range(cfg.n_layers))))
         if cfg.mtp_norm:
             out[q + "out_norm.weight"] = Tensor((p + "shared_head.norm.weight",))
+    if family.mtp_module and cfg.mtp_depth:  # Qwen3-Next's one MTP module: [pre_fc_norm_embedding(emb); pre_fc_norm_hidden(h)] fc, a block, norm
+        if cfg.mtp_depth > 1:
+            raise ValueError(f"model: mtp_depth = {cfg.mtp_depth}; this family's checkpoints hold one MTP module (mtp.), its depth 1")
+        q = "mtp.0."
+        out[q + "emb_norm.weight"] = Tensor(("mtp.pre_fc_norm_embedding.weight",))
+        out[q + "hidden_norm.weight"] = Tensor(("mtp.pre_fc_norm_hidden.weight",))
+        out[q + "proj"] = Tensor(("mtp.fc.weight",), transpose=True)
+        out.update(_block_keys(family, cfg, "mtp.layers.0.", q + "block.", any(cfg.is_moe(i) for i in range(cfg.n_layers))))
+        if cfg.mtp_norm:
+            out[q + "out_norm.weight"] = Tensor(("mtp.norm.weight",))
     if cfg.norm_bias:  # each LayerNorm's bias beside its weight (Phi-3.5-MoE's)
         out = {n: s for name, spec in out.items()
                for n, s in [(name, spec)] + ([(name[:-len("weight")] + "bias", Tensor((spec.keys[0][:-len("weight")] + "bias",)))]
@@ -2935,6 +2957,8 @@ def mtp_copies(family: Family, cfg: TransformerConfig, *, final_norm: bool = Fal
     each layer's shared_head.norm as a copy of it; never read, so that a checkpoint's own
     MTP norm is not taken for one."""
     out = {}
+    if family.mtp_module and cfg.mtp_depth and final_norm and not cfg.mtp_norm:  # Qwen3-Next's module on the final norm
+        out["mtp.norm.weight"] = "norm.weight"
     for d in range(1, cfg.mtp_depth + 1 if family.mtp else 1):
         p = mtp_layer(cfg, d, family)
         out[p + "embed_tokens.weight"] = "embed"
@@ -3140,7 +3164,7 @@ def load_weights(model: Transformer, path, *, model_type: str, strict: bool = Tr
             raise ValueError(f"model: {len(unmapped)} parameter(s) that a {model_type} checkpoint does not hold, "
                              f"e.g. {unmapped[0]!r} (an option the family does not have?)")
         chunk = getattr(model, "pipeline_chunk", None)
-        absent = {f"mtp.{d - 1}." for d in range(1, model.cfg.mtp_depth + 1) if mtp_layer(model.cfg, d, family) + "eh_proj.weight" not in files}
+        absent = {f"mtp.{d - 1}." for d in range(1, model.cfg.mtp_depth + 1) if not _holds_mtp(family, model.cfg, d, files)}
         # DeepSeek sparse attention over a checkpoint without any indexer (DeepSeek-V3's: DeepSeek-V3.2's start): fresh indexers
         fresh_indexers = model.cfg.index_topk is not None and not any(".indexer." in key for key in files)
         for name, spec in keys.items():
@@ -3356,9 +3380,11 @@ def from_pretrained(path, *, dtype: torch.dtype = torch.float32, device="cpu", s
         raise ValueError(f"dtype: expected a floating torch.dtype (torch.float32, torch.bfloat16, ...), got {dtype!r}")
     hf, cfg = read_config(path)
     family = FAMILIES[hf["model_type"]]
-    if family.mtp and "mtp_depth" not in options:
+    if (family.mtp or family.mtp_module) and "mtp_depth" not in options:
         files = _weight_files(Path(path))
-        options["mtp_depth"] = next(d for d in range(cfg.n_layers + 1) if mtp_layer(cfg, d + 1, family) + "eh_proj.weight" not in files)
+        options["mtp_depth"] = next(d for d in range(cfg.n_layers + 1) if not _holds_mtp(family, cfg, d + 1, files))
+        if family.mtp_module and options["mtp_depth"]:  # its own output norm, mtp.norm
+            options.setdefault("mtp_norm", True)
     if options:
         cfg = dataclasses.replace(cfg, **options)
     with torch.device("meta"):
@@ -3659,6 +3685,8 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
                   linear_num_key_heads=lin.n_k_heads, linear_num_value_heads=lin.n_v_heads, linear_key_head_dim=lin.k_head_dim,
                   linear_value_head_dim=lin.v_head_dim, linear_conv_kernel_dim=lin.conv,
                   rope_parameters=dict(_rope_parameters(cfg), partial_rotary_factor=_rotary_factor(cfg)))
+        if cfg.mtp_depth:  # the released configs' count of MTP modules (mtp.), which inference engines read
+            hf.update(mtp_num_hidden_layers=cfg.mtp_depth)
     elif model_type == "lara_mini":
         lin = cfg.linear_attention_config()
         kinds = ["linear_attention" if cfg.is_linear(i) else "sliding_attention" if cfg.is_sliding(i) else "full_attention" for i in range(cfg.n_layers)]
@@ -3902,7 +3930,7 @@ def config_mismatch(cfg: TransformerConfig, hf: dict) -> dict[str, tuple]:
         ignored |= {"yarn_original_max_positions", "yarn_truncate"}
     if cfg.llama3_factor is None:
         ignored |= {"llama3_low_freq_factor", "llama3_high_freq_factor", "llama3_original_max_positions"}
-    if family.mtp:  # any depth; MTP modules without their own output norm are written with a copy of the final one
+    if family.mtp or family.mtp_module:  # any depth; MTP modules without their own output norm are written with a copy of the final one
         ignored |= {"mtp_depth", "mtp_norm"}
     elif cfg.mtp_depth == 0 and back.mtp_depth == 0:  # no MTP module: its norm means nothing
         ignored.add("mtp_norm")

@@ -2947,6 +2947,71 @@ def test_mixtral_like_configs_write_the_experts_size_as_intermediate_size(family
     assert written["intermediate_size"] == 48 and hf.FAMILIES[family].kwargs(written)["ffn_expert"] == 48
 
 
+def test_qwen3_next_reads_and_writes_its_mtp_module(folders, tmp_path):
+    """Qwen3-Next's MTP module (mtp.: pre_fc_norm_embedding, pre_fc_norm_hidden, fc, one full
+    attention block with its MoE, norm) is fmoe's MTP depth 1 with its own output norm: written
+    by save_pretrained (on the final norm: with a copy of it as mtp.norm), read back where the
+    folder holds it (mtp.fc; transformers itself skips it); one depth only; and its loss is the cross-entropy of transformers' own block on fc([norm(emb(t + 1));
+    norm(h_t)]) against token t + 2, h the trunk's output before its final norm (its last
+    layer's, here checked to be that). A folder without it loads with none."""
+    path, ref = folders["qwen3_next"]
+    assert hf.from_pretrained(path, impl="torch")[1].mtp_depth == 0
+    model, _ = hf.from_pretrained(path, impl="torch", mtp_depth=1, mtp_norm=True)
+    torch.manual_seed(4)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.startswith("mtp."):
+                p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
+    hf.save_pretrained(model, tmp_path / "mtp")
+    tensors = _read_all(tmp_path / "mtp")
+    assert {"mtp.fc.weight", "mtp.norm.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.layers.0.self_attn.q_proj.weight"} <= set(tensors)
+    again, cfg = hf.from_pretrained(tmp_path / "mtp", impl="torch")
+    assert (cfg.mtp_depth, cfg.mtp_norm) == (1, True)
+    mine = dict(model.named_parameters())
+    for name, p in again.named_parameters():
+        assert torch.equal(p, mine[name]), name
+
+    # transformers' block on the module's weights: a one-layer Qwen3-Next whose layer, final norm are the module's
+    hf_cfg = dict(ref.config.to_dict(), num_hidden_layers=1, layer_types=["full_attention"], mlp_only_layers=[])
+    mini = {"model.embed_tokens.weight": tensors["model.embed_tokens.weight"], "lm_head.weight": tensors["lm_head.weight"],
+            "model.norm.weight": tensors["mtp.norm.weight"],
+            **{"model.layers.0." + k[len("mtp.layers.0."):]: v for k, v in tensors.items() if k.startswith("mtp.layers.0.")}}
+    (tmp_path / "mini").mkdir()
+    from safetensors.torch import save_file
+    save_file(mini, tmp_path / "mini" / "model.safetensors")
+    (tmp_path / "mini" / "config.json").write_text(json.dumps(hf_cfg))
+    block = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "mini", dtype=torch.float32).eval()
+    norm = lambda x, w: torch.nn.functional.rms_norm(x, (x.shape[-1],), eps=ref.config.rms_norm_eps) * (1 + w)  # noqa: E731 zero-centred
+    ids = _packed()[0][1]
+    L = len(ids)
+    with torch.no_grad():
+        seen = []
+        hook = ref.model.layers[-1].register_forward_hook(lambda mod, args, output: seen.append(output[0] if isinstance(output, tuple) else output))
+        out = ref(ids[None])
+        hook.remove()
+        h = seen[0][0]
+        torch.testing.assert_close(ref.lm_head(ref.model.norm(h)), out.logits[0])  # the trunk's output before the final norm
+        x = torch.cat([norm(ref.model.embed_tokens(ids[1:]), tensors["mtp.pre_fc_norm_embedding.weight"]),
+                       norm(h[:-1], tensors["mtp.pre_fc_norm_hidden.weight"])], -1) @ tensors["mtp.fc.weight"].T
+        logits = block(inputs_embeds=x[None]).logits[0]
+        want = torch.nn.functional.cross_entropy(logits[:-1], ids[2:], reduction="sum")
+        batch = make_batch(ids, torch.tensor([0, L]), 1)
+        losses, _ = again(batch, again.context(batch))
+    assert float(losses["mtp_1_sum"]) == pytest.approx(float(want), rel=1e-5)
+    # a module on the trunk's final norm (mtp_norm=False) is written with a copy of it as mtp.norm, and reads back the same
+    shared, _ = hf.from_pretrained(path, impl="torch", mtp_depth=1)
+    hf.save_pretrained(shared, tmp_path / "shared")
+    assert torch.equal(_read_all(tmp_path / "shared")["mtp.norm.weight"], shared.norm.weight.detach())
+    back, cfg = hf.from_pretrained(tmp_path / "shared", impl="torch")
+    own = hf.Transformer(dataclasses.replace(cfg, impl="torch"))  # fmoe's own: its config.json counts the module as the released ones do
+    assert hf.save_pretrained(own, tmp_path / "own", model_type="qwen3_next") and json.loads((tmp_path / "own" / "config.json").read_text())[
+        "mtp_num_hidden_layers"] == 1
+    with torch.no_grad():
+        assert cfg.mtp_norm and torch.equal(back(batch, back.context(batch))[0]["mtp_1_sum"], shared(batch, shared.context(batch))[0]["mtp_1_sum"])
+    with pytest.raises(ValueError, match=r"model: mtp_depth = 2; this family's checkpoints hold one MTP module \(mtp.\), its depth 1"):
+        hf.save_pretrained(hf.Transformer(dataclasses.replace(cfg, mtp_depth=2)), tmp_path / "two", model_type="qwen3_next")
+
+
 def test_minimax_reads_lightning_attention_its_decay_and_normed_residuals(folders, tmp_path):
     """MiniMax: the lightning blocks that layer_types names (by default every second layer
     from layer 1), their decay per head and depth equal to transformers' slope_rate buffers,
