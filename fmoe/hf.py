@@ -9,7 +9,7 @@ qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, axk1, kimi_k2, kimi_k25, dee
 exaone_moe, kolibri1, beam, axk2, dots1, minimax_m2, minimax, granitemoe, granitemoeshared, granitemoe_swa, granitemoehybrid, hunyuan_v1_moe, llama4_text, llama4, afmoe,
 laguna, cohere2_moe, sarvam_moe, sarvam_mla, longcat_flash, bailing_hybrid, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, lara_mini, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
 mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe, gemma3, gemma4_text, gemma4), and the dense
-DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, gemma, vaultgemma, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
+DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, arcee, gemma, vaultgemma, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
 glm4, ernie4_5, lfm2, cohere, cohere2, bamba: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: OLMoE's q and k clamped after their norms, ...;
 the fields a config.json leaves out read at transformers' defaults, Family.defaults, and a
@@ -182,7 +182,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from fmoe.layers import lightning_decay
+from fmoe.layers import PLAIN_ACTS, lightning_decay
 from fmoe.model import Transformer, TransformerConfig, local_block
 from fmoe.ops.rope import yarn_mscale
 
@@ -408,6 +408,16 @@ def _gemma2(hf: dict) -> dict:
         hf = dict(hf, layer_types=["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(hf["num_hidden_layers"])])
     out, cap = _gemma_dense(hf), hf.get("attn_logit_softcapping")  # the cap checked there
     return dict(out, attn_softcap=None if cap is None else float(cap))
+
+
+def _arcee(hf: dict) -> dict:
+    """Arcee (arcee, dense; AFM-4.5B): Llama's blocks with MLPs without a gate, relu(x up_proj)^2
+    down_proj (mlp_act "relu2"), RoPE plain or YaRN (_yarn); attention and MLP biases refused."""
+    _refuse(hf, "hidden_act", lambda v: v == "relu2", "relu2, the squared ReLU of an MLP without a gate")
+    _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in Arcee's attention here")
+    _, params, _ = _rope_params(hf, "yarn", ("factor", "original_max_position_embeddings"))
+    out = _dense(dict(hf, hidden_act="silu", rope_parameters=dict(params, rope_type="default"), rope_scaling=None), mlp_act="relu2")
+    return dict(out, **_yarn(hf))
 
 
 def _vaultgemma(hf: dict) -> dict:
@@ -2328,7 +2338,7 @@ _MISTRAL4_ROPE = dict(rope_type="yarn", rope_theta=10000.0, factor=128.0, origin
 _MINISTRAL3_ROPE = dict(rope_type="yarn", rope_theta=1e6, factor=16.0, original_max_position_embeddings=16384, beta_fast=32.0, beta_slow=1.0,
                         mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1)
 # the dense families (no MoE block): fine-tuned as they are, or upcycled into an MoE (fmoe.train.upcycle)
-DENSE_FAMILIES = ("llama", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "youtu", "gemma", "vaultgemma", "gemma2", "gemma3_text", "lfm3", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
+DENSE_FAMILIES = ("llama", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "youtu", "arcee", "gemma", "vaultgemma", "gemma2", "gemma3_text", "lfm3", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
                   "phi3", "glm4", "ernie4_5", "lfm2", "cohere", "cohere2", "bamba")
 FAMILIES = {
     "mixtral": Family(_mixtral, "block_sparse_moe", ("w1", "w3", "w2"), "MixtralForCausalLM",
@@ -2542,6 +2552,7 @@ FAMILIES = {
     "gemma4": Family(_gemma4, "", _STACKS, "Gemma4ForConditionalGeneration", **_GEMMA4,
                      prefix=("model.", "model.language_model."), written_as="gemma4_text",
                      not_read=("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")),
+    "arcee": Family(_arcee, "mlp", _PROJ, "ArceeForCausalLM", defaults=dict(num_key_value_heads=8, rms_norm_eps=1e-5)),
     "gemma": Family(_gemma, "mlp", _PROJ, "GemmaForCausalLM", defaults=dict(vocab_size=256000, num_key_value_heads=16, head_dim=256,
                                                                                tie_word_embeddings=True)),
     "vaultgemma": Family(_vaultgemma, "mlp", _PROJ, "VaultGemmaForCausalLM", norms=("input_layernorm", "pre_feedforward_layernorm"),
@@ -2749,7 +2760,8 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
         out[q + "mlp.w_down"] = Tensor((f"{p}{family.dense}.{down}.weight",), transpose=True)
     elif not moe:
         for ours, theirs in zip(("w_gate", "w_up", "w_down"), family.dense_names):
-            out[q + "mlp." + ours] = Tensor((f"{p}{family.dense}.{theirs}.weight",), transpose=True)
+            if ours != "w_gate" or cfg.mlp_act not in PLAIN_ACTS:  # an MLP without a gate (Arcee's) has none
+                out[q + "mlp." + ours] = Tensor((f"{p}{family.dense}.{theirs}.weight",), transpose=True)
     if cfg.hyper_connections:  # the streams' weights of the attention and of the MLP (Family.hyper)
         for ours, theirs in zip(("attn_hc.", "mlp_hc."), family.hyper[:2]):
             out.update({q + ours + name: Tensor((p + theirs + name,)) for name in ("fn", "base", "scale")})
@@ -3782,6 +3794,8 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
             if model_type == "phi3" and cfg.longrope_short_factors is not None:  # transformers reads the top level's, by default 4096
                 hf.update(original_max_position_embeddings=cfg.longrope_original_max_positions)
             hf.update(dict(sliding_window=cfg.window) if model_type == "phi3" else dict(attention_bias=cfg.qkv_bias))
+        elif model_type == "arcee":  # an MLP without a gate; YaRN or plain RoPE
+            hf.update(hidden_act="relu2", attention_bias=False, rope_parameters=_yarn_parameters(cfg) if cfg.yarn_factor is not None else _rope_parameters(cfg))
         elif model_type == "gemma":  # GeGLU
             hf.update(hidden_act="gelu_pytorch_tanh", attention_bias=False)
         elif model_type in ("gemma2", "gemma3_text", "vaultgemma"):  # GeGLU; the softmax scale as query_pre_attn_scalar; Gemma 3's RoPE per layer type

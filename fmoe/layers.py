@@ -8,7 +8,7 @@
     linear_attention(x[T,H], params, cfg, ctx) -> (y[T,H], stats)     Gated DeltaNet (section at the end), Kimi
                                               Delta Attention, LFM2's short convolution, lightning attention
     lightning_decay(n_heads, layer, n_layers) -> [n_heads]     lightning attention's constant log-decays
-    dense_mlp(x[T,H], w_gate, w_up, w_down) -> y[T,H]
+    dense_mlp(x[T,H], w_gate, w_up, w_down) -> y[T,H]     (w_gate None with act "relu2": no gate)
 
 Nothing here reads a tensor's values on the host: the forward and backward of every layer
 run without a device->host sync (DESIGN.md "One micro-batch, one context"). Values that
@@ -312,11 +312,20 @@ def _check_moe(x_TH, params, cfg, experts, shared, drop) -> None:
         raise ValueError(f"params['shared_gate']: expected [{H}] alongside shared experts, got {tuple(gate.shape)}")
 
 
+PLAIN_ACTS = ("relu2",)  # the activations of an MLP without a gate (dense_mlp's act): squared ReLU
+
+
 def dense_mlp(x_TH: torch.Tensor, w_gate_HF, w_up_HF, w_down_FH, *, impl: str = "auto", fp8: bool = False, act: str = "silu") -> torch.Tensor:
     """SwiGLU (silu(x w_gate) * (x w_up)) w_down: x [T, H], w_gate / w_up [H, F],
-    w_down [F, H] -> [T, H]. The dense blocks' MLP and the shared experts. fp8: the three
+    w_down [F, H] -> [T, H]. The dense blocks' MLP and the shared experts. fp8: the
     projections by fmoe.ops.fp8_matmul. act "gelu_tanh": GeGLU, GELU's tanh form of x w_gate
-    in place of silu (fmoe.ops.swiglu's act)."""
+    in place of silu (fmoe.ops.swiglu's act); act "relu2" (PLAIN_ACTS): no gate (w_gate
+    None), relu(x w_up)^2 w_down (Arcee's, Nemotron's)."""
+    if act in PLAIN_ACTS:
+        if w_gate_HF is not None:
+            raise ValueError(f"w_gate: act {act!r} is an MLP without a gate, expected None, got a tensor")
+        up_TF = matmul(x_TH, w_up_HF, fp8=fp8, impl=impl)
+        return matmul(torch.relu(up_TF).square(), w_down_FH, fp8=fp8, impl=impl)
     gate_TF, up_TF = (matmul(x_TH, w, fp8=fp8, impl=impl) for w in (w_gate_HF, w_up_HF))
     return matmul(swiglu(gate_TF, up_TF, impl=impl, act=act), w_down_FH, fp8=fp8, impl=impl)
 

@@ -47,7 +47,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fmoe.layers import (EXPERT_BIASES, AttentionConfig, AttentionContext, LinearAttentionConfig, LinearStates, MoEConfig, attach_loss, attention,
-                         attention_context, check_clip_qkv, check_sparsemixer_knobs, check_window, dense_mlp, index_shapes, lightning_decay, linear_attention, linear_attention_shapes, local_experts, mla_shapes,
+                         PLAIN_ACTS, attention_context, check_clip_qkv, check_sparsemixer_knobs, check_window, dense_mlp, index_shapes, lightning_decay, linear_attention, linear_attention_shapes, local_experts, mla_shapes,
                          moe, q_in)
 from fmoe.ops import linear_cross_entropy, route
 from fmoe.ops.checks import check_positive_int
@@ -109,18 +109,20 @@ def copy_full_value(param: torch.Tensor, full: torch.Tensor) -> None:
 
 class DenseMLP(nn.Module):
     """SwiGLU: (silu(x w_gate) * (x w_up)) w_down, w_gate / w_up [H, F], w_down [F, H]; with
-    act "gelu_tanh" GeGLU (fmoe.layers.dense_mlp's act)."""
+    act "gelu_tanh" GeGLU; with act "relu2" no gate (w_gate None): relu(x w_up)^2 w_down
+    (fmoe.layers.dense_mlp's act)."""
 
     def __init__(self, hidden: int, ffn: int, impl: str, *, fp8: bool = False, act: str = "silu", device=None, dtype=None):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
         self.impl, self.fp8, self.act = impl, fp8, act
-        self.w_gate = nn.Parameter(torch.empty(hidden, ffn, **kw))
+        self.w_gate = None if act in PLAIN_ACTS else nn.Parameter(torch.empty(hidden, ffn, **kw))
         self.w_up = nn.Parameter(torch.empty(hidden, ffn, **kw))
         self.w_down = nn.Parameter(torch.empty(ffn, hidden, **kw))
 
     def forward(self, x_TH):
-        return dense_mlp(x_TH, _local(self.w_gate), _local(self.w_up), _local(self.w_down), impl=self.impl, fp8=self.fp8, act=self.act)
+        gate = None if self.w_gate is None else _local(self.w_gate)
+        return dense_mlp(x_TH, gate, _local(self.w_up), _local(self.w_down), impl=self.impl, fp8=self.fp8, act=self.act)
 
 
 class GroupedExperts(nn.Module):
@@ -342,7 +344,8 @@ class TransformerConfig:
     experts' three projections; swiglu_alpha / swiglu_limit / swiglu_offset: the routed
     experts' clamped SwiGLU (fmoe.ops.grouped_mlp; gpt-oss: 1.702, 7.0, 1.0). mlp_act: every
     MLP's gate activation (dense blocks, shared and routed experts), "silu" (SwiGLU) or
-    "gelu_tanh" (GeGLU: GELU's tanh form, Gemma's; fmoe.ops.swiglu's act). Gemma 4's MoE
+    "gelu_tanh" (GeGLU: GELU's tanh form, Gemma's; fmoe.ops.swiglu's act), or "relu2": MLPs
+    without a gate, relu(x w_up)^2 w_down (Arcee's; dense models only). Gemma 4's MoE
     blocks: dense_beside_moe, a dense MLP of ffn_dense beside the MoE, each with its own pre-
     and post-norm (mlp_norm / dense_post_norm, moe_norm / moe_post_norm), their sum through
     mlp_post_norm before the residual add (needs pre_norms and post_norms); router_norm, the
@@ -649,8 +652,12 @@ class TransformerConfig:
             raise ValueError(f"mtp_depth / n_shared: expected >= 0, got {self.mtp_depth} / {self.n_shared}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_kv_heads: {self.n_heads} heads do not split over {self.n_kv_heads} kv heads")
-        if self.mlp_act not in GLU_ACTS:
-            raise ValueError(f"mlp_act: expected one of {', '.join(GLU_ACTS)} (the MLPs' gate activation), got {self.mlp_act!r}")
+        if self.mlp_act not in GLU_ACTS + PLAIN_ACTS:
+            raise ValueError(f"mlp_act: expected one of {', '.join(GLU_ACTS + PLAIN_ACTS)} (the MLPs' gate activation, or relu2: no gate), "
+                             f"got {self.mlp_act!r}")
+        if self.mlp_act in PLAIN_ACTS and (any(self.is_moe(i) for i in range(self.n_layers)) or self.shortcut_moe or self.dense_beside_moe):
+            raise ValueError(f"mlp_act: {self.mlp_act!r} is an MLP without a gate, in models without MoE blocks only (the routed experts' "
+                             "kernels are GLUs: n_dense = n_layers)")
         for name in ("dense_beside_moe", "router_norm", "router_expert_scale", "layer_scalars", "v_norm", "global_k_eq_v"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
@@ -982,7 +989,7 @@ class TransformerConfig:
             weights_on_input=self.route_on_input, fp8=self.fp8 if fp8 is None else fp8,
             fp8_fast_accum=self.fp8_fast_accum and (self.fp8 if fp8 is None else fp8), logit_softcap=self.router_softcap, shared_scale=self.shared_scale,
             sparsemixer_eps=self.sparsemixer_eps, zero_experts=self.zero_experts, bias_on_logits=self.expert_bias_on_logits,
-            glu_act=self.mlp_act, norm_eps=self.norm_eps,
+            glu_act="silu" if self.mlp_act in PLAIN_ACTS else self.mlp_act, norm_eps=self.norm_eps,  # relu2: no MoE block (checked)
         )
 
     def linear_attention_config(self, fp8: Optional[bool] = None) -> LinearAttentionConfig:

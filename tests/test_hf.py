@@ -54,6 +54,9 @@ FAMILIES = {
                                                                                      rope_theta=10000.0),
                                                                  sliding_attention=dict(rope_type="default", rope_theta=100.0)),
                                             pad_token_id=None, bos_token_id=None, eos_token_id=None),
+    # Arcee: MLPs without a gate (relu(x up_proj)^2 down_proj), YaRN
+    "arcee": lambda: transformers.ArceeConfig(**COMMON, head_dim=8, intermediate_size=40, pad_token_id=None, bos_token_id=None, eos_token_id=None,
+                                              rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32)),
     # Gemma (1): GeGLU, zero-centred pre-norms, the embeddings x sqrt(32) rounded to their dtype
     "gemma": lambda: transformers.GemmaConfig(**COMMON, head_dim=8, intermediate_size=40, pad_token_id=None),
     # VaultGemma: Gemma 2's blocks with pre-norms only
@@ -1712,6 +1715,7 @@ BAD_CONFIGS = [
      r"config.json: per_layer_config = .* is not supported \(one head_dim and num_key_value_heads for every full_attention layer\)"),
     ("gemma4_text", lambda c: c["rope_parameters"]["full_attention"].update(rope_type="yarn"),
      r"config.json: rope_parameters.full_attention = .* is not supported \(plain RoPE over every channel, or proportional RoPE\)"),
+    ("arcee", lambda c: c.update(hidden_act="silu"), r"config.json: hidden_act = 'silu' is not supported \(relu2, the squared ReLU"),
     ("gemma", lambda c: c.update(hidden_act="relu"), r"config.json: hidden_act = 'relu' is not supported \(GeGLU with GELU's tanh form"),
     ("gemma2", lambda c: c.update(attn_logit_softcapping=0), r"config.json: attn_logit_softcapping = 0 is not supported \(None or a positive cap\)"),
     # a dense config (H-Micro's) over an MoE checkpoint: the experts are read nowhere

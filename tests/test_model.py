@@ -1223,8 +1223,32 @@ def test_geglu_models_put_gelu_s_tanh_form_in_every_mlp():
     batch = _batch(cfg)
     with torch.no_grad():
         assert not torch.allclose(model.logits(batch["input_ids"], batch["cu_seqlens"]), silu.logits(batch["input_ids"], batch["cu_seqlens"]))
-    with pytest.raises(ValueError, match=r"mlp_act: expected one of silu, gelu_tanh \(the MLPs' gate activation\), got 'gelu'"):
+    with pytest.raises(ValueError, match=r"mlp_act: expected one of silu, gelu_tanh, relu2 \(the MLPs' gate activation, or relu2: no gate\), got 'gelu'"):
         dataclasses.replace(TINY, mlp_act="gelu")
+
+
+def test_relu2_models_have_mlps_without_a_gate():
+    """mlp_act="relu2" (Arcee's): every MLP is relu(x w_up)^2 w_down, without w_gate (the MTP
+    block's too); refused beside MoE blocks, whose experts' kernels are GLUs; dense_mlp
+    refuses a gate given with it."""
+    from fmoe.layers import dense_mlp
+
+    cfg = dataclasses.replace(TINY, mlp_act="relu2", n_dense=3, mtp_depth=1)
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    assert all(b.mlp.w_gate is None for b in model.blocks) and model.mtp[0].block.mlp.w_gate is None
+    assert not any(name.endswith("w_gate") for name, _ in model.named_parameters())
+    mlp = model.blocks[0].mlp
+    x = torch.randn(5, cfg.hidden)
+    torch.testing.assert_close(mlp(x), torch.relu(x @ mlp.w_up).square() @ mlp.w_down, rtol=1e-6, atol=1e-6)
+    batch = _batch(cfg)
+    losses, _ = model(batch, model.context(batch))
+    sum(losses[key] for key in losses.keys() if key.endswith("_sum")).backward()
+    assert mlp.w_up.grad.abs().sum() > 0 and model.mtp[0].block.mlp.w_down.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match=r"mlp_act: 'relu2' is an MLP without a gate, in models without MoE blocks only"):
+        dataclasses.replace(TINY, mlp_act="relu2")
+    with pytest.raises(ValueError, match=r"w_gate: act 'relu2' is an MLP without a gate, expected None"):
+        dense_mlp(x, mlp.w_up, mlp.w_up, mlp.w_down, act="relu2")
 
 
 def test_released_model_knobs_build_what_they_say():

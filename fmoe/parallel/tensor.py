@@ -364,9 +364,13 @@ class LinearAttentionParallel(_HeadsRegion):
 
 
 class SwiGLUParallel(_ShardedRegion):
-    """A dense SwiGLU (dense MLP or shared experts) split over its FFN columns."""
+    """A dense SwiGLU (dense MLP or shared experts) split over its FFN columns (an MLP without
+    a gate, mlp_act "relu2": w_up and w_down alone)."""
 
     shard_dims = {"w_gate": 1, "w_up": 1, "w_down": 0}
+
+    def _shard_dims(self, module):
+        return {name: dim for name, dim in self.shard_dims.items() if getattr(module, name) is not None}
 
 
 def _block_edges(model: nn.Module, name: str, block: Block) -> tuple[bool, bool]:

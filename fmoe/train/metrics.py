@@ -110,7 +110,7 @@ def flops_per_token(
     n_experts: int = 0, attention_weights: Optional[int] = None, v_dim: Optional[int] = None,
     n_sliding: int = 0, n_avg_local_keys: Optional[float] = None, attn_gate: bool = False, n_linear: int = 0,
     linear_layer: float = 0.0, local_attention_weights: Optional[int] = None, local_heads: Optional[int] = None,
-    attn_gate_per_head: bool = False, local_head_dim: Optional[int] = None,
+    attn_gate_per_head: bool = False, local_head_dim: Optional[int] = None, mlp_matrices: int = 3,
 ) -> float:
     """Training FLOPs per token (forward + backward): SPEC.md section 8 with the router and
     the MTP modules' blocks (the module docstring's formula). n_shared counts shared experts
@@ -129,7 +129,9 @@ def flops_per_token(
     where it differs (Gemma 4; None: head_dim: their scores, values and gate; with v_dim
     None their values' too). attn_gate_per_head: the
     gate has one column per head (H n_heads weights). n_linear of them are linear-attention
-    layers instead, of linear_layer FLOPs per token each (linear_attention_flops)."""
+    layers instead, of linear_layer FLOPs per token each (linear_attention_flops).
+    mlp_matrices: each MLP's weight matrices, m (3: a GLU's gate, up and down; 2: an MLP
+    without a gate, mlp_act "relu2")."""
     args = dict(hidden=hidden, n_layers=n_layers, n_dense=n_dense, ffn_dense=ffn_dense, ffn_expert=ffn_expert, k=k,
                 n_shared=n_shared, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, vocab=vocab,
                 mtp_depth=mtp_depth, n_avg_keys=n_avg_keys, n_experts=n_experts)
@@ -149,7 +151,9 @@ def flops_per_token(
         raise ValueError(f"n_dense / n_sliding + n_linear: expected at most n_layers={n_layers}, got {n_dense} / {n_sliding} + {n_linear}")
     if n_sliding:
         _check_count("n_avg_local_keys", n_avg_local_keys)
-    m, H = 3, hidden
+    if mlp_matrices not in (2, 3):
+        raise ValueError(f"mlp_matrices: expected 3 (a GLU: gate, up, down) or 2 (no gate), got {mlp_matrices!r}")
+    m, H = mlp_matrices, hidden
     n_moe = n_layers - n_dense
     q, kv = n_heads * head_dim, n_kv_heads * head_dim
     weights = H * (q + 2 * kv) + q * H if attention_weights is None else attention_weights
@@ -315,7 +319,8 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
     return indexer + shortcut + hc + gated_norms + flops_per_token(**values, n_dense=n_dense, n_shared=shared, vocab=cfg.vocab_size,
                                      n_avg_keys=n_avg_keys, n_sliding=n_sliding, n_avg_local_keys=n_avg_local_keys,
                                      attn_gate=bool(getattr(cfg, "attn_gate", False)) and not getattr(cfg, "attn_gate_on_q", False),
-                                     attn_gate_per_head=bool(getattr(cfg, "attn_gate_per_head", False)), **attention, **linear)
+                                     attn_gate_per_head=bool(getattr(cfg, "attn_gate_per_head", False)), **attention, **linear,
+                                     mlp_matrices=2 if getattr(cfg, "mlp_act", "silu") == "relu2" else 3)
 
 
 def datasheet_peak_flops(name: str) -> Optional[float]:

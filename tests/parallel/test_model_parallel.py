@@ -287,6 +287,8 @@ CASES = {
     "fsdp2": (2, dict(), {}),
     "hsdp": (4, dict(dp_replicate=2), {}),
     "tp2-dense": (2, dict(tp=2), dict(n_dense=2)),
+    # Arcee's MLPs without a gate (mlp_act "relu2"): w_up and w_down split over tp
+    "tp2-relu2": (2, dict(tp=2), dict(n_dense=2, mlp_act="relu2")),
     "tp2": (2, dict(tp=2), {}),
     "ep2": (2, dict(ep=2), {}),
     "ep4": (4, dict(ep=4), {}),

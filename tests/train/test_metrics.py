@@ -391,6 +391,8 @@ COUNTED = {
                  attn_gate_on_q=True, norm_gate_rank=3),
     # Gemma 4's: block 0 over a window with heads of 6 and 4 kv heads, block 1 global without wv; a dense MLP beside each
     # MoE (the MTP block's too), the router over its own norm
+    # Arcee's: every MLP without a gate, relu(x w_up)^2 w_down (2 matrices), the MTP block's too
+    "relu2, dense": dict(moe_layers=(), mlp_act="relu2"),
     "gemma4": dict(qk_norm="head", post_norms=True, v_norm=True, global_k_eq_v=True, window=4, window_layers=(0,), local_head_dim=6,
                    local_kv_heads=4, local_rope_base=100.0, rope_proportion=0.5, n_dense=0, dense_beside_moe=True, router_norm=True,
                    router_expert_scale=True, layer_scalars=True, attn_gate=True),
