@@ -509,6 +509,11 @@ def _packed(seed=1):
     return docs, torch.cat(docs), cu
 
 
+def _their_logits(ref, docs):
+    """transformers model `ref`'s logits of each document alone, one after the other [T, V]."""
+    return torch.cat([ref(d[None]).logits[0] for d in docs])
+
+
 def _rel(a, b):
     return float((a - b).abs().max() / b.abs().max())
 
@@ -2908,14 +2913,12 @@ def test_granite_4_hybrid_reads_its_mamba2_mixers_rope_or_none_and_layer_names(f
     assert hf.read_config(_edit(path, tmp_path / "all", lambda c: c.pop("layer_types")))[1].linear_layers == (0, 1, 2)
     roped = _edit(path, tmp_path / "rope", lambda c: c.update(position_embedding_type="rope"))
     model, read = hf.from_pretrained(roped, impl="torch")
+    unroped, _ = hf.from_pretrained(roped, impl="torch", nope_layers=(1,))
     assert read.nope_layers is None
-    theirs_model = transformers.AutoModelForCausalLM.from_pretrained(roped, dtype=torch.float32).eval()
     docs, ids, cu = _packed()
     with torch.no_grad():
-        theirs = torch.cat([theirs_model(d[None]).logits[0] for d in docs])
-        assert _rel(model.logits(ids, cu), theirs) < 1e-5
-        unroped, _ = hf.from_pretrained(roped, impl="torch", nope_layers=(1,))
-        assert _rel(unroped.logits(ids, cu), theirs) > 1e-3
+        theirs = _their_logits(transformers.AutoModelForCausalLM.from_pretrained(roped, dtype=torch.float32).eval(), docs)
+        assert _rel(model.logits(ids, cu), theirs) < 1e-5 < 1e-3 < _rel(unroped.logits(ids, cu), theirs)
 
 
 def test_granite_4_hybrid_micro_reads_its_shared_mlp_as_dense_blocks(tmp_path):
@@ -2931,7 +2934,7 @@ def test_granite_4_hybrid_micro_reads_its_shared_mlp_as_dense_blocks(tmp_path):
     assert (cfg.n_dense, cfg.ffn_dense, cfg.linear_kind, cfg.linear_layers) == (3, 20, "mamba2", (0, 2))
     docs, ids, cu = _packed()
     with torch.no_grad():
-        theirs = torch.cat([ref(d[None]).logits[0] for d in docs])
+        theirs = _their_logits(ref, docs)
         assert _rel(model.logits(ids, cu), theirs) < 1e-5
     hf.save_pretrained(model, tmp_path / "again")
     for file in ("model.safetensors", "config.json"):
