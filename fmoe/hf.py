@@ -9,7 +9,7 @@ qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, axk1, kimi_k2, kimi_k25, dee
 exaone_moe, kolibri1, beam, axk2, dots1, minimax_m2, minimax, granitemoe, granitemoeshared, granitemoe_swa, granitemoehybrid, hunyuan_v1_moe, llama4_text, llama4, afmoe,
 laguna, cohere2_moe, sarvam_moe, sarvam_mla, longcat_flash, bailing_hybrid, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, lara_mini, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
 mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe, gemma3, gemma4_text, gemma4), and the dense
-DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, arcee, gemma, vaultgemma, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
+DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, minicpm3, arcee, gemma, vaultgemma, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
 glm4, ernie4_5, lfm2, cohere, cohere2, bamba: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: OLMoE's q and k clamped after their norms, ...;
 the fields a config.json leaves out read at transformers' defaults, Family.defaults, and a
@@ -1049,6 +1049,22 @@ def _youtu(hf: dict) -> dict:
     _refuse(hf, "mlp_bias", lambda v: not v, "no MLP biases")
     F = hf["intermediate_size"]
     return dict(_mla(dict(hf, n_routed_experts=1, num_experts_per_tok=1)), ffn_dense=F, ffn_expert=F, n_dense=hf["num_hidden_layers"], n_shared=0)
+
+
+def _minicpm3(hf: dict) -> dict:
+    """MiniCPM3 (minicpm3, dense; MiniCPM3-4B): multi-latent attention (_mla) with RoPE on
+    rotate-half pairs (not interleaved), plain or LongRoPE (_longrope), in Llama's blocks; the
+    embeddings x scale_emb (rounded to their dtype), each attention and MLP output x
+    scale_depth / sqrt(num_hidden_layers) (None: sqrt of it, so x 1), the normed hidden states
+    divided by hidden_size / dim_model_base (None: hidden_size) before the head."""
+    _refuse(hf, "mlp_bias", lambda v: not v, "no MLP biases")
+    plain, longrope = _longrope(hf)
+    n, F, H = hf["num_hidden_layers"], hf["intermediate_size"], hf["hidden_size"]
+    depth, base = hf.get("scale_depth") or math.sqrt(n), hf.get("dim_model_base") or H
+    out = _mla(dict(plain, n_routed_experts=1, num_experts_per_tok=1, v_head_dim=hf.get("v_head_dim") or H // hf["num_attention_heads"]),
+               interleaved=False)
+    return dict(out, **longrope, ffn_dense=F, ffn_expert=F, n_dense=n, n_shared=0, embed_scale=float(hf.get("scale_emb", 12)),
+                round_embed_scale=True, residual_scale=depth / math.sqrt(n), logit_divisor=H / base)
 
 
 def _deepseek_v3(hf: dict) -> dict:
@@ -2338,7 +2354,7 @@ _MISTRAL4_ROPE = dict(rope_type="yarn", rope_theta=10000.0, factor=128.0, origin
 _MINISTRAL3_ROPE = dict(rope_type="yarn", rope_theta=1e6, factor=16.0, original_max_position_embeddings=16384, beta_fast=32.0, beta_slow=1.0,
                         mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1)
 # the dense families (no MoE block): fine-tuned as they are, or upcycled into an MoE (fmoe.train.upcycle)
-DENSE_FAMILIES = ("llama", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "youtu", "arcee", "gemma", "vaultgemma", "gemma2", "gemma3_text", "lfm3", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
+DENSE_FAMILIES = ("llama", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "youtu", "minicpm3", "arcee", "gemma", "vaultgemma", "gemma2", "gemma3_text", "lfm3", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
                   "phi3", "glm4", "ernie4_5", "lfm2", "cohere", "cohere2", "bamba")
 FAMILIES = {
     "mixtral": Family(_mixtral, "block_sparse_moe", ("w1", "w3", "w2"), "MixtralForCausalLM",
@@ -2570,6 +2586,10 @@ FAMILIES = {
     "gemma3": Family(_gemma3, "mlp", _PROJ, "Gemma3ForConditionalGeneration",
                      sandwich=_GEMMA_SANDWICH,
                      prefix=("", "language_model."), not_read=("vision_tower.", "multi_modal_projector."), written_as="gemma3_text"),
+    "minicpm3": Family(_minicpm3, "mlp", _PROJ, "MiniCPM3ForCausalLM",
+                       defaults=dict(vocab_size=73448, num_key_value_heads=40, tie_word_embeddings=True, q_lora_rank=768, kv_lora_rank=256,
+                                     qk_rope_head_dim=32, qk_nope_head_dim=64, scale_emb=12, scale_depth=1.4, dim_model_base=256,
+                                     rms_norm_eps=1e-5)),
     "youtu": Family(_youtu, "mlp", _PROJ, "YoutuForCausalLM",
                     defaults=dict(vocab_size=128256, num_key_value_heads=16, tie_word_embeddings=True, q_lora_rank=1536, kv_lora_rank=512,
                                   qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128)),
@@ -3794,6 +3814,13 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
             if model_type == "phi3" and cfg.longrope_short_factors is not None:  # transformers reads the top level's, by default 4096
                 hf.update(original_max_position_embeddings=cfg.longrope_original_max_positions)
             hf.update(dict(sliding_window=cfg.window) if model_type == "phi3" else dict(attention_bias=cfg.qkv_bias))
+        elif model_type == "minicpm3":  # its multipliers under its own names (_minicpm3)
+            base = cfg.hidden / cfg.logit_divisor
+            if not base.is_integer():
+                raise ValueError(f"model: logit_divisor = {cfg.logit_divisor} is not hidden / an integer (MiniCPM3's dim_model_base)")
+            hf.update(scale_emb=cfg.embed_scale, scale_depth=cfg.residual_scale * math.sqrt(cfg.n_layers), dim_model_base=int(base), mlp_bias=False)
+            if cfg.longrope_short_factors is not None:  # transformers reads the top level's
+                hf.update(original_max_position_embeddings=cfg.longrope_original_max_positions)
         elif model_type == "arcee":  # an MLP without a gate; YaRN or plain RoPE
             hf.update(hidden_act="relu2", attention_bias=False, rope_parameters=_yarn_parameters(cfg) if cfg.yarn_factor is not None else _rope_parameters(cfg))
         elif model_type == "gemma":  # GeGLU
@@ -3857,7 +3884,7 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
         hf.update(hc_mult=cfg.hyper_connections, hc_magnitude=cfg.hc_magnitude, hc_eps=cfg.hc_eps, swiglu_limit=cfg.swiglu_limit,
                   layer_types=["indexed_attention"] * cfg.n_layers)
     if model_type in ("deepseek_v2", "deepseek_v3", "kimi_k2", "sarvam_mla", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa", "mistral4", "axk1",
-                      "longcat_flash", "bailing_hybrid", "hy_v4", "axk2", "youtu"):
+                      "longcat_flash", "bailing_hybrid", "hy_v4", "axk2", "youtu", "minicpm3"):
         rope = cfg.rope_dim or cfg.head_dim
         hf.update(q_lora_rank=cfg.q_rank, kv_lora_rank=cfg.kv_rank, qk_nope_head_dim=cfg.head_dim - rope, qk_rope_head_dim=rope,
                   v_head_dim=cfg.v_head_dim, head_dim=rope, attention_bias=False)
@@ -3866,7 +3893,7 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
             if model_type in ("glm_moe_dsa", "hy_v4"):
                 hf.update(indexer_types=["shared" if cfg.is_index_shared(i) else "full" for i in range(cfg.n_layers)])
         # no such field where the family's RoPE is always on interleaved pairs (HY-V4's: always on halves)
-        if model_type not in ("deepseek_v32", "glm_moe_dsa", "longcat_flash", "bailing_hybrid", "hy_v4", "axk2"):
+        if model_type not in ("deepseek_v32", "glm_moe_dsa", "longcat_flash", "bailing_hybrid", "hy_v4", "axk2", "minicpm3"):
             hf.update(rope_interleave=cfg.rope_interleaved)
         if cfg.yarn_factor is not None:
             hf["rope_parameters"] = _yarn_parameters(cfg)

@@ -54,6 +54,13 @@ FAMILIES = {
                                                                                      rope_theta=10000.0),
                                                                  sliding_attention=dict(rope_type="default", rope_theta=100.0)),
                                             pad_token_id=None, bos_token_id=None, eos_token_id=None),
+    # MiniCPM3: multi-latent attention with RoPE on halves and LongRoPE (short / long factors past 8 positions), the
+    # embeddings x 12, each sublayer's output x 1.4 / sqrt(3), the hidden states / (32 / 8) before the head
+    "minicpm3": lambda: transformers.MiniCPM3Config(**{**COMMON, "num_key_value_heads": 4}, intermediate_size=40, q_lora_rank=12, kv_lora_rank=8,
+                                                    qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5, scale_emb=12, scale_depth=1.4,
+                                                    dim_model_base=8, pad_token_id=None, bos_token_id=None, eos_token_id=None,
+                                                    rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0, 1.5],
+                                                                         long_factor=[2.0, 4.0], original_max_position_embeddings=8)),
     # Arcee: MLPs without a gate (relu(x up_proj)^2 down_proj), YaRN
     "arcee": lambda: transformers.ArceeConfig(**COMMON, head_dim=8, intermediate_size=40, pad_token_id=None, bos_token_id=None, eos_token_id=None,
                                               rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32)),
@@ -3048,6 +3055,24 @@ def test_minimax_reads_lightning_attention_its_decay_and_normed_residuals(folder
     edited = _copy_folder(path, tmp_path / "slopes", tensors, lambda c: None)
     with pytest.raises(ValueError, match=r"checkpoint: model.layers.2.self_attn.slope_rate is not the lightning decay fmoe computes"):
         hf.from_pretrained(edited, impl="torch")
+
+
+def test_minicpm3_reads_its_multipliers_rope_halves_and_longrope(folders):
+    """MiniCPM3: the embeddings x scale_emb (rounded), each sublayer's output x scale_depth /
+    sqrt(layers), the logits' divisor hidden / dim_model_base, multi-latent attention rotating
+    halves (not interleaved pairs) with LongRoPE's factors; read as interleaved pairs, the
+    logits move."""
+    path, ref = folders["minicpm3"]
+    model, cfg = hf.from_pretrained(path, impl="torch")
+    assert (cfg.embed_scale, cfg.round_embed_scale, cfg.residual_scale, cfg.logit_divisor, cfg.rope_interleaved, cfg.kv_rank) == (
+        12.0, True, 1.4 / 3**0.5, 4.0, False, 8)
+    assert (cfg.longrope_short_factors, cfg.longrope_long_factors, cfg.longrope_original_max_positions) == ((1.0, 1.5), (2.0, 4.0), 8)
+    docs, ids, cu = _packed()
+    assert max(len(d) for d in docs) > 8  # a document past LongRoPE's original length: its long factors
+    interleaved, _ = hf.from_pretrained(path, impl="torch", rope_interleaved=True)
+    with torch.no_grad():
+        theirs = _their_logits(ref, docs)
+        assert _rel(model.logits(ids, cu), theirs) < 1e-5 < 1e-3 < _rel(interleaved.logits(ids, cu), theirs)
 
 
 def test_gemma_1_reads_the_releases_legacy_gelu_and_vaultgemma_has_no_post_norms(folders, tmp_path):
