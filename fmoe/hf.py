@@ -9,7 +9,7 @@ qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, axk1, kimi_k2, kimi_k25, dee
 exaone_moe, kolibri1, beam, axk2, dots1, minimax_m2, minimax, granitemoe, granitemoeshared, granitemoe_swa, granitemoehybrid, hunyuan_v1_moe, llama4_text, llama4, afmoe,
 laguna, cohere2_moe, sarvam_moe, sarvam_mla, longcat_flash, bailing_hybrid, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, lara_mini, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
 mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe, gemma3, gemma4_text, gemma4), and the dense
-DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, minicpm3, arcee, gemma, vaultgemma, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
+DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, helium, minicpm3, arcee, gemma, vaultgemma, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
 glm4, ernie4_5, lfm2, cohere, cohere2, bamba: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: OLMoE's q and k clamped after their norms, ...;
 the fields a config.json leaves out read at transformers' defaults, Family.defaults, and a
@@ -276,6 +276,13 @@ def _dense(hf: dict, *, sliding: bool = False, **extra) -> dict:
 def _llama(hf: dict) -> dict:
     bias = bool(hf.get("attention_bias", False))  # on q, k, v and o
     return _dense(hf, qkv_bias=bias, o_bias=bias)
+
+
+def _helium(hf: dict) -> dict:
+    """Helium (helium, dense; Kyutai's Helium 1): Llama's blocks with RoPE on interleaved pairs;
+    attention and MLP biases refused."""
+    _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in Helium's attention here")
+    return _dense(hf, rope_interleaved=True)
 
 
 def _mistral(hf: dict) -> dict:
@@ -2354,7 +2361,7 @@ _MISTRAL4_ROPE = dict(rope_type="yarn", rope_theta=10000.0, factor=128.0, origin
 _MINISTRAL3_ROPE = dict(rope_type="yarn", rope_theta=1e6, factor=16.0, original_max_position_embeddings=16384, beta_fast=32.0, beta_slow=1.0,
                         mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1)
 # the dense families (no MoE block): fine-tuned as they are, or upcycled into an MoE (fmoe.train.upcycle)
-DENSE_FAMILIES = ("llama", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "youtu", "minicpm3", "arcee", "gemma", "vaultgemma", "gemma2", "gemma3_text", "lfm3", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
+DENSE_FAMILIES = ("llama", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "youtu", "helium", "minicpm3", "arcee", "gemma", "vaultgemma", "gemma2", "gemma3_text", "lfm3", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
                   "phi3", "glm4", "ernie4_5", "lfm2", "cohere", "cohere2", "bamba")
 FAMILIES = {
     "mixtral": Family(_mixtral, "block_sparse_moe", ("w1", "w3", "w2"), "MixtralForCausalLM",
@@ -2586,6 +2593,8 @@ FAMILIES = {
     "gemma3": Family(_gemma3, "mlp", _PROJ, "Gemma3ForConditionalGeneration",
                      sandwich=_GEMMA_SANDWICH,
                      prefix=("", "language_model."), not_read=("vision_tower.", "multi_modal_projector."), written_as="gemma3_text"),
+    "helium": Family(_helium, "mlp", _PROJ, "HeliumForCausalLM", defaults=dict(vocab_size=48000, num_key_value_heads=20, head_dim=128,
+                                                                                 rms_norm_eps=1e-8, rope_theta=100000.0)),
     "minicpm3": Family(_minicpm3, "mlp", _PROJ, "MiniCPM3ForCausalLM",
                        defaults=dict(vocab_size=73448, num_key_value_heads=40, tie_word_embeddings=True, q_lora_rank=768, kv_lora_rank=256,
                                      qk_rope_head_dim=32, qk_nope_head_dim=64, scale_emb=12, scale_depth=1.4, dim_model_base=256,
@@ -3814,6 +3823,8 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
             if model_type == "phi3" and cfg.longrope_short_factors is not None:  # transformers reads the top level's, by default 4096
                 hf.update(original_max_position_embeddings=cfg.longrope_original_max_positions)
             hf.update(dict(sliding_window=cfg.window) if model_type == "phi3" else dict(attention_bias=cfg.qkv_bias))
+        elif model_type == "helium":  # RoPE on interleaved pairs: always, in Helium
+            hf.update(attention_bias=False)
         elif model_type == "minicpm3":  # its multipliers under its own names (_minicpm3)
             base = cfg.hidden / cfg.logit_divisor
             if not base.is_integer():

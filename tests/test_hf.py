@@ -54,6 +54,8 @@ FAMILIES = {
                                                                                      rope_theta=10000.0),
                                                                  sliding_attention=dict(rope_type="default", rope_theta=100.0)),
                                             pad_token_id=None, bos_token_id=None, eos_token_id=None),
+    # Helium: Llama's blocks with RoPE on interleaved pairs
+    "helium": lambda: transformers.HeliumConfig(**COMMON, head_dim=8, intermediate_size=40, pad_token_id=None, bos_token_id=None, eos_token_id=None),
     # MiniCPM3: multi-latent attention with RoPE on halves and LongRoPE (short / long factors past 8 positions), the
     # embeddings x 12, each sublayer's output x 1.4 / sqrt(3), the hidden states / (32 / 8) before the head
     "minicpm3": lambda: transformers.MiniCPM3Config(**{**COMMON, "num_key_value_heads": 4}, intermediate_size=40, q_lora_rank=12, kv_lora_rank=8,
