@@ -2138,22 +2138,28 @@ def _short_conv(x, params, cfg: LinearAttentionConfig, cu, split, states, mm) ->
     return mm(mm(x, params["wc"]) * y, params["wo"])
 
 
+def _without_delta(q, k, v, g, cfg: LinearAttentionConfig, cu, split, states) -> torch.Tensor:
+    """fmoe.ops.gated_linear_attention (query scale 1) of lightning attention and Mamba-2: over a
+    context-parallel split (split.gated_linear_attention), the documents of cu, or continuing
+    the decoding states (whose state it replaces). o [B, T / B, N, Dv]."""
+    kw = dict(scale=1.0, chunk_size=cfg.chunk_size, impl=cfg.impl)
+    if split is not None:
+        if not callable(getattr(split, "gated_linear_attention", None)):
+            raise ValueError(f"ctx.linear_cp: {cfg.kind} needs its gated_linear_attention (fmoe.parallel.ContextParallel), "
+                             f"got {type(split).__name__} without it")
+        return split.gated_linear_attention(q, k, v, g, cu, **kw)
+    if states is None:
+        return gated_linear_attention(q, k, v, g, cu, **kw)
+    o, states.state = gated_linear_attention(q, k, v, g, initial_state=states.state, final_state=True, **kw)
+    return o
+
+
 def _lightning(x, params, cfg: LinearAttentionConfig, cu, split, states, mm, heads_mean) -> torch.Tensor:
     """MiniMax's lightning attention (linear_attention's kind "lightning"): [T, H]."""
     T, N, D = x.shape[0], cfg.n_v_heads, cfg.v_head_dim
     B = 1 if states is None else states.state.shape[0]
     q, k, v = (F.silu(mm(x, params[n])).reshape(B, T // B, N, D) for n in ("wq", "wk", "wv"))
-    g = params["decay"].float().expand(B, T // B, N)
-    kw = dict(scale=1.0, chunk_size=cfg.chunk_size, impl=cfg.impl)
-    if split is not None:
-        if not callable(getattr(split, "gated_linear_attention", None)):
-            raise ValueError(f"ctx.linear_cp: lightning attention needs its gated_linear_attention (fmoe.parallel.ContextParallel), "
-                             f"got {type(split).__name__} without it")
-        o = split.gated_linear_attention(q, k, v, g, cu, **kw)
-    elif states is None:
-        o = gated_linear_attention(q, k, v, g, cu, **kw)
-    else:
-        o, states.state = gated_linear_attention(q, k, v, g, initial_state=states.state, final_state=True, **kw)
+    o = _without_delta(q, k, v, params["decay"].float().expand(B, T // B, N), cfg, cu, split, states)
     o_TC = o.reshape(T, N * D).float()
     ms = o_TC.square().mean(-1, keepdim=True)
     if heads_mean is not None:  # tensor parallel: the mean square over every rank's heads
@@ -2191,14 +2197,7 @@ def _mamba2(x, qkv, params, cfg: LinearAttentionConfig, B: int, cu, split, state
     q, k = (t.reshape(B, T // B, Nk, Dk).repeat_interleave(r, dim=2) for t in qkv[:2])
     xv = qkv[2].reshape(B, T // B, Nv, Dv).float()
     dt = F.softplus(mm(x, params["wa"]).float() + params["dt_bias"].float()).reshape(B, T // B, Nv)
-    g, v = -params["A_log"].float().exp() * dt, xv * dt[..., None]
-    kw = dict(scale=1.0, chunk_size=cfg.chunk_size, impl=cfg.impl)
-    if split is not None:
-        o = split.gated_linear_attention(q, k, v, g, cu, **kw)
-    elif states is None:
-        o = gated_linear_attention(q, k, v, g, cu, **kw)
-    else:
-        o, states.state = gated_linear_attention(q, k, v, g, initial_state=states.state, final_state=True, **kw)
+    o = _without_delta(q, k, xv * dt[..., None], -params["A_log"].float().exp() * dt, cfg, cu, split, states)
     o = o.float() + params["D"].float()[:, None] * xv  # the skip
     gated = (o.reshape(T, Nv * Dv) * F.silu(mm(x, params["wz"]).float())).view(T, Nk, r * Dv)  # a norm per group of key heads
     normed = _rms_norm(gated, params["out_norm"].view(Nk, r * Dv), cfg.norm_eps)

@@ -994,7 +994,8 @@ class TransformerConfig:
 
     def linear_attention_config(self, fp8: Optional[bool] = None) -> LinearAttentionConfig:
         """The linear-attention blocks' (linear_layers) Gated DeltaNet, or Kimi Delta Attention (linear_kind "kda"), or
-        LFM2's short convolution ("short_conv"), or MiniMax's lightning attention ("lightning"); fp8: theirs (None: the model's fp8)."""
+        LFM2's short convolution ("short_conv"), MiniMax's lightning attention ("lightning"), or Mamba-2's mixer ("mamba2");
+        fp8: theirs (None: the model's fp8)."""
         return LinearAttentionConfig(n_k_heads=self.linear_k_heads, n_v_heads=self.linear_v_heads, k_head_dim=self.linear_k_dim,
                                      v_head_dim=self.linear_v_dim, conv=self.linear_conv,
                                      norm_eps=1e-6 if self.linear_kind == "lightning" else self.norm_eps,  # MiniMax's output norm's
