@@ -874,6 +874,17 @@ def _mixtral(hf: dict) -> dict:
     return dict(_common(hf, n, sliding=True), ffn_expert=hf["intermediate_size"], ffn_dense=hf["intermediate_size"], n_dense=0, n_shared=0)
 
 
+def _hybrid_layer_types(hf: dict, default: list[str]) -> list[str]:
+    """A hybrid model's layer_types (or layers_block_type; `default` where it has neither), the
+    older names read as transformers reads them (mamba: linear_attention, attention:
+    full_attention): full_attention or linear_attention for each layer, else a ValueError."""
+    n = hf["num_hidden_layers"]
+    kinds = [_LEGACY_KINDS.get(k, k) for k in (hf.get("layer_types") or hf.get("layers_block_type") or default)]
+    if len(kinds) != n or set(kinds) - {"full_attention", "linear_attention"}:
+        raise ValueError(f"config.json: layer_types = {kinds!r} is not supported (full_attention or linear_attention for each of the {n} layers)")
+    return kinds
+
+
 def _minimax(hf: dict) -> dict:
     """MiniMax-Text-01 and MiniMax-M1 (minimax): lightning attention (linear_kind "lightning":
     num_attention_heads heads of head_dim, a constant decay per head by depth, no RoPE) in the
@@ -882,10 +893,7 @@ def _minimax(hf: dict) -> dict:
     (softmax top-k, renormalised); each sublayer's residual its normed input, weighted by the
     alpha factors (normed_residual) beside the output's beta factors (residual_scale), one
     alpha and one beta for every kind of sublayer."""
-    n = hf["num_hidden_layers"]
-    kinds = hf.get("layer_types") or ["full_attention" if (i + 1) % 2 else "linear_attention" for i in range(n)]
-    if len(kinds) != n or set(kinds) - {"full_attention", "linear_attention"}:
-        raise ValueError(f"config.json: layer_types = {kinds!r} is not supported (full_attention or linear_attention for each of the {n} layers)")
+    kinds = _hybrid_layer_types(hf, ["full_attention" if (i + 1) % 2 else "linear_attention" for i in range(hf["num_hidden_layers"])])
     weights = {}
     for kind in ("alpha", "beta"):
         names = [f"full_attn_{kind}_factor", f"linear_attn_{kind}_factor", f"mlp_{kind}_factor"]
@@ -1532,10 +1540,7 @@ def _granitemoehybrid(hf: dict) -> dict:
     0 (H-Micro) every block's MLP is the shared one alone, a dense SwiGLU. The mixer:
     mamba_n_heads heads of mamba_d_head (by default mamba_expand x hidden / heads),
     mamba_n_groups groups of C and B of mamba_d_state, mamba_d_conv taps with biases."""
-    n = hf["num_hidden_layers"]
-    kinds = [_LEGACY_KINDS.get(k, k) for k in (hf.get("layer_types") or hf.get("layers_block_type") or ["linear_attention"] * n)]
-    if len(kinds) != n or set(kinds) - {"full_attention", "linear_attention"}:
-        raise ValueError(f"config.json: layer_types = {kinds!r} is not supported (linear_attention (mamba) or full_attention for each of the {n} layers)")
+    kinds = _hybrid_layer_types(hf, ["linear_attention"] * hf["num_hidden_layers"])
     attention = tuple(i for i, kind in enumerate(kinds) if kind == "full_attention")
     nope = attention if hf.get("position_embedding_type") != "rope" else ()
     if hf.get("num_local_experts", 8) == 0:  # H-Micro: every block's MLP the shared one alone, a dense SwiGLU
@@ -1693,10 +1698,8 @@ def _bailing_hybrid(hf: dict) -> dict:
     per head (attn_gate_per_head); DeepSeek-V3's MoE blocks and routing with shared experts,
     the dense and MoE blocks by mlp_layer_types (by default first_k_dense_replace dense
     blocks first). The MTP layers after the trunk's are not read, as in transformers."""
-    n = hf["num_hidden_layers"]
-    kinds = hf.get("layer_types") or ["full_attention" if (i + 1) % hf["layer_group_size"] == 0 else "linear_attention" for i in range(n)]
-    if len(kinds) != n or set(kinds) - {"full_attention", "linear_attention"}:
-        raise ValueError(f"config.json: layer_types = {kinds!r} is not supported (full_attention or linear_attention for each of the {n} layers)")
+    kinds = _hybrid_layer_types(hf, ["full_attention" if (i + 1) % hf["layer_group_size"] == 0 else "linear_attention"
+                                     for i in range(hf["num_hidden_layers"])])
     linear = tuple(i for i, kind in enumerate(kinds) if kind == "linear_attention")
     heads, dim = hf.get("linear_num_heads", hf["num_attention_heads"]), hf.get("linear_head_dim", hf["head_dim"])
     mla = _mla(dict(hf, n_routed_experts=hf["num_experts"]), interleaved=True)
