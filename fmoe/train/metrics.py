@@ -242,6 +242,8 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
     collapse 6 (n^2 H + n H). Gated norms (cfg.norm_gate_rank r) add 6 x 2 H r for each: the
     attention's pre-norm of every block (trunk and MTP), the MLP's of each MoE block. A gate
     on the q latent (cfg.attn_gate_on_q) counts its q_in N Dv weights instead of H N Dv."""
+    from fmoe.layers import PLAIN_ACTS  # an MLP without a gate: two matrices
+
     names = ("hidden", "n_layers", "ffn_dense", "ffn_expert", "k", "n_heads", "n_kv_heads", "head_dim", "mtp_depth", "n_experts")
     is_moe = getattr(cfg, "is_moe", lambda i: i >= cfg.n_dense)
     n_dense = sum(not is_moe(i) for i in range(cfg.n_layers))
@@ -320,7 +322,7 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
                                      n_avg_keys=n_avg_keys, n_sliding=n_sliding, n_avg_local_keys=n_avg_local_keys,
                                      attn_gate=bool(getattr(cfg, "attn_gate", False)) and not getattr(cfg, "attn_gate_on_q", False),
                                      attn_gate_per_head=bool(getattr(cfg, "attn_gate_per_head", False)), **attention, **linear,
-                                     mlp_matrices=2 if getattr(cfg, "mlp_act", "silu") == "relu2" else 3)
+                                     mlp_matrices=2 if getattr(cfg, "mlp_act", "silu") in PLAIN_ACTS else 3)
 
 
 def datasheet_peak_flops(name: str) -> Optional[float]:
