@@ -154,13 +154,15 @@ def cases():
     ce_bwd_ptrs = dict(logits_ptr="*bf16", labels_ptr="*i64", lse_ptr="*fp32", grad_loss_ptr="*fp32", grad_ptr="*bf16", n_valid_ptr="*i64")
     for name, cap in (("ce_bwd", False), ("ce_bwd softcap", True)):
         yield name, loss._ce_bwd_kernel, ce_bwd_ptrs, ce_scalars, dict(MEAN=True, SOFTCAP=cap, **loss._ce_blocks(131072))
-    # the gated delta rule's states over chunks of 64 at Qwen3-Next's heads, Dk = Dv = 128 (float32 terms)
-    meta = delta._blocks(64, 128, 128)
+    # the gated delta rule's states over chunks of 64 at Qwen3-Next's heads, Dk = Dv = 128 (float32 terms), and
+    # gated linear attention's (no rule: no W_k)
     states_scalars = dict(M="i32", C="i32", K="i32", V="i32")
-    yield "delta_states_fwd", delta._delta_states_fwd_kernel, dict(wv_ptr="*fp32", wk_ptr="*fp32", kout_ptr="*fp32", keep_ptr="*fp32",
-                                                                   s0_ptr="*fp32", states_ptr="*fp32"), states_scalars, meta
-    yield "delta_states_bwd", delta._delta_states_bwd_kernel, dict(wk_ptr="*fp32", kout_ptr="*fp32", keep_ptr="*fp32", dstates_ptr="*fp32",
-                                                                   g_ptr="*fp32", du_ptr="*fp32"), states_scalars, meta
+    for suffix, rule in (("", True), (" no rule", False)):
+        meta = dict(delta._blocks(64, 128, 128), RULE=rule)
+        yield "delta_states_fwd" + suffix, delta._delta_states_fwd_kernel, dict(wv_ptr="*fp32", wk_ptr="*fp32", kout_ptr="*fp32", keep_ptr="*fp32",
+                                                                              s0_ptr="*fp32", states_ptr="*fp32"), states_scalars, meta
+        yield "delta_states_bwd" + suffix, delta._delta_states_bwd_kernel, dict(wk_ptr="*fp32", kout_ptr="*fp32", keep_ptr="*fp32", dstates_ptr="*fp32",
+                                                                              g_ptr="*fp32", du_ptr="*fp32"), states_scalars, meta
     # DeepSeek sparse attention at one tp rank of DeepSeek-V3.2 (16 heads, rows of 512 latent + 64 rotated channels,
     # bf16): the forward, dq, and the keys' gradients (fmoe.ops.sparse_attention)
     meta = sparse._blocks(16, 576, 512)

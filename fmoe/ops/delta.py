@@ -166,17 +166,23 @@ def _loop(q, k, v, g, beta, cu_seqlens, scale, initial_state, final_state: bool)
 # in registers for the whole sequence, in two row halves when Dk > 64. Its products run on
 # the tensor cores in 3xTF32 (each float32 operand as a TF32 part and its remainder: float32
 # accuracy, about 1e-6 relative, where a single TF32 product would round to 1e-3).
+#
+# Without the rule (gated_linear_attention) W_v = V and nothing is recalled: W_k is None, and
+# the recurrences lose its terms (the kernels' RULE False): S_m+1 = keep_m S_m + K_m^T V_m and
+# g <- G_m + keep_m g, a third fewer products than a zero W_k would cost.
 
 
 def _states_ref(w_v, w_k, k_out, keep, state0):
     """The states S_0 .. S_M [R, M + 1, Dk, Dv] of the recurrence above, chunk after chunk in
-    torch (autograd through it). w_v [R, M, C, Dv], w_k and k_out [R, M, C, Dk], keep
-    [R, M, Dk] (a factor per row of the state: keep_m S_m = diag(keep_m) S_m; the same for
-    every row with a decay per head) float32, state0 [R, Dk, Dv]; R = batch rows x heads."""
+    torch (autograd through it). w_v [R, M, C, Dv], w_k (None: no rule, nothing recalled) and
+    k_out [R, M, C, Dk], keep [R, M, Dk] (a factor per row of the state: keep_m S_m =
+    diag(keep_m) S_m; the same for every row with a decay per head) float32, state0
+    [R, Dk, Dv]; R = batch rows x heads."""
     states = [state0]
     for m in range(w_v.shape[1]):
         s = states[-1]
-        states.append(keep[:, m, :, None] * s + k_out[:, m].transpose(-1, -2) @ (w_v[:, m] - w_k[:, m] @ s))
+        u = w_v[:, m] if w_k is None else w_v[:, m] - w_k[:, m] @ s
+        states.append(keep[:, m, :, None] * s + k_out[:, m].transpose(-1, -2) @ u)
     return torch.stack(states, 1)
 
 
@@ -193,9 +199,10 @@ def _put(ptr, value, rows, cols, n_rows, n_cols, row_stride):
 
 @triton.jit
 def _delta_states_fwd_kernel(wv_ptr, wk_ptr, kout_ptr, keep_ptr, s0_ptr, states_ptr, M, C, K, V,
-                             BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, TWO: tl.constexpr):
+                             BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, TWO: tl.constexpr, RULE: tl.constexpr):
     # keep: a factor per row of the state and chunk
     # a chunk's rows in blocks of BC: S_m+1 = keep S_m + sum over the blocks of K_b^T (W_v,b - W_k,b S_m)
+    # (RULE False: no W_k, wk_ptr not read)
     pid_v = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     ka = tl.arange(0, BK)
@@ -214,9 +221,11 @@ def _delta_states_fwd_kernel(wv_ptr, wk_ptr, kout_ptr, keep_ptr, s0_ptr, states_
         for c0 in range(0, C, BC):
             c = c0 + tl.arange(0, BC)
             ck = chunk * C * K
-            u = _tile(wv_ptr + chunk * C * V, c, v, C, V, V) - tl.dot(_tile(wk_ptr + ck, c, ka, C, K, K), s_a, input_precision="tf32x3")
-            if TWO:
-                u -= tl.dot(_tile(wk_ptr + ck, c, kb, C, K, K), s_b, input_precision="tf32x3")
+            u = _tile(wv_ptr + chunk * C * V, c, v, C, V, V)
+            if RULE:
+                u -= tl.dot(_tile(wk_ptr + ck, c, ka, C, K, K), s_a, input_precision="tf32x3")
+                if TWO:
+                    u -= tl.dot(_tile(wk_ptr + ck, c, kb, C, K, K), s_b, input_precision="tf32x3")
             new_a += tl.dot(tl.trans(_tile(kout_ptr + ck, c, ka, C, K, K)), u, input_precision="tf32x3")
             if TWO:
                 new_b += tl.dot(tl.trans(_tile(kout_ptr + ck, c, kb, C, K, K)), u, input_precision="tf32x3")
@@ -230,7 +239,7 @@ def _delta_states_fwd_kernel(wv_ptr, wk_ptr, kout_ptr, keep_ptr, s0_ptr, states_
 
 @triton.jit
 def _delta_states_bwd_kernel(wk_ptr, kout_ptr, keep_ptr, dstates_ptr, g_ptr, du_ptr, M, C, K, V,
-                             BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, TWO: tl.constexpr):
+                             BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, TWO: tl.constexpr, RULE: tl.constexpr):
     pid_v = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     ka = tl.arange(0, BK)
@@ -256,9 +265,10 @@ def _delta_states_bwd_kernel(wk_ptr, kout_ptr, keep_ptr, dstates_ptr, g_ptr, du_
             if TWO:
                 du += tl.dot(_tile(kout_ptr + ck, c, kb, C, K, K), g_b, input_precision="tf32x3")
             _put(du_ptr + chunk * C * V, du, c, v, C, V, V)
-            new_a -= tl.dot(tl.trans(_tile(wk_ptr + ck, c, ka, C, K, K)), du, input_precision="tf32x3")
-            if TWO:
-                new_b -= tl.dot(tl.trans(_tile(wk_ptr + ck, c, kb, C, K, K)), du, input_precision="tf32x3")
+            if RULE:
+                new_a -= tl.dot(tl.trans(_tile(wk_ptr + ck, c, ka, C, K, K)), du, input_precision="tf32x3")
+                if TWO:
+                    new_b -= tl.dot(tl.trans(_tile(wk_ptr + ck, c, kb, C, K, K)), du, input_precision="tf32x3")
         g_a = new_a
         _put(g_ptr + here, g_a, ka, v, K, V, V)
         if TWO:
@@ -276,38 +286,40 @@ def _blocks(C: int, K: int, V: int) -> dict:
 
 
 @torch.library.custom_op("fmoe::delta_states", mutates_args=())
-def _states_kernel(w_v: torch.Tensor, w_k: torch.Tensor, k_out: torch.Tensor, keep: torch.Tensor, state0: torch.Tensor) -> torch.Tensor:
-    """_states_ref by the forward kernel: [R, M + 1, Dk, Dv]."""
-    R, M, C, K = w_k.shape
+def _states_kernel(w_v: torch.Tensor, w_k: Optional[torch.Tensor], k_out: torch.Tensor, keep: torch.Tensor, state0: torch.Tensor) -> torch.Tensor:
+    """_states_ref by the forward kernel: [R, M + 1, Dk, Dv] (w_k None: RULE False)."""
+    R, M, C, K = k_out.shape
     V = w_v.shape[-1]
     states = w_v.new_empty((R, M + 1, K, V))
     meta = _blocks(C, K, V)
-    _delta_states_fwd_kernel[(triton.cdiv(V, meta["BV"]), R)](w_v, w_k, k_out, keep, state0, states, M, C, K, V, **meta)
+    wk = k_out if w_k is None else w_k  # not read without the rule
+    _delta_states_fwd_kernel[(triton.cdiv(V, meta["BV"]), R)](w_v, wk, k_out, keep, state0, states, M, C, K, V, RULE=w_k is not None, **meta)
     return states
 
 
 @_states_kernel.register_fake
 def _(w_v, w_k, k_out, keep, state0):
-    R, M, C, K = w_k.shape
+    R, M, C, K = k_out.shape
     return w_v.new_empty((R, M + 1, K, w_v.shape[-1]))
 
 
 @torch.library.custom_op("fmoe::delta_states_bwd", mutates_args=())
-def _states_bwd_kernel(w_k: torch.Tensor, k_out: torch.Tensor, keep: torch.Tensor, grad_states: torch.Tensor) -> list[torch.Tensor]:
+def _states_bwd_kernel(w_k: Optional[torch.Tensor], k_out: torch.Tensor, keep: torch.Tensor, grad_states: torch.Tensor) -> list[torch.Tensor]:
     """The backward kernel's recurrence: (g [R, M + 1, Dk, Dv], the total gradient of every
-    state; du [R, M, C, Dv])."""
-    R, M, C, K = w_k.shape
+    state; du [R, M, C, Dv]) (w_k None: RULE False)."""
+    R, M, C, K = k_out.shape
     V = grad_states.shape[-1]
     g = torch.empty_like(grad_states)
     du = grad_states.new_empty((R, M, C, V))
     meta = _blocks(C, K, V)
-    _delta_states_bwd_kernel[(triton.cdiv(V, meta["BV"]), R)](w_k, k_out, keep, grad_states, g, du, M, C, K, V, **meta)
+    wk = k_out if w_k is None else w_k  # not read without the rule
+    _delta_states_bwd_kernel[(triton.cdiv(V, meta["BV"]), R)](wk, k_out, keep, grad_states, g, du, M, C, K, V, RULE=w_k is not None, **meta)
     return [g, du]
 
 
 @_states_bwd_kernel.register_fake
 def _(w_k, k_out, keep, grad_states):
-    R, M, C, _ = w_k.shape
+    R, M, C, _ = k_out.shape
     return [torch.empty_like(grad_states), grad_states.new_empty((R, M, C, grad_states.shape[-1]))]
 
 
@@ -317,11 +329,12 @@ def _states_setup_context(ctx, inputs, output):
 
 
 def _states_backward(ctx, grad_states):
-    w_v, w_k, k_out, keep, states = ctx.saved_tensors
+    w_v, w_k, k_out, keep, states = ctx.saved_tensors  # w_k None without the rule
     g, du = _states_bwd_kernel(w_k, k_out, keep, grad_states.contiguous())
     before, after = states[:, :-1], g[:, 1:]  # S_m and the total gradient of S_m+1, every chunk at once
-    u = w_v - w_k @ before
-    return du, -du @ before.transpose(-1, -2), u @ after.transpose(-1, -2), (before * after).sum(-1), g[:, 0]
+    u = w_v if w_k is None else w_v - w_k @ before
+    grad_w_k = None if w_k is None else -du @ before.transpose(-1, -2)
+    return du, grad_w_k, u @ after.transpose(-1, -2), (before * after).sum(-1), g[:, 0]
 
 
 _states_kernel.register_autograd(_states_backward, setup_context=_states_setup_context)
@@ -329,9 +342,9 @@ _states_kernel.register_autograd(_states_backward, setup_context=_states_setup_c
 
 def _states(w_v, w_k, k_out, keep, state0, impl: str) -> torch.Tensor:
     """The states S_0 .. S_M [R, M + 1, Dk, Dv]: the Triton kernels (use_triton(impl); Dk at
-    most 128), else _states_ref."""
-    if use_triton(impl, w_v) and w_k.shape[-1] <= 128:
-        return _states_kernel(*(t.contiguous() for t in (w_v, w_k, k_out, keep, state0)))
+    most 128), else _states_ref. w_k None: no rule."""
+    if use_triton(impl, w_v) and k_out.shape[-1] <= 128:
+        return _states_kernel(*(None if t is None else t.contiguous() for t in (w_v, w_k, k_out, keep, state0)))
     return _states_ref(w_v, w_k, k_out, keep, state0)
 
 
@@ -463,7 +476,7 @@ def _chunked(q, k, v, g, beta, cu_seqlens, scale, initial_state, final_state: bo
         to_end = ((gamma[..., -1:] - gamma).exp() * last_B1M)[..., None]
         keep_BNMK = (carry_B1MC[..., -1] * gamma[..., -1].exp())[..., None]  # S0's share of the chunk's end state, every row alike
     if beta is None:  # no rule: U = V, nothing recalled from S0
-        W_v, W_k = v_BNMCV, k_BNMCK.new_zeros(k_BNMCK.shape)
+        W_v, W_k = v_BNMCV, None
     else:
         beta_BNMC = chunks(beta)
         A_BNMCC = beta_BNMC[..., None] * kk_BNMCC * (pairs_B1MCC & strict_CC)
@@ -475,7 +488,7 @@ def _chunked(q, k, v, g, beta, cu_seqlens, scale, initial_state, final_state: bo
     q_in_BNMCK = q_BNMCK * reach  # the queries' reach into S0
     k_out_BNMCK = k_BNMCK * to_end
     R = B * N  # rows of the recurrence: batch rows x heads
-    w_v, w_k, k_out = (t.reshape(R, M, C, -1) for t in (W_v, W_k, k_out_BNMCK))
+    w_v, w_k, k_out = (None if t is None else t.reshape(R, M, C, -1) for t in (W_v, W_k, k_out_BNMCK))
     states = _states(w_v, w_k, k_out, keep_BNMK.expand(B, N, M, Dk).reshape(R, M, Dk), state_BNKV.reshape(R, Dk, Dv), impl)
     before = states[:, :-1]  # the state each chunk starts from
     u_RMCV = w_v if beta is None else w_v - w_k @ before

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fmoe.ops import gated_delta_rule, gated_linear_attention
+from fmoe.ops import delta, gated_delta_rule, gated_linear_attention
 from fmoe.ops.delta import _pair_sums, gated_delta_rule_loop, gated_linear_attention_loop
 from fmoe.train.metrics import HostReads
 
@@ -223,6 +223,28 @@ def test_states_kernels_pass_opcheck():
     args = tuple(t.requires_grad_() for t in (w_v, w_k, k_out, keep, state0))
     torch.library.opcheck(torch.ops.fmoe.delta_states.default, args)
     torch.library.opcheck(torch.ops.fmoe.delta_states_bwd.default, (w_k.detach(), k_out.detach(), keep.detach(), torch.randn(R, M + 1, K, V, generator=g)))
+    # without the rule (gated_linear_attention): w_k None
+    torch.library.opcheck(torch.ops.fmoe.delta_states.default, (w_v, None, k_out, keep, state0))
+    torch.library.opcheck(torch.ops.fmoe.delta_states_bwd.default, (None, k_out.detach(), keep.detach(), torch.randn(R, M + 1, K, V, generator=g)))
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_states_without_the_rule_equal_a_zero_w_k(impl):
+    """w_k None (gated_linear_attention: the kernels' RULE False, the torch loop without the
+    recall) gives the states, and the gradients of w_v, k_out, keep and state0, that a zero
+    w_k gives."""
+    R, M, C, K, V = 3, 4, 8, 80, 24
+    g = torch.Generator().manual_seed(8)
+    w_v, k_out = (0.3 * torch.randn(R, M, C, d, generator=g) for d in (V, K))
+    keep, state0 = torch.rand(R, M, K, generator=g), torch.randn(R, K, V, generator=g)
+    grad = torch.randn(R, M + 1, K, V, generator=g)
+    results = []
+    for w_k in (torch.zeros(R, M, C, K), None):
+        xs = [t.clone().requires_grad_() for t in (w_v, k_out, keep, state0)]
+        states = delta._states(xs[0], w_k, xs[1], xs[2], xs[3], impl)
+        results.append((states, *torch.autograd.grad((states * grad).sum(), xs)))
+    for ref, got in zip(*results):
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.gpu
@@ -314,7 +336,8 @@ def test_linear_attention_loop_is_its_attention_form(channels):
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 @pytest.mark.parametrize("channels", [False, True], ids=["per-head", "per-channel"])
-@pytest.mark.parametrize("B,T,N,Dk,Dv,chunk,packed", [(2, 37, 3, 8, 5, 8, False), (1, 45, 2, 16, 8, 16, True), (1, 1, 2, 4, 4, 64, False)])
+@pytest.mark.parametrize("B,T,N,Dk,Dv,chunk,packed", [(2, 37, 3, 8, 5, 8, False), (1, 45, 2, 16, 8, 16, True), (1, 1, 2, 4, 4, 64, False),
+                                                    (1, 45, 2, 80, 24, 16, True)])  # the last: Dk in the kernels' two halves
 def test_linear_attention_chunks_equal_the_loop(B, T, N, Dk, Dv, chunk, packed, channels, impl):
     """Forward, final state and every gradient with an initial state, packed documents
     (one empty), chunks that do not divide T; the states in torch or in their Triton
