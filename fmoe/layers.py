@@ -1953,8 +1953,8 @@ class LinearAttentionConfig:
     (lightning_decay), the output RMS-normed over all heads' channels and gated by a sigmoid;
     as many key as value heads of one dim. kind "mamba2": Mamba-2's mixer (SSD), its C and B
     as n_k_heads groups of k_head_dim (the state size) read by the n_v_heads heads of
-    v_head_dim, the convolution over them and x with biases, dt = softplus(x wa + dt_bias),
-    the rule without its delta, a skip D, and its output gated by silu(x wz), then RMS-normed
+    v_head_dim, the convolution over them and x with biases, dt = softplus(x wa + dt_bias)
+    (at least dt_min: Nemotron-H's floor, 0 none), the rule without its delta, a skip D, and its output gated by silu(x wz), then RMS-normed
     per group of key heads. Kimi Delta Attention's variants (Ling's, kind "kda"
     only): full_rank, the decay's and the gate's projections whole (wf [H, N Dk], wz
     [H, N Dv]) instead of low-rank pairs; decay_bound b < 0 (None: Kimi's softplus decay),
@@ -1973,10 +1973,16 @@ class LinearAttentionConfig:
     kind: str = "gated_deltanet"
     full_rank: bool = False
     decay_bound: Optional[float] = None
+    dt_min: float = 0.0
     fp8: bool = False
 
     def __post_init__(self):
         check_fp8(self.fp8)
+        m = self.dt_min
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m < math.inf:
+            raise ValueError(f"dt_min: expected a finite number >= 0 (Mamba-2's floor of dt; 0: none), got {m!r}")
+        if m and self.kind != "mamba2":
+            raise ValueError(f"dt_min: the floor of Mamba-2's dt, needs kind 'mamba2', got {self.kind!r}")
         if self.impl not in IMPLS:
             raise ValueError(f"impl: expected one of {IMPLS}, got {self.impl!r}")
         if self.kind not in LINEAR_KINDS:
@@ -2197,6 +2203,8 @@ def _mamba2(x, qkv, params, cfg: LinearAttentionConfig, B: int, cu, split, state
     q, k = (t.reshape(B, T // B, Nk, Dk).repeat_interleave(r, dim=2) for t in qkv[:2])
     xv = qkv[2].reshape(B, T // B, Nv, Dv).float()
     dt = F.softplus(mm(x, params["wa"]).float() + params["dt_bias"].float()).reshape(B, T // B, Nv)
+    if cfg.dt_min:  # Nemotron-H's floor (no gradient below it, as torch.clamp's)
+        dt = dt.clamp(min=cfg.dt_min)
     o = _without_delta(q, k, xv * dt[..., None], -params["A_log"].float().exp() * dt, cfg, cu, split, states)
     o = o.float() + params["D"].float()[:, None] * xv  # the skip
     gated = (o.reshape(T, Nv * Dv) * F.silu(mm(x, params["wz"]).float())).view(T, Nk, r * Dv)  # a norm per group of key heads

@@ -296,7 +296,9 @@ class TransformerConfig:
     / mlp_only_layers) of n_experts experts of ffn_expert, k per token, n_shared shared
     experts (one SwiGLU of shared_ffn, default n_shared * ffn_expert) with an optional
     sigmoid shared_gate, their output times shared_scale (Cohere 2 MoE's "average": 0.5
-    beside route_scale 0.5). Routing: score ("softmax", "sigmoid", or "sparsemixer": Phi-3.5-MoE's
+    beside route_scale 0.5). mlp_free_layers: blocks of their mixer alone, without an MLP or
+    its norm (Nemotron-H's mixer layers with no MLP layer after them; not MoE blocks, not
+    with parallel_blocks, shortcut_moe or layer_scalars). Routing: score ("softmax", "sigmoid", or "sparsemixer": Phi-3.5-MoE's
     top-2 with its gap sparsemixer_eps, k = 2, without expert_bias; fmoe.ops.sparsemixer_route), pre_softmax (softmax over all experts, then top-k,
     weights not renormalised), n_groups/topk_groups with group_score_topk (a group's score
     sums its best group_score_topk scores; None: k // topk_groups), route_scale,
@@ -454,7 +456,8 @@ class TransformerConfig:
     its output norm over every head's channels with eps 1e-6 (MiniMax's); linear_kind "mamba2":
     Mamba-2's mixer (Granite 4.0-H's), its C and B as linear_k_heads groups of linear_k_dim (the
     state) read by linear_v_heads heads of x of linear_v_dim, the convolution of linear_conv
-    taps with biases, a skip D, the output gated then RMS-normed per group; the attention knobs (window, chunk,
+    taps with biases, a skip D, the output gated then RMS-normed per group (linear_dt_min: the
+    floor of its dt, Nemotron-H's time_step_min; 0 none); the attention knobs (window, chunk,
     NoPE, q/k norms, gate) are the other blocks'. The MTP blocks always attend. mtp_depth MTP modules; mtp_norm: each with its own output
     norm before the shared head (DeepSeek-V3, GLM-4.5, Megatron Core) instead of the
     trunk's final norm. impl: "auto" | "triton" | "torch"
@@ -620,6 +623,8 @@ class TransformerConfig:
     linear_kind: str = "gated_deltanet"
     linear_full_rank: bool = False
     linear_decay_bound: Optional[float] = None
+    linear_dt_min: float = 0.0
+    mlp_free_layers: Optional[tuple[int, ...]] = None
     mtp_depth: int = 0
     mtp_norm: bool = False
     norm_eps: float = 1e-6
@@ -755,7 +760,7 @@ class TransformerConfig:
             raise ValueError("fp8_layers: the blocks whose GEMMs run in fp8, needs fp8=True")
         check_fp8_fast_accum(self.fp8_fast_accum, self.fp8 is True)
         for name in ("moe_layers", "window_layers", "chunk_layers", "nope_layers", "linear_layers", "fp8_layers", "index_shared_layers",
-                     "sink_layers"):  # block lists: distinct indices, kept sorted
+                     "sink_layers", "mlp_free_layers"):  # block lists: distinct indices, kept sorted
             layers = getattr(self, name)
             if layers is None:
                 continue
@@ -772,6 +777,7 @@ class TransformerConfig:
             if self.parallel_blocks or self.post_norms or self.moe_out_norm or self.residual_scale != 1.0:
                 raise ValueError("shortcut_moe: a pair of pre-norm blocks, not with parallel_blocks, post_norms, moe_out_norm or residual_scale")
         self._check_hyper_connections()
+        self._check_mlp_free()
         if self.mla_scales and (self.q_rank is None or self.kv_rank is None):
             raise ValueError("mla_scales: scales multi-latent attention's queries and kv latent, needs q_rank and kv_rank")
         for name in ("longrope_short_factors", "longrope_long_factors"):  # read back from JSON as lists (AttentionConfig checks them)
@@ -794,6 +800,8 @@ class TransformerConfig:
         for name, unset in (("linear_full_rank", False), ("linear_decay_bound", None)):
             if getattr(self, name) is not unset and (self.linear_layers is None or self.linear_kind != "kda"):
                 raise ValueError(f"{name}: a knob of Kimi Delta Attention's blocks, needs linear_layers and linear_kind='kda'")
+        if self.linear_dt_min != 0.0 and (self.linear_layers is None or self.linear_kind != "mamba2"):
+            raise ValueError("linear_dt_min: the floor of Mamba-2's dt, needs linear_layers and linear_kind='mamba2'")
         if self.linear_layers is not None:
             for name in ("window_layers", "chunk_layers", "nope_layers", "sink_layers"):
                 both = sorted(set(self.linear_layers) & set(getattr(self, name) or ()))
@@ -858,6 +866,22 @@ class TransformerConfig:
             found = ", ".join(f"{name}={getattr(self, name)!r}" for name, on in beside.items() if on)
             raise ValueError(f"{what}, not with shortcut_moe, parallel_blocks, residual_scale{''.join(', ' + name for name in more)} or MTP modules "
                              f"(got {found}; MTP: mtp_depth=0, --model.mtp_depth=0)")
+
+    def _check_mlp_free(self) -> None:
+        """mlp_free_layers: blocks of their mixer alone, neither dense nor MoE, in sequential blocks."""
+        if not self.mlp_free_layers:
+            return
+        moe = [i for i in self.mlp_free_layers if self.is_moe(i)]
+        if moe:
+            raise ValueError(f"mlp_free_layers: blocks {moe} are MoE blocks (n_dense = {self.n_dense}, moe_layers = {self.moe_layers}); "
+                             "a block without an MLP is neither dense nor MoE")
+        for name in ("parallel_blocks", "shortcut_moe", "layer_scalars"):
+            if getattr(self, name):
+                raise ValueError(f"mlp_free_layers: blocks without an MLP, not with {name}")
+
+    def is_mlp_free(self, i: int) -> bool:
+        """Whether trunk block i is its mixer alone, without an MLP: listed in mlp_free_layers."""
+        return self.mlp_free_layers is not None and i in self.mlp_free_layers
 
     def _check_hyper_connections(self) -> None:
         n = self.hyper_connections
@@ -1001,7 +1025,7 @@ class TransformerConfig:
                                      norm_eps=1e-6 if self.linear_kind == "lightning" else self.norm_eps,  # MiniMax's output norm's
                                      impl="auto" if self.impl == "flex" else self.impl, kind=self.linear_kind,
                                      full_rank=self.linear_full_rank, decay_bound=self.linear_decay_bound,
-                                     fp8=self.fp8 if fp8 is None else fp8)
+                                     dt_min=self.linear_dt_min, fp8=self.fp8 if fp8 is None else fp8)
 
     def attention_config(self, *, local: bool = False, rope: bool = True, fp8: Optional[bool] = None, index_shared: bool = False) -> AttentionConfig:
         """The attention of a block that attends over every earlier token, or with local
@@ -1371,11 +1395,12 @@ class Block(nn.Module):
     beside the residual (its output [T, 2H]); "in", the pair's second: its input [T, 2H],
     it adds the MoE's output after its MLP's. With cfg.hyper_connections n its input and
     output are the n streams [T, n H]: the attention and the MLP each read their weighted
-    sum and add their output back (HyperConnection: attn_hc, mlp_hc)."""
+    sum and add their output back (HyperConnection: attn_hc, mlp_hc). mlp=False: the
+    attention alone (cfg.mlp_free_layers; mlp, mlp_norm, mlp_post_norm and mlp_hc None)."""
 
     def __init__(self, cfg: TransformerConfig, moe: bool, *, local: bool = False, rope: bool = True, linear: bool = False,
                  fp8: Optional[bool] = None, index_shared: bool = False, sinks: Optional[bool] = None, shortcut: Optional[str] = None,
-                 depth: Optional[int] = None):
+                 depth: Optional[int] = None, mlp: bool = True):
         super().__init__()
         def norm(on: bool, gated: bool = False) -> Optional[RMSNorm]:
             if not on:
@@ -1387,10 +1412,14 @@ class Block(nn.Module):
         self.attn = LinearAttention(cfg, fp8=fp8, layer=depth or 0) if linear else Attention(cfg, local=local, rope=rope, fp8=fp8, index_shared=index_shared,
                                                                                      sinks=sinks)
         # a parallel block's MLP reads the attention's normed input (attn_norm)
-        self.mlp_norm = norm(cfg.pre_norms and not cfg.parallel_blocks, gated=moe)
-        self.mlp_post_norm = norm(cfg.post_norms or (moe and cfg.moe_out_norm))
+        self.mlp_norm = norm(mlp and cfg.pre_norms and not cfg.parallel_blocks, gated=moe)
+        self.mlp_post_norm = norm(mlp and (cfg.post_norms or (moe and cfg.moe_out_norm)))
         self.parallel = cfg.parallel_blocks
-        if moe:
+        if moe and not mlp:
+            raise ValueError("mlp: a MoE block has an MLP (mlp=False: the mixer alone)")
+        if not mlp:  # the mixer alone (cfg.mlp_free_layers: Nemotron-H's mixer layers without an MLP after them)
+            self.mlp = None
+        elif moe:
             self.mlp = MoE(cfg.hidden, cfg.ffn_expert, cfg.moe_config(fp8), shared_ffn=cfg.shared_size, shared_gate=cfg.shared_gate,
                            expert_bias=cfg.expert_bias, router_bias=cfg.router_bias, expert_biases=cfg.expert_biases,
                            router_norm=cfg.router_norm, expert_scale=cfg.router_expert_scale)
@@ -1420,7 +1449,7 @@ class Block(nn.Module):
             self.residual_weights = [(cfg.normed_residual, cfg.residual_scale)] * 2
         # hyper-connections: the attention's and the MLP's weights over the streams
         self.attn_hc = HyperConnection(cfg) if cfg.hyper_connections else None
-        self.mlp_hc = HyperConnection(cfg) if cfg.hyper_connections else None
+        self.mlp_hc = HyperConnection(cfg) if cfg.hyper_connections and mlp else None
 
     def forward(self, x_TH, ctx: AttentionContext, token_mask: Optional[torch.Tensor] = None):
         """x [T, H] -> (x [T, H], the MoE stats or None for a dense block); a shortcut pair's
@@ -1458,7 +1487,7 @@ class Block(nn.Module):
         if self.normed_residual is not None:  # MiniMax's: each residual is its sublayer's normed input, x a
             h_TH = self.attn_norm(x_TH)
             x_TH = self._residual(h_TH, recompute(self._attend_normed, h_TH, ctx) if self.ac == "attention" else self._attend_normed(h_TH, ctx))
-            h_TH = self.mlp_norm(x_TH)
+            h_TH = x_TH if self.mlp is None else self.mlp_norm(x_TH)
             return self._mlp_branch(h_TH, h_TH, token_mask, carry_TH)
         x_TH = self._residual(x_TH, recompute(self._attend, x_TH, ctx) if self.ac == "attention" else self._attend(x_TH, ctx))
         return self._mlp_branch(x_TH, _normed(self.mlp_norm, x_TH), token_mask, carry_TH)
@@ -1470,6 +1499,8 @@ class Block(nn.Module):
         h_TH, post, comb = self.attn_hc(x_TS)
         y_TH = recompute(self._attend, h_TH, ctx) if self.ac == "attention" else self._attend(h_TH, ctx)
         x_TS = self.attn_hc.add(x_TS, y_TH, post, comb)
+        if self.mlp is None:
+            return x_TS, None
         h_TH, post, comb = self.mlp_hc(x_TS)
         y_TH, stats = self._mlp_out(_normed(self.mlp_norm, h_TH), token_mask)
         return self.mlp_hc.add(x_TS, y_TH, post, comb), stats
@@ -1490,7 +1521,10 @@ class Block(nn.Module):
         """x + post_norm(mlp(h)): the block's end, h the MLP's input (its own pre-norm's output,
         or a parallel block's one normed input) -> (x [T, H], the MoE stats or None); a
         shortcut pair's first block: ([x + dense(h) | moe(h)] [T, 2H], stats; no post-norms
-        there); its second adds carry [T, H], the pair's MoE output, last."""
+        there); its second adds carry [T, H], the pair's MoE output, last. A block without
+        an MLP (mlp None) ends at x."""
+        if self.mlp is None:
+            return x_TH, None
         y_TH, stats = self._mlp_out(h_TH, token_mask, x_TH)
         if self.dense is not None:
             return torch.cat([x_TH + self.dense(h_TH), y_TH], dim=-1), stats
@@ -1772,7 +1806,7 @@ class Transformer(nn.Module):
         self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden))
         self.blocks = nn.ModuleList(Block(cfg, moe=cfg.is_moe(i), local=cfg.is_local(i), rope=not cfg.is_nope(i), linear=cfg.is_linear(i),
                                           fp8=cfg.is_fp8(i), index_shared=cfg.is_index_shared(i), sinks=cfg.has_sinks(i),
-                                          shortcut=cfg.shortcut(i), depth=i)
+                                          shortcut=cfg.shortcut(i), depth=i, mlp=not cfg.is_mlp_free(i))
                                     for i in range(cfg.n_layers))
         for i, block in enumerate(self.blocks):  # DeepSeek sparse attention: each block's choice of keys by its index, and the one it reuses
             if isinstance(block.attn, Attention):

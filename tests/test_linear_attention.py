@@ -24,6 +24,7 @@ SHORT = LinearAttentionConfig(n_k_heads=8, n_v_heads=8, k_head_dim=2, v_head_dim
 LIGHT = LinearAttentionConfig(n_k_heads=3, n_v_heads=3, k_head_dim=8, v_head_dim=8, chunk_size=8, kind="lightning")
 # Mamba-2's mixer: C and B in 2 groups of a state of 8, read by 4 heads of x of 6, 4 taps with biases
 MAMBA = LinearAttentionConfig(n_k_heads=2, n_v_heads=4, k_head_dim=8, v_head_dim=6, conv=4, chunk_size=8, kind="mamba2")
+MAMBA_FLOOR = dataclasses.replace(MAMBA, dt_min=0.7)  # Nemotron-H's floor of dt (this high: it binds for some tokens and heads)
 
 
 def _params(cfg=CFG, seed=0, dtype=torch.float32):
@@ -78,7 +79,7 @@ def _loop(x, p, cfg, cu):
                         for n in "qkv"}
                 C, Bm = (conv[n].view(Nk, Dk).repeat_interleave(Nv // Nk, 0) for n in "qk")
                 xv = conv["v"].view(Nv, Dv)
-                dt = F.softplus(x[t] @ p["wa"] + p["dt_bias"])
+                dt = F.softplus(x[t] @ p["wa"] + p["dt_bias"]).clamp(min=cfg.dt_min)
                 S = S * (-p["A_log"].exp() * dt).exp()[:, None, None] + Bm[:, :, None] * (dt[:, None] * xv)[:, None, :]
                 o = (torch.einsum("nkv,nk->nv", S, C) + p["D"][:, None] * xv).reshape(-1) * F.silu(x[t] @ p["wz"])
                 o = o.view(Nk, -1)
@@ -127,7 +128,8 @@ def _loop(x, p, cfg, cu):
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("cfg", [CFG, KDA, LING, SHORT, LIGHT, MAMBA], ids=["gated-deltanet", "kda", "kda-ling", "short-conv", "lightning", "mamba2"])
+@pytest.mark.parametrize("cfg", [CFG, KDA, LING, SHORT, LIGHT, MAMBA, MAMBA_FLOOR],
+                         ids=["gated-deltanet", "kda", "kda-ling", "short-conv", "lightning", "mamba2", "mamba2-dt-floor"])
 def test_matches_the_token_loop_over_packed_documents(cfg):
     cu = torch.tensor([0, 5, 5, 19, 20, 31], dtype=torch.int32)
     x = torch.randn(31, H)
@@ -287,29 +289,53 @@ def test_matches_transformers_minimax_lightning_attention():
         torch.testing.assert_close(got, want[b], rtol=1e-4, atol=1e-5)
 
 
+def _mamba2_params(ref) -> dict:
+    """A transformers Mamba-2 mixer's weights (4 heads of 6, 2 groups of 8) in fmoe's layout:
+    in_proj's rows are z, x, B, C and dt; conv1d [C, 1, K] over x, B, C with its bias."""
+    t = lambda m: m.weight.t().detach()  # noqa: E731
+    z, xs, Bm, C, dt = t(ref.in_proj).split([24, 24, 16, 16, 4], dim=1)
+    conv, bias = ref.conv1d.weight.detach()[:, 0].t(), ref.conv1d.bias.detach()  # [K, x | B | C]
+    return dict(wq=C, wk=Bm, wv=xs, wz=z, wa=dt, conv_q=conv[:, 40:], conv_k=conv[:, 24:40], conv_v=conv[:, :24], conv_q_bias=bias[40:],
+                conv_k_bias=bias[24:40], conv_v_bias=bias[:24], A_log=ref.A_log.detach(), dt_bias=ref.dt_bias.detach(), D=ref.D.detach(),
+                out_norm=ref.norm.weight.detach(), wo=t(ref.out_proj))
+
+
+def _randomized(ref):
+    """ref with every weight drawn from N(0, 0.3^2), A = exp(A_log) in [1, 16]."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for w in ref.parameters():
+            w.normal_(0.0, 0.3)
+        ref.A_log.copy_(torch.log(torch.rand(4) * 15 + 1))
+    return ref.eval()
+
+
 def test_matches_transformers_granite_4_mamba2_mixer():
     """transformers' Granite 4.0-H Mamba-2 layer (its torch fallback: chunks of 16 over 70
-    tokens), weights copied into fmoe's layout: in_proj's rows are z, x, B, C and dt; conv1d
-    [C, 1, K] over x, B, C with its bias; the gated norm per group."""
+    tokens), weights copied into fmoe's layout (_mamba2_params); the gated norm per group."""
     transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]'")
     from transformers.models.granitemoehybrid.modeling_granitemoehybrid import GraniteMoeHybridMambaLayer
 
     hf_cfg = transformers.GraniteMoeHybridConfig(hidden_size=H, mamba_n_heads=4, mamba_d_head=6, mamba_expand=1, mamba_n_groups=2,
                                                  mamba_d_state=8, mamba_d_conv=4, mamba_chunk_size=16, num_hidden_layers=1,
                                                  layer_types=["mamba"])
-    torch.manual_seed(0)
-    ref = GraniteMoeHybridMambaLayer(hf_cfg, 0).eval()
-    with torch.no_grad():
-        for w in ref.parameters():
-            w.normal_(0.0, 0.3)
-        ref.A_log.copy_(torch.log(torch.rand(4) * 15 + 1))
-    t = lambda m: m.weight.t().detach()  # noqa: E731
-    z, xs, Bm, C, dt = t(ref.in_proj).split([24, 24, 16, 16, 4], dim=1)
-    conv, bias = ref.conv1d.weight.detach()[:, 0].t(), ref.conv1d.bias.detach()  # [K, x | B | C]
-    p = dict(wq=C, wk=Bm, wv=xs, wz=z, wa=dt, conv_q=conv[:, 40:], conv_k=conv[:, 24:40], conv_v=conv[:, :24], conv_q_bias=bias[40:],
-             conv_k_bias=bias[24:40], conv_v_bias=bias[:24], A_log=ref.A_log.detach(), dt_bias=ref.dt_bias.detach(), D=ref.D.detach(),
-             out_norm=ref.norm.weight.detach(), wo=t(ref.out_proj))
-    _matches_module(ref, p, dataclasses.replace(MAMBA, norm_eps=hf_cfg.rms_norm_eps, impl="torch"))
+    ref = _randomized(GraniteMoeHybridMambaLayer(hf_cfg, 0))
+    _matches_module(ref, _mamba2_params(ref), dataclasses.replace(MAMBA, norm_eps=hf_cfg.rms_norm_eps, impl="torch"))
+
+
+def test_matches_transformers_nemotron_h_mamba2_mixer():
+    """transformers' Nemotron-H Mamba-2 mixer (its torch fallback), whose dt has the floor
+    time_step_min (0.7 here, binding for some tokens and heads): fmoe's mamba2 with dt_min."""
+    transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]'")
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer
+
+    hf_cfg = transformers.NemotronHConfig(hidden_size=H, mamba_num_heads=4, mamba_head_dim=6, n_groups=2, ssm_state_size=8, conv_kernel=4,
+                                          chunk_size=16, time_step_min=0.7, layers_block_type=["linear_attention"])
+    ref = _randomized(NemotronHMamba2Mixer(hf_cfg, 0))
+    p = _mamba2_params(ref)
+    x = torch.randn(70, H)
+    assert 0 < float((F.softplus(x @ p["wa"] + p["dt_bias"]) < 0.7).float().mean()) < 1  # the floor binds, not everywhere
+    _matches_module(ref, p, dataclasses.replace(MAMBA, norm_eps=hf_cfg.layer_norm_epsilon, dt_min=0.7, impl="torch"))
 
 
 def test_lightning_decay():
@@ -349,6 +375,8 @@ def test_bf16():
     (dict(full_rank=1), r"full_rank: expected a bool, got 1"),
     (dict(decay_bound=0.0), r"decay_bound: expected None or a finite number < 0 \(the bounded decay's least log-decay\), got 0.0"),
     (dict(decay_bound=float("-inf")), r"decay_bound: expected None or a finite number < 0"),
+    (dict(dt_min=0.1), r"dt_min: the floor of Mamba-2's dt, needs kind 'mamba2', got 'gated_deltanet'"),
+    (dict(dt_min=-0.1), r"dt_min: expected a finite number >= 0 \(Mamba-2's floor of dt; 0: none\), got -0.1"),
 ])
 def test_config_checks(change, match):
     with pytest.raises(ValueError, match=match):

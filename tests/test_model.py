@@ -62,6 +62,11 @@ VARIANTS = {
     "minimax": dataclasses.replace(TINY, linear_layers=(0, 1), linear_kind="lightning", linear_k_heads=4, linear_v_heads=4, linear_k_dim=6,
                                    linear_v_dim=6, normed_residual=1.7, residual_scale=0.6, n_dense=0, n_shared=0, score="softmax",
                                    expert_bias=False, mtp_depth=1),
+    # Nemotron-H's layers as blocks: Mamba-2 with the MLP after it (block 0), Mamba-2 alone (1: no MLP), NoPE attention
+    # with its MLP (2), Mamba-2 with its MLP (3); dt's floor 0.05; every MLP relu(x w_up)^2 w_down
+    "nemotron_h": dataclasses.replace(TINY, n_layers=4, n_dense=4, mlp_free_layers=(1,), linear_layers=(0, 1, 3), linear_kind="mamba2",
+                                      linear_k_heads=2, linear_v_heads=4, linear_k_dim=8, linear_v_dim=6, linear_conv=3, linear_dt_min=0.05,
+                                      mlp_act="relu2", nope_layers=(2,), mtp_depth=1),
     "kimi linear": dataclasses.replace(TINY, linear_layers=(0, 1), linear_kind="kda", linear_k_heads=2, linear_v_heads=2, linear_k_dim=8,
                                        linear_v_dim=6, n_kv_heads=4, head_dim=12, rope_dim=4, kv_rank=6, v_head_dim=5, nope_layers=(2,),
                                        n_groups=2, topk_groups=1, group_score_topk=2, mtp_depth=1),
@@ -534,6 +539,47 @@ def test_minimax_blocks_keep_the_normed_input_as_their_residual():
                            (dict(normed_residual=2.0, pre_norms=False, post_norms=True), r"normed_residual: .* not pre_norms=False")):
         with pytest.raises(ValueError, match=message):
             dataclasses.replace(TINY, **knobs)
+
+
+def test_blocks_without_an_mlp_end_at_their_mixer():
+    """mlp_free_layers (Nemotron-H's mixer layers with no MLP after them): the block is x +
+    mixer(attn_norm(x)), with no MLP, MLP norm or MLP streams' weights; with normed_residual
+    a attn_norm(x) + b mixer(attn_norm(x)); with hyper-connections the attention's add alone.
+    The others are unchanged; the knob is checked."""
+    from fmoe.layers import attention_context
+
+    torch.manual_seed(0)
+    x = torch.randn(9, 32)
+    ctx_of = lambda cfg: attention_context(torch.tensor([0, 9], dtype=torch.int32), torch.arange(9), cfg.context_config())  # noqa: E731
+    cfg = VARIANTS["nemotron_h"]
+    model = Transformer(cfg)
+    ctx = ctx_of(cfg)
+    free = model.blocks[1]
+    assert free.mlp is None and free.mlp_norm is None and free.mlp_post_norm is None
+    assert not any(".mlp" in name for name, _ in free.named_parameters())
+    assert all(b.mlp is not None for i, b in enumerate(model.blocks) if i != 1)
+    with torch.no_grad():
+        got, stats = free(x, ctx)
+        torch.testing.assert_close(got, x + free.attn(free.attn_norm(x), ctx))
+        assert stats is None
+        normed = Transformer(dataclasses.replace(cfg, normed_residual=1.7, residual_scale=0.6, mtp_depth=0)).blocks[1]
+        h = normed.attn_norm(x)
+        torch.testing.assert_close(normed(x, ctx)[0], 1.7 * h + 0.6 * normed.attn(h, ctx))
+        hc_cfg = dataclasses.replace(TINY, hyper_connections=2, n_dense=3, mlp_free_layers=(0,))
+        hc = Transformer(hc_cfg).blocks[0]
+        assert hc.mlp_hc is None and hc.attn_hc is not None
+        streams = torch.randn(9, 64)
+        h, post, comb = hc.attn_hc(streams)
+        torch.testing.assert_close(hc(streams, ctx_of(hc_cfg))[0], hc.attn_hc.add(streams, hc.attn(hc.attn_norm(h), ctx_of(hc_cfg)), post, comb))
+    for knobs, message in ((dict(mlp_free_layers=(1,)), r"mlp_free_layers: blocks \[1\] are MoE blocks \(n_dense = 1, moe_layers = None\)"),
+                           (dict(n_dense=3, mlp_free_layers=(3,)), r"mlp_free_layers: expected distinct block indices in 0..2, got \(3,\)"),
+                           (dict(n_dense=3, mlp_free_layers=(0,), parallel_blocks=True), "mlp_free_layers: blocks without an MLP, not with parallel_blocks"),
+                           (dict(n_dense=3, mlp_free_layers=(0,), layer_scalars=True), "mlp_free_layers: blocks without an MLP, not with layer_scalars"),
+                           (dict(linear_dt_min=0.1), r"linear_dt_min: the floor of Mamba-2's dt, needs linear_layers and linear_kind='mamba2'")):
+        with pytest.raises(ValueError, match=message):
+            dataclasses.replace(TINY, **knobs)
+    with pytest.raises(ValueError, match=r"mlp: a MoE block has an MLP"):
+        fmoe.model.Block(TINY, moe=True, mlp=False)
 
 
 def test_gemma4_moe_blocks_add_a_dense_mlp_beside_the_moe_and_scale_their_output():
@@ -1312,6 +1358,8 @@ DECODED = {
     "granite4": dataclasses.replace(VARIANTS["granite4"], mtp_depth=0),
     # MiniMax's: lightning attention's states (no convolution) beside a softmax block
     "minimax": dataclasses.replace(VARIANTS["minimax"], mtp_depth=0),
+    # Nemotron-H's: a Mamba-2 block without an MLP among them
+    "nemotron_h": dataclasses.replace(VARIANTS["nemotron_h"], mtp_depth=0),
     # Kimi Linear's: Kimi Delta Attention blocks (a decay per key channel in the states) beside an MLA block without RoPE
     "kimi linear": dataclasses.replace(VARIANTS["kimi linear"], mtp_depth=0),
     # MiMo-V2-Flash's: the window's blocks (rings) with twice the kv heads, values of their own dim; and with a window
@@ -1434,12 +1482,13 @@ def test_decode_with_a_kv_cache_equals_the_whole_sequence(name, monkeypatch):
         assert cache.v.shape == (len(cache.full_layers), 16, heads, cfg.v_head_dim or cfg.head_dim)
     if cfg.linear_layers is not None:  # a state of fixed size per linear-attention layer: the conv's last K - 1 tokens, the rule's state
         lin = cfg.linear_attention_config()
-        assert cache.linear_layers == cfg.linear_layers == (0, 1) and cache.full_layers == (2,)
+        n_linear = len(cfg.linear_layers)
+        assert cache.linear_layers == cfg.linear_layers and cache.full_layers == tuple(i for i in range(cfg.n_layers) if not cfg.is_linear(i))
         # the conv's inputs: q, k and v's projections, or a short convolution's gated input (which has no rule: its state stays 0);
         # lightning attention has no convolution (no channels)
-        assert cache.conv.shape == (2, 1, lin.conv - 1, {"short_conv": lin.v_channels, "lightning": 0}.get(lin.kind, 2 * lin.k_channels + lin.v_channels))
+        assert cache.conv.shape == (n_linear, 1, lin.conv - 1, {"short_conv": lin.v_channels, "lightning": 0}.get(lin.kind, 2 * lin.k_channels + lin.v_channels))
         assert lin.kind == "lightning" or cache.conv.abs().amin(dim=(2, 3)).gt(0).all()
-        assert cache.state.shape == (2, 1, lin.n_v_heads, lin.k_head_dim, lin.v_head_dim)
+        assert cache.state.shape == (n_linear, 1, lin.n_v_heads, lin.k_head_dim, lin.v_head_dim)
         assert cache.state.abs().amin(dim=(2, 3, 4)).gt(0).all() if lin.kind != "short_conv" else not cache.state.any()
         keys = cache.k.numel() if cfg.kv_rank is not None else 2 * 16 * cfg.n_kv_heads * cfg.head_dim  # the latents, or keys and values
         assert cache.nbytes == 4 * (keys + cache.conv.numel() + cache.state.numel())

@@ -214,7 +214,7 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
     """flops_per_token of an fmoe.model.TransformerConfig (any object with its fields): the
     dense blocks are those that are not MoE (moe_layers or n_dense), the shared experts'
     size in units of ffn_expert (shared_ffn, or n_shared), the router over n_experts, the
-    MTP blocks as the model builds them. With multi-latent attention (kv_rank) the attention
+    MTP blocks as the model builds them; blocks without an MLP (cfg.is_mlp_free) count none. With multi-latent attention (kv_rank) the attention
     terms of every block (trunk and MTP) are its own: 6 x its projection weights, and
     6 N (D + v_dim) n_avg_keys for the scores (q.k over D) and the values (over v_dim).
     Gated attention (attn_gate) adds its gate's H N Dv weights to each block's projections.
@@ -247,6 +247,8 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
     names = ("hidden", "n_layers", "ffn_dense", "ffn_expert", "k", "n_heads", "n_kv_heads", "head_dim", "mtp_depth", "n_experts")
     is_moe = getattr(cfg, "is_moe", lambda i: i >= cfg.n_dense)
     n_dense = sum(not is_moe(i) for i in range(cfg.n_layers))
+    mlp_free = sum(getattr(cfg, "is_mlp_free", lambda i: False)(i) for i in range(cfg.n_layers))  # blocks without an MLP
+    mlp_matrices = 2 if getattr(cfg, "mlp_act", "silu") in PLAIN_ACTS else 3
     shared = getattr(cfg, "shared_size", cfg.n_shared * cfg.ffn_expert) / cfg.ffn_expert
     attention = {}
     if getattr(cfg, "kv_rank", None) is not None:
@@ -317,12 +319,13 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
     if n:  # the streams' weights and sums: two per trunk block, and the head's
         H, manifold = cfg.hidden, cfg.hc_kind == "manifold"
         M = 2 * n + (n * n if manifold else 0)
-        hc = 2 * cfg.n_layers * 6 * (M * n * H + n * H + (n * n * H if manifold else 0)) + 6 * (n * n * H + n * H)
-    return indexer + shortcut + hc + gated_norms + flops_per_token(**values, n_dense=n_dense, n_shared=shared, vocab=cfg.vocab_size,
+        hc = (2 * cfg.n_layers - mlp_free) * 6 * (M * n * H + n * H + (n * n * H if manifold else 0)) + 6 * (n * n * H + n * H)
+    no_mlp = mlp_free * 6 * mlp_matrices * cfg.hidden * cfg.ffn_dense  # counted among the dense blocks below
+    return indexer + shortcut + hc + gated_norms - no_mlp + flops_per_token(**values, n_dense=n_dense, n_shared=shared, vocab=cfg.vocab_size,
                                      n_avg_keys=n_avg_keys, n_sliding=n_sliding, n_avg_local_keys=n_avg_local_keys,
                                      attn_gate=bool(getattr(cfg, "attn_gate", False)) and not getattr(cfg, "attn_gate_on_q", False),
                                      attn_gate_per_head=bool(getattr(cfg, "attn_gate_per_head", False)), **attention, **linear,
-                                     mlp_matrices=2 if getattr(cfg, "mlp_act", "silu") in PLAIN_ACTS else 3)
+                                     mlp_matrices=mlp_matrices)
 
 
 def datasheet_peak_flops(name: str) -> Optional[float]:

@@ -75,6 +75,8 @@ MINIMAX = dict(linear_layers=(0,), linear_kind="lightning", linear_k_heads=4, li
 # the rank holding the group), block 1 attention without RoPE
 GRANITE4 = dict(linear_layers=(0,), linear_kind="mamba2", linear_k_heads=2, linear_v_heads=4, linear_k_dim=8, linear_v_dim=6, linear_conv=3,
                 nope_layers=(1,), attn_scale=0.3, residual_scale=0.5)
+# Nemotron-H's: block 0 a Mamba-2 mixer alone (no MLP; dt's floor 0.05), block 1 NoPE attention with an MLP without a gate
+NEMOTRON_H = dict(GRANITE4, attn_scale=None, residual_scale=1.0, n_dense=2, mlp_act="relu2", mlp_free_layers=(0,), linear_dt_min=0.05)
 # Granite's multipliers: the softmax scale, the embeddings', the residual branches', the logits' divisor
 GRANITE = dict(attn_scale=0.3, embed_scale=2.0, residual_scale=0.6, logit_divisor=3.0)
 # MiMo-V2-Flash's attention: values of 6 channels beside q/k heads of 8, scaled; the window's block 1 with 4 kv heads
@@ -394,6 +396,8 @@ CASES = {
     # the rule without the delta
     "tp2-granite4": (2, dict(tp=2), GRANITE4),
     "cp2-granite4": (2, dict(cp=2), GRANITE4),
+    # Nemotron-H's (NEMOTRON_H): a block without an MLP beside the split heads and groups
+    "tp2-nemotron_h": (2, dict(tp=2), NEMOTRON_H),
     "ep2xtp2-llama4": (4, dict(tp=2, ep=2), LLAMA4),
     # gpt-oss's extras: the sinks split with their heads and the output bias added once over
     # tp; the expert biases with their experts over ep (exchanged rows, and the padded

@@ -393,6 +393,10 @@ COUNTED = {
     # MoE (the MTP block's too), the router over its own norm
     # Arcee's: every MLP without a gate, relu(x w_up)^2 w_down (2 matrices), the MTP block's too
     "relu2, dense": dict(moe_layers=(), mlp_act="relu2"),
+    # Nemotron-H's: block 1 its attention alone (no MLP), the other MLPs without a gate
+    "mlp-free block, relu2": dict(moe_layers=(), mlp_act="relu2", mlp_free_layers=(1,)),
+    # ...and beside hyper-connections: no MLP, no MLP streams' weights in block 0 (block 1 MoE)
+    "mlp-free block, mhc": dict(hyper_connections=3, mtp_depth=0, moe_layers=(1,), mlp_free_layers=(0,)),
     "gemma4": dict(qk_norm="head", post_norms=True, v_norm=True, global_k_eq_v=True, window=4, window_layers=(0,), local_head_dim=6,
                    local_kv_heads=4, local_rope_base=100.0, rope_proportion=0.5, n_dense=0, dense_beside_moe=True, router_norm=True,
                    router_expert_scale=True, layer_scalars=True, attn_gate=True),
@@ -431,7 +435,7 @@ def test_flops_per_token_matches_counted_matmuls(name):
     assert counter.get_total_flops() == T * M.model_flops_per_token(cfg, n_avg_keys=T, **local)
     no_scores = M.model_flops_per_token(cfg, n_avg_keys=0, **{k: 0 for k in local})  # the score / value term is linear in n_avg_keys
     n, H = cfg.hyper_connections, cfg.hidden  # the streams' sums (and mixing) in each block's two, and the head's
-    sums = 6 * (2 * cfg.n_layers * (n * H + (n * n * H if cfg.hc_kind == "manifold" else 0)) + n * H) if n else 0
+    sums = 6 * ((2 * cfg.n_layers - len(cfg.mlp_free_layers or ())) * (n * H + (n * n * H if cfg.hc_kind == "manifold" else 0)) + n * H) if n else 0
     assert by_op["aten.mm"] == T * (no_scores - sums)
     assert by_op["aten.bmm"] == T * (M.model_flops_per_token(cfg, n_avg_keys=T, **local) - no_scores + sums)
 
