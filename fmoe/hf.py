@@ -10,7 +10,7 @@ exaone_moe, kolibri1, beam, axk2, dots1, minimax_m2, minimax, granitemoe, granit
 laguna, cohere2_moe, sarvam_moe, sarvam_mla, longcat_flash, bailing_hybrid, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, lara_mini, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
 mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe, gemma3, gemma4_text, gemma4), and the dense
 DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, helium, minicpm3, arcee, gemma, vaultgemma, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
-glm4, ernie4_5, lfm2, cohere, cohere2, bamba: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
+glm4, ernie4_5, lfm2, cohere, cohere2, bamba, nemotron_h: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: OLMoE's q and k clamped after their norms, ...;
 the fields a config.json leaves out read at transformers' defaults, Family.defaults, and a
 family's own names for the fields the shared mappings read as those, Family.aliases)
@@ -1532,6 +1532,79 @@ def _bamba(hf: dict) -> dict:
     return dict(out, rope_dim=out["head_dim"] // 2, **_mamba2_fields(hf, tuple(i for i in range(n) if i not in attention)))
 
 
+_NEMOTRON_H_PATTERN = {"M": "linear_attention", "E": "moe", "*": "full_attention", "-": "mlp"}  # hybrid_override_pattern's letters
+
+
+def _nemotron_h_blocks(hf: dict) -> list[tuple[str, bool]]:
+    """Nemotron-H's layers (layers_block_type, or its older hybrid_override_pattern: M Mamba-2,
+    * attention, - MLP, E MoE; by default transformers' four) as fmoe's blocks: each mixer
+    layer with the MLP layer after it, if there is one. [(mixer kind, has an MLP)] per block;
+    ValueError for an MLP layer with no mixer before it, and for MoE layers."""
+    kinds = hf.get("layers_block_type") or hf.get("layer_types")
+    if kinds is None and hf.get("hybrid_override_pattern") is not None:
+        pattern = hf["hybrid_override_pattern"]
+        if not isinstance(pattern, str) or set(pattern) - set(_NEMOTRON_H_PATTERN):
+            raise ValueError(f"config.json: hybrid_override_pattern = {pattern!r} is not supported (letters of {''.join(_NEMOTRON_H_PATTERN)})")
+        kinds = [_NEMOTRON_H_PATTERN[c] for c in pattern]
+    kinds = [_LEGACY_KINDS.get(k, k) for k in (kinds or ["linear_attention", "moe", "full_attention", "mlp"])]
+    blocks: list[tuple[str, bool]] = []
+    for j, kind in enumerate(kinds):
+        if kind in ("linear_attention", "full_attention"):
+            blocks.append((kind, False))
+        elif kind == "mlp" and blocks and not blocks[-1][1]:
+            blocks[-1] = (blocks[-1][0], True)
+        elif kind == "mlp":
+            raise ValueError(f"config.json: layers_block_type = {kinds!r} is not supported (layer {j}, an MLP, has no mixer layer "
+                             "before it to make a block with: fmoe's blocks are a mixer, then at most one MLP)")
+        else:
+            raise ValueError(f"config.json: layers_block_type = {kinds!r} is not supported (layer {j} is {kind!r}: Nemotron-H's MoE "
+                             "layers, with experts without a gate, are not built; mixer and MLP layers are)")
+    return blocks
+
+
+def _nemotron_h(hf: dict) -> dict:
+    """Nemotron-H (nemotron_h, dense: Nemotron-H-8B/56B, Nemotron-Nano-9B/12B-v2): layers of one
+    sublayer each after its own norm (_nemotron_h_blocks: fmoe's blocks pair a mixer with the
+    MLP after it, mlp_free_layers those without): Mamba-2 mixers (_mamba2_fields' layout:
+    mamba_num_heads heads of mamba_head_dim (any multiple of hidden_size: expand is not read, as
+    in transformers), n_groups groups of ssm_state_size, conv_kernel taps with biases; dt at
+    least time_step_min), attention without RoPE, MLPs relu(x
+    up_proj)^2 down_proj of intermediate_size; every norm's eps layer_norm_epsilon.
+    Projection, attention and MLP biases, tied embeddings and sliding windows refused; the MTP
+    layers (mtp.) not read, as in transformers."""
+    for field, what in (("use_bias", "no biases on the mixer's projections"), ("mlp_bias", "no MLP biases"),
+                        ("attention_bias", "no attention biases"), ("tie_word_embeddings", "an untied head, as transformers builds it"),
+                        ("sliding_window", "no sliding window")):
+        _refuse(hf, field, lambda v: not v, what)
+    _refuse(hf, "use_conv_bias", lambda v: v is True, "the convolution's biases")
+    _refuse(hf, "mlp_hidden_act", lambda v: v == "relu2", "relu2, the squared ReLU of an MLP without a gate")
+    _refuse(hf, "mamba_hidden_act", lambda v: v == "silu", "silu after the convolution")
+    blocks = _nemotron_h_blocks(hf)
+    heads = hf["num_attention_heads"]
+    linear = tuple(i for i, (kind, _) in enumerate(blocks) if kind == "linear_attention")
+    lin = dict(linear_layers=linear or None, linear_kind="mamba2", linear_k_heads=hf.get("n_groups", 8), linear_v_heads=hf.get("mamba_num_heads", 128),
+               linear_k_dim=hf.get("ssm_state_size", 128), linear_v_dim=hf.get("mamba_head_dim", 64), linear_conv=hf.get("conv_kernel", 4))
+    F = hf.get("intermediate_size", 21504)
+    return dict(vocab_size=hf["vocab_size"], hidden=hf["hidden_size"], n_layers=len(blocks), n_dense=len(blocks), ffn_dense=F, ffn_expert=F,
+                n_experts=1, k=1, n_shared=0, score="softmax", expert_bias=False, mtp_depth=0, n_heads=heads,
+                n_kv_heads=_get(hf, "num_key_value_heads", default=heads), head_dim=_get(hf, "head_dim", default=hf["hidden_size"] // heads),
+                norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)), mlp_act="relu2", **lin, linear_dt_min=float(hf.get("time_step_min", 0.001)),
+                nope_layers=tuple(i for i, (kind, _) in enumerate(blocks) if kind == "full_attention") or None,
+                mlp_free_layers=tuple(i for i, (_, mlp) in enumerate(blocks) if not mlp) or None)
+
+
+def _nemotron_h_config(cfg: TransformerConfig) -> dict:
+    """The config.json fields of Nemotron-H that _nemotron_h reads back: each block's layers
+    (its mixer's, then its MLP's) as layers_block_type."""
+    lin = cfg.linear_attention_config()
+    kinds = [kind for i in range(cfg.n_layers)
+             for kind in ("linear_attention" if cfg.is_linear(i) else "full_attention", *(() if cfg.is_mlp_free(i) else ("mlp",)))]
+    return dict(layers_block_type=kinds, layer_norm_epsilon=cfg.norm_eps, mlp_hidden_act="relu2", mamba_hidden_act="silu", intermediate_size=cfg.ffn_dense,
+                mamba_num_heads=lin.n_v_heads, mamba_head_dim=lin.v_head_dim, n_groups=lin.n_k_heads, ssm_state_size=lin.k_head_dim,
+                conv_kernel=lin.conv, time_step_min=cfg.linear_dt_min,
+                use_conv_bias=True, use_bias=False, mlp_bias=False, attention_bias=False, num_nextn_predict_layers=0)
+
+
 def _granitemoehybrid(hf: dict) -> dict:
     """Granite 4.0-H (granitemoehybrid; H-Tiny, H-Small): Granite's MoE blocks with a shared MLP
     and multipliers (_granitemoe), Mamba-2 mixers (linear_kind "mamba2") in the layers
@@ -1541,8 +1614,6 @@ def _granitemoehybrid(hf: dict) -> dict:
     mamba_n_heads heads of mamba_d_head (by default mamba_expand x hidden / heads),
     mamba_n_groups groups of C and B of mamba_d_state, mamba_d_conv taps with biases."""
     kinds = _hybrid_layer_types(hf, ["linear_attention"] * hf["num_hidden_layers"])
-    attention = tuple(i for i, kind in enumerate(kinds) if kind == "full_attention")
-    nope = attention if hf.get("position_embedding_type") != "rope" else ()
     if hf.get("num_local_experts", 8) == 0:  # H-Micro: every block's MLP the shared one alone, a dense SwiGLU
         _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in Granite's attention here")
         blocks = _dense(dict(hf, intermediate_size=hf["shared_intermediate_size"]), **_granite_multipliers(hf))
@@ -2295,6 +2366,10 @@ class Family:
     # hyper-connections' weights (TransformerConfig.hyper_connections): the prefixes of a block's attention's and MLP's fn,
     # base and scale, under the layer, and of the head's, HY-V4's released names (transformers renames them on load)
     hyper: tuple[str, str, str] = ("hc_pre.hc_attn_layer.hc_", "hc_pre.hc_mlp_layer.hc_", "model.hc_pre.hc_head.hc_head_")
+    # Nemotron-H: each layer one sublayer (a mixer or an MLP, under `mixer`, after its own `norm`); fmoe's block i is a mixer's
+    # layer and, unless cfg.mlp_free_layers lists it, the MLP's layer after it (_layer_prefixes)
+    single_sublayer: bool = False
+    mamba: str = "mamba"  # the Mamba-2 mixer's module, in each layer (Granite 4.0-H's, Bamba's; Nemotron-H's mixer)
 
     def renamed(self, key: str) -> str:
         """key (as the family's own models name it) in the family's folders (prefix)."""
@@ -2365,7 +2440,7 @@ _MINISTRAL3_ROPE = dict(rope_type="yarn", rope_theta=1e6, factor=16.0, original_
                         mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1)
 # the dense families (no MoE block): fine-tuned as they are, or upcycled into an MoE (fmoe.train.upcycle)
 DENSE_FAMILIES = ("llama", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "youtu", "helium", "minicpm3", "arcee", "gemma", "vaultgemma", "gemma2", "gemma3_text", "lfm3", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
-                  "phi3", "glm4", "ernie4_5", "lfm2", "cohere", "cohere2", "bamba")
+                  "phi3", "glm4", "ernie4_5", "lfm2", "cohere", "cohere2", "bamba", "nemotron_h")
 FAMILIES = {
     "mixtral": Family(_mixtral, "block_sparse_moe", ("w1", "w3", "w2"), "MixtralForCausalLM",
                       defaults=dict(num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1e6)),
@@ -2627,6 +2702,11 @@ FAMILIES = {
     "bamba": Family(_bamba, "feed_forward", _PROJ, "BambaForCausalLM", dense="feed_forward", norms=("input_layernorm", "pre_ff_layernorm"),
                     final_norm="model.final_layernorm.weight",
                     linear="mamba2", defaults=dict(num_key_value_heads=8, rms_norm_eps=1e-5)),
+    # Nemotron-H: each layer one sublayer, a mixer or an MLP under `mixer` after its `norm`; the model under backbone.
+    "nemotron_h": Family(_nemotron_h, "mixer", _PROJ, "NemotronHForCausalLM", attention="mixer", dense="mixer", norms=("norm", "norm"),
+                         final_norm="model.norm_f.weight", embed="model.embeddings.weight", linear="mamba2", mamba="mixer", single_sublayer=True,
+                         prefix=("model.", "backbone."), not_read=("mtp.",), defaults=dict(vocab_size=131072, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
+                                                           head_dim=128)),
     "smollm3": Family(_smollm3, "mlp", _PROJ, "SmolLM3ForCausalLM", defaults=dict(num_key_value_heads=4, rope_theta=2e6, tie_word_embeddings=True)),
     "cohere": Family(_cohere, "mlp", _PROJ, "CohereForCausalLM", norms=("input_layernorm", ""),
                      defaults=dict(tie_word_embeddings=True, rope_theta=500000.0)),
@@ -2649,7 +2729,7 @@ def _linear_attention_keys(family: Family, cfg: TransformerConfig, p: str, q: st
     la, lin, out = p + "linear_attn.", cfg.linear_attention_config(), {}
     qkv = (lin.k_channels, lin.k_channels, lin.v_channels)  # the q, k, v channels of in_proj_qkv and of the conv
     if family.linear == "mamba2":  # Granite 4.0-H: mamba.in_proj's rows z, x, B, C, dt; conv1d's channels (and bias) x, B, C
-        m, rows, channels = p + "mamba.", (lin.v_channels, lin.v_channels, lin.k_channels, lin.k_channels, lin.n_v_heads), qkv[::-1]
+        m, rows, channels = p + family.mamba + ".", (lin.v_channels, lin.v_channels, lin.k_channels, lin.k_channels, lin.n_v_heads), qkv[::-1]
         for j, name in enumerate(("wz", "wv", "wk", "wq", "wa")):
             out[q + "attn." + name] = Tensor((m + "in_proj.weight",), transpose=True, chunk=(j, rows))
         for j, name in enumerate("vkq"):
@@ -2930,12 +3010,17 @@ def key_map(family: Family, cfg: TransformerConfig) -> dict[str, Tensor]:
     out = {"embed": Tensor((family.embed,))}
     if family.pairs and not cfg.shortcut_moe:
         raise ValueError("model: this family's layers are shortcut pairs of blocks (shortcut_moe=True)")
-    for i in range(cfg.n_layers):
-        p = f"model.layers.{i // 2 if family.pairs else i}."
-        block = _block_keys(family, cfg, p, f"blocks.{i}.", cfg.is_moe(i), rope=not cfg.is_nope(i), linear=cfg.is_linear(i),
+    for i, (p, p_mlp) in enumerate(_layer_prefixes(family, cfg)):
+        q = f"blocks.{i}."
+        block = _block_keys(family, cfg, p, q, cfg.is_moe(i), rope=not cfg.is_nope(i), linear=cfg.is_linear(i),
                             index_shared=cfg.is_index_shared(i), layer=i)
         if family.pairs:
             block = {name: dataclasses.replace(spec, keys=tuple(_sublayer(family, key, p, i % 2) for key in spec.keys)) for name, spec in block.items()}
+        if p_mlp is None:  # a block without an MLP (cfg.mlp_free_layers)
+            block = {name: spec for name, spec in block.items() if not name.startswith(q + "mlp")}
+        elif p_mlp != p:  # the MLP's own layer (Family.single_sublayer)
+            block = {name: dataclasses.replace(spec, keys=tuple(p_mlp + key[len(p):] for key in spec.keys)) if name.startswith(q + "mlp") else spec
+                     for name, spec in block.items()}
         out.update(block)
     if cfg.hyper_connections:  # the streams' last collapse
         out.update({"hc_head." + name: Tensor((family.hyper[2] + name,)) for name in ("fn", "base", "scale")})
@@ -2968,6 +3053,23 @@ def key_map(family: Family, cfg: TransformerConfig) -> dict[str, Tensor]:
                                              if name.endswith("norm.weight") else [])}
     if family.prefix != ("", ""):
         out = {name: dataclasses.replace(spec, keys=tuple(family.renamed(key) for key in spec.keys)) for name, spec in out.items()}
+    return out
+
+
+def _layer_prefixes(family: Family, cfg: TransformerConfig) -> list[tuple[str, Optional[str]]]:
+    """Each trunk block's HF layer prefixes: its mixer's and its MLP's (None: a block without
+    an MLP, cfg.mlp_free_layers). Layer i holds block i whole; Family.pairs' layer j blocks 2j
+    and 2j + 1; Family.single_sublayer's layers one sublayer each (Nemotron-H's), block i's
+    MLP the layer after its mixer's."""
+    out, layer = [], 0
+    for i in range(cfg.n_layers):
+        free = cfg.is_mlp_free(i)
+        if family.single_sublayer:
+            out.append((f"model.layers.{layer}.", None if free else f"model.layers.{layer + 1}."))
+            layer += 1 if free else 2
+        else:
+            p = f"model.layers.{i // 2 if family.pairs else i}."
+            out.append((p, None if free else p))
     return out
 
 
@@ -3799,6 +3901,10 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
                       rope_parameters=_rope_by_layer_type_parameters(cfg, full))
         elif model_type == "bamba":  # RoPE on half of each head's channels (transformers fixes it; config_mismatch names another)
             hf.update(attention_bias=False, attn_layer_indices=[i for i in range(cfg.n_layers) if not cfg.is_linear(i)], **_mamba2_config(cfg))
+        elif model_type == "nemotron_h":  # its layers, not fmoe's blocks; no RoPE (config_mismatch names a block with it)
+            for name in ("num_hidden_layers", "rms_norm_eps", "hidden_act", "rope_parameters"):
+                hf.pop(name)
+            hf.update(_nemotron_h_config(cfg))
         elif model_type == "smollm3":
             hf.update(attention_bias=cfg.qkv_bias, no_rope_layers=[int(not cfg.is_nope(i)) for i in range(cfg.n_layers)],
                       use_sliding_window=cfg.window is not None, sliding_window=cfg.window, layer_types=_layer_types(cfg))

@@ -142,6 +142,14 @@ FAMILIES = {
     "bamba": lambda: transformers.BambaConfig(**COMMON, intermediate_size=40, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16,
                                               mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=3, mamba_chunk_size=8, pad_token_id=None),
     "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=8, intermediate_size=40),
+    # Nemotron-H: layers of one sublayer each, M- M *- M- (fmoe's 4 blocks, block 1 without an MLP); Mamba-2 (4 heads of 10:
+    # 40 channels, no multiple of hidden; C and B in 2 groups of 8, 3 taps; dt at least 0.5, a floor these weights reach),
+    # attention without RoPE, MLPs relu(x up)^2 down
+    "nemotron_h": lambda: transformers.NemotronHConfig(**{k: v for k, v in COMMON.items() if k != "num_hidden_layers"}, head_dim=8,
+                                                       intermediate_size=40, mamba_num_heads=4, mamba_head_dim=10, n_groups=2, ssm_state_size=8,
+                                                       conv_kernel=3, chunk_size=8, time_step_min=0.5, pad_token_id=None, bos_token_id=None,
+                                                       eos_token_id=None, layers_block_type=["linear_attention", "mlp", "linear_attention",
+                                                                                             "full_attention", "mlp", "linear_attention", "mlp"]),
     "mixtral": lambda: transformers.MixtralConfig(**COMMON, head_dim=8, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2),
     # Granite 4.0-H: Mamba-2 mixers in blocks 0 and 2 (4 heads of 16, C and B in 2 groups of a state of 8, 3 taps) beside
     # attention without RoPE; Granite's MoE with a shared MLP and multipliers
@@ -698,7 +706,10 @@ def test_a_failed_export_leaves_no_weight_files(folders, tmp_path, monkeypatch):
                                           ("phi3", dict(longrope_short_factors=(1.0, 1.5, 2.0, 3.0), longrope_original_max_positions=8)),
                                           ("ernie4_5", dict(rope_interleaved=True, tie_embeddings=True)),
                                           ("lfm2", dict(linear_layers=(0,), linear_kind="short_conv", linear_k_heads=32, linear_v_heads=32,
-                                                        linear_k_dim=1, linear_v_dim=1, linear_conv=3, qk_norm="head", tie_embeddings=True)), ("glm4", dict(qkv_bias=True, post_norms=True, rope_interleaved=True, rope_dim=4))])
+                                                        linear_k_dim=1, linear_v_dim=1, linear_conv=3, qk_norm="head", tie_embeddings=True)), ("glm4", dict(qkv_bias=True, post_norms=True, rope_interleaved=True, rope_dim=4)),
+                                          ("nemotron_h", dict(mlp_act="relu2", linear_layers=(0,), linear_kind="mamba2", linear_k_heads=2, linear_v_heads=4,
+                                                              linear_k_dim=8, linear_v_dim=12, linear_conv=3, linear_dt_min=0.05, nope_layers=(1,),
+                                                              mlp_free_layers=(0,), norm_eps=1e-5))])
 def test_a_dense_model_of_fmoe_s_own_exports_as_a_dense_family(family, knobs, tmp_path):
     """An fmoe model with no MoE block (its MoE fields at the defaults, unused) is written as
     the dense family and read by transformers with the same logits; the attention must match
@@ -3057,6 +3068,43 @@ def test_minimax_reads_lightning_attention_its_decay_and_normed_residuals(folder
     edited = _copy_folder(path, tmp_path / "slopes", tensors, lambda c: None)
     with pytest.raises(ValueError, match=r"checkpoint: model.layers.2.self_attn.slope_rate is not the lightning decay fmoe computes"):
         hf.from_pretrained(edited, impl="torch")
+
+
+def test_nemotron_h_reads_its_layers_as_blocks_and_refuses_what_it_cannot_pair(folders, tmp_path):
+    """Nemotron-H's layers M - M * - M - are fmoe's blocks (M -), (M), (* -), (M -): block 1
+    without an MLP, each block's MLP and its norm from the layer after its mixer's, under
+    backbone.; the older hybrid_override_pattern reads the same. dt's floor (time_step_min)
+    binds in this model: without it the logits move. A layer pattern fmoe cannot pair, MoE
+    layers, and what transformers would build otherwise are refused by name."""
+    path, ref = folders["nemotron_h"]
+    model, cfg = hf.from_pretrained(path, impl="torch")
+    assert (cfg.n_layers, cfg.linear_layers, cfg.nope_layers, cfg.mlp_free_layers, cfg.linear_dt_min, cfg.mlp_act) == (
+        4, (0, 1, 3), (2,), (1,), 0.5, "relu2")
+    keys = hf.key_map(hf.FAMILIES["nemotron_h"], cfg)
+    assert keys["blocks.2.attn.wq"].keys == ("backbone.layers.3.mixer.q_proj.weight",)
+    assert keys["blocks.2.mlp_norm.weight"].keys == ("backbone.layers.4.norm.weight",)
+    assert keys["blocks.2.mlp.w_up"].keys == ("backbone.layers.4.mixer.up_proj.weight",)
+    assert keys["blocks.3.attn.A_log"].keys == ("backbone.layers.5.mixer.A_log",)
+    assert not any(name.startswith("blocks.1.mlp") for name in keys) and "blocks.1.mlp" not in dict(model.named_modules())
+    pattern = hf.read_config(_edit(path, tmp_path / "pattern", lambda c: (c.pop("layers_block_type"), c.update(hybrid_override_pattern="M-M*-M-"))))[1]
+    assert pattern == hf.read_config(path)[1]
+    docs, ids, cu = _packed()
+    with torch.no_grad():
+        theirs = _their_logits(ref, docs)
+        unfloored, _ = hf.from_pretrained(path, impl="torch", linear_dt_min=0.0)
+        assert _rel(model.logits(ids, cu), theirs) < 1e-5 < 1e-3 < _rel(unfloored.logits(ids, cu), theirs)
+    config = json.loads((path / "config.json").read_text())
+    for change, message in (
+            (dict(layers_block_type=["mlp", "linear_attention"]), r"layer 0, an MLP, has no mixer layer before it"),
+            (dict(layers_block_type=["linear_attention", "mlp", "mlp"]), r"layer 2, an MLP, has no mixer layer before it"),
+            (dict(layers_block_type=["linear_attention", "moe"]), r"layer 1 is 'moe': Nemotron-H's MoE layers, with experts without a gate"),
+            (dict(layers_block_type=None, hybrid_override_pattern="M-X"), r"hybrid_override_pattern = 'M-X' is not supported"),
+            (dict(tie_word_embeddings=True), r"tie_word_embeddings = True is not supported \(an untied head"),
+            (dict(mlp_hidden_act="silu"), r"mlp_hidden_act = 'silu' is not supported \(relu2"),
+            (dict(use_conv_bias=False), r"use_conv_bias = False is not supported"),
+            (dict(use_bias=True), r"use_bias = True is not supported \(no biases on the mixer's projections\)")):
+        with pytest.raises(ValueError, match=message):
+            hf.FAMILIES["nemotron_h"].kwargs(dict(config, **change))
 
 
 def test_minicpm3_reads_its_multipliers_rope_halves_and_longrope(folders):
