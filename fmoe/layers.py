@@ -33,12 +33,12 @@ params (a dict or TensorDict; parameters are the caller's, nothing is kept here)
                                     (eps cfg.norm_eps; Gemma 4's router scale), not x
     expert_scale  [E] float32       optional: each slot's weight times its expert's scale, after
                                     the routing (Gemma 4's per_expert_scale)
-    w_gate, w_up  [E, H, F]         routed experts, x's dtype (unless `experts` is given)
-    w_down        [E, F, H]
+    w_gate, w_up  [E, H, F]         routed experts, x's dtype (unless `experts` is given; no
+    w_down        [E, F, H]         w_gate with cfg.glu_act "relu2": experts without a gate)
     b_gate, b_up  [E, F], b_down [E, H]   optional biases of the routed experts (gpt-oss)
     expert_bias   [E] float32       optional: selection only (added to sigmoids or probabilities)
     shared_w_gate, shared_w_up [H, Fs], shared_w_down [Fs, H]   optional shared experts
-                                    (unless `shared` is given)
+                                    (unless `shared` is given; no shared_w_gate with "relu2")
     shared_gate   [H]               optional sigmoid gate on the shared output
 
 stats (a TensorDict, batch_size []): what the losses and the bias update consume:
@@ -107,7 +107,7 @@ from fmoe.ops.balance import mask_tokens, tokens_per_expert
 from fmoe.ops.checks import check_float, check_index, check_positive_int, check_token_mask
 from fmoe.ops.delta import gated_delta_rule, gated_linear_attention
 from fmoe.ops.dispatch import permute, unpermute
-from fmoe.ops.experts import EXPERT_BIASES, check_glu, grouped_mlp, swiglu
+from fmoe.ops.experts import EXPERT_BIASES, PLAIN_ACTS, check_glu, grouped_mlp, plain_act, swiglu  # PLAIN_ACTS: no gate (relu2)
 from fmoe.ops.fp8 import check_fp8, check_fp8_fast_accum, matmul
 from fmoe.ops.packed import roll_packed, sequence_ids
 from fmoe.ops.rope import (
@@ -157,8 +157,9 @@ class MoEConfig:
     bias_on_logits: sigmoid scoring chooses on the logits + params["expert_bias"] instead of
     the sigmoids + it (fmoe.ops.route's bias_on_logits; Kolibri-1); the weights are the
     chosen sigmoids all the same. glu_act: the experts' gate activation, "silu" (SwiGLU)
-    or "gelu_tanh" (GeGLU: GELU's tanh form, Gemma's), the routed and the shared experts'
-    (fmoe.ops.grouped_mlp's act). norm_eps: the router's RMSNorm's eps (params["router_norm"]).
+    or "gelu_tanh" (GeGLU: GELU's tanh form, Gemma's), or "relu2": experts without a gate
+    (no w_gate, no shared_w_gate: relu(x w_up)^2 w_down, Nemotron 3's), the routed and the
+    shared experts' (fmoe.ops.grouped_mlp's act). norm_eps: the router's RMSNorm's eps (params["router_norm"]).
     """
 
     n_experts: int
@@ -255,16 +256,20 @@ def expert_biases(params) -> dict:
     return {n: params[n] for n in EXPERT_BIASES if params.get(n) is not None}
 
 
-def check_expert_weights(x_TH, params, n_experts: int, *, experts: str = "experts") -> None:
+def check_expert_weights(x_TH, params, n_experts: int, *, experts: str = "experts", gated: bool = True) -> None:
     """ValueError unless params["w_gate"], ["w_up"] are [E, H, F] and ["w_down"] [E, F, H]
-    in x's dtype (E = n_experts, H = x's hidden size); `experts` names what E counts in
-    the message (e.g. "this rank's E/ep experts")."""
+    in x's dtype (E = n_experts, H = x's hidden size); without a gate (gated=False: act in
+    PLAIN_ACTS) no w_gate. `experts` names what E counts in the message (e.g. "this rank's
+    E/ep experts")."""
     H, E = x_TH.shape[1], n_experts
-    w_gate = params.get("w_gate")
-    if not isinstance(w_gate, torch.Tensor) or w_gate.ndim != 3 or w_gate.shape[:2] != (E, H):
-        raise ValueError(f"params['w_gate']: expected [{E}, {H}, F] ({experts}, x's hidden size, FFN), got {getattr(w_gate, 'shape', None)}")
-    F_ = w_gate.shape[2]
-    for name, shape in (("w_gate", (E, H, F_)), ("w_up", (E, H, F_)), ("w_down", (E, F_, H))):
+    first = "w_gate" if gated else "w_up"
+    if not gated and params.get("w_gate") is not None:
+        raise ValueError("params['w_gate']: experts without a gate (cfg.glu_act relu2) take none, got a tensor")
+    w = params.get(first)
+    if not isinstance(w, torch.Tensor) or w.ndim != 3 or w.shape[:2] != (E, H):
+        raise ValueError(f"params['{first}']: expected [{E}, {H}, F] ({experts}, x's hidden size, FFN), got {getattr(w, 'shape', None)}")
+    F_ = w.shape[2]
+    for name, shape in ((("w_gate", (E, H, F_)),) if gated else ()) + (("w_up", (E, H, F_)), ("w_down", (E, F_, H))):
         w = params.get(name)
         if not isinstance(w, torch.Tensor) or tuple(w.shape) != shape:
             raise ValueError(f"params['{name}']: expected {list(shape)} ({experts}, hidden, FFN), got {getattr(w, 'shape', None)}")
@@ -300,19 +305,20 @@ def _check_moe(x_TH, params, cfg, experts, shared, drop) -> None:
     if shared is not None and any(w is not None for w in weights):
         raise ValueError("shared: given together with params['shared_w_*']; pass one or the other")
     if shared is None and any(w is not None for w in weights):
-        if any(w is None for w in weights):
-            raise ValueError("params: shared experts need all of shared_w_gate, shared_w_up, shared_w_down")
-        Fs = weights[0].shape[-1]
+        gated = cfg.glu_act not in PLAIN_ACTS  # without a gate: no shared_w_gate either
+        if gated and any(w is None for w in weights) or not gated and (weights[0] is not None or any(w is None for w in weights[1:])):
+            raise ValueError("params: shared experts need all of " + ("shared_w_gate, " if gated else "") + "shared_w_up, shared_w_down"
+                             + ("" if gated else f" (no shared_w_gate: cfg.glu_act {cfg.glu_act!r} has no gate)"))
+        Fs = weights[1].shape[-1]
         for name, w, shape in zip(_SHARED, weights, ((H, Fs), (H, Fs), (Fs, H))):
-            if tuple(w.shape) != shape or w.dtype != x_TH.dtype:
+            if w is not None and (tuple(w.shape) != shape or w.dtype != x_TH.dtype):
                 raise ValueError(f"params['{name}']: expected {x_TH.dtype} {list(shape)}, got {w.dtype} {list(w.shape)}")
     gate = params.get("shared_gate")
-    has_shared = shared is not None or weights[0] is not None
+    has_shared = shared is not None or weights[1] is not None
     if gate is not None and (not has_shared or tuple(gate.shape) != (H,)):
         raise ValueError(f"params['shared_gate']: expected [{H}] alongside shared experts, got {tuple(gate.shape)}")
 
 
-PLAIN_ACTS = ("relu2",)  # the activations of an MLP without a gate (dense_mlp's act): squared ReLU
 
 
 def dense_mlp(x_TH: torch.Tensor, w_gate_HF, w_up_HF, w_down_FH, *, impl: str = "auto", fp8: bool = False, act: str = "silu") -> torch.Tensor:
@@ -325,7 +331,7 @@ def dense_mlp(x_TH: torch.Tensor, w_gate_HF, w_up_HF, w_down_FH, *, impl: str = 
         if w_gate_HF is not None:
             raise ValueError(f"w_gate: act {act!r} is an MLP without a gate, expected None, got a tensor")
         up_TF = matmul(x_TH, w_up_HF, fp8=fp8, impl=impl)
-        return matmul(torch.relu(up_TF).square(), w_down_FH, fp8=fp8, impl=impl)
+        return matmul(plain_act(up_TF, act), w_down_FH, fp8=fp8, impl=impl)
     gate_TF, up_TF = (matmul(x_TH, w, fp8=fp8, impl=impl) for w in (w_gate_HF, w_up_HF))
     return matmul(swiglu(gate_TF, up_TF, impl=impl, act=act), w_down_FH, fp8=fp8, impl=impl)
 
@@ -341,10 +347,10 @@ def local_experts(x_TH: torch.Tensor, routes: Routes, params, cfg: MoEConfig):
     neither op re-checks their values. fmoe.parallel.ExpertParallel is the expert-parallel
     counterpart, with the same call signature.
     """
-    check_expert_weights(x_TH, params, cfg.n_experts)
+    check_expert_weights(x_TH, params, cfg.n_experts, gated=cfg.glu_act not in PLAIN_ACTS)
     x_perm, plan = permute(x_TH, routes.experts, cfg.n_experts, align=cfg.align, check=False, impl=cfg.impl)
     x_perm, weights = weigh_rows(x_perm, plan, routes.weights, cfg)
-    y_perm = grouped_mlp(x_perm, params["w_gate"], params["w_up"], params["w_down"], plan.offsets, check=False, impl=cfg.impl,
+    y_perm = grouped_mlp(x_perm, params.get("w_gate"), params["w_up"], params["w_down"], plan.offsets, check=False, impl=cfg.impl,
                          fp8=cfg.fp8, fp8_fast_accum=cfg.fp8_fast_accum, **expert_biases(params), **cfg.glu)
     return unpermute(y_perm, plan, weights, impl=cfg.impl), plan.counts
 
@@ -440,8 +446,8 @@ def moe(
     if cfg.zero_experts:
         y_TH = y_TH + (x * identity_T[:, None]).to(x.dtype)
         counts_E = torch.cat([counts_E, counts_Z])
-    if shared is None and params.get("shared_w_gate") is not None:
-        shared = functools.partial(dense_mlp, w_gate_HF=params["shared_w_gate"], w_up_HF=params["shared_w_up"],
+    if shared is None and params.get("shared_w_up") is not None:
+        shared = functools.partial(dense_mlp, w_gate_HF=params.get("shared_w_gate"), w_up_HF=params["shared_w_up"],
                                    w_down_FH=params["shared_w_down"], impl=cfg.impl, fp8=cfg.fp8, act=cfg.glu_act)
     if shared is not None:
         y_shared_TH = shared(x)

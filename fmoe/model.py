@@ -126,8 +126,8 @@ class DenseMLP(nn.Module):
 
 
 class GroupedExperts(nn.Module):
-    """The routed experts' stacked SwiGLU weights: w_gate, w_up [E, H, F], w_down [E, F, H],
-    with biases=True also b_gate, b_up [E, F] and b_down [E, H] (a child module of MoE with a forward of its own, so that FSDP can shard the experts
+    """The routed experts' stacked SwiGLU weights: w_gate, w_up [E, H, F], w_down [E, F, H]
+    (without a gate, cfg.glu_act in PLAIN_ACTS: w_gate None), with biases=True also b_gate, b_up [E, F] and b_down [E, H] (a child module of MoE with a forward of its own, so that FSDP can shard the experts
     over their own mesh and gather them when they run).
 
     forward(x [T, H], routes) -> (y [T, H], counts [E]): the routed experts' weighted
@@ -142,10 +142,11 @@ class GroupedExperts(nn.Module):
         self.cfg = cfg
         self.dispatcher = None
         self.recompute = False  # recompute the routed experts in the backward (ac="experts")
-        self.w_gate = nn.Parameter(torch.empty(n_experts, hidden, ffn, **kw))
+        gated = cfg.glu_act not in PLAIN_ACTS
+        self.w_gate = nn.Parameter(torch.empty(n_experts, hidden, ffn, **kw)) if gated else None
         self.w_up = nn.Parameter(torch.empty(n_experts, hidden, ffn, **kw))
         self.w_down = nn.Parameter(torch.empty(n_experts, ffn, hidden, **kw))
-        self.names = ["w_gate", "w_up", "w_down"]
+        self.names = ["w_gate", "w_up", "w_down"] if gated else ["w_up", "w_down"]
         if biases:  # b_gate, b_up [E, F], b_down [E, H] (gpt-oss)
             self.b_gate = nn.Parameter(torch.zeros(n_experts, ffn, **kw))
             self.b_up = nn.Parameter(torch.zeros(n_experts, ffn, **kw))
@@ -347,7 +348,8 @@ class TransformerConfig:
     experts' clamped SwiGLU (fmoe.ops.grouped_mlp; gpt-oss: 1.702, 7.0, 1.0). mlp_act: every
     MLP's gate activation (dense blocks, shared and routed experts), "silu" (SwiGLU) or
     "gelu_tanh" (GeGLU: GELU's tanh form, Gemma's; fmoe.ops.swiglu's act), or "relu2": MLPs
-    without a gate, relu(x w_up)^2 w_down (Arcee's; dense models only). Gemma 4's MoE
+    without a gate, relu(x w_up)^2 w_down (Arcee's and Nemotron-H's, Nemotron 3's routed and
+    shared experts; not with expert_biases). Gemma 4's MoE
     blocks: dense_beside_moe, a dense MLP of ffn_dense beside the MoE, each with its own pre-
     and post-norm (mlp_norm / dense_post_norm, moe_norm / moe_post_norm), their sum through
     mlp_post_norm before the residual add (needs pre_norms and post_norms); router_norm, the
@@ -660,9 +662,8 @@ class TransformerConfig:
         if self.mlp_act not in GLU_ACTS + PLAIN_ACTS:
             raise ValueError(f"mlp_act: expected one of {', '.join(GLU_ACTS + PLAIN_ACTS)} (the MLPs' gate activation, or relu2: no gate), "
                              f"got {self.mlp_act!r}")
-        if self.mlp_act in PLAIN_ACTS and (any(self.is_moe(i) for i in range(self.n_layers)) or self.shortcut_moe or self.dense_beside_moe):
-            raise ValueError(f"mlp_act: {self.mlp_act!r} is an MLP without a gate, in models without MoE blocks only (the routed experts' "
-                             "kernels are GLUs: n_dense = n_layers)")
+        if self.mlp_act in PLAIN_ACTS and self.expert_biases:
+            raise ValueError(f"expert_biases: mlp_act {self.mlp_act!r} makes experts without a gate, which take no b_gate (gpt-oss's biases)")
         for name in ("dense_beside_moe", "router_norm", "router_expert_scale", "layer_scalars", "v_norm", "global_k_eq_v"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
@@ -1013,7 +1014,7 @@ class TransformerConfig:
             weights_on_input=self.route_on_input, fp8=self.fp8 if fp8 is None else fp8,
             fp8_fast_accum=self.fp8_fast_accum and (self.fp8 if fp8 is None else fp8), logit_softcap=self.router_softcap, shared_scale=self.shared_scale,
             sparsemixer_eps=self.sparsemixer_eps, zero_experts=self.zero_experts, bias_on_logits=self.expert_bias_on_logits,
-            glu_act="silu" if self.mlp_act in PLAIN_ACTS else self.mlp_act, norm_eps=self.norm_eps,  # relu2: no MoE block (checked)
+            glu_act=self.mlp_act, norm_eps=self.norm_eps,  # relu2: the experts without a gate
         )
 
     def linear_attention_config(self, fp8: Optional[bool] = None) -> LinearAttentionConfig:

@@ -33,6 +33,10 @@ CONFIGS = {
     "bias on logits shared": MoEConfig(n_experts=8, k=3, score="sigmoid", normalize=False, bias_on_logits=True),
     # Gemma's GeGLU in the routed and the shared experts
     "geglu shared": MoEConfig(n_experts=4, k=2, glu_act="gelu_tanh"),
+    # Nemotron 3's: experts without a gate (routed and shared: relu(x w_up)^2 w_down), sigmoid routing in 2 groups scored by
+    # their best 2, the expert bias, the weights x 2.5
+    "relu2 sigmoid groups bias shared": MoEConfig(n_experts=8, k=3, score="sigmoid", n_groups=2, topk_groups=1, group_score_topk=2, scale=2.5,
+                                                  glu_act="relu2"),
 }
 
 
@@ -49,6 +53,8 @@ def _params(cfg, dtype, device, shared=False, bias=False):
             shared_w_gate=torch.randn(H, FS, device=device) * 0.2, shared_w_up=torch.randn(H, FS, device=device) * 0.2,
             shared_w_down=torch.randn(FS, H, device=device) * 0.2, shared_gate=torch.randn(H, device=device) * 0.2,
         )
+    if cfg.glu_act == "relu2":  # experts without a gate
+        p = {n: t for n, t in p.items() if n not in ("w_gate", "shared_w_gate")}
     p = {n: (t if n == "router" else t.to(dtype)).requires_grad_() for n, t in p.items()}
     if bias:
         p["expert_bias"] = 0.1 * torch.randn(cfg.n_choices, device=device)
@@ -62,9 +68,14 @@ def _loop_moe(x, params, cfg):
     p = {n: t.float() for n, t in params.items()}
     x = x.float()
     act = functools.partial(F.gelu, approximate="tanh") if cfg.glu_act == "gelu_tanh" else F.silu
+
+    def mlp(x_in, w_gate, w_up, w_down):  # a GLU, or without a gate (relu2)
+        h = torch.relu(x_in @ w_up).square() if w_gate is None else act(x_in @ w_gate) * (x_in @ w_up)
+        return h @ w_down
+
     logits = x @ p["router"].T
     routes = ops.route(logits, cfg.k, score=cfg.score, pre_softmax=cfg.pre_softmax, n_groups=cfg.n_groups,
-                       topk_groups=cfg.topk_groups, expert_bias=params.get("expert_bias"), scale=cfg.scale, normalize=cfg.normalize,
+                       topk_groups=cfg.topk_groups, group_score_topk=cfg.group_score_topk, expert_bias=params.get("expert_bias"), scale=cfg.scale, normalize=cfg.normalize,
                        bias_on_logits=cfg.bias_on_logits, impl="torch")
     if cfg.capacity_factor is not None:  # over the computing experts' slots only
         zero = routes.experts >= cfg.n_experts
@@ -81,14 +92,13 @@ def _loop_moe(x, params, cfg):
             if e >= cfg.n_experts:  # an identity expert, whatever weights_on_input says
                 y_t = y_t + routes.weights[t, j] * x[t]
                 continue
+            w_gate = p["w_gate"][e] if "w_gate" in p else None
             if cfg.weights_on_input:  # the weight scales what the expert sees, its output is summed as is
-                x_in = routes.weights[t, j] * x[t]
-                y_t = y_t + (act(x_in @ p["w_gate"][e]) * (x_in @ p["w_up"][e])) @ p["w_down"][e]
+                y_t = y_t + mlp(routes.weights[t, j] * x[t], w_gate, p["w_up"][e], p["w_down"][e])
                 continue
-            h = act(x[t] @ p["w_gate"][e]) * (x[t] @ p["w_up"][e])
-            y_t = y_t + routes.weights[t, j] * (h @ p["w_down"][e])
-        if "shared_w_gate" in p:
-            s = (act(x[t] @ p["shared_w_gate"]) * (x[t] @ p["shared_w_up"])) @ p["shared_w_down"]
+            y_t = y_t + routes.weights[t, j] * mlp(x[t], w_gate, p["w_up"][e], p["w_down"][e])
+        if "shared_w_up" in p:
+            s = mlp(x[t], p.get("shared_w_gate"), p["shared_w_up"], p["shared_w_down"])
             y_t = y_t + s * torch.sigmoid(x[t] @ p["shared_gate"])
         rows.append(y_t)
     return torch.stack(rows), routes

@@ -67,6 +67,12 @@ VARIANTS = {
     "nemotron_h": dataclasses.replace(TINY, n_layers=4, n_dense=4, mlp_free_layers=(1,), linear_layers=(0, 1, 3), linear_kind="mamba2",
                                       linear_k_heads=2, linear_v_heads=4, linear_k_dim=8, linear_v_dim=6, linear_conv=3, linear_dt_min=0.05,
                                       mlp_act="relu2", nope_layers=(2,), mtp_depth=1),
+    # Nemotron 3's: the same layers with MoE blocks (0, 2, 3) of experts without a gate (routed and shared: relu(x w_up)^2
+    # w_down), sigmoid routing in 2 groups scored by their best 2, the expert bias, the weights x 2.5
+    "nemotron 3": dataclasses.replace(TINY, n_layers=4, moe_layers=(0, 2, 3), mlp_free_layers=(1,), linear_layers=(0, 1, 3), linear_kind="mamba2",
+                                      linear_k_heads=2, linear_v_heads=4, linear_k_dim=8, linear_v_dim=6, linear_conv=3, linear_dt_min=0.05,
+                                      mlp_act="relu2", nope_layers=(2,), n_groups=2, topk_groups=1, group_score_topk=2, route_scale=2.5,
+                                      mtp_depth=1),
     "kimi linear": dataclasses.replace(TINY, linear_layers=(0, 1), linear_kind="kda", linear_k_heads=2, linear_v_heads=2, linear_k_dim=8,
                                        linear_v_dim=6, n_kv_heads=4, head_dim=12, rope_dim=4, kv_rank=6, v_head_dim=5, nope_layers=(2,),
                                        n_groups=2, topk_groups=1, group_score_topk=2, mtp_depth=1),
@@ -1275,8 +1281,9 @@ def test_geglu_models_put_gelu_s_tanh_form_in_every_mlp():
 
 def test_relu2_models_have_mlps_without_a_gate():
     """mlp_act="relu2" (Arcee's): every MLP is relu(x w_up)^2 w_down, without w_gate (the MTP
-    block's too); refused beside MoE blocks, whose experts' kernels are GLUs; dense_mlp
-    refuses a gate given with it."""
+    block's too); in MoE blocks (Nemotron 3's) the routed and the shared experts too, each
+    routed row relu(x w_up[e])^2 w_down[e] times its weight; refused with expert biases (no
+    b_gate); dense_mlp refuses a gate given with it."""
     from fmoe.layers import dense_mlp
 
     cfg = dataclasses.replace(TINY, mlp_act="relu2", n_dense=3, mtp_depth=1)
@@ -1291,8 +1298,22 @@ def test_relu2_models_have_mlps_without_a_gate():
     losses, _ = model(batch, model.context(batch))
     sum(losses[key] for key in losses.keys() if key.endswith("_sum")).backward()
     assert mlp.w_up.grad.abs().sum() > 0 and model.mtp[0].block.mlp.w_down.grad.abs().sum() > 0
-    with pytest.raises(ValueError, match=r"mlp_act: 'relu2' is an MLP without a gate, in models without MoE blocks only"):
-        dataclasses.replace(TINY, mlp_act="relu2")
+    moe_cfg = dataclasses.replace(TINY, mlp_act="relu2", mtp_depth=1)
+    model = Transformer(moe_cfg)
+    moe = model.blocks[1].mlp
+    assert moe.experts.w_gate is None and moe.shared.w_gate is None and model.mtp[0].block.mlp.experts.w_gate is None
+    assert not any(name.endswith("w_gate") for name, _ in model.named_parameters())
+    routes = fmoe.ops.route(x.float() @ moe.router.T, moe_cfg.k, score=moe_cfg.score, expert_bias=moe.expert_bias)
+    y, _ = moe.experts(x, routes)
+    want = sum(routes.weights[:, j, None] * torch.stack([torch.relu(x[t] @ moe.experts.w_up[e]).square() @ moe.experts.w_down[e]
+                                                         for t, e in enumerate(routes.experts[:, j].tolist())]) for j in range(moe_cfg.k))
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-6)
+    batch = _batch(moe_cfg)
+    losses, _ = model(batch, model.context(batch))
+    sum(losses[key] for key in losses.keys() if key.endswith("_sum")).backward()
+    assert moe.experts.w_up.grad.abs().sum() > 0 and moe.shared.w_down.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match=r"expert_biases: mlp_act 'relu2' makes experts without a gate, which take no b_gate"):
+        dataclasses.replace(TINY, mlp_act="relu2", expert_biases=True)
     with pytest.raises(ValueError, match=r"w_gate: act 'relu2' is an MLP without a gate, expected None"):
         dense_mlp(x, mlp.w_up, mlp.w_up, mlp.w_down, act="relu2")
 
@@ -1358,8 +1379,9 @@ DECODED = {
     "granite4": dataclasses.replace(VARIANTS["granite4"], mtp_depth=0),
     # MiniMax's: lightning attention's states (no convolution) beside a softmax block
     "minimax": dataclasses.replace(VARIANTS["minimax"], mtp_depth=0),
-    # Nemotron-H's: a Mamba-2 block without an MLP among them
+    # Nemotron-H's: a Mamba-2 block without an MLP among them; Nemotron 3's: MoE blocks of experts without a gate
     "nemotron_h": dataclasses.replace(VARIANTS["nemotron_h"], mtp_depth=0),
+    "nemotron 3": dataclasses.replace(VARIANTS["nemotron 3"], mtp_depth=0),
     # Kimi Linear's: Kimi Delta Attention blocks (a decay per key channel in the states) beside an MLA block without RoPE
     "kimi linear": dataclasses.replace(VARIANTS["kimi linear"], mtp_depth=0),
     # MiMo-V2-Flash's: the window's blocks (rings) with twice the kv heads, values of their own dim; and with a window

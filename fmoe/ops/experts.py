@@ -14,6 +14,9 @@ gate through GELU's tanh form instead of silu (with the same clamps and offset):
 
     geglu(gate, up) = 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))) (u + offset)
 
+and experts without a gate (w_gate None, act "relu2": PLAIN_ACTS; Nemotron 3's), whose
+hidden rows are relu(x W_up[e])^2 in x_perm's dtype (relu is exact, the square rounded once).
+
 Expert e owns rows offsets[e-1] .. offsets[e] of x_perm, expert 0 from row 0 (`offsets` are
 int32 cumulative group ends, the `offs` of torch._grouped_mm). Experts may own no rows; the
 rows past offsets[E-1] belong to none and come out as exact zeros, with zero gradient,
@@ -79,6 +82,22 @@ def swiglu_ref(gate, up, alpha: float = 1.0, limit=None, offset: float = 0.0, ac
 
 EXPERT_BIASES = ("b_gate", "b_up", "b_down")  # grouped_mlp's optional per-expert biases: [E, F], [E, F], [E, H]
 GLU_ACTS = ("silu", "gelu_tanh")  # the gate's activation: SwiGLU's, GeGLU's (GELU's tanh form)
+PLAIN_ACTS = ("relu2",)  # the activation of an MLP without a gate (w_gate None): the squared ReLU
+
+
+def plain_act(up: torch.Tensor, act: str = "relu2") -> torch.Tensor:
+    """An MLP without a gate's activation of x W_up (PLAIN_ACTS): relu(up)^2 in up's dtype."""
+    if act not in PLAIN_ACTS:
+        raise ValueError(f"act: expected one of {', '.join(PLAIN_ACTS)} (an MLP without a gate), got {act!r}")
+    return torch.relu(up).square()
+
+
+def _hidden(gate_RF: Optional[torch.Tensor], up_RF: torch.Tensor, glu, fused: bool = False) -> torch.Tensor:
+    """The experts' hidden rows: the SwiGLU of gate and up (fused: the Triton kernel), or
+    without a gate (gate None) plain_act(up)."""
+    if gate_RF is None:
+        return plain_act(up_RF, glu[3])
+    return _swiglu_fwd(gate_RF, up_RF, *glu) if fused else swiglu_ref(gate_RF, up_RF, *glu)
 _PLAIN_GLU = (1.0, None, 0.0, "silu")  # (alpha, limit, offset, act) of silu(gate) * up
 _NO_BIASES = (None,) * len(EXPERT_BIASES)
 
@@ -106,7 +125,7 @@ def _matmul_ref(a_MK, b_KN):
 def grouped_mlp_ref(x_RH, w_gate_EHF, w_up_EHF, w_down_EFH, offsets_E, biases=_NO_BIASES, glu=_PLAIN_GLU, fp8=False):
     """Plain-torch loop over the experts; differentiable through torch autograd. biases:
     (b_gate, b_up, b_down), each [E, F] / [E, F] / [E, H] or None; glu: swiglu_ref's
-    (alpha, limit, offset); fp8: each projection by fmoe.ops.fp8_matmul's emulation.
+    (alpha, limit, offset, act); w_gate None: no gate (plain_act of glu's act); fp8: each projection by fmoe.ops.fp8_matmul's emulation.
 
     Reads offsets on the host (offsets.tolist(): one device->host sync); impl="torch" only.
     """
@@ -120,7 +139,7 @@ def grouped_mlp_ref(x_RH, w_gate_EHF, w_up_EHF, w_down_EFH, offsets_E, biases=_N
     start = 0
     for e, end in enumerate(offsets_E.tolist()):
         x_MH = x_RH[start:end]
-        h_MF = swiglu_ref(project(x_MH, w_gate_EHF, b_gate, e), project(x_MH, w_up_EHF, b_up, e), *glu)
+        h_MF = _hidden(None if w_gate_EHF is None else project(x_MH, w_gate_EHF, b_gate, e), project(x_MH, w_up_EHF, b_up, e), glu)
         y_RH[start:end] = project(h_MF, w_down_EFH, b_down, e)
         start = end
     return y_RH
@@ -540,12 +559,12 @@ _grouped_gemm_fwd.register_autograd(_grouped_gemm_backward, setup_context=_group
 
 def _grouped_mlp_kernels(x_RH, w_gate_EHF, w_up_EHF, w_down_EFH, offsets_E, torch_gmm: bool, biases=_NO_BIASES, glu=_PLAIN_GLU, fp8=FP8_OFF):
     """The CUDA (or interpreted) path: three grouped GEMMs around the fused SwiGLU (either
-    form); biases added to each expert's rows."""
+    form), or two around plain_act without a gate; biases added to each expert's rows."""
     b_gate, b_up, b_down = biases
     expert_R = _row_experts(offsets_E, x_RH.shape[0], biases)
-    gate_RF = _plus(_grouped_gemm_fwd(x_RH, w_gate_EHF, offsets_E, torch_gmm, fp8), b_gate, expert_R)
+    gate_RF = None if w_gate_EHF is None else _plus(_grouped_gemm_fwd(x_RH, w_gate_EHF, offsets_E, torch_gmm, fp8), b_gate, expert_R)
     up_RF = _plus(_grouped_gemm_fwd(x_RH, w_up_EHF, offsets_E, torch_gmm, fp8), b_up, expert_R)
-    h_RF = _swiglu_fwd(gate_RF, up_RF, *glu)
+    h_RF = _hidden(gate_RF, up_RF, glu, fused=True)
     return _plus(_grouped_gemm_fwd(h_RF, w_down_EFH, offsets_E, torch_gmm, fp8), b_down, expert_R)
 
 
@@ -557,7 +576,7 @@ def _grouped_mlp_cpu(x_RH, w_gate_EHF, w_up_EHF, w_down_EFH, offsets_E, biases=_
     that where they are not. The zeros add nothing to any sum, the padded columns of h meet
     zero rows of w_down, and the padding's slices give the gradients back their shapes.
     """
-    H, F = x_RH.shape[1], w_gate_EHF.shape[2]
+    H, F = x_RH.shape[1], w_up_EHF.shape[2]
     multiple = 16 // x_RH.element_size()
     pad_H, pad_F = -H % multiple, -F % multiple
     b_gate, b_up, b_down = biases
@@ -565,12 +584,12 @@ def _grouped_mlp_cpu(x_RH, w_gate_EHF, w_up_EHF, w_down_EFH, offsets_E, biases=_
     if pad_H or pad_F:
         pad = torch.nn.functional.pad
         x_RH = pad(x_RH, (0, pad_H))
-        w_gate_EHF, w_up_EHF = pad(w_gate_EHF, (0, pad_F, 0, pad_H)), pad(w_up_EHF, (0, pad_F, 0, pad_H))
+        w_gate_EHF, w_up_EHF = (None if w is None else pad(w, (0, pad_F, 0, pad_H)) for w in (w_gate_EHF, w_up_EHF))
         w_down_EFH = pad(w_down_EFH, (0, pad_H, 0, pad_F))
         b_gate, b_up = (None if b is None else pad(b, (0, pad_F)) for b in (b_gate, b_up))
-    gate_RF = _plus(_grouped_gemm_fwd(x_RH, w_gate_EHF, offsets_E, True, fp8), b_gate, expert_R)
+    gate_RF = None if w_gate_EHF is None else _plus(_grouped_gemm_fwd(x_RH, w_gate_EHF, offsets_E, True, fp8), b_gate, expert_R)
     up_RF = _plus(_grouped_gemm_fwd(x_RH, w_up_EHF, offsets_E, True, fp8), b_up, expert_R)
-    y_RH = _grouped_gemm_fwd(swiglu_ref(gate_RF, up_RF, *glu), w_down_EFH, offsets_E, True, fp8)
+    y_RH = _grouped_gemm_fwd(_hidden(gate_RF, up_RF, glu), w_down_EFH, offsets_E, True, fp8)
     return _plus(y_RH[:, :H] if pad_H else y_RH, b_down, expert_R)
 
 
@@ -613,7 +632,7 @@ def _check_offsets(offsets: torch.Tensor, E: int, R: int, x_perm: torch.Tensor, 
 
 def grouped_mlp(
     x_perm: torch.Tensor,
-    w_gate: torch.Tensor,
+    w_gate: Optional[torch.Tensor],
     w_up: torch.Tensor,
     w_down: torch.Tensor,
     offsets: torch.Tensor,
@@ -634,7 +653,8 @@ def grouped_mlp(
 
     Args:
         x_perm: [R, H] float32 / bfloat16 / float16, rows grouped by expert (fmoe.ops.permute).
-        w_gate, w_up: [E, H, F], x_perm's dtype and device.
+        w_gate, w_up: [E, H, F], x_perm's dtype and device; w_gate None: experts without a
+            gate, relu(x W_up[e])^2 W_down[e] (act "relu2", which it needs).
         w_down: [E, F, H].
         offsets: [E] int32, cumulative end of each expert's rows (plan.offsets): expert e
             owns rows offsets[e-1] .. offsets[e]; rows past offsets[-1] belong to no expert.
@@ -649,7 +669,8 @@ def grouped_mlp(
             1.0); the defaults are silu(gate) * up. The fused Triton SwiGLU computes either
             form (the CPU path of "auto" runs it in plain torch).
         act: the gate's activation, "silu" (SwiGLU) or "gelu_tanh" (GeGLU: GELU's tanh
-            form, Gemma's; with alpha 1).
+            form, Gemma's; with alpha 1); or with w_gate None "relu2" (PLAIN_ACTS; alpha,
+            limit, offset and b_gate at their defaults).
         fp8: each projection's forward and input-gradient GEMMs in fp8, as
             fmoe.ops.fp8_matmul (x_perm's rows and each expert's columns quantized over the
             contracted dim, power-of-two scales; the weight gradients in x_perm's dtype):
@@ -666,7 +687,8 @@ def grouped_mlp(
             unchanged by it. Refused without fp8.
 
     Returns:
-        y_perm [R, H] in x_perm's dtype: y = (silu(x W_gate[e]) * (x W_up[e])) W_down[e]
+        y_perm [R, H] in x_perm's dtype: y = (silu(x W_gate[e]) * (x W_up[e])) W_down[e] (without
+        a gate relu(x W_up[e])^2 W_down[e])
         (with the biases and SwiGLU options above) for each expert's rows, exact zeros (and
         zero gradient) for rows of no expert. Differentiable with respect to x_perm, the
         three weights and the biases.
@@ -678,18 +700,26 @@ def grouped_mlp(
     """
     check_float("x_perm", x_perm, 2, "[R, H]")
     R, H = x_perm.shape
-    check_float("w_gate", w_gate, 3, "[E, H, F]")
-    E, _, F = w_gate.shape
-    if E == 0 or w_gate.shape[1] != H:
-        raise ValueError(f"w_gate: expected shape [E, H, F] with E >= 1 and H = {H} (x_perm's last dim), got {tuple(w_gate.shape)}")
+    glu = check_glu(alpha, limit, offset, act)
+    if (w_gate is None) != (act in PLAIN_ACTS):
+        raise ValueError(f"w_gate: act {act!r} " + ("is an MLP without a gate, expected None, got a tensor" if w_gate is not None
+                                                     else f"gates the up projection, expected [E, H, F], got None (none: act one of {PLAIN_ACTS})"))
+    first = "w_up" if w_gate is None else "w_gate"
+    check_float(first, w_up if w_gate is None else w_gate, 3, "[E, H, F]")
+    E, _, F = w_up.shape if w_gate is None else w_gate.shape
+    if E == 0 or (w_up if w_gate is None else w_gate).shape[1] != H:
+        raise ValueError(f"{first}: expected shape [E, H, F] with E >= 1 and H = {H} (x_perm's last dim), got {tuple((w_up if w_gate is None else w_gate).shape)}")
     check_float("w_up", w_up, 3, "[E, H, F]")
-    if w_up.shape != w_gate.shape:
-        raise ValueError(f"w_up: expected shape [E, H, F] = {list(w_gate.shape)} like w_gate, got {list(w_up.shape)}")
+    if w_up.shape != (E, H, F):
+        raise ValueError(f"w_up: expected shape [E, H, F] = {[E, H, F]} like w_gate, got {list(w_up.shape)}")
     check_float("w_down", w_down, 3, "[E, F, H]")
     if w_down.shape != (E, F, H):
         raise ValueError(f"w_down: expected shape [E, F, H] = {[E, F, H]}, got {list(w_down.shape)}")
     for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
-        _check_like(name, w, "x_perm", x_perm)
+        if w is not None:
+            _check_like(name, w, "x_perm", x_perm)
+    if w_gate is None and b_gate is not None:
+        raise ValueError("b_gate: the gate's bias, expected None with w_gate None (experts without a gate)")
     _check_offsets(offsets, E, R, x_perm, check)
     biases = (b_gate, b_up, b_down)
     for name, b, shape in zip(("b_gate", "b_up", "b_down"), biases, ((E, F), (E, F), (E, H))):
@@ -698,11 +728,10 @@ def grouped_mlp(
         if not isinstance(b, torch.Tensor) or tuple(b.shape) != shape:
             raise ValueError(f"{name}: expected shape {list(shape)} ([E, F] for b_gate / b_up, [E, H] for b_down), got {getattr(b, 'shape', type(b).__name__)}")
         _check_like(name, b, "x_perm", x_perm)
-    glu = check_glu(alpha, limit, offset, act)
     check_fp8(fp8)
     fp8 = FP8_FAST if check_fp8_fast_accum(fp8_fast_accum, fp8) else (FP8_ON if fp8 else FP8_OFF)
 
-    if use_triton(impl, x_perm, w_gate, w_up, w_down, offsets):
+    if use_triton(impl, x_perm, w_up, w_down, offsets):
         torch_gmm = impl == "auto" and _grouped_mm_fast(x_perm, F) and (not fp8 or (H % 16 == 0 and F % 16 == 0))
         return _grouped_mlp_kernels(x_perm, w_gate, w_up, w_down, offsets, torch_gmm, biases, glu, fp8)
     if impl == "auto" and x_perm.device.type == "cpu":
@@ -712,7 +741,8 @@ def grouped_mlp(
 
 def check_glu(alpha, limit, offset, act: str = "silu") -> tuple:
     """(alpha, limit, offset, act): three floats (limit None or > 0) and the gate's activation
-    (GLU_ACTS; "gelu_tanh" with alpha 1); ValueError naming the bad one."""
+    (GLU_ACTS; "gelu_tanh" with alpha 1), or the activation of an MLP without a gate
+    (PLAIN_ACTS, the three at their defaults 1, None, 0); ValueError naming the bad one."""
     def number(name, v):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
             raise ValueError(f"{name}: expected a finite number, got {v!r}")
@@ -723,8 +753,10 @@ def check_glu(alpha, limit, offset, act: str = "silu") -> tuple:
         limit = number("limit", limit)
         if limit <= 0:
             raise ValueError(f"limit: expected > 0 (the SwiGLU clamp) or None, got {limit!r}")
-    if act not in GLU_ACTS:
-        raise ValueError(f"act: expected one of {', '.join(GLU_ACTS)} (the gate's activation), got {act!r}")
+    if act in PLAIN_ACTS and (alpha, limit, offset) != (1.0, None, 0.0):
+        raise ValueError(f"alpha / limit / offset: knobs of a gated MLP's activation, not of act {act!r} (no gate), got {alpha!r} / {limit!r} / {offset!r}")
+    if act not in GLU_ACTS + PLAIN_ACTS:
+        raise ValueError(f"act: expected one of {', '.join(GLU_ACTS)} (the gate's activation) or {', '.join(PLAIN_ACTS)} (no gate), got {act!r}")
     if act == "gelu_tanh" and alpha != 1.0:
         raise ValueError(f"alpha: the slope of SwiGLU's sigmoid, expected 1.0 with act 'gelu_tanh' (GELU has none), got {alpha!r}")
     return alpha, limit, offset, act
@@ -751,6 +783,8 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, impl: str = "auto", alpha: f
         raise ValueError(f"up: expected shape {tuple(gate.shape)} like gate, got {tuple(up.shape)}")
     _check_like("up", up, "gate", gate)
     glu = check_glu(alpha, limit, offset, act)
+    if act in PLAIN_ACTS:
+        raise ValueError(f"act: swiglu gates up by act(gate), expected one of {', '.join(GLU_ACTS)}, got {act!r} (an MLP without a gate: plain_act)")
     if use_triton(impl, gate, up):
         return _swiglu_fwd(gate, up, *glu)
     return swiglu_ref(gate, up, *glu)

@@ -102,7 +102,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from fmoe.layers import check_expert_weights, expert_biases, local_experts, weigh_rows
+from fmoe.layers import PLAIN_ACTS, check_expert_weights, expert_biases, local_experts, weigh_rows
 from fmoe.ops.checks import check_float, check_index, check_positive_int
 from fmoe.ops.dispatch import PermutePlan, permute, slot_ranks, unpermute
 from fmoe.ops.experts import grouped_mlp
@@ -536,7 +536,8 @@ class ExpertParallel:
         if routes.weights.shape[0] != T or routes.experts.shape[0] != T:
             shapes = f"{tuple(routes.weights.shape)}, {tuple(routes.experts.shape)}"
             raise ValueError(f"routes: expected weights and experts with x's {T} rows, got {shapes}")
-        check_expert_weights(x_TH, params, E // ep, experts=f"this rank's E/ep = {E}/{ep} experts, FFN split over etp")
+        check_expert_weights(x_TH, params, E // ep, experts=f"this rank's E/ep = {E}/{ep} experts, FFN split over etp",
+                             gated=cfg.glu_act not in PLAIN_ACTS)
 
     def __call__(self, x_TH: torch.Tensor, routes, params, cfg) -> tuple[torch.Tensor, torch.Tensor]:
         self._check(x_TH, routes, params, cfg)
@@ -549,7 +550,7 @@ class ExpertParallel:
             start = self.tp_mesh.get_local_rank() * t
             experts = experts[start : start + t]  # ids: no gradient, a plain slice
         routes = Routes(weights, experts)
-        w_gate, w_up, w_down = params["w_gate"], params["w_up"], params["w_down"]
+        w_gate, w_up, w_down = params.get("w_gate"), params["w_up"], params["w_down"]  # no w_gate: experts without a gate
         biases = expert_biases(params)  # padding rows' outputs are never read: bias there is harmless
         if "b_down" in biases and _size(self.etp_mesh) > 1:
             # the etp ranks' partial sums are added in combine: each adds b_down / etp, and

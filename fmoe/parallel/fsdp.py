@@ -76,7 +76,7 @@ def shard_experts(moe: MoE, meshes: Meshes) -> None:
     its cp share: the dispatcher splits nothing over tp (token_shards = tp cp sizes its
     capacity layout by the whole micro-batch)."""
     E, ep, etp = moe.cfg.n_experts, meshes.ep, meshes.etp
-    ffn = moe.experts.w_gate.shape[-1]
+    ffn = moe.experts.w_up.shape[-1]
     if E % ep:
         raise ValueError(f"ep: n_experts = {E} is not divisible by ep = {ep}")
     if ffn % etp:
@@ -88,6 +88,8 @@ def shard_experts(moe: MoE, meshes: Meshes) -> None:
     biases = {n: dim for n, dim in zip(EXPERT_BIASES, (1, 1, None)) if getattr(moe.experts, n, None) is not None}
     for name, ffn_dim in (("w_gate", 2), ("w_up", 2), ("w_down", 1), *biases.items()):
         param = getattr(moe.experts, name)
+        if param is None:  # experts without a gate (no w_gate)
+            continue
         placements = [Shard(0), Replicate() if ffn_dim is None else Shard(ffn_dim)]
         sharded = distribute_tensor(param.data, mesh, placements, src_data_rank=None)
         moe.experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))

@@ -11,10 +11,11 @@ shape otherwise (same hidden size, attention, vocabulary, layer count, MTP depth
 - Every parameter the two models share by name and shape (embedding, attention, norms,
   head, the layers that stay dense, the MTP projections) is copied.
 - Each MoE layer's routed experts come from the dense FFN of the same block (w_gate, w_up
-  [H, F], w_down [F, H]), cut along F into g = F / ffn_expert slices (the granularity; g = 1:
-  every expert a whole copy): expert e holds slice e mod g, so experts g j .. g j + g - 1
-  (virtual group j) hold the whole FFN between them, and since SwiGLU acts on each of the F
-  channels alone, their outputs sum to the dense FFN's.
+  [H, F], w_down [F, H]; without a gate, mlp_act "relu2", w_up and w_down), cut along F into
+  g = F / ffn_expert slices (the granularity; g = 1: every expert a whole copy): expert e
+  holds slice e mod g, so experts g j .. g j + g - 1 (virtual group j) hold the whole FFN
+  between them, and since SwiGLU (or relu^2) acts on each of the F channels alone, their
+  outputs sum to the dense FFN's.
 - The router rows of a virtual group are one row: row j of the router's own initial value
   (init_value(seed, name): what `model` was initialised with). The experts of a group tie
   on every token, top-k takes ties by the lower index, so with k a multiple of g a token's

@@ -386,6 +386,44 @@ def test_biases_and_clamped_swiglu_match_per_row_brute_force(case, impl):
     torch.testing.assert_close(zeros, plain, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("impl", ["torch", "auto", "triton"])
+@pytest.mark.parametrize("case", CASES[1:4], ids=str)
+def test_experts_without_a_gate_match_per_row_brute_force(case, impl):
+    """Nemotron 3's experts: no gate (w_gate None, act "relu2"), relu(x w_up + b_up)^2 w_down +
+    b_down per row, values and every gradient on every path, with and without biases; rows
+    of no expert stay zero; in bf16 each path gives the loop's values (_assert_close)."""
+    (x, _, wu, wd), offsets = _problem(*case)
+    E, F, H = wu.shape[0], wu.shape[2], x.shape[1]
+    g = torch.Generator().manual_seed(6)
+    b_up, b_down = torch.randn(E, F, generator=g), torch.randn(E, H, generator=g)
+    grad_y = torch.randn(x.shape, generator=g)
+
+    def brute_force(x, wu, wd, bu, bd, offsets):
+        ends, rows = offsets.tolist(), []
+        for r in range(x.shape[0]):
+            e = next((e for e, end in enumerate(ends) if r < end), None)
+            rows.append(torch.zeros_like(x[r]) if e is None else torch.relu(x[r] @ wu[e] + bu[e]) ** 2 @ wd[e] + bd[e])
+        return torch.stack(rows)
+
+    def ours(x, wu, wd, bu, bd, offsets):
+        return grouped_mlp(x, None, wu, wd, offsets, b_up=bu, b_down=bd, impl=impl, act="relu2")
+
+    for biases in ([b_up, b_down], [0 * b_up, 0 * b_down]):
+        tensors = [x, wu, wd, *biases]
+        y, grads = _run(ours, tensors, offsets, grad_y)
+        y64, grads64 = _run(brute_force, [t.double() for t in tensors], offsets, grad_y.double())
+        torch.testing.assert_close(y, y64.float(), rtol=1e-5, atol=1e-5)
+        for grad, grad64 in zip(grads, grads64):
+            torch.testing.assert_close(grad, grad64.float(), rtol=1e-5, atol=1e-5)
+        _assert_unowned_zero(y, grads[0], offsets)
+    assert bool(((x @ wu[1]) < 0).any()) and bool(((x @ wu[1]) > 0).any())  # the ReLU cuts some rows' columns
+    plain = grouped_mlp(x, None, wu, wd, offsets, impl=impl, act="relu2")
+    _assert_close(plain, grouped_mlp(x, None, wu, wd, offsets, impl="torch", act="relu2"))
+    half = [t.bfloat16() for t in (x, wu, wd)]
+    _assert_close(grouped_mlp(half[0], None, *half[1:], offsets, impl=impl, act="relu2"),
+                  grouped_mlp(half[0], None, *half[1:], offsets, impl="torch", act="relu2"))
+
+
 def test_clamped_swiglu_values():
     gate, up = torch.tensor([-1.0, 0.5, 3.0]), torch.tensor([-9.0, 0.5, 9.0])
     out = swiglu(gate, up, alpha=1.702, limit=7.0, offset=1.0)
@@ -429,7 +467,17 @@ def test_bad_inputs():
     _raises(r"limit: expected > 0 \(the SwiGLU clamp\) or None, got 0", grouped_mlp, x, wg, wu, wd, off, limit=0)
     _raises("alpha: expected a finite number, got nan", grouped_mlp, x, wg, wu, wd, off, alpha=float("nan"))
     _raises("offset: expected a finite number, got '1'", swiglu, torch.ones(3), torch.ones(3), offset="1")
-    _raises("act: expected one of silu, gelu_tanh \\(the gate's activation\\), got 'gelu'", grouped_mlp, x, wg, wu, wd, off, act="gelu")
+    _raises("act: expected one of silu, gelu_tanh \\(the gate's activation\\) or relu2 \\(no gate\\), got 'gelu'", grouped_mlp, x, wg, wu, wd, off, act="gelu")
+    # experts without a gate (w_gate None, act relu2)
+    _raises("w_gate: act 'relu2' is an MLP without a gate, expected None, got a tensor", grouped_mlp, x, wg, wu, wd, off, act="relu2")
+    _raises(r"w_gate: act 'silu' gates the up projection, expected \[E, H, F\], got None", grouped_mlp, x, None, wu, wd, off)
+    _raises("b_gate: the gate's bias, expected None with w_gate None", grouped_mlp, x, None, wu, wd, off, act="relu2", b_gate=torch.zeros(2, 8))
+    _raises("alpha / limit / offset: knobs of a gated MLP's activation, not of act 'relu2'", grouped_mlp, x, None, wu, wd, off, act="relu2",
+            limit=7.0)
+    _raises(r"w_up: expected shape \[E, H, F\] with E >= 1 and H = 16", grouped_mlp, x, None, wu[:, :8], wd, off, act="relu2")
+    _raises(r"w_down: expected shape \[E, F, H\] = \[2, 8, 16\], got \[2, 16, 8\]", grouped_mlp, x, None, wu, wu, off, act="relu2")
+    _raises("act: swiglu gates up by act\\(gate\\)", swiglu, torch.ones(3), torch.ones(3), act="relu2")
+    _raises("act: expected one of relu2 \\(an MLP without a gate\\), got 'silu'", experts.plain_act, torch.ones(3), "silu")
     _raises("alpha: the slope of SwiGLU's sigmoid, expected 1.0 with act 'gelu_tanh'", swiglu, torch.ones(3), torch.ones(3), act="gelu_tanh", alpha=1.7)
 
 
@@ -496,13 +544,23 @@ def _rel_err(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
+def _without_gate(x, w_up, w_down, offsets, **kw):
+    """grouped_mlp of experts without a gate (Nemotron 3's relu2)."""
+    return grouped_mlp(x, None, w_up, w_down, offsets, act="relu2", **kw)
+
+
 @pytest.mark.gpu
-def test_gpu_real_shape_auto_triton_reference():
+@pytest.mark.parametrize("gated", [True, False], ids=["swiglu", "relu2"])
+def test_gpu_real_shape_auto_triton_reference(gated):
+    """auto and triton against the loop at the real shape (_real_problem), the SwiGLU experts
+    and experts without a gate (relu2, w_gate dropped)."""
     x, weights, offsets = _real_problem()
+    fn = grouped_mlp if gated else _without_gate
+    weights = weights if gated else weights[1:]
     assert experts._grouped_mm_fast(x, weights[0].shape[2]) == (torch.cuda.get_device_capability()[0] >= 9)
     grad_y = torch.randn_like(x)
-    y_auto, grads_auto = _run(grouped_mlp, [x, *weights], offsets, grad_y)
-    y_tri, grads_tri = _run(grouped_mlp, [x, *weights], offsets, grad_y, impl="triton")
+    y_auto, grads_auto = _run(fn, [x, *weights], offsets, grad_y)
+    y_tri, grads_tri = _run(fn, [x, *weights], offsets, grad_y, impl="triton")
     for y, grads in ((y_auto, grads_auto), (y_tri, grads_tri)):
         _assert_unowned_zero(y, grads[0], offsets)
         assert all(torch.isfinite(g).all() for g in grads)
@@ -517,7 +575,7 @@ def test_gpu_real_shape_auto_triton_reference():
     starts = [0] + offsets[:-1].tolist()
     rows = torch.cat([torch.arange(starts[e], int(offsets[e]), device="cuda") for e in chosen])
     sub_offsets = torch.tensor([int(offsets[e]) - starts[e] for e in chosen], device="cuda").cumsum(0).to(torch.int32)
-    y_ref, grads_ref = _run(grouped_mlp, [x[rows], *(w[chosen] for w in weights)], sub_offsets, grad_y[rows], impl="torch")
+    y_ref, grads_ref = _run(fn, [x[rows], *(w[chosen] for w in weights)], sub_offsets, grad_y[rows], impl="torch")
     for y, grads in ((y_auto, grads_auto), (y_tri, grads_tri)):
         assert _rel_err(y[rows], y_ref) < 1e-2
         assert _rel_err(grads[0][rows], grads_ref[0]) < 1e-2

@@ -77,6 +77,8 @@ GRANITE4 = dict(linear_layers=(0,), linear_kind="mamba2", linear_k_heads=2, line
                 nope_layers=(1,), attn_scale=0.3, residual_scale=0.5)
 # Nemotron-H's: block 0 a Mamba-2 mixer alone (no MLP; dt's floor 0.05), block 1 NoPE attention with an MLP without a gate
 NEMOTRON_H = dict(GRANITE4, attn_scale=None, residual_scale=1.0, n_dense=2, mlp_act="relu2", mlp_free_layers=(0,), linear_dt_min=0.05)
+# Nemotron 3's: block 1 a MoE of experts without a gate (routed and shared), sigmoid routing in 2 groups x 2.5
+NEMOTRON_3 = dict(NEMOTRON_H, n_dense=1, n_groups=2, topk_groups=1, group_score_topk=2, route_scale=2.5)
 # Granite's multipliers: the softmax scale, the embeddings', the residual branches', the logits' divisor
 GRANITE = dict(attn_scale=0.3, embed_scale=2.0, residual_scale=0.6, logit_divisor=3.0)
 # MiMo-V2-Flash's attention: values of 6 channels beside q/k heads of 8, scaled; the window's block 1 with 4 kv heads
@@ -398,6 +400,9 @@ CASES = {
     "cp2-granite4": (2, dict(cp=2), GRANITE4),
     # Nemotron-H's (NEMOTRON_H): a block without an MLP beside the split heads and groups
     "tp2-nemotron_h": (2, dict(tp=2), NEMOTRON_H),
+    # Nemotron 3's (NEMOTRON_3): the experts without a gate over ep (w_up and w_down alone), their shared expert over tp
+    "ep2-nemotron3": (2, dict(ep=2), NEMOTRON_3),
+    "tp2-nemotron3": (2, dict(tp=2), NEMOTRON_3),
     "ep2xtp2-llama4": (4, dict(tp=2, ep=2), LLAMA4),
     # gpt-oss's extras: the sinks split with their heads and the output bias added once over
     # tp; the expert biases with their experts over ep (exchanged rows, and the padded

@@ -393,6 +393,8 @@ COUNTED = {
     # MoE (the MTP block's too), the router over its own norm
     # Arcee's: every MLP without a gate, relu(x w_up)^2 w_down (2 matrices), the MTP block's too
     "relu2, dense": dict(moe_layers=(), mlp_act="relu2"),
+    # Nemotron 3's: routed and shared experts without a gate (2 matrices each), the MTP block's MoE too
+    "relu2, moe": dict(mlp_act="relu2"),
     # Nemotron-H's: block 1 its attention alone (no MLP), the other MLPs without a gate
     "mlp-free block, relu2": dict(moe_layers=(), mlp_act="relu2", mlp_free_layers=(1,)),
     # ...and beside hyper-connections: no MLP, no MLP streams' weights in block 0 (block 1 MoE)

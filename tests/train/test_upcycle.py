@@ -41,6 +41,8 @@ CASES = {
     "g2-shared-expert": _moe(ffn_expert=32, k=2, n_shared=1, shared_gate=True),
     # a GeGLU dense model (Gemma's MLP) into GeGLU experts
     "g2-geglu-shared-expert": _moe(ffn_expert=32, k=2, n_shared=1, mlp_act="gelu_tanh"),
+    # an MLP without a gate (Arcee's, Nemotron-H's relu2) into experts without one (Nemotron 3's), with a shared expert
+    "g2-relu2-shared-expert": _moe(ffn_expert=32, k=2, n_shared=1, mlp_act="relu2"),
     # Gemma 4's router: over its own norm, each weight times its expert's scale (both one at first)
     "g2-router-norm-expert-scale": _moe(ffn_expert=32, k=2, router_norm=True, router_expert_scale=True),
     # a dense hybrid (Bamba's: Mamba-2 mixers in blocks 0 and 2) into an MoE hybrid (Granite 4.0-H's): the mixers copied
@@ -70,14 +72,14 @@ def test_the_upcycled_model_computes_the_dense_function(case):
     assert set(stats.keys()) == {"layer_1", "layer_2", "mtp_1"}
     # the experts: slices of the dense FFN, each virtual group one whole copy of it
     g = granularity(cfg, dense_cfg)
-    w_gate = moe.blocks[1].mlp.experts.w_gate
+    w_up = moe.blocks[1].mlp.experts.w_up
     F = cfg.ffn_expert
     for e in range(cfg.n_experts):
-        assert torch.equal(w_gate[e], dense.blocks[1].mlp.w_gate[:, (e % g) * F:(e % g + 1) * F])
+        assert torch.equal(w_up[e], dense.blocks[1].mlp.w_up[:, (e % g) * F:(e % g + 1) * F])
     router = moe.blocks[2].mlp.router
     assert torch.equal(router, router[::g].repeat_interleave(g, dim=0)) and not torch.equal(router[0], router[g])
     if cfg.n_shared:
-        assert (moe.blocks[1].mlp.shared.w_down == 0).all() and moe.blocks[1].mlp.shared.w_gate.abs().sum() > 0
+        assert (moe.blocks[1].mlp.shared.w_down == 0).all() and moe.blocks[1].mlp.shared.w_up.abs().sum() > 0
 
 
 def test_mtp_modules_the_dense_model_lacks_keep_their_initial_values():
