@@ -6,11 +6,11 @@
 A folder holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). Supported `model_type`s: FAMILIES (mixtral, qwen2_moe,
 qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, axk1, kimi_k2, kimi_k25, deepseek_v2, deepseek_v32, glm_moe_dsa, hy_v4, glm4_moe_lite, gpt_oss, solar_open,
-exaone_moe, kolibri1, beam, axk2, dots1, minimax_m2, minimax, granitemoe, granitemoeshared, granitemoe_swa, granitemoehybrid, hunyuan_v1_moe, llama4_text, llama4, afmoe,
+exaone_moe, kolibri1, beam, axk2, dots1, minimax_m2, minimax, granitemoe, granitemoeshared, granitemoe_swa, granitemoehybrid, nemotron_h, hunyuan_v1_moe, llama4_text, llama4, afmoe,
 laguna, cohere2_moe, sarvam_moe, sarvam_mla, longcat_flash, bailing_hybrid, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, lara_mini, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
 mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe, gemma3, gemma4_text, gemma4), and the dense
 DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, helium, minicpm3, arcee, gemma, vaultgemma, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
-glm4, ernie4_5, lfm2, cohere, cohere2, bamba, nemotron_h: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
+glm4, ernie4_5, lfm2, cohere, cohere2, bamba: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: OLMoE's q and k clamped after their norms, ...;
 the fields a config.json leaves out read at transformers' defaults, Family.defaults, and a
 family's own names for the fields the shared mappings read as those, Family.aliases)
@@ -1535,11 +1535,11 @@ def _bamba(hf: dict) -> dict:
 _NEMOTRON_H_PATTERN = {"M": "linear_attention", "E": "moe", "*": "full_attention", "-": "mlp"}  # hybrid_override_pattern's letters
 
 
-def _nemotron_h_blocks(hf: dict) -> list[tuple[str, bool]]:
+def _nemotron_h_blocks(hf: dict) -> list[tuple[str, Optional[str]]]:
     """Nemotron-H's layers (layers_block_type, or its older hybrid_override_pattern: M Mamba-2,
     * attention, - MLP, E MoE; by default transformers' four) as fmoe's blocks: each mixer
-    layer with the MLP layer after it, if there is one. [(mixer kind, has an MLP)] per block;
-    ValueError for an MLP layer with no mixer before it, and for MoE layers."""
+    layer with the MLP or MoE layer after it, if there is one. [(mixer kind, "mlp", "moe" or
+    None)] per block; ValueError for an MLP or MoE layer with no mixer before it."""
     kinds = hf.get("layers_block_type") or hf.get("layer_types")
     if kinds is None and hf.get("hybrid_override_pattern") is not None:
         pattern = hf["hybrid_override_pattern"]
@@ -1547,34 +1547,38 @@ def _nemotron_h_blocks(hf: dict) -> list[tuple[str, bool]]:
             raise ValueError(f"config.json: hybrid_override_pattern = {pattern!r} is not supported (letters of {''.join(_NEMOTRON_H_PATTERN)})")
         kinds = [_NEMOTRON_H_PATTERN[c] for c in pattern]
     kinds = [_LEGACY_KINDS.get(k, k) for k in (kinds or ["linear_attention", "moe", "full_attention", "mlp"])]
-    blocks: list[tuple[str, bool]] = []
+    blocks: list[tuple[str, Optional[str]]] = []
     for j, kind in enumerate(kinds):
         if kind in ("linear_attention", "full_attention"):
-            blocks.append((kind, False))
-        elif kind == "mlp" and blocks and not blocks[-1][1]:
-            blocks[-1] = (blocks[-1][0], True)
-        elif kind == "mlp":
-            raise ValueError(f"config.json: layers_block_type = {kinds!r} is not supported (layer {j}, an MLP, has no mixer layer "
-                             "before it to make a block with: fmoe's blocks are a mixer, then at most one MLP)")
+            blocks.append((kind, None))
+        elif kind in ("mlp", "moe") and blocks and blocks[-1][1] is None:
+            blocks[-1] = (blocks[-1][0], kind)
+        elif kind in ("mlp", "moe"):
+            raise ValueError(f"config.json: layers_block_type = {kinds!r} is not supported (layer {j}, an {dict(mlp='MLP', moe='MoE')[kind]}, has no mixer layer "
+                             "before it to make a block with: fmoe's blocks are a mixer, then at most one MLP or MoE)")
         else:
-            raise ValueError(f"config.json: layers_block_type = {kinds!r} is not supported (layer {j} is {kind!r}: Nemotron-H's MoE "
-                             "layers, with experts without a gate, are not built; mixer and MLP layers are)")
+            raise ValueError(f"config.json: layers_block_type = {kinds!r} is not supported (layer {j} is {kind!r}; expected "
+                             "linear_attention, full_attention, mlp or moe)")
     return blocks
 
 
 def _nemotron_h(hf: dict) -> dict:
-    """Nemotron-H (nemotron_h, dense: Nemotron-H-8B/56B, Nemotron-Nano-9B/12B-v2): layers of one
-    sublayer each after its own norm (_nemotron_h_blocks: fmoe's blocks pair a mixer with the
-    MLP after it, mlp_free_layers those without): Mamba-2 mixers (_mamba2_fields' layout:
-    mamba_num_heads heads of mamba_head_dim (any multiple of hidden_size: expand is not read, as
-    in transformers), n_groups groups of ssm_state_size, conv_kernel taps with biases; dt at
-    least time_step_min), attention without RoPE, MLPs relu(x
-    up_proj)^2 down_proj of intermediate_size; every norm's eps layer_norm_epsilon.
-    Projection, attention and MLP biases, tied embeddings and sliding windows refused; the MTP
-    layers (mtp.) not read, as in transformers."""
+    """Nemotron-H (nemotron_h; Nemotron-H-8B/56B, Nemotron-Nano-9B/12B-v2, and the MoE Nemotron 3
+    Nano): layers of one sublayer each after its own norm (_nemotron_h_blocks: fmoe's blocks
+    pair a mixer with the MLP or MoE after it, mlp_free_layers those without): Mamba-2 mixers
+    (mamba_num_heads heads of mamba_head_dim, any multiple of hidden_size: expand is not read,
+    as in transformers; n_groups groups of ssm_state_size, conv_kernel taps with biases; dt at
+    least time_step_min), attention without RoPE, MLPs relu(x up_proj)^2 down_proj of
+    intermediate_size, MoE layers of experts without a gate (relu2) of moe_intermediate_size
+    beside one shared expert of moe_shared_expert_intermediate_size, DeepSeek-V3's routing
+    (_sigmoid_routing: sigmoid scores with the correction bias, n_group groups by their best
+    2, renormalised with norm_topk_prob, x routed_scaling_factor); every norm's eps
+    layer_norm_epsilon. Projection, attention and MLP biases, tied embeddings, sliding windows
+    and latent MoE (moe_latent_size) refused; the MTP layers (mtp.) not read, as in
+    transformers."""
     for field, what in (("use_bias", "no biases on the mixer's projections"), ("mlp_bias", "no MLP biases"),
                         ("attention_bias", "no attention biases"), ("tie_word_embeddings", "an untied head, as transformers builds it"),
-                        ("sliding_window", "no sliding window")):
+                        ("sliding_window", "no sliding window"), ("moe_latent_size", "no latent projections around the experts")):
         _refuse(hf, field, lambda v: not v, what)
     _refuse(hf, "use_conv_bias", lambda v: v is True, "the convolution's biases")
     _refuse(hf, "mlp_hidden_act", lambda v: v == "relu2", "relu2, the squared ReLU of an MLP without a gate")
@@ -1584,25 +1588,39 @@ def _nemotron_h(hf: dict) -> dict:
     linear = tuple(i for i, (kind, _) in enumerate(blocks) if kind == "linear_attention")
     lin = dict(linear_layers=linear or None, linear_kind="mamba2", linear_k_heads=hf.get("n_groups", 8), linear_v_heads=hf.get("mamba_num_heads", 128),
                linear_k_dim=hf.get("ssm_state_size", 128), linear_v_dim=hf.get("mamba_head_dim", 64), linear_conv=hf.get("conv_kernel", 4))
+    moe = tuple(i for i, (_, mlp) in enumerate(blocks) if mlp == "moe")
     F = hf.get("intermediate_size", 21504)
-    return dict(vocab_size=hf["vocab_size"], hidden=hf["hidden_size"], n_layers=len(blocks), n_dense=len(blocks), ffn_dense=F, ffn_expert=F,
-                n_experts=1, k=1, n_shared=0, score="softmax", expert_bias=False, mtp_depth=0, n_heads=heads,
-                n_kv_heads=_get(hf, "num_key_value_heads", default=heads), head_dim=_get(hf, "head_dim", default=hf["hidden_size"] // heads),
-                norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)), mlp_act="relu2", **lin, linear_dt_min=float(hf.get("time_step_min", 0.001)),
+    if moe:
+        experts = dict(n_experts=hf.get("n_routed_experts", 8), k=hf.get("num_experts_per_tok", 2), ffn_expert=hf.get("moe_intermediate_size", 7688),
+                       shared_ffn=hf.get("moe_shared_expert_intermediate_size", 7688), **_sigmoid_routing(hf), mtp_depth=0,
+                       route_scale=None if float(hf.get("routed_scaling_factor", 1.0)) == 1.0 else float(hf["routed_scaling_factor"]))
+        experts.pop("mtp_norm")
+    else:
+        experts = dict(n_experts=1, k=1, ffn_expert=F, score="softmax", expert_bias=False, mtp_depth=0)
+    return dict(vocab_size=hf["vocab_size"], hidden=hf["hidden_size"], n_layers=len(blocks), moe_layers=moe, ffn_dense=F, n_shared=0, **experts,
+                n_heads=heads, n_kv_heads=_get(hf, "num_key_value_heads", default=heads),
+                head_dim=_get(hf, "head_dim", default=hf["hidden_size"] // heads), norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+                mlp_act="relu2", **lin, linear_dt_min=float(hf.get("time_step_min", 0.001)),
                 nope_layers=tuple(i for i, (kind, _) in enumerate(blocks) if kind == "full_attention") or None,
-                mlp_free_layers=tuple(i for i, (_, mlp) in enumerate(blocks) if not mlp) or None)
+                mlp_free_layers=tuple(i for i, (_, mlp) in enumerate(blocks) if mlp is None) or None)
 
 
 def _nemotron_h_config(cfg: TransformerConfig) -> dict:
     """The config.json fields of Nemotron-H that _nemotron_h reads back: each block's layers
-    (its mixer's, then its MLP's) as layers_block_type."""
+    (its mixer's, then its MLP's or MoE's) as layers_block_type, the mixers', the MoE's."""
     lin = cfg.linear_attention_config()
     kinds = [kind for i in range(cfg.n_layers)
-             for kind in ("linear_attention" if cfg.is_linear(i) else "full_attention", *(() if cfg.is_mlp_free(i) else ("mlp",)))]
-    return dict(layers_block_type=kinds, layer_norm_epsilon=cfg.norm_eps, mlp_hidden_act="relu2", mamba_hidden_act="silu", intermediate_size=cfg.ffn_dense,
-                mamba_num_heads=lin.n_v_heads, mamba_head_dim=lin.v_head_dim, n_groups=lin.n_k_heads, ssm_state_size=lin.k_head_dim,
-                conv_kernel=lin.conv, time_step_min=cfg.linear_dt_min,
-                use_conv_bias=True, use_bias=False, mlp_bias=False, attention_bias=False, num_nextn_predict_layers=0)
+             for kind in ("linear_attention" if cfg.is_linear(i) else "full_attention",
+                          *(() if cfg.is_mlp_free(i) else ("moe",) if cfg.is_moe(i) else ("mlp",)))]
+    out = dict(layers_block_type=kinds, layer_norm_epsilon=cfg.norm_eps, mlp_hidden_act="relu2", mamba_hidden_act="silu",
+               intermediate_size=cfg.ffn_dense, mamba_num_heads=lin.n_v_heads, mamba_head_dim=lin.v_head_dim, n_groups=lin.n_k_heads,
+               ssm_state_size=lin.k_head_dim, conv_kernel=lin.conv, time_step_min=cfg.linear_dt_min, use_conv_bias=True, use_bias=False,
+               mlp_bias=False, attention_bias=False, num_nextn_predict_layers=0, moe_latent_size=None)
+    if any(cfg.is_moe(i) for i in range(cfg.n_layers)):
+        out.update(n_routed_experts=cfg.n_experts, num_experts_per_tok=cfg.k, moe_intermediate_size=cfg.ffn_expert,
+                   moe_shared_expert_intermediate_size=cfg.shared_size, n_shared_experts=1, n_group=cfg.n_groups or 1, topk_group=cfg.topk_groups or 1,
+                   norm_topk_prob=cfg.route_normalize, routed_scaling_factor=cfg.route_scale if cfg.route_scale is not None else 1.0)
+    return out
 
 
 def _granitemoehybrid(hf: dict) -> dict:
@@ -2440,7 +2458,7 @@ _MINISTRAL3_ROPE = dict(rope_type="yarn", rope_theta=1e6, factor=16.0, original_
                         mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1)
 # the dense families (no MoE block): fine-tuned as they are, or upcycled into an MoE (fmoe.train.upcycle)
 DENSE_FAMILIES = ("llama", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "youtu", "helium", "minicpm3", "arcee", "gemma", "vaultgemma", "gemma2", "gemma3_text", "lfm3", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
-                  "phi3", "glm4", "ernie4_5", "lfm2", "cohere", "cohere2", "bamba", "nemotron_h")
+                  "phi3", "glm4", "ernie4_5", "lfm2", "cohere", "cohere2", "bamba")
 FAMILIES = {
     "mixtral": Family(_mixtral, "block_sparse_moe", ("w1", "w3", "w2"), "MixtralForCausalLM",
                       defaults=dict(num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1e6)),
@@ -2539,6 +2557,11 @@ FAMILIES = {
     "granitemoehybrid": Family(_granitemoehybrid, "block_sparse_moe", _GRANITE, "GraniteMoeHybridForCausalLM", "shared_mlp", fused="halves_out",
                                shared_beside=True, router="router.layer.weight", linear="mamba2", defaults=dict(shared_intermediate_size=1024),
                                dense="shared_mlp", dense_gate_up=True, gate_up=("input_linear", "output_linear")),  # H-Micro's blocks
+    # Nemotron-H: each layer one sublayer, a mixer, an MLP or a MoE under `mixer` after its `norm`; the model under backbone.
+    "nemotron_h": Family(_nemotron_h, "mixer", _PROJ, "NemotronHForCausalLM", "shared_experts", attention="mixer", dense="mixer", norms=("norm", "norm"),
+                         final_norm="model.norm_f.weight", embed="model.embeddings.weight", linear="mamba2", mamba="mixer", single_sublayer=True,
+                         prefix=("model.", "backbone."), not_read=("mtp.",), defaults=dict(vocab_size=131072, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
+                                                           head_dim=128)),
     "granitemoe_swa": Family(_granitemoe_swa, "block_sparse_moe", _STACKS, "GraniteMoeSWAForCausalLM", "shared_mlp", fused="halves_out",
                              shared_beside=True, router="router.weight"),
     "laguna": Family(_laguna, "mlp", _PROJ, "LagunaForCausalLM", "shared_expert", correction_bias="experts.e_score_correction_bias",
@@ -2702,11 +2725,6 @@ FAMILIES = {
     "bamba": Family(_bamba, "feed_forward", _PROJ, "BambaForCausalLM", dense="feed_forward", norms=("input_layernorm", "pre_ff_layernorm"),
                     final_norm="model.final_layernorm.weight",
                     linear="mamba2", defaults=dict(num_key_value_heads=8, rms_norm_eps=1e-5)),
-    # Nemotron-H: each layer one sublayer, a mixer or an MLP under `mixer` after its `norm`; the model under backbone.
-    "nemotron_h": Family(_nemotron_h, "mixer", _PROJ, "NemotronHForCausalLM", attention="mixer", dense="mixer", norms=("norm", "norm"),
-                         final_norm="model.norm_f.weight", embed="model.embeddings.weight", linear="mamba2", mamba="mixer", single_sublayer=True,
-                         prefix=("model.", "backbone."), not_read=("mtp.",), defaults=dict(vocab_size=131072, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
-                                                           head_dim=128)),
     "smollm3": Family(_smollm3, "mlp", _PROJ, "SmolLM3ForCausalLM", defaults=dict(num_key_value_heads=4, rope_theta=2e6, tie_word_embeddings=True)),
     "cohere": Family(_cohere, "mlp", _PROJ, "CohereForCausalLM", norms=("input_layernorm", ""),
                      defaults=dict(tie_word_embeddings=True, rope_theta=500000.0)),
@@ -2840,8 +2858,9 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
             out[q + "mlp.experts.b_down"] = Tensor((down + "_bias",))
     elif moe:
         for ours, theirs in zip(("w_gate", "w_up", "w_down"), family.experts):
-            out[q + "mlp.experts." + ours] = Tensor(tuple(f"{mlp}experts.{e}.{theirs}.weight" for e in range(cfg.n_experts)),
-                                                    transpose=True, stacked=True)
+            if ours != "w_gate" or cfg.mlp_act not in PLAIN_ACTS:  # experts without a gate (Nemotron 3's) have none
+                out[q + "mlp.experts." + ours] = Tensor(tuple(f"{mlp}experts.{e}.{theirs}.weight" for e in range(cfg.n_experts)),
+                                                        transpose=True, stacked=True)
     if moe and cfg.expert_bias:  # HF's e_score_correction_bias: fmoe's expert_bias buffer, whatever the experts' layout
         bias = p + family.correction_bias[3:] if family.correction_bias.startswith("../") else mlp + family.correction_bias
         out[q + "mlp.expert_bias"] = Tensor((bias,), unit=family.correction_bias_unit, row=family.correction_bias_row)
@@ -2852,7 +2871,8 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
         out[q + "mlp.shared.w_down"] = Tensor((shared + "output_linear.weight",), transpose=True)
     elif moe and cfg.shared_size:  # the shared experts inside the MoE block
         for ours, theirs in zip(("w_gate", "w_up", "w_down"), family.dense_names):
-            out[q + "mlp.shared." + ours] = Tensor((f"{mlp}{family.shared}.{theirs}.weight",), transpose=True)
+            if ours != "w_gate" or cfg.mlp_act not in PLAIN_ACTS:
+                out[q + "mlp.shared." + ours] = Tensor((f"{mlp}{family.shared}.{theirs}.weight",), transpose=True)
         if cfg.shared_gate:
             out[q + "mlp.shared_gate"] = Tensor((mlp + "shared_expert_gate.weight",), unit=0)
     if moe and cfg.dense_beside_moe:  # Gemma 4's dense MLP beside the MoE, and their norms
@@ -3880,6 +3900,10 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
                   sliding_window=cfg.window or 129, v_head_dim=cfg.v_head_dim or cfg.head_dim, attention_value_scale=cfg.value_scale,
                   attention_bias=cfg.qkv_bias,
                   rope_parameters=_rope_by_layer_type_parameters(cfg, dict(_rope_parameters(cfg), partial_rotary_factor=_rotary_factor(cfg))))
+    elif model_type == "nemotron_h":  # its layers, not fmoe's blocks; no RoPE (config_mismatch names a block with it)
+        for name in ("num_hidden_layers", "rms_norm_eps", "hidden_act", "rope_parameters", "num_experts_per_tok"):
+            hf.pop(name)
+        hf.update(_nemotron_h_config(cfg))
     elif model_type == "mistral4":  # DeepSeek-V3's fields (the MLA ones below) but MTP's; softmax routing
         hf.update({k: v for k, v in _deepseek_moe_config(cfg).items() if k != "num_nextn_predict_layers"}, norm_topk_prob=not cfg.pre_softmax)
     elif model_type in DENSE_FAMILIES:
@@ -3901,10 +3925,6 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
                       rope_parameters=_rope_by_layer_type_parameters(cfg, full))
         elif model_type == "bamba":  # RoPE on half of each head's channels (transformers fixes it; config_mismatch names another)
             hf.update(attention_bias=False, attn_layer_indices=[i for i in range(cfg.n_layers) if not cfg.is_linear(i)], **_mamba2_config(cfg))
-        elif model_type == "nemotron_h":  # its layers, not fmoe's blocks; no RoPE (config_mismatch names a block with it)
-            for name in ("num_hidden_layers", "rms_norm_eps", "hidden_act", "rope_parameters"):
-                hf.pop(name)
-            hf.update(_nemotron_h_config(cfg))
         elif model_type == "smollm3":
             hf.update(attention_bias=cfg.qkv_bias, no_rope_layers=[int(not cfg.is_nope(i)) for i in range(cfg.n_layers)],
                       use_sliding_window=cfg.window is not None, sliding_window=cfg.window, layer_types=_layer_types(cfg))
