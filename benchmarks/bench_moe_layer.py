@@ -6,6 +6,9 @@
 Shapes (T tokens, H hidden, E experts, k per token, F expert FFN, shared experts):
     A         T=16384, H=2048, E=128, k=8, F=768                 (Qwen3-like, softmax top-k)
     deepseek  T=16384, H=2048, E=64,  k=6, F=1408, 2 shared experts of F=1408
+    nemotron3 T=16384, H=2688, E=128, k=6, F=1856, a shared expert of 3712 = 2 F; experts
+              without a gate (relu(x w_up)^2 w_down: Nemotron 3 Nano's, MoEConfig glu_act
+              "relu2"), two matrices each
 
 Implementations (same softmax-top-k routing math, bf16 experts, float32 router):
     fmoe      fmoe.layers.moe (fused router, Triton permute/unpermute, torch._grouped_mm
@@ -24,12 +27,13 @@ Implementations (same softmax-top-k routing math, bf16 experts, float32 router):
               PyTorch-native trainers write it
 
 Table: median ms of the forward and forward+backward; TFLOP/s over the active parameters
-(forward: 2 T (k + n_shared) 3 H F for the experts plus 2 T H E for the router; forward+
+(forward: 2 T (k + n_shared) m H F for the experts, m = 3 matrices or 2 without a gate, plus 2 T H E for the router; forward+
 backward: 3x that), the fraction of the bf16 matmul rate measured in the same run, the peak memory
 of forward+backward, fmoe's speedup over each baseline; then fmoe's permute and unpermute
 alone as a fraction of the copy bandwidth measured in the same run (bytes: x read once,
 T k rows written; and back), permute's plan alone and its rows filled by each kernel, and gpt-oss's clamped SwiGLU (forward + backward over the T k x F
-activations) fused against the torch reference (fused_speedup: its ms / the fused ms); on
+activations) fused against the torch reference (fused_speedup: its ms / the fused ms), or for
+experts without a gate their relu(up)^2 in torch ops; on
 these rows also device_ms, the device's own time per call with the host queued ahead
 (_common.device_ms; ms is the host's where launching a call takes longer than its kernels),
 and device_floor_fraction, copy_fraction over device_ms instead of ms (none for the plan,
@@ -54,6 +58,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from fmoe.layers import MoEConfig, moe  # noqa: E402
 from fmoe.ops import dispatch, permute, swiglu, unpermute  # noqa: E402
+from fmoe.ops.experts import plain_act  # noqa: E402
 
 COLUMNS = ["shape", "pass", "impl", "ms", "TFLOP/s", "matmul_fraction", "peak_GiB", "fmoe_speedup"]
 BW_COLUMNS = ["shape", "op", "ms", "GB/s", "copy_fraction", "fused_speedup", "device_ms", "device_floor_fraction"]
@@ -68,16 +73,19 @@ class Shape:
     k: int
     F: int
     n_shared: int = 0
+    gated: bool = True  # False: experts without a gate (relu2)
 
     def flops_fwd(self) -> float:
-        experts = 2 * self.T * (self.k + self.n_shared) * 3 * self.H * self.F
+        experts = 2 * self.T * (self.k + self.n_shared) * (3 if self.gated else 2) * self.H * self.F
         return experts + 2 * self.T * self.H * self.E  # + router
 
 
 def make_shapes(smoke: bool) -> list[Shape]:
     if smoke:
-        return [Shape("A (smoke)", 32, 32, 8, 2, 16), Shape("deepseek (smoke)", 32, 32, 8, 3, 16, n_shared=2)]
-    return [Shape("A", 16384, 2048, 128, 8, 768), Shape("deepseek", 16384, 2048, 64, 6, 1408, n_shared=2)]
+        return [Shape("A (smoke)", 32, 32, 8, 2, 16), Shape("deepseek (smoke)", 32, 32, 8, 3, 16, n_shared=2),
+                Shape("nemotron3 (smoke)", 32, 32, 8, 3, 16, n_shared=2, gated=False)]
+    return [Shape("A", 16384, 2048, 128, 8, 768), Shape("deepseek", 16384, 2048, 64, 6, 1408, n_shared=2),
+            Shape("nemotron3", 16384, 2688, 128, 6, 1856, n_shared=2, gated=False)]
 
 
 def make_params(shape: Shape, dtype, device) -> dict:
@@ -93,7 +101,16 @@ def make_params(shape: Shape, dtype, device) -> dict:
         p["shared_w_gate"] = torch.randn(H, Fs, device=device, dtype=dtype) * H**-0.5
         p["shared_w_up"] = torch.randn(H, Fs, device=device, dtype=dtype) * H**-0.5
         p["shared_w_down"] = torch.randn(Fs, H, device=device, dtype=dtype) * Fs**-0.5
+    if not shape.gated:  # experts without a gate
+        p = {n: t for n, t in p.items() if n not in ("w_gate", "shared_w_gate")}
     return {n: t.requires_grad_() for n, t in p.items()}
+
+
+def _mlp(x, w_gate, w_up, w_down, offsets=None):
+    """SwiGLU, or relu(x w_up)^2 without a gate, then w_down; with offsets by torch._grouped_mm."""
+    mm = (lambda a, w: torch._grouped_mm(a, w, offs=offsets)) if offsets is not None else (lambda a, w: a @ w)
+    h = torch.relu(mm(x, w_up)).square() if w_gate is None else F.silu(mm(x, w_gate)) * mm(x, w_up)
+    return mm(h, w_down)
 
 
 def _softmax_topk(x, p, k):
@@ -103,32 +120,30 @@ def _softmax_topk(x, p, k):
 
 
 def _shared(x, p):
-    if "shared_w_gate" not in p:
+    if "shared_w_up" not in p:
         return 0
-    return (F.silu(x @ p["shared_w_gate"]) * (x @ p["shared_w_up"])) @ p["shared_w_down"]
+    return _mlp(x, p.get("shared_w_gate"), p["shared_w_up"], p["shared_w_down"])
 
 
 def loop_moe(x, p, k):
-    """Per-expert loop: gather each expert's tokens, run its SwiGLU, index_add back."""
+    """Per-expert loop: gather each expert's tokens, run its MLP, index_add back."""
     weights, experts = _softmax_topk(x, p, k)
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for e in range(p["w_gate"].shape[0]):
+    for e in range(p["w_up"].shape[0]):
         token, slot = (experts == e).nonzero(as_tuple=True)
-        h = F.silu(x[token] @ p["w_gate"][e]) * (x[token] @ p["w_up"][e])
-        y = y.index_add(0, token, (h @ p["w_down"][e]).float() * weights[token, slot, None])
+        gate = p["w_gate"][e] if "w_gate" in p else None
+        y = y.index_add(0, token, _mlp(x[token], gate, p["w_up"][e], p["w_down"][e]).float() * weights[token, slot, None])
     return y.to(x.dtype) + _shared(x, p)
 
 
 def strong_moe(x, p, k):
     """argsort dispatch + torch._grouped_mm + scatter_add combine."""
     weights, experts = _softmax_topk(x, p, k)
-    E = p["w_gate"].shape[0]
+    E = p["w_up"].shape[0]
     order = torch.argsort(experts.flatten(), stable=True)
     token = order // k
     offsets = torch.cumsum(torch.bincount(experts.flatten(), minlength=E), 0).to(torch.int32)
-    x_perm = x[token]
-    h = F.silu(torch._grouped_mm(x_perm, p["w_gate"], offs=offsets)) * torch._grouped_mm(x_perm, p["w_up"], offs=offsets)
-    y_perm = torch._grouped_mm(h, p["w_down"], offs=offsets)
+    y_perm = _mlp(x[token], p.get("w_gate"), p["w_up"], p["w_down"], offsets)
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     y = y.scatter_add(0, token[:, None].expand(-1, x.shape[1]), y_perm.float() * weights.flatten()[order, None])
     return y.to(x.dtype) + _shared(x, p)
@@ -157,7 +172,7 @@ def run_shape(shape, device, dtype, impl, rate, bandwidth):
     torch.manual_seed(0)
     p = make_params(shape, dtype, device)
     x = torch.randn(shape.T, shape.H, device=device, dtype=dtype, requires_grad=True)
-    cfg = MoEConfig(n_experts=shape.E, k=shape.k, aux_scores=False, impl=impl)
+    cfg = MoEConfig(n_experts=shape.E, k=shape.k, aux_scores=False, impl=impl, glu_act="silu" if shape.gated else "relu2")
     cfg_fp8 = dataclasses.replace(cfg, fp8=True)
     cfg_fast = dataclasses.replace(cfg, fp8=True, fp8_fast_accum=True)
     impls = {
@@ -216,8 +231,20 @@ def run_shape(shape, device, dtype, impl, rate, bandwidth):
         fill = lambda: permuting_by(by, lambda: torch.ops.fmoe.permute_fwd(xd, plan.row_of_slot, plan.slot_of_row))  # noqa: E731
         ms = bench(fill, device, cpu_warmup=0, cpu_repeats=1, label=f"{shape.name}-permute-rows-{by}")
         bw_rows.append(bw_row(shape, f"permute: its rows by {by}", nbytes, ms, bandwidth, fill, device))
-    bw_rows += swiglu_rows(shape, device, dtype, impl, bandwidth)
+    bw_rows += swiglu_rows(shape, device, dtype, impl, bandwidth) if shape.gated else relu2_rows(shape, device, dtype, bandwidth)
     return rows, bw_rows
+
+
+def relu2_rows(shape, device, dtype, bandwidth) -> list[dict]:
+    """The experts without a gate's activation, relu(up)^2 (fmoe.ops.experts.plain_act: torch
+    ops, not fused), forward + backward over the T k x F activations, against its bytes: up
+    read, h written (forward); up and dh read, d up written (backward): 5 T k F elements."""
+    g = torch.Generator(device=device).manual_seed(1)
+    up, dh = ((3 * torch.randn(shape.T * shape.k, shape.F, device=device, generator=g)).to(dtype) for _ in range(2))
+    up.requires_grad_()
+    run = lambda: torch.autograd.grad(plain_act(up), up, dh)  # noqa: E731
+    ms = bench(run, device, cpu_warmup=0, cpu_repeats=1, label=f"{shape.name}-relu2")
+    return [bw_row(shape, "relu2 fwd+bwd torch", 5 * up.numel() * up.element_size(), ms, bandwidth, run, device)]
 
 
 GPT_OSS_GLU = dict(alpha=1.702, limit=7.0, offset=1.0)
