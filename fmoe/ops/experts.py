@@ -98,6 +98,8 @@ def _hidden(gate_RF: Optional[torch.Tensor], up_RF: torch.Tensor, glu, fused: bo
     if gate_RF is None:
         return plain_act(up_RF, glu[3])
     return _swiglu_fwd(gate_RF, up_RF, *glu) if fused else swiglu_ref(gate_RF, up_RF, *glu)
+
+
 _PLAIN_GLU = (1.0, None, 0.0, "silu")  # (alpha, limit, offset, act) of silu(gate) * up
 _NO_BIASES = (None,) * len(EXPERT_BIASES)
 
@@ -125,7 +127,8 @@ def _matmul_ref(a_MK, b_KN):
 def grouped_mlp_ref(x_RH, w_gate_EHF, w_up_EHF, w_down_EFH, offsets_E, biases=_NO_BIASES, glu=_PLAIN_GLU, fp8=False):
     """Plain-torch loop over the experts; differentiable through torch autograd. biases:
     (b_gate, b_up, b_down), each [E, F] / [E, F] / [E, H] or None; glu: swiglu_ref's
-    (alpha, limit, offset, act); w_gate None: no gate (plain_act of glu's act); fp8: each projection by fmoe.ops.fp8_matmul's emulation.
+    (alpha, limit, offset, act); w_gate None: no gate (plain_act of glu's act); fp8: each
+    projection by fmoe.ops.fp8_matmul's emulation.
 
     Reads offsets on the host (offsets.tolist(): one device->host sync); impl="torch" only.
     """
@@ -704,11 +707,11 @@ def grouped_mlp(
     if (w_gate is None) != (act in PLAIN_ACTS):
         raise ValueError(f"w_gate: act {act!r} " + ("is an MLP without a gate, expected None, got a tensor" if w_gate is not None
                                                      else f"gates the up projection, expected [E, H, F], got None (none: act one of {PLAIN_ACTS})"))
-    first = "w_up" if w_gate is None else "w_gate"
-    check_float(first, w_up if w_gate is None else w_gate, 3, "[E, H, F]")
-    E, _, F = w_up.shape if w_gate is None else w_gate.shape
-    if E == 0 or (w_up if w_gate is None else w_gate).shape[1] != H:
-        raise ValueError(f"{first}: expected shape [E, H, F] with E >= 1 and H = {H} (x_perm's last dim), got {tuple((w_up if w_gate is None else w_gate).shape)}")
+    first, lead = ("w_up", w_up) if w_gate is None else ("w_gate", w_gate)  # the tensor that sets E and F
+    check_float(first, lead, 3, "[E, H, F]")
+    E, _, F = lead.shape
+    if E == 0 or lead.shape[1] != H:
+        raise ValueError(f"{first}: expected shape [E, H, F] with E >= 1 and H = {H} (x_perm's last dim), got {tuple(lead.shape)}")
     check_float("w_up", w_up, 3, "[E, H, F]")
     if w_up.shape != (E, H, F):
         raise ValueError(f"w_up: expected shape [E, H, F] = {[E, H, F]} like w_gate, got {list(w_up.shape)}")
