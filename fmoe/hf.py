@@ -1554,8 +1554,9 @@ def _nemotron_h_blocks(hf: dict) -> list[tuple[str, Optional[str]]]:
         elif kind in ("mlp", "moe") and blocks and blocks[-1][1] is None:
             blocks[-1] = (blocks[-1][0], kind)
         elif kind in ("mlp", "moe"):
-            raise ValueError(f"config.json: layers_block_type = {kinds!r} is not supported (layer {j}, an {dict(mlp='MLP', moe='MoE')[kind]}, has no mixer layer "
-                             "before it to make a block with: fmoe's blocks are a mixer, then at most one MLP or MoE)")
+            what = dict(mlp="an MLP", moe="an MoE")[kind]
+            raise ValueError(f"config.json: layers_block_type = {kinds!r} is not supported (layer {j}, {what}, has no mixer layer before it "
+                             "to make a block with: fmoe's blocks are a mixer, then at most one MLP or MoE)")
         else:
             raise ValueError(f"config.json: layers_block_type = {kinds!r} is not supported (layer {j} is {kind!r}; expected "
                              "linear_attention, full_attention, mlp or moe)")
@@ -2384,8 +2385,8 @@ class Family:
     # hyper-connections' weights (TransformerConfig.hyper_connections): the prefixes of a block's attention's and MLP's fn,
     # base and scale, under the layer, and of the head's, HY-V4's released names (transformers renames them on load)
     hyper: tuple[str, str, str] = ("hc_pre.hc_attn_layer.hc_", "hc_pre.hc_mlp_layer.hc_", "model.hc_pre.hc_head.hc_head_")
-    # Nemotron-H: each layer one sublayer (a mixer or an MLP, under `mixer`, after its own `norm`); fmoe's block i is a mixer's
-    # layer and, unless cfg.mlp_free_layers lists it, the MLP's layer after it (_layer_prefixes)
+    # Nemotron-H: each layer one sublayer (a mixer, an MLP or a MoE, under `mixer`, after its own `norm`); fmoe's block i is a
+    # mixer's layer and, unless cfg.mlp_free_layers lists it, the MLP's (or MoE's) layer after it (_layer_prefixes)
     single_sublayer: bool = False
     mamba: str = "mamba"  # the Mamba-2 mixer's module, in each layer (Granite 4.0-H's, Bamba's; Nemotron-H's mixer)
 
@@ -2560,8 +2561,8 @@ FAMILIES = {
     # Nemotron-H: each layer one sublayer, a mixer, an MLP or a MoE under `mixer` after its `norm`; the model under backbone.
     "nemotron_h": Family(_nemotron_h, "mixer", _PROJ, "NemotronHForCausalLM", "shared_experts", attention="mixer", dense="mixer", norms=("norm", "norm"),
                          final_norm="model.norm_f.weight", embed="model.embeddings.weight", linear="mamba2", mamba="mixer", single_sublayer=True,
-                         prefix=("model.", "backbone."), not_read=("mtp.",), defaults=dict(vocab_size=131072, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
-                                                           head_dim=128)),
+                         prefix=("model.", "backbone."), not_read=("mtp.",),
+                         defaults=dict(vocab_size=131072, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128)),
     "granitemoe_swa": Family(_granitemoe_swa, "block_sparse_moe", _STACKS, "GraniteMoeSWAForCausalLM", "shared_mlp", fused="halves_out",
                              shared_beside=True, router="router.weight"),
     "laguna": Family(_laguna, "mlp", _PROJ, "LagunaForCausalLM", "shared_expert", correction_bias="experts.e_score_correction_bias",
