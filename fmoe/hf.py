@@ -1573,13 +1573,14 @@ def _nemotron_h(hf: dict) -> dict:
     intermediate_size, MoE layers of experts without a gate (relu2) of moe_intermediate_size
     beside one shared expert of moe_shared_expert_intermediate_size, DeepSeek-V3's routing
     (_sigmoid_routing: sigmoid scores with the correction bias, n_group groups by their best
-    2, renormalised with norm_topk_prob, x routed_scaling_factor); every norm's eps
-    layer_norm_epsilon. Projection, attention and MLP biases, tied embeddings, sliding windows
-    and latent MoE (moe_latent_size) refused; the MTP layers (mtp.) not read, as in
-    transformers."""
+    2, renormalised with norm_topk_prob, x routed_scaling_factor), with moe_latent_size L
+    (Nemotron 3 Super's latent MoE, moe_latent) the routed experts over L channels between
+    fc1_latent_proj and fc2_latent_proj; every norm's eps layer_norm_epsilon. Projection,
+    attention and MLP biases, tied embeddings and sliding windows refused; the MTP layers
+    (mtp.) not read, as in transformers."""
     for field, what in (("use_bias", "no biases on the mixer's projections"), ("mlp_bias", "no MLP biases"),
                         ("attention_bias", "no attention biases"), ("tie_word_embeddings", "an untied head, as transformers builds it"),
-                        ("sliding_window", "no sliding window"), ("moe_latent_size", "no latent projections around the experts")):
+                        ("sliding_window", "no sliding window")):
         _refuse(hf, field, lambda v: not v, what)
     _refuse(hf, "use_conv_bias", lambda v: v is True, "the convolution's biases")
     _refuse(hf, "mlp_hidden_act", lambda v: v == "relu2", "relu2, the squared ReLU of an MLP without a gate")
@@ -1594,6 +1595,7 @@ def _nemotron_h(hf: dict) -> dict:
     if moe:
         experts = dict(n_experts=hf.get("n_routed_experts", 8), k=hf.get("num_experts_per_tok", 2), ffn_expert=hf.get("moe_intermediate_size", 7688),
                        shared_ffn=hf.get("moe_shared_expert_intermediate_size", 7688), **_sigmoid_routing(hf), mtp_depth=0,
+                       moe_latent=hf.get("moe_latent_size") or None,
                        route_scale=None if float(hf.get("routed_scaling_factor", 1.0)) == 1.0 else float(hf["routed_scaling_factor"]))
         experts.pop("mtp_norm")
     else:
@@ -1616,7 +1618,7 @@ def _nemotron_h_config(cfg: TransformerConfig) -> dict:
     out = dict(layers_block_type=kinds, layer_norm_epsilon=cfg.norm_eps, mlp_hidden_act="relu2", mamba_hidden_act="silu",
                intermediate_size=cfg.ffn_dense, mamba_num_heads=lin.n_v_heads, mamba_head_dim=lin.v_head_dim, n_groups=lin.n_k_heads,
                ssm_state_size=lin.k_head_dim, conv_kernel=lin.conv, time_step_min=cfg.linear_dt_min, use_conv_bias=True, use_bias=False,
-               mlp_bias=False, attention_bias=False, num_nextn_predict_layers=0, moe_latent_size=None)
+               mlp_bias=False, attention_bias=False, num_nextn_predict_layers=0, moe_latent_size=cfg.moe_latent)
     if any(cfg.is_moe(i) for i in range(cfg.n_layers)):
         out.update(n_routed_experts=cfg.n_experts, num_experts_per_tok=cfg.k, moe_intermediate_size=cfg.ffn_expert,
                    moe_shared_expert_intermediate_size=cfg.shared_size, n_shared_experts=1, n_group=cfg.n_groups or 1, topk_group=cfg.topk_groups or 1,
@@ -2388,6 +2390,8 @@ class Family:
     # Nemotron-H: each layer one sublayer (a mixer, an MLP or a MoE, under `mixer`, after its own `norm`); fmoe's block i is a
     # mixer's layer and, unless cfg.mlp_free_layers lists it, the MLP's (or MoE's) layer after it (_layer_prefixes)
     single_sublayer: bool = False
+    # a latent MoE's (cfg.moe_latent) projections into and out of the routed experts' channels, under the MoE block (Nemotron 3 Super's)
+    latent: tuple[str, str] = ("fc1_latent_proj", "fc2_latent_proj")
     mamba: str = "mamba"  # the Mamba-2 mixer's module, in each layer (Granite 4.0-H's, Bamba's; Nemotron-H's mixer)
 
     def renamed(self, key: str) -> str:
@@ -2862,6 +2866,9 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
             if ours != "w_gate" or cfg.mlp_act not in PLAIN_ACTS:  # experts without a gate (Nemotron 3's) have none
                 out[q + "mlp.experts." + ours] = Tensor(tuple(f"{mlp}experts.{e}.{theirs}.weight" for e in range(cfg.n_experts)),
                                                         transpose=True, stacked=True)
+    if moe and cfg.moe_latent:  # a latent MoE's [L, H] and [H, L] linear weights
+        for ours, theirs in zip(("latent_in", "latent_out"), family.latent):
+            out[q + "mlp." + ours] = Tensor((f"{mlp}{theirs}.weight",), transpose=True)
     if moe and cfg.expert_bias:  # HF's e_score_correction_bias: fmoe's expert_bias buffer, whatever the experts' layout
         bias = p + family.correction_bias[3:] if family.correction_bias.startswith("../") else mlp + family.correction_bias
         out[q + "mlp.expert_bias"] = Tensor((bias,), unit=family.correction_bias_unit, row=family.correction_bias_row)

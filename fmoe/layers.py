@@ -40,6 +40,10 @@ params (a dict or TensorDict; parameters are the caller's, nothing is kept here)
     shared_w_gate, shared_w_up [H, Fs], shared_w_down [Fs, H]   optional shared experts
                                     (unless `shared` is given; no shared_w_gate with "relu2")
     shared_gate   [H]               optional sigmoid gate on the shared output
+    latent_in [H, L], latent_out [L, H]   optional (both or neither): a latent MoE (Nemotron 3
+                                    Super's): the routed experts read x latent_in [T, L] (their
+                                    weights [E, L, F], [E, F, L]) and their sum leaves through
+                                    latent_out; the router and the shared experts read x
 
 stats (a TensorDict, batch_size []): what the losses and the bias update consume:
     router_logits      [T, E] float32, differentiable: z_loss(stats["router_logits"])
@@ -313,6 +317,14 @@ def _check_moe(x_TH, params, cfg, experts, shared, drop) -> None:
         for name, w, shape in zip(_SHARED, weights, ((H, Fs), (H, Fs), (Fs, H))):
             if w is not None and (tuple(w.shape) != shape or w.dtype != x_TH.dtype):
                 raise ValueError(f"params['{name}']: expected {x_TH.dtype} {list(shape)}, got {w.dtype} {list(w.shape)}")
+    latent = [params.get(n) for n in ("latent_in", "latent_out")]
+    if any(w is not None for w in latent):
+        L = latent[0].shape[-1] if latent[0] is not None else latent[1].shape[0]
+        for name, w, shape in zip(("latent_in", "latent_out"), latent, ((H, L), (L, H))):
+            if w is None or tuple(w.shape) != shape or w.dtype != x_TH.dtype:
+                got = f"{w.dtype} {list(w.shape)}" if isinstance(w, torch.Tensor) else "none"
+                raise ValueError(f"params['{name}']: a latent MoE needs latent_in [H, L] and latent_out [L, H] in x's dtype {x_TH.dtype}, "
+                                 f"expected {list(shape)}, got {got}")
     gate = params.get("shared_gate")
     has_shared = shared is not None or weights[1] is not None
     if gate is not None and (not has_shared or tuple(gate.shape) != (H,)):
@@ -437,10 +449,14 @@ def moe(
     elif cfg.capacity_factor is not None:
         routes = drop_by_capacity(routes, E, cfg.capacity_factor, policy=cfg.capacity_policy, check=False)
 
+    latent_in, latent_out = params.get("latent_in"), params.get("latent_out")
+    x_e = x if latent_in is None else matmul(x, latent_in, fp8=cfg.fp8, impl=cfg.impl)  # the routed experts' input, [T, L] in a latent MoE
     if experts is None:
-        y_TH, counts_E = local_experts(x, routes, params, cfg)
+        y_TH, counts_E = local_experts(x_e, routes, params, cfg)
     else:
-        y_TH, counts_E = experts(x, routes)
+        y_TH, counts_E = experts(x_e, routes)
+    if latent_out is not None:
+        y_TH = matmul(y_TH, latent_out, fp8=cfg.fp8, impl=cfg.impl)
     if cfg.zero_experts:
         y_TH = y_TH + (x * identity_T[:, None]).to(x.dtype)
         counts_E = torch.cat([counts_E, counts_Z])

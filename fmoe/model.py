@@ -211,6 +211,9 @@ class MoE(KeepsFloat32):
         shared_ffn: Fs of the shared experts (0: none; DeepSeek's n_shared experts of size F
             are one SwiGLU of Fs = n_shared * F). shared_gate: sigmoid gate on their output.
         expert_bias: own an expert_bias buffer.
+        latent: L > 0, a latent MoE (Nemotron 3 Super's): latent_in [H, L] and latent_out
+            [L, H] around the routed experts, which work in L (their weights [E, L, F]); the
+            router and the shared experts read x (fmoe.layers.moe's params of those names).
     """
 
     _FLOAT32 = ("router", "router_bias", "expert_bias", "router_norm", "expert_scale")
@@ -218,11 +221,12 @@ class MoE(KeepsFloat32):
     def __init__(
         self, hidden: int, ffn: int, cfg: MoEConfig, *, shared_ffn: int = 0, shared_gate: bool = False,
         expert_bias: bool = False, router_bias: bool = False, expert_biases: bool = False, router_norm: bool = False,
-        expert_scale: bool = False, device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None,
+        expert_scale: bool = False, latent: int = 0, device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None,
     ):
         super().__init__()
         if shared_gate and not shared_ffn:
             raise ValueError("shared_gate: needs shared experts (shared_ffn > 0)")
+        check_positive_int("latent", latent, 0)
         E, H, kw = cfg.n_experts, hidden, dict(device=device, dtype=dtype)
         self.cfg = cfg
         self.router = nn.Parameter(torch.empty(cfg.n_choices, H, device=device, dtype=torch.float32))
@@ -230,7 +234,10 @@ class MoE(KeepsFloat32):
         # Gemma 4's router: the weight of its input's RMSNorm [H], and a scale per expert of the chosen weights [E] (fmoe.layers.moe)
         self.router_norm = nn.Parameter(torch.ones(H, device=device, dtype=torch.float32)) if router_norm else None
         self.expert_scale = nn.Parameter(torch.ones(cfg.n_choices, device=device, dtype=torch.float32)) if expert_scale else None
-        self.experts = GroupedExperts(E, H, ffn, cfg, biases=expert_biases, **kw)
+        self.experts = GroupedExperts(E, latent or H, ffn, cfg, biases=expert_biases, **kw)
+        # a latent MoE: the routed experts' input x latent_in [H, L], their sum times latent_out [L, H]
+        self.latent_in = nn.Parameter(torch.empty(H, latent, **kw)) if latent else None
+        self.latent_out = nn.Parameter(torch.empty(latent, H, **kw)) if latent else None
         self.shared = DenseMLP(H, shared_ffn, cfg.impl, fp8=cfg.fp8, act=cfg.glu_act, **kw) if shared_ffn else None
         if shared_gate:
             self.shared_gate = nn.Parameter(torch.empty(H, **kw))
@@ -271,8 +278,9 @@ class MoE(KeepsFloat32):
                 params[name] = replicated(_local(getattr(self, name)))
         if "expert_bias" in self._buffers:
             params["expert_bias"] = self.expert_bias
-        if getattr(self, "shared_gate", None) is not None:
-            params["shared_gate"] = replicated(_local(self.shared_gate))
+        for name in ("shared_gate", "latent_in", "latent_out"):
+            if getattr(self, name, None) is not None:
+                params[name] = replicated(_local(getattr(self, name)))
         drop = self.capacity_drop  # cp: over every cp rank's tokens (and tp slices)
         if drop is None and sp is not None:
             drop = sp.drop_by_capacity
@@ -297,7 +305,9 @@ class TransformerConfig:
     / mlp_only_layers) of n_experts experts of ffn_expert, k per token, n_shared shared
     experts (one SwiGLU of shared_ffn, default n_shared * ffn_expert) with an optional
     sigmoid shared_gate, their output times shared_scale (Cohere 2 MoE's "average": 0.5
-    beside route_scale 0.5). mlp_free_layers: blocks of their mixer alone, without an MLP or
+    beside route_scale 0.5). moe_latent L: a latent MoE (Nemotron 3 Super's), the routed experts
+    (of L in, L out) between x latent_in [H, L] and latent_out [L, H], the router and the shared
+    experts on x (fmoe.model.MoE's latent). mlp_free_layers: blocks of their mixer alone, without an MLP or
     its norm (Nemotron-H's mixer layers with no MLP layer after them; not MoE blocks, not
     with parallel_blocks, shortcut_moe or layer_scalars). Routing: score ("softmax", "sigmoid", or "sparsemixer": Phi-3.5-MoE's
     top-2 with its gap sparsemixer_eps, k = 2, without expert_bias; fmoe.ops.sparsemixer_route), pre_softmax (softmax over all experts, then top-k,
@@ -627,6 +637,7 @@ class TransformerConfig:
     linear_decay_bound: Optional[float] = None
     linear_dt_min: float = 0.0
     mlp_free_layers: Optional[tuple[int, ...]] = None
+    moe_latent: Optional[int] = None
     mtp_depth: int = 0
     mtp_norm: bool = False
     norm_eps: float = 1e-6
@@ -779,6 +790,8 @@ class TransformerConfig:
                 raise ValueError("shortcut_moe: a pair of pre-norm blocks, not with parallel_blocks, post_norms, moe_out_norm or residual_scale")
         self._check_hyper_connections()
         self._check_mlp_free()
+        if self.moe_latent is not None:
+            check_positive_int("moe_latent", self.moe_latent)
         if self.mla_scales and (self.q_rank is None or self.kv_rank is None):
             raise ValueError("mla_scales: scales multi-latent attention's queries and kv latent, needs q_rank and kv_rank")
         for name in ("longrope_short_factors", "longrope_long_factors"):  # read back from JSON as lists (AttentionConfig checks them)
@@ -1423,7 +1436,7 @@ class Block(nn.Module):
         elif moe:
             self.mlp = MoE(cfg.hidden, cfg.ffn_expert, cfg.moe_config(fp8), shared_ffn=cfg.shared_size, shared_gate=cfg.shared_gate,
                            expert_bias=cfg.expert_bias, router_bias=cfg.router_bias, expert_biases=cfg.expert_biases,
-                           router_norm=cfg.router_norm, expert_scale=cfg.router_expert_scale)
+                           router_norm=cfg.router_norm, expert_scale=cfg.router_expert_scale, latent=cfg.moe_latent or 0)
             self.mlp.experts.recompute = cfg.ac == "experts"
         else:
             self.mlp = DenseMLP(cfg.hidden, cfg.ffn_dense, cfg.impl, fp8=fp8, act=cfg.mlp_act)

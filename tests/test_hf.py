@@ -3108,7 +3108,6 @@ def test_nemotron_h_reads_its_layers_as_blocks_and_refuses_what_it_cannot_pair(f
             (dict(layers_block_type=["linear_attention", "mlp", "mlp"]), r"layer 2, an MLP, has no mixer layer before it"),
             (dict(layers_block_type=["linear_attention", "moe", "moe"]), r"layer 2, an MoE, has no mixer layer before it"),
             (dict(layers_block_type=["linear_attention", "mamba2"]), r"layer 1 is 'mamba2'; expected linear_attention, full_attention, mlp or moe"),
-            (dict(moe_latent_size=16), r"moe_latent_size = 16 is not supported \(no latent projections around the experts\)"),
             (dict(layers_block_type=None, hybrid_override_pattern="M-X"), r"hybrid_override_pattern = 'M-X' is not supported"),
             (dict(tie_word_embeddings=True), r"tie_word_embeddings = True is not supported \(an untied head"),
             (dict(mlp_hidden_act="silu"), r"mlp_hidden_act = 'silu' is not supported \(relu2"),
@@ -3116,6 +3115,38 @@ def test_nemotron_h_reads_its_layers_as_blocks_and_refuses_what_it_cannot_pair(f
             (dict(use_bias=True), r"use_bias = True is not supported \(no biases on the mixer's projections\)")):
         with pytest.raises(ValueError, match=message):
             hf.FAMILIES["nemotron_h"].kwargs(dict(config, **change))
+
+
+def test_nemotron_3_super_s_latent_moe_gives_transformers_logits_and_exports_back(tmp_path):
+    """Nemotron 3 Super's latent MoE (moe_latent_size 12): the routed experts over 12 channels
+    between fc1_latent_proj [12, H] and fc2_latent_proj [H, 12], the router and the shared
+    expert on x. Read as moe_latent, it gives transformers' logits; the export re-exports bit
+    for bit, and transformers loads it with the same logits."""
+    from safetensors.torch import load_file
+
+    config = FAMILIES["nemotron_h"]()
+    config.moe_latent_size = 12
+    torch.manual_seed(0)
+    ref = _randomised(transformers.AutoModelForCausalLM.from_config(config))
+    with torch.no_grad():
+        for name, b in ref.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.2 * torch.randn_like(b))
+    ref.save_pretrained(tmp_path / "hf")
+    model, cfg = hf.from_pretrained(tmp_path / "hf", impl="torch")
+    assert cfg.moe_latent == 12 and model.blocks[0].mlp.experts.w_up.shape == (4, 12, 24)
+    assert model.blocks[0].mlp.latent_in.shape == (32, 12) and model.blocks[0].mlp.shared.w_up.shape == (32, 20)
+    docs, ids, cu = _packed()
+    with torch.no_grad():
+        theirs = _their_logits(ref, docs)
+        assert _rel(model.logits(ids, cu), theirs) < 1e-5
+    hf.save_pretrained(model, tmp_path / "again")
+    assert filecmp.cmp(tmp_path / "hf" / "model.safetensors", tmp_path / "again" / "model.safetensors", shallow=False)
+    assert set(load_file(tmp_path / "again" / "model.safetensors")) >= {"backbone.layers.1.mixer.fc1_latent_proj.weight",
+                                                                        "backbone.layers.4.mixer.fc2_latent_proj.weight"}
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "again", dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert _rel(_their_logits(back, docs), theirs) < 1e-6
 
 
 def test_minicpm3_reads_its_multipliers_rope_halves_and_longrope(folders):

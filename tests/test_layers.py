@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import fmoe.ops as ops
 from fmoe.layers import MoEConfig, dense_mlp, local_experts, moe
-from fmoe.model import MoE
+from fmoe.model import MoE, TransformerConfig
 
 H, FFN, FS = 32, 16, 32
 
@@ -37,17 +37,22 @@ CONFIGS = {
     # their best 2, the expert bias, the weights x 2.5
     "relu2 sigmoid groups bias shared": MoEConfig(n_experts=8, k=3, score="sigmoid", n_groups=2, topk_groups=1, group_score_topk=2, scale=2.5,
                                                   glu_act="relu2"),
+    # Nemotron 3 Super's latent MoE: the routed experts over L = 12 channels between latent_in and latent_out
+    "relu2 latent bias shared": MoEConfig(n_experts=8, k=3, score="sigmoid", glu_act="relu2"),
 }
+L = 12  # the latent MoE's channels
 
 
-def _params(cfg, dtype, device, shared=False, bias=False):
-    E = cfg.n_experts
+def _params(cfg, dtype, device, shared=False, bias=False, latent=False):
+    E, He = cfg.n_experts, L if latent else H  # the routed experts' channels
     p = {
         "router": torch.randn(cfg.n_choices, H, device=device) * 0.5,
-        "w_gate": torch.randn(E, H, FFN, device=device) * 0.2,
-        "w_up": torch.randn(E, H, FFN, device=device) * 0.2,
-        "w_down": torch.randn(E, FFN, H, device=device) * 0.2,
+        "w_gate": torch.randn(E, He, FFN, device=device) * 0.2,
+        "w_up": torch.randn(E, He, FFN, device=device) * 0.2,
+        "w_down": torch.randn(E, FFN, He, device=device) * 0.2,
     }
+    if latent:
+        p.update(latent_in=torch.randn(H, L, device=device) * 0.3, latent_out=torch.randn(L, H, device=device) * 0.3)
     if shared:
         p.update(
             shared_w_gate=torch.randn(H, FS, device=device) * 0.2, shared_w_up=torch.randn(H, FS, device=device) * 0.2,
@@ -83,8 +88,10 @@ def _loop_moe(x, params, cfg):
         computing = ops.drop_by_capacity(computing, cfg.n_experts, cfg.capacity_factor, policy=cfg.capacity_policy)
         routes = ops.Routes(torch.where(zero, routes.weights, computing.weights), torch.where(zero, routes.experts, computing.experts))
     rows = []
+    latent = "latent_in" in p
+    x_e = x @ p["latent_in"] if latent else x  # the routed experts' input
     for t in range(x.shape[0]):
-        y_t = torch.zeros(H, device=x.device)
+        y_t = torch.zeros(x_e.shape[1], device=x.device)
         for j in range(cfg.k):
             e = int(routes.experts[t, j])
             if e < 0:
@@ -94,9 +101,11 @@ def _loop_moe(x, params, cfg):
                 continue
             w_gate = p["w_gate"][e] if "w_gate" in p else None
             if cfg.weights_on_input:  # the weight scales what the expert sees, its output is summed as is
-                y_t = y_t + mlp(routes.weights[t, j] * x[t], w_gate, p["w_up"][e], p["w_down"][e])
+                y_t = y_t + mlp(routes.weights[t, j] * x_e[t], w_gate, p["w_up"][e], p["w_down"][e])
                 continue
-            y_t = y_t + routes.weights[t, j] * mlp(x[t], w_gate, p["w_up"][e], p["w_down"][e])
+            y_t = y_t + routes.weights[t, j] * mlp(x_e[t], w_gate, p["w_up"][e], p["w_down"][e])
+        if latent:  # the routed sum leaves the latent space
+            y_t = y_t @ p["latent_out"]
         if "shared_w_up" in p:
             s = mlp(x[t], p.get("shared_w_gate"), p["shared_w_up"], p["shared_w_down"])
             y_t = y_t + s * torch.sigmoid(x[t] @ p["shared_gate"])
@@ -115,7 +124,7 @@ def _rel(a, b):
 def test_moe_matches_per_token_loop(name, dtype, impl, device):
     cfg = dataclasses.replace(CONFIGS[name], impl=impl)
     extras = dict(shared=True, bias=True) if "shared" in name else {}
-    params = _params(cfg, dtype, device, **extras)
+    params = _params(cfg, dtype, device, latent="latent" in name, **extras)
     x = torch.randn(13, H, device=device).to(dtype).requires_grad_()
     y, stats = moe(x, params, cfg)
     assert y.dtype == dtype and y.shape == x.shape
@@ -262,6 +271,14 @@ def test_moe_bad_inputs(device):
         moe(x, dict(params, router=torch.randn(6, H, device=device), expert_bias=torch.zeros(4, device=device)), zero)
     with pytest.raises(ValueError, match="zero_experts: expected an int"):
         dataclasses.replace(cfg, zero_experts=1.0)
+    # a latent MoE: both projections, in x's dtype, of one L
+    with pytest.raises(ValueError, match=r"params\['latent_out'\]: a latent MoE needs latent_in \[H, L\] and latent_out \[L, H\] .* "
+                                         r"expected \[12, 32\], got none"):
+        moe(x, dict(params, latent_in=torch.randn(H, 12, device=device)), cfg)
+    with pytest.raises(ValueError, match=r"params\['latent_out'\]: .* expected \[8, 32\], got torch.float32 \[12, 32\]"):  # latent_in's L
+        moe(x, dict(params, latent_in=torch.randn(H, 8, device=device), latent_out=torch.randn(12, H, device=device)), cfg)
+    with pytest.raises(ValueError, match="moe_latent: expected >= 1, got 0"):
+        TransformerConfig(moe_latent=0)
 
 
 def test_gpt_oss_moe_matches_per_token_loop():

@@ -73,6 +73,10 @@ VARIANTS = {
                                       linear_k_heads=2, linear_v_heads=4, linear_k_dim=8, linear_v_dim=6, linear_conv=3, linear_dt_min=0.05,
                                       mlp_act="relu2", nope_layers=(2,), n_groups=2, topk_groups=1, group_score_topk=2, route_scale=2.5,
                                       mtp_depth=1),
+    # Nemotron 3 Super's latent MoE: the routed experts over 12 channels between latent_in and latent_out
+    "nemotron 3 super": dataclasses.replace(TINY, n_layers=4, moe_layers=(0, 2, 3), mlp_free_layers=(1,), linear_layers=(0, 1, 3),
+                                            linear_kind="mamba2", linear_k_heads=2, linear_v_heads=4, linear_k_dim=8, linear_v_dim=6, linear_conv=3,
+                                            mlp_act="relu2", nope_layers=(2,), moe_latent=12, mtp_depth=1),
     "kimi linear": dataclasses.replace(TINY, linear_layers=(0, 1), linear_kind="kda", linear_k_heads=2, linear_v_heads=2, linear_k_dim=8,
                                        linear_v_dim=6, n_kv_heads=4, head_dim=12, rope_dim=4, kv_rank=6, v_head_dim=5, nope_layers=(2,),
                                        n_groups=2, topk_groups=1, group_score_topk=2, mtp_depth=1),
@@ -1382,6 +1386,7 @@ DECODED = {
     # Nemotron-H's: a Mamba-2 block without an MLP among them; Nemotron 3's: MoE blocks of experts without a gate
     "nemotron_h": dataclasses.replace(VARIANTS["nemotron_h"], mtp_depth=0),
     "nemotron 3": dataclasses.replace(VARIANTS["nemotron 3"], mtp_depth=0),
+    "nemotron 3 super": dataclasses.replace(VARIANTS["nemotron 3 super"], mtp_depth=0),
     # Kimi Linear's: Kimi Delta Attention blocks (a decay per key channel in the states) beside an MLA block without RoPE
     "kimi linear": dataclasses.replace(VARIANTS["kimi linear"], mtp_depth=0),
     # MiMo-V2-Flash's: the window's blocks (rings) with twice the kv heads, values of their own dim; and with a window

@@ -214,7 +214,9 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
     """flops_per_token of an fmoe.model.TransformerConfig (any object with its fields): the
     dense blocks are those that are not MoE (moe_layers or n_dense), the shared experts'
     size in units of ffn_expert (shared_ffn, or n_shared), the router over n_experts, the
-    MTP blocks as the model builds them; blocks without an MLP (cfg.is_mlp_free) count none. With multi-latent attention (kv_rank) the attention
+    MTP blocks as the model builds them; blocks without an MLP (cfg.is_mlp_free) count none. A
+    latent MoE (cfg.moe_latent = L) adds 6 x 2 H L per MoE block for its projections and counts
+    its routed experts over L channels instead of H. With multi-latent attention (kv_rank) the attention
     terms of every block (trunk and MTP) are its own: 6 x its projection weights, and
     6 N (D + v_dim) n_avg_keys for the scores (q.k over D) and the values (over v_dim).
     Gated attention (attn_gate) adds its gate's H N Dv weights to each block's projections.
@@ -321,7 +323,13 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
         M = 2 * n + (n * n if manifold else 0)
         hc = (2 * cfg.n_layers - mlp_free) * 6 * (M * n * H + n * H + (n * n * H if manifold else 0)) + 6 * (n * n * H + n * H)
     no_mlp = mlp_free * 6 * mlp_matrices * cfg.hidden * cfg.ffn_dense  # counted among the dense blocks below
-    return indexer + shortcut + hc + gated_norms - no_mlp + flops_per_token(**values, n_dense=n_dense, n_shared=shared, vocab=cfg.vocab_size,
+    latent = 0.0
+    L = getattr(cfg, "moe_latent", None)
+    if L:  # a latent MoE: its two projections, and the routed experts over L channels instead of H (trunk and MTP MoE blocks)
+        n_moe = sum(is_moe(i) for i in range(cfg.n_layers))
+        n_moe += cfg.mtp_depth if n_moe else 0
+        latent = n_moe * (6 * 2 * cfg.hidden * L + 6 * (L - cfg.hidden) * mlp_matrices * cfg.ffn_expert * values["k"])
+    return indexer + shortcut + hc + gated_norms + latent - no_mlp + flops_per_token(**values, n_dense=n_dense, n_shared=shared, vocab=cfg.vocab_size,
                                      n_avg_keys=n_avg_keys, n_sliding=n_sliding, n_avg_local_keys=n_avg_local_keys,
                                      attn_gate=bool(getattr(cfg, "attn_gate", False)) and not getattr(cfg, "attn_gate_on_q", False),
                                      attn_gate_per_head=bool(getattr(cfg, "attn_gate_per_head", False)), **attention, **linear,

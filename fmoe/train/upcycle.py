@@ -92,6 +92,9 @@ def granularity(cfg: TransformerConfig, dense_cfg: TransformerConfig) -> int:
     if cfg.dense_beside_moe:
         raise ValueError("dense_beside_moe: Gemma 4's MoE blocks keep a dense MLP beside the experts, each with norms of its own, which "
                          "changes the dense block's function; upcycle without it")
+    if cfg.moe_latent:
+        raise ValueError("moe_latent: a latent MoE's experts work in L channels between two projections the dense FFN does not have; "
+                         "upcycle without it")
     if cfg.zero_experts:
         raise ValueError("zero_experts: a slot routed to a zero expert passes its token through, which changes the dense block's "
                          "function; upcycle without them")

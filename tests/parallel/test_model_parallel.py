@@ -403,6 +403,9 @@ CASES = {
     # Nemotron 3's (NEMOTRON_3): the experts without a gate over ep (w_up and w_down alone), their shared expert over tp
     "ep2-nemotron3": (2, dict(ep=2), NEMOTRON_3),
     "tp2-nemotron3": (2, dict(tp=2), NEMOTRON_3),
+    # Nemotron 3 Super's latent MoE: the experts' rows exchanged over ep in its 12 channels, its projections on each tp shard
+    "ep2-nemotron3-latent": (2, dict(ep=2), dict(NEMOTRON_3, moe_latent=12)),
+    "tp2-nemotron3-latent": (2, dict(tp=2), dict(NEMOTRON_3, moe_latent=12)),
     "ep2xtp2-llama4": (4, dict(tp=2, ep=2), LLAMA4),
     # gpt-oss's extras: the sinks split with their heads and the output bias added once over
     # tp; the expert biases with their experts over ep (exchanged rows, and the padded

@@ -395,6 +395,8 @@ COUNTED = {
     "relu2, dense": dict(moe_layers=(), mlp_act="relu2"),
     # Nemotron 3's: routed and shared experts without a gate (2 matrices each), the MTP block's MoE too
     "relu2, moe": dict(mlp_act="relu2"),
+    # ...and Nemotron 3 Super's latent MoE: the routed experts over 12 channels between the two latent projections
+    "relu2, latent moe": dict(mlp_act="relu2", moe_latent=12),
     # Nemotron-H's: block 1 its attention alone (no MLP), the other MLPs without a gate
     "mlp-free block, relu2": dict(moe_layers=(), mlp_act="relu2", mlp_free_layers=(1,)),
     # ...and beside hyper-connections: no MLP, no MLP streams' weights in block 0 (block 1 MoE)

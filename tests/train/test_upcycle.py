@@ -164,6 +164,7 @@ def test_the_pair_must_allow_an_exact_start():
         (_moe(moe_out_norm=True), "moe_out_norm: a norm on the MoE blocks' output changes the dense block's function"),
         (_moe(norm_gate_rank=2), "norm_gate_rank: a MoE block's pre-MLP norm is gated (GatedRMSNorm), a dense block's is not"),
         (_moe(zero_experts=2), "zero_experts: a slot routed to a zero expert passes its token through"),
+        (_moe(moe_latent=16), "moe_latent: a latent MoE's experts work in L channels between two projections"),
         (_moe(shortcut_moe=True, n_layers=4, n_dense=0), "shortcut_moe: a pair's MoE output added after the next block"),
         (_moe(swiglu_limit=7.0), "swiglu_alpha, swiglu_limit, swiglu_offset: the dense FFN's SwiGLU is the plain one"),
         (_moe(mlp_act="gelu_tanh"), "mlp_act: the experts' gate activation must be the dense FFN's, 'silu', got 'gelu_tanh'"),
