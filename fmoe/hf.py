@@ -6,7 +6,7 @@
 A folder holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). Supported `model_type`s: FAMILIES (mixtral, qwen2_moe,
 qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, axk1, kimi_k2, kimi_k25, deepseek_v2, deepseek_v32, glm_moe_dsa, hy_v4, glm4_moe_lite, gpt_oss, solar_open,
-exaone_moe, kolibri1, beam, axk2, dots1, minimax_m2, minimax, granitemoe, granitemoeshared, granitemoe_swa, granitemoehybrid, nemotron_h, hunyuan_v1_moe, llama4_text, llama4, afmoe,
+exaone_moe, kolibri1, beam, axk2, dots1, minimax_m2, minimax, granitemoe, granitemoeshared, granitemoe_swa, granitemoehybrid, nemotron_h, mamba2, hunyuan_v1_moe, llama4_text, llama4, afmoe,
 laguna, cohere2_moe, sarvam_moe, sarvam_mla, longcat_flash, bailing_hybrid, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, lara_mini, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
 mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe, gemma3, gemma4_text, gemma4), and the dense
 DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, helium, minicpm3, arcee, gemma, vaultgemma, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
@@ -1497,9 +1497,7 @@ def _mamba2_fields(hf: dict, linear: tuple[int, ...]) -> dict:
     projection biases and a clamped dt refused."""
     _refuse(hf, "mamba_conv_bias", lambda v: v is True, "the convolution's biases")
     _refuse(hf, "mamba_proj_bias", lambda v: not v, "no biases on the mixer's projections")
-    # transformers writes inf as {"__float__": "Infinity"}
-    _refuse(hf, "time_step_limit", lambda v: v is None or [x if not isinstance(x, dict) else float(x.get("__float__", "nan")) for x in v] == [0.0, math.inf],
-            "dt unclamped, (0.0, inf)")
+    _refuse(hf, "time_step_limit", lambda v: v is None or [_json_float(x) for x in v] == [0.0, math.inf], "dt unclamped, (0.0, inf)")
     heads, expand = hf.get("mamba_n_heads", 128), hf.get("mamba_expand", 2)
     head_dim = hf.get("mamba_d_head", "auto")
     head_dim = expand * hf["hidden_size"] // heads if head_dim == "auto" else head_dim
@@ -1530,6 +1528,49 @@ def _bamba(hf: dict) -> dict:
     out = _dense(hf)
     _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in Bamba's attention here")
     return dict(out, rope_dim=out["head_dim"] // 2, **_mamba2_fields(hf, tuple(i for i in range(n) if i not in attention)))
+
+
+def _json_float(v) -> float:
+    """A float of config.json, as transformers writes inf and nan: {"__float__": "Infinity"}."""
+    return float(v.get("__float__", "nan")) if isinstance(v, dict) else float(v)
+
+
+def _mamba2_model(hf: dict) -> dict:
+    """Mamba-2 (mamba2; Mamba-Codestral-7B, the mamba2-*m models): every layer a Mamba-2 mixer
+    alone after its norm, no attention and no MLP (linear_layers and mlp_free_layers: every
+    block): num_heads heads of head_dim (expand x hidden_size channels), n_groups groups of
+    state_size, conv_kernel taps with biases; dt = softplus(...) clamped to time_step_limit
+    (its lower end: linear_dt_min; an upper one is refused); every norm's eps
+    layer_norm_epsilon. Projection biases and a convolution without biases refused. In float32
+    the residual stream is transformers' (residual_in_fp32 keeps it float32 in a 16-bit load,
+    where fmoe's is in the compute dtype)."""
+    _refuse(hf, "use_bias", lambda v: not v, "no biases on the mixer's projections")
+    _refuse(hf, "use_conv_bias", lambda v: v is True, "the convolution's biases")
+    _refuse(hf, "hidden_act", lambda v: v == "silu", "silu after the convolution")
+    low, high = (_json_float(v) for v in hf.get("time_step_limit") or (0.0, math.inf))
+    if high != math.inf or not 0 <= low < math.inf:
+        raise ValueError(f"config.json: time_step_limit = {hf['time_step_limit']!r} is not supported (dt clamped below only, [min, inf))")
+    n, H, heads, head_dim = hf["num_hidden_layers"], hf["hidden_size"], hf.get("num_heads", 128), hf.get("head_dim", 64)
+    if heads * head_dim != int(hf.get("expand", 2) * H):
+        raise ValueError(f"config.json: num_heads x head_dim = {heads} x {head_dim} is not supported (expand x hidden_size, "
+                         f"{int(hf.get('expand', 2) * H)}: transformers' mixer views one as the other)")
+    every = tuple(range(n))
+    return dict(vocab_size=hf["vocab_size"], hidden=H, n_layers=n, n_dense=n, ffn_dense=1, ffn_expert=1, n_experts=1, k=1, n_shared=0,
+                score="softmax", expert_bias=False, mtp_depth=0, n_heads=1, n_kv_heads=1, head_dim=2, norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+                tie_embeddings=bool(hf.get("tie_word_embeddings", False)), linear_layers=every, linear_kind="mamba2",
+                linear_k_heads=hf.get("n_groups", 8), linear_v_heads=heads, linear_k_dim=hf.get("state_size", 128), linear_v_dim=head_dim,
+                linear_conv=hf.get("conv_kernel", 4), linear_dt_min=low, mlp_free_layers=every)
+
+
+def _mamba2_model_config(cfg: TransformerConfig) -> dict:
+    """The config.json fields that _mamba2_model reads back."""
+    lin = cfg.linear_attention_config()
+    if lin.v_channels % cfg.hidden:
+        raise ValueError(f"model: Mamba-2's x channels (linear_v_heads x linear_v_dim = {lin.v_channels}) are not a whole multiple of "
+                         f"hidden = {cfg.hidden} (expand)")
+    return dict(num_heads=lin.n_v_heads, head_dim=lin.v_head_dim, n_groups=lin.n_k_heads, state_size=lin.k_head_dim, conv_kernel=lin.conv,
+                expand=lin.v_channels // cfg.hidden, layer_norm_epsilon=cfg.norm_eps, use_bias=False, use_conv_bias=True, hidden_act="silu",
+                time_step_limit=[cfg.linear_dt_min, {"__float__": "Infinity"}])
 
 
 _NEMOTRON_H_PATTERN = {"M": "linear_attention", "E": "moe", "*": "full_attention", "-": "mlp"}  # hybrid_override_pattern's letters
@@ -2567,6 +2608,9 @@ FAMILIES = {
                          final_norm="model.norm_f.weight", embed="model.embeddings.weight", linear="mamba2", mamba="mixer", single_sublayer=True,
                          prefix=("model.", "backbone."), not_read=("mtp.",),
                          defaults=dict(vocab_size=131072, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128)),
+    # Mamba-2: every layer a Mamba-2 mixer alone under `mixer` after its `norm`; the model under backbone.
+    "mamba2": Family(_mamba2_model, "mixer", _PROJ, "Mamba2ForCausalLM", attention="mixer", dense="mixer", norms=("norm", "norm"),
+                     final_norm="model.norm_f.weight", embed="model.embeddings.weight", linear="mamba2", mamba="mixer", prefix=("model.", "backbone.")),
     "granitemoe_swa": Family(_granitemoe_swa, "block_sparse_moe", _STACKS, "GraniteMoeSWAForCausalLM", "shared_mlp", fused="halves_out",
                              shared_beside=True, router="router.weight"),
     "laguna": Family(_laguna, "mlp", _PROJ, "LagunaForCausalLM", "shared_expert", correction_bias="experts.e_score_correction_bias",
@@ -3908,6 +3952,10 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
                   sliding_window=cfg.window or 129, v_head_dim=cfg.v_head_dim or cfg.head_dim, attention_value_scale=cfg.value_scale,
                   attention_bias=cfg.qkv_bias,
                   rope_parameters=_rope_by_layer_type_parameters(cfg, dict(_rope_parameters(cfg), partial_rotary_factor=_rotary_factor(cfg))))
+    elif model_type == "mamba2":  # no attention, no MLP: its mixers' fields alone
+        for name in ("num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "hidden_act", "rope_parameters", "num_experts_per_tok"):
+            hf.pop(name)
+        hf.update(_mamba2_model_config(cfg))
     elif model_type == "nemotron_h":  # its layers, not fmoe's blocks; no RoPE (config_mismatch names a block with it)
         for name in ("num_hidden_layers", "rms_norm_eps", "hidden_act", "rope_parameters", "num_experts_per_tok"):
             hf.pop(name)

@@ -142,6 +142,10 @@ FAMILIES = {
     "bamba": lambda: transformers.BambaConfig(**COMMON, intermediate_size=40, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16,
                                               mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=3, mamba_chunk_size=8, pad_token_id=None),
     "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=8, intermediate_size=40),
+    # Mamba-2: every layer a Mamba-2 mixer alone (4 heads of 16, C and B in 2 groups of 8, 3 taps, dt clamped at 0.5 and above)
+    "mamba2": lambda: transformers.Mamba2Config(vocab_size=V, hidden_size=32, num_hidden_layers=3, num_heads=4, head_dim=16, n_groups=2, state_size=8,
+                                                conv_kernel=3, chunk_size=8, expand=2, time_step_limit=(0.5, float("inf")), pad_token_id=None,
+                                                bos_token_id=None, eos_token_id=None),
     # Nemotron-H / Nemotron 3: layers of one sublayer each, ME M *E M- (fmoe's 4 blocks: MoE, none, MoE, an MLP); Mamba-2 (4
     # heads of 10: 40 channels, no multiple of hidden; C and B in 2 groups of 8, 3 taps; dt at least 0.5, a floor these
     # weights reach), attention without RoPE, MLPs and experts relu(x up)^2 down, sigmoid routing in 2 groups x 2.5
@@ -3115,6 +3119,27 @@ def test_nemotron_h_reads_its_layers_as_blocks_and_refuses_what_it_cannot_pair(f
             (dict(use_bias=True), r"use_bias = True is not supported \(no biases on the mixer's projections\)")):
         with pytest.raises(ValueError, match=message):
             hf.FAMILIES["nemotron_h"].kwargs(dict(config, **change))
+
+
+def test_mamba2_reads_every_layer_as_a_mixer_alone_with_its_dt_clamp(folders):
+    """Mamba-2: every block a Mamba-2 mixer without an MLP; time_step_limit's lower end (0.5
+    here, which these weights reach) is linear_dt_min: without it the logits move. An upper
+    clamp, heads that are not expand x hidden_size channels and projection biases are refused."""
+    path, ref = folders["mamba2"]
+    model, cfg = hf.from_pretrained(path, impl="torch")
+    assert cfg.linear_layers == cfg.mlp_free_layers == (0, 1, 2) and (cfg.linear_v_heads, cfg.linear_v_dim, cfg.linear_dt_min) == (4, 16, 0.5)
+    assert not any(".mlp" in name for name, _ in model.named_parameters()) and all(type(b.attn).__name__ == "LinearAttention" for b in model.blocks)
+    docs, ids, cu = _packed()
+    with torch.no_grad():
+        theirs = _their_logits(ref, docs)
+        unclamped, _ = hf.from_pretrained(path, impl="torch", linear_dt_min=0.0)
+        assert _rel(model.logits(ids, cu), theirs) < 1e-5 < 1e-3 < _rel(unclamped.logits(ids, cu), theirs)
+    config = json.loads((path / "config.json").read_text())
+    for change, message in ((dict(time_step_limit=[0.0, 1.0]), r"time_step_limit = \[0.0, 1.0\] is not supported \(dt clamped below only"),
+                            (dict(head_dim=8), r"num_heads x head_dim = 4 x 8 is not supported \(expand x hidden_size, 64"),
+                            (dict(use_bias=True), r"use_bias = True is not supported")):
+        with pytest.raises(ValueError, match=message):
+            hf.FAMILIES["mamba2"].kwargs(dict(config, **change))
 
 
 def test_nemotron_3_super_s_latent_moe_gives_transformers_logits_and_exports_back(tmp_path):

@@ -77,6 +77,9 @@ VARIANTS = {
     "nemotron 3 super": dataclasses.replace(TINY, n_layers=4, moe_layers=(0, 2, 3), mlp_free_layers=(1,), linear_layers=(0, 1, 3),
                                             linear_kind="mamba2", linear_k_heads=2, linear_v_heads=4, linear_k_dim=8, linear_v_dim=6, linear_conv=3,
                                             mlp_act="relu2", nope_layers=(2,), moe_latent=12, mtp_depth=1),
+    # Mamba-2's: every block a Mamba-2 mixer alone (no attention, no MLP; the MTP block attends and has its MLP)
+    "mamba2": dataclasses.replace(TINY, n_dense=3, linear_layers=(0, 1, 2), mlp_free_layers=(0, 1, 2), linear_kind="mamba2", linear_k_heads=2,
+                                  linear_v_heads=4, linear_k_dim=8, linear_v_dim=6, linear_conv=3, mtp_depth=1),
     "kimi linear": dataclasses.replace(TINY, linear_layers=(0, 1), linear_kind="kda", linear_k_heads=2, linear_v_heads=2, linear_k_dim=8,
                                        linear_v_dim=6, n_kv_heads=4, head_dim=12, rope_dim=4, kv_rank=6, v_head_dim=5, nope_layers=(2,),
                                        n_groups=2, topk_groups=1, group_score_topk=2, mtp_depth=1),
@@ -1387,6 +1390,8 @@ DECODED = {
     "nemotron_h": dataclasses.replace(VARIANTS["nemotron_h"], mtp_depth=0),
     "nemotron 3": dataclasses.replace(VARIANTS["nemotron 3"], mtp_depth=0),
     "nemotron 3 super": dataclasses.replace(VARIANTS["nemotron 3 super"], mtp_depth=0),
+    # Mamba-2's: no attention layer, so no keys and values cached, the states alone
+    "mamba2": dataclasses.replace(VARIANTS["mamba2"], mtp_depth=0),
     # Kimi Linear's: Kimi Delta Attention blocks (a decay per key channel in the states) beside an MLA block without RoPE
     "kimi linear": dataclasses.replace(VARIANTS["kimi linear"], mtp_depth=0),
     # MiMo-V2-Flash's: the window's blocks (rings) with twice the kv heads, values of their own dim; and with a window
@@ -1462,8 +1467,10 @@ def test_decode_past_longrope_s_original_positions_recomputes_the_sequence():
 
 
 # Ling's bounded decay reaches e^-5 a step with these sharp weights: the chunked rule (the whole sequence) and the
-# stepwise one (decoding) round apart by up to 3e-5 in a logit (their float64 loop: test_linear_attention)
-DECODE_TOL = {"ling": 5e-5}
+# stepwise one (decoding) round apart by up to 3e-5 in a logit (their float64 loop: test_linear_attention). Mamba-2's
+# three mixers in a row, with nothing else between them: the whole sequence in chunks of 4 instead of 64 already moves a
+# logit (of up to 5.3) by 1.5e-5, decoding by 3.1e-5
+DECODE_TOL = {"ling": 5e-5, "mamba2": 5e-5}
 
 
 @pytest.mark.parametrize("name", list(DECODED))
@@ -1504,7 +1511,7 @@ def test_decode_with_a_kv_cache_equals_the_whole_sequence(name, monkeypatch):
         kernel = cfg.index_topk is not None and cfg.impl == "triton"
         assert forms.count("_mla_latent_qkv") == (7 if kernel else 4) * attending and forms.count("_mla_expand") == (0 if kernel else 3) * attending
     else:  # values of their own dim (MiMo-V2-Flash's); a store of layers with other kv heads holds the most of them
-        heads = max(cfg.kv_heads(i) for i in cache.full_layers)
+        heads = max((cfg.kv_heads(i) for i in cache.full_layers), default=1)  # (Mamba-2's: no attending layer, an empty store)
         assert cache.k.shape == (len(cache.full_layers), 16, heads, cfg.head_dim)
         assert cache.v.shape == (len(cache.full_layers), 16, heads, cfg.v_head_dim or cfg.head_dim)
     if cfg.linear_layers is not None:  # a state of fixed size per linear-attention layer: the conv's last K - 1 tokens, the rule's state
@@ -1517,7 +1524,7 @@ def test_decode_with_a_kv_cache_equals_the_whole_sequence(name, monkeypatch):
         assert lin.kind == "lightning" or cache.conv.abs().amin(dim=(2, 3)).gt(0).all()
         assert cache.state.shape == (n_linear, 1, lin.n_v_heads, lin.k_head_dim, lin.v_head_dim)
         assert cache.state.abs().amin(dim=(2, 3, 4)).gt(0).all() if lin.kind != "short_conv" else not cache.state.any()
-        keys = cache.k.numel() if cfg.kv_rank is not None else 2 * 16 * cfg.n_kv_heads * cfg.head_dim  # the latents, or keys and values
+        keys = cache.k.numel() if cfg.kv_rank is not None else 2 * 16 * cfg.n_kv_heads * cfg.head_dim * len(cache.full_layers)  # the latents, or keys and values
         assert cache.nbytes == 4 * (keys + cache.conv.numel() + cache.state.numel())
     elif (cfg.window is None and cfg.chunk is None) or (cfg.window or cfg.chunk) >= 16:  # no local layers, or none narrower than the cache
         assert cache.full_layers == tuple(range(cfg.n_layers)) and cache.k_window.numel() == 0
