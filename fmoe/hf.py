@@ -4152,6 +4152,20 @@ _MOE_ONLY = {"n_experts", "k", "ffn_expert", "n_shared", "shared_ffn", "shared_g
              "swiglu_alpha", "swiglu_limit", "swiglu_offset", "router_softcap", "shared_scale", "expert_bias_on_logits"}
 
 
+# TransformerConfig fields that only the attention blocks read: nothing in a model whose every block is linear attention
+# (Mamba-2's) and that has no MTP module
+_ATTENTION_ONLY = {"n_heads", "n_kv_heads", "head_dim", "qkv_bias", "o_bias", "qk_norm", "qk_norm_after_rope", "nope_qk_norm", "rope_base", "rope_dim",
+                   "rope_interleaved", "rope_linear_factor", "rope_proportion", "yarn_factor", "yarn_original_max_positions", "yarn_beta_fast",
+                   "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim", "yarn_truncate", "llama3_factor", "llama3_low_freq_factor",
+                   "llama3_high_freq_factor", "llama3_original_max_positions", "longrope_short_factors", "longrope_long_factors",
+                   "longrope_original_max_positions", "longrope_short_scale", "longrope_long_scale", "q_rank", "kv_rank", "v_head_dim", "mla_scales",
+                   "q_latent_raw", "attn_gate", "attn_gate_act", "attn_gate_per_head", "attn_gate_bias", "attn_gate_on_q", "attn_scale", "attn_softcap",
+                   "attn_sinks", "sink_layers", "value_scale", "clip_qkv", "v_norm", "global_k_eq_v", "local_heads", "local_kv_heads", "local_head_dim",
+                   "local_rope_base", "local_rope_dim", "window", "window_layers", "chunk", "chunk_layers", "nope_layers", "nope_temperature_floor",
+                   "nope_temperature_scale", "nope_temperature_kind", "query_temperature_floor", "query_temperature_scale", "index_topk", "index_heads",
+                   "index_head_dim", "index_rope_interleaved", "index_rope_last", "index_norm_eps", "index_loss_coeff", "index_shared_layers"}
+
+
 def config_mismatch(cfg: TransformerConfig, hf: dict) -> dict[str, tuple]:
     """{field: (cfg's value, the value config.json `hf` maps to)} for each TransformerConfig
     field in which a model of `cfg` differs from the checkpoint's model (ignoring what does
@@ -4176,13 +4190,15 @@ def config_mismatch(cfg: TransformerConfig, hf: dict) -> dict[str, tuple]:
     moe = [cfg.is_moe(i) for i in range(cfg.n_layers)], [back.is_moe(i) for i in range(back.n_layers)]
     if not any(moe[0]) and not any(moe[1]):  # dense models: the MoE fields mean nothing
         ignored |= _MOE_ONLY
+    if all(c.mtp_depth == 0 and all(c.is_linear(i) for i in range(c.n_layers)) for c in (cfg, back)):  # no attention anywhere (Mamba-2's)
+        ignored |= _ATTENTION_ONLY
     mismatch = {f.name: (getattr(cfg, f.name), getattr(back, f.name)) for f in dataclasses.fields(TransformerConfig)
                 if f.name not in ignored and getattr(cfg, f.name) != getattr(back, f.name)}
     if moe[0] != moe[1]:
         mismatch["MoE layers"] = moe
     if cfg.shared_size != back.shared_size and (any(moe[0]) or any(moe[1])):
         mismatch["shared_size"] = (cfg.shared_size, back.shared_size)
-    if cfg.ffn_dense != back.ffn_dense and any(not m for m in moe[0]):
+    if cfg.ffn_dense != back.ffn_dense and any(not m and not cfg.is_mlp_free(i) for i, m in enumerate(moe[0])):  # a dense MLP somewhere
         mismatch["ffn_dense"] = (cfg.ffn_dense, back.ffn_dense)
     return mismatch
 

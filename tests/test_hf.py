@@ -715,7 +715,10 @@ def test_a_failed_export_leaves_no_weight_files(folders, tmp_path, monkeypatch):
                                                         linear_k_dim=1, linear_v_dim=1, linear_conv=3, qk_norm="head", tie_embeddings=True)), ("glm4", dict(qkv_bias=True, post_norms=True, rope_interleaved=True, rope_dim=4)),
                                           ("nemotron_h", dict(mlp_act="relu2", linear_layers=(0,), linear_kind="mamba2", linear_k_heads=2, linear_v_heads=4,
                                                               linear_k_dim=8, linear_v_dim=12, linear_conv=3, linear_dt_min=0.05, nope_layers=(1,),
-                                                              mlp_free_layers=(0,), norm_eps=1e-5))])
+                                                              mlp_free_layers=(0,), norm_eps=1e-5)),
+                                          # every block a Mamba-2 mixer alone: its attention fields (unused) are not compared
+                                          ("mamba2", dict(linear_layers=(0, 1), linear_kind="mamba2", linear_k_heads=2, linear_v_heads=4, linear_k_dim=8,
+                                                          linear_v_dim=16, linear_conv=3, linear_dt_min=0.05, mlp_free_layers=(0, 1), norm_eps=1e-5))])
 def test_a_dense_model_of_fmoe_s_own_exports_as_a_dense_family(family, knobs, tmp_path):
     """An fmoe model with no MoE block (its MoE fields at the defaults, unused) is written as
     the dense family and read by transformers with the same logits; the attention must match
