@@ -1576,11 +1576,11 @@ def _mamba2_model_config(cfg: TransformerConfig) -> dict:
 _NEMOTRON_H_PATTERN = {"M": "linear_attention", "E": "moe", "*": "full_attention", "-": "mlp"}  # hybrid_override_pattern's letters
 
 
-def _nemotron_h_blocks(hf: dict) -> list[tuple[str, Optional[str]]]:
+def _nemotron_h_blocks(hf: dict) -> list[tuple[Optional[str], Optional[str]]]:
     """Nemotron-H's layers (layers_block_type, or its older hybrid_override_pattern: M Mamba-2,
     * attention, - MLP, E MoE; by default transformers' four) as fmoe's blocks: each mixer
-    layer with the MLP or MoE layer after it, if there is one. [(mixer kind, "mlp", "moe" or
-    None)] per block; ValueError for an MLP or MoE layer with no mixer before it."""
+    layer with the MLP or MoE layer after it, if there is one, and an MLP or MoE layer with
+    no mixer layer before it alone. [(mixer kind or None, "mlp", "moe" or None)] per block."""
     kinds = hf.get("layers_block_type") or hf.get("layer_types")
     if kinds is None and hf.get("hybrid_override_pattern") is not None:
         pattern = hf["hybrid_override_pattern"]
@@ -1588,16 +1588,14 @@ def _nemotron_h_blocks(hf: dict) -> list[tuple[str, Optional[str]]]:
             raise ValueError(f"config.json: hybrid_override_pattern = {pattern!r} is not supported (letters of {''.join(_NEMOTRON_H_PATTERN)})")
         kinds = [_NEMOTRON_H_PATTERN[c] for c in pattern]
     kinds = [_LEGACY_KINDS.get(k, k) for k in (kinds or ["linear_attention", "moe", "full_attention", "mlp"])]
-    blocks: list[tuple[str, Optional[str]]] = []
+    blocks: list[tuple[Optional[str], Optional[str]]] = []
     for j, kind in enumerate(kinds):
         if kind in ("linear_attention", "full_attention"):
             blocks.append((kind, None))
-        elif kind in ("mlp", "moe") and blocks and blocks[-1][1] is None:
+        elif kind in ("mlp", "moe") and blocks and blocks[-1][0] is not None and blocks[-1][1] is None:
             blocks[-1] = (blocks[-1][0], kind)
-        elif kind in ("mlp", "moe"):
-            what = dict(mlp="an MLP", moe="an MoE")[kind]
-            raise ValueError(f"config.json: layers_block_type = {kinds!r} is not supported (layer {j}, {what}, has no mixer layer before it "
-                             "to make a block with: fmoe's blocks are a mixer, then at most one MLP or MoE)")
+        elif kind in ("mlp", "moe"):  # no mixer layer before it: a block of its own (mixer_free_layers)
+            blocks.append((None, kind))
         else:
             raise ValueError(f"config.json: layers_block_type = {kinds!r} is not supported (layer {j} is {kind!r}; expected "
                              "linear_attention, full_attention, mlp or moe)")
@@ -1607,7 +1605,8 @@ def _nemotron_h_blocks(hf: dict) -> list[tuple[str, Optional[str]]]:
 def _nemotron_h(hf: dict) -> dict:
     """Nemotron-H (nemotron_h; Nemotron-H-8B/56B, Nemotron-Nano-9B/12B-v2, and the MoE Nemotron 3
     Nano): layers of one sublayer each after its own norm (_nemotron_h_blocks: fmoe's blocks
-    pair a mixer with the MLP or MoE after it, mlp_free_layers those without): Mamba-2 mixers
+    pair a mixer with the MLP or MoE after it, mlp_free_layers those without, mixer_free_layers
+    an MLP or MoE layer after another): Mamba-2 mixers
     (mamba_num_heads heads of mamba_head_dim, any multiple of hidden_size: expand is not read,
     as in transformers; n_groups groups of ssm_state_size, conv_kernel taps with biases; dt at
     least time_step_min), attention without RoPE, MLPs relu(x up_proj)^2 down_proj of
@@ -1646,7 +1645,8 @@ def _nemotron_h(hf: dict) -> dict:
                 head_dim=_get(hf, "head_dim", default=hf["hidden_size"] // heads), norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
                 mlp_act="relu2", **lin, linear_dt_min=float(hf.get("time_step_min", 0.001)),
                 nope_layers=tuple(i for i, (kind, _) in enumerate(blocks) if kind == "full_attention") or None,
-                mlp_free_layers=tuple(i for i, (_, mlp) in enumerate(blocks) if mlp is None) or None)
+                mlp_free_layers=tuple(i for i, (_, mlp) in enumerate(blocks) if mlp is None) or None,
+                mixer_free_layers=tuple(i for i, (kind, _) in enumerate(blocks) if kind is None) or None)
 
 
 def _nemotron_h_config(cfg: TransformerConfig) -> dict:
@@ -1654,8 +1654,8 @@ def _nemotron_h_config(cfg: TransformerConfig) -> dict:
     (its mixer's, then its MLP's or MoE's) as layers_block_type, the mixers', the MoE's."""
     lin = cfg.linear_attention_config()
     kinds = [kind for i in range(cfg.n_layers)
-             for kind in ("linear_attention" if cfg.is_linear(i) else "full_attention",
-                          *(() if cfg.is_mlp_free(i) else ("moe",) if cfg.is_moe(i) else ("mlp",)))]
+             for kind in ((() if cfg.is_mixer_free(i) else ("linear_attention",) if cfg.is_linear(i) else ("full_attention",))
+                          + (() if cfg.is_mlp_free(i) else ("moe",) if cfg.is_moe(i) else ("mlp",)))]
     out = dict(layers_block_type=kinds, layer_norm_epsilon=cfg.norm_eps, mlp_hidden_act="relu2", mamba_hidden_act="silu",
                intermediate_size=cfg.ffn_dense, mamba_num_heads=lin.n_v_heads, mamba_head_dim=lin.v_head_dim, n_groups=lin.n_k_heads,
                ssm_state_size=lin.k_head_dim, conv_kernel=lin.conv, time_step_min=cfg.linear_dt_min, use_conv_bias=True, use_bias=False,
@@ -3082,12 +3082,14 @@ def key_map(family: Family, cfg: TransformerConfig) -> dict[str, Tensor]:
     out = {"embed": Tensor((family.embed,))}
     if family.pairs and not cfg.shortcut_moe:
         raise ValueError("model: this family's layers are shortcut pairs of blocks (shortcut_moe=True)")
-    for i, (p, p_mlp) in enumerate(_layer_prefixes(family, cfg)):
-        q = f"blocks.{i}."
+    for i, (p_mixer, p_mlp) in enumerate(_layer_prefixes(family, cfg)):
+        q, p = f"blocks.{i}.", p_mixer or p_mlp
         block = _block_keys(family, cfg, p, q, cfg.is_moe(i), rope=not cfg.is_nope(i), linear=cfg.is_linear(i),
                             index_shared=cfg.is_index_shared(i), layer=i)
         if family.pairs:
             block = {name: dataclasses.replace(spec, keys=tuple(_sublayer(family, key, p, i % 2) for key in spec.keys)) for name, spec in block.items()}
+        if p_mixer is None:  # a block without a mixer (cfg.mixer_free_layers)
+            block = {name: spec for name, spec in block.items() if not name.startswith(q + "attn")}
         if p_mlp is None:  # a block without an MLP (cfg.mlp_free_layers)
             block = {name: spec for name, spec in block.items() if not name.startswith(q + "mlp")}
         elif p_mlp != p:  # the MLP's own layer (Family.single_sublayer)
@@ -3128,20 +3130,20 @@ def key_map(family: Family, cfg: TransformerConfig) -> dict[str, Tensor]:
     return out
 
 
-def _layer_prefixes(family: Family, cfg: TransformerConfig) -> list[tuple[str, Optional[str]]]:
+def _layer_prefixes(family: Family, cfg: TransformerConfig) -> list[tuple[Optional[str], Optional[str]]]:
     """Each trunk block's HF layer prefixes: its mixer's and its MLP's (None: a block without
-    an MLP, cfg.mlp_free_layers). Layer i holds block i whole; Family.pairs' layer j blocks 2j
-    and 2j + 1; Family.single_sublayer's layers one sublayer each (Nemotron-H's), block i's
-    MLP the layer after its mixer's."""
+    an MLP, cfg.mlp_free_layers, or without a mixer, cfg.mixer_free_layers). Layer i holds
+    block i whole; Family.pairs' layer j blocks 2j and 2j + 1; Family.single_sublayer's
+    layers one sublayer each (Nemotron-H's), block i's MLP the layer after its mixer's."""
     out, layer = [], 0
     for i in range(cfg.n_layers):
-        free = cfg.is_mlp_free(i)
+        mixer, mlp = not cfg.is_mixer_free(i), not cfg.is_mlp_free(i)
         if family.single_sublayer:
-            out.append((f"model.layers.{layer}.", None if free else f"model.layers.{layer + 1}."))
-            layer += 1 if free else 2
+            out.append((f"model.layers.{layer}." if mixer else None, f"model.layers.{layer + mixer}." if mlp else None))
+            layer += mixer + mlp
         else:
             p = f"model.layers.{i // 2 if family.pairs else i}."
-            out.append((p, None if free else p))
+            out.append((p if mixer else None, p if mlp else None))
     return out
 
 
@@ -4190,7 +4192,7 @@ def config_mismatch(cfg: TransformerConfig, hf: dict) -> dict[str, tuple]:
     moe = [cfg.is_moe(i) for i in range(cfg.n_layers)], [back.is_moe(i) for i in range(back.n_layers)]
     if not any(moe[0]) and not any(moe[1]):  # dense models: the MoE fields mean nothing
         ignored |= _MOE_ONLY
-    if all(c.mtp_depth == 0 and all(c.is_linear(i) for i in range(c.n_layers)) for c in (cfg, back)):  # no attention anywhere (Mamba-2's)
+    if all(c.mtp_depth == 0 and not any(c.attends(i) for i in range(c.n_layers)) for c in (cfg, back)):  # no attention anywhere (Mamba-2's)
         ignored |= _ATTENTION_ONLY
     mismatch = {f.name: (getattr(cfg, f.name), getattr(back, f.name)) for f in dataclasses.fields(TransformerConfig)
                 if f.name not in ignored and getattr(cfg, f.name) != getattr(back, f.name)}

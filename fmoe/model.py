@@ -305,7 +305,9 @@ class TransformerConfig:
     / mlp_only_layers) of n_experts experts of ffn_expert, k per token, n_shared shared
     experts (one SwiGLU of shared_ffn, default n_shared * ffn_expert) with an optional
     sigmoid shared_gate, their output times shared_scale (Cohere 2 MoE's "average": 0.5
-    beside route_scale 0.5). moe_latent L: a latent MoE (Nemotron 3 Super's), the routed experts
+    beside route_scale 0.5). mixer_free_layers: blocks of their MLP alone, without attention
+    or its norm (Nemotron-H's MLP layers with no mixer layer before them; not with
+    parallel_blocks, shortcut_moe, normed_residual or DeepSeek sparse attention). moe_latent L: a latent MoE (Nemotron 3 Super's), the routed experts
     (of L in, L out) between x latent_in [H, L] and latent_out [L, H], the router and the shared
     experts on x (fmoe.model.MoE's latent). mlp_free_layers: blocks of their mixer alone, without an MLP or
     its norm (Nemotron-H's mixer layers with no MLP layer after them; not MoE blocks, not
@@ -637,6 +639,7 @@ class TransformerConfig:
     linear_decay_bound: Optional[float] = None
     linear_dt_min: float = 0.0
     mlp_free_layers: Optional[tuple[int, ...]] = None
+    mixer_free_layers: Optional[tuple[int, ...]] = None
     moe_latent: Optional[int] = None
     mtp_depth: int = 0
     mtp_norm: bool = False
@@ -772,7 +775,7 @@ class TransformerConfig:
             raise ValueError("fp8_layers: the blocks whose GEMMs run in fp8, needs fp8=True")
         check_fp8_fast_accum(self.fp8_fast_accum, self.fp8 is True)
         for name in ("moe_layers", "window_layers", "chunk_layers", "nope_layers", "linear_layers", "fp8_layers", "index_shared_layers",
-                     "sink_layers", "mlp_free_layers"):  # block lists: distinct indices, kept sorted
+                     "sink_layers", "mlp_free_layers", "mixer_free_layers"):  # block lists: distinct indices, kept sorted
             layers = getattr(self, name)
             if layers is None:
                 continue
@@ -882,16 +885,33 @@ class TransformerConfig:
                              f"(got {found}; MTP: mtp_depth=0, --model.mtp_depth=0)")
 
     def _check_mlp_free(self) -> None:
-        """mlp_free_layers: blocks of their mixer alone, neither dense nor MoE, in sequential blocks."""
-        if not self.mlp_free_layers:
-            return
-        moe = [i for i in self.mlp_free_layers if self.is_moe(i)]
-        if moe:
-            raise ValueError(f"mlp_free_layers: blocks {moe} are MoE blocks (n_dense = {self.n_dense}, moe_layers = {self.moe_layers}); "
-                             "a block without an MLP is neither dense nor MoE")
-        for name in ("parallel_blocks", "shortcut_moe", "layer_scalars"):
-            if getattr(self, name):
-                raise ValueError(f"mlp_free_layers: blocks without an MLP, not with {name}")
+        """mlp_free_layers: blocks of their mixer alone, neither dense nor MoE, in sequential
+        blocks; mixer_free_layers: blocks of their MLP alone, with neither kind of attention nor
+        the knobs that place it, not without an MLP too."""
+        if self.mlp_free_layers:
+            moe = [i for i in self.mlp_free_layers if self.is_moe(i)]
+            if moe:
+                raise ValueError(f"mlp_free_layers: blocks {moe} are MoE blocks (n_dense = {self.n_dense}, moe_layers = {self.moe_layers}); "
+                                 "a block without an MLP is neither dense nor MoE")
+            for name in ("parallel_blocks", "shortcut_moe", "layer_scalars"):
+                if getattr(self, name):
+                    raise ValueError(f"mlp_free_layers: blocks without an MLP, not with {name}")
+        if self.mixer_free_layers:
+            for name in ("mlp_free_layers", "linear_layers", "window_layers", "chunk_layers", "nope_layers", "sink_layers", "index_shared_layers"):
+                both = sorted(set(self.mixer_free_layers) & set(getattr(self, name) or ()))
+                if both:
+                    raise ValueError(f"mixer_free_layers: blocks {both} are in {name} too; a block without a mixer has no attention to place")
+            for name in ("parallel_blocks", "shortcut_moe", "normed_residual", "index_topk"):
+                if getattr(self, name) not in (None, False):
+                    raise ValueError(f"mixer_free_layers: blocks without a mixer, not with {name}")
+
+    def is_mixer_free(self, i: int) -> bool:
+        """Whether trunk block i is its MLP alone, without attention: listed in mixer_free_layers."""
+        return self.mixer_free_layers is not None and i in self.mixer_free_layers
+
+    def attends(self, i: int) -> bool:
+        """Whether trunk block i has softmax attention: neither linear attention nor mixer-free."""
+        return not self.is_linear(i) and not self.is_mixer_free(i)
 
     def is_mlp_free(self, i: int) -> bool:
         """Whether trunk block i is its mixer alone, without an MLP: listed in mlp_free_layers."""
@@ -947,12 +967,12 @@ class TransformerConfig:
     def is_sliding(self, i: int) -> bool:
         """Whether trunk block i attends over the sliding window: listed in window_layers,
         or every attending trunk block (not linear) when only window is set."""
-        return self.window is not None and not self.is_linear(i) and (self.window_layers is None or i in self.window_layers)
+        return self.window is not None and self.attends(i) and (self.window_layers is None or i in self.window_layers)
 
     def is_chunked(self, i: int) -> bool:
         """Whether trunk block i attends within its chunk: listed in chunk_layers, or every
         attending trunk block (not linear) when only chunk is set."""
-        return self.chunk is not None and not self.is_linear(i) and (self.chunk_layers is None or i in self.chunk_layers)
+        return self.chunk is not None and self.attends(i) and (self.chunk_layers is None or i in self.chunk_layers)
 
     def is_local(self, i: int) -> bool:
         """Whether trunk block i attends over the sliding window or within its chunk (the
@@ -1410,21 +1430,29 @@ class Block(nn.Module):
     it adds the MoE's output after its MLP's. With cfg.hyper_connections n its input and
     output are the n streams [T, n H]: the attention and the MLP each read their weighted
     sum and add their output back (HyperConnection: attn_hc, mlp_hc). mlp=False: the
-    attention alone (cfg.mlp_free_layers; mlp, mlp_norm, mlp_post_norm and mlp_hc None)."""
+    attention alone (cfg.mlp_free_layers; mlp, mlp_norm, mlp_post_norm and mlp_hc None);
+    mixer=False: the MLP alone (cfg.mixer_free_layers; attn, attn_norm, attn_post_norm and
+    attn_hc None)."""
 
     def __init__(self, cfg: TransformerConfig, moe: bool, *, local: bool = False, rope: bool = True, linear: bool = False,
                  fp8: Optional[bool] = None, index_shared: bool = False, sinks: Optional[bool] = None, shortcut: Optional[str] = None,
-                 depth: Optional[int] = None, mlp: bool = True):
+                 depth: Optional[int] = None, mlp: bool = True, mixer: bool = True):
         super().__init__()
         def norm(on: bool, gated: bool = False) -> Optional[RMSNorm]:
             if not on:
                 return None
             return GatedRMSNorm(cfg.hidden, cfg.norm_eps, cfg.norm_gate_rank) if gated and cfg.norm_gate_rank else RMSNorm.of(cfg)
 
-        self.attn_norm, self.attn_post_norm = norm(cfg.pre_norms, gated=True), norm(cfg.post_norms)
+        if not mixer and not mlp:
+            raise ValueError("mixer / mlp: a block holds a mixer, an MLP or both, got neither")
+        self.attn_norm, self.attn_post_norm = norm(mixer and cfg.pre_norms, gated=True), norm(mixer and cfg.post_norms)
         fp8 = cfg.fp8 if fp8 is None else fp8
-        self.attn = LinearAttention(cfg, fp8=fp8, layer=depth or 0) if linear else Attention(cfg, local=local, rope=rope, fp8=fp8, index_shared=index_shared,
-                                                                                     sinks=sinks)
+        if not mixer:  # the MLP alone (cfg.mixer_free_layers: Nemotron-H's MLP layers with no mixer layer before them)
+            self.attn = None
+        elif linear:
+            self.attn = LinearAttention(cfg, fp8=fp8, layer=depth or 0)
+        else:
+            self.attn = Attention(cfg, local=local, rope=rope, fp8=fp8, index_shared=index_shared, sinks=sinks)
         # a parallel block's MLP reads the attention's normed input (attn_norm)
         self.mlp_norm = norm(mlp and cfg.pre_norms and not cfg.parallel_blocks, gated=moe)
         self.mlp_post_norm = norm(mlp and (cfg.post_norms or (moe and cfg.moe_out_norm)))
@@ -1462,7 +1490,7 @@ class Block(nn.Module):
         if cfg.normed_residual is not None:
             self.residual_weights = [(cfg.normed_residual, cfg.residual_scale)] * 2
         # hyper-connections: the attention's and the MLP's weights over the streams
-        self.attn_hc = HyperConnection(cfg) if cfg.hyper_connections else None
+        self.attn_hc = HyperConnection(cfg) if cfg.hyper_connections and mixer else None
         self.mlp_hc = HyperConnection(cfg) if cfg.hyper_connections and mlp else None
 
     def forward(self, x_TH, ctx: AttentionContext, token_mask: Optional[torch.Tensor] = None):
@@ -1489,8 +1517,10 @@ class Block(nn.Module):
         return x_TH + (y_TH if self.residual_scale == 1.0 else y_TH * self.residual_scale)
 
     def _block(self, x_TH, ctx, token_mask=None):
-        if self.attn_hc is not None:
+        if self.attn_hc is not None or self.mlp_hc is not None:
             return self._hc_block(x_TH, ctx, token_mask)
+        if self.attn is None:  # the MLP alone
+            return self._mlp_branch(x_TH, _normed(self.mlp_norm, x_TH), token_mask)
         carry_TH = None
         if self.shortcut == "in":  # the residual, then the pair's MoE output
             x_TH, carry_TH = x_TH.chunk(2, dim=-1)
@@ -1510,9 +1540,10 @@ class Block(nn.Module):
         """With hyper-connections: the streams x [T, n H] -> (x' [T, n H], the MoE stats or
         None); the attention and the MLP each read their weighted sum of the streams and add
         their output back (HyperConnection)."""
-        h_TH, post, comb = self.attn_hc(x_TS)
-        y_TH = recompute(self._attend, h_TH, ctx) if self.ac == "attention" else self._attend(h_TH, ctx)
-        x_TS = self.attn_hc.add(x_TS, y_TH, post, comb)
+        if self.attn is not None:
+            h_TH, post, comb = self.attn_hc(x_TS)
+            y_TH = recompute(self._attend, h_TH, ctx) if self.ac == "attention" else self._attend(h_TH, ctx)
+            x_TS = self.attn_hc.add(x_TS, y_TH, post, comb)
         if self.mlp is None:
             return x_TS, None
         h_TH, post, comb = self.mlp_hc(x_TS)
@@ -1657,7 +1688,8 @@ class KVCache:
         self.window_layers = self.ring_layers(cfg, max_tokens)
         self.window = self.ring_length(cfg) if self.window_layers else None  # the sliding window, or the chunk
         self.linear_layers = tuple(i for i in range(cfg.n_layers) if cfg.is_linear(i))
-        self.full_layers = tuple(i for i in range(cfg.n_layers) if i not in self.window_layers and i not in self.linear_layers)
+        self.full_layers = tuple(i for i in range(cfg.n_layers) if i not in self.window_layers and cfg.attends(i))
+        self.mixer_free_layers = tuple(i for i in range(cfg.n_layers) if cfg.is_mixer_free(i))  # nothing cached
         # each layer's kv heads (TransformerConfig.kv_heads; one latent row under multi-latent attention); a store whose
         # layers differ in them holds the most, a layer using its first ones
         self.heads = {i: cfg.kv_heads(i) if cfg.kv_rank is None else 1 for i in range(cfg.n_layers)}
@@ -1686,7 +1718,8 @@ class KVCache:
 
     @property
     def n_layers(self) -> int:
-        return len(self.full_layers) + len(self.window_layers) + len(self.linear_layers)
+        """The model's layers this cache serves: those with a store or states, and those without a mixer (nothing cached)."""
+        return len(self.full_layers) + len(self.window_layers) + len(self.linear_layers) + len(self.mixer_free_layers)
 
     @staticmethod
     def ring_layers(cfg: TransformerConfig, max_tokens: int) -> tuple[int, ...]:
@@ -1820,7 +1853,7 @@ class Transformer(nn.Module):
         self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden))
         self.blocks = nn.ModuleList(Block(cfg, moe=cfg.is_moe(i), local=cfg.is_local(i), rope=not cfg.is_nope(i), linear=cfg.is_linear(i),
                                           fp8=cfg.is_fp8(i), index_shared=cfg.is_index_shared(i), sinks=cfg.has_sinks(i),
-                                          shortcut=cfg.shortcut(i), depth=i, mlp=not cfg.is_mlp_free(i))
+                                          shortcut=cfg.shortcut(i), depth=i, mlp=not cfg.is_mlp_free(i), mixer=not cfg.is_mixer_free(i))
                                     for i in range(cfg.n_layers))
         for i, block in enumerate(self.blocks):  # DeepSeek sparse attention: each block's choice of keys by its index, and the one it reuses
             if isinstance(block.attn, Attention):
@@ -2141,6 +2174,9 @@ class Transformer(nn.Module):
             contexts[True], window_kv = self._window_context(cache, seq_list, T, positions, queries, rows_host, cfg)
         h_TH = self._trunk_input(ids)
         for i, block in enumerate(self.blocks):
+            if block.attn is None:  # an MLP alone: nothing cached
+                h_TH, _ = block(h_TH, AttentionContext(None, None, None))
+                continue
             if i in cache.linear_layers:  # the states its tokens continue, then the states after them
                 states = cache.linear_states(i, seq_list, tokens=n)  # the padding's rows (tp) continue nothing
                 h_TH, _ = block(h_TH, AttentionContext(None, None, None, linear_states=states))

@@ -146,14 +146,14 @@ FAMILIES = {
     "mamba2": lambda: transformers.Mamba2Config(vocab_size=V, hidden_size=32, num_hidden_layers=3, num_heads=4, head_dim=16, n_groups=2, state_size=8,
                                                 conv_kernel=3, chunk_size=8, expand=2, time_step_limit=(0.5, float("inf")), pad_token_id=None,
                                                 bos_token_id=None, eos_token_id=None),
-    # Nemotron-H / Nemotron 3: layers of one sublayer each, ME M *E M- (fmoe's 4 blocks: MoE, none, MoE, an MLP); Mamba-2 (4
+    # Nemotron-H / Nemotron 3: layers of one sublayer each, ME M *E M- - (fmoe's 5 blocks: MoE, none, MoE, an MLP, an MLP alone); Mamba-2 (4
     # heads of 10: 40 channels, no multiple of hidden; C and B in 2 groups of 8, 3 taps; dt at least 0.5, a floor these
     # weights reach), attention without RoPE, MLPs and experts relu(x up)^2 down, sigmoid routing in 2 groups x 2.5
     "nemotron_h": lambda: transformers.NemotronHConfig(**{k: v for k, v in COMMON.items() if k != "num_hidden_layers"}, head_dim=8,
                                                        intermediate_size=40, mamba_num_heads=4, mamba_head_dim=10, n_groups=2, ssm_state_size=8,
                                                        conv_kernel=3, chunk_size=8, time_step_min=0.5, pad_token_id=None, bos_token_id=None,
                                                        eos_token_id=None, layers_block_type=["linear_attention", "moe", "linear_attention",
-                                                                                             "full_attention", "moe", "linear_attention", "mlp"],
+                                                                                             "full_attention", "moe", "linear_attention", "mlp", "mlp"],
                                                        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
                                                        moe_shared_expert_intermediate_size=20, n_group=2, topk_group=1, routed_scaling_factor=2.5),
     "mixtral": lambda: transformers.MixtralConfig(**COMMON, head_dim=8, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2),
@@ -3080,16 +3080,16 @@ def test_minimax_reads_lightning_attention_its_decay_and_normed_residuals(folder
 
 
 def test_nemotron_h_reads_its_layers_as_blocks_and_refuses_what_it_cannot_pair(folders, tmp_path):
-    """Nemotron-H's layers M E M * E M - are fmoe's blocks (M E), (M), (* E), (M -): block 1
-    without an MLP, blocks 0 and 2 MoE (experts and a shared expert without a gate), each
-    block's MLP and its norm from the layer after its mixer's, under backbone.; the older
-    hybrid_override_pattern reads the same. dt's floor (time_step_min) binds in this model:
-    without it the logits move. A layer pattern fmoe cannot pair and what transformers would
-    build otherwise are refused by name."""
+    """Nemotron-H's layers M E M * E M - - are fmoe's blocks (M E), (M), (* E), (M -), (-):
+    block 1 without an MLP, block 4 without a mixer (Nemotron-H-47B's runs of MLP layers),
+    blocks 0 and 2 MoE (experts and a shared expert without a gate), each block's MLP and its
+    norm from the layer after its mixer's, under backbone.; the older hybrid_override_pattern
+    reads the same. dt's floor (time_step_min) binds in this model: without it the logits
+    move. Unknown layer kinds and what transformers would build otherwise are refused by name."""
     path, ref = folders["nemotron_h"]
     model, cfg = hf.from_pretrained(path, impl="torch")
-    assert (cfg.n_layers, cfg.linear_layers, cfg.nope_layers, cfg.mlp_free_layers, cfg.moe_layers, cfg.linear_dt_min, cfg.mlp_act) == (
-        4, (0, 1, 3), (2,), (1,), (0, 2), 0.5, "relu2")
+    assert (cfg.n_layers, cfg.linear_layers, cfg.nope_layers, cfg.mlp_free_layers, cfg.mixer_free_layers, cfg.moe_layers, cfg.linear_dt_min,
+            cfg.mlp_act) == (5, (0, 1, 3), (2,), (1,), (4,), (0, 2), 0.5, "relu2")
     assert (cfg.n_experts, cfg.k, cfg.ffn_expert, cfg.shared_size, cfg.score, cfg.n_groups, cfg.group_score_topk, cfg.route_scale) == (
         4, 2, 24, 20, "sigmoid", 2, 2, 2.5)
     keys = hf.key_map(hf.FAMILIES["nemotron_h"], cfg)
@@ -3100,9 +3100,11 @@ def test_nemotron_h_reads_its_layers_as_blocks_and_refuses_what_it_cannot_pair(f
     assert keys["blocks.2.mlp.expert_bias"].keys == ("backbone.layers.4.mixer.gate.e_score_correction_bias",)
     assert keys["blocks.3.attn.A_log"].keys == ("backbone.layers.5.mixer.A_log",)
     assert keys["blocks.3.mlp.w_up"].keys == ("backbone.layers.6.mixer.up_proj.weight",)
-    assert not any(name.startswith("blocks.1.mlp") or name.endswith("w_gate") for name in keys)
-    assert "blocks.1.mlp" not in dict(model.named_modules())
-    pattern = hf.read_config(_edit(path, tmp_path / "pattern", lambda c: (c.pop("layers_block_type"), c.update(hybrid_override_pattern="MEM*EM-"))))[1]
+    assert keys["blocks.4.mlp_norm.weight"].keys == ("backbone.layers.7.norm.weight",)
+    assert keys["blocks.4.mlp.w_up"].keys == ("backbone.layers.7.mixer.up_proj.weight",)
+    assert not any(name.startswith(("blocks.1.mlp", "blocks.4.attn")) or name.endswith("w_gate") for name in keys)
+    assert "blocks.1.mlp" not in dict(model.named_modules()) and model.blocks[4].attn is None
+    pattern = hf.read_config(_edit(path, tmp_path / "pattern", lambda c: (c.pop("layers_block_type"), c.update(hybrid_override_pattern="MEM*EM--"))))[1]
     assert pattern == hf.read_config(path)[1]
     docs, ids, cu = _packed()
     with torch.no_grad():
@@ -3110,10 +3112,9 @@ def test_nemotron_h_reads_its_layers_as_blocks_and_refuses_what_it_cannot_pair(f
         unfloored, _ = hf.from_pretrained(path, impl="torch", linear_dt_min=0.0)
         assert _rel(model.logits(ids, cu), theirs) < 1e-5 < 1e-3 < _rel(unfloored.logits(ids, cu), theirs)
     config = json.loads((path / "config.json").read_text())
+    runs = TransformerConfig(**hf.FAMILIES["nemotron_h"].kwargs(dict(config, layers_block_type=["mlp", "mlp", "linear_attention", "moe", "moe"])))
+    assert (runs.n_layers, runs.mixer_free_layers, runs.mlp_free_layers, runs.moe_layers) == (4, (0, 1, 3), None, (2, 3))
     for change, message in (
-            (dict(layers_block_type=["mlp", "linear_attention"]), r"layer 0, an MLP, has no mixer layer before it"),
-            (dict(layers_block_type=["linear_attention", "mlp", "mlp"]), r"layer 2, an MLP, has no mixer layer before it"),
-            (dict(layers_block_type=["linear_attention", "moe", "moe"]), r"layer 2, an MoE, has no mixer layer before it"),
             (dict(layers_block_type=["linear_attention", "mamba2"]), r"layer 1 is 'mamba2'; expected linear_attention, full_attention, mlp or moe"),
             (dict(layers_block_type=None, hybrid_override_pattern="M-X"), r"hybrid_override_pattern = 'M-X' is not supported"),
             (dict(tie_word_embeddings=True), r"tie_word_embeddings = True is not supported \(an untied head"),

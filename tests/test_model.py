@@ -77,6 +77,10 @@ VARIANTS = {
     "nemotron 3 super": dataclasses.replace(TINY, n_layers=4, moe_layers=(0, 2, 3), mlp_free_layers=(1,), linear_layers=(0, 1, 3),
                                             linear_kind="mamba2", linear_k_heads=2, linear_v_heads=4, linear_k_dim=8, linear_v_dim=6, linear_conv=3,
                                             mlp_act="relu2", nope_layers=(2,), moe_latent=12, mtp_depth=1),
+    # Nemotron-H-47B's runs of MLP layers: block 1 its MLP alone (no attention, nothing cached), a window on the attention
+    "nemotron_h 47b": dataclasses.replace(TINY, n_layers=4, n_dense=4, mixer_free_layers=(1,), linear_layers=(0, 3), linear_kind="mamba2",
+                                          linear_k_heads=2, linear_v_heads=4, linear_k_dim=8, linear_v_dim=6, linear_conv=3, mlp_act="relu2",
+                                          window=4, mtp_depth=1),
     # Mamba-2's: every block a Mamba-2 mixer alone (no attention, no MLP; the MTP block attends and has its MLP)
     "mamba2": dataclasses.replace(TINY, n_dense=3, linear_layers=(0, 1, 2), mlp_free_layers=(0, 1, 2), linear_kind="mamba2", linear_k_heads=2,
                                   linear_v_heads=4, linear_k_dim=8, linear_v_dim=6, linear_conv=3, mtp_depth=1),
@@ -593,6 +597,40 @@ def test_blocks_without_an_mlp_end_at_their_mixer():
             dataclasses.replace(TINY, **knobs)
     with pytest.raises(ValueError, match=r"mlp: a MoE block has an MLP"):
         fmoe.model.Block(TINY, moe=True, mlp=False)
+
+
+def test_blocks_without_a_mixer_are_their_mlp_alone():
+    """mixer_free_layers (Nemotron-H-47B's MLP layers with no mixer layer before them): the
+    block is x + mlp(mlp_norm(x)), with no attention, attention norm or attention streams'
+    weights, neither sliding nor cached; with hyper-connections the MLP's add alone. The
+    knob is checked against the ones that place attention."""
+    from fmoe.layers import attention_context
+
+    torch.manual_seed(0)
+    x = torch.randn(9, 32)
+    cfg = VARIANTS["nemotron_h 47b"]
+    model = Transformer(cfg)
+    ctx = attention_context(torch.tensor([0, 9], dtype=torch.int32), torch.arange(9), cfg.context_config())
+    alone = model.blocks[1]
+    assert alone.attn is None and alone.attn_norm is None and not any(".attn" in name for name, _ in alone.named_parameters())
+    assert not cfg.is_sliding(1) and cfg.is_sliding(2) and not cfg.attends(1) and model.kv_cache(16).window_layers == (2,)
+    with torch.no_grad():
+        torch.testing.assert_close(alone(x, ctx)[0], x + alone.mlp(alone.mlp_norm(x)))
+        hc_cfg = dataclasses.replace(TINY, hyper_connections=2, n_dense=3, mixer_free_layers=(0,))
+        hc = Transformer(hc_cfg).blocks[0]
+        assert hc.attn_hc is None and hc.mlp_hc is not None
+        streams = torch.randn(9, 64)
+        h, post, comb = hc.mlp_hc(streams)
+        torch.testing.assert_close(hc(streams, ctx)[0], hc.mlp_hc.add(streams, hc.mlp(hc.mlp_norm(h)), post, comb))
+    for knobs, message in ((dict(mixer_free_layers=(1,), linear_layers=(1, 2)), r"mixer_free_layers: blocks \[1\] are in linear_layers too"),
+                           (dict(mixer_free_layers=(0,), mlp_free_layers=(0,), n_dense=3), r"blocks \[0\] are in mlp_free_layers too"),
+                           (dict(mixer_free_layers=(1,), window=4, window_layers=(1,)), r"blocks \[1\] are in window_layers too"),
+                           (dict(mixer_free_layers=(1,), parallel_blocks=True), "mixer_free_layers: blocks without a mixer, not with parallel_blocks"),
+                           (dict(mixer_free_layers=(1,), normed_residual=1.5), "mixer_free_layers: blocks without a mixer, not with normed_residual")):
+        with pytest.raises(ValueError, match=message):
+            dataclasses.replace(TINY, **knobs)
+    with pytest.raises(ValueError, match="mixer / mlp: a block holds a mixer, an MLP or both, got neither"):
+        fmoe.model.Block(TINY, moe=False, mlp=False, mixer=False)
 
 
 def test_gemma4_moe_blocks_add_a_dense_mlp_beside_the_moe_and_scale_their_output():
@@ -1390,6 +1428,7 @@ DECODED = {
     "nemotron_h": dataclasses.replace(VARIANTS["nemotron_h"], mtp_depth=0),
     "nemotron 3": dataclasses.replace(VARIANTS["nemotron 3"], mtp_depth=0),
     "nemotron 3 super": dataclasses.replace(VARIANTS["nemotron 3 super"], mtp_depth=0),
+    "nemotron_h 47b": dataclasses.replace(VARIANTS["nemotron_h 47b"], mtp_depth=0, window=None),
     # Mamba-2's: no attention layer, so no keys and values cached, the states alone
     "mamba2": dataclasses.replace(VARIANTS["mamba2"], mtp_depth=0),
     # Kimi Linear's: Kimi Delta Attention blocks (a decay per key channel in the states) beside an MLA block without RoPE
@@ -1517,7 +1556,8 @@ def test_decode_with_a_kv_cache_equals_the_whole_sequence(name, monkeypatch):
     if cfg.linear_layers is not None:  # a state of fixed size per linear-attention layer: the conv's last K - 1 tokens, the rule's state
         lin = cfg.linear_attention_config()
         n_linear = len(cfg.linear_layers)
-        assert cache.linear_layers == cfg.linear_layers and cache.full_layers == tuple(i for i in range(cfg.n_layers) if not cfg.is_linear(i))
+        assert cache.linear_layers == cfg.linear_layers and cache.full_layers == tuple(i for i in range(cfg.n_layers) if cfg.attends(i))
+        assert cache.mixer_free_layers == (cfg.mixer_free_layers or ())  # an MLP alone: nothing cached
         # the conv's inputs: q, k and v's projections, or a short convolution's gated input (which has no rule: its state stays 0);
         # lightning attention has no convolution (no channels)
         assert cache.conv.shape == (n_linear, 1, lin.conv - 1, {"short_conv": lin.v_channels, "lightning": 0}.get(lin.kind, 2 * lin.k_channels + lin.v_channels))

@@ -110,7 +110,7 @@ def flops_per_token(
     n_experts: int = 0, attention_weights: Optional[int] = None, v_dim: Optional[int] = None,
     n_sliding: int = 0, n_avg_local_keys: Optional[float] = None, attn_gate: bool = False, n_linear: int = 0,
     linear_layer: float = 0.0, local_attention_weights: Optional[int] = None, local_heads: Optional[int] = None,
-    attn_gate_per_head: bool = False, local_head_dim: Optional[int] = None, mlp_matrices: int = 3,
+    attn_gate_per_head: bool = False, local_head_dim: Optional[int] = None, mlp_matrices: int = 3, n_mlp_only: int = 0,
 ) -> float:
     """Training FLOPs per token (forward + backward): SPEC.md section 8 with the router and
     the MTP modules' blocks (the module docstring's formula). n_shared counts shared experts
@@ -131,7 +131,8 @@ def flops_per_token(
     gate has one column per head (H n_heads weights). n_linear of them are linear-attention
     layers instead, of linear_layer FLOPs per token each (linear_attention_flops).
     mlp_matrices: each MLP's weight matrices, m (3: a GLU's gate, up and down; 2: an MLP
-    without a gate, mlp_act "relu2")."""
+    without a gate, mlp_act "relu2"). n_mlp_only of the trunk layers have no attention of
+    either kind, their MLP alone."""
     args = dict(hidden=hidden, n_layers=n_layers, n_dense=n_dense, ffn_dense=ffn_dense, ffn_expert=ffn_expert, k=k,
                 n_shared=n_shared, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, vocab=vocab,
                 mtp_depth=mtp_depth, n_avg_keys=n_avg_keys, n_experts=n_experts)
@@ -139,6 +140,7 @@ def flops_per_token(
         _check_count(name, value)
     _check_count("n_sliding", n_sliding)
     _check_count("n_linear", n_linear)
+    _check_count("n_mlp_only", n_mlp_only)
     _check_count("linear_layer", linear_layer)
     for name, flag in (("attn_gate", attn_gate), ("attn_gate_per_head", attn_gate_per_head)):
         if not isinstance(flag, bool):
@@ -147,8 +149,9 @@ def flops_per_token(
         _check_count("local_heads", local_heads, 1)
     if local_head_dim is not None:
         _check_count("local_head_dim", local_head_dim, 1)
-    if n_dense > n_layers or n_sliding + n_linear > n_layers:
-        raise ValueError(f"n_dense / n_sliding + n_linear: expected at most n_layers={n_layers}, got {n_dense} / {n_sliding} + {n_linear}")
+    if n_dense > n_layers or n_sliding + n_linear + n_mlp_only > n_layers:
+        raise ValueError(f"n_dense / n_sliding + n_linear + n_mlp_only: expected at most n_layers={n_layers}, got {n_dense} / {n_sliding} + "
+                         f"{n_linear} + {n_mlp_only}")
     if n_sliding:
         _check_count("n_avg_local_keys", n_avg_local_keys)
     if mlp_matrices not in (2, 3):
@@ -177,7 +180,7 @@ def flops_per_token(
     attention = attention_layer(n_avg_keys)
     dense_ffn = 6 * H * m * ffn_dense
     moe_ffn = 6 * H * m * ffn_expert * (k + n_shared) + 6 * H * n_experts  # experts, router
-    trunk = (n_layers - n_sliding - n_linear) * attention + n_linear * linear_layer + n_dense * dense_ffn + n_moe * moe_ffn
+    trunk = (n_layers - n_sliding - n_linear - n_mlp_only) * attention + n_linear * linear_layer + n_dense * dense_ffn + n_moe * moe_ffn
     if n_sliding:
         trunk += n_sliding * attention_layer(n_avg_local_keys, local=True)
     mtp = mtp_depth * (6 * 2 * H * H + attention + (moe_ffn if n_moe else dense_ffn))
@@ -214,7 +217,8 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
     """flops_per_token of an fmoe.model.TransformerConfig (any object with its fields): the
     dense blocks are those that are not MoE (moe_layers or n_dense), the shared experts'
     size in units of ffn_expert (shared_ffn, or n_shared), the router over n_experts, the
-    MTP blocks as the model builds them; blocks without an MLP (cfg.is_mlp_free) count none. A
+    MTP blocks as the model builds them; blocks without an MLP (cfg.is_mlp_free) count none, blocks
+    without attention (cfg.is_mixer_free) no attention. A
     latent MoE (cfg.moe_latent = L) adds 6 x 2 H L per MoE block for its projections and counts
     its routed experts over L channels instead of H. With multi-latent attention (kv_rank) the attention
     terms of every block (trunk and MTP) are its own: 6 x its projection weights, and
@@ -250,6 +254,7 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
     is_moe = getattr(cfg, "is_moe", lambda i: i >= cfg.n_dense)
     n_dense = sum(not is_moe(i) for i in range(cfg.n_layers))
     mlp_free = sum(getattr(cfg, "is_mlp_free", lambda i: False)(i) for i in range(cfg.n_layers))  # blocks without an MLP
+    mixer_free = sum(getattr(cfg, "is_mixer_free", lambda i: False)(i) for i in range(cfg.n_layers))  # blocks without attention
     mlp_matrices = 2 if getattr(cfg, "mlp_act", "silu") in PLAIN_ACTS else 3
     shared = getattr(cfg, "shared_size", cfg.n_shared * cfg.ffn_expert) / cfg.ffn_expert
     attention = {}
@@ -302,7 +307,7 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
         _check_count("n_avg_index_keys", n_avg_index_keys)
         _check_count("n_avg_keys", n_avg_keys)
         weights = sum(a * b for a, b in (shape for shape in index_shapes(cfg.hidden, cfg.attention_config()).values() if len(shape) == 2))
-        blocks = cfg.n_layers - n_linear - len(cfg.index_shared_layers or ()) + cfg.mtp_depth  # those with an indexer
+        blocks = cfg.n_layers - n_linear - len(cfg.index_shared_layers or ()) + cfg.mtp_depth  # those with an indexer (no mixer-free ones)
         indexer = blocks * (6 * weights + 6 * cfg.index_heads * cfg.index_head_dim * n_avg_keys)
         n_avg_keys = n_avg_index_keys
     shortcut = 0.0
@@ -315,13 +320,13 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
     rank = getattr(cfg, "norm_gate_rank", None)
     if rank:  # the attention's pre-norm of every block, the MLP's of MoE blocks: 2 H r weights each
         n_moe = cfg.n_layers - n_dense
-        gated_norms = 6 * 2 * cfg.hidden * rank * (cfg.n_layers + n_moe + cfg.mtp_depth * (2 if n_moe else 1))
+        gated_norms = 6 * 2 * cfg.hidden * rank * (cfg.n_layers - mixer_free + n_moe + cfg.mtp_depth * (2 if n_moe else 1))
     hc = 0.0
     n = getattr(cfg, "hyper_connections", 0)
     if n:  # the streams' weights and sums: two per trunk block, and the head's
         H, manifold = cfg.hidden, cfg.hc_kind == "manifold"
         M = 2 * n + (n * n if manifold else 0)
-        hc = (2 * cfg.n_layers - mlp_free) * 6 * (M * n * H + n * H + (n * n * H if manifold else 0)) + 6 * (n * n * H + n * H)
+        hc = (2 * cfg.n_layers - mlp_free - mixer_free) * 6 * (M * n * H + n * H + (n * n * H if manifold else 0)) + 6 * (n * n * H + n * H)
     no_mlp = mlp_free * 6 * mlp_matrices * cfg.hidden * cfg.ffn_dense  # counted among the dense blocks below
     latent = 0.0
     L = getattr(cfg, "moe_latent", None)
@@ -333,7 +338,7 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
                                      n_avg_keys=n_avg_keys, n_sliding=n_sliding, n_avg_local_keys=n_avg_local_keys,
                                      attn_gate=bool(getattr(cfg, "attn_gate", False)) and not getattr(cfg, "attn_gate_on_q", False),
                                      attn_gate_per_head=bool(getattr(cfg, "attn_gate_per_head", False)), **attention, **linear,
-                                     mlp_matrices=mlp_matrices)
+                                     mlp_matrices=mlp_matrices, n_mlp_only=mixer_free)
 
 
 def datasheet_peak_flops(name: str) -> Optional[float]:

@@ -400,6 +400,8 @@ CASES = {
     "cp2-granite4": (2, dict(cp=2), GRANITE4),
     # Nemotron-H's (NEMOTRON_H): a block without an MLP beside the split heads and groups
     "tp2-nemotron_h": (2, dict(tp=2), NEMOTRON_H),
+    # Nemotron-H-47B's MLP layer alone: block 2 without a mixer, the last block of the tp region
+    "tp2-nemotron_h-mlp-alone": (2, dict(tp=2), dict(NEMOTRON_H, n_layers=3, n_dense=3, mixer_free_layers=(2,))),
     # Nemotron 3's (NEMOTRON_3): the experts without a gate over ep (w_up and w_down alone), their shared expert over tp
     "ep2-nemotron3": (2, dict(ep=2), NEMOTRON_3),
     "tp2-nemotron3": (2, dict(tp=2), NEMOTRON_3),

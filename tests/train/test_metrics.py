@@ -368,7 +368,7 @@ def test_model_flops_per_token_reads_the_model_config():
     assert M.linear_attention_flops(64, mamba) == 6 * (64 * (2 * 16 + 2 * 24 + 4) + 24 * 64 + 4 * (2 * 16 + 24) + 2 * 4 * 8 * 6)
     # block 1 slides over its window (3 keys); the MTP block attends over all
     assert M.model_flops_per_token(linear, n_avg_keys=10.0, n_avg_local_keys=3.0) == expected - 2 * attention + 2 * layer - 12 * 64 * (10.0 - 3.0)
-    with pytest.raises(ValueError, match=r"n_dense / n_sliding \+ n_linear: expected at most n_layers=3, got 1 / 2 \+ 2"):
+    with pytest.raises(ValueError, match=r"n_dense / n_sliding \+ n_linear \+ n_mlp_only: expected at most n_layers=3, got 1 / 2 \+ 2 \+ 0"):
         M.flops_per_token(hidden=64, n_layers=3, n_dense=1, ffn_dense=128, ffn_expert=32, k=2, n_shared=1, n_heads=4, n_kv_heads=2,
                           head_dim=16, vocab=300, n_avg_keys=10.0, n_sliding=2, n_avg_local_keys=3.0, n_linear=2, linear_layer=1.0)
 
@@ -401,6 +401,9 @@ COUNTED = {
     "mlp-free block, relu2": dict(moe_layers=(), mlp_act="relu2", mlp_free_layers=(1,)),
     # ...and beside hyper-connections: no MLP, no MLP streams' weights in block 0 (block 1 MoE)
     "mlp-free block, mhc": dict(hyper_connections=3, mtp_depth=0, moe_layers=(1,), mlp_free_layers=(0,)),
+    # Nemotron-H-47B's: block 0 its MLP alone (no attention), then an MoE block, a sliding window where there is attention
+    "mixer-free block, window": dict(mixer_free_layers=(0,), window=4, mlp_act="relu2"),
+    "mixer-free block, mhc": dict(hyper_connections=3, mtp_depth=0, mixer_free_layers=(1,)),
     "gemma4": dict(qk_norm="head", post_norms=True, v_norm=True, global_k_eq_v=True, window=4, window_layers=(0,), local_head_dim=6,
                    local_kv_heads=4, local_rope_base=100.0, rope_proportion=0.5, n_dense=0, dense_beside_moe=True, router_norm=True,
                    router_expert_scale=True, layer_scalars=True, attn_gate=True),
@@ -439,7 +442,7 @@ def test_flops_per_token_matches_counted_matmuls(name):
     assert counter.get_total_flops() == T * M.model_flops_per_token(cfg, n_avg_keys=T, **local)
     no_scores = M.model_flops_per_token(cfg, n_avg_keys=0, **{k: 0 for k in local})  # the score / value term is linear in n_avg_keys
     n, H = cfg.hyper_connections, cfg.hidden  # the streams' sums (and mixing) in each block's two, and the head's
-    sums = 6 * ((2 * cfg.n_layers - len(cfg.mlp_free_layers or ())) * (n * H + (n * n * H if cfg.hc_kind == "manifold" else 0)) + n * H) if n else 0
+    sums = 6 * ((2 * cfg.n_layers - len(cfg.mlp_free_layers or ()) - len(cfg.mixer_free_layers or ())) * (n * H + (n * n * H if cfg.hc_kind == "manifold" else 0)) + n * H) if n else 0
     assert by_op["aten.mm"] == T * (no_scores - sums)
     assert by_op["aten.bmm"] == T * (M.model_flops_per_token(cfg, n_avg_keys=T, **local) - no_scores + sums)
 
