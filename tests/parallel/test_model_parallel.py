@@ -407,6 +407,7 @@ CASES = {
     "tp2-nemotron3": (2, dict(tp=2), NEMOTRON_3),
     # Nemotron 3 Super's latent MoE: the experts' rows exchanged over ep in its 12 channels, its projections on each tp shard
     "ep2-nemotron3-latent": (2, dict(ep=2), dict(NEMOTRON_3, moe_latent=12)),
+    "etp2-nemotron3": (2, dict(etp=2), NEMOTRON_3),  # w_up's F columns and w_down's F rows over etp: relu^2 acts on each alone
     "tp2-nemotron3-latent": (2, dict(tp=2), dict(NEMOTRON_3, moe_latent=12)),
     "ep2xtp2-llama4": (4, dict(tp=2, ep=2), LLAMA4),
     # gpt-oss's extras: the sinks split with their heads and the output bias added once over
