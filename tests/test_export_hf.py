@@ -417,3 +417,25 @@ def test_a_run_of_fmoe_s_own_with_mamba2_mixers_exports_as_granite_4_hybrid(tmp_
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     with torch.no_grad():
         assert _rel(_transformers_logits(tmp_path / "out", docs), model.logits(ids, cu)) < 1e-5
+
+
+def test_a_run_of_fmoe_s_own_nemotron_3_exports_as_nemotron_h(tmp_path):
+    """Nemotron 3's pieces through the user's path: a run of fmoe's own with Mamba-2 mixers
+    (dt floored), a block without an MLP, a block without a mixer, NoPE attention and a latent
+    MoE of experts without a gate (relu2) under DeepSeek-V3's routing exports with
+    --model_type=nemotron_h as its layers, and transformers loads it (no key missing) with the
+    run's logits."""
+    own = ["--model.hidden=32", "--model.n_layers=4", "--model.moe_layers=0,2", "--model.n_experts=4", "--model.k=2", "--model.ffn_expert=16",
+           "--model.n_shared=0", "--model.shared_ffn=20", "--model.score=sigmoid", "--model.route_scale=2.5", "--model.n_heads=4",
+           "--model.n_kv_heads=2", "--model.head_dim=8", "--model.ffn_dense=24", "--model.mlp_act=relu2", "--model.moe_latent=12",
+           "--model.linear_layers=0,1", "--model.linear_kind=mamba2", "--model.linear_k_heads=2", "--model.linear_v_heads=4",
+           "--model.linear_k_dim=8", "--model.linear_v_dim=10", "--model.linear_conv=3", "--model.linear_dt_min=0.01", "--model.mlp_free_layers=1",
+           "--model.mixer_free_layers=3", "--model.nope_layers=2", "--model.norm_eps=1e-5", *RUN, "--model.mtp_depth=0"]
+    config, model = _own_run_exported(tmp_path, own, "nemotron_h")
+    assert config["layers_block_type"] == ["linear_attention", "moe", "linear_attention", "full_attention", "moe", "mlp"]
+    assert (config["mamba_num_heads"], config["mamba_head_dim"], config["moe_latent_size"], config["time_step_min"]) == (4, 10, 12, 0.01)
+    docs, ids, cu = _docs(258)  # byte data's vocabulary
+    _, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    with torch.no_grad():
+        assert _rel(_transformers_logits(tmp_path / "out", docs), model.logits(ids, cu)) < 1e-5
