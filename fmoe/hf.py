@@ -10,7 +10,7 @@ exaone_moe, kolibri1, beam, axk2, dots1, minimax_m2, minimax, granitemoe, granit
 laguna, cohere2_moe, sarvam_moe, sarvam_mla, longcat_flash, bailing_hybrid, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, lara_mini, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
 mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe, gemma3, gemma4_text, gemma4), and the dense
 DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, helium, minicpm3, arcee, gemma, vaultgemma, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
-glm4, ernie4_5, lfm2, cohere, cohere2, bamba: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
+glm4, ernie4_5, lfm2, cohere, cohere2, bamba, stablelm: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: OLMoE's q and k clamped after their norms, ...;
 the fields a config.json leaves out read at transformers' defaults, Family.defaults, and a
 family's own names for the fields the shared mappings read as those, Family.aliases)
@@ -792,6 +792,27 @@ def _cohere_blocks(hf: dict, *, rope_everywhere: bool = False) -> dict:
     nope = () if rope_everywhere else tuple(i for i, kind in enumerate(hf["layer_types"]) if kind != "sliding_attention")
     return dict(norm_eps=float(hf.get("layer_norm_eps", 1e-5)), parallel_blocks=True, layer_norms=True, rope_interleaved=True,
                 nope_layers=nope or None, logit_divisor=1 / scale)
+
+
+def _stablelm(hf: dict) -> dict:
+    """StableLM (stablelm, dense; StableLM 2 1.6B / 12B, StableLM-3B-4E1T, StableCode): Llama's
+    SwiGLU blocks with LayerNorms with biases (the blocks' and the final one, layer_norm_eps),
+    RoPE on the first partial_rotary_factor of each head's channels (halves, not pairs), q/k/v
+    biases with use_qkv_bias, a LayerNorm without bias on each head's queries and keys before
+    RoPE with qk_layernorm (each head its own weight, its own module: qk_norm "head_layer"),
+    and with use_parallel_residual the attention and the MLP of one normed input added to the
+    residual together (parallel_blocks)."""
+    heads = hf["num_attention_heads"]
+    head_dim = hf["hidden_size"] // heads
+    factor = (hf.get("rope_parameters") or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
+    rope_dim = int(head_dim * factor)
+    if not 2 <= rope_dim <= head_dim or rope_dim % 2:
+        raise ValueError(f"config.json: partial_rotary_factor = {factor!r} is not supported (an even number of rotated channels of the "
+                         f"{head_dim} per head, got {rope_dim})")
+    parallel = bool(hf.get("use_parallel_residual", False))
+    return _dense(dict(hf, head_dim=head_dim, rms_norm_eps=hf.get("layer_norm_eps", 1e-5)), qkv_bias=bool(hf.get("use_qkv_bias", False)),
+                  layer_norms=True, norm_bias=True, qk_norm="head_layer" if hf.get("qk_layernorm") else None, parallel_blocks=parallel,
+                  rope_dim=None if rope_dim == head_dim else rope_dim)
 
 
 def _cohere(hf: dict) -> dict:
@@ -2357,6 +2378,7 @@ class Family:
     shared_beside: bool = False  # Granite: the shared MLP beside the MoE block, input_linear [2Fs, H] (gate, then up) / output_linear
     router: str = "gate.weight"  # the router's weight, under the MoE block (its bias beside it, where it has one)
     qk_norms: tuple[str, str] = ("q_norm", "k_norm")  # the q / k norm modules, under self_attn
+    qk_norm_modules: bool = False  # with qk_norm "head_layer", each head's norm a module of its own, `{q/k norm}.norms.{h}` (StableLM's)
     not_read: tuple[str, ...] = ()  # prefixes of checkpoint keys never read (EXAONE's MTP layers, "mtp."), as in transformers
     # (old, new): the start of a key the model reads, and what the family's folders have there instead (Llama 4's ("",
     # "language_model.") before every key; Qwen3.5's ("model.", "model.language_model."), the head left at lm_head), beside a
@@ -2504,7 +2526,7 @@ _MINISTRAL3_ROPE = dict(rope_type="yarn", rope_theta=1e6, factor=16.0, original_
                         mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1)
 # the dense families (no MoE block): fine-tuned as they are, or upcycled into an MoE (fmoe.train.upcycle)
 DENSE_FAMILIES = ("llama", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "youtu", "helium", "minicpm3", "arcee", "gemma", "vaultgemma", "gemma2", "gemma3_text", "lfm3", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
-                  "phi3", "glm4", "ernie4_5", "lfm2", "cohere", "cohere2", "bamba")
+                  "phi3", "glm4", "ernie4_5", "lfm2", "cohere", "cohere2", "bamba", "stablelm")
 FAMILIES = {
     "mixtral": Family(_mixtral, "block_sparse_moe", ("w1", "w3", "w2"), "MixtralForCausalLM",
                       defaults=dict(num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1e6)),
@@ -2775,6 +2797,10 @@ FAMILIES = {
                     final_norm="model.final_layernorm.weight",
                     linear="mamba2", defaults=dict(num_key_value_heads=8, rms_norm_eps=1e-5)),
     "smollm3": Family(_smollm3, "mlp", _PROJ, "SmolLM3ForCausalLM", defaults=dict(num_key_value_heads=4, rope_theta=2e6, tie_word_embeddings=True)),
+    "stablelm": Family(_stablelm, "mlp", _PROJ, "StableLmForCausalLM", qk_norms=("q_layernorm", "k_layernorm"), qk_norm_modules=True,
+                       defaults=dict(vocab_size=50304, hidden_size=2560, num_attention_heads=32, num_key_value_heads=32,
+                                     intermediate_size=6912, rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                                                 partial_rotary_factor=0.25))),
     "cohere": Family(_cohere, "mlp", _PROJ, "CohereForCausalLM", norms=("input_layernorm", ""),
                      defaults=dict(tie_word_embeddings=True, rope_theta=500000.0)),
     "cohere2": Family(_cohere2, "mlp", _PROJ, "Cohere2ForCausalLM", norms=("input_layernorm", ""),
@@ -3022,8 +3048,12 @@ def _attention_keys(family: Family, cfg: TransformerConfig, p: str, q: str, rope
     if cfg.attn_gate_bias:  # its bias per head (Beam's gate_bias)
         out[q + "attn.bg"] = Tensor((attn + "gate_bias",))
     if cfg.qk_norm in ("head", "proj", "head_layer") and (rope or cfg.nope_qk_norm):  # weighted norms ("rms" has none)
-        out[q + "attn.q_norm"] = Tensor((attn + family.qk_norms[0] + ".weight",))
-        out[q + "attn.k_norm"] = Tensor((attn + family.qk_norms[1] + ".weight",))
+        if family.qk_norm_modules:  # each head's weight [D] its own key, stacked into fmoe's [N, D]
+            for ours, theirs, heads in (("q_norm", family.qk_norms[0], cfg.n_heads), ("k_norm", family.qk_norms[1], cfg.n_kv_heads)):
+                out[q + "attn." + ours] = Tensor(tuple(f"{attn}{theirs}.norms.{h}.weight" for h in range(heads)), stacked=True)
+        else:
+            out[q + "attn.q_norm"] = Tensor((attn + family.qk_norms[0] + ".weight",))
+            out[q + "attn.k_norm"] = Tensor((attn + family.qk_norms[1] + ".weight",))
     return out
 
 
@@ -4010,6 +4040,12 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
             if model_type == "phi3" and cfg.longrope_short_factors is not None:  # transformers reads the top level's, by default 4096
                 hf.update(original_max_position_embeddings=cfg.longrope_original_max_positions)
             hf.update(dict(sliding_window=cfg.window) if model_type == "phi3" else dict(attention_bias=cfg.qkv_bias))
+        elif model_type == "stablelm":  # its LayerNorms' eps under its own name, RoPE on the first part of each head (head_dim: hidden / heads)
+            for name in ("rms_norm_eps", "head_dim"):
+                hf.pop(name)
+            hf["rope_parameters"]["partial_rotary_factor"] = _rotary_factor(cfg)
+            hf.update(layer_norm_eps=cfg.norm_eps, use_qkv_bias=cfg.qkv_bias, qk_layernorm=cfg.qk_norm == "head_layer",
+                      use_parallel_residual=cfg.parallel_blocks)
         elif model_type == "helium":  # RoPE on interleaved pairs: always, in Helium
             hf.update(attention_bias=False)
         elif model_type == "minicpm3":  # its multipliers under its own names (_minicpm3)

@@ -142,6 +142,10 @@ FAMILIES = {
     "bamba": lambda: transformers.BambaConfig(**COMMON, intermediate_size=40, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16,
                                               mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=3, mamba_chunk_size=8, pad_token_id=None),
     "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=8, intermediate_size=40),
+    # StableLM 2: LayerNorms with biases, RoPE on the first quarter of each head, q/k/v biases, each head's own q/k LayerNorm;
+    # parallel residual blocks (stablelm's second form: test_stablelm_...)
+    "stablelm": lambda: transformers.StableLmConfig(**COMMON, intermediate_size=40, use_qkv_bias=True, qk_layernorm=True, bos_token_id=None,
+                                                    eos_token_id=None, pad_token_id=None),
     # Mamba-2: every layer a Mamba-2 mixer alone (4 heads of 16, C and B in 2 groups of 8, 3 taps, dt clamped at 0.5 and above)
     "mamba2": lambda: transformers.Mamba2Config(vocab_size=V, hidden_size=32, num_hidden_layers=3, num_heads=4, head_dim=16, n_groups=2, state_size=8,
                                                 conv_kernel=3, chunk_size=8, expand=2, time_step_limit=(0.5, float("inf")), pad_token_id=None,
@@ -716,6 +720,8 @@ def test_a_failed_export_leaves_no_weight_files(folders, tmp_path, monkeypatch):
                                           ("nemotron_h", dict(mlp_act="relu2", linear_layers=(0,), linear_kind="mamba2", linear_k_heads=2, linear_v_heads=4,
                                                               linear_k_dim=8, linear_v_dim=12, linear_conv=3, linear_dt_min=0.05, nope_layers=(1,),
                                                               mlp_free_layers=(0,), norm_eps=1e-5)),
+                                          ("stablelm", dict(layer_norms=True, norm_bias=True, rope_dim=4, qkv_bias=True, qk_norm="head_layer", norm_eps=1e-5)),
+                                          ("stablelm", dict(layer_norms=True, norm_bias=True, rope_dim=2, parallel_blocks=True, norm_eps=1e-5)),
                                           # every block a Mamba-2 mixer alone: its attention fields (unused) are not compared
                                           ("mamba2", dict(linear_layers=(0, 1), linear_kind="mamba2", linear_k_heads=2, linear_v_heads=4, linear_k_dim=8,
                                                           linear_v_dim=16, linear_conv=3, linear_dt_min=0.05, mlp_free_layers=(0, 1), norm_eps=1e-5))])
@@ -3123,6 +3129,31 @@ def test_nemotron_h_reads_its_layers_as_blocks_and_refuses_what_it_cannot_pair(f
             (dict(use_bias=True), r"use_bias = True is not supported \(no biases on the mixer's projections\)")):
         with pytest.raises(ValueError, match=message):
             hf.FAMILIES["nemotron_h"].kwargs(dict(config, **change))
+
+
+def test_stablelm_reads_its_norms_partial_rope_and_parallel_residual(folders, tmp_path):
+    """StableLM: LayerNorms with biases, RoPE on the first partial_rotary_factor of each head,
+    q/k/v biases, each head's q/k LayerNorm its own module (read stacked into qk_norm
+    "head_layer"); with use_parallel_residual (StableLM-3B's form) the attention and the MLP
+    of one normed input: transformers' logits, and a bit-identical re-export."""
+    from safetensors.torch import load_file
+
+    _, cfg = hf.read_config(folders["stablelm"][0])
+    assert (cfg.layer_norms, cfg.norm_bias, cfg.rope_dim, cfg.qkv_bias, cfg.qk_norm, cfg.parallel_blocks) == (True, True, 2, True, "head_layer", False)
+    config = FAMILIES["stablelm"]()
+    config.use_parallel_residual, config.qk_layernorm, config.use_qkv_bias = True, False, False
+    config.rope_parameters["partial_rotary_factor"] = 0.5
+    torch.manual_seed(0)
+    ref = _randomised(transformers.AutoModelForCausalLM.from_config(config))
+    ref.save_pretrained(tmp_path / "hf")
+    model, cfg = hf.from_pretrained(tmp_path / "hf", impl="torch")
+    assert (cfg.parallel_blocks, cfg.rope_dim, cfg.qk_norm, cfg.qkv_bias) == (True, 4, None, False)
+    docs, ids, cu = _packed()
+    with torch.no_grad():
+        assert _rel(model.logits(ids, cu), _their_logits(ref, docs)) < 1e-5
+    hf.save_pretrained(model, tmp_path / "again")
+    assert filecmp.cmp(tmp_path / "hf" / "model.safetensors", tmp_path / "again" / "model.safetensors", shallow=False)
+    assert "model.layers.0.post_attention_layernorm.weight" not in load_file(tmp_path / "again" / "model.safetensors")
 
 
 def test_mamba2_reads_every_layer_as_a_mixer_alone_with_its_dt_clamp(folders):
