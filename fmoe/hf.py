@@ -2659,7 +2659,8 @@ FAMILIES = {
                                       tie_word_embeddings=True)),
     # the released Qwen3.5-MoE folders: the text model under model.language_model. (the head at lm_head), beside a vision model
     "qwen3_5_moe": Family(_qwen3_5_moe, "mlp", _PROJ, "Qwen3_5MoeForConditionalGeneration", gate_in_q=True, stacks_too=True,
-                          prefix=("model.", "model.language_model."), not_read=("model.visual.", "mtp."), written_as="qwen3_5_moe_text"),
+                          prefix=("model.", "model.language_model."), not_read=("model.visual.", "mtp."), written_as="qwen3_5_moe_text",
+                          mtp_module=True),  # its MTP module at the top level, mtp., as the text model's
     # the released Qwen3-VL-MoE folders: Qwen3-MoE's text model under model.language_model. (the head at lm_head), beside a
     # vision model; the experts as stacks, as released or as transformers writes them (Family.stacks_by_shape)
     "qwen3_vl_moe": Family(_multimodal, "mlp", _STACKS, "Qwen3VLMoeForConditionalGeneration", fused="halves", stacks_by_shape=True,
@@ -4167,7 +4168,8 @@ def _check_writable(model_type: str) -> None:
         what = f"its text model's model_type (one of {', '.join(_MISTRAL3_TEXT)})"
     else:
         what = f"model_type={family.written_as!r} to write what fmoe holds ({FAMILIES[family.written_as].architecture})"
-    raise ValueError(f"model_type: a {model_type} folder holds a model fmoe does not read ({', '.join(family.not_read)}), so it is not written; "
+    unread = [p for p in family.not_read if not (family.mtp_module and p == "mtp.")]  # an MTP module it reads where the folder holds it
+    raise ValueError(f"model_type: a {model_type} folder holds a model fmoe does not read ({', '.join(unread)}), so it is not written; "
                      f"pass {what}, or set model.hf_config = written_config(model.hf_config) to keep the folder's own text config")
 
 

@@ -1285,7 +1285,7 @@ def test_a_released_qwen3_5_moe_folder_loads_its_text_model(tmp_path):
         assert all(k.startswith("model.language_model.") for k in keys)
         with torch.no_grad():
             assert _rel(model.logits(ids, cu), theirs) < TOL["qwen3_5_moe"]
-        with pytest.raises(ValueError, match="model_type: a qwen3_5_moe folder holds a model fmoe does not read .model.visual., mtp..,"
+        with pytest.raises(ValueError, match="model_type: a qwen3_5_moe folder holds a model fmoe does not read .model.visual..,"
                                              " so it is not written; pass model_type='qwen3_5_moe_text'"):
             hf.save_pretrained(model, tmp_path / "again")
         model.hf_config = hf.written_config(model.hf_config)  # its own text config: the experts stay as the folder stored them
@@ -1300,6 +1300,21 @@ def test_a_released_qwen3_5_moe_folder_loads_its_text_model(tmp_path):
             assert _rel(torch.cat([back(d[None]).logits[0] for d in docs]), theirs) < TOL["qwen3_5_moe"]
         back_ours, _ = hf.from_pretrained(out, impl="torch")  # and fmoe reads its own export back, exactly
         assert all(torch.equal(a, b) for a, b in zip(back_ours.state_dict().values(), model.state_dict().values()))
+    # the released folders' MTP module, at the top level (mtp.), is read as depth 1 with its own norm, as the text model's
+    with_mtp, _ = hf.from_pretrained(tmp_path / "modules", impl="torch", mtp_depth=1, mtp_norm=True)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for name, p in with_mtp.named_parameters():
+            if name.startswith("mtp."):
+                p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
+    with_mtp.hf_config = hf.written_config(with_mtp.hf_config)
+    mtp = {k: v for k, v in _read_all(hf.save_pretrained(with_mtp, tmp_path / "text-mtp")).items() if k.startswith("mtp.")}
+    assert {"mtp.fc.weight", "mtp.norm.weight", "mtp.layers.0.mlp.gate.weight"} <= set(mtp)
+    released = _copy_folder(tmp_path / "modules", tmp_path / "released-mtp", {**_read_all(tmp_path / "modules"), **mtp})
+    read, cfg = hf.from_pretrained(released, impl="torch")
+    assert (cfg.mtp_depth, cfg.mtp_norm) == (1, True)
+    mine = dict(with_mtp.named_parameters())
+    assert all(torch.equal(p, mine[name]) for name, p in read.named_parameters()) and any(n.startswith("mtp.") for n in mine)
 
 
 def _qwen3_vl(kind, ffn_expert=8):
