@@ -10,7 +10,7 @@ exaone_moe, kolibri1, beam, axk2, dots1, minimax_m2, minimax, granitemoe, granit
 laguna, cohere2_moe, sarvam_moe, sarvam_mla, longcat_flash, bailing_hybrid, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, lara_mini, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
 mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe, gemma3, gemma4_text, gemma4), and the dense
 DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, helium, minicpm3, arcee, gemma, vaultgemma, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
-glm4, ernie4_5, lfm2, cohere, cohere2, bamba, stablelm: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
+glm4, ernie4_5, lfm2, cohere, cohere2, bamba, stablelm, qwen3_5_text (and qwen3_5's text model): Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: OLMoE's q and k clamped after their norms, ...;
 the fields a config.json leaves out read at transformers' defaults, Family.defaults, and a
 family's own names for the fields the shared mappings read as those, Family.aliases)
@@ -1996,6 +1996,21 @@ def _qwen3_5_moe_text(hf: dict) -> dict:
     return _qwen3_next(dict(hf, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], intermediate_size=hf["moe_intermediate_size"]))
 
 
+def _qwen3_5_text(hf: dict) -> dict:
+    """Qwen3.5's dense text model (qwen3_5_text, Qwen3_5ForCausalLM; Qwen3.5-27B's): Qwen3.5-MoE's
+    blocks (_qwen3_5_moe_text: Gated DeltaNet beside gated attention, zero-centred norms) with a
+    dense SwiGLU of intermediate_size in every block instead of the MoE."""
+    F = hf["intermediate_size"]
+    return _qwen3_next(dict(hf, num_experts=1, num_experts_per_tok=1, moe_intermediate_size=F, shared_expert_intermediate_size=0,
+                            norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=list(range(hf["num_hidden_layers"]))))
+
+
+def _qwen3_5(hf: dict) -> dict:
+    """A released dense Qwen3.5 folder (qwen3_5, Qwen3_5ForConditionalGeneration): its
+    text_config's model (_qwen3_5_text); the vision model beside it is not read."""
+    return _text_family(hf, "qwen3_5_text")
+
+
 def _lara_mini(hf: dict) -> dict:
     """Lara Mini (lara_mini, Lara 4 Mini): Qwen3.5's Gated DeltaNet blocks in the layers
     layer_types names linear_attention (by default the released period of five: linear,
@@ -2506,6 +2521,8 @@ _QWEN3_NEXT_LINEAR = dict(linear_num_key_heads=16, linear_num_value_heads=32, li
 _QWEN3_NEXT_MOE = dict(num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512)
 _QWEN3_5_DEFAULTS = dict(num_key_value_heads=2, head_dim=256, rope_parameters=_QWEN3_NEXT_ROPE, **_QWEN3_NEXT_LINEAR, num_experts=256,
                          num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512)
+_QWEN3_5_DENSE_DEFAULTS = dict(vocab_size=248320, hidden_size=4096, intermediate_size=12288, num_attention_heads=16, num_key_value_heads=4,
+                               head_dim=256, rope_parameters=_QWEN3_NEXT_ROPE, **_QWEN3_NEXT_LINEAR)
 _DSA_DEFAULTS = dict(index_topk=2048, index_head_dim=128)
 _DEEPSEEK_V3_DEFAULTS = dict(n_shared_experts=1, routed_scaling_factor=2.5, q_lora_rank=1536, n_group=8, topk_group=4, first_k_dense_replace=3)
 # Kimi Linear's config.json names (transformers' attribute_map, the releases') for the fields the shared mappings read
@@ -2526,7 +2543,7 @@ _MINISTRAL3_ROPE = dict(rope_type="yarn", rope_theta=1e6, factor=16.0, original_
                         mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1)
 # the dense families (no MoE block): fine-tuned as they are, or upcycled into an MoE (fmoe.train.upcycle)
 DENSE_FAMILIES = ("llama", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "youtu", "helium", "minicpm3", "arcee", "gemma", "vaultgemma", "gemma2", "gemma3_text", "lfm3", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
-                  "phi3", "glm4", "ernie4_5", "lfm2", "cohere", "cohere2", "bamba", "stablelm")
+                  "phi3", "glm4", "ernie4_5", "lfm2", "cohere", "cohere2", "bamba", "stablelm", "qwen3_5_text")
 FAMILIES = {
     "mixtral": Family(_mixtral, "block_sparse_moe", ("w1", "w3", "w2"), "MixtralForCausalLM",
                       defaults=dict(num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1e6)),
@@ -2652,6 +2669,11 @@ FAMILIES = {
     "qwen3_5_moe_text": Family(_qwen3_5_moe_text, "mlp", _PROJ, "Qwen3_5MoeForCausalLM", gate_in_q=True, stacks_too=True, not_read=("mtp.",),
                                mtp_module=True,
                                defaults=_QWEN3_5_DEFAULTS),
+    # Qwen3.5's dense models: the text model alone, or a released folder's beside its vision model (not read)
+    "qwen3_5_text": Family(_qwen3_5_text, "mlp", _PROJ, "Qwen3_5ForCausalLM", gate_in_q=True, not_read=("mtp.",), mtp_module=True,
+                           defaults=_QWEN3_5_DENSE_DEFAULTS),
+    "qwen3_5": Family(_qwen3_5, "mlp", _PROJ, "Qwen3_5ForConditionalGeneration", gate_in_q=True, prefix=("model.", "model.language_model."),
+                      not_read=("model.visual.", "mtp."), written_as="qwen3_5_text", mtp_module=True),
     "lara_mini": Family(_lara_mini, "mlp", _STACKS, "LaraMiniForCausalLM", fused="halves_out", linear="fused",
                         defaults=dict(num_key_value_heads=4, head_dim=128, sliding_window=512, linear_num_key_heads=8, linear_num_value_heads=16,
                                       linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=128,
@@ -3647,6 +3669,19 @@ def from_pretrained(path, *, dtype: torch.dtype = torch.float32, device="cpu", s
     return model, cfg
 
 
+def _qwen3_5_fields(cfg: TransformerConfig) -> dict:
+    """The config.json fields of Qwen3-Next's and Qwen3.5's attention and Gated DeltaNet blocks
+    (and their MTP module's count) that _qwen3_next reads back."""
+    lin = cfg.linear_attention_config()
+    out = dict(attention_bias=False, layer_types=["linear_attention" if cfg.is_linear(i) else "full_attention" for i in range(cfg.n_layers)],
+               linear_num_key_heads=lin.n_k_heads, linear_num_value_heads=lin.n_v_heads, linear_key_head_dim=lin.k_head_dim,
+               linear_value_head_dim=lin.v_head_dim, linear_conv_kernel_dim=lin.conv,
+               rope_parameters=dict(_rope_parameters(cfg), partial_rotary_factor=_rotary_factor(cfg)))
+    if cfg.mtp_depth:  # the released configs' count of MTP modules (mtp.), which inference engines read
+        out.update(mtp_num_hidden_layers=cfg.mtp_depth)
+    return out
+
+
 def _deepseek_moe_config(cfg: TransformerConfig) -> dict:
     """The config.json fields that _deepseek_moe and the DeepSeek-style routings
     (_sigmoid_routing, DeepSeek-V2's groups) read, from an fmoe config."""
@@ -3927,17 +3962,11 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
                   mlp_layer_types=["sparse" if cfg.is_moe(i) else "dense" for i in range(cfg.n_layers)],
                   rope_parameters=_rope_by_layer_type_parameters(cfg, _rope_parameters(cfg)))
     elif model_type in ("qwen3_next", "qwen3_5_moe_text"):
-        lin = cfg.linear_attention_config()
         if model_type == "qwen3_next":  # Qwen3.5-MoE's blocks are all MoE, renormalised
             hf.update(intermediate_size=cfg.ffn_dense, decoder_sparse_step=1, mlp_only_layers=[i for i in range(cfg.n_layers) if i not in moe],
                       norm_topk_prob=not cfg.pre_softmax)
-        hf.update(num_experts=cfg.n_experts, moe_intermediate_size=cfg.ffn_expert, shared_expert_intermediate_size=cfg.shared_size, attention_bias=False,
-                  layer_types=["linear_attention" if cfg.is_linear(i) else "full_attention" for i in range(cfg.n_layers)],
-                  linear_num_key_heads=lin.n_k_heads, linear_num_value_heads=lin.n_v_heads, linear_key_head_dim=lin.k_head_dim,
-                  linear_value_head_dim=lin.v_head_dim, linear_conv_kernel_dim=lin.conv,
-                  rope_parameters=dict(_rope_parameters(cfg), partial_rotary_factor=_rotary_factor(cfg)))
-        if cfg.mtp_depth:  # the released configs' count of MTP modules (mtp.), which inference engines read
-            hf.update(mtp_num_hidden_layers=cfg.mtp_depth)
+        hf.update(num_experts=cfg.n_experts, moe_intermediate_size=cfg.ffn_expert, shared_expert_intermediate_size=cfg.shared_size,
+                  **_qwen3_5_fields(cfg))
     elif model_type == "lara_mini":
         lin = cfg.linear_attention_config()
         kinds = ["linear_attention" if cfg.is_linear(i) else "sliding_attention" if cfg.is_sliding(i) else "full_attention" for i in range(cfg.n_layers)]
@@ -4047,6 +4076,8 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
             hf["rope_parameters"]["partial_rotary_factor"] = _rotary_factor(cfg)
             hf.update(layer_norm_eps=cfg.norm_eps, use_qkv_bias=cfg.qkv_bias, qk_layernorm=cfg.qk_norm == "head_layer",
                       use_parallel_residual=cfg.parallel_blocks)
+        elif model_type == "qwen3_5_text":  # Qwen3.5-MoE's blocks with a dense MLP
+            hf.update(_qwen3_5_fields(cfg))
         elif model_type == "helium":  # RoPE on interleaved pairs: always, in Helium
             hf.update(attention_bias=False)
         elif model_type == "minicpm3":  # its multipliers under its own names (_minicpm3)

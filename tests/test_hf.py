@@ -412,6 +412,12 @@ FAMILIES = {
                                                        bos_token_id=None, eos_token_id=None, pad_token_id=None),
     # Qwen3.5-MoE's text model: Qwen3-Next's with in_proj_qkv, in_proj_z, in_proj_b, in_proj_a
     # apart; every layer MoE; tied embeddings
+    # Qwen3.5 dense: Qwen3.5-MoE's blocks with a dense SwiGLU (Gated DeltaNet in blocks 0 and 1, gated attention in 2)
+    "qwen3_5_text": lambda: transformers.Qwen3_5TextConfig(**COMMON, head_dim=8, intermediate_size=40,
+                                                          layer_types=["linear_attention", "linear_attention", "full_attention"],
+                                                          linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                                                          linear_value_head_dim=6, linear_conv_kernel_dim=3,
+                                                          rope_parameters=dict(rope_type="default", rope_theta=500.0, partial_rotary_factor=0.5)),
     "qwen3_5_moe_text": lambda: transformers.Qwen3_5MoeTextConfig(**COMMON, head_dim=8, moe_intermediate_size=16, num_experts=4,
                                                                   num_experts_per_tok=2, shared_expert_intermediate_size=24,
                                                                   layer_types=["linear_attention", "linear_attention", "full_attention"],
@@ -551,7 +557,7 @@ def _rel(a, b):
 # output norm magnifies it in a head whose output is small (in one of these random models
 # fmoe's token-by-token loop, its definition, is itself 2e-5 from transformers). A mapping
 # error moves them by 1e-2 and more.
-TOL = dict(qwen3_next=1e-4, qwen3_5_moe_text=1e-4, qwen3_5_moe=1e-4, kimi_linear=1e-4, lara_mini=1e-4)
+TOL = dict(qwen3_next=1e-4, qwen3_5_moe_text=1e-4, qwen3_5_moe=1e-4, qwen3_5_text=1e-4, qwen3_5=1e-4, kimi_linear=1e-4, lara_mini=1e-4)
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
@@ -721,6 +727,8 @@ def test_a_failed_export_leaves_no_weight_files(folders, tmp_path, monkeypatch):
                                                               linear_k_dim=8, linear_v_dim=12, linear_conv=3, linear_dt_min=0.05, nope_layers=(1,),
                                                               mlp_free_layers=(0,), norm_eps=1e-5)),
                                           ("stablelm", dict(layer_norms=True, norm_bias=True, rope_dim=4, qkv_bias=True, qk_norm="head_layer", norm_eps=1e-5)),
+                                          ("qwen3_5_text", dict(linear_layers=(0,), linear_k_heads=2, linear_v_heads=4, linear_k_dim=8, linear_v_dim=6,
+                                                                zero_centered_norms=True, attn_gate=True, qk_norm="head", rope_dim=4)),
                                           ("stablelm", dict(layer_norms=True, norm_bias=True, rope_dim=2, parallel_blocks=True, norm_eps=1e-5)),
                                           # every block a Mamba-2 mixer alone: its attention fields (unused) are not compared
                                           ("mamba2", dict(linear_layers=(0, 1), linear_kind="mamba2", linear_k_heads=2, linear_v_heads=4, linear_k_dim=8,
@@ -1315,6 +1323,30 @@ def test_a_released_qwen3_5_moe_folder_loads_its_text_model(tmp_path):
     assert (cfg.mtp_depth, cfg.mtp_norm) == (1, True)
     mine = dict(with_mtp.named_parameters())
     assert all(torch.equal(p, mine[name]) for name, p in read.named_parameters()) and any(n.startswith("mtp.") for n in mine)
+
+
+def test_a_released_dense_qwen3_5_folder_loads_its_text_model(tmp_path):
+    """A dense qwen3_5 folder (Qwen3_5ForConditionalGeneration; Qwen3.5-27B's): the text model
+    under model.language_model. loads with transformers' logits of a text-only forward, the
+    vision model's keys neither read nor counted as unread; written back as qwen3_5_text,
+    which transformers loads with the same logits."""
+    text = FAMILIES["qwen3_5_text"]().to_dict()
+    vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32, patch_size=2, temporal_patch_size=1,
+                  spatial_merge_size=1, num_position_embeddings=16)
+    torch.manual_seed(0)
+    ref = _randomised(transformers.Qwen3_5ForConditionalGeneration(transformers.Qwen3_5Config(text_config=text, vision_config=vision)))
+    ref.save_pretrained(tmp_path / "hf")
+    model, cfg = hf.from_pretrained(tmp_path / "hf", impl="torch")
+    assert cfg.linear_layers == (0, 1) and cfg.moe_layers == () and cfg.attn_gate and cfg.zero_centered_norms
+    docs, ids, cu = _packed()
+    with torch.no_grad():
+        theirs = torch.cat([ref(input_ids=d[None]).logits[0] for d in docs])
+        assert _rel(model.logits(ids, cu), theirs) < TOL["qwen3_5"]
+    model.hf_config = hf.written_config(model.hf_config)
+    back = transformers.AutoModelForCausalLM.from_pretrained(hf.save_pretrained(model, tmp_path / "text"), dtype=torch.float32).eval()
+    assert type(back).__name__ == "Qwen3_5ForCausalLM"
+    with torch.no_grad():
+        assert _rel(torch.cat([back(d[None]).logits[0] for d in docs]), theirs) < TOL["qwen3_5"]
 
 
 def _qwen3_vl(kind, ffn_expert=8):
