@@ -10,7 +10,7 @@ exaone_moe, kolibri1, beam, axk2, dots1, minimax_m2, minimax, granitemoe, granit
 laguna, cohere2_moe, sarvam_moe, sarvam_mla, longcat_flash, bailing_hybrid, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, lara_mini, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
 mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe, gemma3, gemma4_text, gemma4), and the dense
 DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, helium, minicpm3, arcee, gemma, vaultgemma, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
-glm4, ernie4_5, lfm2, cohere, cohere2, bamba, stablelm, qwen3_5_text (and qwen3_5's text model): Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
+glm4, ernie4_5, lfm2, cohere, cohere2, bamba, stablelm, qwen3_5_text (and qwen3_5's text model), nemotron: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: OLMoE's q and k clamped after their norms, ...;
 the fields a config.json leaves out read at transformers' defaults, Family.defaults, and a
 family's own names for the fields the shared mappings read as those, Family.aliases)
@@ -813,6 +813,23 @@ def _stablelm(hf: dict) -> dict:
     return _dense(dict(hf, head_dim=head_dim, rms_norm_eps=hf.get("layer_norm_eps", 1e-5)), qkv_bias=bool(hf.get("use_qkv_bias", False)),
                   layer_norms=True, norm_bias=True, qk_norm="head_layer" if hf.get("qk_layernorm") else None, parallel_blocks=parallel,
                   rope_dim=None if rope_dim == head_dim else rope_dim)
+
+
+def _nemotron(hf: dict) -> dict:
+    """Nemotron (nemotron, dense; Nemotron-4, Minitron, Mistral-NeMo-Minitron): LayerNorm1P
+    everywhere (a LayerNorm with a bias whose gain is 1 + weight: layer_norms, norm_bias,
+    zero_centered_norms; eps norm_eps), MLPs without a gate, relu(x up_proj)^2 down_proj
+    (mlp_act "relu2"), RoPE on the first partial_rotary_factor of each head (halves);
+    attention and MLP biases refused."""
+    _refuse(hf, "hidden_act", lambda v: v == "relu2", "relu2, the squared ReLU of an MLP without a gate")
+    _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in Nemotron's attention here")
+    out = _dense(dict(hf, hidden_act="silu"), mlp_act="relu2", layer_norms=True, norm_bias=True, zero_centered_norms=True)
+    factor = (hf.get("rope_parameters") or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.5))
+    rope_dim = int(out["head_dim"] * factor)
+    if not 2 <= rope_dim <= out["head_dim"] or rope_dim % 2:
+        raise ValueError(f"config.json: partial_rotary_factor = {factor!r} is not supported (an even number of rotated channels of the "
+                         f"{out['head_dim']} per head, got {rope_dim})")
+    return dict(out, rope_dim=None if rope_dim == out["head_dim"] else rope_dim)
 
 
 def _cohere(hf: dict) -> dict:
@@ -2543,7 +2560,7 @@ _MINISTRAL3_ROPE = dict(rope_type="yarn", rope_theta=1e6, factor=16.0, original_
                         mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1)
 # the dense families (no MoE block): fine-tuned as they are, or upcycled into an MoE (fmoe.train.upcycle)
 DENSE_FAMILIES = ("llama", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "youtu", "helium", "minicpm3", "arcee", "gemma", "vaultgemma", "gemma2", "gemma3_text", "lfm3", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
-                  "phi3", "glm4", "ernie4_5", "lfm2", "cohere", "cohere2", "bamba", "stablelm", "qwen3_5_text")
+                  "phi3", "glm4", "ernie4_5", "lfm2", "cohere", "cohere2", "bamba", "stablelm", "qwen3_5_text", "nemotron")
 FAMILIES = {
     "mixtral": Family(_mixtral, "block_sparse_moe", ("w1", "w3", "w2"), "MixtralForCausalLM",
                       defaults=dict(num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1e6)),
@@ -2824,6 +2841,9 @@ FAMILIES = {
                        defaults=dict(vocab_size=50304, hidden_size=2560, num_attention_heads=32, num_key_value_heads=32,
                                      intermediate_size=6912, rope_parameters=dict(rope_type="default", rope_theta=10000.0,
                                                                                  partial_rotary_factor=0.25))),
+    "nemotron": Family(_nemotron, "mlp", _PROJ, "NemotronForCausalLM", aliases=dict(rms_norm_eps="norm_eps"),
+                       defaults=dict(vocab_size=256000, hidden_size=6144, intermediate_size=24576, num_attention_heads=48, rms_norm_eps=1e-5,
+                                     rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))),
     "cohere": Family(_cohere, "mlp", _PROJ, "CohereForCausalLM", norms=("input_layernorm", ""),
                      defaults=dict(tie_word_embeddings=True, rope_theta=500000.0)),
     "cohere2": Family(_cohere2, "mlp", _PROJ, "Cohere2ForCausalLM", norms=("input_layernorm", ""),
@@ -4076,6 +4096,10 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
             hf["rope_parameters"]["partial_rotary_factor"] = _rotary_factor(cfg)
             hf.update(layer_norm_eps=cfg.norm_eps, use_qkv_bias=cfg.qkv_bias, qk_layernorm=cfg.qk_norm == "head_layer",
                       use_parallel_residual=cfg.parallel_blocks)
+        elif model_type == "nemotron":  # LayerNorm1P's eps under its own name, MLPs without a gate, RoPE on the first part of each head
+            hf.pop("rms_norm_eps")
+            hf["rope_parameters"]["partial_rotary_factor"] = _rotary_factor(cfg)
+            hf.update(norm_eps=cfg.norm_eps, hidden_act="relu2", attention_bias=False)
         elif model_type == "qwen3_5_text":  # Qwen3.5-MoE's blocks with a dense MLP
             hf.update(_qwen3_5_fields(cfg))
         elif model_type == "helium":  # RoPE on interleaved pairs: always, in Helium

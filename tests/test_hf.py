@@ -146,6 +146,9 @@ FAMILIES = {
     # parallel residual blocks (stablelm's second form: test_stablelm_...)
     "stablelm": lambda: transformers.StableLmConfig(**COMMON, intermediate_size=40, use_qkv_bias=True, qk_layernorm=True, bos_token_id=None,
                                                     eos_token_id=None, pad_token_id=None),
+    # Nemotron-4 / Minitron: LayerNorm1P (1 + weight, a bias), relu2 MLPs without a gate, RoPE on the first half of each head
+    "nemotron": lambda: transformers.NemotronConfig(**COMMON, head_dim=8, intermediate_size=40, bos_token_id=None, eos_token_id=None,
+                                                    pad_token_id=None),
     # Mamba-2: every layer a Mamba-2 mixer alone (4 heads of 16, C and B in 2 groups of 8, 3 taps, dt clamped at 0.5 and above)
     "mamba2": lambda: transformers.Mamba2Config(vocab_size=V, hidden_size=32, num_hidden_layers=3, num_heads=4, head_dim=16, n_groups=2, state_size=8,
                                                 conv_kernel=3, chunk_size=8, expand=2, time_step_limit=(0.5, float("inf")), pad_token_id=None,
@@ -727,6 +730,8 @@ def test_a_failed_export_leaves_no_weight_files(folders, tmp_path, monkeypatch):
                                                               linear_k_dim=8, linear_v_dim=12, linear_conv=3, linear_dt_min=0.05, nope_layers=(1,),
                                                               mlp_free_layers=(0,), norm_eps=1e-5)),
                                           ("stablelm", dict(layer_norms=True, norm_bias=True, rope_dim=4, qkv_bias=True, qk_norm="head_layer", norm_eps=1e-5)),
+                                          ("nemotron", dict(layer_norms=True, norm_bias=True, zero_centered_norms=True, mlp_act="relu2",
+                                                            rope_dim=4, norm_eps=1e-5)),
                                           ("qwen3_5_text", dict(linear_layers=(0,), linear_k_heads=2, linear_v_heads=4, linear_k_dim=8, linear_v_dim=6,
                                                                 zero_centered_norms=True, attn_gate=True, qk_norm="head", rope_dim=4)),
                                           ("stablelm", dict(layer_norms=True, norm_bias=True, rope_dim=2, parallel_blocks=True, norm_eps=1e-5)),
