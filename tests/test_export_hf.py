@@ -57,6 +57,16 @@ def _own_run_exported(tmp_path, knobs, model_type):
     return json.loads((tmp_path / "out" / "config.json").read_text()), load_run(run)[0]
 
 
+def _loads_whole_with_the_run_s_logits(path, model):
+    """transformers loads the export at path with no key missing or unexpected, and gives the
+    run's model's logits on byte data (its vocabulary)."""
+    docs, ids, cu = _docs(258)
+    _, info = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    with torch.no_grad():
+        assert _rel(_transformers_logits(path, docs), model.logits(ids, cu)) < 1e-5
+
+
 def _transformers_logits(path, docs, dtype=torch.float32):
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     with torch.no_grad():
@@ -391,11 +401,7 @@ def test_a_run_of_fmoe_s_own_with_lightning_attention_exports_as_minimax(tmp_pat
            "--model.residual_scale=0.75", "--model.norm_eps=1e-5", *RUN, "--model.mtp_depth=0"]
     config, model = _own_run_exported(tmp_path, own, "minimax")
     assert config["layer_types"] == ["linear_attention", "full_attention"] and config["mlp_alpha_factor"] == 1.5
-    docs, ids, cu = _docs(258)  # byte data's vocabulary
-    _, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
-    with torch.no_grad():
-        assert _rel(_transformers_logits(tmp_path / "out", docs), model.logits(ids, cu)) < 1e-5
+    _loads_whole_with_the_run_s_logits(tmp_path / "out", model)
 
 
 def test_a_run_of_fmoe_s_own_with_mamba2_mixers_exports_as_granite_4_hybrid(tmp_path):
@@ -412,11 +418,7 @@ def test_a_run_of_fmoe_s_own_with_mamba2_mixers_exports_as_granite_4_hybrid(tmp_
     config, model = _own_run_exported(tmp_path, own, "granitemoehybrid")
     assert config["layer_types"] == ["linear_attention", "full_attention"] and config["position_embedding_type"] is None
     assert (config["mamba_n_heads"], config["mamba_d_head"], config["mamba_expand"], config["mamba_n_groups"]) == (4, 16, 2, 2)
-    docs, ids, cu = _docs(258)  # byte data's vocabulary
-    _, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
-    with torch.no_grad():
-        assert _rel(_transformers_logits(tmp_path / "out", docs), model.logits(ids, cu)) < 1e-5
+    _loads_whole_with_the_run_s_logits(tmp_path / "out", model)
 
 
 def test_a_run_of_fmoe_s_own_nemotron_3_exports_as_nemotron_h(tmp_path):
@@ -434,8 +436,4 @@ def test_a_run_of_fmoe_s_own_nemotron_3_exports_as_nemotron_h(tmp_path):
     config, model = _own_run_exported(tmp_path, own, "nemotron_h")
     assert config["layers_block_type"] == ["linear_attention", "moe", "linear_attention", "full_attention", "moe", "mlp"]
     assert (config["mamba_num_heads"], config["mamba_head_dim"], config["moe_latent_size"], config["time_step_min"]) == (4, 10, 12, 0.01)
-    docs, ids, cu = _docs(258)  # byte data's vocabulary
-    _, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
-    with torch.no_grad():
-        assert _rel(_transformers_logits(tmp_path / "out", docs), model.logits(ids, cu)) < 1e-5
+    _loads_whole_with_the_run_s_logits(tmp_path / "out", model)

@@ -3164,11 +3164,7 @@ def test_nemotron_h_reads_its_layers_as_blocks_and_refuses_what_it_cannot_pair(f
     assert "blocks.1.mlp" not in dict(model.named_modules()) and model.blocks[4].attn is None
     pattern = hf.read_config(_edit(path, tmp_path / "pattern", lambda c: (c.pop("layers_block_type"), c.update(hybrid_override_pattern="MEM*EM--"))))[1]
     assert pattern == hf.read_config(path)[1]
-    docs, ids, cu = _packed()
-    with torch.no_grad():
-        theirs = _their_logits(ref, docs)
-        unfloored, _ = hf.from_pretrained(path, impl="torch", linear_dt_min=0.0)
-        assert _rel(model.logits(ids, cu), theirs) < 1e-5 < 1e-3 < _rel(unfloored.logits(ids, cu), theirs)
+    _needs_its_dt_floor(path, ref, model)
     config = json.loads((path / "config.json").read_text())
     runs = TransformerConfig(**hf.FAMILIES["nemotron_h"].kwargs(dict(config, layers_block_type=["mlp", "mlp", "linear_attention", "moe", "moe"])))
     assert (runs.n_layers, runs.mixer_free_layers, runs.mlp_free_layers, runs.moe_layers) == (4, (0, 1, 3), None, (2, 3))
@@ -3208,6 +3204,16 @@ def test_stablelm_reads_its_norms_partial_rope_and_parallel_residual(folders, tm
     assert "model.layers.0.post_attention_layernorm.weight" not in load_file(tmp_path / "again" / "model.safetensors")
 
 
+def _needs_its_dt_floor(path, ref, model):
+    """model (read from path) gives transformers' model ref's logits; read without its Mamba-2
+    dt floor (linear_dt_min 0), the logits move: the floor binds in these weights."""
+    docs, ids, cu = _packed()
+    with torch.no_grad():
+        theirs = _their_logits(ref, docs)
+        unfloored, _ = hf.from_pretrained(path, impl="torch", linear_dt_min=0.0)
+        assert _rel(model.logits(ids, cu), theirs) < 1e-5 < 1e-3 < _rel(unfloored.logits(ids, cu), theirs)
+
+
 def test_mamba2_reads_every_layer_as_a_mixer_alone_with_its_dt_clamp(folders):
     """Mamba-2: every block a Mamba-2 mixer without an MLP; time_step_limit's lower end (0.5
     here, which these weights reach) is linear_dt_min: without it the logits move. An upper
@@ -3216,11 +3222,7 @@ def test_mamba2_reads_every_layer_as_a_mixer_alone_with_its_dt_clamp(folders):
     model, cfg = hf.from_pretrained(path, impl="torch")
     assert cfg.linear_layers == cfg.mlp_free_layers == (0, 1, 2) and (cfg.linear_v_heads, cfg.linear_v_dim, cfg.linear_dt_min) == (4, 16, 0.5)
     assert not any(".mlp" in name for name, _ in model.named_parameters()) and all(type(b.attn).__name__ == "LinearAttention" for b in model.blocks)
-    docs, ids, cu = _packed()
-    with torch.no_grad():
-        theirs = _their_logits(ref, docs)
-        unclamped, _ = hf.from_pretrained(path, impl="torch", linear_dt_min=0.0)
-        assert _rel(model.logits(ids, cu), theirs) < 1e-5 < 1e-3 < _rel(unclamped.logits(ids, cu), theirs)
+    _needs_its_dt_floor(path, ref, model)
     config = json.loads((path / "config.json").read_text())
     for change, message in ((dict(time_step_limit=[0.0, 1.0]), r"time_step_limit = \[0.0, 1.0\] is not supported \(dt clamped below only"),
                             (dict(head_dim=8), r"num_heads x head_dim = 4 x 8 is not supported \(expand x hidden_size, 64"),
