@@ -802,17 +802,11 @@ def _stablelm(hf: dict) -> dict:
     RoPE with qk_layernorm (each head its own weight, its own module: qk_norm "head_layer"),
     and with use_parallel_residual the attention and the MLP of one normed input added to the
     residual together (parallel_blocks)."""
-    heads = hf["num_attention_heads"]
-    head_dim = hf["hidden_size"] // heads
-    factor = (hf.get("rope_parameters") or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
-    rope_dim = int(head_dim * factor)
-    if not 2 <= rope_dim <= head_dim or rope_dim % 2:
-        raise ValueError(f"config.json: partial_rotary_factor = {factor!r} is not supported (an even number of rotated channels of the "
-                         f"{head_dim} per head, got {rope_dim})")
+    head_dim = hf["hidden_size"] // hf["num_attention_heads"]
     parallel = bool(hf.get("use_parallel_residual", False))
     return _dense(dict(hf, head_dim=head_dim, rms_norm_eps=hf.get("layer_norm_eps", 1e-5)), qkv_bias=bool(hf.get("use_qkv_bias", False)),
                   layer_norms=True, norm_bias=True, qk_norm="head_layer" if hf.get("qk_layernorm") else None, parallel_blocks=parallel,
-                  rope_dim=None if rope_dim == head_dim else rope_dim)
+                  rope_dim=_partial_rope(dict(hf, partial_rotary_factor=hf.get("partial_rotary_factor", 0.25)), head_dim))
 
 
 def _nemotron(hf: dict) -> dict:
@@ -824,12 +818,7 @@ def _nemotron(hf: dict) -> dict:
     _refuse(hf, "hidden_act", lambda v: v == "relu2", "relu2, the squared ReLU of an MLP without a gate")
     _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in Nemotron's attention here")
     out = _dense(dict(hf, hidden_act="silu"), mlp_act="relu2", layer_norms=True, norm_bias=True, zero_centered_norms=True)
-    factor = (hf.get("rope_parameters") or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.5))
-    rope_dim = int(out["head_dim"] * factor)
-    if not 2 <= rope_dim <= out["head_dim"] or rope_dim % 2:
-        raise ValueError(f"config.json: partial_rotary_factor = {factor!r} is not supported (an even number of rotated channels of the "
-                         f"{out['head_dim']} per head, got {rope_dim})")
-    return dict(out, rope_dim=None if rope_dim == out["head_dim"] else rope_dim)
+    return dict(out, rope_dim=_partial_rope(dict(hf, partial_rotary_factor=hf.get("partial_rotary_factor", 0.5)), out["head_dim"]))
 
 
 def _cohere(hf: dict) -> dict:
@@ -4247,8 +4236,8 @@ _MOE_ONLY = {"n_experts", "k", "ffn_expert", "n_shared", "shared_ffn", "shared_g
              "swiglu_alpha", "swiglu_limit", "swiglu_offset", "router_softcap", "shared_scale", "expert_bias_on_logits"}
 
 
-# TransformerConfig fields that only the attention blocks read: nothing in a model whose every block is linear attention
-# (Mamba-2's) and that has no MTP module
+# TransformerConfig fields that only the attention blocks read: nothing in a model none of whose blocks attends (every
+# one linear attention or an MLP alone: Mamba-2's) and that has no MTP module
 _ATTENTION_ONLY = {"n_heads", "n_kv_heads", "head_dim", "qkv_bias", "o_bias", "qk_norm", "qk_norm_after_rope", "nope_qk_norm", "rope_base", "rope_dim",
                    "rope_interleaved", "rope_linear_factor", "rope_proportion", "yarn_factor", "yarn_original_max_positions", "yarn_beta_fast",
                    "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim", "yarn_truncate", "llama3_factor", "llama3_low_freq_factor",

@@ -305,13 +305,14 @@ class TransformerConfig:
     / mlp_only_layers) of n_experts experts of ffn_expert, k per token, n_shared shared
     experts (one SwiGLU of shared_ffn, default n_shared * ffn_expert) with an optional
     sigmoid shared_gate, their output times shared_scale (Cohere 2 MoE's "average": 0.5
-    beside route_scale 0.5). mixer_free_layers: blocks of their MLP alone, without attention
-    or its norm (Nemotron-H's MLP layers with no mixer layer before them; not with
-    parallel_blocks, shortcut_moe, normed_residual or DeepSeek sparse attention). moe_latent L: a latent MoE (Nemotron 3 Super's), the routed experts
-    (of L in, L out) between x latent_in [H, L] and latent_out [L, H], the router and the shared
-    experts on x (fmoe.model.MoE's latent). mlp_free_layers: blocks of their mixer alone, without an MLP or
+    beside route_scale 0.5). mlp_free_layers: blocks of their mixer alone, without an MLP or
     its norm (Nemotron-H's mixer layers with no MLP layer after them; not MoE blocks, not
-    with parallel_blocks, shortcut_moe or layer_scalars). Routing: score ("softmax", "sigmoid", or "sparsemixer": Phi-3.5-MoE's
+    with parallel_blocks, shortcut_moe or layer_scalars); mixer_free_layers: blocks of their
+    MLP alone, without attention or its norm (Nemotron-H's MLP layers with no mixer layer
+    before them; not with parallel_blocks, shortcut_moe, normed_residual or DeepSeek sparse
+    attention). moe_latent L: a latent MoE (Nemotron 3 Super's), the routed experts (of L in,
+    L out) between x latent_in [H, L] and latent_out [L, H], the router and the shared
+    experts on x (fmoe.model.MoE's latent). Routing: score ("softmax", "sigmoid", or "sparsemixer": Phi-3.5-MoE's
     top-2 with its gap sparsemixer_eps, k = 2, without expert_bias; fmoe.ops.sparsemixer_route), pre_softmax (softmax over all experts, then top-k,
     weights not renormalised), n_groups/topk_groups with group_score_topk (a group's score
     sums its best group_score_topk scores; None: k // topk_groups), route_scale,
@@ -792,7 +793,7 @@ class TransformerConfig:
             if self.parallel_blocks or self.post_norms or self.moe_out_norm or self.residual_scale != 1.0:
                 raise ValueError("shortcut_moe: a pair of pre-norm blocks, not with parallel_blocks, post_norms, moe_out_norm or residual_scale")
         self._check_hyper_connections()
-        self._check_mlp_free()
+        self._check_block_parts()
         if self.moe_latent is not None:
             check_positive_int("moe_latent", self.moe_latent)
         if self.mla_scales and (self.q_rank is None or self.kv_rank is None):
@@ -884,7 +885,7 @@ class TransformerConfig:
             raise ValueError(f"{what}, not with shortcut_moe, parallel_blocks, residual_scale{''.join(', ' + name for name in more)} or MTP modules "
                              f"(got {found}; MTP: mtp_depth=0, --model.mtp_depth=0)")
 
-    def _check_mlp_free(self) -> None:
+    def _check_block_parts(self) -> None:
         """mlp_free_layers: blocks of their mixer alone, neither dense nor MoE, in sequential
         blocks; mixer_free_layers: blocks of their MLP alone, with neither kind of attention nor
         the knobs that place it, not without an MLP too."""
