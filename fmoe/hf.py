@@ -10,7 +10,7 @@ exaone_moe, kolibri1, beam, axk2, dots1, minimax_m2, minimax, granitemoe, granit
 laguna, cohere2_moe, sarvam_moe, sarvam_mla, longcat_flash, bailing_hybrid, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, lara_mini, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
 mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe, gemma3, gemma4_text, gemma4), and the dense
 DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, helium, minicpm3, arcee, gemma, vaultgemma, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
-glm4, ernie4_5, lfm2, cohere, cohere2, bamba, stablelm, qwen3_5_text (and qwen3_5's text model), nemotron: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
+glm4, ernie4_5, lfm2, cohere, cohere2, bamba, stablelm, qwen3_5_text (and qwen3_5's text model), nemotron, apertus: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: OLMoE's q and k clamped after their norms, ...;
 the fields a config.json leaves out read at transformers' defaults, Family.defaults, and a
 family's own names for the fields the shared mappings read as those, Family.aliases)
@@ -182,7 +182,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from fmoe.layers import PLAIN_ACTS, lightning_decay
+from fmoe.layers import PLAIN_ACTS, XIELU, lightning_decay
 from fmoe.model import Transformer, TransformerConfig, local_block
 from fmoe.ops.rope import yarn_mscale
 
@@ -807,6 +807,18 @@ def _stablelm(hf: dict) -> dict:
     return _dense(dict(hf, head_dim=head_dim, rms_norm_eps=hf.get("layer_norm_eps", 1e-5)), qkv_bias=bool(hf.get("use_qkv_bias", False)),
                   layer_norms=True, norm_bias=True, qk_norm="head_layer" if hf.get("qk_layernorm") else None, parallel_blocks=parallel,
                   rope_dim=_partial_rope(dict(hf, partial_rotary_factor=hf.get("partial_rotary_factor", 0.25)), head_dim))
+
+
+def _apertus(hf: dict) -> dict:
+    """Apertus (apertus, dense; Apertus-8B / 70B): Llama's blocks (its pre-norms
+    attention_layernorm and feedforward_layernorm) with per-head q/k RMSNorms before RoPE (Llama
+    3's by default), MLPs without a gate through xIELU (mlp_act "xielu": up_proj, act_fn's
+    learned alpha_p and alpha_n, down_proj); xIELU's constants (act_fn's beta 0.5, eps -1e-6, as
+    transformers builds them) are checked on load and written on export. Attention biases
+    refused."""
+    _refuse(hf, "hidden_act", lambda v: v == "xielu", "xielu, the xIELU of an MLP without a gate")
+    _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in Apertus's attention here")
+    return _dense(dict(hf, hidden_act="silu"), mlp_act="xielu", qk_norm="head")
 
 
 def _nemotron(hf: dict) -> dict:
@@ -2549,7 +2561,7 @@ _MINISTRAL3_ROPE = dict(rope_type="yarn", rope_theta=1e6, factor=16.0, original_
                         mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1)
 # the dense families (no MoE block): fine-tuned as they are, or upcycled into an MoE (fmoe.train.upcycle)
 DENSE_FAMILIES = ("llama", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "youtu", "helium", "minicpm3", "arcee", "gemma", "vaultgemma", "gemma2", "gemma3_text", "lfm3", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
-                  "phi3", "glm4", "ernie4_5", "lfm2", "cohere", "cohere2", "bamba", "stablelm", "qwen3_5_text", "nemotron")
+                  "phi3", "glm4", "ernie4_5", "lfm2", "cohere", "cohere2", "bamba", "stablelm", "qwen3_5_text", "nemotron", "apertus")
 FAMILIES = {
     "mixtral": Family(_mixtral, "block_sparse_moe", ("w1", "w3", "w2"), "MixtralForCausalLM",
                       defaults=dict(num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1e6)),
@@ -2830,6 +2842,11 @@ FAMILIES = {
                        defaults=dict(vocab_size=50304, hidden_size=2560, num_attention_heads=32, num_key_value_heads=32,
                                      intermediate_size=6912, rope_parameters=dict(rope_type="default", rope_theta=10000.0,
                                                                                  partial_rotary_factor=0.25))),
+    "apertus": Family(_apertus, "mlp", _PROJ, "ApertusForCausalLM", norms=("attention_layernorm", "feedforward_layernorm"),
+                      ignored=(r"\.mlp\.act_fn\.(beta|eps)$",),  # xIELU's constants: checked on load, written on export (constant_tensors)
+                      defaults=dict(vocab_size=131072, hidden_size=4096, intermediate_size=14336, num_attention_heads=32, rms_norm_eps=1e-5,
+                                    rope_parameters=dict(rope_type="llama3", rope_theta=12000000.0, factor=8.0, original_max_position_embeddings=8192,
+                                                         low_freq_factor=1.0, high_freq_factor=4.0))),
     "nemotron": Family(_nemotron, "mlp", _PROJ, "NemotronForCausalLM", aliases=dict(rms_norm_eps="norm_eps"),
                        defaults=dict(vocab_size=256000, hidden_size=6144, intermediate_size=24576, num_attention_heads=48, rms_norm_eps=1e-5,
                                      rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))),
@@ -3004,6 +3021,9 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
         for ours, theirs in zip(("w_gate", "w_up", "w_down"), family.dense_names):
             if ours != "w_gate" or cfg.mlp_act not in PLAIN_ACTS:  # an MLP without a gate (Arcee's) has none
                 out[q + "mlp." + ours] = Tensor((f"{p}{family.dense}.{theirs}.weight",), transpose=True)
+        if cfg.mlp_act == "xielu":  # its learned scalars, [1] each (Apertus's act_fn)
+            for name in ("alpha_p", "alpha_n"):
+                out[q + "mlp.xielu_" + name] = Tensor((f"{p}{family.dense}.act_fn.{name}",))
     if cfg.hyper_connections:  # the streams' weights of the attention and of the MLP (Family.hyper)
         for ours, theirs in zip(("attn_hc.", "mlp_hc."), family.hyper[:2]):
             out.update({q + ours + name: Tensor((p + theirs + name,)) for name in ("fn", "base", "scale")})
@@ -3441,6 +3461,11 @@ def load_weights(model: Transformer, path, *, model_type: str, strict: bool = Tr
             if key.endswith(".slope_rate") and key in files and not torch.allclose(open_slice(key)[:].float(), rate, rtol=1e-5, atol=0.0):
                 raise ValueError(f"checkpoint: {key} is not the lightning decay fmoe computes for its layer "
                                  f"(fmoe.layers.lightning_decay: {(-rate.flatten()).tolist()})")
+            if key.endswith(("act_fn.beta", "act_fn.eps")) and key in files:  # xIELU's constants, as stored (bf16 rounds eps)
+                with safe_open(files[key], "pt") as f:  # 0-dim: no slice of it
+                    stored = f.get_tensor(key)
+                if not torch.equal(stored, rate.to(stored.dtype)):
+                    raise ValueError(f"checkpoint: {key} = {stored.tolist()!r} is not xIELU's constant fmoe computes with, {rate.item()!r}")
         unmapped = [n for n in params if n not in keys and not n.startswith("mtp.") and not n.endswith("expert_bias")]
         if unmapped:  # a trunk weight would keep its initial value: refused, not silently fresh
             raise ValueError(f"model: {len(unmapped)} parameter(s) that a {model_type} checkpoint does not hold, "
@@ -4085,6 +4110,8 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
             hf["rope_parameters"]["partial_rotary_factor"] = _rotary_factor(cfg)
             hf.update(layer_norm_eps=cfg.norm_eps, use_qkv_bias=cfg.qkv_bias, qk_layernorm=cfg.qk_norm == "head_layer",
                       use_parallel_residual=cfg.parallel_blocks)
+        elif model_type == "apertus":  # xIELU: hidden_act names it
+            hf.update(hidden_act="xielu", attention_bias=False)
         elif model_type == "nemotron":  # LayerNorm1P's eps under its own name, MLPs without a gate, RoPE on the first part of each head
             hf.pop("rms_norm_eps")
             hf["rope_parameters"]["partial_rotary_factor"] = _rotary_factor(cfg)
@@ -4364,6 +4391,9 @@ def constant_tensors(family: Family, cfg: TransformerConfig, hf: dict) -> dict[s
     (slope_rate [N, 1, 1] = -lightning_decay, and of config.json's block_size b
     query_decay, key_decay [N, b, 1], diagonal_decay [1, N, b, b]), computed as transformers
     computes them. save_pretrained writes them; load_weights checks a folder's slope_rate."""
+    if cfg.mlp_act == "xielu":  # xIELU's constants in every MLP, 0-dim (Apertus's act_fn.beta, act_fn.eps)
+        return {f"{p}{family.dense}.act_fn.{name}": torch.tensor(value) for p, p_mlp in _layer_prefixes(family, cfg) if p_mlp
+                for name, value in (("beta", XIELU[0]), ("eps", XIELU[1]))}
     if family.linear != "lightning":
         return {}
     lin, block, out = cfg.linear_attention_config(), int(hf.get("block_size", 256)), {}

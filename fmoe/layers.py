@@ -111,7 +111,7 @@ from fmoe.ops.balance import mask_tokens, tokens_per_expert
 from fmoe.ops.checks import check_float, check_index, check_positive_int, check_token_mask
 from fmoe.ops.delta import gated_delta_rule, gated_linear_attention
 from fmoe.ops.dispatch import permute, unpermute
-from fmoe.ops.experts import EXPERT_BIASES, PLAIN_ACTS, check_glu, grouped_mlp, plain_act, swiglu  # PLAIN_ACTS: no gate (relu2)
+from fmoe.ops.experts import EXPERT_BIASES, PLAIN_ACTS, XIELU, check_glu, grouped_mlp, plain_act, swiglu  # PLAIN_ACTS: no gate (relu2, xielu)
 from fmoe.ops.fp8 import check_fp8, check_fp8_fast_accum, matmul
 from fmoe.ops.packed import roll_packed, sequence_ids
 from fmoe.ops.rope import (
@@ -331,17 +331,20 @@ def _check_moe(x_TH, params, cfg, experts, shared, drop) -> None:
         raise ValueError(f"params['shared_gate']: expected [{H}] alongside shared experts, got {tuple(gate.shape)}")
 
 
-def dense_mlp(x_TH: torch.Tensor, w_gate_HF, w_up_HF, w_down_FH, *, impl: str = "auto", fp8: bool = False, act: str = "silu") -> torch.Tensor:
+def dense_mlp(x_TH: torch.Tensor, w_gate_HF, w_up_HF, w_down_FH, *, impl: str = "auto", fp8: bool = False, act: str = "silu",
+              act_params: Optional[tuple] = None) -> torch.Tensor:
     """SwiGLU (silu(x w_gate) * (x w_up)) w_down: x [T, H], w_gate / w_up [H, F],
     w_down [F, H] -> [T, H]. The dense blocks' MLP and the shared experts. fp8: the
     projections by fmoe.ops.fp8_matmul. act "gelu_tanh": GeGLU, GELU's tanh form of x w_gate
     in place of silu (fmoe.ops.swiglu's act); act "relu2" (PLAIN_ACTS): no gate (w_gate
-    None), relu(x w_up)^2 w_down (Arcee's, Nemotron's)."""
+    None), relu(x w_up)^2 w_down (Arcee's, Nemotron's); act "xielu": no gate either,
+    xielu(x w_up, *act_params) w_down (Apertus's; act_params: (alpha_p, alpha_n, beta, eps),
+    fmoe.ops.experts.xielu)."""
     if act in PLAIN_ACTS:
         if w_gate_HF is not None:
             raise ValueError(f"w_gate: act {act!r} is an MLP without a gate, expected None, got a tensor")
         up_TF = matmul(x_TH, w_up_HF, fp8=fp8, impl=impl)
-        return matmul(plain_act(up_TF, act), w_down_FH, fp8=fp8, impl=impl)
+        return matmul(plain_act(up_TF, act, act_params), w_down_FH, fp8=fp8, impl=impl)
     gate_TF, up_TF = (matmul(x_TH, w, fp8=fp8, impl=impl) for w in (w_gate_HF, w_up_HF))
     return matmul(swiglu(gate_TF, up_TF, impl=impl, act=act), w_down_FH, fp8=fp8, impl=impl)
 

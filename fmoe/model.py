@@ -47,7 +47,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fmoe.layers import (EXPERT_BIASES, AttentionConfig, AttentionContext, LinearAttentionConfig, LinearStates, MoEConfig, attach_loss, attention,
-                         PLAIN_ACTS, attention_context, check_clip_qkv, check_sparsemixer_knobs, check_window, dense_mlp, index_shapes, lightning_decay, linear_attention, linear_attention_shapes, local_experts, mla_shapes,
+                         PLAIN_ACTS, XIELU, attention_context, check_clip_qkv, check_sparsemixer_knobs, check_window, dense_mlp, index_shapes, lightning_decay, linear_attention, linear_attention_shapes, local_experts, mla_shapes,
                          moe, q_in)
 from fmoe.ops import linear_cross_entropy, route
 from fmoe.ops.checks import check_positive_int
@@ -112,17 +112,23 @@ class DenseMLP(nn.Module):
     act "gelu_tanh" GeGLU; with act "relu2" no gate (w_gate None): relu(x w_up)^2 w_down
     (fmoe.layers.dense_mlp's act)."""
 
-    def __init__(self, hidden: int, ffn: int, impl: str, *, fp8: bool = False, act: str = "silu", device=None, dtype=None):
+    def __init__(self, hidden: int, ffn: int, impl: str, *, fp8: bool = False, act: str = "silu", xielu: tuple[float, float] = XIELU,
+                 device=None, dtype=None):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
         self.impl, self.fp8, self.act = impl, fp8, act
         self.w_gate = None if act in PLAIN_ACTS else nn.Parameter(torch.empty(hidden, ffn, **kw))
         self.w_up = nn.Parameter(torch.empty(hidden, ffn, **kw))
         self.w_down = nn.Parameter(torch.empty(ffn, hidden, **kw))
+        if act == "xielu":  # its learned scalars (softplus'ed in fmoe.ops.experts.xielu) and its constants (beta, eps)
+            self.xielu_alpha_p = nn.Parameter(torch.empty(1, **kw))
+            self.xielu_alpha_n = nn.Parameter(torch.empty(1, **kw))
+            self.xielu = xielu
 
     def forward(self, x_TH):
         gate = None if self.w_gate is None else _local(self.w_gate)
-        return dense_mlp(x_TH, gate, _local(self.w_up), _local(self.w_down), impl=self.impl, fp8=self.fp8, act=self.act)
+        params = (_local(self.xielu_alpha_p), _local(self.xielu_alpha_n), *self.xielu) if self.act == "xielu" else None
+        return dense_mlp(x_TH, gate, _local(self.w_up), _local(self.w_down), impl=self.impl, fp8=self.fp8, act=self.act, act_params=params)
 
 
 class GroupedExperts(nn.Module):
@@ -362,7 +368,8 @@ class TransformerConfig:
     MLP's gate activation (dense blocks, shared and routed experts), "silu" (SwiGLU) or
     "gelu_tanh" (GeGLU: GELU's tanh form, Gemma's; fmoe.ops.swiglu's act), or "relu2": MLPs
     without a gate, relu(x w_up)^2 w_down (Arcee's and Nemotron-H's, Nemotron 3's routed and
-    shared experts; not with expert_biases). Gemma 4's MoE
+    shared experts; not with expert_biases), or "xielu": dense MLPs without a gate, xIELU(x
+    w_up) w_down with its two learned scalars per MLP (Apertus's; fmoe.ops.experts.xielu). Gemma 4's MoE
     blocks: dense_beside_moe, a dense MLP of ffn_dense beside the MoE, each with its own pre-
     and post-norm (mlp_norm / dense_post_norm, moe_norm / moe_post_norm), their sum through
     mlp_post_norm before the residual add (needs pre_norms and post_norms); router_norm, the
@@ -677,6 +684,8 @@ class TransformerConfig:
         if self.mlp_act not in GLU_ACTS + PLAIN_ACTS:
             raise ValueError(f"mlp_act: expected one of {', '.join(GLU_ACTS + PLAIN_ACTS)} (the MLPs' gate activation, or relu2: no gate), "
                              f"got {self.mlp_act!r}")
+        if self.mlp_act == "xielu" and (any(self.is_moe(i) for i in range(self.n_layers)) or self.shortcut_moe):
+            raise ValueError("mlp_act: 'xielu' (Apertus's, with learned scalars per MLP) in dense MLPs only; experts with it are not built")
         if self.mlp_act in PLAIN_ACTS and self.expert_biases:
             raise ValueError(f"expert_biases: mlp_act {self.mlp_act!r} makes experts without a gate, which take no b_gate (gpt-oss's biases)")
         for name in ("dense_beside_moe", "router_norm", "router_expert_scale", "layer_scalars", "v_norm", "global_k_eq_v"):
@@ -1912,6 +1921,9 @@ class Transformer(nn.Module):
                 continue
             if name.endswith(("attn.out_norm", "attn.dt_bias", "attn.D", "mlp.router_norm", "mlp.expert_scale")):
                 _local(p).fill_(1.0)  # Gated DeltaNet's output norm (never zero-centred), decay's bias; Mamba-2's skip; Gemma 4's router scales
+                continue
+            if name.endswith(("xielu_alpha_p", "xielu_alpha_n")):  # xIELU's a_p = 0.8 and a_n = beta + 0.3 at the start, Apertus's
+                _local(p).fill_(math.log(math.expm1(0.8 if name.endswith("alpha_p") else 0.8 - 0.5)))
                 continue
             if name.endswith(("norm.weight", "q_norm", "k_norm", "q_a_norm", "kv_a_norm")):
                 _local(p).fill_(0.0 if self.cfg.zero_centered_norms else 1.0)

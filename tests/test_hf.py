@@ -149,6 +149,9 @@ FAMILIES = {
     # Nemotron-4 / Minitron: LayerNorm1P (1 + weight, a bias), relu2 MLPs without a gate, RoPE on the first half of each head
     "nemotron": lambda: transformers.NemotronConfig(**COMMON, head_dim=8, intermediate_size=40, bos_token_id=None, eos_token_id=None,
                                                     pad_token_id=None),
+    # Apertus: per-head q/k RMSNorms, Llama 3's RoPE, MLPs without a gate through xIELU (its learned alpha_p, alpha_n)
+    "apertus": lambda: transformers.ApertusConfig(**COMMON, head_dim=8, intermediate_size=40, bos_token_id=None, eos_token_id=None,
+                                                  pad_token_id=None, dtype="float32"),
     # Mamba-2: every layer a Mamba-2 mixer alone (4 heads of 16, C and B in 2 groups of 8, 3 taps, dt clamped at 0.5 and above)
     "mamba2": lambda: transformers.Mamba2Config(vocab_size=V, hidden_size=32, num_hidden_layers=3, num_heads=4, head_dim=16, n_groups=2, state_size=8,
                                                 conv_kernel=3, chunk_size=8, expand=2, time_step_limit=(0.5, float("inf")), pad_token_id=None,
@@ -732,6 +735,7 @@ def test_a_failed_export_leaves_no_weight_files(folders, tmp_path, monkeypatch):
                                           ("stablelm", dict(layer_norms=True, norm_bias=True, rope_dim=4, qkv_bias=True, qk_norm="head_layer", norm_eps=1e-5)),
                                           ("nemotron", dict(layer_norms=True, norm_bias=True, zero_centered_norms=True, mlp_act="relu2",
                                                             rope_dim=4, norm_eps=1e-5)),
+                                          ("apertus", dict(mlp_act="xielu", qk_norm="head", norm_eps=1e-5)),
                                           ("qwen3_5_text", dict(linear_layers=(0,), linear_k_heads=2, linear_v_heads=4, linear_k_dim=8, linear_v_dim=6,
                                                                 zero_centered_norms=True, attn_gate=True, qk_norm="head", rope_dim=4)),
                                           ("stablelm", dict(layer_norms=True, norm_bias=True, rope_dim=2, parallel_blocks=True, norm_eps=1e-5)),
@@ -3212,6 +3216,22 @@ def _needs_its_dt_floor(path, ref, model):
         theirs = _their_logits(ref, docs)
         unfloored, _ = hf.from_pretrained(path, impl="torch", linear_dt_min=0.0)
         assert _rel(model.logits(ids, cu), theirs) < 1e-5 < 1e-3 < _rel(unfloored.logits(ids, cu), theirs)
+
+
+def test_apertus_reads_its_xielu_and_checks_its_constants(folders, tmp_path):
+    """Apertus's MLPs: up_proj, xIELU with its learned alpha_p and alpha_n (read as each MLP's
+    xielu_alpha_p / xielu_alpha_n), down_proj; xIELU's constants beta and eps, stored beside
+    them, are checked (a folder with another beta is refused by name) and written on export
+    (the re-export of test_export_... is bit-identical)."""
+    path, _ = folders["apertus"]
+    model, cfg = hf.from_pretrained(path, impl="torch")
+    tensors = _read_all(path)
+    assert cfg.mlp_act == "xielu" and model.blocks[0].mlp.w_gate is None
+    assert torch.equal(model.blocks[1].mlp.xielu_alpha_n.detach(), tensors["model.layers.1.mlp.act_fn.alpha_n"])
+    assert float(tensors["model.layers.0.mlp.act_fn.beta"]) == 0.5 and tensors["model.layers.0.mlp.act_fn.eps"].shape == ()
+    tensors["model.layers.2.mlp.act_fn.beta"] = torch.tensor(0.25)
+    with pytest.raises(ValueError, match=r"checkpoint: model.layers.2.mlp.act_fn.beta = 0.25 is not xIELU's constant fmoe computes with, 0.5"):
+        hf.from_pretrained(_copy_folder(path, tmp_path / "beta", tensors), impl="torch")
 
 
 def test_mamba2_reads_every_layer_as_a_mixer_alone_with_its_dt_clamp(folders):

@@ -81,6 +81,8 @@ VARIANTS = {
     "nemotron_h 47b": dataclasses.replace(TINY, n_layers=4, n_dense=4, mixer_free_layers=(1,), linear_layers=(0, 3), linear_kind="mamba2",
                                           linear_k_heads=2, linear_v_heads=4, linear_k_dim=8, linear_v_dim=6, linear_conv=3, mlp_act="relu2",
                                           window=4, mtp_depth=1),
+    # Apertus's: dense MLPs without a gate through xIELU (its two learned scalars each), per-head q/k norms
+    "apertus": dataclasses.replace(TINY, n_dense=3, mlp_act="xielu", qk_norm="head", mtp_depth=1),
     # Mamba-2's: every block a Mamba-2 mixer alone (no attention, no MLP; the MTP block attends and has its MLP)
     "mamba2": dataclasses.replace(TINY, n_dense=3, linear_layers=(0, 1, 2), mlp_free_layers=(0, 1, 2), linear_kind="mamba2", linear_k_heads=2,
                                   linear_v_heads=4, linear_k_dim=8, linear_v_dim=6, linear_conv=3, mtp_depth=1),
@@ -1359,8 +1361,33 @@ def test_relu2_models_have_mlps_without_a_gate():
     assert moe.experts.w_up.grad.abs().sum() > 0 and moe.shared.w_down.grad.abs().sum() > 0
     with pytest.raises(ValueError, match=r"expert_biases: mlp_act 'relu2' makes experts without a gate, which take no b_gate"):
         dataclasses.replace(TINY, mlp_act="relu2", expert_biases=True)
+    mlp = Transformer(dataclasses.replace(TINY, mlp_act="relu2", n_dense=3)).blocks[0].mlp
     with pytest.raises(ValueError, match=r"w_gate: act 'relu2' is an MLP without a gate, expected None"):
         dense_mlp(x, mlp.w_up, mlp.w_up, mlp.w_down, act="relu2")
+
+
+def test_xielu_mlps_learn_their_scalars_in_dense_blocks_only():
+    """mlp_act="xielu" (Apertus's): each dense MLP xielu(x w_up, alpha_p, alpha_n) w_down, its two
+    scalars starting at transformers' a_p = 0.8, a_n = beta + 0.3 and trained; MoE blocks and
+    tensor parallelism are refused by name."""
+    from fmoe.ops.experts import xielu
+    from fmoe.parallel.tensor import SwiGLUParallel
+
+    torch.manual_seed(0)
+    model = Transformer(VARIANTS["apertus"])
+    mlp = model.blocks[1].mlp
+    assert float(torch.nn.functional.softplus(mlp.xielu_alpha_p.detach())) == pytest.approx(0.8)
+    assert float(0.5 + torch.nn.functional.softplus(mlp.xielu_alpha_n.detach())) == pytest.approx(0.8)
+    x = torch.randn(5, 32)
+    torch.testing.assert_close(mlp(x), xielu(x @ mlp.w_up, mlp.xielu_alpha_p, mlp.xielu_alpha_n) @ mlp.w_down)
+    batch = _batch(model.cfg)
+    losses, _ = model(batch, model.context(batch))
+    losses["lm_sum"].backward()
+    assert mlp.xielu_alpha_p.grad.abs().sum() > 0 and mlp.xielu_alpha_n.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="mlp_act: 'xielu' .* in dense MLPs only"):
+        dataclasses.replace(TINY, mlp_act="xielu")
+    with pytest.raises(ValueError, match="tp: an MLP with xIELU .* is not split over tensor parallelism"):
+        SwiGLUParallel()._shard_dims(mlp)
 
 
 def test_released_model_knobs_build_what_they_say():

@@ -54,6 +54,7 @@ import math
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -82,14 +83,29 @@ def swiglu_ref(gate, up, alpha: float = 1.0, limit=None, offset: float = 0.0, ac
 
 EXPERT_BIASES = ("b_gate", "b_up", "b_down")  # grouped_mlp's optional per-expert biases: [E, F], [E, F], [E, H]
 GLU_ACTS = ("silu", "gelu_tanh")  # the gate's activation: SwiGLU's, GeGLU's (GELU's tanh form)
-PLAIN_ACTS = ("relu2",)  # the activation of an MLP without a gate (w_gate None): the squared ReLU
+PLAIN_ACTS = ("relu2", "xielu")  # the activations of an MLP without a gate (w_gate None): the squared ReLU, xIELU
+XIELU = (0.5, -1e-6)  # xIELU's constants (beta, eps), as transformers builds Apertus's
 
 
-def plain_act(up: torch.Tensor, act: str = "relu2") -> torch.Tensor:
-    """An MLP without a gate's activation of x W_up (PLAIN_ACTS): relu(up)^2 in up's dtype."""
+def plain_act(up: torch.Tensor, act: str = "relu2", params: Optional[tuple] = None) -> torch.Tensor:
+    """An MLP without a gate's activation of x W_up (PLAIN_ACTS) in up's dtype: relu(up)^2, or
+    xielu(up, *params) (its (alpha_p, alpha_n, beta, eps))."""
     if act not in PLAIN_ACTS:
         raise ValueError(f"act: expected one of {', '.join(PLAIN_ACTS)} (an MLP without a gate), got {act!r}")
+    if act == "xielu":
+        if params is None or len(params) != 4:
+            raise ValueError(f"params: xIELU takes (alpha_p, alpha_n, beta, eps), got {params!r}")
+        return xielu(up, *params)
     return torch.relu(up).square()
+
+
+def xielu(x: torch.Tensor, alpha_p: torch.Tensor, alpha_n: torch.Tensor, beta: float = 0.5, eps: float = -1e-6) -> torch.Tensor:
+    """xIELU (Apertus's MLP activation): a_p x^2 + beta x for x > 0, else a_n (expm1(min(x, eps))
+    - x) + beta x, with a_p = softplus(alpha_p), a_n = beta + softplus(alpha_n); alpha_p and
+    alpha_n are learned [1] tensors, beta and eps constants. In x's dtype, as transformers'."""
+    a_p = F.softplus(alpha_p).to(x.dtype)
+    a_n = (beta + F.softplus(alpha_n)).to(x.dtype)
+    return torch.where(x > 0, a_p * x * x + beta * x, (torch.expm1(torch.clamp(x, max=eps)) - x) * a_n + beta * x)
 
 
 def _hidden(gate_RF: Optional[torch.Tensor], up_RF: torch.Tensor, glu, fused: bool = False) -> torch.Tensor:
@@ -704,6 +720,8 @@ def grouped_mlp(
     check_float("x_perm", x_perm, 2, "[R, H]")
     R, H = x_perm.shape
     glu = check_glu(alpha, limit, offset, act)
+    if act == "xielu":
+        raise ValueError("act: experts with xIELU (its learned scalars) are not built; xIELU is a dense MLP's (fmoe.layers.dense_mlp)")
     if (w_gate is None) != (act in PLAIN_ACTS):
         raise ValueError(f"w_gate: act {act!r} " + ("is an MLP without a gate, expected None, got a tensor" if w_gate is not None
                                                      else f"gates the up projection, expected [E, H, F], got None (none: act one of {PLAIN_ACTS})"))

@@ -370,6 +370,8 @@ class SwiGLUParallel(_ShardedRegion):
     shard_dims = {"w_gate": 1, "w_up": 1, "w_down": 0}
 
     def _shard_dims(self, module):
+        if getattr(module, "act", None) == "xielu":  # its learned scalars act on every FFN column: each rank's gradient a part
+            raise ValueError("tp: an MLP with xIELU (mlp_act 'xielu', Apertus's) is not split over tensor parallelism; train it with tp=1")
         return {name: dim for name, dim in self.shard_dims.items() if getattr(module, name) is not None}
 
 

@@ -424,6 +424,26 @@ def test_experts_without_a_gate_match_per_row_brute_force(case, impl):
                   grouped_mlp(half[0], None, *half[1:], offsets, impl="torch", act="relu2"))
 
 
+def test_xielu_values_and_gradients():
+    """xIELU (Apertus's): a_p x^2 + beta x above 0, a_n (expm1(min(x, eps)) - x) + beta x at
+    and below, a_p = softplus(alpha_p), a_n = beta + softplus(alpha_n); its learned scalars'
+    gradients are autograd's of that formula; plain_act needs its four parameters."""
+    x = torch.tensor([-3.0, -1e-7, 0.0, 0.5, 2.0], requires_grad=True)
+    alpha_p, alpha_n = torch.tensor([0.2], requires_grad=True), torch.tensor([-1.0], requires_grad=True)
+    y = experts.xielu(x, alpha_p, alpha_n, 0.5, -1e-6)
+    a_p, a_n = math.log1p(math.exp(0.2)), 0.5 + math.log1p(math.exp(-1.0))
+    want = [a_n * (math.expm1(min(v, -1e-6)) - v) + 0.5 * v if v <= 0 else a_p * v * v + 0.5 * v for v in x.tolist()]
+    torch.testing.assert_close(y, torch.tensor(want), rtol=1e-6, atol=1e-7)
+    y.sum().backward()
+    s_p, s_n = 1 / (1 + math.exp(-0.2)), 1 / (1 + math.exp(1.0))  # softplus' derivative
+    torch.testing.assert_close(alpha_p.grad, torch.tensor([s_p * (0.25 + 4.0)]))
+    torch.testing.assert_close(alpha_n.grad, torch.tensor([s_n * sum(math.expm1(min(v, -1e-6)) - v for v in (-3.0, -1e-7, 0.0))]))
+    torch.testing.assert_close(experts.plain_act(x, "xielu", (alpha_p, alpha_n, 0.5, -1e-6)), y)
+    _raises(r"params: xIELU takes \(alpha_p, alpha_n, beta, eps\), got None", experts.plain_act, x, "xielu")
+    (x_perm, _, wu, wd), off = _problem([3, 4], 1, 16, 8)
+    _raises("act: experts with xIELU", grouped_mlp, x_perm, None, wu, wd, off, act="xielu")
+
+
 def test_clamped_swiglu_values():
     gate, up = torch.tensor([-1.0, 0.5, 3.0]), torch.tensor([-9.0, 0.5, 9.0])
     out = swiglu(gate, up, alpha=1.702, limit=7.0, offset=1.0)
