@@ -3457,7 +3457,7 @@ def load_weights(model: Transformer, path, *, model_type: str, strict: bool = Tr
         if unread:  # part of the checkpoint would be dropped without a word: refused
             raise ValueError(f"checkpoint: {len(unread)} key(s) in {str(path)!r} that the model's config reads nowhere, e.g. "
                              f"{unread[0]!r} (an option that leaves out part of the model? strict=False loads the rest)")
-        for key, rate in constant_tensors(family, model.cfg, {"block_size": 1}).items():  # the decay a folder's lightning layers use
+        for key, rate in constant_tensors(family, model.cfg, {"block_size": 1}).items():  # the lightning decay, xIELU's constants a folder holds
             if key.endswith(".slope_rate") and key in files and not torch.allclose(open_slice(key)[:].float(), rate, rtol=1e-5, atol=0.0):
                 raise ValueError(f"checkpoint: {key} is not the lightning decay fmoe computes for its layer "
                                  f"(fmoe.layers.lightning_decay: {(-rate.flatten()).tolist()})")
@@ -4390,7 +4390,8 @@ def constant_tensors(family: Family, cfg: TransformerConfig, hf: dict) -> dict[s
     a function of the config: MiniMax's lightning attention's decay tables per linear layer
     (slope_rate [N, 1, 1] = -lightning_decay, and of config.json's block_size b
     query_decay, key_decay [N, b, 1], diagonal_decay [1, N, b, b]), computed as transformers
-    computes them. save_pretrained writes them; load_weights checks a folder's slope_rate."""
+    computes them; Apertus's xIELU constants per MLP (act_fn.beta, act_fn.eps, 0-dim: XIELU).
+    save_pretrained writes them; load_weights checks a folder's slope_rate, beta and eps."""
     if cfg.mlp_act == "xielu":  # xIELU's constants in every MLP, 0-dim (Apertus's act_fn.beta, act_fn.eps)
         return {f"{p}{family.dense}.act_fn.{name}": torch.tensor(value) for p, p_mlp in _layer_prefixes(family, cfg) if p_mlp
                 for name, value in (("beta", XIELU[0]), ("eps", XIELU[1]))}
