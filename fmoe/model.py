@@ -682,7 +682,7 @@ class TransformerConfig:
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_kv_heads: {self.n_heads} heads do not split over {self.n_kv_heads} kv heads")
         if self.mlp_act not in GLU_ACTS + PLAIN_ACTS:
-            raise ValueError(f"mlp_act: expected one of {', '.join(GLU_ACTS + PLAIN_ACTS)} (the MLPs' gate activation, or relu2: no gate), "
+            raise ValueError(f"mlp_act: expected one of {', '.join(GLU_ACTS + PLAIN_ACTS)} (the MLPs' gate activation, or relu2 / xielu: no gate), "
                              f"got {self.mlp_act!r}")
         if self.mlp_act == "xielu" and (any(self.is_moe(i) for i in range(self.n_layers)) or self.shortcut_moe):
             raise ValueError("mlp_act: 'xielu' (Apertus's, with learned scalars per MLP) in dense MLPs only; experts with it are not built")

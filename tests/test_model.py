@@ -1322,7 +1322,8 @@ def test_geglu_models_put_gelu_s_tanh_form_in_every_mlp():
     batch = _batch(cfg)
     with torch.no_grad():
         assert not torch.allclose(model.logits(batch["input_ids"], batch["cu_seqlens"]), silu.logits(batch["input_ids"], batch["cu_seqlens"]))
-    with pytest.raises(ValueError, match=r"mlp_act: expected one of silu, gelu_tanh, relu2 \(the MLPs' gate activation, or relu2: no gate\), got 'gelu'"):
+    with pytest.raises(ValueError, match=r"mlp_act: expected one of silu, gelu_tanh, relu2, xielu \(the MLPs' gate activation, or relu2 / xielu: "
+                                         r"no gate\), got 'gelu'"):
         dataclasses.replace(TINY, mlp_act="gelu")
 
 

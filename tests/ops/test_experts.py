@@ -487,7 +487,8 @@ def test_bad_inputs():
     _raises(r"limit: expected > 0 \(the SwiGLU clamp\) or None, got 0", grouped_mlp, x, wg, wu, wd, off, limit=0)
     _raises("alpha: expected a finite number, got nan", grouped_mlp, x, wg, wu, wd, off, alpha=float("nan"))
     _raises("offset: expected a finite number, got '1'", swiglu, torch.ones(3), torch.ones(3), offset="1")
-    _raises("act: expected one of silu, gelu_tanh \\(the gate's activation\\) or relu2 \\(no gate\\), got 'gelu'", grouped_mlp, x, wg, wu, wd, off, act="gelu")
+    _raises("act: expected one of silu, gelu_tanh \\(the gate's activation\\) or relu2, xielu \\(no gate\\), got 'gelu'", grouped_mlp, x, wg, wu, wd, off,
+            act="gelu")
     # experts without a gate (w_gate None, act relu2)
     _raises("w_gate: act 'relu2' is an MLP without a gate, expected None, got a tensor", grouped_mlp, x, wg, wu, wd, off, act="relu2")
     _raises(r"w_gate: act 'silu' gates the up projection, expected \[E, H, F\], got None", grouped_mlp, x, None, wu, wd, off)
@@ -497,7 +498,7 @@ def test_bad_inputs():
     _raises(r"w_up: expected shape \[E, H, F\] with E >= 1 and H = 16", grouped_mlp, x, None, wu[:, :8], wd, off, act="relu2")
     _raises(r"w_down: expected shape \[E, F, H\] = \[2, 8, 16\], got \[2, 16, 8\]", grouped_mlp, x, None, wu, wu, off, act="relu2")
     _raises("act: swiglu gates up by act\\(gate\\)", swiglu, torch.ones(3), torch.ones(3), act="relu2")
-    _raises("act: expected one of relu2 \\(an MLP without a gate\\), got 'silu'", experts.plain_act, torch.ones(3), "silu")
+    _raises("act: expected one of relu2, xielu \\(an MLP without a gate\\), got 'silu'", experts.plain_act, torch.ones(3), "silu")
     _raises("alpha: the slope of SwiGLU's sigmoid, expected 1.0 with act 'gelu_tanh'", swiglu, torch.ones(3), torch.ones(3), act="gelu_tanh", alpha=1.7)
 
 
