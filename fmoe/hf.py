@@ -974,9 +974,14 @@ def _deepseek_moe(hf: dict, *, n_dense: Optional[int] = None) -> dict:
     dots.llm1): first_k_dense_replace dense blocks (or n_dense), then MoE blocks of experts
     of moe_intermediate_size with n_shared_experts shared experts, the routed weights scaled
     by routed_scaling_factor."""
-    scale = float(hf.get("routed_scaling_factor", 1.0))
     return dict(ffn_expert=hf["moe_intermediate_size"], ffn_dense=hf["intermediate_size"], n_shared=hf.get("n_shared_experts") or 0,
-                n_dense=hf.get("first_k_dense_replace", 0) if n_dense is None else n_dense, route_scale=None if scale == 1.0 else scale)
+                n_dense=hf.get("first_k_dense_replace", 0) if n_dense is None else n_dense, route_scale=_route_scale(hf))
+
+
+def _route_scale(hf: dict) -> Optional[float]:
+    """route_scale of routed_scaling_factor: None where it is 1."""
+    scale = float(hf.get("routed_scaling_factor", 1.0))
+    return None if scale == 1.0 else scale
 
 
 def _sigmoid_routing(hf: dict, *, normalize: bool = True) -> dict:
@@ -1672,11 +1677,10 @@ def _nemotron_h(hf: dict) -> dict:
     moe = tuple(i for i, (_, mlp) in enumerate(blocks) if mlp == "moe")
     F = hf.get("intermediate_size", 21504)
     if moe:
+        routing = {k: v for k, v in _sigmoid_routing(hf).items() if k != "mtp_norm"}  # no MTP module read here
         experts = dict(n_experts=hf.get("n_routed_experts", 8), k=hf.get("num_experts_per_tok", 2), ffn_expert=hf.get("moe_intermediate_size", 7688),
-                       shared_ffn=hf.get("moe_shared_expert_intermediate_size", 7688), **_sigmoid_routing(hf), mtp_depth=0,
-                       moe_latent=hf.get("moe_latent_size") or None,
-                       route_scale=None if float(hf.get("routed_scaling_factor", 1.0)) == 1.0 else float(hf["routed_scaling_factor"]))
-        experts.pop("mtp_norm")
+                       shared_ffn=hf.get("moe_shared_expert_intermediate_size", 7688), **routing, mtp_depth=0,
+                       moe_latent=hf.get("moe_latent_size") or None, route_scale=_route_scale(hf))
     else:
         experts = dict(n_experts=1, k=1, ffn_expert=F, score="softmax", expert_bias=False, mtp_depth=0)
     return dict(vocab_size=hf["vocab_size"], hidden=hf["hidden_size"], n_layers=len(blocks), moe_layers=moe, ffn_dense=F, n_shared=0, **experts,
