@@ -1982,8 +1982,10 @@ class LinearAttentionConfig:
     only): full_rank, the decay's and the gate's projections whole (wf [H, N Dk], wz
     [H, N Dv]) instead of low-rank pairs; decay_bound b < 0 (None: Kimi's softplus decay),
     the bounded decay g = b sigmoid(exp(A_log) (x wf + dt_bias)), each step's log-decay in
-    (b, 0). fp8: the projections (q, k, v, the gates', the decay's, the output's) by
-    fmoe.ops.fp8_matmul."""
+    (b, 0). neg_eigval (kinds "gated_deltanet" and "kda"): the write strength beta =
+    2 sigmoid(x wb) in [0, 2] instead of sigmoid(x wb) (OLMo Hybrid's allow_neg_eigval: the
+    state's transition I - beta k k^T may reach the eigenvalue -1). fp8: the projections (q,
+    k, v, the gates', the decay's, the output's) by fmoe.ops.fp8_matmul."""
 
     n_k_heads: int
     n_v_heads: int
@@ -1997,10 +1999,15 @@ class LinearAttentionConfig:
     full_rank: bool = False
     decay_bound: Optional[float] = None
     dt_min: float = 0.0
+    neg_eigval: bool = False
     fp8: bool = False
 
     def __post_init__(self):
         check_fp8(self.fp8)
+        if not isinstance(self.neg_eigval, bool):
+            raise ValueError(f"neg_eigval: expected a bool, got {self.neg_eigval!r}")
+        if self.neg_eigval and self.kind not in ("gated_deltanet", "kda"):
+            raise ValueError(f"neg_eigval: the delta rule's write strength in [0, 2], needs kind 'gated_deltanet' or 'kda', got {self.kind!r}")
         m = self.dt_min
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m < math.inf:
             raise ValueError(f"dt_min: expected a finite number >= 0 (Mamba-2's floor of dt; 0: none), got {m!r}")
@@ -2264,6 +2271,7 @@ def linear_attention(x: torch.Tensor, params, cfg: LinearAttentionConfig, ctx: "
         q, k, v = silu(causal_conv(x wq)), silu(causal_conv(x wk)), silu(causal_conv(x wv))
         q, k = q / |q|, k / |k|                              per head (eps 1e-6)
         beta = sigmoid(x wb),  g = -exp(A_log) softplus(x wa + dt_bias)      per value head
+                                                   (beta = 2 sigmoid(x wb) with cfg.neg_eigval)
         o = gated_delta_rule(q, k, v, g, beta)               q, k repeated over the value heads
         y = (rmsnorm(o) out_norm * silu(x wz)) wo           the norm over each head's Dv
 
@@ -2350,6 +2358,8 @@ def linear_attention(x: torch.Tensor, params, cfg: LinearAttentionConfig, ctx: "
     q, k = (_l2_normalize(t.reshape(B, T // B, Nk, Dk)).repeat_interleave(r, dim=2) for t in qkv[:2])
     v = qkv[2].reshape(B, T // B, Nv, Dv)
     beta = torch.sigmoid(mm(x, params["wb"])).reshape(B, T // B, Nv)
+    if cfg.neg_eigval:  # in [0, 2]: OLMo Hybrid's allow_neg_eigval
+        beta = beta * 2
     if cfg.kind == "kda":  # a decay per key channel (key and value heads alike)
         f = (mm(x, params["wf"]) if cfg.full_rank else mm(mm(x, params["wf_a"]), params["wf_b"])).float() + params["dt_bias"].float()
         rate = params["A_log"].float().exp().repeat_interleave(Dk)

@@ -479,7 +479,14 @@ class TransformerConfig:
     Mamba-2's mixer (Granite 4.0-H's), its C and B as linear_k_heads groups of linear_k_dim (the
     state) read by linear_v_heads heads of x of linear_v_dim, the convolution of linear_conv
     taps with biases, a skip D, the output gated then RMS-normed per group (linear_dt_min: the
-    floor of its dt, Nemotron-H's time_step_min; 0 none); the attention knobs (window, chunk,
+    floor of its dt, Nemotron-H's time_step_min; 0 none); linear_neg_eigval: the Gated
+    DeltaNet or KDA write strength beta = 2 sigmoid(x wb) in [0, 2] (OLMo Hybrid's
+    allow_neg_eigval: the state's transition I - beta k k^T may have the eigenvalue -1);
+    linear_norm_eps: the linear-attention blocks' gated output norm's eps (None: norm_eps);
+    linear_pre_norms: the linear-attention blocks are pre-norm blocks (a norm before each
+    branch, none after) whatever pre_norms and post_norms make of the others (OLMo Hybrid's
+    Gated DeltaNet blocks beside its post-norm attention blocks; TransformerConfig.block_norms);
+    the attention knobs (window, chunk,
     NoPE, q/k norms, gate) are the other blocks'. The MTP blocks always attend. mtp_depth MTP modules; mtp_norm: each with its own output
     norm before the shared head (DeepSeek-V3, GLM-4.5, Megatron Core) instead of the
     trunk's final norm. impl: "auto" | "triton" | "torch"
@@ -646,6 +653,9 @@ class TransformerConfig:
     linear_full_rank: bool = False
     linear_decay_bound: Optional[float] = None
     linear_dt_min: float = 0.0
+    linear_neg_eigval: bool = False
+    linear_norm_eps: Optional[float] = None
+    linear_pre_norms: bool = False
     mlp_free_layers: Optional[tuple[int, ...]] = None
     mixer_free_layers: Optional[tuple[int, ...]] = None
     moe_latent: Optional[int] = None
@@ -775,7 +785,7 @@ class TransformerConfig:
             raise ValueError("clip_qkv: clamps the attention blocks' q, k and v; the linear-attention blocks (linear_layers) have no such clamp")
         if self.sink_layers is not None and not self.attn_sinks:
             raise ValueError("sink_layers: the blocks with attention sinks, needs attn_sinks")
-        for name in ("pre_norms", "post_norms", "moe_out_norm", "parallel_blocks", "layer_norms", "nope_qk_norm", "route_on_input", "attn_gate",
+        for name in ("pre_norms", "post_norms", "linear_pre_norms", "linear_neg_eigval", "moe_out_norm", "parallel_blocks", "layer_norms", "nope_qk_norm", "route_on_input", "attn_gate",
                      "zero_centered_norms", "norm_bias", "head_bias", "shortcut_moe", "mla_scales", "q_latent_raw", "attn_gate_on_q"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
@@ -829,6 +839,23 @@ class TransformerConfig:
                 raise ValueError(f"{name}: a knob of Kimi Delta Attention's blocks, needs linear_layers and linear_kind='kda'")
         if self.linear_dt_min != 0.0 and (self.linear_layers is None or self.linear_kind != "mamba2"):
             raise ValueError("linear_dt_min: the floor of Mamba-2's dt, needs linear_layers and linear_kind='mamba2'")
+        if self.linear_neg_eigval and (self.linear_layers is None or self.linear_kind not in ("gated_deltanet", "kda")):
+            raise ValueError("linear_neg_eigval: the delta rule's write strength in [0, 2], needs linear_layers and linear_kind 'gated_deltanet' or 'kda'")
+        eps = self.linear_norm_eps
+        if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < math.inf):
+            raise ValueError(f"linear_norm_eps: expected None (norm_eps) or a positive number, got {eps!r}")
+        if eps is not None and (self.linear_layers is None or self.linear_kind in ("short_conv", "lightning")):
+            raise ValueError("linear_norm_eps: the linear-attention blocks' gated output norm's eps, needs linear_layers and a linear_kind with "
+                             "that norm (not 'short_conv' or 'lightning')")
+        if self.linear_pre_norms:
+            if self.linear_layers is None:
+                raise ValueError("linear_pre_norms: the linear-attention blocks' norm placement, needs linear_layers")
+            if self.pre_norms and not self.post_norms:
+                raise ValueError("linear_pre_norms: the linear-attention blocks as pre-norm blocks beside blocks of another placement, "
+                                 "but every block is pre-norm already (pre_norms without post_norms)")
+            bad = [name for name in ("parallel_blocks", "shortcut_moe", "dense_beside_moe", "moe_out_norm") if getattr(self, name)]
+            if bad or self.normed_residual is not None:
+                raise ValueError(f"linear_pre_norms: a block placement of its own, not with {', '.join(bad) or 'normed_residual'}")
         if self.linear_layers is not None:
             for name in ("window_layers", "chunk_layers", "nope_layers", "sink_layers"):
                 both = sorted(set(self.linear_layers) & set(getattr(self, name) or ()))
@@ -1066,10 +1093,16 @@ class TransformerConfig:
         fp8: theirs (None: the model's fp8)."""
         return LinearAttentionConfig(n_k_heads=self.linear_k_heads, n_v_heads=self.linear_v_heads, k_head_dim=self.linear_k_dim,
                                      v_head_dim=self.linear_v_dim, conv=self.linear_conv,
-                                     norm_eps=1e-6 if self.linear_kind == "lightning" else self.norm_eps,  # MiniMax's output norm's
+                                     norm_eps=1e-6 if self.linear_kind == "lightning" else (self.linear_norm_eps or self.norm_eps),  # MiniMax's output norm's
                                      impl="auto" if self.impl == "flex" else self.impl, kind=self.linear_kind,
                                      full_rank=self.linear_full_rank, decay_bound=self.linear_decay_bound,
-                                     dt_min=self.linear_dt_min, fp8=self.fp8 if fp8 is None else fp8)
+                                     dt_min=self.linear_dt_min, neg_eigval=self.linear_neg_eigval, fp8=self.fp8 if fp8 is None else fp8)
+
+    def block_norms(self, linear: bool = False) -> tuple[bool, bool]:
+        """(pre, post): whether a block has its pre-norms (attn_norm, mlp_norm) and its
+        post-norms (attn_post_norm, mlp_post_norm); linear: a linear-attention block (with
+        linear_pre_norms a pre-norm block whatever pre_norms and post_norms say)."""
+        return (True, False) if linear and self.linear_pre_norms else (self.pre_norms, self.post_norms)
 
     def attention_config(self, *, local: bool = False, rope: bool = True, fp8: Optional[bool] = None, index_shared: bool = False) -> AttentionConfig:
         """The attention of a block that attends over every earlier token, or with local
@@ -1430,8 +1463,9 @@ class Block(nn.Module):
     Gated DeltaNet's linear attention with linear),
     then a dense SwiGLU or an MoE; each branch x + post_norm(f(pre_norm(x))) (with
     cfg.normed_residual a: a pre_norm(x) + post_norm(f(pre_norm(x))), MiniMax's), with the
-    pre-norms attn_norm / mlp_norm (cfg.pre_norms) and the post-norms attn_post_norm /
-    mlp_post_norm (cfg.post_norms; mlp_post_norm also with cfg.moe_out_norm in a MoE block),
+    pre-norms attn_norm / mlp_norm and the post-norms attn_post_norm / mlp_post_norm
+    (cfg.block_norms: pre_norms and post_norms, a linear block's with linear_pre_norms;
+    mlp_post_norm also with cfg.moe_out_norm in a MoE block),
     each an RMSNorm or absent (None). fp8: its GEMMs in fp8
     (None: cfg.fp8; TransformerConfig.is_fp8). shortcut (cfg.shortcut_moe;
     TransformerConfig.shortcut): "out", a pair's first block: its MLP input also feeds a
@@ -1455,7 +1489,8 @@ class Block(nn.Module):
 
         if not mixer and not mlp:
             raise ValueError("mixer / mlp: a block holds a mixer, an MLP or both, got neither")
-        self.attn_norm, self.attn_post_norm = norm(mixer and cfg.pre_norms, gated=True), norm(mixer and cfg.post_norms)
+        pre, post = cfg.block_norms(linear)
+        self.attn_norm, self.attn_post_norm = norm(mixer and pre, gated=True), norm(mixer and post)
         fp8 = cfg.fp8 if fp8 is None else fp8
         if not mixer:  # the MLP alone (cfg.mixer_free_layers: Nemotron-H's MLP layers with no mixer layer before them)
             self.attn = None
@@ -1464,8 +1499,8 @@ class Block(nn.Module):
         else:
             self.attn = Attention(cfg, local=local, rope=rope, fp8=fp8, index_shared=index_shared, sinks=sinks)
         # a parallel block's MLP reads the attention's normed input (attn_norm)
-        self.mlp_norm = norm(mlp and cfg.pre_norms and not cfg.parallel_blocks, gated=moe)
-        self.mlp_post_norm = norm(mlp and (cfg.post_norms or (moe and cfg.moe_out_norm)))
+        self.mlp_norm = norm(mlp and pre and not cfg.parallel_blocks, gated=moe)
+        self.mlp_post_norm = norm(mlp and (post or (moe and cfg.moe_out_norm)))
         self.parallel = cfg.parallel_blocks
         if moe and not mlp:
             raise ValueError("mlp: a MoE block has an MLP (mlp=False: the mixer alone)")

@@ -25,6 +25,7 @@ LIGHT = LinearAttentionConfig(n_k_heads=3, n_v_heads=3, k_head_dim=8, v_head_dim
 # Mamba-2's mixer: C and B in 2 groups of a state of 8, read by 4 heads of x of 6, 4 taps with biases
 MAMBA = LinearAttentionConfig(n_k_heads=2, n_v_heads=4, k_head_dim=8, v_head_dim=6, conv=4, chunk_size=8, kind="mamba2")
 MAMBA_FLOOR = dataclasses.replace(MAMBA, dt_min=0.7)  # Nemotron-H's floor of dt (this high: it binds for some tokens and heads)
+NEG = dataclasses.replace(CFG, neg_eigval=True)  # OLMo Hybrid's write strength 2 sigmoid(x wb), in [0, 2]
 
 
 def _params(cfg=CFG, seed=0, dtype=torch.float32):
@@ -104,7 +105,7 @@ def _loop(x, p, cfg, cu):
             q = F.normalize(conv["q"].view(Nk, Dk), dim=-1, eps=0).repeat_interleave(Nv // Nk, 0)  # eps aside (1e-6 in the sum)
             k = F.normalize(conv["k"].view(Nk, Dk), dim=-1, eps=0).repeat_interleave(Nv // Nk, 0)
             v = conv["v"].view(Nv, Dv)
-            beta = torch.sigmoid(x[t] @ p["wb"])
+            beta = torch.sigmoid(x[t] @ p["wb"]) * (2 if cfg.neg_eigval else 1)
             if cfg.kind == "kda":  # a decay per key channel: rows of S
                 f = (x[t] @ p["wf"] if cfg.full_rank else x[t] @ p["wf_a"] @ p["wf_b"]) + p["dt_bias"]
                 rate = p["A_log"].exp()[:, None]
@@ -128,8 +129,9 @@ def _loop(x, p, cfg, cu):
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("cfg", [CFG, KDA, LING, SHORT, LIGHT, MAMBA, MAMBA_FLOOR],
-                         ids=["gated-deltanet", "kda", "kda-ling", "short-conv", "lightning", "mamba2", "mamba2-dt-floor"])
+@pytest.mark.parametrize("cfg", [CFG, KDA, LING, SHORT, LIGHT, MAMBA, MAMBA_FLOOR, NEG, dataclasses.replace(KDA, neg_eigval=True)],
+                         ids=["gated-deltanet", "kda", "kda-ling", "short-conv", "lightning", "mamba2", "mamba2-dt-floor", "gated-deltanet-neg",
+                              "kda-neg"])
 def test_matches_the_token_loop_over_packed_documents(cfg):
     cu = torch.tensor([0, 5, 5, 19, 20, 31], dtype=torch.int32)
     x = torch.randn(31, H)
@@ -190,6 +192,37 @@ def test_matches_transformers_qwen3_5_gated_delta_net():
     _matches_module(ref, p, dataclasses.replace(CFG, norm_eps=hf_cfg.rms_norm_eps, chunk_size=64))
 
 
+def test_matches_transformers_olmo_hybrid_gated_delta_net():
+    """transformers' OLMo Hybrid module (its torch fallback), weights copied into fmoe's layout:
+    q_proj, k_proj, v_proj, g_proj (wz), b_proj, a_proj apart, one conv1d [C, 1, K] over q, k
+    and v, beta = 2 sigmoid(x wb) (linear_allow_neg_eigval), o_norm's eps 1e-5; without
+    neg_eigval fmoe's output moves."""
+    olmo = pytest.importorskip("transformers.models.olmo_hybrid.modeling_olmo_hybrid", reason="transformers (the test extra) not installed")
+    from transformers import OlmoHybridConfig
+
+    hf_cfg = OlmoHybridConfig(hidden_size=H, num_attention_heads=4, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                              linear_value_head_dim=6, linear_conv_kernel_dim=4, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                              pad_token_id=None, eos_token_id=None)
+    torch.manual_seed(0)
+    ref = olmo.OlmoHybridGatedDeltaNet(hf_cfg, 0)
+    with torch.no_grad():
+        for prm in ref.parameters():
+            prm.normal_(0, 0.3)
+        ref.A_log.copy_(torch.log(torch.rand(4) * 15 + 1))
+    Ck = 16
+    conv = ref.conv1d.weight[:, 0, :].t()  # [K, C]
+    p = dict(wq=ref.q_proj.weight.t(), wk=ref.k_proj.weight.t(), wv=ref.v_proj.weight.t(), wz=ref.g_proj.weight.t(), wb=ref.b_proj.weight.t(),
+             wa=ref.a_proj.weight.t(), conv_q=conv[:, :Ck], conv_k=conv[:, Ck:2 * Ck], conv_v=conv[:, 2 * Ck:], A_log=ref.A_log,
+             dt_bias=ref.dt_bias, out_norm=ref.o_norm.weight, wo=ref.o_proj.weight.t())
+    cfg = dataclasses.replace(NEG, norm_eps=1e-5, chunk_size=64)
+    _matches_module(ref, p, cfg)
+    x = torch.randn(1, 20, H)
+    ctx = _ctx(torch.tensor([0, 20], dtype=torch.int32), 20)
+    with torch.no_grad():
+        want = ref(x)[0]
+        assert (linear_attention(x[0], p, dataclasses.replace(cfg, neg_eigval=False), ctx)[0] - want).abs().max() > 1e-2
+
+
 def test_matches_transformers_kimi_delta_attention():
     """transformers' Kimi Linear module (its torch fallback), weights copied into fmoe's
     layout: the q, k, v convolutions [C, 1, K], A_log [1, 1, N, 1], the low-rank decay
@@ -232,7 +265,8 @@ def test_matches_transformers_lfm2_short_conv():
     _matches_module(ref, p, LinearAttentionConfig(n_k_heads=H, n_v_heads=H, k_head_dim=1, v_head_dim=1, conv=3, kind="short_conv"))
 
 
-@pytest.mark.parametrize("cfg", [CFG, KDA, LING, SHORT, LIGHT, MAMBA], ids=["gated-deltanet", "kda", "kda-ling", "short-conv", "lightning", "mamba2"])
+@pytest.mark.parametrize("cfg", [CFG, KDA, LING, SHORT, LIGHT, MAMBA, NEG],
+                         ids=["gated-deltanet", "kda", "kda-ling", "short-conv", "lightning", "mamba2", "gated-deltanet-neg"])
 def test_decoding_continues_the_states(cfg):
     """A prompt, then steps of one token, of two sequences at once through LinearStates,
     equal each whole sequence's outputs; the conv state holds the last K - 1 projections."""
@@ -377,6 +411,8 @@ def test_bf16():
     (dict(decay_bound=float("-inf")), r"decay_bound: expected None or a finite number < 0"),
     (dict(dt_min=0.1), r"dt_min: the floor of Mamba-2's dt, needs kind 'mamba2', got 'gated_deltanet'"),
     (dict(dt_min=-0.1), r"dt_min: expected a finite number >= 0 \(Mamba-2's floor of dt; 0: none\), got -0.1"),
+    (dict(neg_eigval=1), r"neg_eigval: expected a bool, got 1"),
+    (dict(kind="mamba2", neg_eigval=True), r"neg_eigval: the delta rule's write strength in \[0, 2\], needs kind 'gated_deltanet' or 'kda', got 'mamba2'"),
 ])
 def test_config_checks(change, match):
     with pytest.raises(ValueError, match=match):

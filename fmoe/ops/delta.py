@@ -9,7 +9,7 @@ Each head keeps a state S [Dk, Dv] (float32) over the tokens of a document, t = 
 
     S'_t = exp(g_t) S_{t-1}                 g_t: the log of the decay (Mamba-2's gate; <= 0)
     u_t  = beta_t (v_t - S'_t^T k_t)        the delta rule: replace what S' recalls for k_t
-    S_t  = S'_t + k_t u_t^T                  by v_t, with strength beta_t in [0, 1]
+    S_t  = S'_t + k_t u_t^T                  by v_t, with strength beta_t in [0, 1] (or [0, 2])
     o_t  = S_t^T (scale q_t)                scale: 1/sqrt(Dk) unless given
 
 S_0 = 0 at each document's first token: documents are the rows of the batch, and with
@@ -389,7 +389,8 @@ def gated_delta_rule(q, k, v, g, beta, cu_seqlens=None, *, scale=None, initial_s
         q, k: [B, T, N, Dk] queries and keys (Gated DeltaNet L2-normalises both first).
         v: [B, T, N, Dv] values.
         g: [B, T, N] the log of each token's decay of the state (<= 0).
-        beta: [B, T, N] each token's write strength (in [0, 1]: a sigmoid).
+        beta: [B, T, N] each token's write strength (in [0, 1]: a sigmoid; in [0, 2]:
+            twice one, OLMo Hybrid's negative eigenvalues).
         cu_seqlens: None (each batch row one document), or [n + 1] int document bounds
             0 ... T of the packed documents of the one row (B = 1); values not read.
         scale: the queries' scale (None: 1/sqrt(Dk)).

@@ -33,6 +33,10 @@ LLAMA4 = dict(chunk=5, chunk_layers=(1,), nope_layers=(0,), nope_temperature_flo
 # with per-head q/k norms and partial RoPE, zero-centred norms, a gated shared expert
 QWEN3_NEXT = dict(linear_layers=(0,), linear_k_heads=2, linear_v_heads=4, linear_k_dim=8, linear_v_dim=6, zero_centered_norms=True,
                   attn_gate=True, qk_norm="head", rope_dim=4, shared_gate=True)
+# OLMo Hybrid's: block 0 a pre-norm Gated DeltaNet block (beta = 2 sigmoid, the output norm's eps 1e-5), block 1 OLMo 3's
+# post-norm attention with q/k norms over the whole projections
+OLMO_HYBRID = dict(linear_layers=(0,), linear_k_heads=2, linear_v_heads=4, linear_k_dim=8, linear_v_dim=6, linear_neg_eigval=True,
+                   linear_norm_eps=1e-5, linear_pre_norms=True, pre_norms=False, post_norms=True, qk_norm="proj")
 # Kimi Linear's: block 0 Kimi Delta Attention (2 heads, a decay per key channel, low-rank decay
 # and gate: their down projections on every tp rank), block 1 multi-latent attention without RoPE
 KIMI_LINEAR = dict(linear_layers=(0,), linear_kind="kda", linear_k_heads=2, linear_v_heads=2, linear_k_dim=8, linear_v_dim=6, **MLA,
@@ -430,6 +434,10 @@ CASES = {
     "cp2-gated-deltanet": (2, dict(cp=2), QWEN3_NEXT),
     "cp4-gated-deltanet-ac-full": (4, dict(cp=4), dict(QWEN3_NEXT, ac="full")),
     "cp2xtp2-gated-deltanet": (4, dict(cp=2, tp=2), QWEN3_NEXT),
+    # OLMo Hybrid's (OLMO_HYBRID): the pre-norm linear block's heads over tp beside the post-norm attention block's, and
+    # its rule (beta up to 2) across a cp split
+    "tp2-olmo_hybrid": (2, dict(tp=2), OLMO_HYBRID),
+    "cp2-olmo_hybrid": (2, dict(cp=2), OLMO_HYBRID),
     # Kimi Delta Attention's heads over tp and its rule across a cp split
     "tp2-kimi-linear": (2, dict(tp=2), KIMI_LINEAR),
     "cp2xtp2-kimi-linear": (4, dict(cp=2, tp=2), KIMI_LINEAR),

@@ -51,10 +51,16 @@ CASES = {
     # a dense Nemotron-H (block 0 a Mamba-2 mixer alone, relu2 MLPs) into Nemotron 3's MoE blocks
     "g2-nemotron-h": _moe(ffn_expert=32, k=2, n_shared=1, mlp_act="relu2", mlp_free_layers=(0,), linear_layers=(0, 2), linear_kind="mamba2",
                           linear_k_heads=2, linear_v_heads=4, linear_k_dim=8, linear_v_dim=16, linear_conv=3, linear_dt_min=0.05, nope_layers=(1,)),
+    # a dense OLMo Hybrid (pre-norm Gated DeltaNet blocks 0 and 2 with beta in [0, 2] beside a post-norm attention block)
+    # into MoE blocks of the same placement: the MoE block 2's norms are its pre-norms, block 1's its post-norms
+    "g2-olmo-hybrid": _moe(ffn_expert=32, k=2, linear_layers=(0, 2), linear_k_heads=2, linear_v_heads=4, linear_k_dim=8, linear_v_dim=16,
+                           linear_conv=3, linear_neg_eigval=True, linear_norm_eps=1e-5, linear_pre_norms=True, pre_norms=False, post_norms=True,
+                           qk_norm="proj"),
 }
-# the fields of the blocks' mixers, the dense model's as the MoE's
+# the fields of the blocks' mixers and norms, the dense model's as the MoE's
 MIXER = ("mlp_act", "linear_layers", "linear_kind", "linear_k_heads", "linear_v_heads", "linear_k_dim", "linear_v_dim", "linear_conv",
-         "linear_dt_min", "mlp_free_layers", "nope_layers")
+         "linear_dt_min", "linear_neg_eigval", "linear_norm_eps", "linear_pre_norms", "pre_norms", "post_norms", "qk_norm", "mlp_free_layers",
+         "nope_layers")
 
 
 @pytest.mark.parametrize("case", list(CASES))
