@@ -10,7 +10,7 @@ exaone_moe, kolibri1, beam, axk2, dots1, minimax_m2, minimax, granitemoe, granit
 laguna, cohere2_moe, sarvam_moe, sarvam_mla, longcat_flash, bailing_hybrid, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, lara_mini, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
 mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe, gemma3, gemma4_text, gemma4), and the dense
 DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, helium, minicpm3, arcee, gemma, vaultgemma, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
-glm4, ernie4_5, lfm2, cohere, cohere2, bamba, stablelm, qwen3_5_text (and qwen3_5's text model), nemotron, apertus: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
+glm4, ernie4_5, lfm2, cohere, cohere2, bamba, stablelm, qwen3_5_text (and qwen3_5's text model), nemotron, apertus, olmo_hybrid: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: OLMoE's q and k clamped after their norms, ...;
 the fields a config.json leaves out read at transformers' defaults, Family.defaults, and a
 family's own names for the fields the shared mappings read as those, Family.aliases)
@@ -155,6 +155,11 @@ written back only as gemma4_text.
 Lara Mini (lara_mini): Qwen3.5's Gated DeltaNet blocks with q, k, v, z, b and a as runs of one
 in_proj's rows (Family.linear "fused", Tensor.chunk) and the gated norm as out_norm, beside
 Qwen3's attention over a window with RoPE or global without; plain RMSNorms.
+OLMo Hybrid (olmo_hybrid, dense): OLMo 3's post-norm attention blocks beside pre-norm Gated
+DeltaNet blocks (linear_pre_norms; attention_layer_norm, feedforward_layer_norm in its files),
+whose q, k, v, gate, b and a projections and q, k, v convolutions are modules of their own
+under linear_attn. (Family.linear "split"), with the write strength in [0, 2]
+(linear_neg_eigval).
 
 Loading reads the safetensors files tensor by tensor with the `safetensors` library (an
 expert stack is filled expert by expert): the checkpoint is never in memory twice. Into a
@@ -1992,6 +1997,34 @@ def _linear_layers(hf: dict) -> dict:
                 linear_k_dim=hf["linear_key_head_dim"], linear_v_dim=hf["linear_value_head_dim"], linear_conv=hf["linear_conv_kernel_dim"])
 
 
+def _olmo_hybrid(hf: dict) -> dict:
+    """OLMo Hybrid (olmo_hybrid, dense; Olmo-Hybrid-7B): OLMo 3's post-norm attention blocks
+    (_olmo2: norms on the attention and MLP outputs, q/k norms over the whole projections,
+    RoPE, no window) in the layers layer_types names full_attention (by default every fourth,
+    from layer 3, and the last where that names none), Gated DeltaNet blocks (_linear_layers;
+    by default as many key and value heads as attention heads, keys of 0.75 hidden / heads
+    channels, values of twice that) in the others: pre-norm blocks (linear_pre_norms:
+    input_layernorm, post_attention_layernorm) whose write strength is 2 sigmoid(x wb) with
+    linear_allow_neg_eigval (by default; linear_neg_eigval) and whose gated output norm has
+    eps 1e-5 (linear_norm_eps)."""
+    n, heads = hf["num_hidden_layers"], hf["num_attention_heads"]
+    kinds = hf.get("layer_types")
+    if kinds is None:
+        kinds = ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(n)]
+        if "full_attention" not in kinds:
+            kinds[-1] = "full_attention"
+    k_heads = hf.get("linear_num_key_heads") or heads
+    k_dim = hf.get("linear_key_head_dim") or int(0.75 * hf["hidden_size"] / k_heads)
+    linear = _linear_layers(dict(hf, layer_types=kinds, linear_num_key_heads=k_heads, linear_num_value_heads=hf.get("linear_num_value_heads") or heads,
+                                 linear_key_head_dim=k_dim, linear_value_head_dim=hf.get("linear_value_head_dim") or 2 * k_dim,
+                                 linear_conv_kernel_dim=hf.get("linear_conv_kernel_dim", 4)))
+    if linear["linear_layers"] is None or len(linear["linear_layers"]) == n:
+        raise ValueError(f"config.json: OLMo Hybrid has linear-attention and attention layers both, got layer_types = {kinds!r}")
+    hf = {k: v for k, v in hf.items() if k != "head_dim"}  # transformers' OLMo Hybrid has none: hidden / heads
+    return dict(_olmo2(hf, "OLMo Hybrid"), **linear, linear_neg_eigval=bool(hf.get("linear_allow_neg_eigval", True)), linear_norm_eps=1e-5,
+                linear_pre_norms=True)
+
+
 def _qwen3_next(hf: dict) -> dict:
     """Qwen3-Next (qwen3_next): Gated DeltaNet blocks (_linear_layers) beside gated attention
     (the heads' outputs times sigmoid of their gate, stored as rows of q_proj after each
@@ -2434,6 +2467,8 @@ class Family:
     # the dense MLP's and the shared experts' gate, up and down projections (LFM2's w1, w3, w2; HY-V4's gate linear_gate)
     dense_names: tuple[str, str, str] = _PROJ
     norms: tuple[str, str] = ("input_layernorm", "post_attention_layernorm")  # a pre-norm block's norms (LFM2's operator_norm, ffn_norm)
+    # a post-norm block's norms, on the attention's and the MLP's outputs (OLMo 2's; OLMo Hybrid's files: feedforward_layer_norm first)
+    post_norms: tuple[str, str] = ("post_attention_layernorm", "post_feedforward_layernorm")
     final_norm: str = "model.norm.weight"  # the final norm's key (LFM2's model.embedding_norm)
     # the norms of a sandwich block (pre_norms and post_norms): before and after the attention, before and after the MLP
     sandwich: Optional[tuple[str, str, str, str]] = None
@@ -2453,7 +2488,8 @@ class Family:
     # (their rows grouped by key head); "qkv", Qwen3.5's in_proj_qkv beside in_proj_z, in_proj_b, in_proj_a; "fused", Lara
     # Mini's one in_proj (the rows of q, k, v, z, b and a in turn) and out_norm; "kda", Kimi
     # Linear's Kimi Delta Attention under the attention module (q/k/v/b_proj, q/k/v_conv1d, f_a/f_b_proj, g_a/g_b_proj, o_norm);
-    # "lightning", MiniMax's lightning attention under the attention module (qkv_proj, output_gate, norm, out_proj)
+    # "lightning", MiniMax's lightning attention under the attention module (qkv_proj, output_gate, norm, out_proj); "split",
+    # OLMo Hybrid's modules of their own (q_proj, k_proj, v_proj, g_proj, b_proj, a_proj, o_proj, o_norm, q/k/v_conv1d)
     linear: str = "qkv"
     gate_in_q: bool = False  # gated attention's gate as rows of q_proj, per head after its query's (Qwen3-Next), not a gate_proj
     gate_proj: str = "gate_proj"  # gated attention's own gate module, under the attention module (AFMoE's; Laguna's g_proj)
@@ -2565,7 +2601,7 @@ _MINISTRAL3_ROPE = dict(rope_type="yarn", rope_theta=1e6, factor=16.0, original_
                         mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1)
 # the dense families (no MoE block): fine-tuned as they are, or upcycled into an MoE (fmoe.train.upcycle)
 DENSE_FAMILIES = ("llama", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "youtu", "helium", "minicpm3", "arcee", "gemma", "vaultgemma", "gemma2", "gemma3_text", "lfm3", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
-                  "phi3", "glm4", "ernie4_5", "lfm2", "cohere", "cohere2", "bamba", "stablelm", "qwen3_5_text", "nemotron", "apertus")
+                  "phi3", "glm4", "ernie4_5", "lfm2", "cohere", "cohere2", "bamba", "stablelm", "qwen3_5_text", "nemotron", "apertus", "olmo_hybrid")
 FAMILIES = {
     "mixtral": Family(_mixtral, "block_sparse_moe", ("w1", "w3", "w2"), "MixtralForCausalLM",
                       defaults=dict(num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1e6)),
@@ -2783,6 +2819,10 @@ FAMILIES = {
     "qwen3": Family(_qwen3, "mlp", _PROJ, "Qwen3ForCausalLM", defaults=dict(num_key_value_heads=32, head_dim=128)),
     "olmo2": Family(_olmo2, "mlp", _PROJ, "Olmo2ForCausalLM", defaults=dict(rms_norm_eps=1e-5)),
     "olmo3": Family(_olmo3, "mlp", _PROJ, "Olmo3ForCausalLM", defaults=dict(rms_norm_eps=1e-5, sliding_window=4096)),
+    # OLMo Hybrid's files (transformers renames on load): the linear blocks' pre-norms, the attention blocks' output norm of
+    # the attention, a conv per q, k, v
+    "olmo_hybrid": Family(_olmo_hybrid, "mlp", _PROJ, "OlmoHybridForCausalLM", linear="split", norms=("attention_layer_norm", "feedforward_layer_norm"),
+                          post_norms=("feedforward_layer_norm", "post_feedforward_layernorm")),
     "granite": Family(_granite, "mlp", _PROJ, "GraniteForCausalLM"),
     # Gemma 4: the MoE is the layer's own (its router and experts under model.layers.{i}), beside its dense mlp
     "gemma4_text": Family(_gemma4_text, "", _STACKS, "Gemma4ForCausalLM", **_GEMMA4,
@@ -2912,6 +2952,15 @@ def _linear_attention_keys(family: Family, cfg: TransformerConfig, p: str, q: st
         out[q + "attn.dt_bias"] = Tensor((la + "dt_bias",))
         out[q + "attn.out_norm"] = Tensor((la + "o_norm.weight",))
         return out
+    if family.linear == "split":  # OLMo Hybrid: a module per projection (the gate g_proj) and a conv per q, k, v
+        for ours, theirs in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wz", "g_proj"), ("wb", "b_proj"), ("wa", "a_proj")):
+            out[q + "attn." + ours] = Tensor((f"{la}{theirs}.weight",), transpose=True)
+        for n in "qkv":
+            out[q + f"attn.conv_{n}"] = Tensor((f"{la}{n}_conv1d.weight",), transpose=True, unit=1)
+        out[q + "attn.A_log"], out[q + "attn.dt_bias"] = Tensor((la + "A_log",)), Tensor((la + "dt_bias",))
+        out[q + "attn.out_norm"] = Tensor((la + "o_norm.weight",))
+        out[q + "attn.wo"] = Tensor((la + "o_proj.weight",), transpose=True)
+        return out
     norm = "norm"
     if family.linear == "fused":
         rows = (*qkv, lin.v_channels, lin.n_v_heads, lin.n_v_heads)
@@ -2944,15 +2993,16 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
     a NoPE block (its q/k norms only with cfg.nope_qk_norm); linear: a Gated DeltaNet block;
     layer: the trunk block's index (its sinks and kv heads; None: an MTP block)."""
     out = _linear_attention_keys(family, cfg, p, q) if linear else _attention_keys(family, cfg, p, q, rope, index_shared, layer)
-    if cfg.pre_norms and cfg.post_norms:  # a sandwich block (AFMoE)
+    pre, post = cfg.block_norms(linear)  # OLMo Hybrid's linear blocks: pre-norm beside post-norm attention blocks
+    if pre and post:  # a sandwich block (AFMoE)
         if family.sandwich is None:
             raise ValueError("model: pre- and post-norms together (a sandwich block) have no key names in this family")
         for ours, theirs in zip(("attn_norm", "attn_post_norm", "mlp_norm", "mlp_post_norm"), family.sandwich):
             out[q + ours + ".weight"] = Tensor((p + theirs + ".weight",))
-    elif cfg.post_norms:  # OLMo 2's post-norm block: post_attention_layernorm is the attention output's norm
-        out[q + "attn_post_norm.weight"] = Tensor((p + "post_attention_layernorm.weight",))
-        out[q + "mlp_post_norm.weight"] = Tensor((p + "post_feedforward_layernorm.weight",))
-    elif cfg.pre_norms:
+    elif post:  # OLMo 2's post-norm block: post_attention_layernorm is the attention output's norm
+        for ours, theirs in zip(("attn_post_norm", "mlp_post_norm"), family.post_norms):
+            out[q + ours + ".weight"] = Tensor((p + theirs + ".weight",))
+    elif pre:
         out.update(_norm_keys(p + family.norms[0], q + "attn_norm", cfg, gated=True))
         if not cfg.parallel_blocks:  # a parallel block's MLP reads the attention's norm
             out.update(_norm_keys(p + family.norms[1], q + "mlp_norm", cfg, gated=moe))
@@ -4122,6 +4172,12 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
             hf.update(norm_eps=cfg.norm_eps, hidden_act="relu2", attention_bias=False)
         elif model_type == "qwen3_5_text":  # Qwen3.5-MoE's blocks with a dense MLP
             hf.update(_qwen3_5_fields(cfg))
+        elif model_type == "olmo_hybrid":  # no head_dim (hidden / heads) and no window; the linear blocks' fields
+            lin = cfg.linear_attention_config()
+            hf.pop("head_dim")
+            hf.update(attention_bias=False, layer_types=["linear_attention" if cfg.is_linear(i) else "full_attention" for i in range(cfg.n_layers)],
+                      linear_num_key_heads=lin.n_k_heads, linear_num_value_heads=lin.n_v_heads, linear_key_head_dim=lin.k_head_dim,
+                      linear_value_head_dim=lin.v_head_dim, linear_conv_kernel_dim=lin.conv, linear_allow_neg_eigval=lin.neg_eigval)
         elif model_type == "helium":  # RoPE on interleaved pairs: always, in Helium
             hf.update(attention_bias=False)
         elif model_type == "minicpm3":  # its multipliers under its own names (_minicpm3)

@@ -424,6 +424,13 @@ FAMILIES = {
                                                           linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
                                                           linear_value_head_dim=6, linear_conv_kernel_dim=3,
                                                           rope_parameters=dict(rope_type="default", rope_theta=500.0, partial_rotary_factor=0.5)),
+    # OLMo Hybrid: pre-norm Gated DeltaNet blocks 0 and 1 (q, k, v, g, b, a projections apart; beta in [0, 2]) beside OLMo 3's
+    # post-norm attention in block 2. q, k and v of 24 channels each: transformers' save_pretrained cuts the convolution into
+    # three equal parts (test_olmo_hybrid_reads_its_released_files has unequal ones)
+    "olmo_hybrid": lambda: transformers.OlmoHybridConfig(**COMMON, intermediate_size=40, layer_types=["linear_attention", "linear_attention", "full_attention"],
+                                                        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=12,
+                                                        linear_value_head_dim=6, linear_conv_kernel_dim=3, rope_parameters=dict(rope_type="default", rope_theta=500.0),
+                                                        bos_token_id=None, eos_token_id=None, pad_token_id=None),
     "qwen3_5_moe_text": lambda: transformers.Qwen3_5MoeTextConfig(**COMMON, head_dim=8, moe_intermediate_size=16, num_experts=4,
                                                                   num_experts_per_tok=2, shared_expert_intermediate_size=24,
                                                                   layer_types=["linear_attention", "linear_attention", "full_attention"],
@@ -739,6 +746,9 @@ def test_a_failed_export_leaves_no_weight_files(folders, tmp_path, monkeypatch):
                                           ("qwen3_5_text", dict(linear_layers=(0,), linear_k_heads=2, linear_v_heads=4, linear_k_dim=8, linear_v_dim=6,
                                                                 zero_centered_norms=True, attn_gate=True, qk_norm="head", rope_dim=4)),
                                           ("stablelm", dict(layer_norms=True, norm_bias=True, rope_dim=2, parallel_blocks=True, norm_eps=1e-5)),
+                                          ("olmo_hybrid", dict(linear_layers=(0,), linear_k_heads=2, linear_v_heads=4, linear_k_dim=8, linear_v_dim=6,
+                                                               linear_neg_eigval=True, linear_norm_eps=1e-5, linear_pre_norms=True, pre_norms=False,
+                                                               post_norms=True, qk_norm="proj")),
                                           # every block a Mamba-2 mixer alone: its attention fields (unused) are not compared
                                           ("mamba2", dict(linear_layers=(0, 1), linear_kind="mamba2", linear_k_heads=2, linear_v_heads=4, linear_k_dim=8,
                                                           linear_v_dim=16, linear_conv=3, linear_dt_min=0.05, mlp_free_layers=(0, 1), norm_eps=1e-5))])
@@ -1356,6 +1366,42 @@ def test_a_released_dense_qwen3_5_folder_loads_its_text_model(tmp_path):
     assert type(back).__name__ == "Qwen3_5ForCausalLM"
     with torch.no_grad():
         assert _rel(torch.cat([back(d[None]).logits[0] for d in docs]), theirs) < TOL["qwen3_5"]
+
+
+def test_olmo_hybrid_reads_its_released_files(tmp_path):
+    """OLMo Hybrid's files hold a convolution per q, k and v (q_conv1d, k_conv1d, v_conv1d) of
+    their own channels, here 16, 16 and 24 (transformers joins them into one conv1d on load;
+    its save_pretrained cuts that into three equal parts, so the folder is written here as
+    the released ones are): fmoe reads them with transformers' logits, writes them back
+    bit for bit, and a fresh export of the model loads in transformers with those logits."""
+    from safetensors.torch import load_file, save_file
+
+    config = dict(FAMILIES["olmo_hybrid"]().to_dict(), linear_key_head_dim=8)
+    torch.manual_seed(0)
+    ref = _randomised(transformers.OlmoHybridForCausalLM(transformers.OlmoHybridConfig(**{k: v for k, v in config.items() if k != "model_type"})))
+    ref.save_pretrained(tmp_path / "hf")
+    files = load_file(tmp_path / "hf" / "model.safetensors")
+    for i in (0, 1):
+        la = f"model.layers.{i}.linear_attn."
+        whole = ref.model.layers[i].linear_attn.conv1d.weight.detach()
+        assert whole.shape[0] == 56 and files[la + "q_conv1d.weight"].shape[0] != 16  # transformers' equal thirds
+        for name, part in zip("qkv", whole.split([16, 16, 24])):
+            files[f"{la}{name}_conv1d.weight"] = part.contiguous()
+    save_file(files, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    model, cfg = hf.from_pretrained(tmp_path / "hf", impl="torch")
+    assert cfg.linear_layers == (0, 1) and cfg.linear_pre_norms and cfg.post_norms and not cfg.pre_norms and cfg.linear_neg_eigval
+    docs, ids, cu = _packed()
+    with torch.no_grad():
+        theirs = torch.cat([ref(d[None]).logits[0] for d in docs])
+        assert _rel(model.logits(ids, cu), theirs) < 1e-5
+    hf.save_pretrained(model, tmp_path / "back")
+    back = load_file(tmp_path / "back" / "model.safetensors")
+    assert back.keys() == files.keys() and all(torch.equal(back[k], files[k]) for k in files)
+    model.hf_config = None  # written from its TransformerConfig
+    fresh = transformers.AutoModelForCausalLM.from_pretrained(hf.save_pretrained(model, tmp_path / "own", model_type="olmo_hybrid"),
+                                                              dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert _rel(torch.cat([fresh(d[None]).logits[0] for d in docs]), theirs) < 1e-5
 
 
 def _qwen3_vl(kind, ffn_expert=8):
