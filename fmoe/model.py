@@ -125,9 +125,16 @@ class DenseMLP(nn.Module):
             self.xielu_alpha_n = nn.Parameter(torch.empty(1, **kw))
             self.xielu = xielu
 
+    tensor_parallel = None  # set by fmoe.parallel.SwiGLUParallel for xIELU: its scalars' gradients summed over tp
+
     def forward(self, x_TH):
         gate = None if self.w_gate is None else _local(self.w_gate)
-        params = (_local(self.xielu_alpha_p), _local(self.xielu_alpha_n), *self.xielu) if self.act == "xielu" else None
+        params = None
+        if self.act == "xielu":
+            scalars = (_local(self.xielu_alpha_p), _local(self.xielu_alpha_n))
+            if self.tensor_parallel is not None:  # this rank's FFN columns: its share of their gradients
+                scalars = tuple(self.tensor_parallel.weight(w) for w in scalars)
+            params = (*scalars, *self.xielu)
         return dense_mlp(x_TH, gate, _local(self.w_up), _local(self.w_down), impl=self.impl, fp8=self.fp8, act=self.act, act_params=params)
 
 

@@ -259,11 +259,13 @@ class _ShardedRegion(ParallelStyle):
 class HeadShard:
     """What an Attention whose heads are split over the tp ranks needs beyond its sharded
     weights (set as its `tensor_parallel` attribute by AttentionParallel; fmoe.model's
-    Attention reads it). Every rank runs the region on all T tokens for its own heads.
+    Attention reads it), and a LinearAttention's or a DenseMLP's (SwiGLUParallel: xIELU's
+    scalars). Every rank runs the region on all T tokens for its own heads (or FFN columns).
 
     replicated: the names of the parameters every tp rank holds whole and uses for its own
         heads only (a per-head qk norm [D]; multi-latent attention's down projections
-        wq_a, wkv_a and their latent norms): weight() sums their gradients over tp.
+        wq_a, wkv_a and their latent norms; xIELU's scalars, for its own FFN columns):
+        weight() sums their gradients over tp.
     """
 
     mesh: DeviceMesh
@@ -365,14 +367,18 @@ class LinearAttentionParallel(_HeadsRegion):
 
 class SwiGLUParallel(_ShardedRegion):
     """A dense SwiGLU (dense MLP or shared experts) split over its FFN columns (an MLP without
-    a gate, mlp_act "relu2": w_up and w_down alone)."""
+    a gate, mlp_act "relu2" or "xielu": w_up and w_down alone). xIELU's two learned scalars
+    act on every column: each rank holds them whole and their gradient, each rank's columns'
+    share, is summed over tp (HeadShard.weight, the module's tensor_parallel)."""
 
     shard_dims = {"w_gate": 1, "w_up": 1, "w_down": 0}
 
     def _shard_dims(self, module):
-        if getattr(module, "act", None) == "xielu":  # its learned scalars act on every FFN column: each rank's gradient a part
-            raise ValueError("tp: an MLP with xIELU (mlp_act 'xielu', Apertus's) is not split over tensor parallelism; train it with tp=1")
         return {name: dim for name, dim in self.shard_dims.items() if getattr(module, name) is not None}
+
+    def _configure(self, module, mesh):
+        if getattr(module, "act", None) == "xielu":
+            module.tensor_parallel = HeadShard(mesh, replicated=("xielu_alpha_p", "xielu_alpha_n"))
 
 
 def _block_edges(model: nn.Module, name: str, block: Block) -> tuple[bool, bool]:

@@ -295,6 +295,9 @@ CASES = {
     "fsdp2": (2, dict(), {}),
     "hsdp": (4, dict(dp_replicate=2), {}),
     "tp2-dense": (2, dict(tp=2), dict(n_dense=2)),
+    # Apertus's dense MLPs through xIELU: w_up's and w_down's FFN columns over tp, the two learned scalars whole on each
+    # rank, their gradients summed over tp
+    "tp2-apertus": (2, dict(tp=2), dict(n_dense=2, mlp_act="xielu")),
     # Arcee's MLPs without a gate (mlp_act "relu2"): w_up and w_down split over tp
     "tp2-relu2": (2, dict(tp=2), dict(n_dense=2, mlp_act="relu2")),
     "tp2": (2, dict(tp=2), {}),
