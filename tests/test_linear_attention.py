@@ -177,12 +177,7 @@ def test_matches_transformers_qwen3_5_gated_delta_net():
 
     hf_cfg = Qwen3_5MoeTextConfig(hidden_size=H, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
                                   linear_value_head_dim=6, linear_conv_kernel_dim=4, num_hidden_layers=1, layer_types=["linear_attention"])
-    torch.manual_seed(0)
-    ref = qwen.Qwen3_5MoeGatedDeltaNet(hf_cfg, 0)
-    with torch.no_grad():
-        for prm in ref.parameters():
-            prm.normal_(0, 0.3)
-        ref.A_log.copy_(torch.log(torch.rand(4) * 15 + 1))
+    ref = _randomized(qwen.Qwen3_5MoeGatedDeltaNet(hf_cfg, 0))
     Ck, Cv = 16, 24
     qkv = ref.in_proj_qkv.weight.t()
     conv = ref.conv1d.weight[:, 0, :].t()  # [K, C]
@@ -203,12 +198,7 @@ def test_matches_transformers_olmo_hybrid_gated_delta_net():
     hf_cfg = OlmoHybridConfig(hidden_size=H, num_attention_heads=4, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
                               linear_value_head_dim=6, linear_conv_kernel_dim=4, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
                               pad_token_id=None, eos_token_id=None)
-    torch.manual_seed(0)
-    ref = olmo.OlmoHybridGatedDeltaNet(hf_cfg, 0)
-    with torch.no_grad():
-        for prm in ref.parameters():
-            prm.normal_(0, 0.3)
-        ref.A_log.copy_(torch.log(torch.rand(4) * 15 + 1))
+    ref = _randomized(olmo.OlmoHybridGatedDeltaNet(hf_cfg, 0))
     Ck = 16
     conv = ref.conv1d.weight[:, 0, :].t()  # [K, C]
     p = dict(wq=ref.q_proj.weight.t(), wk=ref.k_proj.weight.t(), wv=ref.v_proj.weight.t(), wz=ref.g_proj.weight.t(), wb=ref.b_proj.weight.t(),
