@@ -116,6 +116,9 @@ stacks. A released mistral3 folder (Mistral3ForConditionalGeneration) holds that
 a dense Ministral 3 (ministral3: Mistral's blocks with YaRN and the same query scale) or
 Mistral (Mistral Small 3.x) one, under language_model. beside a vision model that is not
 read, and is written back only as its text model's family (Family.written_as "text_config").
+A released LFM2-VL, LFM3-VL or EXAONE 4.5 folder (lfm2_vl, lfm3_vl, exaone4_5: _VL_TEXT) holds
+LFM2's, LFM3's or EXAONE 4.0's text model under model.language_model. beside a vision model and
+its projector that are not read, and is written back only as that family.
 A released Qwen3-VL-MoE folder (qwen3_vl_moe) holds Qwen3-MoE's text model (its router always
 renormalised) under model.language_model., the dense Qwen3-VL (qwen3_vl) Qwen3's, beside a
 vision model that is not read; a Qwen3-Omni folder (qwen3_omni_moe) holds Qwen3-MoE's under
@@ -2903,6 +2906,32 @@ FAMILIES = {
     "hunyuan_v1_dense": Family(_hunyuan_v1_dense, "mlp", _PROJ, "HunYuanDenseV1ForCausalLM", qk_norms=("query_layernorm", "key_layernorm"),
                                defaults=dict(rms_norm_eps=1e-5)),
 }
+
+
+def _vl_text(kind: str) -> Callable[[dict], dict]:
+    """config_to_fmoe of a released vision-language folder whose text_config is family `kind`'s
+    model (_VL_TEXT): that text model's kwargs (_text_config: the top level's
+    tie_word_embeddings where it has one), a text_config of another model_type refused."""
+    def config_to_fmoe(hf: dict) -> dict:
+        text = _text_config(hf)
+        if text.get("model_type", kind) not in (kind, *_VL_TEXT_ALIASES.get(kind, ())):
+            raise ValueError(f"config.json: a {hf.get('model_type')} folder whose text model is {text.get('model_type')!r} is not supported "
+                             f"(expected {kind!r})")
+        return FAMILIES[kind].kwargs(dict(text, model_type=kind))
+    return config_to_fmoe
+
+
+# released vision-language folders (model_type -> (the text model's family, the architecture, transformers' default of the
+# top level's tie_word_embeddings)): the text model under model.language_model. (the head at lm_head), the vision model and
+# its projector not read; written back only as the text model's family. LFM2-VL's and LFM3-VL's (Liquid AI), EXAONE 4.5's
+_VL_TEXT = {"lfm2_vl": ("lfm2", "Lfm2VlForConditionalGeneration", True), "lfm3_vl": ("lfm3", "Lfm3VlForConditionalGeneration", True),
+            "exaone4_5": ("exaone4", "Exaone4_5_ForConditionalGeneration", False)}
+_VL_TEXT_ALIASES = {"exaone4": ("exaone4_5_text",)}  # EXAONE 4.5's first released text model_type, read by transformers as exaone4
+for _vl, (_text, _architecture, _tied) in _VL_TEXT.items():
+    FAMILIES[_vl] = dataclasses.replace(FAMILIES[_text], config_to_fmoe=_vl_text(_text), architecture=_architecture,
+                                        aliases=dict(tie_word_embeddings="tie_embedding") if _vl == "lfm2_vl" else {},  # LFM2-VL's own name
+                                        defaults=dict(tie_word_embeddings=_tied), prefix=("model.", "model.language_model."),
+                                        not_read=("model.vision_tower.", "model.visual.", "model.multi_modal_projector."), written_as=_text)
 _MLA = (("wq", "q_proj"), ("wq_a", "q_a_proj"), ("wq_b", "q_b_proj"), ("wkv_a", "kv_a_proj_with_mqa"), ("wkv_b", "kv_b_proj"), ("wo", "o_proj"))
 
 
