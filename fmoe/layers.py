@@ -8,7 +8,7 @@
     linear_attention(x[T,H], params, cfg, ctx) -> (y[T,H], stats)     Gated DeltaNet (section at the end), Kimi
                                               Delta Attention, LFM2's short convolution, lightning attention
     lightning_decay(n_heads, layer, n_layers) -> [n_heads]     lightning attention's constant log-decays
-    dense_mlp(x[T,H], w_gate, w_up, w_down) -> y[T,H]     (w_gate None with act "relu2": no gate)
+    dense_mlp(x[T,H], w_gate, w_up, w_down) -> y[T,H]     (w_gate None with act "relu2": no gate; optional biases)
 
 Nothing here reads a tensor's values on the host: the forward and backward of every layer
 run without a device->host sync (DESIGN.md "One micro-batch, one context"). Values that
@@ -332,21 +332,29 @@ def _check_moe(x_TH, params, cfg, experts, shared, drop) -> None:
 
 
 def dense_mlp(x_TH: torch.Tensor, w_gate_HF, w_up_HF, w_down_FH, *, impl: str = "auto", fp8: bool = False, act: str = "silu",
-              act_params: Optional[tuple] = None) -> torch.Tensor:
+              act_params: Optional[tuple] = None, b_gate=None, b_up=None, b_down=None) -> torch.Tensor:
     """SwiGLU (silu(x w_gate) * (x w_up)) w_down: x [T, H], w_gate / w_up [H, F],
     w_down [F, H] -> [T, H]. The dense blocks' MLP and the shared experts. fp8: the
     projections by fmoe.ops.fp8_matmul. act "gelu_tanh": GeGLU, GELU's tanh form of x w_gate
     in place of silu (fmoe.ops.swiglu's act); act "relu2" (PLAIN_ACTS): no gate (w_gate
     None), relu(x w_up)^2 w_down (Arcee's, Nemotron's); act "xielu": no gate either,
     xielu(x w_up, *act_params) w_down (Apertus's; act_params: (alpha_p, alpha_n, beta, eps),
-    fmoe.ops.experts.xielu)."""
+    fmoe.ops.experts.xielu). b_gate, b_up [F], b_down [H]: optional biases added to each
+    projection's output (Llama's mlp_bias, Jais 2's; b_gate None without a gate)."""
+    for name, b, n in (("b_gate", b_gate, w_up_HF.shape[-1]), ("b_up", b_up, w_up_HF.shape[-1]), ("b_down", b_down, w_down_FH.shape[-1])):
+        if b is not None and (not isinstance(b, torch.Tensor) or tuple(b.shape) != (n,)):
+            raise ValueError(f"{name}: expected None or a tensor [{n}], got {list(b.shape) if isinstance(b, torch.Tensor) else type(b).__name__}")
+
+    def biased(y, b):
+        return y if b is None else y + b.to(y.dtype)
+
     if act in PLAIN_ACTS:
-        if w_gate_HF is not None:
-            raise ValueError(f"w_gate: act {act!r} is an MLP without a gate, expected None, got a tensor")
-        up_TF = matmul(x_TH, w_up_HF, fp8=fp8, impl=impl)
-        return matmul(plain_act(up_TF, act, act_params), w_down_FH, fp8=fp8, impl=impl)
-    gate_TF, up_TF = (matmul(x_TH, w, fp8=fp8, impl=impl) for w in (w_gate_HF, w_up_HF))
-    return matmul(swiglu(gate_TF, up_TF, impl=impl, act=act), w_down_FH, fp8=fp8, impl=impl)
+        if w_gate_HF is not None or b_gate is not None:
+            raise ValueError(f"{'w_gate' if w_gate_HF is not None else 'b_gate'}: act {act!r} is an MLP without a gate, expected None, got a tensor")
+        up_TF = biased(matmul(x_TH, w_up_HF, fp8=fp8, impl=impl), b_up)
+        return biased(matmul(plain_act(up_TF, act, act_params), w_down_FH, fp8=fp8, impl=impl), b_down)
+    gate_TF, up_TF = (biased(matmul(x_TH, w, fp8=fp8, impl=impl), b) for w, b in ((w_gate_HF, b_gate), (w_up_HF, b_up)))
+    return biased(matmul(swiglu(gate_TF, up_TF, impl=impl, act=act), w_down_FH, fp8=fp8, impl=impl), b_down)
 
 
 def local_experts(x_TH: torch.Tensor, routes: Routes, params, cfg: MoEConfig):

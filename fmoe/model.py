@@ -110,32 +110,41 @@ def copy_full_value(param: torch.Tensor, full: torch.Tensor) -> None:
 class DenseMLP(nn.Module):
     """SwiGLU: (silu(x w_gate) * (x w_up)) w_down, w_gate / w_up [H, F], w_down [F, H]; with
     act "gelu_tanh" GeGLU; with act "relu2" no gate (w_gate None): relu(x w_up)^2 w_down
-    (fmoe.layers.dense_mlp's act)."""
+    (fmoe.layers.dense_mlp's act). bias: b_gate, b_up [F] (no b_gate without a gate) and
+    b_down [H] added to the projections' outputs (TransformerConfig.mlp_bias)."""
 
     def __init__(self, hidden: int, ffn: int, impl: str, *, fp8: bool = False, act: str = "silu", xielu: tuple[float, float] = XIELU,
-                 device=None, dtype=None):
+                 bias: bool = False, device=None, dtype=None):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
         self.impl, self.fp8, self.act = impl, fp8, act
         self.w_gate = None if act in PLAIN_ACTS else nn.Parameter(torch.empty(hidden, ffn, **kw))
         self.w_up = nn.Parameter(torch.empty(hidden, ffn, **kw))
         self.w_down = nn.Parameter(torch.empty(ffn, hidden, **kw))
+        self.b_gate = nn.Parameter(torch.empty(ffn, **kw)) if bias and self.w_gate is not None else None
+        self.b_up = nn.Parameter(torch.empty(ffn, **kw)) if bias else None
+        self.b_down = nn.Parameter(torch.empty(hidden, **kw)) if bias else None
         if act == "xielu":  # its learned scalars (softplus'ed in fmoe.ops.experts.xielu) and its constants (beta, eps)
             self.xielu_alpha_p = nn.Parameter(torch.empty(1, **kw))
             self.xielu_alpha_n = nn.Parameter(torch.empty(1, **kw))
             self.xielu = xielu
 
-    tensor_parallel = None  # set by fmoe.parallel.SwiGLUParallel for xIELU: its scalars' gradients summed over tp
+    # set by fmoe.parallel.SwiGLUParallel for xIELU's scalars and b_down, held whole on each tp rank: their gradients summed over tp
+    tensor_parallel = None
 
     def forward(self, x_TH):
-        gate = None if self.w_gate is None else _local(self.w_gate)
+        gate, tp = (None if self.w_gate is None else _local(self.w_gate)), self.tensor_parallel
         params = None
         if self.act == "xielu":
             scalars = (_local(self.xielu_alpha_p), _local(self.xielu_alpha_n))
-            if self.tensor_parallel is not None:  # this rank's FFN columns: its share of their gradients
-                scalars = tuple(self.tensor_parallel.weight(w) for w in scalars)
+            if tp is not None:  # this rank's FFN columns: its share of their gradients
+                scalars = tuple(tp.weight(w) for w in scalars)
             params = (*scalars, *self.xielu)
-        return dense_mlp(x_TH, gate, _local(self.w_up), _local(self.w_down), impl=self.impl, fp8=self.fp8, act=self.act, act_params=params)
+        b_gate, b_up, b_down = (None if b is None else _local(b) for b in (self.b_gate, self.b_up, self.b_down))
+        if b_down is not None and tp is not None:  # every rank adds its share before the ranks' outputs are summed
+            b_down = tp.weight(b_down) / tp.mesh.size()
+        return dense_mlp(x_TH, gate, _local(self.w_up), _local(self.w_down), impl=self.impl, fp8=self.fp8, act=self.act, act_params=params,
+                         b_gate=b_gate, b_up=b_up, b_down=b_down)
 
 
 class GroupedExperts(nn.Module):
@@ -376,7 +385,10 @@ class TransformerConfig:
     "gelu_tanh" (GeGLU: GELU's tanh form, Gemma's; fmoe.ops.swiglu's act), or "relu2": MLPs
     without a gate, relu(x w_up)^2 w_down (Arcee's and Nemotron-H's, Nemotron 3's routed and
     shared experts; not with expert_biases), or "xielu": dense MLPs without a gate, xIELU(x
-    w_up) w_down with its two learned scalars per MLP (Apertus's; fmoe.ops.experts.xielu). Gemma 4's MoE
+    w_up) w_down with its two learned scalars per MLP (Apertus's; fmoe.ops.experts.xielu).
+    mlp_bias: biases on the dense blocks' MLP projections (DenseMLP's b_gate, b_up [F], b_down
+    [H]; Llama's mlp_bias, Jais 2's), trunk and MTP blocks alike; not on the MoE blocks'
+    shared experts, nor with shortcut_moe or dense_beside_moe. Gemma 4's MoE
     blocks: dense_beside_moe, a dense MLP of ffn_dense beside the MoE, each with its own pre-
     and post-norm (mlp_norm / dense_post_norm, moe_norm / moe_post_norm), their sum through
     mlp_post_norm before the residual add (needs pre_norms and post_norms); router_norm, the
@@ -617,6 +629,7 @@ class TransformerConfig:
     swiglu_limit: Optional[float] = None
     swiglu_offset: float = 0.0
     mlp_act: str = "silu"
+    mlp_bias: bool = False
     dense_beside_moe: bool = False
     router_norm: bool = False
     router_expert_scale: bool = False
@@ -792,7 +805,7 @@ class TransformerConfig:
             raise ValueError("clip_qkv: clamps the attention blocks' q, k and v; the linear-attention blocks (linear_layers) have no such clamp")
         if self.sink_layers is not None and not self.attn_sinks:
             raise ValueError("sink_layers: the blocks with attention sinks, needs attn_sinks")
-        for name in ("pre_norms", "post_norms", "linear_pre_norms", "linear_neg_eigval", "moe_out_norm", "parallel_blocks", "layer_norms", "nope_qk_norm", "route_on_input", "attn_gate",
+        for name in ("pre_norms", "post_norms", "linear_pre_norms", "linear_neg_eigval", "mlp_bias", "moe_out_norm", "parallel_blocks", "layer_norms", "nope_qk_norm", "route_on_input", "attn_gate",
                      "zero_centered_norms", "norm_bias", "head_bias", "shortcut_moe", "mla_scales", "q_latent_raw", "attn_gate_on_q"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
@@ -846,6 +859,9 @@ class TransformerConfig:
                 raise ValueError(f"{name}: a knob of Kimi Delta Attention's blocks, needs linear_layers and linear_kind='kda'")
         if self.linear_dt_min != 0.0 and (self.linear_layers is None or self.linear_kind != "mamba2"):
             raise ValueError("linear_dt_min: the floor of Mamba-2's dt, needs linear_layers and linear_kind='mamba2'")
+        if self.mlp_bias and (self.shortcut_moe or self.dense_beside_moe):
+            raise ValueError(f"mlp_bias: biases on the dense blocks' MLPs, not with {'shortcut_moe' if self.shortcut_moe else 'dense_beside_moe'} "
+                             "(whose dense MLPs have none)")
         if self.linear_neg_eigval and (self.linear_layers is None or self.linear_kind not in ("gated_deltanet", "kda")):
             raise ValueError("linear_neg_eigval: the delta rule's write strength in [0, 2], needs linear_layers and linear_kind 'gated_deltanet' or 'kda'")
         eps = self.linear_norm_eps
@@ -1519,7 +1535,7 @@ class Block(nn.Module):
                            router_norm=cfg.router_norm, expert_scale=cfg.router_expert_scale, latent=cfg.moe_latent or 0)
             self.mlp.experts.recompute = cfg.ac == "experts"
         else:
-            self.mlp = DenseMLP(cfg.hidden, cfg.ffn_dense, cfg.impl, fp8=fp8, act=cfg.mlp_act)
+            self.mlp = DenseMLP(cfg.hidden, cfg.ffn_dense, cfg.impl, fp8=fp8, act=cfg.mlp_act, bias=cfg.mlp_bias)
         if shortcut not in (None, "out", "in") or (shortcut is not None and (not cfg.shortcut_moe or (shortcut == "out") != moe)):
             raise ValueError(f"shortcut: expected None, or with cfg.shortcut_moe 'out' (a MoE block) or 'in' (a dense one), got {shortcut!r}")
         self.shortcut = shortcut

@@ -81,6 +81,9 @@ VARIANTS = {
     "nemotron_h 47b": dataclasses.replace(TINY, n_layers=4, n_dense=4, mixer_free_layers=(1,), linear_layers=(0, 3), linear_kind="mamba2",
                                           linear_k_heads=2, linear_v_heads=4, linear_k_dim=8, linear_v_dim=6, linear_conv=3, mlp_act="relu2",
                                           window=4, mtp_depth=1),
+    # Jais 2's: biased LayerNorms, dense MLPs without a gate with biases on their projections, q/k/v/o biases
+    "jais2": dataclasses.replace(TINY, n_dense=3, layer_norms=True, norm_bias=True, mlp_act="relu2", mlp_bias=True, qkv_bias=True, o_bias=True,
+                                 mtp_depth=1),
     # Apertus's: dense MLPs without a gate through xIELU (its two learned scalars each), per-head q/k norms
     "apertus": dataclasses.replace(TINY, n_dense=3, mlp_act="xielu", qk_norm="head", mtp_depth=1),
     # Mamba-2's: every block a Mamba-2 mixer alone (no attention, no MLP; the MTP block attends and has its MLP)
@@ -1413,6 +1416,44 @@ def test_relu2_models_have_mlps_without_a_gate():
     mlp = Transformer(dataclasses.replace(TINY, mlp_act="relu2", n_dense=3)).blocks[0].mlp
     with pytest.raises(ValueError, match=r"w_gate: act 'relu2' is an MLP without a gate, expected None"):
         dense_mlp(x, mlp.w_up, mlp.w_up, mlp.w_down, act="relu2")
+
+
+@pytest.mark.parametrize("act", ["silu", "relu2"])
+def test_mlp_biases_are_added_to_the_dense_blocks_projections(act):
+    """mlp_bias (Llama's, Jais 2's): each dense block's MLP (and the MTP block's) adds b_gate,
+    b_up and b_down to its projections' outputs (no b_gate without a gate); the MoE blocks'
+    shared experts have none; every bias learns. dense_mlp checks their shapes; the knob is
+    refused beside the dense MLPs that take no bias."""
+    from fmoe.layers import dense_mlp
+
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(TINY, mlp_act=act, mlp_bias=True, mtp_depth=1, n_dense=1, moe_layers=None)
+    model = Transformer(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".b_" in name:
+                p.normal_()
+    mlp = model.blocks[0].mlp
+    assert (mlp.b_gate is None) == (act == "relu2") and Transformer(VARIANTS["jais2"]).mtp[0].block.mlp.b_down is not None  # a dense MTP block's
+    assert model.blocks[1].mlp.shared.b_down is None and not any(".b_" in n for n, _ in model.blocks[1].named_parameters())
+    x = torch.randn(5, 32)
+    with torch.no_grad():
+        up = x @ mlp.w_up + mlp.b_up
+        h = torch.relu(up).square() if act == "relu2" else torch.nn.functional.silu(x @ mlp.w_gate + mlp.b_gate) * up
+        torch.testing.assert_close(mlp(x), h @ mlp.w_down + mlp.b_down)
+    batch = _batch(cfg)
+    losses, _ = model(batch, model.context(batch))
+    sum(losses[key] for key in losses.keys() if key.endswith("_sum")).backward()
+    assert all(p.grad.abs().sum() > 0 for n, p in model.named_parameters() if ".b_" in n)
+    with pytest.raises(ValueError, match=r"b_down: expected None or a tensor \[32\], got \[5\]"):
+        dense_mlp(x, mlp.w_gate, mlp.w_up, mlp.w_down, b_down=torch.zeros(5))
+    if act == "relu2":
+        with pytest.raises(ValueError, match=r"b_gate: act 'relu2' is an MLP without a gate, expected None"):
+            dense_mlp(x, None, mlp.w_up, mlp.w_down, act="relu2", b_gate=torch.zeros(48))
+    for knobs, message in ((dict(shortcut_moe=True, n_layers=4, n_dense=0), "mlp_bias: biases on the dense blocks' MLPs, not with shortcut_moe"),
+                           (dict(dense_beside_moe=True, post_norms=True), "not with dense_beside_moe"), (dict(), "mlp_bias: expected a bool")):
+        with pytest.raises(ValueError, match=message):
+            dataclasses.replace(TINY, mlp_bias=1 if not knobs else True, **knobs)
 
 
 def test_xielu_mlps_learn_their_scalars_in_dense_blocks_only():

@@ -367,18 +367,22 @@ class LinearAttentionParallel(_HeadsRegion):
 
 class SwiGLUParallel(_ShardedRegion):
     """A dense SwiGLU (dense MLP or shared experts) split over its FFN columns (an MLP without
-    a gate, mlp_act "relu2" or "xielu": w_up and w_down alone). xIELU's two learned scalars
-    act on every column: each rank holds them whole and their gradient, each rank's columns'
-    share, is summed over tp (HeadShard.weight, the module's tensor_parallel)."""
+    a gate, mlp_act "relu2" or "xielu": w_up and w_down alone; the biases b_gate, b_up with
+    their columns). xIELU's two learned scalars act on every column, and the output bias
+    b_down [H] is added once: each rank holds them whole (adding b_down / tp before the
+    ranks' outputs are summed), and their gradients, each rank's share, are summed over tp
+    (HeadShard.weight, the module's tensor_parallel)."""
 
-    shard_dims = {"w_gate": 1, "w_up": 1, "w_down": 0}
+    shard_dims = {"w_gate": 1, "w_up": 1, "w_down": 0, "b_gate": 0, "b_up": 0}
 
     def _shard_dims(self, module):
-        return {name: dim for name, dim in self.shard_dims.items() if getattr(module, name) is not None}
+        return {name: dim for name, dim in self.shard_dims.items() if getattr(module, name, None) is not None}
 
     def _configure(self, module, mesh):
-        if getattr(module, "act", None) == "xielu":
-            module.tensor_parallel = HeadShard(mesh, replicated=("xielu_alpha_p", "xielu_alpha_n"))
+        replicated = (("xielu_alpha_p", "xielu_alpha_n") if getattr(module, "act", None) == "xielu" else ()) + \
+            (("b_down",) if getattr(module, "b_down", None) is not None else ())
+        if replicated:
+            module.tensor_parallel = HeadShard(mesh, replicated=replicated)
 
 
 def _block_edges(model: nn.Module, name: str, block: Block) -> tuple[bool, bool]:

@@ -78,6 +78,9 @@ def granularity(cfg: TransformerConfig, dense_cfg: TransformerConfig) -> int:
                          "upcycling needs the softmax after the top-k (pre_softmax=False)")
     if cfg.score == "sigmoid" and not cfg.route_normalize:
         raise ValueError("route_normalize: unnormalised sigmoid weights do not sum to a constant; upcycling needs route_normalize=True")
+    if dense_cfg.mlp_bias:
+        raise ValueError("mlp_bias: the dense FFN's biases are not carried into the experts (their output bias would count once per "
+                         "chosen slice); upcycle a dense model without them")
     if cfg.expert_biases:
         raise ValueError("expert_biases: the dense FFN has no biases to upcycle them from")
     if cfg.mlp_act != dense_cfg.mlp_act:

@@ -298,6 +298,10 @@ CASES = {
     # Apertus's dense MLPs through xIELU: w_up's and w_down's FFN columns over tp, the two learned scalars whole on each
     # rank, their gradients summed over tp
     "tp2-apertus": (2, dict(tp=2), dict(n_dense=2, mlp_act="xielu")),
+    # Jais 2's dense MLPs with biases: b_up with its FFN columns over tp, b_down [H] whole on each rank (b_down / tp added
+    # before the ranks' outputs are summed, its gradient summed over tp); and Llama's with a gate, b_gate with its columns
+    "tp2-mlp-bias": (2, dict(tp=2), dict(n_dense=2, mlp_act="relu2", mlp_bias=True, layer_norms=True, norm_bias=True)),
+    "tp2-mlp-bias-swiglu": (2, dict(tp=2), dict(n_dense=2, mlp_bias=True)),
     # Arcee's MLPs without a gate (mlp_act "relu2"): w_up and w_down split over tp
     "tp2-relu2": (2, dict(tp=2), dict(n_dense=2, mlp_act="relu2")),
     "tp2": (2, dict(tp=2), {}),

@@ -182,6 +182,9 @@ def test_the_pair_must_allow_an_exact_start():
             upcycle_(Transformer(cfg), dense, DENSE)
     with pytest.raises(ValueError, match="dense_cfg: expected a dense model"):
         upcycle_(Transformer(_moe()), dense, _moe())
+    biased = dataclasses.replace(DENSE, mlp_bias=True)
+    with pytest.raises(ValueError, match="mlp_bias: the dense FFN's biases are not carried into the experts"):
+        upcycle_(Transformer(_moe(mlp_bias=True)), _dense_model(cfg=biased).state_dict(), biased)
     # the dense model differs elsewhere: a missing parameter, a shape
     with pytest.raises(ValueError, match="dense_state: no 'blocks.2.attn.wq'"):
         upcycle_(Transformer(_moe()), {k: v for k, v in dense.items() if k != "blocks.2.attn.wq"}, DENSE)
