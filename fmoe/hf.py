@@ -10,7 +10,7 @@ exaone_moe, kolibri1, beam, axk2, dots1, minimax_m2, minimax, granitemoe, granit
 laguna, cohere2_moe, sarvam_moe, sarvam_mla, longcat_flash, bailing_hybrid, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, lara_mini, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
 mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe, gemma3, gemma4_text, gemma4), and the dense
 DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, helium, minicpm3, arcee, gemma, vaultgemma, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
-glm4, ernie4_5, lfm2, cohere, cohere2, bamba, stablelm, qwen3_5_text (and qwen3_5's text model), nemotron, apertus, olmo_hybrid: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
+glm4, ernie4_5, lfm2, cohere, cohere2, bamba, stablelm, qwen3_5_text (and qwen3_5's text model), nemotron, apertus, olmo_hybrid, jais2: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: OLMoE's q and k clamped after their norms, ...;
 the fields a config.json leaves out read at transformers' defaults, Family.defaults, and a
 family's own names for the fields the shared mappings read as those, Family.aliases)
@@ -270,20 +270,36 @@ def _common(hf: dict, n_experts: int, *, sliding: bool = False) -> dict:
     )
 
 
-def _dense(hf: dict, *, sliding: bool = False, **extra) -> dict:
+def _dense(hf: dict, *, sliding: bool = False, mlp_bias: bool = False, **extra) -> dict:
     """A dense Llama-style model (DENSE_FAMILIES): every block a SwiGLU MLP of
     intermediate_size, in fmoe a Transformer with no MoE block (n_dense = n_layers; the MoE
-    fields, unused, at one expert of that size). What fine-tuning and upcycling start from."""
-    _refuse(hf, "mlp_bias", lambda v: not v, "no MLP biases")
+    fields, unused, at one expert of that size). What fine-tuning and upcycling start from.
+    mlp_bias: the family's MLPs read config.json's mlp_bias (Llama's, Jais 2's: biases on
+    their projections, TransformerConfig.mlp_bias); without it an mlp_bias is refused."""
+    if mlp_bias:
+        _refuse(hf, "mlp_bias", lambda v: isinstance(v, bool), "true or false")
+    else:
+        _refuse(hf, "mlp_bias", lambda v: not v, "no MLP biases")
     _refuse(hf, "pretraining_tp", lambda v: v == 1, "a plain matmul: pretraining_tp = 1")
     F = hf["intermediate_size"]
     return dict(_common(dict(hf, num_experts_per_tok=1), 1, sliding=sliding), ffn_dense=F, ffn_expert=F, n_dense=hf["num_hidden_layers"],
-                n_shared=0, **extra)
+                n_shared=0, mlp_bias=bool(hf.get("mlp_bias", False)), **extra)
 
 
 def _llama(hf: dict) -> dict:
     bias = bool(hf.get("attention_bias", False))  # on q, k, v and o
-    return _dense(hf, qkv_bias=bias, o_bias=bias)
+    return _dense(hf, qkv_bias=bias, o_bias=bias, mlp_bias=True)
+
+
+def _jais2(hf: dict) -> dict:
+    """Jais 2 (jais2, dense; Jais-2-8B): Llama's blocks with LayerNorms with biases
+    (layer_norms, norm_bias; eps layer_norm_eps), MLPs without a gate, relu(x up_proj)^2
+    down_proj (mlp_act "relu2"), biases on q, k, v and o (attention_bias) and on the MLPs'
+    projections (mlp_bias), both on by default."""
+    _refuse(hf, "hidden_act", lambda v: v == "relu2", "relu2, the squared ReLU of an MLP without a gate")
+    bias = bool(hf.get("attention_bias", True))
+    return _dense(dict(hf, hidden_act="silu", rms_norm_eps=hf.get("layer_norm_eps", 1e-5), mlp_bias=hf.get("mlp_bias", True)), mlp_bias=True,
+                  mlp_act="relu2", layer_norms=True, norm_bias=True, qkv_bias=bias, o_bias=bias)
 
 
 def _helium(hf: dict) -> dict:
@@ -2604,7 +2620,7 @@ _MINISTRAL3_ROPE = dict(rope_type="yarn", rope_theta=1e6, factor=16.0, original_
                         mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1)
 # the dense families (no MoE block): fine-tuned as they are, or upcycled into an MoE (fmoe.train.upcycle)
 DENSE_FAMILIES = ("llama", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "youtu", "helium", "minicpm3", "arcee", "gemma", "vaultgemma", "gemma2", "gemma3_text", "lfm3", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
-                  "phi3", "glm4", "ernie4_5", "lfm2", "cohere", "cohere2", "bamba", "stablelm", "qwen3_5_text", "nemotron", "apertus", "olmo_hybrid")
+                  "phi3", "glm4", "ernie4_5", "lfm2", "cohere", "cohere2", "bamba", "stablelm", "qwen3_5_text", "nemotron", "apertus", "olmo_hybrid", "jais2")
 FAMILIES = {
     "mixtral": Family(_mixtral, "block_sparse_moe", ("w1", "w3", "w2"), "MixtralForCausalLM",
                       defaults=dict(num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1e6)),
@@ -2824,6 +2840,7 @@ FAMILIES = {
     "olmo3": Family(_olmo3, "mlp", _PROJ, "Olmo3ForCausalLM", defaults=dict(rms_norm_eps=1e-5, sliding_window=4096)),
     # OLMo Hybrid's files (transformers renames on load): the linear blocks' pre-norms, the attention blocks' output norm of
     # the attention, a conv per q, k, v
+    "jais2": Family(_jais2, "mlp", _PROJ, "Jais2ForCausalLM"),
     "olmo_hybrid": Family(_olmo_hybrid, "mlp", _PROJ, "OlmoHybridForCausalLM", linear="split", norms=("attention_layer_norm", "feedforward_layer_norm"),
                           post_norms=("feedforward_layer_norm", "post_feedforward_layernorm")),
     "granite": Family(_granite, "mlp", _PROJ, "GraniteForCausalLM"),
@@ -3104,6 +3121,8 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
         for ours, theirs in zip(("w_gate", "w_up", "w_down"), family.dense_names):
             if ours != "w_gate" or cfg.mlp_act not in PLAIN_ACTS:  # an MLP without a gate (Arcee's) has none
                 out[q + "mlp." + ours] = Tensor((f"{p}{family.dense}.{theirs}.weight",), transpose=True)
+                if cfg.mlp_bias:  # Llama's mlp_bias: each projection's bias
+                    out[q + "mlp.b_" + ours[2:]] = Tensor((f"{p}{family.dense}.{theirs}.bias",))
         if cfg.mlp_act == "xielu":  # its learned scalars, [1] each (Apertus's act_fn)
             for name in ("alpha_p", "alpha_n"):
                 out[q + "mlp.xielu_" + name] = Tensor((f"{p}{family.dense}.act_fn.{name}",))
@@ -4145,9 +4164,12 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
         if moe:
             raise ValueError(f"model: {model_type} is a dense family; this model has MoE layers {moe}")
         hf.pop("num_experts_per_tok")
-        hf.update(intermediate_size=cfg.ffn_dense, mlp_bias=False)
+        hf.update(intermediate_size=cfg.ffn_dense, mlp_bias=cfg.mlp_bias)
         if model_type == "llama":
             hf.update(attention_bias=cfg.qkv_bias)
+        elif model_type == "jais2":  # its LayerNorms' eps under their own name, MLPs without a gate
+            hf.pop("rms_norm_eps")
+            hf.update(layer_norm_eps=cfg.norm_eps, hidden_act="relu2", attention_bias=cfg.qkv_bias)
         elif model_type == "mistral":
             hf.update(sliding_window=cfg.window)
         elif model_type == "ministral3":

@@ -27,7 +27,9 @@ V = 64
 COMMON = dict(vocab_size=V, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
 FAMILIES = {
     # the dense families: Llama with biases on q, k, v and o; Qwen2's q/k/v biases; Qwen3's per-head q/k norms
-    "llama": lambda: transformers.LlamaConfig(**COMMON, head_dim=8, intermediate_size=40, attention_bias=True),
+    "llama": lambda: transformers.LlamaConfig(**COMMON, head_dim=8, intermediate_size=40, attention_bias=True, mlp_bias=True),
+    # Jais 2: Llama's blocks with biased LayerNorms, MLPs without a gate (relu^2) and biases on every projection
+    "jais2": lambda: transformers.Jais2Config(**COMMON, intermediate_size=40, bos_token_id=None, eos_token_id=None, pad_token_id=None),
     "mistral": lambda: transformers.MistralConfig(**COMMON, head_dim=8, intermediate_size=40, sliding_window=None),
     # OLMo 2's post-norm blocks and whole-projection q/k norms; Granite's multipliers
     "olmo2": lambda: transformers.Olmo2Config(**COMMON, intermediate_size=40, pad_token_id=None, eos_token_id=None, bos_token_id=None),
@@ -746,6 +748,9 @@ def test_a_failed_export_leaves_no_weight_files(folders, tmp_path, monkeypatch):
                                           ("qwen3_5_text", dict(linear_layers=(0,), linear_k_heads=2, linear_v_heads=4, linear_k_dim=8, linear_v_dim=6,
                                                                 zero_centered_norms=True, attn_gate=True, qk_norm="head", rope_dim=4)),
                                           ("stablelm", dict(layer_norms=True, norm_bias=True, rope_dim=2, parallel_blocks=True, norm_eps=1e-5)),
+                                          ("llama", dict(qkv_bias=True, o_bias=True, mlp_bias=True)),
+                                          ("jais2", dict(layer_norms=True, norm_bias=True, mlp_act="relu2", qkv_bias=True, o_bias=True, mlp_bias=True,
+                                                         norm_eps=1e-5)),
                                           ("olmo_hybrid", dict(linear_layers=(0,), linear_k_heads=2, linear_v_heads=4, linear_k_dim=8, linear_v_dim=6,
                                                                linear_neg_eigval=True, linear_norm_eps=1e-5, linear_pre_norms=True, pre_norms=False,
                                                                post_norms=True, qk_norm="proj")),
