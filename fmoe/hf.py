@@ -304,9 +304,9 @@ def _jais2(hf: dict) -> dict:
 
 def _helium(hf: dict) -> dict:
     """Helium (helium, dense; Kyutai's Helium 1): Llama's blocks with RoPE on interleaved pairs;
-    attention and MLP biases refused."""
+    attention biases refused, MLP biases read (mlp_bias)."""
     _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in Helium's attention here")
-    return _dense(hf, rope_interleaved=True)
+    return _dense(hf, rope_interleaved=True, mlp_bias=True)
 
 
 def _mistral(hf: dict) -> dict:
@@ -443,11 +443,11 @@ def _gemma2(hf: dict) -> dict:
 
 def _arcee(hf: dict) -> dict:
     """Arcee (arcee, dense; AFM-4.5B): Llama's blocks with MLPs without a gate, relu(x up_proj)^2
-    down_proj (mlp_act "relu2"), RoPE plain or YaRN (_yarn); attention and MLP biases refused."""
+    down_proj (mlp_act "relu2"), RoPE plain or YaRN (_yarn); attention biases refused, MLP biases read (mlp_bias)."""
     _refuse(hf, "hidden_act", lambda v: v == "relu2", "relu2, the squared ReLU of an MLP without a gate")
     _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in Arcee's attention here")
     _, params, _ = _rope_params(hf, "yarn", ("factor", "original_max_position_embeddings"))
-    out = _dense(dict(hf, hidden_act="silu", rope_parameters=dict(params, rope_type="default"), rope_scaling=None), mlp_act="relu2")
+    out = _dense(dict(hf, hidden_act="silu", rope_parameters=dict(params, rope_type="default"), rope_scaling=None), mlp_act="relu2", mlp_bias=True)
     return dict(out, **_yarn(hf))
 
 
@@ -784,7 +784,7 @@ def _smollm3(hf: dict) -> dict:
         hf = dict(hf, layer_types=None, sliding_window=None)
     bias = bool(hf.get("attention_bias", False))
     nope = tuple(i for i, flag in enumerate(flags) if not flag)
-    return _dense(hf, sliding=True, qkv_bias=bias, o_bias=bias, nope_layers=nope or None)
+    return _dense(hf, sliding=True, qkv_bias=bias, o_bias=bias, nope_layers=nope or None, mlp_bias=True)
 
 
 def _exaone4(hf: dict) -> dict:
@@ -850,10 +850,10 @@ def _nemotron(hf: dict) -> dict:
     everywhere (a LayerNorm with a bias whose gain is 1 + weight: layer_norms, norm_bias,
     zero_centered_norms; eps norm_eps), MLPs without a gate, relu(x up_proj)^2 down_proj
     (mlp_act "relu2"), RoPE on the first partial_rotary_factor of each head (halves);
-    attention and MLP biases refused."""
+    attention biases refused, MLP biases read (mlp_bias)."""
     _refuse(hf, "hidden_act", lambda v: v == "relu2", "relu2, the squared ReLU of an MLP without a gate")
     _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in Nemotron's attention here")
-    out = _dense(dict(hf, hidden_act="silu"), mlp_act="relu2", layer_norms=True, norm_bias=True, zero_centered_norms=True)
+    out = _dense(dict(hf, hidden_act="silu"), mlp_act="relu2", layer_norms=True, norm_bias=True, zero_centered_norms=True, mlp_bias=True)
     return dict(out, rope_dim=_partial_rope(dict(hf, partial_rotary_factor=hf.get("partial_rotary_factor", 0.5)), out["head_dim"]))
 
 
@@ -916,7 +916,7 @@ def _cohere2_moe(hf: dict) -> dict:
 def _seed_oss(hf: dict) -> dict:
     """Seed-OSS (seed_oss, dense): Llama's blocks with biases on q, k and v (attention_bias)
     and on o apart (attention_out_bias)."""
-    return _dense(hf, qkv_bias=bool(hf["attention_bias"]), o_bias=bool(hf.get("attention_out_bias", False)))
+    return _dense(hf, qkv_bias=bool(hf["attention_bias"]), o_bias=bool(hf.get("attention_out_bias", False)), mlp_bias=True)
 
 
 def _hunyuan_v1_dense(hf: dict) -> dict:
@@ -929,7 +929,7 @@ def _hunyuan_v1_dense(hf: dict) -> dict:
 def _granite(hf: dict) -> dict:
     """Granite 3 (dense): Llama's blocks with Granite's multipliers (_granite_multipliers)."""
     _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in Granite's attention here")
-    return _dense(hf, **_granite_multipliers(hf))
+    return _dense(hf, **_granite_multipliers(hf), mlp_bias=True)
 
 
 def _mixtral(hf: dict) -> dict:
@@ -1772,7 +1772,7 @@ def _hyperclovax(hf: dict) -> dict:
     if multipliers["attn_scale"] == _get(hf, "head_dim", default=hf["hidden_size"] // hf["num_attention_heads"]) ** -0.5 or hf.get(
             "attention_multiplier") is None:  # transformers' default (what its configs write), fmoe's: 1/sqrt(head_dim)
         multipliers["attn_scale"] = None
-    return _dense(hf, **dict(multipliers, logit_divisor=1 / multipliers["logit_divisor"]), post_norms=hf.get("use_post_norm", True))
+    return _dense(hf, **dict(multipliers, logit_divisor=1 / multipliers["logit_divisor"]), post_norms=hf.get("use_post_norm", True), mlp_bias=True)
 
 
 def _granite_swa(hf: dict) -> dict:
@@ -1780,7 +1780,7 @@ def _granite_swa(hf: dict) -> dict:
     attention (_granite_swa_attention)."""
     _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in Granite's attention here")
     hf, attention = _granite_swa_attention(hf)
-    return _dense(hf, sliding=True, **_granite_multipliers(hf), **attention)
+    return _dense(hf, sliding=True, **_granite_multipliers(hf), **attention, mlp_bias=True)
 
 
 def _granite_swa_attention(hf: dict) -> tuple[dict, dict]:

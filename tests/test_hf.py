@@ -33,7 +33,7 @@ FAMILIES = {
     "mistral": lambda: transformers.MistralConfig(**COMMON, head_dim=8, intermediate_size=40, sliding_window=None),
     # OLMo 2's post-norm blocks and whole-projection q/k norms; Granite's multipliers
     "olmo2": lambda: transformers.Olmo2Config(**COMMON, intermediate_size=40, pad_token_id=None, eos_token_id=None, bos_token_id=None),
-    "granite": lambda: transformers.GraniteConfig(**COMMON, intermediate_size=40, attention_multiplier=0.3, embedding_multiplier=2.0,
+    "granite": lambda: transformers.GraniteConfig(**COMMON, mlp_bias=True, intermediate_size=40, attention_multiplier=0.3, embedding_multiplier=2.0,
                                                   residual_multiplier=0.5, logits_scaling=4.0),
     # Granite SWA: Granite 3's blocks and multipliers, a sink per head, layer 0 global with RoPE at 5000, layer 1 over a
     # window of 4 without RoPE, layer 2 global at 100
@@ -57,7 +57,7 @@ FAMILIES = {
                                                                  sliding_attention=dict(rope_type="default", rope_theta=100.0)),
                                             pad_token_id=None, bos_token_id=None, eos_token_id=None),
     # Helium: Llama's blocks with RoPE on interleaved pairs
-    "helium": lambda: transformers.HeliumConfig(**COMMON, head_dim=8, intermediate_size=40, pad_token_id=None, bos_token_id=None, eos_token_id=None),
+    "helium": lambda: transformers.HeliumConfig(**COMMON, mlp_bias=True, head_dim=8, intermediate_size=40, pad_token_id=None, bos_token_id=None, eos_token_id=None),
     # MiniCPM3: multi-latent attention with RoPE on halves and LongRoPE (short / long factors past 8 positions), the
     # embeddings x 12, each sublayer's output x 1.4 / sqrt(3), the hidden states / (32 / 8) before the head
     "minicpm3": lambda: transformers.MiniCPM3Config(**{**COMMON, "num_key_value_heads": 4}, intermediate_size=40, q_lora_rank=12, kv_lora_rank=8,
@@ -66,7 +66,7 @@ FAMILIES = {
                                                     rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0, 1.5],
                                                                          long_factor=[2.0, 4.0], original_max_position_embeddings=8)),
     # Arcee: MLPs without a gate (relu(x up_proj)^2 down_proj), YaRN
-    "arcee": lambda: transformers.ArceeConfig(**COMMON, head_dim=8, intermediate_size=40, pad_token_id=None, bos_token_id=None, eos_token_id=None,
+    "arcee": lambda: transformers.ArceeConfig(**COMMON, mlp_bias=True, head_dim=8, intermediate_size=40, pad_token_id=None, bos_token_id=None, eos_token_id=None,
                                               rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32)),
     # Gemma (1): GeGLU, zero-centred pre-norms, the embeddings x sqrt(32) rounded to their dtype
     "gemma": lambda: transformers.GemmaConfig(**COMMON, head_dim=8, intermediate_size=40, pad_token_id=None),
@@ -90,9 +90,9 @@ FAMILIES = {
                                               rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32,
                                                                    beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0)),
     # HyperCLOVA X: Granite's multipliers (the logits multiplied by logits_scaling) with an RMSNorm on each sublayer's output
-    "hyperclovax": lambda: transformers.HyperCLOVAXConfig(**COMMON, intermediate_size=40, attention_multiplier=0.3, embedding_multiplier=2.0,
+    "hyperclovax": lambda: transformers.HyperCLOVAXConfig(**COMMON, mlp_bias=True, intermediate_size=40, attention_multiplier=0.3, embedding_multiplier=2.0,
                                                           residual_multiplier=0.5, logits_scaling=0.25),
-    "granite_swa": lambda: transformers.GraniteSWAConfig(**COMMON, intermediate_size=40, attention_multiplier=0.3, embedding_multiplier=2.0,
+    "granite_swa": lambda: transformers.GraniteSWAConfig(**COMMON, mlp_bias=True, intermediate_size=40, attention_multiplier=0.3, embedding_multiplier=2.0,
                                                          residual_multiplier=0.5, logits_scaling=4.0, sliding_window=4,
                                                          layer_types=["full_attention", "sliding_attention", "full_attention"],
                                                          layer_rope_theta=[5000.0, 0, 5000.0], tie_word_embeddings=False,
@@ -112,13 +112,13 @@ FAMILIES = {
                                                                                        attention_factor=0.1 * math.log(4.0) + 1),
                                                                    sliding_attention=dict(rope_type="default", rope_theta=5e5))),
     # SmolLM3: Llama's blocks with q/k/v/o biases, layer 1 without RoPE and over a 4-token window, tied embeddings
-    "smollm3": lambda: transformers.SmolLM3Config(**COMMON, intermediate_size=40, no_rope_layer_interval=2, use_sliding_window=True, sliding_window=4,
+    "smollm3": lambda: transformers.SmolLM3Config(**COMMON, mlp_bias=True, intermediate_size=40, no_rope_layer_interval=2, use_sliding_window=True, sliding_window=4,
                                                   attention_bias=True, bos_token_id=None, eos_token_id=None, pad_token_id=None),
     # EXAONE 4.0: post-norm blocks, per-head q/k norms, layers 0 and 2 over a 4-token window with RoPE, layer 1 global without
     "exaone4": lambda: transformers.Exaone4Config(**COMMON, head_dim=8, intermediate_size=40, sliding_window=4, sliding_window_pattern=2,
                                                   bos_token_id=None, eos_token_id=None, pad_token_id=None),
     # Seed-OSS: Llama's blocks with q/k/v biases and an o bias apart
-    "seed_oss": lambda: transformers.SeedOssConfig(**COMMON, head_dim=8, intermediate_size=40, attention_bias=True, attention_out_bias=True,
+    "seed_oss": lambda: transformers.SeedOssConfig(**COMMON, mlp_bias=True, head_dim=8, intermediate_size=40, attention_bias=True, attention_out_bias=True,
                                                    bos_token_id=None, eos_token_id=None, pad_token_id=None),
     # Hunyuan dense: per-head q/k norms after NTK-alpha RoPE
     "hunyuan_v1_dense": lambda: transformers.HunYuanDenseV1Config(**COMMON, head_dim=8, intermediate_size=40, bos_token_id=None, eos_token_id=None,
@@ -149,7 +149,7 @@ FAMILIES = {
     "stablelm": lambda: transformers.StableLmConfig(**COMMON, intermediate_size=40, use_qkv_bias=True, qk_layernorm=True, bos_token_id=None,
                                                     eos_token_id=None, pad_token_id=None),
     # Nemotron-4 / Minitron: LayerNorm1P (1 + weight, a bias), relu2 MLPs without a gate, RoPE on the first half of each head
-    "nemotron": lambda: transformers.NemotronConfig(**COMMON, head_dim=8, intermediate_size=40, bos_token_id=None, eos_token_id=None,
+    "nemotron": lambda: transformers.NemotronConfig(**COMMON, mlp_bias=True, head_dim=8, intermediate_size=40, bos_token_id=None, eos_token_id=None,
                                                     pad_token_id=None),
     # Apertus: per-head q/k RMSNorms, Llama 3's RoPE, MLPs without a gate through xIELU (its learned alpha_p, alpha_n)
     "apertus": lambda: transformers.ApertusConfig(**COMMON, head_dim=8, intermediate_size=40, bos_token_id=None, eos_token_id=None,
