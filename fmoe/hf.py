@@ -10,7 +10,7 @@ exaone_moe, kolibri1, beam, axk2, dots1, minimax_m2, minimax, granitemoe, granit
 laguna, cohere2_moe, sarvam_moe, sarvam_mla, longcat_flash, bailing_hybrid, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, lara_mini, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
 mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe, gemma3, gemma4_text, gemma4), and the dense
 DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, helium, minicpm3, arcee, gemma, vaultgemma, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
-glm4, ernie4_5, lfm2, cohere, cohere2, bamba, stablelm, qwen3_5_text (and qwen3_5's text model), nemotron, apertus, olmo_hybrid, jais2: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
+glm4, ernie4_5, lfm2, cohere, cohere2, bamba, stablelm, qwen3_5_text (and qwen3_5's text model), nemotron, apertus, olmo_hybrid, jais2, glm: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: OLMoE's q and k clamped after their norms, ...;
 the fields a config.json leaves out read at transformers' defaults, Family.defaults, and a
 family's own names for the fields the shared mappings read as those, Family.aliases)
@@ -677,8 +677,14 @@ def _glm4(hf: dict) -> dict:
     attention and the MLP: Family.sandwich), biases on q, k and v (attention_bias), RoPE on
     interleaved pairs of the first partial_rotary_factor (by default half) of each head, the
     MLP's gate and up as the rows of one gate_up_proj."""
+    return dict(_glm(hf), post_norms=True)
+
+
+def _glm(hf: dict) -> dict:
+    """GLM (glm, dense; GLM-4-9B, GLM-Edge): GLM-4's blocks (_glm4) as plain pre-norm blocks,
+    without the norms after the attention and the MLP."""
     common = _dense(hf)
-    return dict(common, qkv_bias=bool(hf["attention_bias"]), post_norms=True, rope_interleaved=True, rope_dim=_partial_rope(hf, common["head_dim"]))
+    return dict(common, qkv_bias=bool(hf["attention_bias"]), rope_interleaved=True, rope_dim=_partial_rope(hf, common["head_dim"]))
 
 
 def _mimo_v2_flash(hf: dict) -> dict:
@@ -2620,7 +2626,7 @@ _MINISTRAL3_ROPE = dict(rope_type="yarn", rope_theta=1e6, factor=16.0, original_
                         mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1)
 # the dense families (no MoE block): fine-tuned as they are, or upcycled into an MoE (fmoe.train.upcycle)
 DENSE_FAMILIES = ("llama", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "youtu", "helium", "minicpm3", "arcee", "gemma", "vaultgemma", "gemma2", "gemma3_text", "lfm3", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
-                  "phi3", "glm4", "ernie4_5", "lfm2", "cohere", "cohere2", "bamba", "stablelm", "qwen3_5_text", "nemotron", "apertus", "olmo_hybrid", "jais2")
+                  "phi3", "glm4", "ernie4_5", "lfm2", "cohere", "cohere2", "bamba", "stablelm", "qwen3_5_text", "nemotron", "apertus", "olmo_hybrid", "jais2", "glm")
 FAMILIES = {
     "mixtral": Family(_mixtral, "block_sparse_moe", ("w1", "w3", "w2"), "MixtralForCausalLM",
                       defaults=dict(num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1e6)),
@@ -2885,6 +2891,8 @@ FAMILIES = {
                           defaults=dict(num_key_value_heads=4, rms_norm_eps=1e-5, tie_word_embeddings=True, sliding_window=128)),
     "phi3": Family(_phi3, "mlp", _PROJ, "Phi3ForCausalLM", qkv="qkv_proj", dense_gate_up=True,
                    defaults=dict(rms_norm_eps=1e-5, max_position_embeddings=4096, original_max_position_embeddings=4096)),
+    "glm": Family(_glm, "mlp", _PROJ, "GlmForCausalLM", dense_gate_up=True,
+                  defaults=dict(num_key_value_heads=2, head_dim=128, rms_norm_eps=1.5625e-07, attention_bias=True, partial_rotary_factor=0.5)),
     "glm4": Family(_glm4, "mlp", _PROJ, "Glm4ForCausalLM", dense_gate_up=True,
                    sandwich=("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm"),
                    defaults=dict(num_key_value_heads=2, head_dim=128, rms_norm_eps=1.5625e-07, attention_bias=True, partial_rotary_factor=0.5)),
@@ -4204,7 +4212,7 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
                       layer_types=["conv" if cfg.is_linear(i) else "sliding_attention" if cfg.is_sliding(i) else "full_attention" for i in range(cfg.n_layers)])
         elif model_type == "seed_oss":
             hf.update(attention_bias=cfg.qkv_bias, attention_out_bias=cfg.o_bias)
-        elif model_type in ("phi3", "glm4"):  # RoPE on the first partial_rotary_factor of each head
+        elif model_type in ("phi3", "glm4", "glm"):  # RoPE on the first partial_rotary_factor of each head
             hf["rope_parameters"]["partial_rotary_factor"] = _rotary_factor(cfg)
             if model_type == "phi3" and cfg.longrope_short_factors is not None:  # transformers reads the top level's, by default 4096
                 hf.update(original_max_position_embeddings=cfg.longrope_original_max_positions)

@@ -132,6 +132,8 @@ FAMILIES = {
                                                                  short_factor=[1.0, 1.1, 1.3], long_factor=[1.5, 3.0, 6.0])),
     # GLM-4: sandwich norms, q/k/v biases, RoPE on interleaved pairs of the first half of each head, gate and up of gate_up_proj
     "glm4": lambda: transformers.Glm4Config(**COMMON, head_dim=8, intermediate_size=40, bos_token_id=None, eos_token_id=None, pad_token_id=None),
+    # GLM (GLM-4-9B): GLM-4's blocks without its sandwich norms
+    "glm": lambda: transformers.GlmConfig(**COMMON, head_dim=8, intermediate_size=40, bos_token_id=None, eos_token_id=None, pad_token_id=None),
     # ERNIE 4.5 dense: Llama's blocks with RoPE on interleaved pairs, tied embeddings
     "ernie4_5": lambda: transformers.Ernie4_5Config(**COMMON, head_dim=8, intermediate_size=40, bos_token_id=None, eos_token_id=None, pad_token_id=None),
     # LFM2: gated short convolutions (3 taps) in layers 0 and 2, attention with per-head q/k norms in layer 1; the FFN 2/3
@@ -749,6 +751,7 @@ def test_a_failed_export_leaves_no_weight_files(folders, tmp_path, monkeypatch):
                                                                 zero_centered_norms=True, attn_gate=True, qk_norm="head", rope_dim=4)),
                                           ("stablelm", dict(layer_norms=True, norm_bias=True, rope_dim=2, parallel_blocks=True, norm_eps=1e-5)),
                                           ("llama", dict(qkv_bias=True, o_bias=True, mlp_bias=True)),
+                                          ("glm", dict(qkv_bias=True, rope_interleaved=True, rope_dim=4)),
                                           ("jais2", dict(layer_norms=True, norm_bias=True, mlp_act="relu2", qkv_bias=True, o_bias=True, mlp_bias=True,
                                                          norm_eps=1e-5)),
                                           ("olmo_hybrid", dict(linear_layers=(0,), linear_k_heads=2, linear_v_heads=4, linear_k_dim=8, linear_v_dim=6,
