@@ -2028,8 +2028,8 @@ def _olmo_hybrid(hf: dict) -> dict:
     RoPE, no window) in the layers layer_types names full_attention (by default every fourth,
     from layer 3, and the last where that names none), Gated DeltaNet blocks (_linear_layers;
     by default as many key and value heads as attention heads, keys of 0.75 hidden / heads
-    channels, values of twice that) in the others: pre-norm blocks (linear_pre_norms:
-    input_layernorm, post_attention_layernorm) whose write strength is 2 sigmoid(x wb) with
+    channels, values of twice that) in the others: pre-norm blocks (linear_pre_norms; its files'
+    attention_layer_norm and feedforward_layer_norm) whose write strength is 2 sigmoid(x wb) with
     linear_allow_neg_eigval (by default; linear_neg_eigval) and whose gated output norm has
     eps 1e-5 (linear_norm_eps)."""
     n, heads = hf["num_hidden_layers"], hf["num_attention_heads"]
@@ -2844,9 +2844,9 @@ FAMILIES = {
     "qwen3": Family(_qwen3, "mlp", _PROJ, "Qwen3ForCausalLM", defaults=dict(num_key_value_heads=32, head_dim=128)),
     "olmo2": Family(_olmo2, "mlp", _PROJ, "Olmo2ForCausalLM", defaults=dict(rms_norm_eps=1e-5)),
     "olmo3": Family(_olmo3, "mlp", _PROJ, "Olmo3ForCausalLM", defaults=dict(rms_norm_eps=1e-5, sliding_window=4096)),
+    "jais2": Family(_jais2, "mlp", _PROJ, "Jais2ForCausalLM"),
     # OLMo Hybrid's files (transformers renames on load): the linear blocks' pre-norms, the attention blocks' output norm of
     # the attention, a conv per q, k, v
-    "jais2": Family(_jais2, "mlp", _PROJ, "Jais2ForCausalLM"),
     "olmo_hybrid": Family(_olmo_hybrid, "mlp", _PROJ, "OlmoHybridForCausalLM", linear="split", norms=("attention_layer_norm", "feedforward_layer_norm"),
                           post_norms=("feedforward_layer_norm", "post_feedforward_layernorm")),
     "granite": Family(_granite, "mlp", _PROJ, "GraniteForCausalLM"),

@@ -805,8 +805,8 @@ class TransformerConfig:
             raise ValueError("clip_qkv: clamps the attention blocks' q, k and v; the linear-attention blocks (linear_layers) have no such clamp")
         if self.sink_layers is not None and not self.attn_sinks:
             raise ValueError("sink_layers: the blocks with attention sinks, needs attn_sinks")
-        for name in ("pre_norms", "post_norms", "linear_pre_norms", "linear_neg_eigval", "mlp_bias", "moe_out_norm", "parallel_blocks", "layer_norms", "nope_qk_norm", "route_on_input", "attn_gate",
-                     "zero_centered_norms", "norm_bias", "head_bias", "shortcut_moe", "mla_scales", "q_latent_raw", "attn_gate_on_q"):
+        for name in ("pre_norms", "post_norms", "linear_pre_norms", "linear_neg_eigval", "mlp_bias", "moe_out_norm", "parallel_blocks", "layer_norms",
+                     "nope_qk_norm", "route_on_input", "attn_gate", "zero_centered_norms", "norm_bias", "head_bias", "shortcut_moe", "mla_scales", "q_latent_raw", "attn_gate_on_q"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         if self.norm_bias and not self.layer_norms:
@@ -863,7 +863,8 @@ class TransformerConfig:
             raise ValueError(f"mlp_bias: biases on the dense blocks' MLPs, not with {'shortcut_moe' if self.shortcut_moe else 'dense_beside_moe'} "
                              "(whose dense MLPs have none)")
         if self.linear_neg_eigval and (self.linear_layers is None or self.linear_kind not in ("gated_deltanet", "kda")):
-            raise ValueError("linear_neg_eigval: the delta rule's write strength in [0, 2], needs linear_layers and linear_kind 'gated_deltanet' or 'kda'")
+            raise ValueError("linear_neg_eigval: the delta rule's write strength in [0, 2], needs linear_layers and linear_kind 'gated_deltanet' "
+                             "or 'kda'")
         eps = self.linear_norm_eps
         if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < math.inf):
             raise ValueError(f"linear_norm_eps: expected None (norm_eps) or a positive number, got {eps!r}")
@@ -1116,7 +1117,8 @@ class TransformerConfig:
         fp8: theirs (None: the model's fp8)."""
         return LinearAttentionConfig(n_k_heads=self.linear_k_heads, n_v_heads=self.linear_v_heads, k_head_dim=self.linear_k_dim,
                                      v_head_dim=self.linear_v_dim, conv=self.linear_conv,
-                                     norm_eps=1e-6 if self.linear_kind == "lightning" else (self.linear_norm_eps or self.norm_eps),  # MiniMax's output norm's
+                                     # MiniMax's output norm's eps, or OLMo Hybrid's own (linear_norm_eps)
+                                     norm_eps=1e-6 if self.linear_kind == "lightning" else (self.linear_norm_eps or self.norm_eps),
                                      impl="auto" if self.impl == "flex" else self.impl, kind=self.linear_kind,
                                      full_rank=self.linear_full_rank, decay_bound=self.linear_decay_bound,
                                      dt_min=self.linear_dt_min, neg_eigval=self.linear_neg_eigval, fp8=self.fp8 if fp8 is None else fp8)
