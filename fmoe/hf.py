@@ -116,9 +116,10 @@ stacks. A released mistral3 folder (Mistral3ForConditionalGeneration) holds that
 a dense Ministral 3 (ministral3: Mistral's blocks with YaRN and the same query scale) or
 Mistral (Mistral Small 3.x) one, under language_model. beside a vision model that is not
 read, and is written back only as its text model's family (Family.written_as "text_config").
-A released LFM2-VL, LFM3-VL or EXAONE 4.5 folder (lfm2_vl, lfm3_vl, exaone4_5: _VL_TEXT) holds
-LFM2's, LFM3's or EXAONE 4.0's text model under model.language_model. beside a vision model and
-its projector that are not read, and is written back only as that family.
+A released LFM2-VL, LFM3-VL, EXAONE 4.5 or Granite 4.0 Vision folder (lfm2_vl, lfm3_vl,
+exaone4_5, granite4_vision: _VL_TEXT) holds LFM2's, LFM3's, EXAONE 4.0's or Granite 3's text
+model under model.language_model. beside a vision model and its projectors that are not read,
+and is written back only as that family.
 A released Qwen3-VL-MoE folder (qwen3_vl_moe) holds Qwen3-MoE's text model (its router always
 renormalised) under model.language_model., the dense Qwen3-VL (qwen3_vl) Qwen3's, beside a
 vision model that is not read; a Qwen3-Omni folder (qwen3_omni_moe) holds Qwen3-MoE's under
@@ -2947,16 +2948,23 @@ def _vl_text(kind: str) -> Callable[[dict], dict]:
 
 
 # released vision-language folders (model_type -> (the text model's family, the architecture, transformers' default of the
-# top level's tie_word_embeddings)): the text model under model.language_model. (the head at lm_head), the vision model and
-# its projector not read; written back only as the text model's family. LFM2-VL's and LFM3-VL's (Liquid AI), EXAONE 4.5's
-_VL_TEXT = {"lfm2_vl": ("lfm2", "Lfm2VlForConditionalGeneration", True), "lfm3_vl": ("lfm3", "Lfm3VlForConditionalGeneration", True),
-            "exaone4_5": ("exaone4", "Exaone4_5_ForConditionalGeneration", False)}
-_VL_TEXT_ALIASES = {"exaone4": ("exaone4_5_text",)}  # EXAONE 4.5's first released text model_type, read by transformers as exaone4
-for _vl, (_text, _architecture, _tied) in _VL_TEXT.items():
+# top level's tie_word_embeddings, the prefixes of what is beside the text model)): the text model under
+# model.language_model. (the head at lm_head), what is beside it (the vision model, its projectors) not read; written back
+# only as the text model's family. LFM2-VL's and LFM3-VL's (Liquid AI), EXAONE 4.5's, Granite 4.0 Vision's (its text
+# model Granite 3's; the vision features it adds to some layers' outputs join only at image tokens)
+_VL_TEXT = {"lfm2_vl": ("lfm2", "Lfm2VlForConditionalGeneration", True, ("model.vision_tower.", "model.multi_modal_projector.")),
+            "lfm3_vl": ("lfm3", "Lfm3VlForConditionalGeneration", True, ("model.vision_tower.", "model.multi_modal_projector.")),
+            "exaone4_5": ("exaone4", "Exaone4_5_ForConditionalGeneration", False, ("model.visual.",)),
+            "granite4_vision": ("granite", "Granite4VisionForConditionalGeneration", False,
+                                ("model.vision_tower.", "model.image_newline", "model.layerwise_projectors.", "model.spatial_projectors."))}
+# the text models' own model_types that read as the family: EXAONE 4.5's first released one (transformers reads it as exaone4),
+# Granite 4.0 Vision's (Granite 3's config)
+_VL_TEXT_ALIASES = {"exaone4": ("exaone4_5_text",), "granite": ("granite4_vision_text",)}
+for _vl, (_text, _architecture, _tied, _beside) in _VL_TEXT.items():
     FAMILIES[_vl] = dataclasses.replace(FAMILIES[_text], config_to_fmoe=_vl_text(_text), architecture=_architecture,
                                         aliases=dict(tie_word_embeddings="tie_embedding") if _vl == "lfm2_vl" else {},  # LFM2-VL's own name
-                                        defaults=dict(tie_word_embeddings=_tied), prefix=("model.", "model.language_model."),
-                                        not_read=("model.vision_tower.", "model.visual.", "model.multi_modal_projector."), written_as=_text)
+                                        defaults=dict(tie_word_embeddings=_tied), prefix=("model.", "model.language_model."), not_read=_beside,
+                                        written_as=_text)
 _MLA = (("wq", "q_proj"), ("wq_a", "q_a_proj"), ("wq_b", "q_b_proj"), ("wkv_a", "kv_a_proj_with_mqa"), ("wkv_b", "kv_b_proj"), ("wo", "o_proj"))
 
 

@@ -1412,16 +1412,23 @@ def test_olmo_hybrid_reads_its_released_files(tmp_path):
         assert _rel(torch.cat([fresh(d[None]).logits[0] for d in docs]), theirs) < 1e-5
 
 
-@pytest.mark.parametrize("kind", ["lfm2_vl", "lfm3_vl", "exaone4_5"])
+@pytest.mark.parametrize("kind", ["lfm2_vl", "lfm3_vl", "exaone4_5", "granite4_vision"])
 def test_a_released_vision_language_folder_loads_its_text_model(kind, tmp_path):
-    """LFM2-VL's, LFM3-VL's and EXAONE 4.5's folders: the text model (LFM2's, LFM3's, EXAONE
-    4.0's) under model.language_model. loads with transformers' logits of a text-only forward,
-    the vision model's and the projector's keys neither read nor counted as unread, its head
-    tied as the top level says (or its class by default); written back as the text model's
-    family (_text_model_round_trip); a text_config of another model is refused by name."""
-    text_kind = dict(lfm2_vl="lfm2", lfm3_vl="lfm3", exaone4_5="exaone4")[kind]
+    """LFM2-VL's, LFM3-VL's, EXAONE 4.5's and Granite 4.0 Vision's folders: the text model
+    (LFM2's, LFM3's, EXAONE 4.0's, Granite 3's with its multipliers and MLP biases) under
+    model.language_model. loads with transformers' logits of a text-only forward, the vision
+    model's and the projectors' keys neither read nor counted as unread, its head tied as the
+    top level says (or its class by default); written back as the text model's family
+    (_text_model_round_trip); a text_config of another model is refused by name."""
+    text_kind = dict(lfm2_vl="lfm2", lfm3_vl="lfm3", exaone4_5="exaone4", granite4_vision="granite")[kind]
     text = dict(FAMILIES[text_kind]().to_dict(), pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    if kind == "exaone4_5":
+    if kind == "granite4_vision":  # a CLIP vision tower, a projector per vision layer read (deepstack) and the spatial ones
+        text["model_type"] = "granite4_vision_text"
+        cls, config = transformers.Granite4VisionForConditionalGeneration, transformers.Granite4VisionConfig(
+            text_config=text, vision_config=dict(model_type="clip_vision_model", hidden_size=64, intermediate_size=16, num_hidden_layers=2,
+                                                 num_attention_heads=2, image_size=28, patch_size=14),
+            deepstack_layer_map=[[1, 0]], spatial_target_layers=[0, 1, 2, 2], downsample_rate="1/2", qformer_config=dict(intermediate_size=16))
+    elif kind == "exaone4_5":
         cls, config = transformers.Exaone4_5_ForConditionalGeneration, transformers.Exaone4_5_Config(
             text_config=text, vision_config=dict(hidden_size=16, intermediate_size=16, depth=1, num_heads=2, out_hidden_size=32))
     else:
@@ -1435,7 +1442,8 @@ def test_a_released_vision_language_folder_loads_its_text_model(kind, tmp_path):
     theirs = _saved_multimodal(cls, config, tmp_path / "hf")
     _, cfg, _ = _text_model_round_trip(tmp_path / "hf", theirs, tmp_path / "text", kind=kind, prefix="model.language_model.", head="lm_head.weight",
                                        text_kind=text_kind)
-    assert cfg == TransformerConfig(**dict(hf.FAMILIES[text_kind].kwargs(dict(text, tie_word_embeddings=config.tie_word_embeddings)), impl="torch"))
+    assert cfg == TransformerConfig(**dict(hf.FAMILIES[text_kind].kwargs(dict(text, model_type=text_kind, tie_word_embeddings=config.tie_word_embeddings)),
+                                           impl="torch"))
     outer = {k: v for k, v in json.loads((tmp_path / "hf" / "config.json").read_text()).items() if k != "tie_word_embeddings"}
     tied = type(config)(**{k: v for k, v in outer.items() if k != "model_type"}).tie_word_embeddings  # the class default
     assert TransformerConfig(**hf.FAMILIES[kind].kwargs(outer)).tie_embeddings == tied
