@@ -116,10 +116,11 @@ stacks. A released mistral3 folder (Mistral3ForConditionalGeneration) holds that
 a dense Ministral 3 (ministral3: Mistral's blocks with YaRN and the same query scale) or
 Mistral (Mistral Small 3.x) one, under language_model. beside a vision model that is not
 read, and is written back only as its text model's family (Family.written_as "text_config").
-A released LFM2-VL, LFM3-VL, EXAONE 4.5 or Granite 4.0 Vision folder (lfm2_vl, lfm3_vl,
-exaone4_5, granite4_vision: _VL_TEXT) holds LFM2's, LFM3's, EXAONE 4.0's or Granite 3's text
-model under model.language_model. beside a vision model and its projectors that are not read,
-and is written back only as that family.
+A released LFM2-VL, LFM3-VL, EXAONE 4.5, Granite 4.0 Vision, Command A Vision, Aya Vision,
+HyperCLOVA X SEED Vision, Granite Speech or MiniCPM-V 4.6 / 4.7 folder (_VL_TEXT) holds LFM2's,
+LFM3's, EXAONE 4.0's, Granite 3's, Cohere 2's, HyperCLOVA X's or Qwen3.5's text model under
+model.language_model. (the older layout: all of it under language_model.) beside a vision or
+audio encoder and its projectors that are not read, and is written back only as that family.
 A released Qwen3-VL-MoE folder (qwen3_vl_moe) holds Qwen3-MoE's text model (its router always
 renormalised) under model.language_model., the dense Qwen3-VL (qwen3_vl) Qwen3's, beside a
 vision model that is not read; a Qwen3-Omni folder (qwen3_omni_moe) holds Qwen3-MoE's under
@@ -2934,37 +2935,52 @@ FAMILIES = {
 }
 
 
-def _vl_text(kind: str) -> Callable[[dict], dict]:
+def _vl_text(kind: str, unscaled: bool) -> Callable[[dict], dict]:
     """config_to_fmoe of a released vision-language folder whose text_config is family `kind`'s
     model (_VL_TEXT): that text model's kwargs (_text_config: the top level's
-    tie_word_embeddings where it has one), a text_config of another model_type refused."""
+    tie_word_embeddings where it has one), a text_config of another model_type refused;
+    unscaled: the logits without the text model's scale (logit_divisor 1), as transformers'
+    class of the whole model computes them (Command A Vision's, Aya Vision's, Granite
+    Speech's head reads no logit_scale / logits_scaling)."""
     def config_to_fmoe(hf: dict) -> dict:
         text = _text_config(hf)
         if text.get("model_type", kind) not in (kind, *_VL_TEXT_ALIASES.get(kind, ())):
             raise ValueError(f"config.json: a {hf.get('model_type')} folder whose text model is {text.get('model_type')!r} is not supported "
                              f"(expected {kind!r})")
-        return FAMILIES[kind].kwargs(dict(text, model_type=kind))
+        out = FAMILIES[kind].kwargs(dict(text, model_type=kind))
+        return dict(out, logit_divisor=1.0) if unscaled else out
     return config_to_fmoe
 
 
-# released vision-language folders (model_type -> (the text model's family, the architecture, transformers' default of the
-# top level's tie_word_embeddings, the prefixes of what is beside the text model)): the text model under
-# model.language_model. (the head at lm_head), what is beside it (the vision model, its projectors) not read; written back
-# only as the text model's family. LFM2-VL's and LFM3-VL's (Liquid AI), EXAONE 4.5's, Granite 4.0 Vision's (its text
-# model Granite 3's; the vision features it adds to some layers' outputs join only at image tokens)
-_VL_TEXT = {"lfm2_vl": ("lfm2", "Lfm2VlForConditionalGeneration", True, ("model.vision_tower.", "model.multi_modal_projector.")),
-            "lfm3_vl": ("lfm3", "Lfm3VlForConditionalGeneration", True, ("model.vision_tower.", "model.multi_modal_projector.")),
-            "exaone4_5": ("exaone4", "Exaone4_5_ForConditionalGeneration", False, ("model.visual.",)),
+# released vision-language (and speech) folders: model_type -> (the text model's family, the architecture, transformers'
+# default of the top level's tie_word_embeddings, the prefixes of what is beside the text model, (old, new): where the text
+# model's keys are, Family.prefix). What is beside it (the vision or audio encoder, its projectors) is not read; the folder is
+# written back only as the text model's family. Granite 4.0 Vision's text model is Granite 3's (the vision features it adds
+# to some layers' outputs join only at image tokens). _VL_UNSCALED: those whose logits transformers does not scale (_vl_text)
+_IN_MODEL, _LEGACY = ("model.", "model.language_model."), ("", "language_model.")  # the text model under model., or the whole under language_model.
+_VL_TEXT = {"lfm2_vl": ("lfm2", "Lfm2VlForConditionalGeneration", True, ("model.vision_tower.", "model.multi_modal_projector."), _IN_MODEL),
+            "lfm3_vl": ("lfm3", "Lfm3VlForConditionalGeneration", True, ("model.vision_tower.", "model.multi_modal_projector."), _IN_MODEL),
+            "exaone4_5": ("exaone4", "Exaone4_5_ForConditionalGeneration", False, ("model.visual.",), _IN_MODEL),
             "granite4_vision": ("granite", "Granite4VisionForConditionalGeneration", False,
-                                ("model.vision_tower.", "model.image_newline", "model.layerwise_projectors.", "model.spatial_projectors."))}
+                                ("model.vision_tower.", "model.image_newline", "model.layerwise_projectors.", "model.spatial_projectors."), _IN_MODEL),
+            "cohere2_vision": ("cohere2", "Cohere2VisionForConditionalGeneration", True, ("model.vision_tower.", "model.multi_modal_projector."),
+                               _IN_MODEL),
+            "aya_vision": ("cohere2", "AyaVisionForConditionalGeneration", True, ("vision_tower.", "multi_modal_projector."), _LEGACY),
+            "hyperclovax_vision_v2": ("hyperclovax", "HyperCLOVAXVisionV2ForConditionalGeneration", True, ("model.vision_model.", "model.vision_projector."),
+                                      _IN_MODEL),
+            "granite_speech": ("granite", "GraniteSpeechForConditionalGeneration", True, ("encoder.", "projector."), _LEGACY),
+            **{f"minicpmv4_{v}": ("qwen3_5_text", f"MiniCPMV4_{v}ForConditionalGeneration", False, ("model.vision_tower.", "model.merger."), _IN_MODEL)
+               for v in (6, 7)}}
+# (the text config's field of that scale, written as 1 with the text model: written_config)
+_VL_UNSCALED = {"cohere2_vision": "logit_scale", "aya_vision": "logit_scale", "granite_speech": "logits_scaling"}
 # the text models' own model_types that read as the family: EXAONE 4.5's first released one (transformers reads it as exaone4),
 # Granite 4.0 Vision's (Granite 3's config)
 _VL_TEXT_ALIASES = {"exaone4": ("exaone4_5_text",), "granite": ("granite4_vision_text",)}
-for _vl, (_text, _architecture, _tied, _beside) in _VL_TEXT.items():
-    FAMILIES[_vl] = dataclasses.replace(FAMILIES[_text], config_to_fmoe=_vl_text(_text), architecture=_architecture,
+for _vl, (_text, _architecture, _tied, _beside, _prefix) in _VL_TEXT.items():
+    FAMILIES[_vl] = dataclasses.replace(FAMILIES[_text], config_to_fmoe=_vl_text(_text, _vl in _VL_UNSCALED), architecture=_architecture,
                                         aliases=dict(tie_word_embeddings="tie_embedding") if _vl == "lfm2_vl" else {},  # LFM2-VL's own name
-                                        defaults=dict(tie_word_embeddings=_tied), prefix=("model.", "model.language_model."), not_read=_beside,
-                                        written_as=_text)
+                                        defaults=dict(tie_word_embeddings=_tied), prefix=_prefix,
+                                        not_read=_beside, written_as=_text)
 _MLA = (("wq", "q_proj"), ("wq_a", "q_a_proj"), ("wq_b", "q_b_proj"), ("wkv_a", "kv_a_proj_with_mqa"), ("wkv_b", "kv_b_proj"), ("wo", "o_proj"))
 
 
@@ -4375,11 +4391,14 @@ def written_config(hf: dict) -> dict:
     """The config.json that a loaded folder's model is written back with: the folder's own,
     or for a family whose folders hold more than fmoe reads (Family.written_as: a released
     llama4 folder) its text_config as that family's (llama4_text, Llama4ForCausalLM: token
-    ids, RoPE and every text field kept; a mistral3 folder's as its text model's own)."""
+    ids, RoPE and every text field kept; a mistral3 folder's as its text model's own; the logit
+    scale 1 where the whole model's class applies none, _VL_UNSCALED)."""
     family = FAMILIES[hf["model_type"]]
     if family.written_as is None:
         return hf
     text = _multimodal_text(hf) if hf["model_type"] in _MULTIMODAL else _text_config(hf)
+    if hf["model_type"] in _VL_UNSCALED:  # the logits as the whole model's class computes them: unscaled
+        text[_VL_UNSCALED[hf["model_type"]]] = 1.0
     kind = text["model_type"] if family.written_as == "text_config" else family.written_as
     return dict(text, model_type=kind, architectures=[FAMILIES[kind].architecture])
 

@@ -1412,38 +1412,57 @@ def test_olmo_hybrid_reads_its_released_files(tmp_path):
         assert _rel(torch.cat([fresh(d[None]).logits[0] for d in docs]), theirs) < 1e-5
 
 
-@pytest.mark.parametrize("kind", ["lfm2_vl", "lfm3_vl", "exaone4_5", "granite4_vision"])
+_SIGLIP = dict(model_type="siglip_vision_model", hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+               patch_size=14)
+# a released vision-language (or speech) folder's model_type -> its text model's family (the tests' config of it), and
+# transformers' classes of the whole model and its config with the tiny encoder and projector configs beside the text config
+_VL = {
+    "lfm2_vl": ("lfm2", "Lfm2Vl", dict(vision_config=dict(_SIGLIP, model_type="siglip2_vision_model"), projector_hidden_size=16)),
+    "lfm3_vl": ("lfm3", "Lfm3Vl", dict(vision_config=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2),
+                                       projector_hidden_size=16)),
+    "exaone4_5": ("exaone4", "Exaone4_5_", dict(vision_config=dict(hidden_size=16, intermediate_size=16, depth=1, num_heads=2, out_hidden_size=32))),
+    # a CLIP vision tower, a projector per vision layer read (deepstack) and the spatial ones; the text model's own model_type
+    "granite4_vision": ("granite", "Granite4Vision", dict(
+        vision_config=dict(model_type="clip_vision_model", hidden_size=64, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+                           image_size=28, patch_size=14),
+        deepstack_layer_map=[[1, 0]], spatial_target_layers=[0, 1, 2, 2], downsample_rate="1/2", qformer_config=dict(intermediate_size=16))),
+    "cohere2_vision": ("cohere2", "Cohere2Vision", dict(vision_config=_SIGLIP)),
+    "aya_vision": ("cohere2", "AyaVision", dict(vision_config=_SIGLIP)),  # the older layout: everything under language_model.
+    "hyperclovax_vision_v2": ("hyperclovax", "HyperCLOVAXVisionV2", dict(vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2,
+                                                                                            out_hidden_size=32))),
+    "granite_speech": ("granite", "GraniteSpeech", dict(  # an audio encoder and a Q-Former projector, under encoder. and projector.
+        encoder_config=dict(hidden_dim=16, num_layers=1, num_heads=2, dim_head=8, output_dim=8, input_dim=16),
+        projector_config=dict(hidden_size=16, num_attention_heads=2, intermediate_size=16, encoder_hidden_size=16, num_hidden_layers=1))),
+    "minicpmv4_6": ("qwen3_5_text", "MiniCPMV4_6", {}),
+    "minicpmv4_7": ("qwen3_5_text", "MiniCPMV4_7", {}),
+}
+
+
+@pytest.mark.parametrize("kind", list(_VL))
 def test_a_released_vision_language_folder_loads_its_text_model(kind, tmp_path):
-    """LFM2-VL's, LFM3-VL's, EXAONE 4.5's and Granite 4.0 Vision's folders: the text model
-    (LFM2's, LFM3's, EXAONE 4.0's, Granite 3's with its multipliers and MLP biases) under
-    model.language_model. loads with transformers' logits of a text-only forward, the vision
-    model's and the projectors' keys neither read nor counted as unread, its head tied as the
-    top level says (or its class by default); written back as the text model's family
-    (_text_model_round_trip); a text_config of another model is refused by name."""
-    text_kind = dict(lfm2_vl="lfm2", lfm3_vl="lfm3", exaone4_5="exaone4", granite4_vision="granite")[kind]
+    """Released vision-language (and speech) folders whose text model is a family's
+    (fmoe.hf._VL_TEXT: LFM2-VL, LFM3-VL, EXAONE 4.5, Granite 4.0 Vision, Command A Vision, Aya
+    Vision, HyperCLOVA X SEED Vision, Granite Speech, MiniCPM-V 4.6 / 4.7): the text model, under
+    model.language_model. or (the older layout) all of it under language_model., loads with
+    transformers' logits of a text-only forward, the encoders' and projectors' keys neither
+    read nor counted as unread, its head tied as the top level says (or its class by default);
+    written back as the text model's family (_text_model_round_trip); a text_config of
+    another model is refused by name."""
+    text_kind, name, extra = _VL[kind]
     text = dict(FAMILIES[text_kind]().to_dict(), pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    if kind == "granite4_vision":  # a CLIP vision tower, a projector per vision layer read (deepstack) and the spatial ones
+    if kind == "granite4_vision":
         text["model_type"] = "granite4_vision_text"
-        cls, config = transformers.Granite4VisionForConditionalGeneration, transformers.Granite4VisionConfig(
-            text_config=text, vision_config=dict(model_type="clip_vision_model", hidden_size=64, intermediate_size=16, num_hidden_layers=2,
-                                                 num_attention_heads=2, image_size=28, patch_size=14),
-            deepstack_layer_map=[[1, 0]], spatial_target_layers=[0, 1, 2, 2], downsample_rate="1/2", qformer_config=dict(intermediate_size=16))
-    elif kind == "exaone4_5":
-        cls, config = transformers.Exaone4_5_ForConditionalGeneration, transformers.Exaone4_5_Config(
-            text_config=text, vision_config=dict(hidden_size=16, intermediate_size=16, depth=1, num_heads=2, out_hidden_size=32))
-    else:
-        vision = dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2)
-        if kind == "lfm2_vl":
-            cls, config = transformers.Lfm2VlForConditionalGeneration, transformers.Lfm2VlConfig(
-                text_config=text, vision_config=dict(vision, model_type="siglip2_vision_model"), projector_hidden_size=16)
-        else:
-            cls, config = transformers.Lfm3VlForConditionalGeneration, transformers.Lfm3VlConfig(text_config=text, vision_config=vision,
-                                                                                                 projector_hidden_size=16)
+    cls = getattr(transformers, name + "ForConditionalGeneration")
+    config = getattr(transformers, name + "Config")(text_config=text, **extra)
     theirs = _saved_multimodal(cls, config, tmp_path / "hf")
-    _, cfg, _ = _text_model_round_trip(tmp_path / "hf", theirs, tmp_path / "text", kind=kind, prefix="model.language_model.", head="lm_head.weight",
-                                       text_kind=text_kind)
-    assert cfg == TransformerConfig(**dict(hf.FAMILIES[text_kind].kwargs(dict(text, model_type=text_kind, tie_word_embeddings=config.tie_word_embeddings)),
-                                           impl="torch"))
+    prefix = "language_model." if hf.FAMILIES[kind].prefix == ("", "language_model.") else "model.language_model."
+    _, cfg, _ = _text_model_round_trip(tmp_path / "hf", theirs, tmp_path / "text", kind=kind, prefix=prefix,
+                                       head=prefix + "lm_head.weight" if prefix == "language_model." else "lm_head.weight", text_kind=text_kind)
+    tied = config.tie_word_embeddings
+    # Command A Vision's, Aya Vision's and Granite Speech's classes leave the text model's logit scale (here 1/4) unapplied
+    unscaled = dict(logit_divisor=1.0) if kind in ("cohere2_vision", "aya_vision", "granite_speech") else {}
+    assert cfg == TransformerConfig(**dict(hf.FAMILIES[text_kind].kwargs(dict(text, model_type=text_kind, tie_word_embeddings=tied)), impl="torch",
+                                           **unscaled))
     outer = {k: v for k, v in json.loads((tmp_path / "hf" / "config.json").read_text()).items() if k != "tie_word_embeddings"}
     tied = type(config)(**{k: v for k, v in outer.items() if k != "model_type"}).tie_word_embeddings  # the class default
     assert TransformerConfig(**hf.FAMILIES[kind].kwargs(outer)).tie_embeddings == tied
