@@ -141,8 +141,8 @@ class DenseMLP(nn.Module):
                 scalars = tuple(tp.weight(w) for w in scalars)
             params = (*scalars, *self.xielu)
         b_gate, b_up, b_down = (None if b is None else _local(b) for b in (self.b_gate, self.b_up, self.b_down))
-        if b_down is not None and tp is not None:  # every rank adds its share before the ranks' outputs are summed
-            b_down = tp.weight(b_down) / tp.mesh.size()
+        if b_down is not None and tp is not None:  # added once over the ranks' sum
+            b_down = tp.share(b_down)
         return dense_mlp(x_TH, gate, _local(self.w_up), _local(self.w_down), impl=self.impl, fp8=self.fp8, act=self.act, act_params=params,
                          b_gate=b_gate, b_up=b_up, b_down=b_down)
 
@@ -1431,9 +1431,7 @@ class Attention(nn.Module):
         if tp is None:
             y_TH, stats = attention(x_TH, params, self.cfg, ctx, index_choice=choice)
         else:
-            params.update({n: tp.weight(params[n]) for n in tp.replicated})
-            if "bo" in params:  # every rank adds its share before the ranks' outputs are summed
-                params["bo"] = params["bo"] / tp.mesh.size()
+            params.update({n: tp.share(params[n]) if n == "bo" else tp.weight(params[n]) for n in tp.replicated})  # bo: added once
             y_TH, stats = attention(x_TH, params, self.cfg, ctx, heads_mean=tp.mean, index_choice=choice)
         if self.index_keep and ctx.index_choices is not None:  # for the blocks that reuse it
             ctx.index_choices[self.index_key] = stats["index_choice"]

@@ -260,12 +260,13 @@ class HeadShard:
     """What an Attention whose heads are split over the tp ranks needs beyond its sharded
     weights (set as its `tensor_parallel` attribute by AttentionParallel; fmoe.model's
     Attention reads it), and a LinearAttention's or a DenseMLP's (SwiGLUParallel: xIELU's
-    scalars). Every rank runs the region on all T tokens for its own heads (or FFN columns).
+    scalars, b_down). Every rank runs the region on all T tokens for its own heads (or FFN columns).
 
     replicated: the names of the parameters every tp rank holds whole and uses for its own
         heads only (a per-head qk norm [D]; multi-latent attention's down projections
-        wq_a, wkv_a and their latent norms; xIELU's scalars, for its own FFN columns):
-        weight() sums their gradients over tp.
+        wq_a, wkv_a and their latent norms; xIELU's scalars, for its own FFN columns), or
+        adds once over the ranks (the output biases bo and b_down: share()): weight() sums
+        their gradients over tp.
     """
 
     mesh: DeviceMesh
@@ -274,6 +275,11 @@ class HeadShard:
     def weight(self, w: torch.Tensor) -> torch.Tensor:
         """w itself; its gradient (this rank's heads' share) is summed over the tp ranks."""
         return copy_to_tp(w, self.mesh)
+
+    def share(self, bias: torch.Tensor) -> torch.Tensor:
+        """bias / tp, its gradient summed over the tp ranks: an output bias (a replicated name)
+        that each rank adds before the ranks' outputs are summed, so that the sum holds it once."""
+        return self.weight(bias) / self.mesh.size()
 
     def mean(self, x: torch.Tensor) -> torch.Tensor:
         """The average over the tp ranks of per-token statistics x [T, n] (each rank's over
