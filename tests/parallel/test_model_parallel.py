@@ -299,9 +299,11 @@ CASES = {
     # rank, their gradients summed over tp
     "tp2-apertus": (2, dict(tp=2), dict(n_dense=2, mlp_act="xielu")),
     # Jais 2's dense MLPs with biases: b_up with its FFN columns over tp, b_down [H] whole on each rank (b_down / tp added
-    # before the ranks' outputs are summed, its gradient summed over tp); and Llama's with a gate, b_gate with its columns
-    "tp2-mlp-bias": (2, dict(tp=2), dict(n_dense=2, mlp_act="relu2", mlp_bias=True, layer_norms=True, norm_bias=True)),
-    "tp2-mlp-bias-swiglu": (2, dict(tp=2), dict(n_dense=2, mlp_bias=True)),
+    # before the ranks' outputs are summed, its gradient summed over tp); and Llama's with a gate, b_gate with its columns.
+    # Weights of 0.1, not 0.02: beside b_down's 0.2 noise (_perturb_zeros_and_ones) tokens of 0.02 reach block 1 nearly
+    # alike, and its wq gradient, terms that cancel, differs from one process by 8e-6 (relative) in float32; 6e-7 here
+    "tp2-mlp-bias": (2, dict(tp=2), dict(n_dense=2, mlp_act="relu2", mlp_bias=True, layer_norms=True, norm_bias=True, init_std=0.1)),
+    "tp2-mlp-bias-swiglu": (2, dict(tp=2), dict(n_dense=2, mlp_bias=True, init_std=0.1)),
     # Arcee's MLPs without a gate (mlp_act "relu2"): w_up and w_down split over tp
     "tp2-relu2": (2, dict(tp=2), dict(n_dense=2, mlp_act="relu2")),
     "tp2": (2, dict(tp=2), {}),
@@ -592,7 +594,8 @@ def _tolerance(case: str, key: str) -> float:
         return 1e-4
     if case.startswith("cp") and "granite4" in case and key.endswith(DECAY):
         return MAMBA_DECAY_TOL
-    return 3e-5 if case.startswith("cp") and ("gated-deltanet" in case or "kimi-linear" in case) and key.endswith(DECAY) else 1e-5
+    delta_rule = any(name in case for name in ("gated-deltanet", "kimi-linear", "olmo_hybrid"))  # the blocks with DECAY's parameters
+    return 3e-5 if case.startswith("cp") and delta_rule and key.endswith(DECAY) else 1e-5
 
 
 @pytest.mark.parametrize("case", list(CASES))
