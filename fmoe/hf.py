@@ -117,10 +117,11 @@ a dense Ministral 3 (ministral3: Mistral's blocks with YaRN and the same query s
 Mistral (Mistral Small 3.x) one, under language_model. beside a vision model that is not
 read, and is written back only as its text model's family (Family.written_as "text_config").
 A released LFM2-VL, LFM3-VL, EXAONE 4.5, Granite 4.0 Vision, Command A Vision, Aya Vision,
-HyperCLOVA X SEED Vision, Granite Speech or MiniCPM-V 4.6 / 4.7 folder (_VL_TEXT) holds LFM2's,
-LFM3's, EXAONE 4.0's, Granite 3's, Cohere 2's, HyperCLOVA X's or Qwen3.5's text model under
-model.language_model. (the older layout: all of it under language_model.) beside a vision or
-audio encoder and its projectors that are not read, and is written back only as that family.
+HyperCLOVA X SEED Vision, Granite Speech, MiniCPM-V 4.6 / 4.7 or Nemotron 3 Nano Omni folder
+(_VL_TEXT) holds LFM2's, LFM3's, EXAONE 4.0's, Granite 3's, Cohere 2's, HyperCLOVA X's, Qwen3.5's
+or Nemotron-H's text model under model.language_model. (the older layout: all of it, head
+included, under language_model.: Family.outer) beside a vision or audio encoder and its
+projectors that are not read, and is written back only as that family.
 A released Qwen3-VL-MoE folder (qwen3_vl_moe) holds Qwen3-MoE's text model (its router always
 renormalised) under model.language_model., the dense Qwen3-VL (qwen3_vl) Qwen3's, beside a
 vision model that is not read; a Qwen3-Omni folder (qwen3_omni_moe) holds Qwen3-MoE's under
@@ -2121,12 +2122,13 @@ def _lara_mini(hf: dict) -> dict:
 
 
 def _text_config(hf: dict) -> dict:
-    """The text model's config of a multimodal folder (Llama 4's, Qwen3.5's): its text_config,
-    with the top level's tie_word_embeddings where it has one (the field transformers' class
-    of the whole model ties the head by)."""
-    if not isinstance(hf.get("text_config"), dict):
+    """The text model's config of a multimodal folder (Llama 4's, Qwen3.5's): its text_config
+    (a released Nemotron-H Omni folder's llm_config), with the top level's tie_word_embeddings
+    where it has one (the field transformers' class of the whole model ties the head by)."""
+    text = hf.get("text_config", hf.get("llm_config"))
+    if not isinstance(text, dict):
         raise ValueError(f"config.json: a {hf.get('model_type')} config without a text_config is not supported")
-    text = dict(hf["text_config"])
+    text = dict(text)
     if "tie_word_embeddings" in hf:
         text["tie_word_embeddings"] = hf["tie_word_embeddings"]
     return text
@@ -2481,6 +2483,9 @@ class Family:
     # "language_model.") before every key; Qwen3.5's ("model.", "model.language_model."), the head left at lm_head), beside a
     # vision model
     prefix: tuple[str, str] = ("", "")
+    # every key, the head's too, under this prefix as well, after `prefix` (a multimodal folder holding the text model's own
+    # keys under language_model.: Aya Vision's, Granite Speech's, Nemotron-H Omni's)
+    outer: str = ""
     # folders holding more than fmoe reads are not written back: export as this family ("text_config": the text model's own)
     written_as: Optional[str] = None
     dense: str = "mlp"  # the dense blocks' MLP module
@@ -2558,9 +2563,9 @@ class Family:
     mamba: str = "mamba"  # the Mamba-2 mixer's module, in each layer (Granite 4.0-H's, Bamba's; Nemotron-H's mixer)
 
     def renamed(self, key: str) -> str:
-        """key (as the family's own models name it) in the family's folders (prefix)."""
+        """key (as the family's own models name it) in the family's folders (prefix, then outer)."""
         old, new = self.prefix
-        return new + key[len(old):] if key.startswith(old) else key
+        return self.outer + (new + key[len(old):] if key.startswith(old) else key)
 
     def kwargs(self, hf: dict) -> dict:
         """config.json -> TransformerConfig kwargs: the fields it names by their aliases read as
@@ -2953,11 +2958,13 @@ def _vl_text(kind: str, unscaled: bool) -> Callable[[dict], dict]:
 
 
 # released vision-language (and speech) folders: model_type -> (the text model's family, the architecture, transformers'
-# default of the top level's tie_word_embeddings, the prefixes of what is beside the text model, (old, new): where the text
-# model's keys are, Family.prefix). What is beside it (the vision or audio encoder, its projectors) is not read; the folder is
+# default of the top level's tie_word_embeddings (None: the text model ties its own head), the prefixes of what is beside
+# the text model, where the text model's keys are: _IN_MODEL or _LEGACY). What is beside it (the vision or audio encoder,
+# its projectors) is not read; the folder is
 # written back only as the text model's family. Granite 4.0 Vision's text model is Granite 3's (the vision features it adds
 # to some layers' outputs join only at image tokens). _VL_UNSCALED: those whose logits transformers does not scale (_vl_text)
-_IN_MODEL, _LEGACY = ("model.", "model.language_model."), ("", "language_model.")  # the text model under model., or the whole under language_model.
+# the text model under model. (Family.prefix), or all of it, head included, under language_model. (Family.outer)
+_IN_MODEL, _LEGACY = ("model.", "model.language_model."), "language_model."
 _VL_TEXT = {"lfm2_vl": ("lfm2", "Lfm2VlForConditionalGeneration", True, ("model.vision_tower.", "model.multi_modal_projector."), _IN_MODEL),
             "lfm3_vl": ("lfm3", "Lfm3VlForConditionalGeneration", True, ("model.vision_tower.", "model.multi_modal_projector."), _IN_MODEL),
             "exaone4_5": ("exaone4", "Exaone4_5_ForConditionalGeneration", False, ("model.visual.",), _IN_MODEL),
@@ -2970,17 +2977,20 @@ _VL_TEXT = {"lfm2_vl": ("lfm2", "Lfm2VlForConditionalGeneration", True, ("model.
                                       _IN_MODEL),
             "granite_speech": ("granite", "GraniteSpeechForConditionalGeneration", True, ("encoder.", "projector."), _LEGACY),
             **{f"minicpmv4_{v}": ("qwen3_5_text", f"MiniCPMV4_{v}ForConditionalGeneration", False, ("model.vision_tower.", "model.merger."), _IN_MODEL)
-               for v in (6, 7)}}
+               for v in (6, 7)},
+            # Nemotron 3 Nano Omni: Nemotron-H's causal LM whole (its backbone. and lm_head) under language_model.
+            "nemotron_h_omni": ("nemotron_h", "NemotronH_Omni_Reasoning_V3", None,
+                                ("vision_model.", "mlp1.", "sound_encoder.", "sound_projection."), _LEGACY)}
 # (the text config's field of that scale, written as 1 with the text model: written_config)
 _VL_UNSCALED = {"cohere2_vision": "logit_scale", "aya_vision": "logit_scale", "granite_speech": "logits_scaling"}
 # the text models' own model_types that read as the family: EXAONE 4.5's first released one (transformers reads it as exaone4),
 # Granite 4.0 Vision's (Granite 3's config)
 _VL_TEXT_ALIASES = {"exaone4": ("exaone4_5_text",), "granite": ("granite4_vision_text",)}
-for _vl, (_text, _architecture, _tied, _beside, _prefix) in _VL_TEXT.items():
+for _vl, (_text, _architecture, _tied, _beside, _where) in _VL_TEXT.items():
     FAMILIES[_vl] = dataclasses.replace(FAMILIES[_text], config_to_fmoe=_vl_text(_text, _vl in _VL_UNSCALED), architecture=_architecture,
                                         aliases=dict(tie_word_embeddings="tie_embedding") if _vl == "lfm2_vl" else {},  # LFM2-VL's own name
-                                        defaults=dict(tie_word_embeddings=_tied), prefix=_prefix,
-                                        not_read=_beside, written_as=_text)
+                                        defaults={} if _tied is None else dict(tie_word_embeddings=_tied), not_read=_beside, written_as=_text,
+                                        **(dict(outer=_where) if isinstance(_where, str) else dict(prefix=_where)))
 _MLA = (("wq", "q_proj"), ("wq_a", "q_a_proj"), ("wq_b", "q_b_proj"), ("wkv_a", "kv_a_proj_with_mqa"), ("wkv_b", "kv_b_proj"), ("wo", "o_proj"))
 
 
@@ -3341,7 +3351,7 @@ def key_map(family: Family, cfg: TransformerConfig) -> dict[str, Tensor]:
         out = {n: s for name, spec in out.items()
                for n, s in [(name, spec)] + ([(name[:-len("weight")] + "bias", Tensor((spec.keys[0][:-len("weight")] + "bias",)))]
                                              if name.endswith("norm.weight") else [])}
-    if family.prefix != ("", ""):
+    if family.prefix != ("", "") or family.outer:
         out = {name: dataclasses.replace(spec, keys=tuple(family.renamed(key) for key in spec.keys)) for name, spec in out.items()}
     return out
 

@@ -1435,6 +1435,14 @@ _VL = {
         projector_config=dict(hidden_size=16, num_attention_heads=2, intermediate_size=16, encoder_hidden_size=16, num_hidden_layers=1))),
     "minicpmv4_6": ("qwen3_5_text", "MiniCPMV4_6", {}),
     "minicpmv4_7": ("qwen3_5_text", "MiniCPMV4_7", {}),
+    # Nemotron 3 Nano Omni: Nemotron-H's causal LM under language_model. beside a RADIO vision model, a Parakeet audio encoder
+    # and their projectors; the text model ties its own head
+    "nemotron_h_omni": ("nemotron_h", "NemotronH_Omni_Reasoning_V3", dict(
+        vision_config=dict(model_type="radio", hidden_size=16, num_hidden_layers=1, num_attention_heads=2, patch_size=4, image_size=16,
+                           max_img_size=32, num_cls_tokens=1, num_registers=1, patch_dim=16, video_temporal_patch_size=2),
+        audio_config=dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16, subsampling_conv_channels=4,
+                          num_mel_bins=8, projection_hidden_size=16, projection_bias=False),
+        projector_hidden_size=16, vision_hidden_size=16)),
 }
 
 
@@ -1452,20 +1460,25 @@ def test_a_released_vision_language_folder_loads_its_text_model(kind, tmp_path):
     text = dict(FAMILIES[text_kind]().to_dict(), pad_token_id=0, bos_token_id=1, eos_token_id=2)
     if kind == "granite4_vision":
         text["model_type"] = "granite4_vision_text"
-    cls = getattr(transformers, name + "ForConditionalGeneration")
-    config = getattr(transformers, name + "Config")(text_config=text, **extra)
+    omni = kind == "nemotron_h_omni"  # its classes' names
+    cls = getattr(transformers, name if omni else name + "ForConditionalGeneration")
+    config = getattr(transformers, name + ("_Config" if omni else "Config"))(text_config=text, **extra)
     theirs = _saved_multimodal(cls, config, tmp_path / "hf")
-    prefix = "language_model." if hf.FAMILIES[kind].prefix == ("", "language_model.") else "model.language_model."
+    prefix = hf.FAMILIES[kind].outer or "model.language_model."
     _, cfg, _ = _text_model_round_trip(tmp_path / "hf", theirs, tmp_path / "text", kind=kind, prefix=prefix,
-                                       head=prefix + "lm_head.weight" if prefix == "language_model." else "lm_head.weight", text_kind=text_kind)
-    tied = config.tie_word_embeddings
+                                       head=prefix + "lm_head.weight" if hf.FAMILIES[kind].outer else "lm_head.weight", text_kind=text_kind)
+    tied = config.text_config.tie_word_embeddings if omni else config.tie_word_embeddings
     # Command A Vision's, Aya Vision's and Granite Speech's classes leave the text model's logit scale (here 1/4) unapplied
     unscaled = dict(logit_divisor=1.0) if kind in ("cohere2_vision", "aya_vision", "granite_speech") else {}
     assert cfg == TransformerConfig(**dict(hf.FAMILIES[text_kind].kwargs(dict(text, model_type=text_kind, tie_word_embeddings=tied)), impl="torch",
                                            **unscaled))
     outer = {k: v for k, v in json.loads((tmp_path / "hf" / "config.json").read_text()).items() if k != "tie_word_embeddings"}
-    tied = type(config)(**{k: v for k, v in outer.items() if k != "model_type"}).tie_word_embeddings  # the class default
+    if not omni:  # the class default
+        tied = type(config)(**{k: v for k, v in outer.items() if k != "model_type"}).tie_word_embeddings
     assert TransformerConfig(**hf.FAMILIES[kind].kwargs(outer)).tie_embeddings == tied
+    if omni:  # the released folders' name of the text config
+        legacy = {("llm_config" if k == "text_config" else k): v for k, v in outer.items()}
+        assert TransformerConfig(**hf.FAMILIES[kind].kwargs(legacy)) == TransformerConfig(**hf.FAMILIES[kind].kwargs(outer))
     with pytest.raises(ValueError, match=f"config.json: a {kind} folder whose text model is 'llama' is not supported"):
         hf.FAMILIES[kind].kwargs(dict(model_type=kind, text_config=dict(text, model_type="llama")))
 
