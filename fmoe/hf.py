@@ -2940,21 +2940,27 @@ FAMILIES = {
 }
 
 
-def _vl_text(kind: str, unscaled: bool) -> Callable[[dict], dict]:
+def _vl_text(kind: str) -> Callable[[dict], dict]:
     """config_to_fmoe of a released vision-language folder whose text_config is family `kind`'s
-    model (_VL_TEXT): that text model's kwargs (_text_config: the top level's
-    tie_word_embeddings where it has one), a text_config of another model_type refused;
-    unscaled: the logits without the text model's scale (logit_divisor 1), as transformers'
-    class of the whole model computes them (Command A Vision's, Aya Vision's, Granite
-    Speech's head reads no logit_scale / logits_scaling)."""
+    model (_VL_TEXT): that text model's kwargs (_vl_text_config, _text_family), a text_config
+    of another model_type refused."""
     def config_to_fmoe(hf: dict) -> dict:
-        text = _text_config(hf)
+        text = _vl_text_config(hf)
         if text.get("model_type", kind) not in (kind, *_VL_TEXT_ALIASES.get(kind, ())):
             raise ValueError(f"config.json: a {hf.get('model_type')} folder whose text model is {text.get('model_type')!r} is not supported "
                              f"(expected {kind!r})")
-        out = FAMILIES[kind].kwargs(dict(text, model_type=kind))
-        return dict(out, logit_divisor=1.0) if unscaled else out
+        return _text_family(hf, kind, text)
     return config_to_fmoe
+
+
+def _vl_text_config(hf: dict) -> dict:
+    """A multimodal folder's text config (_text_config) as transformers' class of the whole model
+    computes with it: the logit scale 1 where that class's head reads none (_VL_UNSCALED:
+    Command A Vision's, Aya Vision's, Granite Speech's), read so and written so."""
+    text = _text_config(hf)
+    if hf.get("model_type") in _VL_UNSCALED:
+        text[_VL_UNSCALED[hf["model_type"]]] = 1.0
+    return text
 
 
 # released vision-language (and speech) folders: model_type -> (the text model's family, the architecture, transformers'
@@ -2962,7 +2968,7 @@ def _vl_text(kind: str, unscaled: bool) -> Callable[[dict], dict]:
 # the text model, where the text model's keys are: _IN_MODEL or _LEGACY). What is beside it (the vision or audio encoder,
 # its projectors) is not read; the folder is
 # written back only as the text model's family. Granite 4.0 Vision's text model is Granite 3's (the vision features it adds
-# to some layers' outputs join only at image tokens). _VL_UNSCALED: those whose logits transformers does not scale (_vl_text)
+# to some layers' outputs join only at image tokens). _VL_UNSCALED: those whose logits transformers does not scale (_vl_text_config)
 # the text model under model. (Family.prefix), or all of it, head included, under language_model. (Family.outer)
 _IN_MODEL, _LEGACY = ("model.", "model.language_model."), "language_model."
 _VL_TEXT = {"lfm2_vl": ("lfm2", "Lfm2VlForConditionalGeneration", True, ("model.vision_tower.", "model.multi_modal_projector."), _IN_MODEL),
@@ -2981,13 +2987,13 @@ _VL_TEXT = {"lfm2_vl": ("lfm2", "Lfm2VlForConditionalGeneration", True, ("model.
             # Nemotron 3 Nano Omni: Nemotron-H's causal LM whole (its backbone. and lm_head) under language_model.
             "nemotron_h_omni": ("nemotron_h", "NemotronH_Omni_Reasoning_V3", None,
                                 ("vision_model.", "mlp1.", "sound_encoder.", "sound_projection."), _LEGACY)}
-# (the text config's field of that scale, written as 1 with the text model: written_config)
+# (the text config's field of that scale, read and written as 1)
 _VL_UNSCALED = {"cohere2_vision": "logit_scale", "aya_vision": "logit_scale", "granite_speech": "logits_scaling"}
 # the text models' own model_types that read as the family: EXAONE 4.5's first released one (transformers reads it as exaone4),
 # Granite 4.0 Vision's (Granite 3's config)
 _VL_TEXT_ALIASES = {"exaone4": ("exaone4_5_text",), "granite": ("granite4_vision_text",)}
 for _vl, (_text, _architecture, _tied, _beside, _where) in _VL_TEXT.items():
-    FAMILIES[_vl] = dataclasses.replace(FAMILIES[_text], config_to_fmoe=_vl_text(_text, _vl in _VL_UNSCALED), architecture=_architecture,
+    FAMILIES[_vl] = dataclasses.replace(FAMILIES[_text], config_to_fmoe=_vl_text(_text), architecture=_architecture,
                                         aliases=dict(tie_word_embeddings="tie_embedding") if _vl == "lfm2_vl" else {},  # LFM2-VL's own name
                                         defaults={} if _tied is None else dict(tie_word_embeddings=_tied), not_read=_beside, written_as=_text,
                                         **(dict(outer=_where) if isinstance(_where, str) else dict(prefix=_where)))
@@ -4406,9 +4412,7 @@ def written_config(hf: dict) -> dict:
     family = FAMILIES[hf["model_type"]]
     if family.written_as is None:
         return hf
-    text = _multimodal_text(hf) if hf["model_type"] in _MULTIMODAL else _text_config(hf)
-    if hf["model_type"] in _VL_UNSCALED:  # the logits as the whole model's class computes them: unscaled
-        text[_VL_UNSCALED[hf["model_type"]]] = 1.0
+    text = _multimodal_text(hf) if hf["model_type"] in _MULTIMODAL else _vl_text_config(hf)
     kind = text["model_type"] if family.written_as == "text_config" else family.written_as
     return dict(text, model_type=kind, architectures=[FAMILIES[kind].architecture])
 

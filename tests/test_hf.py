@@ -1417,27 +1417,31 @@ _SIGLIP = dict(model_type="siglip_vision_model", hidden_size=16, intermediate_si
 # a released vision-language (or speech) folder's model_type -> its text model's family (the tests' config of it), and
 # transformers' classes of the whole model and its config with the tiny encoder and projector configs beside the text config
 _VL = {
-    "lfm2_vl": ("lfm2", "Lfm2Vl", dict(vision_config=dict(_SIGLIP, model_type="siglip2_vision_model"), projector_hidden_size=16)),
-    "lfm3_vl": ("lfm3", "Lfm3Vl", dict(vision_config=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2),
-                                       projector_hidden_size=16)),
-    "exaone4_5": ("exaone4", "Exaone4_5_", dict(vision_config=dict(hidden_size=16, intermediate_size=16, depth=1, num_heads=2, out_hidden_size=32))),
+    "lfm2_vl": ("lfm2", ("Lfm2VlForConditionalGeneration", "Lfm2VlConfig"),
+                dict(vision_config=dict(_SIGLIP, model_type="siglip2_vision_model"), projector_hidden_size=16)),
+    "lfm3_vl": ("lfm3", ("Lfm3VlForConditionalGeneration", "Lfm3VlConfig"),
+                dict(vision_config=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2), projector_hidden_size=16)),
+    "exaone4_5": ("exaone4", ("Exaone4_5_ForConditionalGeneration", "Exaone4_5_Config"),
+                  dict(vision_config=dict(hidden_size=16, intermediate_size=16, depth=1, num_heads=2, out_hidden_size=32))),
     # a CLIP vision tower, a projector per vision layer read (deepstack) and the spatial ones; the text model's own model_type
-    "granite4_vision": ("granite", "Granite4Vision", dict(
+    "granite4_vision": ("granite", ("Granite4VisionForConditionalGeneration", "Granite4VisionConfig"), dict(
         vision_config=dict(model_type="clip_vision_model", hidden_size=64, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
                            image_size=28, patch_size=14),
         deepstack_layer_map=[[1, 0]], spatial_target_layers=[0, 1, 2, 2], downsample_rate="1/2", qformer_config=dict(intermediate_size=16))),
-    "cohere2_vision": ("cohere2", "Cohere2Vision", dict(vision_config=_SIGLIP)),
-    "aya_vision": ("cohere2", "AyaVision", dict(vision_config=_SIGLIP)),  # the older layout: everything under language_model.
-    "hyperclovax_vision_v2": ("hyperclovax", "HyperCLOVAXVisionV2", dict(vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2,
-                                                                                            out_hidden_size=32))),
-    "granite_speech": ("granite", "GraniteSpeech", dict(  # an audio encoder and a Q-Former projector, under encoder. and projector.
+    "cohere2_vision": ("cohere2", ("Cohere2VisionForConditionalGeneration", "Cohere2VisionConfig"), dict(vision_config=_SIGLIP)),
+    # the older layout: everything under language_model.
+    "aya_vision": ("cohere2", ("AyaVisionForConditionalGeneration", "AyaVisionConfig"), dict(vision_config=_SIGLIP)),
+    "hyperclovax_vision_v2": ("hyperclovax", ("HyperCLOVAXVisionV2ForConditionalGeneration", "HyperCLOVAXVisionV2Config"),
+                              dict(vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32))),
+    # an audio encoder and a Q-Former projector, under encoder. and projector.
+    "granite_speech": ("granite", ("GraniteSpeechForConditionalGeneration", "GraniteSpeechConfig"), dict(
         encoder_config=dict(hidden_dim=16, num_layers=1, num_heads=2, dim_head=8, output_dim=8, input_dim=16),
         projector_config=dict(hidden_size=16, num_attention_heads=2, intermediate_size=16, encoder_hidden_size=16, num_hidden_layers=1))),
-    "minicpmv4_6": ("qwen3_5_text", "MiniCPMV4_6", {}),
-    "minicpmv4_7": ("qwen3_5_text", "MiniCPMV4_7", {}),
+    "minicpmv4_6": ("qwen3_5_text", ("MiniCPMV4_6ForConditionalGeneration", "MiniCPMV4_6Config"), {}),
+    "minicpmv4_7": ("qwen3_5_text", ("MiniCPMV4_7ForConditionalGeneration", "MiniCPMV4_7Config"), {}),
     # Nemotron 3 Nano Omni: Nemotron-H's causal LM under language_model. beside a RADIO vision model, a Parakeet audio encoder
     # and their projectors; the text model ties its own head
-    "nemotron_h_omni": ("nemotron_h", "NemotronH_Omni_Reasoning_V3", dict(
+    "nemotron_h_omni": ("nemotron_h", ("NemotronH_Omni_Reasoning_V3", "NemotronH_Omni_Reasoning_V3_Config"), dict(
         vision_config=dict(model_type="radio", hidden_size=16, num_hidden_layers=1, num_attention_heads=2, patch_size=4, image_size=16,
                            max_img_size=32, num_cls_tokens=1, num_registers=1, patch_dim=16, video_temporal_patch_size=2),
         audio_config=dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16, subsampling_conv_channels=4,
@@ -1450,19 +1454,19 @@ _VL = {
 def test_a_released_vision_language_folder_loads_its_text_model(kind, tmp_path):
     """Released vision-language (and speech) folders whose text model is a family's
     (fmoe.hf._VL_TEXT: LFM2-VL, LFM3-VL, EXAONE 4.5, Granite 4.0 Vision, Command A Vision, Aya
-    Vision, HyperCLOVA X SEED Vision, Granite Speech, MiniCPM-V 4.6 / 4.7): the text model, under
+    Vision, HyperCLOVA X SEED Vision, Granite Speech, MiniCPM-V 4.6 / 4.7, Nemotron 3 Nano Omni): the text model, under
     model.language_model. or (the older layout) all of it under language_model., loads with
     transformers' logits of a text-only forward, the encoders' and projectors' keys neither
     read nor counted as unread, its head tied as the top level says (or its class by default);
     written back as the text model's family (_text_model_round_trip); a text_config of
     another model is refused by name."""
-    text_kind, name, extra = _VL[kind]
+    text_kind, names, extra = _VL[kind]
     text = dict(FAMILIES[text_kind]().to_dict(), pad_token_id=0, bos_token_id=1, eos_token_id=2)
     if kind == "granite4_vision":
         text["model_type"] = "granite4_vision_text"
-    omni = kind == "nemotron_h_omni"  # its classes' names
-    cls = getattr(transformers, name if omni else name + "ForConditionalGeneration")
-    config = getattr(transformers, name + ("_Config" if omni else "Config"))(text_config=text, **extra)
+    omni = kind == "nemotron_h_omni"  # its text model ties its own head; its released folders name the text config llm_config
+    cls, config = (getattr(transformers, name) for name in names)
+    config = config(text_config=text, **extra)
     theirs = _saved_multimodal(cls, config, tmp_path / "hf")
     prefix = hf.FAMILIES[kind].outer or "model.language_model."
     _, cfg, _ = _text_model_round_trip(tmp_path / "hf", theirs, tmp_path / "text", kind=kind, prefix=prefix,
