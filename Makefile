@@ -1,6 +1,7 @@
 # fmoe developer commands.
 #   make setup     create .venv and install what is missing (idempotent)
-#   make test      setup, then the whole suite (Triton kernels via the interpreter on CPU)
+#   make test      setup, then the whole suite (Triton kernels via the interpreter on CPU), in one
+#                  pytest-xdist worker per core, a test file per worker; TEST_WORKERS=0 runs it in one process
 #   make test-gpu  setup, then the tests marked `gpu` (they skip, saying why, without CUDA)
 #   make train     setup, then train the default small MoE on the embedded corpus (CPU: minutes)
 #                  and plot it; ARGS="--steps=400 ..." passes knobs, TRAIN_OUT=dir the output
@@ -18,7 +19,7 @@ CPU_PINS := torch==2.13.0 triton==3.7.1
 
 setup:
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@if $(PY) -c "import torch, triton, einops, tensordict, pytest, matplotlib, safetensors, transformers, tokenizers, pyarrow, tensorboard, jinja2, fmoe" 2>/dev/null; then \
+	@if $(PY) -c "import torch, triton, einops, tensordict, pytest, xdist, matplotlib, safetensors, transformers, tokenizers, pyarrow, tensorboard, jinja2, fmoe" 2>/dev/null; then \
 		echo "setup: $(VENV) already has everything"; \
 	else \
 		if nvidia-smi -L >/dev/null 2>&1; then pins="torch triton"; else pins="$(CPU_PINS)"; fi; \
@@ -26,8 +27,10 @@ setup:
 		$(PY) -m pip install -q $$pins && $(PY) -m pip install -q -e ".[test]"; \
 	fi
 
+# a test file's tests stay in one worker (--dist loadfile): its spawned process group runs once
+TEST_WORKERS ?= auto
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 TRAIN_OUT ?= out/train_moe
 train: setup
