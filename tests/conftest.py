@@ -19,11 +19,13 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, os.environ.get("PY
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-# under pytest-xdist (make test: a worker per core) each worker's torch takes its share of the cores,
-# not all of them: N workers of N threads each would contend for the cores
+# under pytest-xdist (make test: a worker per core) each worker's torch, and the scripts it runs (OMP_NUM_THREADS,
+# which torchrun keeps), take its share of the cores: N workers of N threads each would contend for them
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+    _THREADS = max(1, (os.cpu_count() or 1) // _WORKERS)
+    torch.set_num_threads(_THREADS)
+    os.environ["OMP_NUM_THREADS"] = str(_THREADS)
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_CUDA = torch.cuda.is_available()
