@@ -116,6 +116,9 @@ stacks. A released mistral3 folder (Mistral3ForConditionalGeneration) holds that
 a dense Ministral 3 (ministral3: Mistral's blocks with YaRN and the same query scale) or
 Mistral (Mistral Small 3.x) one, under language_model. beside a vision model that is not
 read, and is written back only as its text model's family (Family.written_as "text_config").
+A released LLaVA-style folder (_LLAVA: llava, llava_next, llava_next_video, llava_onevision,
+internvl) holds Llama's, Mistral's, Qwen2's, Qwen3's or Qwen3-MoE's text model (_LLAVA_TEXT)
+the same way, under language_model., and is written back the same way.
 A released LFM2-VL, LFM3-VL, EXAONE 4.5, Granite 4.0 Vision, Command A Vision, Aya Vision,
 HyperCLOVA X SEED Vision, Granite Speech, MiniCPM-V 4.6 / 4.7 or Nemotron 3 Nano Omni folder
 (_VL_TEXT) holds LFM2's, LFM3's, EXAONE 4.0's, Granite 3's, Cohere 2's, HyperCLOVA X's, Qwen3.5's
@@ -1249,16 +1252,48 @@ def _mistral4(hf: dict) -> dict:
 
 
 _MISTRAL3_TEXT = ("mistral4", "ministral3", "mistral")  # the text models of the mistral3 folders fmoe reads
+# the released LLaVA-style folders' text models fmoe reads: families of Llama's checkpoint layout (Family fields equal to
+# llama's but for how the config reads; tests/test_hf.py checks it)
+_LLAVA_TEXT = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+
+
+def _listed_text(hf: dict) -> dict:
+    """The text config (_text_config) of a folder whose text model may be one of several
+    families (_TEXT_OF: a mistral3 or LLaVA-style folder; a text_config without a model_type
+    is transformers' default one), or a ValueError naming one fmoe does not read there. The
+    head is tied as transformers' class of the whole model ties it (_TEXT_OF's rule): by the
+    top level's tie_word_embeddings, at the class's default where the config leaves it out
+    (True / False); where either level ties it ("or": LLaVA's, LLaVA-OneVision's); by the top
+    level's where stated, else by the text model's own ("text": Mistral 3's, whose released
+    Ministral 3 folders tie theirs in text_config and Mistral Small's do not)."""
+    kinds, default, tied = _TEXT_OF[hf.get("model_type")]
+    if tied == "or":
+        text = _text_config({k: v for k, v in hf.items() if k != "tie_word_embeddings"})
+        if hf.get("tie_word_embeddings"):
+            text["tie_word_embeddings"] = True
+    else:
+        text = _text_config(hf if tied == "text" or "tie_word_embeddings" in hf else dict(hf, tie_word_embeddings=tied))
+    text.setdefault("model_type", default)
+    if text["model_type"] not in kinds:
+        raise ValueError(f"config.json: a {hf.get('model_type')} folder whose text model is {text['model_type']!r} is not supported "
+                         f"({', '.join(kinds)})")
+    return text
 
 
 def _mistral3(hf: dict) -> dict:
     """A released Mistral 3 folder (mistral3, Mistral3ForConditionalGeneration): its
     text_config's model, Mistral 4 (Mistral Small 4), Ministral 3 or Mistral (Mistral Small
     3.1 / 3.2, Magistral and Devstral Small); the vision model beside it is not read."""
-    text = _text_config(hf)
-    if text.get("model_type") not in _MISTRAL3_TEXT:
-        raise ValueError(f"config.json: a mistral3 folder whose text model is {text.get('model_type')!r} is not supported "
-                         f"({', '.join(_MISTRAL3_TEXT)})")
+    text = _listed_text(hf)
+    return FAMILIES[text["model_type"]].kwargs(text)
+
+
+def _llava(hf: dict) -> dict:
+    """A released LLaVA-style folder (_LLAVA: LLaVA 1.5, LLaVA-NeXT, LLaVA-NeXT-Video,
+    LLaVA-OneVision, InternVL 3 / 3.5's -hf folders): its text_config's model, Llama,
+    Mistral, Qwen2, Qwen3 or Qwen3-MoE (_LLAVA_TEXT); the vision model and projector beside
+    it are not read."""
+    text = _listed_text(hf)
     return FAMILIES[text["model_type"]].kwargs(text)
 
 
@@ -2997,6 +3032,21 @@ for _vl, (_text, _architecture, _tied, _beside, _where) in _VL_TEXT.items():
                                         aliases=dict(tie_word_embeddings="tie_embedding") if _vl == "lfm2_vl" else {},  # LFM2-VL's own name
                                         defaults={} if _tied is None else dict(tie_word_embeddings=_tied), not_read=_beside, written_as=_text,
                                         **(dict(outer=_where) if isinstance(_where, str) else dict(prefix=_where)))
+# released LLaVA-style folders: model_type -> (the architecture, how transformers' class ties the head (_listed_text), its
+# default text model's model_type, what is beside the text model (not read)). Their text model, the head too, is under
+# language_model., and is written back only as its own family (Family.written_as "text_config").
+_LLAVA = {"llava": ("LlavaForConditionalGeneration", "or", "llama", ("vision_tower.", "multi_modal_projector.")),
+          "llava_next": ("LlavaNextForConditionalGeneration", False, "llama", ("vision_tower.", "multi_modal_projector.", "image_newline")),
+          "llava_next_video": ("LlavaNextVideoForConditionalGeneration", "or", "llama",
+                               ("vision_tower.", "multi_modal_projector.", "image_newline", "vision_resampler.")),
+          "llava_onevision": ("LlavaOnevisionForConditionalGeneration", "or", "qwen2", ("vision_tower.", "multi_modal_projector.", "image_newline")),
+          "internvl": ("InternVLForConditionalGeneration", True, "qwen2", ("vision_tower.", "multi_modal_projector."))}
+for _vl, (_architecture, _tied, _text, _beside) in _LLAVA.items():
+    FAMILIES[_vl] = dataclasses.replace(FAMILIES["llama"], config_to_fmoe=_llava, architecture=_architecture, prefix=("", "language_model."),
+                                        not_read=_beside, written_as="text_config")
+# the folders whose text model is one of several families: model_type -> (those families, transformers' default one, how
+# the head is tied: _listed_text)
+_TEXT_OF = {"mistral3": (_MISTRAL3_TEXT, "mistral", "text"), **{vl: (_LLAVA_TEXT, text, tied) for vl, (_, tied, text, _) in _LLAVA.items()}}
 _MLA = (("wq", "q_proj"), ("wq_a", "q_a_proj"), ("wq_b", "q_b_proj"), ("wkv_a", "kv_a_proj_with_mqa"), ("wkv_b", "kv_b_proj"), ("wo", "o_proj"))
 
 
@@ -4395,7 +4445,7 @@ def _check_writable(model_type: str) -> None:
     if family.written_as is None:
         return
     if family.written_as == "text_config":
-        what = f"its text model's model_type (one of {', '.join(_MISTRAL3_TEXT)})"
+        what = f"its text model's model_type (one of {', '.join(_TEXT_OF[model_type][0])})"
     else:
         what = f"model_type={family.written_as!r} to write what fmoe holds ({FAMILIES[family.written_as].architecture})"
     unread = [p for p in family.not_read if not (family.mtp_module and p == "mtp.")]  # an MTP module it reads where the folder holds it
@@ -4412,7 +4462,8 @@ def written_config(hf: dict) -> dict:
     family = FAMILIES[hf["model_type"]]
     if family.written_as is None:
         return hf
-    text = _multimodal_text(hf) if hf["model_type"] in _MULTIMODAL else _vl_text_config(hf)
+    text = (_multimodal_text(hf) if hf["model_type"] in _MULTIMODAL else _listed_text(hf) if hf["model_type"] in _TEXT_OF
+            else _vl_text_config(hf))
     kind = text["model_type"] if family.written_as == "text_config" else family.written_as
     return dict(text, model_type=kind, architectures=[FAMILIES[kind].architecture])
 

@@ -1825,30 +1825,52 @@ def test_qwen3_vl_moe_stacks_are_told_apart_by_their_shapes(tmp_path):
             assert _rel(hf.from_pretrained(folder, impl="torch")[0].logits(ids, cu), theirs) < 1e-5
 
 
-@pytest.mark.parametrize("text_model", ["mistral4", "ministral3", "mistral"])
-def test_a_released_mistral3_folder_loads_its_text_model(text_model, folders, tmp_path):
+_CLIP = dict(model_type="clip_vision_model", hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+             patch_size=14)
+# the folders whose text model is one of several families: model_type -> (transformers' class of the whole model, its
+# config class, a small vision config, the text models fmoe reads there)
+_OF_SEVERAL = {
+    "mistral3": ("Mistral3", dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, head_dim=8, image_size=28,
+                                  patch_size=14), ("mistral4", "ministral3", "mistral")),
+    **{vl: (cls, vision, ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe"))
+       for vl, cls, vision in (("llava", "Llava", _CLIP), ("llava_next", "LlavaNext", _CLIP), ("llava_next_video", "LlavaNextVideo", _CLIP),
+                               ("llava_onevision", "LlavaOnevision", dict(_CLIP, model_type="siglip_vision_model")),
+                               ("internvl", "InternVL", dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                                             image_size=[28, 28], patch_size=[14, 14])))},
+}
+
+
+@pytest.mark.parametrize("kind,text_model", [("mistral3", "mistral4"), ("mistral3", "ministral3"), ("mistral3", "mistral"), ("llava", "llama"),
+                                             ("llava_next", "mistral"), ("llava_next_video", "llama"), ("llava_onevision", "qwen2"),
+                                             ("internvl", "qwen3"), ("internvl", "qwen3_moe")])
+def test_a_released_folder_of_one_of_several_text_models_loads_it(kind, text_model, folders, tmp_path):
     """A released Mistral 3 folder (mistral3, Mistral3ForConditionalGeneration: Mistral Small
-    4, Ministral 3, Mistral Small 3.x): the text model under language_model. (the head too)
-    loads with transformers' logits of a text-only forward, the vision model's keys neither
-    read nor counted as unread; it is not written back without the vision model, and writes
-    as its text model's family, which transformers loads with the same logits. A mistral3
-    folder of another text model is refused by name."""
+    4, Ministral 3, Mistral Small 3.x) or LLaVA-style one (LLaVA 1.5, LLaVA-NeXT(-Video),
+    LLaVA-OneVision, InternVL's -hf folders): the text model under language_model. (the head
+    too) loads with transformers' logits of a text-only forward, the vision model's keys
+    neither read nor counted as unread; it is not written back without the vision model, and
+    writes as its text model's family, which transformers loads with the same logits. The
+    head is tied as transformers' class ties it by default; a folder of another text model is
+    refused by name."""
+    name, vision, texts = _OF_SEVERAL[kind]
+    whole, config = getattr(transformers, f"{name}ForConditionalGeneration"), getattr(transformers, f"{name}Config")
     text = FAMILIES[text_model]().to_dict()
-    vision = dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, head_dim=8, image_size=28, patch_size=14)
     torch.manual_seed(0)
-    ref = _randomised(transformers.Mistral3ForConditionalGeneration(transformers.Mistral3Config(text_config=text, vision_config=vision,
-                                                                                                tie_word_embeddings=False)))
-    ref.save_pretrained(tmp_path / "mistral3")
-    model, cfg = hf.from_pretrained(tmp_path / "mistral3", impl="torch")
-    assert dataclasses.replace(cfg, impl="auto") == hf.read_config(folders[text_model][0])[1]
-    keys = [k for spec in hf.key_map(hf.FAMILIES["mistral3"], cfg).values() for k in spec.keys]
+    # the class's default of the top level's tie_word_embeddings, except Mistral 3's (test_a_folder_of_several_text_models_ties_...)
+    ref = _randomised(whole(config(text_config=text, vision_config=vision, **(dict(tie_word_embeddings=False) if kind == "mistral3" else {}))))
+    ref.save_pretrained(tmp_path / kind)
+    model, cfg = hf.from_pretrained(tmp_path / kind, impl="torch")
+    tied = ref.config.tie_word_embeddings  # InternVL's head is tied by default, the others' not
+    assert cfg.tie_embeddings == tied == (kind == "internvl")
+    assert dataclasses.replace(cfg, impl="auto") == dataclasses.replace(hf.read_config(folders[text_model][0])[1], tie_embeddings=tied)
+    keys = [k for spec in hf.key_map(hf.FAMILIES[kind], cfg).values() for k in spec.keys]
     assert all(k.startswith("language_model.") for k in keys)
     docs, ids, cu = _packed()
     with torch.no_grad():
         theirs = torch.cat([ref(input_ids=d[None]).logits[0] for d in docs])
         assert _rel(model.logits(ids, cu), theirs) < 1e-5
-    with pytest.raises(ValueError, match="model_type: a mistral3 folder holds a model fmoe does not read .vision_tower., multi_modal_projector.., "
-                                         "so it is not written; pass its text model's model_type .one of mistral4, ministral3, mistral."):
+    with pytest.raises(ValueError, match=f"model_type: a {kind} folder holds a model fmoe does not read .vision_tower., multi_modal_projector.*, "
+                                         f"so it is not written; pass its text model's model_type .one of {', '.join(texts)}."):
         hf.save_pretrained(model, tmp_path / "again")
     model.hf_config = hf.written_config(model.hf_config)  # the folder's own text config, as its text model's family
     assert model.hf_config["model_type"] == text_model
@@ -1856,10 +1878,43 @@ def test_a_released_mistral3_folder_loads_its_text_model(text_model, folders, tm
     back = _causal_lm(text_model).from_pretrained(tmp_path / "text", dtype=torch.float32).eval()
     with torch.no_grad():
         assert _rel(torch.cat([back(d[None]).logits[0] for d in docs]), theirs) < 1e-5
-    if text_model == "mistral":
-        other = _edit(tmp_path / "mistral3", tmp_path / "other", lambda c: c["text_config"].update(model_type="qwen3"))
-        with pytest.raises(ValueError, match="config.json: a mistral3 folder whose text model is 'qwen3' is not supported .mistral4, ministral3, mistral."):
+    if text_model in ("mistral", "llama"):
+        other = _edit(tmp_path / kind, tmp_path / "other", lambda c: c["text_config"].update(model_type="gemma"))
+        with pytest.raises(ValueError, match=f"config.json: a {kind} folder whose text model is 'gemma' is not supported .{', '.join(texts)}."):
             hf.from_pretrained(other)
+
+
+@pytest.mark.parametrize("kind,top,text,tied", [
+    ("llava", None, True, True), ("llava", False, True, True), ("llava", True, False, True), ("llava", None, False, False),
+    ("llava_onevision", None, True, True), ("llava_next_video", False, True, True),
+    ("llava_next", None, True, False), ("llava_next", True, False, True),
+    ("internvl", None, False, True), ("internvl", False, True, False),
+    ("mistral3", None, True, True), ("mistral3", None, False, False), ("mistral3", False, True, False)])
+def test_a_folder_of_several_text_models_ties_the_head_as_transformers_does(kind, top, text, tied):
+    """A config.json's top-level tie_word_embeddings (None: left out) and its text model's: the
+    head is tied as transformers' class ties it: LLaVA's, LLaVA-NeXT-Video's and
+    LLaVA-OneVision's where either level ties it, LLaVA-NeXT's and InternVL's by the top
+    level (by default untied, and tied), Mistral 3's by the top level where stated, else by
+    the text model's own (transformers' class ties it by default: a released Mistral Small
+    3.x folder, whose text_config does not, would read its head as the embedding)."""
+    name, _, _ = _OF_SEVERAL[kind]
+    stated = {} if top is None else dict(tie_word_embeddings=top)
+    text_config = dict(FAMILIES["mistral"]().to_dict(), tie_word_embeddings=text)
+    if kind != "mistral3" or top is not None:  # transformers' own rule
+        assert getattr(transformers, f"{name}Config")(text_config=text_config, **stated).tie_word_embeddings == tied
+    released = dict(model_type=kind, text_config=text_config, **stated)
+    assert hf.TransformerConfig(**hf.FAMILIES[kind].kwargs(released)).tie_embeddings == tied
+
+
+def test_the_llava_style_folders_text_models_are_stored_as_llama_s():
+    """The LLaVA-style folders read any of their text models through one Family, Llama's
+    layout: every field of each text model's family but how its config reads is Llama's."""
+    config_only = {"config_to_fmoe", "architecture", "defaults", "aliases", "written_as"}
+    for kind in _OF_SEVERAL["llava"][2]:
+        family = hf.FAMILIES[kind]
+        assert {f.name for f in dataclasses.fields(family) if getattr(family, f.name) != getattr(hf.FAMILIES["llama"], f.name)} <= config_only, kind
+    for kind in ("llava", "llava_next", "llava_next_video", "llava_onevision", "internvl"):
+        assert (hf.FAMILIES[kind].prefix, hf.FAMILIES[kind].written_as) == (("", "language_model."), "text_config")
 
 
 def test_mistral4_query_scale_is_read_and_written(folders, tmp_path):
