@@ -117,8 +117,9 @@ a dense Ministral 3 (ministral3: Mistral's blocks with YaRN and the same query s
 Mistral (Mistral Small 3.x) one, under language_model. beside a vision model that is not
 read, and is written back only as its text model's family (Family.written_as "text_config").
 A released LLaVA-style folder (_LLAVA: llava, llava_next, llava_next_video, llava_onevision,
-internvl) holds Llama's, Mistral's, Qwen2's, Qwen3's or Qwen3-MoE's text model (_LLAVA_TEXT)
-the same way, under language_model., and is written back the same way.
+internvl; idefics3 and smolvlm) holds Llama's, Mistral's, Qwen2's, Qwen3's or Qwen3-MoE's text
+model (_LLAVA_TEXT) the same way, under language_model. (Idefics3's and SmolVLM's under
+model.text_model., the head at lm_head.), and is written back the same way.
 A released LFM2-VL, LFM3-VL, EXAONE 4.5, Granite 4.0 Vision, Command A Vision, Aya Vision,
 HyperCLOVA X SEED Vision, Granite Speech, MiniCPM-V 4.6 / 4.7 or Nemotron 3 Nano Omni folder
 (_VL_TEXT) holds LFM2's, LFM3's, EXAONE 4.0's, Granite 3's, Cohere 2's, HyperCLOVA X's, Qwen3.5's
@@ -1290,7 +1291,7 @@ def _mistral3(hf: dict) -> dict:
 
 def _llava(hf: dict) -> dict:
     """A released LLaVA-style folder (_LLAVA: LLaVA 1.5, LLaVA-NeXT, LLaVA-NeXT-Video,
-    LLaVA-OneVision, InternVL 3 / 3.5's -hf folders): its text_config's model, Llama,
+    LLaVA-OneVision, InternVL 3 / 3.5's -hf folders, Idefics3, SmolVLM / SmolVLM2): its text_config's model, Llama,
     Mistral, Qwen2, Qwen3 or Qwen3-MoE (_LLAVA_TEXT); the vision model and projector beside
     it are not read."""
     text = _listed_text(hf)
@@ -3033,20 +3034,24 @@ for _vl, (_text, _architecture, _tied, _beside, _where) in _VL_TEXT.items():
                                         defaults={} if _tied is None else dict(tie_word_embeddings=_tied), not_read=_beside, written_as=_text,
                                         **(dict(outer=_where) if isinstance(_where, str) else dict(prefix=_where)))
 # released LLaVA-style folders: model_type -> (the architecture, how transformers' class ties the head (_listed_text), its
-# default text model's model_type, what is beside the text model (not read)). Their text model, the head too, is under
-# language_model., and is written back only as its own family (Family.written_as "text_config").
-_LLAVA = {"llava": ("LlavaForConditionalGeneration", "or", "llama", ("vision_tower.", "multi_modal_projector.")),
-          "llava_next": ("LlavaNextForConditionalGeneration", False, "llama", ("vision_tower.", "multi_modal_projector.", "image_newline")),
-          "llava_next_video": ("LlavaNextVideoForConditionalGeneration", "or", "llama",
-                               ("vision_tower.", "multi_modal_projector.", "image_newline", "vision_resampler.")),
-          "llava_onevision": ("LlavaOnevisionForConditionalGeneration", "or", "qwen2", ("vision_tower.", "multi_modal_projector.", "image_newline")),
-          "internvl": ("InternVLForConditionalGeneration", True, "qwen2", ("vision_tower.", "multi_modal_projector."))}
-for _vl, (_architecture, _tied, _text, _beside) in _LLAVA.items():
-    FAMILIES[_vl] = dataclasses.replace(FAMILIES["llama"], config_to_fmoe=_llava, architecture=_architecture, prefix=("", "language_model."),
-                                        not_read=_beside, written_as="text_config")
+# default text model's model_type, what is beside the text model (not read), where the text model's keys are
+# (Family.prefix: the head too under language_model., or Idefics3's and SmolVLM's under model.text_model. with the head
+# at lm_head.)). Their text model is written back only as its own family (Family.written_as "text_config").
+_IN_LANGUAGE_MODEL, _LLAVA_BESIDE = ("", "language_model."), ("vision_tower.", "multi_modal_projector.")
+_LLAVA = {"llava": ("LlavaForConditionalGeneration", "or", "llama", _LLAVA_BESIDE, _IN_LANGUAGE_MODEL),
+          "llava_next": ("LlavaNextForConditionalGeneration", False, "llama", (*_LLAVA_BESIDE, "image_newline"), _IN_LANGUAGE_MODEL),
+          "llava_next_video": ("LlavaNextVideoForConditionalGeneration", "or", "llama", (*_LLAVA_BESIDE, "image_newline", "vision_resampler."),
+                               _IN_LANGUAGE_MODEL),
+          "llava_onevision": ("LlavaOnevisionForConditionalGeneration", "or", "qwen2", (*_LLAVA_BESIDE, "image_newline"), _IN_LANGUAGE_MODEL),
+          "internvl": ("InternVLForConditionalGeneration", True, "qwen2", _LLAVA_BESIDE, _IN_LANGUAGE_MODEL),
+          **{kind: (f"{name}ForConditionalGeneration", False, "llama", ("model.vision_model.", "model.connector."), ("model.", "model.text_model."))
+             for kind, name in (("idefics3", "Idefics3"), ("smolvlm", "SmolVLM"))}}
+for _vl, (_architecture, _tied, _text, _beside, _where) in _LLAVA.items():
+    FAMILIES[_vl] = dataclasses.replace(FAMILIES["llama"], config_to_fmoe=_llava, architecture=_architecture, prefix=_where, not_read=_beside,
+                                        written_as="text_config")
 # the folders whose text model is one of several families: model_type -> (those families, transformers' default one, how
 # the head is tied: _listed_text)
-_TEXT_OF = {"mistral3": (_MISTRAL3_TEXT, "mistral", "text"), **{vl: (_LLAVA_TEXT, text, tied) for vl, (_, tied, text, _) in _LLAVA.items()}}
+_TEXT_OF = {"mistral3": (_MISTRAL3_TEXT, "mistral", "text"), **{vl: (_LLAVA_TEXT, text, tied) for vl, (_, tied, text, _, _) in _LLAVA.items()}}
 _MLA = (("wq", "q_proj"), ("wq_a", "q_a_proj"), ("wq_b", "q_b_proj"), ("wkv_a", "kv_a_proj_with_mqa"), ("wkv_b", "kv_b_proj"), ("wo", "o_proj"))
 
 

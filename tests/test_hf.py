@@ -1836,17 +1836,20 @@ _OF_SEVERAL = {
        for vl, cls, vision in (("llava", "Llava", _CLIP), ("llava_next", "LlavaNext", _CLIP), ("llava_next_video", "LlavaNextVideo", _CLIP),
                                ("llava_onevision", "LlavaOnevision", dict(_CLIP, model_type="siglip_vision_model")),
                                ("internvl", "InternVL", dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                                             image_size=[28, 28], patch_size=[14, 14])))},
+                                                             image_size=[28, 28], patch_size=[14, 14])),
+                               ("idefics3", "Idefics3", dict(_CLIP, model_type="idefics3_vision")),
+                               ("smolvlm", "SmolVLM", dict(_CLIP, model_type="smolvlm_vision")))},
 }
 
 
 @pytest.mark.parametrize("kind,text_model", [("mistral3", "mistral4"), ("mistral3", "ministral3"), ("mistral3", "mistral"), ("llava", "llama"),
                                              ("llava_next", "mistral"), ("llava_next_video", "llama"), ("llava_onevision", "qwen2"),
-                                             ("internvl", "qwen3"), ("internvl", "qwen3_moe")])
+                                             ("internvl", "qwen3"), ("internvl", "qwen3_moe"), ("idefics3", "llama"), ("smolvlm", "llama")])
 def test_a_released_folder_of_one_of_several_text_models_loads_it(kind, text_model, folders, tmp_path):
     """A released Mistral 3 folder (mistral3, Mistral3ForConditionalGeneration: Mistral Small
     4, Ministral 3, Mistral Small 3.x) or LLaVA-style one (LLaVA 1.5, LLaVA-NeXT(-Video),
-    LLaVA-OneVision, InternVL's -hf folders): the text model under language_model. (the head
+    LLaVA-OneVision, InternVL's -hf folders; Idefics3 and SmolVLM, whose text model is under
+    model.text_model. and head at lm_head.): the text model under language_model. (the head
     too) loads with transformers' logits of a text-only forward, the vision model's keys
     neither read nor counted as unread; it is not written back without the vision model, and
     writes as its text model's family, which transformers loads with the same logits. The
@@ -1864,12 +1867,14 @@ def test_a_released_folder_of_one_of_several_text_models_loads_it(kind, text_mod
     assert cfg.tie_embeddings == tied == (kind == "internvl")
     assert dataclasses.replace(cfg, impl="auto") == dataclasses.replace(hf.read_config(folders[text_model][0])[1], tie_embeddings=tied)
     keys = [k for spec in hf.key_map(hf.FAMILIES[kind], cfg).values() for k in spec.keys]
-    assert all(k.startswith("language_model.") for k in keys)
+    inner = ("model.text_model.", "lm_head.") if kind in ("idefics3", "smolvlm") else ("language_model.",)  # the head too
+    assert all(k.startswith(inner) for k in keys)
     docs, ids, cu = _packed()
     with torch.no_grad():
         theirs = torch.cat([ref(input_ids=d[None]).logits[0] for d in docs])
         assert _rel(model.logits(ids, cu), theirs) < 1e-5
-    with pytest.raises(ValueError, match=f"model_type: a {kind} folder holds a model fmoe does not read .vision_tower., multi_modal_projector.*, "
+    not_read = ", ".join(re.escape(p) for p in hf.FAMILIES[kind].not_read)
+    with pytest.raises(ValueError, match=f"model_type: a {kind} folder holds a model fmoe does not read .{not_read}., "
                                          f"so it is not written; pass its text model's model_type .one of {', '.join(texts)}."):
         hf.save_pretrained(model, tmp_path / "again")
     model.hf_config = hf.written_config(model.hf_config)  # the folder's own text config, as its text model's family
@@ -1888,13 +1893,13 @@ def test_a_released_folder_of_one_of_several_text_models_loads_it(kind, text_mod
     ("llava", None, True, True), ("llava", False, True, True), ("llava", True, False, True), ("llava", None, False, False),
     ("llava_onevision", None, True, True), ("llava_next_video", False, True, True),
     ("llava_next", None, True, False), ("llava_next", True, False, True),
-    ("internvl", None, False, True), ("internvl", False, True, False),
+    ("internvl", None, False, True), ("internvl", False, True, False), ("smolvlm", None, True, False), ("idefics3", True, False, True),
     ("mistral3", None, True, True), ("mistral3", None, False, False), ("mistral3", False, True, False)])
 def test_a_folder_of_several_text_models_ties_the_head_as_transformers_does(kind, top, text, tied):
     """A config.json's top-level tie_word_embeddings (None: left out) and its text model's: the
     head is tied as transformers' class ties it: LLaVA's, LLaVA-NeXT-Video's and
-    LLaVA-OneVision's where either level ties it, LLaVA-NeXT's and InternVL's by the top
-    level (by default untied, and tied), Mistral 3's by the top level where stated, else by
+    LLaVA-OneVision's where either level ties it, LLaVA-NeXT's, Idefics3's, SmolVLM's and
+    InternVL's by the top level (by default untied, and InternVL's tied), Mistral 3's by the top level where stated, else by
     the text model's own (transformers' class ties it by default: a released Mistral Small
     3.x folder, whose text_config does not, would read its head as the embedding)."""
     name, _, _ = _OF_SEVERAL[kind]
@@ -1908,13 +1913,14 @@ def test_a_folder_of_several_text_models_ties_the_head_as_transformers_does(kind
 
 def test_the_llava_style_folders_text_models_are_stored_as_llama_s():
     """The LLaVA-style folders read any of their text models through one Family, Llama's
-    layout: every field of each text model's family but how its config reads is Llama's."""
+    layout: every field of each text model's family but how its config reads is Llama's;
+    each folder's family reads its text model by its text_config (_llava)."""
     config_only = {"config_to_fmoe", "architecture", "defaults", "aliases", "written_as"}
     for kind in _OF_SEVERAL["llava"][2]:
         family = hf.FAMILIES[kind]
         assert {f.name for f in dataclasses.fields(family) if getattr(family, f.name) != getattr(hf.FAMILIES["llama"], f.name)} <= config_only, kind
-    for kind in ("llava", "llava_next", "llava_next_video", "llava_onevision", "internvl"):
-        assert (hf.FAMILIES[kind].prefix, hf.FAMILIES[kind].written_as) == (("", "language_model."), "text_config")
+    for kind in ("llava", "llava_next", "llava_next_video", "llava_onevision", "internvl", "idefics3", "smolvlm"):
+        assert hf.FAMILIES[kind].written_as == "text_config" and hf.FAMILIES[kind].config_to_fmoe is hf.FAMILIES["llava"].config_to_fmoe
 
 
 def test_mistral4_query_scale_is_read_and_written(folders, tmp_path):
