@@ -27,10 +27,11 @@ setup:
 		$(PY) -m pip install -q $$pins && $(PY) -m pip install -q -e ".[test]"; \
 	fi
 
-# a test file's tests stay in one worker (--dist loadfile): its spawned process group runs once
+# a test file's tests stay in one worker (--dist loadfile): its spawned process group runs once; the files start in
+# the order tests/conftest.py gives them, the longest first (--no-loadscope-reorder)
 TEST_WORKERS ?= auto
 test: setup
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 TRAIN_OUT ?= out/train_moe
 train: setup

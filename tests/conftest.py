@@ -40,7 +40,17 @@ def pytest_report_header(config):
     return f"WARNING: {INTERPRETER_PROBLEM}" if INTERPRETING and INTERPRETER_PROBLEM is not None else None
 
 
+# the files that take longest (--durations), run first: under make test's workers (a file per worker, started in this
+# order: --no-loadscope-reorder) the last files to start are then short ones, not a long one on one worker while the
+# other has nothing left to run
+_LONGEST_FIRST = ("tests/test_train_loop.py", "tests/parallel/test_train_parallel.py", "tests/test_hf.py", "tests/test_benchmarks.py",
+                  "tests/parallel/test_model_parallel.py", "tests/test_export_hf.py", "tests/test_model.py", "tests/test_evaluate.py",
+                  "tests/test_generate.py")
+
+
 def pytest_collection_modifyitems(config, items):
+    first = {path: i for i, path in enumerate(_LONGEST_FIRST)}
+    items.sort(key=lambda item: first.get(item.nodeid.split("::")[0], len(first)))  # stable: the other files in their order
     if HAS_CUDA and not INTERPRETING:
         return
     reason = "needs a CUDA device with compiled Triton kernels (run `make test-gpu` on a GPU machine)"
