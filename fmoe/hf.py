@@ -117,8 +117,8 @@ a dense Ministral 3 (ministral3: Mistral's blocks with YaRN and the same query s
 Mistral (Mistral Small 3.x) one, under language_model. beside a vision model that is not
 read, and is written back only as its text model's family (Family.written_as "text_config").
 A released LLaVA-style folder (_LLAVA: llava, llava_next, llava_next_video, llava_onevision,
-internvl; idefics3 and smolvlm) holds Llama's, Mistral's, Qwen2's, Qwen3's or Qwen3-MoE's text
-model (_LLAVA_TEXT) the same way, under language_model. (Idefics3's and SmolVLM's under
+internvl; idefics3 and smolvlm) holds Llama's, Mistral's, Qwen2's, Qwen3's, Qwen3-MoE's or
+Granite 3's text model (_LLAVA_TEXT; Granite Vision's, its logits unscaled) the same way, under language_model. (Idefics3's and SmolVLM's under
 model.text_model., the head at lm_head.), and is written back the same way.
 A released LFM2-VL, LFM3-VL, EXAONE 4.5, Granite 4.0 Vision, Command A Vision, Aya Vision,
 HyperCLOVA X SEED Vision, Granite Speech, MiniCPM-V 4.6 / 4.7 or Nemotron 3 Nano Omni folder
@@ -1255,14 +1255,18 @@ def _mistral4(hf: dict) -> dict:
 _MISTRAL3_TEXT = ("mistral4", "ministral3", "mistral")  # the text models of the mistral3 folders fmoe reads
 # the released LLaVA-style folders' text models fmoe reads: families of Llama's checkpoint layout (Family fields equal to
 # llama's but for how the config reads; tests/test_hf.py checks it)
-_LLAVA_TEXT = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+_LLAVA_TEXT = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "granite")
+# the text models' logit scales, which the LLaVA-style classes' heads do not apply (Granite Vision's Granite 3): read and
+# written as 1 (_listed_text)
+_LLAVA_UNSCALED = {"granite": "logits_scaling"}
 
 
 def _listed_text(hf: dict) -> dict:
     """The text config (_text_config) of a folder whose text model may be one of several
     families (_TEXT_OF: a mistral3 or LLaVA-style folder; a text_config without a model_type
-    is transformers' default one), or a ValueError naming one fmoe does not read there. The
-    head is tied as transformers' class of the whole model ties it (_TEXT_OF's rule): by the
+    is transformers' default one), or a ValueError naming one fmoe does not read there; a
+    LLaVA-style folder's text model with the logit scale 1 (_LLAVA_UNSCALED: its class's head
+    applies none), read so and written so. The head is tied as transformers' class of the whole model ties it (_TEXT_OF's rule): by the
     top level's tie_word_embeddings, at the class's default where the config leaves it out
     (True / False); where either level ties it ("or": LLaVA's, LLaVA-OneVision's); by the top
     level's where stated, else by the text model's own ("text": Mistral 3's, whose released
@@ -1278,6 +1282,8 @@ def _listed_text(hf: dict) -> dict:
     if text["model_type"] not in kinds:
         raise ValueError(f"config.json: a {hf.get('model_type')} folder whose text model is {text['model_type']!r} is not supported "
                          f"({', '.join(kinds)})")
+    if hf.get("model_type") in _LLAVA and text["model_type"] in _LLAVA_UNSCALED:
+        text[_LLAVA_UNSCALED[text["model_type"]]] = 1.0
     return text
 
 
@@ -1291,9 +1297,10 @@ def _mistral3(hf: dict) -> dict:
 
 def _llava(hf: dict) -> dict:
     """A released LLaVA-style folder (_LLAVA: LLaVA 1.5, LLaVA-NeXT, LLaVA-NeXT-Video,
-    LLaVA-OneVision, InternVL 3 / 3.5's -hf folders, Idefics3, SmolVLM / SmolVLM2): its text_config's model, Llama,
-    Mistral, Qwen2, Qwen3 or Qwen3-MoE (_LLAVA_TEXT); the vision model and projector beside
-    it are not read."""
+    LLaVA-OneVision, InternVL 3 / 3.5's -hf folders, Idefics3, SmolVLM / SmolVLM2, Granite
+    Vision 3.x): its text_config's model, Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE or Granite 3
+    (_LLAVA_TEXT; Granite's logits unscaled, as the class computes them); the vision model and
+    projector beside it are not read."""
     text = _listed_text(hf)
     return FAMILIES[text["model_type"]].kwargs(text)
 

@@ -1832,7 +1832,7 @@ _CLIP = dict(model_type="clip_vision_model", hidden_size=16, intermediate_size=1
 _OF_SEVERAL = {
     "mistral3": ("Mistral3", dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, head_dim=8, image_size=28,
                                   patch_size=14), ("mistral4", "ministral3", "mistral")),
-    **{vl: (cls, vision, ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe"))
+    **{vl: (cls, vision, ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "granite"))
        for vl, cls, vision in (("llava", "Llava", _CLIP), ("llava_next", "LlavaNext", _CLIP), ("llava_next_video", "LlavaNextVideo", _CLIP),
                                ("llava_onevision", "LlavaOnevision", dict(_CLIP, model_type="siglip_vision_model")),
                                ("internvl", "InternVL", dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
@@ -1844,7 +1844,8 @@ _OF_SEVERAL = {
 
 @pytest.mark.parametrize("kind,text_model", [("mistral3", "mistral4"), ("mistral3", "ministral3"), ("mistral3", "mistral"), ("llava", "llama"),
                                              ("llava_next", "mistral"), ("llava_next_video", "llama"), ("llava_onevision", "qwen2"),
-                                             ("internvl", "qwen3"), ("internvl", "qwen3_moe"), ("idefics3", "llama"), ("smolvlm", "llama")])
+                                             ("internvl", "qwen3"), ("internvl", "qwen3_moe"), ("idefics3", "llama"), ("smolvlm", "llama"),
+                                             ("llava_next", "granite")])
 def test_a_released_folder_of_one_of_several_text_models_loads_it(kind, text_model, folders, tmp_path):
     """A released Mistral 3 folder (mistral3, Mistral3ForConditionalGeneration: Mistral Small
     4, Ministral 3, Mistral Small 3.x) or LLaVA-style one (LLaVA 1.5, LLaVA-NeXT(-Video),
@@ -1865,7 +1866,8 @@ def test_a_released_folder_of_one_of_several_text_models_loads_it(kind, text_mod
     model, cfg = hf.from_pretrained(tmp_path / kind, impl="torch")
     tied = ref.config.tie_word_embeddings  # InternVL's head is tied by default, the others' not
     assert cfg.tie_embeddings == tied == (kind == "internvl")
-    assert dataclasses.replace(cfg, impl="auto") == dataclasses.replace(hf.read_config(folders[text_model][0])[1], tie_embeddings=tied)
+    unscaled = dict(logit_divisor=1.0) if text_model == "granite" else {}  # the LLaVA-style heads apply no logit scale (here 4)
+    assert dataclasses.replace(cfg, impl="auto") == dataclasses.replace(hf.read_config(folders[text_model][0])[1], tie_embeddings=tied, **unscaled)
     keys = [k for spec in hf.key_map(hf.FAMILIES[kind], cfg).values() for k in spec.keys]
     inner = ("model.text_model.", "lm_head.") if kind in ("idefics3", "smolvlm") else ("language_model.",)  # the head too
     assert all(k.startswith(inner) for k in keys)
