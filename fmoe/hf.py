@@ -118,8 +118,9 @@ Mistral (Mistral Small 3.x) one, under language_model. beside a vision model tha
 read, and is written back only as its text model's family (Family.written_as "text_config").
 A released LLaVA-style folder (_LLAVA: llava, llava_next, llava_next_video, llava_onevision,
 internvl; idefics3 and smolvlm) holds Llama's, Mistral's, Qwen2's, Qwen3's, Qwen3-MoE's or
-Granite 3's text model (_LLAVA_TEXT; Granite Vision's, its logits unscaled) the same way, under language_model. (Idefics3's and SmolVLM's under
-model.text_model., the head at lm_head.), and is written back the same way.
+Granite 3's text model (_LLAVA_TEXT; Granite Vision's, its logits unscaled) the same way,
+under language_model. (Idefics3's and SmolVLM's under model.text_model., the head at
+lm_head.), and is written back the same way.
 A released LFM2-VL, LFM3-VL, EXAONE 4.5, Granite 4.0 Vision, Command A Vision, Aya Vision,
 HyperCLOVA X SEED Vision, Granite Speech, MiniCPM-V 4.6 / 4.7 or Nemotron 3 Nano Omni folder
 (_VL_TEXT) holds LFM2's, LFM3's, EXAONE 4.0's, Granite 3's, Cohere 2's, HyperCLOVA X's, Qwen3.5's
@@ -1266,11 +1267,12 @@ def _listed_text(hf: dict) -> dict:
     families (_TEXT_OF: a mistral3 or LLaVA-style folder; a text_config without a model_type
     is transformers' default one), or a ValueError naming one fmoe does not read there; a
     LLaVA-style folder's text model with the logit scale 1 (_LLAVA_UNSCALED: its class's head
-    applies none), read so and written so. The head is tied as transformers' class of the whole model ties it (_TEXT_OF's rule): by the
-    top level's tie_word_embeddings, at the class's default where the config leaves it out
-    (True / False); where either level ties it ("or": LLaVA's, LLaVA-OneVision's); by the top
-    level's where stated, else by the text model's own ("text": Mistral 3's, whose released
-    Ministral 3 folders tie theirs in text_config and Mistral Small's do not)."""
+    applies none), read so and written so. The head is tied as transformers' class of the
+    whole model ties it (_TEXT_OF's rule): by the top level's tie_word_embeddings, at the
+    class's default where the config leaves it out (True / False); where either level ties
+    it ("or": LLaVA's, LLaVA-NeXT-Video's, LLaVA-OneVision's); by the top level's where
+    stated, else by the text model's own ("text": Mistral 3's, whose released Ministral 3
+    folders tie theirs in text_config and Mistral Small's do not)."""
     kinds, default, tied = _TEXT_OF[hf.get("model_type")]
     if tied == "or":
         text = _text_config({k: v for k, v in hf.items() if k != "tie_word_embeddings"})
@@ -1287,20 +1289,15 @@ def _listed_text(hf: dict) -> dict:
     return text
 
 
-def _mistral3(hf: dict) -> dict:
-    """A released Mistral 3 folder (mistral3, Mistral3ForConditionalGeneration): its
-    text_config's model, Mistral 4 (Mistral Small 4), Ministral 3 or Mistral (Mistral Small
-    3.1 / 3.2, Magistral and Devstral Small); the vision model beside it is not read."""
-    text = _listed_text(hf)
-    return FAMILIES[text["model_type"]].kwargs(text)
-
-
-def _llava(hf: dict) -> dict:
-    """A released LLaVA-style folder (_LLAVA: LLaVA 1.5, LLaVA-NeXT, LLaVA-NeXT-Video,
-    LLaVA-OneVision, InternVL 3 / 3.5's -hf folders, Idefics3, SmolVLM / SmolVLM2, Granite
-    Vision 3.x): its text_config's model, Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE or Granite 3
-    (_LLAVA_TEXT; Granite's logits unscaled, as the class computes them); the vision model and
-    projector beside it are not read."""
+def _listed_family(hf: dict) -> dict:
+    """A released folder whose text model is one of several families (_TEXT_OF): that text
+    model's kwargs (_listed_text). A Mistral 3 folder (mistral3, Mistral3ForConditionalGeneration)
+    holds Mistral 4 (Mistral Small 4), Ministral 3 or Mistral (Mistral Small 3.1 / 3.2,
+    Magistral and Devstral Small); a LLaVA-style one (_LLAVA: LLaVA 1.5, LLaVA-NeXT,
+    LLaVA-NeXT-Video, LLaVA-OneVision, InternVL 3 / 3.5's -hf folders, Idefics3, SmolVLM /
+    SmolVLM2, Granite Vision 3.x) Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE or Granite 3
+    (_LLAVA_TEXT; Granite's logits unscaled, as the class computes them). The vision model
+    and projector beside it are not read."""
     text = _listed_text(hf)
     return FAMILIES[text["model_type"]].kwargs(text)
 
@@ -2874,7 +2871,7 @@ FAMILIES = {
                                      v_head_dim=128, rope_parameters=_MISTRAL4_ROPE)),
     # the released Mistral 3 folders (Mistral Small 4, Ministral 3, Mistral Small 3.x): the text model under language_model.
     # (the head too), beside a vision model
-    "mistral3": Family(_mistral3, "mlp", _STACKS, "Mistral3ForConditionalGeneration", "shared_experts", fused="halves_out",
+    "mistral3": Family(_listed_family, "mlp", _STACKS, "Mistral3ForConditionalGeneration", "shared_experts", fused="halves_out",
                        prefix=("", "language_model."), not_read=("vision_tower.", "multi_modal_projector."), written_as="text_config"),
     "hunyuan_v1_moe": Family(_hunyuan_v1_moe, "mlp", _PROJ, "HunYuanMoEV1ForCausalLM", "shared_mlp", router="gate.wg.weight",
                              qk_norms=("query_layernorm", "key_layernorm"), defaults=dict(rms_norm_eps=1e-5)),
@@ -3054,7 +3051,7 @@ _LLAVA = {"llava": ("LlavaForConditionalGeneration", "or", "llama", _LLAVA_BESID
           **{kind: (f"{name}ForConditionalGeneration", False, "llama", ("model.vision_model.", "model.connector."), ("model.", "model.text_model."))
              for kind, name in (("idefics3", "Idefics3"), ("smolvlm", "SmolVLM"))}}
 for _vl, (_architecture, _tied, _text, _beside, _where) in _LLAVA.items():
-    FAMILIES[_vl] = dataclasses.replace(FAMILIES["llama"], config_to_fmoe=_llava, architecture=_architecture, prefix=_where, not_read=_beside,
+    FAMILIES[_vl] = dataclasses.replace(FAMILIES["llama"], config_to_fmoe=_listed_family, architecture=_architecture, prefix=_where, not_read=_beside,
                                         written_as="text_config")
 # the folders whose text model is one of several families: model_type -> (those families, transformers' default one, how
 # the head is tied: _listed_text)

@@ -1901,9 +1901,10 @@ def test_a_folder_of_several_text_models_ties_the_head_as_transformers_does(kind
     """A config.json's top-level tie_word_embeddings (None: left out) and its text model's: the
     head is tied as transformers' class ties it: LLaVA's, LLaVA-NeXT-Video's and
     LLaVA-OneVision's where either level ties it, LLaVA-NeXT's, Idefics3's, SmolVLM's and
-    InternVL's by the top level (by default untied, and InternVL's tied), Mistral 3's by the top level where stated, else by
-    the text model's own (transformers' class ties it by default: a released Mistral Small
-    3.x folder, whose text_config does not, would read its head as the embedding)."""
+    InternVL's by the top level (by default untied, InternVL's tied). Mistral 3's by the top
+    level where stated, else by the text model's own (transformers' class ties it by default:
+    a released Mistral Small 3.x folder, whose text_config does not, would read its head as
+    the embedding)."""
     name, _, _ = _OF_SEVERAL[kind]
     stated = {} if top is None else dict(tie_word_embeddings=top)
     text_config = dict(FAMILIES["mistral"]().to_dict(), tie_word_embeddings=text)
@@ -1916,7 +1917,7 @@ def test_a_folder_of_several_text_models_ties_the_head_as_transformers_does(kind
 def test_the_llava_style_folders_text_models_are_stored_as_llama_s():
     """The LLaVA-style folders read any of their text models through one Family, Llama's
     layout: every field of each text model's family but how its config reads is Llama's;
-    each folder's family reads its text model by its text_config (_llava)."""
+    each folder's family reads its text model by its text_config (_listed_family)."""
     config_only = {"config_to_fmoe", "architecture", "defaults", "aliases", "written_as"}
     for kind in _OF_SEVERAL["llava"][2]:
         family = hf.FAMILIES[kind]
