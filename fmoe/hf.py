@@ -1257,16 +1257,13 @@ _MISTRAL3_TEXT = ("mistral4", "ministral3", "mistral")  # the text models of the
 # the released LLaVA-style folders' text models fmoe reads: families of Llama's checkpoint layout (Family fields equal to
 # llama's but for how the config reads; tests/test_hf.py checks it)
 _LLAVA_TEXT = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "granite")
-# the text models' logit scales, which the LLaVA-style classes' heads do not apply (Granite Vision's Granite 3): read and
-# written as 1 (_listed_text)
-_LLAVA_UNSCALED = {"granite": "logits_scaling"}
 
 
 def _listed_text(hf: dict) -> dict:
     """The text config (_text_config) of a folder whose text model may be one of several
     families (_TEXT_OF: a mistral3 or LLaVA-style folder; a text_config without a model_type
     is transformers' default one), or a ValueError naming one fmoe does not read there; a
-    LLaVA-style folder's text model with the logit scale 1 (_LLAVA_UNSCALED: its class's head
+    LLaVA-style folder's text model with the logit scale 1 (_unscaled: its class's head
     applies none), read so and written so. The head is tied as transformers' class of the
     whole model ties it (_TEXT_OF's rule): by the top level's tie_word_embeddings, at the
     class's default where the config leaves it out (True / False); where either level ties
@@ -1284,9 +1281,7 @@ def _listed_text(hf: dict) -> dict:
     if text["model_type"] not in kinds:
         raise ValueError(f"config.json: a {hf.get('model_type')} folder whose text model is {text['model_type']!r} is not supported "
                          f"({', '.join(kinds)})")
-    if hf.get("model_type") in _LLAVA and text["model_type"] in _LLAVA_UNSCALED:
-        text[_LLAVA_UNSCALED[text["model_type"]]] = 1.0
-    return text
+    return _unscaled(hf, text)
 
 
 def _listed_family(hf: dict) -> dict:
@@ -2995,11 +2990,17 @@ def _vl_text(kind: str) -> Callable[[dict], dict]:
 
 def _vl_text_config(hf: dict) -> dict:
     """A multimodal folder's text config (_text_config) as transformers' class of the whole model
-    computes with it: the logit scale 1 where that class's head reads none (_VL_UNSCALED:
-    Command A Vision's, Aya Vision's, Granite Speech's), read so and written so."""
-    text = _text_config(hf)
-    if hf.get("model_type") in _VL_UNSCALED:
-        text[_VL_UNSCALED[hf["model_type"]]] = 1.0
+    computes with it (_unscaled: Command A Vision's, Aya Vision's and Granite Speech's logits
+    unscaled), read so and written so."""
+    return _unscaled(hf, _text_config(hf))
+
+
+def _unscaled(hf: dict, text: dict) -> dict:
+    """text, the text config of a multimodal folder `hf`, with its family's logit scale
+    (_LOGIT_SCALE) 1 where the folder's class applies none to its head (_HEAD_UNSCALED)."""
+    kind = text.get("model_type", FAMILIES[hf["model_type"]].written_as)
+    if hf["model_type"] in _HEAD_UNSCALED and kind in _LOGIT_SCALE:
+        text[_LOGIT_SCALE[kind]] = 1.0
     return text
 
 
@@ -3008,7 +3009,7 @@ def _vl_text_config(hf: dict) -> dict:
 # the text model, where the text model's keys are: _IN_MODEL or _LEGACY). What is beside it (the vision or audio encoder,
 # its projectors) is not read; the folder is
 # written back only as the text model's family. Granite 4.0 Vision's text model is Granite 3's (the vision features it adds
-# to some layers' outputs join only at image tokens). _VL_UNSCALED: those whose logits transformers does not scale (_vl_text_config)
+# to some layers' outputs join only at image tokens). Some of their classes' heads apply no logit scale (_HEAD_UNSCALED)
 # the text model under model. (Family.prefix), or all of it, head included, under language_model. (Family.outer)
 _IN_MODEL, _LEGACY = ("model.", "model.language_model."), "language_model."
 _VL_TEXT = {"lfm2_vl": ("lfm2", "Lfm2VlForConditionalGeneration", True, ("model.vision_tower.", "model.multi_modal_projector."), _IN_MODEL),
@@ -3027,8 +3028,6 @@ _VL_TEXT = {"lfm2_vl": ("lfm2", "Lfm2VlForConditionalGeneration", True, ("model.
             # Nemotron 3 Nano Omni: Nemotron-H's causal LM whole (its backbone. and lm_head) under language_model.
             "nemotron_h_omni": ("nemotron_h", "NemotronH_Omni_Reasoning_V3", None,
                                 ("vision_model.", "mlp1.", "sound_encoder.", "sound_projection."), _LEGACY)}
-# (the text config's field of that scale, read and written as 1)
-_VL_UNSCALED = {"cohere2_vision": "logit_scale", "aya_vision": "logit_scale", "granite_speech": "logits_scaling"}
 # the text models' own model_types that read as the family: EXAONE 4.5's first released one (transformers reads it as exaone4),
 # Granite 4.0 Vision's (Granite 3's config)
 _VL_TEXT_ALIASES = {"exaone4": ("exaone4_5_text",), "granite": ("granite4_vision_text",)}
@@ -3056,6 +3055,11 @@ for _vl, (_architecture, _tied, _text, _beside, _where) in _LLAVA.items():
 # the folders whose text model is one of several families: model_type -> (those families, transformers' default one, how
 # the head is tied: _listed_text)
 _TEXT_OF = {"mistral3": (_MISTRAL3_TEXT, "mistral", "text"), **{vl: (_LLAVA_TEXT, text, tied) for vl, (_, tied, text, _, _) in _LLAVA.items()}}
+# the text families' logit scales (the text config's field), and the multimodal folders whose transformers class applies
+# none to its head (Command A Vision's, Aya Vision's, Granite Speech's, the LLaVA-style ones'): there the scale reads and
+# is written as 1 (_unscaled)
+_LOGIT_SCALE = {"cohere2": "logit_scale", "granite": "logits_scaling"}
+_HEAD_UNSCALED = {"cohere2_vision", "aya_vision", "granite_speech", *_LLAVA}
 _MLA = (("wq", "q_proj"), ("wq_a", "q_a_proj"), ("wq_b", "q_b_proj"), ("wkv_a", "kv_a_proj_with_mqa"), ("wkv_b", "kv_b_proj"), ("wo", "o_proj"))
 
 
@@ -4467,7 +4471,7 @@ def written_config(hf: dict) -> dict:
     or for a family whose folders hold more than fmoe reads (Family.written_as: a released
     llama4 folder) its text_config as that family's (llama4_text, Llama4ForCausalLM: token
     ids, RoPE and every text field kept; a mistral3 folder's as its text model's own; the logit
-    scale 1 where the whole model's class applies none, _VL_UNSCALED)."""
+    scale 1 where the whole model's class applies none, _unscaled)."""
     family = FAMILIES[hf["model_type"]]
     if family.written_as is None:
         return hf
