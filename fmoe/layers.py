@@ -1986,7 +1986,9 @@ class LinearAttentionConfig:
     as n_k_heads groups of k_head_dim (the state size) read by the n_v_heads heads of
     v_head_dim, the convolution over them and x with biases, dt = softplus(x wa + dt_bias)
     (at least dt_min: Nemotron-H's floor, 0 none), the rule without its delta, a skip D, and its output gated by silu(x wz), then RMS-normed
-    per group of key heads. Kimi Delta Attention's variants (Ling's, kind "kda"
+    per group of key heads (gate_norm "after", the default); gate_norm "before": RMS-normed first, then gated (Falcon-H1's
+    mamba_norm_before_gate), "none": gated alone, without the norm or its weight out_norm (Falcon-H1's mamba_rms_norm
+    false). Kimi Delta Attention's variants (Ling's, kind "kda"
     only): full_rank, the decay's and the gate's projections whole (wf [H, N Dk], wz
     [H, N Dv]) instead of low-rank pairs; decay_bound b < 0 (None: Kimi's softplus decay),
     the bounded decay g = b sigmoid(exp(A_log) (x wf + dt_bias)), each step's log-decay in
@@ -2008,10 +2010,15 @@ class LinearAttentionConfig:
     decay_bound: Optional[float] = None
     dt_min: float = 0.0
     neg_eigval: bool = False
+    gate_norm: str = "after"
     fp8: bool = False
 
     def __post_init__(self):
         check_fp8(self.fp8)
+        if self.gate_norm not in GATE_NORMS:
+            raise ValueError(f"gate_norm: expected one of {GATE_NORMS} (Mamba-2's output norm after its gate, before it, or none), got {self.gate_norm!r}")
+        if self.gate_norm != "after" and self.kind != "mamba2":
+            raise ValueError(f"gate_norm: where Mamba-2's output norm sits, needs kind 'mamba2', got {self.kind!r}")
         if not isinstance(self.neg_eigval, bool):
             raise ValueError(f"neg_eigval: expected a bool, got {self.neg_eigval!r}")
         if self.neg_eigval and self.kind not in ("gated_deltanet", "kda"):
@@ -2065,6 +2072,7 @@ class LinearAttentionConfig:
 
 
 LINEAR_KINDS = ("gated_deltanet", "kda", "short_conv", "lightning", "mamba2")
+GATE_NORMS = ("after", "before", "none")  # LinearAttentionConfig.gate_norm: Mamba-2's output norm after its gate, before it, none
 
 
 def lightning_decay(n_heads: int, layer: int, n_layers: int, device=None) -> torch.Tensor:
@@ -2090,7 +2098,7 @@ def linear_attention_shapes(H: int, cfg: LinearAttentionConfig) -> dict[str, tup
     constant, is params["decay"] [N], not a weight: lightning_decay). Mamba-2's (kind "mamba2"):
     wq (its C), wk (its B) [H, Nk Dk], wv (its x), wz [H, Nv Dv], wa (its dt) [H, Nv], the
     convolutions' taps and biases conv_q_bias, conv_k_bias [Nk Dk], conv_v_bias [Nv Dv], A_log,
-    dt_bias, D [Nv], out_norm [Nv Dv] (its gated norm's, per group of key heads), wo."""
+    dt_bias, D [Nv], out_norm [Nv Dv] (its gated norm's, per group of key heads; none with gate_norm "none"), wo."""
     Ck, Cv, Nv, K = cfg.k_channels, cfg.v_channels, cfg.n_v_heads, cfg.conv
     if cfg.kind == "short_conv":
         return dict(wb=(H, Cv), wc=(H, Cv), wv=(H, Cv), conv_v=(K, Cv), wo=(Cv, H))
@@ -2098,8 +2106,9 @@ def linear_attention_shapes(H: int, cfg: LinearAttentionConfig) -> dict[str, tup
         return dict(wq=(H, Cv), wk=(H, Cv), wv=(H, Cv), wz=(H, Cv), out_norm=(Cv,), wo=(Cv, H))
     convs = dict(conv_q=(K, Ck), conv_k=(K, Ck), conv_v=(K, Cv))
     if cfg.kind == "mamba2":
+        norm = {} if cfg.gate_norm == "none" else dict(out_norm=(Cv,))
         return dict(wq=(H, Ck), wk=(H, Ck), wv=(H, Cv), wz=(H, Cv), wa=(H, Nv), **convs, conv_q_bias=(Ck,), conv_k_bias=(Ck,),
-                    conv_v_bias=(Cv,), A_log=(Nv,), dt_bias=(Nv,), D=(Nv,), out_norm=(Cv,), wo=(Cv, H))
+                    conv_v_bias=(Cv,), A_log=(Nv,), dt_bias=(Nv,), D=(Nv,), **norm, wo=(Cv, H))
     if cfg.kind == "kda":
         Dk, Dv = cfg.k_head_dim, cfg.v_head_dim
         gates = dict(wz=(H, Cv), wb=(H, Nv), wf=(H, Ck)) if cfg.full_rank else dict(wz_a=(H, Dv), wz_b=(Dv, Cv), wb=(H, Nv), wf_a=(H, Dk), wf_b=(Dk, Ck))
@@ -2244,9 +2253,15 @@ def _mamba2(x, qkv, params, cfg: LinearAttentionConfig, B: int, cu, split, state
     if cfg.dt_min:  # Nemotron-H's floor (no gradient below it, as torch.clamp's)
         dt = dt.clamp(min=cfg.dt_min)
     o = _without_delta(q, k, xv * dt[..., None], -params["A_log"].float().exp() * dt, cfg, cu, split, states)
-    o = o.float() + params["D"].float()[:, None] * xv  # the skip
-    gated = (o.reshape(T, Nv * Dv) * F.silu(mm(x, params["wz"]).float())).view(T, Nk, r * Dv)  # a norm per group of key heads
-    normed = _rms_norm(gated, params["out_norm"].view(Nk, r * Dv), cfg.norm_eps)
+    o = (o.float() + params["D"].float()[:, None] * xv).reshape(T, Nv * Dv)  # the skip
+    gate = F.silu(mm(x, params["wz"]).float())
+    if cfg.gate_norm == "none":
+        return mm((o * gate).to(x.dtype), params["wo"])
+    weight = params["out_norm"].view(Nk, r * Dv)  # a norm per group of key heads
+    if cfg.gate_norm == "before":
+        normed = _rms_norm(o.view(T, Nk, r * Dv), weight, cfg.norm_eps).reshape(T, Nv * Dv) * gate
+    else:
+        normed = _rms_norm((o * gate).view(T, Nk, r * Dv), weight, cfg.norm_eps)
     return mm(normed.reshape(T, Nv * Dv).to(x.dtype), params["wo"])
 
 

@@ -46,7 +46,7 @@ from tensordict import TensorDict
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from fmoe.layers import (EXPERT_BIASES, AttentionConfig, AttentionContext, LinearAttentionConfig, LinearStates, MoEConfig, attach_loss, attention,
+from fmoe.layers import (EXPERT_BIASES, GATE_NORMS, AttentionConfig, AttentionContext, LinearAttentionConfig, LinearStates, MoEConfig, attach_loss, attention,
                          PLAIN_ACTS, XIELU, attention_context, check_clip_qkv, check_sparsemixer_knobs, check_window, dense_mlp, index_shapes, lightning_decay, linear_attention, linear_attention_shapes, local_experts, mla_shapes,
                          moe, q_in)
 from fmoe.ops import linear_cross_entropy, route
@@ -505,6 +505,12 @@ class TransformerConfig:
     linear_pre_norms: the linear-attention blocks are pre-norm blocks (a norm before each
     branch, none after) whatever pre_norms and post_norms make of the others (OLMo Hybrid's
     Gated DeltaNet blocks beside its post-norm attention blocks; TransformerConfig.block_norms);
+    linear_gate_norm: where Mamba-2's output norm sits, "after" its gate (the default),
+    "before" it or "none" (fmoe.layers.LinearAttentionConfig.gate_norm; Falcon-H1's
+    mamba_norm_before_gate, mamba_rms_norm); parallel_hybrid: every linear_layers block
+    holds softmax attention (Block.attn_beside) beside its linear mixer, both reading the
+    block's normed input, their outputs summed (Falcon-H1's parallel hybrid: Mamba-2 and
+    attention in each layer; not with DeepSeek sparse attention);
     the attention knobs (window, chunk,
     NoPE, q/k norms, gate) are the other blocks'. The MTP blocks always attend. mtp_depth MTP modules; mtp_norm: each with its own output
     norm before the shared head (DeepSeek-V3, GLM-4.5, Megatron Core) instead of the
@@ -676,6 +682,8 @@ class TransformerConfig:
     linear_neg_eigval: bool = False
     linear_norm_eps: Optional[float] = None
     linear_pre_norms: bool = False
+    linear_gate_norm: str = "after"
+    parallel_hybrid: bool = False
     mlp_free_layers: Optional[tuple[int, ...]] = None
     mixer_free_layers: Optional[tuple[int, ...]] = None
     moe_latent: Optional[int] = None
@@ -806,7 +814,8 @@ class TransformerConfig:
         if self.sink_layers is not None and not self.attn_sinks:
             raise ValueError("sink_layers: the blocks with attention sinks, needs attn_sinks")
         for name in ("pre_norms", "post_norms", "linear_pre_norms", "linear_neg_eigval", "mlp_bias", "moe_out_norm", "parallel_blocks", "layer_norms",
-                     "nope_qk_norm", "route_on_input", "attn_gate", "zero_centered_norms", "norm_bias", "head_bias", "shortcut_moe", "mla_scales", "q_latent_raw", "attn_gate_on_q"):
+                     "nope_qk_norm", "route_on_input", "attn_gate", "zero_centered_norms", "norm_bias", "head_bias", "shortcut_moe", "mla_scales", "q_latent_raw", "attn_gate_on_q",
+                     "parallel_hybrid"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         if self.norm_bias and not self.layer_norms:
@@ -859,6 +868,14 @@ class TransformerConfig:
                 raise ValueError(f"{name}: a knob of Kimi Delta Attention's blocks, needs linear_layers and linear_kind='kda'")
         if self.linear_dt_min != 0.0 and (self.linear_layers is None or self.linear_kind != "mamba2"):
             raise ValueError("linear_dt_min: the floor of Mamba-2's dt, needs linear_layers and linear_kind='mamba2'")
+        if self.linear_gate_norm not in GATE_NORMS:
+            raise ValueError(f"linear_gate_norm: expected one of {GATE_NORMS} (Mamba-2's output norm after its gate, before it, or none), "
+                             f"got {self.linear_gate_norm!r}")
+        if self.linear_gate_norm != "after" and (self.linear_layers is None or self.linear_kind != "mamba2"):
+            raise ValueError("linear_gate_norm: where Mamba-2's output norm sits, needs linear_layers and linear_kind='mamba2'")
+        if self.parallel_hybrid and (self.linear_layers is None or self.index_topk is not None):
+            raise ValueError("parallel_hybrid: softmax attention beside the linear mixer of each linear_layers block, needs linear_layers"
+                             + (", not with DeepSeek sparse attention (index_topk)" if self.linear_layers else ""))
         if self.mlp_bias and (self.shortcut_moe or self.dense_beside_moe):
             raise ValueError(f"mlp_bias: biases on the dense blocks' MLPs, not with {'shortcut_moe' if self.shortcut_moe else 'dense_beside_moe'} "
                              "(whose dense MLPs have none)")
@@ -880,7 +897,7 @@ class TransformerConfig:
             bad = [name for name in ("parallel_blocks", "shortcut_moe", "dense_beside_moe", "moe_out_norm") if getattr(self, name)]
             if bad or self.normed_residual is not None:
                 raise ValueError(f"linear_pre_norms: a block placement of its own, not with {', '.join(bad) or 'normed_residual'}")
-        if self.linear_layers is not None:
+        if self.linear_layers is not None and not self.parallel_hybrid:  # a parallel hybrid's linear blocks attend too
             for name in ("window_layers", "chunk_layers", "nope_layers", "sink_layers"):
                 both = sorted(set(self.linear_layers) & set(getattr(self, name) or ()))
                 if both:
@@ -971,8 +988,9 @@ class TransformerConfig:
         return self.mixer_free_layers is not None and i in self.mixer_free_layers
 
     def attends(self, i: int) -> bool:
-        """Whether trunk block i has softmax attention: neither linear attention nor mixer-free."""
-        return not self.is_linear(i) and not self.is_mixer_free(i)
+        """Whether trunk block i has softmax attention: neither linear attention (unless
+        parallel_hybrid puts attention beside it) nor mixer-free."""
+        return (not self.is_linear(i) or self.parallel_hybrid) and not self.is_mixer_free(i)
 
     def is_mlp_free(self, i: int) -> bool:
         """Whether trunk block i is its mixer alone, without an MLP: listed in mlp_free_layers."""
@@ -1121,7 +1139,8 @@ class TransformerConfig:
                                      norm_eps=1e-6 if self.linear_kind == "lightning" else (self.linear_norm_eps or self.norm_eps),
                                      impl="auto" if self.impl == "flex" else self.impl, kind=self.linear_kind,
                                      full_rank=self.linear_full_rank, decay_bound=self.linear_decay_bound,
-                                     dt_min=self.linear_dt_min, neg_eigval=self.linear_neg_eigval, fp8=self.fp8 if fp8 is None else fp8)
+                                     dt_min=self.linear_dt_min, neg_eigval=self.linear_neg_eigval, gate_norm=self.linear_gate_norm,
+                                     fp8=self.fp8 if fp8 is None else fp8)
 
     def block_norms(self, linear: bool = False) -> tuple[bool, bool]:
         """(pre, post): whether a block has its pre-norms (attn_norm, mlp_norm) and its
@@ -1498,6 +1517,8 @@ class Block(nn.Module):
     output are the n streams [T, n H]: the attention and the MLP each read their weighted
     sum and add their output back (HyperConnection: attn_hc, mlp_hc). mlp=False: the
     attention alone (cfg.mlp_free_layers; mlp, mlp_norm, mlp_post_norm and mlp_hc None);
+    a linear block of cfg.parallel_hybrid also holds softmax attention, attn_beside, whose
+    output is added to its linear mixer's (None in every other block);
     mixer=False: the MLP alone (cfg.mixer_free_layers; attn, attn_norm, attn_post_norm and
     attn_hc None)."""
 
@@ -1521,6 +1542,8 @@ class Block(nn.Module):
             self.attn = LinearAttention(cfg, fp8=fp8, layer=depth or 0)
         else:
             self.attn = Attention(cfg, local=local, rope=rope, fp8=fp8, index_shared=index_shared, sinks=sinks)
+        # cfg.parallel_hybrid: softmax attention beside the linear mixer, of the same normed input, the outputs summed (Falcon-H1's)
+        self.attn_beside = Attention(cfg, local=local, rope=rope, fp8=fp8, sinks=sinks) if linear and mixer and cfg.parallel_hybrid else None
         # a parallel block's MLP reads the attention's normed input (attn_norm)
         self.mlp_norm = norm(mlp and pre and not cfg.parallel_blocks, gated=moe)
         self.mlp_post_norm = norm(mlp and (post or (moe and cfg.moe_out_norm)))
@@ -1574,7 +1597,10 @@ class Block(nn.Module):
         return self._attend_normed(_normed(self.attn_norm, x_TH), ctx)
 
     def _attend_normed(self, h_TH, ctx):
-        return _normed(self.attn_post_norm, self.attn(h_TH, ctx))
+        y_TH = self.attn(h_TH, ctx)
+        if self.attn_beside is not None:  # a parallel hybrid's attention beside the linear mixer
+            y_TH = y_TH + self.attn_beside(h_TH, ctx)
+        return _normed(self.attn_post_norm, y_TH)
 
     def _residual(self, x_TH, y_TH, add: int = 0):
         """x + y (y x residual_scale); with depth_scaled_residual the block's add-th (0: the
@@ -1787,7 +1813,7 @@ class KVCache:
     @property
     def n_layers(self) -> int:
         """The model's layers this cache serves: those with a store or states, and those without a mixer (nothing cached)."""
-        return len(self.full_layers) + len(self.window_layers) + len(self.linear_layers) + len(self.mixer_free_layers)
+        return len({*self.full_layers, *self.window_layers, *self.linear_layers, *self.mixer_free_layers})  # a parallel hybrid's in two
 
     @staticmethod
     def ring_layers(cfg: TransformerConfig, max_tokens: int) -> tuple[int, ...]:
@@ -2138,7 +2164,8 @@ class Transformer(nn.Module):
         heads (n_kv_heads / tp; multi-latent attention's latents are every rank's) and the
         states of its linear-attention heads."""
         # the heads this rank's attention and linear attention compute (the model's where it has none)
-        i, local = next(((i, b.attn.cfg) for i, b in enumerate(self.blocks) if isinstance(getattr(b, "attn", None), Attention)), (None, self.cfg))
+        i, local = next(((i, a.cfg) for i, b in enumerate(self.blocks) for a in (getattr(b, "attn", None), getattr(b, "attn_beside", None))
+                         if isinstance(a, Attention)), (None, self.cfg))  # a parallel hybrid's attention beside its linear mixer too
         linear = next((b.attn.cfg for b in self.blocks if isinstance(getattr(b, "attn", None), LinearAttention)), self.cfg.linear_attention_config())
         # the tp ranks the heads split over (whole heads, each count divisible): block i's heads over this rank's
         tp = (self.cfg.heads(i) if i is not None else self.cfg.n_heads) // local.n_heads
@@ -2248,17 +2275,22 @@ class Transformer(nn.Module):
             if block.attn is None:  # an MLP alone: nothing cached
                 h_TH, _ = block(h_TH, AttentionContext(None, None, None))
                 continue
+            states = None
             if i in cache.linear_layers:  # the states its tokens continue, then the states after them
                 states = cache.linear_states(i, seq_list, tokens=n)  # the padding's rows (tp) continue nothing
-                h_TH, _ = block(h_TH, AttentionContext(None, None, None, linear_states=states))
-                cache.write_linear(i, seq_list, states)
-                continue
+                if block.attn_beside is None:
+                    h_TH, _ = block(h_TH, AttentionContext(None, None, None, linear_states=states))
+                    cache.write_linear(i, seq_list, states)
+                    continue
             ring = i in cache.window_layers
             kv = functools.partial(cache.write_window, i, *window_kv) if ring else functools.partial(cache.write, i, rows, n_keys)
             if pad:
                 kv = functools.partial(_unpadded, n, kv)
-            layer_ctx = dataclasses.replace(contexts[ring], gather_kv=kv, latents=None if not mla else "absorbed" if absorbed else "expanded")
+            layer_ctx = dataclasses.replace(contexts[ring], gather_kv=kv, latents=None if not mla else "absorbed" if absorbed else "expanded",
+                                            linear_states=states)  # a parallel hybrid's: both its keys and its states
             h_TH, _ = block(h_TH, layer_ctx)
+            if states is not None:
+                cache.write_linear(i, seq_list, states)
         for j, b in enumerate(seq_list):
             if cache.tokens is not None:
                 cache.tokens[b, cache.lengths[b]:cache.lengths[b] + T] = input_ids.reshape(-1, T)[j]

@@ -25,6 +25,8 @@ LIGHT = LinearAttentionConfig(n_k_heads=3, n_v_heads=3, k_head_dim=8, v_head_dim
 # Mamba-2's mixer: C and B in 2 groups of a state of 8, read by 4 heads of x of 6, 4 taps with biases
 MAMBA = LinearAttentionConfig(n_k_heads=2, n_v_heads=4, k_head_dim=8, v_head_dim=6, conv=4, chunk_size=8, kind="mamba2")
 MAMBA_FLOOR = dataclasses.replace(MAMBA, dt_min=0.7)  # Nemotron-H's floor of dt (this high: it binds for some tokens and heads)
+MAMBA_BEFORE = dataclasses.replace(MAMBA, gate_norm="before")  # Falcon-H1's norm before the gate
+MAMBA_UNNORMED = dataclasses.replace(MAMBA, gate_norm="none")  # Falcon-H1's gate alone (mamba_rms_norm false)
 NEG = dataclasses.replace(CFG, neg_eigval=True)  # OLMo Hybrid's write strength 2 sigmoid(x wb), in [0, 2]
 
 
@@ -70,7 +72,7 @@ def _loop(x, p, cfg, cu):
                 o = o * torch.rsqrt(o.square().mean() + cfg.norm_eps) * p["out_norm"]
                 out.append((o * torch.sigmoid(x[t] @ p["wz"])) @ p["wo"])
         return torch.stack(out)
-    if cfg.kind == "mamba2":  # h <- exp(-exp(A_log) dt) h + dt B x^T, o = h^T C + D x; silu(z) gate, then a norm per group
+    if cfg.kind == "mamba2":  # h <- exp(-exp(A_log) dt) h + dt B x^T, o = h^T C + D x; silu(z) gate, then a norm per group (gate_norm)
         Nk, Nv, Dk, Dv, K = cfg.n_k_heads, cfg.n_v_heads, cfg.k_head_dim, cfg.v_head_dim, cfg.conv
         out = []
         for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
@@ -82,9 +84,14 @@ def _loop(x, p, cfg, cu):
                 xv = conv["v"].view(Nv, Dv)
                 dt = F.softplus(x[t] @ p["wa"] + p["dt_bias"]).clamp(min=cfg.dt_min)
                 S = S * (-p["A_log"].exp() * dt).exp()[:, None, None] + Bm[:, :, None] * (dt[:, None] * xv)[:, None, :]
-                o = (torch.einsum("nkv,nk->nv", S, C) + p["D"][:, None] * xv).reshape(-1) * F.silu(x[t] @ p["wz"])
-                o = o.view(Nk, -1)
-                o = (o * torch.rsqrt(o.square().mean(-1, keepdim=True) + cfg.norm_eps)).reshape(-1) * p["out_norm"]
+                o, gate = (torch.einsum("nkv,nk->nv", S, C) + p["D"][:, None] * xv).reshape(-1), F.silu(x[t] @ p["wz"])
+                group_norm = lambda o: (o.view(Nk, -1) * torch.rsqrt(o.view(Nk, -1).square().mean(-1, keepdim=True) + cfg.norm_eps)).reshape(-1)  # noqa: E731
+                if cfg.gate_norm == "none":
+                    o = o * gate
+                elif cfg.gate_norm == "before":
+                    o = group_norm(o) * p["out_norm"] * gate
+                else:
+                    o = group_norm(o * gate) * p["out_norm"]
                 out.append(o @ p["wo"])
         return torch.stack(out)
     if cfg.kind == "short_conv":
@@ -129,9 +136,9 @@ def _loop(x, p, cfg, cu):
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("cfg", [CFG, KDA, LING, SHORT, LIGHT, MAMBA, MAMBA_FLOOR, NEG, dataclasses.replace(KDA, neg_eigval=True)],
-                         ids=["gated-deltanet", "kda", "kda-ling", "short-conv", "lightning", "mamba2", "mamba2-dt-floor", "gated-deltanet-neg",
-                              "kda-neg"])
+@pytest.mark.parametrize("cfg", [CFG, KDA, LING, SHORT, LIGHT, MAMBA, MAMBA_FLOOR, MAMBA_BEFORE, MAMBA_UNNORMED, NEG, dataclasses.replace(KDA, neg_eigval=True)],
+                         ids=["gated-deltanet", "kda", "kda-ling", "short-conv", "lightning", "mamba2", "mamba2-dt-floor", "mamba2-norm-before-gate",
+                              "mamba2-no-norm", "gated-deltanet-neg", "kda-neg"])
 def test_matches_the_token_loop_over_packed_documents(cfg):
     cu = torch.tensor([0, 5, 5, 19, 20, 31], dtype=torch.int32)
     x = torch.randn(31, H)
@@ -255,8 +262,8 @@ def test_matches_transformers_lfm2_short_conv():
     _matches_module(ref, p, LinearAttentionConfig(n_k_heads=H, n_v_heads=H, k_head_dim=1, v_head_dim=1, conv=3, kind="short_conv"))
 
 
-@pytest.mark.parametrize("cfg", [CFG, KDA, LING, SHORT, LIGHT, MAMBA, NEG],
-                         ids=["gated-deltanet", "kda", "kda-ling", "short-conv", "lightning", "mamba2", "gated-deltanet-neg"])
+@pytest.mark.parametrize("cfg", [CFG, KDA, LING, SHORT, LIGHT, MAMBA, MAMBA_UNNORMED, NEG],
+                         ids=["gated-deltanet", "kda", "kda-ling", "short-conv", "lightning", "mamba2", "mamba2-no-norm", "gated-deltanet-neg"])
 def test_decoding_continues_the_states(cfg):
     """A prompt, then steps of one token, of two sequences at once through LinearStates,
     equal each whole sequence's outputs; the conv state holds the last K - 1 projections."""
@@ -315,13 +322,14 @@ def test_matches_transformers_minimax_lightning_attention():
 
 def _mamba2_params(ref) -> dict:
     """A transformers Mamba-2 mixer's weights (4 heads of 6, 2 groups of 8) in fmoe's layout:
-    in_proj's rows are z, x, B, C and dt; conv1d [C, 1, K] over x, B, C with its bias."""
+    in_proj's rows are z, x, B, C and dt; conv1d [C, 1, K] over x, B, C with its bias; its
+    gated norm's weight where it has one."""
     t = lambda m: m.weight.t().detach()  # noqa: E731
     z, xs, Bm, C, dt = t(ref.in_proj).split([24, 24, 16, 16, 4], dim=1)
     conv, bias = ref.conv1d.weight.detach()[:, 0].t(), ref.conv1d.bias.detach()  # [K, x | B | C]
     return dict(wq=C, wk=Bm, wv=xs, wz=z, wa=dt, conv_q=conv[:, 40:], conv_k=conv[:, 24:40], conv_v=conv[:, :24], conv_q_bias=bias[40:],
                 conv_k_bias=bias[24:40], conv_v_bias=bias[:24], A_log=ref.A_log.detach(), dt_bias=ref.dt_bias.detach(), D=ref.D.detach(),
-                out_norm=ref.norm.weight.detach(), wo=t(ref.out_proj))
+                **({"out_norm": ref.norm.weight.detach()} if hasattr(ref.norm, "weight") else {}), wo=t(ref.out_proj))  # none: Falcon-H1's unnormed
 
 
 def _randomized(ref):
@@ -362,6 +370,26 @@ def test_matches_transformers_nemotron_h_mamba2_mixer():
     _matches_module(ref, p, dataclasses.replace(MAMBA, norm_eps=hf_cfg.layer_norm_epsilon, dt_min=0.7, impl="torch"))
 
 
+@pytest.mark.parametrize("rms_norm,before", [(False, True), (True, True), (True, False)], ids=["no-norm", "norm-before-gate", "norm-after-gate"])
+def test_matches_transformers_falcon_h1_mamba2_mixer(rms_norm, before):
+    """transformers' Falcon-H1 mixer (its torch path), whose output norm is optional
+    (mamba_rms_norm) and may come before the gate (mamba_norm_before_gate): fmoe's mamba2
+    with gate_norm "none", "before" or "after"; x's channels (mamba_d_ssm, 24) apart from
+    hidden_size. Its multipliers are 1 here (fmoe.hf folds them into the weights)."""
+    transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]'")
+    from transformers.models.falcon_h1.modeling_falcon_h1 import FalconH1Mixer, compute_mup_vector
+
+    hf_cfg = transformers.FalconH1Config(hidden_size=H, mamba_d_ssm=24, mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4,
+                                         mamba_chunk_size=16, num_hidden_layers=1, mamba_rms_norm=rms_norm, mamba_norm_before_gate=before)
+    ref = FalconH1Mixer(hf_cfg, 0)
+    ref.register_buffer("mup_vector", compute_mup_vector(hf_cfg), persistent=False)
+    ref = _randomized(ref)
+    p = _mamba2_params(ref)
+    assert ("out_norm" in p) == rms_norm
+    gate_norm = "none" if not rms_norm else "before" if before else "after"
+    _matches_module(ref, p, dataclasses.replace(MAMBA, norm_eps=hf_cfg.rms_norm_eps, gate_norm=gate_norm, impl="torch"))
+
+
 def test_lightning_decay():
     """MiniMax's slopes: 2^(-8/N) to the powers 1 .. N, times 1 - layer / (L - 1 + 1e-5) + 1e-5
     (negated: log-decays); checked arguments."""
@@ -391,6 +419,9 @@ def test_bf16():
     (dict(conv=0), r"conv: expected >= 1"),
     (dict(norm_eps=0.0), r"norm_eps: expected a positive number"),
     (dict(kind="mamba"), r"kind: expected one of \('gated_deltanet', 'kda', 'short_conv', 'lightning', 'mamba2'\), got 'mamba'"),
+    (dict(kind="mamba2", gate_norm="first"), r"gate_norm: expected one of \('after', 'before', 'none'\) \(Mamba-2's output norm after its gate, "
+                                             r"before it, or none\), got 'first'"),
+    (dict(gate_norm="none"), r"gate_norm: where Mamba-2's output norm sits, needs kind 'mamba2', got 'gated_deltanet'"),
     (dict(kind="lightning"), r"n_k_heads / k_head_dim: lightning attention has as many key as value heads, of one dim, got 2 x 8 beside 4 x 6"),
     (dict(kind="short_conv"), r"n_k_heads / k_head_dim: a short convolution's channels are n_v_heads x v_head_dim, the key fields the same, got 2 x 8"),
     (dict(kind="kda"), r"n_v_heads: Kimi Delta Attention has as many key as value heads, got 2 and 4"),

@@ -56,6 +56,10 @@ VARIANTS = {
     "granite4": dataclasses.replace(TINY, linear_layers=(0, 1), linear_kind="mamba2", linear_k_heads=2, linear_v_heads=4, linear_k_dim=8,
                                     linear_v_dim=6, linear_conv=3, nope_layers=(2,), n_dense=0, n_shared=0, shared_ffn=20, score="softmax",
                                     expert_bias=False, attn_scale=0.3, embed_scale=2.0, residual_scale=0.5, logit_divisor=4.0, mtp_depth=1),
+    # Falcon-H1's parallel hybrid: in every block a Mamba-2 mixer (its gate alone, no output norm) and softmax attention
+    # beside it, both of the block's normed input, their outputs summed
+    "falcon_h1": dataclasses.replace(TINY, linear_layers=(0, 1, 2), linear_kind="mamba2", linear_k_heads=2, linear_v_heads=4, linear_k_dim=8,
+                                     linear_v_dim=6, linear_conv=3, parallel_hybrid=True, linear_gate_norm="none", mtp_depth=1),
     # MiniMax-Text-01's blocks: lightning attention in blocks 0 and 1 (a constant decay per head and depth, the output norm
     # over every head's channels) beside softmax attention, each residual the sublayer's normed input x 1.7 beside its
     # output x 0.6; Mixtral's MoE
@@ -607,6 +611,61 @@ def test_blocks_without_an_mlp_end_at_their_mixer():
             dataclasses.replace(TINY, **knobs)
     with pytest.raises(ValueError, match=r"mlp: a MoE block has an MLP"):
         fmoe.model.Block(TINY, moe=True, mlp=False)
+
+
+def test_a_parallel_hybrid_block_adds_its_attention_to_its_linear_mixer():
+    """parallel_hybrid (Falcon-H1's): each linear block also holds softmax attention,
+    attn_beside, of the same normed input, and its output is the sum of the two: with the
+    attention's wo zeroed the block is the linear-only model's, with the mixer's wo zeroed
+    the attention-only model's (attn_beside's weights as its attn); the other blocks hold
+    none; every block attends and is cached both ways. The knobs are checked."""
+    from fmoe.layers import attention_context
+
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(VARIANTS["falcon_h1"], linear_layers=(0, 2), mtp_depth=0)
+    model = Transformer(cfg)
+    assert [b.attn_beside is not None for b in model.blocks] == [True, False, True]
+    assert all(cfg.attends(i) for i in range(3)) and "out_norm" not in model.blocks[0].attn.names  # the gate alone (linear_gate_norm "none")
+    cache = model.kv_cache(8)
+    assert (cache.full_layers, cache.linear_layers, cache.n_layers) == ((0, 1, 2), (0, 2), 3)
+    ids = torch.randint(0, cfg.vocab_size, (9,))
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    state = model.state_dict()
+
+    def logits(config, weights):
+        other = Transformer(config)
+        other.load_state_dict(weights)
+        with torch.no_grad():
+            return other.logits(ids, cu)
+
+    with torch.no_grad():
+        both = model.logits(ids, cu)
+    linear_only = {n: t for n, t in state.items() if ".attn_beside." not in n}
+    zero_attn = dict(state, **{f"blocks.{i}.attn_beside.wo": torch.zeros_like(state[f"blocks.{i}.attn_beside.wo"]) for i in (0, 2)})
+    torch.testing.assert_close(logits(cfg, zero_attn), logits(dataclasses.replace(cfg, parallel_hybrid=False), linear_only))
+    attention = {n.replace(".attn_beside.", ".attn."): t for n, t in state.items()
+                 if not any(n.startswith(f"blocks.{i}.attn.") for i in (0, 2))}
+    zero_mixer = dict(state, **{f"blocks.{i}.attn.wo": torch.zeros_like(state[f"blocks.{i}.attn.wo"]) for i in (0, 2)})
+    torch.testing.assert_close(logits(cfg, zero_mixer), logits(dataclasses.replace(cfg, linear_layers=None, parallel_hybrid=False,
+                                                                                    linear_gate_norm="after"), attention))
+    assert float((both - logits(cfg, zero_attn)).abs().max()) > 1e-3 and float((both - logits(cfg, zero_mixer)).abs().max()) > 1e-3
+    x = torch.randn(9, 32)
+    ctx = attention_context(cu, torch.cat([torch.arange(4), torch.arange(5)]), cfg.context_config())
+    block = model.blocks[0]
+    with torch.no_grad():
+        h = block.attn_norm(x)
+        torch.testing.assert_close(block._attend(x, ctx), block.attn(h, ctx) + block.attn_beside(h, ctx))
+    for knobs, message in ((dict(parallel_hybrid=True), "parallel_hybrid: softmax attention beside the linear mixer of each linear_layers block, "
+                                                        "needs linear_layers$"),
+                           (dict(VARIANTS["dsa"].__dict__, linear_layers=(0,), parallel_hybrid=True),
+                            r"parallel_hybrid: .*, not with DeepSeek sparse attention \(index_topk\)"),
+                           (dict(parallel_hybrid=1), "parallel_hybrid: expected a bool, got 1"),
+                           (dict(linear_layers=(0,), linear_kind="mamba2", linear_gate_norm="first"),
+                            r"linear_gate_norm: expected one of \('after', 'before', 'none'\)"),
+                           (dict(linear_layers=(0,), linear_gate_norm="none"),
+                            "linear_gate_norm: where Mamba-2's output norm sits, needs linear_layers and linear_kind='mamba2'")):
+        with pytest.raises(ValueError, match=message):
+            dataclasses.replace(TINY, **knobs)
 
 
 def test_blocks_without_a_mixer_are_their_mlp_alone():
@@ -1536,6 +1595,11 @@ DECODED = {
     "gated deltanet": dataclasses.replace(VARIANTS["gated deltanet"], mtp_depth=0),
     # Granite 4.0-H's: Mamba-2's conv and SSD states beside a NoPE block
     "granite4": dataclasses.replace(VARIANTS["granite4"], mtp_depth=0),
+    # Falcon-H1's: Mamba-2's states and the attention's keys and values in the same blocks; with its output norm before the
+    # gate and a window on blocks 0 and 2 (rings beside the full store)
+    "falcon_h1": dataclasses.replace(VARIANTS["falcon_h1"], mtp_depth=0),
+    "falcon_h1, norm before gate, window": dataclasses.replace(VARIANTS["falcon_h1"], mtp_depth=0, linear_gate_norm="before", window=4,
+                                                               window_layers=(0, 2)),
     # MiniMax's: lightning attention's states (no convolution) beside a softmax block
     "minimax": dataclasses.replace(VARIANTS["minimax"], mtp_depth=0),
     # Nemotron-H's: a Mamba-2 block without an MLP among them; Nemotron 3's: MoE blocks of experts without a gate
@@ -1659,7 +1723,7 @@ def test_decode_with_a_kv_cache_equals_the_whole_sequence(name, monkeypatch):
         G, D = (1, filled.shape[-1]) if cfg.kv_rank is not None else (cfg.kv_heads(layer), cfg.layer_head_dim(layer))
         assert filled[j, :13, :G, :D].abs().amin(dim=(1, 2)).gt(0).all() and filled[j, :, G:].abs().sum() == 0
         assert filled[j, :, :, D:].abs().sum() == 0
-    attending = cfg.n_layers - len(cfg.linear_layers or ())
+    attending = sum(cfg.attends(i) for i in range(cfg.n_layers))
     if cfg.kv_rank is not None:  # the latents only: kv_rank + rope_dim per token and attending layer (and DSA's indexer key)
         index = cfg.index_head_dim if cfg.index_topk is not None else 0
         assert cache.k.shape == (attending, 16, 1, cfg.kv_rank + cfg.rope_dim + index) and cache.v.data_ptr() == cache.k.data_ptr()
@@ -1674,7 +1738,8 @@ def test_decode_with_a_kv_cache_equals_the_whole_sequence(name, monkeypatch):
     if cfg.linear_layers is not None:  # a state of fixed size per linear-attention layer: the conv's last K - 1 tokens, the rule's state
         lin = cfg.linear_attention_config()
         n_linear = len(cfg.linear_layers)
-        assert cache.linear_layers == cfg.linear_layers and cache.full_layers == tuple(i for i in range(cfg.n_layers) if cfg.attends(i))
+        assert cache.linear_layers == cfg.linear_layers  # a parallel hybrid's layers are in both (Falcon-H1's), its window's in rings
+        assert cache.full_layers == tuple(i for i in range(cfg.n_layers) if cfg.attends(i) and i not in cache.window_layers)
         assert cache.mixer_free_layers == (cfg.mixer_free_layers or ())  # an MLP alone: nothing cached
         # the conv's inputs: q, k and v's projections, or a short convolution's gated input (which has no rule: its state stays 0);
         # lightning attention has no convolution (no channels)
@@ -1683,7 +1748,9 @@ def test_decode_with_a_kv_cache_equals_the_whole_sequence(name, monkeypatch):
         assert cache.state.shape == (n_linear, 1, lin.n_v_heads, lin.k_head_dim, lin.v_head_dim)
         assert cache.state.abs().amin(dim=(2, 3, 4)).gt(0).all() if lin.kind != "short_conv" else not cache.state.any()
         keys = cache.k.numel() if cfg.kv_rank is not None else 2 * 16 * cfg.n_kv_heads * cfg.head_dim * len(cache.full_layers)  # the latents, or keys and values
-        assert cache.nbytes == 4 * (keys + cache.conv.numel() + cache.state.numel())
+        rings = cache.k_window.numel() + cache.v_window.numel()
+        assert rings == (2 * 2 * 4 * cfg.n_kv_heads * cfg.head_dim if cache.window_layers else 0)  # the window's 4 newest tokens in blocks 0 and 2
+        assert cache.nbytes == 4 * (keys + rings + cache.conv.numel() + cache.state.numel())
     elif (cfg.window is None and cfg.chunk is None) or (cfg.window or cfg.chunk) >= 16:  # no local layers, or none narrower than the cache
         assert cache.full_layers == tuple(range(cfg.n_layers)) and cache.k_window.numel() == 0
     else:  # the sliding-window (chunked) layers keep a ring of the window's (chunk's) newest tokens only

@@ -362,8 +362,9 @@ class LinearAttentionParallel(_HeadsRegion):
         if module.cfg.kind == "lightning":  # MiniMax's: the output norm's weight by its heads' channels, its mean square over tp
             return dict(wq=1, wk=1, wv=1, wz=1, out_norm=0, wo=0)
         if module.cfg.kind == "mamba2":  # the norm per group of key heads: a rank's groups whole, their weight with them
+            norm = {} if module.cfg.gate_norm == "none" else dict(out_norm=0)  # Falcon-H1's gate alone: no norm
             return dict(wq=1, wk=1, wv=1, wz=1, wa=1, conv_q=1, conv_k=1, conv_v=1, conv_q_bias=0, conv_k_bias=0, conv_v_bias=0, A_log=0,
-                        dt_bias=0, D=0, out_norm=0, wo=0)
+                        dt_bias=0, D=0, **norm, wo=0)
         if module.cfg.kind == "kda" and module.cfg.full_rank:  # Ling's: the decay's and the gate's projections by their heads
             return dict(wq=1, wk=1, wv=1, wz=1, wb=1, wf=1, conv_q=1, conv_k=1, conv_v=1, A_log=0, dt_bias=0, wo=0)
         if module.cfg.kind == "kda":  # the low-rank pairs' second halves by their heads; wf_a, wz_a replicated

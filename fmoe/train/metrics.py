@@ -231,7 +231,8 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
     adds 6 x 3 H ffn_dense per MoE block (trunk and MTP).
     Blocks with a sliding window or chunked attention (cfg.is_local) count n_avg_local_keys
     keys per query (mean_attended_keys with cfg.window, cfg.chunk): required when there are any.
-    Linear-attention blocks (cfg.is_linear) count linear_attention_flops in place of attention.
+    Linear-attention blocks (cfg.is_linear) count linear_attention_flops in place of attention
+    (a parallel hybrid's, cfg.parallel_hybrid, beside it: both).
     DeepSeek sparse attention (cfg.index_topk) attends n_avg_index_keys keys per query
     (mean_attended_keys(cu_seqlens, index_topk): at most index_topk; required), and its
     indexer adds per block with one (trunk and MTP; not index_shared_layers) 6 x its projection weights and
@@ -292,6 +293,9 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
                          "pass their mean attended keys (mean_attended_keys(cu_seqlens, window, chunk))")
     n_linear = sum(getattr(cfg, "is_linear", lambda i: False)(i) for i in range(cfg.n_layers))
     linear = dict(n_linear=n_linear, linear_layer=linear_attention_flops(cfg.hidden, cfg.linear_attention_config())) if n_linear else {}
+    beside = 0.0
+    if linear and getattr(cfg, "parallel_hybrid", False):  # attention in every block (counted as such), the linear mixers on top
+        beside, linear = n_linear * linear["linear_layer"], {}
     values = {n: getattr(cfg, n) for n in names}
     values["n_experts"] = getattr(cfg, "n_choices", cfg.n_experts)  # the router's outputs
     if k is not None:
@@ -334,7 +338,7 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
         n_moe = sum(is_moe(i) for i in range(cfg.n_layers))
         n_moe += cfg.mtp_depth if n_moe else 0
         latent = n_moe * (6 * 2 * cfg.hidden * L + 6 * (L - cfg.hidden) * mlp_matrices * cfg.ffn_expert * values["k"])
-    return indexer + shortcut + hc + gated_norms + latent - no_mlp + flops_per_token(**values, n_dense=n_dense, n_shared=shared, vocab=cfg.vocab_size,
+    return indexer + shortcut + hc + gated_norms + latent + beside - no_mlp + flops_per_token(**values, n_dense=n_dense, n_shared=shared, vocab=cfg.vocab_size,
                                      n_avg_keys=n_avg_keys, n_sliding=n_sliding, n_avg_local_keys=n_avg_local_keys,
                                      attn_gate=bool(getattr(cfg, "attn_gate", False)) and not getattr(cfg, "attn_gate_on_q", False),
                                      attn_gate_per_head=bool(getattr(cfg, "attn_gate_per_head", False)), **attention, **linear,

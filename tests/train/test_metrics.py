@@ -366,6 +366,10 @@ def test_model_flops_per_token_reads_the_model_config():
     # out [24 -> 64]; the taps of 16 + 16 + 24 channels; 2 products with 4 [8, 6] states
     mamba = dataclasses.replace(linear.linear_attention_config(), kind="mamba2")
     assert M.linear_attention_flops(64, mamba) == 6 * (64 * (2 * 16 + 2 * 24 + 4) + 24 * 64 + 4 * (2 * 16 + 24) + 2 * 4 * 8 * 6)
+    # Falcon-H1's parallel hybrid: Mamba-2 mixers in blocks 0 and 2 beside their attention, which every block keeps
+    hybrid = TransformerConfig(**{**cfg.__dict__, "linear_layers": (0, 2), "linear_kind": "mamba2", "linear_k_heads": 2, "linear_v_heads": 4,
+                                  "linear_k_dim": 8, "linear_v_dim": 6, "linear_conv": 4, "parallel_hybrid": True})
+    assert M.model_flops_per_token(hybrid, n_avg_keys=10.0) == M.model_flops_per_token(cfg, n_avg_keys=10.0) + 2 * M.linear_attention_flops(64, mamba)
     # block 1 slides over its window (3 keys); the MTP block attends over all
     assert M.model_flops_per_token(linear, n_avg_keys=10.0, n_avg_local_keys=3.0) == expected - 2 * attention + 2 * layer - 12 * 64 * (10.0 - 3.0)
     with pytest.raises(ValueError, match=r"n_dense / n_sliding \+ n_linear \+ n_mlp_only: expected at most n_layers=3, got 1 / 2 \+ 2 \+ 0"):
