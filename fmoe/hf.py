@@ -10,7 +10,7 @@ exaone_moe, kolibri1, beam, axk2, dots1, minimax_m2, minimax, granitemoe, granit
 laguna, cohere2_moe, sarvam_moe, sarvam_mla, longcat_flash, bailing_hybrid, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, lara_mini, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
 mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe, gemma3, gemma4_text, gemma4), and the dense
 DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, helium, minicpm3, arcee, gemma, vaultgemma, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
-glm4, ernie4_5, lfm2, cohere, cohere2, bamba, stablelm, qwen3_5_text (and qwen3_5's text model), nemotron, apertus, olmo_hybrid, jais2, glm: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
+glm4, ernie4_5, lfm2, cohere, cohere2, bamba, falcon_h1, stablelm, qwen3_5_text (and qwen3_5's text model), nemotron, apertus, olmo_hybrid, jais2, glm: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: OLMoE's q and k clamped after their norms, ...;
 the fields a config.json leaves out read at transformers' defaults, Family.defaults, and a
 family's own names for the fields the shared mappings read as those, Family.aliases)
@@ -1642,6 +1642,56 @@ def _bamba(hf: dict) -> dict:
     return dict(out, rope_dim=out["head_dim"] // 2, **_mamba2_fields(hf, tuple(i for i in range(n) if i not in attention)))
 
 
+def _falcon_h1(hf: dict) -> dict:
+    """Falcon-H1 (falcon_h1, dense; Falcon-H1 0.5B to 34B, Falcon-H1R, Falcon-H1-Tiny): every
+    layer a parallel hybrid (parallel_hybrid): a Mamba-2 mixer (_mamba2_fields; its x channels
+    mamba_d_ssm, apart from hidden_size; its output norm per group after the gate, before it,
+    or none: mamba_rms_norm, mamba_norm_before_gate) beside Llama's attention, both of the
+    block's normed input (input_layernorm), their outputs summed, then Llama's MLP
+    (feed_forward after pre_ff_layernorm). Its muP multipliers: the embeddings' and the
+    logits' as embed_scale and logit_divisor, the others folded into the weights they
+    scale on load and taken out on export (_falcon_h1_folds). Biases refused."""
+    for field in ("attention_bias", "projectors_bias"):
+        _refuse(hf, field, lambda v: not v, "no biases on the attention's and the mixer's projections")
+    n, H, heads = hf["num_hidden_layers"], hf["hidden_size"], hf.get("mamba_n_heads", 128)
+    channels = hf.get("mamba_d_ssm") or hf.get("mamba_expand", 2) * H
+    head_dim = hf.get("mamba_d_head", "auto")
+    head_dim = channels // heads if head_dim == "auto" else head_dim
+    if heads * head_dim != channels:
+        raise ValueError(f"config.json: mamba_n_heads x mamba_d_head = {heads} x {head_dim} is not supported (mamba_d_ssm, or mamba_expand x "
+                         f"hidden_size: {channels})")
+    every = tuple(range(n))
+    mixers = _mamba2_fields(dict(hf, mamba_d_head=head_dim, mamba_expand=1, hidden_size=channels), every)
+    rms = bool(hf.get("mamba_rms_norm", False))
+    gate_norm = ("before" if hf.get("mamba_norm_before_gate", True) else "after") if rms else "none"
+    head = float(hf.get("lm_head_multiplier", 1.0))
+    return dict(_dense(hf), **mixers, parallel_hybrid=True, linear_gate_norm=gate_norm, embed_scale=float(hf.get("embedding_multiplier", 1.0)),
+                logit_divisor=1 / head)
+
+
+def _falcon_h1_folds(hf: dict) -> dict[str, float]:
+    """Falcon-H1's multipliers folded into the weights they scale (the parameter's name
+    under its block -> the factor; Family.folds): the mixer's in_proj rows z, x, B, C, dt by
+    ssm_in_multiplier x ssm_multipliers (its mup_vector), its out_proj by
+    ssm_out_multiplier; the attention's q, k, v by attention_in_multiplier (k by
+    key_multiplier too), o by attention_out_multiplier; the MLP's gate and down by
+    mlp_multipliers."""
+    ssm_in = float(hf.get("ssm_in_multiplier", 1.0))
+    z, x, b, c, dt = (float(m) for m in hf.get("ssm_multipliers") or (1.0,) * 5)
+    attn_in, gate_down = float(hf.get("attention_in_multiplier", 1.0)), hf.get("mlp_multipliers") or (1.0, 1.0)
+    return {"attn.wz": ssm_in * z, "attn.wv": ssm_in * x, "attn.wk": ssm_in * b, "attn.wq": ssm_in * c, "attn.wa": ssm_in * dt,
+            "attn.wo": float(hf.get("ssm_out_multiplier", 1.0)), "attn_beside.wq": attn_in,
+            "attn_beside.wk": attn_in * float(hf.get("key_multiplier", 1.0)), "attn_beside.wv": attn_in,
+            "attn_beside.wo": float(hf.get("attention_out_multiplier", 1.0)), "mlp.w_gate": float(gate_down[0]), "mlp.w_down": float(gate_down[1])}
+
+
+def _folded(family: "Family", hf: dict, name: str) -> float:
+    """The factor a parameter's weights carry of the family's multipliers (Family.folds; 1: none)."""
+    if family.folds is None or not name.startswith("blocks."):
+        return 1.0
+    return family.folds(hf).get(name.split(".", 2)[2], 1.0)
+
+
 def _json_float(v) -> float:
     """A float of config.json, as transformers writes inf and nan: {"__float__": "Infinity"}."""
     return float(v.get("__float__", "nan")) if isinstance(v, dict) else float(v)
@@ -2596,6 +2646,9 @@ class Family:
     # a latent MoE's (cfg.moe_latent) projections into and out of the routed experts' channels, under the MoE block (Nemotron 3 Super's)
     latent: tuple[str, str] = ("fc1_latent_proj", "fc2_latent_proj")
     mamba: str = "mamba"  # the Mamba-2 mixer's module, in each layer (Granite 4.0-H's, Bamba's; Nemotron-H's mixer)
+    # multipliers folded into the weights: config.json -> {a parameter's name under its block: the factor} (Falcon-H1's muP
+    # multipliers, _falcon_h1_folds): a weight is read times it and written divided by it
+    folds: Optional[Callable[[dict], dict[str, float]]] = None
 
     def renamed(self, key: str) -> str:
         """key (as the family's own models name it) in the family's folders (prefix, then outer)."""
@@ -2668,7 +2721,8 @@ _MINISTRAL3_ROPE = dict(rope_type="yarn", rope_theta=1e6, factor=16.0, original_
                         mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1)
 # the dense families (no MoE block): fine-tuned as they are, or upcycled into an MoE (fmoe.train.upcycle)
 DENSE_FAMILIES = ("llama", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "youtu", "helium", "minicpm3", "arcee", "gemma", "vaultgemma", "gemma2", "gemma3_text", "lfm3", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
-                  "phi3", "glm4", "ernie4_5", "lfm2", "cohere", "cohere2", "bamba", "stablelm", "qwen3_5_text", "nemotron", "apertus", "olmo_hybrid", "jais2", "glm")
+                  "phi3", "glm4", "ernie4_5", "lfm2", "cohere", "cohere2", "bamba", "falcon_h1", "stablelm", "qwen3_5_text", "nemotron", "apertus", "olmo_hybrid",
+                  "jais2", "glm")
 FAMILIES = {
     "mixtral": Family(_mixtral, "block_sparse_moe", ("w1", "w3", "w2"), "MixtralForCausalLM",
                       defaults=dict(num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1e6)),
@@ -2951,6 +3005,12 @@ FAMILIES = {
     "bamba": Family(_bamba, "feed_forward", _PROJ, "BambaForCausalLM", dense="feed_forward", norms=("input_layernorm", "pre_ff_layernorm"),
                     final_norm="model.final_layernorm.weight",
                     linear="mamba2", defaults=dict(num_key_value_heads=8, rms_norm_eps=1e-5)),
+    "falcon_h1": Family(_falcon_h1, "feed_forward", _PROJ, "FalconH1ForCausalLM", dense="feed_forward", norms=("input_layernorm", "pre_ff_layernorm"),
+                        final_norm="model.final_layernorm.weight", linear="mamba2", folds=_falcon_h1_folds,
+                        defaults=dict(vocab_size=128000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                                      num_key_value_heads=8, rms_norm_eps=1e-5, max_position_embeddings=8192, mamba_d_ssm=1024, mamba_n_heads=128,
+                                      mamba_n_groups=1, mamba_d_state=256, mamba_d_conv=4, mamba_expand=2, mamba_conv_bias=True,
+                                      mamba_proj_bias=False, mamba_norm_before_gate=True, mamba_rms_norm=False)),
     "smollm3": Family(_smollm3, "mlp", _PROJ, "SmolLM3ForCausalLM", defaults=dict(num_key_value_heads=4, rope_theta=2e6, tie_word_embeddings=True)),
     "stablelm": Family(_stablelm, "mlp", _PROJ, "StableLmForCausalLM", qk_norms=("q_layernorm", "k_layernorm"), qk_norm_modules=True,
                        defaults=dict(vocab_size=50304, hidden_size=2560, num_attention_heads=32, num_key_value_heads=32,
@@ -3079,7 +3139,8 @@ def _linear_attention_keys(family: Family, cfg: TransformerConfig, p: str, q: st
             out[q + f"attn.conv_{name}"] = Tensor((m + "conv1d.weight",), transpose=True, unit=1, chunk=(j, channels))
             out[q + f"attn.conv_{name}_bias"] = Tensor((m + "conv1d.bias",), chunk=(j, channels))
         out.update({q + "attn." + name: Tensor((m + name,)) for name in ("A_log", "dt_bias", "D")})
-        out[q + "attn.out_norm"] = Tensor((m + "norm.weight",))
+        if lin.gate_norm != "none":  # Falcon-H1's mixers may have none
+            out[q + "attn.out_norm"] = Tensor((m + "norm.weight",))
         out[q + "attn.wo"] = Tensor((m + "out_proj.weight",), transpose=True)
         return out
     if family.linear == "lightning":  # MiniMax: under the attention module, qkv_proj [N 3D, H] (per head its q, k, v rows)
@@ -3150,6 +3211,9 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
     a NoPE block (its q/k norms only with cfg.nope_qk_norm); linear: a Gated DeltaNet block;
     layer: the trunk block's index (its sinks and kv heads; None: an MTP block)."""
     out = _linear_attention_keys(family, cfg, p, q) if linear else _attention_keys(family, cfg, p, q, rope, index_shared, layer)
+    if linear and cfg.parallel_hybrid:  # Falcon-H1's attention beside the mixer, under the attention module
+        attention = _attention_keys(family, cfg, p, q, rope, index_shared, layer)
+        out.update({q + "attn_beside." + name[len(q + "attn."):]: spec for name, spec in attention.items() if name.startswith(q + "attn.")})
     pre, post = cfg.block_norms(linear)  # OLMo Hybrid's linear blocks: pre-norm beside post-norm attention blocks
     if pre and post:  # a sandwich block (AFMoE)
         if family.sandwich is None:
@@ -3593,6 +3657,7 @@ def load_weights(model: Transformer, path, *, model_type: str, strict: bool = Tr
     path = Path(path)
     files = _weight_files(path)
     family = _folder_layout(model, files, model_type)
+    folded = json.loads((path / "config.json").read_text()) if family.folds is not None else {}  # its multipliers (Family.folds)
     params = _tensors(model)
     block, packed_int = _weight_quantization(path)
     from safetensors import safe_open
@@ -3760,6 +3825,9 @@ def load_weights(model: Transformer, path, *, model_type: str, strict: bool = Tr
             else:
                 value = as_ours(read(spec.keys[0], stored_index(index)), index)
             local = param.to_local() if isinstance(param, DTensor) else param
+            scale = _folded(family, folded, name)
+            if value is not None and scale != 1.0:  # a multiplier folded into the weight
+                value = value.float() * scale
             if value is not None:
                 with torch.no_grad():
                     local.copy_(value.to(local.dtype))
@@ -4293,6 +4361,14 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
                       rope_parameters=_rope_by_layer_type_parameters(cfg, full))
         elif model_type == "bamba":  # RoPE on half of each head's channels (transformers fixes it; config_mismatch names another)
             hf.update(attention_bias=False, attn_layer_indices=[i for i in range(cfg.n_layers) if not cfg.is_linear(i)], **_mamba2_config(cfg))
+        elif model_type == "falcon_h1":  # the multipliers fmoe keeps as knobs; the others 1, folded into the weights (_falcon_h1_folds)
+            lin = cfg.linear_attention_config()
+            hf.update(attention_bias=False, projectors_bias=False, mamba_d_ssm=lin.v_channels, mamba_n_heads=lin.n_v_heads, mamba_d_head=lin.v_head_dim,
+                      mamba_n_groups=lin.n_k_heads, mamba_d_state=lin.k_head_dim, mamba_d_conv=lin.conv, mamba_conv_bias=True, mamba_proj_bias=False,
+                      mamba_rms_norm=lin.gate_norm != "none", mamba_norm_before_gate=lin.gate_norm != "after",
+                      embedding_multiplier=cfg.embed_scale, lm_head_multiplier=1 / cfg.logit_divisor, key_multiplier=1.0,
+                      attention_in_multiplier=1.0, attention_out_multiplier=1.0, ssm_in_multiplier=1.0, ssm_out_multiplier=1.0,
+                      ssm_multipliers=[1.0] * 5, mlp_multipliers=[1.0, 1.0])
         elif model_type == "smollm3":
             hf.update(attention_bias=cfg.qkv_bias, no_rope_layers=[int(not cfg.is_nope(i)) for i in range(cfg.n_layers)],
                       use_sliding_window=cfg.window is not None, sliding_window=cfg.window, layer_types=_layer_types(cfg))
@@ -4655,7 +4731,9 @@ def _checkpoint_tensors(model: Transformer, family, params: dict, dtype: torch.d
         if not keep or failed:
             continue
         try:
-            stored = _converted(name, spec, full.to("cpu"), copies.get(name, ()), parts, dtype)
+            scale = _folded(family, hf or {}, name)  # the config's multipliers taken out again (Family.folds)
+            full = full.to("cpu") if scale == 1.0 else full.to("cpu").float() / scale
+            stored = _converted(name, spec, full, copies.get(name, ()), parts, dtype)
         except Exception as err:
             failed.append(err)
             continue

@@ -24,6 +24,8 @@ from fmoe.model import TransformerConfig  # noqa: E402
 from fmoe.train.data import make_batch  # noqa: E402
 
 V = 64
+FALCON_H1_MULTIPLIERS = dict(key_multiplier=0.5, attention_in_multiplier=2.0, attention_out_multiplier=0.25, ssm_in_multiplier=0.5, ssm_out_multiplier=2.0,
+                             ssm_multipliers=[0.5, 2.0, 0.25, 4.0, 0.5], mlp_multipliers=[2.0, 0.5], embedding_multiplier=2.0, lm_head_multiplier=0.5)
 COMMON = dict(vocab_size=V, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
 FAMILIES = {
     # the dense families: Llama with biases on q, k, v and o; Qwen2's q/k/v biases; Qwen3's per-head q/k norms
@@ -170,6 +172,13 @@ FAMILIES = {
                                                                                              "full_attention", "moe", "linear_attention", "mlp", "mlp"],
                                                        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
                                                        moe_shared_expert_intermediate_size=20, n_group=2, topk_group=1, routed_scaling_factor=2.5),
+    # Falcon-H1: in every layer a Mamba-2 mixer (4 heads of 6: 24 channels, no multiple of hidden; C and B in 2 groups of 8,
+    # 3 taps; its output norm per group before the gate) beside the attention, their outputs summed; every muP multiplier
+    # other than 1 (powers of two, so that folding them into the weights and out again is exact: re-export is bit-identical;
+    # others: test_falcon_h1_reads_its_multipliers_and_output_norms)
+    "falcon_h1": lambda: transformers.FalconH1Config(**COMMON, head_dim=8, intermediate_size=40, mamba_d_ssm=24, mamba_n_heads=4, mamba_n_groups=2,
+                                                     mamba_d_state=8, mamba_d_conv=3, mamba_chunk_size=8, mamba_rms_norm=True, **FALCON_H1_MULTIPLIERS,
+                                                     pad_token_id=None, bos_token_id=None, eos_token_id=None),
     "mixtral": lambda: transformers.MixtralConfig(**COMMON, head_dim=8, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2),
     # Granite 4.0-H: Mamba-2 mixers in blocks 0 and 2 (4 heads of 16, C and B in 2 groups of a state of 8, 3 taps) beside
     # attention without RoPE; Granite's MoE with a shared MLP and multipliers
@@ -2340,6 +2349,20 @@ def test_the_loop_upcycles_a_released_cohere2_folder(tmp_path):
     assert model["parallel_blocks"] and model["layer_norms"] and model["nope_layers"] == [1]
 
 
+def test_the_loop_upcycles_a_released_falcon_h1_folder(tmp_path):
+    """--upcycle_from a Falcon-H1 folder (its multipliers folded into the weights as read):
+    the MoE made from it keeps a Mamba-2 mixer beside the attention in every block, and the
+    first step's logged loss is the dense model's own."""
+    config = FAMILIES["falcon_h1"]()
+    config.vocab_size = 260
+    records, out, loss = _loop_from_folder(config, tmp_path, f"--upcycle_from={tmp_path / 'hf'}", "--model.n_dense=1", "--model.n_experts=4",
+                                           "--model.k=2", "--model.ffn_expert=20")
+    assert "4 experts, each a slice of 1/2 of its FFN" in out
+    assert records[0]["loss"] == pytest.approx(loss, rel=1e-5) and records[1]["loss"] != records[0]["loss"]
+    model = json.loads((tmp_path / "run" / "config.json").read_text())["config"]["model"]
+    assert model["parallel_hybrid"] and model["linear_layers"] == [0, 1, 2] and model["linear_gate_norm"] == "before"
+
+
 def test_the_loop_upcycles_a_released_olmo3_folder(tmp_path):
     """--upcycle_from an OLMo 3 folder: its post-norm blocks, sliding windows with plain RoPE
     beside YaRN in the full layer, kept in the MoE the knobs make (block 0 dense, then 4
@@ -3442,6 +3465,60 @@ def test_mamba2_reads_every_layer_as_a_mixer_alone_with_its_dt_clamp(folders):
                             (dict(use_bias=True), r"use_bias = True is not supported")):
         with pytest.raises(ValueError, match=message):
             hf.FAMILIES["mamba2"].kwargs(dict(config, **change))
+
+
+@pytest.mark.parametrize("rms_norm,before", [(False, True), (True, False)], ids=["no-norm", "norm-after-gate"])
+def test_falcon_h1_reads_its_multipliers_and_output_norms(rms_norm, before, tmp_path):
+    """Falcon-H1 with multipliers that are not powers of two and the mixer's output norm left
+    out (mamba_rms_norm false, the released models') or after the gate: every block a
+    parallel hybrid (attention beside the mixer) with the norm where transformers puts it,
+    the embeddings' and logits' multipliers as knobs, the others folded into the weights; it
+    gives transformers' logits, its export keeps config.json and takes the multipliers out of
+    the weights again (to within a rounding), and an export of fmoe's own (multipliers 1, the
+    weights as folded) loads in transformers with the same logits. Biases refused."""
+    from safetensors.torch import load_file
+
+    multipliers = dict(key_multiplier=0.7, attention_in_multiplier=1.3, attention_out_multiplier=0.35, ssm_in_multiplier=0.6, ssm_out_multiplier=1.9,
+                       ssm_multipliers=[0.3, 1.7, 0.45, 2.2, 0.8], mlp_multipliers=[1.6, 0.55], embedding_multiplier=1.4, lm_head_multiplier=0.45)
+    config = FAMILIES["falcon_h1"]()
+    config.update(dict(multipliers, mamba_rms_norm=rms_norm, mamba_norm_before_gate=before))
+    torch.manual_seed(0)
+    ref = _randomised(transformers.AutoModelForCausalLM.from_config(config))
+    ref.save_pretrained(tmp_path / "hf")
+    model, cfg = hf.from_pretrained(tmp_path / "hf", impl="torch")
+    assert cfg.parallel_hybrid and cfg.linear_layers == (0, 1, 2) and cfg.linear_gate_norm == ("after" if rms_norm else "none")
+    assert (cfg.linear_v_heads, cfg.linear_v_dim, cfg.linear_k_heads, cfg.linear_k_dim) == (4, 6, 2, 8)
+    assert (cfg.embed_scale, cfg.logit_divisor) == (1.4, 1 / 0.45)
+    assert all(b.attn_beside is not None for b in model.blocks) and ("out_norm" in model.blocks[0].attn.names) == rms_norm
+    docs, ids, cu = _packed()
+    with torch.no_grad():
+        theirs = _their_logits(ref, docs)
+        assert _rel(model.logits(ids, cu), theirs) < 1e-5
+    # the folded weights: the mixer's x rows x ssm_in x its multiplier, the attention's k x attention_in x key_multiplier
+    stored = load_file(tmp_path / "hf" / "model.safetensors")
+    x_rows = stored["model.layers.1.mamba.in_proj.weight"][24:48].t()
+    torch.testing.assert_close(model.blocks[1].attn.wv.detach(), x_rows * (0.6 * 1.7))
+    torch.testing.assert_close(model.blocks[1].attn_beside.wk.detach(), stored["model.layers.1.self_attn.k_proj.weight"].t() * (1.3 * 0.7))
+    hf.save_pretrained(model, tmp_path / "again")
+    assert filecmp.cmp(tmp_path / "hf" / "config.json", tmp_path / "again" / "config.json", shallow=False)
+    again = load_file(tmp_path / "again" / "model.safetensors")
+    assert sorted(again) == sorted(stored)
+    for key, value in stored.items():
+        torch.testing.assert_close(again[key], value, rtol=3e-7, atol=0.0)
+    del model.hf_config  # fmoe's own: written with the multipliers at 1 but the embeddings' and the logits'
+    hf.save_pretrained(model, tmp_path / "own", model_type="falcon_h1")
+    written = json.loads((tmp_path / "own" / "config.json").read_text())
+    assert written["ssm_multipliers"] == [1.0] * 5 and written["key_multiplier"] == 1.0 and written["mamba_rms_norm"] == rms_norm
+    assert written["embedding_multiplier"] == 1.4 and written["lm_head_multiplier"] == pytest.approx(0.45, rel=1e-15)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "own", dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert _rel(_their_logits(back, docs), theirs) < 1e-5
+    for change, message in ((dict(attention_bias=True), r"attention_bias = True is not supported"),
+                            (dict(projectors_bias=True), r"projectors_bias = True is not supported"),
+                            (dict(mamba_proj_bias=True), r"mamba_proj_bias = True is not supported"),
+                            (dict(mamba_d_head=8), r"mamba_n_heads x mamba_d_head = 4 x 8 is not supported \(mamba_d_ssm, or mamba_expand x hidden_size: 24\)")):
+        with pytest.raises(ValueError, match=message):
+            hf.FAMILIES["falcon_h1"].kwargs(dict(config.to_dict(), **change))
 
 
 def test_nemotron_3_super_s_latent_moe_gives_transformers_logits_and_exports_back(tmp_path):
