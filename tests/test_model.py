@@ -1901,10 +1901,11 @@ def test_decode_bad_inputs():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["default", "mla", "gpt-oss", "dsa", "mhc"])
+@pytest.mark.parametrize("name", ["default", "mla", "gpt-oss", "dsa", "mhc", "falcon_h1"])
 def test_gpu_decode_with_flex_attention_equals_the_whole_sequence(name):
     """On CUDA (FlexAttention, the block mask of the new tokens against the cached keys;
-    multi-latent attention absorbed, with the dense mask): a prompt of 300 tokens, then one
+    multi-latent attention absorbed, with the dense mask; Falcon-H1's parallel hybrid: the
+    Mamba-2 states' Triton kernels beside the cached keys): a prompt of 300 tokens, then one
     token at a time."""
     model = _sharp(dataclasses.replace(DECODED[name], impl="auto")).cuda()
     ids = torch.randint(0, TINY.vocab_size, (305,), device="cuda")

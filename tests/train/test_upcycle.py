@@ -48,6 +48,9 @@ CASES = {
     # a dense hybrid (Bamba's: Mamba-2 mixers in blocks 0 and 2) into an MoE hybrid (Granite 4.0-H's): the mixers copied
     "g2-mamba2-hybrid": _moe(ffn_expert=32, k=2, linear_layers=(0, 2), linear_kind="mamba2", linear_k_heads=2, linear_v_heads=4, linear_k_dim=8,
                              linear_v_dim=16, linear_conv=3),
+    # a dense Falcon-H1 (a Mamba-2 mixer beside the attention in every block, its output norm before the gate): both copied
+    "g2-falcon-h1": _moe(ffn_expert=32, k=2, linear_layers=(0, 1, 2), linear_kind="mamba2", linear_k_heads=2, linear_v_heads=4, linear_k_dim=8,
+                         linear_v_dim=16, linear_conv=3, parallel_hybrid=True, linear_gate_norm="before"),
     # a dense Nemotron-H (block 0 a Mamba-2 mixer alone, relu2 MLPs) into Nemotron 3's MoE blocks
     "g2-nemotron-h": _moe(ffn_expert=32, k=2, n_shared=1, mlp_act="relu2", mlp_free_layers=(0,), linear_layers=(0, 2), linear_kind="mamba2",
                           linear_k_heads=2, linear_v_heads=4, linear_k_dim=8, linear_v_dim=16, linear_conv=3, linear_dt_min=0.05, nope_layers=(1,)),
@@ -59,7 +62,7 @@ CASES = {
 }
 # the fields of the blocks' mixers and norms, the dense model's as the MoE's
 MIXER = ("mlp_act", "linear_layers", "linear_kind", "linear_k_heads", "linear_v_heads", "linear_k_dim", "linear_v_dim", "linear_conv",
-         "linear_dt_min", "linear_neg_eigval", "linear_norm_eps", "linear_pre_norms", "pre_norms", "post_norms", "qk_norm", "mlp_free_layers",
+         "linear_dt_min", "linear_neg_eigval", "linear_norm_eps", "linear_pre_norms", "linear_gate_norm", "parallel_hybrid", "pre_norms", "post_norms", "qk_norm", "mlp_free_layers",
          "nope_layers")
 
 
