@@ -1997,6 +1997,7 @@ class Transformer(nn.Module):
         for name, p in self.named_parameters():
             if p.is_meta:
                 continue
+            kind = name.replace(".attn_beside.", ".attn.")  # a parallel hybrid's attention beside the mixer: initialised as attention is
             if name.endswith(("_hc.base", "_hc.scale", "hc_head.base", "hc_head.scale")):  # HyperConnection's biases and scales
                 if name.endswith("scale"):
                     _local(p).fill_(0.01)
@@ -2012,7 +2013,7 @@ class Transformer(nn.Module):
             if name.endswith(("norm.weight", "q_norm", "k_norm", "q_a_norm", "kv_a_norm")):
                 _local(p).fill_(0.0 if self.cfg.zero_centered_norms else 1.0)
                 continue
-            if name.endswith(("attn.bq", "attn.bk", "attn.bv", "attn.bo", "attn.sinks", "attn.bg", "attn.index_k_bias", "router_bias", "norm.bias", "head_bias",
+            if kind.endswith(("attn.bq", "attn.bk", "attn.bv", "attn.bo", "attn.sinks", "attn.bg", "attn.index_k_bias", "router_bias", "norm.bias", "head_bias",
                               "attn.conv_q_bias", "attn.conv_k_bias", "attn.conv_v_bias")
                              + EXPERT_BIASES):
                 _local(p).zero_()

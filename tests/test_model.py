@@ -649,6 +649,10 @@ def test_a_parallel_hybrid_block_adds_its_attention_to_its_linear_mixer():
     torch.testing.assert_close(logits(cfg, zero_mixer), logits(dataclasses.replace(cfg, linear_layers=None, parallel_hybrid=False,
                                                                                     linear_gate_norm="after"), attention))
     assert float((both - logits(cfg, zero_attn)).abs().max()) > 1e-3 and float((both - logits(cfg, zero_mixer)).abs().max()) > 1e-3
+    biased = Transformer(dataclasses.replace(cfg, qkv_bias=True, attn_sinks=True))  # attn_beside initialised as an attention is
+    biased.reset_parameters(seed=1)
+    beside, attention = biased.blocks[0].attn_beside, biased.blocks[1].attn
+    assert not beside.bq.any() and not beside.sinks.any() and float(beside.wq.detach().std()) == pytest.approx(float(attention.wq.detach().std()), rel=0.3)
     x = torch.randn(9, 32)
     ctx = attention_context(cu, torch.cat([torch.arange(4), torch.arange(5)]), cfg.context_config())
     block = model.blocks[0]
