@@ -3467,10 +3467,11 @@ def test_mamba2_reads_every_layer_as_a_mixer_alone_with_its_dt_clamp(folders):
             hf.FAMILIES["mamba2"].kwargs(dict(config, **change))
 
 
-@pytest.mark.parametrize("rms_norm,before", [(False, True), (True, False)], ids=["no-norm", "norm-after-gate"])
+@pytest.mark.parametrize("rms_norm,before", [(False, False), (True, False)], ids=["no-norm, tied", "norm-after-gate"])
 def test_falcon_h1_reads_its_multipliers_and_output_norms(rms_norm, before, tmp_path):
     """Falcon-H1 with multipliers that are not powers of two and the mixer's output norm left
-    out (mamba_rms_norm false, the released models') or after the gate: every block a
+    out (mamba_rms_norm false, the released models', here with Falcon-H1-0.5B's tied head and
+    heads of 12 channels, 48 in all beside hidden 32) or after the gate: every block a
     parallel hybrid (attention beside the mixer) with the norm where transformers puts it,
     the embeddings' and logits' multipliers as knobs, the others folded into the weights; it
     gives transformers' logits, its export keeps config.json and takes the multipliers out of
@@ -3482,13 +3483,15 @@ def test_falcon_h1_reads_its_multipliers_and_output_norms(rms_norm, before, tmp_
                        ssm_multipliers=[0.3, 1.7, 0.45, 2.2, 0.8], mlp_multipliers=[1.6, 0.55], embedding_multiplier=1.4, lm_head_multiplier=0.45)
     config = FAMILIES["falcon_h1"]()
     config.update(dict(multipliers, mamba_rms_norm=rms_norm, mamba_norm_before_gate=before))
+    if not rms_norm:
+        config.update(dict(tie_word_embeddings=True, head_dim=12))
     torch.manual_seed(0)
     ref = _randomised(transformers.AutoModelForCausalLM.from_config(config))
     ref.save_pretrained(tmp_path / "hf")
     model, cfg = hf.from_pretrained(tmp_path / "hf", impl="torch")
     assert cfg.parallel_hybrid and cfg.linear_layers == (0, 1, 2) and cfg.linear_gate_norm == ("after" if rms_norm else "none")
     assert (cfg.linear_v_heads, cfg.linear_v_dim, cfg.linear_k_heads, cfg.linear_k_dim) == (4, 6, 2, 8)
-    assert (cfg.embed_scale, cfg.logit_divisor) == (1.4, 1 / 0.45)
+    assert (cfg.embed_scale, cfg.logit_divisor, cfg.tie_embeddings, cfg.head_dim) == (1.4, 1 / 0.45, not rms_norm, 8 if rms_norm else 12)
     assert all(b.attn_beside is not None for b in model.blocks) and ("out_norm" in model.blocks[0].attn.names) == rms_norm
     docs, ids, cu = _packed()
     with torch.no_grad():
