@@ -912,13 +912,13 @@ def test_forward_and_backward_read_nothing_on_the_host(cfg):
     assert reads.count == 0, reads.sites
 
 
-@pytest.mark.parametrize("name", ["full", "dsa", "mhc"])
+@pytest.mark.parametrize("name", ["full", "dsa", "mhc", "falcon_h1"])
 def test_the_whole_model_compiles_without_a_graph_break(name):
     """torch.compile(fullgraph=True) of forward + losses (a host sync would be a graph break),
     then the backward; same values and gradients as eager. The batch ends in padding (its
     token_mask). DeepSeek sparse attention: its stable sort, and its indexer loss's gradient
     added in the backward and its value kept on the module. Hyper-connections: the streams'
-    Sinkhorn steps."""
+    Sinkhorn steps. Falcon-H1's: a Mamba-2 mixer and attention side by side in every block."""
     cfg = FULL if name == "full" else dataclasses.replace(VARIANTS[name], impl="auto")
     torch.manual_seed(0)
     model = Transformer(cfg)
@@ -1097,18 +1097,21 @@ def test_padding_trains_as_if_it_were_not_in_the_batch(name, ac):
 AC_CFG = dataclasses.replace(TINY, mtp_depth=1, impl="auto", n_groups=2, topk_groups=1, capacity_factor=1.25, post_norms=True)
 
 
-@pytest.mark.parametrize("blocks", ["sandwich", "parallel", "shortcut", "hyper"])
+@pytest.mark.parametrize("blocks", ["sandwich", "parallel", "shortcut", "hyper", "parallel hybrid"])
 @pytest.mark.parametrize("ac", ["full", "attention", "experts"])
 def test_activation_checkpointing_gives_the_same_gradients_and_stats(ac, blocks):
     """Recomputing in the backward changes nothing: the gradients are bit-identical (the
     recomputation is deterministic on CPU), the losses and the MoE stats too, and the token
     counts are those of one forward (the recomputed forward counts nothing); in sandwich
     blocks, in Cohere's parallel blocks (the attention recomputed from the one normed input)
-    and in LongCat-Flash's shortcut pairs (a pair's [T, 2H] stream recomputed block by block), and
-    with hyper-connections (the attention recomputed from the streams' weighted sum)."""
+    and in LongCat-Flash's shortcut pairs (a pair's [T, 2H] stream recomputed block by block),
+    with hyper-connections (the attention recomputed from the streams' weighted sum), and in
+    Falcon-H1's parallel hybrid blocks (the Mamba-2 mixer and the attention beside it recomputed)."""
     cfg = {"sandwich": AC_CFG, "parallel": dataclasses.replace(AC_CFG, post_norms=False, parallel_blocks=True, layer_norms=True),
            "shortcut": dataclasses.replace(AC_CFG, post_norms=False, n_layers=4, n_dense=0, shortcut_moe=True, zero_experts=2),
-           "hyper": dataclasses.replace(AC_CFG, mtp_depth=0, hyper_connections=3)}[blocks]
+           "hyper": dataclasses.replace(AC_CFG, mtp_depth=0, hyper_connections=3),
+           "parallel hybrid": dataclasses.replace(AC_CFG, post_norms=False, linear_layers=(0, 1), linear_kind="mamba2", linear_k_heads=2, linear_v_heads=4,
+                                                  linear_k_dim=8, linear_v_dim=6, linear_conv=3, parallel_hybrid=True, linear_gate_norm="none")}[blocks]
     batch = _batch(cfg, T=48, cu=(0, 7, 30, 48))
     results = {}
     for mode in ("none", ac):
