@@ -132,7 +132,10 @@ renormalised) under model.language_model., the dense Qwen3-VL (qwen3_vl) Qwen3's
 vision model that is not read; a Qwen3-Omni folder (qwen3_omni_moe) holds Qwen3-MoE's under
 thinker. beside its audio and vision encoders, talker and code-to-wave model, none read.
 Each is written back only as qwen3_moe / qwen3 (_multimodal_text: the mrope_section of text
-positions is plain RoPE). A released GLM-4.5V / GLM-4.6V folder (glm4v_moe) holds GLM-4.5's
+positions is plain RoPE). A released Qwen2-VL / Qwen2.5-VL folder (qwen2_vl, qwen2_5_vl) holds
+Qwen2's text model where Qwen2 keeps it (model., lm_head) beside a vision model under visual.
+that is not read (its config's text fields at the top level, or in a text_config as
+transformers 5 writes it), and is written back only as qwen2. A released GLM-4.5V / GLM-4.6V folder (glm4v_moe) holds GLM-4.5's
 text model (glm4_moe's, without q/k norms) under model.language_model. beside a vision model
 that is not read, and is written back only as glm4_moe; a GLM-4.1V / GLM-4.6V-Flash folder
 (glm4v, glm46v) GLM-4's dense text model, written back only as glm4. Qwen3-VL-MoE's experts are stacks, [E, H, 2F] / [E, F, H] as
@@ -2252,12 +2255,16 @@ def _whole_heads(text: dict) -> int:
     return text["hidden_size"] // text["num_attention_heads"]
 
 
-# a released multimodal folder's model_type (Qwen3-VL, Qwen3-Omni, GLM-4.5V; its text model read as its Family.written_as) ->
+# a released multimodal folder's model_type (Qwen2-VL, Qwen3-VL, Qwen3-Omni, GLM-4.5V; its text model read as its Family.written_as) ->
 # the sub-config holding its text_config (None: the top level); transformers' defaults of that holder's fields and of the
 # text_config's where they differ from the family's (the head untied); the fields the text model always has (the VL MoE
 # router renormalises its top-k whatever the config says; GLM-4.5V's attention has q/k/v biases by default and no q/k norms;
 # a function of the text config where the field follows from others)
 _MULTIMODAL = {
+    # Qwen2-VL, Qwen2.5-VL: Qwen2's text model; their released configs hold its fields at the top level (_TOP_LEVEL_TEXT)
+    **dict.fromkeys(("qwen2_vl", "qwen2_5_vl"), (None, dict(tie_word_embeddings=False), dict(
+        vocab_size=152064, hidden_size=8192, intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+        rms_norm_eps=1e-5, rope_theta=1e6), {})),
     "qwen3_vl_moe": (None, dict(tie_word_embeddings=False), dict(num_key_value_heads=16, rope_theta=5e5), dict(norm_topk_prob=True)),
     "qwen3_vl": (None, dict(tie_word_embeddings=False), dict(num_key_value_heads=32, head_dim=128, rope_theta=5e5), {}),
     "qwen3_omni_moe": ("thinker_config", dict(tie_word_embeddings=False), dict(num_key_value_heads=4, rope_theta=1e6), {}),
@@ -2291,13 +2298,20 @@ def _multimodal_text(hf: dict) -> dict:
     outer = hf if holder is None else hf.get(holder)
     if not isinstance(outer, dict):
         raise ValueError(f"config.json: a {hf['model_type']} config without a {holder} is not supported")
+    if hf["model_type"] in _TOP_LEVEL_TEXT and "text_config" not in outer:  # a released Qwen2-VL's: the text fields at the top level
+        outer = dict(outer, text_config={k: v for k, v in outer.items() if k != "vision_config"})
     text = {**defaults, **_text_config({**outer_defaults, **outer, "model_type": hf["model_type"]})}
     text.update({field: value(text) if callable(value) else value for field, value in fixed.items()}, model_type=kind)
     text.pop("sliding_window", None)
     for field in ("rope_parameters", "rope_scaling"):
         if isinstance(text.get(field), dict):
             text[field] = {k: v for k, v in text[field].items() if k not in ("mrope_section", "mrope_interleaved", "interleaved")}
+            if text[field].get("type", text[field].get("rope_type")) == "mrope":  # Qwen2-VL's name for it: plain RoPE over text
+                text[field] = {k: v for k, v in text[field].items() if k not in ("type", "rope_type")} | {"rope_type": "default"}
     return text
+
+
+_TOP_LEVEL_TEXT = ("qwen2_vl", "qwen2_5_vl")  # released folders whose text_config may be the top level itself
 
 
 def _multimodal(hf: dict) -> dict:
@@ -2308,7 +2322,8 @@ def _multimodal(hf: dict) -> dict:
     beside the thinker's audio and vision encoders, the talker and the code-to-wave model;
     glm4v_moe (Glm4vMoeForConditionalGeneration: GLM-4.5V, GLM-4.6V) GLM-4.5's (glm4_moe:
     without q/k norms, and its MTP layer, which transformers does not read) beside a vision
-    model, glm4v and glm46v (GLM-4.1V-9B, GLM-4.6V-Flash) GLM-4's dense one (glm4). The text model is read as its family's (Family.written_as, _multimodal_text);
+    model, glm4v and glm46v (GLM-4.1V-9B, GLM-4.6V-Flash) GLM-4's dense one (glm4); qwen2_vl and
+    qwen2_5_vl (Qwen2-VL, Qwen2.5-VL) Qwen2's. The text model is read as its family's (Family.written_as, _multimodal_text);
     nothing beside it is."""
     text = _multimodal_text(hf)
     return FAMILIES[text["model_type"]].kwargs(text)
@@ -2869,6 +2884,9 @@ FAMILIES = {
     # ...and the dense Qwen3-VL folders: Qwen3's text model there
     "qwen3_vl": Family(_multimodal, "mlp", _PROJ, "Qwen3VLForConditionalGeneration", prefix=("model.", "model.language_model."),
                        not_read=("model.visual.",), written_as="qwen3"),
+    # Qwen2-VL / Qwen2.5-VL: Qwen2's text model where Qwen2 keeps it (model., lm_head), the vision model under visual.
+    "qwen2_vl": Family(_multimodal, "mlp", _PROJ, "Qwen2VLForConditionalGeneration", not_read=("visual.",), written_as="qwen2"),
+    "qwen2_5_vl": Family(_multimodal, "mlp", _PROJ, "Qwen2_5_VLForConditionalGeneration", not_read=("visual.",), written_as="qwen2"),
     # ...and the released Qwen3-Omni folders: Qwen3-MoE's text model under thinker.model. (the head at thinker.lm_head)
     # GLM-4.5V / GLM-4.6V: GLM-4.5's text model (its MTP layer too, which transformers leaves unread) under model.language_model.
     "glm4v_moe": Family(_multimodal, "mlp", _PROJ, "Glm4vMoeForConditionalGeneration", "shared_experts", mtp=True,

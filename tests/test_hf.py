@@ -1599,6 +1599,46 @@ def test_a_released_qwen3_vl_folder_loads_its_text_model(kind, tmp_path):
     assert hf.read_config(ignored)[1] == hf.read_config(tmp_path / "written")[1]
 
 
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl"])
+def test_a_released_qwen2_vl_folder_loads_its_text_model(kind, tmp_path):
+    """A qwen2_vl / qwen2_5_vl folder (Qwen2-VL, Qwen2.5-VL 3B to 72B): Qwen2's text model
+    (q/k/v biases, its own rms_norm_eps) where Qwen2 keeps it (model., the head at lm_head),
+    the vision model under visual. neither read nor counted as unread; it loads with
+    transformers' logits of a text-only forward (its mrope_section is plain RoPE there) from
+    the config as transformers writes it (a text_config) and as the released folders hold
+    it (the text fields at the top level, rope_scaling {"type": "mrope", ...}), which
+    transformers reads too; not written back without the vision model; written as qwen2,
+    which transformers loads with the same logits."""
+    name = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL"}[kind]
+    text = dict(vocab_size=V, hidden_size=32, intermediate_size=40, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                rms_norm_eps=1e-5, rope_parameters=dict(rope_type="default", rope_theta=1e6, mrope_section=[1, 1, 2]))
+    vision = dict(depth=1, hidden_size=16, embed_dim=16, num_heads=2, out_hidden_size=32, intermediate_size=16, patch_size=14)
+    torch.manual_seed(0)
+    ref = _randomised(getattr(transformers, f"{name}ForConditionalGeneration")(getattr(transformers, f"{name}Config")(text_config=text,
+                                                                                                                     vision_config=vision)))
+    ref.save_pretrained(tmp_path / "written")
+    docs = _packed()[0]
+    with torch.no_grad():
+        theirs = torch.cat([ref(input_ids=d[None]).logits[0] for d in docs])
+
+    def released(c):  # the text fields at the top level, RoPE as rope_theta beside rope_scaling's mrope
+        text = {k: v for k, v in c.pop("text_config").items() if k != "model_type"}  # the top level's model_type stays
+        rope = text.pop("rope_parameters")
+        c.update(text, rope_theta=rope["rope_theta"], rope_scaling=dict(type="mrope", mrope_section=rope["mrope_section"]))
+
+    old = _edit(tmp_path / "written", tmp_path / "released", released)
+    assert "text_config" not in json.loads((old / "config.json").read_text())
+    again = transformers.AutoModelForImageTextToText.from_pretrained(old, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert _rel(torch.cat([again(input_ids=d[None]).logits[0] for d in docs]), theirs) < 1e-6  # transformers reads it too
+    for folder in (tmp_path / "written", old):
+        _, cfg, written = _text_model_round_trip(folder, theirs, tmp_path / f"text-{folder.name}", kind=kind, prefix="model.", head="lm_head.weight",
+                                                 text_kind="qwen2")
+        assert not cfg.tie_embeddings and cfg.qkv_bias and (cfg.rope_base, cfg.norm_eps) == (1e6, 1e-5)
+        assert "mrope" not in json.dumps(written)  # plain RoPE, written so
+    assert hf.read_config(old)[1] == hf.read_config(tmp_path / "written")[1]
+
+
 def test_a_released_qwen3_omni_folder_loads_its_thinker_s_text_model(tmp_path):
     """A qwen3_omni_moe folder (Qwen3-Omni-30B-A3B): the thinker's text model under
     thinker.model. (the head at thinker.lm_head) loads with the thinker's logits of a
