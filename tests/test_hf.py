@@ -2403,6 +2403,21 @@ def test_the_loop_upcycles_a_released_falcon_h1_folder(tmp_path):
     assert model["parallel_hybrid"] and model["linear_layers"] == [0, 1, 2] and model["linear_gate_norm"] == "before"
 
 
+def test_the_loop_upcycles_a_released_qwen2_5_vl_folder(tmp_path):
+    """--upcycle_from a Qwen2.5-VL folder: its Qwen2 text model made an MoE (the vision model
+    left unread); the first step's logged loss is the dense text model's own."""
+    text = dict(vocab_size=260, hidden_size=32, intermediate_size=40, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                rope_parameters=dict(rope_type="default", rope_theta=1e6, mrope_section=[1, 1, 2]))
+    vision = dict(depth=1, hidden_size=16, embed_dim=16, num_heads=2, out_hidden_size=32, intermediate_size=16, patch_size=14)
+    torch.manual_seed(0)
+    made = transformers.Qwen2_5_VLForConditionalGeneration(transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision))
+    records, out, loss = _loop_from_folder(made, tmp_path, f"--upcycle_from={tmp_path / 'hf'}", "--model.n_dense=1", "--model.n_experts=4",
+                                           "--model.k=2", "--model.ffn_expert=20")
+    assert "4 experts, each a slice of 1/2 of its FFN" in out
+    assert records[0]["loss"] == pytest.approx(loss, rel=1e-5) and records[1]["loss"] != records[0]["loss"]
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["config"]["model"]["qkv_bias"]
+
+
 def test_the_loop_upcycles_a_released_olmo3_folder(tmp_path):
     """--upcycle_from an OLMo 3 folder: its post-norm blocks, sliding windows with plain RoPE
     beside YaRN in the full layer, kept in the MoE the knobs make (block 0 dense, then 4
