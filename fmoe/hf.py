@@ -1605,20 +1605,21 @@ def _granitemoe(hf: dict, *, sliding: bool = False) -> dict:
 _LEGACY_KINDS = {"mamba": "linear_attention", "attention": "full_attention"}  # transformers' remap of older layer_types
 
 
-def _mamba2_fields(hf: dict, linear: tuple[int, ...]) -> dict:
-    """The Mamba-2 mixers' fields (linear_kind "mamba2") of Granite 4.0-H and Bamba, in the
-    blocks `linear`: mamba_n_heads heads of mamba_d_head (by default mamba_expand x hidden /
-    heads), mamba_n_groups groups of C and B of mamba_d_state, mamba_d_conv taps with biases;
-    projection biases and a clamped dt refused."""
+def _mamba2_fields(hf: dict, linear: tuple[int, ...], channels: Optional[int] = None) -> dict:
+    """The Mamba-2 mixers' fields (linear_kind "mamba2") of Granite 4.0-H, Bamba and Falcon-H1,
+    in the blocks `linear`: mamba_n_heads heads of mamba_d_head (by default `channels` / heads;
+    channels by default mamba_expand x hidden: Falcon-H1's mamba_d_ssm), mamba_n_groups groups
+    of C and B of mamba_d_state, mamba_d_conv taps with biases; projection biases and a
+    clamped dt refused."""
     _refuse(hf, "mamba_conv_bias", lambda v: v is True, "the convolution's biases")
     _refuse(hf, "mamba_proj_bias", lambda v: not v, "no biases on the mixer's projections")
     _refuse(hf, "time_step_limit", lambda v: v is None or [_json_float(x) for x in v] == [0.0, math.inf], "dt unclamped, (0.0, inf)")
-    heads, expand = hf.get("mamba_n_heads", 128), hf.get("mamba_expand", 2)
+    heads, what = hf.get("mamba_n_heads", 128), "mamba_expand x hidden_size" if channels is None else "mamba_d_ssm"
+    channels = hf.get("mamba_expand", 2) * hf["hidden_size"] if channels is None else channels
     head_dim = hf.get("mamba_d_head", "auto")
-    head_dim = expand * hf["hidden_size"] // heads if head_dim == "auto" else head_dim
-    if heads * head_dim != expand * hf["hidden_size"]:
-        raise ValueError(f"config.json: mamba_n_heads x mamba_d_head = {heads} x {head_dim} is not supported (mamba_expand x hidden_size, "
-                         f"{expand * hf['hidden_size']})")
+    head_dim = channels // heads if head_dim == "auto" else head_dim
+    if heads * head_dim != channels:
+        raise ValueError(f"config.json: mamba_n_heads x mamba_d_head = {heads} x {head_dim} is not supported ({what}, {channels})")
     return dict(linear_layers=linear or None, linear_kind="mamba2", linear_k_heads=hf.get("mamba_n_groups", 1), linear_v_heads=heads,
                 linear_k_dim=hf.get("mamba_d_state", 256), linear_v_dim=head_dim, linear_conv=hf.get("mamba_d_conv", 4))
 
@@ -1656,15 +1657,8 @@ def _falcon_h1(hf: dict) -> dict:
     scale on load and taken out on export (_falcon_h1_folds). Biases refused."""
     for field in ("attention_bias", "projectors_bias"):
         _refuse(hf, field, lambda v: not v, "no biases on the attention's and the mixer's projections")
-    n, H, heads = hf["num_hidden_layers"], hf["hidden_size"], hf.get("mamba_n_heads", 128)
-    channels = hf.get("mamba_d_ssm") or hf.get("mamba_expand", 2) * H
-    head_dim = hf.get("mamba_d_head", "auto")
-    head_dim = channels // heads if head_dim == "auto" else head_dim
-    if heads * head_dim != channels:
-        raise ValueError(f"config.json: mamba_n_heads x mamba_d_head = {heads} x {head_dim} is not supported (mamba_d_ssm, or mamba_expand x "
-                         f"hidden_size: {channels})")
-    every = tuple(range(n))
-    mixers = _mamba2_fields(dict(hf, mamba_d_head=head_dim, mamba_expand=1, hidden_size=channels), every)
+    channels = hf.get("mamba_d_ssm") or hf.get("mamba_expand", 2) * hf["hidden_size"]  # transformers' mixer: expand x hidden without it
+    mixers = _mamba2_fields(hf, tuple(range(hf["num_hidden_layers"])), channels)
     rms = bool(hf.get("mamba_rms_norm", False))
     gate_norm = ("before" if hf.get("mamba_norm_before_gate", True) else "after") if rms else "none"
     head = float(hf.get("lm_head_multiplier", 1.0))
@@ -1688,11 +1682,11 @@ def _falcon_h1_folds(hf: dict) -> dict[str, float]:
             "attn_beside.wo": float(hf.get("attention_out_multiplier", 1.0)), "mlp.w_gate": float(gate_down[0]), "mlp.w_down": float(gate_down[1])}
 
 
-def _folded(family: "Family", hf: dict, name: str) -> float:
-    """The factor a parameter's weights carry of the family's multipliers (Family.folds; 1: none)."""
-    if family.folds is None or not name.startswith("blocks."):
-        return 1.0
-    return family.folds(hf).get(name.split(".", 2)[2], 1.0)
+def _folded(family: "Family", hf: dict) -> Callable[[str], float]:
+    """The factor each parameter's weights carry of the family's multipliers in config.json
+    `hf` (Family.folds; 1: none), as a function of the parameter's name."""
+    folds = {} if family.folds is None else family.folds(hf)
+    return lambda name: folds.get(name.split(".", 2)[2], 1.0) if name.startswith("blocks.") else 1.0
 
 
 def _json_float(v) -> float:
@@ -3675,7 +3669,7 @@ def load_weights(model: Transformer, path, *, model_type: str, strict: bool = Tr
     path = Path(path)
     files = _weight_files(path)
     family = _folder_layout(model, files, model_type)
-    folded = json.loads((path / "config.json").read_text()) if family.folds is not None else {}  # its multipliers (Family.folds)
+    folded = _folded(family, json.loads((path / "config.json").read_text()) if family.folds is not None else {})  # its multipliers
     params = _tensors(model)
     block, packed_int = _weight_quantization(path)
     from safetensors import safe_open
@@ -3843,7 +3837,7 @@ def load_weights(model: Transformer, path, *, model_type: str, strict: bool = Tr
             else:
                 value = as_ours(read(spec.keys[0], stored_index(index)), index)
             local = param.to_local() if isinstance(param, DTensor) else param
-            scale = _folded(family, folded, name)
+            scale = folded(name)
             if value is not None and scale != 1.0:  # a multiplier folded into the weight
                 value = value.float() * scale
             if value is not None:
@@ -4743,13 +4737,14 @@ def _checkpoint_tensors(model: Transformer, family, params: dict, dtype: torch.d
     for key, name in mtp_copies(family, model.cfg, final_norm=True).items():
         copies.setdefault(name, []).append(key)
     parts: dict[str, list] = {}  # a key several parameters fill: [value, parts still missing]
+    folded = _folded(family, hf or {})  # the config's multipliers, taken out of the weights again (Family.folds)
     for name, spec in key_map(family, model.cfg).items():
         p = params[name].detach()
         full = p.full_tensor() if isinstance(p, DTensor) else p  # a collective: every rank, in this order
         if not keep or failed:
             continue
         try:
-            scale = _folded(family, hf or {}, name)  # the config's multipliers taken out again (Family.folds)
+            scale = folded(name)
             full = full.to("cpu") if scale == 1.0 else full.to("cpu").float() / scale
             stored = _converted(name, spec, full, copies.get(name, ()), parts, dtype)
         except Exception as err:

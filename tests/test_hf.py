@@ -3574,7 +3574,7 @@ def test_falcon_h1_reads_its_multipliers_and_output_norms(rms_norm, before, tmp_
     for change, message in ((dict(attention_bias=True), r"attention_bias = True is not supported"),
                             (dict(projectors_bias=True), r"projectors_bias = True is not supported"),
                             (dict(mamba_proj_bias=True), r"mamba_proj_bias = True is not supported"),
-                            (dict(mamba_d_head=8), r"mamba_n_heads x mamba_d_head = 4 x 8 is not supported \(mamba_d_ssm, or mamba_expand x hidden_size: 24\)")):
+                            (dict(mamba_d_head=8), r"mamba_n_heads x mamba_d_head = 4 x 8 is not supported \(mamba_d_ssm, 24\)")):
         with pytest.raises(ValueError, match=message):
             hf.FAMILIES["falcon_h1"].kwargs(dict(config.to_dict(), **change))
 
