@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/bench_train_step.py --model small    # CUDA, the first GPU run's model
     .venv/bin/python benchmarks/bench_train_step.py --fp8            # fp8 GEMMs (--model.fp8) against bf16
     .venv/bin/python benchmarks/bench_train_step.py --model dsa      # DeepSeek-V3.2's attention on the large model
+    .venv/bin/python benchmarks/bench_train_step.py --model falcon_h1   # Falcon-H1's parallel hybrid blocks on the large model
     .venv/bin/python benchmarks/bench_train_step.py --smoke          # CPU + Triton interpreter, tiny model
     .venv/bin/python benchmarks/bench_train_step.py --impls "fmoe compiled"   # only the implementations named
 
@@ -24,6 +25,11 @@ depth):
            the sparse kernels (fmoe.ops.sparse_attention) in a whole step; its FLOPs count the
            kept keys and the indexer (n_avg_index_keys). The reference's dense attention
            (impl="torch") may run out of memory at 16384 tokens (its row is then left empty).
+    falcon_h1  the large model with Falcon-H1's parallel hybrid blocks: in every block a Mamba-2
+           mixer (32 heads of 64, C and B in 1 group of a state of 128, 4 taps; its output
+           gated, without a norm, as the released Falcon-H1 models) beside the attention,
+           their outputs summed (parallel_hybrid): the SSD kernels (fmoe.ops.gated_linear_attention)
+           in a whole step; its FLOPs count both mixers.
 One step: forward and backward of a packed micro-batch of 16384 tokens (documents of random
 lengths), the balancing losses, clipping and an AdamW step (bf16 states), the clip's factor
 taken by the AdamW kernel (step(grad_factor=...)) as examples/train_moe.py does: on the
@@ -83,11 +89,18 @@ LARGE = TransformerConfig(vocab_size=32768, hidden=2048, n_layers=8, n_dense=1, 
 # values of 128) and its sparse attention (each query's 2048 keys, an indexer of 64 heads of 128, trained by its loss)
 DSA = dataclasses.replace(LARGE, n_kv_heads=16, head_dim=192, rope_dim=64, q_rank=768, kv_rank=512, v_head_dim=128, index_topk=2048,
                           index_heads=64, index_head_dim=128)
-MODELS = {"large": LARGE, "small": SMALL, "dsa": DSA}
+# the large model with Falcon-H1's parallel hybrid blocks: a Mamba-2 mixer (2048 channels of x, 1 group of a state of 128)
+# beside the attention in every block
+FALCON_H1 = dataclasses.replace(LARGE, linear_layers=tuple(range(LARGE.n_layers)), linear_kind="mamba2", linear_k_heads=1, linear_v_heads=32,
+                                linear_k_dim=128, linear_v_dim=64, linear_conv=4, linear_gate_norm="none", parallel_hybrid=True)
+MODELS = {"large": LARGE, "small": SMALL, "dsa": DSA, "falcon_h1": FALCON_H1}
 SMOKE = TransformerConfig(vocab_size=64, hidden=16, n_layers=2, n_dense=1, ffn_dense=64, n_experts=4, k=2,
                           ffn_expert=16, n_shared=1, n_heads=2, n_kv_heads=1, head_dim=16, mtp_depth=1)
 SMOKE_DSA = dataclasses.replace(SMOKE, n_kv_heads=2, head_dim=12, rope_dim=4, q_rank=8, kv_rank=6, v_head_dim=5, index_topk=4, index_heads=2,
                                 index_head_dim=6)
+SMOKE_FALCON_H1 = dataclasses.replace(SMOKE, linear_layers=(0, 1), linear_kind="mamba2", linear_k_heads=1, linear_v_heads=2, linear_k_dim=8,
+                                      linear_v_dim=8, linear_conv=4, linear_gate_norm="none", parallel_hybrid=True)
+SMOKES = {"dsa": SMOKE_DSA, "falcon_h1": SMOKE_FALCON_H1}  # --smoke's tiny model of each --model (the others: SMOKE)
 
 
 def make_batch(cfg: TransformerConfig, T: int, device):
@@ -135,13 +148,13 @@ def host_syncs(step, fwd_bwd, device) -> tuple[int, int]:
 def main() -> None:
     def add_arguments(parser):
         parser.add_argument("--model", choices=sorted(MODELS), default="large",
-                            help="the model on CUDA (default: large; dsa: with --smoke, a tiny DeepSeek sparse attention model)")
+                            help="the model on CUDA (default: large; dsa, falcon_h1: with --smoke, a tiny model of the same kind)")
         parser.add_argument("--fp8", action="store_true", help="time the fp8 model (compiled, and with fp8_fast_accum) beside the compiled bf16 one")
         parser.add_argument("--impls", default=None,
                             help="comma-separated implementations to time, e.g. 'fmoe compiled' (default: all)")
 
     args, device, dtype, bandwidth = start(__doc__.splitlines()[0], add_arguments)
-    base = (SMOKE_DSA if args.model == "dsa" else SMOKE) if args.smoke else MODELS[args.model]
+    base = SMOKES.get(args.model, SMOKE) if args.smoke else MODELS[args.model]
     print(f"model: {'smoke' if args.smoke else args.model}", flush=True)
     T = 32 if args.smoke else 16384
     rate = matmul_rate(device, dtype, 256 if args.smoke else 8192)

@@ -13,6 +13,7 @@
 #     bash benchmarks/gpu_lease.sh g    # the DSA model's compiled train step alone (its MFU, host syncs): past 200 s on 2026-11-28
 #     bash benchmarks/gpu_lease.sh h    # the gpu tests (4 workers), bench_loss, bench_routing (dsv3 cases) (~4 min on an H200)
 #     bash benchmarks/gpu_lease.sh i    # the model's gpu tests, bench_hyper_connections, bench_routing's kolibri cases (not yet run)
+#     bash benchmarks/gpu_lease.sh j    # Falcon-H1's parallel hybrid: its model gpu test, its compiled train step (not yet run)
 #                                       # (part h's gpu tests include GeGLU's kernels at a real shape; bench_moe_layer, parts a, c, f, its GeGLU rows)
 #
 # What comes back is written to $OUT (the device tool's folder; gpu_out/ elsewhere), at most
@@ -113,8 +114,18 @@ i)
     # the router choosing on logits + bias (Kolibri-1's, 2026-11-28): two cases, each compiling its reference
     bench --only bench_routing --timeout 100 --extra="--cases kolibri"
     ;;
+j)
+    # Falcon-H1's parallel hybrid blocks (2026-11-29, not yet run on a GPU): its decode test on the device (FlexAttention
+    # beside the Mamba-2 states' kernels), then the large model with a Mamba-2 mixer beside the attention in every block,
+    # compiled (MFU, host syncs); the DSA model's compile (part g) took more than 200 s
+    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-ra --durations=5" tests/test_model.py -k falcon_h1 \
+        > "$OUT/gpu_tests.log" 2>&1
+    echo "gpu tests (falcon_h1): exit $?"
+    grep -E "passed|failed|^FAILED|^ERROR|^E  " "$OUT/gpu_tests.log" | tail -20
+    bench --only bench_train_step --timeout 400 --extra="--model falcon_h1 --impls 'fmoe compiled'"
+    ;;
 *)
-    echo "usage: bash benchmarks/gpu_lease.sh a|b|c|e|f|g|h|i" >&2
+    echo "usage: bash benchmarks/gpu_lease.sh a|b|c|e|f|g|h|i|j" >&2
     exit 2
     ;;
 esac

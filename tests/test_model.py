@@ -899,8 +899,9 @@ FULL = dataclasses.replace(TINY, mtp_depth=2, impl="auto", capacity_factor=1.25,
                            attn_scale=0.3, embed_scale=2.0, residual_scale=0.6, logit_divisor=3.0)
 
 
-@pytest.mark.parametrize("cfg", [dataclasses.replace(TINY, mtp_depth=1, impl="auto"), FULL, dataclasses.replace(VARIANTS["gated deltanet"], impl="auto")],
-                         ids=["default", "capacity-groups-yarn-mtp2-granite", "gated deltanet"])
+@pytest.mark.parametrize("cfg", [dataclasses.replace(TINY, mtp_depth=1, impl="auto"), FULL, dataclasses.replace(VARIANTS["gated deltanet"], impl="auto"),
+                                 dataclasses.replace(VARIANTS["falcon_h1"], impl="auto")],
+                         ids=["default", "capacity-groups-yarn-mtp2-granite", "gated deltanet", "falcon_h1"])
 def test_forward_and_backward_read_nothing_on_the_host(cfg):
     """No device->host sync in the model's forward and backward (MoE layers, MTP, losses):
     on a GPU each read is a stall. Counted here as host reads of tensor values on CPU."""
