@@ -135,7 +135,8 @@ Each is written back only as qwen3_moe / qwen3 (_multimodal_text: the mrope_sect
 positions is plain RoPE). A released Qwen2-VL / Qwen2.5-VL folder (qwen2_vl, qwen2_5_vl) holds
 Qwen2's text model where Qwen2 keeps it (model., lm_head) beside a vision model under visual.
 that is not read (its config's text fields at the top level, or in a text_config as
-transformers 5 writes it), and is written back only as qwen2. A released GLM-4.5V / GLM-4.6V folder (glm4v_moe) holds GLM-4.5's
+transformers 5 writes it), and is written back only as qwen2; a Qwen2.5-Omni folder
+(qwen2_5_omni) Qwen2's under thinker., as Qwen3-Omni's. A released GLM-4.5V / GLM-4.6V folder (glm4v_moe) holds GLM-4.5's
 text model (glm4_moe's, without q/k norms) under model.language_model. beside a vision model
 that is not read, and is written back only as glm4_moe; a GLM-4.1V / GLM-4.6V-Flash folder
 (glm4v, glm46v) GLM-4's dense text model, written back only as glm4. Qwen3-VL-MoE's experts are stacks, [E, H, 2F] / [E, F, H] as
@@ -2262,6 +2263,9 @@ _MULTIMODAL = {
     "qwen3_vl_moe": (None, dict(tie_word_embeddings=False), dict(num_key_value_heads=16, rope_theta=5e5), dict(norm_topk_prob=True)),
     "qwen3_vl": (None, dict(tie_word_embeddings=False), dict(num_key_value_heads=32, head_dim=128, rope_theta=5e5), {}),
     "qwen3_omni_moe": ("thinker_config", dict(tie_word_embeddings=False), dict(num_key_value_heads=4, rope_theta=1e6), {}),
+    "qwen2_5_omni": ("thinker_config", dict(tie_word_embeddings=False), dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                                                                             num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                                                                             rope_theta=1e6), {}),
     "glm4v_moe": (None, dict(tie_word_embeddings=False), dict(vocab_size=151424, attention_bias=True), dict(use_qk_norm=False)),
     # GLM-4.1V / GLM-4.6V-Flash: GLM-4's dense text model, its q/k/v biases always there, its heads hidden_size / heads wide
     # whatever head_dim says, RoPE over every channel unless the rope_parameters say otherwise
@@ -2317,7 +2321,8 @@ def _multimodal(hf: dict) -> dict:
     glm4v_moe (Glm4vMoeForConditionalGeneration: GLM-4.5V, GLM-4.6V) GLM-4.5's (glm4_moe:
     without q/k norms, and its MTP layer, which transformers does not read) beside a vision
     model, glm4v and glm46v (GLM-4.1V-9B, GLM-4.6V-Flash) GLM-4's dense one (glm4); qwen2_vl and
-    qwen2_5_vl (Qwen2-VL, Qwen2.5-VL) Qwen2's. The text model is read as its family's (Family.written_as, _multimodal_text);
+    qwen2_5_vl (Qwen2-VL, Qwen2.5-VL) Qwen2's, qwen2_5_omni (Qwen2.5-Omni-3B / -7B) Qwen2's as
+    its thinker's. The text model is read as its family's (Family.written_as, _multimodal_text);
     nothing beside it is."""
     text = _multimodal_text(hf)
     return FAMILIES[text["model_type"]].kwargs(text)
@@ -2894,6 +2899,9 @@ FAMILIES = {
                      not_read=("model.visual.",), written_as="glm4"),
     "qwen3_omni_moe": Family(_multimodal, "mlp", _PROJ, "Qwen3OmniMoeForConditionalGeneration", prefix=("", "thinker."),
                              not_read=("thinker.audio_tower.", "thinker.visual.", "talker.", "code2wav."), written_as="qwen3_moe"),
+    # ...and Qwen2.5-Omni's: Qwen2's text model under thinker. beside its encoders, the talker and token2wav
+    "qwen2_5_omni": Family(_multimodal, "mlp", _PROJ, "Qwen2_5OmniForConditionalGeneration", prefix=("", "thinker."),
+                           not_read=("thinker.audio_tower.", "thinker.visual.", "talker.", "token2wav."), written_as="qwen2"),
     # Kimi Linear: transformers writes the dense MLPs under block_sparse_moe too (the released folders: mlp)
     "kimi_linear": Family(_kimi_linear, "block_sparse_moe", ("w1", "w3", "w2"), "KimiLinearForCausalLM", "shared_experts", linear="kda",
                           dense_too="block_sparse_moe", aliases=_KIMI_LINEAR_ALIASES, defaults=_KIMI_LINEAR_DEFAULTS),

@@ -1670,6 +1670,31 @@ def test_a_released_qwen3_omni_folder_loads_its_thinker_s_text_model(tmp_path):
         hf.from_pretrained(_edit(tmp_path / "omni", tmp_path / "bad", lambda c: c.pop("thinker_config")))
 
 
+def test_a_released_qwen2_5_omni_folder_loads_its_thinker_s_text_model(tmp_path):
+    """A qwen2_5_omni folder (Qwen2.5-Omni-3B / -7B): the thinker's Qwen2 text model under
+    thinker.model. (the head at thinker.lm_head, untied as the thinker says) loads with the
+    thinker's logits of a text-only forward, its audio and vision encoders' keys neither read
+    nor counted as unread; it is not written back without them, and writes as qwen2, which
+    transformers loads with the same logits and fmoe reads back exactly."""
+    text = dict(vocab_size=V, hidden_size=32, intermediate_size=40, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+                rope_parameters=dict(rope_type="default", rope_theta=1e6, mrope_section=[1, 1, 2]))
+    audio = dict(num_mel_bins=8, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=16, d_model=16, output_dim=32)
+    vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32, patch_size=14, fullatt_block_indexes=[0])
+    torch.manual_seed(0)
+    config = transformers.Qwen2_5OmniConfig(thinker_config=dict(text_config=text, audio_config=audio, vision_config=vision), enable_audio_output=False)
+    ref = _randomised(transformers.Qwen2_5OmniForConditionalGeneration(config))
+    ref.save_pretrained(tmp_path / "omni")
+    docs = _packed()[0]
+    with torch.no_grad():
+        theirs = torch.cat([ref.thinker(input_ids=d[None]).logits[0] for d in docs])
+    _, cfg, written = _text_model_round_trip(tmp_path / "omni", theirs, tmp_path / "text", kind="qwen2_5_omni", prefix="thinker.model.",
+                                             head="thinker.lm_head.weight", text_kind="qwen2")
+    assert not cfg.tie_embeddings and cfg.qkv_bias and (cfg.rope_base, cfg.norm_eps) == (1e6, 1e-5)
+    assert "mrope" not in json.dumps(written)
+    with pytest.raises(ValueError, match="config.json: a qwen2_5_omni config without a thinker_config is not supported"):
+        hf.from_pretrained(_edit(tmp_path / "omni", tmp_path / "bad", lambda c: c.pop("thinker_config")))
+
+
 def test_cohere2_moe_reads_its_norms_routing_and_shared_experts_as_transformers_does(folders, tmp_path):
     """Cohere 2 MoE: the test folder's (RMSNorms, softmax over the top-2 logits, a shared expert
     averaged with the routed output: both x 0.5, the dense prefix rotating in its global layer);
