@@ -1639,6 +1639,25 @@ def test_a_released_qwen2_vl_folder_loads_its_text_model(kind, tmp_path):
     assert hf.read_config(old)[1] == hf.read_config(tmp_path / "written")[1]
 
 
+def _omni_thinker_round_trip(kind, text, audio, vision, tmp_path):
+    """A tiny Qwen3-Omni / Qwen2.5-Omni model (randomised) of these sub-configs, saved; its
+    thinker's text model read, compared and written back (_text_model_round_trip) -> (the
+    config read, the written config). A folder without a thinker_config is refused."""
+    name, text_kind = dict(qwen3_omni_moe=("Qwen3OmniMoe", "qwen3_moe"), qwen2_5_omni=("Qwen2_5Omni", "qwen2"))[kind]
+    torch.manual_seed(0)
+    config = getattr(transformers, f"{name}Config")(thinker_config=dict(text_config=text, audio_config=audio, vision_config=vision), enable_audio_output=False)
+    ref = _randomised(getattr(transformers, f"{name}ForConditionalGeneration")(config))
+    ref.save_pretrained(tmp_path / "omni")
+    docs = _packed()[0]
+    with torch.no_grad():
+        theirs = torch.cat([ref.thinker(input_ids=d[None]).logits[0] for d in docs])
+    _, cfg, written = _text_model_round_trip(tmp_path / "omni", theirs, tmp_path / "text", kind=kind, prefix="thinker.model.",
+                                             head="thinker.lm_head.weight", text_kind=text_kind)
+    with pytest.raises(ValueError, match=f"config.json: a {kind} config without a thinker_config is not supported"):
+        hf.from_pretrained(_edit(tmp_path / "omni", tmp_path / "bad", lambda c: c.pop("thinker_config")))
+    return cfg, written
+
+
 def test_a_released_qwen3_omni_folder_loads_its_thinker_s_text_model(tmp_path):
     """A qwen3_omni_moe folder (Qwen3-Omni-30B-A3B): the thinker's text model under
     thinker.model. (the head at thinker.lm_head) loads with the thinker's logits of a
@@ -1651,23 +1670,13 @@ def test_a_released_qwen3_omni_folder_loads_its_thinker_s_text_model(tmp_path):
     audio = dict(num_mel_bins=8, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=16, d_model=16, output_dim=32, downsample_hidden_size=8)
     vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32, patch_size=2, temporal_patch_size=1,
                   spatial_merge_size=1, num_position_embeddings=16, deepstack_visual_indexes=[0])
-    torch.manual_seed(0)
-    config = transformers.Qwen3OmniMoeConfig(thinker_config=dict(text_config=text, audio_config=audio, vision_config=vision), enable_audio_output=False)
-    ref = _randomised(transformers.Qwen3OmniMoeForConditionalGeneration(config))
-    ref.save_pretrained(tmp_path / "omni")
-    docs = _packed()[0]
-    with torch.no_grad():
-        theirs = torch.cat([ref.thinker(input_ids=d[None]).logits[0] for d in docs])
-    _, cfg, written = _text_model_round_trip(tmp_path / "omni", theirs, tmp_path / "text", kind="qwen3_omni_moe", prefix="thinker.model.",
-                                             head="thinker.lm_head.weight", text_kind="qwen3_moe")
+    cfg, written = _omni_thinker_round_trip("qwen3_omni_moe", text, audio, vision, tmp_path)
     assert not cfg.tie_embeddings and cfg.pre_softmax and cfg.moe_layers == (0, 2) and cfg.rope_base == 1e6
     assert written["norm_topk_prob"] is False and written["rope_parameters"] == dict(rope_type="default", rope_theta=1e6)  # no mrope fields
     # transformers clears the text model's sliding_window; the head is untied where the thinker leaves tie_word_embeddings out
     ignored = _edit(tmp_path / "omni", tmp_path / "ignored",
                     lambda c: [c["thinker_config"]["text_config"].update(sliding_window=4, tie_word_embeddings=True), c["thinker_config"].pop("tie_word_embeddings")])
     assert hf.read_config(ignored)[1] == hf.read_config(tmp_path / "omni")[1]
-    with pytest.raises(ValueError, match="config.json: a qwen3_omni_moe config without a thinker_config is not supported"):
-        hf.from_pretrained(_edit(tmp_path / "omni", tmp_path / "bad", lambda c: c.pop("thinker_config")))
 
 
 def test_a_released_qwen2_5_omni_folder_loads_its_thinker_s_text_model(tmp_path):
@@ -1680,19 +1689,9 @@ def test_a_released_qwen2_5_omni_folder_loads_its_thinker_s_text_model(tmp_path)
                 rope_parameters=dict(rope_type="default", rope_theta=1e6, mrope_section=[1, 1, 2]))
     audio = dict(num_mel_bins=8, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=16, d_model=16, output_dim=32)
     vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32, patch_size=14, fullatt_block_indexes=[0])
-    torch.manual_seed(0)
-    config = transformers.Qwen2_5OmniConfig(thinker_config=dict(text_config=text, audio_config=audio, vision_config=vision), enable_audio_output=False)
-    ref = _randomised(transformers.Qwen2_5OmniForConditionalGeneration(config))
-    ref.save_pretrained(tmp_path / "omni")
-    docs = _packed()[0]
-    with torch.no_grad():
-        theirs = torch.cat([ref.thinker(input_ids=d[None]).logits[0] for d in docs])
-    _, cfg, written = _text_model_round_trip(tmp_path / "omni", theirs, tmp_path / "text", kind="qwen2_5_omni", prefix="thinker.model.",
-                                             head="thinker.lm_head.weight", text_kind="qwen2")
+    cfg, written = _omni_thinker_round_trip("qwen2_5_omni", text, audio, vision, tmp_path)
     assert not cfg.tie_embeddings and cfg.qkv_bias and (cfg.rope_base, cfg.norm_eps) == (1e6, 1e-5)
     assert "mrope" not in json.dumps(written)
-    with pytest.raises(ValueError, match="config.json: a qwen2_5_omni config without a thinker_config is not supported"):
-        hf.from_pretrained(_edit(tmp_path / "omni", tmp_path / "bad", lambda c: c.pop("thinker_config")))
 
 
 def test_cohere2_moe_reads_its_norms_routing_and_shared_experts_as_transformers_does(folders, tmp_path):
