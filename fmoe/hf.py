@@ -1609,7 +1609,7 @@ _LEGACY_KINDS = {"mamba": "linear_attention", "attention": "full_attention"}  # 
 def _mamba2_fields(hf: dict, linear: tuple[int, ...], channels: Optional[int] = None) -> dict:
     """The Mamba-2 mixers' fields (linear_kind "mamba2") of Granite 4.0-H, Bamba and Falcon-H1,
     in the blocks `linear`: mamba_n_heads heads of mamba_d_head (by default `channels` / heads;
-    channels by default mamba_expand x hidden: Falcon-H1's mamba_d_ssm), mamba_n_groups groups
+    channels: Falcon-H1's mamba_d_ssm, None: mamba_expand x hidden), mamba_n_groups groups
     of C and B of mamba_d_state, mamba_d_conv taps with biases; projection biases and a
     clamped dt refused."""
     _refuse(hf, "mamba_conv_bias", lambda v: v is True, "the convolution's biases")
@@ -1625,14 +1625,18 @@ def _mamba2_fields(hf: dict, linear: tuple[int, ...], channels: Optional[int] = 
                 linear_k_dim=hf.get("mamba_d_state", 256), linear_v_dim=head_dim, linear_conv=hf.get("mamba_d_conv", 4))
 
 
-def _mamba2_config(cfg: TransformerConfig) -> dict:
-    """The config.json fields _mamba2_fields reads back."""
+def _mamba2_config(cfg: TransformerConfig, ssm_channels: bool = False) -> dict:
+    """The config.json fields _mamba2_fields reads back; with ssm_channels the x channels as
+    mamba_d_ssm (Falcon-H1's), not as mamba_expand x hidden_size."""
     lin = cfg.linear_attention_config()
+    common = dict(mamba_n_heads=lin.n_v_heads, mamba_d_head=lin.v_head_dim, mamba_n_groups=lin.n_k_heads, mamba_d_state=lin.k_head_dim,
+                  mamba_d_conv=lin.conv, mamba_conv_bias=True, mamba_proj_bias=False)
+    if ssm_channels:
+        return dict(common, mamba_d_ssm=lin.v_channels)
     if lin.v_channels % cfg.hidden:
         raise ValueError(f"model: Mamba-2's x channels (linear_v_heads x linear_v_dim = {lin.v_channels}) are not a whole multiple of "
                          f"hidden = {cfg.hidden} (mamba_expand)")
-    return dict(mamba_n_heads=lin.n_v_heads, mamba_d_head=lin.v_head_dim, mamba_expand=lin.v_channels // cfg.hidden, mamba_n_groups=lin.n_k_heads,
-                mamba_d_state=lin.k_head_dim, mamba_d_conv=lin.conv, mamba_conv_bias=True, mamba_proj_bias=False)
+    return dict(common, mamba_expand=lin.v_channels // cfg.hidden)
 
 
 def _bamba(hf: dict) -> dict:
@@ -1658,13 +1662,10 @@ def _falcon_h1(hf: dict) -> dict:
     scale on load and taken out on export (_falcon_h1_folds). Biases refused."""
     for field in ("attention_bias", "projectors_bias"):
         _refuse(hf, field, lambda v: not v, "no biases on the attention's and the mixer's projections")
-    channels = hf.get("mamba_d_ssm") or hf.get("mamba_expand", 2) * hf["hidden_size"]  # transformers' mixer: expand x hidden without it
-    mixers = _mamba2_fields(hf, tuple(range(hf["num_hidden_layers"])), channels)
-    rms = bool(hf.get("mamba_rms_norm", False))
-    gate_norm = ("before" if hf.get("mamba_norm_before_gate", True) else "after") if rms else "none"
-    head = float(hf.get("lm_head_multiplier", 1.0))
+    mixers = _mamba2_fields(hf, tuple(range(hf["num_hidden_layers"])), hf.get("mamba_d_ssm"))  # without it: expand x hidden, as transformers
+    gate_norm = ("before" if hf.get("mamba_norm_before_gate", True) else "after") if hf.get("mamba_rms_norm", False) else "none"
     return dict(_dense(hf), **mixers, parallel_hybrid=True, linear_gate_norm=gate_norm, embed_scale=float(hf.get("embedding_multiplier", 1.0)),
-                logit_divisor=1 / head)
+                logit_divisor=1 / float(hf.get("lm_head_multiplier", 1.0)))
 
 
 def _falcon_h1_folds(hf: dict) -> dict[str, float]:
@@ -4382,10 +4383,9 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
         elif model_type == "bamba":  # RoPE on half of each head's channels (transformers fixes it; config_mismatch names another)
             hf.update(attention_bias=False, attn_layer_indices=[i for i in range(cfg.n_layers) if not cfg.is_linear(i)], **_mamba2_config(cfg))
         elif model_type == "falcon_h1":  # the multipliers fmoe keeps as knobs; the others 1, folded into the weights (_falcon_h1_folds)
-            lin = cfg.linear_attention_config()
-            hf.update(attention_bias=False, projectors_bias=False, mamba_d_ssm=lin.v_channels, mamba_n_heads=lin.n_v_heads, mamba_d_head=lin.v_head_dim,
-                      mamba_n_groups=lin.n_k_heads, mamba_d_state=lin.k_head_dim, mamba_d_conv=lin.conv, mamba_conv_bias=True, mamba_proj_bias=False,
-                      mamba_rms_norm=lin.gate_norm != "none", mamba_norm_before_gate=lin.gate_norm != "after",
+            gate_norm = cfg.linear_gate_norm
+            hf.update(attention_bias=False, projectors_bias=False, **_mamba2_config(cfg, ssm_channels=True),
+                      mamba_rms_norm=gate_norm != "none", mamba_norm_before_gate=gate_norm != "after",
                       embedding_multiplier=cfg.embed_scale, lm_head_multiplier=1 / cfg.logit_divisor, key_multiplier=1.0,
                       attention_in_multiplier=1.0, attention_out_multiplier=1.0, ssm_in_multiplier=1.0, ssm_out_multiplier=1.0,
                       ssm_multipliers=[1.0] * 5, mlp_multipliers=[1.0, 1.0])
