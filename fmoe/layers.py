@@ -1988,7 +1988,13 @@ class LinearAttentionConfig:
     (at least dt_min: Nemotron-H's floor, 0 none), the rule without its delta, a skip D, and its output gated by silu(x wz), then RMS-normed
     per group of key heads (gate_norm "after", the default); gate_norm "before": RMS-normed first, then gated (Falcon-H1's
     mamba_norm_before_gate), "none": gated alone, without the norm or its weight out_norm (Falcon-H1's mamba_rms_norm
-    false). Kimi Delta Attention's variants (Ling's, kind "kda"
+    false). kind "mamba1": Mamba-1's mixer (the selective scan of Mamba, Falcon Mamba and
+    Jamba): n_v_heads channels of x (v_head_dim 1) after the convolution (with biases), each
+    with a state of k_head_dim read and written through one group of C and B (n_k_heads 1)
+    projected from the convolved x, dt from it through rank dt_rank, a decay per channel and
+    state channel, a skip D, the output gated by silu(x wz) without a norm; dt_bc_norm "rms":
+    dt, B and C RMS-normed with weights (Jamba's), "rms_unit" without (Falcon Mamba's), eps
+    norm_eps. Kimi Delta Attention's variants (Ling's, kind "kda"
     only): full_rank, the decay's and the gate's projections whole (wf [H, N Dk], wz
     [H, N Dv]) instead of low-rank pairs; decay_bound b < 0 (None: Kimi's softplus decay),
     the bounded decay g = b sigmoid(exp(A_log) (x wf + dt_bias)), each step's log-decay in
@@ -2011,10 +2017,13 @@ class LinearAttentionConfig:
     dt_min: float = 0.0
     neg_eigval: bool = False
     gate_norm: str = "after"
+    dt_rank: Optional[int] = None
+    dt_bc_norm: str = "none"
     fp8: bool = False
 
     def __post_init__(self):
         check_fp8(self.fp8)
+        self._check_mamba1()
         if self.gate_norm not in GATE_NORMS:
             raise ValueError(f"gate_norm: expected one of {GATE_NORMS} (Mamba-2's output norm after its gate, before it, or none), got {self.gate_norm!r}")
         if self.gate_norm != "after" and self.kind != "mamba2":
@@ -2054,6 +2063,23 @@ class LinearAttentionConfig:
         if isinstance(self.norm_eps, bool) or not isinstance(self.norm_eps, (int, float)) or not 0 < self.norm_eps < math.inf:
             raise ValueError(f"norm_eps: expected a positive number, got {self.norm_eps!r}")
 
+    def _check_mamba1(self) -> None:
+        """Mamba-1's knobs (dt_rank, dt_bc_norm) and shape (one group of B and C, channels of one dim)."""
+        if self.dt_bc_norm not in DT_BC_NORMS:
+            raise ValueError(f"dt_bc_norm: expected one of {DT_BC_NORMS} (Mamba-1's RMS norms on dt, B and C: none, with weights, "
+                             f"without), got {self.dt_bc_norm!r}")
+        if self.kind != "mamba1":
+            for name, unset in (("dt_rank", None), ("dt_bc_norm", "none")):
+                if getattr(self, name) != unset:
+                    raise ValueError(f"{name}: a knob of Mamba-1's mixer, needs kind 'mamba1', got {self.kind!r}")
+            return
+        r = self.dt_rank
+        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+            raise ValueError(f"dt_rank: expected an int >= 1 (the rank of Mamba-1's dt projection), got {r!r}")
+        if (self.n_k_heads, self.v_head_dim) != (1, 1):
+            raise ValueError(f"n_k_heads / v_head_dim: Mamba-1's B and C are one group of k_head_dim (its state) read by n_v_heads "
+                             f"channels of one dim each, got {self.n_k_heads} groups and channels of {self.v_head_dim}")
+
     @property
     def k_channels(self) -> int:
         return self.n_k_heads * self.k_head_dim
@@ -2068,11 +2094,13 @@ class LinearAttentionConfig:
         (lightning attention has none: 0)."""
         if self.kind == "lightning":
             return 0
-        return self.v_channels if self.kind == "short_conv" else 2 * self.k_channels + self.v_channels
+        return self.v_channels if self.kind in ("short_conv", "mamba1") else 2 * self.k_channels + self.v_channels
 
 
-LINEAR_KINDS = ("gated_deltanet", "kda", "short_conv", "lightning", "mamba2")
+LINEAR_KINDS = ("gated_deltanet", "kda", "short_conv", "lightning", "mamba2", "mamba1")
 GATE_NORMS = ("after", "before", "none")  # LinearAttentionConfig.gate_norm: Mamba-2's output norm after its gate, before it, none
+# LinearAttentionConfig.dt_bc_norm: Mamba-1's RMS norms on dt, B and C: none (Mamba's), with weights (Jamba's), without (Falcon Mamba's)
+DT_BC_NORMS = ("none", "rms", "rms_unit")
 
 
 def lightning_decay(n_heads: int, layer: int, n_layers: int, device=None) -> torch.Tensor:
@@ -2098,8 +2126,16 @@ def linear_attention_shapes(H: int, cfg: LinearAttentionConfig) -> dict[str, tup
     constant, is params["decay"] [N], not a weight: lightning_decay). Mamba-2's (kind "mamba2"):
     wq (its C), wk (its B) [H, Nk Dk], wv (its x), wz [H, Nv Dv], wa (its dt) [H, Nv], the
     convolutions' taps and biases conv_q_bias, conv_k_bias [Nk Dk], conv_v_bias [Nv Dv], A_log,
-    dt_bias, D [Nv], out_norm [Nv Dv] (its gated norm's, per group of key heads; none with gate_norm "none"), wo."""
+    dt_bias, D [Nv], out_norm [Nv Dv] (its gated norm's, per group of key heads; none with gate_norm "none"), wo. Mamba-1's
+    (kind "mamba1", C = n_v_heads channels, N = k_head_dim, R = dt_rank): wv (its x), wz [H, C], conv_v [K, C],
+    conv_v_bias [C], wdt [C, R], wk (its B), wq (its C) [C, N] (x_proj's rows dt, B, C, transposed), wa [R, C] (dt_proj),
+    dt_bias, D [C], A_log [C, N], with dt_bc_norm "rms" the norms' weights dt_norm [R], b_norm, c_norm [N], wo [C, H]."""
     Ck, Cv, Nv, K = cfg.k_channels, cfg.v_channels, cfg.n_v_heads, cfg.conv
+    if cfg.kind == "mamba1":
+        R, N = cfg.dt_rank, cfg.k_head_dim
+        norms = dict(dt_norm=(R,), b_norm=(N,), c_norm=(N,)) if cfg.dt_bc_norm == "rms" else {}
+        return dict(wv=(H, Cv), wz=(H, Cv), conv_v=(K, Cv), conv_v_bias=(Cv,), wdt=(Cv, R), wk=(Cv, N), wq=(Cv, N), wa=(R, Cv), dt_bias=(Cv,),
+                    A_log=(Cv, N), D=(Cv,), **norms, wo=(Cv, H))
     if cfg.kind == "short_conv":
         return dict(wb=(H, Cv), wc=(H, Cv), wv=(H, Cv), conv_v=(K, Cv), wo=(Cv, H))
     if cfg.kind == "lightning":
@@ -2176,19 +2212,42 @@ def _causal_conv_continued(x_STC, w_KC, before_SJC, silu: bool = True, bias=None
     return _conv_out(y, bias, silu, x_STC.dtype), full[:, full.shape[1] - (K - 1):]
 
 
+def _one_conv(u, taps, cu, split, states, silu: bool, bias=None):
+    """The causal convolution of u [T, C] alone (LFM2's short convolution's, Mamba-1's):
+    over a context-parallel split (the K - 1 tokens before each chunk from the rank holding
+    them), the documents of cu, or continuing the decoding states (whose conv it replaces)."""
+    if split is not None:
+        return _causal_conv_split(u, taps, cu, split, silu=silu, bias=bias)
+    if states is None:
+        return _causal_conv(u, taps, cu, silu=silu, bias=bias)
+    T, S = u.shape[0], states.conv.shape[0]
+    y, states.conv = _causal_conv_continued(u.view(S, T // S, -1), taps, states.conv, silu=silu, bias=bias)
+    return y.reshape(T, -1)
+
+
 def _short_conv(x, params, cfg: LinearAttentionConfig, cu, split, states, mm) -> torch.Tensor:
     """LFM2's gated short convolution (linear_attention's kind "short_conv"): [T, H]."""
-    T = x.shape[0]
-    u = mm(x, params["wb"]) * mm(x, params["wv"])
-    if split is not None:  # context parallel: the K - 1 tokens before each chunk from the rank holding them
-        y = _causal_conv_split(u, params["conv_v"], cu, split, silu=False)
-    elif states is None:
-        y = _causal_conv(u, params["conv_v"], cu, silu=False)
-    else:
-        S = states.conv.shape[0]
-        y, states.conv = _causal_conv_continued(u.view(S, T // S, -1), params["conv_v"], states.conv, silu=False)
-        y = y.reshape(T, -1)
+    y = _one_conv(mm(x, params["wb"]) * mm(x, params["wv"]), params["conv_v"], cu, split, states, silu=False)
     return mm(mm(x, params["wc"]) * y, params["wo"])
+
+
+def _mamba1(x, params, cfg: LinearAttentionConfig, cu, split, states, mm) -> torch.Tensor:
+    """Mamba-1's mixer (linear_attention's kind "mamba1"): [T, H]. Each of its C channels is
+    a head of one value channel whose state of N = k_head_dim has a decay per state channel
+    (gated_linear_attention's decay per key channel), B and C shared by every channel."""
+    T, C, N = x.shape[0], cfg.n_v_heads, cfg.k_head_dim
+    B = 1 if states is None else states.conv.shape[0]
+    xc = _one_conv(mm(x, params["wv"]), params["conv_v"], cu, split, states, silu=True, bias=params["conv_v_bias"])  # [T, C]
+    r, bk, cq = (mm(xc, params[n]) for n in ("wdt", "wk", "wq"))
+    if cfg.dt_bc_norm != "none":  # Jamba's (with weights) and Falcon Mamba's (without) RMS norms on dt, B and C
+        r, bk, cq = (_rms_norm(t, params[n] if cfg.dt_bc_norm == "rms" else None, cfg.norm_eps)
+                     for t, n in ((r, "dt_norm"), (bk, "b_norm"), (cq, "c_norm")))
+    dt = F.softplus(mm(r, params["wa"]).float() + params["dt_bias"].float())  # [T, C]
+    g = (dt[..., None] * -params["A_log"].float().exp()).reshape(B, T // B, C, N)
+    q, k = (t.float()[:, None, :].expand(T, C, N).reshape(B, T // B, C, N) for t in (cq, bk))
+    o = _without_delta(q, k, (xc.float() * dt).reshape(B, T // B, C, 1), g, cfg, cu, split, states)
+    y = (o.reshape(T, C).float() + params["D"].float() * xc.float()) * F.silu(mm(x, params["wz"]).float())
+    return mm(y.to(x.dtype), params["wo"])
 
 
 def _without_delta(q, k, v, g, cfg: LinearAttentionConfig, cu, split, states) -> torch.Tensor:
@@ -2321,6 +2380,17 @@ def linear_attention(x: torch.Tensor, params, cfg: LinearAttentionConfig, ctx: "
         o = gated_linear_attention(q, k, x dt, -exp(A_log) dt, scale=1) + D x
         y = (groupnorm(o * silu(x wz)) out_norm) wo       the norm over each key group's r Dv
 
+    Mamba-1's mixer (cfg.kind "mamba1"; Mamba's, Falcon Mamba's, Jamba's) has one
+    convolution (with biases) over x's C channels, each channel a head of one value channel
+    with its own decay per state channel (A_log [C, N]), and one B and C for all of them:
+
+        u = silu(causal_conv(x wv) + b),  B, C = u wk, u wq,  dt = softplus(u wdt wa + dt_bias)
+        o = gated_linear_attention(C, B, u dt, -exp(A_log) dt, scale=1) + D u      (per channel)
+        y = (o * silu(x wz)) wo
+
+    (with cfg.dt_bc_norm, u wdt, B and C RMS-normed first: with weights dt_norm, b_norm,
+    c_norm for "rms", without for "rms_unit").
+
     MiniMax's lightning attention (cfg.kind "lightning") has no convolution and no rule, a
     constant decay per head (params["decay"], lightning_decay) and a query scale of 1:
 
@@ -2372,6 +2442,8 @@ def linear_attention(x: torch.Tensor, params, cfg: LinearAttentionConfig, ctx: "
                          f"of cfg's layer (expected [S, {cfg.conv - 1}, {cfg.conv_channels}], T a multiple of S)")
     if cfg.kind == "short_conv":
         return _short_conv(x, params, cfg, ctx.cu_seqlens if states is None else None, split, states, mm), TensorDict({}, batch_size=[])
+    if cfg.kind == "mamba1":
+        return _mamba1(x, params, cfg, ctx.cu_seqlens if states is None else None, split, states, mm), TensorDict({}, batch_size=[])
     if cfg.kind == "lightning":
         return _lightning(x, params, cfg, ctx.cu_seqlens if states is None else None, split, states, mm, heads_mean), TensorDict({}, batch_size=[])
     B, cu, qkv = _qkv_conv(x, params, ctx, split, states, mm)

@@ -507,7 +507,13 @@ class TransformerConfig:
     Gated DeltaNet blocks beside its post-norm attention blocks; TransformerConfig.block_norms);
     linear_gate_norm: where Mamba-2's output norm sits, "after" its gate (the default),
     "before" it or "none" (fmoe.layers.LinearAttentionConfig.gate_norm; Falcon-H1's
-    mamba_norm_before_gate, mamba_rms_norm); parallel_hybrid: every linear_layers block
+    mamba_norm_before_gate, mamba_rms_norm); linear_kind "mamba1": Mamba-1's mixer (Mamba's,
+    Falcon Mamba's, Jamba's selective scan), linear_v_heads channels of x (linear_v_dim 1),
+    each with a state of linear_k_dim and a decay per state channel, one B and C
+    (linear_k_heads 1), dt through rank linear_dt_rank (None: ceil(hidden / 16), Mamba's
+    "auto"), linear_dt_bc_norm "rms" / "rms_unit": RMS norms on dt, B and C with weights
+    (Jamba's) or without (Falcon Mamba's), eps linear_norm_eps (None: norm_eps); not split by
+    tensor parallelism; parallel_hybrid: every linear_layers block
     holds softmax attention (Block.attn_beside) beside its linear mixer, both reading the
     block's normed input, their outputs summed (Falcon-H1's parallel hybrid: Mamba-2 and
     attention in each layer; not with DeepSeek sparse attention);
@@ -683,6 +689,8 @@ class TransformerConfig:
     linear_norm_eps: Optional[float] = None
     linear_pre_norms: bool = False
     linear_gate_norm: str = "after"
+    linear_dt_rank: Optional[int] = None
+    linear_dt_bc_norm: str = "none"
     parallel_hybrid: bool = False
     mlp_free_layers: Optional[tuple[int, ...]] = None
     mixer_free_layers: Optional[tuple[int, ...]] = None
@@ -873,6 +881,9 @@ class TransformerConfig:
                              f"got {self.linear_gate_norm!r}")
         if self.linear_gate_norm != "after" and (self.linear_layers is None or self.linear_kind != "mamba2"):
             raise ValueError("linear_gate_norm: where Mamba-2's output norm sits, needs linear_layers and linear_kind='mamba2'")
+        for name, unset in (("linear_dt_rank", None), ("linear_dt_bc_norm", "none")):
+            if getattr(self, name) != unset and (self.linear_layers is None or self.linear_kind != "mamba1"):
+                raise ValueError(f"{name}: a knob of Mamba-1's mixer, needs linear_layers and linear_kind='mamba1'")
         if self.parallel_hybrid and (self.linear_layers is None or self.index_topk is not None):
             raise ValueError("parallel_hybrid: softmax attention beside the linear mixer of each linear_layers block, needs linear_layers"
                              + (", not with DeepSeek sparse attention (index_topk)" if self.linear_layers else ""))
@@ -1131,7 +1142,8 @@ class TransformerConfig:
 
     def linear_attention_config(self, fp8: Optional[bool] = None) -> LinearAttentionConfig:
         """The linear-attention blocks' (linear_layers) Gated DeltaNet, or Kimi Delta Attention (linear_kind "kda"), or
-        LFM2's short convolution ("short_conv"), MiniMax's lightning attention ("lightning"), or Mamba-2's mixer ("mamba2");
+        LFM2's short convolution ("short_conv"), MiniMax's lightning attention ("lightning"), Mamba-2's mixer ("mamba2"), or
+        Mamba-1's ("mamba1");
         fp8: theirs (None: the model's fp8)."""
         return LinearAttentionConfig(n_k_heads=self.linear_k_heads, n_v_heads=self.linear_v_heads, k_head_dim=self.linear_k_dim,
                                      v_head_dim=self.linear_v_dim, conv=self.linear_conv,
@@ -1140,7 +1152,8 @@ class TransformerConfig:
                                      impl="auto" if self.impl == "flex" else self.impl, kind=self.linear_kind,
                                      full_rank=self.linear_full_rank, decay_bound=self.linear_decay_bound,
                                      dt_min=self.linear_dt_min, neg_eigval=self.linear_neg_eigval, gate_norm=self.linear_gate_norm,
-                                     fp8=self.fp8 if fp8 is None else fp8)
+                                     dt_rank=(self.linear_dt_rank or -(-self.hidden // 16)) if self.linear_kind == "mamba1" else self.linear_dt_rank,
+                                     dt_bc_norm=self.linear_dt_bc_norm, fp8=self.fp8 if fp8 is None else fp8)
 
     def block_norms(self, linear: bool = False) -> tuple[bool, bool]:
         """(pre, post): whether a block has its pre-norms (attn_norm, mlp_norm) and its
@@ -2004,7 +2017,8 @@ class Transformer(nn.Module):
                 else:  # pre ~ 1/n: sigmoid(-log(n - 1)); the post and mixing biases 0
                     copy_full_value(p, torch.cat([torch.full((n,), -math.log(n - 1)), torch.zeros(p.shape[0] - n)]))
                 continue
-            if name.endswith(("attn.out_norm", "attn.dt_bias", "attn.D", "mlp.router_norm", "mlp.expert_scale")):
+            if name.endswith(("attn.out_norm", "attn.dt_bias", "attn.D", "attn.dt_norm", "attn.b_norm", "attn.c_norm", "mlp.router_norm",
+                              "mlp.expert_scale")):
                 _local(p).fill_(1.0)  # Gated DeltaNet's output norm (never zero-centred), decay's bias; Mamba-2's skip; Gemma 4's router scales
                 continue
             if name.endswith(("xielu_alpha_p", "xielu_alpha_n")):  # xIELU's a_p = 0.8 and a_n = beta + 0.3 at the start, Apertus's
@@ -2017,6 +2031,9 @@ class Transformer(nn.Module):
                               "attn.conv_q_bias", "attn.conv_k_bias", "attn.conv_v_bias")
                              + EXPERT_BIASES):
                 _local(p).zero_()
+                continue
+            if name.endswith("attn.A_log") and p.ndim == 2:  # Mamba-1's [C, N]: A = 1 .. N in every channel (S4D-real)
+                copy_full_value(p, torch.arange(1, p.shape[1] + 1, dtype=torch.float32).log().expand(p.shape))
                 continue
             if name.endswith("attn.A_log"):  # log A, A uniform in [1, 16] (Mamba-2's range): the uniform as the normal's CDF
                 copy_full_value(p, torch.log(1.0 + 15.0 * torch.special.ndtr(init_value(seed, name, p.shape, 1.0))))

@@ -28,6 +28,10 @@ MAMBA_FLOOR = dataclasses.replace(MAMBA, dt_min=0.7)  # Nemotron-H's floor of dt
 MAMBA_BEFORE = dataclasses.replace(MAMBA, gate_norm="before")  # Falcon-H1's norm before the gate
 MAMBA_UNNORMED = dataclasses.replace(MAMBA, gate_norm="none")  # Falcon-H1's gate alone (mamba_rms_norm false)
 NEG = dataclasses.replace(CFG, neg_eigval=True)  # OLMo Hybrid's write strength 2 sigmoid(x wb), in [0, 2]
+# Mamba-1's mixer: 12 channels of x, each with a state of 8 (a decay per state channel), one B and C, dt of rank 3, 4 taps
+MAMBA1 = LinearAttentionConfig(n_k_heads=1, n_v_heads=12, k_head_dim=8, v_head_dim=1, conv=4, chunk_size=8, kind="mamba1", dt_rank=3)
+MAMBA1_NORMS = dataclasses.replace(MAMBA1, dt_bc_norm="rms")  # Jamba's norms on dt, B and C (with weights)
+MAMBA1_UNIT = dataclasses.replace(MAMBA1, dt_bc_norm="rms_unit")  # Falcon Mamba's (without)
 
 
 def _params(cfg=CFG, seed=0, dtype=torch.float32):
@@ -38,7 +42,7 @@ def _params(cfg=CFG, seed=0, dtype=torch.float32):
             p[name] = torch.log(torch.rand(shape, generator=gen) * 15 + 1)
         elif name == "dt_bias":
             p[name] = torch.randn(shape, generator=gen) * 0.5
-        elif name == "out_norm":
+        elif name.endswith("_norm"):
             p[name] = 1 + 0.1 * torch.randn(shape, generator=gen)
         elif name.startswith("conv"):
             p[name] = torch.randn(shape, generator=gen) * 0.5
@@ -71,6 +75,23 @@ def _loop(x, p, cfg, cu):
                 o = torch.einsum("nkv,nk->nv", S, q).reshape(-1)
                 o = o * torch.rsqrt(o.square().mean() + cfg.norm_eps) * p["out_norm"]
                 out.append((o * torch.sigmoid(x[t] @ p["wz"])) @ p["wo"])
+        return torch.stack(out)
+    if cfg.kind == "mamba1":  # per channel c: h_c <- exp(-exp(A_log_c) dt_c) h_c + dt_c u_c B, o_c = h_c . C + D_c u_c; silu(z) gate
+        K, out = cfg.conv, []
+
+        def norm(t, name):
+            if cfg.dt_bc_norm == "none":
+                return t
+            return t * torch.rsqrt(t.square().mean() + cfg.norm_eps) * (p[name] if cfg.dt_bc_norm == "rms" else 1)
+
+        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            h = torch.zeros(cfg.n_v_heads, cfg.k_head_dim, dtype=torch.float64)
+            for t in range(a, b):
+                u = F.silu(sum(p["conv_v"][K - 1 - j] * (x[t - j] @ p["wv"]) for j in range(K) if t - j >= a) + p["conv_v_bias"])
+                r, Bm, C = norm(u @ p["wdt"], "dt_norm"), norm(u @ p["wk"], "b_norm"), norm(u @ p["wq"], "c_norm")
+                dt = F.softplus(r @ p["wa"] + p["dt_bias"])
+                h = h * (-p["A_log"].exp() * dt[:, None]).exp() + (dt * u)[:, None] * Bm[None, :]
+                out.append(((h @ C + p["D"] * u) * F.silu(x[t] @ p["wz"])) @ p["wo"])
         return torch.stack(out)
     if cfg.kind == "mamba2":  # h <- exp(-exp(A_log) dt) h + dt B x^T, o = h^T C + D x; silu(z) gate, then a norm per group (gate_norm)
         Nk, Nv, Dk, Dv, K = cfg.n_k_heads, cfg.n_v_heads, cfg.k_head_dim, cfg.v_head_dim, cfg.conv
@@ -136,9 +157,10 @@ def _loop(x, p, cfg, cu):
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("cfg", [CFG, KDA, LING, SHORT, LIGHT, MAMBA, MAMBA_FLOOR, MAMBA_BEFORE, MAMBA_UNNORMED, NEG, dataclasses.replace(KDA, neg_eigval=True)],
+@pytest.mark.parametrize("cfg", [CFG, KDA, LING, SHORT, LIGHT, MAMBA, MAMBA_FLOOR, MAMBA_BEFORE, MAMBA_UNNORMED, NEG, dataclasses.replace(KDA, neg_eigval=True),
+                                 MAMBA1, MAMBA1_NORMS, MAMBA1_UNIT],
                          ids=["gated-deltanet", "kda", "kda-ling", "short-conv", "lightning", "mamba2", "mamba2-dt-floor", "mamba2-norm-before-gate",
-                              "mamba2-no-norm", "gated-deltanet-neg", "kda-neg"])
+                              "mamba2-no-norm", "gated-deltanet-neg", "kda-neg", "mamba1", "mamba1-norms", "mamba1-unit-norms"])
 def test_matches_the_token_loop_over_packed_documents(cfg):
     cu = torch.tensor([0, 5, 5, 19, 20, 31], dtype=torch.int32)
     x = torch.randn(31, H)
@@ -262,8 +284,8 @@ def test_matches_transformers_lfm2_short_conv():
     _matches_module(ref, p, LinearAttentionConfig(n_k_heads=H, n_v_heads=H, k_head_dim=1, v_head_dim=1, conv=3, kind="short_conv"))
 
 
-@pytest.mark.parametrize("cfg", [CFG, KDA, LING, SHORT, LIGHT, MAMBA, MAMBA_UNNORMED, NEG],
-                         ids=["gated-deltanet", "kda", "kda-ling", "short-conv", "lightning", "mamba2", "mamba2-no-norm", "gated-deltanet-neg"])
+@pytest.mark.parametrize("cfg", [CFG, KDA, LING, SHORT, LIGHT, MAMBA, MAMBA_UNNORMED, NEG, MAMBA1_NORMS],
+                         ids=["gated-deltanet", "kda", "kda-ling", "short-conv", "lightning", "mamba2", "mamba2-no-norm", "gated-deltanet-neg", "mamba1"])
 def test_decoding_continues_the_states(cfg):
     """A prompt, then steps of one token, of two sequences at once through LinearStates,
     equal each whole sequence's outputs; the conv state holds the last K - 1 projections."""
@@ -280,8 +302,8 @@ def test_decoding_continues_the_states(cfg):
     for b in range(2):
         torch.testing.assert_close(got[b], whole[b], rtol=1e-5, atol=1e-6)
     def inputs(rows):  # what the convolution reads: q, k and v's projections (Mamba-2's C, B, x), or the short convolution's gated input; none (lightning)
-        if cfg.kind == "lightning":
-            return rows[..., :0]
+        if cfg.kind in ("lightning", "mamba1"):  # none, or Mamba-1's x alone
+            return rows @ p["wv"] if cfg.kind == "mamba1" else rows[..., :0]
         return (rows @ p["wb"]) * (rows @ p["wv"]) if cfg.kind == "short_conv" else torch.cat([rows @ p[n] for n in ("wq", "wk", "wv")], dim=-1)
 
     torch.testing.assert_close(states.conv, inputs(x[:, 14 - cfg.conv:13]))
@@ -390,6 +412,50 @@ def test_matches_transformers_falcon_h1_mamba2_mixer(rms_norm, before):
     _matches_module(ref, p, dataclasses.replace(MAMBA, norm_eps=hf_cfg.rms_norm_eps, gate_norm=gate_norm, impl="torch"))
 
 
+def _mamba1_params(ref) -> dict:
+    """A transformers Mamba-1 mixer's weights (12 channels, a state of 8, dt of rank 3) in
+    fmoe's layout: in_proj's rows are x and z; conv1d [C, 1, K] with its bias; x_proj's rows
+    dt, B and C; dt_proj's weight and bias; Jamba's norms' weights where it has them."""
+    t = lambda m: m.weight.t().detach()  # noqa: E731
+    xs, z = t(ref.in_proj).chunk(2, dim=1)
+    dt, Bm, C = t(ref.x_proj).split([3, 8, 8], dim=1)
+    norms = {}
+    if isinstance(getattr(getattr(ref, "dt_layernorm", None), "weight", None), torch.nn.Parameter):  # Jamba's (Falcon Mamba's are weightless buffers)
+        norms = dict(dt_norm=ref.dt_layernorm.weight.detach(), b_norm=ref.b_layernorm.weight.detach(), c_norm=ref.c_layernorm.weight.detach())
+    return dict(wv=xs, wz=z, conv_v=ref.conv1d.weight.detach()[:, 0].t(), conv_v_bias=ref.conv1d.bias.detach(), wdt=dt, wk=Bm, wq=C,
+                wa=t(ref.dt_proj), dt_bias=ref.dt_proj.bias.detach(), A_log=ref.A_log.detach(), D=ref.D.detach(), **norms, wo=t(ref.out_proj))
+
+
+@pytest.mark.parametrize("family", ["mamba", "falcon_mamba", "jamba"])
+def test_matches_transformers_mamba1_mixer(family):
+    """transformers' Mamba-1 mixers (their torch selective scan, token by token): Mamba's
+    (no norms: fmoe's mamba1), Falcon Mamba's (dt, B and C RMS-normed without weights:
+    dt_bc_norm "rms_unit") and Jamba's (with weights: "rms"), weights copied into fmoe's
+    layout (_mamba1_params), A = exp(A_log) in [1, 16] per channel and state channel."""
+    transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]'")
+    if family == "jamba":
+        from transformers.models.jamba.modeling_jamba import JambaMambaMixer as Mixer
+        hf_cfg, norm, eps = transformers.JambaConfig(hidden_size=H, mamba_expand=1, mamba_d_state=8, mamba_d_conv=4, mamba_dt_rank=3,
+                                                     num_hidden_layers=1, attn_layer_period=2, attn_layer_offset=1), "rms", "rms_norm_eps"
+    else:
+        from transformers.models.falcon_mamba.modeling_falcon_mamba import FalconMambaMixer
+        from transformers.models.mamba.modeling_mamba import MambaMixer
+        config = transformers.FalconMambaConfig if family == "falcon_mamba" else transformers.MambaConfig
+        hf_cfg = config(hidden_size=H, state_size=8, expand=1, conv_kernel=4, time_step_rank=3, num_hidden_layers=1)
+        Mixer, norm, eps = (FalconMambaMixer, "rms_unit", "mixer_rms_eps") if family == "falcon_mamba" else (MambaMixer, "none", "layer_norm_epsilon")
+    # Falcon Mamba's own initialisation (its constructor's default) reads its norms before it makes them; the weights are drawn here
+    ref = Mixer(hf_cfg, 0) if family == "jamba" else Mixer(hf_cfg, 0, initialize_mixer_weights=False)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for w in ref.parameters():
+            w.normal_(0.0, 0.3)
+        ref.A_log.copy_(torch.log(torch.rand(H, 8) * 15 + 1))
+    p = _mamba1_params(ref.eval())
+    assert ("dt_norm" in p) == (family == "jamba")
+    cfg = dataclasses.replace(MAMBA1, n_v_heads=H, dt_bc_norm=norm, norm_eps=getattr(hf_cfg, eps), impl="torch")
+    _matches_module(ref, p, cfg)
+
+
 def test_lightning_decay():
     """MiniMax's slopes: 2^(-8/N) to the powers 1 .. N, times 1 - layer / (L - 1 + 1e-5) + 1e-5
     (negated: log-decays); checked arguments."""
@@ -418,7 +484,15 @@ def test_bf16():
     (dict(n_v_heads=3), r"n_v_heads: 3 value heads do not split over 2 key heads"),
     (dict(conv=0), r"conv: expected >= 1"),
     (dict(norm_eps=0.0), r"norm_eps: expected a positive number"),
-    (dict(kind="mamba"), r"kind: expected one of \('gated_deltanet', 'kda', 'short_conv', 'lightning', 'mamba2'\), got 'mamba'"),
+    (dict(kind="mamba"), r"kind: expected one of \('gated_deltanet', 'kda', 'short_conv', 'lightning', 'mamba2', 'mamba1'\), got 'mamba'"),
+    (dict(dt_rank=2), r"dt_rank: a knob of Mamba-1's mixer, needs kind 'mamba1', got 'gated_deltanet'"),
+    (dict(dt_bc_norm="rms"), r"dt_bc_norm: a knob of Mamba-1's mixer, needs kind 'mamba1', got 'gated_deltanet'"),
+    (dict(dt_bc_norm="layer"), r"dt_bc_norm: expected one of \('none', 'rms', 'rms_unit'\) \(Mamba-1's RMS norms on dt, B and C: none, with "
+                               r"weights, without\), got 'layer'"),
+    (dict(kind="mamba1", n_k_heads=1, v_head_dim=1), r"dt_rank: expected an int >= 1 \(the rank of Mamba-1's dt projection\), got None"),
+    (dict(kind="mamba1", n_k_heads=1, v_head_dim=1, dt_rank=True), r"dt_rank: expected an int >= 1"),
+    (dict(kind="mamba1", dt_rank=2), r"n_k_heads / v_head_dim: Mamba-1's B and C are one group of k_head_dim \(its state\) read by n_v_heads "
+                                     r"channels of one dim each, got 2 groups and channels of 6"),
     (dict(kind="mamba2", gate_norm="first"), r"gate_norm: expected one of \('after', 'before', 'none'\) \(Mamba-2's output norm after its gate, "
                                              r"before it, or none\), got 'first'"),
     (dict(gate_norm="none"), r"gate_norm: where Mamba-2's output norm sits, needs kind 'mamba2', got 'gated_deltanet'"),

@@ -93,6 +93,16 @@ VARIANTS = {
     # Mamba-2's: every block a Mamba-2 mixer alone (no attention, no MLP; the MTP block attends and has its MLP)
     "mamba2": dataclasses.replace(TINY, n_dense=3, linear_layers=(0, 1, 2), mlp_free_layers=(0, 1, 2), linear_kind="mamba2", linear_k_heads=2,
                                   linear_v_heads=4, linear_k_dim=8, linear_v_dim=6, linear_conv=3, mtp_depth=1),
+    # Jamba's blocks: Mamba-1 mixers in blocks 0 and 2 (64 channels of x, each with a state of 8; dt of rank ceil(32 / 16) = 2;
+    # dt, B and C RMS-normed with weights) beside NoPE attention in block 1, the MoE there alone (softmax over every expert,
+    # the top 2 not renormalised)
+    "jamba": dataclasses.replace(TINY, linear_layers=(0, 2), linear_kind="mamba1", linear_k_heads=1, linear_v_heads=64, linear_k_dim=8,
+                                 linear_v_dim=1, linear_conv=3, linear_dt_bc_norm="rms", nope_layers=(1,), moe_layers=(1,), score="softmax",
+                                 pre_softmax=True, expert_bias=False, n_shared=0, mtp_depth=1),
+    # Mamba's and Falcon Mamba's: every block a Mamba-1 mixer alone (no attention, no MLP); Falcon Mamba's weightless norms
+    "falcon mamba": dataclasses.replace(TINY, n_dense=3, linear_layers=(0, 1, 2), mlp_free_layers=(0, 1, 2), linear_kind="mamba1",
+                                        linear_k_heads=1, linear_v_heads=64, linear_k_dim=8, linear_v_dim=1, linear_conv=3, linear_dt_rank=3,
+                                        linear_dt_bc_norm="rms_unit", linear_norm_eps=1e-6, mtp_depth=1),
     # OLMo Hybrid's blocks: pre-norm Gated DeltaNet blocks 0 and 1 (beta = 2 sigmoid, the output norm's eps 1e-5) beside
     # OLMo 3's post-norm attention (q/k norms over the whole projections) in block 2 and the MTP block
     "olmo hybrid": dataclasses.replace(TINY, linear_layers=(0, 1), linear_k_heads=2, linear_v_heads=4, linear_k_dim=8, linear_v_dim=6,
@@ -418,6 +428,32 @@ def test_linear_layers_build_gated_deltanet_blocks():
         dataclasses.replace(TINY, linear_layers=(3,))
     with pytest.raises(ValueError, match=r"n_v_heads: 3 value heads do not split over 2 key heads"):
         dataclasses.replace(TINY, linear_layers=(0,), linear_v_heads=3)
+
+
+def test_mamba1_blocks_own_mamba_s_parameters_at_mamba_s_start():
+    """linear_kind "mamba1": a block's mixer owns Mamba-1's weights (dt's rank ceil(hidden / 16)
+    unless linear_dt_rank, the norms' weights with linear_dt_bc_norm "rms"); at the start A = 1
+    .. N in every channel (S4D-real), D, dt_bias and the norms 1, the conv's biases 0; the
+    knobs are checked."""
+    cfg = VARIANTS["jamba"]
+    attn = Transformer(cfg).blocks[0].attn
+    assert attn.cfg.dt_rank == 2 and attn.cfg.dt_bc_norm == "rms"
+    assert {n: tuple(p.shape) for n, p in attn.named_parameters()} == dict(
+        wv=(32, 64), wz=(32, 64), conv_v=(3, 64), conv_v_bias=(64,), wdt=(64, 2), wk=(64, 8), wq=(64, 8), wa=(2, 64), dt_bias=(64,),
+        A_log=(64, 8), D=(64,), dt_norm=(2,), b_norm=(8,), c_norm=(8,), wo=(64, 32))
+    torch.testing.assert_close(attn.A_log.detach().exp(), torch.arange(1.0, 9.0).expand(64, 8))
+    for name in ("D", "dt_bias", "dt_norm", "b_norm", "c_norm"):
+        assert bool((getattr(attn, name) == 1).all()), name
+    assert not attn.conv_v_bias.any() and float(attn.wdt.detach().std()) > 0
+    unit = Transformer(dataclasses.replace(cfg, linear_dt_rank=5, linear_dt_bc_norm="rms_unit")).blocks[0].attn
+    assert unit.cfg.dt_rank == 5 and not any(n.endswith("_norm") for n, _ in unit.named_parameters())
+    for change, match in ((dict(linear_kind="mamba2"), r"linear_dt_bc_norm: a knob of Mamba-1's mixer, needs linear_layers and linear_kind='mamba1'"),
+                          (dict(linear_dt_bc_norm="none", linear_dt_rank=4, linear_kind="mamba2"),
+                           r"linear_dt_rank: a knob of Mamba-1's mixer, needs linear_layers and linear_kind='mamba1'"),
+                          (dict(linear_dt_bc_norm="layer"), r"dt_bc_norm: expected one of \('none', 'rms', 'rms_unit'\)"),
+                          (dict(linear_k_heads=2), r"n_k_heads / v_head_dim: Mamba-1's B and C are one group")):
+        with pytest.raises(ValueError, match=match):
+            dataclasses.replace(cfg, **change)
 
 
 def test_llama3_rope_knobs_are_checked():
@@ -900,8 +936,8 @@ FULL = dataclasses.replace(TINY, mtp_depth=2, impl="auto", capacity_factor=1.25,
 
 
 @pytest.mark.parametrize("cfg", [dataclasses.replace(TINY, mtp_depth=1, impl="auto"), FULL, dataclasses.replace(VARIANTS["gated deltanet"], impl="auto"),
-                                 dataclasses.replace(VARIANTS["falcon_h1"], impl="auto")],
-                         ids=["default", "capacity-groups-yarn-mtp2-granite", "gated deltanet", "falcon_h1"])
+                                 dataclasses.replace(VARIANTS["falcon_h1"], impl="auto"), dataclasses.replace(VARIANTS["jamba"], impl="auto")],
+                         ids=["default", "capacity-groups-yarn-mtp2-granite", "gated deltanet", "falcon_h1", "jamba"])
 def test_forward_and_backward_read_nothing_on_the_host(cfg):
     """No device->host sync in the model's forward and backward (MoE layers, MTP, losses):
     on a GPU each read is a stall. Counted here as host reads of tensor values on CPU."""
@@ -913,13 +949,14 @@ def test_forward_and_backward_read_nothing_on_the_host(cfg):
     assert reads.count == 0, reads.sites
 
 
-@pytest.mark.parametrize("name", ["full", "dsa", "mhc", "falcon_h1"])
+@pytest.mark.parametrize("name", ["full", "dsa", "mhc", "falcon_h1", "jamba"])
 def test_the_whole_model_compiles_without_a_graph_break(name):
     """torch.compile(fullgraph=True) of forward + losses (a host sync would be a graph break),
     then the backward; same values and gradients as eager. The batch ends in padding (its
     token_mask). DeepSeek sparse attention: its stable sort, and its indexer loss's gradient
     added in the backward and its value kept on the module. Hyper-connections: the streams'
-    Sinkhorn steps. Falcon-H1's: a Mamba-2 mixer and attention side by side in every block."""
+    Sinkhorn steps. Falcon-H1's: a Mamba-2 mixer and attention side by side in every block.
+    Jamba's: Mamba-1 mixers (a decay per channel and state channel) beside NoPE attention."""
     cfg = FULL if name == "full" else dataclasses.replace(VARIANTS[name], impl="auto")
     torch.manual_seed(0)
     model = Transformer(cfg)
@@ -1619,6 +1656,9 @@ DECODED = {
     "mamba2": dataclasses.replace(VARIANTS["mamba2"], mtp_depth=0),
     # OLMo Hybrid's: pre-norm Gated DeltaNet blocks (beta in [0, 2]) beside a post-norm attention block
     "olmo hybrid": dataclasses.replace(VARIANTS["olmo hybrid"], mtp_depth=0),
+    # Jamba's: Mamba-1's states (a decay per channel and state channel) beside a NoPE block; Falcon Mamba's, the states alone
+    "jamba": dataclasses.replace(VARIANTS["jamba"], mtp_depth=0),
+    "falcon mamba": dataclasses.replace(VARIANTS["falcon mamba"], mtp_depth=0),
     # Kimi Linear's: Kimi Delta Attention blocks (a decay per key channel in the states) beside an MLA block without RoPE
     "kimi linear": dataclasses.replace(VARIANTS["kimi linear"], mtp_depth=0),
     # MiMo-V2-Flash's: the window's blocks (rings) with twice the kv heads, values of their own dim; and with a window
@@ -1699,7 +1739,7 @@ def test_decode_past_longrope_s_original_positions_recomputes_the_sequence():
 # logit (of up to 5.3) by 1.5e-5, decoding by 3.1e-5. OLMo Hybrid's write strength up to 2 lets the state's transition
 # reach the eigenvalue -1, which keeps rounding instead of decaying it: the whole 11-token sequence in chunks of 2
 # instead of 64 moves a logit (of up to 5.2) by 2.0e-5, batched decoding by 1.4e-5
-DECODE_TOL = {"ling": 5e-5, "mamba2": 5e-5, "olmo hybrid": 5e-5}
+DECODE_TOL = {"ling": 5e-5, "mamba2": 5e-5, "olmo hybrid": 5e-5, "falcon mamba": 5e-5}
 
 
 @pytest.mark.parametrize("name", list(DECODED))
@@ -1751,7 +1791,7 @@ def test_decode_with_a_kv_cache_equals_the_whole_sequence(name, monkeypatch):
         assert cache.mixer_free_layers == (cfg.mixer_free_layers or ())  # an MLP alone: nothing cached
         # the conv's inputs: q, k and v's projections, or a short convolution's gated input (which has no rule: its state stays 0);
         # lightning attention has no convolution (no channels)
-        assert cache.conv.shape == (n_linear, 1, lin.conv - 1, {"short_conv": lin.v_channels, "lightning": 0}.get(lin.kind, 2 * lin.k_channels + lin.v_channels))
+        assert cache.conv.shape == (n_linear, 1, lin.conv - 1, {"short_conv": lin.v_channels, "mamba1": lin.v_channels, "lightning": 0}.get(lin.kind, 2 * lin.k_channels + lin.v_channels))
         assert lin.kind == "lightning" or cache.conv.abs().amin(dim=(2, 3)).gt(0).all()
         assert cache.state.shape == (n_linear, 1, lin.n_v_heads, lin.k_head_dim, lin.v_head_dim)
         assert cache.state.abs().amin(dim=(2, 3, 4)).gt(0).all() if lin.kind != "short_conv" else not cache.state.any()
@@ -1909,11 +1949,11 @@ def test_decode_bad_inputs():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["default", "mla", "gpt-oss", "dsa", "mhc", "falcon_h1"])
+@pytest.mark.parametrize("name", ["default", "mla", "gpt-oss", "dsa", "mhc", "falcon_h1", "jamba"])
 def test_gpu_decode_with_flex_attention_equals_the_whole_sequence(name):
     """On CUDA (FlexAttention, the block mask of the new tokens against the cached keys;
     multi-latent attention absorbed, with the dense mask; Falcon-H1's parallel hybrid: the
-    Mamba-2 states' Triton kernels beside the cached keys): a prompt of 300 tokens, then one
+    Mamba-2 states' Triton kernels beside the cached keys; Jamba's, Mamba-1's): a prompt of 300 tokens, then one
     token at a time."""
     model = _sharp(dataclasses.replace(DECODED[name], impl="auto")).cuda()
     ids = torch.randint(0, TINY.vocab_size, (305,), device="cuda")

@@ -356,6 +356,12 @@ class LinearAttentionParallel(_HeadsRegion):
 
     head_counts = ("n_k_heads", "n_v_heads")
 
+    def _check(self, module, tp):
+        if module.cfg.kind == "mamba1":
+            raise ValueError(f"tp: Mamba-1's mixer (linear_kind 'mamba1') projects its dt, B and C from all its channels at once, "
+                             f"so it is not split over tensor-parallel ranks (tp = {tp}); use tp = 1 (fsdp, cp and ep split it)")
+        super()._check(module, tp)
+
     def _shard_dims(self, module):
         if module.cfg.kind == "short_conv":  # LFM2's: the channels (its heads) of the gates, the input and the taps, wo by its rows
             return dict(wb=1, wc=1, wv=1, conv_v=1, wo=0)

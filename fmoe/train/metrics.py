@@ -202,13 +202,15 @@ def linear_attention_flops(hidden: int, cfg) -> float:
     MiniMax's lightning attention (kind "lightning") its five projections and two products
     with the states (no delta rule: no recall; no convolution): 6 (5 H C + 2 N D D); Mamba-2's
     (kind "mamba2") its projections, the taps and two products: 6 (H (2 Ck + 2 Cv + Nv) + Cv H +
-    K (2 Ck + Cv) + 2 Nv Dk Dv)."""
+    K (2 Ck + Cv) + 2 Nv Dk Dv); Mamba-1's (kind "mamba1", C channels, N = Dk, R = dt_rank) its
+    projections (x, z, dt's pair, B, C, the output), the taps and two products: 6 (2 H C + 2 R C
+    + 2 C N + C H + K C + 2 C N)."""
     from fmoe.layers import linear_attention_shapes
 
     Nv = cfg.n_v_heads
     weights = sum(rows * cols for name, (rows, cols) in ((n, s) for n, s in linear_attention_shapes(hidden, cfg).items() if n.startswith("w")))
     # LFM2's short convolution has no rule; lightning attention's no recall (the write and the read only)
-    rule = {"short_conv": 0, "lightning": 2, "mamba2": 2}.get(cfg.kind, 3) * Nv * cfg.k_head_dim * cfg.v_head_dim
+    rule = {"short_conv": 0, "lightning": 2, "mamba2": 2, "mamba1": 2}.get(cfg.kind, 3) * Nv * cfg.k_head_dim * cfg.v_head_dim
     return 6.0 * (weights + cfg.conv * cfg.conv_channels + rule)
 
 

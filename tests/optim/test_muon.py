@@ -263,6 +263,22 @@ def test_split_param_groups_keeps_linear_attention_taps_out_of_muon():
     assert {id(getattr(attn, n)) for n in ("A_log", "dt_bias", "out_norm")} <= no_decay_ids
 
 
+def test_split_param_groups_keeps_mamba1_s_log_decays_out_of_muon_and_decay():
+    """Mamba-1's A_log [C, N] is a vector of log-decays per channel, not an operator: AdamW
+    without weight decay (as Mamba's own no_weight_decay), beside its projections in Muon."""
+    from fmoe.model import Transformer, TransformerConfig
+
+    model = Transformer(TransformerConfig(vocab_size=20, hidden=16, n_layers=2, n_dense=2, ffn_dense=16, n_heads=2, n_kv_heads=1, head_dim=8,
+                                          linear_layers=(0,), linear_kind="mamba1", linear_k_heads=1, linear_v_heads=32, linear_k_dim=4,
+                                          linear_v_dim=1))
+    muon, adamw = split_param_groups(model, weight_decay=0.1)
+    (muon_ids,), (decay_ids, no_decay_ids) = _ids(muon), _ids(adamw)
+    attn = model.blocks[0].attn
+    assert {id(getattr(attn, n)) for n in ("A_log", "D", "dt_bias", "conv_v_bias")} <= no_decay_ids
+    assert {id(getattr(attn, n)) for n in ("wv", "wz", "wdt", "wk", "wq", "wa", "wo")} <= muon_ids
+    assert id(attn.conv_v) in decay_ids
+
+
 def test_split_param_groups_keeps_hyper_connection_weights_out_of_muon():
     """Hyper-connections' weights decide each token's mixing of the streams, as the router
     decides its experts: fn [M, n H] (and the head's) to AdamW with weight decay, base and

@@ -366,6 +366,11 @@ def test_model_flops_per_token_reads_the_model_config():
     # out [24 -> 64]; the taps of 16 + 16 + 24 channels; 2 products with 4 [8, 6] states
     mamba = dataclasses.replace(linear.linear_attention_config(), kind="mamba2")
     assert M.linear_attention_flops(64, mamba) == 6 * (64 * (2 * 16 + 2 * 24 + 4) + 24 * 64 + 4 * (2 * 16 + 24) + 2 * 4 * 8 * 6)
+    # Mamba-1's (128 channels of x, a state of 16 each, dt of rank 4, 4 taps): x, z [64 -> 128], dt's pair [128 -> 4 -> 128],
+    # B, C [128 -> 16], out [128 -> 64]; the taps of 128 channels; 2 products with 128 [16, 1] states
+    mamba1 = dataclasses.replace(linear.linear_attention_config(), kind="mamba1", n_k_heads=1, n_v_heads=128, k_head_dim=16, v_head_dim=1,
+                                 dt_rank=4)
+    assert M.linear_attention_flops(64, mamba1) == 6 * (2 * 64 * 128 + 2 * 4 * 128 + 2 * 128 * 16 + 128 * 64 + 4 * 128 + 2 * 128 * 16)
     # Falcon-H1's parallel hybrid: Mamba-2 mixers in blocks 0 and 2 beside their attention, which every block keeps
     hybrid = TransformerConfig(**{**cfg.__dict__, "linear_layers": (0, 2), "linear_kind": "mamba2", "linear_k_heads": 2, "linear_v_heads": 4,
                                   "linear_k_dim": 8, "linear_v_dim": 6, "linear_conv": 4, "parallel_hybrid": True})
