@@ -82,6 +82,10 @@ GRANITE4 = dict(linear_layers=(0,), linear_kind="mamba2", linear_k_heads=2, line
 # Falcon-H1's parallel hybrid: in both blocks a Mamba-2 mixer (its output norm before the gate) beside the attention
 FALCON_H1 = dict(linear_layers=(0, 1), linear_kind="mamba2", linear_k_heads=2, linear_v_heads=4, linear_k_dim=8, linear_v_dim=6, linear_conv=3,
                  parallel_hybrid=True, linear_gate_norm="before")
+# Jamba's: block 0 a Mamba-1 mixer (64 channels, each with a state of 8; dt, B and C RMS-normed with weights), block 1 NoPE
+# attention with the MoE (softmax over every expert, the top 2 not renormalised)
+JAMBA = dict(linear_layers=(0,), linear_kind="mamba1", linear_k_heads=1, linear_v_heads=64, linear_k_dim=8, linear_v_dim=1, linear_conv=3,
+             linear_dt_bc_norm="rms", nope_layers=(1,), score="softmax", pre_softmax=True, expert_bias=False)
 # Nemotron-H's: block 0 a Mamba-2 mixer alone (no MLP; dt's floor 0.05), block 1 NoPE attention with an MLP without a gate
 NEMOTRON_H = dict(GRANITE4, attn_scale=None, residual_scale=1.0, n_dense=2, mlp_act="relu2", mlp_free_layers=(0,), linear_dt_min=0.05)
 # Nemotron 3's: block 1 a MoE of experts without a gate (routed and shared), sigmoid routing in 2 groups x 2.5
@@ -420,6 +424,10 @@ CASES = {
     # (across cp, block 1's mixer left out: its A_log's gradient is nearly 0 there (at most 1.6e-7), and on one process chunks
     # of 5 tokens instead of 64 already move it by 2.1e-3, relative; block 0's by 3.8e-5)
     "cp2-falcon_h1": (2, dict(cp=2), dict(FALCON_H1, linear_layers=(0,))),
+    # Jamba's (JAMBA): Mamba-1's convolution's halo and its rule (a decay per channel and state channel) across a cp split;
+    # its experts over ep beside the mixer replicated
+    "cp2-jamba": (2, dict(cp=2), JAMBA),
+    "ep2-jamba": (2, dict(ep=2), JAMBA),
     # Nemotron-H's (NEMOTRON_H): a block without an MLP beside the split heads and groups
     "tp2-nemotron_h": (2, dict(tp=2), NEMOTRON_H),
     # Nemotron-H-47B's MLP layer alone: block 2 without a mixer, the last block of the tp region
@@ -798,7 +806,8 @@ def _bad_tp(rank, world):
 
     messages = []
     for overrides, sizes in ((dict(n_heads=2, n_kv_heads=1), dict(tp=2)), (dict(n_experts=3), dict(ep=2)),
-                             (dict(MLA, n_heads=3, n_kv_heads=3), dict(tp=2)), (dict(QWEN3_NEXT, linear_k_heads=1, linear_v_heads=2), dict(tp=2))):
+                             (dict(MLA, n_heads=3, n_kv_heads=3), dict(tp=2)), (dict(QWEN3_NEXT, linear_k_heads=1, linear_v_heads=2), dict(tp=2)),
+                             (JAMBA, dict(tp=2))):
         try:
             parallelize(Transformer(TransformerConfig(**{**TINY, **overrides})), build_meshes(**sizes))
         except ValueError as err:
@@ -814,12 +823,13 @@ def _bad_tp(rank, world):
 
 def test_parallelize_refuses_what_does_not_split(results):
     for messages in (by_case["bad_tp"] for by_case in results(2)):
-        assert len(messages) == 5
+        assert len(messages) == 6
         assert "n_heads = 2 and n_kv_heads = 1 must both be divisible by tp = 2" in messages[0]
         assert "n_experts = 3 is not divisible by ep = 2" in messages[1]
         assert "n_heads = 3 and n_kv_heads = 3 must both be divisible by tp = 2" in messages[2]  # multi-latent
         assert "LinearAttention's n_k_heads = 1 and n_v_heads = 2 must both be divisible by tp = 2" in messages[3]
-        assert "T = 25 tokens do not split evenly over tp = 2 ranks" in messages[4] and "tokens_per_micro_batch" in messages[4]
+        assert "tp: Mamba-1's mixer (linear_kind 'mamba1') projects its dt, B and C from all its channels at once" in messages[4]
+        assert "T = 25 tokens do not split evenly over tp = 2 ranks" in messages[5] and "tokens_per_micro_batch" in messages[5]
 
 
 def _failed_export(rank, world):
