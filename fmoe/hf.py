@@ -6,7 +6,7 @@
 A folder holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). Supported `model_type`s: FAMILIES (mixtral, qwen2_moe,
 qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, axk1, kimi_k2, kimi_k25, deepseek_v2, deepseek_v32, glm_moe_dsa, hy_v4, glm4_moe_lite, gpt_oss, solar_open,
-exaone_moe, kolibri1, beam, axk2, dots1, minimax_m2, minimax, granitemoe, granitemoeshared, granitemoe_swa, granitemoehybrid, nemotron_h, mamba2, hunyuan_v1_moe, llama4_text, llama4, afmoe,
+exaone_moe, kolibri1, beam, axk2, dots1, minimax_m2, minimax, granitemoe, granitemoeshared, granitemoe_swa, granitemoehybrid, nemotron_h, mamba2, mamba, falcon_mamba, jamba, hunyuan_v1_moe, llama4_text, llama4, afmoe,
 laguna, cohere2_moe, sarvam_moe, sarvam_mla, longcat_flash, bailing_hybrid, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, lara_mini, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
 mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe, gemma3, gemma4_text, gemma4), and the dense
 DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, helium, minicpm3, arcee, gemma, vaultgemma, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
@@ -1711,16 +1711,112 @@ def _mamba2_model(hf: dict) -> dict:
     low, high = (_json_float(v) for v in hf.get("time_step_limit") or (0.0, math.inf))
     if high != math.inf or not 0 <= low < math.inf:
         raise ValueError(f"config.json: time_step_limit = {hf['time_step_limit']!r} is not supported (dt clamped below only, [min, inf))")
-    n, H, heads, head_dim = hf["num_hidden_layers"], hf["hidden_size"], hf.get("num_heads", 128), hf.get("head_dim", 64)
+    H, heads, head_dim = hf["hidden_size"], hf.get("num_heads", 128), hf.get("head_dim", 64)
     if heads * head_dim != int(hf.get("expand", 2) * H):
         raise ValueError(f"config.json: num_heads x head_dim = {heads} x {head_dim} is not supported (expand x hidden_size, "
                          f"{int(hf.get('expand', 2) * H)}: transformers' mixer views one as the other)")
+    return dict(_mixers_alone(hf, tie=False), linear_kind="mamba2", linear_k_heads=hf.get("n_groups", 8), linear_v_heads=heads,
+                linear_k_dim=hf.get("state_size", 128), linear_v_dim=head_dim, linear_conv=hf.get("conv_kernel", 4), linear_dt_min=low)
+
+
+def _mixers_alone(hf: dict, *, tie: bool) -> dict:
+    """The fields of a model whose every layer is its mixer alone after its norm (Mamba's,
+    Mamba-2's: linear_layers and mlp_free_layers every block; the attention and MoE fields
+    unused), every norm's eps layer_norm_epsilon, the head tied by default with `tie`."""
+    n = hf["num_hidden_layers"]
     every = tuple(range(n))
-    return dict(vocab_size=hf["vocab_size"], hidden=H, n_layers=n, n_dense=n, ffn_dense=1, ffn_expert=1, n_experts=1, k=1, n_shared=0,
-                score="softmax", expert_bias=False, mtp_depth=0, n_heads=1, n_kv_heads=1, head_dim=2, norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
-                tie_embeddings=bool(hf.get("tie_word_embeddings", False)), linear_layers=every, linear_kind="mamba2",
-                linear_k_heads=hf.get("n_groups", 8), linear_v_heads=heads, linear_k_dim=hf.get("state_size", 128), linear_v_dim=head_dim,
-                linear_conv=hf.get("conv_kernel", 4), linear_dt_min=low, mlp_free_layers=every)
+    return dict(vocab_size=hf["vocab_size"], hidden=hf["hidden_size"], n_layers=n, n_dense=n, ffn_dense=1, ffn_expert=1, n_experts=1, k=1,
+                n_shared=0, score="softmax", expert_bias=False, mtp_depth=0, n_heads=1, n_kv_heads=1, head_dim=2,
+                norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)), tie_embeddings=bool(hf.get("tie_word_embeddings", tie)), linear_layers=every,
+                mlp_free_layers=every)
+
+
+def _dt_rank(hf: dict, field: str) -> int:
+    """Mamba-1's dt rank: config.json's `field`, "auto" (its default) ceil(hidden_size / 16)."""
+    rank = hf.get(field, "auto")
+    return math.ceil(hf["hidden_size"] / 16) if rank == "auto" else rank
+
+
+def _mamba(hf: dict) -> dict:
+    """Mamba (mamba; state-spaces' mamba-130m to 2.8b) and Falcon Mamba (falcon_mamba;
+    Falcon-Mamba-7B): every layer a Mamba-1 mixer alone after its norm (_mixers_alone): expand x
+    hidden_size channels of x (linear_kind "mamba1"), each with a state of state_size,
+    conv_kernel taps with biases, dt of rank time_step_rank; Falcon Mamba's dt, B and C
+    RMS-normed without weights, eps mixer_rms_eps. The head tied by default. Projection biases
+    and a convolution without biases refused. residual_in_fp32 as with Mamba-2 (_mamba2_model)."""
+    _refuse(hf, "use_bias", lambda v: not v, "no biases on the mixer's projections")
+    _refuse(hf, "use_conv_bias", lambda v: v is True, "the convolution's biases")
+    _refuse(hf, "hidden_act", lambda v: v == "silu", "silu after the convolution")
+    falcon = hf.get("model_type") == "falcon_mamba"
+    norms = dict(linear_dt_bc_norm="rms_unit", linear_norm_eps=float(hf.get("mixer_rms_eps", 1e-6))) if falcon else {}
+    return dict(_mixers_alone(hf, tie=True), linear_kind="mamba1", linear_k_heads=1, linear_v_heads=int(hf.get("expand", 2) * hf["hidden_size"]),
+                linear_k_dim=hf.get("state_size", 16), linear_v_dim=1, linear_conv=hf.get("conv_kernel", 4), linear_dt_rank=_dt_rank(hf, "time_step_rank"),
+                **norms)
+
+
+def _mamba_config(cfg: TransformerConfig, model_type: str) -> dict:
+    """The config.json fields that _mamba reads back (Falcon Mamba's mixer_rms_eps too)."""
+    lin = cfg.linear_attention_config()
+    if lin.v_channels % cfg.hidden:
+        raise ValueError(f"model: Mamba-1's x channels (linear_v_heads = {lin.v_channels}) are not a whole multiple of hidden = {cfg.hidden} "
+                         f"(expand)")
+    out = dict(state_size=lin.k_head_dim, conv_kernel=lin.conv, expand=lin.v_channels // cfg.hidden, time_step_rank=lin.dt_rank,
+               layer_norm_epsilon=cfg.norm_eps, use_bias=False, use_conv_bias=True, hidden_act="silu")
+    return dict(out, mixer_rms_eps=lin.norm_eps) if model_type == "falcon_mamba" else out
+
+
+def _period(kinds: list[bool], what: str) -> tuple[int, int]:
+    """(period, offset): the layers where kinds is true are those with i % period == offset
+    (Jamba's layout), the smallest such period; a ValueError naming `what` if none is."""
+    n = len(kinds)
+    for period in range(1, n + 2):
+        for offset in range(period):
+            if kinds == [i % period == offset for i in range(n)]:
+                return period, offset
+    raise ValueError(f"model: Jamba places its {what} layers every period layers from an offset; this model has them at "
+                     f"{[i for i, k in enumerate(kinds) if k]}")
+
+
+def _jamba_config(cfg: TransformerConfig) -> dict:
+    """The config.json fields that _jamba reads back (beside the shared ones)."""
+    lin, n = cfg.linear_attention_config(), cfg.n_layers
+    if lin.v_channels % cfg.hidden:
+        raise ValueError(f"model: Mamba-1's x channels (linear_v_heads = {lin.v_channels}) are not a whole multiple of hidden = {cfg.hidden} "
+                         f"(mamba_expand)")
+    attn_period, attn_offset = _period([not cfg.is_linear(i) for i in range(n)], "attention")
+    moe = [cfg.is_moe(i) for i in range(n)]
+    expert_period, expert_offset = _period(moe, "MoE") if any(moe) else (2, 1)
+    return dict(attn_layer_period=attn_period, attn_layer_offset=attn_offset, expert_layer_period=expert_period, expert_layer_offset=expert_offset,
+                num_experts=cfg.n_experts if any(moe) else 1, intermediate_size=cfg.ffn_expert if any(moe) else cfg.ffn_dense,
+                mamba_d_state=lin.k_head_dim, mamba_d_conv=lin.conv, mamba_expand=lin.v_channels // cfg.hidden, mamba_dt_rank=lin.dt_rank,
+                mamba_conv_bias=True, mamba_proj_bias=False)
+
+
+def _jamba(hf: dict) -> dict:
+    """Jamba (jamba; Jamba-v0.1, Jamba 1.5 / 1.6 / 1.7 Mini and Large): attention without RoPE
+    (nope_layers) in layer i where i % attn_layer_period == attn_layer_offset, a Mamba-1 mixer
+    (linear_kind "mamba1": mamba_expand x hidden_size channels, a state of mamba_d_state each,
+    mamba_d_conv taps with biases, dt of rank mamba_dt_rank, dt, B and C RMS-normed with
+    weights) in the others; the MLP (feed_forward, after pre_ff_layernorm) a MoE of
+    num_experts experts of intermediate_size where i % expert_layer_period ==
+    expert_layer_offset (none with num_experts 1), softmax over every expert, the top
+    num_experts_per_tok not renormalised; a SwiGLU of that size elsewhere. Biases on the
+    mixer's projections, or none on its convolution, refused."""
+    _refuse(hf, "mamba_proj_bias", lambda v: not v, "no biases on the mixer's projections")
+    _refuse(hf, "mamba_conv_bias", lambda v: v is True, "the convolution's biases")
+    n, E = hf["num_hidden_layers"], hf.get("num_experts", 16)
+    for field in ("attn_layer", "expert_layer"):
+        period, offset = hf.get(f"{field}_period"), hf.get(f"{field}_offset")
+        if not (isinstance(period, int) and isinstance(offset, int) and 0 <= offset < period):
+            raise ValueError(f"config.json: {field}_period, {field}_offset = {period!r}, {offset!r} are not supported (0 <= offset < period)")
+    attention = tuple(i for i in range(n) if i % hf["attn_layer_period"] == hf["attn_layer_offset"])
+    moe = tuple(i for i in range(n) if E > 1 and i % hf["expert_layer_period"] == hf["expert_layer_offset"])
+    F = hf["intermediate_size"]
+    return dict(_common(hf if moe else dict(hf, num_experts_per_tok=1), E if moe else 1), ffn_expert=F, ffn_dense=F, n_dense=n if not moe else 0, moe_layers=moe or None, n_shared=0,
+                pre_softmax=True, nope_layers=attention or None, linear_layers=tuple(i for i in range(n) if i not in attention) or None,
+                linear_kind="mamba1", linear_k_heads=1, linear_v_heads=hf.get("mamba_expand", 2) * hf["hidden_size"],
+                linear_k_dim=hf.get("mamba_d_state", 16), linear_v_dim=1, linear_conv=hf.get("mamba_d_conv", 4),
+                linear_dt_rank=_dt_rank(hf, "mamba_dt_rank"), linear_dt_bc_norm="rms")
 
 
 def _mamba2_model_config(cfg: TransformerConfig) -> dict:
@@ -2844,6 +2940,16 @@ FAMILIES = {
     # Mamba-2: every layer a Mamba-2 mixer alone under `mixer` after its `norm`; the model under backbone.
     "mamba2": Family(_mamba2_model, "mixer", _PROJ, "Mamba2ForCausalLM", attention="mixer", dense="mixer", norms=("norm", "norm"),
                      final_norm="model.norm_f.weight", embed="model.embeddings.weight", linear="mamba2", mamba="mixer", prefix=("model.", "backbone.")),
+    **{kind: Family(_mamba, "mixer", _PROJ, f"{name}ForCausalLM", attention="mixer", dense="mixer", norms=("norm", "norm"),
+                    final_norm="model.norm_f.weight", embed="model.embeddings.weight", linear="mamba1", mamba="mixer", prefix=("model.", "backbone."),
+                    defaults=dict(vocab_size=50280, hidden_size=768, num_hidden_layers=32))
+       for kind, name in (("mamba", "Mamba"), ("falcon_mamba", "FalconMamba"))},
+    "jamba": Family(_jamba, "feed_forward", _PROJ, "JambaForCausalLM", dense="feed_forward", router="router.weight",
+                    norms=("input_layernorm", "pre_ff_layernorm"), final_norm="model.final_layernorm.weight", linear="mamba1",
+                    aliases=dict(num_experts="num_local_experts"),
+                    defaults=dict(vocab_size=65536, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                                  num_key_value_heads=8, num_experts_per_tok=2, attn_layer_period=8, attn_layer_offset=4, expert_layer_period=2,
+                                  expert_layer_offset=1)),
     "granitemoe_swa": Family(_granitemoe_swa, "block_sparse_moe", _STACKS, "GraniteMoeSWAForCausalLM", "shared_mlp", fused="halves_out",
                              shared_beside=True, router="router.weight"),
     "laguna": Family(_laguna, "mlp", _PROJ, "LagunaForCausalLM", "shared_expert", correction_bias="experts.e_score_correction_bias",
@@ -3162,6 +3268,20 @@ def _linear_attention_keys(family: Family, cfg: TransformerConfig, p: str, q: st
         out.update({q + "attn." + name: Tensor((m + name,)) for name in ("A_log", "dt_bias", "D")})
         if lin.gate_norm != "none":  # Falcon-H1's mixers may have none
             out[q + "attn.out_norm"] = Tensor((m + "norm.weight",))
+        out[q + "attn.wo"] = Tensor((m + "out_proj.weight",), transpose=True)
+        return out
+    if family.linear == "mamba1":  # Mamba's, Jamba's: in_proj's rows x, z; conv1d over x; x_proj's rows dt, B, C; dt_proj; A_log [C, N]
+        m, C, R, N = p + family.mamba + ".", lin.v_channels, lin.dt_rank, lin.k_head_dim
+        for j, name in enumerate(("wv", "wz")):
+            out[q + "attn." + name] = Tensor((m + "in_proj.weight",), transpose=True, chunk=(j, (C, C)))
+        out[q + "attn.conv_v"] = Tensor((m + "conv1d.weight",), transpose=True, unit=1)
+        out[q + "attn.conv_v_bias"] = Tensor((m + "conv1d.bias",))
+        for j, name in enumerate(("wdt", "wk", "wq")):
+            out[q + "attn." + name] = Tensor((m + "x_proj.weight",), transpose=True, chunk=(j, (R, N, N)))
+        out[q + "attn.wa"], out[q + "attn.dt_bias"] = Tensor((m + "dt_proj.weight",), transpose=True), Tensor((m + "dt_proj.bias",))
+        out.update({q + "attn." + name: Tensor((m + name,)) for name in ("A_log", "D")})
+        if lin.dt_bc_norm == "rms":  # Jamba's norms' weights (Falcon Mamba's have none)
+            out.update({q + f"attn.{ours}_norm": Tensor((f"{m}{ours}_layernorm.weight",)) for ours in ("dt", "b", "c")})
         out[q + "attn.wo"] = Tensor((m + "out_proj.weight",), transpose=True)
         return out
     if family.linear == "lightning":  # MiniMax: under the attention module, qkv_proj [N 3D, H] (per head its q, k, v rows)
@@ -4350,10 +4470,13 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
                   sliding_window=cfg.window or 129, v_head_dim=cfg.v_head_dim or cfg.head_dim, attention_value_scale=cfg.value_scale,
                   attention_bias=cfg.qkv_bias,
                   rope_parameters=_rope_by_layer_type_parameters(cfg, dict(_rope_parameters(cfg), partial_rotary_factor=_rotary_factor(cfg))))
-    elif model_type == "mamba2":  # no attention, no MLP: its mixers' fields alone
+    elif model_type in ("mamba2", "mamba", "falcon_mamba"):  # no attention, no MLP: its mixers' fields alone
         for name in ("num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "hidden_act", "rope_parameters", "num_experts_per_tok"):
             hf.pop(name)
-        hf.update(_mamba2_model_config(cfg))
+        hf.update(_mamba2_model_config(cfg) if model_type == "mamba2" else _mamba_config(cfg, model_type))
+    elif model_type == "jamba":  # no RoPE (config_mismatch names a block with it); the layers' kinds by period and offset
+        hf.pop("rope_parameters")
+        hf.update(_jamba_config(cfg))
     elif model_type == "nemotron_h":  # its layers, not fmoe's blocks; no RoPE (config_mismatch names a block with it)
         for name in ("num_hidden_layers", "rms_norm_eps", "hidden_act", "rope_parameters", "num_experts_per_tok"):
             hf.pop(name)

@@ -162,6 +162,18 @@ FAMILIES = {
     "mamba2": lambda: transformers.Mamba2Config(vocab_size=V, hidden_size=32, num_hidden_layers=3, num_heads=4, head_dim=16, n_groups=2, state_size=8,
                                                 conv_kernel=3, chunk_size=8, expand=2, time_step_limit=(0.5, float("inf")), pad_token_id=None,
                                                 bos_token_id=None, eos_token_id=None),
+    # Mamba: every layer a Mamba-1 mixer alone (64 channels of x, a state of 8 each, 3 taps, dt of rank 3), the head tied
+    "mamba": lambda: transformers.MambaConfig(vocab_size=V, hidden_size=32, num_hidden_layers=3, state_size=8, conv_kernel=3, expand=2,
+                                              time_step_rank=3, pad_token_id=None, bos_token_id=None, eos_token_id=None),
+    # Falcon Mamba: Mamba's layers with dt, B and C RMS-normed without weights (their eps its own), the head untied
+    "falcon_mamba": lambda: transformers.FalconMambaConfig(vocab_size=V, hidden_size=32, num_hidden_layers=3, state_size=8, conv_kernel=3,
+                                                           expand=2, time_step_rank=3, mixer_rms_eps=1e-3, tie_word_embeddings=False,
+                                                           pad_token_id=None, bos_token_id=None, eos_token_id=None),
+    # Jamba: attention without RoPE in layer 1 (every 3 from 1), Mamba-1 mixers (64 channels, a state of 8, 3 taps, dt of rank 3,
+    # dt, B and C normed with weights) in 0 and 2; a MoE (4 experts, softmax top 2 not renormalised) in layers 0 and 2, a SwiGLU in 1
+    "jamba": lambda: transformers.JambaConfig(**COMMON, intermediate_size=40, num_experts=4, num_experts_per_tok=2, attn_layer_period=3,
+                                              attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=0, mamba_d_state=8, mamba_d_conv=3,
+                                              mamba_expand=2, mamba_dt_rank=3, pad_token_id=None, bos_token_id=None, eos_token_id=None),
     # Nemotron-H / Nemotron 3: layers of one sublayer each, ME M *E M- - (fmoe's 5 blocks: MoE, none, MoE, an MLP, an MLP alone); Mamba-2 (4
     # heads of 10: 40 channels, no multiple of hidden; C and B in 2 groups of 8, 3 taps; dt at least 0.5, a floor these
     # weights reach), attention without RoPE, MLPs and experts relu(x up)^2 down, sigmoid routing in 2 groups x 2.5
@@ -3544,6 +3556,73 @@ def test_mamba2_reads_every_layer_as_a_mixer_alone_with_its_dt_clamp(folders):
                             (dict(use_bias=True), r"use_bias = True is not supported")):
         with pytest.raises(ValueError, match=message):
             hf.FAMILIES["mamba2"].kwargs(dict(config, **change))
+
+
+@pytest.mark.parametrize("family", ["mamba", "falcon_mamba"])
+def test_mamba_reads_every_layer_as_a_mamba1_mixer_alone(family, folders, tmp_path):
+    """Mamba and Falcon Mamba: every block a Mamba-1 mixer without an MLP (64 channels, a state
+    of 8, dt of rank 3, "auto": ceil(hidden / 16)); Falcon Mamba's weightless norms on dt, B
+    and C with their own eps (without it the logits move). Projection biases, a convolution
+    without biases and another activation are refused; an fmoe model whose channels are no
+    multiple of hidden is not written."""
+    path, ref = folders[family]
+    model, cfg = hf.from_pretrained(path, impl="torch")
+    assert cfg.linear_layers == cfg.mlp_free_layers == (0, 1, 2) and cfg.linear_kind == "mamba1"
+    assert (cfg.linear_k_heads, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim, cfg.linear_conv, cfg.linear_dt_rank) == (1, 64, 8, 1, 3, 3)
+    assert (cfg.linear_dt_bc_norm, cfg.linear_norm_eps) == (("rms_unit", 1e-3) if family == "falcon_mamba" else ("none", None))
+    assert cfg.tie_embeddings == (family == "mamba") and not any(".mlp" in name for name, _ in model.named_parameters())
+    config = json.loads((path / "config.json").read_text())
+    assert TransformerConfig(**hf.FAMILIES[family].kwargs(dict(config, time_step_rank="auto"))).linear_dt_rank == 2
+    if family == "falcon_mamba":  # the mixer's own eps matters: at the blocks' eps the logits move
+        docs, ids, cu = _packed()
+        with torch.no_grad():
+            theirs = _their_logits(ref, docs)
+            assert _rel(model.logits(ids, cu), theirs) < 1e-5
+            other = hf.Transformer(dataclasses.replace(cfg, linear_norm_eps=None))
+            other.load_state_dict(model.state_dict())
+            assert _rel(other.logits(ids, cu), theirs) > 1e-4
+    for change, message in ((dict(use_bias=True), r"use_bias = True is not supported \(no biases on the mixer's projections\)"),
+                            (dict(use_conv_bias=False), r"use_conv_bias = False is not supported \(the convolution's biases\)"),
+                            (dict(hidden_act="gelu"), r"hidden_act = 'gelu' is not supported \(silu after the convolution\)")):
+        with pytest.raises(ValueError, match=message):
+            hf.FAMILIES[family].kwargs(dict(config, **change))
+    with pytest.raises(ValueError, match=r"model: Mamba-1's x channels \(linear_v_heads = 48\) are not a whole multiple of hidden = 32"):
+        hf.save_pretrained(hf.Transformer(dataclasses.replace(cfg, linear_v_heads=48)), tmp_path / "odd", model_type=family)
+
+
+def test_jamba_reads_its_layer_periods_and_writes_them_back(folders, tmp_path):
+    """Jamba: attention without RoPE in the layers attn_layer_period / offset name, Mamba-1
+    mixers (dt, B and C normed with weights) in the others, the MoE where expert_layer_period
+    / offset say (softmax top-k, not renormalised), a SwiGLU of the same size elsewhere; no
+    MoE at all with num_experts 1. An fmoe model is written with the periods of its blocks;
+    one whose attention or MoE blocks follow no period, or with a RoPE block, is not."""
+    path, ref = folders["jamba"]
+    model, cfg = hf.from_pretrained(path, impl="torch")
+    assert (cfg.linear_layers, cfg.nope_layers, cfg.moe_layers, cfg.n_experts, cfg.k, cfg.pre_softmax) == ((0, 2), (1,), (0, 2), 4, 2, True)
+    assert (cfg.linear_kind, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_dt_rank, cfg.linear_dt_bc_norm) == ("mamba1", 64, 8, 3, "rms")
+    assert cfg.ffn_dense == cfg.ffn_expert == 40 and model.blocks[1].mlp.__class__.__name__ != "MoE"
+    config = json.loads((path / "config.json").read_text())
+    dense = TransformerConfig(**hf.FAMILIES["jamba"].kwargs(dict(config, num_experts=1)))
+    assert (dense.moe_layers, dense.n_dense, dense.n_experts) == (None, 3, 1)
+    six = TransformerConfig(**hf.FAMILIES["jamba"].kwargs(dict(config, num_hidden_layers=6, attn_layer_period=4, attn_layer_offset=3)))
+    assert (six.linear_layers, six.nope_layers, six.moe_layers) == ((0, 1, 2, 4, 5), (3,), (0, 2, 4))
+    for change, message in ((dict(mamba_proj_bias=True), r"mamba_proj_bias = True is not supported \(no biases on the mixer's projections\)"),
+                            (dict(mamba_conv_bias=False), r"mamba_conv_bias = False is not supported \(the convolution's biases\)"),
+                            (dict(attn_layer_offset=3), r"attn_layer_period, attn_layer_offset = 3, 3 are not supported \(0 <= offset < period\)")):
+        with pytest.raises(ValueError, match=message):
+            hf.FAMILIES["jamba"].kwargs(dict(config, **change))
+    # fmoe's own: attention in blocks 1 and 3 of 4 (period 2, offset 1), the MoE in block 0 and 2, read back as written
+    own = dataclasses.replace(cfg, n_layers=4, linear_layers=(0, 2), nope_layers=(1, 3), moe_layers=(0, 2), impl="auto")
+    written = hf.hf_config(own, "jamba")
+    assert (written["attn_layer_period"], written["attn_layer_offset"], written["expert_layer_period"], written["expert_layer_offset"]) == (2, 1, 2, 0)
+    assert TransformerConfig(**hf.FAMILIES["jamba"].kwargs(written)) == own
+    for change, message in ((dict(linear_layers=(0, 1), nope_layers=(2, 3)), r"Jamba places its attention layers every period layers from an "
+                                                                               r"offset; this model has them at \[2, 3\]"),
+                            (dict(moe_layers=(0, 1)), r"Jamba places its MoE layers every period layers from an offset; this model has them at \[0, 1\]")):
+        with pytest.raises(ValueError, match=message):
+            hf.hf_config(dataclasses.replace(own, **change), "jamba")
+    with pytest.raises(ValueError, match=r"its config has no jamba equivalent"):
+        hf.save_pretrained(hf.Transformer(dataclasses.replace(own, nope_layers=(1,))), tmp_path / "rope", model_type="jamba")
 
 
 @pytest.mark.parametrize("rms_norm,before", [(False, False), (True, False)], ids=["no-norm, tied", "norm-after-gate"])
