@@ -117,10 +117,11 @@ i)
 j)
     # Falcon-H1's parallel hybrid blocks (2026-11-29, not yet run on a GPU): its decode test on the device (FlexAttention
     # beside the Mamba-2 states' kernels), then the large model with a Mamba-2 mixer beside the attention in every block,
-    # compiled (MFU, host syncs); the DSA model's compile (part g) took more than 200 s
-    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-ra --durations=5" tests/test_model.py -k falcon_h1 \
+    # compiled (MFU, host syncs); the DSA model's compile (part g) took more than 200 s. Jamba's decode test beside it
+    # (Mamba-1's states, a decay per channel and state channel, through the same kernels)
+    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-ra --durations=5" tests/test_model.py -k "falcon_h1 or jamba" \
         > "$OUT/gpu_tests.log" 2>&1
-    echo "gpu tests (falcon_h1): exit $?"
+    echo "gpu tests (falcon_h1, jamba): exit $?"
     grep -E "passed|failed|^FAILED|^ERROR|^E  " "$OUT/gpu_tests.log" | tail -20
     bench --only bench_train_step --timeout 400 --extra="--model falcon_h1 --impls 'fmoe compiled'"
     ;;
