@@ -2231,14 +2231,18 @@ def _short_conv(x, params, cfg: LinearAttentionConfig, cu, split, states, mm) ->
     return mm(mm(x, params["wc"]) * y, params["wo"])
 
 
-def _mamba1(x, params, cfg: LinearAttentionConfig, cu, split, states, mm) -> torch.Tensor:
+def _mamba1(x, params, cfg: LinearAttentionConfig, cu, split, states, mm, heads_sum) -> torch.Tensor:
     """Mamba-1's mixer (linear_attention's kind "mamba1"): [T, H]. Each of its C channels is
     a head of one value channel whose state of N = k_head_dim has a decay per state channel
-    (gated_linear_attention's decay per key channel), B and C shared by every channel."""
+    (gated_linear_attention's decay per key channel), B and C shared by every channel; with
+    heads_sum (tensor parallel: this rank's channels) dt's, B's and C's projections summed
+    over every rank's channels in one collective."""
     T, C, N = x.shape[0], cfg.n_v_heads, cfg.k_head_dim
     B = 1 if states is None else states.conv.shape[0]
     xc = _one_conv(mm(x, params["wv"]), params["conv_v"], cu, split, states, silu=True, bias=params["conv_v_bias"])  # [T, C]
     r, bk, cq = (mm(xc, params[n]) for n in ("wdt", "wk", "wq"))
+    if heads_sum is not None:
+        r, bk, cq = heads_sum(torch.cat([r, bk, cq], -1)).split([r.shape[-1], N, N], -1)
     if cfg.dt_bc_norm != "none":  # Jamba's (with weights) and Falcon Mamba's (without) RMS norms on dt, B and C
         r, bk, cq = (_rms_norm(t, params[n] if cfg.dt_bc_norm == "rms" else None, cfg.norm_eps)
                      for t, n in ((r, "dt_norm"), (bk, "b_norm"), (cq, "c_norm")))
@@ -2346,7 +2350,7 @@ def _check_linear_attention(x, params, cfg: LinearAttentionConfig) -> None:
         raise ValueError(f"params['decay']: expected lightning attention's log-decay per head, a tensor [{cfg.n_v_heads}] (lightning_decay), got {got}")
 
 
-def linear_attention(x: torch.Tensor, params, cfg: LinearAttentionConfig, ctx: "AttentionContext", *, heads_mean=None):
+def linear_attention(x: torch.Tensor, params, cfg: LinearAttentionConfig, ctx: "AttentionContext", *, heads_mean=None, heads_sum=None):
     """Gated DeltaNet over packed documents (Qwen3-Next's and Qwen3.5's linear attention);
     no host sync.
 
@@ -2416,6 +2420,9 @@ def linear_attention(x: torch.Tensor, params, cfg: LinearAttentionConfig, ctx: "
         heads_mean: when params hold a slice of the heads (tensor parallel,
             fmoe.parallel.HeadShard.mean): the mean over the ranks of per-token statistics,
             for lightning attention's norm over every head's channels; None: all heads here.
+        heads_sum: when params hold a slice of Mamba-1's channels (tensor parallel,
+            fmoe.parallel.HeadShard.sum): the sum over the ranks of per-token partial products
+            [T, n], for its dt's, B's and C's projections from every channel; None: all here.
     Returns:
         (y [T, H] in x's dtype, an empty TensorDict): the layers' (output, stats) form.
     """
@@ -2427,11 +2434,13 @@ def linear_attention(x: torch.Tensor, params, cfg: LinearAttentionConfig, ctx: "
     if states is None and split is None and getattr(ctx, "gather_kv", None) is not None:
         raise ValueError("ctx: a context-parallel context (gather_kv) without linear_cp: linear attention needs the rule's exchange across the split "
                          "(build it with fmoe.parallel.ContextParallel(cp_mesh).attention_kwargs(token_index))")
-    if heads_mean is not None and not callable(heads_mean):
-        raise ValueError(f"heads_mean: expected a function of a [T, n] tensor (fmoe.parallel.HeadShard.mean) or None, got {type(heads_mean).__name__}")
+    for name, fn, doc in (("heads_mean", heads_mean, "mean"), ("heads_sum", heads_sum, "sum")):
+        if fn is not None and not callable(fn):
+            raise ValueError(f"{name}: expected a function of a [T, n] tensor (fmoe.parallel.HeadShard.{doc}) or None, got {type(fn).__name__}")
     if states is not None and states.tokens is not None and states.tokens < x.shape[0]:  # decoding's padding: outputs 0
         real = dataclasses.replace(states, tokens=None)
-        y, stats = linear_attention(x[:states.tokens], params, cfg, dataclasses.replace(ctx, linear_states=real), heads_mean=heads_mean)
+        y, stats = linear_attention(x[:states.tokens], params, cfg, dataclasses.replace(ctx, linear_states=real), heads_mean=heads_mean,
+                                    heads_sum=heads_sum)
         states.conv, states.state = real.conv, real.state
         return torch.cat([y, y.new_zeros(x.shape[0] - states.tokens, y.shape[1])]), stats
     T, Nk, Nv, Dk, Dv = x.shape[0], cfg.n_k_heads, cfg.n_v_heads, cfg.k_head_dim, cfg.v_head_dim
@@ -2443,7 +2452,7 @@ def linear_attention(x: torch.Tensor, params, cfg: LinearAttentionConfig, ctx: "
     if cfg.kind == "short_conv":
         return _short_conv(x, params, cfg, ctx.cu_seqlens if states is None else None, split, states, mm), TensorDict({}, batch_size=[])
     if cfg.kind == "mamba1":
-        return _mamba1(x, params, cfg, ctx.cu_seqlens if states is None else None, split, states, mm), TensorDict({}, batch_size=[])
+        return _mamba1(x, params, cfg, ctx.cu_seqlens if states is None else None, split, states, mm, heads_sum), TensorDict({}, batch_size=[])
     if cfg.kind == "lightning":
         return _lightning(x, params, cfg, ctx.cu_seqlens if states is None else None, split, states, mm, heads_mean), TensorDict({}, batch_size=[])
     B, cu, qkv = _qkv_conv(x, params, ctx, split, states, mm)

@@ -512,8 +512,8 @@ class TransformerConfig:
     each with a state of linear_k_dim and a decay per state channel, one B and C
     (linear_k_heads 1), dt through rank linear_dt_rank (None: ceil(hidden / 16), Mamba's
     "auto"), linear_dt_bc_norm "rms" / "rms_unit": RMS norms on dt, B and C with weights
-    (Jamba's) or without (Falcon Mamba's), eps linear_norm_eps (None: norm_eps); not split by
-    tensor parallelism; parallel_hybrid: every linear_layers block
+    (Jamba's) or without (Falcon Mamba's), eps linear_norm_eps (None: norm_eps); tensor
+    parallelism splits its channels; parallel_hybrid: every linear_layers block
     holds softmax attention (Block.attn_beside) beside its linear mixer, both reading the
     block's normed input, their outputs summed (Falcon-H1's parallel hybrid: Mamba-2 and
     attention in each layer; not with DeepSeek sparse attention);
@@ -1502,15 +1502,16 @@ class LinearAttention(nn.Module):
 
     def forward(self, x_TH, ctx: AttentionContext):
         params = {n: _local(getattr(self, n)) for n in self.names}
-        heads_mean = None
+        heads_mean = heads_sum = None
         if self.tensor_parallel is not None:  # the output norm's weight (and KDA's down projections): every rank's heads use them
             params.update({n: self.tensor_parallel.weight(params[n]) for n in self.tensor_parallel.replicated})
             heads_mean = self.tensor_parallel.mean if self.cfg.kind == "lightning" else None  # its norm spans every head
+            heads_sum = self.tensor_parallel.sum if self.cfg.kind == "mamba1" else None  # its dt, B and C read every channel
         if self.cfg.kind == "lightning":
             local = self.cfg.n_v_heads  # this rank's heads, a contiguous run
             first = 0 if self.tensor_parallel is None else self.tensor_parallel.mesh.get_local_rank() * local
             params["decay"] = lightning_decay(self.heads, self.layer, self.n_layers, device=x_TH.device)[first:first + local]
-        return linear_attention(x_TH, params, self.cfg, ctx, heads_mean=heads_mean)[0]
+        return linear_attention(x_TH, params, self.cfg, ctx, heads_mean=heads_mean, heads_sum=heads_sum)[0]
 
 
 class Block(nn.Module):

@@ -27,7 +27,10 @@ heads (attention) or of the FFN columns (SwiGLU) and the output is a sum over ra
                 (kind "kda": wz_b, wf_b  Shard(1), dt_bias [N*Dk] Shard(0); wz_a, wf_a
                 replicated, their gradients summed over tp; with full_rank wz, wf Shard(1);
                 kind "lightning": out_norm [N*Dv] Shard(0), its mean square over tp;
-                kind "mamba2": out_norm [Nv*Dv], the conv biases and D Shard(0) too)
+                kind "mamba2": out_norm [Nv*Dv], the conv biases and D Shard(0) too;
+                kind "mamba1": its C channels: wv, wz, conv_v, wa Shard(1), wdt, wk, wq,
+                A_log, conv_v_bias, dt_bias, D Shard(0), dt, B and C's projections summed over
+                tp (HeadShard.sum), the norms on them replicated)
     hyper-      attn_hc, mlp_hc's        replicated (per token, on the token shard, like the
     connections fn, base, scale          norms; their gradients summed over tp)
 
@@ -287,8 +290,14 @@ class HeadShard:
         An all-reduce; its backward all-reduces the gradient. Used by the qk norm over the
         whole projection (qk_norm="proj"), whose channels the ranks split: q's and k's mean
         squares in one call."""
+        return self.sum(x) / self.mesh.size()
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over the tp ranks of per-token partial products x [T, n] (each rank's over
+        its channels): Mamba-1's dt, B and C, projected from every channel. An all-reduce;
+        its backward all-reduces the gradient."""
         total = DTensor.from_local(x, self.mesh, [Partial()], run_check=False).redistribute(self.mesh, [Replicate()])
-        return total.to_local(grad_placements=[Partial()]) / self.mesh.size()
+        return total.to_local(grad_placements=[Partial()])
 
 
 class _HeadsRegion(_ShardedRegion):
@@ -351,18 +360,29 @@ class LinearAttentionParallel(_HeadsRegion):
     A_log, dt_bias by their heads, wo by its rows; the gated output norm's weight [Dv]
     replicated (HeadShard.weight sums its gradient over tp). Lightning attention's norm over
     every head's channels: its weight [N Dv] by its heads, the mean square averaged over tp
-    (HeadShard.mean), each rank's decays its own heads' (fmoe.model.LinearAttention). Every rank runs the layer on all
+    (HeadShard.mean), each rank's decays its own heads' (fmoe.model.LinearAttention). Mamba-1's (kind "mamba1", one group
+    of B and C): its channels alone split, dt's, B's and C's projections from them summed over tp (HeadShard.sum), the
+    norms on them replicated. Every rank runs the layer on all
     T tokens (the documents of the micro-batch) for its heads; the outputs are summed."""
 
     head_counts = ("n_k_heads", "n_v_heads")
 
     def _check(self, module, tp):
-        if module.cfg.kind == "mamba1":
-            raise ValueError(f"tp: Mamba-1's mixer (linear_kind 'mamba1') projects its dt, B and C from all its channels at once, "
-                             f"so it is not split over tensor-parallel ranks (tp = {tp}); use tp = 1 (fsdp, cp and ep split it)")
-        super()._check(module, tp)
+        if module.cfg.kind != "mamba1":
+            return super()._check(module, tp)
+        if module.cfg.n_v_heads % tp:  # one group of B and C, which every rank holds: its channels alone are split
+            raise ValueError(f"tp: {type(module).__name__}'s n_v_heads = {module.cfg.n_v_heads} (Mamba-1's channels) must be divisible by tp = {tp}")
+        _ShardedRegion._check(self, module, tp)
+
+    def _configure(self, module, mesh):
+        if module.cfg.kind != "mamba1":
+            return super()._configure(module, mesh)
+        module.cfg = dataclasses.replace(module.cfg, n_v_heads=module.cfg.n_v_heads // mesh.size())
+        module.tensor_parallel = HeadShard(mesh, tuple(n for n in module.names if n not in self._shard_dims(module)))
 
     def _shard_dims(self, module):
+        if module.cfg.kind == "mamba1":  # the channels: x's and z's columns, the taps, x_proj's rows (summed over tp), dt_proj's columns
+            return dict(wv=1, wz=1, conv_v=1, conv_v_bias=0, wdt=0, wk=0, wq=0, wa=1, dt_bias=0, A_log=0, D=0, wo=0)
         if module.cfg.kind == "short_conv":  # LFM2's: the channels (its heads) of the gates, the input and the taps, wo by its rows
             return dict(wb=1, wc=1, wv=1, conv_v=1, wo=0)
         if module.cfg.kind == "lightning":  # MiniMax's: the output norm's weight by its heads' channels, its mean square over tp

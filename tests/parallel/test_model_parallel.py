@@ -424,8 +424,10 @@ CASES = {
     # (across cp, block 1's mixer left out: its A_log's gradient is nearly 0 there (at most 1.6e-7), and on one process chunks
     # of 5 tokens instead of 64 already move it by 2.1e-3, relative; block 0's by 3.8e-5)
     "cp2-falcon_h1": (2, dict(cp=2), dict(FALCON_H1, linear_layers=(0,))),
-    # Jamba's (JAMBA): Mamba-1's convolution's halo and its rule (a decay per channel and state channel) across a cp split;
-    # its experts over ep beside the mixer replicated
+    # Jamba's (JAMBA): Mamba-1's channels split over tp (dt's, B's and C's projections summed over the ranks, their norms
+    # replicated); its convolution's halo and its rule (a decay per channel and state channel) across a cp split; its
+    # experts over ep beside the mixer replicated
+    "tp2-jamba": (2, dict(tp=2), JAMBA),
     "cp2-jamba": (2, dict(cp=2), JAMBA),
     "ep2-jamba": (2, dict(ep=2), JAMBA),
     # Nemotron-H's (NEMOTRON_H): a block without an MLP beside the split heads and groups
@@ -519,6 +521,7 @@ DECODE_CASES = {
     "tp2-minimax": (2, dict(tp=2), MINIMAX, None, 1e-5),  # the lightning states of each rank's heads
     "tp2-granite4": (2, dict(tp=2), GRANITE4, None, 1e-5),  # the Mamba-2 conv and SSD states of each rank's heads and groups
     "tp2-falcon_h1": (2, dict(tp=2), dict(FALCON_H1, **WINDOW), None, 1e-5),  # those states and the keys (a ring in block 1) in one block
+    "tp2-jamba": (2, dict(tp=2), JAMBA, None, 1e-5),  # the rank's channels of Mamba-1's states
 }
 
 
@@ -807,7 +810,7 @@ def _bad_tp(rank, world):
     messages = []
     for overrides, sizes in ((dict(n_heads=2, n_kv_heads=1), dict(tp=2)), (dict(n_experts=3), dict(ep=2)),
                              (dict(MLA, n_heads=3, n_kv_heads=3), dict(tp=2)), (dict(QWEN3_NEXT, linear_k_heads=1, linear_v_heads=2), dict(tp=2)),
-                             (JAMBA, dict(tp=2))):
+                             (dict(JAMBA, linear_v_heads=33), dict(tp=2))):
         try:
             parallelize(Transformer(TransformerConfig(**{**TINY, **overrides})), build_meshes(**sizes))
         except ValueError as err:
@@ -828,7 +831,7 @@ def test_parallelize_refuses_what_does_not_split(results):
         assert "n_experts = 3 is not divisible by ep = 2" in messages[1]
         assert "n_heads = 3 and n_kv_heads = 3 must both be divisible by tp = 2" in messages[2]  # multi-latent
         assert "LinearAttention's n_k_heads = 1 and n_v_heads = 2 must both be divisible by tp = 2" in messages[3]
-        assert "tp: Mamba-1's mixer (linear_kind 'mamba1') projects its dt, B and C from all its channels at once" in messages[4]
+        assert "tp: LinearAttention's n_v_heads = 33 (Mamba-1's channels) must be divisible by tp = 2" in messages[4]
         assert "T = 25 tokens do not split evenly over tp = 2 ranks" in messages[5] and "tokens_per_micro_batch" in messages[5]
 
 
