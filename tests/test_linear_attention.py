@@ -527,6 +527,8 @@ def test_argument_checks():
         linear_attention(x, dict(light, decay=light["decay"][:2]), LIGHT, ctx)
     with pytest.raises(ValueError, match=r"heads_mean: expected a function of a \[T, n\] tensor"):
         linear_attention(x, light, LIGHT, ctx, heads_mean=2.0)
+    with pytest.raises(ValueError, match=r"heads_sum: expected a function of a \[T, n\] tensor \(fmoe.parallel.HeadShard.sum\) or None, got int"):
+        linear_attention(x, _params(MAMBA1), MAMBA1, ctx, heads_sum=2)
     with pytest.raises(ValueError, match=r"ctx.linear_cp: lightning needs its gated_linear_attention"):
         class OldCP:  # a context-parallel exchange without the rule-free form
             token_index = conv_halo = gated_delta_rule = staticmethod(lambda *a, **k: None)
