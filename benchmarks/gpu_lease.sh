@@ -13,7 +13,7 @@
 #     bash benchmarks/gpu_lease.sh g    # the DSA model's compiled train step alone (its MFU, host syncs): past 200 s on 2026-11-28
 #     bash benchmarks/gpu_lease.sh h    # the gpu tests (4 workers), bench_loss, bench_routing (dsv3 cases) (~4 min on an H200)
 #     bash benchmarks/gpu_lease.sh i    # the model's gpu tests, bench_hyper_connections, bench_routing's kolibri cases (not yet run)
-#     bash benchmarks/gpu_lease.sh j    # Falcon-H1's parallel hybrid: its model gpu test, its compiled train step (not yet run)
+#     bash benchmarks/gpu_lease.sh j    # Falcon-H1's and Jamba's model gpu tests, the selective scan's, bench_scan, Falcon-H1's compiled train step (not yet run)
 #                                       # (part h's gpu tests include GeGLU's kernels at a real shape; bench_moe_layer, parts a, c, f, its GeGLU rows)
 #
 # What comes back is written to $OUT (the device tool's folder; gpu_out/ elsewhere), at most
@@ -119,10 +119,11 @@ j)
     # beside the Mamba-2 states' kernels), then the large model with a Mamba-2 mixer beside the attention in every block,
     # compiled (MFU, host syncs); the DSA model's compile (part g) took more than 200 s. Jamba's decode test beside it
     # (Mamba-1's states, a decay per channel and state channel, through the same kernels)
-    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-ra --durations=5" tests/test_model.py -k "falcon_h1 or jamba" \
-        > "$OUT/gpu_tests.log" 2>&1
-    echo "gpu tests (falcon_h1, jamba): exit $?"
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-ra --durations=5" tests/test_model.py tests/ops/test_scan.py \
+        -k "falcon_h1 or jamba" > "$OUT/gpu_tests.log" 2>&1
+    echo "gpu tests (falcon_h1, jamba, the selective scan): exit $?"
     grep -E "passed|failed|^FAILED|^ERROR|^E  " "$OUT/gpu_tests.log" | tail -20
+    bench --only bench_scan --timeout 120
     bench --only bench_train_step --timeout 400 --extra="--model falcon_h1 --impls 'fmoe compiled'"
     ;;
 *)

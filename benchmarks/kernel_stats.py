@@ -27,7 +27,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from fmoe.ops import balance, delta, dispatch, experts, fp8, loss, packed, rope, routing, sparse  # noqa: E402
+from fmoe.ops import balance, delta, dispatch, experts, fp8, loss, packed, rope, routing, scan, sparse  # noqa: E402
 from fmoe.optim import adamw  # noqa: E402
 
 BIN = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -163,6 +163,17 @@ def cases():
                                                                               s0_ptr="*fp32", states_ptr="*fp32"), states_scalars, meta
         yield "delta_states_bwd" + suffix, delta._delta_states_bwd_kernel, dict(wk_ptr="*fp32", kout_ptr="*fp32", keep_ptr="*fp32", dstates_ptr="*fp32",
                                                                               g_ptr="*fp32", du_ptr="*fp32"), states_scalars, meta
+    # Mamba-1's selective scan at Jamba's mixer (8192 channels, a state of 16): the forward, and the backward that recomputes
+    # each checkpoint's chunk (fmoe.ops.selective_scan)
+    scan_meta = dict(K=scan.CHECKPOINT, BC=scan.BLOCK_C, BN=16, num_warps=4)
+    scan_scalars = dict(T="i32", C="i32", N="i32", M="i32")
+    yield "selective_scan_fwd", scan._scan_fwd_kernel, dict(u_ptr="*fp32", dt_ptr="*fp32", a_ptr="*fp32", b_ptr="*fp32", c_ptr="*fp32",
+                                                            start_ptr="*fp32", h0_ptr="*fp32", y_ptr="*fp32", hT_ptr="*fp32", ckpt_ptr="*fp32"), \
+        scan_scalars, scan_meta
+    yield "selective_scan_bwd", scan._scan_bwd_kernel, dict(u_ptr="*fp32", dt_ptr="*fp32", a_ptr="*fp32", b_ptr="*fp32", c_ptr="*fp32",
+                                                            start_ptr="*fp32", ckpt_ptr="*fp32", dy_ptr="*fp32", dhT_ptr="*fp32", scratch_ptr="*fp32",
+                                                            du_ptr="*fp32", ddt_ptr="*fp32", db_ptr="*fp32", dc_ptr="*fp32", da_ptr="*fp32",
+                                                            dh0_ptr="*fp32"), dict(scan_scalars, n_blocks="i32"), scan_meta
     # DeepSeek sparse attention at one tp rank of DeepSeek-V3.2 (16 heads, rows of 512 latent + 64 rotated channels,
     # bf16): the forward, dq, and the keys' gradients (fmoe.ops.sparse_attention)
     meta = sparse._blocks(16, 576, 512)

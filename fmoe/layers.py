@@ -125,6 +125,7 @@ from fmoe.ops.rope import (
     yarn_softmax_scale,
 )
 from fmoe.ops.routing import Routes, check_sparsemixer_eps, keep_slots, split_zero_experts
+from fmoe.ops.scan import selective_scan
 from fmoe.ops.sparse import indexer_scores, sparse_attention, sparse_attention_probs
 
 
@@ -2247,9 +2248,16 @@ def _mamba1(x, params, cfg: LinearAttentionConfig, cu, split, states, mm, heads_
         r, bk, cq = (_rms_norm(t, params[n] if cfg.dt_bc_norm == "rms" else None, cfg.norm_eps)
                      for t, n in ((r, "dt_norm"), (bk, "b_norm"), (cq, "c_norm")))
     dt = F.softplus(mm(r, params["wa"]).float() + params["dt_bias"].float())  # [T, C]
-    g = (dt[..., None] * -params["A_log"].float().exp()).reshape(B, T // B, C, N)
-    q, k = (t.float()[:, None, :].expand(T, C, N).reshape(B, T // B, C, N) for t in (cq, bk))
-    o = _without_delta(q, k, (xc.float() * dt).reshape(B, T // B, C, 1), g, cfg, cu, split, states)
+    A, u = -params["A_log"].float().exp(), xc.float() * dt
+    if split is not None:  # context parallel: the chunked form of the scan across the split
+        q, k = (t.float()[:, None, :].expand(T, C, N).reshape(1, T, C, N) for t in (cq, bk))
+        o = _without_delta(q, k, u.reshape(1, T, C, 1), (dt[..., None] * A).reshape(1, T, C, N), cfg, cu, split, states)
+    else:  # the scan kernels on CUDA (fmoe.ops.selective_scan), its chunked form elsewhere
+        view = lambda t: t.reshape(B, T // B, -1)  # noqa: E731
+        o = selective_scan(view(u), view(dt), A, view(bk), view(cq), cu, chunk_size=cfg.chunk_size, impl=cfg.impl,
+                           initial_state=None if states is None else states.state[..., 0], final_state=states is not None)
+        if states is not None:
+            o, states.state = o[0], o[1][..., None]
     y = (o.reshape(T, C).float() + params["D"].float() * xc.float()) * F.silu(mm(x, params["wz"]).float())
     return mm(y.to(x.dtype), params["wo"])
 

@@ -594,8 +594,10 @@ def _rel(a, b):
 # bound): their rule's chunks round in another order than transformers' and the per-head
 # output norm magnifies it in a head whose output is small (in one of these random models
 # fmoe's token-by-token loop, its definition, is itself 2e-5 from transformers). A mapping
-# error moves them by 1e-2 and more.
-TOL = dict(qwen3_next=1e-4, qwen3_5_moe_text=1e-4, qwen3_5_moe=1e-4, qwen3_5_text=1e-4, qwen3_5=1e-4, kimi_linear=1e-4, lara_mini=1e-4)
+# error moves them by 1e-2 and more. Falcon Mamba's logits are 9.2e-6 (torch) and 1.0e-5 (the scan kernels) from
+# transformers' in this model, Mamba's 4.8e-6 and 2.7e-6.
+TOL = dict(qwen3_next=1e-4, qwen3_5_moe_text=1e-4, qwen3_5_moe=1e-4, qwen3_5_text=1e-4, qwen3_5=1e-4, kimi_linear=1e-4, lara_mini=1e-4,
+           falcon_mamba=3e-5)
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
@@ -3577,7 +3579,7 @@ def test_mamba_reads_every_layer_as_a_mamba1_mixer_alone(family, folders, tmp_pa
         docs, ids, cu = _packed()
         with torch.no_grad():
             theirs = _their_logits(ref, docs)
-            assert _rel(model.logits(ids, cu), theirs) < 1e-5
+            assert _rel(model.logits(ids, cu), theirs) < TOL["falcon_mamba"]
             other = hf.Transformer(dataclasses.replace(cfg, linear_norm_eps=None))
             other.load_state_dict(model.state_dict())
             assert _rel(other.logits(ids, cu), theirs) > 1e-4

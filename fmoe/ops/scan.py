@@ -1,0 +1,280 @@
+"""Mamba-1's selective scan (the mixer of Mamba, Falcon Mamba and Jamba), over packed documents.
+
+    selective_scan(u[B,T,C], dt[B,T,C], A[C,N], b[B,T,N], c[B,T,N], cu_seqlens=None, *,
+                   initial_state=None, final_state=False, impl="auto") -> y[B,T,C]  (, state[B,C,N])
+
+Each of the C channels keeps a state h [N] (float32) over the tokens of a document, t = 1, 2, ...:
+
+    h_t = exp(dt_t A) * h_{t-1} + u_t b_t      elementwise over N: a decay per channel and state channel
+    y_t = h_t . c_t                            b and c shared by every channel
+
+h_0 = 0 at each document's first token (documents: the rows of the batch, or with cu_seqlens
+(B = 1) the packed documents of the one row); initial_state[b] is h_0 of row b's first
+document (decoding), and the final state (final_state=True) is h after row b's last token.
+Mamba's u is its convolved x times dt; its skip D u and its gate stay outside the scan.
+
+This is fmoe.ops.gated_linear_attention with a head per channel (Dv = 1), q = c, k = b, v = u
+and a decay per key channel g = dt A: that chunked form is the torch path (and the
+reference). It holds pairs of a chunk's tokens for every channel and state channel
+(T C chunk_size N numbers), too many at Jamba's sizes (C = 8192 channels), so CUDA runs a
+scan instead: one Triton program per (batch row, block of BC channels) keeps its [BC, N]
+states in registers and walks the tokens in order, writing y and, every K = 16 tokens, the
+state (the checkpoints, T C N / 16 numbers). The backward kernel walks the chunks of K
+tokens back from the last: it recomputes the chunk's states from its checkpoint into a
+scratch buffer [K, BC, N] of its own, then runs the tokens back with the gradient of h,
+
+    g_t = dy_t c_t + exp(dt_t+1 A) g_t+1 (0 across a document's start),
+    du_t = g_t . b_t,  db_t = sum over channels of u_t g_t,  dc_t = sum over channels of dy_t h_t,
+    ddt_t = sum_N g_t exp(dt_t A) A h_t-1,  dA = sum over tokens of g_t exp(dt_t A) dt_t h_t-1,
+
+the channel sums of db and dc per program (summed in torch after), dA per program and row.
+No value is read on the host.
+
+Legend: B batch rows, T tokens, C channels, N state channels, K tokens per checkpoint, BC
+channels per program, M = ceil(T / K) checkpoints.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+import triton
+import triton.language as tl
+
+from fmoe.ops.backend import next_pow2, use_triton
+from fmoe.ops.checks import check_float, check_index
+from fmoe.ops.delta import gated_linear_attention, gated_linear_attention_loop
+from fmoe.ops.packed import sequence_ids
+
+CHECKPOINT = 16  # K: tokens between the forward's saved states
+BLOCK_C = 32  # BC: channels per program
+
+
+def _starts(cu_seqlens: Optional[torch.Tensor], B: int, T: int, device) -> torch.Tensor:
+    """[B, T] float32: 1 where a token starts a document after the row's first token (its
+    state restarts from 0), else 0."""
+    out = torch.zeros(B, T, device=device)
+    if cu_seqlens is not None and T > 1:
+        doc = sequence_ids(cu_seqlens.to(device), T)
+        out[:, 1:] = (doc[1:] != doc[:-1]).float()
+    return out
+
+
+@triton.jit
+def _scan_fwd_kernel(u_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, start_ptr, h0_ptr, y_ptr, hT_ptr, ckpt_ptr, T, C, N, M,
+                     K: tl.constexpr, BC: tl.constexpr, BN: tl.constexpr):
+    pid_c, row = tl.program_id(0), tl.program_id(1)
+    cs = pid_c * BC + tl.arange(0, BC)
+    ns = tl.arange(0, BN)
+    mask_c, mask_n = cs < C, ns < N
+    mask = mask_c[:, None] & mask_n[None, :]
+    tile = cs[:, None] * N + ns[None, :]  # [BC, BN] offsets into a [C, N]
+    A = tl.load(a_ptr + tile, mask=mask, other=0.0)
+    h = tl.load(h0_ptr + row * C * N + tile, mask=mask, other=0.0)
+    for t in range(T):
+        if t % K == 0:  # the state before token t: checkpoint t // K
+            tl.store(ckpt_ptr + (row * M + t // K) * C * N + tile, h, mask=mask)
+        keep = 1.0 - tl.load(start_ptr + row * T + t)
+        dt = tl.load(dt_ptr + (row * T + t) * C + cs, mask=mask_c, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + (row * T + t) * C + cs, mask=mask_c, other=0.0).to(tl.float32)
+        bv = tl.load(b_ptr + (row * T + t) * N + ns, mask=mask_n, other=0.0).to(tl.float32)
+        cv = tl.load(c_ptr + (row * T + t) * N + ns, mask=mask_n, other=0.0).to(tl.float32)
+        h = tl.exp(dt[:, None] * A) * (h * keep) + u[:, None] * bv[None, :]
+        tl.store(y_ptr + (row * T + t) * C + cs, tl.sum(h * cv[None, :], axis=1), mask=mask_c)
+    tl.store(hT_ptr + row * C * N + tile, h, mask=mask)
+
+
+@triton.jit
+def _scan_bwd_kernel(u_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, start_ptr, ckpt_ptr, dy_ptr, dhT_ptr, scratch_ptr,
+                     du_ptr, ddt_ptr, db_ptr, dc_ptr, da_ptr, dh0_ptr, T, C, N, M, n_blocks,
+                     K: tl.constexpr, BC: tl.constexpr, BN: tl.constexpr):
+    pid_c, row = tl.program_id(0), tl.program_id(1)
+    cs = pid_c * BC + tl.arange(0, BC)
+    ns = tl.arange(0, BN)
+    mask_c, mask_n = cs < C, ns < N
+    mask = mask_c[:, None] & mask_n[None, :]
+    tile = cs[:, None] * N + ns[None, :]
+    local = tl.arange(0, BC)[:, None] * BN + ns[None, :]  # [BC, BN] offsets into this program's scratch rows
+    scratch = scratch_ptr + (row * n_blocks + pid_c) * K * BC * BN
+    partial = (row * n_blocks + pid_c) * T  # this program's rows of db's and dc's channel sums [B, n_blocks, T, N]
+    A = tl.load(a_ptr + tile, mask=mask, other=0.0)
+    g = tl.load(dhT_ptr + row * C * N + tile, mask=mask, other=0.0)  # the gradient of h after the row's last token
+    dA = tl.zeros([BC, BN], dtype=tl.float32)
+    for i in range(M):
+        m = M - 1 - i
+        t0 = m * K
+        h = tl.load(ckpt_ptr + (row * M + m) * C * N + tile, mask=mask, other=0.0)
+        for j in range(K):  # the chunk's states, recomputed from its checkpoint
+            t = t0 + j
+            if t < T:
+                keep = 1.0 - tl.load(start_ptr + row * T + t)
+                dt = tl.load(dt_ptr + (row * T + t) * C + cs, mask=mask_c, other=0.0).to(tl.float32)
+                u = tl.load(u_ptr + (row * T + t) * C + cs, mask=mask_c, other=0.0).to(tl.float32)
+                bv = tl.load(b_ptr + (row * T + t) * N + ns, mask=mask_n, other=0.0).to(tl.float32)
+                h = tl.exp(dt[:, None] * A) * (h * keep) + u[:, None] * bv[None, :]
+                tl.store(scratch + j * BC * BN + local, h)
+        for jj in range(K):  # back through the chunk
+            j = K - 1 - jj
+            t = t0 + j
+            if t < T:
+                keep = 1.0 - tl.load(start_ptr + row * T + t)
+                dt = tl.load(dt_ptr + (row * T + t) * C + cs, mask=mask_c, other=0.0).to(tl.float32)
+                u = tl.load(u_ptr + (row * T + t) * C + cs, mask=mask_c, other=0.0).to(tl.float32)
+                bv = tl.load(b_ptr + (row * T + t) * N + ns, mask=mask_n, other=0.0).to(tl.float32)
+                cv = tl.load(c_ptr + (row * T + t) * N + ns, mask=mask_n, other=0.0).to(tl.float32)
+                dy = tl.load(dy_ptr + (row * T + t) * C + cs, mask=mask_c, other=0.0).to(tl.float32)
+                h = tl.load(scratch + j * BC * BN + local)
+                if j > 0:
+                    prev = tl.load(scratch + (j - 1) * BC * BN + local)
+                else:
+                    prev = tl.load(ckpt_ptr + (row * M + m) * C * N + tile, mask=mask, other=0.0)
+                prev = prev * keep  # the state the token continues (0 at a document's start)
+                g += dy[:, None] * cv[None, :]
+                tl.store(dc_ptr + (partial + t) * N + ns, tl.sum(dy[:, None] * h, axis=0), mask=mask_n)
+                tl.store(db_ptr + (partial + t) * N + ns, tl.sum(g * u[:, None], axis=0), mask=mask_n)
+                tl.store(du_ptr + (row * T + t) * C + cs, tl.sum(g * bv[None, :], axis=1), mask=mask_c)
+                decay = tl.exp(dt[:, None] * A)
+                through = g * decay * prev  # dL/d(dt A) at each channel and state channel
+                tl.store(ddt_ptr + (row * T + t) * C + cs, tl.sum(through * A, axis=1), mask=mask_c)
+                dA += through * dt[:, None]
+                g = g * decay * keep
+    tl.store(dh0_ptr + row * C * N + tile, g, mask=mask)
+    tl.store(da_ptr + row * C * N + tile, dA, mask=mask)
+
+
+@torch.library.custom_op("fmoe::selective_scan", mutates_args=())
+def _scan_kernel(u: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, b: torch.Tensor, c: torch.Tensor, starts: torch.Tensor,
+                 h0: torch.Tensor) -> list[torch.Tensor]:
+    """[y [B, T, C] float32, the final state [B, C, N], the checkpoints [B, M, C, N]] by the
+    forward kernel."""
+    B, T, C = u.shape
+    N = A.shape[1]
+    M = triton.cdiv(T, CHECKPOINT)
+    y = u.new_empty((B, T, C), dtype=torch.float32)
+    hT, ckpt = h0.new_empty((B, C, N)), h0.new_empty((B, M, C, N))
+    _scan_fwd_kernel[(triton.cdiv(C, BLOCK_C), B)](u, dt, A, b, c, starts, h0, y, hT, ckpt, T, C, N, M, K=CHECKPOINT, BC=BLOCK_C,
+                                                   BN=max(16, next_pow2(N)))
+    return [y, hT, ckpt]
+
+
+@_scan_kernel.register_fake
+def _(u, dt, A, b, c, starts, h0):
+    B, T, C = u.shape
+    N = A.shape[1]
+    return [u.new_empty((B, T, C), dtype=torch.float32), h0.new_empty((B, C, N)), h0.new_empty((B, triton.cdiv(T, CHECKPOINT), C, N))]
+
+
+@torch.library.custom_op("fmoe::selective_scan_bwd", mutates_args=())
+def _scan_bwd(u: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, b: torch.Tensor, c: torch.Tensor, starts: torch.Tensor, ckpt: torch.Tensor,
+              dy: torch.Tensor, dhT: torch.Tensor) -> list[torch.Tensor]:
+    """[du, ddt [B, T, C], dA [C, N], db, dc [B, T, N], dh0 [B, C, N]] by the backward kernel
+    (float32; db's and dc's channel sums and dA's row sums per program added here)."""
+    B, T, C = u.shape
+    N, M, BN = A.shape[1], ckpt.shape[1], max(16, next_pow2(A.shape[1]))
+    n_blocks = triton.cdiv(C, BLOCK_C)
+    f32 = dict(dtype=torch.float32, device=u.device)
+    du, ddt = torch.empty(B, T, C, **f32), torch.empty(B, T, C, **f32)
+    db, dc = torch.empty(B, n_blocks, T, N, **f32), torch.empty(B, n_blocks, T, N, **f32)
+    dA, dh0 = torch.empty(B, C, N, **f32), torch.empty(B, C, N, **f32)
+    scratch = torch.empty(B, n_blocks, CHECKPOINT, BLOCK_C, BN, **f32)
+    _scan_bwd_kernel[(n_blocks, B)](u, dt, A, b, c, starts, ckpt, dy, dhT, scratch, du, ddt, db, dc, dA, dh0, T, C, N, M, n_blocks,
+                                    K=CHECKPOINT, BC=BLOCK_C, BN=BN)
+    return [du, ddt, dA.sum(0), db.sum(1), dc.sum(1), dh0]
+
+
+@_scan_bwd.register_fake
+def _(u, dt, A, b, c, starts, ckpt, dy, dhT):
+    B, T, C = u.shape
+    N = A.shape[1]
+    f32 = dict(dtype=torch.float32, device=u.device)
+    return [torch.empty(B, T, C, **f32), torch.empty(B, T, C, **f32), torch.empty(C, N, **f32), torch.empty(B, T, N, **f32),
+            torch.empty(B, T, N, **f32), torch.empty(B, C, N, **f32)]
+
+
+def _scan_setup_context(ctx, inputs, output):
+    u, dt, A, b, c, starts, _h0 = inputs
+    ctx.save_for_backward(u, dt, A, b, c, starts, output[2])
+
+
+def _scan_backward(ctx, grads):
+    grad_y, grad_hT, _ = grads  # the checkpoints' gradient: none (they are the kernel's own)
+    u, dt, A, b, c, starts, ckpt = ctx.saved_tensors
+    dy = torch.zeros_like(u, dtype=torch.float32) if grad_y is None else grad_y.float().contiguous()
+    dhT = torch.zeros(u.shape[0], *A.shape, device=u.device) if grad_hT is None else grad_hT.float().contiguous()
+    du, ddt, dA, db, dc, dh0 = _scan_bwd(u, dt, A, b, c, starts, ckpt, dy, dhT)
+    return du.to(u.dtype), ddt.to(dt.dtype), dA.to(A.dtype), db.to(b.dtype), dc.to(c.dtype), None, dh0
+
+
+_scan_kernel.register_autograd(_scan_backward, setup_context=_scan_setup_context)
+
+
+def _check(u, dt, A, b, c, cu_seqlens, initial_state) -> None:
+    check_float("u", u, 3, "[B, T, C]")
+    check_float("A", A, 2, "[C, N]")
+    B, T, C = u.shape
+    N = A.shape[1]
+    expected = dict(dt=(B, T, C), A=(C, N), b=(B, T, N), c=(B, T, N))
+    for name, x in (("dt", dt), ("A", A), ("b", b), ("c", c)):
+        check_float(name, x, len(expected[name]), "[B, T, C]" if name == "dt" else "[C, N]" if name == "A" else "[B, T, N]")
+        if tuple(x.shape) != expected[name] or x.device != u.device:
+            raise ValueError(f"{name}: expected {list(expected[name])} (of u's B, T, C and A's N) on {u.device}, got {list(x.shape)} on {x.device}")
+    if cu_seqlens is not None:
+        check_index("cu_seqlens", cu_seqlens, 1, "[n_docs + 1]")
+        if B != 1:
+            raise ValueError(f"cu_seqlens: packed documents need one batch row (B = 1), got B = {B}")
+    if initial_state is not None:
+        check_float("initial_state", initial_state, 3, f"[B, C, N] = {[B, C, N]}")
+        if tuple(initial_state.shape) != (B, C, N) or initial_state.device != u.device:
+            raise ValueError(f"initial_state: expected {[B, C, N]} on {u.device}, got {list(initial_state.shape)} on {initial_state.device}")
+
+
+def _as_linear_attention(u, dt, A, b, c):
+    """selective_scan's arguments as gated_linear_attention's: q = c, k = b over every channel (a
+    head each), v = u [B, T, C, 1], g = dt A [B, T, C, N]."""
+    B, T, C = u.shape
+    N = A.shape[1]
+    q, k = (t.float()[:, :, None, :].expand(B, T, C, N) for t in (c, b))
+    return q, k, u.float()[..., None], dt.float()[..., None] * A.float()
+
+
+def selective_scan(u, dt, A, b, c, cu_seqlens=None, *, initial_state=None, final_state: bool = False, chunk_size: int = 64,
+                   impl: str = "auto"):
+    """Mamba-1's selective scan over packed documents (module docstring).
+
+    Args:
+        u: [B, T, C] each token's input to each channel's state (Mamba's convolved x times dt).
+        dt: [B, T, C] each token's step per channel (> 0: softplus of its projection).
+        A: [C, N] the continuous decay rates (<= 0: Mamba's -exp(A_log)).
+        b, c: [B, T, N] the state's write and read vectors, shared by every channel.
+        cu_seqlens: None (each batch row one document), or [n + 1] int document bounds 0 ... T
+            of the packed documents of the one row (B = 1); values not read on the host.
+        initial_state: None (zeros), or [B, C, N]: the state before row b's first token.
+        final_state: also return the state after each row's last token, [B, C, N] float32.
+        chunk_size: the torch path's chunk (fmoe.ops.gated_linear_attention's).
+        impl: "auto" (the scan kernels on CUDA, torch elsewhere), "triton" or "torch".
+    Returns:
+        y [B, T, C] float32, and with final_state the state [B, C, N] float32.
+
+    Example: y = selective_scan(x * dt, dt, -A_log.exp(), b, c, cu_seqlens) + D * x
+    """
+    _check(u, dt, A, b, c, cu_seqlens, initial_state)
+    B, T, C = u.shape
+    N = A.shape[1]
+    if use_triton(impl, u) and T > 0:
+        h0 = torch.zeros(B, C, N, device=u.device) if initial_state is None else initial_state.float().contiguous()
+        y, hT, _ = _scan_kernel(*(t.float().contiguous() for t in (u, dt, A, b, c)), _starts(cu_seqlens, B, T, u.device), h0)
+        return (y, hT) if final_state else y
+    state = None if initial_state is None else initial_state[..., None]
+    out = gated_linear_attention(*_as_linear_attention(u, dt, A, b, c), cu_seqlens, scale=1.0, initial_state=state, final_state=final_state,
+                                 chunk_size=chunk_size, impl=impl)
+    return (out[0][..., 0], out[1][..., 0]) if final_state else out[..., 0]
+
+
+def selective_scan_loop(u, dt, A, b, c, cu_seqlens=None, *, initial_state=None, final_state: bool = False):
+    """selective_scan token by token (gated_linear_attention_loop's form): its definition."""
+    _check(u, dt, A, b, c, cu_seqlens, initial_state)
+    state = None if initial_state is None else initial_state.float()[..., None]
+    out = gated_linear_attention_loop(*_as_linear_attention(u, dt, A, b, c), cu_seqlens, scale=1.0, initial_state=state, final_state=final_state)
+    return (out[0][..., 0], out[1][..., 0]) if final_state else out[..., 0]
