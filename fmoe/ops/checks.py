@@ -67,6 +67,20 @@ def check_index(name: str, x: torch.Tensor, ndim: int, shape_doc: str) -> None:
         raise ValueError(f"{name}: expected dtype int32 or int64, got {x.dtype}")
 
 
+def check_rows_and_state(cu_seqlens, B: int, initial_state, shape: tuple, shape_doc: str, device) -> None:
+    """The packed documents and the state a recurrence over documents starts from (the gated
+    delta rule's, the selective scan's): cu_seqlens None or int [n_docs + 1] with one batch row
+    (B = 1); initial_state None or a float tensor of `shape` (shape_doc: its letters) on device."""
+    if cu_seqlens is not None:
+        check_index("cu_seqlens", cu_seqlens, 1, "[n_docs + 1]")
+        if B != 1:
+            raise ValueError(f"cu_seqlens: packed documents need one batch row (B = 1), got B = {B}")
+    if initial_state is not None:
+        check_float("initial_state", initial_state, len(shape), f"{shape_doc} = {list(shape)}")
+        if tuple(initial_state.shape) != tuple(shape) or initial_state.device != device:
+            raise ValueError(f"initial_state: expected {list(shape)} on {device}, got {list(initial_state.shape)} on {initial_state.device}")
+
+
 def check_token_mask(name: str, mask, n_tokens: int) -> None:
     """mask: None, or a bool tensor [n_tokens] (True: a token that counts)."""
     if mask is None:

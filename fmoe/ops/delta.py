@@ -67,7 +67,7 @@ import triton
 import triton.language as tl
 
 from fmoe.ops.backend import next_pow2, use_triton
-from fmoe.ops.checks import check_float, check_index, check_positive_int
+from fmoe.ops.checks import check_float, check_positive_int, check_rows_and_state
 from fmoe.ops.packed import sequence_ids
 
 
@@ -98,15 +98,7 @@ def _check(q, k, v, g, beta, cu_seqlens, scale, initial_state) -> float:
             raise ValueError(f"{name}: expected shape {list(expected[name])} ({docs[name]} of q's B, T, N, Dk), got {list(x.shape)}")
         if x.device != q.device:
             raise ValueError(f"{name}: expected q's device {q.device}, got {x.device}")
-    if cu_seqlens is not None:
-        check_index("cu_seqlens", cu_seqlens, 1, "[n_docs + 1]")
-        if B != 1:
-            raise ValueError(f"cu_seqlens: packed documents need one batch row (B = 1), got B = {B}")
-    if initial_state is not None:
-        shape = (B, N, Dk, v.shape[-1])
-        check_float("initial_state", initial_state, 4, f"[B, N, Dk, Dv] = {list(shape)}")
-        if tuple(initial_state.shape) != shape or initial_state.device != q.device:
-            raise ValueError(f"initial_state: expected {list(shape)} on {q.device}, got {list(initial_state.shape)} on {initial_state.device}")
+    check_rows_and_state(cu_seqlens, B, initial_state, (B, N, Dk, v.shape[-1]), "[B, N, Dk, Dv]", q.device)
     if scale is None:
         return Dk ** -0.5
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < float("inf"):

@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from fmoe.ops.backend import next_pow2, use_triton
-from fmoe.ops.checks import check_float, check_index
+from fmoe.ops.checks import check_float, check_rows_and_state
 from fmoe.ops.delta import gated_linear_attention, gated_linear_attention_loop
 from fmoe.ops.packed import sequence_ids
 
@@ -63,23 +63,36 @@ def _starts(cu_seqlens: Optional[torch.Tensor], B: int, T: int, device) -> torch
 
 
 @triton.jit
-def _scan_fwd_kernel(u_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, start_ptr, h0_ptr, y_ptr, hT_ptr, ckpt_ptr, T, C, N, M,
-                     K: tl.constexpr, BC: tl.constexpr, BN: tl.constexpr):
-    pid_c, row = tl.program_id(0), tl.program_id(1)
+def _channels(pid_c, C, N, BC: tl.constexpr, BN: tl.constexpr):
+    """A program's block of channels: their indices, the state channels', both masks, the
+    [BC, BN] tile's mask and its offsets into a [C, N]."""
     cs = pid_c * BC + tl.arange(0, BC)
     ns = tl.arange(0, BN)
     mask_c, mask_n = cs < C, ns < N
-    mask = mask_c[:, None] & mask_n[None, :]
-    tile = cs[:, None] * N + ns[None, :]  # [BC, BN] offsets into a [C, N]
+    return cs, ns, mask_c, mask_n, mask_c[:, None] & mask_n[None, :], cs[:, None] * N + ns[None, :]
+
+
+@triton.jit
+def _token(u_ptr, dt_ptr, b_ptr, start_ptr, row, t, T, C, N, cs, ns, mask_c, mask_n):
+    """Token t's keep (0 at a document's start, else 1), dt and u of the block's channels, and b."""
+    keep = 1.0 - tl.load(start_ptr + row * T + t)
+    dt = tl.load(dt_ptr + (row * T + t) * C + cs, mask=mask_c, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + (row * T + t) * C + cs, mask=mask_c, other=0.0).to(tl.float32)
+    bv = tl.load(b_ptr + (row * T + t) * N + ns, mask=mask_n, other=0.0).to(tl.float32)
+    return keep, dt, u, bv
+
+
+@triton.jit
+def _scan_fwd_kernel(u_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, start_ptr, h0_ptr, y_ptr, hT_ptr, ckpt_ptr, T, C, N, M,
+                     K: tl.constexpr, BC: tl.constexpr, BN: tl.constexpr):
+    pid_c, row = tl.program_id(0), tl.program_id(1)
+    cs, ns, mask_c, mask_n, mask, tile = _channels(pid_c, C, N, BC, BN)
     A = tl.load(a_ptr + tile, mask=mask, other=0.0)
     h = tl.load(h0_ptr + row * C * N + tile, mask=mask, other=0.0)
     for t in range(T):
         if t % K == 0:  # the state before token t: checkpoint t // K
             tl.store(ckpt_ptr + (row * M + t // K) * C * N + tile, h, mask=mask)
-        keep = 1.0 - tl.load(start_ptr + row * T + t)
-        dt = tl.load(dt_ptr + (row * T + t) * C + cs, mask=mask_c, other=0.0).to(tl.float32)
-        u = tl.load(u_ptr + (row * T + t) * C + cs, mask=mask_c, other=0.0).to(tl.float32)
-        bv = tl.load(b_ptr + (row * T + t) * N + ns, mask=mask_n, other=0.0).to(tl.float32)
+        keep, dt, u, bv = _token(u_ptr, dt_ptr, b_ptr, start_ptr, row, t, T, C, N, cs, ns, mask_c, mask_n)
         cv = tl.load(c_ptr + (row * T + t) * N + ns, mask=mask_n, other=0.0).to(tl.float32)
         h = tl.exp(dt[:, None] * A) * (h * keep) + u[:, None] * bv[None, :]
         tl.store(y_ptr + (row * T + t) * C + cs, tl.sum(h * cv[None, :], axis=1), mask=mask_c)
@@ -91,11 +104,7 @@ def _scan_bwd_kernel(u_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, start_ptr, ckpt_ptr, dy
                      du_ptr, ddt_ptr, db_ptr, dc_ptr, da_ptr, dh0_ptr, T, C, N, M, n_blocks,
                      K: tl.constexpr, BC: tl.constexpr, BN: tl.constexpr):
     pid_c, row = tl.program_id(0), tl.program_id(1)
-    cs = pid_c * BC + tl.arange(0, BC)
-    ns = tl.arange(0, BN)
-    mask_c, mask_n = cs < C, ns < N
-    mask = mask_c[:, None] & mask_n[None, :]
-    tile = cs[:, None] * N + ns[None, :]
+    cs, ns, mask_c, mask_n, mask, tile = _channels(pid_c, C, N, BC, BN)
     local = tl.arange(0, BC)[:, None] * BN + ns[None, :]  # [BC, BN] offsets into this program's scratch rows
     scratch = scratch_ptr + (row * n_blocks + pid_c) * K * BC * BN
     partial = (row * n_blocks + pid_c) * T  # this program's rows of db's and dc's channel sums [B, n_blocks, T, N]
@@ -109,20 +118,14 @@ def _scan_bwd_kernel(u_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, start_ptr, ckpt_ptr, dy
         for j in range(K):  # the chunk's states, recomputed from its checkpoint
             t = t0 + j
             if t < T:
-                keep = 1.0 - tl.load(start_ptr + row * T + t)
-                dt = tl.load(dt_ptr + (row * T + t) * C + cs, mask=mask_c, other=0.0).to(tl.float32)
-                u = tl.load(u_ptr + (row * T + t) * C + cs, mask=mask_c, other=0.0).to(tl.float32)
-                bv = tl.load(b_ptr + (row * T + t) * N + ns, mask=mask_n, other=0.0).to(tl.float32)
+                keep, dt, u, bv = _token(u_ptr, dt_ptr, b_ptr, start_ptr, row, t, T, C, N, cs, ns, mask_c, mask_n)
                 h = tl.exp(dt[:, None] * A) * (h * keep) + u[:, None] * bv[None, :]
                 tl.store(scratch + j * BC * BN + local, h)
         for jj in range(K):  # back through the chunk
             j = K - 1 - jj
             t = t0 + j
             if t < T:
-                keep = 1.0 - tl.load(start_ptr + row * T + t)
-                dt = tl.load(dt_ptr + (row * T + t) * C + cs, mask=mask_c, other=0.0).to(tl.float32)
-                u = tl.load(u_ptr + (row * T + t) * C + cs, mask=mask_c, other=0.0).to(tl.float32)
-                bv = tl.load(b_ptr + (row * T + t) * N + ns, mask=mask_n, other=0.0).to(tl.float32)
+                keep, dt, u, bv = _token(u_ptr, dt_ptr, b_ptr, start_ptr, row, t, T, C, N, cs, ns, mask_c, mask_n)
                 cv = tl.load(c_ptr + (row * T + t) * N + ns, mask=mask_n, other=0.0).to(tl.float32)
                 dy = tl.load(dy_ptr + (row * T + t) * C + cs, mask=mask_c, other=0.0).to(tl.float32)
                 h = tl.load(scratch + j * BC * BN + local)
@@ -220,14 +223,7 @@ def _check(u, dt, A, b, c, cu_seqlens, initial_state) -> None:
         check_float(name, x, len(expected[name]), "[B, T, C]" if name == "dt" else "[C, N]" if name == "A" else "[B, T, N]")
         if tuple(x.shape) != expected[name] or x.device != u.device:
             raise ValueError(f"{name}: expected {list(expected[name])} (of u's B, T, C and A's N) on {u.device}, got {list(x.shape)} on {x.device}")
-    if cu_seqlens is not None:
-        check_index("cu_seqlens", cu_seqlens, 1, "[n_docs + 1]")
-        if B != 1:
-            raise ValueError(f"cu_seqlens: packed documents need one batch row (B = 1), got B = {B}")
-    if initial_state is not None:
-        check_float("initial_state", initial_state, 3, f"[B, C, N] = {[B, C, N]}")
-        if tuple(initial_state.shape) != (B, C, N) or initial_state.device != u.device:
-            raise ValueError(f"initial_state: expected {[B, C, N]} on {u.device}, got {list(initial_state.shape)} on {initial_state.device}")
+    check_rows_and_state(cu_seqlens, B, initial_state, (B, C, N), "[B, C, N]", u.device)
 
 
 def _as_linear_attention(u, dt, A, b, c):
