@@ -5,6 +5,7 @@
     .venv/bin/python benchmarks/bench_train_step.py --fp8            # fp8 GEMMs (--model.fp8) against bf16
     .venv/bin/python benchmarks/bench_train_step.py --model dsa      # DeepSeek-V3.2's attention on the large model
     .venv/bin/python benchmarks/bench_train_step.py --model falcon_h1   # Falcon-H1's parallel hybrid blocks on the large model
+    .venv/bin/python benchmarks/bench_train_step.py --model jamba       # Jamba's blocks (Mamba-1 mixers, the scan kernels) on the large model
     .venv/bin/python benchmarks/bench_train_step.py --smoke          # CPU + Triton interpreter, tiny model
     .venv/bin/python benchmarks/bench_train_step.py --impls "fmoe compiled"   # only the implementations named
 
@@ -30,6 +31,10 @@ depth):
            gated, without a norm, as the released Falcon-H1 models) beside the attention,
            their outputs summed (parallel_hybrid): the SSD kernels (fmoe.ops.gated_linear_attention)
            in a whole step; its FLOPs count both mixers.
+    jamba  the large model with Jamba's blocks: Mamba-1 mixers (4096 channels, a state of 16
+           each, dt of rank 128, dt, B and C RMS-normed) in 7 of the 8 blocks, NoPE attention in
+           block 4, the MoE in every second block, a dense MLP in the others: the selective
+           scan's kernels (fmoe.ops.selective_scan) in a whole step.
 One step: forward and backward of a packed micro-batch of 16384 tokens (documents of random
 lengths), the balancing losses, clipping and an AdamW step (bf16 states), the clip's factor
 taken by the AdamW kernel (step(grad_factor=...)) as examples/train_moe.py does: on the
@@ -93,14 +98,22 @@ DSA = dataclasses.replace(LARGE, n_kv_heads=16, head_dim=192, rope_dim=64, q_ran
 # beside the attention in every block
 FALCON_H1 = dataclasses.replace(LARGE, linear_layers=tuple(range(LARGE.n_layers)), linear_kind="mamba2", linear_k_heads=1, linear_v_heads=32,
                                 linear_k_dim=128, linear_v_dim=64, linear_conv=4, linear_gate_norm="none", parallel_hybrid=True)
-MODELS = {"large": LARGE, "small": SMALL, "dsa": DSA, "falcon_h1": FALCON_H1}
+# the large model with Jamba's blocks: Mamba-1 mixers (4096 channels, a state of 16 each; dt, B and C normed) in 7 of the 8
+# blocks, NoPE attention in block 4, the MoE in every second block (softmax top-k not renormalised), a dense MLP between
+JAMBA = dataclasses.replace(LARGE, linear_layers=(0, 1, 2, 3, 5, 6, 7), linear_kind="mamba1", linear_k_heads=1, linear_v_heads=4096,
+                            linear_k_dim=16, linear_v_dim=1, linear_conv=4, linear_dt_bc_norm="rms", nope_layers=(4,), moe_layers=(1, 3, 5, 7), score="softmax",
+                            pre_softmax=True, expert_bias=False)
+MODELS = {"large": LARGE, "small": SMALL, "dsa": DSA, "falcon_h1": FALCON_H1, "jamba": JAMBA}
 SMOKE = TransformerConfig(vocab_size=64, hidden=16, n_layers=2, n_dense=1, ffn_dense=64, n_experts=4, k=2,
                           ffn_expert=16, n_shared=1, n_heads=2, n_kv_heads=1, head_dim=16, mtp_depth=1)
 SMOKE_DSA = dataclasses.replace(SMOKE, n_kv_heads=2, head_dim=12, rope_dim=4, q_rank=8, kv_rank=6, v_head_dim=5, index_topk=4, index_heads=2,
                                 index_head_dim=6)
 SMOKE_FALCON_H1 = dataclasses.replace(SMOKE, linear_layers=(0, 1), linear_kind="mamba2", linear_k_heads=1, linear_v_heads=2, linear_k_dim=8,
                                       linear_v_dim=8, linear_conv=4, linear_gate_norm="none", parallel_hybrid=True)
-SMOKES = {"dsa": SMOKE_DSA, "falcon_h1": SMOKE_FALCON_H1}  # --smoke's tiny model of each --model (the others: SMOKE)
+SMOKE_JAMBA = dataclasses.replace(SMOKE, linear_layers=(0,), linear_kind="mamba1", linear_k_heads=1, linear_v_heads=32, linear_k_dim=4,
+                                  linear_v_dim=1, linear_conv=4, linear_dt_bc_norm="rms", nope_layers=(1,), score="softmax", pre_softmax=True,
+                                  expert_bias=False)
+SMOKES = {"dsa": SMOKE_DSA, "falcon_h1": SMOKE_FALCON_H1, "jamba": SMOKE_JAMBA}  # --smoke's tiny model of each --model (the others: SMOKE)
 
 
 def make_batch(cfg: TransformerConfig, T: int, device):
@@ -148,7 +161,7 @@ def host_syncs(step, fwd_bwd, device) -> tuple[int, int]:
 def main() -> None:
     def add_arguments(parser):
         parser.add_argument("--model", choices=sorted(MODELS), default="large",
-                            help="the model on CUDA (default: large; dsa, falcon_h1: with --smoke, a tiny model of the same kind)")
+                            help="the model on CUDA (default: large; dsa, falcon_h1, jamba: with --smoke, a tiny model of the same kind)")
         parser.add_argument("--fp8", action="store_true", help="time the fp8 model (compiled, and with fp8_fast_accum) beside the compiled bf16 one")
         parser.add_argument("--impls", default=None,
                             help="comma-separated implementations to time, e.g. 'fmoe compiled' (default: all)")

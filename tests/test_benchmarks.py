@@ -152,19 +152,21 @@ def test_bench_train_step_refuses_an_unknown_implementation(tmp_path):
     assert not list(tmp_path.glob("*.csv"))
 
 
-def test_bench_train_step_times_falcon_h1_s_parallel_hybrid_model(tmp_path):
-    """--model falcon_h1 with --smoke: the tiny model of its kind (a Mamba-2 mixer beside the
-    attention in both blocks), eager, makes no host sync in its step; its row counts the
-    model's parameters and FLOPs (both mixers': tests/train/test_metrics.py) beside the
-    default smoke model's."""
+@pytest.mark.parametrize("kind", ["falcon_h1", "jamba"])
+def test_bench_train_step_times_the_hybrid_models(kind, tmp_path):
+    """--model falcon_h1 (a Mamba-2 mixer beside the attention in both blocks) and jamba (a
+    Mamba-1 mixer in block 0, the scan's kernels through the interpreter) with --smoke: the
+    tiny model of its kind, eager, makes no host sync in its step; its row counts the model's
+    parameters and FLOPs (the mixers': tests/train/test_metrics.py) beside the default smoke
+    model's."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     rows = {}
-    for model in ("falcon_h1", "large"):
+    for model in (kind, "large"):
         out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_train_step.py"), "--smoke", "--model", model, "--out", str(tmp_path / model),
                               "--impls", "fmoe eager"], capture_output=True, text=True, env=env, timeout=300)
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
         (rows[model],) = list(csv.DictReader(open(tmp_path / model / "bench_train_step.csv")))
-    hybrid, plain = rows["falcon_h1"], rows["large"]  # --smoke: the tiny models (SMOKE_FALCON_H1, SMOKE)
+    hybrid, plain = rows[kind], rows["large"]  # --smoke: the tiny models (SMOKE_FALCON_H1 or SMOKE_JAMBA, SMOKE)
     assert hybrid["impl"] == "fmoe eager" and int(hybrid["syncs/step"]) == 0 and int(hybrid["fwd+bwd reads"]) == 0
     assert int(hybrid["params"]) > int(plain["params"]) and float(hybrid["flops_per_token"]) > float(plain["flops_per_token"])
