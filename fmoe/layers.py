@@ -2249,9 +2249,10 @@ def _mamba1(x, params, cfg: LinearAttentionConfig, cu, split, states, mm, heads_
                      for t, n in ((r, "dt_norm"), (bk, "b_norm"), (cq, "c_norm")))
     dt = F.softplus(mm(r, params["wa"]).float() + params["dt_bias"].float())  # [T, C]
     A, u = -params["A_log"].float().exp(), xc.float() * dt
-    if split is not None:  # context parallel: the chunked form of the scan across the split
-        q, k = (t.float()[:, None, :].expand(T, C, N).reshape(1, T, C, N) for t in (cq, bk))
-        o = _without_delta(q, k, u.reshape(1, T, C, 1), (dt[..., None] * A).reshape(1, T, C, N), cfg, cu, split, states)
+    if split is not None:  # context parallel: the scan across the split (fmoe.parallel.selective_scan_cp)
+        if not callable(getattr(split, "selective_scan", None)):
+            raise ValueError(f"ctx.linear_cp: mamba1 needs its selective_scan (fmoe.parallel.ContextParallel), got {type(split).__name__} without it")
+        o = split.selective_scan(u[None], dt[None], A, bk[None], cq[None], cu, chunk_size=cfg.chunk_size, impl=cfg.impl)
     else:  # the scan kernels on CUDA (fmoe.ops.selective_scan), its chunked form elsewhere
         view = lambda t: t.reshape(B, T // B, -1)  # noqa: E731
         o = selective_scan(view(u), view(dt), A, view(bk), view(cq), cu, chunk_size=cfg.chunk_size, impl=cfg.impl,

@@ -533,6 +533,8 @@ def test_argument_checks():
         class OldCP:  # a context-parallel exchange without the rule-free form
             token_index = conv_halo = gated_delta_rule = staticmethod(lambda *a, **k: None)
         linear_attention(x, light, LIGHT, dataclasses.replace(ctx, linear_cp=OldCP()))
+    with pytest.raises(ValueError, match=r"ctx.linear_cp: mamba1 needs its selective_scan \(fmoe.parallel.ContextParallel\), got OldCP without it"):
+        linear_attention(x, _params(MAMBA1), MAMBA1, dataclasses.replace(ctx, linear_cp=OldCP()))
     with pytest.raises(ValueError, match=r"cfg: expected a LinearAttentionConfig"):
         linear_attention(x, p, AttentionConfig(n_heads=1, n_kv_heads=1, head_dim=2), ctx)
     bad = LinearStates(torch.zeros(2, 2, 64), torch.zeros(2, 4, 8, 6))

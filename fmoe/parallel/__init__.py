@@ -25,6 +25,7 @@ collectives, DCP) arranged for MoE models. DESIGN.md "Parallelism".
     ContextCapacityDrop                the capacity drop of a MoE block over every cp rank's tokens
     gated_delta_rule_cp, conv_halo     Gated DeltaNet's rule and convolution across the split
     gated_linear_attention_cp          the rule without the delta (lightning attention) across it
+    selective_scan_cp                  Mamba-1's selective scan across it
     Pipeline, MicroBatch, StageModule, stage_layers, rank_stages, pipeline_chunk, attach_loss,
     SCHEDULES                          pipeline parallel on torch.distributed.pipelining: the
                                        split by layers, the stages, the schedules, the tied
@@ -43,6 +44,7 @@ from fmoe.parallel.context import (
     gated_delta_rule_cp,
     gated_linear_attention_cp,
     gather_kv,
+    selective_scan_cp,
     split_batch,
 )
 from fmoe.parallel.expert import (
@@ -118,6 +120,7 @@ __all__ = [
     "cp_token_index",
     "gated_delta_rule_cp",
     "gated_linear_attention_cp",
+    "selective_scan_cp",
     "gather_kv",
     "split_batch",
     "dispatch",

@@ -14,6 +14,8 @@ the split by an all-gather of K and V. DESIGN.md "Parallelism".
                                          the gated delta rule across the split (exact)
     gated_linear_attention_cp(q, k, v, g, cu_seqlens, cp_mesh) -> o [1, T/cp, N, Dv]
                                          the same without the rule (lightning attention)
+    selective_scan_cp(u, dt, A, b, c, cu_seqlens, cp_mesh) -> y [1, T/cp, C]
+                                         Mamba-1's scan across the split (exact)
 
 One rank's attention, step by step (fmoe.layers.attention does 2-4 when its context has CP):
 
@@ -95,6 +97,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from fmoe.ops.checks import check_index, check_positive_int
 from fmoe.ops.delta import gated_delta_rule, gated_linear_attention
 from fmoe.ops.routing import Routes
+from fmoe.ops.scan import selective_scan
 from fmoe.parallel.tensor import drop_by_capacity_over_ranks, gather_rows
 
 __all__ = ["ContextParallel", "ContextCapacityDrop", "conv_halo", "cp_kv_index", "cp_token_index", "gated_delta_rule_cp", "gather_kv", "split_batch"]
@@ -348,6 +351,57 @@ def gated_linear_attention_cp(q, k, v, g, cu_seqlens, cp_mesh: DeviceMesh, *, sc
     return _rule_cp(q, k, v, g, None, cu_seqlens, cp_mesh, scale=scale, chunk_size=chunk_size, impl=impl)
 
 
+def selective_scan_cp(u, dt, A, b, c, cu_seqlens, cp_mesh: DeviceMesh, *, chunk_size: int = 64, impl: str = "auto") -> torch.Tensor:
+    """fmoe.ops.selective_scan (Mamba-1's scan) over a context-parallel split: this rank's
+    outputs of the scan over the whole packed micro-batch, exact (to float32 rounding), no
+    host sync.
+
+    The state is diagonal-linear in the state a chunk starts from: after a chunk, h_end =
+    B + A * h_start elementwise, B the chunk's end state from h_start = 0 and A the product
+    of its decays, exp(A sum dt) per channel and state channel (0 where a document starts
+    inside the chunk). Each rank scans its two chunks from 0 (their B), all-gathers every
+    chunk's (B, A) once ([2 cp, 2, C, N]), runs the short scan of the states the chunks start
+    from (0 where a document starts at a chunk's first token), then scans its chunks again
+    from those states: their outputs. The backward runs back through both scans and the
+    gather (a reduce-scatter). With the scan's kernels the memory stays O(T/cp C) (no
+    chunk pairs).
+
+    Args:
+        u, dt: [1, T/cp, C]; A: [C, N]; b, c: [1, T/cp, N]: this rank's tokens, its head
+            chunk then its tail chunk (split_batch's order).
+        cu_seqlens: [n + 1] the WHOLE micro-batch's document bounds (split_batch keeps them).
+        cp_mesh: the cp axis (1-D). chunk_size, impl: selective_scan's.
+    Returns:
+        y [1, T/cp, C] float32: rows token_index of the scan over the whole batch.
+    """
+    _check_cp_mesh(cp_mesh)
+    check_index("cu_seqlens", cu_seqlens, 1, "[n_docs + 1]")
+    if not isinstance(u, torch.Tensor) or u.ndim != 3 or u.shape[0] != 1:
+        raise ValueError(f"u: expected this rank's [1, T/cp, C], got {getattr(u, 'shape', type(u).__name__)}")
+    L = _halves("u", u.shape[1])
+    cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
+    cu = cu_seqlens.long()
+    chunks = (rank, 2 * cp - 1 - rank)
+    rows = [slice(slot * L, (slot + 1) * L) for slot in range(2)]
+    local = [(cu - chunk * L).clamp(0, L) for chunk in chunks]  # each chunk's document bounds
+    ends = []
+    for chunk, r, bounds in zip(chunks, rows, local):
+        _, end = selective_scan(u[:, r], dt[:, r], A, b[:, r], c[:, r], bounds, final_state=True, chunk_size=chunk_size, impl=impl)
+        inside = ((cu > chunk * L) & (cu < (chunk + 1) * L)).any()  # a document starts inside: the end forgets the start
+        decay = torch.where(inside, 0.0, (dt[0, r].float().sum(0)[:, None] * A.float()).exp())  # [C, N]
+        ends.append(torch.stack([end[0], decay]))
+    every = (torch.stack(ends) if cp == 1 else _gather(torch.stack(ends), cp_mesh))[_chunk_rows(cp)]  # [2 cp, 2, C, N] chunk order
+    starts_document = (cu[None, :] == torch.arange(2 * cp, device=cu.device)[:, None] * L).any(1)  # [2 cp]
+    state, starts = torch.zeros_like(every[0, 0]), {}
+    for chunk in range(2 * cp - rank):  # up to this rank's tail chunk
+        state = torch.where(starts_document[chunk], 0.0, state)
+        starts[chunk] = state
+        state = every[chunk, 0] + every[chunk, 1] * state
+    y = [selective_scan(u[:, r], dt[:, r], A, b[:, r], c[:, r], bounds, initial_state=starts[chunk][None], chunk_size=chunk_size, impl=impl)
+         for chunk, r, bounds in zip(chunks, rows, local)]
+    return torch.cat(y, 1)
+
+
 def _rule_chunks(q, k, v, g, beta, cu_seqlens, cp: int, rank: int, **kwargs):
     """The rule over each of rank `rank`'s two chunks, widened (gated_delta_rule_cp):
     (outputs [1, L, N, Dv + Dk] float32 of each chunk, ends [2, N, Dk, Dv + Dk]: B | A)."""
@@ -427,6 +481,10 @@ class ContextParallel:
     def gated_linear_attention(self, q, k, v, g, cu_seqlens, **kwargs) -> torch.Tensor:
         """gated_linear_attention_cp over this object's cp mesh: o [1, T/cp, N, Dv]."""
         return gated_linear_attention_cp(q, k, v, g, cu_seqlens, self.mesh, **kwargs)
+
+    def selective_scan(self, u, dt, A, b, c, cu_seqlens, **kwargs) -> torch.Tensor:
+        """selective_scan_cp over this object's cp mesh: y [1, T/cp, C]."""
+        return selective_scan_cp(u, dt, A, b, c, cu_seqlens, self.mesh, **kwargs)
 
 
 class ContextCapacityDrop:

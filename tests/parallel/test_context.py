@@ -16,7 +16,9 @@ import torch.distributed as dist
 
 from fmoe.layers import AttentionConfig, LinearAttentionConfig, attention, attention_context, linear_attention, linear_attention_shapes
 from fmoe.ops import gated_delta_rule, gated_linear_attention
-from fmoe.parallel import ContextParallel, cp_kv_index, cp_token_index, gated_delta_rule_cp, gated_linear_attention_cp, gather_kv, split_batch
+from fmoe.ops.scan import selective_scan_loop
+from fmoe.parallel import (ContextParallel, cp_kv_index, cp_token_index, gated_delta_rule_cp, gated_linear_attention_cp, gather_kv, selective_scan_cp,
+                           split_batch)
 from fmoe.train.data import make_batch
 from tests.parallel.dist import run_distributed
 
@@ -164,6 +166,20 @@ def _linear_case(mesh, cp, cp_rank, cu, seed):
     o = gated_delta_rule_cp(*rule_in, batch["cu_seqlens"], mesh, chunk_size=2)
     o.backward(o_up[:, index])
 
+    # Mamba-1's scan alone (its kernels, through the interpreter): u, dt, A, b, c of the whole batch, each rank's rows; A
+    # is every rank's, its gradient summed over the ranks
+    C, Ns = 5, 3
+    scan = [torch.randn(1, T, C, generator=gen), 0.05 + 0.5 * torch.rand(1, T, C, generator=gen), -0.5 - 3 * torch.rand(C, Ns, generator=gen),
+            torch.randn(1, T, Ns, generator=gen), torch.randn(1, T, Ns, generator=gen)]
+    ref_scan = [t.clone().requires_grad_() for t in scan]
+    ref_y = selective_scan_loop(*ref_scan, batch["cu_seqlens"])
+    y_up = torch.randn(1, T, C, generator=gen)
+    ref_y.backward(y_up)
+    scan_in = [(t if t.ndim == 2 else t[:, index]).clone().requires_grad_() for t in scan]
+    y_scan = selective_scan_cp(*scan_in, batch["cu_seqlens"], mesh, impl="triton")
+    y_scan.backward(y_up[:, index])
+    dist.all_reduce(scan_in[2].grad, group=mesh.get_group())
+
     # a plain CP context (softmax attention's three arguments only) is refused, not run per rank
     plain = attention_context(local["cu_seqlens"], local["positions"], CFG, token_index=index, kv_index=cp_kv_index(T, cp),
                               gather_kv=functools.partial(gather_kv, cp_mesh=mesh))
@@ -174,7 +190,8 @@ def _linear_case(mesh, cp, cp_rank, cu, seed):
         refused = str(err)
     return dict(
         out, o=o.detach(), ref_o=ref_o.detach()[:, index], rule_grads=[t.grad for t in rule_in], ref_rule_grads=[t.grad[:, index] for t in ref_in],
-        refused=refused,
+        refused=refused, scan_y=y_scan.detach(), ref_scan_y=ref_y.detach()[:, index], scan_grads=[t.grad for t in scan_in],
+        ref_scan_grads=[t.grad if t.ndim == 2 else t.grad[:, index] for t in ref_scan],
     )
 
 
@@ -255,6 +272,9 @@ def test_linear_attention_over_cp_ranks_equals_one_process(cp_results, name):
         assert r["host_reads"] == 0, rank  # context, convolution, rule and backward: no host sync
         assert _rel(r["o"], r["ref_o"]) < 1e-5, (rank, _rel(r["o"], r["ref_o"]))
         for name_, got, want in zip("q k v g beta".split(), r["rule_grads"], r["ref_rule_grads"]):
+            assert _rel(got, want) < 1e-5, (rank, name_, _rel(got, want))
+        assert _rel(r["scan_y"], r["ref_scan_y"]) < 1e-5, (rank, _rel(r["scan_y"], r["ref_scan_y"]))  # Mamba-1's scan
+        for name_, got, want in zip("u dt A b c".split(), r["scan_grads"], r["ref_scan_grads"]):
             assert _rel(got, want) < 1e-5, (rank, name_, _rel(got, want))
         assert "without linear_cp" in r["refused"]
     # the ranks' outputs differ: each holds its own rows
