@@ -2240,6 +2240,8 @@ def _mamba1(x, params, cfg: LinearAttentionConfig, cu, split, states, mm, heads_
     over every rank's channels in one collective."""
     T, C, N = x.shape[0], cfg.n_v_heads, cfg.k_head_dim
     B = 1 if states is None else states.conv.shape[0]
+    if split is not None and not callable(getattr(split, "selective_scan", None)):
+        raise ValueError(f"ctx.linear_cp: mamba1 needs its selective_scan (fmoe.parallel.ContextParallel), got {type(split).__name__} without it")
     xc = _one_conv(mm(x, params["wv"]), params["conv_v"], cu, split, states, silu=True, bias=params["conv_v_bias"])  # [T, C]
     r, bk, cq = (mm(xc, params[n]) for n in ("wdt", "wk", "wq"))
     if heads_sum is not None:
@@ -2250,8 +2252,6 @@ def _mamba1(x, params, cfg: LinearAttentionConfig, cu, split, states, mm, heads_
     dt = F.softplus(mm(r, params["wa"]).float() + params["dt_bias"].float())  # [T, C]
     A, u = -params["A_log"].float().exp(), xc.float() * dt
     if split is not None:  # context parallel: the scan across the split (fmoe.parallel.selective_scan_cp)
-        if not callable(getattr(split, "selective_scan", None)):
-            raise ValueError(f"ctx.linear_cp: mamba1 needs its selective_scan (fmoe.parallel.ContextParallel), got {type(split).__name__} without it")
         o = split.selective_scan(u[None], dt[None], A, bk[None], cq[None], cu, chunk_size=cfg.chunk_size, impl=cfg.impl)
     else:  # the scan kernels on CUDA (fmoe.ops.selective_scan), its chunked form elsewhere
         view = lambda t: t.reshape(B, T // B, -1)  # noqa: E731
