@@ -10,7 +10,8 @@ exaone_moe, kolibri1, beam, axk2, dots1, minimax_m2, minimax, granitemoe, granit
 laguna, cohere2_moe, sarvam_moe, sarvam_mla, longcat_flash, bailing_hybrid, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, lara_mini, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
 mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe, gemma3, gemma4_text, gemma4), and the dense
 DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, helium, minicpm3, arcee, gemma, vaultgemma, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
-glm4, ernie4_5, lfm2, cohere, cohere2, bamba, falcon_h1, stablelm, qwen3_5_text (and qwen3_5's text model), nemotron, apertus, olmo_hybrid, jais2, glm: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
+glm4, ernie4_5, lfm2, cohere, cohere2, bamba, falcon_h1, stablelm, qwen3_5_text (and qwen3_5's text model), nemotron, apertus, olmo_hybrid, jais2, glm, internlm3,
+iquestcoder, ministral: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: OLMoE's q and k clamped after their norms, ...;
 the fields a config.json leaves out read at transformers' defaults, Family.defaults, and a
 family's own names for the fields the shared mappings read as those, Family.aliases)
@@ -301,6 +302,24 @@ def _dense(hf: dict, *, sliding: bool = False, mlp_bias: bool = False, **extra) 
 def _llama(hf: dict) -> dict:
     bias = bool(hf.get("attention_bias", False))  # on q, k, v and o
     return _dense(hf, qkv_bias=bias, o_bias=bias, mlp_bias=True)
+
+
+def _internlm3(hf: dict) -> dict:
+    """InternLM3 (internlm3, dense; internlm3-8b): Llama's model, its biases on q, k, v and o
+    (attention_bias, released as qkv_bias) and on the MLPs (mlp_bias, released as bias) one
+    setting: transformers refuses them apart, and so does this."""
+    if bool(hf.get("attention_bias", False)) != bool(hf.get("mlp_bias", False)):
+        raise ValueError(f"config.json: qkv_bias (attention_bias) = {hf.get('attention_bias')!r} beside bias (mlp_bias) = {hf.get('mlp_bias')!r} "
+                         "is not supported (InternLM3's attention and MLP biases are one setting)")
+    return _llama(hf)
+
+
+def _iquestcoder(hf: dict) -> dict:
+    """IQuest-Coder (iquestcoder, dense; IQuest-Coder-V1): Llama's model; clip_qkv and a sliding
+    window refused, as transformers refuses them."""
+    _refuse(hf, "clip_qkv", lambda v: v is None, "no clamp of q, k and v")
+    _refuse(hf, "use_sliding_window", lambda v: not v, "no sliding window")
+    return _llama(hf)
 
 
 def _jais2(hf: dict) -> dict:
@@ -2833,7 +2852,7 @@ _MINISTRAL3_ROPE = dict(rope_type="yarn", rope_theta=1e6, factor=16.0, original_
 # the dense families (no MoE block): fine-tuned as they are, or upcycled into an MoE (fmoe.train.upcycle)
 DENSE_FAMILIES = ("llama", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "youtu", "helium", "minicpm3", "arcee", "gemma", "vaultgemma", "gemma2", "gemma3_text", "lfm3", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
                   "phi3", "glm4", "ernie4_5", "lfm2", "cohere", "cohere2", "bamba", "falcon_h1", "stablelm", "qwen3_5_text", "nemotron", "apertus", "olmo_hybrid",
-                  "jais2", "glm")
+                  "jais2", "glm", "internlm3", "iquestcoder", "ministral")
 FAMILIES = {
     "mixtral": Family(_mixtral, "block_sparse_moe", ("w1", "w3", "w2"), "MixtralForCausalLM",
                       defaults=dict(num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1e6)),
@@ -3060,6 +3079,16 @@ FAMILIES = {
                    norms=("norm_attn_norm.norm_1", "norm_attn_norm.norm_2"), defaults=dict(d_model=2048, n_heads=16, n_layers=24, vocab_size=32000)),
     # the dense families (DENSE_FAMILIES), after the MoE ones
     "llama": Family(_llama, "mlp", _PROJ, "LlamaForCausalLM"),
+    # InternLM3 and IQuest-Coder: Llama's model under their own configs (transformers builds LlamaForCausalLM), InternLM3's
+    # biases named qkv_bias and bias in its released config.json
+    "internlm3": Family(_internlm3, "mlp", _PROJ, "LlamaForCausalLM", aliases=dict(attention_bias="qkv_bias", mlp_bias="bias"),
+                        defaults=dict(vocab_size=128512, hidden_size=4096, intermediate_size=10240, num_hidden_layers=48, num_attention_heads=32,
+                                      num_key_value_heads=2, head_dim=128, rms_norm_eps=1e-5)),
+    "iquestcoder": Family(_iquestcoder, "mlp", _PROJ, "LlamaForCausalLM",
+                          defaults=dict(vocab_size=76800, hidden_size=5120, intermediate_size=27648, num_hidden_layers=80, num_attention_heads=40,
+                                        num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5)),
+    # Ministral-8B (ministral): Mistral's blocks, each layer's window from layer_types (by default every layer slides)
+    "ministral": Family(_mistral, "mlp", _PROJ, "MinistralForCausalLM", defaults=dict(num_key_value_heads=8, sliding_window=4096)),
     "mistral": Family(_mistral, "mlp", _PROJ, "MistralForCausalLM", defaults=dict(num_key_value_heads=8, sliding_window=4096)),
     "ministral3": Family(_ministral3, "mlp", _PROJ, "Ministral3ForCausalLM",
                          defaults=dict(num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_parameters=_MINISTRAL3_ROPE)),
@@ -4495,6 +4524,13 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
             hf.update(layer_norm_eps=cfg.norm_eps, hidden_act="relu2", attention_bias=cfg.qkv_bias)
         elif model_type == "mistral":
             hf.update(sliding_window=cfg.window)
+        elif model_type == "ministral":  # each layer's window or none
+            hf.update(sliding_window=cfg.window, layer_types=_layer_types(cfg))
+        elif model_type in ("internlm3", "iquestcoder"):  # Llama's biases (InternLM3's on q, k, v and o and on the MLPs, or none)
+            if model_type == "internlm3" and cfg.qkv_bias != cfg.mlp_bias:
+                raise ValueError(f"model: InternLM3's attention and MLP biases are one setting; this model has qkv_bias = {cfg.qkv_bias}, "
+                                 f"mlp_bias = {cfg.mlp_bias}")
+            hf.update(attention_bias=cfg.qkv_bias)
         elif model_type == "ministral3":
             hf.update(sliding_window=cfg.window, rope_parameters=_ministral3_rope(cfg))
         elif model_type in ("olmo2", "hunyuan_v1_dense"):

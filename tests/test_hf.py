@@ -12,6 +12,7 @@ import json
 import math
 import pathlib
 import re
+import shutil
 
 import pytest
 import torch
@@ -33,6 +34,12 @@ FAMILIES = {
     # Jais 2: Llama's blocks with biased LayerNorms, MLPs without a gate (relu^2) and biases on every projection
     "jais2": lambda: transformers.Jais2Config(**COMMON, intermediate_size=40, bos_token_id=None, eos_token_id=None, pad_token_id=None),
     "mistral": lambda: transformers.MistralConfig(**COMMON, head_dim=8, intermediate_size=40, sliding_window=None),
+    # InternLM3 (Llama's model): biases on q, k, v, o and the MLPs, set by its own names; IQuest-Coder (Llama's model)
+    "internlm3": lambda: transformers.InternLM3Config(**COMMON, head_dim=8, intermediate_size=40, qkv_bias=True, bias=True, pad_token_id=None),
+    "iquestcoder": lambda: transformers.IQuestCoderConfig(**COMMON, head_dim=8, intermediate_size=40),
+    # Ministral-8B: a window of 4 in layers 0 and 2, layer 1 full
+    "ministral": lambda: transformers.MinistralConfig(**COMMON, head_dim=8, intermediate_size=40, sliding_window=4,
+                                                      layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
     # OLMo 2's post-norm blocks and whole-projection q/k norms; Granite's multipliers
     "olmo2": lambda: transformers.Olmo2Config(**COMMON, intermediate_size=40, pad_token_id=None, eos_token_id=None, bos_token_id=None),
     "granite": lambda: transformers.GraniteConfig(**COMMON, mlp_bias=True, intermediate_size=40, attention_multiplier=0.3, embedding_multiplier=2.0,
@@ -3558,6 +3565,37 @@ def test_mamba2_reads_every_layer_as_a_mixer_alone_with_its_dt_clamp(folders):
                             (dict(use_bias=True), r"use_bias = True is not supported")):
         with pytest.raises(ValueError, match=message):
             hf.FAMILIES["mamba2"].kwargs(dict(config, **change))
+
+
+def test_llama_s_model_under_internlm3_iquestcoder_and_ministral_configs(folders, tmp_path):
+    """InternLM3's released config.json names its biases qkv_bias and bias (one setting: apart,
+    refused on reading and on export); IQuest-Coder refuses clip_qkv and a sliding window, as
+    transformers does; Ministral's windows follow layer_types (by default every layer slides)."""
+    path, ref = folders["internlm3"]
+    config = json.loads((path / "config.json").read_text())
+    released = {k: v for k, v in config.items() if k not in ("attention_bias", "mlp_bias")}
+    released.update(qkv_bias=True, bias=True, architectures=["InternLM3ForCausalLM"])
+    (tmp_path / "released").mkdir()
+    (tmp_path / "released" / "config.json").write_text(json.dumps(released))
+    shutil.copy(path / "model.safetensors", tmp_path / "released")
+    model, cfg = hf.from_pretrained(tmp_path / "released", impl="torch")
+    assert cfg.qkv_bias and cfg.o_bias and cfg.mlp_bias
+    docs, ids, cu = _packed()
+    with torch.no_grad():
+        assert _rel(model.logits(ids, cu), _their_logits(ref, docs)) < 1e-5
+    with pytest.raises(ValueError, match=r"qkv_bias \(attention_bias\) = True beside bias \(mlp_bias\) = False is not supported"):
+        hf.FAMILIES["internlm3"].kwargs(dict(released, bias=False))
+    with pytest.raises(ValueError, match=r"model: InternLM3's attention and MLP biases are one setting; this model has qkv_bias = True, mlp_bias = False"):
+        hf.hf_config(dataclasses.replace(cfg, mlp_bias=False), "internlm3")
+    iquest = json.loads((folders["iquestcoder"][0] / "config.json").read_text())
+    for change, message in ((dict(clip_qkv=8.0), r"clip_qkv = 8.0 is not supported \(no clamp of q, k and v\)"),
+                            (dict(use_sliding_window=True), r"use_sliding_window = True is not supported \(no sliding window\)")):
+        with pytest.raises(ValueError, match=message):
+            hf.FAMILIES["iquestcoder"].kwargs(dict(iquest, **change))
+    ministral = json.loads((folders["ministral"][0] / "config.json").read_text())
+    assert TransformerConfig(**hf.FAMILIES["ministral"].kwargs(ministral)).window_layers == (0, 2)
+    every = TransformerConfig(**hf.FAMILIES["ministral"].kwargs({k: v for k, v in ministral.items() if k != "layer_types"}))
+    assert (every.window, every.window_layers) == (4, None)  # every layer
 
 
 @pytest.mark.parametrize("family", ["mamba", "falcon_mamba"])
