@@ -2233,9 +2233,9 @@ def _short_conv(x, params, cfg: LinearAttentionConfig, cu, split, states, mm) ->
 
 
 def _mamba1(x, params, cfg: LinearAttentionConfig, cu, split, states, mm, heads_sum) -> torch.Tensor:
-    """Mamba-1's mixer (linear_attention's kind "mamba1"): [T, H]. Each of its C channels is
-    a head of one value channel whose state of N = k_head_dim has a decay per state channel
-    (gated_linear_attention's decay per key channel), B and C shared by every channel; with
+    """Mamba-1's mixer (linear_attention's kind "mamba1"): [T, H]. Each of its C channels
+    keeps a state of N = k_head_dim with a decay per state channel, B and C shared by every
+    channel (fmoe.ops.selective_scan; selective_scan_cp over a cp split); with
     heads_sum (tensor parallel: this rank's channels) dt's, B's and C's projections summed
     over every rank's channels in one collective."""
     T, C, N = x.shape[0], cfg.n_v_heads, cfg.k_head_dim
@@ -2398,7 +2398,7 @@ def linear_attention(x: torch.Tensor, params, cfg: LinearAttentionConfig, ctx: "
     with its own decay per state channel (A_log [C, N]), and one B and C for all of them:
 
         u = silu(causal_conv(x wv) + b),  B, C = u wk, u wq,  dt = softplus(u wdt wa + dt_bias)
-        o = gated_linear_attention(C, B, u dt, -exp(A_log) dt, scale=1) + D u      (per channel)
+        o = selective_scan(u dt, dt, -exp(A_log), B, C) + D u       (per channel and state channel)
         y = (o * silu(x wz)) wo
 
     (with cfg.dt_bc_norm, u wdt, B and C RMS-normed first: with weights dt_norm, b_norm,
