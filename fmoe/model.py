@@ -1994,7 +1994,9 @@ class Transformer(nn.Module):
         (0 with zero_centered_norms), every bias, the attention sinks and the expert-bias
         buffers 0; in linear-attention blocks the convolution's taps Normal(0, 1/sqrt(3 K)),
         A_log = log A with A uniform in [1, 16], dt_bias and the output norm 1 (Mamba-2's: its
-        convolutions' biases 0, its skip D 1). The router stays float32 (MoE owns it).
+        convolutions' biases 0, its skip D 1; Mamba-1's, linear_kind "mamba1", as Mamba's: A_log =
+        log(1 .. N) in every channel, dt_bias such that softplus(dt_bias) is log-uniform in
+        [0.001, 0.1]). The router stays float32 (MoE owns it).
         Hyper-connections (HyperConnection): fn Normal(0, init_std), scale 0.01, the pre
         biases -log(n - 1), the others 0.
 
@@ -2008,8 +2010,13 @@ class Transformer(nn.Module):
         seed = torch.initial_seed() if seed is None else seed
         base = self.cfg.init_std
         n = self.cfg.hyper_connections
+        mamba1 = {f"{m}.dt_bias" for m, module in self.named_modules() if isinstance(module, LinearAttention) and module.cfg.kind == "mamba1"}
         for name, p in self.named_parameters():
             if p.is_meta:
+                continue
+            if name in mamba1:  # Mamba's: softplus(dt_bias) = dt log-uniform in [0.001, 0.1] (the uniform as the normal's CDF)
+                dt = (math.log(1e-3) + math.log(100.0) * torch.special.ndtr(init_value(seed, name, p.shape, 1.0))).exp().clamp(min=1e-4)
+                copy_full_value(p, dt + torch.log(-torch.expm1(-dt)))
                 continue
             kind = name.replace(".attn_beside.", ".attn.")  # a parallel hybrid's attention beside the mixer: initialised as attention is
             if name.endswith(("_hc.base", "_hc.scale", "hc_head.base", "hc_head.scale")):  # HyperConnection's biases and scales

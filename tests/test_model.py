@@ -432,9 +432,10 @@ def test_linear_layers_build_gated_deltanet_blocks():
 
 def test_mamba1_blocks_own_mamba_s_parameters_at_mamba_s_start():
     """linear_kind "mamba1": a block's mixer owns Mamba-1's weights (dt's rank ceil(hidden / 16)
-    unless linear_dt_rank, the norms' weights with linear_dt_bc_norm "rms"); at the start A = 1
-    .. N in every channel (S4D-real), D, dt_bias and the norms 1, the conv's biases 0; the
-    knobs are checked."""
+    unless linear_dt_rank, the norms' weights with linear_dt_bc_norm "rms"); at the start, as
+    Mamba's, A = 1 .. N in every channel (S4D-real) and dt = softplus(dt_bias) log-uniform in
+    [0.001, 0.1] (the same values on every call with the seed), D and the norms 1, the conv's
+    biases 0; the knobs are checked."""
     cfg = VARIANTS["jamba"]
     attn = Transformer(cfg).blocks[0].attn
     assert attn.cfg.dt_rank == 2 and attn.cfg.dt_bc_norm == "rms"
@@ -442,8 +443,13 @@ def test_mamba1_blocks_own_mamba_s_parameters_at_mamba_s_start():
         wv=(32, 64), wz=(32, 64), conv_v=(3, 64), conv_v_bias=(64,), wdt=(64, 2), wk=(64, 8), wq=(64, 8), wa=(2, 64), dt_bias=(64,),
         A_log=(64, 8), D=(64,), dt_norm=(2,), b_norm=(8,), c_norm=(8,), wo=(64, 32))
     torch.testing.assert_close(attn.A_log.detach().exp(), torch.arange(1.0, 9.0).expand(64, 8))
-    for name in ("D", "dt_bias", "dt_norm", "b_norm", "c_norm"):
+    for name in ("D", "dt_norm", "b_norm", "c_norm"):
         assert bool((getattr(attn, name) == 1).all()), name
+    dt = torch.nn.functional.softplus(attn.dt_bias.detach())
+    assert float(dt.min()) >= 1e-3 * (1 - 1e-5) and float(dt.max()) <= 0.1 * (1 + 1e-5) and float(dt.max() / dt.min()) > 10
+    again = Transformer(cfg)
+    again.reset_parameters(seed=torch.initial_seed())
+    torch.testing.assert_close(again.blocks[2].attn.dt_bias, Transformer(cfg).blocks[2].attn.dt_bias, rtol=0, atol=0)
     assert not attn.conv_v_bias.any() and float(attn.wdt.detach().std()) > 0
     unit = Transformer(dataclasses.replace(cfg, linear_dt_rank=5, linear_dt_bc_norm="rms_unit")).blocks[0].attn
     assert unit.cfg.dt_rank == 5 and not any(n.endswith("_norm") for n, _ in unit.named_parameters())
