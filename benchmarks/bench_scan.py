@@ -12,8 +12,8 @@ Implementations:
     fused     impl="triton": one program per block of 32 channels walks the tokens with its
               states in registers (a checkpoint every 16 tokens); the backward recomputes each
               checkpoint's chunk
-    eager     impl="torch": the chunked form, chunks of 16 (its pairs of a chunk's tokens for
-              every channel and state channel: T C 16 N numbers per tensor)
+    eager     impl="torch": the chunked form, chunks of 16 (for every channel, the pairs of a
+              chunk's tokens, T C 16 numbers, and each token's decays per state channel, T C N)
     loop      selective_scan_loop: token after token in torch, the form of transformers' Mamba
               and Jamba without the mamba_ssm package
 

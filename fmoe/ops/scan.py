@@ -15,8 +15,9 @@ Mamba's u is its convolved x times dt; its skip D u and its gate stay outside th
 
 This is fmoe.ops.gated_linear_attention with a head per channel (Dv = 1), q = c, k = b, v = u
 and a decay per key channel g = dt A: that chunked form is the torch path (and the
-reference). It holds pairs of a chunk's tokens for every channel and state channel
-(T C chunk_size N numbers), too many at Jamba's sizes (C = 8192 channels), so CUDA runs a
+reference). It holds, for every channel, the pairs of a chunk's tokens (T C chunk_size
+numbers) and each token's decays per state channel (T C N numbers), tensors of several GB at
+Jamba's sizes (C = 8192 channels, T = 4096, chunks of 64: 8.6 GB for the pairs), so CUDA runs a
 scan instead: one Triton program per (batch row, block of BC channels) keeps its [BC, N]
 states in registers and walks the tokens in order, writing y and, every K = 16 tokens, the
 state (the checkpoints, T C N / 16 numbers). The backward kernel walks the chunks of K

@@ -110,7 +110,7 @@ def test_bad_arguments_are_named(change, match):
 @pytest.mark.gpu
 def test_gpu_jamba_mini_s_channels():
     """On CUDA at half of Jamba Mini's mixer (4096 channels, a state of 16; the chunked torch
-    path holds T C 16 N numbers per tensor) over 2048 packed tokens in documents of 1500 and
+    path holds T C 16 and T C N numbers per tensor) over 2048 packed tokens in documents of 1500 and
     548: the kernels (impl "auto") against that path, forward and backward, the inputs bf16."""
     xs = [t.cuda().bfloat16().requires_grad_() for t in _inputs(1, 2048, 4096, 16, seed=9)]
     cu = torch.tensor([0, 1500, 2048], device="cuda")
