@@ -301,21 +301,26 @@ class HeadShard:
 
 
 class _HeadsRegion(_ShardedRegion):
-    """A region split over tp by whole heads: its cfg's head counts (head_counts, two cfg
-    fields) divisible by tp, and divided by it on each rank; the parameters it does not
-    shard every rank holds whole (HeadShard.replicated: their gradients summed over tp)."""
+    """A region split over tp by whole heads: its cfg's head counts (_head_counts: the cfg
+    fields, head_counts unless the module's kind says otherwise) divisible by tp, and divided
+    by it on each rank; the parameters it does not shard every rank holds whole
+    (HeadShard.replicated: their gradients summed over tp)."""
 
-    head_counts: tuple[str, str] = ()
+    head_counts: tuple[str, ...] = ()
+
+    def _head_counts(self, module) -> tuple[str, ...]:
+        return self.head_counts
 
     def _check(self, module, tp):
-        (a, n_a), (b, n_b) = ((name, getattr(module.cfg, name)) for name in self.head_counts)
-        if n_a % tp or n_b % tp:
-            raise ValueError(f"tp: {type(module).__name__}'s {a} = {n_a} and {b} = {n_b} must both be divisible by tp = {tp}")
+        counts = {name: getattr(module.cfg, name) for name in self._head_counts(module)}
+        if any(n % tp for n in counts.values()):
+            listed = " and ".join(f"{name} = {n}" for name, n in counts.items())
+            raise ValueError(f"tp: {type(module).__name__}'s {listed} must {'both ' if len(counts) > 1 else ''}be divisible by tp = {tp}")
         super()._check(module, tp)
 
     def _configure(self, module, mesh):
         tp = mesh.size()
-        module.cfg = dataclasses.replace(module.cfg, **{name: getattr(module.cfg, name) // tp for name in self.head_counts})
+        module.cfg = dataclasses.replace(module.cfg, **{name: getattr(module.cfg, name) // tp for name in self._head_counts(module)})
         replicated = tuple(n for n in module.names if n not in self._shard_dims(module))
         module.tensor_parallel = HeadShard(mesh, replicated)
 
@@ -367,18 +372,9 @@ class LinearAttentionParallel(_HeadsRegion):
 
     head_counts = ("n_k_heads", "n_v_heads")
 
-    def _check(self, module, tp):
-        if module.cfg.kind != "mamba1":
-            return super()._check(module, tp)
-        if module.cfg.n_v_heads % tp:  # one group of B and C, which every rank holds: its channels alone are split
-            raise ValueError(f"tp: {type(module).__name__}'s n_v_heads = {module.cfg.n_v_heads} (Mamba-1's channels) must be divisible by tp = {tp}")
-        _ShardedRegion._check(self, module, tp)
-
-    def _configure(self, module, mesh):
-        if module.cfg.kind != "mamba1":
-            return super()._configure(module, mesh)
-        module.cfg = dataclasses.replace(module.cfg, n_v_heads=module.cfg.n_v_heads // mesh.size())
-        module.tensor_parallel = HeadShard(mesh, tuple(n for n in module.names if n not in self._shard_dims(module)))
+    def _head_counts(self, module) -> tuple[str, ...]:
+        # Mamba-1's one group of B and C, which every rank holds: its channels alone are split
+        return ("n_v_heads",) if module.cfg.kind == "mamba1" else self.head_counts
 
     def _shard_dims(self, module):
         if module.cfg.kind == "mamba1":  # the channels: x's and z's columns, the taps, x_proj's rows (summed over tp), dt_proj's columns

@@ -831,7 +831,7 @@ def test_parallelize_refuses_what_does_not_split(results):
         assert "n_experts = 3 is not divisible by ep = 2" in messages[1]
         assert "n_heads = 3 and n_kv_heads = 3 must both be divisible by tp = 2" in messages[2]  # multi-latent
         assert "LinearAttention's n_k_heads = 1 and n_v_heads = 2 must both be divisible by tp = 2" in messages[3]
-        assert "tp: LinearAttention's n_v_heads = 33 (Mamba-1's channels) must be divisible by tp = 2" in messages[4]
+        assert "tp: LinearAttention's n_v_heads = 33 must be divisible by tp = 2" in messages[4]  # Mamba-1's channels alone
         assert "T = 25 tokens do not split evenly over tp = 2 ranks" in messages[5] and "tokens_per_micro_batch" in messages[5]
 
 
