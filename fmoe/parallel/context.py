@@ -391,12 +391,7 @@ def selective_scan_cp(u, dt, A, b, c, cu_seqlens, cp_mesh: DeviceMesh, *, chunk_
         decay = torch.where(inside, 0.0, (dt[0, r].float().sum(0)[:, None] * A.float()).exp())  # [C, N]
         ends.append(torch.stack([end[0], decay]))
     every = (torch.stack(ends) if cp == 1 else _gather(torch.stack(ends), cp_mesh))[_chunk_rows(cp)]  # [2 cp, 2, C, N] chunk order
-    starts_document = (cu[None, :] == torch.arange(2 * cp, device=cu.device)[:, None] * L).any(1)  # [2 cp]
-    state, starts = torch.zeros_like(every[0, 0]), {}
-    for chunk in range(2 * cp - rank):  # up to this rank's tail chunk
-        state = torch.where(starts_document[chunk], 0.0, state)
-        starts[chunk] = state
-        state = every[chunk, 0] + every[chunk, 1] * state
+    starts = _start_states(cu, L, cp, rank, torch.zeros_like(every[0, 0]), lambda chunk, state: every[chunk, 0] + every[chunk, 1] * state)
     y = [selective_scan(u[:, r], dt[:, r], A, b[:, r], c[:, r], bounds, initial_state=starts[chunk][None], chunk_size=chunk_size, impl=impl)
          for chunk, r, bounds in zip(chunks, rows, local)]
     return torch.cat(y, 1)
@@ -422,19 +417,28 @@ def _rule_chunks(q, k, v, g, beta, cu_seqlens, cp: int, rank: int, **kwargs):
     return outs, torch.stack(ends)
 
 
+def _start_states(cu: torch.Tensor, L: int, cp: int, rank: int, zero: torch.Tensor, step) -> dict[int, torch.Tensor]:
+    """{global chunk c: the state it starts from} for the chunks up to rank `rank`'s tail
+    chunk (2 cp chunks of L tokens): a scan over them in order from `zero`, restarted (0)
+    where a document starts at a chunk's first token; step(c, state) is the state after chunk
+    c from `state` (its end state plus its decay of the start: gated_delta_rule_cp's,
+    selective_scan_cp's)."""
+    starts_document = (cu[None, :] == torch.arange(2 * cp, device=cu.device)[:, None] * L).any(1)  # [2 cp]
+    state, starts = zero, {}
+    for c in range(2 * cp - rank):
+        state = torch.where(starts_document[c], 0.0, state)
+        starts[c] = state
+        state = step(c, state)
+    return starts
+
+
 def _rule_outputs(outs, every, cu_seqlens, L: int, cp: int, rank: int) -> torch.Tensor:
     """Rank `rank`'s outputs [1, T/cp, N, Dv] float32 from its chunks' widened outputs and
     every chunk's ends [2 cp, N, Dk, Dv + Dk] in chunk order: the scan of the states the
     chunks start from, then o0 + u S_start (gated_delta_rule_cp)."""
     _, N, Dk, width = every.shape
     Dv = width - Dk
-    cu = cu_seqlens.long()
-    starts_document = (cu[None, :] == torch.arange(2 * cp, device=cu.device)[:, None] * L).any(1)  # [2 cp]
-    state, starts = every.new_zeros(N, Dk, Dv), {}
-    for c in range(2 * cp - rank):  # up to this rank's tail chunk
-        state = torch.where(starts_document[c], 0.0, state)
-        starts[c] = state
-        state = every[c, ..., :Dv] + every[c, ..., Dv:] @ state
+    starts = _start_states(cu_seqlens.long(), L, cp, rank, every.new_zeros(N, Dk, Dv), lambda c, state: every[c, ..., :Dv] + every[c, ..., Dv:] @ state)
     o = [out[0, ..., :Dv] + torch.einsum("tnk,nkv->tnv", out[0, ..., Dv:], starts[c]) for out, c in zip(outs, (rank, 2 * cp - 1 - rank))]
     return torch.cat(o)[None]
 
