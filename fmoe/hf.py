@@ -1652,10 +1652,17 @@ def _mamba2_config(cfg: TransformerConfig, ssm_channels: bool = False) -> dict:
                   mamba_d_conv=lin.conv, mamba_conv_bias=True, mamba_proj_bias=False)
     if ssm_channels:
         return dict(common, mamba_d_ssm=lin.v_channels)
+    return dict(common, mamba_expand=_expand(cfg, "mamba_expand"))
+
+
+def _expand(cfg: TransformerConfig, field: str) -> int:
+    """A Mamba mixer's x channels over hidden, written as config.json's `field` (expand,
+    mamba_expand); a ValueError where they are not a whole multiple of it."""
+    lin = cfg.linear_attention_config()
     if lin.v_channels % cfg.hidden:
-        raise ValueError(f"model: Mamba-2's x channels (linear_v_heads x linear_v_dim = {lin.v_channels}) are not a whole multiple of "
-                         f"hidden = {cfg.hidden} (mamba_expand)")
-    return dict(common, mamba_expand=lin.v_channels // cfg.hidden)
+        raise ValueError(f"model: {'Mamba-1' if lin.kind == 'mamba1' else 'Mamba-2'}'s x channels (linear_v_heads x linear_v_dim = {lin.v_channels}) "
+                         f"are not a whole multiple of hidden = {cfg.hidden} ({field})")
+    return lin.v_channels // cfg.hidden
 
 
 def _bamba(hf: dict) -> dict:
@@ -1776,10 +1783,7 @@ def _mamba(hf: dict) -> dict:
 def _mamba_config(cfg: TransformerConfig, model_type: str) -> dict:
     """The config.json fields that _mamba reads back (Falcon Mamba's mixer_rms_eps too)."""
     lin = cfg.linear_attention_config()
-    if lin.v_channels % cfg.hidden:
-        raise ValueError(f"model: Mamba-1's x channels (linear_v_heads = {lin.v_channels}) are not a whole multiple of hidden = {cfg.hidden} "
-                         f"(expand)")
-    out = dict(state_size=lin.k_head_dim, conv_kernel=lin.conv, expand=lin.v_channels // cfg.hidden, time_step_rank=lin.dt_rank,
+    out = dict(state_size=lin.k_head_dim, conv_kernel=lin.conv, expand=_expand(cfg, "expand"), time_step_rank=lin.dt_rank,
                layer_norm_epsilon=cfg.norm_eps, use_bias=False, use_conv_bias=True, hidden_act="silu")
     return dict(out, mixer_rms_eps=lin.norm_eps) if model_type == "falcon_mamba" else out
 
@@ -1799,15 +1803,12 @@ def _period(kinds: list[bool], what: str) -> tuple[int, int]:
 def _jamba_config(cfg: TransformerConfig) -> dict:
     """The config.json fields that _jamba reads back (beside the shared ones)."""
     lin, n = cfg.linear_attention_config(), cfg.n_layers
-    if lin.v_channels % cfg.hidden:
-        raise ValueError(f"model: Mamba-1's x channels (linear_v_heads = {lin.v_channels}) are not a whole multiple of hidden = {cfg.hidden} "
-                         f"(mamba_expand)")
     attn_period, attn_offset = _period([not cfg.is_linear(i) for i in range(n)], "attention")
     moe = [cfg.is_moe(i) for i in range(n)]
     expert_period, expert_offset = _period(moe, "MoE") if any(moe) else (2, 1)
     return dict(attn_layer_period=attn_period, attn_layer_offset=attn_offset, expert_layer_period=expert_period, expert_layer_offset=expert_offset,
                 num_experts=cfg.n_experts if any(moe) else 1, intermediate_size=cfg.ffn_expert if any(moe) else cfg.ffn_dense,
-                mamba_d_state=lin.k_head_dim, mamba_d_conv=lin.conv, mamba_expand=lin.v_channels // cfg.hidden, mamba_dt_rank=lin.dt_rank,
+                mamba_d_state=lin.k_head_dim, mamba_d_conv=lin.conv, mamba_expand=_expand(cfg, "mamba_expand"), mamba_dt_rank=lin.dt_rank,
                 mamba_conv_bias=True, mamba_proj_bias=False)
 
 
@@ -1841,11 +1842,8 @@ def _jamba(hf: dict) -> dict:
 def _mamba2_model_config(cfg: TransformerConfig) -> dict:
     """The config.json fields that _mamba2_model reads back."""
     lin = cfg.linear_attention_config()
-    if lin.v_channels % cfg.hidden:
-        raise ValueError(f"model: Mamba-2's x channels (linear_v_heads x linear_v_dim = {lin.v_channels}) are not a whole multiple of "
-                         f"hidden = {cfg.hidden} (expand)")
     return dict(num_heads=lin.n_v_heads, head_dim=lin.v_head_dim, n_groups=lin.n_k_heads, state_size=lin.k_head_dim, conv_kernel=lin.conv,
-                expand=lin.v_channels // cfg.hidden, layer_norm_epsilon=cfg.norm_eps, use_bias=False, use_conv_bias=True, hidden_act="silu",
+                expand=_expand(cfg, "expand"), layer_norm_epsilon=cfg.norm_eps, use_bias=False, use_conv_bias=True, hidden_act="silu",
                 time_step_limit=[cfg.linear_dt_min, {"__float__": "Infinity"}])
 
 
@@ -4517,7 +4515,10 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
             raise ValueError(f"model: {model_type} is a dense family; this model has MoE layers {moe}")
         hf.pop("num_experts_per_tok")
         hf.update(intermediate_size=cfg.ffn_dense, mlp_bias=cfg.mlp_bias)
-        if model_type == "llama":
+        if model_type in ("llama", "internlm3", "iquestcoder"):  # Llama's model: its biases on q, k, v and o (InternLM3's on the MLPs too)
+            if model_type == "internlm3" and cfg.qkv_bias != cfg.mlp_bias:
+                raise ValueError(f"model: InternLM3's attention and MLP biases are one setting; this model has qkv_bias = {cfg.qkv_bias}, "
+                                 f"mlp_bias = {cfg.mlp_bias}")
             hf.update(attention_bias=cfg.qkv_bias)
         elif model_type == "jais2":  # its LayerNorms' eps under their own name, MLPs without a gate
             hf.pop("rms_norm_eps")
@@ -4526,11 +4527,6 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
             hf.update(sliding_window=cfg.window)
         elif model_type == "ministral":  # each layer's window or none
             hf.update(sliding_window=cfg.window, layer_types=_layer_types(cfg))
-        elif model_type in ("internlm3", "iquestcoder"):  # Llama's biases (InternLM3's on q, k, v and o and on the MLPs, or none)
-            if model_type == "internlm3" and cfg.qkv_bias != cfg.mlp_bias:
-                raise ValueError(f"model: InternLM3's attention and MLP biases are one setting; this model has qkv_bias = {cfg.qkv_bias}, "
-                                 f"mlp_bias = {cfg.mlp_bias}")
-            hf.update(attention_bias=cfg.qkv_bias)
         elif model_type == "ministral3":
             hf.update(sliding_window=cfg.window, rope_parameters=_ministral3_rope(cfg))
         elif model_type in ("olmo2", "hunyuan_v1_dense"):

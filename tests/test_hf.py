@@ -3626,7 +3626,7 @@ def test_mamba_reads_every_layer_as_a_mamba1_mixer_alone(family, folders, tmp_pa
                             (dict(hidden_act="gelu"), r"hidden_act = 'gelu' is not supported \(silu after the convolution\)")):
         with pytest.raises(ValueError, match=message):
             hf.FAMILIES[family].kwargs(dict(config, **change))
-    with pytest.raises(ValueError, match=r"model: Mamba-1's x channels \(linear_v_heads = 48\) are not a whole multiple of hidden = 32"):
+    with pytest.raises(ValueError, match=r"model: Mamba-1's x channels \(linear_v_heads x linear_v_dim = 48\) are not a whole multiple of hidden = 32 \(expand\)"):
         hf.save_pretrained(hf.Transformer(dataclasses.replace(cfg, linear_v_heads=48)), tmp_path / "odd", model_type=family)
 
 
