@@ -14,6 +14,8 @@
 #     bash benchmarks/gpu_lease.sh h    # the gpu tests (4 workers), bench_loss, bench_routing (dsv3 cases) (~4 min on an H200)
 #     bash benchmarks/gpu_lease.sh i    # the model's gpu tests, bench_hyper_connections, bench_routing's kolibri cases (not yet run)
 #     bash benchmarks/gpu_lease.sh j    # Falcon-H1's and Jamba's model gpu tests, the selective scan's, bench_scan, Falcon-H1's compiled train step (not yet run)
+#     bash benchmarks/gpu_lease.sh k    # every gpu test, bench_scan, bench_hyper_connections (the sixth run's first call)
+#     bash benchmarks/gpu_lease.sh l    # Jamba's compiled train step, bench_routing's dsv3 cases (its second, the machine warm)
 #                                       # (part h's gpu tests include GeGLU's kernels at a real shape; bench_moe_layer, parts a, c, f, its GeGLU rows)
 #
 # What comes back is written to $OUT (the device tool's folder; gpu_out/ elsewhere), at most
@@ -126,8 +128,26 @@ j)
     bench --only bench_scan --timeout 120
     bench --only bench_train_step --timeout 400 --extra="--model falcon_h1 --impls 'fmoe compiled'"
     ;;
+k)
+    # every gpu test (61 at 4ea592c; 52 took 91.5 s at 1bd96b7 on an H200, 4 workers), then the
+    # two benchmarks never run on a GPU: the selective scan's kernels (Mamba-1) and
+    # hyper-connections
+    timeout 200 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider -o addopts="-ra --durations=15" tests \
+        > "$OUT/gpu_tests.log" 2>&1
+    echo "gpu tests: exit $?"
+    grep -E "passed|failed|^FAILED|^ERROR|^E  " "$OUT/gpu_tests.log" | tail -30
+    bench --only bench_scan --timeout 120
+    bench --only bench_hyper_connections --timeout 90
+    ;;
+l)
+    # sent at once after part k, while the machine is warm: the large model with Jamba's blocks
+    # (the scan's kernels in a whole step), compiled alone; then the router's goal with the kept
+    # forward kernel (its H200 table never taken)
+    bench --only bench_train_step --timeout 220 --extra="--model jamba --impls 'fmoe compiled'"
+    bench --only bench_routing --timeout 140 --extra="--cases dsv3"
+    ;;
 *)
-    echo "usage: bash benchmarks/gpu_lease.sh a|b|c|e|f|g|h|i|j" >&2
+    echo "usage: bash benchmarks/gpu_lease.sh a|b|c|e|f|g|h|i|j|k|l" >&2
     exit 2
     ;;
 esac
