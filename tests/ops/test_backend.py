@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from fmoe.ops import backend
 from fmoe.ops.backend import interpreter_problem, use_triton
@@ -44,3 +46,61 @@ def test_interpreted_kernels_refuse_an_interpreter_that_cannot_run_them(monkeypa
 
 def test_the_installed_versions_are_checked_once_at_import():
     assert backend.INTERPRETER_PROBLEM == interpreter_problem()
+
+
+@triton.jit
+def _recurrence(a1, x1, a2, x2):
+    return a1 * a2, x1 * a2 + x2
+
+
+@triton.jit
+def _scan_kernel(a_ptr, x_ptr, outa_ptr, outx_ptr, R: tl.constexpr, L: tl.constexpr, AXIS: tl.constexpr, REVERSE: tl.constexpr):
+    offs = tl.arange(0, R)[:, None] * L + tl.arange(0, L)[None, :]
+    a, x = tl.associative_scan((tl.load(a_ptr + offs), tl.load(x_ptr + offs)), AXIS, _recurrence, reverse=REVERSE)
+    tl.store(outa_ptr + offs, a)
+    tl.store(outx_ptr + offs, x)
+
+
+@triton.jit
+def _scan_1d_kernel(a_ptr, x_ptr, outx_ptr, L: tl.constexpr):
+    offs = tl.arange(0, L)
+    _, x = tl.associative_scan((tl.load(a_ptr + offs), tl.load(x_ptr + offs)), 0, _recurrence)
+    tl.store(outx_ptr + offs, x)
+
+
+def _recurrence_loop(a, x, axis, reverse):
+    """h = a h + x along axis (from its end with reverse), and the products of a."""
+    a, x = (t.movedim(axis, 0).flip(0) if reverse else t.movedim(axis, 0) for t in (a, x))
+    outa, outx = a.clone(), x.clone()
+    for i in range(1, a.shape[0]):
+        outa[i], outx[i] = outa[i - 1] * a[i], outx[i - 1] * a[i] + x[i]
+    return [(t.flip(0) if reverse else t).movedim(0, axis) for t in (outa, outx)]
+
+
+@pytest.mark.skipif(not backend.interpreting(), reason="the interpreter's scan: CPU runs only (TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("axis", [0, 1])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_vectorized_interpreter_scan_gives_the_interpreter_s_own_values(axis, reverse, monkeypatch):
+    """tl.associative_scan with a combine of its own (a linear recurrence, not commutative) over
+    a [4, 8] tile, along either axis, either way: the vectorized path (installed on import),
+    the interpreter's own per-element path and a torch loop give the same values; a 1-D scan too."""
+    from triton.runtime.interpreter import ScanOps
+
+    assert backend.vectorize_interpreter_scans() and ScanOps.generic_scan._fmoe
+    g = torch.Generator().manual_seed(axis + 2 * reverse)
+    a, x = torch.rand(4, 8, generator=g) + 0.5, torch.randn(4, 8, generator=g)
+    results = []
+    for scan in (ScanOps.generic_scan, ScanOps.generic_scan.__wrapped__):
+        monkeypatch.setattr(ScanOps, "generic_scan", scan)
+        outa, outx = torch.empty_like(a), torch.empty_like(x)
+        _scan_kernel[(1,)](a, x, outa, outx, R=4, L=8, AXIS=axis, REVERSE=reverse)
+        results.append((outa, outx))
+    want = _recurrence_loop(a, x, axis, reverse)
+    for got in results:
+        torch.testing.assert_close(got[0], want[0])
+        torch.testing.assert_close(got[1], want[1])
+    torch.testing.assert_close(results[0][1], results[1][1], rtol=0, atol=0)
+    monkeypatch.undo()
+    out = torch.empty(8)
+    _scan_1d_kernel[(1,)](a[0], x[0], out, L=8)
+    torch.testing.assert_close(out, _recurrence_loop(a[0], x[0], 0, False)[1])
