@@ -171,7 +171,7 @@ def cases():
                                                             start_ptr="*fp32", h0_ptr="*fp32", y_ptr="*fp32", hT_ptr="*fp32", ckpt_ptr="*fp32"), \
         scan_scalars, scan_meta
     yield "selective_scan_bwd", scan._scan_bwd_kernel, dict(u_ptr="*fp32", dt_ptr="*fp32", a_ptr="*fp32", b_ptr="*fp32", c_ptr="*fp32",
-                                                            start_ptr="*fp32", ckpt_ptr="*fp32", dy_ptr="*fp32", dhT_ptr="*fp32", scratch_ptr="*fp32",
+                                                            start_ptr="*fp32", ckpt_ptr="*fp32", dy_ptr="*fp32", dhT_ptr="*fp32",
                                                             du_ptr="*fp32", ddt_ptr="*fp32", db_ptr="*fp32", dc_ptr="*fp32", da_ptr="*fp32",
                                                             dh0_ptr="*fp32"), dict(scan_scalars, n_blocks="i32"), scan_meta
     # DeepSeek sparse attention at one tp rank of DeepSeek-V3.2 (16 heads, rows of 512 latent + 64 rotated channels,

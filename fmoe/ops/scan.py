@@ -19,17 +19,25 @@ reference). It holds, for every channel, the pairs of a chunk's tokens (T C chun
 numbers) and each token's decays per state channel (T C N numbers), tensors of several GB at
 Jamba's sizes (C = 8192 channels, T = 4096, chunks of 64: 8.6 GB for the pairs), so CUDA runs a
 scan instead: one Triton program per (batch row, block of BC channels) keeps its [BC, N]
-states in registers and walks the tokens in order, writing y and, every K = 16 tokens, the
-state (the checkpoints, T C N / 16 numbers). The backward kernel walks the chunks of K
-tokens back from the last: it recomputes the chunk's states from its checkpoint into a
-scratch buffer [K, BC, N] of its own, then runs the tokens back with the gradient of h,
+states in registers and walks the tokens a chunk of K = 16 at a time. It loads the chunk's
+inputs at once and forms its states [K, BC, N] by one associative scan over the tokens of
+the pairs (a_t = exp(dt_t A), x_t = u_t b_t) (two steps h -> a h + x compose to one of the
+same form), then h_t = a_t..a_t0 h_before + the scanned writes; it writes y and, before each
+chunk, the state (the checkpoints, T C N / K numbers). The backward kernel walks the chunks
+back from the last: it recomputes the chunk's states from its checkpoint by the same scan,
+and the gradient of every state by a reverse one,
 
     g_t = dy_t c_t + exp(dt_t+1 A) g_t+1 (0 across a document's start),
     du_t = g_t . b_t,  db_t = sum over channels of u_t g_t,  dc_t = sum over channels of dy_t h_t,
     ddt_t = sum_N g_t exp(dt_t A) A h_t-1,  dA = sum over tokens of g_t exp(dt_t A) dt_t h_t-1,
 
-the channel sums of db and dc per program (summed in torch after), dA per program and row.
-No value is read on the host.
+with exp(dt_t A) h_t-1 = h_t - u_t b_t (no shift of the states along the tokens); the
+channel sums of db and dc per program (summed in torch after), dA per program and row.
+No value is read on the host. On an H200 (2026-11-29, bf16 inputs, one packed row) the
+chunks' scan took the forward from 3.33 to 1.25 ms and the forward and backward from 11.50
+to 9.53 ms at 4096 tokens and 8192 channels, and from 13.36 to 2.35 ms and 44.79 to 20.15 ms
+at 16384 tokens and 4096 channels, against the token walk it replaced (a program of 32
+channels per token in turn); benchmarks/RESULTS.md has the run.
 
 Legend: B batch rows, T tokens, C channels, N state channels, K tokens per checkpoint, BC
 channels per program, M = ceil(T / K) checkpoints.
@@ -49,8 +57,8 @@ from fmoe.ops.checks import check_float, check_rows_and_state
 from fmoe.ops.delta import gated_linear_attention, gated_linear_attention_loop
 from fmoe.ops.packed import sequence_ids
 
-CHECKPOINT = 16  # K: tokens between the forward's saved states
-BLOCK_C = 32  # BC: channels per program
+CHECKPOINT = 16  # K: tokens per chunk, between the forward's saved states
+BLOCK_C = 8  # BC: channels per program (sm_90a, 4 warps: 72 registers forward, 168 backward, no spills; 16 needs 254 backward)
 
 
 def _starts(cu_seqlens: Optional[torch.Tensor], B: int, T: int, device) -> torch.Tensor:
@@ -74,13 +82,42 @@ def _channels(pid_c, C, N, BC: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
-def _token(u_ptr, dt_ptr, b_ptr, start_ptr, row, t, T, C, N, cs, ns, mask_c, mask_n):
-    """Token t's keep (0 at a document's start, else 1), dt and u of the block's channels, and b."""
-    keep = 1.0 - tl.load(start_ptr + row * T + t)
-    dt = tl.load(dt_ptr + (row * T + t) * C + cs, mask=mask_c, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + (row * T + t) * C + cs, mask=mask_c, other=0.0).to(tl.float32)
-    bv = tl.load(b_ptr + (row * T + t) * N + ns, mask=mask_n, other=0.0).to(tl.float32)
-    return keep, dt, u, bv
+def _linear(a1, x1, a2, x2):
+    """Two steps of h -> a h + x, the first (a1, x1) then (a2, x2), as one: the scans' combine."""
+    return a1 * a2, x1 * a2 + x2
+
+
+@triton.jit
+def _decays(dt_ptr, start_ptr, A, row, ts, T, C, cs, mask_c):
+    """[K, BC, BN] each token's decay exp(dt A), 0 at a document's start, 1 past T (the
+    identity: a chunk's padding passes the state on); and dt [K, BC] (0 past T)."""
+    mask_t = ts < T
+    keep = 1.0 - tl.load(start_ptr + row * T + ts, mask=mask_t, other=0.0)
+    dt = tl.load(dt_ptr + (row * T + ts)[:, None] * C + cs[None, :], mask=mask_t[:, None] & mask_c[None, :], other=0.0)
+    return tl.exp(dt[:, :, None] * A[None, :, :]) * keep[:, None, None], dt
+
+
+@triton.jit
+def _chunk(u_ptr, dt_ptr, b_ptr, c_ptr, start_ptr, A, h, row, t0, T, C, N, cs, ns, mask_c, mask_n, K: tl.constexpr):
+    """The chunk of K tokens from t0, scanned from the state h [BC, BN] before it: its tokens ts
+    [K], their mask [K, BC], dt, u [K, BC], b, c [K, BN], the writes x = u b and the states
+    after each token [K, BC, BN] (h_t = a_t h_t-1 + x_t, one associative scan)."""
+    ts = t0 + tl.arange(0, K)
+    mask_t = ts < T
+    a, dt = _decays(dt_ptr, start_ptr, A, row, ts, T, C, cs, mask_c)
+    mask_tc, mask_tn = mask_t[:, None] & mask_c[None, :], mask_t[:, None] & mask_n[None, :]
+    u = tl.load(u_ptr + (row * T + ts)[:, None] * C + cs[None, :], mask=mask_tc, other=0.0)
+    bv = tl.load(b_ptr + (row * T + ts)[:, None] * N + ns[None, :], mask=mask_tn, other=0.0)
+    cv = tl.load(c_ptr + (row * T + ts)[:, None] * N + ns[None, :], mask=mask_tn, other=0.0)
+    x = u[:, :, None] * bv[:, None, :]
+    decay, write = tl.associative_scan((a, x), 0, _linear)
+    return ts, mask_tc, dt, u, bv, cv, x, decay * h[None, :, :] + write
+
+
+@triton.jit
+def _row(tile, i, K: tl.constexpr):
+    """Row i of a [K, BC, BN] tile."""
+    return tl.sum(tl.where((tl.arange(0, K) == i)[:, None, None], tile, 0.0), axis=0)
 
 
 @triton.jit
@@ -90,61 +127,43 @@ def _scan_fwd_kernel(u_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, start_ptr, h0_ptr, y_pt
     cs, ns, mask_c, mask_n, mask, tile = _channels(pid_c, C, N, BC, BN)
     A = tl.load(a_ptr + tile, mask=mask, other=0.0)
     h = tl.load(h0_ptr + row * C * N + tile, mask=mask, other=0.0)
-    for t in range(T):
-        if t % K == 0:  # the state before token t: checkpoint t // K
-            tl.store(ckpt_ptr + (row * M + t // K) * C * N + tile, h, mask=mask)
-        keep, dt, u, bv = _token(u_ptr, dt_ptr, b_ptr, start_ptr, row, t, T, C, N, cs, ns, mask_c, mask_n)
-        cv = tl.load(c_ptr + (row * T + t) * N + ns, mask=mask_n, other=0.0).to(tl.float32)
-        h = tl.exp(dt[:, None] * A) * (h * keep) + u[:, None] * bv[None, :]
-        tl.store(y_ptr + (row * T + t) * C + cs, tl.sum(h * cv[None, :], axis=1), mask=mask_c)
+    for m in range(M):  # a chunk of K tokens at a time, its state before it saved (checkpoint m)
+        tl.store(ckpt_ptr + (row * M + m) * C * N + tile, h, mask=mask)
+        ts, mask_tc, _, _, _, cv, _, hs = _chunk(u_ptr, dt_ptr, b_ptr, c_ptr, start_ptr, A, h, row, m * K, T, C, N, cs, ns, mask_c, mask_n, K)
+        tl.store(y_ptr + (row * T + ts)[:, None] * C + cs[None, :], tl.sum(hs * cv[:, None, :], axis=2), mask=mask_tc)
+        h = _row(hs, K - 1, K)  # past T the decay is 1 and the write 0: the state after the row's last token
     tl.store(hT_ptr + row * C * N + tile, h, mask=mask)
 
 
 @triton.jit
-def _scan_bwd_kernel(u_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, start_ptr, ckpt_ptr, dy_ptr, dhT_ptr, scratch_ptr,
+def _scan_bwd_kernel(u_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, start_ptr, ckpt_ptr, dy_ptr, dhT_ptr,
                      du_ptr, ddt_ptr, db_ptr, dc_ptr, da_ptr, dh0_ptr, T, C, N, M, n_blocks,
                      K: tl.constexpr, BC: tl.constexpr, BN: tl.constexpr):
     pid_c, row = tl.program_id(0), tl.program_id(1)
     cs, ns, mask_c, mask_n, mask, tile = _channels(pid_c, C, N, BC, BN)
-    local = tl.arange(0, BC)[:, None] * BN + ns[None, :]  # [BC, BN] offsets into this program's scratch rows
-    scratch = scratch_ptr + (row * n_blocks + pid_c) * K * BC * BN
     partial = (row * n_blocks + pid_c) * T  # this program's rows of db's and dc's channel sums [B, n_blocks, T, N]
     A = tl.load(a_ptr + tile, mask=mask, other=0.0)
-    g = tl.load(dhT_ptr + row * C * N + tile, mask=mask, other=0.0)  # the gradient of h after the row's last token
+    g = tl.load(dhT_ptr + row * C * N + tile, mask=mask, other=0.0)  # the gradient of the state after the chunk
     dA = tl.zeros([BC, BN], dtype=tl.float32)
     for i in range(M):
-        m = M - 1 - i
-        t0 = m * K
-        h = tl.load(ckpt_ptr + (row * M + m) * C * N + tile, mask=mask, other=0.0)
-        for j in range(K):  # the chunk's states, recomputed from its checkpoint
-            t = t0 + j
-            if t < T:
-                keep, dt, u, bv = _token(u_ptr, dt_ptr, b_ptr, start_ptr, row, t, T, C, N, cs, ns, mask_c, mask_n)
-                h = tl.exp(dt[:, None] * A) * (h * keep) + u[:, None] * bv[None, :]
-                tl.store(scratch + j * BC * BN + local, h)
-        for jj in range(K):  # back through the chunk
-            j = K - 1 - jj
-            t = t0 + j
-            if t < T:
-                keep, dt, u, bv = _token(u_ptr, dt_ptr, b_ptr, start_ptr, row, t, T, C, N, cs, ns, mask_c, mask_n)
-                cv = tl.load(c_ptr + (row * T + t) * N + ns, mask=mask_n, other=0.0).to(tl.float32)
-                dy = tl.load(dy_ptr + (row * T + t) * C + cs, mask=mask_c, other=0.0).to(tl.float32)
-                h = tl.load(scratch + j * BC * BN + local)
-                if j > 0:
-                    prev = tl.load(scratch + (j - 1) * BC * BN + local)
-                else:
-                    prev = tl.load(ckpt_ptr + (row * M + m) * C * N + tile, mask=mask, other=0.0)
-                prev = prev * keep  # the state the token continues (0 at a document's start)
-                g += dy[:, None] * cv[None, :]
-                tl.store(dc_ptr + (partial + t) * N + ns, tl.sum(dy[:, None] * h, axis=0), mask=mask_n)
-                tl.store(db_ptr + (partial + t) * N + ns, tl.sum(g * u[:, None], axis=0), mask=mask_n)
-                tl.store(du_ptr + (row * T + t) * C + cs, tl.sum(g * bv[None, :], axis=1), mask=mask_c)
-                decay = tl.exp(dt[:, None] * A)
-                through = g * decay * prev  # dL/d(dt A) at each channel and state channel
-                tl.store(ddt_ptr + (row * T + t) * C + cs, tl.sum(through * A, axis=1), mask=mask_c)
-                dA += through * dt[:, None]
-                g = g * decay * keep
-    tl.store(dh0_ptr + row * C * N + tile, g, mask=mask)
+        t0 = (M - 1 - i) * K
+        h = tl.load(ckpt_ptr + (row * M + M - 1 - i) * C * N + tile, mask=mask, other=0.0)
+        ts, mask_tc, dt, u, bv, cv, x, hs = _chunk(u_ptr, dt_ptr, b_ptr, c_ptr, start_ptr, A, h, row, t0, T, C, N, cs, ns, mask_c, mask_n, K)
+        mask_tn = (ts < T)[:, None] & mask_n[None, :]
+        dy = tl.load(dy_ptr + (row * T + ts)[:, None] * C + cs[None, :], mask=mask_tc, other=0.0)
+        nxt, _ = _decays(dt_ptr, start_ptr, A, row, ts + 1, T, C, cs, mask_c)  # a_t+1 (1 after the row's last token)
+        # gs_t = dy_t c_t + a_t+1 gs_t+1 from the chunk's end back: the gradient of each state
+        carry, back = tl.associative_scan((nxt, dy[:, :, None] * cv[:, None, :]), 0, _linear, reverse=True)
+        gs = carry * g[None, :, :] + back
+        through = gs * (hs - x)  # dL/d(dt A): the gradient of h_t times a_t h_t-1
+        tl.store(dc_ptr + (partial + ts)[:, None] * N + ns[None, :], tl.sum(dy[:, :, None] * hs, axis=1), mask=mask_tn)
+        tl.store(db_ptr + (partial + ts)[:, None] * N + ns[None, :], tl.sum(gs * u[:, :, None], axis=1), mask=mask_tn)
+        tl.store(du_ptr + (row * T + ts)[:, None] * C + cs[None, :], tl.sum(gs * bv[:, None, :], axis=2), mask=mask_tc)
+        tl.store(ddt_ptr + (row * T + ts)[:, None] * C + cs[None, :], tl.sum(through * A[None, :, :], axis=2), mask=mask_tc)
+        dA += tl.sum(through * dt[:, :, None], axis=0)
+        g = _row(gs, 0, K)
+    first, _ = _decays(dt_ptr, start_ptr, A, row, tl.arange(0, 1), T, C, cs, mask_c)  # token 0's decay
+    tl.store(dh0_ptr + row * C * N + tile, g * _row(first, 0, 1), mask=mask)
     tl.store(da_ptr + row * C * N + tile, dA, mask=mask)
 
 
@@ -182,8 +201,7 @@ def _scan_bwd(u: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, b: torch.Tenso
     du, ddt = torch.empty(B, T, C, **f32), torch.empty(B, T, C, **f32)
     db, dc = torch.empty(B, n_blocks, T, N, **f32), torch.empty(B, n_blocks, T, N, **f32)
     dA, dh0 = torch.empty(B, C, N, **f32), torch.empty(B, C, N, **f32)
-    scratch = torch.empty(B, n_blocks, CHECKPOINT, BLOCK_C, BN, **f32)
-    _scan_bwd_kernel[(n_blocks, B)](u, dt, A, b, c, starts, ckpt, dy, dhT, scratch, du, ddt, db, dc, dA, dh0, T, C, N, M, n_blocks,
+    _scan_bwd_kernel[(n_blocks, B)](u, dt, A, b, c, starts, ckpt, dy, dhT, du, ddt, db, dc, dA, dh0, T, C, N, M, n_blocks,
                                     K=CHECKPOINT, BC=BLOCK_C, BN=BN)
     return [du, ddt, dA.sum(0), db.sum(1), dc.sum(1), dh0]
 
