@@ -3,6 +3,7 @@ against the same op in its chunked torch form (gated_linear_attention with a hea
 
     .venv/bin/python benchmarks/bench_scan.py            # CUDA, bf16 inputs, real shapes
     .venv/bin/python benchmarks/bench_scan.py --smoke    # CPU + Triton interpreter, tiny shapes
+    .venv/bin/python benchmarks/bench_scan.py --impls fused,eager   # only the implementations named
 
 Cases (one packed row of T tokens in documents of DOC tokens, C channels, a state of N = 16;
 --smoke: T = 40, C = 40, float32):
@@ -17,10 +18,13 @@ Implementations:
     loop      selective_scan_loop: token after token in torch, the form of transformers' Mamba
               and Jamba without the mamba_ssm package
 
+The loop takes seconds per call at these shapes (thousands of tokens, a few torch ops each):
+bench() times such a call once, after an untimed one.
+
 Passes: fwd, and fwd+bwd (the gradients of u, dt, A, b and c for a fixed upstream gradient).
 Before timing, each case checks fused against eager (output and gradients).
 
-Table: median ms; on the fused rows the speedups over eager and the loop; on every row the fraction of the
+Table: median ms; on the fused rows the speedups over eager and the loop (where timed); on every row the fraction of the
 bytes floor (the scan's own inputs and outputs in float32 at the copy bandwidth measured in
 the same run: fwd reads u and dt and writes y, 12 T C bytes; fwd+bwd adds the backward's
 reads of u, dt and dy and writes of du and ddt, 32 T C bytes in all; b, c and A are small)
@@ -36,14 +40,15 @@ from _common import (  # before torch and fmoe: with --smoke it sets TRITON_INTE
     cuda_peak_bytes,
     finish,
     floor_fraction,
+    select,
     start,
-    timing_row,
 )
 
 import torch  # noqa: E402
 from fmoe.ops import selective_scan  # noqa: E402
 from fmoe.ops.scan import selective_scan_loop  # noqa: E402
 
+IMPLS = ["fused", "eager", "loop"]
 COLUMNS = ["case", "pass", "impl", "ms", "speedup_vs_eager", "speedup_vs_loop", "floor_fraction", "peak_GB"]
 CHUNK = 16
 N = 16
@@ -74,7 +79,7 @@ def scan_inputs(T: int, C: int, device, dtype) -> list[torch.Tensor]:
     return [u.to(dtype), dt.to(dtype), A, b.to(dtype), c.to(dtype)]
 
 
-def run_case(case: Case, device: torch.device, dtype: torch.dtype, bandwidth: float) -> list[dict]:
+def run_case(case: Case, device: torch.device, dtype: torch.dtype, bandwidth: float, names: list[str]) -> list[dict]:
     T, C = case.T, case.C
     inputs = [t.requires_grad_() for t in scan_inputs(T, C, device, dtype)]
     cu = torch.arange(0, T + 1, case.doc, device=device)
@@ -90,6 +95,7 @@ def run_case(case: Case, device: torch.device, dtype: torch.dtype, bandwidth: fl
     check_agree(case.name, outs, ("fused", "eager"), dtype)
     del outs
     impls["loop"] = lambda *xs: selective_scan_loop(*xs, cu)
+    impls = {name: impls[name] for name in names}
 
     def fwd(name):
         with torch.no_grad():
@@ -103,7 +109,8 @@ def run_case(case: Case, device: torch.device, dtype: torch.dtype, bandwidth: fl
         ms = {name: bench(lambda name=name: step(name), device, label=f"{case.name}-{pass_name}-{name}") for name in impls}
         for name in impls:
             peak = cuda_peak_bytes(lambda name=name: step(name), device)
-            rows.append({**timing_row(case.name, pass_name, ms, name), "speedup_vs_loop": ms["loop"] / ms[name] if name == "fused" else None,
+            speedup = {f"speedup_vs_{base}": ms[base] / ms[name] if name == "fused" and base in ms else None for base in ("eager", "loop")}
+            rows.append({"case": case.name, "pass": pass_name, "impl": name, "ms": ms[name], **speedup,
                          "floor_fraction": floor_fraction(nbytes, bandwidth, ms[name]),
                          "peak_GB": None if peak is None else peak / 1e9, "T": T, "doc": case.doc, "C": C, "N": N,
                          "dtype": str(dtype).removeprefix("torch."), "bytes": nbytes})
@@ -112,10 +119,12 @@ def run_case(case: Case, device: torch.device, dtype: torch.dtype, bandwidth: fl
 
 
 def main() -> None:
-    args, device, dtype, bandwidth = start(__doc__.splitlines()[0])
+    args, device, dtype, bandwidth = start(__doc__.splitlines()[0], lambda parser: parser.add_argument(
+        "--impls", default=None, help=f"comma-separated implementations to time among {IMPLS} (default all; each case checks fused against eager)"))
+    names = select(IMPLS, args.impls, "--impls")
     rows = []
     for case in make_cases(args.smoke):
-        rows += run_case(case, device, dtype, bandwidth)
+        rows += run_case(case, device, dtype, bandwidth, names)
     finish(args, device, bandwidth, "bench_scan", [(rows, COLUMNS)])
 
 

@@ -73,6 +73,20 @@ def test_device_ms_times_the_device_alone():
         common.device_ms(lambda: one.add_(1).item(), device, calls=10)
 
 
+@pytest.mark.gpu
+def test_bench_times_a_slow_call_alone():
+    """A call of 2 SLOW_MS on the device is called twice (one untimed) and timed once, not do_bench's dozen."""
+    common, calls = _common(), []
+    cycles = int(2 * common.SLOW_MS * common._sleep_cycles_per_ms())
+
+    def slow():
+        calls.append(1)
+        torch.cuda._sleep(cycles)
+
+    ms = common.bench(slow, torch.device("cuda"))
+    assert len(calls) == 2 and 1.8 * common.SLOW_MS < ms < 2.5 * common.SLOW_MS, (calls, ms)
+
+
 def _run_all(tmp_path, *flags):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run_all.py"), "--smoke", "--out", str(tmp_path / "csv"),
@@ -150,6 +164,24 @@ def test_bench_train_step_refuses_an_unknown_implementation(tmp_path):
                           "--impls", "fmoe compiled,nope"], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode != 0 and "--impls: expected names among" in out.stderr, out.stdout[-2000:] + out.stderr[-2000:]
     assert not list(tmp_path.glob("*.csv"))
+
+
+def test_bench_scan_times_the_implementations_named(tmp_path):
+    """bench_scan --impls fused,eager: only their rows, the fused rows' speedup over eager
+    filled and over the (untimed) loop empty; an unknown name is refused."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    script = str(ROOT / "benchmarks" / "bench_scan.py")
+    out = subprocess.run([sys.executable, script, "--smoke", "--out", str(tmp_path), "--impls", "eager,fused"], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    rows = list(csv.DictReader(open(tmp_path / "bench_scan.csv")))
+    assert {r["impl"] for r in rows} == {"fused", "eager"} and len(rows) == 2 * 2 * 2  # 2 cases, 2 passes
+    fused = [r for r in rows if r["impl"] == "fused"]
+    assert all(float(r["speedup_vs_eager"]) > 0 and r["speedup_vs_loop"] == "" for r in fused)
+    out = subprocess.run([sys.executable, script, "--smoke", "--out", str(tmp_path / "bad"), "--impls", "fused,scan"], capture_output=True,
+                         text=True, env=env, timeout=300)
+    assert out.returncode != 0 and "--impls: expected names among ['eager', 'fused', 'loop'], got 'fused,scan'" in out.stderr
 
 
 @pytest.mark.parametrize("kind", ["falcon_h1", "jamba"])
