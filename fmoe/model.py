@@ -82,6 +82,21 @@ def init_value(seed: int, name: str, shape, std: float) -> torch.Tensor:
     return torch.empty(tuple(shape), dtype=torch.float32).normal_(0.0, std, generator=gen)
 
 
+def _mixer_start(kind: str, leaf: str, uniform, shape) -> torch.Tensor:
+    """A linear-attention mixer's dt_bias or A_log at the start, as the kind's reference
+    (Transformer.reset_parameters); uniform() draws the parameter's own uniforms in (0, 1)."""
+    if leaf == "A_log":
+        if kind == "mamba1":  # [C, N]: A = 1 .. N in every channel (S4D-real)
+            return torch.arange(1, shape[1] + 1, dtype=torch.float32).log().expand(shape)
+        low = 0.0 if kind == "gated_deltanet" else 1.0
+        return torch.log(low + (16.0 - low) * uniform())
+    if kind == "kda":
+        return torch.zeros(shape)
+    # softplus(dt_bias) = dt log-uniform in [0.001, 0.1], at least 1e-4: softplus's inverse dt + log(1 - exp(-dt))
+    dt = (math.log(1e-3) + math.log(100.0) * uniform()).exp().clamp(min=1e-4)
+    return dt + torch.log(-torch.expm1(-dt))
+
+
 def local_block(param: torch.Tensor) -> tuple[slice, ...]:
     """This rank's block of param's full value, as slices: all of it for a plain tensor, a
     DTensor's own shard found from its layout (as DCP does: no communication)."""
@@ -1992,11 +2007,17 @@ class Transformer(nn.Module):
         """Normal(0, init_std) matrices, output projections (attention wo, MLP w_down) also
         divided by sqrt(2 * n_layers) (GPT-2: the residual stream sums 2 per block), norms 1
         (0 with zero_centered_norms), every bias, the attention sinks and the expert-bias
-        buffers 0; in linear-attention blocks the convolution's taps Normal(0, 1/sqrt(3 K)),
-        A_log = log A with A uniform in [1, 16], dt_bias and the output norm 1 (Mamba-2's: its
-        convolutions' biases 0, its skip D 1; Mamba-1's, linear_kind "mamba1", as Mamba's: A_log =
-        log(1 .. N) in every channel, dt_bias such that softplus(dt_bias) is log-uniform in
-        [0.001, 0.1]). The router stays float32 (MoE owns it).
+        buffers 0; in linear-attention blocks, each kind as its reference starts: the
+        convolution's taps Normal(0, 1/sqrt(3 K)) (torch's Conv1d's spread), the output norm
+        and the skip D 1, the convolutions' biases 0, and
+            gated_deltanet (FLA's GatedDeltaNet)   A uniform in [0, 16], dt = softplus(dt_bias)
+                                                   log-uniform in [0.001, 0.1]
+            mamba2 (mamba_ssm's Mamba2)            A uniform in [1, 16], dt log-uniform in [0.001, 0.1]
+            kda (FLA's KimiDeltaAttention)         A uniform in [1, 16], dt_bias 0
+            mamba1 (Mamba's)                       A = 1 .. N in every channel (S4D-real), dt
+                                                   log-uniform in [0.001, 0.1]
+        (A_log = log A; a uniform drawn as the normal's CDF of init_value). The router stays
+        float32 (MoE owns it).
         Hyper-connections (HyperConnection): fn Normal(0, init_std), scale 0.01, the pre
         biases -log(n - 1), the others 0.
 
@@ -2010,13 +2031,13 @@ class Transformer(nn.Module):
         seed = torch.initial_seed() if seed is None else seed
         base = self.cfg.init_std
         n = self.cfg.hyper_connections
-        mamba1 = {f"{m}.dt_bias" for m, module in self.named_modules() if isinstance(module, LinearAttention) and module.cfg.kind == "mamba1"}
+        mixers = {m: module.cfg.kind for m, module in self.named_modules() if isinstance(module, LinearAttention)}
         for name, p in self.named_parameters():
             if p.is_meta:
                 continue
-            if name in mamba1:  # Mamba's: softplus(dt_bias) = dt log-uniform in [0.001, 0.1] (the uniform as the normal's CDF)
-                dt = (math.log(1e-3) + math.log(100.0) * torch.special.ndtr(init_value(seed, name, p.shape, 1.0))).exp().clamp(min=1e-4)
-                copy_full_value(p, dt + torch.log(-torch.expm1(-dt)))
+            mixer, _, leaf = name.rpartition(".")
+            if mixer in mixers and leaf in ("dt_bias", "A_log"):
+                copy_full_value(p, _mixer_start(mixers[mixer], leaf, lambda: torch.special.ndtr(init_value(seed, name, p.shape, 1.0)), p.shape))
                 continue
             kind = name.replace(".attn_beside.", ".attn.")  # a parallel hybrid's attention beside the mixer: initialised as attention is
             if name.endswith(("_hc.base", "_hc.scale", "hc_head.base", "hc_head.scale")):  # HyperConnection's biases and scales
@@ -2025,7 +2046,7 @@ class Transformer(nn.Module):
                 else:  # pre ~ 1/n: sigmoid(-log(n - 1)); the post and mixing biases 0
                     copy_full_value(p, torch.cat([torch.full((n,), -math.log(n - 1)), torch.zeros(p.shape[0] - n)]))
                 continue
-            if name.endswith(("attn.out_norm", "attn.dt_bias", "attn.D", "attn.dt_norm", "attn.b_norm", "attn.c_norm", "mlp.router_norm",
+            if name.endswith(("attn.out_norm", "attn.D", "attn.dt_norm", "attn.b_norm", "attn.c_norm", "mlp.router_norm",
                               "mlp.expert_scale")):
                 _local(p).fill_(1.0)  # Gated DeltaNet's output norm (never zero-centred), decay's bias; Mamba-2's skip; Gemma 4's router scales
                 continue
@@ -2039,12 +2060,6 @@ class Transformer(nn.Module):
                               "attn.conv_q_bias", "attn.conv_k_bias", "attn.conv_v_bias")
                              + EXPERT_BIASES):
                 _local(p).zero_()
-                continue
-            if name.endswith("attn.A_log") and p.ndim == 2:  # Mamba-1's [C, N]: A = 1 .. N in every channel (S4D-real)
-                copy_full_value(p, torch.arange(1, p.shape[1] + 1, dtype=torch.float32).log().expand(p.shape))
-                continue
-            if name.endswith("attn.A_log"):  # log A, A uniform in [1, 16] (Mamba-2's range): the uniform as the normal's CDF
-                copy_full_value(p, torch.log(1.0 + 15.0 * torch.special.ndtr(init_value(seed, name, p.shape, 1.0))))
                 continue
             std = base / (2 * self.cfg.n_layers) ** 0.5 if name.endswith(("wo", "w_down")) else base
             if name.endswith(("attn.conv_q", "attn.conv_k", "attn.conv_v")):  # K taps per channel: torch's Conv1d's spread, 1 / sqrt(3 K)

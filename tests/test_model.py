@@ -391,7 +391,7 @@ def test_zero_centered_norms_are_one_plus_their_weights():
     norms = [n for n, _ in zc.named_parameters() if n.endswith(("norm.weight", "q_norm", "k_norm"))]
     assert len(norms) == 3 * 2 + 2 + 1 + 3 + 2 + 2  # block pre-norms, q/k norms of block 2, final; MTP: emb/hidden/out, block norms, q/k
     assert all(float(zc.get_parameter(n).detach().abs().max()) == 0 for n in norms)
-    assert all(torch.equal(zc.get_parameter(n), torch.ones_like(zc.get_parameter(n))) for n in ("blocks.0.attn.out_norm", "blocks.0.attn.dt_bias"))
+    assert torch.equal(zc.get_parameter("blocks.0.attn.out_norm"), torch.ones(6))
     with torch.no_grad():
         for n, p in zc.named_parameters():
             p.normal_(0.0, 0.3)
@@ -417,8 +417,8 @@ def test_linear_layers_build_gated_deltanet_blocks():
     assert {n: tuple(p.shape) for n, p in attn.named_parameters()} == dict(
         wq=(32, 4), wk=(32, 4), wv=(32, 6), wz=(32, 6), wb=(32, 2), wa=(32, 2), conv_q=(2, 4), conv_k=(2, 4), conv_v=(2, 6), A_log=(2,),
         dt_bias=(2,), out_norm=(3,), wo=(6, 32))
-    decay_rates = attn.A_log.detach().exp()  # A uniform in [1, 16]
-    assert float(decay_rates.min()) >= 1 and float(decay_rates.max()) <= 16
+    decay_rates = attn.A_log.detach().exp()  # A uniform in [0, 16] (FLA's GatedDeltaNet): test_linear_mixers_start_as_their_references
+    assert float(decay_rates.min()) > 0 and float(decay_rates.max()) <= 16
     assert abs(float(attn.conv_v.detach().std()) - 6 ** -0.5) < 0.25
     with pytest.raises(ValueError, match=r"nope_layers: blocks \[2\] are linear-attention blocks \(linear_layers\), which do not attend"):
         dataclasses.replace(TINY, linear_layers=(2,), nope_layers=(1, 2))
@@ -460,6 +460,38 @@ def test_mamba1_blocks_own_mamba_s_parameters_at_mamba_s_start():
                           (dict(linear_k_heads=2), r"n_k_heads / v_head_dim: Mamba-1's B and C are one group")):
         with pytest.raises(ValueError, match=match):
             dataclasses.replace(cfg, **change)
+
+
+@pytest.mark.parametrize("variant,k_heads,low,dt", [
+    ("gated deltanet", 2, 0.0, "log-uniform"),  # FLA's GatedDeltaNet: A uniform in [0, 16], dt log-uniform in [0.001, 0.1]
+    ("mamba2", 2, 1.0, "log-uniform"),          # mamba_ssm's Mamba2: A uniform in [1, 16]
+    ("kimi linear", 64, 1.0, "zero"),           # FLA's KimiDeltaAttention: dt_bias 0 (as many key as value heads)
+    ("ling", 64, 1.0, "zero"),
+])
+def test_linear_mixers_start_as_their_references(variant, k_heads, low, dt):
+    """Each linear-attention kind's A_log and dt_bias at the start, as its reference implementation's,
+    over enough heads to see the ranges' ends: A = exp(A_log) uniform in [low, 16]; dt =
+    softplus(dt_bias) log-uniform in [0.001, 0.1] (its decays exp(-dt A) near 1: a long memory
+    at the start; with dt_bias 1 (dt 1.31) they were under 0.27), or dt_bias 0; the same values
+    again with the seed; the output norm 1 (Mamba-1's: test_mamba1_blocks_own_mamba_s_parameters_at_mamba_s_start)."""
+    cfg = dataclasses.replace(VARIANTS[variant], linear_v_heads=64, linear_k_heads=k_heads)
+    model = Transformer(cfg)
+    attn = model.blocks[0].attn
+    A = attn.A_log.detach().exp()
+    assert float(A.min()) >= low and float(A.max()) <= 16 and float(A.max() - A.min()) > 8
+    if low == 0.0:
+        assert float(A.min()) < 1  # below mamba2's floor somewhere among 64 heads (p = 1 - (15/16)^64 = 0.98 per seed)
+    if dt == "zero":
+        assert not attn.dt_bias.any()
+    else:
+        step = torch.nn.functional.softplus(attn.dt_bias.detach())
+        assert float(step.min()) >= 1e-3 * (1 - 1e-5) and float(step.max()) <= 0.1 * (1 + 1e-5) and float(step.max() / step.min()) > 10
+        assert float(step.log().std()) > 0.8  # log-uniform over ln(100) = 4.6: std 1.33
+    again = Transformer(cfg)
+    again.reset_parameters(seed=torch.initial_seed())
+    for name in ("A_log", "dt_bias"):
+        torch.testing.assert_close(again.blocks[1].attn.get_parameter(name), model.blocks[1].attn.get_parameter(name), rtol=0, atol=0)
+    assert bool((attn.out_norm == 1).all())
 
 
 def test_llama3_rope_knobs_are_checked():
