@@ -24,7 +24,8 @@ the bandwidth floor, (bytes / copy bandwidth) / ms, with the copy bandwidth meas
 same run. Bytes (the streams' dtype, e bytes): forward, read x [T, n H] and y [T, H], write h
 [T, H] and x' [T, n H]: e T (2 n H + 2 H); backward, read the upstream gradients [T, H] and
 [T, n H], x and y, write the gradients of x and y: e T (3 n H + 3 H); the one-stream rows
-count their own, e T 3 H forward and e T 3 H backward. The weights (M x n H float32) are
+count their own, e T 3 H forward and none backward (the add's gradients are the upstream
+gradient itself, returned twice: on an H200 its fwd+bwd took the forward's time). The weights (M x n H float32) are
 left out: a few MB, read once. The CSV goes to OUT/bench_hyper_connections.csv.
 """
 
@@ -105,7 +106,7 @@ def run_case(case: Case, device: torch.device, dtype: torch.dtype, bandwidth: fl
 
     e = x.element_size()
     hc_bytes = {"fwd": e * T * (2 * n * H + 2 * H), "fwd+bwd": e * T * (5 * n * H + 5 * H)}
-    one_bytes = {"fwd": e * T * 3 * H, "fwd+bwd": e * T * 6 * H}
+    one_bytes = {"fwd": e * T * 3 * H, "fwd+bwd": e * T * 3 * H}  # the add's backward passes its gradient on: no bytes
     rows = []
     for pass_name, step, one_step in (("fwd", fwd, one_fwd), ("fwd+bwd", fwd_bwd, one_fwd_bwd)):
         calls = {name: (lambda name=name: step(name)) for name in impls}

@@ -32,6 +32,11 @@ def test_benchmark_smoke(script, tmp_path):
     assert len({r["impl"] for r in rows if r.get("impl")}) >= 3  # ours and two baselines
     if script in DEVICE_TIMED:  # the columns are there, empty on CPU
         assert all(r["device_ms"] == r["device_floor_fraction"] == "" for r in rows)
+    if script == "bench_hyper_connections.py":  # the bytes its docstring counts (float32): the one stream's backward moves none
+        for r in rows:
+            T, H, n = int(r["T"]), int(r["H"]), int(r["streams"])
+            want = 4 * T * (3 * H if r["impl"] == "one stream" else (2 if r["pass"] == "fwd" else 5) * (n * H + H))
+            assert int(r["bytes"]) == want, r
 
 
 def _common():
