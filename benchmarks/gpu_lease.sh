@@ -17,6 +17,7 @@
 #     bash benchmarks/gpu_lease.sh k    # every gpu test, bench_scan, bench_hyper_connections (329 s on 2026-11-29, bench_scan timed out)
 #     bash benchmarks/gpu_lease.sh l    # Jamba's compiled train step, bench_routing's dsv3 cases (225 s on 2026-11-29, the machine warm)
 #     bash benchmarks/gpu_lease.sh m    # the scan's chunk kernels: their gpu tests, bench_scan, Jamba's and Falcon-H1's compiled steps (not yet run)
+#     bash benchmarks/gpu_lease.sh n    # where the hyper-connections' time goes (bench_hyper_connections profiled) and the scan's (bench_scan profiled)
 #                                       # (part h's gpu tests include GeGLU's kernels at a real shape; bench_moe_layer, parts a, c, f, its GeGLU rows)
 #
 # What comes back is written to $OUT (the device tool's folder; gpu_out/ elsewhere), at most
@@ -161,8 +162,15 @@ m)
     bench --only bench_train_step --timeout 140 --extra="--model jamba --impls 'fmoe compiled'"
     bench --only bench_train_step --timeout 180 --extra="--model falcon_h1 --impls 'fmoe compiled'"  # 550 s at most in all
     ;;
+n)
+    # the sixth run's misses, profiled: the mHC sublayer compiled took 15.64 ms fwd+bwd at T = 16384, H = 4096, 4
+    # streams (5.1% of its bytes floor, 160x the residual add); the scan's backward 8.3 ms at Jamba Mini's mixer (its
+    # forward 1.25 ms). The ops tables come back as <benchmark>.txt
+    bench --only bench_hyper_connections --timeout 150 --profile
+    bench --only bench_scan --timeout 200 --profile --extra="--impls fused,eager"
+    ;;
 *)
-    echo "usage: bash benchmarks/gpu_lease.sh a|b|c|e|f|g|h|i|j|k|l|m" >&2
+    echo "usage: bash benchmarks/gpu_lease.sh a|b|c|e|f|g|h|i|j|k|l|m|n" >&2
     exit 2
     ;;
 esac
