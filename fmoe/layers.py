@@ -561,6 +561,8 @@ class AttentionConfig:
     under context parallel, its span in the global cu_seqlens (attention_context). Decoding
     switches as the sequence grows past longrope_original_max_positions, its cached keys
     keep the short factors (transformers drops such a cache; fmoe does not).
+    reversed: every pair turned the other way, the tables' sin negated (NanoChat's rotate_half
+    is (x2, -x1)): a rotation by -p theta, the scores' dependence on m - n mirrored.
     rope: False leaves q and k unrotated (NoPE: position only through the causal mask;
     EXAONE's global layers), the context's RoPE tables unused; grouped-query attention only.
     local_rope_base: the RoPE base of a layer with a window or a chunk: plain RoPE at this
@@ -649,6 +651,7 @@ class AttentionConfig:
     rope_base: float = 10000.0
     rot_dim: Optional[int] = None
     interleaved: bool = False
+    reversed: bool = False
     yarn_factor: Optional[float] = None
     yarn_original_max_positions: int = 4096
     yarn_beta_fast: float = 32.0
@@ -903,7 +906,13 @@ def rope_tables(positions: torch.Tensor, cfg: AttentionConfig, lengths: Optional
     """(cos, sin) [T, rot_dim/2] float32 for cfg's RoPE (Llama 3.1's scaling, LongRoPE) or
     YaRN at positions [T]. lengths: LongRoPE's switch, [T] int, the length of each token's
     sequence (None: positions.max() + 1 for every token); a token of a sequence longer than
-    cfg.longrope_original_max_positions gets the long factors and scale, chosen on the device."""
+    cfg.longrope_original_max_positions gets the long factors and scale, chosen on the device.
+    With cfg.reversed, sin negated."""
+    cos, sin = _rope_tables(positions, cfg, lengths)
+    return (cos, -sin) if cfg.reversed else (cos, sin)
+
+
+def _rope_tables(positions: torch.Tensor, cfg: AttentionConfig, lengths: Optional[torch.Tensor]):
     rot = cfg.rot_dim or cfg.head_dim
     if cfg.longrope_short_factors is not None:
         short = longrope_inv_freq(rot, base=cfg.rope_base, factors=cfg.longrope_short_factors).to(positions.device)

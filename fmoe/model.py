@@ -372,7 +372,8 @@ class TransformerConfig:
     n_heads/n_kv_heads of head_dim, qkv_bias, qk_norm (None | "head" | "proj" | "rms" | "head_layer",
     fmoe.layers.AttentionConfig; qk_norm_after_rope: the per-head norms after RoPE, Hunyuan,
     Llama 4; nope_qk_norm=False: none in the NoPE blocks, Llama 4), rope_base, rope_dim (rotated
-    channels per head, None: all), rope_interleaved, yarn_factor (None: plain RoPE) with
+    channels per head, None: all), rope_interleaved, rope_reversed (each pair turned the other
+    way, sin negated: NanoChat's rotate_half (x2, -x1)), yarn_factor (None: plain RoPE) with
     yarn_original_max_positions, yarn_beta_fast / yarn_beta_slow / yarn_mscale /
     yarn_mscale_all_dim / yarn_truncate; llama3_factor (None: none; not with YaRN) with
     llama3_low_freq_factor / llama3_high_freq_factor / llama3_original_max_positions:
@@ -494,6 +495,9 @@ class TransformerConfig:
     moe_out_norm). layer_norms: every block norm, the final norm and the MTP modules' are
     LayerNorms without bias, the mean taken out before the scale (Cohere's; the q/k norms stay
     RMSNorms); norm_bias: with a bias each (Phi-3.5-MoE's; needs layer_norms).
+    norm_weights=False: those norms (and embed_norm) have no weights, x / rms(x) alone
+    (NanoChat's; not with zero_centered_norms, norm_bias or norm_gate_rank). embed_norm: the
+    embeddings pass through such a norm (embed_norm) before the first block (NanoChat's).
     zero_centered_norms: every RMSNorm's gain is 1 + its weight, the weight 0 at initialisation
     (Qwen3-Next's zero-centred norms: weight decay pulls the gain to 1;
     the blocks', the final, the MTP modules' and the q/k norms; not the linear-attention
@@ -601,6 +605,7 @@ class TransformerConfig:
     rope_base: float = 10000.0
     rope_dim: Optional[int] = None
     rope_interleaved: bool = False
+    rope_reversed: bool = False
     yarn_factor: Optional[float] = None
     yarn_original_max_positions: int = 4096
     yarn_beta_fast: float = 32.0
@@ -688,6 +693,8 @@ class TransformerConfig:
     parallel_blocks: bool = False
     layer_norms: bool = False
     norm_bias: bool = False
+    norm_weights: bool = True
+    embed_norm: bool = False
     head_bias: bool = False
     zero_centered_norms: bool = False
     linear_layers: Optional[tuple[int, ...]] = None
@@ -838,11 +845,15 @@ class TransformerConfig:
             raise ValueError("sink_layers: the blocks with attention sinks, needs attn_sinks")
         for name in ("pre_norms", "post_norms", "linear_pre_norms", "linear_neg_eigval", "mlp_bias", "moe_out_norm", "parallel_blocks", "layer_norms",
                      "nope_qk_norm", "route_on_input", "attn_gate", "zero_centered_norms", "norm_bias", "head_bias", "shortcut_moe", "mla_scales", "q_latent_raw", "attn_gate_on_q",
-                     "parallel_hybrid"):
+                     "parallel_hybrid", "norm_weights", "embed_norm", "rope_reversed"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         if self.norm_bias and not self.layer_norms:
             raise ValueError("norm_bias: a bias on each LayerNorm, needs layer_norms (the RMSNorms have none)")
+        if not self.norm_weights:
+            for name in ("zero_centered_norms", "norm_bias", "norm_gate_rank"):
+                if getattr(self, name):
+                    raise ValueError(f"norm_weights: False leaves the norms without weights, not with {name}")
         if self.fp8_layers is not None and self.fp8 is not True:
             raise ValueError("fp8_layers: the blocks whose GEMMs run in fp8, needs fp8=True")
         check_fp8_fast_accum(self.fp8_fast_accum, self.fp8 is True)
@@ -1190,7 +1201,7 @@ class TransformerConfig:
             v_scale=self.value_scale, clip_qkv=self.clip_qkv, v_norm=self.v_norm, k_eq_v=self.global_k_eq_v and not local,
             score_softcap=self.attn_softcap,
             rope_proportion=None if local else self.rope_proportion,
-            rot_dim=self.rope_dim, interleaved=self.rope_interleaved, yarn_factor=self.yarn_factor,
+            rot_dim=self.rope_dim, interleaved=self.rope_interleaved, reversed=self.rope_reversed, yarn_factor=self.yarn_factor,
             yarn_original_max_positions=self.yarn_original_max_positions, yarn_beta_fast=self.yarn_beta_fast,
             yarn_beta_slow=self.yarn_beta_slow, yarn_mscale=self.yarn_mscale, yarn_mscale_all_dim=self.yarn_mscale_all_dim,
             yarn_truncate=self.yarn_truncate, llama3_factor=self.llama3_factor, llama3_low_freq_factor=self.llama3_low_freq_factor,
@@ -1243,7 +1254,8 @@ class TransformerConfig:
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight over the last dim, statistics in float32; with zero_centered
+    """x / rms(x) * weight over the last dim, statistics in float32 (weight=False: no weight,
+    x / rms(x) alone: NanoChat's); with zero_centered
     x / rms(x) * (1 + weight), the weight 0 at initialisation (Qwen3-Next's); with centered,
     a LayerNorm: (x - mean(x)) / std(x) * weight (Cohere's, DBRX's), + bias with bias
     (Phi-3.5-MoE's; the bias 0 at initialisation). `sequence_parallel`: set by fmoe.parallel
@@ -1251,30 +1263,31 @@ class RMSNorm(nn.Module):
     is then this rank's token shard, and the weight's (bias's) gradient is summed over the tp
     ranks where it is used."""
 
-    def __init__(self, dim: int, eps: float, zero_centered: bool = False, centered: bool = False, bias: bool = False):
+    def __init__(self, dim: int, eps: float, zero_centered: bool = False, centered: bool = False, bias: bool = False, weight: bool = True):
         super().__init__()
         self.eps = eps
         self.zero_centered = zero_centered
         self.centered = centered
-        self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
+        self.weight = None if not weight else nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
         self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
         self.sequence_parallel = None
 
     @classmethod
     def of(cls, cfg: "TransformerConfig") -> "RMSNorm":
-        """A block's, the final or an MTP module's norm of the model cfg (its layer_norms,
-        norm_bias, zero_centered_norms)."""
-        return cls(cfg.hidden, cfg.norm_eps, cfg.zero_centered_norms, cfg.layer_norms, cfg.norm_bias)
+        """A block's, the final, the embeddings' or an MTP module's norm of the model cfg (its
+        layer_norms, norm_bias, zero_centered_norms, norm_weights)."""
+        return cls(cfg.hidden, cfg.norm_eps, cfg.zero_centered_norms, cfg.layer_norms, cfg.norm_bias, cfg.norm_weights)
 
     def forward(self, x):
         sp = self.sequence_parallel
-        weight = self.weight if sp is None else sp.weight(self.weight)
         # float32 statistics whatever x's dtype
         x32 = x.float()
         if self.centered:  # a LayerNorm
             x32 = x32 - x32.mean(-1, keepdim=True)
-        gain = weight.float() + 1.0 if self.zero_centered else weight.float()
-        y = x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.eps) * gain
+        y = x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.eps)
+        if self.weight is not None:
+            weight = (self.weight if sp is None else sp.weight(self.weight)).float()
+            y = y * (weight + 1.0 if self.zero_centered else weight)
         if self.bias is not None:
             y = y + (self.bias if sp is None else sp.weight(self.bias)).float()
         return y.to(x.dtype)
@@ -1984,6 +1997,7 @@ class Transformer(nn.Module):
                 if cfg.is_index_shared(i):
                     block.attn.index_source = cfg.index_source(i)
                     self.blocks[block.attn.index_source].attn.index_keep = True
+        self.embed_norm = RMSNorm.of(cfg) if cfg.embed_norm else None  # on the trunk's embeddings (NanoChat's)
         self.norm = RMSNorm.of(cfg)
         # hyper-connections: the streams' last collapse, before the final norm
         self.hc_head = HyperConnection(cfg, head=True) if cfg.hyper_connections else None
@@ -2146,9 +2160,12 @@ class Transformer(nn.Module):
         return h * (torch.tensor(self.cfg.embed_scale, dtype=h.dtype) if self.cfg.round_embed_scale else self.cfg.embed_scale)
 
     def _trunk_input(self, ids: torch.Tensor) -> torch.Tensor:
-        """The first block's input of token ids [T]: their embeddings [T, H], or with
-        hyper_connections n copies side by side [T, n H] (the streams)."""
+        """The first block's input of token ids [T]: their embeddings [T, H] (through
+        embed_norm with cfg.embed_norm), or with hyper_connections n copies side by side
+        [T, n H] (the streams)."""
         h_TH = self._embedding(ids)
+        if self.embed_norm is not None:
+            h_TH = self.embed_norm(h_TH)
         return h_TH.repeat(1, self.cfg.hyper_connections) if self.cfg.hyper_connections else h_TH
 
     def _head_input(self, h_TH: torch.Tensor, norm=None) -> torch.Tensor:

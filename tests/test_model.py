@@ -197,6 +197,10 @@ VARIANTS = {
     "gpt-oss": dataclasses.replace(TINY, qkv_bias=True, o_bias=True, attn_sinks=True, router_bias=True, expert_biases=True, swiglu_alpha=1.702,
                                    swiglu_limit=0.5, swiglu_offset=1.0, window=4, window_layers=(0, 2), yarn_factor=4.0,
                                    yarn_original_max_positions=8, yarn_truncate=False),
+    # NanoChat's: every norm without weights, the embeddings' too, RoPE turned the other way, weightless q/k norms after
+    # it, relu^2 MLPs (its dense model; the MoE block's experts through relu^2 too), the logits capped
+    "nanochat": dataclasses.replace(TINY, mlp_act="relu2", norm_weights=False, embed_norm=True, rope_reversed=True, qk_norm="rms",
+                                    qk_norm_after_rope=True, logit_softcap=15.0, mtp_depth=1),
 }
 
 
@@ -1256,6 +1260,12 @@ _SMALL = dict(vocab_size=40, hidden=32, n_layers=4, n_dense=1, ffn_dense=48, n_e
     (dict(expert_bias_on_logits=1), r"expert_bias_on_logits: expected a bool, got 1"),
     (dict(expert_bias_on_logits=True, score="softmax"), r"expert_bias_on_logits: .* needs score='sigmoid' and expert_bias=True \(got score='softmax'"),
     (dict(expert_bias_on_logits=True, expert_bias=False), r"expert_bias_on_logits: .* \(got score='sigmoid', expert_bias=False\)"),
+    (dict(norm_weights=False, zero_centered_norms=True), r"norm_weights: False leaves the norms without weights, not with zero_centered_norms"),
+    (dict(norm_weights=False, layer_norms=True, norm_bias=True), r"norm_weights: False leaves the norms without weights, not with norm_bias"),
+    (dict(norm_weights=False, norm_gate_rank=2), r"norm_weights: False leaves the norms without weights, not with norm_gate_rank"),
+    (dict(norm_weights=0), r"norm_weights: expected a bool, got 0"),
+    (dict(embed_norm=1), r"embed_norm: expected a bool, got 1"),
+    (dict(rope_reversed="yes"), r"rope_reversed: expected a bool, got 'yes'"),
 ])
 def test_released_model_knobs_are_checked(overrides, message):
     with pytest.raises(ValueError, match=message):
@@ -1643,6 +1653,7 @@ def test_released_model_knobs_build_what_they_say():
 
 DECODED = {
     "default": TINY,
+    "nanochat": dataclasses.replace(VARIANTS["nanochat"], mtp_depth=0),
     "yarn, softmax, tied head": dataclasses.replace(TINY, yarn_factor=4.0, yarn_original_max_positions=8, score="softmax", expert_bias=False,
                                                     tie_embeddings=True),
     "qkv bias, qk norm": dataclasses.replace(TINY, qkv_bias=True, qk_norm="head", rope_dim=4),

@@ -139,6 +139,8 @@ def pipeline_chunk(model: Transformer, chunk: PipelineChunk) -> Transformer:
             model.blocks[i] = LayerElsewhere(i)
     if not chunk.first and not (chunk.last and (model.cfg.mtp_depth or model.cfg.tie_embeddings)):
         model.embed = None
+    if not chunk.first:
+        model.embed_norm = None  # the trunk's input alone (the MTP modules norm their embeddings with their own)
     if not chunk.last:
         model.norm = None
         model.hc_head = None

@@ -86,6 +86,10 @@ FALCON_H1 = dict(linear_layers=(0, 1), linear_kind="mamba2", linear_k_heads=2, l
 # attention with the MoE (softmax over every expert, the top 2 not renormalised)
 JAMBA = dict(linear_layers=(0,), linear_kind="mamba1", linear_k_heads=1, linear_v_heads=64, linear_k_dim=8, linear_v_dim=1, linear_conv=3,
              linear_dt_bc_norm="rms", nope_layers=(1,), score="softmax", pre_softmax=True, expert_bias=False)
+# NanoChat's: every norm without weights, the embeddings' too, RoPE turned the other way, weightless q/k norms after it,
+# relu^2 MLPs, the logits capped
+NANOCHAT = dict(n_dense=2, mlp_act="relu2", norm_weights=False, embed_norm=True, rope_reversed=True, qk_norm="rms", qk_norm_after_rope=True,
+                logit_softcap=15.0)
 # Nemotron-H's: block 0 a Mamba-2 mixer alone (no MLP; dt's floor 0.05), block 1 NoPE attention with an MLP without a gate
 NEMOTRON_H = dict(GRANITE4, attn_scale=None, residual_scale=1.0, n_dense=2, mlp_act="relu2", mlp_free_layers=(0,), linear_dt_min=0.05)
 # Nemotron 3's: block 1 a MoE of experts without a gate (routed and shared), sigmoid routing in 2 groups x 2.5
@@ -275,7 +279,7 @@ def _compare(rank, world, sizes, overrides):
     errors["host_reads"] = float(reads != expected_reads) + (0.0 if reads == expected_reads else reads)
     errors["sites"] = 0.0 if reads == expected_reads else str(sites)
     T, tp = batches[0]["input_ids"].shape[0] // cp, meshes.tp  # this rank's share of a micro-batch
-    replicated = ("norm", *(f"mtp.{d}.{n}" for d in range(cfg.mtp_depth) for n in ("emb_norm", "hidden_norm")))
+    replicated = ("norm", "embed_norm", *(f"mtp.{d}.{n}" for d in range(cfg.mtp_depth) for n in ("emb_norm", "hidden_norm")))
     want = {name: {T if name in replicated else T // tp} for name in rows}
     errors["sequence_parallel_rows"] = float(rows != want or len(rows) < 2 + 2 * cfg.n_layers)
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
@@ -430,6 +434,11 @@ CASES = {
     "tp2-jamba": (2, dict(tp=2), JAMBA),
     "cp2-jamba": (2, dict(cp=2), JAMBA),
     "ep2-jamba": (2, dict(ep=2), JAMBA),
+    # NanoChat's (NANOCHAT): no norm parameter to shard or sum; RoPE's reversed tables across a cp split. The embeddings'
+    # norm with a weight: on every token of each tp rank (before the sequence split), its gradient the same on each
+    "tp2-nanochat": (2, dict(tp=2), NANOCHAT),
+    "cp2-nanochat": (2, dict(cp=2), NANOCHAT),
+    "tp2-embed-norm": (2, dict(tp=2), dict(embed_norm=True)),
     # Nemotron-H's (NEMOTRON_H): a block without an MLP beside the split heads and groups
     "tp2-nemotron_h": (2, dict(tp=2), NEMOTRON_H),
     # Nemotron-H-47B's MLP layer alone: block 2 without a mixer, the last block of the tp region
@@ -522,6 +531,7 @@ DECODE_CASES = {
     "tp2-granite4": (2, dict(tp=2), GRANITE4, None, 1e-5),  # the Mamba-2 conv and SSD states of each rank's heads and groups
     "tp2-falcon_h1": (2, dict(tp=2), dict(FALCON_H1, **WINDOW), None, 1e-5),  # those states and the keys (a ring in block 1) in one block
     "tp2-jamba": (2, dict(tp=2), JAMBA, None, 1e-5),  # the rank's channels of Mamba-1's states
+    "tp2-nanochat": (2, dict(tp=2), NANOCHAT, None, 1e-5),  # the new tokens' embeddings normed, RoPE reversed at their positions
 }
 
 

@@ -246,7 +246,7 @@ def test_pruned_chunks_keep_the_whole_models_names():
     from fmoe.model import LayerElsewhere, PipelineChunk, Transformer, TransformerConfig
     from fmoe.parallel import pipeline_chunk
 
-    cfg = TransformerConfig(**TINY)
+    cfg = TransformerConfig(**TINY, embed_norm=True)  # the embeddings' norm (with a weight) on the first stage alone
     whole = {n for n, _ in Transformer(cfg).named_parameters()}
     parts = []
     for s, layers in enumerate([range(0, 1), range(1, 3), range(3, 4)]):
@@ -258,3 +258,4 @@ def test_pruned_chunks_keep_the_whole_models_names():
     assert parts[0] & parts[2] == {"embed"}  # the last stage's copy for MTP
     assert not parts[1] & (parts[0] | parts[2])
     assert "head" in parts[2] and "mtp.0.proj" in parts[2] and "head" not in parts[0]
+    assert "embed_norm.weight" in parts[0] and "embed_norm.weight" not in parts[1] | parts[2]
