@@ -11,7 +11,7 @@ laguna, cohere2_moe, sarvam_moe, sarvam_mla, longcat_flash, bailing_hybrid, flin
 mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe, gemma3, gemma4_text, gemma4), and the dense
 DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, helium, minicpm3, arcee, gemma, vaultgemma, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
 glm4, ernie4_5, lfm2, cohere, cohere2, bamba, falcon_h1, stablelm, qwen3_5_text (and qwen3_5's text model), nemotron, apertus, olmo_hybrid, jais2, glm, internlm3,
-iquestcoder, ministral: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
+iquestcoder, ministral, nanochat: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: OLMoE's q and k clamped after their norms, ...;
 the fields a config.json leaves out read at transformers' defaults, Family.defaults, and a
 family's own names for the fields the shared mappings read as those, Family.aliases)
@@ -331,6 +331,21 @@ def _jais2(hf: dict) -> dict:
     bias = bool(hf.get("attention_bias", True))
     return _dense(dict(hf, hidden_act="silu", rms_norm_eps=hf.get("layer_norm_eps", 1e-5), mlp_bias=hf.get("mlp_bias", True)), mlp_bias=True,
                   mlp_act="relu2", layer_norms=True, norm_bias=True, qkv_bias=bias, o_bias=bias)
+
+
+def _nanochat(hf: dict) -> dict:
+    """NanoChat (nanochat, dense; karpathy's nanochat models as transformers converts them):
+    every norm without weights (norm_weights False): the blocks' pre-norms, the final norm, and
+    a norm of the embeddings before the first block (embed_norm: transformers applies its one
+    final norm module there too); RoPE turned the other way (rope_reversed: its rotate_half is
+    (x2, -x1)), q and k RMS-normed without weights after it (qk_norm "rms",
+    qk_norm_after_rope); MLPs without a gate, relu(x fc1)^2 fc2 (mlp_act "relu2"); the logits
+    capped at final_logit_softcapping (15 by default; None: none); no biases."""
+    _refuse(hf, "hidden_act", lambda v: v == "relu2", "relu2, the squared ReLU of an MLP without a gate")
+    _refuse(hf, "attention_bias", lambda v: not v, "no attention biases")
+    cap = hf.get("final_logit_softcapping", 15.0)
+    return _dense(dict(hf, hidden_act="silu"), mlp_act="relu2", norm_weights=False, embed_norm=True, rope_reversed=True, qk_norm="rms",
+                  qk_norm_after_rope=True, logit_softcap=None if cap is None else float(cap))
 
 
 def _helium(hf: dict) -> dict:
@@ -2850,7 +2865,7 @@ _MINISTRAL3_ROPE = dict(rope_type="yarn", rope_theta=1e6, factor=16.0, original_
 # the dense families (no MoE block): fine-tuned as they are, or upcycled into an MoE (fmoe.train.upcycle)
 DENSE_FAMILIES = ("llama", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "youtu", "helium", "minicpm3", "arcee", "gemma", "vaultgemma", "gemma2", "gemma3_text", "lfm3", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
                   "phi3", "glm4", "ernie4_5", "lfm2", "cohere", "cohere2", "bamba", "falcon_h1", "stablelm", "qwen3_5_text", "nemotron", "apertus", "olmo_hybrid",
-                  "jais2", "glm", "internlm3", "iquestcoder", "ministral")
+                  "jais2", "glm", "internlm3", "iquestcoder", "ministral", "nanochat")
 FAMILIES = {
     "mixtral": Family(_mixtral, "block_sparse_moe", ("w1", "w3", "w2"), "MixtralForCausalLM",
                       defaults=dict(num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1e6)),
@@ -3095,6 +3110,7 @@ FAMILIES = {
     "olmo2": Family(_olmo2, "mlp", _PROJ, "Olmo2ForCausalLM", defaults=dict(rms_norm_eps=1e-5)),
     "olmo3": Family(_olmo3, "mlp", _PROJ, "Olmo3ForCausalLM", defaults=dict(rms_norm_eps=1e-5, sliding_window=4096)),
     "jais2": Family(_jais2, "mlp", _PROJ, "Jais2ForCausalLM"),
+    "nanochat": Family(_nanochat, "mlp", _PROJ, "NanoChatForCausalLM", dense_names=("", "fc1", "fc2")),  # no norm weights: none read
     # OLMo Hybrid's files (transformers renames on load): the linear blocks' pre-norms, the attention blocks' output norm of
     # the attention, a conv per q, k, v
     "olmo_hybrid": Family(_olmo_hybrid, "mlp", _PROJ, "OlmoHybridForCausalLM", linear="split", norms=("attention_layer_norm", "feedforward_layer_norm"),
@@ -3648,6 +3664,8 @@ def key_map(family: Family, cfg: TransformerConfig) -> dict[str, Tensor]:
         out.update(_block_keys(family, cfg, "mtp.layers.0.", q + "block.", any(cfg.is_moe(i) for i in range(cfg.n_layers))))
         if cfg.mtp_norm:
             out[q + "out_norm.weight"] = Tensor(("mtp.norm.weight",))
+    if not cfg.norm_weights:  # weightless norms (NanoChat's): no keys for them
+        out = {name: spec for name, spec in out.items() if not name.endswith("norm.weight")}
     if cfg.norm_bias:  # each LayerNorm's bias beside its weight (Phi-3.5-MoE's)
         out = {n: s for name, spec in out.items()
                for n, s in [(name, spec)] + ([(name[:-len("weight")] + "bias", Tensor((spec.keys[0][:-len("weight")] + "bias",)))]
@@ -4523,6 +4541,9 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
         elif model_type == "jais2":  # its LayerNorms' eps under their own name, MLPs without a gate
             hf.pop("rms_norm_eps")
             hf.update(layer_norm_eps=cfg.norm_eps, hidden_act="relu2", attention_bias=cfg.qkv_bias)
+        elif model_type == "nanochat":  # MLPs without a gate, the logits' cap
+            hf.pop("mlp_bias")
+            hf.update(hidden_act="relu2", attention_bias=False, final_logit_softcapping=cfg.logit_softcap)
         elif model_type == "mistral":
             hf.update(sliding_window=cfg.window)
         elif model_type == "ministral":  # each layer's window or none

@@ -34,6 +34,9 @@ FAMILIES = {
     # Jais 2: Llama's blocks with biased LayerNorms, MLPs without a gate (relu^2) and biases on every projection
     "jais2": lambda: transformers.Jais2Config(**COMMON, intermediate_size=40, bos_token_id=None, eos_token_id=None, pad_token_id=None),
     "mistral": lambda: transformers.MistralConfig(**COMMON, head_dim=8, intermediate_size=40, sliding_window=None),
+    # NanoChat: weightless norms (the embeddings' too), RoPE turned the other way, weightless q/k norms after it, relu^2 MLPs,
+    # the logits capped at 15 (a cap the tiny model's logits reach: 1.5)
+    "nanochat": lambda: transformers.NanoChatConfig(**COMMON, intermediate_size=40, final_logit_softcapping=1.5),
     # InternLM3 (Llama's model): biases on q, k, v, o and the MLPs, set by its own names; IQuest-Coder (Llama's model)
     "internlm3": lambda: transformers.InternLM3Config(**COMMON, head_dim=8, intermediate_size=40, qkv_bias=True, bias=True, pad_token_id=None),
     "iquestcoder": lambda: transformers.IQuestCoderConfig(**COMMON, head_dim=8, intermediate_size=40),
@@ -781,6 +784,8 @@ def test_a_failed_export_leaves_no_weight_files(folders, tmp_path, monkeypatch):
                                                                 zero_centered_norms=True, attn_gate=True, qk_norm="head", rope_dim=4)),
                                           ("stablelm", dict(layer_norms=True, norm_bias=True, rope_dim=2, parallel_blocks=True, norm_eps=1e-5)),
                                           ("llama", dict(qkv_bias=True, o_bias=True, mlp_bias=True)),
+                                          ("nanochat", dict(norm_weights=False, embed_norm=True, rope_reversed=True, qk_norm="rms", qk_norm_after_rope=True,
+                                                            mlp_act="relu2", logit_softcap=15.0)),
                                           ("glm", dict(qkv_bias=True, rope_interleaved=True, rope_dim=4)),
                                           ("jais2", dict(layer_norms=True, norm_bias=True, mlp_act="relu2", qkv_bias=True, o_bias=True, mlp_bias=True,
                                                          norm_eps=1e-5)),
@@ -807,6 +812,34 @@ def test_a_dense_model_of_fmoe_s_own_exports_as_a_dense_family(family, knobs, tm
         with pytest.raises(ValueError, match=f"model: its config has no {family} equivalent"):
             hf.save_pretrained(hf.Transformer(dataclasses.replace(cfg, **dict.fromkeys(knobs, None if family == "qwen3" else False))),
                                tmp_path / "plain", model_type=family)
+
+
+def test_nanochat_reads_weightless_norms_reversed_rope_and_refuses_what_it_lacks(folders, tmp_path):
+    """NanoChat's folder reads as norm_weights False (no norm parameter at all), embed_norm, rope_reversed, weightless q/k
+    norms after RoPE, relu^2 MLPs and its logits' cap: without the embeddings' norm or the reversed RoPE the logits
+    differ; with norm weights (1 at the start: the same logits) the model has them as parameters, and is refused on
+    export (NanoChat has none); attention biases are refused on reading."""
+    path, ref = folders["nanochat"]
+    model, cfg = hf.from_pretrained(path, impl="torch")
+    assert (cfg.norm_weights, cfg.embed_norm, cfg.rope_reversed, cfg.qk_norm, cfg.qk_norm_after_rope, cfg.mlp_act, cfg.logit_softcap) == (
+        False, True, True, "rms", True, "relu2", 1.5)
+    assert not [n for n, _ in model.named_parameters() if "norm" in n]
+    docs, ids, cu = _packed()
+    with torch.no_grad():
+        theirs = torch.cat([ref(d[None]).logits[0] for d in docs])
+        assert _rel(model.logits(ids, cu), theirs) < 1e-5
+        for change in (dict(embed_norm=False), dict(rope_reversed=False)):
+            other = hf.Transformer(dataclasses.replace(cfg, **change))
+            other.load_state_dict(model.state_dict())
+            assert _rel(other.logits(ids, cu), theirs) > 1e-3, change
+        weighted = hf.Transformer(dataclasses.replace(cfg, norm_weights=True))  # the same function at weights 1, which it trains
+        missing = weighted.load_state_dict(model.state_dict(), strict=False).missing_keys
+        assert sorted(missing) == sorted(["embed_norm.weight", "norm.weight"] + [f"blocks.{i}.{n}_norm.weight" for i in range(3) for n in ("attn", "mlp")])
+        assert _rel(weighted.logits(ids, cu), theirs) < 1e-5
+    with pytest.raises(ValueError, match=r"model: its config has no nanochat equivalent: \{'norm_weights': \(True, False\)\}"):
+        hf.save_pretrained(hf.Transformer(dataclasses.replace(cfg, norm_weights=True)), tmp_path / "weighted", model_type="nanochat")
+    with pytest.raises(ValueError, match="attention_bias"):
+        hf.from_pretrained(_edit(path, tmp_path / "biased", lambda c: c.update(attention_bias=True)), impl="torch")
 
 
 def test_a_qwen3_model_upcycled_and_written_as_qwen3_moe_gives_the_dense_logits_in_transformers(folders, tmp_path):
