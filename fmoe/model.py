@@ -2062,7 +2062,7 @@ class Transformer(nn.Module):
                 continue
             if name.endswith(("attn.out_norm", "attn.D", "attn.dt_norm", "attn.b_norm", "attn.c_norm", "mlp.router_norm",
                               "mlp.expert_scale")):
-                _local(p).fill_(1.0)  # Gated DeltaNet's output norm (never zero-centred), decay's bias; Mamba-2's skip; Gemma 4's router scales
+                _local(p).fill_(1.0)  # Gated DeltaNet's output norm (never zero-centred); Mamba's skip and dt, B, C norms; Gemma 4's router scales
                 continue
             if name.endswith(("xielu_alpha_p", "xielu_alpha_n")):  # xIELU's a_p = 0.8 and a_n = beta + 0.3 at the start, Apertus's
                 _local(p).fill_(math.log(math.expm1(0.8 if name.endswith("alpha_p") else 0.8 - 0.5)))

@@ -101,8 +101,10 @@ def vectorize_interpreter_scans() -> bool:
         from triton.runtime.interpreter import ScanOps
     except ImportError:
         return False
-    if not hasattr(ScanOps, "generic_scan") or getattr(ScanOps.generic_scan, "_fmoe", False):
-        return hasattr(ScanOps, "generic_scan")
+    if not hasattr(ScanOps, "generic_scan"):
+        return False
+    if getattr(ScanOps.generic_scan, "_fmoe", False):  # already
+        return True
     import numpy as np
 
     def generic_scan(self, input):
