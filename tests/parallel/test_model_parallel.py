@@ -531,7 +531,8 @@ DECODE_CASES = {
     "tp2-granite4": (2, dict(tp=2), GRANITE4, None, 1e-5),  # the Mamba-2 conv and SSD states of each rank's heads and groups
     "tp2-falcon_h1": (2, dict(tp=2), dict(FALCON_H1, **WINDOW), None, 1e-5),  # those states and the keys (a ring in block 1) in one block
     "tp2-jamba": (2, dict(tp=2), JAMBA, None, 1e-5),  # the rank's channels of Mamba-1's states
-    "tp2-nanochat": (2, dict(tp=2), NANOCHAT, None, 1e-5),  # the new tokens' embeddings normed, RoPE reversed at their positions
+    # the new tokens' embeddings normed, RoPE reversed at their positions (block 1 a MoE: FSDP2 gathers its experts over tp x dp)
+    "tp2-nanochat": (2, dict(tp=2), dict(NANOCHAT, n_dense=1), None, 1e-5),
 }
 
 
