@@ -262,12 +262,10 @@ def device_columns(fn, device: torch.device, bandwidth: float, nbytes: Optional[
 
 def timing_row(case: str, pass_name: str, ms: dict, name: str) -> dict:
     """The first cells of a row of the fused-vs-baselines tables: case, pass, impl, ms, and
-    on the fused row its speedups over "eager" and "compiled" (ms: impl -> median ms; without
-    a "compiled" entry that speedup is left empty)."""
-    fused = name == "fused"
+    on the fused row its speedups over "eager" and "compiled" (ms: impl -> median ms; a
+    baseline without an entry, not timed, leaves its speedup empty)."""
     return {"case": case, "pass": pass_name, "impl": name, "ms": ms[name],
-            "speedup_vs_eager": ms["eager"] / ms["fused"] if fused else None,
-            "speedup_vs_compiled": ms["compiled"] / ms["fused"] if fused and "compiled" in ms else None}
+            **{f"speedup_vs_{base}": ms[base] / ms[name] if name == "fused" and base in ms else None for base in ("eager", "compiled")}}
 
 
 def case_done(rows: list[dict], columns: list[str]) -> None:

@@ -42,6 +42,7 @@ from _common import (  # before torch and fmoe: with --smoke it sets TRITON_INTE
     floor_fraction,
     select,
     start,
+    timing_row,
 )
 
 import torch  # noqa: E402
@@ -109,8 +110,7 @@ def run_case(case: Case, device: torch.device, dtype: torch.dtype, bandwidth: fl
         ms = {name: bench(lambda name=name: step(name), device, label=f"{case.name}-{pass_name}-{name}") for name in impls}
         for name in impls:
             peak = cuda_peak_bytes(lambda name=name: step(name), device)
-            speedup = {f"speedup_vs_{base}": ms[base] / ms[name] if name == "fused" and base in ms else None for base in ("eager", "loop")}
-            rows.append({"case": case.name, "pass": pass_name, "impl": name, "ms": ms[name], **speedup,
+            rows.append({**timing_row(case.name, pass_name, ms, name), "speedup_vs_loop": ms["loop"] / ms[name] if name == "fused" and "loop" in ms else None,
                          "floor_fraction": floor_fraction(nbytes, bandwidth, ms[name]),
                          "peak_GB": None if peak is None else peak / 1e9, "T": T, "doc": case.doc, "C": C, "N": N,
                          "dtype": str(dtype).removeprefix("torch."), "bytes": nbytes})
