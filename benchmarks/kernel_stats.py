@@ -126,8 +126,10 @@ def cases():
         yield name, experts._grouped_gemm_fwd_kernel, gemm_ptrs, gemm_scalars, dict(TRANS_W=trans, BLOCK_E=128, **experts._gemm_blocks(torch.bfloat16))
     yield "grouped_gemm_dw", experts._grouped_gemm_dw_kernel, dict(x_ptr="*bf16", dy_ptr="*bf16", dw_ptr="*bf16", offsets_ptr="*i32"), dict(R="i32", K="i32", N="i32"), experts._dw_blocks(torch.bfloat16)
     glu_scalars = dict(n="i32", alpha="fp32", limit="fp32", offset="fp32")
-    for suffix, clamp, gelu in (("", False, False), (" clamped", True, False), (" geglu", False, True)):  # silu(gate) * up; gpt-oss's; Gemma's
-        flags = dict(CLAMP=clamp, GELU=gelu, **experts._SWIGLU_META)
+    # silu(gate) * up; gpt-oss's; Gemma's; Step 3.7's (the activation capped)
+    for suffix, clamp, gelu, cap in (("", False, False, False), (" clamped", True, False, False), (" geglu", False, True, False),
+                                     (" capped", True, False, True)):
+        flags = dict(CLAMP=clamp, GELU=gelu, CAP=cap, **experts._SWIGLU_META)
         yield f"swiglu_fwd{suffix}", experts._swiglu_fwd_kernel, dict(gate_ptr="*bf16", up_ptr="*bf16", h_ptr="*bf16"), glu_scalars, flags
         yield f"swiglu_bwd{suffix}", experts._swiglu_bwd_kernel, dict(gate_ptr="*bf16", up_ptr="*bf16", grad_h_ptr="*bf16", grad_gate_ptr="*bf16", grad_up_ptr="*bf16"), glu_scalars, flags
     for name, per_expert in (("zero_unowned rows", False), ("zero_unowned dW", True)):

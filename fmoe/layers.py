@@ -143,7 +143,8 @@ class MoEConfig:
     check_nan: route's NaN check (a host sync per call; off on the hot path). impl:
     "auto" | "triton" | "torch" for every op. swiglu_alpha, swiglu_limit, swiglu_offset: the
     routed experts' clamped SwiGLU (fmoe.ops.grouped_mlp's alpha, limit, offset; gpt-oss:
-    1.702, 7.0, 1.0); the defaults are silu(gate) * up. weights_on_input: each slot's
+    1.702, 7.0, 1.0); the defaults are silu(gate) * up. shared_swiglu_limit: the shared
+    experts' clamp (dense_mlp's limit; Step 3.7's share_expert; None: none). weights_on_input: each slot's
     routing weight scales the token on its way into the expert, and the experts' outputs are
     summed unweighted: y = sum_j expert_j(w_j x) (Llama 4) instead of sum_j w_j expert_j(x).
     fp8: the routed and shared experts' forward and input-gradient GEMMs in fp8 (row-wise
@@ -162,7 +163,8 @@ class MoEConfig:
     bias_on_logits: sigmoid scoring chooses on the logits + params["expert_bias"] instead of
     the sigmoids + it (fmoe.ops.route's bias_on_logits; Kolibri-1); the weights are the
     chosen sigmoids all the same. glu_act: the experts' gate activation, "silu" (SwiGLU)
-    or "gelu_tanh" (GeGLU: GELU's tanh form, Gemma's), or "relu2": experts without a gate
+    or "gelu_tanh" (GeGLU: GELU's tanh form, Gemma's) or "silu_cap" (the limits cap silu(gate)
+    rather than gate: Step 3.7's), or "relu2": experts without a gate
     (no w_gate, no shared_w_gate: relu(x w_up)^2 w_down, Nemotron 3's), the routed and the
     shared experts' (fmoe.ops.grouped_mlp's act). norm_eps: the router's RMSNorm's eps (params["router_norm"]).
     """
@@ -186,6 +188,7 @@ class MoEConfig:
     swiglu_alpha: float = 1.0
     swiglu_limit: Optional[float] = None
     swiglu_offset: float = 0.0
+    shared_swiglu_limit: Optional[float] = None
     weights_on_input: bool = False
     fp8: bool = False
     fp8_fast_accum: bool = False
@@ -201,6 +204,10 @@ class MoEConfig:
         check_positive_int("n_experts", self.n_experts)
         check_positive_int("zero_experts", self.zero_experts, 0)
         check_glu(self.swiglu_alpha, self.swiglu_limit, self.swiglu_offset, self.glu_act)
+        try:
+            check_glu(1.0, self.shared_swiglu_limit, 0.0, self.glu_act)
+        except ValueError as e:
+            raise ValueError(f"shared_swiglu_limit: the shared experts' clamp, {e}") from None
         if isinstance(self.norm_eps, bool) or not isinstance(self.norm_eps, (int, float)) or not 0 <= self.norm_eps < math.inf:
             raise ValueError(f"norm_eps: expected a finite number >= 0, got {self.norm_eps!r}")
         check_sparsemixer_knobs(self.score, self.k, self.sparsemixer_eps, pre_softmax=self.pre_softmax, n_groups=self.n_groups,
@@ -333,7 +340,7 @@ def _check_moe(x_TH, params, cfg, experts, shared, drop) -> None:
 
 
 def dense_mlp(x_TH: torch.Tensor, w_gate_HF, w_up_HF, w_down_FH, *, impl: str = "auto", fp8: bool = False, act: str = "silu",
-              act_params: Optional[tuple] = None, b_gate=None, b_up=None, b_down=None) -> torch.Tensor:
+              act_params: Optional[tuple] = None, b_gate=None, b_up=None, b_down=None, limit: Optional[float] = None) -> torch.Tensor:
     """SwiGLU (silu(x w_gate) * (x w_up)) w_down: x [T, H], w_gate / w_up [H, F],
     w_down [F, H] -> [T, H]. The dense blocks' MLP and the shared experts. fp8: the
     projections by fmoe.ops.fp8_matmul. act "gelu_tanh": GeGLU, GELU's tanh form of x w_gate
@@ -341,7 +348,9 @@ def dense_mlp(x_TH: torch.Tensor, w_gate_HF, w_up_HF, w_down_FH, *, impl: str = 
     None), relu(x w_up)^2 w_down (Arcee's, Nemotron's); act "xielu": no gate either,
     xielu(x w_up, *act_params) w_down (Apertus's; act_params: (alpha_p, alpha_n, beta, eps),
     fmoe.ops.experts.xielu). b_gate, b_up [F], b_down [H]: optional biases added to each
-    projection's output (Llama's mlp_bias, Jais 2's; b_gate None without a gate)."""
+    projection's output (Llama's mlp_bias, Jais 2's; b_gate None without a gate). limit: the
+    SwiGLU's clamp (fmoe.ops.swiglu's limit: the gate at most limit, up within +-limit; with
+    act "silu_cap" silu(gate) at most limit, Step 3.7's; None: none; not without a gate)."""
     for name, b, n in (("b_gate", b_gate, w_up_HF.shape[-1]), ("b_up", b_up, w_up_HF.shape[-1]), ("b_down", b_down, w_down_FH.shape[-1])):
         if b is not None and (not isinstance(b, torch.Tensor) or tuple(b.shape) != (n,)):
             raise ValueError(f"{name}: expected None or a tensor [{n}], got {list(b.shape) if isinstance(b, torch.Tensor) else type(b).__name__}")
@@ -352,10 +361,12 @@ def dense_mlp(x_TH: torch.Tensor, w_gate_HF, w_up_HF, w_down_FH, *, impl: str = 
     if act in PLAIN_ACTS:
         if w_gate_HF is not None or b_gate is not None:
             raise ValueError(f"{'w_gate' if w_gate_HF is not None else 'b_gate'}: act {act!r} is an MLP without a gate, expected None, got a tensor")
+        if limit is not None:
+            raise ValueError(f"limit: the SwiGLU's clamp, not of act {act!r} (an MLP without a gate), got {limit!r}")
         up_TF = biased(matmul(x_TH, w_up_HF, fp8=fp8, impl=impl), b_up)
         return biased(matmul(plain_act(up_TF, act, act_params), w_down_FH, fp8=fp8, impl=impl), b_down)
     gate_TF, up_TF = (biased(matmul(x_TH, w, fp8=fp8, impl=impl), b) for w, b in ((w_gate_HF, b_gate), (w_up_HF, b_up)))
-    return biased(matmul(swiglu(gate_TF, up_TF, impl=impl, act=act), w_down_FH, fp8=fp8, impl=impl), b_down)
+    return biased(matmul(swiglu(gate_TF, up_TF, impl=impl, act=act, limit=limit), w_down_FH, fp8=fp8, impl=impl), b_down)
 
 
 def local_experts(x_TH: torch.Tensor, routes: Routes, params, cfg: MoEConfig):
@@ -474,7 +485,7 @@ def moe(
         counts_E = torch.cat([counts_E, counts_Z])
     if shared is None and params.get("shared_w_up") is not None:
         shared = functools.partial(dense_mlp, w_gate_HF=params.get("shared_w_gate"), w_up_HF=params["shared_w_up"],
-                                   w_down_FH=params["shared_w_down"], impl=cfg.impl, fp8=cfg.fp8, act=cfg.glu_act)
+                                   w_down_FH=params["shared_w_down"], impl=cfg.impl, fp8=cfg.fp8, act=cfg.glu_act, limit=cfg.shared_swiglu_limit)
     if shared is not None:
         y_shared_TH = shared(x)
         gate = params.get("shared_gate")

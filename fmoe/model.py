@@ -126,13 +126,14 @@ class DenseMLP(nn.Module):
     """SwiGLU: (silu(x w_gate) * (x w_up)) w_down, w_gate / w_up [H, F], w_down [F, H]; with
     act "gelu_tanh" GeGLU; with act "relu2" no gate (w_gate None): relu(x w_up)^2 w_down
     (fmoe.layers.dense_mlp's act). bias: b_gate, b_up [F] (no b_gate without a gate) and
-    b_down [H] added to the projections' outputs (TransformerConfig.mlp_bias)."""
+    b_down [H] added to the projections' outputs (TransformerConfig.mlp_bias). limit: the
+    SwiGLU's clamp (fmoe.layers.dense_mlp's limit; TransformerConfig.shared_swiglu_limit)."""
 
     def __init__(self, hidden: int, ffn: int, impl: str, *, fp8: bool = False, act: str = "silu", xielu: tuple[float, float] = XIELU,
-                 bias: bool = False, device=None, dtype=None):
+                 bias: bool = False, limit: Optional[float] = None, device=None, dtype=None):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
-        self.impl, self.fp8, self.act = impl, fp8, act
+        self.impl, self.fp8, self.act, self.limit = impl, fp8, act, limit
         self.w_gate = None if act in PLAIN_ACTS else nn.Parameter(torch.empty(hidden, ffn, **kw))
         self.w_up = nn.Parameter(torch.empty(hidden, ffn, **kw))
         self.w_down = nn.Parameter(torch.empty(ffn, hidden, **kw))
@@ -159,7 +160,7 @@ class DenseMLP(nn.Module):
         if b_down is not None and tp is not None:  # added once over the ranks' sum
             b_down = tp.share(b_down)
         return dense_mlp(x_TH, gate, _local(self.w_up), _local(self.w_down), impl=self.impl, fp8=self.fp8, act=self.act, act_params=params,
-                         b_gate=b_gate, b_up=b_up, b_down=b_down)
+                         b_gate=b_gate, b_up=b_up, b_down=b_down, limit=self.limit)
 
 
 class GroupedExperts(nn.Module):
@@ -275,7 +276,7 @@ class MoE(KeepsFloat32):
         # a latent MoE: the routed experts' input x latent_in [H, L], their sum times latent_out [L, H]
         self.latent_in = nn.Parameter(torch.empty(H, latent, **kw)) if latent else None
         self.latent_out = nn.Parameter(torch.empty(latent, H, **kw)) if latent else None
-        self.shared = DenseMLP(H, shared_ffn, cfg.impl, fp8=cfg.fp8, act=cfg.glu_act, **kw) if shared_ffn else None
+        self.shared = DenseMLP(H, shared_ffn, cfg.impl, fp8=cfg.fp8, act=cfg.glu_act, limit=cfg.shared_swiglu_limit, **kw) if shared_ffn else None
         if shared_gate:
             self.shared_gate = nn.Parameter(torch.empty(H, **kw))
         if expert_bias:
@@ -396,9 +397,14 @@ class TransformerConfig:
     logits capped at c tanh(l / c) before routing (Laguna; fmoe.layers.MoEConfig.logit_softcap).
     router_bias: a float32 bias on the router logits; expert_biases: biases of the routed
     experts' three projections; swiglu_alpha / swiglu_limit / swiglu_offset: the routed
-    experts' clamped SwiGLU (fmoe.ops.grouped_mlp; gpt-oss: 1.702, 7.0, 1.0). mlp_act: every
+    experts' clamped SwiGLU (fmoe.ops.grouped_mlp; gpt-oss: 1.702, 7.0, 1.0);
+    shared_swiglu_limit: the shared experts' and dense MLPs' clamp (their gate at most it, up
+    within +-it; Step 3.7's swiglu_limits_shared); swiglu_limit_layers: the trunk blocks whose
+    MLPs those two limits clamp (None: every block, the MTP blocks too; listed: those alone,
+    Step 3.7's last layers). mlp_act: every
     MLP's gate activation (dense blocks, shared and routed experts), "silu" (SwiGLU) or
-    "gelu_tanh" (GeGLU: GELU's tanh form, Gemma's; fmoe.ops.swiglu's act), or "relu2": MLPs
+    "gelu_tanh" (GeGLU: GELU's tanh form, Gemma's; fmoe.ops.swiglu's act) or "silu_cap"
+    (SwiGLU whose limits cap silu(gate) rather than gate: Step 3.7's), or "relu2": MLPs
     without a gate, relu(x w_up)^2 w_down (Arcee's and Nemotron-H's, Nemotron 3's routed and
     shared experts; not with expert_biases), or "xielu": dense MLPs without a gate, xIELU(x
     w_up) w_down with its two learned scalars per MLP (Apertus's; fmoe.ops.experts.xielu).
@@ -660,6 +666,8 @@ class TransformerConfig:
     swiglu_alpha: float = 1.0
     swiglu_limit: Optional[float] = None
     swiglu_offset: float = 0.0
+    shared_swiglu_limit: Optional[float] = None
+    swiglu_limit_layers: Optional[tuple[int, ...]] = None
     mlp_act: str = "silu"
     mlp_bias: bool = False
     dense_beside_moe: bool = False
@@ -858,7 +866,7 @@ class TransformerConfig:
             raise ValueError("fp8_layers: the blocks whose GEMMs run in fp8, needs fp8=True")
         check_fp8_fast_accum(self.fp8_fast_accum, self.fp8 is True)
         for name in ("moe_layers", "window_layers", "chunk_layers", "nope_layers", "linear_layers", "fp8_layers", "index_shared_layers",
-                     "sink_layers", "mlp_free_layers", "mixer_free_layers"):  # block lists: distinct indices, kept sorted
+                     "sink_layers", "mlp_free_layers", "mixer_free_layers", "swiglu_limit_layers"):  # block lists: distinct indices, kept sorted
             layers = getattr(self, name)
             if layers is None:
                 continue
@@ -961,7 +969,9 @@ class TransformerConfig:
         if self.expert_bias_on_logits and (self.score != "sigmoid" or not self.expert_bias):
             raise ValueError("expert_bias_on_logits: the expert bias on sigmoid scoring's logits, needs score='sigmoid' and expert_bias=True "
                              f"(got score={self.score!r}, expert_bias={self.expert_bias!r})")
-        self.moe_config()  # its own checks (the SwiGLU options)
+        self.moe_config(layer=self.swiglu_limit_layers[0] if self.swiglu_limit_layers else None)  # its own checks (the SwiGLU options)
+        if self.swiglu_limit_layers is not None and self.swiglu_limit is None and self.shared_swiglu_limit is None:
+            raise ValueError("swiglu_limit_layers: the blocks that swiglu_limit / shared_swiglu_limit clamp, needs one of them")
         if self.score == "sparsemixer":  # its knobs checked above
             if self.expert_bias:
                 raise ValueError("expert_bias: sparsemixer routing (score='sparsemixer') takes no expert bias; set expert_bias=False")
@@ -1154,13 +1164,21 @@ class TransformerConfig:
         """The shared experts' FFN size: shared_ffn, or n_shared * ffn_expert."""
         return self.shared_ffn if self.shared_ffn is not None else self.n_shared * self.ffn_expert
 
-    def moe_config(self, fp8: Optional[bool] = None) -> MoEConfig:
-        """The MoE blocks' config; fp8: theirs (None: the model's fp8)."""
+    def clamps(self, i: Optional[int]) -> bool:
+        """Whether block i's MLPs take the SwiGLU limits (swiglu_limit, shared_swiglu_limit):
+        every block without swiglu_limit_layers, else the trunk blocks it lists (i None: an
+        MTP block)."""
+        return self.swiglu_limit_layers is None or (i is not None and i in self.swiglu_limit_layers)
+
+    def moe_config(self, fp8: Optional[bool] = None, layer: Optional[int] = None) -> MoEConfig:
+        """The MoE blocks' config; fp8: theirs (None: the model's fp8); layer: the block's index
+        (None: an MTP block), whose SwiGLU limits it carries (clamps)."""
+        clamped = self.clamps(layer)
         return MoEConfig(
             n_experts=self.n_experts, k=self.k, score=self.score, pre_softmax=self.pre_softmax, n_groups=self.n_groups, topk_groups=self.topk_groups,
             scale=self.route_scale, group_score_topk=self.group_score_topk, normalize=self.route_normalize, capacity_factor=self.capacity_factor, capacity_policy=self.capacity_policy, impl=self.impl,
-            swiglu_alpha=self.swiglu_alpha, swiglu_limit=self.swiglu_limit, swiglu_offset=self.swiglu_offset,
-            weights_on_input=self.route_on_input, fp8=self.fp8 if fp8 is None else fp8,
+            swiglu_alpha=self.swiglu_alpha, swiglu_limit=self.swiglu_limit if clamped else None, swiglu_offset=self.swiglu_offset,
+            shared_swiglu_limit=self.shared_swiglu_limit if clamped else None, weights_on_input=self.route_on_input, fp8=self.fp8 if fp8 is None else fp8,
             fp8_fast_accum=self.fp8_fast_accum and (self.fp8 if fp8 is None else fp8), logit_softcap=self.router_softcap, shared_scale=self.shared_scale,
             sparsemixer_eps=self.sparsemixer_eps, zero_experts=self.zero_experts, bias_on_logits=self.expert_bias_on_logits,
             glu_act=self.mlp_act, norm_eps=self.norm_eps,  # relu2: the experts without a gate
@@ -1595,19 +1613,22 @@ class Block(nn.Module):
         if not mlp:  # the mixer alone (cfg.mlp_free_layers: Nemotron-H's mixer layers without an MLP after them)
             self.mlp = None
         elif moe:
-            self.mlp = MoE(cfg.hidden, cfg.ffn_expert, cfg.moe_config(fp8), shared_ffn=cfg.shared_size, shared_gate=cfg.shared_gate,
+            self.mlp = MoE(cfg.hidden, cfg.ffn_expert, cfg.moe_config(fp8, depth), shared_ffn=cfg.shared_size, shared_gate=cfg.shared_gate,
                            expert_bias=cfg.expert_bias, router_bias=cfg.router_bias, expert_biases=cfg.expert_biases,
                            router_norm=cfg.router_norm, expert_scale=cfg.router_expert_scale, latent=cfg.moe_latent or 0)
             self.mlp.experts.recompute = cfg.ac == "experts"
         else:
-            self.mlp = DenseMLP(cfg.hidden, cfg.ffn_dense, cfg.impl, fp8=fp8, act=cfg.mlp_act, bias=cfg.mlp_bias)
+            self.mlp = DenseMLP(cfg.hidden, cfg.ffn_dense, cfg.impl, fp8=fp8, act=cfg.mlp_act, bias=cfg.mlp_bias,
+                                limit=cfg.shared_swiglu_limit if cfg.clamps(depth) else None)  # the dense blocks' clamp: the shared experts'
+
         if shortcut not in (None, "out", "in") or (shortcut is not None and (not cfg.shortcut_moe or (shortcut == "out") != moe)):
             raise ValueError(f"shortcut: expected None, or with cfg.shortcut_moe 'out' (a MoE block) or 'in' (a dense one), got {shortcut!r}")
         self.shortcut = shortcut
-        self.dense = DenseMLP(cfg.hidden, cfg.ffn_dense, cfg.impl, fp8=fp8, act=cfg.mlp_act) if shortcut == "out" else None
+        dense_limit = cfg.shared_swiglu_limit if cfg.clamps(depth) else None
+        self.dense = DenseMLP(cfg.hidden, cfg.ffn_dense, cfg.impl, fp8=fp8, act=cfg.mlp_act, limit=dense_limit) if shortcut == "out" else None
         # Gemma 4's MoE blocks: a dense MLP beside the MoE, its output normed by dense_post_norm, the MoE's input by
         # moe_norm and its output by moe_post_norm (TransformerConfig.dense_beside_moe)
-        self.beside = DenseMLP(cfg.hidden, cfg.ffn_dense, cfg.impl, fp8=fp8, act=cfg.mlp_act) if moe and cfg.dense_beside_moe else None
+        self.beside = DenseMLP(cfg.hidden, cfg.ffn_dense, cfg.impl, fp8=fp8, act=cfg.mlp_act, limit=dense_limit) if moe and cfg.dense_beside_moe else None
         if self.beside is not None:
             self.dense_post_norm, self.moe_norm, self.moe_post_norm = (RMSNorm.of(cfg) for _ in range(3))
         if cfg.layer_scalars:  # Gemma 4's scale of the block's output (a checkpoint's constant, not trained)

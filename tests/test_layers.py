@@ -319,6 +319,8 @@ def test_gpt_oss_moe_matches_per_token_loop():
         MoEConfig(n_experts=4, k=2, swiglu_limit=-1.0)
     with pytest.raises(ValueError, match="act: expected one of silu, gelu_tanh"):
         MoEConfig(n_experts=4, k=2, glu_act="relu")
+    with pytest.raises(ValueError, match=r"shared_swiglu_limit: the shared experts' clamp, limit: expected > 0 \(the SwiGLU clamp\) or None, got -1.0"):
+        MoEConfig(n_experts=4, k=2, shared_swiglu_limit=-1.0)
 
 
 def test_gemma4_router_reads_its_own_input_through_its_norm_and_scales_each_expert():
@@ -392,6 +394,29 @@ def test_module_matches_the_functional_layer():
     y_fn, stats_fn = moe(x, params, cfg)
     torch.testing.assert_close(y, y_fn)
     assert torch.equal(stats["tokens_per_expert"], stats_fn["tokens_per_expert"])
+
+
+def test_shared_swiglu_limit_clamps_the_shared_experts_in_the_module_and_the_functional_layer():
+    """MoEConfig.shared_swiglu_limit (Step 3.7's share_expert clamp, with glu_act "silu_cap"):
+    the shared experts are min(silu(x wg), L) clamp(x wu, -L, L) wd, in the module and in
+    moe's params path alike, the routed experts unclamped (swiglu_limit None); dense_mlp
+    refuses a limit without a gate."""
+    cfg = MoEConfig(n_experts=4, k=2, glu_act="silu_cap", shared_swiglu_limit=0.3, impl="torch")
+    torch.manual_seed(0)
+    layer = MoE(H, FFN, cfg, shared_ffn=FS)
+    x = 4 * torch.randn(7, H)
+    params = {"router": layer.router, "w_gate": layer.experts.w_gate, "w_up": layer.experts.w_up, "w_down": layer.experts.w_down,
+              "shared_w_gate": layer.shared.w_gate, "shared_w_up": layer.shared.w_up, "shared_w_down": layer.shared.w_down}
+    gate, up = x @ layer.shared.w_gate, x @ layer.shared.w_up
+    assert (torch.nn.functional.silu(gate) > 0.3).any() and (up.abs() > 0.3).any()
+    shared = (torch.nn.functional.silu(gate).clamp(max=0.3) * up.clamp(-0.3, 0.3)) @ layer.shared.w_down
+    routed, _ = moe(x, {n: params[n] for n in ("router", "w_gate", "w_up", "w_down")}, dataclasses.replace(cfg, shared_swiglu_limit=None))
+    y, _ = layer(x)
+    y_fn, _ = moe(x, params, cfg)
+    torch.testing.assert_close(y, routed + shared, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(y_fn, y)
+    with pytest.raises(ValueError, match="limit: the SwiGLU's clamp, not of act 'relu2' \\(an MLP without a gate\\), got 1.0"):
+        dense_mlp(x, None, params["shared_w_up"], params["shared_w_down"], act="relu2", limit=1.0)
 
 
 def test_experts_and_shared_callables_are_the_one_way_in():

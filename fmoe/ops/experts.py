@@ -9,8 +9,10 @@ to each expert's rows after its projections, and the clamped SwiGLU
     swiglu(gate, up; alpha, limit, offset) = g sigmoid(alpha g) (u + offset),
         g = min(gate, limit), u = clamp(up, -limit, limit)   (limit None: no clamp)
 
-whose defaults (1, None, 0) are silu(gate) * up; and GeGLU (act "gelu_tanh", Gemma's), the
-gate through GELU's tanh form instead of silu (with the same clamps and offset):
+whose defaults (1, None, 0) are silu(gate) * up; act "silu_cap" (Step 3.7's) caps the
+activation instead of the gate, min(g sigmoid(alpha g), limit) (u + offset) with g = gate;
+and GeGLU (act "gelu_tanh", Gemma's), the gate through GELU's tanh form instead of silu
+(with the same clamps and offset):
 
     geglu(gate, up) = 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))) (u + offset)
 
@@ -70,19 +72,25 @@ from fmoe.ops.fp8 import check_fp8, check_fp8_fast_accum, fp8_matmul, fp8_quanti
 def swiglu_ref(gate, up, alpha: float = 1.0, limit=None, offset: float = 0.0, act: str = "silu"):
     """silu(gate) * up in float32, stored in gate's dtype; with alpha / limit / offset the
     clamped form g sigmoid(alpha g) (u + offset) of the module docstring; act "gelu_tanh":
-    GELU's tanh form of g in place of g sigmoid(alpha g) (GeGLU)."""
+    GELU's tanh form of g in place of g sigmoid(alpha g) (GeGLU); act "silu_cap": the limit
+    caps g sigmoid(alpha g) rather than g."""
     g, u = gate.float(), up.float()
     if limit is not None:
-        g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+        u = u.clamp(-limit, limit)
+        if act != "silu_cap":
+            g = g.clamp(max=limit)
     if act == "gelu_tanh":
-        act = torch.nn.functional.gelu(g, approximate="tanh")
+        a = torch.nn.functional.gelu(g, approximate="tanh")
     else:
-        act = torch.nn.functional.silu(g) if alpha == 1.0 else g * torch.sigmoid(alpha * g)
-    return (act * (u + offset if offset else u)).to(gate.dtype)
+        a = torch.nn.functional.silu(g) if alpha == 1.0 else g * torch.sigmoid(alpha * g)
+    if act == "silu_cap" and limit is not None:
+        a = a.clamp(max=limit)
+    return (a * (u + offset if offset else u)).to(gate.dtype)
 
 
 EXPERT_BIASES = ("b_gate", "b_up", "b_down")  # grouped_mlp's optional per-expert biases: [E, F], [E, F], [E, H]
-GLU_ACTS = ("silu", "gelu_tanh")  # the gate's activation: SwiGLU's, GeGLU's (GELU's tanh form)
+# the gate's activation: SwiGLU's, GeGLU's (GELU's tanh form), SwiGLU's with the limit capping silu(gate) rather than gate (Step 3.7's)
+GLU_ACTS = ("silu", "gelu_tanh", "silu_cap")
 PLAIN_ACTS = ("relu2", "xielu")  # the activations of an MLP without a gate (w_gate None): the squared ReLU, xIELU
 XIELU = (0.5, -1e-6)  # xIELU's constants (beta, eps), as transformers builds Apertus's
 
@@ -204,28 +212,34 @@ def _glu_act(g, alpha, GELU: tl.constexpr):
 
 
 @triton.jit
-def _swiglu_fwd_kernel(gate_ptr, up_ptr, h_ptr, n, alpha, limit, offset, CLAMP: tl.constexpr, GELU: tl.constexpr, BLOCK: tl.constexpr):
+def _swiglu_fwd_kernel(gate_ptr, up_ptr, h_ptr, n, alpha, limit, offset, CLAMP: tl.constexpr, GELU: tl.constexpr, CAP: tl.constexpr,
+                       BLOCK: tl.constexpr):
     """h = g sigmoid(alpha g) (u + offset) over n elements, float32 math: silu(gate) * up
-    with alpha 1 and offset 0; with CLAMP g = min(gate, limit), u = clamp(up, -limit, limit);
+    with alpha 1 and offset 0; with CLAMP g = min(gate, limit), u = clamp(up, -limit, limit)
+    (with CAP the activation min(g sigmoid(alpha g), limit) instead of g);
     with GELU, GELU's tanh form of g in place of g sigmoid(alpha g)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if CLAMP:
-        g = tl.minimum(g, limit)
+        if not CAP:
+            g = tl.minimum(g, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)
     act, _ = _glu_act(g, alpha, GELU)
+    if CLAMP and CAP:
+        act = tl.minimum(act, limit)
     h = act * (u + offset)
     tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _swiglu_bwd_kernel(gate_ptr, up_ptr, grad_h_ptr, grad_gate_ptr, grad_up_ptr, n, alpha, limit, offset,
-                       CLAMP: tl.constexpr, GELU: tl.constexpr, BLOCK: tl.constexpr):
+                       CLAMP: tl.constexpr, GELU: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr):
     """d gate = dh (u + offset) act'(g), d up = dh act(g), act(g) = g sigmoid(alpha g) (with
     GELU its tanh form) recomputed from gate; with CLAMP zero where the clamps cut (gate >
-    limit, |up| > limit: torch.clamp's gradient, which passes at the bounds)."""
+    limit, or with CAP act(g) > limit; |up| > limit: torch.clamp's gradient, which passes
+    at the bounds)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -234,9 +248,13 @@ def _swiglu_bwd_kernel(gate_ptr, up_ptr, grad_h_ptr, grad_gate_ptr, grad_up_ptr,
     if CLAMP:
         dg_pass = g <= limit
         du_pass = (u >= -limit) & (u <= limit)
-        g = tl.minimum(g, limit)
+        if not CAP:
+            g = tl.minimum(g, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)
     act, dact = _glu_act(g, alpha, GELU)
+    if CLAMP and CAP:
+        dg_pass = act <= limit
+        act = tl.minimum(act, limit)
     grad_gate = dh * (u + offset) * dact
     grad_up = dh * act
     if CLAMP:
@@ -396,8 +414,9 @@ def _dw_blocks(dtype: torch.dtype) -> dict:
 
 
 def _glu_args(alpha: float, limit: Optional[float], offset: float, act: str = "silu") -> dict:
-    """The SwiGLU kernels' (alpha, limit, offset) scalars and CLAMP and GELU flags."""
-    return dict(alpha=alpha, limit=0.0 if limit is None else limit, offset=offset, CLAMP=limit is not None, GELU=act == "gelu_tanh")
+    """The SwiGLU kernels' (alpha, limit, offset) scalars and CLAMP, GELU and CAP flags."""
+    return dict(alpha=alpha, limit=0.0 if limit is None else limit, offset=offset, CLAMP=limit is not None, GELU=act == "gelu_tanh",
+                CAP=act == "silu_cap")
 
 
 @torch.library.custom_op("fmoe::swiglu_fwd", mutates_args=())
@@ -688,7 +707,8 @@ def grouped_mlp(
             1.0); the defaults are silu(gate) * up. The fused Triton SwiGLU computes either
             form (the CPU path of "auto" runs it in plain torch).
         act: the gate's activation, "silu" (SwiGLU) or "gelu_tanh" (GeGLU: GELU's tanh
-            form, Gemma's; with alpha 1); or with w_gate None "relu2" (PLAIN_ACTS; alpha,
+            form, Gemma's; with alpha 1) or "silu_cap" (SwiGLU whose limit caps the
+            activation, min(silu(gate), limit), not the gate: Step 3.7's); or with w_gate None "relu2" (PLAIN_ACTS; alpha,
             limit, offset and b_gate at their defaults).
         fp8: each projection's forward and input-gradient GEMMs in fp8, as
             fmoe.ops.fp8_matmul (x_perm's rows and each expert's columns quantized over the
@@ -789,6 +809,8 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, impl: str = "auto", alpha: f
     alpha, limit, offset: the clamped form g sigmoid(alpha g) (u + offset), g = min(gate,
     limit), u = clamp(up, -limit, limit) (gpt-oss: 1.702, 7.0, 1.0). act "gelu_tanh":
     GeGLU, gelu_tanh(gate) * up (Gemma's; GELU's tanh form in place of g sigmoid(alpha g)).
+    act "silu_cap": the limit caps the activation instead of the gate, min(g sigmoid(alpha
+    g), limit) (clamp(up, -limit, limit) + offset) with g = gate (Step 3.7's experts).
 
     The Triton backward recomputes the activation from gate and up: only they are saved.
 

@@ -87,6 +87,9 @@ def granularity(cfg: TransformerConfig, dense_cfg: TransformerConfig) -> int:
         raise ValueError(f"mlp_act: the experts' gate activation must be the dense FFN's, {dense_cfg.mlp_act!r}, got {cfg.mlp_act!r}")
     if (cfg.swiglu_alpha, cfg.swiglu_limit, cfg.swiglu_offset) != (1.0, None, 0.0):
         raise ValueError("swiglu_alpha, swiglu_limit, swiglu_offset: the dense FFN's SwiGLU is the plain one; the experts' must be too")
+    if dense_cfg.shared_swiglu_limit is not None:
+        raise ValueError("shared_swiglu_limit: the dense FFN's SwiGLU is clamped, which the experts' plain one would not be; upcycle a dense "
+                         "model without the clamp")
     if cfg.moe_out_norm:
         raise ValueError("moe_out_norm: a norm on the MoE blocks' output changes the dense block's function; upcycle without it")
     if cfg.norm_gate_rank:

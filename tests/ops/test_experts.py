@@ -50,7 +50,8 @@ def _brute_force(x, w_gate, w_up, w_down, offsets, biases=None, alpha=1.0, limit
     """Each row through its own expert's SwiGLU, one row at a time, float64; zero rows for
     none. biases (b_gate, b_up, b_down) after each projection; alpha, limit, offset: the
     clamped SwiGLU g sigmoid(alpha g) (u + offset), g = min(gate, limit), u = clamp(up, -limit, limit);
-    act "gelu_tanh": GeGLU, _gelu_tanh(g) in place of g sigmoid(alpha g)."""
+    act "gelu_tanh": GeGLU, _gelu_tanh(g) in place of g sigmoid(alpha g); act "silu_cap": the
+    limit caps g sigmoid(alpha g), not g."""
     ends = offsets.tolist()
     rows = []
     for r in range(x.shape[0]):
@@ -62,8 +63,10 @@ def _brute_force(x, w_gate, w_up, w_down, offsets, biases=None, alpha=1.0, limit
         if biases is not None:
             gate, up = gate + biases[0][e], up + biases[1][e]
         if limit is not None:
-            gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+            gate, up = (gate if act == "silu_cap" else gate.clamp(max=limit)), up.clamp(-limit, limit)
         activated = _gelu_tanh(gate) if act == "gelu_tanh" else gate * torch.sigmoid(alpha * gate)
+        if act == "silu_cap" and limit is not None:
+            activated = activated.clamp(max=limit)
         y = (activated * (up + offset)) @ w_down[e]
         rows.append(y if biases is None else y + biases[2][e])
     return torch.stack(rows)
@@ -299,6 +302,44 @@ def test_clamped_swiglu_triton_matches_reference(dtype, device):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_capped_swiglu_triton_matches_its_formula(dtype, device):
+    """act "silu_cap" (Step 3.7's experts): min(g sigmoid(alpha g), limit) (clamp(up) +
+    offset), the limit on the activation, not on the gate. The fused kernels and the torch
+    path against float64 autograd of the formula; the gate's gradient cut where the
+    activation passes the limit (not where the gate does), the up's where |up| does; the
+    value differs from the gate-clamped form's."""
+    limit = 1.5
+    g = torch.Generator().manual_seed(6)
+    gate = torch.cat([3 * torch.randn(300, generator=g), torch.tensor([1.5, 1.9, 9.0, -9.0])]).to(device, dtype)
+    up = torch.cat([3 * torch.randn(300, generator=g), torch.tensor([-limit, limit, -9.0, limit + 1e-3])]).to(device, dtype)
+    grad_h = torch.randn(gate.shape, generator=g).to(device, dtype)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-3)
+    for glu in (dict(limit=limit), dict(alpha=1.702, limit=limit, offset=1.0)):
+        alpha = glu.get("alpha", 1.0)
+        g64, u64 = gate.double().requires_grad_(), up.double().requires_grad_()
+        act64 = (g64 * torch.sigmoid(alpha * g64)).clamp(max=limit)
+        h64 = act64 * (u64.clamp(-limit, limit) + glu.get("offset", 0.0))
+        (h64 * grad_h.double()).sum().backward()
+        for impl in ("triton", "torch"):
+            gi, ui = gate.clone().requires_grad_(), up.clone().requires_grad_()
+            h = swiglu(gi, ui, impl=impl, act="silu_cap", **glu)
+            (h * grad_h).sum().backward()
+            for ours, exact in ((h, h64), (gi.grad, g64.grad), (ui.grad, u64.grad)):
+                assert ours.dtype == dtype
+                torch.testing.assert_close(ours.double(), exact, **tol)
+            capped = act64.detach() >= limit
+            assert (gi.grad[capped] == 0).all() and (ui.grad[up.abs() > limit] == 0).all()
+            assert (gi.grad[(gate > limit) & ~capped] != 0).all()  # a gate past the limit whose activation is not: 1.5 sigmoid(1.5) < 1.5
+            assert int(capped.sum()) > 10 and int(((gate > limit) & ~capped).sum()) >= 1
+        assert not torch.allclose(swiglu(gate, up, act="silu_cap", impl="torch", **glu), swiglu(gate, up, impl="torch", **glu))
+    # min(silu(3), 2) * clamp(5, -2, 2) = 2 * 2; the gate-clamped form gives silu(2) * 2
+    assert swiglu(torch.tensor([3.0]), torch.tensor([5.0]), limit=2.0, act="silu_cap").item() == 4.0
+    assert swiglu(torch.tensor([0.5]), torch.tensor([1.0]), limit=2.0, act="silu_cap").item() == pytest.approx(0.5 / (1 + math.exp(-0.5)))
+    # without a limit it is silu(gate) * up
+    assert torch.equal(swiglu(gate, up, act="silu_cap", impl="torch"), swiglu(gate, up, impl="torch"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_geglu_triton_matches_reference_and_gelu_s_formula(dtype, device):
     """act "gelu_tanh" (GeGLU, Gemma's): the fused kernels' value and both gradients against
     torch's autograd of gelu(approximate="tanh"), over gates out to +-12 (where tanh
@@ -327,7 +368,8 @@ def test_geglu_triton_matches_reference_and_gelu_s_formula(dtype, device):
     assert not torch.allclose(swiglu(gate, up, act="gelu_tanh", impl="torch"), swiglu(gate, up, impl="torch"))
 
 
-@pytest.mark.parametrize("glu", [{}, dict(alpha=1.702, limit=7.0, offset=1.0), dict(act="gelu_tanh")], ids=["plain", "clamped", "geglu"])
+@pytest.mark.parametrize("glu", [{}, dict(alpha=1.702, limit=7.0, offset=1.0), dict(act="gelu_tanh"), dict(limit=0.5, act="silu_cap")],
+                         ids=["plain", "clamped", "geglu", "capped"])
 def test_swiglu_backward_saves_only_gate_and_up(glu, device):
     gate = torch.randn(6, 40, device=device, requires_grad=True)
     up = torch.randn(6, 40, device=device, requires_grad=True)
@@ -380,6 +422,14 @@ def test_biases_and_clamped_swiglu_match_per_row_brute_force(case, impl):
     torch.testing.assert_close(y, y64.float(), rtol=1e-5, atol=1e-5)
     for grad, grad64 in zip(grads, grads64):
         torch.testing.assert_close(grad, grad64.float(), rtol=1e-5, atol=1e-5)
+    # Step 3.7's experts (the limit caps the activation) on every path
+    capped = dict(limit=GPT_OSS_GLU["limit"], act="silu_cap")
+    y, grads = _run(lambda *t: grouped_mlp(*t[:4], t[-1], impl=impl, **capped), tensors[:4], offsets, grad_y)
+    y64, grads64 = _run(lambda *t: _brute_force(*t[:4], t[-1], **capped), [t.double() for t in tensors[:4]], offsets, grad_y.double())
+    torch.testing.assert_close(y, y64.float(), rtol=1e-5, atol=1e-5)
+    for grad, grad64 in zip(grads, grads64):
+        torch.testing.assert_close(grad, grad64.float(), rtol=1e-5, atol=1e-5)
+    assert torch.nn.functional.silu(x @ wg[1]).max() > capped["limit"]  # the cap acts
     # the defaults are the plain SwiGLU, and zero biases change nothing
     plain = grouped_mlp(x, wg, wu, wd, offsets, impl=impl)
     zeros = grouped_mlp(x, wg, wu, wd, offsets, impl=impl, b_gate=0 * biases[0], b_up=0 * biases[1], b_down=0 * biases[2])
@@ -487,7 +537,7 @@ def test_bad_inputs():
     _raises(r"limit: expected > 0 \(the SwiGLU clamp\) or None, got 0", grouped_mlp, x, wg, wu, wd, off, limit=0)
     _raises("alpha: expected a finite number, got nan", grouped_mlp, x, wg, wu, wd, off, alpha=float("nan"))
     _raises("offset: expected a finite number, got '1'", swiglu, torch.ones(3), torch.ones(3), offset="1")
-    _raises("act: expected one of silu, gelu_tanh \\(the gate's activation\\) or relu2, xielu \\(no gate\\), got 'gelu'", grouped_mlp, x, wg, wu, wd, off,
+    _raises("act: expected one of silu, gelu_tanh, silu_cap \\(the gate's activation\\) or relu2, xielu \\(no gate\\), got 'gelu'", grouped_mlp, x, wg, wu, wd, off,
             act="gelu")
     # experts without a gate (w_gate None, act relu2)
     _raises("w_gate: act 'relu2' is an MLP without a gate, expected None, got a tensor", grouped_mlp, x, wg, wu, wd, off, act="relu2")
@@ -518,7 +568,7 @@ def test_offset_values_unchecked_on_request():
 def test_custom_ops_pass_opcheck(device):
     (x, wg, *_), offsets = _problem([5, 0, 8], 3, 16, 16, device=device)
     gate, up = torch.randn(7, 33, device=device, requires_grad=True), torch.randn(7, 33, device=device, requires_grad=True)
-    for glu in ((), (1.702, 0.5, 1.0), (1.0, None, 0.0, "gelu_tanh")):  # silu(gate) * up, the clamped form, GeGLU
+    for glu in ((), (1.702, 0.5, 1.0), (1.0, None, 0.0, "gelu_tanh"), (1.0, 0.5, 0.0, "silu_cap")):  # silu(gate) * up, clamped, GeGLU, capped
         torch.library.opcheck(torch.ops.fmoe.swiglu_fwd.default, (gate, up, *glu))
         torch.library.opcheck(torch.ops.fmoe.swiglu_bwd.default, (torch.randn(7, 33, device=device), gate.detach(), up.detach(), *glu))
     backends = [False, True] if device == "cpu" or experts._grouped_mm_fast(x.bfloat16(), 16) else [False]
@@ -605,7 +655,8 @@ def test_gpu_real_shape_auto_triton_reference(gated):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("glu", [{}, dict(alpha=1.702, limit=1.0, offset=1.0), dict(act="gelu_tanh")], ids=["plain", "clamped", "geglu"])
+@pytest.mark.parametrize("glu", [{}, dict(alpha=1.702, limit=1.0, offset=1.0), dict(act="gelu_tanh"), dict(limit=1.0, act="silu_cap")],
+                         ids=["plain", "clamped", "geglu", "capped"])
 def test_gpu_swiglu_real_shape(glu):
     gate = torch.randn(131072, 768, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     up = torch.randn_like(gate, requires_grad=True)

@@ -183,6 +183,9 @@ def test_the_pair_must_allow_an_exact_start():
     for cfg, message in bad:
         with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
             upcycle_(Transformer(cfg), dense, DENSE)
+    clamped = dataclasses.replace(DENSE, shared_swiglu_limit=7.0)  # the dense MLPs' clamp (Step 3.7's dense layers)
+    with pytest.raises(ValueError, match="shared_swiglu_limit: the dense FFN's SwiGLU is clamped"):
+        upcycle_(Transformer(_moe()), dense, clamped)
     with pytest.raises(ValueError, match="dense_cfg: expected a dense model"):
         upcycle_(Transformer(_moe()), dense, _moe())
     biased = dataclasses.replace(DENSE, mlp_bias=True)
