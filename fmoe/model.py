@@ -399,9 +399,10 @@ class TransformerConfig:
     experts' three projections; swiglu_alpha / swiglu_limit / swiglu_offset: the routed
     experts' clamped SwiGLU (fmoe.ops.grouped_mlp; gpt-oss: 1.702, 7.0, 1.0);
     shared_swiglu_limit: the shared experts' and dense MLPs' clamp (their gate at most it, up
-    within +-it; Step 3.7's swiglu_limits_shared); swiglu_limit_layers: the trunk blocks whose
-    MLPs those two limits clamp (None: every block, the MTP blocks too; listed: those alone,
-    Step 3.7's last layers). mlp_act: every
+    within +-it; Step 3.7's swiglu_limits_shared); swiglu_limit_layers /
+    shared_swiglu_limit_layers: the trunk blocks whose routed experts / shared experts and
+    dense MLPs those limits clamp (None: every block, the MTP blocks too; listed: those
+    alone, Step 3.7's last layers). mlp_act: every
     MLP's gate activation (dense blocks, shared and routed experts), "silu" (SwiGLU) or
     "gelu_tanh" (GeGLU: GELU's tanh form, Gemma's; fmoe.ops.swiglu's act) or "silu_cap"
     (SwiGLU whose limits cap silu(gate) rather than gate: Step 3.7's), or "relu2": MLPs
@@ -668,6 +669,7 @@ class TransformerConfig:
     swiglu_offset: float = 0.0
     shared_swiglu_limit: Optional[float] = None
     swiglu_limit_layers: Optional[tuple[int, ...]] = None
+    shared_swiglu_limit_layers: Optional[tuple[int, ...]] = None
     mlp_act: str = "silu"
     mlp_bias: bool = False
     dense_beside_moe: bool = False
@@ -866,7 +868,8 @@ class TransformerConfig:
             raise ValueError("fp8_layers: the blocks whose GEMMs run in fp8, needs fp8=True")
         check_fp8_fast_accum(self.fp8_fast_accum, self.fp8 is True)
         for name in ("moe_layers", "window_layers", "chunk_layers", "nope_layers", "linear_layers", "fp8_layers", "index_shared_layers",
-                     "sink_layers", "mlp_free_layers", "mixer_free_layers", "swiglu_limit_layers"):  # block lists: distinct indices, kept sorted
+                     "sink_layers", "mlp_free_layers", "mixer_free_layers", "swiglu_limit_layers",
+                     "shared_swiglu_limit_layers"):  # block lists: distinct indices, kept sorted
             layers = getattr(self, name)
             if layers is None:
                 continue
@@ -969,9 +972,10 @@ class TransformerConfig:
         if self.expert_bias_on_logits and (self.score != "sigmoid" or not self.expert_bias):
             raise ValueError("expert_bias_on_logits: the expert bias on sigmoid scoring's logits, needs score='sigmoid' and expert_bias=True "
                              f"(got score={self.score!r}, expert_bias={self.expert_bias!r})")
-        self.moe_config(layer=self.swiglu_limit_layers[0] if self.swiglu_limit_layers else None)  # its own checks (the SwiGLU options)
-        if self.swiglu_limit_layers is not None and self.swiglu_limit is None and self.shared_swiglu_limit is None:
-            raise ValueError("swiglu_limit_layers: the blocks that swiglu_limit / shared_swiglu_limit clamp, needs one of them")
+        for name in ("swiglu_limit", "shared_swiglu_limit"):
+            if getattr(self, name + "_layers") is not None and getattr(self, name) is None:
+                raise ValueError(f"{name}_layers: the blocks that {name} clamps, needs {name}")
+        self.moe_config(every_limit=True)  # its own checks (the SwiGLU options)
         if self.score == "sparsemixer":  # its knobs checked above
             if self.expert_bias:
                 raise ValueError("expert_bias: sparsemixer routing (score='sparsemixer') takes no expert bias; set expert_bias=False")
@@ -1164,21 +1168,27 @@ class TransformerConfig:
         """The shared experts' FFN size: shared_ffn, or n_shared * ffn_expert."""
         return self.shared_ffn if self.shared_ffn is not None else self.n_shared * self.ffn_expert
 
-    def clamps(self, i: Optional[int]) -> bool:
-        """Whether block i's MLPs take the SwiGLU limits (swiglu_limit, shared_swiglu_limit):
-        every block without swiglu_limit_layers, else the trunk blocks it lists (i None: an
-        MTP block)."""
-        return self.swiglu_limit_layers is None or (i is not None and i in self.swiglu_limit_layers)
+    def clamps(self, i: Optional[int], shared: bool = False) -> bool:
+        """Whether block i's routed experts take swiglu_limit (shared: its shared experts and
+        dense MLPs shared_swiglu_limit): every block without swiglu_limit_layers
+        (shared_swiglu_limit_layers), else the trunk blocks it lists (i None: an MTP block)."""
+        layers = self.shared_swiglu_limit_layers if shared else self.swiglu_limit_layers
+        return layers is None or (i is not None and i in layers)
 
-    def moe_config(self, fp8: Optional[bool] = None, layer: Optional[int] = None) -> MoEConfig:
+    def mlp_limit(self, i: Optional[int]) -> Optional[float]:
+        """Block i's shared experts' and dense MLPs' SwiGLU clamp (shared_swiglu_limit where
+        clamps(i, shared=True); i None: an MTP block)."""
+        return self.shared_swiglu_limit if self.clamps(i, shared=True) else None
+
+    def moe_config(self, fp8: Optional[bool] = None, layer: Optional[int] = None, *, every_limit: bool = False) -> MoEConfig:
         """The MoE blocks' config; fp8: theirs (None: the model's fp8); layer: the block's index
-        (None: an MTP block), whose SwiGLU limits it carries (clamps)."""
-        clamped = self.clamps(layer)
+        (None: an MTP block), whose SwiGLU limits it carries (clamps); every_limit: both limits
+        whatever the layer (to check them)."""
         return MoEConfig(
             n_experts=self.n_experts, k=self.k, score=self.score, pre_softmax=self.pre_softmax, n_groups=self.n_groups, topk_groups=self.topk_groups,
             scale=self.route_scale, group_score_topk=self.group_score_topk, normalize=self.route_normalize, capacity_factor=self.capacity_factor, capacity_policy=self.capacity_policy, impl=self.impl,
-            swiglu_alpha=self.swiglu_alpha, swiglu_limit=self.swiglu_limit if clamped else None, swiglu_offset=self.swiglu_offset,
-            shared_swiglu_limit=self.shared_swiglu_limit if clamped else None, weights_on_input=self.route_on_input, fp8=self.fp8 if fp8 is None else fp8,
+            swiglu_alpha=self.swiglu_alpha, swiglu_limit=self.swiglu_limit if every_limit or self.clamps(layer) else None, swiglu_offset=self.swiglu_offset,
+            shared_swiglu_limit=self.shared_swiglu_limit if every_limit else self.mlp_limit(layer), weights_on_input=self.route_on_input, fp8=self.fp8 if fp8 is None else fp8,
             fp8_fast_accum=self.fp8_fast_accum and (self.fp8 if fp8 is None else fp8), logit_softcap=self.router_softcap, shared_scale=self.shared_scale,
             sparsemixer_eps=self.sparsemixer_eps, zero_experts=self.zero_experts, bias_on_logits=self.expert_bias_on_logits,
             glu_act=self.mlp_act, norm_eps=self.norm_eps,  # relu2: the experts without a gate
@@ -1619,12 +1629,12 @@ class Block(nn.Module):
             self.mlp.experts.recompute = cfg.ac == "experts"
         else:
             self.mlp = DenseMLP(cfg.hidden, cfg.ffn_dense, cfg.impl, fp8=fp8, act=cfg.mlp_act, bias=cfg.mlp_bias,
-                                limit=cfg.shared_swiglu_limit if cfg.clamps(depth) else None)  # the dense blocks' clamp: the shared experts'
+                                limit=cfg.mlp_limit(depth))  # the dense blocks' clamp: the shared experts'
 
         if shortcut not in (None, "out", "in") or (shortcut is not None and (not cfg.shortcut_moe or (shortcut == "out") != moe)):
             raise ValueError(f"shortcut: expected None, or with cfg.shortcut_moe 'out' (a MoE block) or 'in' (a dense one), got {shortcut!r}")
         self.shortcut = shortcut
-        dense_limit = cfg.shared_swiglu_limit if cfg.clamps(depth) else None
+        dense_limit = cfg.mlp_limit(depth)
         self.dense = DenseMLP(cfg.hidden, cfg.ffn_dense, cfg.impl, fp8=fp8, act=cfg.mlp_act, limit=dense_limit) if shortcut == "out" else None
         # Gemma 4's MoE blocks: a dense MLP beside the MoE, its output normed by dense_post_norm, the MoE's input by
         # moe_norm and its output by moe_post_norm (TransformerConfig.dense_beside_moe)

@@ -1531,14 +1531,15 @@ def test_geglu_models_put_gelu_s_tanh_form_in_every_mlp():
 
 
 def test_swiglu_limits_clamp_the_listed_blocks_mlps_and_silu_cap_caps_the_activation():
-    """Step 3.7's clamps: mlp_act "silu_cap" with swiglu_limit (the routed experts),
-    shared_swiglu_limit (the shared experts and the dense MLPs) in the blocks
-    swiglu_limit_layers lists: block 0's dense MLP is min(silu(x w_gate), Ls) clamp(x w_up,
-    -Ls, Ls) w_down, block 2's MoE carries both limits, block 1's and the MTP block's none;
-    the limits change the logits; without swiglu_limit_layers every block takes them; the
-    knobs' refusals."""
-    cfg = dataclasses.replace(TINY, mlp_act="silu_cap", swiglu_limit=0.01, shared_swiglu_limit=0.02, swiglu_limit_layers=(2, 0), mtp_depth=1)
-    assert cfg.swiglu_limit_layers == (0, 2)
+    """Step 3.7's clamps: mlp_act "silu_cap" with swiglu_limit (the routed experts) in the
+    blocks swiglu_limit_layers lists and shared_swiglu_limit (the shared experts and the
+    dense MLPs) in those shared_swiglu_limit_layers lists: block 0's dense MLP is
+    min(silu(x w_gate), Ls) clamp(x w_up, -Ls, Ls) w_down, block 2's MoE carries both
+    limits, block 1's the routed one alone, the MTP block's none; the limits change the
+    logits; without the lists every block takes them; the knobs' refusals."""
+    cfg = dataclasses.replace(TINY, mlp_act="silu_cap", swiglu_limit=0.01, shared_swiglu_limit=0.02, swiglu_limit_layers=(2, 1),
+                              shared_swiglu_limit_layers=(0, 2), mtp_depth=1)
+    assert cfg.swiglu_limit_layers == (1, 2) and cfg.shared_swiglu_limit_layers == (0, 2)
     torch.manual_seed(0)
     model = Transformer(cfg)
     dense = model.blocks[0].mlp
@@ -1548,24 +1549,29 @@ def test_swiglu_limits_clamp_the_listed_blocks_mlps_and_silu_cap_caps_the_activa
     want = (torch.nn.functional.silu(gate).clamp(max=0.02) * up.clamp(-0.02, 0.02)) @ dense.w_down
     assert (torch.nn.functional.silu(gate) > 0.02).any() and (gate < 0.02).any()
     torch.testing.assert_close(dense(x), want, rtol=1e-6, atol=1e-7)
-    for i, limits in ((1, (None, None)), (2, (0.01, 0.02))):
+    for i, limits in ((1, (0.01, None)), (2, (0.01, 0.02))):
         moe = model.blocks[i].mlp
         assert (moe.cfg.swiglu_limit, moe.cfg.shared_swiglu_limit, moe.shared.limit) == (*limits, limits[1])
     assert (model.mtp[0].block.mlp.cfg.swiglu_limit, model.mtp[0].block.mlp.shared.limit) == (None, None)
     batch = _batch(cfg)
-    plain = Transformer(dataclasses.replace(cfg, mlp_act="silu", swiglu_limit=None, shared_swiglu_limit=None, swiglu_limit_layers=None))
+    plain = Transformer(dataclasses.replace(cfg, mlp_act="silu", swiglu_limit=None, shared_swiglu_limit=None, swiglu_limit_layers=None,
+                                            shared_swiglu_limit_layers=None))
     plain.load_state_dict(model.state_dict())
-    every = Transformer(dataclasses.replace(cfg, swiglu_limit_layers=None))
+    every = Transformer(dataclasses.replace(cfg, swiglu_limit_layers=None, shared_swiglu_limit_layers=None))
     every.load_state_dict(model.state_dict())
     assert every.mtp[0].block.mlp.cfg.swiglu_limit == 0.01 and every.blocks[1].mlp.shared.limit == 0.02
     with torch.no_grad():
         logits = [m.logits(batch["input_ids"], batch["cu_seqlens"]) for m in (model, plain, every)]
     assert not torch.allclose(logits[0], logits[1]) and not torch.allclose(logits[0], logits[2])
     for overrides, message in (
-            (dict(swiglu_limit_layers=(1,)), "swiglu_limit_layers: the blocks that swiglu_limit / shared_swiglu_limit clamp, needs one of them"),
+            (dict(swiglu_limit_layers=(1,)), "swiglu_limit_layers: the blocks that swiglu_limit clamps, needs swiglu_limit"),
+            (dict(swiglu_limit=0.1, shared_swiglu_limit_layers=(1,)),
+             "shared_swiglu_limit_layers: the blocks that shared_swiglu_limit clamps, needs shared_swiglu_limit"),
             (dict(swiglu_limit=0.1, swiglu_limit_layers=(3,)), r"swiglu_limit_layers: expected distinct block indices in 0..2, got \(3,\)"),
             (dict(shared_swiglu_limit=0.0), r"shared_swiglu_limit: the shared experts' clamp, limit: expected > 0 \(the SwiGLU clamp\) or None, got 0.0"),
-            (dict(shared_swiglu_limit=1.0, swiglu_limit_layers=(2,), mlp_act="relu2"),
+            (dict(shared_swiglu_limit=1.0, shared_swiglu_limit_layers=(0,), swiglu_limit=-1.0, swiglu_limit_layers=(2,)),
+             r"limit: expected > 0 \(the SwiGLU clamp\) or None, got -1.0"),
+            (dict(shared_swiglu_limit=1.0, shared_swiglu_limit_layers=(2,), mlp_act="relu2"),
              "shared_swiglu_limit: the shared experts' clamp, alpha / limit / offset: knobs of a gated MLP's activation, not of act 'relu2'")):
         with pytest.raises(ValueError, match=message):
             dataclasses.replace(TINY, **overrides)
