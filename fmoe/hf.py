@@ -7,7 +7,7 @@ A folder holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). Supported `model_type`s: FAMILIES (mixtral, qwen2_moe,
 qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, axk1, kimi_k2, kimi_k25, deepseek_v2, deepseek_v32, glm_moe_dsa, hy_v4, glm4_moe_lite, gpt_oss, solar_open,
 exaone_moe, kolibri1, beam, axk2, dots1, minimax_m2, minimax, granitemoe, granitemoeshared, granitemoe_swa, granitemoehybrid, nemotron_h, mamba2, mamba, falcon_mamba, jamba, hunyuan_v1_moe, llama4_text, llama4, afmoe,
-laguna, cohere2_moe, sarvam_moe, sarvam_mla, longcat_flash, bailing_hybrid, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, lara_mini, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
+laguna, step3p5, step3p7, cohere2_moe, sarvam_moe, sarvam_mla, longcat_flash, bailing_hybrid, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, lara_mini, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
 mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe, gemma3, gemma4_text, gemma4), and the dense
 DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, helium, minicpm3, arcee, gemma, vaultgemma, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
 glm4, ernie4_5, lfm2, cohere, cohere2, bamba, falcon_h1, stablelm, qwen3_5_text (and qwen3_5's text model), nemotron, apertus, olmo_hybrid, jais2, glm, internlm3,
@@ -154,6 +154,12 @@ Ling's hybrid models (bailing_hybrid): Kimi Delta Attention in Ling's variant un
 with a sigmoid gate per head (g_proj) and its output projection dense (Family.o_proj); the
 embedding model.word_embeddings, DeepSeek-V3's MoE blocks with the correction bias as
 gate.expert_bias; the MTP layers after the trunk's not read (Family.extra_layers_read).
+Step 3.5 Flash (step3p5; Step3p5ForCausalLM, read as transformers' Step3p7TextModel): the
+router, correction bias and experts' stacks under moe. (gate.weight, router_bias, [E, F, H]
+gate_proj / up_proj and [E, H, F] down_proj linear weights: Family.fused "stacks_out", the MoE
+block the layer itself, Family.moe ""), the shared expert share_expert beside them; the MTP
+layers after the trunk's not read. Step 3.7 Flash (step3p7): that text model beside a vision
+model (vision_model., vit_large_projector.) that is not read; written back as step3p5.
 Gemma 2 (gemma2, dense): Gemma 3's blocks without q/k norms, every attention score capped
 (attn_softcap). LFM3 (lfm3, dense): LFM2's names for its convolutions and MLPs, Qwen3's for
 its attention (o_proj, q_norm, k_norm), the gate per head as the checkpoints name it (gate_proj).
@@ -2138,6 +2144,129 @@ def _kimi_k25(hf: dict) -> dict:
     return _text_family(hf, "kimi_k2")
 
 
+# transformers' Step3p7TextConfig's defaults where they differ from the mappings' own fallbacks, and the released configs'
+# names of its fields (its attribute_map)
+_STEP3P5_DEFAULTS = dict(vocab_size=128815, hidden_size=4096, intermediate_size=11264, num_hidden_layers=45, num_attention_heads=64,
+                         num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, n_routed_experts=288, num_experts_per_tok=8,
+                         moe_intermediate_size=1280, share_expert_dim=1280)
+_STEP3P5_ALIASES = dict(num_key_value_heads="num_attention_groups", n_routed_experts="moe_num_experts", num_experts_per_tok="moe_top_k",
+                        share_expert_dim="share_expert_dims", num_nextn_predict_layers="num_mtp_layers")
+
+
+def _step3p5(hf: dict) -> dict:
+    """Step 3.5 / 3.7 Flash's text model (step3p5: the released Step-3.5-Flash folders'
+    Step3p5ForCausalLM; a step3p7 folder's text_config), as transformers' Step3p7TextModel
+    reads it: zero-centred RMSNorms (the q/k norms per head too); the layers layer_types names
+    sliding_attention attend over the sliding window, the others globally, each kind with
+    its own RoPE (per layer type in rope_parameters, or the released per-layer rope_theta and
+    partial_rotary_factors, one value per kind; rope_scaling, Llama 3.1's, on the full
+    layers) and query heads (num_sliding_attention_heads, or attention_other_setting's,
+    or per_layer_config's); an output gate sigmoid(x g_proj) per head; the softmax scale
+    query_pre_attn_scalar ** -0.5; dense and MoE blocks by mlp_layer_types (or the released
+    moe_layers_enum; by default the first three dense), MoE blocks routed on sigmoids plus the
+    correction bias for the choice, renormalised, x moe_router_scaling_factor, beside one
+    shared expert of share_expert_dim; the SwiGLUs with the limit on silu(gate) (mlp_act
+    "silu_cap"): swiglu_limits the routed experts', swiglu_limits_shared the shared expert's
+    and the dense MLP's, per layer (0: none; one value each). Per-layer lists may carry the
+    num_nextn_predict_layers MTP layers' entries after the trunk's, which are not read, nor
+    are those layers (Family.extra_layers_read), as in transformers."""
+    n = hf["num_hidden_layers"]
+    extra = hf.get("num_nextn_predict_layers") or 0
+
+    def per_layer(field: str):
+        value = hf.get(field)
+        if value is not None and (not isinstance(value, list) or len(value) not in (n, n + extra)):
+            raise ValueError(f"config.json: {field} = {value!r} is not supported (one entry per layer: {n}"
+                             + (f", or {n + extra} with the MTP layers')" if extra else ")"))
+        return None if value is None else value[:n]
+
+    _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in Step's attention here")
+    _refuse(hf, "mlp_bias", lambda v: not v, "no MLP biases")
+    _refuse(hf, "use_bidirectional_attention", lambda v: not v, "causal attention")
+    _refuse(hf, "att_impl_type", lambda v: v == "GQA", "grouped-query attention, as transformers' model")
+    _refuse(hf, "moe_router_activation", lambda v: v == "sigmoid", "sigmoid router scores, as transformers' model")
+    for field in ("use_head_wise_attn_gate", "use_moe_router_bias", "norm_expert_weight", "zero_centered"):
+        _refuse(hf, field, lambda v: v is True, "true, as transformers' model")
+    _refuse(hf, "yarn_only_types", lambda v: list(v) in ([], ["full_attention"]), "rope_scaling on the full layers, as transformers' model")
+    rope_layers = per_layer("use_rope_layers")
+    if rope_layers is not None and not all(rope_layers):
+        raise ValueError(f"config.json: use_rope_layers = {hf['use_rope_layers']!r} is not supported (RoPE in every layer, as transformers' model)")
+    kinds = per_layer("layer_types") or ["full_attention"] * n
+    mlp = per_layer("mlp_layer_types")
+    if mlp is None:
+        enum = hf.get("moe_layers_enum")
+        items = (enum.split(",") if isinstance(enum, str) else enum) if enum is not None else range(3, n)
+        try:
+            moe = {int(i) for i in items if str(i).strip()}
+        except (TypeError, ValueError):
+            raise ValueError(f"config.json: moe_layers_enum = {enum!r} is not supported (the MoE layers' indices)") from None
+        mlp = ["sparse" if i in moe else "dense" for i in range(n)]
+    heads = hf["num_attention_heads"]
+    other = hf.get("attention_other_setting") or {}
+    for field, own in (("num_attention_groups", _get(hf, "num_key_value_heads")), ("head_dim", _get(hf, "head_dim"))):
+        _refuse(other, field, lambda v: v == own, f"the sliding layers' {field} as the others', {own!r}")
+    sliding_heads = _get(hf, "num_sliding_attention_heads", default=other.get("num_attention_heads", heads))
+    per = hf.get("per_layer_config") or {}
+    for entry in per.values():
+        _refuse(dict(per_layer_config=entry), "per_layer_config", lambda v: isinstance(v, dict) and set(v) <= {"num_attention_heads"},
+                "a head count per layer")
+    heads_per_layer = [(per.get(str(i)) or per.get(i) or {}).get("num_attention_heads", sliding_heads if kind == "sliding_attention" else heads)
+                       for i, kind in enumerate(kinds)]
+    params = hf.get("rope_parameters") or {}
+    if not all(isinstance(params.get(kind), dict) for kind in set(kinds)):  # the released per-layer lists (transformers' __post_init__)
+        theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
+        theta = per_layer("rope_theta") if isinstance(theta, list) else [theta] * n
+        factors = per_layer("partial_rotary_factors")
+        params = {}
+        for kind in set(kinds):
+            layers = [i for i, k in enumerate(kinds) if k == kind]
+            for field, values in (("rope_theta", theta), ("partial_rotary_factors", factors)):
+                if values is not None and len({values[i] for i in layers}) > 1:
+                    raise ValueError(f"config.json: {field} = {hf[field]!r} is not supported (one value for the {kind} layers)")
+            params[kind] = dict(rope_type="default", rope_theta=theta[layers[0]])
+            if factors is not None:
+                params[kind]["partial_rotary_factor"] = factors[layers[0]]
+        if hf.get("rope_scaling") and "full_attention" in params:
+            params["full_attention"].update(hf["rope_scaling"])
+    llama3 = {}
+    full = params.get("full_attention")
+    if full is not None and full.get("rope_type", full.get("type")) == "llama3":  # Llama 3.1's scaling on the full layers (Step 3.5's)
+        llama3 = _rope(dict(rope_parameters=full))
+        params = dict(params, full_attention=dict(rope_type="default", rope_theta=llama3["rope_base"],
+                                                  partial_rotary_factor=full.get("partial_rotary_factor", 1.0)))
+    laguna = dict({k: v for k, v in hf.items() if k not in ("rope_theta", "rope_scaling", "partial_rotary_factors")}, layer_types=kinds, mlp_layer_types=mlp, num_attention_heads_per_layer=heads_per_layer, rope_parameters=params,
+                  num_experts=hf["n_routed_experts"], shared_expert_intermediate_size=hf["share_expert_dim"], gating="per-head",
+                  moe_routed_scaling_factor=hf.get("moe_router_scaling_factor", 1.0), hidden_act="silu")
+    out = _laguna(laguna)
+    if llama3:
+        out.update({k: v for k, v in llama3.items() if k != "rope_base"})
+        if "sliding_attention" in params and out["local_rope_base"] is None:  # the sliding layers' plain RoPE beside the scaled one
+            D = out["head_dim"]
+            rotated = _partial_rope(dict(partial_rotary_factor=params["sliding_attention"].get("partial_rotary_factor", 1.0)), D)
+            out.update(local_rope_base=float(params["sliding_attention"].get("rope_theta", 10000.0)),
+                       local_rope_dim=(rotated or D) if rotated != out["rope_dim"] else None)
+    limits = {}
+    for field, knob in (("swiglu_limits", "swiglu_limit"), ("swiglu_limits_shared", "shared_swiglu_limit")):
+        values = per_layer(field) or []
+        if any(v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf) for v in values):
+            raise ValueError(f"config.json: {field} = {hf[field]!r} is not supported (a limit >= 0 per layer, 0 or null: none)")
+        clamped = {i: float(v) for i, v in enumerate(values) if v}
+        if len(set(clamped.values())) > 1:
+            raise ValueError(f"config.json: {field} = {hf[field]!r} is not supported (one limit for the layers it clamps)")
+        limits.update({knob: next(iter(clamped.values())) if clamped else None, knob + "_layers": tuple(clamped) or None})
+    scalar = _get(hf, "query_pre_attn_scalar", default=out["head_dim"])
+    _refuse(dict(query_pre_attn_scalar=scalar), "query_pre_attn_scalar", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0,
+            "a positive number")
+    return dict(out, **limits, attn_gate_act="sigmoid", attn_scale=None if scalar == out["head_dim"] else float(scalar) ** -0.5,
+                zero_centered_norms=True, mlp_act="silu_cap")
+
+
+def _step3p7(hf: dict) -> dict:
+    """A released Step 3.7 Flash folder (step3p7, Step3p7ForConditionalGeneration): its
+    text_config's model, Step 3.5's (_step3p5); the vision model and its projector are not read."""
+    return _text_family(hf, "step3p5")
+
+
 def _afmoe(hf: dict) -> dict:
     """AFMoE (afmoe, Arcee Trinity): gated attention (the heads' outputs times sigmoid of
     gate_proj, channel by channel), per-head q/k norms; the layers layer_types names
@@ -2700,6 +2829,7 @@ class Family:
     # with biases and a router module with a bias) or in "halves" (Llama 4); or [E, 2F, H] gate/up
     # (the gate's F rows, then the up's) and [E, H, F] down, linear weights: "halves_out" (Granite);
     # or one [E F, H] key per matrix, each expert's F rows in turn, the down's as [F, H] (DBRX's w1, v1, w2): "rows";
+    # or one stack of linear weights per matrix, [E, F, H] gate and up and [E, H, F] down (Step 3.5's): "stacks_out";
     # None: one module per expert
     fused: Optional[str] = None
     shared_beside: bool = False  # Granite: the shared MLP beside the MoE block, input_linear [2Fs, H] (gate, then up) / output_linear
@@ -2814,6 +2944,7 @@ class Family:
 
 
 _STACKS = ("experts.gate_up_proj", "experts.gate_up_proj", "experts.down_proj")  # fused experts' keys under the MoE block
+_STEP3P5_EXPERTS = ("moe.gate_proj.weight", "moe.up_proj.weight", "moe.down_proj.weight")  # Step 3.5's stacks ("stacks_out"), under the layer
 _GRANITE = ("input_linear.weight", "input_linear.weight", "output_linear.weight")
 _GPT_OSS_ROPE = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False, original_max_position_embeddings=4096,
                      rope_theta=150000.0)
@@ -2987,6 +3118,16 @@ FAMILIES = {
     "laguna": Family(_laguna, "mlp", _PROJ, "LagunaForCausalLM", "shared_expert", correction_bias="experts.e_score_correction_bias",
                      gate_proj="g_proj", defaults=dict(num_key_value_heads=8, head_dim=128, sliding_window=512, num_experts=256, num_experts_per_tok=8,
                                                          intermediate_size=8192, moe_intermediate_size=512, shared_expert_intermediate_size=512)),
+    # Step 3.5 Flash's folders (Step3p5ForCausalLM, the releases' remote code; read as transformers' Step3p7TextModel): the MoE
+    # block's router, correction bias and experts' stacks under moe., its shared expert beside it (share_expert), the MTP layers
+    # after the trunk's not read
+    "step3p5": Family(_step3p5, "", _STEP3P5_EXPERTS, "Step3p5ForCausalLM", "share_expert", router="moe.gate.weight",
+                      correction_bias="moe.router_bias", fused="stacks_out", gate_proj="g_proj", extra_layers_read=False,
+                      defaults=_STEP3P5_DEFAULTS, aliases=_STEP3P5_ALIASES),
+    # the released Step 3.7 Flash folders: Step 3.5's text model, beside a vision model that is not read
+    "step3p7": Family(_step3p7, "", _STEP3P5_EXPERTS, "Step3p7ForConditionalGeneration", "share_expert", router="moe.gate.weight",
+                      correction_bias="moe.router_bias", fused="stacks_out", gate_proj="g_proj", extra_layers_read=False,
+                      not_read=("vision_model.", "vit_large_projector."), written_as="step3p5"),
     "afmoe": Family(_afmoe, "mlp", _PROJ, "AfmoeForCausalLM", "shared_experts", correction_bias="expert_bias", router="router.gate.weight",
                     sandwich=("input_layernorm", "post_attention_layernorm", "pre_mlp_layernorm", "post_mlp_layernorm"),
                     aliases=dict(n_shared_experts="num_shared_experts", routed_scaling_factor="route_scale"),
@@ -3425,6 +3566,9 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
     if moe and family.fused == "rows":  # one [E F, H] key per matrix, expert after expert (DBRX's w1, v1 and w2: the down's [F, H] rows)
         for ours, theirs in zip(("w_gate", "w_up", "w_down"), family.experts):
             out[q + "mlp.experts." + ours] = Tensor((mlp + theirs,), transpose=ours != "w_down", experts=cfg.n_experts)
+    elif moe and family.fused == "stacks_out":  # one stack of linear weights per matrix, [E, F, H] / [E, F, H] / [E, H, F] (Step 3.5's)
+        for ours, theirs in zip(("w_gate", "w_up", "w_down"), family.experts):
+            out[q + "mlp.experts." + ours] = Tensor((mlp + theirs,), transpose=True)
     elif moe and family.fused:  # the experts' stacks (Family.fused), each bias beside its stack (gpt-oss)
         gate_up, _, down = (mlp + name for name in family.experts)
         stored_linear = family.fused == "halves_out"  # [E, 2F, H] / [E, H, F]: linear weights, transposed
@@ -4404,6 +4548,28 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
                   layer_types=_layer_types(cfg), num_attention_heads_per_layer=[cfg.heads(i) for i in range(cfg.n_layers)],
                   mlp_layer_types=["sparse" if cfg.is_moe(i) else "dense" for i in range(cfg.n_layers)],
                   gating="per-head" if cfg.attn_gate_per_head else "per-element", rope_parameters=rope)
+    elif model_type == "step3p5":  # transformers' own form of the fields (Step3p7TextConfig's), which _step3p5 reads as the released ones
+        full = dict(_rope_parameters(cfg), partial_rotary_factor=_rotary_factor(cfg))
+        rope = {"full_attention": full}
+        if cfg.local_rope_base is not None:
+            local = dataclasses.replace(cfg, rope_dim=cfg.local_rope_dim or cfg.rope_dim)
+            rope["sliding_attention"] = dict(rope_type="default", rope_theta=cfg.local_rope_base, partial_rotary_factor=_rotary_factor(local))
+        elif cfg.window is not None:  # the sliding layers' RoPE the full layers' (a model of fmoe's own: no scaling there, which
+            rope["sliding_attention"] = full  # config_mismatch names)
+
+        def limits(limit, layers):
+            return [limit if limit is not None and (layers is None or i in layers) else 0.0 for i in range(cfg.n_layers)]
+
+        scalar = cfg.head_dim if cfg.attn_scale is None else cfg.attn_scale**-2  # the softmax scale's 1 / s^2, a whole number where it is one
+        scalar = round(scalar) if math.isclose(scalar, round(scalar), rel_tol=1e-12) else scalar
+        hf.pop("pad_token_id")  # an int in transformers' config class (its own 1; fmoe's embedding has no padding row)
+        hf.update(n_routed_experts=cfg.n_experts, moe_intermediate_size=cfg.ffn_expert, intermediate_size=cfg.ffn_dense,
+                  share_expert_dim=cfg.shared_size, moe_router_scaling_factor=cfg.route_scale or 1.0, attention_bias=False, sliding_window=cfg.window,
+                  layer_types=_layer_types(cfg), num_sliding_attention_heads=cfg.local_heads or cfg.n_heads,
+                  mlp_layer_types=["sparse" if cfg.is_moe(i) else "dense" for i in range(cfg.n_layers)],
+                  query_pre_attn_scalar=scalar, rope_parameters=rope,
+                  swiglu_limits=limits(cfg.swiglu_limit, cfg.swiglu_limit_layers),
+                  swiglu_limits_shared=limits(cfg.shared_swiglu_limit, cfg.shared_swiglu_limit_layers), num_nextn_predict_layers=0)
     elif model_type == "hy_v3":
         moe_fields = _deepseek_moe_config(cfg)
         hf.update(num_experts=cfg.n_experts, num_shared_experts=moe_fields["n_shared_experts"], moe_intermediate_size=cfg.ffn_expert,
@@ -4756,7 +4922,7 @@ def written_config(hf: dict) -> dict:
 # TransformerConfig fields that only MoE blocks read (the dense MLP is a plain SwiGLU)
 _MOE_ONLY = {"n_experts", "k", "ffn_expert", "n_shared", "shared_ffn", "shared_gate", "score", "pre_softmax", "n_groups", "topk_groups",
              "group_score_topk", "route_scale", "route_normalize", "expert_bias", "route_on_input", "router_bias", "expert_biases",
-             "swiglu_alpha", "swiglu_limit", "swiglu_offset", "router_softcap", "shared_scale", "expert_bias_on_logits"}
+             "swiglu_alpha", "swiglu_limit", "swiglu_offset", "swiglu_limit_layers", "router_softcap", "shared_scale", "expert_bias_on_logits"}
 
 
 # TransformerConfig fields that only the attention blocks read: nothing in a model none of whose blocks attends (every

@@ -2822,6 +2822,117 @@ def test_a_released_kimi_k2_folder_is_deepseek_v3_with_int4_experts(folders, tmp
         hf.from_pretrained(_edit(int4, tmp_path / "none", lambda c: c.pop("quantization_config")))
 
 
+_STEP_VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)
+_STEP_LLAMA3 = dict(rope_type="llama3", factor=2.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8)
+
+
+def _step_text(**fields) -> dict:
+    """A Step 3.7 text config (transformers' Step3p7TextConfig's fields, the released per-layer lists): four layers, full and
+    sliding in turn, the sliding ones with 8 query heads and their own plain RoPE, Llama 3.1's scaling on the full ones' half
+    of each head; the first block dense; the routed experts clamped in blocks 2 and 3, the shared expert and the dense MLP in
+    blocks 0 and 3; a softmax scale of 6 ** -0.5."""
+    return dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=8, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, share_expert_dim=24, sliding_window=4,
+                layer_types=["full_attention", "sliding_attention"] * 2, num_sliding_attention_heads=8,
+                mlp_layer_types=["dense", "sparse", "sparse", "sparse"], swiglu_limits=[0, 0, 0.5, 0.5], swiglu_limits_shared=[0.3, 0, 0, 0.3],
+                moe_router_scaling_factor=2.5, query_pre_attn_scalar=6, rope_theta=[1e4, 500.0] * 2, partial_rotary_factors=[0.5, 1.0] * 2,
+                rope_scaling=_STEP_LLAMA3, bos_token_id=None, eos_token_id=None, **fields)
+
+
+def test_step3p7_and_step3p5_folders_read_their_clamps_and_each_layer_type_s_heads_and_rope(tmp_path):
+    """A Step 3.7 Flash folder (step3p7, Step3p7ForConditionalGeneration): its text model
+    loads with transformers' logits of a text-only forward, on the torch and the Triton
+    paths (the interpreter), the vision model unread: zero-centred norms, a sigmoid gate per
+    head, each layer type's heads and RoPE (Llama 3.1's scaling on the full layers alone),
+    the softmax scale, and the SwiGLU limits on silu(gate) in the listed layers, each of
+    which moves the logits. Not written back whole; written as step3p5 (Step 3.5 Flash's
+    text model, which transformers has no class of) and read back exactly, and that folder,
+    put beside the vision model again as a step3p7 folder, loads in transformers with the
+    same logits. A step3p5 folder as released (the fields' released names and per-layer
+    lists, each list carrying the MTP layer's entry, and the MTP layer's keys, unread)
+    reads as the same model."""
+    docs, ids, cu = _packed()
+    config = transformers.Step3p7Config(text_config=_step_text(), vision_config=_STEP_VISION)
+    theirs = _saved_multimodal(transformers.Step3p7ForConditionalGeneration, config, tmp_path / "vl")
+    model, cfg = hf.from_pretrained(tmp_path / "vl", impl="torch")
+    assert (cfg.n_heads, cfg.local_heads, cfg.window, cfg.window_layers, cfg.attn_gate_act, cfg.attn_gate_per_head) == (4, 8, 4, (1, 3), "sigmoid", True)
+    assert (cfg.rope_base, cfg.rope_dim, cfg.local_rope_base, cfg.local_rope_dim, cfg.llama3_factor) == (1e4, 4, 500.0, 8, 2.0)
+    assert (cfg.mlp_act, cfg.swiglu_limit, cfg.swiglu_limit_layers, cfg.shared_swiglu_limit, cfg.shared_swiglu_limit_layers) == (
+        "silu_cap", 0.5, (2, 3), 0.3, (0, 3))
+    assert (cfg.attn_scale, cfg.zero_centered_norms, cfg.route_scale, cfg.n_dense, cfg.shared_size) == (6**-0.5, True, 2.5, 1, 24)
+    keys = [k for spec in hf.key_map(hf.FAMILIES["step3p7"], cfg).values() for k in spec.keys]
+    assert "model.layers.1.moe.gate_proj.weight" in keys and "model.layers.1.share_expert.up_proj.weight" in keys
+    with torch.no_grad():
+        assert _rel(model.logits(ids, cu), theirs) < 1e-5
+        assert _rel(hf.from_pretrained(tmp_path / "vl", impl="triton")[0].logits(ids, cu), theirs) < 1e-5
+        # each piece matters: the limits, the cap on silu(gate) rather than gate, the scaling, the gate's activation
+        for change in (dict(swiglu_limit_layers=(2,)), dict(shared_swiglu_limit_layers=(3,)), dict(mlp_act="silu"), dict(llama3_factor=None),
+                       dict(attn_gate_act="softplus"), dict(attn_scale=None)):
+            other = hf.Transformer(dataclasses.replace(cfg, **change))
+            other.load_state_dict(model.state_dict())
+            assert _rel(other.logits(ids, cu), theirs) > 1e-3, change
+    with pytest.raises(ValueError, match=r"model_type: a step3p7 folder holds a model fmoe does not read \(vision_model., vit_large_projector.\), "
+                                         "so it is not written; pass model_type='step3p5'"):
+        hf.save_pretrained(model, tmp_path / "whole")
+    model.hf_config = hf.written_config(model.hf_config)
+    out = hf.save_pretrained(model, tmp_path / "text")
+    written = json.loads((out / "config.json").read_text())
+    assert (written["model_type"], written["architectures"]) == ("step3p5", ["Step3p5ForCausalLM"])
+    back, back_cfg = hf.from_pretrained(out, impl="torch")
+    assert back_cfg == cfg and all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), model.state_dict().values()))
+    del back.hf_config  # fmoe's own: written from its config
+    own = json.loads((hf.save_pretrained(back, tmp_path / "own", model_type="step3p5") / "config.json").read_text())
+    assert hf.read_config(tmp_path / "own")[1] == dataclasses.replace(cfg, impl="auto") and own["swiglu_limits_shared"] == [0.3, 0.0, 0.0, 0.3]
+    vision = {k: v for k, v in _read_all(tmp_path / "vl").items() if k.startswith(("vision_model.", "vit_large_projector."))}
+    again = _copy_folder(tmp_path / "vl", tmp_path / "again", _read_all(tmp_path / "own") | vision,
+                         lambda c: c.update(text_config=dict(own, model_type="step3p5")))
+    ref = transformers.AutoModelForImageTextToText.from_pretrained(again, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert _rel(torch.cat([ref(input_ids=d[None]).logits[0] for d in docs]), theirs) < 1e-5
+    # the released Step 3.5 Flash layout: the fields' own names, per-layer lists with the MTP layer's entry, its keys unread
+    text = {k: v for k, v in _step_text().items() if k not in ("num_key_value_heads", "n_routed_experts", "num_experts_per_tok",
+                                                                 "num_sliding_attention_heads", "mlp_layer_types")}
+    released = dict(text, model_type="step3p5", architectures=["Step3p5ForCausalLM"], num_attention_groups=2, moe_num_experts=4, moe_top_k=2,
+                    moe_layers_enum="1,2,3", attention_other_setting=dict(attention_type="sliding_attention", num_attention_heads=8,
+                                                                           num_attention_groups=2, head_dim=8),
+                    num_nextn_predict_layers=1, moe_router_activation="sigmoid", use_moe_router_bias=True, use_head_wise_attn_gate=True,
+                    zero_centered=True, norm_expert_weight=True, need_fp32_gate=True, att_impl_type="GQA", yarn_only_types=["full_attention"],
+                    use_rope_layers=[True] * 5, layer_types=text["layer_types"] + ["full_attention"], rope_theta=text["rope_theta"] + [1e4],
+                    partial_rotary_factors=text["partial_rotary_factors"] + [0.5], swiglu_limits=text["swiglu_limits"] + [9.0],
+                    swiglu_limits_shared=text["swiglu_limits_shared"] + [0])
+    mtp = {"model.layers.4.eh_proj.weight": torch.randn(32, 64), "model.layers.4.enorm.weight": torch.zeros(32)}
+    folder = _copy_folder(out, tmp_path / "released", _read_all(out) | mtp, lambda c: [c.clear(), c.update(released)])
+    model, released_cfg = hf.from_pretrained(folder, impl="torch")
+    assert released_cfg == cfg and hf.unread_keys(hf.FAMILIES["step3p5"], cfg, folder, set(_read_all(folder))) == []
+    with torch.no_grad():
+        assert _rel(model.logits(ids, cu), theirs) < 1e-5
+
+
+def test_step3p5_refuses_what_transformers_model_is_not(tmp_path):
+    """Step 3.5's fields that describe another model than transformers' Step3p7TextModel are
+    refused by name: per-layer lists of another length, limits that differ across the layers
+    they clamp, two RoPE bases in one layer type, the sliding layers' own kv heads, scaling on
+    the sliding layers, softmax routing, a gate per channel, RoPE left out of some layer."""
+    base = dict(_step_text(), model_type="step3p5")
+    for change, message in (
+            (dict(swiglu_limits=[0, 0, 0.5]), r"config.json: swiglu_limits = \[0, 0, 0.5\] is not supported \(one entry per layer: 4\)"),
+            (dict(swiglu_limits=[0, 0, 0.5, 0.4]), r"swiglu_limits = \[0, 0, 0.5, 0.4\] is not supported \(one limit for the layers it clamps\)"),
+            (dict(swiglu_limits_shared=[0, -1, 0, 0]), r"swiglu_limits_shared = \[0, -1, 0, 0\] is not supported \(a limit >= 0 per layer"),
+            (dict(rope_theta=[1e4, 500.0, 2e4, 500.0]), r"rope_theta = .* is not supported \(one value for the full_attention layers\)"),
+            (dict(attention_other_setting=dict(num_attention_heads=8, num_attention_groups=1)),
+             r"num_attention_groups = 1 is not supported \(the sliding layers' num_attention_groups as the others', 2\)"),
+            (dict(yarn_only_types=["sliding_attention"]), r"yarn_only_types = \['sliding_attention'\] is not supported"),
+            (dict(moe_router_activation="softmax"), r"moe_router_activation = 'softmax' is not supported \(sigmoid router scores"),
+            (dict(use_head_wise_attn_gate=False), r"use_head_wise_attn_gate = False is not supported \(true, as transformers' model\)"),
+            (dict(use_rope_layers=[True, False, True, True]), r"use_rope_layers = .* is not supported \(RoPE in every layer"),
+            (dict(moe_layers_enum="1,x"), r"moe_layers_enum = '1,x' is not supported \(the MoE layers' indices\)")):
+        config = dict(base, **change)
+        if "moe_layers_enum" in change:
+            config.pop("mlp_layer_types")
+        with pytest.raises(ValueError, match=message):
+            hf.FAMILIES["step3p5"].kwargs(config)
+
+
 def test_a_released_kimi_k25_folder_loads_its_text_model(folders, tmp_path):
     """A Kimi K2.5 / K2.6 folder (kimi_k25) as released: Kimi K2's text model under
     language_model.model. and language_model.lm_head (the layout transformers reads, with the

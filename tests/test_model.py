@@ -201,6 +201,13 @@ VARIANTS = {
     # it, relu^2 MLPs (its dense model; the MoE block's experts through relu^2 too), the logits capped
     "nanochat": dataclasses.replace(TINY, mlp_act="relu2", norm_weights=False, embed_norm=True, rope_reversed=True, qk_norm="rms",
                                     qk_norm_after_rope=True, logit_softcap=15.0, mtp_depth=1),
+    # Step 3.7's: sliding blocks 0 and 2 with more query heads and their own plain RoPE beside a full block whose half-head RoPE
+    # has Llama 3.1's scaling, a sigmoid gate per head, zero-centred norms, the SwiGLU limits on silu(gate) in some blocks alone
+    "step3p7": dataclasses.replace(TINY, qk_norm="head", window=4, window_layers=(0, 2), local_heads=8, rope_dim=4, local_rope_base=500.0,
+                                   local_rope_dim=8, llama3_factor=2.0, llama3_original_max_positions=8, attn_gate=True, attn_gate_per_head=True,
+                                   attn_scale=6**-0.5, zero_centered_norms=True, mlp_act="silu_cap", swiglu_limit=0.01, swiglu_limit_layers=(2,),
+                                   shared_swiglu_limit=0.01, shared_swiglu_limit_layers=(0, 2), route_scale=2.5, score="sigmoid",
+                                   n_shared=0, shared_ffn=24, mtp_depth=1),
 }
 
 
@@ -1712,6 +1719,7 @@ DECODED = {
     "nope global, window local, llama3 rope": dataclasses.replace(TINY, qk_norm="head", window=4, window_layers=(0, 2), nope_layers=(1,),
                                                                   llama3_factor=4.0, llama3_original_max_positions=16),
     "gpt-oss": VARIANTS["gpt-oss"],
+    "step3p7": dataclasses.replace(VARIANTS["step3p7"], mtp_depth=0),
     "post-norm": VARIANTS["post-norm"],
     "llama4": dataclasses.replace(VARIANTS["llama4"], mtp_depth=0, llama3_factor=4.0, llama3_original_max_positions=16),
     "mla, sinks, output bias, gate": dataclasses.replace(VARIANTS["mla, group top-2, mtp norm"], attn_sinks=True, o_bias=True, attn_gate=True),

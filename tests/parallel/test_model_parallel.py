@@ -90,6 +90,10 @@ JAMBA = dict(linear_layers=(0,), linear_kind="mamba1", linear_k_heads=1, linear_
 # relu^2 MLPs, the logits capped
 NANOCHAT = dict(n_dense=2, mlp_act="relu2", norm_weights=False, embed_norm=True, rope_reversed=True, qk_norm="rms", qk_norm_after_rope=True,
                 logit_softcap=15.0)
+# Step 3.7's: block 0 sliding with 8 query heads of its own, a sigmoid gate per head, zero-centred norms, the SwiGLU limits
+# on silu(gate) of block 0's dense MLP and block 1's routed and shared experts (small enough to clamp at initialisation)
+STEP3P7 = dict(qk_norm="head", window=4, window_layers=(0,), local_heads=8, attn_gate=True, attn_gate_per_head=True, zero_centered_norms=True,
+               mlp_act="silu_cap", swiglu_limit=0.005, swiglu_limit_layers=(1,), shared_swiglu_limit=0.005, score="sigmoid", route_scale=2.5)
 # Nemotron-H's: block 0 a Mamba-2 mixer alone (no MLP; dt's floor 0.05), block 1 NoPE attention with an MLP without a gate
 NEMOTRON_H = dict(GRANITE4, attn_scale=None, residual_scale=1.0, n_dense=2, mlp_act="relu2", mlp_free_layers=(0,), linear_dt_min=0.05)
 # Nemotron 3's: block 1 a MoE of experts without a gate (routed and shared), sigmoid routing in 2 groups x 2.5
@@ -439,6 +443,8 @@ CASES = {
     "tp2-nanochat": (2, dict(tp=2), NANOCHAT),
     "cp2-nanochat": (2, dict(cp=2), NANOCHAT),
     "tp2-embed-norm": (2, dict(tp=2), dict(embed_norm=True)),
+    # Step 3.7's (STEP3P7): the clamped MLPs' columns split over tp, each block's own query heads and gate columns
+    "tp2-step3p7": (2, dict(tp=2), STEP3P7),
     # Nemotron-H's (NEMOTRON_H): a block without an MLP beside the split heads and groups
     "tp2-nemotron_h": (2, dict(tp=2), NEMOTRON_H),
     # Nemotron-H-47B's MLP layer alone: block 2 without a mixer, the last block of the tp region
