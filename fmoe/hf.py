@@ -2166,8 +2166,9 @@ def _step3p5(hf: dict) -> dict:
     moe_layers_enum; by default the first three dense), MoE blocks routed on sigmoids plus the
     correction bias for the choice, renormalised, x moe_router_scaling_factor, beside one
     shared expert of share_expert_dim; the SwiGLUs with the limit on silu(gate) (mlp_act
-    "silu_cap"): swiglu_limits the routed experts', swiglu_limits_shared the shared expert's
-    and the dense MLP's, per layer (0: none; one value each). Per-layer lists may carry the
+    "silu_cap"; "silu" where nothing is clamped): swiglu_limits the routed experts',
+    swiglu_limits_shared the shared expert's and the dense MLP's, per layer (0: none; one
+    value each). Per-layer lists may carry the
     num_nextn_predict_layers MTP layers' entries after the trunk's, which are not read, nor
     are those layers (Family.extra_layers_read), as in transformers."""
     n = hf["num_hidden_layers"]
@@ -2257,8 +2258,9 @@ def _step3p5(hf: dict) -> dict:
     scalar = _get(hf, "query_pre_attn_scalar", default=out["head_dim"])
     _refuse(dict(query_pre_attn_scalar=scalar), "query_pre_attn_scalar", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0,
             "a positive number")
+    clamped = limits["swiglu_limit"] is not None or limits["shared_swiglu_limit"] is not None  # without limits "silu_cap" is silu
     return dict(out, **limits, attn_gate_act="sigmoid", attn_scale=None if scalar == out["head_dim"] else float(scalar) ** -0.5,
-                zero_centered_norms=True, mlp_act="silu_cap")
+                zero_centered_norms=True, mlp_act="silu_cap" if clamped else "silu")
 
 
 def _step3p7(hf: dict) -> dict:

@@ -2850,7 +2850,7 @@ def test_step3p7_and_step3p5_folders_read_their_clamps_and_each_layer_type_s_hea
     put beside the vision model again as a step3p7 folder, loads in transformers with the
     same logits. A step3p5 folder as released (the fields' released names and per-layer
     lists, each list carrying the MTP layer's entry, and the MTP layer's keys, unread)
-    reads as the same model."""
+    reads as the same model; one that clamps nothing reads with mlp_act "silu"."""
     docs, ids, cu = _packed()
     config = transformers.Step3p7Config(text_config=_step_text(), vision_config=_STEP_VISION)
     theirs = _saved_multimodal(transformers.Step3p7ForConditionalGeneration, config, tmp_path / "vl")
@@ -2860,6 +2860,8 @@ def test_step3p7_and_step3p5_folders_read_their_clamps_and_each_layer_type_s_hea
     assert (cfg.mlp_act, cfg.swiglu_limit, cfg.swiglu_limit_layers, cfg.shared_swiglu_limit, cfg.shared_swiglu_limit_layers) == (
         "silu_cap", 0.5, (2, 3), 0.3, (0, 3))
     assert (cfg.attn_scale, cfg.zero_centered_norms, cfg.route_scale, cfg.n_dense, cfg.shared_size) == (6**-0.5, True, 2.5, 1, 24)
+    unclamped = hf.FAMILIES["step3p5"].kwargs(dict(_step_text(), model_type="step3p5", swiglu_limits=[0] * 4, swiglu_limits_shared=None))
+    assert (unclamped["mlp_act"], unclamped["swiglu_limit"], unclamped["shared_swiglu_limit_layers"]) == ("silu", None, None)  # silu_cap is silu then
     keys = [k for spec in hf.key_map(hf.FAMILIES["step3p7"], cfg).values() for k in spec.keys]
     assert "model.layers.1.moe.gate_proj.weight" in keys and "model.layers.1.share_expert.up_proj.weight" in keys
     with torch.no_grad():
