@@ -9,7 +9,7 @@ qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, axk1, kimi_k2, kimi_k25, dee
 exaone_moe, kolibri1, beam, axk2, dots1, minimax_m2, minimax, granitemoe, granitemoeshared, granitemoe_swa, granitemoehybrid, nemotron_h, mamba2, mamba, falcon_mamba, jamba, hunyuan_v1_moe, llama4_text, llama4, afmoe,
 laguna, step3p5, step3p7, cohere2_moe, sarvam_moe, sarvam_mla, longcat_flash, bailing_hybrid, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, lara_mini, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
 mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe, gemma3, gemma4_text, gemma4), and the dense
-DENSE_FAMILIES (llama, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, helium, minicpm3, arcee, gemma, vaultgemma, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
+DENSE_FAMILIES (llama, exaone, cwm, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, helium, minicpm3, arcee, gemma, vaultgemma, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
 glm4, ernie4_5, lfm2, cohere, cohere2, bamba, falcon_h1, stablelm, qwen3_5_text (and qwen3_5's text model), nemotron, apertus, olmo_hybrid, jais2, glm, internlm3,
 iquestcoder, ministral, nanochat: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: OLMoE's q and k clamped after their norms, ...;
@@ -363,6 +363,15 @@ def _helium(hf: dict) -> dict:
 
 def _mistral(hf: dict) -> dict:
     return _dense(hf, sliding=True)  # Llama's blocks, a sliding window over every layer where sliding_window is set
+
+
+def _cwm(hf: dict) -> dict:
+    """CWM (cwm, dense; Meta's Code World Model): Llama's blocks without biases, a sliding window
+    in the layers layer_types names sliding_attention (by default all but every fourth from
+    layer 0), Llama 3.1's RoPE scaling (by default factor 16 over 8192 positions) in every layer."""
+    n = hf["num_hidden_layers"]
+    kinds = hf.get("layer_types") or ["full_attention" if i % 4 == 0 else "sliding_attention" for i in range(n)]
+    return _dense(dict(hf, layer_types=kinds), sliding=True, mlp_bias=True)
 
 
 def _ministral3(hf: dict) -> dict:
@@ -2996,7 +3005,7 @@ _MISTRAL4_ROPE = dict(rope_type="yarn", rope_theta=10000.0, factor=128.0, origin
 _MINISTRAL3_ROPE = dict(rope_type="yarn", rope_theta=1e6, factor=16.0, original_max_position_embeddings=16384, beta_fast=32.0, beta_slow=1.0,
                         mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1)
 # the dense families (no MoE block): fine-tuned as they are, or upcycled into an MoE (fmoe.train.upcycle)
-DENSE_FAMILIES = ("llama", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "youtu", "helium", "minicpm3", "arcee", "gemma", "vaultgemma", "gemma2", "gemma3_text", "lfm3", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
+DENSE_FAMILIES = ("llama", "exaone", "cwm", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "youtu", "helium", "minicpm3", "arcee", "gemma", "vaultgemma", "gemma2", "gemma3_text", "lfm3", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
                   "phi3", "glm4", "ernie4_5", "lfm2", "cohere", "cohere2", "bamba", "falcon_h1", "stablelm", "qwen3_5_text", "nemotron", "apertus", "olmo_hybrid",
                   "jais2", "glm", "internlm3", "iquestcoder", "ministral", "nanochat")
 FAMILIES = {
@@ -3235,6 +3244,19 @@ FAMILIES = {
                    norms=("norm_attn_norm.norm_1", "norm_attn_norm.norm_2"), defaults=dict(d_model=2048, n_heads=16, n_layers=24, vocab_size=32000)),
     # the dense families (DENSE_FAMILIES), after the MoE ones
     "llama": Family(_llama, "mlp", _PROJ, "LlamaForCausalLM"),
+    # EXAONE 3.0 / 3.5: Llama's model under the released names (transformers renames them on load and back on save): the
+    # layers under transformer.h., ln_1 / ln_2, the attention under attn.attention. with its out_proj, the MLP's c_fc_0 /
+    # c_fc_1 / c_proj, the embedding transformer.wte, the final norm transformer.ln_f; its config's own field names
+    "exaone": Family(_llama, "mlp", _PROJ, "LlamaForCausalLM", prefix=("model.layers.", "transformer.h."),
+                     attention="attn.attention", o_proj="out_proj", norms=("ln_1", "ln_2"), dense_names=("c_fc_0", "c_fc_1", "c_proj"),
+                     embed="transformer.wte.weight", final_norm="transformer.ln_f.weight",
+                     aliases=dict(num_hidden_layers="num_layers", rms_norm_eps="layer_norm_epsilon", hidden_act="activation_function"),
+                     defaults=dict(vocab_size=102400, intermediate_size=14336, num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=5e5)),
+    "cwm": Family(_cwm, "mlp", _PROJ, "CwmForCausalLM",
+                  defaults=dict(vocab_size=128256, hidden_size=6144, intermediate_size=21504, num_hidden_layers=64, num_attention_heads=48,
+                                num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, sliding_window=8192,
+                                rope_parameters=dict(rope_type="llama3", rope_theta=1e6, factor=16.0, high_freq_factor=4.0, low_freq_factor=1.0,
+                                                     original_max_position_embeddings=8192))),
     # InternLM3 and IQuest-Coder: Llama's model under their own configs (transformers builds LlamaForCausalLM), InternLM3's
     # biases named qkv_bias and bias in its released config.json
     "internlm3": Family(_internlm3, "mlp", _PROJ, "LlamaForCausalLM", aliases=dict(attention_bias="qkv_bias", mlp_bias="bias"),
@@ -4701,7 +4723,7 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
             raise ValueError(f"model: {model_type} is a dense family; this model has MoE layers {moe}")
         hf.pop("num_experts_per_tok")
         hf.update(intermediate_size=cfg.ffn_dense, mlp_bias=cfg.mlp_bias)
-        if model_type in ("llama", "internlm3", "iquestcoder"):  # Llama's model: its biases on q, k, v and o (InternLM3's on the MLPs too)
+        if model_type in ("llama", "internlm3", "iquestcoder", "exaone"):  # Llama's model: its biases on q, k, v and o (InternLM3's on the MLPs too)
             if model_type == "internlm3" and cfg.qkv_bias != cfg.mlp_bias:
                 raise ValueError(f"model: InternLM3's attention and MLP biases are one setting; this model has qkv_bias = {cfg.qkv_bias}, "
                                  f"mlp_bias = {cfg.mlp_bias}")
@@ -4714,7 +4736,7 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
             hf.update(hidden_act="relu2", attention_bias=False, final_logit_softcapping=cfg.logit_softcap)
         elif model_type == "mistral":
             hf.update(sliding_window=cfg.window)
-        elif model_type == "ministral":  # each layer's window or none
+        elif model_type in ("ministral", "cwm"):  # each layer's window or none
             hf.update(sliding_window=cfg.window, layer_types=_layer_types(cfg))
         elif model_type == "ministral3":
             hf.update(sliding_window=cfg.window, rope_parameters=_ministral3_rope(cfg))

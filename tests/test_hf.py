@@ -40,6 +40,10 @@ FAMILIES = {
     # InternLM3 (Llama's model): biases on q, k, v, o and the MLPs, set by its own names; IQuest-Coder (Llama's model)
     "internlm3": lambda: transformers.InternLM3Config(**COMMON, head_dim=8, intermediate_size=40, qkv_bias=True, bias=True, pad_token_id=None),
     "iquestcoder": lambda: transformers.IQuestCoderConfig(**COMMON, head_dim=8, intermediate_size=40),
+    # EXAONE 3.0 / 3.5 (Llama's model under its released names); CWM: a window of 4 in layers 1 and 2, Llama 3.1's RoPE
+    # scaling (its default: factor 16 over 8192 positions) in every layer
+    "exaone": lambda: transformers.ExaoneConfig(**COMMON, intermediate_size=40, pad_token_id=None, eos_token_id=None),
+    "cwm": lambda: transformers.CwmConfig(**COMMON, head_dim=8, intermediate_size=40, sliding_window=4),
     # Ministral-8B: a window of 4 in layers 0 and 2, layer 1 full
     "ministral": lambda: transformers.MinistralConfig(**COMMON, head_dim=8, intermediate_size=40, sliding_window=4,
                                                       layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
@@ -784,6 +788,8 @@ def test_a_failed_export_leaves_no_weight_files(folders, tmp_path, monkeypatch):
                                                                 zero_centered_norms=True, attn_gate=True, qk_norm="head", rope_dim=4)),
                                           ("stablelm", dict(layer_norms=True, norm_bias=True, rope_dim=2, parallel_blocks=True, norm_eps=1e-5)),
                                           ("llama", dict(qkv_bias=True, o_bias=True, mlp_bias=True)),
+                                          ("exaone", dict(qkv_bias=True, o_bias=True, llama3_factor=8.0, llama3_original_max_positions=8)),
+                                          ("cwm", dict(window=4, window_layers=(1,), llama3_factor=4.0, llama3_original_max_positions=8, mlp_bias=True)),
                                           ("nanochat", dict(norm_weights=False, embed_norm=True, rope_reversed=True, qk_norm="rms", qk_norm_after_rope=True,
                                                             mlp_act="relu2", logit_softcap=15.0)),
                                           ("glm", dict(qkv_bias=True, rope_interleaved=True, rope_dim=4)),
@@ -2820,6 +2826,33 @@ def test_a_released_kimi_k2_folder_is_deepseek_v3_with_int4_experts(folders, tmp
         hf.from_pretrained(_edit(int4, tmp_path / "two", lambda c: c.update(quantization_config=two)))
     with pytest.raises(ValueError, match="_packed needs a compressed-tensors quantization_config"):
         hf.from_pretrained(_edit(int4, tmp_path / "none", lambda c: c.pop("quantization_config")))
+
+
+def test_exaone_reads_its_released_names_and_llama3_rope(folders, tmp_path):
+    """EXAONE 3.0 / 3.5 (exaone): the layers under transformer.h. with their released module
+    names, as transformers writes them; a config.json with the released field names
+    (num_layers, layer_norm_epsilon, activation_function) and EXAONE 3.5's Llama 3.1 RoPE
+    scaling reads as the model transformers builds from it, with its logits; an activation
+    other than silu is refused by name."""
+    path, _ = folders["exaone"]
+    keys = set(_read_all(path))
+    assert "transformer.h.0.attn.attention.out_proj.weight" in keys and "transformer.wte.weight" in keys and "transformer.ln_f.weight" in keys
+    plain = json.loads((path / "config.json").read_text())
+    released = {k: v for k, v in plain.items() if k not in ("num_hidden_layers", "rms_norm_eps", "hidden_act", "rope_parameters")}
+    released.update(num_layers=plain["num_hidden_layers"], layer_norm_epsilon=1e-6, activation_function="silu", rope_theta=1e4,
+                    rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8))
+    folder = _edit(path, tmp_path / "released", lambda c: [c.clear(), c.update(released)])
+    model, cfg = hf.from_pretrained(folder, impl="torch")
+    assert (cfg.n_layers, cfg.norm_eps, cfg.rope_base, cfg.llama3_factor, cfg.llama3_original_max_positions) == (3, 1e-6, 1e4, 8.0, 8)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    docs, ids, cu = _packed()
+    with torch.no_grad():
+        assert _rel(model.logits(ids, cu), _their_logits(ref, docs)) < 1e-5
+        unscaled = hf.Transformer(dataclasses.replace(cfg, llama3_factor=None))
+        unscaled.load_state_dict(model.state_dict())
+        assert _rel(unscaled.logits(ids, cu), _their_logits(ref, docs)) > 1e-3  # the scaling matters at these positions
+    with pytest.raises(ValueError, match=r"config.json: hidden_act = 'gelu' is not supported \(SwiGLU with silu only\)"):
+        hf.FAMILIES["exaone"].kwargs(dict(released, activation_function="gelu"))
 
 
 _STEP_VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)
