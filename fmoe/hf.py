@@ -11,7 +11,7 @@ laguna, step3p5, step3p7, cohere2_moe, sarvam_moe, sarvam_mla, longcat_flash, ba
 mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe, gemma3, gemma4_text, gemma4), and the dense
 DENSE_FAMILIES (llama, exaone, cwm, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, helium, minicpm3, arcee, gemma, vaultgemma, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
 glm4, ernie4_5, lfm2, cohere, cohere2, bamba, falcon_h1, stablelm, qwen3_5_text (and qwen3_5's text model), nemotron, apertus, olmo_hybrid, jais2, glm, internlm3,
-iquestcoder, ministral, nanochat: Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
+iquestcoder, ministral, nanochat, cohere_compass_text (and cohere_compass's text model): Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: OLMoE's q and k clamped after their norms, ...;
 the fields a config.json leaves out read at transformers' defaults, Family.defaults, and a
 family's own names for the fields the shared mappings read as those, Family.aliases)
@@ -937,6 +937,53 @@ def _cohere2(hf: dict) -> dict:
     layers layer_types names sliding_attention (by default three in four) over the window."""
     hf = _cohere_layer_types(hf)
     return dict(_dense(hf, sliding=True), **_cohere_blocks(hf))
+
+
+def _cohere_compass_text(hf: dict) -> dict:
+    """Cohere's North models' text model (cohere_compass_text, CohereCompassForCausalLM):
+    Cohere 2's blocks (the attention and the MLP of one LayerNorm's output, without bias,
+    layer_norm_eps, added together to the residual) with RoPE on rotated halves, not pairs
+    (a text-only forward's multimodal RoPE is the plain one), each layer type with the RoPE
+    rope_parameters gives it (plain, at its own base; null: no RoPE, NoPE); the window over
+    the layers layer_types names sliding_attention (by default none); the logits x
+    logit_scale (by default 1)."""
+    n = hf["num_hidden_layers"]
+    kinds = hf.get("layer_types") or ["full_attention"] * n
+    _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in Cohere's attention here")
+    params = hf.get("rope_parameters") or {}
+    by_kind = {}
+    for kind in dict.fromkeys(kinds):
+        if kind not in params:  # transformers' model reads one entry per layer type
+            raise ValueError(f"config.json: rope_parameters has no {kind} entry for the {kind} layers")
+        p = params[kind]
+        if p is not None and (not isinstance(p, dict) or (p.get("rope_type") or "default") != "default"):
+            raise ValueError(f"config.json: rope_parameters.{kind} = {p!r} is not supported (plain RoPE, or null: none)")
+        by_kind[kind] = None if p is None else float(p.get("rope_theta", 10000.0))
+    scale = hf.get("logit_scale")
+    scale = 1.0 if scale is None else scale
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
+        raise ValueError(f"config.json: logit_scale = {scale!r} is not supported (a positive number)")
+    nope = tuple(i for i, kind in enumerate(kinds) if by_kind[kind] is None)
+    full, sliding = by_kind.get("full_attention"), by_kind.get("sliding_attention")
+    base = full if full is not None else sliding if sliding is not None else 10000.0
+    local = sliding if full is not None and sliding is not None and sliding != full else None
+    return dict(_dense(dict(hf, layer_types=kinds, rope_parameters=dict(rope_type="default", rope_theta=base)), sliding=True),
+                norm_eps=float(hf.get("layer_norm_eps", 1e-5)), parallel_blocks=True, layer_norms=True, nope_layers=nope or None,
+                local_rope_base=local, logit_divisor=1 / scale)
+
+
+def _cohere_compass(hf: dict) -> dict:
+    """A released North vision folder (cohere_compass, CohereCompassForConditionalGeneration):
+    its text_config's model (_cohere_compass_text; the head untied unless the top level ties
+    it, the whole model's default), each layer type's RoPE without its multimodal fields
+    (mrope_section, mrope_interleaved: text positions are equal in all three, where that is
+    plain RoPE); the vision model beside it is not read."""
+    text = _text_config({"tie_word_embeddings": False, **hf})
+    params = text.get("rope_parameters")
+    if isinstance(params, dict):
+        text["rope_parameters"] = {k: ({f: v for f, v in p.items() if f not in ("mrope_section", "mrope_interleaved")} if isinstance(p, dict) else p)
+                                   for k, p in params.items()}
+    return _text_family(hf, "cohere_compass_text", text)
 
 
 def _cohere2_moe(hf: dict) -> dict:
@@ -3007,7 +3054,7 @@ _MINISTRAL3_ROPE = dict(rope_type="yarn", rope_theta=1e6, factor=16.0, original_
 # the dense families (no MoE block): fine-tuned as they are, or upcycled into an MoE (fmoe.train.upcycle)
 DENSE_FAMILIES = ("llama", "exaone", "cwm", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "youtu", "helium", "minicpm3", "arcee", "gemma", "vaultgemma", "gemma2", "gemma3_text", "lfm3", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
                   "phi3", "glm4", "ernie4_5", "lfm2", "cohere", "cohere2", "bamba", "falcon_h1", "stablelm", "qwen3_5_text", "nemotron", "apertus", "olmo_hybrid",
-                  "jais2", "glm", "internlm3", "iquestcoder", "ministral", "nanochat")
+                  "jais2", "glm", "internlm3", "iquestcoder", "ministral", "nanochat", "cohere_compass_text")
 FAMILIES = {
     "mixtral": Family(_mixtral, "block_sparse_moe", ("w1", "w3", "w2"), "MixtralForCausalLM",
                       defaults=dict(num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1e6)),
@@ -3363,6 +3410,12 @@ FAMILIES = {
                      defaults=dict(tie_word_embeddings=True, rope_theta=500000.0)),
     "cohere2": Family(_cohere2, "mlp", _PROJ, "Cohere2ForCausalLM", norms=("input_layernorm", ""),
                       defaults=dict(tie_word_embeddings=True, sliding_window=4096)),
+    # Cohere's North models (CohereLabs' North-*): Cohere 2's names; the released folders (cohere_compass,
+    # CohereCompassForConditionalGeneration) hold that text model under model.language_model., beside a vision model
+    "cohere_compass_text": Family(_cohere_compass_text, "mlp", _PROJ, "CohereCompassForCausalLM", norms=("input_layernorm", ""),
+                                  defaults=dict(tie_word_embeddings=True, sliding_window=4096)),
+    "cohere_compass": Family(_cohere_compass, "mlp", _PROJ, "CohereCompassForConditionalGeneration", norms=("input_layernorm", ""),
+                             prefix=("model.", "model.language_model."), not_read=("model.visual.",), written_as="cohere_compass_text"),
     "exaone4": Family(_exaone4, "mlp", _PROJ, "Exaone4ForCausalLM", defaults=dict(rms_norm_eps=1e-5, sliding_window=4096, num_key_value_heads=32)),
     "seed_oss": Family(_seed_oss, "mlp", _PROJ, "SeedOssForCausalLM", defaults=dict(num_key_value_heads=8, head_dim=128, attention_bias=True)),
     "hunyuan_v1_dense": Family(_hunyuan_v1_dense, "mlp", _PROJ, "HunYuanDenseV1ForCausalLM", qk_norms=("query_layernorm", "key_layernorm"),
@@ -4760,6 +4813,13 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
                       use_sliding_window=cfg.window is not None, sliding_window=cfg.window, layer_types=_layer_types(cfg))
         elif model_type == "exaone4":  # without a window, every layer global (layer_types written: transformers divides by the pattern)
             hf.update(sliding_window=cfg.window, layer_types=_layer_types(cfg))
+        elif model_type == "cohere_compass_text":  # each layer type's RoPE (null: none) at its base
+            hf.pop("rms_norm_eps")
+            roped = {kind: None if cfg.is_nope(i) else dict(rope_type="default", rope_theta=cfg.local_rope_base if cfg.is_local(i) and
+                                                            cfg.local_rope_base is not None else cfg.rope_base)
+                     for i, kind in enumerate(_layer_types(cfg))}
+            hf.update(layer_norm_eps=cfg.norm_eps, logit_scale=1 / cfg.logit_divisor, attention_bias=False, sliding_window=cfg.window or 4096,
+                      layer_types=_layer_types(cfg), rope_parameters=roped)
         elif model_type in ("cohere", "cohere2"):  # the LayerNorms' eps under their own name, the logits' scale
             hf.pop("rms_norm_eps")
             hf.update(layer_norm_eps=cfg.norm_eps, logit_scale=1 / cfg.logit_divisor, attention_bias=False)

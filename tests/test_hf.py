@@ -40,6 +40,11 @@ FAMILIES = {
     # InternLM3 (Llama's model): biases on q, k, v, o and the MLPs, set by its own names; IQuest-Coder (Llama's model)
     "internlm3": lambda: transformers.InternLM3Config(**COMMON, head_dim=8, intermediate_size=40, qkv_bias=True, bias=True, pad_token_id=None),
     "iquestcoder": lambda: transformers.IQuestCoderConfig(**COMMON, head_dim=8, intermediate_size=40),
+    # Cohere's North text model: Cohere 2's parallel blocks, RoPE on halves in the sliding layers 0 and 1, none in layer 2
+    "cohere_compass_text": lambda: transformers.CohereCompassTextConfig(
+        **COMMON, intermediate_size=40, layer_types=["sliding_attention", "sliding_attention", "full_attention"], sliding_window=4,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4}, "full_attention": None}, logit_scale=0.5,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None),
     # EXAONE 3.0 / 3.5 (Llama's model under its released names); CWM: a window of 4 in layers 1 and 2, Llama 3.1's RoPE
     # scaling (its default: factor 16 over 8192 positions) in every layer
     "exaone": lambda: transformers.ExaoneConfig(**COMMON, intermediate_size=40, pad_token_id=None, eos_token_id=None),
@@ -2853,6 +2858,47 @@ def test_exaone_reads_its_released_names_and_llama3_rope(folders, tmp_path):
         assert _rel(unscaled.logits(ids, cu), _their_logits(ref, docs)) > 1e-3  # the scaling matters at these positions
     with pytest.raises(ValueError, match=r"config.json: hidden_act = 'gelu' is not supported \(SwiGLU with silu only\)"):
         hf.FAMILIES["exaone"].kwargs(dict(released, activation_function="gelu"))
+
+
+def test_cohere_compass_reads_each_layer_type_s_rope_and_its_vision_folder_s_text_model(tmp_path):
+    """Cohere's North models: a text model (cohere_compass_text) whose sliding and full layers
+    both rotate, each at its own base (the sliding ones' local_rope_base), or whose full layers
+    alone do, loads with transformers' logits; a layer type that rope_parameters leaves out,
+    or scales, is refused by name. A released vision folder (cohere_compass,
+    CohereCompassForConditionalGeneration: the text model under model.language_model., its
+    RoPE with the multimodal sections) loads the text model with transformers' logits of a
+    text-only forward, is not written back whole, and written as cohere_compass_text loads in
+    transformers with the same logits."""
+    docs, ids, cu = _packed()
+    text = dict(vocab_size=V, hidden_size=32, intermediate_size=40, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                layer_types=["sliding_attention", "full_attention", "sliding_attention"], sliding_window=4, logit_scale=0.25,
+                bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    both = dict(sliding_attention=dict(rope_type="default", rope_theta=100.0), full_attention=dict(rope_type="default", rope_theta=5e5))
+    full_only = dict(sliding_attention=None, full_attention=dict(rope_type="default", rope_theta=1e4))
+    for name, rope, want in (("both", both, dict(nope_layers=None, rope_base=5e5, local_rope_base=100.0)),
+                             ("full only", full_only, dict(nope_layers=(0, 2), rope_base=1e4, local_rope_base=None))):
+        torch.manual_seed(0)
+        ref = _randomised(transformers.CohereCompassForCausalLM(transformers.CohereCompassTextConfig(**text, rope_parameters=rope)))
+        ref.save_pretrained(tmp_path / name)
+        model, cfg = hf.from_pretrained(tmp_path / name, impl="torch")
+        assert {k: getattr(cfg, k) for k in want} == want and (cfg.rope_interleaved, cfg.parallel_blocks, cfg.logit_divisor) == (False, True, 4.0)
+        with torch.no_grad():
+            assert _rel(model.logits(ids, cu), _their_logits(ref, docs)) < 1e-5
+    config = json.loads((tmp_path / "both" / "config.json").read_text())
+    for change, message in ((dict(rope_parameters=dict(full_attention=both["full_attention"])),
+                             "config.json: rope_parameters has no sliding_attention entry for the sliding_attention layers"),
+                            (dict(rope_parameters=dict(both, full_attention=dict(rope_type="linear", factor=2.0, rope_theta=1e4))),
+                             r"rope_parameters.full_attention = .* is not supported \(plain RoPE, or null: none\)")):
+        with pytest.raises(ValueError, match=message):
+            hf.FAMILIES["cohere_compass_text"].kwargs(dict(config, **change))
+    vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32, patch_size=2, temporal_patch_size=1,
+                  spatial_merge_size=1, num_position_embeddings=16, deepstack_visual_indexes=[0])
+    sections = {kind: dict(p, mrope_section=[2, 1, 1]) for kind, p in both.items()}
+    whole = transformers.CohereCompassConfig(text_config=dict(text, rope_parameters=sections), vision_config=vision)
+    theirs = _saved_multimodal(transformers.CohereCompassForConditionalGeneration, whole, tmp_path / "vl")
+    _, cfg, written = _text_model_round_trip(tmp_path / "vl", theirs, tmp_path / "text", kind="cohere_compass", prefix="model.language_model.",
+                                             head="lm_head.weight", text_kind="cohere_compass_text")
+    assert (cfg.local_rope_base, cfg.tie_embeddings) == (100.0, False) and written["rope_parameters"]["sliding_attention"]["mrope_section"] == [2, 1, 1]
 
 
 _STEP_VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)
