@@ -2291,7 +2291,8 @@ def _step3p5(hf: dict) -> dict:
         llama3 = _rope(dict(rope_parameters=full))
         params = dict(params, full_attention=dict(rope_type="default", rope_theta=llama3["rope_base"],
                                                   partial_rotary_factor=full.get("partial_rotary_factor", 1.0)))
-    laguna = dict({k: v for k, v in hf.items() if k not in ("rope_theta", "rope_scaling", "partial_rotary_factors")}, layer_types=kinds, mlp_layer_types=mlp, num_attention_heads_per_layer=heads_per_layer, rope_parameters=params,
+    laguna = dict({k: v for k, v in hf.items() if k not in ("rope_theta", "rope_scaling", "partial_rotary_factors")}, layer_types=kinds,
+                  mlp_layer_types=mlp, num_attention_heads_per_layer=heads_per_layer, rope_parameters=params,
                   num_experts=hf["n_routed_experts"], shared_expert_intermediate_size=hf["share_expert_dim"], gating="per-head",
                   moe_routed_scaling_factor=hf.get("moe_router_scaling_factor", 1.0), hidden_act="silu")
     out = _laguna(laguna)

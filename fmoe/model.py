@@ -1620,6 +1620,7 @@ class Block(nn.Module):
         self.parallel = cfg.parallel_blocks
         if moe and not mlp:
             raise ValueError("mlp: a MoE block has an MLP (mlp=False: the mixer alone)")
+        dense_limit = cfg.mlp_limit(depth)  # the dense MLPs' SwiGLU clamp: the shared experts' (shared_swiglu_limit)
         if not mlp:  # the mixer alone (cfg.mlp_free_layers: Nemotron-H's mixer layers without an MLP after them)
             self.mlp = None
         elif moe:
@@ -1628,13 +1629,10 @@ class Block(nn.Module):
                            router_norm=cfg.router_norm, expert_scale=cfg.router_expert_scale, latent=cfg.moe_latent or 0)
             self.mlp.experts.recompute = cfg.ac == "experts"
         else:
-            self.mlp = DenseMLP(cfg.hidden, cfg.ffn_dense, cfg.impl, fp8=fp8, act=cfg.mlp_act, bias=cfg.mlp_bias,
-                                limit=cfg.mlp_limit(depth))  # the dense blocks' clamp: the shared experts'
-
+            self.mlp = DenseMLP(cfg.hidden, cfg.ffn_dense, cfg.impl, fp8=fp8, act=cfg.mlp_act, bias=cfg.mlp_bias, limit=dense_limit)
         if shortcut not in (None, "out", "in") or (shortcut is not None and (not cfg.shortcut_moe or (shortcut == "out") != moe)):
             raise ValueError(f"shortcut: expected None, or with cfg.shortcut_moe 'out' (a MoE block) or 'in' (a dense one), got {shortcut!r}")
         self.shortcut = shortcut
-        dense_limit = cfg.mlp_limit(depth)
         self.dense = DenseMLP(cfg.hidden, cfg.ffn_dense, cfg.impl, fp8=fp8, act=cfg.mlp_act, limit=dense_limit) if shortcut == "out" else None
         # Gemma 4's MoE blocks: a dense MLP beside the MoE, its output normed by dense_post_norm, the MoE's input by
         # moe_norm and its output by moe_post_norm (TransformerConfig.dense_beside_moe)
