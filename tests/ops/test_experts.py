@@ -301,6 +301,25 @@ def test_clamped_swiglu_triton_matches_reference(dtype, device):
     assert int((gate > limit).sum()) > 10 and int((up.abs() > limit).sum()) > 10
 
 
+def _swiglu_against_float64(gate, up, grad_h, formula, glu, tol, torch_atol=None):
+    """swiglu(gate, up, **glu) on the Triton and the torch path against float64 autograd of
+    formula(g, u) (upstream gradient grad_h): the value and both gradients, in gate's dtype,
+    within tol (the torch path's atol torch_atol where given); -> {impl: (h, d gate, d up)}."""
+    g64, u64 = gate.double().requires_grad_(), up.double().requires_grad_()
+    h64 = formula(g64, u64)
+    (h64 * grad_h.double()).sum().backward()
+    outs = {}
+    for impl in ("triton", "torch"):
+        gi, ui = gate.clone().requires_grad_(), up.clone().requires_grad_()
+        h = swiglu(gi, ui, impl=impl, **glu)
+        (h * grad_h).sum().backward()
+        for ours, exact in ((h, h64), (gi.grad, g64.grad), (ui.grad, u64.grad)):
+            assert ours.dtype == gate.dtype
+            torch.testing.assert_close(ours.double(), exact, **(dict(tol, atol=torch_atol) if impl == "torch" and torch_atol else tol))
+        outs[impl] = (h, gi.grad, ui.grad)
+    return outs
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_capped_swiglu_triton_matches_its_formula(dtype, device):
     """act "silu_cap" (Step 3.7's experts): min(g sigmoid(alpha g), limit) (clamp(up) +
@@ -316,21 +335,15 @@ def test_capped_swiglu_triton_matches_its_formula(dtype, device):
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-3)
     for glu in (dict(limit=limit), dict(alpha=1.702, limit=limit, offset=1.0)):
         alpha = glu.get("alpha", 1.0)
-        g64, u64 = gate.double().requires_grad_(), up.double().requires_grad_()
-        act64 = (g64 * torch.sigmoid(alpha * g64)).clamp(max=limit)
-        h64 = act64 * (u64.clamp(-limit, limit) + glu.get("offset", 0.0))
-        (h64 * grad_h.double()).sum().backward()
-        for impl in ("triton", "torch"):
-            gi, ui = gate.clone().requires_grad_(), up.clone().requires_grad_()
-            h = swiglu(gi, ui, impl=impl, act="silu_cap", **glu)
-            (h * grad_h).sum().backward()
-            for ours, exact in ((h, h64), (gi.grad, g64.grad), (ui.grad, u64.grad)):
-                assert ours.dtype == dtype
-                torch.testing.assert_close(ours.double(), exact, **tol)
-            capped = act64.detach() >= limit
-            assert (gi.grad[capped] == 0).all() and (ui.grad[up.abs() > limit] == 0).all()
-            assert (gi.grad[(gate > limit) & ~capped] != 0).all()  # a gate past the limit whose activation is not: 1.5 sigmoid(1.5) < 1.5
-            assert int(capped.sum()) > 10 and int(((gate > limit) & ~capped).sum()) >= 1
+
+        def formula(g, u):
+            return (g * torch.sigmoid(alpha * g)).clamp(max=limit) * (u.clamp(-limit, limit) + glu.get("offset", 0.0))
+
+        capped = gate.double() * torch.sigmoid(alpha * gate.double()) >= limit
+        for _, grad_gate, grad_up in _swiglu_against_float64(gate, up, grad_h, formula, dict(glu, act="silu_cap"), tol).values():
+            assert (grad_gate[capped] == 0).all() and (grad_up[up.abs() > limit] == 0).all()
+            assert (grad_gate[(gate > limit) & ~capped] != 0).all()  # a gate past the limit whose activation is not: 1.5 sigmoid(1.5) < 1.5
+        assert int(capped.sum()) > 10 and int(((gate > limit) & ~capped).sum()) >= 1
         assert not torch.allclose(swiglu(gate, up, act="silu_cap", impl="torch", **glu), swiglu(gate, up, impl="torch", **glu))
     # min(silu(3), 2) * clamp(5, -2, 2) = 2 * 2; the gate-clamped form gives silu(2) * 2
     assert swiglu(torch.tensor([3.0]), torch.tensor([5.0]), limit=2.0, act="silu_cap").item() == 4.0
@@ -351,18 +364,13 @@ def test_geglu_triton_matches_reference_and_gelu_s_formula(dtype, device):
     grad_h = torch.randn(gate.shape, generator=g).to(device, dtype)
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-3)
     for glu in (dict(), dict(limit=1.5, offset=1.0)):
-        # float64 autograd of the formula; torch's float32 gelu is itself 1e-6 off it where its tanh nears -1
-        g64, u64 = gate.double().requires_grad_(), up.double().requires_grad_()
         lim = glu.get("limit")
-        h64 = _gelu_tanh(g64 if lim is None else g64.clamp(max=lim)) * ((u64 if lim is None else u64.clamp(-lim, lim)) + glu.get("offset", 0.0))
-        (h64 * grad_h.double()).sum().backward()
-        for impl in ("triton", "torch"):
-            gi, ui = gate.clone().requires_grad_(), up.clone().requires_grad_()
-            h = swiglu(gi, ui, impl=impl, act="gelu_tanh", **glu)
-            (h * grad_h).sum().backward()
-            for ours, exact in ((h, h64), (gi.grad, g64.grad), (ui.grad, u64.grad)):
-                assert ours.dtype == dtype
-                torch.testing.assert_close(ours.double(), exact, **(tol if impl == "triton" else dict(tol, atol=2 * tol["atol"])))
+
+        def formula(g, u):
+            return _gelu_tanh(g if lim is None else g.clamp(max=lim)) * ((u if lim is None else u.clamp(-lim, lim)) + glu.get("offset", 0.0))
+
+        # torch's float32 gelu is itself 1e-6 off the formula where its tanh nears -1
+        _swiglu_against_float64(gate, up, grad_h, formula, dict(glu, act="gelu_tanh"), tol, torch_atol=2 * tol["atol"])
     # 0.5 (1 + tanh(sqrt(2/pi) (1 + 0.044715))) = 0.84119..., times up = 2
     assert swiglu(torch.tensor([1.0]), torch.tensor([2.0]), act="gelu_tanh", impl="torch").item() == pytest.approx(2 * 0.8411920, rel=1e-6)
     assert not torch.allclose(swiglu(gate, up, act="gelu_tanh", impl="torch"), swiglu(gate, up, impl="torch"))
