@@ -9,7 +9,7 @@ qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, axk1, kimi_k2, kimi_k25, dee
 exaone_moe, kolibri1, beam, axk2, dots1, minimax_m2, minimax, granitemoe, granitemoeshared, granitemoe_swa, granitemoehybrid, nemotron_h, mamba2, mamba, falcon_mamba, jamba, hunyuan_v1_moe, llama4_text, llama4, afmoe,
 laguna, step3p5, step3p7, cohere2_moe, sarvam_moe, sarvam_mla, longcat_flash, bailing_hybrid, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, lara_mini, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
 mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe, gemma3, gemma4_text, gemma4), and the dense
-DENSE_FAMILIES (llama, exaone, cwm, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, helium, minicpm3, arcee, gemma, vaultgemma, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
+DENSE_FAMILIES (llama, exaone, cwm, olmo, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, helium, minicpm3, arcee, gemma, vaultgemma, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
 glm4, ernie4_5, lfm2, cohere, cohere2, bamba, falcon_h1, stablelm, qwen3_5_text (and qwen3_5's text model), nemotron, apertus, olmo_hybrid, jais2, glm, internlm3,
 iquestcoder, ministral, nanochat, cohere_compass_text (and cohere_compass's text model): Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: OLMoE's q and k clamped after their norms, ...;
@@ -363,6 +363,19 @@ def _helium(hf: dict) -> dict:
 
 def _mistral(hf: dict) -> dict:
     return _dense(hf, sliding=True)  # Llama's blocks, a sliding window over every layer where sliding_window is set
+
+
+def _olmo(hf: dict) -> dict:
+    """OLMo (olmo, dense; OLMo-1B, -7B, -7B-0424, -7B-0724): Llama's blocks with LayerNorms
+    without weight or bias (the blocks' and the final one, eps 1e-5: layer_norms,
+    norm_weights=False), q, k and v clamped to [-clip_qkv, clip_qkv] after their projections,
+    biases on q, k, v and o with attention_bias."""
+    clip = hf.get("clip_qkv")
+    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not 0 < clip < math.inf):
+        raise ValueError(f"config.json: clip_qkv = {clip!r} is not supported (None or a positive bound)")
+    bias = bool(hf.get("attention_bias", False))
+    return _dense(dict(hf, rms_norm_eps=1e-5), qkv_bias=bias, o_bias=bias, layer_norms=True, norm_weights=False,
+                  clip_qkv=None if clip is None else float(clip))
 
 
 def _cwm(hf: dict) -> dict:
@@ -3053,7 +3066,7 @@ _MISTRAL4_ROPE = dict(rope_type="yarn", rope_theta=10000.0, factor=128.0, origin
 _MINISTRAL3_ROPE = dict(rope_type="yarn", rope_theta=1e6, factor=16.0, original_max_position_embeddings=16384, beta_fast=32.0, beta_slow=1.0,
                         mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1)
 # the dense families (no MoE block): fine-tuned as they are, or upcycled into an MoE (fmoe.train.upcycle)
-DENSE_FAMILIES = ("llama", "exaone", "cwm", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "youtu", "helium", "minicpm3", "arcee", "gemma", "vaultgemma", "gemma2", "gemma3_text", "lfm3", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
+DENSE_FAMILIES = ("llama", "exaone", "cwm", "olmo", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "youtu", "helium", "minicpm3", "arcee", "gemma", "vaultgemma", "gemma2", "gemma3_text", "lfm3", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
                   "phi3", "glm4", "ernie4_5", "lfm2", "cohere", "cohere2", "bamba", "falcon_h1", "stablelm", "qwen3_5_text", "nemotron", "apertus", "olmo_hybrid",
                   "jais2", "glm", "internlm3", "iquestcoder", "ministral", "nanochat", "cohere_compass_text")
 FAMILIES = {
@@ -3300,6 +3313,7 @@ FAMILIES = {
                      embed="transformer.wte.weight", final_norm="transformer.ln_f.weight",
                      aliases=dict(num_hidden_layers="num_layers", rms_norm_eps="layer_norm_epsilon", hidden_act="activation_function"),
                      defaults=dict(vocab_size=102400, intermediate_size=14336, num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=5e5)),
+    "olmo": Family(_olmo, "mlp", _PROJ, "OlmoForCausalLM"),
     "cwm": Family(_cwm, "mlp", _PROJ, "CwmForCausalLM",
                   defaults=dict(vocab_size=128256, hidden_size=6144, intermediate_size=21504, num_hidden_layers=64, num_attention_heads=48,
                                 num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, sliding_window=8192,
@@ -4790,6 +4804,9 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
             hf.update(hidden_act="relu2", attention_bias=False, final_logit_softcapping=cfg.logit_softcap)
         elif model_type == "mistral":
             hf.update(sliding_window=cfg.window)
+        elif model_type == "olmo":  # its LayerNorms' eps fixed at 1e-5, q/k/v's bound
+            hf.pop("rms_norm_eps")
+            hf.update(attention_bias=cfg.qkv_bias, clip_qkv=cfg.clip_qkv)
         elif model_type in ("ministral", "cwm"):  # each layer's window or none
             hf.update(sliding_window=cfg.window, layer_types=_layer_types(cfg))
         elif model_type == "ministral3":
