@@ -9,7 +9,7 @@ qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, axk1, kimi_k2, kimi_k25, dee
 exaone_moe, kolibri1, beam, axk2, dots1, minimax_m2, minimax, granitemoe, granitemoeshared, granitemoe_swa, granitemoehybrid, nemotron_h, mamba2, mamba, falcon_mamba, jamba, hunyuan_v1_moe, llama4_text, llama4, afmoe,
 laguna, step3p5, step3p7, cohere2_moe, sarvam_moe, sarvam_mla, longcat_flash, bailing_hybrid, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, lara_mini, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
 mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe, gemma3, gemma4_text, gemma4), and the dense
-DENSE_FAMILIES (llama, exaone, cwm, olmo, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, helium, minicpm3, arcee, gemma, vaultgemma, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
+DENSE_FAMILIES (llama, exaone, cwm, olmo, phi, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, helium, minicpm3, arcee, gemma, vaultgemma, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
 glm4, ernie4_5, lfm2, cohere, cohere2, bamba, falcon_h1, stablelm, qwen3_5_text (and qwen3_5's text model), nemotron, apertus, olmo_hybrid, jais2, glm, internlm3,
 iquestcoder, ministral, nanochat, cohere_compass_text (and cohere_compass's text model): Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: OLMoE's q and k clamped after their norms, ...;
@@ -363,6 +363,22 @@ def _helium(hf: dict) -> dict:
 
 def _mistral(hf: dict) -> dict:
     return _dense(hf, sliding=True)  # Llama's blocks, a sliding window over every layer where sliding_window is set
+
+
+def _phi(hf: dict) -> dict:
+    """Phi (phi, dense; phi-1, phi-1.5, phi-2): the attention and the MLP of one LayerNorm's output
+    (with bias, layer_norm_eps) added together to the residual (parallel_blocks), biases on q,
+    k, v and the output projection (dense), RoPE on the first partial_rotary_factor of each
+    head's channels (halves), MLPs without a gate, gelu_new(x fc1) fc2 with biases (mlp_act
+    "gelu_new", GELU's tanh form), a final LayerNorm with bias and a head with a bias."""
+    _refuse(hf, "qk_layernorm", lambda v: not v, "no q/k LayerNorms (one shared by the heads) here")
+    _refuse(hf, "hidden_act", lambda v: v in ("gelu_new", "gelu_pytorch_tanh"), "GELU's tanh form, gelu_new")
+    head_dim = hf["hidden_size"] // hf["num_attention_heads"]
+    params = hf.get("rope_parameters") or {}
+    factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.5))
+    return _dense(dict(hf, hidden_act="silu", head_dim=head_dim, rms_norm_eps=hf.get("layer_norm_eps", 1e-5), mlp_bias=True), mlp_bias=True,
+                  qkv_bias=True, o_bias=True, mlp_act="gelu_new", layer_norms=True, norm_bias=True, parallel_blocks=True, head_bias=True,
+                  rope_dim=_partial_rope(dict(partial_rotary_factor=factor), head_dim))
 
 
 def _olmo(hf: dict) -> dict:
@@ -3066,7 +3082,7 @@ _MISTRAL4_ROPE = dict(rope_type="yarn", rope_theta=10000.0, factor=128.0, origin
 _MINISTRAL3_ROPE = dict(rope_type="yarn", rope_theta=1e6, factor=16.0, original_max_position_embeddings=16384, beta_fast=32.0, beta_slow=1.0,
                         mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1)
 # the dense families (no MoE block): fine-tuned as they are, or upcycled into an MoE (fmoe.train.upcycle)
-DENSE_FAMILIES = ("llama", "exaone", "cwm", "olmo", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "youtu", "helium", "minicpm3", "arcee", "gemma", "vaultgemma", "gemma2", "gemma3_text", "lfm3", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
+DENSE_FAMILIES = ("llama", "exaone", "cwm", "olmo", "phi", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "youtu", "helium", "minicpm3", "arcee", "gemma", "vaultgemma", "gemma2", "gemma3_text", "lfm3", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
                   "phi3", "glm4", "ernie4_5", "lfm2", "cohere", "cohere2", "bamba", "falcon_h1", "stablelm", "qwen3_5_text", "nemotron", "apertus", "olmo_hybrid",
                   "jais2", "glm", "internlm3", "iquestcoder", "ministral", "nanochat", "cohere_compass_text")
 FAMILIES = {
@@ -3314,6 +3330,11 @@ FAMILIES = {
                      aliases=dict(num_hidden_layers="num_layers", rms_norm_eps="layer_norm_epsilon", hidden_act="activation_function"),
                      defaults=dict(vocab_size=102400, intermediate_size=14336, num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=5e5)),
     "olmo": Family(_olmo, "mlp", _PROJ, "OlmoForCausalLM"),
+    # Phi-1 / -1.5 / -2: the attention's output projection dense, the MLP's fc1 / fc2, one LayerNorm per block, the final one
+    # final_layernorm
+    "phi": Family(_phi, "mlp", _PROJ, "PhiForCausalLM", o_proj="dense", norms=("input_layernorm", ""), dense_names=("", "fc1", "fc2"),
+                  final_norm="model.final_layernorm.weight",
+                  defaults=dict(vocab_size=51200, hidden_size=2048, intermediate_size=8192, num_hidden_layers=24, num_attention_heads=32)),
     "cwm": Family(_cwm, "mlp", _PROJ, "CwmForCausalLM",
                   defaults=dict(vocab_size=128256, hidden_size=6144, intermediate_size=21504, num_hidden_layers=64, num_attention_heads=48,
                                 num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, sliding_window=8192,
@@ -4804,6 +4825,11 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
             hf.update(hidden_act="relu2", attention_bias=False, final_logit_softcapping=cfg.logit_softcap)
         elif model_type == "mistral":
             hf.update(sliding_window=cfg.window)
+        elif model_type == "phi":  # its LayerNorms' eps and activation under their own names, RoPE's part of each head
+            hf.pop("rms_norm_eps")
+            hf.pop("mlp_bias")
+            hf.update(layer_norm_eps=cfg.norm_eps, hidden_act="gelu_new", qk_layernorm=False,
+                      rope_parameters=dict(hf["rope_parameters"], partial_rotary_factor=_rotary_factor(cfg)))
         elif model_type == "olmo":  # its LayerNorms' eps fixed at 1e-5, q/k/v's bound
             hf.pop("rms_norm_eps")
             hf.update(attention_bias=cfg.qkv_bias, clip_qkv=cfg.clip_qkv)

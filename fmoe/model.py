@@ -408,7 +408,8 @@ class TransformerConfig:
     (SwiGLU whose limits cap silu(gate) rather than gate: Step 3.7's), or "relu2": MLPs
     without a gate, relu(x w_up)^2 w_down (Arcee's and Nemotron-H's, Nemotron 3's routed and
     shared experts; not with expert_biases), or "xielu": dense MLPs without a gate, xIELU(x
-    w_up) w_down with its two learned scalars per MLP (Apertus's; fmoe.ops.experts.xielu).
+    w_up) w_down with its two learned scalars per MLP (Apertus's; fmoe.ops.experts.xielu), or
+    "gelu_new": MLPs without a gate, gelu_tanh(x w_up) w_down (GELU's tanh form; Phi-2's).
     mlp_bias: biases on the dense blocks' MLP projections (DenseMLP's b_gate, b_up [F], b_down
     [H]; Llama's mlp_bias, Jais 2's), trunk and MTP blocks alike; not on the MoE blocks'
     shared experts, nor with shortcut_moe or dense_beside_moe. Gemma 4's MoE
@@ -760,7 +761,7 @@ class TransformerConfig:
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_kv_heads: {self.n_heads} heads do not split over {self.n_kv_heads} kv heads")
         if self.mlp_act not in GLU_ACTS + PLAIN_ACTS:
-            raise ValueError(f"mlp_act: expected one of {', '.join(GLU_ACTS + PLAIN_ACTS)} (the MLPs' gate activation, or relu2 / xielu: no gate), "
+            raise ValueError(f"mlp_act: expected one of {', '.join(GLU_ACTS + PLAIN_ACTS)} (the MLPs' gate activation, or relu2 / xielu / gelu_new: no gate), "
                              f"got {self.mlp_act!r}")
         if self.mlp_act == "xielu" and (any(self.is_moe(i) for i in range(self.n_layers)) or self.shortcut_moe):
             raise ValueError("mlp_act: 'xielu' (Apertus's, with learned scalars per MLP) in dense MLPs only; experts with it are not built")

@@ -43,6 +43,8 @@ FAMILIES = {
     # OLMo (OLMo-1): weightless LayerNorms, q, k and v clamped to +-1 (which these weights cross), q/k/v/o biases
     "olmo": lambda: transformers.OlmoConfig(**COMMON, intermediate_size=40, clip_qkv=1.0, attention_bias=True, pad_token_id=None,
                                             eos_token_id=None),
+    # Phi-2: parallel blocks of one LayerNorm with bias, RoPE on 4 of 8 channels, MLPs without a gate through gelu_new, biases
+    "phi": lambda: transformers.PhiConfig(**COMMON, intermediate_size=40, pad_token_id=None, bos_token_id=None, eos_token_id=None),
     # Cohere's North text model: Cohere 2's parallel blocks, RoPE on halves in the sliding layers 0 and 1, none in layer 2
     "cohere_compass_text": lambda: transformers.CohereCompassTextConfig(
         **COMMON, intermediate_size=40, layer_types=["sliding_attention", "sliding_attention", "full_attention"], sliding_window=4,
@@ -798,6 +800,8 @@ def test_a_failed_export_leaves_no_weight_files(folders, tmp_path, monkeypatch):
                                           ("llama", dict(qkv_bias=True, o_bias=True, mlp_bias=True)),
                                           ("exaone", dict(qkv_bias=True, o_bias=True, llama3_factor=8.0, llama3_original_max_positions=8)),
                                           ("olmo", dict(layer_norms=True, norm_weights=False, qkv_bias=True, o_bias=True, clip_qkv=1.0, norm_eps=1e-5)),
+                                          ("phi", dict(layer_norms=True, norm_bias=True, parallel_blocks=True, qkv_bias=True, o_bias=True, mlp_bias=True,
+                                                       mlp_act="gelu_new", head_bias=True, rope_dim=4, norm_eps=1e-5)),
                                           ("cwm", dict(window=4, window_layers=(1,), llama3_factor=4.0, llama3_original_max_positions=8, mlp_bias=True)),
                                           ("nanochat", dict(norm_weights=False, embed_norm=True, rope_reversed=True, qk_norm="rms", qk_norm_after_rope=True,
                                                             mlp_act="relu2", logit_softcap=15.0)),

@@ -1532,7 +1532,7 @@ def test_geglu_models_put_gelu_s_tanh_form_in_every_mlp():
     batch = _batch(cfg)
     with torch.no_grad():
         assert not torch.allclose(model.logits(batch["input_ids"], batch["cu_seqlens"]), silu.logits(batch["input_ids"], batch["cu_seqlens"]))
-    with pytest.raises(ValueError, match=r"mlp_act: expected one of silu, gelu_tanh, silu_cap, relu2, xielu \(the MLPs' gate activation, or relu2 / xielu: "
+    with pytest.raises(ValueError, match=r"mlp_act: expected one of silu, gelu_tanh, silu_cap, relu2, xielu, gelu_new \(the MLPs' gate activation, or relu2 / xielu / gelu_new: "
                                          r"no gate\), got 'gelu'"):
         dataclasses.replace(TINY, mlp_act="gelu")
 
@@ -1584,44 +1584,49 @@ def test_swiglu_limits_clamp_the_listed_blocks_mlps_and_silu_cap_caps_the_activa
             dataclasses.replace(TINY, **overrides)
 
 
-def test_relu2_models_have_mlps_without_a_gate():
+@pytest.mark.parametrize("act", ["relu2", "gelu_new"])
+def test_models_without_a_gate_have_no_w_gate_anywhere(act):
     """mlp_act="relu2" (Arcee's): every MLP is relu(x w_up)^2 w_down, without w_gate (the MTP
     block's too); in MoE blocks (Nemotron 3's) the routed and the shared experts too, each
     routed row relu(x w_up[e])^2 w_down[e] times its weight; refused with expert biases (no
-    b_gate); dense_mlp refuses a gate given with it."""
+    b_gate); dense_mlp refuses a gate given with it. mlp_act="gelu_new" (Phi-2's): the same
+    with GELU's tanh form in place of relu^2."""
     from fmoe.layers import dense_mlp
 
-    cfg = dataclasses.replace(TINY, mlp_act="relu2", n_dense=3, mtp_depth=1)
+    def plain(h):
+        return torch.relu(h).square() if act == "relu2" else torch.nn.functional.gelu(h, approximate="tanh")
+
+    cfg = dataclasses.replace(TINY, mlp_act=act, n_dense=3, mtp_depth=1)
     torch.manual_seed(0)
     model = Transformer(cfg)
     assert all(b.mlp.w_gate is None for b in model.blocks) and model.mtp[0].block.mlp.w_gate is None
     assert not any(name.endswith("w_gate") for name, _ in model.named_parameters())
     mlp = model.blocks[0].mlp
     x = torch.randn(5, cfg.hidden)
-    torch.testing.assert_close(mlp(x), torch.relu(x @ mlp.w_up).square() @ mlp.w_down, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(mlp(x), plain(x @ mlp.w_up) @ mlp.w_down, rtol=1e-6, atol=1e-6)
     batch = _batch(cfg)
     losses, _ = model(batch, model.context(batch))
     sum(losses[key] for key in losses.keys() if key.endswith("_sum")).backward()
     assert mlp.w_up.grad.abs().sum() > 0 and model.mtp[0].block.mlp.w_down.grad.abs().sum() > 0
-    moe_cfg = dataclasses.replace(TINY, mlp_act="relu2", mtp_depth=1)
+    moe_cfg = dataclasses.replace(TINY, mlp_act=act, mtp_depth=1)
     model = Transformer(moe_cfg)
     moe = model.blocks[1].mlp
     assert moe.experts.w_gate is None and moe.shared.w_gate is None and model.mtp[0].block.mlp.experts.w_gate is None
     assert not any(name.endswith("w_gate") for name, _ in model.named_parameters())
     routes = fmoe.ops.route(x.float() @ moe.router.T, moe_cfg.k, score=moe_cfg.score, expert_bias=moe.expert_bias)
     y, _ = moe.experts(x, routes)
-    want = sum(routes.weights[:, j, None] * torch.stack([torch.relu(x[t] @ moe.experts.w_up[e]).square() @ moe.experts.w_down[e]
+    want = sum(routes.weights[:, j, None] * torch.stack([plain(x[t] @ moe.experts.w_up[e]) @ moe.experts.w_down[e]
                                                          for t, e in enumerate(routes.experts[:, j].tolist())]) for j in range(moe_cfg.k))
     torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-6)
     batch = _batch(moe_cfg)
     losses, _ = model(batch, model.context(batch))
     sum(losses[key] for key in losses.keys() if key.endswith("_sum")).backward()
     assert moe.experts.w_up.grad.abs().sum() > 0 and moe.shared.w_down.grad.abs().sum() > 0
-    with pytest.raises(ValueError, match=r"expert_biases: mlp_act 'relu2' makes experts without a gate, which take no b_gate"):
-        dataclasses.replace(TINY, mlp_act="relu2", expert_biases=True)
-    mlp = Transformer(dataclasses.replace(TINY, mlp_act="relu2", n_dense=3)).blocks[0].mlp
-    with pytest.raises(ValueError, match=r"w_gate: act 'relu2' is an MLP without a gate, expected None"):
-        dense_mlp(x, mlp.w_up, mlp.w_up, mlp.w_down, act="relu2")
+    with pytest.raises(ValueError, match=rf"expert_biases: mlp_act '{act}' makes experts without a gate, which take no b_gate"):
+        dataclasses.replace(TINY, mlp_act=act, expert_biases=True)
+    mlp = Transformer(dataclasses.replace(TINY, mlp_act=act, n_dense=3)).blocks[0].mlp
+    with pytest.raises(ValueError, match=rf"w_gate: act '{act}' is an MLP without a gate, expected None"):
+        dense_mlp(x, mlp.w_up, mlp.w_up, mlp.w_down, act=act)
 
 
 @pytest.mark.parametrize("act", ["silu", "relu2"])

@@ -444,12 +444,14 @@ def test_biases_and_clamped_swiglu_match_per_row_brute_force(case, impl):
     torch.testing.assert_close(zeros, plain, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("act", ["relu2", "gelu_new"])
 @pytest.mark.parametrize("impl", ["torch", "auto", "triton"])
 @pytest.mark.parametrize("case", CASES[1:4], ids=str)
-def test_experts_without_a_gate_match_per_row_brute_force(case, impl):
+def test_experts_without_a_gate_match_per_row_brute_force(case, impl, act):
     """Nemotron 3's experts: no gate (w_gate None, act "relu2"), relu(x w_up + b_up)^2 w_down +
-    b_down per row, values and every gradient on every path, with and without biases; rows
-    of no expert stay zero; in bf16 each path gives the loop's values (_assert_close)."""
+    b_down per row (act "gelu_new": GELU's tanh form of it, Phi-2's MLPs'), values and every
+    gradient on every path, with and without biases; rows of no expert stay zero; in bf16 each
+    path gives the loop's values (_assert_close)."""
     (x, _, wu, wd), offsets = _problem(*case)
     E, F, H = wu.shape[0], wu.shape[2], x.shape[1]
     g = torch.Generator().manual_seed(6)
@@ -460,11 +462,12 @@ def test_experts_without_a_gate_match_per_row_brute_force(case, impl):
         ends, rows = offsets.tolist(), []
         for r in range(x.shape[0]):
             e = next((e for e, end in enumerate(ends) if r < end), None)
-            rows.append(torch.zeros_like(x[r]) if e is None else torch.relu(x[r] @ wu[e] + bu[e]) ** 2 @ wd[e] + bd[e])
+            h = None if e is None else x[r] @ wu[e] + bu[e]
+            rows.append(torch.zeros_like(x[r]) if e is None else (torch.relu(h) ** 2 if act == "relu2" else _gelu_tanh(h)) @ wd[e] + bd[e])
         return torch.stack(rows)
 
     def ours(x, wu, wd, bu, bd, offsets):
-        return grouped_mlp(x, None, wu, wd, offsets, b_up=bu, b_down=bd, impl=impl, act="relu2")
+        return grouped_mlp(x, None, wu, wd, offsets, b_up=bu, b_down=bd, impl=impl, act=act)
 
     for biases in ([b_up, b_down], [0 * b_up, 0 * b_down]):
         tensors = [x, wu, wd, *biases]
@@ -475,11 +478,13 @@ def test_experts_without_a_gate_match_per_row_brute_force(case, impl):
             torch.testing.assert_close(grad, grad64.float(), rtol=1e-5, atol=1e-5)
         _assert_unowned_zero(y, grads[0], offsets)
     assert bool(((x @ wu[1]) < 0).any()) and bool(((x @ wu[1]) > 0).any())  # the ReLU cuts some rows' columns
-    plain = grouped_mlp(x, None, wu, wd, offsets, impl=impl, act="relu2")
-    _assert_close(plain, grouped_mlp(x, None, wu, wd, offsets, impl="torch", act="relu2"))
+    plain = grouped_mlp(x, None, wu, wd, offsets, impl=impl, act=act)
+    _assert_close(plain, grouped_mlp(x, None, wu, wd, offsets, impl="torch", act=act))
     half = [t.bfloat16() for t in (x, wu, wd)]
-    _assert_close(grouped_mlp(half[0], None, *half[1:], offsets, impl=impl, act="relu2"),
-                  grouped_mlp(half[0], None, *half[1:], offsets, impl="torch", act="relu2"))
+    _assert_close(grouped_mlp(half[0], None, *half[1:], offsets, impl=impl, act=act),
+                  grouped_mlp(half[0], None, *half[1:], offsets, impl="torch", act=act))
+    if act == "gelu_new":  # 0.5 (1 + tanh(sqrt(2/pi) (1 + 0.044715))) = 0.84119...
+        assert experts.plain_act(torch.tensor([1.0]), act).item() == pytest.approx(0.8411920, rel=1e-6)
 
 
 def test_xielu_values_and_gradients():
@@ -545,7 +550,7 @@ def test_bad_inputs():
     _raises(r"limit: expected > 0 \(the SwiGLU clamp\) or None, got 0", grouped_mlp, x, wg, wu, wd, off, limit=0)
     _raises("alpha: expected a finite number, got nan", grouped_mlp, x, wg, wu, wd, off, alpha=float("nan"))
     _raises("offset: expected a finite number, got '1'", swiglu, torch.ones(3), torch.ones(3), offset="1")
-    _raises("act: expected one of silu, gelu_tanh, silu_cap \\(the gate's activation\\) or relu2, xielu \\(no gate\\), got 'gelu'", grouped_mlp, x, wg, wu, wd, off,
+    _raises("act: expected one of silu, gelu_tanh, silu_cap \\(the gate's activation\\) or relu2, xielu, gelu_new \\(no gate\\), got 'gelu'", grouped_mlp, x, wg, wu, wd, off,
             act="gelu")
     # experts without a gate (w_gate None, act relu2)
     _raises("w_gate: act 'relu2' is an MLP without a gate, expected None, got a tensor", grouped_mlp, x, wg, wu, wd, off, act="relu2")
@@ -556,7 +561,7 @@ def test_bad_inputs():
     _raises(r"w_up: expected shape \[E, H, F\] with E >= 1 and H = 16", grouped_mlp, x, None, wu[:, :8], wd, off, act="relu2")
     _raises(r"w_down: expected shape \[E, F, H\] = \[2, 8, 16\], got \[2, 16, 8\]", grouped_mlp, x, None, wu, wu, off, act="relu2")
     _raises("act: swiglu gates up by act\\(gate\\)", swiglu, torch.ones(3), torch.ones(3), act="relu2")
-    _raises("act: expected one of relu2, xielu \\(an MLP without a gate\\), got 'silu'", experts.plain_act, torch.ones(3), "silu")
+    _raises("act: expected one of relu2, xielu, gelu_new \\(an MLP without a gate\\), got 'silu'", experts.plain_act, torch.ones(3), "silu")
     _raises("alpha: the slope of SwiGLU's sigmoid, expected 1.0 with act 'gelu_tanh'", swiglu, torch.ones(3), torch.ones(3), act="gelu_tanh", alpha=1.7)
 
 
