@@ -9,7 +9,7 @@ qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, axk1, kimi_k2, kimi_k25, dee
 exaone_moe, kolibri1, beam, axk2, dots1, minimax_m2, minimax, granitemoe, granitemoeshared, granitemoe_swa, granitemoehybrid, nemotron_h, mamba2, mamba, falcon_mamba, jamba, hunyuan_v1_moe, llama4_text, llama4, afmoe,
 laguna, step3p5, step3p7, cohere2_moe, sarvam_moe, sarvam_mla, longcat_flash, bailing_hybrid, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, lara_mini, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
 mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe, gemma3, gemma4_text, gemma4), and the dense
-DENSE_FAMILIES (llama, exaone, cwm, olmo, phi, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, helium, minicpm3, arcee, gemma, vaultgemma, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
+DENSE_FAMILIES (llama, exaone, cwm, olmo, phi, starcoder2, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, helium, minicpm3, arcee, gemma, vaultgemma, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
 glm4, ernie4_5, lfm2, cohere, cohere2, bamba, falcon_h1, stablelm, qwen3_5_text (and qwen3_5's text model), nemotron, apertus, olmo_hybrid, jais2, glm, internlm3,
 iquestcoder, ministral, nanochat, cohere_compass_text (and cohere_compass's text model): Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: OLMoE's q and k clamped after their norms, ...;
@@ -379,6 +379,17 @@ def _phi(hf: dict) -> dict:
     return _dense(dict(hf, hidden_act="silu", head_dim=head_dim, rms_norm_eps=hf.get("layer_norm_eps", 1e-5), mlp_bias=True), mlp_bias=True,
                   qkv_bias=True, o_bias=True, mlp_act="gelu_new", layer_norms=True, norm_bias=True, parallel_blocks=True, head_bias=True,
                   rope_dim=_partial_rope(dict(partial_rotary_factor=factor), head_dim))
+
+
+def _starcoder2(hf: dict) -> dict:
+    """StarCoder2 (starcoder2, dense; StarCoder2-3B / 7B / 15B): Mistral's blocks with LayerNorms
+    with bias (norm_epsilon), MLPs without a gate, gelu_pytorch_tanh(x c_fc) c_proj (mlp_act
+    "gelu_new", GELU's tanh form), biases on q, k, v, o and both MLP projections with use_bias
+    (by default), a sliding window in every layer where sliding_window is set."""
+    _refuse(hf, "hidden_act", lambda v: v in ("gelu_pytorch_tanh", "gelu_new"), "GELU's tanh form, gelu_pytorch_tanh")
+    bias = bool(hf.get("use_bias", True))
+    return _dense(dict(hf, hidden_act="silu", rms_norm_eps=hf.get("norm_epsilon", 1e-5), mlp_bias=bias), sliding=True, mlp_bias=True,
+                  qkv_bias=bias, o_bias=bias, mlp_act="gelu_new", layer_norms=True, norm_bias=True)
 
 
 def _olmo(hf: dict) -> dict:
@@ -3082,7 +3093,7 @@ _MISTRAL4_ROPE = dict(rope_type="yarn", rope_theta=10000.0, factor=128.0, origin
 _MINISTRAL3_ROPE = dict(rope_type="yarn", rope_theta=1e6, factor=16.0, original_max_position_embeddings=16384, beta_fast=32.0, beta_slow=1.0,
                         mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1)
 # the dense families (no MoE block): fine-tuned as they are, or upcycled into an MoE (fmoe.train.upcycle)
-DENSE_FAMILIES = ("llama", "exaone", "cwm", "olmo", "phi", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "youtu", "helium", "minicpm3", "arcee", "gemma", "vaultgemma", "gemma2", "gemma3_text", "lfm3", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
+DENSE_FAMILIES = ("llama", "exaone", "cwm", "olmo", "phi", "starcoder2", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "youtu", "helium", "minicpm3", "arcee", "gemma", "vaultgemma", "gemma2", "gemma3_text", "lfm3", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
                   "phi3", "glm4", "ernie4_5", "lfm2", "cohere", "cohere2", "bamba", "falcon_h1", "stablelm", "qwen3_5_text", "nemotron", "apertus", "olmo_hybrid",
                   "jais2", "glm", "internlm3", "iquestcoder", "ministral", "nanochat", "cohere_compass_text")
 FAMILIES = {
@@ -3330,6 +3341,9 @@ FAMILIES = {
                      aliases=dict(num_hidden_layers="num_layers", rms_norm_eps="layer_norm_epsilon", hidden_act="activation_function"),
                      defaults=dict(vocab_size=102400, intermediate_size=14336, num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=5e5)),
     "olmo": Family(_olmo, "mlp", _PROJ, "OlmoForCausalLM"),
+    "starcoder2": Family(_starcoder2, "mlp", _PROJ, "Starcoder2ForCausalLM", dense_names=("", "c_fc", "c_proj"),
+                         defaults=dict(vocab_size=49152, hidden_size=3072, intermediate_size=12288, num_hidden_layers=30, num_attention_heads=24,
+                                       num_key_value_heads=2, tie_word_embeddings=True)),
     # Phi-1 / -1.5 / -2: the attention's output projection dense, the MLP's fc1 / fc2, one LayerNorm per block, the final one
     # final_layernorm
     "phi": Family(_phi, "mlp", _PROJ, "PhiForCausalLM", o_proj="dense", norms=("input_layernorm", ""), dense_names=("", "fc1", "fc2"),
@@ -4830,6 +4844,13 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
             hf.pop("mlp_bias")
             hf.update(layer_norm_eps=cfg.norm_eps, hidden_act="gelu_new", qk_layernorm=False,
                       rope_parameters=dict(hf["rope_parameters"], partial_rotary_factor=_rotary_factor(cfg)))
+        elif model_type == "starcoder2":  # its LayerNorms' eps and activation under their own names, one setting for every bias
+            if not cfg.qkv_bias == cfg.o_bias == cfg.mlp_bias:
+                raise ValueError(f"model: StarCoder2's biases are one setting (use_bias); this model has qkv_bias = {cfg.qkv_bias}, o_bias = "
+                                 f"{cfg.o_bias}, mlp_bias = {cfg.mlp_bias}")
+            hf.pop("rms_norm_eps")
+            hf.pop("mlp_bias")
+            hf.update(norm_epsilon=cfg.norm_eps, hidden_act="gelu_pytorch_tanh", use_bias=cfg.qkv_bias, sliding_window=cfg.window)
         elif model_type == "olmo":  # its LayerNorms' eps fixed at 1e-5, q/k/v's bound
             hf.pop("rms_norm_eps")
             hf.update(attention_bias=cfg.qkv_bias, clip_qkv=cfg.clip_qkv)

@@ -45,6 +45,8 @@ FAMILIES = {
                                             eos_token_id=None),
     # Phi-2: parallel blocks of one LayerNorm with bias, RoPE on 4 of 8 channels, MLPs without a gate through gelu_new, biases
     "phi": lambda: transformers.PhiConfig(**COMMON, intermediate_size=40, pad_token_id=None, bos_token_id=None, eos_token_id=None),
+    # StarCoder2: LayerNorms with bias, MLPs without a gate through GELU's tanh form, biases everywhere, a window of 4
+    "starcoder2": lambda: transformers.Starcoder2Config(**COMMON, intermediate_size=40, sliding_window=4, bos_token_id=None, eos_token_id=None),
     # Cohere's North text model: Cohere 2's parallel blocks, RoPE on halves in the sliding layers 0 and 1, none in layer 2
     "cohere_compass_text": lambda: transformers.CohereCompassTextConfig(
         **COMMON, intermediate_size=40, layer_types=["sliding_attention", "sliding_attention", "full_attention"], sliding_window=4,
@@ -800,6 +802,8 @@ def test_a_failed_export_leaves_no_weight_files(folders, tmp_path, monkeypatch):
                                           ("llama", dict(qkv_bias=True, o_bias=True, mlp_bias=True)),
                                           ("exaone", dict(qkv_bias=True, o_bias=True, llama3_factor=8.0, llama3_original_max_positions=8)),
                                           ("olmo", dict(layer_norms=True, norm_weights=False, qkv_bias=True, o_bias=True, clip_qkv=1.0, norm_eps=1e-5)),
+                                          ("starcoder2", dict(layer_norms=True, norm_bias=True, qkv_bias=True, o_bias=True, mlp_bias=True,
+                                                              mlp_act="gelu_new", window=4, tie_embeddings=True, norm_eps=1e-5)),
                                           ("phi", dict(layer_norms=True, norm_bias=True, parallel_blocks=True, qkv_bias=True, o_bias=True, mlp_bias=True,
                                                        mlp_act="gelu_new", head_bias=True, rope_dim=4, norm_eps=1e-5)),
                                           ("cwm", dict(window=4, window_layers=(1,), llama3_factor=4.0, llama3_original_max_positions=8, mlp_bias=True)),
@@ -831,6 +835,9 @@ def test_a_dense_model_of_fmoe_s_own_exports_as_a_dense_family(family, knobs, tm
         with pytest.raises(ValueError, match=f"model: its config has no {family} equivalent"):
             hf.save_pretrained(hf.Transformer(dataclasses.replace(cfg, **dict.fromkeys(knobs, None if family == "qwen3" else False))),
                                tmp_path / "plain", model_type=family)
+    if family == "starcoder2":  # its biases one setting (use_bias)
+        with pytest.raises(ValueError, match="model: StarCoder2's biases are one setting .use_bias.; this model has qkv_bias = True, o_bias = False"):
+            hf.save_pretrained(hf.Transformer(dataclasses.replace(cfg, o_bias=False)), tmp_path / "apart", model_type=family)
 
 
 def test_nanochat_reads_weightless_norms_reversed_rope_and_refuses_what_it_lacks(folders, tmp_path):
