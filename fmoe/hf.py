@@ -9,7 +9,7 @@ qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, axk1, kimi_k2, kimi_k25, dee
 exaone_moe, kolibri1, beam, axk2, dots1, minimax_m2, minimax, granitemoe, granitemoeshared, granitemoe_swa, granitemoehybrid, nemotron_h, mamba2, mamba, falcon_mamba, jamba, hunyuan_v1_moe, llama4_text, llama4, afmoe,
 laguna, step3p5, step3p7, cohere2_moe, sarvam_moe, sarvam_mla, longcat_flash, bailing_hybrid, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, lara_mini, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
 mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe, gemma3, gemma4_text, gemma4), and the dense
-DENSE_FAMILIES (llama, exaone, cwm, olmo, phi, starcoder2, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, helium, minicpm3, arcee, gemma, vaultgemma, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
+DENSE_FAMILIES (llama, exaone, cwm, olmo, phi, starcoder2, gpt_neox, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, helium, minicpm3, arcee, gemma, vaultgemma, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
 glm4, ernie4_5, lfm2, cohere, cohere2, bamba, falcon_h1, stablelm, qwen3_5_text (and qwen3_5's text model), nemotron, apertus, olmo_hybrid, jais2, glm, internlm3,
 iquestcoder, ministral, nanochat, cohere_compass_text (and cohere_compass's text model): Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: OLMoE's q and k clamped after their norms, ...;
@@ -390,6 +390,31 @@ def _starcoder2(hf: dict) -> dict:
     bias = bool(hf.get("use_bias", True))
     return _dense(dict(hf, hidden_act="silu", rms_norm_eps=hf.get("norm_epsilon", 1e-5), mlp_bias=bias), sliding=True, mlp_bias=True,
                   qkv_bias=bias, o_bias=bias, mlp_act="gelu_new", layer_norms=True, norm_bias=True)
+
+
+def _gpt_neox(hf: dict) -> dict:
+    """GPT-NeoX (gpt_neox, dense; Pythia, GPT-NeoX-20B): LayerNorms with bias (layer_norm_eps),
+    q, k and v as each head's rows of one query_key_value module (its q, k and v in turn:
+    Family.qkv_per_head), biases on them and on the output projection dense (attention_bias),
+    RoPE on the first partial_rotary_factor (rotary_pct) of each head's channels (halves), MLPs
+    without a gate, act(x dense_h_to_4h) dense_4h_to_h with biases (hidden_act gelu: GELU's
+    exact form, mlp_act "gelu"; gelu_new: its tanh form); with use_parallel_residual (by
+    default) the attention and the MLP, each of its own LayerNorm, added together to the
+    residual (parallel_blocks, parallel_norms)."""
+    acts = {"gelu": "gelu", "gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_new", "gelu_fast": "gelu_new"}
+    _refuse(hf, "hidden_act", lambda v: v in acts, "GELU, exact (gelu) or in its tanh form (gelu_new)")
+    heads = hf["num_attention_heads"]
+    _refuse(hf, "num_key_value_heads", lambda v: v in (None, heads), f"a kv head per query head, {heads}")
+    params = dict(hf.get("rope_parameters") or {})
+    params.setdefault("rope_theta", hf.get("rotary_emb_base", 10000.0))
+    factor = params.pop("partial_rotary_factor", hf.get("rotary_pct", 0.25))
+    head_dim = hf["hidden_size"] // heads
+    bias = bool(hf.get("attention_bias", True))
+    parallel = bool(hf.get("use_parallel_residual", True))
+    return _dense(dict(hf, hidden_act="silu", head_dim=head_dim, num_key_value_heads=heads, rms_norm_eps=hf.get("layer_norm_eps", 1e-5),
+                       rope_parameters=params, mlp_bias=True), mlp_bias=True, qkv_bias=bias, o_bias=bias, mlp_act=acts[hf.get("hidden_act", "gelu")],
+                  layer_norms=True, norm_bias=True, parallel_blocks=parallel, parallel_norms=parallel,
+                  rope_dim=_partial_rope(dict(partial_rotary_factor=factor), head_dim))
 
 
 def _olmo(hf: dict) -> dict:
@@ -2968,8 +2993,10 @@ class Family:
     # AFMoE's and HY-V3's num_shared_experts; AFMoE's route_scale, ...), read as that field unless it is there too
     aliases: dict = dataclasses.field(default_factory=dict)
     embed: str = "model.embed_tokens.weight"  # the embedding's key
+    head: str = "lm_head.weight"  # the output head's key (GPT-NeoX's embed_out.weight); its bias beside it
     attention: str = "self_attn"  # the attention module, in each block
     qkv: Optional[str] = None  # q, k and v as one module's rows (Sarvam's query_key_value), not q_proj / k_proj / v_proj
+    qkv_per_head: bool = False  # that module's rows head by head, each head's q, k and v in turn (GPT-NeoX's), not all q's first
     o_proj: str = "o_proj"  # the attention's output projection, under the attention module
     sinks: str = "sinks"  # the attention sinks' key, under the attention module
     extra_layers_read: bool = True  # False: the layers after the trunk's (HY-V3's MTP layer) are not read, as in transformers
@@ -3093,7 +3120,7 @@ _MISTRAL4_ROPE = dict(rope_type="yarn", rope_theta=10000.0, factor=128.0, origin
 _MINISTRAL3_ROPE = dict(rope_type="yarn", rope_theta=1e6, factor=16.0, original_max_position_embeddings=16384, beta_fast=32.0, beta_slow=1.0,
                         mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1)
 # the dense families (no MoE block): fine-tuned as they are, or upcycled into an MoE (fmoe.train.upcycle)
-DENSE_FAMILIES = ("llama", "exaone", "cwm", "olmo", "phi", "starcoder2", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "youtu", "helium", "minicpm3", "arcee", "gemma", "vaultgemma", "gemma2", "gemma3_text", "lfm3", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
+DENSE_FAMILIES = ("llama", "exaone", "cwm", "olmo", "phi", "starcoder2", "gpt_neox", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "youtu", "helium", "minicpm3", "arcee", "gemma", "vaultgemma", "gemma2", "gemma3_text", "lfm3", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
                   "phi3", "glm4", "ernie4_5", "lfm2", "cohere", "cohere2", "bamba", "falcon_h1", "stablelm", "qwen3_5_text", "nemotron", "apertus", "olmo_hybrid",
                   "jais2", "glm", "internlm3", "iquestcoder", "ministral", "nanochat", "cohere_compass_text")
 FAMILIES = {
@@ -3341,6 +3368,14 @@ FAMILIES = {
                      aliases=dict(num_hidden_layers="num_layers", rms_norm_eps="layer_norm_epsilon", hidden_act="activation_function"),
                      defaults=dict(vocab_size=102400, intermediate_size=14336, num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=5e5)),
     "olmo": Family(_olmo, "mlp", _PROJ, "OlmoForCausalLM"),
+    # GPT-NeoX / Pythia: the layers under gpt_neox.layers., the attention's fused query_key_value (head by head) and dense, the
+    # MLP's dense_h_to_4h / dense_4h_to_h, the embedding embed_in, the head embed_out; old folders' attention.bias and
+    # masked_bias buffers (the causal mask) are not read, as in transformers
+    "gpt_neox": Family(_gpt_neox, "mlp", _PROJ, "GPTNeoXForCausalLM", prefix=("model.layers.", "gpt_neox.layers."), attention="attention",
+                       qkv="query_key_value", qkv_per_head=True, o_proj="dense", dense_names=("", "dense_h_to_4h", "dense_4h_to_h"),
+                       embed="gpt_neox.embed_in.weight", head="embed_out.weight", final_norm="gpt_neox.final_layer_norm.weight",
+                       ignored=(r"\.attention\.(masked_)?bias$",),
+                       defaults=dict(vocab_size=50432, hidden_size=6144, intermediate_size=24576, num_hidden_layers=44, num_attention_heads=64)),
     "starcoder2": Family(_starcoder2, "mlp", _PROJ, "Starcoder2ForCausalLM", dense_names=("", "c_fc", "c_proj"),
                          defaults=dict(vocab_size=49152, hidden_size=3072, intermediate_size=12288, num_hidden_layers=30, num_attention_heads=24,
                                        num_key_value_heads=2, tie_word_embeddings=True)),
@@ -3677,7 +3712,7 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
             out[q + ours + ".weight"] = Tensor((p + theirs + ".weight",))
     elif pre:
         out.update(_norm_keys(p + family.norms[0], q + "attn_norm", cfg, gated=True))
-        if not cfg.parallel_blocks:  # a parallel block's MLP reads the attention's norm
+        if not cfg.parallel_blocks or cfg.parallel_norms:  # a parallel block's MLP reads the attention's norm (GPT-NeoX's: its own)
             out.update(_norm_keys(p + family.norms[1], q + "mlp_norm", cfg, gated=moe))
     if moe and cfg.moe_out_norm:  # the MoE block's output norm (A.X-K1's)
         out[q + "mlp_post_norm.weight"] = Tensor((p + family.moe_out_norm + ".weight",))
@@ -3800,13 +3835,15 @@ def _attention_keys(family: Family, cfg: TransformerConfig, p: str, q: str, rope
                 out[q + "attn." + ours] = Tensor((f"{index}{theirs}.weight",), transpose=True)
             out[q + "attn.index_k_norm"] = Tensor((index + "k_norm.weight",))
             out[q + "attn.index_k_bias"] = Tensor((index + "k_norm.bias",))
-    elif family.qkv is not None:  # q, k and v: the rows of one module, in that order
+    elif family.qkv is not None:  # q, k and v: the rows of one module, in that order (qkv_per_head: each head's in turn)
         G = cfg.kv_heads(layer)
         rows = (cfg.heads(layer) * cfg.head_dim, G * cfg.head_dim, G * (cfg.v_head_dim or cfg.head_dim))
+        split = dict(chunk=(0, (1, 1, 1)), groups=G) if family.qkv_per_head else dict(chunk=(0, rows))
         for j, name in enumerate(("q", "k", "v")):
-            out[q + "attn.w" + name] = Tensor((f"{attn}{family.qkv}.weight",), transpose=True, chunk=(j, rows))
+            part = dict(split, chunk=(j, split["chunk"][1]))
+            out[q + "attn.w" + name] = Tensor((f"{attn}{family.qkv}.weight",), transpose=True, **part)
             if cfg.qkv_bias:
-                out[q + "attn.b" + name] = Tensor((f"{attn}{family.qkv}.bias",), chunk=(j, rows))
+                out[q + "attn.b" + name] = Tensor((f"{attn}{family.qkv}.bias",), **part)
         out[q + "attn.wo"] = Tensor((f"{attn}{family.o_proj}.weight",), transpose=True)
     else:
         k_eq_v = cfg.global_k_eq_v and (layer is None or not cfg.is_local(layer))  # Gemma 4's global layers: no v_proj
@@ -3914,9 +3951,9 @@ def key_map(family: Family, cfg: TransformerConfig) -> dict[str, Tensor]:
         out.update({"hc_head." + name: Tensor((family.hyper[2] + name,)) for name in ("fn", "base", "scale")})
     out["norm.weight"] = Tensor((family.final_norm,))
     if not cfg.tie_embeddings:
-        out["head"] = Tensor(("lm_head.weight",))
+        out["head"] = Tensor((family.head,))
     if cfg.head_bias:
-        out["head_bias"] = Tensor(("lm_head.bias",))
+        out["head_bias"] = Tensor((family.head[:-len("weight")] + "bias",))
     for d in range(1, cfg.mtp_depth + 1 if family.mtp else 1):  # other families: MTP modules start fresh
         p, q = mtp_layer(cfg, d), f"mtp.{d - 1}."
         out[q + "emb_norm.weight"] = Tensor((p + "enorm.weight",))
@@ -4062,7 +4099,7 @@ def unread_keys(family: Family, cfg: TransformerConfig, path, stored) -> list[st
     read |= set(mtp_copies(family, cfg)) | set(zero_expert_keys(family, cfg))
     config = Path(path) / "config.json"
     if cfg.tie_embeddings and config.is_file() and json.loads(config.read_text()).get("tie_word_embeddings"):
-        read.add(family.renamed("lm_head.weight"))
+        read.add(family.renamed(family.head))
 
     def dropped_mtp(key: str) -> bool:  # MTP depths not asked for, or a family's layers after the trunk's that are never read
         layer = re.match(re.escape(family.renamed("model.layers.")) + r"(\d+)\.", key)
@@ -4851,6 +4888,14 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
             hf.pop("rms_norm_eps")
             hf.pop("mlp_bias")
             hf.update(norm_epsilon=cfg.norm_eps, hidden_act="gelu_pytorch_tanh", use_bias=cfg.qkv_bias, sliding_window=cfg.window)
+        elif model_type == "gpt_neox":  # its LayerNorms' eps, activation and parallel residual under their own names
+            if cfg.parallel_blocks != cfg.parallel_norms:
+                raise ValueError("model: GPT-NeoX's parallel residual gives the MLP its own LayerNorm (parallel_norms with parallel_blocks); "
+                                 f"this model has parallel_blocks = {cfg.parallel_blocks}, parallel_norms = {cfg.parallel_norms}")
+            for field in ("rms_norm_eps", "mlp_bias", "num_key_value_heads", "head_dim"):
+                hf.pop(field)
+            hf.update(layer_norm_eps=cfg.norm_eps, hidden_act="gelu" if cfg.mlp_act == "gelu" else "gelu_new", attention_bias=cfg.qkv_bias,
+                      use_parallel_residual=cfg.parallel_blocks, rope_parameters=dict(hf["rope_parameters"], partial_rotary_factor=_rotary_factor(cfg)))
         elif model_type == "olmo":  # its LayerNorms' eps fixed at 1e-5, q/k/v's bound
             hf.pop("rms_norm_eps")
             hf.update(attention_bias=cfg.qkv_bias, clip_qkv=cfg.clip_qkv)

@@ -409,7 +409,8 @@ class TransformerConfig:
     without a gate, relu(x w_up)^2 w_down (Arcee's and Nemotron-H's, Nemotron 3's routed and
     shared experts; not with expert_biases), or "xielu": dense MLPs without a gate, xIELU(x
     w_up) w_down with its two learned scalars per MLP (Apertus's; fmoe.ops.experts.xielu), or
-    "gelu_new": MLPs without a gate, gelu_tanh(x w_up) w_down (GELU's tanh form; Phi-2's).
+    "gelu_new" / "gelu": MLPs without a gate, gelu_tanh(x w_up) w_down (GELU's tanh form; Phi-2's)
+    / gelu(x w_up) w_down (GELU's exact form; GPT-NeoX's and Pythia's).
     mlp_bias: biases on the dense blocks' MLP projections (DenseMLP's b_gate, b_up [F], b_down
     [H]; Llama's mlp_bias, Jais 2's), trunk and MTP blocks alike; not on the MoE blocks'
     shared experts, nor with shortcut_moe or dense_beside_moe. Gemma 4's MoE
@@ -500,7 +501,8 @@ class TransformerConfig:
     (A.X-K1's post_mlp_layernorm; not with post_norms). parallel_blocks: each block adds its
     attention and its MLP of the same normed input, x + attn(n(x)) + mlp(n(x)), one pre-norm
     (attn_norm) and no mlp_norm (Cohere's; needs pre_norms, not with post_norms or
-    moe_out_norm). layer_norms: every block norm, the final norm and the MTP modules' are
+    moe_out_norm); with parallel_norms the MLP reads its own pre-norm, x + attn(n1(x)) +
+    mlp(n2(x)) (mlp_norm; GPT-NeoX's and Pythia's parallel residual). layer_norms: every block norm, the final norm and the MTP modules' are
     LayerNorms without bias, the mean taken out before the scale (Cohere's; the q/k norms stay
     RMSNorms); norm_bias: with a bias each (Phi-3.5-MoE's; needs layer_norms).
     norm_weights=False: those norms (and embed_norm) have no weights, x / rms(x) alone
@@ -702,6 +704,7 @@ class TransformerConfig:
     post_norms: bool = False
     moe_out_norm: bool = False
     parallel_blocks: bool = False
+    parallel_norms: bool = False
     layer_norms: bool = False
     norm_bias: bool = False
     norm_weights: bool = True
@@ -761,7 +764,7 @@ class TransformerConfig:
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_kv_heads: {self.n_heads} heads do not split over {self.n_kv_heads} kv heads")
         if self.mlp_act not in GLU_ACTS + PLAIN_ACTS:
-            raise ValueError(f"mlp_act: expected one of {', '.join(GLU_ACTS + PLAIN_ACTS)} (the MLPs' gate activation, or relu2 / xielu / gelu_new: no gate), "
+            raise ValueError(f"mlp_act: expected one of {', '.join(GLU_ACTS + PLAIN_ACTS)} (the MLPs' gate activation, or relu2 / xielu / gelu_new / gelu: no gate), "
                              f"got {self.mlp_act!r}")
         if self.mlp_act == "xielu" and (any(self.is_moe(i) for i in range(self.n_layers)) or self.shortcut_moe):
             raise ValueError("mlp_act: 'xielu' (Apertus's, with learned scalars per MLP) in dense MLPs only; experts with it are not built")
@@ -843,6 +846,8 @@ class TransformerConfig:
             raise ValueError("moe_out_norm: a norm on the MoE blocks' output, which post_norms already puts on every block's")
         if self.parallel_blocks and (not self.pre_norms or self.post_norms or self.moe_out_norm):
             raise ValueError("parallel_blocks: attention and MLP of one pre-norm's output, needs pre_norms and neither post_norms nor moe_out_norm")
+        if self.parallel_norms and not self.parallel_blocks:
+            raise ValueError("parallel_norms: the MLP's own pre-norm in a parallel block, needs parallel_blocks=True")
         if (self.attn_gate_act != "sigmoid" or self.attn_gate_per_head) and not self.attn_gate:
             raise ValueError("attn_gate_act / attn_gate_per_head: gated attention's gate, needs attn_gate=True")
         if self.v_head_dim is not None:
@@ -854,7 +859,7 @@ class TransformerConfig:
             raise ValueError("clip_qkv: clamps the attention blocks' q, k and v; the linear-attention blocks (linear_layers) have no such clamp")
         if self.sink_layers is not None and not self.attn_sinks:
             raise ValueError("sink_layers: the blocks with attention sinks, needs attn_sinks")
-        for name in ("pre_norms", "post_norms", "linear_pre_norms", "linear_neg_eigval", "mlp_bias", "moe_out_norm", "parallel_blocks", "layer_norms",
+        for name in ("pre_norms", "post_norms", "linear_pre_norms", "linear_neg_eigval", "mlp_bias", "moe_out_norm", "parallel_blocks", "parallel_norms", "layer_norms",
                      "nope_qk_norm", "route_on_input", "attn_gate", "zero_centered_norms", "norm_bias", "head_bias", "shortcut_moe", "mla_scales", "q_latent_raw", "attn_gate_on_q",
                      "parallel_hybrid", "norm_weights", "embed_norm", "rope_reversed"):
             if not isinstance(getattr(self, name), bool):
@@ -1616,7 +1621,7 @@ class Block(nn.Module):
         # cfg.parallel_hybrid: softmax attention beside the linear mixer, of the same normed input, the outputs summed (Falcon-H1's)
         self.attn_beside = Attention(cfg, local=local, rope=rope, fp8=fp8, sinks=sinks) if linear and mixer and cfg.parallel_hybrid else None
         # a parallel block's MLP reads the attention's normed input (attn_norm)
-        self.mlp_norm = norm(mlp and pre and not cfg.parallel_blocks, gated=moe)
+        self.mlp_norm = norm(mlp and pre and (not cfg.parallel_blocks or cfg.parallel_norms), gated=moe)
         self.mlp_post_norm = norm(mlp and (post or (moe and cfg.moe_out_norm)))
         self.parallel = cfg.parallel_blocks
         if moe and not mlp:
@@ -1690,10 +1695,10 @@ class Block(nn.Module):
         carry_TH = None
         if self.shortcut == "in":  # the residual, then the pair's MoE output
             x_TH, carry_TH = x_TH.chunk(2, dim=-1)
-        if self.parallel:  # attention and MLP of one normed input, both added to x (Cohere's)
+        if self.parallel:  # attention and MLP of one normed input (or each of its own, parallel_norms: GPT-NeoX's), both added to x (Cohere's)
             h_TH = _normed(self.attn_norm, x_TH)
             y_TH = recompute(self._attend_normed, h_TH, ctx) if self.ac == "attention" else self._attend_normed(h_TH, ctx)
-            return self._mlp_branch(self._residual(x_TH, y_TH), h_TH, token_mask)
+            return self._mlp_branch(self._residual(x_TH, y_TH), h_TH if self.mlp_norm is None else self.mlp_norm(x_TH), token_mask)
         if self.normed_residual is not None:  # MiniMax's: each residual is its sublayer's normed input, x a
             h_TH = self.attn_norm(x_TH)
             x_TH = self._residual(h_TH, recompute(self._attend_normed, h_TH, ctx) if self.ac == "attention" else self._attend_normed(h_TH, ctx))

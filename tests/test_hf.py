@@ -47,6 +47,10 @@ FAMILIES = {
     "phi": lambda: transformers.PhiConfig(**COMMON, intermediate_size=40, pad_token_id=None, bos_token_id=None, eos_token_id=None),
     # StarCoder2: LayerNorms with bias, MLPs without a gate through GELU's tanh form, biases everywhere, a window of 4
     "starcoder2": lambda: transformers.Starcoder2Config(**COMMON, intermediate_size=40, sliding_window=4, bos_token_id=None, eos_token_id=None),
+    # GPT-NeoX / Pythia: q, k and v head by head in one module, RoPE on a quarter of each head, the attention and an MLP
+    # without a gate (exact GELU) each of its own LayerNorm with bias, added together
+    "gpt_neox": lambda: transformers.GPTNeoXConfig(**{k: v for k, v in COMMON.items() if k != "num_key_value_heads"}, intermediate_size=40,
+                                                   bos_token_id=None, eos_token_id=None),
     # Cohere's North text model: Cohere 2's parallel blocks, RoPE on halves in the sliding layers 0 and 1, none in layer 2
     "cohere_compass_text": lambda: transformers.CohereCompassTextConfig(
         **COMMON, intermediate_size=40, layer_types=["sliding_attention", "sliding_attention", "full_attention"], sliding_window=4,
@@ -802,6 +806,10 @@ def test_a_failed_export_leaves_no_weight_files(folders, tmp_path, monkeypatch):
                                           ("llama", dict(qkv_bias=True, o_bias=True, mlp_bias=True)),
                                           ("exaone", dict(qkv_bias=True, o_bias=True, llama3_factor=8.0, llama3_original_max_positions=8)),
                                           ("olmo", dict(layer_norms=True, norm_weights=False, qkv_bias=True, o_bias=True, clip_qkv=1.0, norm_eps=1e-5)),
+                                          ("gpt_neox", dict(layer_norms=True, norm_bias=True, parallel_blocks=True, parallel_norms=True, qkv_bias=True,
+                                                            o_bias=True, mlp_bias=True, mlp_act="gelu", rope_dim=4, n_kv_heads=4, norm_eps=1e-5)),
+                                          ("gpt_neox", dict(layer_norms=True, norm_bias=True, qkv_bias=True, o_bias=True, mlp_bias=True, mlp_act="gelu_new",
+                                                            rope_dim=2, n_kv_heads=4, norm_eps=1e-5)),
                                           ("starcoder2", dict(layer_norms=True, norm_bias=True, qkv_bias=True, o_bias=True, mlp_bias=True,
                                                               mlp_act="gelu_new", window=4, tie_embeddings=True, norm_eps=1e-5)),
                                           ("phi", dict(layer_norms=True, norm_bias=True, parallel_blocks=True, qkv_bias=True, o_bias=True, mlp_bias=True,
@@ -2873,6 +2881,34 @@ def test_exaone_reads_its_released_names_and_llama3_rope(folders, tmp_path):
         assert _rel(unscaled.logits(ids, cu), _their_logits(ref, docs)) > 1e-3  # the scaling matters at these positions
     with pytest.raises(ValueError, match=r"config.json: hidden_act = 'gelu' is not supported \(SwiGLU with silu only\)"):
         hf.FAMILIES["exaone"].kwargs(dict(released, activation_function="gelu"))
+
+
+def test_gpt_neox_reads_pythia_s_released_fields_and_leaves_its_mask_buffers_unread(folders, tmp_path):
+    """A released Pythia / GPT-NeoX folder: its config's rotary_pct and rotary_emb_base (the
+    RoPE fields before rope_parameters), and the causal-mask buffers older folders hold
+    (attention.bias, attention.masked_bias), unread as in transformers; q, k and v read head by
+    head from query_key_value; the logits transformers gives; grouped kv heads and another
+    activation refused by name."""
+    path, ref = folders["gpt_neox"]
+    plain = json.loads((path / "config.json").read_text())
+    released = {k: v for k, v in plain.items() if k != "rope_parameters"} | dict(rotary_pct=0.5, rotary_emb_base=100.0)
+    tensors = _read_all(path)
+    buffers = {f"gpt_neox.layers.{i}.attention.{name}": torch.ones(1) for i in range(3) for name in ("bias", "masked_bias")}
+    folder = _copy_folder(path, tmp_path / "released", tensors | buffers, lambda c: [c.clear(), c.update(released)])
+    model, cfg = hf.from_pretrained(folder, impl="torch")
+    assert (cfg.rope_dim, cfg.rope_base, cfg.parallel_blocks, cfg.parallel_norms, cfg.mlp_act) == (4, 100.0, True, True, "gelu")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    docs, ids, cu = _packed()
+    with torch.no_grad():
+        assert _rel(model.logits(ids, cu), _their_logits(theirs, docs)) < 1e-5
+        assert _rel(model.logits(ids, cu), _their_logits(ref, docs)) > 1e-3  # the RoPE fields were read: not the folder's own model
+    wq = model.blocks[0].attn.wq.detach()
+    D = cfg.head_dim
+    torch.testing.assert_close(wq[:, D:2 * D], tensors["gpt_neox.layers.0.attention.query_key_value.weight"][3 * D:4 * D].T)  # head 1's q rows
+    for change, message in ((dict(num_key_value_heads=2), r"num_key_value_heads = 2 is not supported \(a kv head per query head, 4\)"),
+                            (dict(hidden_act="relu"), r"hidden_act = 'relu' is not supported \(GELU, exact \(gelu\) or in its tanh form")):
+        with pytest.raises(ValueError, match=message):
+            hf.FAMILIES["gpt_neox"].kwargs(dict(released, **change))
 
 
 def test_cohere_compass_reads_each_layer_type_s_rope_and_its_vision_folder_s_text_model(tmp_path):

@@ -1532,9 +1532,9 @@ def test_geglu_models_put_gelu_s_tanh_form_in_every_mlp():
     batch = _batch(cfg)
     with torch.no_grad():
         assert not torch.allclose(model.logits(batch["input_ids"], batch["cu_seqlens"]), silu.logits(batch["input_ids"], batch["cu_seqlens"]))
-    with pytest.raises(ValueError, match=r"mlp_act: expected one of silu, gelu_tanh, silu_cap, relu2, xielu, gelu_new \(the MLPs' gate activation, or relu2 / xielu / gelu_new: "
-                                         r"no gate\), got 'gelu'"):
-        dataclasses.replace(TINY, mlp_act="gelu")
+    with pytest.raises(ValueError, match=r"mlp_act: expected one of silu, gelu_tanh, silu_cap, relu2, xielu, gelu_new, gelu \(the MLPs' gate activation, or "
+                                         r"relu2 / xielu / gelu_new / gelu: no gate\), got 'relu'"):
+        dataclasses.replace(TINY, mlp_act="relu")
 
 
 def test_swiglu_limits_clamp_the_listed_blocks_mlps_and_silu_cap_caps_the_activation():
@@ -1584,17 +1584,41 @@ def test_swiglu_limits_clamp_the_listed_blocks_mlps_and_silu_cap_caps_the_activa
             dataclasses.replace(TINY, **overrides)
 
 
-@pytest.mark.parametrize("act", ["relu2", "gelu_new"])
+def test_parallel_norms_give_a_parallel_block_s_mlp_its_own_norm():
+    """parallel_norms (GPT-NeoX's parallel residual): x + attn(n1(x)) + mlp(n2(x)), the MLP's
+    pre-norm its own (mlp_norm) in every block, the MTP block's too; with n2's weights n1's
+    the model is the one-norm parallel model (Cohere's); with others, not; refused without
+    parallel_blocks."""
+    cfg = dataclasses.replace(TINY, parallel_blocks=True, parallel_norms=True, layer_norms=True, mtp_depth=1)
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    assert all(b.mlp_norm is not None for b in (*model.blocks, model.mtp[0].block))
+    one = Transformer(dataclasses.replace(cfg, parallel_norms=False))
+    assert all(b.mlp_norm is None for b in one.blocks)
+    one.load_state_dict({k: v for k, v in model.state_dict().items() if "mlp_norm" not in k})
+    batch = _batch(cfg)
+    with torch.no_grad():
+        for b in (*model.blocks, model.mtp[0].block):
+            b.mlp_norm.weight.copy_(b.attn_norm.weight)
+        same = model.logits(batch["input_ids"], batch["cu_seqlens"])
+        torch.testing.assert_close(same, one.logits(batch["input_ids"], batch["cu_seqlens"]), rtol=0, atol=0)
+        model.blocks[1].mlp_norm.weight.mul_(1.5)
+        assert not torch.allclose(model.logits(batch["input_ids"], batch["cu_seqlens"]), same)
+    with pytest.raises(ValueError, match="parallel_norms: the MLP's own pre-norm in a parallel block, needs parallel_blocks=True"):
+        dataclasses.replace(TINY, parallel_norms=True)
+
+
+@pytest.mark.parametrize("act", ["relu2", "gelu_new", "gelu"])
 def test_models_without_a_gate_have_no_w_gate_anywhere(act):
     """mlp_act="relu2" (Arcee's): every MLP is relu(x w_up)^2 w_down, without w_gate (the MTP
     block's too); in MoE blocks (Nemotron 3's) the routed and the shared experts too, each
     routed row relu(x w_up[e])^2 w_down[e] times its weight; refused with expert biases (no
-    b_gate); dense_mlp refuses a gate given with it. mlp_act="gelu_new" (Phi-2's): the same
-    with GELU's tanh form in place of relu^2."""
+    b_gate); dense_mlp refuses a gate given with it. mlp_act="gelu_new" (Phi-2's) and "gelu"
+    (GPT-NeoX's): the same with GELU's tanh and exact forms in place of relu^2."""
     from fmoe.layers import dense_mlp
 
     def plain(h):
-        return torch.relu(h).square() if act == "relu2" else torch.nn.functional.gelu(h, approximate="tanh")
+        return torch.relu(h).square() if act == "relu2" else torch.nn.functional.gelu(h, approximate="tanh" if act == "gelu_new" else "none")
 
     cfg = dataclasses.replace(TINY, mlp_act=act, n_dense=3, mtp_depth=1)
     torch.manual_seed(0)

@@ -444,12 +444,12 @@ def test_biases_and_clamped_swiglu_match_per_row_brute_force(case, impl):
     torch.testing.assert_close(zeros, plain, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("act", ["relu2", "gelu_new"])
+@pytest.mark.parametrize("act", ["relu2", "gelu_new", "gelu"])
 @pytest.mark.parametrize("impl", ["torch", "auto", "triton"])
 @pytest.mark.parametrize("case", CASES[1:4], ids=str)
 def test_experts_without_a_gate_match_per_row_brute_force(case, impl, act):
     """Nemotron 3's experts: no gate (w_gate None, act "relu2"), relu(x w_up + b_up)^2 w_down +
-    b_down per row (act "gelu_new": GELU's tanh form of it, Phi-2's MLPs'), values and every
+    b_down per row (acts "gelu_new" and "gelu": GELU's tanh and exact forms, Phi-2's and GPT-NeoX's MLPs'), values and every
     gradient on every path, with and without biases; rows of no expert stay zero; in bf16 each
     path gives the loop's values (_assert_close)."""
     (x, _, wu, wd), offsets = _problem(*case)
@@ -463,7 +463,8 @@ def test_experts_without_a_gate_match_per_row_brute_force(case, impl, act):
         for r in range(x.shape[0]):
             e = next((e for e, end in enumerate(ends) if r < end), None)
             h = None if e is None else x[r] @ wu[e] + bu[e]
-            rows.append(torch.zeros_like(x[r]) if e is None else (torch.relu(h) ** 2 if act == "relu2" else _gelu_tanh(h)) @ wd[e] + bd[e])
+            plain = {"relu2": lambda h: torch.relu(h) ** 2, "gelu_new": _gelu_tanh, "gelu": lambda h: 0.5 * h * (1 + torch.erf(h / math.sqrt(2)))}
+            rows.append(torch.zeros_like(x[r]) if e is None else plain[act](h) @ wd[e] + bd[e])
         return torch.stack(rows)
 
     def ours(x, wu, wd, bu, bd, offsets):
@@ -550,8 +551,8 @@ def test_bad_inputs():
     _raises(r"limit: expected > 0 \(the SwiGLU clamp\) or None, got 0", grouped_mlp, x, wg, wu, wd, off, limit=0)
     _raises("alpha: expected a finite number, got nan", grouped_mlp, x, wg, wu, wd, off, alpha=float("nan"))
     _raises("offset: expected a finite number, got '1'", swiglu, torch.ones(3), torch.ones(3), offset="1")
-    _raises("act: expected one of silu, gelu_tanh, silu_cap \\(the gate's activation\\) or relu2, xielu, gelu_new \\(no gate\\), got 'gelu'", grouped_mlp, x, wg, wu, wd, off,
-            act="gelu")
+    _raises("act: expected one of silu, gelu_tanh, silu_cap \\(the gate's activation\\) or relu2, xielu, gelu_new, gelu \\(no gate\\), got 'relu'", grouped_mlp, x, wg, wu, wd, off,
+            act="relu")
     # experts without a gate (w_gate None, act relu2)
     _raises("w_gate: act 'relu2' is an MLP without a gate, expected None, got a tensor", grouped_mlp, x, wg, wu, wd, off, act="relu2")
     _raises(r"w_gate: act 'silu' gates the up projection, expected \[E, H, F\], got None", grouped_mlp, x, None, wu, wd, off)
@@ -561,7 +562,7 @@ def test_bad_inputs():
     _raises(r"w_up: expected shape \[E, H, F\] with E >= 1 and H = 16", grouped_mlp, x, None, wu[:, :8], wd, off, act="relu2")
     _raises(r"w_down: expected shape \[E, F, H\] = \[2, 8, 16\], got \[2, 16, 8\]", grouped_mlp, x, None, wu, wu, off, act="relu2")
     _raises("act: swiglu gates up by act\\(gate\\)", swiglu, torch.ones(3), torch.ones(3), act="relu2")
-    _raises("act: expected one of relu2, xielu, gelu_new \\(an MLP without a gate\\), got 'silu'", experts.plain_act, torch.ones(3), "silu")
+    _raises("act: expected one of relu2, xielu, gelu_new, gelu \\(an MLP without a gate\\), got 'silu'", experts.plain_act, torch.ones(3), "silu")
     _raises("alpha: the slope of SwiGLU's sigmoid, expected 1.0 with act 'gelu_tanh'", swiglu, torch.ones(3), torch.ones(3), act="gelu_tanh", alpha=1.7)
 
 
