@@ -445,6 +445,10 @@ CASES = {
     "tp2-embed-norm": (2, dict(tp=2), dict(embed_norm=True)),
     # Step 3.7's (STEP3P7): the clamped MLPs' columns split over tp, each block's own query heads and gate columns
     "tp2-step3p7": (2, dict(tp=2), STEP3P7),
+    # GPT-NeoX's: the parallel residual with a LayerNorm (with bias) per branch, exact-GELU MLPs without a gate, biases on
+    # every projection, split over tp
+    "tp2-gpt-neox": (2, dict(tp=2), dict(n_dense=2, n_kv_heads=4, parallel_blocks=True, parallel_norms=True, layer_norms=True, norm_bias=True,
+                                          mlp_act="gelu", qkv_bias=True, o_bias=True, mlp_bias=True, rope_dim=4)),
     # Nemotron-H's (NEMOTRON_H): a block without an MLP beside the split heads and groups
     "tp2-nemotron_h": (2, dict(tp=2), NEMOTRON_H),
     # Nemotron-H-47B's MLP layer alone: block 2 without a mixer, the last block of the tp region
