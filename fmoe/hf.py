@@ -9,7 +9,7 @@ qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, axk1, kimi_k2, kimi_k25, dee
 exaone_moe, kolibri1, beam, axk2, dots1, minimax_m2, minimax, granitemoe, granitemoeshared, granitemoe_swa, granitemoehybrid, nemotron_h, mamba2, mamba, falcon_mamba, jamba, hunyuan_v1_moe, llama4_text, llama4, afmoe,
 laguna, step3p5, step3p7, cohere2_moe, sarvam_moe, sarvam_mla, longcat_flash, bailing_hybrid, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, lara_mini, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
 mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe, gemma3, gemma4_text, gemma4), and the dense
-DENSE_FAMILIES (llama, exaone, cwm, olmo, phi, starcoder2, gpt_neox, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, helium, minicpm3, arcee, gemma, vaultgemma, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
+DENSE_FAMILIES (llama, exaone, cwm, olmo, phi, starcoder2, gpt_neox, gptj, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, helium, minicpm3, arcee, gemma, vaultgemma, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
 glm4, ernie4_5, lfm2, cohere, cohere2, bamba, falcon_h1, stablelm, qwen3_5_text (and qwen3_5's text model), nemotron, apertus, olmo_hybrid, jais2, glm, internlm3,
 iquestcoder, ministral, nanochat, cohere_compass_text (and cohere_compass's text model): Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: OLMoE's q and k clamped after their norms, ...;
@@ -415,6 +415,24 @@ def _gpt_neox(hf: dict) -> dict:
                        rope_parameters=params, mlp_bias=True), mlp_bias=True, qkv_bias=bias, o_bias=bias, mlp_act=acts[hf.get("hidden_act", "gelu")],
                   layer_norms=True, norm_bias=True, parallel_blocks=parallel, parallel_norms=parallel,
                   rope_dim=_partial_rope(dict(partial_rotary_factor=factor), head_dim))
+
+
+def _gptj(hf: dict) -> dict:
+    """GPT-J (gptj, dense; GPT-J-6B): the attention and the MLP of one LayerNorm's output (with
+    bias, layer_norm_epsilon) added together to the residual (parallel_blocks), q, k, v and o
+    without biases, RoPE on interleaved pairs of each head's first rotary_dim channels at base
+    10000 (its fixed tables), MLPs without a gate, gelu_new(x fc_in) fc_out with biases
+    (n_inner, by default 4 n_embd), a head with a bias; its config's own field names."""
+    _refuse(hf, "hidden_act", lambda v: v in ("gelu_new", "gelu_pytorch_tanh"), "GELU's tanh form, gelu_new")
+    heads, H = hf["num_attention_heads"], hf["hidden_size"]
+    head_dim = H // heads
+    rotary = hf.get("rotary_dim") or head_dim
+    if isinstance(rotary, bool) or not isinstance(rotary, int) or not 0 < rotary <= head_dim or rotary % 2:
+        raise ValueError(f"config.json: rotary_dim = {rotary!r} is not supported (an even number in (0, head_dim = {head_dim}])")
+    return _dense(dict(hf, hidden_act="silu", intermediate_size=hf.get("intermediate_size") or 4 * H, head_dim=head_dim, num_key_value_heads=heads,
+                       rope_parameters=dict(rope_type="default", rope_theta=10000.0), mlp_bias=True), mlp_bias=True, mlp_act="gelu_new",
+                  layer_norms=True, norm_bias=True, parallel_blocks=True, head_bias=True, rope_interleaved=True,
+                  rope_dim=None if rotary == head_dim else rotary)
 
 
 def _olmo(hf: dict) -> dict:
@@ -3120,7 +3138,7 @@ _MISTRAL4_ROPE = dict(rope_type="yarn", rope_theta=10000.0, factor=128.0, origin
 _MINISTRAL3_ROPE = dict(rope_type="yarn", rope_theta=1e6, factor=16.0, original_max_position_embeddings=16384, beta_fast=32.0, beta_slow=1.0,
                         mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1)
 # the dense families (no MoE block): fine-tuned as they are, or upcycled into an MoE (fmoe.train.upcycle)
-DENSE_FAMILIES = ("llama", "exaone", "cwm", "olmo", "phi", "starcoder2", "gpt_neox", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "youtu", "helium", "minicpm3", "arcee", "gemma", "vaultgemma", "gemma2", "gemma3_text", "lfm3", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
+DENSE_FAMILIES = ("llama", "exaone", "cwm", "olmo", "phi", "starcoder2", "gpt_neox", "gptj", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "youtu", "helium", "minicpm3", "arcee", "gemma", "vaultgemma", "gemma2", "gemma3_text", "lfm3", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
                   "phi3", "glm4", "ernie4_5", "lfm2", "cohere", "cohere2", "bamba", "falcon_h1", "stablelm", "qwen3_5_text", "nemotron", "apertus", "olmo_hybrid",
                   "jais2", "glm", "internlm3", "iquestcoder", "ministral", "nanochat", "cohere_compass_text")
 FAMILIES = {
@@ -3368,6 +3386,16 @@ FAMILIES = {
                      aliases=dict(num_hidden_layers="num_layers", rms_norm_eps="layer_norm_epsilon", hidden_act="activation_function"),
                      defaults=dict(vocab_size=102400, intermediate_size=14336, num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=5e5)),
     "olmo": Family(_olmo, "mlp", _PROJ, "OlmoForCausalLM"),
+    # GPT-J: the layers under transformer.h., the attention under attn. (out_proj), the MLP's fc_in / fc_out, one LayerNorm per
+    # block (ln_1), the embedding transformer.wte, the final norm transformer.ln_f; old folders' causal-mask buffers
+    # (attn.bias, attn.masked_bias) not read, as in transformers; its config's own field names
+    "gptj": Family(_gptj, "mlp", _PROJ, "GPTJForCausalLM", prefix=("model.layers.", "transformer.h."), attention="attn", o_proj="out_proj",
+                   norms=("ln_1", ""), dense_names=("", "fc_in", "fc_out"), embed="transformer.wte.weight", final_norm="transformer.ln_f.weight",
+                   ignored=(r"\.attn\.(masked_)?bias$",),
+                   aliases=dict(hidden_size="n_embd", num_hidden_layers="n_layer", num_attention_heads="n_head", intermediate_size="n_inner",
+                                rms_norm_eps="layer_norm_epsilon", hidden_act="activation_function"),
+                   defaults=dict(vocab_size=50400, hidden_size=4096, num_hidden_layers=28, num_attention_heads=16, rotary_dim=64, rms_norm_eps=1e-5,
+                                 hidden_act="gelu_new")),
     # GPT-NeoX / Pythia: the layers under gpt_neox.layers., the attention's fused query_key_value (head by head) and dense, the
     # MLP's dense_h_to_4h / dense_4h_to_h, the embedding embed_in, the head embed_out; old folders' attention.bias and
     # masked_bias buffers (the causal mask) are not read, as in transformers
@@ -4896,6 +4924,12 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
                 hf.pop(field)
             hf.update(layer_norm_eps=cfg.norm_eps, hidden_act="gelu" if cfg.mlp_act == "gelu" else "gelu_new", attention_bias=cfg.qkv_bias,
                       use_parallel_residual=cfg.parallel_blocks, rope_parameters=dict(hf["rope_parameters"], partial_rotary_factor=_rotary_factor(cfg)))
+        elif model_type == "gptj":  # its own field names; RoPE's base fixed at 10000 (config_mismatch names another)
+            for field in ("rms_norm_eps", "mlp_bias", "num_key_value_heads", "head_dim", "rope_parameters", "hidden_size", "num_hidden_layers",
+                          "num_attention_heads", "intermediate_size", "hidden_act"):
+                hf.pop(field)
+            hf.update(n_embd=cfg.hidden, n_layer=cfg.n_layers, n_head=cfg.n_heads, n_inner=cfg.ffn_dense, layer_norm_epsilon=cfg.norm_eps,
+                      activation_function="gelu_new", rotary_dim=cfg.rope_dim or cfg.head_dim)
         elif model_type == "olmo":  # its LayerNorms' eps fixed at 1e-5, q/k/v's bound
             hf.pop("rms_norm_eps")
             hf.update(attention_bias=cfg.qkv_bias, clip_qkv=cfg.clip_qkv)

@@ -51,6 +51,9 @@ FAMILIES = {
     # without a gate (exact GELU) each of its own LayerNorm with bias, added together
     "gpt_neox": lambda: transformers.GPTNeoXConfig(**{k: v for k, v in COMMON.items() if k != "num_key_value_heads"}, intermediate_size=40,
                                                    bos_token_id=None, eos_token_id=None),
+    # GPT-J: parallel blocks of one LayerNorm with bias, RoPE on interleaved pairs of 4 of 8 channels, gelu_new MLPs with biases
+    "gptj": lambda: transformers.GPTJConfig(vocab_size=V, n_embd=32, n_layer=3, n_head=4, n_positions=128, rotary_dim=4, n_inner=40,
+                                            bos_token_id=None, eos_token_id=None),
     # Cohere's North text model: Cohere 2's parallel blocks, RoPE on halves in the sliding layers 0 and 1, none in layer 2
     "cohere_compass_text": lambda: transformers.CohereCompassTextConfig(
         **COMMON, intermediate_size=40, layer_types=["sliding_attention", "sliding_attention", "full_attention"], sliding_window=4,
@@ -810,6 +813,8 @@ def test_a_failed_export_leaves_no_weight_files(folders, tmp_path, monkeypatch):
                                                             o_bias=True, mlp_bias=True, mlp_act="gelu", rope_dim=4, n_kv_heads=4, norm_eps=1e-5)),
                                           ("gpt_neox", dict(layer_norms=True, norm_bias=True, qkv_bias=True, o_bias=True, mlp_bias=True, mlp_act="gelu_new",
                                                             rope_dim=2, n_kv_heads=4, norm_eps=1e-5)),
+                                          ("gptj", dict(layer_norms=True, norm_bias=True, parallel_blocks=True, mlp_bias=True, mlp_act="gelu_new",
+                                                        head_bias=True, rope_interleaved=True, rope_dim=4, n_kv_heads=4, norm_eps=1e-5)),
                                           ("starcoder2", dict(layer_norms=True, norm_bias=True, qkv_bias=True, o_bias=True, mlp_bias=True,
                                                               mlp_act="gelu_new", window=4, tie_embeddings=True, norm_eps=1e-5)),
                                           ("phi", dict(layer_norms=True, norm_bias=True, parallel_blocks=True, qkv_bias=True, o_bias=True, mlp_bias=True,
@@ -2909,6 +2914,23 @@ def test_gpt_neox_reads_pythia_s_released_fields_and_leaves_its_mask_buffers_unr
                             (dict(hidden_act="relu"), r"hidden_act = 'relu' is not supported \(GELU, exact \(gelu\) or in its tanh form")):
         with pytest.raises(ValueError, match=message):
             hf.FAMILIES["gpt_neox"].kwargs(dict(released, **change))
+
+
+def test_gptj_leaves_its_mask_buffers_unread_and_rotates_interleaved_pairs(folders, tmp_path):
+    """GPT-J: the causal-mask buffers older folders hold (attn.bias, attn.masked_bias) are not
+    read, as in transformers, and the folder loads with transformers' logits; its RoPE turns
+    interleaved pairs of each head's first rotary_dim channels (halves give other logits)."""
+    path, ref = folders["gptj"]
+    buffers = {f"transformer.h.{i}.attn.{name}": torch.ones(1) for i in range(3) for name in ("bias", "masked_bias")}
+    folder = _copy_folder(path, tmp_path / "old", _read_all(path) | buffers)
+    model, cfg = hf.from_pretrained(folder, impl="torch")
+    assert (cfg.rope_interleaved, cfg.rope_dim, cfg.parallel_blocks, cfg.head_bias) == (True, 4, True, True)
+    docs, ids, cu = _packed()
+    with torch.no_grad():
+        assert _rel(model.logits(ids, cu), _their_logits(ref, docs)) < 1e-5
+        halves = hf.Transformer(dataclasses.replace(cfg, rope_interleaved=False))
+        halves.load_state_dict(model.state_dict())
+        assert _rel(halves.logits(ids, cu), _their_logits(ref, docs)) > 1e-3
 
 
 def test_cohere_compass_reads_each_layer_type_s_rope_and_its_vision_folder_s_text_model(tmp_path):
