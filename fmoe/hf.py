@@ -7,7 +7,7 @@ A folder holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). Supported `model_type`s: FAMILIES (mixtral, qwen2_moe,
 qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, axk1, kimi_k2, kimi_k25, deepseek_v2, deepseek_v32, glm_moe_dsa, hy_v4, glm4_moe_lite, gpt_oss, solar_open,
 exaone_moe, kolibri1, beam, axk2, dots1, minimax_m2, minimax, granitemoe, granitemoeshared, granitemoe_swa, granitemoehybrid, nemotron_h, mamba2, mamba, falcon_mamba, jamba, hunyuan_v1_moe, llama4_text, llama4, afmoe,
-laguna, step3p5, step3p7, cohere2_moe, sarvam_moe, sarvam_mla, longcat_flash, bailing_hybrid, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, lara_mini, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
+laguna, step3p5, step3p7, aria_text, aria, cohere2_moe, sarvam_moe, sarvam_mla, longcat_flash, bailing_hybrid, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, lara_mini, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
 mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe, gemma3, gemma4_text, gemma4), and the dense
 DENSE_FAMILIES (llama, exaone, cwm, olmo, phi, starcoder2, gpt_neox, gptj, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, helium, minicpm3, arcee, gemma, vaultgemma, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
 glm4, ernie4_5, lfm2, cohere, cohere2, bamba, falcon_h1, stablelm, qwen3_5_text (and qwen3_5's text model), nemotron, apertus, olmo_hybrid, jais2, glm, internlm3,
@@ -2866,6 +2866,26 @@ def _olmoe(hf: dict) -> dict:
                 n_shared=0, pre_softmax=not hf.get("norm_topk_prob", False), qk_norm="proj")
 
 
+def _aria_text(hf: dict) -> dict:
+    """Aria's text model (aria_text, AriaTextForCausalLM; the released aria folders' language
+    model): Llama's attention without biases, every block MoE: the top moe_topk of the router's
+    logits and their softmax (fmoe's softmax routing), experts of intermediate_size stored as
+    [E, H, 2F] fc1 (the gate's F columns, then the up's) and [E, F, H] fc2 stacks, beside
+    moe_num_shared_experts shared experts (one SwiGLU of that many times intermediate_size)."""
+    _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in Aria's attention here")
+    _refuse(hf, "mlp_bias", lambda v: not v, "no biases in Aria's shared experts here")
+    F = hf["intermediate_size"]
+    return dict(_common(dict(hf, num_experts_per_tok=hf["moe_topk"]), hf["moe_num_experts"]), ffn_expert=F, ffn_dense=F, n_dense=0,
+                n_shared=hf.get("moe_num_shared_experts", 2))
+
+
+def _aria(hf: dict) -> dict:
+    """A released Aria folder (aria, AriaForConditionalGeneration): its text_config's model
+    (_aria_text), every key under language_model. (the head's too); the vision tower and its
+    projector are not read."""
+    return _text_family(hf, "aria_text")
+
+
 def _flex_olmo(hf: dict) -> dict:
     """FlexOlmo (flex_olmo): OLMoE's attention (q/k norms over the whole projections) and
     routing in OLMo 2's post-norm blocks: no input norms, an RMSNorm on the attention output
@@ -3088,6 +3108,7 @@ class Family:
 
 
 _STACKS = ("experts.gate_up_proj", "experts.gate_up_proj", "experts.down_proj")  # fused experts' keys under the MoE block
+_ARIA_EXPERTS = ("experts.fc1.weight", "experts.fc1.weight", "experts.fc2.weight")  # Aria's stacks ("halves"), under the MoE block
 _STEP3P5_EXPERTS = ("moe.gate_proj.weight", "moe.up_proj.weight", "moe.down_proj.weight")  # Step 3.5's stacks ("stacks_out"), under the layer
 _GRANITE = ("input_linear.weight", "input_linear.weight", "output_linear.weight")
 _GPT_OSS_ROPE = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False, original_max_position_embeddings=4096,
@@ -3151,6 +3172,13 @@ FAMILIES = {
                      defaults=dict(num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1e6, max_position_embeddings=131072, router_jitter_noise=0.01)),
     "qwen2_moe": Family(_qwen2_moe, "mlp", _PROJ, "Qwen2MoeForCausalLM", defaults=dict(num_key_value_heads=16, shared_expert_intermediate_size=5632)),
     "qwen3_moe": Family(_qwen3_moe, "mlp", _PROJ, "Qwen3MoeForCausalLM"),
+    # Aria (rhymes-ai): the experts as [E, H, 2F] fc1 / [E, F, H] fc2 stacks, the router mlp.router; the released folders
+    # (aria) hold that text model whole under language_model., beside a vision tower and projector that are not read
+    "aria_text": Family(_aria_text, "mlp", _ARIA_EXPERTS, "AriaTextForCausalLM", "shared_experts", fused="halves", router="router.weight",
+                        defaults=dict(vocab_size=32000, hidden_size=4096, intermediate_size=4096, num_attention_heads=32, moe_num_experts=8,
+                                      moe_topk=2)),
+    "aria": Family(_aria, "mlp", _ARIA_EXPERTS, "AriaForConditionalGeneration", "shared_experts", fused="halves", router="router.weight",
+                   outer="language_model.", not_read=("vision_tower.", "multi_modal_projector."), written_as="aria_text"),
     "olmoe": Family(_olmoe, "mlp", _PROJ, "OlmoeForCausalLM", defaults=dict(rms_norm_eps=1e-5)),
     "flex_olmo": Family(_flex_olmo, "mlp", _PROJ, "FlexOlmoForCausalLM", defaults=dict(rope_theta=5e5)),
     "glm4_moe": Family(_glm4_moe, "mlp", _PROJ, "Glm4MoeForCausalLM", "shared_experts", mtp=True,
@@ -4726,6 +4754,13 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
         hf.update(num_experts=cfg.n_experts, num_shared_experts=moe_fields["n_shared_experts"], moe_intermediate_size=cfg.ffn_expert,
                   intermediate_size=cfg.ffn_dense, num_dense_layers=cfg.n_dense, route_scale=moe_fields["routed_scaling_factor"],
                   attention_bias=False, sliding_window=cfg.window, layer_types=_layer_types(cfg), mup_enabled=cfg.embed_scale != 1.0)
+    elif model_type == "aria_text":
+        if cfg.shared_size % cfg.ffn_expert:
+            raise ValueError(f"model: shared experts of {cfg.shared_size} are not a whole number of experts of {cfg.ffn_expert} (Aria's "
+                             "moe_num_shared_experts)")
+        hf.pop("num_experts_per_tok")
+        hf.update(moe_num_experts=cfg.n_experts, moe_topk=cfg.k, intermediate_size=cfg.ffn_expert, moe_num_shared_experts=cfg.shared_size // cfg.ffn_expert,
+                  attention_bias=False, mlp_bias=False)
     elif model_type == "laguna":
         full = _yarn_parameters(cfg) if cfg.yarn_factor is not None else dict(rope_type="default", rope_theta=cfg.rope_base)
         rope = {"full_attention": dict(full, partial_rotary_factor=_rotary_factor(cfg))}

@@ -54,6 +54,9 @@ FAMILIES = {
     # GPT-J: parallel blocks of one LayerNorm with bias, RoPE on interleaved pairs of 4 of 8 channels, gelu_new MLPs with biases
     "gptj": lambda: transformers.GPTJConfig(vocab_size=V, n_embd=32, n_layer=3, n_head=4, n_positions=128, rotary_dim=4, n_inner=40,
                                             bos_token_id=None, eos_token_id=None),
+    # Aria's text model: every block MoE, softmax over the top-2 logits, [E, H, 2F] / [E, F, H] expert stacks, 2 shared experts
+    "aria_text": lambda: transformers.AriaTextConfig(**COMMON, intermediate_size=16, moe_num_experts=4, moe_topk=2, moe_num_shared_experts=2,
+                                                     pad_token_id=None, bos_token_id=None, eos_token_id=None),
     # Cohere's North text model: Cohere 2's parallel blocks, RoPE on halves in the sliding layers 0 and 1, none in layer 2
     "cohere_compass_text": lambda: transformers.CohereCompassTextConfig(
         **COMMON, intermediate_size=40, layer_types=["sliding_attention", "sliding_attention", "full_attention"], sliding_window=4,
@@ -2931,6 +2934,21 @@ def test_gptj_leaves_its_mask_buffers_unread_and_rotates_interleaved_pairs(folde
         halves = hf.Transformer(dataclasses.replace(cfg, rope_interleaved=False))
         halves.load_state_dict(model.state_dict())
         assert _rel(halves.logits(ids, cu), _their_logits(ref, docs)) > 1e-3
+
+
+def test_a_released_aria_folder_loads_its_text_model(folders, tmp_path):
+    """A released Aria folder (aria, AriaForConditionalGeneration): the text model whole under
+    language_model. (its head too), with transformers' logits of a text-only forward, the vision
+    tower and projector unread; not written back whole; written as aria_text, which
+    transformers loads with the same logits and fmoe reads back exactly."""
+    text = json.loads((folders["aria_text"][0] / "config.json").read_text())
+    vision = dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)
+    whole = transformers.AriaConfig(text_config={k: v for k, v in text.items() if k not in ("architectures", "dtype", "transformers_version")},
+                                    vision_config=vision, projector_patch_to_query_dict={4: 2})
+    theirs = _saved_multimodal(transformers.AriaForConditionalGeneration, whole, tmp_path / "vl")
+    _, cfg, written = _text_model_round_trip(tmp_path / "vl", theirs, tmp_path / "text", kind="aria", prefix="language_model.",
+                                             head="language_model.lm_head.weight", text_kind="aria_text")
+    assert (cfg.n_experts, cfg.k, cfg.shared_size, cfg.n_dense) == (4, 2, 32, 0) and written["moe_num_shared_experts"] == 2
 
 
 def test_cohere_compass_reads_each_layer_type_s_rope_and_its_vision_folder_s_text_model(tmp_path):
