@@ -8,7 +8,7 @@ A folder holds `config.json` and `model.safetensors` (or shards listed in
 qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, axk1, kimi_k2, kimi_k25, deepseek_v2, deepseek_v32, glm_moe_dsa, hy_v4, glm4_moe_lite, gpt_oss, solar_open,
 exaone_moe, kolibri1, beam, axk2, dots1, minimax_m2, minimax, granitemoe, granitemoeshared, granitemoe_swa, granitemoehybrid, nemotron_h, mamba2, mamba, falcon_mamba, jamba, hunyuan_v1_moe, llama4_text, llama4, afmoe,
 laguna, step3p5, step3p7, aria_text, aria, cohere2_moe, sarvam_moe, sarvam_mla, longcat_flash, bailing_hybrid, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, lara_mini, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
-mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe, gemma3, gemma4_text, gemma4), and the dense
+mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe, gemma3, gemma4_text, gemma4, gemma4_unified_text, gemma4_unified), and the dense
 DENSE_FAMILIES (llama, exaone, cwm, olmo, phi, starcoder2, gpt_neox, gptj, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, helium, minicpm3, arcee, gemma, vaultgemma, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
 glm4, ernie4_5, lfm2, cohere, cohere2, bamba, falcon_h1, stablelm, qwen3_5_text (and qwen3_5's text model), nemotron, apertus, olmo_hybrid, jais2, glm, internlm3,
 iquestcoder, ministral, nanochat, cohere_compass_text (and cohere_compass's text model): Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
@@ -719,6 +719,24 @@ def _lfm3(hf: dict) -> dict:
     return dict(common, **rope, qk_norm="head", linear_layers=conv or None, linear_kind="short_conv", linear_k_heads=H, linear_v_heads=H,
                 linear_k_dim=1, linear_v_dim=1, linear_conv=hf.get("conv_L_cache", 7), attn_gate=gate, attn_gate_per_head=gate,
                 post_norms=sandwich, ffn_dense=F, ffn_expert=F, n_dense=n, n_shared=0)
+
+
+def _gemma4_unified_text(hf: dict) -> dict:
+    """Gemma 4's unified models' text model (gemma4_unified_text, Gemma4UnifiedForCausalLM:
+    Gemma 4 12B): Gemma 4's dense blocks (_gemma4_text; no MoE, no per-layer embeddings);
+    bidirectional attention among the vision tokens alone (use_bidirectional_attention
+    "vision", by default) leaves a text-only forward causal; "all" and the double-wide MLP are
+    refused."""
+    _refuse(hf, "use_bidirectional_attention", lambda v: v in (None, "vision"), "causal attention among text tokens: null or \"vision\"")
+    _refuse(hf, "use_double_wide_mlp", lambda v: not v, "one MLP width in every layer")
+    return _gemma4_text(dict(hf, use_bidirectional_attention=None))
+
+
+def _gemma4_unified(hf: dict) -> dict:
+    """A released Gemma 4 unified folder (gemma4_unified, Gemma4UnifiedForConditionalGeneration):
+    its text_config's model (_gemma4_unified_text) under model.language_model.; the vision and
+    audio models beside it are not read."""
+    return _text_family(hf, "gemma4_unified_text")
 
 
 def _gemma4(hf: dict) -> dict:
@@ -3477,6 +3495,13 @@ FAMILIES = {
     "gemma4": Family(_gemma4, "", _STACKS, "Gemma4ForConditionalGeneration", **_GEMMA4,
                      prefix=("model.", "model.language_model."), written_as="gemma4_text",
                      not_read=("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")),
+    # Gemma 4's unified models (Gemma 4 12B): Gemma 4's dense text model, the released folders' under model.language_model.
+    "gemma4_unified_text": Family(_gemma4_unified_text, "", _STACKS, "Gemma4UnifiedForCausalLM", **_GEMMA4,
+                                  defaults=dict(vocab_size=262144, num_key_value_heads=4, head_dim=256, sliding_window=1024, tie_word_embeddings=True,
+                                                use_bidirectional_attention="vision", rope_parameters=_GEMMA4_ROPE)),
+    "gemma4_unified": Family(_gemma4_unified, "", _STACKS, "Gemma4UnifiedForConditionalGeneration", **_GEMMA4,
+                             prefix=("model.", "model.language_model."), written_as="gemma4_unified_text",
+                             not_read=("model.vision_embedder.", "model.embed_vision.", "model.embed_audio.")),
     "arcee": Family(_arcee, "mlp", _PROJ, "ArceeForCausalLM", defaults=dict(num_key_value_heads=8, rms_norm_eps=1e-5)),
     "gemma": Family(_gemma, "mlp", _PROJ, "GemmaForCausalLM", defaults=dict(vocab_size=256000, num_key_value_heads=16, head_dim=256,
                                                                                tie_word_embeddings=True)),
@@ -4831,8 +4856,8 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
                   mlp_layer_types=["sparse" if cfg.is_moe(i) else "dense" for i in range(cfg.n_layers)], layer_types=kinds,
                   sliding_window=cfg.window, rope_parameters={kind: rope_of(kind) for kind in ("full_attention", "sliding_attention")},
                   final_logit_softcapping=cfg.logit_softcap, attention_bias=False)
-    elif model_type == "gemma4_text":  # GeGLU; the sliding layers' geometry at the top level, the full ones' per layer; each type's RoPE
-        hf.pop("hidden_act")
+    elif model_type in ("gemma4_text", "gemma4_unified_text"):  # GeGLU; the sliding layers' geometry at the top level, the full ones'
+        hf.pop("hidden_act")                                         # per layer; each type's RoPE
         hf.pop("num_experts_per_tok")
         full = [i for i in range(cfg.n_layers) if not cfg.is_sliding(i)]
         hf.update(hidden_activation="gelu_pytorch_tanh", head_dim=cfg.local_head_dim or cfg.head_dim, num_key_value_heads=cfg.local_kv_heads or cfg.n_kv_heads,
@@ -4840,6 +4865,12 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
                   attention_k_eq_v=cfg.global_k_eq_v, layer_types=_layer_types(cfg), sliding_window=cfg.window or 512,
                   rope_parameters=_proportional_rope_parameters(cfg), final_logit_softcapping=cfg.logit_softcap, hidden_size_per_layer_input=0, num_kv_shared_layers=0, attention_bias=False,
                   intermediate_size=cfg.ffn_dense, enable_moe_block=bool(moe))
+        if model_type == "gemma4_unified_text":  # no MoE block, no per-layer embeddings in its config
+            if moe:
+                raise ValueError(f"model: gemma4_unified_text is a dense family; this model has MoE layers {moe}")
+            for field in ("enable_moe_block", "hidden_size_per_layer_input"):
+                hf.pop(field)
+            hf.update(use_bidirectional_attention=None, use_double_wide_mlp=False)
         if moe:
             hf.update(num_experts=cfg.n_experts, top_k_experts=cfg.k, moe_intermediate_size=cfg.ffn_expert)
     elif model_type == "kolibri1":

@@ -86,6 +86,12 @@ FAMILIES = {
                                                          rope_parameters=dict(full_attention=dict(rope_type="proportional", partial_rotary_factor=0.25,
                                                                                                   rope_theta=10000.0),
                                                                               sliding_attention=dict(rope_type="default", rope_theta=100.0))),
+    # Gemma 4's unified text model (Gemma 4 12B's): Gemma 4's dense blocks, the full layer's own geometry and proportional RoPE
+    "gemma4_unified_text": lambda: transformers.Gemma4UnifiedTextConfig(
+        **COMMON, head_dim=8, intermediate_size=40, sliding_window=4, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        attention_k_eq_v=True, global_head_dim=16, num_global_key_value_heads=1, final_logit_softcapping=3.0, pad_token_id=None,
+        rope_parameters=dict(full_attention=dict(rope_type="proportional", partial_rotary_factor=0.25, rope_theta=10000.0),
+                             sliding_attention=dict(rope_type="default", rope_theta=100.0))),
     # LFM3: a short convolution (3 taps), a block over a window of 4 with plain RoPE at 100, a full block with proportional
     # RoPE (half the frequencies turn); the attention's gate per head, sandwich norms
     "lfm3": lambda: transformers.Lfm3Config(**COMMON, head_dim=8, intermediate_size=40, conv_L_cache=3, sliding_window=4,
@@ -4177,6 +4183,25 @@ def test_gemma4_reads_its_per_layer_geometry_rope_and_moe_blocks(folders, tmp_pa
         assert _rel(mine.logits(ids, cu), torch.cat([back(d[None]).logits[0] for d in docs])) < 1e-5
     with pytest.raises(ValueError, match=r"model: its config has no gemma4_text equivalent: .*'window_layers'"):
         hf.save_pretrained(hf.Transformer(dataclasses.replace(dense, window_layers=(0, 2))), tmp_path / "last", model_type="gemma4_text")
+
+
+def test_a_released_gemma4_unified_folder_loads_its_text_model(folders, tmp_path):
+    """A released Gemma 4 unified folder (gemma4_unified, Gemma4UnifiedForConditionalGeneration):
+    the text model (Gemma 4's dense blocks) under model.language_model. with transformers'
+    logits of a text-only forward, the vision model unread; not written back whole; written
+    as gemma4_unified_text, which transformers loads with the same logits. Bidirectional
+    attention over every token and the double-wide MLP are refused by name."""
+    text = dict(FAMILIES["gemma4_unified_text"]().to_dict(), pad_token_id=0)
+    vision = dict(patch_size=2, pooling_kernel_size=1, mm_embed_dim=32, mm_posemb_size=8, output_proj_dims=32)
+    whole = transformers.Gemma4UnifiedConfig(text_config=text, vision_config=vision, audio_config=None)
+    theirs = _saved_multimodal(transformers.Gemma4UnifiedForConditionalGeneration, whole, tmp_path / "vl")
+    _, cfg, written = _text_model_round_trip(tmp_path / "vl", theirs, tmp_path / "text", kind="gemma4_unified", prefix="model.language_model.",
+                                             head="lm_head.weight", text_kind="gemma4_unified_text")
+    assert (cfg.global_k_eq_v, cfg.layer_scalars, cfg.window_layers) == (True, True, (0, 1))
+    for change, message in ((dict(use_bidirectional_attention="all"), "use_bidirectional_attention = 'all' is not supported"),
+                            (dict(use_double_wide_mlp=True), "use_double_wide_mlp = True is not supported")):
+        with pytest.raises(ValueError, match=message):
+            hf.FAMILIES["gemma4_unified_text"].kwargs(dict(written, **change))
 
 
 def test_gemma2_caps_its_attention_scores_and_lfm3_reads_its_three_layer_kinds(folders, tmp_path):
