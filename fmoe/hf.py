@@ -2343,10 +2343,11 @@ def _step3p5(hf: dict) -> dict:
     _refuse(hf, "use_bidirectional_attention", lambda v: not v, "causal attention")
     _refuse(hf, "att_impl_type", lambda v: v == "GQA", "grouped-query attention, as transformers' model")
     _refuse(hf, "moe_router_activation", lambda v: v == "sigmoid", "sigmoid router scores, as transformers' model")
-    for field in ("use_head_wise_attn_gate", "use_moe_router_bias", "norm_expert_weight", "zero_centered"):
+    for field in ("use_head_wise_attn_gate", "use_moe_router_bias", "norm_expert_weight", "zero_centered", "use_qk_norm"):
         _refuse(hf, field, lambda v: v is True, "true, as transformers' model")
+    _refuse(hf, "sink", lambda v: not v, "no attention sinks, as transformers' model")
     _refuse(hf, "yarn_only_types", lambda v: list(v) in ([], ["full_attention"]), "rope_scaling on the full layers, as transformers' model")
-    rope_layers = per_layer("use_rope_layers")
+    rope_layers = per_layer("use_rope_layers") if hf.get("use_rope_layers") else None  # the released configs' []: every layer
     if rope_layers is not None and not all(rope_layers):
         raise ValueError(f"config.json: use_rope_layers = {hf['use_rope_layers']!r} is not supported (RoPE in every layer, as transformers' model)")
     kinds = per_layer("layer_types") or ["full_attention"] * n

@@ -3026,7 +3026,8 @@ def test_step3p7_and_step3p5_folders_read_their_clamps_and_each_layer_type_s_hea
     put beside the vision model again as a step3p7 folder, loads in transformers with the
     same logits. A step3p5 folder as released (the fields' released names and per-layer
     lists, each list carrying the MTP layer's entry, and the MTP layer's keys, unread)
-    reads as the same model; one that clamps nothing reads with mlp_act "silu"."""
+    reads as the same model (its empty use_rope_layers: RoPE in every layer); one that clamps
+    nothing reads with mlp_act "silu"."""
     docs, ids, cu = _packed()
     config = transformers.Step3p7Config(text_config=_step_text(), vision_config=_STEP_VISION)
     theirs = _saved_multimodal(transformers.Step3p7ForConditionalGeneration, config, tmp_path / "vl")
@@ -3075,7 +3076,7 @@ def test_step3p7_and_step3p5_folders_read_their_clamps_and_each_layer_type_s_hea
                                                                            num_attention_groups=2, head_dim=8),
                     num_nextn_predict_layers=1, moe_router_activation="sigmoid", use_moe_router_bias=True, use_head_wise_attn_gate=True,
                     zero_centered=True, norm_expert_weight=True, need_fp32_gate=True, att_impl_type="GQA", yarn_only_types=["full_attention"],
-                    use_rope_layers=[True] * 5, layer_types=text["layer_types"] + ["full_attention"], rope_theta=text["rope_theta"] + [1e4],
+                    use_rope_layers=[], use_qk_norm=True, sink=False, use_moe=True, share_expert_dims=24, layer_types=text["layer_types"] + ["full_attention"], rope_theta=text["rope_theta"] + [1e4],
                     partial_rotary_factors=text["partial_rotary_factors"] + [0.5], swiglu_limits=text["swiglu_limits"] + [9.0],
                     swiglu_limits_shared=text["swiglu_limits_shared"] + [0])
     mtp = {"model.layers.4.eh_proj.weight": torch.randn(32, 64), "model.layers.4.enorm.weight": torch.zeros(32)}
@@ -3090,7 +3091,8 @@ def test_step3p5_refuses_what_transformers_model_is_not(tmp_path):
     """Step 3.5's fields that describe another model than transformers' Step3p7TextModel are
     refused by name: per-layer lists of another length, limits that differ across the layers
     they clamp, two RoPE bases in one layer type, the sliding layers' own kv heads, scaling on
-    the sliding layers, softmax routing, a gate per channel, RoPE left out of some layer."""
+    the sliding layers, softmax routing, a gate per channel, RoPE left out of some layer, no
+    q/k norms, attention sinks. The released configs' empty use_rope_layers means every layer."""
     base = dict(_step_text(), model_type="step3p5")
     for change, message in (
             (dict(swiglu_limits=[0, 0, 0.5]), r"config.json: swiglu_limits = \[0, 0, 0.5\] is not supported \(one entry per layer: 4\)"),
@@ -3103,6 +3105,8 @@ def test_step3p5_refuses_what_transformers_model_is_not(tmp_path):
             (dict(moe_router_activation="softmax"), r"moe_router_activation = 'softmax' is not supported \(sigmoid router scores"),
             (dict(use_head_wise_attn_gate=False), r"use_head_wise_attn_gate = False is not supported \(true, as transformers' model\)"),
             (dict(use_rope_layers=[True, False, True, True]), r"use_rope_layers = .* is not supported \(RoPE in every layer"),
+            (dict(use_qk_norm=False), r"use_qk_norm = False is not supported \(true, as transformers' model\)"),
+            (dict(sink=True), r"sink = True is not supported \(no attention sinks"),
             (dict(moe_layers_enum="1,x"), r"moe_layers_enum = '1,x' is not supported \(the MoE layers' indices\)")):
         config = dict(base, **change)
         if "moe_layers_enum" in change:
