@@ -42,7 +42,7 @@ overrides; depths it lacks start fresh); other families' MTP modules always star
 and are not exported. An MTP module without its own output norm (mtp_norm=False: it uses
 the final norm) is exported with a copy of the final norm as its shared_head.norm, so the
 folder reads back (mtp_norm=True) as the same model. FP8: weights stored as float8 with `weight_scale_inv` block scales
-(quantization_config.weight_block_size) are dequantised to float32 on load; so are
+(quantization_config.weight_block_size; a stack of experts' matrices each on its own blocks) are dequantised to float32 on load; so are
 compressed-tensors' packed integers (`weight_packed`, `weight_scale`, `weight_shape`:
 symmetric int4 in groups of 32 for the experts of Kimi K2-Thinking and K2.5,
 dequantize_int_packed). The export writes them in the config's dtype, without the
@@ -4477,14 +4477,18 @@ def _packed_int(quant: dict) -> tuple[int, Optional[int]]:
 
 def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: Optional[tuple[int, int]]) -> torch.Tensor:
     """A block-scaled FP8 weight [out, in] in float32: each [m, n] block (the last ones
-    cut at the edges) times its scale_inv [ceil(out/m), ceil(in/n)] entry."""
+    cut at the edges) times its scale_inv [ceil(out/m), ceil(in/n)] entry; a stack of them
+    [..., out, in] (Step 3.5's experts, [E, F, H]) with scale_inv [..., ceil(out/m), ceil(in/n)],
+    each matrix its own blocks."""
     if block is None:
         raise ValueError("config.json: an fp8 weight without a quantization_config (weight_block_size)")
     m, n = block
-    rows, cols = weight.shape
-    if tuple(scale_inv.shape) != (-(-rows // m), -(-cols // n)):
-        raise ValueError(f"checkpoint: fp8 scales of shape {tuple(scale_inv.shape)} for a {rows}x{cols} weight in {m}x{n} blocks")
-    scale = scale_inv.float().repeat_interleave(m, 0)[:rows].repeat_interleave(n, 1)[:, :cols]
+    if weight.ndim < 2:
+        raise ValueError(f"checkpoint: an fp8 weight of shape {tuple(weight.shape)}, expected [..., out, in]")
+    rows, cols = weight.shape[-2:]
+    if tuple(scale_inv.shape) != (*weight.shape[:-2], -(-rows // m), -(-cols // n)):
+        raise ValueError(f"checkpoint: fp8 scales of shape {tuple(scale_inv.shape)} for a {'x'.join(map(str, weight.shape))} weight in {m}x{n} blocks")
+    scale = scale_inv.float().repeat_interleave(m, -2)[..., :rows, :].repeat_interleave(n, -1)[..., :cols]
     return weight.float() * scale
 
 

@@ -3087,6 +3087,37 @@ def test_step3p7_and_step3p5_folders_read_their_clamps_and_each_layer_type_s_hea
         assert _rel(model.logits(ids, cu), theirs) < 1e-5
 
 
+def test_step3p5_fp8_expert_stacks_are_dequantised_expert_by_expert(tmp_path):
+    """Block-scaled FP8 experts stored as Step 3.5's stacks (float8 [E, F, H] and [E, H, F] with
+    [E, F/m, H/n] scales, its FP8 folders' layout) load as each expert's matrix dequantised on
+    its own blocks, the 2-D projections as before: the model is the one read from the
+    dequantised weights; scales of another shape are refused by name."""
+    cfg = TransformerConfig(**hf.FAMILIES["step3p5"].kwargs(dict(_step_text(), model_type="step3p5")))
+    model = hf.Transformer(cfg)
+    model.reset_parameters(seed=1)
+    plain = hf.save_pretrained(model, tmp_path / "plain", model_type="step3p5")
+    tensors, block = _read_all(plain), (8, 8)
+    quantised, dequantised = dict(tensors), {}
+    for key, t in tensors.items():
+        if key.endswith("proj.weight"):
+            pairs = [_fp8(w, block) for w in (t if t.ndim == 3 else t[None])]
+            q, scale = (torch.stack(parts) if t.ndim == 3 else parts[0] for parts in zip(*pairs))
+            quantised[key], quantised[key.removesuffix("weight") + "weight_scale_inv"] = q, scale
+            dequantised[key] = hf.dequantize_fp8(q, scale, block)
+    gate = "model.layers.1.moe.gate_proj.weight"
+    scales = quantised[gate.removesuffix("weight") + "weight_scale_inv"]
+    assert quantised[gate].shape == (4, 16, 32) and scales.shape == (4, 2, 4)
+    assert torch.equal(dequantised[gate][2], hf.dequantize_fp8(quantised[gate][2], scales[2], block))  # expert 2 on its own blocks
+    assert not torch.equal(dequantised[gate], tensors[gate])  # the quantisation rounded
+    fp8 = _copy_folder(plain, tmp_path / "fp8", quantised, lambda c: c.update(quantization_config=dict(
+        quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=list(block))))
+    reference = _copy_folder(plain, tmp_path / "dequantised", tensors | dequantised)
+    got, want = hf.from_pretrained(fp8, impl="torch")[0].state_dict(), hf.from_pretrained(reference, impl="torch")[0].state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+    with pytest.raises(ValueError, match=r"checkpoint: fp8 scales of shape \(4, 1, 4\) for a 4x16x32 weight in 8x8 blocks"):
+        hf.dequantize_fp8(quantised[gate], scales[:, :1], block)
+
+
 def test_step3p5_refuses_what_transformers_model_is_not(tmp_path):
     """Step 3.5's fields that describe another model than transformers' Step3p7TextModel are
     refused by name: per-layer lists of another length, limits that differ across the layers
