@@ -9,7 +9,7 @@ qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, axk1, kimi_k2, kimi_k25, dee
 exaone_moe, kolibri1, beam, axk2, dots1, minimax_m2, minimax, granitemoe, granitemoeshared, granitemoe_swa, granitemoehybrid, nemotron_h, mamba2, mamba, falcon_mamba, jamba, hunyuan_v1_moe, llama4_text, llama4, afmoe,
 laguna, step3p5, step3p7, aria_text, aria, cohere2_moe, sarvam_moe, sarvam_mla, longcat_flash, bailing_hybrid, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, lara_mini, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
 mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe, gemma3, gemma4_text, gemma4, gemma4_unified_text, gemma4_unified), and the dense
-DENSE_FAMILIES (llama, exaone, cwm, olmo, phi, starcoder2, gpt_neox, gptj, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, helium, minicpm3, arcee, gemma, vaultgemma, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
+DENSE_FAMILIES (llama, exaone, cwm, olmo, phi, starcoder2, gpt_neox, gptj, codegen, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, helium, minicpm3, arcee, gemma, vaultgemma, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
 glm4, ernie4_5, lfm2, cohere, cohere2, bamba, falcon_h1, stablelm, qwen3_5_text (and qwen3_5's text model), nemotron, apertus, olmo_hybrid, jais2, glm, internlm3,
 iquestcoder, ministral, nanochat, cohere_compass_text (and cohere_compass's text model): Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: OLMoE's q and k clamped after their norms, ...;
@@ -433,6 +433,14 @@ def _gptj(hf: dict) -> dict:
                        rope_parameters=dict(rope_type="default", rope_theta=10000.0), mlp_bias=True), mlp_bias=True, mlp_act="gelu_new",
                   layer_norms=True, norm_bias=True, parallel_blocks=True, head_bias=True, rope_interleaved=True,
                   rope_dim=None if rotary == head_dim else rotary)
+
+
+def _codegen(hf: dict) -> dict:
+    """CodeGen (codegen, dense; Salesforce CodeGen-350M to 16B): GPT-J's model (_gptj) with q, k
+    and v as the rows of one qkv_proj module in four groups (its mp_num), each its heads' q, v
+    and k in turn (Family.qkv_groups, qkv_order "qvk")."""
+    _refuse(hf, "num_attention_heads", lambda v: v % 4 == 0, "a multiple of 4, CodeGen's four groups of heads")
+    return _gptj(hf)
 
 
 def _olmo(hf: dict) -> dict:
@@ -3054,6 +3062,8 @@ class Family:
     attention: str = "self_attn"  # the attention module, in each block
     qkv: Optional[str] = None  # q, k and v as one module's rows (Sarvam's query_key_value), not q_proj / k_proj / v_proj
     qkv_per_head: bool = False  # that module's rows head by head, each head's q, k and v in turn (GPT-NeoX's), not all q's first
+    qkv_groups: Optional[int] = None  # ...or in this many equal groups, each its heads' q, k and v in turn (CodeGen's 4)
+    qkv_order: str = "qkv"  # the order of q, k and v in the module's rows (in each group): CodeGen's "qvk"
     o_proj: str = "o_proj"  # the attention's output projection, under the attention module
     sinks: str = "sinks"  # the attention sinks' key, under the attention module
     extra_layers_read: bool = True  # False: the layers after the trunk's (HY-V3's MTP layer) are not read, as in transformers
@@ -3178,7 +3188,7 @@ _MISTRAL4_ROPE = dict(rope_type="yarn", rope_theta=10000.0, factor=128.0, origin
 _MINISTRAL3_ROPE = dict(rope_type="yarn", rope_theta=1e6, factor=16.0, original_max_position_embeddings=16384, beta_fast=32.0, beta_slow=1.0,
                         mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1)
 # the dense families (no MoE block): fine-tuned as they are, or upcycled into an MoE (fmoe.train.upcycle)
-DENSE_FAMILIES = ("llama", "exaone", "cwm", "olmo", "phi", "starcoder2", "gpt_neox", "gptj", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "youtu", "helium", "minicpm3", "arcee", "gemma", "vaultgemma", "gemma2", "gemma3_text", "lfm3", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
+DENSE_FAMILIES = ("llama", "exaone", "cwm", "olmo", "phi", "starcoder2", "gpt_neox", "gptj", "codegen", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "youtu", "helium", "minicpm3", "arcee", "gemma", "vaultgemma", "gemma2", "gemma3_text", "lfm3", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
                   "phi3", "glm4", "ernie4_5", "lfm2", "cohere", "cohere2", "bamba", "falcon_h1", "stablelm", "qwen3_5_text", "nemotron", "apertus", "olmo_hybrid",
                   "jais2", "glm", "internlm3", "iquestcoder", "ministral", "nanochat", "cohere_compass_text")
 FAMILIES = {
@@ -3436,6 +3446,14 @@ FAMILIES = {
     # GPT-J: the layers under transformer.h., the attention under attn. (out_proj), the MLP's fc_in / fc_out, one LayerNorm per
     # block (ln_1), the embedding transformer.wte, the final norm transformer.ln_f; old folders' causal-mask buffers
     # (attn.bias, attn.masked_bias) not read, as in transformers; its config's own field names
+    # CodeGen: GPT-J's names, q, k and v in qkv_proj (four groups of q, v, k)
+    "codegen": Family(_codegen, "mlp", _PROJ, "CodeGenForCausalLM", prefix=("model.layers.", "transformer.h."), attention="attn",
+                      qkv="qkv_proj", qkv_groups=4, qkv_order="qvk", o_proj="out_proj", norms=("ln_1", ""), dense_names=("", "fc_in", "fc_out"),
+                      embed="transformer.wte.weight", final_norm="transformer.ln_f.weight", ignored=(r"\.attn\.(causal_mask|masked_bias)$",),
+                      aliases=dict(hidden_size="n_embd", num_hidden_layers="n_layer", num_attention_heads="n_head", intermediate_size="n_inner",
+                                   rms_norm_eps="layer_norm_epsilon", hidden_act="activation_function"),
+                      defaults=dict(vocab_size=50400, hidden_size=4096, num_hidden_layers=28, num_attention_heads=16, rotary_dim=64, rms_norm_eps=1e-5,
+                                    hidden_act="gelu_new")),
     "gptj": Family(_gptj, "mlp", _PROJ, "GPTJForCausalLM", prefix=("model.layers.", "transformer.h."), attention="attn", o_proj="out_proj",
                    norms=("ln_1", ""), dense_names=("", "fc_in", "fc_out"), embed="transformer.wte.weight", final_norm="transformer.ln_f.weight",
                    ignored=(r"\.attn\.(masked_)?bias$",),
@@ -3920,9 +3938,10 @@ def _attention_keys(family: Family, cfg: TransformerConfig, p: str, q: str, rope
     elif family.qkv is not None:  # q, k and v: the rows of one module, in that order (qkv_per_head: each head's in turn)
         G = cfg.kv_heads(layer)
         rows = (cfg.heads(layer) * cfg.head_dim, G * cfg.head_dim, G * (cfg.v_head_dim or cfg.head_dim))
-        split = dict(chunk=(0, (1, 1, 1)), groups=G) if family.qkv_per_head else dict(chunk=(0, rows))
-        for j, name in enumerate(("q", "k", "v")):
-            part = dict(split, chunk=(j, split["chunk"][1]))
+        groups = G if family.qkv_per_head else family.qkv_groups
+        split = dict(chunk=(0, (1, 1, 1)), groups=groups) if groups else dict(chunk=(0, tuple(rows["qkv".index(p)] for p in family.qkv_order)))
+        for name in ("q", "k", "v"):
+            part = dict(split, chunk=(family.qkv_order.index(name), split["chunk"][1]))
             out[q + "attn.w" + name] = Tensor((f"{attn}{family.qkv}.weight",), transpose=True, **part)
             if cfg.qkv_bias:
                 out[q + "attn.b" + name] = Tensor((f"{attn}{family.qkv}.bias",), **part)
@@ -4995,7 +5014,7 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
                 hf.pop(field)
             hf.update(layer_norm_eps=cfg.norm_eps, hidden_act="gelu" if cfg.mlp_act == "gelu" else "gelu_new", attention_bias=cfg.qkv_bias,
                       use_parallel_residual=cfg.parallel_blocks, rope_parameters=dict(hf["rope_parameters"], partial_rotary_factor=_rotary_factor(cfg)))
-        elif model_type == "gptj":  # its own field names; RoPE's base fixed at 10000 (config_mismatch names another)
+        elif model_type in ("gptj", "codegen"):  # their own field names; RoPE's base fixed at 10000 (config_mismatch names another)
             for field in ("rms_norm_eps", "mlp_bias", "num_key_value_heads", "head_dim", "rope_parameters", "hidden_size", "num_hidden_layers",
                           "num_attention_heads", "intermediate_size", "hidden_act"):
                 hf.pop(field)

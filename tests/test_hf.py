@@ -57,6 +57,9 @@ FAMILIES = {
     # Aria's text model: every block MoE, softmax over the top-2 logits, [E, H, 2F] / [E, F, H] expert stacks, 2 shared experts
     "aria_text": lambda: transformers.AriaTextConfig(**COMMON, intermediate_size=16, moe_num_experts=4, moe_topk=2, moe_num_shared_experts=2,
                                                      pad_token_id=None, bos_token_id=None, eos_token_id=None),
+    # CodeGen: GPT-J's model with q, v, k in four groups of one qkv_proj
+    "codegen": lambda: transformers.CodeGenConfig(vocab_size=V, n_embd=32, n_layer=3, n_head=4, n_positions=128, n_ctx=128, rotary_dim=4, n_inner=40,
+                                                  bos_token_id=None, eos_token_id=None),
     # Cohere's North text model: Cohere 2's parallel blocks, RoPE on halves in the sliding layers 0 and 1, none in layer 2
     "cohere_compass_text": lambda: transformers.CohereCompassTextConfig(
         **COMMON, intermediate_size=40, layer_types=["sliding_attention", "sliding_attention", "full_attention"], sliding_window=4,
@@ -824,6 +827,8 @@ def test_a_failed_export_leaves_no_weight_files(folders, tmp_path, monkeypatch):
                                                             rope_dim=2, n_kv_heads=4, norm_eps=1e-5)),
                                           ("gptj", dict(layer_norms=True, norm_bias=True, parallel_blocks=True, mlp_bias=True, mlp_act="gelu_new",
                                                         head_bias=True, rope_interleaved=True, rope_dim=4, n_kv_heads=4, norm_eps=1e-5)),
+                                          ("codegen", dict(layer_norms=True, norm_bias=True, parallel_blocks=True, mlp_bias=True, mlp_act="gelu_new",
+                                                           head_bias=True, rope_interleaved=True, rope_dim=4, n_kv_heads=4, norm_eps=1e-5)),
                                           ("starcoder2", dict(layer_norms=True, norm_bias=True, qkv_bias=True, o_bias=True, mlp_bias=True,
                                                               mlp_act="gelu_new", window=4, tie_embeddings=True, norm_eps=1e-5)),
                                           ("phi", dict(layer_norms=True, norm_bias=True, parallel_blocks=True, qkv_bias=True, o_bias=True, mlp_bias=True,
@@ -2925,12 +2930,14 @@ def test_gpt_neox_reads_pythia_s_released_fields_and_leaves_its_mask_buffers_unr
             hf.FAMILIES["gpt_neox"].kwargs(dict(released, **change))
 
 
-def test_gptj_leaves_its_mask_buffers_unread_and_rotates_interleaved_pairs(folders, tmp_path):
-    """GPT-J: the causal-mask buffers older folders hold (attn.bias, attn.masked_bias) are not
-    read, as in transformers, and the folder loads with transformers' logits; its RoPE turns
-    interleaved pairs of each head's first rotary_dim channels (halves give other logits)."""
-    path, ref = folders["gptj"]
-    buffers = {f"transformer.h.{i}.attn.{name}": torch.ones(1) for i in range(3) for name in ("bias", "masked_bias")}
+@pytest.mark.parametrize("family, masks", [("gptj", ("bias", "masked_bias")), ("codegen", ("causal_mask", "masked_bias"))])
+def test_gptj_leaves_its_mask_buffers_unread_and_rotates_interleaved_pairs(family, masks, folders, tmp_path):
+    """GPT-J and CodeGen: the causal-mask buffers older folders hold (attn.bias / causal_mask,
+    attn.masked_bias) are not read, as in transformers, and the folder loads with transformers'
+    logits; their RoPE turns interleaved pairs of each head's first rotary_dim channels (halves
+    give other logits)."""
+    path, ref = folders[family]
+    buffers = {f"transformer.h.{i}.attn.{name}": torch.ones(1) for i in range(3) for name in masks}
     folder = _copy_folder(path, tmp_path / "old", _read_all(path) | buffers)
     model, cfg = hf.from_pretrained(folder, impl="torch")
     assert (cfg.rope_interleaved, cfg.rope_dim, cfg.parallel_blocks, cfg.head_bias) == (True, 4, True, True)
