@@ -508,6 +508,11 @@ class TransformerConfig:
     norm_weights=False: those norms (and embed_norm) have no weights, x / rms(x) alone
     (NanoChat's; not with zero_centered_norms, norm_bias or norm_gate_rank). embed_norm: the
     embeddings pass through such a norm (embed_norm) before the first block (NanoChat's).
+    abs_positions: P, learned absolute position embeddings pos_embed [P, H] added to the
+    trunk's token embeddings at each token's position in its document (GPT-Neo's, OPT's,
+    GPT-2's wpe); no block then rotates (every block NoPE, is_nope); positions must stay
+    below P (a ValueError in logits and decode, an assert on the device in the training
+    forward, which reads nothing on the host); not with MTP modules (which rotate).
     zero_centered_norms: every RMSNorm's gain is 1 + its weight, the weight 0 at initialisation
     (Qwen3-Next's zero-centred norms: weight decay pulls the gain to 1;
     the blocks', the final, the MTP modules' and the q/k norms; not the linear-attention
@@ -709,6 +714,7 @@ class TransformerConfig:
     norm_bias: bool = False
     norm_weights: bool = True
     embed_norm: bool = False
+    abs_positions: Optional[int] = None
     head_bias: bool = False
     zero_centered_norms: bool = False
     linear_layers: Optional[tuple[int, ...]] = None
@@ -846,6 +852,11 @@ class TransformerConfig:
             raise ValueError("moe_out_norm: a norm on the MoE blocks' output, which post_norms already puts on every block's")
         if self.parallel_blocks and (not self.pre_norms or self.post_norms or self.moe_out_norm):
             raise ValueError("parallel_blocks: attention and MLP of one pre-norm's output, needs pre_norms and neither post_norms nor moe_out_norm")
+        if self.abs_positions is not None:
+            check_positive_int("abs_positions", self.abs_positions)
+            if self.mtp_depth:
+                raise ValueError("abs_positions: learned absolute positions leave every block without RoPE, which the MTP blocks have; "
+                                 "set mtp_depth=0")
         if self.parallel_norms and not self.parallel_blocks:
             raise ValueError("parallel_norms: the MLP's own pre-norm in a parallel block, needs parallel_blocks=True")
         if (self.attn_gate_act != "sigmoid" or self.attn_gate_per_head) and not self.attn_gate:
@@ -1132,8 +1143,9 @@ class TransformerConfig:
         return max(j for j in range(i + 1) if not self.is_index_shared(j) and not self.is_linear(j))
 
     def is_nope(self, i: int) -> bool:
-        """Whether trunk block i attends without RoPE: listed in nope_layers."""
-        return self.nope_layers is not None and i in self.nope_layers
+        """Whether trunk block i attends without RoPE: listed in nope_layers, or every block with
+        abs_positions (the positions are in the embeddings)."""
+        return self.abs_positions is not None or (self.nope_layers is not None and i in self.nope_layers)
 
     def has_sinks(self, i: Optional[int]) -> bool:
         """Whether trunk block i's attention has sinks (attn_sinks, and i in sink_layers when
@@ -2022,6 +2034,8 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden))
+        # learned absolute positions [P, H] (cfg.abs_positions: GPT-Neo's wpe), added to the embeddings
+        self.pos_embed = nn.Parameter(torch.empty(cfg.abs_positions, cfg.hidden)) if cfg.abs_positions else None
         self.blocks = nn.ModuleList(Block(cfg, moe=cfg.is_moe(i), local=cfg.is_local(i), rope=not cfg.is_nope(i), linear=cfg.is_linear(i),
                                           fp8=cfg.is_fp8(i), index_shared=cfg.is_index_shared(i), sinks=cfg.has_sinks(i),
                                           shortcut=cfg.shortcut(i), depth=i, mlp=not cfg.is_mlp_free(i), mixer=not cfg.is_mixer_free(i))
@@ -2194,11 +2208,19 @@ class Transformer(nn.Module):
             return h
         return h * (torch.tensor(self.cfg.embed_scale, dtype=h.dtype) if self.cfg.round_embed_scale else self.cfg.embed_scale)
 
-    def _trunk_input(self, ids: torch.Tensor) -> torch.Tensor:
-        """The first block's input of token ids [T]: their embeddings [T, H] (through
-        embed_norm with cfg.embed_norm), or with hyper_connections n copies side by side
-        [T, n H] (the streams)."""
+    def _trunk_input(self, ids: torch.Tensor, positions: torch.Tensor, check: bool = True) -> torch.Tensor:
+        """The first block's input of token ids [T] at positions [T]: their embeddings [T, H]
+        (plus pos_embed's rows of their positions with cfg.abs_positions; check: a ValueError
+        for a position past it, else an assert on the device, a RuntimeError, no host read; through embed_norm with
+        cfg.embed_norm), or with hyper_connections n copies side by side [T, n H] (the streams)."""
         h_TH = self._embedding(ids)
+        if self.pos_embed is not None:
+            P = self.pos_embed.shape[0]
+            if check and positions.numel() and int(positions.max()) >= P:
+                raise ValueError(f"positions: up to {int(positions.max())}, past the {P} learned positions (abs_positions); shorter documents")
+            if not check:  # no host read: a RuntimeError where the check runs (on the device)
+                torch._assert_async((positions < P).all(), f"positions past the {P} learned positions (abs_positions)")
+            h_TH = h_TH + F.embedding(positions, self.pos_embed)
         if self.embed_norm is not None:
             h_TH = self.embed_norm(h_TH)
         return h_TH.repeat(1, self.cfg.hyper_connections) if self.cfg.hyper_connections else h_TH
@@ -2233,7 +2255,7 @@ class Transformer(nn.Module):
         if positions is None:
             positions = positions_from_cu_seqlens(cu_seqlens)
         ctx = attention_context(cu_seqlens, positions, self.cfg.context_config())
-        h_TH = self._trunk_input(input_ids)
+        h_TH = self._trunk_input(input_ids, positions)
         for block in self.blocks:
             h_TH, _ = block(h_TH, ctx)
         return self._head(h_TH)
@@ -2363,7 +2385,7 @@ class Transformer(nn.Module):
                                                 token_index=queries, kv_index=torch.arange(n_keys, device=device), gather_kv=_bound_per_layer)
         if cache.window_layers:
             contexts[True], window_kv = self._window_context(cache, seq_list, T, positions, queries, rows_host, cfg)
-        h_TH = self._trunk_input(ids)
+        h_TH = self._trunk_input(ids, positions)
         for i, block in enumerate(self.blocks):
             if block.attn is None:  # an MLP alone: nothing cached
                 h_TH, _ = block(h_TH, AttentionContext(None, None, None))
@@ -2489,7 +2511,7 @@ class Transformer(nn.Module):
             raise ValueError("hidden: expected the previous stage's output for a pipeline chunk that is not the first, "
                              f"and None otherwise; got {'None' if hidden is None else 'a tensor'} (pipeline_chunk={chunk})")
         if hidden is None:
-            h_TH = self._trunk_input(batch["input_ids"])
+            h_TH = self._trunk_input(batch["input_ids"], batch["positions"], check=False)
         else:
             h_TH = hidden
         stats = {}

@@ -141,6 +141,7 @@ def pipeline_chunk(model: Transformer, chunk: PipelineChunk) -> Transformer:
         model.embed = None
     if not chunk.first:
         model.embed_norm = None  # the trunk's input alone (the MTP modules norm their embeddings with their own)
+        model.pos_embed = None  # learned positions (abs_positions): the trunk's input alone
     if not chunk.last:
         model.norm = None
         model.hc_head = None

@@ -445,6 +445,10 @@ CASES = {
     "tp2-embed-norm": (2, dict(tp=2), dict(embed_norm=True)),
     # Step 3.7's (STEP3P7): the clamped MLPs' columns split over tp, each block's own query heads and gate columns
     "tp2-step3p7": (2, dict(tp=2), STEP3P7),
+    # GPT-Neo's learned absolute positions (no RoPE): each tp rank adds them to the whole micro-batch's embeddings; each cp
+    # rank to its own tokens', at their positions in their documents
+    "tp2-abs-positions": (2, dict(tp=2), dict(abs_positions=32, mtp_depth=0)),
+    "cp2-abs-positions": (2, dict(cp=2), dict(abs_positions=32, mtp_depth=0)),
     # GPT-NeoX's: the parallel residual with a LayerNorm (with bias) per branch, exact-GELU MLPs without a gate, biases on
     # every projection, split over tp
     "tp2-gpt-neox": (2, dict(tp=2), dict(n_dense=2, n_kv_heads=4, parallel_blocks=True, parallel_norms=True, layer_norms=True, norm_bias=True,

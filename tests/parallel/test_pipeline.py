@@ -259,3 +259,9 @@ def test_pruned_chunks_keep_the_whole_models_names():
     assert not parts[1] & (parts[0] | parts[2])
     assert "head" in parts[2] and "mtp.0.proj" in parts[2] and "head" not in parts[0]
     assert "embed_norm.weight" in parts[0] and "embed_norm.weight" not in parts[1] | parts[2]
+    # learned absolute positions (abs_positions): on the first stage alone, with the embedding
+    cfg = TransformerConfig(**dict(TINY, mtp_depth=0), abs_positions=16)
+    with torch.device("meta"):
+        stages = [{n for n, _ in pipeline_chunk(Transformer(cfg), PipelineChunk(s, 2, layers)).named_parameters()}
+                  for s, layers in enumerate([range(0, 2), range(2, 4)])]
+    assert "pos_embed" in stages[0] and "pos_embed" not in stages[1]
