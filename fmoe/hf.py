@@ -9,7 +9,7 @@ qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, axk1, kimi_k2, kimi_k25, dee
 exaone_moe, kolibri1, beam, axk2, dots1, minimax_m2, minimax, granitemoe, granitemoeshared, granitemoe_swa, granitemoehybrid, nemotron_h, mamba2, mamba, falcon_mamba, jamba, hunyuan_v1_moe, llama4_text, llama4, afmoe,
 laguna, step3p5, step3p7, aria_text, aria, cohere2_moe, sarvam_moe, sarvam_mla, longcat_flash, bailing_hybrid, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, lara_mini, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
 mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe, gemma3, gemma4_text, gemma4, gemma4_unified_text, gemma4_unified), and the dense
-DENSE_FAMILIES (llama, exaone, cwm, olmo, phi, starcoder2, gpt_neox, gptj, codegen, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, helium, minicpm3, arcee, gemma, vaultgemma, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
+DENSE_FAMILIES (llama, exaone, cwm, olmo, phi, starcoder2, gpt_neox, gptj, codegen, gpt_neo, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, helium, minicpm3, arcee, gemma, vaultgemma, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
 glm4, ernie4_5, lfm2, cohere, cohere2, bamba, falcon_h1, stablelm, qwen3_5_text (and qwen3_5's text model), nemotron, apertus, olmo_hybrid, jais2, glm, internlm3,
 iquestcoder, ministral, nanochat, cohere_compass_text (and cohere_compass's text model): Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: OLMoE's q and k clamped after their norms, ...;
@@ -441,6 +441,33 @@ def _codegen(hf: dict) -> dict:
     and k in turn (Family.qkv_groups, qkv_order "qvk")."""
     _refuse(hf, "num_attention_heads", lambda v: v % 4 == 0, "a multiple of 4, CodeGen's four groups of heads")
     return _gptj(hf)
+
+
+def _gpt_neo(hf: dict) -> dict:
+    """GPT-Neo (gpt_neo, dense; GPT-Neo 125M to 2.7B, the TinyStories models): learned absolute
+    positions (max_position_embeddings of them: abs_positions) and no RoPE; the layers
+    attention_types (or attention_layers) names local attend over the window_size newest
+    tokens, the global ones over all; no softmax scale (attn_scale 1); q, k and v without
+    biases, the output projection with one; LayerNorms with bias (layer_norm_epsilon); MLPs
+    without a gate, gelu_new(x c_fc) c_proj with biases (intermediate_size, by default 4 H);
+    its config's own field names."""
+    _refuse(hf, "hidden_act", lambda v: v in ("gelu_new", "gelu_pytorch_tanh"), "GELU's tanh form, gelu_new")
+    n, heads, H = hf["num_hidden_layers"], hf["num_attention_heads"], hf["hidden_size"]
+    kinds = hf.get("attention_layers")
+    if not kinds:
+        types = hf.get("attention_types") or [[["global", "local"], n // 2]]
+        try:
+            kinds = [kind for pattern, repeat in types for _ in range(repeat) for kind in pattern]
+        except (TypeError, ValueError):
+            raise ValueError(f"config.json: attention_types = {types!r} is not supported ([[kinds, repeats], ...])") from None
+    if len(kinds) != n or set(kinds) - {"global", "local"}:
+        raise ValueError(f"config.json: attention layers {kinds!r} are not supported (one of global / local for each of the {n} layers)")
+    positions = hf.get("max_position_embeddings", 2048)
+    return _dense(dict(hf, hidden_act="silu", intermediate_size=hf.get("intermediate_size") or 4 * H, head_dim=H // heads, num_key_value_heads=heads,
+                       layer_types=["sliding_attention" if kind == "local" else "full_attention" for kind in kinds],
+                       sliding_window=hf.get("window_size", 256), rope_parameters=dict(rope_type="default", rope_theta=10000.0), mlp_bias=True),
+                  sliding=True, mlp_bias=True, o_bias=True, attn_scale=1.0, layer_norms=True, norm_bias=True, mlp_act="gelu_new",
+                  abs_positions=positions)
 
 
 def _olmo(hf: dict) -> dict:
@@ -3059,6 +3086,7 @@ class Family:
     aliases: dict = dataclasses.field(default_factory=dict)
     embed: str = "model.embed_tokens.weight"  # the embedding's key
     head: str = "lm_head.weight"  # the output head's key (GPT-NeoX's embed_out.weight); its bias beside it
+    pos_embed: Optional[str] = None  # learned absolute positions' key (GPT-Neo's transformer.wpe.weight; TransformerConfig.abs_positions)
     attention: str = "self_attn"  # the attention module, in each block
     qkv: Optional[str] = None  # q, k and v as one module's rows (Sarvam's query_key_value), not q_proj / k_proj / v_proj
     qkv_per_head: bool = False  # that module's rows head by head, each head's q, k and v in turn (GPT-NeoX's), not all q's first
@@ -3188,7 +3216,7 @@ _MISTRAL4_ROPE = dict(rope_type="yarn", rope_theta=10000.0, factor=128.0, origin
 _MINISTRAL3_ROPE = dict(rope_type="yarn", rope_theta=1e6, factor=16.0, original_max_position_embeddings=16384, beta_fast=32.0, beta_slow=1.0,
                         mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1)
 # the dense families (no MoE block): fine-tuned as they are, or upcycled into an MoE (fmoe.train.upcycle)
-DENSE_FAMILIES = ("llama", "exaone", "cwm", "olmo", "phi", "starcoder2", "gpt_neox", "gptj", "codegen", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "youtu", "helium", "minicpm3", "arcee", "gemma", "vaultgemma", "gemma2", "gemma3_text", "lfm3", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
+DENSE_FAMILIES = ("llama", "exaone", "cwm", "olmo", "phi", "starcoder2", "gpt_neox", "gptj", "codegen", "gpt_neo", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "youtu", "helium", "minicpm3", "arcee", "gemma", "vaultgemma", "gemma2", "gemma3_text", "lfm3", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
                   "phi3", "glm4", "ernie4_5", "lfm2", "cohere", "cohere2", "bamba", "falcon_h1", "stablelm", "qwen3_5_text", "nemotron", "apertus", "olmo_hybrid",
                   "jais2", "glm", "internlm3", "iquestcoder", "ministral", "nanochat", "cohere_compass_text")
 FAMILIES = {
@@ -3446,6 +3474,15 @@ FAMILIES = {
     # GPT-J: the layers under transformer.h., the attention under attn. (out_proj), the MLP's fc_in / fc_out, one LayerNorm per
     # block (ln_1), the embedding transformer.wte, the final norm transformer.ln_f; old folders' causal-mask buffers
     # (attn.bias, attn.masked_bias) not read, as in transformers; its config's own field names
+    # GPT-Neo: the layers under transformer.h., the attention under attn.attention. (out_proj), the MLP's c_fc / c_proj, the
+    # learned positions transformer.wpe; old folders' causal-mask buffers (attn.attention.bias, masked_bias) not read
+    "gpt_neo": Family(_gpt_neo, "mlp", _PROJ, "GPTNeoForCausalLM", prefix=("model.layers.", "transformer.h."), attention="attn.attention",
+                      o_proj="out_proj", norms=("ln_1", "ln_2"), dense_names=("", "c_fc", "c_proj"), embed="transformer.wte.weight",
+                      pos_embed="transformer.wpe.weight", final_norm="transformer.ln_f.weight", ignored=(r"\.attn\.attention\.(masked_)?bias$",),
+                      aliases=dict(num_hidden_layers="num_layers", num_attention_heads="num_heads", rms_norm_eps="layer_norm_epsilon",
+                                   hidden_act="activation_function"),
+                      defaults=dict(vocab_size=50257, hidden_size=2048, num_hidden_layers=24, num_attention_heads=16, rms_norm_eps=1e-5,
+                                    hidden_act="gelu_new", tie_word_embeddings=True)),
     # CodeGen: GPT-J's names, q, k and v in qkv_proj (four groups of q, v, k)
     "codegen": Family(_codegen, "mlp", _PROJ, "CodeGenForCausalLM", prefix=("model.layers.", "transformer.h."), attention="attn",
                       qkv="qkv_proj", qkv_groups=4, qkv_order="qvk", o_proj="out_proj", norms=("ln_1", ""), dense_names=("", "fc_in", "fc_out"),
@@ -4032,6 +4069,10 @@ def key_map(family: Family, cfg: TransformerConfig) -> dict[str, Tensor]:
     enorm, hnorm, eh_proj, a block, shared_head.norm (its copies of the embedding and the
     head are mtp_copies'); with family.mtp_module, depth 1 is Qwen3-Next's module under mtp."""
     out = {"embed": Tensor((family.embed,))}
+    if cfg.abs_positions:  # learned absolute positions (GPT-Neo's wpe)
+        if family.pos_embed is None:
+            raise ValueError("model: abs_positions, learned absolute positions, which this family's checkpoints do not hold")
+        out["pos_embed"] = Tensor((family.pos_embed,))
     if family.pairs and not cfg.shortcut_moe:
         raise ValueError("model: this family's layers are shortcut pairs of blocks (shortcut_moe=True)")
     for i, (p_mixer, p_mlp) in enumerate(_layer_prefixes(family, cfg)):
@@ -5014,6 +5055,13 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
                 hf.pop(field)
             hf.update(layer_norm_eps=cfg.norm_eps, hidden_act="gelu" if cfg.mlp_act == "gelu" else "gelu_new", attention_bias=cfg.qkv_bias,
                       use_parallel_residual=cfg.parallel_blocks, rope_parameters=dict(hf["rope_parameters"], partial_rotary_factor=_rotary_factor(cfg)))
+        elif model_type == "gpt_neo":  # its own field names, each layer's kind, the learned positions' count
+            for field in ("rms_norm_eps", "mlp_bias", "num_key_value_heads", "head_dim", "rope_parameters", "num_hidden_layers", "num_attention_heads",
+                          "hidden_act"):
+                hf.pop(field)
+            hf.update(num_layers=cfg.n_layers, num_heads=cfg.n_heads, layer_norm_epsilon=cfg.norm_eps, activation_function="gelu_new",
+                      attention_types=[[["local" if cfg.is_sliding(i) else "global"], 1] for i in range(cfg.n_layers)], window_size=cfg.window or 256,
+                      max_position_embeddings=cfg.abs_positions)
         elif model_type in ("gptj", "codegen"):  # their own field names; RoPE's base fixed at 10000 (config_mismatch names another)
             for field in ("rms_norm_eps", "mlp_bias", "num_key_value_heads", "head_dim", "rope_parameters", "hidden_size", "num_hidden_layers",
                           "num_attention_heads", "intermediate_size", "hidden_act"):

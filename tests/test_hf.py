@@ -60,6 +60,10 @@ FAMILIES = {
     # CodeGen: GPT-J's model with q, v, k in four groups of one qkv_proj
     "codegen": lambda: transformers.CodeGenConfig(vocab_size=V, n_embd=32, n_layer=3, n_head=4, n_positions=128, n_ctx=128, rotary_dim=4, n_inner=40,
                                                   bos_token_id=None, eos_token_id=None),
+    # GPT-Neo: learned absolute positions, local attention over 4 tokens in layers 1 and 2, no softmax scale, gelu_new MLPs
+    "gpt_neo": lambda: transformers.GPTNeoConfig(vocab_size=V, hidden_size=32, num_layers=3, num_heads=4, max_position_embeddings=64, window_size=4,
+                                                 attention_types=[[["global"], 1], [["local"], 2]], intermediate_size=40, bos_token_id=None,
+                                                 eos_token_id=None),
     # Cohere's North text model: Cohere 2's parallel blocks, RoPE on halves in the sliding layers 0 and 1, none in layer 2
     "cohere_compass_text": lambda: transformers.CohereCompassTextConfig(
         **COMMON, intermediate_size=40, layer_types=["sliding_attention", "sliding_attention", "full_attention"], sliding_window=4,
@@ -827,6 +831,8 @@ def test_a_failed_export_leaves_no_weight_files(folders, tmp_path, monkeypatch):
                                                             rope_dim=2, n_kv_heads=4, norm_eps=1e-5)),
                                           ("gptj", dict(layer_norms=True, norm_bias=True, parallel_blocks=True, mlp_bias=True, mlp_act="gelu_new",
                                                         head_bias=True, rope_interleaved=True, rope_dim=4, n_kv_heads=4, norm_eps=1e-5)),
+                                          ("gpt_neo", dict(layer_norms=True, norm_bias=True, o_bias=True, mlp_bias=True, mlp_act="gelu_new", attn_scale=1.0,
+                                                           abs_positions=64, window=4, window_layers=(1,), n_kv_heads=4, tie_embeddings=True, norm_eps=1e-5)),
                                           ("codegen", dict(layer_norms=True, norm_bias=True, parallel_blocks=True, mlp_bias=True, mlp_act="gelu_new",
                                                            head_bias=True, rope_interleaved=True, rope_dim=4, n_kv_heads=4, norm_eps=1e-5)),
                                           ("starcoder2", dict(layer_norms=True, norm_bias=True, qkv_bias=True, o_bias=True, mlp_bias=True,
@@ -2930,23 +2936,30 @@ def test_gpt_neox_reads_pythia_s_released_fields_and_leaves_its_mask_buffers_unr
             hf.FAMILIES["gpt_neox"].kwargs(dict(released, **change))
 
 
-@pytest.mark.parametrize("family, masks", [("gptj", ("bias", "masked_bias")), ("codegen", ("causal_mask", "masked_bias"))])
-def test_gptj_leaves_its_mask_buffers_unread_and_rotates_interleaved_pairs(family, masks, folders, tmp_path):
-    """GPT-J and CodeGen: the causal-mask buffers older folders hold (attn.bias / causal_mask,
-    attn.masked_bias) are not read, as in transformers, and the folder loads with transformers'
-    logits; their RoPE turns interleaved pairs of each head's first rotary_dim channels (halves
-    give other logits)."""
+@pytest.mark.parametrize("family, masks", [("gptj", ("attn.bias", "attn.masked_bias")), ("codegen", ("attn.causal_mask", "attn.masked_bias")),
+                                           ("gpt_neo", ("attn.attention.bias", "attn.attention.masked_bias"))])
+def test_old_folders_leave_their_mask_buffers_unread_and_their_positions_matter(family, masks, folders, tmp_path):
+    """GPT-J, CodeGen and GPT-Neo: the causal-mask buffers older folders hold (attn.bias /
+    causal_mask, masked_bias) are not read, as in transformers, and the folder loads with
+    transformers' logits; GPT-J's and CodeGen's RoPE turns interleaved pairs of each head's
+    first rotary_dim channels (halves give other logits); GPT-Neo's positions are its learned
+    ones (without them, other logits)."""
     path, ref = folders[family]
-    buffers = {f"transformer.h.{i}.attn.{name}": torch.ones(1) for i in range(3) for name in masks}
+    buffers = {f"transformer.h.{i}.{name}": torch.ones(1) for i in range(3) for name in masks}
     folder = _copy_folder(path, tmp_path / "old", _read_all(path) | buffers)
     model, cfg = hf.from_pretrained(folder, impl="torch")
-    assert (cfg.rope_interleaved, cfg.rope_dim, cfg.parallel_blocks, cfg.head_bias) == (True, 4, True, True)
     docs, ids, cu = _packed()
     with torch.no_grad():
         assert _rel(model.logits(ids, cu), _their_logits(ref, docs)) < 1e-5
-        halves = hf.Transformer(dataclasses.replace(cfg, rope_interleaved=False))
-        halves.load_state_dict(model.state_dict())
-        assert _rel(halves.logits(ids, cu), _their_logits(ref, docs)) > 1e-3
+        if family == "gpt_neo":
+            assert (cfg.abs_positions, cfg.attn_scale, cfg.window_layers) == (64, 1.0, (1, 2))
+            model.pos_embed.zero_()
+        else:
+            assert (cfg.rope_interleaved, cfg.rope_dim, cfg.parallel_blocks, cfg.head_bias) == (True, 4, True, True)
+            halves = hf.Transformer(dataclasses.replace(cfg, rope_interleaved=False))
+            halves.load_state_dict(model.state_dict())
+            model = halves
+        assert _rel(model.logits(ids, cu), _their_logits(ref, docs)) > 1e-3
 
 
 def test_a_released_aria_folder_loads_its_text_model(folders, tmp_path):
