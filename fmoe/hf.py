@@ -9,7 +9,7 @@ qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, axk1, kimi_k2, kimi_k25, dee
 exaone_moe, kolibri1, beam, axk2, dots1, minimax_m2, minimax, granitemoe, granitemoeshared, granitemoe_swa, granitemoehybrid, nemotron_h, mamba2, mamba, falcon_mamba, jamba, hunyuan_v1_moe, llama4_text, llama4, afmoe,
 laguna, step3p5, step3p7, aria_text, aria, cohere2_moe, sarvam_moe, sarvam_mla, longcat_flash, bailing_hybrid, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, lara_mini, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
 mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe, gemma3, gemma4_text, gemma4, gemma4_unified_text, gemma4_unified), and the dense
-DENSE_FAMILIES (llama, exaone, cwm, olmo, phi, starcoder2, gpt_neox, gptj, codegen, gpt_neo, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, helium, minicpm3, arcee, gemma, vaultgemma, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
+DENSE_FAMILIES (llama, exaone, cwm, olmo, phi, starcoder2, gpt_neox, gptj, codegen, gpt_neo, gpt_bigcode, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, helium, minicpm3, arcee, gemma, vaultgemma, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
 glm4, ernie4_5, lfm2, cohere, cohere2, bamba, falcon_h1, stablelm, qwen3_5_text (and qwen3_5's text model), nemotron, apertus, olmo_hybrid, jais2, glm, internlm3,
 iquestcoder, ministral, nanochat, cohere_compass_text (and cohere_compass's text model): Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: OLMoE's q and k clamped after their norms, ...;
@@ -468,6 +468,24 @@ def _gpt_neo(hf: dict) -> dict:
                        sliding_window=hf.get("window_size", 256), rope_parameters=dict(rope_type="default", rope_theta=10000.0), mlp_bias=True),
                   sliding=True, mlp_bias=True, o_bias=True, attn_scale=1.0, layer_norms=True, norm_bias=True, mlp_act="gelu_new",
                   abs_positions=positions)
+
+
+def _gpt_bigcode(hf: dict) -> dict:
+    """GPT-BigCode (gpt_bigcode, dense; StarCoder, SantaCoder): GPT-2's blocks on Linear weights:
+    learned absolute positions (n_positions: abs_positions), no RoPE; multi-query attention
+    (multi_query, by default: one kv head) with q, k and v as the rows of one c_attn module
+    (kv head by kv head: every q, then k and v, under multi-query attention), biases on them
+    and on c_proj; the softmax scale 1/sqrt(head_dim), or 1 without scale_attn_weights;
+    LayerNorms with bias; MLPs without a gate, gelu_pytorch_tanh(x c_fc) c_proj with biases
+    (n_inner, by default 4 n_embd); its config's own field names."""
+    _refuse(hf, "hidden_act", lambda v: v in ("gelu_pytorch_tanh", "gelu_new"), "GELU's tanh form, gelu_pytorch_tanh")
+    _refuse(hf, "add_cross_attention", lambda v: not v, "no cross-attention")
+    heads, H = hf["num_attention_heads"], hf["hidden_size"]
+    return _dense(dict(hf, hidden_act="silu", intermediate_size=hf.get("intermediate_size") or 4 * H, head_dim=H // heads,
+                       num_key_value_heads=1 if hf.get("multi_query", True) else heads, rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+                       mlp_bias=True),
+                  mlp_bias=True, qkv_bias=True, o_bias=True, attn_scale=None if hf.get("scale_attn_weights", True) else 1.0, layer_norms=True,
+                  norm_bias=True, mlp_act="gelu_new", abs_positions=hf.get("max_position_embeddings", 1024))
 
 
 def _olmo(hf: dict) -> dict:
@@ -3089,7 +3107,9 @@ class Family:
     pos_embed: Optional[str] = None  # learned absolute positions' key (GPT-Neo's transformer.wpe.weight; TransformerConfig.abs_positions)
     attention: str = "self_attn"  # the attention module, in each block
     qkv: Optional[str] = None  # q, k and v as one module's rows (Sarvam's query_key_value), not q_proj / k_proj / v_proj
-    qkv_per_head: bool = False  # that module's rows head by head, each head's q, k and v in turn (GPT-NeoX's), not all q's first
+    # that module's rows kv head by kv head, each one's q heads, k and v in turn (GPT-NeoX's; GPT-BigCode's, whose one kv head under
+    # multi-query attention makes it all q's first), not all q's first
+    qkv_per_head: bool = False
     qkv_groups: Optional[int] = None  # ...or in this many equal groups, each its heads' q, k and v in turn (CodeGen's 4)
     qkv_order: str = "qkv"  # the order of q, k and v in the module's rows (in each group): CodeGen's "qvk"
     o_proj: str = "o_proj"  # the attention's output projection, under the attention module
@@ -3216,7 +3236,7 @@ _MISTRAL4_ROPE = dict(rope_type="yarn", rope_theta=10000.0, factor=128.0, origin
 _MINISTRAL3_ROPE = dict(rope_type="yarn", rope_theta=1e6, factor=16.0, original_max_position_embeddings=16384, beta_fast=32.0, beta_slow=1.0,
                         mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1)
 # the dense families (no MoE block): fine-tuned as they are, or upcycled into an MoE (fmoe.train.upcycle)
-DENSE_FAMILIES = ("llama", "exaone", "cwm", "olmo", "phi", "starcoder2", "gpt_neox", "gptj", "codegen", "gpt_neo", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "youtu", "helium", "minicpm3", "arcee", "gemma", "vaultgemma", "gemma2", "gemma3_text", "lfm3", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
+DENSE_FAMILIES = ("llama", "exaone", "cwm", "olmo", "phi", "starcoder2", "gpt_neox", "gptj", "codegen", "gpt_neo", "gpt_bigcode", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "youtu", "helium", "minicpm3", "arcee", "gemma", "vaultgemma", "gemma2", "gemma3_text", "lfm3", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
                   "phi3", "glm4", "ernie4_5", "lfm2", "cohere", "cohere2", "bamba", "falcon_h1", "stablelm", "qwen3_5_text", "nemotron", "apertus", "olmo_hybrid",
                   "jais2", "glm", "internlm3", "iquestcoder", "ministral", "nanochat", "cohere_compass_text")
 FAMILIES = {
@@ -3483,6 +3503,15 @@ FAMILIES = {
                                    hidden_act="activation_function"),
                       defaults=dict(vocab_size=50257, hidden_size=2048, num_hidden_layers=24, num_attention_heads=16, rms_norm_eps=1e-5,
                                     hidden_act="gelu_new", tie_word_embeddings=True)),
+    # GPT-BigCode: GPT-2's names on Linear weights (attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj), the learned positions
+    # transformer.wpe
+    "gpt_bigcode": Family(_gpt_bigcode, "mlp", _PROJ, "GPTBigCodeForCausalLM", prefix=("model.layers.", "transformer.h."), attention="attn",
+                          qkv="c_attn", qkv_per_head=True, o_proj="c_proj", norms=("ln_1", "ln_2"), dense_names=("", "c_fc", "c_proj"),
+                          embed="transformer.wte.weight", pos_embed="transformer.wpe.weight", final_norm="transformer.ln_f.weight",
+                          aliases=dict(hidden_size="n_embd", num_hidden_layers="n_layer", num_attention_heads="n_head", intermediate_size="n_inner",
+                                       rms_norm_eps="layer_norm_epsilon", hidden_act="activation_function", max_position_embeddings="n_positions"),
+                          defaults=dict(vocab_size=50257, hidden_size=768, num_hidden_layers=12, num_attention_heads=12, rms_norm_eps=1e-5,
+                                        hidden_act="gelu_pytorch_tanh", max_position_embeddings=1024, tie_word_embeddings=True)),
     # CodeGen: GPT-J's names, q, k and v in qkv_proj (four groups of q, v, k)
     "codegen": Family(_codegen, "mlp", _PROJ, "CodeGenForCausalLM", prefix=("model.layers.", "transformer.h."), attention="attn",
                       qkv="qkv_proj", qkv_groups=4, qkv_order="qvk", o_proj="out_proj", norms=("ln_1", ""), dense_names=("", "fc_in", "fc_out"),
@@ -3975,8 +4004,8 @@ def _attention_keys(family: Family, cfg: TransformerConfig, p: str, q: str, rope
     elif family.qkv is not None:  # q, k and v: the rows of one module, in that order (qkv_per_head: each head's in turn)
         G = cfg.kv_heads(layer)
         rows = (cfg.heads(layer) * cfg.head_dim, G * cfg.head_dim, G * (cfg.v_head_dim or cfg.head_dim))
-        groups = G if family.qkv_per_head else family.qkv_groups
-        split = dict(chunk=(0, (1, 1, 1)), groups=groups) if groups else dict(chunk=(0, tuple(rows["qkv".index(p)] for p in family.qkv_order)))
+        groups = G if family.qkv_per_head else family.qkv_groups or 1  # each group's heads' q, k and v (one group: every q, then k, v)
+        split = dict(chunk=(0, tuple(rows["qkv".index(p)] // groups for p in family.qkv_order)), groups=groups)
         for name in ("q", "k", "v"):
             part = dict(split, chunk=(family.qkv_order.index(name), split["chunk"][1]))
             out[q + "attn.w" + name] = Tensor((f"{attn}{family.qkv}.weight",), transpose=True, **part)
@@ -5062,6 +5091,13 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
             hf.update(num_layers=cfg.n_layers, num_heads=cfg.n_heads, layer_norm_epsilon=cfg.norm_eps, activation_function="gelu_new",
                       attention_types=[[["local" if cfg.is_sliding(i) else "global"], 1] for i in range(cfg.n_layers)], window_size=cfg.window or 256,
                       max_position_embeddings=cfg.abs_positions)
+        elif model_type == "gpt_bigcode":  # its own field names, multi-query attention or not, the learned positions' count
+            for field in ("rms_norm_eps", "mlp_bias", "num_key_value_heads", "head_dim", "rope_parameters", "hidden_size", "num_hidden_layers",
+                          "num_attention_heads", "intermediate_size", "hidden_act"):
+                hf.pop(field)
+            hf.update(n_embd=cfg.hidden, n_layer=cfg.n_layers, n_head=cfg.n_heads, n_inner=cfg.ffn_dense, layer_norm_epsilon=cfg.norm_eps,
+                      activation_function="gelu_pytorch_tanh", multi_query=cfg.n_kv_heads == 1, scale_attn_weights=cfg.attn_scale is None,
+                      n_positions=cfg.abs_positions)
         elif model_type in ("gptj", "codegen"):  # their own field names; RoPE's base fixed at 10000 (config_mismatch names another)
             for field in ("rms_norm_eps", "mlp_bias", "num_key_value_heads", "head_dim", "rope_parameters", "hidden_size", "num_hidden_layers",
                           "num_attention_heads", "intermediate_size", "hidden_act"):

@@ -64,6 +64,9 @@ FAMILIES = {
     "gpt_neo": lambda: transformers.GPTNeoConfig(vocab_size=V, hidden_size=32, num_layers=3, num_heads=4, max_position_embeddings=64, window_size=4,
                                                  attention_types=[[["global"], 1], [["local"], 2]], intermediate_size=40, bos_token_id=None,
                                                  eos_token_id=None),
+    # GPT-BigCode (StarCoder, SantaCoder): multi-query attention of one fused c_attn, learned positions, gelu MLPs, biases
+    "gpt_bigcode": lambda: transformers.GPTBigCodeConfig(vocab_size=V, n_embd=32, n_layer=3, n_head=4, n_positions=64, n_inner=40,
+                                                         bos_token_id=None, eos_token_id=None),
     # Cohere's North text model: Cohere 2's parallel blocks, RoPE on halves in the sliding layers 0 and 1, none in layer 2
     "cohere_compass_text": lambda: transformers.CohereCompassTextConfig(
         **COMMON, intermediate_size=40, layer_types=["sliding_attention", "sliding_attention", "full_attention"], sliding_window=4,
@@ -833,6 +836,10 @@ def test_a_failed_export_leaves_no_weight_files(folders, tmp_path, monkeypatch):
                                                         head_bias=True, rope_interleaved=True, rope_dim=4, n_kv_heads=4, norm_eps=1e-5)),
                                           ("gpt_neo", dict(layer_norms=True, norm_bias=True, o_bias=True, mlp_bias=True, mlp_act="gelu_new", attn_scale=1.0,
                                                            abs_positions=64, window=4, window_layers=(1,), n_kv_heads=4, tie_embeddings=True, norm_eps=1e-5)),
+                                          ("gpt_bigcode", dict(layer_norms=True, norm_bias=True, qkv_bias=True, o_bias=True, mlp_bias=True, mlp_act="gelu_new",
+                                                               abs_positions=64, n_kv_heads=1, tie_embeddings=True, norm_eps=1e-5)),
+                                          ("gpt_bigcode", dict(layer_norms=True, norm_bias=True, qkv_bias=True, o_bias=True, mlp_bias=True, mlp_act="gelu_new",
+                                                               abs_positions=64, n_kv_heads=4, attn_scale=1.0, tie_embeddings=True, norm_eps=1e-5)),
                                           ("codegen", dict(layer_norms=True, norm_bias=True, parallel_blocks=True, mlp_bias=True, mlp_act="gelu_new",
                                                            head_bias=True, rope_interleaved=True, rope_dim=4, n_kv_heads=4, norm_eps=1e-5)),
                                           ("starcoder2", dict(layer_norms=True, norm_bias=True, qkv_bias=True, o_bias=True, mlp_bias=True,
