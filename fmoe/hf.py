@@ -9,7 +9,7 @@ qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, axk1, kimi_k2, kimi_k25, dee
 exaone_moe, kolibri1, beam, axk2, dots1, minimax_m2, minimax, granitemoe, granitemoeshared, granitemoe_swa, granitemoehybrid, nemotron_h, mamba2, mamba, falcon_mamba, jamba, hunyuan_v1_moe, llama4_text, llama4, afmoe,
 laguna, step3p5, step3p7, aria_text, aria, cohere2_moe, sarvam_moe, sarvam_mla, longcat_flash, bailing_hybrid, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, lara_mini, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
 mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe, gemma3, gemma4_text, gemma4, gemma4_unified_text, gemma4_unified), and the dense
-DENSE_FAMILIES (llama, exaone, cwm, olmo, phi, starcoder2, gpt_neox, gptj, codegen, gpt_neo, gpt_bigcode, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, helium, minicpm3, arcee, gemma, vaultgemma, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
+DENSE_FAMILIES (llama, exaone, cwm, olmo, phi, starcoder2, gpt_neox, gptj, codegen, gpt_neo, gpt_bigcode, gpt2, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, helium, minicpm3, arcee, gemma, vaultgemma, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
 glm4, ernie4_5, lfm2, cohere, cohere2, bamba, falcon_h1, stablelm, qwen3_5_text (and qwen3_5's text model), nemotron, apertus, olmo_hybrid, jais2, glm, internlm3,
 iquestcoder, ministral, nanochat, cohere_compass_text (and cohere_compass's text model): Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: OLMoE's q and k clamped after their norms, ...;
@@ -486,6 +486,15 @@ def _gpt_bigcode(hf: dict) -> dict:
                        mlp_bias=True),
                   mlp_bias=True, qkv_bias=True, o_bias=True, attn_scale=None if hf.get("scale_attn_weights", True) else 1.0, layer_norms=True,
                   norm_bias=True, mlp_act="gelu_new", abs_positions=hf.get("max_position_embeddings", 1024))
+
+
+def _gpt2(hf: dict) -> dict:
+    """GPT-2 (gpt2, dense; GPT-2 and DistilGPT-2, and models trained as them): GPT-BigCode's blocks
+    (_gpt_bigcode) with a kv head per query head and its weights as Conv1D's [in, out]
+    (Family.conv1d): q, k and v the columns of c_attn, every q's first; the scale by the
+    inverse layer index is refused."""
+    _refuse(hf, "scale_attn_by_inverse_layer_idx", lambda v: not v, "the softmax scale 1/sqrt(head_dim) in every layer")
+    return _gpt_bigcode(dict(hf, multi_query=False))
 
 
 def _olmo(hf: dict) -> dict:
@@ -3105,6 +3114,9 @@ class Family:
     embed: str = "model.embed_tokens.weight"  # the embedding's key
     head: str = "lm_head.weight"  # the output head's key (GPT-NeoX's embed_out.weight); its bias beside it
     pos_embed: Optional[str] = None  # learned absolute positions' key (GPT-Neo's transformer.wpe.weight; TransformerConfig.abs_positions)
+    # the fused q/k/v module's, the attention's output and the dense MLP's weights stored [in, out] (GPT-2's Conv1D), not as
+    # linear weights [out, in]
+    conv1d: bool = False
     attention: str = "self_attn"  # the attention module, in each block
     qkv: Optional[str] = None  # q, k and v as one module's rows (Sarvam's query_key_value), not q_proj / k_proj / v_proj
     # that module's rows kv head by kv head, each one's q heads, k and v in turn (GPT-NeoX's; GPT-BigCode's, whose one kv head under
@@ -3236,7 +3248,7 @@ _MISTRAL4_ROPE = dict(rope_type="yarn", rope_theta=10000.0, factor=128.0, origin
 _MINISTRAL3_ROPE = dict(rope_type="yarn", rope_theta=1e6, factor=16.0, original_max_position_embeddings=16384, beta_fast=32.0, beta_slow=1.0,
                         mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1)
 # the dense families (no MoE block): fine-tuned as they are, or upcycled into an MoE (fmoe.train.upcycle)
-DENSE_FAMILIES = ("llama", "exaone", "cwm", "olmo", "phi", "starcoder2", "gpt_neox", "gptj", "codegen", "gpt_neo", "gpt_bigcode", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "youtu", "helium", "minicpm3", "arcee", "gemma", "vaultgemma", "gemma2", "gemma3_text", "lfm3", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
+DENSE_FAMILIES = ("llama", "exaone", "cwm", "olmo", "phi", "starcoder2", "gpt_neox", "gptj", "codegen", "gpt_neo", "gpt_bigcode", "gpt2", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "youtu", "helium", "minicpm3", "arcee", "gemma", "vaultgemma", "gemma2", "gemma3_text", "lfm3", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
                   "phi3", "glm4", "ernie4_5", "lfm2", "cohere", "cohere2", "bamba", "falcon_h1", "stablelm", "qwen3_5_text", "nemotron", "apertus", "olmo_hybrid",
                   "jais2", "glm", "internlm3", "iquestcoder", "ministral", "nanochat", "cohere_compass_text")
 FAMILIES = {
@@ -3512,6 +3524,15 @@ FAMILIES = {
                                        rms_norm_eps="layer_norm_epsilon", hidden_act="activation_function", max_position_embeddings="n_positions"),
                           defaults=dict(vocab_size=50257, hidden_size=768, num_hidden_layers=12, num_attention_heads=12, rms_norm_eps=1e-5,
                                         hidden_act="gelu_pytorch_tanh", max_position_embeddings=1024, tie_word_embeddings=True)),
+    # GPT-2: GPT-BigCode's names with Conv1D weights [in, out] (Family.conv1d), q, k and v in c_attn every q's first; old
+    # folders' causal-mask buffers (attn.bias, attn.masked_bias) not read
+    "gpt2": Family(_gpt2, "mlp", _PROJ, "GPT2LMHeadModel", prefix=("model.layers.", "transformer.h."), attention="attn", qkv="c_attn", conv1d=True,
+                   o_proj="c_proj", norms=("ln_1", "ln_2"), dense_names=("", "c_fc", "c_proj"), embed="transformer.wte.weight",
+                   pos_embed="transformer.wpe.weight", final_norm="transformer.ln_f.weight", ignored=(r"\.attn\.(masked_)?bias$",),
+                   aliases=dict(hidden_size="n_embd", num_hidden_layers="n_layer", num_attention_heads="n_head", intermediate_size="n_inner",
+                                rms_norm_eps="layer_norm_epsilon", hidden_act="activation_function", max_position_embeddings="n_positions"),
+                   defaults=dict(vocab_size=50257, hidden_size=768, num_hidden_layers=12, num_attention_heads=12, rms_norm_eps=1e-5,
+                                 hidden_act="gelu_new", max_position_embeddings=1024, tie_word_embeddings=True)),
     # CodeGen: GPT-J's names, q, k and v in qkv_proj (four groups of q, v, k)
     "codegen": Family(_codegen, "mlp", _PROJ, "CodeGenForCausalLM", prefix=("model.layers.", "transformer.h."), attention="attn",
                       qkv="qkv_proj", qkv_groups=4, qkv_order="qvk", o_proj="out_proj", norms=("ln_1", ""), dense_names=("", "fc_in", "fc_out"),
@@ -3951,7 +3972,7 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
     elif not moe:
         for ours, theirs in zip(("w_gate", "w_up", "w_down"), family.dense_names):
             if ours != "w_gate" or cfg.mlp_act not in PLAIN_ACTS:  # an MLP without a gate (Arcee's) has none
-                out[q + "mlp." + ours] = Tensor((f"{p}{family.dense}.{theirs}.weight",), transpose=True)
+                out[q + "mlp." + ours] = Tensor((f"{p}{family.dense}.{theirs}.weight",), transpose=not family.conv1d)
                 if cfg.mlp_bias:  # Llama's mlp_bias: each projection's bias
                     out[q + "mlp.b_" + ours[2:]] = Tensor((f"{p}{family.dense}.{theirs}.bias",))
         if cfg.mlp_act == "xielu":  # its learned scalars, [1] each (Apertus's act_fn)
@@ -4008,10 +4029,10 @@ def _attention_keys(family: Family, cfg: TransformerConfig, p: str, q: str, rope
         split = dict(chunk=(0, tuple(rows["qkv".index(p)] // groups for p in family.qkv_order)), groups=groups)
         for name in ("q", "k", "v"):
             part = dict(split, chunk=(family.qkv_order.index(name), split["chunk"][1]))
-            out[q + "attn.w" + name] = Tensor((f"{attn}{family.qkv}.weight",), transpose=True, **part)
+            out[q + "attn.w" + name] = Tensor((f"{attn}{family.qkv}.weight",), transpose=not family.conv1d, **part)
             if cfg.qkv_bias:
                 out[q + "attn.b" + name] = Tensor((f"{attn}{family.qkv}.bias",), **part)
-        out[q + "attn.wo"] = Tensor((f"{attn}{family.o_proj}.weight",), transpose=True)
+        out[q + "attn.wo"] = Tensor((f"{attn}{family.o_proj}.weight",), transpose=not family.conv1d)
     else:
         k_eq_v = cfg.global_k_eq_v and (layer is None or not cfg.is_local(layer))  # Gemma 4's global layers: no v_proj
         for ours, theirs in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", family.o_proj)):
@@ -5091,13 +5112,15 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
             hf.update(num_layers=cfg.n_layers, num_heads=cfg.n_heads, layer_norm_epsilon=cfg.norm_eps, activation_function="gelu_new",
                       attention_types=[[["local" if cfg.is_sliding(i) else "global"], 1] for i in range(cfg.n_layers)], window_size=cfg.window or 256,
                       max_position_embeddings=cfg.abs_positions)
-        elif model_type == "gpt_bigcode":  # its own field names, multi-query attention or not, the learned positions' count
+        elif model_type in ("gpt_bigcode", "gpt2"):  # their own field names, multi-query attention or not, the learned positions' count
             for field in ("rms_norm_eps", "mlp_bias", "num_key_value_heads", "head_dim", "rope_parameters", "hidden_size", "num_hidden_layers",
                           "num_attention_heads", "intermediate_size", "hidden_act"):
                 hf.pop(field)
             hf.update(n_embd=cfg.hidden, n_layer=cfg.n_layers, n_head=cfg.n_heads, n_inner=cfg.ffn_dense, layer_norm_epsilon=cfg.norm_eps,
-                      activation_function="gelu_pytorch_tanh", multi_query=cfg.n_kv_heads == 1, scale_attn_weights=cfg.attn_scale is None,
+                      activation_function="gelu_pytorch_tanh" if model_type == "gpt_bigcode" else "gelu_new", scale_attn_weights=cfg.attn_scale is None,
                       n_positions=cfg.abs_positions)
+            if model_type == "gpt_bigcode":
+                hf.update(multi_query=cfg.n_kv_heads == 1)
         elif model_type in ("gptj", "codegen"):  # their own field names; RoPE's base fixed at 10000 (config_mismatch names another)
             for field in ("rms_norm_eps", "mlp_bias", "num_key_value_heads", "head_dim", "rope_parameters", "hidden_size", "num_hidden_layers",
                           "num_attention_heads", "intermediate_size", "hidden_act"):

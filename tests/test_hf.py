@@ -67,6 +67,9 @@ FAMILIES = {
     # GPT-BigCode (StarCoder, SantaCoder): multi-query attention of one fused c_attn, learned positions, gelu MLPs, biases
     "gpt_bigcode": lambda: transformers.GPTBigCodeConfig(vocab_size=V, n_embd=32, n_layer=3, n_head=4, n_positions=64, n_inner=40,
                                                          bos_token_id=None, eos_token_id=None),
+    # GPT-2: GPT-BigCode's blocks with a kv head per query head and Conv1D weights [in, out]
+    "gpt2": lambda: transformers.GPT2Config(vocab_size=V, n_embd=32, n_layer=3, n_head=4, n_positions=64, n_inner=40, bos_token_id=None,
+                                            eos_token_id=None),
     # Cohere's North text model: Cohere 2's parallel blocks, RoPE on halves in the sliding layers 0 and 1, none in layer 2
     "cohere_compass_text": lambda: transformers.CohereCompassTextConfig(
         **COMMON, intermediate_size=40, layer_types=["sliding_attention", "sliding_attention", "full_attention"], sliding_window=4,
@@ -840,6 +843,8 @@ def test_a_failed_export_leaves_no_weight_files(folders, tmp_path, monkeypatch):
                                                                abs_positions=64, n_kv_heads=1, tie_embeddings=True, norm_eps=1e-5)),
                                           ("gpt_bigcode", dict(layer_norms=True, norm_bias=True, qkv_bias=True, o_bias=True, mlp_bias=True, mlp_act="gelu_new",
                                                                abs_positions=64, n_kv_heads=4, attn_scale=1.0, tie_embeddings=True, norm_eps=1e-5)),
+                                          ("gpt2", dict(layer_norms=True, norm_bias=True, qkv_bias=True, o_bias=True, mlp_bias=True, mlp_act="gelu_new",
+                                                        abs_positions=64, n_kv_heads=4, tie_embeddings=True, norm_eps=1e-5)),
                                           ("codegen", dict(layer_norms=True, norm_bias=True, parallel_blocks=True, mlp_bias=True, mlp_act="gelu_new",
                                                            head_bias=True, rope_interleaved=True, rope_dim=4, n_kv_heads=4, norm_eps=1e-5)),
                                           ("starcoder2", dict(layer_norms=True, norm_bias=True, qkv_bias=True, o_bias=True, mlp_bias=True,
@@ -2944,13 +2949,14 @@ def test_gpt_neox_reads_pythia_s_released_fields_and_leaves_its_mask_buffers_unr
 
 
 @pytest.mark.parametrize("family, masks", [("gptj", ("attn.bias", "attn.masked_bias")), ("codegen", ("attn.causal_mask", "attn.masked_bias")),
-                                           ("gpt_neo", ("attn.attention.bias", "attn.attention.masked_bias"))])
+                                           ("gpt_neo", ("attn.attention.bias", "attn.attention.masked_bias")),
+                                           ("gpt2", ("attn.bias", "attn.masked_bias"))])
 def test_old_folders_leave_their_mask_buffers_unread_and_their_positions_matter(family, masks, folders, tmp_path):
-    """GPT-J, CodeGen and GPT-Neo: the causal-mask buffers older folders hold (attn.bias /
+    """GPT-J, CodeGen, GPT-Neo and GPT-2: the causal-mask buffers older folders hold (attn.bias /
     causal_mask, masked_bias) are not read, as in transformers, and the folder loads with
     transformers' logits; GPT-J's and CodeGen's RoPE turns interleaved pairs of each head's
-    first rotary_dim channels (halves give other logits); GPT-Neo's positions are its learned
-    ones (without them, other logits)."""
+    first rotary_dim channels (halves give other logits); GPT-Neo's and GPT-2's positions are
+    their learned ones (without them, other logits)."""
     path, ref = folders[family]
     buffers = {f"transformer.h.{i}.{name}": torch.ones(1) for i in range(3) for name in masks}
     folder = _copy_folder(path, tmp_path / "old", _read_all(path) | buffers)
@@ -2958,8 +2964,8 @@ def test_old_folders_leave_their_mask_buffers_unread_and_their_positions_matter(
     docs, ids, cu = _packed()
     with torch.no_grad():
         assert _rel(model.logits(ids, cu), _their_logits(ref, docs)) < 1e-5
-        if family == "gpt_neo":
-            assert (cfg.abs_positions, cfg.attn_scale, cfg.window_layers) == (64, 1.0, (1, 2))
+        if family in ("gpt_neo", "gpt2"):
+            assert (cfg.abs_positions, cfg.attn_scale, cfg.window_layers) == ((64, 1.0, (1, 2)) if family == "gpt_neo" else (64, None, None))
             model.pos_embed.zero_()
         else:
             assert (cfg.rope_interleaved, cfg.rope_dim, cfg.parallel_blocks, cfg.head_bias) == (True, 4, True, True)
