@@ -9,7 +9,7 @@ qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, axk1, kimi_k2, kimi_k25, dee
 exaone_moe, kolibri1, beam, axk2, dots1, minimax_m2, minimax, granitemoe, granitemoeshared, granitemoe_swa, granitemoehybrid, nemotron_h, mamba2, mamba, falcon_mamba, jamba, hunyuan_v1_moe, llama4_text, llama4, afmoe,
 laguna, step3p5, step3p7, aria_text, aria, cohere2_moe, sarvam_moe, sarvam_mla, longcat_flash, bailing_hybrid, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, lara_mini, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
 mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe, gemma3, gemma4_text, gemma4, gemma4_unified_text, gemma4_unified), and the dense
-DENSE_FAMILIES (llama, exaone, cwm, olmo, phi, starcoder2, gpt_neox, gptj, codegen, gpt_neo, gpt_bigcode, gpt2, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, helium, minicpm3, arcee, gemma, vaultgemma, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
+DENSE_FAMILIES (llama, exaone, cwm, olmo, phi, starcoder2, gpt_neox, gptj, codegen, gpt_neo, gpt_bigcode, gpt2, opt, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, helium, minicpm3, arcee, gemma, vaultgemma, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
 glm4, ernie4_5, lfm2, cohere, cohere2, bamba, falcon_h1, stablelm, qwen3_5_text (and qwen3_5's text model), nemotron, apertus, olmo_hybrid, jais2, glm, internlm3,
 iquestcoder, ministral, nanochat, cohere_compass_text (and cohere_compass's text model): Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: OLMoE's q and k clamped after their norms, ...;
@@ -495,6 +495,26 @@ def _gpt2(hf: dict) -> dict:
     inverse layer index is refused."""
     _refuse(hf, "scale_attn_by_inverse_layer_idx", lambda v: not v, "the softmax scale 1/sqrt(head_dim) in every layer")
     return _gpt_bigcode(dict(hf, multi_query=False))
+
+
+def _opt(hf: dict) -> dict:
+    """OPT (opt, dense; OPT-125M to 66B but 350M): learned absolute positions whose table holds
+    two rows before position 0's (max_position_embeddings + 2: abs_position_offset 2), no
+    RoPE; pre-norm blocks of LayerNorms with bias (self_attn_layer_norm, final_layer_norm),
+    biases on q, k, v, o and the MLPs with enable_bias, MLPs without a gate, relu(x fc1) fc2
+    (ffn_dim; mlp_act "relu"). OPT-350M's post-norm blocks (do_layer_norm_before false) and
+    projection of the embeddings (word_embed_proj_dim other than hidden_size) are refused."""
+    _refuse(hf, "do_layer_norm_before", lambda v: v is True, "pre-norm blocks, true (OPT-350M's post-norm ones are not built)")
+    _refuse(hf, "word_embed_proj_dim", lambda v: v in (None, hf["hidden_size"]), f"hidden_size, {hf['hidden_size']}: no projection of the embeddings")
+    _refuse(hf, "_remove_final_layer_norm", lambda v: not v, "a final LayerNorm")
+    _refuse(hf, "layer_norm_elementwise_affine", lambda v: v is True, "LayerNorms with weights and biases")
+    _refuse(hf, "hidden_act", lambda v: v == "relu", "relu, the ReLU of an MLP without a gate")
+    heads, H = hf["num_attention_heads"], hf["hidden_size"]
+    bias = bool(hf.get("enable_bias", True))
+    return _dense(dict(hf, hidden_act="silu", intermediate_size=hf["ffn_dim"], head_dim=H // heads, num_key_value_heads=heads, rms_norm_eps=1e-5,
+                       rope_parameters=dict(rope_type="default", rope_theta=10000.0), mlp_bias=bias),
+                  mlp_bias=True, qkv_bias=bias, o_bias=bias, layer_norms=True, norm_bias=True, mlp_act="relu",
+                  abs_positions=hf.get("max_position_embeddings", 2048), abs_position_offset=2)
 
 
 def _olmo(hf: dict) -> dict:
@@ -3248,7 +3268,7 @@ _MISTRAL4_ROPE = dict(rope_type="yarn", rope_theta=10000.0, factor=128.0, origin
 _MINISTRAL3_ROPE = dict(rope_type="yarn", rope_theta=1e6, factor=16.0, original_max_position_embeddings=16384, beta_fast=32.0, beta_slow=1.0,
                         mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1)
 # the dense families (no MoE block): fine-tuned as they are, or upcycled into an MoE (fmoe.train.upcycle)
-DENSE_FAMILIES = ("llama", "exaone", "cwm", "olmo", "phi", "starcoder2", "gpt_neox", "gptj", "codegen", "gpt_neo", "gpt_bigcode", "gpt2", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "youtu", "helium", "minicpm3", "arcee", "gemma", "vaultgemma", "gemma2", "gemma3_text", "lfm3", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
+DENSE_FAMILIES = ("llama", "exaone", "cwm", "olmo", "phi", "starcoder2", "gpt_neox", "gptj", "codegen", "gpt_neo", "gpt_bigcode", "gpt2", "opt", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "youtu", "helium", "minicpm3", "arcee", "gemma", "vaultgemma", "gemma2", "gemma3_text", "lfm3", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
                   "phi3", "glm4", "ernie4_5", "lfm2", "cohere", "cohere2", "bamba", "falcon_h1", "stablelm", "qwen3_5_text", "nemotron", "apertus", "olmo_hybrid",
                   "jais2", "glm", "internlm3", "iquestcoder", "ministral", "nanochat", "cohere_compass_text")
 FAMILIES = {
@@ -3533,6 +3553,14 @@ FAMILIES = {
                                 rms_norm_eps="layer_norm_epsilon", hidden_act="activation_function", max_position_embeddings="n_positions"),
                    defaults=dict(vocab_size=50257, hidden_size=768, num_hidden_layers=12, num_attention_heads=12, rms_norm_eps=1e-5,
                                  hidden_act="gelu_new", max_position_embeddings=1024, tie_word_embeddings=True)),
+    # OPT: the layers under model.decoder.layers., self_attn (out_proj), its pre-norms self_attn_layer_norm and
+    # final_layer_norm, the MLP's fc1 / fc2 under the layer itself, the learned positions model.decoder.embed_positions
+    "opt": Family(_opt, "", _PROJ, "OPTForCausalLM", prefix=("model.layers.", "model.decoder.layers."), o_proj="out_proj", dense="",
+                  norms=("self_attn_layer_norm", "final_layer_norm"), dense_names=("", "fc1", "fc2"), embed="model.decoder.embed_tokens.weight",
+                  pos_embed="model.decoder.embed_positions.weight", final_norm="model.decoder.final_layer_norm.weight",
+                  aliases=dict(hidden_act="activation_function"),
+                  defaults=dict(vocab_size=50272, hidden_size=768, ffn_dim=3072, num_hidden_layers=12, num_attention_heads=12, hidden_act="relu",
+                                tie_word_embeddings=True)),
     # CodeGen: GPT-J's names, q, k and v in qkv_proj (four groups of q, v, k)
     "codegen": Family(_codegen, "mlp", _PROJ, "CodeGenForCausalLM", prefix=("model.layers.", "transformer.h."), attention="attn",
                       qkv="qkv_proj", qkv_groups=4, qkv_order="qvk", o_proj="out_proj", norms=("ln_1", ""), dense_names=("", "fc_in", "fc_out"),
@@ -3970,11 +3998,12 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
         out[q + "mlp.w_up"] = Tensor((f"{p}{family.dense}.{gate_up}.weight",), transpose=True, chunk=(1, (1, 1)))
         out[q + "mlp.w_down"] = Tensor((f"{p}{family.dense}.{down}.weight",), transpose=True)
     elif not moe:
+        mlp = f"{p}{family.dense}." if family.dense else p  # OPT's fc1 / fc2: under the layer itself (Family.dense "")
         for ours, theirs in zip(("w_gate", "w_up", "w_down"), family.dense_names):
             if ours != "w_gate" or cfg.mlp_act not in PLAIN_ACTS:  # an MLP without a gate (Arcee's) has none
-                out[q + "mlp." + ours] = Tensor((f"{p}{family.dense}.{theirs}.weight",), transpose=not family.conv1d)
+                out[q + "mlp." + ours] = Tensor((f"{mlp}{theirs}.weight",), transpose=not family.conv1d)
                 if cfg.mlp_bias:  # Llama's mlp_bias: each projection's bias
-                    out[q + "mlp.b_" + ours[2:]] = Tensor((f"{p}{family.dense}.{theirs}.bias",))
+                    out[q + "mlp.b_" + ours[2:]] = Tensor((f"{mlp}{theirs}.bias",))
         if cfg.mlp_act == "xielu":  # its learned scalars, [1] each (Apertus's act_fn)
             for name in ("alpha_p", "alpha_n"):
                 out[q + "mlp.xielu_" + name] = Tensor((f"{p}{family.dense}.act_fn.{name}",))
@@ -5112,6 +5141,14 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
             hf.update(num_layers=cfg.n_layers, num_heads=cfg.n_heads, layer_norm_epsilon=cfg.norm_eps, activation_function="gelu_new",
                       attention_types=[[["local" if cfg.is_sliding(i) else "global"], 1] for i in range(cfg.n_layers)], window_size=cfg.window or 256,
                       max_position_embeddings=cfg.abs_positions)
+        elif model_type == "opt":  # its own field names, one bias setting, the learned positions' count (the table's two extra rows implied)
+            if not cfg.qkv_bias == cfg.o_bias == cfg.mlp_bias:
+                raise ValueError(f"model: OPT's biases are one setting (enable_bias); this model has qkv_bias = {cfg.qkv_bias}, o_bias = "
+                                 f"{cfg.o_bias}, mlp_bias = {cfg.mlp_bias}")
+            for field in ("rms_norm_eps", "mlp_bias", "num_key_value_heads", "head_dim", "rope_parameters", "intermediate_size", "hidden_act"):
+                hf.pop(field)
+            hf.update(ffn_dim=cfg.ffn_dense, activation_function="relu", enable_bias=cfg.qkv_bias, do_layer_norm_before=True,
+                      word_embed_proj_dim=cfg.hidden, max_position_embeddings=cfg.abs_positions)
         elif model_type in ("gpt_bigcode", "gpt2"):  # their own field names, multi-query attention or not, the learned positions' count
             for field in ("rms_norm_eps", "mlp_bias", "num_key_value_heads", "head_dim", "rope_parameters", "hidden_size", "num_hidden_layers",
                           "num_attention_heads", "intermediate_size", "hidden_act"):

@@ -111,7 +111,7 @@ from fmoe.ops.balance import mask_tokens, tokens_per_expert
 from fmoe.ops.checks import check_float, check_index, check_positive_int, check_token_mask
 from fmoe.ops.delta import gated_delta_rule, gated_linear_attention
 from fmoe.ops.dispatch import permute, unpermute
-from fmoe.ops.experts import EXPERT_BIASES, PLAIN_ACTS, XIELU, check_glu, grouped_mlp, plain_act, swiglu  # PLAIN_ACTS: no gate (relu2, xielu, gelu_new, gelu)
+from fmoe.ops.experts import EXPERT_BIASES, PLAIN_ACTS, XIELU, check_glu, grouped_mlp, plain_act, swiglu  # PLAIN_ACTS: no gate (relu2, xielu, gelu_new, gelu, relu)
 from fmoe.ops.fp8 import check_fp8, check_fp8_fast_accum, matmul
 from fmoe.ops.packed import roll_packed, sequence_ids
 from fmoe.ops.rope import (

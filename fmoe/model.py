@@ -410,7 +410,8 @@ class TransformerConfig:
     shared experts; not with expert_biases), or "xielu": dense MLPs without a gate, xIELU(x
     w_up) w_down with its two learned scalars per MLP (Apertus's; fmoe.ops.experts.xielu), or
     "gelu_new" / "gelu": MLPs without a gate, gelu_tanh(x w_up) w_down (GELU's tanh form; Phi-2's)
-    / gelu(x w_up) w_down (GELU's exact form; GPT-NeoX's and Pythia's).
+    / gelu(x w_up) w_down (GELU's exact form; GPT-NeoX's and Pythia's), or "relu": relu(x
+    w_up) w_down (OPT's).
     mlp_bias: biases on the dense blocks' MLP projections (DenseMLP's b_gate, b_up [F], b_down
     [H]; Llama's mlp_bias, Jais 2's), trunk and MTP blocks alike; not on the MoE blocks'
     shared experts, nor with shortcut_moe or dense_beside_moe. Gemma 4's MoE
@@ -513,6 +514,8 @@ class TransformerConfig:
     GPT-2's wpe); no block then rotates (every block NoPE, is_nope); positions must stay
     below P (a ValueError in logits and decode, an assert on the device in the training
     forward, which reads nothing on the host); not with MTP modules (which rotate).
+    abs_position_offset: rows of pos_embed before position 0's ([P + offset, H], position p
+    its row p + offset: OPT's 2).
     zero_centered_norms: every RMSNorm's gain is 1 + its weight, the weight 0 at initialisation
     (Qwen3-Next's zero-centred norms: weight decay pulls the gain to 1;
     the blocks', the final, the MTP modules' and the q/k norms; not the linear-attention
@@ -715,6 +718,7 @@ class TransformerConfig:
     norm_weights: bool = True
     embed_norm: bool = False
     abs_positions: Optional[int] = None
+    abs_position_offset: int = 0
     head_bias: bool = False
     zero_centered_norms: bool = False
     linear_layers: Optional[tuple[int, ...]] = None
@@ -770,7 +774,7 @@ class TransformerConfig:
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_kv_heads: {self.n_heads} heads do not split over {self.n_kv_heads} kv heads")
         if self.mlp_act not in GLU_ACTS + PLAIN_ACTS:
-            raise ValueError(f"mlp_act: expected one of {', '.join(GLU_ACTS + PLAIN_ACTS)} (the MLPs' gate activation, or relu2 / xielu / gelu_new / gelu: no gate), "
+            raise ValueError(f"mlp_act: expected one of {', '.join(GLU_ACTS + PLAIN_ACTS)} (the MLPs' gate activation, or relu2 / xielu / gelu_new / gelu / relu: no gate), "
                              f"got {self.mlp_act!r}")
         if self.mlp_act == "xielu" and (any(self.is_moe(i) for i in range(self.n_layers)) or self.shortcut_moe):
             raise ValueError("mlp_act: 'xielu' (Apertus's, with learned scalars per MLP) in dense MLPs only; experts with it are not built")
@@ -852,6 +856,9 @@ class TransformerConfig:
             raise ValueError("moe_out_norm: a norm on the MoE blocks' output, which post_norms already puts on every block's")
         if self.parallel_blocks and (not self.pre_norms or self.post_norms or self.moe_out_norm):
             raise ValueError("parallel_blocks: attention and MLP of one pre-norm's output, needs pre_norms and neither post_norms nor moe_out_norm")
+        check_positive_int("abs_position_offset", self.abs_position_offset, 0)
+        if self.abs_position_offset and self.abs_positions is None:
+            raise ValueError("abs_position_offset: the rows of pos_embed before position 0's, needs abs_positions")
         if self.abs_positions is not None:
             check_positive_int("abs_positions", self.abs_positions)
             if self.mtp_depth:
@@ -2035,7 +2042,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden))
         # learned absolute positions [P, H] (cfg.abs_positions: GPT-Neo's wpe), added to the embeddings
-        self.pos_embed = nn.Parameter(torch.empty(cfg.abs_positions, cfg.hidden)) if cfg.abs_positions else None
+        self.pos_embed = nn.Parameter(torch.empty(cfg.abs_positions + cfg.abs_position_offset, cfg.hidden)) if cfg.abs_positions else None
         self.blocks = nn.ModuleList(Block(cfg, moe=cfg.is_moe(i), local=cfg.is_local(i), rope=not cfg.is_nope(i), linear=cfg.is_linear(i),
                                           fp8=cfg.is_fp8(i), index_shared=cfg.is_index_shared(i), sinks=cfg.has_sinks(i),
                                           shortcut=cfg.shortcut(i), depth=i, mlp=not cfg.is_mlp_free(i), mixer=not cfg.is_mixer_free(i))
@@ -2215,12 +2222,12 @@ class Transformer(nn.Module):
         cfg.embed_norm), or with hyper_connections n copies side by side [T, n H] (the streams)."""
         h_TH = self._embedding(ids)
         if self.pos_embed is not None:
-            P = self.pos_embed.shape[0]
+            P, offset = self.cfg.abs_positions, self.cfg.abs_position_offset
             if check and positions.numel() and int(positions.max()) >= P:
                 raise ValueError(f"positions: up to {int(positions.max())}, past the {P} learned positions (abs_positions); shorter documents")
             if not check:  # no host read: a RuntimeError where the check runs (on the device)
                 torch._assert_async((positions < P).all(), f"positions past the {P} learned positions (abs_positions)")
-            h_TH = h_TH + F.embedding(positions, self.pos_embed)
+            h_TH = h_TH + F.embedding(positions + offset if offset else positions, self.pos_embed)
         if self.embed_norm is not None:
             h_TH = self.embed_norm(h_TH)
         return h_TH.repeat(1, self.cfg.hyper_connections) if self.cfg.hyper_connections else h_TH

@@ -70,6 +70,9 @@ FAMILIES = {
     # GPT-2: GPT-BigCode's blocks with a kv head per query head and Conv1D weights [in, out]
     "gpt2": lambda: transformers.GPT2Config(vocab_size=V, n_embd=32, n_layer=3, n_head=4, n_positions=64, n_inner=40, bos_token_id=None,
                                             eos_token_id=None),
+    # OPT: learned positions with two rows before position 0's, ReLU MLPs without a gate, LayerNorms and biases everywhere
+    "opt": lambda: transformers.OPTConfig(vocab_size=V, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, ffn_dim=40, word_embed_proj_dim=32,
+                                          max_position_embeddings=64, pad_token_id=None, bos_token_id=None, eos_token_id=None),
     # Cohere's North text model: Cohere 2's parallel blocks, RoPE on halves in the sliding layers 0 and 1, none in layer 2
     "cohere_compass_text": lambda: transformers.CohereCompassTextConfig(
         **COMMON, intermediate_size=40, layer_types=["sliding_attention", "sliding_attention", "full_attention"], sliding_window=4,
@@ -845,6 +848,8 @@ def test_a_failed_export_leaves_no_weight_files(folders, tmp_path, monkeypatch):
                                                                abs_positions=64, n_kv_heads=4, attn_scale=1.0, tie_embeddings=True, norm_eps=1e-5)),
                                           ("gpt2", dict(layer_norms=True, norm_bias=True, qkv_bias=True, o_bias=True, mlp_bias=True, mlp_act="gelu_new",
                                                         abs_positions=64, n_kv_heads=4, tie_embeddings=True, norm_eps=1e-5)),
+                                          ("opt", dict(layer_norms=True, norm_bias=True, qkv_bias=True, o_bias=True, mlp_bias=True, mlp_act="relu",
+                                                       abs_positions=64, abs_position_offset=2, n_kv_heads=4, tie_embeddings=True, norm_eps=1e-5)),
                                           ("codegen", dict(layer_norms=True, norm_bias=True, parallel_blocks=True, mlp_bias=True, mlp_act="gelu_new",
                                                            head_bias=True, rope_interleaved=True, rope_dim=4, n_kv_heads=4, norm_eps=1e-5)),
                                           ("starcoder2", dict(layer_norms=True, norm_bias=True, qkv_bias=True, o_bias=True, mlp_bias=True,
@@ -2988,6 +2993,23 @@ def test_a_released_aria_folder_loads_its_text_model(folders, tmp_path):
     _, cfg, written = _text_model_round_trip(tmp_path / "vl", theirs, tmp_path / "text", kind="aria", prefix="language_model.",
                                              head="language_model.lm_head.weight", text_kind="aria_text")
     assert (cfg.n_experts, cfg.k, cfg.shared_size, cfg.n_dense) == (4, 2, 32, 0) and written["moe_num_shared_experts"] == 2
+
+
+def test_opt_reads_its_offset_positions_and_refuses_opt_350m_s_blocks(folders):
+    """OPT: its position table holds two rows before position 0's (abs_position_offset 2:
+    read whole, rows 2.. used), its MLPs ReLU without a gate; OPT-350M's post-norm blocks and
+    projected embeddings, a LayerNorm without weights and another activation are refused by
+    name."""
+    path, _ = folders["opt"]
+    model, cfg = hf.from_pretrained(path, impl="torch")
+    assert (cfg.abs_positions, cfg.abs_position_offset, cfg.mlp_act, model.pos_embed.shape) == (64, 2, "relu", (66, 32))
+    config = json.loads((path / "config.json").read_text())
+    for change, message in ((dict(do_layer_norm_before=False), "do_layer_norm_before = False is not supported"),
+                            (dict(word_embed_proj_dim=16), r"word_embed_proj_dim = 16 is not supported \(hidden_size, 32"),
+                            (dict(layer_norm_elementwise_affine=False), "layer_norm_elementwise_affine = False is not supported"),
+                            (dict(activation_function="gelu"), r"hidden_act = 'gelu' is not supported \(relu")):
+        with pytest.raises(ValueError, match=message):
+            hf.FAMILIES["opt"].kwargs(dict(config, **change))
 
 
 def test_cohere_compass_reads_each_layer_type_s_rope_and_its_vision_folder_s_text_model(tmp_path):

@@ -1536,9 +1536,9 @@ def test_geglu_models_put_gelu_s_tanh_form_in_every_mlp():
     batch = _batch(cfg)
     with torch.no_grad():
         assert not torch.allclose(model.logits(batch["input_ids"], batch["cu_seqlens"]), silu.logits(batch["input_ids"], batch["cu_seqlens"]))
-    with pytest.raises(ValueError, match=r"mlp_act: expected one of silu, gelu_tanh, silu_cap, relu2, xielu, gelu_new, gelu \(the MLPs' gate activation, or "
-                                         r"relu2 / xielu / gelu_new / gelu: no gate\), got 'relu'"):
-        dataclasses.replace(TINY, mlp_act="relu")
+    with pytest.raises(ValueError, match=r"mlp_act: expected one of silu, gelu_tanh, silu_cap, relu2, xielu, gelu_new, gelu, relu \(the MLPs' gate activation, "
+                                         r"or relu2 / xielu / gelu_new / gelu / relu: no gate\), got 'swish'"):
+        dataclasses.replace(TINY, mlp_act="swish")
 
 
 def test_swiglu_limits_clamp_the_listed_blocks_mlps_and_silu_cap_caps_the_activation():
@@ -1618,7 +1618,7 @@ def test_abs_positions_add_learned_position_embeddings_in_place_of_rope():
     model is the NoPE model of the same weights; its rows move the logits; a document's logits
     do not depend on its packing; positions past P are refused by name in logits and decode,
     and stop the training forward by an assert on the device (no host read); pos_embed goes
-    to AdamW; MTP modules are refused."""
+    to AdamW; MTP modules are refused. abs_position_offset: the rows before position 0's."""
     from fmoe.optim import split_param_groups
 
     cfg = dataclasses.replace(TINY, abs_positions=16)
@@ -1653,9 +1653,17 @@ def test_abs_positions_add_learned_position_embeddings_in_place_of_rope():
         dataclasses.replace(TINY, abs_positions=16, mtp_depth=1)
     with pytest.raises(ValueError, match="abs_positions: expected >= 1, got 0"):
         dataclasses.replace(TINY, abs_positions=0)
+    # abs_position_offset (OPT's 2): the table's rows before position 0's; position p reads row p + 2
+    shifted = Transformer(dataclasses.replace(cfg, abs_position_offset=2))
+    assert shifted.pos_embed.shape == (18, cfg.hidden)
+    with torch.no_grad():
+        shifted.load_state_dict({k: torch.cat([torch.randn(2, cfg.hidden), v]) if k == "pos_embed" else v for k, v in model.state_dict().items()})
+        torch.testing.assert_close(shifted.logits(ids, cu), model.logits(ids, cu), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="abs_position_offset: the rows of pos_embed before position 0's, needs abs_positions"):
+        dataclasses.replace(TINY, abs_position_offset=2)
 
 
-@pytest.mark.parametrize("act", ["relu2", "gelu_new", "gelu"])
+@pytest.mark.parametrize("act", ["relu2", "gelu_new", "gelu", "relu"])
 def test_models_without_a_gate_have_no_w_gate_anywhere(act):
     """mlp_act="relu2" (Arcee's): every MLP is relu(x w_up)^2 w_down, without w_gate (the MTP
     block's too); in MoE blocks (Nemotron 3's) the routed and the shared experts too, each
@@ -1665,7 +1673,9 @@ def test_models_without_a_gate_have_no_w_gate_anywhere(act):
     from fmoe.layers import dense_mlp
 
     def plain(h):
-        return torch.relu(h).square() if act == "relu2" else torch.nn.functional.gelu(h, approximate="tanh" if act == "gelu_new" else "none")
+        if act in ("relu2", "relu"):
+            return torch.relu(h).square() if act == "relu2" else torch.relu(h)
+        return torch.nn.functional.gelu(h, approximate="tanh" if act == "gelu_new" else "none")
 
     cfg = dataclasses.replace(TINY, mlp_act=act, n_dense=3, mtp_depth=1)
     torch.manual_seed(0)

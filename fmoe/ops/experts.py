@@ -91,8 +91,9 @@ def swiglu_ref(gate, up, alpha: float = 1.0, limit=None, offset: float = 0.0, ac
 EXPERT_BIASES = ("b_gate", "b_up", "b_down")  # grouped_mlp's optional per-expert biases: [E, F], [E, F], [E, H]
 # the gate's activation: SwiGLU's, GeGLU's (GELU's tanh form), SwiGLU's with the limit capping silu(gate) rather than gate (Step 3.7's)
 GLU_ACTS = ("silu", "gelu_tanh", "silu_cap")
-# the activations of an MLP without a gate (w_gate None): the squared ReLU, xIELU, GELU's tanh form (transformers' gelu_new), GELU
-PLAIN_ACTS = ("relu2", "xielu", "gelu_new", "gelu")
+# the activations of an MLP without a gate (w_gate None): the squared ReLU, xIELU, GELU's tanh form (transformers' gelu_new), GELU,
+# the ReLU (OPT's)
+PLAIN_ACTS = ("relu2", "xielu", "gelu_new", "gelu", "relu")
 XIELU = (0.5, -1e-6)  # xIELU's constants (beta, eps), as transformers builds Apertus's
 
 
@@ -100,7 +101,7 @@ def plain_act(up: torch.Tensor, act: str = "relu2", params: Optional[tuple] = No
     """An MLP without a gate's activation of x W_up (PLAIN_ACTS) in up's dtype: relu(up)^2, or
     xielu(up, *params) (its (alpha_p, alpha_n, beta, eps)), or GELU's tanh form 0.5 up (1 +
     tanh(sqrt(2 / pi) (up + 0.044715 up^3))) (gelu_new: GPT-2's, Phi-2's), or GELU's exact form
-    up Phi(up) (gelu: GPT-NeoX's)."""
+    up Phi(up) (gelu: GPT-NeoX's), or relu(up) (relu: OPT's)."""
     if act not in PLAIN_ACTS:
         raise ValueError(f"act: expected one of {', '.join(PLAIN_ACTS)} (an MLP without a gate), got {act!r}")
     if act == "xielu":
@@ -109,6 +110,8 @@ def plain_act(up: torch.Tensor, act: str = "relu2", params: Optional[tuple] = No
         return xielu(up, *params)
     if act in ("gelu_new", "gelu"):
         return F.gelu(up, approximate="tanh" if act == "gelu_new" else "none")
+    if act == "relu":
+        return torch.relu(up)
     return torch.relu(up).square()
 
 

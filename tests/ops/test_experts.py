@@ -444,7 +444,7 @@ def test_biases_and_clamped_swiglu_match_per_row_brute_force(case, impl):
     torch.testing.assert_close(zeros, plain, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("act", ["relu2", "gelu_new", "gelu"])
+@pytest.mark.parametrize("act", ["relu2", "gelu_new", "gelu", "relu"])
 @pytest.mark.parametrize("impl", ["torch", "auto", "triton"])
 @pytest.mark.parametrize("case", CASES[1:4], ids=str)
 def test_experts_without_a_gate_match_per_row_brute_force(case, impl, act):
@@ -463,7 +463,8 @@ def test_experts_without_a_gate_match_per_row_brute_force(case, impl, act):
         for r in range(x.shape[0]):
             e = next((e for e, end in enumerate(ends) if r < end), None)
             h = None if e is None else x[r] @ wu[e] + bu[e]
-            plain = {"relu2": lambda h: torch.relu(h) ** 2, "gelu_new": _gelu_tanh, "gelu": lambda h: 0.5 * h * (1 + torch.erf(h / math.sqrt(2)))}
+            plain = {"relu2": lambda h: torch.relu(h) ** 2, "gelu_new": _gelu_tanh, "gelu": lambda h: 0.5 * h * (1 + torch.erf(h / math.sqrt(2))),
+                     "relu": torch.relu}
             rows.append(torch.zeros_like(x[r]) if e is None else plain[act](h) @ wd[e] + bd[e])
         return torch.stack(rows)
 
@@ -551,8 +552,8 @@ def test_bad_inputs():
     _raises(r"limit: expected > 0 \(the SwiGLU clamp\) or None, got 0", grouped_mlp, x, wg, wu, wd, off, limit=0)
     _raises("alpha: expected a finite number, got nan", grouped_mlp, x, wg, wu, wd, off, alpha=float("nan"))
     _raises("offset: expected a finite number, got '1'", swiglu, torch.ones(3), torch.ones(3), offset="1")
-    _raises("act: expected one of silu, gelu_tanh, silu_cap \\(the gate's activation\\) or relu2, xielu, gelu_new, gelu \\(no gate\\), got 'relu'", grouped_mlp, x, wg, wu, wd, off,
-            act="relu")
+    _raises("act: expected one of silu, gelu_tanh, silu_cap \\(the gate's activation\\) or relu2, xielu, gelu_new, gelu, relu \\(no gate\\), got 'swish'", grouped_mlp, x, wg, wu, wd, off,
+            act="swish")
     # experts without a gate (w_gate None, act relu2)
     _raises("w_gate: act 'relu2' is an MLP without a gate, expected None, got a tensor", grouped_mlp, x, wg, wu, wd, off, act="relu2")
     _raises(r"w_gate: act 'silu' gates the up projection, expected \[E, H, F\], got None", grouped_mlp, x, None, wu, wd, off)
@@ -562,7 +563,7 @@ def test_bad_inputs():
     _raises(r"w_up: expected shape \[E, H, F\] with E >= 1 and H = 16", grouped_mlp, x, None, wu[:, :8], wd, off, act="relu2")
     _raises(r"w_down: expected shape \[E, F, H\] = \[2, 8, 16\], got \[2, 16, 8\]", grouped_mlp, x, None, wu, wu, off, act="relu2")
     _raises("act: swiglu gates up by act\\(gate\\)", swiglu, torch.ones(3), torch.ones(3), act="relu2")
-    _raises("act: expected one of relu2, xielu, gelu_new, gelu \\(an MLP without a gate\\), got 'silu'", experts.plain_act, torch.ones(3), "silu")
+    _raises("act: expected one of relu2, xielu, gelu_new, gelu, relu \\(an MLP without a gate\\), got 'silu'", experts.plain_act, torch.ones(3), "silu")
     _raises("alpha: the slope of SwiGLU's sigmoid, expected 1.0 with act 'gelu_tanh'", swiglu, torch.ones(3), torch.ones(3), act="gelu_tanh", alpha=1.7)
 
 
