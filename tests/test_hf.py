@@ -2177,7 +2177,7 @@ def _with_extra_key(src, dst, key, value):
 
 # config.json edits fmoe refuses: (family, edit, the error it names)
 BAD_CONFIGS = [
-    ("mixtral", lambda c: c.update(model_type="gpt2"), "config.json: model_type 'gpt2' is not supported"),
+    ("mixtral", lambda c: c.update(model_type="bloom"), "config.json: model_type 'bloom' is not supported"),
     ("dbrx", lambda c: c["ffn_config"].update(moe_normalize_expert_weights=2.0),
      r"config.json: moe_normalize_expert_weights = 2.0 is not supported \(the chosen weights divided by their sum \(1\) or kept as they are"),
     ("dbrx", lambda c: c["ffn_config"].update(ffn_act_fn={"name": "gelu"}), r"config.json: ffn_act_fn = \{'name': 'gelu'\} is not supported"),
@@ -2334,7 +2334,7 @@ def test_bad_checkpoints_name_the_key_or_field(folders, tmp_path):
     with pytest.raises(ValueError, match="model_type: needed"):
         hf.save_pretrained(model, tmp_path / "e")
     with pytest.raises(ValueError, match="model_type: expected one of"):
-        hf.save_pretrained(model, tmp_path / "e", model_type="gpt2")
+        hf.save_pretrained(model, tmp_path / "e", model_type="bloom")
 
 
 def test_checkpoint_keys_the_model_does_not_read_are_refused_unless_not_strict(folders, tmp_path):
