@@ -318,7 +318,7 @@ def test_gpt_oss_moe_matches_per_token_loop():
     with pytest.raises(ValueError, match="limit: expected > 0"):
         MoEConfig(n_experts=4, k=2, swiglu_limit=-1.0)
     with pytest.raises(ValueError, match="act: expected one of silu, gelu_tanh"):
-        MoEConfig(n_experts=4, k=2, glu_act="relu")
+        MoEConfig(n_experts=4, k=2, glu_act="swish")
     with pytest.raises(ValueError, match=r"shared_swiglu_limit: the shared experts' clamp, limit: expected > 0 \(the SwiGLU clamp\) or None, got -1.0"):
         MoEConfig(n_experts=4, k=2, shared_swiglu_limit=-1.0)
 
