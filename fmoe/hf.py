@@ -1163,9 +1163,8 @@ def _cohere_compass(hf: dict) -> dict:
     plain RoPE); the vision model beside it is not read."""
     text = _text_config({"tie_word_embeddings": False, **hf})
     params = text.get("rope_parameters")
-    if isinstance(params, dict):
-        text["rope_parameters"] = {k: ({f: v for f, v in p.items() if f not in ("mrope_section", "mrope_interleaved")} if isinstance(p, dict) else p)
-                                   for k, p in params.items()}
+    if isinstance(params, dict):  # one entry per layer type (null: no RoPE)
+        text["rope_parameters"] = {k: _text_rope(p) if isinstance(p, dict) else p for k, p in params.items()}
     return _text_family(hf, "cohere_compass_text", text)
 
 
@@ -2804,10 +2803,19 @@ def _multimodal_text(hf: dict) -> dict:
     text.pop("sliding_window", None)
     for field in ("rope_parameters", "rope_scaling"):
         if isinstance(text.get(field), dict):
-            text[field] = {k: v for k, v in text[field].items() if k not in ("mrope_section", "mrope_interleaved", "interleaved")}
-            if text[field].get("type", text[field].get("rope_type")) == "mrope":  # Qwen2-VL's name for it: plain RoPE over text
-                text[field] = {k: v for k, v in text[field].items() if k not in ("type", "rope_type")} | {"rope_type": "default"}
+            text[field] = _text_rope(text[field])
     return text
+
+
+def _text_rope(params: dict) -> dict:
+    """RoPE parameters without their multimodal fields (mrope_section, and mrope_interleaved or
+    Qwen3-Omni's interleaved), which place the rotary pairs of image, video and audio positions:
+    text positions are equal in all three, where that is plain RoPE (Qwen2-VL's rope type
+    "mrope" read as "default")."""
+    params = {k: v for k, v in params.items() if k not in ("mrope_section", "mrope_interleaved", "interleaved")}
+    if params.get("type", params.get("rope_type")) == "mrope":  # Qwen2-VL's name for it: plain RoPE over text
+        params = {k: v for k, v in params.items() if k not in ("type", "rope_type")} | {"rope_type": "default"}
+    return params
 
 
 _TOP_LEVEL_TEXT = ("qwen2_vl", "qwen2_5_vl")  # released folders whose text_config may be the top level itself
@@ -3217,6 +3225,19 @@ class Family:
 
 
 _STACKS = ("experts.gate_up_proj", "experts.gate_up_proj", "experts.down_proj")  # fused experts' keys under the MoE block
+# GPT-2's names (transformer.h.{i}, attn, transformer.wte / ln_f) and config field names, which GPT-BigCode, GPT-J and CodeGen
+# keep: GPT-2's and GPT-BigCode's blocks (c_attn, c_proj, two LayerNorms, the learned positions wpe), GPT-J's and CodeGen's
+# (out_proj, fc_in / fc_out, one LayerNorm per block)
+_GPT2_ALIASES = dict(hidden_size="n_embd", num_hidden_layers="n_layer", num_attention_heads="n_head", intermediate_size="n_inner",
+                     rms_norm_eps="layer_norm_epsilon", hidden_act="activation_function")
+_GPT2_NAMES = dict(prefix=("model.layers.", "transformer.h."), attention="attn", embed="transformer.wte.weight", final_norm="transformer.ln_f.weight")
+_GPT2_LAYOUT = dict(_GPT2_NAMES, qkv="c_attn", o_proj="c_proj", norms=("ln_1", "ln_2"), dense_names=("", "c_fc", "c_proj"),
+                    pos_embed="transformer.wpe.weight", aliases=dict(_GPT2_ALIASES, max_position_embeddings="n_positions"))
+_GPT2_DEFAULTS = dict(vocab_size=50257, hidden_size=768, num_hidden_layers=12, num_attention_heads=12, rms_norm_eps=1e-5, max_position_embeddings=1024,
+                      tie_word_embeddings=True)
+_GPTJ_LAYOUT = dict(_GPT2_NAMES, o_proj="out_proj", norms=("ln_1", ""), dense_names=("", "fc_in", "fc_out"), aliases=_GPT2_ALIASES,
+                    defaults=dict(vocab_size=50400, hidden_size=4096, num_hidden_layers=28, num_attention_heads=16, rotary_dim=64, rms_norm_eps=1e-5,
+                                  hidden_act="gelu_new"))
 _ARIA_EXPERTS = ("experts.fc1.weight", "experts.fc1.weight", "experts.fc2.weight")  # Aria's stacks ("halves"), under the MoE block
 _STEP3P5_EXPERTS = ("moe.gate_proj.weight", "moe.up_proj.weight", "moe.down_proj.weight")  # Step 3.5's stacks ("stacks_out"), under the layer
 _GRANITE = ("input_linear.weight", "input_linear.weight", "output_linear.weight")
@@ -3537,22 +3558,12 @@ FAMILIES = {
                                     hidden_act="gelu_new", tie_word_embeddings=True)),
     # GPT-BigCode: GPT-2's names on Linear weights (attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj), the learned positions
     # transformer.wpe
-    "gpt_bigcode": Family(_gpt_bigcode, "mlp", _PROJ, "GPTBigCodeForCausalLM", prefix=("model.layers.", "transformer.h."), attention="attn",
-                          qkv="c_attn", qkv_per_head=True, o_proj="c_proj", norms=("ln_1", "ln_2"), dense_names=("", "c_fc", "c_proj"),
-                          embed="transformer.wte.weight", pos_embed="transformer.wpe.weight", final_norm="transformer.ln_f.weight",
-                          aliases=dict(hidden_size="n_embd", num_hidden_layers="n_layer", num_attention_heads="n_head", intermediate_size="n_inner",
-                                       rms_norm_eps="layer_norm_epsilon", hidden_act="activation_function", max_position_embeddings="n_positions"),
-                          defaults=dict(vocab_size=50257, hidden_size=768, num_hidden_layers=12, num_attention_heads=12, rms_norm_eps=1e-5,
-                                        hidden_act="gelu_pytorch_tanh", max_position_embeddings=1024, tie_word_embeddings=True)),
+    "gpt_bigcode": Family(_gpt_bigcode, "mlp", _PROJ, "GPTBigCodeForCausalLM", qkv_per_head=True, **_GPT2_LAYOUT,
+                          defaults=dict(_GPT2_DEFAULTS, hidden_act="gelu_pytorch_tanh")),
     # GPT-2: GPT-BigCode's names with Conv1D weights [in, out] (Family.conv1d), q, k and v in c_attn every q's first; old
     # folders' causal-mask buffers (attn.bias, attn.masked_bias) not read
-    "gpt2": Family(_gpt2, "mlp", _PROJ, "GPT2LMHeadModel", prefix=("model.layers.", "transformer.h."), attention="attn", qkv="c_attn", conv1d=True,
-                   o_proj="c_proj", norms=("ln_1", "ln_2"), dense_names=("", "c_fc", "c_proj"), embed="transformer.wte.weight",
-                   pos_embed="transformer.wpe.weight", final_norm="transformer.ln_f.weight", ignored=(r"\.attn\.(masked_)?bias$",),
-                   aliases=dict(hidden_size="n_embd", num_hidden_layers="n_layer", num_attention_heads="n_head", intermediate_size="n_inner",
-                                rms_norm_eps="layer_norm_epsilon", hidden_act="activation_function", max_position_embeddings="n_positions"),
-                   defaults=dict(vocab_size=50257, hidden_size=768, num_hidden_layers=12, num_attention_heads=12, rms_norm_eps=1e-5,
-                                 hidden_act="gelu_new", max_position_embeddings=1024, tie_word_embeddings=True)),
+    "gpt2": Family(_gpt2, "mlp", _PROJ, "GPT2LMHeadModel", conv1d=True, ignored=(r"\.attn\.(masked_)?bias$",), **_GPT2_LAYOUT,
+                   defaults=dict(_GPT2_DEFAULTS, hidden_act="gelu_new")),
     # OPT: the layers under model.decoder.layers., self_attn (out_proj), its pre-norms self_attn_layer_norm and
     # final_layer_norm, the MLP's fc1 / fc2 under the layer itself, the learned positions model.decoder.embed_positions
     "opt": Family(_opt, "", _PROJ, "OPTForCausalLM", prefix=("model.layers.", "model.decoder.layers."), o_proj="out_proj", dense="",
@@ -3562,20 +3573,9 @@ FAMILIES = {
                   defaults=dict(vocab_size=50272, hidden_size=768, ffn_dim=3072, num_hidden_layers=12, num_attention_heads=12, hidden_act="relu",
                                 tie_word_embeddings=True)),
     # CodeGen: GPT-J's names, q, k and v in qkv_proj (four groups of q, v, k)
-    "codegen": Family(_codegen, "mlp", _PROJ, "CodeGenForCausalLM", prefix=("model.layers.", "transformer.h."), attention="attn",
-                      qkv="qkv_proj", qkv_groups=4, qkv_order="qvk", o_proj="out_proj", norms=("ln_1", ""), dense_names=("", "fc_in", "fc_out"),
-                      embed="transformer.wte.weight", final_norm="transformer.ln_f.weight", ignored=(r"\.attn\.(causal_mask|masked_bias)$",),
-                      aliases=dict(hidden_size="n_embd", num_hidden_layers="n_layer", num_attention_heads="n_head", intermediate_size="n_inner",
-                                   rms_norm_eps="layer_norm_epsilon", hidden_act="activation_function"),
-                      defaults=dict(vocab_size=50400, hidden_size=4096, num_hidden_layers=28, num_attention_heads=16, rotary_dim=64, rms_norm_eps=1e-5,
-                                    hidden_act="gelu_new")),
-    "gptj": Family(_gptj, "mlp", _PROJ, "GPTJForCausalLM", prefix=("model.layers.", "transformer.h."), attention="attn", o_proj="out_proj",
-                   norms=("ln_1", ""), dense_names=("", "fc_in", "fc_out"), embed="transformer.wte.weight", final_norm="transformer.ln_f.weight",
-                   ignored=(r"\.attn\.(masked_)?bias$",),
-                   aliases=dict(hidden_size="n_embd", num_hidden_layers="n_layer", num_attention_heads="n_head", intermediate_size="n_inner",
-                                rms_norm_eps="layer_norm_epsilon", hidden_act="activation_function"),
-                   defaults=dict(vocab_size=50400, hidden_size=4096, num_hidden_layers=28, num_attention_heads=16, rotary_dim=64, rms_norm_eps=1e-5,
-                                 hidden_act="gelu_new")),
+    "codegen": Family(_codegen, "mlp", _PROJ, "CodeGenForCausalLM", qkv="qkv_proj", qkv_groups=4, qkv_order="qvk",
+                      ignored=(r"\.attn\.(causal_mask|masked_bias)$",), **_GPTJ_LAYOUT),
+    "gptj": Family(_gptj, "mlp", _PROJ, "GPTJForCausalLM", ignored=(r"\.attn\.(masked_)?bias$",), **_GPTJ_LAYOUT),
     # GPT-NeoX / Pythia: the layers under gpt_neox.layers., the attention's fused query_key_value (head by head) and dense, the
     # MLP's dense_h_to_4h / dense_4h_to_h, the embedding embed_in, the head embed_out; old folders' attention.bias and
     # masked_bias buffers (the causal mask) are not read, as in transformers
@@ -5149,21 +5149,17 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
                 hf.pop(field)
             hf.update(ffn_dim=cfg.ffn_dense, activation_function="relu", enable_bias=cfg.qkv_bias, do_layer_norm_before=True,
                       word_embed_proj_dim=cfg.hidden, max_position_embeddings=cfg.abs_positions)
-        elif model_type in ("gpt_bigcode", "gpt2"):  # their own field names, multi-query attention or not, the learned positions' count
-            for field in ("rms_norm_eps", "mlp_bias", "num_key_value_heads", "head_dim", "rope_parameters", "hidden_size", "num_hidden_layers",
-                          "num_attention_heads", "intermediate_size", "hidden_act"):
+        elif model_type in ("gpt_bigcode", "gpt2", "gptj", "codegen"):  # GPT-2's field names (_GPT2_ALIASES), RoPE's fixed base (GPT-J's)
+            for field in ("mlp_bias", "num_key_value_heads", "head_dim", "rope_parameters", *_GPT2_ALIASES):
                 hf.pop(field)
             hf.update(n_embd=cfg.hidden, n_layer=cfg.n_layers, n_head=cfg.n_heads, n_inner=cfg.ffn_dense, layer_norm_epsilon=cfg.norm_eps,
-                      activation_function="gelu_pytorch_tanh" if model_type == "gpt_bigcode" else "gelu_new", scale_attn_weights=cfg.attn_scale is None,
-                      n_positions=cfg.abs_positions)
+                      activation_function="gelu_pytorch_tanh" if model_type == "gpt_bigcode" else "gelu_new")
+            if model_type in ("gptj", "codegen"):  # config_mismatch names another RoPE base than their fixed 10000
+                hf.update(rotary_dim=cfg.rope_dim or cfg.head_dim)
+            else:
+                hf.update(scale_attn_weights=cfg.attn_scale is None, n_positions=cfg.abs_positions)
             if model_type == "gpt_bigcode":
                 hf.update(multi_query=cfg.n_kv_heads == 1)
-        elif model_type in ("gptj", "codegen"):  # their own field names; RoPE's base fixed at 10000 (config_mismatch names another)
-            for field in ("rms_norm_eps", "mlp_bias", "num_key_value_heads", "head_dim", "rope_parameters", "hidden_size", "num_hidden_layers",
-                          "num_attention_heads", "intermediate_size", "hidden_act"):
-                hf.pop(field)
-            hf.update(n_embd=cfg.hidden, n_layer=cfg.n_layers, n_head=cfg.n_heads, n_inner=cfg.ffn_dense, layer_norm_epsilon=cfg.norm_eps,
-                      activation_function="gelu_new", rotary_dim=cfg.rope_dim or cfg.head_dim)
         elif model_type == "olmo":  # its LayerNorms' eps fixed at 1e-5, q/k/v's bound
             hf.pop("rms_norm_eps")
             hf.update(attention_bias=cfg.qkv_bias, clip_qkv=cfg.clip_qkv)
