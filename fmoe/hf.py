@@ -8,10 +8,12 @@ A folder holds `config.json` and `model.safetensors` (or shards listed in
 qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, axk1, kimi_k2, kimi_k25, deepseek_v2, deepseek_v32, glm_moe_dsa, hy_v4, glm4_moe_lite, gpt_oss, solar_open,
 exaone_moe, kolibri1, beam, axk2, dots1, minimax_m2, minimax, granitemoe, granitemoeshared, granitemoe_swa, granitemoehybrid, nemotron_h, mamba2, mamba, falcon_mamba, jamba, hunyuan_v1_moe, llama4_text, llama4, afmoe,
 laguna, step3p5, step3p7, aria_text, aria, cohere2_moe, sarvam_moe, sarvam_mla, longcat_flash, bailing_hybrid, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, lara_mini, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
-mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe, gemma3, gemma4_text, gemma4, gemma4_unified_text, gemma4_unified), and the dense
+mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe, gemma3, gemma4_text, gemma4, gemma4_unified_text, gemma4_unified, muse_spark_text,
+muse_spark), and the dense
 DENSE_FAMILIES (llama, exaone, cwm, olmo, phi, starcoder2, gpt_neox, gptj, codegen, gpt_neo, gpt_bigcode, gpt2, opt, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, helium, minicpm3, arcee, gemma, vaultgemma, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
 glm4, ernie4_5, lfm2, cohere, cohere2, bamba, falcon_h1, stablelm, qwen3_5_text (and qwen3_5's text model), nemotron, apertus, olmo_hybrid, jais2, glm, internlm3,
-iquestcoder, ministral, nanochat, cohere_compass_text (and cohere_compass's text model): Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
+iquestcoder, ministral, nanochat, cohere_compass_text (and cohere_compass's text model), muse_glimmer_text (and muse_glimmer's):
+Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: OLMoE's q and k clamped after their norms, ...;
 the fields a config.json leaves out read at transformers' defaults, Family.defaults, and a
 family's own names for the fields the shared mappings read as those, Family.aliases)
@@ -160,6 +162,15 @@ gate_proj / up_proj and [E, H, F] down_proj linear weights: Family.fused "stacks
 block the layer itself, Family.moe ""), the shared expert share_expert beside them; the MTP
 layers after the trunk's not read. Step 3.7 Flash (step3p7): that text model beside a vision
 model (vision_model., vit_large_projector.) that is not read; written back as step3p5.
+Muse Glimmer (muse_glimmer_text, dense) and Muse Spark (muse_spark_text): text models transformers has no causal LM of
+(written with their base model's class as the architecture); the released muse_glimmer / muse_spark folders hold them under
+model.language_model. beside vision (and audio) towers that are not read, and are written back as those text models. Both:
+zero-centred sandwich norms with the post-norms' own eps, a weightless embeddings' norm and a plain final norm
+(TransformerConfig.norm_overrides, post_norm_eps), gated attention with weightless q/k norms; Muse Spark's attention
+post-norm has no weight (no key) and its MLP post-norm is prescaled, each residual add has a gate (layers.{i}.
+post_attention_residual_gate.gate / post_feedforward_residual_gate.gate, Family.residual_gates), and its latent MoE blocks
+keep the experts' stacks as transformers writes them ([E, 2F, L] gate_up_proj, [E, L, F] down_proj) beside pre_expert_proj,
+pre_expert_norm, experts.post_expert_norm and post_expert_proj (Family.latent, latent_norm, expert_out_norm).
 Gemma 2 (gemma2, dense): Gemma 3's blocks without q/k norms, every attention score capped
 (attn_softcap). LFM3 (lfm3, dense): LFM2's names for its convolutions and MLPs, Qwen3's for
 its attention (o_proj, q_norm, k_norm), the gate per head as the checkpoints name it (gate_proj).
@@ -675,6 +686,96 @@ def _arcee(hf: dict) -> dict:
     _, params, _ = _rope_params(hf, "yarn", ("factor", "original_max_position_embeddings"))
     out = _dense(dict(hf, hidden_act="silu", rope_parameters=dict(params, rope_type="default"), rope_scaling=None), mlp_act="relu2", mlp_bias=True)
     return dict(out, **_yarn(hf))
+
+
+def _positive(hf: dict, field: str) -> float:
+    """config.json's `field` (it must hold one: Family.defaults fills it), a positive finite number."""
+    _refuse(hf, field, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf, "a positive number")
+    return float(hf[field])
+
+
+def _muse_glimmer_text(hf: dict) -> dict:
+    """Muse Glimmer's text model (muse_glimmer_text; the released muse_glimmer folders'):
+    Gemma 2's sandwich blocks (zero-centred RMSNorms, the post-norms' eps post_norm_eps) around
+    AFMoE's gated attention (the heads' outputs times sigmoid(x gate_proj) channel by channel)
+    whose q and k are RMS-normed per head without weights before RoPE (qk_norm "rms"), the
+    queries times qk_scale_factor (attn_scale qk_scale_factor / sqrt(head_dim)); SwiGLU MLPs
+    (hidden_activation silu; gelu_pytorch_tanh: GeGLU); the embeddings RMS-normed without
+    weights (embed_norm, norm_overrides "embed:unit"), the final norm's gain its weight itself
+    ("final:plain"); the window over the layers layer_types names sliding_attention (by default
+    all but every fourth from the last); no RoPE in the layers whose layer_rope_theta is 0
+    (by default those full ones), the others at rope_theta, which transformers' model turns
+    whatever their entry says (another value is refused); the logits times output_multiplier,
+    then capped at final_logit_softcapping (logit_divisor, logit_softcap). Attention biases
+    (attention_bias) on q, k, v and o."""
+    _refuse(hf, "hidden_activation", lambda v: v in ("silu", "gelu_pytorch_tanh"), "silu (SwiGLU) or gelu_pytorch_tanh (GeGLU)")
+    return _muse_blocks(hf, "gelu_tanh" if hf.get("hidden_activation") == "gelu_pytorch_tanh" else "silu")
+
+
+def _muse_blocks(hf: dict, act: str) -> dict:
+    """Muse Glimmer's and Muse Spark's dense model (_muse_glimmer_text) with MLPs of `act`."""
+    n = hf["num_hidden_layers"]
+    last_of_four = [(n - 1 - i) % 4 == 0 for i in range(n)]  # transformers' defaults: the full, NoPE layers
+    if hf.get("layer_types") is None:
+        hf = dict(hf, layer_types=["full_attention" if full else "sliding_attention" for full in last_of_four])
+    _refuse(hf, "attention_bias", lambda v: isinstance(v, bool), "true or false")
+    _, _, base = _rope_params(hf)
+    thetas = hf.get("layer_rope_theta")
+    if thetas is None:
+        thetas = [0 if full else base["rope_base"] for full in last_of_four]
+    if not isinstance(thetas, list) or len(thetas) != n or any(t not in (0, base["rope_base"]) for t in thetas):
+        raise ValueError(f"config.json: layer_rope_theta = {thetas!r} is not supported (one entry per layer, 0: no RoPE, else rope_theta "
+                         f"{base['rope_base']}, the one base transformers' model turns)")
+    eps = hf.get("post_norm_eps", 1e-8)
+    _refuse(dict(post_norm_eps=eps), "post_norm_eps", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < math.inf,
+            "a finite number >= 0")
+    bias = bool(hf.get("attention_bias", False))
+    head_dim = _get(hf, "head_dim", default=hf["hidden_size"] // hf["num_attention_heads"])
+    nope = tuple(i for i, t in enumerate(thetas) if t == 0)
+    scale = _positive(hf, "qk_scale_factor")
+    return _dense(dict(hf, hidden_act="silu"), sliding=True, mlp_act=act, post_norms=True, zero_centered_norms=True, post_norm_eps=float(eps),
+                  embed_norm=True, norm_overrides=("embed:unit", "final:plain"), qk_norm="rms", attn_gate=True,
+                  attn_scale=None if scale == 1 else scale * head_dim ** -0.5, qkv_bias=bias, o_bias=bias,
+                  logit_divisor=1 / _positive(hf, "output_multiplier"), logit_softcap=_positive(hf, "final_logit_softcapping"), nope_layers=nope or None)
+
+
+def _muse_spark_text(hf: dict) -> dict:
+    """Muse Spark's text model (muse_spark_text; the released muse_spark folders'): Muse
+    Glimmer's blocks (_muse_blocks; SwiGLU of hidden_act silu) with each head's attention
+    output RMS-normed without weights before the gate (attn_out_norm: o_norm), the
+    attention's post-norm without a weight ("attn_post:unit"), the MLP's prescaled
+    ("mlp_post:prescaled": post_feedforward_layernorm's gain before the norm), each residual
+    add weighed by a gate per channel at residual_gate_temperature (residual_gates); the
+    layers mlp_layer_types names sparse (by default all) latent MoE blocks: the router on the
+    block's normed input in float32, its logits times output_multiplier (router_scale), chosen
+    on the sigmoids plus the correction bias, the chosen sigmoids renormalised and times
+    routed_scaling_factor; num_local_experts experts of moe_intermediate_size between
+    pre_expert_proj and post_expert_proj (moe_latent moe_hidden_size), their input normed
+    (pre_expert_norm, zero-centred: moe_latent_norm) and each one's output normed before its
+    weight (post_expert_norm, prescaled, eps post_norm_eps: expert_out_norm); the dense
+    layers' MLPs of intermediate_size."""
+    _refuse(hf, "hidden_act", lambda v: v == "silu", "SwiGLU with silu")
+    _refuse_single_renormalised(hf)
+    out = _muse_blocks(hf, "silu")
+    moe = _mlp_layer_types(dict(hf, n_shared_experts=0), 0)
+    return dict(out, **moe, n_experts=hf["num_local_experts"], k=hf["num_experts_per_tok"], score="sigmoid", expert_bias=True, route_normalize=True,
+                router_scale=_positive(hf, "output_multiplier"), moe_latent=hf["moe_hidden_size"], moe_latent_norm=True, expert_out_norm=True,
+                norm_overrides=("embed:unit", "final:plain", "attn_post:unit", "mlp_post:prescaled"), attn_out_norm=True, residual_gates=True,
+                residual_gate_temperature=_positive(hf, "residual_gate_temperature"))
+
+
+def _muse_spark(hf: dict) -> dict:
+    """A released Muse Spark folder (muse_spark, MuseSparkForConditionalGeneration): its
+    text_config's model (_muse_spark_text) under model.language_model., the head untied unless
+    the top level ties it; the vision and audio towers, adapter and projection are not read."""
+    return _text_family(hf, "muse_spark_text", _text_config({"tie_word_embeddings": False, **hf}))
+
+
+def _muse_glimmer(hf: dict) -> dict:
+    """A released Muse Glimmer folder (muse_glimmer, MuseGlimmerForConditionalGeneration): its
+    text_config's model (_muse_glimmer_text) under model.language_model., the head untied unless
+    the top level ties it; the vision tower and its adapter and projection are not read."""
+    return _text_family(hf, "muse_glimmer_text", _text_config({"tie_word_embeddings": False, **hf}))
 
 
 def _vaultgemma(hf: dict) -> dict:
@@ -3199,6 +3300,10 @@ class Family:
     single_sublayer: bool = False
     # a latent MoE's (cfg.moe_latent) projections into and out of the routed experts' channels, under the MoE block (Nemotron 3 Super's)
     latent: tuple[str, str] = ("fc1_latent_proj", "fc2_latent_proj")
+    # Muse Spark's MoE norms (cfg.moe_latent_norm, expert_out_norm), under the MoE block, and residual gates, under the layer
+    latent_norm: str = "pre_expert_norm"
+    expert_out_norm: str = "experts.post_expert_norm"
+    residual_gates: tuple[str, str] = ("post_attention_residual_gate", "post_feedforward_residual_gate")
     mamba: str = "mamba"  # the Mamba-2 mixer's module, in each layer (Granite 4.0-H's, Bamba's; Nemotron-H's mixer)
     # multipliers folded into the weights: config.json -> {a parameter's name under its block: the factor} (Falcon-H1's muP
     # multipliers, _falcon_h1_folds): a weight is read times it and written divided by it
@@ -3288,10 +3393,20 @@ _MISTRAL4_ROPE = dict(rope_type="yarn", rope_theta=10000.0, factor=128.0, origin
                       mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1)
 _MINISTRAL3_ROPE = dict(rope_type="yarn", rope_theta=1e6, factor=16.0, original_max_position_embeddings=16384, beta_fast=32.0, beta_slow=1.0,
                         mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1)
+# transformers' MuseGlimmerTextConfig's defaults of the fields _muse_glimmer_text reads
+_MUSE_GLIMMER_DEFAULTS = dict(vocab_size=202048, hidden_size=6656, intermediate_size=19968, num_hidden_layers=52, num_attention_heads=32,
+                              num_key_value_heads=2, head_dim=128, hidden_activation="silu", rms_norm_eps=1e-5, sliding_window=2048,
+                              final_logit_softcapping=20.0, qk_scale_factor=3.87, output_multiplier=0.19611613513818404, post_norm_eps=1e-8,
+                              tie_word_embeddings=False, rope_parameters=dict(rope_type="default", rope_theta=10000.0))
+# ...and MuseSparkTextConfig's
+_MUSE_SPARK_DEFAULTS = dict(_MUSE_GLIMMER_DEFAULTS, hidden_size=8192, intermediate_size=16384, num_hidden_layers=62, num_attention_heads=128,
+                            num_key_value_heads=16, head_dim=64, hidden_act="silu", qk_scale_factor=5.4730064863875, output_multiplier=0.1767766952966369,
+                            moe_intermediate_size=4096, num_local_experts=256, num_experts_per_tok=8, routed_scaling_factor=1.0,
+                            moe_hidden_size=4096, residual_gate_temperature=0.3, rope_parameters=dict(rope_type="default", rope_theta=500000.0))
 # the dense families (no MoE block): fine-tuned as they are, or upcycled into an MoE (fmoe.train.upcycle)
 DENSE_FAMILIES = ("llama", "exaone", "cwm", "olmo", "phi", "starcoder2", "gpt_neox", "gptj", "codegen", "gpt_neo", "gpt_bigcode", "gpt2", "opt", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "youtu", "helium", "minicpm3", "arcee", "gemma", "vaultgemma", "gemma2", "gemma3_text", "lfm3", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
                   "phi3", "glm4", "ernie4_5", "lfm2", "cohere", "cohere2", "bamba", "falcon_h1", "stablelm", "qwen3_5_text", "nemotron", "apertus", "olmo_hybrid",
-                  "jais2", "glm", "internlm3", "iquestcoder", "ministral", "nanochat", "cohere_compass_text")
+                  "jais2", "glm", "internlm3", "iquestcoder", "ministral", "nanochat", "cohere_compass_text", "muse_glimmer_text")
 FAMILIES = {
     "mixtral": Family(_mixtral, "block_sparse_moe", ("w1", "w3", "w2"), "MixtralForCausalLM",
                       defaults=dict(num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1e6)),
@@ -3716,6 +3831,17 @@ FAMILIES = {
                                   defaults=dict(tie_word_embeddings=True, sliding_window=4096)),
     "cohere_compass": Family(_cohere_compass, "mlp", _PROJ, "CohereCompassForConditionalGeneration", norms=("input_layernorm", ""),
                              prefix=("model.", "model.language_model."), not_read=("model.visual.",), written_as="cohere_compass_text"),
+    # Muse Glimmer's text model (transformers has no causal LM of it alone: its base model's class)
+    "muse_glimmer_text": Family(_muse_glimmer_text, "mlp", _PROJ, "MuseGlimmerTextModel", sandwich=_GEMMA_SANDWICH, defaults=_MUSE_GLIMMER_DEFAULTS),
+    "muse_spark_text": Family(_muse_spark_text, "mlp", _STACKS, "MuseSparkTextModel", sandwich=_GEMMA_SANDWICH, fused="halves_out",
+                              latent=("pre_expert_proj", "post_expert_proj"), defaults=_MUSE_SPARK_DEFAULTS),
+    "muse_spark": Family(_muse_spark, "mlp", _STACKS, "MuseSparkForConditionalGeneration", sandwich=_GEMMA_SANDWICH, fused="halves_out",
+                         latent=("pre_expert_proj", "post_expert_proj"), prefix=("model.", "model.language_model."),
+                         not_read=("model.vision_tower.", "model.vision_adapter.", "model.vision_projection.", "model.audio_tower."),
+                         written_as="muse_spark_text"),
+    "muse_glimmer": Family(_muse_glimmer, "mlp", _PROJ, "MuseGlimmerForConditionalGeneration", sandwich=_GEMMA_SANDWICH,
+                           prefix=("model.", "model.language_model."),
+                           not_read=("model.vision_tower.", "model.vision_adapter.", "model.vision_projection."), written_as="muse_glimmer_text"),
     "exaone4": Family(_exaone4, "mlp", _PROJ, "Exaone4ForCausalLM", defaults=dict(rms_norm_eps=1e-5, sliding_window=4096, num_key_value_heads=32)),
     "seed_oss": Family(_seed_oss, "mlp", _PROJ, "SeedOssForCausalLM", defaults=dict(num_key_value_heads=8, head_dim=128, attention_bias=True)),
     "hunyuan_v1_dense": Family(_hunyuan_v1_dense, "mlp", _PROJ, "HunYuanDenseV1ForCausalLM", qk_norms=("query_layernorm", "key_layernorm"),
@@ -3968,6 +4094,10 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
     if moe and cfg.moe_latent:  # a latent MoE's [L, H] and [H, L] linear weights
         for ours, theirs in zip(("latent_in", "latent_out"), family.latent):
             out[q + "mlp." + ours] = Tensor((f"{mlp}{theirs}.weight",), transpose=True)
+    if moe and cfg.moe_latent_norm:  # Muse Spark's norm of the experts' input, and of each expert's output
+        out[q + "mlp.latent_norm"] = Tensor((f"{mlp}{family.latent_norm}.weight",))
+    if moe and cfg.expert_out_norm:
+        out[q + "mlp.expert_out_norm"] = Tensor((f"{mlp}{family.expert_out_norm}.weight",))
     if moe and cfg.expert_bias:  # HF's e_score_correction_bias: fmoe's expert_bias buffer, whatever the experts' layout
         bias = p + family.correction_bias[3:] if family.correction_bias.startswith("../") else mlp + family.correction_bias
         out[q + "mlp.expert_bias"] = Tensor((bias,), unit=family.correction_bias_unit, row=family.correction_bias_row)
@@ -4007,6 +4137,9 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
         if cfg.mlp_act == "xielu":  # its learned scalars, [1] each (Apertus's act_fn)
             for name in ("alpha_p", "alpha_n"):
                 out[q + "mlp.xielu_" + name] = Tensor((f"{p}{family.dense}.act_fn.{name}",))
+    if cfg.residual_gates:  # Muse Spark's residual gates, [H] each
+        for ours, theirs in zip(("attn_residual_gate", "mlp_residual_gate"), family.residual_gates):
+            out[q + ours + ".gate"] = Tensor((p + theirs + ".gate",))
     if cfg.hyper_connections:  # the streams' weights of the attention and of the MLP (Family.hyper)
         for ours, theirs in zip(("attn_hc.", "mlp_hc."), family.hyper[:2]):
             out.update({q + ours + name: Tensor((p + theirs + name,)) for name in ("fn", "base", "scale")})
@@ -4195,6 +4328,10 @@ def key_map(family: Family, cfg: TransformerConfig) -> dict[str, Tensor]:
             out[q + "out_norm.weight"] = Tensor(("mtp.norm.weight",))
     if not cfg.norm_weights:  # weightless norms (NanoChat's): no keys for them
         out = {name: spec for name, spec in out.items() if not name.endswith("norm.weight")}
+    unit = {role for role in ("attn_post", "mlp_post", "final") if cfg.norm_kind(role) == "unit"}  # norm_overrides' weightless norms
+    if unit:
+        out = {name: spec for name, spec in out.items()
+               if not (name == "norm.weight" and "final" in unit) and not any(name.endswith(f".{role}_norm.weight") for role in unit)}
     if cfg.norm_bias:  # each LayerNorm's bias beside its weight (Phi-3.5-MoE's)
         out = {n: s for name, spec in out.items()
                for n, s in [(name, spec)] + ([(name[:-len("weight")] + "bias", Tensor((spec.keys[0][:-len("weight")] + "bias",)))]
@@ -4788,6 +4925,30 @@ def _query_pre_attn_scalar(cfg: TransformerConfig):
     return next((c for c in (round(q), q) if c > 0 and float(c) ** -0.5 == cfg.attn_scale), q)
 
 
+def _muse_fields(cfg: TransformerConfig) -> dict:
+    """The config.json fields of Muse Glimmer's and Muse Spark's blocks (_muse_blocks) from an
+    fmoe config: the q scale and the logits' multiplier that read back exactly, the cap, the
+    post-norms' eps, the layer kinds and each layer's RoPE base (0: none)."""
+    head_dim = cfg.head_dim
+    q_scale = 1.0 if cfg.attn_scale is None else _exact_field(cfg.attn_scale, cfg.attn_scale * head_dim ** 0.5, lambda c: c * head_dim ** -0.5)
+    return dict(attention_bias=cfg.qkv_bias, qk_scale_factor=q_scale, output_multiplier=_exact_field(cfg.logit_divisor, 1 / cfg.logit_divisor, lambda c: 1 / c),
+                final_logit_softcapping=cfg.logit_softcap, post_norm_eps=cfg.post_norm_eps, sliding_window=cfg.window or 4096,
+                layer_types=_layer_types(cfg), layer_rope_theta=[0 if cfg.is_nope(i) else cfg.rope_base for i in range(cfg.n_layers)])
+
+
+def _exact_field(target: float, guess: float, reads: Callable[[float], float]) -> float:
+    """The config.json value near `guess` (within a few ulps) that `reads` (the mapping's
+    formula) takes back to `target` exactly (Muse's qk_scale_factor of attn_scale, its
+    output_multiplier of logit_divisor); guess itself where none does."""
+    below = above = guess
+    for _ in range(8):
+        for c in (below, above):
+            if reads(c) == target:
+                return c
+        below, above = math.nextafter(below, -math.inf), math.nextafter(above, math.inf)
+    return guess
+
+
 def _rotary_factor(cfg: TransformerConfig) -> float:
     """config.json's partial_rotary_factor of rope_dim: rope_dim / head_dim, or where
     int(head_dim * that) rounds below rope_dim (30 / 44), half a channel more, which
@@ -5109,6 +5270,10 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
         elif model_type == "jais2":  # its LayerNorms' eps under their own name, MLPs without a gate
             hf.pop("rms_norm_eps")
             hf.update(layer_norm_eps=cfg.norm_eps, hidden_act="relu2", attention_bias=cfg.qkv_bias)
+        elif model_type == "muse_glimmer_text":  # its activation's field, scales, post-norms' eps and RoPE or none per layer
+            hf.pop("hidden_act")
+            hf.pop("mlp_bias")
+            hf.update(hidden_activation="gelu_pytorch_tanh" if cfg.mlp_act == "gelu_tanh" else "silu", **_muse_fields(cfg))
         elif model_type == "nanochat":  # MLPs without a gate, the logits' cap
             hf.pop("mlp_bias")
             hf.update(hidden_act="relu2", attention_bias=False, final_logit_softcapping=cfg.logit_softcap)
@@ -5268,6 +5433,11 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
         else:
             hf.update(use_sliding_window=cfg.window is not None, sliding_window=cfg.window, max_window_layers=cfg.n_layers,
                       layer_types=_layer_types(cfg), **(dict(attention_bias=False) if model_type == "qwen3" else {}))
+    elif model_type == "muse_spark_text":  # Muse Glimmer's fields, the latent MoE's, the residual gates' temperature
+        hf.update(num_local_experts=cfg.n_experts, moe_intermediate_size=cfg.ffn_expert, intermediate_size=cfg.ffn_dense, moe_hidden_size=cfg.moe_latent,
+                  mlp_layer_types=["sparse" if cfg.is_moe(i) else "dense" for i in range(cfg.n_layers)],
+                  routed_scaling_factor=cfg.route_scale if cfg.route_scale is not None else 1.0,
+                  residual_gate_temperature=cfg.residual_gate_temperature, **_muse_fields(cfg))
     elif model_type in ("olmoe", "flex_olmo"):
         hf.update(num_experts=cfg.n_experts, intermediate_size=cfg.ffn_expert, norm_topk_prob=not cfg.pre_softmax)
     else:
@@ -5380,7 +5550,8 @@ def written_config(hf: dict) -> dict:
 # TransformerConfig fields that only MoE blocks read (the dense MLP is a plain SwiGLU)
 _MOE_ONLY = {"n_experts", "k", "ffn_expert", "n_shared", "shared_ffn", "shared_gate", "score", "pre_softmax", "n_groups", "topk_groups",
              "group_score_topk", "route_scale", "route_normalize", "expert_bias", "route_on_input", "router_bias", "expert_biases",
-             "swiglu_alpha", "swiglu_limit", "swiglu_offset", "swiglu_limit_layers", "router_softcap", "shared_scale", "expert_bias_on_logits"}
+             "swiglu_alpha", "swiglu_limit", "swiglu_offset", "swiglu_limit_layers", "router_softcap", "shared_scale", "expert_bias_on_logits",
+             "router_scale", "expert_out_norm"}
 
 
 # TransformerConfig fields that only the attention blocks read: nothing in a model none of whose blocks attends (every
@@ -5391,7 +5562,8 @@ _ATTENTION_ONLY = {"n_heads", "n_kv_heads", "head_dim", "qkv_bias", "o_bias", "q
                    "llama3_high_freq_factor", "llama3_original_max_positions", "longrope_short_factors", "longrope_long_factors",
                    "longrope_original_max_positions", "longrope_short_scale", "longrope_long_scale", "q_rank", "kv_rank", "v_head_dim", "mla_scales",
                    "q_latent_raw", "attn_gate", "attn_gate_act", "attn_gate_per_head", "attn_gate_bias", "attn_gate_on_q", "attn_scale", "attn_softcap",
-                   "attn_sinks", "sink_layers", "value_scale", "clip_qkv", "v_norm", "global_k_eq_v", "local_heads", "local_kv_heads", "local_head_dim",
+                   "attn_sinks", "sink_layers", "value_scale", "clip_qkv", "v_norm", "attn_out_norm", "global_k_eq_v", "local_heads", "local_kv_heads",
+                   "local_head_dim",
                    "local_rope_base", "local_rope_dim", "window", "window_layers", "chunk", "chunk_layers", "nope_layers", "nope_temperature_floor",
                    "nope_temperature_scale", "nope_temperature_kind", "query_temperature_floor", "query_temperature_scale", "index_topk", "index_heads",
                    "index_head_dim", "index_rope_interleaved", "index_rope_last", "index_norm_eps", "index_loss_coeff", "index_shared_layers"}

@@ -44,6 +44,12 @@ params (a dict or TensorDict; parameters are the caller's, nothing is kept here)
                                     Super's): the routed experts read x latent_in [T, L] (their
                                     weights [E, L, F], [E, F, L]) and their sum leaves through
                                     latent_out; the router and the shared experts read x
+    latent_norm   [L]               optional (with latent_in): the experts' input x latent_in
+                                    RMS-normed, gain 1 + latent_norm (Muse Spark's pre_expert_norm;
+                                    eps cfg.norm_eps)
+    expert_out_norm [L] (or [H])    optional: each expert's output row y normed before its
+                                    routing weight, y (1 + w) / rms(y (1 + w)) (Muse Spark's
+                                    post_expert_norm; eps cfg.expert_out_norm_eps)
 
 stats (a TensorDict, batch_size []): what the losses and the bias update consume:
     router_logits      [T, E] float32, differentiable: z_loss(stats["router_logits"])
@@ -166,7 +172,10 @@ class MoEConfig:
     or "gelu_tanh" (GeGLU: GELU's tanh form, Gemma's) or "silu_cap" (the limits cap silu(gate)
     rather than gate: Step 3.7's), or "relu2": experts without a gate
     (no w_gate, no shared_w_gate: relu(x w_up)^2 w_down, Nemotron 3's), the routed and the
-    shared experts' (fmoe.ops.grouped_mlp's act). norm_eps: the router's RMSNorm's eps (params["router_norm"]).
+    shared experts' (fmoe.ops.grouped_mlp's act). norm_eps: the router's RMSNorm's eps (params["router_norm"]),
+    and the latent norm's (params["latent_norm"]). logit_scale: the router's logits times this
+    constant before the cap and the routing (Muse Spark's output_multiplier); stats["router_logits"]
+    are the scaled ones. expert_out_norm_eps: the eps of params["expert_out_norm"].
     """
 
     n_experts: int
@@ -199,6 +208,8 @@ class MoEConfig:
     bias_on_logits: bool = False
     glu_act: str = "silu"
     norm_eps: float = 1e-6
+    logit_scale: float = 1.0
+    expert_out_norm_eps: float = 1e-6
 
     def __post_init__(self):
         check_positive_int("n_experts", self.n_experts)
@@ -208,8 +219,13 @@ class MoEConfig:
             check_glu(1.0, self.shared_swiglu_limit, 0.0, self.glu_act)
         except ValueError as e:
             raise ValueError(f"shared_swiglu_limit: the shared experts' clamp, {e}") from None
-        if isinstance(self.norm_eps, bool) or not isinstance(self.norm_eps, (int, float)) or not 0 <= self.norm_eps < math.inf:
-            raise ValueError(f"norm_eps: expected a finite number >= 0, got {self.norm_eps!r}")
+        for name in ("norm_eps", "expert_out_norm_eps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise ValueError(f"{name}: expected a finite number >= 0, got {value!r}")
+        scale = self.logit_scale
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
+            raise ValueError(f"logit_scale: expected a positive finite number, got {scale!r}")
         check_sparsemixer_knobs(self.score, self.k, self.sparsemixer_eps, pre_softmax=self.pre_softmax, n_groups=self.n_groups,
                                 topk_groups=self.topk_groups, scale=self.scale, group_score_topk=self.group_score_topk, normalize=self.normalize)
         if isinstance(self.shared_scale, bool) or not isinstance(self.shared_scale, (int, float)) or not 0 < self.shared_scale < math.inf:
@@ -333,6 +349,13 @@ def _check_moe(x_TH, params, cfg, experts, shared, drop) -> None:
                 got = f"{w.dtype} {list(w.shape)}" if isinstance(w, torch.Tensor) else "none"
                 raise ValueError(f"params['{name}']: a latent MoE needs latent_in [H, L] and latent_out [L, H] in x's dtype {x_TH.dtype}, "
                                  f"expected {list(shape)}, got {got}")
+    L = latent[0].shape[-1] if latent[0] is not None else H  # the experts' width
+    for name, width, what in (("latent_norm", None if latent[0] is None else L, "a latent MoE's (latent_in) experts' width"),
+                              ("expert_out_norm", L, "the experts' output width")):
+        w = params.get(name)
+        if w is not None and (width is None or tuple(w.shape) != (width,)):
+            raise ValueError(f"params['{name}']: expected [{width}] ({what}) or none, got {list(w.shape)}"
+                             if width is not None else f"params['{name}']: the norm of a latent MoE's experts' input, needs params['latent_in']")
     gate = params.get("shared_gate")
     has_shared = shared is not None or weights[1] is not None
     if gate is not None and (not has_shared or tuple(gate.shape) != (H,)):
@@ -369,8 +392,10 @@ def dense_mlp(x_TH: torch.Tensor, w_gate_HF, w_up_HF, w_down_FH, *, impl: str = 
     return biased(matmul(swiglu(gate_TF, up_TF, impl=impl, act=act, limit=limit), w_down_FH, fp8=fp8, impl=impl), b_down)
 
 
-def local_experts(x_TH: torch.Tensor, routes: Routes, params, cfg: MoEConfig):
-    """The routed experts on this process: permute -> grouped_mlp -> unpermute.
+def local_experts(x_TH: torch.Tensor, routes: Routes, params, cfg: MoEConfig, *, rows: Optional[Callable] = None):
+    """The routed experts on this process: permute -> grouped_mlp -> unpermute; rows (None:
+    none): a function of the experts' output rows [R, H] -> [R, H], each row on its own (a
+    zero row to zero), applied before their weights (moe's expert_out_norm).
 
     x [T, H], routes (weights, experts [T, k]) over cfg.n_experts experts whose stacked
     weights are params["w_gate"], ["w_up"] [E, H, F], ["w_down"] [E, F, H] (optional biases
@@ -385,7 +410,7 @@ def local_experts(x_TH: torch.Tensor, routes: Routes, params, cfg: MoEConfig):
     x_perm, weights = weigh_rows(x_perm, plan, routes.weights, cfg)
     y_perm = grouped_mlp(x_perm, params.get("w_gate"), params["w_up"], params["w_down"], plan.offsets, check=False, impl=cfg.impl,
                          fp8=cfg.fp8, fp8_fast_accum=cfg.fp8_fast_accum, **expert_biases(params), **cfg.glu)
-    return unpermute(y_perm, plan, weights, impl=cfg.impl), plan.counts
+    return unpermute(y_perm if rows is None else rows(y_perm), plan, weights, impl=cfg.impl), plan.counts
 
 
 def weigh_rows(x_perm: torch.Tensor, plan, weights_TK: torch.Tensor, cfg: MoEConfig):
@@ -447,6 +472,8 @@ def moe(
     if params.get("router_norm") is not None:  # Gemma 4's: rmsnorm(x) times a learned scale and 1 / sqrt(H)
         r_TH = _rms_norm(r_TH, params["router_norm"] * r_TH.shape[-1] ** -0.5, cfg.norm_eps)
     logits_TE = F.linear(r_TH, params["router"], params.get("router_bias"))  # router in float32
+    if cfg.logit_scale != 1.0:  # Muse Spark's output_multiplier
+        logits_TE = logits_TE * cfg.logit_scale
     if cfg.logit_softcap is not None:  # Laguna's tanh soft cap
         logits_TE = torch.tanh(logits_TE / cfg.logit_softcap) * cfg.logit_softcap
     if cfg.score == "sparsemixer":
@@ -474,10 +501,15 @@ def moe(
 
     latent_in, latent_out = params.get("latent_in"), params.get("latent_out")
     x_e = x if latent_in is None else matmul(x, latent_in, fp8=cfg.fp8, impl=cfg.impl)  # the routed experts' input, [T, L] in a latent MoE
+    if params.get("latent_norm") is not None:  # Muse Spark's pre_expert_norm (zero-centred)
+        x_e = _rms_norm(x_e, params["latent_norm"], cfg.norm_eps, zero_centered=True)
+    out_norm = params.get("expert_out_norm")
+    rows = None if out_norm is None else functools.partial(prescaled_rms_norm, weight=out_norm, eps=cfg.expert_out_norm_eps)
+    kw = {} if rows is None else dict(rows=rows)  # an experts callable of its own takes rows= only where the MoE has the norm
     if experts is None:
-        y_TH, counts_E = local_experts(x_e, routes, params, cfg)
+        y_TH, counts_E = local_experts(x_e, routes, params, cfg, **kw)
     else:
-        y_TH, counts_E = experts(x_e, routes)
+        y_TH, counts_E = experts(x_e, routes, **kw)
     if latent_out is not None:
         y_TH = matmul(y_TH, latent_out, fp8=cfg.fp8, impl=cfg.impl)
     if cfg.zero_experts:
@@ -605,7 +637,8 @@ class AttentionConfig:
     to [-clip_qkv, clip_qkv] right after their projections (biases included), before any
     norm or RoPE (DBRX's clip_qkv); None: not clamped; grouped-query attention only.
     v_norm: the values RMS-normed over each head's channels, without weights (Gemma 4's
-    v_norm); k_eq_v: no wv, the values are the keys' projection x wk (with bk) as it comes,
+    v_norm); out_norm: each head's attention output RMS-normed over its channels without
+    weights, before the output gate and wo (Muse Spark's o_norm); k_eq_v: no wv, the values are the keys' projection x wk (with bk) as it comes,
     before the keys' norm and RoPE (Gemma 4's attention_k_eq_v in its global layers); both
     grouped-query attention only. rope_proportion p: proportional RoPE (Gemma 4's global
     layers): the frequencies base^(-2i / D) of a RoPE over every channel of each head (halves),
@@ -704,6 +737,7 @@ class AttentionConfig:
     v_scale: float = 1.0
     clip_qkv: Optional[float] = None
     v_norm: bool = False
+    out_norm: bool = False
     k_eq_v: bool = False
     rope_proportion: Optional[float] = None
     score_softcap: Optional[float] = None
@@ -753,6 +787,8 @@ class AttentionConfig:
                 name, rest = str(e).split(":", 1)
                 raise ValueError(f"{'rope_base' if name == 'base' else 'llama3_' + name}:{rest}") from None
         self._check_longrope_knobs()
+        if not isinstance(self.out_norm, bool) or (self.out_norm and self.kv_rank is not None):
+            raise ValueError(f"out_norm: each grouped-query attention head's output normed (a bool; True needs kv_rank None), got {self.out_norm!r}")
         for name in ("v_norm", "k_eq_v"):
             if not isinstance(getattr(self, name), bool) or (getattr(self, name) and (self.kv_rank is not None or self.v_dim is not None)):
                 raise ValueError(f"{name}: a knob of grouped-query attention's values (a bool; True needs kv_rank and v_dim None), "
@@ -1340,6 +1376,13 @@ def _rms_norm(x, weight, eps: float, ms=None, *, zero_centered: bool = False):
     return (y * (weight.float() + 1.0 if zero_centered else weight.float())).to(x.dtype)
 
 
+def prescaled_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The gain first, then the norm: y / rms(y) for y = x (1 + weight), over the last dim in
+    float32, in x's dtype (Muse Spark's input-scaled RMSNorm; a zero row stays zero)."""
+    y = x.float() * (weight.float() + 1.0)
+    return (y * torch.rsqrt(y.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 def mla_shapes(H: int, cfg: AttentionConfig) -> tuple[dict, dict]:
     """Multi-latent attention's (matrices, latent norms) name -> shape."""
     N, D, R = cfg.n_heads, cfg.head_dim, cfg.rot_dim
@@ -1607,6 +1650,8 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
         out_NTD = out_NTD[..., :Dv]
     if wv_CNV is not None:  # absorbed: each head's latent output to its values
         out_NTD = torch.einsum("ntc,cnv->ntv", out_NTD, wv_CNV)
+    if cfg.out_norm:  # each head's output over its channels, without weights (Muse Spark's o_norm)
+        out_NTD = _rms_norm(out_NTD, None, cfg.norm_eps)
     out_TQ = rearrange(out_NTD, "n t d -> t (n d)")
     if params.get("wg") is not None:  # gated attention: each output channel (or head) times its gate
         out_TQ = _gated(out_TQ, matmul(q_lat if cfg.gate_on_q else x, params["wg"], fp8=cfg.fp8, impl=cfg.impl), cfg, params.get("bg"))

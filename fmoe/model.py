@@ -59,6 +59,8 @@ from fmoe.ops.backend import local_tensor as _local
 # keeping. none; full: each block; attention: each block's norm + attention; experts: each
 # MoE layer's routed experts (dispatch, grouped SwiGLU MLP, combine: the [T k, F] tensors)
 AC_MODES = ("none", "full", "attention", "experts")
+NORM_ROLES = ("embed", "attn_post", "mlp_post", "final")  # TransformerConfig.norm_overrides' roles
+NORM_KINDS = ("unit", "plain", "zero_centered", "prescaled")  # ... and kinds
 HC_KINDS = ("manifold", "independent")
 
 
@@ -168,10 +170,10 @@ class GroupedExperts(nn.Module):
     (without a gate, cfg.glu_act in PLAIN_ACTS: w_gate None), with biases=True also b_gate, b_up [E, F] and b_down [E, H] (a child module of MoE with a forward of its own, so that FSDP can shard the experts
     over their own mesh and gather them when they run).
 
-    forward(x [T, H], routes) -> (y [T, H], counts [E]): the routed experts' weighted
+    forward(x [T, H], routes, rows=None) -> (y [T, H], counts [E]): the routed experts' weighted
     output, by fmoe.layers.local_experts, or by `dispatcher` when one is set
     (fmoe.parallel.ExpertParallel, with the weights sharded over expert-parallel ranks;
-    same call signature as local_experts).
+    same call signature as local_experts); rows: local_experts' (the expert output norm).
     """
 
     def __init__(self, n_experts: int, hidden: int, ffn: int, cfg: MoEConfig, *, biases: bool = False, device=None, dtype=None):
@@ -191,14 +193,14 @@ class GroupedExperts(nn.Module):
             self.b_down = nn.Parameter(torch.zeros(n_experts, hidden, **kw))
             self.names += list(EXPERT_BIASES)
 
-    def forward(self, x_TH, routes):
+    def forward(self, x_TH, routes, rows=None):
         if self.recompute:
-            return recompute(self._experts, x_TH, routes)
-        return self._experts(x_TH, routes)
+            return recompute(self._experts, x_TH, routes, rows)
+        return self._experts(x_TH, routes, rows)
 
-    def _experts(self, x_TH, routes):
+    def _experts(self, x_TH, routes, rows=None):
         params = {n: _local(getattr(self, n)) for n in self.names}
-        return (self.dispatcher or local_experts)(x_TH, routes, params, self.cfg)
+        return (self.dispatcher or local_experts)(x_TH, routes, params, self.cfg, **({} if rows is None else dict(rows=rows)))
 
 
 class KeepsFloat32(nn.Module):
@@ -252,6 +254,10 @@ class MoE(KeepsFloat32):
         latent: L > 0, a latent MoE (Nemotron 3 Super's): latent_in [H, L] and latent_out
             [L, H] around the routed experts, which work in L (their weights [E, L, F]); the
             router and the shared experts read x (fmoe.layers.moe's params of those names).
+        latent_norm: with latent, the experts' input RMS-normed, gain 1 + latent_norm [L] (0 at
+            initialisation; Muse Spark's pre_expert_norm). expert_out_norm: each expert's
+            output row normed before its weight by fmoe.layers.prescaled_rms_norm of
+            expert_out_norm [L or H] (0 at initialisation; Muse Spark's post_expert_norm).
     """
 
     _FLOAT32 = ("router", "router_bias", "expert_bias", "router_norm", "expert_scale")
@@ -259,11 +265,14 @@ class MoE(KeepsFloat32):
     def __init__(
         self, hidden: int, ffn: int, cfg: MoEConfig, *, shared_ffn: int = 0, shared_gate: bool = False,
         expert_bias: bool = False, router_bias: bool = False, expert_biases: bool = False, router_norm: bool = False,
-        expert_scale: bool = False, latent: int = 0, device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None,
+        expert_scale: bool = False, latent: int = 0, latent_norm: bool = False, expert_out_norm: bool = False,
+        device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None,
     ):
         super().__init__()
         if shared_gate and not shared_ffn:
             raise ValueError("shared_gate: needs shared experts (shared_ffn > 0)")
+        if latent_norm and not latent:
+            raise ValueError("latent_norm: the norm of a latent MoE's experts' input, needs latent > 0")
         check_positive_int("latent", latent, 0)
         E, H, kw = cfg.n_experts, hidden, dict(device=device, dtype=dtype)
         self.cfg = cfg
@@ -276,6 +285,9 @@ class MoE(KeepsFloat32):
         # a latent MoE: the routed experts' input x latent_in [H, L], their sum times latent_out [L, H]
         self.latent_in = nn.Parameter(torch.empty(H, latent, **kw)) if latent else None
         self.latent_out = nn.Parameter(torch.empty(latent, H, **kw)) if latent else None
+        # Muse Spark's: the latent's zero-centred norm, and each expert's output row's prescaled one (fmoe.layers.moe)
+        self.latent_norm = nn.Parameter(torch.zeros(latent, **kw)) if latent_norm else None
+        self.expert_out_norm = nn.Parameter(torch.zeros(latent or H, **kw)) if expert_out_norm else None
         self.shared = DenseMLP(H, shared_ffn, cfg.impl, fp8=cfg.fp8, act=cfg.glu_act, limit=cfg.shared_swiglu_limit, **kw) if shared_ffn else None
         if shared_gate:
             self.shared_gate = nn.Parameter(torch.empty(H, **kw))
@@ -295,6 +307,8 @@ class MoE(KeepsFloat32):
                 nn.init.zeros_(p)
             elif name in ("router_norm", "expert_scale"):
                 nn.init.ones_(p)
+            elif name in ("latent_norm", "expert_out_norm"):  # gains 1 + weight
+                nn.init.zeros_(p)
             else:
                 nn.init.normal_(p, std=std)
         if "expert_bias" in self._buffers:
@@ -316,7 +330,7 @@ class MoE(KeepsFloat32):
                 params[name] = replicated(_local(getattr(self, name)))
         if "expert_bias" in self._buffers:
             params["expert_bias"] = self.expert_bias
-        for name in ("shared_gate", "latent_in", "latent_out"):
+        for name in ("shared_gate", "latent_in", "latent_out", "latent_norm", "expert_out_norm"):
             if getattr(self, name, None) is not None:
                 params[name] = replicated(_local(getattr(self, name)))
         drop = self.capacity_drop  # cp: over every cp rank's tokens (and tp slices)
@@ -350,7 +364,16 @@ class TransformerConfig:
     before them; not with parallel_blocks, shortcut_moe, normed_residual or DeepSeek sparse
     attention). moe_latent L: a latent MoE (Nemotron 3 Super's), the routed experts (of L in,
     L out) between x latent_in [H, L] and latent_out [L, H], the router and the shared
-    experts on x (fmoe.model.MoE's latent). Routing: score ("softmax", "sigmoid", or "sparsemixer": Phi-3.5-MoE's
+    experts on x (fmoe.model.MoE's latent); moe_latent_norm: the experts' input x latent_in
+    RMS-normed, gain 1 + latent_norm [L] (Muse Spark's pre_expert_norm, eps norm_eps);
+    expert_out_norm: each routed expert's output row normed before its weight, y (1 + w) /
+    rms(y (1 + w)) of expert_out_norm [L or H] (Muse Spark's post_expert_norm, eps post_norm_eps
+    or norm_eps; fmoe.layers.moe's params of those names). residual_gates: each block's two
+    residual adds weighed channel by channel, x' = alpha x + beta y with beta = sigmoid(g / T),
+    alpha = sqrt(max(sigmoid(-g / T) (1 + beta), 1e-3)) of the add's gate g [H] (float32) and T =
+    residual_gate_temperature (Muse Spark's; fmoe.model.ResidualGate; not with
+    hyper_connections, shortcut_moe, parallel_blocks, depth_scaled_residual, normed_residual
+    or residual_scale). Routing: score ("softmax", "sigmoid", or "sparsemixer": Phi-3.5-MoE's
     top-2 with its gap sparsemixer_eps, k = 2, without expert_bias; fmoe.ops.sparsemixer_route), pre_softmax (softmax over all experts, then top-k,
     weights not renormalised), n_groups/topk_groups with group_score_topk (a group's score
     sums its best group_score_topk scores; None: k // topk_groups), route_scale,
@@ -395,7 +418,8 @@ class TransformerConfig:
     fmoe.layers.AttentionConfig.gate_act, gate_per_head); attn_gate_bias: a bias per head
     bg [n_heads] added to its gate's pre-activations (Beam's gate_bias). router_softcap: the router's
     logits capped at c tanh(l / c) before routing (Laguna; fmoe.layers.MoEConfig.logit_softcap).
-    router_bias: a float32 bias on the router logits; expert_biases: biases of the routed
+    router_scale: the router's logits times this constant before the routing (Muse Spark's
+    output_multiplier; fmoe.layers.MoEConfig.logit_scale). router_bias: a float32 bias on the router logits; expert_biases: biases of the routed
     experts' three projections; swiglu_alpha / swiglu_limit / swiglu_offset: the routed
     experts' clamped SwiGLU (fmoe.ops.grouped_mlp; gpt-oss: 1.702, 7.0, 1.0);
     shared_swiglu_limit: the shared experts' and dense MLPs' clamp (their gate at most it, up
@@ -449,7 +473,9 @@ class TransformerConfig:
     proportional RoPE in the blocks without a window or chunk, only the first share of the
     frequency pairs turning (Gemma 4's "proportional" rope type; fmoe.layers.AttentionConfig).
     attn_softcap: every attention score capped at c tanh(s / c) before the softmax (Gemma 2's
-    attn_logit_softcapping; fmoe.layers.AttentionConfig.score_softcap).
+    attn_logit_softcapping; fmoe.layers.AttentionConfig.score_softcap). attn_out_norm: each head's
+    attention output RMS-normed over its channels without weights, before the output gate and
+    wo (Muse Spark's o_norm; grouped-query attention; fmoe.layers.AttentionConfig.out_norm).
     index_topk
     (with q_rank and kv_rank): DeepSeek sparse attention in every block (DeepSeek-V3.2,
     GLM-5), each query attending to the index_topk keys a lightning indexer of index_heads
@@ -519,7 +545,14 @@ class TransformerConfig:
     zero_centered_norms: every RMSNorm's gain is 1 + its weight, the weight 0 at initialisation
     (Qwen3-Next's zero-centred norms: weight decay pulls the gain to 1;
     the blocks', the final, the MTP modules' and the q/k norms; not the linear-attention
-    layers' gated output norm). linear_layers: the trunk blocks whose mixer is Gated DeltaNet
+    layers' gated output norm). post_norm_eps: the post-norms' eps (attn_post_norm, mlp_post_norm; None:
+    norm_eps; Muse's 1e-8 beside its 1e-5). norm_overrides: "role:kind" entries, a norm's own
+    kind where the knobs above would make it otherwise (Muse Glimmer's and Muse Spark's mixes),
+    role "embed" (embed_norm), "attn_post", "mlp_post" (the post-norms) or "final"; kind "unit"
+    (no weight, x / rms(x)), "plain" (gain = weight), "zero_centered" (gain = 1 + weight) or
+    "prescaled" (the gain first, then the norm: (x (1 + w)) / rms(x (1 + w)), Muse Spark's
+    input-scaled norm; weight 0 at initialisation); RMSNorms only (not with layer_norms,
+    norm_bias or norm_weights=False). linear_layers: the trunk blocks whose mixer is Gated DeltaNet
     linear attention instead of softmax attention (Qwen3-Next, Qwen3.5: three in four;
     fmoe.layers.linear_attention) with linear_k_heads query/key heads of linear_k_dim,
     linear_v_heads value heads of linear_v_dim and a causal convolution of linear_conv taps;
@@ -666,6 +699,7 @@ class TransformerConfig:
     local_head_dim: Optional[int] = None
     attn_softcap: Optional[float] = None
     v_norm: bool = False
+    attn_out_norm: bool = False
     global_k_eq_v: bool = False
     rope_proportion: Optional[float] = None
     attn_gate: bool = False
@@ -673,6 +707,7 @@ class TransformerConfig:
     attn_gate_per_head: bool = False
     attn_gate_bias: bool = False
     router_softcap: Optional[float] = None
+    router_scale: float = 1.0
     router_bias: bool = False
     expert_biases: bool = False
     swiglu_alpha: float = 1.0
@@ -721,6 +756,8 @@ class TransformerConfig:
     abs_position_offset: int = 0
     head_bias: bool = False
     zero_centered_norms: bool = False
+    post_norm_eps: Optional[float] = None
+    norm_overrides: tuple[str, ...] = ()
     linear_layers: Optional[tuple[int, ...]] = None
     linear_k_heads: int = 2
     linear_v_heads: int = 4
@@ -741,6 +778,10 @@ class TransformerConfig:
     mlp_free_layers: Optional[tuple[int, ...]] = None
     mixer_free_layers: Optional[tuple[int, ...]] = None
     moe_latent: Optional[int] = None
+    moe_latent_norm: bool = False
+    expert_out_norm: bool = False
+    residual_gates: bool = False
+    residual_gate_temperature: float = 0.3
     mtp_depth: int = 0
     mtp_norm: bool = False
     norm_eps: float = 1e-6
@@ -879,7 +920,8 @@ class TransformerConfig:
             raise ValueError("sink_layers: the blocks with attention sinks, needs attn_sinks")
         for name in ("pre_norms", "post_norms", "linear_pre_norms", "linear_neg_eigval", "mlp_bias", "moe_out_norm", "parallel_blocks", "parallel_norms", "layer_norms",
                      "nope_qk_norm", "route_on_input", "attn_gate", "zero_centered_norms", "norm_bias", "head_bias", "shortcut_moe", "mla_scales", "q_latent_raw", "attn_gate_on_q",
-                     "parallel_hybrid", "norm_weights", "embed_norm", "rope_reversed"):
+                     "parallel_hybrid", "norm_weights", "embed_norm", "rope_reversed", "attn_out_norm", "moe_latent_norm", "expert_out_norm",
+                     "residual_gates"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         if self.norm_bias and not self.layer_norms:
@@ -888,6 +930,8 @@ class TransformerConfig:
             for name in ("zero_centered_norms", "norm_bias", "norm_gate_rank"):
                 if getattr(self, name):
                     raise ValueError(f"norm_weights: False leaves the norms without weights, not with {name}")
+        self._check_norm_overrides()
+        self._check_muse_knobs()
         if self.fp8_layers is not None and self.fp8 is not True:
             raise ValueError("fp8_layers: the blocks whose GEMMs run in fp8, needs fp8=True")
         check_fp8_fast_accum(self.fp8_fast_accum, self.fp8 is True)
@@ -1217,6 +1261,7 @@ class TransformerConfig:
             fp8_fast_accum=self.fp8_fast_accum and (self.fp8 if fp8 is None else fp8), logit_softcap=self.router_softcap, shared_scale=self.shared_scale,
             sparsemixer_eps=self.sparsemixer_eps, zero_experts=self.zero_experts, bias_on_logits=self.expert_bias_on_logits,
             glu_act=self.mlp_act, norm_eps=self.norm_eps,  # relu2: the experts without a gate
+            logit_scale=self.router_scale, expert_out_norm_eps=self.norm_eps if self.post_norm_eps is None else self.post_norm_eps,
         )
 
     def linear_attention_config(self, fp8: Optional[bool] = None) -> LinearAttentionConfig:
@@ -1233,6 +1278,59 @@ class TransformerConfig:
                                      dt_min=self.linear_dt_min, neg_eigval=self.linear_neg_eigval, gate_norm=self.linear_gate_norm,
                                      dt_rank=(self.linear_dt_rank or -(-self.hidden // 16)) if self.linear_kind == "mamba1" else self.linear_dt_rank,
                                      dt_bc_norm=self.linear_dt_bc_norm, fp8=self.fp8 if fp8 is None else fp8)
+
+    def _check_muse_knobs(self) -> None:
+        """router_scale, moe_latent_norm, expert_out_norm, attn_out_norm and the residual gates
+        (the class docstring): ValueError naming what is wrong."""
+        for name in ("router_scale", "residual_gate_temperature"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"{name}: expected a positive finite number, got {value!r}")
+        if self.moe_latent_norm and self.moe_latent is None:
+            raise ValueError("moe_latent_norm: the norm of a latent MoE's experts' input, needs moe_latent")
+        if self.attn_out_norm and self.kv_rank is not None:
+            raise ValueError("attn_out_norm: each grouped-query attention head's output normed, not multi-latent attention's (kv_rank)")
+        if self.residual_gates:
+            bad = [name for name in ("hyper_connections", "shortcut_moe", "parallel_blocks", "depth_scaled_residual") if getattr(self, name)]
+            bad += ["normed_residual"] if self.normed_residual is not None else []
+            bad += ["residual_scale"] if self.residual_scale != 1.0 else []
+            if bad:
+                raise ValueError(f"residual_gates: each residual add weighed by its gate, not with {', '.join(bad)}")
+
+    def _check_norm_overrides(self) -> None:
+        """post_norm_eps and norm_overrides (the class docstring): ValueError naming what is wrong."""
+        eps = self.post_norm_eps
+        if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf):
+            raise ValueError(f"post_norm_eps: expected None or a finite number >= 0, got {eps!r}")
+        if eps is not None and not (self.post_norms or self.moe_out_norm):
+            raise ValueError("post_norm_eps: the post-norms' eps, needs post_norms (or moe_out_norm)")
+        if not isinstance(self.norm_overrides, (tuple, list)):
+            raise ValueError(f"norm_overrides: expected a tuple of 'role:kind' strings, got {self.norm_overrides!r}")
+        object.__setattr__(self, "norm_overrides", tuple(self.norm_overrides))  # a list from a run's config.json
+        roles = []
+        for entry in self.norm_overrides:
+            role, _, kind = entry.partition(":") if isinstance(entry, str) else ("", "", "")
+            if role not in NORM_ROLES or kind not in NORM_KINDS:
+                raise ValueError(f"norm_overrides: expected 'role:kind' entries, role one of {', '.join(NORM_ROLES)} and kind one of "
+                                 f"{', '.join(NORM_KINDS)}, got {entry!r}")
+            if role in roles:
+                raise ValueError(f"norm_overrides: the {role} norm's kind is given twice")
+            roles.append(role)
+        if roles and (self.layer_norms or self.norm_bias or not self.norm_weights):
+            raise ValueError("norm_overrides: the kinds of RMSNorms with weights, not with layer_norms, norm_bias or norm_weights=False")
+        needs = dict(embed=("embed_norm", self.embed_norm), attn_post=("post_norms", self.post_norms),
+                     mlp_post=("post_norms or moe_out_norm", self.post_norms or self.moe_out_norm))
+        for role in roles:
+            if role in needs and not needs[role][1]:
+                raise ValueError(f"norm_overrides: the {role} norm's kind, but the model has no such norm (needs {needs[role][0]})")
+
+    def norm_kind(self, role: Optional[str]) -> Optional[str]:
+        """The kind norm_overrides gives the norm of `role` (None: none given, the knobs' own)."""
+        for entry in self.norm_overrides:
+            name, _, kind = entry.partition(":")
+            if name == role:
+                return kind
+        return None
 
     def block_norms(self, linear: bool = False) -> tuple[bool, bool]:
         """(pre, post): whether a block has its pre-norms (attn_norm, mlp_norm) and its
@@ -1251,7 +1349,7 @@ class TransformerConfig:
             n_heads=self.local_heads if local and self.local_heads is not None else self.n_heads,
             n_kv_heads=self.local_kv_heads if local and self.local_kv_heads is not None else self.n_kv_heads,
             head_dim=self.local_head_dim if local and self.local_head_dim is not None else self.head_dim, rope_base=self.rope_base,
-            v_scale=self.value_scale, clip_qkv=self.clip_qkv, v_norm=self.v_norm, k_eq_v=self.global_k_eq_v and not local,
+            v_scale=self.value_scale, clip_qkv=self.clip_qkv, v_norm=self.v_norm, out_norm=self.attn_out_norm, k_eq_v=self.global_k_eq_v and not local,
             score_softcap=self.attn_softcap,
             rope_proportion=None if local else self.rope_proportion,
             rot_dim=self.rope_dim, interleaved=self.rope_interleaved, reversed=self.rope_reversed, yarn_factor=self.yarn_factor,
@@ -1309,27 +1407,37 @@ class TransformerConfig:
 class RMSNorm(nn.Module):
     """x / rms(x) * weight over the last dim, statistics in float32 (weight=False: no weight,
     x / rms(x) alone: NanoChat's); with zero_centered
-    x / rms(x) * (1 + weight), the weight 0 at initialisation (Qwen3-Next's); with centered,
+    x / rms(x) * (1 + weight), the weight 0 at initialisation (Qwen3-Next's), and with prescaled
+    as well the gain first, y / rms(y) for y = x (1 + weight) (Muse Spark's); with centered,
     a LayerNorm: (x - mean(x)) / std(x) * weight (Cohere's, DBRX's), + bias with bias
     (Phi-3.5-MoE's; the bias 0 at initialisation). `sequence_parallel`: set by fmoe.parallel
     under tensor parallelism for the norms inside Blocks (a SequenceShard; None otherwise): x
     is then this rank's token shard, and the weight's (bias's) gradient is summed over the tp
     ranks where it is used."""
 
-    def __init__(self, dim: int, eps: float, zero_centered: bool = False, centered: bool = False, bias: bool = False, weight: bool = True):
+    def __init__(self, dim: int, eps: float, zero_centered: bool = False, centered: bool = False, bias: bool = False, weight: bool = True,
+                 prescaled: bool = False):
         super().__init__()
+        if prescaled and (not zero_centered or centered or bias or not weight):
+            raise ValueError("prescaled: the gain 1 + weight before the norm (Muse Spark's), needs zero_centered and a weight, no centering or bias")
         self.eps = eps
         self.zero_centered = zero_centered
+        self.prescaled = prescaled
         self.centered = centered
         self.weight = None if not weight else nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
         self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
         self.sequence_parallel = None
 
     @classmethod
-    def of(cls, cfg: "TransformerConfig") -> "RMSNorm":
+    def of(cls, cfg: "TransformerConfig", role: Optional[str] = None) -> "RMSNorm":
         """A block's, the final, the embeddings' or an MTP module's norm of the model cfg (its
-        layer_norms, norm_bias, zero_centered_norms, norm_weights)."""
-        return cls(cfg.hidden, cfg.norm_eps, cfg.zero_centered_norms, cfg.layer_norms, cfg.norm_bias, cfg.norm_weights)
+        layer_norms, norm_bias, zero_centered_norms, norm_weights); role (NORM_ROLES, None:
+        another norm): the norm's place, for cfg.norm_overrides and cfg.post_norm_eps."""
+        eps = cfg.post_norm_eps if role in ("attn_post", "mlp_post") and cfg.post_norm_eps is not None else cfg.norm_eps
+        kind = cfg.norm_kind(role)
+        if kind is None:
+            return cls(cfg.hidden, eps, cfg.zero_centered_norms, cfg.layer_norms, cfg.norm_bias, cfg.norm_weights)
+        return cls(cfg.hidden, eps, zero_centered=kind in ("zero_centered", "prescaled"), weight=kind != "unit", prescaled=kind == "prescaled")
 
     def forward(self, x):
         sp = self.sequence_parallel
@@ -1337,8 +1445,10 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         if self.centered:  # a LayerNorm
             x32 = x32 - x32.mean(-1, keepdim=True)
+        if self.prescaled:  # the gain first (Muse Spark's input-scaled norm)
+            x32 = x32 * ((self.weight if sp is None else sp.weight(self.weight)).float() + 1.0)
         y = x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.eps)
-        if self.weight is not None:
+        if self.weight is not None and not self.prescaled:
             weight = (self.weight if sp is None else sp.weight(self.weight)).float()
             y = y * (weight + 1.0 if self.zero_centered else weight)
         if self.bias is not None:
@@ -1595,6 +1705,35 @@ class LinearAttention(nn.Module):
         return linear_attention(x_TH, params, self.cfg, ctx, heads_mean=heads_mean, heads_sum=heads_sum)[0]
 
 
+class ResidualGate(KeepsFloat32):
+    """A residual add weighed channel by channel by a learned gate (Muse Spark's
+    post_attention_residual_gate / post_feedforward_residual_gate; TransformerConfig.residual_gates):
+    for the stream x and the sublayer's output y [T, H], in float32,
+
+        w = gate / temperature,  beta = sigmoid(w),  alpha = sqrt(max(sigmoid(-w) (1 + beta), eps))
+        x' = alpha x + beta y    (in x's dtype)
+
+    gate [H] float32 (it stays so when the model is cast, as the router does), Normal(0,
+    init_std) at initialisation (Transformer.reset_parameters): beta near 1/2, alpha near
+    sqrt(3)/2. eps 1e-3 (Muse Spark's). `sequence_parallel`: set by fmoe.parallel under tensor
+    parallelism (x is then this rank's token shard; the gate's gradient summed over tp)."""
+
+    _FLOAT32 = ("gate",)
+
+    def __init__(self, hidden: int, temperature: float, eps: float = 1e-3):
+        super().__init__()
+        self.gate = nn.Parameter(torch.zeros(hidden, dtype=torch.float32))
+        self.temperature, self.eps = temperature, eps
+        self.sequence_parallel = None
+
+    def forward(self, x_TH: torch.Tensor, y_TH: torch.Tensor) -> torch.Tensor:
+        gate = self.gate if self.sequence_parallel is None else self.sequence_parallel.weight(self.gate)
+        w = gate.float() / self.temperature
+        beta = torch.sigmoid(w)
+        alpha = torch.sqrt(torch.clamp(torch.sigmoid(-w) * (1.0 + beta), min=self.eps))
+        return (alpha * x_TH.float() + beta * y_TH.float()).to(x_TH.dtype)
+
+
 class Block(nn.Module):
     """Residual block: attention (over cfg.window or within cfg.chunk with local; without RoPE unless rope;
     Gated DeltaNet's linear attention with linear),
@@ -1621,15 +1760,15 @@ class Block(nn.Module):
                  fp8: Optional[bool] = None, index_shared: bool = False, sinks: Optional[bool] = None, shortcut: Optional[str] = None,
                  depth: Optional[int] = None, mlp: bool = True, mixer: bool = True):
         super().__init__()
-        def norm(on: bool, gated: bool = False) -> Optional[RMSNorm]:
+        def norm(on: bool, gated: bool = False, role: Optional[str] = None) -> Optional[RMSNorm]:
             if not on:
                 return None
-            return GatedRMSNorm(cfg.hidden, cfg.norm_eps, cfg.norm_gate_rank) if gated and cfg.norm_gate_rank else RMSNorm.of(cfg)
+            return GatedRMSNorm(cfg.hidden, cfg.norm_eps, cfg.norm_gate_rank) if gated and cfg.norm_gate_rank else RMSNorm.of(cfg, role)
 
         if not mixer and not mlp:
             raise ValueError("mixer / mlp: a block holds a mixer, an MLP or both, got neither")
         pre, post = cfg.block_norms(linear)
-        self.attn_norm, self.attn_post_norm = norm(mixer and pre, gated=True), norm(mixer and post)
+        self.attn_norm, self.attn_post_norm = norm(mixer and pre, gated=True), norm(mixer and post, role="attn_post")
         fp8 = cfg.fp8 if fp8 is None else fp8
         if not mixer:  # the MLP alone (cfg.mixer_free_layers: Nemotron-H's MLP layers with no mixer layer before them)
             self.attn = None
@@ -1641,7 +1780,7 @@ class Block(nn.Module):
         self.attn_beside = Attention(cfg, local=local, rope=rope, fp8=fp8, sinks=sinks) if linear and mixer and cfg.parallel_hybrid else None
         # a parallel block's MLP reads the attention's normed input (attn_norm)
         self.mlp_norm = norm(mlp and pre and (not cfg.parallel_blocks or cfg.parallel_norms), gated=moe)
-        self.mlp_post_norm = norm(mlp and (post or (moe and cfg.moe_out_norm)))
+        self.mlp_post_norm = norm(mlp and (post or (moe and cfg.moe_out_norm)), role="mlp_post")
         self.parallel = cfg.parallel_blocks
         if moe and not mlp:
             raise ValueError("mlp: a MoE block has an MLP (mlp=False: the mixer alone)")
@@ -1651,7 +1790,8 @@ class Block(nn.Module):
         elif moe:
             self.mlp = MoE(cfg.hidden, cfg.ffn_expert, cfg.moe_config(fp8, depth), shared_ffn=cfg.shared_size, shared_gate=cfg.shared_gate,
                            expert_bias=cfg.expert_bias, router_bias=cfg.router_bias, expert_biases=cfg.expert_biases,
-                           router_norm=cfg.router_norm, expert_scale=cfg.router_expert_scale, latent=cfg.moe_latent or 0)
+                           router_norm=cfg.router_norm, expert_scale=cfg.router_expert_scale, latent=cfg.moe_latent or 0,
+                           latent_norm=cfg.moe_latent_norm, expert_out_norm=cfg.expert_out_norm)
             self.mlp.experts.recompute = cfg.ac == "experts"
         else:
             self.mlp = DenseMLP(cfg.hidden, cfg.ffn_dense, cfg.impl, fp8=fp8, act=cfg.mlp_act, bias=cfg.mlp_bias, limit=dense_limit)
@@ -1673,6 +1813,9 @@ class Block(nn.Module):
         # depth_scaled_residual: (the residual's, the branch's) weights of the attention's add and of the MLP's, the 2i + 2-th and 2i + 3-th adds
         self.residual_weights = ([(((n - 1) / n) ** 0.5, n ** -0.5) for n in (2 * depth + 2, 2 * depth + 3)]
                                  if cfg.depth_scaled_residual else None)
+        # Muse Spark's residual gates: each add weighed channel by channel (ResidualGate)
+        self.attn_residual_gate = ResidualGate(cfg.hidden, cfg.residual_gate_temperature) if cfg.residual_gates and mixer else None
+        self.mlp_residual_gate = ResidualGate(cfg.hidden, cfg.residual_gate_temperature) if cfg.residual_gates and mlp else None
         self.normed_residual = cfg.normed_residual  # (the normed residual's, the branch's) weights of both adds
         if cfg.normed_residual is not None:
             self.residual_weights = [(cfg.normed_residual, cfg.residual_scale)] * 2
@@ -1700,10 +1843,14 @@ class Block(nn.Module):
 
     def _residual(self, x_TH, y_TH, add: int = 0):
         """x + y (y x residual_scale); with depth_scaled_residual the block's add-th (0: the
-        attention's, 1: the MLP's) weighted sum of the two."""
+        attention's, 1: the MLP's) weighted sum of the two; with residual_gates its gate's
+        (ResidualGate)."""
         if self.residual_weights is not None:
             keep, branch = self.residual_weights[add]
             return x_TH * keep + y_TH * branch
+        gate = self.mlp_residual_gate if add else self.attn_residual_gate
+        if gate is not None:  # Muse Spark's: weighed channel by channel
+            return gate(x_TH, y_TH)
         return x_TH + (y_TH if self.residual_scale == 1.0 else y_TH * self.residual_scale)
 
     def _block(self, x_TH, ctx, token_mask=None):
@@ -2053,8 +2200,8 @@ class Transformer(nn.Module):
                 if cfg.is_index_shared(i):
                     block.attn.index_source = cfg.index_source(i)
                     self.blocks[block.attn.index_source].attn.index_keep = True
-        self.embed_norm = RMSNorm.of(cfg) if cfg.embed_norm else None  # on the trunk's embeddings (NanoChat's)
-        self.norm = RMSNorm.of(cfg)
+        self.embed_norm = RMSNorm.of(cfg, "embed") if cfg.embed_norm else None  # on the trunk's embeddings (NanoChat's)
+        self.norm = RMSNorm.of(cfg, "final")
         # hyper-connections: the streams' last collapse, before the final norm
         self.hc_head = HyperConnection(cfg, head=True) if cfg.hyper_connections else None
         # [V, H], linear_cross_entropy's layout; with tie_embeddings the head is the embedding
@@ -2076,7 +2223,7 @@ class Transformer(nn.Module):
     def reset_parameters(self, seed: Optional[int] = None) -> None:
         """Normal(0, init_std) matrices, output projections (attention wo, MLP w_down) also
         divided by sqrt(2 * n_layers) (GPT-2: the residual stream sums 2 per block), norms 1
-        (0 with zero_centered_norms), every bias, the attention sinks and the expert-bias
+        (0 where zero-centred: zero_centered_norms, norm_overrides), every bias, the attention sinks and the expert-bias
         buffers 0; in linear-attention blocks, each kind as its reference starts: the
         convolution's taps Normal(0, 1/sqrt(3 K)) (torch's Conv1d's spread), the output norm
         and the skip D 1, the convolutions' biases 0, and
@@ -2102,6 +2249,8 @@ class Transformer(nn.Module):
         base = self.cfg.init_std
         n = self.cfg.hyper_connections
         mixers = {m: module.cfg.kind for m, module in self.named_modules() if isinstance(module, LinearAttention)}
+        # each norm's gain at the start: 1 (a zero-centred one's weight 0; cfg.norm_overrides may mix the kinds)
+        zero_centered = {m + ".weight": module.zero_centered for m, module in self.named_modules() if isinstance(module, RMSNorm)}
         for name, p in self.named_parameters():
             if p.is_meta:
                 continue
@@ -2124,7 +2273,10 @@ class Transformer(nn.Module):
                 _local(p).fill_(math.log(math.expm1(0.8 if name.endswith("alpha_p") else 0.8 - 0.5)))
                 continue
             if name.endswith(("norm.weight", "q_norm", "k_norm", "q_a_norm", "kv_a_norm")):
-                _local(p).fill_(0.0 if self.cfg.zero_centered_norms else 1.0)
+                _local(p).fill_(0.0 if zero_centered.get(name, self.cfg.zero_centered_norms) else 1.0)
+                continue
+            if name.endswith(("mlp.latent_norm", "mlp.expert_out_norm")):  # Muse Spark's MoE norms: gains 1 + weight
+                _local(p).zero_()
                 continue
             if kind.endswith(("attn.bq", "attn.bk", "attn.bv", "attn.bo", "attn.sinks", "attn.bg", "attn.index_k_bias", "router_bias", "norm.bias", "head_bias",
                               "attn.conv_q_bias", "attn.conv_k_bias", "attn.conv_v_bias")

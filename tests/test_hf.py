@@ -3201,6 +3201,128 @@ def test_step3p5_refuses_what_transformers_model_is_not(tmp_path):
             hf.FAMILIES["step3p5"].kwargs(config)
 
 
+_MUSE_VISION = dict(vision_config=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, patch_size=2),
+                    out_hidden_size=16, projector_hidden_size=16)
+
+
+def _muse_text(**fields) -> dict:
+    """A Muse Glimmer text config: four layers, transformers' default pattern (layers 0-2 over a window of 4 with RoPE, layer 3
+    full without), the logits times 0.7 then capped at 3 (a cap the tiny model's logits reach), q/k/v/o biases."""
+    return dict(vocab_size=V, hidden_size=32, intermediate_size=40, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                sliding_window=4, final_logit_softcapping=3.0, output_multiplier=0.7, attention_bias=True, pad_token_id=None, bos_token_id=None,
+                eos_token_id=None, **fields)
+
+
+def _muse_round_trip(tmp_path, kind: str, config, changes, tol: float = 1e-5):
+    """A released Muse folder of `kind` (config: transformers' config of the whole model):
+    fmoe's logits against transformers' text-only forward on the torch and the Triton paths
+    (within tol); each of `changes` to the config read moves them by more than 1e-3; not written
+    back whole; written as its text model's family and read back exactly; a model of fmoe's
+    own written so reads back as its config, and put beside the folder's other models gives
+    transformers' logits of fmoe's. -> (the config read, the written text config)."""
+    name = "MuseSpark" if kind == "muse_spark" else "MuseGlimmer"
+    docs, ids, cu = _packed()
+    theirs = _saved_multimodal(getattr(transformers, f"{name}ForConditionalGeneration"), config, tmp_path / "vl")
+    model, cfg = hf.from_pretrained(tmp_path / "vl", impl="torch")
+    keys = [k for spec in hf.key_map(hf.FAMILIES[kind], cfg).values() for k in spec.keys]
+    assert all(k.startswith("model.language_model.") or k == "lm_head.weight" for k in keys) and "lm_head.weight" in keys
+    with torch.no_grad():
+        assert _rel(model.logits(ids, cu), theirs) < tol
+        assert _rel(hf.from_pretrained(tmp_path / "vl", impl="triton")[0].logits(ids, cu), theirs) < tol
+        for change in changes:  # each piece matters
+            other = hf.Transformer(dataclasses.replace(cfg, **change))
+            other.load_state_dict(model.state_dict(), strict=False)
+            assert _rel(other.logits(ids, cu), theirs) > 1e-3, change
+    text_kind = f"{kind}_text"
+    not_read = ", ".join(re.escape(p) for p in hf.FAMILIES[kind].not_read)
+    with pytest.raises(ValueError, match=rf"model_type: a {kind} folder holds a model fmoe does not read \({not_read}\), so it is not written; "
+                                         rf"pass model_type='{text_kind}'"):
+        hf.save_pretrained(model, tmp_path / "whole")
+    model.hf_config = hf.written_config(model.hf_config)
+    out = hf.save_pretrained(model, tmp_path / "text")
+    written = json.loads((out / "config.json").read_text())
+    assert (written["model_type"], written["architectures"]) == (text_kind, [f"{name}TextModel"])
+    back, back_cfg = hf.from_pretrained(out, impl="torch")
+    assert back_cfg == cfg and all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), model.state_dict().values()))
+    del back.hf_config  # fmoe's own: written from its config
+    with torch.no_grad():
+        for p in back.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    own = json.loads((hf.save_pretrained(back, tmp_path / "own", model_type=text_kind) / "config.json").read_text())
+    assert hf.read_config(tmp_path / "own")[1] == dataclasses.replace(cfg, impl="auto")
+    others = {k: v for k, v in _read_all(tmp_path / "vl").items() if k.startswith(hf.FAMILIES[kind].not_read)}
+    text = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v for k, v in _read_all(tmp_path / "own").items()}
+    again = _copy_folder(tmp_path / "vl", tmp_path / "again", text | others, lambda c: c.update(text_config=own))
+    ref = transformers.AutoModelForImageTextToText.from_pretrained(again, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert _rel(torch.cat([ref(input_ids=d[None]).logits[0] for d in docs]), back.logits(ids, cu)) < tol
+    return cfg, own
+
+
+def test_muse_glimmer_folders_read_their_norms_scales_and_rope_or_none_per_layer(tmp_path):
+    """A released Muse Glimmer folder (muse_glimmer, MuseGlimmerForConditionalGeneration): its
+    text model loads with transformers' logits of a text-only forward on the torch and the
+    Triton paths, the vision tower, adapter and projection unread: zero-centred sandwich norms
+    whose post-norms have their own eps (1e-8 beside 1e-5), the embeddings normed without
+    weights, the final norm's gain its weight itself, weightless per-head q/k norms with the
+    queries scaled, the gated attention, NoPE in the full layer, the logits' multiplier and
+    cap; each moves the logits. Written as muse_glimmer_text (which transformers has no causal
+    LM of) and read back exactly (_muse_round_trip). What transformers' model is not is
+    refused by name."""
+    changes = (dict(post_norm_eps=1e-1), dict(norm_overrides=("embed:unit",)), dict(attn_scale=None), dict(nope_layers=None), dict(logit_divisor=1.0))
+    cfg, own = _muse_round_trip(tmp_path, "muse_glimmer", transformers.MuseGlimmerConfig(text_config=_muse_text(), **_MUSE_VISION), changes)
+    assert (cfg.window, cfg.window_layers, cfg.nope_layers, cfg.norm_eps, cfg.post_norm_eps, cfg.norm_overrides) == (
+        4, (0, 1, 2), (3,), 1e-5, 1e-8, ("embed:unit", "final:plain"))
+    assert (cfg.attn_scale, cfg.logit_divisor, cfg.logit_softcap, cfg.qk_norm, cfg.attn_gate, cfg.tie_embeddings, cfg.qkv_bias, cfg.o_bias) == (
+        3.87 * 8**-0.5, 1 / 0.7, 3.0, "rms", True, False, True, True)
+    assert own["layer_rope_theta"] == [1e4, 1e4, 1e4, 0] and own["hidden_activation"] == "silu"
+    # tied as the top level says; GeGLU; transformers' defaults of the layer kinds and bases
+    tied = dict(transformers.MuseGlimmerConfig(text_config=_muse_text(), tie_word_embeddings=True, **_MUSE_VISION).to_dict(), model_type="muse_glimmer")
+    assert TransformerConfig(**hf.FAMILIES["muse_glimmer"].kwargs(tied)).tie_embeddings
+    base = {k: v for k, v in _muse_text(hidden_activation="gelu_pytorch_tanh").items() if k not in ("layer_types", "layer_rope_theta")}
+    read = hf.FAMILIES["muse_glimmer_text"].kwargs(dict(base, model_type="muse_glimmer_text", num_hidden_layers=6))
+    assert (read["mlp_act"], read["window_layers"], read["nope_layers"]) == ("gelu_tanh", (0, 2, 3, 4), (1, 5))
+    for change, message in ((dict(layer_rope_theta=[1e4, 5e5, 1e4, 0]), r"layer_rope_theta = \[10000.0, 500000.0, 10000.0, 0\] is not supported"),
+                            (dict(hidden_activation="relu"), r"hidden_activation = 'relu' is not supported \(silu \(SwiGLU\) or gelu_pytorch_tanh"),
+                            (dict(final_logit_softcapping=None), r"final_logit_softcapping = None is not supported \(a positive number\)"),
+                            (dict(qk_scale_factor=0), r"qk_scale_factor = 0 is not supported \(a positive number\)"),
+                            (dict(post_norm_eps=-1.0), r"post_norm_eps = -1.0 is not supported \(a finite number >= 0\)"),
+                            (dict(rope_parameters=dict(rope_type="yarn", factor=2.0, rope_theta=1e4)), r"rope type 'yarn' is not supported")):
+        with pytest.raises(ValueError, match=message):
+            hf.FAMILIES["muse_glimmer_text"].kwargs(dict(_muse_text(), model_type="muse_glimmer_text", **change))
+
+
+def test_muse_spark_folders_read_their_latent_moe_residual_gates_and_norms(tmp_path):
+    """A released Muse Spark folder (muse_spark, MuseSparkForConditionalGeneration): Muse
+    Glimmer's blocks with each head's output normed (o_norm), the attention's post-norm
+    without a weight, the MLP's prescaled, each residual add weighed by its gate; latent MoE
+    blocks (layers 1-3; layer 0 dense) routed in float32 on the scaled logits' sigmoids plus the
+    correction bias, renormalised and scaled, the experts' input normed and each expert's
+    output normed before its weight; each moves the logits. Its text model loads with
+    transformers' logits (within 2e-5: here transformers' own float32 logits are 2.1e-5 from its
+    float64 ones, fmoe's 2.0e-5), the vision and audio towers unread; written as
+    muse_spark_text and back (_muse_round_trip)."""
+    text = _muse_text(moe_intermediate_size=16, num_local_experts=4, num_experts_per_tok=2, moe_hidden_size=24, routed_scaling_factor=1.5,
+                      mlp_layer_types=["dense", "sparse", "sparse", "sparse"])
+    config = transformers.MuseSparkConfig(text_config=text, audio_config=dict(out_hidden_size=32), **_MUSE_VISION)
+    # (the attention's post-norm without a weight is the zero-centred one of weight 0: its keys are absent, below)
+    changes = (dict(residual_gates=False), dict(attn_out_norm=False), dict(norm_overrides=("embed:unit", "final:plain", "attn_post:unit")),
+               dict(router_scale=1.0), dict(moe_latent_norm=False),
+               dict(expert_out_norm=False))  # (not route_scale: the MLP's post-norm takes any common scale of the routed weights out)
+    cfg, own = _muse_round_trip(tmp_path, "muse_spark", config, changes, tol=2e-5)
+    assert (cfg.n_dense, cfg.n_experts, cfg.k, cfg.ffn_expert, cfg.moe_latent, cfg.n_shared, cfg.score, cfg.expert_bias, cfg.route_scale) == (
+        1, 4, 2, 16, 24, 0, "sigmoid", True, 1.5)
+    assert (cfg.router_scale, cfg.residual_gate_temperature, cfg.attn_out_norm, cfg.moe_latent_norm, cfg.expert_out_norm) == (0.7, 0.3, True, True, True)
+    assert cfg.norm_overrides == ("embed:unit", "final:plain", "attn_post:unit", "mlp_post:prescaled")
+    assert own["mlp_layer_types"] == ["dense", "sparse", "sparse", "sparse"] and own["output_multiplier"] == 0.7
+    keys = [k for spec in hf.key_map(hf.FAMILIES["muse_spark"], cfg).values() for k in spec.keys]
+    assert {"model.language_model.layers.1.mlp.experts.post_expert_norm.weight", "model.language_model.layers.1.mlp.pre_expert_norm.weight",
+            "model.language_model.layers.0.post_attention_residual_gate.gate"} < set(keys)
+    assert not any("post_attention_layernorm" in k for k in keys)
+    with pytest.raises(ValueError, match=r"hidden_act = 'gelu' is not supported \(SwiGLU with silu\)"):
+        hf.FAMILIES["muse_spark_text"].kwargs(dict(text, model_type="muse_spark_text", hidden_act="gelu"))
+
+
 def test_a_released_kimi_k25_folder_loads_its_text_model(folders, tmp_path):
     """A Kimi K2.5 / K2.6 folder (kimi_k25) as released: Kimi K2's text model under
     language_model.model. and language_model.lm_head (the layout transformers reads, with the

@@ -39,6 +39,10 @@ CONFIGS = {
                                                   glu_act="relu2"),
     # Nemotron 3 Super's latent MoE: the routed experts over L = 12 channels between latent_in and latent_out
     "relu2 latent bias shared": MoEConfig(n_experts=8, k=3, score="sigmoid", glu_act="relu2"),
+    # Muse Spark's latent MoE: the router's logits scaled, the experts' input normed (zero-centred), each expert's output
+    # normed before its weight (prescaled: the gain first); and with padded rows (align) and dropped slots (capacity)
+    "muse latent norms bias": MoEConfig(n_experts=8, k=3, score="sigmoid", logit_scale=0.7, norm_eps=1e-5, expert_out_norm_eps=1e-3),
+    "muse latent norms capacity align": MoEConfig(n_experts=4, k=2, score="sigmoid", logit_scale=0.7, capacity_factor=0.5, align=16),
 }
 L = 12  # the latent MoE's channels
 
@@ -53,6 +57,8 @@ def _params(cfg, dtype, device, shared=False, bias=False, latent=False):
     }
     if latent:
         p.update(latent_in=torch.randn(H, L, device=device) * 0.3, latent_out=torch.randn(L, H, device=device) * 0.3)
+    if latent and cfg.logit_scale != 1.0:  # Muse Spark's norms around the experts
+        p.update(latent_norm=torch.randn(L, device=device) * 0.3, expert_out_norm=torch.randn(L, device=device) * 0.3)
     if shared:
         p.update(
             shared_w_gate=torch.randn(H, FS, device=device) * 0.2, shared_w_up=torch.randn(H, FS, device=device) * 0.2,
@@ -78,7 +84,11 @@ def _loop_moe(x, params, cfg):
         h = torch.relu(x_in @ w_up).square() if w_gate is None else act(x_in @ w_gate) * (x_in @ w_up)
         return h @ w_down
 
-    logits = x @ p["router"].T
+    logits = x @ p["router"].T * cfg.logit_scale
+
+    def rms(v, eps):
+        return v / torch.sqrt(v.square().mean(-1, keepdim=True) + eps)
+
     routes = ops.route(logits, cfg.k, score=cfg.score, pre_softmax=cfg.pre_softmax, n_groups=cfg.n_groups,
                        topk_groups=cfg.topk_groups, group_score_topk=cfg.group_score_topk, expert_bias=params.get("expert_bias"), scale=cfg.scale, normalize=cfg.normalize,
                        bias_on_logits=cfg.bias_on_logits, impl="torch")
@@ -90,6 +100,9 @@ def _loop_moe(x, params, cfg):
     rows = []
     latent = "latent_in" in p
     x_e = x @ p["latent_in"] if latent else x  # the routed experts' input
+    if "latent_norm" in p:  # zero-centred
+        x_e = rms(x_e, cfg.norm_eps) * (1 + p["latent_norm"])
+    out_norm = p.get("expert_out_norm")
     for t in range(x.shape[0]):
         y_t = torch.zeros(x_e.shape[1], device=x.device)
         for j in range(cfg.k):
@@ -103,7 +116,10 @@ def _loop_moe(x, params, cfg):
             if cfg.weights_on_input:  # the weight scales what the expert sees, its output is summed as is
                 y_t = y_t + mlp(routes.weights[t, j] * x_e[t], w_gate, p["w_up"][e], p["w_down"][e])
                 continue
-            y_t = y_t + routes.weights[t, j] * mlp(x_e[t], w_gate, p["w_up"][e], p["w_down"][e])
+            e_out = mlp(x_e[t], w_gate, p["w_up"][e], p["w_down"][e])
+            if out_norm is not None:  # the gain first, then the norm
+                e_out = rms(e_out * (1 + out_norm), cfg.expert_out_norm_eps)
+            y_t = y_t + routes.weights[t, j] * e_out
         if latent:  # the routed sum leaves the latent space
             y_t = y_t @ p["latent_out"]
         if "shared_w_up" in p:
@@ -279,6 +295,19 @@ def test_moe_bad_inputs(device):
         moe(x, dict(params, latent_in=torch.randn(H, 8, device=device), latent_out=torch.randn(12, H, device=device)), cfg)
     with pytest.raises(ValueError, match="moe_latent: expected >= 1, got 0"):
         TransformerConfig(moe_latent=0)
+    # Muse Spark's norms around the experts: the latent's of a latent MoE, the output's of the experts' width
+    latent = dict(params, latent_in=torch.randn(H, 12, device=device), latent_out=torch.randn(12, H, device=device))
+    with pytest.raises(ValueError, match=r"params\['latent_norm'\]: the norm of a latent MoE's experts' input, needs params\['latent_in'\]"):
+        moe(x, dict(params, latent_norm=torch.zeros(H, device=device)), cfg)
+    with pytest.raises(ValueError, match=r"params\['latent_norm'\]: expected \[12\] \(a latent MoE's \(latent_in\) experts' width\) or none, got \[32\]"):
+        moe(x, dict(latent, latent_norm=torch.zeros(H, device=device)), cfg)
+    with pytest.raises(ValueError, match=r"params\['expert_out_norm'\]: expected \[12\] \(the experts' output width\) or none, got \[32\]"):
+        moe(x, dict(latent, expert_out_norm=torch.zeros(H, device=device)), cfg)
+    for name, value in (("logit_scale", 0.0), ("expert_out_norm_eps", -1.0)):
+        with pytest.raises(ValueError, match=f"{name}: expected a"):
+            dataclasses.replace(cfg, **{name: value})
+    with pytest.raises(ValueError, match="latent_norm: the norm of a latent MoE's experts' input, needs latent > 0"):
+        MoE(H, 16, cfg, latent_norm=True)
 
 
 def test_gpt_oss_moe_matches_per_token_loop():

@@ -9,7 +9,7 @@ from einops import rearrange
 
 import fmoe.layers
 import fmoe.ops
-from fmoe.model import BatchContext, KVCache, Transformer, TransformerConfig
+from fmoe.model import BatchContext, KVCache, RMSNorm, Transformer, TransformerConfig
 from fmoe.train.data import make_batch
 from fmoe.train.metrics import HostReads
 
@@ -205,6 +205,15 @@ VARIANTS = {
     # scale of 1, LayerNorms with bias, an output bias, MLPs without a gate through GELU's tanh form
     "gpt-neo": dataclasses.replace(TINY, abs_positions=32, window=4, window_layers=(0, 2), attn_scale=1.0, layer_norms=True, norm_bias=True,
                                    o_bias=True, mlp_act="gelu_new", mlp_bias=True),
+    # Muse Spark's: weightless q/k norms, scaled queries, each head's output normed before the gate, the embeddings' weightless
+    # norm, a plain final norm, the post-norms weightless (attention) and prescaled (MLP) at their own eps, residual gates
+    # per channel; windows in blocks 0 and 2 with RoPE, NoPE in block 1 (its window none); latent MoE blocks (20 channels, their
+    # input normed, each expert's output normed before its weight) routed on scaled logits; the logits scaled and capped
+    "muse spark": dataclasses.replace(TINY, qk_norm="rms", attn_scale=0.5, attn_gate=True, attn_out_norm=True, post_norms=True,
+                                      zero_centered_norms=True, embed_norm=True, post_norm_eps=1e-8,
+                                      norm_overrides=("embed:unit", "final:plain", "attn_post:unit", "mlp_post:prescaled"), residual_gates=True,
+                                      window=4, window_layers=(0, 2), nope_layers=(1,), n_shared=0, score="sigmoid", router_scale=0.7,
+                                      moe_latent=20, moe_latent_norm=True, expert_out_norm=True, logit_divisor=1 / 0.7, logit_softcap=3.0, mtp_depth=1),
     # Step 3.7's: sliding blocks 0 and 2 with more query heads and their own plain RoPE beside a full block whose half-head RoPE
     # has Llama 3.1's scaling, a sigmoid gate per head, zero-centred norms, the SwiGLU limits on silu(gate) in some blocks alone
     "step3p7": dataclasses.replace(TINY, qk_norm="head", window=4, window_layers=(0, 2), local_heads=8, rope_dim=4, local_rope_base=500.0,
@@ -416,6 +425,110 @@ def test_zero_centered_norms_are_one_plus_their_weights():
     torch.testing.assert_close(zc(batch)[0]["mtp_1_sum"], plain(batch)[0]["mtp_1_sum"])
     with pytest.raises(ValueError, match="zero_centered_norms: expected a bool, got 1"):
         dataclasses.replace(TINY, zero_centered_norms=1)
+
+
+def test_norm_overrides_give_each_norm_its_kind_and_the_post_norms_their_eps():
+    """norm_overrides: the embeddings' norm without a weight ("unit"), the final norm's gain its
+    weight ("plain", 1 at the start) beside zero-centred block norms, the attention's post-norm
+    weightless, the MLP's prescaled (y / rms(y) for y = x (1 + w), 0 at the start), each its
+    formula; post_norm_eps the post-norms' eps, the others' norm_eps; a run's config.json list
+    reads as the tuple; refusals by name."""
+    cfg = dataclasses.replace(TINY, post_norms=True, zero_centered_norms=True, embed_norm=True, post_norm_eps=1e-3,
+                              norm_overrides=("embed:unit", "final:plain", "attn_post:unit", "mlp_post:prescaled"))
+    model = Transformer(cfg)
+    block = model.blocks[1]
+    assert model.embed_norm.weight is None and block.attn_post_norm.weight is None
+    assert torch.equal(model.norm.weight, torch.ones(cfg.hidden)) and not model.norm.zero_centered
+    assert torch.equal(block.mlp_post_norm.weight, torch.zeros(cfg.hidden)) and block.mlp_post_norm.prescaled
+    assert torch.equal(block.attn_norm.weight, torch.zeros(cfg.hidden)) and block.attn_norm.zero_centered
+    assert (block.attn_post_norm.eps, block.mlp_post_norm.eps, block.attn_norm.eps, model.norm.eps, model.embed_norm.eps) == (1e-3, 1e-3, 1e-6, 1e-6, 1e-6)
+    x = torch.randn(5, cfg.hidden, dtype=torch.float64) * 0.05  # small: the eps shows
+
+    def rms(y, eps):
+        return y / torch.sqrt(y.square().mean(-1, keepdim=True) + eps)
+
+    with torch.no_grad():
+        for norm in (model.norm, block.mlp_post_norm, block.attn_norm):
+            norm.weight.normal_(0.0, 0.5)
+        w = {name: n.weight.double() for name, n in (("final", model.norm), ("mlp_post", block.mlp_post_norm), ("pre", block.attn_norm))}
+        cases = ((model.embed_norm, rms(x, 1e-6)), (block.attn_post_norm, rms(x, 1e-3)), (model.norm, rms(x, 1e-6) * w["final"]),
+                 (block.mlp_post_norm, rms(x * (1 + w["mlp_post"]), 1e-3)), (block.attn_norm, rms(x, 1e-6) * (1 + w["pre"])))
+        for norm, want in cases:
+            torch.testing.assert_close(norm(x.float()).double(), want, rtol=1e-5, atol=1e-6)
+        losses, _ = model(_batch(cfg))
+    assert torch.isfinite(losses["lm_sum"])
+    assert TransformerConfig(**dict(dataclasses.asdict(cfg), norm_overrides=list(cfg.norm_overrides))) == cfg  # a run's config.json
+    for change, message in ((dict(norm_overrides=("final:bf16",)), r"norm_overrides: expected 'role:kind' entries, role one of embed, attn_post, "
+                                                                   r"mlp_post, final and kind one of unit, plain, zero_centered, prescaled, got 'final:bf16'"),
+                            (dict(norm_overrides=("final:plain", "final:unit")), "norm_overrides: the final norm's kind is given twice"),
+                            (dict(norm_overrides="final:plain"), "norm_overrides: expected a tuple of 'role:kind' strings, got 'final:plain'"),
+                            (dict(post_norms=False, pre_norms=True), r"post_norm_eps: the post-norms' eps, needs post_norms \(or moe_out_norm\)"),
+                            (dict(post_norm_eps=None, embed_norm=False), r"norm_overrides: the embed norm's kind, but the model has no such norm \(needs embed_norm\)"),
+                            (dict(post_norm_eps=-1.0), r"post_norm_eps: expected None or a finite number >= 0, got -1.0"),
+                            (dict(layer_norms=True, zero_centered_norms=False), "norm_overrides: the kinds of RMSNorms with weights, not with layer_norms")):
+        with pytest.raises(ValueError, match=message):
+            dataclasses.replace(cfg, **change)
+    with pytest.raises(ValueError, match="prescaled: the gain 1 \\+ weight before the norm"):
+        RMSNorm(4, 1e-6, prescaled=True)
+
+
+def test_residual_gates_weigh_each_add_and_attn_out_norm_norms_each_head_s_output():
+    """residual_gates: each block's two residual adds are alpha x + beta y channel by channel,
+    beta = sigmoid(g / T), alpha = sqrt(max(sigmoid(-g / T) (1 + beta), 1e-3)) of the add's
+    gate g [H] (float32, kept so when the model is cast; Normal(0, init_std) at the start);
+    attn_out_norm: the attention's output is its heads' outputs RMS-normed each over its
+    channels, without weights, before the gate and wo (the same attention without the norm,
+    its output normed by hand). Refusals by name."""
+    from fmoe.model import ResidualGate
+
+    gate = ResidualGate(6, temperature=0.3)
+    with torch.no_grad():
+        gate.gate.copy_(torch.tensor([-3.0, -0.5, 0.0, 0.2, 1.0, 4.0]))
+    x, y = torch.randn(5, 6), torch.randn(5, 6)
+    w = gate.gate / 0.3
+    beta = torch.sigmoid(w)
+    alpha = torch.sqrt(torch.clamp(torch.sigmoid(-w) * (1 + beta), min=1e-3))
+    torch.testing.assert_close(gate(x, y), alpha * x + beta * y)
+    assert float(alpha[0]) == pytest.approx(float(torch.sqrt(torch.sigmoid(torch.tensor(10.0)) * (1 + torch.sigmoid(torch.tensor(-10.0))))))
+    assert float(torch.sqrt(torch.clamp(torch.sigmoid(torch.tensor(-40.0)) * 2, min=1e-3))) == pytest.approx(1e-3 ** 0.5)  # the floor
+    assert gate.to(torch.bfloat16).gate.dtype == torch.float32 and gate(x.bfloat16(), y.bfloat16()).dtype == torch.bfloat16
+    cfg = dataclasses.replace(TINY, residual_gates=True, residual_gate_temperature=0.5, attn_out_norm=True, attn_gate=True)
+    model = Transformer(cfg)
+    block = model.blocks[0]
+    assert block.attn_residual_gate.gate.std() > 0.005 and block.attn_residual_gate.temperature == 0.5
+    batch = _batch(cfg)
+    ctx = model.context(batch)
+    h = torch.randn(24, cfg.hidden)
+    with torch.no_grad():
+        a = block._attend(h, ctx.attention[0])
+        x1 = block.attn_residual_gate(h, a)
+        m, _ = block._mlp_out(block.mlp_norm(x1))
+        torch.testing.assert_close(block(h, ctx.attention[0])[0], block.mlp_residual_gate(x1, m))
+        # the heads' outputs normed: the same attention without the norm and with wo = I, normed per head, then wg's gate and wo
+        plain = dataclasses.replace(block.attn.cfg, out_norm=False)
+        params = {n: p for n, p in block.attn.named_parameters()}
+        eye = dict(params, wo=torch.eye(cfg.n_heads * cfg.head_dim), wg=torch.full_like(params["wg"], 0.0))
+        from fmoe.layers import attention
+
+        normed_in = block.attn_norm(h)
+        out, _ = attention(normed_in, eye, plain, ctx.attention[0])
+        heads = out.view(24, cfg.n_heads, cfg.head_dim) * 2  # sigmoid(0) = 1/2 undone
+        heads = heads / torch.sqrt(heads.square().mean(-1, keepdim=True) + cfg.norm_eps)
+        want = (heads.reshape(24, -1) * torch.sigmoid(normed_in @ params["wg"])) @ params["wo"]
+        torch.testing.assert_close(block.attn(normed_in, ctx.attention[0]), want, rtol=1e-5, atol=1e-5)
+    losses, _ = model(batch, ctx)
+    losses["lm_sum"].backward()
+    assert block.attn_residual_gate.gate.grad.abs().sum() > 0 and block.mlp_residual_gate.gate.grad.abs().sum() > 0
+    for change, message in ((dict(hyper_connections=2), "residual_gates: each residual add weighed by its gate, not with hyper_connections"),
+                            (dict(residual_scale=0.5), "residual_gates: each residual add weighed by its gate, not with residual_scale"),
+                            (dict(residual_gate_temperature=0.0), "residual_gate_temperature: expected a positive finite number, got 0.0"),
+                            (dict(router_scale=-1.0), "router_scale: expected a positive finite number, got -1.0"),
+                            (dict(moe_latent_norm=True), "moe_latent_norm: the norm of a latent MoE's experts' input, needs moe_latent"),
+                            (dict(kv_rank=6, q_rank=8, head_dim=12, rope_dim=4, n_kv_heads=4, v_head_dim=5),
+                             r"attn_out_norm: each grouped-query attention head's output normed, not multi-latent attention's \(kv_rank\)"),
+                            (dict(attn_out_norm=1), "attn_out_norm: expected a bool, got 1")):
+        with pytest.raises(ValueError, match=message):
+            dataclasses.replace(cfg, **change)
 
 
 def test_linear_layers_build_gated_deltanet_blocks():
@@ -1807,6 +1920,7 @@ DECODED = {
     "gpt-oss": VARIANTS["gpt-oss"],
     "step3p7": dataclasses.replace(VARIANTS["step3p7"], mtp_depth=0),
     "gpt-neo": VARIANTS["gpt-neo"],
+    "muse spark": dataclasses.replace(VARIANTS["muse spark"], mtp_depth=0),
     "post-norm": VARIANTS["post-norm"],
     "llama4": dataclasses.replace(VARIANTS["llama4"], mtp_depth=0, llama3_factor=4.0, llama3_original_max_positions=16),
     "mla, sinks, output bias, gate": dataclasses.replace(VARIANTS["mla, group top-2, mtp norm"], attn_sinks=True, o_bias=True, attn_gate=True),

@@ -539,7 +539,9 @@ class ExpertParallel:
         check_expert_weights(x_TH, params, E // ep, experts=f"this rank's E/ep = {E}/{ep} experts, FFN split over etp",
                              gated=cfg.glu_act not in PLAIN_ACTS)
 
-    def __call__(self, x_TH: torch.Tensor, routes, params, cfg) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, x_TH: torch.Tensor, routes, params, cfg, *, rows=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """fmoe.layers.local_experts' call; rows (its rows=) runs on the output rows back on this
+        rank, before their weights (a parameter of it is this rank's, as the router's)."""
         self._check(x_TH, routes, params, cfg)
         (T, H), E, k = x_TH.shape, cfg.n_experts, routes.experts.shape[1]
         x_slice_TH = split_tokens(x_TH, self.tp_mesh)
@@ -560,7 +562,7 @@ class ExpertParallel:
         if _size(self.ep_mesh) == 1 and _size(self.etp_mesh) == 1:
             # dense TP only: this rank's token slice through every expert here, no exchange
             # and so no host sync (fmoe.layers.local_experts)
-            y_TH, counts = local_experts(x_slice_TH, routes, params, cfg)
+            y_TH, counts = local_experts(x_slice_TH, routes, params, cfg, rows=rows)
             return gather_tokens(y_TH, self.tp_mesh), counts
         if cfg.capacity_factor is None:
             # align = 1: the exchanged rows carry no padding; ids from route need no value
@@ -583,5 +585,5 @@ class ExpertParallel:
             y_local = grouped_mlp(x_local, w_gate, w_up, w_down, meta.offsets, check=False, impl=cfg.impl, fp8=cfg.fp8,
                                   **biases, **cfg.glu)
             y_perm = combine_padded(y_local, meta).view(E * C, H)
-        y_TH = unpermute(y_perm, plan, weights, impl=cfg.impl)
+        y_TH = unpermute(y_perm if rows is None else rows(y_perm), plan, weights, impl=cfg.impl)
         return gather_tokens(y_TH, self.tp_mesh), plan.counts

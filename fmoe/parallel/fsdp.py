@@ -15,8 +15,8 @@ FSDP2. FSDP units, innermost first:
     MoE           (router, shared gate) over the dense data mesh, never cast: the router
                   stays float32 under mixed precision; the expert_bias buffer is left
                   alone by FSDP (float32, replicated, updated identically on every rank)
-    HyperConnection  (hyper-connections' weights, the blocks' and the head's) over the
-                  dense data mesh, never cast: float32 like the router
+    HyperConnection  (hyper-connections' weights, the blocks' and the head's) and
+    ResidualGate  (residual gates') over the dense data mesh, never cast: float32 like the router
     each Block    over the dense data mesh (attention, norms, dense MLP)
     the model     embedding, head, final norm, MTP projections
 
@@ -48,7 +48,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from fmoe.layers import EXPERT_BIASES
-from fmoe.model import Block, HyperConnection, MoE, Transformer
+from fmoe.model import Block, HyperConnection, MoE, ResidualGate, Transformer
 from fmoe.parallel.context import ContextCapacityDrop, ContextParallel
 from fmoe.parallel.expert import ExpertParallel
 from fmoe.parallel.mesh import Meshes
@@ -148,7 +148,7 @@ def apply_fsdp(
             if module.shared is not None:
                 shard_unit(module.shared, mesh=dense, mp_policy=mp, **kw)
             shard_unit(module, mesh=dense, mp_policy=uncast, **kw)
-        elif isinstance(module, HyperConnection):  # float32 weights, like the router's
+        elif isinstance(module, (HyperConnection, ResidualGate)):  # float32 weights, like the router's
             shard_unit(module, mesh=dense, mp_policy=uncast, **kw)
     for module in model.modules():
         if isinstance(module, Block):

@@ -93,7 +93,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from fmoe.model import Attention, Block, DenseMLP, HyperConnection, LinearAttention, MoE, RMSNorm
+from fmoe.model import Attention, Block, DenseMLP, HyperConnection, LinearAttention, MoE, ResidualGate, RMSNorm
 from fmoe.ops import drop_by_capacity
 from fmoe.ops.routing import Routes, keep_slots
 from fmoe.parallel.expert import copy_to_tp, gather_tokens, split_tokens
@@ -177,13 +177,13 @@ def drop_by_capacity_over_ranks(routes: Routes, n_experts: int, capacity_factor:
 
 class SequenceParallelModule(ParallelStyle):
     """A module whose parameters stay replicated over tp but which runs on this rank's token
-    shard (RMSNorm, HyperConnection inside a Block; MoE: router, shared gate, capacity
+    shard (RMSNorm, HyperConnection, ResidualGate inside a Block; MoE: router, shared gate, capacity
     drop): sets its `sequence_parallel` attribute to SequenceShard(tp mesh). Its input is not
     changed."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not hasattr(module, "sequence_parallel"):
-            raise ValueError(f"module: {type(module).__name__} has no sequence_parallel attribute (fmoe.model's RMSNorm, HyperConnection and MoE have one)")
+            raise ValueError(f"module: {type(module).__name__} has no sequence_parallel attribute (fmoe.model's RMSNorm, HyperConnection, ResidualGate and MoE have one)")
         if module.sequence_parallel is not None:
             raise ValueError(f"module: {type(module).__name__} is already sequence parallel (tensor-parallelised twice?)")
         module.sequence_parallel = SequenceShard(device_mesh)
@@ -432,8 +432,9 @@ def tensor_parallel_plan(model: nn.Module) -> dict[str, ParallelStyle]:
         every LinearAttention             LinearAttentionParallel (heads)
         every DenseMLP (dense MLPs,       SwiGLUParallel (FFN columns)
         MoE blocks' shared experts)
-        every MoE, every RMSNorm and      SequenceParallelModule (replicated weights on a
-        HyperConnection in a Block        token shard; the MoE's capacity drop)
+        every MoE, every RMSNorm,         SequenceParallelModule (replicated weights on a
+        HyperConnection and ResidualGate  token shard; the MoE's capacity drop)
+        in a Block
         the first / last Block of each    ShardTokens (split the input / gather the output)
         nn.ModuleList of Blocks, a Block
         outside one (both)
@@ -459,7 +460,7 @@ def tensor_parallel_plan(model: nn.Module) -> dict[str, ParallelStyle]:
             plan[name] = LinearAttentionParallel()
         elif isinstance(module, DenseMLP):  # dense blocks' MLPs and MoE blocks' shared experts
             plan[name] = SwiGLUParallel()
-        elif isinstance(module, MoE) or (isinstance(module, (RMSNorm, HyperConnection)) and in_block(name)):
+        elif isinstance(module, MoE) or (isinstance(module, (RMSNorm, HyperConnection, ResidualGate)) and in_block(name)):
             plan[name] = SequenceParallelModule()
         elif isinstance(module, Block):
             first, last = _block_edges(model, name, module)

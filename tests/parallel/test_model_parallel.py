@@ -94,6 +94,12 @@ NANOCHAT = dict(n_dense=2, mlp_act="relu2", norm_weights=False, embed_norm=True,
 # on silu(gate) of block 0's dense MLP and block 1's routed and shared experts (small enough to clamp at initialisation)
 STEP3P7 = dict(qk_norm="head", window=4, window_layers=(0,), local_heads=8, attn_gate=True, attn_gate_per_head=True, zero_centered_norms=True,
                mlp_act="silu_cap", swiglu_limit=0.005, swiglu_limit_layers=(1,), shared_swiglu_limit=0.005, score="sigmoid", route_scale=2.5)
+# Muse Spark's: weightless q/k norms with the queries scaled, each head's output normed before the gate, the embeddings'
+# weightless norm, a weightless attention post-norm and a prescaled MLP one (eps 1e-8), the residual adds weighed by gates
+# per channel; the MoE latent (24 channels, normed) with each expert's output normed before its weight, routed on scaled logits
+MUSE_SPARK = dict(qk_norm="rms", attn_scale=0.5, attn_gate=True, attn_out_norm=True, post_norms=True, zero_centered_norms=True, embed_norm=True,
+                  norm_overrides=("embed:unit", "final:plain", "attn_post:unit", "mlp_post:prescaled"), post_norm_eps=1e-8, residual_gates=True,
+                  n_shared=0, score="sigmoid", router_scale=0.7, moe_latent=24, moe_latent_norm=True, expert_out_norm=True, logit_softcap=3.0)
 # Nemotron-H's: block 0 a Mamba-2 mixer alone (no MLP; dt's floor 0.05), block 1 NoPE attention with an MLP without a gate
 NEMOTRON_H = dict(GRANITE4, attn_scale=None, residual_scale=1.0, n_dense=2, mlp_act="relu2", mlp_free_layers=(0,), linear_dt_min=0.05)
 # Nemotron 3's: block 1 a MoE of experts without a gate (routed and shared), sigmoid routing in 2 groups x 2.5
@@ -445,6 +451,10 @@ CASES = {
     "tp2-embed-norm": (2, dict(tp=2), dict(embed_norm=True)),
     # Step 3.7's (STEP3P7): the clamped MLPs' columns split over tp, each block's own query heads and gate columns
     "tp2-step3p7": (2, dict(tp=2), STEP3P7),
+    # Muse Spark's (MUSE_SPARK): the residual gates and the latent norms whole on each tp rank's token shard (their gradients
+    # summed over tp), each head's output norm with its heads; each expert's output norm on the rows back from their ep rank
+    "tp2-muse-spark": (2, dict(tp=2), MUSE_SPARK),
+    "ep2-muse-spark": (2, dict(ep=2), MUSE_SPARK),
     # GPT-Neo's learned absolute positions (no RoPE): each tp rank adds them to the whole micro-batch's embeddings; each cp
     # rank to its own tokens', at their positions in their documents
     "tp2-abs-positions": (2, dict(tp=2), dict(abs_positions=32, mtp_depth=0)),
