@@ -5,12 +5,13 @@
 
 A folder holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). Supported `model_type`s: FAMILIES (mixtral, qwen2_moe,
-qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, axk1, kimi_k2, kimi_k25, deepseek_v2, deepseek_v32, glm_moe_dsa, hy_v4, glm4_moe_lite, gpt_oss, solar_open,
+qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, axk1, kimi_k2, kimi_k25, deepseek_v2, deepseek_v32, glm_moe_dsa, hy_v4, hy_v4_vl_text,
+hy_v4_vl, glm4_moe_lite, gpt_oss, solar_open,
 exaone_moe, kolibri1, beam, axk2, dots1, minimax_m2, minimax, granitemoe, granitemoeshared, granitemoe_swa, granitemoehybrid, nemotron_h, mamba2, mamba, falcon_mamba, jamba, hunyuan_v1_moe, llama4_text, llama4, afmoe,
 laguna, step3p5, step3p7, aria_text, aria, cohere2_moe, sarvam_moe, sarvam_mla, longcat_flash, bailing_hybrid, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, lara_mini, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
 mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe, gemma3, gemma4_text, gemma4, gemma4_unified_text, gemma4_unified, muse_spark_text,
 muse_spark), and the dense
-DENSE_FAMILIES (llama, exaone, cwm, olmo, phi, starcoder2, gpt_neox, gptj, codegen, gpt_neo, gpt_bigcode, gpt2, opt, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, helium, minicpm3, arcee, gemma, vaultgemma, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
+DENSE_FAMILIES (llama, exaone, cwm, olmo, phi, starcoder2, gpt_neox, falcon, gptj, codegen, gpt_neo, gpt_bigcode, gpt2, opt, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, helium, minicpm3, arcee, gemma, vaultgemma, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
 glm4, ernie4_5, lfm2, cohere, cohere2, bamba, falcon_h1, stablelm, qwen3_5_text (and qwen3_5's text model), nemotron, apertus, olmo_hybrid, jais2, glm, internlm3,
 iquestcoder, ministral, nanochat, cohere_compass_text (and cohere_compass's text model), muse_glimmer_text (and muse_glimmer's):
 Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
@@ -107,6 +108,11 @@ layers.{i}.hc_pre.hc_attn_layer / hc_mlp_layer and model.hc_pre.hc_head, Family.
 DeepSeek-V3.2's sparse attention with HY-V4's own pieces: the indexer's RoPE on its last
 channels (index_rope_last), an elementwise sigmoid output gate (linear_gate) and a sink per head
 (learnable_sink_param), the routed experts' SwiGLU clamped; its MTP layers are not read.
+A released HY-V4-VL folder (hy_v4_vl) holds HY-V4's text model with RoPE on interleaved pairs
+(the indexer's too) and its latent norms at rms_norm_eps (mla_norm_eps), as HY-V4's folders
+hold it, beside a vision tower (vit.) that is not read; the head's hyper-connection weights
+under model.hc_head.hc_pre. (as transformers writes them) or HY-V4's prefix
+(Family.hyper_head_too); written back as hy_v4_vl_text.
 Kolibri-1 (kolibri1): EXAONE's attention in GLM-4's sandwich blocks (the released
 post_attn_norm / post_ffn_norm), every block MoE with a shared expert, routed on the logits
 plus the correction bias (expert_bias_on_logits; released as layers.{i}.moe.router.expert_bias,
@@ -426,6 +432,35 @@ def _gpt_neox(hf: dict) -> dict:
                        rope_parameters=params, mlp_bias=True), mlp_bias=True, qkv_bias=bias, o_bias=bias, mlp_act=acts[hf.get("hidden_act", "gelu")],
                   layer_norms=True, norm_bias=True, parallel_blocks=parallel, parallel_norms=parallel,
                   rope_dim=_partial_rope(dict(partial_rotary_factor=factor), head_dim))
+
+
+def _falcon(hf: dict) -> dict:
+    """Falcon (falcon, dense; Falcon-7B / 40B / 180B, Falcon2-11B): LayerNorms with bias
+    (layer_norm_epsilon), q, k and v as one query_key_value module kv head by kv head (each
+    one's q heads, its k and its v in turn: Family.qkv_per_head) of num_kv_heads kv heads with
+    new_decoder_architecture, one with multi_query, else one per head; biases on it, the
+    output projection dense and the MLPs with bias; MLPs without a gate, gelu(x dense_h_to_4h)
+    dense_4h_to_h (activation gelu: GELU's exact form, mlp_act "gelu") of ffn_hidden_size (by
+    default 4 hidden_size); plain RoPE over every channel. With parallel_attn (by default) the
+    attention and the MLP added together to the residual (parallel_blocks), of one LayerNorm
+    (input_layernorm) or with new_decoder_architecture and num_ln_in_parallel_attn 2 (its
+    default there) each of its own (ln_attn, ln_mlp: parallel_norms); without it the usual
+    pre-norm block (input_layernorm, post_attention_layernorm). ALiBi is refused."""
+    _refuse(hf, "alibi", lambda v: not v, "RoPE (ALiBi is not built)")
+    _refuse(hf, "activation", lambda v: v == "gelu", "GELU's exact form, gelu")
+    heads, new, parallel = hf["num_attention_heads"], bool(hf.get("new_decoder_architecture", False)), bool(hf.get("parallel_attn", True))
+    norms = hf.get("num_ln_in_parallel_attn") or (2 if new else 1)
+    if new and not parallel:
+        raise ValueError("config.json: new_decoder_architecture without parallel_attn is not supported (transformers' model reads ln_attn "
+                         "there, which that layer has not)")
+    if parallel and norms != (2 if new else 1) and not (new and norms == 1):
+        raise ValueError(f"config.json: num_ln_in_parallel_attn = {norms!r} is not supported (1, or 2 with new_decoder_architecture)")
+    kv = hf.get("num_kv_heads") or heads if new else 1 if hf.get("multi_query", True) else heads
+    bias = bool(hf.get("bias", False))
+    return _dense(dict(hf, hidden_act="silu", head_dim=hf["hidden_size"] // heads, num_key_value_heads=kv, rms_norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+                       intermediate_size=hf.get("ffn_hidden_size") or 4 * hf["hidden_size"], mlp_bias=bias),
+                  mlp_bias=True, qkv_bias=bias, o_bias=bias, mlp_act="gelu", layer_norms=True, norm_bias=True, parallel_blocks=parallel,
+                  parallel_norms=parallel and norms == 2)
 
 
 def _gptj(hf: dict) -> dict:
@@ -1768,7 +1803,7 @@ def _glm_moe_dsa(hf: dict) -> dict:
     return dict(_deepseek_v32(hf), **_dsa(hf, interleaved=True), index_shared_layers=shared or None)
 
 
-def _hy_v4(hf: dict) -> dict:
+def _hy_v4(hf: dict, *, vl: bool = False) -> dict:
     """HY-V4 (hy_v4, Hy4): hc_mult residual streams of independent hyper-connections
     (TransformerConfig.hyper_connections, hc_kind "independent": no mixing, the post weights
     x hc_magnitude + hc_eps) around DeepSeek-V3.2's sparse attention on multi-latent attention
@@ -1779,7 +1814,9 @@ def _hy_v4(hf: dict) -> dict:
     (sigmoid scores with the correction bias, norm_topk_prob, x routed_scaling_factor) beside
     n_shared_experts shared experts, the routed experts' SwiGLU clamped at swiglu_limit (gate
     below it, up within +-it); the dense and MoE blocks by mlp_layer_types (by default one
-    dense block first). The MTP layers (model.mtp_layers.*) are not read, as in transformers."""
+    dense block first). The MTP layers (model.mtp_layers.*) are not read, as in transformers.
+    vl: HY-V4-VL's text model (_hy_v4_vl_text): RoPE on interleaved pairs, the indexer's too,
+    and the latent norms' eps rms_norm_eps (mla_norm_eps)."""
     n = hf["num_hidden_layers"]
     kinds = hf.get("layer_types")
     if kinds is not None and set(kinds) != {"indexed_attention"}:
@@ -1789,10 +1826,26 @@ def _hy_v4(hf: dict) -> dict:
         raise ValueError(f"config.json: swiglu_limit = {limit!r} is not supported (a positive clamp of the routed experts' SwiGLU)")
     default = ["full" if i == 0 or (i - 1) % 4 == 0 else "shared" for i in range(n)]
     shared = tuple(i for i, kind in enumerate(_indexer_types(dict(hf, indexer_types=hf.get("indexer_types") or default))) if kind == "shared")
-    return dict(_mla(hf, interleaved=False), **_mlp_layer_types(hf, 1), **_sigmoid_routing(hf), **_dsa(hf, interleaved=False), index_rope_last=True,
+    vl_fields = dict(mla_norm_eps=float(hf["rms_norm_eps"])) if vl else {}
+    return dict(_mla(hf, interleaved=vl), **_mlp_layer_types(hf, 1), **_sigmoid_routing(hf), **_dsa(hf, interleaved=vl), index_rope_last=True, **vl_fields,
                 index_norm_eps=float(hf["rms_norm_eps"]), index_shared_layers=shared or None, attn_gate=True, attn_sinks=True,
                 swiglu_alpha=1.0, swiglu_limit=float(limit), swiglu_offset=0.0, hyper_connections=hf["hc_mult"], hc_kind="independent",
                 hc_magnitude=float(hf["hc_magnitude"]), hc_eps=float(hf["hc_eps"]))
+
+
+def _hy_v4_vl_text(hf: dict) -> dict:
+    """HY-V4-VL's text model (hy_v4_vl_text; the released hy_v4_vl folders'): HY-V4's model
+    (_hy_v4) with RoPE on interleaved pairs in the attention and the indexer and the latent
+    norms' eps rms_norm_eps; its multimodal RoPE (mrope_section) of a text-only forward is
+    the plain one, whose sections are not read."""
+    return _hy_v4(dict(hf, rope_parameters=_text_rope(hf.get("rope_parameters") or dict(rope_type="default", rope_theta=10000.0))), vl=True)
+
+
+def _hy_v4_vl(hf: dict) -> dict:
+    """A released HY-V4-VL folder (hy_v4_vl, HYV4VLForConditionalGeneration): its text_config's
+    model (_hy_v4_vl_text), stored as HY-V4's folders store it (model., lm_head), beside the
+    vision tower (vit.) that is not read; the head untied unless the top level ties it."""
+    return _text_family(hf, "hy_v4_vl_text", _text_config({"tie_word_embeddings": False, **hf}))
 
 
 def _exaone_moe(hf: dict) -> dict:
@@ -3229,6 +3282,7 @@ class Family:
     # the dense MLP's and the shared experts' gate, up and down projections (LFM2's w1, w3, w2; HY-V4's gate linear_gate)
     dense_names: tuple[str, str, str] = _PROJ
     norms: tuple[str, str] = ("input_layernorm", "post_attention_layernorm")  # a pre-norm block's norms (LFM2's operator_norm, ffn_norm)
+    parallel_norm_names: Optional[tuple[str, str]] = None  # a parallel block's norms where each branch has its own (Falcon's ln_attn, ln_mlp)
     # a post-norm block's norms, on the attention's and the MLP's outputs (OLMo 2's; OLMo Hybrid's files: feedforward_layer_norm first)
     post_norms: tuple[str, str] = ("post_attention_layernorm", "post_feedforward_layernorm")
     final_norm: str = "model.norm.weight"  # the final norm's key (LFM2's model.embedding_norm)
@@ -3295,6 +3349,9 @@ class Family:
     # hyper-connections' weights (TransformerConfig.hyper_connections): the prefixes of a block's attention's and MLP's fn,
     # base and scale, under the layer, and of the head's, HY-V4's released names (transformers renames them on load)
     hyper: tuple[str, str, str] = ("hc_pre.hc_attn_layer.hc_", "hc_pre.hc_mlp_layer.hc_", "model.hc_pre.hc_head.hc_head_")
+    # the head's hyper-connection weights under this prefix instead in some folders (HY-V4-VL's under HY-V4's prefix,
+    # model.hc_pre.hc_head.hc_head_): loading reads the prefix the files hold (_stacked_experts), export writes it back
+    hyper_head_too: Optional[str] = None
     # Nemotron-H: each layer one sublayer (a mixer, an MLP or a MoE, under `mixer`, after its own `norm`); fmoe's block i is a
     # mixer's layer and, unless cfg.mlp_free_layers lists it, the MLP's (or MoE's) layer after it (_layer_prefixes)
     single_sublayer: bool = False
@@ -3403,10 +3460,24 @@ _MUSE_SPARK_DEFAULTS = dict(_MUSE_GLIMMER_DEFAULTS, hidden_size=8192, intermedia
                             num_key_value_heads=16, head_dim=64, hidden_act="silu", qk_scale_factor=5.4730064863875, output_multiplier=0.1767766952966369,
                             moe_intermediate_size=4096, num_local_experts=256, num_experts_per_tok=8, routed_scaling_factor=1.0,
                             moe_hidden_size=4096, residual_gate_temperature=0.3, rope_parameters=dict(rope_type="default", rope_theta=500000.0))
+# HY-V4's layout (Family's fields): the experts as [E, 2F, H] / [E, H, F] stacks; the dense MLPs' and shared experts' gate
+# linear_gate, the attention's gate linear_gate and sinks learnable_sink_param (the released names, which transformers writes
+# back); and transformers' HYV4Config's defaults
+_HY_V4 = dict(shared="shared_experts", fused="halves_out", dense_names=("linear_gate", "up_proj", "down_proj"), gate_proj="linear_gate",
+              sinks="learnable_sink_param", not_read=("model.mtp_layers.",), aliases=dict(n_routed_experts="num_local_experts"))
+# HY-V4-VL's: the head's hyper-connection weights under model.hc_head.hc_pre. as transformers writes them (and reads them
+# beside the vision tower), or under HY-V4's model.hc_pre.hc_head. (Family.hyper_head_too)
+_HY_V4_VL = dict(_HY_V4, hyper=("hc_pre.hc_attn_layer.hc_", "hc_pre.hc_mlp_layer.hc_", "model.hc_head.hc_pre.hc_head_"),
+                 hyper_head_too="model.hc_pre.hc_head.hc_head_")
+_HY_V4_DEFAULTS = dict(vocab_size=120832, hidden_size=2816, intermediate_size=6912, moe_intermediate_size=768, num_hidden_layers=34,
+                       num_attention_heads=32, rms_norm_eps=1e-5, n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8,
+                       routed_scaling_factor=2.827, norm_topk_prob=True, n_group=1, topk_group=1, q_lora_rank=1536, kv_lora_rank=512,
+                       qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256, index_topk=2048, index_head_dim=128, index_n_heads=16,
+                       hc_mult=4, hc_magnitude=2.0, hc_eps=1e-6, swiglu_limit=10.0, rope_parameters=dict(rope_type="default", rope_theta=10000.0))
 # the dense families (no MoE block): fine-tuned as they are, or upcycled into an MoE (fmoe.train.upcycle)
 DENSE_FAMILIES = ("llama", "exaone", "cwm", "olmo", "phi", "starcoder2", "gpt_neox", "gptj", "codegen", "gpt_neo", "gpt_bigcode", "gpt2", "opt", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "youtu", "helium", "minicpm3", "arcee", "gemma", "vaultgemma", "gemma2", "gemma3_text", "lfm3", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
                   "phi3", "glm4", "ernie4_5", "lfm2", "cohere", "cohere2", "bamba", "falcon_h1", "stablelm", "qwen3_5_text", "nemotron", "apertus", "olmo_hybrid",
-                  "jais2", "glm", "internlm3", "iquestcoder", "ministral", "nanochat", "cohere_compass_text", "muse_glimmer_text")
+                  "jais2", "glm", "internlm3", "iquestcoder", "ministral", "nanochat", "cohere_compass_text", "muse_glimmer_text", "falcon")
 FAMILIES = {
     "mixtral": Family(_mixtral, "block_sparse_moe", ("w1", "w3", "w2"), "MixtralForCausalLM",
                       defaults=dict(num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1e6)),
@@ -3456,17 +3527,15 @@ FAMILIES = {
     "glm_moe_dsa": Family(_glm_moe_dsa, "mlp", _PROJ, "GlmMoeDsaForCausalLM", "shared_experts", mtp=True,
                           defaults=dict(_DEEPSEEK_V3_DEFAULTS, **_DSA_DEFAULTS, index_n_heads=32, n_group=1, topk_group=1, q_lora_rank=2048,
                                         rms_norm_eps=1e-5)),
-    # HY-V4: hyper-connections around DeepSeek sparse attention with a gate and sinks; the experts as [E, 2F, H] / [E, H, F]
-    # stacks; the dense MLPs' and shared experts' gate linear_gate, the attention's gate linear_gate and sinks
-    # learnable_sink_param (the released names, which transformers writes back)
-    "hy_v4": Family(_hy_v4, "mlp", _STACKS, "HYV4ForCausalLM", "shared_experts", fused="halves_out", dense_names=("linear_gate", "up_proj", "down_proj"),
-                    gate_proj="linear_gate", sinks="learnable_sink_param", not_read=("model.mtp_layers.",), aliases=dict(n_routed_experts="num_local_experts"),
-                    defaults=dict(vocab_size=120832, hidden_size=2816, intermediate_size=6912, moe_intermediate_size=768, num_hidden_layers=34,
-                                  num_attention_heads=32, rms_norm_eps=1e-5, n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8,
-                                  routed_scaling_factor=2.827, norm_topk_prob=True, n_group=1, topk_group=1, q_lora_rank=1536, kv_lora_rank=512,
-                                  qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256, index_topk=2048, index_head_dim=128, index_n_heads=16,
-                                  hc_mult=4, hc_magnitude=2.0, hc_eps=1e-6, swiglu_limit=10.0,
-                                  rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
+    # HY-V4: hyper-connections around DeepSeek sparse attention with a gate and sinks (_HY_V4's names)
+    "hy_v4": Family(_hy_v4, "mlp", _STACKS, "HYV4ForCausalLM", **_HY_V4, defaults=_HY_V4_DEFAULTS),
+    # HY-V4-VL's text model (transformers has no causal LM of it alone: its base model's class), and the released folders: that
+    # text model as HY-V4's folders hold it, beside the vision tower
+    "hy_v4_vl_text": Family(_hy_v4_vl_text, "mlp", _STACKS, "HYV4VLTextModel", **_HY_V4_VL,
+                            defaults=dict(_HY_V4_DEFAULTS, hidden_size=6144, intermediate_size=18432, moe_intermediate_size=2048,
+                                          num_hidden_layers=78, num_attention_heads=64, q_lora_rank=2048, index_n_heads=32)),
+    "hy_v4_vl": Family(_hy_v4_vl, "mlp", _STACKS, "HYV4VLForConditionalGeneration", **dict(_HY_V4_VL, not_read=("model.mtp_layers.", "vit.")),
+                       written_as="hy_v4_vl_text"),
     "glm4_moe_lite": Family(_glm4_moe_lite, "mlp", _PROJ, "Glm4MoeLiteForCausalLM", "shared_experts", mtp=True,
                             defaults=dict(n_shared_experts=1, routed_scaling_factor=1.8, q_lora_rank=768, rms_norm_eps=1e-5)),
     "gpt_oss": Family(_gpt_oss, "mlp", _STACKS, "GptOssForCausalLM", fused="interleaved", router="router.weight",
@@ -3694,6 +3763,14 @@ FAMILIES = {
     # GPT-NeoX / Pythia: the layers under gpt_neox.layers., the attention's fused query_key_value (head by head) and dense, the
     # MLP's dense_h_to_4h / dense_4h_to_h, the embedding embed_in, the head embed_out; old folders' attention.bias and
     # masked_bias buffers (the causal mask) are not read, as in transformers
+    # Falcon: the blocks under transformer.h., the attention self_attention (query_key_value kv head by kv head, dense), the
+    # norms ln_attn / ln_mlp where each branch has its own (Family.parallel_norm_names)
+    "falcon": Family(_falcon, "mlp", _PROJ, "FalconForCausalLM", prefix=("model.layers.", "transformer.h."), attention="self_attention",
+                     qkv="query_key_value", qkv_per_head=True, o_proj="dense", dense_names=("", "dense_h_to_4h", "dense_4h_to_h"),
+                     parallel_norm_names=("ln_attn", "ln_mlp"), embed="transformer.word_embeddings.weight", final_norm="transformer.ln_f.weight",
+                     aliases=dict(num_hidden_layers="n_layer", num_attention_heads="n_head", num_kv_heads="n_head_kv", hidden_size="n_embed"),
+                     defaults=dict(vocab_size=65024, hidden_size=4544, num_hidden_layers=32, num_attention_heads=71, layer_norm_epsilon=1e-5,
+                                   tie_word_embeddings=True, rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
     "gpt_neox": Family(_gpt_neox, "mlp", _PROJ, "GPTNeoXForCausalLM", prefix=("model.layers.", "gpt_neox.layers."), attention="attention",
                        qkv="query_key_value", qkv_per_head=True, o_proj="dense", dense_names=("", "dense_h_to_4h", "dense_4h_to_h"),
                        embed="gpt_neox.embed_in.weight", head="embed_out.weight", final_norm="gpt_neox.final_layer_norm.weight",
@@ -4052,9 +4129,10 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
         for ours, theirs in zip(("attn_post_norm", "mlp_post_norm"), family.post_norms):
             out[q + ours + ".weight"] = Tensor((p + theirs + ".weight",))
     elif pre:
-        out.update(_norm_keys(p + family.norms[0], q + "attn_norm", cfg, gated=True))
+        norms = family.parallel_norm_names if cfg.parallel_norms and family.parallel_norm_names else family.norms
+        out.update(_norm_keys(p + norms[0], q + "attn_norm", cfg, gated=True))
         if not cfg.parallel_blocks or cfg.parallel_norms:  # a parallel block's MLP reads the attention's norm (GPT-NeoX's: its own)
-            out.update(_norm_keys(p + family.norms[1], q + "mlp_norm", cfg, gated=moe))
+            out.update(_norm_keys(p + norms[1], q + "mlp_norm", cfg, gated=moe))
     if moe and cfg.moe_out_norm:  # the MoE block's output norm (A.X-K1's)
         out[q + "mlp_post_norm.weight"] = Tensor((p + family.moe_out_norm + ".weight",))
     mlp = p + family.moe + "." if family.moe else p  # Gemma 4's MoE is the layer's own: its router and experts under it
@@ -4247,11 +4325,15 @@ def _stacked_experts(family: Family, keys) -> Family:
     """The family as a folder of checkpoint `keys` stores it: with Family.stacks_too and the
     experts stored as stacks (a key ending in experts.gate_up_proj), its stacked layout
     ("halves_out", Granite's and transformers' [E, 2F, H] / [E, H, F]); with Family.dense_too
-    and a dense MLP under that name, that name for the dense blocks; the family itself otherwise."""
+    and a dense MLP under that name, that name for the dense blocks; with Family.hyper_head_too
+    and the head's hyper-connection weights under that prefix, that prefix; the family itself
+    otherwise."""
     if family.stacks_too and any(key.endswith(".experts.gate_up_proj") for key in keys):
         family = dataclasses.replace(family, fused="halves_out", experts=_STACKS)
     if family.dense_too and any(key.endswith(f".{family.dense_too}.gate_proj.weight") for key in keys):
         family = dataclasses.replace(family, dense=family.dense_too)
+    if family.hyper_head_too and any(key.startswith(family.hyper_head_too) for key in keys):
+        family = dataclasses.replace(family, hyper=(*family.hyper[:2], family.hyper_head_too))
     return family
 
 
@@ -4472,7 +4554,8 @@ def keep_folder_layout(model: Transformer, path, model_type: str) -> Family:
     """The layout of the weights in the Hugging Face folder `path` (of family model_type), kept
     on `model` for save_pretrained to write back with the folder's config: hf_stacks, the
     experts as stacks (Family.stacks_too, stacks_by_shape); hf_dense, the dense MLP's name
-    (Family.dense_too); hf_zero_rows, whether it holds the zero experts' unused rows
+    (Family.dense_too); hf_hyper_head, the head's hyper-connection prefix (Family.hyper_head_too);
+    hf_zero_rows, whether it holds the zero experts' unused rows
     (Family.zero_expert_rows: a released LongCat-Flash folder does not, transformers' does).
     load_weights records it (from the file list it reads anyway); examples/export_hf.py calls
     it for a run started from the folder.
@@ -4485,6 +4568,7 @@ def _folder_layout(model: Transformer, files: dict[str, Path], model_type: str) 
     family = _stacks_by_shape(_stacked_experts(FAMILIES[model_type], files), model.cfg, files)
     model.hf_stacks = family.fused is not None and not FAMILIES[model_type].fused
     model.hf_dense = family.dense
+    model.hf_hyper_head = family.hyper[2]
     model.hf_zero_rows = any(key in files for key in zero_expert_keys(family, model.cfg))
     return family
 
@@ -5001,7 +5085,7 @@ def _ministral3_rope(cfg: TransformerConfig) -> dict:
 
 # the families whose config.json holds _deepseek_moe_config's fields
 _DEEPSEEK_STYLE = ("glm4_moe", "sarvam_moe", "deepseek_v2", "deepseek_v3", "kimi_k2", "sarvam_mla", "glm4_moe_lite", "dots1", "deepseek_v32", "axk1",
-                   "glm_moe_dsa", "hy_v4", "axk2")
+                   "glm_moe_dsa", "hy_v4", "hy_v4_vl_text", "axk2")
 
 
 def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
@@ -5299,6 +5383,16 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
                 hf.pop(field)
             hf.update(layer_norm_eps=cfg.norm_eps, hidden_act="gelu" if cfg.mlp_act == "gelu" else "gelu_new", attention_bias=cfg.qkv_bias,
                       use_parallel_residual=cfg.parallel_blocks, rope_parameters=dict(hf["rope_parameters"], partial_rotary_factor=_rotary_factor(cfg)))
+        elif model_type == "falcon":  # its own field names; the kv heads and norms by its architecture flags
+            if not cfg.qkv_bias == cfg.o_bias == cfg.mlp_bias:
+                raise ValueError(f"model: Falcon's biases are one setting (bias); this model has qkv_bias = {cfg.qkv_bias}, o_bias = {cfg.o_bias}, "
+                                 f"mlp_bias = {cfg.mlp_bias}")
+            for field in ("rms_norm_eps", "mlp_bias", "num_key_value_heads", "head_dim", "hidden_act", "intermediate_size"):
+                hf.pop(field)
+            new = cfg.parallel_blocks and (cfg.parallel_norms or cfg.n_kv_heads not in (1, cfg.n_heads))  # the kv heads a number of their own
+            hf.update(layer_norm_epsilon=cfg.norm_eps, bias=cfg.qkv_bias, activation="gelu", alibi=False, ffn_hidden_size=cfg.ffn_dense,
+                      parallel_attn=cfg.parallel_blocks, new_decoder_architecture=new, multi_query=cfg.n_kv_heads == 1,
+                      num_kv_heads=cfg.n_kv_heads, num_ln_in_parallel_attn=(2 if cfg.parallel_norms else 1) if new else None)
         elif model_type == "gpt_neo":  # its own field names, each layer's kind, the learned positions' count
             for field in ("rms_norm_eps", "mlp_bias", "num_key_value_heads", "head_dim", "rope_parameters", "num_hidden_layers", "num_attention_heads",
                           "hidden_act"):
@@ -5462,15 +5556,15 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
         hf.update(attention_bias=cfg.qkv_bias, use_qk_norm=cfg.qk_norm == "head")
     if model_type == "dots1":
         hf.update(attention_bias=cfg.qkv_bias, sliding_window=cfg.window, max_window_layers=cfg.n_layers, layer_types=_layer_types(cfg))
-    if model_type in ("glm4_moe_lite", "deepseek_v32", "glm_moe_dsa", "axk1", "hy_v4", "axk2"):
+    if model_type in ("glm4_moe_lite", "deepseek_v32", "glm_moe_dsa", "axk1", "hy_v4", "hy_v4_vl_text", "axk2"):
         hf.update(mlp_layer_types=["sparse" if cfg.is_moe(i) else "dense" for i in range(cfg.n_layers)])
-    if model_type in ("axk1", "hy_v4", "axk2"):  # no first_k_dense_replace (mlp_layer_types says it) nor MTP field in their configs
+    if model_type in ("axk1", "hy_v4", "hy_v4_vl_text", "axk2"):  # no first_k_dense_replace (mlp_layer_types says it) nor MTP field in their configs
         hf.pop("first_k_dense_replace")
         hf.pop("num_nextn_predict_layers")
     if model_type == "axk2":  # the gated norms; no groups (refused on read), written as A.X-K2-Light's None
         hf.update(gated_norm_rank=cfg.norm_gate_rank, layer_types=["indexed_attention"] * cfg.n_layers,
                   **({} if cfg.n_groups else dict(n_group=None, topk_group=None)))
-    if model_type == "hy_v4":  # the streams, the clamp
+    if model_type in ("hy_v4", "hy_v4_vl_text"):  # the streams, the clamp
         if cfg.hyper_connections < 2 or cfg.hc_kind != "independent" or cfg.swiglu_limit is None:
             raise ValueError(f"model: its config has no hy_v4 equivalent: HY-V4's blocks are independent hyper-connections with the routed "
                              f"experts' SwiGLU clamped (hyper_connections >= 2, hc_kind='independent', swiglu_limit), got hyper_connections="
@@ -5478,19 +5572,21 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
         hf.update(hc_mult=cfg.hyper_connections, hc_magnitude=cfg.hc_magnitude, hc_eps=cfg.hc_eps, swiglu_limit=cfg.swiglu_limit,
                   layer_types=["indexed_attention"] * cfg.n_layers)
     if model_type in ("deepseek_v2", "deepseek_v3", "kimi_k2", "sarvam_mla", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa", "mistral4", "axk1",
-                      "longcat_flash", "bailing_hybrid", "hy_v4", "axk2", "youtu", "minicpm3"):
+                      "longcat_flash", "bailing_hybrid", "hy_v4", "hy_v4_vl_text", "axk2", "youtu", "minicpm3"):
         rope = cfg.rope_dim or cfg.head_dim
         hf.update(q_lora_rank=cfg.q_rank, kv_lora_rank=cfg.kv_rank, qk_nope_head_dim=cfg.head_dim - rope, qk_rope_head_dim=rope,
                   v_head_dim=cfg.v_head_dim, head_dim=rope, attention_bias=False)
-        if model_type in ("deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2"):
+        if model_type in ("deepseek_v32", "glm_moe_dsa", "hy_v4", "hy_v4_vl_text", "axk2"):
             hf.update(index_topk=cfg.index_topk, index_n_heads=cfg.index_heads, index_head_dim=cfg.index_head_dim)
-            if model_type in ("glm_moe_dsa", "hy_v4"):
+            if model_type in ("glm_moe_dsa", "hy_v4", "hy_v4_vl_text"):
                 hf.update(indexer_types=["shared" if cfg.is_index_shared(i) else "full" for i in range(cfg.n_layers)])
-        # no such field where the family's RoPE is always on interleaved pairs (HY-V4's: always on halves)
-        if model_type not in ("deepseek_v32", "glm_moe_dsa", "longcat_flash", "bailing_hybrid", "hy_v4", "axk2", "minicpm3"):
+        # no such field where the family's RoPE is always on interleaved pairs (HY-V4's: always on halves; HY-V4-VL's on pairs)
+        if model_type not in ("deepseek_v32", "glm_moe_dsa", "longcat_flash", "bailing_hybrid", "hy_v4", "hy_v4_vl_text", "axk2", "minicpm3"):
             hf.update(rope_interleave=cfg.rope_interleaved)
         if cfg.yarn_factor is not None:
             hf["rope_parameters"] = _yarn_parameters(cfg)
+        if model_type == "hy_v4_vl_text":  # its multimodal RoPE's sections (text positions: all of them the plain RoPE's)
+            hf["rope_parameters"]["mrope_section"] = [rope // 2, 0, 0]
     if model_type == "mistral4":  # the queries' scale by position, and the rotated share of each head
         hf["rope_parameters"].update(**_query_temperature_parameters(cfg, cfg.yarn_original_max_positions),
                                      partial_rotary_factor=_rotary_factor(cfg))
@@ -5811,6 +5907,8 @@ def save_pretrained(model: Transformer, path, *, model_type: Optional[str] = Non
             family = _stacked_experts(family, (".experts.gate_up_proj",))
         if getattr(model, "hf_dense", None):  # the dense MLP's name
             family = dataclasses.replace(family, dense=model.hf_dense)
+        if getattr(model, "hf_hyper_head", None):  # the head's hyper-connection prefix
+            family = dataclasses.replace(family, hyper=(*family.hyper[:2], model.hf_hyper_head))
         if not getattr(model, "hf_zero_rows", True):  # no zero-expert rows (transformers needs them: written where the folder had them)
             family = dataclasses.replace(family, zero_expert_rows=False)
     if _quantization(hf):  # written dequantised, in the checkpoint's dtype

@@ -451,7 +451,8 @@ class TransformerConfig:
     rope_dim the rope part, n_kv_heads = n_heads; fmoe.layers.AttentionConfig); mla_scales
     (with q_rank and kv_rank): its queries times sqrt(hidden / q_rank) and its normed kv
     latent times sqrt(hidden / kv_rank) (LongCat-Flash's; AttentionConfig.latent_scales);
-    q_latent_raw (with q_rank): wq_b reads the q latent normed and as it is, [2 q_rank, N D],
+    mla_norm_eps: the q and kv latents' RMSNorms' eps (None: 1e-6, DeepSeek's; HY-V4-VL's
+    rms_norm_eps). q_latent_raw (with q_rank): wq_b reads the q latent normed and as it is, [2 q_rank, N D],
     and attn_gate_on_q: the output gate reads that input instead of x (A.X-K2's;
     AttentionConfig.q_latent_raw, gate_on_q). norm_gate_rank r (None: off): the attention's
     pre-norm of every block and the MLP's of MoE blocks are GatedRMSNorms, y = rmsnorm(x)
@@ -678,6 +679,7 @@ class TransformerConfig:
     kv_rank: Optional[int] = None
     v_head_dim: Optional[int] = None
     mla_scales: bool = False
+    mla_norm_eps: Optional[float] = None
     q_latent_raw: bool = False
     attn_gate_on_q: bool = False
     norm_gate_rank: Optional[int] = None
@@ -931,7 +933,7 @@ class TransformerConfig:
                 if getattr(self, name):
                     raise ValueError(f"norm_weights: False leaves the norms without weights, not with {name}")
         self._check_norm_overrides()
-        self._check_muse_knobs()
+        self._check_scales_norms_and_gates()
         if self.fp8_layers is not None and self.fp8 is not True:
             raise ValueError("fp8_layers: the blocks whose GEMMs run in fp8, needs fp8=True")
         check_fp8_fast_accum(self.fp8_fast_accum, self.fp8 is True)
@@ -1279,13 +1281,16 @@ class TransformerConfig:
                                      dt_rank=(self.linear_dt_rank or -(-self.hidden // 16)) if self.linear_kind == "mamba1" else self.linear_dt_rank,
                                      dt_bc_norm=self.linear_dt_bc_norm, fp8=self.fp8 if fp8 is None else fp8)
 
-    def _check_muse_knobs(self) -> None:
-        """router_scale, moe_latent_norm, expert_out_norm, attn_out_norm and the residual gates
-        (the class docstring): ValueError naming what is wrong."""
+    def _check_scales_norms_and_gates(self) -> None:
+        """router_scale, moe_latent_norm, expert_out_norm, attn_out_norm, mla_norm_eps and the
+        residual gates (the class docstring): ValueError naming what is wrong."""
         for name in ("router_scale", "residual_gate_temperature"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                 raise ValueError(f"{name}: expected a positive finite number, got {value!r}")
+        eps = self.mla_norm_eps
+        if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf or self.kv_rank is None):
+            raise ValueError(f"mla_norm_eps: multi-latent attention's latent norms' eps (with kv_rank), None or a finite number >= 0, got {eps!r}")
         if self.moe_latent_norm and self.moe_latent is None:
             raise ValueError("moe_latent_norm: the norm of a latent MoE's experts' input, needs moe_latent")
         if self.attn_out_norm and self.kv_rank is not None:
@@ -1363,7 +1368,7 @@ class TransformerConfig:
             qk_norm=self.qk_norm if norm else None, qk_norm_after_rope=self.qk_norm_after_rope and norm, norm_eps=self.norm_eps,
             impl=self.impl, q_rank=self.q_rank, kv_rank=self.kv_rank, v_dim=self.v_head_dim, window=self.window if local else None,
             latent_scales=((self.hidden / self.q_rank) ** 0.5, (self.hidden / self.kv_rank) ** 0.5) if self.mla_scales else None,
-            q_latent_raw=self.q_latent_raw, gate_on_q=self.attn_gate_on_q,
+            q_latent_raw=self.q_latent_raw, gate_on_q=self.attn_gate_on_q, latent_norm_eps=1e-6 if self.mla_norm_eps is None else self.mla_norm_eps,
             chunk=self.chunk if local else None, scale=self.attn_scale, rope=rope,
             **self._temperature(rope),
             local_rope_base=self.local_rope_base, local_rot_dim=self.local_rope_dim or self.local_head_dim,

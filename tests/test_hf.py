@@ -54,6 +54,11 @@ FAMILIES = {
     # GPT-J: parallel blocks of one LayerNorm with bias, RoPE on interleaved pairs of 4 of 8 channels, gelu_new MLPs with biases
     "gptj": lambda: transformers.GPTJConfig(vocab_size=V, n_embd=32, n_layer=3, n_head=4, n_positions=128, rotary_dim=4, n_inner=40,
                                             bos_token_id=None, eos_token_id=None),
+    # Falcon-40B / 180B's: the attention and the MLP each of its own LayerNorm (ln_attn, ln_mlp), added together; q, k and v
+    # kv head by kv head in one query_key_value (2 kv heads), biases on every projection, exact-GELU MLPs without a gate
+    "falcon": lambda: transformers.FalconConfig(vocab_size=V, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_kv_heads=2,
+                                                max_position_embeddings=128, ffn_hidden_size=40, new_decoder_architecture=True, bias=True,
+                                                bos_token_id=None, eos_token_id=None),
     # Aria's text model: every block MoE, softmax over the top-2 logits, [E, H, 2F] / [E, F, H] expert stacks, 2 shared experts
     "aria_text": lambda: transformers.AriaTextConfig(**COMMON, intermediate_size=16, moe_num_experts=4, moe_topk=2, moe_num_shared_experts=2,
                                                      pad_token_id=None, bos_token_id=None, eos_token_id=None),
@@ -838,6 +843,12 @@ def test_a_failed_export_leaves_no_weight_files(folders, tmp_path, monkeypatch):
                                                             o_bias=True, mlp_bias=True, mlp_act="gelu", rope_dim=4, n_kv_heads=4, norm_eps=1e-5)),
                                           ("gpt_neox", dict(layer_norms=True, norm_bias=True, qkv_bias=True, o_bias=True, mlp_bias=True, mlp_act="gelu_new",
                                                             rope_dim=2, n_kv_heads=4, norm_eps=1e-5)),
+                                          ("falcon", dict(layer_norms=True, norm_bias=True, parallel_blocks=True, parallel_norms=True, mlp_act="gelu",
+                                                          norm_eps=1e-5, tie_embeddings=True)),
+                                          ("falcon", dict(layer_norms=True, norm_bias=True, parallel_blocks=True, mlp_act="gelu", n_kv_heads=1,
+                                                          norm_eps=1e-5)),
+                                          ("falcon", dict(layer_norms=True, norm_bias=True, qkv_bias=True, o_bias=True, mlp_bias=True, mlp_act="gelu",
+                                                          n_kv_heads=4, norm_eps=1e-5)),
                                           ("gptj", dict(layer_norms=True, norm_bias=True, parallel_blocks=True, mlp_bias=True, mlp_act="gelu_new",
                                                         head_bias=True, rope_interleaved=True, rope_dim=4, n_kv_heads=4, norm_eps=1e-5)),
                                           ("gpt_neo", dict(layer_norms=True, norm_bias=True, o_bias=True, mlp_bias=True, mlp_act="gelu_new", attn_scale=1.0,
@@ -2925,6 +2936,40 @@ def test_exaone_reads_its_released_names_and_llama3_rope(folders, tmp_path):
         hf.FAMILIES["exaone"].kwargs(dict(released, activation_function="gelu"))
 
 
+@pytest.mark.parametrize("variant", ["falcon-7b", "falcon2-11b", "sequential"])
+def test_falcon_reads_each_architecture_s_kv_heads_and_norms(variant, tmp_path):
+    """Falcon's other layouts (the table's is Falcon-40B's): Falcon-7B's multi-query attention
+    (one kv head) in parallel blocks of one LayerNorm, Falcon2-11B's new architecture with one
+    LayerNorm for both branches (num_ln_in_parallel_attn 1), and the sequential pre-norm block
+    (parallel_attn false: input_layernorm, post_attention_layernorm) with a kv head per head,
+    each read with transformers' logits and written back bit for bit; what transformers'
+    model is not (ALiBi, another activation, num_ln_in_parallel_attn 2 in the old
+    architecture, the new one without parallel_attn) is refused by name."""
+    fields = {"falcon-7b": dict(multi_query=True), "falcon2-11b": dict(new_decoder_architecture=True, num_kv_heads=2, num_ln_in_parallel_attn=1),
+              "sequential": dict(multi_query=False, parallel_attn=False, bias=True)}[variant]
+    config = transformers.FalconConfig(vocab_size=V, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, max_position_embeddings=128,
+                                       ffn_hidden_size=40, bos_token_id=None, eos_token_id=None, tie_word_embeddings=False, **fields)
+    torch.manual_seed(0)
+    ref = _randomised(transformers.FalconForCausalLM(config))
+    ref.save_pretrained(tmp_path / "hf")
+    model, cfg = hf.from_pretrained(tmp_path / "hf", impl="torch")
+    want = {"falcon-7b": (1, True, False), "falcon2-11b": (2, True, False), "sequential": (4, False, False)}[variant]
+    assert (cfg.n_kv_heads, cfg.parallel_blocks, cfg.parallel_norms) == want and cfg.qkv_bias == (variant == "sequential")
+    docs, ids, cu = _packed()
+    with torch.no_grad():
+        assert _rel(model.logits(ids, cu), torch.cat([ref(d[None]).logits[0] for d in docs])) < 1e-5
+    hf.save_pretrained(model, tmp_path / "again")
+    for file in ("model.safetensors", "config.json"):
+        assert filecmp.cmp(tmp_path / "hf" / file, tmp_path / "again" / file, shallow=False), file
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    for change, message in ((dict(alibi=True), r"alibi = True is not supported \(RoPE"), (dict(activation="relu"), "activation = 'relu' is not supported"),
+                            (dict(new_decoder_architecture=False, parallel_attn=True, num_ln_in_parallel_attn=2),
+                             "num_ln_in_parallel_attn = 2 is not supported"),
+                            (dict(new_decoder_architecture=True, parallel_attn=False), "new_decoder_architecture without parallel_attn is not supported")):
+        with pytest.raises(ValueError, match=message):
+            hf.FAMILIES["falcon"].kwargs(dict(written, **change))
+
+
 def test_gpt_neox_reads_pythia_s_released_fields_and_leaves_its_mask_buffers_unread(folders, tmp_path):
     """A released Pythia / GPT-NeoX folder: its config's rotary_pct and rotary_emb_base (the
     RoPE fields before rope_parameters), and the causal-mask buffers older folders hold
@@ -3321,6 +3366,64 @@ def test_muse_spark_folders_read_their_latent_moe_residual_gates_and_norms(tmp_p
     assert not any("post_attention_layernorm" in k for k in keys)
     with pytest.raises(ValueError, match=r"hidden_act = 'gelu' is not supported \(SwiGLU with silu\)"):
         hf.FAMILIES["muse_spark_text"].kwargs(dict(text, model_type="muse_spark_text", hidden_act="gelu"))
+
+
+def test_hy_v4_vl_folders_read_their_text_model_with_rope_on_pairs_and_its_latent_norms_eps(tmp_path):
+    """A released HY-V4-VL folder (hy_v4_vl, HYV4VLForConditionalGeneration): its text model,
+    stored as HY-V4's folders store it (model., lm_head), loads with transformers' logits on
+    the torch and the Triton paths, the vision tower (vit.) unread: HY-V4's model with RoPE on
+    interleaved pairs in the attention and the indexer (each moves the logits) and the
+    latents' norms at rms_norm_eps (mla_norm_eps: at 1e-6, HY-V4's, the logits are ten times
+    further from transformers'). The head's hyper-connection weights as transformers writes
+    them (model.hc_head.hc_pre.) or under HY-V4's prefix (model.hc_pre.hc_head.) are read and
+    written back as the folder held them (transformers reads the former alone beside the vision
+    tower). Not written back whole; written as hy_v4_vl_text and read back exactly, and a model
+    of fmoe's own written so, put beside the vision tower again, loads in transformers with
+    fmoe's logits."""
+    docs, ids, cu = _packed()
+    text = {k: v for k, v in FAMILIES["hy_v4"]().to_dict().items() if k not in ("model_type", "architectures")}
+    text["rope_parameters"] = dict(rope_type="default", rope_theta=1e4, mrope_section=[1, 1, 0])
+    config = transformers.HYV4VLConfig(text_config=text, vision_config=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                                                                             num_attention_heads=2, out_hidden_size=32))
+    theirs = _saved_multimodal(transformers.HYV4VLForConditionalGeneration, config, tmp_path / "vl")
+    model, cfg = hf.from_pretrained(tmp_path / "vl", impl="torch")
+    assert (cfg.rope_interleaved, cfg.index_rope_interleaved, cfg.index_rope_last, cfg.mla_norm_eps, cfg.hyper_connections) == (True, True, True, 1e-5, 3)
+    assert model.hf_hyper_head == "model.hc_head.hc_pre.hc_head_" and "vit.perceive.image_newline" in _read_all(tmp_path / "vl")
+    with torch.no_grad():
+        error = _rel(model.logits(ids, cu), theirs)
+        assert error < 1e-5
+        assert _rel(hf.from_pretrained(tmp_path / "vl", impl="triton")[0].logits(ids, cu), theirs) < 1e-5
+        for change in (dict(rope_interleaved=False), dict(index_rope_interleaved=False), dict(mla_norm_eps=None)):
+            other = hf.Transformer(dataclasses.replace(cfg, **change))
+            other.load_state_dict(model.state_dict())
+            assert _rel(other.logits(ids, cu), theirs) > (10 * error if "mla_norm_eps" in change else 1e-3), change
+    # HY-V4's prefix of the head's weights: read, and written back so
+    tensors = {k.replace("model.hc_head.hc_pre.hc_head_", "model.hc_pre.hc_head.hc_head_"): v for k, v in _read_all(tmp_path / "vl").items()}
+    released = _copy_folder(tmp_path / "vl", tmp_path / "released", tensors)
+    again, _ = hf.from_pretrained(released, impl="torch")
+    assert again.hf_hyper_head == "model.hc_pre.hc_head.hc_head_"
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), model.state_dict().values()))
+    with pytest.raises(ValueError, match=r"model_type: a hy_v4_vl folder holds a model fmoe does not read \(model.mtp_layers., vit.\), so it is not "
+                                         "written; pass model_type='hy_v4_vl_text'"):
+        hf.save_pretrained(model, tmp_path / "whole")
+    for loaded, name in ((model, "text"), (again, "text_released")):
+        loaded.hf_config = hf.written_config(loaded.hf_config)
+        out = hf.save_pretrained(loaded, tmp_path / name)
+        assert json.loads((out / "config.json").read_text())["model_type"] == "hy_v4_vl_text"
+        back, back_cfg = hf.from_pretrained(out, impl="torch")
+        assert back_cfg == cfg and back.hf_hyper_head == loaded.hf_hyper_head
+        assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), model.state_dict().values()))
+    del back.hf_config  # fmoe's own: written from its config
+    with torch.no_grad():
+        for p in back.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    own = json.loads((hf.save_pretrained(back, tmp_path / "own", model_type="hy_v4_vl_text") / "config.json").read_text())
+    assert hf.read_config(tmp_path / "own")[1] == dataclasses.replace(cfg, impl="auto") and own["rope_parameters"]["mrope_section"] == [2, 0, 0]
+    vision = {k: v for k, v in _read_all(tmp_path / "vl").items() if k.startswith("vit.")}
+    beside = _copy_folder(tmp_path / "vl", tmp_path / "beside", _read_all(tmp_path / "own") | vision, lambda c: c.update(text_config=own))
+    ref = transformers.AutoModelForImageTextToText.from_pretrained(beside, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert _rel(torch.cat([ref(input_ids=d[None]).logits[0] for d in docs]), back.logits(ids, cu)) < 1e-5
 
 
 def test_a_released_kimi_k25_folder_loads_its_text_model(folders, tmp_path):

@@ -478,7 +478,8 @@ def test_residual_gates_weigh_each_add_and_attn_out_norm_norms_each_head_s_outpu
     gate g [H] (float32, kept so when the model is cast; Normal(0, init_std) at the start);
     attn_out_norm: the attention's output is its heads' outputs RMS-normed each over its
     channels, without weights, before the gate and wo (the same attention without the norm,
-    its output normed by hand). Refusals by name."""
+    its output normed by hand). mla_norm_eps reaches the attention's latent norms. Refusals by
+    name."""
     from fmoe.model import ResidualGate
 
     gate = ResidualGate(6, temperature=0.3)
@@ -489,8 +490,10 @@ def test_residual_gates_weigh_each_add_and_attn_out_norm_norms_each_head_s_outpu
     beta = torch.sigmoid(w)
     alpha = torch.sqrt(torch.clamp(torch.sigmoid(-w) * (1 + beta), min=1e-3))
     torch.testing.assert_close(gate(x, y), alpha * x + beta * y)
-    assert float(alpha[0]) == pytest.approx(float(torch.sqrt(torch.sigmoid(torch.tensor(10.0)) * (1 + torch.sigmoid(torch.tensor(-10.0))))))
-    assert float(torch.sqrt(torch.clamp(torch.sigmoid(torch.tensor(-40.0)) * 2, min=1e-3))) == pytest.approx(1e-3 ** 0.5)  # the floor
+    with torch.no_grad():  # alpha alone: x = 1, y = 0; the gate of 4 (w = 13.3) at the floor sqrt(1e-3), -3's (w = -10) near 1
+        kept = gate(torch.ones(1, 6), torch.zeros(1, 6))[0]
+    sig = 1 / (1 + math.exp(-10))  # sigmoid(-w) at w = -10
+    assert float(kept[5]) == pytest.approx(1e-3 ** 0.5) and float(kept[0]) == pytest.approx((sig * (2 - sig)) ** 0.5)
     assert gate.to(torch.bfloat16).gate.dtype == torch.float32 and gate(x.bfloat16(), y.bfloat16()).dtype == torch.bfloat16
     cfg = dataclasses.replace(TINY, residual_gates=True, residual_gate_temperature=0.5, attn_out_norm=True, attn_gate=True)
     model = Transformer(cfg)
@@ -526,9 +529,14 @@ def test_residual_gates_weigh_each_add_and_attn_out_norm_norms_each_head_s_outpu
                             (dict(moe_latent_norm=True), "moe_latent_norm: the norm of a latent MoE's experts' input, needs moe_latent"),
                             (dict(kv_rank=6, q_rank=8, head_dim=12, rope_dim=4, n_kv_heads=4, v_head_dim=5),
                              r"attn_out_norm: each grouped-query attention head's output normed, not multi-latent attention's \(kv_rank\)"),
-                            (dict(attn_out_norm=1), "attn_out_norm: expected a bool, got 1")):
+                            (dict(attn_out_norm=1), "attn_out_norm: expected a bool, got 1"),
+                            (dict(mla_norm_eps=1e-5), r"mla_norm_eps: multi-latent attention's latent norms' eps \(with kv_rank\)")):
         with pytest.raises(ValueError, match=message):
             dataclasses.replace(cfg, **change)
+    # mla_norm_eps: the latents' norms' eps (HY-V4-VL's rms_norm_eps; 1e-6 by default)
+    mla = VARIANTS["mla, group top-2, mtp norm"]
+    assert Transformer(mla).blocks[0].attn.cfg.latent_norm_eps == 1e-6
+    assert Transformer(dataclasses.replace(mla, mla_norm_eps=1e-3)).blocks[0].attn.cfg.latent_norm_eps == 1e-3
 
 
 def test_linear_layers_build_gated_deltanet_blocks():

@@ -59,11 +59,19 @@ CASES = {
     "g2-olmo-hybrid": _moe(ffn_expert=32, k=2, linear_layers=(0, 2), linear_k_heads=2, linear_v_heads=4, linear_k_dim=8, linear_v_dim=16,
                            linear_conv=3, linear_neg_eigval=True, linear_norm_eps=1e-5, linear_pre_norms=True, pre_norms=False, post_norms=True,
                            qk_norm="proj"),
+    # Falcon-40B's blocks without biases (exact-GELU MLPs without a gate, parallel blocks of a LayerNorm with bias per branch)
+    # into experts without a gate
+    "g2-falcon": _moe(ffn_expert=32, k=2, mlp_act="gelu", layer_norms=True, norm_bias=True, parallel_blocks=True, parallel_norms=True),
+    # Muse Glimmer's blocks (zero-centred sandwich norms with their own post-norm eps, a weightless embeddings' norm and a
+    # plain final norm, gated attention with weightless q/k norms) into MoE blocks with the same norms and attention
+    "g2-muse-glimmer": _moe(ffn_expert=32, k=2, post_norms=True, zero_centered_norms=True, embed_norm=True, post_norm_eps=1e-8,
+                            norm_overrides=("embed:unit", "final:plain"), qk_norm="rms", attn_gate=True),
 }
 # the fields of the blocks' mixers and norms, the dense model's as the MoE's
 MIXER = ("mlp_act", "linear_layers", "linear_kind", "linear_k_heads", "linear_v_heads", "linear_k_dim", "linear_v_dim", "linear_conv",
          "linear_dt_min", "linear_neg_eigval", "linear_norm_eps", "linear_pre_norms", "linear_gate_norm", "parallel_hybrid", "pre_norms", "post_norms", "qk_norm", "mlp_free_layers",
-         "nope_layers")
+         "nope_layers", "layer_norms", "norm_bias", "parallel_blocks", "parallel_norms", "zero_centered_norms", "embed_norm", "post_norm_eps",
+         "norm_overrides", "attn_gate")
 
 
 @pytest.mark.parametrize("case", list(CASES))
