@@ -12,7 +12,8 @@ laguna, step3p5, step3p7, aria_text, aria, cohere2_moe, sarvam_moe, sarvam_mla, 
 mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe, gemma3, gemma4_text, gemma4, gemma4_unified_text, gemma4_unified, muse_spark_text,
 muse_spark), and the dense
 DENSE_FAMILIES (llama, exaone, cwm, olmo, phi, starcoder2, gpt_neox, falcon, gptj, codegen, gpt_neo, gpt_bigcode, gpt2, opt, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, helium, minicpm3, arcee, gemma, vaultgemma, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
-glm4, ernie4_5, lfm2, cohere, cohere2, bamba, falcon_h1, stablelm, qwen3_5_text (and qwen3_5's text model), nemotron, apertus, olmo_hybrid, jais2, glm, internlm3,
+glm4, ernie4_5, lfm2, cohere, cohere2, bamba, falcon_h1, stablelm, qwen3_5_text (and qwen3_5's text model), nemotron, apertus,
+apertus1p5_text (and apertus1p5's text model), olmo_hybrid, jais2, glm, internlm3,
 iquestcoder, ministral, nanochat, cohere_compass_text (and cohere_compass's text model), muse_glimmer_text (and muse_glimmer's):
 Transformers without MoE blocks, to fine-tune or to upcycle into an MoE with fmoe.train.upcycle). Each family has one table: its
 config mapping (`config_to_fmoe`, which refuses what fmoe does not build: OLMoE's q and k clamped after their norms, ...;
@@ -131,9 +132,9 @@ Granite 3's text model (_LLAVA_TEXT; Granite Vision's, its logits unscaled) the 
 under language_model. (Idefics3's and SmolVLM's under model.text_model., the head at
 lm_head.), and is written back the same way.
 A released LFM2-VL, LFM3-VL, EXAONE 4.5, Granite 4.0 Vision, Command A Vision, Aya Vision,
-HyperCLOVA X SEED Vision, Granite Speech, MiniCPM-V 4.6 / 4.7 or Nemotron 3 Nano Omni folder
-(_VL_TEXT) holds LFM2's, LFM3's, EXAONE 4.0's, Granite 3's, Cohere 2's, HyperCLOVA X's, Qwen3.5's
-or Nemotron-H's text model under model.language_model. (the older layout: all of it, head
+HyperCLOVA X SEED Vision, Granite Speech, MiniCPM-V 4.6 / 4.7, DeepSeek-VL, AudioFlamingo 3,
+Fun-ASR-Nano, GLM-ASR or Nemotron 3 Nano Omni folder (_VL_TEXT) holds LFM2's, LFM3's, EXAONE 4.0's,
+Granite 3's, Cohere 2's, HyperCLOVA X's, Qwen3.5's, Llama's, Qwen2's, Qwen3's or Nemotron-H's text model under model.language_model. (the older layout: all of it, head
 included, under language_model.: Family.outer) beside a vision or audio encoder and its
 projectors that are not read, and is written back only as that family.
 A released Qwen3-VL-MoE folder (qwen3_vl_moe) holds Qwen3-MoE's text model (its router always
@@ -1229,6 +1230,22 @@ def _apertus(hf: dict) -> dict:
     _refuse(hf, "hidden_act", lambda v: v == "xielu", "xielu, the xIELU of an MLP without a gate")
     _refuse(hf, "attention_bias", lambda v: not v, "no attention biases in Apertus's attention here")
     return _dense(dict(hf, hidden_act="silu"), mlp_act="xielu", qk_norm="head")
+
+
+def _apertus1p5_text(hf: dict) -> dict:
+    """Apertus 1.5's text model (apertus1p5_text, Apertus1p5TextForCausalLM; dense): Apertus's
+    model (_apertus) over a vocabulary that holds image and audio codes too, its output head
+    pruned to the first output_vocab_size ids (out_vocab; None or vocab_size: every id)."""
+    rows = hf.get("output_vocab_size")
+    return dict(_apertus(hf), out_vocab=None if rows in (None, hf["vocab_size"]) else rows)
+
+
+def _apertus1p5(hf: dict) -> dict:
+    """A released Apertus 1.5 folder (apertus1p5, Apertus1p5ForConditionalGeneration): its
+    text_config's model (_apertus1p5_text) under model.language_model., the head untied unless
+    the top level ties it; the image and audio tokenizers (model.vision_tokenizer.,
+    model.audio_tokenizer.), which turn images and audio into the vocabulary's codes, are not read."""
+    return _text_family(hf, "apertus1p5_text", _text_config({"tie_word_embeddings": False, **hf}))
 
 
 def _nemotron(hf: dict) -> dict:
@@ -3474,10 +3491,17 @@ _HY_V4_DEFAULTS = dict(vocab_size=120832, hidden_size=2816, intermediate_size=69
                        routed_scaling_factor=2.827, norm_topk_prob=True, n_group=1, topk_group=1, q_lora_rank=1536, kv_lora_rank=512,
                        qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256, index_topk=2048, index_head_dim=128, index_n_heads=16,
                        hc_mult=4, hc_magnitude=2.0, hc_eps=1e-6, swiglu_limit=10.0, rope_parameters=dict(rope_type="default", rope_theta=10000.0))
+# Apertus's layout (its pre-norms' names; xIELU's constants: checked on load, written on export, constant_tensors) and
+# transformers' ApertusConfig's defaults
+_APERTUS = dict(norms=("attention_layernorm", "feedforward_layernorm"), ignored=(r"\.mlp\.act_fn\.(beta|eps)$",))
+_APERTUS_DEFAULTS = dict(vocab_size=131072, hidden_size=4096, intermediate_size=14336, num_attention_heads=32, rms_norm_eps=1e-5,
+                         rope_parameters=dict(rope_type="llama3", rope_theta=12000000.0, factor=8.0, original_max_position_embeddings=8192,
+                                              low_freq_factor=1.0, high_freq_factor=4.0))
 # the dense families (no MoE block): fine-tuned as they are, or upcycled into an MoE (fmoe.train.upcycle)
 DENSE_FAMILIES = ("llama", "exaone", "cwm", "olmo", "phi", "starcoder2", "gpt_neox", "gptj", "codegen", "gpt_neo", "gpt_bigcode", "gpt2", "opt", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "youtu", "helium", "minicpm3", "arcee", "gemma", "vaultgemma", "gemma2", "gemma3_text", "lfm3", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
                   "phi3", "glm4", "ernie4_5", "lfm2", "cohere", "cohere2", "bamba", "falcon_h1", "stablelm", "qwen3_5_text", "nemotron", "apertus", "olmo_hybrid",
-                  "jais2", "glm", "internlm3", "iquestcoder", "ministral", "nanochat", "cohere_compass_text", "muse_glimmer_text", "falcon")
+                  "jais2", "glm", "internlm3", "iquestcoder", "ministral", "nanochat", "cohere_compass_text", "muse_glimmer_text", "falcon",
+                  "apertus1p5_text")
 FAMILIES = {
     "mixtral": Family(_mixtral, "block_sparse_moe", ("w1", "w3", "w2"), "MixtralForCausalLM",
                       defaults=dict(num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1e6)),
@@ -3890,11 +3914,11 @@ FAMILIES = {
                        defaults=dict(vocab_size=50304, hidden_size=2560, num_attention_heads=32, num_key_value_heads=32,
                                      intermediate_size=6912, rope_parameters=dict(rope_type="default", rope_theta=10000.0,
                                                                                  partial_rotary_factor=0.25))),
-    "apertus": Family(_apertus, "mlp", _PROJ, "ApertusForCausalLM", norms=("attention_layernorm", "feedforward_layernorm"),
-                      ignored=(r"\.mlp\.act_fn\.(beta|eps)$",),  # xIELU's constants: checked on load, written on export (constant_tensors)
-                      defaults=dict(vocab_size=131072, hidden_size=4096, intermediate_size=14336, num_attention_heads=32, rms_norm_eps=1e-5,
-                                    rope_parameters=dict(rope_type="llama3", rope_theta=12000000.0, factor=8.0, original_max_position_embeddings=8192,
-                                                         low_freq_factor=1.0, high_freq_factor=4.0))),
+    "apertus": Family(_apertus, "mlp", _PROJ, "ApertusForCausalLM", **_APERTUS, defaults=_APERTUS_DEFAULTS),
+    "apertus1p5_text": Family(_apertus1p5_text, "mlp", _PROJ, "Apertus1p5TextForCausalLM", **_APERTUS,
+                              defaults=dict(_APERTUS_DEFAULTS, vocab_size=266752)),
+    "apertus1p5": Family(_apertus1p5, "mlp", _PROJ, "Apertus1p5ForConditionalGeneration", **_APERTUS, prefix=("model.", "model.language_model."),
+                         not_read=("model.vision_tokenizer.", "model.audio_tokenizer."), written_as="apertus1p5_text"),
     "nemotron": Family(_nemotron, "mlp", _PROJ, "NemotronForCausalLM", aliases=dict(rms_norm_eps="norm_eps"),
                        defaults=dict(vocab_size=256000, hidden_size=6144, intermediate_size=24576, num_attention_heads=48, rms_norm_eps=1e-5,
                                      rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))),
@@ -3976,6 +4000,12 @@ _VL_TEXT = {"lfm2_vl": ("lfm2", "Lfm2VlForConditionalGeneration", True, ("model.
             "granite_speech": ("granite", "GraniteSpeechForConditionalGeneration", True, ("encoder.", "projector."), _LEGACY),
             **{f"minicpmv4_{v}": ("qwen3_5_text", f"MiniCPMV4_{v}ForConditionalGeneration", False, ("model.vision_tower.", "model.merger."), _IN_MODEL)
                for v in (6, 7)},
+            # DeepSeek-VL (Llama's text model beside a SigLIP tower and its aligner), Fun-ASR-Nano (Qwen3's beside an audio encoder and
+            # its adaptor); AudioFlamingo 3 (Qwen2's) and GLM-ASR (Llama's) beside an audio tower, in Qwen2-Audio's older layout
+            "deepseek_vl": ("llama", "DeepseekVLForConditionalGeneration", True, ("model.vision_model.", "model.aligner."), _IN_MODEL),
+            "audioflamingo3": ("qwen2", "AudioFlamingo3ForConditionalGeneration", None, ("audio_tower.", "multi_modal_projector."), _LEGACY),
+            "fun_asr_nano": ("qwen3", "FunAsrNanoForConditionalGeneration", True, ("model.audio_tower.", "model.multi_modal_projector."), _IN_MODEL),
+            "glmasr": ("llama", "GlmAsrForConditionalGeneration", True, ("audio_tower.", "multi_modal_projector."), _LEGACY),
             # Nemotron 3 Nano Omni: Nemotron-H's causal LM whole (its backbone. and lm_head) under language_model.
             "nemotron_h_omni": ("nemotron_h", "NemotronH_Omni_Reasoning_V3", None,
                                 ("vision_model.", "mlp1.", "sound_encoder.", "sound_projection."), _LEGACY)}
@@ -5481,8 +5511,8 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
             hf["rope_parameters"]["partial_rotary_factor"] = _rotary_factor(cfg)
             hf.update(layer_norm_eps=cfg.norm_eps, use_qkv_bias=cfg.qkv_bias, qk_layernorm=cfg.qk_norm == "head_layer",
                       use_parallel_residual=cfg.parallel_blocks)
-        elif model_type == "apertus":  # xIELU: hidden_act names it
-            hf.update(hidden_act="xielu", attention_bias=False)
+        elif model_type in ("apertus", "apertus1p5_text"):  # xIELU: hidden_act names it; Apertus 1.5's pruned head
+            hf.update(hidden_act="xielu", attention_bias=False, **({"output_vocab_size": cfg.out_vocab} if model_type == "apertus1p5_text" else {}))
         elif model_type == "nemotron":  # LayerNorm1P's eps under its own name, MLPs without a gate, RoPE on the first part of each head
             hf.pop("rms_norm_eps")
             hf["rope_parameters"]["partial_rotary_factor"] = _rotary_factor(cfg)
@@ -5781,7 +5811,7 @@ def constant_tensors(family: Family, cfg: TransformerConfig, hf: dict) -> dict[s
     computes them; Apertus's xIELU constants per MLP (act_fn.beta, act_fn.eps, 0-dim: XIELU).
     save_pretrained writes them; load_weights checks a folder's slope_rate, beta and eps."""
     if cfg.mlp_act == "xielu":  # xIELU's constants in every MLP, 0-dim (Apertus's act_fn.beta, act_fn.eps)
-        return {f"{p}{family.dense}.act_fn.{name}": torch.tensor(value) for p, p_mlp in _layer_prefixes(family, cfg) if p_mlp
+        return {family.renamed(f"{p}{family.dense}.act_fn.{name}"): torch.tensor(value) for p, p_mlp in _layer_prefixes(family, cfg) if p_mlp
                 for name, value in (("beta", XIELU[0]), ("eps", XIELU[1]))}
     if family.linear != "lightning":
         return {}

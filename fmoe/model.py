@@ -487,7 +487,11 @@ class TransformerConfig:
     index_loss_coeff per micro-batch (0: not trained: fmoe.layers.index_loss, Attention);
     index_shared_layers: the trunk blocks without an indexer, which attend to the keys the
     nearest earlier block with one chose (GLM-5's "shared" layers; not block 0). tie_embeddings: the
-    output head is the embedding; head_bias: the head adds a bias [V] to the logits (Phi-3.5-MoE's
+    output head is the embedding; out_vocab V' (None: vocab_size): the output head has V' <=
+    vocab_size rows, the logits are those of token ids 0 .. V' - 1 while the embedding keeps
+    every id (Apertus 1.5's output_vocab_size: its multimodal ids are inputs, never outputs);
+    every label must be below V' (the training forward asserts it on the device, reading nothing
+    on the host); not with tie_embeddings; head_bias: the head adds a bias [V] to the logits (Phi-3.5-MoE's
     lm_head; fmoe.ops.linear_cross_entropy's bias). Granite's multipliers (each 1 / None: none): attn_scale,
     the softmax scale (None: 1/sqrt(head_dim), or YaRN's); embed_scale multiplies every
     embedding lookup (the trunk's and the MTP modules'); round_embed_scale: embed_scale rounded
@@ -725,6 +729,7 @@ class TransformerConfig:
     router_expert_scale: bool = False
     layer_scalars: bool = False
     tie_embeddings: bool = False
+    out_vocab: Optional[int] = None
     attn_scale: Optional[float] = None
     embed_scale: float = 1.0
     round_embed_scale: bool = False
@@ -934,6 +939,10 @@ class TransformerConfig:
                     raise ValueError(f"norm_weights: False leaves the norms without weights, not with {name}")
         self._check_norm_overrides()
         self._check_scales_norms_and_gates()
+        if self.out_vocab is not None:
+            check_positive_int("out_vocab", self.out_vocab, 1, self.vocab_size)
+            if self.tie_embeddings:
+                raise ValueError("out_vocab: an output head of its own rows, not with tie_embeddings (the head is then the embedding)")
         if self.fp8_layers is not None and self.fp8 is not True:
             raise ValueError("fp8_layers: the blocks whose GEMMs run in fp8, needs fp8=True")
         check_fp8_fast_accum(self.fp8_fast_accum, self.fp8 is True)
@@ -1402,6 +1411,11 @@ class TransformerConfig:
         if not self.any_local or (self.local_head_dim is None and self.rope_proportion is None):
             return cfg
         return dataclasses.replace(cfg, head_dim=self.head_dim, rope_proportion=self.rope_proportion, local_head_dim=self.local_head_dim)
+
+    @property
+    def head_vocab(self) -> int:
+        """The output head's rows: out_vocab, or vocab_size."""
+        return self.vocab_size if self.out_vocab is None else self.out_vocab
 
     @property
     def any_local(self) -> bool:
@@ -2210,8 +2224,8 @@ class Transformer(nn.Module):
         # hyper-connections: the streams' last collapse, before the final norm
         self.hc_head = HyperConnection(cfg, head=True) if cfg.hyper_connections else None
         # [V, H], linear_cross_entropy's layout; with tie_embeddings the head is the embedding
-        self.head = None if cfg.tie_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden))
-        self.head_bias = nn.Parameter(torch.zeros(cfg.vocab_size)) if cfg.head_bias else None
+        self.head = None if cfg.tie_embeddings else nn.Parameter(torch.empty(cfg.head_vocab, cfg.hidden))
+        self.head_bias = nn.Parameter(torch.zeros(cfg.head_vocab)) if cfg.head_bias else None
         self.mtp = nn.ModuleList(MTPModule(cfg) for _ in range(cfg.mtp_depth))
         # context parallelism (cp > 1): fmoe.parallel.parallelize sets a ContextParallel,
         # whose attention_kwargs(token_index) give attention_context its CP arguments
@@ -2359,6 +2373,8 @@ class Transformer(nn.Module):
     def _lm_loss(self, h_TH, labels, loss_mask, norm=None):
         # the labels were checked where the batch was made: no host sync here
         labels = torch.where(loss_mask.bool(), labels, torch.full_like(labels, -100))
+        if self.cfg.out_vocab is not None:  # no host read: a RuntimeError where the check runs (on the device)
+            torch._assert_async((labels < self.cfg.out_vocab).all(), f"labels: a label past the output head's {self.cfg.out_vocab} rows (out_vocab)")
         loss_sum = linear_cross_entropy(self._head_input(h_TH, norm), self.output_weight(), labels, reduction="sum", check=False, impl=self.cfg.impl,
                                         bias=self.head_bias, softcap=self.cfg.logit_softcap)
         return loss_sum, loss_mask.sum()
@@ -2399,7 +2415,7 @@ class Transformer(nn.Module):
         return x if self.cfg.logit_divisor == 1.0 else x / self.cfg.logit_divisor
 
     def output_weight(self) -> torch.Tensor:
-        """The output head [V, H]: `head`, or the embedding with tie_embeddings."""
+        """The output head [V, H] (V: cfg.head_vocab): `head`, or the embedding with tie_embeddings."""
         return self.embed if self.cfg.tie_embeddings else self.head
 
     def logits(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -1589,6 +1589,16 @@ _VL = {
         projector_config=dict(hidden_size=16, num_attention_heads=2, intermediate_size=16, encoder_hidden_size=16, num_hidden_layers=1))),
     "minicpmv4_6": ("qwen3_5_text", ("MiniCPMV4_6ForConditionalGeneration", "MiniCPMV4_6Config"), {}),
     "minicpmv4_7": ("qwen3_5_text", ("MiniCPMV4_7ForConditionalGeneration", "MiniCPMV4_7Config"), {}),
+    # DeepSeek-VL: a SigLIP tower and its aligner; AudioFlamingo 3, GLM-ASR: an audio tower and its projector; Fun-ASR-Nano: an
+    # audio encoder and its adaptor (projector)
+    "deepseek_vl": ("llama", ("DeepseekVLForConditionalGeneration", "DeepseekVLConfig"), dict(vision_config=_SIGLIP)),
+    "audioflamingo3": ("qwen2", ("AudioFlamingo3ForConditionalGeneration", "AudioFlamingo3Config"),
+                       dict(audio_config=dict(d_model=16, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=16, num_mel_bins=8))),
+    "fun_asr_nano": ("qwen3", ("FunAsrNanoForConditionalGeneration", "FunAsrNanoConfig"), dict(
+        audio_config=dict(hidden_size=16, num_attention_heads=2, intermediate_size=16, num_hidden_layers=2, num_mel_bins=8, num_timestamp_prediction_layers=1),
+        adaptor_config=dict(hidden_size=32, num_attention_heads=2, intermediate_size=8, num_hidden_layers=1, projector_hidden_size=16))),
+    "glmasr": ("llama", ("GlmAsrForConditionalGeneration", "GlmAsrConfig"),
+               dict(audio_config=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, num_mel_bins=8))),
     # Nemotron 3 Nano Omni: Nemotron-H's causal LM under language_model. beside a RADIO vision model, a Parakeet audio encoder
     # and their projectors; the text model ties its own head
     "nemotron_h_omni": ("nemotron_h", ("NemotronH_Omni_Reasoning_V3", "NemotronH_Omni_Reasoning_V3_Config"), dict(
@@ -1604,7 +1614,8 @@ _VL = {
 def test_a_released_vision_language_folder_loads_its_text_model(kind, tmp_path):
     """Released vision-language (and speech) folders whose text model is a family's
     (fmoe.hf._VL_TEXT: LFM2-VL, LFM3-VL, EXAONE 4.5, Granite 4.0 Vision, Command A Vision, Aya
-    Vision, HyperCLOVA X SEED Vision, Granite Speech, MiniCPM-V 4.6 / 4.7, Nemotron 3 Nano Omni): the text model, under
+    Vision, HyperCLOVA X SEED Vision, Granite Speech, MiniCPM-V 4.6 / 4.7, DeepSeek-VL, AudioFlamingo 3,
+    Fun-ASR-Nano, GLM-ASR, Nemotron 3 Nano Omni): the text model, under
     model.language_model. or (the older layout) all of it under language_model., loads with
     transformers' logits of a text-only forward, the encoders' and projectors' keys neither
     read nor counted as unread, its head tied as the top level says (or its class by default);
@@ -1614,27 +1625,29 @@ def test_a_released_vision_language_folder_loads_its_text_model(kind, tmp_path):
     text = dict(FAMILIES[text_kind]().to_dict(), pad_token_id=0, bos_token_id=1, eos_token_id=2)
     if kind == "granite4_vision":
         text["model_type"] = "granite4_vision_text"
-    omni = kind == "nemotron_h_omni"  # its text model ties its own head; its released folders name the text config llm_config
+    omni = kind == "nemotron_h_omni"  # its released folders name the text config llm_config
+    own_tie = kind in ("nemotron_h_omni", "audioflamingo3")  # the text model ties its own head (the top level has no such field)
     cls, config = (getattr(transformers, name) for name in names)
     config = config(text_config=text, **extra)
     theirs = _saved_multimodal(cls, config, tmp_path / "hf")
     prefix = hf.FAMILIES[kind].outer or "model.language_model."
     _, cfg, _ = _text_model_round_trip(tmp_path / "hf", theirs, tmp_path / "text", kind=kind, prefix=prefix,
                                        head=prefix + "lm_head.weight" if hf.FAMILIES[kind].outer else "lm_head.weight", text_kind=text_kind)
-    tied = config.text_config.tie_word_embeddings if omni else config.tie_word_embeddings
+    tied = config.text_config.tie_word_embeddings if own_tie else config.tie_word_embeddings
     # Command A Vision's, Aya Vision's and Granite Speech's classes leave the text model's logit scale (here 1/4) unapplied
     unscaled = dict(logit_divisor=1.0) if kind in ("cohere2_vision", "aya_vision", "granite_speech") else {}
     assert cfg == TransformerConfig(**dict(hf.FAMILIES[text_kind].kwargs(dict(text, model_type=text_kind, tie_word_embeddings=tied)), impl="torch",
                                            **unscaled))
     outer = {k: v for k, v in json.loads((tmp_path / "hf" / "config.json").read_text()).items() if k != "tie_word_embeddings"}
-    if not omni:  # the class default
+    if not own_tie:  # the class default
         tied = type(config)(**{k: v for k, v in outer.items() if k != "model_type"}).tie_word_embeddings
     assert TransformerConfig(**hf.FAMILIES[kind].kwargs(outer)).tie_embeddings == tied
     if omni:  # the released folders' name of the text config
         legacy = {("llm_config" if k == "text_config" else k): v for k, v in outer.items()}
         assert TransformerConfig(**hf.FAMILIES[kind].kwargs(legacy)) == TransformerConfig(**hf.FAMILIES[kind].kwargs(outer))
-    with pytest.raises(ValueError, match=f"config.json: a {kind} folder whose text model is 'llama' is not supported"):
-        hf.FAMILIES[kind].kwargs(dict(model_type=kind, text_config=dict(text, model_type="llama")))
+    other = "qwen2" if text_kind == "llama" else "llama"  # a text model of another family
+    with pytest.raises(ValueError, match=f"config.json: a {kind} folder whose text model is '{other}' is not supported"):
+        hf.FAMILIES[kind].kwargs(dict(model_type=kind, text_config=dict(text, model_type=other)))
 
 
 def _qwen3_vl(kind, ffn_expert=8):
@@ -3424,6 +3437,67 @@ def test_hy_v4_vl_folders_read_their_text_model_with_rope_on_pairs_and_its_laten
     ref = transformers.AutoModelForImageTextToText.from_pretrained(beside, dtype=torch.float32).eval()
     with torch.no_grad():
         assert _rel(torch.cat([ref(input_ids=d[None]).logits[0] for d in docs]), back.logits(ids, cu)) < 1e-5
+
+
+_APERTUS1P5_TEXT = dict(vocab_size=V, hidden_size=32, intermediate_size=40, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=8, output_vocab_size=48, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def test_apertus1p5_reads_its_pruned_output_head_and_released_folders(tmp_path):
+    """Apertus 1.5's text model (apertus1p5_text): Apertus's model whose output head keeps the
+    first output_vocab_size = 48 of the 64 ids (out_vocab): the logits [T, 48] and the loss
+    over labels below 48 are transformers'; a label past the head stops the training forward
+    (a device assert, no host read); re-exported bit for bit, and a model of fmoe's own written
+    so loads in transformers with its logits. A released folder (apertus1p5) loads its text
+    model, the image and audio tokenizers unread, and is written back as apertus1p5_text."""
+    docs, ids, cu = _packed()
+    torch.manual_seed(0)
+    ref = _randomised(transformers.Apertus1p5TextForCausalLM(transformers.Apertus1p5TextConfig(**_APERTUS1P5_TEXT)))
+    ref.save_pretrained(tmp_path / "hf")
+    g = torch.Generator().manual_seed(3)
+    texts = [torch.randint(0, 48, (n,), generator=g) for n in DOCS]  # labels the head has rows for
+    with torch.no_grad():
+        theirs = torch.cat([ref(d[None]).logits[0] for d in docs])
+        want = sum(float(ref(d[None], labels=d[None]).loss) * (len(d) - 1) for d in texts) / sum(len(d) - 1 for d in texts)
+        for impl in ("torch", "triton"):
+            model, cfg = hf.from_pretrained(tmp_path / "hf", impl=impl)
+            assert cfg.out_vocab == 48 and model.head.shape == (48, 32) and model.embed.shape == (64, 32)
+            logits = model.logits(ids, cu)
+            assert logits.shape == (ids.shape[0], 48) and _rel(logits, theirs) < 1e-5
+            losses, _ = model(make_batch(torch.cat(texts), cu))
+            assert float(losses["lm_sum"] / losses["lm_tokens"]) == pytest.approx(want, rel=1e-5)
+        with pytest.raises(RuntimeError, match=r"labels: a label past the output head's 48 rows \(out_vocab\)"):
+            bad = torch.cat(texts)
+            bad[1] = 60  # the label of document 0's first token
+            model(make_batch(bad, cu))
+    hf.save_pretrained(model, tmp_path / "again")
+    for file in ("model.safetensors", "config.json"):
+        assert filecmp.cmp(tmp_path / "hf" / file, tmp_path / "again" / file, shallow=False), file
+    del model.hf_config
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    hf.save_pretrained(model, tmp_path / "own", model_type="apertus1p5_text")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "own", dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert _rel(torch.cat([back(d[None]).logits[0] for d in docs]), model.logits(ids, cu)) < 1e-5
+    with pytest.raises(ValueError, match="model: its config has no apertus equivalent: {'out_vocab': \\(48, None\\)}"):
+        hf.save_pretrained(model, tmp_path / "plain", model_type="apertus")
+    with pytest.raises(ValueError, match="out_vocab: expected 1..64, got 70"):
+        TransformerConfig(**hf.FAMILIES["apertus1p5_text"].kwargs(dict(_APERTUS1P5_TEXT, model_type="apertus1p5_text", output_vocab_size=70)))
+    with pytest.raises(ValueError, match="out_vocab: an output head of its own rows, not with tie_embeddings"):
+        dataclasses.replace(cfg, tie_embeddings=True)
+    # the released folders: the text model beside the image and audio tokenizers
+    vision = dict(codebook_size=8, embed_dim=8, latent_channels=32, base_channels=32, channel_multiplier=[1], num_res_blocks=1, attn_resolutions=[],
+                  resolution=8)
+    audio = dict(model_type="wavtokenizer_encoder", codebook_size=8, num_filters=4, upsampling_ratios=[2], hidden_size=8, codebook_dim=8,
+                 num_lstm_layers=1)
+    config = transformers.Apertus1p5Config(text_config=_APERTUS1P5_TEXT, vision_config=vision, audio_config=audio, image_token_offset=48,
+                                           audio_token_offset=56, image_token_id=40, audio_token_id=41)
+    theirs = _saved_multimodal(transformers.Apertus1p5ForConditionalGeneration, config, tmp_path / "vl")
+    _, cfg, written = _text_model_round_trip(tmp_path / "vl", theirs, tmp_path / "text", kind="apertus1p5", prefix="model.language_model.",
+                                             head="lm_head.weight", text_kind="apertus1p5_text")
+    assert cfg.out_vocab == 48 and written["output_vocab_size"] == 48
 
 
 def test_a_released_kimi_k25_folder_loads_its_text_model(folders, tmp_path):

@@ -539,6 +539,38 @@ def test_residual_gates_weigh_each_add_and_attn_out_norm_norms_each_head_s_outpu
     assert Transformer(dataclasses.replace(mla, mla_norm_eps=1e-3)).blocks[0].attn.cfg.latent_norm_eps == 1e-3
 
 
+def test_out_vocab_prunes_the_output_head_to_the_first_ids():
+    """out_vocab V': the head [V', H] (and its bias), the embedding whole [V, H]; logits and
+    decode over the first V' ids, the head and the loss of every MTP depth; the FLOPs count
+    V' rows; a label past V' stops the training forward with a RuntimeError (an assert on the
+    device: no host read); refusals by name."""
+    from fmoe.train.metrics import model_flops_per_token
+
+    cfg = dataclasses.replace(TINY, out_vocab=24, head_bias=True, mtp_depth=1)
+    model = Transformer(cfg)
+    assert model.head.shape == (24, cfg.hidden) and model.head_bias.shape == (24,) and model.embed.shape == (40, cfg.hidden)
+    ids, cu = torch.randint(0, 40, (16,)), torch.tensor([0, 9, 16], dtype=torch.int32)  # inputs of every id
+    with torch.no_grad():
+        logits = model.logits(ids, cu)
+        cache = model.kv_cache(16)
+        torch.testing.assert_close(model.decode(ids[:9], cache), logits[:9], rtol=1e-5, atol=1e-5)
+    assert logits.shape == (16, 24)
+    labels = torch.randint(0, 24, (24,))
+    batch = make_batch(labels, torch.tensor([0, 7, 8, 24]), mtp_depth=1)
+    losses, _ = model(batch, model.context(batch))
+    (losses["lm_sum"] + losses["mtp_1_sum"]).backward()
+    assert model.head.grad.abs().sum() > 0 and torch.isfinite(losses["mtp_1_sum"])
+    full = dataclasses.replace(cfg, out_vocab=None)
+    assert model_flops_per_token(full, n_avg_keys=8.0) - model_flops_per_token(cfg, n_avg_keys=8.0) == 2 * 6 * cfg.hidden * (40 - 24)  # trunk + MTP heads
+    labels[3] = 30  # the label of token 2
+    with pytest.raises(RuntimeError, match=r"labels: a label past the output head's 24 rows \(out_vocab\)"):
+        model(make_batch(labels, torch.tensor([0, 24]), mtp_depth=1))
+    for change, message in ((dict(out_vocab=41), "out_vocab: expected 1..40, got 41"), (dict(out_vocab=0), "out_vocab: expected 1..40, got 0"),
+                            (dict(tie_embeddings=True), "out_vocab: an output head of its own rows, not with tie_embeddings")):
+        with pytest.raises(ValueError, match=message):
+            dataclasses.replace(cfg, **change)
+
+
 def test_linear_layers_build_gated_deltanet_blocks():
     """linear_layers: those trunk blocks' mixer is Gated DeltaNet (fmoe.layers.linear_attention),
     the others attend; the attention knobs name attending blocks only; the MTP block attends."""

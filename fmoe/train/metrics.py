@@ -340,7 +340,8 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
         n_moe = sum(is_moe(i) for i in range(cfg.n_layers))
         n_moe += cfg.mtp_depth if n_moe else 0
         latent = n_moe * (6 * 2 * cfg.hidden * L + 6 * (L - cfg.hidden) * mlp_matrices * cfg.ffn_expert * values["k"])
-    return indexer + shortcut + hc + gated_norms + latent + beside - no_mlp + flops_per_token(**values, n_dense=n_dense, n_shared=shared, vocab=cfg.vocab_size,
+    vocab = getattr(cfg, "head_vocab", cfg.vocab_size)  # the output head's rows (out_vocab)
+    return indexer + shortcut + hc + gated_norms + latent + beside - no_mlp + flops_per_token(**values, n_dense=n_dense, n_shared=shared, vocab=vocab,
                                      n_avg_keys=n_avg_keys, n_sliding=n_sliding, n_avg_local_keys=n_avg_local_keys,
                                      attn_gate=bool(getattr(cfg, "attn_gate", False)) and not getattr(cfg, "attn_gate_on_q", False),
                                      attn_gate_per_head=bool(getattr(cfg, "attn_gate_per_head", False)), **attention, **linear,
