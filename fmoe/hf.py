@@ -134,7 +134,8 @@ lm_head.), and is written back the same way.
 A released LFM2-VL, LFM3-VL, EXAONE 4.5, Granite 4.0 Vision, Command A Vision, Aya Vision,
 HyperCLOVA X SEED Vision, Granite Speech, MiniCPM-V 4.6 / 4.7, DeepSeek-VL, AudioFlamingo 3,
 Fun-ASR-Nano, GLM-ASR or Nemotron 3 Nano Omni folder (_VL_TEXT) holds LFM2's, LFM3's, EXAONE 4.0's,
-Granite 3's, Cohere 2's, HyperCLOVA X's, Qwen3.5's, Llama's, Qwen2's, Qwen3's or Nemotron-H's text model under model.language_model. (the older layout: all of it, head
+Granite 3's, Cohere 2's, HyperCLOVA X's, Qwen3.5's, Llama's, Qwen2's, Qwen3's or Nemotron-H's text
+model under model.language_model. (the older layout: all of it, head
 included, under language_model.: Family.outer) beside a vision or audio encoder and its
 projectors that are not read, and is written back only as that family.
 A released Qwen3-VL-MoE folder (qwen3_vl_moe) holds Qwen3-MoE's text model (its router always
@@ -762,14 +763,12 @@ def _muse_blocks(hf: dict, act: str) -> dict:
     if not isinstance(thetas, list) or len(thetas) != n or any(t not in (0, base["rope_base"]) for t in thetas):
         raise ValueError(f"config.json: layer_rope_theta = {thetas!r} is not supported (one entry per layer, 0: no RoPE, else rope_theta "
                          f"{base['rope_base']}, the one base transformers' model turns)")
-    eps = hf.get("post_norm_eps", 1e-8)
-    _refuse(dict(post_norm_eps=eps), "post_norm_eps", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < math.inf,
-            "a finite number >= 0")
+    _refuse(hf, "post_norm_eps", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < math.inf, "a finite number >= 0")
     bias = bool(hf.get("attention_bias", False))
     head_dim = _get(hf, "head_dim", default=hf["hidden_size"] // hf["num_attention_heads"])
     nope = tuple(i for i, t in enumerate(thetas) if t == 0)
     scale = _positive(hf, "qk_scale_factor")
-    return _dense(dict(hf, hidden_act="silu"), sliding=True, mlp_act=act, post_norms=True, zero_centered_norms=True, post_norm_eps=float(eps),
+    return _dense(dict(hf, hidden_act="silu"), sliding=True, mlp_act=act, post_norms=True, zero_centered_norms=True, post_norm_eps=float(hf["post_norm_eps"]),
                   embed_norm=True, norm_overrides=("embed:unit", "final:plain"), qk_norm="rms", attn_gate=True,
                   attn_scale=None if scale == 1 else scale * head_dim ** -0.5, qkv_bias=bias, o_bias=bias,
                   logit_divisor=1 / _positive(hf, "output_multiplier"), logit_softcap=_positive(hf, "final_logit_softcapping"), nope_layers=nope or None)

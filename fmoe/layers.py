@@ -442,8 +442,9 @@ def moe(
         params: dict or TensorDict, see the module docstring.
         cfg: MoEConfig.
         experts: the routed experts, experts(x [T, H], routes) -> (y [T, H], counts [E]
-            int64 of the slots computed). None: local_experts over params["w_*"] (every
-            expert on this process). fmoe.model.MoE passes its GroupedExperts child (an FSDP
+            int64 of the slots computed); with params["expert_out_norm"] called with rows=
+            (local_experts' rows: each expert's output row normed before its weight) too.
+            None: local_experts over params["w_*"] (every expert on this process). fmoe.model.MoE passes its GroupedExperts child (an FSDP
             unit, made expert-parallel by fmoe.parallel).
         shared: the shared experts, shared(x [T, H]) -> [T, H]. None: dense_mlp over
             params["shared_w_*"] when they are given, else no shared experts. fmoe.model.MoE

@@ -48,7 +48,7 @@ from torch.utils.checkpoint import checkpoint
 
 from fmoe.layers import (EXPERT_BIASES, GATE_NORMS, AttentionConfig, AttentionContext, LinearAttentionConfig, LinearStates, MoEConfig, attach_loss, attention,
                          PLAIN_ACTS, XIELU, attention_context, check_clip_qkv, check_sparsemixer_knobs, check_window, dense_mlp, index_shapes, lightning_decay, linear_attention, linear_attention_shapes, local_experts, mla_shapes,
-                         moe, q_in)
+                         moe, prescaled_rms_norm, q_in)
 from fmoe.ops import linear_cross_entropy, route
 from fmoe.ops.checks import check_positive_int
 from fmoe.ops.experts import GLU_ACTS
@@ -1460,14 +1460,14 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         sp = self.sequence_parallel
+        if self.prescaled:  # the gain first (Muse Spark's input-scaled norm)
+            return prescaled_rms_norm(x, self.weight if sp is None else sp.weight(self.weight), self.eps)
         # float32 statistics whatever x's dtype
         x32 = x.float()
         if self.centered:  # a LayerNorm
             x32 = x32 - x32.mean(-1, keepdim=True)
-        if self.prescaled:  # the gain first (Muse Spark's input-scaled norm)
-            x32 = x32 * ((self.weight if sp is None else sp.weight(self.weight)).float() + 1.0)
         y = x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.eps)
-        if self.weight is not None and not self.prescaled:
+        if self.weight is not None:
             weight = (self.weight if sp is None else sp.weight(self.weight)).float()
             y = y * (weight + 1.0 if self.zero_centered else weight)
         if self.bias is not None:
