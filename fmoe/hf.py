@@ -127,13 +127,13 @@ a dense Ministral 3 (ministral3: Mistral's blocks with YaRN and the same query s
 Mistral (Mistral Small 3.x) one, under language_model. beside a vision model that is not
 read, and is written back only as its text model's family (Family.written_as "text_config").
 A released LLaVA-style folder (_LLAVA: llava, llava_next, llava_next_video, llava_onevision,
-internvl; idefics3 and smolvlm) holds Llama's, Mistral's, Qwen2's, Qwen3's, Qwen3-MoE's or
+internvl, vipllava, video_llava; idefics3 and smolvlm) holds Llama's, Mistral's, Qwen2's, Qwen3's, Qwen3-MoE's or
 Granite 3's text model (_LLAVA_TEXT; Granite Vision's, its logits unscaled) the same way,
 under language_model. (Idefics3's and SmolVLM's under model.text_model., the head at
 lm_head.), and is written back the same way.
 A released LFM2-VL, LFM3-VL, EXAONE 4.5, Granite 4.0 Vision, Command A Vision, Aya Vision,
-HyperCLOVA X SEED Vision, Granite Speech, MiniCPM-V 4.6 / 4.7, DeepSeek-VL, AudioFlamingo 3,
-Fun-ASR-Nano, GLM-ASR or Nemotron 3 Nano Omni folder (_VL_TEXT) holds LFM2's, LFM3's, EXAONE 4.0's,
+HyperCLOVA X SEED Vision, Granite Speech (Plus), MiniCPM-V 4.6 / 4.7, DeepSeek-VL, AudioFlamingo 3,
+Music Flamingo, Qwen2-Audio, Fun-ASR-Nano, GLM-ASR or Nemotron 3 Nano Omni folder (_VL_TEXT) holds LFM2's, LFM3's, EXAONE 4.0's,
 Granite 3's, Cohere 2's, HyperCLOVA X's, Qwen3.5's, Llama's, Qwen2's, Qwen3's or Nemotron-H's text
 model under model.language_model. (the older layout: all of it, head
 included, under language_model.: Family.outer) beside a vision or audio encoder and its
@@ -4005,6 +4005,11 @@ _VL_TEXT = {"lfm2_vl": ("lfm2", "Lfm2VlForConditionalGeneration", True, ("model.
             "audioflamingo3": ("qwen2", "AudioFlamingo3ForConditionalGeneration", None, ("audio_tower.", "multi_modal_projector."), _LEGACY),
             "fun_asr_nano": ("qwen3", "FunAsrNanoForConditionalGeneration", True, ("model.audio_tower.", "model.multi_modal_projector."), _IN_MODEL),
             "glmasr": ("llama", "GlmAsrForConditionalGeneration", True, ("audio_tower.", "multi_modal_projector."), _LEGACY),
+            # Qwen2-Audio (Qwen2's text model) and Music Flamingo (AudioFlamingo 3's) in the same older layout; Granite Speech Plus
+            # (Granite 3's beside Granite Speech's encoder and projector)
+            "qwen2_audio": ("qwen2", "Qwen2AudioForConditionalGeneration", None, ("audio_tower.", "multi_modal_projector."), _LEGACY),
+            "musicflamingo": ("qwen2", "MusicFlamingoForConditionalGeneration", None, ("audio_tower.", "multi_modal_projector."), _LEGACY),
+            "granite_speech_plus": ("granite", "GraniteSpeechPlusForConditionalGeneration", True, ("encoder.", "projector."), _LEGACY),
             # Nemotron 3 Nano Omni: Nemotron-H's causal LM whole (its backbone. and lm_head) under language_model.
             "nemotron_h_omni": ("nemotron_h", "NemotronH_Omni_Reasoning_V3", None,
                                 ("vision_model.", "mlp1.", "sound_encoder.", "sound_projection."), _LEGACY)}
@@ -4027,6 +4032,10 @@ _LLAVA = {"llava": ("LlavaForConditionalGeneration", "or", "llama", _LLAVA_BESID
                                _IN_LANGUAGE_MODEL),
           "llava_onevision": ("LlavaOnevisionForConditionalGeneration", "or", "qwen2", (*_LLAVA_BESIDE, "image_newline"), _IN_LANGUAGE_MODEL),
           "internvl": ("InternVLForConditionalGeneration", True, "qwen2", _LLAVA_BESIDE, _IN_LANGUAGE_MODEL),
+          # ViP-LLaVA (its projector over several CLIP layers), Video-LLaVA (an image tower and a video tower)
+          "vipllava": ("VipLlavaForConditionalGeneration", False, "llama", _LLAVA_BESIDE, _IN_LANGUAGE_MODEL),
+          "video_llava": ("VideoLlavaForConditionalGeneration", False, "llama", ("image_tower.", "video_tower.", "multi_modal_projector."),
+                          _IN_LANGUAGE_MODEL),
           **{kind: (f"{name}ForConditionalGeneration", False, "llama", ("model.vision_model.", "model.connector."), ("model.", "model.text_model."))
              for kind, name in (("idefics3", "Idefics3"), ("smolvlm", "SmolVLM"))}}
 for _vl, (_architecture, _tied, _text, _beside, _where) in _LLAVA.items():
@@ -4036,10 +4045,10 @@ for _vl, (_architecture, _tied, _text, _beside, _where) in _LLAVA.items():
 # the head is tied: _listed_text)
 _TEXT_OF = {"mistral3": (_MISTRAL3_TEXT, "mistral", "text"), **{vl: (_LLAVA_TEXT, text, tied) for vl, (_, tied, text, _, _) in _LLAVA.items()}}
 # the text families' logit scales (the text config's field), and the multimodal folders whose transformers class applies
-# none to its head (Command A Vision's, Aya Vision's, Granite Speech's, the LLaVA-style ones'): there the scale reads and
+# none to its head (Command A Vision's, Aya Vision's, Granite Speech's and Speech Plus's, the LLaVA-style ones'): there the scale reads and
 # is written as 1 (_unscaled)
 _LOGIT_SCALE = {"cohere2": "logit_scale", "granite": "logits_scaling"}
-_HEAD_UNSCALED = {"cohere2_vision", "aya_vision", "granite_speech", *_LLAVA}
+_HEAD_UNSCALED = {"cohere2_vision", "aya_vision", "granite_speech", "granite_speech_plus", *_LLAVA}
 _MLA = (("wq", "q_proj"), ("wq_a", "q_a_proj"), ("wq_b", "q_b_proj"), ("wkv_a", "kv_a_proj_with_mqa"), ("wkv_b", "kv_b_proj"), ("wo", "o_proj"))
 
 

@@ -1566,6 +1566,10 @@ _SIGLIP = dict(model_type="siglip_vision_model", hidden_size=16, intermediate_si
                patch_size=14)
 # a released vision-language (or speech) folder's model_type -> its text model's family (the tests' config of it), and
 # transformers' classes of the whole model and its config with the tiny encoder and projector configs beside the text config
+# a tiny Whisper-like audio encoder (AudioFlamingo 3's, Qwen2-Audio's), and Granite Speech's encoder and Q-Former projector
+_WHISPER_LIKE = dict(d_model=16, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=16, num_mel_bins=8)
+_GRANITE_SPEECH = dict(encoder_config=dict(hidden_dim=16, num_layers=1, num_heads=2, dim_head=8, output_dim=8, input_dim=16),
+                       projector_config=dict(hidden_size=16, num_attention_heads=2, intermediate_size=16, encoder_hidden_size=16, num_hidden_layers=1))
 _VL = {
     "lfm2_vl": ("lfm2", ("Lfm2VlForConditionalGeneration", "Lfm2VlConfig"),
                 dict(vision_config=dict(_SIGLIP, model_type="siglip2_vision_model"), projector_hidden_size=16)),
@@ -1584,21 +1588,22 @@ _VL = {
     "hyperclovax_vision_v2": ("hyperclovax", ("HyperCLOVAXVisionV2ForConditionalGeneration", "HyperCLOVAXVisionV2Config"),
                               dict(vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32))),
     # an audio encoder and a Q-Former projector, under encoder. and projector.
-    "granite_speech": ("granite", ("GraniteSpeechForConditionalGeneration", "GraniteSpeechConfig"), dict(
-        encoder_config=dict(hidden_dim=16, num_layers=1, num_heads=2, dim_head=8, output_dim=8, input_dim=16),
-        projector_config=dict(hidden_size=16, num_attention_heads=2, intermediate_size=16, encoder_hidden_size=16, num_hidden_layers=1))),
+    "granite_speech": ("granite", ("GraniteSpeechForConditionalGeneration", "GraniteSpeechConfig"), _GRANITE_SPEECH),
     "minicpmv4_6": ("qwen3_5_text", ("MiniCPMV4_6ForConditionalGeneration", "MiniCPMV4_6Config"), {}),
     "minicpmv4_7": ("qwen3_5_text", ("MiniCPMV4_7ForConditionalGeneration", "MiniCPMV4_7Config"), {}),
     # DeepSeek-VL: a SigLIP tower and its aligner; AudioFlamingo 3, GLM-ASR: an audio tower and its projector; Fun-ASR-Nano: an
     # audio encoder and its adaptor (projector)
     "deepseek_vl": ("llama", ("DeepseekVLForConditionalGeneration", "DeepseekVLConfig"), dict(vision_config=_SIGLIP)),
-    "audioflamingo3": ("qwen2", ("AudioFlamingo3ForConditionalGeneration", "AudioFlamingo3Config"),
-                       dict(audio_config=dict(d_model=16, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=16, num_mel_bins=8))),
+    "audioflamingo3": ("qwen2", ("AudioFlamingo3ForConditionalGeneration", "AudioFlamingo3Config"), dict(audio_config=_WHISPER_LIKE)),
     "fun_asr_nano": ("qwen3", ("FunAsrNanoForConditionalGeneration", "FunAsrNanoConfig"), dict(
         audio_config=dict(hidden_size=16, num_attention_heads=2, intermediate_size=16, num_hidden_layers=2, num_mel_bins=8, num_timestamp_prediction_layers=1),
         adaptor_config=dict(hidden_size=32, num_attention_heads=2, intermediate_size=8, num_hidden_layers=1, projector_hidden_size=16))),
     "glmasr": ("llama", ("GlmAsrForConditionalGeneration", "GlmAsrConfig"),
                dict(audio_config=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, num_mel_bins=8))),
+    "qwen2_audio": ("qwen2", ("Qwen2AudioForConditionalGeneration", "Qwen2AudioConfig"), dict(audio_config=_WHISPER_LIKE)),
+    "musicflamingo": ("qwen2", ("MusicFlamingoForConditionalGeneration", "MusicFlamingoConfig"),
+                      dict(audio_config=dict(_WHISPER_LIKE, model_type="audioflamingo3_encoder"))),
+    "granite_speech_plus": ("granite", ("GraniteSpeechPlusForConditionalGeneration", "GraniteSpeechPlusConfig"), _GRANITE_SPEECH),
     # Nemotron 3 Nano Omni: Nemotron-H's causal LM under language_model. beside a RADIO vision model, a Parakeet audio encoder
     # and their projectors; the text model ties its own head
     "nemotron_h_omni": ("nemotron_h", ("NemotronH_Omni_Reasoning_V3", "NemotronH_Omni_Reasoning_V3_Config"), dict(
@@ -1614,8 +1619,8 @@ _VL = {
 def test_a_released_vision_language_folder_loads_its_text_model(kind, tmp_path):
     """Released vision-language (and speech) folders whose text model is a family's
     (fmoe.hf._VL_TEXT: LFM2-VL, LFM3-VL, EXAONE 4.5, Granite 4.0 Vision, Command A Vision, Aya
-    Vision, HyperCLOVA X SEED Vision, Granite Speech, MiniCPM-V 4.6 / 4.7, DeepSeek-VL, AudioFlamingo 3,
-    Fun-ASR-Nano, GLM-ASR, Nemotron 3 Nano Omni): the text model, under
+    Vision, HyperCLOVA X SEED Vision, Granite Speech (Plus), MiniCPM-V 4.6 / 4.7, DeepSeek-VL, AudioFlamingo 3,
+    Music Flamingo, Qwen2-Audio, Fun-ASR-Nano, GLM-ASR, Nemotron 3 Nano Omni): the text model, under
     model.language_model. or (the older layout) all of it under language_model., loads with
     transformers' logits of a text-only forward, the encoders' and projectors' keys neither
     read nor counted as unread, its head tied as the top level says (or its class by default);
@@ -1626,7 +1631,7 @@ def test_a_released_vision_language_folder_loads_its_text_model(kind, tmp_path):
     if kind == "granite4_vision":
         text["model_type"] = "granite4_vision_text"
     omni = kind == "nemotron_h_omni"  # its released folders name the text config llm_config
-    own_tie = kind in ("nemotron_h_omni", "audioflamingo3")  # the text model ties its own head (the top level has no such field)
+    own_tie = hf.FAMILIES[kind].defaults.get("tie_word_embeddings") is None  # the text model ties its own head (the top level has no such field)
     cls, config = (getattr(transformers, name) for name in names)
     config = config(text_config=text, **extra)
     theirs = _saved_multimodal(cls, config, tmp_path / "hf")
@@ -1634,8 +1639,8 @@ def test_a_released_vision_language_folder_loads_its_text_model(kind, tmp_path):
     _, cfg, _ = _text_model_round_trip(tmp_path / "hf", theirs, tmp_path / "text", kind=kind, prefix=prefix,
                                        head=prefix + "lm_head.weight" if hf.FAMILIES[kind].outer else "lm_head.weight", text_kind=text_kind)
     tied = config.text_config.tie_word_embeddings if own_tie else config.tie_word_embeddings
-    # Command A Vision's, Aya Vision's and Granite Speech's classes leave the text model's logit scale (here 1/4) unapplied
-    unscaled = dict(logit_divisor=1.0) if kind in ("cohere2_vision", "aya_vision", "granite_speech") else {}
+    # Command A Vision's, Aya Vision's and Granite Speech (Plus)'s classes leave the text model's logit scale (here 1/4) unapplied
+    unscaled = dict(logit_divisor=1.0) if kind in ("cohere2_vision", "aya_vision", "granite_speech", "granite_speech_plus") else {}
     assert cfg == TransformerConfig(**dict(hf.FAMILIES[text_kind].kwargs(dict(text, model_type=text_kind, tie_word_embeddings=tied)), impl="torch",
                                            **unscaled))
     outer = {k: v for k, v in json.loads((tmp_path / "hf" / "config.json").read_text()).items() if k != "tie_word_embeddings"}
@@ -2064,6 +2069,8 @@ _OF_SEVERAL = {
                                ("llava_onevision", "LlavaOnevision", dict(_CLIP, model_type="siglip_vision_model")),
                                ("internvl", "InternVL", dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
                                                              image_size=[28, 28], patch_size=[14, 14])),
+                               ("vipllava", "VipLlava", dict(_CLIP, num_hidden_layers=12)),  # its projector reads layers -2 ... -11 and 6
+                               ("video_llava", "VideoLlava", _CLIP),
                                ("idefics3", "Idefics3", dict(_CLIP, model_type="idefics3_vision")),
                                ("smolvlm", "SmolVLM", dict(_CLIP, model_type="smolvlm_vision")))},
 }
@@ -2072,11 +2079,11 @@ _OF_SEVERAL = {
 @pytest.mark.parametrize("kind,text_model", [("mistral3", "mistral4"), ("mistral3", "ministral3"), ("mistral3", "mistral"), ("llava", "llama"),
                                              ("llava_next", "mistral"), ("llava_next_video", "llama"), ("llava_onevision", "qwen2"),
                                              ("internvl", "qwen3"), ("internvl", "qwen3_moe"), ("idefics3", "llama"), ("smolvlm", "llama"),
-                                             ("llava_next", "granite")])
+                                             ("llava_next", "granite"), ("vipllava", "llama"), ("video_llava", "qwen2")])
 def test_a_released_folder_of_one_of_several_text_models_loads_it(kind, text_model, folders, tmp_path):
     """A released Mistral 3 folder (mistral3, Mistral3ForConditionalGeneration: Mistral Small
     4, Ministral 3, Mistral Small 3.x) or LLaVA-style one (LLaVA 1.5, LLaVA-NeXT(-Video),
-    LLaVA-OneVision, InternVL's -hf folders; Idefics3 and SmolVLM, whose text model is under
+    LLaVA-OneVision, InternVL's -hf folders, ViP-LLaVA, Video-LLaVA; Idefics3 and SmolVLM, whose text model is under
     model.text_model. and head at lm_head.): the text model under language_model. (the head
     too) loads with transformers' logits of a text-only forward, the vision model's keys
     neither read nor counted as unread; it is not written back without the vision model, and
@@ -2123,6 +2130,7 @@ def test_a_released_folder_of_one_of_several_text_models_loads_it(kind, text_mod
     ("llava_onevision", None, True, True), ("llava_next_video", False, True, True),
     ("llava_next", None, True, False), ("llava_next", True, False, True),
     ("internvl", None, False, True), ("internvl", False, True, False), ("smolvlm", None, True, False), ("idefics3", True, False, True),
+    ("vipllava", None, True, False), ("video_llava", True, False, True),
     ("mistral3", None, True, True), ("mistral3", None, False, False), ("mistral3", False, True, False)])
 def test_a_folder_of_several_text_models_ties_the_head_as_transformers_does(kind, top, text, tied):
     """A config.json's top-level tie_word_embeddings (None: left out) and its text model's: the
@@ -2149,7 +2157,7 @@ def test_the_llava_style_folders_text_models_are_stored_as_llama_s():
     for kind in _OF_SEVERAL["llava"][2]:
         family = hf.FAMILIES[kind]
         assert {f.name for f in dataclasses.fields(family) if getattr(family, f.name) != getattr(hf.FAMILIES["llama"], f.name)} <= config_only, kind
-    for kind in ("llava", "llava_next", "llava_next_video", "llava_onevision", "internvl", "idefics3", "smolvlm"):
+    for kind in ("llava", "llava_next", "llava_next_video", "llava_onevision", "internvl", "idefics3", "smolvlm", "vipllava", "video_llava"):
         assert hf.FAMILIES[kind].written_as == "text_config" and hf.FAMILIES[kind].config_to_fmoe is hf.FAMILIES["llava"].config_to_fmoe
 
 
