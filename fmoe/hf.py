@@ -133,7 +133,8 @@ under language_model. (Idefics3's and SmolVLM's under model.text_model., the hea
 lm_head.), and is written back the same way.
 A released LFM2-VL, LFM3-VL, EXAONE 4.5, Granite 4.0 Vision, Command A Vision, Aya Vision,
 HyperCLOVA X SEED Vision, Granite Speech (Plus), MiniCPM-V 4.6 / 4.7, DeepSeek-VL, AudioFlamingo 3,
-Music Flamingo, Qwen2-Audio, Fun-ASR-Nano, GLM-ASR or Nemotron 3 Nano Omni folder (_VL_TEXT) holds LFM2's, LFM3's, EXAONE 4.0's,
+Music Flamingo, Qwen2-Audio, Qwen3-ASR, MOSS Transcribe-Diarize, LightOnOCR, Fun-ASR-Nano, GLM-ASR
+or Nemotron 3 Nano Omni folder (_VL_TEXT) holds LFM2's, LFM3's, EXAONE 4.0's,
 Granite 3's, Cohere 2's, HyperCLOVA X's, Qwen3.5's, Llama's, Qwen2's, Qwen3's or Nemotron-H's text
 model under model.language_model. (the older layout: all of it, head
 included, under language_model.: Family.outer) beside a vision or audio encoder and its
@@ -4010,6 +4011,12 @@ _VL_TEXT = {"lfm2_vl": ("lfm2", "Lfm2VlForConditionalGeneration", True, ("model.
             "qwen2_audio": ("qwen2", "Qwen2AudioForConditionalGeneration", None, ("audio_tower.", "multi_modal_projector."), _LEGACY),
             "musicflamingo": ("qwen2", "MusicFlamingoForConditionalGeneration", None, ("audio_tower.", "multi_modal_projector."), _LEGACY),
             "granite_speech_plus": ("granite", "GraniteSpeechPlusForConditionalGeneration", True, ("encoder.", "projector."), _LEGACY),
+            # Qwen3-ASR and MOSS Transcribe-Diarize (Qwen3's text model beside an audio tower), LightOnOCR (Qwen3's beside a
+            # Pixtral vision encoder)
+            "qwen3_asr": ("qwen3", "Qwen3ASRForConditionalGeneration", True, ("model.audio_tower.", "model.multi_modal_projector."), _IN_MODEL),
+            "moss_transcribe_diarize": ("qwen3", "MossTranscribeDiarizeForConditionalGeneration", True,
+                                        ("model.audio_tower.", "model.multi_modal_projector."), _IN_MODEL),
+            "lighton_ocr": ("qwen3", "LightOnOcrForConditionalGeneration", True, ("model.vision_encoder.", "model.vision_projection."), _IN_MODEL),
             # Nemotron 3 Nano Omni: Nemotron-H's causal LM whole (its backbone. and lm_head) under language_model.
             "nemotron_h_omni": ("nemotron_h", "NemotronH_Omni_Reasoning_V3", None,
                                 ("vision_model.", "mlp1.", "sound_encoder.", "sound_projection."), _LEGACY)}

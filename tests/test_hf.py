@@ -1604,6 +1604,13 @@ _VL = {
     "musicflamingo": ("qwen2", ("MusicFlamingoForConditionalGeneration", "MusicFlamingoConfig"),
                       dict(audio_config=dict(_WHISPER_LIKE, model_type="audioflamingo3_encoder"))),
     "granite_speech_plus": ("granite", ("GraniteSpeechPlusForConditionalGeneration", "GraniteSpeechPlusConfig"), _GRANITE_SPEECH),
+    "qwen3_asr": ("qwen3", ("Qwen3ASRForConditionalGeneration", "Qwen3ASRConfig"),
+                  dict(audio_config=dict(_WHISPER_LIKE, output_dim=32, downsample_hidden_size=8))),
+    "moss_transcribe_diarize": ("qwen3", ("MossTranscribeDiarizeForConditionalGeneration", "MossTranscribeDiarizeConfig"),
+                                dict(audio_config=dict(num_mel_bins=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16, hidden_size=16))),
+    "lighton_ocr": ("qwen3", ("LightOnOcrForConditionalGeneration", "LightOnOcrConfig"),
+                    dict(vision_config=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14,
+                                            head_dim=8))),
     # Nemotron 3 Nano Omni: Nemotron-H's causal LM under language_model. beside a RADIO vision model, a Parakeet audio encoder
     # and their projectors; the text model ties its own head
     "nemotron_h_omni": ("nemotron_h", ("NemotronH_Omni_Reasoning_V3", "NemotronH_Omni_Reasoning_V3_Config"), dict(
@@ -1620,7 +1627,8 @@ def test_a_released_vision_language_folder_loads_its_text_model(kind, tmp_path):
     """Released vision-language (and speech) folders whose text model is a family's
     (fmoe.hf._VL_TEXT: LFM2-VL, LFM3-VL, EXAONE 4.5, Granite 4.0 Vision, Command A Vision, Aya
     Vision, HyperCLOVA X SEED Vision, Granite Speech (Plus), MiniCPM-V 4.6 / 4.7, DeepSeek-VL, AudioFlamingo 3,
-    Music Flamingo, Qwen2-Audio, Fun-ASR-Nano, GLM-ASR, Nemotron 3 Nano Omni): the text model, under
+    Music Flamingo, Qwen2-Audio, Qwen3-ASR, MOSS Transcribe-Diarize, LightOnOCR, Fun-ASR-Nano, GLM-ASR,
+    Nemotron 3 Nano Omni): the text model, under
     model.language_model. or (the older layout) all of it under language_model., loads with
     transformers' logits of a text-only forward, the encoders' and projectors' keys neither
     read nor counted as unread, its head tied as the top level says (or its class by default);
