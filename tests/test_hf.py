@@ -2662,6 +2662,20 @@ def _read_all(path):
     return load_file(path / "model.safetensors")
 
 
+def _beside_the_rest(folder, text, dst, text_config, rename=lambda key: key):
+    """transformers' logits of a text-only forward over _packed's documents of the text model
+    in folder `text` (fmoe's export, each key renamed by `rename`) put back beside the keys of
+    the multimodal `folder` its family does not read (its vision or audio towers), with
+    `text_config` as the whole model's text_config, in dst."""
+    not_read = hf.FAMILIES[json.loads((folder / "config.json").read_text())["model_type"]].not_read
+    rest = {k: v for k, v in _read_all(folder).items() if k.startswith(not_read)}
+    tensors = {rename(k): v for k, v in _read_all(text).items()} | rest
+    whole = _copy_folder(folder, dst, tensors, lambda c: c.update(text_config=text_config))
+    ref = transformers.AutoModelForImageTextToText.from_pretrained(whole, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return torch.cat([ref(input_ids=d[None]).logits[0] for d in _packed()[0]])
+
+
 @pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "glm4_moe_lite"])
 def test_mtp_layers_load_into_mtp_modules_and_export_back(family, folders, tmp_path):
     """DeepSeek-V3 / GLM-4.5 / GLM-4.7-Flash keep MTP depth d as layer n_layers + d - 1 (enorm, hnorm,
@@ -3157,7 +3171,7 @@ def test_step3p7_and_step3p5_folders_read_their_clamps_and_each_layer_type_s_hea
     lists, each list carrying the MTP layer's entry, and the MTP layer's keys, unread)
     reads as the same model (its empty use_rope_layers: RoPE in every layer); one that clamps
     nothing reads with mlp_act "silu"."""
-    docs, ids, cu = _packed()
+    _, ids, cu = _packed()
     config = transformers.Step3p7Config(text_config=_step_text(), vision_config=_STEP_VISION)
     theirs = _saved_multimodal(transformers.Step3p7ForConditionalGeneration, config, tmp_path / "vl")
     model, cfg = hf.from_pretrained(tmp_path / "vl", impl="torch")
@@ -3191,12 +3205,7 @@ def test_step3p7_and_step3p5_folders_read_their_clamps_and_each_layer_type_s_hea
     del back.hf_config  # fmoe's own: written from its config
     own = json.loads((hf.save_pretrained(back, tmp_path / "own", model_type="step3p5") / "config.json").read_text())
     assert hf.read_config(tmp_path / "own")[1] == dataclasses.replace(cfg, impl="auto") and own["swiglu_limits_shared"] == [0.3, 0.0, 0.0, 0.3]
-    vision = {k: v for k, v in _read_all(tmp_path / "vl").items() if k.startswith(("vision_model.", "vit_large_projector."))}
-    again = _copy_folder(tmp_path / "vl", tmp_path / "again", _read_all(tmp_path / "own") | vision,
-                         lambda c: c.update(text_config=dict(own, model_type="step3p5")))
-    ref = transformers.AutoModelForImageTextToText.from_pretrained(again, dtype=torch.float32).eval()
-    with torch.no_grad():
-        assert _rel(torch.cat([ref(input_ids=d[None]).logits[0] for d in docs]), theirs) < 1e-5
+    assert own["model_type"] == "step3p5" and _rel(_beside_the_rest(tmp_path / "vl", tmp_path / "own", tmp_path / "again", own), theirs) < 1e-5
     # the released Step 3.5 Flash layout: the fields' own names, per-layer lists with the MTP layer's entry, its keys unread
     text = {k: v for k, v in _step_text().items() if k not in ("num_key_value_heads", "n_routed_experts", "num_experts_per_tok",
                                                                  "num_sliding_attention_heads", "mlp_layer_types")}
@@ -3295,7 +3304,7 @@ def _muse_round_trip(tmp_path, kind: str, config, changes, tol: float = 1e-5):
     own written so reads back as its config, and put beside the folder's other models gives
     transformers' logits of fmoe's. -> (the config read, the written text config)."""
     name = "MuseSpark" if kind == "muse_spark" else "MuseGlimmer"
-    docs, ids, cu = _packed()
+    _, ids, cu = _packed()
     theirs = _saved_multimodal(getattr(transformers, f"{name}ForConditionalGeneration"), config, tmp_path / "vl")
     model, cfg = hf.from_pretrained(tmp_path / "vl", impl="torch")
     keys = [k for spec in hf.key_map(hf.FAMILIES[kind], cfg).values() for k in spec.keys]
@@ -3324,12 +3333,10 @@ def _muse_round_trip(tmp_path, kind: str, config, changes, tol: float = 1e-5):
             p.add_(0.01 * torch.randn_like(p))
     own = json.loads((hf.save_pretrained(back, tmp_path / "own", model_type=text_kind) / "config.json").read_text())
     assert hf.read_config(tmp_path / "own")[1] == dataclasses.replace(cfg, impl="auto")
-    others = {k: v for k, v in _read_all(tmp_path / "vl").items() if k.startswith(hf.FAMILIES[kind].not_read)}
-    text = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v for k, v in _read_all(tmp_path / "own").items()}
-    again = _copy_folder(tmp_path / "vl", tmp_path / "again", text | others, lambda c: c.update(text_config=own))
-    ref = transformers.AutoModelForImageTextToText.from_pretrained(again, dtype=torch.float32).eval()
+    renamed = _beside_the_rest(tmp_path / "vl", tmp_path / "own", tmp_path / "again", own,
+                               rename=lambda k: "model.language_model." + k[len("model."):] if k.startswith("model.") else k)
     with torch.no_grad():
-        assert _rel(torch.cat([ref(input_ids=d[None]).logits[0] for d in docs]), back.logits(ids, cu)) < tol
+        assert _rel(renamed, back.logits(ids, cu)) < tol
     return cfg, own
 
 
@@ -3409,7 +3416,7 @@ def test_hy_v4_vl_folders_read_their_text_model_with_rope_on_pairs_and_its_laten
     tower). Not written back whole; written as hy_v4_vl_text and read back exactly, and a model
     of fmoe's own written so, put beside the vision tower again, loads in transformers with
     fmoe's logits."""
-    docs, ids, cu = _packed()
+    _, ids, cu = _packed()
     text = {k: v for k, v in FAMILIES["hy_v4"]().to_dict().items() if k not in ("model_type", "architectures")}
     text["rope_parameters"] = dict(rope_type="default", rope_theta=1e4, mrope_section=[1, 1, 0])
     config = transformers.HYV4VLConfig(text_config=text, vision_config=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1,
@@ -3448,11 +3455,9 @@ def test_hy_v4_vl_folders_read_their_text_model_with_rope_on_pairs_and_its_laten
             p.add_(0.01 * torch.randn_like(p))
     own = json.loads((hf.save_pretrained(back, tmp_path / "own", model_type="hy_v4_vl_text") / "config.json").read_text())
     assert hf.read_config(tmp_path / "own")[1] == dataclasses.replace(cfg, impl="auto") and own["rope_parameters"]["mrope_section"] == [2, 0, 0]
-    vision = {k: v for k, v in _read_all(tmp_path / "vl").items() if k.startswith("vit.")}
-    beside = _copy_folder(tmp_path / "vl", tmp_path / "beside", _read_all(tmp_path / "own") | vision, lambda c: c.update(text_config=own))
-    ref = transformers.AutoModelForImageTextToText.from_pretrained(beside, dtype=torch.float32).eval()
+    beside = _beside_the_rest(tmp_path / "vl", tmp_path / "own", tmp_path / "beside", own)
     with torch.no_grad():
-        assert _rel(torch.cat([ref(input_ids=d[None]).logits[0] for d in docs]), back.logits(ids, cu)) < 1e-5
+        assert _rel(beside, back.logits(ids, cu)) < 1e-5
 
 
 _APERTUS1P5_TEXT = dict(vocab_size=V, hidden_size=32, intermediate_size=40, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
