@@ -11,7 +11,7 @@ exaone_moe, kolibri1, beam, axk2, dots1, minimax_m2, minimax, granitemoe, granit
 laguna, step3p5, step3p7, aria_text, aria, cohere2_moe, sarvam_moe, sarvam_mla, longcat_flash, bailing_hybrid, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, lara_mini, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
 mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe, gemma3, gemma4_text, gemma4, gemma4_unified_text, gemma4_unified, muse_spark_text,
 muse_spark), and the dense
-DENSE_FAMILIES (llama, exaone, cwm, olmo, phi, starcoder2, gpt_neox, falcon, gptj, codegen, gpt_neo, gpt_bigcode, gpt2, opt, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, helium, minicpm3, arcee, gemma, vaultgemma, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
+DENSE_FAMILIES (llama, exaone, cwm, olmo, phi, starcoder2, gpt_neox, falcon, bloom, mpt, gptj, codegen, gpt_neo, gpt_bigcode, gpt2, opt, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, helium, minicpm3, arcee, gemma, vaultgemma, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
 glm4, ernie4_5, lfm2, cohere, cohere2, bamba, falcon_h1, stablelm, qwen3_5_text (and qwen3_5's text model), nemotron, apertus,
 apertus1p5_text (and apertus1p5's text model), olmo_hybrid, jais2, glm, internlm3,
 iquestcoder, ministral, nanochat, cohere_compass_text (and cohere_compass's text model), muse_glimmer_text (and muse_glimmer's):
@@ -448,8 +448,12 @@ def _falcon(hf: dict) -> dict:
     attention and the MLP added together to the residual (parallel_blocks), of one LayerNorm
     (input_layernorm) or with new_decoder_architecture and num_ln_in_parallel_attn 2 (its
     default there) each of its own (ln_attn, ln_mlp: parallel_norms); without it the usual
-    pre-norm block (input_layernorm, post_attention_layernorm). ALiBi is refused."""
-    _refuse(hf, "alibi", lambda v: not v, "RoPE (ALiBi is not built)")
+    pre-norm block (input_layernorm, post_attention_layernorm). With alibi (Falcon-RW-1B / 7B)
+    ALiBi's biases in place of RoPE (alibi), added before the softmax scale (alibi_scaled):
+    transformers rounds Falcon's slopes and biases to bfloat16 (build_alibi_tensor), fmoe
+    keeps them in float32, the same numbers where the slopes are powers of two (up to 8 heads)
+    at positions below 256, otherwise within bfloat16's rounding."""
+    _refuse(hf, "alibi", lambda v: isinstance(v, bool), "true or false")
     _refuse(hf, "activation", lambda v: v == "gelu", "GELU's exact form, gelu")
     heads, new, parallel = hf["num_attention_heads"], bool(hf.get("new_decoder_architecture", False)), bool(hf.get("parallel_attn", True))
     norms = hf.get("num_ln_in_parallel_attn") or (2 if new else 1)
@@ -460,10 +464,75 @@ def _falcon(hf: dict) -> dict:
         raise ValueError(f"config.json: num_ln_in_parallel_attn = {norms!r} is not supported (1, or 2 with new_decoder_architecture)")
     kv = hf.get("num_kv_heads") or heads if new else 1 if hf.get("multi_query", True) else heads
     bias = bool(hf.get("bias", False))
+    alibi = bool(hf.get("alibi", False))
     return _dense(dict(hf, hidden_act="silu", head_dim=hf["hidden_size"] // heads, num_key_value_heads=kv, rms_norm_eps=hf.get("layer_norm_epsilon", 1e-5),
                        intermediate_size=hf.get("ffn_hidden_size") or 4 * hf["hidden_size"], mlp_bias=bias),
                   mlp_bias=True, qkv_bias=bias, o_bias=bias, mlp_act="gelu", layer_norms=True, norm_bias=True, parallel_blocks=parallel,
-                  parallel_norms=parallel and norms == 2)
+                  parallel_norms=parallel and norms == 2, alibi=alibi, alibi_scaled=alibi)
+
+
+def _bloom(hf: dict) -> dict:
+    """BLOOM (bloom, dense; BLOOM 560M to 176B, BLOOMZ): ALiBi's biases in place of RoPE
+    (alibi), a LayerNorm with bias on the embeddings before the first block (embed_norm:
+    word_embeddings_layernorm), pre-norm blocks of LayerNorms with bias (layer_norm_epsilon), q,
+    k and v as each head's rows of one query_key_value (its q, k and v in turn:
+    Family.qkv_per_head), biases on it and on the output projection dense; MLPs without a
+    gate, gelu_tanh(x dense_h_to_4h) dense_4h_to_h of 4 hidden_size with biases (BLOOM's
+    GELU, its tanh form: mlp_act "gelu_new"); the head tied to the embeddings by default.
+    pretraining_tp splits its projections' matmuls in transformers, the same function, unless
+    slow_but_exact, whose slices leave the output projections' biases out: refused, as is
+    apply_residual_connection_post_layernorm (the residual from the norm's output)."""
+    _refuse(hf, "apply_residual_connection_post_layernorm", lambda v: not v, "the residual before the norm, false")
+    if hf.get("slow_but_exact") and hf.get("pretraining_tp", 1) != 1:
+        raise ValueError(f"config.json: slow_but_exact with pretraining_tp = {hf['pretraining_tp']!r} is not supported (transformers' slices "
+                         "leave the attention's and the MLP's output biases out there)")
+    heads, H = hf["num_attention_heads"], hf["hidden_size"]
+    if H % heads:
+        raise ValueError(f"config.json: hidden_size = {H} is not supported (n_head = {heads} heads of hidden_size / n_head channels)")
+    return _dense(dict({k: v for k, v in hf.items() if k != "pretraining_tp"}, hidden_act="silu", head_dim=H // heads, num_key_value_heads=heads,
+                       rms_norm_eps=hf.get("layer_norm_epsilon", 1e-5), intermediate_size=4 * H, mlp_bias=True,
+                       rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
+                  mlp_bias=True, qkv_bias=True, o_bias=True, mlp_act="gelu_new", layer_norms=True, norm_bias=True, embed_norm=True, alibi=True)
+
+
+# MPT's attention fields (attn_config) where a config.json leaves them out: MptAttentionConfig's defaults
+_MPT_ATTN = dict(attn_type="multihead_attention", clip_qkv=None, softmax_scale=None, prefix_lm=False, qk_ln=False, attn_uses_sequence_id=False,
+                 alibi=True, alibi_bias_max=8)
+
+
+def _mpt(hf: dict) -> dict:
+    """MPT (mpt, dense; MPT-7B / 30B and their Instruct / Chat / StoryWriter models): ALiBi's
+    biases in place of RoPE (alibi), pre-norm blocks of LayerNorms without bias (norm_1,
+    norm_2, norm_f; layer_norm_epsilon), q, k and v the rows of one Wqkv (every q's first),
+    clamped to [-clip_qkv, clip_qkv] where attn_config sets it (fmoe's clip_qkv), a softmax
+    scale of attn_config's softmax_scale (None: 1/sqrt(head_dim)), MLPs without a gate,
+    gelu(x up_proj) down_proj of 4 d_model (exact GELU), no biases; the head tied to the
+    embeddings by default; its config's own field names. What transformers' MptModel does not
+    build (every projection without bias, no_bias true; 4 d_model MLP channels; multi-head
+    attention with ALiBi at alibi_bias_max 8, no q/k LayerNorms, no prefix LM or sequence ids;
+    no logit_scale) is refused by name, and learned_pos_emb, which it never reads, is not read."""
+    attn = {f"attn_config.{name}": value for name, value in {**_MPT_ATTN, **(hf.get("attn_config") or {})}.items()}
+    _refuse(hf, "no_bias", lambda v: v is True, "no biases, true (transformers' MPT has none)")
+    _refuse(hf, "expansion_ratio", lambda v: v == 4, "4 (transformers' MPT builds MLPs of 4 d_model)")
+    _refuse(hf, "norm_type", lambda v: v in ("low_precision_layernorm", "layernorm"), "a LayerNorm without bias")
+    _refuse(hf, "logit_scale", lambda v: v is None, "None (transformers' MptForCausalLM scales no logit)")
+    _refuse(attn, "attn_config.attn_type", lambda v: v == "multihead_attention", "multihead_attention")
+    _refuse(attn, "attn_config.alibi", lambda v: v is True, "true: ALiBi (transformers' MPT has no other positions)")
+    _refuse(attn, "attn_config.alibi_bias_max", lambda v: v == 8, "8 (transformers' MptModel builds its slopes with 8)")
+    for name in ("qk_ln", "prefix_lm", "attn_uses_sequence_id"):
+        _refuse(attn, f"attn_config.{name}", lambda v: not v, "false (transformers' MPT does not build it)")
+    clip, scale = attn["attn_config.clip_qkv"], attn["attn_config.softmax_scale"]
+    for name, value in (("clip_qkv", clip), ("softmax_scale", scale)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf):
+            raise ValueError(f"config.json: attn_config.{name} = {value!r} is not supported (None or a positive number)")
+    d, heads = hf["d_model"], hf["n_heads"]
+    if d % heads:
+        raise ValueError(f"config.json: d_model = {d} is not supported (n_heads = {heads} heads of d_model / n_heads channels)")
+    return _dense(dict(hf, hidden_act="silu", hidden_size=d, num_hidden_layers=hf["n_layers"], num_attention_heads=heads, head_dim=d // heads,
+                       num_key_value_heads=heads, rms_norm_eps=hf.get("layer_norm_epsilon", 1e-5), intermediate_size=4 * d,
+                       rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
+                  mlp_act="gelu", layer_norms=True, clip_qkv=None if clip is None else float(clip), attn_scale=None if scale is None else float(scale),
+                  alibi=True)
 
 
 def _gptj(hf: dict) -> dict:
@@ -3314,6 +3383,7 @@ class Family:
     embed: str = "model.embed_tokens.weight"  # the embedding's key
     head: str = "lm_head.weight"  # the output head's key (GPT-NeoX's embed_out.weight); its bias beside it
     pos_embed: Optional[str] = None  # learned absolute positions' key (GPT-Neo's transformer.wpe.weight; TransformerConfig.abs_positions)
+    embed_norm: Optional[str] = None  # the embeddings' norm's weight key (BLOOM's word_embeddings_layernorm; TransformerConfig.embed_norm)
     # the fused q/k/v module's, the attention's output and the dense MLP's weights stored [in, out] (GPT-2's Conv1D), not as
     # linear weights [out, in]
     conv1d: bool = False
@@ -3500,7 +3570,7 @@ _APERTUS_DEFAULTS = dict(vocab_size=131072, hidden_size=4096, intermediate_size=
 # the dense families (no MoE block): fine-tuned as they are, or upcycled into an MoE (fmoe.train.upcycle)
 DENSE_FAMILIES = ("llama", "exaone", "cwm", "olmo", "phi", "starcoder2", "gpt_neox", "gptj", "codegen", "gpt_neo", "gpt_bigcode", "gpt2", "opt", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "youtu", "helium", "minicpm3", "arcee", "gemma", "vaultgemma", "gemma2", "gemma3_text", "lfm3", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
                   "phi3", "glm4", "ernie4_5", "lfm2", "cohere", "cohere2", "bamba", "falcon_h1", "stablelm", "qwen3_5_text", "nemotron", "apertus", "olmo_hybrid",
-                  "jais2", "glm", "internlm3", "iquestcoder", "ministral", "nanochat", "cohere_compass_text", "muse_glimmer_text", "falcon",
+                  "jais2", "glm", "internlm3", "iquestcoder", "ministral", "nanochat", "cohere_compass_text", "muse_glimmer_text", "falcon", "bloom", "mpt",
                   "apertus1p5_text")
 FAMILIES = {
     "mixtral": Family(_mixtral, "block_sparse_moe", ("w1", "w3", "w2"), "MixtralForCausalLM",
@@ -3795,6 +3865,20 @@ FAMILIES = {
                      aliases=dict(num_hidden_layers="n_layer", num_attention_heads="n_head", num_kv_heads="n_head_kv", hidden_size="n_embed"),
                      defaults=dict(vocab_size=65024, hidden_size=4544, num_hidden_layers=32, num_attention_heads=71, layer_norm_epsilon=1e-5,
                                    tie_word_embeddings=True, rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
+    # BLOOM: Falcon's names (transformer.h., self_attention's query_key_value head by head and dense, the MLP's
+    # dense_h_to_4h / dense_4h_to_h), the embeddings' LayerNorm word_embeddings_layernorm
+    "bloom": Family(_bloom, "mlp", _PROJ, "BloomForCausalLM", prefix=("model.layers.", "transformer.h."), attention="self_attention",
+                    qkv="query_key_value", qkv_per_head=True, o_proj="dense", dense_names=("", "dense_h_to_4h", "dense_4h_to_h"),
+                    embed="transformer.word_embeddings.weight", embed_norm="transformer.word_embeddings_layernorm.weight",
+                    final_norm="transformer.ln_f.weight", aliases=dict(num_hidden_layers="n_layer", num_attention_heads="n_head", hidden_size="n_embed"),
+                    defaults=dict(vocab_size=250880, hidden_size=64, num_hidden_layers=2, num_attention_heads=8, layer_norm_epsilon=1e-5,
+                                  tie_word_embeddings=True)),
+    # MPT: the blocks under transformer.blocks., norm_1 / norm_2, the attention's Wqkv (every q's first) and out_proj, the MLP ffn's
+    # up_proj / down_proj, the embedding transformer.wte, the final norm transformer.norm_f
+    "mpt": Family(_mpt, "ffn", _PROJ, "MptForCausalLM", prefix=("model.layers.", "transformer.blocks."), attention="attn", qkv="Wqkv",
+                  o_proj="out_proj", norms=("norm_1", "norm_2"), dense="ffn", dense_names=("", "up_proj", "down_proj"), embed="transformer.wte.weight",
+                  final_norm="transformer.norm_f.weight",
+                  defaults=dict(d_model=2048, n_heads=16, n_layers=24, vocab_size=50368, layer_norm_epsilon=1e-5, tie_word_embeddings=True)),
     "gpt_neox": Family(_gpt_neox, "mlp", _PROJ, "GPTNeoXForCausalLM", prefix=("model.layers.", "gpt_neox.layers."), attention="attention",
                        qkv="query_key_value", qkv_per_head=True, o_proj="dense", dense_names=("", "dense_h_to_4h", "dense_4h_to_h"),
                        embed="gpt_neox.embed_in.weight", head="embed_out.weight", final_norm="gpt_neox.final_layer_norm.weight",
@@ -4412,6 +4496,10 @@ def key_map(family: Family, cfg: TransformerConfig) -> dict[str, Tensor]:
         if family.pos_embed is None:
             raise ValueError("model: abs_positions, learned absolute positions, which this family's checkpoints do not hold")
         out["pos_embed"] = Tensor((family.pos_embed,))
+    if cfg.embed_norm and cfg.norm_weights and cfg.norm_kind("embed") != "unit":  # the embeddings' norm, with weights (BLOOM's)
+        if family.embed_norm is None:
+            raise ValueError("model: embed_norm with weights, a norm of the embeddings which this family's checkpoints do not hold")
+        out["embed_norm.weight"] = Tensor((family.embed_norm,))
     if family.pairs and not cfg.shortcut_moe:
         raise ValueError("model: this family's layers are shortcut pairs of blocks (shortcut_moe=True)")
     for i, (p_mixer, p_mlp) in enumerate(_layer_prefixes(family, cfg)):
@@ -5435,9 +5523,22 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
             for field in ("rms_norm_eps", "mlp_bias", "num_key_value_heads", "head_dim", "hidden_act", "intermediate_size"):
                 hf.pop(field)
             new = cfg.parallel_blocks and (cfg.parallel_norms or cfg.n_kv_heads not in (1, cfg.n_heads))  # the kv heads a number of their own
-            hf.update(layer_norm_epsilon=cfg.norm_eps, bias=cfg.qkv_bias, activation="gelu", alibi=False, ffn_hidden_size=cfg.ffn_dense,
+            hf.update(layer_norm_epsilon=cfg.norm_eps, bias=cfg.qkv_bias, activation="gelu", alibi=cfg.alibi, ffn_hidden_size=cfg.ffn_dense,
                       parallel_attn=cfg.parallel_blocks, new_decoder_architecture=new, multi_query=cfg.n_kv_heads == 1,
                       num_kv_heads=cfg.n_kv_heads, num_ln_in_parallel_attn=(2 if cfg.parallel_norms else 1) if new else None)
+        elif model_type == "bloom":  # its own field names; ALiBi, its norms, its biases and 4 H MLP channels are the model's (config_mismatch)
+            for field in ("rms_norm_eps", "mlp_bias", "num_key_value_heads", "head_dim", "hidden_act", "intermediate_size", "rope_parameters",
+                          "num_hidden_layers", "num_attention_heads"):
+                hf.pop(field)
+            hf.update(n_layer=cfg.n_layers, n_head=cfg.n_heads, layer_norm_epsilon=cfg.norm_eps, apply_residual_connection_post_layernorm=False,
+                      pretraining_tp=1, slow_but_exact=False)
+        elif model_type == "mpt":  # its own field names, the attention's in attn_config
+            for field in ("rms_norm_eps", "mlp_bias", "num_key_value_heads", "head_dim", "hidden_act", "intermediate_size", "rope_parameters",
+                          "num_hidden_layers", "num_attention_heads", "hidden_size"):
+                hf.pop(field)
+            hf.update(d_model=cfg.hidden, n_layers=cfg.n_layers, n_heads=cfg.n_heads, layer_norm_epsilon=cfg.norm_eps, expansion_ratio=4, no_bias=True,
+                      norm_type="low_precision_layernorm", logit_scale=None, learned_pos_emb=False,
+                      attn_config=dict(_MPT_ATTN, clip_qkv=cfg.clip_qkv, softmax_scale=cfg.attn_scale))
         elif model_type == "gpt_neo":  # its own field names, each layer's kind, the learned positions' count
             for field in ("rms_norm_eps", "mlp_bias", "num_key_value_heads", "head_dim", "rope_parameters", "num_hidden_layers", "num_attention_heads",
                           "hidden_act"):

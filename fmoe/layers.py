@@ -8,6 +8,7 @@
     linear_attention(x[T,H], params, cfg, ctx) -> (y[T,H], stats)     Gated DeltaNet (section at the end), Kimi
                                               Delta Attention, LFM2's short convolution, lightning attention
     lightning_decay(n_heads, layer, n_layers) -> [n_heads]     lightning attention's constant log-decays
+    alibi_slopes(n_heads, max_bias=8) -> [n_heads]             ALiBi's slope per head (attention's params["alibi"])
     dense_mlp(x[T,H], w_gate, w_up, w_down) -> y[T,H]     (w_gate None with act "relu2": no gate; optional biases)
 
 Nothing here reads a tensor's values on the host: the forward and backward of every layer
@@ -82,7 +83,10 @@ params: wq [H, n_heads*D], wk [H, n_kv_heads*D], wv [H, n_kv_heads*Dv], wo [n_he
 (Dv = AttentionConfig.v_dim, by default D); optional output
 bias bo [H] and attention sinks [n_heads] (gpt-oss: a learned logit per head that joins each
 query's softmax denominator and adds no value, so out = softmax-attention * sigmoid(lse -
-sink), lse the log-sum-exp of the query's scores).
+sink), lse the log-sum-exp of the query's scores); optional ALiBi slopes alibi [n_heads]
+(BLOOM's, MPT's, Falcon-RW's linear biases: head h's score of query i and key j, scaled,
+gets m_h (j - i) added, i and j the tokens' indices in the context, so that in a document
+key j lies i - j tokens back; alibi_slopes gives the usual m_h; with RoPE or without).
 
 Context parallel (fmoe.parallel.context): x holds this rank's T/cp tokens, the global tokens
 token_index [T/cp] of the micro-batch; after RoPE, the context's gather_kv returns the keys
@@ -1044,6 +1048,9 @@ class AttentionContext:
     key_order: DeepSeek sparse attention over keys from gather_kv: [S] int64, the mask's
         columns in token order (argsort of attention_context's kv_index; the indexer's equal
         scores go to the earlier token, fmoe.layers.index_slots); None: no gather_kv.
+    token_index, kv_index: attention_context's (the queries' [T] and the mask's columns' [S]
+        indices, context parallel and decoding), which ALiBi's distances (attention's
+        params["alibi"]) are taken between; None: 0 ... T - 1, the context's own tokens.
     """
 
     cos: torch.Tensor
@@ -1063,6 +1070,8 @@ class AttentionContext:
     linear_cp: object = None
     index_choices: Optional[dict] = None
     key_order: Optional[torch.Tensor] = None
+    token_index: Optional[torch.Tensor] = None
+    kv_index: Optional[torch.Tensor] = None
 
 
 def _use_flex(impl: str, device: torch.device) -> bool:
@@ -1339,7 +1348,8 @@ def attention_context(
     return AttentionContext(cos, sin, mask, gather_kv, window=cfg.window, local_mask=local, chunk=cfg.chunk, positions=positions,
                             local_rope_base=local_base, local_cos=local_cos, local_sin=local_sin, cu_seqlens=cu_seqlens, linear_cp=linear_cp,
                             index_choices={} if cfg.index_topk is not None else None,
-                            key_order=torch.argsort(kv_index) if cfg.index_topk is not None and kv_index is not None else None)
+                            key_order=torch.argsort(kv_index) if cfg.index_topk is not None and kv_index is not None else None,
+                            token_index=token_index, kv_index=kv_index)
 
 
 def _sequence_lengths(cu_seqlens: torch.Tensor, positions: torch.Tensor, token_index: Optional[torch.Tensor], linear_cp) -> torch.Tensor:
@@ -1436,7 +1446,8 @@ def _check_attention(x_TH, params, cfg, ctx) -> None:
         if w is None or tuple(w.shape) != shape:
             raise ValueError(f"params['{name}']: expected a {list(shape)} norm weight, got {list(w.shape) if w is not None else 'nothing'}")
     # an output bias, attention sinks and the output gate's weight, either kind
-    extras = {"bo": (H,), "sinks": (N,), "wg": (q_in(cfg) if cfg.gate_on_q else H, N if cfg.gate_per_head else N * (cfg.v_dim or D)), "bg": (N,)}
+    extras = {"bo": (H,), "sinks": (N,), "wg": (q_in(cfg) if cfg.gate_on_q else H, N if cfg.gate_per_head else N * (cfg.v_dim or D)), "bg": (N,),
+              "alibi": (N,)}
     for name, shape in extras.items():
         w = params.get(name)
         if w is not None and (tuple(w.shape) != shape or not w.is_floating_point() or (name == "wg" and w.dtype != x_TH.dtype)):
@@ -1444,6 +1455,8 @@ def _check_attention(x_TH, params, cfg, ctx) -> None:
             raise ValueError(f"params['{name}']: expected {kind} {list(shape)} tensor or none, got {w.dtype} {list(w.shape)}")
     if params.get("bg") is not None and params.get("wg") is None:
         raise ValueError("params['bg']: the output gate's bias per head, needs its weight wg")
+    if params.get("alibi") is not None and cfg.kv_rank is not None:
+        raise ValueError("params['alibi']: ALiBi's slopes bias grouped-query attention's scores, not multi-latent attention's (cfg.kv_rank)")
     if cfg.kv_rank is not None:
         index = index_shapes(H, cfg)
         for name, shape in index.items():
@@ -1471,7 +1484,8 @@ def _check_attention(x_TH, params, cfg, ctx) -> None:
             raise ValueError(f"params['{name}']: expected {list(shape)}, got {list(w.shape)}")
     unknown = set(params) - {*mats, *optional, *extras}
     if unknown:
-        raise ValueError(f"params: unknown attention parameters {sorted(unknown)} (wq, wk, wv, wo, optional bq, bk, bv, q_norm, k_norm, bo, sinks, wg)")
+        raise ValueError(f"params: unknown attention parameters {sorted(unknown)} (wq, wk, wv, wo, optional bq, bk, bv, q_norm, k_norm, bo, sinks, wg, bg, "
+                         "alibi)")
     if (cfg.window is not None or cfg.chunk is not None) and getattr(ctx, "local_cos", None) is not None:
         return  # a local layer's own tables, which attention checks against it
     _check_ctx(ctx, T, cfg.rot_dim or D)
@@ -1496,6 +1510,10 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
             times cfg.gate_act(x wg), channel by channel (or head by head), before wo (gated
             attention, AFMoE's gate_proj, Laguna's g_proj; either kind), with an optional bias
             per head bg [N] added to the head's gate pre-activations (Beam's gate_bias).
+            Grouped-query attention's optional ALiBi slopes alibi [N] float (alibi_slopes;
+            constants, not weights): m_n (j - i) added to head n's scaled (and capped) score
+            of query i and key j, i and j ctx's token_index and kv_index (by default the
+            tokens' places in x), so that within a document a key d tokens back gets -m_n d.
             Multi-latent attention (cfg.kv_rank): wq [H, N D] or wq_a [H, q_rank],
             q_a_norm [q_rank], wq_b [q_rank, N D]; wkv_a [H, kv_rank + R] (latent, then
             the shared rotary key), kv_a_norm [kv_rank], wkv_b [kv_rank, N (D - R + v_dim)]
@@ -1616,13 +1634,17 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
             mask = slots_mask(slots_TJ, mask.shape[1])
     elif isinstance(mask, MaskRows):  # a layer without DeepSeek sparse attention in a context built for it: the dense mask
         mask = mask.rows()
-    sinks = params.get("sinks")
+    sinks, slopes_N = params.get("sinks"), params.get("alibi")
     lse_TN = None
     if kernel:  # every head over each query's chosen latents; the latent output to each head's values below
         o_TNC, lse_TN = sparse_attention(q_TND, k_TGD[:, 0], slots_TJ, v_dim=cfg.kv_rank, scale=softmax_scale(cfg), check=False, impl=cfg.impl)
         out_NTD = rearrange(o_TNC, "t n c -> n t c")
-    elif isinstance(mask, torch.Tensor) and (sinks is not None or cfg.score_softcap is not None):  # the reference, with sinks or a cap
-        out_NTD = _attention_with_sinks(q_NTD, k_GTD, v_GTD, mask, softmax_scale(cfg), sinks, cfg.score_softcap)
+    elif isinstance(mask, torch.Tensor) and (sinks is not None or cfg.score_softcap is not None or slopes_N is not None):
+        bias_NTS = None  # the reference, with sinks, a cap or ALiBi's biases
+        if slopes_N is not None:
+            q_index, kv_index = _alibi_distances(ctx, *mask.shape, x.device)
+            bias_NTS = slopes_N.float()[:, None, None] * (kv_index[None, :] - q_index[:, None]).float()
+        out_NTD = _attention_with_sinks(q_NTD, k_GTD, v_GTD, mask, softmax_scale(cfg), sinks, cfg.score_softcap, bias_NTS)
     elif isinstance(mask, torch.Tensor):  # the reference
         out_NTD = F.scaled_dot_product_attention(q_NTD, k_GTD, v_GTD, attn_mask=mask, scale=softmax_scale(cfg), enable_gqa=True)
     else:
@@ -1634,8 +1656,14 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
         # (inside a compiled model dynamo compiles flex_attention itself, with the model)
         flex = _compiled_flex() if x.is_cuda and not torch.compiler.is_compiling() else flex_attention
         kw = dict(block_mask=mask, scale=softmax_scale(cfg), enable_gqa=True)
+        mods = {}
         if cfg.score_softcap is not None:  # each scaled score capped (Gemma 2's)
-            kw["score_mod"] = functools.partial(_capped_score, cap=float(cfg.score_softcap))
+            mods["cap"] = float(cfg.score_softcap)
+        if slopes_N is not None:  # ALiBi's bias on each scaled score
+            q_index, kv_index = _alibi_distances(ctx, q_NTD.shape[1], k_GTD.shape[1], x.device)
+            mods.update(slopes_N=slopes_N.float(), q_index=q_index, kv_index=kv_index)
+        if mods:
+            kw["score_mod"] = functools.partial(_score_mod, **mods)
         Dv = v_GTD.shape[-1]
         # the compiled kernel needs head dims of at least 16: zeros added to q, k and v change no
         # score (the scale is passed) and only add output columns, cut below (on CPU too, so
@@ -1747,19 +1775,52 @@ def _index_loss_blocks(x_TH, q_lat_TC, keys_SD, slots_TJ, target_TJ, params, cfg
     return total / n_queries
 
 
-def _capped_score(score, b, h, q_idx, kv_idx, cap: float):
-    """FlexAttention's score_mod of a softcap: cap tanh(score / cap)."""
-    return torch.tanh(score / cap) * cap
+def _score_mod(score, b, h, q_idx, kv_idx, cap: Optional[float] = None, slopes_N=None, q_index=None, kv_index=None):
+    """FlexAttention's score_mod: the softcap cap tanh(score / cap) (None: none), then ALiBi's
+    bias slopes_N[h] (kv_index[kv_idx] - q_index[q_idx]) (slopes_N None: none)."""
+    if cap is not None:
+        score = torch.tanh(score / cap) * cap
+    if slopes_N is not None:
+        score = score + slopes_N[h] * (kv_index[kv_idx] - q_index[q_idx]).to(score.dtype)
+    return score
 
 
-def _masked_scores(q_NTD, k_GTD, mask_TS, scale: float, softcap: Optional[float] = None) -> torch.Tensor:
+def _alibi_distances(ctx: AttentionContext, n_queries: int, n_keys: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The queries' [T] and the keys' [S] int64 indices ALiBi measures distances between:
+    the context's token_index and kv_index, or 0 ... T - 1 and 0 ... S - 1."""
+    q_index = ctx.token_index if ctx.token_index is not None else torch.arange(n_queries, device=device)
+    kv_index = ctx.kv_index if ctx.kv_index is not None else torch.arange(n_keys, device=device)
+    return q_index.long(), kv_index.long()
+
+
+def alibi_slopes(n_heads: int, max_bias: float = 8.0, device=None) -> torch.Tensor:
+    """ALiBi's slope per head [n_heads] float32 (attention's params["alibi"]; Press et al.,
+    BLOOM's, MPT's alibi_bias_max 8, Falcon-RW's): with P = 2^ceil(log2 n_heads) the
+    geometric run m_h = 2^(-max_bias h / P), h = 1 .. P, whole where n_heads = P, else its
+    entries h = 2, 4, ... then h = 1, 3, ..., the first n_heads (the run of the power of two
+    below n_heads, then every other slope of the next one's). Computed in float64, rounded
+    once, on `device` (no copy from the host)."""
+    check_positive_int("n_heads", n_heads)
+    if isinstance(max_bias, bool) or not isinstance(max_bias, (int, float)) or not 0 < max_bias < math.inf:
+        raise ValueError(f"max_bias: expected a positive finite number (8: ALiBi's), got {max_bias!r}")
+    P = 1 << (n_heads - 1).bit_length()
+    slopes = torch.exp2(-float(max_bias) / P * torch.arange(1, P + 1, device=device, dtype=torch.float64))
+    if P != n_heads:
+        slopes = torch.cat([slopes[1::2], slopes[::2]])[:n_heads]
+    return slopes.float()
+
+
+def _masked_scores(q_NTD, k_GTD, mask_TS, scale: float, softcap: Optional[float] = None, bias_NTS=None) -> torch.Tensor:
     """Each head's scores [N, T, S] float32 (the kv heads repeated to the query heads), capped
-    at softcap tanh(s / softcap) where softcap is set, -inf where mask [T, S] is False."""
+    at softcap tanh(s / softcap) where softcap is set, plus bias_NTS (ALiBi's; None: none),
+    -inf where mask [T, S] is False."""
     N, G = q_NTD.shape[0], k_GTD.shape[0]
     k_NSD = k_GTD.float().repeat_interleave(N // G, dim=0)
     scores = q_NTD.float() @ k_NSD.transpose(1, 2) * scale
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
+    if bias_NTS is not None:
+        scores = scores + bias_NTS
     return scores.masked_fill(~mask_TS, float("-inf"))
 
 
@@ -1768,12 +1829,12 @@ def _attention_probs(q_NTD, k_GTD, mask_TS, scale: float) -> torch.Tensor:
     return torch.softmax(_masked_scores(q_NTD, k_GTD, mask_TS, scale), dim=-1).nan_to_num(0.0)
 
 
-def _attention_with_sinks(q_NTD, k_GTD, v_GTD, mask_TS, scale: float, sinks_N, softcap: Optional[float] = None):
-    """The reference attention with sinks (None: none) and capped scores (softcap, None:
-    none): softmax over [the allowed scores, the head's sink], the sink's share dropped (it has
-    no value), in float32; [N, T, Dv] in q's dtype."""
+def _attention_with_sinks(q_NTD, k_GTD, v_GTD, mask_TS, scale: float, sinks_N, softcap: Optional[float] = None, bias_NTS=None):
+    """The reference attention with sinks (None: none), capped scores (softcap, None: none)
+    and ALiBi's biases (bias_NTS, None: none): softmax over [the allowed scores, the head's
+    sink], the sink's share dropped (it has no value), in float32; [N, T, Dv] in q's dtype."""
     N, G = q_NTD.shape[0], k_GTD.shape[0]
-    scores_NTS = _masked_scores(q_NTD, k_GTD, mask_TS, scale, softcap)
+    scores_NTS = _masked_scores(q_NTD, k_GTD, mask_TS, scale, softcap, bias_NTS)
     if sinks_N is None:
         probs_NTS = torch.softmax(scores_NTS, dim=-1)
     else:

@@ -46,9 +46,9 @@ from tensordict import TensorDict
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from fmoe.layers import (EXPERT_BIASES, GATE_NORMS, AttentionConfig, AttentionContext, LinearAttentionConfig, LinearStates, MoEConfig, attach_loss, attention,
+from fmoe.layers import (EXPERT_BIASES, GATE_NORMS, AttentionConfig, AttentionContext, LinearAttentionConfig, LinearStates, MoEConfig, alibi_slopes, attach_loss, attention,
                          PLAIN_ACTS, XIELU, attention_context, check_clip_qkv, check_sparsemixer_knobs, check_window, dense_mlp, index_shapes, lightning_decay, linear_attention, linear_attention_shapes, local_experts, mla_shapes,
-                         moe, prescaled_rms_norm, q_in)
+                         moe, prescaled_rms_norm, q_in, softmax_scale)
 from fmoe.ops import linear_cross_entropy, route
 from fmoe.ops.checks import check_positive_int
 from fmoe.ops.experts import GLU_ACTS
@@ -547,6 +547,12 @@ class TransformerConfig:
     forward, which reads nothing on the host); not with MTP modules (which rotate).
     abs_position_offset: rows of pos_embed before position 0's ([P + offset, H], position p
     its row p + offset: OPT's 2).
+    alibi: ALiBi, attention with linear biases in place of RoPE (BLOOM's, MPT's, Falcon-RW's):
+    every block NoPE (is_nope), head h's score of a key d tokens back in its document gets
+    -m_h d added (m_h fmoe.layers.alibi_slopes(n_heads), constants the blocks compute, not
+    weights; under tensor parallel each rank its heads' slopes); grouped-query attention
+    only, not with abs_positions, nope_layers or MTP modules (which rotate). alibi_scaled:
+    the bias times the softmax scale as well, added before the scaling (Falcon's).
     zero_centered_norms: every RMSNorm's gain is 1 + its weight, the weight 0 at initialisation
     (Qwen3-Next's zero-centred norms: weight decay pulls the gain to 1;
     the blocks', the final, the MTP modules' and the q/k norms; not the linear-attention
@@ -761,6 +767,8 @@ class TransformerConfig:
     embed_norm: bool = False
     abs_positions: Optional[int] = None
     abs_position_offset: int = 0
+    alibi: bool = False
+    alibi_scaled: bool = False
     head_bias: bool = False
     zero_centered_norms: bool = False
     post_norm_eps: Optional[float] = None
@@ -912,6 +920,7 @@ class TransformerConfig:
             if self.mtp_depth:
                 raise ValueError("abs_positions: learned absolute positions leave every block without RoPE, which the MTP blocks have; "
                                  "set mtp_depth=0")
+        self._check_alibi()
         if self.parallel_norms and not self.parallel_blocks:
             raise ValueError("parallel_norms: the MLP's own pre-norm in a parallel block, needs parallel_blocks=True")
         if (self.attn_gate_act != "sigmoid" or self.attn_gate_per_head) and not self.attn_gate:
@@ -1206,8 +1215,23 @@ class TransformerConfig:
 
     def is_nope(self, i: int) -> bool:
         """Whether trunk block i attends without RoPE: listed in nope_layers, or every block with
-        abs_positions (the positions are in the embeddings)."""
-        return self.abs_positions is not None or (self.nope_layers is not None and i in self.nope_layers)
+        abs_positions (the positions are in the embeddings) or alibi (in the scores' biases)."""
+        return self.abs_positions is not None or self.alibi or (self.nope_layers is not None and i in self.nope_layers)
+
+    def _check_alibi(self) -> None:
+        """ALiBi's knobs (class docstring): ValueError naming the field."""
+        for name in ("alibi", "alibi_scaled"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
+        if not self.alibi:
+            if self.alibi_scaled:
+                raise ValueError("alibi_scaled: ALiBi's bias times the softmax scale, needs alibi=True")
+            return
+        others = dict(kv_rank="multi-latent attention", abs_positions="learned absolute positions", nope_layers="NoPE blocks: every block is one",
+                      mtp_depth="MTP modules, which rotate")
+        for name, what in others.items():
+            if getattr(self, name):
+                raise ValueError(f"alibi: ALiBi's biases on grouped-query attention in place of RoPE, not with {name} = {getattr(self, name)!r} ({what})")
 
     def has_sinks(self, i: Optional[int]) -> bool:
         """Whether trunk block i's attention has sinks (attn_sinks, and i in sink_layers when
@@ -1608,6 +1632,10 @@ class Attention(nn.Module):
         self.index_key, self.index_keep, self.index_source = id(self), False, None
         self.tensor_parallel = None  # fmoe.parallel's HeadShard under tp > 1 (class docstring)
         self.index_loss_weight, self.index_loss = cfg.index_loss_coeff, None  # DeepSeek sparse attention's indexer loss
+        # ALiBi (cfg.alibi): the slopes of this block's heads, constants computed in forward (the rank's slice under tp),
+        # times the softmax scale with cfg.alibi_scaled
+        self.alibi_heads = self.cfg.n_heads if cfg.alibi else None
+        self.alibi_scale = softmax_scale(self.cfg) if cfg.alibi_scaled else 1.0
         if cfg.kv_rank is not None:  # multi-latent attention: fmoe.layers names and shapes
             self.names = []
             for kind in (*mla_shapes(cfg.hidden, self.cfg), index_shapes(cfg.hidden, self.cfg)):
@@ -1670,6 +1698,10 @@ class Attention(nn.Module):
                                  f"forward has not run over this context (a pipeline stage without block {self.index_source}?)")
             choice = choices[self.index_source]
         tp = self.tensor_parallel
+        if self.alibi_heads is not None:  # this rank's heads, a contiguous run
+            local = self.cfg.n_heads
+            first = 0 if tp is None else tp.mesh.get_local_rank() * local
+            params["alibi"] = alibi_slopes(self.alibi_heads, device=x_TH.device)[first:first + local] * self.alibi_scale
         if tp is None:
             y_TH, stats = attention(x_TH, params, self.cfg, ctx, index_choice=choice)
         else:

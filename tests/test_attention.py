@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from fmoe.layers import AttentionConfig, AttentionContext, attention, attention_context, document_mask, rope_tables, softmax_scale
+from fmoe.layers import AttentionConfig, AttentionContext, alibi_slopes, attention, attention_context, document_mask, rope_tables, softmax_scale
 from fmoe.ops import apply_rope, positions_from_cu_seqlens, yarn_mscale
 
 H = 32
@@ -67,6 +67,10 @@ def _loop_attention(x, p, cfg, cu):
             for h in range(N):
                 g = h // (N // G)
                 scores = (k[first:t + 1, g] @ q[t, h]) * softmax_scale(cfg)
+                if cfg.score_softcap is not None:  # each scaled score capped
+                    scores = torch.tanh(scores / cfg.score_softcap) * cfg.score_softcap
+                if "alibi" in p:  # ALiBi: the head's slope times how far back each key lies (t - first ... 0)
+                    scores = scores - p["alibi"][h] * torch.arange(t - first, -1, -1, dtype=scores.dtype)
                 if "sinks" in p:  # the sink joins the denominator, with no value
                     weights = torch.exp(scores) / (torch.exp(scores).sum() + torch.exp(p["sinks"][h]))
                 else:
@@ -165,6 +169,75 @@ def test_sinks_and_output_bias_match_per_token_loop(window, impl):
 
 
 @pytest.mark.parametrize("impl", ["torch", "flex"])
+@pytest.mark.parametrize("knobs, sinks", [(dict(rope=False), False), (dict(rope=False, window=4), False), (dict(rope=False, score_softcap=0.8), False),
+                                          (dict(n_heads=6, rope=False), True), ({}, False)],
+                         ids=["alibi", "window", "softcap", "six-heads-sinks", "with-rope"])
+def test_alibi_matches_per_token_loop(knobs, sinks, impl):
+    """ALiBi (BLOOM's, MPT's): head h's score of a key d tokens back in its document gets
+    -m_h d, after the scale and any cap; on a sliding window, beside sinks, with RoPE too."""
+    cfg = dataclasses.replace(CFG, **knobs)
+    p = _params(cfg)
+    p["alibi"] = alibi_slopes(cfg.n_heads) * 4  # steep enough to matter over these short documents
+    if sinks:
+        p["sinks"] = torch.randn(cfg.n_heads, generator=torch.Generator().manual_seed(4)).requires_grad_()
+    _check_against_definition(cfg, impl, p, _loop_attention)
+    with torch.no_grad():  # the biases matter; slopes of 0 are the plain layer
+        x, cu = torch.randn(17, H), torch.tensor([0, 5, 6, 17], dtype=torch.int32)
+        plain = {n: t for n, t in p.items() if n != "alibi"}
+        y = attention(x, p, cfg, _ctx(cu, cfg))[0]
+        assert _rel(y, attention(x, plain, cfg, _ctx(cu, cfg))[0]) > 1e-2
+        assert _rel(attention(x, dict(p, alibi=torch.zeros(cfg.n_heads)), cfg, _ctx(cu, cfg))[0], attention(x, plain, cfg, _ctx(cu, cfg))[0]) < 1e-6
+
+
+def test_alibi_slopes_are_alibis_numbers():
+    """The geometric slopes 2^(-8 h / P): a power of two of heads takes them whole; 6 heads
+    take 8's even ones (4's run), then its odd ones; MPT's alibi_bias_max in max_bias."""
+    assert alibi_slopes(8).tolist() == [2.0 ** -h for h in range(1, 9)]
+    assert alibi_slopes(4).tolist() == [2.0 ** -h for h in (2, 4, 6, 8)]
+    assert alibi_slopes(6).tolist() == [2.0 ** -h for h in (2, 4, 6, 8, 1, 3)]
+    assert alibi_slopes(1).tolist() == [2.0 ** -8] and alibi_slopes(2, max_bias=16).tolist() == [2.0 ** -8, 2.0 ** -16]
+    torch.testing.assert_close(alibi_slopes(3), torch.tensor([2 ** -4, 2 ** -8, 2 ** -2]), rtol=0, atol=0)
+    assert alibi_slopes(12).dtype == torch.float32 and torch.allclose(alibi_slopes(16), 2 ** (-0.5 * torch.arange(1.0, 17)))
+    with pytest.raises(ValueError, match="n_heads: expected >= 1, got 0"):
+        alibi_slopes(0)
+    for bad in (0, -1.0, math.inf, True, "8"):
+        with pytest.raises(ValueError, match=r"max_bias: expected a positive finite number \(8: ALiBi's\), got "):
+            alibi_slopes(4, max_bias=bad)
+
+
+@pytest.mark.parametrize("impl", ["torch", "flex"])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_alibi_under_context_parallel_measures_global_distances(cp, impl):
+    """Under context parallel a rank's queries and the gathered keys are far apart in x's
+    rows: the distances come from token_index and kv_index, each rank's rows are the whole
+    batch's (RoPE on as well: both at once)."""
+    cu = torch.tensor([0, 3, 4, 13, 21, 24], dtype=torch.int32)
+    cfg = dataclasses.replace(CFG, impl=impl)
+    p = {n: t.detach() for n, t in _params(cfg).items()}
+    p["alibi"] = alibi_slopes(4) * 4
+    x = torch.randn(24, H)
+    with torch.no_grad():
+        whole, _ = attention(x, p, cfg, _ctx(cu, cfg))
+        for rank in range(cp):
+            index, ctx = _one_rank_of_cp(x, p, cfg, cu, cp, rank)
+            assert ctx.token_index is index
+            y, _ = attention(x[index], p, cfg, ctx)
+            assert _rel(y, whole[index]) < 1e-5, rank
+
+
+def test_alibi_bad_inputs():
+    p, cu = _params(dataclasses.replace(CFG, rope=False)), torch.tensor([0, 6])
+    x, cfg = torch.randn(6, H), dataclasses.replace(CFG, rope=False)
+    with pytest.raises(ValueError, match=r"params\['alibi'\]: expected a float \[4\] tensor or none, got torch.float32 \[2\]"):
+        attention(x, dict(p, alibi=torch.ones(2)), cfg, _ctx(cu, cfg))
+    with pytest.raises(ValueError, match=r"params\['alibi'\]: expected a float \[4\] tensor or none, got torch.int64 \[4\]"):
+        attention(x, dict(p, alibi=torch.ones(4, dtype=torch.long)), cfg, _ctx(cu, cfg))
+    mla = AttentionConfig(n_heads=4, n_kv_heads=4, head_dim=12, rot_dim=4, kv_rank=6, v_dim=5)
+    with pytest.raises(ValueError, match=r"params\['alibi'\]: ALiBi's slopes bias grouped-query attention's scores, not multi-latent attention's"):
+        attention(x, dict(_mla_params(mla), alibi=torch.ones(4)), mla, _ctx(cu, mla))
+
+
+@pytest.mark.parametrize("impl", ["torch", "flex"])
 def test_gated_attention_matches_per_token_loop(impl):
     """AFMoE's gated attention: the heads' outputs times sigmoid(x wg), channel by channel, before wo."""
     cfg = dataclasses.replace(CFG, window=4)
@@ -205,7 +278,7 @@ def _check_against_definition(cfg, impl, p, definition):
     cu = torch.tensor([0, 5, 6, 17], dtype=torch.int32)
     x = torch.randn(17, H, requires_grad=True)
     x_ref = x.detach().clone().requires_grad_()
-    p_ref = {n: t.detach().clone().requires_grad_() for n, t in p.items()}
+    p_ref = {n: t.detach().clone().requires_grad_(t.requires_grad) for n, t in p.items()}
     y_ref = definition(x_ref, p_ref, cfg, cu)
     if impl == "flex":
         with torch.no_grad():
@@ -220,7 +293,8 @@ def _check_against_definition(cfg, impl, p, definition):
     (y_ref * upstream).sum().backward()
     assert _rel(x.grad, x_ref.grad) < 1e-5
     for n in p:
-        assert _rel(p[n].grad, p_ref[n].grad) < 1e-5, n
+        if p[n].requires_grad:  # (not ALiBi's constant slopes)
+            assert _rel(p[n].grad, p_ref[n].grad) < 1e-5, n
 
 
 @pytest.mark.parametrize("impl", ["torch", "flex"])
@@ -617,12 +691,13 @@ def test_a_context_is_shared_and_reads_no_value_on_the_host():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("window, sinks, chunk", [(None, False, None), (512, False, None), (128, True, None), (None, False, 1000)])
-def test_gpu_flex_attention_matches_reference(window, sinks, chunk):
+@pytest.mark.parametrize("window, sinks, chunk, alibi", [(None, False, None, False), (512, False, None, False), (128, True, None, False),
+                                                         (None, False, 1000, False), (512, True, None, True)])
+def test_gpu_flex_attention_matches_reference(window, sinks, chunk, alibi):
     """FlexAttention against the reference; with sinks (gpt-oss) the gradient also flows
     through the kernel's log-sum-exp; chunked attention (Llama 4) with chunks that are not
-    whole blocks."""
-    cfg = AttentionConfig(n_heads=16, n_kv_heads=4, head_dim=128, window=window, chunk=chunk)
+    whole blocks; ALiBi's biases (BLOOM's) in the compiled kernel's score_mod."""
+    cfg = AttentionConfig(n_heads=16, n_kv_heads=4, head_dim=128, window=window, chunk=chunk, rope=not alibi)
     Hg = 2048
     shapes = {"wq": (Hg, 16 * 128), "wk": (Hg, 4 * 128), "wv": (Hg, 4 * 128), "wo": (16 * 128, Hg)}
     p = {n: (torch.randn(*s, device="cuda") * s[0] ** -0.5).bfloat16() for n, s in shapes.items()}
@@ -631,12 +706,15 @@ def test_gpu_flex_attention_matches_reference(window, sinks, chunk):
     x = torch.randn(4096, Hg, device="cuda", dtype=torch.bfloat16)
     cu = torch.tensor([0, 1000, 1001, 3000, 4096], device="cuda", dtype=torch.int32)
     p = {n: t.requires_grad_() for n, t in p.items()}
+    if alibi:  # constants: no gradient
+        p["alibi"] = alibi_slopes(16, device="cuda")
     upstream = torch.randn_like(x)
+    trained = [t for t in p.values() if t.requires_grad]
     flex, _ = attention(x, p, cfg, _ctx(cu, cfg))  # auto: compiled FlexAttention
-    g_flex = torch.autograd.grad(flex, list(p.values()), upstream)
+    g_flex = torch.autograd.grad(flex, trained, upstream)
     ref_cfg = dataclasses.replace(cfg, impl="torch")
     ref, _ = attention(x, p, ref_cfg, _ctx(cu, ref_cfg))
-    g_ref = torch.autograd.grad(ref, list(p.values()), upstream)
+    g_ref = torch.autograd.grad(ref, trained, upstream)
     assert _rel(flex, ref) < 2e-2
     for a, b in zip(g_flex, g_ref):
         assert _rel(a, b) < 3e-2

@@ -59,6 +59,13 @@ FAMILIES = {
     "falcon": lambda: transformers.FalconConfig(vocab_size=V, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_kv_heads=2,
                                                 max_position_embeddings=128, ffn_hidden_size=40, new_decoder_architecture=True, bias=True,
                                                 bos_token_id=None, eos_token_id=None),
+    # BLOOM: ALiBi over 6 heads (the slopes of 4 heads', then every other of 8's), a LayerNorm with bias on the embeddings, q, k
+    # and v head by head in one query_key_value, biases everywhere, GELU's tanh form in MLPs of 4 H without a gate, the head tied
+    "bloom": lambda: transformers.BloomConfig(vocab_size=V, hidden_size=48, n_layer=3, n_head=6, bos_token_id=None, eos_token_id=None),
+    # MPT: ALiBi, bias-free LayerNorms, q, k and v every q first in one Wqkv, clamped (which these weights cross) and scaled by
+    # attn_config's softmax_scale, exact-GELU MLPs of 4 H without a gate or biases, the head tied
+    "mpt": lambda: transformers.MptConfig(vocab_size=V, d_model=32, n_layers=3, n_heads=4, max_seq_len=64,
+                                          attn_config=dict(clip_qkv=1.0, softmax_scale=0.3)),
     # Aria's text model: every block MoE, softmax over the top-2 logits, [E, H, 2F] / [E, F, H] expert stacks, 2 shared experts
     "aria_text": lambda: transformers.AriaTextConfig(**COMMON, intermediate_size=16, moe_num_experts=4, moe_topk=2, moe_num_shared_experts=2,
                                                      pad_token_id=None, bos_token_id=None, eos_token_id=None),
@@ -849,6 +856,12 @@ def test_a_failed_export_leaves_no_weight_files(folders, tmp_path, monkeypatch):
                                                           norm_eps=1e-5)),
                                           ("falcon", dict(layer_norms=True, norm_bias=True, qkv_bias=True, o_bias=True, mlp_bias=True, mlp_act="gelu",
                                                           n_kv_heads=4, norm_eps=1e-5)),
+                                          ("falcon", dict(layer_norms=True, norm_bias=True, qkv_bias=True, o_bias=True, mlp_bias=True, mlp_act="gelu",
+                                                          n_kv_heads=4, norm_eps=1e-5, alibi=True, alibi_scaled=True)),
+                                          ("bloom", dict(alibi=True, embed_norm=True, layer_norms=True, norm_bias=True, qkv_bias=True, o_bias=True, mlp_bias=True,
+                                                         mlp_act="gelu_new", n_kv_heads=4, ffn_dense=128, tie_embeddings=True, norm_eps=1e-5)),
+                                          ("mpt", dict(alibi=True, layer_norms=True, mlp_act="gelu", n_kv_heads=4, ffn_dense=128, clip_qkv=1.0, attn_scale=0.3,
+                                                       tie_embeddings=True, norm_eps=1e-5)),
                                           ("gptj", dict(layer_norms=True, norm_bias=True, parallel_blocks=True, mlp_bias=True, mlp_act="gelu_new",
                                                         head_bias=True, rope_interleaved=True, rope_dim=4, n_kv_heads=4, norm_eps=1e-5)),
                                           ("gpt_neo", dict(layer_norms=True, norm_bias=True, o_bias=True, mlp_bias=True, mlp_act="gelu_new", attn_scale=1.0,
@@ -2217,7 +2230,7 @@ def _with_extra_key(src, dst, key, value):
 
 # config.json edits fmoe refuses: (family, edit, the error it names)
 BAD_CONFIGS = [
-    ("mixtral", lambda c: c.update(model_type="bloom"), "config.json: model_type 'bloom' is not supported"),
+    ("mixtral", lambda c: c.update(model_type="bert"), "config.json: model_type 'bert' is not supported"),
     ("dbrx", lambda c: c["ffn_config"].update(moe_normalize_expert_weights=2.0),
      r"config.json: moe_normalize_expert_weights = 2.0 is not supported \(the chosen weights divided by their sum \(1\) or kept as they are"),
     ("dbrx", lambda c: c["ffn_config"].update(ffn_act_fn={"name": "gelu"}), r"config.json: ffn_act_fn = \{'name': 'gelu'\} is not supported"),
@@ -2374,7 +2387,7 @@ def test_bad_checkpoints_name_the_key_or_field(folders, tmp_path):
     with pytest.raises(ValueError, match="model_type: needed"):
         hf.save_pretrained(model, tmp_path / "e")
     with pytest.raises(ValueError, match="model_type: expected one of"):
-        hf.save_pretrained(model, tmp_path / "e", model_type="bloom")
+        hf.save_pretrained(model, tmp_path / "e", model_type="bert")
 
 
 def test_checkpoint_keys_the_model_does_not_read_are_refused_unless_not_strict(folders, tmp_path):
@@ -2979,33 +2992,42 @@ def test_exaone_reads_its_released_names_and_llama3_rope(folders, tmp_path):
         hf.FAMILIES["exaone"].kwargs(dict(released, activation_function="gelu"))
 
 
-@pytest.mark.parametrize("variant", ["falcon-7b", "falcon2-11b", "sequential"])
+@pytest.mark.parametrize("variant", ["falcon-7b", "falcon2-11b", "sequential", "falcon-rw"])
 def test_falcon_reads_each_architecture_s_kv_heads_and_norms(variant, tmp_path):
     """Falcon's other layouts (the table's is Falcon-40B's): Falcon-7B's multi-query attention
     (one kv head) in parallel blocks of one LayerNorm, Falcon2-11B's new architecture with one
-    LayerNorm for both branches (num_ln_in_parallel_attn 1), and the sequential pre-norm block
+    LayerNorm for both branches (num_ln_in_parallel_attn 1), the sequential pre-norm block
     (parallel_attn false: input_layernorm, post_attention_layernorm) with a kv head per head,
+    and Falcon-RW's, that block with ALiBi in place of RoPE, its biases scaled with the scores
+    (alibi_scaled; 4 heads: slopes that bfloat16, transformers' rounding, holds exactly),
     each read with transformers' logits and written back bit for bit; what transformers'
-    model is not (ALiBi, another activation, num_ln_in_parallel_attn 2 in the old
-    architecture, the new one without parallel_attn) is refused by name."""
+    model is not (another activation, num_ln_in_parallel_attn 2 in the old architecture, the
+    new one without parallel_attn) is refused by name."""
     fields = {"falcon-7b": dict(multi_query=True), "falcon2-11b": dict(new_decoder_architecture=True, num_kv_heads=2, num_ln_in_parallel_attn=1),
-              "sequential": dict(multi_query=False, parallel_attn=False, bias=True)}[variant]
+              "sequential": dict(multi_query=False, parallel_attn=False, bias=True),
+              "falcon-rw": dict(multi_query=False, parallel_attn=False, bias=True, alibi=True)}[variant]
     config = transformers.FalconConfig(vocab_size=V, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, max_position_embeddings=128,
                                        ffn_hidden_size=40, bos_token_id=None, eos_token_id=None, tie_word_embeddings=False, **fields)
     torch.manual_seed(0)
     ref = _randomised(transformers.FalconForCausalLM(config))
     ref.save_pretrained(tmp_path / "hf")
     model, cfg = hf.from_pretrained(tmp_path / "hf", impl="torch")
-    want = {"falcon-7b": (1, True, False), "falcon2-11b": (2, True, False), "sequential": (4, False, False)}[variant]
-    assert (cfg.n_kv_heads, cfg.parallel_blocks, cfg.parallel_norms) == want and cfg.qkv_bias == (variant == "sequential")
+    want = {"falcon-7b": (1, True, False), "falcon2-11b": (2, True, False), "sequential": (4, False, False), "falcon-rw": (4, False, False)}[variant]
+    assert (cfg.n_kv_heads, cfg.parallel_blocks, cfg.parallel_norms) == want and cfg.qkv_bias == (variant in ("sequential", "falcon-rw"))
+    assert cfg.alibi == cfg.alibi_scaled == (variant == "falcon-rw")
     docs, ids, cu = _packed()
     with torch.no_grad():
-        assert _rel(model.logits(ids, cu), torch.cat([ref(d[None]).logits[0] for d in docs])) < 1e-5
+        theirs = torch.cat([ref(d[None]).logits[0] for d in docs])
+        assert _rel(model.logits(ids, cu), theirs) < 1e-5
+        if variant == "falcon-rw":  # the bias's scale matters
+            unscaled = hf.Transformer(dataclasses.replace(cfg, alibi_scaled=False))
+            unscaled.load_state_dict(model.state_dict())
+            assert _rel(unscaled.logits(ids, cu), theirs) > 1e-3
     hf.save_pretrained(model, tmp_path / "again")
     for file in ("model.safetensors", "config.json"):
         assert filecmp.cmp(tmp_path / "hf" / file, tmp_path / "again" / file, shallow=False), file
     written = json.loads((tmp_path / "hf" / "config.json").read_text())
-    for change, message in ((dict(alibi=True), r"alibi = True is not supported \(RoPE"), (dict(activation="relu"), "activation = 'relu' is not supported"),
+    for change, message in ((dict(alibi="yes"), r"alibi = 'yes' is not supported \(true or false\)"), (dict(activation="relu"), "activation = 'relu' is not supported"),
                             (dict(new_decoder_architecture=False, parallel_attn=True, num_ln_in_parallel_attn=2),
                              "num_ln_in_parallel_attn = 2 is not supported"),
                             (dict(new_decoder_architecture=True, parallel_attn=False), "new_decoder_architecture without parallel_attn is not supported")):

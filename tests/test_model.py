@@ -214,6 +214,8 @@ VARIANTS = {
                                       norm_overrides=("embed:unit", "final:plain", "attn_post:unit", "mlp_post:prescaled"), residual_gates=True,
                                       window=4, window_layers=(0, 2), nope_layers=(1,), n_shared=0, score="sigmoid", router_scale=0.7,
                                       moe_latent=20, moe_latent_norm=True, expert_out_norm=True, logit_divisor=1 / 0.7, logit_softcap=3.0, mtp_depth=1),
+    # BLOOM's: ALiBi in place of RoPE (over the window in blocks 0 and 2), a LayerNorm with bias on the embeddings and in every block
+    "alibi": dataclasses.replace(TINY, alibi=True, embed_norm=True, layer_norms=True, norm_bias=True, window=4, window_layers=(0, 2)),
     # Step 3.7's: sliding blocks 0 and 2 with more query heads and their own plain RoPE beside a full block whose half-head RoPE
     # has Llama 3.1's scaling, a sigmoid gate per head, zero-centred norms, the SwiGLU limits on silu(gate) in some blocks alone
     "step3p7": dataclasses.replace(TINY, qk_norm="head", window=4, window_layers=(0, 2), local_heads=8, rope_dim=4, local_rope_base=500.0,
@@ -1816,6 +1818,39 @@ def test_abs_positions_add_learned_position_embeddings_in_place_of_rope():
         dataclasses.replace(TINY, abs_position_offset=2)
 
 
+def test_alibi_biases_every_block_s_scores_in_place_of_rope():
+    """alibi (BLOOM's, MPT's, Falcon-RW's): every block NoPE, each head's slope (alibi_slopes of
+    the block's heads, constants: no parameter, nothing in the state dict) biasing its scores,
+    times the softmax scale with alibi_scaled (Falcon's; against transformers:
+    tests/test_hf.py). A document's logits do not depend on its packing; the knobs'
+    neighbours are refused by name."""
+    cfg = dataclasses.replace(TINY, alibi=True)
+    assert all(cfg.is_nope(i) for i in range(cfg.n_layers))
+    torch.manual_seed(0)
+    model = Transformer(cfg).eval()
+    nope = Transformer(dataclasses.replace(cfg, alibi=False, nope_layers=(0, 1, 2))).eval()
+    assert set(model.state_dict()) == set(nope.state_dict())  # the slopes are not weights
+    nope.load_state_dict(model.state_dict())
+    ids, cu = torch.randint(0, cfg.vocab_size, (12,)), torch.tensor([0, 5, 12], dtype=torch.int32)
+    with torch.no_grad():
+        logits = model.logits(ids, cu)
+        assert float((logits - nope.logits(ids, cu)).abs().max()) > 1e-3
+        torch.testing.assert_close(model.logits(ids[5:], torch.tensor([0, 7], dtype=torch.int32)), logits[5:], rtol=1e-5, atol=1e-5)
+        scaled = Transformer(dataclasses.replace(cfg, alibi_scaled=True)).eval()
+        scaled.load_state_dict(model.state_dict())
+        assert scaled.blocks[0].attn.alibi_scale == 8 ** -0.5 and model.blocks[0].attn.alibi_scale == 1.0
+        assert float((scaled.logits(ids, cu) - logits).abs().max()) > 1e-3
+    for knobs, message in ((dict(mtp_depth=1), r"not with mtp_depth = 1 \(MTP modules, which rotate\)"),
+                           (dict(abs_positions=16), "not with abs_positions = 16"), (dict(nope_layers=(1,)), r"not with nope_layers = \(1,\)"),
+                           (dict(n_kv_heads=4, head_dim=12, rope_dim=4, q_rank=10, kv_rank=6, v_head_dim=5), "not with kv_rank = 6")):
+        with pytest.raises(ValueError, match=f"alibi: ALiBi's biases on grouped-query attention in place of RoPE, {message}"):
+            dataclasses.replace(cfg, **knobs)
+    with pytest.raises(ValueError, match="alibi_scaled: ALiBi's bias times the softmax scale, needs alibi=True"):
+        dataclasses.replace(TINY, alibi_scaled=True)
+    with pytest.raises(ValueError, match="alibi: expected a bool, got 1"):
+        dataclasses.replace(TINY, alibi=1)
+
+
 @pytest.mark.parametrize("act", ["relu2", "gelu_new", "gelu", "relu"])
 def test_models_without_a_gate_have_no_w_gate_anywhere(act):
     """mlp_act="relu2" (Arcee's): every MLP is relu(x w_up)^2 w_down, without w_gate (the MTP
@@ -1961,6 +1996,9 @@ DECODED = {
     "step3p7": dataclasses.replace(VARIANTS["step3p7"], mtp_depth=0),
     "gpt-neo": VARIANTS["gpt-neo"],
     "muse spark": dataclasses.replace(VARIANTS["muse spark"], mtp_depth=0),
+    # ALiBi's distances over the rings of the window's blocks and the full block's rows; Falcon-RW's scaled bias over 6 heads
+    "alibi": VARIANTS["alibi"],
+    "alibi, scaled, six heads": dataclasses.replace(TINY, alibi=True, alibi_scaled=True, n_heads=6),
     "post-norm": VARIANTS["post-norm"],
     "llama4": dataclasses.replace(VARIANTS["llama4"], mtp_depth=0, llama3_factor=4.0, llama3_original_max_positions=16),
     "mla, sinks, output bias, gate": dataclasses.replace(VARIANTS["mla, group top-2, mtp norm"], attn_sinks=True, o_bias=True, attn_gate=True),
@@ -2191,16 +2229,17 @@ def test_batched_decode_gives_each_sequence_its_own_logits(name):
     assert cache.lengths == [10, 3, 11]
 
 
-@pytest.mark.parametrize("window", [None, 50])
-def test_batched_decode_through_the_flex_block_mask(window, monkeypatch):
+@pytest.mark.parametrize("window, alibi", [(None, False), (50, False), (50, True)], ids=["full", "window", "window-alibi"])
+def test_batched_decode_through_the_flex_block_mask(window, alibi, monkeypatch):
     """FlexAttention's BlockMask (eager on CPU, as impl "auto" picks it on CUDA) over two
     slots of 160 rows, 128-row blocks: a block of queries spans both sequences and slot
     edges fall inside key blocks. With a window of 50 in blocks 0 and 2, their rings of 50
-    rows per sequence: the prompt of 140 against its own keys, then steps of 5."""
+    rows per sequence: the prompt of 140 against its own keys, then steps of 5 (with ALiBi:
+    its distances between the cache's rows, in the score_mod)."""
     import fmoe.layers
 
     monkeypatch.setattr(fmoe.layers, "_use_flex", lambda impl, device: True)
-    model = _sharp(TINY if window is None else dataclasses.replace(TINY, window=window, window_layers=(0, 2)))
+    model = _sharp(TINY if window is None else dataclasses.replace(TINY, window=window, window_layers=(0, 2), alibi=alibi))
     seqs = [torch.randint(0, TINY.vocab_size, (n,)) for n in (150, 40)]
     with torch.no_grad():
         want = [model.logits(ids, torch.tensor([0, ids.shape[0]], dtype=torch.int32)) for ids in seqs]

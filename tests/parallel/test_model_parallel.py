@@ -463,6 +463,10 @@ CASES = {
     # every projection, split over tp
     "tp2-gpt-neox": (2, dict(tp=2), dict(n_dense=2, n_kv_heads=4, parallel_blocks=True, parallel_norms=True, layer_norms=True, norm_bias=True,
                                           mlp_act="gelu", qkv_bias=True, o_bias=True, mlp_bias=True, rope_dim=4)),
+    # BLOOM's ALiBi (no RoPE; the embeddings' LayerNorm with bias): each tp rank's heads with their own slopes; across a cp
+    # split, Falcon-RW's scaled biases at the distances between global indices, over the window of block 1 too
+    "tp2-alibi": (2, dict(tp=2), dict(alibi=True, mtp_depth=0, embed_norm=True, layer_norms=True, norm_bias=True)),
+    "cp2-alibi": (2, dict(cp=2), dict(alibi=True, alibi_scaled=True, mtp_depth=0, window=5, window_layers=(1,))),
     # Nemotron-H's (NEMOTRON_H): a block without an MLP beside the split heads and groups
     "tp2-nemotron_h": (2, dict(tp=2), NEMOTRON_H),
     # Nemotron-H-47B's MLP layer alone: block 2 without a mixer, the last block of the tp region

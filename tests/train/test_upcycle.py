@@ -28,10 +28,10 @@ def _dense_model(seed=3, cfg=DENSE):
     return model
 
 
-def _batch():
+def _batch(mtp_depth=1):
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 64, (48,), generator=gen)
-    return make_batch(ids, torch.tensor([0, 20, 48]), mtp_depth=1)
+    return make_batch(ids, torch.tensor([0, 20, 48]), mtp_depth=mtp_depth)
 
 
 CASES = {
@@ -66,12 +66,14 @@ CASES = {
     # plain final norm, gated attention with weightless q/k norms) into MoE blocks with the same norms and attention
     "g2-muse-glimmer": _moe(ffn_expert=32, k=2, post_norms=True, zero_centered_norms=True, embed_norm=True, post_norm_eps=1e-8,
                             norm_overrides=("embed:unit", "final:plain"), qk_norm="rms", attn_gate=True),
+    # MPT's blocks (ALiBi, no MTP module, bias-free LayerNorms, exact-GELU MLPs without a gate) into experts without a gate
+    "g2-mpt": _moe(ffn_expert=32, k=2, alibi=True, mtp_depth=0, mlp_act="gelu", layer_norms=True),
 }
 # the fields of the blocks' mixers and norms, the dense model's as the MoE's
 MIXER = ("mlp_act", "linear_layers", "linear_kind", "linear_k_heads", "linear_v_heads", "linear_k_dim", "linear_v_dim", "linear_conv",
          "linear_dt_min", "linear_neg_eigval", "linear_norm_eps", "linear_pre_norms", "linear_gate_norm", "parallel_hybrid", "pre_norms", "post_norms", "qk_norm", "mlp_free_layers",
          "nope_layers", "layer_norms", "norm_bias", "parallel_blocks", "parallel_norms", "zero_centered_norms", "embed_norm", "post_norm_eps",
-         "norm_overrides", "attn_gate")
+         "norm_overrides", "attn_gate", "alibi", "mtp_depth")
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -82,15 +84,15 @@ def test_the_upcycled_model_computes_the_dense_function(case):
     moe = Transformer(cfg)
     moe.reset_parameters(seed=5)
     upcycle_(moe, dense.state_dict(), dense_cfg, seed=5)
-    batch = _batch()
+    batch = _batch(cfg.mtp_depth)
     with torch.no_grad():
         torch.testing.assert_close(moe.logits(batch["input_ids"], batch["cu_seqlens"]),
                                    dense.logits(batch["input_ids"], batch["cu_seqlens"]), rtol=1e-5, atol=1e-5)
         got, stats = moe(batch, moe.context(batch))
         want, _ = dense(batch, dense.context(batch))
-    for key in ("lm_sum", "mtp_1_sum"):
+    for key in ("lm_sum", "mtp_1_sum")[:1 + cfg.mtp_depth]:
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=0), key
-    assert set(stats.keys()) == {"layer_1", "layer_2", "mtp_1"}
+    assert set(stats.keys()) == {"layer_1", "layer_2", "mtp_1"} - ({"mtp_1"} if not cfg.mtp_depth else set())
     # the experts: slices of the dense FFN, each virtual group one whole copy of it
     g = granularity(cfg, dense_cfg)
     w_up = moe.blocks[1].mlp.experts.w_up
