@@ -133,11 +133,13 @@ under language_model. (Idefics3's and SmolVLM's under model.text_model., the hea
 lm_head.), and is written back the same way.
 A released LFM2-VL, LFM3-VL, EXAONE 4.5, Granite 4.0 Vision, Command A Vision, Aya Vision,
 HyperCLOVA X SEED Vision, Granite Speech (Plus), MiniCPM-V 4.6 / 4.7, DeepSeek-VL, AudioFlamingo 3,
-Music Flamingo, Qwen2-Audio, Qwen3-ASR, MOSS Transcribe-Diarize, LightOnOCR, Fun-ASR-Nano, GLM-ASR
+Music Flamingo, Qwen2-Audio, Qwen3-ASR, MOSS Transcribe-Diarize, LightOnOCR, Fun-ASR-Nano, GLM-ASR,
+GOT-OCR 2.0, Ovis2, VideoLLaMA 3, Qianfan-OCR, Janus, DeepSeek-VL-Hybrid, Idefics2
 or Nemotron 3 Nano Omni folder (_VL_TEXT) holds LFM2's, LFM3's, EXAONE 4.0's,
-Granite 3's, Cohere 2's, HyperCLOVA X's, Qwen3.5's, Llama's, Qwen2's, Qwen3's or Nemotron-H's text
-model under model.language_model. (the older layout: all of it, head
-included, under language_model.: Family.outer) beside a vision or audio encoder and its
+Granite 3's, Cohere 2's, HyperCLOVA X's, Qwen3.5's, Llama's, Mistral's, Qwen2's, Qwen3's or Nemotron-H's text
+model under model.language_model. (Idefics2's under model.text_model.; the older layout: all of it, head
+included, under language_model.: Family.outer; Qianfan-OCR's text layers there as released or as
+transformers writes them, Family.prefix_too) beside a vision or audio encoder and its
 projectors that are not read, and is written back only as that family.
 A released Qwen3-VL-MoE folder (qwen3_vl_moe) holds Qwen3-MoE's text model (its router always
 renormalised) under model.language_model., the dense Qwen3-VL (qwen3_vl) Qwen3's, beside a
@@ -3439,6 +3441,10 @@ class Family:
     # the head's hyper-connection weights under this prefix instead in some folders (HY-V4-VL's under HY-V4's prefix,
     # model.hc_pre.hc_head.hc_head_): loading reads the prefix the files hold (_stacked_experts), export writes it back
     hyper_head_too: Optional[str] = None
+    # (old, new): Family.prefix in some folders instead, (Qianfan-OCR's text layers as transformers writes them,
+    # language_model.model.encoder.layers., beside the released language_model.model.layers.): loading reads the one the
+    # files hold (_stacked_experts); its folders are written back only as their text model's family
+    prefix_too: Optional[tuple[str, str]] = None
     # Nemotron-H: each layer one sublayer (a mixer, an MLP or a MoE, under `mixer`, after its own `norm`); fmoe's block i is a
     # mixer's layer and, unless cfg.mlp_free_layers lists it, the MLP's (or MoE's) layer after it (_layer_prefixes)
     single_sublayer: bool = False
@@ -4101,6 +4107,22 @@ _VL_TEXT = {"lfm2_vl": ("lfm2", "Lfm2VlForConditionalGeneration", True, ("model.
             "moss_transcribe_diarize": ("qwen3", "MossTranscribeDiarizeForConditionalGeneration", True,
                                         ("model.audio_tower.", "model.multi_modal_projector."), _IN_MODEL),
             "lighton_ocr": ("qwen3", "LightOnOcrForConditionalGeneration", True, ("model.vision_encoder.", "model.vision_projection."), _IN_MODEL),
+            # GOT-OCR 2.0 (Qwen2's text model beside a SAM-style vision encoder and its projector, in the older layout), Ovis2
+            # (Qwen2's beside a SigLIP-style tower and its visual embedding table), VideoLLaMA 3 (Qwen2's beside a vision model and
+            # its projector), Qianfan-OCR (Qwen3's beside an InternViT-style tower and its mlp1, in the older layout), Janus (Llama's beside a SigLIP tower, its aligner, and the image
+            # generation's VQ model, embeddings, aligner and head), DeepSeek-VL-Hybrid (Llama's beside a SigLIP tower and a SAM-style
+            # high-resolution one, with their projections); Idefics2 (Mistral's, under model.text_model., the head at lm_head)
+            "got_ocr2": ("qwen2", "GotOcr2ForConditionalGeneration", True, ("vision_tower.", "multi_modal_projector."), _LEGACY),
+            "ovis2": ("qwen2", "Ovis2ForConditionalGeneration", True, ("model.vision_tower.", "model.visual_embeddings_table."), _IN_MODEL),
+            "video_llama_3": ("qwen2", "VideoLlama3ForConditionalGeneration", False, ("model.vision_model.", "model.projector."), _IN_MODEL),
+            "qianfan_ocr": ("qwen3", "QianfanOCRForConditionalGeneration", False, ("vision_model.", "mlp1."), _LEGACY),
+            "janus": ("llama", "JanusForConditionalGeneration", True, ("model.vision_model.", "model.aligner.", "model.vqmodel.",
+                                                                        "model.generation_embeddings.", "model.generation_aligner.",
+                                                                        "model.generation_head."), _IN_MODEL),
+            "deepseek_vl_hybrid": ("llama", "DeepseekVLHybridForConditionalGeneration", True,
+                                   ("model.vision_model.", "model.aligner.", "model.high_res_vision_model.", "model.high_res_vision_neck.",
+                                    "model.high_res_vision_proj.", "model.high_res_vision_alpha"), _IN_MODEL),
+            "idefics2": ("mistral", "Idefics2ForConditionalGeneration", False, ("model.vision_model.", "model.connector."), ("model.", "model.text_model.")),
             # Nemotron 3 Nano Omni: Nemotron-H's causal LM whole (its backbone. and lm_head) under language_model.
             "nemotron_h_omni": ("nemotron_h", "NemotronH_Omni_Reasoning_V3", None,
                                 ("vision_model.", "mlp1.", "sound_encoder.", "sound_projection."), _LEGACY)}
@@ -4109,6 +4131,9 @@ _VL_TEXT = {"lfm2_vl": ("lfm2", "Lfm2VlForConditionalGeneration", True, ("model.
 _VL_TEXT_ALIASES = {"exaone4": ("exaone4_5_text",), "granite": ("granite4_vision_text",)}
 for _vl, (_text, _architecture, _tied, _beside, _where) in _VL_TEXT.items():
     FAMILIES[_vl] = dataclasses.replace(FAMILIES[_text], config_to_fmoe=_vl_text(_text), architecture=_architecture,
+                                        # Qianfan-OCR's text layers as transformers writes them (its renaming of the vision encoder's
+                                        # encoder.layers. undone on every key)
+                                        prefix_too=("model.layers.", "model.encoder.layers.") if _vl == "qianfan_ocr" else None,
                                         aliases=dict(tie_word_embeddings="tie_embedding") if _vl == "lfm2_vl" else {},  # LFM2-VL's own name
                                         defaults={} if _tied is None else dict(tie_word_embeddings=_tied), not_read=_beside, written_as=_text,
                                         **(dict(outer=_where) if isinstance(_where, str) else dict(prefix=_where)))
@@ -4455,14 +4480,16 @@ def _stacked_experts(family: Family, keys) -> Family:
     experts stored as stacks (a key ending in experts.gate_up_proj), its stacked layout
     ("halves_out", Granite's and transformers' [E, 2F, H] / [E, H, F]); with Family.dense_too
     and a dense MLP under that name, that name for the dense blocks; with Family.hyper_head_too
-    and the head's hyper-connection weights under that prefix, that prefix; the family itself
-    otherwise."""
+    and the head's hyper-connection weights under that prefix, that prefix; with
+    Family.prefix_too and keys under it, that prefix; the family itself otherwise."""
     if family.stacks_too and any(key.endswith(".experts.gate_up_proj") for key in keys):
         family = dataclasses.replace(family, fused="halves_out", experts=_STACKS)
     if family.dense_too and any(key.endswith(f".{family.dense_too}.gate_proj.weight") for key in keys):
         family = dataclasses.replace(family, dense=family.dense_too)
     if family.hyper_head_too and any(key.startswith(family.hyper_head_too) for key in keys):
         family = dataclasses.replace(family, hyper=(*family.hyper[:2], family.hyper_head_too))
+    if family.prefix_too and any(key.startswith(family.outer + family.prefix_too[1]) for key in keys):
+        family = dataclasses.replace(family, prefix=family.prefix_too)
     return family
 
 

@@ -1580,6 +1580,9 @@ _SIGLIP = dict(model_type="siglip_vision_model", hidden_size=16, intermediate_si
 # a released vision-language (or speech) folder's model_type -> its text model's family (the tests' config of it), and
 # transformers' classes of the whole model and its config with the tiny encoder and projector configs beside the text config
 # a tiny Whisper-like audio encoder (AudioFlamingo 3's, Qwen2-Audio's), and Granite Speech's encoder and Q-Former projector
+# a tiny SAM-style vision encoder (GOT-OCR 2.0's, DeepSeek-VL-Hybrid's high-resolution one)
+_SAM = dict(hidden_size=16, output_channels=8, num_hidden_layers=1, num_attention_heads=2, mlp_dim=16, image_size=32, patch_size=8,
+            global_attn_indexes=[0], window_size=2)
 _WHISPER_LIKE = dict(d_model=16, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=16, num_mel_bins=8)
 _GRANITE_SPEECH = dict(encoder_config=dict(hidden_dim=16, num_layers=1, num_heads=2, dim_head=8, output_dim=8, input_dim=16),
                        projector_config=dict(hidden_size=16, num_attention_heads=2, intermediate_size=16, encoder_hidden_size=16, num_hidden_layers=1))
@@ -1624,6 +1627,24 @@ _VL = {
     "lighton_ocr": ("qwen3", ("LightOnOcrForConditionalGeneration", "LightOnOcrConfig"),
                     dict(vision_config=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14,
                                             head_dim=8))),
+    # GOT-OCR 2.0 and DeepSeek-VL-Hybrid's high-resolution tower: SAM-style encoders; Janus: the image generation's VQ model
+    # (GroupNorms of 32 groups) beside the understanding tower; Idefics2: a perceiver resampler of the text model's width
+    "got_ocr2": ("qwen2", ("GotOcr2ForConditionalGeneration", "GotOcr2Config"), dict(vision_config=_SAM)),
+    "ovis2": ("qwen2", ("Ovis2ForConditionalGeneration", "Ovis2Config"), dict(vision_config=dict(_SIGLIP, model_type="ovis2_vision_model", vocab_size=32))),
+    "video_llama_3": ("qwen2", ("VideoLlama3ForConditionalGeneration", "VideoLlama3Config"),
+                      dict(vision_config=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2))),
+    "qianfan_ocr": ("qwen3", ("QianfanOCRForConditionalGeneration", "QianfanOCRConfig"),
+                    dict(vision_config=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, image_size=[28, 28],
+                                            patch_size=[14, 14]))),
+    "janus": ("llama", ("JanusForConditionalGeneration", "JanusConfig"), dict(
+        vision_config=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14, projection_dim=32),
+        vq_config=dict(embed_dim=4, num_embeddings=8, base_channels=32, channel_multiplier=[1], num_res_blocks=1, latent_channels=4, projection_dim=32,
+                       image_token_embed_dim=32, num_patches=4))),
+    "deepseek_vl_hybrid": ("llama", ("DeepseekVLHybridForConditionalGeneration", "DeepseekVLHybridConfig"),
+                           dict(vision_config=_SIGLIP, high_res_vision_config=_SAM)),
+    "idefics2": ("mistral", ("Idefics2ForConditionalGeneration", "Idefics2Config"), dict(
+        vision_config=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14),
+        perceiver_config=dict(hidden_size=32, resampler_n_latents=4, resampler_depth=1, resampler_n_heads=2, resampler_head_dim=8, num_key_value_heads=1))),
     # Nemotron 3 Nano Omni: Nemotron-H's causal LM under language_model. beside a RADIO vision model, a Parakeet audio encoder
     # and their projectors; the text model ties its own head
     "nemotron_h_omni": ("nemotron_h", ("NemotronH_Omni_Reasoning_V3", "NemotronH_Omni_Reasoning_V3_Config"), dict(
@@ -1641,8 +1662,8 @@ def test_a_released_vision_language_folder_loads_its_text_model(kind, tmp_path):
     (fmoe.hf._VL_TEXT: LFM2-VL, LFM3-VL, EXAONE 4.5, Granite 4.0 Vision, Command A Vision, Aya
     Vision, HyperCLOVA X SEED Vision, Granite Speech (Plus), MiniCPM-V 4.6 / 4.7, DeepSeek-VL, AudioFlamingo 3,
     Music Flamingo, Qwen2-Audio, Qwen3-ASR, MOSS Transcribe-Diarize, LightOnOCR, Fun-ASR-Nano, GLM-ASR,
-    Nemotron 3 Nano Omni): the text model, under
-    model.language_model. or (the older layout) all of it under language_model., loads with
+    GOT-OCR 2.0, Ovis2, VideoLLaMA 3, Qianfan-OCR, Janus, DeepSeek-VL-Hybrid, Idefics2, Nemotron 3 Nano Omni): the text
+    model, under model.language_model. (Idefics2's model.text_model.) or (the older layout) all of it under language_model., loads with
     transformers' logits of a text-only forward, the encoders' and projectors' keys neither
     read nor counted as unread, its head tied as the top level says (or its class by default);
     written back as the text model's family (_text_model_round_trip); a text_config of
@@ -1656,7 +1677,7 @@ def test_a_released_vision_language_folder_loads_its_text_model(kind, tmp_path):
     cls, config = (getattr(transformers, name) for name in names)
     config = config(text_config=text, **extra)
     theirs = _saved_multimodal(cls, config, tmp_path / "hf")
-    prefix = hf.FAMILIES[kind].outer or "model.language_model."
+    prefix = hf.FAMILIES[kind].outer or hf.FAMILIES[kind].prefix[1]  # model.language_model. (Idefics2's model.text_model.)
     _, cfg, _ = _text_model_round_trip(tmp_path / "hf", theirs, tmp_path / "text", kind=kind, prefix=prefix,
                                        head=prefix + "lm_head.weight" if hf.FAMILIES[kind].outer else "lm_head.weight", text_kind=text_kind)
     tied = config.text_config.tie_word_embeddings if own_tie else config.tie_word_embeddings
@@ -1674,6 +1695,28 @@ def test_a_released_vision_language_folder_loads_its_text_model(kind, tmp_path):
     other = "qwen2" if text_kind == "llama" else "llama"  # a text model of another family
     with pytest.raises(ValueError, match=f"config.json: a {kind} folder whose text model is '{other}' is not supported"):
         hf.FAMILIES[kind].kwargs(dict(model_type=kind, text_config=dict(text, model_type=other)))
+
+
+def test_qianfan_ocr_reads_its_released_layout_and_transformers_one(tmp_path):
+    """Qianfan-OCR's released folders hold the text layers under language_model.model.layers.;
+    transformers writes them under language_model.model.encoder.layers. (its renaming of the
+    vision encoder's layers undone on every key) and reads both: so does fmoe, with the same
+    logits, the layout taken from the keys the files hold."""
+    text_kind, names, extra = _VL["qianfan_ocr"]
+    text = dict(FAMILIES[text_kind]().to_dict(), pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    cls, config = (getattr(transformers, name) for name in names)
+    theirs = _saved_multimodal(cls, config(text_config=text, **extra), tmp_path / "written")
+    written = _read_all(tmp_path / "written")
+    assert any(k.startswith("language_model.model.encoder.layers.") for k in written)
+    released = _copy_folder(tmp_path / "written", tmp_path / "released",
+                            {k.replace("language_model.model.encoder.layers.", "language_model.model.layers."): v for k, v in written.items()})
+    docs, ids, cu = _packed()
+    with torch.no_grad():
+        again = cls.from_pretrained(released, dtype=torch.float32).eval()
+        assert _rel(torch.cat([again(input_ids=d[None]).logits[0] for d in docs]), theirs) < 1e-6
+        for folder in (tmp_path / "written", released):
+            model, _ = hf.from_pretrained(folder, impl="torch")
+            assert _rel(model.logits(ids, cu), theirs) < 1e-5, folder.name
 
 
 def _qwen3_vl(kind, ffn_expert=8):
