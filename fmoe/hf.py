@@ -134,10 +134,10 @@ lm_head.), and is written back the same way.
 A released LFM2-VL, LFM3-VL, EXAONE 4.5, Granite 4.0 Vision, Command A Vision, Aya Vision,
 HyperCLOVA X SEED Vision, Granite Speech (Plus), MiniCPM-V 4.6 / 4.7, DeepSeek-VL, AudioFlamingo 3,
 Music Flamingo, Qwen2-Audio, Qwen3-ASR, MOSS Transcribe-Diarize, LightOnOCR, Fun-ASR-Nano, GLM-ASR,
-GOT-OCR 2.0, Ovis2, VideoLLaMA 3, Qianfan-OCR, Janus, DeepSeek-VL-Hybrid, Idefics2
+GOT-OCR 2.0, Ovis2, VideoLLaMA 3, Qianfan-OCR, Janus, DeepSeek-VL-Hybrid, Idefics2, Granite Docling
 or Nemotron 3 Nano Omni folder (_VL_TEXT) holds LFM2's, LFM3's, EXAONE 4.0's,
 Granite 3's, Cohere 2's, HyperCLOVA X's, Qwen3.5's, Llama's, Mistral's, Qwen2's, Qwen3's or Nemotron-H's text
-model under model.language_model. (Idefics2's under model.text_model.; the older layout: all of it, head
+model under model.language_model. (Idefics2's and Granite Docling's under model.text_model.; the older layout: all of it, head
 included, under language_model.: Family.outer; Qianfan-OCR's text layers there as released or as
 transformers writes them, Family.prefix_too) beside a vision or audio encoder and its
 projectors that are not read, and is written back only as that family.
@@ -3015,6 +3015,16 @@ _MULTIMODAL = {
               dict(attention_bias=True, head_dim=_whole_heads)),
     "glm46v": (None, dict(tie_word_embeddings=False), dict(vocab_size=151552, rms_norm_eps=1e-5, partial_rotary_factor=1.0),
                dict(attention_bias=True, head_dim=_whole_heads)),
+    # PaddleOCR-VL: ERNIE 4.5's blocks with Qwen2-VL's RoPE (on halves, plain over text): Llama's model, its biases on q, k, v, o
+    # and the MLPs one setting (use_bias)
+    "paddleocr_vl": (None, dict(tie_word_embeddings=True), dict(vocab_size=103424, hidden_size=1024, intermediate_size=3072, num_hidden_layers=18,
+                                                                num_attention_heads=16, num_key_value_heads=2, head_dim=128, rms_norm_eps=1e-5,
+                                                                use_bias=False, rope_parameters=dict(rope_type="default", rope_theta=5e5)),
+                     dict(attention_bias=lambda t: bool(t["use_bias"]), mlp_bias=lambda t: bool(t["use_bias"]))),
+    # GLM-OCR: GLM-4.1V's text model without q/k/v biases, its heads head_dim wide where the config says so
+    "glm_ocr": (None, dict(tie_word_embeddings=False), dict(vocab_size=59392, hidden_size=1024, intermediate_size=4096, num_hidden_layers=16,
+                                                            num_attention_heads=16, num_key_value_heads=8, rms_norm_eps=1e-5, partial_rotary_factor=1.0),
+                dict(attention_bias=False, head_dim=lambda t: t.get("head_dim") or _whole_heads(t))),
     # ERNIE-4.5-VL: ERNIE 4.5 MoE's text model, its text experts' size the first of moe_intermediate_size's [text, vision],
     # its MoE blocks by mlp_layer_types (by default all but the first) in ERNIE 4.5 MoE's placement fields
     "ernie4_5_vl_moe": (None, dict(tie_word_embeddings=True), dict(moe_intermediate_size=[1536, 512], rms_norm_eps=1e-5),
@@ -3071,7 +3081,9 @@ def _multimodal(hf: dict) -> dict:
     beside the thinker's audio and vision encoders, the talker and the code-to-wave model;
     glm4v_moe (Glm4vMoeForConditionalGeneration: GLM-4.5V, GLM-4.6V) GLM-4.5's (glm4_moe:
     without q/k norms, and its MTP layer, which transformers does not read) beside a vision
-    model, glm4v and glm46v (GLM-4.1V-9B, GLM-4.6V-Flash) GLM-4's dense one (glm4); qwen2_vl and
+    model, glm4v and glm46v (GLM-4.1V-9B, GLM-4.6V-Flash) GLM-4's dense one (glm4), glm_ocr
+    (GLM-OCR) that one without q/k/v biases (and its MTP layer, which transformers does not read); paddleocr_vl
+    (PaddleOCR-VL) ERNIE 4.5's blocks with RoPE on halves, Llama's model (llama); qwen2_vl and
     qwen2_5_vl (Qwen2-VL, Qwen2.5-VL) Qwen2's, qwen2_5_omni (Qwen2.5-Omni-3B / -7B) Qwen2's as
     its thinker's. The text model is read as its family's (Family.written_as, _multimodal_text);
     nothing beside it is."""
@@ -3763,11 +3775,18 @@ FAMILIES = {
     "glm46v": Family(_multimodal, "mlp", _PROJ, "Glm46VForConditionalGeneration", dense_gate_up=True, prefix=("model.", "model.language_model."),
                      sandwich=("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm"),
                      not_read=("model.visual.",), written_as="glm4"),
+    # GLM-OCR: the same layout; its MTP layer after the trunk's (layers.16 of the released 16) not read, as in transformers
+    "glm_ocr": Family(_multimodal, "mlp", _PROJ, "GlmOcrForConditionalGeneration", dense_gate_up=True, prefix=("model.", "model.language_model."),
+                      sandwich=("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm"),
+                      not_read=("model.visual.",), written_as="glm4", extra_layers_read=False),
     "qwen3_omni_moe": Family(_multimodal, "mlp", _PROJ, "Qwen3OmniMoeForConditionalGeneration", prefix=("", "thinker."),
                              not_read=("thinker.audio_tower.", "thinker.visual.", "talker.", "code2wav."), written_as="qwen3_moe"),
     # ...and Qwen2.5-Omni's: Qwen2's text model under thinker. beside its encoders, the talker and token2wav
     "qwen2_5_omni": Family(_multimodal, "mlp", _PROJ, "Qwen2_5OmniForConditionalGeneration", prefix=("", "thinker."),
                            not_read=("thinker.audio_tower.", "thinker.visual.", "talker.", "token2wav."), written_as="qwen2"),
+    # PaddleOCR-VL: its text model (Llama's: _MULTIMODAL) under model. as the released folders hold it (and transformers writes
+    # it), beside a vision model (visual.) and its projector (mlp_AR.)
+    "paddleocr_vl": Family(_multimodal, "mlp", _PROJ, "PaddleOCRVLForConditionalGeneration", not_read=("visual.", "mlp_AR."), written_as="llama"),
     # Kimi Linear: transformers writes the dense MLPs under block_sparse_moe too (the released folders: mlp)
     "kimi_linear": Family(_kimi_linear, "block_sparse_moe", ("w1", "w3", "w2"), "KimiLinearForCausalLM", "shared_experts", linear="kda",
                           dense_too="block_sparse_moe", aliases=_KIMI_LINEAR_ALIASES, defaults=_KIMI_LINEAR_DEFAULTS),
@@ -4123,12 +4142,15 @@ _VL_TEXT = {"lfm2_vl": ("lfm2", "Lfm2VlForConditionalGeneration", True, ("model.
                                    ("model.vision_model.", "model.aligner.", "model.high_res_vision_model.", "model.high_res_vision_neck.",
                                     "model.high_res_vision_proj.", "model.high_res_vision_alpha"), _IN_MODEL),
             "idefics2": ("mistral", "Idefics2ForConditionalGeneration", False, ("model.vision_model.", "model.connector."), ("model.", "model.text_model.")),
+            # Granite Docling (Granite 3's text model under model.text_model., its own model_type, beside a vision model whose
+            # deepstack features join some layers' outputs only at image tokens; its head applies the logit scale)
+            "granite_docling": ("granite", "GraniteDoclingForConditionalGeneration", True, ("model.vision_model.",), ("model.", "model.text_model.")),
             # Nemotron 3 Nano Omni: Nemotron-H's causal LM whole (its backbone. and lm_head) under language_model.
             "nemotron_h_omni": ("nemotron_h", "NemotronH_Omni_Reasoning_V3", None,
                                 ("vision_model.", "mlp1.", "sound_encoder.", "sound_projection."), _LEGACY)}
 # the text models' own model_types that read as the family: EXAONE 4.5's first released one (transformers reads it as exaone4),
-# Granite 4.0 Vision's (Granite 3's config)
-_VL_TEXT_ALIASES = {"exaone4": ("exaone4_5_text",), "granite": ("granite4_vision_text",)}
+# Granite 4.0 Vision's and Granite Docling's (Granite 3's config)
+_VL_TEXT_ALIASES = {"exaone4": ("exaone4_5_text",), "granite": ("granite4_vision_text", "granite_docling_text")}
 for _vl, (_text, _architecture, _tied, _beside, _where) in _VL_TEXT.items():
     FAMILIES[_vl] = dataclasses.replace(FAMILIES[_text], config_to_fmoe=_vl_text(_text), architecture=_architecture,
                                         # Qianfan-OCR's text layers as transformers writes them (its renaming of the vision encoder's

@@ -1645,6 +1645,10 @@ _VL = {
     "idefics2": ("mistral", ("Idefics2ForConditionalGeneration", "Idefics2Config"), dict(
         vision_config=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14),
         perceiver_config=dict(hidden_size=32, resampler_n_latents=4, resampler_depth=1, resampler_n_heads=2, resampler_head_dim=8, num_key_value_heads=1))),
+    # Granite Docling: a vision model with its connectors' deepstack mergers (vision layers 0 and 1); its own text model_type
+    "granite_docling": ("granite", ("GraniteDoclingForConditionalGeneration", "GraniteDoclingConfig"), dict(
+        vision_config=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=8,
+                           out_hidden_size=32, scale_factor=2, deepstack_visual_indexes=[0, 1]))),
     # Nemotron 3 Nano Omni: Nemotron-H's causal LM under language_model. beside a RADIO vision model, a Parakeet audio encoder
     # and their projectors; the text model ties its own head
     "nemotron_h_omni": ("nemotron_h", ("NemotronH_Omni_Reasoning_V3", "NemotronH_Omni_Reasoning_V3_Config"), dict(
@@ -1662,16 +1666,16 @@ def test_a_released_vision_language_folder_loads_its_text_model(kind, tmp_path):
     (fmoe.hf._VL_TEXT: LFM2-VL, LFM3-VL, EXAONE 4.5, Granite 4.0 Vision, Command A Vision, Aya
     Vision, HyperCLOVA X SEED Vision, Granite Speech (Plus), MiniCPM-V 4.6 / 4.7, DeepSeek-VL, AudioFlamingo 3,
     Music Flamingo, Qwen2-Audio, Qwen3-ASR, MOSS Transcribe-Diarize, LightOnOCR, Fun-ASR-Nano, GLM-ASR,
-    GOT-OCR 2.0, Ovis2, VideoLLaMA 3, Qianfan-OCR, Janus, DeepSeek-VL-Hybrid, Idefics2, Nemotron 3 Nano Omni): the text
-    model, under model.language_model. (Idefics2's model.text_model.) or (the older layout) all of it under language_model., loads with
+    GOT-OCR 2.0, Ovis2, VideoLLaMA 3, Qianfan-OCR, Janus, DeepSeek-VL-Hybrid, Idefics2, Granite Docling, Nemotron 3 Nano Omni):
+    the text model, under model.language_model. (Idefics2's and Granite Docling's model.text_model.) or (the older layout) all of it under language_model., loads with
     transformers' logits of a text-only forward, the encoders' and projectors' keys neither
     read nor counted as unread, its head tied as the top level says (or its class by default);
     written back as the text model's family (_text_model_round_trip); a text_config of
     another model is refused by name."""
     text_kind, names, extra = _VL[kind]
     text = dict(FAMILIES[text_kind]().to_dict(), pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    if kind == "granite4_vision":
-        text["model_type"] = "granite4_vision_text"
+    if kind in ("granite4_vision", "granite_docling"):
+        text["model_type"] = f"{kind}_text"
     omni = kind == "nemotron_h_omni"  # its released folders name the text config llm_config
     own_tie = hf.FAMILIES[kind].defaults.get("tie_word_embeddings") is None  # the text model ties its own head (the top level has no such field)
     cls, config = (getattr(transformers, name) for name in names)
@@ -2051,22 +2055,27 @@ def test_a_released_glm4v_moe_folder_loads_its_text_model(tmp_path):
     assert hf.from_pretrained(tmp_path / "mtp-text")[1].mtp_depth == 1
 
 
-@pytest.mark.parametrize("kind", ["glm4v", "glm46v"])
+@pytest.mark.parametrize("kind", ["glm4v", "glm46v", "glm_ocr"])
 def test_a_released_glm4v_folder_loads_its_dense_text_model(kind, tmp_path):
     """A glm4v / glm46v folder (GLM-4.1V-9B, GLM-4.6V-Flash): GLM-4's dense text model
     (sandwich norms, q/k/v biases always, gate and up as one gate_up_proj, RoPE on interleaved
     pairs of the part of each head its rope_parameters name, all of it where they name none)
     under model.language_model. loads with transformers' logits of a text-only forward; not
     written back without the vision model, it writes as glm4, which transformers loads with
-    the same logits and fmoe reads back exactly."""
+    the same logits and fmoe reads back exactly. GLM-OCR's (glm_ocr): that model without q/k/v
+    biases, heads of head_dim where the config sets one, its MTP layer after the trunk's
+    neither read nor counted as unread."""
     made = dict(glm4v=(transformers.Glm4vConfig, transformers.Glm4vForConditionalGeneration),
-                glm46v=(transformers.Glm46VConfig, transformers.Glm46VForConditionalGeneration))[kind]
+                glm46v=(transformers.Glm46VConfig, transformers.Glm46VForConditionalGeneration),
+                glm_ocr=(transformers.GlmOcrConfig, transformers.GlmOcrForConditionalGeneration))[kind]
     vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32, patch_size=2, temporal_patch_size=1,
                   spatial_merge_size=1)
     docs = _packed()[0]
-    for rope, rope_dim in ((dict(partial_rotary_factor=0.5, mrope_section=[1, 1, 0]), 4), (dict(mrope_section=[2, 1, 1]), None)):
+    ocr = kind == "glm_ocr"
+    # (GLM-OCR's first: heads of 12, RoPE on 6 of their channels, 3 frequencies)
+    for rope, rope_dim in ((dict(partial_rotary_factor=0.5, mrope_section=[1, 1, 1] if ocr else [1, 1, 0]), 4), (dict(mrope_section=[2, 1, 1]), None)):
         text = dict(vocab_size=V, hidden_size=32, intermediate_size=40, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                    rope_parameters=dict(rope_type="default", rope_theta=1e4, **rope))
+                    rope_parameters=dict(rope_type="default", rope_theta=1e4, **rope), **(dict(head_dim=12) if ocr and rope_dim else {}))
         torch.manual_seed(0)
         ref = _randomised(made[1](made[0](text_config=text, vision_config=vision)))
         folder = tmp_path / f"{kind}-{rope_dim}"
@@ -2075,8 +2084,34 @@ def test_a_released_glm4v_folder_loads_its_dense_text_model(kind, tmp_path):
             theirs = torch.cat([ref(input_ids=d[None]).logits[0] for d in docs])
         _, cfg, written = _text_model_round_trip(folder, theirs, tmp_path / f"text-{rope_dim}", kind=kind, prefix="model.language_model.",
                                                  head="lm_head.weight", text_kind="glm4")
-        assert (cfg.qkv_bias, cfg.post_norms, cfg.rope_interleaved, cfg.rope_dim, cfg.n_dense, cfg.norm_eps) == (True, True, True, rope_dim, 3, 1e-5)
+        assert (cfg.qkv_bias, cfg.post_norms, cfg.rope_interleaved, cfg.n_dense, cfg.norm_eps) == (not ocr, True, True, 3, 1e-5)
+        assert (cfg.head_dim, cfg.rope_dim) == ((12, 6) if ocr and rope_dim else (8, rope_dim))
         assert "mrope_section" not in written["rope_parameters"]
+    if ocr:  # the released folders' MTP layer (layers.3 of these 3): unread, as in transformers
+        tensors = _read_all(folder)
+        mtp = {k.replace(".layers.2.", ".layers.3."): torch.randn_like(v) for k, v in tensors.items() if ".language_model.layers.2." in k}
+        model, _ = hf.from_pretrained(_copy_folder(folder, tmp_path / "mtp", {**tensors, **mtp}), impl="torch")
+        with torch.no_grad():
+            assert _rel(model.logits(*_packed()[1:]), theirs) < 1e-5
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_released_paddleocr_vl_folder_loads_its_text_model(bias, tmp_path):
+    """A paddleocr_vl folder (PaddleOCR-VL): ERNIE 4.5's blocks with Qwen2-VL's RoPE on halves
+    (3-D positions, equal over text: plain RoPE) and its biases on q, k, v, o and the MLPs one
+    setting (use_bias): Llama's model, under model. beside the vision model (visual.) and its
+    projector (mlp_AR.), neither read nor counted as unread; it loads with transformers' logits
+    of a text-only forward, is not written back without them, and writes as llama, which
+    transformers loads with the same logits and fmoe reads back exactly."""
+    text = dict(vocab_size=V, hidden_size=32, intermediate_size=40, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+                use_bias=bias, rope_parameters=dict(rope_type="default", rope_theta=1e4, mrope_section=[2, 2, 2]))
+    vision = dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, patch_size=14, image_size=28)
+    theirs = _saved_multimodal(transformers.PaddleOCRVLForConditionalGeneration, transformers.PaddleOCRVLConfig(text_config=text, vision_config=vision),
+                               tmp_path / "vl")
+    _, cfg, written = _text_model_round_trip(tmp_path / "vl", theirs, tmp_path / "text", kind="paddleocr_vl", prefix="model.",
+                                             head="lm_head.weight", text_kind="llama")
+    assert (cfg.qkv_bias, cfg.o_bias, cfg.mlp_bias, cfg.rope_interleaved, cfg.head_dim, cfg.tie_embeddings) == (bias, bias, bias, False, 12, True)
+    assert "mrope_section" not in written["rope_parameters"]
 
 
 def test_a_released_ernie4_5_vl_moe_folder_loads_its_text_model(tmp_path):
