@@ -3021,6 +3021,8 @@ _MULTIMODAL = {
                                                                 num_attention_heads=16, num_key_value_heads=2, head_dim=128, rms_norm_eps=1e-5,
                                                                 use_bias=False, rope_parameters=dict(rope_type="default", rope_theta=5e5)),
                      dict(attention_bias=lambda t: bool(t["use_bias"]), mlp_bias=lambda t: bool(t["use_bias"]))),
+    # HunYuan-VL: Hunyuan dense's text model (its XD-RoPE's four axes equal over text: its plain RoPE), the head tied
+    "hunyuan_vl": (None, dict(tie_word_embeddings=True), dict(tie_word_embeddings=True), {}),
     # GLM-OCR: GLM-4.1V's text model without q/k/v biases, its heads head_dim wide where the config says so
     "glm_ocr": (None, dict(tie_word_embeddings=False), dict(vocab_size=59392, hidden_size=1024, intermediate_size=4096, num_hidden_layers=16,
                                                             num_attention_heads=16, num_key_value_heads=8, rms_norm_eps=1e-5, partial_rotary_factor=1.0),
@@ -3083,7 +3085,8 @@ def _multimodal(hf: dict) -> dict:
     without q/k norms, and its MTP layer, which transformers does not read) beside a vision
     model, glm4v and glm46v (GLM-4.1V-9B, GLM-4.6V-Flash) GLM-4's dense one (glm4), glm_ocr
     (GLM-OCR) that one without q/k/v biases (and its MTP layer, which transformers does not read); paddleocr_vl
-    (PaddleOCR-VL) ERNIE 4.5's blocks with RoPE on halves, Llama's model (llama); qwen2_vl and
+    (PaddleOCR-VL) ERNIE 4.5's blocks with RoPE on halves, Llama's model (llama); hunyuan_vl
+    (HunYuan-VL) Hunyuan dense's (hunyuan_v1_dense); qwen2_vl and
     qwen2_5_vl (Qwen2-VL, Qwen2.5-VL) Qwen2's, qwen2_5_omni (Qwen2.5-Omni-3B / -7B) Qwen2's as
     its thinker's. The text model is read as its family's (Family.written_as, _multimodal_text);
     nothing beside it is."""
@@ -3784,6 +3787,9 @@ FAMILIES = {
     # ...and Qwen2.5-Omni's: Qwen2's text model under thinker. beside its encoders, the talker and token2wav
     "qwen2_5_omni": Family(_multimodal, "mlp", _PROJ, "Qwen2_5OmniForConditionalGeneration", prefix=("", "thinker."),
                            not_read=("thinker.audio_tower.", "thinker.visual.", "talker.", "token2wav."), written_as="qwen2"),
+    # HunYuan-VL: Hunyuan dense's text model under model. beside its vision model (vit.), as released (and as transformers writes it)
+    "hunyuan_vl": Family(_multimodal, "mlp", _PROJ, "HunYuanVLForConditionalGeneration", qk_norms=("query_layernorm", "key_layernorm"),
+                         not_read=("vit.",), written_as="hunyuan_v1_dense"),
     # PaddleOCR-VL: its text model (Llama's: _MULTIMODAL) under model. as the released folders hold it (and transformers writes
     # it), beside a vision model (visual.) and its projector (mlp_AR.)
     "paddleocr_vl": Family(_multimodal, "mlp", _PROJ, "PaddleOCRVLForConditionalGeneration", not_read=("visual.", "mlp_AR."), written_as="llama"),

@@ -2114,6 +2114,23 @@ def test_a_released_paddleocr_vl_folder_loads_its_text_model(bias, tmp_path):
     assert "mrope_section" not in written["rope_parameters"]
 
 
+def test_a_released_hunyuan_vl_folder_loads_its_text_model(tmp_path):
+    """A hunyuan_vl folder (HunYuan-VL, HunyuanOCR): Hunyuan dense's text model (q/k norms after
+    RoPE, its dynamic RoPE's alpha) whose XD-RoPE rotates four axes, equal over text: plain
+    RoPE. Under model. beside the vision model (vit.), neither read nor counted as unread; it
+    loads with transformers' logits of a text-only forward, the head tied, is not written back
+    without the vision model, and writes as hunyuan_v1_dense, which transformers loads with the
+    same logits and fmoe reads back exactly."""
+    text = dict(FAMILIES["hunyuan_v1_dense"]().to_dict(), pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    text["rope_parameters"] = dict(text["rope_parameters"], mrope_section=[1, 1, 1, 1])
+    vision = dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, out_hidden_size=32)
+    theirs = _saved_multimodal(transformers.HunYuanVLForConditionalGeneration, transformers.HunYuanVLConfig(text_config=text, vision_config=vision),
+                               tmp_path / "vl")
+    _, cfg, written = _text_model_round_trip(tmp_path / "vl", theirs, tmp_path / "text", kind="hunyuan_vl", prefix="model.", head="lm_head.weight",
+                                             text_kind="hunyuan_v1_dense")
+    assert cfg.tie_embeddings and cfg.qk_norm_after_rope and "mrope_section" not in written["rope_parameters"]
+
+
 def test_a_released_ernie4_5_vl_moe_folder_loads_its_text_model(tmp_path):
     """An ernie4_5_vl_moe folder (ERNIE-4.5-VL-28B-A3B, -424B-A47B): ERNIE 4.5 MoE's text model
     with modality-isolated experts (the first half of each block's experts the text ones, the
