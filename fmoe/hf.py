@@ -139,7 +139,7 @@ or Nemotron 3 Nano Omni folder (_VL_TEXT) holds LFM2's, LFM3's, EXAONE 4.0's,
 Granite 3's, Cohere 2's, HyperCLOVA X's, Qwen3.5's, Llama's, Mistral's, Qwen2's, Qwen3's or Nemotron-H's text
 model under model.language_model. (Idefics2's and Granite Docling's under model.text_model.; the older layout: all of it, head
 included, under language_model.: Family.outer; Qianfan-OCR's text layers there as released or as
-transformers writes them, Family.prefix_too) beside a vision or audio encoder and its
+transformers writes them, Family.layout_too) beside a vision or audio encoder and its
 projectors that are not read, and is written back only as that family.
 A released Qwen3-VL-MoE folder (qwen3_vl_moe) holds Qwen3-MoE's text model (its router always
 renormalised) under model.language_model., the dense Qwen3-VL (qwen3_vl) Qwen3's, beside a
@@ -3004,6 +3004,8 @@ _MULTIMODAL = {
         rms_norm_eps=1e-5, rope_theta=1e6), {})),
     "qwen3_vl_moe": (None, dict(tie_word_embeddings=False), dict(num_key_value_heads=16, rope_theta=5e5), dict(norm_topk_prob=True)),
     "qwen3_vl": (None, dict(tie_word_embeddings=False), dict(num_key_value_heads=32, head_dim=128, rope_theta=5e5), {}),
+    # Cosmos3-Omni (Cosmos3-Nano's reasoner): Qwen3-VL's model under its own model_type
+    "cosmos3_omni": (None, dict(tie_word_embeddings=False), dict(num_key_value_heads=32, head_dim=128, rope_theta=5e5), {}),
     "qwen3_omni_moe": ("thinker_config", dict(tie_word_embeddings=False), dict(num_key_value_heads=4, rope_theta=1e6), {}),
     "qwen2_5_omni": ("thinker_config", dict(tie_word_embeddings=False), dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
                                                                              num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
@@ -3015,6 +3017,9 @@ _MULTIMODAL = {
               dict(attention_bias=True, head_dim=_whole_heads)),
     "glm46v": (None, dict(tie_word_embeddings=False), dict(vocab_size=151552, rms_norm_eps=1e-5, partial_rotary_factor=1.0),
                dict(attention_bias=True, head_dim=_whole_heads)),
+    # glmga: GLM-4.6V's model (transformers' Glm46VForConditionalGeneration) under its own model_type
+    "glmga": (None, dict(tie_word_embeddings=False), dict(vocab_size=151552, rms_norm_eps=1e-5, partial_rotary_factor=1.0),
+              dict(attention_bias=True, head_dim=_whole_heads)),
     # PaddleOCR-VL: ERNIE 4.5's blocks with Qwen2-VL's RoPE (on halves, plain over text): Llama's model, its biases on q, k, v, o
     # and the MLPs one setting (use_bias)
     "paddleocr_vl": (None, dict(tie_word_embeddings=True), dict(vocab_size=103424, hidden_size=1024, intermediate_size=3072, num_hidden_layers=18,
@@ -3078,12 +3083,13 @@ _TOP_LEVEL_TEXT = ("qwen2_vl", "qwen2_5_vl")  # released folders whose text_conf
 def _multimodal(hf: dict) -> dict:
     """A released multimodal folder: qwen3_vl_moe (Qwen3VLMoeForConditionalGeneration:
     Qwen3-VL-30B-A3B, -235B-A22B) and qwen3_vl (Qwen3VLForConditionalGeneration: Qwen3-VL-2B to
-    -32B) hold Qwen3-MoE's and Qwen3's text model beside a vision model; qwen3_omni_moe
+    -32B), and cosmos3_omni (Cosmos3OmniForConditionalGeneration, Qwen3-VL's model), hold Qwen3-MoE's and Qwen3's
+    text model beside a vision model; qwen3_omni_moe
     (Qwen3OmniMoeForConditionalGeneration: Qwen3-Omni-30B-A3B) Qwen3-MoE's as its thinker's,
     beside the thinker's audio and vision encoders, the talker and the code-to-wave model;
     glm4v_moe (Glm4vMoeForConditionalGeneration: GLM-4.5V, GLM-4.6V) GLM-4.5's (glm4_moe:
     without q/k norms, and its MTP layer, which transformers does not read) beside a vision
-    model, glm4v and glm46v (GLM-4.1V-9B, GLM-4.6V-Flash) GLM-4's dense one (glm4), glm_ocr
+    model, glm4v, glm46v and glmga (GLM-4.1V-9B, GLM-4.6V-Flash) GLM-4's dense one (glm4), glm_ocr
     (GLM-OCR) that one without q/k/v biases (and its MTP layer, which transformers does not read); paddleocr_vl
     (PaddleOCR-VL) ERNIE 4.5's blocks with RoPE on halves, Llama's model (llama); hunyuan_vl
     (HunYuan-VL) Hunyuan dense's (hunyuan_v1_dense); qwen2_vl and
@@ -3406,6 +3412,7 @@ class Family:
     conv1d: bool = False
     attention: str = "self_attn"  # the attention module, in each block
     qkv: Optional[str] = None  # q, k and v as one module's rows (Sarvam's query_key_value), not q_proj / k_proj / v_proj
+    qkv_names: tuple[str, str, str] = ("q_proj", "k_proj", "v_proj")  # ...or their own modules' names (Cosmos3's to_q, to_k, to_v)
     # that module's rows kv head by kv head, each one's q heads, k and v in turn (GPT-NeoX's; GPT-BigCode's, whose one kv head under
     # multi-query attention makes it all q's first), not all q's first
     qkv_per_head: bool = False
@@ -3456,10 +3463,11 @@ class Family:
     # the head's hyper-connection weights under this prefix instead in some folders (HY-V4-VL's under HY-V4's prefix,
     # model.hc_pre.hc_head.hc_head_): loading reads the prefix the files hold (_stacked_experts), export writes it back
     hyper_head_too: Optional[str] = None
-    # (old, new): Family.prefix in some folders instead, (Qianfan-OCR's text layers as transformers writes them,
-    # language_model.model.encoder.layers., beside the released language_model.model.layers.): loading reads the one the
-    # files hold (_stacked_experts); its folders are written back only as their text model's family
-    prefix_too: Optional[tuple[str, str]] = None
+    # (a pattern, Family fields): another layout some of the family's folders hold, used where a key matches the pattern
+    # (re.search; _stacked_experts): Qianfan-OCR's text layers as transformers writes them (language_model.model.encoder.layers.)
+    # beside the released ones, Cosmos3-Omni's older attention names (q_proj, ...) beside the Diffusers-style ones transformers
+    # writes; their folders are written back only as their text model's family
+    layout_too: Optional[tuple[str, dict]] = None
     # Nemotron-H: each layer one sublayer (a mixer, an MLP or a MoE, under `mixer`, after its own `norm`); fmoe's block i is a
     # mixer's layer and, unless cfg.mlp_free_layers lists it, the MLP's (or MoE's) layer after it (_layer_prefixes)
     single_sublayer: bool = False
@@ -3764,6 +3772,16 @@ FAMILIES = {
     # ...and the dense Qwen3-VL folders: Qwen3's text model there
     "qwen3_vl": Family(_multimodal, "mlp", _PROJ, "Qwen3VLForConditionalGeneration", prefix=("model.", "model.language_model."),
                        not_read=("model.visual.",), written_as="qwen3"),
+    # ...and Cosmos3-Omni's folders: Qwen3-VL's, the text model's keys at the top level (layers., embed_tokens, norm, lm_head) beside
+    # the vision model's (blocks., merger., ...), the attention's Diffusers-style names as transformers writes them (to_q, to_k,
+    # to_v, to_out, norm_q, norm_k; older folders: q_proj, ... , Family.layout_too); a unified Cosmos3 checkpoint's generator,
+    # sound and action towers and their cross-modal projections (in the text layers too) not read, as transformers drops them
+    "cosmos3_omni": Family(_multimodal, "mlp", _PROJ, "Cosmos3OmniForConditionalGeneration", prefix=("model.", ""), qkv_names=("to_q", "to_k", "to_v"),
+                           o_proj="to_out", qk_norms=("norm_q", "norm_k"),
+                           layout_too=(r"\.self_attn\.q_proj\.weight$", dict(qkv_names=("q_proj", "k_proj", "v_proj"), o_proj="o_proj", qk_norms=("q_norm", "k_norm"))),
+                           not_read=("blocks.", "merger.", "patch_embed.", "pos_embed.", "deepstack_merger_list."), written_as="qwen3",
+                           ignored=(r"\.add_[qkv]_proj\.", r"\.to_add_out\.", r"\.norm_added_[qk]\.", r"moe_gen", r"^proj_(out|in)\.", r"^time_embedder\.",
+                                    r"^(audio|action)_proj_(out|in)\.", r"^(audio|action)_modality_embed$")),
     # Qwen2-VL / Qwen2.5-VL: Qwen2's text model where Qwen2 keeps it (model., lm_head), the vision model under visual.
     "qwen2_vl": Family(_multimodal, "mlp", _PROJ, "Qwen2VLForConditionalGeneration", not_read=("visual.",), written_as="qwen2"),
     "qwen2_5_vl": Family(_multimodal, "mlp", _PROJ, "Qwen2_5_VLForConditionalGeneration", not_read=("visual.",), written_as="qwen2"),
@@ -3778,6 +3796,10 @@ FAMILIES = {
     "glm46v": Family(_multimodal, "mlp", _PROJ, "Glm46VForConditionalGeneration", dense_gate_up=True, prefix=("model.", "model.language_model."),
                      sandwich=("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm"),
                      not_read=("model.visual.",), written_as="glm4"),
+    # glmga: GLM-4.6V's folders under their own model_type
+    "glmga": Family(_multimodal, "mlp", _PROJ, "Glm46VForConditionalGeneration", dense_gate_up=True, prefix=("model.", "model.language_model."),
+                    sandwich=("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm"),
+                    not_read=("model.visual.",), written_as="glm4"),
     # GLM-OCR: the same layout; its MTP layer after the trunk's (layers.16 of the released 16) not read, as in transformers
     "glm_ocr": Family(_multimodal, "mlp", _PROJ, "GlmOcrForConditionalGeneration", dense_gate_up=True, prefix=("model.", "model.language_model."),
                       sandwich=("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm"),
@@ -4161,7 +4183,8 @@ for _vl, (_text, _architecture, _tied, _beside, _where) in _VL_TEXT.items():
     FAMILIES[_vl] = dataclasses.replace(FAMILIES[_text], config_to_fmoe=_vl_text(_text), architecture=_architecture,
                                         # Qianfan-OCR's text layers as transformers writes them (its renaming of the vision encoder's
                                         # encoder.layers. undone on every key)
-                                        prefix_too=("model.layers.", "model.encoder.layers.") if _vl == "qianfan_ocr" else None,
+                                        layout_too=(r"^language_model\.model\.encoder\.layers\.", dict(prefix=("model.layers.", "model.encoder.layers.")))
+                                        if _vl == "qianfan_ocr" else None,
                                         aliases=dict(tie_word_embeddings="tie_embedding") if _vl == "lfm2_vl" else {},  # LFM2-VL's own name
                                         defaults={} if _tied is None else dict(tie_word_embeddings=_tied), not_read=_beside, written_as=_text,
                                         **(dict(outer=_where) if isinstance(_where, str) else dict(prefix=_where)))
@@ -4457,14 +4480,14 @@ def _attention_keys(family: Family, cfg: TransformerConfig, p: str, q: str, rope
         out[q + "attn.wo"] = Tensor((f"{attn}{family.o_proj}.weight",), transpose=not family.conv1d)
     else:
         k_eq_v = cfg.global_k_eq_v and (layer is None or not cfg.is_local(layer))  # Gemma 4's global layers: no v_proj
-        for ours, theirs in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", family.o_proj)):
+        for ours, theirs in (*zip(("wq", "wk", "wv"), family.qkv_names), ("wo", family.o_proj)):
             if not (ours == "wv" and k_eq_v):
                 out[q + "attn." + ours] = Tensor((f"{attn}{theirs}.weight",), transpose=True)
     gate_in_q = cfg.attn_gate and family.gate_in_q and cfg.kv_rank is None
     if gate_in_q:  # Qwen3-Next: q_proj's rows are per head its query's D rows, then its gate's
         out[q + "attn.wq"] = Tensor((attn + "q_proj.weight",), transpose=True, chunk=(0, (1, 1)), groups=cfg.heads(layer))
     if cfg.qkv_bias and family.qkv is None:
-        for ours, theirs in (("bq", "q_proj"), ("bk", "k_proj"), ("bv", "v_proj")):
+        for ours, theirs in zip(("bq", "bk", "bv"), family.qkv_names):
             out[q + "attn." + ours] = Tensor((f"{attn}{theirs}.bias",))
     if cfg.o_bias:
         out[q + "attn.bo"] = Tensor((f"{attn}{family.o_proj}.bias",))
@@ -4509,15 +4532,15 @@ def _stacked_experts(family: Family, keys) -> Family:
     ("halves_out", Granite's and transformers' [E, 2F, H] / [E, H, F]); with Family.dense_too
     and a dense MLP under that name, that name for the dense blocks; with Family.hyper_head_too
     and the head's hyper-connection weights under that prefix, that prefix; with
-    Family.prefix_too and keys under it, that prefix; the family itself otherwise."""
+    Family.layout_too and a key of its pattern, its fields; the family itself otherwise."""
     if family.stacks_too and any(key.endswith(".experts.gate_up_proj") for key in keys):
         family = dataclasses.replace(family, fused="halves_out", experts=_STACKS)
     if family.dense_too and any(key.endswith(f".{family.dense_too}.gate_proj.weight") for key in keys):
         family = dataclasses.replace(family, dense=family.dense_too)
     if family.hyper_head_too and any(key.startswith(family.hyper_head_too) for key in keys):
         family = dataclasses.replace(family, hyper=(*family.hyper[:2], family.hyper_head_too))
-    if family.prefix_too and any(key.startswith(family.outer + family.prefix_too[1]) for key in keys):
-        family = dataclasses.replace(family, prefix=family.prefix_too)
+    if family.layout_too and any(re.search(family.layout_too[0], key) for key in keys):
+        family = dataclasses.replace(family, **family.layout_too[1])
     return family
 
 

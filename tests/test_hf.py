@@ -1736,6 +1736,40 @@ def _qwen3_vl(kind, ffn_expert=8):
     return _randomised(transformers.Qwen3VLMoeForConditionalGeneration(transformers.Qwen3VLMoeConfig(text_config=text, vision_config=vision)))
 
 
+def test_a_released_cosmos3_omni_folder_loads_its_text_model(tmp_path):
+    """A cosmos3_omni folder (Cosmos3-Nano's reasoner): Qwen3-VL's model under its own
+    model_type, its text model's keys at the top level beside the vision model's, Qwen3's
+    text model read, its attention under the Diffusers-style names transformers writes (to_q,
+    ..., norm_k) or the older ones (q_proj, ..., k_norm), which transformers reads too; a
+    unified Cosmos3 checkpoint's generator, sound and action towers and cross-modal
+    projections (some in the text layers), which transformers drops, are neither read nor
+    counted as unread; written back as qwen3 with the same logits."""
+    from safetensors.torch import load_file
+
+    ref = _qwen3_vl("qwen3_vl")
+    config = transformers.Cosmos3OmniConfig(**{k: v for k, v in ref.config.to_dict().items() if k != "model_type"})
+    theirs = _saved_multimodal(transformers.Cosmos3OmniForConditionalGeneration, config, tmp_path / "written")
+    tensors = load_file(tmp_path / "written" / "model.safetensors")
+    extra = {"model.language_model.layers.0.self_attn.add_q_proj.weight": torch.randn(32, 32), "proj_in.weight": torch.randn(4, 32),
+             "model.language_model.layers.1.moe_gen.experts.0.weight": torch.randn(8, 32), "audio_modality_embed": torch.randn(32),
+             "time_embedder.linear_1.weight": torch.randn(8, 8), "model.language_model.layers.2.self_attn.norm_added_k.weight": torch.randn(8)}
+    assert "layers.0.self_attn.to_q.weight" in tensors and "layers.0.self_attn.norm_k.weight" in tensors
+    unified = _copy_folder(tmp_path / "written", tmp_path / "unified", {**tensors, **extra})
+    names = dict(to_q="q_proj", to_k="k_proj", to_v="v_proj", to_out="o_proj", norm_q="q_norm", norm_k="k_norm")
+    older = _copy_folder(tmp_path / "written", tmp_path / "older", {re.sub(r"\.self_attn\.(\w+)\.", lambda m: f".self_attn.{names.get(m[1], m[1])}.", k): v
+                                                                  for k, v in tensors.items()})
+    assert "layers.0.self_attn.q_proj.weight" in _read_all(older)
+    docs = _packed()[0]
+    with torch.no_grad():
+        for folder in (unified, older):  # transformers drops the unified checkpoint's other towers, and reads the older names
+            again = transformers.Cosmos3OmniForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+            assert _rel(torch.cat([again(input_ids=d[None]).logits[0] for d in docs]), theirs) < 1e-6, folder.name
+    for folder in (tmp_path / "written", unified, older):
+        _, cfg, written = _text_model_round_trip(folder, theirs, tmp_path / f"text-{folder.name}", kind="cosmos3_omni",
+                                                 prefix="", head="lm_head.weight", text_kind="qwen3")
+        assert not cfg.tie_embeddings and cfg.rope_base == 5e5 and "mrope_section" not in written["rope_parameters"]
+
+
 def _released_stacks(src, dst):
     """A copy of the folder src (written by transformers: [E, 2F, H] gate_up_proj, [E, H, F]
     down_proj) with the experts' stacks as the released Qwen3-VL-MoE folders store them,
@@ -2055,18 +2089,20 @@ def test_a_released_glm4v_moe_folder_loads_its_text_model(tmp_path):
     assert hf.from_pretrained(tmp_path / "mtp-text")[1].mtp_depth == 1
 
 
-@pytest.mark.parametrize("kind", ["glm4v", "glm46v", "glm_ocr"])
+@pytest.mark.parametrize("kind", ["glm4v", "glm46v", "glmga", "glm_ocr"])
 def test_a_released_glm4v_folder_loads_its_dense_text_model(kind, tmp_path):
     """A glm4v / glm46v folder (GLM-4.1V-9B, GLM-4.6V-Flash): GLM-4's dense text model
     (sandwich norms, q/k/v biases always, gate and up as one gate_up_proj, RoPE on interleaved
     pairs of the part of each head its rope_parameters name, all of it where they name none)
     under model.language_model. loads with transformers' logits of a text-only forward; not
     written back without the vision model, it writes as glm4, which transformers loads with
-    the same logits and fmoe reads back exactly. GLM-OCR's (glm_ocr): that model without q/k/v
+    the same logits and fmoe reads back exactly (glmga: GLM-4.6V's model under its own
+    model_type). GLM-OCR's (glm_ocr): that model without q/k/v
     biases, heads of head_dim where the config sets one, its MTP layer after the trunk's
     neither read nor counted as unread."""
     made = dict(glm4v=(transformers.Glm4vConfig, transformers.Glm4vForConditionalGeneration),
                 glm46v=(transformers.Glm46VConfig, transformers.Glm46VForConditionalGeneration),
+                glmga=(transformers.GlmgaConfig, transformers.Glm46VForConditionalGeneration),
                 glm_ocr=(transformers.GlmOcrConfig, transformers.GlmOcrForConditionalGeneration))[kind]
     vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32, patch_size=2, temporal_patch_size=1,
                   spatial_merge_size=1)
