@@ -3004,6 +3004,10 @@ _MULTIMODAL = {
         rms_norm_eps=1e-5, rope_theta=1e6), {})),
     "qwen3_vl_moe": (None, dict(tie_word_embeddings=False), dict(num_key_value_heads=16, rope_theta=5e5), dict(norm_topk_prob=True)),
     "qwen3_vl": (None, dict(tie_word_embeddings=False), dict(num_key_value_heads=32, head_dim=128, rope_theta=5e5), {}),
+    # Cosmos3-Edge: Llama's attention with MLPs without a gate, relu(x fc1)^2 fc2 (Arcee's model), RoPE plain over text
+    "cosmos3_edge": (None, dict(tie_word_embeddings=False), dict(vocab_size=131072, hidden_size=2048, intermediate_size=9216, num_hidden_layers=28,
+                                                                num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
+                                                                hidden_act="relu2", rope_parameters=dict(rope_type="default", rope_theta=1e8)), {}),
     # Cosmos3-Omni (Cosmos3-Nano's reasoner): Qwen3-VL's model under its own model_type
     "cosmos3_omni": (None, dict(tie_word_embeddings=False), dict(num_key_value_heads=32, head_dim=128, rope_theta=5e5), {}),
     "qwen3_omni_moe": ("thinker_config", dict(tie_word_embeddings=False), dict(num_key_value_heads=4, rope_theta=1e6), {}),
@@ -3084,7 +3088,7 @@ def _multimodal(hf: dict) -> dict:
     """A released multimodal folder: qwen3_vl_moe (Qwen3VLMoeForConditionalGeneration:
     Qwen3-VL-30B-A3B, -235B-A22B) and qwen3_vl (Qwen3VLForConditionalGeneration: Qwen3-VL-2B to
     -32B), and cosmos3_omni (Cosmos3OmniForConditionalGeneration, Qwen3-VL's model), hold Qwen3-MoE's and Qwen3's
-    text model beside a vision model; qwen3_omni_moe
+    text model beside a vision model, cosmos3_edge (Cosmos3EdgeForConditionalGeneration) Arcee's; qwen3_omni_moe
     (Qwen3OmniMoeForConditionalGeneration: Qwen3-Omni-30B-A3B) Qwen3-MoE's as its thinker's,
     beside the thinker's audio and vision encoders, the talker and the code-to-wave model;
     glm4v_moe (Glm4vMoeForConditionalGeneration: GLM-4.5V, GLM-4.6V) GLM-4.5's (glm4_moe:
@@ -3782,6 +3786,14 @@ FAMILIES = {
                            not_read=("blocks.", "merger.", "patch_embed.", "pos_embed.", "deepstack_merger_list."), written_as="qwen3",
                            ignored=(r"\.add_[qkv]_proj\.", r"\.to_add_out\.", r"\.norm_added_[qk]\.", r"moe_gen", r"^proj_(out|in)\.", r"^time_embedder\.",
                                     r"^(audio|action)_proj_(out|in)\.", r"^(audio|action)_modality_embed$")),
+    # Cosmos3-Edge: its text model (Arcee's) stored as Cosmos3-Omni's (the top level, Diffusers-style attention names or the older
+    # ones), the MLP's up_proj / down_proj, beside the vision model and its projector; a unified checkpoint's generator not read
+    "cosmos3_edge": Family(_multimodal, "mlp", _PROJ, "Cosmos3EdgeForConditionalGeneration", prefix=("model.", ""), qkv_names=("to_q", "to_k", "to_v"),
+                           o_proj="to_out", layout_too=(r"\.self_attn\.q_proj\.weight$", dict(qkv_names=("q_proj", "k_proj", "v_proj"), o_proj="o_proj")),
+                           not_read=("model.visual.", "model.projector."), written_as="arcee",
+                           ignored=(r"^action_modality_embed$", r"^action_proj_(in|out)\.", r"^time_embedder\.", r"^proj_(in|out)\.", r"^norm_moe_gen\.",
+                                    r"^layers\.\d+\.(input_layernorm|post_attention_layernorm|mlp)_moe_gen\.",
+                                    r"^layers\.\d+\.self_attn\.(add_[qkv]_proj|to_add_out|norm_added_[qk]|k_norm_und_for_gen)\.")),
     # Qwen2-VL / Qwen2.5-VL: Qwen2's text model where Qwen2 keeps it (model., lm_head), the vision model under visual.
     "qwen2_vl": Family(_multimodal, "mlp", _PROJ, "Qwen2VLForConditionalGeneration", not_read=("visual.",), written_as="qwen2"),
     "qwen2_5_vl": Family(_multimodal, "mlp", _PROJ, "Qwen2_5_VLForConditionalGeneration", not_read=("visual.",), written_as="qwen2"),

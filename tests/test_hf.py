@@ -1770,6 +1770,34 @@ def test_a_released_cosmos3_omni_folder_loads_its_text_model(tmp_path):
         assert not cfg.tie_embeddings and cfg.rope_base == 5e5 and "mrope_section" not in written["rope_parameters"]
 
 
+def test_a_released_cosmos3_edge_folder_loads_its_text_model(tmp_path):
+    """A cosmos3_edge folder (Cosmos3-Edge): Llama's attention with MLPs without a gate,
+    relu(x fc1)^2 fc2, RoPE plain over text (Arcee's model), stored at the top level with the
+    Diffusers-style attention names transformers writes (or the older ones, which it reads
+    too) and the MLP's up_proj / down_proj, beside the vision model and its projector; a
+    unified checkpoint's generator keys unread; written back as arcee with the same logits."""
+    text = dict(vocab_size=V, hidden_size=32, intermediate_size=40, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                rope_parameters=dict(rope_type="default", rope_theta=1e4, mrope_section=[2, 1, 1]))
+    vision = dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, patch_size=2)
+    theirs = _saved_multimodal(transformers.Cosmos3EdgeForConditionalGeneration, transformers.Cosmos3EdgeConfig(text_config=text, vision_config=vision),
+                               tmp_path / "written")
+    tensors = _read_all(tmp_path / "written")
+    assert "layers.0.self_attn.to_q.weight" in tensors and "layers.0.mlp.up_proj.weight" in tensors
+    names = dict(to_q="q_proj", to_k="k_proj", to_v="v_proj", to_out="o_proj")
+    older = {re.sub(r"^(layers\.\d+\.self_attn)\.(\w+)\.", lambda m: f"{m[1]}.{names.get(m[2], m[2])}.", k): v for k, v in tensors.items()}
+    older.update({"time_embedder.linear_1.weight": torch.randn(8, 8), "layers.1.mlp_moe_gen.fc1.weight": torch.randn(8, 32),
+                  "layers.0.self_attn.add_k_proj.weight": torch.randn(16, 32)})
+    older = _copy_folder(tmp_path / "written", tmp_path / "older", older)
+    docs = _packed()[0]
+    with torch.no_grad():  # transformers reads the older names and drops the generator's keys
+        again = transformers.Cosmos3EdgeForConditionalGeneration.from_pretrained(older, dtype=torch.float32).eval()
+        assert _rel(torch.cat([again(input_ids=d[None]).logits[0] for d in docs]), theirs) < 1e-6
+    for folder in (tmp_path / "written", older):
+        _, cfg, written = _text_model_round_trip(folder, theirs, tmp_path / f"text-{folder.name}", kind="cosmos3_edge", prefix="",
+                                                 head="lm_head.weight", text_kind="arcee")
+        assert (cfg.mlp_act, cfg.tie_embeddings, cfg.rope_base) == ("relu2", False, 1e4) and "mrope_section" not in written["rope_parameters"]
+
+
 def _released_stacks(src, dst):
     """A copy of the folder src (written by transformers: [E, 2F, H] gate_up_proj, [E, H, F]
     down_proj) with the experts' stacks as the released Qwen3-VL-MoE folders store them,
