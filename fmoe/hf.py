@@ -134,9 +134,9 @@ lm_head.), and is written back the same way.
 A released LFM2-VL, LFM3-VL, EXAONE 4.5, Granite 4.0 Vision, Command A Vision, Aya Vision,
 HyperCLOVA X SEED Vision, Granite Speech (Plus), MiniCPM-V 4.6 / 4.7, DeepSeek-VL, AudioFlamingo 3,
 Music Flamingo, Qwen2-Audio, Qwen3-ASR, MOSS Transcribe-Diarize, LightOnOCR, Fun-ASR-Nano, GLM-ASR,
-GOT-OCR 2.0, Ovis2, VideoLLaMA 3, Qianfan-OCR, Janus, DeepSeek-VL-Hybrid, Idefics2, Granite Docling
-or Nemotron 3 Nano Omni folder (_VL_TEXT) holds LFM2's, LFM3's, EXAONE 4.0's,
-Granite 3's, Cohere 2's, HyperCLOVA X's, Qwen3.5's, Llama's, Mistral's, Qwen2's, Qwen3's or Nemotron-H's text
+GOT-OCR 2.0, Ovis2, VideoLLaMA 3, Qianfan-OCR, Janus, DeepSeek-VL-Hybrid, Idefics2, Granite Docling, BLIP-2,
+InstructBLIP (-Video) or Nemotron 3 Nano Omni folder (_VL_TEXT) holds LFM2's, LFM3's, EXAONE 4.0's,
+Granite 3's, Cohere 2's, HyperCLOVA X's, Qwen3.5's, Llama's, Mistral's, OPT's, Qwen2's, Qwen3's or Nemotron-H's text
 model under model.language_model. (Idefics2's and Granite Docling's under model.text_model.; the older layout: all of it, head
 included, under language_model.: Family.outer; Qianfan-OCR's text layers there as released or as
 transformers writes them, Family.layout_too) beside a vision or audio encoder and its
@@ -4185,6 +4185,12 @@ _VL_TEXT = {"lfm2_vl": ("lfm2", "Lfm2VlForConditionalGeneration", True, ("model.
             # Granite Docling (Granite 3's text model under model.text_model., its own model_type, beside a vision model whose
             # deepstack features join some layers' outputs only at image tokens; its head applies the logit scale)
             "granite_docling": ("granite", "GraniteDoclingForConditionalGeneration", True, ("model.vision_model.",), ("model.", "model.text_model.")),
+            # BLIP-2 (OPT's causal LM whole under language_model., beside a vision model, a Q-Former, its query tokens and the
+            # projection into the language model), InstructBLIP and InstructBLIP-Video (Vicuna's, Llama's, the same way); their
+            # encoder-decoder text models (Flan-T5) are not read
+            **{kind: (text, f"{name}ForConditionalGeneration", None, ("vision_model.", "qformer.", "query_tokens", "language_projection."), _LEGACY)
+               for kind, text, name in (("blip-2", "opt", "Blip2"), ("instructblip", "llama", "InstructBlip"),
+                                        ("instructblipvideo", "llama", "InstructBlipVideo"))},
             # Nemotron 3 Nano Omni: Nemotron-H's causal LM whole (its backbone. and lm_head) under language_model.
             "nemotron_h_omni": ("nemotron_h", "NemotronH_Omni_Reasoning_V3", None,
                                 ("vision_model.", "mlp1.", "sound_encoder.", "sound_projection."), _LEGACY)}

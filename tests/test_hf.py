@@ -619,7 +619,7 @@ def _randomised(model):
     named norm_attn_norm), everything else about 0.3; in eval mode."""
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in name.rsplit(".", 2)[-2] else 0.3 * torch.randn_like(p))
+            p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in ([""] + name.rsplit(".", 2))[-2] else 0.3 * torch.randn_like(p))
     return model.eval()
 
 
@@ -1649,6 +1649,11 @@ _VL = {
     "granite_docling": ("granite", ("GraniteDoclingForConditionalGeneration", "GraniteDoclingConfig"), dict(
         vision_config=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=8,
                            out_hidden_size=32, scale_factor=2, deepstack_visual_indexes=[0, 1]))),
+    # BLIP-2 (OPT's causal LM), InstructBLIP and InstructBLIP-Video (Llama's) beside a vision model, a Q-Former and its query tokens
+    **{kind: (text, (f"{name}ForConditionalGeneration", f"{name}Config"), dict(
+        vision_config=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14),
+        qformer_config=dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16, encoder_hidden_size=16), num_query_tokens=2))
+       for kind, text, name in (("blip-2", "opt", "Blip2"), ("instructblip", "llama", "InstructBlip"), ("instructblipvideo", "llama", "InstructBlipVideo"))},
     # Nemotron 3 Nano Omni: Nemotron-H's causal LM under language_model. beside a RADIO vision model, a Parakeet audio encoder
     # and their projectors; the text model ties its own head
     "nemotron_h_omni": ("nemotron_h", ("NemotronH_Omni_Reasoning_V3", "NemotronH_Omni_Reasoning_V3_Config"), dict(
@@ -1666,7 +1671,8 @@ def test_a_released_vision_language_folder_loads_its_text_model(kind, tmp_path):
     (fmoe.hf._VL_TEXT: LFM2-VL, LFM3-VL, EXAONE 4.5, Granite 4.0 Vision, Command A Vision, Aya
     Vision, HyperCLOVA X SEED Vision, Granite Speech (Plus), MiniCPM-V 4.6 / 4.7, DeepSeek-VL, AudioFlamingo 3,
     Music Flamingo, Qwen2-Audio, Qwen3-ASR, MOSS Transcribe-Diarize, LightOnOCR, Fun-ASR-Nano, GLM-ASR,
-    GOT-OCR 2.0, Ovis2, VideoLLaMA 3, Qianfan-OCR, Janus, DeepSeek-VL-Hybrid, Idefics2, Granite Docling, Nemotron 3 Nano Omni):
+    GOT-OCR 2.0, Ovis2, VideoLLaMA 3, Qianfan-OCR, Janus, DeepSeek-VL-Hybrid, Idefics2, Granite Docling, BLIP-2, InstructBLIP
+    (-Video), Nemotron 3 Nano Omni):
     the text model, under model.language_model. (Idefics2's and Granite Docling's model.text_model.) or (the older layout) all of it under language_model., loads with
     transformers' logits of a text-only forward, the encoders' and projectors' keys neither
     read nor counted as unread, its head tied as the top level says (or its class by default);
@@ -1815,7 +1821,8 @@ def _released_stacks(src, dst):
 
 def _saved_multimodal(cls, config, folder):
     """A randomised multimodal model of transformers' class `cls` (its routers' correction biases
-    drawn too) saved to `folder`; its logits of a text-only forward over _packed's documents."""
+    drawn too) saved to `folder`; its logits of a text-only forward over _packed's documents
+    (BLIP-2's and InstructBLIP's, whose forward needs an image: their language model's)."""
     torch.manual_seed(0)
     ref = _randomised(cls(config))
     with torch.no_grad():
@@ -1823,7 +1830,8 @@ def _saved_multimodal(cls, config, folder):
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.2 * torch.randn_like(b))
         ref.save_pretrained(folder)
-        return torch.cat([ref(input_ids=d[None]).logits[0] for d in _packed()[0]])
+        text_only = ref.language_model if "Blip" in cls.__name__ else ref
+        return torch.cat([text_only(input_ids=d[None]).logits[0] for d in _packed()[0]])
 
 
 def _text_model_round_trip(folder, theirs, out, *, kind, prefix, head, text_kind):
