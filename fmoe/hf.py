@@ -135,10 +135,10 @@ A released LFM2-VL, LFM3-VL, EXAONE 4.5, Granite 4.0 Vision, Command A Vision, A
 HyperCLOVA X SEED Vision, Granite Speech (Plus), MiniCPM-V 4.6 / 4.7, DeepSeek-VL, AudioFlamingo 3,
 Music Flamingo, Qwen2-Audio, Qwen3-ASR, MOSS Transcribe-Diarize, LightOnOCR, Fun-ASR-Nano, GLM-ASR,
 GOT-OCR 2.0, Ovis2, VideoLLaMA 3, Qianfan-OCR, Janus, DeepSeek-VL-Hybrid, Idefics2, Granite Docling, BLIP-2,
-InstructBLIP (-Video) or Nemotron 3 Nano Omni folder (_VL_TEXT) holds LFM2's, LFM3's, EXAONE 4.0's,
+InstructBLIP (-Video), Emu3 or Nemotron 3 Nano Omni folder (_VL_TEXT) holds LFM2's, LFM3's, EXAONE 4.0's,
 Granite 3's, Cohere 2's, HyperCLOVA X's, Qwen3.5's, Llama's, Mistral's, OPT's, Qwen2's, Qwen3's or Nemotron-H's text
 model under model.language_model. (Idefics2's and Granite Docling's under model.text_model.; the older layout: all of it, head
-included, under language_model.: Family.outer; Qianfan-OCR's text layers there as released or as
+included, under language_model. (Emu3's text_model.): Family.outer; Qianfan-OCR's text layers there as released or as
 transformers writes them, Family.layout_too) beside a vision or audio encoder and its
 projectors that are not read, and is written back only as that family.
 A released Qwen3-VL-MoE folder (qwen3_vl_moe) holds Qwen3-MoE's text model (its router always
@@ -4191,12 +4191,15 @@ _VL_TEXT = {"lfm2_vl": ("lfm2", "Lfm2VlForConditionalGeneration", True, ("model.
             **{kind: (text, f"{name}ForConditionalGeneration", None, ("vision_model.", "qformer.", "query_tokens", "language_projection."), _LEGACY)
                for kind, text, name in (("blip-2", "opt", "Blip2"), ("instructblip", "llama", "InstructBlip"),
                                         ("instructblipvideo", "llama", "InstructBlipVideo"))},
+            # Emu3 (Llama's causal LM whole under text_model., its own model_type, beside the image tokenizer's VQ model; its
+            # attention dropout, training's only, not built)
+            "emu3": ("llama", "Emu3ForConditionalGeneration", False, ("vqmodel.",), "text_model."),
             # Nemotron 3 Nano Omni: Nemotron-H's causal LM whole (its backbone. and lm_head) under language_model.
             "nemotron_h_omni": ("nemotron_h", "NemotronH_Omni_Reasoning_V3", None,
                                 ("vision_model.", "mlp1.", "sound_encoder.", "sound_projection."), _LEGACY)}
 # the text models' own model_types that read as the family: EXAONE 4.5's first released one (transformers reads it as exaone4),
-# Granite 4.0 Vision's and Granite Docling's (Granite 3's config)
-_VL_TEXT_ALIASES = {"exaone4": ("exaone4_5_text",), "granite": ("granite4_vision_text", "granite_docling_text")}
+# Granite 4.0 Vision's and Granite Docling's (Granite 3's config), Emu3's (Llama's)
+_VL_TEXT_ALIASES = {"exaone4": ("exaone4_5_text",), "granite": ("granite4_vision_text", "granite_docling_text"), "llama": ("emu3_text_model",)}
 for _vl, (_text, _architecture, _tied, _beside, _where) in _VL_TEXT.items():
     FAMILIES[_vl] = dataclasses.replace(FAMILIES[_text], config_to_fmoe=_vl_text(_text), architecture=_architecture,
                                         # Qianfan-OCR's text layers as transformers writes them (its renaming of the vision encoder's

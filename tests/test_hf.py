@@ -1654,6 +1654,11 @@ _VL = {
         vision_config=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14),
         qformer_config=dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16, encoder_hidden_size=16), num_query_tokens=2))
        for kind, text, name in (("blip-2", "opt", "Blip2"), ("instructblip", "llama", "InstructBlip"), ("instructblipvideo", "llama", "InstructBlipVideo"))},
+    # Emu3: Llama's causal LM under text_model. beside a VQ image tokenizer (its vocabulary map: image tokens of the text vocabulary)
+    "emu3": ("llama", ("Emu3ForConditionalGeneration", "Emu3Config"), dict(
+        vq_config=dict(embed_dim=4, codebook_size=8, latent_channels=4, base_channels=32, channel_multiplier=[1], num_res_blocks=1, attn_resolutions=[],
+                       temporal_downsample_factor=1),
+        vocabulary_map={"<image>": 60, "<|extra_200|>": 61, **{f"<|visual token {i:06d}|>": 50 + i for i in range(8)}})),
     # Nemotron 3 Nano Omni: Nemotron-H's causal LM under language_model. beside a RADIO vision model, a Parakeet audio encoder
     # and their projectors; the text model ties its own head
     "nemotron_h_omni": ("nemotron_h", ("NemotronH_Omni_Reasoning_V3", "NemotronH_Omni_Reasoning_V3_Config"), dict(
@@ -1672,7 +1677,7 @@ def test_a_released_vision_language_folder_loads_its_text_model(kind, tmp_path):
     Vision, HyperCLOVA X SEED Vision, Granite Speech (Plus), MiniCPM-V 4.6 / 4.7, DeepSeek-VL, AudioFlamingo 3,
     Music Flamingo, Qwen2-Audio, Qwen3-ASR, MOSS Transcribe-Diarize, LightOnOCR, Fun-ASR-Nano, GLM-ASR,
     GOT-OCR 2.0, Ovis2, VideoLLaMA 3, Qianfan-OCR, Janus, DeepSeek-VL-Hybrid, Idefics2, Granite Docling, BLIP-2, InstructBLIP
-    (-Video), Nemotron 3 Nano Omni):
+    (-Video), Emu3, Nemotron 3 Nano Omni):
     the text model, under model.language_model. (Idefics2's and Granite Docling's model.text_model.) or (the older layout) all of it under language_model., loads with
     transformers' logits of a text-only forward, the encoders' and projectors' keys neither
     read nor counted as unread, its head tied as the top level says (or its class by default);
@@ -1680,8 +1685,8 @@ def test_a_released_vision_language_folder_loads_its_text_model(kind, tmp_path):
     another model is refused by name."""
     text_kind, names, extra = _VL[kind]
     text = dict(FAMILIES[text_kind]().to_dict(), pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    if kind in ("granite4_vision", "granite_docling"):
-        text["model_type"] = f"{kind}_text"
+    if kind in ("granite4_vision", "granite_docling", "emu3"):  # the text model's own model_type
+        text["model_type"] = "emu3_text_model" if kind == "emu3" else f"{kind}_text"
     omni = kind == "nemotron_h_omni"  # its released folders name the text config llm_config
     own_tie = hf.FAMILIES[kind].defaults.get("tie_word_embeddings") is None  # the text model ties its own head (the top level has no such field)
     cls, config = (getattr(transformers, name) for name in names)
