@@ -141,6 +141,10 @@ model under model.language_model. (Idefics2's and Granite Docling's under model.
 included, under language_model. (Emu3's text_model.): Family.outer; Qianfan-OCR's text layers there as released or as
 transformers writes them, Family.layout_too) beside a vision or audio encoder and its
 projectors that are not read, and is written back only as that family.
+A released Molmo2 folder (molmo2) holds Qwen3's or OLMo 2's text model (by qk_norm_type and
+norm_after) under OLMo-core's names (fused att_proj and ff_proj, the embedding's rows in
+wte.embedding then wte.new_embedding: Family.embed_too, Tensor.cat) beside a head of its first
+vocab_size rows (out_vocab) and a vision backbone that is not read.
 A released Qwen3-VL-MoE folder (qwen3_vl_moe) holds Qwen3-MoE's text model (its router always
 renormalised) under model.language_model., the dense Qwen3-VL (qwen3_vl) Qwen3's, beside a
 vision model that is not read; a Qwen3-Omni folder (qwen3_omni_moe) holds Qwen3-MoE's under
@@ -1759,6 +1763,56 @@ def _mistral4(hf: dict) -> dict:
     return dict(_mla(hf), **_deepseek_moe(hf), pre_softmax=not hf.get("norm_topk_prob", True), **_query_temperature(hf))
 
 
+# Molmo2's text config's fields where a config.json leaves them out (Molmo2TextConfig's defaults), and the family its blocks
+# are by qk_norm_type and norm_after: Qwen3's (per-head q/k norms, pre-norm blocks) or OLMo 2's (q/k norms over the whole
+# projections, the norms on each branch's output)
+_MOLMO2_TEXT = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936, additional_vocab_size=128,
+                    attention_bias=False, qk_norm_type="qwen3", num_hidden_layers=36, intermediate_size=12288, hidden_act="silu",
+                    max_position_embeddings=36864, rms_norm_eps=1e-6, norm_after=False, tie_word_embeddings=False)
+_MOLMO2_BLOCKS = {("qwen3", False): "qwen3", ("olmo", True): "olmo2"}
+
+
+def _molmo2_text(hf: dict) -> dict:
+    """A molmo2 folder's text config (_text_config, at Molmo2TextConfig's defaults) as the
+    family its blocks are (_MOLMO2_BLOCKS: qwen3 or olmo2, its model_type), without Molmo2's
+    own fields (additional_vocab_size, the embedding's rows past the head's: _molmo2);
+    ValueError for what neither family is: another qk_norm_type / norm_after pair, q/k/v
+    biases, a tied head, RoPE scaling in some layers alone (rope_scaling_layers)."""
+    text = {**_MOLMO2_TEXT, **_text_config(hf)}
+    blocks = (text["qk_norm_type"], bool(text["norm_after"]))
+    if blocks not in _MOLMO2_BLOCKS:
+        raise ValueError(f"config.json: text_config's qk_norm_type = {blocks[0]!r} with norm_after = {blocks[1]} is not supported ('qwen3' with "
+                         "pre-norm blocks or 'olmo' with norm_after: Qwen3's or OLMo 2's blocks)")
+    _refuse(text, "attention_bias", lambda v: not v, "no q/k/v biases (Molmo2's blocks are Qwen3's or OLMo 2's here)")
+    _refuse(text, "tie_word_embeddings", lambda v: not v, "an output head of its own (Molmo2's embedding holds more rows)")
+    params = text.get("rope_parameters") or {}
+    layers = text.get("rope_scaling_layers")
+    if (params.get("rope_type", params.get("type", "default")) != "default" and layers is not None
+            and sorted(layers) != list(range(text["num_hidden_layers"]))):
+        raise ValueError(f"config.json: rope_scaling_layers = {layers!r} is not supported with rope_type {params.get('rope_type')!r} (the scaled "
+                         "RoPE in every layer)")
+    kind = _MOLMO2_BLOCKS[blocks]
+    own = ("additional_vocab_size", "qk_norm_type", "norm_after", "rope_scaling_layers")
+    return {**{k: v for k, v in text.items() if k not in own}, "model_type": kind}
+
+
+def _molmo2(hf: dict) -> dict:
+    """Molmo2 (molmo2, Molmo2ForConditionalGeneration: Molmo2-4B / -8B, Molmo2-O-7B): its text
+    model, Qwen3's blocks or OLMo 2's (_molmo2_text), under the released OLMo-core names
+    (Family: model.transformer.blocks.{i}: attn_norm, self_attn.att_proj (every q's rows, then
+    k's, v's), q_norm, k_norm, attn_out, ff_norm, mlp.ff_proj (the up's rows, then the gate's),
+    ff_out; ln_f), an embedding of vocab_size + additional_vocab_size rows stored as
+    wte.embedding then wte.new_embedding (Tensor.cat) beside a head of the first vocab_size
+    (out_vocab); the vision backbone not read. Written back as its blocks' family where the
+    embedding has no rows past the head's (written_config)."""
+    text = {**_MOLMO2_TEXT, **_text_config(hf)}
+    extra = text["additional_vocab_size"]
+    if isinstance(extra, bool) or not isinstance(extra, int) or extra < 0:
+        raise ValueError(f"config.json: text_config's additional_vocab_size = {extra!r} is not supported (an int >= 0)")
+    out = FAMILIES[_molmo2_text(hf)["model_type"]].kwargs(dict(_molmo2_text(hf), vocab_size=text["vocab_size"] + extra))
+    return dict(out, out_vocab=text["vocab_size"] if extra else None)
+
+
 _MISTRAL3_TEXT = ("mistral4", "ministral3", "mistral")  # the text models of the mistral3 folders fmoe reads
 # the released LLaVA-style folders' text models fmoe reads: families of Llama's checkpoint layout (Family fields equal to
 # llama's but for how the config reads; tests/test_hf.py checks it)
@@ -3293,7 +3347,9 @@ class Tensor:
     bias, one row per modality: the text row 0); such a parameter is read, never written.
     `experts` n: the stored dim 0 holds n equal runs of rows one after the other, one per
     expert, read as a stack [n, rows, ...] (DBRX's w1, v1, w2 [E F, H]: [E, F, H]); a rank
-    reads its experts' whole runs."""
+    reads its experts' whole runs. `cat`: the keys' rows one after the other (Molmo2's
+    embedding, wte.embedding then wte.new_embedding); a rank reads the rows of its block from
+    each; read, never written."""
 
     keys: tuple[str, ...]
     transpose: bool = False
@@ -3304,6 +3360,7 @@ class Tensor:
     groups: int = 1
     row: Optional[int] = None
     experts: Optional[int] = None
+    cat: bool = False
 
 
 def _units(spec: Tensor) -> tuple[int, ...]:
@@ -3391,6 +3448,7 @@ class Family:
     # the dense MLP's gate and up as the rows of one gate_up_proj [2F, H] (the gate's F rows, then the up's: Phi-3, GLM-4)
     dense_gate_up: bool = False
     gate_up: tuple[str, str] = ("gate_up_proj", "down_proj")  # with dense_gate_up, that module's and the down projection's names
+    up_first: bool = False  # with dense_gate_up, the up's rows first, then the gate's (Molmo2's ff_proj)
 
     # the dense MLP's and the shared experts' gate, up and down projections (LFM2's w1, w3, w2; HY-V4's gate linear_gate)
     dense_names: tuple[str, str, str] = _PROJ
@@ -3411,6 +3469,7 @@ class Family:
     head: str = "lm_head.weight"  # the output head's key (GPT-NeoX's embed_out.weight); its bias beside it
     pos_embed: Optional[str] = None  # learned absolute positions' key (GPT-Neo's transformer.wpe.weight; TransformerConfig.abs_positions)
     embed_norm: Optional[str] = None  # the embeddings' norm's weight key (BLOOM's word_embeddings_layernorm; TransformerConfig.embed_norm)
+    embed_too: Optional[str] = None  # the embedding's rows past embed's, under this key (Molmo2's wte.new_embedding: Tensor.cat)
     # the fused q/k/v module's, the attention's output and the dense MLP's weights stored [in, out] (GPT-2's Conv1D), not as
     # linear weights [out, in]
     conv1d: bool = False
@@ -3808,6 +3867,12 @@ FAMILIES = {
     "glm46v": Family(_multimodal, "mlp", _PROJ, "Glm46VForConditionalGeneration", dense_gate_up=True, prefix=("model.", "model.language_model."),
                      sandwich=("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm"),
                      not_read=("model.visual.",), written_as="glm4"),
+    # Molmo2: its text model (Qwen3's or OLMo 2's blocks: _molmo2) under the released OLMo-core names beside the vision backbone
+    "molmo2": Family(_molmo2, "mlp", _PROJ, "Molmo2ForConditionalGeneration", prefix=("model.layers.", "model.transformer.blocks."),
+                     qkv="att_proj", o_proj="attn_out", dense_gate_up=True, gate_up=("ff_proj", "ff_out"), up_first=True,
+                     norms=("attn_norm", "ff_norm"), post_norms=("attn_norm", "ff_norm"), embed="model.transformer.wte.embedding",
+                     embed_too="model.transformer.wte.new_embedding", final_norm="model.transformer.ln_f.weight", not_read=("model.vision_backbone.",),
+                     written_as="text_config"),
     # glmga: GLM-4.6V's folders under their own model_type
     "glmga": Family(_multimodal, "mlp", _PROJ, "Glm46VForConditionalGeneration", dense_gate_up=True, prefix=("model.", "model.language_model."),
                     sandwich=("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm"),
@@ -4428,8 +4493,8 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
             out[q + "dense." + ours] = Tensor((f"{p}{family.dense}.{theirs}.weight",), transpose=True)
     if not moe and family.dense_gate_up:  # [2F, H]: the gate's F rows, then the up's (Granite 4.0-H's input_linear)
         gate_up, down = family.gate_up
-        out[q + "mlp.w_gate"] = Tensor((f"{p}{family.dense}.{gate_up}.weight",), transpose=True, chunk=(0, (1, 1)))
-        out[q + "mlp.w_up"] = Tensor((f"{p}{family.dense}.{gate_up}.weight",), transpose=True, chunk=(1, (1, 1)))
+        out[q + "mlp.w_gate"] = Tensor((f"{p}{family.dense}.{gate_up}.weight",), transpose=True, chunk=(int(family.up_first), (1, 1)))
+        out[q + "mlp.w_up"] = Tensor((f"{p}{family.dense}.{gate_up}.weight",), transpose=True, chunk=(1 - int(family.up_first), (1, 1)))
         out[q + "mlp.w_down"] = Tensor((f"{p}{family.dense}.{down}.weight",), transpose=True)
     elif not moe:
         mlp = f"{p}{family.dense}." if family.dense else p  # OPT's fc1 / fc2: under the layer itself (Family.dense "")
@@ -4590,7 +4655,7 @@ def key_map(family: Family, cfg: TransformerConfig) -> dict[str, Tensor]:
     checkpoint, in HF's key order. MTP depth d (family.mtp) is the layer n_layers + d - 1:
     enorm, hnorm, eh_proj, a block, shared_head.norm (its copies of the embedding and the
     head are mtp_copies'); with family.mtp_module, depth 1 is Qwen3-Next's module under mtp."""
-    out = {"embed": Tensor((family.embed,))}
+    out = {"embed": Tensor((family.embed, family.embed_too), cat=True) if family.embed_too else Tensor((family.embed,))}
     if cfg.abs_positions:  # learned absolute positions (GPT-Neo's wpe)
         if family.pos_embed is None:
             raise ValueError("model: abs_positions, learned absolute positions, which this family's checkpoints do not hold")
@@ -4939,6 +5004,11 @@ def load_weights(model: Transformer, path, *, model_type: str, strict: bool = Tr
                     if other != first:
                         raise ValueError(f"checkpoint: {key} has shape {other} (as [in, out]), its other experts {first}")
                 full_shape = (len(spec.keys), *first)
+            elif spec.cat:  # the keys' rows in turn
+                shapes = [stored_shape(key) for key in spec.keys]
+                if any(other[1:] != shapes[0][1:] for other in shapes):
+                    raise ValueError(f"checkpoint: {' and '.join(spec.keys)} have shapes {shapes}, whose rows do not join")
+                full_shape = (sum(other[0] for other in shapes), *shapes[0][1:])
             else:
                 full_shape = shape(spec.keys[0], spec)
             if tuple(param.shape) != tuple(full_shape):
@@ -4982,7 +5052,16 @@ def load_weights(model: Transformer, path, *, model_type: str, strict: bool = Tr
                     t = runs.narrow(d, block.start, block.stop - block.start)
                 return t.transpose(-2, -1) if spec.transpose else t
 
-            if spec.stacked:  # only this rank's experts, each its own block
+            if spec.cat:  # this block's rows of each key
+                rows, offset, runs = index[0], 0, []
+                for key in spec.keys:
+                    n = stored_shape(key)[0]
+                    lo, hi = max(rows.start, offset), min(rows.stop, offset + n)
+                    if lo < hi:
+                        runs.append(read(key, (slice(lo - offset, hi - offset), *index[1:])))
+                    offset += n
+                value = torch.cat(runs) if runs else None
+            elif spec.stacked:  # only this rank's experts, each its own block
                 experts = range(len(spec.keys))[index[0]]
                 value = torch.stack([as_ours(read(spec.keys[e], stored_index(index[1:])), index[1:]) for e in experts]) if len(experts) else None
             elif spec.part is not None or (spec.chunk is not None and spec.groups > 1):  # the parts (every group's runs) of a key share one read
@@ -5865,7 +5944,7 @@ def _check_writable(model_type: str) -> None:
     if family.written_as is None:
         return
     if family.written_as == "text_config":
-        what = f"its text model's model_type (one of {', '.join(_TEXT_OF[model_type][0])})"
+        what = f"its text model's model_type (one of {', '.join(_TEXT_OF[model_type][0] if model_type in _TEXT_OF else _MOLMO2_BLOCKS.values())})"
     else:
         what = f"model_type={family.written_as!r} to write what fmoe holds ({FAMILIES[family.written_as].architecture})"
     unread = [p for p in family.not_read if not (family.mtp_module and p == "mtp.")]  # an MTP module it reads where the folder holds it
@@ -5882,8 +5961,11 @@ def written_config(hf: dict) -> dict:
     family = FAMILIES[hf["model_type"]]
     if family.written_as is None:
         return hf
+    if hf["model_type"] == "molmo2" and {**_MOLMO2_TEXT, **_text_config(hf)}["additional_vocab_size"]:
+        raise ValueError("model: a molmo2 folder's embedding holds rows past its head's (additional_vocab_size), which neither qwen3 nor olmo2 "
+                         "has, so its text model is not written as either")
     text = (_multimodal_text(hf) if hf["model_type"] in _MULTIMODAL else _listed_text(hf) if hf["model_type"] in _TEXT_OF
-            else _vl_text_config(hf))
+            else _molmo2_text(hf) if hf["model_type"] == "molmo2" else _vl_text_config(hf))
     kind = text["model_type"] if family.written_as == "text_config" else family.written_as
     return dict(text, model_type=kind, architectures=[FAMILIES[kind].architecture])
 
@@ -5952,6 +6034,8 @@ def _stored(spec: Tensor, full: torch.Tensor, dtype: torch.dtype) -> list[tuple[
     stack's experts, a row, or one tensor (not a part of a key: Tensor.part, Tensor.chunk)."""
     if spec.stacked:
         return [(key, (full[e].t() if spec.transpose else full[e]).contiguous().to(dtype)) for e, key in enumerate(spec.keys)]
+    if spec.cat:
+        raise ValueError(f"model: {' and '.join(spec.keys)} hold its rows between them (Tensor.cat), so it is not written")
     stored = full.transpose(-2, -1) if spec.transpose else full
     if spec.experts is not None:  # [E, rows, ...] as the stored [E rows, ...]
         stored = stored.flatten(0, 1)

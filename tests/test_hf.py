@@ -1852,8 +1852,10 @@ def _text_model_round_trip(folder, theirs, out, *, kind, prefix, head, text_kind
     with torch.no_grad():
         assert _rel(model.logits(ids, cu), theirs) < 1e-5
     not_read = ", ".join(re.escape(p) for p in hf.FAMILIES[kind].not_read)
+    # the family to pass: the one fmoe writes it as, or (Molmo2's) one of those its text config may make it
+    what = rf"its text model's model_type \(one of .*{text_kind}" if hf.FAMILIES[kind].written_as == "text_config" else rf"model_type='{text_kind}'"
     with pytest.raises(ValueError, match=rf"model_type: a {kind} folder holds a model fmoe does not read \({not_read}\), so it is not written; "
-                                         rf"pass model_type='{text_kind}'"):
+                                         rf"pass {what}"):
         hf.save_pretrained(model, out.parent / "whole")
     written = model.hf_config = hf.written_config(model.hf_config)  # its own text config, as the text model's family
     assert written["model_type"] == text_kind
@@ -2206,6 +2208,105 @@ def test_a_released_hunyuan_vl_folder_loads_its_text_model(tmp_path):
     _, cfg, written = _text_model_round_trip(tmp_path / "vl", theirs, tmp_path / "text", kind="hunyuan_vl", prefix="model.", head="lm_head.weight",
                                              text_kind="hunyuan_v1_dense")
     assert cfg.tie_embeddings and cfg.qk_norm_after_rope and "mrope_section" not in written["rope_parameters"]
+
+
+def _molmo2(folder, extra=0, qk_norm_type="qwen3", norm_after=False, ids=None):
+    """A tiny Molmo2 model (randomised: its text model's blocks by qk_norm_type and norm_after, an
+    embedding of `extra` rows past the head's) saved to folder; transformers' logits of a
+    text-only forward over _packed's documents (ids: its tokens instead)."""
+    text = dict(vocab_size=V, additional_vocab_size=extra, hidden_size=32, intermediate_size=40, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, rope_parameters=dict(rope_type="default", rope_theta=1e4), qk_norm_type=qk_norm_type,
+                norm_after=norm_after)
+    vision = dict(hidden_size=16, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, head_dim=8,
+                  image_patch_size=14, image_default_input_size=[28, 28])
+    adapter = dict(vision_feature_layer=[1, 0], hidden_size=16, intermediate_size=16, num_attention_heads=2, num_key_value_heads=2, head_dim=8,
+                   text_hidden_size=32)
+    torch.manual_seed(0)
+    ref = _randomised(transformers.Molmo2ForConditionalGeneration(transformers.Molmo2Config(text_config=text, vision_config=vision,
+                                                                                            adapter_config=adapter)))
+    ref.save_pretrained(folder)
+    with torch.no_grad():
+        return torch.cat([ref(input_ids=d[None]).logits[0] for d in (_packed()[0] if ids is None else [ids])])
+
+
+@pytest.mark.parametrize("blocks", [("qwen3", False), ("olmo", True)], ids=["qwen3", "olmo"])
+def test_a_released_molmo2_folder_loads_its_text_model(blocks, tmp_path):
+    """A molmo2 folder (Molmo2-4B / -8B, Molmo2-O-7B): its text model, Qwen3's blocks
+    (qk_norm_type "qwen3") or OLMo 2's (qk_norm_type "olmo" with norm_after), under the
+    released OLMo-core names (att_proj's q, k, v rows; ff_proj's up rows then gate rows; the
+    embedding's rows in wte.embedding then wte.new_embedding, however the file splits them)
+    beside the vision backbone, unread; transformers' logits of a text-only forward. With no
+    rows past the head's it writes as qwen3 / olmo2, which transformers loads with the same
+    logits; with additional_vocab_size rows (the image tokens', out_vocab) it reads them (ids
+    past the head's) and is not written as either. What neither family is, is refused."""
+    qk, after = blocks
+    kind = "qwen3" if qk == "qwen3" else "olmo2"
+    theirs = _molmo2(tmp_path / "plain", 0, qk, after)
+    _, cfg, _ = _text_model_round_trip(tmp_path / "plain", theirs, tmp_path / "text", kind="molmo2", prefix="model.transformer.",
+                                       head="lm_head.weight", text_kind=kind)
+    assert (cfg.qk_norm, cfg.post_norms, cfg.pre_norms, cfg.out_vocab) == ("head" if qk == "qwen3" else "proj", after, not after, None)
+    # the image tokens' rows past the head's: ids 64 ... 71 read from wte.new_embedding (the file splits the 72 rows 36 / 36)
+    ids = torch.tensor([3, 70, 5, 64, 71, 9, 66, 2])
+    theirs = _molmo2(tmp_path / "extra", 8, qk, after, ids=ids)
+    model, cfg = hf.from_pretrained(tmp_path / "extra", impl="torch")
+    assert (cfg.vocab_size, cfg.out_vocab, cfg.head_vocab) == (V + 8, V, V)
+    with torch.no_grad():
+        assert _rel(model.logits(ids, torch.tensor([0, 8], dtype=torch.int32)), theirs) < 1e-5
+    assert tuple(_read_all(tmp_path / "extra")["model.transformer.wte.new_embedding"].shape) == (36, 32)
+    with pytest.raises(ValueError, match="model: a molmo2 folder's embedding holds rows past its head's"):
+        hf.written_config(model.hf_config)
+    with pytest.raises(ValueError, match=r"pass its text model's model_type \(one of qwen3, olmo2\)"):
+        hf.save_pretrained(model, tmp_path / "whole")
+    config = json.loads((tmp_path / "extra" / "config.json").read_text())
+    for change, message in ((dict(norm_after=not after), "qk_norm_type = .* with norm_after = .* is not supported"),
+                            (dict(attention_bias=True), "attention_bias = True is not supported"),
+                            (dict(rope_parameters=dict(rope_type="linear", factor=2.0, rope_theta=1e4), rope_scaling_layers=[0]),
+                             r"rope_scaling_layers = \[0\] is not supported"),
+                            (dict(additional_vocab_size=-1), "additional_vocab_size = -1 is not supported")):
+        with pytest.raises(ValueError, match=f"config.json: .*{message}"):
+            hf.FAMILIES["molmo2"].kwargs(dict(config, text_config=dict(config["text_config"], **change)))
+    with pytest.raises(ValueError, match="config.json: tie_word_embeddings = True is not supported"):  # the top level's, which ties the head
+        hf.FAMILIES["molmo2"].kwargs(dict(config, tie_word_embeddings=True))
+
+
+def _load_molmo2_sharded(rank, world, path):
+    """One rank: a molmo2 folder's text model built on meta, FSDP2-sharded over 2 ranks (the
+    embedding's rows split between them), materialised and loaded; its gathered weights."""
+    from torch.distributed.tensor import DTensor
+
+    import fmoe.parallel as parallel
+    from fmoe.model import Transformer
+
+    _, cfg = hf.read_config(path)
+    with torch.device("meta"):
+        model = Transformer(dataclasses.replace(cfg, impl="torch"))
+    parallel.parallelize(model, parallel.build_meshes())
+    parallel.materialize(model, torch.device("cpu"), seed=0)
+    hf.load_weights(model, path, model_type="molmo2")
+    embed = model.embed if not isinstance(model.embed, DTensor) else model.embed.to_local()
+    return tuple(embed.shape), {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in hf._tensors(model).items()}
+
+
+def test_sharded_ranks_read_molmo2_s_embedding_rows_from_both_keys(tmp_path):
+    """Molmo2's embedding under FSDP2 over 2 ranks: each rank's rows (36 of the 72) come from
+    wte.embedding and wte.new_embedding as the file splits them (here 30 and 42, so the ranks'
+    halves cross the join); gathered, every weight is the one-process model's."""
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
+    from parallel.dist import run_distributed
+
+    _molmo2(tmp_path / "written", 8)
+    tensors = _read_all(tmp_path / "written")
+    rows = torch.cat([tensors.pop("model.transformer.wte.embedding"), tensors.pop("model.transformer.wte.new_embedding")])
+    folder = _copy_folder(tmp_path / "written", tmp_path / "uneven",
+                          {**tensors, "model.transformer.wte.embedding": rows[:30], "model.transformer.wte.new_embedding": rows[30:]})
+    one, _ = hf.from_pretrained(folder, impl="torch")
+    assert torch.equal(one.embed.detach(), rows)
+    want = {n: t.detach() for n, t in hf._tensors(one).items()}
+    for shape, full in run_distributed(_load_molmo2_sharded, 2, folder):
+        assert shape == (36, 32) and set(full) == set(want)
+        assert all(torch.equal(full[n], want[n]) for n in want)
 
 
 def test_a_released_ernie4_5_vl_moe_folder_loads_its_text_model(tmp_path):
