@@ -162,7 +162,7 @@ def test_bad_knobs_stop_with_a_message(own_run, hf_run, tmp_path):
     folder, run = hf_run
     cases = [
         ((own_run, tmp_path / "a"), "--model_type: needed for a model of fmoe's own, one of mixtral"),
-        ((own_run, tmp_path / "a", "--model_type=bloom"), "--model_type: expected one of"),
+        ((own_run, tmp_path / "a", "--model_type=bert"), "--model_type: expected one of"),
         ((own_run, tmp_path / "a", "--model_type=mixtral"), "model: its config has no mixtral equivalent: {'score': ('sigmoid', 'softmax')"),
         ((own_run, tmp_path / "a", f"--hf_config={folder}"), "--hf_config: '" + str(folder) + "' is not the run's model; "),
         ((own_run, tmp_path / "a", f"--hf_config={tmp_path}"), "--hf_config: not a Hugging Face folder"),
