@@ -11,7 +11,7 @@ exaone_moe, kolibri1, beam, axk2, dots1, minimax_m2, minimax, granitemoe, granit
 laguna, step3p5, step3p7, aria_text, aria, cohere2_moe, sarvam_moe, sarvam_mla, longcat_flash, bailing_hybrid, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, lara_mini, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
 mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe, gemma3, gemma4_text, gemma4, gemma4_unified_text, gemma4_unified, muse_spark_text,
 muse_spark), and the dense
-DENSE_FAMILIES (llama, exaone, cwm, olmo, phi, starcoder2, gpt_neox, falcon, bloom, mpt, gptj, codegen, gpt_neo, gpt_bigcode, gpt2, opt, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, helium, minicpm3, arcee, gemma, vaultgemma, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
+DENSE_FAMILIES (llama, exaone, cwm, olmo, phi, starcoder2, gpt_neox, falcon, bloom, mpt, gptj, codegen, gpt_neo, gpt_bigcode, gpt2, opt, biogpt, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, helium, minicpm3, arcee, gemma, vaultgemma, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
 glm4, ernie4_5, lfm2, cohere, cohere2, bamba, falcon_h1, stablelm, qwen3_5_text (and qwen3_5's text model), nemotron, apertus,
 apertus1p5_text (and apertus1p5's text model), olmo_hybrid, jais2, glm, internlm3,
 iquestcoder, ministral, nanochat, cohere_compass_text (and cohere_compass's text model), muse_glimmer_text (and muse_glimmer's):
@@ -639,6 +639,24 @@ def _opt(hf: dict) -> dict:
                        rope_parameters=dict(rope_type="default", rope_theta=10000.0), mlp_bias=bias),
                   mlp_bias=True, qkv_bias=bias, o_bias=bias, layer_norms=True, norm_bias=True, mlp_act="relu",
                   abs_positions=hf.get("max_position_embeddings", 2048), abs_position_offset=2)
+
+
+def _biogpt(hf: dict) -> dict:
+    """BioGPT (biogpt, dense; BioGPT, BioGPT-Large): OPT's blocks (pre-norm LayerNorms with bias;
+    q, k, v and out_proj with biases; MLPs without a gate, act(x fc1) fc2 with biases, act by
+    hidden_act: exact GELU by default) after learned absolute positions whose table holds two
+    rows before position 0's (max_position_embeddings + 2: abs_position_offset 2), the
+    embeddings times sqrt(hidden_size) with scale_embedding (by default: embed_scale), a final
+    LayerNorm, the head output_projection tied to the embedding by default. Every LayerNorm's
+    eps is nn.LayerNorm's 1e-5 (transformers' BioGPT builds them so, whatever layer_norm_eps says)."""
+    acts = {"gelu": "gelu", "gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_new", "relu": "relu"}
+    _refuse(hf, "hidden_act", lambda v: v in acts, "GELU, exact (gelu) or in its tanh form (gelu_new), or relu")
+    heads, H = hf["num_attention_heads"], hf["hidden_size"]
+    scale = math.sqrt(H) if hf.get("scale_embedding", True) else 1.0
+    return _dense(dict(hf, hidden_act="silu", head_dim=H // heads, num_key_value_heads=heads, rms_norm_eps=1e-5, mlp_bias=True,
+                       rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
+                  mlp_bias=True, qkv_bias=True, o_bias=True, layer_norms=True, norm_bias=True, mlp_act=acts[hf.get("hidden_act", "gelu")],
+                  abs_positions=hf.get("max_position_embeddings", 1024), abs_position_offset=2, embed_scale=scale)
 
 
 def _olmo(hf: dict) -> dict:
@@ -3663,6 +3681,7 @@ _APERTUS_DEFAULTS = dict(vocab_size=131072, hidden_size=4096, intermediate_size=
 DENSE_FAMILIES = ("llama", "exaone", "cwm", "olmo", "phi", "starcoder2", "gpt_neox", "gptj", "codegen", "gpt_neo", "gpt_bigcode", "gpt2", "opt", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "youtu", "helium", "minicpm3", "arcee", "gemma", "vaultgemma", "gemma2", "gemma3_text", "lfm3", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
                   "phi3", "glm4", "ernie4_5", "lfm2", "cohere", "cohere2", "bamba", "falcon_h1", "stablelm", "qwen3_5_text", "nemotron", "apertus", "olmo_hybrid",
                   "jais2", "glm", "internlm3", "iquestcoder", "ministral", "nanochat", "cohere_compass_text", "muse_glimmer_text", "falcon", "bloom", "mpt",
+                  "biogpt",
                   "apertus1p5_text")
 FAMILIES = {
     "mixtral": Family(_mixtral, "block_sparse_moe", ("w1", "w3", "w2"), "MixtralForCausalLM",
@@ -3974,6 +3993,12 @@ FAMILIES = {
                    defaults=dict(_GPT2_DEFAULTS, hidden_act="gelu_new")),
     # OPT: the layers under model.decoder.layers., self_attn (out_proj), its pre-norms self_attn_layer_norm and
     # final_layer_norm, the MLP's fc1 / fc2 under the layer itself, the learned positions model.decoder.embed_positions
+    # BioGPT: OPT's layout under biogpt. (the final norm layer_norm), the head output_projection
+    "biogpt": Family(_biogpt, "", _PROJ, "BioGptForCausalLM", prefix=("model.layers.", "biogpt.layers."), o_proj="out_proj", dense="",
+                     norms=("self_attn_layer_norm", "final_layer_norm"), dense_names=("", "fc1", "fc2"), embed="biogpt.embed_tokens.weight",
+                     pos_embed="biogpt.embed_positions.weight", final_norm="biogpt.layer_norm.weight", head="output_projection.weight",
+                     defaults=dict(vocab_size=42384, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096,
+                                   max_position_embeddings=1024, tie_word_embeddings=True)),
     "opt": Family(_opt, "", _PROJ, "OPTForCausalLM", prefix=("model.layers.", "model.decoder.layers."), o_proj="out_proj", dense="",
                   norms=("self_attn_layer_norm", "final_layer_norm"), dense_names=("", "fc1", "fc2"), embed="model.decoder.embed_tokens.weight",
                   pos_embed="model.decoder.embed_positions.weight", final_norm="model.decoder.final_layer_norm.weight",
@@ -5732,6 +5757,11 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
                 hf.pop(field)
             hf.update(ffn_dim=cfg.ffn_dense, activation_function="relu", enable_bias=cfg.qkv_bias, do_layer_norm_before=True,
                       word_embed_proj_dim=cfg.hidden, max_position_embeddings=cfg.abs_positions)
+        elif model_type == "biogpt":  # its activation, the learned positions' count, sqrt(H) or no scale of the embeddings (config_mismatch)
+            for field in ("rms_norm_eps", "mlp_bias", "num_key_value_heads", "head_dim", "rope_parameters"):
+                hf.pop(field)
+            hf.update(hidden_act="gelu" if cfg.mlp_act == "gelu" else "relu" if cfg.mlp_act == "relu" else "gelu_new",
+                      max_position_embeddings=cfg.abs_positions, scale_embedding=cfg.embed_scale != 1.0)
         elif model_type in ("gpt_bigcode", "gpt2", "gptj", "codegen"):  # GPT-2's field names (_GPT2_ALIASES), RoPE's fixed base (GPT-J's)
             for field in ("mlp_bias", "num_key_value_heads", "head_dim", "rope_parameters", *_GPT2_ALIASES):
                 hf.pop(field)

@@ -66,6 +66,9 @@ FAMILIES = {
     # attn_config's softmax_scale, exact-GELU MLPs of 4 H without a gate or biases, the head tied
     "mpt": lambda: transformers.MptConfig(vocab_size=V, d_model=32, n_layers=3, n_heads=4, max_seq_len=64,
                                           attn_config=dict(clip_qkv=1.0, softmax_scale=0.3)),
+    # BioGPT: OPT's blocks after positions offset by 2, the embeddings times sqrt(H), exact-GELU MLPs, the head tied
+    "biogpt": lambda: transformers.BioGptConfig(vocab_size=V, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=40,
+                                                max_position_embeddings=64, pad_token_id=None, bos_token_id=None, eos_token_id=None),
     # Aria's text model: every block MoE, softmax over the top-2 logits, [E, H, 2F] / [E, F, H] expert stacks, 2 shared experts
     "aria_text": lambda: transformers.AriaTextConfig(**COMMON, intermediate_size=16, moe_num_experts=4, moe_topk=2, moe_num_shared_experts=2,
                                                      pad_token_id=None, bos_token_id=None, eos_token_id=None),
@@ -872,6 +875,9 @@ def test_a_failed_export_leaves_no_weight_files(folders, tmp_path, monkeypatch):
                                                                abs_positions=64, n_kv_heads=4, attn_scale=1.0, tie_embeddings=True, norm_eps=1e-5)),
                                           ("gpt2", dict(layer_norms=True, norm_bias=True, qkv_bias=True, o_bias=True, mlp_bias=True, mlp_act="gelu_new",
                                                         abs_positions=64, n_kv_heads=4, tie_embeddings=True, norm_eps=1e-5)),
+                                          ("biogpt", dict(layer_norms=True, norm_bias=True, qkv_bias=True, o_bias=True, mlp_bias=True, mlp_act="gelu",
+                                                          abs_positions=64, abs_position_offset=2, n_kv_heads=4, tie_embeddings=True, norm_eps=1e-5,
+                                                          embed_scale=32 ** 0.5)),
                                           ("opt", dict(layer_norms=True, norm_bias=True, qkv_bias=True, o_bias=True, mlp_bias=True, mlp_act="relu",
                                                        abs_positions=64, abs_position_offset=2, n_kv_heads=4, tie_embeddings=True, norm_eps=1e-5)),
                                           ("codegen", dict(layer_norms=True, norm_bias=True, parallel_blocks=True, mlp_bias=True, mlp_act="gelu_new",
