@@ -11,7 +11,7 @@ exaone_moe, kolibri1, beam, axk2, dots1, minimax_m2, minimax, granitemoe, granit
 laguna, step3p5, step3p7, aria_text, aria, cohere2_moe, sarvam_moe, sarvam_mla, longcat_flash, bailing_hybrid, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, lara_mini, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
 mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe, gemma3, gemma4_text, gemma4, gemma4_unified_text, gemma4_unified, muse_spark_text,
 muse_spark), and the dense
-DENSE_FAMILIES (llama, exaone, cwm, olmo, phi, starcoder2, gpt_neox, falcon, bloom, mpt, gptj, codegen, gpt_neo, gpt_bigcode, gpt2, opt, biogpt, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, helium, minicpm3, arcee, gemma, vaultgemma, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
+DENSE_FAMILIES (llama, exaone, cwm, olmo, phi, starcoder2, gpt_neox, persimmon, falcon, bloom, mpt, gptj, codegen, gpt_neo, gpt_bigcode, gpt2, opt, biogpt, mistral, ministral3, qwen2, qwen3, olmo2, olmo3, granite, granite_swa, hyperclovax, youtu, helium, minicpm3, arcee, gemma, vaultgemma, gemma2, gemma3_text, lfm3, smollm3, exaone4, seed_oss, hunyuan_v1_dense, phi3,
 glm4, ernie4_5, lfm2, cohere, cohere2, bamba, falcon_h1, stablelm, qwen3_5_text (and qwen3_5's text model), nemotron, apertus,
 apertus1p5_text (and apertus1p5's text model), olmo_hybrid, jais2, glm, internlm3,
 iquestcoder, ministral, nanochat, cohere_compass_text (and cohere_compass's text model), muse_glimmer_text (and muse_glimmer's):
@@ -135,8 +135,8 @@ A released LFM2-VL, LFM3-VL, EXAONE 4.5, Granite 4.0 Vision, Command A Vision, A
 HyperCLOVA X SEED Vision, Granite Speech (Plus), MiniCPM-V 4.6 / 4.7, DeepSeek-VL, AudioFlamingo 3,
 Music Flamingo, Qwen2-Audio, Qwen3-ASR, MOSS Transcribe-Diarize, LightOnOCR, Fun-ASR-Nano, GLM-ASR,
 GOT-OCR 2.0, Ovis2, VideoLLaMA 3, Qianfan-OCR, Janus, DeepSeek-VL-Hybrid, Idefics2, Granite Docling, BLIP-2,
-InstructBLIP (-Video), Emu3 or Nemotron 3 Nano Omni folder (_VL_TEXT) holds LFM2's, LFM3's, EXAONE 4.0's,
-Granite 3's, Cohere 2's, HyperCLOVA X's, Qwen3.5's, Llama's, Mistral's, OPT's, Qwen2's, Qwen3's or Nemotron-H's text
+InstructBLIP (-Video), Emu3, Fuyu or Nemotron 3 Nano Omni folder (_VL_TEXT) holds LFM2's, LFM3's, EXAONE 4.0's,
+Granite 3's, Cohere 2's, HyperCLOVA X's, Qwen3.5's, Llama's, Mistral's, OPT's, Persimmon's, Qwen2's, Qwen3's or Nemotron-H's text
 model under model.language_model. (Idefics2's and Granite Docling's under model.text_model.; the older layout: all of it, head
 included, under language_model. (Emu3's text_model.): Family.outer; Qianfan-OCR's text layers there as released or as
 transformers writes them, Family.layout_too) beside a vision or audio encoder and its
@@ -441,6 +441,27 @@ def _gpt_neox(hf: dict) -> dict:
                        rope_parameters=params, mlp_bias=True), mlp_bias=True, qkv_bias=bias, o_bias=bias, mlp_act=acts[hf.get("hidden_act", "gelu")],
                   layer_norms=True, norm_bias=True, parallel_blocks=parallel, parallel_norms=parallel,
                   rope_dim=_partial_rope(dict(partial_rotary_factor=factor), head_dim))
+
+
+def _persimmon(hf: dict) -> dict:
+    """Persimmon (persimmon, dense; Persimmon-8B, and Fuyu's text model): pre-norm blocks of
+    LayerNorms with bias (layer_norm_eps), q, k and v as each head's rows of one
+    query_key_value (its q, k and v in turn: Family.qkv_per_head) with biases, the output
+    projection dense with a bias; with qk_layernorm (by default) the queries and keys each
+    through one LayerNorm with bias over every head's channels (qk_norm "layer", qk_norm_bias)
+    before RoPE on the first partial_rotary_factor (by default half) of each head's channels
+    (halves); MLPs without a gate, relu(x dense_h_to_4h)^2 dense_4h_to_h with biases (mlp_act
+    "relu2"); a final LayerNorm with bias, the head untied by default."""
+    _refuse(hf, "hidden_act", lambda v: v == "relu2", "relu2, the squared ReLU of an MLP without a gate")
+    heads, H = hf["num_attention_heads"], hf["hidden_size"]
+    head_dim = H // heads
+    params = dict(hf.get("rope_parameters") or {})
+    factor = params.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 0.5))
+    qk = bool(hf.get("qk_layernorm", True))
+    return _dense(dict(hf, hidden_act="silu", head_dim=head_dim, num_key_value_heads=heads, rms_norm_eps=hf.get("layer_norm_eps", 1e-5), mlp_bias=True,
+                       rope_parameters=params or dict(rope_type="default", rope_theta=10000.0)),
+                  mlp_bias=True, qkv_bias=True, o_bias=True, mlp_act="relu2", layer_norms=True, norm_bias=True, qk_norm="layer" if qk else None,
+                  qk_norm_bias=qk, rope_dim=_partial_rope(dict(partial_rotary_factor=factor), head_dim))
 
 
 def _falcon(hf: dict) -> dict:
@@ -3681,7 +3702,7 @@ _APERTUS_DEFAULTS = dict(vocab_size=131072, hidden_size=4096, intermediate_size=
 DENSE_FAMILIES = ("llama", "exaone", "cwm", "olmo", "phi", "starcoder2", "gpt_neox", "gptj", "codegen", "gpt_neo", "gpt_bigcode", "gpt2", "opt", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "youtu", "helium", "minicpm3", "arcee", "gemma", "vaultgemma", "gemma2", "gemma3_text", "lfm3", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
                   "phi3", "glm4", "ernie4_5", "lfm2", "cohere", "cohere2", "bamba", "falcon_h1", "stablelm", "qwen3_5_text", "nemotron", "apertus", "olmo_hybrid",
                   "jais2", "glm", "internlm3", "iquestcoder", "ministral", "nanochat", "cohere_compass_text", "muse_glimmer_text", "falcon", "bloom", "mpt",
-                  "biogpt",
+                  "biogpt", "persimmon",
                   "apertus1p5_text")
 FAMILIES = {
     "mixtral": Family(_mixtral, "block_sparse_moe", ("w1", "w3", "w2"), "MixtralForCausalLM",
@@ -4020,6 +4041,13 @@ FAMILIES = {
                      aliases=dict(num_hidden_layers="n_layer", num_attention_heads="n_head", num_kv_heads="n_head_kv", hidden_size="n_embed"),
                      defaults=dict(vocab_size=65024, hidden_size=4544, num_hidden_layers=32, num_attention_heads=71, layer_norm_epsilon=1e-5,
                                    tie_word_embeddings=True, rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
+    # Persimmon: GPT-NeoX's attention names under the layers' self_attn (query_key_value head by head, dense, the q/k LayerNorms
+    # q_layernorm / k_layernorm), the MLP's dense_h_to_4h / dense_4h_to_h, the final norm model.final_layernorm
+    "persimmon": Family(_persimmon, "mlp", _PROJ, "PersimmonForCausalLM", qkv="query_key_value", qkv_per_head=True, o_proj="dense",
+                        dense_names=("", "dense_h_to_4h", "dense_4h_to_h"), qk_norms=("q_layernorm", "k_layernorm"),
+                        final_norm="model.final_layernorm.weight",
+                        defaults=dict(vocab_size=262144, hidden_size=4096, intermediate_size=16384, num_hidden_layers=36, num_attention_heads=64,
+                                      layer_norm_eps=1e-5, tie_word_embeddings=False)),
     # BLOOM: Falcon's names (transformer.h., self_attention's query_key_value head by head and dense, the MLP's
     # dense_h_to_4h / dense_4h_to_h), the embeddings' LayerNorm word_embeddings_layernorm
     "bloom": Family(_bloom, "mlp", _PROJ, "BloomForCausalLM", prefix=("model.layers.", "transformer.h."), attention="self_attention",
@@ -4281,6 +4309,8 @@ _VL_TEXT = {"lfm2_vl": ("lfm2", "Lfm2VlForConditionalGeneration", True, ("model.
             **{kind: (text, f"{name}ForConditionalGeneration", None, ("vision_model.", "qformer.", "query_tokens", "language_projection."), _LEGACY)
                for kind, text, name in (("blip-2", "opt", "Blip2"), ("instructblip", "llama", "InstructBlip"),
                                         ("instructblipvideo", "llama", "InstructBlipVideo"))},
+            # Fuyu (Persimmon's causal LM whole under language_model., beside the image patches' linear embedding)
+            "fuyu": ("persimmon", "FuyuForCausalLM", False, ("vision_embed_tokens.",), _LEGACY),
             # Emu3 (Llama's causal LM whole under text_model., its own model_type, beside the image tokenizer's VQ model; its
             # attention dropout, training's only, not built)
             "emu3": ("llama", "Emu3ForConditionalGeneration", False, ("vqmodel.",), "text_model."),
@@ -4612,13 +4642,16 @@ def _attention_keys(family: Family, cfg: TransformerConfig, p: str, q: str, rope
         out[q + "attn.wg"] = Tensor((attn + family.gate_proj + ".weight",), transpose=True)
     if cfg.attn_gate_bias:  # its bias per head (Beam's gate_bias)
         out[q + "attn.bg"] = Tensor((attn + "gate_bias",))
-    if cfg.qk_norm in ("head", "proj", "head_layer") and (rope or cfg.nope_qk_norm):  # weighted norms ("rms" has none)
-        if family.qk_norm_modules:  # each head's weight [D] its own key, stacked into fmoe's [N, D]
-            for ours, theirs, heads in (("q_norm", family.qk_norms[0], cfg.n_heads), ("k_norm", family.qk_norms[1], cfg.n_kv_heads)):
-                out[q + "attn." + ours] = Tensor(tuple(f"{attn}{theirs}.norms.{h}.weight" for h in range(heads)), stacked=True)
-        else:
-            out[q + "attn.q_norm"] = Tensor((attn + family.qk_norms[0] + ".weight",))
-            out[q + "attn.k_norm"] = Tensor((attn + family.qk_norms[1] + ".weight",))
+    if cfg.qk_norm in ("head", "proj", "head_layer", "layer") and (rope or cfg.nope_qk_norm):  # weighted norms ("rms" has none)
+        parts = ("weight", "bias") if cfg.qk_norm_bias else ("weight",)  # the LayerNorms' biases beside (Chameleon's, Persimmon's)
+        for part in parts:
+            suffix = "" if part == "weight" else "_bias"
+            if family.qk_norm_modules:  # each head's weight [D] its own key, stacked into fmoe's [N, D]
+                for ours, theirs, heads in (("q_norm", family.qk_norms[0], cfg.n_heads), ("k_norm", family.qk_norms[1], cfg.n_kv_heads)):
+                    out[q + "attn." + ours + suffix] = Tensor(tuple(f"{attn}{theirs}.norms.{h}.{part}" for h in range(heads)), stacked=True)
+            else:
+                out[q + "attn.q_norm" + suffix] = Tensor((f"{attn}{family.qk_norms[0]}.{part}",))
+                out[q + "attn.k_norm" + suffix] = Tensor((f"{attn}{family.qk_norms[1]}.{part}",))
     return out
 
 
@@ -5729,6 +5762,11 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
             hf.update(layer_norm_epsilon=cfg.norm_eps, bias=cfg.qkv_bias, activation="gelu", alibi=cfg.alibi, ffn_hidden_size=cfg.ffn_dense,
                       parallel_attn=cfg.parallel_blocks, new_decoder_architecture=new, multi_query=cfg.n_kv_heads == 1,
                       num_kv_heads=cfg.n_kv_heads, num_ln_in_parallel_attn=(2 if cfg.parallel_norms else 1) if new else None)
+        elif model_type == "persimmon":  # its LayerNorms' eps, the q/k LayerNorms or none, RoPE's part of each head
+            for field in ("rms_norm_eps", "mlp_bias", "num_key_value_heads", "head_dim"):
+                hf.pop(field)
+            hf.update(layer_norm_eps=cfg.norm_eps, hidden_act="relu2", qk_layernorm=cfg.qk_norm is not None,
+                      rope_parameters=dict(hf["rope_parameters"], partial_rotary_factor=_rotary_factor(cfg)))
         elif model_type == "bloom":  # its own field names; ALiBi, its norms, its biases and 4 H MLP channels are the model's (config_mismatch)
             for field in ("rms_norm_eps", "mlp_bias", "num_key_value_heads", "head_dim", "hidden_act", "intermediate_size", "rope_parameters",
                           "num_hidden_layers", "num_attention_heads"):

@@ -549,7 +549,7 @@ def moe(
 
 
 GATE_ACTS = ("sigmoid", "softplus")  # gated attention's gate activations (AttentionConfig.gate_act)
-QK_NORMS = (None, "head", "proj", "rms", "head_layer")  # AttentionConfig.qk_norm
+QK_NORMS = (None, "head", "proj", "rms", "head_layer", "layer")  # AttentionConfig.qk_norm
 TEMPERATURE_KINDS = ("log", "power")  # AttentionConfig.temperature_kind
 
 
@@ -578,8 +578,11 @@ class AttentionConfig:
     (over the whole projection, q_norm [N D], k_norm [G D]: OLMoE) or "rms" (over each
     head's D channels without weights: x / sqrt(mean(x^2) + eps), Llama 4's L2Norm) or
     "head_layer" (a LayerNorm without bias over each head's D channels, each head with its own
-    weights: q_norm [N, D], k_norm [G, D]; Cohere's Command R+), with eps
-    norm_eps; qk_norm_after_rope: the per-head norms after RoPE instead (Hunyuan, Llama 4).
+    weights: q_norm [N, D], k_norm [G, D]; Cohere's Command R+) or "layer" (a LayerNorm over
+    each head's D channels, one weight [D] for every head: Persimmon's), with eps norm_eps;
+    qk_norm_bias: the LayerNorms' biases too, q_norm_bias and k_norm_bias of their weights'
+    shapes (Chameleon's per head, Persimmon's shared); qk_norm_after_rope: the per-head norms
+    after RoPE instead (Hunyuan, Llama 4).
     impl: "auto" (FlexAttention on CUDA, the SDPA reference on CPU), "flex", "torch"; the
     RoPE op follows "auto" / "torch". window: sliding-window attention, a query attends to
     the `window` newest tokens of its document, itself included (key index > query index -
@@ -709,6 +712,7 @@ class AttentionConfig:
     yarn_mscale_all_dim: float = 1.0
     yarn_truncate: bool = True
     qk_norm: Optional[str] = None
+    qk_norm_bias: bool = False
     norm_eps: float = 1e-6
     impl: str = "auto"
     q_rank: Optional[int] = None
@@ -821,8 +825,11 @@ class AttentionConfig:
             raise ValueError(f"scale: expected None or a positive finite number, got {self.scale!r}")
         if self.qk_norm not in QK_NORMS:
             raise ValueError(f"qk_norm: expected None, 'head', 'proj', 'rms' or 'head_layer', got {self.qk_norm!r}")
-        if self.qk_norm == "head_layer" and self.zero_centered_norms:
-            raise ValueError("zero_centered_norms: a gain of 1 + weight in RMSNorms, not in the LayerNorms of qk_norm 'head_layer'")
+        if self.qk_norm in ("head_layer", "layer") and self.zero_centered_norms:
+            raise ValueError(f"zero_centered_norms: a gain of 1 + weight in RMSNorms, not in the LayerNorms of qk_norm {self.qk_norm!r}")
+        if not isinstance(self.qk_norm_bias, bool) or (self.qk_norm_bias and self.qk_norm not in ("head_layer", "layer")):
+            raise ValueError(f"qk_norm_bias: the q/k LayerNorms' biases (a bool; True needs qk_norm 'head_layer' or 'layer'), got {self.qk_norm_bias!r} "
+                             f"with qk_norm {self.qk_norm!r}")
         check_window(self.window)
         if self.chunk is not None:
             check_positive_int("chunk", self.chunk)
@@ -1471,21 +1478,26 @@ def _check_attention(x_TH, params, cfg, ctx) -> None:
         _check_ctx(ctx, T, cfg.rot_dim)
         return
     optional = {"bq": (N * D,), "bk": (G * D,), **({} if cfg.k_eq_v else {"bv": (G * (cfg.v_dim or D),)})}
-    weighted = cfg.qk_norm in ("head", "proj", "head_layer")  # "rms" has no weights
+    weighted = cfg.qk_norm in ("head", "proj", "head_layer", "layer")  # "rms" has no weights
     if weighted:
-        optional.update(dict(head=dict(q_norm=(D,), k_norm=(D,)), proj=dict(q_norm=(N * D,), k_norm=(G * D,)),
-                             head_layer=dict(q_norm=(N, D), k_norm=(G, D)))[cfg.qk_norm])
+        norms = dict(head=dict(q_norm=(D,), k_norm=(D,)), proj=dict(q_norm=(N * D,), k_norm=(G * D,)),
+                     head_layer=dict(q_norm=(N, D), k_norm=(G, D)), layer=dict(q_norm=(D,), k_norm=(D,)))[cfg.qk_norm]
+        optional.update(norms)
+        if cfg.qk_norm_bias:  # the LayerNorms' biases, of their weights' shapes
+            optional.update({name + "_bias": shape for name, shape in norms.items()})
     for name in ("q_norm", "k_norm"):
         if (params.get(name) is not None) != weighted:
             raise ValueError(f"params['{name}']: expected {'a weight' if weighted else 'none'} with cfg.qk_norm = {cfg.qk_norm!r}")
+        if (params.get(name + "_bias") is not None) != cfg.qk_norm_bias:
+            raise ValueError(f"params['{name}_bias']: expected {'a bias' if cfg.qk_norm_bias else 'none'} with cfg.qk_norm_bias = {cfg.qk_norm_bias}")
     for name, shape in optional.items():
         w = params.get(name)
         if w is not None and tuple(w.shape) != shape:
             raise ValueError(f"params['{name}']: expected {list(shape)}, got {list(w.shape)}")
     unknown = set(params) - {*mats, *optional, *extras}
     if unknown:
-        raise ValueError(f"params: unknown attention parameters {sorted(unknown)} (wq, wk, wv, wo, optional bq, bk, bv, q_norm, k_norm, bo, sinks, wg, bg, "
-                         "alibi)")
+        raise ValueError(f"params: unknown attention parameters {sorted(unknown)} (wq, wk, wv, wo, optional bq, bk, bv, q_norm, k_norm, q_norm_bias, "
+                         "k_norm_bias, bo, sinks, wg, bg, alibi)")
     if (cfg.window is not None or cfg.chunk is not None) and getattr(ctx, "local_cos", None) is not None:
         return  # a local layer's own tables, which attention checks against it
     _check_ctx(ctx, T, cfg.rot_dim or D)
@@ -1843,12 +1855,14 @@ def _attention_with_sinks(q_NTD, k_GTD, v_GTD, mask_TS, scale: float, sinks_N, s
     return (probs_NTS @ v_GTD.float().repeat_interleave(N // G, dim=0)).to(q_NTD.dtype)
 
 
-def _head_layer_norm(x_THD: torch.Tensor, weight_HD: torch.Tensor, eps: float) -> torch.Tensor:
-    """A LayerNorm without bias over each head's last dim, weight_HD [heads, D] each head's own;
-    statistics in float32, the result in x's dtype."""
+def _head_layer_norm(x_THD: torch.Tensor, weight_HD: torch.Tensor, eps: float, bias_HD: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A LayerNorm over each head's last dim, weight_HD [heads, D] each head's own (or [D], one
+    for every head), plus bias_HD of its shape (None: none); statistics in float32, the
+    result in x's dtype."""
     x32 = x_THD.float()
     x32 = x32 - x32.mean(-1, keepdim=True)
-    return (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + eps) * weight_HD.float()).to(x_THD.dtype)
+    y = x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + eps) * weight_HD.float()
+    return (y if bias_HD is None else y + bias_HD.float()).to(x_THD.dtype)
 
 
 def _gated(out_TQ: torch.Tensor, gate_TG: torch.Tensor, cfg: AttentionConfig, bias_N: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -1889,8 +1903,9 @@ def _gqa_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext, heads_mean=
         q_TQ, k_TK = (_rms_norm(t, params[n], cfg.norm_eps, m, zero_centered=cfg.zero_centered_norms)
                       for t, n, m in zip((q_TQ, k_TK), ("q_norm", "k_norm"), ms))
     q_TND, k_TGD = rearrange(q_TQ, "t (n d) -> t n d", n=N), rearrange(k_TK, "t (g d) -> t g d", g=G)
-    if cfg.qk_norm == "head_layer":  # a LayerNorm per head, each head its own weights (Cohere's), before RoPE
-        q_TND, k_TGD = (_head_layer_norm(t, params[name], cfg.norm_eps) for t, name in ((q_TND, "q_norm"), (k_TGD, "k_norm")))
+    if cfg.qk_norm in ("head_layer", "layer"):  # a LayerNorm per head, each head its own weights (Cohere's) or one for all, before RoPE
+        q_TND, k_TGD = (_head_layer_norm(t, params[name], cfg.norm_eps, params.get(name + "_bias"))
+                        for t, name in ((q_TND, "q_norm"), (k_TGD, "k_norm")))
     # over each head's channels: before RoPE (Qwen3, GLM-4.5) or after (Hunyuan, Llama 4's weightless "rms")
     head_norm = cfg.qk_norm in ("head", "rms")
 

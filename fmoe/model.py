@@ -393,8 +393,9 @@ class TransformerConfig:
     blocks the stream is [T, 2H], the residual and the MoE's output side by side (Block).
     n_layers even; not with parallel_blocks, post_norms, moe_out_norm or residual_scale;
     the MTP blocks are ordinary blocks; a pipeline stage holds whole pairs. Attention:
-    n_heads/n_kv_heads of head_dim, qkv_bias, qk_norm (None | "head" | "proj" | "rms" | "head_layer",
-    fmoe.layers.AttentionConfig; qk_norm_after_rope: the per-head norms after RoPE, Hunyuan,
+    n_heads/n_kv_heads of head_dim, qkv_bias, qk_norm (None | "head" | "proj" | "rms" | "head_layer" | "layer",
+    fmoe.layers.AttentionConfig; qk_norm_bias: the q/k LayerNorms' biases, Chameleon's and
+    Persimmon's; qk_norm_after_rope: the per-head norms after RoPE, Hunyuan,
     Llama 4; nope_qk_norm=False: none in the NoPE blocks, Llama 4), rope_base, rope_dim (rotated
     channels per head, None: all), rope_interleaved, rope_reversed (each pair turned the other
     way, sin negated: NanoChat's rotate_half (x2, -x1)), yarn_factor (None: plain RoPE) with
@@ -662,6 +663,7 @@ class TransformerConfig:
     head_dim: int = 32
     qkv_bias: bool = False
     qk_norm: Optional[str] = None
+    qk_norm_bias: bool = False
     qk_norm_after_rope: bool = False
     nope_qk_norm: bool = True
     rope_base: float = 10000.0
@@ -1398,7 +1400,8 @@ class TransformerConfig:
             linear_factor=self.rope_linear_factor, longrope_short_factors=self.longrope_short_factors, longrope_long_factors=self.longrope_long_factors,
             longrope_original_max_positions=self.longrope_original_max_positions, longrope_short_scale=self.longrope_short_scale,
             longrope_long_scale=self.longrope_long_scale,
-            qk_norm=self.qk_norm if norm else None, qk_norm_after_rope=self.qk_norm_after_rope and norm, norm_eps=self.norm_eps,
+            qk_norm=self.qk_norm if norm else None, qk_norm_bias=self.qk_norm_bias and norm, qk_norm_after_rope=self.qk_norm_after_rope and norm,
+            norm_eps=self.norm_eps,
             impl=self.impl, q_rank=self.q_rank, kv_rank=self.kv_rank, v_dim=self.v_head_dim, window=self.window if local else None,
             latent_scales=((self.hidden / self.q_rank) ** 0.5, (self.hidden / self.kv_rank) ** 0.5) if self.mla_scales else None,
             q_latent_raw=self.q_latent_raw, gate_on_q=self.attn_gate_on_q, latent_norm_eps=1e-6 if self.mla_norm_eps is None else self.mla_norm_eps,
@@ -1661,10 +1664,13 @@ class Attention(nn.Module):
             if not self.cfg.k_eq_v:
                 self.bv = nn.Parameter(torch.empty(G * Dv))
                 self.names.append("bv")
-        if self.cfg.qk_norm in ("head", "proj", "head_layer"):  # one at initialisation ("rms" has no weights)
-            shapes = dict(head=((D,), (D,)), proj=((q,), (kv,)), head_layer=((N, D), (G, D)))
-            self.q_norm, self.k_norm = (nn.Parameter(torch.ones(shape)) for shape in shapes[self.cfg.qk_norm])
+        if self.cfg.qk_norm in ("head", "proj", "head_layer", "layer"):  # one at initialisation ("rms" has no weights)
+            shapes = dict(head=((D,), (D,)), proj=((q,), (kv,)), head_layer=((N, D), (G, D)), layer=((D,), (D,)))[self.cfg.qk_norm]
+            self.q_norm, self.k_norm = (nn.Parameter(torch.ones(shape)) for shape in shapes)
             self.names += ["q_norm", "k_norm"]
+            if self.cfg.qk_norm_bias:  # the LayerNorms' biases, zero at initialisation
+                self.q_norm_bias, self.k_norm_bias = (nn.Parameter(torch.zeros(shape)) for shape in shapes)
+                self.names += ["q_norm_bias", "k_norm_bias"]
         self._extras(cfg, sinks)
 
     def _extras(self, cfg: TransformerConfig, sinks: bool) -> None:
@@ -2329,7 +2335,8 @@ class Transformer(nn.Module):
             if name.endswith(("mlp.latent_norm", "mlp.expert_out_norm")):  # Muse Spark's MoE norms: gains 1 + weight
                 _local(p).zero_()
                 continue
-            if kind.endswith(("attn.bq", "attn.bk", "attn.bv", "attn.bo", "attn.sinks", "attn.bg", "attn.index_k_bias", "router_bias", "norm.bias", "head_bias",
+            if kind.endswith(("attn.bq", "attn.bk", "attn.bv", "attn.bo", "attn.sinks", "attn.bg", "attn.index_k_bias", "attn.q_norm_bias", "attn.k_norm_bias",
+                              "router_bias", "norm.bias", "head_bias",
                               "attn.conv_q_bias", "attn.conv_k_bias", "attn.conv_v_bias")
                              + EXPERT_BIASES):
                 _local(p).zero_()

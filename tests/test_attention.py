@@ -2,6 +2,7 @@
 
 import dataclasses
 import math
+import re
 
 import pytest
 import torch
@@ -581,6 +582,37 @@ def test_head_layer_qk_norms_are_a_layernorm_per_head_with_its_own_weights():
         attention(x, dict(p, q_norm=torch.ones(16), k_norm=k_norm), cohere, _ctx(cu, cohere))
     with pytest.raises(ValueError, match=r"zero_centered_norms: a gain of 1 \+ weight in RMSNorms, not in the LayerNorms of qk_norm 'head_layer'"):
         dataclasses.replace(cohere, zero_centered_norms=True)
+
+
+@pytest.mark.parametrize("kind", ["head_layer", "layer"])
+def test_qk_layer_norms_with_biases(kind):
+    """qk_norm_bias: the q/k LayerNorms' biases of their weights' shapes, added after the gain:
+    Chameleon's per head ("head_layer": [N, D], [G, D]), Persimmon's one for every head
+    ("layer": [D]); against the LayerNorm by hand; checked by name."""
+    p, x, cu = _params(CFG), torch.randn(6, H), torch.tensor([0, 6])
+    cfg = dataclasses.replace(CFG, qk_norm=kind, qk_norm_bias=True, rope=False)
+    shapes = ((4, 16), (2, 16)) if kind == "head_layer" else ((16,), (16,))
+    g = torch.Generator().manual_seed(7)
+    q_norm, k_norm = (1 + 0.3 * torch.randn(s, generator=g) for s in shapes)
+    q_bias, k_bias = (0.3 * torch.randn(s, generator=g) for s in shapes)
+    got = attention(x, dict(p, q_norm=q_norm, k_norm=k_norm, q_norm_bias=q_bias, k_norm_bias=k_bias), cfg, _ctx(cu, cfg))[0]
+    q, k = (x @ p["wq"]).view(6, 4, 16), (x @ p["wk"]).view(6, 2, 16)
+    q, k = (torch.nn.functional.layer_norm(t, (16,), eps=CFG.norm_eps) * w + b for t, w, b in ((q, q_norm, q_bias), (k, k_norm, k_bias)))
+    scores = torch.einsum("tnd,snd->nts", q, k.repeat_interleave(2, dim=1)) / 4.0
+    probs = scores.masked_fill(~torch.ones(6, 6, dtype=torch.bool).tril(), float("-inf")).softmax(-1)
+    want = torch.einsum("nts,snd->tnd", probs, (x @ p["wv"]).view(6, 2, 16).repeat_interleave(2, dim=1)).reshape(6, 64) @ p["wo"]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    unbiased = attention(x, dict(p, q_norm=q_norm, k_norm=k_norm), dataclasses.replace(cfg, qk_norm_bias=False), _ctx(cu, cfg))[0]
+    assert _rel(unbiased, got) > 1e-2  # the biases matter
+    with pytest.raises(ValueError, match=r"params\['q_norm_bias'\]: expected a bias with cfg.qk_norm_bias = True"):
+        attention(x, dict(p, q_norm=q_norm, k_norm=k_norm), cfg, _ctx(cu, cfg))
+    with pytest.raises(ValueError, match=re.escape(f"params['k_norm_bias']: expected {list(shapes[1])}, got [3]")):
+        attention(x, dict(p, q_norm=q_norm, k_norm=k_norm, q_norm_bias=q_bias, k_norm_bias=torch.zeros(3)), cfg, _ctx(cu, cfg))
+    with pytest.raises(ValueError, match=r"qk_norm_bias: the q/k LayerNorms' biases \(a bool; True needs qk_norm 'head_layer' or 'layer'\), got True "
+                                         r"with qk_norm 'head'"):
+        dataclasses.replace(CFG, qk_norm="head", qk_norm_bias=True)
+    with pytest.raises(ValueError, match="zero_centered_norms: a gain of 1 \\+ weight in RMSNorms, not in the LayerNorms of qk_norm 'layer'"):
+        dataclasses.replace(CFG, qk_norm="layer", zero_centered_norms=True)
 
 
 def _block_sets(bm):

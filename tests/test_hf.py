@@ -66,6 +66,10 @@ FAMILIES = {
     # attn_config's softmax_scale, exact-GELU MLPs of 4 H without a gate or biases, the head tied
     "mpt": lambda: transformers.MptConfig(vocab_size=V, d_model=32, n_layers=3, n_heads=4, max_seq_len=64,
                                           attn_config=dict(clip_qkv=1.0, softmax_scale=0.3)),
+    # Persimmon: q, k and v head by head in one query_key_value, one LayerNorm with bias over every head's q (and k) channels,
+    # RoPE on half of each head, relu2 MLPs without a gate, biases and LayerNorms with bias everywhere, the head untied
+    "persimmon": lambda: transformers.PersimmonConfig(vocab_size=V, hidden_size=32, intermediate_size=40, num_hidden_layers=3, num_attention_heads=4,
+                                                      bos_token_id=None, eos_token_id=None),
     # BioGPT: OPT's blocks after positions offset by 2, the embeddings times sqrt(H), exact-GELU MLPs, the head tied
     "biogpt": lambda: transformers.BioGptConfig(vocab_size=V, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=40,
                                                 max_position_embeddings=64, pad_token_id=None, bos_token_id=None, eos_token_id=None),
@@ -875,6 +879,8 @@ def test_a_failed_export_leaves_no_weight_files(folders, tmp_path, monkeypatch):
                                                                abs_positions=64, n_kv_heads=4, attn_scale=1.0, tie_embeddings=True, norm_eps=1e-5)),
                                           ("gpt2", dict(layer_norms=True, norm_bias=True, qkv_bias=True, o_bias=True, mlp_bias=True, mlp_act="gelu_new",
                                                         abs_positions=64, n_kv_heads=4, tie_embeddings=True, norm_eps=1e-5)),
+                                          ("persimmon", dict(layer_norms=True, norm_bias=True, qkv_bias=True, o_bias=True, mlp_bias=True, mlp_act="relu2",
+                                                             qk_norm="layer", qk_norm_bias=True, rope_dim=4, n_kv_heads=4, norm_eps=1e-5)),
                                           ("biogpt", dict(layer_norms=True, norm_bias=True, qkv_bias=True, o_bias=True, mlp_bias=True, mlp_act="gelu",
                                                           abs_positions=64, abs_position_offset=2, n_kv_heads=4, tie_embeddings=True, norm_eps=1e-5,
                                                           embed_scale=32 ** 0.5)),
@@ -1660,6 +1666,8 @@ _VL = {
         vision_config=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14),
         qformer_config=dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16, encoder_hidden_size=16), num_query_tokens=2))
        for kind, text, name in (("blip-2", "opt", "Blip2"), ("instructblip", "llama", "InstructBlip"), ("instructblipvideo", "llama", "InstructBlipVideo"))},
+    # Fuyu: Persimmon's causal LM under language_model. beside the image patches' linear embedding
+    "fuyu": ("persimmon", ("FuyuForCausalLM", "FuyuConfig"), dict(hidden_size=32, num_attention_heads=4, patch_size=4)),
     # Emu3: Llama's causal LM under text_model. beside a VQ image tokenizer (its vocabulary map: image tokens of the text vocabulary)
     "emu3": ("llama", ("Emu3ForConditionalGeneration", "Emu3Config"), dict(
         vq_config=dict(embed_dim=4, codebook_size=8, latent_channels=4, base_channels=32, channel_multiplier=[1], num_res_blocks=1, attn_resolutions=[],
@@ -1683,7 +1691,7 @@ def test_a_released_vision_language_folder_loads_its_text_model(kind, tmp_path):
     Vision, HyperCLOVA X SEED Vision, Granite Speech (Plus), MiniCPM-V 4.6 / 4.7, DeepSeek-VL, AudioFlamingo 3,
     Music Flamingo, Qwen2-Audio, Qwen3-ASR, MOSS Transcribe-Diarize, LightOnOCR, Fun-ASR-Nano, GLM-ASR,
     GOT-OCR 2.0, Ovis2, VideoLLaMA 3, Qianfan-OCR, Janus, DeepSeek-VL-Hybrid, Idefics2, Granite Docling, BLIP-2, InstructBLIP
-    (-Video), Emu3, Nemotron 3 Nano Omni):
+    (-Video), Emu3, Fuyu, Nemotron 3 Nano Omni):
     the text model, under model.language_model. (Idefics2's and Granite Docling's model.text_model.) or (the older layout) all of it under language_model., loads with
     transformers' logits of a text-only forward, the encoders' and projectors' keys neither
     read nor counted as unread, its head tied as the top level says (or its class by default);

@@ -65,6 +65,8 @@ ADAMW_PATTERNS = ("embed", "lm_head", "head", "router", "norm", "bias", "attn.co
 EMBEDDING_PATTERNS = ("embed", "head")  # the weights decay_embeddings=False leaves undecayed
 STACKED_BIASES = tuple(f"experts.{name}" for name in EXPERT_BIASES)  # [E, F] / [E, H]: a bias per expert, not a matrix
 PER_CHANNEL = ("attn.A_log",)  # Mamba-1's log-decays [C, N]: a vector per channel, not a matrix (no decay, as Mamba's own)
+# the q/k LayerNorms' weights and biases per head [heads, D] (qk_norm "head_layer": Cohere's, Chameleon's): a norm per head
+PER_HEAD_NORMS = ("attn.q_norm", "attn.k_norm", "attn.q_norm_bias", "attn.k_norm_bias")
 
 
 # -----------------------------------------------------------------------------
@@ -215,7 +217,8 @@ def split_param_groups(
     layer's convolution taps, a filter per channel); everything else goes
     to AdamW. Weight decay: the ndim < 2 tensors (norms, biases, gates) and the experts'
     stacked biases (b_gate, b_up, b_down: one bias per expert) get none (Megatron
-    Core's default) or Mamba-1's log-decays A_log [C, N] (a vector per channel), nor do the embeddings and output heads (names containing "embed" or
+    Core's default), nor do Mamba-1's log-decays A_log [C, N] (a vector per channel) and the
+    q/k norms' weights and biases per head [heads, D], nor the embeddings and output heads (names containing "embed" or
     "head") with decay_embeddings=False; the rest get `weight_decay`. Buffers (an
     expert_bias) and frozen parameters are in neither. muon=False puts every matrix in
     AdamW (an AdamW-only run: muon_groups is []). Empty groups are left out.
@@ -229,7 +232,7 @@ def split_param_groups(
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        if p.ndim < 2 or name.endswith(STACKED_BIASES + PER_CHANNEL) or (not decay_embeddings and any(part in name for part in EMBEDDING_PATTERNS)):
+        if p.ndim < 2 or name.endswith(STACKED_BIASES + PER_CHANNEL + PER_HEAD_NORMS) or (not decay_embeddings and any(part in name for part in EMBEDDING_PATTERNS)):
             adamw_no_decay.append(p)
         elif not muon or any(pattern in name for pattern in patterns):
             adamw_decay.append(p)

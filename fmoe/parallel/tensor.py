@@ -331,7 +331,8 @@ class AttentionParallel(_HeadsRegion):
     Grouped-query attention: wq, wk, wv Shard(1), wo Shard(0); the biases bq, bk, bv
     Shard(0) with their columns; qk_norm="head" weights [D] replicated (HeadShard.weight),
     qk_norm="proj" weights Shard(0), their mean square averaged over tp (HeadShard.mean);
-    qk_norm="head_layer" weights [heads, D] Shard(0) with their heads.
+    qk_norm="head_layer" weights [heads, D] (and biases) Shard(0) with their heads; qk_norm="layer"
+    weights and biases [D] replicated.
     Multi-latent attention: the per-head up projections wq (or wq_b) and wkv_b Shard(1), wo
     Shard(0); the latent down projections wq_a, wkv_a and the norms kv_a_norm, q_a_norm
     replicated (each rank computes the latents of all T tokens, HeadShard.weight). Either
@@ -352,7 +353,7 @@ class AttentionParallel(_HeadsRegion):
         if getattr(module, "bg", None) is not None:  # the gate's bias per head
             dims["bg"] = 0
         if cfg.qk_norm in ("proj", "head_layer"):  # never with multi-latent attention; Cohere's [heads, D] with their heads
-            dims.update(q_norm=0, k_norm=0)
+            dims.update(q_norm=0, k_norm=0, **(dict(q_norm_bias=0, k_norm_bias=0) if cfg.qk_norm_bias else {}))  # Chameleon's biases too
         return dims
 
     head_counts = ("n_heads", "n_kv_heads")

@@ -263,6 +263,24 @@ def test_split_param_groups_keeps_linear_attention_taps_out_of_muon():
     assert {id(getattr(attn, n)) for n in ("A_log", "dt_bias", "out_norm")} <= no_decay_ids
 
 
+@pytest.mark.parametrize("qk_norm, bias", [("head_layer", False), ("head_layer", True), ("layer", True)])
+def test_split_param_groups_keeps_per_head_qk_norms_out_of_muon_and_decay(qk_norm, bias):
+    """The q/k LayerNorms' weights (and biases) per head [heads, D] (Cohere's, Chameleon's) or
+    shared [D] (Persimmon's) are norms, not operators: AdamW without weight decay, as every
+    other norm; the projections go to Muon."""
+    from fmoe.model import Transformer, TransformerConfig
+
+    model = Transformer(TransformerConfig(vocab_size=20, hidden=16, n_layers=2, n_dense=2, ffn_dense=16, n_heads=2, n_kv_heads=1, head_dim=8,
+                                          qk_norm=qk_norm, qk_norm_bias=bias, layer_norms=True))
+    muon, adamw = split_param_groups(model, weight_decay=0.1)
+    (muon_ids,), (decay_ids, no_decay_ids) = _ids(muon), _ids(adamw)
+    attn = model.blocks[0].attn
+    norms = ("q_norm", "k_norm") + (("q_norm_bias", "k_norm_bias") if bias else ())
+    assert {getattr(attn, n).ndim for n in norms} == {2 if qk_norm == "head_layer" else 1}
+    assert {id(getattr(attn, n)) for n in norms} <= no_decay_ids
+    assert {id(getattr(attn, n)) for n in ("wq", "wk", "wv", "wo")} <= muon_ids
+
+
 def test_split_param_groups_keeps_mamba1_s_log_decays_out_of_muon_and_decay():
     """Mamba-1's A_log [C, N] is a vector of log-decays per channel, not an operator: AdamW
     without weight decay (as Mamba's own no_weight_decay), beside its projections in Muon."""

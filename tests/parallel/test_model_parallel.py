@@ -463,6 +463,13 @@ CASES = {
     # every projection, split over tp
     "tp2-gpt-neox": (2, dict(tp=2), dict(n_dense=2, n_kv_heads=4, parallel_blocks=True, parallel_norms=True, layer_norms=True, norm_bias=True,
                                           mlp_act="gelu", qkv_bias=True, o_bias=True, mlp_bias=True, rope_dim=4)),
+    # Persimmon's one q/k LayerNorm with bias over every head's channels, whole on each tp rank (its gradients summed over tp), and
+    # Chameleon's per head, weights and biases [heads, D] split with their heads. Persimmon's weights of 0.1, not 0.02: the shared
+    # norm bias's gradient sums every head's terms, which nearly cancel at 0.02 (the ranks' halves summed apart: 1.9e-5; 1.5e-6
+    # here at worst, any gradient)
+    "tp2-persimmon": (2, dict(tp=2), dict(n_dense=2, n_kv_heads=4, layer_norms=True, norm_bias=True, qkv_bias=True, o_bias=True, mlp_bias=True,
+                                          mlp_act="relu2", qk_norm="layer", qk_norm_bias=True, rope_dim=4, init_std=0.1)),
+    "tp2-head-layer-bias": (2, dict(tp=2), dict(qk_norm="head_layer", qk_norm_bias=True)),
     # BLOOM's ALiBi (no RoPE; the embeddings' LayerNorm with bias): each tp rank's heads with their own slopes; across a cp
     # split, Falcon-RW's scaled biases at the distances between global indices, over the window of block 1 too
     "tp2-alibi": (2, dict(tp=2), dict(alibi=True, mtp_depth=0, embed_norm=True, layer_norms=True, norm_bias=True)),
