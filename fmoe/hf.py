@@ -1848,7 +1848,8 @@ def _molmo2(hf: dict) -> dict:
     extra = text["additional_vocab_size"]
     if isinstance(extra, bool) or not isinstance(extra, int) or extra < 0:
         raise ValueError(f"config.json: text_config's additional_vocab_size = {extra!r} is not supported (an int >= 0)")
-    out = FAMILIES[_molmo2_text(hf)["model_type"]].kwargs(dict(_molmo2_text(hf), vocab_size=text["vocab_size"] + extra))
+    blocks = _molmo2_text(hf)
+    out = FAMILIES[blocks["model_type"]].kwargs(dict(blocks, vocab_size=text["vocab_size"] + extra))
     return dict(out, out_vocab=text["vocab_size"] if extra else None)
 
 
@@ -4286,9 +4287,10 @@ _VL_TEXT = {"lfm2_vl": ("lfm2", "Lfm2VlForConditionalGeneration", True, ("model.
             "lighton_ocr": ("qwen3", "LightOnOcrForConditionalGeneration", True, ("model.vision_encoder.", "model.vision_projection."), _IN_MODEL),
             # GOT-OCR 2.0 (Qwen2's text model beside a SAM-style vision encoder and its projector, in the older layout), Ovis2
             # (Qwen2's beside a SigLIP-style tower and its visual embedding table), VideoLLaMA 3 (Qwen2's beside a vision model and
-            # its projector), Qianfan-OCR (Qwen3's beside an InternViT-style tower and its mlp1, in the older layout), Janus (Llama's beside a SigLIP tower, its aligner, and the image
-            # generation's VQ model, embeddings, aligner and head), DeepSeek-VL-Hybrid (Llama's beside a SigLIP tower and a SAM-style
-            # high-resolution one, with their projections); Idefics2 (Mistral's, under model.text_model., the head at lm_head)
+            # its projector), Qianfan-OCR (Qwen3's beside an InternViT-style tower and its mlp1, in the older layout), Janus
+            # (Llama's beside a SigLIP tower, its aligner, and the image generation's VQ model, embeddings, aligner and head),
+            # DeepSeek-VL-Hybrid (Llama's beside a SigLIP tower and a SAM-style high-resolution one, with their projections);
+            # Idefics2 (Mistral's, under model.text_model., the head at lm_head)
             "got_ocr2": ("qwen2", "GotOcr2ForConditionalGeneration", True, ("vision_tower.", "multi_modal_projector."), _LEGACY),
             "ovis2": ("qwen2", "Ovis2ForConditionalGeneration", True, ("model.vision_tower.", "model.visual_embeddings_table."), _IN_MODEL),
             "video_llama_3": ("qwen2", "VideoLlama3ForConditionalGeneration", False, ("model.vision_model.", "model.projector."), _IN_MODEL),
