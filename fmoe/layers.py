@@ -824,7 +824,7 @@ class AttentionConfig:
         if self.scale is not None and (isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) or not 0 < self.scale < math.inf):
             raise ValueError(f"scale: expected None or a positive finite number, got {self.scale!r}")
         if self.qk_norm not in QK_NORMS:
-            raise ValueError(f"qk_norm: expected None, 'head', 'proj', 'rms' or 'head_layer', got {self.qk_norm!r}")
+            raise ValueError(f"qk_norm: expected None, 'head', 'proj', 'rms', 'head_layer' or 'layer', got {self.qk_norm!r}")
         if self.qk_norm in ("head_layer", "layer") and self.zero_centered_norms:
             raise ValueError(f"zero_centered_norms: a gain of 1 + weight in RMSNorms, not in the LayerNorms of qk_norm {self.qk_norm!r}")
         if not isinstance(self.qk_norm_bias, bool) or (self.qk_norm_bias and self.qk_norm not in ("head_layer", "layer")):

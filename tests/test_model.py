@@ -1407,7 +1407,7 @@ _SMALL = dict(vocab_size=40, hidden=32, n_layers=4, n_dense=1, ffn_dense=48, n_e
 @pytest.mark.parametrize("overrides, message", [
     (dict(moe_layers=(1, 4)), r"moe_layers: expected distinct block indices in 0..3"),
     (dict(moe_layers=(1, 1)), r"moe_layers: expected distinct"),
-    (dict(qk_norm="layer"), r"qk_norm: expected None, 'head', 'proj', 'rms' or 'head_layer'"),
+    (dict(qk_norm="layernorm"), r"qk_norm: expected None, 'head', 'proj', 'rms', 'head_layer' or 'layer', got 'layernorm'"),
     (dict(rope_dim=7), r"rope_dim: expected an even int in 2..head_dim"),
     (dict(n_shared=0, shared_gate=True), r"shared_gate: needs shared experts"),
     (dict(shared_ffn=-1), r"shared_ffn: expected an int >= 0 or None"),
