@@ -1835,6 +1835,15 @@ def _molmo2_text(hf: dict) -> dict:
     return {**{k: v for k, v in text.items() if k not in own}, "model_type": kind}
 
 
+def _molmo2_written(hf: dict) -> dict:
+    """A molmo2 folder's text config as written back (_molmo2_text), or a ValueError where its
+    embedding holds rows past the head's (additional_vocab_size), which neither family has."""
+    if {**_MOLMO2_TEXT, **_text_config(hf)}["additional_vocab_size"]:
+        raise ValueError("model: a molmo2 folder's embedding holds rows past its head's (additional_vocab_size), which neither qwen3 nor olmo2 "
+                         "has, so its text model is not written as either")
+    return _molmo2_text(hf)
+
+
 def _molmo2(hf: dict) -> dict:
     """Molmo2 (molmo2, Molmo2ForConditionalGeneration: Molmo2-4B / -8B, Molmo2-O-7B): its text
     model, Qwen3's blocks or OLMo 2's (_molmo2_text), under the released OLMo-core names
@@ -6031,11 +6040,8 @@ def written_config(hf: dict) -> dict:
     family = FAMILIES[hf["model_type"]]
     if family.written_as is None:
         return hf
-    if hf["model_type"] == "molmo2" and {**_MOLMO2_TEXT, **_text_config(hf)}["additional_vocab_size"]:
-        raise ValueError("model: a molmo2 folder's embedding holds rows past its head's (additional_vocab_size), which neither qwen3 nor olmo2 "
-                         "has, so its text model is not written as either")
     text = (_multimodal_text(hf) if hf["model_type"] in _MULTIMODAL else _listed_text(hf) if hf["model_type"] in _TEXT_OF
-            else _molmo2_text(hf) if hf["model_type"] == "molmo2" else _vl_text_config(hf))
+            else _molmo2_written(hf) if hf["model_type"] == "molmo2" else _vl_text_config(hf))
     kind = text["model_type"] if family.written_as == "text_config" else family.written_as
     return dict(text, model_type=kind, architectures=[FAMILIES[kind].architecture])
 

@@ -1838,10 +1838,11 @@ def _released_stacks(src, dst):
     return dst
 
 
-def _saved_multimodal(cls, config, folder):
+def _saved_multimodal(cls, config, folder, ids=None):
     """A randomised multimodal model of transformers' class `cls` (its routers' correction biases
     drawn too) saved to `folder`; its logits of a text-only forward over _packed's documents
-    (BLIP-2's and InstructBLIP's, whose forward needs an image: their language model's)."""
+    (ids [T]: those tokens instead; BLIP-2's and InstructBLIP's, whose forward needs an image:
+    their language model's)."""
     torch.manual_seed(0)
     ref = _randomised(cls(config))
     with torch.no_grad():
@@ -1850,7 +1851,7 @@ def _saved_multimodal(cls, config, folder):
                 b.copy_(0.2 * torch.randn_like(b))
         ref.save_pretrained(folder)
         text_only = ref.language_model if "Blip" in cls.__name__ else ref
-        return torch.cat([text_only(input_ids=d[None]).logits[0] for d in _packed()[0]])
+        return torch.cat([text_only(input_ids=d[None]).logits[0] for d in (_packed()[0] if ids is None else [ids])])
 
 
 def _text_model_round_trip(folder, theirs, out, *, kind, prefix, head, text_kind):
@@ -2235,12 +2236,8 @@ def _molmo2(folder, extra=0, qk_norm_type="qwen3", norm_after=False, ids=None):
                   image_patch_size=14, image_default_input_size=[28, 28])
     adapter = dict(vision_feature_layer=[1, 0], hidden_size=16, intermediate_size=16, num_attention_heads=2, num_key_value_heads=2, head_dim=8,
                    text_hidden_size=32)
-    torch.manual_seed(0)
-    ref = _randomised(transformers.Molmo2ForConditionalGeneration(transformers.Molmo2Config(text_config=text, vision_config=vision,
-                                                                                            adapter_config=adapter)))
-    ref.save_pretrained(folder)
-    with torch.no_grad():
-        return torch.cat([ref(input_ids=d[None]).logits[0] for d in (_packed()[0] if ids is None else [ids])])
+    return _saved_multimodal(transformers.Molmo2ForConditionalGeneration,
+                             transformers.Molmo2Config(text_config=text, vision_config=vision, adapter_config=adapter), folder, ids)
 
 
 @pytest.mark.parametrize("blocks", [("qwen3", False), ("olmo", True)], ids=["qwen3", "olmo"])
