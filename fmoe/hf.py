@@ -3106,27 +3106,23 @@ _MULTIMODAL = {
         vocab_size=152064, hidden_size=8192, intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
         rms_norm_eps=1e-5, rope_theta=1e6), {})),
     "qwen3_vl_moe": (None, dict(tie_word_embeddings=False), dict(num_key_value_heads=16, rope_theta=5e5), dict(norm_topk_prob=True)),
-    "qwen3_vl": (None, dict(tie_word_embeddings=False), dict(num_key_value_heads=32, head_dim=128, rope_theta=5e5), {}),
+    # Qwen3-VL and Cosmos3-Omni (Cosmos3-Nano's reasoner: Qwen3-VL's model under its own model_type)
+    **dict.fromkeys(("qwen3_vl", "cosmos3_omni"), (None, dict(tie_word_embeddings=False), dict(num_key_value_heads=32, head_dim=128, rope_theta=5e5), {})),
     # Cosmos3-Edge: Llama's attention with MLPs without a gate, relu(x fc1)^2 fc2 (Arcee's model), RoPE plain over text
     "cosmos3_edge": (None, dict(tie_word_embeddings=False), dict(vocab_size=131072, hidden_size=2048, intermediate_size=9216, num_hidden_layers=28,
                                                                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
                                                                 hidden_act="relu2", rope_parameters=dict(rope_type="default", rope_theta=1e8)), {}),
-    # Cosmos3-Omni (Cosmos3-Nano's reasoner): Qwen3-VL's model under its own model_type
-    "cosmos3_omni": (None, dict(tie_word_embeddings=False), dict(num_key_value_heads=32, head_dim=128, rope_theta=5e5), {}),
     "qwen3_omni_moe": ("thinker_config", dict(tie_word_embeddings=False), dict(num_key_value_heads=4, rope_theta=1e6), {}),
     "qwen2_5_omni": ("thinker_config", dict(tie_word_embeddings=False), dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
                                                                              num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
                                                                              rope_theta=1e6), {}),
     "glm4v_moe": (None, dict(tie_word_embeddings=False), dict(vocab_size=151424, attention_bias=True), dict(use_qk_norm=False)),
     # GLM-4.1V / GLM-4.6V-Flash: GLM-4's dense text model, its q/k/v biases always there, its heads hidden_size / heads wide
-    # whatever head_dim says, RoPE over every channel unless the rope_parameters say otherwise
-    "glm4v": (None, dict(tie_word_embeddings=False), dict(vocab_size=151552, rms_norm_eps=1e-5, partial_rotary_factor=1.0),
-              dict(attention_bias=True, head_dim=_whole_heads)),
-    "glm46v": (None, dict(tie_word_embeddings=False), dict(vocab_size=151552, rms_norm_eps=1e-5, partial_rotary_factor=1.0),
-               dict(attention_bias=True, head_dim=_whole_heads)),
-    # glmga: GLM-4.6V's model (transformers' Glm46VForConditionalGeneration) under its own model_type
-    "glmga": (None, dict(tie_word_embeddings=False), dict(vocab_size=151552, rms_norm_eps=1e-5, partial_rotary_factor=1.0),
-              dict(attention_bias=True, head_dim=_whole_heads)),
+    # whatever head_dim says, RoPE over every channel unless the rope_parameters say otherwise; glmga: GLM-4.6V's model under its
+    # own model_type
+    **dict.fromkeys(("glm4v", "glm46v", "glmga"), (None, dict(tie_word_embeddings=False), dict(vocab_size=151552, rms_norm_eps=1e-5,
+                                                                                              partial_rotary_factor=1.0),
+                                                   dict(attention_bias=True, head_dim=_whole_heads))),
     # PaddleOCR-VL: ERNIE 4.5's blocks with Qwen2-VL's RoPE (on halves, plain over text): Llama's model, its biases on q, k, v, o
     # and the MLPs one setting (use_bias)
     "paddleocr_vl": (None, dict(tie_word_embeddings=True), dict(vocab_size=103424, hidden_size=1024, intermediate_size=3072, num_hidden_layers=18,
@@ -3708,6 +3704,15 @@ _APERTUS = dict(norms=("attention_layernorm", "feedforward_layernorm"), ignored=
 _APERTUS_DEFAULTS = dict(vocab_size=131072, hidden_size=4096, intermediate_size=14336, num_attention_heads=32, rms_norm_eps=1e-5,
                          rope_parameters=dict(rope_type="llama3", rope_theta=12000000.0, factor=8.0, original_max_position_embeddings=8192,
                                               low_freq_factor=1.0, high_freq_factor=4.0))
+# GLM-4.1V's layout (GLM-4.6V's, glmga's, GLM-OCR's): GLM-4's sandwich blocks under model.language_model. beside model.visual.
+_GLM4V_LAYOUT = dict(dense_gate_up=True, prefix=("model.", "model.language_model."), not_read=("model.visual.",), written_as="glm4",
+                     sandwich=("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm"))
+# Cosmos3's text model as its folders store it: at the top level (layers., embed_tokens, norm, lm_head), the attention under the
+# Diffusers-style names transformers writes (to_q, to_k, to_v, to_out, norm_q, norm_k) or, in older folders, the usual ones
+# (Family.layout_too; an Edge folder's attention has no q/k norms, so their names change nothing there)
+_COSMOS3_NAMES = dict(prefix=("model.", ""), qkv_names=("to_q", "to_k", "to_v"), o_proj="to_out", qk_norms=("norm_q", "norm_k"),
+                      layout_too=(r"\.self_attn\.q_proj\.weight$", dict(qkv_names=("q_proj", "k_proj", "v_proj"), o_proj="o_proj",
+                                                                        qk_norms=("q_norm", "k_norm"))))
 # the dense families (no MoE block): fine-tuned as they are, or upcycled into an MoE (fmoe.train.upcycle)
 DENSE_FAMILIES = ("llama", "exaone", "cwm", "olmo", "phi", "starcoder2", "gpt_neox", "gptj", "codegen", "gpt_neo", "gpt_bigcode", "gpt2", "opt", "mistral", "ministral3", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "granite_swa", "hyperclovax", "youtu", "helium", "minicpm3", "arcee", "gemma", "vaultgemma", "gemma2", "gemma3_text", "lfm3", "smollm3", "exaone4", "seed_oss", "hunyuan_v1_dense",
                   "phi3", "glm4", "ernie4_5", "lfm2", "cohere", "cohere2", "bamba", "falcon_h1", "stablelm", "qwen3_5_text", "nemotron", "apertus", "olmo_hybrid",
@@ -3889,16 +3894,13 @@ FAMILIES = {
     # the vision model's (blocks., merger., ...), the attention's Diffusers-style names as transformers writes them (to_q, to_k,
     # to_v, to_out, norm_q, norm_k; older folders: q_proj, ... , Family.layout_too); a unified Cosmos3 checkpoint's generator,
     # sound and action towers and their cross-modal projections (in the text layers too) not read, as transformers drops them
-    "cosmos3_omni": Family(_multimodal, "mlp", _PROJ, "Cosmos3OmniForConditionalGeneration", prefix=("model.", ""), qkv_names=("to_q", "to_k", "to_v"),
-                           o_proj="to_out", qk_norms=("norm_q", "norm_k"),
-                           layout_too=(r"\.self_attn\.q_proj\.weight$", dict(qkv_names=("q_proj", "k_proj", "v_proj"), o_proj="o_proj", qk_norms=("q_norm", "k_norm"))),
+    "cosmos3_omni": Family(_multimodal, "mlp", _PROJ, "Cosmos3OmniForConditionalGeneration", **_COSMOS3_NAMES,
                            not_read=("blocks.", "merger.", "patch_embed.", "pos_embed.", "deepstack_merger_list."), written_as="qwen3",
                            ignored=(r"\.add_[qkv]_proj\.", r"\.to_add_out\.", r"\.norm_added_[qk]\.", r"moe_gen", r"^proj_(out|in)\.", r"^time_embedder\.",
                                     r"^(audio|action)_proj_(out|in)\.", r"^(audio|action)_modality_embed$")),
     # Cosmos3-Edge: its text model (Arcee's) stored as Cosmos3-Omni's (the top level, Diffusers-style attention names or the older
     # ones), the MLP's up_proj / down_proj, beside the vision model and its projector; a unified checkpoint's generator not read
-    "cosmos3_edge": Family(_multimodal, "mlp", _PROJ, "Cosmos3EdgeForConditionalGeneration", prefix=("model.", ""), qkv_names=("to_q", "to_k", "to_v"),
-                           o_proj="to_out", layout_too=(r"\.self_attn\.q_proj\.weight$", dict(qkv_names=("q_proj", "k_proj", "v_proj"), o_proj="o_proj")),
+    "cosmos3_edge": Family(_multimodal, "mlp", _PROJ, "Cosmos3EdgeForConditionalGeneration", **_COSMOS3_NAMES,
                            not_read=("model.visual.", "model.projector."), written_as="arcee",
                            ignored=(r"^action_modality_embed$", r"^action_proj_(in|out)\.", r"^time_embedder\.", r"^proj_(in|out)\.", r"^norm_moe_gen\.",
                                     r"^layers\.\d+\.(input_layernorm|post_attention_layernorm|mlp)_moe_gen\.",
@@ -3911,12 +3913,8 @@ FAMILIES = {
     "glm4v_moe": Family(_multimodal, "mlp", _PROJ, "Glm4vMoeForConditionalGeneration", "shared_experts", mtp=True,
                         prefix=("model.", "model.language_model."), not_read=("model.visual.",), written_as="glm4_moe"),
     # GLM-4.1V-9B and GLM-4.6V-Flash: GLM-4's dense text model under model.language_model.
-    "glm4v": Family(_multimodal, "mlp", _PROJ, "Glm4vForConditionalGeneration", dense_gate_up=True, prefix=("model.", "model.language_model."),
-                    sandwich=("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm"),
-                    not_read=("model.visual.",), written_as="glm4"),
-    "glm46v": Family(_multimodal, "mlp", _PROJ, "Glm46VForConditionalGeneration", dense_gate_up=True, prefix=("model.", "model.language_model."),
-                     sandwich=("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm"),
-                     not_read=("model.visual.",), written_as="glm4"),
+    "glm4v": Family(_multimodal, "mlp", _PROJ, "Glm4vForConditionalGeneration", **_GLM4V_LAYOUT),
+    "glm46v": Family(_multimodal, "mlp", _PROJ, "Glm46VForConditionalGeneration", **_GLM4V_LAYOUT),
     # Molmo2: its text model (Qwen3's or OLMo 2's blocks: _molmo2) under the released OLMo-core names beside the vision backbone
     "molmo2": Family(_molmo2, "mlp", _PROJ, "Molmo2ForConditionalGeneration", prefix=("model.layers.", "model.transformer.blocks."),
                      qkv="att_proj", o_proj="attn_out", dense_gate_up=True, gate_up=("ff_proj", "ff_out"), up_first=True,
@@ -3924,13 +3922,9 @@ FAMILIES = {
                      embed_too="model.transformer.wte.new_embedding", final_norm="model.transformer.ln_f.weight", not_read=("model.vision_backbone.",),
                      written_as="text_config"),
     # glmga: GLM-4.6V's folders under their own model_type
-    "glmga": Family(_multimodal, "mlp", _PROJ, "Glm46VForConditionalGeneration", dense_gate_up=True, prefix=("model.", "model.language_model."),
-                    sandwich=("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm"),
-                    not_read=("model.visual.",), written_as="glm4"),
+    "glmga": Family(_multimodal, "mlp", _PROJ, "Glm46VForConditionalGeneration", **_GLM4V_LAYOUT),
     # GLM-OCR: the same layout; its MTP layer after the trunk's (layers.16 of the released 16) not read, as in transformers
-    "glm_ocr": Family(_multimodal, "mlp", _PROJ, "GlmOcrForConditionalGeneration", dense_gate_up=True, prefix=("model.", "model.language_model."),
-                      sandwich=("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm"),
-                      not_read=("model.visual.",), written_as="glm4", extra_layers_read=False),
+    "glm_ocr": Family(_multimodal, "mlp", _PROJ, "GlmOcrForConditionalGeneration", **_GLM4V_LAYOUT, extra_layers_read=False),
     "qwen3_omni_moe": Family(_multimodal, "mlp", _PROJ, "Qwen3OmniMoeForConditionalGeneration", prefix=("", "thinker."),
                              not_read=("thinker.audio_tower.", "thinker.visual.", "talker.", "code2wav."), written_as="qwen3_moe"),
     # ...and Qwen2.5-Omni's: Qwen2's text model under thinker. beside its encoders, the talker and token2wav

@@ -1761,6 +1761,13 @@ def _qwen3_vl(kind, ffn_expert=8):
     return _randomised(transformers.Qwen3VLMoeForConditionalGeneration(transformers.Qwen3VLMoeConfig(text_config=text, vision_config=vision)))
 
 
+def _older_cosmos3_names(tensors):
+    """A Cosmos3 folder's tensors with its text layers' attention under the older names (q_proj, k_proj, v_proj, o_proj,
+    q_norm, k_norm) in place of the Diffusers-style ones transformers writes (to_q, ..., norm_k)."""
+    names = dict(to_q="q_proj", to_k="k_proj", to_v="v_proj", to_out="o_proj", norm_q="q_norm", norm_k="k_norm")
+    return {re.sub(r"^(layers\.\d+\.self_attn)\.(\w+)\.", lambda m: f"{m[1]}.{names.get(m[2], m[2])}.", k): v for k, v in tensors.items()}
+
+
 def test_a_released_cosmos3_omni_folder_loads_its_text_model(tmp_path):
     """A cosmos3_omni folder (Cosmos3-Nano's reasoner): Qwen3-VL's model under its own
     model_type, its text model's keys at the top level beside the vision model's, Qwen3's
@@ -1780,9 +1787,7 @@ def test_a_released_cosmos3_omni_folder_loads_its_text_model(tmp_path):
              "time_embedder.linear_1.weight": torch.randn(8, 8), "model.language_model.layers.2.self_attn.norm_added_k.weight": torch.randn(8)}
     assert "layers.0.self_attn.to_q.weight" in tensors and "layers.0.self_attn.norm_k.weight" in tensors
     unified = _copy_folder(tmp_path / "written", tmp_path / "unified", {**tensors, **extra})
-    names = dict(to_q="q_proj", to_k="k_proj", to_v="v_proj", to_out="o_proj", norm_q="q_norm", norm_k="k_norm")
-    older = _copy_folder(tmp_path / "written", tmp_path / "older", {re.sub(r"\.self_attn\.(\w+)\.", lambda m: f".self_attn.{names.get(m[1], m[1])}.", k): v
-                                                                  for k, v in tensors.items()})
+    older = _copy_folder(tmp_path / "written", tmp_path / "older", _older_cosmos3_names(tensors))
     assert "layers.0.self_attn.q_proj.weight" in _read_all(older)
     docs = _packed()[0]
     with torch.no_grad():
@@ -1808,8 +1813,7 @@ def test_a_released_cosmos3_edge_folder_loads_its_text_model(tmp_path):
                                tmp_path / "written")
     tensors = _read_all(tmp_path / "written")
     assert "layers.0.self_attn.to_q.weight" in tensors and "layers.0.mlp.up_proj.weight" in tensors
-    names = dict(to_q="q_proj", to_k="k_proj", to_v="v_proj", to_out="o_proj")
-    older = {re.sub(r"^(layers\.\d+\.self_attn)\.(\w+)\.", lambda m: f"{m[1]}.{names.get(m[2], m[2])}.", k): v for k, v in tensors.items()}
+    older = _older_cosmos3_names(tensors)
     older.update({"time_embedder.linear_1.weight": torch.randn(8, 8), "layers.1.mlp_moe_gen.fc1.weight": torch.randn(8, 32),
                   "layers.0.self_attn.add_k_proj.weight": torch.randn(16, 32)})
     older = _copy_folder(tmp_path / "written", tmp_path / "older", older)
