@@ -425,14 +425,16 @@ def main(argv: list[str]) -> None:
             trained_names = re.compile(cfg.train_only)
         except re.error as err:
             sys.exit(f"--train_only={cfg.train_only!r}: not a regular expression ({err})")
-        if not any(trained_names.search(name) for name, _ in whole.named_parameters()):
-            sys.exit(f"--train_only={cfg.train_only!r}: matches none of the model's parameter names (e.g. {next(whole.named_parameters())[0]!r})")
+        if not any(trained_names.search(name) for name, p in whole.named_parameters() if p.requires_grad):
+            sys.exit(f"--train_only={cfg.train_only!r}: matches none of the model's trainable parameter names "
+                     f"(e.g. {next(whole.named_parameters())[0]!r})")
 
     def freeze(m: torch.nn.Module) -> torch.nn.Module:
-        """--train_only: the parameters it does not name stop requiring gradients (before sharding)."""
+        """--train_only: the parameters it does not name stop requiring gradients (before sharding); the model's frozen
+        ones (block-sparse attention's indexers) stay frozen."""
         if trained_names is not None:
             for name, p in m.named_parameters():
-                p.requires_grad_(trained_names.search(name) is not None)
+                p.requires_grad_(p.requires_grad and trained_names.search(name) is not None)
         return m
     pipe, precision = None, dict(param_dtype=dtype if dtype != torch.float32 else None, reduce_dtype=torch.float32)
     if meshes is None:  # initial weights: a function of --seed and each parameter's name

@@ -104,6 +104,14 @@ attention in every block, its lightning indexer under self_attn.indexer (wq_b, w
 weight and bias, weights_proj: TransformerConfig.index_*), the indexer's RoPE on halves
 (DeepSeek-V3.2) or interleaved pairs (GLM-5); GLM-5's layers without an indexer (indexer_types
 "shared") attend to the keys the previous full layer chose (index_shared_layers).
+MiniMax-M3 (minimax_m3_vl_text, and the released minimax_m3_vl folders: the text model under
+language_model. in MiniMax-M2's names beside a vision tower, which is not read, written back as
+minimax_m3_vl_text): block-sparse attention in the layers layer_types names minimax_m3_sparse, its
+indexer under self_attn.indexer (q_proj, k_proj, q_norm, k_norm; the released self_attn.index_q_proj,
+...: TransformerConfig.index_topk_blocks and the index_* knobs), per-head q/k norms and every norm
+of gain 1 + weight, dense and MoE blocks by mlp_layer_types, sigmoid routing with the correction
+bias beside a shared expert (gate_up_proj, Family.shared_gate_up), every SwiGLU gpt-oss's clamped
+one (up + 1; shared_swiglu_alpha / _offset); MTP modules are not read.
 HY-V4 (hy_v4): hc_mult residual streams of independent hyper-connections (under
 layers.{i}.hc_pre.hc_attn_layer / hc_mlp_layer and model.hc_pre.hc_head, Family.hyper) around
 DeepSeek-V3.2's sparse attention with HY-V4's own pieces: the indexer's RoPE on its last
@@ -1652,6 +1660,68 @@ def _minimax_m2(hf: dict) -> dict:
     common = _common(hf, hf["num_local_experts"])
     return dict(common, ffn_expert=hf["intermediate_size"], ffn_dense=hf["intermediate_size"], n_dense=0, n_shared=0, score="sigmoid",
                 expert_bias=True, route_normalize=True, qk_norm="proj", rope_dim=_partial_rope(hf, common["head_dim"]))
+
+
+_M3_INDEX_LEGACY = dict(index_n_heads="sparse_num_index_heads", index_head_dim="sparse_index_dim", index_block_size="sparse_block_size",
+                        index_topk_blocks="sparse_topk_blocks", index_local_blocks="sparse_local_block")
+
+
+def _minimax_m3(hf: dict) -> dict:
+    """MiniMax-M3's text model (minimax_m3_vl_text): per-head q/k RMS norms and every norm's
+    gain 1 + weight (zero_centered_norms); plain RoPE on partial_rotary_factor of each head
+    (rope_parameters'; transformers reads no rotary_dim); block-sparse attention in the layers
+    layer_types names minimax_m3_sparse (an indexer of index_n_heads = num_key_value_heads
+    heads of index_head_dim choosing index_topk_blocks blocks of index_block_size keys,
+    index_local_blocks of them the query's own; TransformerConfig.index_topk_blocks), the
+    others full; dense MLPs of dense_intermediate_size and MoE blocks by mlp_layer_types,
+    routed on sigmoids plus the correction bias for the choice, renormalised, times
+    routed_scaling_factor, beside a shared expert of shared_intermediate_size; every SwiGLU
+    gpt-oss's clamped one (swiglu_alpha, swiglu_limit, up + 1; transformers computes it
+    whatever hidden_act says). The released configs' sparse_attention_config and
+    moe_layer_freq read as transformers reads them."""
+    n = hf["num_hidden_layers"]
+    sparse = hf.get("sparse_attention_config") or {}
+    hf = dict(hf, hidden_act="silu", **{flat: sparse[old] for flat, old in _M3_INDEX_LEGACY.items() if old in sparse})
+    kinds = hf.get("layer_types")
+    if kinds is None:
+        kinds = ["minimax_m3_sparse" if f else "full_attention" for f in sparse["sparse_attention_freq"]] if "sparse_attention_freq" in sparse \
+            else ["full_attention"] * n
+    mlps = hf.get("mlp_layer_types")
+    if mlps is None:
+        mlps = ["sparse" if f else "dense" for f in hf["moe_layer_freq"]] if hf.get("moe_layer_freq") is not None else ["sparse"] * n
+    if len(kinds) != n or set(kinds) - {"full_attention", "minimax_m3_sparse"}:
+        raise ValueError(f"config.json: layer_types = {kinds!r} is not supported (one of full_attention / minimax_m3_sparse per layer)")
+    if len(mlps) != n or set(mlps) - {"dense", "sparse"}:
+        raise ValueError(f"config.json: mlp_layer_types = {mlps!r} is not supported (one of dense / sparse per layer)")
+    rope_type, _, _ = _rope_params(hf, None)
+    if rope_type != "default":
+        raise ValueError(f"config.json: rope type {rope_type!r} is not supported for minimax_m3_vl_text (plain RoPE)")
+    _refuse_single_renormalised(hf)
+    common = _common(hf, hf["num_local_experts"])
+    rope_dim = _partial_rope(dict(rope_parameters=hf.get("rope_parameters") or {}), common["head_dim"])
+    moe = tuple(i for i, kind in enumerate(mlps) if kind == "sparse")
+    blocks = tuple(i for i, kind in enumerate(kinds) if kind == "minimax_m3_sparse")
+    dense_first = moe == tuple(range(n - len(moe), n))
+    limit = hf.get("swiglu_limit", 7.0)
+    glu = dict(swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)), swiglu_limit=None if limit is None else float(limit), swiglu_offset=1.0)
+    index = dict(index_topk_blocks=hf.get("index_topk_blocks", 16), index_block_size=hf.get("index_block_size", 128),
+                 index_local_blocks=hf.get("index_local_blocks", 1), index_heads=hf.get("index_n_heads", 4), index_head_dim=hf.get("index_head_dim", 128),
+                 index_block_layers=None if len(blocks) == n else blocks) if blocks else {}
+    return dict(common, ffn_expert=hf["intermediate_size"], ffn_dense=hf.get("dense_intermediate_size", 12288), n_shared=0,
+                shared_ffn=hf.get("shared_intermediate_size") or 0, n_dense=n - len(moe) if dense_first else 0,
+                moe_layers=None if dense_first else moe, score="sigmoid", expert_bias=True, route_normalize=True, route_scale=_route_scale(hf),
+                qk_norm="head", zero_centered_norms=True, rope_dim=rope_dim, **glu,
+                **{"shared_" + name: value for name, value in glu.items()}, **index)
+
+
+def _minimax_m3_vl(hf: dict) -> dict:
+    """A released MiniMax-M3 folder (minimax_m3_vl): its text model (text_config, a
+    minimax_m3_vl_text), the vision tower and its projectors unread."""
+    text = _text_config(hf)
+    if text.get("model_type", "minimax_m3_vl_text") != "minimax_m3_vl_text":
+        raise ValueError(f"config.json: a minimax_m3_vl folder whose text model is {text.get('model_type')!r} is not supported "
+                         "(expected 'minimax_m3_vl_text')")
+    return _minimax_m3(text)
 
 
 def _yarn(hf: dict, default_base: float = 10000.0) -> dict:
@@ -3494,6 +3564,10 @@ class Family:
     dense_gate_up: bool = False
     gate_up: tuple[str, str] = ("gate_up_proj", "down_proj")  # with dense_gate_up, that module's and the down projection's names
     up_first: bool = False  # with dense_gate_up, the up's rows first, then the gate's (Molmo2's ff_proj)
+    shared_gate_up: bool = False  # the shared experts' gate and up as the rows of one gate_up_proj [2F, H] (MiniMax-M3's, as transformers writes them)
+    # block-sparse attention's indexer under the attention module: its q_proj, k_proj, q_norm, k_norm after this (MiniMax-M3's
+    # indexer. as transformers writes them; its released folders' index_)
+    block_index: str = "indexer."
 
     # the dense MLP's and the shared experts' gate, up and down projections (LFM2's w1, w3, w2; HY-V4's gate linear_gate)
     dense_names: tuple[str, str, str] = _PROJ
@@ -3642,6 +3716,9 @@ _OLMO3_ROPE = dict(full_attention=dict(rope_type="default", rope_theta=500000.0)
 _GEMMA3_ROPE = dict(full_attention=dict(rope_type="default", rope_theta=1e6), sliding_attention=dict(rope_type="default", rope_theta=1e4))
 # Gemma's sandwich norms (Gemma 2, 3 and 4; Beam's too): before and after the attention, before and after the MLP
 _GEMMA_SANDWICH = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+# transformers' defaults of MiniMax-M3's text config where they differ from _minimax_m3's fallbacks
+_M3_DEFAULTS = dict(num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6, rope_parameters=dict(rope_type="default", rope_theta=5e6),
+                    routed_scaling_factor=2.0, shared_intermediate_size=3072)
 _GEMMA4 = dict(fused="halves_out", router="router.proj.weight", sandwich=_GEMMA_SANDWICH)  # Gemma 4's layout (Family's fields)
 _GEMMA4_ROPE = dict(full_attention=dict(rope_type="proportional", partial_rotary_factor=0.25, rope_theta=1e6),
                     sliding_attention=dict(rope_type="default", rope_theta=1e4))
@@ -3816,6 +3893,16 @@ FAMILIES = {
     "dots1": Family(_dots1, "mlp", _PROJ, "Dots1ForCausalLM", "shared_experts", defaults=dict(num_key_value_heads=32)),
     "minimax_m2": Family(_minimax_m2, "block_sparse_moe", ("w1", "w3", "w2"), "MiniMaxM2ForCausalLM", correction_bias="e_score_correction_bias",
                          defaults=dict(num_key_value_heads=8, head_dim=128, rope_theta=5e6)),
+    # MiniMax-M3's text model as transformers writes it (fused experts' stacks, the dense MLPs' and shared experts' gate_up_proj,
+    # the indexer under indexer.), and its released folders: the text model under language_model. in MiniMax-M2's names (experts
+    # one module each, the correction bias beside the router), the indexer's modules index_q_proj, ...; the vision tower and
+    # its projectors, and any MTP modules, unread (as transformers leaves them)
+    "minimax_m3_vl_text": Family(_minimax_m3, "mlp", _STACKS, "MiniMaxM3VLForCausalLM", "shared_experts", fused="halves_out", dense_gate_up=True,
+                                 shared_gate_up=True, ignored=(r"(^|\.)mtp\.",), defaults=_M3_DEFAULTS),
+    "minimax_m3_vl": Family(_minimax_m3_vl, "block_sparse_moe", ("w1", "w3", "w2"), "MiniMaxM3SparseForConditionalGeneration", "shared_experts",
+                            correction_bias="e_score_correction_bias", block_index="index_", prefix=("", "language_model."),
+                            not_read=("vision_tower.", "multi_modal_projector.", "patch_merge_mlp."), ignored=(r"(^|\.)mtp\.",),
+                            written_as="text_config"),
     "granitemoe": Family(_granitemoe, "block_sparse_moe", _GRANITE, "GraniteMoeForCausalLM", fused="halves_out", router="router.layer.weight"),
     "granitemoeshared": Family(_granitemoe, "block_sparse_moe", _GRANITE, "GraniteMoeSharedForCausalLM", "shared_mlp", fused="halves_out",
                                shared_beside=True, router="router.layer.weight"),
@@ -4357,6 +4444,8 @@ for _vl, (_architecture, _tied, _text, _beside, _where) in _LLAVA.items():
 # the folders whose text model is one of several families: model_type -> (those families, transformers' default one, how
 # the head is tied: _listed_text)
 _TEXT_OF = {"mistral3": (_MISTRAL3_TEXT, "mistral", "text"), **{vl: (_LLAVA_TEXT, text, tied) for vl, (_, tied, text, _, _) in _LLAVA.items()}}
+# ...and those of the other folders written as their text config's family (Family.written_as "text_config"): its families
+_TEXT_KINDS = {"molmo2": tuple(_MOLMO2_BLOCKS.values()), "minimax_m3_vl": ("minimax_m3_vl_text",)}
 # the text families' logit scales (the text config's field), and the multimodal folders whose transformers class applies
 # none to its head (Command A Vision's, Aya Vision's, Granite Speech's and Speech Plus's, the LLaVA-style ones'): there the scale reads and
 # is written as 1 (_unscaled)
@@ -4535,6 +4624,11 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
         out[q + "mlp.shared.w_gate"] = Tensor((shared + "input_linear.weight",), transpose=True, chunk=(0, (1, 1)))
         out[q + "mlp.shared.w_up"] = Tensor((shared + "input_linear.weight",), transpose=True, chunk=(1, (1, 1)))
         out[q + "mlp.shared.w_down"] = Tensor((shared + "output_linear.weight",), transpose=True)
+    elif moe and cfg.shared_size and family.shared_gate_up:  # [2Fs, H]: the gate's rows, then the up's, under the MoE block
+        shared = f"{mlp}{family.shared}."
+        for j, ours in enumerate(("w_gate", "w_up")):
+            out[q + "mlp.shared." + ours] = Tensor((shared + "gate_up_proj.weight",), transpose=True, chunk=(j, (1, 1)))
+        out[q + "mlp.shared.w_down"] = Tensor((shared + "down_proj.weight",), transpose=True)
     elif moe and cfg.shared_size:  # the shared experts inside the MoE block
         for ours, theirs in zip(("w_gate", "w_up", "w_down"), family.dense_names):
             if ours != "w_gate" or cfg.mlp_act not in PLAIN_ACTS:
@@ -4657,6 +4751,10 @@ def _attention_keys(family: Family, cfg: TransformerConfig, p: str, q: str, rope
             else:
                 out[q + "attn.q_norm" + suffix] = Tensor((f"{attn}{family.qk_norms[0]}.{part}",))
                 out[q + "attn.k_norm" + suffix] = Tensor((f"{attn}{family.qk_norms[1]}.{part}",))
+    if cfg.is_index_blocks(layer):  # block-sparse attention's indexer (MiniMax-M3's)
+        index = attn + family.block_index
+        for ours, theirs in (("index_wq", "q_proj"), ("index_wk", "k_proj"), ("index_q_norm", "q_norm"), ("index_k_norm", "k_norm")):
+            out[q + "attn." + ours] = Tensor((f"{index}{theirs}.weight",), transpose=ours.startswith("index_w"))
     return out
 
 
@@ -5639,6 +5737,15 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
     elif model_type == "kolibri1":
         hf.update(num_local_experts=cfg.n_experts, moe_intermediate_size=cfg.ffn_expert, shared_expert_intermediate_size=cfg.shared_size,
                   norm_topk_prob=cfg.route_normalize, sliding_window=cfg.window, layer_types=_layer_types(cfg))
+    elif model_type == "minimax_m3_vl_text":
+        blocks = [i for i in range(cfg.n_layers) if cfg.is_index_blocks(i)]
+        index = dict(index_topk_blocks=cfg.index_topk_blocks, index_block_size=cfg.index_block_size, index_local_blocks=cfg.index_local_blocks,
+                     index_n_heads=cfg.index_heads, index_head_dim=cfg.index_head_dim) if blocks else {}
+        hf.update(num_local_experts=cfg.n_experts, intermediate_size=cfg.ffn_expert, dense_intermediate_size=cfg.ffn_dense,
+                  shared_intermediate_size=cfg.shared_size, routed_scaling_factor=cfg.route_scale if cfg.route_scale is not None else 1.0,
+                  swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit, mlp_layer_types=["sparse" if i in moe else "dense" for i in range(cfg.n_layers)],
+                  layer_types=["minimax_m3_sparse" if i in blocks else "full_attention" for i in range(cfg.n_layers)], **index)
+        hf["rope_parameters"]["partial_rotary_factor"] = _rotary_factor(cfg)
     elif model_type == "flint":
         hf.update(num_experts=cfg.n_experts, moe_intermediate_size=cfg.ffn_expert, intermediate_size=cfg.ffn_dense, decoder_sparse_step=1,
                   mlp_only_layers=[i for i in range(cfg.n_layers) if i not in moe], norm_topk_prob=cfg.route_normalize,
@@ -6017,7 +6124,8 @@ def _check_writable(model_type: str) -> None:
     if family.written_as is None:
         return
     if family.written_as == "text_config":
-        what = f"its text model's model_type (one of {', '.join(_TEXT_OF[model_type][0] if model_type in _TEXT_OF else _MOLMO2_BLOCKS.values())})"
+        kinds = _TEXT_OF[model_type][0] if model_type in _TEXT_OF else _TEXT_KINDS[model_type]
+        what = f"its text model's model_type (one of {', '.join(kinds)})"
     else:
         what = f"model_type={family.written_as!r} to write what fmoe holds ({FAMILIES[family.written_as].architecture})"
     unread = [p for p in family.not_read if not (family.mtp_module and p == "mtp.")]  # an MTP module it reads where the folder holds it

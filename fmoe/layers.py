@@ -154,7 +154,9 @@ class MoEConfig:
     "auto" | "triton" | "torch" for every op. swiglu_alpha, swiglu_limit, swiglu_offset: the
     routed experts' clamped SwiGLU (fmoe.ops.grouped_mlp's alpha, limit, offset; gpt-oss:
     1.702, 7.0, 1.0); the defaults are silu(gate) * up. shared_swiglu_limit: the shared
-    experts' clamp (dense_mlp's limit; Step 3.7's share_expert; None: none). weights_on_input: each slot's
+    experts' clamp (dense_mlp's limit; Step 3.7's share_expert; None: none);
+    shared_swiglu_alpha, shared_swiglu_offset: their gate's sigmoid gain and up's offset
+    (dense_mlp's alpha, offset; MiniMax-M3's 1.702, 1.0). weights_on_input: each slot's
     routing weight scales the token on its way into the expert, and the experts' outputs are
     summed unweighted: y = sum_j expert_j(w_j x) (Llama 4) instead of sum_j w_j expert_j(x).
     fp8: the routed and shared experts' forward and input-gradient GEMMs in fp8 (row-wise
@@ -202,6 +204,8 @@ class MoEConfig:
     swiglu_limit: Optional[float] = None
     swiglu_offset: float = 0.0
     shared_swiglu_limit: Optional[float] = None
+    shared_swiglu_alpha: float = 1.0
+    shared_swiglu_offset: float = 0.0
     weights_on_input: bool = False
     fp8: bool = False
     fp8_fast_accum: bool = False
@@ -220,9 +224,14 @@ class MoEConfig:
         check_positive_int("zero_experts", self.zero_experts, 0)
         check_glu(self.swiglu_alpha, self.swiglu_limit, self.swiglu_offset, self.glu_act)
         try:
-            check_glu(1.0, self.shared_swiglu_limit, 0.0, self.glu_act)
-        except ValueError as e:
-            raise ValueError(f"shared_swiglu_limit: the shared experts' clamp, {e}") from None
+            check_glu(self.shared_swiglu_alpha, self.shared_swiglu_limit, self.shared_swiglu_offset, self.glu_act)
+        except ValueError as e:  # named as the shared experts' field
+            whats = {"limit": "clamp", "alpha": "gate's sigmoid gain", "offset": "up's offset"}
+            field = str(e).split(":")[0]
+            if field not in whats:  # a knob set where the activation has none: the first one set
+                knobs = (("limit", self.shared_swiglu_limit, None), ("alpha", self.shared_swiglu_alpha, 1.0), ("offset", self.shared_swiglu_offset, 0.0))
+                field = next((name for name, value, unset in knobs if value != unset), "limit")
+            raise ValueError(f"shared_swiglu_{field}: the shared experts' {whats[field]}, {e}") from None
         for name in ("norm_eps", "expert_out_norm_eps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
@@ -367,7 +376,8 @@ def _check_moe(x_TH, params, cfg, experts, shared, drop) -> None:
 
 
 def dense_mlp(x_TH: torch.Tensor, w_gate_HF, w_up_HF, w_down_FH, *, impl: str = "auto", fp8: bool = False, act: str = "silu",
-              act_params: Optional[tuple] = None, b_gate=None, b_up=None, b_down=None, limit: Optional[float] = None) -> torch.Tensor:
+              act_params: Optional[tuple] = None, b_gate=None, b_up=None, b_down=None, limit: Optional[float] = None, alpha: float = 1.0,
+              offset: float = 0.0) -> torch.Tensor:
     """SwiGLU (silu(x w_gate) * (x w_up)) w_down: x [T, H], w_gate / w_up [H, F],
     w_down [F, H] -> [T, H]. The dense blocks' MLP and the shared experts. fp8: the
     projections by fmoe.ops.fp8_matmul. act "gelu_tanh": GeGLU, GELU's tanh form of x w_gate
@@ -377,7 +387,9 @@ def dense_mlp(x_TH: torch.Tensor, w_gate_HF, w_up_HF, w_down_FH, *, impl: str = 
     fmoe.ops.experts.xielu). b_gate, b_up [F], b_down [H]: optional biases added to each
     projection's output (Llama's mlp_bias, Jais 2's; b_gate None without a gate). limit: the
     SwiGLU's clamp (fmoe.ops.swiglu's limit: the gate at most limit, up within +-limit; with
-    act "silu_cap" silu(gate) at most limit, Step 3.7's; None: none; not without a gate)."""
+    act "silu_cap" silu(gate) at most limit, Step 3.7's; None: none; not without a gate).
+    alpha, offset: the gate's sigmoid gain and up's offset, g sigmoid(alpha g) (u + offset)
+    (fmoe.ops.swiglu's; MiniMax-M3's dense MLPs: 1.702, 1.0; not without a gate)."""
     for name, b, n in (("b_gate", b_gate, w_up_HF.shape[-1]), ("b_up", b_up, w_up_HF.shape[-1]), ("b_down", b_down, w_down_FH.shape[-1])):
         if b is not None and (not isinstance(b, torch.Tensor) or tuple(b.shape) != (n,)):
             raise ValueError(f"{name}: expected None or a tensor [{n}], got {list(b.shape) if isinstance(b, torch.Tensor) else type(b).__name__}")
@@ -390,10 +402,12 @@ def dense_mlp(x_TH: torch.Tensor, w_gate_HF, w_up_HF, w_down_FH, *, impl: str = 
             raise ValueError(f"{'w_gate' if w_gate_HF is not None else 'b_gate'}: act {act!r} is an MLP without a gate, expected None, got a tensor")
         if limit is not None:
             raise ValueError(f"limit: the SwiGLU's clamp, not of act {act!r} (an MLP without a gate), got {limit!r}")
+        if (alpha, offset) != (1.0, 0.0):
+            raise ValueError(f"{'alpha' if alpha != 1.0 else 'offset'}: the SwiGLU's, not of act {act!r} (an MLP without a gate)")
         up_TF = biased(matmul(x_TH, w_up_HF, fp8=fp8, impl=impl), b_up)
         return biased(matmul(plain_act(up_TF, act, act_params), w_down_FH, fp8=fp8, impl=impl), b_down)
     gate_TF, up_TF = (biased(matmul(x_TH, w, fp8=fp8, impl=impl), b) for w, b in ((w_gate_HF, b_gate), (w_up_HF, b_up)))
-    return biased(matmul(swiglu(gate_TF, up_TF, impl=impl, act=act, limit=limit), w_down_FH, fp8=fp8, impl=impl), b_down)
+    return biased(matmul(swiglu(gate_TF, up_TF, impl=impl, act=act, limit=limit, alpha=alpha, offset=offset), w_down_FH, fp8=fp8, impl=impl), b_down)
 
 
 def local_experts(x_TH: torch.Tensor, routes: Routes, params, cfg: MoEConfig, *, rows: Optional[Callable] = None):
@@ -522,7 +536,8 @@ def moe(
         counts_E = torch.cat([counts_E, counts_Z])
     if shared is None and params.get("shared_w_up") is not None:
         shared = functools.partial(dense_mlp, w_gate_HF=params.get("shared_w_gate"), w_up_HF=params["shared_w_up"],
-                                   w_down_FH=params["shared_w_down"], impl=cfg.impl, fp8=cfg.fp8, act=cfg.glu_act, limit=cfg.shared_swiglu_limit)
+                                   w_down_FH=params["shared_w_down"], impl=cfg.impl, fp8=cfg.fp8, act=cfg.glu_act, limit=cfg.shared_swiglu_limit,
+                                   alpha=cfg.shared_swiglu_alpha, offset=cfg.shared_swiglu_offset)
     if shared is not None:
         y_shared_TH = shared(x)
         gate = params.get("shared_gate")
@@ -695,6 +710,22 @@ class AttentionConfig:
     mask ("flex" is refused). The indexer scores every allowed key, as DeepSeek's does, for
     blocks of queries (never a [T, index_heads, S] product at once); its loss runs over the
     chosen keys alone, block by block, each block recomputed in the backward.
+
+    Block-sparse attention (MiniMax-M3's) when index_topk_blocks is set, on grouped-query
+    attention: the keys of a document are cut into blocks of index_block_size positions, and
+    each query's heads of kv head g attend only to the keys (its mask allows) of the
+    index_topk_blocks blocks that indexer head g scores highest, the index_local_blocks
+    blocks ending at the query's own always among them. The indexer has index_heads =
+    n_kv_heads heads of index_head_dim: queries x index_wq [H, index_heads index_head_dim]
+    and one key per token x index_wk [H, index_head_dim], each RMS-normed (index_q_norm,
+    index_k_norm [index_head_dim]; eps norm_eps, gain 1 + weight with zero_centered_norms)
+    and rotated on its first rot_dim channels as the heads are; a block's score is the
+    largest q . k of its keys the query may see (float32; block_index_keep). The choice is
+    discrete and has no loss: the indexer's weights get no gradient. Blocks are counted from
+    each document's start (document_offsets: the same split in one process, under context
+    parallel and in decoding); equal scores go to the earlier block. The dense reference alone:
+    SDPA under a [kv head, T, S] mask ("flex" refused); not with a window, a chunk, a softcap,
+    sinks or ALiBi.
     """
 
     n_heads: int
@@ -763,6 +794,9 @@ class AttentionConfig:
     index_norm_eps: float = 1e-6
     index_loss: bool = False
     index_shared: bool = False
+    index_topk_blocks: Optional[int] = None
+    index_block_size: int = 128
+    index_local_blocks: int = 1
 
     def __post_init__(self):
         check_fp8(self.fp8)
@@ -880,7 +914,14 @@ class AttentionConfig:
             raise ValueError("qk_norm: not with multi-latent attention (its latents have their own norms)")
 
     def _check_index_knobs(self) -> None:
-        """DeepSeek sparse attention's knobs (class docstring): ValueError naming the field."""
+        """DeepSeek sparse attention's knobs and block-sparse attention's (class docstring):
+        ValueError naming the field."""
+        if self.index_topk_blocks is not None:
+            self._check_block_knobs()
+            return
+        if (self.index_block_size, self.index_local_blocks) != (128, 1):
+            raise ValueError(f"{'index_block_size' if self.index_block_size != 128 else 'index_local_blocks'}: a knob of block-sparse attention, "
+                             "needs index_topk_blocks")
         if self.index_topk is None:
             knobs = dict(index_heads=64, index_head_dim=128, index_interleaved=False, index_rope_last=False, index_norm_eps=1e-6, index_loss=False,
                          index_shared=False)
@@ -905,6 +946,37 @@ class AttentionConfig:
                              f"got {self.index_head_dim}")
         if self.impl == "flex":
             raise ValueError("impl: DeepSeek sparse attention's top-k mask is a dense mask, attended by the SDPA reference; use impl 'auto' or 'torch'")
+
+    def _check_block_knobs(self) -> None:
+        """Block-sparse attention's knobs (index_topk_blocks; class docstring)."""
+        for name in ("index_topk_blocks", "index_block_size", "index_head_dim"):
+            check_positive_int(name, getattr(self, name))
+        local = self.index_local_blocks
+        if isinstance(local, bool) or not isinstance(local, int) or not 0 <= local <= self.index_topk_blocks:
+            raise ValueError(f"index_local_blocks: expected an int in [0, index_topk_blocks = {self.index_topk_blocks}] (the blocks ending at the "
+                             f"query's own, always among the chosen), got {local!r}")
+        if self.index_topk is not None:
+            raise ValueError("index_topk_blocks: block-sparse attention, not with DeepSeek sparse attention (index_topk)")
+        dsa = dict(index_interleaved=False, index_rope_last=False, index_norm_eps=1e-6, index_loss=False, index_shared=False)
+        changed = [name for name, default in dsa.items() if getattr(self, name) != default]
+        if changed:
+            raise ValueError(f"{changed[0]}: a knob of DeepSeek sparse attention's indexer, not of block-sparse attention (index_topk_blocks)")
+        if self.kv_rank is not None:
+            raise ValueError("index_topk_blocks: block-sparse attention chooses blocks per kv head of grouped-query attention, not with kv_rank")
+        if self.index_heads != self.n_kv_heads:
+            raise ValueError(f"index_heads: block-sparse attention's indexer has one head per kv head, expected n_kv_heads = {self.n_kv_heads}, "
+                             f"got {self.index_heads}")
+        rot = self.rot_dim or self.head_dim
+        if rot > self.index_head_dim:
+            raise ValueError(f"index_head_dim: the indexer rotates rot_dim = {rot} of its channels, expected index_head_dim >= {rot}, "
+                             f"got {self.index_head_dim}")
+        if not self.rope:
+            raise ValueError("rope: block-sparse attention's indexer rotates its queries and keys as the heads are, not in a block without RoPE")
+        for name in ("window", "chunk", "score_softcap"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name}: not with block-sparse attention (index_topk_blocks), whose blocks are counted over the whole document")
+        if self.impl == "flex":
+            raise ValueError("impl: block-sparse attention's choice is a dense mask, attended by the SDPA reference; use impl 'auto' or 'torch'")
 
     def _check_longrope_knobs(self) -> None:
         """LongRoPE's knobs (class docstring): ValueError naming the field."""
@@ -1322,7 +1394,7 @@ def attention_context(
                              f"got {type(linear_cp).__name__} without {missing}")
     T = positions.shape[0]
     T_kv = T if kv_index is None else kv_index.shape[0]
-    flex = _use_flex(cfg.impl, positions.device) and cfg.index_topk is None  # DSA's top-k mask is a dense one
+    flex = _use_flex(cfg.impl, positions.device) and cfg.index_topk is None and cfg.index_topk_blocks is None  # a top-k mask is a dense one
     # ...or, on its sparse kernel's path, the mask's rule alone (MaskRows: never T x S values)
     rows = cfg.index_topk is not None and use_triton(cfg.impl, positions)
     if window_only and ((cfg.window is None and cfg.chunk is None) or mask is not None):
@@ -1423,7 +1495,12 @@ def index_shapes(H: int, cfg: AttentionConfig) -> dict:
     """DeepSeek sparse attention's indexer (cfg.index_topk; AttentionConfig) name -> shape:
     index_wq [q_rank, index_heads index_head_dim], index_wk [H, index_head_dim], the key's
     LayerNorm index_k_norm and index_k_bias [index_head_dim], the head weights index_w
-    [H, index_heads]; {} without index_topk."""
+    [H, index_heads]; {} without index_topk. Block-sparse attention's (cfg.index_topk_blocks):
+    index_wq [H, index_heads index_head_dim], index_wk [H, index_head_dim] and the RMSNorms'
+    weights index_q_norm, index_k_norm [index_head_dim]."""
+    if cfg.index_topk_blocks is not None:  # block-sparse attention's: queries and one key per token, RMS-normed
+        Ni, Di = cfg.index_heads, cfg.index_head_dim
+        return {"index_wq": (H, Ni * Di), "index_wk": (H, Di), "index_q_norm": (Di,), "index_k_norm": (Di,)}
     if cfg.index_topk is None or cfg.index_shared:
         return {}
     Ni, Di = cfg.index_heads, cfg.index_head_dim
@@ -1494,10 +1571,18 @@ def _check_attention(x_TH, params, cfg, ctx) -> None:
         w = params.get(name)
         if w is not None and tuple(w.shape) != shape:
             raise ValueError(f"params['{name}']: expected {list(shape)}, got {list(w.shape)}")
-    unknown = set(params) - {*mats, *optional, *extras}
+    index = index_shapes(H, cfg)  # block-sparse attention's indexer
+    for name, shape in index.items():
+        w = params.get(name)
+        if w is None or tuple(w.shape) != shape or w.dtype != x_TH.dtype:
+            raise ValueError(f"params['{name}']: expected {x_TH.dtype} {list(shape)} (the indexer of cfg.index_topk_blocks), "
+                             f"got {f'{w.dtype} {list(w.shape)}' if w is not None else 'nothing'}")
+    unknown = set(params) - {*mats, *optional, *extras, *index}
     if unknown:
         raise ValueError(f"params: unknown attention parameters {sorted(unknown)} (wq, wk, wv, wo, optional bq, bk, bv, q_norm, k_norm, q_norm_bias, "
-                         "k_norm_bias, bo, sinks, wg, bg, alibi)")
+                         "k_norm_bias, bo, sinks, wg, bg, alibi; index_wq, index_wk, index_q_norm, index_k_norm with cfg.index_topk_blocks)")
+    if index and (params.get("sinks") is not None or params.get("alibi") is not None):
+        raise ValueError(f"params['{'sinks' if params.get('sinks') is not None else 'alibi'}']: not with block-sparse attention (cfg.index_topk_blocks)")
     if (cfg.window is not None or cfg.chunk is not None) and getattr(ctx, "local_cos", None) is not None:
         return  # a local layer's own tables, which attention checks against it
     _check_ctx(ctx, T, cfg.rot_dim or D)
@@ -1604,7 +1689,13 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
         q_TND, k_TGD, v_TGD = _mla_qkv(x, params, cfg, ctx, q_lat)
     else:
         q_TND, k_TGD, v_TGD = _gqa_qkv(x, params, cfg, ctx, heads_mean)
+    blocks = cfg.index_topk_blocks is not None  # block-sparse attention: its indexer's queries and keys
     index_k_SD = None
+    if blocks:
+        with torch.no_grad():  # the choice is discrete: no gradient reaches the indexer
+            index_q_TND, index_k_SD = block_index_qk(x, params, cfg, ctx.cos, ctx.sin)
+        if ctx.gather_kv is not None:  # the indexer's key rides beside the kv heads' keys (every rank's, or the cache's)
+            k_TGD = torch.cat([k_TGD, _spread_keys(index_k_SD, k_TGD.shape[1]).to(k_TGD.dtype)], dim=-1)
     if sparse:
         if shared:  # a layer without an indexer caches zeros in the indexer key's place
             index_k_SD = x.new_zeros(x.shape[0], cfg.index_head_dim, dtype=torch.float32)
@@ -1622,6 +1713,9 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
             raise ValueError(f"ctx.gather_kv: returned {k_TGD.shape[0]} keys and {v_TGD.shape[0]} values, the mask has {n_keys} keys")
         if sparse and ctx.latents is not None:  # decoding: the cached indexer keys
             index_k_SD, k_TGD = k_TGD[:, 0, -cfg.index_head_dim:].float(), k_TGD[..., :-cfg.index_head_dim]
+        if blocks:  # the indexer's keys back from their channels
+            D = q_TND.shape[-1]
+            index_k_SD, k_TGD = k_TGD[..., D:].reshape(n_keys, -1)[:, :cfg.index_head_dim], k_TGD[..., :D]
         if latents == "expanded":  # every key's latent and rotated key -> per-head keys and values
             k_TGD, v_TGD = _mla_expand(k_TGD[:, 0, :cfg.kv_rank], k_TGD[:, :, cfg.kv_rank:], params, cfg)
     q_NTD, k_GTD, v_GTD = (rearrange(t, "t h d -> h t d") for t in (q_TND, k_TGD, v_TGD))
@@ -1646,9 +1740,19 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
             mask = slots_mask(slots_TJ, mask.shape[1])
     elif isinstance(mask, MaskRows):  # a layer without DeepSeek sparse attention in a context built for it: the dense mask
         mask = mask.rows()
+    if blocks and not isinstance(mask, torch.Tensor):
+        raise ValueError("ctx: block-sparse attention (cfg.index_topk_blocks) needs the dense mask; build the context with this cfg (attention_context)")
     sinks, slopes_N = params.get("sinks"), params.get("alibi")
     lse_TN = None
-    if kernel:  # every head over each query's chosen latents; the latent output to each head's values below
+    if blocks:  # each kv head's queries under its own choice of blocks
+        with torch.no_grad():
+            q_pos, kv_pos = (document_offsets(ctx, index, n) for index, n in ((ctx.token_index, mask.shape[0]), (ctx.kv_index, mask.shape[1])))
+            keep_GTS = block_index_keep(index_q_TND, index_k_SD, mask, q_pos, kv_pos, cfg)
+        G, r = k_GTD.shape[0], q_NTD.shape[0] // k_GTD.shape[0]
+        q_GRTD = q_NTD.view(G, r, *q_NTD.shape[1:])
+        k_GRSD, v_GRSD = (t[:, None].expand(G, r, *t.shape[1:]) for t in (k_GTD, v_GTD))
+        out_NTD = F.scaled_dot_product_attention(q_GRTD, k_GRSD, v_GRSD, attn_mask=keep_GTS[:, None], scale=softmax_scale(cfg)).flatten(0, 1)
+    elif kernel:  # every head over each query's chosen latents; the latent output to each head's values below
         o_TNC, lse_TN = sparse_attention(q_TND, k_TGD[:, 0], slots_TJ, v_dim=cfg.kv_rank, scale=softmax_scale(cfg), check=False, impl=cfg.impl)
         out_NTD = rearrange(o_TNC, "t n c -> n t c")
     elif isinstance(mask, torch.Tensor) and (sinks is not None or cfg.score_softcap is not None or slopes_N is not None):
@@ -2100,6 +2204,79 @@ def slots_mask(slots_TJ: torch.Tensor, n_keys: int) -> torch.Tensor:
     T = slots_TJ.shape[0]
     hit = torch.where(slots_TJ >= 0, slots_TJ, n_keys)
     return torch.zeros(T, n_keys + 1, dtype=torch.bool, device=slots_TJ.device).scatter_(1, hit, True)[:, :n_keys]
+
+
+def block_index_qk(x_TH: torch.Tensor, params, cfg: AttentionConfig, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-sparse attention's indexer (cfg.index_topk_blocks; AttentionConfig) of tokens
+    x [T, H]: queries [T, index_heads, index_head_dim] and keys [T, index_head_dim] in x's
+    dtype, x index_wq per head and x index_wk, each RMS-normed over its channels (weights
+    index_q_norm, index_k_norm; eps cfg.norm_eps, 1 + weight with cfg.zero_centered_norms),
+    then its first rot_dim channels rotated by cos, sin [T, rot_dim/2] as the heads are."""
+    T, Ni, Di = x_TH.shape[0], cfg.index_heads, cfg.index_head_dim
+    zc = cfg.zero_centered_norms
+    q_TND = _rms_norm((x_TH @ params["index_wq"]).view(T, Ni, Di), params["index_q_norm"], cfg.norm_eps, zero_centered=zc)
+    k_T1D = _rms_norm((x_TH @ params["index_wk"])[:, None, :], params["index_k_norm"], cfg.norm_eps, zero_centered=zc)
+    q_TND, k_T1D = (apply_rope(t, cos, sin, interleaved=cfg.interleaved, impl="torch") for t in (q_TND, k_T1D))
+    return q_TND, k_T1D[:, 0]
+
+
+def document_offsets(ctx: AttentionContext, index: Optional[torch.Tensor], n: int) -> torch.Tensor:
+    """[n] int64: where tokens lie in their documents (ctx.cu_seqlens), the tokens given by
+    their global indices `index` [n] (ctx.token_index, ctx.kv_index: context parallel,
+    decoding) or, index None, the context's own 0 ... n - 1. Block-sparse attention's blocks
+    are counted so: in a trunk's context these are its positions, and the MTP depths' (rolled
+    positions) and a context-parallel or cached split of keys agree with one process's."""
+    if ctx.cu_seqlens is None:
+        raise ValueError("ctx: block-sparse attention needs the documents (cu_seqlens) of its tokens: build the context with attention_context")
+    cu = ctx.cu_seqlens.long()
+    index = torch.arange(n, device=cu.device) if index is None else index.long()
+    doc = (torch.searchsorted(cu, index, right=True) - 1).clamp(0, cu.shape[0] - 1)
+    return index - cu[doc]
+
+
+def block_index_keep(q_TND: torch.Tensor, k_SD: torch.Tensor, mask_TS: torch.Tensor, q_pos: torch.Tensor, kv_pos: torch.Tensor,
+                     cfg: AttentionConfig, rows: int = 1 << 26) -> torch.Tensor:
+    """Block-sparse attention's mask [index_heads, T, S] bool: which keys each query's heads
+    of kv head g attend to. Indexer queries q [T, Ni, Di] (block_index_qk's) score keys
+    k [S, Di] by q . k (float32); key s lies in block kv_pos[s] // index_block_size (kv_pos
+    [S]: its place in its document, document_offsets), query t's own block is q_pos[t] //
+    index_block_size (q_pos [T] alike). A block's score for query t and head g is the
+    largest score of its keys that mask [T, S] lets t see (-inf: none); the
+    index_local_blocks blocks ending at t's own score +inf; t's head g keeps the mask's keys
+    in its index_topk_blocks best blocks (equal scores: the earlier block first; blocks of no
+    visible key never). Queries are taken in groups whose [group, Ni, S] scores hold about
+    `rows` floats. No host sync."""
+    T, S = mask_TS.shape
+    Ni, bs, L = q_TND.shape[1], cfg.index_block_size, cfg.index_local_blocks
+    n_blocks = -(-S // bs)  # positions are below S: a key's position is at most its column
+    J = min(cfg.index_topk_blocks, n_blocks)
+    blk_S = (kv_pos.long() // bs).clamp(max=n_blocks - 1)
+    keep_NTS = torch.empty(Ni, T, S, dtype=torch.bool, device=mask_TS.device)
+    step = max(1, rows // max(1, Ni * S))
+    for t0 in range(0, T, step):
+        b = slice(t0, t0 + step)
+        seen_BS = mask_TS[b]
+        B = seen_BS.shape[0]
+        s_BNS = torch.einsum("bnd,sd->bns", q_TND[b].float(), k_SD.float()).masked_fill(~seen_BS[:, None, :], float("-inf"))
+        blk_BNS = blk_S.expand(B, Ni, S)
+        best_BNK = s_BNS.new_full((B, Ni, n_blocks), float("-inf")).scatter_reduce(-1, blk_BNS, s_BNS, "amax")
+        if L:  # the blocks ending at the query's own: always chosen
+            own_B = (q_pos[b].long() // bs).clamp(max=n_blocks - 1)
+            local_BL = (own_B[:, None] - torch.arange(L, device=own_B.device)).clamp(min=0)
+            best_BNK = best_BNK.scatter(-1, local_BL[:, None, :].expand(B, Ni, L), float("inf"))
+        top = torch.sort(best_BNK, dim=-1, descending=True, stable=True)
+        chosen_BNJ = torch.where(top.values[..., :J] > float("-inf"), top.indices[..., :J], n_blocks)
+        picked_BNK = torch.zeros(B, Ni, n_blocks + 1, dtype=torch.bool, device=mask_TS.device).scatter_(-1, chosen_BNJ, True)
+        keep_NTS[:, b] = (picked_BNK.gather(-1, blk_BNS) & seen_BS[:, None, :]).transpose(0, 1)
+    return keep_NTS
+
+
+def _spread_keys(index_k_TD: torch.Tensor, G: int) -> torch.Tensor:
+    """The indexer's keys [T, Di] as [T, G, ceil(Di / G)] channels (zeros after Di), to ride
+    beside the G kv heads' keys through gather_kv (context parallel, the cache)."""
+    T, Di = index_k_TD.shape
+    per = -(-Di // G)
+    return F.pad(index_k_TD, (0, G * per - Di)).view(T, G, per)
 
 
 # ----------------------------------------------------------------------------------------

@@ -129,13 +129,14 @@ class DenseMLP(nn.Module):
     act "gelu_tanh" GeGLU; with act "relu2" no gate (w_gate None): relu(x w_up)^2 w_down
     (fmoe.layers.dense_mlp's act). bias: b_gate, b_up [F] (no b_gate without a gate) and
     b_down [H] added to the projections' outputs (TransformerConfig.mlp_bias). limit: the
-    SwiGLU's clamp (fmoe.layers.dense_mlp's limit; TransformerConfig.shared_swiglu_limit)."""
+    SwiGLU's clamp (fmoe.layers.dense_mlp's limit; TransformerConfig.shared_swiglu_limit); alpha,
+    offset: its gate's sigmoid gain and up's offset (dense_mlp's; shared_swiglu_alpha / _offset)."""
 
     def __init__(self, hidden: int, ffn: int, impl: str, *, fp8: bool = False, act: str = "silu", xielu: tuple[float, float] = XIELU,
-                 bias: bool = False, limit: Optional[float] = None, device=None, dtype=None):
+                 bias: bool = False, limit: Optional[float] = None, alpha: float = 1.0, offset: float = 0.0, device=None, dtype=None):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
-        self.impl, self.fp8, self.act, self.limit = impl, fp8, act, limit
+        self.impl, self.fp8, self.act, self.limit, self.alpha, self.offset = impl, fp8, act, limit, alpha, offset
         self.w_gate = None if act in PLAIN_ACTS else nn.Parameter(torch.empty(hidden, ffn, **kw))
         self.w_up = nn.Parameter(torch.empty(hidden, ffn, **kw))
         self.w_down = nn.Parameter(torch.empty(ffn, hidden, **kw))
@@ -162,7 +163,7 @@ class DenseMLP(nn.Module):
         if b_down is not None and tp is not None:  # added once over the ranks' sum
             b_down = tp.share(b_down)
         return dense_mlp(x_TH, gate, _local(self.w_up), _local(self.w_down), impl=self.impl, fp8=self.fp8, act=self.act, act_params=params,
-                         b_gate=b_gate, b_up=b_up, b_down=b_down, limit=self.limit)
+                         b_gate=b_gate, b_up=b_up, b_down=b_down, limit=self.limit, alpha=self.alpha, offset=self.offset)
 
 
 class GroupedExperts(nn.Module):
@@ -288,7 +289,8 @@ class MoE(KeepsFloat32):
         # Muse Spark's: the latent's zero-centred norm, and each expert's output row's prescaled one (fmoe.layers.moe)
         self.latent_norm = nn.Parameter(torch.zeros(latent, **kw)) if latent_norm else None
         self.expert_out_norm = nn.Parameter(torch.zeros(latent or H, **kw)) if expert_out_norm else None
-        self.shared = DenseMLP(H, shared_ffn, cfg.impl, fp8=cfg.fp8, act=cfg.glu_act, limit=cfg.shared_swiglu_limit, **kw) if shared_ffn else None
+        self.shared = DenseMLP(H, shared_ffn, cfg.impl, fp8=cfg.fp8, act=cfg.glu_act, limit=cfg.shared_swiglu_limit, alpha=cfg.shared_swiglu_alpha,
+                               offset=cfg.shared_swiglu_offset, **kw) if shared_ffn else None
         if shared_gate:
             self.shared_gate = nn.Parameter(torch.empty(H, **kw))
         if expert_bias:
@@ -427,7 +429,9 @@ class TransformerConfig:
     within +-it; Step 3.7's swiglu_limits_shared); swiglu_limit_layers /
     shared_swiglu_limit_layers: the trunk blocks whose routed experts / shared experts and
     dense MLPs those limits clamp (None: every block, the MTP blocks too; listed: those
-    alone, Step 3.7's last layers). mlp_act: every
+    alone, Step 3.7's last layers); shared_swiglu_alpha / shared_swiglu_offset: the shared
+    experts' and dense MLPs' gate sigmoid gain and up offset, g sigmoid(alpha g) (u + offset)
+    (MiniMax-M3's 1.702, 1.0; fmoe.layers.dense_mlp). mlp_act: every
     MLP's gate activation (dense blocks, shared and routed experts), "silu" (SwiGLU) or
     "gelu_tanh" (GeGLU: GELU's tanh form, Gemma's; fmoe.ops.swiglu's act) or "silu_cap"
     (SwiGLU whose limits cap silu(gate) rather than gate: Step 3.7's), or "relu2": MLPs
@@ -487,7 +491,14 @@ class TransformerConfig:
     keys gathered like K and V), the indexer trained by its own loss with weight
     index_loss_coeff per micro-batch (0: not trained: fmoe.layers.index_loss, Attention);
     index_shared_layers: the trunk blocks without an indexer, which attend to the keys the
-    nearest earlier block with one chose (GLM-5's "shared" layers; not block 0). tie_embeddings: the
+    nearest earlier block with one chose (GLM-5's "shared" layers; not block 0).
+    index_topk_blocks (grouped-query attention): block-sparse attention (MiniMax-M3's), each
+    query's heads of kv head g attending to the keys of the index_topk_blocks blocks of
+    index_block_size positions that indexer head g scores highest, the index_local_blocks
+    blocks ending at its own always among them (index_heads: the kv heads' count, one indexer
+    head each; index_head_dim; fmoe.layers.AttentionConfig); in the blocks index_block_layers
+    lists (None: every block), the others attending over every earlier token; not with a
+    sliding window, chunks or ALiBi. tie_embeddings: the
     output head is the embedding; out_vocab V' (None: vocab_size): the output head has V' <=
     vocab_size rows, the logits are those of token ids 0 .. V' - 1 while the embedding keeps
     every id (Apertus 1.5's output_vocab_size: its multimodal ids are inputs, never outputs);
@@ -703,6 +714,10 @@ class TransformerConfig:
     index_norm_eps: float = 1e-6
     index_loss_coeff: float = 1.0
     index_shared_layers: Optional[tuple[int, ...]] = None
+    index_topk_blocks: Optional[int] = None
+    index_block_size: int = 128
+    index_local_blocks: int = 1
+    index_block_layers: Optional[tuple[int, ...]] = None
     o_bias: bool = False
     attn_sinks: bool = False
     sink_layers: Optional[tuple[int, ...]] = None
@@ -728,6 +743,8 @@ class TransformerConfig:
     swiglu_limit: Optional[float] = None
     swiglu_offset: float = 0.0
     shared_swiglu_limit: Optional[float] = None
+    shared_swiglu_alpha: float = 1.0
+    shared_swiglu_offset: float = 0.0
     swiglu_limit_layers: Optional[tuple[int, ...]] = None
     shared_swiglu_limit_layers: Optional[tuple[int, ...]] = None
     mlp_act: str = "silu"
@@ -959,7 +976,7 @@ class TransformerConfig:
         check_fp8_fast_accum(self.fp8_fast_accum, self.fp8 is True)
         for name in ("moe_layers", "window_layers", "chunk_layers", "nope_layers", "linear_layers", "fp8_layers", "index_shared_layers",
                      "sink_layers", "mlp_free_layers", "mixer_free_layers", "swiglu_limit_layers",
-                     "shared_swiglu_limit_layers"):  # block lists: distinct indices, kept sorted
+                     "shared_swiglu_limit_layers", "index_block_layers"):  # block lists: distinct indices, kept sorted
             layers = getattr(self, name)
             if layers is None:
                 continue
@@ -998,6 +1015,16 @@ class TransformerConfig:
             raise ValueError("index_loss_coeff: the weight of DeepSeek sparse attention's indexer loss, needs index_topk")
         if self.index_shared_layers is not None and self.index_topk is None:
             raise ValueError("index_shared_layers: blocks reusing an earlier block's choice of keys (DeepSeek sparse attention), needs index_topk")
+        if self.index_topk_blocks is None:
+            for name, unset in (("index_block_layers", None), ("index_block_size", 128), ("index_local_blocks", 1)):
+                if getattr(self, name) != unset:
+                    raise ValueError(f"{name}: a knob of block-sparse attention, needs index_topk_blocks")
+        if self.index_topk_blocks is not None:
+            for name in ("window", "chunk"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name}: not with block-sparse attention (index_topk_blocks), whose blocks are counted over the whole document")
+            if self.alibi:
+                raise ValueError("alibi: not with block-sparse attention (index_topk_blocks)")
         for name, unset in (("linear_full_rank", False), ("linear_decay_bound", None)):
             if getattr(self, name) is not unset and (self.linear_layers is None or self.linear_kind != "kda"):
                 raise ValueError(f"{name}: a knob of Kimi Delta Attention's blocks, needs linear_layers and linear_kind='kda'")
@@ -1210,6 +1237,13 @@ class TransformerConfig:
         """Whether trunk block i reuses an earlier block's choice of keys (index_shared_layers)."""
         return self.index_shared_layers is not None and i in self.index_shared_layers
 
+    def is_index_blocks(self, i: int) -> bool:
+        """Whether trunk block i attends by block-sparse attention (index_topk_blocks; in
+        index_block_layers where it is set); i None: an MTP block (every one with index_topk_blocks)."""
+        if self.index_topk_blocks is None:
+            return False
+        return i is None or self.index_block_layers is None or i in self.index_block_layers
+
     def index_source(self, i: int) -> int:
         """The block whose indexer chooses trunk block i's keys: i itself, or for a block of
         index_shared_layers the nearest earlier block with an indexer."""
@@ -1294,7 +1328,8 @@ class TransformerConfig:
             n_experts=self.n_experts, k=self.k, score=self.score, pre_softmax=self.pre_softmax, n_groups=self.n_groups, topk_groups=self.topk_groups,
             scale=self.route_scale, group_score_topk=self.group_score_topk, normalize=self.route_normalize, capacity_factor=self.capacity_factor, capacity_policy=self.capacity_policy, impl=self.impl,
             swiglu_alpha=self.swiglu_alpha, swiglu_limit=self.swiglu_limit if every_limit or self.clamps(layer) else None, swiglu_offset=self.swiglu_offset,
-            shared_swiglu_limit=self.shared_swiglu_limit if every_limit else self.mlp_limit(layer), weights_on_input=self.route_on_input, fp8=self.fp8 if fp8 is None else fp8,
+            shared_swiglu_limit=self.shared_swiglu_limit if every_limit else self.mlp_limit(layer), shared_swiglu_alpha=self.shared_swiglu_alpha,
+            shared_swiglu_offset=self.shared_swiglu_offset, weights_on_input=self.route_on_input, fp8=self.fp8 if fp8 is None else fp8,
             fp8_fast_accum=self.fp8_fast_accum and (self.fp8 if fp8 is None else fp8), logit_softcap=self.router_softcap, shared_scale=self.shared_scale,
             sparsemixer_eps=self.sparsemixer_eps, zero_experts=self.zero_experts, bias_on_logits=self.expert_bias_on_logits,
             glu_act=self.mlp_act, norm_eps=self.norm_eps,  # relu2: the experts without a gate
@@ -1378,12 +1413,17 @@ class TransformerConfig:
         linear_pre_norms a pre-norm block whatever pre_norms and post_norms say)."""
         return (True, False) if linear and self.linear_pre_norms else (self.pre_norms, self.post_norms)
 
-    def attention_config(self, *, local: bool = False, rope: bool = True, fp8: Optional[bool] = None, index_shared: bool = False) -> AttentionConfig:
+    def attention_config(self, *, local: bool = False, rope: bool = True, fp8: Optional[bool] = None, index_shared: bool = False,
+                         index_blocks: bool = True) -> AttentionConfig:
         """The attention of a block that attends over every earlier token, or with local
         over the sliding window or within its chunk (a config whose window or chunk builds
         that mask too: attention_context); rope=False: a NoPE block's (without q/k norms
         unless nope_qk_norm, with the NoPE temperature); fp8: the block's (None: the model's
-        fp8); index_shared: a block of index_shared_layers (no indexer of its own)."""
+        fp8); index_shared: a block of index_shared_layers (no indexer of its own);
+        index_blocks=False: a block outside index_block_layers (block-sparse attention's
+        knobs left out; the context's config keeps them: its dense mask)."""
+        blocks = dict(index_topk_blocks=self.index_topk_blocks, index_block_size=self.index_block_size,
+                      index_local_blocks=self.index_local_blocks) if index_blocks and self.index_topk_blocks is not None else {}
         norm = rope or self.nope_qk_norm
         return AttentionConfig(
             n_heads=self.local_heads if local and self.local_heads is not None else self.n_heads,
@@ -1411,10 +1451,11 @@ class TransformerConfig:
             local_head_dim=None if local else self.local_head_dim,
             zero_centered_norms=self.zero_centered_norms,
             fp8=self.fp8 if fp8 is None else fp8, gate_act=self.attn_gate_act, gate_per_head=self.attn_gate_per_head,
-            index_topk=self.index_topk, index_heads=self.index_heads, index_head_dim=self.index_head_dim,
+            index_topk=self.index_topk, **(dict(index_heads=self.index_heads, index_head_dim=self.index_head_dim) if self.index_topk is not None or blocks else {}),
             index_interleaved=self.index_rope_interleaved, index_rope_last=self.index_rope_last,
             index_norm_eps=self.index_norm_eps, index_shared=index_shared,
             index_loss=self.index_topk is not None and self.index_loss_coeff > 0 and not index_shared,
+            **blocks,
         )
 
     def _temperature(self, rope: bool) -> dict:
@@ -1625,9 +1666,9 @@ class Attention(nn.Module):
     gradients."""
 
     def __init__(self, cfg: TransformerConfig, *, local: bool = False, rope: bool = True, fp8: Optional[bool] = None,
-                 index_shared: bool = False, sinks: Optional[bool] = None):
+                 index_shared: bool = False, sinks: Optional[bool] = None, index_blocks: bool = True):
         super().__init__()
-        self.cfg = cfg.attention_config(local=local, rope=rope, fp8=fp8, index_shared=index_shared)
+        self.cfg = cfg.attention_config(local=local, rope=rope, fp8=fp8, index_shared=index_shared, index_blocks=index_blocks)
         sinks = cfg.attn_sinks if sinks is None else sinks  # this block's (TransformerConfig.has_sinks)
         # DeepSeek sparse attention: the key of this layer's choice of keys in the context (AttentionContext.index_choices),
         # whether a later block reuses it (then it is left there), and the choice this one reuses (a block of
@@ -1671,6 +1712,11 @@ class Attention(nn.Module):
             if self.cfg.qk_norm_bias:  # the LayerNorms' biases, zero at initialisation
                 self.q_norm_bias, self.k_norm_bias = (nn.Parameter(torch.zeros(shape)) for shape in shapes)
                 self.names += ["q_norm_bias", "k_norm_bias"]
+        # block-sparse attention's indexer (its norms one at initialisation), frozen: its choice of blocks has no gradient, and a
+        # weight without one is none of the optimizer's (nor of FSDP2's reduce-scatter, which would hand it zeros to decay)
+        for name, shape in index_shapes(H, self.cfg).items():
+            setattr(self, name, nn.Parameter((torch.ones if name.endswith("norm") else torch.empty)(shape), requires_grad=False))
+            self.names.append(name)
         self._extras(cfg, sinks)
 
     def _extras(self, cfg: TransformerConfig, sinks: bool) -> None:
@@ -1815,7 +1861,7 @@ class Block(nn.Module):
 
     def __init__(self, cfg: TransformerConfig, moe: bool, *, local: bool = False, rope: bool = True, linear: bool = False,
                  fp8: Optional[bool] = None, index_shared: bool = False, sinks: Optional[bool] = None, shortcut: Optional[str] = None,
-                 depth: Optional[int] = None, mlp: bool = True, mixer: bool = True):
+                 depth: Optional[int] = None, mlp: bool = True, mixer: bool = True, index_blocks: bool = True):
         super().__init__()
         def norm(on: bool, gated: bool = False, role: Optional[str] = None) -> Optional[RMSNorm]:
             if not on:
@@ -1832,7 +1878,7 @@ class Block(nn.Module):
         elif linear:
             self.attn = LinearAttention(cfg, fp8=fp8, layer=depth or 0)
         else:
-            self.attn = Attention(cfg, local=local, rope=rope, fp8=fp8, index_shared=index_shared, sinks=sinks)
+            self.attn = Attention(cfg, local=local, rope=rope, fp8=fp8, index_shared=index_shared, sinks=sinks, index_blocks=index_blocks)
         # cfg.parallel_hybrid: softmax attention beside the linear mixer, of the same normed input, the outputs summed (Falcon-H1's)
         self.attn_beside = Attention(cfg, local=local, rope=rope, fp8=fp8, sinks=sinks) if linear and mixer and cfg.parallel_hybrid else None
         # a parallel block's MLP reads the attention's normed input (attn_norm)
@@ -1842,6 +1888,7 @@ class Block(nn.Module):
         if moe and not mlp:
             raise ValueError("mlp: a MoE block has an MLP (mlp=False: the mixer alone)")
         dense_limit = cfg.mlp_limit(depth)  # the dense MLPs' SwiGLU clamp: the shared experts' (shared_swiglu_limit)
+        glu = dict(alpha=cfg.shared_swiglu_alpha, offset=cfg.shared_swiglu_offset)  # ... and their gate's gain, up's offset
         if not mlp:  # the mixer alone (cfg.mlp_free_layers: Nemotron-H's mixer layers without an MLP after them)
             self.mlp = None
         elif moe:
@@ -1851,14 +1898,14 @@ class Block(nn.Module):
                            latent_norm=cfg.moe_latent_norm, expert_out_norm=cfg.expert_out_norm)
             self.mlp.experts.recompute = cfg.ac == "experts"
         else:
-            self.mlp = DenseMLP(cfg.hidden, cfg.ffn_dense, cfg.impl, fp8=fp8, act=cfg.mlp_act, bias=cfg.mlp_bias, limit=dense_limit)
+            self.mlp = DenseMLP(cfg.hidden, cfg.ffn_dense, cfg.impl, fp8=fp8, act=cfg.mlp_act, bias=cfg.mlp_bias, limit=dense_limit, **glu)
         if shortcut not in (None, "out", "in") or (shortcut is not None and (not cfg.shortcut_moe or (shortcut == "out") != moe)):
             raise ValueError(f"shortcut: expected None, or with cfg.shortcut_moe 'out' (a MoE block) or 'in' (a dense one), got {shortcut!r}")
         self.shortcut = shortcut
-        self.dense = DenseMLP(cfg.hidden, cfg.ffn_dense, cfg.impl, fp8=fp8, act=cfg.mlp_act, limit=dense_limit) if shortcut == "out" else None
+        self.dense = DenseMLP(cfg.hidden, cfg.ffn_dense, cfg.impl, fp8=fp8, act=cfg.mlp_act, limit=dense_limit, **glu) if shortcut == "out" else None
         # Gemma 4's MoE blocks: a dense MLP beside the MoE, its output normed by dense_post_norm, the MoE's input by
         # moe_norm and its output by moe_post_norm (TransformerConfig.dense_beside_moe)
-        self.beside = DenseMLP(cfg.hidden, cfg.ffn_dense, cfg.impl, fp8=fp8, act=cfg.mlp_act, limit=dense_limit) if moe and cfg.dense_beside_moe else None
+        self.beside = DenseMLP(cfg.hidden, cfg.ffn_dense, cfg.impl, fp8=fp8, act=cfg.mlp_act, limit=dense_limit, **glu) if moe and cfg.dense_beside_moe else None
         if self.beside is not None:
             self.dense_post_norm, self.moe_norm, self.moe_post_norm = (RMSNorm.of(cfg) for _ in range(3))
         if cfg.layer_scalars:  # Gemma 4's scale of the block's output (a checkpoint's constant, not trained)
@@ -2089,8 +2136,9 @@ class KVCache:
         self.heads = {i: cfg.kv_heads(i) if cfg.kv_rank is None else 1 for i in range(cfg.n_layers)}
         # each layer's key and value channels per head (TransformerConfig.layer_head_dim: local_head_dim's layers have
         # fewer); a store whose layers differ in them holds the most, a layer using its first ones
-        if cfg.kv_rank is None:
-            self.dims = {i: (cfg.layer_head_dim(i), cfg.v_head_dim or cfg.layer_head_dim(i)) for i in range(cfg.n_layers)}
+        if cfg.kv_rank is None:  # block-sparse attention's blocks: the indexer's key too, its channels spread over the kv heads
+            extra = {i: -(-cfg.index_head_dim // cfg.kv_heads(i)) if cfg.is_index_blocks(i) else 0 for i in range(cfg.n_layers)}
+            self.dims = {i: (cfg.layer_head_dim(i) + extra[i], cfg.v_head_dim or cfg.layer_head_dim(i)) for i in range(cfg.n_layers)}
         else:  # the latent is both the key's first kv_rank channels and the value (then DSA's indexer key)
             self.dims = dict.fromkeys(range(cfg.n_layers), (cfg.kv_rank + cfg.rope_dim + (cfg.index_head_dim if cfg.index_topk is not None else 0),
                                                             cfg.kv_rank))
@@ -2249,7 +2297,8 @@ class Transformer(nn.Module):
         self.pos_embed = nn.Parameter(torch.empty(cfg.abs_positions + cfg.abs_position_offset, cfg.hidden)) if cfg.abs_positions else None
         self.blocks = nn.ModuleList(Block(cfg, moe=cfg.is_moe(i), local=cfg.is_local(i), rope=not cfg.is_nope(i), linear=cfg.is_linear(i),
                                           fp8=cfg.is_fp8(i), index_shared=cfg.is_index_shared(i), sinks=cfg.has_sinks(i),
-                                          shortcut=cfg.shortcut(i), depth=i, mlp=not cfg.is_mlp_free(i), mixer=not cfg.is_mixer_free(i))
+                                          shortcut=cfg.shortcut(i), depth=i, mlp=not cfg.is_mlp_free(i), mixer=not cfg.is_mixer_free(i),
+                                          index_blocks=cfg.is_index_blocks(i))
                                     for i in range(cfg.n_layers))
         for i, block in enumerate(self.blocks):  # DeepSeek sparse attention: each block's choice of keys by its index, and the one it reuses
             if isinstance(block.attn, Attention):

@@ -1536,3 +1536,169 @@ def test_longrope_knobs_are_checked():
             dataclasses.replace(CFG, **knobs)
     # a config read back from JSON holds lists: kept as tuples (the config is hashed)
     assert dataclasses.replace(CFG, longrope_short_factors=[1.0] * 8).longrope_short_factors == (1.0,) * 8
+
+
+# MiniMax-M3's block-sparse attention: an indexer head per kv head, RoPE on the first 8 of its 12 channels (and of the heads')
+BLOCKS = dataclasses.replace(CFG, rot_dim=8, index_topk_blocks=2, index_block_size=3, index_heads=2, index_head_dim=12)
+
+
+def _block_params(cfg, zero_centered=False):
+    """_params and the indexer's weights (not trained: no gradient wanted), its norms about 1
+    (about 0 for gains 1 + weight)."""
+    g = torch.Generator().manual_seed(11)
+    p = _params(cfg)
+    Ni, Di = cfg.index_heads, cfg.index_head_dim
+    p["index_wq"] = torch.randn(H, Ni * Di, generator=g) * H ** -0.5
+    p["index_wk"] = torch.randn(H, Di, generator=g) * H ** -0.5
+    for name in ("index_q_norm", "index_k_norm"):
+        p[name] = (0.0 if zero_centered else 1.0) + 0.3 * torch.randn(Di, generator=g)
+    return p
+
+
+def _without_blocks(cfg):
+    return dataclasses.replace(cfg, index_topk_blocks=None, index_block_size=128, index_local_blocks=1, index_heads=64, index_head_dim=128)
+
+
+def _loop_block_attention(x, p, cfg, cu):
+    """Block-sparse attention query by query, kv head by kv head, each document on its own:
+    the indexer's query of head g against every earlier key of the document, the best score of
+    each block of index_block_size positions, the index_local_blocks blocks ending at the
+    query's own first, then the best (the earlier block on a tie), index_topk_blocks in all;
+    the heads of g attend to those blocks' earlier keys alone."""
+    T, (N, G, D), (Di, bs) = x.shape[0], (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim), (cfg.index_head_dim, cfg.index_block_size)
+    positions = positions_from_cu_seqlens(cu)
+    cos, sin = rope_tables(positions, cfg)
+    zc = 1.0 if cfg.zero_centered_norms else 0.0
+
+    def rms(t, w):
+        return t / (t.square().mean(-1, keepdim=True) + cfg.norm_eps).sqrt() * (w + zc)
+
+    q, k, v = (apply_rope((x @ p[w]).view(T, n, D), cos, sin, impl="torch") if w != "wv" else (x @ p[w]).view(T, n, D)
+               for w, n in (("wq", N), ("wk", G), ("wv", G)))
+    with torch.no_grad():
+        iq = apply_rope(rms((x @ p["index_wq"]).view(T, G, Di), p["index_q_norm"]), cos, sin, impl="torch")
+        ik = apply_rope(rms((x @ p["index_wk"])[:, None], p["index_k_norm"]), cos, sin, impl="torch")[:, 0]
+    rows = []
+    bounds = cu.tolist()
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        for t in range(a, b):
+            own = (t - a) // bs
+            heads = []
+            for g in range(G):
+                best = [max(float(iq[t, g] @ ik[s]) for s in range(a + blk * bs, min(a + (blk + 1) * bs, t + 1))) for blk in range(own + 1)]
+                for back in range(cfg.index_local_blocks):
+                    best[max(own - back, 0)] = math.inf
+                chosen = sorted(range(own + 1), key=lambda blk: (-best[blk], blk))[:cfg.index_topk_blocks]
+                keys = torch.tensor([s for s in range(a, t + 1) if (s - a) // bs in chosen])
+                for h in range(g * (N // G), (g + 1) * (N // G)):
+                    weights = torch.softmax((k[keys, g] @ q[t, h]) * softmax_scale(cfg), dim=0)
+                    heads.append(weights @ v[keys, g])
+            rows.append(torch.cat(heads))
+    return torch.stack(rows) @ p["wo"]
+
+
+@pytest.mark.parametrize("knobs", [{}, dict(index_local_blocks=0), dict(index_topk_blocks=3, index_block_size=2, index_local_blocks=2),
+                                   dict(index_topk_blocks=1, index_block_size=4), dict(zero_centered_norms=True)],
+                         ids=["m3", "no-local", "three-of-pairs", "one-block", "zero-centred"])
+def test_block_sparse_attention_matches_per_token_loop(knobs):
+    """MiniMax-M3's block-sparse attention: the output and every trained gradient match the
+    query-by-query definition (3 documents, the longest of 11 tokens: several blocks, a few
+    chosen); the indexer's weights get no gradient; the blocks matter (all of them chosen is
+    plain attention, which differs)."""
+    cfg = dataclasses.replace(BLOCKS, **knobs)
+    p = _block_params(cfg, zero_centered=cfg.zero_centered_norms)
+    _check_against_definition(cfg, "torch", p, _loop_block_attention)
+    x, cu = torch.randn(17, H), torch.tensor([0, 5, 6, 17], dtype=torch.int32)
+    trained = dict(p, index_wq=p["index_wq"].clone().requires_grad_())
+    attention(x, trained, cfg, _ctx(cu, cfg))[0].sum().backward()
+    assert trained["index_wq"].grad is None and trained["wq"].grad is not None
+    with torch.no_grad():
+        y = attention(x, p, cfg, _ctx(cu, cfg))[0]
+        plain = {n: t for n, t in p.items() if not n.startswith("index_")}
+        dense = _without_blocks(cfg)
+        full = attention(x, plain, dense, _ctx(cu, dense))[0]
+        every = dataclasses.replace(cfg, index_topk_blocks=11)
+        assert _rel(y, full) > 1e-2 and _rel(attention(x, p, every, _ctx(cu, every))[0], full) < 1e-6
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_block_sparse_attention_under_context_parallel_counts_blocks_per_document(cp):
+    """Under context parallel a rank's queries choose among every rank's keys: the indexer's
+    keys travel beside the kv heads' through gather_kv, each key's block is counted from its
+    document's start (cu_seqlens and kv_index), and each rank's rows are the whole batch's."""
+    from fmoe.parallel import cp_kv_index, cp_token_index
+
+    cu = torch.tensor([0, 3, 4, 13, 21, 24], dtype=torch.int32)
+    cfg = dataclasses.replace(BLOCKS, index_block_size=2)
+    p = _block_params(cfg)
+    x, T = torch.randn(24, H), 24
+    positions, kv_index = positions_from_cu_seqlens(cu), cp_kv_index(T, cp)
+    ranks = [cp_token_index(T, cp, rank) for rank in range(cp)]
+    sent = []  # each rank's keys (with the indexer's channels) and values, as it hands them to gather_kv
+
+    def context(rank, gather_kv):
+        return attention_context(cu, positions[ranks[rank]], cfg, token_index=ranks[rank], kv_index=kv_index, gather_kv=gather_kv)
+
+    with torch.no_grad():
+        whole, _ = attention(x, p, cfg, _ctx(cu, cfg))
+        for rank in range(cp):  # what each rank sends: its keys alone (the output of this pass unused)
+            attention(x[ranks[rank]], p, cfg, context(rank, lambda k, v: sent.append((k, v)) or (k.new_zeros(T, *k.shape[1:]), v.new_zeros(T, *v.shape[1:]))))
+        k_all, v_all = (torch.cat([s[j] for s in sent]) for j in (0, 1))
+        assert k_all.shape == (T, cfg.n_kv_heads, cfg.head_dim + cfg.index_head_dim // cfg.n_kv_heads)  # 6 channels of the indexer's 12 per head
+        for rank in range(cp):
+            y, _ = attention(x[ranks[rank]], p, cfg, context(rank, lambda k, v: (k_all, v_all)))
+            assert _rel(y, whole[ranks[rank]]) < 1e-5, rank
+
+
+def test_block_sparse_attention_bad_knobs_and_inputs():
+    """Each misuse names its field: knobs without index_topk_blocks, an indexer head count
+    other than the kv heads', more always-kept blocks than chosen ones, what block-sparse
+    attention does not combine with; missing or misshapen indexer weights, sinks."""
+    cases = [(dict(CFG.__dict__, index_block_size=64), r"index_block_size: a knob of block-sparse attention, needs index_topk_blocks"),
+             (dict(BLOCKS.__dict__, index_heads=4), r"index_heads: block-sparse attention's indexer has one head per kv head, expected n_kv_heads = 2"),
+             (dict(BLOCKS.__dict__, index_local_blocks=3), r"index_local_blocks: expected an int in \[0, index_topk_blocks = 2\]"),
+             (dict(BLOCKS.__dict__, index_topk_blocks=0), r"index_topk_blocks: expected >= 1, got 0"),
+             (dict(BLOCKS.__dict__, index_head_dim=6), r"index_head_dim: the indexer rotates rot_dim = 8 of its channels, expected index_head_dim >= 8"),
+             (dict(BLOCKS.__dict__, window=4), r"window: not with block-sparse attention"),
+             (dict(BLOCKS.__dict__, impl="flex"), r"impl: block-sparse attention's choice is a dense mask"),
+             (dict(BLOCKS.__dict__, index_topk=4), r"index_topk_blocks: block-sparse attention, not with DeepSeek sparse attention"),
+             (dict(BLOCKS.__dict__, index_loss=True), r"index_loss: a knob of DeepSeek sparse attention's indexer, not of block-sparse attention"),
+             (dict(BLOCKS.__dict__, rope=False), r"rope: block-sparse attention's indexer rotates its queries and keys")]
+    for fields, message in cases:
+        with pytest.raises(ValueError, match=message):
+            AttentionConfig(**fields)
+    p, cu, x = _block_params(BLOCKS), torch.tensor([0, 6]), torch.randn(6, H)
+    with pytest.raises(ValueError, match=r"params\['index_wk'\]: expected torch.float32 \[32, 12\] \(the indexer of cfg.index_topk_blocks\), got nothing"):
+        attention(x, {n: t for n, t in p.items() if n != "index_wk"}, BLOCKS, _ctx(cu, BLOCKS))
+    with pytest.raises(ValueError, match=r"params\['index_wq'\]: expected torch.float32 \[32, 24\] .*got torch.float32 \[32, 12\]"):
+        attention(x, dict(p, index_wq=p["index_wk"]), BLOCKS, _ctx(cu, BLOCKS))
+    with pytest.raises(ValueError, match=r"params: unknown attention parameters \['index_wq'\]"):
+        attention(x, {"index_wq": p["index_wq"], **_params(CFG)}, CFG, _ctx(cu, CFG))
+    with pytest.raises(ValueError, match=r"params\['sinks'\]: not with block-sparse attention"):
+        attention(x, dict(p, sinks=torch.zeros(4)), BLOCKS, _ctx(cu, BLOCKS))
+    with pytest.raises(ValueError, match=r"ctx: block-sparse attention \(cfg.index_topk_blocks\) needs the dense mask"):
+        attention(x, p, BLOCKS, _ctx(cu, dataclasses.replace(CFG, rot_dim=8, impl="flex")))
+
+
+@pytest.mark.gpu
+def test_gpu_block_sparse_attention_matches_the_cpu_layer():
+    """Block-sparse attention on CUDA (MiniMax-M3's heads, 4 kv heads, blocks of 128, 4 of them
+    chosen, over 4096 tokens in 3 documents; float32, so the choice is the same) gives the CPU
+    layer's output and gradients: the dense reference under a [kv heads, 1, T, S] mask through
+    CUDA's SDPA."""
+    cfg = AttentionConfig(n_heads=16, n_kv_heads=4, head_dim=128, rot_dim=64, index_topk_blocks=4, index_block_size=128, index_heads=4,
+                          index_head_dim=128, impl="torch")
+    Hg, g = 512, torch.Generator().manual_seed(3)
+    shapes = {"wq": (Hg, 16 * 128), "wk": (Hg, 4 * 128), "wv": (Hg, 4 * 128), "wo": (16 * 128, Hg), "index_wq": (Hg, 4 * 128), "index_wk": (Hg, 128)}
+    p = {n: torch.randn(*s, generator=g) * s[0] ** -0.5 for n, s in shapes.items()}
+    p.update(index_q_norm=torch.ones(128), index_k_norm=torch.ones(128))
+    x, cu = torch.randn(4096, Hg, generator=g), torch.tensor([0, 1000, 1001, 4096], dtype=torch.int32)
+    upstream = torch.randn(4096, Hg, generator=g)
+    outs = []
+    for device in ("cpu", "cuda"):
+        q = {n: t.to(device).requires_grad_(not n.startswith("index_")) for n, t in p.items()}
+        y, _ = attention(x.to(device), q, cfg, _ctx(cu.to(device), cfg))
+        grads = torch.autograd.grad(y, [t for t in q.values() if t.requires_grad], upstream.to(device))
+        outs.append([y.cpu(), *(t.cpu() for t in grads)])
+    for a, b in zip(*outs):
+        assert _rel(b, a) < 1e-4

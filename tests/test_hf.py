@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is a tes
 
 from fmoe import hf  # noqa: E402
 from fmoe.layers import lightning_decay  # noqa: E402
-from fmoe.model import TransformerConfig  # noqa: E402
+from fmoe.model import Transformer, TransformerConfig  # noqa: E402
 from fmoe.train.data import make_batch  # noqa: E402
 
 V = 64
@@ -486,6 +486,15 @@ FAMILIES = {
                                                 layer_types=["full_attention", "sliding_attention", "sliding_attention"],
                                                 num_attention_heads_per_layer=[4, 8, 8], moe_router_logit_softcapping=1.5,
                                                 moe_routed_scaling_factor=2.0, bos_token_id=None, eos_token_id=None, pad_token_id=None),
+    # MiniMax-M3's text model: block-sparse attention in layers 1 and 2 (an indexer head per kv head choosing 2 blocks of 3
+    # keys, the query's own among them), per-head q/k norms and every norm 1 + weight, RoPE on half of each head; layer 0
+    # dense, sigmoid routing with the correction bias, renormalised x 2, a shared expert; every SwiGLU clamped (up + 1)
+    "minimax_m3_vl_text": lambda: transformers.MiniMaxM3VLTextConfig(
+        **COMMON, head_dim=8, intermediate_size=16, dense_intermediate_size=40, shared_intermediate_size=24, num_local_experts=4,
+        num_experts_per_tok=2, index_n_heads=2, index_head_dim=8, index_block_size=3, index_topk_blocks=2,
+        layer_types=["full_attention", "minimax_m3_sparse", "minimax_m3_sparse"], mlp_layer_types=["dense", "sparse", "sparse"],
+        rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.5), swiglu_limit=1.5, bos_token_id=None,
+        eos_token_id=None, pad_token_id=None),
     # per-head q/k norms after RoPE, a shared MLP beside every MoE block, NTK-alpha RoPE
     # (the released "dynamic" type with a fixed alpha), tied embeddings
     # MoE blocks 1 and 2 of 3 (start 1, interval 1), tied embeddings, a correction bias on the probabilities
@@ -1219,6 +1228,67 @@ def test_laguna_reads_its_heads_rope_and_gate_per_layer_type(folders, tmp_path):
         back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / f"{name}-out", dtype=torch.float32).eval()
         with torch.no_grad():
             assert _rel(model.logits(ids, cu), torch.cat([back(d[None]).logits[0] for d in docs])) < 1e-5
+
+
+def test_minimax_m3_reads_its_block_sparse_attention_and_released_folders(folders, tmp_path):
+    """MiniMax-M3's text model (minimax_m3_vl_text): block-sparse attention in the layers
+    layer_types names, its indexer's fields, the clamped SwiGLU in the routed and shared
+    experts and the dense MLPs, norms of gain 1 + weight; the blocks matter (every block
+    chosen gives other logits). The released configs' older fields (sparse_attention_config,
+    moe_layer_freq) read as the same model. A released folder (minimax_m3_vl: the text model
+    under language_model. in MiniMax-M2's names, the indexer's modules index_q_proj, ...,
+    beside a vision tower) loads its text model with transformers' logits and is written back
+    as minimax_m3_vl_text; fmoe's own model with every block sparse and MoE exports as one
+    transformers reads with fmoe's logits."""
+    path, ref = folders["minimax_m3_vl_text"]
+    _, cfg = hf.read_config(path)
+    assert (cfg.index_topk_blocks, cfg.index_block_size, cfg.index_local_blocks, cfg.index_heads, cfg.index_head_dim,
+            cfg.index_block_layers) == (2, 3, 1, 2, 8, (1, 2))
+    assert (cfg.qk_norm, cfg.zero_centered_norms, cfg.rope_dim, cfg.n_dense, cfg.shared_size, cfg.route_scale, cfg.score) == (
+        "head", True, 4, 1, 24, 2.0, "sigmoid")
+    glu = (1.702, 1.5, 1.0)
+    assert (cfg.swiglu_alpha, cfg.swiglu_limit, cfg.swiglu_offset) == (cfg.shared_swiglu_alpha, cfg.shared_swiglu_limit, cfg.shared_swiglu_offset) == glu
+    docs, ids, cu = _packed()
+    model, _ = hf.from_pretrained(path, impl="torch")
+    with torch.no_grad():
+        theirs = _their_logits(ref, docs)
+        assert _rel(model.logits(ids, cu), theirs) < 1e-5
+        for block in model.blocks:  # every block chosen: the 12-token document's queries see keys the indexer left out
+            if block.attn.cfg.index_topk_blocks is not None:
+                block.attn.cfg = dataclasses.replace(block.attn.cfg, index_topk_blocks=8)
+        assert _rel(model.logits(ids, cu), theirs) > 1e-2
+    config = json.loads((path / "config.json").read_text())
+    sparse = {old: config.pop(flat) for flat, old in hf._M3_INDEX_LEGACY.items()}
+    older = dict(config, sparse_attention_config=dict(sparse, sparse_attention_freq=[0, 1, 1]), moe_layer_freq=[0, 1, 1])
+    del older["layer_types"], older["mlp_layer_types"]
+    (tmp_path / "older").mkdir()
+    (tmp_path / "older" / "config.json").write_text(json.dumps(older))
+    assert hf.read_config(tmp_path / "older")[1] == cfg
+    assert transformers.AutoConfig.from_pretrained(tmp_path / "older").layer_types == ["full_attention"] + ["minimax_m3_sparse"] * 2
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, patch_size=2, spatial_merge_size=2)
+    whole = transformers.MiniMaxM3VLConfig(text_config=ref.config.to_dict(), vision_config=vision, projector_hidden_size=32)
+    theirs = _saved_multimodal(transformers.MiniMaxM3SparseForConditionalGeneration, whole, tmp_path / "released")
+    stored = set(_read_all(tmp_path / "released"))
+    assert {"language_model.model.layers.1.block_sparse_moe.experts.3.w1.weight", "language_model.model.layers.1.self_attn.index_q_proj.weight",
+            "language_model.model.layers.2.block_sparse_moe.e_score_correction_bias", "language_model.lm_head.weight"} <= stored
+    _, vl_cfg, written = _text_model_round_trip(tmp_path / "released", theirs, tmp_path / "out", kind="minimax_m3_vl",
+                                                prefix="language_model.model.", head="language_model.lm_head.weight", text_kind="minimax_m3_vl_text")
+    assert dataclasses.replace(vl_cfg, impl=cfg.impl) == cfg and written["layer_types"] == ["full_attention"] + ["minimax_m3_sparse"] * 2
+    torch.manual_seed(5)  # fmoe's own: every block sparse and MoE, RoPE over whole heads, two blocks always kept
+    own = TransformerConfig(vocab_size=V, hidden=32, n_layers=2, n_dense=0, ffn_dense=40, n_experts=4, k=2, ffn_expert=16, n_shared=0, shared_ffn=24,
+                            n_heads=4, n_kv_heads=2, head_dim=8, score="sigmoid", expert_bias=True, route_scale=2.5, qk_norm="head",
+                            zero_centered_norms=True, swiglu_alpha=1.702, swiglu_limit=2.0, swiglu_offset=1.0, shared_swiglu_alpha=1.702,
+                            shared_swiglu_limit=2.0, shared_swiglu_offset=1.0, index_topk_blocks=3, index_block_size=2, index_local_blocks=2,
+                            index_heads=2, index_head_dim=8, mtp_depth=0, impl="torch")
+    mine = Transformer(own)
+    mine.reset_parameters(seed=5)
+    with torch.no_grad():
+        for p in mine.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    hf.save_pretrained(mine, tmp_path / "own", model_type="minimax_m3_vl_text")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "own", dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert _rel(mine.logits(ids, cu), _their_logits(back, docs)) < 1e-5
 
 
 def _left_out(config: dict):
@@ -2635,6 +2705,15 @@ BAD_CONFIGS = [
     ("cohere2_moe", lambda c: c.update(shared_expert_combination_strategy="max"), r"config.json: shared_expert_combination_strategy = 'max' is not"),
     ("cohere2_moe", lambda c: c.update(expert_selection_fn="relu"), r"config.json: expert_selection_fn = 'relu' is not supported \(softmax or sigmoid\)"),
     ("cohere2", lambda c: c.update(logit_scale=0), r"config.json: logit_scale = 0 is not supported \(a positive number\)"),
+    ("minimax_m3_vl_text", lambda c: c.update(layer_types=["full_attention", "sliding_attention", "full_attention"]),
+     r"config.json: layer_types = .* is not supported \(one of full_attention / minimax_m3_sparse per layer\)"),
+    ("minimax_m3_vl_text", lambda c: c.update(mlp_layer_types=["dense", "sparse"]), r"config.json: mlp_layer_types = .* is not supported"),
+    ("minimax_m3_vl_text", lambda c: c["rope_parameters"].update(rope_type="linear", factor=2.0),
+     r"config.json: rope type 'linear' is not supported for minimax_m3_vl_text \(plain RoPE\)"),
+    ("minimax_m3_vl_text", lambda c: c.update(num_experts_per_tok=1), r"config.json: num_experts_per_tok = 1 is not supported \(k > 1"),
+    ("minimax_m3_vl_text", lambda c: c.update(index_n_heads=1), r"index_heads: block-sparse attention's indexer has one head per kv head, expected "
+                                                              r"n_kv_heads = 2, got 1"),
+    ("minimax_m3_vl_text", lambda c: c.update(index_local_blocks=3), r"index_local_blocks: expected an int in \[0, index_topk_blocks = 2\]"),
     ("cohere2", lambda c: c.update(attention_bias=True), r"config.json: attention_bias = True is not supported"),
     ("axk1", lambda c: c.update(q_lora_rank=None), r"config.json: q_lora_rank = None is not supported \(A.X-K1's queries always come from a latent\)"),
     ("laguna", lambda c: c.update(num_attention_heads_per_layer=[4, 8, 4]),

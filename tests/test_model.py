@@ -1059,6 +1059,46 @@ def test_a_few_steps_of_training_lower_the_loss():
     assert float(loss.detach()) < 0.5 * first
 
 
+def test_minimax_m3_blocks_train_everything_but_their_indexers():
+    """MiniMax-M3's blocks (block-sparse attention in blocks 1 and 2 and the MTP block,
+    per-head q/k norms, every SwiGLU clamped with up + 1): every weight gets a gradient but
+    the indexers' (their choice has none); block 0 has no indexer; the choice matters (every
+    block chosen gives other logits); the dense MLPs and shared experts take the SwiGLU's
+    alpha and offset; the knobs without index_topk_blocks, and what it does not combine with,
+    are refused by name."""
+    cfg = MINIMAX_M3
+    model = Transformer(cfg)
+    model.reset_parameters(seed=3)
+    batch = _batch(cfg)
+    losses, _ = model(batch, model.context(batch))
+    (losses["lm_sum"] + losses["mtp_1_sum"]).backward()
+    indexers = [n for n, _ in model.named_parameters() if ".index_" in n]
+    assert sorted({n.split(".attn.")[0] for n in indexers}) == ["blocks.1", "blocks.2", "mtp.0.block"]
+    for name, p in model.named_parameters():
+        assert (p.grad is None) == (name in indexers), name
+    assert model.blocks[0].mlp.alpha == model.blocks[1].mlp.shared.alpha == 1.702 and model.blocks[1].mlp.shared.offset == 1.0
+    with torch.no_grad():
+        x = torch.randn(5, cfg.hidden)
+        w = {n: getattr(model.blocks[0].mlp, n) for n in ("w_gate", "w_up", "w_down")}
+        g, u = (x @ w["w_gate"]).clamp(max=1.5), (x @ w["w_up"]).clamp(-1.5, 1.5)
+        torch.testing.assert_close(model.blocks[0].mlp(x), (g * torch.sigmoid(1.702 * g) * (u + 1)) @ w["w_down"])
+        ids, cu = batch["input_ids"], batch["cu_seqlens"]
+        sparse = model.logits(ids, cu)
+        for block in model.blocks[1:]:
+            block.attn.cfg = dataclasses.replace(block.attn.cfg, index_topk_blocks=6)
+        assert float((model.logits(ids, cu) - sparse).abs().max()) > 1e-3
+    for fields, message in ((dict(index_block_layers=(1,)), "index_block_layers: a knob of block-sparse attention, needs index_topk_blocks"),
+                            (dict(index_local_blocks=2), "index_local_blocks: a knob of block-sparse attention, needs index_topk_blocks"),
+                            (dict(MINIMAX_M3.__dict__, window=4), "window: not with block-sparse attention"),
+                            (dict(MINIMAX_M3.__dict__, alibi=True, mtp_depth=0), "alibi: not with block-sparse attention"),
+                            (dict(MINIMAX_M3.__dict__, index_heads=4), "index_heads: block-sparse attention's indexer has one head per kv head"),
+                            (dict(MINIMAX_M3.__dict__, index_block_layers=(3,)), r"index_block_layers: expected")):
+        with pytest.raises(ValueError, match=message):
+            Transformer(TransformerConfig(**fields))
+    with pytest.raises(ValueError, match="shared_swiglu_alpha: the shared experts' gate's sigmoid gain, alpha: expected a finite number, got nan"):
+        TransformerConfig(shared_swiglu_alpha=math.nan)
+
+
 def test_bad_configs():
     with pytest.raises(ValueError, match="n_dense: expected 0..n_layers"):
         TransformerConfig(n_layers=2, n_dense=3)
@@ -1979,6 +2019,11 @@ def test_released_model_knobs_build_what_they_say():
         model.logits(batch["input_ids"], torch.tensor([0, 23]))
 
 
+# MiniMax-M3's blocks: block-sparse attention in blocks 1 and 2 (and the MTP block: an indexer head per kv head choosing 2 blocks
+# of 3 keys, the query's own among them), per-head q/k norms, every norm 1 + weight, every SwiGLU clamped with up + 1
+MINIMAX_M3 = dataclasses.replace(TINY, index_topk_blocks=2, index_block_size=3, index_heads=2, index_head_dim=8, index_block_layers=(1, 2),
+                                 qk_norm="head", rope_dim=4, zero_centered_norms=True, swiglu_alpha=1.702, swiglu_limit=1.5, swiglu_offset=1.0,
+                                 shared_swiglu_alpha=1.702, shared_swiglu_limit=1.5, shared_swiglu_offset=1.0, mtp_depth=1)
 DECODED = {
     "default": TINY,
     "nanochat": dataclasses.replace(VARIANTS["nanochat"], mtp_depth=0),
@@ -1998,6 +2043,8 @@ DECODED = {
     "muse spark": dataclasses.replace(VARIANTS["muse spark"], mtp_depth=0),
     # ALiBi's distances over the rings of the window's blocks and the full block's rows; Falcon-RW's scaled bias over 6 heads
     "alibi": VARIANTS["alibi"],
+    # MiniMax-M3's: block-sparse attention in blocks 1 and 2, the indexer's keys cached beside the kv heads' (4 channels each)
+    "minimax-m3": dataclasses.replace(MINIMAX_M3, mtp_depth=0),
     "alibi, scaled, six heads": dataclasses.replace(TINY, alibi=True, alibi_scaled=True, n_heads=6),
     "post-norm": VARIANTS["post-norm"],
     "llama4": dataclasses.replace(VARIANTS["llama4"], mtp_depth=0, llama3_factor=4.0, llama3_original_max_positions=16),
@@ -2154,6 +2201,8 @@ def test_decode_with_a_kv_cache_equals_the_whole_sequence(name, monkeypatch):
     assert cache.k[:, 13:].abs().sum() == 0
     for j, layer in enumerate(cache.full_layers):  # each layer's own kv heads and channels filled (of a store holding the most), the others untouched
         G, D = (1, filled.shape[-1]) if cfg.kv_rank is not None else (cfg.kv_heads(layer), cfg.layer_head_dim(layer))
+        if cfg.is_index_blocks(layer):  # block-sparse attention's indexer key beside each kv head's
+            D += -(-cfg.index_head_dim // G)
         assert filled[j, :13, :G, :D].abs().amin(dim=(1, 2)).gt(0).all() and filled[j, :, G:].abs().sum() == 0
         assert filled[j, :, :, D:].abs().sum() == 0
     attending = sum(cfg.attends(i) for i in range(cfg.n_layers))
@@ -2166,7 +2215,10 @@ def test_decode_with_a_kv_cache_equals_the_whole_sequence(name, monkeypatch):
         assert forms.count("_mla_latent_qkv") == (7 if kernel else 4) * attending and forms.count("_mla_expand") == (0 if kernel else 3) * attending
     else:  # values of their own dim (MiMo-V2-Flash's); a store of layers with other kv heads holds the most of them
         heads = max((cfg.kv_heads(i) for i in cache.full_layers), default=1)  # (Mamba-2's: no attending layer, an empty store)
-        assert cache.k.shape == (len(cache.full_layers), 16, heads, cfg.head_dim)
+        # block-sparse attention's layers: the indexer's key beside each kv head's (a store of the widest)
+        widest = max((cfg.head_dim + (-(-cfg.index_head_dim // cfg.kv_heads(i)) if cfg.is_index_blocks(i) else 0) for i in cache.full_layers),
+                     default=cfg.head_dim)
+        assert cache.k.shape == (len(cache.full_layers), 16, heads, widest)
         assert cache.v.shape == (len(cache.full_layers), 16, heads, cfg.v_head_dim or cfg.head_dim)
     if cfg.linear_layers is not None:  # a state of fixed size per linear-attention layer: the conv's last K - 1 tokens, the rule's state
         lin = cfg.linear_attention_config()

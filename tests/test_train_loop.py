@@ -290,7 +290,7 @@ BAD_KNOBS = [
                                 "softmax's probabilities"),
     (["--compile=maybe"], "--compile: expected a bool, got 'maybe'"),
     (["--train_only=[.index_"], "--train_only='[.index_': not a regular expression"),
-    (["--train_only=indexer"], "--train_only='indexer': matches none of the model's parameter names (e.g. 'embed')"),
+    (["--train_only=indexer"], "--train_only='indexer': matches none of the model's trainable parameter names (e.g. 'embed')"),
     (["--model.index_topk=8"], "model knobs: index_topk: DeepSeek sparse attention's indexer reads the q latent of multi-latent attention"),
     (["--dtype=fp8"], "--dtype: expected auto, float32 or bfloat16, got 'fp8'"),
     (["--tp=2", "--tokens_per_micro_batch=255"], "--tokens_per_micro_batch: expected a multiple of --tp = 2, got 255"),

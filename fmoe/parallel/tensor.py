@@ -332,7 +332,8 @@ class AttentionParallel(_HeadsRegion):
     Shard(0) with their columns; qk_norm="head" weights [D] replicated (HeadShard.weight),
     qk_norm="proj" weights Shard(0), their mean square averaged over tp (HeadShard.mean);
     qk_norm="head_layer" weights [heads, D] (and biases) Shard(0) with their heads; qk_norm="layer"
-    weights and biases [D] replicated.
+    weights and biases [D] replicated; block-sparse attention's indexer (index_topk_blocks): its
+    query heads index_wq Shard(1) with their kv heads, index_wk and its norms replicated.
     Multi-latent attention: the per-head up projections wq (or wq_b) and wkv_b Shard(1), wo
     Shard(0); the latent down projections wq_a, wkv_a and the norms kv_a_norm, q_a_norm
     replicated (each rank computes the latents of all T tokens, HeadShard.weight). Either
@@ -354,9 +355,15 @@ class AttentionParallel(_HeadsRegion):
             dims["bg"] = 0
         if cfg.qk_norm in ("proj", "head_layer"):  # never with multi-latent attention; Cohere's [heads, D] with their heads
             dims.update(q_norm=0, k_norm=0, **(dict(q_norm_bias=0, k_norm_bias=0) if cfg.qk_norm_bias else {}))  # Chameleon's biases too
+        if cfg.index_topk_blocks is not None:  # block-sparse attention: the indexer's query heads with their kv heads
+            dims["index_wq"] = 1
         return dims
 
     head_counts = ("n_heads", "n_kv_heads")
+
+    def _head_counts(self, module) -> tuple[str, ...]:
+        # block-sparse attention's indexer has a head per kv head: split with them
+        return self.head_counts + (("index_heads",) if module.cfg.index_topk_blocks is not None else ())
 
 
 class LinearAttentionParallel(_HeadsRegion):

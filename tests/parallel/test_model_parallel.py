@@ -17,6 +17,12 @@ TINY = dict(vocab_size=64, hidden=32, n_layers=2, n_dense=1, ffn_dense=64, n_exp
             n_shared=1, n_heads=4, n_kv_heads=2, head_dim=8, mtp_depth=1)
 
 
+# MiniMax-M3's blocks: block-sparse attention in block 1 and the MTP block (an indexer head per kv head choosing 2 blocks of 3
+# keys), per-head q/k norms, every norm 1 + weight, every SwiGLU clamped with up + 1
+MINIMAX_M3 = dict(index_topk_blocks=2, index_block_size=3, index_heads=2, index_head_dim=8, index_block_layers=(1,), qk_norm="head", rope_dim=4,
+                  zero_centered_norms=True, swiglu_alpha=1.702, swiglu_limit=1.5, swiglu_offset=1.0, shared_swiglu_alpha=1.702,
+                  shared_swiglu_limit=1.5, shared_swiglu_offset=1.0)
+
 MLA = dict(n_kv_heads=TINY["n_heads"], head_dim=12, rope_dim=4, kv_rank=6, v_head_dim=5)
 
 # gpt-oss's extras: q/k/v/o biases, attention sinks, a router bias, expert biases and the
@@ -220,6 +226,8 @@ def _reference(ref, batches, valid, mtp_depth, rank, world):
         for j, name in enumerate(names):
             counts[j] += stats[name]["tokens_per_expert"]
     for p in ref.parameters():
+        if not p.requires_grad:  # frozen (block-sparse attention's indexer): no gradient on any rank
+            continue
         if p.grad is None:  # a rank with no batch of its own adds nothing
             p.grad = torch.zeros_like(p)
         dist.all_reduce(p.grad)
@@ -294,12 +302,15 @@ def _compare(rank, world, sizes, overrides):
     errors["sequence_parallel_rows"] = float(rows != want or len(rows) < 2 + 2 * cfg.n_layers)
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
     for name, p in model.named_parameters():
+        if ref_grads[name] is None or p.grad is None:  # a weight nothing differentiates (block-sparse attention's indexer): on neither
+            errors[name] = float((ref_grads[name] is None) != (p.grad is None))
+            continue
         g = _full(p.grad)
         errors[name] = float((g - ref_grads[name]).abs().max() / ref_grads[name].abs().max().clamp(min=1e-12))
     # the grad norm over parameters on several meshes, and the expert-bias update from the
     # counts of every rank, equal the one-process ones
     # in float64: a float32 sum over every gradient rounds by up to 1e-5 of the norm (Gemma 4's 80k of them: 7.5e-6)
-    ref_norm = torch.linalg.vector_norm(torch.cat([g.double().flatten() for g in ref_grads.values()]))
+    ref_norm = torch.linalg.vector_norm(torch.cat([g.double().flatten() for g in ref_grads.values() if g is not None]))
     errors["grad_norm"] = abs(float(grad_norm(model.parameters())) - float(ref_norm)) / float(ref_norm)
     names = list(ref.moe_layers())
     counts = all_reduce_counts(counts, dist.group.WORLD, names=names, n_experts=cfg.n_choices)
@@ -474,6 +485,10 @@ CASES = {
     # split, Falcon-RW's scaled biases at the distances between global indices, over the window of block 1 too
     "tp2-alibi": (2, dict(tp=2), dict(alibi=True, mtp_depth=0, embed_norm=True, layer_norms=True, norm_bias=True)),
     "cp2-alibi": (2, dict(cp=2), dict(alibi=True, alibi_scaled=True, mtp_depth=0, window=5, window_layers=(1,))),
+    # MiniMax-M3's block-sparse attention (MINIMAX_M3): its indexer's query heads split with their kv heads over tp; across a
+    # cp split, the indexer's keys gathered beside the kv heads' and every key's block counted from its document's start
+    "tp2-minimax-m3": (2, dict(tp=2), MINIMAX_M3),
+    "cp2-minimax-m3": (2, dict(cp=2), MINIMAX_M3),
     # Nemotron-H's (NEMOTRON_H): a block without an MLP beside the split heads and groups
     "tp2-nemotron_h": (2, dict(tp=2), NEMOTRON_H),
     # Nemotron-H-47B's MLP layer alone: block 2 without a mixer, the last block of the tp region
