@@ -671,6 +671,19 @@ def _their_logits(ref, docs):
     return torch.cat([ref(d[None]).logits[0] for d in docs])
 
 
+def _exported_logits(model, folder, model_type: str, *, nudge: float = 0.0):
+    """fmoe's `model` (every weight first moved by nudge x N(0, 1), so that none sits at its
+    initial value) written as `model_type` to `folder` and loaded by transformers: its logits
+    of _packed's documents."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(nudge * torch.randn_like(p))
+    hf.save_pretrained(model, folder, model_type=model_type)
+    back = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return _their_logits(back, _packed()[0])
+
+
 def _rel(a, b):
     return float((a - b).abs().max() / b.abs().max())
 
@@ -1282,13 +1295,9 @@ def test_minimax_m3_reads_its_block_sparse_attention_and_released_folders(folder
                             index_heads=2, index_head_dim=8, mtp_depth=0, impl="torch")
     mine = Transformer(own)
     mine.reset_parameters(seed=5)
+    theirs = _exported_logits(mine, tmp_path / "own", "minimax_m3_vl_text", nudge=0.3)
     with torch.no_grad():
-        for p in mine.parameters():
-            p.add_(0.3 * torch.randn_like(p))
-    hf.save_pretrained(mine, tmp_path / "own", model_type="minimax_m3_vl_text")
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "own", dtype=torch.float32).eval()
-    with torch.no_grad():
-        assert _rel(mine.logits(ids, cu), _their_logits(back, docs)) < 1e-5
+        assert _rel(mine.logits(ids, cu), theirs) < 1e-5
 
 
 def _left_out(config: dict):
@@ -3884,13 +3893,9 @@ def test_apertus1p5_reads_its_pruned_output_head_and_released_folders(tmp_path):
     for file in ("model.safetensors", "config.json"):
         assert filecmp.cmp(tmp_path / "hf" / file, tmp_path / "again" / file, shallow=False), file
     del model.hf_config
+    theirs = _exported_logits(model, tmp_path / "own", "apertus1p5_text", nudge=0.01)
     with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.01 * torch.randn_like(p))
-    hf.save_pretrained(model, tmp_path / "own", model_type="apertus1p5_text")
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "own", dtype=torch.float32).eval()
-    with torch.no_grad():
-        assert _rel(torch.cat([back(d[None]).logits[0] for d in docs]), model.logits(ids, cu)) < 1e-5
+        assert _rel(theirs, model.logits(ids, cu)) < 1e-5
     with pytest.raises(ValueError, match="model: its config has no apertus equivalent: {'out_vocab': \\(48, None\\)}"):
         hf.save_pretrained(model, tmp_path / "plain", model_type="apertus")
     with pytest.raises(ValueError, match="out_vocab: expected 1..64, got 70"):
