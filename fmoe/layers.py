@@ -721,7 +721,11 @@ class AttentionConfig:
     index_k_norm [index_head_dim]; eps norm_eps, gain 1 + weight with zero_centered_norms)
     and rotated on its first rot_dim channels as the heads are; a block's score is the
     largest q . k of its keys the query may see (float32; block_index_keep). The choice is
-    discrete and has no loss: the indexer's weights get no gradient. Blocks are counted from
+    discrete: the indexer's weights get no gradient from the attention output; with index_loss
+    (and gradients on) attention returns stats["index_loss"] (block_index_loss: for each query
+    and kv head the KL divergence of the indexer's softmax over the chosen blocks' scores,
+    over sqrt(index_head_dim), from the heads' attention mass on them), whose gradient reaches
+    the indexer's weights alone, as DeepSeek sparse attention's does. Blocks are counted from
     each document's start (document_offsets: the same split in one process, under context
     parallel and in decoding); equal scores go to the earlier block. The dense reference alone:
     SDPA under a [kv head, T, S] mask ("flex" refused); not with a window, a chunk, a softcap,
@@ -957,7 +961,7 @@ class AttentionConfig:
                              f"query's own, always among the chosen), got {local!r}")
         if self.index_topk is not None:
             raise ValueError("index_topk_blocks: block-sparse attention, not with DeepSeek sparse attention (index_topk)")
-        dsa = dict(index_interleaved=False, index_rope_last=False, index_norm_eps=1e-6, index_loss=False, index_shared=False)
+        dsa = dict(index_interleaved=False, index_rope_last=False, index_norm_eps=1e-6, index_shared=False)
         changed = [name for name, default in dsa.items() if getattr(self, name) != default]
         if changed:
             raise ValueError(f"{changed[0]}: a knob of DeepSeek sparse attention's indexer, not of block-sparse attention (index_topk_blocks)")
@@ -972,6 +976,8 @@ class AttentionConfig:
                              f"got {self.index_head_dim}")
         if not self.rope:
             raise ValueError("rope: block-sparse attention's indexer rotates its queries and keys as the heads are, not in a block without RoPE")
+        if not isinstance(self.index_loss, bool):
+            raise ValueError(f"index_loss: expected a bool, got {self.index_loss!r}")
         for name in ("window", "chunk", "score_softcap"):
             if getattr(self, name) is not None:
                 raise ValueError(f"{name}: not with block-sparse attention (index_topk_blocks), whose blocks are counted over the whole document")
@@ -1634,7 +1640,8 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
         attended to, best first, -1 in an empty slot; index_slots; a layer
         with an indexer) and "index_loss" (a float32 scalar with the indexer's gradient, when
         cfg.index_loss and gradients are on: under context parallel this rank's share, under
-        tensor parallel the whole loss on every rank), kept for the layers' common (output,
+        tensor parallel the whole loss on every rank; block-sparse attention's, block_index_loss,
+        under tensor parallel this rank's heads' share), kept for the layers' common (output,
         stats) form.
     """
     _check_attention(x, params, cfg, ctx)
@@ -1665,7 +1672,8 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
     sparse = cfg.index_topk is not None  # DeepSeek sparse attention: the indexer's top-k keys
     shared = cfg.index_shared  # ... an earlier layer's choice of them (AttentionConfig: only with index_topk)
     # the indexer's loss: with gradients on, and some indexer weight to train
-    train_index = (sparse and not shared and cfg.index_loss and torch.is_grad_enabled()
+    blocks = cfg.index_topk_blocks is not None  # block-sparse attention: its indexer's choice of blocks
+    train_index = ((sparse or blocks) and not shared and cfg.index_loss and torch.is_grad_enabled()
                    and any(params[name].requires_grad for name in index_shapes(x.shape[1], cfg)))
     if shared != (index_choice is not None):
         raise ValueError("index_choice: expected the keys an earlier layer chose (its stats['index_choice']) for a layer of cfg.index_shared, and None "
@@ -1689,12 +1697,11 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
         q_TND, k_TGD, v_TGD = _mla_qkv(x, params, cfg, ctx, q_lat)
     else:
         q_TND, k_TGD, v_TGD = _gqa_qkv(x, params, cfg, ctx, heads_mean)
-    blocks = cfg.index_topk_blocks is not None  # block-sparse attention: its indexer's queries and keys
     index_k_SD = None
-    if blocks:
-        with torch.no_grad():  # the choice is discrete: no gradient reaches the indexer
-            index_q_TND, index_k_SD = block_index_qk(x, params, cfg, ctx.cos, ctx.sin)
-        if ctx.gather_kv is not None:  # the indexer's key rides beside the kv heads' keys (every rank's, or the cache's)
+    if blocks:  # the indexer's queries and keys, of the detached tokens: differentiable only for its loss
+        with torch.set_grad_enabled(train_index):
+            index_q_TND, index_k_SD = block_index_qk(x.detach(), params, cfg, ctx.cos, ctx.sin)
+        if ctx.gather_kv is not None:  # its keys ride beside the kv heads' (every rank's, the loss's gradient returning; or the cache's)
             k_TGD = torch.cat([k_TGD, _spread_keys(index_k_SD, k_TGD.shape[1]).to(k_TGD.dtype)], dim=-1)
     if sparse:
         if shared:  # a layer without an indexer caches zeros in the indexer key's place
@@ -1747,7 +1754,7 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
     if blocks:  # each kv head's queries under its own choice of blocks
         with torch.no_grad():
             q_pos, kv_pos = (document_offsets(ctx, index, n) for index, n in ((ctx.token_index, mask.shape[0]), (ctx.kv_index, mask.shape[1])))
-            keep_GTS = block_index_keep(index_q_TND, index_k_SD, mask, q_pos, kv_pos, cfg)
+            keep_GTS, chosen_GTJ = block_index_keep(index_q_TND.detach(), index_k_SD.detach(), mask, q_pos, kv_pos, cfg)
         G, r = k_GTD.shape[0], q_NTD.shape[0] // k_GTD.shape[0]
         q_GRTD = q_NTD.view(G, r, *q_NTD.shape[1:])
         k_GRSD, v_GRSD = (t[:, None].expand(G, r, *t.shape[1:]) for t in (k_GTD, v_GTD))
@@ -1804,7 +1811,14 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
     if params.get("bo") is not None:
         y_TH = y_TH + params["bo"]
     stats = {"index_choice": slots_TJ} if sparse and not shared else {}
-    if train_index:
+    if train_index and blocks:  # each kv head's heads' attention over its chosen blocks, the indexer's loss against it
+        with torch.no_grad():
+            p_NTS = _attention_probs(q_NTD, k_GTD, keep_GTS.repeat_interleave(r, dim=0), softmax_scale(cfg))
+            target_GTJ = block_index_target(p_NTS, chosen_GTJ, kv_pos, cfg)
+        cp = ctx.gather_kv is not None  # under context parallel this rank's share: its queries' sum over the micro-batch's count
+        stats["index_loss"] = block_index_loss(x.detach(), index_k_SD, mask, chosen_GTJ, target_GTJ, kv_pos, params, cfg, ctx,
+                                               n_queries=mask.shape[1] if cp else x.shape[0])
+    elif train_index:
         with torch.no_grad():  # the attention's distribution over each query's chosen keys, summed over its heads
             if kernel:
                 target_TJ = sparse_attention_probs(q_TND, k_TGD[:, 0], slots_TJ, lse_TN, v_dim=cfg.kv_rank, scale=softmax_scale(cfg), impl=cfg.impl)
@@ -2206,18 +2220,21 @@ def slots_mask(slots_TJ: torch.Tensor, n_keys: int) -> torch.Tensor:
     return torch.zeros(T, n_keys + 1, dtype=torch.bool, device=slots_TJ.device).scatter_(1, hit, True)[:, :n_keys]
 
 
-def block_index_qk(x_TH: torch.Tensor, params, cfg: AttentionConfig, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def block_index_qk(x_TH: torch.Tensor, params, cfg: AttentionConfig, cos: torch.Tensor, sin: torch.Tensor, *,
+                   keys: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Block-sparse attention's indexer (cfg.index_topk_blocks; AttentionConfig) of tokens
     x [T, H]: queries [T, index_heads, index_head_dim] and keys [T, index_head_dim] in x's
     dtype, x index_wq per head and x index_wk, each RMS-normed over its channels (weights
     index_q_norm, index_k_norm; eps cfg.norm_eps, 1 + weight with cfg.zero_centered_norms),
-    then its first rot_dim channels rotated by cos, sin [T, rot_dim/2] as the heads are."""
+    then its first rot_dim channels rotated by cos, sin [T, rot_dim/2] as the heads are.
+    keys=False: the queries alone (keys None)."""
     T, Ni, Di = x_TH.shape[0], cfg.index_heads, cfg.index_head_dim
-    zc = cfg.zero_centered_norms
-    q_TND = _rms_norm((x_TH @ params["index_wq"]).view(T, Ni, Di), params["index_q_norm"], cfg.norm_eps, zero_centered=zc)
-    k_T1D = _rms_norm((x_TH @ params["index_wk"])[:, None, :], params["index_k_norm"], cfg.norm_eps, zero_centered=zc)
-    q_TND, k_T1D = (apply_rope(t, cos, sin, interleaved=cfg.interleaved, impl="torch") for t in (q_TND, k_T1D))
-    return q_TND, k_T1D[:, 0]
+
+    def heads(w: str, norm: str, n: int) -> torch.Tensor:
+        y = _rms_norm((x_TH @ params[w]).view(T, n, Di), params[norm], cfg.norm_eps, zero_centered=cfg.zero_centered_norms)
+        return apply_rope(y, cos, sin, interleaved=cfg.interleaved, impl="torch")
+
+    return heads("index_wq", "index_q_norm", Ni), heads("index_wk", "index_k_norm", 1)[:, 0] if keys else None
 
 
 def document_offsets(ctx: AttentionContext, index: Optional[torch.Tensor], n: int) -> torch.Tensor:
@@ -2234,41 +2251,101 @@ def document_offsets(ctx: AttentionContext, index: Optional[torch.Tensor], n: in
     return index - cu[doc]
 
 
+def _block_scores(q_BND: torch.Tensor, k_SD: torch.Tensor, seen_BS: torch.Tensor, blk_S: torch.Tensor, n_blocks: int) -> torch.Tensor:
+    """[B, Ni, n_blocks] float32: each block's largest q . k of the keys seen [B, S] lets
+    each query see (-inf: none), keys in blocks blk_S [S]; differentiable (the largest's
+    product takes the gradient)."""
+    B, Ni = q_BND.shape[:2]
+    s_BNS = torch.einsum("bnd,sd->bns", q_BND.float(), k_SD.float()).masked_fill(~seen_BS[:, None, :], float("-inf"))
+    return s_BNS.new_full((B, Ni, n_blocks), float("-inf")).scatter_reduce(-1, blk_S.expand(B, Ni, -1), s_BNS, "amax")
+
+
 def block_index_keep(q_TND: torch.Tensor, k_SD: torch.Tensor, mask_TS: torch.Tensor, q_pos: torch.Tensor, kv_pos: torch.Tensor,
-                     cfg: AttentionConfig, rows: int = 1 << 26) -> torch.Tensor:
-    """Block-sparse attention's mask [index_heads, T, S] bool: which keys each query's heads
-    of kv head g attend to. Indexer queries q [T, Ni, Di] (block_index_qk's) score keys
-    k [S, Di] by q . k (float32); key s lies in block kv_pos[s] // index_block_size (kv_pos
-    [S]: its place in its document, document_offsets), query t's own block is q_pos[t] //
-    index_block_size (q_pos [T] alike). A block's score for query t and head g is the
-    largest score of its keys that mask [T, S] lets t see (-inf: none); the
-    index_local_blocks blocks ending at t's own score +inf; t's head g keeps the mask's keys
-    in its index_topk_blocks best blocks (equal scores: the earlier block first; blocks of no
-    visible key never). Queries are taken in groups whose [group, Ni, S] scores hold about
-    `rows` floats. No host sync."""
+                     cfg: AttentionConfig, rows: int = 1 << 26) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-sparse attention's choice: (keep [index_heads, T, S] bool, which keys each
+    query's heads of kv head g attend to; chosen [index_heads, T, J] int64, the blocks, best
+    first, -1 in a slot left empty; J = min(index_topk_blocks, ceil(S / index_block_size))).
+    Indexer queries q [T, Ni, Di] (block_index_qk's) score keys k [S, Di] by q . k
+    (float32); key s lies in block kv_pos[s] // index_block_size (kv_pos [S]: its place in
+    its document, document_offsets), query t's own block is q_pos[t] // index_block_size
+    (q_pos [T] alike). A block's score for query t and head g is the largest score of its
+    keys that mask [T, S] lets t see (-inf: none); the index_local_blocks blocks ending at
+    t's own score +inf; t's head g keeps the mask's keys in its index_topk_blocks best blocks
+    (equal scores: the earlier block first; blocks of no visible key never). Queries are
+    taken in groups whose [group, Ni, S] scores hold about `rows` floats. No host sync."""
     T, S = mask_TS.shape
     Ni, bs, L = q_TND.shape[1], cfg.index_block_size, cfg.index_local_blocks
     n_blocks = -(-S // bs)  # positions are below S: a key's position is at most its column
     J = min(cfg.index_topk_blocks, n_blocks)
     blk_S = (kv_pos.long() // bs).clamp(max=n_blocks - 1)
     keep_NTS = torch.empty(Ni, T, S, dtype=torch.bool, device=mask_TS.device)
+    chosen_NTJ = torch.empty(Ni, T, J, dtype=torch.int64, device=mask_TS.device)
     step = max(1, rows // max(1, Ni * S))
     for t0 in range(0, T, step):
         b = slice(t0, t0 + step)
         seen_BS = mask_TS[b]
         B = seen_BS.shape[0]
-        s_BNS = torch.einsum("bnd,sd->bns", q_TND[b].float(), k_SD.float()).masked_fill(~seen_BS[:, None, :], float("-inf"))
-        blk_BNS = blk_S.expand(B, Ni, S)
-        best_BNK = s_BNS.new_full((B, Ni, n_blocks), float("-inf")).scatter_reduce(-1, blk_BNS, s_BNS, "amax")
+        best_BNK = _block_scores(q_TND[b], k_SD, seen_BS, blk_S, n_blocks)
         if L:  # the blocks ending at the query's own: always chosen
             own_B = (q_pos[b].long() // bs).clamp(max=n_blocks - 1)
             local_BL = (own_B[:, None] - torch.arange(L, device=own_B.device)).clamp(min=0)
             best_BNK = best_BNK.scatter(-1, local_BL[:, None, :].expand(B, Ni, L), float("inf"))
         top = torch.sort(best_BNK, dim=-1, descending=True, stable=True)
-        chosen_BNJ = torch.where(top.values[..., :J] > float("-inf"), top.indices[..., :J], n_blocks)
-        picked_BNK = torch.zeros(B, Ni, n_blocks + 1, dtype=torch.bool, device=mask_TS.device).scatter_(-1, chosen_BNJ, True)
-        keep_NTS[:, b] = (picked_BNK.gather(-1, blk_BNS) & seen_BS[:, None, :]).transpose(0, 1)
-    return keep_NTS
+        chosen_BNJ = torch.where(top.values[..., :J] > float("-inf"), top.indices[..., :J], -1)
+        picked_BNK = torch.zeros(B, Ni, n_blocks + 1, dtype=torch.bool, device=mask_TS.device).scatter_(-1, chosen_BNJ % (n_blocks + 1), True)
+        keep_NTS[:, b] = (picked_BNK.gather(-1, blk_S.expand(B, Ni, S)) & seen_BS[:, None, :]).transpose(0, 1)
+        chosen_NTJ[:, b] = chosen_BNJ.transpose(0, 1)
+    return keep_NTS, chosen_NTJ
+
+
+def block_index_target(p_NTS: torch.Tensor, chosen_GTJ: torch.Tensor, kv_pos: torch.Tensor, cfg: AttentionConfig) -> torch.Tensor:
+    """[G, T, J]: block-sparse attention's distribution over each query's chosen blocks
+    (block_index_keep's chosen [G, T, J], -1: none) per kv head: its heads' attention
+    probabilities p [N, T, S] (N = G r; the heads of kv head g the r from g r) summed over
+    each block's keys (kv_pos [S], document_offsets') and over the r heads, 0 in an empty
+    slot (the indexer loss's target; no gradient)."""
+    G, T, J = chosen_GTJ.shape
+    S = p_NTS.shape[-1]
+    n_blocks = -(-S // cfg.index_block_size)
+    blk_S = (kv_pos.long() // cfg.index_block_size).clamp(max=n_blocks - 1)
+    p_GTS = p_NTS.float().view(G, -1, T, S).sum(1)
+    mass_GTK = p_GTS.new_zeros(G, T, n_blocks).scatter_add_(-1, blk_S.expand(G, T, S), p_GTS)
+    return mass_GTK.gather(-1, chosen_GTJ.clamp(min=0)) * (chosen_GTJ >= 0)
+
+
+def _block_loss_block(x_BH, k_SD, seen_BS, chosen_BNJ, target_BNJ, cos_BR, sin_BR, blk_S, params, cfg: AttentionConfig) -> torch.Tensor:
+    """A group of queries' block-sparse indexer loss, summed over them and their heads: each
+    query's and head's KL divergence over its chosen blocks, of the indexer's softmax over
+    their scores (the largest q . k of each, / sqrt(index_head_dim)) from the attention's."""
+    q_BND, _ = block_index_qk(x_BH, params, cfg, cos_BR, sin_BR, keys=False)
+    n_blocks = -(-k_SD.shape[0] // cfg.index_block_size)
+    best_BNK = _block_scores(q_BND, k_SD, seen_BS, blk_S, n_blocks) * cfg.index_head_dim ** -0.5
+    scores_BNJ = best_BNK.gather(-1, chosen_BNJ.clamp(min=0))
+    return index_loss(scores_BNJ.flatten(0, 1), target_BNJ.flatten(0, 1), (chosen_BNJ >= 0).flatten(0, 1), n_queries=1)
+
+
+def block_index_loss(x_TH: torch.Tensor, k_SD: torch.Tensor, mask_TS: torch.Tensor, chosen_GTJ: torch.Tensor, target_GTJ: torch.Tensor,
+                     kv_pos: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionContext, *, n_queries: int,
+                     rows: int = 1 << 26) -> torch.Tensor:
+    """Block-sparse attention's indexer loss, a float32 scalar: the sum over the T queries of
+    x [T, H] (the detached tokens) and over their indexer heads of KL(p || softmax(I)) over
+    the blocks each chose (chosen [G, T, J]), p its attention's share of each block
+    (block_index_target's target [G, T, J]) and I the indexer's block scores recomputed
+    from x and the keys k [S, Di] (block_index_qk's, differentiable) over sqrt(index_head_dim),
+    divided by n_queries (T; under context parallel the micro-batch's, each rank's queries
+    giving its share). Its gradient reaches the indexer's weights alone. Queries in groups
+    whose [group, G, S] scores hold about `rows` floats, each recomputed in the backward."""
+    T, S = mask_TS.shape
+    n_blocks = -(-S // cfg.index_block_size)
+    blk_S = (kv_pos.long() // cfg.index_block_size).clamp(max=n_blocks - 1)
+    step = max(1, rows // max(1, cfg.index_heads * S))
+    fn = functools.partial(_block_loss_block, blk_S=blk_S, params=params, cfg=cfg)
+    total = 0.0
+    for t0 in range(0, T, step):
+        b = slice(t0, t0 + step)
+        total = total + checkpoint(fn, x_TH[b], k_SD, mask_TS[b], chosen_GTJ[:, b].transpose(0, 1), target_GTJ[:, b].transpose(0, 1),
+                                   ctx.cos[b], ctx.sin[b], use_reentrant=False)
+    return total / n_queries
 
 
 def _spread_keys(index_k_TD: torch.Tensor, G: int) -> torch.Tensor:

@@ -497,8 +497,9 @@ class TransformerConfig:
     index_block_size positions that indexer head g scores highest, the index_local_blocks
     blocks ending at its own always among them (index_heads: the kv heads' count, one indexer
     head each; index_head_dim; fmoe.layers.AttentionConfig); in the blocks index_block_layers
-    lists (None: every block), the others attending over every earlier token; not with a
-    sliding window, chunks or ALiBi. tie_embeddings: the
+    lists (None: every block), the others attending over every earlier token; the indexers
+    trained by their own loss with weight index_loss_coeff (fmoe.layers.block_index_loss; 0:
+    frozen, requires_grad False); not with a sliding window, chunks or ALiBi. tie_embeddings: the
     output head is the embedding; out_vocab V' (None: vocab_size): the output head has V' <=
     vocab_size rows, the logits are those of token ids 0 .. V' - 1 while the embedding keeps
     every id (Apertus 1.5's output_vocab_size: its multimodal ids are inputs, never outputs);
@@ -1011,8 +1012,8 @@ class TransformerConfig:
         coeff = self.index_loss_coeff
         if isinstance(coeff, bool) or not isinstance(coeff, (int, float)) or not 0 <= coeff < math.inf:
             raise ValueError(f"index_loss_coeff: expected a finite number >= 0, got {coeff!r}")
-        if self.index_topk is None and coeff != 1.0:
-            raise ValueError("index_loss_coeff: the weight of DeepSeek sparse attention's indexer loss, needs index_topk")
+        if self.index_topk is None and self.index_topk_blocks is None and coeff != 1.0:
+            raise ValueError("index_loss_coeff: the weight of a sparse attention's indexer loss, needs index_topk or index_topk_blocks")
         if self.index_shared_layers is not None and self.index_topk is None:
             raise ValueError("index_shared_layers: blocks reusing an earlier block's choice of keys (DeepSeek sparse attention), needs index_topk")
         if self.index_topk_blocks is None:
@@ -1454,7 +1455,7 @@ class TransformerConfig:
             index_topk=self.index_topk, **(dict(index_heads=self.index_heads, index_head_dim=self.index_head_dim) if self.index_topk is not None or blocks else {}),
             index_interleaved=self.index_rope_interleaved, index_rope_last=self.index_rope_last,
             index_norm_eps=self.index_norm_eps, index_shared=index_shared,
-            index_loss=self.index_topk is not None and self.index_loss_coeff > 0 and not index_shared,
+            index_loss=(self.index_topk is not None or bool(blocks)) and self.index_loss_coeff > 0 and not index_shared,
             **blocks,
         )
 
@@ -1663,7 +1664,10 @@ class Attention(nn.Module):
     value (detached; None when that forward computed none: no gradients, or no indexer).
     Under tensor parallelism every tp rank computes the whole loss (its target over every
     rank's heads) and attaches 1/tp of it: the indexer's replicated weights sum the ranks'
-    gradients."""
+    gradients. Block-sparse attention (cfg.index_topk_blocks) likewise (fmoe.layers.
+    block_index_loss), its indexer's parameters frozen without a loss (index_loss_coeff 0);
+    under tensor parallelism each rank attaches its own heads' share, and `index_loss` keeps
+    the sum over the ranks."""
 
     def __init__(self, cfg: TransformerConfig, *, local: bool = False, rope: bool = True, fp8: Optional[bool] = None,
                  index_shared: bool = False, sinks: Optional[bool] = None, index_blocks: bool = True):
@@ -1712,10 +1716,11 @@ class Attention(nn.Module):
             if self.cfg.qk_norm_bias:  # the LayerNorms' biases, zero at initialisation
                 self.q_norm_bias, self.k_norm_bias = (nn.Parameter(torch.zeros(shape)) for shape in shapes)
                 self.names += ["q_norm_bias", "k_norm_bias"]
-        # block-sparse attention's indexer (its norms one at initialisation), frozen: its choice of blocks has no gradient, and a
-        # weight without one is none of the optimizer's (nor of FSDP2's reduce-scatter, which would hand it zeros to decay)
+        # block-sparse attention's indexer (its norms one at initialisation), trained by its loss alone; frozen without it
+        # (index_loss_coeff 0): its choice of blocks has no gradient, and a weight that gets none is none of the optimizer's
+        # (nor of FSDP2's reduce-scatter, which would hand it zeros to decay)
         for name, shape in index_shapes(H, self.cfg).items():
-            setattr(self, name, nn.Parameter((torch.ones if name.endswith("norm") else torch.empty)(shape), requires_grad=False))
+            setattr(self, name, nn.Parameter((torch.ones if name.endswith("norm") else torch.empty)(shape), requires_grad=self.cfg.index_loss))
             self.names.append(name)
         self._extras(cfg, sinks)
 
@@ -1765,11 +1770,14 @@ class Attention(nn.Module):
             self.index_loss = None
             if "index_loss" in stats.keys():  # the indexer's loss: its gradient in the backward, its value kept
                 loss = stats["index_loss"]
-                # under tp every rank computes the same loss, and the indexer's weights (replicated,
-                # HeadShard.weight) sum the ranks' gradients: each rank attaches its 1/tp
-                weight = self.index_loss_weight / (1 if tp is None else tp.mesh.size())
+                # under tp DeepSeek sparse attention's every rank computes the same loss, and the indexer's weights
+                # (replicated, HeadShard.weight) sum the ranks' gradients: each rank attaches its 1/tp; block-sparse
+                # attention's each rank its own heads' share, whole, their sum the value kept
+                blocks = self.cfg.index_topk_blocks is not None
+                weight = self.index_loss_weight / (1 if tp is None or blocks else tp.mesh.size())
                 y_TH = attach_loss(y_TH, loss * weight)
-                self.index_loss = loss.detach()
+                loss = loss.detach()
+                self.index_loss = tp.sum(loss.reshape(1, 1)).reshape(()) if blocks and tp is not None else loss
         return y_TH
 
 

@@ -1648,6 +1648,11 @@ def test_block_sparse_attention_under_context_parallel_counts_blocks_per_documen
         for rank in range(cp):
             y, _ = attention(x[ranks[rank]], p, cfg, context(rank, lambda k, v: (k_all, v_all)))
             assert _rel(y, whole[ranks[rank]]) < 1e-5, rank
+    # the indexer's loss: each rank's queries' share of the micro-batch's, the shares adding up to one process's
+    trained, lossy = {n: t.requires_grad_(n == "index_wq") for n, t in p.items()}, dataclasses.replace(cfg, index_loss=True)
+    shares = [attention(x[ranks[rank]], trained, lossy, context(rank, lambda k, v: (k_all, v_all)))[1]["index_loss"] for rank in range(cp)]
+    whole_loss = attention(x, trained, lossy, _ctx(cu, lossy))[1]["index_loss"]
+    assert abs(float(sum(shares).detach()) - float(whole_loss.detach())) < 1e-5 * float(whole_loss.detach())
 
 
 def test_block_sparse_attention_bad_knobs_and_inputs():
@@ -1662,7 +1667,7 @@ def test_block_sparse_attention_bad_knobs_and_inputs():
              (dict(BLOCKS.__dict__, window=4), r"window: not with block-sparse attention"),
              (dict(BLOCKS.__dict__, impl="flex"), r"impl: block-sparse attention's choice is a dense mask"),
              (dict(BLOCKS.__dict__, index_topk=4), r"index_topk_blocks: block-sparse attention, not with DeepSeek sparse attention"),
-             (dict(BLOCKS.__dict__, index_loss=True), r"index_loss: a knob of DeepSeek sparse attention's indexer, not of block-sparse attention"),
+             (dict(BLOCKS.__dict__, index_shared=True), r"index_shared: a knob of DeepSeek sparse attention's indexer, not of block-sparse attention"),
              (dict(BLOCKS.__dict__, rope=False), r"rope: block-sparse attention's indexer rotates its queries and keys")]
     for fields, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -1702,3 +1707,72 @@ def test_gpu_block_sparse_attention_matches_the_cpu_layer():
         outs.append([y.cpu(), *(t.cpu() for t in grads)])
     for a, b in zip(*outs):
         assert _rel(b, a) < 1e-4
+
+
+def _loop_block_index_loss(x, p, cfg, cu):
+    """Block-sparse attention's indexer loss query by query and kv head by kv head: the
+    heads' attention mass on each chosen block (their sum, renormalised), and the indexer's
+    softmax over the chosen blocks' best q . k / sqrt(index_head_dim), differentiable in the
+    indexer's weights; KL summed over the kv heads, averaged over the queries."""
+    T, (N, G, D), (Di, bs) = x.shape[0], (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim), (cfg.index_head_dim, cfg.index_block_size)
+    positions = positions_from_cu_seqlens(cu)
+    cos, sin = rope_tables(positions, cfg)
+
+    def rms(t, w):
+        return t / (t.square().mean(-1, keepdim=True) + cfg.norm_eps).sqrt() * w
+
+    with torch.no_grad():
+        q = apply_rope((x @ p["wq"]).view(T, N, D), cos, sin, impl="torch")
+        k = apply_rope((x @ p["wk"]).view(T, G, D), cos, sin, impl="torch")
+    iq = apply_rope(rms((x @ p["index_wq"]).view(T, G, Di), p["index_q_norm"]), cos, sin, impl="torch")
+    ik = apply_rope(rms((x @ p["index_wk"])[:, None], p["index_k_norm"]), cos, sin, impl="torch")[:, 0]
+    total = 0.0
+    bounds = cu.tolist()
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        for t in range(a, b):
+            own = (t - a) // bs
+            for g in range(G):
+                best = torch.stack([torch.stack([iq[t, g] @ ik[s] for s in range(a + blk * bs, min(a + (blk + 1) * bs, t + 1))]).max()
+                                    for blk in range(own + 1)])
+                rank = best.detach().tolist()
+                for back in range(cfg.index_local_blocks):
+                    rank[max(own - back, 0)] = math.inf
+                chosen = sorted(range(own + 1), key=lambda blk: (-rank[blk], blk))[:cfg.index_topk_blocks]
+                keys = [s for s in range(a, t + 1) if (s - a) // bs in chosen]
+                with torch.no_grad():
+                    mass = torch.zeros(len(chosen))
+                    for h in range(g * (N // G), (g + 1) * (N // G)):
+                        weights = torch.softmax((k[keys, g] @ q[t, h]) * softmax_scale(cfg), dim=0)
+                        for w, s in zip(weights, keys):
+                            mass[chosen.index((s - a) // bs)] += w
+                    target = mass / mass.sum()
+                log_q = torch.log_softmax(best[chosen] * Di ** -0.5, dim=0)
+                total = total + (target * (target.log() - log_q)).sum()
+    return total / T
+
+
+def test_block_sparse_indexer_loss_matches_its_definition_and_trains_the_indexer_alone():
+    """With index_loss, block-sparse attention returns its indexer's loss: for each query and
+    kv head the KL divergence of the indexer's softmax over the chosen blocks' scores from
+    the heads' attention mass on them, averaged over the queries; its value and its gradient
+    in every indexer weight match the query-by-query definition, and it reaches nothing else
+    (the tokens and the attention's weights get none of it)."""
+    cfg = dataclasses.replace(BLOCKS, index_loss=True, index_local_blocks=1, index_topk_blocks=3)
+    p = {n: t.detach().requires_grad_() for n, t in _block_params(cfg).items()}
+    x, cu = torch.randn(17, H, requires_grad=True), torch.tensor([0, 5, 6, 17], dtype=torch.int32)
+    y, stats = attention(x, p, cfg, _ctx(cu, cfg))
+    loss = stats["index_loss"]
+    index = [n for n in p if n.startswith("index_")]
+    ref_p = {n: t.detach().clone().requires_grad_(n in index) for n, t in p.items()}
+    ref = _loop_block_index_loss(x.detach(), ref_p, cfg, cu)
+    value, ref_value = float(loss.detach()), float(ref.detach())
+    assert loss.dtype == torch.float32 and loss.shape == () and value > 0 and abs(value - ref_value) < 1e-5 * ref_value
+    grads = torch.autograd.grad(loss, [p[n] for n in index] + [x, p["wq"], p["wk"]], allow_unused=True)
+    ref_grads = torch.autograd.grad(ref, [ref_p[n] for n in index])
+    for name, a, b in zip(index, grads, ref_grads):
+        assert _rel(a, b) < 1e-4, name
+    assert all(g is None for g in grads[len(index):])  # the tokens and the attention's weights: none
+    with torch.no_grad():  # no gradients: no loss
+        assert "index_loss" not in attention(x, p, cfg, _ctx(cu, cfg))[1].keys()
+    frozen = {n: t.detach() if n in index else t for n, t in p.items()}  # nothing of the indexer to train: no loss either
+    assert "index_loss" not in attention(x, frozen, cfg, _ctx(cu, cfg))[1].keys()

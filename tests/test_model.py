@@ -1059,10 +1059,11 @@ def test_a_few_steps_of_training_lower_the_loss():
     assert float(loss.detach()) < 0.5 * first
 
 
-def test_minimax_m3_blocks_train_everything_but_their_indexers():
+def test_minimax_m3_blocks_train_their_indexers_by_their_loss_alone():
     """MiniMax-M3's blocks (block-sparse attention in blocks 1 and 2 and the MTP block,
-    per-head q/k norms, every SwiGLU clamped with up + 1): every weight gets a gradient but
-    the indexers' (their choice has none); block 0 has no indexer; the choice matters (every
+    per-head q/k norms, every SwiGLU clamped with up + 1): the model's loss reaches every
+    weight but the indexers', whose loss (index_loss_sum) reaches them alone; with
+    index_loss_coeff 0 they are frozen; block 0 has no indexer; the choice matters (every
     block chosen gives other logits); the dense MLPs and shared experts take the SwiGLU's
     alpha and offset; the knobs without index_topk_blocks, and what it does not combine with,
     are refused by name."""
@@ -1071,11 +1072,23 @@ def test_minimax_m3_blocks_train_everything_but_their_indexers():
     model.reset_parameters(seed=3)
     batch = _batch(cfg)
     losses, _ = model(batch, model.context(batch))
-    (losses["lm_sum"] + losses["mtp_1_sum"]).backward()
     indexers = [n for n, _ in model.named_parameters() if ".index_" in n]
     assert sorted({n.split(".attn.")[0] for n in indexers}) == ["blocks.1", "blocks.2", "mtp.0.block"]
-    for name, p in model.named_parameters():
+    assert float(model.index_loss_sum()) > 0
+    (losses["lm_sum"] + losses["mtp_1_sum"]).backward(inputs=[p for n, p in model.named_parameters() if n not in indexers])
+    for name, p in model.named_parameters():  # the model's loss: all but the indexers
         assert (p.grad is None) == (name in indexers), name
+    model.zero_grad()
+    losses, _ = model(batch, model.context(batch))
+    ((losses["lm_sum"] + losses["mtp_1_sum"]) * 0).backward()  # the indexers' loss alone, attached to the outputs
+    for name, p in model.named_parameters():
+        assert (p.grad is not None and bool(p.grad.abs().sum() > 0)) == (name in indexers), name
+    frozen = Transformer(dataclasses.replace(cfg, index_loss_coeff=0.0))
+    frozen_batch = frozen(batch, frozen.context(batch))[0]
+    (frozen_batch["lm_sum"] + frozen_batch["mtp_1_sum"]).backward()
+    assert frozen.index_loss_sum() is None
+    for name, p in frozen.named_parameters():
+        assert p.requires_grad == (p.grad is not None) == (name not in indexers), name
     assert model.blocks[0].mlp.alpha == model.blocks[1].mlp.shared.alpha == 1.702 and model.blocks[1].mlp.shared.offset == 1.0
     with torch.no_grad():
         x = torch.randn(5, cfg.hidden)
@@ -1533,7 +1546,7 @@ def test_deepseek_sparse_attention_trains_its_indexer_by_its_own_loss():
         model.set_index_loss_weight(-1)
     with pytest.raises(ValueError, match="index_loss_coeff: expected a finite number >= 0, got nan"):
         dataclasses.replace(cfg, index_loss_coeff=float("nan"))
-    with pytest.raises(ValueError, match="index_loss_coeff: the weight of DeepSeek sparse attention's indexer loss, needs index_topk"):
+    with pytest.raises(ValueError, match="index_loss_coeff: the weight of a sparse attention's indexer loss, needs index_topk or index_topk_blocks"):
         dataclasses.replace(TINY, index_loss_coeff=0.5)
     # the FLOPs: multi-latent attention's over the kept keys (2.5 per query here), and per block with an indexer
     # (blocks 0 and 1, and the MTP block's) the indexer's projections (q latent 10 -> 4 heads x 6, H 32 -> a key of
