@@ -466,7 +466,8 @@ def main(argv: list[str]) -> None:
     # this rank's part of the model: the whole model, or its pipeline stages (each with the
     # whole model's parameter names; optimizers and checkpoints take them as a list)
     parts = pipe.chunks if pipe is not None else [model]
-    index_loss = model_cfg.index_topk is not None and model_cfg.index_loss_coeff > 0  # DeepSeek sparse attention's indexer trained
+    # a sparse attention's indexers trained by their loss (DeepSeek sparse attention's, block-sparse attention's)
+    index_loss = (model_cfg.index_topk is not None or model_cfg.index_topk_blocks is not None) and model_cfg.index_loss_coeff > 0
     if hf_type is not None:  # each rank reads the tensors of its own parameters (blocks of them when sharded)
         for part in parts:
             fmoe.hf.load_weights(part, cfg.init_from_hf, model_type=hf_type)
@@ -603,7 +604,7 @@ def main(argv: list[str]) -> None:
                 mtp_loss = losses[f"mtp_{d}_sum"] / valid[d]
                 loss = loss + cfg.mtp_lambda / model_cfg.mtp_depth * mtp_loss
                 logged[f"mtp_{d}_loss"] = mtp_loss.detach()
-        index = part.index_loss_sum() if index_loss else None  # DeepSeek sparse attention's indexer losses (this part's layers)
+        index = part.index_loss_sum() if index_loss else None  # the indexers' losses (this part's layers)
         if index is not None:  # trained apart: their gradients were added in the backward
             logged["index_loss"] = index / n_micro
         if not len(stats.keys()):  # no MoE layer here (a dense model, or a pipeline stage without one)

@@ -2409,11 +2409,11 @@ class Transformer(nn.Module):
                 b.fill_(1.0)
 
     def _index_attentions(self) -> list[Attention]:
-        """The attention modules of DeepSeek sparse attention with an indexer loss, this chunk's."""
+        """The attention modules with an indexer loss (DeepSeek sparse attention's, block-sparse attention's), this chunk's."""
         return [m for m in self.modules() if isinstance(m, Attention) and m.cfg.index_loss]
 
     def set_index_loss_weight(self, weight: float) -> None:
-        """The weight of every DeepSeek sparse attention layer's indexer loss in the next
+        """The weight of every sparse attention layer's indexer loss in the next
         backward passes (Attention.index_loss_weight; cfg.index_loss_coeff at first): the
         loop sets index_loss_coeff / n_micro each step, so that the step's gradients average
         the micro-batches' losses as they do the balancing losses'."""
@@ -2423,7 +2423,7 @@ class Transformer(nn.Module):
             m.index_loss_weight = weight
 
     def index_loss_sum(self) -> Optional[torch.Tensor]:
-        """The sum over this model's (this pipeline chunk's) DeepSeek sparse attention layers
+        """The sum over this model's (this pipeline chunk's) sparse attention layers
         of their indexer losses in the last forward (float32 scalar, detached); None when no
         layer computed one (no such layers, no gradients, or index_loss_coeff 0)."""
         losses = [m.index_loss for m in self._index_attentions() if m.index_loss is not None]

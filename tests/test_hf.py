@@ -2934,6 +2934,17 @@ def test_the_loop_fine_tunes_a_deepseek_v32_model_and_its_indexer(tmp_path):
     assert all(math.isfinite(r["index_loss"]) and r["index_loss"] > 0 for r in records[:2])
 
 
+def test_the_loop_fine_tunes_a_minimax_m3_model_and_its_indexers(tmp_path):
+    """--init_from_hf of a MiniMax-M3 folder: the first step's loss is the model's own
+    (block-sparse attention: two blocks of 3 keys of the micro-batch's documents), and the
+    indexers' loss is logged each step (their weights trained by it)."""
+    config = FAMILIES["minimax_m3_vl_text"]()
+    config.vocab_size = 260
+    records, _, loss = _loop_from_folder(config, tmp_path, f"--init_from_hf={tmp_path / 'hf'}")
+    assert records[0]["loss"] == pytest.approx(loss, rel=1e-5)
+    assert all(math.isfinite(r["index_loss"]) and r["index_loss"] > 0 for r in records[:2])
+
+
 def test_the_loop_upcycles_a_released_dense_model(tmp_path):
     """--upcycle_from a Qwen3 folder: its config made an MoE by the knobs given (layer 0
     dense, then 4 experts of half its FFN, k = 2); the first step's logged loss is the dense
