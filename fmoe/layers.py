@@ -720,16 +720,20 @@ class AttentionConfig:
     and one key per token x index_wk [H, index_head_dim], each RMS-normed (index_q_norm,
     index_k_norm [index_head_dim]; eps norm_eps, gain 1 + weight with zero_centered_norms)
     and rotated on its first rot_dim channels as the heads are; a block's score is the
-    largest q . k of its keys the query may see (float32; block_index_keep). The choice is
+    largest q . k of its keys the query may see (float32; block_index_choice). The choice is
     discrete: the indexer's weights get no gradient from the attention output; with index_loss
     (and gradients on) attention returns stats["index_loss"] (block_index_loss: for each query
     and kv head the KL divergence of the indexer's softmax over the chosen blocks' scores,
     over sqrt(index_head_dim), from the heads' attention mass on them), whose gradient reaches
     the indexer's weights alone, as DeepSeek sparse attention's does. Blocks are counted from
     each document's start (document_offsets: the same split in one process, under context
-    parallel and in decoding); equal scores go to the earlier block. The dense reference alone:
-    SDPA under a [kv head, T, S] mask ("flex" refused); not with a window, a chunk, a softcap,
-    sinks or ALiBi.
+    parallel and in decoding); equal scores go to the earlier block. Where Triton runs (impl
+    "auto" on CUDA, "triton") each query's heads attend to the keys of their chosen blocks
+    alone (block_index_slots; fmoe.ops.sparse_attention kv head by kv head, its rows [v | k]:
+    O(T index_topk_blocks index_block_size) work), the context keeping the mask as its rule
+    (MaskRows); impl "torch" (and "auto" off CUDA) is the dense reference, SDPA under a
+    [kv head, T, S] mask ("flex" refused). Not with a window, a chunk, a softcap, sinks or
+    ALiBi.
     """
 
     n_heads: int
@@ -1402,7 +1406,7 @@ def attention_context(
     T_kv = T if kv_index is None else kv_index.shape[0]
     flex = _use_flex(cfg.impl, positions.device) and cfg.index_topk is None and cfg.index_topk_blocks is None  # a top-k mask is a dense one
     # ...or, on its sparse kernel's path, the mask's rule alone (MaskRows: never T x S values)
-    rows = cfg.index_topk is not None and use_triton(cfg.impl, positions)
+    rows = (cfg.index_topk is not None or cfg.index_topk_blocks is not None) and use_triton(cfg.impl, positions)
     if window_only and ((cfg.window is None and cfg.chunk is None) or mask is not None):
         raise ValueError(f"window_only: a context of the sliding window's (chunk's) layers alone needs cfg.window or cfg.chunk and no mask, "
                          f"got window {cfg.window}, chunk {cfg.chunk}{' and a mask' if mask is not None else ''}")
@@ -1433,7 +1437,8 @@ def attention_context(
     return AttentionContext(cos, sin, mask, gather_kv, window=cfg.window, local_mask=local, chunk=cfg.chunk, positions=positions,
                             local_rope_base=local_base, local_cos=local_cos, local_sin=local_sin, cu_seqlens=cu_seqlens, linear_cp=linear_cp,
                             index_choices={} if cfg.index_topk is not None else None,
-                            key_order=torch.argsort(kv_index) if cfg.index_topk is not None and kv_index is not None else None,
+                            key_order=torch.argsort(kv_index) if (cfg.index_topk is not None or cfg.index_topk_blocks is not None)
+                            and kv_index is not None else None,
                             token_index=token_index, kv_index=kv_index)
 
 
@@ -1682,6 +1687,7 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
     # absorbed form where Triton runs (training, and decoding over a cache: a prompt's
     # "expanded" latents absorbed too); the dense reference otherwise
     kernel = sparse and params.get("sinks") is None and use_triton(cfg.impl, x)
+    block_kernel = blocks and use_triton(cfg.impl, x)  # block-sparse attention's likewise, over each query's chosen blocks' keys
     latents = "absorbed" if kernel and ctx.latents == "expanded" else ctx.latents
     # wq_b's input, made once where the indexer's queries (its normed q latent) or the gate (gate_on_q) read it too
     q_lat = _mla_q_latent(x, params, cfg) if (sparse and not shared) or cfg.gate_on_q else None
@@ -1745,20 +1751,28 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
                 slots_TJ = _index_choice(x, q_index, index_k_SD, params, cfg, ctx, mask)
         if not kernel:  # the dense reference attends under the choice's mask
             mask = slots_mask(slots_TJ, mask.shape[1])
-    elif isinstance(mask, MaskRows):  # a layer without DeepSeek sparse attention in a context built for it: the dense mask
+    elif isinstance(mask, MaskRows) and not block_kernel:  # a layer without a sparse kernel in a context built for one: the dense mask
         mask = mask.rows()
-    if blocks and not isinstance(mask, torch.Tensor):
-        raise ValueError("ctx: block-sparse attention (cfg.index_topk_blocks) needs the dense mask; build the context with this cfg (attention_context)")
+    if blocks and not isinstance(mask, (torch.Tensor, MaskRows)):
+        raise ValueError("ctx: block-sparse attention (cfg.index_topk_blocks) needs the dense mask or its rows; build the context with this cfg "
+                         "(attention_context)")
     sinks, slopes_N = params.get("sinks"), params.get("alibi")
     lse_TN = None
     if blocks:  # each kv head's queries under its own choice of blocks
+        G, r = k_GTD.shape[0], q_NTD.shape[0] // k_GTD.shape[0]
         with torch.no_grad():
             q_pos, kv_pos = (document_offsets(ctx, index, n) for index, n in ((ctx.token_index, mask.shape[0]), (ctx.kv_index, mask.shape[1])))
-            keep_GTS, chosen_GTJ = block_index_keep(index_q_TND.detach(), index_k_SD.detach(), mask, q_pos, kv_pos, cfg)
-        G, r = k_GTD.shape[0], q_NTD.shape[0] // k_GTD.shape[0]
-        q_GRTD = q_NTD.view(G, r, *q_NTD.shape[1:])
-        k_GRSD, v_GRSD = (t[:, None].expand(G, r, *t.shape[1:]) for t in (k_GTD, v_GTD))
-        out_NTD = F.scaled_dot_product_attention(q_GRTD, k_GRSD, v_GRSD, attn_mask=keep_GTS[:, None], scale=softmax_scale(cfg)).flatten(0, 1)
+            chosen_GTJ = block_index_choice(index_q_TND.detach(), index_k_SD.detach(), mask, q_pos, kv_pos, cfg)
+        if block_kernel:  # kv head g's queries over the keys of their chosen blocks alone: the sparse kernel, values as the rows' first channels
+            q_index = torch.arange(mask.shape[0], device=x.device) if ctx.token_index is None else ctx.token_index.long()
+            with torch.no_grad():
+                slots_GTJ = block_index_slots(chosen_GTJ, q_pos, q_index - q_pos, ctx.key_order, cfg)
+            out_NTD, lse_TN = _blocks_by_kernel(q_NTD, k_GTD, v_GTD, slots_GTJ, cfg)
+        else:  # the dense reference under the choice's mask
+            keep_GTS = block_index_keep(chosen_GTJ, kv_pos, mask, cfg)
+            q_GRTD = q_NTD.view(G, r, *q_NTD.shape[1:])
+            k_GRSD, v_GRSD = (t[:, None].expand(G, r, *t.shape[1:]) for t in (k_GTD, v_GTD))
+            out_NTD = F.scaled_dot_product_attention(q_GRTD, k_GRSD, v_GRSD, attn_mask=keep_GTS[:, None], scale=softmax_scale(cfg)).flatten(0, 1)
     elif kernel:  # every head over each query's chosen latents; the latent output to each head's values below
         o_TNC, lse_TN = sparse_attention(q_TND, k_TGD[:, 0], slots_TJ, v_dim=cfg.kv_rank, scale=softmax_scale(cfg), check=False, impl=cfg.impl)
         out_NTD = rearrange(o_TNC, "t n c -> n t c")
@@ -1813,8 +1827,11 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
     stats = {"index_choice": slots_TJ} if sparse and not shared else {}
     if train_index and blocks:  # each kv head's heads' attention over its chosen blocks, the indexer's loss against it
         with torch.no_grad():
-            p_NTS = _attention_probs(q_NTD, k_GTD, keep_GTS.repeat_interleave(r, dim=0), softmax_scale(cfg))
-            target_GTJ = block_index_target(p_NTS, chosen_GTJ, kv_pos, cfg)
+            if block_kernel:  # each slot's probability summed over the heads, then over each block's slots
+                target_GTJ = _blocks_target_by_kernel(q_NTD, k_GTD, v_GTD, slots_GTJ, lse_TN, cfg)
+            else:
+                p_NTS = _attention_probs(q_NTD, k_GTD, keep_GTS.repeat_interleave(r, dim=0), softmax_scale(cfg))
+                target_GTJ = block_index_target(p_NTS, chosen_GTJ, kv_pos, cfg)
         cp = ctx.gather_kv is not None  # under context parallel this rank's share: its queries' sum over the micro-batch's count
         stats["index_loss"] = block_index_loss(x.detach(), index_k_SD, mask, chosen_GTJ, target_GTJ, kv_pos, params, cfg, ctx,
                                                n_queries=mask.shape[1] if cp else x.shape[0])
@@ -2260,47 +2277,109 @@ def _block_scores(q_BND: torch.Tensor, k_SD: torch.Tensor, seen_BS: torch.Tensor
     return s_BNS.new_full((B, Ni, n_blocks), float("-inf")).scatter_reduce(-1, blk_S.expand(B, Ni, -1), s_BNS, "amax")
 
 
-def block_index_keep(q_TND: torch.Tensor, k_SD: torch.Tensor, mask_TS: torch.Tensor, q_pos: torch.Tensor, kv_pos: torch.Tensor,
-                     cfg: AttentionConfig, rows: int = 1 << 26) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block-sparse attention's choice: (keep [index_heads, T, S] bool, which keys each
-    query's heads of kv head g attend to; chosen [index_heads, T, J] int64, the blocks, best
-    first, -1 in a slot left empty; J = min(index_topk_blocks, ceil(S / index_block_size))).
-    Indexer queries q [T, Ni, Di] (block_index_qk's) score keys k [S, Di] by q . k
-    (float32); key s lies in block kv_pos[s] // index_block_size (kv_pos [S]: its place in
-    its document, document_offsets), query t's own block is q_pos[t] // index_block_size
-    (q_pos [T] alike). A block's score for query t and head g is the largest score of its
-    keys that mask [T, S] lets t see (-inf: none); the index_local_blocks blocks ending at
-    t's own score +inf; t's head g keeps the mask's keys in its index_topk_blocks best blocks
-    (equal scores: the earlier block first; blocks of no visible key never). Queries are
-    taken in groups whose [group, Ni, S] scores hold about `rows` floats. No host sync."""
+def _mask_rows(mask_TS, b: slice) -> torch.Tensor:
+    """Rows b of a dense mask [T, S] or of MaskRows' rule, as [len(b), S] bool."""
+    return mask_TS.rows(b) if isinstance(mask_TS, MaskRows) else mask_TS[b]
+
+
+def block_index_choice(q_TND: torch.Tensor, k_SD: torch.Tensor, mask_TS, q_pos: torch.Tensor, kv_pos: torch.Tensor, cfg: AttentionConfig,
+                       rows: int = 1 << 26) -> torch.Tensor:
+    """Block-sparse attention's choice of blocks: [index_heads, T, J] int64, each query's and
+    indexer head's blocks, best first, -1 in a slot left empty; J = min(index_topk_blocks,
+    ceil(S / index_block_size)). Indexer queries q [T, Ni, Di] (block_index_qk's) score keys
+    k [S, Di] by q . k (float32); key s lies in block kv_pos[s] // index_block_size (kv_pos
+    [S]: its place in its document, document_offsets), query t's own block is q_pos[t] //
+    index_block_size (q_pos [T] alike). A block's score for query t and head g is the largest
+    score of its keys that mask [T, S] (a bool tensor or MaskRows) lets t see (-inf: none);
+    the index_local_blocks blocks ending at t's own score +inf; the index_topk_blocks best
+    are chosen (equal scores: the earlier block first; blocks of no visible key never).
+    Queries are taken in groups whose [group, Ni, S] scores hold about `rows` floats. No host
+    sync."""
     T, S = mask_TS.shape
     Ni, bs, L = q_TND.shape[1], cfg.index_block_size, cfg.index_local_blocks
     n_blocks = -(-S // bs)  # positions are below S: a key's position is at most its column
     J = min(cfg.index_topk_blocks, n_blocks)
     blk_S = (kv_pos.long() // bs).clamp(max=n_blocks - 1)
-    keep_NTS = torch.empty(Ni, T, S, dtype=torch.bool, device=mask_TS.device)
-    chosen_NTJ = torch.empty(Ni, T, J, dtype=torch.int64, device=mask_TS.device)
+    chosen_NTJ = torch.empty(Ni, T, J, dtype=torch.int64, device=q_TND.device)
     step = max(1, rows // max(1, Ni * S))
     for t0 in range(0, T, step):
         b = slice(t0, t0 + step)
-        seen_BS = mask_TS[b]
-        B = seen_BS.shape[0]
-        best_BNK = _block_scores(q_TND[b], k_SD, seen_BS, blk_S, n_blocks)
+        best_BNK = _block_scores(q_TND[b], k_SD, _mask_rows(mask_TS, b), blk_S, n_blocks)
+        B = best_BNK.shape[0]
         if L:  # the blocks ending at the query's own: always chosen
             own_B = (q_pos[b].long() // bs).clamp(max=n_blocks - 1)
             local_BL = (own_B[:, None] - torch.arange(L, device=own_B.device)).clamp(min=0)
             best_BNK = best_BNK.scatter(-1, local_BL[:, None, :].expand(B, Ni, L), float("inf"))
         top = torch.sort(best_BNK, dim=-1, descending=True, stable=True)
-        chosen_BNJ = torch.where(top.values[..., :J] > float("-inf"), top.indices[..., :J], -1)
-        picked_BNK = torch.zeros(B, Ni, n_blocks + 1, dtype=torch.bool, device=mask_TS.device).scatter_(-1, chosen_BNJ % (n_blocks + 1), True)
-        keep_NTS[:, b] = (picked_BNK.gather(-1, blk_S.expand(B, Ni, S)) & seen_BS[:, None, :]).transpose(0, 1)
-        chosen_NTJ[:, b] = chosen_BNJ.transpose(0, 1)
-    return keep_NTS, chosen_NTJ
+        chosen_NTJ[:, b] = torch.where(top.values[..., :J] > float("-inf"), top.indices[..., :J], -1).transpose(0, 1)
+    return chosen_NTJ
+
+
+def block_index_keep(chosen_NTJ: torch.Tensor, kv_pos: torch.Tensor, mask_TS: torch.Tensor, cfg: AttentionConfig) -> torch.Tensor:
+    """[index_heads, T, S] bool: the keys each query's heads of kv head g attend to, those of
+    the mask [T, S] in its chosen blocks (block_index_choice's chosen [Ni, T, J], -1: none;
+    kv_pos [S], document_offsets'): the dense reference's mask."""
+    Ni, T, J = chosen_NTJ.shape
+    S = mask_TS.shape[1]
+    n_blocks = -(-S // cfg.index_block_size)
+    blk_S = (kv_pos.long() // cfg.index_block_size).clamp(max=n_blocks - 1)
+    picked_NTK = torch.zeros(Ni, T, n_blocks + 1, dtype=torch.bool, device=chosen_NTJ.device).scatter_(-1, chosen_NTJ % (n_blocks + 1), True)
+    return picked_NTK.gather(-1, blk_S.expand(Ni, T, S)) & mask_TS
+
+
+def block_index_slots(chosen_NTJ: torch.Tensor, q_pos: torch.Tensor, doc_start: torch.Tensor, key_order: Optional[torch.Tensor],
+                      cfg: AttentionConfig) -> torch.Tensor:
+    """[index_heads, T, J index_block_size] int64: the keys of each query's chosen blocks as
+    the mask's columns, -1 past the query (or in an empty slot): the sparse kernel's index.
+    The key at place p of query t's document is global token doc_start[t] + p (doc_start [T]:
+    the query's document's first token, q_pos [T] its place there), column key_order[that]
+    under context parallel and in decoding (AttentionContext.key_order), that itself
+    otherwise."""
+    bs = cfg.index_block_size
+    offsets_NTJB = chosen_NTJ[..., None] * bs + torch.arange(bs, device=chosen_NTJ.device)
+    live = (chosen_NTJ[..., None] >= 0) & (offsets_NTJB <= q_pos.long()[None, :, None, None])
+    token_NTJB = (doc_start.long()[None, :, None, None] + offsets_NTJB).clamp(min=0)
+    if key_order is not None:
+        token_NTJB = key_order[token_NTJB.clamp(max=key_order.shape[0] - 1)]
+    return torch.where(live, token_NTJB, -1).flatten(2)
+
+
+def _blocks_by_kernel(q_NTD, k_GSD, v_GSD, slots_GTJ, cfg: AttentionConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-sparse attention by fmoe.ops.sparse_attention, kv head by kv head: its r query
+    heads (zeros before each, where the rows hold the values) over rows [v | k] of the keys
+    its slots [T, J] name. -> (out [N, T, Dv], lse [T, N])."""
+    G, Dv = k_GSD.shape[0], v_GSD.shape[-1]
+    r = q_NTD.shape[0] // G
+    outs, lses = [], []
+    for g in range(G):
+        q_TRD = rearrange(q_NTD[g * r:(g + 1) * r], "r t d -> t r d")
+        q_TRC = torch.cat([q_TRD.new_zeros(*q_TRD.shape[:2], Dv), q_TRD], dim=-1)
+        o_TRV, lse_TR = sparse_attention(q_TRC, torch.cat([v_GSD[g], k_GSD[g]], dim=-1), slots_GTJ[g], v_dim=Dv, scale=softmax_scale(cfg),
+                                         check=False, impl=cfg.impl)
+        outs.append(rearrange(o_TRV, "t r v -> r t v"))
+        lses.append(lse_TR)
+    return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+def _blocks_target_by_kernel(q_NTD, k_GSD, v_GSD, slots_GTJ, lse_TN, cfg: AttentionConfig) -> torch.Tensor:
+    """block_index_target on the kernel's path: each slot's probability summed over kv head g's
+    heads (fmoe.ops.sparse_attention_probs, from the forward's lse), then over each chosen
+    block's slots -> [G, T, J blocks]."""
+    G, Dv, bs = k_GSD.shape[0], v_GSD.shape[-1], cfg.index_block_size
+    r = q_NTD.shape[0] // G
+    out = []
+    for g in range(G):
+        q_TRD = rearrange(q_NTD[g * r:(g + 1) * r], "r t d -> t r d")
+        q_TRC = torch.cat([q_TRD.new_zeros(*q_TRD.shape[:2], Dv), q_TRD], dim=-1)
+        p_TJ = sparse_attention_probs(q_TRC, torch.cat([v_GSD[g], k_GSD[g]], dim=-1), slots_GTJ[g], lse_TN[:, g * r:(g + 1) * r].contiguous(),
+                                      v_dim=Dv, scale=softmax_scale(cfg), impl=cfg.impl)
+        out.append(p_TJ.view(p_TJ.shape[0], -1, bs).sum(-1))
+    return torch.stack(out)
 
 
 def block_index_target(p_NTS: torch.Tensor, chosen_GTJ: torch.Tensor, kv_pos: torch.Tensor, cfg: AttentionConfig) -> torch.Tensor:
     """[G, T, J]: block-sparse attention's distribution over each query's chosen blocks
-    (block_index_keep's chosen [G, T, J], -1: none) per kv head: its heads' attention
+    (block_index_choice's chosen [G, T, J], -1: none) per kv head: its heads' attention
     probabilities p [N, T, S] (N = G r; the heads of kv head g the r from g r) summed over
     each block's keys (kv_pos [S], document_offsets') and over the r heads, 0 in an empty
     slot (the indexer loss's target; no gradient)."""
@@ -2343,7 +2422,7 @@ def block_index_loss(x_TH: torch.Tensor, k_SD: torch.Tensor, mask_TS: torch.Tens
     total = 0.0
     for t0 in range(0, T, step):
         b = slice(t0, t0 + step)
-        total = total + checkpoint(fn, x_TH[b], k_SD, mask_TS[b], chosen_GTJ[:, b].transpose(0, 1), target_GTJ[:, b].transpose(0, 1),
+        total = total + checkpoint(fn, x_TH[b], k_SD, _mask_rows(mask_TS, b), chosen_GTJ[:, b].transpose(0, 1), target_GTJ[:, b].transpose(0, 1),
                                    ctx.cos[b], ctx.sin[b], use_reentrant=False)
     return total / n_queries
 

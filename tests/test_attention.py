@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from fmoe.layers import AttentionConfig, AttentionContext, alibi_slopes, attention, attention_context, document_mask, rope_tables, softmax_scale
+from fmoe.layers import AttentionConfig, AttentionContext, MaskRows, alibi_slopes, attention, attention_context, document_mask, rope_tables, softmax_scale
 from fmoe.ops import apply_rope, positions_from_cu_seqlens, yarn_mscale
 
 H = 32
@@ -1621,15 +1621,45 @@ def test_block_sparse_attention_matches_per_token_loop(knobs):
         assert _rel(y, full) > 1e-2 and _rel(attention(x, p, every, _ctx(cu, every))[0], full) < 1e-6
 
 
+@pytest.mark.parametrize("knobs", [dict(index_loss=True), dict(index_local_blocks=0, index_topk_blocks=1, index_block_size=4),
+                                   dict(index_topk_blocks=3, index_block_size=2, index_local_blocks=2, index_loss=True)],
+                         ids=["m3-loss", "one-block", "three-of-pairs-loss"])
+def test_block_sparse_attention_on_the_sparse_kernel_matches_the_reference(knobs):
+    """Where Triton runs (the interpreter here) each query's heads attend to the keys of their
+    chosen blocks alone, through fmoe.ops.sparse_attention kv head by kv head over rows
+    [v | k] named by block_index_slots, the context's mask kept as its rule (MaskRows): the
+    output, the indexer's loss and every gradient (the weights', the tokens', the indexer's)
+    equal the dense reference's."""
+    cfg = dataclasses.replace(BLOCKS, **knobs)
+    p = {n: t.detach().requires_grad_() for n, t in _block_params(cfg).items()}
+    x, cu = torch.randn(17, H, requires_grad=True), torch.tensor([0, 5, 6, 17], dtype=torch.int32)
+    upstream, out = torch.randn(17, H), {}
+    for impl in ("torch", "triton"):
+        c = dataclasses.replace(cfg, impl=impl)
+        ctx = _ctx(cu, c)
+        assert isinstance(ctx.mask, MaskRows) == (impl == "triton")
+        y, stats = attention(x, p, c, ctx)
+        loss = stats["index_loss"] if cfg.index_loss else 0.0
+        out[impl] = (y, *torch.autograd.grad((y * upstream).sum() + loss, [x, *p.values()], allow_unused=True))
+    for name, a, b in zip(["y", "x", *p], out["triton"], out["torch"]):
+        if name.startswith("index_") and not cfg.index_loss:  # nothing differentiates the indexer without its loss
+            assert a is None and b is None, name
+        else:
+            assert _rel(a, b) < 1e-5, name
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
 @pytest.mark.parametrize("cp", [2, 4])
-def test_block_sparse_attention_under_context_parallel_counts_blocks_per_document(cp):
+def test_block_sparse_attention_under_context_parallel_counts_blocks_per_document(cp, impl):
     """Under context parallel a rank's queries choose among every rank's keys: the indexer's
     keys travel beside the kv heads' through gather_kv, each key's block is counted from its
-    document's start (cu_seqlens and kv_index), and each rank's rows are the whole batch's."""
+    document's start (cu_seqlens and kv_index), and each rank's rows are the whole batch's;
+    on the sparse kernel too (the chosen blocks' keys found among the gathered rows by the
+    context's key_order)."""
     from fmoe.parallel import cp_kv_index, cp_token_index
 
     cu = torch.tensor([0, 3, 4, 13, 21, 24], dtype=torch.int32)
-    cfg = dataclasses.replace(BLOCKS, index_block_size=2)
+    cfg = dataclasses.replace(BLOCKS, index_block_size=2, impl=impl)
     p = _block_params(cfg)
     x, T = torch.randn(24, H), 24
     positions, kv_index = positions_from_cu_seqlens(cu), cp_kv_index(T, cp)

@@ -2058,6 +2058,8 @@ DECODED = {
     "alibi": VARIANTS["alibi"],
     # MiniMax-M3's: block-sparse attention in blocks 1 and 2, the indexer's keys cached beside the kv heads' (4 channels each)
     "minimax-m3": dataclasses.replace(MINIMAX_M3, mtp_depth=0),
+    # ...on the sparse kernel (the interpreter here; CUDA's "auto"): each query over the cache's rows of its chosen blocks
+    "minimax-m3, sparse kernel": dataclasses.replace(MINIMAX_M3, mtp_depth=0, impl="triton"),
     "alibi, scaled, six heads": dataclasses.replace(TINY, alibi=True, alibi_scaled=True, n_heads=6),
     "post-norm": VARIANTS["post-norm"],
     "llama4": dataclasses.replace(VARIANTS["llama4"], mtp_depth=0, llama3_factor=4.0, llama3_original_max_positions=16),

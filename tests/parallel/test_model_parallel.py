@@ -489,6 +489,9 @@ CASES = {
     # cp split, the indexer's keys gathered beside the kv heads' and every key's block counted from its document's start
     "tp2-minimax-m3": (2, dict(tp=2), MINIMAX_M3),
     "cp2-minimax-m3": (2, dict(cp=2), MINIMAX_M3),
+    # ...on the sparse kernel (impl "triton", the interpreter here; CUDA's "auto"): each rank's queries over the gathered keys of
+    # their chosen blocks, the mask kept as its rule
+    "cp2-minimax-m3-kernel": (2, dict(cp=2), dict(MINIMAX_M3, impl="triton")),
     # Nemotron-H's (NEMOTRON_H): a block without an MLP beside the split heads and groups
     "tp2-nemotron_h": (2, dict(tp=2), NEMOTRON_H),
     # Nemotron-H-47B's MLP layer alone: block 2 without a mixer, the last block of the tp region
