@@ -19,6 +19,7 @@
 #     bash benchmarks/gpu_lease.sh m    # the scan's chunk kernels: their gpu tests, bench_scan, Jamba's and Falcon-H1's compiled steps (not yet run)
 #     bash benchmarks/gpu_lease.sh n    # where the hyper-connections' time goes (bench_hyper_connections profiled) and the scan's (bench_scan profiled)
 #                                       # (part h's gpu tests include GeGLU's kernels at a real shape; bench_moe_layer, parts a, c, f, its GeGLU rows)
+#     bash benchmarks/gpu_lease.sh o    # MiniMax-M3's block-sparse attention: its gpu test, bench_block_sparse (not yet run)
 #
 # What comes back is written to $OUT (the device tool's folder; gpu_out/ elsewhere), at most
 # 8 files: RESULTS.md (run_all.py's sections, to append to benchmarks/RESULTS.md), log.txt,
@@ -169,8 +170,17 @@ n)
     bench --only bench_hyper_connections --timeout 150 --profile
     bench --only bench_scan --timeout 200 --profile --extra="--impls fused,eager"
     ;;
+o)
+    # block-sparse attention (MiniMax-M3's): CUDA's SDPA under the block mask against the CPU layer, then the layer on the
+    # sparse kernel against that dense reference and plain full attention at one tp = 4 rank's shapes, T = 8192 and 32768
+    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-ra --durations=5" \
+        tests/test_attention.py::test_gpu_block_sparse_attention_matches_the_cpu_layer > "$OUT/gpu_tests.log" 2>&1
+    echo "gpu tests (block-sparse attention): exit $?"
+    grep -E "passed|failed|^FAILED|^ERROR|^E  " "$OUT/gpu_tests.log" | tail -20
+    bench --only bench_block_sparse --timeout 240
+    ;;
 *)
-    echo "usage: bash benchmarks/gpu_lease.sh a|b|c|e|f|g|h|i|j|k|l|m|n" >&2
+    echo "usage: bash benchmarks/gpu_lease.sh a|b|c|e|f|g|h|i|j|k|l|m|n|o" >&2
     exit 2
     ;;
 esac

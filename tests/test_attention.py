@@ -1719,8 +1719,8 @@ def test_block_sparse_attention_bad_knobs_and_inputs():
 def test_gpu_block_sparse_attention_matches_the_cpu_layer():
     """Block-sparse attention on CUDA (MiniMax-M3's heads, 4 kv heads, blocks of 128, 4 of them
     chosen, over 4096 tokens in 3 documents; float32, so the choice is the same) gives the CPU
-    layer's output and gradients: the dense reference under a [kv heads, 1, T, S] mask through
-    CUDA's SDPA."""
+    layer's output and gradients, both ways: the dense reference under a [kv heads, 1, T, S]
+    mask through CUDA's SDPA, and the compiled sparse kernel over each query's chosen blocks."""
     cfg = AttentionConfig(n_heads=16, n_kv_heads=4, head_dim=128, rot_dim=64, index_topk_blocks=4, index_block_size=128, index_heads=4,
                           index_head_dim=128, impl="torch")
     Hg, g = 512, torch.Generator().manual_seed(3)
@@ -1730,13 +1730,15 @@ def test_gpu_block_sparse_attention_matches_the_cpu_layer():
     x, cu = torch.randn(4096, Hg, generator=g), torch.tensor([0, 1000, 1001, 4096], dtype=torch.int32)
     upstream = torch.randn(4096, Hg, generator=g)
     outs = []
-    for device in ("cpu", "cuda"):
+    for device, impl in (("cpu", "torch"), ("cuda", "torch"), ("cuda", "triton")):
         q = {n: t.to(device).requires_grad_(not n.startswith("index_")) for n, t in p.items()}
-        y, _ = attention(x.to(device), q, cfg, _ctx(cu.to(device), cfg))
+        c = dataclasses.replace(cfg, impl=impl)
+        y, _ = attention(x.to(device), q, c, _ctx(cu.to(device), c))
         grads = torch.autograd.grad(y, [t for t in q.values() if t.requires_grad], upstream.to(device))
         outs.append([y.cpu(), *(t.cpu() for t in grads)])
-    for a, b in zip(*outs):
-        assert _rel(b, a) < 1e-4
+    for cuda in outs[1:]:
+        for a, b in zip(outs[0], cuda):
+            assert _rel(b, a) < 1e-4
 
 
 def _loop_block_index_loss(x, p, cfg, cu):
