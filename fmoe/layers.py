@@ -2344,17 +2344,22 @@ def block_index_slots(chosen_NTJ: torch.Tensor, q_pos: torch.Tensor, doc_start: 
     return torch.where(live, token_NTJB, -1).flatten(2)
 
 
-def _blocks_by_kernel(q_NTD, k_GSD, v_GSD, slots_GTJ, cfg: AttentionConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block-sparse attention by fmoe.ops.sparse_attention, kv head by kv head: its r query
-    heads (zeros before each, where the rows hold the values) over rows [v | k] of the keys
-    its slots [T, J] name. -> (out [N, T, Dv], lse [T, N])."""
+def _kernel_operands(q_NTD, k_GSD, v_GSD, g: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv head g's operands of fmoe.ops.sparse_attention: its r query heads [T, r, Dv + D]
+    (zeros first, where the rows hold the values) and the rows [v | k] [S, Dv + D]."""
     G, Dv = k_GSD.shape[0], v_GSD.shape[-1]
     r = q_NTD.shape[0] // G
+    q_TRD = rearrange(q_NTD[g * r:(g + 1) * r], "r t d -> t r d")
+    return torch.cat([q_TRD.new_zeros(*q_TRD.shape[:2], Dv), q_TRD], dim=-1), torch.cat([v_GSD[g], k_GSD[g]], dim=-1)
+
+
+def _blocks_by_kernel(q_NTD, k_GSD, v_GSD, slots_GTJ, cfg: AttentionConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-sparse attention by fmoe.ops.sparse_attention, kv head by kv head: its query heads
+    over the rows [v | k] of the keys its slots [T, J] name (_kernel_operands). -> (out
+    [N, T, Dv], lse [T, N])."""
     outs, lses = [], []
-    for g in range(G):
-        q_TRD = rearrange(q_NTD[g * r:(g + 1) * r], "r t d -> t r d")
-        q_TRC = torch.cat([q_TRD.new_zeros(*q_TRD.shape[:2], Dv), q_TRD], dim=-1)
-        o_TRV, lse_TR = sparse_attention(q_TRC, torch.cat([v_GSD[g], k_GSD[g]], dim=-1), slots_GTJ[g], v_dim=Dv, scale=softmax_scale(cfg),
+    for g in range(k_GSD.shape[0]):
+        o_TRV, lse_TR = sparse_attention(*_kernel_operands(q_NTD, k_GSD, v_GSD, g), slots_GTJ[g], v_dim=v_GSD.shape[-1], scale=softmax_scale(cfg),
                                          check=False, impl=cfg.impl)
         outs.append(rearrange(o_TRV, "t r v -> r t v"))
         lses.append(lse_TR)
@@ -2365,15 +2370,13 @@ def _blocks_target_by_kernel(q_NTD, k_GSD, v_GSD, slots_GTJ, lse_TN, cfg: Attent
     """block_index_target on the kernel's path: each slot's probability summed over kv head g's
     heads (fmoe.ops.sparse_attention_probs, from the forward's lse), then over each chosen
     block's slots -> [G, T, J blocks]."""
-    G, Dv, bs = k_GSD.shape[0], v_GSD.shape[-1], cfg.index_block_size
+    G = k_GSD.shape[0]
     r = q_NTD.shape[0] // G
     out = []
     for g in range(G):
-        q_TRD = rearrange(q_NTD[g * r:(g + 1) * r], "r t d -> t r d")
-        q_TRC = torch.cat([q_TRD.new_zeros(*q_TRD.shape[:2], Dv), q_TRD], dim=-1)
-        p_TJ = sparse_attention_probs(q_TRC, torch.cat([v_GSD[g], k_GSD[g]], dim=-1), slots_GTJ[g], lse_TN[:, g * r:(g + 1) * r].contiguous(),
-                                      v_dim=Dv, scale=softmax_scale(cfg), impl=cfg.impl)
-        out.append(p_TJ.view(p_TJ.shape[0], -1, bs).sum(-1))
+        p_TJ = sparse_attention_probs(*_kernel_operands(q_NTD, k_GSD, v_GSD, g), slots_GTJ[g], lse_TN[:, g * r:(g + 1) * r].contiguous(),
+                                      v_dim=v_GSD.shape[-1], scale=softmax_scale(cfg), impl=cfg.impl)
+        out.append(p_TJ.view(p_TJ.shape[0], -1, cfg.index_block_size).sum(-1))
     return torch.stack(out)
 
 
