@@ -2268,6 +2268,13 @@ def document_offsets(ctx: AttentionContext, index: Optional[torch.Tensor], n: in
     return index - cu[doc]
 
 
+def _key_blocks(kv_pos: torch.Tensor, cfg: AttentionConfig) -> tuple[torch.Tensor, int]:
+    """(each key's block [S], kv_pos // index_block_size; the blocks' count, ceil(S /
+    index_block_size): a key's place in its document is at most its column)."""
+    n_blocks = -(-kv_pos.shape[0] // cfg.index_block_size)
+    return (kv_pos.long() // cfg.index_block_size).clamp(max=n_blocks - 1), n_blocks
+
+
 def _block_scores(q_BND: torch.Tensor, k_SD: torch.Tensor, seen_BS: torch.Tensor, blk_S: torch.Tensor, n_blocks: int) -> torch.Tensor:
     """[B, Ni, n_blocks] float32: each block's largest q . k of the keys seen [B, S] lets
     each query see (-inf: none), keys in blocks blk_S [S]; differentiable (the largest's
@@ -2297,9 +2304,8 @@ def block_index_choice(q_TND: torch.Tensor, k_SD: torch.Tensor, mask_TS, q_pos: 
     sync."""
     T, S = mask_TS.shape
     Ni, bs, L = q_TND.shape[1], cfg.index_block_size, cfg.index_local_blocks
-    n_blocks = -(-S // bs)  # positions are below S: a key's position is at most its column
+    blk_S, n_blocks = _key_blocks(kv_pos, cfg)
     J = min(cfg.index_topk_blocks, n_blocks)
-    blk_S = (kv_pos.long() // bs).clamp(max=n_blocks - 1)
     chosen_NTJ = torch.empty(Ni, T, J, dtype=torch.int64, device=q_TND.device)
     step = max(1, rows // max(1, Ni * S))
     for t0 in range(0, T, step):
@@ -2321,8 +2327,7 @@ def block_index_keep(chosen_NTJ: torch.Tensor, kv_pos: torch.Tensor, mask_TS: to
     kv_pos [S], document_offsets'): the dense reference's mask."""
     Ni, T, J = chosen_NTJ.shape
     S = mask_TS.shape[1]
-    n_blocks = -(-S // cfg.index_block_size)
-    blk_S = (kv_pos.long() // cfg.index_block_size).clamp(max=n_blocks - 1)
+    blk_S, n_blocks = _key_blocks(kv_pos, cfg)
     picked_NTK = torch.zeros(Ni, T, n_blocks + 1, dtype=torch.bool, device=chosen_NTJ.device).scatter_(-1, chosen_NTJ % (n_blocks + 1), True)
     return picked_NTK.gather(-1, blk_S.expand(Ni, T, S)) & mask_TS
 
@@ -2388,19 +2393,17 @@ def block_index_target(p_NTS: torch.Tensor, chosen_GTJ: torch.Tensor, kv_pos: to
     slot (the indexer loss's target; no gradient)."""
     G, T, J = chosen_GTJ.shape
     S = p_NTS.shape[-1]
-    n_blocks = -(-S // cfg.index_block_size)
-    blk_S = (kv_pos.long() // cfg.index_block_size).clamp(max=n_blocks - 1)
+    blk_S, n_blocks = _key_blocks(kv_pos, cfg)
     p_GTS = p_NTS.float().view(G, -1, T, S).sum(1)
     mass_GTK = p_GTS.new_zeros(G, T, n_blocks).scatter_add_(-1, blk_S.expand(G, T, S), p_GTS)
     return mass_GTK.gather(-1, chosen_GTJ.clamp(min=0)) * (chosen_GTJ >= 0)
 
 
-def _block_loss_block(x_BH, k_SD, seen_BS, chosen_BNJ, target_BNJ, cos_BR, sin_BR, blk_S, params, cfg: AttentionConfig) -> torch.Tensor:
+def _block_loss_block(x_BH, k_SD, seen_BS, chosen_BNJ, target_BNJ, cos_BR, sin_BR, blk_S, n_blocks: int, params, cfg: AttentionConfig) -> torch.Tensor:
     """A group of queries' block-sparse indexer loss, summed over them and their heads: each
     query's and head's KL divergence over its chosen blocks, of the indexer's softmax over
     their scores (the largest q . k of each, / sqrt(index_head_dim)) from the attention's."""
     q_BND, _ = block_index_qk(x_BH, params, cfg, cos_BR, sin_BR, keys=False)
-    n_blocks = -(-k_SD.shape[0] // cfg.index_block_size)
     best_BNK = _block_scores(q_BND, k_SD, seen_BS, blk_S, n_blocks) * cfg.index_head_dim ** -0.5
     scores_BNJ = best_BNK.gather(-1, chosen_BNJ.clamp(min=0))
     return index_loss(scores_BNJ.flatten(0, 1), target_BNJ.flatten(0, 1), (chosen_BNJ >= 0).flatten(0, 1), n_queries=1)
@@ -2418,10 +2421,9 @@ def block_index_loss(x_TH: torch.Tensor, k_SD: torch.Tensor, mask_TS: torch.Tens
     giving its share). Its gradient reaches the indexer's weights alone. Queries in groups
     whose [group, G, S] scores hold about `rows` floats, each recomputed in the backward."""
     T, S = mask_TS.shape
-    n_blocks = -(-S // cfg.index_block_size)
-    blk_S = (kv_pos.long() // cfg.index_block_size).clamp(max=n_blocks - 1)
+    blk_S, n_blocks = _key_blocks(kv_pos, cfg)
     step = max(1, rows // max(1, cfg.index_heads * S))
-    fn = functools.partial(_block_loss_block, blk_S=blk_S, params=params, cfg=cfg)
+    fn = functools.partial(_block_loss_block, blk_S=blk_S, n_blocks=n_blocks, params=params, cfg=cfg)
     total = 0.0
     for t0 in range(0, T, step):
         b = slice(t0, t0 + step)

@@ -1559,36 +1559,54 @@ def _without_blocks(cfg):
     return dataclasses.replace(cfg, index_topk_blocks=None, index_block_size=128, index_local_blocks=1, index_heads=64, index_head_dim=128)
 
 
+def _loop_indexer(x, p, cfg, cu):
+    """The indexer's queries [T, G, Di] and keys [T, Di] written out (RMS norms of gain w, or
+    1 + w with zero_centered_norms; RoPE as the heads'), and the RoPE tables (cos, sin)."""
+    T, G, Di = x.shape[0], cfg.n_kv_heads, cfg.index_head_dim
+    cos, sin = rope_tables(positions_from_cu_seqlens(cu), cfg)
+    zc = 1.0 if cfg.zero_centered_norms else 0.0
+
+    def rms(t, w):
+        return t / (t.square().mean(-1, keepdim=True) + cfg.norm_eps).sqrt() * (w + zc)
+
+    iq = apply_rope(rms((x @ p["index_wq"]).view(T, G, Di), p["index_q_norm"]), cos, sin, impl="torch")
+    ik = apply_rope(rms((x @ p["index_wk"])[:, None], p["index_k_norm"]), cos, sin, impl="torch")[:, 0]
+    return iq, ik, cos, sin
+
+
+def _loop_choice(iq, ik, t, a, g, cfg):
+    """Query t's (of the document starting at a) blocks for indexer head g: (each block's best
+    q . k over its keys up to t [own + 1], differentiable; the chosen blocks: the
+    index_local_blocks ending at its own first, then the best, the earlier on a tie)."""
+    bs = cfg.index_block_size
+    own = (t - a) // bs
+    best = torch.stack([torch.stack([iq[t, g] @ ik[s] for s in range(a + blk * bs, min(a + (blk + 1) * bs, t + 1))]).max()
+                        for blk in range(own + 1)])
+    rank = best.detach().tolist()
+    for back in range(cfg.index_local_blocks):
+        rank[max(own - back, 0)] = math.inf
+    return best, sorted(range(own + 1), key=lambda blk: (-rank[blk], blk))[:cfg.index_topk_blocks]
+
+
 def _loop_block_attention(x, p, cfg, cu):
     """Block-sparse attention query by query, kv head by kv head, each document on its own:
     the indexer's query of head g against every earlier key of the document, the best score of
     each block of index_block_size positions, the index_local_blocks blocks ending at the
     query's own first, then the best (the earlier block on a tie), index_topk_blocks in all;
     the heads of g attend to those blocks' earlier keys alone."""
-    T, (N, G, D), (Di, bs) = x.shape[0], (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim), (cfg.index_head_dim, cfg.index_block_size)
-    positions = positions_from_cu_seqlens(cu)
-    cos, sin = rope_tables(positions, cfg)
-    zc = 1.0 if cfg.zero_centered_norms else 0.0
-
-    def rms(t, w):
-        return t / (t.square().mean(-1, keepdim=True) + cfg.norm_eps).sqrt() * (w + zc)
-
+    T, (N, G, D), bs = x.shape[0], (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim), cfg.index_block_size
+    with torch.no_grad():
+        iq, ik, cos, sin = _loop_indexer(x, p, cfg, cu)
     q, k, v = (apply_rope((x @ p[w]).view(T, n, D), cos, sin, impl="torch") if w != "wv" else (x @ p[w]).view(T, n, D)
                for w, n in (("wq", N), ("wk", G), ("wv", G)))
-    with torch.no_grad():
-        iq = apply_rope(rms((x @ p["index_wq"]).view(T, G, Di), p["index_q_norm"]), cos, sin, impl="torch")
-        ik = apply_rope(rms((x @ p["index_wk"])[:, None], p["index_k_norm"]), cos, sin, impl="torch")[:, 0]
     rows = []
     bounds = cu.tolist()
     for a, b in zip(bounds[:-1], bounds[1:]):
         for t in range(a, b):
-            own = (t - a) // bs
             heads = []
             for g in range(G):
-                best = [max(float(iq[t, g] @ ik[s]) for s in range(a + blk * bs, min(a + (blk + 1) * bs, t + 1))) for blk in range(own + 1)]
-                for back in range(cfg.index_local_blocks):
-                    best[max(own - back, 0)] = math.inf
-                chosen = sorted(range(own + 1), key=lambda blk: (-best[blk], blk))[:cfg.index_topk_blocks]
+                with torch.no_grad():
+                    _, chosen = _loop_choice(iq, ik, t, a, g, cfg)
                 keys = torch.tensor([s for s in range(a, t + 1) if (s - a) // bs in chosen])
                 for h in range(g * (N // G), (g + 1) * (N // G)):
                     weights = torch.softmax((k[keys, g] @ q[t, h]) * softmax_scale(cfg), dim=0)
@@ -1747,29 +1765,16 @@ def _loop_block_index_loss(x, p, cfg, cu):
     softmax over the chosen blocks' best q . k / sqrt(index_head_dim), differentiable in the
     indexer's weights; KL summed over the kv heads, averaged over the queries."""
     T, (N, G, D), (Di, bs) = x.shape[0], (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim), (cfg.index_head_dim, cfg.index_block_size)
-    positions = positions_from_cu_seqlens(cu)
-    cos, sin = rope_tables(positions, cfg)
-
-    def rms(t, w):
-        return t / (t.square().mean(-1, keepdim=True) + cfg.norm_eps).sqrt() * w
-
+    iq, ik, cos, sin = _loop_indexer(x, p, cfg, cu)
     with torch.no_grad():
         q = apply_rope((x @ p["wq"]).view(T, N, D), cos, sin, impl="torch")
         k = apply_rope((x @ p["wk"]).view(T, G, D), cos, sin, impl="torch")
-    iq = apply_rope(rms((x @ p["index_wq"]).view(T, G, Di), p["index_q_norm"]), cos, sin, impl="torch")
-    ik = apply_rope(rms((x @ p["index_wk"])[:, None], p["index_k_norm"]), cos, sin, impl="torch")[:, 0]
     total = 0.0
     bounds = cu.tolist()
     for a, b in zip(bounds[:-1], bounds[1:]):
         for t in range(a, b):
-            own = (t - a) // bs
             for g in range(G):
-                best = torch.stack([torch.stack([iq[t, g] @ ik[s] for s in range(a + blk * bs, min(a + (blk + 1) * bs, t + 1))]).max()
-                                    for blk in range(own + 1)])
-                rank = best.detach().tolist()
-                for back in range(cfg.index_local_blocks):
-                    rank[max(own - back, 0)] = math.inf
-                chosen = sorted(range(own + 1), key=lambda blk: (-rank[blk], blk))[:cfg.index_topk_blocks]
+                best, chosen = _loop_choice(iq, ik, t, a, g, cfg)
                 keys = [s for s in range(a, t + 1) if (s - a) // bs in chosen]
                 with torch.no_grad():
                     mass = torch.zeros(len(chosen))
