@@ -1218,20 +1218,9 @@ def test_forward_and_backward_read_nothing_on_the_host(cfg):
     assert reads.count == 0, reads.sites
 
 
-@pytest.mark.parametrize("name", ["full", "dsa", "mhc", "falcon_h1", "jamba", "minimax-m3"])
-def test_the_whole_model_compiles_without_a_graph_break(name):
-    """torch.compile(fullgraph=True) of forward + losses (a host sync would be a graph break),
-    then the backward; same values and gradients as eager. The batch ends in padding (its
-    token_mask). DeepSeek sparse attention: its stable sort, and its indexer loss's gradient
-    added in the backward and its value kept on the module. Hyper-connections: the streams'
-    Sinkhorn steps. Falcon-H1's: a Mamba-2 mixer and attention side by side in every block.
-    Jamba's: Mamba-1 mixers (a decay per channel and state channel) beside NoPE attention.
-    MiniMax-M3's: block-sparse attention's choice (a scatter of block maxima, a stable sort)
-    and its indexer's loss."""
-    cfg = FULL if name == "full" else dataclasses.replace(MINIMAX_M3 if name == "minimax-m3" else VARIANTS[name], impl="auto")
-    # a fresh start: a float knob that changed since an earlier compile in this process (MiniMax-M3's SwiGLU alpha of 1.702)
-    # would come back symbolic, and the SwiGLU's checks of it break the graph
-    torch._dynamo.reset()
+def _compiled_like_eager(cfg):
+    """A model of cfg, its forward + losses compiled whole (fullgraph) and run backward: the
+    value and every gradient as eager's. Returns (model, eager's gradients)."""
     torch.manual_seed(0)
     model = Transformer(cfg)
     batch = _batch(cfg, T=32, cu=(0, 7, 8, 24, 32), padding=8)
@@ -1245,9 +1234,37 @@ def test_the_whole_model_compiles_without_a_graph_break(name):
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, grads[n], rtol=1e-4, atol=1e-6, msg=n)
+    return model, grads
+
+
+@pytest.mark.parametrize("name", ["full", "dsa", "mhc", "falcon_h1", "jamba", "minimax-m3"])
+def test_the_whole_model_compiles_without_a_graph_break(name):
+    """torch.compile(fullgraph=True) of forward + losses (a host sync would be a graph break),
+    then the backward; same values and gradients as eager. The batch ends in padding (its
+    token_mask). DeepSeek sparse attention: its stable sort, and its indexer loss's gradient
+    added in the backward and its value kept on the module. Hyper-connections: the streams'
+    Sinkhorn steps. Falcon-H1's: a Mamba-2 mixer and attention side by side in every block.
+    Jamba's: Mamba-1 mixers (a decay per channel and state channel) beside NoPE attention.
+    MiniMax-M3's: block-sparse attention's choice (a scatter of block maxima, a stable sort)
+    and its indexer's loss."""
+    cfg = FULL if name == "full" else dataclasses.replace(MINIMAX_M3 if name == "minimax-m3" else VARIANTS[name], impl="auto")
+    model, grads = _compiled_like_eager(cfg)
     if name in ("dsa", "minimax-m3"):
         indexer = "blocks.0.attn.index_wq" if name == "dsa" else "blocks.1.attn.index_wq"
         assert float(model.index_loss_sum()) > 0 and float(grads[indexer].abs().max()) > 0
+
+
+def test_models_whose_float_knobs_differ_compile_whole_in_one_process():
+    """A second compile in one process of a model whose float knobs differ from the first's
+    (a sweep, or MiniMax-M3 after another model) brings those floats back symbolic: the
+    checks they pass through (the SwiGLU's alpha, limit and offset among them) must keep
+    the graph whole, with the eager values and gradients."""
+    torch._dynamo.reset()
+    floats = dict(capacity_factor=1.5, yarn_factor=3.0, attn_scale=0.25, embed_scale=1.5, residual_scale=0.5, logit_divisor=2.0,
+                  swiglu_alpha=1.702, swiglu_limit=7.0, swiglu_offset=1.0, route_scale=2.5, rope_base=5e4, norm_eps=1e-5,
+                  logit_softcap=30.0, attn_softcap=50.0, router_softcap=20.0, value_scale=0.5, clip_qkv=8.0)
+    for cfg in (FULL, dataclasses.replace(MINIMAX_M3, impl="auto"), dataclasses.replace(FULL, **floats)):
+        _compiled_like_eager(cfg)
 
 
 def test_gated_deltanet_compiles_once_for_every_document_count():

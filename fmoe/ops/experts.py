@@ -793,7 +793,9 @@ def check_glu(alpha, limit, offset, act: str = "silu") -> tuple:
     (GLU_ACTS; "gelu_tanh" with alpha 1), or the activation of an MLP without a gate
     (PLAIN_ACTS, the three at their defaults 1, None, 0); ValueError naming the bad one."""
     def number(name, v):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        # abs(v) < inf rather than math.isfinite: under torch.compile a float that changed since an
+        # earlier compile comes back symbolic, which math.isfinite would break the graph on
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not abs(v) < math.inf:
             raise ValueError(f"{name}: expected a finite number, got {v!r}")
         return float(v)
 
