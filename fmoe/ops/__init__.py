@@ -15,7 +15,7 @@ from fmoe.ops.balance import (
 )
 from fmoe.ops.delta import gated_delta_rule, gated_linear_attention
 from fmoe.ops.dispatch import PermutePlan, permute, unpermute
-from fmoe.ops.experts import grouped_mlp, swiglu
+from fmoe.ops.experts import grouped_matmul, grouped_mlp, swiglu
 from fmoe.ops.fp8 import fp8_matmul, fp8_quantize
 from fmoe.ops.loss import cross_entropy, linear_cross_entropy
 from fmoe.ops.packed import mtp_targets, positions_from_cu_seqlens, roll_packed
@@ -47,6 +47,7 @@ __all__ = [
     "fp8_quantize",
     "gated_delta_rule",
     "gated_linear_attention",
+    "grouped_matmul",
     "grouped_mlp",
     "indexer_scores",
     "linear_cross_entropy",

@@ -156,6 +156,17 @@ def _matmul_ref(a_MK, b_KN):
     return (a_MK.float() @ b_KN.float()).to(a_MK.dtype)
 
 
+def grouped_matmul_ref(x_RK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    """Plain-torch loop over the experts: y[r] = x[r] @ w[e] for expert e's rows, float32
+    accumulation rounded to x's dtype, zeros past offsets[-1]. Reads offsets on the host."""
+    y_RN = x_RK.new_zeros(x_RK.shape[0], w_EKN.shape[2])
+    start = 0
+    for e, end in enumerate(offsets_E.tolist()):
+        y_RN[start:end] = _matmul_ref(x_RK[start:end], w_EKN[e])
+        start = end
+    return y_RN
+
+
 def grouped_mlp_ref(x_RH, w_gate_EHF, w_up_EHF, w_down_EFH, offsets_E, biases=_NO_BIASES, glu=_PLAIN_GLU, fp8=False):
     """Plain-torch loop over the experts; differentiable through torch autograd. biases:
     (b_gate, b_up, b_down), each [E, F] / [E, F] / [E, H] or None; glu: swiglu_ref's
@@ -786,6 +797,50 @@ def grouped_mlp(
     if impl == "auto" and x_perm.device.type == "cpu":
         return _grouped_mlp_cpu(x_perm, w_gate, w_up, w_down, offsets, biases, glu, fp8)
     return grouped_mlp_ref(x_perm, w_gate, w_up, w_down, offsets, biases, glu, fp8)
+
+
+def grouped_matmul(x_perm: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, *, impl: str = "auto",
+                   check: Optional[bool] = None) -> torch.Tensor:
+    """One linear map per expert over the rows permute grouped by expert: a routed linear
+    layer (JetMoE's mixture of attention heads routes its query and output projections so).
+
+    Args:
+        x_perm: [R, K] float rows, expert e's rows offsets[e-1] .. offsets[e] (grouped_mlp's).
+        w: [E, K, N] each expert's matrix, x_perm's dtype and device.
+        offsets: [E] int32 cumulative ends of the experts' rows (grouped_mlp's).
+        impl: "auto" | "triton" | "torch" (grouped_mlp's paths: the Triton grouped GEMM or
+            torch._grouped_mm on CUDA, torch._grouped_mm on CPU with K and N zero-padded to
+            16-byte rows, the per-expert loop; only "torch" reads offsets on the host).
+        check: the offsets' host-side check (grouped_mlp's).
+    Returns:
+        y_perm [R, N] in x_perm's dtype: x_perm[r] @ w[e] with float32 accumulation for expert
+        e's rows, exact zeros (and zero gradient) for rows of no expert. Differentiable with
+        respect to x_perm and w.
+
+    Example:
+        >>> grouped_matmul(torch.ones(3, 2), torch.stack([torch.eye(2), 2 * torch.eye(2)]), torch.tensor([1, 2], dtype=torch.int32))
+        tensor([[1., 1.],
+                [2., 2.],
+                [0., 0.]])
+    """
+    check_float("x_perm", x_perm, 2, "[R, K]")
+    R, K = x_perm.shape
+    check_float("w", w, 3, "[E, K, N]")
+    E, _, N = w.shape
+    if E == 0 or w.shape[1] != K:
+        raise ValueError(f"w: expected shape [E, K, N] with E >= 1 and K = {K} (x_perm's last dim), got {tuple(w.shape)}")
+    _check_like("w", w, "x_perm", x_perm)
+    _check_offsets(offsets, E, R, x_perm, check)
+    if use_triton(impl, x_perm, w, offsets):
+        return _grouped_gemm_fwd(x_perm, w, offsets, impl == "auto" and _grouped_mm_fast(x_perm, N), FP8_OFF)
+    if impl == "auto" and x_perm.device.type == "cpu":  # torch._grouped_mm wants 16-byte aligned rows: zero columns added, cut after
+        multiple = 16 // x_perm.element_size()
+        pad_K, pad_N = -K % multiple, -N % multiple
+        if pad_K or pad_N:
+            x_perm, w = F.pad(x_perm, (0, pad_K)), F.pad(w, (0, pad_N, 0, pad_K))
+        y_RN = _grouped_gemm_fwd(x_perm, w, offsets, True, FP8_OFF)
+        return y_RN[:, :N] if pad_N else y_RN
+    return grouped_matmul_ref(x_perm, w, offsets)
 
 
 def check_glu(alpha, limit, offset, act: str = "silu") -> tuple:

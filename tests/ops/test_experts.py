@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fmoe.ops import experts
-from fmoe.ops.experts import grouped_mlp, swiglu
+from fmoe.ops.experts import grouped_matmul, grouped_mlp, swiglu
 from fmoe.train.metrics import HostReads
 
 # (rows per expert, unowned rows past offsets[-1], H, F): E = 1, experts with no rows (first,
@@ -565,6 +565,57 @@ def test_bad_inputs():
     _raises("act: swiglu gates up by act\\(gate\\)", swiglu, torch.ones(3), torch.ones(3), act="relu2")
     _raises("act: expected one of relu2, xielu, gelu_new, gelu, relu \\(an MLP without a gate\\), got 'silu'", experts.plain_act, torch.ones(3), "silu")
     _raises("alpha: the slope of SwiGLU's sigmoid, expected 1.0 with act 'gelu_tanh'", swiglu, torch.ones(3), torch.ones(3), act="gelu_tanh", alpha=1.7)
+
+
+# (rows per expert, unowned rows, K, N): an expert without rows, ragged K and N (not 16-byte rows in float32 or bf16)
+MATMUL_CASES = [([5, 0, 7], 3, 12, 20), ([9, 16], 0, 16, 8), ([0, 4, 1, 6], 2, 7, 3)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("impl", ["torch", "auto", "triton"])
+@pytest.mark.parametrize("case", MATMUL_CASES, ids=str)
+def test_grouped_matmul_matches_per_row_brute_force(case, impl, dtype, device):
+    """Each row times its own expert's matrix (float64, one row at a time): the output and
+    both gradients on every path; rows of no expert zero with zero gradient, NaN there read
+    by nothing; experts without rows get exact zero gradients; no host read but "torch"'s."""
+    counts, n_unowned, K, N = case
+    E, R = len(counts), sum(counts) + n_unowned
+    x = torch.randn(R, K, device=device).to(dtype)
+    w = (torch.randn(E, K, N, device=device) / K**0.5).to(dtype)
+    offsets = torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
+    ends = offsets.tolist()
+    x[ends[-1]:] = float("nan")  # unowned rows are never read
+    grad_y = torch.randn(R, N, device=device)
+    x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
+    rows = [x64[r] @ w64[next(e for e, end in enumerate(ends) if r < end)] if r < ends[-1] else x64.new_zeros(N) for r in range(R)]
+    expected = torch.stack(rows)
+    (expected * grad_y.double()).sum().backward()
+    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+    with HostReads() as reads:
+        y = grouped_matmul(xl, wl, offsets, impl=impl, check=False)
+        (y * grad_y.to(dtype)).sum().backward()
+    assert impl == "torch" or reads.count == 0, reads.sites
+    assert y.dtype == dtype and y.shape == (R, N)
+    owned = slice(0, ends[-1])
+    for actual, want in ((y, expected), (xl.grad, x64.grad), (wl.grad, w64.grad)):
+        actual = actual[owned] if actual is not wl.grad else actual
+        want = want[owned] if want is not w64.grad else want
+        _assert_close(actual.float(), want.float()) if dtype == torch.float32 else _assert_close(actual, want.to(dtype))
+    assert torch.equal(y[ends[-1]:], torch.zeros_like(y[ends[-1]:])) and torch.equal(xl.grad[ends[-1]:], torch.zeros_like(xl.grad[ends[-1]:]))
+    empty = [e for e, c in enumerate(counts) if c == 0]
+    assert torch.equal(wl.grad[empty], torch.zeros_like(wl.grad[empty]))
+
+
+def test_grouped_matmul_compiles_whole_and_refuses_bad_inputs():
+    x, w = torch.randn(6, 12), torch.randn(2, 12, 20)
+    offsets = torch.tensor([2, 6], dtype=torch.int32)
+    compiled = torch.compile(lambda x, w, o: grouped_matmul(x, w, o), fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x, w, offsets), grouped_matmul(x, w, offsets, impl="torch"))
+    _raises("x_perm: expected", grouped_matmul, torch.randn(6), w, offsets)
+    _raises("w: expected shape \\[E, K, N\\] with E >= 1 and K = 12", grouped_matmul, x, torch.randn(2, 11, 20), offsets)
+    _raises("w: dtype bfloat16 differs from x_perm's float32", grouped_matmul, x, w.bfloat16(), offsets)
+    _raises("offsets: expected int32 \\[E\\] = \\(2,\\)", grouped_matmul, x, w, offsets.long())
+    _raises("offsets: the last expert's rows end at 7", grouped_matmul, x, w, torch.tensor([2, 7], dtype=torch.int32), check=True)
 
 
 def test_docstring_examples():
