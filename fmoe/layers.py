@@ -115,13 +115,13 @@ from tensordict import TensorDict
 from torch.utils.checkpoint import checkpoint
 
 from fmoe.ops import aux_scores as _aux_scores
-from fmoe.ops import drop_by_capacity, random_logits, route, sparsemixer_route
+from fmoe.ops import drop_by_capacity, load_balancing_loss, random_logits, route, sparsemixer_route
 from fmoe.ops.backend import IMPLS, use_triton
 from fmoe.ops.balance import mask_tokens, tokens_per_expert
 from fmoe.ops.checks import check_float, check_index, check_positive_int, check_token_mask
 from fmoe.ops.delta import gated_delta_rule, gated_linear_attention
 from fmoe.ops.dispatch import permute, unpermute
-from fmoe.ops.experts import EXPERT_BIASES, PLAIN_ACTS, XIELU, check_glu, grouped_mlp, plain_act, swiglu  # PLAIN_ACTS: no gate (relu2, xielu, gelu_new, gelu, relu)
+from fmoe.ops.experts import EXPERT_BIASES, PLAIN_ACTS, XIELU, check_glu, grouped_matmul, grouped_mlp, plain_act, swiglu  # PLAIN_ACTS: no gate (relu2, xielu, gelu_new, gelu, relu)
 from fmoe.ops.fp8 import check_fp8, check_fp8_fast_accum, matmul
 from fmoe.ops.packed import roll_packed, sequence_ids
 from fmoe.ops.rope import (
@@ -734,6 +734,22 @@ class AttentionConfig:
     (MaskRows); impl "torch" (and "auto" off CUDA) is the dense reference, SDPA under a
     [kv head, T, S] mask ("flex" refused). Not with a window, a chunk, a softcap, sinks or
     ALiBi.
+
+    Mixture of attention heads (JetMoE's MoA) when moa_experts is set, on grouped-query
+    attention: E = moa_experts attention experts, each owning a query projection wq[e]
+    [H, G D] and an output projection wo[e] [G D, H] (params wq [E, H, G D], wo [E, G D, H]),
+    and a router moa_router [H, E]. Each token's router logits x moa_router (float32) choose
+    its moa_topk = k experts, weighted by the softmax over the k chosen logits
+    (fmoe.ops.route's default); slot j's expert makes G query heads, which attend with the G
+    shared kv heads (x wk, x wv), and its output projection maps their outputs back; the
+    token's output is the weighted sum over its slots (plus bo). n_heads = k G: head g k + j
+    is slot j's query head for kv head g (fmoe's grouped order). The projections run as
+    routed linear layers (fmoe.ops.permute, grouped_matmul, unpermute: no host sync), so each
+    token pays for k of the E experts. With gradients on attention returns
+    stats["moa_aux_loss"], the router's switch load-balancing loss over x's tokens
+    (fmoe.ops.load_balancing_loss of aux_scores); fmoe.model.Attention adds its gradient.
+    Not with kv_rank, the indexers, fp8, qk_norm "proj" or "head_layer", query biases or the
+    output gate.
     """
 
     n_heads: int
@@ -805,10 +821,13 @@ class AttentionConfig:
     index_topk_blocks: Optional[int] = None
     index_block_size: int = 128
     index_local_blocks: int = 1
+    moa_experts: Optional[int] = None
+    moa_topk: int = 1
 
     def __post_init__(self):
         check_fp8(self.fp8)
         self._check_index_knobs()
+        self._check_moa_knobs()
         if not isinstance(self.zero_centered_norms, bool):
             raise ValueError(f"zero_centered_norms: expected a bool, got {self.zero_centered_norms!r}")
         if self.local_rope_base is not None:
@@ -954,6 +973,25 @@ class AttentionConfig:
                              f"got {self.index_head_dim}")
         if self.impl == "flex":
             raise ValueError("impl: DeepSeek sparse attention's top-k mask is a dense mask, attended by the SDPA reference; use impl 'auto' or 'torch'")
+
+    def _check_moa_knobs(self) -> None:
+        """The mixture of attention heads' knobs (class docstring): ValueError naming the field."""
+        k = self.moa_topk
+        if self.moa_experts is None:
+            if k != 1:
+                raise ValueError(f"moa_topk: the attention experts per token of a mixture of attention heads, needs moa_experts (got {k!r})")
+            return
+        check_positive_int("moa_experts", self.moa_experts)
+        check_positive_int("moa_topk", k, 1, self.moa_experts)
+        if self.n_heads != k * self.n_kv_heads:
+            raise ValueError(f"n_heads: a mixture of attention heads has moa_topk x n_kv_heads = {k * self.n_kv_heads} query heads "
+                             f"(each chosen expert's query heads over the kv heads), got {self.n_heads}")
+        taken = dict(kv_rank=self.kv_rank is not None, index_topk=self.index_topk is not None, index_topk_blocks=self.index_topk_blocks is not None,
+                     fp8=bool(self.fp8), qk_norm=self.qk_norm in ("proj", "head_layer"))
+        refused = [name for name, on in taken.items() if on]
+        if refused:
+            raise ValueError(f"{refused[0]}: not with a mixture of attention heads (moa_experts), whose query and output projections are "
+                             "routed experts over grouped-query attention")
 
     def _check_block_knobs(self) -> None:
         """Block-sparse attention's knobs (index_topk_blocks; class docstring)."""
@@ -1531,6 +1569,9 @@ def _check_attention(x_TH, params, cfg, ctx) -> None:
         mats, norms = {"wq": (H, N * D), "wk": (H, G * D), "wv": (H, G * Dv), "wo": (N * Dv, H)}, {}
         if cfg.k_eq_v:  # the values are the keys' projection
             del mats["wv"]
+        if cfg.moa_experts is not None:  # a mixture of attention heads: each expert's query and output projections, and the router
+            E = cfg.moa_experts
+            mats.update(wq=(E, H, G * D), wo=(E, G * Dv, H))
     for name, shape in mats.items():
         w = params.get(name)
         if w is None or tuple(w.shape) != shape or w.dtype != x_TH.dtype:
@@ -1588,7 +1629,16 @@ def _check_attention(x_TH, params, cfg, ctx) -> None:
         if w is None or tuple(w.shape) != shape or w.dtype != x_TH.dtype:
             raise ValueError(f"params['{name}']: expected {x_TH.dtype} {list(shape)} (the indexer of cfg.index_topk_blocks), "
                              f"got {f'{w.dtype} {list(w.shape)}' if w is not None else 'nothing'}")
-    unknown = set(params) - {*mats, *optional, *extras, *index}
+    router = {} if cfg.moa_experts is None else {"moa_router": (H, cfg.moa_experts)}
+    if router:  # a mixture of attention heads: its router, float32 as a MoE's
+        w = params.get("moa_router")
+        if w is None or tuple(w.shape) != router["moa_router"] or w.dtype != torch.float32:
+            raise ValueError(f"params['moa_router']: the attention experts' router, expected float32 {list(router['moa_router'])}, "
+                             f"got {f'{w.dtype} {list(w.shape)}' if w is not None else 'nothing'}")
+        for name in ("bq", "wg"):
+            if params.get(name) is not None:
+                raise ValueError(f"params['{name}']: not with a mixture of attention heads (cfg.moa_experts), whose queries are its experts'")
+    unknown = set(params) - {*mats, *optional, *extras, *index, *router}
     if unknown:
         raise ValueError(f"params: unknown attention parameters {sorted(unknown)} (wq, wk, wv, wo, optional bq, bk, bv, q_norm, k_norm, q_norm_bias, "
                          "k_norm_bias, bo, sinks, wg, bg, alibi; index_wq, index_wk, index_q_norm, index_k_norm with cfg.index_topk_blocks)")
@@ -1702,7 +1752,8 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
     elif cfg.kv_rank is not None:
         q_TND, k_TGD, v_TGD = _mla_qkv(x, params, cfg, ctx, q_lat)
     else:
-        q_TND, k_TGD, v_TGD = _gqa_qkv(x, params, cfg, ctx, heads_mean)
+        moa = _moa_route(x, params, cfg) if cfg.moa_experts is not None else None  # (logits, routes, plan) of the attention experts
+        q_TND, k_TGD, v_TGD = _gqa_qkv(x, params, cfg, ctx, heads_mean, moa)
     index_k_SD = None
     if blocks:  # the indexer's queries and keys, of the detached tokens: differentiable only for its loss
         with torch.set_grad_enabled(train_index):
@@ -1821,10 +1872,16 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
     out_TQ = rearrange(out_NTD, "n t d -> t (n d)")
     if params.get("wg") is not None:  # gated attention: each output channel (or head) times its gate
         out_TQ = _gated(out_TQ, matmul(q_lat if cfg.gate_on_q else x, params["wg"], fp8=cfg.fp8, impl=cfg.impl), cfg, params.get("bg"))
-    y_TH = matmul(out_TQ, params["wo"], fp8=cfg.fp8, impl=cfg.impl)
+    if cfg.moa_experts is not None:  # each slot's heads through its expert's output projection, weighted and summed
+        y_TH = _moa_out(out_TQ, params, cfg, *moa[1:])
+    else:
+        y_TH = matmul(out_TQ, params["wo"], fp8=cfg.fp8, impl=cfg.impl)
     if params.get("bo") is not None:
         y_TH = y_TH + params["bo"]
     stats = {"index_choice": slots_TJ} if sparse and not shared else {}
+    if cfg.moa_experts is not None and torch.is_grad_enabled() and params["moa_router"].requires_grad:  # the router's balance
+        scores_TE, _, counts_E = _aux_scores(moa[0], cfg.moa_topk, return_counts=True, impl=cfg.impl)
+        stats["moa_aux_loss"] = load_balancing_loss(scores_TE, counts_E, k=cfg.moa_topk, n_tokens=x.shape[0])
     if train_index and blocks:  # each kv head's heads' attention over its chosen blocks, the indexer's loss against it
         with torch.no_grad():
             if block_kernel:  # each slot's probability summed over the heads, then over each block's slots
@@ -2018,18 +2075,51 @@ def _gated(out_TQ: torch.Tensor, gate_TG: torch.Tensor, cfg: AttentionConfig, bi
     return out_TQ * gate_TG
 
 
-def _gqa_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext, heads_mean=None):
+def _moa_route(x_TH, params, cfg: AttentionConfig):
+    """A mixture of attention heads' routing (AttentionConfig): (the router's float32 logits
+    [T, E], Routes [T, k] (the softmax over the k chosen logits), x's rows permuted to the
+    experts and their PermutePlan); no host read."""
+    logits_TE = x_TH.float() @ params["moa_router"]
+    routes = route(logits_TE, cfg.moa_topk, check=False, impl=cfg.impl)
+    x_perm, plan = permute(x_TH, routes.experts, cfg.moa_experts, check=False, impl=cfg.impl)
+    return logits_TE, routes, (x_perm, plan)
+
+
+def _moa_queries(params, cfg: AttentionConfig, rows) -> torch.Tensor:
+    """[T, N D]: each slot's expert's query heads (x wq[e]), as heads g k + j (slot j's head of kv head g)."""
+    x_perm, plan = rows
+    q_perm = grouped_matmul(x_perm, params["wq"], plan.offsets, impl=cfg.impl, check=False)  # [T k, G D], rows by expert
+    q_TKQ = q_perm[plan.row_of_slot.long()]  # each slot's row (no slot is dropped)
+    return rearrange(q_TKQ, "t k (g d) -> t (g k d)", g=cfg.n_kv_heads)
+
+
+def _moa_out(out_TQ: torch.Tensor, params, cfg: AttentionConfig, routes, rows) -> torch.Tensor:
+    """[T, H]: the heads' outputs of each slot through its expert's wo[e], times the slot's
+    weight, summed over the token's slots (fmoe.ops.unpermute, float32 sums)."""
+    _, plan = rows
+    G, k = cfg.n_kv_heads, cfg.moa_topk
+    out_SQ = rearrange(out_TQ, "t (g k d) -> (t k) (g d)", g=G, k=k)  # slot t k + j's heads
+    o_perm = out_SQ[plan.slot_of_row.long().clamp(min=0)]  # rows by expert (every row a slot)
+    y_perm = grouped_matmul(o_perm, params["wo"], plan.offsets, impl=cfg.impl, check=False)
+    return unpermute(y_perm, plan, routes.weights, impl=cfg.impl)
+
+
+def _gqa_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext, heads_mean=None, moa=None):
     """Grouped-query attention's q [T, N, D], k [T, G, D] and v [T, G, Dv] (times cfg.v_scale),
-    RoPE applied (unless cfg.rope is False)."""
+    RoPE applied (unless cfg.rope is False). moa: a mixture of attention heads' routing
+    (_moa_route), whose experts make the queries."""
     N, G = cfg.n_heads, cfg.n_kv_heads
     rope_impl = "torch" if cfg.impl == "torch" else "auto"
 
-    def project(name, bias):
-        y = matmul(x, params[name], fp8=cfg.fp8, impl=cfg.impl)
-        y = y + params[bias] if params.get(bias) is not None else y
+    def clip(y):
         return y if cfg.clip_qkv is None else y.clamp(-cfg.clip_qkv, cfg.clip_qkv)  # DBRX's clip_qkv
 
-    q_TQ, k_TK = project("wq", "bq"), project("wk", "bk")
+    def project(name, bias):
+        y = matmul(x, params[name], fp8=cfg.fp8, impl=cfg.impl)
+        return clip(y + params[bias] if params.get(bias) is not None else y)
+
+    q_TQ = project("wq", "bq") if moa is None else clip(_moa_queries(params, cfg, moa[2]))
+    k_TK = project("wk", "bk")
     v_TV = k_TK if cfg.k_eq_v else project("wv", "bv")  # k_eq_v: the keys' projection as it comes (Gemma 4's global layers)
     if cfg.qk_norm == "proj":  # over the whole projection (OLMoE)
         ms = [t.float().square().mean(-1, keepdim=True) for t in (q_TQ, k_TK)]

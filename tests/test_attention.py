@@ -1813,3 +1813,143 @@ def test_block_sparse_indexer_loss_matches_its_definition_and_trains_the_indexer
         assert "index_loss" not in attention(x, p, cfg, _ctx(cu, cfg))[1].keys()
     frozen = {n: t.detach() if n in index else t for n, t in p.items()}  # nothing of the indexer to train: no loss either
     assert "index_loss" not in attention(x, frozen, cfg, _ctx(cu, cfg))[1].keys()
+
+
+# ---------------------------------------------------------------- mixture of attention heads
+
+MOA = AttentionConfig(n_heads=4, n_kv_heads=2, head_dim=16, moa_experts=3, moa_topk=2)
+
+
+def _moa_params(cfg, bo=False):
+    """Each attention expert's wq [E, H, G D] and wo [E, G D, H], the shared wk, wv, the
+    float32 router [H, E] (and an output bias), all trained."""
+    gen = torch.Generator().manual_seed(5)
+    E, GD = cfg.moa_experts, cfg.n_kv_heads * cfg.head_dim
+    shapes = {"wq": (E, H, GD), "wk": (H, GD), "wv": (H, GD), "wo": (E, GD, H), "moa_router": (H, E)}
+    p = {n: torch.randn(*s, generator=gen) * s[-2] ** -0.5 for n, s in shapes.items()}
+    if bo:
+        p["bo"] = 0.1 * torch.randn(H, generator=gen)
+    return {n: t.requires_grad_() for n, t in p.items()}
+
+
+def _loop_moa(x, p, cfg, cu):
+    """JetMoE's mixture of attention heads, token by token: the k experts of the highest
+    router logits, weighted by the softmax of those logits; slot j's expert e makes G query
+    heads x wq[e], head g attending with kv head g over the document's earlier keys; their
+    outputs through wo[e], times the slot's weight, summed over the slots."""
+    T, G, D, k = x.shape[0], cfg.n_kv_heads, cfg.head_dim, cfg.moa_topk
+    cos, sin = rope_tables(positions_from_cu_seqlens(cu), cfg)
+    keys = apply_rope((x @ p["wk"]).view(T, G, D), cos, sin, impl="torch")
+    values = (x @ p["wv"]).view(T, G, D)
+    if cfg.qk_norm == "rms":
+        keys = keys / (keys.square().mean(-1, keepdim=True) + cfg.norm_eps).sqrt()
+    top = (x @ p["moa_router"]).topk(k, dim=-1)
+    gates = torch.softmax(top.values, dim=-1)
+    rows = []
+    bounds = cu.tolist()
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        for t in range(a, b):
+            first = a if cfg.window is None else max(a, t - cfg.window + 1)
+            y = 0
+            for j in range(k):
+                e = int(top.indices[t, j])
+                q = apply_rope((x[t] @ p["wq"][e]).view(1, G, D), cos[t:t + 1], sin[t:t + 1], impl="torch")[0]
+                if cfg.qk_norm == "rms":
+                    q = q / (q.square().mean(-1, keepdim=True) + cfg.norm_eps).sqrt()
+                heads = [torch.softmax(keys[first:t + 1, g] @ q[g] * softmax_scale(cfg), dim=0) @ values[first:t + 1, g] for g in range(G)]
+                y = y + gates[t, j] * (torch.cat(heads) @ p["wo"][e])
+            rows.append(y)
+    y = torch.stack(rows)
+    return y + p["bo"] if "bo" in p else y
+
+
+@pytest.mark.parametrize("impl", ["torch", "auto", "triton"])
+@pytest.mark.parametrize("cfg", [MOA, dataclasses.replace(MOA, moa_experts=4, moa_topk=1, n_heads=2),
+                                 dataclasses.replace(MOA, window=4, qk_norm="rms", qk_norm_after_rope=True)], ids=["k2", "k1", "window-rms"])
+def test_mixture_of_attention_heads_matches_per_token_loop(cfg, impl):
+    """The output and the gradients of x and of every weight (the router's through the
+    slots' weights) as the token-by-token definition's, on the reference, the CPU's grouped
+    GEMMs and the Triton kernels (interpreted); the router's balance loss in stats."""
+    cfg = dataclasses.replace(cfg, impl=impl)
+    cu = torch.tensor([0, 5, 6, 17], dtype=torch.int32)
+    p = _moa_params(cfg, bo=True)
+    x = torch.randn(17, H, requires_grad=True)
+    x_ref, p_ref = x.detach().clone().requires_grad_(), {n: t.detach().clone().requires_grad_() for n, t in p.items()}
+    y, stats = attention(x, p, cfg, _ctx(cu, cfg))
+    y_ref = _loop_moa(x_ref, p_ref, cfg, cu)
+    assert _rel(y, y_ref) < 1e-5
+    upstream = torch.randn_like(y)
+    (y * upstream).sum().backward(retain_graph=True)
+    (y_ref * upstream).sum().backward()
+    assert _rel(x.grad, x_ref.grad) < 1e-5
+    for n in p:
+        if n == "moa_router" and cfg.moa_topk == 1:  # one slot: weight 1, no gradient through it
+            assert p[n].grad is None or float(p[n].grad.abs().max()) == 0.0
+            continue
+        assert _rel(p[n].grad, p_ref[n].grad) < 1e-5, n
+    # the router's switch loss: E / (k T^2) sum_e (sum_t softmax(logits)[t, e]) (slots routed to e)
+    logits = x.detach() @ p["moa_router"].detach()
+    counts = torch.bincount(logits.topk(cfg.moa_topk, dim=-1).indices.flatten(), minlength=cfg.moa_experts).float()
+    T, E, k = x.shape[0], cfg.moa_experts, cfg.moa_topk
+    expected = (torch.softmax(logits, dim=-1).sum(0) * counts).sum() * E / (k * T * T)
+    torch.testing.assert_close(stats["moa_aux_loss"].detach(), expected)
+    p["moa_router"].grad = None
+    stats["moa_aux_loss"].backward()
+    assert float(p["moa_router"].grad.abs().max()) > 0
+
+
+def test_mixture_of_attention_heads_of_equal_experts_is_grouped_query_attention():
+    """With every expert's query and output projections the same, routing changes nothing:
+    the layer is grouped-query attention with those projections (the slots' weights add up
+    to 1), whatever the router."""
+    cfg = MOA
+    p = {n: t.detach() for n, t in _moa_params(cfg).items()}
+    p["wq"], p["wo"] = p["wq"][:1].expand_as(p["wq"]).clone(), p["wo"][:1].expand_as(p["wo"]).clone()
+    cu = torch.tensor([0, 7, 12], dtype=torch.int32)
+    x = torch.randn(12, H)
+    plain = AttentionConfig(n_heads=2, n_kv_heads=2, head_dim=16)
+    with torch.no_grad():
+        y, _ = attention(x, p, cfg, _ctx(cu, cfg))
+        y_plain, _ = attention(x, {"wq": p["wq"][0], "wk": p["wk"], "wv": p["wv"], "wo": p["wo"][0]}, plain, _ctx(cu, plain))
+        p["moa_router"] = torch.randn_like(p["moa_router"])
+        y_rerouted, _ = attention(x, p, cfg, _ctx(cu, cfg))
+    assert _rel(y, y_plain) < 1e-5 and _rel(y_rerouted, y_plain) < 1e-5
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_mixture_of_attention_heads_under_context_parallel(cp):
+    """Each rank's rows are the whole batch's: the routing is per token, the keys and
+    values shared by every expert."""
+    cu = torch.tensor([0, 3, 4, 13, 21, 24], dtype=torch.int32)
+    p = {n: t.detach() for n, t in _moa_params(MOA).items()}
+    x = torch.randn(24, H)
+    with torch.no_grad():
+        whole, _ = attention(x, p, MOA, _ctx(cu, MOA))
+        for rank in range(cp):
+            index, ctx = _one_rank_of_cp(x, p, MOA, cu, cp, rank)
+            y, _ = attention(x[index], p, MOA, ctx)
+            assert _rel(y, whole[index]) < 1e-5, rank
+
+
+def test_mixture_of_attention_heads_bad_inputs():
+    p = {n: t.detach() for n, t in _moa_params(MOA).items()}
+    cu = torch.tensor([0, 6])
+    x, ctx = torch.randn(6, H), _ctx(cu, MOA)
+    for change, message in [(dict(n_heads=6), "n_heads: a mixture of attention heads has moa_topk x n_kv_heads = 4 query heads"),
+                            (dict(moa_topk=4), "moa_topk: expected"), (dict(moa_experts=0), "moa_experts: expected"),
+                            (dict(qk_norm="proj"), "qk_norm: not with a mixture of attention heads"),
+                            (dict(fp8=True), "fp8: not with a mixture of attention heads")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            dataclasses.replace(MOA, **change)
+    with pytest.raises(ValueError, match="moa_topk: the attention experts per token of a mixture of attention heads, needs moa_experts"):
+        dataclasses.replace(CFG, moa_topk=2)
+    with pytest.raises(ValueError, match=re.escape("params['wq']: expected torch.float32 [3, 32, 32]")):
+        attention(x, dict(p, wq=p["wq"][0]), MOA, ctx)
+    with pytest.raises(ValueError, match=re.escape("params['moa_router']: the attention experts' router, expected float32 [32, 3], got torch.bfloat16")):
+        attention(x, dict(p, moa_router=p["moa_router"].bfloat16()), MOA, ctx)
+    with pytest.raises(ValueError, match=re.escape("params['moa_router']: the attention experts' router, expected float32 [32, 3], got nothing")):
+        attention(x, {n: t for n, t in p.items() if n != "moa_router"}, MOA, ctx)
+    with pytest.raises(ValueError, match=re.escape("params['bq']: not with a mixture of attention heads")):
+        attention(x, dict(p, bq=torch.zeros(64)), MOA, ctx)
+    with pytest.raises(ValueError, match=re.escape("params: unknown attention parameters ['moa_router']")):
+        attention(x, dict(_params(CFG), moa_router=p["moa_router"]), CFG, ctx)
