@@ -125,7 +125,7 @@ class Config:
     init_from: str = ""             # a checkpoint (or a run's out_dir): start from its weights only
     init_from_hf: str = ""          # a Hugging Face folder (config.json + safetensors; fmoe.hf.FAMILIES): its model
                                     # and weights; only the --model.* knobs of how it runs and trains apply (mtp_depth,
-                                    # impl, ac, fp8*, capacity_*, index_loss_coeff, init_std), the others are refused
+                                    # impl, ac, fp8*, capacity_*, index_loss_coeff, moa_aux_coeff, init_std), the others are refused
     upcycle_from: str = ""          # a dense fmoe run (or checkpoint) or Hugging Face folder (fmoe.hf.DENSE_FAMILIES): its model,
                                     # with the --model.* knobs given (the MoE ones: n_dense, n_experts, k, ffn_expert, ...),
                                     # starts from its weights (fmoe.train.upcycle)
@@ -306,7 +306,7 @@ def _report_profile(written: list, rank: int) -> None:
 
 # the model knobs of how it runs and trains, not what it computes (kernels, recomputation, fp8 GEMMs, the capacity
 # drop, the indexer loss's weight, the initialisation): --resume may change them
-RUN_KNOBS = ("impl", "ac", "fp8", "fp8_layers", "fp8_fast_accum", "capacity_factor", "capacity_policy", "index_loss_coeff", "init_std")
+RUN_KNOBS = ("impl", "ac", "fp8", "fp8_layers", "fp8_fast_accum", "capacity_factor", "capacity_policy", "index_loss_coeff", "moa_aux_coeff", "init_std")
 # the model knobs that apply on top of a Hugging Face folder's model (--init_from_hf): those, and the MTP depth (the
 # MTP modules it lacks start fresh, at init_std)
 HF_RUN_KNOBS = ("mtp_depth",) + RUN_KNOBS
@@ -419,6 +419,7 @@ def main(argv: list[str]) -> None:
     with torch.device("meta"):  # the whole model's shapes and MoE layer names, allocating nothing
         whole = Transformer(model_cfg)
     moe_names = list(whole.moe_layers())
+    n_moa = len(whole.moa_attentions())  # a mixture of attention heads: its routers' balance loss, averaged over them
     trained_names = None  # --train_only: a regex naming some of the model's parameters
     if cfg.train_only:
         try:
@@ -607,6 +608,9 @@ def main(argv: list[str]) -> None:
         index = part.index_loss_sum() if index_loss else None  # the indexers' losses (this part's layers)
         if index is not None:  # trained apart: their gradients were added in the backward
             logged["index_loss"] = index / n_micro
+        moa = part.moa_aux_loss_sum() if n_moa else None  # the attention routers' balance losses, likewise
+        if moa is not None:
+            logged["moa_aux_loss"] = moa / (n_moa * n_micro)
         if not len(stats.keys()):  # no MoE layer here (a dense model, or a pipeline stage without one)
             return loss, logged
         # balancing losses: averaged over layers and micro-batches (a layer's sequences are
@@ -749,6 +753,10 @@ def main(argv: list[str]) -> None:
                 for part in parts:
                     part.set_index_loss_weight(model_cfg.index_loss_coeff / n_micro)
                 record["index_loss"] = zero  # summed over the layers (each pipeline stage logs its own)
+            if n_moa:  # each attention router's balance loss weighs moa_aux_coeff / (attention blocks x n_micro): the mean over both
+                for part in parts:
+                    part.set_moa_aux_weight(model_cfg.moa_aux_coeff / (n_moa * n_micro))
+                record["moa_aux_loss"] = zero
             with phase("forward_backward"):
                 if pipe is not None:  # the schedule runs forward and backward of this rank's micro-batches
                     step_state.update(valid=valid, n_micro=n_micro)

@@ -41,6 +41,7 @@ params (a dict or TensorDict; parameters are the caller's, nothing is kept here)
     shared_w_gate, shared_w_up [H, Fs], shared_w_down [Fs, H]   optional shared experts
                                     (unless `shared` is given; no shared_w_gate with "relu2")
     shared_gate   [H]               optional sigmoid gate on the shared output
+    out_bias      [H]               optional bias added to the block's output (JetMoE's)
     latent_in [H, L], latent_out [L, H]   optional (both or neither): a latent MoE (Nemotron 3
                                     Super's): the routed experts read x latent_in [T, L] (their
                                     weights [E, L, F], [E, F, L]) and their sum leaves through
@@ -373,6 +374,9 @@ def _check_moe(x_TH, params, cfg, experts, shared, drop) -> None:
     has_shared = shared is not None or weights[1] is not None
     if gate is not None and (not has_shared or tuple(gate.shape) != (H,)):
         raise ValueError(f"params['shared_gate']: expected [{H}] alongside shared experts, got {tuple(gate.shape)}")
+    bias = params.get("out_bias")
+    if bias is not None and (tuple(bias.shape) != (H,) or not bias.is_floating_point()):
+        raise ValueError(f"params['out_bias']: expected a float [{H}] bias on the block's output or none, got {bias.dtype} {list(bias.shape)}")
 
 
 def dense_mlp(x_TH: torch.Tensor, w_gate_HF, w_up_HF, w_down_FH, *, impl: str = "auto", fp8: bool = False, act: str = "silu",
@@ -546,6 +550,8 @@ def moe(
         if cfg.shared_scale != 1.0:
             y_shared_TH = y_shared_TH * cfg.shared_scale
         y_TH = y_TH + y_shared_TH
+    if params.get("out_bias") is not None:  # JetMoE's bias on the block's output
+        y_TH = y_TH + params["out_bias"].to(y_TH.dtype)
 
     stats = {"router_logits": logits_TE, "tokens_per_expert": counts_E}
     if cfg.aux_scores:

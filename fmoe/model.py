@@ -259,6 +259,8 @@ class MoE(KeepsFloat32):
             initialisation; Muse Spark's pre_expert_norm). expert_out_norm: each expert's
             output row normed before its weight by fmoe.layers.prescaled_rms_norm of
             expert_out_norm [L or H] (0 at initialisation; Muse Spark's post_expert_norm).
+        out_bias: a bias out_bias [H] added to the block's output (0 at initialisation;
+            JetMoE's MoE bias).
     """
 
     _FLOAT32 = ("router", "router_bias", "expert_bias", "router_norm", "expert_scale")
@@ -266,7 +268,7 @@ class MoE(KeepsFloat32):
     def __init__(
         self, hidden: int, ffn: int, cfg: MoEConfig, *, shared_ffn: int = 0, shared_gate: bool = False,
         expert_bias: bool = False, router_bias: bool = False, expert_biases: bool = False, router_norm: bool = False,
-        expert_scale: bool = False, latent: int = 0, latent_norm: bool = False, expert_out_norm: bool = False,
+        expert_scale: bool = False, latent: int = 0, latent_norm: bool = False, expert_out_norm: bool = False, out_bias: bool = False,
         device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None,
     ):
         super().__init__()
@@ -293,6 +295,7 @@ class MoE(KeepsFloat32):
                                offset=cfg.shared_swiglu_offset, **kw) if shared_ffn else None
         if shared_gate:
             self.shared_gate = nn.Parameter(torch.empty(H, **kw))
+        self.out_bias = nn.Parameter(torch.empty(H, **kw)) if out_bias else None
         if expert_bias:
             self.register_buffer("expert_bias", torch.zeros(cfg.n_choices, device=device, dtype=torch.float32), persistent=True)
         self.sequence_parallel = None  # fmoe.parallel's SequenceShard under tp > 1 (class docstring)
@@ -305,7 +308,7 @@ class MoE(KeepsFloat32):
         model stacking blocks may scale the output projections by depth (the reference model
         does)."""
         for name, p in self.named_parameters():
-            if name.endswith(("router_bias",) + EXPERT_BIASES):
+            if name.endswith(("router_bias", "out_bias") + EXPERT_BIASES):
                 nn.init.zeros_(p)
             elif name in ("router_norm", "expert_scale"):
                 nn.init.ones_(p)
@@ -332,7 +335,7 @@ class MoE(KeepsFloat32):
                 params[name] = replicated(_local(getattr(self, name)))
         if "expert_bias" in self._buffers:
             params["expert_bias"] = self.expert_bias
-        for name in ("shared_gate", "latent_in", "latent_out", "latent_norm", "expert_out_norm"):
+        for name in ("shared_gate", "latent_in", "latent_out", "latent_norm", "expert_out_norm", "out_bias"):
             if getattr(self, name, None) is not None:
                 params[name] = replicated(_local(getattr(self, name)))
         drop = self.capacity_drop  # cp: over every cp rank's tokens (and tp slices)
@@ -499,7 +502,16 @@ class TransformerConfig:
     head each; index_head_dim; fmoe.layers.AttentionConfig); in the blocks index_block_layers
     lists (None: every block), the others attending over every earlier token; the indexers
     trained by their own loss with weight index_loss_coeff (fmoe.layers.block_index_loss; 0:
-    frozen, requires_grad False); not with a sliding window, chunks or ALiBi. tie_embeddings: the
+    frozen, requires_grad False); not with a sliding window, chunks or ALiBi. moa_experts:
+    a mixture of attention heads in every attention block (JetMoE's MoA;
+    fmoe.layers.AttentionConfig): moa_experts attention experts, each with its own query
+    projection wq[e] [H, n_kv_heads head_dim] and output projection wo[e], moa_topk of them
+    per token (n_heads = moa_topk n_kv_heads), the kv heads shared; its router moa_router
+    [H, moa_experts] float32, balanced by its switch loss with weight moa_aux_coeff per
+    micro-batch (Attention; the loop averages it over the attention blocks and logs
+    moa_aux_loss); not with tensor or context parallelism, multi-latent attention, the
+    indexers, qkv_bias, attn_gate or per-block head counts. moe_out_bias: a bias [H] added to
+    each MoE block's output (JetMoE's MoE bias; MoE.out_bias). tie_embeddings: the
     output head is the embedding; out_vocab V' (None: vocab_size): the output head has V' <=
     vocab_size rows, the logits are those of token ids 0 .. V' - 1 while the embedding keeps
     every id (Apertus 1.5's output_vocab_size: its multimodal ids are inputs, never outputs);
@@ -719,6 +731,10 @@ class TransformerConfig:
     index_block_size: int = 128
     index_local_blocks: int = 1
     index_block_layers: Optional[tuple[int, ...]] = None
+    moa_experts: Optional[int] = None
+    moa_topk: int = 1
+    moa_aux_coeff: float = 0.01
+    moe_out_bias: bool = False
     o_bias: bool = False
     attn_sinks: bool = False
     sink_layers: Optional[tuple[int, ...]] = None
@@ -1026,6 +1042,7 @@ class TransformerConfig:
                     raise ValueError(f"{name}: not with block-sparse attention (index_topk_blocks), whose blocks are counted over the whole document")
             if self.alibi:
                 raise ValueError("alibi: not with block-sparse attention (index_topk_blocks)")
+        self._check_moa()
         for name, unset in (("linear_full_rank", False), ("linear_decay_bound", None)):
             if getattr(self, name) is not unset and (self.linear_layers is None or self.linear_kind != "kda"):
                 raise ValueError(f"{name}: a knob of Kimi Delta Attention's blocks, needs linear_layers and linear_kind='kda'")
@@ -1102,6 +1119,23 @@ class TransformerConfig:
         route(torch.zeros(0, self.n_choices, device="cpu"), self.k, score=self.score, pre_softmax=self.pre_softmax,
               n_groups=self.n_groups, topk_groups=self.topk_groups, scale=self.route_scale, group_score_topk=self.group_score_topk,
               normalize=self.route_normalize, check=False, impl="torch")
+
+    def _check_moa(self) -> None:
+        """The mixture of attention heads' knobs (class docstring), and moe_out_bias."""
+        coeff = self.moa_aux_coeff
+        if isinstance(coeff, bool) or not isinstance(coeff, (int, float)) or not 0 <= coeff < math.inf:
+            raise ValueError(f"moa_aux_coeff: expected a finite number >= 0, got {coeff!r}")
+        if not isinstance(self.moe_out_bias, bool) or (self.moe_out_bias and not any(self.is_moe(i) for i in range(self.n_layers))):
+            raise ValueError(f"moe_out_bias: a bias on the MoE blocks' output (a bool; True needs MoE blocks), got {self.moe_out_bias!r}")
+        if self.moa_experts is None:
+            if coeff != 0.01:
+                raise ValueError("moa_aux_coeff: the weight of the attention experts' balance loss, needs moa_experts")
+            return  # moa_topk: AttentionConfig's check
+        taken = dict(qkv_bias=self.qkv_bias, attn_gate=self.attn_gate, local_heads=self.local_heads is not None,
+                     local_kv_heads=self.local_kv_heads is not None, local_head_dim=self.local_head_dim is not None)
+        refused = [name for name, on in taken.items() if on]
+        if refused:
+            raise ValueError(f"{refused[0]}: not with a mixture of attention heads (moa_experts)")
 
     def _check_depth_scaled_residual(self) -> None:
         if not isinstance(self.depth_scaled_residual, bool):
@@ -1456,7 +1490,7 @@ class TransformerConfig:
             index_interleaved=self.index_rope_interleaved, index_rope_last=self.index_rope_last,
             index_norm_eps=self.index_norm_eps, index_shared=index_shared,
             index_loss=(self.index_topk is not None or bool(blocks)) and self.index_loss_coeff > 0 and not index_shared,
-            **blocks,
+            **blocks, moa_experts=self.moa_experts, moa_topk=self.moa_topk,
         )
 
     def _temperature(self, rope: bool) -> dict:
@@ -1646,7 +1680,7 @@ class HyperConnection(KeepsFloat32):
         return f"streams={self.n}, hidden={self.hidden}" + (", head" if self.head else f", kind={self.kind}")
 
 
-class Attention(nn.Module):
+class Attention(KeepsFloat32):
     """Parameters of an attention block; forward calls fmoe.layers.attention.
 
     Owns grouped-query attention's wq, wk, wv, wo (optional biases bq, bk, bv and qk norm
@@ -1667,7 +1701,15 @@ class Attention(nn.Module):
     gradients. Block-sparse attention (cfg.index_topk_blocks) likewise (fmoe.layers.
     block_index_loss), its indexer's parameters frozen without a loss (index_loss_coeff 0);
     under tensor parallelism each rank attaches its own heads' share, and `index_loss` keeps
-    the sum over the ranks."""
+    the sum over the ranks.
+
+    A mixture of attention heads (cfg.moa_experts) owns wq [E, H, G D], wo [E, G Dv, H] and
+    its router moa_router [H, E] (float32 through casts, as a MoE's router); the router's
+    switch loss (stats["moa_aux_loss"]) times `moa_aux_weight` (cfg.moa_aux_coeff; the loop
+    sets it per step, Transformer.set_moa_aux_weight) is added in the backward as the
+    indexer's is, its value kept in `moa_aux_loss`."""
+
+    _FLOAT32 = ("moa_router",)
 
     def __init__(self, cfg: TransformerConfig, *, local: bool = False, rope: bool = True, fp8: Optional[bool] = None,
                  index_shared: bool = False, sinks: Optional[bool] = None, index_blocks: bool = True):
@@ -1680,6 +1722,7 @@ class Attention(nn.Module):
         self.index_key, self.index_keep, self.index_source = id(self), False, None
         self.tensor_parallel = None  # fmoe.parallel's HeadShard under tp > 1 (class docstring)
         self.index_loss_weight, self.index_loss = cfg.index_loss_coeff, None  # DeepSeek sparse attention's indexer loss
+        self.moa_aux_weight, self.moa_aux_loss = cfg.moa_aux_coeff, None  # a mixture of attention heads' balance loss
         # ALiBi (cfg.alibi): the slopes of this block's heads, constants computed in forward (the rank's slice under tp),
         # times the softmax scale with cfg.alibi_scaled
         self.alibi_heads = self.cfg.n_heads if cfg.alibi else None
@@ -1697,12 +1740,16 @@ class Attention(nn.Module):
         G, Dv = self.cfg.n_kv_heads, cfg.v_head_dim or D  # this block's kv heads; the value head dim
         N = self.cfg.n_heads  # this block's query heads (TransformerConfig.heads)
         H, q, kv, o = cfg.hidden, N * D, G * D, N * Dv
-        self.wq = nn.Parameter(torch.empty(H, q))
+        E = self.cfg.moa_experts  # a mixture of attention heads: each expert's query and output projections
+        self.wq = nn.Parameter(torch.empty(H, q) if E is None else torch.empty(E, H, G * D))
         self.wk = nn.Parameter(torch.empty(H, kv))
         if not self.cfg.k_eq_v:  # else the values are the keys' projection
             self.wv = nn.Parameter(torch.empty(H, G * Dv))
-        self.wo = nn.Parameter(torch.empty(o, H))
+        self.wo = nn.Parameter(torch.empty(o, H) if E is None else torch.empty(E, G * Dv, H))
         self.names = ["wq", "wk", "wo"] if self.cfg.k_eq_v else ["wq", "wk", "wv", "wo"]
+        if E is not None:
+            self.moa_router = nn.Parameter(torch.empty(H, E, dtype=torch.float32))
+            self.names.append("moa_router")
         if cfg.qkv_bias:  # zero at initialisation (Transformer.reset_parameters)
             self.bq, self.bk = nn.Parameter(torch.empty(q)), nn.Parameter(torch.empty(kv))
             self.names += ["bq", "bk"]
@@ -1764,6 +1811,11 @@ class Attention(nn.Module):
         else:
             params.update({n: tp.share(params[n]) if n == "bo" else tp.weight(params[n]) for n in tp.replicated})  # bo: added once
             y_TH, stats = attention(x_TH, params, self.cfg, ctx, heads_mean=tp.mean, index_choice=choice)
+        if self.cfg.moa_experts is not None:  # the attention experts' balance: its gradient in the backward, its value kept
+            self.moa_aux_loss = None
+            if "moa_aux_loss" in stats.keys():
+                y_TH = attach_loss(y_TH, stats["moa_aux_loss"] * self.moa_aux_weight)
+                self.moa_aux_loss = stats["moa_aux_loss"].detach()
         if self.index_keep and ctx.index_choices is not None:  # for the blocks that reuse it
             ctx.index_choices[self.index_key] = stats["index_choice"]
         if self.cfg.index_loss:
@@ -1903,7 +1955,7 @@ class Block(nn.Module):
             self.mlp = MoE(cfg.hidden, cfg.ffn_expert, cfg.moe_config(fp8, depth), shared_ffn=cfg.shared_size, shared_gate=cfg.shared_gate,
                            expert_bias=cfg.expert_bias, router_bias=cfg.router_bias, expert_biases=cfg.expert_biases,
                            router_norm=cfg.router_norm, expert_scale=cfg.router_expert_scale, latent=cfg.moe_latent or 0,
-                           latent_norm=cfg.moe_latent_norm, expert_out_norm=cfg.expert_out_norm)
+                           latent_norm=cfg.moe_latent_norm, expert_out_norm=cfg.expert_out_norm, out_bias=cfg.moe_out_bias)
             self.mlp.experts.recompute = cfg.ac == "experts"
         else:
             self.mlp = DenseMLP(cfg.hidden, cfg.ffn_dense, cfg.impl, fp8=fp8, act=cfg.mlp_act, bias=cfg.mlp_bias, limit=dense_limit, **glu)
@@ -2393,7 +2445,7 @@ class Transformer(nn.Module):
                 _local(p).zero_()
                 continue
             if kind.endswith(("attn.bq", "attn.bk", "attn.bv", "attn.bo", "attn.sinks", "attn.bg", "attn.index_k_bias", "attn.q_norm_bias", "attn.k_norm_bias",
-                              "router_bias", "norm.bias", "head_bias",
+                              "router_bias", "mlp.out_bias", "norm.bias", "head_bias",
                               "attn.conv_q_bias", "attn.conv_k_bias", "attn.conv_v_bias")
                              + EXPERT_BIASES):
                 _local(p).zero_()
@@ -2427,6 +2479,27 @@ class Transformer(nn.Module):
         of their indexer losses in the last forward (float32 scalar, detached); None when no
         layer computed one (no such layers, no gradients, or index_loss_coeff 0)."""
         losses = [m.index_loss for m in self._index_attentions() if m.index_loss is not None]
+        return torch.stack(losses).sum() if losses else None
+
+    def moa_attentions(self) -> dict[str, Attention]:
+        """The attention modules that are a mixture of attention heads (cfg.moa_experts) by
+        name, this model's (this pipeline chunk's)."""
+        return {n: m for n, m in self.named_modules() if isinstance(m, Attention) and m.cfg.moa_experts is not None}
+
+    def set_moa_aux_weight(self, weight: float) -> None:
+        """The weight of every attention router's balance loss in the next backward passes
+        (Attention.moa_aux_weight; cfg.moa_aux_coeff at first): the loop sets moa_aux_coeff /
+        (attention blocks x n_micro) each step, the mean over blocks and micro-batches."""
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 <= weight < math.inf:
+            raise ValueError(f"weight: expected a finite number >= 0, got {weight!r}")
+        for m in self.moa_attentions().values():
+            m.moa_aux_weight = weight
+
+    def moa_aux_loss_sum(self) -> Optional[torch.Tensor]:
+        """The sum over this model's (this pipeline chunk's) attention routers of their balance
+        losses in the last forward (float32 scalar, detached); None when none computed one (no
+        mixture of attention heads, or no gradients)."""
+        losses = [m.moa_aux_loss for m in self.moa_attentions().values() if m.moa_aux_loss is not None]
         return torch.stack(losses).sum() if losses else None
 
     def moe_layers(self) -> dict[str, MoE]:
