@@ -7,7 +7,7 @@ A folder holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). Supported `model_type`s: FAMILIES (mixtral, qwen2_moe,
 qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, axk1, kimi_k2, kimi_k25, deepseek_v2, deepseek_v32, glm_moe_dsa, hy_v4, hy_v4_vl_text,
 hy_v4_vl, glm4_moe_lite, gpt_oss, solar_open,
-exaone_moe, kolibri1, beam, axk2, dots1, minimax_m2, minimax, granitemoe, granitemoeshared, granitemoe_swa, granitemoehybrid, nemotron_h, mamba2, mamba, falcon_mamba, jamba, hunyuan_v1_moe, llama4_text, llama4, afmoe,
+exaone_moe, kolibri1, beam, axk2, dots1, minimax_m2, minimax, granitemoe, granitemoeshared, granitemoe_swa, granitemoehybrid, jetmoe, nemotron_h, mamba2, mamba, falcon_mamba, jamba, hunyuan_v1_moe, llama4_text, llama4, afmoe,
 laguna, step3p5, step3p7, aria_text, aria, cohere2_moe, sarvam_moe, sarvam_mla, longcat_flash, bailing_hybrid, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, lara_mini, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
 mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe, gemma3, gemma4_text, gemma4, gemma4_unified_text, gemma4_unified, muse_spark_text,
 muse_spark), and the dense
@@ -69,6 +69,12 @@ GraniteMoE / GraniteMoeShared (IBM Granite 3 MoE): Mixtral's routing with Granit
 multipliers (TransformerConfig.attn_scale, embed_scale, residual_scale, logit_divisor); the
 experts are stacks of linear weights, input_linear [E, 2F, H] (the gate's F rows, then the
 up's: Tensor.chunk) and output_linear [E, H, F], and so is the shared MLP ([2Fs, H], [H, Fs]).
+JetMoE (jetmoe): a mixture of attention heads in every block (TransformerConfig.moa_experts:
+each token's top-k attention experts' query and output projections, self_attention.experts'
+input_linear [E, G D, H] and output_linear [E, H, G D], over the kv heads of kv_proj: the
+keys' rows, then the values'; the router experts.router.layer; the bias experts.bias as
+o_bias's) and Granite's experts' stacks in its MoE, a bias on its output (mlp.bias:
+moe_out_bias).
 Hunyuan-A13B: its router is gate.wg, its q/k norms query_layernorm / key_layernorm
 (Family.router, Family.qk_norms), applied after RoPE.
 Sarvam-30B (sarvam_moe): GLM-4.5's model under its released checkpoint's names
@@ -1664,6 +1670,28 @@ def _minimax_m2(hf: dict) -> dict:
 
 _M3_INDEX_LEGACY = dict(index_n_heads="sparse_num_index_heads", index_head_dim="sparse_index_dim", index_block_size="sparse_block_size",
                         index_topk_blocks="sparse_topk_blocks", index_local_blocks="sparse_local_block")
+
+
+def _jetmoe(hf: dict) -> dict:
+    """JetMoE (jetmoe; JetMoE-8B): every block a mixture of attention heads (moa_experts =
+    num_local_experts attention experts, each a query projection of num_key_value_heads heads
+    of kv_channels and an output projection, num_experts_per_tok of them per token over the
+    kv heads that kv_proj makes for all; its router's softmax over the top-k logits; a bias on
+    the attention's output: o_bias) and a MoE of as many experts and the same top-k (SwiGLU
+    experts, input_linear the gate's rows then the up's; a bias on its output: moe_out_bias);
+    no shared experts, no dense block, RoPE over whole heads, the head tied by default. The
+    routers' balance loss weight aux_loss_coef is read as moa_aux_coeff. transformers' blocks
+    norm with eps 1e-6 whatever rms_norm_eps (its final norm reads it): another one is refused."""
+    _refuse(hf, "activation_function", lambda v: v == "silu", "silu, the experts' SwiGLU")
+    _refuse(hf, "rms_norm_eps", lambda v: v == 1e-6, "1e-6: JetMoE's blocks norm with 1e-6 whatever it says, fmoe's norms share one eps")
+    G, k = hf["num_key_value_heads"], hf["num_experts_per_tok"]
+    coeff = hf.get("aux_loss_coef", 0.01)
+    if isinstance(coeff, bool) or not isinstance(coeff, (int, float)) or not 0 <= coeff < math.inf:
+        raise ValueError(f"config.json: aux_loss_coef = {coeff!r} is not supported (a finite number >= 0)")
+    F = hf["intermediate_size"]
+    common = _common(dict(hf, hidden_act="silu", num_attention_heads=G * k, head_dim=hf["kv_channels"]), hf["num_local_experts"])
+    return dict(common, ffn_expert=F, ffn_dense=F, n_dense=0, n_shared=0, moa_experts=hf["num_local_experts"], moa_topk=k,
+                moa_aux_coeff=float(coeff), o_bias=True, moe_out_bias=True)
 
 
 def _minimax_m3(hf: dict) -> dict:
@@ -3904,6 +3932,12 @@ FAMILIES = {
                             not_read=("vision_tower.", "multi_modal_projector.", "patch_merge_mlp."), ignored=(r"(^|\.)mtp\.",),
                             written_as="text_config"),
     "granitemoe": Family(_granitemoe, "block_sparse_moe", _GRANITE, "GraniteMoeForCausalLM", fused="halves_out", router="router.layer.weight"),
+    # JetMoE's: the attention experts under self_attention.experts (input_linear [E, G D, H], output_linear [E, H, G D], router.layer,
+    # bias) beside kv_proj (the keys' rows, then the values'); the MoE's stacks as Granite's, its bias beside them
+    "jetmoe": Family(_jetmoe, "mlp", _GRANITE, "JetMoeForCausalLM", fused="halves_out", router="router.layer.weight", attention="self_attention",
+                     defaults=dict(vocab_size=32000, hidden_size=2048, num_hidden_layers=12, num_key_value_heads=16, kv_channels=128,
+                                   intermediate_size=5632, num_local_experts=8, num_experts_per_tok=2, tie_word_embeddings=True,
+                                   rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
     "granitemoeshared": Family(_granitemoe, "block_sparse_moe", _GRANITE, "GraniteMoeSharedForCausalLM", "shared_mlp", fused="halves_out",
                                shared_beside=True, router="router.layer.weight"),
     "granitemoehybrid": Family(_granitemoehybrid, "block_sparse_moe", _GRANITE, "GraniteMoeHybridForCausalLM", "shared_mlp", fused="halves_out",
@@ -4609,6 +4643,8 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
             if ours != "w_gate" or cfg.mlp_act not in PLAIN_ACTS:  # experts without a gate (Nemotron 3's) have none
                 out[q + "mlp.experts." + ours] = Tensor(tuple(f"{mlp}experts.{e}.{theirs}.weight" for e in range(cfg.n_experts)),
                                                         transpose=True, stacked=True)
+    if moe and cfg.moe_out_bias:  # a bias on the MoE block's output (JetMoE's), under the block
+        out[q + "mlp.out_bias"] = Tensor((mlp + "bias",))
     if moe and cfg.moe_latent:  # a latent MoE's [L, H] and [H, L] linear weights
         for ours, theirs in zip(("latent_in", "latent_out"), family.latent):
             out[q + "mlp." + ours] = Tensor((f"{mlp}{theirs}.weight",), transpose=True)
@@ -4707,6 +4743,13 @@ def _attention_keys(family: Family, cfg: TransformerConfig, p: str, q: str, rope
                 out[q + "attn." + ours] = Tensor((f"{index}{theirs}.weight",), transpose=True)
             out[q + "attn.index_k_norm"] = Tensor((index + "k_norm.weight",))
             out[q + "attn.index_k_bias"] = Tensor((index + "k_norm.bias",))
+    elif cfg.moa_experts is not None:  # JetMoE's mixture of attention heads: the experts' stacks, kv_proj's keys then values
+        experts = attn + "experts."
+        out[q + "attn.wq"] = Tensor((experts + "input_linear.weight",), transpose=True)
+        out[q + "attn.wo"] = Tensor((experts + "output_linear.weight",), transpose=True)
+        out[q + "attn.moa_router"] = Tensor((experts + "router.layer.weight",), transpose=True)
+        for j, ours in enumerate(("wk", "wv")):
+            out[q + "attn." + ours] = Tensor((attn + "kv_proj.weight",), transpose=True, chunk=(j, (1, 1)))
     elif family.qkv is not None:  # q, k and v: the rows of one module, in that order (qkv_per_head: each head's in turn)
         G = cfg.kv_heads(layer)
         rows = (cfg.heads(layer) * cfg.head_dim, G * cfg.head_dim, G * (cfg.v_head_dim or cfg.head_dim))
@@ -4729,8 +4772,8 @@ def _attention_keys(family: Family, cfg: TransformerConfig, p: str, q: str, rope
     if cfg.qkv_bias and family.qkv is None:
         for ours, theirs in zip(("bq", "bk", "bv"), family.qkv_names):
             out[q + "attn." + ours] = Tensor((f"{attn}{theirs}.bias",))
-    if cfg.o_bias:
-        out[q + "attn.bo"] = Tensor((f"{attn}{family.o_proj}.bias",))
+    if cfg.o_bias:  # (JetMoE's: the attention experts' bias)
+        out[q + "attn.bo"] = Tensor((f"{attn}experts.bias" if cfg.moa_experts is not None else f"{attn}{family.o_proj}.bias",))
     if cfg.has_sinks(layer):
         out[q + "attn.sinks"] = Tensor((attn + family.sinks,))
     if gate_in_q:
@@ -5737,6 +5780,11 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
     elif model_type == "kolibri1":
         hf.update(num_local_experts=cfg.n_experts, moe_intermediate_size=cfg.ffn_expert, shared_expert_intermediate_size=cfg.shared_size,
                   norm_topk_prob=cfg.route_normalize, sliding_window=cfg.window, layer_types=_layer_types(cfg))
+    elif model_type == "jetmoe":  # its heads from the kv heads and the top-k; head_dim is kv_channels
+        for name in ("num_attention_heads", "head_dim", "hidden_act"):
+            hf.pop(name)
+        hf.update(kv_channels=cfg.head_dim, num_local_experts=cfg.n_experts, intermediate_size=cfg.ffn_expert, activation_function="silu",
+                  aux_loss_coef=cfg.moa_aux_coeff)
     elif model_type == "minimax_m3_vl_text":
         blocks = [i for i in range(cfg.n_layers) if cfg.is_index_blocks(i)]
         index = dict(index_topk_blocks=cfg.index_topk_blocks, index_block_size=cfg.index_block_size, index_local_blocks=cfg.index_local_blocks,
@@ -6152,7 +6200,7 @@ def written_config(hf: dict) -> dict:
 _MOE_ONLY = {"n_experts", "k", "ffn_expert", "n_shared", "shared_ffn", "shared_gate", "score", "pre_softmax", "n_groups", "topk_groups",
              "group_score_topk", "route_scale", "route_normalize", "expert_bias", "route_on_input", "router_bias", "expert_biases",
              "swiglu_alpha", "swiglu_limit", "swiglu_offset", "swiglu_limit_layers", "router_softcap", "shared_scale", "expert_bias_on_logits",
-             "router_scale", "expert_out_norm"}
+             "router_scale", "expert_out_norm", "moe_out_bias"}
 
 
 # TransformerConfig fields that only the attention blocks read: nothing in a model none of whose blocks attends (every
@@ -6167,7 +6215,8 @@ _ATTENTION_ONLY = {"n_heads", "n_kv_heads", "head_dim", "qkv_bias", "o_bias", "q
                    "local_head_dim",
                    "local_rope_base", "local_rope_dim", "window", "window_layers", "chunk", "chunk_layers", "nope_layers", "nope_temperature_floor",
                    "nope_temperature_scale", "nope_temperature_kind", "query_temperature_floor", "query_temperature_scale", "index_topk", "index_heads",
-                   "index_head_dim", "index_rope_interleaved", "index_rope_last", "index_norm_eps", "index_loss_coeff", "index_shared_layers"}
+                   "index_head_dim", "index_rope_interleaved", "index_rope_last", "index_norm_eps", "index_loss_coeff", "index_shared_layers",
+                   "moa_experts", "moa_topk", "moa_aux_coeff"}
 
 
 def config_mismatch(cfg: TransformerConfig, hf: dict) -> dict[str, tuple]:
@@ -6180,7 +6229,7 @@ def config_mismatch(cfg: TransformerConfig, hf: dict) -> dict[str, tuple]:
     family = FAMILIES[hf["model_type"]]
     back = TransformerConfig(**family.kwargs(hf))
     ignored = {"impl", "ac", "fp8", "fp8_layers", "fp8_fast_accum", "init_std", "ffn_dense", "n_dense", "n_shared", "shared_ffn", "moe_layers",
-               "capacity_factor", "capacity_policy"}
+               "capacity_factor", "capacity_policy", "moa_aux_coeff"}
     if cfg.yarn_factor is None:
         ignored |= {"yarn_original_max_positions", "yarn_truncate"}
     if cfg.llama3_factor is None:

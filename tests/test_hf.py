@@ -453,6 +453,11 @@ FAMILIES = {
                                                        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)),
     # Mixtral's routing with Granite's four multipliers (none of them 1), tied embeddings;
     # experts stored as [E, 2F, H] / [E, H, F] stacks
+    # JetMoE: a mixture of attention heads (4 attention experts, 2 per token, over 2 kv heads of 8) beside a MoE with a bias on its
+    # output, the head tied
+    "jetmoe": lambda: transformers.JetMoeConfig(vocab_size=V, hidden_size=32, num_hidden_layers=3, num_key_value_heads=2, kv_channels=8,
+                                                intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=128,
+                                                bos_token_id=None, eos_token_id=None),
     "granitemoe": lambda: transformers.GraniteMoeConfig(**COMMON, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
                                                        embedding_multiplier=3.0, attention_multiplier=0.3, residual_multiplier=0.5,
                                                        logits_scaling=2.5, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None),

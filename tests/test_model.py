@@ -223,6 +223,10 @@ VARIANTS = {
                                    attn_scale=6**-0.5, zero_centered_norms=True, mlp_act="silu_cap", swiglu_limit=0.01, swiglu_limit_layers=(2,),
                                    shared_swiglu_limit=0.01, shared_swiglu_limit_layers=(0, 2), route_scale=2.5, score="sigmoid",
                                    n_shared=0, shared_ffn=24, mtp_depth=1),
+    # JetMoE's: a mixture of attention heads (3 attention experts' query and output projections, 2 per token, over 2 shared kv
+    # heads) in every block and the MTP's, its routers balanced by their loss; a bias on the MoE blocks' output
+    "jetmoe": dataclasses.replace(TINY, moa_experts=3, moa_topk=2, moe_out_bias=True, score="softmax", expert_bias=False, n_shared=0,
+                                  mtp_depth=1),
 }
 
 
@@ -1205,8 +1209,8 @@ FULL = dataclasses.replace(TINY, mtp_depth=2, impl="auto", capacity_factor=1.25,
 
 @pytest.mark.parametrize("cfg", [dataclasses.replace(TINY, mtp_depth=1, impl="auto"), FULL, dataclasses.replace(VARIANTS["gated deltanet"], impl="auto"),
                                  dataclasses.replace(VARIANTS["falcon_h1"], impl="auto"), dataclasses.replace(VARIANTS["jamba"], impl="auto"),
-                                 dataclasses.replace(MINIMAX_M3, impl="triton")],
-                         ids=["default", "capacity-groups-yarn-mtp2-granite", "gated deltanet", "falcon_h1", "jamba", "minimax-m3-kernel"])
+                                 dataclasses.replace(MINIMAX_M3, impl="triton"), dataclasses.replace(VARIANTS["jetmoe"], impl="auto")],
+                         ids=["default", "capacity-groups-yarn-mtp2-granite", "gated deltanet", "falcon_h1", "jamba", "minimax-m3-kernel", "jetmoe"])
 def test_forward_and_backward_read_nothing_on_the_host(cfg):
     """No device->host sync in the model's forward and backward (MoE layers, MTP, losses):
     on a GPU each read is a stall. Counted here as host reads of tensor values on CPU."""
@@ -1237,7 +1241,7 @@ def _compiled_like_eager(cfg):
     return model, grads
 
 
-@pytest.mark.parametrize("name", ["full", "dsa", "mhc", "falcon_h1", "jamba", "minimax-m3"])
+@pytest.mark.parametrize("name", ["full", "dsa", "mhc", "falcon_h1", "jamba", "minimax-m3", "jetmoe"])
 def test_the_whole_model_compiles_without_a_graph_break(name):
     """torch.compile(fullgraph=True) of forward + losses (a host sync would be a graph break),
     then the backward; same values and gradients as eager. The batch ends in padding (its
@@ -1246,12 +1250,15 @@ def test_the_whole_model_compiles_without_a_graph_break(name):
     Sinkhorn steps. Falcon-H1's: a Mamba-2 mixer and attention side by side in every block.
     Jamba's: Mamba-1 mixers (a decay per channel and state channel) beside NoPE attention.
     MiniMax-M3's: block-sparse attention's choice (a scatter of block maxima, a stable sort)
-    and its indexer's loss."""
+    and its indexer's loss. JetMoE's: the attention experts' routed projections and their
+    routers' balance loss."""
     cfg = FULL if name == "full" else dataclasses.replace(MINIMAX_M3 if name == "minimax-m3" else VARIANTS[name], impl="auto")
     model, grads = _compiled_like_eager(cfg)
     if name in ("dsa", "minimax-m3"):
         indexer = "blocks.0.attn.index_wq" if name == "dsa" else "blocks.1.attn.index_wq"
         assert float(model.index_loss_sum()) > 0 and float(grads[indexer].abs().max()) > 0
+    if name == "jetmoe":  # the attention routers' balance losses, kept and added in the backward
+        assert float(model.moa_aux_loss_sum()) > 0 and float(grads["blocks.0.attn.moa_router"].abs().max()) > 0
 
 
 def test_models_whose_float_knobs_differ_compile_whole_in_one_process():
@@ -2157,6 +2164,8 @@ DECODED = {
     # sequence crossing the original positions: test_decode_past_longrope_s_original_positions_recomputes_the_sequence)
     "longrope": dataclasses.replace(TINY, rope_dim=4, longrope_short_factors=(1.0, 1.5), longrope_long_factors=(3.0, 9.0),
                                     longrope_original_max_positions=1, longrope_short_scale=1.1, longrope_long_scale=1.3),
+    # a mixture of attention heads: each new token's queries from its own experts, over the cache's shared kv heads
+    "jetmoe": dataclasses.replace(VARIANTS["jetmoe"], mtp_depth=0),
 }
 
 
