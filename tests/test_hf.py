@@ -1305,6 +1305,41 @@ def test_minimax_m3_reads_its_block_sparse_attention_and_released_folders(folder
         assert _rel(mine.logits(ids, cu), theirs) < 1e-5
 
 
+def test_jetmoe_s_attention_experts_are_read_and_fmoe_s_own_mixture_of_attention_heads_is_written(folders, tmp_path):
+    """A JetMoE folder: every block a mixture of attention heads (4 experts' query and output
+    projections, 2 per token, the kv heads from kv_proj), its MoE's output bias, the head tied,
+    the routers' aux_loss_coef as moa_aux_coeff; the attention experts matter (the router
+    turned to choose other experts moves the logits). fmoe's own such model (its weights
+    nudged off their start: the biases too) written as jetmoe gives its logits in
+    transformers; a model without attention experts is not written as jetmoe."""
+    path, ref = folders["jetmoe"]
+    model, cfg = hf.from_pretrained(path, impl="torch")
+    assert (cfg.moa_experts, cfg.moa_topk, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim) == (4, 2, 4, 2, 8)
+    assert cfg.o_bias and cfg.moe_out_bias and cfg.tie_embeddings and cfg.moa_aux_coeff == 0.01 and cfg.n_dense == 0
+    docs, ids, cu = _packed()
+    with torch.no_grad():
+        before = model.logits(ids, cu)
+        assert _rel(before, _their_logits(ref, docs)) < 1e-5
+        router = model.blocks[1].attn.moa_router
+        router.copy_(-router)  # each token's least likely experts now
+        assert _rel(model.logits(ids, cu), before) > 1e-2
+    torch.manual_seed(3)
+    own = TransformerConfig(vocab_size=V, hidden=32, n_layers=2, n_dense=0, ffn_dense=24, n_experts=5, k=3, ffn_expert=24, n_shared=0,
+                            n_heads=6, n_kv_heads=2, head_dim=8, score="softmax", expert_bias=False, moa_experts=5, moa_topk=3, o_bias=True,
+                            moe_out_bias=True, tie_embeddings=True, moa_aux_coeff=0.02, mtp_depth=0, impl="torch")
+    mine = Transformer(own)
+    theirs = _exported_logits(mine, tmp_path / "own", "jetmoe", nudge=0.3)
+    written = json.loads((tmp_path / "own" / "config.json").read_text())
+    assert (written["num_local_experts"], written["num_experts_per_tok"], written["kv_channels"], written["aux_loss_coef"]) == (5, 3, 8, 0.02)
+    with torch.no_grad():
+        assert _rel(mine.logits(ids, cu), theirs) < 1e-5
+    # JetMoE's attention has as many experts as its MoE, and routes as many per token; a model without attention experts is not JetMoE
+    for change, named in ((dict(moa_experts=4), "'moa_experts': (4, 5)"), (dict(moa_experts=None, moa_topk=1, moa_aux_coeff=0.01, n_heads=4),
+                                                                             "'moa_experts': (None, 5)")):
+        with pytest.raises(ValueError, match=re.escape(named)):
+            hf.save_pretrained(Transformer(dataclasses.replace(own, **change)), tmp_path / "other", model_type="jetmoe")
+
+
 def _left_out(config: dict):
     """(field, config.json without it) for each field of `config`, and each of its rope_parameters'."""
     for field in config:
@@ -2691,6 +2726,9 @@ BAD_CONFIGS = [
      r"config.json: moe_topk = \[2, 1, 2\] is not supported \(the same value in every layer\)"),
     ("hunyuan_v1_moe", lambda c: c["rope_parameters"].pop("alpha"), r"config.json: rope type 'dynamic' is not supported"),
     ("granitemoe", lambda c: c.update(logits_scaling=0), r"config.json: logits_scaling = 0 is not supported \(a positive number\)"),
+    ("jetmoe", lambda c: c.update(activation_function="gelu"), r"config.json: activation_function = 'gelu' is not supported \(silu"),
+    ("jetmoe", lambda c: c.update(rms_norm_eps=1e-5), r"config.json: rms_norm_eps = 1e-05 is not supported \(1e-6: JetMoE's blocks norm with 1e-6"),
+    ("jetmoe", lambda c: c.update(aux_loss_coef=-1.0), r"config.json: aux_loss_coef = -1.0 is not supported \(a finite number >= 0\)"),
     ("granitemoe_swa", lambda c: c.update(layer_rope_theta=[5000.0, 100.0, 200.0]),
      r"config.json: layer_rope_theta = \[5000.0, 100.0, 200.0\] is not supported \(0 for NoPE, else one RoPE base per layer type"),
     ("afmoe", lambda c: c.update(num_experts_per_tok=1), r"config.json: num_experts_per_tok = 1 is not supported \(k > 1: this family renormalises"),
@@ -2948,6 +2986,16 @@ def test_the_loop_fine_tunes_a_minimax_m3_model_and_its_indexers(tmp_path):
     records, _, loss = _loop_from_folder(config, tmp_path, f"--init_from_hf={tmp_path / 'hf'}")
     assert records[0]["loss"] == pytest.approx(loss, rel=1e-5)
     assert all(math.isfinite(r["index_loss"]) and r["index_loss"] > 0 for r in records[:2])
+
+
+def test_the_loop_fine_tunes_a_jetmoe_model_and_its_attention_routers(tmp_path):
+    """--init_from_hf of a JetMoE folder: the first step's loss is the model's own (each token's
+    attention experts), and the attention routers' balance loss is logged each step."""
+    config = FAMILIES["jetmoe"]()
+    config.vocab_size = 260
+    records, _, loss = _loop_from_folder(config, tmp_path, f"--init_from_hf={tmp_path / 'hf'}")
+    assert records[0]["loss"] == pytest.approx(loss, rel=1e-5)
+    assert all(math.isfinite(r["moa_aux_loss"]) and r["moa_aux_loss"] > 0.5 for r in records[:2])
 
 
 def test_the_loop_upcycles_a_released_dense_model(tmp_path):
