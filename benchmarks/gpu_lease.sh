@@ -20,6 +20,7 @@
 #     bash benchmarks/gpu_lease.sh n    # where the hyper-connections' time goes (bench_hyper_connections profiled) and the scan's (bench_scan profiled)
 #                                       # (part h's gpu tests include GeGLU's kernels at a real shape; bench_moe_layer, parts a, c, f, its GeGLU rows)
 #     bash benchmarks/gpu_lease.sh o    # MiniMax-M3's block-sparse attention: its gpu test, bench_block_sparse (not yet run)
+#     bash benchmarks/gpu_lease.sh p    # JetMoE's mixture of attention heads and grouped_matmul: their gpu tests, bench_moa (not yet run)
 #
 # What comes back is written to $OUT (the device tool's folder; gpu_out/ elsewhere), at most
 # 8 files: RESULTS.md (run_all.py's sections, to append to benchmarks/RESULTS.md), log.txt,
@@ -179,8 +180,20 @@ o)
     grep -E "passed|failed|^FAILED|^ERROR|^E  " "$OUT/gpu_tests.log" | tail -20
     bench --only bench_block_sparse --timeout 240
     ;;
+p)
+    # a mixture of attention heads (JetMoE's): CUDA's layer on the grouped GEMMs and on the Triton kernels against the CPU
+    # layer, grouped_matmul's paths; then the layer against the per-expert loop and plain GQA of the same heads, T = 8192, 16384
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-ra --durations=5" \
+        tests/test_attention.py::test_gpu_mixture_of_attention_heads_matches_the_cpu_layer > "$OUT/gpu_tests.log" 2>&1
+    echo "gpu tests (mixture of attention heads): exit $?"
+    # grouped_matmul's cases on CUDA tensors (the device fixture is CUDA there): the Triton GEMM, torch._grouped_mm, the loop
+    timeout 90 python3 -m pytest -q -p no:cacheprovider -o addopts="-ra" tests/ops/test_experts.py -k grouped_matmul >> "$OUT/gpu_tests.log" 2>&1
+    echo "grouped_matmul on CUDA: exit $?"
+    grep -E "passed|failed|^FAILED|^ERROR|^E  " "$OUT/gpu_tests.log" | tail -20
+    bench --only bench_moa --timeout 240
+    ;;
 *)
-    echo "usage: bash benchmarks/gpu_lease.sh a|b|c|e|f|g|h|i|j|k|l|m|n|o" >&2
+    echo "usage: bash benchmarks/gpu_lease.sh a|b|c|e|f|g|h|i|j|k|l|m|n|o|p" >&2
     exit 2
     ;;
 esac

@@ -1953,3 +1953,27 @@ def test_mixture_of_attention_heads_bad_inputs():
         attention(x, dict(p, bq=torch.zeros(64)), MOA, ctx)
     with pytest.raises(ValueError, match=re.escape("params: unknown attention parameters ['moa_router']")):
         attention(x, dict(_params(CFG), moa_router=p["moa_router"]), CFG, ctx)
+
+
+@pytest.mark.gpu
+def test_gpu_mixture_of_attention_heads_matches_the_cpu_layer():
+    """A mixture of attention heads on CUDA (JetMoE-8B's experts and heads at a smaller hidden
+    size: 8 experts, 2 per token, 16 kv heads of 128, over 4096 tokens in 3 documents; float32,
+    so the routing is the same) gives the CPU layer's output, balance loss and gradients, on
+    the grouped GEMMs with FlexAttention ("auto") and the Triton kernels with the SDPA reference."""
+    cfg = AttentionConfig(n_heads=32, n_kv_heads=16, head_dim=128, moa_experts=8, moa_topk=2, impl="torch")
+    Hg, g = 512, torch.Generator().manual_seed(3)
+    shapes = {"wq": (8, Hg, 2048), "wk": (Hg, 2048), "wv": (Hg, 2048), "wo": (8, 2048, Hg), "moa_router": (Hg, 8)}
+    p = {n: torch.randn(*s, generator=g) * s[-2] ** -0.5 for n, s in shapes.items()}
+    x, cu = torch.randn(4096, Hg, generator=g), torch.tensor([0, 1000, 1001, 4096], dtype=torch.int32)
+    upstream = torch.randn(4096, Hg, generator=g)
+    outs = []
+    for device, impl in (("cpu", "torch"), ("cuda", "auto"), ("cuda", "triton")):
+        q = {n: t.to(device).requires_grad_() for n, t in p.items()}
+        c = dataclasses.replace(cfg, impl=impl)
+        y, stats = attention(x.to(device), q, c, _ctx(cu.to(device), c))
+        grads = torch.autograd.grad((y * upstream.to(device)).sum() + stats["moa_aux_loss"], list(q.values()))
+        outs.append([y.cpu(), stats["moa_aux_loss"].detach().cpu(), *(t.cpu() for t in grads)])
+    for cuda in outs[1:]:
+        for a, b in zip(outs[0], cuda):
+            assert _rel(b, a) < 1e-4
