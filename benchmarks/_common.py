@@ -377,6 +377,27 @@ def run_cases(doc: str, name: str, make_cases, run_case, columns: list[str]) -> 
     finish(args, device, bandwidth, name, [(rows, columns)])
 
 
+def run_rate_cases(doc: str, name: str, make_cases, run_case, columns: list[str]) -> None:
+    """run_cases for a benchmark whose floor is the matmul rate: the rate measured now (printed,
+    and as matmul_TFLOPs on each row) is run_case(case, device, dtype, rate)'s last argument."""
+    args, device, dtype, bandwidth = start(doc.splitlines()[0])
+    rate = matmul_rate(device, dtype, 256 if args.smoke else 8192)
+    print(f"{str(dtype).removeprefix('torch.')} matmul rate: {rate / 1e12:.1f} TFLOP/s (measured now)", flush=True)
+    rows = [row for case in make_cases(args.smoke) for row in run_case(case, device, dtype, rate)]
+    finish(args, device, bandwidth, name, [(rows, columns)], matmul_TFLOPs=rate / 1e12)
+
+
+def time_and_peak(step, device: torch.device, label: str) -> tuple[Optional[float], Optional[int]]:
+    """(bench's median ms, cuda_peak_bytes) of step(), or (None, None) where it runs out of
+    device memory (said on the output; the cache emptied for the next one)."""
+    try:
+        return bench(step, device, label=label), cuda_peak_bytes(step, device)
+    except torch.OutOfMemoryError:
+        print(f"{label}: out of memory", flush=True)
+        torch.cuda.empty_cache()
+        return None, None
+
+
 def finish(args, device: torch.device, bandwidth: float, name: str, tables: list, **columns) -> None:
     """Write every table's rows to OUT/<name>.csv, with the device, the copy bandwidth and
     `columns` on each row, then print the tables (the last one last).

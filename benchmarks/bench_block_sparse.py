@@ -35,13 +35,10 @@ import dataclasses
 from dataclasses import dataclass
 
 from _common import (  # before torch and fmoe: with --smoke it sets TRITON_INTERPRET
-    bench,
     case_done,
     check_agree,
-    cuda_peak_bytes,
-    finish,
-    matmul_rate,
-    start,
+    run_rate_cases,
+    time_and_peak,
 )
 
 import torch  # noqa: E402
@@ -116,13 +113,7 @@ def run_case(case: Case, device: torch.device, dtype: torch.dtype, rate: float) 
         for name in cfgs:
             seen = keys[name]
             flops = mult * (proj_flops + 2 * T * N * seen * 2 * D)  # each query head's scores and weighted values over the keys it sees
-            try:
-                ms[name] = bench(lambda name=name: step(name), device, label=f"{case.name}-{pass_name}-{name}")
-                peak = cuda_peak_bytes(lambda name=name: step(name), device)
-            except torch.OutOfMemoryError:
-                print(f"{case.name} {pass_name} {name}: out of memory", flush=True)
-                ms[name] = peak = None
-                torch.cuda.empty_cache()
+            ms[name], peak = time_and_peak(lambda name=name: step(name), device, f"{case.name}-{pass_name}-{name}")
             rows.append({"case": case.name, "pass": pass_name, "impl": name, "ms": ms[name], "peak_GiB": None if peak is None else peak / 2**30,
                          "keys_per_query": seen, "floor_fraction": None if ms[name] is None else flops / rate * 1e3 / ms[name],
                          "T": case.T, "H": case.H, "N": N, "G": G, "D": D, "block": case.block, "topk": case.topk,
@@ -134,15 +125,5 @@ def run_case(case: Case, device: torch.device, dtype: torch.dtype, rate: float) 
     return rows
 
 
-def main() -> None:
-    args, device, dtype, bandwidth = start(__doc__.splitlines()[0])
-    rate = matmul_rate(device, dtype, 256 if args.smoke else 8192)
-    print(f"{str(dtype).removeprefix('torch.')} matmul rate: {rate / 1e12:.1f} TFLOP/s (measured now)", flush=True)
-    rows = []
-    for case in make_cases(args.smoke):
-        rows += run_case(case, device, dtype, rate)
-    finish(args, device, bandwidth, "bench_block_sparse", [(rows, COLUMNS)], matmul_TFLOPs=rate / 1e12)
-
-
 if __name__ == "__main__":
-    main()
+    run_rate_cases(__doc__, "bench_block_sparse", make_cases, run_case, COLUMNS)

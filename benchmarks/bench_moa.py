@@ -34,13 +34,10 @@ import dataclasses
 from dataclasses import dataclass
 
 from _common import (  # before torch and fmoe: with --smoke it sets TRITON_INTERPRET
-    bench,
     case_done,
     check_agree,
-    cuda_peak_bytes,
-    finish,
-    matmul_rate,
-    start,
+    run_rate_cases,
+    time_and_peak,
 )
 
 import torch  # noqa: E402
@@ -112,13 +109,7 @@ def run_case(case: Case, device: torch.device, dtype: torch.dtype, rate: float) 
     for pass_name, step, mult in (("fwd", fwd, (1.0, 1.0)), ("fwd+bwd", fwd_bwd, (3.0, 3.5))):
         flops = mult[0] * proj + mult[1] * 2 * T * N * keys * 2 * D
         for name in cfgs:
-            try:
-                ms[name] = bench(lambda name=name: step(name), device, label=f"{case.name}-{pass_name}-{name}")
-                peak = cuda_peak_bytes(lambda name=name: step(name), device)
-            except torch.OutOfMemoryError:
-                print(f"{case.name} {pass_name} {name}: out of memory", flush=True)
-                ms[name] = peak = None
-                torch.cuda.empty_cache()
+            ms[name], peak = time_and_peak(lambda name=name: step(name), device, f"{case.name}-{pass_name}-{name}")
             rows.append({"case": case.name, "pass": pass_name, "impl": name, "ms": ms[name], "peak_GiB": None if peak is None else peak / 2**30,
                          "floor_fraction": None if ms[name] is None else flops / rate * 1e3 / ms[name], "T": T, "H": H, "E": E, "k": k,
                          "G": G, "D": D, "doc": case.doc, "dtype": str(dtype).removeprefix("torch.")})
@@ -130,15 +121,5 @@ def run_case(case: Case, device: torch.device, dtype: torch.dtype, rate: float) 
     return rows
 
 
-def main() -> None:
-    args, device, dtype, bandwidth = start(__doc__.splitlines()[0])
-    rate = matmul_rate(device, dtype, 256 if args.smoke else 8192)
-    print(f"{str(dtype).removeprefix('torch.')} matmul rate: {rate / 1e12:.1f} TFLOP/s (measured now)", flush=True)
-    rows = []
-    for case in make_cases(args.smoke):
-        rows += run_case(case, device, dtype, rate)
-    finish(args, device, bandwidth, "bench_moa", [(rows, COLUMNS)], matmul_TFLOPs=rate / 1e12)
-
-
 if __name__ == "__main__":
-    main()
+    run_rate_cases(__doc__, "bench_moa", make_cases, run_case, COLUMNS)

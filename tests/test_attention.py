@@ -781,11 +781,17 @@ def _one_rank_of_cp(x, p, cfg, cu, cp, rank):
 @pytest.mark.parametrize("impl", ["torch", "flex"])
 @pytest.mark.parametrize("cp", [2, 4])
 def test_context_parallel_rank_gives_its_rows_of_the_whole_batch(cp, impl):
-    cu = torch.tensor([0, 3, 4, 13, 21, 24], dtype=torch.int32)  # chunks of 3 (cp=4) or 6 (cp=2)
     cfg = dataclasses.replace(YARN, impl=impl)
-    p = {n: t.detach() for n, t in _params(cfg).items()}
+    _check_cp_rows(cfg, {n: t.detach() for n, t in _params(cfg).items()}, cp)
+
+
+def _check_cp_rows(cfg, p, cp):
+    """Each of cp ranks' outputs (its two chunks of 24 tokens in 5 documents) are the one
+    process's rows of them (forward only: FlexAttention has no CPU backward; gradients:
+    tests/parallel)."""
+    cu = torch.tensor([0, 3, 4, 13, 21, 24], dtype=torch.int32)  # chunks of 3 (cp=4) or 6 (cp=2)
     x = torch.randn(24, H)
-    with torch.no_grad():  # forward only: FlexAttention has no CPU backward (gradients: tests/parallel)
+    with torch.no_grad():
         whole, _ = attention(x, p, cfg, _ctx(cu, cfg))
         for rank in range(cp):
             index, ctx = _one_rank_of_cp(x, p, cfg, cu, cp, rank)
@@ -1920,15 +1926,7 @@ def test_mixture_of_attention_heads_of_equal_experts_is_grouped_query_attention(
 def test_mixture_of_attention_heads_under_context_parallel(cp):
     """Each rank's rows are the whole batch's: the routing is per token, the keys and
     values shared by every expert."""
-    cu = torch.tensor([0, 3, 4, 13, 21, 24], dtype=torch.int32)
-    p = {n: t.detach() for n, t in _moa_params(MOA).items()}
-    x = torch.randn(24, H)
-    with torch.no_grad():
-        whole, _ = attention(x, p, MOA, _ctx(cu, MOA))
-        for rank in range(cp):
-            index, ctx = _one_rank_of_cp(x, p, MOA, cu, cp, rank)
-            y, _ = attention(x[index], p, MOA, ctx)
-            assert _rel(y, whole[index]) < 1e-5, rank
+    _check_cp_rows(MOA, {n: t.detach() for n, t in _moa_params(MOA).items()}, cp)
 
 
 def test_mixture_of_attention_heads_bad_inputs():
