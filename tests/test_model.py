@@ -2,6 +2,7 @@
 
 import dataclasses
 import math
+import re
 
 import pytest
 import torch
@@ -1272,6 +1273,37 @@ def test_models_whose_float_knobs_differ_compile_whole_in_one_process():
                   logit_softcap=30.0, attn_softcap=50.0, router_softcap=20.0, value_scale=0.5, clip_qkv=8.0)
     for cfg in (FULL, dataclasses.replace(MINIMAX_M3, impl="auto"), dataclasses.replace(FULL, **floats)):
         _compiled_like_eager(cfg)
+
+
+def test_mixture_of_attention_heads_weighs_its_balance_loss_and_checks_its_knobs():
+    """The attention routers' balance losses reach the gradients times the weight the loop
+    sets (Transformer.set_moa_aux_weight: weight 2w adds twice weight w's share; the router
+    gets a share, and every attention block and the MTP's is counted); the knobs are checked
+    by name."""
+    cfg = VARIANTS["jetmoe"]
+    model = Transformer(cfg)
+    assert sorted(model.moa_attentions()) == ["blocks.0.attn", "blocks.1.attn", "blocks.2.attn", "mtp.0.block.attn"]
+    batch = _batch(cfg)
+    grads = []
+    for weight in (0.0, 0.5, 1.0):
+        model.zero_grad()
+        model.set_moa_aux_weight(weight)
+        _loss(model, batch, model.context(batch)).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        assert len(model.moa_attentions()) == 4 and float(model.moa_aux_loss_sum()) > 3.0  # about 1 each
+    for name, g0 in grads[0].items():
+        torch.testing.assert_close(grads[2][name] - g0, 2 * (grads[1][name] - g0), rtol=1e-3, atol=1e-6, msg=name)
+    assert float((grads[1]["blocks.0.attn.moa_router"] - grads[0]["blocks.0.attn.moa_router"]).abs().max()) > 0
+    with pytest.raises(ValueError, match="weight: expected a finite number >= 0, got -1.0"):
+        model.set_moa_aux_weight(-1.0)
+    for change, message in [(dict(moa_experts=None, moa_topk=1, moa_aux_coeff=0.1), "moa_aux_coeff: the weight of the attention experts' balance loss, needs moa_experts"),
+                            (dict(moa_aux_coeff=-0.5), "moa_aux_coeff: expected a finite number >= 0, got -0.5"),
+                            (dict(qkv_bias=True), "qkv_bias: not with a mixture of attention heads (moa_experts)"),
+                            (dict(attn_gate=True), "attn_gate: not with a mixture of attention heads (moa_experts)"),
+                            (dict(n_heads=6), "n_heads: a mixture of attention heads has moa_topk x n_kv_heads = 4 query heads"),
+                            (dict(n_dense=3), "moe_out_bias: a bias on the MoE blocks' output (a bool; True needs MoE blocks), got True")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            dataclasses.replace(cfg, **change)
 
 
 def test_gated_deltanet_compiles_once_for_every_document_count():
