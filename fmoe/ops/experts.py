@@ -799,8 +799,7 @@ def grouped_mlp(
     return grouped_mlp_ref(x_perm, w_gate, w_up, w_down, offsets, biases, glu, fp8)
 
 
-def grouped_matmul(x_perm: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, *, impl: str = "auto",
-                   check: Optional[bool] = None) -> torch.Tensor:
+def grouped_matmul(x_perm: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, *, check: bool = True, impl: str = "auto") -> torch.Tensor:
     """One linear map per expert over the rows permute grouped by expert: a routed linear
     layer (JetMoE's mixture of attention heads routes its query and output projections so).
 
@@ -808,10 +807,11 @@ def grouped_matmul(x_perm: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
         x_perm: [R, K] float rows, expert e's rows offsets[e-1] .. offsets[e] (grouped_mlp's).
         w: [E, K, N] each expert's matrix, x_perm's dtype and device.
         offsets: [E] int32 cumulative ends of the experts' rows (grouped_mlp's).
+        check: raise a ValueError unless offsets are non-decreasing and end within x_perm's
+            rows (one device->host sync; skipped under torch.compile).
         impl: "auto" | "triton" | "torch" (grouped_mlp's paths: the Triton grouped GEMM or
             torch._grouped_mm on CUDA, torch._grouped_mm on CPU with K and N zero-padded to
             16-byte rows, the per-expert loop; only "torch" reads offsets on the host).
-        check: the offsets' host-side check (grouped_mlp's).
     Returns:
         y_perm [R, N] in x_perm's dtype: x_perm[r] @ w[e] with float32 accumulation for expert
         e's rows, exact zeros (and zero gradient) for rows of no expert. Differentiable with

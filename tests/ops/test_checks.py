@@ -81,6 +81,12 @@ CASES = {
         bad=lambda: _grouped(True, torch.tensor([3, 2, 10, 14, 20, 24], dtype=torch.int32)),
         match=r"offsets: must be non-decreasing",
     ),
+    "grouped_matmul": Case(
+        run=lambda check: F.grouped_matmul(torch.randn(T * K, H, requires_grad=True), torch.randn(E, H, 8, requires_grad=True), _offsets(),
+                                           check=check),
+        bad=lambda: F.grouped_matmul(torch.randn(T * K, H), torch.randn(E, H, 8), torch.tensor([3, 3, 10, 14, 20, 27], dtype=torch.int32)),
+        match=r"offsets: the last expert's rows end at 27, past x_perm's 26 rows",
+    ),
     "cross_entropy": Case(
         run=lambda check: F.cross_entropy(torch.randn(T, 10, requires_grad=True), torch.randint(0, 10, (T,)), check=check),
         bad=lambda: F.cross_entropy(torch.randn(2, 10), torch.tensor([3, 10])),
