@@ -2966,36 +2966,22 @@ def test_the_loop_warms_up_fresh_indexers_on_a_deepseek_v3_model(tmp_path):
         assert _rel(trained.logits(ids, cu), torch.cat([back(d[None]).logits[0] for d in docs])) < 1e-5
 
 
-def test_the_loop_fine_tunes_a_deepseek_v32_model_and_its_indexer(tmp_path):
-    """--init_from_hf of a DeepSeek-V3.2 folder: the first step's loss is the model's own
-    (sparse attention: the micro-batch's documents are longer than index_topk = 8), and the
-    indexers' loss is logged each step (their weights trained by it)."""
-    config = FAMILIES["deepseek_v32"]()
-    config.vocab_size, config.index_topk = 260, 8
-    records, _, loss = _loop_from_folder(config, tmp_path, f"--init_from_hf={tmp_path / 'hf'}")
-    assert records[0]["loss"] == pytest.approx(loss, rel=1e-5)
-    assert all(math.isfinite(r["index_loss"]) and r["index_loss"] > 0 for r in records[:2])
-
-
-def test_the_loop_fine_tunes_a_minimax_m3_model_and_its_indexers(tmp_path):
-    """--init_from_hf of a MiniMax-M3 folder: the first step's loss is the model's own
-    (block-sparse attention: two blocks of 3 keys of the micro-batch's documents), and the
-    indexers' loss is logged each step (their weights trained by it)."""
-    config = FAMILIES["minimax_m3_vl_text"]()
+@pytest.mark.parametrize("family, knobs, logged, floor", [
+    ("deepseek_v32", dict(index_topk=8), "index_loss", 0.0),  # sparse attention: the documents are longer than index_topk = 8
+    ("minimax_m3_vl_text", {}, "index_loss", 0.0),  # block-sparse attention: two blocks of 3 keys of the micro-batch's documents
+    ("jetmoe", {}, "moa_aux_loss", 0.5),  # each token's attention experts; their routers' balance loss, about 1
+])
+def test_the_loop_fine_tunes_a_model_and_the_loss_its_attention_trains_by(family, knobs, logged, floor, tmp_path):
+    """--init_from_hf of a folder whose attention trains by a loss of its own: the first step's
+    loss is the folder model's own, and that loss is logged each step: DeepSeek-V3.2's and
+    MiniMax-M3's indexers' (their weights trained by it), JetMoE's attention routers' balance."""
+    config = FAMILIES[family]()
     config.vocab_size = 260
+    for name, value in knobs.items():
+        setattr(config, name, value)
     records, _, loss = _loop_from_folder(config, tmp_path, f"--init_from_hf={tmp_path / 'hf'}")
     assert records[0]["loss"] == pytest.approx(loss, rel=1e-5)
-    assert all(math.isfinite(r["index_loss"]) and r["index_loss"] > 0 for r in records[:2])
-
-
-def test_the_loop_fine_tunes_a_jetmoe_model_and_its_attention_routers(tmp_path):
-    """--init_from_hf of a JetMoE folder: the first step's loss is the model's own (each token's
-    attention experts), and the attention routers' balance loss is logged each step."""
-    config = FAMILIES["jetmoe"]()
-    config.vocab_size = 260
-    records, _, loss = _loop_from_folder(config, tmp_path, f"--init_from_hf={tmp_path / 'hf'}")
-    assert records[0]["loss"] == pytest.approx(loss, rel=1e-5)
-    assert all(math.isfinite(r["moa_aux_loss"]) and r["moa_aux_loss"] > 0.5 for r in records[:2])
+    assert all(math.isfinite(r[logged]) and r[logged] > floor for r in records[:2])
 
 
 def test_the_loop_upcycles_a_released_dense_model(tmp_path):
