@@ -107,7 +107,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -121,7 +121,7 @@ from fmoe.ops.backend import IMPLS, use_triton
 from fmoe.ops.balance import mask_tokens, tokens_per_expert
 from fmoe.ops.checks import check_float, check_index, check_positive_int, check_token_mask
 from fmoe.ops.delta import gated_delta_rule, gated_linear_attention
-from fmoe.ops.dispatch import permute, unpermute
+from fmoe.ops.dispatch import PermutePlan, permute, unpermute
 from fmoe.ops.experts import EXPERT_BIASES, PLAIN_ACTS, XIELU, check_glu, grouped_matmul, grouped_mlp, plain_act, swiglu  # PLAIN_ACTS: no gate (relu2, xielu, gelu_new, gelu, relu)
 from fmoe.ops.fp8 import check_fp8, check_fp8_fast_accum, matmul
 from fmoe.ops.packed import roll_packed, sequence_ids
@@ -1758,7 +1758,7 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
     elif cfg.kv_rank is not None:
         q_TND, k_TGD, v_TGD = _mla_qkv(x, params, cfg, ctx, q_lat)
     else:
-        moa = _moa_route(x, params, cfg) if cfg.moa_experts is not None else None  # (logits, routes, plan) of the attention experts
+        moa = _moa_route(x, params, cfg) if cfg.moa_experts is not None else None  # the attention experts' routing (MoaRouting)
         q_TND, k_TGD, v_TGD = _gqa_qkv(x, params, cfg, ctx, heads_mean, moa)
     index_k_SD = None
     if blocks:  # the indexer's queries and keys, of the detached tokens: differentiable only for its loss
@@ -1879,14 +1879,14 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
     if params.get("wg") is not None:  # gated attention: each output channel (or head) times its gate
         out_TQ = _gated(out_TQ, matmul(q_lat if cfg.gate_on_q else x, params["wg"], fp8=cfg.fp8, impl=cfg.impl), cfg, params.get("bg"))
     if cfg.moa_experts is not None:  # each slot's heads through its expert's output projection, weighted and summed
-        y_TH = _moa_out(out_TQ, params, cfg, *moa[1:])
+        y_TH = _moa_out(out_TQ, params, cfg, moa)
     else:
         y_TH = matmul(out_TQ, params["wo"], fp8=cfg.fp8, impl=cfg.impl)
     if params.get("bo") is not None:
         y_TH = y_TH + params["bo"]
     stats = {"index_choice": slots_TJ} if sparse and not shared else {}
     if cfg.moa_experts is not None and torch.is_grad_enabled() and params["moa_router"].requires_grad:  # the router's balance
-        scores_TE, _, counts_E = _aux_scores(moa[0], cfg.moa_topk, return_counts=True, impl=cfg.impl)
+        scores_TE, _, counts_E = _aux_scores(moa.logits_TE, cfg.moa_topk, return_counts=True, impl=cfg.impl)
         stats["moa_aux_loss"] = load_balancing_loss(scores_TE, counts_E, k=cfg.moa_topk, n_tokens=x.shape[0])
     if train_index and blocks:  # each kv head's heads' attention over its chosen blocks, the indexer's loss against it
         with torch.no_grad():
@@ -2081,28 +2081,35 @@ def _gated(out_TQ: torch.Tensor, gate_TG: torch.Tensor, cfg: AttentionConfig, bi
     return out_TQ * gate_TG
 
 
-def _moa_route(x_TH, params, cfg: AttentionConfig):
-    """A mixture of attention heads' routing (AttentionConfig): (the router's float32 logits
-    [T, E], Routes [T, k] (the softmax over the k chosen logits), x's rows permuted to the
-    experts and their PermutePlan); no host read."""
+class MoaRouting(NamedTuple):
+    """A mixture of attention heads' routing of x's tokens (_moa_route): the router's float32
+    logits [T, E], the Routes [T, k] (the softmax over the k chosen logits), x's rows
+    permuted to the experts and their PermutePlan."""
+
+    logits_TE: torch.Tensor
+    routes: Routes
+    x_perm: torch.Tensor
+    plan: PermutePlan
+
+
+def _moa_route(x_TH, params, cfg: AttentionConfig) -> MoaRouting:
+    """The attention experts' routing of x (AttentionConfig's mixture of attention heads); no host read."""
     logits_TE = x_TH.float() @ params["moa_router"]
     routes = route(logits_TE, cfg.moa_topk, check=False, impl=cfg.impl)
-    x_perm, plan = permute(x_TH, routes.experts, cfg.moa_experts, check=False, impl=cfg.impl)
-    return logits_TE, routes, (x_perm, plan)
+    return MoaRouting(logits_TE, routes, *permute(x_TH, routes.experts, cfg.moa_experts, check=False, impl=cfg.impl))
 
 
-def _moa_queries(params, cfg: AttentionConfig, rows) -> torch.Tensor:
+def _moa_queries(params, cfg: AttentionConfig, moa: MoaRouting) -> torch.Tensor:
     """[T, N D]: each slot's expert's query heads (x wq[e]), as heads g k + j (slot j's head of kv head g)."""
-    x_perm, plan = rows
-    q_perm = grouped_matmul(x_perm, params["wq"], plan.offsets, impl=cfg.impl, check=False)  # [T k, G D], rows by expert
-    q_TKQ = q_perm[plan.row_of_slot.long()]  # each slot's row (no slot is dropped)
+    q_perm = grouped_matmul(moa.x_perm, params["wq"], moa.plan.offsets, impl=cfg.impl, check=False)  # [T k, G D], rows by expert
+    q_TKQ = q_perm[moa.plan.row_of_slot.long()]  # each slot's row (no slot is dropped)
     return rearrange(q_TKQ, "t k (g d) -> t (g k d)", g=cfg.n_kv_heads)
 
 
-def _moa_out(out_TQ: torch.Tensor, params, cfg: AttentionConfig, routes, rows) -> torch.Tensor:
+def _moa_out(out_TQ: torch.Tensor, params, cfg: AttentionConfig, moa: MoaRouting) -> torch.Tensor:
     """[T, H]: the heads' outputs of each slot through its expert's wo[e], times the slot's
     weight, summed over the token's slots (fmoe.ops.unpermute, float32 sums)."""
-    _, plan = rows
+    routes, plan = moa.routes, moa.plan
     G, k = cfg.n_kv_heads, cfg.moa_topk
     out_SQ = rearrange(out_TQ, "t (g k d) -> (t k) (g d)", g=G, k=k)  # slot t k + j's heads
     o_perm = out_SQ[plan.slot_of_row.long().clamp(min=0)]  # rows by expert (every row a slot)
@@ -2113,7 +2120,7 @@ def _moa_out(out_TQ: torch.Tensor, params, cfg: AttentionConfig, routes, rows) -
 def _gqa_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext, heads_mean=None, moa=None):
     """Grouped-query attention's q [T, N, D], k [T, G, D] and v [T, G, Dv] (times cfg.v_scale),
     RoPE applied (unless cfg.rope is False). moa: a mixture of attention heads' routing
-    (_moa_route), whose experts make the queries."""
+    (_moa_route: MoaRouting), whose experts make the queries."""
     N, G = cfg.n_heads, cfg.n_kv_heads
     rope_impl = "torch" if cfg.impl == "torch" else "auto"
 
@@ -2124,7 +2131,7 @@ def _gqa_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext, heads_mean=
         y = matmul(x, params[name], fp8=cfg.fp8, impl=cfg.impl)
         return clip(y + params[bias] if params.get(bias) is not None else y)
 
-    q_TQ = project("wq", "bq") if moa is None else clip(_moa_queries(params, cfg, moa[2]))
+    q_TQ = project("wq", "bq") if moa is None else clip(_moa_queries(params, cfg, moa))
     k_TK = project("wk", "bk")
     v_TV = k_TK if cfg.k_eq_v else project("wv", "bv")  # k_eq_v: the keys' projection as it comes (Gemma 4's global layers)
     if cfg.qk_norm == "proj":  # over the whole projection (OLMoE)
