@@ -8,6 +8,7 @@ Cases (T tokens, E experts, k per token):
     dsv3   DeepSeek-V3-like: E=256, k=8, sigmoid score, 8 groups keep 4, expert bias, scale 2.5
     qwen3  Qwen3-like: E=128, k=8, softmax over the k chosen logits
     kolibri  Kolibri-1-like: E=384, k=6, the top-k of logits + expert bias, raw sigmoids as weights
+    dsv4   DeepSeek-V4-like: E=256, k=6, sqrt(softplus) score + expert bias, renormalised, scale 1.5
 each with T = 16384 and 65536 (--smoke: T = 8 only, float32 logits: the kernels run two or
 four programs).
 
@@ -76,6 +77,7 @@ def make_cases(smoke: bool, device: torch.device) -> list[Case]:
         cases.append(Case(f"dsv3 T={T}", T, 256, 8, dsv3))
         cases.append(Case(f"qwen3 T={T}", T, 128, 8, dict(score="softmax", pre_softmax=False)))
         cases.append(Case(f"kolibri T={T}", T, 384, 6, kolibri))
+        cases.append(Case(f"dsv4 T={T}", T, 256, 6, dict(score="sqrtsoftplus", expert_bias=bias, scale=1.5)))
     return cases
 
 

@@ -378,11 +378,12 @@ class TransformerConfig:
     alpha = sqrt(max(sigmoid(-g / T) (1 + beta), 1e-3)) of the add's gate g [H] (float32) and T =
     residual_gate_temperature (Muse Spark's; fmoe.model.ResidualGate; not with
     hyper_connections, shortcut_moe, parallel_blocks, depth_scaled_residual, normed_residual
-    or residual_scale). Routing: score ("softmax", "sigmoid", or "sparsemixer": Phi-3.5-MoE's
+    or residual_scale). Routing: score ("softmax", "sigmoid", "sqrtsoftplus": DeepSeek-V4's sqrt(softplus(logits)),
+    fmoe.ops.route's, or "sparsemixer": Phi-3.5-MoE's
     top-2 with its gap sparsemixer_eps, k = 2, without expert_bias; fmoe.ops.sparsemixer_route), pre_softmax (softmax over all experts, then top-k,
     weights not renormalised), n_groups/topk_groups with group_score_topk (a group's score
     sums its best group_score_topk scores; None: k // topk_groups), route_scale,
-    route_normalize (sigmoid: renormalise the k weights; False keeps the raw sigmoids),
+    route_normalize (sigmoid, sqrtsoftplus: renormalise the k weights; False keeps the raw scores),
     expert_bias (aux-loss-free balancing: a bias on the sigmoids, or softmax's probabilities, for the choice only;
     with expert_bias_on_logits on the sigmoid scoring's logits instead: Kolibri-1's), capacity_factor with
     capacity_policy ("probs" | "position"), zero_experts (Z zero-computation experts beside

@@ -12,8 +12,9 @@
     update_expert_bias(bias, counts, rate) = bias + rate * sign(mean(counts) - counts)
     load_stats(counts[E] or [L,E], n_slots) -> {max_over_mean, cv, dropped_fraction}, 0-D or [L]
 
-aux_scores are softmax over all E (score="softmax") or sigmoid / sum of sigmoids
-(score="sigmoid"); their top-k ignores bias, groups and capacity, as in DeepSeek-V3's f.
+aux_scores are softmax over all E (score="softmax"), sigmoid / sum of sigmoids
+(score="sigmoid") or sqrt(softplus) / its sum (score="sqrtsoftplus", fmoe.ops.routing's
+sqrt_softplus); their top-k ignores bias, groups and capacity, as in DeepSeek-V3's f.
 The losses are ordinary differentiable scalars; the caller multiplies by its coefficient.
 Padding (a token_mask [T] bool, False on tokens that are not routed: fmoe.layers.moe's
 token_mask) is left out of every loss: mask_tokens zeroes its scores and drops its slots
@@ -36,18 +37,21 @@ import triton.language as tl
 from fmoe.ops.backend import next_pow2, use_triton
 from fmoe.ops.checks import check_cu_seqlens, check_float, check_index, check_positive_int, check_token_mask
 from fmoe.ops.packed import sequence_ids
-from fmoe.ops.routing import Routes, keep_slots
+from fmoe.ops.routing import Routes, keep_slots, sqrt_softplus, sqrt_softplus_tl
 from fmoe.ops.topk import NO_ID, NO_KEY, rows_per_program, sort_desc, sort_key
+
+AUX_SCORES = ("softmax", "sigmoid", "sqrtsoftplus")  # aux_scores' score, its index the kernels' code
 
 # ----------------------------------------------------------------------------------------
 # 1. Reference
 # ----------------------------------------------------------------------------------------
 
 
-def aux_scores_ref(logits_TE, k, sigmoid):
+def aux_scores_ref(logits_TE, k, score_code):
+    """score_code: AUX_SCORES's index of the score (0 softmax, 1 sigmoid, 2 sqrtsoftplus)."""
     x_TE = logits_TE.float()
-    if sigmoid:
-        sig_TE = torch.sigmoid(x_TE)
+    if score_code:
+        sig_TE = torch.sigmoid(x_TE) if score_code == 1 else sqrt_softplus(x_TE)
         scores_TE = sig_TE / sig_TE.sum(dim=-1, keepdim=True)
     else:
         scores_TE = torch.softmax(x_TE, dim=-1)
@@ -80,10 +84,11 @@ def z_loss_ref(logits_TE):
 @triton.jit
 def _aux_fwd_kernel(
     logits_ptr, scores_ptr, experts_ptr, counts_ptr, T,
-    E: tl.constexpr, K: tl.constexpr, SIGMOID: tl.constexpr,
+    E: tl.constexpr, K: tl.constexpr, SCORE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
-    """Scores, their top-k and the per-expert counts of that top-k, in one pass."""
+    """Scores, their top-k and the per-expert counts of that top-k, in one pass (SCORE:
+    aux_scores_ref's score_code)."""
     pid = tl.program_id(0)
     rows_T = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     cols_E = tl.arange(0, BLOCK_E)
@@ -91,8 +96,11 @@ def _aux_fwd_kernel(
     live = row_ok[:, None] & (cols_E[None, :] < E)
     off = rows_T[:, None].to(tl.int64) * E + cols_E[None, :]
     x = tl.load(logits_ptr + off, mask=live, other=float("-inf")).to(tl.float32)
-    if SIGMOID:
+    if SCORE == 1:
         s = tl.where(live, tl.sigmoid(x), 0.0)
+    elif SCORE == 2:
+        s, _ = sqrt_softplus_tl(x)
+        s = tl.where(live, s, 0.0)
     else:
         s = tl.where(live, tl.exp(x - tl.max(x, axis=1)[:, None]), 0.0)
     s = s / tl.sum(s, axis=1)[:, None]
@@ -114,7 +122,7 @@ def _aux_fwd_kernel(
 @triton.jit
 def _aux_bwd_kernel(
     logits_ptr, grad_scores_ptr, grad_logits_ptr, T,
-    E: tl.constexpr, SIGMOID: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    E: tl.constexpr, SCORE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows_T = pid * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -123,11 +131,16 @@ def _aux_bwd_kernel(
     off = rows_T[:, None].to(tl.int64) * E + cols_E[None, :]
     x = tl.load(logits_ptr + off, mask=live, other=float("-inf")).to(tl.float32)
     g = tl.load(grad_scores_ptr + off, mask=live, other=0.0).to(tl.float32)
-    if SIGMOID:  # q = sig / S: dsig = (g - sum(g q)) / S, dx = dsig * sig (1 - sig)
-        sig = tl.where(live, tl.sigmoid(x), 0.0)
+    if SCORE >= 1:  # q = s / S: ds = (g - sum(g q)) / S, dx = ds s'(x) (the sigmoid's s (1 - s))
+        if SCORE == 1:
+            sig = tl.where(live, tl.sigmoid(x), 0.0)
+            dsdx = sig * (1.0 - sig)
+        else:
+            sig, dsdx = sqrt_softplus_tl(x)
+            sig = tl.where(live, sig, 0.0)
         denom = tl.sum(sig, axis=1)
         q = sig / denom[:, None]
-        dx = (g - tl.sum(g * q, axis=1)[:, None]) / denom[:, None] * sig * (1.0 - sig)
+        dx = (g - tl.sum(g * q, axis=1)[:, None]) / denom[:, None] * dsdx
     else:  # p = softmax(x): dx = p (g - sum(g p))
         p = tl.where(live, tl.exp(x - tl.max(x, axis=1)[:, None]), 0.0)
         p = p / tl.sum(p, axis=1)[:, None]
@@ -181,19 +194,19 @@ def _grid_rows(T, E):
 
 
 @torch.library.custom_op("fmoe::aux_scores_fwd", mutates_args=())
-def _aux_scores_fwd(logits: torch.Tensor, k: int, sigmoid: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _aux_scores_fwd(logits: torch.Tensor, k: int, score_code: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     T, E = logits.shape
     scores = torch.empty(T, E, dtype=torch.float32, device=logits.device)
     experts = torch.empty(T, k, dtype=torch.int64, device=logits.device)
     counts = torch.zeros(E, dtype=torch.int32, device=logits.device)
     if T > 0:
         grid, meta = _grid_rows(T, E)
-        _aux_fwd_kernel[grid](logits.contiguous(), scores, experts, counts, T, K=k, SIGMOID=sigmoid, **meta)
+        _aux_fwd_kernel[grid](logits.contiguous(), scores, experts, counts, T, K=k, SCORE=score_code, **meta)
     return scores, experts, counts.long()
 
 
 @_aux_scores_fwd.register_fake
-def _(logits, k, sigmoid):
+def _(logits, k, score_code):
     T, E = logits.shape
     return (
         logits.new_empty(T, E, dtype=torch.float32),
@@ -203,28 +216,28 @@ def _(logits, k, sigmoid):
 
 
 @torch.library.custom_op("fmoe::aux_scores_bwd", mutates_args=())
-def _aux_scores_bwd(grad_scores: torch.Tensor, logits: torch.Tensor, sigmoid: bool) -> torch.Tensor:
+def _aux_scores_bwd(grad_scores: torch.Tensor, logits: torch.Tensor, score_code: int) -> torch.Tensor:
     grad_logits = torch.empty_like(logits)
     T, E = logits.shape
     if T > 0:
         grid, meta = _grid_rows(T, E)
-        _aux_bwd_kernel[grid](logits.contiguous(), grad_scores.contiguous(), grad_logits, T, SIGMOID=sigmoid, **meta)
+        _aux_bwd_kernel[grid](logits.contiguous(), grad_scores.contiguous(), grad_logits, T, SCORE=score_code, **meta)
     return grad_logits
 
 
 @_aux_scores_bwd.register_fake
-def _(grad_scores, logits, sigmoid):
+def _(grad_scores, logits, score_code):
     return torch.empty_like(logits)
 
 
 def _aux_setup_context(ctx, inputs, output):
     ctx.save_for_backward(inputs[0])
-    ctx.sigmoid = inputs[2]
+    ctx.score_code = inputs[2]
 
 
 def _aux_backward(ctx, grad_scores, _grad_experts, _grad_counts):
     (logits,) = ctx.saved_tensors
-    return _aux_scores_bwd(grad_scores, logits, ctx.sigmoid), None, None
+    return _aux_scores_bwd(grad_scores, logits, ctx.score_code), None, None
 
 
 _aux_scores_fwd.register_autograd(_aux_backward, setup_context=_aux_setup_context)
@@ -283,7 +296,8 @@ def aux_scores(logits: torch.Tensor, k: int, *, score: str = "softmax", return_c
     Args:
         logits: [T, E] router logits (float32 / bfloat16 / float16).
         k: experts per token, 1..E.
-        score: "softmax" (softmax over E) or "sigmoid" (sigmoid / sum of sigmoids).
+        score: "softmax" (softmax over E), "sigmoid" (sigmoid / sum of sigmoids) or
+            "sqrtsoftplus" (sqrt(softplus) / its sum; fmoe.ops.routing.sqrt_softplus).
         return_counts: also return counts[E] int64 of the returned top-k (the fused kernel
             computes them in the same pass).
     Returns:
@@ -292,13 +306,13 @@ def aux_scores(logits: torch.Tensor, k: int, *, score: str = "softmax", return_c
     check_float("logits", logits, 2, "[T, E]")
     E = logits.shape[1]
     check_positive_int("k", k, 1, E)
-    if score not in ("softmax", "sigmoid"):
-        raise ValueError(f"score: expected 'softmax' or 'sigmoid', got {score!r}")
-    sigmoid = score == "sigmoid"
+    if score not in AUX_SCORES:
+        raise ValueError(f"score: expected one of {AUX_SCORES}, got {score!r}")
+    code = AUX_SCORES.index(score)
     if use_triton(impl, logits):
-        scores, experts, counts = _aux_scores_fwd(logits, k, sigmoid)
+        scores, experts, counts = _aux_scores_fwd(logits, k, code)
     else:
-        scores, experts = aux_scores_ref(logits, k, sigmoid)
+        scores, experts = aux_scores_ref(logits, k, code)
         counts = tokens_per_expert(experts, E) if return_counts else None
     return (scores, experts, counts) if return_counts else (scores, experts)
 

@@ -10,6 +10,14 @@ Selection score s and gate weights w, computed in float32 whatever the logits dt
     score="sigmoid"                      s = sigmoid(logits) + expert_bias
                                          w = sigmoid of the chosen / (their sum + 1e-20) if k > 1
     score="sigmoid", bias_on_logits      s = logits + expert_bias (Kolibri-1), w as above
+    score="sqrtsoftplus"                 s = sqrt(softplus(logits)) + expert_bias (DeepSeek-V4)
+                                         w = sqrt(softplus) of the chosen / (their sum + 1e-20),
+                                         for every k (normalize=False: not renormalised)
+
+sqrt(softplus(x)) is taken as sqrt(max(softplus(x), 2^-126)): the same number wherever
+softplus(x) is a normal float32 (x > -87.3), and a zero gradient below, where the square
+root's would be infinite (softplus of logits [0, 2, -1, 1]: 0.6931, 2.1269, 0.3133, 1.3133;
+their square roots 0.8326, 1.4584, 0.5597, 1.1460; top-2 experts (1, 3), weights 0.5600, 0.4400).
 
 With an expert_bias and softmax scoring, s = softmax(logits) + expert_bias (the bias shifts
 probabilities, as it shifts sigmoids: ERNIE 4.5's aux-loss-free routing) and the weights
@@ -49,6 +57,7 @@ import math
 from typing import NamedTuple, Optional
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -59,8 +68,17 @@ from fmoe.ops.topk import NO_ID, NO_KEY, key_score, rows_per_program, sort_desc,
 
 # scoring modes as ints: one tl.constexpr selects the kernel's branch and one int argument
 # of the custom-op schema carries it
-SOFTMAX_POST, SOFTMAX_PRE, SIGMOID, SIGMOID_RAW = 0, 1, 2, 3  # SIGMOID_RAW: sigmoid, weights not renormalised
+SOFTMAX_POST, SOFTMAX_PRE, SIGMOID, SIGMOID_RAW, SQRT_SOFTPLUS, SQRT_SOFTPLUS_RAW = 0, 1, 2, 3, 4, 5  # *_RAW: weights not renormalised
 _SIGMOID_EPS = 1e-20
+ROUTE_SCORES = ("softmax", "sigmoid", "sqrtsoftplus")  # route's score
+SOFTPLUS_FLOOR = 2.0 ** -126  # sqrt(softplus(x)) reads softplus(x) at least this (float32's smallest normal)
+
+
+def sqrt_softplus(x: torch.Tensor) -> torch.Tensor:
+    """sqrt(max(softplus(x), 2^-126)) in x's dtype (DeepSeek-V4's router scores): softplus's
+    own value wherever it is a normal float32, and a zero gradient where it is not (the square
+    root's would be infinite at 0)."""
+    return F.softplus(x).clamp_min(SOFTPLUS_FLOOR).sqrt()
 
 
 class Routes(NamedTuple):
@@ -85,6 +103,8 @@ def _scores_ref(logits_TE, score_code, expert_bias_E, bias_on_logits=False):
     if score_code in (SOFTMAX_POST, SOFTMAX_PRE):
         probs_TE = torch.softmax(x_TE, dim=-1)
         src_TE = x_TE if score_code == SOFTMAX_POST else probs_TE
+    elif score_code in (SQRT_SOFTPLUS, SQRT_SOFTPLUS_RAW):
+        probs_TE = src_TE = sqrt_softplus(x_TE)
     else:
         probs_TE = src_TE = torch.sigmoid(x_TE)
     return (probs_TE + expert_bias_E if expert_bias_E is not None else probs_TE), src_TE
@@ -119,7 +139,7 @@ def route_ref(logits_TE, k, score_code, n_groups, topk_groups, expert_bias_E, sc
     chosen_TK = src_TE.gather(1, experts_TK)
     if score_code == SOFTMAX_POST:
         weights_TK = torch.softmax(chosen_TK, dim=-1)
-    elif score_code in (SOFTMAX_PRE, SIGMOID_RAW) or k == 1:
+    elif score_code in (SOFTMAX_PRE, SIGMOID_RAW, SQRT_SOFTPLUS_RAW) or (k == 1 and score_code == SIGMOID):
         weights_TK = chosen_TK
     else:
         weights_TK = chosen_TK / (chosen_TK.sum(dim=-1, keepdim=True) + _SIGMOID_EPS)
@@ -129,6 +149,21 @@ def route_ref(logits_TE, k, score_code, n_groups, topk_groups, expert_bias_E, sc
 # ----------------------------------------------------------------------------------------
 # 2. Triton kernels
 # ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def sqrt_softplus_tl(x):
+    """(sqrt(max(softplus(x), 2^-126)), its derivative) in float32: softplus as max(x, 0) +
+    log1p(exp(-|x|)), log1p(u) = log(1 + u) u / ((1 + u) - 1) (exact to rounding where 1 + u
+    rounds away u's digits), the derivative sigmoid(x) / (2 s), 0 below the floor."""
+    u = tl.exp(-tl.abs(x))
+    w = 1.0 + u
+    rounded = w == 1.0
+    sp = tl.maximum(x, 0.0) + tl.where(rounded, u, tl.log(w) * (u / tl.where(rounded, 1.0, w - 1.0)))
+    s = tl.sqrt(tl.maximum(sp, 1.1754943508222875e-38))
+    sig = tl.where(x >= 0, 1.0 / w, u / w)  # sigmoid(x) from the same exp(-|x|), never overflowing
+    return s, tl.where(sp >= 1.1754943508222875e-38, sig / (2.0 * s), 0.0)
+
 
 
 @triton.jit
@@ -172,6 +207,8 @@ def _route_fwd_kernel(
         sel = p / row_sum_T[:, None]
     elif BIAS_ON_LOGITS:  # sigmoid, the bias added to the logits: choose on them (the sigmoid is monotone)
         sel = x
+    elif SCORE >= 4:  # sqrt(softplus)
+        sel, _ = sqrt_softplus_tl(x)
     else:  # sigmoid
         sel = tl.sigmoid(x)
     if HAS_BIAS:  # for selection only
@@ -219,6 +256,9 @@ def _route_fwd_kernel(
             w_TK = xk
         elif SCORE == 1:  # the probabilities as computed above, at the chosen experts
             w_TK = tl.exp(xk - row_max_T[:, None]) / row_sum_T[:, None]
+        elif SCORE >= 4:
+            w_TK, _ = sqrt_softplus_tl(xk)
+            w_TK = tl.where(slot_ok, w_TK, 0.0)
         else:
             w_TK = tl.where(slot_ok, tl.sigmoid(xk), 0.0)
     if SCORE == 0:
@@ -226,10 +266,9 @@ def _route_fwd_kernel(
         e = tl.exp(w_TK - tl.max(w_TK, axis=1)[:, None])
         e = tl.where(slot_ok, e, 0.0)
         w_TK = e / tl.sum(e, axis=1)[:, None]
-    elif SCORE >= 2:
-        if K > 1 and SCORE == 2:
-            w_TK = tl.where(slot_ok, w_TK, 0.0)
-            w_TK = w_TK / (tl.sum(w_TK, axis=1)[:, None] + 1e-20)
+    elif (K > 1 and SCORE == 2) or SCORE == 4:  # sigmoids renormalised when k > 1, sqrt(softplus) always
+        w_TK = tl.where(slot_ok, w_TK, 0.0)
+        w_TK = w_TK / (tl.sum(w_TK, axis=1)[:, None] + 1e-20)
     w_TK = w_TK * scale
     w_TK = tl.where(row_nan_T[:, None], float("nan"), w_TK)
 
@@ -276,14 +315,19 @@ def _route_bwd_kernel(
             e = tl.where(kmask, e, 0.0)
             w0 = e / tl.sum(e, axis=1)[:, None]
             dk = w0 * (gw_TK - tl.sum(w0 * gw_TK, axis=1)[:, None])
-        else:  # sigmoid, normalised over the chosen when K > 1 (SCORE 2), or raw (SCORE 3)
-            s = tl.where(kmask, tl.sigmoid(xk), 0.0)
+        else:  # sigmoid (2, 3) or sqrt(softplus) (4, 5), normalised over the chosen (2 when K > 1, 4) or raw
+            if SCORE >= 4:
+                s, dsdx = sqrt_softplus_tl(xk)
+                s = tl.where(kmask, s, 0.0)
+            else:
+                s = tl.where(kmask, tl.sigmoid(xk), 0.0)
+                dsdx = s * (1.0 - s)
             ds = gw_TK
-            if K > 1 and SCORE == 2:
+            if (K > 1 and SCORE == 2) or SCORE == 4:
                 denom = tl.sum(s, axis=1) + 1e-20
                 w0 = s / denom[:, None]
                 ds = (gw_TK - tl.sum(gw_TK * w0, axis=1)[:, None]) / denom[:, None]
-            dk = ds * s * (1.0 - s)
+            dk = ds * dsdx
         dl = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
         for i in tl.static_range(K):
             id_i = tl.sum(tl.where(k_K[None, :] == i, id_TK, 0), axis=1)
@@ -418,7 +462,8 @@ def route(
     Args:
         logits: [T, E] router logits, float32 / bfloat16 / float16.
         k: experts per token, 1..E.
-        score: "softmax" or "sigmoid".
+        score: "softmax", "sigmoid" or "sqrtsoftplus" (DeepSeek-V4's sqrt(softplus(logits)),
+            module docstring).
         pre_softmax: softmax scoring only: softmax over all E before the top-k (weights not
             renormalised); the default takes the softmax over the k chosen logits (with
             k = 1 that is weight 1 and no gradient to the router, as Switch-style top-1
@@ -432,8 +477,9 @@ def route(
             weights (aux-loss-free balancing); with softmax scoring to the probabilities
             softmax(logits) (module docstring), whichever pre_softmax.
         scale: multiplies the weights (DeepSeek-V3: 2.5).
-        normalize: sigmoid scoring only: divide the k chosen sigmoids by their sum (the
-            default, DeepSeek-V3); False keeps the raw sigmoids (HF norm_topk_prob=False).
+        normalize: sigmoid and sqrtsoftplus scoring only: divide the k chosen scores by their
+            sum (the default, DeepSeek-V3, DeepSeek-V4; a sigmoid's only when k > 1); False
+            keeps the raw scores (HF norm_topk_prob=False).
         bias_on_logits: sigmoid scoring with an expert_bias only: choose on logits +
             expert_bias instead of sigmoid(logits) + expert_bias (Kolibri-1); the weights are
             the chosen sigmoids all the same.
@@ -453,14 +499,14 @@ def route(
     check_float("logits", logits, 2, "[T, E]")
     E = logits.shape[1]
     check_positive_int("k", k, 1, E)
-    if score not in ("softmax", "sigmoid"):
-        raise ValueError(f"score: expected 'softmax' or 'sigmoid', got {score!r}")
-    if score == "sigmoid" and pre_softmax:
+    if score not in ROUTE_SCORES:
+        raise ValueError(f"score: expected one of {ROUTE_SCORES}, got {score!r}")
+    if score != "softmax" and pre_softmax:
         raise ValueError("pre_softmax: applies to score='softmax' only")
     if not isinstance(normalize, bool):
         raise ValueError(f"normalize: expected a bool, got {normalize!r}")
     if score == "softmax" and not normalize:
-        raise ValueError("normalize: applies to score='sigmoid' only (softmax: use pre_softmax=True for unnormalised weights)")
+        raise ValueError("normalize: applies to score='sigmoid' or 'sqrtsoftplus' only (softmax: use pre_softmax=True for unnormalised weights)")
     if not isinstance(bias_on_logits, bool):
         raise ValueError(f"bias_on_logits: expected a bool, got {bias_on_logits!r}")
     if bias_on_logits and (score != "sigmoid" or expert_bias is None):
@@ -482,6 +528,8 @@ def route(
 
     if score == "sigmoid":
         code = SIGMOID if normalize else SIGMOID_RAW
+    elif score == "sqrtsoftplus":
+        code = SQRT_SOFTPLUS if normalize else SQRT_SOFTPLUS_RAW
     else:
         code = SOFTMAX_PRE if pre_softmax else SOFTMAX_POST
     if use_triton(impl, logits):

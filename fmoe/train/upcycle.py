@@ -76,8 +76,8 @@ def granularity(cfg: TransformerConfig, dense_cfg: TransformerConfig) -> int:
     if cfg.score == "softmax" and cfg.pre_softmax:
         raise ValueError("pre_softmax: the weights of a softmax over every expert do not sum to a constant over the k chosen; "
                          "upcycling needs the softmax after the top-k (pre_softmax=False)")
-    if cfg.score == "sigmoid" and not cfg.route_normalize:
-        raise ValueError("route_normalize: unnormalised sigmoid weights do not sum to a constant; upcycling needs route_normalize=True")
+    if cfg.score in ("sigmoid", "sqrtsoftplus") and not cfg.route_normalize:
+        raise ValueError(f"route_normalize: unnormalised {cfg.score} weights do not sum to a constant; upcycling needs route_normalize=True")
     if dense_cfg.mlp_bias:
         raise ValueError("mlp_bias: the dense FFN's biases are not carried into the experts (their output bias would count once per "
                          "chosen slice); upcycle a dense model without them")

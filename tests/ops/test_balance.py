@@ -21,14 +21,17 @@ def _raises(match, fn, *args, **kwargs):
 # ---------------------------------------------------------------------------- aux_scores
 
 
-@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("score", ["softmax", "sigmoid", "sqrtsoftplus"])
 def test_aux_scores_reference_definition(score):
     logits = torch.randn(21, 10)
     scores, experts, counts = F.aux_scores(logits, 3, score=score, return_counts=True, impl="torch")
     if score == "softmax":
         expected = torch.softmax(logits, -1)
-    else:
+    elif score == "sigmoid":
         expected = torch.sigmoid(logits) / torch.sigmoid(logits).sum(-1, keepdim=True)
+    else:
+        s = torch.nn.functional.softplus(logits).sqrt()
+        expected = s / s.sum(-1, keepdim=True)
     torch.testing.assert_close(scores, expected)
     torch.testing.assert_close(scores.sum(-1), torch.ones(21))
     for t in range(21):  # unconstrained top-k, best first, lower id on ties
@@ -37,7 +40,7 @@ def test_aux_scores_reference_definition(score):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("score", ["softmax", "sigmoid", "sqrtsoftplus"])
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_aux_scores_triton_matches_reference(shape, score, dtype, device):
     T, E, k = shape

@@ -33,6 +33,8 @@ MODES = [  # (score, pre_softmax, with_bias (True, or "logits": bias_on_logits),
     ("softmax", True, True, 2.0, True, 2),  # probabilities + bias choose, kept as they are; groups
     ("sigmoid", False, "logits", None, False, None),  # logits + bias choose, raw sigmoids (Kolibri-1)
     ("sigmoid", False, "logits", 2.5, True, 2),  # logits + bias choose, renormalised; groups
+    ("sqrtsoftplus", False, True, 1.5, True, 2),  # sqrt(softplus) + bias choose, renormalised (DeepSeek-V4); groups
+    ("sqrtsoftplus", False, False, None, False, None),  # raw sqrt(softplus)
 ]
 
 
@@ -54,8 +56,11 @@ def _brute_force(logits_TE, k, score, pre, n_groups, topk_groups, bias, scale, n
     x = logits_TE.double().tolist()
     E = len(x[0])
     for row in x:
-        if score == "sigmoid":
-            src = [1 / (1 + math.exp(-v)) for v in row]
+        if score in ("sigmoid", "sqrtsoftplus"):
+            if score == "sigmoid":
+                src = [1 / (1 + math.exp(-v)) for v in row]
+            else:
+                src = [math.sqrt(max(math.log1p(math.exp(v)), 2.0 ** -126)) for v in row]
             sel = [(row[e] if on_logits else s) + (float(bias[e]) if bias is not None else 0.0) for e, s in enumerate(src)]
         elif pre or bias is not None:  # probabilities (+ bias) choose
             z = sum(math.exp(v) for v in row)
@@ -75,7 +80,7 @@ def _brute_force(logits_TE, k, score, pre, n_groups, topk_groups, bias, scale, n
         if score == "softmax" and not pre:
             z = sum(math.exp(v - vals[0]) for v in vals)
             vals = [math.exp(v - vals[0]) / z for v in vals]
-        elif score == "sigmoid" and k > 1 and normalize:
+        elif (score == "sigmoid" and k > 1 or score == "sqrtsoftplus") and normalize:
             z = sum(vals) + 1e-20
             vals = [v / z for v in vals]
         out_w.append([v * (scale or 1.0) for v in vals])
@@ -143,6 +148,53 @@ def test_worked_examples():
     assert e.tolist() == [[4, 6, 7, 5]]
     torch.testing.assert_close(w, torch.softmax(torch.tensor([[3.0, 2.0, 2.0, 0.0]]), -1))
     assert F.route(logits, 4).experts.tolist() == [[0, 4, 6, 7]]
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_sqrtsoftplus_worked_example_and_extreme_logits(impl, device):
+    # sqrt(softplus) of [0, 2, -1, 1]: 0.8326, 1.4584, 0.5597, 1.1460; top-2 (1, 3) renormalised
+    w, e = F.route(torch.tensor([[0.0, 2.0, -1.0, 1.0]], device=device), 2, score="sqrtsoftplus", impl=impl)
+    assert e.tolist() == [[1, 3]]
+    s = [math.sqrt(math.log1p(math.exp(v))) for v in (2.0, 1.0)]
+    torch.testing.assert_close(w.cpu(), torch.tensor([[s[0] / sum(s), s[1] / sum(s)]]))
+    # k = 1: the weight is 1 (renormalised, unlike a sigmoid's); normalize=False: the raw score
+    assert F.route(torch.tensor([[0.0, 2.0]], device=device), 1, score="sqrtsoftplus", impl=impl).weights.item() == pytest.approx(1.0)
+    raw = F.route(torch.tensor([[0.0, 2.0]], device=device), 1, score="sqrtsoftplus", normalize=False, impl=impl).weights.item()
+    assert raw == pytest.approx(s[0], rel=1e-6)
+    # logits from -120 to 40: torch's sqrt(softplus) wherever softplus is a normal float (x > -87.3), the floor's
+    # sqrt(2^-126) below it, and finite gradients everywhere: 0 below the floor, sigmoid(x) / (2 s) above it
+    x = torch.linspace(-120.0, 40.0, 33, device=device)[None].repeat(2, 1)
+    x[1] = x[1].flip(0)
+    xg = x.clone().requires_grad_()
+    w, e = F.route(xg, 33, score="sqrtsoftplus", normalize=False, impl=impl)
+    s_ref = torch.nn.functional.softplus(x.double()).sqrt()
+    s_ref = torch.where(x > -87.3, s_ref, 2.0 ** -63)
+    torch.testing.assert_close(w.double(), s_ref.gather(1, e), rtol=2e-6, atol=0)
+    w.sum().backward()
+    d_ref = torch.where(x > -87.3, torch.sigmoid(x.double()) / (2 * torch.nn.functional.softplus(x.double()).sqrt()), 0.0)
+    assert torch.isfinite(xg.grad).all()
+    torch.testing.assert_close(xg.grad.double(), d_ref, rtol=2e-6, atol=1e-30)
+
+
+def test_sqrtsoftplus_matches_transformers_deepseek_v4_router():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
+
+    cfg = transformers.DeepseekV4Config(hidden_size=32, n_routed_experts=16, num_experts_per_tok=4, routed_scaling_factor=1.5,
+                                        vocab_size=64, num_hidden_layers=1)
+    router = v4.DeepseekV4TopKRouter(cfg)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        router.weight.normal_(0, 0.5)
+        router.e_score_correction_bias.normal_(0, 0.1)
+    h = torch.randn(2, 24, 32)
+    _, w_hf, e_hf = router(h)
+    order = w_hf.argsort(dim=-1, descending=True, stable=True)  # theirs unsorted, ours best score first
+    for impl in ("torch", "triton"):
+        w, e = F.route(h.reshape(-1, 32) @ router.weight.T, 4, score="sqrtsoftplus", expert_bias=router.e_score_correction_bias.detach(),
+                       scale=1.5, impl=impl)
+        assert torch.equal(e.sort(dim=-1).values, e_hf.sort(dim=-1).values)
+        torch.testing.assert_close(w.sort(dim=-1, descending=True).values, w_hf.gather(1, order).detach(), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
@@ -233,12 +285,15 @@ def test_bad_inputs():
     _raises("logits: expected dtype", F.route, x.long(), 2)
     _raises(r"k: expected 1\.\.8, got 0", F.route, x, 0)
     _raises(r"k: expected 1\.\.8, got 9", F.route, x, 9)
-    _raises("normalize: applies to score='sigmoid' only", F.route, x, 2, normalize=False)
+    _raises("normalize: applies to score='sigmoid' or 'sqrtsoftplus' only", F.route, x, 2, normalize=False)
     _raises("normalize: expected a bool", F.route, x, 2, score="sigmoid", normalize=0)
     _raises("group_score_topk: applies to group-limited routing only", F.route, x, 2, group_score_topk=2)
     _raises(r"group_score_topk: expected 1\.\.2, got 3", F.route, x, 2, n_groups=4, topk_groups=2, group_score_topk=3)
     _raises("score: expected", F.route, x, 2, score="relu")
     _raises("pre_softmax: applies to score='softmax' only", F.route, x, 2, score="sigmoid", pre_softmax=True)
+    _raises("pre_softmax: applies to score='softmax' only", F.route, x, 2, score="sqrtsoftplus", pre_softmax=True)
+    _raises(r"bias_on_logits: applies to score='sigmoid' with an expert_bias only \(got score='sqrtsoftplus'", F.route, x, 2,
+            score="sqrtsoftplus", expert_bias=torch.zeros(8), bias_on_logits=True)
     _raises("n_groups: the 8 experts must split evenly", F.route, x, 2, n_groups=3, topk_groups=1)
     _raises("n_groups and topk_groups: give both", F.route, x, 2, n_groups=4)
     _raises("n_groups and topk_groups: give both", F.route, x, 2, topk_groups=2)
@@ -402,11 +457,13 @@ def test_compiles_without_graph_breaks(device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("T,E,k,G,g,score", [(16384, 256, 8, 8, 4, "sigmoid"), (16384, 128, 8, None, None, "softmax"),
                                              (16384, 64, 6, None, None, "softmax+bias"),  # ERNIE 4.5's
-                                             (16384, 384, 6, None, None, "sigmoid+logits")])  # Kolibri-1's
+                                             (16384, 384, 6, None, None, "sigmoid+logits"),  # Kolibri-1's
+                                             (16384, 256, 6, None, None, "sqrtsoftplus+bias")])  # DeepSeek-V4's
 def test_gpu_real_shapes(T, E, k, G, g, score):
     logits = torch.randn(T, E, device="cuda", dtype=torch.bfloat16)
     bias = 0.01 * torch.randn(E, device="cuda") if score != "softmax" else None
-    kw = dict(score=score.split("+")[0], n_groups=G, topk_groups=g, expert_bias=bias, bias_on_logits=score.endswith("+logits"))
+    kw = dict(score=score.split("+")[0], n_groups=G, topk_groups=g, expert_bias=bias, bias_on_logits=score.endswith("+logits"),
+              scale=1.5 if score.startswith("sqrtsoftplus") else None)
     x1, x2 = logits.clone().requires_grad_(), logits.clone().requires_grad_()
     w1, e1 = F.route(x1, k, **kw)  # auto: Triton on CUDA
     w2, e2 = F.route(x2, k, impl="torch", **kw)

@@ -1,6 +1,6 @@
 """fmoe.train.upcycle: an MoE model started from a dense model's weights computes the dense
 model's function (logits and every loss, MTP included), for copies (g = 1) and granular
-slices (g = 2, 4), softmax and sigmoid routing, group-limited routing and a route scale."""
+slices (g = 2, 4), softmax, sigmoid and sqrt(softplus) routing, group-limited routing and a route scale."""
 
 import dataclasses
 
@@ -19,7 +19,7 @@ def _moe(**kw):
     """The dense model's shape with MoE blocks from layer 1 on (and in the MTP module)."""
     moe = dict(n_dense=1, n_experts=8, k=2, ffn_expert=64, n_shared=0, score="softmax")
     moe.update(kw)
-    return dataclasses.replace(DENSE, expert_bias=moe["score"] == "sigmoid", **moe)
+    return dataclasses.replace(DENSE, expert_bias=moe["score"] != "softmax", **moe)
 
 
 def _dense_model(seed=3, cfg=DENSE):
@@ -38,6 +38,8 @@ CASES = {
     "copies": _moe(),
     "g2-softmax": _moe(ffn_expert=32, k=4),
     "g4-sigmoid-groups-scale": _moe(ffn_expert=16, n_experts=16, k=8, score="sigmoid", n_groups=2, topk_groups=1, route_scale=2.5),
+    # DeepSeek-V4's router: sqrt(softplus) scores plus the expert bias choose, the chosen renormalised and scaled
+    "g2-sqrtsoftplus-scale": _moe(ffn_expert=32, k=4, score="sqrtsoftplus", route_scale=1.5),
     "g2-shared-expert": _moe(ffn_expert=32, k=2, n_shared=1, shared_gate=True),
     # a GeGLU dense model (Gemma's MLP) into GeGLU experts
     "g2-geglu-shared-expert": _moe(ffn_expert=32, k=2, n_shared=1, mlp_act="gelu_tanh"),
@@ -179,6 +181,7 @@ def test_the_pair_must_allow_an_exact_start():
         (_moe(ffn_expert=16, n_experts=8, k=4, n_groups=4, topk_groups=2), "n_groups: expected routing groups of a multiple of g = 4"),
         (_moe(pre_softmax=True), "pre_softmax: the weights of a softmax over every expert"),
         (_moe(score="sigmoid", route_normalize=False), "route_normalize: unnormalised sigmoid weights"),
+        (_moe(score="sqrtsoftplus", route_normalize=False), "route_normalize: unnormalised sqrtsoftplus weights"),
         (_moe(expert_biases=True), "expert_biases: the dense FFN has no biases"),
         (_moe(moe_out_norm=True), "moe_out_norm: a norm on the MoE blocks' output changes the dense block's function"),
         (_moe(norm_gate_rank=2), "norm_gate_rank: a MoE block's pre-MLP norm is gated (GatedRMSNorm), a dense block's is not"),
