@@ -32,7 +32,7 @@ from fmoe.ops.rope import (
     yarn_mscale,
     yarn_softmax_scale,
 )
-from fmoe.ops.routing import Routes, drop_by_capacity, random_logits, route, sparsemixer_route, split_zero_experts
+from fmoe.ops.routing import Routes, drop_by_capacity, hash_route, random_logits, route, sparsemixer_route, split_zero_experts
 from fmoe.ops.scan import selective_scan
 from fmoe.ops.sparse import indexer_scores, sparse_attention, sparse_attention_probs
 
@@ -64,6 +64,7 @@ __all__ = [
     "rope_cos_sin",
     "rope_inv_freq",
     "route",
+    "hash_route",
     "sparsemixer_route",
     "selective_scan",
     "seq_load_balancing_loss",

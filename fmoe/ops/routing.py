@@ -2,6 +2,7 @@
 
     route(logits[T,E], k) -> Routes(weights[T,k] float32, experts[T,k] int64)
     sparsemixer_route(logits[T,E], eps=) -> Routes(weights[T,2], experts[T,2])
+    hash_route(logits[T,E], token_ids[T], table[V,k]) -> Routes(weights[T,k], experts[T,k] = table[token_ids])
 
 Selection score s and gate weights w, computed in float32 whatever the logits dtype:
 
@@ -136,14 +137,19 @@ def route_ref(logits_TE, k, score_code, n_groups, topk_groups, expert_bias_E, sc
     sel_TE, src_TE = _scores_ref(logits_TE, score_code, expert_bias_E, bias_on_logits)
     per_group = k // topk_groups if per_group is None else per_group
     experts_TK = _topk_experts_ref(sel_TE.detach(), k, n_groups, topk_groups, per_group)
-    chosen_TK = src_TE.gather(1, experts_TK)
+    return Routes(_chosen_weights(src_TE.gather(1, experts_TK), score_code, scale), experts_TK)
+
+
+def _chosen_weights(chosen_TK, score_code, scale):
+    """The gate weights [T, k] from the chosen experts' weight sources (_scores_ref's)."""
+    k = chosen_TK.shape[1]
     if score_code == SOFTMAX_POST:
         weights_TK = torch.softmax(chosen_TK, dim=-1)
     elif score_code in (SOFTMAX_PRE, SIGMOID_RAW, SQRT_SOFTPLUS_RAW) or (k == 1 and score_code == SIGMOID):
         weights_TK = chosen_TK
     else:
         weights_TK = chosen_TK / (chosen_TK.sum(dim=-1, keepdim=True) + _SIGMOID_EPS)
-    return Routes(weights_TK * scale, experts_TK)
+    return weights_TK * scale
 
 
 # ----------------------------------------------------------------------------------------
@@ -441,6 +447,31 @@ def _check_groups(E, k, n_groups, topk_groups, group_score_topk):
     return n_groups, topk_groups, group_score_topk
 
 
+def _score_code(score, pre_softmax: bool, normalize: bool) -> int:
+    """The kernels' scoring mode of route's score, pre_softmax and normalize (checked)."""
+    if score not in ROUTE_SCORES:
+        raise ValueError(f"score: expected one of {ROUTE_SCORES}, got {score!r}")
+    if score != "softmax" and pre_softmax:
+        raise ValueError("pre_softmax: applies to score='softmax' only")
+    if not isinstance(normalize, bool):
+        raise ValueError(f"normalize: expected a bool, got {normalize!r}")
+    if score == "softmax" and not normalize:
+        raise ValueError("normalize: applies to score='sigmoid' or 'sqrtsoftplus' only (softmax: use pre_softmax=True for unnormalised weights)")
+    if score == "sigmoid":
+        return SIGMOID if normalize else SIGMOID_RAW
+    if score == "sqrtsoftplus":
+        return SQRT_SOFTPLUS if normalize else SQRT_SOFTPLUS_RAW
+    return SOFTMAX_PRE if pre_softmax else SOFTMAX_POST
+
+
+def _check_scale(scale) -> float:
+    if scale is None:
+        return 1.0
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (0 < scale < math.inf):
+        raise ValueError(f"scale: expected a positive finite number, got {scale!r}")
+    return float(scale)
+
+
 def route(
     logits: torch.Tensor,
     k: int,
@@ -499,14 +530,7 @@ def route(
     check_float("logits", logits, 2, "[T, E]")
     E = logits.shape[1]
     check_positive_int("k", k, 1, E)
-    if score not in ROUTE_SCORES:
-        raise ValueError(f"score: expected one of {ROUTE_SCORES}, got {score!r}")
-    if score != "softmax" and pre_softmax:
-        raise ValueError("pre_softmax: applies to score='softmax' only")
-    if not isinstance(normalize, bool):
-        raise ValueError(f"normalize: expected a bool, got {normalize!r}")
-    if score == "softmax" and not normalize:
-        raise ValueError("normalize: applies to score='sigmoid' or 'sqrtsoftplus' only (softmax: use pre_softmax=True for unnormalised weights)")
+    code = _score_code(score, pre_softmax, normalize)
     if not isinstance(bias_on_logits, bool):
         raise ValueError(f"bias_on_logits: expected a bool, got {bias_on_logits!r}")
     if bias_on_logits and (score != "sigmoid" or expert_bias is None):
@@ -519,23 +543,86 @@ def route(
             raise ValueError(f"expert_bias: expected a float32 tensor of shape ({E},), got {got}")
         if expert_bias.device != logits.device:
             raise ValueError(f"expert_bias: expected device {logits.device}, got {expert_bias.device}")
-    if scale is None:
-        scale = 1.0
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (0 < scale < math.inf):
-        raise ValueError(f"scale: expected a positive finite number, got {scale!r}")
+    scale = _check_scale(scale)
     if check:
         check_no_nan("logits", logits)
 
-    if score == "sigmoid":
-        code = SIGMOID if normalize else SIGMOID_RAW
-    elif score == "sqrtsoftplus":
-        code = SQRT_SOFTPLUS if normalize else SQRT_SOFTPLUS_RAW
-    else:
-        code = SOFTMAX_PRE if pre_softmax else SOFTMAX_POST
     if use_triton(impl, logits):
-        weights, experts = _route_fwd(logits, k, code, groups, kept_groups, expert_bias, float(scale), per_group, bias_on_logits)
+        weights, experts = _route_fwd(logits, k, code, groups, kept_groups, expert_bias, scale, per_group, bias_on_logits)
         return Routes(weights, experts)
-    return route_ref(logits, k, code, groups, kept_groups, expert_bias, float(scale), per_group, bias_on_logits)
+    return route_ref(logits, k, code, groups, kept_groups, expert_bias, scale, per_group, bias_on_logits)
+
+
+def hash_route(
+    logits: torch.Tensor,
+    token_ids: torch.Tensor,
+    table: torch.Tensor,
+    *,
+    score: str = "softmax",
+    normalize: bool = True,
+    scale: Optional[float] = None,
+    check: bool = True,
+) -> Routes:
+    """Hash routing: each token goes to the experts a fixed table names for its token id, the
+    router's logits only weighing them (Hash Layers; DeepSeek-V4's first MoE layers, its
+    tid2eid).
+
+        experts[t] = table[token_ids[t]]
+        weights[t] = route's weights of those experts: score="softmax": the softmax over the
+                     k chosen logits; "sigmoid" / "sqrtsoftplus": the chosen scores, divided
+                     by their sum (+ 1e-20) with normalize (a sigmoid's only when k > 1); times scale
+
+    route's weights had it chosen the same experts, so a table row of the top-k of some logits
+    gives route's Routes exactly. No expert bias (the choice is the table's).
+
+    Args:
+        logits: [T, E] router logits, float32 / bfloat16 / float16.
+        token_ids: [T] int32 / int64 token ids, each in 0..V-1.
+        table: [V, k] int32 / int64: row v the k distinct experts (each in 0..E-1) of token id v.
+        score, normalize, scale: as route's.
+        check: read token_ids and the rows of the table they pick (one device->host sync;
+            skipped under torch.compile) and raise a ValueError on an id out of range, an
+            expert out of range or named twice in a row, or NaN logits.
+    Returns:
+        Routes(weights [T, k] float32, experts [T, k] int64), the table's order. Differentiable
+        with respect to logits through the weights; no gradient to the table.
+
+    Example:
+        >>> table = torch.tensor([[0, 1], [3, 2]])
+        >>> w, e = hash_route(torch.tensor([[1.0, 3.0, 2.0, 0.0]]), torch.tensor([1]), table)
+        >>> e.tolist(), [round(v, 4) for v in w[0].tolist()]
+        ([[3, 2]], [0.1192, 0.8808])
+    """
+    check_float("logits", logits, 2, "[T, E]")
+    T, E = logits.shape
+    check_index("token_ids", token_ids, 1, "[T]")
+    if token_ids.shape[0] != T:
+        raise ValueError(f"token_ids: expected one id per row of logits, [{T}], got {list(token_ids.shape)}")
+    check_index("table", table, 2, "[V, k]")
+    V, k = table.shape
+    if V < 1:
+        raise ValueError("table: expected at least one row (a token id's experts), got 0")
+    if not 1 <= k <= E:
+        raise ValueError(f"table: expected [V, k] with k in 1..{E} (experts per token), got k = {k}")
+    for name, t in (("token_ids", token_ids), ("table", table)):
+        if t.device != logits.device:
+            raise ValueError(f"{name}: expected device {logits.device}, got {t.device}")
+    code = _score_code(score, False, normalize)
+    scale = _check_scale(scale)
+    if checking(check):
+        check_no_nan("logits", logits)
+        ids = token_ids.detach().cpu()
+        if T and (ids.min() < 0 or ids.max() >= V):
+            bad = int(ids[(ids < 0) | (ids >= V)][0])
+            raise ValueError(f"token_ids: expected ids in 0..{V - 1} (the table's rows), got {bad}")
+        rows = table.detach().cpu()[ids.unique().long()] if T else table[:0].cpu()
+        if ((rows < 0) | (rows >= E)).any():
+            raise ValueError(f"table: expected experts in 0..{E - 1}, got {int(rows[(rows < 0) | (rows >= E)][0])}")
+        if k > 1 and (rows.sort(dim=1).values.diff(dim=1) == 0).any():
+            raise ValueError("table: expected k distinct experts in each row, got a row naming an expert twice")
+    experts_TK = table.index_select(0, token_ids.long()).long()
+    src_TK = _scores_ref(logits.gather(1, experts_TK), code, None)[1]  # elementwise scores, or the logits (softmax)
+    return Routes(_chosen_weights(src_TK, code, scale), experts_TK)
 
 
 def check_sparsemixer_eps(eps) -> float:

@@ -66,6 +66,12 @@ CASES = {
         bad=lambda: F.route(torch.tensor([[0.0, float("nan"), 1.0]]), 2, score="sigmoid"),
         match=r"logits: contains NaN",
     ),
+    "hash_route": Case(
+        run=lambda check: F.hash_route(torch.randn(T, E, requires_grad=True), torch.arange(T) % 5, torch.arange(10).view(5, 2) % E,
+                                       score="sqrtsoftplus", check=check),
+        bad=lambda: F.hash_route(torch.randn(2, E), torch.tensor([0, 5]), torch.arange(10).view(5, 2) % E),
+        match=r"token_ids: expected ids in 0\.\.4 \(the table's rows\), got 5",
+    ),
     "drop_by_capacity": Case(
         run=lambda check: F.drop_by_capacity(_routes(), E, 1.0, check=check),
         bad=lambda: F.drop_by_capacity(F.Routes(torch.rand(2, 2), torch.tensor([[0, 1], [2, E]])), E, 1.0),

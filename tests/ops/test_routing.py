@@ -197,6 +197,102 @@ def test_sqrtsoftplus_matches_transformers_deepseek_v4_router():
         torch.testing.assert_close(w.sort(dim=-1, descending=True).values, w_hf.gather(1, order).detach(), rtol=1e-6, atol=1e-6)
 
 
+HASH_MODES = [dict(score="softmax"), dict(score="sigmoid"), dict(score="sigmoid", normalize=False, scale=2.0),
+              dict(score="sqrtsoftplus", scale=1.5), dict(score="sqrtsoftplus", normalize=False)]
+
+
+@pytest.mark.parametrize("mode", HASH_MODES, ids=str)
+@pytest.mark.parametrize("k", [1, 3])
+def test_hash_route_of_the_experts_route_chose_is_route(mode, k, device):
+    """A table whose row of each token is route's own top-k gives route's Routes, weights and gradients (to
+    float32's rounding: softplus over [T, k] and over [T, E] may round the last bit apart)."""
+    torch.manual_seed(0)
+    T, E = 24, 8
+    logits = torch.randn(T, E, device=device)
+    w_ref, e_ref = F.route(logits, k, impl="torch", **mode)
+    table = torch.cat([e_ref, torch.arange(k, device=device).expand(5, k)])  # and rows no token reads
+    ids = torch.arange(T, device=device)[torch.randperm(T)]  # token t's id picks row t, in any order
+    x1, x2 = logits[ids].clone().requires_grad_(), logits[ids].clone().requires_grad_()
+    w, e = F.hash_route(x1, ids, table, **mode)
+    w_r, e_r = F.route(x2, k, impl="torch", **mode)
+    assert torch.equal(e, e_r) and e.dtype == torch.int64 and w.dtype == torch.float32
+    torch.testing.assert_close(w, w_r, rtol=3e-7, atol=0)
+    g = torch.randn_like(w)
+    (w * g).sum().backward()
+    (w_r * g).sum().backward()
+    torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-6, atol=1e-12)
+
+
+def test_hash_route_worked_example_and_table_order():
+    table = torch.tensor([[0, 1], [3, 2]])
+    w, e = F.hash_route(torch.tensor([[1.0, 3.0, 2.0, 0.0], [1.0, 3.0, 2.0, 0.0]]), torch.tensor([1, 0]), table)
+    assert e.tolist() == [[3, 2], [0, 1]]  # the table's order, not the scores'
+    torch.testing.assert_close(w, torch.tensor([[1 / (1 + math.e ** 2), 1 / (1 + math.e ** -2)], [1 / (1 + math.e ** 2), 1 / (1 + math.e ** -2)]]))
+    # int32 ids and table; bf16 logits give float32 weights
+    w32, e32 = F.hash_route(torch.tensor([[1.0, 3.0, 2.0, 0.0]], dtype=torch.bfloat16), torch.tensor([1], dtype=torch.int32), table.int())
+    assert e32.tolist() == [[3, 2]] and e32.dtype == torch.int64 and w32.dtype == torch.float32
+    # no tokens
+    w0, e0 = F.hash_route(torch.zeros(0, 4), torch.zeros(0, dtype=torch.long), table)
+    assert w0.shape == (0, 2) and e0.shape == (0, 2)
+
+
+def test_hash_route_matches_transformers_deepseek_v4_hash_router():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
+
+    cfg = transformers.DeepseekV4Config(hidden_size=32, n_routed_experts=16, num_experts_per_tok=4, routed_scaling_factor=1.5,
+                                        vocab_size=50, num_hidden_layers=1)
+    router = v4.DeepseekV4HashRouter(cfg)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        router.weight.normal_(0, 0.5)
+        router.tid2eid.copy_(torch.rand(50, 16).argsort(dim=1)[:, :4])
+    h, ids = torch.randn(2, 24, 32), torch.randint(0, 50, (2, 24))
+    _, w_hf, e_hf = router(h, ids)
+    w, e = F.hash_route(h.reshape(-1, 32) @ router.weight.T, ids.reshape(-1), router.tid2eid, score="sqrtsoftplus", scale=1.5)
+    assert torch.equal(e, e_hf)
+    torch.testing.assert_close(w, w_hf.detach(), rtol=1e-6, atol=1e-6)
+
+
+def test_hash_route_compiles_whole():
+    table = torch.rand(11, 8).argsort(dim=1)[:, :3]
+    x = torch.randn(20, 8)
+    ids = torch.randint(0, 11, (20,))
+
+    def step(logits):
+        w, e = F.hash_route(logits, ids, table, score="sqrtsoftplus", scale=1.5, check=False)
+        return (w * e).sum()
+
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x1), step(x2))
+    compiled(x1).backward()
+    step(x2).backward()
+    torch.testing.assert_close(x1.grad, x2.grad)
+
+
+def test_hash_route_bad_inputs():
+    x, table, ids = torch.randn(4, 6), torch.tensor([[0, 1], [2, 3], [4, 5]]), torch.tensor([0, 1, 2, 1])
+    _raises("logits: expected a 2-D", F.hash_route, torch.randn(6), ids, table)
+    _raises(r"token_ids: expected a 1-D tensor \[T\]", F.hash_route, x, ids[None], table)
+    _raises("token_ids: expected dtype int32 or int64", F.hash_route, x, ids.float(), table)
+    _raises(r"token_ids: expected one id per row of logits, \[4\], got \[3\]", F.hash_route, x, ids[:3], table)
+    _raises(r"table: expected a 2-D tensor \[V, k\]", F.hash_route, x, ids, table[0])
+    _raises("table: expected at least one row", F.hash_route, x, ids, table[:0])
+    _raises(r"table: expected \[V, k\] with k in 1\.\.6 .*got k = 7", F.hash_route, x, ids, torch.zeros(3, 7, dtype=torch.long))
+    _raises(r"token_ids: expected ids in 0\.\.2 \(the table's rows\), got -1", F.hash_route, x, torch.tensor([0, -1, 2, 1]), table)
+    _raises(r"table: expected experts in 0\.\.5, got 6", F.hash_route, x, ids, torch.tensor([[0, 1], [2, 6], [4, 5]]))
+    _raises("table: expected k distinct experts in each row", F.hash_route, x, ids, torch.tensor([[0, 1], [3, 3], [4, 5]]))
+    # a bad row no token reads is not read
+    assert F.hash_route(x, torch.tensor([0, 1, 0, 1]), torch.tensor([[0, 1], [2, 3], [9, 9]])).experts.tolist() == [[0, 1], [2, 3]] * 2
+    _raises("logits: contains NaN", F.hash_route, torch.full((4, 6), float("nan")), ids, table)
+    _raises("score: expected one of", F.hash_route, x, ids, table, score="relu")
+    _raises("normalize: applies to score='sigmoid' or 'sqrtsoftplus' only", F.hash_route, x, ids, table, normalize=False)
+    _raises("scale: expected a positive finite number", F.hash_route, x, ids, table, scale=-1.0)
+    _raises("table: expected device meta", F.hash_route, x.to("meta"), ids.to("meta"), table)
+
+
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_ties_go_to_the_lower_expert(impl, device):
     logits = torch.zeros(3, 8, device=device)
