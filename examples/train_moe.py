@@ -806,7 +806,7 @@ def main(argv: list[str]) -> None:
                     opt.zero_grad(set_to_none=True)
                 # aux-loss-free balancing: each MoE layer's bias moves by the step's actual counts
                 if model_cfg.expert_bias and cfg.bias_rate:
-                    for name, moe in (layer for part in parts for layer in part.moe_layers().items()):
+                    for name, moe in (layer for part in parts for layer in part.moe_layers().items() if "expert_bias" in layer[1]._buffers):
                         moe.expert_bias.copy_(ops.update_expert_bias(moe.expert_bias, counts[name], cfg.bias_rate,
                                                                      proportional=cfg.bias_update == "proportional"))
 

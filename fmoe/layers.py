@@ -38,6 +38,11 @@ params (a dict or TensorDict; parameters are the caller's, nothing is kept here)
     w_down        [E, F, H]         w_gate with cfg.glu_act "relu2": experts without a gate)
     b_gate, b_up  [E, F], b_down [E, H]   optional biases of the routed experts (gpt-oss)
     expert_bias   [E] float32       optional: selection only (added to sigmoids or probabilities)
+    hash_table    [V, k] int        optional: hash routing (DeepSeek-V4's hash_moe layers): token t
+                                    goes to the experts hash_table[token_ids[t]], the router's
+                                    logits weighing them (fmoe.ops.hash_route; cfg.score and
+                                    cfg.normalize, cfg.scale); needs moe's token_ids; not with
+                                    expert_bias, sparsemixer, pre_softmax or zero experts
     shared_w_gate, shared_w_up [H, Fs], shared_w_down [Fs, H]   optional shared experts
                                     (unless `shared` is given; no shared_w_gate with "relu2")
     shared_gate   [H]               optional sigmoid gate on the shared output
@@ -116,7 +121,7 @@ from tensordict import TensorDict
 from torch.utils.checkpoint import checkpoint
 
 from fmoe.ops import aux_scores as _aux_scores
-from fmoe.ops import drop_by_capacity, load_balancing_loss, random_logits, route, sparsemixer_route
+from fmoe.ops import drop_by_capacity, hash_route, load_balancing_loss, random_logits, route, sparsemixer_route
 from fmoe.ops.backend import IMPLS, use_triton
 from fmoe.ops.balance import mask_tokens, tokens_per_expert
 from fmoe.ops.checks import check_float, check_index, check_positive_int, check_token_mask
@@ -456,6 +461,7 @@ def moe(
     drop: Optional[Callable] = None,
     token_mask: Optional[torch.Tensor] = None,
     route_x: Optional[torch.Tensor] = None,
+    token_ids: Optional[torch.Tensor] = None,
 ):
     """A mixture-of-experts block as a pure function; no host sync.
 
@@ -481,6 +487,9 @@ def moe(
             (padding; module docstring). None routes every token.
         route_x: the router's input [T, H] where it is not x (Gemma 4 routes on the block's
             input, its experts read that input's own norm), x's dtype and shape. None: x.
+        token_ids: [T] int32 / int64, the tokens' ids: with params["hash_table"] (hash
+            routing) they pick the experts, and are needed; without it, expected None. Their
+            values are checked against the table only with cfg.check_nan (a host read).
     Returns:
         (y [T, H] in x's dtype, stats TensorDict): see the module docstring.
     """
@@ -490,6 +499,18 @@ def moe(
         raise ValueError(f"route_x: expected None or a {x.dtype} tensor of x's shape {tuple(x.shape)}, got "
                          f"{getattr(route_x, 'dtype', type(route_x).__name__)} {tuple(getattr(route_x, 'shape', ()))}")
     E, k, n = cfg.n_experts, cfg.k, cfg.n_choices
+    table = params.get("hash_table")
+    if (table is None) != (token_ids is None):
+        raise ValueError("token_ids: the tokens' ids of hash routing, expected them with params['hash_table'] and None without it, got "
+                         + ("None" if token_ids is None else "ids without a table"))
+    if table is not None:
+        if not isinstance(table, torch.Tensor) or table.ndim != 2 or table.shape[1] != k or table.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"params['hash_table']: expected an int tensor [V, {k}] (cfg.k experts per token id), got "
+                             f"{getattr(table, 'dtype', type(table).__name__)} {list(getattr(table, 'shape', ()))}")
+        for name, bad in (("expert_bias", params.get("expert_bias") is not None), ("cfg.score", cfg.score == "sparsemixer"),
+                          ("cfg.pre_softmax", cfg.pre_softmax), ("cfg.zero_experts", cfg.zero_experts)):
+            if bad:
+                raise ValueError(f"{name}: hash routing's experts are its table's (params['hash_table']), not with {name}")
 
     r_TH = (x if route_x is None else route_x).float()
     if params.get("router_norm") is not None:  # Gemma 4's: rmsnorm(x) times a learned scale and 1 / sqrt(H)
@@ -499,7 +520,10 @@ def moe(
         logits_TE = logits_TE * cfg.logit_scale
     if cfg.logit_softcap is not None:  # Laguna's tanh soft cap
         logits_TE = torch.tanh(logits_TE / cfg.logit_softcap) * cfg.logit_softcap
-    if cfg.score == "sparsemixer":
+    if table is not None:  # DeepSeek-V4's hash layers: the table chooses, the router weighs
+        routes = hash_route(random_logits(logits_TE) if cfg.random_routing else logits_TE, token_ids, table, score=cfg.score,
+                            normalize=cfg.normalize, scale=cfg.scale, check=cfg.check_nan)
+    elif cfg.score == "sparsemixer":
         if params.get("expert_bias") is not None:
             raise ValueError("params['expert_bias']: sparsemixer routing takes no expert bias")
         routes = sparsemixer_route(random_logits(logits_TE) if cfg.random_routing else logits_TE, eps=cfg.sparsemixer_eps, check=cfg.check_nan)

@@ -79,9 +79,13 @@ def init_value(seed: int, name: str, shape, std: float) -> torch.Tensor:
     called `name` (its name in the model, e.g. "blocks.1.mlp.experts.w_gate"), on the CPU:
     a function of (seed, name) only, drawn from a generator of its own (seeded by a hash of
     both), so it does not depend on the mesh, the device or the order of initialisation."""
+    return torch.empty(tuple(shape), dtype=torch.float32).normal_(0.0, std, generator=name_generator(seed, name))
+
+
+def name_generator(seed: int, name: str) -> torch.Generator:
+    """A CPU generator of its own for the tensor called `name`, seeded by a hash of (seed, name)."""
     digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
-    gen = torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
-    return torch.empty(tuple(shape), dtype=torch.float32).normal_(0.0, std, generator=gen)
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
 
 
 def _mixer_start(kind: str, leaf: str, uniform, shape) -> torch.Tensor:
@@ -221,6 +225,14 @@ class KeepsFloat32(nn.Module):
         return self
 
 
+def random_hash_table(vocab: int, k: int, n_experts: int, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """[vocab, k] int64: k distinct experts of 0..n_experts-1 for each token id, uniformly at
+    random (the top-k of uniforms, drawn 4096 ids at a time), a function of the generator only
+    (None: torch's default one)."""
+    rows = [torch.rand(min(4096, vocab - v), n_experts, generator=generator).topk(k, dim=1).indices for v in range(0, vocab, 4096)]
+    return torch.cat(rows) if rows else torch.zeros(0, k, dtype=torch.int64)
+
+
 class MoE(KeepsFloat32):
     """Parameters of a mixture-of-experts block; forward calls fmoe.layers.moe.
 
@@ -261,6 +273,9 @@ class MoE(KeepsFloat32):
             expert_out_norm [L or H] (0 at initialisation; Muse Spark's post_expert_norm).
         out_bias: a bias out_bias [H] added to the block's output (0 at initialisation;
             JetMoE's MoE bias).
+        hash_vocab: V > 0, a hashed MoE: its tokens' experts are hash_table [V, k] (int64, a
+            persistent buffer; random_hash_table at reset_parameters) at their ids, the router
+            weighing them (fmoe.layers.moe's params["hash_table"]); not with expert_bias.
     """
 
     _FLOAT32 = ("router", "router_bias", "expert_bias", "router_norm", "expert_scale")
@@ -269,7 +284,7 @@ class MoE(KeepsFloat32):
         self, hidden: int, ffn: int, cfg: MoEConfig, *, shared_ffn: int = 0, shared_gate: bool = False,
         expert_bias: bool = False, router_bias: bool = False, expert_biases: bool = False, router_norm: bool = False,
         expert_scale: bool = False, latent: int = 0, latent_norm: bool = False, expert_out_norm: bool = False, out_bias: bool = False,
-        device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None,
+        hash_vocab: int = 0, device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None,
     ):
         super().__init__()
         if shared_gate and not shared_ffn:
@@ -298,6 +313,11 @@ class MoE(KeepsFloat32):
         self.out_bias = nn.Parameter(torch.empty(H, **kw)) if out_bias else None
         if expert_bias:
             self.register_buffer("expert_bias", torch.zeros(cfg.n_choices, device=device, dtype=torch.float32), persistent=True)
+        check_positive_int("hash_vocab", hash_vocab, 0)
+        if hash_vocab and expert_bias:
+            raise ValueError("expert_bias: a hashed MoE's experts are its table's (hash_vocab), the bias would choose nothing; set expert_bias=False")
+        if hash_vocab:  # hash routing: token id v's k experts (reset_parameters draws them)
+            self.register_buffer("hash_table", torch.zeros(hash_vocab, cfg.k, device=device, dtype=torch.int64), persistent=True)
         self.sequence_parallel = None  # fmoe.parallel's SequenceShard under tp > 1 (class docstring)
         self.capacity_drop = None  # fmoe.parallel's ContextCapacityDrop under cp > 1 (class docstring)
         self.reset_parameters()
@@ -318,12 +338,18 @@ class MoE(KeepsFloat32):
                 nn.init.normal_(p, std=std)
         if "expert_bias" in self._buffers:
             self.expert_bias.zero_()
+        if "hash_table" in self._buffers and not self.hash_table.is_meta:
+            self.hash_table.copy_(random_hash_table(*self.hash_table.shape, self.cfg.n_experts))
 
-    def forward(self, x: torch.Tensor, token_mask: Optional[torch.Tensor] = None, route_x: Optional[torch.Tensor] = None):
+    def forward(self, x: torch.Tensor, token_mask: Optional[torch.Tensor] = None, route_x: Optional[torch.Tensor] = None,
+                token_ids: Optional[torch.Tensor] = None):
         """x [..., H] -> (y [..., H], stats TensorDict of fmoe.layers.moe). token_mask: None,
         or [T] bool over the micro-batch's tokens (x's under sequence parallelism: this rank
         routes its slice of it), False on padding, which is not routed (fmoe.layers.moe).
-        route_x: the router's input where it is not x (fmoe.layers.moe's), x's shape."""
+        route_x: the router's input where it is not x (fmoe.layers.moe's), x's shape.
+        token_ids: [T] int, the micro-batch's token ids (sliced as token_mask under sequence
+        parallelism): a hashed MoE (hash_vocab) routes by them (fmoe.layers.moe's token_ids),
+        and needs them; another ignores them."""
         x_TH = x.reshape(-1, x.shape[-1])
         # under tensor parallelism x is this rank's token shard: the router's and the gate's
         # gradients are summed over tp where they are used; the capacity drop sees every token
@@ -335,6 +361,14 @@ class MoE(KeepsFloat32):
                 params[name] = replicated(_local(getattr(self, name)))
         if "expert_bias" in self._buffers:
             params["expert_bias"] = self.expert_bias
+        if "hash_table" in self._buffers:
+            params["hash_table"] = self.hash_table
+            if token_ids is None:
+                raise ValueError("token_ids: a hashed MoE routes by its tokens' ids, expected [T] int ids, got None")
+            if sp is not None:
+                token_ids = sp.local_rows(token_ids, x_TH.shape[0])
+        else:
+            token_ids = None
         for name in ("shared_gate", "latent_in", "latent_out", "latent_norm", "expert_out_norm", "out_bias"):
             if getattr(self, name, None) is not None:
                 params[name] = replicated(_local(getattr(self, name)))
@@ -344,7 +378,7 @@ class MoE(KeepsFloat32):
         if token_mask is not None and sp is not None:
             token_mask = sp.local_rows(token_mask, x_TH.shape[0])
         y_TH, stats = moe(x_TH, params, self.cfg, experts=self.experts, shared=self.shared, drop=drop, token_mask=token_mask,
-                          route_x=None if route_x is None else route_x.reshape(-1, route_x.shape[-1]))
+                          route_x=None if route_x is None else route_x.reshape(-1, route_x.shape[-1]), token_ids=token_ids)
         return (y_TH if x.ndim == 2 else y_TH.reshape(x.shape)), stats  # no view: FSDP hooks the output
 
 
@@ -390,7 +424,13 @@ class TransformerConfig:
     the n_experts computing ones: the router chooses among n_experts + Z, and a slot routed
     to a zero expert passes its token through times its weight, with no FLOPs: LongCat-Flash's
     identity experts; fmoe.layers.MoEConfig.zero_experts), route_on_input (the weights scale each expert's
-    input, not its output: Llama 4; fmoe.layers.MoEConfig.weights_on_input). shortcut_moe:
+    input, not its output: Llama 4; fmoe.layers.MoEConfig.weights_on_input). hash_layers n: the
+    first n MoE blocks of the trunk route by hashing (DeepSeek-V4's hash_moe layers): each token
+    goes to the k experts a fixed table hash_table [vocab_size, k] (int64, a persistent buffer
+    of MoE, k distinct random experts per token id at reset_parameters) names for its token id,
+    the router weighing them (fmoe.ops.hash_route); those blocks own no expert_bias (nothing to
+    balance) and train their router through the weights alone; the MTP blocks route as the rest;
+    not with sparsemixer, pre_softmax or zero_experts. shortcut_moe:
     LongCat-Flash's shortcut-connected MoE: the blocks go in pairs (2j, 2j + 1); a pair whose
     first block is a MoE block (is_moe(2j); the second never is) gives that block a dense
     SwiGLU of ffn_dense beside the MoE, both of its MLP input, and adds the MoE's output (its
@@ -679,6 +719,7 @@ class TransformerConfig:
     expert_bias_on_logits: bool = False
     sparsemixer_eps: float = 0.01
     zero_experts: int = 0
+    hash_layers: int = 0
     shortcut_moe: bool = False
     capacity_factor: Optional[float] = None
     capacity_policy: str = "probs"
@@ -1044,6 +1085,7 @@ class TransformerConfig:
             if self.alibi:
                 raise ValueError("alibi: not with block-sparse attention (index_topk_blocks)")
         self._check_moa()
+        self._check_hash()
         for name, unset in (("linear_full_rank", False), ("linear_decay_bound", None)):
             if getattr(self, name) is not unset and (self.linear_layers is None or self.linear_kind != "kda"):
                 raise ValueError(f"{name}: a knob of Kimi Delta Attention's blocks, needs linear_layers and linear_kind='kda'")
@@ -1120,6 +1162,19 @@ class TransformerConfig:
         route(torch.zeros(0, self.n_choices, device="cpu"), self.k, score=self.score, pre_softmax=self.pre_softmax,
               n_groups=self.n_groups, topk_groups=self.topk_groups, scale=self.route_scale, group_score_topk=self.group_score_topk,
               normalize=self.route_normalize, check=False, impl="torch")
+
+    def _check_hash(self) -> None:
+        """hash_layers (class docstring)."""
+        n_moe = sum(self.is_moe(i) for i in range(self.n_layers))
+        check_positive_int("hash_layers", self.hash_layers, 0, n_moe)
+        if self.hash_layers:
+            for name, bad in (("score", self.score == "sparsemixer"), ("pre_softmax", self.pre_softmax), ("zero_experts", self.zero_experts)):
+                if bad:
+                    raise ValueError(f"{name}: hash_layers route by a table of token ids (fmoe.ops.hash_route), not with {name}={getattr(self, name)!r}")
+
+    def is_hash(self, i: int) -> bool:
+        """Whether trunk block i routes by hashing its tokens' ids: one of the first hash_layers MoE blocks."""
+        return self.is_moe(i) and sum(self.is_moe(j) for j in range(i)) < self.hash_layers
 
     def _check_moa(self) -> None:
         """The mixture of attention heads' knobs (class docstring), and moe_out_bias."""
@@ -1922,7 +1977,7 @@ class Block(nn.Module):
 
     def __init__(self, cfg: TransformerConfig, moe: bool, *, local: bool = False, rope: bool = True, linear: bool = False,
                  fp8: Optional[bool] = None, index_shared: bool = False, sinks: Optional[bool] = None, shortcut: Optional[str] = None,
-                 depth: Optional[int] = None, mlp: bool = True, mixer: bool = True, index_blocks: bool = True):
+                 depth: Optional[int] = None, mlp: bool = True, mixer: bool = True, index_blocks: bool = True, hashed: bool = False):
         super().__init__()
         def norm(on: bool, gated: bool = False, role: Optional[str] = None) -> Optional[RMSNorm]:
             if not on:
@@ -1948,13 +2003,15 @@ class Block(nn.Module):
         self.parallel = cfg.parallel_blocks
         if moe and not mlp:
             raise ValueError("mlp: a MoE block has an MLP (mlp=False: the mixer alone)")
+        if hashed and not moe:
+            raise ValueError("hashed: a MoE block's routing by its tokens' ids, needs moe=True")
         dense_limit = cfg.mlp_limit(depth)  # the dense MLPs' SwiGLU clamp: the shared experts' (shared_swiglu_limit)
         glu = dict(alpha=cfg.shared_swiglu_alpha, offset=cfg.shared_swiglu_offset)  # ... and their gate's gain, up's offset
         if not mlp:  # the mixer alone (cfg.mlp_free_layers: Nemotron-H's mixer layers without an MLP after them)
             self.mlp = None
         elif moe:
             self.mlp = MoE(cfg.hidden, cfg.ffn_expert, cfg.moe_config(fp8, depth), shared_ffn=cfg.shared_size, shared_gate=cfg.shared_gate,
-                           expert_bias=cfg.expert_bias, router_bias=cfg.router_bias, expert_biases=cfg.expert_biases,
+                           expert_bias=cfg.expert_bias and not hashed, hash_vocab=cfg.vocab_size if hashed else 0, router_bias=cfg.router_bias, expert_biases=cfg.expert_biases,
                            router_norm=cfg.router_norm, expert_scale=cfg.router_expert_scale, latent=cfg.moe_latent or 0,
                            latent_norm=cfg.moe_latent_norm, expert_out_norm=cfg.expert_out_norm, out_bias=cfg.moe_out_bias)
             self.mlp.experts.recompute = cfg.ac == "experts"
@@ -1988,14 +2045,16 @@ class Block(nn.Module):
         self.attn_hc = HyperConnection(cfg) if cfg.hyper_connections and mixer else None
         self.mlp_hc = HyperConnection(cfg) if cfg.hyper_connections and mlp else None
 
-    def forward(self, x_TH, ctx: AttentionContext, token_mask: Optional[torch.Tensor] = None):
+    def forward(self, x_TH, ctx: AttentionContext, token_mask: Optional[torch.Tensor] = None, token_ids: Optional[torch.Tensor] = None):
         """x [T, H] -> (x [T, H], the MoE stats or None for a dense block); a shortcut pair's
         first block returns [T, 2H] and its second takes it, and with hyper-connections x is
         the streams [T, n H] in and out (class docstring). token_mask:
-        None, or [T] bool, False on padding, which the MoE does not route (MoE.forward)."""
+        None, or [T] bool, False on padding, which the MoE does not route (MoE.forward).
+        token_ids: [T] the tokens' ids, which a hashed MoE block routes by (MoE.forward; needed
+        there, unread elsewhere)."""
         if self.ac == "full":
-            return recompute(self._block, x_TH, ctx, token_mask)
-        return self._block(x_TH, ctx, token_mask)
+            return recompute(self._block, x_TH, ctx, token_mask, token_ids)
+        return self._block(x_TH, ctx, token_mask, token_ids)
 
     def _attend(self, x_TH, ctx):
         return self._attend_normed(_normed(self.attn_norm, x_TH), ctx)
@@ -2018,27 +2077,28 @@ class Block(nn.Module):
             return gate(x_TH, y_TH)
         return x_TH + (y_TH if self.residual_scale == 1.0 else y_TH * self.residual_scale)
 
-    def _block(self, x_TH, ctx, token_mask=None):
+    def _block(self, x_TH, ctx, token_mask=None, token_ids=None):
+        routing = (token_mask, token_ids)  # what the MoE reads of the tokens (MoE.forward)
         if self.attn_hc is not None or self.mlp_hc is not None:
-            return self._hc_block(x_TH, ctx, token_mask)
+            return self._hc_block(x_TH, ctx, routing)
         if self.attn is None:  # the MLP alone
-            return self._mlp_branch(x_TH, _normed(self.mlp_norm, x_TH), token_mask)
+            return self._mlp_branch(x_TH, _normed(self.mlp_norm, x_TH), routing)
         carry_TH = None
         if self.shortcut == "in":  # the residual, then the pair's MoE output
             x_TH, carry_TH = x_TH.chunk(2, dim=-1)
         if self.parallel:  # attention and MLP of one normed input (or each of its own, parallel_norms: GPT-NeoX's), both added to x (Cohere's)
             h_TH = _normed(self.attn_norm, x_TH)
             y_TH = recompute(self._attend_normed, h_TH, ctx) if self.ac == "attention" else self._attend_normed(h_TH, ctx)
-            return self._mlp_branch(self._residual(x_TH, y_TH), h_TH if self.mlp_norm is None else self.mlp_norm(x_TH), token_mask)
+            return self._mlp_branch(self._residual(x_TH, y_TH), h_TH if self.mlp_norm is None else self.mlp_norm(x_TH), routing)
         if self.normed_residual is not None:  # MiniMax's: each residual is its sublayer's normed input, x a
             h_TH = self.attn_norm(x_TH)
             x_TH = self._residual(h_TH, recompute(self._attend_normed, h_TH, ctx) if self.ac == "attention" else self._attend_normed(h_TH, ctx))
             h_TH = x_TH if self.mlp is None else self.mlp_norm(x_TH)
-            return self._mlp_branch(h_TH, h_TH, token_mask, carry_TH)
+            return self._mlp_branch(h_TH, h_TH, routing, carry_TH)
         x_TH = self._residual(x_TH, recompute(self._attend, x_TH, ctx) if self.ac == "attention" else self._attend(x_TH, ctx))
-        return self._mlp_branch(x_TH, _normed(self.mlp_norm, x_TH), token_mask, carry_TH)
+        return self._mlp_branch(x_TH, _normed(self.mlp_norm, x_TH), routing, carry_TH)
 
-    def _hc_block(self, x_TS, ctx, token_mask=None):
+    def _hc_block(self, x_TS, ctx, routing=(None, None)):
         """With hyper-connections: the streams x [T, n H] -> (x' [T, n H], the MoE stats or
         None); the attention and the MLP each read their weighted sum of the streams and add
         their output back (HyperConnection)."""
@@ -2049,22 +2109,24 @@ class Block(nn.Module):
         if self.mlp is None:
             return x_TS, None
         h_TH, post, comb = self.mlp_hc(x_TS)
-        y_TH, stats = self._mlp_out(_normed(self.mlp_norm, h_TH), token_mask)
+        y_TH, stats = self._mlp_out(_normed(self.mlp_norm, h_TH), routing)
         return self.mlp_hc.add(x_TS, y_TH, post, comb), stats
 
-    def _mlp_out(self, h_TH, token_mask=None, x_TH=None):
+    def _mlp_out(self, h_TH, routing=(None, None), x_TH=None):
         """post_norm(mlp(h)) [T, H] of the MLP's input h, and the MoE stats (None for a dense MLP);
         beside a dense MLP (dense_beside_moe), post_norm(dense_post_norm(dense(h)) +
-        moe_post_norm(moe(moe_norm(x)))), the router reading the block's stream x itself."""
+        moe_post_norm(moe(moe_norm(x)))), the router reading the block's stream x itself.
+        routing: (token_mask, token_ids), MoE.forward's."""
+        token_mask, token_ids = routing
         if self.beside is not None:
-            y, stats = self.mlp(self.moe_norm(x_TH), token_mask, route_x=x_TH)
+            y, stats = self.mlp(self.moe_norm(x_TH), token_mask, route_x=x_TH, token_ids=token_ids)
             return self.mlp_post_norm(self.dense_post_norm(self.beside(h_TH)) + self.moe_post_norm(y)), stats
         if isinstance(self.mlp, MoE):
-            y, stats = self.mlp(h_TH, token_mask)
+            y, stats = self.mlp(h_TH, token_mask, token_ids=token_ids)
             return _normed(self.mlp_post_norm, y), stats
         return _normed(self.mlp_post_norm, self.mlp(h_TH)), None
 
-    def _mlp_branch(self, x_TH, h_TH, token_mask=None, carry_TH=None):
+    def _mlp_branch(self, x_TH, h_TH, routing=(None, None), carry_TH=None):
         """x + post_norm(mlp(h)): the block's end, h the MLP's input (its own pre-norm's output,
         or a parallel block's one normed input) -> (x [T, H], the MoE stats or None); a
         shortcut pair's first block: ([x + dense(h) | moe(h)] [T, 2H], stats; no post-norms
@@ -2072,7 +2134,7 @@ class Block(nn.Module):
         an MLP (mlp None) ends at x."""
         if self.mlp is None:
             return x_TH, None
-        y_TH, stats = self._mlp_out(h_TH, token_mask, x_TH)
+        y_TH, stats = self._mlp_out(h_TH, routing, x_TH)
         if self.dense is not None:
             return torch.cat([x_TH + self.dense(h_TH), y_TH], dim=-1), stats
         x_TH = self._residual(x_TH, y_TH, 1)
@@ -2359,7 +2421,7 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, moe=cfg.is_moe(i), local=cfg.is_local(i), rope=not cfg.is_nope(i), linear=cfg.is_linear(i),
                                           fp8=cfg.is_fp8(i), index_shared=cfg.is_index_shared(i), sinks=cfg.has_sinks(i),
                                           shortcut=cfg.shortcut(i), depth=i, mlp=not cfg.is_mlp_free(i), mixer=not cfg.is_mixer_free(i),
-                                          index_blocks=cfg.is_index_blocks(i))
+                                          index_blocks=cfg.is_index_blocks(i), hashed=cfg.is_hash(i))
                                     for i in range(cfg.n_layers))
         for i, block in enumerate(self.blocks):  # DeepSeek sparse attention: each block's choice of keys by its index, and the one it reuses
             if isinstance(block.attn, Attention):
@@ -2401,7 +2463,8 @@ class Transformer(nn.Module):
             mamba1 (Mamba's)                       A = 1 .. N in every channel (S4D-real), dt
                                                    log-uniform in [0.001, 0.1]
         (A_log = log A; a uniform drawn as the normal's CDF of init_value). The router stays
-        float32 (MoE owns it).
+        float32 (MoE owns it). A hashed MoE's table (hash_layers): random_hash_table of a
+        generator seeded by (seed, its name).
         Hyper-connections (HyperConnection): fn Normal(0, init_std), scale 0.01, the pre
         biases -log(n - 1), the others 0.
 
@@ -2458,6 +2521,8 @@ class Transformer(nn.Module):
         for name, b in self.named_buffers():
             if name.endswith("expert_bias") and not b.is_meta:
                 b.zero_()
+            if name.endswith("hash_table") and not b.is_meta:  # a function of (seed, name), as init_value's
+                b.copy_(random_hash_table(*b.shape, self.cfg.n_experts, name_generator(seed, name)))
             if name.endswith("layer_scalar") and not b.is_meta:
                 b.fill_(1.0)
 
@@ -2607,7 +2672,7 @@ class Transformer(nn.Module):
         ctx = attention_context(cu_seqlens, positions, self.cfg.context_config())
         h_TH = self._trunk_input(input_ids, positions)
         for block in self.blocks:
-            h_TH, _ = block(h_TH, ctx)
+            h_TH, _ = block(h_TH, ctx, token_ids=input_ids)
         return self._head(h_TH)
 
     def _check_whole(self, what: str) -> None:
@@ -2738,13 +2803,13 @@ class Transformer(nn.Module):
         h_TH = self._trunk_input(ids, positions)
         for i, block in enumerate(self.blocks):
             if block.attn is None:  # an MLP alone: nothing cached
-                h_TH, _ = block(h_TH, AttentionContext(None, None, None))
+                h_TH, _ = block(h_TH, AttentionContext(None, None, None), token_ids=ids)
                 continue
             states = None
             if i in cache.linear_layers:  # the states its tokens continue, then the states after them
                 states = cache.linear_states(i, seq_list, tokens=n)  # the padding's rows (tp) continue nothing
                 if block.attn_beside is None:
-                    h_TH, _ = block(h_TH, AttentionContext(None, None, None, linear_states=states))
+                    h_TH, _ = block(h_TH, AttentionContext(None, None, None, linear_states=states), token_ids=ids)
                     cache.write_linear(i, seq_list, states)
                     continue
             ring = i in cache.window_layers
@@ -2753,7 +2818,7 @@ class Transformer(nn.Module):
                 kv = functools.partial(_unpadded, n, kv)
             layer_ctx = dataclasses.replace(contexts[ring], gather_kv=kv, latents=None if not mla else "absorbed" if absorbed else "expanded",
                                             linear_states=states)  # a parallel hybrid's: both its keys and its states
-            h_TH, _ = block(h_TH, layer_ctx)
+            h_TH, _ = block(h_TH, layer_ctx, token_ids=ids)
             if states is not None:
                 cache.write_linear(i, seq_list, states)
         for j, b in enumerate(seq_list):
@@ -2869,7 +2934,7 @@ class Transformer(nn.Module):
         for i, block in enumerate(self.blocks):
             if isinstance(block, LayerElsewhere):  # held by another pipeline stage
                 continue
-            h_TH, layer_stats = block(h_TH, ctx.attention[0], token_mask)
+            h_TH, layer_stats = block(h_TH, ctx.attention[0], token_mask, batch["input_ids"])
             if layer_stats is not None:
                 stats[f"layer_{i}"] = layer_stats
         if chunk is not None and not chunk.last:

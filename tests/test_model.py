@@ -228,6 +228,10 @@ VARIANTS = {
     # heads) in every block and the MTP's, its routers balanced by their loss; a bias on the MoE blocks' output
     "jetmoe": dataclasses.replace(TINY, moa_experts=3, moa_topk=2, moe_out_bias=True, score="softmax", expert_bias=False, n_shared=0,
                                   mtp_depth=1),
+    # DeepSeek-V4's MoE: sqrt(softplus) scores, block 1 routing by a table of token ids (hash_moe), block 2 and the MTP's by the
+    # router plus the expert bias, the chosen renormalised and scaled, the SwiGLUs clamped
+    "dsv4 moe": dataclasses.replace(TINY, score="sqrtsoftplus", hash_layers=1, route_scale=1.5, swiglu_limit=0.5, shared_swiglu_limit=0.5,
+                                    mtp_depth=1),
 }
 
 
@@ -268,8 +272,8 @@ def test_forward_backward_each_feature(name):
     total.backward()
     for pname, p in model.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all(), pname
-    if cfg.expert_bias:
-        assert all(m.expert_bias.dtype == torch.float32 for m in model.moe_layers().values())
+    if cfg.expert_bias:  # every MoE block's but a hashed one's (hash_layers: nothing to balance)
+        assert all(m.expert_bias.dtype == torch.float32 for i, m in enumerate(model.moe_layers().values()) if i >= cfg.hash_layers)
 
 
 def test_loss_of_a_document_does_not_depend_on_packing():
@@ -1143,7 +1147,7 @@ def test_bad_configs():
         TransformerConfig(n_experts=8, zero_experts=2, n_groups=4, topk_groups=2)
     with pytest.raises(ValueError, match="n_kv_heads"):
         TransformerConfig(n_heads=4, n_kv_heads=3)
-    with pytest.raises(ValueError, match="normalize: applies to score='sigmoid' only"):
+    with pytest.raises(ValueError, match="normalize: applies to score='sigmoid' or 'sqrtsoftplus' only"):
         TransformerConfig(score="softmax", expert_bias=False, route_normalize=False)
     with pytest.raises(ValueError, match="group_score_topk: applies to group-limited routing only"):
         TransformerConfig(group_score_topk=2)
@@ -1210,8 +1214,10 @@ FULL = dataclasses.replace(TINY, mtp_depth=2, impl="auto", capacity_factor=1.25,
 
 @pytest.mark.parametrize("cfg", [dataclasses.replace(TINY, mtp_depth=1, impl="auto"), FULL, dataclasses.replace(VARIANTS["gated deltanet"], impl="auto"),
                                  dataclasses.replace(VARIANTS["falcon_h1"], impl="auto"), dataclasses.replace(VARIANTS["jamba"], impl="auto"),
-                                 dataclasses.replace(MINIMAX_M3, impl="triton"), dataclasses.replace(VARIANTS["jetmoe"], impl="auto")],
-                         ids=["default", "capacity-groups-yarn-mtp2-granite", "gated deltanet", "falcon_h1", "jamba", "minimax-m3-kernel", "jetmoe"])
+                                 dataclasses.replace(MINIMAX_M3, impl="triton"), dataclasses.replace(VARIANTS["jetmoe"], impl="auto"),
+                                 dataclasses.replace(VARIANTS["dsv4 moe"], impl="auto")],
+                         ids=["default", "capacity-groups-yarn-mtp2-granite", "gated deltanet", "falcon_h1", "jamba", "minimax-m3-kernel", "jetmoe",
+                              "dsv4-moe"])
 def test_forward_and_backward_read_nothing_on_the_host(cfg):
     """No device->host sync in the model's forward and backward (MoE layers, MTP, losses):
     on a GPU each read is a stall. Counted here as host reads of tensor values on CPU."""
@@ -1242,7 +1248,7 @@ def _compiled_like_eager(cfg):
     return model, grads
 
 
-@pytest.mark.parametrize("name", ["full", "dsa", "mhc", "falcon_h1", "jamba", "minimax-m3", "jetmoe"])
+@pytest.mark.parametrize("name", ["full", "dsa", "mhc", "falcon_h1", "jamba", "minimax-m3", "jetmoe", "dsv4 moe"])
 def test_the_whole_model_compiles_without_a_graph_break(name):
     """torch.compile(fullgraph=True) of forward + losses (a host sync would be a graph break),
     then the backward; same values and gradients as eager. The batch ends in padding (its
@@ -1252,7 +1258,7 @@ def test_the_whole_model_compiles_without_a_graph_break(name):
     Jamba's: Mamba-1 mixers (a decay per channel and state channel) beside NoPE attention.
     MiniMax-M3's: block-sparse attention's choice (a scatter of block maxima, a stable sort)
     and its indexer's loss. JetMoE's: the attention experts' routed projections and their
-    routers' balance loss."""
+    routers' balance loss. DeepSeek-V4's MoE: the hashed block's table lookup by token id."""
     cfg = FULL if name == "full" else dataclasses.replace(MINIMAX_M3 if name == "minimax-m3" else VARIANTS[name], impl="auto")
     model, grads = _compiled_like_eager(cfg)
     if name in ("dsa", "minimax-m3"):
@@ -2198,6 +2204,8 @@ DECODED = {
                                     longrope_original_max_positions=1, longrope_short_scale=1.1, longrope_long_scale=1.3),
     # a mixture of attention heads: each new token's queries from its own experts, over the cache's shared kv heads
     "jetmoe": dataclasses.replace(VARIANTS["jetmoe"], mtp_depth=0),
+    # a hashed MoE block: each new token routed by its own id
+    "dsv4 moe": dataclasses.replace(VARIANTS["dsv4 moe"], mtp_depth=0),
 }
 
 
@@ -2744,6 +2752,108 @@ def test_hyper_connections_equal_transformers_modules():
             torch.testing.assert_close(post, want_post[0], rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(ours.add(x.view(T, n * H), y[0], post, comb), want_next.reshape(T, n * H), rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(head(x.view(T, n * H)), ref_head(x)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_hash_layers_route_each_token_by_its_id(tmp_path):
+    """The first hash_layers MoE blocks route by their table (DeepSeek-V4's hash_moe): the counts are the
+    table's rows at the batch's ids whatever the weights, the router trained through the weights alone;
+    the other MoE blocks (and the MTP's) route by their router and expert bias as before."""
+    cfg = VARIANTS["dsv4 moe"]
+    model = Transformer(cfg)
+    hashed, routed = model.blocks[1].mlp, model.blocks[2].mlp
+    assert "expert_bias" not in hashed._buffers and "hash_table" not in routed._buffers and "hash_table" not in model.mtp[0].block.mlp._buffers
+    table = hashed.hash_table
+    assert table.shape == (cfg.vocab_size, cfg.k) and table.dtype == torch.int64
+    assert ((table >= 0) & (table < cfg.n_experts)).all() and (table[:, 0] != table[:, 1]).all()
+    assert len({tuple(r) for r in table.tolist()}) > 1  # not one row for every id
+    from fmoe.train import checkpoint
+
+    checkpoint.save(tmp_path / "ck", 1, model=model, optimizers=[])  # persistent: saved with the weights, read back
+    other = Transformer(cfg)
+    other.reset_parameters(seed=torch.initial_seed() + 7)
+    checkpoint.load_model(tmp_path / "ck" / "step_000001", model=other)
+    assert torch.equal(other.blocks[1].mlp.hash_table, table)
+    again = Transformer(cfg)
+    again.reset_parameters(seed=torch.initial_seed())
+    model.reset_parameters(seed=torch.initial_seed())
+    assert torch.equal(again.blocks[1].mlp.hash_table, model.blocks[1].mlp.hash_table)  # a function of the seed and the name
+    again.reset_parameters(seed=torch.initial_seed() + 1)
+    assert not torch.equal(again.blocks[1].mlp.hash_table, model.blocks[1].mlp.hash_table)
+
+    batch = _batch(cfg)
+    want = torch.bincount(table[batch["input_ids"]].reshape(-1), minlength=cfg.n_experts)
+    _, stats = model(batch)
+    assert torch.equal(stats["layer_1"]["tokens_per_expert"], want)
+    routed_counts = stats["layer_2"]["tokens_per_expert"].clone()
+    with torch.no_grad():  # other weights: the hashed block's choice stays, the routed block's moves
+        for p in model.parameters():
+            p.normal_(0.0, 0.5)
+    _, stats = model(batch)
+    assert torch.equal(stats["layer_1"]["tokens_per_expert"], want)
+    assert not torch.equal(stats["layer_2"]["tokens_per_expert"], routed_counts)
+    losses, _ = model(batch)
+    losses["lm_sum"].backward()
+    assert float(hashed.router.grad.abs().max()) > 0  # through the weights
+    # one token's id moved to another: its experts follow the table
+    ids = batch["input_ids"].clone()
+    ids[3] = (ids[3] + 1) % cfg.vocab_size
+    batch2 = make_batch(ids, torch.tensor((0, 7, 8, 24)), mtp_depth=cfg.mtp_depth)
+    _, stats = model(batch2)
+    assert torch.equal(stats["layer_1"]["tokens_per_expert"], torch.bincount(table[ids].reshape(-1), minlength=cfg.n_experts))
+    # the MoE needs the ids
+    with pytest.raises(ValueError, match=r"token_ids: a hashed MoE routes by its tokens' ids, expected \[T\] int ids, got None"):
+        hashed(torch.randn(5, cfg.hidden))
+    # no released family holds a table (DeepSeek-V4's attention is not built): the export names the knob
+    import fmoe.hf
+
+    with pytest.raises(ValueError, match=r"model: its config has no deepseek_v3 equivalent: .*'hash_layers': \(1, 0\)"):
+        fmoe.hf.save_pretrained(model, tmp_path / "hf", model_type="deepseek_v3")
+
+
+@pytest.mark.parametrize("hashed", [True, False], ids=["hash_moe", "moe"])
+def test_deepseek_v4_moe_blocks_equal_transformers_modules(hashed):
+    """fmoe's MoE (sqrt(softplus) routing with DeepSeek-V4's expert bias, or its hash table; the routed and shared
+    SwiGLUs clamped at swiglu_limit) and transformers' DeepseekV4SparseMoeBlock of the same weights: the same output."""
+    v4 = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4", reason="transformers (the test extra) not installed")
+    import transformers
+
+    H, F, E, k, V = 16, 12, 8, 3, 30
+    theirs_cfg = transformers.DeepseekV4Config(hidden_size=H, moe_intermediate_size=F, n_routed_experts=E, num_experts_per_tok=k, vocab_size=V,
+                                               routed_scaling_factor=1.5, swiglu_limit=0.7, num_hidden_layers=2,
+                                               mlp_layer_types=["hash_moe" if hashed else "moe", "moe"])
+    theirs = v4.DeepseekV4SparseMoeBlock(theirs_cfg, layer_idx=0)
+    torch.manual_seed(0)
+    for p in theirs.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    gate = theirs.gate
+    if hashed:
+        gate.tid2eid.copy_(torch.rand(V, E).argsort(dim=1)[:, :k])
+    else:
+        gate.e_score_correction_bias.normal_(0.0, 0.1)
+    cfg = fmoe.layers.MoEConfig(n_experts=E, k=k, score="sqrtsoftplus", scale=1.5, swiglu_limit=0.7, shared_swiglu_limit=0.7)
+    ours = fmoe.model.MoE(H, F, cfg, shared_ffn=F, expert_bias=not hashed, hash_vocab=V if hashed else 0)
+    w_gate, w_up = theirs.experts.gate_up_proj.detach().chunk(2, dim=1)  # [E, 2F, H]: gate rows, then up rows
+    state = {"router": gate.weight, "experts.w_gate": w_gate.transpose(1, 2), "experts.w_up": w_up.transpose(1, 2),
+             "experts.w_down": theirs.experts.down_proj.transpose(1, 2), "shared.w_gate": theirs.shared_experts.gate_proj.weight.T,
+             "shared.w_up": theirs.shared_experts.up_proj.weight.T, "shared.w_down": theirs.shared_experts.down_proj.weight.T}
+    state["hash_table" if hashed else "expert_bias"] = gate.tid2eid if hashed else gate.e_score_correction_bias
+    ours.load_state_dict({n: t.detach().contiguous() for n, t in state.items()})
+    x, ids = torch.randn(2, 10, H), torch.randint(0, V, (2, 10))
+    with torch.no_grad():
+        want = theirs(x, input_ids=ids)
+        got, _ = ours(x, token_ids=ids.reshape(-1) if hashed else None)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(hash_layers=3), r"hash_layers: expected 0\.\.2, got 3"),
+    (dict(hash_layers=1, score="sparsemixer", k=2, expert_bias=False), r"score: hash_layers route by a table of token ids .*not with score='sparsemixer'"),
+    (dict(hash_layers=1, score="softmax", pre_softmax=True, expert_bias=False), r"pre_softmax: hash_layers route by a table"),
+    (dict(hash_layers=1, zero_experts=2), r"zero_experts: hash_layers route by a table"),
+])
+def test_hash_layer_knobs_are_checked(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(TINY, **overrides)
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -273,6 +273,18 @@ def test_muon_runs(tmp_path):
     assert len(_records(tmp_path)) == 3
 
 
+def test_hashed_moe_layers_train_beside_balanced_ones(tmp_path):
+    """DeepSeek-V4's routing: block 1 routes by its table of token ids (no expert bias to update), block 2 by sqrt(softplus)
+    scores plus the expert bias the loop moves each step."""
+    run = _train(tmp_path, "--steps=3", "--model.n_layers=3", "--model.hash_layers=1", "--model.score=sqrtsoftplus", "--model.route_scale=1.5")
+    assert run.returncode == 0, run.stderr[-3000:]
+    records = _records(tmp_path)
+    assert len(records) == 3 and all(math.isfinite(r["loss"]) for r in records)
+    assert all(len(r["tokens_per_expert"]) == 3 for r in records)  # the counts of both MoE blocks and the MTP block
+    model = json.loads((tmp_path / "config.json").read_text())["config"]["model"]
+    assert (model["hash_layers"], model["score"], model["route_scale"]) == (1, "sqrtsoftplus", 1.5)
+
+
 BAD_KNOBS = [
     (["--nope=1"], "unknown argument '--nope=1'; --help lists every knob"),
     (["--stepz=4"], "unknown argument '--stepz=4'; did you mean --steps? --help lists every knob"),

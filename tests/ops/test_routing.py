@@ -176,27 +176,6 @@ def test_sqrtsoftplus_worked_example_and_extreme_logits(impl, device):
     torch.testing.assert_close(xg.grad.double(), d_ref, rtol=2e-6, atol=1e-30)
 
 
-def test_sqrtsoftplus_matches_transformers_deepseek_v4_router():
-    transformers = pytest.importorskip("transformers")
-    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
-
-    cfg = transformers.DeepseekV4Config(hidden_size=32, n_routed_experts=16, num_experts_per_tok=4, routed_scaling_factor=1.5,
-                                        vocab_size=64, num_hidden_layers=1)
-    router = v4.DeepseekV4TopKRouter(cfg)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        router.weight.normal_(0, 0.5)
-        router.e_score_correction_bias.normal_(0, 0.1)
-    h = torch.randn(2, 24, 32)
-    _, w_hf, e_hf = router(h)
-    order = w_hf.argsort(dim=-1, descending=True, stable=True)  # theirs unsorted, ours best score first
-    for impl in ("torch", "triton"):
-        w, e = F.route(h.reshape(-1, 32) @ router.weight.T, 4, score="sqrtsoftplus", expert_bias=router.e_score_correction_bias.detach(),
-                       scale=1.5, impl=impl)
-        assert torch.equal(e.sort(dim=-1).values, e_hf.sort(dim=-1).values)
-        torch.testing.assert_close(w.sort(dim=-1, descending=True).values, w_hf.gather(1, order).detach(), rtol=1e-6, atol=1e-6)
-
-
 HASH_MODES = [dict(score="softmax"), dict(score="sigmoid"), dict(score="sigmoid", normalize=False, scale=2.0),
               dict(score="sqrtsoftplus", scale=1.5), dict(score="sqrtsoftplus", normalize=False)]
 
@@ -236,22 +215,37 @@ def test_hash_route_worked_example_and_table_order():
     assert w0.shape == (0, 2) and e0.shape == (0, 2)
 
 
-def test_hash_route_matches_transformers_deepseek_v4_hash_router():
+@pytest.mark.parametrize("hashed", [False, True], ids=["topk", "hash"])
+def test_routing_matches_transformers_deepseek_v4_routers(hashed):
+    """route's sqrt(softplus) scores with the correction bias, and hash_route of the tid2eid table, against
+    transformers' DeepSeek-V4 top-k and hash routers of the same weights (theirs unsorted, route's best first)."""
     transformers = pytest.importorskip("transformers")
     from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
 
     cfg = transformers.DeepseekV4Config(hidden_size=32, n_routed_experts=16, num_experts_per_tok=4, routed_scaling_factor=1.5,
                                         vocab_size=50, num_hidden_layers=1)
-    router = v4.DeepseekV4HashRouter(cfg)
+    router = (v4.DeepseekV4HashRouter if hashed else v4.DeepseekV4TopKRouter)(cfg)
     torch.manual_seed(0)
     with torch.no_grad():
         router.weight.normal_(0, 0.5)
-        router.tid2eid.copy_(torch.rand(50, 16).argsort(dim=1)[:, :4])
+        if hashed:
+            router.tid2eid.copy_(torch.rand(50, 16).argsort(dim=1)[:, :4])
+        else:
+            router.e_score_correction_bias.normal_(0, 0.1)
     h, ids = torch.randn(2, 24, 32), torch.randint(0, 50, (2, 24))
-    _, w_hf, e_hf = router(h, ids)
-    w, e = F.hash_route(h.reshape(-1, 32) @ router.weight.T, ids.reshape(-1), router.tid2eid, score="sqrtsoftplus", scale=1.5)
-    assert torch.equal(e, e_hf)
-    torch.testing.assert_close(w, w_hf.detach(), rtol=1e-6, atol=1e-6)
+    logits = h.reshape(-1, 32) @ router.weight.T
+    if hashed:
+        _, w_hf, e_hf = router(h, ids)
+        w, e = F.hash_route(logits, ids.reshape(-1), router.tid2eid, score="sqrtsoftplus", scale=1.5)
+        assert torch.equal(e, e_hf)
+        torch.testing.assert_close(w, w_hf.detach(), rtol=1e-6, atol=1e-6)
+        return
+    _, w_hf, e_hf = router(h)
+    order = w_hf.argsort(dim=-1, descending=True, stable=True)
+    for impl in ("torch", "triton"):
+        w, e = F.route(logits, 4, score="sqrtsoftplus", expert_bias=router.e_score_correction_bias.detach(), scale=1.5, impl=impl)
+        assert torch.equal(e.sort(dim=-1).values, e_hf.sort(dim=-1).values)
+        torch.testing.assert_close(w.sort(dim=-1, descending=True).values, w_hf.gather(1, order).detach(), rtol=1e-6, atol=1e-6)
 
 
 def test_hash_route_compiles_whole():

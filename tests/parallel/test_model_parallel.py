@@ -316,7 +316,7 @@ def _compare(rank, world, sizes, overrides):
     counts = all_reduce_counts(counts, dist.group.WORLD, names=names, n_experts=cfg.n_choices)
     for name in names:
         errors[f"{name}.counts"] = float((counts[name] - ref_counts[name]).abs().sum())
-        if not cfg.expert_bias:
+        if not cfg.expert_bias or "expert_bias" not in ref.moe_layers()[name]._buffers:  # a hashed block's: none (hash_layers)
             continue
         bias, ref_bias = (update_expert_bias(m.moe_layers()[name].expert_bias, c[name], 1e-3) for m, c in ((model, counts), (ref, ref_counts)))
         errors[f"{name}.expert_bias"] = float((bias - ref_bias).abs().max())
@@ -356,6 +356,9 @@ CASES = {
     # hyper-connections: the [T, n H] streams under sequence parallelism (the streams' weights on each token shard, their
     # gradients summed over tp) and FSDP2 (their own float32 units), and across a context-parallel split
     "ep2xtp2-hy-v4": (4, dict(tp=2, ep=2), HY_V4),
+    # DeepSeek-V4's MoE: the hashed block's token ids sliced as its tokens under sequence parallelism, its table's
+    # routes dispatched over ep; sqrt(softplus) routing with the expert bias in the others
+    "ep2xtp2-dsv4-hash": (4, dict(tp=2, ep=2), dict(score="sqrtsoftplus", hash_layers=1, route_scale=1.5)),
     "cp2-mhc": (2, dict(cp=2), MHC),
     # activation checkpointing under FSDP2, TP and EP: the recomputation inside FSDP units
     # and TP regions, and the all-to-alls run again in the backward
