@@ -777,7 +777,9 @@ class AttentionConfig:
     routed linear layers (fmoe.ops.permute, grouped_matmul, unpermute: no host sync), so each
     token pays for k of the E experts. With gradients on attention returns
     stats["moa_aux_loss"], the router's switch load-balancing loss over x's tokens
-    (fmoe.ops.load_balancing_loss of aux_scores); fmoe.model.Attention adds its gradient.
+    (fmoe.ops.load_balancing_loss of aux_scores; under context parallel, ctx.linear_cp, this
+    rank's share of the loss over every rank's tokens: the counts summed over the cp ranks,
+    the shares adding up to one process's loss); fmoe.model.Attention adds its gradient.
     Not with kv_rank, the indexers, fp8, qk_norm "proj" or "head_layer", query biases or the
     output gate.
     """
@@ -1197,7 +1199,8 @@ class AttentionContext:
         tokens continue, bound per layer by fmoe.model.Transformer.decode); None otherwise.
     linear_cp: the linear-attention layers' exchange under context parallel
         (fmoe.parallel.ContextParallel: token_index(n, device), conv_halo(x, n) and
-        gated_delta_rule(q, k, v, g, beta, cu_seqlens, ...)); None: no split.
+        gated_delta_rule(q, k, v, g, beta, cu_seqlens, ...)), and cp and sum_counts(counts)
+        for a mixture of attention heads' balance loss; None: no split.
     index_choices: DeepSeek sparse attention (a context of a cfg with index_topk): an empty
         dict in which the layers with an indexer leave their choice of keys for the layers
         that reuse it (fmoe.model.Attention: keyed by layer, attention's index_choice); None
@@ -1911,7 +1914,10 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
     stats = {"index_choice": slots_TJ} if sparse and not shared else {}
     if cfg.moa_experts is not None and torch.is_grad_enabled() and params["moa_router"].requires_grad:  # the router's balance
         scores_TE, _, counts_E = _aux_scores(moa.logits_TE, cfg.moa_topk, return_counts=True, impl=cfg.impl)
-        stats["moa_aux_loss"] = load_balancing_loss(scores_TE, counts_E, k=cfg.moa_topk, n_tokens=x.shape[0])
+        n_tokens = x.shape[0]
+        if ctx.linear_cp is not None:  # context parallel: every rank's counts and tokens, this rank's share of the loss
+            counts_E, n_tokens = ctx.linear_cp.sum_counts(counts_E), n_tokens * ctx.linear_cp.cp
+        stats["moa_aux_loss"] = load_balancing_loss(scores_TE, counts_E, k=cfg.moa_topk, n_tokens=n_tokens)
     if train_index and blocks:  # each kv head's heads' attention over its chosen blocks, the indexer's loss against it
         with torch.no_grad():
             if block_kernel:  # each slot's probability summed over the heads, then over each block's slots

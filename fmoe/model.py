@@ -550,7 +550,8 @@ class TransformerConfig:
     per token (n_heads = moa_topk n_kv_heads), the kv heads shared; its router moa_router
     [H, moa_experts] float32, balanced by its switch loss with weight moa_aux_coeff per
     micro-batch (Attention; the loop averages it over the attention blocks and logs
-    moa_aux_loss); not with tensor or context parallelism, multi-latent attention, the
+    moa_aux_loss; under context parallel each rank's share, over every rank's counts); not with
+    tensor parallelism, multi-latent attention, the
     indexers, qkv_bias, attn_gate or per-block head counts. moe_out_bias: a bias [H] added to
     each MoE block's output (JetMoE's MoE bias; MoE.out_bias). tie_embeddings: the
     output head is the embedding; out_vocab V' (None: vocab_size): the output head has V' <=

@@ -454,7 +454,8 @@ class ContextParallel:
     gathered rows' global indices (cp_kv_index, no communication); gather_kv all-gathers K
     and V over cp_mesh; linear_cp is this object, whose token_index, conv_halo and
     gated_delta_rule run the linear-attention layers across the split
-    (fmoe.layers.linear_attention).
+    (fmoe.layers.linear_attention), and whose sum_counts gives a mixture of attention heads'
+    balance loss every rank's counts (fmoe.layers.attention).
     """
 
     def __init__(self, cp_mesh: DeviceMesh):
@@ -473,6 +474,11 @@ class ContextParallel:
     def token_index(self, n_local: int, device=None) -> torch.Tensor:
         """This rank's global token indices [T/cp] (cp_token_index of T = cp n_local)."""
         return cp_token_index(n_local * self.cp, self.cp, self.mesh.get_local_rank(), device=device)
+
+    def sum_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """counts (any shape, int or float) summed over the cp ranks (an all-reduce over this
+        object's mesh; no autograd): every rank's tokens' counts."""
+        return DTensor.from_local(counts, self.mesh, [Partial()], run_check=False).full_tensor()
 
     def conv_halo(self, x: torch.Tensor, n: int) -> torch.Tensor:
         """conv_halo over this object's cp mesh: [2, n, C]."""

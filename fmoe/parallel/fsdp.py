@@ -235,10 +235,9 @@ def parallelize(
     """
     moe_blocks = [m for m in model.modules() if isinstance(m, MoE)]
     moa = getattr(model, "cfg", None) is not None and getattr(model.cfg, "moa_experts", None) is not None
-    if moa and meshes.tp * meshes.cp > 1:
-        raise ValueError(f"{'tp' if meshes.tp > 1 else 'cp'}: a mixture of attention heads (moa_experts) is not built for tensor or context "
-                         "parallelism (its experts' projections unsplit, its router's balance loss over each process's tokens); use dp, "
-                         "FSDP and pipeline stages")
+    if moa and meshes.tp > 1:
+        raise ValueError("tp: a mixture of attention heads (moa_experts) is not built for tensor parallelism (its experts' projections "
+                         "unsplit); use dp, FSDP, cp and pipeline stages")
     if moe_blocks and meshes.expert is None:
         raise ValueError("meshes: the model has MoE blocks but the meshes were built with has_experts=False")
     if meshes.cp > 1:
