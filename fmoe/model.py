@@ -550,8 +550,9 @@ class TransformerConfig:
     per token (n_heads = moa_topk n_kv_heads), the kv heads shared; its router moa_router
     [H, moa_experts] float32, balanced by its switch loss with weight moa_aux_coeff per
     micro-batch (Attention; the loop averages it over the attention blocks and logs
-    moa_aux_loss; under context parallel each rank's share, over every rank's counts); not with
-    tensor parallelism, multi-latent attention, the
+    moa_aux_loss; under context parallel each rank's share, over every rank's counts; under
+    tensor parallelism each expert's projections split by their kv heads); not with
+    multi-latent attention, the
     indexers, qkv_bias, attn_gate or per-block head counts. moe_out_bias: a bias [H] added to
     each MoE block's output (JetMoE's MoE bias; MoE.out_bias). tie_embeddings: the
     output head is the embedding; out_vocab V' (None: vocab_size): the output head has V' <=
@@ -1871,7 +1872,9 @@ class Attention(KeepsFloat32):
         if self.cfg.moa_experts is not None:  # the attention experts' balance: its gradient in the backward, its value kept
             self.moa_aux_loss = None
             if "moa_aux_loss" in stats.keys():
-                y_TH = attach_loss(y_TH, stats["moa_aux_loss"] * self.moa_aux_weight)
+                # under tp every rank routes all T tokens with the whole router and computes the same loss, and the
+                # router (replicated, HeadShard.weight) sums the ranks' gradients: each rank attaches its 1/tp
+                y_TH = attach_loss(y_TH, stats["moa_aux_loss"] * (self.moa_aux_weight / (1 if tp is None else tp.mesh.size())))
                 self.moa_aux_loss = stats["moa_aux_loss"].detach()
         if self.index_keep and ctx.index_choices is not None:  # for the blocks that reuse it
             ctx.index_choices[self.index_key] = stats["index_choice"]

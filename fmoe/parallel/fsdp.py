@@ -234,10 +234,6 @@ def parallelize(
     attention (its indexer's keys gathered with K and V, its loss each rank's share).
     """
     moe_blocks = [m for m in model.modules() if isinstance(m, MoE)]
-    moa = getattr(model, "cfg", None) is not None and getattr(model.cfg, "moa_experts", None) is not None
-    if moa and meshes.tp > 1:
-        raise ValueError("tp: a mixture of attention heads (moa_experts) is not built for tensor parallelism (its experts' projections "
-                         "unsplit); use dp, FSDP, cp and pipeline stages")
     if moe_blocks and meshes.expert is None:
         raise ValueError("meshes: the model has MoE blocks but the meshes were built with has_experts=False")
     if meshes.cp > 1:

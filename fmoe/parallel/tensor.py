@@ -11,6 +11,8 @@ heads (attention) or of the FFN columns (SwiGLU) and the output is a sum over ra
                 bq, bk, bv [heads*D]     Shard(0)
                 sinks [heads]            Shard(0); bo [H] replicated (bo / tp per rank)
                 wg [H, heads*Dv]         Shard(1)  (the output gate, with its heads; either kind)
+                moa: wq [E, H, G*D]      Shard(2), wo [E, G*D, H] Shard(1) (a mixture of attention
+                                         heads: each expert's by its kv heads); moa_router replicated
                 q_norm, k_norm           [D] replicated (qk_norm="head"); [heads*D] Shard(0)
                                          (qk_norm="proj", the mean square averaged over tp)
     multi-latent wq or wq_b, wkv_b       Shard(1)  (per-head up projections)
@@ -336,14 +338,20 @@ class AttentionParallel(_HeadsRegion):
     query heads index_wq Shard(1) with their kv heads, index_wk and its norms replicated.
     Multi-latent attention: the per-head up projections wq (or wq_b) and wkv_b Shard(1), wo
     Shard(0); the latent down projections wq_a, wkv_a and the norms kv_a_norm, q_a_norm
-    replicated (each rank computes the latents of all T tokens, HeadShard.weight). Either
-    kind: attention sinks and the output gate's bias bg [n_heads] Shard(0) with their heads; the output bias bo [H]
+    replicated (each rank computes the latents of all T tokens, HeadShard.weight). A mixture
+    of attention heads (moa_experts): each expert's wq [E, H, G D] Shard(2) and wo [E, G D, H]
+    Shard(1) by their kv heads (a rank's heads g k + j are its kv heads' slots), wk, wv
+    Shard(1), the router moa_router replicated (every rank routes all T tokens alike, its
+    gradient summed over tp; the balance loss, the same on every rank, attached 1/tp by
+    each: fmoe.model.Attention). Either kind: attention sinks and the output gate's bias bg [n_heads] Shard(0) with their heads; the output bias bo [H]
     replicated, each rank adding bo / tp before the ranks' outputs are summed."""
 
     def _shard_dims(self, module):
         cfg = module.cfg
         if cfg.kv_rank is not None:
             dims = {"wq" if cfg.q_rank is None else "wq_b": 1, "wkv_b": 1, "wo": 0}
+        elif cfg.moa_experts is not None:  # a mixture of attention heads: each expert's query and output projections by their kv heads
+            dims = {"wq": 2, "wk": 1, "wv": 1, "wo": 1}
         else:
             dims = {"wq": 1, "wk": 1, "wo": 0, **({} if cfg.k_eq_v else {"wv": 1})}  # k_eq_v: no wv
             dims.update({n: 0 for n in ("bq", "bk", "bv") if getattr(module, n, None) is not None})

@@ -501,6 +501,10 @@ CASES = {
     # ...across a context-parallel split: each rank's queries from its own tokens' experts, its router's balance loss its
     # share over every rank's counts
     "cp2-jetmoe": (2, dict(cp=2), dict(moa_experts=3, moa_topk=2, moe_out_bias=True)),
+    # ...over tensor parallel: each expert's query and output projections split by their kv heads, the router whole on every
+    # rank (its gradient summed over tp, the balance loss attached 1/tp by each); with cp too, the counts summed over cp
+    "tp2-jetmoe": (2, dict(tp=2), dict(moa_experts=3, moa_topk=2, moe_out_bias=True, o_bias=True)),
+    "cp2xtp2-jetmoe": (4, dict(cp=2, tp=2), dict(moa_experts=3, moa_topk=2, moe_out_bias=True)),
     # Nemotron-H's (NEMOTRON_H): a block without an MLP beside the split heads and groups
     "tp2-nemotron_h": (2, dict(tp=2), NEMOTRON_H),
     # Nemotron-H-47B's MLP layer alone: block 2 without a mixer, the last block of the tp region
@@ -595,6 +599,9 @@ DECODE_CASES = {
     "tp2-jamba": (2, dict(tp=2), JAMBA, None, 1e-5),  # the rank's channels of Mamba-1's states
     # the new tokens' embeddings normed, RoPE reversed at their positions (block 1 a MoE: FSDP2 gathers its experts over tp x dp)
     "tp2-nanochat": (2, dict(tp=2), dict(NANOCHAT, n_dense=1), None, 1e-5),
+    # a mixture of attention heads: each new token's queries from its experts' columns of this rank's kv heads; hashed MoE routing
+    # of the new tokens' ids
+    "tp2-jetmoe-hash": (2, dict(tp=2), dict(moa_experts=3, moa_topk=2, moe_out_bias=True, hash_layers=1, score="sqrtsoftplus"), None, 1e-5),
 }
 
 
@@ -883,7 +890,7 @@ def _bad_tp(rank, world):
     messages = []
     for overrides, sizes in ((dict(n_heads=2, n_kv_heads=1), dict(tp=2)), (dict(n_experts=3), dict(ep=2)),
                              (dict(MLA, n_heads=3, n_kv_heads=3), dict(tp=2)), (dict(QWEN3_NEXT, linear_k_heads=1, linear_v_heads=2), dict(tp=2)),
-                             (dict(JAMBA, linear_v_heads=33), dict(tp=2)), (dict(moa_experts=3, moa_topk=2), dict(tp=2))):
+                             (dict(JAMBA, linear_v_heads=33), dict(tp=2)), (dict(moa_experts=3, moa_topk=2, n_kv_heads=1), dict(tp=2))):
         try:
             parallelize(Transformer(TransformerConfig(**{**TINY, **overrides})), build_meshes(**sizes))
         except ValueError as err:
@@ -905,7 +912,7 @@ def test_parallelize_refuses_what_does_not_split(results):
         assert "n_heads = 3 and n_kv_heads = 3 must both be divisible by tp = 2" in messages[2]  # multi-latent
         assert "LinearAttention's n_k_heads = 1 and n_v_heads = 2 must both be divisible by tp = 2" in messages[3]
         assert "tp: LinearAttention's n_v_heads = 33 must be divisible by tp = 2" in messages[4]  # Mamba-1's channels alone
-        assert messages[5].startswith("tp: a mixture of attention heads (moa_experts) is not built for tensor parallelism"), messages[5]
+        assert "Attention's n_heads = 2 and n_kv_heads = 1 must both be divisible by tp = 2" in messages[5]  # a mixture of attention heads
         assert "T = 25 tokens do not split evenly over tp = 2 ranks" in messages[6] and "tokens_per_micro_batch" in messages[6]
 
 
