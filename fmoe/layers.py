@@ -782,6 +782,12 @@ class AttentionConfig:
     the shares adding up to one process's loss); fmoe.model.Attention adds its gradient.
     Not with kv_rank, the indexers, fp8, qk_norm "proj" or "head_layer", query biases or the
     output gate.
+
+    Grouped output projection (DeepSeek-V4's) when o_groups g and o_rank r are set: the heads'
+    outputs [T, N Dv] split into g groups of N / g contiguous heads, each group projected to r
+    channels by its own wo_a[i] [N Dv / g, r], and the g r channels to H by wo [g r, H]
+    (params wo_a [g, N Dv / g, r] beside wo; out_shapes), in place of wo [N Dv, H]. Either
+    attention kind; not with a mixture of attention heads or fp8.
     """
 
     n_heads: int
@@ -855,11 +861,14 @@ class AttentionConfig:
     index_local_blocks: int = 1
     moa_experts: Optional[int] = None
     moa_topk: int = 1
+    o_groups: Optional[int] = None
+    o_rank: Optional[int] = None
 
     def __post_init__(self):
         check_fp8(self.fp8)
         self._check_index_knobs()
         self._check_moa_knobs()
+        self._check_out_groups()
         if not isinstance(self.zero_centered_norms, bool):
             raise ValueError(f"zero_centered_norms: expected a bool, got {self.zero_centered_norms!r}")
         if self.local_rope_base is not None:
@@ -1020,10 +1029,24 @@ class AttentionConfig:
                              f"(each chosen expert's query heads over the kv heads), got {self.n_heads}")
         taken = dict(kv_rank=self.kv_rank is not None, index_topk=self.index_topk is not None, index_topk_blocks=self.index_topk_blocks is not None,
                      fp8=bool(self.fp8), qk_norm=self.qk_norm in ("proj", "head_layer"))
-        refused = [name for name, on in taken.items() if on]
+        refused = [name for name, on in taken.items() if on] + (["o_groups"] if self.o_groups is not None else [])
         if refused:
             raise ValueError(f"{refused[0]}: not with a mixture of attention heads (moa_experts), whose query and output projections are "
                              "routed experts over grouped-query attention")
+
+    def _check_out_groups(self) -> None:
+        """The grouped output projection's knobs (class docstring): ValueError naming the field."""
+        if (self.o_groups is None) != (self.o_rank is None):
+            raise ValueError("o_groups and o_rank: the grouped output projection's groups and rank, give both or neither "
+                             f"(got o_groups={self.o_groups!r}, o_rank={self.o_rank!r})")
+        if self.o_groups is None:
+            return
+        check_positive_int("o_groups", self.o_groups)
+        check_positive_int("o_rank", self.o_rank)
+        if self.n_heads % self.o_groups:
+            raise ValueError(f"o_groups: groups of whole heads, expected a divisor of n_heads = {self.n_heads}, got {self.o_groups}")
+        if self.fp8:
+            raise ValueError("fp8: the grouped output projection (o_groups) runs its group products in the model's dtype, not fp8")
 
     def _check_block_knobs(self) -> None:
         """Block-sparse attention's knobs (index_topk_blocks; class docstring)."""
@@ -1555,10 +1578,29 @@ def prescaled_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return (y * torch.rsqrt(y.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
+def out_shapes(H: int, cfg: AttentionConfig) -> dict:
+    """The output projection's name -> shape: wo [N Dv, H], or with the grouped output
+    projection (cfg.o_groups g, cfg.o_rank r) wo_a [g, N Dv / g, r] and wo [g r, H]."""
+    o = cfg.n_heads * (cfg.v_dim or cfg.head_dim)
+    if cfg.o_groups is None:
+        return {"wo": (o, H)}
+    return {"wo_a": (cfg.o_groups, o // cfg.o_groups, cfg.o_rank), "wo": (cfg.o_groups * cfg.o_rank, H)}
+
+
+def out_projection(out_TQ: torch.Tensor, params, cfg: AttentionConfig) -> torch.Tensor:
+    """The heads' outputs [T, N Dv] -> [T, H] (out_shapes): x wo, or each group of heads
+    through its wo_a[i], then wo (the grouped output projection)."""
+    if cfg.o_groups is None:
+        return matmul(out_TQ, params["wo"], fp8=cfg.fp8, impl=cfg.impl)
+    T, g = out_TQ.shape[0], cfg.o_groups
+    low_TGR = torch.einsum("tgi,gir->tgr", out_TQ.reshape(T, g, -1), params["wo_a"])  # each group to its r channels
+    return matmul(low_TGR.reshape(T, g * cfg.o_rank), params["wo"], fp8=False, impl=cfg.impl)
+
+
 def mla_shapes(H: int, cfg: AttentionConfig) -> tuple[dict, dict]:
     """Multi-latent attention's (matrices, latent norms) name -> shape."""
     N, D, R = cfg.n_heads, cfg.head_dim, cfg.rot_dim
-    mats = {"wkv_a": (H, cfg.kv_rank + R), "wkv_b": (cfg.kv_rank, N * (D - R + cfg.v_dim)), "wo": (N * cfg.v_dim, H)}
+    mats = {"wkv_a": (H, cfg.kv_rank + R), "wkv_b": (cfg.kv_rank, N * (D - R + cfg.v_dim)), **out_shapes(H, cfg)}
     norms = {"kv_a_norm": (cfg.kv_rank,)}
     if cfg.q_rank is None:
         mats["wq"] = (H, N * D)
@@ -1599,7 +1641,7 @@ def _check_attention(x_TH, params, cfg, ctx) -> None:
         mats, norms = mla_shapes(H, cfg)
     else:
         Dv = cfg.v_dim or D
-        mats, norms = {"wq": (H, N * D), "wk": (H, G * D), "wv": (H, G * Dv), "wo": (N * Dv, H)}, {}
+        mats, norms = {"wq": (H, N * D), "wk": (H, G * D), "wv": (H, G * Dv), **out_shapes(H, cfg)}, {}
         if cfg.k_eq_v:  # the values are the keys' projection
             del mats["wv"]
         if cfg.moa_experts is not None:  # a mixture of attention heads: each expert's query and output projections, and the router
@@ -1673,7 +1715,7 @@ def _check_attention(x_TH, params, cfg, ctx) -> None:
                 raise ValueError(f"params['{name}']: not with a mixture of attention heads (cfg.moa_experts), whose queries are its experts'")
     unknown = set(params) - {*mats, *optional, *extras, *index, *router}
     if unknown:
-        raise ValueError(f"params: unknown attention parameters {sorted(unknown)} (wq, wk, wv, wo, optional bq, bk, bv, q_norm, k_norm, q_norm_bias, "
+        raise ValueError(f"params: unknown attention parameters {sorted(unknown)} (wq, wk, wv, wo (and wo_a with cfg.o_groups), optional bq, bk, bv, q_norm, k_norm, q_norm_bias, "
                          "k_norm_bias, bo, sinks, wg, bg, alibi; index_wq, index_wk, index_q_norm, index_k_norm with cfg.index_topk_blocks)")
     if index and (params.get("sinks") is not None or params.get("alibi") is not None):
         raise ValueError(f"params['{'sinks' if params.get('sinks') is not None else 'alibi'}']: not with block-sparse attention (cfg.index_topk_blocks)")
@@ -1908,7 +1950,7 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
     if cfg.moa_experts is not None:  # each slot's heads through its expert's output projection, weighted and summed
         y_TH = _moa_out(out_TQ, params, cfg, moa)
     else:
-        y_TH = matmul(out_TQ, params["wo"], fp8=cfg.fp8, impl=cfg.impl)
+        y_TH = out_projection(out_TQ, params, cfg)
     if params.get("bo") is not None:
         y_TH = y_TH + params["bo"]
     stats = {"index_choice": slots_TJ} if sparse and not shared else {}

@@ -47,7 +47,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fmoe.layers import (EXPERT_BIASES, GATE_NORMS, AttentionConfig, AttentionContext, LinearAttentionConfig, LinearStates, MoEConfig, alibi_slopes, attach_loss, attention,
-                         PLAIN_ACTS, XIELU, attention_context, check_clip_qkv, check_sparsemixer_knobs, check_window, dense_mlp, index_shapes, lightning_decay, linear_attention, linear_attention_shapes, local_experts, mla_shapes,
+                         PLAIN_ACTS, XIELU, attention_context, check_clip_qkv, check_sparsemixer_knobs, check_window, dense_mlp, index_shapes, lightning_decay, linear_attention, linear_attention_shapes, local_experts, mla_shapes, out_shapes,
                          moe, prescaled_rms_norm, q_in, softmax_scale)
 from fmoe.ops import linear_cross_entropy, route
 from fmoe.ops.checks import check_positive_int
@@ -553,7 +553,11 @@ class TransformerConfig:
     moa_aux_loss; under context parallel each rank's share, over every rank's counts; under
     tensor parallelism each expert's projections split by their kv heads); not with
     multi-latent attention, the
-    indexers, qkv_bias, attn_gate or per-block head counts. moe_out_bias: a bias [H] added to
+    indexers, qkv_bias, attn_gate or per-block head counts. o_groups g, o_rank r: every attention
+    block's grouped output projection (DeepSeek-V4's o_groups, o_lora_rank; fmoe.layers.
+    AttentionConfig): the heads' outputs in g groups of contiguous heads, each projected to r
+    channels by its wo_a[i], then the g r channels to H by wo [g r, H]; either attention kind,
+    not with moa_experts or fp8. moe_out_bias: a bias [H] added to
     each MoE block's output (JetMoE's MoE bias; MoE.out_bias). tie_embeddings: the
     output head is the embedding; out_vocab V' (None: vocab_size): the output head has V' <=
     vocab_size rows, the logits are those of token ids 0 .. V' - 1 while the embedding keeps
@@ -778,6 +782,8 @@ class TransformerConfig:
     moa_experts: Optional[int] = None
     moa_topk: int = 1
     moa_aux_coeff: float = 0.01
+    o_groups: Optional[int] = None
+    o_rank: Optional[int] = None
     moe_out_bias: bool = False
     o_bias: bool = False
     attn_sinks: bool = False
@@ -1548,7 +1554,7 @@ class TransformerConfig:
             index_interleaved=self.index_rope_interleaved, index_rope_last=self.index_rope_last,
             index_norm_eps=self.index_norm_eps, index_shared=index_shared,
             index_loss=(self.index_topk is not None or bool(blocks)) and self.index_loss_coeff > 0 and not index_shared,
-            **blocks, moa_experts=self.moa_experts, moa_topk=self.moa_topk,
+            **blocks, moa_experts=self.moa_experts, moa_topk=self.moa_topk, o_groups=self.o_groups, o_rank=self.o_rank,
         )
 
     def _temperature(self, rope: bool) -> dict:
@@ -1797,14 +1803,19 @@ class Attention(KeepsFloat32):
         D = self.cfg.head_dim  # this block's head dim (TransformerConfig.layer_head_dim)
         G, Dv = self.cfg.n_kv_heads, cfg.v_head_dim or D  # this block's kv heads; the value head dim
         N = self.cfg.n_heads  # this block's query heads (TransformerConfig.heads)
-        H, q, kv, o = cfg.hidden, N * D, G * D, N * Dv
+        H, q, kv = cfg.hidden, N * D, G * D
         E = self.cfg.moa_experts  # a mixture of attention heads: each expert's query and output projections
         self.wq = nn.Parameter(torch.empty(H, q) if E is None else torch.empty(E, H, G * D))
         self.wk = nn.Parameter(torch.empty(H, kv))
         if not self.cfg.k_eq_v:  # else the values are the keys' projection
             self.wv = nn.Parameter(torch.empty(H, G * Dv))
-        self.wo = nn.Parameter(torch.empty(o, H) if E is None else torch.empty(E, G * Dv, H))
         self.names = ["wq", "wk", "wo"] if self.cfg.k_eq_v else ["wq", "wk", "wv", "wo"]
+        if E is None:  # wo [N Dv, H], or the grouped output projection's wo_a and wo (fmoe.layers.out_shapes)
+            for name, shape in out_shapes(H, self.cfg).items():
+                setattr(self, name, nn.Parameter(torch.empty(shape)))
+            self.names += ["wo_a"] if self.cfg.o_groups is not None else []
+        else:
+            self.wo = nn.Parameter(torch.empty(E, G * Dv, H))
         if E is not None:
             self.moa_router = nn.Parameter(torch.empty(H, E, dtype=torch.float32))
             self.names.append("moa_router")

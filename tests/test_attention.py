@@ -1975,3 +1975,75 @@ def test_gpu_mixture_of_attention_heads_matches_the_cpu_layer():
     for cuda in outs[1:]:
         for a, b in zip(outs[0], cuda):
             assert _rel(b, a) < 1e-4
+
+
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+def test_grouped_output_projection_is_a_block_diagonal_then_dense_projection(kind):
+    """o_groups g, o_rank r (DeepSeek-V4's grouped output projection): the heads' outputs in g groups of contiguous
+    heads, each through its wo_a[i], then wo, equal the plain projection by wo' = blockdiag(wo_a) wo (the same linear
+    map): the output and the q/k/v weights' gradients, for grouped-query and multi-latent attention."""
+    from fmoe.layers import mla_shapes
+
+    torch.manual_seed(0)
+    if kind == "gqa":
+        plain = dataclasses.replace(CFG, v_dim=8)
+        p = _params(plain)
+    else:
+        plain = AttentionConfig(n_heads=4, n_kv_heads=4, head_dim=12, rot_dim=4, q_rank=10, kv_rank=6, v_dim=5)
+        mats, norms = mla_shapes(H, plain)
+        p = {n: (torch.randn(*s) * s[0] ** -0.5).requires_grad_() for n, s in mats.items()}
+        p.update({n: torch.ones(s, requires_grad=True) for n, s in norms.items()})
+    grouped = dataclasses.replace(plain, o_groups=2, o_rank=3)
+    N, Dv = plain.n_heads, plain.v_dim
+    wo_a = torch.randn(2, N * Dv // 2, 3, requires_grad=True)
+    wo = torch.randn(6, H, requires_grad=True)
+    pg = {**{n: t.detach().clone().requires_grad_() for n, t in p.items() if n != "wo"}, "wo_a": wo_a, "wo": wo}
+    pp = {**{n: t.detach().clone().requires_grad_() for n, t in p.items() if n != "wo"}, "wo": torch.block_diag(*wo_a) @ wo}
+    x, cu = torch.randn(13, H), torch.tensor([0, 6, 13])
+    y_g, _ = attention(x, pg, grouped, _ctx(cu, grouped))
+    y_p, _ = attention(x, pp, plain, _ctx(cu, plain))
+    torch.testing.assert_close(y_g, y_p, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(y_g)
+    (y_g * g).sum().backward()
+    (y_p * g).sum().backward()
+    for name in pg:
+        if name not in ("wo", "wo_a"):
+            torch.testing.assert_close(pg[name].grad, pp[name].grad, rtol=1e-4, atol=1e-5, msg=name)
+    assert wo_a.grad is not None and float(wo_a.grad.abs().max()) > 0
+    # the plain projection's shapes are refused beside the grouped config, and the other way round
+    with pytest.raises(ValueError, match=re.escape(f"params['wo_a']: expected torch.float32 [2, {N * Dv // 2}, 3], got nothing")):
+        attention(x, pp, grouped, _ctx(cu, grouped))
+    with pytest.raises(ValueError, match=re.escape(f"params['wo']: expected torch.float32 [6, 32], got torch.float32 [{N * Dv}, 32]")):
+        attention(x, {**pp, "wo_a": wo_a}, grouped, _ctx(cu, grouped))
+    with pytest.raises(ValueError, match="params: unknown .*wo_a"):
+        attention(x, {**pp, "wo_a": wo_a}, plain, _ctx(cu, plain))
+
+
+def test_grouped_output_projection_matches_transformers_deepseek_v4():
+    """fmoe.layers.out_projection against DeepSeek-V4's o_a_proj (DeepseekV4GroupedLinear) and o_b_proj of the same
+    weights: o_a_proj's [g r, N D / g] rows are group i's wo_a[i] transposed, o_b_proj's weight wo's."""
+    v4 = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4", reason="transformers (the test extra) not installed")
+    from fmoe.layers import out_projection
+
+    g, r, N, D = 4, 5, 8, 6
+    torch.manual_seed(0)
+    o_a, o_b = v4.DeepseekV4GroupedLinear(N * D // g, g * r, g), torch.nn.Linear(g * r, H, bias=False)
+    out = torch.randn(11, N * D)
+    want = o_b(o_a(out.reshape(11, g, -1)).flatten(1))
+    cfg = AttentionConfig(n_heads=N, n_kv_heads=1, head_dim=D, o_groups=g, o_rank=r)
+    params = {"wo_a": o_a.weight.detach().view(g, r, -1).transpose(1, 2), "wo": o_b.weight.detach().T}
+    torch.testing.assert_close(out_projection(out, params, cfg), want.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("knobs, message", [
+    (dict(o_groups=2), r"o_groups and o_rank: the grouped output projection's groups and rank, give both or neither \(got o_groups=2, o_rank=None\)"),
+    (dict(o_rank=4), r"o_groups and o_rank: .*\(got o_groups=None, o_rank=4\)"),
+    (dict(o_groups=3, o_rank=4), r"o_groups: groups of whole heads, expected a divisor of n_heads = 4, got 3"),
+    (dict(o_groups=0, o_rank=4), r"o_groups: expected"),
+    (dict(o_groups=2, o_rank=0), r"o_rank: expected"),
+    (dict(o_groups=2, o_rank=4, fp8=True), r"fp8: the grouped output projection \(o_groups\) runs its group products in the model's dtype"),
+    (dict(o_groups=2, o_rank=4, moa_experts=3, moa_topk=2), r"o_groups: not with a mixture of attention heads"),
+])
+def test_grouped_output_projection_knobs_are_checked(knobs, message):
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(CFG, **knobs)

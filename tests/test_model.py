@@ -228,10 +228,11 @@ VARIANTS = {
     # heads) in every block and the MTP's, its routers balanced by their loss; a bias on the MoE blocks' output
     "jetmoe": dataclasses.replace(TINY, moa_experts=3, moa_topk=2, moe_out_bias=True, score="softmax", expert_bias=False, n_shared=0,
                                   mtp_depth=1),
-    # DeepSeek-V4's MoE: sqrt(softplus) scores, block 1 routing by a table of token ids (hash_moe), block 2 and the MTP's by the
-    # router plus the expert bias, the chosen renormalised and scaled, the SwiGLUs clamped
-    "dsv4 moe": dataclasses.replace(TINY, score="sqrtsoftplus", hash_layers=1, route_scale=1.5, swiglu_limit=0.5, shared_swiglu_limit=0.5,
-                                    mtp_depth=1),
+    # DeepSeek-V4's pieces: sqrt(softplus) scores, block 1 routing by a table of token ids (hash_moe), block 2 and the MTP's by
+    # the router plus the expert bias, the chosen renormalised and scaled, the SwiGLUs clamped; the grouped output projection
+    # (2 groups of 2 heads, each to 6 channels) in every attention block
+    "dsv4": dataclasses.replace(TINY, score="sqrtsoftplus", hash_layers=1, route_scale=1.5, swiglu_limit=0.5, shared_swiglu_limit=0.5,
+                                mtp_depth=1, o_groups=2, o_rank=6),
 }
 
 
@@ -1215,9 +1216,9 @@ FULL = dataclasses.replace(TINY, mtp_depth=2, impl="auto", capacity_factor=1.25,
 @pytest.mark.parametrize("cfg", [dataclasses.replace(TINY, mtp_depth=1, impl="auto"), FULL, dataclasses.replace(VARIANTS["gated deltanet"], impl="auto"),
                                  dataclasses.replace(VARIANTS["falcon_h1"], impl="auto"), dataclasses.replace(VARIANTS["jamba"], impl="auto"),
                                  dataclasses.replace(MINIMAX_M3, impl="triton"), dataclasses.replace(VARIANTS["jetmoe"], impl="auto"),
-                                 dataclasses.replace(VARIANTS["dsv4 moe"], impl="auto")],
+                                 dataclasses.replace(VARIANTS["dsv4"], impl="auto")],
                          ids=["default", "capacity-groups-yarn-mtp2-granite", "gated deltanet", "falcon_h1", "jamba", "minimax-m3-kernel", "jetmoe",
-                              "dsv4-moe"])
+                              "dsv4"])
 def test_forward_and_backward_read_nothing_on_the_host(cfg):
     """No device->host sync in the model's forward and backward (MoE layers, MTP, losses):
     on a GPU each read is a stall. Counted here as host reads of tensor values on CPU."""
@@ -1248,7 +1249,7 @@ def _compiled_like_eager(cfg):
     return model, grads
 
 
-@pytest.mark.parametrize("name", ["full", "dsa", "mhc", "falcon_h1", "jamba", "minimax-m3", "jetmoe", "dsv4 moe"])
+@pytest.mark.parametrize("name", ["full", "dsa", "mhc", "falcon_h1", "jamba", "minimax-m3", "jetmoe", "dsv4"])
 def test_the_whole_model_compiles_without_a_graph_break(name):
     """torch.compile(fullgraph=True) of forward + losses (a host sync would be a graph break),
     then the backward; same values and gradients as eager. The batch ends in padding (its
@@ -1258,7 +1259,7 @@ def test_the_whole_model_compiles_without_a_graph_break(name):
     Jamba's: Mamba-1 mixers (a decay per channel and state channel) beside NoPE attention.
     MiniMax-M3's: block-sparse attention's choice (a scatter of block maxima, a stable sort)
     and its indexer's loss. JetMoE's: the attention experts' routed projections and their
-    routers' balance loss. DeepSeek-V4's MoE: the hashed block's table lookup by token id."""
+    routers' balance loss. DeepSeek-V4's: the hashed block's table lookup by token id, the grouped output projection."""
     cfg = FULL if name == "full" else dataclasses.replace(MINIMAX_M3 if name == "minimax-m3" else VARIANTS[name], impl="auto")
     model, grads = _compiled_like_eager(cfg)
     if name in ("dsa", "minimax-m3"):
@@ -1560,6 +1561,8 @@ _SMALL = dict(vocab_size=40, hidden=32, n_layers=4, n_dense=1, ffn_dense=48, n_e
     (dict(norm_weights=False, norm_gate_rank=2), r"norm_weights: False leaves the norms without weights, not with norm_gate_rank"),
     (dict(norm_weights=0), r"norm_weights: expected a bool, got 0"),
     (dict(embed_norm=1), r"embed_norm: expected a bool, got 1"),
+    (dict(o_groups=3, o_rank=4), r"o_groups: groups of whole heads, expected a divisor of n_heads = 4, got 3"),
+    (dict(o_rank=4), r"o_groups and o_rank: the grouped output projection's groups and rank, give both or neither"),
     (dict(rope_reversed="yes"), r"rope_reversed: expected a bool, got 'yes'"),
 ])
 def test_released_model_knobs_are_checked(overrides, message):
@@ -2204,8 +2207,8 @@ DECODED = {
                                     longrope_original_max_positions=1, longrope_short_scale=1.1, longrope_long_scale=1.3),
     # a mixture of attention heads: each new token's queries from its own experts, over the cache's shared kv heads
     "jetmoe": dataclasses.replace(VARIANTS["jetmoe"], mtp_depth=0),
-    # a hashed MoE block: each new token routed by its own id
-    "dsv4 moe": dataclasses.replace(VARIANTS["dsv4 moe"], mtp_depth=0),
+    # a hashed MoE block: each new token routed by its own id; the grouped output projection
+    "dsv4": dataclasses.replace(VARIANTS["dsv4"], mtp_depth=0),
 }
 
 
@@ -2758,7 +2761,7 @@ def test_hash_layers_route_each_token_by_its_id(tmp_path):
     """The first hash_layers MoE blocks route by their table (DeepSeek-V4's hash_moe): the counts are the
     table's rows at the batch's ids whatever the weights, the router trained through the weights alone;
     the other MoE blocks (and the MTP's) route by their router and expert bias as before."""
-    cfg = VARIANTS["dsv4 moe"]
+    cfg = VARIANTS["dsv4"]
     model = Transformer(cfg)
     hashed, routed = model.blocks[1].mlp, model.blocks[2].mlp
     assert "expert_bias" not in hashed._buffers and "hash_table" not in routed._buffers and "hash_table" not in model.mtp[0].block.mlp._buffers

@@ -11,6 +11,8 @@ heads (attention) or of the FFN columns (SwiGLU) and the output is a sum over ra
                 bq, bk, bv [heads*D]     Shard(0)
                 sinks [heads]            Shard(0); bo [H] replicated (bo / tp per rank)
                 wg [H, heads*Dv]         Shard(1)  (the output gate, with its heads; either kind)
+                wo_a [g, N*Dv/g, r]      Shard(0)  (the grouped output projection: whole groups of a rank's
+                                         heads, o_groups % tp == 0; wo [g*r, H] Shard(0) by its groups' rows)
                 moa: wq [E, H, G*D]      Shard(2), wo [E, G*D, H] Shard(1) (a mixture of attention
                                          heads: each expert's by its kv heads); moa_router replicated
                 q_norm, k_norm           [D] replicated (qk_norm="head"); [heads*D] Shard(0)
@@ -365,13 +367,16 @@ class AttentionParallel(_HeadsRegion):
             dims.update(q_norm=0, k_norm=0, **(dict(q_norm_bias=0, k_norm_bias=0) if cfg.qk_norm_bias else {}))  # Chameleon's biases too
         if cfg.index_topk_blocks is not None:  # block-sparse attention: the indexer's query heads with their kv heads
             dims["index_wq"] = 1
+        if cfg.o_groups is not None:  # the grouped output projection: a rank's groups of its heads, and their rows of wo
+            dims["wo_a"] = 0
         return dims
 
     head_counts = ("n_heads", "n_kv_heads")
 
     def _head_counts(self, module) -> tuple[str, ...]:
-        # block-sparse attention's indexer has a head per kv head: split with them
-        return self.head_counts + (("index_heads",) if module.cfg.index_topk_blocks is not None else ())
+        # block-sparse attention's indexer has a head per kv head: split with them; the output projection's groups with their heads
+        return (self.head_counts + (("index_heads",) if module.cfg.index_topk_blocks is not None else ())
+                + (("o_groups",) if module.cfg.o_groups is not None else ()))
 
 
 class LinearAttentionParallel(_HeadsRegion):

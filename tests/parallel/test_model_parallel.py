@@ -504,6 +504,10 @@ CASES = {
     # ...over tensor parallel: each expert's query and output projections split by their kv heads, the router whole on every
     # rank (its gradient summed over tp, the balance loss attached 1/tp by each); with cp too, the counts summed over cp
     "tp2-jetmoe": (2, dict(tp=2), dict(moa_experts=3, moa_topk=2, moe_out_bias=True, o_bias=True)),
+    # DeepSeek-V4's grouped output projection: a rank's groups of its heads (wo_a by its groups, wo by their rows), over
+    # grouped-query attention and over multi-latent attention
+    "tp2-o-groups": (2, dict(tp=2), dict(o_groups=2, o_rank=6, o_bias=True)),
+    "tp2-mla-o-groups": (2, dict(tp=2), dict(MLA, o_groups=2, o_rank=3)),
     "cp2xtp2-jetmoe": (4, dict(cp=2, tp=2), dict(moa_experts=3, moa_topk=2, moe_out_bias=True)),
     # Nemotron-H's (NEMOTRON_H): a block without an MLP beside the split heads and groups
     "tp2-nemotron_h": (2, dict(tp=2), NEMOTRON_H),
@@ -602,6 +606,7 @@ DECODE_CASES = {
     # a mixture of attention heads: each new token's queries from its experts' columns of this rank's kv heads; hashed MoE routing
     # of the new tokens' ids
     "tp2-jetmoe-hash": (2, dict(tp=2), dict(moa_experts=3, moa_topk=2, moe_out_bias=True, hash_layers=1, score="sqrtsoftplus"), None, 1e-5),
+    "tp2-mla-o-groups": (2, dict(tp=2), dict(MLA, q_rank=10, o_groups=2, o_rank=3), None, 1e-5),  # the absorbed form's heads, then the groups
 }
 
 

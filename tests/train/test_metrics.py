@@ -413,6 +413,10 @@ COUNTED = {
     # Nemotron-H-47B's: block 0 its MLP alone (no attention), then an MoE block, a sliding window where there is attention
     "mixer-free block, window": dict(mixer_free_layers=(0,), window=4, mlp_act="relu2"),
     "mixer-free block, mhc": dict(hyper_connections=3, mtp_depth=0, mixer_free_layers=(1,)),
+    # DeepSeek-V4's grouped output projection: 2 groups of 2 heads, each to 6 channels, then 12 -> H (batched products:
+    # aten.bmm); over grouped-query attention, and over multi-latent attention with a v_head_dim of its own
+    "o_groups": dict(o_groups=2, o_rank=6),
+    "o_groups, mla": dict(n_kv_heads=4, head_dim=12, rope_dim=4, q_rank=10, kv_rank=6, v_head_dim=5, o_groups=2, o_rank=3),
     "gemma4": dict(qk_norm="head", post_norms=True, v_norm=True, global_k_eq_v=True, window=4, window_layers=(0,), local_head_dim=6,
                    local_kv_heads=4, local_rope_base=100.0, rope_proportion=0.5, n_dense=0, dense_beside_moe=True, router_norm=True,
                    router_expert_scale=True, layer_scalars=True, attn_gate=True),
@@ -430,7 +434,7 @@ def test_flops_per_token_matches_counted_matmuls(name):
     exactly, and the mm part alone equals the formula without its score term. Every token
     has all k routes (no capacity), so the experts see T k rows. Hyper-connections' weighted
     sums of the streams (and mixing) are batched products too (aten.bmm), their weights'
-    projections aten.mm."""
+    projections aten.mm; so are the grouped output projection's group products (wo_a)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from fmoe.model import Transformer, TransformerConfig
@@ -452,6 +456,9 @@ def test_flops_per_token_matches_counted_matmuls(name):
     no_scores = M.model_flops_per_token(cfg, n_avg_keys=0, **{k: 0 for k in local})  # the score / value term is linear in n_avg_keys
     n, H = cfg.hyper_connections, cfg.hidden  # the streams' sums (and mixing) in each block's two, and the head's
     sums = 6 * ((2 * cfg.n_layers - len(cfg.mlp_free_layers or ()) - len(cfg.mixer_free_layers or ())) * (n * H + (n * n * H if cfg.hc_kind == "manifold" else 0)) + n * H) if n else 0
+    # the grouped output projection's group products (wo_a), batched too: N Dv r per attention block (trunk and MTP)
+    blocks = cfg.n_layers - len(cfg.mixer_free_layers or ()) + cfg.mtp_depth
+    sums += 6 * blocks * cfg.n_heads * (cfg.v_head_dim or cfg.head_dim) * cfg.o_rank if cfg.o_groups else 0
     assert by_op["aten.mm"] == T * (no_scores - sums)
     assert by_op["aten.bmm"] == T * (M.model_flops_per_token(cfg, n_avg_keys=T, **local) - no_scores + sums)
 
