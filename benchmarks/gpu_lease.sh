@@ -21,6 +21,7 @@
 #                                       # (part h's gpu tests include GeGLU's kernels at a real shape; bench_moe_layer, parts a, c, f, its GeGLU rows)
 #     bash benchmarks/gpu_lease.sh o    # MiniMax-M3's block-sparse attention: its gpu test, bench_block_sparse (not yet run)
 #     bash benchmarks/gpu_lease.sh p    # JetMoE's mixture of attention heads and grouped_matmul: their gpu tests, bench_moa (not yet run)
+#     bash benchmarks/gpu_lease.sh q    # DeepSeek-V4's routing: the sqrt(softplus) kernels' tests on CUDA, bench_routing's dsv4 cases (not yet run)
 #
 # What comes back is written to $OUT (the device tool's folder; gpu_out/ elsewhere), at most
 # 8 files: RESULTS.md (run_all.py's sections, to append to benchmarks/RESULTS.md), log.txt,
@@ -192,8 +193,18 @@ p)
     grep -E "passed|failed|^FAILED|^ERROR|^E  " "$OUT/gpu_tests.log" | tail -20
     bench --only bench_moa --timeout 240
     ;;
+q)
+    # DeepSeek-V4's router: the fused kernels' sqrt(softplus) scores (with the correction bias, renormalised, scaled) and
+    # their aux scores against the reference on CUDA tensors (the device fixture), the real-shape gpu case (T = 16384,
+    # E = 256, k = 6); then bench_routing's dsv4 cases, T = 16384 and 65536 (each compiles its reference: ~60 s a case)
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -o addopts="-ra --durations=5" tests/ops/test_routing.py tests/ops/test_balance.py \
+        -k "sqrtsoftplus or gpu_real_shapes or aux_scores_triton" > "$OUT/gpu_tests.log" 2>&1
+    echo "gpu tests (sqrt(softplus) routing): exit $?"
+    grep -E "passed|failed|^FAILED|^ERROR|^E  " "$OUT/gpu_tests.log" | tail -20
+    bench --only bench_routing --timeout 200 --extra="--cases dsv4"
+    ;;
 *)
-    echo "usage: bash benchmarks/gpu_lease.sh a|b|c|e|f|g|h|i|j|k|l|m|n|o|p" >&2
+    echo "usage: bash benchmarks/gpu_lease.sh a|b|c|e|f|g|h|i|j|k|l|m|n|o|p|q" >&2
     exit 2
     ;;
 esac
