@@ -171,7 +171,6 @@ def sqrt_softplus_tl(x):
     return s, tl.where(sp >= 1.1754943508222875e-38, sig / (2.0 * s), 0.0)
 
 
-
 @triton.jit
 def _route_fwd_kernel(
     logits_ptr, bias_ptr, weights_ptr, experts_ptr, T, scale,

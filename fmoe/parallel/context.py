@@ -477,7 +477,7 @@ class ContextParallel:
 
     def sum_counts(self, counts: torch.Tensor) -> torch.Tensor:
         """counts (any shape, int or float) summed over the cp ranks (an all-reduce over this
-        object's mesh; no autograd): every rank's tokens' counts."""
+        object's mesh): every rank's tokens' counts. Counts carry no gradient."""
         return DTensor.from_local(counts, self.mesh, [Partial()], run_check=False).full_tensor()
 
     def conv_halo(self, x: torch.Tensor, n: int) -> torch.Tensor:

@@ -416,6 +416,9 @@ COUNTED = {
     # DeepSeek-V4's grouped output projection: 2 groups of 2 heads, each to 6 channels, then 12 -> H (batched products:
     # aten.bmm); over grouped-query attention, and over multi-latent attention with a v_head_dim of its own
     "o_groups": dict(o_groups=2, o_rank=6),
+    # JetMoE's mixture of attention heads: each token's 2 of 3 experts' query and output projections (the per-expert loop
+    # of impl "torch": aten.mm), its router [H, 3], in every attention block and the MTP's
+    "jetmoe": dict(moa_experts=3, moa_topk=2, moe_out_bias=True),
     "o_groups, mla": dict(n_kv_heads=4, head_dim=12, rope_dim=4, q_rank=10, kv_rank=6, v_head_dim=5, o_groups=2, o_rank=3),
     "gemma4": dict(qk_norm="head", post_norms=True, v_norm=True, global_k_eq_v=True, window=4, window_layers=(0,), local_head_dim=6,
                    local_kv_heads=4, local_rope_base=100.0, rope_proportion=0.5, n_dense=0, dense_beside_moe=True, router_norm=True,
