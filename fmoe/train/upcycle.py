@@ -26,6 +26,9 @@ shape otherwise (same hidden size, attention, vocabulary, layer count, MTP depth
   (Megatron Core multiplies each of the three matrices by the cube root of the factor
   instead: their sizes stay alike, but the result is exact only for an activation that
   scales linearly, which silu does not.)
+- A hashed block's table (hash_layers: its experts fixed per token id) is redrawn so that
+  each token id's k experts are k / g whole virtual groups (drawn as random_hash_table of the
+  groups, from (seed, its name)); with g = 1 that is the table the model was initialised with.
 - Shared experts start with w_down = 0 (no output until trained; their other weights, a
   shared gate and the expert biases keep their initial values).
 - MTP modules the dense model lacks (a Hugging Face model has none) keep their initial
@@ -45,7 +48,7 @@ from typing import Mapping, Sequence, Union
 
 import torch
 
-from fmoe.model import Transformer, TransformerConfig, copy_full_value, init_value
+from fmoe.model import Transformer, TransformerConfig, copy_full_value, init_value, name_generator, random_hash_table
 
 
 def _moe_blocks(cfg: TransformerConfig) -> list[str]:
@@ -181,3 +184,8 @@ def upcycle_(model: Union[Transformer, Sequence[Transformer]], dense_state: Mapp
                 if tuple(value.shape) != tuple(p.shape):
                     raise ValueError(f"dense_state: {name!r} has shape {tuple(value.shape)}, the MoE model's is {tuple(p.shape)}")
                 copy_full_value(p, value)
+        for name, table in part.named_buffers():
+            if name.endswith("hash_table"):  # hashed blocks: each token id's k experts as k / g whole virtual groups
+                V, k = table.shape
+                groups = random_hash_table(V, k // g, E // g, name_generator(seed, name))  # g = 1: the table reset_parameters drew
+                table.copy_((groups[:, :, None] * g + torch.arange(g)).reshape(V, k))

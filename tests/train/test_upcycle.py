@@ -40,6 +40,8 @@ CASES = {
     "g4-sigmoid-groups-scale": _moe(ffn_expert=16, n_experts=16, k=8, score="sigmoid", n_groups=2, topk_groups=1, route_scale=2.5),
     # DeepSeek-V4's router: sqrt(softplus) scores plus the expert bias choose, the chosen renormalised and scaled
     "g2-sqrtsoftplus-scale": _moe(ffn_expert=32, k=4, score="sqrtsoftplus", route_scale=1.5),
+    # ...its hashed first MoE block: each token id's experts redrawn as whole virtual groups
+    "g2-hash-layer": _moe(ffn_expert=32, k=4, score="sqrtsoftplus", route_scale=1.5, hash_layers=1),
     "g2-shared-expert": _moe(ffn_expert=32, k=2, n_shared=1, shared_gate=True),
     # a GeGLU dense model (Gemma's MLP) into GeGLU experts
     "g2-geglu-shared-expert": _moe(ffn_expert=32, k=2, n_shared=1, mlp_act="gelu_tanh"),
