@@ -895,7 +895,7 @@ def _bad_tp(rank, world):
     messages = []
     for overrides, sizes in ((dict(n_heads=2, n_kv_heads=1), dict(tp=2)), (dict(n_experts=3), dict(ep=2)),
                              (dict(MLA, n_heads=3, n_kv_heads=3), dict(tp=2)), (dict(QWEN3_NEXT, linear_k_heads=1, linear_v_heads=2), dict(tp=2)),
-                             (dict(JAMBA, linear_v_heads=33), dict(tp=2)), (dict(moa_experts=3, moa_topk=2, n_kv_heads=1), dict(tp=2))):
+                             (dict(JAMBA, linear_v_heads=33), dict(tp=2)), (dict(moa_experts=3, moa_topk=2, n_heads=2, n_kv_heads=1), dict(tp=2))):
         try:
             parallelize(Transformer(TransformerConfig(**{**TINY, **overrides})), build_meshes(**sizes))
         except ValueError as err:
