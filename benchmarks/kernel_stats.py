@@ -86,14 +86,22 @@ def cases():
     ernie = dict(E=64, K=6, G=1, GS=64, TOPK_GROUPS=1, PER_GROUP=6, SCORE=routing.SOFTMAX_POST, HAS_BIAS=True)  # probabilities + bias
     # logits + bias choose, raw sigmoids
     kolibri = dict(E=384, K=6, G=1, GS=384, TOPK_GROUPS=1, PER_GROUP=6, SCORE=routing.SIGMOID_RAW, HAS_BIAS=True, BIAS_ON_LOGITS=True)
-    for name, meta in (("route_fwd deepseek", ds), ("route_fwd qwen", qw), ("route_fwd ernie", ernie), ("route_fwd kolibri", kolibri)):
+    # sqrt(softplus) + bias choose, renormalised (DeepSeek-V4)
+    dsv4 = dict(E=256, K=6, G=1, GS=256, TOPK_GROUPS=1, PER_GROUP=6, SCORE=routing.SQRT_SOFTPLUS, HAS_BIAS=True)
+    for name, meta in (("route_fwd deepseek", ds), ("route_fwd qwen", qw), ("route_fwd ernie", ernie), ("route_fwd kolibri", kolibri),
+                       ("route_fwd deepseek-v4", dsv4)):
         yield name, routing._route_fwd_kernel, fwd_ptrs, fwd_scalars, {"BIAS_ON_LOGITS": False, **meta, **routing._fwd_blocks(meta["E"], meta["G"], meta["K"])}
     bwd_ptrs = dict(logits_ptr="*bf16", experts_ptr="*i64", grad_w_ptr="*fp32", grad_logits_ptr="*bf16")
-    for name, E, score in (("route_bwd deepseek", 256, routing.SIGMOID), ("route_bwd qwen", 128, routing.SOFTMAX_POST)):
-        yield name, routing._route_bwd_kernel, bwd_ptrs, fwd_scalars, dict(E=E, K=8, SCORE=score, **routing._bwd_blocks(E, 8))
+    for name, E, K, score in (("route_bwd deepseek", 256, 8, routing.SIGMOID), ("route_bwd qwen", 128, 8, routing.SOFTMAX_POST),
+                              ("route_bwd deepseek-v4", 256, 6, routing.SQRT_SOFTPLUS)):
+        yield name, routing._route_bwd_kernel, bwd_ptrs, fwd_scalars, dict(E=E, K=K, SCORE=score, **routing._bwd_blocks(E, K))
     rows = dict(E=256, **balance._row_blocks(256))
-    yield "aux_fwd", balance._aux_fwd_kernel, dict(logits_ptr="*bf16", scores_ptr="*fp32", experts_ptr="*i64", counts_ptr="*i32"), dict(T="i32"), dict(K=8, SIGMOID=True, **rows)
-    yield "aux_bwd", balance._aux_bwd_kernel, dict(logits_ptr="*bf16", grad_scores_ptr="*fp32", grad_logits_ptr="*bf16"), dict(T="i32"), dict(SIGMOID=True, **rows)
+    for score in ("sigmoid", "sqrtsoftplus"):  # the aux scores' kernels: DeepSeek-V3's and DeepSeek-V4's
+        code = balance.AUX_SCORES.index(score)
+        yield f"aux_fwd {score}", balance._aux_fwd_kernel, dict(logits_ptr="*bf16", scores_ptr="*fp32", experts_ptr="*i64", counts_ptr="*i32"), \
+            dict(T="i32"), dict(K=8, SCORE=code, **rows)
+        yield f"aux_bwd {score}", balance._aux_bwd_kernel, dict(logits_ptr="*bf16", grad_scores_ptr="*fp32", grad_logits_ptr="*bf16"), \
+            dict(T="i32"), dict(SCORE=code, **rows)
     yield "lse_fwd", balance._lse_fwd_kernel, dict(logits_ptr="*bf16", lse_ptr="*fp32"), dict(T="i32"), rows
     yield "lse_bwd", balance._lse_bwd_kernel, dict(logits_ptr="*bf16", lse_ptr="*fp32", grad_lse_ptr="*fp32", grad_logits_ptr="*bf16"), dict(T="i32"), rows
     # dispatch at T=16384, k=8, E=128, H=2048, bf16

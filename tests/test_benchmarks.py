@@ -142,7 +142,9 @@ def test_bench_routing_runs_the_cases_named():
 
     cases = bench_routing.make_cases(False, torch.device("cpu"))
     names = lambda spec: [c.name for c in bench_routing.select_cases(cases, spec)]  # noqa: E731
-    assert names(None) == ["dsv3 T=16384", "qwen3 T=16384", "kolibri T=16384", "dsv3 T=65536", "qwen3 T=65536", "kolibri T=65536"]
+    assert names(None) == ["dsv3 T=16384", "qwen3 T=16384", "kolibri T=16384", "dsv4 T=16384", "dsv3 T=65536", "qwen3 T=65536",
+                           "kolibri T=65536", "dsv4 T=65536"]
+    assert names("dsv4") == ["dsv4 T=16384", "dsv4 T=65536"]
     assert names("kolibri") == ["kolibri T=16384", "kolibri T=65536"]
     assert names("dsv3") == ["dsv3 T=16384", "dsv3 T=65536"]
     assert names("qwen3 T=65536, dsv3 T=16384") == ["dsv3 T=16384", "qwen3 T=65536"]
