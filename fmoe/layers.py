@@ -788,6 +788,14 @@ class AttentionConfig:
     channels by its own wo_a[i] [N Dv / g, r], and the g r channels to H by wo [g r, H]
     (params wo_a [g, N Dv / g, r] beside wo; out_shapes), in place of wo [N Dv, H]. Either
     attention kind; not with a mixture of attention heads or fp8.
+
+    Shared key-value heads (DeepSeek-V4's) when kv_shared: no wv; each kv head's values are its
+    keys as attention reads them, after their norm and RoPE (v = k), and each head's output is
+    rotated back at its query's position (the layer's RoPE tables with the sine negated: the
+    inverse rotation, with scaled tables, YaRN's or LongRoPE's, that scale once more, as
+    DeepSeek-V4's code does), so what a key gives through its value turns with the distance
+    from the query alone. Grouped-query attention only; not with k_eq_v, v_dim, v_norm, a
+    mixture of attention heads or block-sparse attention.
     """
 
     n_heads: int
@@ -863,12 +871,14 @@ class AttentionConfig:
     moa_topk: int = 1
     o_groups: Optional[int] = None
     o_rank: Optional[int] = None
+    kv_shared: bool = False
 
     def __post_init__(self):
         check_fp8(self.fp8)
         self._check_index_knobs()
         self._check_moa_knobs()
         self._check_out_groups()
+        self._check_kv_shared()
         if not isinstance(self.zero_centered_norms, bool):
             raise ValueError(f"zero_centered_norms: expected a bool, got {self.zero_centered_norms!r}")
         if self.local_rope_base is not None:
@@ -1033,6 +1043,23 @@ class AttentionConfig:
         if refused:
             raise ValueError(f"{refused[0]}: not with a mixture of attention heads (moa_experts), whose query and output projections are "
                              "routed experts over grouped-query attention")
+
+    @property
+    def has_wv(self) -> bool:
+        """Whether grouped-query attention has a value projection wv (not with k_eq_v or kv_shared)."""
+        return not (self.k_eq_v or self.kv_shared)
+
+    def _check_kv_shared(self) -> None:
+        """Shared key-value heads' knob (class docstring): ValueError naming the field."""
+        if not isinstance(self.kv_shared, bool):
+            raise ValueError(f"kv_shared: expected a bool, got {self.kv_shared!r}")
+        if not self.kv_shared:
+            return
+        taken = dict(k_eq_v=self.k_eq_v, v_dim=self.v_dim is not None, v_norm=self.v_norm, kv_rank=self.kv_rank is not None,
+                     moa_experts=self.moa_experts is not None, index_topk_blocks=self.index_topk_blocks is not None)
+        refused = [name for name, on in taken.items() if on]
+        if refused:
+            raise ValueError(f"{refused[0]}: not with kv_shared (grouped-query attention whose values are its keys after their norm and RoPE)")
 
     def _check_out_groups(self) -> None:
         """The grouped output projection's knobs (class docstring): ValueError naming the field."""
@@ -1642,7 +1669,7 @@ def _check_attention(x_TH, params, cfg, ctx) -> None:
     else:
         Dv = cfg.v_dim or D
         mats, norms = {"wq": (H, N * D), "wk": (H, G * D), "wv": (H, G * Dv), **out_shapes(H, cfg)}, {}
-        if cfg.k_eq_v:  # the values are the keys' projection
+        if not cfg.has_wv:  # the values are the keys' projection (k_eq_v) or the keys (kv_shared)
             del mats["wv"]
         if cfg.moa_experts is not None:  # a mixture of attention heads: each expert's query and output projections, and the router
             E = cfg.moa_experts
@@ -1681,7 +1708,7 @@ def _check_attention(x_TH, params, cfg, ctx) -> None:
                              "optional bo, sinks, wg)")
         _check_ctx(ctx, T, cfg.rot_dim)
         return
-    optional = {"bq": (N * D,), "bk": (G * D,), **({} if cfg.k_eq_v else {"bv": (G * (cfg.v_dim or D),)})}
+    optional = {"bq": (N * D,), "bk": (G * D,), **({"bv": (G * (cfg.v_dim or D),)} if cfg.has_wv else {})}
     weighted = cfg.qk_norm in ("head", "proj", "head_layer", "layer")  # "rms" has no weights
     if weighted:
         norms = dict(head=dict(q_norm=(D,), k_norm=(D,)), proj=dict(q_norm=(N * D,), k_norm=(G * D,)),
@@ -1942,6 +1969,9 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
         out_NTD = out_NTD[..., :Dv]
     if wv_CNV is not None:  # absorbed: each head's latent output to its values
         out_NTD = torch.einsum("ntc,cnv->ntv", out_NTD, wv_CNV)
+    if cfg.kv_shared and cfg.rope:  # the values were rotated with the keys: each output rotated back at its query's position
+        out_NTD = rearrange(apply_rope(rearrange(out_NTD, "n t d -> t n d"), ctx.cos, -ctx.sin, interleaved=cfg.interleaved,
+                                       impl="torch" if cfg.impl == "torch" else "auto"), "t n d -> n t d")
     if cfg.out_norm:  # each head's output over its channels, without weights (Muse Spark's o_norm)
         out_NTD = _rms_norm(out_NTD, None, cfg.norm_eps)
     out_TQ = rearrange(out_NTD, "n t d -> t (n d)")
@@ -2205,7 +2235,7 @@ def _gqa_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext, heads_mean=
 
     q_TQ = project("wq", "bq") if moa is None else clip(_moa_queries(params, cfg, moa))
     k_TK = project("wk", "bk")
-    v_TV = k_TK if cfg.k_eq_v else project("wv", "bv")  # k_eq_v: the keys' projection as it comes (Gemma 4's global layers)
+    v_TV = project("wv", "bv") if cfg.has_wv else k_TK  # k_eq_v: the keys' projection as it comes (Gemma 4's global layers)
     if cfg.qk_norm == "proj":  # over the whole projection (OLMoE)
         ms = [t.float().square().mean(-1, keepdim=True) for t in (q_TQ, k_TK)]
         if heads_mean is not None:  # q's and k's [T, 2] averaged over the tp ranks' heads in one collective
@@ -2233,7 +2263,7 @@ def _gqa_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext, heads_mean=
         q_TND, k_TGD = norm_heads(q_TND, k_TGD)
     if cfg.temperature_floor is not None:  # the query temperature (Llama 4's, Mistral 4's), by the query's position
         (q_TND,) = _temperature(ctx, cfg, q_TND)
-    v_TGD = rearrange(v_TV, "t (g d) -> t g d", g=G)
+    v_TGD = k_TGD if cfg.kv_shared else rearrange(v_TV, "t (g d) -> t g d", g=G)  # kv_shared: the keys, normed and rotated
     if cfg.v_norm:  # over each value head's channels, without weights (Gemma 4's)
         v_TGD = _rms_norm(v_TGD, None, cfg.norm_eps)
     if cfg.v_scale != 1.0:  # MiMo-V2-Flash's attention_value_scale

@@ -557,7 +557,10 @@ class TransformerConfig:
     block's grouped output projection (DeepSeek-V4's o_groups, o_lora_rank; fmoe.layers.
     AttentionConfig): the heads' outputs in g groups of contiguous heads, each projected to r
     channels by its wo_a[i], then the g r channels to H by wo [g r, H]; either attention kind,
-    not with moa_experts or fp8. moe_out_bias: a bias [H] added to
+    not with moa_experts or fp8. kv_shared: every attention block's values are its keys after
+    their norm and RoPE, no wv, and each head's output rotated back at its query's position
+    (DeepSeek-V4's shared key-value heads; fmoe.layers.AttentionConfig); grouped-query attention
+    only. moe_out_bias: a bias [H] added to
     each MoE block's output (JetMoE's MoE bias; MoE.out_bias). tie_embeddings: the
     output head is the embedding; out_vocab V' (None: vocab_size): the output head has V' <=
     vocab_size rows, the logits are those of token ids 0 .. V' - 1 while the embedding keeps
@@ -784,6 +787,7 @@ class TransformerConfig:
     moa_aux_coeff: float = 0.01
     o_groups: Optional[int] = None
     o_rank: Optional[int] = None
+    kv_shared: bool = False
     moe_out_bias: bool = False
     o_bias: bool = False
     attn_sinks: bool = False
@@ -1555,6 +1559,7 @@ class TransformerConfig:
             index_norm_eps=self.index_norm_eps, index_shared=index_shared,
             index_loss=(self.index_topk is not None or bool(blocks)) and self.index_loss_coeff > 0 and not index_shared,
             **blocks, moa_experts=self.moa_experts, moa_topk=self.moa_topk, o_groups=self.o_groups, o_rank=self.o_rank,
+            kv_shared=self.kv_shared,
         )
 
     def _temperature(self, rope: bool) -> dict:
@@ -1807,9 +1812,9 @@ class Attention(KeepsFloat32):
         E = self.cfg.moa_experts  # a mixture of attention heads: each expert's query and output projections
         self.wq = nn.Parameter(torch.empty(H, q) if E is None else torch.empty(E, H, G * D))
         self.wk = nn.Parameter(torch.empty(H, kv))
-        if not self.cfg.k_eq_v:  # else the values are the keys' projection
+        if self.cfg.has_wv:  # else the values are the keys' projection (k_eq_v) or the keys (kv_shared)
             self.wv = nn.Parameter(torch.empty(H, G * Dv))
-        self.names = ["wq", "wk", "wo"] if self.cfg.k_eq_v else ["wq", "wk", "wv", "wo"]
+        self.names = ["wq", "wk", "wv", "wo"] if self.cfg.has_wv else ["wq", "wk", "wo"]
         if E is None:  # wo [N Dv, H], or the grouped output projection's wo_a and wo (fmoe.layers.out_shapes)
             for name, shape in out_shapes(H, self.cfg).items():
                 setattr(self, name, nn.Parameter(torch.empty(shape)))
@@ -1822,7 +1827,7 @@ class Attention(KeepsFloat32):
         if cfg.qkv_bias:  # zero at initialisation (Transformer.reset_parameters)
             self.bq, self.bk = nn.Parameter(torch.empty(q)), nn.Parameter(torch.empty(kv))
             self.names += ["bq", "bk"]
-            if not self.cfg.k_eq_v:
+            if self.cfg.has_wv:
                 self.bv = nn.Parameter(torch.empty(G * Dv))
                 self.names.append("bv")
         if self.cfg.qk_norm in ("head", "proj", "head_layer", "layer"):  # one at initialisation ("rms" has no weights)

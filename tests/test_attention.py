@@ -2047,3 +2047,65 @@ def test_grouped_output_projection_matches_transformers_deepseek_v4():
 def test_grouped_output_projection_knobs_are_checked(knobs, message):
     with pytest.raises(ValueError, match=message):
         dataclasses.replace(CFG, **knobs)
+
+
+@pytest.mark.parametrize("knobs", [dict(), dict(rot_dim=8, qk_norm="head"), dict(interleaved=True, window=4, qk_norm="rms")], ids=str)
+def test_shared_key_value_heads_are_the_keys_and_turn_back_with_the_query(knobs):
+    """kv_shared (DeepSeek-V4's): no wv, the values are the keys after their norm and RoPE, each head's output rotated
+    back at its query's position. Against the same layer written out (the values the rotated keys, the output rotated by
+    the negated sine), and, what the inverse rotation is for, the output depends on the positions' differences alone:
+    every position moved by 5 leaves it as it is (without the inverse rotation it changes)."""
+    cfg = dataclasses.replace(CFG, kv_shared=True, **knobs)
+    torch.manual_seed(0)
+    p = {n: t for n, t in _params(cfg).items() if n != "wv"}
+    if cfg.qk_norm == "head":
+        p.update(q_norm=torch.rand(16) + 0.5, k_norm=torch.rand(16) + 0.5)
+    x, cu = torch.randn(13, H), torch.tensor([0, 6, 13])
+    positions = positions_from_cu_seqlens(cu)
+    y, _ = attention(x, p, cfg, _ctx(cu, cfg, positions))
+    # written out: the keys normed and rotated are the values; the outputs rotated back
+    ctx = _ctx(cu, cfg, positions)
+    with torch.no_grad():
+        def norm(t, w):
+            return t * torch.rsqrt(t.square().mean(-1, keepdim=True) + cfg.norm_eps) * (1 if w is None else w)
+
+        def written_out(ctx, turn_back=True):
+            q = (x @ p["wq"]).view(13, 4, 16)
+            k = (x @ p["wk"]).view(13, 2, 16)
+            if cfg.qk_norm is not None:
+                q, k = norm(q, p.get("q_norm")), norm(k, p.get("k_norm"))
+            q, k = (apply_rope(t, ctx.cos, ctx.sin, interleaved=cfg.interleaved, impl="torch") for t in (q, k))
+            out = F_sdpa(q, k, k, ctx.mask if cfg.window is None else ctx.local_mask, cfg)
+            if turn_back:
+                out = apply_rope(out, ctx.cos, -ctx.sin, interleaved=cfg.interleaved, impl="torch")
+            return out.reshape(13, 64) @ p["wo"]
+
+        want = written_out(ctx)
+        moved_ctx = _ctx(cu, cfg, positions + 5)
+        # without the turn back the rotated values move the output with the positions
+        assert (written_out(moved_ctx, turn_back=False) - written_out(ctx, turn_back=False)).abs().max() > 1e-3
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+    y_moved, _ = attention(x, p, cfg, moved_ctx)
+    torch.testing.assert_close(y_moved, y, rtol=1e-4, atol=1e-5)
+
+
+def F_sdpa(q_TND, k_TGD, v_TGD, mask, cfg):
+    """Grouped-query attention of q [T, N, D] over k, v [T, G, D] under a bool mask [T, S] -> [T, N, D]."""
+    r = q_TND.shape[1] // k_TGD.shape[1]
+    k, v = (t.repeat_interleave(r, dim=1).transpose(0, 1) for t in (k_TGD, v_TGD))
+    scores = q_TND.transpose(0, 1) @ k.transpose(1, 2) * softmax_scale(cfg)
+    return (scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v).transpose(0, 1)
+
+
+@pytest.mark.parametrize("knobs, message", [
+    (dict(kv_shared=1), r"kv_shared: expected a bool, got 1"),
+    (dict(kv_shared=True, k_eq_v=True), r"k_eq_v: not with kv_shared"),
+    (dict(kv_shared=True, v_dim=8), r"v_dim: not with kv_shared"),
+    (dict(kv_shared=True, v_norm=True), r"v_norm: not with kv_shared"),
+    (dict(kv_shared=True, n_kv_heads=4, kv_rank=6, rot_dim=4), r"kv_rank: not with kv_shared"),
+    (dict(kv_shared=True, n_heads=4, moa_experts=3, moa_topk=2), r"moa_experts: not with kv_shared"),
+])
+def test_shared_key_value_heads_knobs_are_checked(knobs, message):
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(CFG, **knobs)
+

@@ -230,9 +230,10 @@ VARIANTS = {
                                   mtp_depth=1),
     # DeepSeek-V4's pieces: sqrt(softplus) scores, block 1 routing by a table of token ids (hash_moe), block 2 and the MTP's by
     # the router plus the expert bias, the chosen renormalised and scaled, the SwiGLUs clamped; the grouped output projection
-    # (2 groups of 2 heads, each to 6 channels) in every attention block
+    # (2 groups of 2 heads, each to 6 channels), shared key-value heads (the values the normed, rotated keys, the outputs
+    # rotated back) and attention sinks in every attention block
     "dsv4": dataclasses.replace(TINY, score="sqrtsoftplus", hash_layers=1, route_scale=1.5, swiglu_limit=0.5, shared_swiglu_limit=0.5,
-                                mtp_depth=1, o_groups=2, o_rank=6),
+                                mtp_depth=1, o_groups=2, o_rank=6, kv_shared=True, qk_norm="head", attn_sinks=True),
 }
 
 
@@ -1259,7 +1260,8 @@ def test_the_whole_model_compiles_without_a_graph_break(name):
     Jamba's: Mamba-1 mixers (a decay per channel and state channel) beside NoPE attention.
     MiniMax-M3's: block-sparse attention's choice (a scatter of block maxima, a stable sort)
     and its indexer's loss. JetMoE's: the attention experts' routed projections and their
-    routers' balance loss. DeepSeek-V4's: the hashed block's table lookup by token id, the grouped output projection."""
+    routers' balance loss. DeepSeek-V4's: the hashed block's table lookup by token id, the grouped output projection,
+    the shared key-value heads' turn back."""
     cfg = FULL if name == "full" else dataclasses.replace(MINIMAX_M3 if name == "minimax-m3" else VARIANTS[name], impl="auto")
     model, grads = _compiled_like_eager(cfg)
     if name in ("dsa", "minimax-m3"):
@@ -2207,7 +2209,8 @@ DECODED = {
                                     longrope_original_max_positions=1, longrope_short_scale=1.1, longrope_long_scale=1.3),
     # a mixture of attention heads: each new token's queries from its own experts, over the cache's shared kv heads
     "jetmoe": dataclasses.replace(VARIANTS["jetmoe"], mtp_depth=0),
-    # a hashed MoE block: each new token routed by its own id; the grouped output projection
+    # a hashed MoE block: each new token routed by its own id; the grouped output projection; shared key-value heads (the
+    # cache's values the rotated keys, each new token's output turned back at its position)
     "dsv4": dataclasses.replace(VARIANTS["dsv4"], mtp_depth=0),
 }
 

@@ -355,7 +355,7 @@ class AttentionParallel(_HeadsRegion):
         elif cfg.moa_experts is not None:  # a mixture of attention heads: each expert's query and output projections by their kv heads
             dims = {"wq": 2, "wk": 1, "wv": 1, "wo": 1}
         else:
-            dims = {"wq": 1, "wk": 1, "wo": 0, **({} if cfg.k_eq_v else {"wv": 1})}  # k_eq_v: no wv
+            dims = {"wq": 1, "wk": 1, "wo": 0, **({"wv": 1} if cfg.has_wv else {})}  # k_eq_v, kv_shared: no wv
             dims.update({n: 0 for n in ("bq", "bk", "bv") if getattr(module, n, None) is not None})
         if getattr(module, "sinks", None) is not None:
             dims["sinks"] = 0

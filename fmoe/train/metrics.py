@@ -229,7 +229,7 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
     Grouped-query attention with a value head dim of its own (v_head_dim) counts H N D + H G
     (D + Dv) + N Dv H projection weights, G = local_kv_heads, N = local_heads and D =
     local_head_dim in the local blocks where set; without wv (global_k_eq_v, the global
-    blocks) H N D + H G D + N Dv H. The grouped output projection (cfg.o_groups g, o_rank r)
+    blocks; every block with kv_shared) H N D + H G D + N Dv H. The grouped output projection (cfg.o_groups g, o_rank r)
     counts N Dv r + g r H in place of N Dv H (either attention kind). A mixture of attention
     heads (cfg.moa_experts E) counts the k G = N heads a token computes, and its router's H E. Gemma 4's dense MLP beside each MoE (dense_beside_moe)
     adds 6 x 3 H ffn_dense per MoE block (trunk and MTP).
@@ -275,7 +275,7 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
             weights += q_in(attn_cfg) * cfg.n_heads * (1 if cfg.attn_gate_per_head else cfg.v_head_dim)
         attention = dict(attention_weights=weights, v_dim=cfg.v_head_dim)
     elif any(getattr(cfg, n, None) is not None for n in ("v_head_dim", "local_kv_heads", "local_heads", "local_head_dim", "o_groups",
-                                                         "moa_experts")) or getattr(cfg, "global_k_eq_v", False):
+                                                         "moa_experts")) or getattr(cfg, "global_k_eq_v", False) or getattr(cfg, "kv_shared", False):
         # grouped-query attention with its own value head dim, other kv or query heads or head dim in the local blocks,
         # or no wv in the global ones
         v_head_dim = getattr(cfg, "v_head_dim", None)
@@ -286,11 +286,12 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
             router = cfg.hidden * (getattr(cfg, "moa_experts", None) or 0)  # a mixture of attention heads' router [H, E]
             return cfg.hidden * (N * D + G * (D + (0 if k_eq_v else Dv))) + out + router
 
-        attention = dict(attention_weights=gqa(cfg.n_kv_heads, cfg.n_heads, cfg.head_dim, getattr(cfg, "global_k_eq_v", False)),
+        no_wv = getattr(cfg, "kv_shared", False)  # no wv in any block
+        attention = dict(attention_weights=gqa(cfg.n_kv_heads, cfg.n_heads, cfg.head_dim, getattr(cfg, "global_k_eq_v", False) or no_wv),
                          v_dim=v_head_dim)  # None: each block's head dim
         local_kv, local_heads, local_dim = (getattr(cfg, n, None) for n in ("local_kv_heads", "local_heads", "local_head_dim"))
         if local_kv is not None or local_heads is not None or local_dim is not None:
-            attention.update(local_attention_weights=gqa(local_kv or cfg.n_kv_heads, local_heads or cfg.n_heads, local_dim or cfg.head_dim),
+            attention.update(local_attention_weights=gqa(local_kv or cfg.n_kv_heads, local_heads or cfg.n_heads, local_dim or cfg.head_dim, no_wv),
                              local_heads=local_heads, local_head_dim=local_dim)
     n_sliding = sum(getattr(cfg, "is_local", getattr(cfg, "is_sliding", lambda i: False))(i) for i in range(cfg.n_layers))
     if n_sliding and n_avg_local_keys is None:

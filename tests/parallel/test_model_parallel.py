@@ -508,6 +508,9 @@ CASES = {
     # grouped-query attention and over multi-latent attention
     "tp2-o-groups": (2, dict(tp=2), dict(o_groups=2, o_rank=6, o_bias=True)),
     "tp2-mla-o-groups": (2, dict(tp=2), dict(MLA, o_groups=2, o_rank=3)),
+    # ...and its shared key-value heads: a rank's kv heads, their values its rotated keys, each rank's queries' outputs turned back
+    "tp2-kv-shared": (2, dict(tp=2), dict(kv_shared=True, qk_norm="head", attn_sinks=True)),
+    "cp2-kv-shared": (2, dict(cp=2), dict(kv_shared=True, o_groups=2, o_rank=6)),
     "cp2xtp2-jetmoe": (4, dict(cp=2, tp=2), dict(moa_experts=3, moa_topk=2, moe_out_bias=True)),
     # Nemotron-H's (NEMOTRON_H): a block without an MLP beside the split heads and groups
     "tp2-nemotron_h": (2, dict(tp=2), NEMOTRON_H),
@@ -607,6 +610,7 @@ DECODE_CASES = {
     # of the new tokens' ids
     "tp2-jetmoe-hash": (2, dict(tp=2), dict(moa_experts=3, moa_topk=2, moe_out_bias=True, hash_layers=1, score="sqrtsoftplus"), None, 1e-5),
     "tp2-mla-o-groups": (2, dict(tp=2), dict(MLA, q_rank=10, o_groups=2, o_rank=3), None, 1e-5),  # the absorbed form's heads, then the groups
+    "tp2-kv-shared": (2, dict(tp=2), dict(kv_shared=True, **WINDOW), None, 1e-5),  # the ring's values its rotated keys
 }
 
 

@@ -416,6 +416,8 @@ COUNTED = {
     # DeepSeek-V4's grouped output projection: 2 groups of 2 heads, each to 6 channels, then 12 -> H (batched products:
     # aten.bmm); over grouped-query attention, and over multi-latent attention with a v_head_dim of its own
     "o_groups": dict(o_groups=2, o_rank=6),
+    # ...and its shared key-value heads: no wv, in every block
+    "kv_shared": dict(kv_shared=True, window=4, window_layers=(0,)),
     # JetMoE's mixture of attention heads: each token's 2 of 3 experts' query and output projections (the per-expert loop
     # of impl "torch": aten.mm), its router [H, 3], in every attention block and the MTP's
     "jetmoe": dict(moa_experts=3, moa_topk=2, moe_out_bias=True),
