@@ -1947,8 +1947,9 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
         flex = _compiled_flex() if x.is_cuda and not torch.compiler.is_compiling() else flex_attention
         kw = dict(block_mask=mask, scale=softmax_scale(cfg), enable_gqa=True)
         mods = {}
-        if cfg.score_softcap is not None:  # each scaled score capped (Gemma 2's)
-            mods["cap"] = float(cfg.score_softcap)
+        if cfg.score_softcap is not None:  # each scaled score capped (Gemma 2's); a tensor: flex_attention compiles its score_mod,
+            # and a float captured there comes back symbolic once a process has seen two caps, which its kernel refuses
+            mods["cap"] = torch.full((), float(cfg.score_softcap), device=q_NTD.device)
         if slopes_N is not None:  # ALiBi's bias on each scaled score
             q_index, kv_index = _alibi_distances(ctx, q_NTD.shape[1], k_GTD.shape[1], x.device)
             mods.update(slopes_N=slopes_N.float(), q_index=q_index, kv_index=kv_index)
@@ -2087,8 +2088,8 @@ def _index_loss_blocks(x_TH, q_lat_TC, keys_SD, slots_TJ, target_TJ, params, cfg
     return total / n_queries
 
 
-def _score_mod(score, b, h, q_idx, kv_idx, cap: Optional[float] = None, slopes_N=None, q_index=None, kv_index=None):
-    """FlexAttention's score_mod: the softcap cap tanh(score / cap) (None: none), then ALiBi's
+def _score_mod(score, b, h, q_idx, kv_idx, cap: Optional[torch.Tensor] = None, slopes_N=None, q_index=None, kv_index=None):
+    """FlexAttention's score_mod: the softcap cap tanh(score / cap) (a 0-D float32 tensor; None: none), then ALiBi's
     bias slopes_N[h] (kv_index[kv_idx] - q_index[q_idx]) (slopes_N None: none)."""
     if cap is not None:
         score = torch.tanh(score / cap) * cap

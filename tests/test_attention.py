@@ -2109,3 +2109,18 @@ def test_shared_key_value_heads_knobs_are_checked(knobs, message):
     with pytest.raises(ValueError, match=message):
         dataclasses.replace(CFG, **knobs)
 
+
+def test_flex_attention_takes_a_new_softcap_in_the_same_process():
+    """FlexAttention compiles its score_mod; a float cap captured there came back symbolic once a process had seen two
+    caps (dynamo's automatic dynamic), which its kernel refused (the second call raised). The cap rides as a tensor: three
+    caps in a row, each the SDPA reference's output."""
+    torch.manual_seed(0)
+    p = {n: t.detach() * (4 if n in ("wq", "wk") else 1) for n, t in _params(CFG).items()}  # scores past the caps
+    x, cu = torch.randn(11, H), torch.tensor([0, 5, 11])
+    for cap in (0.5, 1.7, 3.0):
+        cfg = dataclasses.replace(CFG, score_softcap=cap)
+        flex_cfg = dataclasses.replace(cfg, impl="flex")
+        with torch.no_grad():
+            want, _ = attention(x, p, cfg, _ctx(cu, cfg))
+            got, _ = attention(x, p, flex_cfg, _ctx(cu, flex_cfg))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
