@@ -6206,7 +6206,7 @@ _MOE_ONLY = {"n_experts", "k", "ffn_expert", "n_shared", "shared_ffn", "shared_g
 # TransformerConfig fields that only the attention blocks read: nothing in a model none of whose blocks attends (every
 # one linear attention or an MLP alone: Mamba-2's) and that has no MTP module
 _ATTENTION_ONLY = {"n_heads", "n_kv_heads", "head_dim", "qkv_bias", "o_bias", "qk_norm", "qk_norm_after_rope", "nope_qk_norm", "rope_base", "rope_dim",
-                   "rope_interleaved", "rope_linear_factor", "rope_proportion", "yarn_factor", "yarn_original_max_positions", "yarn_beta_fast",
+                   "rope_interleaved", "rope_last", "rope_linear_factor", "rope_proportion", "yarn_factor", "yarn_original_max_positions", "yarn_beta_fast",
                    "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim", "yarn_truncate", "llama3_factor", "llama3_low_freq_factor",
                    "llama3_high_freq_factor", "llama3_original_max_positions", "longrope_short_factors", "longrope_long_factors",
                    "longrope_original_max_positions", "longrope_short_scale", "longrope_long_scale", "q_rank", "kv_rank", "v_head_dim", "mla_scales",
@@ -6216,7 +6216,7 @@ _ATTENTION_ONLY = {"n_heads", "n_kv_heads", "head_dim", "qkv_bias", "o_bias", "q
                    "local_rope_base", "local_rope_dim", "window", "window_layers", "chunk", "chunk_layers", "nope_layers", "nope_temperature_floor",
                    "nope_temperature_scale", "nope_temperature_kind", "query_temperature_floor", "query_temperature_scale", "index_topk", "index_heads",
                    "index_head_dim", "index_rope_interleaved", "index_rope_last", "index_norm_eps", "index_loss_coeff", "index_shared_layers",
-                   "moa_experts", "moa_topk", "moa_aux_coeff"}
+                   "moa_experts", "moa_topk", "moa_aux_coeff", "o_groups", "o_rank", "kv_shared"}
 
 
 def config_mismatch(cfg: TransformerConfig, hf: dict) -> dict[str, tuple]:

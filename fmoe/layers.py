@@ -594,7 +594,7 @@ def moe(
 
 
 GATE_ACTS = ("sigmoid", "softplus")  # gated attention's gate activations (AttentionConfig.gate_act)
-QK_NORMS = (None, "head", "proj", "rms", "head_layer", "layer")  # AttentionConfig.qk_norm
+QK_NORMS = (None, "head", "proj", "rms", "head_layer", "layer", "head_k")  # AttentionConfig.qk_norm
 TEMPERATURE_KINDS = ("log", "power")  # AttentionConfig.temperature_kind
 
 
@@ -624,7 +624,9 @@ class AttentionConfig:
     head's D channels without weights: x / sqrt(mean(x^2) + eps), Llama 4's L2Norm) or
     "head_layer" (a LayerNorm without bias over each head's D channels, each head with its own
     weights: q_norm [N, D], k_norm [G, D]; Cohere's Command R+) or "layer" (a LayerNorm over
-    each head's D channels, one weight [D] for every head: Persimmon's), with eps norm_eps;
+    each head's D channels, one weight [D] for every head: Persimmon's) or "head_k" (over each
+    head's D channels, the keys' with weights k_norm [D], the queries' without: DeepSeek-V4's
+    q_b_norm beside its kv_norm), with eps norm_eps;
     qk_norm_bias: the LayerNorms' biases too, q_norm_bias and k_norm_bias of their weights'
     shapes (Chameleon's per head, Persimmon's shared); qk_norm_after_rope: the per-head norms
     after RoPE instead (Hunyuan, Llama 4).
@@ -657,6 +659,10 @@ class AttentionConfig:
     under context parallel, its span in the global cu_seqlens (attention_context). Decoding
     switches as the sequence grows past longrope_original_max_positions, its cached keys
     keep the short factors (transformers drops such a cache; fmoe does not).
+    rope_last: grouped-query attention's RoPE on the last rot_dim channels of each head, the
+    first head_dim - rot_dim passing through (DeepSeek-V4's [nope | rope] heads; the local
+    layers' tables' channels with local_rot_dim); needs rot_dim < head_dim. Multi-latent
+    attention's rope part is already each head's last channels.
     reversed: every pair turned the other way, the tables' sin negated (NanoChat's rotate_half
     is (x2, -x1)): a rotation by -p theta, the scores' dependence on m - n mirrored.
     rope: False leaves q and k unrotated (NoPE: position only through the causal mask;
@@ -700,6 +706,11 @@ class AttentionConfig:
     rot_dim (linear_factor divides them too). score_softcap c: each score (q . k times the softmax
     scale) becomes c tanh(score / c) before the softmax (Gemma 2's attn_logit_softcapping);
     None: as it is; not with DeepSeek sparse attention.
+
+    A q latent on grouped-query attention (DeepSeek-V4's) when q_rank is set without kv_rank:
+    the queries x wq_a [H, q_rank], RMS-normed with weights q_a_norm [q_rank] (eps
+    latent_norm_eps), times wq_b [q_rank, N D] (params in place of wq); bq, clip_qkv and
+    qk_norm act on wq_b's output as on wq's. Not with a mixture of attention heads.
 
     Multi-head latent attention (DeepSeek-V2/V3) when kv_rank is set: keys and values come
     from a kv_rank latent (RMSNorm'd, eps latent_norm_eps) expanded per head, plus one
@@ -804,6 +815,7 @@ class AttentionConfig:
     rope_base: float = 10000.0
     rot_dim: Optional[int] = None
     interleaved: bool = False
+    rope_last: bool = False
     reversed: bool = False
     yarn_factor: Optional[float] = None
     yarn_original_max_positions: int = 4096
@@ -931,12 +943,12 @@ class AttentionConfig:
                 raise ValueError(f"linear_factor: expected None or a positive finite number (positions read as p / factor), got {f!r}")
             if self.yarn_factor is not None or self.llama3_factor is not None or self.longrope_short_factors is not None:
                 raise ValueError("linear_factor: one RoPE scaling at a time, not with yarn_factor, llama3_factor or longrope_short_factors")
-        if self.qk_norm_after_rope and self.qk_norm not in ("head", "rms"):
-            raise ValueError(f"qk_norm_after_rope: needs per-head norms (qk_norm 'head' or 'rms'), got qk_norm={self.qk_norm!r}")
+        if self.qk_norm_after_rope and self.qk_norm not in ("head", "rms", "head_k"):
+            raise ValueError(f"qk_norm_after_rope: needs per-head norms (qk_norm 'head', 'rms' or 'head_k'), got qk_norm={self.qk_norm!r}")
         if self.scale is not None and (isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) or not 0 < self.scale < math.inf):
             raise ValueError(f"scale: expected None or a positive finite number, got {self.scale!r}")
         if self.qk_norm not in QK_NORMS:
-            raise ValueError(f"qk_norm: expected None, 'head', 'proj', 'rms', 'head_layer' or 'layer', got {self.qk_norm!r}")
+            raise ValueError(f"qk_norm: expected None, 'head', 'proj', 'rms', 'head_layer', 'layer' or 'head_k', got {self.qk_norm!r}")
         if self.qk_norm in ("head_layer", "layer") and self.zero_centered_norms:
             raise ValueError(f"zero_centered_norms: a gain of 1 + weight in RMSNorms, not in the LayerNorms of qk_norm {self.qk_norm!r}")
         if not isinstance(self.qk_norm_bias, bool) or (self.qk_norm_bias and self.qk_norm not in ("head_layer", "layer")):
@@ -970,11 +982,15 @@ class AttentionConfig:
             if self.kv_rank is None or self.q_rank is None:
                 raise ValueError("latent_scales: scales multi-latent attention's queries and kv latent, needs q_rank and kv_rank")
         for name in ("q_latent_raw", "gate_on_q"):
-            if not isinstance(getattr(self, name), bool) or (getattr(self, name) and self.q_rank is None):
-                raise ValueError(f"{name}: a knob of multi-latent attention's q latent, a bool, True needs q_rank (got {getattr(self, name)!r})")
+            if not isinstance(getattr(self, name), bool) or (getattr(self, name) and (self.q_rank is None or self.kv_rank is None)):
+                raise ValueError(f"{name}: a knob of multi-latent attention's q latent, a bool, True needs q_rank and kv_rank (got {getattr(self, name)!r})")
+        self._check_rope_last()
         if self.kv_rank is None:
-            if self.q_rank is not None:
-                raise ValueError("q_rank: a multi-latent attention knob, needs kv_rank")
+            if self.q_rank is not None:  # grouped-query attention's q latent (DeepSeek-V4's)
+                if isinstance(self.q_rank, bool) or not isinstance(self.q_rank, int) or self.q_rank < 1:
+                    raise ValueError(f"q_rank: expected None or a positive int (the q latent's width), got {self.q_rank!r}")
+                if self.moa_experts is not None:
+                    raise ValueError("q_rank: not with a mixture of attention heads (moa_experts), whose queries are its experts' projections")
             if self.v_dim is not None and (isinstance(self.v_dim, bool) or not isinstance(self.v_dim, int) or self.v_dim < 1):
                 raise ValueError(f"v_dim: expected None or a positive int (the value head dim), got {self.v_dim!r}")
             return
@@ -1048,6 +1064,19 @@ class AttentionConfig:
     def has_wv(self) -> bool:
         """Whether grouped-query attention has a value projection wv (not with k_eq_v or kv_shared)."""
         return not (self.k_eq_v or self.kv_shared)
+
+    def _check_rope_last(self) -> None:
+        """rope_last (class docstring): ValueError naming the field."""
+        if not isinstance(self.rope_last, bool):
+            raise ValueError(f"rope_last: expected a bool, got {self.rope_last!r}")
+        if not self.rope_last:
+            return
+        if self.kv_rank is not None or self.index_topk_blocks is not None:
+            raise ValueError("rope_last: RoPE on the last rot_dim channels of grouped-query attention's heads, not with kv_rank (multi-latent "
+                             "attention's rope part is already its heads' last channels) or index_topk_blocks")
+        if self.rot_dim is None or not self.rot_dim < self.head_dim:
+            raise ValueError(f"rope_last: rotates the last rot_dim channels of each head, needs rot_dim < head_dim = {self.head_dim}, "
+                             f"got rot_dim {self.rot_dim}")
 
     def _check_kv_shared(self) -> None:
         """Shared key-value heads' knob (class docstring): ValueError naming the field."""
@@ -1637,6 +1666,23 @@ def mla_shapes(H: int, cfg: AttentionConfig) -> tuple[dict, dict]:
     return mats, norms
 
 
+def gqa_q_shapes(H: int, cfg: AttentionConfig) -> dict:
+    """Grouped-query attention's query projection name -> shape: wq [H, N D], or with a q
+    latent (cfg.q_rank) wq_a [H, q_rank] and wq_b [q_rank, N D] (its norm q_a_norm [q_rank]
+    beside them)."""
+    q = cfg.n_heads * cfg.head_dim
+    return {"wq": (H, q)} if cfg.q_rank is None else {"wq_a": (H, cfg.q_rank), "wq_b": (cfg.q_rank, q)}
+
+
+def qk_norm_shapes(cfg: AttentionConfig) -> dict:
+    """Grouped-query attention's q/k norm weights name -> shape for cfg.qk_norm: q_norm and
+    k_norm [D] ("head", "layer"), [N D] and [G D] ("proj"), [N, D] and [G, D] ("head_layer"),
+    k_norm [D] alone ("head_k"); none for None and "rms"."""
+    N, G, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    return dict(head=dict(q_norm=(D,), k_norm=(D,)), proj=dict(q_norm=(N * D,), k_norm=(G * D,)), head_layer=dict(q_norm=(N, D), k_norm=(G, D)),
+                layer=dict(q_norm=(D,), k_norm=(D,)), head_k=dict(k_norm=(D,))).get(cfg.qk_norm, {})
+
+
 def q_in(cfg: AttentionConfig) -> int:
     """The width of multi-latent attention's wq_b input: q_rank, or 2 q_rank with cfg.q_latent_raw."""
     return 2 * cfg.q_rank if cfg.q_latent_raw else cfg.q_rank
@@ -1669,6 +1715,8 @@ def _check_attention(x_TH, params, cfg, ctx) -> None:
     else:
         Dv = cfg.v_dim or D
         mats, norms = {"wq": (H, N * D), "wk": (H, G * D), "wv": (H, G * Dv), **out_shapes(H, cfg)}, {}
+        if cfg.q_rank is not None:  # the queries from a q latent (DeepSeek-V4's)
+            mats, norms = gqa_q_shapes(H, cfg) | {k: v for k, v in mats.items() if k != "wq"}, {"q_a_norm": (cfg.q_rank,)}
         if not cfg.has_wv:  # the values are the keys' projection (k_eq_v) or the keys (kv_shared)
             del mats["wv"]
         if cfg.moa_experts is not None:  # a mixture of attention heads: each expert's query and output projections, and the router
@@ -1709,16 +1757,13 @@ def _check_attention(x_TH, params, cfg, ctx) -> None:
         _check_ctx(ctx, T, cfg.rot_dim)
         return
     optional = {"bq": (N * D,), "bk": (G * D,), **({"bv": (G * (cfg.v_dim or D),)} if cfg.has_wv else {})}
-    weighted = cfg.qk_norm in ("head", "proj", "head_layer", "layer")  # "rms" has no weights
-    if weighted:
-        norms = dict(head=dict(q_norm=(D,), k_norm=(D,)), proj=dict(q_norm=(N * D,), k_norm=(G * D,)),
-                     head_layer=dict(q_norm=(N, D), k_norm=(G, D)), layer=dict(q_norm=(D,), k_norm=(D,)))[cfg.qk_norm]
-        optional.update(norms)
-        if cfg.qk_norm_bias:  # the LayerNorms' biases, of their weights' shapes
-            optional.update({name + "_bias": shape for name, shape in norms.items()})
+    weights = qk_norm_shapes(cfg)  # "rms" has none, "head_k" the keys' alone
+    optional.update(weights)
+    if cfg.qk_norm_bias:  # the LayerNorms' biases, of their weights' shapes
+        optional.update({name + "_bias": shape for name, shape in weights.items()})
     for name in ("q_norm", "k_norm"):
-        if (params.get(name) is not None) != weighted:
-            raise ValueError(f"params['{name}']: expected {'a weight' if weighted else 'none'} with cfg.qk_norm = {cfg.qk_norm!r}")
+        if (params.get(name) is not None) != (name in weights):
+            raise ValueError(f"params['{name}']: expected {'a weight' if name in weights else 'none'} with cfg.qk_norm = {cfg.qk_norm!r}")
         if (params.get(name + "_bias") is not None) != cfg.qk_norm_bias:
             raise ValueError(f"params['{name}_bias']: expected {'a bias' if cfg.qk_norm_bias else 'none'} with cfg.qk_norm_bias = {cfg.qk_norm_bias}")
     for name, shape in optional.items():
@@ -1740,9 +1785,10 @@ def _check_attention(x_TH, params, cfg, ctx) -> None:
         for name in ("bq", "wg"):
             if params.get(name) is not None:
                 raise ValueError(f"params['{name}']: not with a mixture of attention heads (cfg.moa_experts), whose queries are its experts'")
-    unknown = set(params) - {*mats, *optional, *extras, *index, *router}
+    unknown = set(params) - {*mats, *norms, *optional, *extras, *index, *router}
     if unknown:
-        raise ValueError(f"params: unknown attention parameters {sorted(unknown)} (wq, wk, wv, wo (and wo_a with cfg.o_groups), optional bq, bk, bv, q_norm, k_norm, q_norm_bias, "
+        raise ValueError(f"params: unknown attention parameters {sorted(unknown)} (wq (or wq_a, q_a_norm, wq_b with cfg.q_rank), wk, wv, wo (and wo_a "
+                         "with cfg.o_groups), optional bq, bk, bv, q_norm, k_norm, q_norm_bias, "
                          "k_norm_bias, bo, sinks, wg, bg, alibi; index_wq, index_wk, index_q_norm, index_k_norm with cfg.index_topk_blocks)")
     if index and (params.get("sinks") is not None or params.get("alibi") is not None):
         raise ValueError(f"params['{'sinks' if params.get('sinks') is not None else 'alibi'}']: not with block-sparse attention (cfg.index_topk_blocks)")
@@ -1971,8 +2017,7 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
     if wv_CNV is not None:  # absorbed: each head's latent output to its values
         out_NTD = torch.einsum("ntc,cnv->ntv", out_NTD, wv_CNV)
     if cfg.kv_shared and cfg.rope:  # the values were rotated with the keys: each output rotated back at its query's position
-        out_NTD = rearrange(apply_rope(rearrange(out_NTD, "n t d -> t n d"), ctx.cos, -ctx.sin, interleaved=cfg.interleaved,
-                                       impl="torch" if cfg.impl == "torch" else "auto"), "t n d -> n t d")
+        out_NTD = rearrange(_gqa_rope(rearrange(out_NTD, "n t d -> t n d"), ctx.cos, -ctx.sin, cfg), "t n d -> n t d")
     if cfg.out_norm:  # each head's output over its channels, without weights (Muse Spark's o_norm)
         out_NTD = _rms_norm(out_NTD, None, cfg.norm_eps)
     out_TQ = rearrange(out_NTD, "n t d -> t (n d)")
@@ -2225,16 +2270,20 @@ def _gqa_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext, heads_mean=
     RoPE applied (unless cfg.rope is False). moa: a mixture of attention heads' routing
     (_moa_route: MoaRouting), whose experts make the queries."""
     N, G = cfg.n_heads, cfg.n_kv_heads
-    rope_impl = "torch" if cfg.impl == "torch" else "auto"
 
     def clip(y):
         return y if cfg.clip_qkv is None else y.clamp(-cfg.clip_qkv, cfg.clip_qkv)  # DBRX's clip_qkv
 
-    def project(name, bias):
+    def project(name, bias, x=x):
         y = matmul(x, params[name], fp8=cfg.fp8, impl=cfg.impl)
         return clip(y + params[bias] if params.get(bias) is not None else y)
 
-    q_TQ = project("wq", "bq") if moa is None else clip(_moa_queries(params, cfg, moa))
+    if moa is not None:
+        q_TQ = clip(_moa_queries(params, cfg, moa))
+    elif cfg.q_rank is not None:  # the queries from the normed q latent (DeepSeek-V4's)
+        q_TQ = project("wq_b", "bq", _mla_q_latent(x, params, cfg))
+    else:
+        q_TQ = project("wq", "bq")
     k_TK = project("wk", "bk")
     v_TV = project("wv", "bv") if cfg.has_wv else k_TK  # k_eq_v: the keys' projection as it comes (Gemma 4's global layers)
     if cfg.qk_norm == "proj":  # over the whole projection (OLMoE)
@@ -2247,8 +2296,9 @@ def _gqa_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext, heads_mean=
     if cfg.qk_norm in ("head_layer", "layer"):  # a LayerNorm per head, each head its own weights (Cohere's) or one for all, before RoPE
         q_TND, k_TGD = (_head_layer_norm(t, params[name], cfg.norm_eps, params.get(name + "_bias"))
                         for t, name in ((q_TND, "q_norm"), (k_TGD, "k_norm")))
-    # over each head's channels: before RoPE (Qwen3, GLM-4.5) or after (Hunyuan, Llama 4's weightless "rms")
-    head_norm = cfg.qk_norm in ("head", "rms")
+    # over each head's channels: before RoPE (Qwen3, GLM-4.5) or after (Hunyuan, Llama 4's weightless "rms"); "head_k":
+    # the queries' without weights (no q_norm), the keys' with (DeepSeek-V4's)
+    head_norm = cfg.qk_norm in ("head", "rms", "head_k")
 
     def norm_heads(q_TND, k_TGD):
         zc = cfg.zero_centered_norms
@@ -2258,8 +2308,7 @@ def _gqa_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext, heads_mean=
     if head_norm and not cfg.qk_norm_after_rope:
         q_TND, k_TGD = norm_heads(q_TND, k_TGD)
     if cfg.rope:
-        q_TND = apply_rope(q_TND, ctx.cos, ctx.sin, interleaved=cfg.interleaved, impl=rope_impl)
-        k_TGD = apply_rope(k_TGD, ctx.cos, ctx.sin, interleaved=cfg.interleaved, impl=rope_impl)
+        q_TND, k_TGD = (_gqa_rope(t, ctx.cos, ctx.sin, cfg) for t in (q_TND, k_TGD))
     if head_norm and cfg.qk_norm_after_rope:
         q_TND, k_TGD = norm_heads(q_TND, k_TGD)
     if cfg.temperature_floor is not None:  # the query temperature (Llama 4's, Mistral 4's), by the query's position
@@ -2270,6 +2319,16 @@ def _gqa_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext, heads_mean=
     if cfg.v_scale != 1.0:  # MiMo-V2-Flash's attention_value_scale
         v_TGD = v_TGD * cfg.v_scale
     return q_TND, k_TGD, v_TGD
+
+
+def _gqa_rope(x_TND: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: AttentionConfig) -> torch.Tensor:
+    """Grouped-query attention's RoPE of x [T, N, D] by cos, sin [T, R/2]: its first R
+    channels, or its last with cfg.rope_last (DeepSeek-V4's)."""
+    impl = "torch" if cfg.impl == "torch" else "auto"
+    if not cfg.rope_last:
+        return apply_rope(x_TND, cos, sin, interleaved=cfg.interleaved, impl=impl)
+    R = 2 * cos.shape[-1]
+    return torch.cat([x_TND[..., :-R], apply_rope(x_TND[..., -R:], cos, sin, interleaved=cfg.interleaved, impl=impl)], dim=-1)
 
 
 def query_temperature(positions: torch.Tensor, cfg: AttentionConfig) -> torch.Tensor:

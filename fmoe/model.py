@@ -47,8 +47,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fmoe.layers import (EXPERT_BIASES, GATE_NORMS, AttentionConfig, AttentionContext, LinearAttentionConfig, LinearStates, MoEConfig, alibi_slopes, attach_loss, attention,
-                         PLAIN_ACTS, XIELU, attention_context, check_clip_qkv, check_sparsemixer_knobs, check_window, dense_mlp, index_shapes, lightning_decay, linear_attention, linear_attention_shapes, local_experts, mla_shapes, out_shapes,
-                         moe, prescaled_rms_norm, q_in, softmax_scale)
+                         PLAIN_ACTS, XIELU, attention_context, check_clip_qkv, check_sparsemixer_knobs, check_window, dense_mlp, gqa_q_shapes, index_shapes, lightning_decay, linear_attention, linear_attention_shapes, local_experts, mla_shapes, out_shapes,
+                         moe, prescaled_rms_norm, q_in, qk_norm_shapes, softmax_scale)
 from fmoe.ops import linear_cross_entropy, route
 from fmoe.ops.checks import check_positive_int
 from fmoe.ops.experts import GLU_ACTS
@@ -439,11 +439,12 @@ class TransformerConfig:
     blocks the stream is [T, 2H], the residual and the MoE's output side by side (Block).
     n_layers even; not with parallel_blocks, post_norms, moe_out_norm or residual_scale;
     the MTP blocks are ordinary blocks; a pipeline stage holds whole pairs. Attention:
-    n_heads/n_kv_heads of head_dim, qkv_bias, qk_norm (None | "head" | "proj" | "rms" | "head_layer" | "layer",
+    n_heads/n_kv_heads of head_dim, qkv_bias, qk_norm (None | "head" | "proj" | "rms" | "head_layer" | "layer" | "head_k",
     fmoe.layers.AttentionConfig; qk_norm_bias: the q/k LayerNorms' biases, Chameleon's and
     Persimmon's; qk_norm_after_rope: the per-head norms after RoPE, Hunyuan,
     Llama 4; nope_qk_norm=False: none in the NoPE blocks, Llama 4), rope_base, rope_dim (rotated
-    channels per head, None: all), rope_interleaved, rope_reversed (each pair turned the other
+    channels per head, None: all; rope_last: each head's last rope_dim channels, DeepSeek-V4's),
+    rope_interleaved, rope_reversed (each pair turned the other
     way, sin negated: NanoChat's rotate_half (x2, -x1)), yarn_factor (None: plain RoPE) with
     yarn_original_max_positions, yarn_beta_fast / yarn_beta_slow / yarn_mscale /
     yarn_mscale_all_dim / yarn_truncate; llama3_factor (None: none; not with YaRN) with
@@ -744,6 +745,7 @@ class TransformerConfig:
     rope_base: float = 10000.0
     rope_dim: Optional[int] = None
     rope_interleaved: bool = False
+    rope_last: bool = False
     rope_reversed: bool = False
     yarn_factor: Optional[float] = None
     yarn_original_max_positions: int = 4096
@@ -1535,7 +1537,7 @@ class TransformerConfig:
             v_scale=self.value_scale, clip_qkv=self.clip_qkv, v_norm=self.v_norm, out_norm=self.attn_out_norm, k_eq_v=self.global_k_eq_v and not local,
             score_softcap=self.attn_softcap,
             rope_proportion=None if local else self.rope_proportion,
-            rot_dim=self.rope_dim, interleaved=self.rope_interleaved, reversed=self.rope_reversed, yarn_factor=self.yarn_factor,
+            rot_dim=self.rope_dim, interleaved=self.rope_interleaved, rope_last=self.rope_last, reversed=self.rope_reversed, yarn_factor=self.yarn_factor,
             yarn_original_max_positions=self.yarn_original_max_positions, yarn_beta_fast=self.yarn_beta_fast,
             yarn_beta_slow=self.yarn_beta_slow, yarn_mscale=self.yarn_mscale, yarn_mscale_all_dim=self.yarn_mscale_all_dim,
             yarn_truncate=self.yarn_truncate, llama3_factor=self.llama3_factor, llama3_low_freq_factor=self.llama3_low_freq_factor,
@@ -1810,11 +1812,19 @@ class Attention(KeepsFloat32):
         N = self.cfg.n_heads  # this block's query heads (TransformerConfig.heads)
         H, q, kv = cfg.hidden, N * D, G * D
         E = self.cfg.moa_experts  # a mixture of attention heads: each expert's query and output projections
-        self.wq = nn.Parameter(torch.empty(H, q) if E is None else torch.empty(E, H, G * D))
+        if E is None:  # wq [H, N D], or a q latent's wq_a, wq_b and its norm q_a_norm (one at initialisation; DeepSeek-V4's)
+            for name, shape in gqa_q_shapes(H, self.cfg).items():
+                setattr(self, name, nn.Parameter(torch.empty(shape)))
+            if self.cfg.q_rank is not None:
+                self.q_a_norm = nn.Parameter(torch.ones(self.cfg.q_rank))
+        else:
+            self.wq = nn.Parameter(torch.empty(E, H, G * D))
         self.wk = nn.Parameter(torch.empty(H, kv))
         if self.cfg.has_wv:  # else the values are the keys' projection (k_eq_v) or the keys (kv_shared)
             self.wv = nn.Parameter(torch.empty(H, G * Dv))
         self.names = ["wq", "wk", "wv", "wo"] if self.cfg.has_wv else ["wq", "wk", "wo"]
+        if self.cfg.q_rank is not None:
+            self.names[:1] = ["wq_a", "q_a_norm", "wq_b"]
         if E is None:  # wo [N Dv, H], or the grouped output projection's wo_a and wo (fmoe.layers.out_shapes)
             for name, shape in out_shapes(H, self.cfg).items():
                 setattr(self, name, nn.Parameter(torch.empty(shape)))
@@ -1830,13 +1840,13 @@ class Attention(KeepsFloat32):
             if self.cfg.has_wv:
                 self.bv = nn.Parameter(torch.empty(G * Dv))
                 self.names.append("bv")
-        if self.cfg.qk_norm in ("head", "proj", "head_layer", "layer"):  # one at initialisation ("rms" has no weights)
-            shapes = dict(head=((D,), (D,)), proj=((q,), (kv,)), head_layer=((N, D), (G, D)), layer=((D,), (D,)))[self.cfg.qk_norm]
-            self.q_norm, self.k_norm = (nn.Parameter(torch.ones(shape)) for shape in shapes)
-            self.names += ["q_norm", "k_norm"]
-            if self.cfg.qk_norm_bias:  # the LayerNorms' biases, zero at initialisation
-                self.q_norm_bias, self.k_norm_bias = (nn.Parameter(torch.zeros(shape)) for shape in shapes)
-                self.names += ["q_norm_bias", "k_norm_bias"]
+        norms = qk_norm_shapes(self.cfg)  # one at initialisation ("rms" has no weights, "head_k" k_norm alone)
+        for name, shape in norms.items():
+            setattr(self, name, nn.Parameter(torch.ones(shape)))
+            self.names.append(name)
+        for name, shape in norms.items() if self.cfg.qk_norm_bias else ():  # the LayerNorms' biases, zero at initialisation
+            setattr(self, name + "_bias", nn.Parameter(torch.zeros(shape)))
+            self.names.append(name + "_bias")
         # block-sparse attention's indexer (its norms one at initialisation), trained by its loss alone; frozen without it
         # (index_loss_coeff 0): its choice of blocks has no gradient, and a weight that gets none is none of the optimizer's
         # (nor of FSDP2's reduce-scatter, which would hand it zeros to decay)

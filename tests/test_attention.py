@@ -2089,6 +2089,119 @@ def test_shared_key_value_heads_are_the_keys_and_turn_back_with_the_query(knobs)
     torch.testing.assert_close(y_moved, y, rtol=1e-4, atol=1e-5)
 
 
+def _dsv4_attention_layer(seed=0):
+    """A DeepSeek-V4 sliding attention layer of transformers (one kv head of 16 whose keys are its values, RoPE on its last
+    8 channels in pairs, a q latent of 12, the grouped output projection of 2 groups of rank 5, sinks, a window of 5), every
+    weight random, and fmoe's AttentionConfig and params of the same weights."""
+    v4 = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4", reason="transformers (the test extra) not installed")
+    from transformers import DeepseekV4Config
+
+    hf = DeepseekV4Config(vocab_size=64, hidden_size=H, num_hidden_layers=1, num_attention_heads=4, head_dim=16, q_lora_rank=12,
+                          partial_rotary_factor=0.5, layer_types=["sliding_attention"], sliding_window=5, o_groups=2, o_lora_rank=5,
+                          rms_norm_eps=1e-5, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
+    hf._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    layer = v4.DeepseekV4Attention(hf, 0).eval()
+    with torch.no_grad():
+        for name, w in layer.named_parameters():
+            w.copy_(torch.rand_like(w) + 0.5 if "norm" in name else torch.randn_like(w) * (0.5 if name == "sinks" else w.shape[-1] ** -0.5))
+    cfg = AttentionConfig(n_heads=4, n_kv_heads=1, head_dim=16, q_rank=12, rot_dim=8, rope_last=True, interleaved=True, qk_norm="head_k",
+                          kv_shared=True, o_groups=2, o_rank=5, window=5, norm_eps=1e-5, latent_norm_eps=1e-5, impl="torch")
+    w = {n: t.detach() for n, t in layer.named_parameters()}
+    params = {"wq_a": w["q_a_proj.weight"].T, "q_a_norm": w["q_a_norm.weight"], "wq_b": w["q_b_proj.weight"].T, "wk": w["kv_proj.weight"].T,
+              "k_norm": w["kv_norm.weight"], "wo_a": w["o_a_proj.weight"].view(2, 5, -1).transpose(1, 2), "wo": w["o_b_proj.weight"].T,
+              "sinks": w["sinks"]}
+    return v4, hf, layer, cfg, {n: t.contiguous().clone().requires_grad_() for n, t in params.items()}
+
+
+@pytest.mark.parametrize("impl", ["torch", "flex"])
+def test_deepseek_v4_sliding_attention_matches_transformers(impl):
+    """DeepSeek-V4's attention (its sliding layers): the queries from a normed q latent (q_rank on grouped-query attention)
+    and normed per head without weights, the one key head normed with weights (qk_norm "head_k"), RoPE on each head's last
+    8 channels in pairs (rope_last), values the keys, sinks, a window of 5, the grouped output projection. fmoe's layer
+    against transformers' DeepseekV4Attention of the same weights, over two documents each run on its own there (the
+    SDPA reference with its gradients reaching every weight, and FlexAttention's forward)."""
+    v4, hf, layer, cfg, params = _dsv4_attention_layer()
+    cfg = dataclasses.replace(cfg, impl=impl)
+    rotary = v4.DeepseekV4RotaryEmbedding(hf)
+    x, cu = torch.randn(15, H), torch.tensor([0, 9, 15])
+    want = []
+    with torch.no_grad():
+        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            xs, pos = x[a:b][None], torch.arange(b - a)[None]
+            allowed = (pos[0][:, None] >= pos[0][None]) & (pos[0][:, None] - pos[0][None] < 5)
+            mask = torch.zeros(b - a, b - a).masked_fill(~allowed, float("-inf"))[None, None]
+            want.append(layer(xs, {"main": rotary(xs, pos, layer_type="main")}, pos, mask)[0][0])
+    with torch.set_grad_enabled(impl == "torch"):  # FlexAttention has no backward on CPU
+        y, _ = attention(x, params, cfg, _ctx(cu, cfg))
+    torch.testing.assert_close(y, torch.cat(want), rtol=1e-4, atol=1e-5)
+    if impl == "torch":
+        y.square().sum().backward()
+        assert all(float(t.grad.abs().max()) > 0 for t in params.values())
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rope_on_the_last_channels_is_rope_on_the_first_of_the_channels_turned_around(interleaved):
+    """rope_last (DeepSeek-V4's [nope | rope] heads) against the leading RoPE of the same heads with each head's channels
+    reordered [last rot_dim | first head_dim - rot_dim]: wq and wk's columns, the k_norm weights, and with kv_shared (the
+    output in the keys' channels) wo's rows reordered alike; outputs and gradients equal. Its knobs are checked."""
+    base = AttentionConfig(n_heads=4, n_kv_heads=2, head_dim=16, rot_dim=6, interleaved=interleaved, qk_norm="head_k", kv_shared=True, impl="torch")
+    last = dataclasses.replace(base, rope_last=True)
+    order = torch.cat([torch.arange(10, 16), torch.arange(10)])  # each head's channels as the leading RoPE sees them
+
+    def heads(t, n, dim):  # the head_dim-long runs of t's dim turned around
+        return t.unflatten(dim, (n, 16)).index_select(dim + 1, order).flatten(dim, dim + 1)
+
+    torch.manual_seed(0)
+    p = {n: t for n, t in _params(base).items() if n != "wv"}
+    p["k_norm"] = (torch.rand(16) + 0.5).requires_grad_()
+    turned = {"wq": heads(p["wq"], 4, 1), "wk": heads(p["wk"], 2, 1), "k_norm": p["k_norm"][order], "wo": heads(p["wo"], 4, 0)}
+    turned = {n: t.detach().requires_grad_() for n, t in turned.items()}
+    x, cu = torch.randn(13, H), torch.tensor([0, 6, 13])
+    y_last, _ = attention(x, p, last, _ctx(cu, last))
+    y_first, _ = attention(x, turned, base, _ctx(cu, base))
+    torch.testing.assert_close(y_last, y_first, rtol=1e-5, atol=1e-5)
+    y_last.square().sum().backward()
+    y_first.square().sum().backward()
+    torch.testing.assert_close(heads(p["wq"].grad, 4, 1), turned["wq"].grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(p["k_norm"].grad[order], turned["k_norm"].grad, rtol=1e-4, atol=1e-5)
+    # the leading RoPE of the same weights is another function
+    assert (attention(x, p, base, _ctx(cu, base))[0] - y_last).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("knobs, message", [
+    (dict(rope_last=1), r"rope_last: expected a bool, got 1"),
+    (dict(rope_last=True), r"rope_last: rotates the last rot_dim channels of each head, needs rot_dim < head_dim = 16, got rot_dim None"),
+    (dict(rope_last=True, rot_dim=16), r"rope_last: .*got rot_dim 16"),
+    (dict(rope_last=True, n_kv_heads=4, kv_rank=6, rot_dim=4), r"rope_last: .* not with kv_rank"),
+    (dict(q_rank=0), r"q_rank: expected None or a positive int \(the q latent's width\), got 0"),
+    (dict(q_rank=8, n_heads=4, moa_experts=3, moa_topk=2), r"q_rank: not with a mixture of attention heads"),
+    (dict(q_rank=8, gate_on_q=True), r"gate_on_q: a knob of multi-latent attention's q latent, a bool, True needs q_rank and kv_rank"),
+    (dict(qk_norm="head_q"), r"qk_norm: expected None, 'head', 'proj', 'rms', 'head_layer', 'layer' or 'head_k', got 'head_q'"),
+])
+def test_deepseek_v4_attention_knobs_are_checked(knobs, message):
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(CFG, **knobs)
+
+
+def test_a_q_latent_and_head_k_norms_take_their_own_params():
+    """Grouped-query attention with q_rank reads wq_a, q_a_norm, wq_b in place of wq (a wq is refused, a missing one
+    named); qk_norm "head_k" takes k_norm alone (a q_norm is refused)."""
+    _, _, _, cfg, params = _dsv4_attention_layer()
+    x, cu = torch.randn(7, H), torch.tensor([0, 7])
+    ctx = _ctx(cu, cfg)
+    with pytest.raises(ValueError, match=re.escape("params['wq_b']: expected torch.float32 [12, 64], got nothing")):
+        attention(x, {n: t for n, t in params.items() if n != "wq_b"}, cfg, ctx)
+    with pytest.raises(ValueError, match=re.escape("params['q_a_norm']: expected a [12] norm weight, got nothing")):
+        attention(x, {n: t for n, t in params.items() if n != "q_a_norm"}, cfg, ctx)
+    with pytest.raises(ValueError, match=r"params: unknown attention parameters \['wq'\]"):
+        attention(x, {**params, "wq": torch.randn(H, 64)}, cfg, ctx)
+    with pytest.raises(ValueError, match=re.escape("params['q_norm']: expected none with cfg.qk_norm = 'head_k'")):
+        attention(x, {**params, "q_norm": torch.ones(16)}, cfg, ctx)
+    with pytest.raises(ValueError, match=re.escape("params['k_norm']: expected a weight with cfg.qk_norm = 'head_k'")):
+        attention(x, {n: t for n, t in params.items() if n != "k_norm"}, cfg, ctx)
+
+
 def F_sdpa(q_TND, k_TGD, v_TGD, mask, cfg):
     """Grouped-query attention of q [T, N, D] over k, v [T, G, D] under a bool mask [T, S] -> [T, N, D]."""
     r = q_TND.shape[1] // k_TGD.shape[1]

@@ -232,8 +232,12 @@ VARIANTS = {
     # the router plus the expert bias, the chosen renormalised and scaled, the SwiGLUs clamped; the grouped output projection
     # (2 groups of 2 heads, each to 6 channels), shared key-value heads (the values the normed, rotated keys, the outputs
     # rotated back) and attention sinks in every attention block
+    # DeepSeek-V4's pieces: hash and sqrt(softplus) routing, the clamped SwiGLU, a q latent, RoPE on each head's last 4
+    # channels in pairs, the queries' weightless norm beside the keys' weighted one, shared key-value heads, sinks, the
+    # grouped output projection, a window
     "dsv4": dataclasses.replace(TINY, score="sqrtsoftplus", hash_layers=1, route_scale=1.5, swiglu_limit=0.5, shared_swiglu_limit=0.5,
-                                mtp_depth=1, o_groups=2, o_rank=6, kv_shared=True, qk_norm="head", attn_sinks=True),
+                                mtp_depth=1, o_groups=2, o_rank=6, kv_shared=True, qk_norm="head_k", attn_sinks=True, q_rank=10, rope_dim=4,
+                                rope_last=True, rope_interleaved=True, window=5, window_layers=(0, 2)),
 }
 
 

@@ -355,7 +355,8 @@ class AttentionParallel(_HeadsRegion):
         elif cfg.moa_experts is not None:  # a mixture of attention heads: each expert's query and output projections by their kv heads
             dims = {"wq": 2, "wk": 1, "wv": 1, "wo": 1}
         else:
-            dims = {"wq": 1, "wk": 1, "wo": 0, **({"wv": 1} if cfg.has_wv else {})}  # k_eq_v, kv_shared: no wv
+            # k_eq_v, kv_shared: no wv; a q latent (q_rank, DeepSeek-V4's): wq_b by heads, wq_a and q_a_norm replicated
+            dims = {"wq" if cfg.q_rank is None else "wq_b": 1, "wk": 1, "wo": 0, **({"wv": 1} if cfg.has_wv else {})}
             dims.update({n: 0 for n in ("bq", "bk", "bv") if getattr(module, n, None) is not None})
         if getattr(module, "sinks", None) is not None:
             dims["sinks"] = 0

@@ -229,7 +229,8 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
     Grouped-query attention with a value head dim of its own (v_head_dim) counts H N D + H G
     (D + Dv) + N Dv H projection weights, G = local_kv_heads, N = local_heads and D =
     local_head_dim in the local blocks where set; without wv (global_k_eq_v, the global
-    blocks; every block with kv_shared) H N D + H G D + N Dv H. The grouped output projection (cfg.o_groups g, o_rank r)
+    blocks; every block with kv_shared) H N D + H G D + N Dv H; a q latent (q_rank) H q_rank + q_rank N D in
+    place of H N D. The grouped output projection (cfg.o_groups g, o_rank r)
     counts N Dv r + g r H in place of N Dv H (either attention kind). A mixture of attention
     heads (cfg.moa_experts E) counts the k G = N heads a token computes, and its router's H E. Gemma 4's dense MLP beside each MoE (dense_beside_moe)
     adds 6 x 3 H ffn_dense per MoE block (trunk and MTP).
@@ -275,7 +276,7 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
             weights += q_in(attn_cfg) * cfg.n_heads * (1 if cfg.attn_gate_per_head else cfg.v_head_dim)
         attention = dict(attention_weights=weights, v_dim=cfg.v_head_dim)
     elif any(getattr(cfg, n, None) is not None for n in ("v_head_dim", "local_kv_heads", "local_heads", "local_head_dim", "o_groups",
-                                                         "moa_experts")) or getattr(cfg, "global_k_eq_v", False) or getattr(cfg, "kv_shared", False):
+                                                         "moa_experts", "q_rank")) or getattr(cfg, "global_k_eq_v", False) or getattr(cfg, "kv_shared", False):
         # grouped-query attention with its own value head dim, other kv or query heads or head dim in the local blocks,
         # or no wv in the global ones
         v_head_dim = getattr(cfg, "v_head_dim", None)
@@ -284,7 +285,9 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
             Dv, g, r = v_head_dim or D, getattr(cfg, "o_groups", None), getattr(cfg, "o_rank", None)
             out = N * Dv * cfg.hidden if g is None else N * Dv * r + g * r * cfg.hidden  # wo, or the grouped output projection's wo_a and wo
             router = cfg.hidden * (getattr(cfg, "moa_experts", None) or 0)  # a mixture of attention heads' router [H, E]
-            return cfg.hidden * (N * D + G * (D + (0 if k_eq_v else Dv))) + out + router
+            q_rank = getattr(cfg, "q_rank", None)  # a q latent (DeepSeek-V4's): wq_a [H, q_rank], wq_b [q_rank, N D] in place of wq
+            q = cfg.hidden * N * D if q_rank is None else (cfg.hidden + N * D) * q_rank
+            return q + cfg.hidden * G * (D + (0 if k_eq_v else Dv)) + out + router
 
         no_wv = getattr(cfg, "kv_shared", False)  # no wv in any block
         attention = dict(attention_weights=gqa(cfg.n_kv_heads, cfg.n_heads, cfg.head_dim, getattr(cfg, "global_k_eq_v", False) or no_wv),

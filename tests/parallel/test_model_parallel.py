@@ -510,6 +510,9 @@ CASES = {
     "tp2-mla-o-groups": (2, dict(tp=2), dict(MLA, o_groups=2, o_rank=3)),
     # ...and its shared key-value heads: a rank's kv heads, their values its rotated keys, each rank's queries' outputs turned back
     "tp2-kv-shared": (2, dict(tp=2), dict(kv_shared=True, qk_norm="head", attn_sinks=True)),
+    # DeepSeek-V4's attention: the q latent (wq_a, q_a_norm replicated, wq_b by heads), head_k norms, RoPE on the last channels
+    "tp2-dsv4-attn": (2, dict(tp=2), dict(kv_shared=True, qk_norm="head_k", q_rank=10, rope_dim=4, rope_last=True, rope_interleaved=True,
+                                          attn_sinks=True, o_groups=2, o_rank=6)),
     "cp2-kv-shared": (2, dict(cp=2), dict(kv_shared=True, o_groups=2, o_rank=6)),
     "cp2xtp2-jetmoe": (4, dict(cp=2, tp=2), dict(moa_experts=3, moa_topk=2, moe_out_bias=True)),
     # Nemotron-H's (NEMOTRON_H): a block without an MLP beside the split heads and groups

@@ -418,6 +418,7 @@ COUNTED = {
     "o_groups": dict(o_groups=2, o_rank=6),
     # ...and its shared key-value heads: no wv, in every block
     "kv_shared": dict(kv_shared=True, window=4, window_layers=(0,)),
+    "q latent, head_k": dict(q_rank=10, qk_norm="head_k", rope_dim=4, rope_last=True),  # DeepSeek-V4's queries: wq_a, wq_b in place of wq
     # JetMoE's mixture of attention heads: each token's 2 of 3 experts' query and output projections (the per-expert loop
     # of impl "torch": aten.mm), its router [H, 3], in every attention block and the MTP's
     "jetmoe": dict(moa_experts=3, moa_topk=2, moe_out_bias=True),
