@@ -6,7 +6,7 @@
 A folder holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). Supported `model_type`s: FAMILIES (mixtral, qwen2_moe,
 qwen3_moe, olmoe, flex_olmo, glm4_moe, deepseek_v3, axk1, kimi_k2, kimi_k25, deepseek_v2, deepseek_v32, glm_moe_dsa, hy_v4, hy_v4_vl_text,
-hy_v4_vl, glm4_moe_lite, gpt_oss, solar_open,
+hy_v4_vl, deepseek_v4, glm4_moe_lite, gpt_oss, solar_open,
 exaone_moe, kolibri1, beam, axk2, dots1, minimax_m2, minimax, granitemoe, granitemoeshared, granitemoe_swa, granitemoehybrid, jetmoe, nemotron_h, mamba2, mamba, falcon_mamba, jamba, hunyuan_v1_moe, llama4_text, llama4, afmoe,
 laguna, step3p5, step3p7, aria_text, aria, cohere2_moe, sarvam_moe, sarvam_mla, longcat_flash, bailing_hybrid, flint, hy_v3, mellum, qwen3_next, qwen3_5_moe_text, qwen3_5_moe, lara_mini, qwen3_vl_moe, qwen3_vl, qwen3_omni_moe, glm4v_moe, glm4v, glm46v, ernie4_5_vl_moe, kimi_linear, ernie4_5_moe,
 mimo_v2_flash, lfm2_moe, mistral4, mistral3, dbrx, phimoe, gemma3, gemma4_text, gemma4, gemma4_unified_text, gemma4_unified, muse_spark_text,
@@ -128,6 +128,11 @@ A released HY-V4-VL folder (hy_v4_vl) holds HY-V4's text model with RoPE on inte
 hold it, beside a vision tower (vit.) that is not read; the head's hyper-connection weights
 under model.hc_head.hc_pre. (as transformers writes them) or HY-V4's prefix
 (Family.hyper_head_too); written back as hy_v4_vl_text.
+DeepSeek-V4 (deepseek_v4), its sliding-attention layers (layer_types; its compressed ones, CSA
+and HCA, are refused): manifold hyper-connections (attn_hc / ffn_hc, model.hc_head.hc_), one
+key head (kv_proj, kv_norm) that is its values, queries from q_a_proj, q_a_norm, q_b_proj
+(Family.q_latent), the grouped output projection (o_a_proj, o_b_proj), sinks; hash_moe blocks
+reading gate.tid2eid (Family.hash_table) before sqrt(softplus) MoE blocks; mtp. not read.
 Kolibri-1 (kolibri1): EXAONE's attention in GLM-4's sandwich blocks (the released
 post_attn_norm / post_ffn_norm), every block MoE with a shared expert, routed on the logits
 plus the correction bias (expert_bias_on_logits; released as layers.{i}.moe.router.expert_bias,
@@ -2122,6 +2127,93 @@ def _hy_v4(hf: dict, *, vl: bool = False) -> dict:
                 hc_magnitude=float(hf["hc_magnitude"]), hc_eps=float(hf["hc_eps"]))
 
 
+def _deepseek_v4(hf: dict) -> dict:
+    """DeepSeek-V4 (deepseek_v4) whose attention layers are all sliding_attention (layer_types;
+    its compressed layers, compressed_sparse_attention and heavily_compressed_attention, are
+    not built, and refused): hc_mult streams of manifold hyper-connections
+    (TransformerConfig.hyper_connections, hc_kind "manifold", hc_sinkhorn_iters, hc_eps);
+    attention of num_attention_heads query heads over one key head whose values are its keys
+    (kv_shared), the queries from a normed q_lora_rank latent (q_rank) and RMS-normed per head
+    without weights, the key normed with weights (qk_norm "head_k"), RoPE on each head's last
+    qk_rope_head_dim channels in pairs (rope_last, interleaved; the "main" rope's theta), the
+    output rotated back, a sink per head, a window of sliding_window, and the grouped output
+    projection (o_groups, o_rank = o_lora_rank); every block a MoE of n_routed_experts
+    experts with n_shared_experts shared ones, scored by scoring_func (sqrtsoftplus or
+    sigmoid) with the correction bias, the chosen weights renormalised (always, as transformers
+    does) x routed_scaling_factor, the routed and shared SwiGLUs clamped at swiglu_limit; the
+    first blocks that mlp_layer_types names hash_moe route by their tid2eid table
+    (hash_layers). The MTP layers (mtp.) are not read, as in transformers."""
+    n = hf["num_hidden_layers"]
+    _refuse(hf, "hidden_act", lambda v: v == "silu", "SwiGLU with silu only")
+    kinds = hf.get("layer_types")
+    if kinds is None or len(kinds) != n or set(kinds) != {"sliding_attention"}:
+        raise ValueError(f"config.json: layer_types = {kinds!r} is not supported (sliding_attention in every layer: DeepSeek-V4's compressed "
+                         "attention layers, compressed_sparse_attention and heavily_compressed_attention, are not built)")
+    n_hash = min(n, hf.get("num_hash_layers", 3))
+    mlp = hf.get("mlp_layer_types") or ["hash_moe"] * n_hash + ["moe"] * (n - n_hash)
+    n_hash = sum(kind == "hash_moe" for kind in mlp)
+    if list(mlp) != ["hash_moe"] * n_hash + ["moe"] * (n - n_hash):
+        raise ValueError(f"config.json: mlp_layer_types = {mlp!r} is not supported (hash_moe in the first layers, then moe)")
+    score = hf.get("scoring_func", "sqrtsoftplus")
+    if score not in ("sqrtsoftplus", "sigmoid"):
+        raise ValueError(f"config.json: scoring_func = {score!r} is not supported (sqrtsoftplus or sigmoid)")
+    if score == "sigmoid":
+        _refuse_single_renormalised(hf)
+    limit = hf["swiglu_limit"]
+    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not 0 < limit < math.inf:
+        raise ValueError(f"config.json: swiglu_limit = {limit!r} is not supported (a positive clamp of the SwiGLUs)")
+    for field in ("attention_bias", "mlp_bias"):
+        _refuse(hf, field, lambda v: not v, "no biases in DeepSeek-V4's projections")
+    rp = hf.get("rope_parameters") or {}
+    main = rp["main"] if isinstance(rp.get("main"), dict) else dict(rope_type="default", rope_theta=hf.get("rope_theta", 10000.0))
+    if main.get("rope_type", "default") != "default":
+        raise ValueError(f"config.json: rope_parameters.main of rope type {main.get('rope_type')!r} is not supported (plain RoPE)")
+    D = hf["head_dim"]
+    legacy = hf["qk_rope_head_dim"] / D if hf.get("qk_rope_head_dim") else 64 / 512  # transformers' fallback without partial_rotary_factor
+    factor = main.get("partial_rotary_factor", hf.get("partial_rotary_factor") or legacy)
+    rope_dim = int(D * factor)
+    if not 0 < rope_dim < D or rope_dim % 2:
+        raise ValueError(f"config.json: a rotary part of {rope_dim} channels is not supported (an even number in (0, head_dim = {D}))")
+    window = hf["sliding_window"]
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"config.json: sliding_window = {window!r} is not supported (a positive width)")
+    for field in ("q_lora_rank", "o_groups", "o_lora_rank"):  # every DeepSeek-V4 has its q latent and grouped output projection
+        if isinstance(hf[field], bool) or not isinstance(hf[field], int) or hf[field] < 1:
+            raise ValueError(f"config.json: {field} = {hf[field]!r} is not supported (a positive int)")
+    eps = float(hf["rms_norm_eps"])
+    return dict(vocab_size=hf["vocab_size"], hidden=hf["hidden_size"], n_layers=n, n_heads=hf["num_attention_heads"], n_kv_heads=1, head_dim=D,
+                norm_eps=eps, mla_norm_eps=None if eps == 1e-6 else eps, rope_base=float(main["rope_theta"]), rope_dim=rope_dim, rope_last=True, rope_interleaved=True,
+                q_rank=hf["q_lora_rank"], qk_norm="head_k", kv_shared=True, attn_sinks=True, o_groups=hf["o_groups"], o_rank=hf["o_lora_rank"],
+                window=window, tie_embeddings=bool(hf.get("tie_word_embeddings", False)), n_experts=hf["n_routed_experts"],
+                k=hf["num_experts_per_tok"], ffn_expert=hf["moe_intermediate_size"], ffn_dense=hf["moe_intermediate_size"],
+                n_shared=hf.get("n_shared_experts") or 0, n_dense=0, score=score, expert_bias=True, route_normalize=True,
+                route_scale=_route_scale(hf), hash_layers=n_hash, swiglu_alpha=1.0, swiglu_limit=float(limit), swiglu_offset=0.0,
+                shared_swiglu_limit=float(limit), hyper_connections=hf["hc_mult"], hc_kind="manifold",
+                hc_sinkhorn_iters=hf["hc_sinkhorn_iters"], hc_eps=float(hf["hc_eps"]), mtp_depth=0)
+
+
+def _deepseek_v4_config(cfg: TransformerConfig) -> dict:
+    """config.json of a DeepSeek-V4 model of `cfg` (_deepseek_v4's fields; its sliding layers
+    alone): ValueError where cfg has no such model (config_mismatch names the fields)."""
+    n, f = cfg.n_layers, (cfg.rope_dim or cfg.head_dim) / cfg.head_dim
+    rope = dict(rope_type="default", rope_theta=cfg.rope_base, partial_rotary_factor=f)
+    hf = dict(architectures=[FAMILIES["deepseek_v4"].architecture], model_type="deepseek_v4", vocab_size=cfg.vocab_size, hidden_size=cfg.hidden,
+              num_hidden_layers=n, num_attention_heads=cfg.n_heads, num_key_value_heads=1, head_dim=cfg.head_dim, q_lora_rank=cfg.q_rank,
+              rms_norm_eps=cfg.norm_eps, hidden_act="silu", tie_word_embeddings=cfg.tie_embeddings, partial_rotary_factor=f, rope_theta=cfg.rope_base,
+              rope_parameters=dict(main=rope, compress=dict(rope, rope_theta=160000.0)), layer_types=["sliding_attention"] * n,
+              sliding_window=cfg.window, o_groups=cfg.o_groups, o_lora_rank=cfg.o_rank, scoring_func=cfg.score,
+              mlp_layer_types=["hash_moe" if cfg.is_hash(i) else "moe" for i in range(n)], swiglu_limit=cfg.swiglu_limit,
+              hc_mult=cfg.hyper_connections, hc_sinkhorn_iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, num_experts_per_tok=cfg.k,
+              attention_bias=False, mlp_bias=False, dtype="float32", pad_token_id=None)
+    moe = _deepseek_moe_config(cfg)
+    hf.update({name: moe[name] for name in ("n_routed_experts", "moe_intermediate_size", "n_shared_experts", "routed_scaling_factor")},
+              norm_topk_prob=True, num_nextn_predict_layers=0)
+    mismatch = config_mismatch(cfg, hf)
+    if mismatch:
+        raise ValueError(f"model: its config has no deepseek_v4 equivalent: {mismatch}")
+    return hf
+
+
 def _hy_v4_vl_text(hf: dict) -> dict:
     """HY-V4-VL's text model (hy_v4_vl_text; the released hy_v4_vl folders'): HY-V4's model
     (_hy_v4) with RoPE on interleaved pairs in the attention and the indexer and the latent
@@ -3629,6 +3721,9 @@ class Family:
     qkv_groups: Optional[int] = None  # ...or in this many equal groups, each its heads' q, k and v in turn (CodeGen's 4)
     qkv_order: str = "qkv"  # the order of q, k and v in the module's rows (in each group): CodeGen's "qvk"
     o_proj: str = "o_proj"  # the attention's output projection, under the attention module
+    o_a_proj: str = "o_a_proj"  # the grouped output projection's first (cfg.o_groups; DeepSeek-V4's [g r, N Dv / g]), o_proj the second
+    q_latent: tuple[str, str, str] = ("q_a_proj", "q_a_norm", "q_b_proj")  # a q latent on grouped-query attention (cfg.q_rank): DeepSeek-V4's
+    hash_table: str = "gate.tid2eid"  # a hashed MoE block's table of token ids' experts (cfg.hash_layers), under the MoE block
     sinks: str = "sinks"  # the attention sinks' key, under the attention module
     extra_layers_read: bool = True  # False: the layers after the trunk's (HY-V3's MTP layer) are not read, as in transformers
     # the linear-attention (Gated DeltaNet) blocks' projections: "qkvz", Qwen3-Next's fused in_proj_qkvz and in_proj_ba
@@ -3798,6 +3893,16 @@ _HY_V4 = dict(shared="shared_experts", fused="halves_out", dense_names=("linear_
 # beside the vision tower), or under HY-V4's model.hc_pre.hc_head. (Family.hyper_head_too)
 _HY_V4_VL = dict(_HY_V4, hyper=("hc_pre.hc_attn_layer.hc_", "hc_pre.hc_mlp_layer.hc_", "model.hc_head.hc_pre.hc_head_"),
                  hyper_head_too="model.hc_pre.hc_head.hc_head_")
+# DeepSeek-V4's names as transformers writes them (DeepSeek's own inside each layer: attn, ffn, each expert's w1 / w3 / w2, the
+# correction bias gate.bias; model.embed_tokens, head) (Family's fields), and transformers' defaults of the fields _deepseek_v4 reads
+_DEEPSEEK_V4 = dict(shared="shared_experts", dense_names=("w1", "w3", "w2"), attention="attn", qkv_names=("wq", "wkv", "wv"), o_proj="wo_b",
+                    o_a_proj="wo_a", q_latent=("wq_a", "q_norm", "wq_b"), qk_norms=("q_norm", "norm"), sinks="attn_sink",
+                    norms=("attn_norm", "ffn_norm"), correction_bias="gate.bias", head="head.weight",
+                    hyper=("hc_attn_", "hc_ffn_", "model.hc_head.hc_"), not_read=("mtp.",))
+_DEEPSEEK_V4_DEFAULTS = dict(vocab_size=129280, hidden_size=4096, moe_intermediate_size=2048, num_hidden_layers=43, num_attention_heads=64,
+                             head_dim=512, q_lora_rank=1024, num_experts_per_tok=6, n_routed_experts=256, n_shared_experts=1,
+                             scoring_func="sqrtsoftplus", routed_scaling_factor=1.5, rope_theta=10000.0, hc_mult=4, hc_sinkhorn_iters=20,
+                             hc_eps=1e-6, swiglu_limit=10.0, sliding_window=128, o_groups=8, o_lora_rank=1024, rms_norm_eps=1e-6)
 _HY_V4_DEFAULTS = dict(vocab_size=120832, hidden_size=2816, intermediate_size=6912, moe_intermediate_size=768, num_hidden_layers=34,
                        num_attention_heads=32, rms_norm_eps=1e-5, n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8,
                        routed_scaling_factor=2.827, norm_topk_prob=True, n_group=1, topk_group=1, q_lora_rank=1536, kv_lora_rank=512,
@@ -3875,6 +3980,9 @@ FAMILIES = {
                                         rms_norm_eps=1e-5)),
     # HY-V4: hyper-connections around DeepSeek sparse attention with a gate and sinks (_HY_V4's names)
     "hy_v4": Family(_hy_v4, "mlp", _STACKS, "HYV4ForCausalLM", **_HY_V4, defaults=_HY_V4_DEFAULTS),
+    # DeepSeek-V4: manifold hyper-connections, its sliding attention (a q latent, one key head that is its values, RoPE on the
+    # heads' last channels, the grouped output projection), hash and sqrt(softplus) MoE blocks (_deepseek_v4's names)
+    "deepseek_v4": Family(_deepseek_v4, "ffn", ("w1", "w3", "w2"), "DeepseekV4ForCausalLM", **_DEEPSEEK_V4, defaults=_DEEPSEEK_V4_DEFAULTS),
     # HY-V4-VL's text model (transformers has no causal LM of it alone: its base model's class), and the released folders: that
     # text model as HY-V4's folders hold it, beside the vision tower
     "hy_v4_vl_text": Family(_hy_v4_vl_text, "mlp", _STACKS, "HYV4VLTextModel", **_HY_V4_VL,
@@ -4652,7 +4760,10 @@ def _block_keys(family: Family, cfg: TransformerConfig, p: str, q: str, moe: boo
         out[q + "mlp.latent_norm"] = Tensor((f"{mlp}{family.latent_norm}.weight",))
     if moe and cfg.expert_out_norm:
         out[q + "mlp.expert_out_norm"] = Tensor((f"{mlp}{family.expert_out_norm}.weight",))
-    if moe and cfg.expert_bias:  # HF's e_score_correction_bias: fmoe's expert_bias buffer, whatever the experts' layout
+    hashed = moe and layer is not None and cfg.is_hash(layer)  # a hashed block: its table, and no correction bias (DeepSeek-V4's)
+    if hashed:
+        out[q + "mlp.hash_table"] = Tensor((mlp + family.hash_table,))
+    if moe and cfg.expert_bias and not hashed:  # HF's e_score_correction_bias: fmoe's expert_bias buffer, whatever the experts' layout
         bias = p + family.correction_bias[3:] if family.correction_bias.startswith("../") else mlp + family.correction_bias
         out[q + "mlp.expert_bias"] = Tensor((bias,), unit=family.correction_bias_unit, row=family.correction_bias_row)
     if moe and cfg.shared_size and family.shared_beside:  # Granite: [2Fs, H] gate then up, [H, Fs], beside the MoE block
@@ -4764,8 +4875,15 @@ def _attention_keys(family: Family, cfg: TransformerConfig, p: str, q: str, rope
     else:
         k_eq_v = cfg.global_k_eq_v and (layer is None or not cfg.is_local(layer))  # Gemma 4's global layers: no v_proj
         for ours, theirs in (*zip(("wq", "wk", "wv"), family.qkv_names), ("wo", family.o_proj)):
-            if not (ours == "wv" and k_eq_v):
+            if not (ours == "wv" and (k_eq_v or cfg.kv_shared)) and not (ours == "wq" and cfg.q_rank is not None):
                 out[q + "attn." + ours] = Tensor((f"{attn}{theirs}.weight",), transpose=True)
+        if cfg.q_rank is not None:  # the queries from a normed q latent (DeepSeek-V4's q_a_proj, q_a_norm, q_b_proj)
+            down, norm, up = family.q_latent
+            out[q + "attn.wq_a"] = Tensor((f"{attn}{down}.weight",), transpose=True)
+            out[q + "attn.q_a_norm"] = Tensor((f"{attn}{norm}.weight",))
+            out[q + "attn.wq_b"] = Tensor((f"{attn}{up}.weight",), transpose=True)
+        if cfg.o_groups is not None:  # the grouped output projection: [g r, N Dv / g] rows, group by group, read as wo_a [g, N Dv / g, r]
+            out[q + "attn.wo_a"] = Tensor((f"{attn}{family.o_a_proj}.weight",), transpose=True, experts=cfg.o_groups)
     gate_in_q = cfg.attn_gate and family.gate_in_q and cfg.kv_rank is None
     if gate_in_q:  # Qwen3-Next: q_proj's rows are per head its query's D rows, then its gate's
         out[q + "attn.wq"] = Tensor((attn + "q_proj.weight",), transpose=True, chunk=(0, (1, 1)), groups=cfg.heads(layer))
@@ -4784,6 +4902,8 @@ def _attention_keys(family: Family, cfg: TransformerConfig, p: str, q: str, rope
         out[q + "attn.wg"] = Tensor((attn + family.gate_proj + ".weight",), transpose=True)
     if cfg.attn_gate_bias:  # its bias per head (Beam's gate_bias)
         out[q + "attn.bg"] = Tensor((attn + "gate_bias",))
+    if cfg.qk_norm == "head_k" and (rope or cfg.nope_qk_norm):  # the keys' weights alone (DeepSeek-V4's kv_norm)
+        out[q + "attn.k_norm"] = Tensor((f"{attn}{family.qk_norms[1]}.weight",))
     if cfg.qk_norm in ("head", "proj", "head_layer", "layer") and (rope or cfg.nope_qk_norm):  # weighted norms ("rms" has none)
         parts = ("weight", "bias") if cfg.qk_norm_bias else ("weight",)  # the LayerNorms' biases beside (Chameleon's, Persimmon's)
         for part in parts:
@@ -5293,9 +5413,9 @@ def _swap_last(dims: tuple) -> tuple:
 
 
 def _tensors(model: Transformer) -> dict[str, torch.Tensor]:
-    """The model's parameters and its expert-bias and layer-scalar buffers by name (what a checkpoint holds)."""
+    """The model's parameters and its expert-bias, layer-scalar and hash-table buffers by name (what a checkpoint holds)."""
     out = dict(model.named_parameters())
-    out.update((n, b) for n, b in model.named_buffers() if n.endswith(("expert_bias", "layer_scalar")))
+    out.update((n, b) for n, b in model.named_buffers() if n.endswith(("expert_bias", "layer_scalar", "hash_table")))
     return out
 
 
@@ -5608,6 +5728,8 @@ def hf_config(cfg: TransformerConfig, model_type: str) -> dict:
     if model_type not in FAMILIES:
         raise ValueError(f"model_type: expected one of {', '.join(FAMILIES)}, got {model_type!r}")
     _check_writable(model_type)
+    if model_type == "deepseek_v4":  # its own fields throughout
+        return _deepseek_v4_config(cfg)
     if model_type == "dbrx":  # its own names, the attention's and the experts' fields in their own dicts (transformers' attention reads
         # attn_config.rope_theta, its RoPE the top level's)
         ffn = dict(ffn_act_fn={"name": "silu"}, ffn_hidden_size=cfg.ffn_expert, moe_num_experts=cfg.n_experts, moe_top_k=cfg.k,
@@ -6397,6 +6519,8 @@ def _converted(name: str, spec: Tensor, full: torch.Tensor, copies, parts: dict,
     out = [(key, full.to(dtype).clone()) for key in copies]
     if name.endswith("expert_bias"):  # float32 in every checkpoint (HF keeps the correction bias float32)
         return [*out, (spec.keys[0], _with_units(spec, full).contiguous())]
+    if not full.is_floating_point():  # a hashed block's table of expert ids (DeepSeek-V4's tid2eid): int64, as stored
+        return [*out, (spec.keys[0], full.contiguous())]
     if spec.part is None and spec.chunk is None:
         return [*out, *_stored(spec, full, dtype)]
     key = spec.keys[0]

@@ -501,8 +501,9 @@ class TransformerConfig:
     rope_dim the rope part, n_kv_heads = n_heads; fmoe.layers.AttentionConfig); mla_scales
     (with q_rank and kv_rank): its queries times sqrt(hidden / q_rank) and its normed kv
     latent times sqrt(hidden / kv_rank) (LongCat-Flash's; AttentionConfig.latent_scales);
-    mla_norm_eps: the q and kv latents' RMSNorms' eps (None: 1e-6, DeepSeek's; HY-V4-VL's
-    rms_norm_eps). q_latent_raw (with q_rank): wq_b reads the q latent normed and as it is, [2 q_rank, N D],
+    mla_norm_eps: the q and kv latents' RMSNorms' eps (grouped-query attention's q latent's too) (None: 1e-6, DeepSeek's; HY-V4-VL's
+    rms_norm_eps). q_rank without kv_rank: grouped-query attention's queries from a normed q_rank
+    latent (DeepSeek-V4's; AttentionConfig.q_rank). q_latent_raw (with q_rank and kv_rank): wq_b reads the q latent normed and as it is, [2 q_rank, N D],
     and attn_gate_on_q: the output gate reads that input instead of x (A.X-K2's;
     AttentionConfig.q_latent_raw, gate_on_q). norm_gate_rank r (None: off): the attention's
     pre-norm of every block and the MLP's of MoE blocks are GatedRMSNorms, y = rmsnorm(x)
@@ -1464,8 +1465,9 @@ class TransformerConfig:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                 raise ValueError(f"{name}: expected a positive finite number, got {value!r}")
         eps = self.mla_norm_eps
-        if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf or self.kv_rank is None):
-            raise ValueError(f"mla_norm_eps: multi-latent attention's latent norms' eps (with kv_rank), None or a finite number >= 0, got {eps!r}")
+        if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf
+                                or (self.kv_rank is None and self.q_rank is None)):
+            raise ValueError(f"mla_norm_eps: the latent norms' eps (with kv_rank or q_rank), None or a finite number >= 0, got {eps!r}")
         if self.moe_latent_norm and self.moe_latent is None:
             raise ValueError("moe_latent_norm: the norm of a latent MoE's experts' input, needs moe_latent")
         if self.attn_out_norm and self.kv_rank is not None:

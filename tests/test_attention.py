@@ -1004,8 +1004,8 @@ def test_multi_latent_attention_bad_inputs():
         dataclasses.replace(MLA, rot_dim=None)
     with pytest.raises(ValueError, match="qk_norm: not with multi-latent attention"):
         dataclasses.replace(MLA, qk_norm="head")
-    with pytest.raises(ValueError, match="q_rank: a multi-latent attention knob, needs kv_rank"):
-        dataclasses.replace(CFG, q_rank=8)
+    with pytest.raises(ValueError, match="q_rank: expected None or a positive int"):  # without kv_rank: grouped-query attention's q latent
+        dataclasses.replace(CFG, q_rank=True)
     with pytest.raises(ValueError, match="v_dim: expected a positive int"):
         dataclasses.replace(MLA, v_dim=0)
     for bad in (0, True, 1.5):  # grouped-query attention's value head dim

@@ -21,7 +21,8 @@ from fmoe.model import Transformer, TransformerConfig  # noqa: E402
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "deepseek_v2", "granitemoeshared", "hunyuan_v1_moe", "exaone_moe", "llama4_text",
-                                    "granitemoe_swa", "afmoe", "flint", "mellum", "qwen3_next", "mistral4", "ministral3", "olmo3", "smollm3", "glm4", "mimo_v2_flash", "lfm2_moe"])
+                                    "granitemoe_swa", "afmoe", "flint", "mellum", "qwen3_next", "mistral4", "ministral3", "olmo3", "smollm3", "glm4", "mimo_v2_flash", "lfm2_moe",
+                                    "deepseek_v4"])
 def test_greedy_matches_transformers_generate(tmp_path, family):
     """Through fmoe's KV cache (DeepSeek-V3 / -V2: multi-latent attention absorbed, latents
     cached; -V2 without the low-rank q; Granite: the embedding, attention and residual
@@ -40,8 +41,9 @@ def test_greedy_matches_transformers_generate(tmp_path, family):
     NoPE over a 3-token window ring; GLM-4: sandwich norms, RoPE on interleaved pairs of half
     of each head; MiMo-V2-Flash: values of their own dim, scaled, a 3-token window ring of
     twice the kv heads with sinks in layer 1; LFM2-MoE: layer 0 a gated short convolution, its
-    last 2 inputs carried from the prompt through every step) against transformers' own
-    generate and cache."""
+    last 2 inputs carried from the prompt through every step; DeepSeek-V4: manifold streams,
+    a 3-token window ring of its one key head that is its values, RoPE on each head's last
+    channels, layer 0 routed by its hash table) against transformers' own generate and cache."""
     transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]'")
     import fmoe.hf
 
@@ -124,6 +126,11 @@ def test_greedy_matches_transformers_generate(tmp_path, family):
         config = transformers.Lfm2MoeConfig(**common, num_key_value_heads=2, intermediate_size=40, moe_intermediate_size=16, num_experts=4,
                                             num_experts_per_tok=2, num_dense_layers=1, layer_types=["conv", "full_attention"],
                                             bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    elif family == "deepseek_v4":
+        config = transformers.DeepseekV4Config(**common, head_dim=16, q_lora_rank=12, partial_rotary_factor=0.5, moe_intermediate_size=16,
+                                               n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1, layer_types=["sliding_attention"] * 2,
+                                               mlp_layer_types=["hash_moe", "moe"], hc_mult=2, sliding_window=3, o_groups=2, o_lora_rank=5,
+                                               bos_token_id=None, eos_token_id=None, pad_token_id=None)
     elif family == "glm4":
         config = transformers.Glm4Config(**common, num_key_value_heads=2, head_dim=8, intermediate_size=40, pad_token_id=None)
     else:
@@ -140,6 +147,9 @@ def test_greedy_matches_transformers_generate(tmp_path, family):
             if name.endswith("router.gate.weight"):  # AFMoE starts its routers at zero: every expert tied, picked in no defined order
                 p.normal_(0.0, 0.02)
             p.mul_(8.0)  # sharper logits: no near-ties for greedy to split on
+        for name, b in ref.named_buffers():
+            if name.endswith("tid2eid"):  # DeepSeek-V4's hash table (zeros at initialisation): k distinct experts per token id
+                b.copy_(torch.rand(b.shape[0], config.n_routed_experts).argsort(dim=1)[:, :b.shape[1]])
     ref.save_pretrained(tmp_path)
     model, _ = fmoe.hf.from_pretrained(tmp_path, impl="torch")
     prompt = [3, 17, 42, 5]

@@ -379,6 +379,14 @@ FAMILIES = {
         moe_intermediate_size=12, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1, n_group=2, topk_group=1, q_lora_rank=12,
         kv_lora_rank=8, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5, routed_scaling_factor=2.5, index_topk=3, index_n_heads=8,
         index_head_dim=6, hc_mult=3, hc_magnitude=1.7, swiglu_limit=0.5, bos_token_id=None, eos_token_id=None, pad_token_id=None),
+    # DeepSeek-V4's sliding layers: 3 manifold streams; a q latent of 12, one key head of 16 that is its values, RoPE on its last
+    # 8 channels in pairs, a window of 6, sinks, 2 output groups of rank 5; layer 0 hashed, then 8 experts on sqrt(softplus)
+    # with the correction bias, renormalised x 1.5, beside a shared one, the SwiGLUs clamped at 0.5
+    "deepseek_v4": lambda: transformers.DeepseekV4Config(
+        vocab_size=V, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, head_dim=16, q_lora_rank=12, partial_rotary_factor=0.5,
+        moe_intermediate_size=12, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1, layer_types=["sliding_attention"] * 3,
+        mlp_layer_types=["hash_moe", "moe", "moe"], hc_mult=3, hc_sinkhorn_iters=5, sliding_window=6, o_groups=2, o_lora_rank=5,
+        routed_scaling_factor=1.5, swiglu_limit=0.5, max_position_embeddings=128, bos_token_id=None, eos_token_id=None, pad_token_id=None),
     # multi-latent attention without the low-rank q, YaRN with mscale == mscale_all_dim (the
     # -Lite release's); softmax over every expert, 4 groups of 2 scored by their best expert
     # (group_limited_greedy), the top-3 probabilities x 2.5; a shared expert, layer 0 dense
@@ -656,6 +664,8 @@ def folders(tmp_path_factory):
             for bname, b in model.named_buffers():  # the routers' correction biases; Gemma 4's layer scalars
                 if bname.endswith(("e_score_correction_bias", "feed_forward.expert_bias")):  # LFM2-MoE's too
                     b.copy_(0.2 * torch.randn_like(b))
+                elif bname.endswith("tid2eid"):  # DeepSeek-V4's hash tables: k distinct experts per token id
+                    b.copy_(torch.rand(b.shape[0], config.n_routed_experts).argsort(dim=1)[:, :b.shape[1]])
                 elif bname.endswith("layer_scalar"):
                     b.copy_(0.5 + torch.rand_like(b))
         path = tmp_path_factory.mktemp(name)
@@ -2718,6 +2728,19 @@ BAD_CONFIGS = [
     ("hy_v4", lambda c: c.update(swiglu_limit=0.0), r"config.json: swiglu_limit = 0.0 is not supported \(a positive clamp"),
     ("hy_v4", lambda c: c.update(attention_bias=True), r"config.json: attention_bias = True is not supported"),
     ("hy_v4", lambda c: c.update(indexer_types=["shared", "full", "full"]), r"config.json: indexer_types = .* is not supported"),
+    ("deepseek_v4", lambda c: c.update(layer_types=["sliding_attention", "heavily_compressed_attention", "compressed_sparse_attention"]),
+     r"config.json: layer_types = .* is not supported \(sliding_attention in every layer: DeepSeek-V4's compressed attention layers"),
+    ("deepseek_v4", lambda c: c.update(layer_types=None), r"config.json: layer_types = None is not supported"),
+    ("deepseek_v4", lambda c: c.update(mlp_layer_types=["moe", "hash_moe", "moe"]),
+     r"config.json: mlp_layer_types = \['moe', 'hash_moe', 'moe'\] is not supported \(hash_moe in the first layers, then moe\)"),
+    ("deepseek_v4", lambda c: c.update(scoring_func="softmax"), r"config.json: scoring_func = 'softmax' is not supported \(sqrtsoftplus or sigmoid\)"),
+    ("deepseek_v4", lambda c: c.update(scoring_func="sigmoid", num_experts_per_tok=1), r"config.json: num_experts_per_tok = 1 is not supported"),
+    ("deepseek_v4", lambda c: c.update(q_lora_rank=None), r"config.json: q_lora_rank = None is not supported \(a positive int\)"),
+    ("deepseek_v4", lambda c: c.update(swiglu_limit=0.0), r"config.json: swiglu_limit = 0.0 is not supported \(a positive clamp"),
+    ("deepseek_v4", lambda c: c.update(attention_bias=True), r"config.json: attention_bias = True is not supported"),
+    ("deepseek_v4", lambda c: c.update(hidden_act="gelu"), r"config.json: hidden_act = 'gelu' is not supported"),
+    ("deepseek_v4", lambda c: c["rope_parameters"]["main"].update(rope_type="yarn"),
+     r"config.json: rope_parameters.main of rope type 'yarn' is not supported"),
     ("longcat_flash", lambda c: c.update(qk_head_dim=11), r"config.json: qk_head_dim = 11 is not supported \(qk_nope_head_dim \+ qk_rope_head_dim = 10\)"),
     ("longcat_flash", lambda c: c.update(q_lora_rank=None), r"config.json: q_lora_rank = None is not supported \(a q latent"),
     ("longcat_flash", lambda c: c.update(zero_expert_type="constant"), r"config.json: zero_expert_type = 'constant' is not supported \(identity"),
@@ -4167,7 +4190,8 @@ def _load_sharded(rank, world, path, family, out):
     return read, full
 
 
-SHARDED_FAMILIES = ("qwen3_moe", "deepseek_v3", "gpt_oss", "granitemoeshared", "sarvam_moe", "kimi_linear", "laguna", "dbrx", "phimoe", "minimax")
+SHARDED_FAMILIES = ("qwen3_moe", "deepseek_v3", "gpt_oss", "granitemoeshared", "sarvam_moe", "kimi_linear", "laguna", "dbrx", "phimoe", "minimax",
+                    "deepseek_v4")
 TP_FAMILIES = ("sarvam_moe", "kimi_linear", "laguna")  # Laguna's: each block's own query heads, a gate column per head
 
 
@@ -4377,6 +4401,39 @@ def test_kolibri1_routes_on_the_logits_plus_the_bias_and_reads_its_layer_pattern
     plain = _edit(path, tmp_path / "plain", lambda c: c.update(sliding_window=None, layer_types=["full_attention"] * 3))
     _, cfg = hf.read_config(plain)
     assert cfg.window is None and cfg.nope_layers is None
+
+
+def test_deepseek_v4_reads_its_sliding_layers_hash_tables_and_leaves_its_mtp_layers_unread(folders, tmp_path):
+    """DeepSeek-V4's sliding layers: the config reads as its pieces (manifold streams, a q latent, one key head that is its
+    values with RoPE on its last channels in pairs, the queries' weightless norm, sinks, a window, the grouped output
+    projection; hashed then sqrt(softplus) MoE blocks), the hash table is read as stored (int64) and the hashed block has no
+    correction bias; a folder that also holds DeepSeek's MTP layers (mtp.) loads with the same logits. An older config
+    that names qk_rope_head_dim and num_hash_layers instead reads the same. A model of fmoe's own without the streams has
+    no deepseek_v4 equivalent (named), nor one without the grouped output projection, which every DeepSeek-V4 has."""
+    path, ref = folders["deepseek_v4"]
+    model, cfg = hf.from_pretrained(path, impl="torch")
+    assert (cfg.hyper_connections, cfg.hc_kind, cfg.hc_sinkhorn_iters, cfg.n_kv_heads, cfg.q_rank, cfg.rope_dim, cfg.rope_last,
+            cfg.rope_interleaved, cfg.qk_norm, cfg.kv_shared, cfg.attn_sinks, cfg.window, cfg.o_groups, cfg.o_rank) == (
+        3, "manifold", 5, 1, 12, 8, True, True, "head_k", True, True, 6, 2, 5)
+    assert (cfg.hash_layers, cfg.score, cfg.route_scale, cfg.swiglu_limit, cfg.shared_swiglu_limit, cfg.n_dense) == (1, "sqrtsoftplus", 1.5, 0.5, 0.5, 0)
+    table = model.blocks[0].mlp.hash_table
+    assert table.dtype == torch.int64 and torch.equal(table, ref.model.layers[0].mlp.gate.tid2eid)
+    assert not hasattr(model.blocks[0].mlp, "expert_bias") or model.blocks[0].mlp.expert_bias is None
+    docs, ids, cu = _packed()
+    with torch.no_grad():
+        want = model.logits(ids, cu)
+        with_mtp = _with_extra_key(path, tmp_path / "mtp", "mtp.0.attn.wq_a.weight", torch.randn(12, 32))
+        torch.testing.assert_close(hf.from_pretrained(with_mtp, impl="torch")[0].logits(ids, cu), want, rtol=0, atol=0)
+
+    def legacy(c):
+        del c["partial_rotary_factor"], c["rope_parameters"], c["mlp_layer_types"]
+        c.update(qk_rope_head_dim=8, num_hash_layers=1)
+
+    assert hf.read_config(_edit(path, tmp_path / "legacy", legacy))[1] == dataclasses.replace(cfg, impl="auto")
+    with pytest.raises(ValueError, match=r"model: its config has no deepseek_v4 equivalent: .*'kv_shared': \(False, True\)"):
+        hf.hf_config(dataclasses.replace(cfg, kv_shared=False), "deepseek_v4")
+    with pytest.raises(ValueError, match=r"config.json: o_groups = None is not supported \(a positive int\)"):
+        hf.hf_config(dataclasses.replace(cfg, o_groups=None, o_rank=None), "deepseek_v4")
 
 
 def test_lara_mini_reads_its_fused_projection_norms_and_layer_pattern(folders, tmp_path):

@@ -554,7 +554,7 @@ def test_residual_gates_weigh_each_add_and_attn_out_norm_norms_each_head_s_outpu
                             (dict(kv_rank=6, q_rank=8, head_dim=12, rope_dim=4, n_kv_heads=4, v_head_dim=5),
                              r"attn_out_norm: each grouped-query attention head's output normed, not multi-latent attention's \(kv_rank\)"),
                             (dict(attn_out_norm=1), "attn_out_norm: expected a bool, got 1"),
-                            (dict(mla_norm_eps=1e-5), r"mla_norm_eps: multi-latent attention's latent norms' eps \(with kv_rank\)")):
+                            (dict(mla_norm_eps=1e-5), r"mla_norm_eps: the latent norms' eps \(with kv_rank or q_rank\)")):
         with pytest.raises(ValueError, match=message):
             dataclasses.replace(cfg, **change)
     # mla_norm_eps: the latents' norms' eps (HY-V4-VL's rms_norm_eps; 1e-6 by default)
@@ -1185,7 +1185,7 @@ def test_bad_configs():
                          (dict(head_bias=1), "head_bias: expected a bool, got 1")):
         with pytest.raises(ValueError, match=said):
             TransformerConfig(**kwargs)
-    with pytest.raises(ValueError, match=r"qk_norm_after_rope: needs per-head norms \(qk_norm 'head' or 'rms'\), got qk_norm='proj'"):
+    with pytest.raises(ValueError, match=r"qk_norm_after_rope: needs per-head norms \(qk_norm 'head', 'rms' or 'head_k'\), got qk_norm='proj'"):
         TransformerConfig(qk_norm="proj", qk_norm_after_rope=True)
     model = Transformer(dataclasses.replace(TINY, mtp_depth=1))
     with pytest.raises(ValueError, match=r"batch: missing \['mtp_input_ids'"):
@@ -1543,14 +1543,14 @@ _SMALL = dict(vocab_size=40, hidden=32, n_layers=4, n_dense=1, ffn_dense=48, n_e
 @pytest.mark.parametrize("overrides, message", [
     (dict(moe_layers=(1, 4)), r"moe_layers: expected distinct block indices in 0..3"),
     (dict(moe_layers=(1, 1)), r"moe_layers: expected distinct"),
-    (dict(qk_norm="layernorm"), r"qk_norm: expected None, 'head', 'proj', 'rms', 'head_layer' or 'layer', got 'layernorm'"),
+    (dict(qk_norm="layernorm"), r"qk_norm: expected None, 'head', 'proj', 'rms', 'head_layer', 'layer' or 'head_k', got 'layernorm'"),
     (dict(rope_dim=7), r"rope_dim: expected an even int in 2..head_dim"),
     (dict(n_shared=0, shared_gate=True), r"shared_gate: needs shared experts"),
     (dict(shared_ffn=-1), r"shared_ffn: expected an int >= 0 or None"),
     (dict(logit_softcap=0.0), r"logit_softcap: expected None or a positive finite number, got 0.0"),
     (dict(norm_gate_rank=0), r"norm_gate_rank: expected >= 1, got 0"),
     (dict(norm_gate_rank=2, layer_norms=True), r"norm_gate_rank: gates the blocks' plain RMSNorm pre-norms, needs pre_norms and not layer_norms"),
-    (dict(q_latent_raw=True), r"q_latent_raw: a knob of multi-latent attention's q latent, a bool, True needs q_rank \(got True\)"),
+    (dict(q_latent_raw=True), r"q_latent_raw: a knob of multi-latent attention's q latent, a bool, True needs q_rank and kv_rank \(got True\)"),
     (dict(attn_gate_on_q=True), r"attn_gate_on_q: the output gate reads the q latent, needs attn_gate=True"),
     (dict(attn_gate_bias=True), r"attn_gate_bias: the output gate's bias per head, a bool, True needs attn_gate=True"),
     (dict(nope_temperature_kind="power"), r"nope_temperature_kind: the form of the NoPE blocks' query scale, needs nope_temperature_floor"),
