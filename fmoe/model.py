@@ -1896,6 +1896,7 @@ class Attention(KeepsFloat32):
             y_TH, stats = attention(x_TH, params, self.cfg, ctx, index_choice=choice)
         else:
             params.update({n: tp.share(params[n]) if n == "bo" else tp.weight(params[n]) for n in tp.replicated})  # bo: added once
+            params = tp.kv_columns(params, self.cfg.head_dim, self.cfg.v_dim or self.cfg.head_dim)  # fewer kv heads than ranks: this rank's
             y_TH, stats = attention(x_TH, params, self.cfg, ctx, heads_mean=tp.mean, index_choice=choice)
         if self.cfg.moa_experts is not None:  # the attention experts' balance: its gradient in the backward, its value kept
             self.moa_aux_loss = None
@@ -2266,7 +2267,8 @@ class KVCache:
     keeps its latents instead (AttentionContext.latents): k [.., 1, kv_rank + rope_dim] (the
     normed latent, then the rotated key) and v = k[..., :kv_rank], a view: kv_rank + rope_dim
     numbers per token and layer where the expanded keys and values would take n_heads
-    (head_dim + v_head_dim); with DeepSeek sparse attention (cfg.index_topk) each row also
+    (head_dim + v_head_dim). Shared key-value heads (cfg.kv_shared) keep the keys alone, v a
+    view of k (the values are the keys): half a GQA cache's bytes; with DeepSeek sparse attention (cfg.index_topk) each row also
     holds the token's indexer key, its last index_head_dim channels. Make one with Transformer.kv_cache (the model's device and
     dtype), or here for a TransformerConfig. `length` is the one sequence's length of a
     cache of batch 1; setting it (or reset()) starts over. With sliding-window layers a
@@ -2280,7 +2282,8 @@ class KVCache:
     def __init__(self, cfg: TransformerConfig, max_tokens: int, *, batch: int = 1, device=None, dtype: torch.dtype = torch.float32):
         check_positive_int("max_tokens", max_tokens)
         check_positive_int("batch", batch)
-        self.v_in_k = cfg.kv_rank is not None  # v is k's latent: written with k
+        # v is k's latent (multi-latent attention), or k itself (kv_shared: the values are the keys): written with k
+        self.v_in_k = cfg.kv_rank is not None or cfg.kv_shared
         self.window_layers = self.ring_layers(cfg, max_tokens)
         self.window = self.ring_length(cfg) if self.window_layers else None  # the sliding window, or the chunk
         self.linear_layers = tuple(i for i in range(cfg.n_layers) if cfg.is_linear(i))
@@ -2300,7 +2303,7 @@ class KVCache:
         for store, layers, rows in (("", self.full_layers, batch * max_tokens), ("_window", self.window_layers, batch * (self.window or 0))):
             heads = max((self.heads[i] for i in layers), default=1)
             D, v_dim = (max((self.dims[i][j] for i in layers), default=self.dims[0][j]) for j in (0, 1))
-            k, v = self._store(len(layers), rows, (heads, D), v_dim, cfg, device, dtype)
+            k, v = self._store(len(layers), rows, (heads, D), v_dim, self.v_in_k, device, dtype)
             setattr(self, "k" + store, k)
             setattr(self, "v" + store, v)
         lin = cfg.linear_attention_config()
@@ -2331,9 +2334,9 @@ class KVCache:
         return cfg.window if cfg.window is not None else cfg.chunk
 
     @staticmethod
-    def _store(n_layers: int, rows: int, row: tuple, v_dim: int, cfg: TransformerConfig, device, dtype):
+    def _store(n_layers: int, rows: int, row: tuple, v_dim: int, v_in_k: bool, device, dtype):
         k = torch.zeros(n_layers, rows, *row, device=device, dtype=dtype)
-        return k, (torch.zeros(n_layers, rows, row[0], v_dim, device=device, dtype=dtype) if cfg.kv_rank is None else k[..., :v_dim])
+        return k, (k[..., :v_dim] if v_in_k else torch.zeros(n_layers, rows, row[0], v_dim, device=device, dtype=dtype))
 
     @property
     def nbytes(self) -> int:
@@ -2723,18 +2726,20 @@ class Transformer(nn.Module):
         """An empty KVCache of `batch` sequences of up to max_tokens tokens each, on the
         model's device, in the dtype it computes in (its parameters', or FSDP2's param_dtype
         under fmoe.parallel.parallelize). Under tensor parallelism it holds this rank's kv
-        heads (n_kv_heads / tp; multi-latent attention's latents are every rank's) and the
-        states of its linear-attention heads."""
+        heads (n_kv_heads / tp, or the one its query heads read where there are fewer kv heads
+        than tp ranks; multi-latent attention's latents are every rank's) and the states of its
+        linear-attention heads."""
         # the heads this rank's attention and linear attention compute (the model's where it has none)
         i, local = next(((i, a.cfg) for i, b in enumerate(self.blocks) for a in (getattr(b, "attn", None), getattr(b, "attn_beside", None))
                          if isinstance(a, Attention)), (None, self.cfg))  # a parallel hybrid's attention beside its linear mixer too
         linear = next((b.attn.cfg for b in self.blocks if isinstance(getattr(b, "attn", None), LinearAttention)), self.cfg.linear_attention_config())
         # the tp ranks the heads split over (whole heads, each count divisible): block i's heads over this rank's
         tp = (self.cfg.heads(i) if i is not None else self.cfg.n_heads) // local.n_heads
-        heads = dict(n_heads=self.cfg.n_heads // tp, n_kv_heads=self.cfg.n_kv_heads // tp, linear_k_heads=linear.n_k_heads, linear_v_heads=linear.n_v_heads)
+        heads = dict(n_heads=self.cfg.n_heads // tp, n_kv_heads=max(1, self.cfg.n_kv_heads // tp), linear_k_heads=linear.n_k_heads,
+                     linear_v_heads=linear.n_v_heads)  # fewer kv heads than tp ranks: each rank caches its query heads' one
         for name in ("local_kv_heads", "local_heads"):
             if getattr(self.cfg, name) is not None:
-                heads[name] = getattr(self.cfg, name) // tp
+                heads[name] = max(1, getattr(self.cfg, name) // tp)
         cfg = dataclasses.replace(self.cfg, **heads) if any(getattr(self.cfg, k) != v for k, v in heads.items()) else self.cfg
         return KVCache(cfg, max_tokens, batch=batch, device=self.embed.device, dtype=self.compute_dtype or self.embed.dtype)
 

@@ -4192,7 +4192,8 @@ def _load_sharded(rank, world, path, family, out):
 
 SHARDED_FAMILIES = ("qwen3_moe", "deepseek_v3", "gpt_oss", "granitemoeshared", "sarvam_moe", "kimi_linear", "laguna", "dbrx", "phimoe", "minimax",
                     "deepseek_v4")
-TP_FAMILIES = ("sarvam_moe", "kimi_linear", "laguna")  # Laguna's: each block's own query heads, a gate column per head
+TP_FAMILIES = ("sarvam_moe", "kimi_linear", "laguna", "deepseek_v4")  # Laguna's: each block's own query heads, a gate column per head;
+# DeepSeek-V4's: its one kv head on both ranks, the output groups split
 
 
 def _load_sharded_families(rank, world, paths, out):
@@ -4226,8 +4227,9 @@ def test_each_rank_reads_only_its_own_blocks(family, folders, sharded_loads):
         for name, value in want.items():
             assert torch.equal(full[name], value), name
         # about half the weights, plus the small replicated ones (MiniMax's qkv_proj, per head its q, k and v rows, read once
-        # for wq, wk and wv)
-        assert read < 0.6 * total, (read, total)
+        # for wq, wk and wv; DeepSeek-V4's q latents, its one key head and the streams' weights, replicated under tp, weigh more in
+        # this tiny model: each rank reads 62% of its bytes)
+        assert read < (0.65 if family == "deepseek_v4" else 0.6) * total, (read, total)
     assert sum(read for read, _ in results) >= 0.95 * total - 4096  # together every tensor is read
 
 

@@ -2344,8 +2344,12 @@ def test_decode_with_a_kv_cache_equals_the_whole_sequence(name, monkeypatch):
         Dv = cfg.v_head_dim or D
         assert cache.window_layers == local == (0, 2) and cache.full_layers == (1,) and cache.window == length
         assert cache.k_window.shape == (2, length, G, D) and cache.v_window.shape == (2, length, G, Dv)
-        token = cfg.n_kv_heads * (cfg.head_dim + (cfg.v_head_dim or cfg.head_dim)) * 4  # a token's key and value in float32, in a full layer
-        assert cache.nbytes == 16 * token + 2 * length * G * (D + Dv) * 4 < 3 * 16 * token
+        # a token's key and value in float32, in a full layer; kv_shared: its key alone, the values a view of the keys' store
+        cached_v = 0 if cfg.kv_shared else Dv
+        token = cfg.n_kv_heads * (cfg.head_dim + (0 if cfg.kv_shared else cfg.v_head_dim or cfg.head_dim)) * 4
+        assert cache.nbytes == 16 * token + 2 * length * G * (D + cached_v) * 4 < 3 * 16 * token
+        if cfg.kv_shared:
+            assert cache.v.data_ptr() == cache.k.data_ptr() and cache.v_window.data_ptr() == cache.k_window.data_ptr()
     # a new sequence in the same cache
     cache.length = 0
     with torch.no_grad():

@@ -7,6 +7,9 @@ heads (attention) or of the FFN columns (SwiGLU) and the output is a sum over ra
 (Megatron-LM, Shoeybi et al. 2019, section 3):
 
     attention   wq, wk, wv [H, heads*D]  Shard(1)  (whole heads; n_heads and n_kv_heads % tp == 0)
+                (fewer kv heads than tp, tp % n_kv_heads == 0: wk, wv, bk, bv replicated, each rank
+                computing the one kv head its query heads read, HeadShard.kv_head: multi-query
+                attention, Megatron's replicated kv heads)
                 wo [heads*D, H]          Shard(0)
                 bq, bk, bv [heads*D]     Shard(0)
                 sinks [heads]            Shard(0); bo [H] replicated (bo / tp per rank)
@@ -90,6 +93,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Optional
 
 import torch
 from torch import nn
@@ -247,8 +251,10 @@ class _ShardedRegion(ParallelStyle):
     def _configure(self, module: nn.Module, mesh: DeviceMesh) -> None:
         """Adjust the module's per-rank configuration (head counts)."""
 
+    _tp = 1  # the tp mesh's size, once _apply runs
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        tp = device_mesh.size()
+        tp = self._tp = device_mesh.size()
         self._check(module, tp)
         for name, dim in self._shard_dims(module).items():
             param = getattr(module, name)
@@ -274,10 +280,26 @@ class HeadShard:
         wq_a, wkv_a and their latent norms; xIELU's scalars, for its own FFN columns), or
         adds once over the ranks (the output biases bo and b_down: share()): weight() sums
         their gradients over tp.
+    kv_head: with fewer kv heads than tp ranks, the one kv head this rank's query heads read
+        (its wk, wv columns: kv_columns); None when the kv heads are split like the others.
     """
 
     mesh: DeviceMesh
     replicated: tuple[str, ...] = ()
+    kv_head: Optional[int] = None
+
+    def kv_columns(self, params: dict, head_dim: int, v_dim: int) -> dict:
+        """Grouped-query attention with fewer kv heads than tp ranks (AttentionParallel): wk, wv
+        [H, G D] and their biases, which every rank holds whole (replicated), cut to this rank's
+        kv head `kv_head` (the one its query heads read), after weight() so that their
+        gradients, each rank's slice, are summed over tp; params as they are otherwise."""
+        if self.kv_head is None:
+            return params
+        g, out = self.kv_head, dict(params)
+        for name, width in (("wk", head_dim), ("wv", v_dim), ("bk", head_dim), ("bv", v_dim)):
+            if out.get(name) is not None:
+                out[name] = out[name][..., g * width:(g + 1) * width]
+        return out
 
     def weight(self, w: torch.Tensor) -> torch.Tensor:
         """w itself; its gradient (this rank's heads' share) is summed over the tp ranks."""
@@ -316,21 +338,34 @@ class _HeadsRegion(_ShardedRegion):
         return self.head_counts
 
     def _check(self, module, tp):
-        counts = {name: getattr(module.cfg, name) for name in self._head_counts(module)}
+        counts = {name: getattr(module.cfg, name) for name in self._head_counts(module) if not self._kv_replicated(module, tp, name)}
         if any(n % tp for n in counts.values()):
             listed = " and ".join(f"{name} = {n}" for name, n in counts.items())
             raise ValueError(f"tp: {type(module).__name__}'s {listed} must {'both ' if len(counts) > 1 else ''}be divisible by tp = {tp}")
         super()._check(module, tp)
 
+    def _kv_replicated(self, module, tp: int, name: str = "n_kv_heads") -> bool:
+        """Whether the kv heads stay whole on every rank (AttentionParallel: fewer than tp)."""
+        return False
+
     def _configure(self, module, mesh):
         tp = mesh.size()
-        module.cfg = dataclasses.replace(module.cfg, **{name: getattr(module.cfg, name) // tp for name in self._head_counts(module)})
+        kv_head = None
+        counts = {name: getattr(module.cfg, name) // tp for name in self._head_counts(module)}
+        if self._kv_replicated(module, tp):  # each rank's query heads read one kv head, which it computes from the whole wk, wv
+            G = module.cfg.n_kv_heads
+            kv_head, counts["n_kv_heads"] = mesh.get_local_rank() // (tp // G), 1
+        module.cfg = dataclasses.replace(module.cfg, **counts)
         replicated = tuple(n for n in module.names if n not in self._shard_dims(module))
-        module.tensor_parallel = HeadShard(mesh, replicated)
+        module.tensor_parallel = HeadShard(mesh, replicated, kv_head)
 
 
 class AttentionParallel(_HeadsRegion):
-    """Attention heads split over tp (whole heads: n_heads and n_kv_heads divisible by tp).
+    """Attention heads split over tp (whole heads: n_heads and n_kv_heads divisible by tp;
+    fewer kv heads G than tp, tp % G == 0, as multi-query attention has: wk, wv and their
+    biases replicated, each rank computing the one kv head its query heads read,
+    HeadShard.kv_head, their gradients summed over tp; not with qk_norm "proj" or
+    "head_layer", a mixture of attention heads or block-sparse attention).
 
     Grouped-query attention: wq, wk, wv Shard(1), wo Shard(0); the biases bq, bk, bv
     Shard(0) with their columns; qk_norm="head" weights [D] replicated (HeadShard.weight),
@@ -348,7 +383,26 @@ class AttentionParallel(_HeadsRegion):
     each: fmoe.model.Attention). Either kind: attention sinks and the output gate's bias bg [n_heads] Shard(0) with their heads; the output bias bo [H]
     replicated, each rank adding bo / tp before the ranks' outputs are summed."""
 
+    def _kv_replicated(self, module, tp: int, name: str = "n_kv_heads") -> bool:
+        """Grouped-query attention with fewer kv heads G than tp ranks, tp % G == 0 (multi-query
+        attention: DeepSeek-V4's one key head): wk, wv and their biases stay whole on every rank."""
+        cfg = module.cfg
+        G = cfg.n_kv_heads
+        if name != "n_kv_heads" or cfg.kv_rank is not None or G >= tp or tp % G:
+            return False
+        taken = [knob for knob, on in (("qk_norm", cfg.qk_norm in ("proj", "head_layer")), ("moa_experts", cfg.moa_experts is not None),
+                                       ("index_topk_blocks", cfg.index_topk_blocks is not None)) if on]
+        if taken:
+            raise ValueError(f"tp: n_kv_heads = {G} < tp = {tp}: the kv heads are replicated, each rank computing its query heads' one; not with "
+                             f"{taken[0]} {getattr(cfg, taken[0])!r} (whose weights follow the kv heads)")
+        return True
+
     def _shard_dims(self, module):
+        if self._kv_replicated(module, self._tp):  # wk, wv and their biases whole on every rank (HeadShard.kv_columns)
+            return {n: d for n, d in self._gqa_dims(module).items() if n not in ("wk", "wv", "bk", "bv")}
+        return self._gqa_dims(module)
+
+    def _gqa_dims(self, module):
         cfg = module.cfg
         if cfg.kv_rank is not None:
             dims = {"wq" if cfg.q_rank is None else "wq_b": 1, "wkv_b": 1, "wo": 0}

@@ -359,6 +359,8 @@ CASES = {
     # DeepSeek-V4's MoE: the hashed block's token ids sliced as its tokens under sequence parallelism, its table's
     # routes dispatched over ep; sqrt(softplus) routing with the expert bias in the others
     "ep2xtp2-dsv4-hash": (4, dict(tp=2, ep=2), dict(score="sqrtsoftplus", hash_layers=1, route_scale=1.5)),
+    # 2 kv heads over 4 tp ranks: ranks 0, 1 compute kv head 0 from the whole wk, wv (and bk, bv), ranks 2, 3 kv head 1
+    "tp4-kv-replicated": (4, dict(tp=4), dict(qkv_bias=True)),
     "cp2-mhc": (2, dict(cp=2), MHC),
     # activation checkpointing under FSDP2, TP and EP: the recomputation inside FSDP units
     # and TP regions, and the all-to-alls run again in the backward
@@ -510,9 +512,10 @@ CASES = {
     "tp2-mla-o-groups": (2, dict(tp=2), dict(MLA, o_groups=2, o_rank=3)),
     # ...and its shared key-value heads: a rank's kv heads, their values its rotated keys, each rank's queries' outputs turned back
     "tp2-kv-shared": (2, dict(tp=2), dict(kv_shared=True, qk_norm="head", attn_sinks=True)),
-    # DeepSeek-V4's attention: the q latent (wq_a, q_a_norm replicated, wq_b by heads), head_k norms, RoPE on the last channels
-    "tp2-dsv4-attn": (2, dict(tp=2), dict(kv_shared=True, qk_norm="head_k", q_rank=10, rope_dim=4, rope_last=True, rope_interleaved=True,
-                                          attn_sinks=True, o_groups=2, o_rank=6)),
+    # DeepSeek-V4's attention: the q latent (wq_a, q_a_norm replicated, wq_b by heads), head_k norms, RoPE on the last channels,
+    # its one kv head replicated (each rank computing it for its query heads, the gradients of wk and k_norm summed over tp)
+    "tp2-dsv4-attn": (2, dict(tp=2), dict(n_kv_heads=1, kv_shared=True, qk_norm="head_k", q_rank=10, rope_dim=4, rope_last=True,
+                                          rope_interleaved=True, attn_sinks=True, o_groups=2, o_rank=6)),
     "cp2-kv-shared": (2, dict(cp=2), dict(kv_shared=True, o_groups=2, o_rank=6)),
     "cp2xtp2-jetmoe": (4, dict(cp=2, tp=2), dict(moa_experts=3, moa_topk=2, moe_out_bias=True)),
     # Nemotron-H's (NEMOTRON_H): a block without an MLP beside the split heads and groups
@@ -614,6 +617,9 @@ DECODE_CASES = {
     "tp2-jetmoe-hash": (2, dict(tp=2), dict(moa_experts=3, moa_topk=2, moe_out_bias=True, hash_layers=1, score="sqrtsoftplus"), None, 1e-5),
     "tp2-mla-o-groups": (2, dict(tp=2), dict(MLA, q_rank=10, o_groups=2, o_rank=3), None, 1e-5),  # the absorbed form's heads, then the groups
     "tp2-kv-shared": (2, dict(tp=2), dict(kv_shared=True, **WINDOW), None, 1e-5),  # the ring's values its rotated keys
+    # DeepSeek-V4's attention: its one kv head on both ranks, each rank's cache and ring holding it
+    "tp2-dsv4-attn": (2, dict(tp=2), dict(n_kv_heads=1, kv_shared=True, qk_norm="head_k", q_rank=10, rope_dim=4, rope_last=True,
+                                          rope_interleaved=True, attn_sinks=True, **WINDOW), None, 1e-5),
 }
 
 
@@ -635,7 +641,7 @@ def _decode_calls(model):
 def _decode(rank, world, sizes, overrides, param_dtype, tol):
     """The max error, relative to the largest logit, of every call of _decode_calls on the
     parallelized model (FSDP2 computing in param_dtype) against one process in float32,
-    and whether its cache holds n_kv_heads / tp heads in the computing dtype; the calls
+    and whether its cache holds n_kv_heads / tp heads (at least one) in the computing dtype; the calls
     again inside fmoe.parallel.gathered (their largest difference) and FSDP2's all-gathers
     (of the calls before, of a second run inside gathered, of the calls after it)."""
     from fmoe.model import Transformer, TransformerConfig
@@ -657,7 +663,7 @@ def _decode(rank, world, sizes, overrides, param_dtype, tol):
             kept, _ = _decode_calls(model)
     with counting_calls(FSDP_ALL_GATHER) as resharded_gathers:
         _decode_calls(model)
-    heads = 1 if cfg.kv_rank is not None else cfg.n_kv_heads // sizes.get("tp", 1)
+    heads = 1 if cfg.kv_rank is not None else max(1, cfg.n_kv_heads // sizes.get("tp", 1))  # fewer kv heads than tp: its query heads' one
     return {"logits": max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, want)),
             "cache": float(cache != (heads, param_dtype or torch.float32)),
             "gathered": max(float((a - b).abs().max()) for a, b in zip(kept, got)),
@@ -900,9 +906,10 @@ def _bad_tp(rank, world):
     from fmoe.train.data import make_batch
 
     messages = []
-    for overrides, sizes in ((dict(n_heads=2, n_kv_heads=1), dict(tp=2)), (dict(n_experts=3), dict(ep=2)),
+    for overrides, sizes in ((dict(n_heads=3, n_kv_heads=1), dict(tp=2)), (dict(n_experts=3), dict(ep=2)),
                              (dict(MLA, n_heads=3, n_kv_heads=3), dict(tp=2)), (dict(QWEN3_NEXT, linear_k_heads=1, linear_v_heads=2), dict(tp=2)),
-                             (dict(JAMBA, linear_v_heads=33), dict(tp=2)), (dict(moa_experts=3, moa_topk=2, n_heads=2, n_kv_heads=1), dict(tp=2))):
+                             (dict(JAMBA, linear_v_heads=33), dict(tp=2)), (dict(moa_experts=3, moa_topk=2, n_heads=2, n_kv_heads=1), dict(tp=2)),
+                             (dict(n_heads=6, n_kv_heads=3), dict(tp=2)), (dict(qk_norm="proj", n_kv_heads=1), dict(tp=2))):
         try:
             parallelize(Transformer(TransformerConfig(**{**TINY, **overrides})), build_meshes(**sizes))
         except ValueError as err:
@@ -918,14 +925,17 @@ def _bad_tp(rank, world):
 
 def test_parallelize_refuses_what_does_not_split(results):
     for messages in (by_case["bad_tp"] for by_case in results(2)):
-        assert len(messages) == 7
-        assert "n_heads = 2 and n_kv_heads = 1 must both be divisible by tp = 2" in messages[0]
+        assert len(messages) == 9
+        assert "Attention's n_heads = 3 must be divisible by tp = 2" in messages[0]  # its one kv head replicated, the query heads split
         assert "n_experts = 3 is not divisible by ep = 2" in messages[1]
         assert "n_heads = 3 and n_kv_heads = 3 must both be divisible by tp = 2" in messages[2]  # multi-latent
         assert "LinearAttention's n_k_heads = 1 and n_v_heads = 2 must both be divisible by tp = 2" in messages[3]
         assert "tp: LinearAttention's n_v_heads = 33 must be divisible by tp = 2" in messages[4]  # Mamba-1's channels alone
-        assert "Attention's n_heads = 2 and n_kv_heads = 1 must both be divisible by tp = 2" in messages[5]  # a mixture of attention heads
-        assert "T = 25 tokens do not split evenly over tp = 2 ranks" in messages[6] and "tokens_per_micro_batch" in messages[6]
+        # fewer kv heads than ranks are replicated, but not under a mixture of attention heads or a norm over the whole projection
+        assert "tp: n_kv_heads = 1 < tp = 2: the kv heads are replicated" in messages[5] and "not with moa_experts 3" in messages[5]
+        assert "n_heads = 6 and n_kv_heads = 3 must both be divisible by tp = 2" in messages[6]  # more kv heads than ranks: split
+        assert "not with qk_norm 'proj'" in messages[7]
+        assert "T = 25 tokens do not split evenly over tp = 2 ranks" in messages[8] and "tokens_per_micro_batch" in messages[8]
 
 
 def _failed_export(rank, world):
