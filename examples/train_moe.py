@@ -852,8 +852,10 @@ def main(argv: list[str]) -> None:
             # zero experts: the routed experts' FLOPs at the step's share of computing slots
             k_computing = (model_cfg.k * (1 - sum(record["zero_fraction"]) / len(moe_names))
                            if model_cfg.zero_experts and moe_names else None)
+            n_avg_compressed = (sum(metrics.mean_compressed_entries(b["cu_seqlens"], model_cfg.compress_rate) for b in host_batches) / n_micro
+                                if model_cfg.compress_layers else None)  # heavily compressed attention's entries
             flops_per_token = metrics.model_flops_per_token(model_cfg, n_avg_keys=n_avg_keys, n_avg_local_keys=n_avg_local,
-                                                            n_avg_index_keys=n_avg_index, k=k_computing)
+                                                            n_avg_index_keys=n_avg_index, k=k_computing, n_avg_compressed_keys=n_avg_compressed)
             record.update(
                 step=step, loss=record["lm_loss"], lr=cfg.lr * lr_scale, batch_size=n_micro, tokens=tokens_seen,
                 loss_tokens=loss_tokens, padding_tokens=step_tokens - routed,  # of the step's tokens: trained on, and padding

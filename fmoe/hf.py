@@ -128,11 +128,13 @@ A released HY-V4-VL folder (hy_v4_vl) holds HY-V4's text model with RoPE on inte
 hold it, beside a vision tower (vit.) that is not read; the head's hyper-connection weights
 under model.hc_head.hc_pre. (as transformers writes them) or HY-V4's prefix
 (Family.hyper_head_too); written back as hy_v4_vl_text.
-DeepSeek-V4 (deepseek_v4), its sliding-attention layers (layer_types; its compressed ones, CSA
-and HCA, are refused): manifold hyper-connections (attn_hc / ffn_hc, model.hc_head.hc_), one
-key head (kv_proj, kv_norm) that is its values, queries from q_a_proj, q_a_norm, q_b_proj
-(Family.q_latent), the grouped output projection (o_a_proj, o_b_proj), sinks; hash_moe blocks
-reading gate.tid2eid (Family.hash_table) before sqrt(softplus) MoE blocks; mtp. not read.
+DeepSeek-V4 (deepseek_v4), its sliding and heavily compressed attention layers (layer_types;
+its compressed sparse attention layers, CSA, are refused): manifold hyper-connections (hc_attn_,
+hc_ffn_, model.hc_head.hc_), one key head (wkv, norm) that is its values, queries from wq_a,
+q_norm, wq_b (Family.q_latent), the grouped output projection (wo_a, wo_b), sinks, the HCA
+layers' compressor (compressor.wkv, wgate, ape, norm: Family.compressor) and YaRN'd RoPE beside
+the sliding layers' plain one; hash_moe blocks reading gate.tid2eid (Family.hash_table) before
+sqrt(softplus) MoE blocks; mtp. not read.
 Kolibri-1 (kolibri1): EXAONE's attention in GLM-4's sandwich blocks (the released
 post_attn_norm / post_ffn_norm), every block MoE with a shared expert, routed on the logits
 plus the correction bias (expert_bias_on_logits; released as layers.{i}.moe.router.expert_bias,
@@ -2128,9 +2130,11 @@ def _hy_v4(hf: dict, *, vl: bool = False) -> dict:
 
 
 def _deepseek_v4(hf: dict) -> dict:
-    """DeepSeek-V4 (deepseek_v4) whose attention layers are all sliding_attention (layer_types;
-    its compressed layers, compressed_sparse_attention and heavily_compressed_attention, are
-    not built, and refused): hc_mult streams of manifold hyper-connections
+    """DeepSeek-V4 (deepseek_v4) whose attention layers are sliding_attention and
+    heavily_compressed_attention ones (layer_types; compressed_sparse_attention, CSA with its
+    lightning indexer, is not built, and refused; the HCA layers are compress_layers of
+    compress_rates' rate, their RoPE the compress one, plain or YaRN with attention_factor 1,
+    the sliding layers' the main one, _deepseek_v4_compress_rope): hc_mult streams of manifold hyper-connections
     (TransformerConfig.hyper_connections, hc_kind "manifold", hc_sinkhorn_iters, hc_eps);
     attention of num_attention_heads query heads over one key head whose values are its keys
     (kv_shared), the queries from a normed q_lora_rank latent (q_rank) and RMS-normed per head
@@ -2146,9 +2150,11 @@ def _deepseek_v4(hf: dict) -> dict:
     n = hf["num_hidden_layers"]
     _refuse(hf, "hidden_act", lambda v: v == "silu", "SwiGLU with silu only")
     kinds = hf.get("layer_types")
-    if kinds is None or len(kinds) != n or set(kinds) != {"sliding_attention"}:
-        raise ValueError(f"config.json: layer_types = {kinds!r} is not supported (sliding_attention in every layer: DeepSeek-V4's compressed "
-                         "attention layers, compressed_sparse_attention and heavily_compressed_attention, are not built)")
+    if kinds is None or len(kinds) != n or set(kinds) - {"sliding_attention", "heavily_compressed_attention"}:
+        raise ValueError(f"config.json: layer_types = {kinds!r} is not supported (sliding_attention or heavily_compressed_attention in every "
+                         "layer: DeepSeek-V4's compressed sparse attention layers, compressed_sparse_attention, are not built)")
+    compressed = tuple(i for i, kind in enumerate(kinds) if kind == "heavily_compressed_attention")
+    rate = (hf.get("compress_rates") or {}).get("heavily_compressed_attention", hf.get("compress_rate_hca", 128))
     n_hash = min(n, hf.get("num_hash_layers", 3))
     mlp = hf.get("mlp_layer_types") or ["hash_moe"] * n_hash + ["moe"] * (n - n_hash)
     n_hash = sum(kind == "hash_moe" for kind in mlp)
@@ -2164,10 +2170,8 @@ def _deepseek_v4(hf: dict) -> dict:
         raise ValueError(f"config.json: swiglu_limit = {limit!r} is not supported (a positive clamp of the SwiGLUs)")
     for field in ("attention_bias", "mlp_bias"):
         _refuse(hf, field, lambda v: not v, "no biases in DeepSeek-V4's projections")
-    rp = hf.get("rope_parameters") or {}
-    main = rp["main"] if isinstance(rp.get("main"), dict) else dict(rope_type="default", rope_theta=hf.get("rope_theta", 10000.0))
-    if main.get("rope_type", "default") != "default":
-        raise ValueError(f"config.json: rope_parameters.main of rope type {main.get('rope_type')!r} is not supported (plain RoPE)")
+    main, compress = _deepseek_v4_ropes(hf)
+    rope = _deepseek_v4_compress_rope(main, compress) if compressed else dict(rope_base=float(main["rope_theta"]))
     D = hf["head_dim"]
     legacy = hf["qk_rope_head_dim"] / D if hf.get("qk_rope_head_dim") else 64 / 512  # transformers' fallback without partial_rotary_factor
     factor = main.get("partial_rotary_factor", hf.get("partial_rotary_factor") or legacy)
@@ -2182,7 +2186,8 @@ def _deepseek_v4(hf: dict) -> dict:
             raise ValueError(f"config.json: {field} = {hf[field]!r} is not supported (a positive int)")
     eps = float(hf["rms_norm_eps"])
     return dict(vocab_size=hf["vocab_size"], hidden=hf["hidden_size"], n_layers=n, n_heads=hf["num_attention_heads"], n_kv_heads=1, head_dim=D,
-                norm_eps=eps, mla_norm_eps=None if eps == 1e-6 else eps, rope_base=float(main["rope_theta"]), rope_dim=rope_dim, rope_last=True, rope_interleaved=True,
+                norm_eps=eps, mla_norm_eps=None if eps == 1e-6 else eps, **rope, rope_dim=rope_dim, rope_last=True, rope_interleaved=True,
+                compress_layers=compressed or None, compress_rate=rate,
                 q_rank=hf["q_lora_rank"], qk_norm="head_k", kv_shared=True, attn_sinks=True, o_groups=hf["o_groups"], o_rank=hf["o_lora_rank"],
                 window=window, tie_embeddings=bool(hf.get("tie_word_embeddings", False)), n_experts=hf["n_routed_experts"],
                 k=hf["num_experts_per_tok"], ffn_expert=hf["moe_intermediate_size"], ffn_dense=hf["moe_intermediate_size"],
@@ -2192,15 +2197,57 @@ def _deepseek_v4(hf: dict) -> dict:
                 hc_sinkhorn_iters=hf["hc_sinkhorn_iters"], hc_eps=float(hf["hc_eps"]), mtp_depth=0)
 
 
+def _deepseek_v4_ropes(hf: dict) -> tuple[dict, dict]:
+    """DeepSeek-V4's two RoPEs, (main, compress), each {rope_type, rope_theta, ...} as
+    transformers completes them: the sliding layers' main (plain, rope_theta) and the
+    compressed layers' compress (compress_rope_theta, with the top level's YaRN fields)."""
+    rp = hf.get("rope_parameters") or hf.get("rope_scaling") or {}  # the released configs' rope_scaling: the compressed layers' YaRN
+    if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
+        main, compress = rp["main"], rp["compress"]
+    else:
+        yarn = {k: v for k, v in rp.items() if k not in ("main", "compress", "rope_theta", "partial_rotary_factor")}
+        main = dict(rope_type="default", rope_theta=hf.get("rope_theta", 10000.0))
+        compress = {"rope_type": "default", **yarn, "rope_theta": hf.get("compress_rope_theta", 160000.0)}
+    if main.get("rope_type", "default") != "default":
+        raise ValueError(f"config.json: rope_parameters.main of rope type {main.get('rope_type')!r} is not supported (plain RoPE)")
+    return main, compress
+
+
+def _deepseek_v4_compress_rope(main: dict, compress: dict) -> dict:
+    """TransformerConfig's RoPE fields of a DeepSeek-V4 model with compressed layers: theirs
+    (compress: plain, or YaRN whose attention_factor is 1, the V4 reference's: neither cos /
+    sin nor the softmax scaled) at rope_base, the sliding layers' plain main RoPE as
+    local_rope_base (every layer has the window; the compressed ones keep the global tables)."""
+    kind = compress.get("type", compress.get("rope_type", "default"))
+    out = dict(rope_base=float(compress["rope_theta"]), local_rope_base=float(main["rope_theta"]))
+    if kind == "default":
+        return out
+    if kind != "yarn" or compress.get("attention_factor", 1.0) != 1.0:
+        raise ValueError(f"config.json: the compressed layers' rope of type {kind!r} (attention_factor {compress.get('attention_factor')!r}) is not "
+                         "supported (plain, or YaRN with attention_factor 1)")
+    return dict(out, yarn_factor=float(compress["factor"]), yarn_original_max_positions=int(compress["original_max_position_embeddings"]),
+                yarn_beta_fast=float(compress.get("beta_fast", 32.0)), yarn_beta_slow=float(compress.get("beta_slow", 1.0)),
+                yarn_truncate=bool(compress.get("truncate", True)), yarn_mscale=0.0, yarn_mscale_all_dim=0.0)
+
+
 def _deepseek_v4_config(cfg: TransformerConfig) -> dict:
     """config.json of a DeepSeek-V4 model of `cfg` (_deepseek_v4's fields; its sliding layers
     alone): ValueError where cfg has no such model (config_mismatch names the fields)."""
     n, f = cfg.n_layers, (cfg.rope_dim or cfg.head_dim) / cfg.head_dim
-    rope = dict(rope_type="default", rope_theta=cfg.rope_base, partial_rotary_factor=f)
+    main_theta = cfg.rope_base if cfg.local_rope_base is None else cfg.local_rope_base
+    main = dict(rope_type="default", rope_theta=main_theta, partial_rotary_factor=f)
+    if not cfg.compress_layers:  # the compressed layers' RoPE unused: transformers' own
+        compress = dict(main, rope_theta=160000.0)
+    elif cfg.yarn_factor is None:
+        compress = dict(main, rope_theta=cfg.rope_base)
+    else:
+        compress = dict(_yarn_parameters(cfg), attention_factor=1.0, partial_rotary_factor=f)
+    kinds = ["heavily_compressed_attention" if cfg.is_compressed(i) else "sliding_attention" for i in range(n)]
     hf = dict(architectures=[FAMILIES["deepseek_v4"].architecture], model_type="deepseek_v4", vocab_size=cfg.vocab_size, hidden_size=cfg.hidden,
               num_hidden_layers=n, num_attention_heads=cfg.n_heads, num_key_value_heads=1, head_dim=cfg.head_dim, q_lora_rank=cfg.q_rank,
-              rms_norm_eps=cfg.norm_eps, hidden_act="silu", tie_word_embeddings=cfg.tie_embeddings, partial_rotary_factor=f, rope_theta=cfg.rope_base,
-              rope_parameters=dict(main=rope, compress=dict(rope, rope_theta=160000.0)), layer_types=["sliding_attention"] * n,
+              rms_norm_eps=cfg.norm_eps, hidden_act="silu", tie_word_embeddings=cfg.tie_embeddings, partial_rotary_factor=f, rope_theta=main_theta,
+              compress_rope_theta=compress["rope_theta"], rope_parameters=dict(main=main, compress=compress), layer_types=kinds,
+              compress_rates=dict(compressed_sparse_attention=4, heavily_compressed_attention=cfg.compress_rate),
               sliding_window=cfg.window, o_groups=cfg.o_groups, o_lora_rank=cfg.o_rank, scoring_func=cfg.score,
               mlp_layer_types=["hash_moe" if cfg.is_hash(i) else "moe" for i in range(n)], swiglu_limit=cfg.swiglu_limit,
               hc_mult=cfg.hyper_connections, hc_sinkhorn_iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, num_experts_per_tok=cfg.k,
@@ -3724,6 +3771,9 @@ class Family:
     o_a_proj: str = "o_a_proj"  # the grouped output projection's first (cfg.o_groups; DeepSeek-V4's [g r, N Dv / g]), o_proj the second
     q_latent: tuple[str, str, str] = ("q_a_proj", "q_a_norm", "q_b_proj")  # a q latent on grouped-query attention (cfg.q_rank): DeepSeek-V4's
     hash_table: str = "gate.tid2eid"  # a hashed MoE block's table of token ids' experts (cfg.hash_layers), under the MoE block
+    # heavily compressed attention's compressor (cfg.compress_layers) under the attention module: its kv and gate projections,
+    # its bias by place in the run, its norm (DeepSeek-V4's compressor.wkv, wgate, ape, norm)
+    compressor: tuple[str, str, str, str] = ("compressor.wkv.weight", "compressor.wgate.weight", "compressor.ape", "compressor.norm.weight")
     sinks: str = "sinks"  # the attention sinks' key, under the attention module
     extra_layers_read: bool = True  # False: the layers after the trunk's (HY-V3's MTP layer) are not read, as in transformers
     # the linear-attention (Gated DeltaNet) blocks' projections: "qkvz", Qwen3-Next's fused in_proj_qkvz and in_proj_ba
@@ -4914,6 +4964,9 @@ def _attention_keys(family: Family, cfg: TransformerConfig, p: str, q: str, rope
             else:
                 out[q + "attn.q_norm" + suffix] = Tensor((f"{attn}{family.qk_norms[0]}.{part}",))
                 out[q + "attn.k_norm" + suffix] = Tensor((f"{attn}{family.qk_norms[1]}.{part}",))
+    if layer is not None and cfg.is_compressed(layer):  # heavily compressed attention's compressor (DeepSeek-V4's HCA)
+        for ours, theirs in zip(("compress_wkv", "compress_wg", "compress_bias", "compress_norm"), family.compressor):
+            out[q + "attn." + ours] = Tensor((attn + theirs,), transpose=ours in ("compress_wkv", "compress_wg"))
     if cfg.is_index_blocks(layer):  # block-sparse attention's indexer (MiniMax-M3's)
         index = attn + family.block_index
         for ours, theirs in (("index_wq", "q_proj"), ("index_wk", "k_proj"), ("index_q_norm", "q_norm"), ("index_k_norm", "k_norm")):

@@ -807,6 +807,20 @@ class AttentionConfig:
     DeepSeek-V4's code does), so what a key gives through its value turns with the distance
     from the query alone. Grouped-query attention only; not with k_eq_v, v_dim, v_norm, a
     mixture of attention heads or block-sparse attention.
+
+    Heavily compressed attention (DeepSeek-V4's HCA) when compress_rate m is set, on shared
+    key-value heads with one kv head: besides its keys (under the layer's own mask: its
+    window), each query attends to compressed entries, one per complete run of m tokens of
+    its document (tokens j m .. (j + 1) m - 1 of the document), the entry of run j seen by
+    the queries at positions >= (j + 1) m - 1. Entry j is sum_i softmax_i(g_i + b_i) c_i over
+    the run's tokens i, channel by channel (float32 weights), c = x compress_wkv and g = x
+    compress_wg [H, D], b = compress_bias [m, D] (float32, by place in the run), RMS-normed
+    with weight compress_norm [D] (eps norm_eps) and rotated as the keys are at position j m;
+    it is its own value (kv_shared). The softmax spans the keys, the entries and the sinks.
+    The run's slots are T // m (a bound known without reading the documents' lengths: no
+    host sync), the unused ones masked. The dense reference attends (the context's dense
+    mask: impl "torch", or "auto" off CUDA); not under context parallel or in decoding (a
+    compressor state of its own, not built), nor with a softcap or ALiBi.
     """
 
     n_heads: int
@@ -884,6 +898,7 @@ class AttentionConfig:
     o_groups: Optional[int] = None
     o_rank: Optional[int] = None
     kv_shared: bool = False
+    compress_rate: Optional[int] = None
 
     def __post_init__(self):
         check_fp8(self.fp8)
@@ -891,6 +906,7 @@ class AttentionConfig:
         self._check_moa_knobs()
         self._check_out_groups()
         self._check_kv_shared()
+        self._check_compress()
         if not isinstance(self.zero_centered_norms, bool):
             raise ValueError(f"zero_centered_norms: expected a bool, got {self.zero_centered_norms!r}")
         if self.local_rope_base is not None:
@@ -1077,6 +1093,17 @@ class AttentionConfig:
         if self.rot_dim is None or not self.rot_dim < self.head_dim:
             raise ValueError(f"rope_last: rotates the last rot_dim channels of each head, needs rot_dim < head_dim = {self.head_dim}, "
                              f"got rot_dim {self.rot_dim}")
+
+    def _check_compress(self) -> None:
+        """Heavily compressed attention's knob (class docstring): ValueError naming the field."""
+        if self.compress_rate is None:
+            return
+        check_positive_int("compress_rate", self.compress_rate, 2)
+        if not self.kv_shared or self.n_kv_heads != 1:
+            raise ValueError(f"compress_rate: heavily compressed attention's entries are one shared key-value head's, needs kv_shared and "
+                             f"n_kv_heads = 1, got kv_shared={self.kv_shared}, n_kv_heads={self.n_kv_heads}")
+        if self.score_softcap is not None or self.impl == "flex":
+            raise ValueError("compress_rate: heavily compressed attention runs the dense reference, not with score_softcap or impl 'flex'")
 
     def _check_kv_shared(self) -> None:
         """Shared key-value heads' knob (class docstring): ValueError naming the field."""
@@ -1674,6 +1701,48 @@ def gqa_q_shapes(H: int, cfg: AttentionConfig) -> dict:
     return {"wq": (H, q)} if cfg.q_rank is None else {"wq_a": (H, cfg.q_rank), "wq_b": (cfg.q_rank, q)}
 
 
+def compress_shapes(H: int, cfg: AttentionConfig) -> dict:
+    """Heavily compressed attention's compressor (cfg.compress_rate m) name -> shape:
+    compress_wkv, compress_wg [H, D], compress_bias [m, D] (float32), compress_norm [D]; {}
+    without it."""
+    if cfg.compress_rate is None:
+        return {}
+    D = cfg.head_dim
+    return {"compress_wkv": (H, D), "compress_wg": (H, D), "compress_bias": (cfg.compress_rate, D), "compress_norm": (D,)}
+
+
+def compressed_entries(x_TH: torch.Tensor, params, cfg: AttentionConfig, ctx: "AttentionContext") -> tuple[torch.Tensor, torch.Tensor]:
+    """Heavily compressed attention's entries (AttentionConfig.compress_rate m; DeepSeek-V4's
+    HCA compressor) of the packed tokens x [T, H] over ctx's documents (ctx.cu_seqlens,
+    ctx.positions; ctx.cos, ctx.sin the layer's RoPE tables): (entries [S, D] in x's dtype,
+    keep [T, S] bool), S = T // m slots, slot s the run j of m tokens of its document (the
+    documents' runs in order), its entry sum_i softmax_i(g_i + b_i) c_i over the run's tokens,
+    RMS-normed with compress_norm and rotated at position j m; keep[t, s]: token t's document
+    holds the complete run s and t is at position (j + 1) m - 1 or later. Unused slots (fewer
+    complete runs than S) are kept from every query. No host sync."""
+    m, T = cfg.compress_rate, x_TH.shape[0]
+    S, device = T // m, x_TH.device
+    cu, positions = ctx.cu_seqlens.long(), ctx.positions.long()
+    lengths = cu[1:] - cu[:-1]
+    runs = torch.cumsum(lengths // m, 0)  # complete runs up to each document's end
+    slot = torch.arange(S, device=device)
+    doc = torch.searchsorted(runs, slot, right=True).clamp(max=lengths.shape[0] - 1)  # the document of each slot
+    valid = slot < runs[-1]
+    j = slot - (runs[doc] - lengths[doc] // m)  # the run's index in its document
+    first = torch.where(valid, cu[doc] + j * m, 0)  # its first token
+    run_SM = first[:, None] + torch.arange(m, device=device)
+    c_TD = matmul(x_TH, params["compress_wkv"], fp8=False, impl=cfg.impl)
+    g_TD = matmul(x_TH, params["compress_wg"], fp8=False, impl=cfg.impl)
+    w_SMD = (g_TD[run_SM].float() + params["compress_bias"].float()).softmax(dim=1)  # over the run's tokens, channel by channel
+    entries_SD = (c_TD[run_SM] * w_SMD.to(c_TD.dtype)).sum(dim=1)
+    entries_SD = _rms_norm(entries_SD, params["compress_norm"], cfg.norm_eps)
+    if cfg.rope:  # at the run's first position, as the keys are rotated
+        entries_SD = _gqa_rope(entries_SD[:, None], ctx.cos[first], ctx.sin[first], cfg)[:, 0]
+    q_doc = torch.searchsorted(cu[1:], torch.arange(T, device=device), right=True)
+    keep_TS = valid[None] & (doc[None] == q_doc[:, None]) & ((j[None] + 1) * m <= positions[:, None] + 1)
+    return entries_SD, keep_TS
+
+
 def qk_norm_shapes(cfg: AttentionConfig) -> dict:
     """Grouped-query attention's q/k norm weights name -> shape for cfg.qk_norm: q_norm and
     k_norm [D] ("head", "layer"), [N D] and [G D] ("proj"), [N, D] and [G, D] ("head_layer"),
@@ -1770,6 +1839,14 @@ def _check_attention(x_TH, params, cfg, ctx) -> None:
         w = params.get(name)
         if w is not None and tuple(w.shape) != shape:
             raise ValueError(f"params['{name}']: expected {list(shape)}, got {list(w.shape)}")
+    compress = compress_shapes(H, cfg)  # heavily compressed attention's compressor
+    if compress and params.get("alibi") is not None:
+        raise ValueError("params['alibi']: ALiBi's distances are the keys', not heavily compressed attention's entries (cfg.compress_rate)")
+    for name, shape in compress.items():
+        w = params.get(name)
+        if w is None or tuple(w.shape) != shape or not w.is_floating_point():
+            raise ValueError(f"params['{name}']: expected a float {list(shape)} tensor (the compressor of cfg.compress_rate), "
+                             f"got {f'{w.dtype} {list(w.shape)}' if w is not None else 'nothing'}")
     index = index_shapes(H, cfg)  # block-sparse attention's indexer
     for name, shape in index.items():
         w = params.get(name)
@@ -1785,11 +1862,12 @@ def _check_attention(x_TH, params, cfg, ctx) -> None:
         for name in ("bq", "wg"):
             if params.get(name) is not None:
                 raise ValueError(f"params['{name}']: not with a mixture of attention heads (cfg.moa_experts), whose queries are its experts'")
-    unknown = set(params) - {*mats, *norms, *optional, *extras, *index, *router}
+    unknown = set(params) - {*mats, *norms, *optional, *extras, *index, *router, *compress}
     if unknown:
         raise ValueError(f"params: unknown attention parameters {sorted(unknown)} (wq (or wq_a, q_a_norm, wq_b with cfg.q_rank), wk, wv, wo (and wo_a "
                          "with cfg.o_groups), optional bq, bk, bv, q_norm, k_norm, q_norm_bias, "
-                         "k_norm_bias, bo, sinks, wg, bg, alibi; index_wq, index_wk, index_q_norm, index_k_norm with cfg.index_topk_blocks)")
+                         "k_norm_bias, bo, sinks, wg, bg, alibi; index_wq, index_wk, index_q_norm, index_k_norm with cfg.index_topk_blocks; compress_wkv, "
+                         "compress_wg, compress_bias, compress_norm with cfg.compress_rate)")
     if index and (params.get("sinks") is not None or params.get("alibi") is not None):
         raise ValueError(f"params['{'sinks' if params.get('sinks') is not None else 'alibi'}']: not with block-sparse attention (cfg.index_topk_blocks)")
     if (cfg.window is not None or cfg.chunk is not None) and getattr(ctx, "local_cos", None) is not None:
@@ -1857,7 +1935,7 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
     if local and cfg.local_rope_base != ctx.local_rope_base:
         raise ValueError(f"ctx: built with the local layers' RoPE base {ctx.local_rope_base}, this layer's is {cfg.local_rope_base} "
                          "(build the context with the layer's AttentionConfig)")
-    if local and ctx.local_cos is not None:  # the local layers' own RoPE tables
+    if local and ctx.local_cos is not None and cfg.compress_rate is None:  # the local layers' own RoPE tables (not a compressed layer's)
         rot = cfg.local_rot_dim or cfg.rot_dim or cfg.head_dim
         if ctx.local_cos.shape[-1] * 2 != rot:
             raise ValueError(f"ctx: built with the local layers' RoPE over {ctx.local_cos.shape[-1] * 2} channels, this layer rotates {rot} "
@@ -1918,6 +1996,8 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
             k_TGD = torch.cat([k_TGD, index_k_SD.detach()[:, None, :].to(k_TGD.dtype)], dim=-1)
         elif ctx.gather_kv is not None and not shared:  # context parallel: every rank's indexer keys (the loss's gradient returns to each)
             index_k_SD = ctx.gather_kv(index_k_SD[:, None, :], index_k_SD[:, None, :0])[0][:, 0]
+    if ctx.gather_kv is not None and cfg.compress_rate is not None:
+        raise ValueError("ctx: heavily compressed attention (cfg.compress_rate) over gathered keys (context parallel or decoding) is not built")
     if ctx.gather_kv is not None:  # every rank's keys and values (cp), or the cache's and these (decoding)
         k_TGD, v_TGD = ctx.gather_kv(k_TGD, v_TGD)
         n_keys = ctx.mask.shape[-1]
@@ -1955,6 +2035,13 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
     if blocks and not isinstance(mask, (torch.Tensor, MaskRows)):
         raise ValueError("ctx: block-sparse attention (cfg.index_topk_blocks) needs the dense mask or its rows; build the context with this cfg "
                          "(attention_context)")
+    if cfg.compress_rate is not None:  # heavily compressed attention: the entries after the keys, each under its own rule
+        if not isinstance(mask, torch.Tensor) or ctx.cu_seqlens is None or ctx.positions is None:
+            raise ValueError("ctx: heavily compressed attention (cfg.compress_rate) needs the dense mask, the documents and the positions; "
+                             "build the context with attention_context and impl 'torch' (or 'auto' off CUDA)")
+        entries_SD, keep_TS = compressed_entries(x, params, cfg, ctx)
+        k_GTD = v_GTD = torch.cat([k_GTD, entries_SD[None].to(k_GTD.dtype)], dim=1)  # their own values (kv_shared)
+        mask = torch.cat([mask, keep_TS], dim=1)
     sinks, slopes_N = params.get("sinks"), params.get("alibi")
     lse_TN = None
     if blocks:  # each kv head's queries under its own choice of blocks

@@ -47,7 +47,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fmoe.layers import (EXPERT_BIASES, GATE_NORMS, AttentionConfig, AttentionContext, LinearAttentionConfig, LinearStates, MoEConfig, alibi_slopes, attach_loss, attention,
-                         PLAIN_ACTS, XIELU, attention_context, check_clip_qkv, check_sparsemixer_knobs, check_window, dense_mlp, gqa_q_shapes, index_shapes, lightning_decay, linear_attention, linear_attention_shapes, local_experts, mla_shapes, out_shapes,
+                         PLAIN_ACTS, XIELU, attention_context, check_clip_qkv, check_sparsemixer_knobs, check_window, compress_shapes, dense_mlp, gqa_q_shapes, index_shapes, lightning_decay, linear_attention, linear_attention_shapes, local_experts, mla_shapes, out_shapes,
                          moe, prescaled_rms_norm, q_in, qk_norm_shapes, softmax_scale)
 from fmoe.ops import linear_cross_entropy, route
 from fmoe.ops.checks import check_positive_int
@@ -562,7 +562,14 @@ class TransformerConfig:
     not with moa_experts or fp8. kv_shared: every attention block's values are its keys after
     their norm and RoPE, no wv, and each head's output rotated back at its query's position
     (DeepSeek-V4's shared key-value heads; fmoe.layers.AttentionConfig); grouped-query attention
-    only. moe_out_bias: a bias [H] added to
+    only. compress_layers: the blocks of heavily compressed attention (DeepSeek-V4's HCA;
+    AttentionConfig.compress_rate = compress_rate m, 128): besides their keys (their window
+    where they have one), their queries attend to one compressed entry per complete run of m
+    tokens of the document, their compressor's (compress_wkv, compress_wg, compress_bias
+    float32, compress_norm); they keep the global RoPE tables where the window's layers have
+    their own (local_rope_base: DeepSeek-V4's main and compress RoPE); with kv_shared and one
+    kv head; the model's contexts then hold dense masks (the reference attends); not in
+    decoding (KVCache refuses it) or under context parallel. moe_out_bias: a bias [H] added to
     each MoE block's output (JetMoE's MoE bias; MoE.out_bias). tie_embeddings: the
     output head is the embedding; out_vocab V' (None: vocab_size): the output head has V' <=
     vocab_size rows, the logits are those of token ids 0 .. V' - 1 while the embedding keeps
@@ -791,6 +798,8 @@ class TransformerConfig:
     o_groups: Optional[int] = None
     o_rank: Optional[int] = None
     kv_shared: bool = False
+    compress_layers: Optional[tuple[int, ...]] = None
+    compress_rate: int = 128
     moe_out_bias: bool = False
     o_bias: bool = False
     attn_sinks: bool = False
@@ -1050,7 +1059,7 @@ class TransformerConfig:
         check_fp8_fast_accum(self.fp8_fast_accum, self.fp8 is True)
         for name in ("moe_layers", "window_layers", "chunk_layers", "nope_layers", "linear_layers", "fp8_layers", "index_shared_layers",
                      "sink_layers", "mlp_free_layers", "mixer_free_layers", "swiglu_limit_layers",
-                     "shared_swiglu_limit_layers", "index_block_layers"):  # block lists: distinct indices, kept sorted
+                     "shared_swiglu_limit_layers", "index_block_layers", "compress_layers"):  # block lists: distinct indices, kept sorted
             layers = getattr(self, name)
             if layers is None:
                 continue
@@ -1101,6 +1110,7 @@ class TransformerConfig:
                 raise ValueError("alibi: not with block-sparse attention (index_topk_blocks)")
         self._check_moa()
         self._check_hash()
+        self._check_compress()
         for name, unset in (("linear_full_rank", False), ("linear_decay_bound", None)):
             if getattr(self, name) is not unset and (self.linear_layers is None or self.linear_kind != "kda"):
                 raise ValueError(f"{name}: a knob of Kimi Delta Attention's blocks, needs linear_layers and linear_kind='kda'")
@@ -1186,6 +1196,20 @@ class TransformerConfig:
             for name, bad in (("score", self.score == "sparsemixer"), ("pre_softmax", self.pre_softmax), ("zero_experts", self.zero_experts)):
                 if bad:
                     raise ValueError(f"{name}: hash_layers route by a table of token ids (fmoe.ops.hash_route), not with {name}={getattr(self, name)!r}")
+
+    def _check_compress(self) -> None:
+        """compress_layers and compress_rate (class docstring); the blocks' own AttentionConfig checks the rest."""
+        check_positive_int("compress_rate", self.compress_rate, 2)
+        if not self.compress_layers:
+            return
+        bad = [i for i in self.compress_layers if self.is_linear(i) or self.is_mixer_free(i)]
+        if bad:
+            raise ValueError(f"compress_layers: heavily compressed attention blocks attend (softmax attention), got blocks {bad} without it")
+        self.attention_config(compress=True)  # kv_shared, one kv head, no softcap
+
+    def is_compressed(self, i: int) -> bool:
+        """Whether trunk block i is a heavily compressed attention block (compress_layers)."""
+        return i in (self.compress_layers or ())
 
     def is_hash(self, i: int) -> bool:
         """Whether trunk block i routes by hashing its tokens' ids: one of the first hash_layers MoE blocks."""
@@ -1521,14 +1545,15 @@ class TransformerConfig:
         return (True, False) if linear and self.linear_pre_norms else (self.pre_norms, self.post_norms)
 
     def attention_config(self, *, local: bool = False, rope: bool = True, fp8: Optional[bool] = None, index_shared: bool = False,
-                         index_blocks: bool = True) -> AttentionConfig:
+                         index_blocks: bool = True, compress: bool = False) -> AttentionConfig:
         """The attention of a block that attends over every earlier token, or with local
         over the sliding window or within its chunk (a config whose window or chunk builds
         that mask too: attention_context); rope=False: a NoPE block's (without q/k norms
         unless nope_qk_norm, with the NoPE temperature); fp8: the block's (None: the model's
         fp8); index_shared: a block of index_shared_layers (no indexer of its own);
         index_blocks=False: a block outside index_block_layers (block-sparse attention's
-        knobs left out; the context's config keeps them: its dense mask)."""
+        knobs left out; the context's config keeps them: its dense mask); compress: a block of
+        compress_layers (heavily compressed attention, compress_rate)."""
         blocks = dict(index_topk_blocks=self.index_topk_blocks, index_block_size=self.index_block_size,
                       index_local_blocks=self.index_local_blocks) if index_blocks and self.index_topk_blocks is not None else {}
         norm = rope or self.nope_qk_norm
@@ -1563,7 +1588,7 @@ class TransformerConfig:
             index_norm_eps=self.index_norm_eps, index_shared=index_shared,
             index_loss=(self.index_topk is not None or bool(blocks)) and self.index_loss_coeff > 0 and not index_shared,
             **blocks, moa_experts=self.moa_experts, moa_topk=self.moa_topk, o_groups=self.o_groups, o_rank=self.o_rank,
-            kv_shared=self.kv_shared,
+            kv_shared=self.kv_shared, compress_rate=self.compress_rate if compress else None,
         )
 
     def _temperature(self, rope: bool) -> dict:
@@ -1584,6 +1609,8 @@ class TransformerConfig:
         proportional RoPE for the global tables (local_head_dim the local tables' width,
         local_rot_dim)."""
         cfg = self.attention_config(local=self.any_local)
+        if self.compress_layers and cfg.impl == "auto":  # heavily compressed attention attends by the dense reference: dense masks
+            cfg = dataclasses.replace(cfg, impl="torch")
         if not self.any_local or (self.local_head_dim is None and self.rope_proportion is None):
             return cfg
         return dataclasses.replace(cfg, head_dim=self.head_dim, rope_proportion=self.rope_proportion, local_head_dim=self.local_head_dim)
@@ -1782,12 +1809,12 @@ class Attention(KeepsFloat32):
     sets it per step, Transformer.set_moa_aux_weight) is added in the backward as the
     indexer's is, its value kept in `moa_aux_loss`."""
 
-    _FLOAT32 = ("moa_router",)
+    _FLOAT32 = ("moa_router", "compress_bias")
 
     def __init__(self, cfg: TransformerConfig, *, local: bool = False, rope: bool = True, fp8: Optional[bool] = None,
-                 index_shared: bool = False, sinks: Optional[bool] = None, index_blocks: bool = True):
+                 index_shared: bool = False, sinks: Optional[bool] = None, index_blocks: bool = True, compress: bool = False):
         super().__init__()
-        self.cfg = cfg.attention_config(local=local, rope=rope, fp8=fp8, index_shared=index_shared, index_blocks=index_blocks)
+        self.cfg = cfg.attention_config(local=local, rope=rope, fp8=fp8, index_shared=index_shared, index_blocks=index_blocks, compress=compress)
         sinks = cfg.attn_sinks if sinks is None else sinks  # this block's (TransformerConfig.has_sinks)
         # DeepSeek sparse attention: the key of this layer's choice of keys in the context (AttentionContext.index_choices),
         # whether a later block reuses it (then it is left there), and the choice this one reuses (a block of
@@ -1854,6 +1881,9 @@ class Attention(KeepsFloat32):
         # (nor of FSDP2's reduce-scatter, which would hand it zeros to decay)
         for name, shape in index_shapes(H, self.cfg).items():
             setattr(self, name, nn.Parameter((torch.ones if name.endswith("norm") else torch.empty)(shape), requires_grad=self.cfg.index_loss))
+            self.names.append(name)
+        for name, shape in compress_shapes(H, self.cfg).items():  # heavily compressed attention's compressor (its bias float32)
+            setattr(self, name, nn.Parameter(torch.empty(shape, dtype=torch.float32 if name == "compress_bias" else None)))
             self.names.append(name)
         self._extras(cfg, sinks)
 
@@ -2010,7 +2040,8 @@ class Block(nn.Module):
 
     def __init__(self, cfg: TransformerConfig, moe: bool, *, local: bool = False, rope: bool = True, linear: bool = False,
                  fp8: Optional[bool] = None, index_shared: bool = False, sinks: Optional[bool] = None, shortcut: Optional[str] = None,
-                 depth: Optional[int] = None, mlp: bool = True, mixer: bool = True, index_blocks: bool = True, hashed: bool = False):
+                 depth: Optional[int] = None, mlp: bool = True, mixer: bool = True, index_blocks: bool = True, hashed: bool = False,
+                 compress: bool = False):
         super().__init__()
         def norm(on: bool, gated: bool = False, role: Optional[str] = None) -> Optional[RMSNorm]:
             if not on:
@@ -2027,7 +2058,8 @@ class Block(nn.Module):
         elif linear:
             self.attn = LinearAttention(cfg, fp8=fp8, layer=depth or 0)
         else:
-            self.attn = Attention(cfg, local=local, rope=rope, fp8=fp8, index_shared=index_shared, sinks=sinks, index_blocks=index_blocks)
+            self.attn = Attention(cfg, local=local, rope=rope, fp8=fp8, index_shared=index_shared, sinks=sinks, index_blocks=index_blocks,
+                                  compress=compress)
         # cfg.parallel_hybrid: softmax attention beside the linear mixer, of the same normed input, the outputs summed (Falcon-H1's)
         self.attn_beside = Attention(cfg, local=local, rope=rope, fp8=fp8, sinks=sinks) if linear and mixer and cfg.parallel_hybrid else None
         # a parallel block's MLP reads the attention's normed input (attn_norm)
@@ -2280,6 +2312,9 @@ class KVCache:
     """
 
     def __init__(self, cfg: TransformerConfig, max_tokens: int, *, batch: int = 1, device=None, dtype: torch.dtype = torch.float32):
+        if cfg.compress_layers:
+            raise ValueError(f"cfg.compress_layers: heavily compressed attention blocks {list(cfg.compress_layers)} decode with a compressor "
+                             "state of their own (its open run, its entries), which is not built: use logits over the whole sequence")
         check_positive_int("max_tokens", max_tokens)
         check_positive_int("batch", batch)
         # v is k's latent (multi-latent attention), or k itself (kv_shared: the values are the keys): written with k
@@ -2456,7 +2491,7 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, moe=cfg.is_moe(i), local=cfg.is_local(i), rope=not cfg.is_nope(i), linear=cfg.is_linear(i),
                                           fp8=cfg.is_fp8(i), index_shared=cfg.is_index_shared(i), sinks=cfg.has_sinks(i),
                                           shortcut=cfg.shortcut(i), depth=i, mlp=not cfg.is_mlp_free(i), mixer=not cfg.is_mixer_free(i),
-                                          index_blocks=cfg.is_index_blocks(i), hashed=cfg.is_hash(i))
+                                          index_blocks=cfg.is_index_blocks(i), hashed=cfg.is_hash(i), compress=cfg.is_compressed(i))
                                     for i in range(cfg.n_layers))
         for i, block in enumerate(self.blocks):  # DeepSeek sparse attention: each block's choice of keys by its index, and the one it reuses
             if isinstance(block.attn, Attention):
@@ -2537,13 +2572,14 @@ class Transformer(nn.Module):
             if name.endswith(("xielu_alpha_p", "xielu_alpha_n")):  # xIELU's a_p = 0.8 and a_n = beta + 0.3 at the start, Apertus's
                 _local(p).fill_(math.log(math.expm1(0.8 if name.endswith("alpha_p") else 0.8 - 0.5)))
                 continue
-            if name.endswith(("norm.weight", "q_norm", "k_norm", "q_a_norm", "kv_a_norm")):
+            if name.endswith(("norm.weight", "q_norm", "k_norm", "q_a_norm", "kv_a_norm", "compress_norm")):
                 _local(p).fill_(0.0 if zero_centered.get(name, self.cfg.zero_centered_norms) else 1.0)
                 continue
             if name.endswith(("mlp.latent_norm", "mlp.expert_out_norm")):  # Muse Spark's MoE norms: gains 1 + weight
                 _local(p).zero_()
                 continue
             if kind.endswith(("attn.bq", "attn.bk", "attn.bv", "attn.bo", "attn.sinks", "attn.bg", "attn.index_k_bias", "attn.q_norm_bias", "attn.k_norm_bias",
+                              "attn.compress_bias",
                               "router_bias", "mlp.out_bias", "norm.bias", "head_bias",
                               "attn.conv_q_bias", "attn.conv_k_bias", "attn.conv_v_bias")
                              + EXPERT_BIASES):

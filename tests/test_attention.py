@@ -2140,6 +2140,96 @@ def test_deepseek_v4_sliding_attention_matches_transformers(impl):
         assert all(float(t.grad.abs().max()) > 0 for t in params.values())
 
 
+def test_heavily_compressed_attention_matches_transformers_deepseek_v4():
+    """DeepSeek-V4's HCA layers (compress_rate): the layer's keys under its window of 5 and, after them, one compressed entry
+    per complete run of 4 tokens of each document (softmax-weighted sums of a projection, by place in the run, normed and
+    rotated at the run's start), seen from the run's last position on; against transformers' DeepseekV4Attention of a
+    heavily_compressed_attention layer (its compressor stateless) with the same weights, two documents (of 11 and 6 tokens:
+    2 and 1 complete runs, tails left out) each run on its own there; gradients reach every weight, the compressor's too."""
+    v4 = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4", reason="transformers (the test extra) not installed")
+    from transformers import DeepseekV4Config
+
+    hf = DeepseekV4Config(vocab_size=64, hidden_size=H, num_hidden_layers=1, num_attention_heads=4, head_dim=16, q_lora_rank=12,
+                          partial_rotary_factor=0.5, layer_types=["heavily_compressed_attention"], sliding_window=5, o_groups=2, o_lora_rank=5,
+                          compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 4}, rms_norm_eps=1e-5,
+                          n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
+    hf._attn_implementation = "eager"
+    torch.manual_seed(0)
+    layer = v4.DeepseekV4Attention(hf, 0).eval()
+    with torch.no_grad():
+        for name, w in layer.named_parameters():
+            w.copy_(torch.rand_like(w) + 0.5 if "norm" in name else torch.randn_like(w) * (0.5 if w.ndim < 2 else w.shape[-1] ** -0.5))
+    w = {n: t.detach() for n, t in layer.named_parameters()}
+    cfg = AttentionConfig(n_heads=4, n_kv_heads=1, head_dim=16, q_rank=12, rot_dim=8, rope_last=True, interleaved=True, qk_norm="head_k",
+                          kv_shared=True, o_groups=2, o_rank=5, window=5, norm_eps=1e-5, latent_norm_eps=1e-5, rope_base=160000.0,
+                          compress_rate=4, impl="torch")
+    params = {"wq_a": w["q_a_proj.weight"].T, "q_a_norm": w["q_a_norm.weight"], "wq_b": w["q_b_proj.weight"].T, "wk": w["kv_proj.weight"].T,
+              "k_norm": w["kv_norm.weight"], "wo_a": w["o_a_proj.weight"].view(2, 5, -1).transpose(1, 2), "wo": w["o_b_proj.weight"].T,
+              "sinks": w["sinks"], "compress_wkv": w["compressor.kv_proj.weight"].T, "compress_wg": w["compressor.gate_proj.weight"].T,
+              "compress_bias": w["compressor.position_bias"], "compress_norm": w["compressor.kv_norm.weight"]}
+    params = {n: t.contiguous().clone().requires_grad_() for n, t in params.items()}
+    rotary = v4.DeepseekV4RotaryEmbedding(hf)
+    x, cu = torch.randn(17, H), torch.tensor([0, 11, 17])
+    want = []
+    with torch.no_grad():
+        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            xs, pos = x[a:b][None], torch.arange(b - a)[None]
+            allowed = (pos[0][:, None] >= pos[0][None]) & (pos[0][:, None] - pos[0][None] < 5)
+            mask = torch.zeros(b - a, b - a).masked_fill(~allowed, float("-inf"))[None, None]
+            want.append(layer(xs, {"compress": rotary(xs, pos, layer_type="compress")}, pos, mask)[0][0])
+    y, _ = attention(x, params, cfg, _ctx(cu, cfg))
+    torch.testing.assert_close(y, torch.cat(want), rtol=1e-4, atol=1e-5)
+    # the entries matter: without them (the keys under the window alone) the output moves
+    plain = dataclasses.replace(cfg, compress_rate=None)
+    y_plain, _ = attention(x, {n: t for n, t in params.items() if not n.startswith("compress")}, plain, _ctx(cu, plain))
+    assert (y_plain - y).abs().max() > 1e-3
+    y.square().sum().backward()
+    assert all(float(t.grad.abs().max()) > 0 for t in params.values())
+
+
+def test_compressed_entries_are_the_documents_complete_runs():
+    """fmoe.layers.compressed_entries written out: the runs of 3 tokens of documents of 7, 2 and 6 tokens (runs 0-2, 3-5;
+    none; 9-11, 12-14), the tail tokens in none; 5 slots (T // 3), the last unused; each query sees its own document's runs
+    that end at or before it."""
+    from fmoe.layers import compressed_entries
+
+    cfg = AttentionConfig(n_heads=2, n_kv_heads=1, head_dim=8, kv_shared=True, compress_rate=3, impl="torch", rope=False)
+    torch.manual_seed(0)
+    p = {"compress_wkv": torch.randn(H, 8), "compress_wg": torch.randn(H, 8), "compress_bias": torch.randn(3, 8), "compress_norm": torch.rand(8) + 0.5}
+    x, cu = torch.randn(15, H), torch.tensor([0, 7, 9, 15])
+    entries, keep = compressed_entries(x, p, cfg, _ctx(cu, cfg))
+    assert entries.shape == (5, 8) and keep.shape == (15, 5)
+    for s, first in enumerate((0, 3, 9, 12)):
+        run = x[first:first + 3]
+        weights = (run @ p["compress_wg"] + p["compress_bias"]).softmax(0)
+        e = (run @ p["compress_wkv"] * weights).sum(0)
+        torch.testing.assert_close(entries[s], e * torch.rsqrt(e.square().mean() + cfg.norm_eps) * p["compress_norm"], rtol=1e-5, atol=1e-6)
+    seen = {t: [s for s in range(5) if keep[t, s]] for t in range(15)}
+    assert seen == {0: [], 1: [], 2: [0], 3: [0], 4: [0], 5: [0, 1], 6: [0, 1], 7: [], 8: [], 9: [], 10: [], 11: [2], 12: [2], 13: [2], 14: [2, 3]}
+
+
+def test_heavily_compressed_attention_refuses_gathered_keys_and_a_flex_context():
+    """Heavily compressed attention has no compressor state for decoding nor an exchange of entries under context parallel:
+    a context with gather_kv is refused by name, as is one of FlexAttention's block masks (the entries ride the dense mask),
+    and ALiBi's slopes."""
+    from fmoe.layers import compress_shapes
+
+    cfg = AttentionConfig(n_heads=2, n_kv_heads=1, head_dim=8, kv_shared=True, compress_rate=3, impl="torch")
+    torch.manual_seed(0)
+    p = {n: t for n, t in _params(cfg).items() if n != "wv"}
+    p.update({n: torch.randn(*shape) for n, shape in compress_shapes(H, cfg).items()})
+    x, cu = torch.randn(9, H), torch.tensor([0, 9])
+    ctx = _ctx(cu, cfg)
+    with pytest.raises(ValueError, match=r"ctx: heavily compressed attention \(cfg.compress_rate\) over gathered keys .* is not built"):
+        attention(x, p, cfg, dataclasses.replace(ctx, gather_kv=lambda k, v: (k, v)))
+    with pytest.raises(ValueError, match=r"ctx: heavily compressed attention \(cfg.compress_rate\) needs the dense mask"):
+        attention(x, p, cfg, _ctx(cu, dataclasses.replace(cfg, compress_rate=None, impl="flex")))
+    with pytest.raises(ValueError, match=r"params\['alibi'\]: ALiBi's distances are the keys'"):
+        attention(x, {**p, "alibi": torch.ones(2)}, cfg, ctx)
+    with pytest.raises(ValueError, match=re.escape("params['compress_bias']: expected a float [3, 8] tensor (the compressor of cfg.compress_rate), got nothing")):
+        attention(x, {n: t for n, t in p.items() if n != "compress_bias"}, cfg, ctx)
+
+
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_rope_on_the_last_channels_is_rope_on_the_first_of_the_channels_turned_around(interleaved):
     """rope_last (DeepSeek-V4's [nope | rope] heads) against the leading RoPE of the same heads with each head's channels
@@ -2178,6 +2268,9 @@ def test_rope_on_the_last_channels_is_rope_on_the_first_of_the_channels_turned_a
     (dict(q_rank=8, n_heads=4, moa_experts=3, moa_topk=2), r"q_rank: not with a mixture of attention heads"),
     (dict(q_rank=8, gate_on_q=True), r"gate_on_q: a knob of multi-latent attention's q latent, a bool, True needs q_rank and kv_rank"),
     (dict(qk_norm="head_q"), r"qk_norm: expected None, 'head', 'proj', 'rms', 'head_layer', 'layer' or 'head_k', got 'head_q'"),
+    (dict(compress_rate=1, kv_shared=True, n_kv_heads=1), r"compress_rate: expected >= 2, got 1"),
+    (dict(compress_rate=4), r"compress_rate: heavily compressed attention's entries are one shared key-value head's, needs kv_shared and n_kv_heads = 1"),
+    (dict(compress_rate=4, kv_shared=True, n_kv_heads=1, impl="flex"), r"compress_rate: heavily compressed attention runs the dense reference"),
 ])
 def test_deepseek_v4_attention_knobs_are_checked(knobs, message):
     with pytest.raises(ValueError, match=message):

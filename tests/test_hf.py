@@ -379,13 +379,17 @@ FAMILIES = {
         moe_intermediate_size=12, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1, n_group=2, topk_group=1, q_lora_rank=12,
         kv_lora_rank=8, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5, routed_scaling_factor=2.5, index_topk=3, index_n_heads=8,
         index_head_dim=6, hc_mult=3, hc_magnitude=1.7, swiglu_limit=0.5, bos_token_id=None, eos_token_id=None, pad_token_id=None),
-    # DeepSeek-V4's sliding layers: 3 manifold streams; a q latent of 12, one key head of 16 that is its values, RoPE on its last
-    # 8 channels in pairs, a window of 6, sinks, 2 output groups of rank 5; layer 0 hashed, then 8 experts on sqrt(softplus)
-    # with the correction bias, renormalised x 1.5, beside a shared one, the SwiGLUs clamped at 0.5
+    # DeepSeek-V4: 3 manifold streams; a q latent of 12, one key head of 16 that is its values, RoPE on its last 8 channels in
+    # pairs, a window of 4, sinks, 2 output groups of rank 5; layer 0 sliding (plain RoPE at 100), layers 1 and 2 heavily
+    # compressed (entries of runs of 3 tokens; YaRN x 4 over 8 positions at 1000); layer 0 hashed, then 8 experts on
+    # sqrt(softplus) with the correction bias, renormalised x 1.5, beside a shared one, the SwiGLUs clamped at 0.5
     "deepseek_v4": lambda: transformers.DeepseekV4Config(
         vocab_size=V, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, head_dim=16, q_lora_rank=12, partial_rotary_factor=0.5,
-        moe_intermediate_size=12, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1, layer_types=["sliding_attention"] * 3,
-        mlp_layer_types=["hash_moe", "moe", "moe"], hc_mult=3, hc_sinkhorn_iters=5, sliding_window=6, o_groups=2, o_lora_rank=5,
+        moe_intermediate_size=12, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1,
+        layer_types=["sliding_attention", "heavily_compressed_attention", "heavily_compressed_attention"],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 3}, rope_theta=100.0, compress_rope_theta=1000.0,
+        rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=8),
+        mlp_layer_types=["hash_moe", "moe", "moe"], hc_mult=3, hc_sinkhorn_iters=5, sliding_window=4, o_groups=2, o_lora_rank=5,
         routed_scaling_factor=1.5, swiglu_limit=0.5, max_position_embeddings=128, bos_token_id=None, eos_token_id=None, pad_token_id=None),
     # multi-latent attention without the low-rank q, YaRN with mscale == mscale_all_dim (the
     # -Lite release's); softmax over every expert, 4 groups of 2 scored by their best expert
@@ -2729,7 +2733,10 @@ BAD_CONFIGS = [
     ("hy_v4", lambda c: c.update(attention_bias=True), r"config.json: attention_bias = True is not supported"),
     ("hy_v4", lambda c: c.update(indexer_types=["shared", "full", "full"]), r"config.json: indexer_types = .* is not supported"),
     ("deepseek_v4", lambda c: c.update(layer_types=["sliding_attention", "heavily_compressed_attention", "compressed_sparse_attention"]),
-     r"config.json: layer_types = .* is not supported \(sliding_attention in every layer: DeepSeek-V4's compressed attention layers"),
+     r"config.json: layer_types = .* is not supported \(sliding_attention or heavily_compressed_attention in every layer: DeepSeek-V4's "
+     r"compressed sparse attention layers"),
+    ("deepseek_v4", lambda c: c["rope_parameters"]["compress"].update(attention_factor=1.5),
+     r"config.json: the compressed layers' rope of type 'yarn' \(attention_factor 1.5\) is not supported"),
     ("deepseek_v4", lambda c: c.update(layer_types=None), r"config.json: layer_types = None is not supported"),
     ("deepseek_v4", lambda c: c.update(mlp_layer_types=["moe", "hash_moe", "moe"]),
      r"config.json: mlp_layer_types = \['moe', 'hash_moe', 'moe'\] is not supported \(hash_moe in the first layers, then moe\)"),
@@ -2932,6 +2939,20 @@ def test_the_loop_fine_tunes_a_loaded_model(tmp_path):
     run = subprocess.run([sys.executable, str(root / "examples" / "train_moe.py"), f"--out_dir={tmp_path / 'run2'}", f"--init_from_hf={small}"],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode != 0 and "--init_from_hf: the data's 258 token ids do not fit the model's vocab_size 64" in run.stderr
+
+
+def test_the_loop_fine_tunes_a_loaded_deepseek_v4_model(tmp_path):
+    """--init_from_hf of a DeepSeek-V4 folder (its sliding layers): the streams, the hashed block reading the micro-batch's
+    token ids, the sqrt(softplus) blocks' bias update; the first step's loss is the folder model's own, the second moves."""
+    config = FAMILIES["deepseek_v4"]()
+    config.vocab_size = 260
+    torch.manual_seed(0)
+    made = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        made.model.layers[0].mlp.gate.tid2eid.copy_(torch.rand(260, 8).argsort(dim=1)[:, :3])
+    records, _, loss = _loop_from_folder(made, tmp_path, f"--init_from_hf={tmp_path / 'hf'}")
+    assert records[0]["loss"] == pytest.approx(loss, rel=1e-5)
+    assert records[1]["loss"] != records[0]["loss"]
 
 
 def test_the_loop_keeps_a_loaded_model_s_architecture_and_applies_its_run_knobs(tmp_path):
@@ -4405,18 +4426,22 @@ def test_kolibri1_routes_on_the_logits_plus_the_bias_and_reads_its_layer_pattern
     assert cfg.window is None and cfg.nope_layers is None
 
 
-def test_deepseek_v4_reads_its_sliding_layers_hash_tables_and_leaves_its_mtp_layers_unread(folders, tmp_path):
-    """DeepSeek-V4's sliding layers: the config reads as its pieces (manifold streams, a q latent, one key head that is its
-    values with RoPE on its last channels in pairs, the queries' weightless norm, sinks, a window, the grouped output
-    projection; hashed then sqrt(softplus) MoE blocks), the hash table is read as stored (int64) and the hashed block has no
-    correction bias; a folder that also holds DeepSeek's MTP layers (mtp.) loads with the same logits. An older config
-    that names qk_rope_head_dim and num_hash_layers instead reads the same. A model of fmoe's own without the streams has
-    no deepseek_v4 equivalent (named), nor one without the grouped output projection, which every DeepSeek-V4 has."""
+def test_deepseek_v4_reads_its_layers_ropes_hash_tables_and_leaves_its_mtp_layers_unread(folders, tmp_path):
+    """DeepSeek-V4: the config reads as its pieces (manifold streams, a q latent, one key head that is its values with RoPE
+    on its last channels in pairs, the queries' weightless norm, sinks, a window, the grouped output projection; the sliding
+    layer's plain RoPE as the local layers', the heavily compressed layers' YaRN as the global one, with attention_factor 1;
+    hashed then sqrt(softplus) MoE blocks), the hash table is read as stored (int64) and the hashed block has no correction
+    bias; a folder that also holds DeepSeek's MTP layers (mtp.) loads with the same logits. An older config that names
+    qk_rope_head_dim, num_hash_layers, compress_rate_hca and rope_scaling instead reads the same. A model of fmoe's own
+    with weighted query norms has no deepseek_v4 equivalent (named), nor one without the grouped output projection, which
+    every DeepSeek-V4 has."""
     path, ref = folders["deepseek_v4"]
     model, cfg = hf.from_pretrained(path, impl="torch")
     assert (cfg.hyper_connections, cfg.hc_kind, cfg.hc_sinkhorn_iters, cfg.n_kv_heads, cfg.q_rank, cfg.rope_dim, cfg.rope_last,
             cfg.rope_interleaved, cfg.qk_norm, cfg.kv_shared, cfg.attn_sinks, cfg.window, cfg.o_groups, cfg.o_rank) == (
-        3, "manifold", 5, 1, 12, 8, True, True, "head_k", True, True, 6, 2, 5)
+        3, "manifold", 5, 1, 12, 8, True, True, "head_k", True, True, 4, 2, 5)
+    assert (cfg.compress_layers, cfg.compress_rate, cfg.window_layers, cfg.local_rope_base, cfg.rope_base, cfg.yarn_factor,
+            cfg.yarn_original_max_positions, cfg.yarn_mscale, cfg.yarn_mscale_all_dim) == ((1, 2), 3, None, 100.0, 1000.0, 4.0, 8, 0.0, 0.0)
     assert (cfg.hash_layers, cfg.score, cfg.route_scale, cfg.swiglu_limit, cfg.shared_swiglu_limit, cfg.n_dense) == (1, "sqrtsoftplus", 1.5, 0.5, 0.5, 0)
     table = model.blocks[0].mlp.hash_table
     assert table.dtype == torch.int64 and torch.equal(table, ref.model.layers[0].mlp.gate.tid2eid)
@@ -4428,12 +4453,12 @@ def test_deepseek_v4_reads_its_sliding_layers_hash_tables_and_leaves_its_mtp_lay
         torch.testing.assert_close(hf.from_pretrained(with_mtp, impl="torch")[0].logits(ids, cu), want, rtol=0, atol=0)
 
     def legacy(c):
-        del c["partial_rotary_factor"], c["rope_parameters"], c["mlp_layer_types"]
-        c.update(qk_rope_head_dim=8, num_hash_layers=1)
+        del c["partial_rotary_factor"], c["rope_parameters"], c["mlp_layer_types"], c["compress_rates"]
+        c.update(qk_rope_head_dim=8, num_hash_layers=1, compress_rate_hca=3, rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=8))
 
     assert hf.read_config(_edit(path, tmp_path / "legacy", legacy))[1] == dataclasses.replace(cfg, impl="auto")
-    with pytest.raises(ValueError, match=r"model: its config has no deepseek_v4 equivalent: .*'kv_shared': \(False, True\)"):
-        hf.hf_config(dataclasses.replace(cfg, kv_shared=False), "deepseek_v4")
+    with pytest.raises(ValueError, match=r"model: its config has no deepseek_v4 equivalent: .*'qk_norm': \('head', 'head_k'\)"):
+        hf.hf_config(dataclasses.replace(cfg, qk_norm="head"), "deepseek_v4")
     with pytest.raises(ValueError, match=r"config.json: o_groups = None is not supported \(a positive int\)"):
         hf.hf_config(dataclasses.replace(cfg, o_groups=None, o_rank=None), "deepseek_v4")
 

@@ -239,6 +239,10 @@ VARIANTS = {
                                 mtp_depth=1, o_groups=2, o_rank=6, kv_shared=True, qk_norm="head_k", attn_sinks=True, q_rank=10, rope_dim=4,
                                 rope_last=True, rope_interleaved=True, window=5, window_layers=(0, 2)),
 }
+# DeepSeek-V4's heavily compressed attention in blocks 1 and 2 (runs of 3 tokens; one kv head), with YaRN there, the window's
+# block 0 at its own plain RoPE
+VARIANTS["dsv4-hca"] = dataclasses.replace(VARIANTS["dsv4"], n_kv_heads=1, compress_layers=(1, 2), compress_rate=3, local_rope_base=100.0,
+                                           yarn_factor=2.0, yarn_original_max_positions=8, yarn_mscale=0.0, yarn_mscale_all_dim=0.0)
 
 
 # MiniMax-M3's blocks: block-sparse attention in blocks 1 and 2 (and the MTP block: an indexer head per kv head choosing 2 blocks
@@ -1221,9 +1225,9 @@ FULL = dataclasses.replace(TINY, mtp_depth=2, impl="auto", capacity_factor=1.25,
 @pytest.mark.parametrize("cfg", [dataclasses.replace(TINY, mtp_depth=1, impl="auto"), FULL, dataclasses.replace(VARIANTS["gated deltanet"], impl="auto"),
                                  dataclasses.replace(VARIANTS["falcon_h1"], impl="auto"), dataclasses.replace(VARIANTS["jamba"], impl="auto"),
                                  dataclasses.replace(MINIMAX_M3, impl="triton"), dataclasses.replace(VARIANTS["jetmoe"], impl="auto"),
-                                 dataclasses.replace(VARIANTS["dsv4"], impl="auto")],
+                                 dataclasses.replace(VARIANTS["dsv4"], impl="auto"), dataclasses.replace(VARIANTS["dsv4-hca"], impl="auto")],
                          ids=["default", "capacity-groups-yarn-mtp2-granite", "gated deltanet", "falcon_h1", "jamba", "minimax-m3-kernel", "jetmoe",
-                              "dsv4"])
+                              "dsv4", "dsv4-hca"])
 def test_forward_and_backward_read_nothing_on_the_host(cfg):
     """No device->host sync in the model's forward and backward (MoE layers, MTP, losses):
     on a GPU each read is a stall. Counted here as host reads of tensor values on CPU."""
@@ -1254,7 +1258,7 @@ def _compiled_like_eager(cfg):
     return model, grads
 
 
-@pytest.mark.parametrize("name", ["full", "dsa", "mhc", "falcon_h1", "jamba", "minimax-m3", "jetmoe", "dsv4"])
+@pytest.mark.parametrize("name", ["full", "dsa", "mhc", "falcon_h1", "jamba", "minimax-m3", "jetmoe", "dsv4", "dsv4-hca"])
 def test_the_whole_model_compiles_without_a_graph_break(name):
     """torch.compile(fullgraph=True) of forward + losses (a host sync would be a graph break),
     then the backward; same values and gradients as eager. The batch ends in padding (its
@@ -2857,6 +2861,20 @@ def test_deepseek_v4_moe_blocks_equal_transformers_modules(hashed):
         want = theirs(x, input_ids=ids)
         got, _ = ours(x, token_ids=ids.reshape(-1) if hashed else None)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_heavily_compressed_blocks_refuse_a_kv_cache_and_bad_knobs():
+    """A model with heavily compressed attention blocks has no compressor state to decode with: its KV cache is refused,
+    naming the blocks; its knobs are checked."""
+    model = Transformer(VARIANTS["dsv4-hca"])
+    with pytest.raises(ValueError, match=r"cfg.compress_layers: heavily compressed attention blocks \[1, 2\] decode with a compressor state"):
+        model.kv_cache(16)
+    for overrides, message in ((dict(compress_rate=1), r"compress_rate: expected >= 2, got 1"),
+                               (dict(compress_layers=(3,)), r"compress_layers: expected distinct block indices in 0\.\.2, got \(3,\)"),
+                               (dict(n_kv_heads=2), r"compress_rate: heavily compressed attention's entries are one shared key-value head's"),
+                               (dict(linear_layers=(1,)), r"compress_layers: heavily compressed attention blocks attend \(softmax attention\)")):
+        with pytest.raises(ValueError, match=message):
+            dataclasses.replace(VARIANTS["dsv4-hca"], **overrides)
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -7,7 +7,9 @@ a JSONL logger.
     flops_per_token(*, hidden, n_layers, n_dense, ffn_dense, ffn_expert, k, n_shared,
                     n_heads, n_kv_heads, head_dim, vocab, mtp_depth=0, n_avg_keys,
                     n_experts=0) -> float
-    model_flops_per_token(cfg, *, n_avg_keys, n_avg_local_keys=None, n_avg_index_keys=None, k=None) -> float   the same
+    mean_compressed_entries(cu_seqlens, rate) -> float   a query's mean compressed entries (HCA)
+    model_flops_per_token(cfg, *, n_avg_keys, n_avg_local_keys=None, n_avg_index_keys=None, k=None,
+                          n_avg_compressed_keys=None) -> float   the same
                                                     for a TransformerConfig (sliding blocks: the local mean)
     datasheet_peak_flops(name) / peak_flops(device) -> float | None   dense bf16 peaks
     mfu(tokens_per_s, flops_per_token, peak) -> float | None
@@ -97,6 +99,21 @@ def mean_attended_keys(cu_seqlens: Union[torch.Tensor, Sequence[int]], window: O
     if window is None:
         return sum(n * n for n in lengths) / (2 * cu[-1])
     return sum(n * n / 2 if n <= window else window * window / 2 + (n - window) * window for n in lengths) / cu[-1]
+
+
+def mean_compressed_entries(cu_seqlens: Union[torch.Tensor, Sequence[int]], rate: int) -> float:
+    """The mean number of compressed entries a query attends to in heavily compressed
+    attention (fmoe.layers.AttentionConfig.compress_rate m): a query at position p sees its
+    document's floor((p + 1) / m) complete runs; a document of n = a m + r tokens sums
+    m a (a - 1) / 2 + a (r + 1) of them. Over the T tokens of the packed documents."""
+    from fmoe.ops.checks import check_positive_int
+
+    check_positive_int("rate", rate, 2)
+    cu = torch.as_tensor(cu_seqlens).tolist()
+    if not cu or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])) or cu[-1] <= 0:
+        raise ValueError(f"cu_seqlens: expected non-decreasing offsets from 0 to T > 0, got {cu}")
+    runs = [divmod(b - a, rate) for a, b in zip(cu, cu[1:])]
+    return sum(rate * a * (a - 1) / 2 + a * (r + 1) for a, r in runs) / cu[-1]
 
 
 def _check_count(name: str, value, minimum: int = 0) -> None:
@@ -215,7 +232,8 @@ def linear_attention_flops(hidden: int, cfg) -> float:
 
 
 def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[float] = None,
-                          n_avg_index_keys: Optional[float] = None, k: Optional[float] = None) -> float:
+                          n_avg_index_keys: Optional[float] = None, k: Optional[float] = None,
+                          n_avg_compressed_keys: Optional[float] = None) -> float:
     """flops_per_token of an fmoe.model.TransformerConfig (any object with its fields): the
     dense blocks are those that are not MoE (moe_layers or n_dense), the shared experts'
     size in units of ffn_expert (shared_ffn, or n_shared), the router over n_experts, the
@@ -253,7 +271,10 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
     streams' weighted sum) and 6 n^2 H for the manifold kind's mixing, and for the head's
     collapse 6 (n^2 H + n H). Gated norms (cfg.norm_gate_rank r) add 6 x 2 H r for each: the
     attention's pre-norm of every block (trunk and MTP), the MLP's of each MoE block. A gate
-    on the q latent (cfg.attn_gate_on_q) counts its q_in N Dv weights instead of H N Dv."""
+    on the q latent (cfg.attn_gate_on_q) counts its q_in N Dv weights instead of H N Dv.
+    Heavily compressed attention blocks (cfg.compress_layers) add their compressor's two
+    projections, 6 x 2 H D, and the scores and values over n_avg_compressed_keys entries per
+    query (mean_compressed_entries(cu_seqlens, compress_rate); required), 6 N 2 D each."""
     from fmoe.layers import PLAIN_ACTS  # an MLP without a gate: two matrices
 
     names = ("hidden", "n_layers", "ffn_dense", "ffn_expert", "k", "n_heads", "n_kv_heads", "head_dim", "mtp_depth", "n_experts")
@@ -324,6 +345,14 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
         blocks = cfg.n_layers - n_linear - len(cfg.index_shared_layers or ()) + cfg.mtp_depth  # those with an indexer (no mixer-free ones)
         indexer = blocks * (6 * weights + 6 * cfg.index_heads * cfg.index_head_dim * n_avg_keys)
         n_avg_keys = n_avg_index_keys
+    compressed = 0.0
+    if getattr(cfg, "compress_layers", None):  # heavily compressed attention: the compressor's projections, the entries' scores and values
+        if n_avg_compressed_keys is None:
+            raise ValueError(f"n_avg_compressed_keys: blocks {list(cfg.compress_layers)} attend to compressed entries too: pass their mean "
+                             f"(mean_compressed_entries(cu_seqlens, compress_rate = {cfg.compress_rate}))")
+        _check_count("n_avg_compressed_keys", n_avg_compressed_keys)
+        D = cfg.head_dim
+        compressed = len(cfg.compress_layers) * (6 * 2 * cfg.hidden * D + 6 * cfg.n_heads * 2 * D * n_avg_compressed_keys)
     shortcut = 0.0
     if getattr(cfg, "shortcut_moe", False):  # the dense MLP beside each trunk MoE
         shortcut = sum(is_moe(i) for i in range(cfg.n_layers)) * 6 * 3 * cfg.hidden * cfg.ffn_dense
@@ -349,7 +378,7 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
         n_moe += cfg.mtp_depth if n_moe else 0
         latent = n_moe * (6 * 2 * cfg.hidden * L + 6 * (L - cfg.hidden) * mlp_matrices * cfg.ffn_expert * values["k"])
     vocab = getattr(cfg, "head_vocab", cfg.vocab_size)  # the output head's rows (out_vocab)
-    return indexer + shortcut + hc + gated_norms + latent + beside - no_mlp + flops_per_token(**values, n_dense=n_dense, n_shared=shared, vocab=vocab,
+    return indexer + compressed + shortcut + hc + gated_norms + latent + beside - no_mlp + flops_per_token(**values, n_dense=n_dense, n_shared=shared, vocab=vocab,
                                      n_avg_keys=n_avg_keys, n_sliding=n_sliding, n_avg_local_keys=n_avg_local_keys,
                                      attn_gate=bool(getattr(cfg, "attn_gate", False)) and not getattr(cfg, "attn_gate_on_q", False),
                                      attn_gate_per_head=bool(getattr(cfg, "attn_gate_per_head", False)), **attention, **linear,

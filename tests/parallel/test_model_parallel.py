@@ -359,6 +359,9 @@ CASES = {
     # DeepSeek-V4's MoE: the hashed block's token ids sliced as its tokens under sequence parallelism, its table's
     # routes dispatched over ep; sqrt(softplus) routing with the expert bias in the others
     "ep2xtp2-dsv4-hash": (4, dict(tp=2, ep=2), dict(score="sqrtsoftplus", hash_layers=1, route_scale=1.5)),
+    # DeepSeek-V4's heavily compressed attention in block 1 (runs of 3): the compressor whole on each rank, its gradients summed
+    "tp2-dsv4-hca": (2, dict(tp=2), dict(n_kv_heads=1, kv_shared=True, qk_norm="head_k", compress_layers=(1,), compress_rate=3, window=5,
+                                         attn_sinks=True)),
     # 2 kv heads over 4 tp ranks: ranks 0, 1 compute kv head 0 from the whole wk, wv (and bk, bv), ranks 2, 3 kv head 1
     "tp4-kv-replicated": (4, dict(tp=4), dict(qkv_bias=True)),
     "cp2-mhc": (2, dict(cp=2), MHC),

@@ -419,6 +419,8 @@ COUNTED = {
     # ...and its shared key-value heads: no wv, in every block
     "kv_shared": dict(kv_shared=True, window=4, window_layers=(0,)),
     "q latent, head_k": dict(q_rank=10, qk_norm="head_k", rope_dim=4, rope_last=True),  # DeepSeek-V4's queries: wq_a, wq_b in place of wq
+    # heavily compressed attention in block 1 (runs of 4: 6 slots of the 24 tokens, every one scored by the math path)
+    "hca": dict(n_kv_heads=1, kv_shared=True, qk_norm="head_k", window=6, compress_layers=(1,), compress_rate=4, attn_sinks=True),
     # JetMoE's mixture of attention heads: each token's 2 of 3 experts' query and output projections (the per-expert loop
     # of impl "torch": aten.mm), its router [H, 3], in every attention block and the MTP's
     "jetmoe": dict(moa_experts=3, moa_topk=2, moe_out_bias=True),
@@ -458,6 +460,8 @@ def test_flops_per_token_matches_counted_matmuls(name):
     by_op = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
     assert set(by_op) == {"aten.mm", "aten.bmm"}, by_op
     local = dict(n_avg_local_keys=T) if cfg.any_local else {}  # the math path scores every key there too
+    if cfg.compress_layers:  # and every compressed entry's slot, T // m of them
+        local["n_avg_compressed_keys"] = T // cfg.compress_rate
     assert counter.get_total_flops() == T * M.model_flops_per_token(cfg, n_avg_keys=T, **local)
     no_scores = M.model_flops_per_token(cfg, n_avg_keys=0, **{k: 0 for k in local})  # the score / value term is linear in n_avg_keys
     n, H = cfg.hyper_connections, cfg.hidden  # the streams' sums (and mixing) in each block's two, and the head's
@@ -726,3 +730,22 @@ def test_memory_plan_refusals():
     assert M.memory_plan(linear, torch.optim.SGD(linear.parameters(), lr=0.1))["optimizer"] == 0
     assert M.memory_plan(linear, torch.optim.SGD(linear.parameters(), lr=0.1, momentum=0.9))["optimizer"] == 24
     assert M.memory_plan(linear, torch.optim.Adam(linear.parameters(), amsgrad=True))["optimizer"] == 72
+
+
+def test_mean_compressed_entries_counts_each_query_s_complete_runs():
+    """Heavily compressed attention's mean entries per query against the count written out (a query at position p of its
+    document sees floor((p + 1) / m) runs); model_flops_per_token needs it for a model with compressed blocks."""
+    from fmoe.model import TransformerConfig
+
+    cu = [0, 7, 9, 15, 31]
+    for m in (2, 3, 5):
+        want = sum((p + 1) // m for a, b in zip(cu, cu[1:]) for p in range(b - a)) / cu[-1]
+        assert M.mean_compressed_entries(cu, m) == pytest.approx(want, rel=1e-12)
+    with pytest.raises(ValueError, match=r"rate: expected >= 2, got 1"):
+        M.mean_compressed_entries(cu, 1)
+    cfg = TransformerConfig(vocab_size=64, hidden=32, n_layers=2, n_heads=4, n_kv_heads=1, head_dim=8, kv_shared=True, compress_layers=(1,),
+                            compress_rate=4)
+    with pytest.raises(ValueError, match=r"n_avg_compressed_keys: blocks \[1\] attend to compressed entries too"):
+        M.model_flops_per_token(cfg, n_avg_keys=10.0)
+    more = M.model_flops_per_token(cfg, n_avg_keys=10.0, n_avg_compressed_keys=3.0) - M.model_flops_per_token(cfg, n_avg_keys=10.0, n_avg_compressed_keys=1.0)
+    assert more == 6 * cfg.n_heads * 2 * cfg.head_dim * 2.0  # the scores and values over two more entries per query
