@@ -912,7 +912,8 @@ def _bad_tp(rank, world):
     for overrides, sizes in ((dict(n_heads=3, n_kv_heads=1), dict(tp=2)), (dict(n_experts=3), dict(ep=2)),
                              (dict(MLA, n_heads=3, n_kv_heads=3), dict(tp=2)), (dict(QWEN3_NEXT, linear_k_heads=1, linear_v_heads=2), dict(tp=2)),
                              (dict(JAMBA, linear_v_heads=33), dict(tp=2)), (dict(moa_experts=3, moa_topk=2, n_heads=2, n_kv_heads=1), dict(tp=2)),
-                             (dict(n_heads=6, n_kv_heads=3), dict(tp=2)), (dict(qk_norm="proj", n_kv_heads=1), dict(tp=2))):
+                             (dict(n_heads=6, n_kv_heads=3), dict(tp=2)), (dict(qk_norm="proj", n_kv_heads=1), dict(tp=2)),
+                             (dict(n_kv_heads=1, kv_shared=True, compress_layers=(1,), compress_rate=3), dict(cp=2))):
         try:
             parallelize(Transformer(TransformerConfig(**{**TINY, **overrides})), build_meshes(**sizes))
         except ValueError as err:
@@ -928,7 +929,7 @@ def _bad_tp(rank, world):
 
 def test_parallelize_refuses_what_does_not_split(results):
     for messages in (by_case["bad_tp"] for by_case in results(2)):
-        assert len(messages) == 9
+        assert len(messages) == 10
         assert "Attention's n_heads = 3 must be divisible by tp = 2" in messages[0]  # its one kv head replicated, the query heads split
         assert "n_experts = 3 is not divisible by ep = 2" in messages[1]
         assert "n_heads = 3 and n_kv_heads = 3 must both be divisible by tp = 2" in messages[2]  # multi-latent
@@ -938,7 +939,8 @@ def test_parallelize_refuses_what_does_not_split(results):
         assert "tp: n_kv_heads = 1 < tp = 2: the kv heads are replicated" in messages[5] and "not with moa_experts 3" in messages[5]
         assert "n_heads = 6 and n_kv_heads = 3 must both be divisible by tp = 2" in messages[6]  # more kv heads than ranks: split
         assert "not with qk_norm 'proj'" in messages[7]
-        assert "T = 25 tokens do not split evenly over tp = 2 ranks" in messages[8] and "tokens_per_micro_batch" in messages[8]
+        assert "cp: heavily compressed attention blocks [1] (compress_layers) exchange no compressed entries" in messages[8]
+        assert "T = 25 tokens do not split evenly over tp = 2 ranks" in messages[9] and "tokens_per_micro_batch" in messages[9]
 
 
 def _failed_export(rank, world):
