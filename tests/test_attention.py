@@ -2089,29 +2089,49 @@ def test_shared_key_value_heads_are_the_keys_and_turn_back_with_the_query(knobs)
     torch.testing.assert_close(y_moved, y, rtol=1e-4, atol=1e-5)
 
 
-def _dsv4_attention_layer(seed=0):
-    """A DeepSeek-V4 sliding attention layer of transformers (one kv head of 16 whose keys are its values, RoPE on its last
-    8 channels in pairs, a q latent of 12, the grouped output projection of 2 groups of rank 5, sinks, a window of 5), every
-    weight random, and fmoe's AttentionConfig and params of the same weights."""
+def _dsv4_attention_layer(kind="sliding_attention", seed=0):
+    """A DeepSeek-V4 attention layer of transformers of `kind` (one kv head of 16 whose keys are its values, RoPE on its
+    last 8 channels in pairs, a q latent of 12, the grouped output projection of 2 groups of rank 5, sinks, a window of 5;
+    heavily_compressed_attention: a compressor of runs of 4 too, the compress RoPE at 160000), every weight random, and
+    fmoe's AttentionConfig and params of the same weights."""
     v4 = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4", reason="transformers (the test extra) not installed")
     from transformers import DeepseekV4Config
 
     hf = DeepseekV4Config(vocab_size=64, hidden_size=H, num_hidden_layers=1, num_attention_heads=4, head_dim=16, q_lora_rank=12,
-                          partial_rotary_factor=0.5, layer_types=["sliding_attention"], sliding_window=5, o_groups=2, o_lora_rank=5,
-                          rms_norm_eps=1e-5, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
+                          partial_rotary_factor=0.5, layer_types=[kind], sliding_window=5, o_groups=2, o_lora_rank=5,
+                          compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 4}, rms_norm_eps=1e-5,
+                          n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
     hf._attn_implementation = "eager"
     torch.manual_seed(seed)
     layer = v4.DeepseekV4Attention(hf, 0).eval()
     with torch.no_grad():
         for name, w in layer.named_parameters():
-            w.copy_(torch.rand_like(w) + 0.5 if "norm" in name else torch.randn_like(w) * (0.5 if name == "sinks" else w.shape[-1] ** -0.5))
+            w.copy_(torch.rand_like(w) + 0.5 if "norm" in name else torch.randn_like(w) * (0.5 if w.ndim < 2 else w.shape[-1] ** -0.5))
+    compressed = kind == "heavily_compressed_attention"
     cfg = AttentionConfig(n_heads=4, n_kv_heads=1, head_dim=16, q_rank=12, rot_dim=8, rope_last=True, interleaved=True, qk_norm="head_k",
-                          kv_shared=True, o_groups=2, o_rank=5, window=5, norm_eps=1e-5, latent_norm_eps=1e-5, impl="torch")
+                          kv_shared=True, o_groups=2, o_rank=5, window=5, norm_eps=1e-5, latent_norm_eps=1e-5, impl="torch",
+                          **(dict(rope_base=160000.0, compress_rate=4) if compressed else {}))
     w = {n: t.detach() for n, t in layer.named_parameters()}
     params = {"wq_a": w["q_a_proj.weight"].T, "q_a_norm": w["q_a_norm.weight"], "wq_b": w["q_b_proj.weight"].T, "wk": w["kv_proj.weight"].T,
               "k_norm": w["kv_norm.weight"], "wo_a": w["o_a_proj.weight"].view(2, 5, -1).transpose(1, 2), "wo": w["o_b_proj.weight"].T,
               "sinks": w["sinks"]}
+    if compressed:
+        params.update(compress_wkv=w["compressor.kv_proj.weight"].T, compress_wg=w["compressor.gate_proj.weight"].T,
+                      compress_bias=w["compressor.position_bias"], compress_norm=w["compressor.kv_norm.weight"])
     return v4, hf, layer, cfg, {n: t.contiguous().clone().requires_grad_() for n, t in params.items()}
+
+
+def _dsv4_reference(v4, hf, layer, x, cu, rope):
+    """transformers' DeepSeek-V4 attention layer over each document of x [T, H] (cu) on its own, under its window of 5,
+    with its `rope` tables ("main" or "compress"): [T, H]."""
+    rotary, want = v4.DeepseekV4RotaryEmbedding(hf), []
+    with torch.no_grad():
+        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            xs, pos = x[a:b][None], torch.arange(b - a)[None]
+            allowed = (pos[0][:, None] >= pos[0][None]) & (pos[0][:, None] - pos[0][None] < 5)
+            mask = torch.zeros(b - a, b - a).masked_fill(~allowed, float("-inf"))[None, None]
+            want.append(layer(xs, {rope: rotary(xs, pos, layer_type=rope)}, pos, mask)[0][0])
+    return torch.cat(want)
 
 
 @pytest.mark.parametrize("impl", ["torch", "flex"])
@@ -2123,18 +2143,11 @@ def test_deepseek_v4_sliding_attention_matches_transformers(impl):
     SDPA reference with its gradients reaching every weight, and FlexAttention's forward)."""
     v4, hf, layer, cfg, params = _dsv4_attention_layer()
     cfg = dataclasses.replace(cfg, impl=impl)
-    rotary = v4.DeepseekV4RotaryEmbedding(hf)
     x, cu = torch.randn(15, H), torch.tensor([0, 9, 15])
-    want = []
-    with torch.no_grad():
-        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
-            xs, pos = x[a:b][None], torch.arange(b - a)[None]
-            allowed = (pos[0][:, None] >= pos[0][None]) & (pos[0][:, None] - pos[0][None] < 5)
-            mask = torch.zeros(b - a, b - a).masked_fill(~allowed, float("-inf"))[None, None]
-            want.append(layer(xs, {"main": rotary(xs, pos, layer_type="main")}, pos, mask)[0][0])
+    want = _dsv4_reference(v4, hf, layer, x, cu, "main")
     with torch.set_grad_enabled(impl == "torch"):  # FlexAttention has no backward on CPU
         y, _ = attention(x, params, cfg, _ctx(cu, cfg))
-    torch.testing.assert_close(y, torch.cat(want), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-5)
     if impl == "torch":
         y.square().sum().backward()
         assert all(float(t.grad.abs().max()) > 0 for t in params.values())
@@ -2146,39 +2159,11 @@ def test_heavily_compressed_attention_matches_transformers_deepseek_v4():
     rotated at the run's start), seen from the run's last position on; against transformers' DeepseekV4Attention of a
     heavily_compressed_attention layer (its compressor stateless) with the same weights, two documents (of 11 and 6 tokens:
     2 and 1 complete runs, tails left out) each run on its own there; gradients reach every weight, the compressor's too."""
-    v4 = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4", reason="transformers (the test extra) not installed")
-    from transformers import DeepseekV4Config
-
-    hf = DeepseekV4Config(vocab_size=64, hidden_size=H, num_hidden_layers=1, num_attention_heads=4, head_dim=16, q_lora_rank=12,
-                          partial_rotary_factor=0.5, layer_types=["heavily_compressed_attention"], sliding_window=5, o_groups=2, o_lora_rank=5,
-                          compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 4}, rms_norm_eps=1e-5,
-                          n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
-    hf._attn_implementation = "eager"
-    torch.manual_seed(0)
-    layer = v4.DeepseekV4Attention(hf, 0).eval()
-    with torch.no_grad():
-        for name, w in layer.named_parameters():
-            w.copy_(torch.rand_like(w) + 0.5 if "norm" in name else torch.randn_like(w) * (0.5 if w.ndim < 2 else w.shape[-1] ** -0.5))
-    w = {n: t.detach() for n, t in layer.named_parameters()}
-    cfg = AttentionConfig(n_heads=4, n_kv_heads=1, head_dim=16, q_rank=12, rot_dim=8, rope_last=True, interleaved=True, qk_norm="head_k",
-                          kv_shared=True, o_groups=2, o_rank=5, window=5, norm_eps=1e-5, latent_norm_eps=1e-5, rope_base=160000.0,
-                          compress_rate=4, impl="torch")
-    params = {"wq_a": w["q_a_proj.weight"].T, "q_a_norm": w["q_a_norm.weight"], "wq_b": w["q_b_proj.weight"].T, "wk": w["kv_proj.weight"].T,
-              "k_norm": w["kv_norm.weight"], "wo_a": w["o_a_proj.weight"].view(2, 5, -1).transpose(1, 2), "wo": w["o_b_proj.weight"].T,
-              "sinks": w["sinks"], "compress_wkv": w["compressor.kv_proj.weight"].T, "compress_wg": w["compressor.gate_proj.weight"].T,
-              "compress_bias": w["compressor.position_bias"], "compress_norm": w["compressor.kv_norm.weight"]}
-    params = {n: t.contiguous().clone().requires_grad_() for n, t in params.items()}
-    rotary = v4.DeepseekV4RotaryEmbedding(hf)
+    v4, hf, layer, cfg, params = _dsv4_attention_layer("heavily_compressed_attention")
     x, cu = torch.randn(17, H), torch.tensor([0, 11, 17])
-    want = []
-    with torch.no_grad():
-        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
-            xs, pos = x[a:b][None], torch.arange(b - a)[None]
-            allowed = (pos[0][:, None] >= pos[0][None]) & (pos[0][:, None] - pos[0][None] < 5)
-            mask = torch.zeros(b - a, b - a).masked_fill(~allowed, float("-inf"))[None, None]
-            want.append(layer(xs, {"compress": rotary(xs, pos, layer_type="compress")}, pos, mask)[0][0])
+    want = _dsv4_reference(v4, hf, layer, x, cu, "compress")
     y, _ = attention(x, params, cfg, _ctx(cu, cfg))
-    torch.testing.assert_close(y, torch.cat(want), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-5)
     # the entries matter: without them (the keys under the window alone) the output moves
     plain = dataclasses.replace(cfg, compress_rate=None)
     y_plain, _ = attention(x, {n: t for n, t in params.items() if not n.startswith("compress")}, plain, _ctx(cu, plain))
