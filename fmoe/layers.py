@@ -2454,7 +2454,8 @@ def _mla_latent_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext, q_la
 
 
 def _mla_q_latent(x, params, cfg: AttentionConfig) -> torch.Tensor:
-    """Multi-latent attention's wq_b input: the normed q latent [T, q_rank] (cfg.q_rank), or
+    """wq_b's input (multi-latent attention's, or grouped-query attention's with cfg.q_rank):
+    the normed q latent [T, q_rank], or
     with cfg.q_latent_raw [normed | as it is] [T, 2 q_rank]."""
     w = matmul(x, params["wq_a"], fp8=cfg.fp8, impl=cfg.impl)
     normed = _rms_norm(w, params["q_a_norm"], cfg.latent_norm_eps, zero_centered=cfg.zero_centered_norms)
