@@ -819,8 +819,9 @@ class AttentionConfig:
     it is its own value (kv_shared). The softmax spans the keys, the entries and the sinks.
     The run's slots are T // m (a bound known without reading the documents' lengths: no
     host sync), the unused ones masked. The dense reference attends (the context's dense
-    mask: impl "torch", or "auto" off CUDA); not under context parallel or in decoding (a
-    compressor state of its own, not built), nor with a softcap or ALiBi.
+    mask: impl "torch", or "auto" off CUDA); in decoding the cache keeps the entries and the
+    open run's inputs (ctx.compressed); not under context parallel, nor with a softcap or
+    ALiBi.
     """
 
     n_heads: int
@@ -1317,6 +1318,12 @@ class AttentionContext:
     token_index, kv_index: attention_context's (the queries' [T] and the mask's columns' [S]
         indices, context parallel and decoding), which ALiBi's distances (attention's
         params["alibi"]) are taken between; None: 0 ... T - 1, the context's own tokens.
+    compressed: decoding a heavily compressed attention layer (AttentionConfig.compress_rate):
+        compressed(c [T, D], g [T, D], entries) -> (entries [S, D], keep [T, S]), the new
+        tokens' compressor inputs (compressor_inputs) in, every cached entry and which query
+        sees which out, entries(c [K, m, D], g [K, m, D], first positions [K]) -> [K, D] making
+        the runs it completes (run_entries); bound per layer by fmoe.model.Transformer.decode
+        (KVCache.compress); None otherwise.
     """
 
     cos: torch.Tensor
@@ -1338,6 +1345,7 @@ class AttentionContext:
     key_order: Optional[torch.Tensor] = None
     token_index: Optional[torch.Tensor] = None
     kv_index: Optional[torch.Tensor] = None
+    compressed: Optional[Callable] = None
 
 
 def _use_flex(impl: str, device: torch.device) -> bool:
@@ -1731,16 +1739,29 @@ def compressed_entries(x_TH: torch.Tensor, params, cfg: AttentionConfig, ctx: "A
     j = slot - (runs[doc] - lengths[doc] // m)  # the run's index in its document
     first = torch.where(valid, cu[doc] + j * m, 0)  # its first token
     run_SM = first[:, None] + torch.arange(m, device=device)
-    c_TD = matmul(x_TH, params["compress_wkv"], fp8=False, impl=cfg.impl)
-    g_TD = matmul(x_TH, params["compress_wg"], fp8=False, impl=cfg.impl)
-    w_SMD = (g_TD[run_SM].float() + params["compress_bias"].float()).softmax(dim=1)  # over the run's tokens, channel by channel
-    entries_SD = (c_TD[run_SM] * w_SMD.to(c_TD.dtype)).sum(dim=1)
-    entries_SD = _rms_norm(entries_SD, params["compress_norm"], cfg.norm_eps)
-    if cfg.rope:  # at the run's first position, as the keys are rotated
-        entries_SD = _gqa_rope(entries_SD[:, None], ctx.cos[first], ctx.sin[first], cfg)[:, 0]
+    c_TD, g_TD = compressor_inputs(x_TH, params, cfg)
+    entries_SD = run_entries(c_TD[run_SM], g_TD[run_SM], ctx.cos[first], ctx.sin[first], params, cfg)
     q_doc = torch.searchsorted(cu[1:], torch.arange(T, device=device), right=True)
     keep_TS = valid[None] & (doc[None] == q_doc[:, None]) & ((j[None] + 1) * m <= positions[:, None] + 1)
     return entries_SD, keep_TS
+
+
+def compressor_inputs(x_TH: torch.Tensor, params, cfg: AttentionConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Heavily compressed attention's per-token inputs of x [T, H]: (c = x compress_wkv,
+    g = x compress_wg), [T, D] each in x's dtype."""
+    return tuple(matmul(x_TH, params[name], fp8=False, impl=cfg.impl) for name in ("compress_wkv", "compress_wg"))
+
+
+def run_entries(c_KMD: torch.Tensor, g_KMD: torch.Tensor, cos_KR: torch.Tensor, sin_KR: torch.Tensor, params, cfg: AttentionConfig) -> torch.Tensor:
+    """The compressed entries [K, D] of K complete runs of m tokens (compressor_inputs' c and g
+    [K, m, D] of each run's tokens in order; cos, sin [K, R/2] the RoPE tables at each run's
+    first position): sum_i softmax_i(g_i + compress_bias_i) c_i (float32 weights, channel by
+    channel), RMS-normed with compress_norm, rotated as the keys are."""
+    w_KMD = (g_KMD.float() + params["compress_bias"].float()).softmax(dim=1)  # over the run's tokens, channel by channel
+    entries_KD = _rms_norm((c_KMD * w_KMD.to(c_KMD.dtype)).sum(dim=1), params["compress_norm"], cfg.norm_eps)
+    if cfg.rope:  # at the run's first position, as the keys are rotated
+        entries_KD = _gqa_rope(entries_KD[:, None], cos_KR, sin_KR, cfg)[:, 0]
+    return entries_KD
 
 
 def qk_norm_shapes(cfg: AttentionConfig) -> dict:
@@ -1996,8 +2017,9 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
             k_TGD = torch.cat([k_TGD, index_k_SD.detach()[:, None, :].to(k_TGD.dtype)], dim=-1)
         elif ctx.gather_kv is not None and not shared:  # context parallel: every rank's indexer keys (the loss's gradient returns to each)
             index_k_SD = ctx.gather_kv(index_k_SD[:, None, :], index_k_SD[:, None, :0])[0][:, 0]
-    if ctx.gather_kv is not None and cfg.compress_rate is not None:
-        raise ValueError("ctx: heavily compressed attention (cfg.compress_rate) over gathered keys (context parallel or decoding) is not built")
+    if ctx.gather_kv is not None and cfg.compress_rate is not None and ctx.compressed is None:
+        raise ValueError("ctx: heavily compressed attention (cfg.compress_rate) over gathered keys without its entries' cache (context parallel, "
+                         "or decoding without ctx.compressed) is not built")
     if ctx.gather_kv is not None:  # every rank's keys and values (cp), or the cache's and these (decoding)
         k_TGD, v_TGD = ctx.gather_kv(k_TGD, v_TGD)
         n_keys = ctx.mask.shape[-1]
@@ -2036,10 +2058,17 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
         raise ValueError("ctx: block-sparse attention (cfg.index_topk_blocks) needs the dense mask or its rows; build the context with this cfg "
                          "(attention_context)")
     if cfg.compress_rate is not None:  # heavily compressed attention: the entries after the keys, each under its own rule
-        if not isinstance(mask, torch.Tensor) or ctx.cu_seqlens is None or ctx.positions is None:
+        if not isinstance(mask, torch.Tensor) or (ctx.compressed is None and (ctx.cu_seqlens is None or ctx.positions is None)):
             raise ValueError("ctx: heavily compressed attention (cfg.compress_rate) needs the dense mask, the documents and the positions; "
                              "build the context with attention_context and impl 'torch' (or 'auto' off CUDA)")
-        entries_SD, keep_TS = compressed_entries(x, params, cfg, ctx)
+        if ctx.compressed is not None:  # decoding: the cache's entries, the runs the new tokens complete added
+
+            def entries(c_KMD, g_KMD, first_K):
+                return run_entries(c_KMD, g_KMD, *rope_tables(first_K, cfg), params, cfg)
+
+            entries_SD, keep_TS = ctx.compressed(*compressor_inputs(x, params, cfg), entries)
+        else:
+            entries_SD, keep_TS = compressed_entries(x, params, cfg, ctx)
         k_GTD = v_GTD = torch.cat([k_GTD, entries_SD[None].to(k_GTD.dtype)], dim=1)  # their own values (kv_shared)
         mask = torch.cat([mask, keep_TS], dim=1)
     sinks, slopes_N = params.get("sinks"), params.get("alibi")

@@ -568,8 +568,9 @@ class TransformerConfig:
     tokens of the document, their compressor's (compress_wkv, compress_wg, compress_bias
     float32, compress_norm); they keep the global RoPE tables where the window's layers have
     their own (local_rope_base: DeepSeek-V4's main and compress RoPE); with kv_shared and one
-    kv head; the model's contexts then hold dense masks (the reference attends); not in
-    decoding (KVCache refuses it) or under context parallel. moe_out_bias: a bias [H] added to
+    kv head; the model's contexts then hold dense masks (the reference attends); in decoding
+    the cache keeps each sequence's entries and open run (KVCache); not under context
+    parallel. moe_out_bias: a bias [H] added to
     each MoE block's output (JetMoE's MoE bias; MoE.out_bias). tie_embeddings: the
     output head is the embedding; out_vocab V' (None: vocab_size): the output head has V' <=
     vocab_size rows, the logits are those of token ids 0 .. V' - 1 while the embedding keeps
@@ -2309,12 +2310,14 @@ class KVCache:
     decode refuses it. A model whose LongRoPE switches (TransformerConfig.longrope_switches)
     also keeps each sequence's token ids, tokens [batch, max_tokens] int64 (None otherwise):
     decode recomputes a sequence from them when it grows past the original positions.
+    Heavily compressed attention layers (cfg.compress_layers, `compress_layers`) also keep
+    each sequence's compressed entries, entries [n_compress, batch * (max_tokens // m), D]
+    (sequence b's runs in rows b (max_tokens // m) + j), and its open run's compressor inputs,
+    run [n_compress, batch, m, 2 D] (c | g of positions m floor(L / m) .. L - 1): a sequence
+    continues from its last token or restarts from 0, never goes back (decode refuses it).
     """
 
     def __init__(self, cfg: TransformerConfig, max_tokens: int, *, batch: int = 1, device=None, dtype: torch.dtype = torch.float32):
-        if cfg.compress_layers:
-            raise ValueError(f"cfg.compress_layers: heavily compressed attention blocks {list(cfg.compress_layers)} decode with a compressor "
-                             "state of their own (its open run, its entries), which is not built: use logits over the whole sequence")
         check_positive_int("max_tokens", max_tokens)
         check_positive_int("batch", batch)
         # v is k's latent (multi-latent attention), or k itself (kv_shared: the values are the keys): written with k
@@ -2345,6 +2348,11 @@ class KVCache:
         self.conv = torch.zeros(len(self.linear_layers), batch, lin.conv - 1, lin.conv_channels, device=device, dtype=dtype)
         self.state = torch.zeros(len(self.linear_layers), batch, lin.n_v_heads, lin.k_head_dim, lin.v_head_dim, device=device)
         self.max_tokens, self.batch = max_tokens, batch
+        # heavily compressed attention layers: each sequence's entries (max_tokens // m rows) and its open run's c | g
+        self.compress_layers, self.compress_rate = tuple(i for i in range(cfg.n_layers) if cfg.is_compressed(i)), cfg.compress_rate
+        n_c, m, D = len(self.compress_layers), cfg.compress_rate, cfg.head_dim
+        self.entries = torch.zeros(n_c, batch * (max_tokens // m), D, device=device, dtype=dtype)
+        self.run = torch.zeros(n_c, batch, m, 2 * D, device=device, dtype=dtype)
         self.tokens = torch.zeros(batch, max_tokens, dtype=torch.int64, device=device) if cfg.longrope_switches else None
         self.lengths = [0] * batch
         # each sequence's length after its last decode call, what the rings and the linear states hold: a ring layer's
@@ -2378,7 +2386,7 @@ class KVCache:
         """The bytes the cache holds (keys and values of every layer and sequence)."""
         stores = (self.k, self.k_window) if self.v_in_k else (self.k, self.v, self.k_window, self.v_window)
         tokens = () if self.tokens is None else (self.tokens,)
-        return sum(t.numel() * t.element_size() for t in (*stores, self.conv, self.state, *tokens))
+        return sum(t.numel() * t.element_size() for t in (*stores, self.conv, self.state, self.entries, self.run, *tokens))
 
     @property
     def length(self) -> int:
@@ -2422,6 +2430,32 @@ class KVCache:
         if not self.v_in_k:
             v.index_copy_(0, rows, v_TGD)
         return k[:n_keys], v[:n_keys]
+
+    def compress(self, layer: int, seqs: list[int], T: int, q_seq: torch.Tensor, q_pos: torch.Tensor, c_TD: torch.Tensor, g_TD: torch.Tensor,
+                 entries: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+        """Heavily compressed attention layer `layer` in a decode call (AttentionContext.compressed):
+        each sequence b of `seqs` takes its T new tokens' c, g [T, D] (rows s T .. (s + 1) T of
+        c_TD, g_TD; padding rows after them unread) after its open run's (positions m floor(L / m)
+        .. L - 1, L = lengths[b]); the runs they complete become entries (entries(c, g, first
+        positions)) in its rows b (max_tokens // m) + j, the rest the open run. Returns (every
+        sequence's entries [batch max_tokens // m, D], keep [Q, that] bool): query q (of sequence
+        q_seq[q] at position q_pos[q]) sees its sequence's runs j with (j + 1) m <= q_pos + 1."""
+        j, m = self.compress_layers.index(layer), self.compress_rate
+        per, D = self.max_tokens // m, c_TD.shape[-1]
+        run, store = self.run[j], self.entries[j]
+        new_TC = torch.cat([c_TD, g_TD], dim=-1).to(run.dtype)
+        for s, b in enumerate(seqs):
+            L = self.lengths[b]
+            tokens = torch.cat([run[b, :L % m], new_TC[s * T:(s + 1) * T]])  # from the open run's first position on
+            k, first = tokens.shape[0] // m, L - L % m
+            if k:  # the runs the new tokens complete
+                runs = tokens[:k * m].view(k, m, 2 * D)
+                positions = torch.arange(first, first + k * m, m, device=c_TD.device)
+                store[b * per + first // m:b * per + first // m + k] = entries(runs[..., :D], runs[..., D:], positions).to(store.dtype)
+            run[b, :tokens.shape[0] - k * m] = tokens[k * m:]
+        col = torch.arange(store.shape[0], device=c_TD.device)
+        keep = (col[None] // per == q_seq[:, None]) & ((col[None] % per + 1) * m <= q_pos[:, None] + 1)
+        return store, keep
 
     def linear_states(self, layer: int, seqs: list[int], tokens: Optional[int] = None) -> LinearStates:
         """Linear-attention layer `layer`'s states of the sequences `seqs` (copies, in that
@@ -2833,6 +2867,10 @@ class Transformer(nn.Module):
             if cache.window_layers and 0 < cache.lengths[b] < cache.decoded_lengths[b] - 1:
                 raise ValueError(f"cache.lengths[{b}]: {cache.lengths[b]} tokens after {cache.decoded_lengths[b]}: the sliding-window (chunked) layers keep only "
                                  f"the newest {cache.window} tokens' keys, so a sequence goes back one token at most, or restarts from 0 (cache.reset)")
+            if cache.compress_layers and 0 < cache.lengths[b] != cache.decoded_lengths[b]:
+                raise ValueError(f"cache.lengths[{b}]: {cache.lengths[b]} tokens after {cache.decoded_lengths[b]}: the heavily compressed attention layers "
+                                 "keep only the entries and the open run after the last token, so a sequence continues from there or restarts from 0 "
+                                 "(cache.reset)")
             if cache.linear_layers and 0 < cache.lengths[b] != cache.decoded_lengths[b]:
                 raise ValueError(f"cache.lengths[{b}]: {cache.lengths[b]} tokens after {cache.decoded_lengths[b]}: the linear-attention layers keep only the "
                                  "state after the last token, so a sequence continues from there or restarts from 0 (cache.reset)")
@@ -2860,6 +2898,7 @@ class Transformer(nn.Module):
         if pad:
             ids = torch.cat([ids, ids[-1:].expand(pad)])
         positions = torch.tensor(positions_host + positions_host[-1:] * pad, device=device)
+        q_seq = torch.tensor([b for b in seq_list for _ in range(T)] + seq_list[-1:] * pad, device=device)  # each query's sequence
         queries = torch.tensor(rows_host + rows_host[-1:] * pad, device=device)  # each query's row: its index in the mask
         rows = queries[:n]
         cu = torch.tensor([*range(0, n_keys, M), n_keys], dtype=torch.int32, device=device)
@@ -2889,8 +2928,9 @@ class Transformer(nn.Module):
             kv = functools.partial(cache.write_window, i, *window_kv) if ring else functools.partial(cache.write, i, rows, n_keys)
             if pad:
                 kv = functools.partial(_unpadded, n, kv)
+            compressed = (functools.partial(cache.compress, i, seq_list, T, q_seq, positions) if i in cache.compress_layers else None)
             layer_ctx = dataclasses.replace(contexts[ring], gather_kv=kv, latents=None if not mla else "absorbed" if absorbed else "expanded",
-                                            linear_states=states)  # a parallel hybrid's: both its keys and its states
+                                            linear_states=states, compressed=compressed)  # a parallel hybrid's: both its keys and its states
             h_TH, _ = block(h_TH, layer_ctx, token_ids=ids)
             if states is not None:
                 cache.write_linear(i, seq_list, states)

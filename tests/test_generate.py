@@ -43,7 +43,8 @@ def test_greedy_matches_transformers_generate(tmp_path, family):
     twice the kv heads with sinks in layer 1; LFM2-MoE: layer 0 a gated short convolution, its
     last 2 inputs carried from the prompt through every step; DeepSeek-V4: manifold streams,
     a 3-token window ring of its one key head that is its values, RoPE on each head's last
-    channels, layer 0 routed by its hash table) against transformers' own generate and cache."""
+    channels, layer 1 heavily compressed (runs of 3: its entries and open run cached), layer 0
+    routed by its hash table) against transformers' own generate and cache."""
     transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]'")
     import fmoe.hf
 
@@ -128,7 +129,9 @@ def test_greedy_matches_transformers_generate(tmp_path, family):
                                             bos_token_id=None, eos_token_id=None, pad_token_id=None)
     elif family == "deepseek_v4":
         config = transformers.DeepseekV4Config(**common, head_dim=16, q_lora_rank=12, partial_rotary_factor=0.5, moe_intermediate_size=16,
-                                               n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1, layer_types=["sliding_attention"] * 2,
+                                               n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1,
+                                               layer_types=["sliding_attention", "heavily_compressed_attention"],
+                                               compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 3},
                                                mlp_layer_types=["hash_moe", "moe"], hc_mult=2, sliding_window=3, o_groups=2, o_lora_rank=5,
                                                bos_token_id=None, eos_token_id=None, pad_token_id=None)
     elif family == "glm4":

@@ -2863,12 +2863,40 @@ def test_deepseek_v4_moe_blocks_equal_transformers_modules(hashed):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_heavily_compressed_blocks_refuse_a_kv_cache_and_bad_knobs():
-    """A model with heavily compressed attention blocks has no compressor state to decode with: its KV cache is refused,
-    naming the blocks; its knobs are checked."""
-    model = Transformer(VARIANTS["dsv4-hca"])
-    with pytest.raises(ValueError, match=r"cfg.compress_layers: heavily compressed attention blocks \[1, 2\] decode with a compressor state"):
-        model.kv_cache(16)
+def test_heavily_compressed_blocks_decode_as_the_whole_sequence():
+    """Heavily compressed attention in decoding: the cache keeps each sequence's entries and its open run's inputs, so a
+    prompt and then tokens one and a few at a time give the whole sequence's logits (runs of 3 completed inside a call,
+    across calls, and by single tokens); two sequences of other lengths decode together as each alone; the entries of the
+    complete runs fill their rows (13 tokens: 4 runs, one token open) and the cache counts their bytes; a sequence does not
+    go back (refused by name), it restarts from 0."""
+    model = _sharp(dataclasses.replace(VARIANTS["dsv4-hca"], mtp_depth=0))
+    ids = torch.randint(0, model.cfg.vocab_size, (13,))
+    other = torch.randint(0, model.cfg.vocab_size, (8,))
+    with torch.no_grad():
+        want = model.logits(ids, torch.tensor([0, 13], dtype=torch.int32))
+        want_other = model.logits(other, torch.tensor([0, 8], dtype=torch.int32))
+    cache = model.kv_cache(16)
+    got = [model.decode(ids[a:b], cache) for a, b in [(0, 5), (5, 6), (6, 7), (7, 11), (11, 12), (12, 13)]]
+    torch.testing.assert_close(torch.cat(got), want, rtol=1e-5, atol=1e-5)
+    assert cache.compress_layers == (1, 2) and cache.entries.shape == (2, 16 // 3, 8) and cache.run.shape == (2, 1, 3, 16)
+    assert cache.entries[:, :4].abs().amin(dim=-1).gt(0).all() and cache.entries[:, 4:].abs().sum() == 0
+    assert cache.run[:, 0, :1].abs().amin(dim=-1).gt(0).all()  # the open run's one token (position 12)
+    rings_and_stores = sum(t.numel() for t in (cache.k, cache.k_window)) * 4  # kv_shared: the values are views of the keys
+    assert cache.nbytes == rings_and_stores + (cache.entries.numel() + cache.run.numel()) * 4
+    cache.length = 12  # one token back, which the window's ring allows
+    with pytest.raises(ValueError, match=r"cache.lengths\[0\]: 12 tokens after 13: the heavily compressed attention layers keep only the entries"):
+        model.decode(ids[12:13], cache)
+    cache.reset()
+    torch.testing.assert_close(model.decode(ids[:7], cache), want[:7], rtol=1e-5, atol=1e-5)  # a fresh start over stale rows
+    both = model.kv_cache(16, batch=2)
+    first = [model.decode(ids[:5], both, seqs=0), model.decode(other[:2], both, seqs=1)]
+    steps = [model.decode(torch.stack([ids[5 + t:6 + t], other[2 + t:3 + t]]), both) for t in range(6)]
+    torch.testing.assert_close(torch.cat([first[0], *(s[0] for s in steps)]), want[:11], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.cat([first[1], *(s[1] for s in steps)]), want_other, rtol=1e-5, atol=1e-5)
+
+
+def test_heavily_compressed_blocks_bad_knobs():
+    """compress_layers and compress_rate are checked by name."""
     for overrides, message in ((dict(compress_rate=1), r"compress_rate: expected >= 2, got 1"),
                                (dict(compress_layers=(3,)), r"compress_layers: expected distinct block indices in 0\.\.2, got \(3,\)"),
                                (dict(n_kv_heads=2), r"compress_rate: heavily compressed attention's entries are one shared key-value head's"),

@@ -251,10 +251,8 @@ class _ShardedRegion(ParallelStyle):
     def _configure(self, module: nn.Module, mesh: DeviceMesh) -> None:
         """Adjust the module's per-rank configuration (head counts)."""
 
-    _tp = 1  # the tp mesh's size, once _apply runs
-
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        tp = self._tp = device_mesh.size()
+        tp = device_mesh.size()
         self._check(module, tp)
         for name, dim in self._shard_dims(module).items():
             param = getattr(module, name)
@@ -337,22 +335,20 @@ class _HeadsRegion(_ShardedRegion):
     def _head_counts(self, module) -> tuple[str, ...]:
         return self.head_counts
 
+    replicate_kv = False  # AttentionParallel: fewer kv heads than tp ranks, decided from the module's whole config before it is split
+
     def _check(self, module, tp):
-        counts = {name: getattr(module.cfg, name) for name in self._head_counts(module) if not self._kv_replicated(module, tp, name)}
+        counts = {name: getattr(module.cfg, name) for name in self._head_counts(module) if not (self.replicate_kv and name == "n_kv_heads")}
         if any(n % tp for n in counts.values()):
             listed = " and ".join(f"{name} = {n}" for name, n in counts.items())
             raise ValueError(f"tp: {type(module).__name__}'s {listed} must {'both ' if len(counts) > 1 else ''}be divisible by tp = {tp}")
         super()._check(module, tp)
 
-    def _kv_replicated(self, module, tp: int, name: str = "n_kv_heads") -> bool:
-        """Whether the kv heads stay whole on every rank (AttentionParallel: fewer than tp)."""
-        return False
-
     def _configure(self, module, mesh):
         tp = mesh.size()
         kv_head = None
         counts = {name: getattr(module.cfg, name) // tp for name in self._head_counts(module)}
-        if self._kv_replicated(module, tp):  # each rank's query heads read one kv head, which it computes from the whole wk, wv
+        if self.replicate_kv:  # each rank's query heads read one kv head, which it computes from the whole wk, wv
             G = module.cfg.n_kv_heads
             kv_head, counts["n_kv_heads"] = mesh.get_local_rank() // (tp // G), 1
         module.cfg = dataclasses.replace(module.cfg, **counts)
@@ -383,12 +379,17 @@ class AttentionParallel(_HeadsRegion):
     each: fmoe.model.Attention). Either kind: attention sinks and the output gate's bias bg [n_heads] Shard(0) with their heads; the output bias bo [H]
     replicated, each rank adding bo / tp before the ranks' outputs are summed."""
 
-    def _kv_replicated(self, module, tp: int, name: str = "n_kv_heads") -> bool:
+    def _apply(self, module, device_mesh):
+        self.replicate_kv = self._replicates_kv(module, device_mesh.size())  # from the whole config, before _configure splits it
+        return super()._apply(module, device_mesh)
+
+    @staticmethod
+    def _replicates_kv(module, tp: int) -> bool:
         """Grouped-query attention with fewer kv heads G than tp ranks, tp % G == 0 (multi-query
         attention: DeepSeek-V4's one key head): wk, wv and their biases stay whole on every rank."""
         cfg = module.cfg
         G = cfg.n_kv_heads
-        if name != "n_kv_heads" or cfg.kv_rank is not None or G >= tp or tp % G:
+        if cfg.kv_rank is not None or G >= tp or tp % G:
             return False
         taken = [knob for knob, on in (("qk_norm", cfg.qk_norm in ("proj", "head_layer")), ("moa_experts", cfg.moa_experts is not None),
                                        ("index_topk_blocks", cfg.index_topk_blocks is not None)) if on]
@@ -398,7 +399,7 @@ class AttentionParallel(_HeadsRegion):
         return True
 
     def _shard_dims(self, module):
-        if self._kv_replicated(module, self._tp):  # wk, wv and their biases whole on every rank (HeadShard.kv_columns)
+        if self.replicate_kv:  # wk, wv and their biases whole on every rank (HeadShard.kv_columns)
             return {n: d for n, d in self._gqa_dims(module).items() if n not in ("wk", "wv", "bk", "bv")}
         return self._gqa_dims(module)
 

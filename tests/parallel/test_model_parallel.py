@@ -623,6 +623,9 @@ DECODE_CASES = {
     # DeepSeek-V4's attention: its one kv head on both ranks, each rank's cache and ring holding it
     "tp2-dsv4-attn": (2, dict(tp=2), dict(n_kv_heads=1, kv_shared=True, qk_norm="head_k", q_rank=10, rope_dim=4, rope_last=True,
                                           rope_interleaved=True, attn_sinks=True, **WINDOW), None, 1e-5),
+    # heavily compressed attention in block 1: each rank's cache keeps the entries and the open run (odd calls padded for tp)
+    "tp2-dsv4-hca": (2, dict(tp=2), dict(n_kv_heads=1, kv_shared=True, qk_norm="head_k", compress_layers=(1,), compress_rate=3, attn_sinks=True),
+                     None, 1e-5),
 }
 
 
