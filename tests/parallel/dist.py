@@ -78,13 +78,19 @@ def by_world(worker, cases: dict, *, timeout: float) -> Callable[[int], list]:
     """run(world) -> [rank 0's result, ...] of worker(rank, world, names) over the names of
     the `cases` whose first entry is `world`: every case of one world size in ONE spawned
     process group (spawning and importing torch costs 6 s for 2 ranks, 13 s for 4 on 2
-    cores), run on first use and kept. Return it from a module-scoped fixture."""
+    cores), run on first use and kept (a failure too: the tests that read a failed group fail
+    at once). Return it from a module-scoped fixture."""
     cache: dict[int, list] = {}
 
     def run(world: int) -> list:
         if world not in cache:
             names = [name for name, case in cases.items() if case[0] == world]
-            cache[world] = run_distributed(worker, world, names, timeout=timeout)
+            try:
+                cache[world] = run_distributed(worker, world, names, timeout=timeout)
+            except Exception as err:  # a failed group fails every test that reads it, at once, rather than running again for each
+                cache[world] = err
+        if isinstance(cache[world], Exception):
+            raise cache[world]
         return cache[world]
 
     return run
