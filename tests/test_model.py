@@ -1239,9 +1239,13 @@ def test_forward_and_backward_read_nothing_on_the_host(cfg):
     assert reads.count == 0, reads.sites
 
 
-def _compiled_like_eager(cfg):
+def _compiled_like_eager(cfg, *, fresh=True):
     """A model of cfg, its forward + losses compiled whole (fullgraph) and run backward: the
-    value and every gradient as eager's. Returns (model, eager's gradients)."""
+    value and every gradient as eager's. Returns (model, eager's gradients). fresh=True
+    clears dynamo's caches first: each model is a new guard on `_loss`, and the file's
+    compiles, run in one process, would pass dynamo's recompile limit (8 per code object)."""
+    if fresh:
+        torch._dynamo.reset()
     torch.manual_seed(0)
     model = Transformer(cfg)
     batch = _batch(cfg, T=32, cu=(0, 7, 8, 24, 32), padding=8)
@@ -1289,7 +1293,7 @@ def test_models_whose_float_knobs_differ_compile_whole_in_one_process():
                   swiglu_alpha=1.702, swiglu_limit=7.0, swiglu_offset=1.0, route_scale=2.5, rope_base=5e4, norm_eps=1e-5,
                   logit_softcap=30.0, attn_softcap=50.0, router_softcap=20.0, value_scale=0.5, clip_qkv=8.0)
     for cfg in (FULL, dataclasses.replace(MINIMAX_M3, impl="auto"), dataclasses.replace(FULL, **floats)):
-        _compiled_like_eager(cfg)
+        _compiled_like_eager(cfg, fresh=False)
 
 
 def test_mixture_of_attention_heads_weighs_its_balance_loss_and_checks_its_knobs():
