@@ -4218,7 +4218,9 @@ TP_FAMILIES = ("sarvam_moe", "kimi_linear", "laguna", "deepseek_v4")  # Laguna's
 
 
 def _load_sharded_families(rank, world, paths, out):
-    return {family: _load_sharded(rank, world, path, family, out / family) for family, path in paths.items()}
+    from parallel.dist import in_own_groups
+
+    return {family: in_own_groups(_load_sharded, rank, world, path, family, out / family) for family, path in paths.items()}
 
 
 @pytest.fixture(scope="module")

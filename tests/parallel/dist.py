@@ -4,6 +4,8 @@
 
     with counting_all_reduce() as calls: ...          # the ops of every dist.all_reduce call
     with counting_calls("all_gather_single") as calls: ...   # any torch.distributed function's calls
+    with own_groups(): ...                              # the groups made inside (DeviceMesh's) destroyed on leaving
+    in_own_groups(case, *args)                          # case(*args) inside own_groups()
     results = by_world(worker, CASES, timeout=600)      # results(world): one process group per world size
 
 `fn(rank, world_size, *args)` must be a module-level function (the workers are spawned and
@@ -94,6 +96,37 @@ def by_world(worker, cases: dict, *, timeout: float) -> Callable[[int], list]:
         return cache[world]
 
     return run
+
+
+@contextlib.contextmanager
+def own_groups():
+    """Destroy, on leaving, the process groups made inside (each DeviceMesh dimension's, new_group's).
+
+    Each gloo group runs a thread that wakes every 10 ms (its transport's epoll loop) until the group
+    is destroyed: a worker running dozens of cases, each building its meshes, kept hundreds of them
+    and spent a third of its CPU time waking them. Every rank leaves together (a case's end).
+
+    DTensor's sharding propagation caches its output specs by mesh equality (shape, ranks, names:
+    not the groups), so a later case's equal mesh would be handed this case's specs, naming
+    destroyed groups: its caches (the Python one and the C++ fast path's) are emptied with them."""
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    world = dist.distributed_c10d._world
+    before = set(world.pg_map)
+    try:
+        yield
+    finally:
+        made = [g for g in world.pg_map if g not in before]
+        for group in made:
+            dist.destroy_process_group(group)
+        if made:
+            _clear_sharding_prop_cache()
+
+
+def in_own_groups(case: Callable, *args):
+    """case(*args), the process groups it makes destroyed when it returns (own_groups)."""
+    with own_groups():
+        return case(*args)
 
 
 # the torch.distributed function FSDP2 all-gathers parameters with (torch 2.11: all_gather_into_tensor)

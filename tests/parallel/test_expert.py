@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.parallel.dist import run_distributed
+from tests.parallel.dist import own_groups, run_distributed
 
 H, F, FS, E = 8, 6, 4, 8  # hidden, expert FFN, shared FFN, experts
 TIMEOUT = 180.0  # the 4-process spawn takes about 60 s on 2 cores, 15 of them a compile
@@ -353,11 +353,16 @@ def _bad_inputs_case(rank: int, world: int) -> list[str]:
 
 
 def _worker(rank: int, world: int, cases: dict, round_trips: dict, bad_inputs: bool) -> dict:
-    results = {name: _moe_case(sizes, tokens, **extra) for name, (sizes, tokens, extra) in cases.items()}
+    results = {}
+    for name, (sizes, tokens, extra) in cases.items():
+        with own_groups():
+            results[name] = _moe_case(sizes, tokens, **extra)
     for name, (sizes, padded) in round_trips.items():
-        results[name] = (_round_trip_padded_case if padded else _round_trip_case)(rank, world, sizes)
+        with own_groups():
+            results[name] = (_round_trip_padded_case if padded else _round_trip_case)(rank, world, sizes)
     if bad_inputs:
-        results["bad_inputs"] = _bad_inputs_case(rank, world)
+        with own_groups():
+            results["bad_inputs"] = _bad_inputs_case(rank, world)
     return results
 
 

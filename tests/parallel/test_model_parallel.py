@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.parallel.dist import FSDP_ALL_GATHER, by_world, counting_calls
+from tests.parallel.dist import FSDP_ALL_GATHER, by_world, counting_calls, in_own_groups
 
 TINY = dict(vocab_size=64, hidden=32, n_layers=2, n_dense=1, ffn_dense=64, n_experts=4, k=2, ffn_expert=32,
             n_shared=1, n_heads=4, n_kv_heads=2, head_dim=8, mtp_depth=1)
@@ -680,12 +680,12 @@ def _decode(rank, world, sizes, overrides, param_dtype, tol):
 def _cases(rank, world, names):
     """Every case of one world size (by_world), its decode cases, and on 2 ranks the
     user-Blocks case, the refusals and the failed exports."""
-    out = {name: _compare(rank, world, *CASES[name][1:]) for name in names}
-    out.update({f"decode-{name}": _decode(rank, world, *case[1:]) for name, case in DECODE_CASES.items() if case[0] == world})
+    out = {name: in_own_groups(_compare, rank, world, *CASES[name][1:]) for name in names}
+    out.update({f"decode-{name}": in_own_groups(_decode, rank, world, *case[1:]) for name, case in DECODE_CASES.items() if case[0] == world})
     if world == 2:
-        out["user_blocks"], out["bad_tp"] = _user_blocks(rank, world), _bad_tp(rank, world)
-        out["failed_export"] = _failed_export(rank, world)
-        out["in_place_owned"], out["in_place_plain"] = (_in_place_on_unit_outputs(rank, world, plain) for plain in (False, True))
+        out["user_blocks"], out["bad_tp"] = in_own_groups(_user_blocks, rank, world), in_own_groups(_bad_tp, rank, world)
+        out["failed_export"] = in_own_groups(_failed_export, rank, world)
+        out["in_place_owned"], out["in_place_plain"] = (in_own_groups(_in_place_on_unit_outputs, rank, world, plain) for plain in (False, True))
     return out
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.parallel.dist import by_world
+from tests.parallel.dist import by_world, in_own_groups
 from tests.parallel.test_model_parallel import GRANITE, QWEN3_NEXT
 
 TINY = dict(vocab_size=64, hidden=32, n_layers=4, n_dense=1, ffn_dense=64, n_experts=4, k=2, ffn_expert=32,
@@ -154,7 +154,7 @@ CASES = {
 
 
 def _cases(rank, world, names):
-    return {name: _case(*CASES[name][1:]) for name in names}
+    return {name: in_own_groups(_case, *CASES[name][1:]) for name in names}
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from fmoe.parallel.reduce import (
     seq_load_balancing_losses_split,
     z_loss_split,
 )
-from tests.parallel.dist import counting_all_reduce, run_distributed
+from tests.parallel.dist import counting_all_reduce, own_groups, run_distributed
 
 INF = float("inf")
 
@@ -342,82 +342,88 @@ def _norm(tensors, p):
 
 
 def _grad_norm_results(rank, world_size, configs):
+    out = {}
+    for name, cfg in configs.items():
+        with own_groups():
+            out[name] = _grad_norm_case(cfg)
+    return out
+
+
+def _grad_norm_case(cfg):
+    """One mesh layout's grad_norm / clip_grad_norm / param_norm results on this rank."""
     from fmoe.model import copy_full_value
     from fmoe.parallel.mesh import build_meshes
 
-    out = {}
-    for name, cfg in configs.items():
-        meshes = build_meshes(**cfg)
-        params = _toy_params(meshes)
-        full = {n: g for n, g in _full_grads().items() if n in params}
-        res = dict(expected2=_norm(full.values(), 2), expected_inf=_norm(full.values(), INF))
-        for n, p in params.items():
-            p.grad = _like(p, full[n])
+    meshes = build_meshes(**cfg)
+    params = _toy_params(meshes)
+    full = {n: g for n, g in _full_grads().items() if n in params}
+    res = dict(expected2=_norm(full.values(), 2), expected_inf=_norm(full.values(), INF))
+    for n, p in params.items():
+        p.grad = _like(p, full[n])
+    with counting_all_reduce() as calls:
+        res["norm2"] = grad_norm(params.values())
+        res["norm_inf"] = grad_norm(list(params.values()), norm_type=INF)
+    res["calls"] = len(calls)
+    res["norm3"], res["expected3"] = grad_norm(params.values(), norm_type=3), _norm(full.values(), 3)
+    res["norm2_loop"] = grad_norm(params.values(), foreach=False)  # a loop instead of _foreach_norm
+
+    if meshes.tp == 1:  # a group of one rank (tp): no collective; plain grads as torch does
+        plain = params["plain"]
         with counting_all_reduce() as calls:
-            res["norm2"] = grad_norm(params.values())
-            res["norm_inf"] = grad_norm(list(params.values()), norm_type=INF)
-        res["calls"] = len(calls)
-        res["norm3"], res["expected3"] = grad_norm(params.values(), norm_type=3), _norm(full.values(), 3)
-        res["norm2_loop"] = grad_norm(params.values(), foreach=False)  # a loop instead of _foreach_norm
+            res["one_rank"] = clip_grad_norm([plain], 0.5, group=meshes.tp_mesh)
+        res["one_rank_calls"] = len(calls)
+        ref = torch.nn.Parameter(torch.zeros(7))
+        ref.grad = full["plain"].clone()
+        res["one_rank_expected"] = torch.nn.utils.clip_grad_norm_([ref], 0.5).float()
+        res["one_rank_grad_same"] = torch.equal(plain.grad, ref.grad)
+        with pytest.raises(ValueError, match=r"parameters\[0\]: its gradient's mesh has \d+ ranks, which does not divide the 1"):
+            grad_norm([params["experts"]], group=meshes.tp_mesh)
+        plain.grad = _like(plain, full["plain"])
 
-        if meshes.tp == 1:  # a group of one rank (tp): no collective; plain grads as torch does
-            plain = params["plain"]
-            with counting_all_reduce() as calls:
-                res["one_rank"] = clip_grad_norm([plain], 0.5, group=meshes.tp_mesh)
-            res["one_rank_calls"] = len(calls)
-            ref = torch.nn.Parameter(torch.zeros(7))
-            ref.grad = full["plain"].clone()
-            res["one_rank_expected"] = torch.nn.utils.clip_grad_norm_([ref], 0.5).float()
-            res["one_rank_grad_same"] = torch.equal(plain.grad, ref.grad)
-            with pytest.raises(ValueError, match=r"parameters\[0\]: its gradient's mesh has \d+ ranks, which does not divide the 1"):
-                grad_norm([params["experts"]], group=meshes.tp_mesh)
-            plain.grad = _like(plain, full["plain"])
+    # clipping to a quarter: every local shard scaled by max_norm / (norm + 1e-6)
+    max_norm = res["expected2"] / 4
+    res["clip_returned"] = clip_grad_norm(params.values(), max_norm)
+    coef = max_norm / (res["clip_returned"] + 1e-6)
+    res["clip_error"] = max(float((_local(p.grad) - _local(_like(p, full[n] * coef))).abs().sum()) for n, p in params.items())
+    res["after_clip"], res["max_norm"] = grad_norm(params.values()), max_norm
+    for n, p in params.items():
+        p.grad = _like(p, full[n])
+    res["clip_loop_returned"] = clip_grad_norm(params.values(), max_norm, foreach=False)
+    res["clip_loop_error"] = max(float((_local(p.grad) - _local(_like(p, full[n] * coef))).abs().sum()) for n, p in params.items())
+    before = {n: _local(p.grad).clone() for n, p in params.items()}
+    res["inf_after_clip"] = grad_norm(params.values(), norm_type=INF)
+    res["clip_big_returned"] = clip_grad_norm(params.values(), 1e6, norm_type=INF)
+    res["clip_big_unchanged"] = all(torch.equal(_local(p.grad), before[n]) for n, p in params.items())
 
-        # clipping to a quarter: every local shard scaled by max_norm / (norm + 1e-6)
-        max_norm = res["expected2"] / 4
-        res["clip_returned"] = clip_grad_norm(params.values(), max_norm)
-        coef = max_norm / (res["clip_returned"] + 1e-6)
-        res["clip_error"] = max(float((_local(p.grad) - _local(_like(p, full[n] * coef))).abs().sum()) for n, p in params.items())
-        res["after_clip"], res["max_norm"] = grad_norm(params.values()), max_norm
+    # the expert gradient missing on the ranks of one expert-parallel coordinate
+    ep_rank, rows = meshes.expert["ep"].get_local_rank(), 4 // meshes.ep
+    missing = full["experts"].clone()
+    missing[rows : 2 * rows] = 0
+    for n, p in params.items():
+        p.grad = _like(p, full[n])
+    if ep_rank == 1:
+        params["experts"].grad = None
+    res["norm_missing"] = grad_norm(params.values())
+    res["expected_missing"] = _norm([missing] + [g for n, g in full.items() if n != "experts"], 2)
+
+    # a rank holding no parameter at all still takes part
+    mine = [params["experts"]] if ep_rank == 0 else []
+    params["experts"].grad = _like(params["experts"], full["experts"]) if ep_rank == 0 else None
+    res["norm_nothing"] = grad_norm(mine, norm_type=INF)
+    res["expected_nothing"] = _norm([full["experts"][:rows]], INF)
+
+    # param_norm and zero_grad_count: each element once, as one process counts them;
+    # dense.bias has no gradient on any rank (all its elements count)
+    values, zeroed = _full_values()
+    with torch.no_grad():
         for n, p in params.items():
-            p.grad = _like(p, full[n])
-        res["clip_loop_returned"] = clip_grad_norm(params.values(), max_norm, foreach=False)
-        res["clip_loop_error"] = max(float((_local(p.grad) - _local(_like(p, full[n] * coef))).abs().sum()) for n, p in params.items())
-        before = {n: _local(p.grad).clone() for n, p in params.items()}
-        res["inf_after_clip"] = grad_norm(params.values(), norm_type=INF)
-        res["clip_big_returned"] = clip_grad_norm(params.values(), 1e6, norm_type=INF)
-        res["clip_big_unchanged"] = all(torch.equal(_local(p.grad), before[n]) for n, p in params.items())
-
-        # the expert gradient missing on the ranks of one expert-parallel coordinate
-        ep_rank, rows = meshes.expert["ep"].get_local_rank(), 4 // meshes.ep
-        missing = full["experts"].clone()
-        missing[rows : 2 * rows] = 0
-        for n, p in params.items():
-            p.grad = _like(p, full[n])
-        if ep_rank == 1:
-            params["experts"].grad = None
-        res["norm_missing"] = grad_norm(params.values())
-        res["expected_missing"] = _norm([missing] + [g for n, g in full.items() if n != "experts"], 2)
-
-        # a rank holding no parameter at all still takes part
-        mine = [params["experts"]] if ep_rank == 0 else []
-        params["experts"].grad = _like(params["experts"], full["experts"]) if ep_rank == 0 else None
-        res["norm_nothing"] = grad_norm(mine, norm_type=INF)
-        res["expected_nothing"] = _norm([full["experts"][:rows]], INF)
-
-        # param_norm and zero_grad_count: each element once, as one process counts them;
-        # dense.bias has no gradient on any rank (all its elements count)
-        values, zeroed = _full_values()
-        with torch.no_grad():
-            for n, p in params.items():
-                copy_full_value(p, values[n])
-                p.grad = None if n == "dense.bias" else _like(p, zeroed[n])
-        with counting_all_reduce() as calls:
-            res["param_norm"] = param_norm(params.values())
-            res["zero_count"] = zero_grad_count(params.values())
-        res["health_calls"], res["names"] = len(calls), list(params)
-        out[name] = res
-    return out
+            copy_full_value(p, values[n])
+            p.grad = None if n == "dense.bias" else _like(p, zeroed[n])
+    with counting_all_reduce() as calls:
+        res["param_norm"] = param_norm(params.values())
+        res["zero_count"] = zero_grad_count(params.values())
+    res["health_calls"], res["names"] = len(calls), list(params)
+    return res
 
 
 def _check_grad_norm(results, configs):

@@ -5,7 +5,7 @@ one full parameter (counted with fmoe.train.metrics.AllocatedBytes)."""
 
 import torch
 
-from tests.parallel.dist import run_distributed
+from tests.parallel.dist import own_groups, run_distributed
 
 TINY = dict(vocab_size=64, hidden=32, n_layers=3, n_dense=1, ffn_dense=64, n_experts=4, k=2, ffn_expert=32,
             n_shared=1, n_heads=4, n_kv_heads=2, head_dim=8, mtp_depth=1)
@@ -53,13 +53,14 @@ def _check(rank, world):
     ref_lm = float(ref(batch)[0]["lm_sum"])
     out = {}
     for name, sizes in MESHES.items():
-        model = _sharded(cfg, sizes, seed=7)
-        params = dict(model.named_parameters())
-        out[f"{name}.names"] = sorted(params) == sorted(n for n, _ in ref.named_parameters())
-        out[f"{name}.unequal"] = [n for n, p in ref.named_parameters() if not torch.equal(_full(params[n].detach()), p.detach())]
-        out[f"{name}.buffers"] = all(torch.equal(b, ref.get_buffer(n)) for n, b in model.named_buffers())
-        # the materialised model runs (FSDP2 gathers what it allocated): same forward
-        out[f"{name}.lm_err"] = abs(float(model(batch)[0]["lm_sum"]) - ref_lm) / abs(ref_lm)
+        with own_groups():
+            model = _sharded(cfg, sizes, seed=7)
+            params = dict(model.named_parameters())
+            out[f"{name}.names"] = sorted(params) == sorted(n for n, _ in ref.named_parameters())
+            out[f"{name}.unequal"] = [n for n, p in ref.named_parameters() if not torch.equal(_full(params[n].detach()), p.detach())]
+            out[f"{name}.buffers"] = all(torch.equal(b, ref.get_buffer(n)) for n, b in model.named_buffers())
+            # the materialised model runs (FSDP2 gathers what it allocated): same forward
+            out[f"{name}.lm_err"] = abs(float(model(batch)[0]["lm_sum"]) - ref_lm) / abs(ref_lm)
     # memory: shards only (+ one full parameter at a time while initialising)
     big = TransformerConfig(**BIG)
     with torch.device("meta"):
