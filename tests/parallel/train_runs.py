@@ -32,9 +32,12 @@ def main(spec: str) -> None:
     loader.loader.exec_module(script)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         dist.init_process_group("gloo")
+    from tests.parallel.dist import own_groups  # the repository root is on PYTHONPATH (tests/conftest.py)
+
     for i, argv in enumerate(runs):
         try:
-            script.main(argv)
+            with own_groups():  # each run's mesh groups destroyed after it: idle gloo groups' threads cost CPU time
+                script.main(argv)
         except BaseException:
             print(f"train_runs: run {i + 1} of {len(runs)} failed: {' '.join(argv)}", file=sys.stderr, flush=True)
             raise
