@@ -109,7 +109,12 @@ def own_groups():
     DTensor's sharding propagation caches its output specs by mesh equality (shape, ranks, names:
     not the groups), so a later case's equal mesh would be handed this case's specs, naming
     destroyed groups: its caches (the Python one and the C++ fast path's) are emptied with them."""
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    try:
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    except ImportError:  # a torch without the C++ fast path's cache (or without this helper): the Python cache alone
+        from torch.distributed.tensor import DTensor
+
+        _clear_sharding_prop_cache = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear
 
     world = dist.distributed_c10d._world
     before = set(world.pg_map)
