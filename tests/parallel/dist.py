@@ -104,7 +104,7 @@ def own_groups():
 
     Each gloo group runs a thread that wakes every 10 ms (its transport's epoll loop) until the group
     is destroyed: a worker running dozens of cases, each building its meshes, kept hundreds of them
-    and spent a third of its CPU time waking them. Every rank leaves together (a case's end).
+    and spent from a third to two thirds of its CPU time in the system calls that wake them. Every rank leaves together (a case's end).
 
     DTensor's sharding propagation caches its output specs by mesh equality (shape, ranks, names:
     not the groups), so a later case's equal mesh would be handed this case's specs, naming

@@ -32,7 +32,8 @@ def main(spec: str) -> None:
     loader.loader.exec_module(script)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         dist.init_process_group("gloo")
-    from tests.parallel.dist import own_groups  # the repository root is on PYTHONPATH (tests/conftest.py)
+    sys.path.insert(0, str(SCRIPT.parents[1]))  # the repository root, for tests.parallel.dist when run by hand
+    from tests.parallel.dist import own_groups
 
     for i, argv in enumerate(runs):
         try:
