@@ -854,8 +854,11 @@ def main(argv: list[str]) -> None:
                            if model_cfg.zero_experts and moe_names else None)
             n_avg_compressed = (sum(metrics.mean_compressed_entries(b["cu_seqlens"], model_cfg.compress_rate) for b in host_batches) / n_micro
                                 if model_cfg.compress_layers else None)  # heavily compressed attention's entries
+            n_avg_csa = {name: sum(metrics.mean_compressed_entries(b["cu_seqlens"], model_cfg.csa_rate, topk) for b in host_batches) / n_micro
+                         for name, topk in (("n_avg_csa_entries", None), ("n_avg_csa_chosen", model_cfg.csa_topk))} if model_cfg.csa_layers else {}
             flops_per_token = metrics.model_flops_per_token(model_cfg, n_avg_keys=n_avg_keys, n_avg_local_keys=n_avg_local,
-                                                            n_avg_index_keys=n_avg_index, k=k_computing, n_avg_compressed_keys=n_avg_compressed)
+                                                            n_avg_index_keys=n_avg_index, k=k_computing, n_avg_compressed_keys=n_avg_compressed,
+                                                            **n_avg_csa)
             record.update(
                 step=step, loss=record["lm_loss"], lr=cfg.lr * lr_scale, batch_size=n_micro, tokens=tokens_seen,
                 loss_tokens=loss_tokens, padding_tokens=step_tokens - routed,  # of the step's tokens: trained on, and padding

@@ -128,11 +128,12 @@ A released HY-V4-VL folder (hy_v4_vl) holds HY-V4's text model with RoPE on inte
 hold it, beside a vision tower (vit.) that is not read; the head's hyper-connection weights
 under model.hc_head.hc_pre. (as transformers writes them) or HY-V4's prefix
 (Family.hyper_head_too); written back as hy_v4_vl_text.
-DeepSeek-V4 (deepseek_v4), its sliding and heavily compressed attention layers (layer_types;
-its compressed sparse attention layers, CSA, are refused): manifold hyper-connections (hc_attn_,
+DeepSeek-V4 (deepseek_v4), its sliding, compressed sparse and heavily compressed attention
+layers (layer_types): manifold hyper-connections (hc_attn_,
 hc_ffn_, model.hc_head.hc_), one key head (wkv, norm) that is its values, queries from wq_a,
 q_norm, wq_b (Family.q_latent), the grouped output projection (wo_a, wo_b), sinks, the HCA
-layers' compressor (compressor.wkv, wgate, ape, norm: Family.compressor) and YaRN'd RoPE beside
+layers' compressor (compressor.wkv, wgate, ape, norm: Family.compressor), the CSA layers' overlapping
+one and their indexer (indexer.wq_b, weights_proj and its compressor: Family.csa_indexer) and YaRN'd RoPE beside
 the sliding layers' plain one; hash_moe blocks reading gate.tid2eid (Family.hash_table) before
 sqrt(softplus) MoE blocks; mtp. not read.
 Kolibri-1 (kolibri1): EXAONE's attention in GLM-4's sandwich blocks (the released
@@ -2131,9 +2132,9 @@ def _hy_v4(hf: dict, *, vl: bool = False) -> dict:
 
 def _deepseek_v4(hf: dict) -> dict:
     """DeepSeek-V4 (deepseek_v4) whose attention layers are sliding_attention and
-    heavily_compressed_attention ones (layer_types; compressed_sparse_attention, CSA with its
-    lightning indexer, is not built, and refused; the HCA layers are compress_layers of
-    compress_rates' rate, their RoPE the compress one, plain or YaRN with attention_factor 1,
+    heavily_compressed_attention ones and compressed_sparse_attention ones (layer_types; the HCA
+    layers are compress_layers of compress_rates' rate, the CSA layers csa_layers of theirs,
+    csa_topk index_topk, their indexer's index_n_heads of index_head_dim; both layers' RoPE the compress one, plain or YaRN with attention_factor 1,
     the sliding layers' the main one, _deepseek_v4_compress_rope): hc_mult streams of manifold hyper-connections
     (TransformerConfig.hyper_connections, hc_kind "manifold", hc_sinkhorn_iters, hc_eps);
     attention of num_attention_heads query heads over one key head whose values are its keys
@@ -2150,11 +2151,15 @@ def _deepseek_v4(hf: dict) -> dict:
     n = hf["num_hidden_layers"]
     _refuse(hf, "hidden_act", lambda v: v == "silu", "SwiGLU with silu only")
     kinds = hf.get("layer_types")
-    if kinds is None or len(kinds) != n or set(kinds) - {"sliding_attention", "heavily_compressed_attention"}:
-        raise ValueError(f"config.json: layer_types = {kinds!r} is not supported (sliding_attention or heavily_compressed_attention in every "
-                         "layer: DeepSeek-V4's compressed sparse attention layers, compressed_sparse_attention, are not built)")
+    if kinds is None or len(kinds) != n or set(kinds) - {"sliding_attention", "heavily_compressed_attention", "compressed_sparse_attention"}:
+        raise ValueError(f"config.json: layer_types = {kinds!r} is not supported (sliding_attention, heavily_compressed_attention or "
+                         "compressed_sparse_attention in every layer)")
     compressed = tuple(i for i, kind in enumerate(kinds) if kind == "heavily_compressed_attention")
+    sparse = tuple(i for i, kind in enumerate(kinds) if kind == "compressed_sparse_attention")
     rate = (hf.get("compress_rates") or {}).get("heavily_compressed_attention", hf.get("compress_rate_hca", 128))
+    csa_rate = (hf.get("compress_rates") or {}).get("compressed_sparse_attention", hf.get("compress_rate_csa", 4))
+    csa = dict(csa_layers=sparse, csa_rate=csa_rate, csa_topk=hf.get("index_topk", 512), index_heads=hf.get("index_n_heads", 64),
+               index_head_dim=hf.get("index_head_dim", 128)) if sparse else {}
     n_hash = min(n, hf.get("num_hash_layers", 3))
     mlp = hf.get("mlp_layer_types") or ["hash_moe"] * n_hash + ["moe"] * (n - n_hash)
     n_hash = sum(kind == "hash_moe" for kind in mlp)
@@ -2171,7 +2176,7 @@ def _deepseek_v4(hf: dict) -> dict:
     for field in ("attention_bias", "mlp_bias"):
         _refuse(hf, field, lambda v: not v, "no biases in DeepSeek-V4's projections")
     main, compress = _deepseek_v4_ropes(hf)
-    rope = _deepseek_v4_compress_rope(main, compress) if compressed else dict(rope_base=float(main["rope_theta"]))
+    rope = _deepseek_v4_compress_rope(main, compress) if compressed or sparse else dict(rope_base=float(main["rope_theta"]))
     D = hf["head_dim"]
     legacy = hf["qk_rope_head_dim"] / D if hf.get("qk_rope_head_dim") else 64 / 512  # transformers' fallback without partial_rotary_factor
     factor = main.get("partial_rotary_factor", hf.get("partial_rotary_factor") or legacy)
@@ -2187,7 +2192,7 @@ def _deepseek_v4(hf: dict) -> dict:
     eps = float(hf["rms_norm_eps"])
     return dict(vocab_size=hf["vocab_size"], hidden=hf["hidden_size"], n_layers=n, n_heads=hf["num_attention_heads"], n_kv_heads=1, head_dim=D,
                 norm_eps=eps, mla_norm_eps=None if eps == 1e-6 else eps, **rope, rope_dim=rope_dim, rope_last=True, rope_interleaved=True,
-                compress_layers=compressed or None, compress_rate=rate,
+                compress_layers=compressed or None, compress_rate=rate, **csa,
                 q_rank=hf["q_lora_rank"], qk_norm="head_k", kv_shared=True, attn_sinks=True, o_groups=hf["o_groups"], o_rank=hf["o_lora_rank"],
                 window=window, tie_embeddings=bool(hf.get("tie_word_embeddings", False)), n_experts=hf["n_routed_experts"],
                 k=hf["num_experts_per_tok"], ffn_expert=hf["moe_intermediate_size"], ffn_dense=hf["moe_intermediate_size"],
@@ -2236,18 +2241,21 @@ def _deepseek_v4_config(cfg: TransformerConfig) -> dict:
     n, f = cfg.n_layers, (cfg.rope_dim or cfg.head_dim) / cfg.head_dim
     main_theta = cfg.rope_base if cfg.local_rope_base is None else cfg.local_rope_base
     main = dict(rope_type="default", rope_theta=main_theta, partial_rotary_factor=f)
-    if not cfg.compress_layers:  # the compressed layers' RoPE unused: transformers' own
+    if not cfg.compress_layers and not cfg.csa_layers:  # the compressed layers' RoPE unused: transformers' own
         compress = dict(main, rope_theta=160000.0)
     elif cfg.yarn_factor is None:
         compress = dict(main, rope_theta=cfg.rope_base)
     else:
         compress = dict(_yarn_parameters(cfg), attention_factor=1.0, partial_rotary_factor=f)
-    kinds = ["heavily_compressed_attention" if cfg.is_compressed(i) else "sliding_attention" for i in range(n)]
+    kinds = ["heavily_compressed_attention" if cfg.is_compressed(i) else "compressed_sparse_attention" if cfg.is_csa(i) else "sliding_attention"
+             for i in range(n)]
+    csa = dict(index_topk=cfg.csa_topk, index_n_heads=cfg.index_heads, index_head_dim=cfg.index_head_dim) if cfg.csa_layers else {}
     hf = dict(architectures=[FAMILIES["deepseek_v4"].architecture], model_type="deepseek_v4", vocab_size=cfg.vocab_size, hidden_size=cfg.hidden,
               num_hidden_layers=n, num_attention_heads=cfg.n_heads, num_key_value_heads=1, head_dim=cfg.head_dim, q_lora_rank=cfg.q_rank,
               rms_norm_eps=cfg.norm_eps, hidden_act="silu", tie_word_embeddings=cfg.tie_embeddings, partial_rotary_factor=f, rope_theta=main_theta,
               compress_rope_theta=compress["rope_theta"], rope_parameters=dict(main=main, compress=compress), layer_types=kinds,
-              compress_rates=dict(compressed_sparse_attention=4, heavily_compressed_attention=cfg.compress_rate),
+              compress_rates=dict(compressed_sparse_attention=cfg.csa_rate if cfg.csa_layers else 4, heavily_compressed_attention=cfg.compress_rate),
+              **csa,
               sliding_window=cfg.window, o_groups=cfg.o_groups, o_lora_rank=cfg.o_rank, scoring_func=cfg.score,
               mlp_layer_types=["hash_moe" if cfg.is_hash(i) else "moe" for i in range(n)], swiglu_limit=cfg.swiglu_limit,
               hc_mult=cfg.hyper_connections, hc_sinkhorn_iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, num_experts_per_tok=cfg.k,
@@ -3774,6 +3782,8 @@ class Family:
     # heavily compressed attention's compressor (cfg.compress_layers) under the attention module: its kv and gate projections,
     # its bias by place in the run, its norm (DeepSeek-V4's compressor.wkv, wgate, ape, norm)
     compressor: tuple[str, str, str, str] = ("compressor.wkv.weight", "compressor.wgate.weight", "compressor.ape", "compressor.norm.weight")
+    # compressed sparse attention's indexer (cfg.csa_layers) under the attention module: its wq_b, weights_proj and compressor
+    csa_indexer: str = "indexer."
     sinks: str = "sinks"  # the attention sinks' key, under the attention module
     extra_layers_read: bool = True  # False: the layers after the trunk's (HY-V3's MTP layer) are not read, as in transformers
     # the linear-attention (Gated DeltaNet) blocks' projections: "qkvz", Qwen3-Next's fused in_proj_qkvz and in_proj_ba
@@ -4964,9 +4974,15 @@ def _attention_keys(family: Family, cfg: TransformerConfig, p: str, q: str, rope
             else:
                 out[q + "attn.q_norm" + suffix] = Tensor((f"{attn}{family.qk_norms[0]}.{part}",))
                 out[q + "attn.k_norm" + suffix] = Tensor((f"{attn}{family.qk_norms[1]}.{part}",))
-    if layer is not None and cfg.is_compressed(layer):  # heavily compressed attention's compressor (DeepSeek-V4's HCA)
+    if layer is not None and (cfg.is_compressed(layer) or cfg.is_csa(layer)):  # compressed attention's compressor (DeepSeek-V4's HCA, CSA)
         for ours, theirs in zip(("compress_wkv", "compress_wg", "compress_bias", "compress_norm"), family.compressor):
             out[q + "attn." + ours] = Tensor((attn + theirs,), transpose=ours in ("compress_wkv", "compress_wg"))
+    if layer is not None and cfg.is_csa(layer):  # compressed sparse attention's indexer: its queries, head weights and own compressor
+        index = attn + family.csa_indexer
+        for ours, theirs in zip(("index_compress_wkv", "index_compress_wg", "index_compress_bias", "index_compress_norm"), family.compressor):
+            out[q + "attn." + ours] = Tensor((index + theirs,), transpose=ours in ("index_compress_wkv", "index_compress_wg"))
+        for ours, theirs in (("index_wq", "wq_b.weight"), ("index_w", "weights_proj.weight")):
+            out[q + "attn." + ours] = Tensor((index + theirs,), transpose=True)
     if cfg.is_index_blocks(layer):  # block-sparse attention's indexer (MiniMax-M3's)
         index = attn + family.block_index
         for ours, theirs in (("index_wq", "q_proj"), ("index_wk", "k_proj"), ("index_q_norm", "q_norm"), ("index_k_norm", "k_norm")):

@@ -822,6 +822,22 @@ class AttentionConfig:
     mask: impl "torch", or "auto" off CUDA); in decoding the cache keeps the entries and the
     open run's inputs (ctx.compressed); not under context parallel, nor with a softcap or
     ALiBi.
+
+    Compressed sparse attention (DeepSeek-V4's CSA) when compress_topk is set beside
+    compress_rate m: the entries overlap, entry j of a document a softmax over 2 m slots, the
+    first half of the channels of the previous run's tokens (c_a, g_a: none for run 0) and the
+    second half of run j's (c_b, g_b), c = x compress_wkv, g = x compress_wg [H, 2 D], b =
+    compress_bias [m, 2 D] (its first D columns the previous run's, its last D run j's), then
+    normed and rotated as above (at j m); each query attends to the compress_topk entries it
+    sees of highest lightning-indexer score (fmoe.layers.index_scores: heads index_heads of
+    index_head_dim from the normed q latent, index_wq [q_rank, index_heads index_head_dim],
+    weighed by x index_w [H, index_heads]) against the indexer's own entries, made the same
+    way by index_compress_wkv, index_compress_wg [H, 2 index_head_dim], index_compress_bias
+    [m, 2 index_head_dim] (float32) and index_compress_norm [index_head_dim]; its queries and
+    entries rotated on their last rot_dim channels with index_rope_last, in pairs with
+    index_interleaved; equal scores go to the earlier entry. The choice has no gradient (no
+    indexer loss: the indexer's weights stay as loaded). Needs q_rank; not with index_topk or
+    index_topk_blocks; not in decoding.
     """
 
     n_heads: int
@@ -900,6 +916,7 @@ class AttentionConfig:
     o_rank: Optional[int] = None
     kv_shared: bool = False
     compress_rate: Optional[int] = None
+    compress_topk: Optional[int] = None
 
     def __post_init__(self):
         check_fp8(self.fp8)
@@ -1033,12 +1050,23 @@ class AttentionConfig:
         if (self.index_block_size, self.index_local_blocks) != (128, 1):
             raise ValueError(f"{'index_block_size' if self.index_block_size != 128 else 'index_local_blocks'}: a knob of block-sparse attention, "
                              "needs index_topk_blocks")
-        if self.index_topk is None:
+        if self.index_topk is None and self.compress_topk is None:
             knobs = dict(index_heads=64, index_head_dim=128, index_interleaved=False, index_rope_last=False, index_norm_eps=1e-6, index_loss=False,
                          index_shared=False)
             changed = [name for name, default in knobs.items() if getattr(self, name) != default]
             if changed:
                 raise ValueError(f"{changed[0]}: a knob of DeepSeek sparse attention's indexer, needs index_topk")
+            return
+        if self.index_topk is None:  # compressed sparse attention's indexer (compress_topk): its heads and their RoPE
+            for name in ("index_heads", "index_head_dim"):
+                check_positive_int(name, getattr(self, name))
+            for name in ("index_interleaved", "index_rope_last"):
+                if not isinstance(getattr(self, name), bool):
+                    raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
+            changed = [name for name, default in dict(index_norm_eps=1e-6, index_loss=False, index_shared=False).items() if getattr(self, name) != default]
+            if changed:
+                raise ValueError(f"{changed[0]}: a knob of DeepSeek sparse attention's indexer, needs index_topk (compressed sparse attention's "
+                                 "indexer has no key norm, no loss and no sharing)")
             return
         for name in ("index_topk", "index_heads", "index_head_dim"):
             check_positive_int(name, getattr(self, name))
@@ -1098,6 +1126,8 @@ class AttentionConfig:
     def _check_compress(self) -> None:
         """Heavily compressed attention's knob (class docstring): ValueError naming the field."""
         if self.compress_rate is None:
+            if self.compress_topk is not None:
+                raise ValueError("compress_topk: compressed sparse attention's entries are made every compress_rate tokens, needs compress_rate")
             return
         check_positive_int("compress_rate", self.compress_rate, 2)
         if not self.kv_shared or self.n_kv_heads != 1:
@@ -1105,6 +1135,15 @@ class AttentionConfig:
                              f"n_kv_heads = 1, got kv_shared={self.kv_shared}, n_kv_heads={self.n_kv_heads}")
         if self.score_softcap is not None or self.impl == "flex":
             raise ValueError("compress_rate: heavily compressed attention runs the dense reference, not with score_softcap or impl 'flex'")
+        if self.compress_topk is None:
+            return
+        check_positive_int("compress_topk", self.compress_topk)
+        if self.q_rank is None:
+            raise ValueError("compress_topk: compressed sparse attention's indexer reads the normed q latent, needs q_rank")
+        rot = self.head_dim if self.rot_dim is None else self.rot_dim
+        if self.rope and rot > self.index_head_dim:
+            raise ValueError(f"index_head_dim: the indexer rotates rot_dim = {rot} of its channels, expected index_head_dim >= rot_dim, "
+                             f"got {self.index_head_dim}")
 
     def _check_kv_shared(self) -> None:
         """Shared key-value heads' knob (class docstring): ValueError naming the field."""
@@ -1712,14 +1751,24 @@ def gqa_q_shapes(H: int, cfg: AttentionConfig) -> dict:
 def compress_shapes(H: int, cfg: AttentionConfig) -> dict:
     """Heavily compressed attention's compressor (cfg.compress_rate m) name -> shape:
     compress_wkv, compress_wg [H, D], compress_bias [m, D] (float32), compress_norm [D]; {}
-    without it."""
+    without it. Compressed sparse attention's (cfg.compress_topk): compress_wkv, compress_wg
+    [H, 2 D], compress_bias [m, 2 D], compress_norm [D], and its indexer's index_wq [q_rank,
+    index_heads index_head_dim], index_w [H, index_heads], index_compress_wkv,
+    index_compress_wg [H, 2 Di], index_compress_bias [m, 2 Di] (float32), index_compress_norm
+    [Di], Di = index_head_dim."""
     if cfg.compress_rate is None:
         return {}
-    D = cfg.head_dim
-    return {"compress_wkv": (H, D), "compress_wg": (H, D), "compress_bias": (cfg.compress_rate, D), "compress_norm": (D,)}
+    D, m = cfg.head_dim, cfg.compress_rate
+    if cfg.compress_topk is None:
+        return {"compress_wkv": (H, D), "compress_wg": (H, D), "compress_bias": (m, D), "compress_norm": (D,)}
+    Ni, Di = cfg.index_heads, cfg.index_head_dim
+    return {"compress_wkv": (H, 2 * D), "compress_wg": (H, 2 * D), "compress_bias": (m, 2 * D), "compress_norm": (D,),
+            "index_wq": (cfg.q_rank, Ni * Di), "index_w": (H, Ni), "index_compress_wkv": (H, 2 * Di), "index_compress_wg": (H, 2 * Di),
+            "index_compress_bias": (m, 2 * Di), "index_compress_norm": (Di,)}
 
 
-def compressed_entries(x_TH: torch.Tensor, params, cfg: AttentionConfig, ctx: "AttentionContext") -> tuple[torch.Tensor, torch.Tensor]:
+def compressed_entries(x_TH: torch.Tensor, params, cfg: AttentionConfig, ctx: "AttentionContext", *,
+                       prefix: str = "compress_") -> tuple[torch.Tensor, torch.Tensor]:
     """Heavily compressed attention's entries (AttentionConfig.compress_rate m; DeepSeek-V4's
     HCA compressor) of the packed tokens x [T, H] over ctx's documents (ctx.cu_seqlens,
     ctx.positions; ctx.cos, ctx.sin the layer's RoPE tables): (entries [S, D] in x's dtype,
@@ -1727,7 +1776,10 @@ def compressed_entries(x_TH: torch.Tensor, params, cfg: AttentionConfig, ctx: "A
     documents' runs in order), its entry sum_i softmax_i(g_i + b_i) c_i over the run's tokens,
     RMS-normed with compress_norm and rotated at position j m; keep[t, s]: token t's document
     holds the complete run s and t is at position (j + 1) m - 1 or later. Unused slots (fewer
-    complete runs than S) are kept from every query. No host sync."""
+    complete runs than S) are kept from every query. No host sync. With cfg.compress_topk
+    (compressed sparse attention) the entries overlap (AttentionConfig): the previous run's
+    first halves beside run j's second halves. prefix "index_compress_": the indexer's
+    entries [S, index_head_dim] (its weights, rotated as its queries)."""
     m, T = cfg.compress_rate, x_TH.shape[0]
     S, device = T // m, x_TH.device
     cu, positions = ctx.cu_seqlens.long(), ctx.positions.long()
@@ -1739,29 +1791,53 @@ def compressed_entries(x_TH: torch.Tensor, params, cfg: AttentionConfig, ctx: "A
     j = slot - (runs[doc] - lengths[doc] // m)  # the run's index in its document
     first = torch.where(valid, cu[doc] + j * m, 0)  # its first token
     run_SM = first[:, None] + torch.arange(m, device=device)
-    c_TD, g_TD = compressor_inputs(x_TH, params, cfg)
-    entries_SD = run_entries(c_TD[run_SM], g_TD[run_SM], ctx.cos[first], ctx.sin[first], params, cfg)
+    c_TE, g_TE = compressor_inputs(x_TH, params, cfg, prefix=prefix)
+    bias_ME = params[prefix + "bias"]
+    if cfg.compress_topk is None:
+        c_SKD, logits_SKD = c_TE[run_SM], g_TE[run_SM].float() + bias_ME.float()
+    else:  # overlapping runs: the previous run's first halves (none before run 0: weight 0), then run j's second halves
+        D = c_TE.shape[1] // 2
+        prev_SM = (run_SM - m).clamp(min=0)
+        c_SKD = torch.cat([c_TE[prev_SM][..., :D], c_TE[run_SM][..., D:]], dim=1)
+        logits_prev = (g_TE[prev_SM][..., :D].float() + bias_ME[:, :D].float()).masked_fill(~(valid & (j > 0))[:, None, None], float("-inf"))
+        logits_SKD = torch.cat([logits_prev, g_TE[run_SM][..., D:].float() + bias_ME[:, D:].float()], dim=1)
+    entries_SD = run_entries(c_SKD, logits_SKD, ctx.cos[first], ctx.sin[first], params[prefix + "norm"], cfg, index=prefix != "compress_")
     q_doc = torch.searchsorted(cu[1:], torch.arange(T, device=device), right=True)
     keep_TS = valid[None] & (doc[None] == q_doc[:, None]) & ((j[None] + 1) * m <= positions[:, None] + 1)
     return entries_SD, keep_TS
 
 
-def compressor_inputs(x_TH: torch.Tensor, params, cfg: AttentionConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def compressor_inputs(x_TH: torch.Tensor, params, cfg: AttentionConfig, *, prefix: str = "compress_") -> tuple[torch.Tensor, torch.Tensor]:
     """Heavily compressed attention's per-token inputs of x [T, H]: (c = x compress_wkv,
-    g = x compress_wg), [T, D] each in x's dtype."""
-    return tuple(matmul(x_TH, params[name], fp8=False, impl=cfg.impl) for name in ("compress_wkv", "compress_wg"))
+    g = x compress_wg), [T, D] each in x's dtype ([T, 2 D] with cfg.compress_topk; prefix
+    "index_compress_": the indexer's)."""
+    return tuple(matmul(x_TH, params[prefix + name], fp8=False, impl=cfg.impl) for name in ("wkv", "wg"))
 
 
-def run_entries(c_KMD: torch.Tensor, g_KMD: torch.Tensor, cos_KR: torch.Tensor, sin_KR: torch.Tensor, params, cfg: AttentionConfig) -> torch.Tensor:
-    """The compressed entries [K, D] of K complete runs of m tokens (compressor_inputs' c and g
-    [K, m, D] of each run's tokens in order; cos, sin [K, R/2] the RoPE tables at each run's
-    first position): sum_i softmax_i(g_i + compress_bias_i) c_i (float32 weights, channel by
-    channel), RMS-normed with compress_norm, rotated as the keys are."""
-    w_KMD = (g_KMD.float() + params["compress_bias"].float()).softmax(dim=1)  # over the run's tokens, channel by channel
-    entries_KD = _rms_norm((c_KMD * w_KMD.to(c_KMD.dtype)).sum(dim=1), params["compress_norm"], cfg.norm_eps)
+def run_entries(c_KMD: torch.Tensor, logits_KMD: torch.Tensor, cos_KR: torch.Tensor, sin_KR: torch.Tensor, norm_D: torch.Tensor,
+                cfg: AttentionConfig, *, index: bool = False) -> torch.Tensor:
+    """The compressed entries [K, D] of K runs (c [K, M, D] of each run's tokens in order,
+    logits [K, M, D] float32 their gates plus the bias by place, -inf for a slot left out;
+    cos, sin [K, R/2] the RoPE tables at each run's first position): sum_i softmax_i(logits_i)
+    c_i (float32 weights, channel by channel), RMS-normed with norm [D], rotated as the keys
+    are (index: as the indexer's queries, _index_rope)."""
+    w_KMD = logits_KMD.softmax(dim=1)  # over the run's slots, channel by channel
+    entries_KD = _rms_norm((c_KMD * w_KMD.to(c_KMD.dtype)).sum(dim=1), norm_D, cfg.norm_eps)
     if cfg.rope:  # at the run's first position, as the keys are rotated
-        entries_KD = _gqa_rope(entries_KD[:, None], cos_KR, sin_KR, cfg)[:, 0]
+        entries_KD = (_index_rope if index else _gqa_rope)(entries_KD[:, None], cos_KR, sin_KR, cfg)[:, 0]
     return entries_KD
+
+
+def compressed_choice(x_TH: torch.Tensor, q_lat_TC: torch.Tensor, params, cfg: AttentionConfig, ctx: "AttentionContext",
+                      keep_TS: torch.Tensor) -> torch.Tensor:
+    """Compressed sparse attention's choice (cfg.compress_topk; AttentionConfig) of the packed
+    tokens x [T, H] (their normed q latents q_lat [T, q_rank]): [T, S] bool, of the entries
+    each query sees (keep, compressed_entries'), the compress_topk of highest indexer score
+    against the indexer's entries (equal scores: the earlier entry). No gradient."""
+    with torch.no_grad():
+        keys_SD, _ = compressed_entries(x_TH.detach(), params, cfg, ctx, prefix="index_compress_")
+        slots_TJ = _index_choice(x_TH.detach(), q_lat_TC.detach(), keys_SD.float(), params, cfg, ctx, keep_TS, topk=cfg.compress_topk)
+        return slots_mask(slots_TJ, keep_TS.shape[1])
 
 
 def qk_norm_shapes(cfg: AttentionConfig) -> dict:
@@ -1888,7 +1964,8 @@ def _check_attention(x_TH, params, cfg, ctx) -> None:
         raise ValueError(f"params: unknown attention parameters {sorted(unknown)} (wq (or wq_a, q_a_norm, wq_b with cfg.q_rank), wk, wv, wo (and wo_a "
                          "with cfg.o_groups), optional bq, bk, bv, q_norm, k_norm, q_norm_bias, "
                          "k_norm_bias, bo, sinks, wg, bg, alibi; index_wq, index_wk, index_q_norm, index_k_norm with cfg.index_topk_blocks; compress_wkv, "
-                         "compress_wg, compress_bias, compress_norm with cfg.compress_rate)")
+                         "compress_wg, compress_bias, compress_norm with cfg.compress_rate; index_wq, index_w, index_compress_wkv, index_compress_wg, "
+                         "index_compress_bias, index_compress_norm with cfg.compress_topk)")
     if index and (params.get("sinks") is not None or params.get("alibi") is not None):
         raise ValueError(f"params['{'sinks' if params.get('sinks') is not None else 'alibi'}']: not with block-sparse attention (cfg.index_topk_blocks)")
     if (cfg.window is not None or cfg.chunk is not None) and getattr(ctx, "local_cos", None) is not None:
@@ -2017,6 +2094,8 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
             k_TGD = torch.cat([k_TGD, index_k_SD.detach()[:, None, :].to(k_TGD.dtype)], dim=-1)
         elif ctx.gather_kv is not None and not shared:  # context parallel: every rank's indexer keys (the loss's gradient returns to each)
             index_k_SD = ctx.gather_kv(index_k_SD[:, None, :], index_k_SD[:, None, :0])[0][:, 0]
+    if cfg.compress_topk is not None and (ctx.compressed is not None or ctx.gather_kv is not None):
+        raise ValueError("ctx: compressed sparse attention (cfg.compress_topk) over a cache or gathered keys (decoding, context parallel) is not built")
     if ctx.gather_kv is not None and cfg.compress_rate is not None and ctx.compressed is None:
         raise ValueError("ctx: heavily compressed attention (cfg.compress_rate) over gathered keys without its entries' cache (context parallel, "
                          "or decoding without ctx.compressed) is not built")
@@ -2064,11 +2143,13 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
         if ctx.compressed is not None:  # decoding: the cache's entries, the runs the new tokens complete added
 
             def entries(c_KMD, g_KMD, first_K):
-                return run_entries(c_KMD, g_KMD, *rope_tables(first_K, cfg), params, cfg)
+                return run_entries(c_KMD, g_KMD.float() + params["compress_bias"].float(), *rope_tables(first_K, cfg), params["compress_norm"], cfg)
 
             entries_SD, keep_TS = ctx.compressed(*compressor_inputs(x, params, cfg), entries)
         else:
             entries_SD, keep_TS = compressed_entries(x, params, cfg, ctx)
+            if cfg.compress_topk is not None:  # compressed sparse attention: the indexer's choice of the entries each query sees
+                keep_TS = compressed_choice(x, _mla_q_latent(x, params, cfg)[:, :cfg.q_rank], params, cfg, ctx, keep_TS)
         k_GTD = v_GTD = torch.cat([k_GTD, entries_SD[None].to(k_GTD.dtype)], dim=1)  # their own values (kv_shared)
         mask = torch.cat([mask, keep_TS], dim=1)
     sinks, slopes_N = params.get("sinks"), params.get("alibi")
@@ -2597,10 +2678,12 @@ def index_slots(scores_TS: torch.Tensor, mask_TS: torch.Tensor, topk: int, *, ke
     return torch.where(best.values[:, :topk] > float("-inf"), top_TJ, -1)
 
 
-def _index_choice(x_TH, q_lat_TC, keys_SD, params, cfg: AttentionConfig, ctx: AttentionContext, mask_TS, rows: int = 1 << 28) -> torch.Tensor:
+def _index_choice(x_TH, q_lat_TC, keys_SD, params, cfg: AttentionConfig, ctx: AttentionContext, mask_TS, rows: int = 1 << 28, *,
+                  topk: Optional[int] = None) -> torch.Tensor:
     """index_slots of index_scores (no gradient) for blocks of queries whose indexer products
     [block, index_heads, S] hold about `rows` floats: never the [T, index_heads, S] product
-    of every query at once (4 GiB in float32 at T = S = 4096 and 64 heads)."""
+    of every query at once (4 GiB in float32 at T = S = 4096 and 64 heads). topk: None,
+    cfg.index_topk."""
     T, S = mask_TS.shape
     block = max(1, rows // max(1, cfg.index_heads * S))
     slots = []
@@ -2608,7 +2691,7 @@ def _index_choice(x_TH, q_lat_TC, keys_SD, params, cfg: AttentionConfig, ctx: At
         b = slice(t0, t0 + block)
         scores_BS = index_scores(x_TH[b], q_lat_TC[b], keys_SD, params, cfg, ctx.cos[b], ctx.sin[b])
         rows_BS = mask_TS.rows(b) if isinstance(mask_TS, MaskRows) else mask_TS[b]
-        slots.append(index_slots(scores_BS, rows_BS, cfg.index_topk, key_order=ctx.key_order))
+        slots.append(index_slots(scores_BS, rows_BS, cfg.index_topk if topk is None else topk, key_order=ctx.key_order))
     return torch.cat(slots)
 
 

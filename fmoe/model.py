@@ -570,6 +570,14 @@ class TransformerConfig:
     their own (local_rope_base: DeepSeek-V4's main and compress RoPE); with kv_shared and one
     kv head; the model's contexts then hold dense masks (the reference attends); in decoding
     the cache keeps each sequence's entries and open run (KVCache); not under context
+    parallel. csa_layers: the blocks of compressed sparse attention (DeepSeek-V4's CSA;
+    AttentionConfig.compress_rate = csa_rate, 4, compress_topk = csa_topk, 512): overlapping
+    entries of runs of csa_rate tokens, each query attending to the csa_topk of them its
+    lightning indexer (index_heads of index_head_dim, rotated as the keys are) scores highest;
+    their compressor's compress_wkv, compress_wg [H, 2 D], compress_bias, compress_norm and the
+    indexer's index_wq, index_w, index_compress_* (no gradient: frozen, as an indexer without
+    its loss); with kv_shared, one kv head and q_rank; not with compress_layers' blocks,
+    index_topk or index_topk_blocks; dense masks as above; not in decoding, nor under context
     parallel. moe_out_bias: a bias [H] added to
     each MoE block's output (JetMoE's MoE bias; MoE.out_bias). tie_embeddings: the
     output head is the embedding; out_vocab V' (None: vocab_size): the output head has V' <=
@@ -801,6 +809,9 @@ class TransformerConfig:
     kv_shared: bool = False
     compress_layers: Optional[tuple[int, ...]] = None
     compress_rate: int = 128
+    csa_layers: Optional[tuple[int, ...]] = None
+    csa_rate: int = 4
+    csa_topk: int = 512
     moe_out_bias: bool = False
     o_bias: bool = False
     attn_sinks: bool = False
@@ -1060,7 +1071,7 @@ class TransformerConfig:
         check_fp8_fast_accum(self.fp8_fast_accum, self.fp8 is True)
         for name in ("moe_layers", "window_layers", "chunk_layers", "nope_layers", "linear_layers", "fp8_layers", "index_shared_layers",
                      "sink_layers", "mlp_free_layers", "mixer_free_layers", "swiglu_limit_layers",
-                     "shared_swiglu_limit_layers", "index_block_layers", "compress_layers"):  # block lists: distinct indices, kept sorted
+                     "shared_swiglu_limit_layers", "index_block_layers", "compress_layers", "csa_layers"):  # block lists: distinct indices, kept sorted
             layers = getattr(self, name)
             if layers is None:
                 continue
@@ -1112,6 +1123,7 @@ class TransformerConfig:
         self._check_moa()
         self._check_hash()
         self._check_compress()
+        self._check_csa()
         for name, unset in (("linear_full_rank", False), ("linear_decay_bound", None)):
             if getattr(self, name) is not unset and (self.linear_layers is None or self.linear_kind != "kda"):
                 raise ValueError(f"{name}: a knob of Kimi Delta Attention's blocks, needs linear_layers and linear_kind='kda'")
@@ -1208,9 +1220,27 @@ class TransformerConfig:
             raise ValueError(f"compress_layers: heavily compressed attention blocks attend (softmax attention), got blocks {bad} without it")
         self.attention_config(compress=True)  # kv_shared, one kv head, no softcap
 
+    def _check_csa(self) -> None:
+        """csa_layers, csa_rate and csa_topk (class docstring); the blocks' own AttentionConfig checks the rest."""
+        check_positive_int("csa_rate", self.csa_rate, 2)
+        check_positive_int("csa_topk", self.csa_topk)
+        if not self.csa_layers:
+            return
+        bad = [i for i in self.csa_layers if self.is_linear(i) or self.is_mixer_free(i)]
+        if bad:
+            raise ValueError(f"csa_layers: compressed sparse attention blocks attend (softmax attention), got blocks {bad} without it")
+        both = sorted(set(self.csa_layers) & set(self.compress_layers or ()))
+        if both:
+            raise ValueError(f"csa_layers: blocks {both} are in compress_layers too (a block is compressed sparse or heavily compressed attention)")
+        self.attention_config(csa=True)  # kv_shared, one kv head, q_rank, no other indexer
+
     def is_compressed(self, i: int) -> bool:
         """Whether trunk block i is a heavily compressed attention block (compress_layers)."""
         return i in (self.compress_layers or ())
+
+    def is_csa(self, i: int) -> bool:
+        """Whether trunk block i is a compressed sparse attention block (csa_layers)."""
+        return i in (self.csa_layers or ())
 
     def is_hash(self, i: int) -> bool:
         """Whether trunk block i routes by hashing its tokens' ids: one of the first hash_layers MoE blocks."""
@@ -1546,7 +1576,7 @@ class TransformerConfig:
         return (True, False) if linear and self.linear_pre_norms else (self.pre_norms, self.post_norms)
 
     def attention_config(self, *, local: bool = False, rope: bool = True, fp8: Optional[bool] = None, index_shared: bool = False,
-                         index_blocks: bool = True, compress: bool = False) -> AttentionConfig:
+                         index_blocks: bool = True, compress: bool = False, csa: bool = False) -> AttentionConfig:
         """The attention of a block that attends over every earlier token, or with local
         over the sliding window or within its chunk (a config whose window or chunk builds
         that mask too: attention_context); rope=False: a NoPE block's (without q/k norms
@@ -1554,7 +1584,11 @@ class TransformerConfig:
         fp8); index_shared: a block of index_shared_layers (no indexer of its own);
         index_blocks=False: a block outside index_block_layers (block-sparse attention's
         knobs left out; the context's config keeps them: its dense mask); compress: a block of
-        compress_layers (heavily compressed attention, compress_rate)."""
+        compress_layers (heavily compressed attention, compress_rate); csa: a block of
+        csa_layers (compressed sparse attention: csa_rate, csa_topk, its indexer's heads
+        rotated as the keys are)."""
+        csa_knobs = dict(compress_rate=self.csa_rate, compress_topk=self.csa_topk, index_heads=self.index_heads, index_head_dim=self.index_head_dim,
+                         index_interleaved=self.rope_interleaved, index_rope_last=self.rope_last)
         blocks = dict(index_topk_blocks=self.index_topk_blocks, index_block_size=self.index_block_size,
                       index_local_blocks=self.index_local_blocks) if index_blocks and self.index_topk_blocks is not None else {}
         norm = rope or self.nope_qk_norm
@@ -1585,11 +1619,11 @@ class TransformerConfig:
             zero_centered_norms=self.zero_centered_norms,
             fp8=self.fp8 if fp8 is None else fp8, gate_act=self.attn_gate_act, gate_per_head=self.attn_gate_per_head,
             index_topk=self.index_topk, **(dict(index_heads=self.index_heads, index_head_dim=self.index_head_dim) if self.index_topk is not None or blocks else {}),
-            index_interleaved=self.index_rope_interleaved, index_rope_last=self.index_rope_last,
+            **({} if csa else dict(index_interleaved=self.index_rope_interleaved, index_rope_last=self.index_rope_last)),
             index_norm_eps=self.index_norm_eps, index_shared=index_shared,
             index_loss=(self.index_topk is not None or bool(blocks)) and self.index_loss_coeff > 0 and not index_shared,
             **blocks, moa_experts=self.moa_experts, moa_topk=self.moa_topk, o_groups=self.o_groups, o_rank=self.o_rank,
-            kv_shared=self.kv_shared, compress_rate=self.compress_rate if compress else None,
+            kv_shared=self.kv_shared, **(csa_knobs if csa else dict(compress_rate=self.compress_rate if compress else None)),
         )
 
     def _temperature(self, rope: bool) -> dict:
@@ -1610,7 +1644,7 @@ class TransformerConfig:
         proportional RoPE for the global tables (local_head_dim the local tables' width,
         local_rot_dim)."""
         cfg = self.attention_config(local=self.any_local)
-        if self.compress_layers and cfg.impl == "auto":  # heavily compressed attention attends by the dense reference: dense masks
+        if (self.compress_layers or self.csa_layers) and cfg.impl == "auto":  # compressed attention attends by the dense reference: dense masks
             cfg = dataclasses.replace(cfg, impl="torch")
         if not self.any_local or (self.local_head_dim is None and self.rope_proportion is None):
             return cfg
@@ -1810,12 +1844,13 @@ class Attention(KeepsFloat32):
     sets it per step, Transformer.set_moa_aux_weight) is added in the backward as the
     indexer's is, its value kept in `moa_aux_loss`."""
 
-    _FLOAT32 = ("moa_router", "compress_bias")
+    _FLOAT32 = ("moa_router", "compress_bias", "index_compress_bias")
 
     def __init__(self, cfg: TransformerConfig, *, local: bool = False, rope: bool = True, fp8: Optional[bool] = None,
-                 index_shared: bool = False, sinks: Optional[bool] = None, index_blocks: bool = True, compress: bool = False):
+                 index_shared: bool = False, sinks: Optional[bool] = None, index_blocks: bool = True, compress: bool = False, csa: bool = False):
         super().__init__()
-        self.cfg = cfg.attention_config(local=local, rope=rope, fp8=fp8, index_shared=index_shared, index_blocks=index_blocks, compress=compress)
+        self.cfg = cfg.attention_config(local=local, rope=rope, fp8=fp8, index_shared=index_shared, index_blocks=index_blocks, compress=compress,
+                                        csa=csa)
         sinks = cfg.attn_sinks if sinks is None else sinks  # this block's (TransformerConfig.has_sinks)
         # DeepSeek sparse attention: the key of this layer's choice of keys in the context (AttentionContext.index_choices),
         # whether a later block reuses it (then it is left there), and the choice this one reuses (a block of
@@ -1883,8 +1918,9 @@ class Attention(KeepsFloat32):
         for name, shape in index_shapes(H, self.cfg).items():
             setattr(self, name, nn.Parameter((torch.ones if name.endswith("norm") else torch.empty)(shape), requires_grad=self.cfg.index_loss))
             self.names.append(name)
-        for name, shape in compress_shapes(H, self.cfg).items():  # heavily compressed attention's compressor (its bias float32)
-            setattr(self, name, nn.Parameter(torch.empty(shape, dtype=torch.float32 if name == "compress_bias" else None)))
+        for name, shape in compress_shapes(H, self.cfg).items():  # compressed attention's compressor (its bias float32); CSA's indexer frozen
+            setattr(self, name, nn.Parameter(torch.empty(shape, dtype=torch.float32 if name.endswith("compress_bias") else None),
+                                             requires_grad=not name.startswith("index_")))
             self.names.append(name)
         self._extras(cfg, sinks)
 
@@ -2042,7 +2078,7 @@ class Block(nn.Module):
     def __init__(self, cfg: TransformerConfig, moe: bool, *, local: bool = False, rope: bool = True, linear: bool = False,
                  fp8: Optional[bool] = None, index_shared: bool = False, sinks: Optional[bool] = None, shortcut: Optional[str] = None,
                  depth: Optional[int] = None, mlp: bool = True, mixer: bool = True, index_blocks: bool = True, hashed: bool = False,
-                 compress: bool = False):
+                 compress: bool = False, csa: bool = False):
         super().__init__()
         def norm(on: bool, gated: bool = False, role: Optional[str] = None) -> Optional[RMSNorm]:
             if not on:
@@ -2060,7 +2096,7 @@ class Block(nn.Module):
             self.attn = LinearAttention(cfg, fp8=fp8, layer=depth or 0)
         else:
             self.attn = Attention(cfg, local=local, rope=rope, fp8=fp8, index_shared=index_shared, sinks=sinks, index_blocks=index_blocks,
-                                  compress=compress)
+                                  compress=compress, csa=csa)
         # cfg.parallel_hybrid: softmax attention beside the linear mixer, of the same normed input, the outputs summed (Falcon-H1's)
         self.attn_beside = Attention(cfg, local=local, rope=rope, fp8=fp8, sinks=sinks) if linear and mixer and cfg.parallel_hybrid else None
         # a parallel block's MLP reads the attention's normed input (attn_norm)
@@ -2320,6 +2356,9 @@ class KVCache:
     def __init__(self, cfg: TransformerConfig, max_tokens: int, *, batch: int = 1, device=None, dtype: torch.dtype = torch.float32):
         check_positive_int("max_tokens", max_tokens)
         check_positive_int("batch", batch)
+        if cfg.csa_layers:
+            raise ValueError(f"cfg.csa_layers: decoding compressed sparse attention blocks {list(cfg.csa_layers)} (their overlapping entries and "
+                             "indexer entries in the cache) is not built; Transformer.logits runs them")
         # v is k's latent (multi-latent attention), or k itself (kv_shared: the values are the keys): written with k
         self.v_in_k = cfg.kv_rank is not None or cfg.kv_shared
         self.window_layers = self.ring_layers(cfg, max_tokens)
@@ -2525,7 +2564,8 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, moe=cfg.is_moe(i), local=cfg.is_local(i), rope=not cfg.is_nope(i), linear=cfg.is_linear(i),
                                           fp8=cfg.is_fp8(i), index_shared=cfg.is_index_shared(i), sinks=cfg.has_sinks(i),
                                           shortcut=cfg.shortcut(i), depth=i, mlp=not cfg.is_mlp_free(i), mixer=not cfg.is_mixer_free(i),
-                                          index_blocks=cfg.is_index_blocks(i), hashed=cfg.is_hash(i), compress=cfg.is_compressed(i))
+                                          index_blocks=cfg.is_index_blocks(i), hashed=cfg.is_hash(i), compress=cfg.is_compressed(i),
+                                          csa=cfg.is_csa(i))
                                     for i in range(cfg.n_layers))
         for i, block in enumerate(self.blocks):  # DeepSeek sparse attention: each block's choice of keys by its index, and the one it reuses
             if isinstance(block.attn, Attention):
@@ -2613,7 +2653,7 @@ class Transformer(nn.Module):
                 _local(p).zero_()
                 continue
             if kind.endswith(("attn.bq", "attn.bk", "attn.bv", "attn.bo", "attn.sinks", "attn.bg", "attn.index_k_bias", "attn.q_norm_bias", "attn.k_norm_bias",
-                              "attn.compress_bias",
+                              "attn.compress_bias", "attn.index_compress_bias",
                               "router_bias", "mlp.out_bias", "norm.bias", "head_bias",
                               "attn.conv_q_bias", "attn.conv_k_bias", "attn.conv_v_bias")
                              + EXPERT_BIASES):

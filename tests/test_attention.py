@@ -2092,32 +2092,40 @@ def test_shared_key_value_heads_are_the_keys_and_turn_back_with_the_query(knobs)
 def _dsv4_attention_layer(kind="sliding_attention", seed=0):
     """A DeepSeek-V4 attention layer of transformers of `kind` (one kv head of 16 whose keys are its values, RoPE on its
     last 8 channels in pairs, a q latent of 12, the grouped output projection of 2 groups of rank 5, sinks, a window of 5;
-    heavily_compressed_attention: a compressor of runs of 4 too, the compress RoPE at 160000), every weight random, and
-    fmoe's AttentionConfig and params of the same weights."""
+    heavily_compressed_attention: a compressor of runs of 4 too, the compress RoPE at 160000; compressed_sparse_attention:
+    overlapping runs of 2, each query's best 2 entries by an indexer of 8 heads of 8), every weight random, and fmoe's
+    AttentionConfig and params of the same weights."""
     v4 = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4", reason="transformers (the test extra) not installed")
     from transformers import DeepseekV4Config
 
     hf = DeepseekV4Config(vocab_size=64, hidden_size=H, num_hidden_layers=1, num_attention_heads=4, head_dim=16, q_lora_rank=12,
                           partial_rotary_factor=0.5, layer_types=[kind], sliding_window=5, o_groups=2, o_lora_rank=5,
-                          compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 4}, rms_norm_eps=1e-5,
-                          n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
+                          compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4}, rms_norm_eps=1e-5,
+                          n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, index_n_heads=8, index_head_dim=8, index_topk=2)
     hf._attn_implementation = "eager"
     torch.manual_seed(seed)
     layer = v4.DeepseekV4Attention(hf, 0).eval()
     with torch.no_grad():
         for name, w in layer.named_parameters():
             w.copy_(torch.rand_like(w) + 0.5 if "norm" in name else torch.randn_like(w) * (0.5 if w.ndim < 2 else w.shape[-1] ** -0.5))
-    compressed = kind == "heavily_compressed_attention"
+    compressed, sparse = kind == "heavily_compressed_attention", kind == "compressed_sparse_attention"
+    knobs = (dict(rope_base=160000.0, compress_rate=4) if compressed else
+             dict(rope_base=160000.0, compress_rate=2, compress_topk=2, index_heads=8, index_head_dim=8, index_rope_last=True, index_interleaved=True)
+             if sparse else {})
     cfg = AttentionConfig(n_heads=4, n_kv_heads=1, head_dim=16, q_rank=12, rot_dim=8, rope_last=True, interleaved=True, qk_norm="head_k",
-                          kv_shared=True, o_groups=2, o_rank=5, window=5, norm_eps=1e-5, latent_norm_eps=1e-5, impl="torch",
-                          **(dict(rope_base=160000.0, compress_rate=4) if compressed else {}))
+                          kv_shared=True, o_groups=2, o_rank=5, window=5, norm_eps=1e-5, latent_norm_eps=1e-5, impl="torch", **knobs)
     w = {n: t.detach() for n, t in layer.named_parameters()}
     params = {"wq_a": w["q_a_proj.weight"].T, "q_a_norm": w["q_a_norm.weight"], "wq_b": w["q_b_proj.weight"].T, "wk": w["kv_proj.weight"].T,
               "k_norm": w["kv_norm.weight"], "wo_a": w["o_a_proj.weight"].view(2, 5, -1).transpose(1, 2), "wo": w["o_b_proj.weight"].T,
               "sinks": w["sinks"]}
-    if compressed:
+    if compressed or sparse:
         params.update(compress_wkv=w["compressor.kv_proj.weight"].T, compress_wg=w["compressor.gate_proj.weight"].T,
                       compress_bias=w["compressor.position_bias"], compress_norm=w["compressor.kv_norm.weight"])
+    if sparse:  # the indexer's queries, head weights and compressor
+        index = "compressor.indexer."
+        params.update(index_wq=w[index + "q_b_proj.weight"].T, index_w=w[index + "scorer.weights_proj.weight"].T,
+                      index_compress_wkv=w[index + "kv_proj.weight"].T, index_compress_wg=w[index + "gate_proj.weight"].T,
+                      index_compress_bias=w[index + "position_bias"], index_compress_norm=w[index + "kv_norm.weight"])
     return v4, hf, layer, cfg, {n: t.contiguous().clone().requires_grad_() for n, t in params.items()}
 
 
@@ -2170,6 +2178,83 @@ def test_heavily_compressed_attention_matches_transformers_deepseek_v4():
     assert (y_plain - y).abs().max() > 1e-3
     y.square().sum().backward()
     assert all(float(t.grad.abs().max()) > 0 for t in params.values())
+
+
+def test_compressed_sparse_attention_matches_transformers_deepseek_v4():
+    """DeepSeek-V4's CSA layers (compress_topk): overlapping entries of runs of 2 tokens (the previous run's first halves
+    beside the run's second halves), each query attending to the 2 of the entries it sees that its lightning indexer (8 heads
+    of 8, its own overlapping compressor, RoPE on the last 8 channels in pairs) scores highest, beside its keys under the
+    window of 5; against transformers' DeepseekV4Attention of a compressed_sparse_attention layer (stateless) with the same
+    weights, two documents (of 11 and 6 tokens: 5 and 3 complete runs) each run on its own there. The choice matters (all
+    the seen entries, or the best one alone, move the output), gradients reach the attention's and the compressor's weights
+    and none the indexer's (its choice has none)."""
+    v4, hf, layer, cfg, params = _dsv4_attention_layer("compressed_sparse_attention")
+    x, cu = torch.randn(17, H), torch.tensor([0, 11, 17])
+    want = _dsv4_reference(v4, hf, layer, x, cu, "compress")
+    y, _ = attention(x, params, cfg, _ctx(cu, cfg))
+    torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-5)
+    for topk in (1, 8):
+        other = dataclasses.replace(cfg, compress_topk=topk)
+        with torch.no_grad():
+            assert (attention(x, params, other, _ctx(cu, other))[0] - y).abs().max() > 1e-3, topk
+    y.square().sum().backward()
+    assert all(float(t.grad.abs().max()) > 0 for n, t in params.items() if not n.startswith("index_")), [n for n, t in params.items() if t.grad is None]
+    assert all(t.grad is None for n, t in params.items() if n.startswith("index_"))
+
+
+def test_compressed_sparse_entries_overlap_the_previous_run():
+    """fmoe.layers.compressed_entries of compressed sparse attention written out: runs of 3 tokens of documents of 7 and 6
+    tokens (runs 0-2, 3-5; 7-9, 10-12); a document's first entry is a softmax over its run's second halves alone, a later
+    one over the previous run's first halves (with the bias's first half) and its own run's second halves (the bias's
+    second half); the slots and what each query sees are heavily compressed attention's."""
+    from fmoe.layers import compressed_entries
+
+    cfg = AttentionConfig(n_heads=2, n_kv_heads=1, head_dim=4, kv_shared=True, compress_rate=3, compress_topk=2, q_rank=6, index_heads=2,
+                          index_head_dim=4, impl="torch", rope=False)
+    torch.manual_seed(0)
+    p = {"compress_wkv": torch.randn(H, 8), "compress_wg": torch.randn(H, 8), "compress_bias": torch.randn(3, 8), "compress_norm": torch.rand(4) + 0.5}
+    x, cu = torch.randn(13, H), torch.tensor([0, 7, 13])
+    entries, keep = compressed_entries(x, p, cfg, _ctx(cu, cfg))
+    assert entries.shape == (4, 4) and keep.shape == (13, 4)
+    c, g = x @ p["compress_wkv"], x @ p["compress_wg"]
+    for s, (first, prev) in enumerate(((0, None), (3, 0), (7, None), (10, 7))):
+        run_c, run_g = c[first:first + 3, 4:], g[first:first + 3, 4:] + p["compress_bias"][:, 4:]
+        if prev is not None:
+            run_c = torch.cat([c[prev:prev + 3, :4], run_c])
+            run_g = torch.cat([g[prev:prev + 3, :4] + p["compress_bias"][:, :4], run_g])
+        e = (run_c * run_g.softmax(0)).sum(0)
+        torch.testing.assert_close(entries[s], e * torch.rsqrt(e.square().mean() + cfg.norm_eps) * p["compress_norm"], rtol=1e-5, atol=1e-6)
+    seen = {t: [s for s in range(4) if keep[t, s]] for t in range(13)}
+    assert seen == {0: [], 1: [], 2: [0], 3: [0], 4: [0], 5: [0, 1], 6: [0, 1], 7: [], 8: [], 9: [2], 10: [2], 11: [2], 12: [2, 3]}
+
+
+def test_compressed_sparse_attention_bad_knobs_and_contexts():
+    """compress_topk's knobs by name (it needs compress_rate and the q latent, its indexer has no loss and rotates as the
+    keys do); its parameters' shapes; a context over gathered keys or a decoding cache is refused (not built)."""
+    base = dict(n_heads=2, n_kv_heads=1, head_dim=8, kv_shared=True, compress_rate=3, compress_topk=2, q_rank=6, index_heads=2, index_head_dim=8,
+                impl="torch")
+    for overrides, message in ((dict(compress_rate=None), r"compress_topk: .* needs compress_rate"),
+                               (dict(q_rank=None), r"compress_topk: compressed sparse attention's indexer reads the normed q latent, needs q_rank"),
+                               (dict(compress_topk=0), r"compress_topk: expected >= 1, got 0"),
+                               (dict(index_loss=True), r"index_loss: a knob of DeepSeek sparse attention's indexer, needs index_topk"),
+                               (dict(index_head_dim=4, rot_dim=6), r"index_head_dim: the indexer rotates rot_dim = 6 of its channels")):
+        with pytest.raises(ValueError, match=message):
+            AttentionConfig(**{**base, **overrides})
+    from fmoe.layers import compress_shapes, gqa_q_shapes
+
+    cfg = AttentionConfig(**base)
+    assert compress_shapes(H, cfg) == {"compress_wkv": (H, 16), "compress_wg": (H, 16), "compress_bias": (3, 16), "compress_norm": (8,),
+                                       "index_wq": (6, 16), "index_w": (H, 2), "index_compress_wkv": (H, 16), "index_compress_wg": (H, 16),
+                                       "index_compress_bias": (3, 16), "index_compress_norm": (8,)}
+    torch.manual_seed(0)
+    p = {n: t for n, t in _params(cfg).items() if n not in ("wv", "wq")}
+    p.update({n: torch.randn(*shape) for n, shape in {**compress_shapes(H, cfg), **gqa_q_shapes(H, cfg)}.items()}, q_a_norm=torch.ones(6))
+    x, cu = torch.randn(9, H), torch.tensor([0, 9])
+    ctx = _ctx(cu, cfg)
+    assert attention(x, p, cfg, ctx)[0].shape == (9, H)
+    for changed in (dict(gather_kv=lambda k, v: (k, v)), dict(compressed=lambda c, g, entries: None)):
+        with pytest.raises(ValueError, match=r"ctx: compressed sparse attention \(cfg.compress_topk\) over a cache or gathered keys .* is not built"):
+            attention(x, p, cfg, dataclasses.replace(ctx, **changed))
 
 
 def test_compressed_entries_are_the_documents_complete_runs():

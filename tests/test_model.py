@@ -243,6 +243,10 @@ VARIANTS = {
 # block 0 at its own plain RoPE
 VARIANTS["dsv4-hca"] = dataclasses.replace(VARIANTS["dsv4"], n_kv_heads=1, compress_layers=(1, 2), compress_rate=3, local_rope_base=100.0,
                                            yarn_factor=2.0, yarn_original_max_positions=8, yarn_mscale=0.0, yarn_mscale_all_dim=0.0)
+# DeepSeek-V4's compressed sparse attention in block 1 (not in VARIANTS: its indexer's weights get no gradient; overlapping entries of runs of 2 tokens, each query's best 2 by an
+# indexer of 4 heads of 8), heavily compressed attention in block 2
+DSV4_CSA = dataclasses.replace(VARIANTS["dsv4-hca"], compress_layers=(2,), csa_layers=(1,), csa_rate=2, csa_topk=2, index_heads=4, index_head_dim=8,
+                               mtp_depth=0)
 
 
 # MiniMax-M3's blocks: block-sparse attention in blocks 1 and 2 (and the MTP block: an indexer head per kv head choosing 2 blocks
@@ -1225,9 +1229,10 @@ FULL = dataclasses.replace(TINY, mtp_depth=2, impl="auto", capacity_factor=1.25,
 @pytest.mark.parametrize("cfg", [dataclasses.replace(TINY, mtp_depth=1, impl="auto"), FULL, dataclasses.replace(VARIANTS["gated deltanet"], impl="auto"),
                                  dataclasses.replace(VARIANTS["falcon_h1"], impl="auto"), dataclasses.replace(VARIANTS["jamba"], impl="auto"),
                                  dataclasses.replace(MINIMAX_M3, impl="triton"), dataclasses.replace(VARIANTS["jetmoe"], impl="auto"),
-                                 dataclasses.replace(VARIANTS["dsv4"], impl="auto"), dataclasses.replace(VARIANTS["dsv4-hca"], impl="auto")],
+                                 dataclasses.replace(VARIANTS["dsv4"], impl="auto"), dataclasses.replace(VARIANTS["dsv4-hca"], impl="auto"),
+                                 dataclasses.replace(DSV4_CSA, impl="auto")],
                          ids=["default", "capacity-groups-yarn-mtp2-granite", "gated deltanet", "falcon_h1", "jamba", "minimax-m3-kernel", "jetmoe",
-                              "dsv4", "dsv4-hca"])
+                              "dsv4", "dsv4-hca", "dsv4-csa"])
 def test_forward_and_backward_read_nothing_on_the_host(cfg):
     """No device->host sync in the model's forward and backward (MoE layers, MTP, losses):
     on a GPU each read is a stall. Counted here as host reads of tensor values on CPU."""
@@ -1243,7 +1248,8 @@ def _compiled_like_eager(cfg, *, fresh=True):
     """A model of cfg, its forward + losses compiled whole (fullgraph) and run backward: the
     value and every gradient as eager's. Returns (model, eager's gradients). fresh=True
     clears dynamo's caches first: each model is a new guard on `_loss`, and the file's
-    compiles, run in one process, would pass dynamo's recompile limit (8 per code object)."""
+    compiles, run in one process, would pass dynamo's recompile limit (8 per code object). Frozen weights (requires_grad
+    False) are left out."""
     if fresh:
         torch._dynamo.reset()
     torch.manual_seed(0)
@@ -1252,17 +1258,20 @@ def _compiled_like_eager(cfg, *, fresh=True):
     ctx = model.context(batch)
     eager = _loss(model, batch, ctx)
     eager.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}  # not a frozen indexer's (compressed sparse attention's)
     model.zero_grad()
     compiled = torch.compile(_loss, fullgraph=True, backend="aot_eager")(model, batch, ctx)
     compiled.backward()
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
     for n, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, grads[n], rtol=1e-4, atol=1e-6, msg=n)
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad, grads[n], rtol=1e-4, atol=1e-6, msg=n)
+        else:
+            assert p.grad is None, n
     return model, grads
 
 
-@pytest.mark.parametrize("name", ["full", "dsa", "mhc", "falcon_h1", "jamba", "minimax-m3", "jetmoe", "dsv4", "dsv4-hca"])
+@pytest.mark.parametrize("name", ["full", "dsa", "mhc", "falcon_h1", "jamba", "minimax-m3", "jetmoe", "dsv4", "dsv4-hca", "dsv4-csa"])
 def test_the_whole_model_compiles_without_a_graph_break(name):
     """torch.compile(fullgraph=True) of forward + losses (a host sync would be a graph break),
     then the backward; same values and gradients as eager. The batch ends in padding (its
@@ -1273,8 +1282,8 @@ def test_the_whole_model_compiles_without_a_graph_break(name):
     MiniMax-M3's: block-sparse attention's choice (a scatter of block maxima, a stable sort)
     and its indexer's loss. JetMoE's: the attention experts' routed projections and their
     routers' balance loss. DeepSeek-V4's: the hashed block's table lookup by token id, the grouped output projection,
-    the shared key-value heads' turn back."""
-    cfg = FULL if name == "full" else dataclasses.replace(MINIMAX_M3 if name == "minimax-m3" else VARIANTS[name], impl="auto")
+    the shared key-value heads' turn back; its compressed sparse attention's indexer choice (a stable sort of its scores)."""
+    cfg = FULL if name == "full" else dataclasses.replace({"minimax-m3": MINIMAX_M3, "dsv4-csa": DSV4_CSA}.get(name) or VARIANTS[name], impl="auto")
     model, grads = _compiled_like_eager(cfg)
     if name in ("dsa", "minimax-m3"):
         indexer = "blocks.0.attn.index_wq" if name == "dsa" else "blocks.1.attn.index_wq"
@@ -2907,6 +2916,47 @@ def test_heavily_compressed_blocks_bad_knobs():
                                (dict(linear_layers=(1,)), r"compress_layers: heavily compressed attention blocks attend \(softmax attention\)")):
         with pytest.raises(ValueError, match=message):
             dataclasses.replace(VARIANTS["dsv4-hca"], **overrides)
+
+
+def test_compressed_sparse_blocks_keep_documents_apart_train_and_refuse_decoding():
+    """Compressed sparse attention blocks (csa_layers) in a model: packed documents give each document's logits alone (their
+    entries and the indexer's choice stay within the document), the choice matters (csa_topk), the loss's gradients reach
+    the compressor and not the indexer (frozen: requires_grad False, as an indexer without its loss), the indexer's
+    compressor bias stays float32 under a cast, and a KV cache is refused by name (decoding is not built)."""
+    model = _sharp(DSV4_CSA)
+    attn = model.blocks[1].attn
+    assert attn.cfg.compress_topk == 2 and attn.cfg.compress_rate == 2 and model.blocks[2].attn.cfg.compress_topk is None
+    docs = [torch.randint(0, model.cfg.vocab_size, (n,)) for n in (9, 14)]
+    with torch.no_grad():
+        packed = model.logits(torch.cat(docs), torch.tensor([0, 9, 23], dtype=torch.int32))
+        alone = torch.cat([model.logits(d, torch.tensor([0, len(d)], dtype=torch.int32)) for d in docs])
+        torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
+        wider = Transformer(dataclasses.replace(DSV4_CSA, csa_topk=8))
+        wider.load_state_dict(model.state_dict())
+        assert (wider.logits(torch.cat(docs), torch.tensor([0, 9, 23], dtype=torch.int32)) - packed).abs().max() > 1e-3
+    model.train()
+    batch = make_batch(torch.cat(docs), torch.tensor([0, 9, 23], dtype=torch.int32), 0)
+    losses, _ = model(batch, model.context(batch))
+    (losses["lm_sum"] / losses["lm_tokens"]).backward()
+    for name in ("compress_wkv", "compress_wg", "compress_bias", "compress_norm"):
+        assert float(getattr(attn, name).grad.abs().max()) > 0, name
+    for name in ("index_wq", "index_w", "index_compress_wkv", "index_compress_wg", "index_compress_bias", "index_compress_norm"):
+        assert not getattr(attn, name).requires_grad and getattr(attn, name).grad is None, name
+    assert model.to(torch.bfloat16).blocks[1].attn.index_compress_bias.dtype == torch.float32
+    with pytest.raises(ValueError, match=r"cfg.csa_layers: decoding compressed sparse attention blocks \[1\] .* is not built"):
+        model.kv_cache(16)
+
+
+def test_compressed_sparse_blocks_bad_knobs():
+    """csa_layers, csa_rate and csa_topk are checked by name; a block is one kind of compressed attention."""
+    for overrides, message in ((dict(csa_rate=1), r"csa_rate: expected >= 2, got 1"),
+                               (dict(csa_topk=0), r"csa_topk: expected >= 1, got 0"),
+                               (dict(csa_layers=(3,)), r"csa_layers: expected distinct block indices in 0\.\.2, got \(3,\)"),
+                               (dict(compress_layers=(1, 2)), r"csa_layers: blocks \[1\] are in compress_layers too"),
+                               (dict(q_rank=None), r"compress_topk: compressed sparse attention's indexer reads the normed q latent, needs q_rank"),
+                               (dict(linear_layers=(1,)), r"csa_layers: compressed sparse attention blocks attend \(softmax attention\)")):
+        with pytest.raises(ValueError, match=message):
+            dataclasses.replace(DSV4_CSA, **overrides)
 
 
 @pytest.mark.parametrize("overrides, message", [

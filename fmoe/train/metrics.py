@@ -7,9 +7,11 @@ a JSONL logger.
     flops_per_token(*, hidden, n_layers, n_dense, ffn_dense, ffn_expert, k, n_shared,
                     n_heads, n_kv_heads, head_dim, vocab, mtp_depth=0, n_avg_keys,
                     n_experts=0) -> float
-    mean_compressed_entries(cu_seqlens, rate) -> float   a query's mean compressed entries (HCA)
+    mean_compressed_entries(cu_seqlens, rate, topk=None) -> float   a query's mean compressed
+                                                    entries (HCA), at most topk of them (CSA's chosen)
     model_flops_per_token(cfg, *, n_avg_keys, n_avg_local_keys=None, n_avg_index_keys=None, k=None,
-                          n_avg_compressed_keys=None) -> float   the same
+                          n_avg_compressed_keys=None, n_avg_csa_entries=None,
+                          n_avg_csa_chosen=None) -> float   the same
                                                     for a TransformerConfig (sliding blocks: the local mean)
     datasheet_peak_flops(name) / peak_flops(device) -> float | None   dense bf16 peaks
     mfu(tokens_per_s, flops_per_token, peak) -> float | None
@@ -101,19 +103,29 @@ def mean_attended_keys(cu_seqlens: Union[torch.Tensor, Sequence[int]], window: O
     return sum(n * n / 2 if n <= window else window * window / 2 + (n - window) * window for n in lengths) / cu[-1]
 
 
-def mean_compressed_entries(cu_seqlens: Union[torch.Tensor, Sequence[int]], rate: int) -> float:
+def mean_compressed_entries(cu_seqlens: Union[torch.Tensor, Sequence[int]], rate: int, topk: Optional[int] = None) -> float:
     """The mean number of compressed entries a query attends to in heavily compressed
     attention (fmoe.layers.AttentionConfig.compress_rate m): a query at position p sees its
     document's floor((p + 1) / m) complete runs; a document of n = a m + r tokens sums
-    m a (a - 1) / 2 + a (r + 1) of them. Over the T tokens of the packed documents."""
+    m a (a - 1) / 2 + a (r + 1) of them. Over the T tokens of the packed documents. topk:
+    each query's min(topk, floor((p + 1) / m)) instead (compressed sparse attention's chosen
+    entries, AttentionConfig.compress_topk)."""
     from fmoe.ops.checks import check_positive_int
 
     check_positive_int("rate", rate, 2)
+    if topk is not None:
+        check_positive_int("topk", topk)
     cu = torch.as_tensor(cu_seqlens).tolist()
     if not cu or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])) or cu[-1] <= 0:
         raise ValueError(f"cu_seqlens: expected non-decreasing offsets from 0 to T > 0, got {cu}")
-    runs = [divmod(b - a, rate) for a, b in zip(cu, cu[1:])]
-    return sum(rate * a * (a - 1) / 2 + a * (r + 1) for a, r in runs) / cu[-1]
+
+    def seen(a: int, r: int) -> float:  # the entries of a document of a m + r tokens, summed over its queries
+        if topk is None or a <= topk:
+            return rate * a * (a - 1) / 2 + a * (r + 1)
+        # the queries that see j <= topk runs (m of them for each j < topk), then topk for each later one
+        return rate * topk * (topk - 1) / 2 + topk * (a * rate + r - topk * rate + 1)
+
+    return sum(seen(*divmod(b - a, rate)) for a, b in zip(cu, cu[1:])) / cu[-1]
 
 
 def _check_count(name: str, value, minimum: int = 0) -> None:
@@ -233,7 +245,8 @@ def linear_attention_flops(hidden: int, cfg) -> float:
 
 def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[float] = None,
                           n_avg_index_keys: Optional[float] = None, k: Optional[float] = None,
-                          n_avg_compressed_keys: Optional[float] = None) -> float:
+                          n_avg_compressed_keys: Optional[float] = None, n_avg_csa_entries: Optional[float] = None,
+                          n_avg_csa_chosen: Optional[float] = None) -> float:
     """flops_per_token of an fmoe.model.TransformerConfig (any object with its fields): the
     dense blocks are those that are not MoE (moe_layers or n_dense), the shared experts'
     size in units of ffn_expert (shared_ffn, or n_shared), the router over n_experts, the
@@ -274,7 +287,13 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
     on the q latent (cfg.attn_gate_on_q) counts its q_in N Dv weights instead of H N Dv.
     Heavily compressed attention blocks (cfg.compress_layers) add their compressor's two
     projections, 6 x 2 H D, and the scores and values over n_avg_compressed_keys entries per
-    query (mean_compressed_entries(cu_seqlens, compress_rate); required), 6 N 2 D each."""
+    query (mean_compressed_entries(cu_seqlens, compress_rate); required), 6 N 2 D each.
+    Compressed sparse attention blocks (cfg.csa_layers) add their compressor's, 6 x 2 H 2 D,
+    the scores and values over the n_avg_csa_chosen entries a query attends to
+    (mean_compressed_entries(cu_seqlens, csa_rate, csa_topk)), 6 N 2 D each, and their
+    indexer's forward alone (no gradient), 2 x (its compressor's 2 H 2 Di, its queries'
+    q_rank Ni Di, its head weights' H Ni, and Ni Di per entry it scores: n_avg_csa_entries,
+    mean_compressed_entries(cu_seqlens, csa_rate)); both required."""
     from fmoe.layers import PLAIN_ACTS  # an MLP without a gate: two matrices
 
     names = ("hidden", "n_layers", "ffn_dense", "ffn_expert", "k", "n_heads", "n_kv_heads", "head_dim", "mtp_depth", "n_experts")
@@ -353,6 +372,16 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
         _check_count("n_avg_compressed_keys", n_avg_compressed_keys)
         D = cfg.head_dim
         compressed = len(cfg.compress_layers) * (6 * 2 * cfg.hidden * D + 6 * cfg.n_heads * 2 * D * n_avg_compressed_keys)
+    if getattr(cfg, "csa_layers", None):  # compressed sparse attention: the compressor, the chosen entries, the indexer's forward
+        for name, value in (("n_avg_csa_entries", n_avg_csa_entries), ("n_avg_csa_chosen", n_avg_csa_chosen)):
+            if value is None:
+                raise ValueError(f"{name}: blocks {list(cfg.csa_layers)} attend to compressed sparse entries: pass the mean entries a query "
+                                 f"{'sees' if name.endswith('entries') else 'attends to'} (mean_compressed_entries(cu_seqlens, csa_rate = "
+                                 f"{cfg.csa_rate}{'' if name.endswith('entries') else f', csa_topk = {cfg.csa_topk}'}))")
+            _check_count(name, value)
+        D, Ni, Di = cfg.head_dim, cfg.index_heads, cfg.index_head_dim
+        csa_indexer = 2 * (2 * cfg.hidden * 2 * Di + cfg.q_rank * Ni * Di + cfg.hidden * Ni + Ni * Di * n_avg_csa_entries)
+        compressed += len(cfg.csa_layers) * (6 * 2 * cfg.hidden * 2 * D + 6 * cfg.n_heads * 2 * D * n_avg_csa_chosen + csa_indexer)
     shortcut = 0.0
     if getattr(cfg, "shortcut_moe", False):  # the dense MLP beside each trunk MoE
         shortcut = sum(is_moe(i) for i in range(cfg.n_layers)) * 6 * 3 * cfg.hidden * cfg.ffn_dense

@@ -362,6 +362,10 @@ CASES = {
     # DeepSeek-V4's heavily compressed attention in block 1 (runs of 3): the compressor whole on each rank, its gradients summed
     "tp2-dsv4-hca": (2, dict(tp=2), dict(n_kv_heads=1, kv_shared=True, qk_norm="head_k", compress_layers=(1,), compress_rate=3, window=5,
                                          attn_sinks=True)),
+    # its compressed sparse attention in block 1 (overlapping runs of 2, each query's best 2 entries): the compressor and the
+    # indexer whole on each rank (the same choice on both), the query heads split
+    "tp2-dsv4-csa": (2, dict(tp=2), dict(n_kv_heads=1, kv_shared=True, qk_norm="head_k", q_rank=10, csa_layers=(1,), csa_rate=2, csa_topk=2,
+                                         index_heads=4, index_head_dim=8, window=5, attn_sinks=True)),
     # 2 kv heads over 4 tp ranks: ranks 0, 1 compute kv head 0 from the whole wk, wv (and bk, bv), ranks 2, 3 kv head 1
     "tp4-kv-replicated": (4, dict(tp=4), dict(qkv_bias=True)),
     "cp2-mhc": (2, dict(cp=2), MHC),
@@ -943,7 +947,7 @@ def test_parallelize_refuses_what_does_not_split(results):
         assert "tp: n_kv_heads = 1 < tp = 2: the kv heads are replicated" in messages[5] and "not with moa_experts 3" in messages[5]
         assert "n_heads = 6 and n_kv_heads = 3 must both be divisible by tp = 2" in messages[6]  # more kv heads than ranks: split
         assert "not with qk_norm 'proj'" in messages[7]
-        assert "cp: heavily compressed attention blocks [1] (compress_layers) exchange no compressed entries" in messages[8]
+        assert "cp: compressed attention blocks [1] (compress_layers) exchange no compressed entries" in messages[8]
         assert "T = 25 tokens do not split evenly over tp = 2 ranks" in messages[9] and "tokens_per_micro_batch" in messages[9]
 
 

@@ -749,3 +749,36 @@ def test_mean_compressed_entries_counts_each_query_s_complete_runs():
         M.model_flops_per_token(cfg, n_avg_keys=10.0)
     more = M.model_flops_per_token(cfg, n_avg_keys=10.0, n_avg_compressed_keys=3.0) - M.model_flops_per_token(cfg, n_avg_keys=10.0, n_avg_compressed_keys=1.0)
     assert more == 6 * cfg.n_heads * 2 * cfg.head_dim * 2.0  # the scores and values over two more entries per query
+
+
+def test_compressed_sparse_attention_flops_count_the_chosen_entries_and_the_indexer_s_forward():
+    """mean_compressed_entries with topk: each query's min(topk, its complete runs), against the count written out; a model
+    with compressed sparse blocks needs both means (named), the chosen entries cost the attention's scores and values (fwd
+    and bwd), each seen entry the indexer's forward scores alone, and each block adds its compressor's projections (fwd and
+    bwd) and its indexer's (forward)."""
+    from fmoe.model import TransformerConfig
+
+    cu = [0, 7, 9, 15, 31]
+    for m, topk in ((2, 1), (2, 3), (3, 2), (5, 4)):
+        want = sum(min(topk, (p + 1) // m) for a, b in zip(cu, cu[1:]) for p in range(b - a)) / cu[-1]
+        assert M.mean_compressed_entries(cu, m, topk) == pytest.approx(want, rel=1e-12)
+    assert M.mean_compressed_entries(cu, 2, 100) == M.mean_compressed_entries(cu, 2)
+    with pytest.raises(ValueError, match=r"topk: expected >= 1, got 0"):
+        M.mean_compressed_entries(cu, 2, 0)
+    cfg = TransformerConfig(vocab_size=64, hidden=32, n_layers=3, n_heads=4, n_kv_heads=1, head_dim=8, kv_shared=True, q_rank=10, csa_layers=(1, 2),
+                            csa_rate=2, csa_topk=2, index_heads=4, index_head_dim=8)
+    with pytest.raises(ValueError, match=r"n_avg_csa_entries: blocks \[1, 2\] attend to compressed sparse entries: pass the mean entries a query sees"):
+        M.model_flops_per_token(cfg, n_avg_keys=10.0, n_avg_csa_chosen=2.0)
+    with pytest.raises(ValueError, match=r"n_avg_csa_chosen: .* \(mean_compressed_entries\(cu_seqlens, csa_rate = 2, csa_topk = 2\)\)"):
+        M.model_flops_per_token(cfg, n_avg_keys=10.0, n_avg_csa_entries=3.0)
+
+    def flops(entries, chosen):
+        return M.model_flops_per_token(cfg, n_avg_keys=10.0, n_avg_csa_entries=entries, n_avg_csa_chosen=chosen)
+
+    H, N, D, Ni, Di = cfg.hidden, cfg.n_heads, cfg.head_dim, cfg.index_heads, cfg.index_head_dim
+    assert flops(3.0, 2.0) - flops(3.0, 1.0) == 2 * 6 * N * 2 * D  # two blocks, one more chosen entry each
+    assert flops(4.0, 1.0) - flops(3.0, 1.0) == 2 * 2 * Ni * Di  # one more scored entry: the indexer's forward
+    plain = TransformerConfig(**{**{f: getattr(cfg, f) for f in ("vocab_size", "hidden", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+                                                                   "kv_shared", "q_rank")}})
+    per_block = 6 * 2 * H * 2 * D + 2 * (2 * H * 2 * Di + cfg.q_rank * Ni * Di + H * Ni)
+    assert flops(0.0, 0.0) - M.model_flops_per_token(plain, n_avg_keys=10.0) == 2 * per_block
