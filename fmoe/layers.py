@@ -837,7 +837,8 @@ class AttentionConfig:
     entries rotated on their last rot_dim channels with index_rope_last, in pairs with
     index_interleaved; equal scores go to the earlier entry. The choice has no gradient (no
     indexer loss: the indexer's weights stay as loaded). Needs q_rank; not with index_topk or
-    index_topk_blocks; not in decoding.
+    index_topk_blocks; in decoding the cache keeps both compressors' entries and the inputs of
+    the last complete and the open run (ctx.compressed); not under context parallel.
     """
 
     n_heads: int
@@ -1362,7 +1363,12 @@ class AttentionContext:
         tokens' compressor inputs (compressor_inputs) in, every cached entry and which query
         sees which out, entries(c [K, m, D], g [K, m, D], first positions [K]) -> [K, D] making
         the runs it completes (run_entries); bound per layer by fmoe.model.Transformer.decode
-        (KVCache.compress); None otherwise.
+        (KVCache.compress); None otherwise. A compressed sparse attention layer's
+        (AttentionConfig.compress_topk) takes c, g [T, W] (its compressor's inputs, then its
+        indexer's: W = 2 D + 2 index_head_dim) and entries(c [K, 2 m, W], g [K, 2 m, W], first
+        positions [K], has_prev [K] bool) -> [K, D + index_head_dim] (the previous run's tokens,
+        then the run's; has_prev False for a document's first run), and gives back the
+        entries [S, D + index_head_dim] (the attention's, then the indexer's).
     """
 
     cos: torch.Tensor
@@ -1796,15 +1802,25 @@ def compressed_entries(x_TH: torch.Tensor, params, cfg: AttentionConfig, ctx: "A
     if cfg.compress_topk is None:
         c_SKD, logits_SKD = c_TE[run_SM], g_TE[run_SM].float() + bias_ME.float()
     else:  # overlapping runs: the previous run's first halves (none before run 0: weight 0), then run j's second halves
-        D = c_TE.shape[1] // 2
         prev_SM = (run_SM - m).clamp(min=0)
-        c_SKD = torch.cat([c_TE[prev_SM][..., :D], c_TE[run_SM][..., D:]], dim=1)
-        logits_prev = (g_TE[prev_SM][..., :D].float() + bias_ME[:, :D].float()).masked_fill(~(valid & (j > 0))[:, None, None], float("-inf"))
-        logits_SKD = torch.cat([logits_prev, g_TE[run_SM][..., D:].float() + bias_ME[:, D:].float()], dim=1)
+        c_SKD, logits_SKD = overlap_runs(c_TE[prev_SM], g_TE[prev_SM], c_TE[run_SM], g_TE[run_SM], valid & (j > 0), bias_ME)
     entries_SD = run_entries(c_SKD, logits_SKD, ctx.cos[first], ctx.sin[first], params[prefix + "norm"], cfg, index=prefix != "compress_")
     q_doc = torch.searchsorted(cu[1:], torch.arange(T, device=device), right=True)
     keep_TS = valid[None] & (doc[None] == q_doc[:, None]) & ((j[None] + 1) * m <= positions[:, None] + 1)
     return entries_SD, keep_TS
+
+
+def overlap_runs(c_prev_KME: torch.Tensor, g_prev_KME: torch.Tensor, c_KME: torch.Tensor, g_KME: torch.Tensor, has_prev_K: torch.Tensor,
+                 bias_ME: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compressed sparse attention's overlapping runs (AttentionConfig.compress_topk): of K
+    runs' compressor inputs c, g [K, m, E = 2 D] and their previous runs' (c_prev, g_prev),
+    (c [K, 2 m, D], logits [K, 2 m, D] float32) for run_entries: the previous run's first
+    halves (their gates plus bias[:, :D]; -inf where has_prev [K] is False, a document's
+    first run) then the run's second halves (plus bias[:, D:])."""
+    D = c_KME.shape[-1] // 2
+    c_K2D = torch.cat([c_prev_KME[..., :D], c_KME[..., D:]], dim=1)
+    logits_prev = (g_prev_KME[..., :D].float() + bias_ME[:, :D].float()).masked_fill(~has_prev_K[:, None, None], float("-inf"))
+    return c_K2D, torch.cat([logits_prev, g_KME[..., D:].float() + bias_ME[:, D:].float()], dim=1)
 
 
 def compressor_inputs(x_TH: torch.Tensor, params, cfg: AttentionConfig, *, prefix: str = "compress_") -> tuple[torch.Tensor, torch.Tensor]:
@@ -1828,16 +1844,40 @@ def run_entries(c_KMD: torch.Tensor, logits_KMD: torch.Tensor, cos_KR: torch.Ten
     return entries_KD
 
 
-def compressed_choice(x_TH: torch.Tensor, q_lat_TC: torch.Tensor, params, cfg: AttentionConfig, ctx: "AttentionContext",
+def compressed_choice(x_TH: torch.Tensor, q_lat_TC: torch.Tensor, keys_SD: torch.Tensor, params, cfg: AttentionConfig, ctx: "AttentionContext",
                       keep_TS: torch.Tensor) -> torch.Tensor:
-    """Compressed sparse attention's choice (cfg.compress_topk; AttentionConfig) of the packed
-    tokens x [T, H] (their normed q latents q_lat [T, q_rank]): [T, S] bool, of the entries
-    each query sees (keep, compressed_entries'), the compress_topk of highest indexer score
-    against the indexer's entries (equal scores: the earlier entry). No gradient."""
+    """Compressed sparse attention's choice (cfg.compress_topk; AttentionConfig) of the
+    tokens x [T, H] (their normed q latents q_lat [T, q_rank]; ctx.cos, ctx.sin the tables at
+    their positions): [T, S] bool, of the entries each query sees (keep), the compress_topk
+    of highest indexer score against the indexer's entries keys [S, index_head_dim] (equal
+    scores: the earlier entry, the lower column). No gradient."""
     with torch.no_grad():
-        keys_SD, _ = compressed_entries(x_TH.detach(), params, cfg, ctx, prefix="index_compress_")
-        slots_TJ = _index_choice(x_TH.detach(), q_lat_TC.detach(), keys_SD.float(), params, cfg, ctx, keep_TS, topk=cfg.compress_topk)
+        slots_TJ = _index_choice(x_TH.detach(), q_lat_TC.detach(), keys_SD.detach().float(), params, cfg, dataclasses.replace(ctx, key_order=None),
+                                 keep_TS, topk=cfg.compress_topk)
         return slots_mask(slots_TJ, keep_TS.shape[1])
+
+
+def _decode_sparse_entries(x_TH, params, cfg: AttentionConfig, ctx: "AttentionContext") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Compressed sparse attention in a decode call (ctx.compressed, AttentionContext): the new
+    tokens' compressor and indexer inputs into the cache, which makes the runs they complete
+    (overlap_runs, run_entries, each part its own weights); (entries [S, D], the indexer's
+    entries [S, index_head_dim], keep [T, S])."""
+    D = cfg.head_dim
+    inputs = [compressor_inputs(x_TH, params, cfg, prefix=prefix) for prefix in ("compress_", "index_compress_")]
+    split = 2 * D  # the compressor's channels, then the indexer's
+
+    def entries(c_K2MW, g_K2MW, first_K, has_prev_K):
+        m = c_K2MW.shape[1] // 2
+        cos, sin = rope_tables(first_K, cfg)
+        out = []
+        for prefix, part in (("compress_", slice(None, split)), ("index_compress_", slice(split, None))):
+            c, g = c_K2MW[..., part], g_K2MW[..., part]
+            c_K2D, logits_K2D = overlap_runs(c[:, :m], g[:, :m], c[:, m:], g[:, m:], has_prev_K, params[prefix + "bias"])
+            out.append(run_entries(c_K2D, logits_K2D, cos, sin, params[prefix + "norm"], cfg, index=prefix != "compress_").to(c.dtype))
+        return torch.cat(out, dim=-1)
+
+    store_SE, keep_TS = ctx.compressed(*(torch.cat([a, b], dim=-1) for a, b in zip(*inputs)), entries)
+    return store_SE[:, :D], store_SE[:, D:], keep_TS
 
 
 def qk_norm_shapes(cfg: AttentionConfig) -> dict:
@@ -2094,8 +2134,9 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
             k_TGD = torch.cat([k_TGD, index_k_SD.detach()[:, None, :].to(k_TGD.dtype)], dim=-1)
         elif ctx.gather_kv is not None and not shared:  # context parallel: every rank's indexer keys (the loss's gradient returns to each)
             index_k_SD = ctx.gather_kv(index_k_SD[:, None, :], index_k_SD[:, None, :0])[0][:, 0]
-    if cfg.compress_topk is not None and (ctx.compressed is not None or ctx.gather_kv is not None):
-        raise ValueError("ctx: compressed sparse attention (cfg.compress_topk) over a cache or gathered keys (decoding, context parallel) is not built")
+    if cfg.compress_topk is not None and ctx.gather_kv is not None and ctx.compressed is None:
+        raise ValueError("ctx: compressed sparse attention (cfg.compress_topk) over gathered keys without its entries' cache (context parallel, "
+                         "or decoding without ctx.compressed) is not built")
     if ctx.gather_kv is not None and cfg.compress_rate is not None and ctx.compressed is None:
         raise ValueError("ctx: heavily compressed attention (cfg.compress_rate) over gathered keys without its entries' cache (context parallel, "
                          "or decoding without ctx.compressed) is not built")
@@ -2140,7 +2181,10 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
         if not isinstance(mask, torch.Tensor) or (ctx.compressed is None and (ctx.cu_seqlens is None or ctx.positions is None)):
             raise ValueError("ctx: heavily compressed attention (cfg.compress_rate) needs the dense mask, the documents and the positions; "
                              "build the context with attention_context and impl 'torch' (or 'auto' off CUDA)")
-        if ctx.compressed is not None:  # decoding: the cache's entries, the runs the new tokens complete added
+        index_keys_SD = None
+        if ctx.compressed is not None and cfg.compress_topk is not None:  # decoding: the cache's entries and the indexer's
+            entries_SD, index_keys_SD, keep_TS = _decode_sparse_entries(x, params, cfg, ctx)
+        elif ctx.compressed is not None:  # decoding: the cache's entries, the runs the new tokens complete added
 
             def entries(c_KMD, g_KMD, first_K):
                 return run_entries(c_KMD, g_KMD.float() + params["compress_bias"].float(), *rope_tables(first_K, cfg), params["compress_norm"], cfg)
@@ -2148,8 +2192,11 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
             entries_SD, keep_TS = ctx.compressed(*compressor_inputs(x, params, cfg), entries)
         else:
             entries_SD, keep_TS = compressed_entries(x, params, cfg, ctx)
-            if cfg.compress_topk is not None:  # compressed sparse attention: the indexer's choice of the entries each query sees
-                keep_TS = compressed_choice(x, _mla_q_latent(x, params, cfg)[:, :cfg.q_rank], params, cfg, ctx, keep_TS)
+            if cfg.compress_topk is not None:
+                with torch.no_grad():
+                    index_keys_SD, _ = compressed_entries(x.detach(), params, cfg, ctx, prefix="index_compress_")
+        if cfg.compress_topk is not None:  # compressed sparse attention: the indexer's choice of the entries each query sees
+            keep_TS = compressed_choice(x, _mla_q_latent(x, params, cfg)[:, :cfg.q_rank], index_keys_SD, params, cfg, ctx, keep_TS)
         k_GTD = v_GTD = torch.cat([k_GTD, entries_SD[None].to(k_GTD.dtype)], dim=1)  # their own values (kv_shared)
         mask = torch.cat([mask, keep_TS], dim=1)
     sinks, slopes_N = params.get("sinks"), params.get("alibi")

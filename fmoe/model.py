@@ -577,8 +577,9 @@ class TransformerConfig:
     their compressor's compress_wkv, compress_wg [H, 2 D], compress_bias, compress_norm and the
     indexer's index_wq, index_w, index_compress_* (no gradient: frozen, as an indexer without
     its loss); with kv_shared, one kv head and q_rank; not with compress_layers' blocks,
-    index_topk or index_topk_blocks; dense masks as above; not in decoding, nor under context
-    parallel. moe_out_bias: a bias [H] added to
+    index_topk or index_topk_blocks; dense masks as above; in decoding the cache keeps each
+    sequence's entries beside its indexer's and its last complete and open runs (KVCache); not
+    under context parallel. moe_out_bias: a bias [H] added to
     each MoE block's output (JetMoE's MoE bias; MoE.out_bias). tie_embeddings: the
     output head is the embedding; out_vocab V' (None: vocab_size): the output head has V' <=
     vocab_size rows, the logits are those of token ids 0 .. V' - 1 while the embedding keeps
@@ -2351,14 +2352,16 @@ class KVCache:
     (sequence b's runs in rows b (max_tokens // m) + j), and its open run's compressor inputs,
     run [n_compress, batch, m, 2 D] (c | g of positions m floor(L / m) .. L - 1): a sequence
     continues from its last token or restarts from 0, never goes back (decode refuses it).
+    Compressed sparse attention layers (cfg.csa_layers, `csa_layers`, runs of m = csa_rate)
+    keep each sequence's entries beside its indexer's, csa_entries [n_csa, batch * (max_tokens
+    // m), D + index_head_dim], and both compressors' inputs of its last complete run and its
+    open run, csa_run [n_csa, batch, 2 m, 2 W] (c | g, W = 2 D + 2 index_head_dim; positions
+    m (floor(L / m) - 1) .. L - 1: an entry overlaps the run before it); likewise never back.
     """
 
     def __init__(self, cfg: TransformerConfig, max_tokens: int, *, batch: int = 1, device=None, dtype: torch.dtype = torch.float32):
         check_positive_int("max_tokens", max_tokens)
         check_positive_int("batch", batch)
-        if cfg.csa_layers:
-            raise ValueError(f"cfg.csa_layers: decoding compressed sparse attention blocks {list(cfg.csa_layers)} (their overlapping entries and "
-                             "indexer entries in the cache) is not built; Transformer.logits runs them")
         # v is k's latent (multi-latent attention), or k itself (kv_shared: the values are the keys): written with k
         self.v_in_k = cfg.kv_rank is not None or cfg.kv_shared
         self.window_layers = self.ring_layers(cfg, max_tokens)
@@ -2392,6 +2395,12 @@ class KVCache:
         n_c, m, D = len(self.compress_layers), cfg.compress_rate, cfg.head_dim
         self.entries = torch.zeros(n_c, batch * (max_tokens // m), D, device=device, dtype=dtype)
         self.run = torch.zeros(n_c, batch, m, 2 * D, device=device, dtype=dtype)
+        # compressed sparse attention layers: each sequence's entries beside its indexer's (max_tokens // m rows), and the c | g
+        # of its last complete run and its open run (both compressors' inputs)
+        self.csa_layers, self.csa_rate = tuple(i for i in range(cfg.n_layers) if cfg.is_csa(i)), cfg.csa_rate
+        n_s, m_s, W = len(self.csa_layers), cfg.csa_rate, 2 * cfg.head_dim + 2 * cfg.index_head_dim
+        self.csa_entries = torch.zeros(n_s, batch * (max_tokens // m_s), D + cfg.index_head_dim, device=device, dtype=dtype)
+        self.csa_run = torch.zeros(n_s, batch, 2 * m_s, 2 * W, device=device, dtype=dtype)
         self.tokens = torch.zeros(batch, max_tokens, dtype=torch.int64, device=device) if cfg.longrope_switches else None
         self.lengths = [0] * batch
         # each sequence's length after its last decode call, what the rings and the linear states hold: a ring layer's
@@ -2425,7 +2434,8 @@ class KVCache:
         """The bytes the cache holds (keys and values of every layer and sequence)."""
         stores = (self.k, self.k_window) if self.v_in_k else (self.k, self.v, self.k_window, self.v_window)
         tokens = () if self.tokens is None else (self.tokens,)
-        return sum(t.numel() * t.element_size() for t in (*stores, self.conv, self.state, self.entries, self.run, *tokens))
+        return sum(t.numel() * t.element_size() for t in (*stores, self.conv, self.state, self.entries, self.run, self.csa_entries,
+                                                                 self.csa_run, *tokens))
 
     @property
     def length(self) -> int:
@@ -2478,7 +2488,13 @@ class KVCache:
         .. L - 1, L = lengths[b]); the runs they complete become entries (entries(c, g, first
         positions)) in its rows b (max_tokens // m) + j, the rest the open run. Returns (every
         sequence's entries [batch max_tokens // m, D], keep [Q, that] bool): query q (of sequence
-        q_seq[q] at position q_pos[q]) sees its sequence's runs j with (j + 1) m <= q_pos + 1."""
+        q_seq[q] at position q_pos[q]) sees its sequence's runs j with (j + 1) m <= q_pos + 1.
+        A compressed sparse attention layer's (csa_layers; AttentionContext.compressed) runs
+        overlap: its c, g [T, W] hold both its compressors' inputs, each completed run's entry
+        is made from the previous run's tokens beside its own, and the entries beside the
+        indexer's are every sequence's [batch max_tokens // m, D + index_head_dim]."""
+        if layer in self.csa_layers:
+            return self._compress_sparse(layer, seqs, T, q_seq, q_pos, c_TD, g_TD, entries)
         j, m = self.compress_layers.index(layer), self.compress_rate
         per, D = self.max_tokens // m, c_TD.shape[-1]
         run, store = self.run[j], self.entries[j]
@@ -2492,9 +2508,33 @@ class KVCache:
                 positions = torch.arange(first, first + k * m, m, device=c_TD.device)
                 store[b * per + first // m:b * per + first // m + k] = entries(runs[..., :D], runs[..., D:], positions).to(store.dtype)
             run[b, :tokens.shape[0] - k * m] = tokens[k * m:]
-        col = torch.arange(store.shape[0], device=c_TD.device)
-        keep = (col[None] // per == q_seq[:, None]) & ((col[None] % per + 1) * m <= q_pos[:, None] + 1)
-        return store, keep
+        return store, self._seen_runs(store.shape[0], per, m, q_seq, q_pos)
+
+    @staticmethod
+    def _seen_runs(n: int, per: int, m: int, q_seq: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+        """keep [Q, n] bool: query q sees its sequence's rows (per of them each) of complete runs: (j + 1) m <= q_pos + 1."""
+        col = torch.arange(n, device=q_seq.device)
+        return (col[None] // per == q_seq[:, None]) & ((col[None] % per + 1) * m <= q_pos[:, None] + 1)
+
+    def _compress_sparse(self, layer: int, seqs: list[int], T: int, q_seq: torch.Tensor, q_pos: torch.Tensor, c_TW: torch.Tensor,
+                         g_TW: torch.Tensor, entries: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+        """compress of a compressed sparse attention layer: csa_run[b] holds sequence b's last
+        complete run (rows 0 .. m - 1; stale before its first) and its open run after it."""
+        j, m = self.csa_layers.index(layer), self.csa_rate
+        per, W = self.max_tokens // m, c_TW.shape[-1]
+        run, store = self.csa_run[j], self.csa_entries[j]
+        new_TC = torch.cat([c_TW, g_TW], dim=-1).to(run.dtype)
+        for s, b in enumerate(seqs):
+            L = self.lengths[b]
+            tokens = torch.cat([run[b, :m + L % m], new_TC[s * T:(s + 1) * T]])  # the last complete run, the open run, the new tokens
+            k, r = (tokens.shape[0] - m) // m, L // m  # the runs completed, the first of them
+            if k:
+                runs = tokens[:(k + 1) * m].view(k + 1, m, 2 * W)
+                pairs = torch.cat([runs[:-1], runs[1:]], dim=1)  # each completed run after the one before it
+                positions = torch.arange(r * m, (r + k) * m, m, device=c_TW.device)
+                store[b * per + r:b * per + r + k] = entries(pairs[..., :W], pairs[..., W:], positions, positions > 0).to(store.dtype)
+            run[b, :tokens.shape[0] - k * m] = tokens[k * m:]
+        return store, self._seen_runs(store.shape[0], per, m, q_seq, q_pos)
 
     def linear_states(self, layer: int, seqs: list[int], tokens: Optional[int] = None) -> LinearStates:
         """Linear-attention layer `layer`'s states of the sequences `seqs` (copies, in that
@@ -2907,8 +2947,8 @@ class Transformer(nn.Module):
             if cache.window_layers and 0 < cache.lengths[b] < cache.decoded_lengths[b] - 1:
                 raise ValueError(f"cache.lengths[{b}]: {cache.lengths[b]} tokens after {cache.decoded_lengths[b]}: the sliding-window (chunked) layers keep only "
                                  f"the newest {cache.window} tokens' keys, so a sequence goes back one token at most, or restarts from 0 (cache.reset)")
-            if cache.compress_layers and 0 < cache.lengths[b] != cache.decoded_lengths[b]:
-                raise ValueError(f"cache.lengths[{b}]: {cache.lengths[b]} tokens after {cache.decoded_lengths[b]}: the heavily compressed attention layers "
+            if (cache.compress_layers or cache.csa_layers) and 0 < cache.lengths[b] != cache.decoded_lengths[b]:
+                raise ValueError(f"cache.lengths[{b}]: {cache.lengths[b]} tokens after {cache.decoded_lengths[b]}: the compressed attention layers "
                                  "keep only the entries and the open run after the last token, so a sequence continues from there or restarts from 0 "
                                  "(cache.reset)")
             if cache.linear_layers and 0 < cache.lengths[b] != cache.decoded_lengths[b]:
@@ -2968,7 +3008,8 @@ class Transformer(nn.Module):
             kv = functools.partial(cache.write_window, i, *window_kv) if ring else functools.partial(cache.write, i, rows, n_keys)
             if pad:
                 kv = functools.partial(_unpadded, n, kv)
-            compressed = (functools.partial(cache.compress, i, seq_list, T, q_seq, positions) if i in cache.compress_layers else None)
+            compressed = (functools.partial(cache.compress, i, seq_list, T, q_seq, positions)
+                          if i in cache.compress_layers or i in cache.csa_layers else None)
             layer_ctx = dataclasses.replace(contexts[ring], gather_kv=kv, latents=None if not mla else "absorbed" if absorbed else "expanded",
                                             linear_states=states, compressed=compressed)  # a parallel hybrid's: both its keys and its states
             h_TH, _ = block(h_TH, layer_ctx, token_ids=ids)

@@ -2230,7 +2230,8 @@ def test_compressed_sparse_entries_overlap_the_previous_run():
 
 def test_compressed_sparse_attention_bad_knobs_and_contexts():
     """compress_topk's knobs by name (it needs compress_rate and the q latent, its indexer has no loss and rotates as the
-    keys do); its parameters' shapes; a context over gathered keys or a decoding cache is refused (not built)."""
+    keys do); its parameters' shapes; a context over gathered keys without the entries' cache (context parallel) is
+    refused (not built)."""
     base = dict(n_heads=2, n_kv_heads=1, head_dim=8, kv_shared=True, compress_rate=3, compress_topk=2, q_rank=6, index_heads=2, index_head_dim=8,
                 impl="torch")
     for overrides, message in ((dict(compress_rate=None), r"compress_topk: .* needs compress_rate"),
@@ -2252,9 +2253,8 @@ def test_compressed_sparse_attention_bad_knobs_and_contexts():
     x, cu = torch.randn(9, H), torch.tensor([0, 9])
     ctx = _ctx(cu, cfg)
     assert attention(x, p, cfg, ctx)[0].shape == (9, H)
-    for changed in (dict(gather_kv=lambda k, v: (k, v)), dict(compressed=lambda c, g, entries: None)):
-        with pytest.raises(ValueError, match=r"ctx: compressed sparse attention \(cfg.compress_topk\) over a cache or gathered keys .* is not built"):
-            attention(x, p, cfg, dataclasses.replace(ctx, **changed))
+    with pytest.raises(ValueError, match=r"ctx: compressed sparse attention \(cfg.compress_topk\) over gathered keys without its entries' cache"):
+        attention(x, p, cfg, dataclasses.replace(ctx, gather_kv=lambda k, v: (k, v)))
 
 
 def test_compressed_entries_are_the_documents_complete_runs():

@@ -22,7 +22,7 @@ from fmoe.model import Transformer, TransformerConfig  # noqa: E402
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "deepseek_v2", "granitemoeshared", "hunyuan_v1_moe", "exaone_moe", "llama4_text",
                                     "granitemoe_swa", "afmoe", "flint", "mellum", "qwen3_next", "mistral4", "ministral3", "olmo3", "smollm3", "glm4", "mimo_v2_flash", "lfm2_moe",
-                                    "deepseek_v4"])
+                                    "deepseek_v4", "deepseek_v4-csa"])
 def test_greedy_matches_transformers_generate(tmp_path, family):
     """Through fmoe's KV cache (DeepSeek-V3 / -V2: multi-latent attention absorbed, latents
     cached; -V2 without the low-rank q; Granite: the embedding, attention and residual
@@ -44,7 +44,9 @@ def test_greedy_matches_transformers_generate(tmp_path, family):
     last 2 inputs carried from the prompt through every step; DeepSeek-V4: manifold streams,
     a 3-token window ring of its one key head that is its values, RoPE on each head's last
     channels, layer 1 heavily compressed (runs of 3: its entries and open run cached), layer 0
-    routed by its hash table) against transformers' own generate and cache."""
+    routed by its hash table; deepseek_v4-csa: layer 2 compressed sparse attention, its
+    overlapping runs of 2 and its indexer's entries cached, each step's best 2 of them) against
+    transformers' own generate and cache."""
     transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e '.[test]'")
     import fmoe.hf
 
@@ -127,13 +129,15 @@ def test_greedy_matches_transformers_generate(tmp_path, family):
         config = transformers.Lfm2MoeConfig(**common, num_key_value_heads=2, intermediate_size=40, moe_intermediate_size=16, num_experts=4,
                                             num_experts_per_tok=2, num_dense_layers=1, layer_types=["conv", "full_attention"],
                                             bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    elif family == "deepseek_v4":
-        config = transformers.DeepseekV4Config(**common, head_dim=16, q_lora_rank=12, partial_rotary_factor=0.5, moe_intermediate_size=16,
-                                               n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1,
-                                               layer_types=["sliding_attention", "heavily_compressed_attention"],
-                                               compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 3},
-                                               mlp_layer_types=["hash_moe", "moe"], hc_mult=2, sliding_window=3, o_groups=2, o_lora_rank=5,
-                                               bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    elif family.startswith("deepseek_v4"):
+        csa = family.endswith("csa")
+        config = transformers.DeepseekV4Config(**dict(common, num_hidden_layers=3 if csa else 2), head_dim=16, q_lora_rank=12, partial_rotary_factor=0.5,
+                                               moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1,
+                                               layer_types=["sliding_attention", "heavily_compressed_attention"] + ["compressed_sparse_attention"] * csa,
+                                               compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 3},
+                                               index_n_heads=8, index_head_dim=8, index_topk=2,
+                                               mlp_layer_types=["hash_moe", "moe"] + ["moe"] * csa, hc_mult=2, sliding_window=3, o_groups=2,
+                                               o_lora_rank=5, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     elif family == "glm4":
         config = transformers.Glm4Config(**common, num_key_value_heads=2, head_dim=8, intermediate_size=40, pad_token_id=None)
     else:

@@ -2895,9 +2895,10 @@ def test_heavily_compressed_blocks_decode_as_the_whole_sequence():
     assert cache.entries[:, :4].abs().amin(dim=-1).gt(0).all() and cache.entries[:, 4:].abs().sum() == 0
     assert cache.run[:, 0, :1].abs().amin(dim=-1).gt(0).all()  # the open run's one token (position 12)
     rings_and_stores = sum(t.numel() for t in (cache.k, cache.k_window)) * 4  # kv_shared: the values are views of the keys
+    assert cache.csa_entries.numel() == cache.csa_run.numel() == 0  # no compressed sparse attention layer
     assert cache.nbytes == rings_and_stores + (cache.entries.numel() + cache.run.numel()) * 4
     cache.length = 12  # one token back, which the window's ring allows
-    with pytest.raises(ValueError, match=r"cache.lengths\[0\]: 12 tokens after 13: the heavily compressed attention layers keep only the entries"):
+    with pytest.raises(ValueError, match=r"cache.lengths\[0\]: 12 tokens after 13: the compressed attention layers keep only the entries"):
         model.decode(ids[12:13], cache)
     cache.reset()
     torch.testing.assert_close(model.decode(ids[:7], cache), want[:7], rtol=1e-5, atol=1e-5)  # a fresh start over stale rows
@@ -2918,11 +2919,11 @@ def test_heavily_compressed_blocks_bad_knobs():
             dataclasses.replace(VARIANTS["dsv4-hca"], **overrides)
 
 
-def test_compressed_sparse_blocks_keep_documents_apart_train_and_refuse_decoding():
+def test_compressed_sparse_blocks_keep_documents_apart_and_train():
     """Compressed sparse attention blocks (csa_layers) in a model: packed documents give each document's logits alone (their
     entries and the indexer's choice stay within the document), the choice matters (csa_topk), the loss's gradients reach
     the compressor and not the indexer (frozen: requires_grad False, as an indexer without its loss), the indexer's
-    compressor bias stays float32 under a cast, and a KV cache is refused by name (decoding is not built)."""
+    compressor bias stays float32 under a cast."""
     model = _sharp(DSV4_CSA)
     attn = model.blocks[1].attn
     assert attn.cfg.compress_topk == 2 and attn.cfg.compress_rate == 2 and model.blocks[2].attn.cfg.compress_topk is None
@@ -2943,8 +2944,38 @@ def test_compressed_sparse_blocks_keep_documents_apart_train_and_refuse_decoding
     for name in ("index_wq", "index_w", "index_compress_wkv", "index_compress_wg", "index_compress_bias", "index_compress_norm"):
         assert not getattr(attn, name).requires_grad and getattr(attn, name).grad is None, name
     assert model.to(torch.bfloat16).blocks[1].attn.index_compress_bias.dtype == torch.float32
-    with pytest.raises(ValueError, match=r"cfg.csa_layers: decoding compressed sparse attention blocks \[1\] .* is not built"):
-        model.kv_cache(16)
+
+
+def test_compressed_sparse_blocks_decode_as_the_whole_sequence():
+    """Compressed sparse attention in decoding: the cache keeps each sequence's entries beside its indexer's, and the inputs
+    of its last complete run and its open run, so a prompt and then tokens one and a few at a time give the whole
+    sequence's logits (runs of 2 completed inside a call, across calls, by single tokens; each entry overlapping the run
+    before it, from a previous call too; the indexer's choice of 2 among up to 6 entries); two sequences of other lengths
+    decode together as each alone; the entries of the complete runs fill their rows (13 tokens: 6 runs) and the cache
+    counts their bytes; a sequence does not go back (refused by name) and restarts from 0 over stale rows."""
+    model = _sharp(DSV4_CSA)
+    ids = torch.randint(0, model.cfg.vocab_size, (13,))
+    other = torch.randint(0, model.cfg.vocab_size, (8,))
+    with torch.no_grad():
+        want = model.logits(ids, torch.tensor([0, 13], dtype=torch.int32))
+        want_other = model.logits(other, torch.tensor([0, 8], dtype=torch.int32))
+    cache = model.kv_cache(16)
+    got = [model.decode(ids[a:b], cache) for a, b in [(0, 5), (5, 6), (6, 7), (7, 11), (11, 12), (12, 13)]]
+    torch.testing.assert_close(torch.cat(got), want, rtol=1e-5, atol=1e-5)
+    D, Di = model.cfg.head_dim, model.cfg.index_head_dim
+    assert cache.csa_layers == (1,) and cache.csa_entries.shape == (1, 16 // 2, D + Di) and cache.csa_run.shape == (1, 1, 4, 2 * (2 * D + 2 * Di))
+    assert cache.csa_entries[:, :6].abs().amin(dim=-1).gt(0).all() and cache.csa_entries[:, 6:].abs().sum() == 0
+    assert cache.nbytes == (sum(t.numel() for t in (cache.k, cache.k_window, cache.entries, cache.run, cache.csa_entries, cache.csa_run))) * 4
+    cache.length = 12
+    with pytest.raises(ValueError, match=r"cache.lengths\[0\]: 12 tokens after 13: the compressed attention layers keep only the entries"):
+        model.decode(ids[12:13], cache)
+    cache.reset()
+    torch.testing.assert_close(model.decode(ids[:7], cache), want[:7], rtol=1e-5, atol=1e-5)  # a fresh start over stale rows
+    both = model.kv_cache(16, batch=2)
+    first = [model.decode(ids[:5], both, seqs=0), model.decode(other[:2], both, seqs=1)]
+    steps = [model.decode(torch.stack([ids[5 + t:6 + t], other[2 + t:3 + t]]), both) for t in range(6)]
+    torch.testing.assert_close(torch.cat([first[0], *(s[0] for s in steps)]), want[:11], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.cat([first[1], *(s[1] for s in steps)]), want_other, rtol=1e-5, atol=1e-5)
 
 
 def test_compressed_sparse_blocks_bad_knobs():

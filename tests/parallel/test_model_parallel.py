@@ -631,6 +631,10 @@ DECODE_CASES = {
     # heavily compressed attention in block 1: each rank's cache keeps the entries and the open run (odd calls padded for tp)
     "tp2-dsv4-hca": (2, dict(tp=2), dict(n_kv_heads=1, kv_shared=True, qk_norm="head_k", compress_layers=(1,), compress_rate=3, attn_sinks=True),
                      None, 1e-5),
+    # compressed sparse attention in block 1: each rank's cache keeps the entries beside the indexer's, the last complete and the
+    # open run (odd calls padded for tp), each rank choosing the same entries
+    "tp2-dsv4-csa": (2, dict(tp=2), dict(n_kv_heads=1, kv_shared=True, qk_norm="head_k", q_rank=10, csa_layers=(1,), csa_rate=2, csa_topk=2,
+                                         index_heads=4, index_head_dim=8, attn_sinks=True), None, 1e-5),
 }
 
 
@@ -921,7 +925,8 @@ def _bad_tp(rank, world):
                              (dict(MLA, n_heads=3, n_kv_heads=3), dict(tp=2)), (dict(QWEN3_NEXT, linear_k_heads=1, linear_v_heads=2), dict(tp=2)),
                              (dict(JAMBA, linear_v_heads=33), dict(tp=2)), (dict(moa_experts=3, moa_topk=2, n_heads=2, n_kv_heads=1), dict(tp=2)),
                              (dict(n_heads=6, n_kv_heads=3), dict(tp=2)), (dict(qk_norm="proj", n_kv_heads=1), dict(tp=2)),
-                             (dict(n_kv_heads=1, kv_shared=True, compress_layers=(1,), compress_rate=3), dict(cp=2))):
+                             (dict(n_kv_heads=1, kv_shared=True, compress_layers=(1,), compress_rate=3), dict(cp=2)),
+                             (dict(n_kv_heads=1, kv_shared=True, q_rank=10, csa_layers=(1,), index_head_dim=8), dict(cp=2))):
         try:
             parallelize(Transformer(TransformerConfig(**{**TINY, **overrides})), build_meshes(**sizes))
         except ValueError as err:
@@ -937,7 +942,7 @@ def _bad_tp(rank, world):
 
 def test_parallelize_refuses_what_does_not_split(results):
     for messages in (by_case["bad_tp"] for by_case in results(2)):
-        assert len(messages) == 10
+        assert len(messages) == 11
         assert "Attention's n_heads = 3 must be divisible by tp = 2" in messages[0]  # its one kv head replicated, the query heads split
         assert "n_experts = 3 is not divisible by ep = 2" in messages[1]
         assert "n_heads = 3 and n_kv_heads = 3 must both be divisible by tp = 2" in messages[2]  # multi-latent
@@ -948,7 +953,8 @@ def test_parallelize_refuses_what_does_not_split(results):
         assert "n_heads = 6 and n_kv_heads = 3 must both be divisible by tp = 2" in messages[6]  # more kv heads than ranks: split
         assert "not with qk_norm 'proj'" in messages[7]
         assert "cp: compressed attention blocks [1] (compress_layers) exchange no compressed entries" in messages[8]
-        assert "T = 25 tokens do not split evenly over tp = 2 ranks" in messages[9] and "tokens_per_micro_batch" in messages[9]
+        assert "cp: compressed attention blocks [1] (csa_layers) exchange no compressed entries" in messages[9]
+        assert "T = 25 tokens do not split evenly over tp = 2 ranks" in messages[10] and "tokens_per_micro_batch" in messages[10]
 
 
 def _failed_export(rank, world):
