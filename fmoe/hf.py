@@ -46,7 +46,10 @@ overrides; depths it lacks start fresh); other families' MTP modules always star
 and are not exported. An MTP module without its own output norm (mtp_norm=False: it uses
 the final norm) is exported with a copy of the final norm as its shared_head.norm, so the
 folder reads back (mtp_norm=True) as the same model. FP8: weights stored as float8 with `weight_scale_inv` block scales
-(quantization_config.weight_block_size; a stack of experts' matrices each on its own blocks) are dequantised to float32 on load; so are
+(quantization_config.weight_block_size; a stack of experts' matrices each on its own blocks; the scales float32, or
+DeepSeek-V4's powers of two, float8_e8m0fnu or biased uint8) are dequantised to float32 on load; so are DeepSeek-V4's FP4
+experts (quantization_config.expert_dtype "fp4": int8 weights holding two e2m1 codes a byte, the low nibble first, beside
+a weight_scale_inv grid whose blocks the shapes give, dequantize_fp4), and
 compressed-tensors' packed integers (`weight_packed`, `weight_scale`, `weight_shape`:
 symmetric int4 in groups of 32 for the experts of Kimi K2-Thinking and K2.5,
 dequantize_int_packed). The export writes them in the config's dtype, without the
@@ -5300,6 +5303,11 @@ def load_weights(model: Transformer, path, *, model_type: str, strict: bool = Tr
                 handles[file] = safe_open(file, "pt")
             return handles[file].get_slice(key)
 
+        def fp4(key: str) -> bool:
+            """Whether key is stored as DeepSeek-V4's FP4 codes (int8, two a byte) beside a weight_scale_inv."""
+            return (key in files and key.removesuffix("weight") + "weight_scale_inv" in files
+                    and (open_slice(key).get_dtype() == "I8" or open_slice(key).get_dtype().startswith("F4")))
+
         def mxfp4(key: str) -> bool:
             """Whether key is stored as MXFP4 blocks and scales (gpt-oss's experts)."""
             return key not in files and key + "_blocks" in files
@@ -5312,6 +5320,9 @@ def load_weights(model: Transformer, path, *, model_type: str, strict: bool = Tr
             return tuple(int(n) for n in open_slice(key + "_shape")[:].tolist())
 
         def stored_shape(key: str) -> tuple[int, ...]:
+            if fp4(key):  # two codes a byte: the last dim twice the bytes'
+                *lead, half = open_slice(key).get_shape()
+                return (*lead, 2 * half)
             return packed_shape(key) if packed(key) else tuple(open_slice(key).get_shape())
 
         def read(key: str, index: tuple[slice, ...]) -> torch.Tensor:
@@ -5329,6 +5340,10 @@ def load_weights(model: Transformer, path, *, model_type: str, strict: bool = Tr
                 codes, scale = open_slice(key + "_packed")[:], open_slice(key + "_scale")[:]
                 read_bytes += codes.numel() * 4 + scale.numel() * scale.element_size()
                 return dequantize_int_packed(codes, scale, packed_shape(key), *packed_int)[index]
+            if fp4(key):  # DeepSeek-V4's FP4 experts: dequantised whole, then cut
+                t, scale = handles[files[key]].get_tensor(key), open_slice(key.removesuffix("weight") + "weight_scale_inv")[:]
+                read_bytes += t.numel() * t.element_size() + scale.numel() * scale.element_size()
+                return dequantize_fp4(t, scale)[index]
             stored = open_slice(key)
             if stored.get_dtype().startswith("F8"):  # block-scaled FP8 (DeepSeek-V3): dequantised whole, then cut
                 scale_key = key.removesuffix("weight") + "weight_scale_inv"
@@ -5552,8 +5567,35 @@ def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: Optiona
     rows, cols = weight.shape[-2:]
     if tuple(scale_inv.shape) != (*weight.shape[:-2], -(-rows // m), -(-cols // n)):
         raise ValueError(f"checkpoint: fp8 scales of shape {tuple(scale_inv.shape)} for a {'x'.join(map(str, weight.shape))} weight in {m}x{n} blocks")
-    scale = scale_inv.float().repeat_interleave(m, -2)[..., :rows, :].repeat_interleave(n, -1)[..., :cols]
+    scale = _scales(scale_inv).repeat_interleave(m, -2)[..., :rows, :].repeat_interleave(n, -1)[..., :cols]
     return weight.float() * scale
+
+
+def _scales(scale: torch.Tensor) -> torch.Tensor:
+    """Block scales in float32: as stored (float32, bfloat16, float8_e8m0fnu), or from biased
+    uint8 exponents (2 ** (byte - 127))."""
+    return torch.exp2(scale.float() - 127.0) if scale.dtype == torch.uint8 else scale.float()
+
+
+def dequantize_fp4(packed: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V4's FP4 weight (quantization_config.expert_dtype "fp4") in float32: packed
+    [..., out, in / 2] int8 (or float4_e2m1fn_x2) holds two e2m1 codes a byte, the low nibble
+    the first column; scale_inv [..., R, C] (powers of two: float8_e8m0fnu, or biased uint8)
+    scales blocks of out / R rows and in / C columns (the releases': 1 x 32). Returns
+    [..., out, in]."""
+    if packed.dtype != torch.int8 and not str(packed.dtype).startswith("torch.float4"):
+        raise ValueError(f"checkpoint: an FP4 weight stored as {packed.dtype}, expected int8 (two e2m1 codes a byte)")
+    if packed.ndim < 2 or scale_inv.ndim != packed.ndim:
+        raise ValueError(f"checkpoint: an FP4 weight of shape {tuple(packed.shape)} with scales of shape {tuple(scale_inv.shape)}, "
+                         "expected [..., out, in / 2] and [..., R, C]")
+    u8 = packed.contiguous().view(torch.uint8)
+    lut = torch.tensor(FP4_E2M1, dtype=torch.float32)
+    values = torch.stack([lut[(u8 & 0x0F).long()], lut[(u8 >> 4).long()]], dim=-1).flatten(-2)  # [..., out, in]
+    rows, cols = values.shape[-2:]
+    R, C = scale_inv.shape[-2:]
+    if rows % R or cols % C or scale_inv.shape[:-2] != values.shape[:-2]:
+        raise ValueError(f"checkpoint: FP4 scales of shape {tuple(scale_inv.shape)} do not tile a {'x'.join(map(str, values.shape))} weight")
+    return values * _scales(scale_inv).repeat_interleave(rows // R, -2).repeat_interleave(cols // C, -1)
 
 
 FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # the 16 codes

@@ -3290,6 +3290,69 @@ def test_fp8_block_scaled_checkpoints_are_dequantised(folders, tmp_path):
         hf.from_pretrained(_edit(folder, tmp_path / "bad", lambda c: c.update(quantization_config=dict(quant_method="gptq"))))
 
 
+def _fp8_e8m0(w, block):
+    """DeepSeek-V4's block-scaled FP8 of a float32 weight [out, in]: each block's scale the power of two at or above amax /
+    448, stored as float8_e8m0fnu."""
+    m, n = block
+    scale = torch.empty(-(-w.shape[0] // m), -(-w.shape[1] // n))
+    q = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            tile = w[i * m:(i + 1) * m, j * n:(j + 1) * n]
+            scale[i, j] = torch.exp2(torch.ceil(torch.log2(tile.abs().max().clamp_min(1e-12) / 448.0)))
+            q[i * m:(i + 1) * m, j * n:(j + 1) * n] = (tile / scale[i, j]).to(torch.float8_e4m3fn)
+    return q, scale.to(torch.float8_e8m0fnu)
+
+
+def _fp4_e8m0(w, group=32):
+    """DeepSeek-V4's FP4 expert weight of a float32 [out, in]: per row, each group of `group` columns (fewer where in is
+    smaller) scaled by the power of two at or above amax / 6, rounded to the nearest e2m1 code, two codes a byte (the low
+    nibble first) as int8 [out, in / 2]; the scales [out, in / group] float8_e8m0fnu."""
+    n = min(group, w.shape[1])
+    codes = torch.tensor(hf.FP4_E2M1)
+    scale = torch.exp2(torch.ceil(torch.log2(w.view(w.shape[0], -1, n).abs().amax(-1).clamp_min(1e-12) / 6.0)))  # [out, in / n]
+    x = w / scale.repeat_interleave(n, -1)
+    nearest = (x[..., None] - codes).abs().argmin(-1).to(torch.uint8)  # [out, in] codes 0..15
+    packed = (nearest[:, 0::2] | (nearest[:, 1::2] << 4)).view(torch.int8)
+    return packed, scale.to(torch.float8_e8m0fnu)
+
+
+def test_deepseek_v4_fp8_weights_and_fp4_experts_are_dequantised(folders, tmp_path):
+    """DeepSeek-V4's released layout: the attention's and the shared experts' projections in float8_e4m3fn with power-of-two
+    float8_e8m0fnu scales per 2x2 block, the routed experts in FP4 (expert_dtype "fp4": int8 [out, in / 2], two e2m1 codes a
+    byte, with a scale per row and 32 columns, fewer where the row is shorter; the indexer's wq_b in FP8 too), the
+    compressors' projections and the indexer's weights_proj as they are. They load as transformers' own dequantisation (finegrained_fp8's Fp8Dequantize) gives them, the model has
+    the logits of transformers' model of those weights, and the export writes them dequantised; an FP4 scale grid that does
+    not tile its weight is refused."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    path, ref = folders["deepseek_v4"]
+    tensors = _read_all(path)
+    theirs = Fp8Dequantize(None)
+    quantised, dequantised = {}, {}
+    for key, t in tensors.items():
+        fp8 = key.endswith((".wq_a.weight", ".wq_b.weight", ".wkv.weight", ".wo_b.weight")) or ".shared_experts.w" in key
+        expert = ".experts." in key and ".shared_experts." not in key and key.endswith("weight")
+        if fp8 or expert:
+            q, scale = _fp4_e8m0(t) if expert else _fp8_e8m0(t, (2, 2))  # blocks that tile every shape, as the releases' 128 x 128 do
+            quantised[key], quantised[key.removesuffix("weight") + "weight_scale_inv"] = q, scale
+            dequantised[key] = theirs._dequantize_one(q, scale, torch.float32)
+        else:
+            quantised[key] = t
+    assert any(k.endswith("experts.0.w1.weight") for k in dequantised) and any(k.endswith("attn.wkv.weight") for k in dequantised)
+    assert all(not torch.equal(dequantised[k], tensors[k]) for k in dequantised)  # quantisation really rounded
+    folder = _copy_folder(path, tmp_path / "fp4", quantised, lambda c: c.update(quantization_config=dict(
+        quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=[2, 2], scale_fmt="ue8m0", expert_dtype="fp4")))
+    model, _ = hf.from_pretrained(folder, impl="torch")
+    out = _matches_the_dequantised_model(model, path, tensors, dequantised, tmp_path)
+    assert not any(k.endswith("scale_inv") for k in out)
+    key = next(k for k in dequantised if k.endswith("experts.0.w1.weight"))
+    assert torch.equal(hf.dequantize_fp4(quantised[key], quantised[key.removesuffix("weight") + "weight_scale_inv"].view(torch.uint8)),
+                       dequantised[key])  # the scales as biased uint8 exponents read the same
+    with pytest.raises(ValueError, match=r"checkpoint: FP4 scales of shape \(12, 3\) do not tile a 12x32 weight"):
+        hf.dequantize_fp4(quantised[key], torch.ones(12, 3))
+
+
 def test_mxfp4_experts_are_dequantised(folders, tmp_path):
     """gpt-oss's released layout: the experts' gate_up_proj and down_proj as MXFP4 blocks and
     scales ([E, out, in/32, 16] and [E, out, in/32] uint8). They load as transformers'
