@@ -2883,6 +2883,22 @@ def test_heavily_compressed_blocks_decode_as_the_whole_sequence():
     complete runs fill their rows (13 tokens: 4 runs, one token open) and the cache counts their bytes; a sequence does not
     go back (refused by name), it restarts from 0."""
     model = _sharp(dataclasses.replace(VARIANTS["dsv4-hca"], mtp_depth=0))
+
+    def check(cache):
+        assert cache.compress_layers == (1, 2) and cache.entries.shape == (2, 16 // 3, 8) and cache.run.shape == (2, 1, 3, 16)
+        assert cache.entries[:, :4].abs().amin(dim=-1).gt(0).all() and cache.entries[:, 4:].abs().sum() == 0
+        assert cache.run[:, 0, :1].abs().amin(dim=-1).gt(0).all()  # the open run's one token (position 12)
+        rings_and_stores = sum(t.numel() for t in (cache.k, cache.k_window)) * 4  # kv_shared: the values are views of the keys
+        assert cache.csa_entries.numel() == cache.csa_run.numel() == 0  # no compressed sparse attention layer
+        assert cache.nbytes == rings_and_stores + (cache.entries.numel() + cache.run.numel()) * 4
+
+    _decodes_as_the_whole_sequence(model, check)
+
+
+def _decodes_as_the_whole_sequence(model, check) -> None:
+    """A sequence of 13 tokens decoded as a prompt of 5 then calls of 1, 1, 4, 1 and 1 token gives its logits (then
+    check(cache)); it cannot go back a token (the compressed layers' refusal), restarts from 0 over stale rows, and
+    decodes beside another sequence of 8 tokens as each alone."""
     ids = torch.randint(0, model.cfg.vocab_size, (13,))
     other = torch.randint(0, model.cfg.vocab_size, (8,))
     with torch.no_grad():
@@ -2891,12 +2907,7 @@ def test_heavily_compressed_blocks_decode_as_the_whole_sequence():
     cache = model.kv_cache(16)
     got = [model.decode(ids[a:b], cache) for a, b in [(0, 5), (5, 6), (6, 7), (7, 11), (11, 12), (12, 13)]]
     torch.testing.assert_close(torch.cat(got), want, rtol=1e-5, atol=1e-5)
-    assert cache.compress_layers == (1, 2) and cache.entries.shape == (2, 16 // 3, 8) and cache.run.shape == (2, 1, 3, 16)
-    assert cache.entries[:, :4].abs().amin(dim=-1).gt(0).all() and cache.entries[:, 4:].abs().sum() == 0
-    assert cache.run[:, 0, :1].abs().amin(dim=-1).gt(0).all()  # the open run's one token (position 12)
-    rings_and_stores = sum(t.numel() for t in (cache.k, cache.k_window)) * 4  # kv_shared: the values are views of the keys
-    assert cache.csa_entries.numel() == cache.csa_run.numel() == 0  # no compressed sparse attention layer
-    assert cache.nbytes == rings_and_stores + (cache.entries.numel() + cache.run.numel()) * 4
+    check(cache)
     cache.length = 12  # one token back, which the window's ring allows
     with pytest.raises(ValueError, match=r"cache.lengths\[0\]: 12 tokens after 13: the compressed attention layers keep only the entries"):
         model.decode(ids[12:13], cache)
@@ -2954,28 +2965,14 @@ def test_compressed_sparse_blocks_decode_as_the_whole_sequence():
     decode together as each alone; the entries of the complete runs fill their rows (13 tokens: 6 runs) and the cache
     counts their bytes; a sequence does not go back (refused by name) and restarts from 0 over stale rows."""
     model = _sharp(DSV4_CSA)
-    ids = torch.randint(0, model.cfg.vocab_size, (13,))
-    other = torch.randint(0, model.cfg.vocab_size, (8,))
-    with torch.no_grad():
-        want = model.logits(ids, torch.tensor([0, 13], dtype=torch.int32))
-        want_other = model.logits(other, torch.tensor([0, 8], dtype=torch.int32))
-    cache = model.kv_cache(16)
-    got = [model.decode(ids[a:b], cache) for a, b in [(0, 5), (5, 6), (6, 7), (7, 11), (11, 12), (12, 13)]]
-    torch.testing.assert_close(torch.cat(got), want, rtol=1e-5, atol=1e-5)
     D, Di = model.cfg.head_dim, model.cfg.index_head_dim
-    assert cache.csa_layers == (1,) and cache.csa_entries.shape == (1, 16 // 2, D + Di) and cache.csa_run.shape == (1, 1, 4, 2 * (2 * D + 2 * Di))
-    assert cache.csa_entries[:, :6].abs().amin(dim=-1).gt(0).all() and cache.csa_entries[:, 6:].abs().sum() == 0
-    assert cache.nbytes == (sum(t.numel() for t in (cache.k, cache.k_window, cache.entries, cache.run, cache.csa_entries, cache.csa_run))) * 4
-    cache.length = 12
-    with pytest.raises(ValueError, match=r"cache.lengths\[0\]: 12 tokens after 13: the compressed attention layers keep only the entries"):
-        model.decode(ids[12:13], cache)
-    cache.reset()
-    torch.testing.assert_close(model.decode(ids[:7], cache), want[:7], rtol=1e-5, atol=1e-5)  # a fresh start over stale rows
-    both = model.kv_cache(16, batch=2)
-    first = [model.decode(ids[:5], both, seqs=0), model.decode(other[:2], both, seqs=1)]
-    steps = [model.decode(torch.stack([ids[5 + t:6 + t], other[2 + t:3 + t]]), both) for t in range(6)]
-    torch.testing.assert_close(torch.cat([first[0], *(s[0] for s in steps)]), want[:11], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(torch.cat([first[1], *(s[1] for s in steps)]), want_other, rtol=1e-5, atol=1e-5)
+
+    def check(cache):
+        assert cache.csa_layers == (1,) and cache.csa_entries.shape == (1, 16 // 2, D + Di) and cache.csa_run.shape == (1, 1, 4, 2 * (2 * D + 2 * Di))
+        assert cache.csa_entries[:, :6].abs().amin(dim=-1).gt(0).all() and cache.csa_entries[:, 6:].abs().sum() == 0
+        assert cache.nbytes == sum(t.numel() for t in (cache.k, cache.k_window, cache.entries, cache.run, cache.csa_entries, cache.csa_run)) * 4
+
+    _decodes_as_the_whole_sequence(model, check)
 
 
 def test_compressed_sparse_blocks_bad_knobs():
