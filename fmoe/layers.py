@@ -820,8 +820,9 @@ class AttentionConfig:
     The run's slots are T // m (a bound known without reading the documents' lengths: no
     host sync), the unused ones masked. The dense reference attends (the context's dense
     mask: impl "torch", or "auto" off CUDA); in decoding the cache keeps the entries and the
-    open run's inputs (ctx.compressed); not under context parallel, nor with a softcap or
-    ALiBi.
+    open run's inputs (ctx.compressed); under context parallel (ctx.gather_kv with the split's
+    token_index and kv_index) every rank's compressor inputs are gathered and each rank makes
+    the whole micro-batch's entries (compressed_entries); not with a softcap or ALiBi.
 
     Compressed sparse attention (DeepSeek-V4's CSA) when compress_topk is set beside
     compress_rate m: the entries overlap, entry j of a document a softmax over 2 m slots, the
@@ -838,7 +839,8 @@ class AttentionConfig:
     index_interleaved; equal scores go to the earlier entry. The choice has no gradient (no
     indexer loss: the indexer's weights stay as loaded). Needs q_rank; not with index_topk or
     index_topk_blocks; in decoding the cache keeps both compressors' entries and the inputs of
-    the last complete and the open run (ctx.compressed); not under context parallel.
+    the last complete and the open run (ctx.compressed); under context parallel both
+    compressors' inputs are gathered, as above.
     """
 
     n_heads: int
@@ -1785,10 +1787,21 @@ def compressed_entries(x_TH: torch.Tensor, params, cfg: AttentionConfig, ctx: "A
     complete runs than S) are kept from every query. No host sync. With cfg.compress_topk
     (compressed sparse attention) the entries overlap (AttentionConfig): the previous run's
     first halves beside run j's second halves. prefix "index_compress_": the indexer's
-    entries [S, index_head_dim] (its weights, rotated as its queries)."""
-    m, T = cfg.compress_rate, x_TH.shape[0]
-    S, device = T // m, x_TH.device
+    entries [S, index_head_dim] (its weights, rotated as its queries). Under context
+    parallel (ctx.gather_kv; ctx.token_index, ctx.kv_index, the documents global) every
+    rank's compressor inputs are gathered (their gradients returning to each), the entries
+    are made from the whole micro-batch's T tokens, S = T // m, and keep is this rank's
+    queries' [T / cp, S]; the runs' RoPE tables are made at their positions."""
+    m, device = cfg.compress_rate, x_TH.device
     cu, positions = ctx.cu_seqlens.long(), ctx.positions.long()
+    c_TE, g_TE = compressor_inputs(x_TH, params, cfg, prefix=prefix)
+    q_index = torch.arange(x_TH.shape[0], device=device)
+    if ctx.gather_kv is not None:  # context parallel: every rank's inputs, in token order
+        order = torch.argsort(ctx.kv_index.long())
+        c_TE, g_TE = (t[order, 0] for t in ctx.gather_kv(c_TE[:, None], g_TE[:, None]))
+        q_index = ctx.token_index.long()
+    T = c_TE.shape[0]
+    S = T // m
     lengths = cu[1:] - cu[:-1]
     runs = torch.cumsum(lengths // m, 0)  # complete runs up to each document's end
     slot = torch.arange(S, device=device)
@@ -1797,15 +1810,18 @@ def compressed_entries(x_TH: torch.Tensor, params, cfg: AttentionConfig, ctx: "A
     j = slot - (runs[doc] - lengths[doc] // m)  # the run's index in its document
     first = torch.where(valid, cu[doc] + j * m, 0)  # its first token
     run_SM = first[:, None] + torch.arange(m, device=device)
-    c_TE, g_TE = compressor_inputs(x_TH, params, cfg, prefix=prefix)
     bias_ME = params[prefix + "bias"]
     if cfg.compress_topk is None:
         c_SKD, logits_SKD = c_TE[run_SM], g_TE[run_SM].float() + bias_ME.float()
     else:  # overlapping runs: the previous run's first halves (none before run 0: weight 0), then run j's second halves
         prev_SM = (run_SM - m).clamp(min=0)
         c_SKD, logits_SKD = overlap_runs(c_TE[prev_SM], g_TE[prev_SM], c_TE[run_SM], g_TE[run_SM], valid & (j > 0), bias_ME)
-    entries_SD = run_entries(c_SKD, logits_SKD, ctx.cos[first], ctx.sin[first], params[prefix + "norm"], cfg, index=prefix != "compress_")
-    q_doc = torch.searchsorted(cu[1:], torch.arange(T, device=device), right=True)
+    if ctx.gather_kv is None:  # the context's tables at each run's first token
+        cos, sin = ctx.cos[first], ctx.sin[first]
+    else:  # made at the runs' positions (their tokens on other ranks too), each document's length for LongRoPE's switch
+        cos, sin = rope_tables(j * m, cfg, lengths[doc])
+    entries_SD = run_entries(c_SKD, logits_SKD, cos, sin, params[prefix + "norm"], cfg, index=prefix != "compress_")
+    q_doc = torch.searchsorted(cu[1:], q_index, right=True)
     keep_TS = valid[None] & (doc[None] == q_doc[:, None]) & ((j[None] + 1) * m <= positions[:, None] + 1)
     return entries_SD, keep_TS
 
@@ -2134,12 +2150,9 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
             k_TGD = torch.cat([k_TGD, index_k_SD.detach()[:, None, :].to(k_TGD.dtype)], dim=-1)
         elif ctx.gather_kv is not None and not shared:  # context parallel: every rank's indexer keys (the loss's gradient returns to each)
             index_k_SD = ctx.gather_kv(index_k_SD[:, None, :], index_k_SD[:, None, :0])[0][:, 0]
-    if cfg.compress_topk is not None and ctx.gather_kv is not None and ctx.compressed is None:
-        raise ValueError("ctx: compressed sparse attention (cfg.compress_topk) over gathered keys without its entries' cache (context parallel, "
-                         "or decoding without ctx.compressed) is not built")
-    if ctx.gather_kv is not None and cfg.compress_rate is not None and ctx.compressed is None:
-        raise ValueError("ctx: heavily compressed attention (cfg.compress_rate) over gathered keys without its entries' cache (context parallel, "
-                         "or decoding without ctx.compressed) is not built")
+    if ctx.gather_kv is not None and cfg.compress_rate is not None and ctx.compressed is None and ctx.token_index is None:
+        raise ValueError("ctx: compressed attention (cfg.compress_rate) over gathered keys needs the entries' cache (decoding: ctx.compressed) or "
+                         "the split's token_index and kv_index (context parallel)")
     if ctx.gather_kv is not None:  # every rank's keys and values (cp), or the cache's and these (decoding)
         k_TGD, v_TGD = ctx.gather_kv(k_TGD, v_TGD)
         n_keys = ctx.mask.shape[-1]

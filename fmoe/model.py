@@ -569,8 +569,9 @@ class TransformerConfig:
     float32, compress_norm); they keep the global RoPE tables where the window's layers have
     their own (local_rope_base: DeepSeek-V4's main and compress RoPE); with kv_shared and one
     kv head; the model's contexts then hold dense masks (the reference attends); in decoding
-    the cache keeps each sequence's entries and open run (KVCache); not under context
-    parallel. csa_layers: the blocks of compressed sparse attention (DeepSeek-V4's CSA;
+    the cache keeps each sequence's entries and open run (KVCache); under context parallel
+    each rank makes the entries of the whole micro-batch from every rank's gathered compressor
+    inputs. csa_layers: the blocks of compressed sparse attention (DeepSeek-V4's CSA;
     AttentionConfig.compress_rate = csa_rate, 4, compress_topk = csa_topk, 512): overlapping
     entries of runs of csa_rate tokens, each query attending to the csa_topk of them its
     lightning indexer (index_heads of index_head_dim, rotated as the keys are) scores highest;
@@ -578,8 +579,8 @@ class TransformerConfig:
     indexer's index_wq, index_w, index_compress_* (no gradient: frozen, as an indexer without
     its loss); with kv_shared, one kv head and q_rank; not with compress_layers' blocks,
     index_topk or index_topk_blocks; dense masks as above; in decoding the cache keeps each
-    sequence's entries beside its indexer's and its last complete and open runs (KVCache); not
-    under context parallel. moe_out_bias: a bias [H] added to
+    sequence's entries beside its indexer's and its last complete and open runs (KVCache); under
+    context parallel as above (both compressors' inputs gathered). moe_out_bias: a bias [H] added to
     each MoE block's output (JetMoE's MoE bias; MoE.out_bias). tie_embeddings: the
     output head is the embedding; out_vocab V' (None: vocab_size): the output head has V' <=
     vocab_size rows, the logits are those of token ids 0 .. V' - 1 while the embedding keeps

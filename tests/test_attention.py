@@ -2253,8 +2253,31 @@ def test_compressed_sparse_attention_bad_knobs_and_contexts():
     x, cu = torch.randn(9, H), torch.tensor([0, 9])
     ctx = _ctx(cu, cfg)
     assert attention(x, p, cfg, ctx)[0].shape == (9, H)
-    with pytest.raises(ValueError, match=r"ctx: compressed sparse attention \(cfg.compress_topk\) over gathered keys without its entries' cache"):
+    with pytest.raises(ValueError, match=r"ctx: compressed attention \(cfg.compress_rate\) over gathered keys needs the entries' cache"):
         attention(x, p, cfg, dataclasses.replace(ctx, gather_kv=lambda k, v: (k, v)))
+
+
+@pytest.mark.parametrize("kind", ["heavily_compressed_attention", "compressed_sparse_attention"])
+def test_compressed_attention_over_a_context_split_is_the_whole_layer(kind):
+    """Context parallel's form of DeepSeek-V4's compressed layers on one rank whose tokens come in a shuffled order (the
+    split's token_index, its gathered rows' kv_index the same): the compressor's (and the indexer's) inputs gathered and
+    put back in token order, the entries made at the runs' positions, each query's documents and positions its own. The
+    outputs are the plain layer's rows in that order, and so are the gradients of every weight the plain layer trains."""
+    v4, hf, layer, cfg, params = _dsv4_attention_layer(kind)
+    x, cu = torch.randn(17, H), torch.tensor([0, 11, 17])
+    y, _ = attention(x, params, cfg, _ctx(cu, cfg))
+    y.square().sum().backward()
+    grads = {n: t.grad.clone() for n, t in params.items() if t.grad is not None}
+    for t in params.values():
+        t.grad = None
+    order = torch.randperm(17, generator=torch.Generator().manual_seed(3))
+    ctx = attention_context(cu, positions_from_cu_seqlens(cu)[order], cfg, token_index=order, kv_index=order, gather_kv=lambda k, v: (k, v))
+    y_split, _ = attention(x[order], params, cfg, ctx)
+    torch.testing.assert_close(y_split, y[order], rtol=1e-5, atol=1e-6)
+    y_split.square().sum().backward()
+    assert set(grads) == {n for n, t in params.items() if t.grad is not None}
+    for n, g in grads.items():
+        assert float((params[n].grad - g).abs().max()) < 1e-6 * float(g.abs().max()), n  # float32 sums in another order
 
 
 def test_compressed_entries_are_the_documents_complete_runs():
@@ -2290,7 +2313,7 @@ def test_heavily_compressed_attention_refuses_gathered_keys_and_a_flex_context()
     p.update({n: torch.randn(*shape) for n, shape in compress_shapes(H, cfg).items()})
     x, cu = torch.randn(9, H), torch.tensor([0, 9])
     ctx = _ctx(cu, cfg)
-    with pytest.raises(ValueError, match=r"ctx: heavily compressed attention \(cfg.compress_rate\) over gathered keys .* is not built"):
+    with pytest.raises(ValueError, match=r"ctx: compressed attention \(cfg.compress_rate\) over gathered keys needs the entries' cache \(decoding"):
         attention(x, p, cfg, dataclasses.replace(ctx, gather_kv=lambda k, v: (k, v)))
     with pytest.raises(ValueError, match=r"ctx: heavily compressed attention \(cfg.compress_rate\) needs the dense mask"):
         attention(x, p, cfg, _ctx(cu, dataclasses.replace(cfg, compress_rate=None, impl="flex")))

@@ -63,6 +63,13 @@ its gathered K/V until its backward (n_layers times that); with attention recomp
 (TransformerConfig.ac = "attention" or "full") only the layer being computed or recomputed
 holds them: one layer at a time.
 
+Compressed attention (DeepSeek-V4's HCA and CSA; fmoe.layers.compressed_entries): an entry
+sums a run of m tokens that may lie on two ranks, so every rank gathers every rank's
+compressor inputs (c and g, 2 D numbers per token; CSA's 4 D and its indexer's 4 Di) with the
+same gather as K and V, puts them in token order (argsort of kv_index) and makes the whole
+micro-batch's entries, T / m of them, which its queries attend to beside the gathered keys.
+Exact; the gradients of the inputs return as K's and V's do.
+
 Linear attention (Gated DeltaNet; fmoe.layers.linear_attention with the context's
 linear_cp, which ContextParallel.attention_kwargs sets). Its state runs through every token
 of a document, so each rank needs the state its chunks start from:

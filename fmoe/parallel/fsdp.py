@@ -239,11 +239,6 @@ def parallelize(
     if meshes.cp > 1:
         if not hasattr(model, "context_parallel"):
             raise ValueError(f"cp: {type(model).__name__} has no context_parallel attribute (fmoe.model.Transformer has), so cp = {meshes.cp} cannot apply")
-        for name in ("compress_layers", "csa_layers"):
-            compressed = getattr(getattr(model, "cfg", None), name, None)
-            if compressed:
-                raise ValueError(f"cp: compressed attention blocks {list(compressed)} ({name}) exchange no compressed entries between "
-                                 f"the cp ranks (not built), so cp = {meshes.cp} cannot apply")
         model.context_parallel = ContextParallel(meshes.axis("cp"))
         for moe in moe_blocks:
             if moe.cfg.capacity_factor is not None:
