@@ -2120,7 +2120,7 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
     block_kernel = blocks and use_triton(cfg.impl, x)  # block-sparse attention's likewise, over each query's chosen blocks' keys
     latents = "absorbed" if kernel and ctx.latents == "expanded" else ctx.latents
     # wq_b's input, made once where the indexer's queries (its normed q latent) or the gate (gate_on_q) read it too
-    q_lat = _mla_q_latent(x, params, cfg) if (sparse and not shared) or cfg.gate_on_q else None
+    q_lat = _mla_q_latent(x, params, cfg) if (sparse and not shared) or cfg.gate_on_q or cfg.compress_topk is not None else None
     q_index = None if q_lat is None else q_lat[:, :cfg.q_rank]
     wv_CNV = None
     if latents == "absorbed" or kernel:
@@ -2133,7 +2133,7 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
         q_TND, k_TGD, v_TGD = _mla_qkv(x, params, cfg, ctx, q_lat)
     else:
         moa = _moa_route(x, params, cfg) if cfg.moa_experts is not None else None  # the attention experts' routing (MoaRouting)
-        q_TND, k_TGD, v_TGD = _gqa_qkv(x, params, cfg, ctx, heads_mean, moa)
+        q_TND, k_TGD, v_TGD = _gqa_qkv(x, params, cfg, ctx, heads_mean, moa, q_lat)
     index_k_SD = None
     if blocks:  # the indexer's queries and keys, of the detached tokens: differentiable only for its loss
         with torch.set_grad_enabled(train_index):
@@ -2209,7 +2209,7 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
                 with torch.no_grad():
                     index_keys_SD, _ = compressed_entries(x.detach(), params, cfg, ctx, prefix="index_compress_")
         if cfg.compress_topk is not None:  # compressed sparse attention: the indexer's choice of the entries each query sees
-            keep_TS = compressed_choice(x, _mla_q_latent(x, params, cfg)[:, :cfg.q_rank], index_keys_SD, params, cfg, ctx, keep_TS)
+            keep_TS = compressed_choice(x, q_lat[:, :cfg.q_rank], index_keys_SD, params, cfg, ctx, keep_TS)
         k_GTD = v_GTD = torch.cat([k_GTD, entries_SD[None].to(k_GTD.dtype)], dim=1)  # their own values (kv_shared)
         mask = torch.cat([mask, keep_TS], dim=1)
     sinks, slopes_N = params.get("sinks"), params.get("alibi")
@@ -2522,10 +2522,11 @@ def _moa_out(out_TQ: torch.Tensor, params, cfg: AttentionConfig, moa: MoaRouting
     return unpermute(y_perm, plan, routes.weights, impl=cfg.impl)
 
 
-def _gqa_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext, heads_mean=None, moa=None):
+def _gqa_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext, heads_mean=None, moa=None, q_lat=None):
     """Grouped-query attention's q [T, N, D], k [T, G, D] and v [T, G, Dv] (times cfg.v_scale),
     RoPE applied (unless cfg.rope is False). moa: a mixture of attention heads' routing
-    (_moa_route: MoaRouting), whose experts make the queries."""
+    (_moa_route: MoaRouting), whose experts make the queries. q_lat: with cfg.q_rank, wq_b's
+    input when already made (_mla_q_latent)."""
     N, G = cfg.n_heads, cfg.n_kv_heads
 
     def clip(y):
@@ -2538,7 +2539,7 @@ def _gqa_qkv(x, params, cfg: AttentionConfig, ctx: AttentionContext, heads_mean=
     if moa is not None:
         q_TQ = clip(_moa_queries(params, cfg, moa))
     elif cfg.q_rank is not None:  # the queries from the normed q latent (DeepSeek-V4's)
-        q_TQ = project("wq_b", "bq", _mla_q_latent(x, params, cfg))
+        q_TQ = project("wq_b", "bq", _mla_q_latent(x, params, cfg) if q_lat is None else q_lat)
     else:
         q_TQ = project("wq", "bq")
     k_TK = project("wk", "bk")

@@ -292,8 +292,9 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
     the scores and values over the n_avg_csa_chosen entries a query attends to
     (mean_compressed_entries(cu_seqlens, csa_rate, csa_topk)), 6 N 2 D each, and their
     indexer's forward alone (no gradient), 2 x (its compressor's 2 H 2 Di, its queries'
-    q_rank Ni Di, its head weights' H Ni, and Ni Di per entry it scores: n_avg_csa_entries,
-    mean_compressed_entries(cu_seqlens, csa_rate)); both required."""
+    q_rank Ni Di, its head weights' H Ni, and Ni (Di + 1) per entry it scores, the products and
+    their weighted sum: n_avg_csa_entries, mean_compressed_entries(cu_seqlens, csa_rate)); both
+    required."""
     from fmoe.layers import PLAIN_ACTS  # an MLP without a gate: two matrices
 
     names = ("hidden", "n_layers", "ffn_dense", "ffn_expert", "k", "n_heads", "n_kv_heads", "head_dim", "mtp_depth", "n_experts")
@@ -380,7 +381,7 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
                                  f"{cfg.csa_rate}{'' if name.endswith('entries') else f', csa_topk = {cfg.csa_topk}'}))")
             _check_count(name, value)
         D, Ni, Di = cfg.head_dim, cfg.index_heads, cfg.index_head_dim
-        csa_indexer = 2 * (2 * cfg.hidden * 2 * Di + cfg.q_rank * Ni * Di + cfg.hidden * Ni + Ni * Di * n_avg_csa_entries)
+        csa_indexer = 2 * (2 * cfg.hidden * 2 * Di + cfg.q_rank * Ni * Di + cfg.hidden * Ni + Ni * (Di + 1) * n_avg_csa_entries)
         compressed += len(cfg.csa_layers) * (6 * 2 * cfg.hidden * 2 * D + 6 * cfg.n_heads * 2 * D * n_avg_csa_chosen + csa_indexer)
     shortcut = 0.0
     if getattr(cfg, "shortcut_moe", False):  # the dense MLP beside each trunk MoE

@@ -421,6 +421,10 @@ COUNTED = {
     "q latent, head_k": dict(q_rank=10, qk_norm="head_k", rope_dim=4, rope_last=True),  # DeepSeek-V4's queries: wq_a, wq_b in place of wq
     # heavily compressed attention in block 1 (runs of 4: 6 slots of the 24 tokens, every one scored by the math path)
     "hca": dict(n_kv_heads=1, kv_shared=True, qk_norm="head_k", window=6, compress_layers=(1,), compress_rate=4, attn_sinks=True),
+    # compressed sparse attention in block 1 (overlapping runs of 4, each query's best 2 of the 6 slots by an indexer of 2 heads of
+    # 8, forward only: its scores over every slot; the attention's math path over every slot too)
+    "csa": dict(n_kv_heads=1, kv_shared=True, qk_norm="head_k", q_rank=10, window=6, csa_layers=(1,), csa_rate=4, csa_topk=2, index_heads=2,
+                index_head_dim=8, attn_sinks=True),
     # JetMoE's mixture of attention heads: each token's 2 of 3 experts' query and output projections (the per-expert loop
     # of impl "torch": aten.mm), its router [H, 3], in every attention block and the MTP's
     "jetmoe": dict(moa_experts=3, moa_topk=2, moe_out_bias=True),
@@ -462,6 +466,8 @@ def test_flops_per_token_matches_counted_matmuls(name):
     local = dict(n_avg_local_keys=T) if cfg.any_local else {}  # the math path scores every key there too
     if cfg.compress_layers:  # and every compressed entry's slot, T // m of them
         local["n_avg_compressed_keys"] = T // cfg.compress_rate
+    if cfg.csa_layers:  # the indexer scores every slot, the math path attends to every one
+        local.update(n_avg_csa_entries=T // cfg.csa_rate, n_avg_csa_chosen=T // cfg.csa_rate)
     assert counter.get_total_flops() == T * M.model_flops_per_token(cfg, n_avg_keys=T, **local)
     no_scores = M.model_flops_per_token(cfg, n_avg_keys=0, **{k: 0 for k in local})  # the score / value term is linear in n_avg_keys
     n, H = cfg.hyper_connections, cfg.hidden  # the streams' sums (and mixing) in each block's two, and the head's
@@ -777,7 +783,7 @@ def test_compressed_sparse_attention_flops_count_the_chosen_entries_and_the_inde
 
     H, N, D, Ni, Di = cfg.hidden, cfg.n_heads, cfg.head_dim, cfg.index_heads, cfg.index_head_dim
     assert flops(3.0, 2.0) - flops(3.0, 1.0) == 2 * 6 * N * 2 * D  # two blocks, one more chosen entry each
-    assert flops(4.0, 1.0) - flops(3.0, 1.0) == 2 * 2 * Ni * Di  # one more scored entry: the indexer's forward
+    assert flops(4.0, 1.0) - flops(3.0, 1.0) == 2 * 2 * Ni * (Di + 1)  # one more scored entry: the indexer's forward
     plain = TransformerConfig(**{**{f: getattr(cfg, f) for f in ("vocab_size", "hidden", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                                                                    "kv_shared", "q_rank")}})
     per_block = 6 * 2 * H * 2 * D + 2 * (2 * H * 2 * Di + cfg.q_rank * Ni * Di + H * Ni)
