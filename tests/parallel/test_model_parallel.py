@@ -644,6 +644,12 @@ DECODE_CASES = {
 }
 
 
+# The cases that also check fmoe.parallel.gathered (the calls again with every unit gathered, then resharded): one per
+# kind of sharding and of cache state (FSDP2's param_dtype, ep, etp, tp, both together, latents, linear states, compressed
+# entries); the other cases check the logits and the cache alone
+GATHERED_CASES = ("fsdp2", "fsdp2-bf16", "ep2", "etp2", "tp2", "tp2-mla", "ep2xtp2", "ep2xetp2-fsdp", "tp2-gated-deltanet", "tp2-dsv4-csa")
+
+
 def _decode_calls(model):
     """Logits of decode calls that cover its forms (a prompt per sequence, steps of both
     sequences together, a step of 2 tokens each, one sequence alone) and of logits over
@@ -659,12 +665,12 @@ def _decode_calls(model):
     return out, (cache.k.shape[2], cache.k.dtype)
 
 
-def _decode(rank, world, sizes, overrides, param_dtype, tol):
+def _decode(rank, world, sizes, overrides, param_dtype, tol, gathered_too=True):
     """The max error, relative to the largest logit, of every call of _decode_calls on the
     parallelized model (FSDP2 computing in param_dtype) against one process in float32,
-    and whether its cache holds n_kv_heads / tp heads (at least one) in the computing dtype; the calls
-    again inside fmoe.parallel.gathered (their largest difference) and FSDP2's all-gathers
-    (of the calls before, of a second run inside gathered, of the calls after it)."""
+    and whether its cache holds n_kv_heads / tp heads (at least one) in the computing dtype; with
+    gathered_too, the calls again inside fmoe.parallel.gathered (their largest difference) and
+    FSDP2's all-gathers (of the calls before, of a second run inside gathered, of the calls after it)."""
     from fmoe.model import Transformer, TransformerConfig
     from fmoe.parallel import build_meshes, gathered, parallelize
 
@@ -678,24 +684,27 @@ def _decode(rank, world, sizes, overrides, param_dtype, tol):
     parallelize(model, build_meshes(**sizes), param_dtype=param_dtype)
     with counting_calls(FSDP_ALL_GATHER) as gathers:  # FSDP2's all-gathers
         got, cache = _decode_calls(model.eval())
+    heads = 1 if cfg.kv_rank is not None else max(1, cfg.n_kv_heads // sizes.get("tp", 1))  # fewer kv heads than tp: its query heads' one
+    errors = {"logits": max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, want)),
+              "cache": float(cache != (heads, param_dtype or torch.float32))}
+    if not gathered_too:
+        return errors
     with gathered(model):
         _decode_calls(model)  # gathers each unit once
         with counting_calls(FSDP_ALL_GATHER) as kept_gathers:
             kept, _ = _decode_calls(model)
     with counting_calls(FSDP_ALL_GATHER) as resharded_gathers:
         _decode_calls(model)
-    heads = 1 if cfg.kv_rank is not None else max(1, cfg.n_kv_heads // sizes.get("tp", 1))  # fewer kv heads than tp: its query heads' one
-    return {"logits": max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, want)),
-            "cache": float(cache != (heads, param_dtype or torch.float32)),
-            "gathered": max(float((a - b).abs().max()) for a, b in zip(kept, got)),
-            "gathers": (len(gathers), len(kept_gathers), len(resharded_gathers))}
+    return dict(errors, gathered=max(float((a - b).abs().max()) for a, b in zip(kept, got)),
+                gathers=(len(gathers), len(kept_gathers), len(resharded_gathers)))
 
 
 def _cases(rank, world, names):
     """Every case of one world size (by_world), its decode cases, and on 2 ranks the
     user-Blocks case, the refusals and the failed exports."""
     out = {name: in_own_groups(_compare, rank, world, *CASES[name][1:]) for name in names}
-    out.update({f"decode-{name}": in_own_groups(_decode, rank, world, *case[1:]) for name, case in DECODE_CASES.items() if case[0] == world})
+    out.update({f"decode-{name}": in_own_groups(_decode, rank, world, *case[1:], name in GATHERED_CASES)
+                for name, case in DECODE_CASES.items() if case[0] == world})
     if world == 2:
         out["user_blocks"], out["bad_tp"] = in_own_groups(_user_blocks, rank, world), in_own_groups(_bad_tp, rank, world)
         out["failed_export"] = in_own_groups(_failed_export, rank, world)
@@ -751,11 +760,14 @@ def test_parallel_decode_matches_one_process(case, results):
     """Transformer.decode (KV cache, sliding-window rings, batched sequences) and logits on
     a parallelized model: FSDP2 gathers the root's embedding and head for them as for
     forward, the cache holds this rank's kv heads, and tp pads odd token counts; inside
-    fmoe.parallel.gathered the units stay gathered between calls."""
+    fmoe.parallel.gathered the units stay gathered between calls (GATHERED_CASES)."""
+    assert set(GATHERED_CASES) <= set(DECODE_CASES), set(GATHERED_CASES) - set(DECODE_CASES)
     world, tol = DECODE_CASES[case][0], DECODE_CASES[case][-1]
     for rank, by_case in enumerate(results(world)):
         errors = by_case[f"decode-{case}"]
         assert errors["cache"] == 0 and errors["logits"] < tol, f"rank {rank}: {errors}"
+        if case not in GATHERED_CASES:
+            continue
         # fmoe.parallel.gathered: the same logits with no all-gather once each unit is gathered,
         # and on exit the units are resharded (the calls after gather as the calls before)
         before, kept, after = errors["gathers"]
