@@ -2494,48 +2494,31 @@ class KVCache:
         overlap: its c, g [T, W] hold both its compressors' inputs, each completed run's entry
         is made from the previous run's tokens beside its own, and the entries beside the
         indexer's are every sequence's [batch max_tokens // m, D + index_head_dim]."""
-        if layer in self.csa_layers:
-            return self._compress_sparse(layer, seqs, T, q_seq, q_pos, c_TD, g_TD, entries)
-        j, m = self.compress_layers.index(layer), self.compress_rate
-        per, D = self.max_tokens // m, c_TD.shape[-1]
-        run, store = self.run[j], self.entries[j]
+        sparse = layer in self.csa_layers
+        if sparse:  # csa_run[b]: the last complete run (rows 0 .. m - 1; stale before the first), then the open run
+            j, m = self.csa_layers.index(layer), self.csa_rate
+            run, store = self.csa_run[j], self.csa_entries[j]
+        else:  # run[b]: the open run
+            j, m = self.compress_layers.index(layer), self.compress_rate
+            run, store = self.run[j], self.entries[j]
+        per, D, kept = self.max_tokens // m, c_TD.shape[-1], m if sparse else 0
         new_TC = torch.cat([c_TD, g_TD], dim=-1).to(run.dtype)
         for s, b in enumerate(seqs):
             L = self.lengths[b]
-            tokens = torch.cat([run[b, :L % m], new_TC[s * T:(s + 1) * T]])  # from the open run's first position on
-            k, first = tokens.shape[0] // m, L - L % m
-            if k:  # the runs the new tokens complete
-                runs = tokens[:k * m].view(k, m, 2 * D)
-                positions = torch.arange(first, first + k * m, m, device=c_TD.device)
-                store[b * per + first // m:b * per + first // m + k] = entries(runs[..., :D], runs[..., D:], positions).to(store.dtype)
-            run[b, :tokens.shape[0] - k * m] = tokens[k * m:]
-        return store, self._seen_runs(store.shape[0], per, m, q_seq, q_pos)
-
-    @staticmethod
-    def _seen_runs(n: int, per: int, m: int, q_seq: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
-        """keep [Q, n] bool: query q sees its sequence's rows (per of them each) of complete runs: (j + 1) m <= q_pos + 1."""
-        col = torch.arange(n, device=q_seq.device)
-        return (col[None] // per == q_seq[:, None]) & ((col[None] % per + 1) * m <= q_pos[:, None] + 1)
-
-    def _compress_sparse(self, layer: int, seqs: list[int], T: int, q_seq: torch.Tensor, q_pos: torch.Tensor, c_TW: torch.Tensor,
-                         g_TW: torch.Tensor, entries: Callable) -> tuple[torch.Tensor, torch.Tensor]:
-        """compress of a compressed sparse attention layer: csa_run[b] holds sequence b's last
-        complete run (rows 0 .. m - 1; stale before its first) and its open run after it."""
-        j, m = self.csa_layers.index(layer), self.csa_rate
-        per, W = self.max_tokens // m, c_TW.shape[-1]
-        run, store = self.csa_run[j], self.csa_entries[j]
-        new_TC = torch.cat([c_TW, g_TW], dim=-1).to(run.dtype)
-        for s, b in enumerate(seqs):
-            L = self.lengths[b]
-            tokens = torch.cat([run[b, :m + L % m], new_TC[s * T:(s + 1) * T]])  # the last complete run, the open run, the new tokens
-            k, r = (tokens.shape[0] - m) // m, L // m  # the runs completed, the first of them
+            tokens = torch.cat([run[b, :kept + L % m], new_TC[s * T:(s + 1) * T]])  # (the last complete run,) the open run, the new tokens
+            k, r = (tokens.shape[0] - kept) // m, L // m  # the runs the new tokens complete, the first of them
             if k:
-                runs = tokens[:(k + 1) * m].view(k + 1, m, 2 * W)
-                pairs = torch.cat([runs[:-1], runs[1:]], dim=1)  # each completed run after the one before it
-                positions = torch.arange(r * m, (r + k) * m, m, device=c_TW.device)
-                store[b * per + r:b * per + r + k] = entries(pairs[..., :W], pairs[..., W:], positions, positions > 0).to(store.dtype)
+                runs = tokens[:kept + k * m].view(-1, m, 2 * D)
+                positions = torch.arange(r * m, (r + k) * m, m, device=c_TD.device)
+                if sparse:  # each completed run after the one before it
+                    pairs = torch.cat([runs[:-1], runs[1:]], dim=1)
+                    made = entries(pairs[..., :D], pairs[..., D:], positions, positions > 0)
+                else:
+                    made = entries(runs[..., :D], runs[..., D:], positions)
+                store[b * per + r:b * per + r + k] = made.to(store.dtype)
             run[b, :tokens.shape[0] - k * m] = tokens[k * m:]
-        return store, self._seen_runs(store.shape[0], per, m, q_seq, q_pos)
+        col = torch.arange(store.shape[0], device=c_TD.device)
+        return store, (col[None] // per == q_seq[:, None]) & ((col[None] % per + 1) * m <= q_pos[:, None] + 1)
 
     def linear_states(self, layer: int, seqs: list[int], tokens: Optional[int] = None) -> LinearStates:
         """Linear-attention layer `layer`'s states of the sequences `seqs` (copies, in that

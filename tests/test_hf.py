@@ -3234,8 +3234,9 @@ def test_an_mtp_module_on_the_final_norm_exports_with_a_copy_of_it(folders, tmp_
         hf.load_weights(Transformer(model.cfg), out, model_type="glm4_moe")
 
 
-def _fp8(w, block):
-    """Block-scaled FP8 of a float32 weight [out, in] and its scale_inv (amax / 448 per block)."""
+def _fp8(w, block, *, pow2=False):
+    """Block-scaled FP8 of a float32 weight [out, in] and its scale_inv (amax / 448 per block); pow2: DeepSeek-V4's, each
+    block's scale the power of two at or above amax / 448, stored as float8_e8m0fnu."""
     m, n = block
     rows, cols = w.shape
     scale = torch.empty(-(-rows // m), -(-cols // n))
@@ -3244,8 +3245,10 @@ def _fp8(w, block):
         for j in range(scale.shape[1]):
             tile = w[i * m:(i + 1) * m, j * n:(j + 1) * n]
             scale[i, j] = tile.abs().max().clamp_min(1e-12) / 448.0
+            if pow2:
+                scale[i, j] = torch.exp2(torch.ceil(torch.log2(scale[i, j])))
             q[i * m:(i + 1) * m, j * n:(j + 1) * n] = (tile / scale[i, j]).to(torch.float8_e4m3fn)
-    return q, scale
+    return (q, scale.to(torch.float8_e8m0fnu)) if pow2 else (q, scale)
 
 
 def _matches_the_dequantised_model(model, path, tensors, dequantised, tmp_path):
@@ -3290,20 +3293,6 @@ def test_fp8_block_scaled_checkpoints_are_dequantised(folders, tmp_path):
         hf.from_pretrained(_edit(folder, tmp_path / "bad", lambda c: c.update(quantization_config=dict(quant_method="gptq"))))
 
 
-def _fp8_e8m0(w, block):
-    """DeepSeek-V4's block-scaled FP8 of a float32 weight [out, in]: each block's scale the power of two at or above amax /
-    448, stored as float8_e8m0fnu."""
-    m, n = block
-    scale = torch.empty(-(-w.shape[0] // m), -(-w.shape[1] // n))
-    q = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
-    for i in range(scale.shape[0]):
-        for j in range(scale.shape[1]):
-            tile = w[i * m:(i + 1) * m, j * n:(j + 1) * n]
-            scale[i, j] = torch.exp2(torch.ceil(torch.log2(tile.abs().max().clamp_min(1e-12) / 448.0)))
-            q[i * m:(i + 1) * m, j * n:(j + 1) * n] = (tile / scale[i, j]).to(torch.float8_e4m3fn)
-    return q, scale.to(torch.float8_e8m0fnu)
-
-
 def _fp4_e8m0(w, group=32):
     """DeepSeek-V4's FP4 expert weight of a float32 [out, in]: per row, each group of `group` columns (fewer where in is
     smaller) scaled by the power of two at or above amax / 6, rounded to the nearest e2m1 code, two codes a byte (the low
@@ -3334,7 +3323,7 @@ def test_deepseek_v4_fp8_weights_and_fp4_experts_are_dequantised(folders, tmp_pa
         fp8 = key.endswith((".wq_a.weight", ".wq_b.weight", ".wkv.weight", ".wo_b.weight")) or ".shared_experts.w" in key
         expert = ".experts." in key and ".shared_experts." not in key and key.endswith("weight")
         if fp8 or expert:
-            q, scale = _fp4_e8m0(t) if expert else _fp8_e8m0(t, (2, 2))  # blocks that tile every shape, as the releases' 128 x 128 do
+            q, scale = _fp4_e8m0(t) if expert else _fp8(t, (2, 2), pow2=True)  # blocks that tile every shape, as the releases' 128 x 128 do
             quantised[key], quantised[key.removesuffix("weight") + "weight_scale_inv"] = q, scale
             dequantised[key] = theirs._dequantize_one(q, scale, torch.float32)
         else:
