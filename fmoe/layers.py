@@ -836,8 +836,14 @@ class AttentionConfig:
     way by index_compress_wkv, index_compress_wg [H, 2 index_head_dim], index_compress_bias
     [m, 2 index_head_dim] (float32) and index_compress_norm [index_head_dim]; its queries and
     entries rotated on their last rot_dim channels with index_rope_last, in pairs with
-    index_interleaved; equal scores go to the earlier entry. The choice has no gradient (no
-    indexer loss: the indexer's weights stay as loaded). Needs q_rank; not with index_topk or
+    index_interleaved; equal scores go to the earlier entry. The choice is discrete: the
+    indexer's weights get no gradient from the attention output; with index_loss (and
+    gradients on) attention returns stats["index_loss"], DeepSeek sparse attention's loss
+    over the chosen entries (fmoe.layers.index_loss: the KL divergence of the indexer's
+    distribution over each query's chosen entries from the attention's, its heads'
+    probabilities of them summed, the sinks' share in their softmax), whose gradient reaches
+    the indexer's weights alone (its queries' index_wq, index_w, and its compressor's through
+    its entries); without it the indexer's weights stay as loaded. Needs q_rank; not with index_topk or
     index_topk_blocks; in decoding the cache keeps both compressors' entries and the inputs of
     the last complete and the open run (ctx.compressed); under context parallel both
     compressors' inputs are gathered, as above.
@@ -1063,13 +1069,13 @@ class AttentionConfig:
         if self.index_topk is None:  # compressed sparse attention's indexer (compress_topk): its heads and their RoPE
             for name in ("index_heads", "index_head_dim"):
                 check_positive_int(name, getattr(self, name))
-            for name in ("index_interleaved", "index_rope_last"):
+            for name in ("index_interleaved", "index_rope_last", "index_loss"):
                 if not isinstance(getattr(self, name), bool):
                     raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
-            changed = [name for name, default in dict(index_norm_eps=1e-6, index_loss=False, index_shared=False).items() if getattr(self, name) != default]
+            changed = [name for name, default in dict(index_norm_eps=1e-6, index_shared=False).items() if getattr(self, name) != default]
             if changed:
                 raise ValueError(f"{changed[0]}: a knob of DeepSeek sparse attention's indexer, needs index_topk (compressed sparse attention's "
-                                 "indexer has no key norm, no loss and no sharing)")
+                                 "indexer has no key norm and no sharing)")
             return
         for name in ("index_topk", "index_heads", "index_head_dim"):
             check_positive_int(name, getattr(self, name))
@@ -1792,15 +1798,27 @@ def compressed_entries(x_TH: torch.Tensor, params, cfg: AttentionConfig, ctx: "A
     rank's compressor inputs are gathered (their gradients returning to each), the entries
     are made from the whole micro-batch's T tokens, S = T // m, and keep is this rank's
     queries' [T / cp, S]; the runs' RoPE tables are made at their positions."""
-    m, device = cfg.compress_rate, x_TH.device
+    (entries_SD,), keep_TS = _compressed_parts([(prefix, *compressor_inputs(x_TH, params, cfg, prefix=prefix))], params, cfg, ctx)
+    return entries_SD, keep_TS
+
+
+def _compressed_parts(parts, params, cfg: AttentionConfig, ctx: "AttentionContext") -> tuple[list, torch.Tensor]:
+    """compressed_entries of several compressors over the same runs (compressed sparse
+    attention's and its indexer's), parts [(prefix, c [T, E], g [T, E])] of each one's
+    inputs (compressor_inputs): ([entries [S, D] of each], keep [T, S]), the runs'
+    bookkeeping made once and, under context parallel, every part's inputs in one gather
+    (each part's gradient returning through it; to the others' inputs, zeros)."""
+    inputs = [(c, g) for _, c, g in parts]
+    m, device = cfg.compress_rate, inputs[0][0].device
     cu, positions = ctx.cu_seqlens.long(), ctx.positions.long()
-    c_TE, g_TE = compressor_inputs(x_TH, params, cfg, prefix=prefix)
-    q_index = torch.arange(x_TH.shape[0], device=device)
+    q_index = torch.arange(inputs[0][0].shape[0], device=device)
     if ctx.gather_kv is not None:  # context parallel: every rank's inputs, in token order
+        widths = [c.shape[1] for c, _ in inputs]
         order = torch.argsort(ctx.kv_index.long())
-        c_TE, g_TE = (t[order, 0] for t in ctx.gather_kv(c_TE[:, None], g_TE[:, None]))
+        c_TE, g_TE = (t[order, 0] for t in ctx.gather_kv(*(torch.cat([part[i] for part in inputs], dim=1)[:, None] for i in (0, 1))))
+        inputs = list(zip(c_TE.split(widths, dim=1), g_TE.split(widths, dim=1)))
         q_index = ctx.token_index.long()
-    T = c_TE.shape[0]
+    T = inputs[0][0].shape[0]
     S = T // m
     lengths = cu[1:] - cu[:-1]
     runs = torch.cumsum(lengths // m, 0)  # complete runs up to each document's end
@@ -1810,20 +1828,22 @@ def compressed_entries(x_TH: torch.Tensor, params, cfg: AttentionConfig, ctx: "A
     j = slot - (runs[doc] - lengths[doc] // m)  # the run's index in its document
     first = torch.where(valid, cu[doc] + j * m, 0)  # its first token
     run_SM = first[:, None] + torch.arange(m, device=device)
-    bias_ME = params[prefix + "bias"]
-    if cfg.compress_topk is None:
-        c_SKD, logits_SKD = c_TE[run_SM], g_TE[run_SM].float() + bias_ME.float()
-    else:  # overlapping runs: the previous run's first halves (none before run 0: weight 0), then run j's second halves
-        prev_SM = (run_SM - m).clamp(min=0)
-        c_SKD, logits_SKD = overlap_runs(c_TE[prev_SM], g_TE[prev_SM], c_TE[run_SM], g_TE[run_SM], valid & (j > 0), bias_ME)
+    prev_SM = (run_SM - m).clamp(min=0)
     if ctx.gather_kv is None:  # the context's tables at each run's first token
         cos, sin = ctx.cos[first], ctx.sin[first]
     else:  # made at the runs' positions (their tokens on other ranks too), each document's length for LongRoPE's switch
         cos, sin = rope_tables(j * m, cfg, lengths[doc])
-    entries_SD = run_entries(c_SKD, logits_SKD, cos, sin, params[prefix + "norm"], cfg, index=prefix != "compress_")
+    entries = []
+    for (prefix, _, _), (c_TW, g_TW) in zip(parts, inputs):
+        bias_ME = params[prefix + "bias"]
+        if cfg.compress_topk is None:
+            c_SKD, logits_SKD = c_TW[run_SM], g_TW[run_SM].float() + bias_ME.float()
+        else:  # overlapping runs: the previous run's first halves (none before run 0: weight 0), then run j's second halves
+            c_SKD, logits_SKD = overlap_runs(c_TW[prev_SM], g_TW[prev_SM], c_TW[run_SM], g_TW[run_SM], valid & (j > 0), bias_ME)
+        entries.append(run_entries(c_SKD, logits_SKD, cos, sin, params[prefix + "norm"], cfg, index=prefix != "compress_"))
     q_doc = torch.searchsorted(cu[1:], q_index, right=True)
     keep_TS = valid[None] & (doc[None] == q_doc[:, None]) & ((j[None] + 1) * m <= positions[:, None] + 1)
-    return entries_SD, keep_TS
+    return entries, keep_TS
 
 
 def overlap_runs(c_prev_KME: torch.Tensor, g_prev_KME: torch.Tensor, c_KME: torch.Tensor, g_KME: torch.Tensor, has_prev_K: torch.Tensor,
@@ -1864,13 +1884,14 @@ def compressed_choice(x_TH: torch.Tensor, q_lat_TC: torch.Tensor, keys_SD: torch
                       keep_TS: torch.Tensor) -> torch.Tensor:
     """Compressed sparse attention's choice (cfg.compress_topk; AttentionConfig) of the
     tokens x [T, H] (their normed q latents q_lat [T, q_rank]; ctx.cos, ctx.sin the tables at
-    their positions): [T, S] bool, of the entries each query sees (keep), the compress_topk
-    of highest indexer score against the indexer's entries keys [S, index_head_dim] (equal
-    scores: the earlier entry, the lower column). No gradient."""
+    their positions): slots [T, J] int64 (index_slots'; J = min(compress_topk, S), -1 where a
+    query sees fewer), of the entries each query sees (keep [T, S]), the compress_topk of
+    highest indexer score against the indexer's entries keys [S, index_head_dim] (equal
+    scores: the earlier entry, the lower column); slots_mask(slots, S) is the mask. No
+    gradient."""
     with torch.no_grad():
-        slots_TJ = _index_choice(x_TH.detach(), q_lat_TC.detach(), keys_SD.detach().float(), params, cfg, dataclasses.replace(ctx, key_order=None),
-                                 keep_TS, topk=cfg.compress_topk)
-        return slots_mask(slots_TJ, keep_TS.shape[1])
+        return _index_choice(x_TH.detach(), q_lat_TC.detach(), keys_SD.detach().float(), params, cfg, dataclasses.replace(ctx, key_order=None),
+                             keep_TS, topk=cfg.compress_topk)
 
 
 def _decode_sparse_entries(x_TH, params, cfg: AttentionConfig, ctx: "AttentionContext") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -2108,8 +2129,10 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
     shared = cfg.index_shared  # ... an earlier layer's choice of them (AttentionConfig: only with index_topk)
     # the indexer's loss: with gradients on, and some indexer weight to train
     blocks = cfg.index_topk_blocks is not None  # block-sparse attention: its indexer's choice of blocks
-    train_index = ((sparse or blocks) and not shared and cfg.index_loss and torch.is_grad_enabled()
-                   and any(params[name].requires_grad for name in index_shapes(x.shape[1], cfg)))
+    csa = cfg.compress_topk is not None  # compressed sparse attention: the indexer's choice of compressed entries
+    index_names = [n for n in compress_shapes(x.shape[1], cfg) if n.startswith("index_")] if csa else index_shapes(x.shape[1], cfg)
+    train_index = ((sparse or blocks or csa) and not shared and cfg.index_loss and torch.is_grad_enabled() and ctx.compressed is None
+                   and any(params[name].requires_grad for name in index_names))
     if shared != (index_choice is not None):
         raise ValueError("index_choice: expected the keys an earlier layer chose (its stats['index_choice']) for a layer of cfg.index_shared, and None "
                          f"otherwise; got {'None' if index_choice is None else 'a choice'} with index_shared = {cfg.index_shared}")
@@ -2203,14 +2226,18 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
                 return run_entries(c_KMD, g_KMD.float() + params["compress_bias"].float(), *rope_tables(first_K, cfg), params["compress_norm"], cfg)
 
             entries_SD, keep_TS = ctx.compressed(*compressor_inputs(x, params, cfg), entries)
-        else:
-            entries_SD, keep_TS = compressed_entries(x, params, cfg, ctx)
-            if cfg.compress_topk is not None:
-                with torch.no_grad():
-                    index_keys_SD, _ = compressed_entries(x.detach(), params, cfg, ctx, prefix="index_compress_")
+        else:  # the entries of the whole micro-batch (with the indexer's: one pass, one gather under context parallel)
+            parts = [("compress_", *compressor_inputs(x, params, cfg))]
+            if cfg.compress_topk is not None:  # the indexer's, of the detached tokens: differentiable only for its loss
+                with torch.set_grad_enabled(train_index):
+                    parts.append(("index_compress_", *compressor_inputs(x.detach(), params, cfg, prefix="index_compress_")))
+            (entries_SD, *index_part), keep_TS = _compressed_parts(parts, params, cfg, ctx)
+            index_keys_SD = index_part[0] if index_part else None
         if cfg.compress_topk is not None:  # compressed sparse attention: the indexer's choice of the entries each query sees
-            keep_TS = compressed_choice(x, q_lat[:, :cfg.q_rank], index_keys_SD, params, cfg, ctx, keep_TS)
+            slots_TJ = compressed_choice(x, q_index, index_keys_SD, params, cfg, ctx, keep_TS)
+            keep_TS = slots_mask(slots_TJ, keep_TS.shape[1])
         k_GTD = v_GTD = torch.cat([k_GTD, entries_SD[None].to(k_GTD.dtype)], dim=1)  # their own values (kv_shared)
+        n_keys = mask.shape[1]  # the entries' columns follow the keys'
         mask = torch.cat([mask, keep_TS], dim=1)
     sinks, slopes_N = params.get("sinks"), params.get("alibi")
     lse_TN = None
@@ -2232,12 +2259,12 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
     elif kernel:  # every head over each query's chosen latents; the latent output to each head's values below
         o_TNC, lse_TN = sparse_attention(q_TND, k_TGD[:, 0], slots_TJ, v_dim=cfg.kv_rank, scale=softmax_scale(cfg), check=False, impl=cfg.impl)
         out_NTD = rearrange(o_TNC, "t n c -> n t c")
-    elif isinstance(mask, torch.Tensor) and (sinks is not None or cfg.score_softcap is not None or slopes_N is not None):
-        bias_NTS = None  # the reference, with sinks, a cap or ALiBi's biases
+    elif isinstance(mask, torch.Tensor) and (sinks is not None or cfg.score_softcap is not None or slopes_N is not None or (csa and train_index)):
+        bias_NTS = None  # the reference, with sinks, a cap or ALiBi's biases (or the probabilities the CSA indexer's loss reads)
         if slopes_N is not None:
-            q_index, kv_index = _alibi_distances(ctx, *mask.shape, x.device)
-            bias_NTS = slopes_N.float()[:, None, None] * (kv_index[None, :] - q_index[:, None]).float()
-        out_NTD = _attention_with_sinks(q_NTD, k_GTD, v_GTD, mask, softmax_scale(cfg), sinks, cfg.score_softcap, bias_NTS)
+            q_pos, kv_pos = _alibi_distances(ctx, *mask.shape, x.device)
+            bias_NTS = slopes_N.float()[:, None, None] * (kv_pos[None, :] - q_pos[:, None]).float()
+        out_NTD, p_NTS = _attention_with_sinks(q_NTD, k_GTD, v_GTD, mask, softmax_scale(cfg), sinks, cfg.score_softcap, bias_NTS, probs=True)
     elif isinstance(mask, torch.Tensor):  # the reference
         out_NTD = F.scaled_dot_product_attention(q_NTD, k_GTD, v_GTD, attn_mask=mask, scale=softmax_scale(cfg), enable_gqa=True)
     else:
@@ -2303,6 +2330,14 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
         cp = ctx.gather_kv is not None  # under context parallel this rank's share: its queries' sum over the micro-batch's count
         stats["index_loss"] = block_index_loss(x.detach(), index_k_SD, mask, chosen_GTJ, target_GTJ, kv_pos, params, cfg, ctx,
                                                n_queries=mask.shape[1] if cp else x.shape[0])
+    elif train_index and csa:  # the heads' attention on each query's chosen entries, the indexer's loss against it
+        with torch.no_grad():
+            target_TJ = p_NTS.detach()[:, :, n_keys:].sum(0).gather(1, slots_TJ.clamp(min=0)) * (slots_TJ >= 0)
+            if heads_mean is not None:  # tensor parallel: every rank's heads (a mean over the ranks; the scale goes in index_loss)
+                target_TJ = heads_mean(target_TJ)
+        # under context parallel this rank's share: its queries' sum over the micro-batch's count (the keys')
+        stats["index_loss"] = _index_loss_blocks(x.detach(), q_index.detach(), index_keys_SD, slots_TJ, target_TJ, params, cfg, ctx,
+                                                 n_queries=n_keys if ctx.gather_kv is not None else x.shape[0])
     elif train_index:
         with torch.no_grad():  # the attention's distribution over each query's chosen keys, summed over its heads
             if kernel:
@@ -2444,10 +2479,12 @@ def _attention_probs(q_NTD, k_GTD, mask_TS, scale: float) -> torch.Tensor:
     return torch.softmax(_masked_scores(q_NTD, k_GTD, mask_TS, scale), dim=-1).nan_to_num(0.0)
 
 
-def _attention_with_sinks(q_NTD, k_GTD, v_GTD, mask_TS, scale: float, sinks_N, softcap: Optional[float] = None, bias_NTS=None):
+def _attention_with_sinks(q_NTD, k_GTD, v_GTD, mask_TS, scale: float, sinks_N, softcap: Optional[float] = None, bias_NTS=None, *,
+                          probs: bool = False):
     """The reference attention with sinks (None: none), capped scores (softcap, None: none)
     and ALiBi's biases (bias_NTS, None: none): softmax over [the allowed scores, the head's
-    sink], the sink's share dropped (it has no value), in float32; [N, T, Dv] in q's dtype."""
+    sink], the sink's share dropped (it has no value), in float32; [N, T, Dv] in q's dtype
+    (probs: with the probabilities [N, T, S] float32 too)."""
     N, G = q_NTD.shape[0], k_GTD.shape[0]
     scores_NTS = _masked_scores(q_NTD, k_GTD, mask_TS, scale, softcap, bias_NTS)
     if sinks_N is None:
@@ -2455,7 +2492,8 @@ def _attention_with_sinks(q_NTD, k_GTD, v_GTD, mask_TS, scale: float, sinks_N, s
     else:
         sink_NT1 = sinks_N.float()[:, None, None].expand(N, scores_NTS.shape[1], 1)
         probs_NTS = torch.softmax(torch.cat([scores_NTS, sink_NT1], dim=-1), dim=-1)[..., :-1]
-    return (probs_NTS @ v_GTD.float().repeat_interleave(N // G, dim=0)).to(q_NTD.dtype)
+    out_NTD = (probs_NTS @ v_GTD.float().repeat_interleave(N // G, dim=0)).to(q_NTD.dtype)
+    return (out_NTD, probs_NTS) if probs else out_NTD
 
 
 def _head_layer_norm(x_THD: torch.Tensor, weight_HD: torch.Tensor, eps: float, bias_HD: Optional[torch.Tensor] = None) -> torch.Tensor:

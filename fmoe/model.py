@@ -576,8 +576,9 @@ class TransformerConfig:
     entries of runs of csa_rate tokens, each query attending to the csa_topk of them its
     lightning indexer (index_heads of index_head_dim, rotated as the keys are) scores highest;
     their compressor's compress_wkv, compress_wg [H, 2 D], compress_bias, compress_norm and the
-    indexer's index_wq, index_w, index_compress_* (no gradient: frozen, as an indexer without
-    its loss); with kv_shared, one kv head and q_rank; not with compress_layers' blocks,
+    indexer's index_wq, index_w, index_compress_*, trained by its own loss with weight
+    index_loss_coeff, as DeepSeek sparse attention's (fmoe.layers.index_loss over the chosen
+    entries; 0: frozen, requires_grad False); with kv_shared, one kv head and q_rank; not with compress_layers' blocks,
     index_topk or index_topk_blocks; dense masks as above; in decoding the cache keeps each
     sequence's entries beside its indexer's and its last complete and open runs (KVCache); under
     context parallel as above (both compressors' inputs gathered). moe_out_bias: a bias [H] added to
@@ -1108,8 +1109,8 @@ class TransformerConfig:
         coeff = self.index_loss_coeff
         if isinstance(coeff, bool) or not isinstance(coeff, (int, float)) or not 0 <= coeff < math.inf:
             raise ValueError(f"index_loss_coeff: expected a finite number >= 0, got {coeff!r}")
-        if self.index_topk is None and self.index_topk_blocks is None and coeff != 1.0:
-            raise ValueError("index_loss_coeff: the weight of a sparse attention's indexer loss, needs index_topk or index_topk_blocks")
+        if self.index_topk is None and self.index_topk_blocks is None and not self.csa_layers and coeff != 1.0:
+            raise ValueError("index_loss_coeff: the weight of a sparse attention's indexer loss, needs index_topk, index_topk_blocks or csa_layers")
         if self.index_shared_layers is not None and self.index_topk is None:
             raise ValueError("index_shared_layers: blocks reusing an earlier block's choice of keys (DeepSeek sparse attention), needs index_topk")
         if self.index_topk_blocks is None:
@@ -1623,7 +1624,7 @@ class TransformerConfig:
             index_topk=self.index_topk, **(dict(index_heads=self.index_heads, index_head_dim=self.index_head_dim) if self.index_topk is not None or blocks else {}),
             **({} if csa else dict(index_interleaved=self.index_rope_interleaved, index_rope_last=self.index_rope_last)),
             index_norm_eps=self.index_norm_eps, index_shared=index_shared,
-            index_loss=(self.index_topk is not None or bool(blocks)) and self.index_loss_coeff > 0 and not index_shared,
+            index_loss=(self.index_topk is not None or bool(blocks) or csa) and self.index_loss_coeff > 0 and not index_shared,
             **blocks, moa_experts=self.moa_experts, moa_topk=self.moa_topk, o_groups=self.o_groups, o_rank=self.o_rank,
             kv_shared=self.kv_shared, **(csa_knobs if csa else dict(compress_rate=self.compress_rate if compress else None)),
         )
@@ -1920,9 +1921,10 @@ class Attention(KeepsFloat32):
         for name, shape in index_shapes(H, self.cfg).items():
             setattr(self, name, nn.Parameter((torch.ones if name.endswith("norm") else torch.empty)(shape), requires_grad=self.cfg.index_loss))
             self.names.append(name)
-        for name, shape in compress_shapes(H, self.cfg).items():  # compressed attention's compressor (its bias float32); CSA's indexer frozen
+        for name, shape in compress_shapes(H, self.cfg).items():  # compressed attention's compressor (its bias float32); CSA's indexer
+            # trained by its loss alone, frozen without it, as above
             setattr(self, name, nn.Parameter(torch.empty(shape, dtype=torch.float32 if name.endswith("compress_bias") else None),
-                                             requires_grad=not name.startswith("index_")))
+                                             requires_grad=self.cfg.index_loss or not name.startswith("index_")))
             self.names.append(name)
         self._extras(cfg, sinks)
 
@@ -1980,7 +1982,7 @@ class Attention(KeepsFloat32):
             self.index_loss = None
             if "index_loss" in stats.keys():  # the indexer's loss: its gradient in the backward, its value kept
                 loss = stats["index_loss"]
-                # under tp DeepSeek sparse attention's every rank computes the same loss, and the indexer's weights
+                # under tp DeepSeek sparse attention's (and CSA's) every rank computes the same loss, and the indexer's weights
                 # (replicated, HeadShard.weight) sum the ranks' gradients: each rank attaches its 1/tp; block-sparse
                 # attention's each rank its own heads' share, whole, their sum the value kept
                 blocks = self.cfg.index_topk_blocks is not None

@@ -2202,6 +2202,74 @@ def test_compressed_sparse_attention_matches_transformers_deepseek_v4():
     assert all(t.grad is None for n, t in params.items() if n.startswith("index_"))
 
 
+def _dsv4_entry_probs(v4, hf, layer, x, cu):
+    """transformers' DeepSeek-V4 CSA layer's attention probabilities on the compressed entries (the sinks' share in their
+    softmax, dropped), summed over its heads, over each document of x [T, H] (cu) on its own under its window of 5: [T, S]
+    in fmoe's slots (each document's complete runs in order, S = T // compress_rate, the unused ones 0)."""
+    rotary, m = v4.DeepseekV4RotaryEmbedding(hf), hf.compress_rates["compressed_sparse_attention"]
+    probs = torch.zeros(x.shape[0], x.shape[0] // m)
+    base = 0
+    with torch.no_grad():
+        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            xs, pos = x[a:b][None], torch.arange(b - a)[None]
+            allowed = (pos[0][:, None] >= pos[0][None]) & (pos[0][:, None] - pos[0][None] < 5)
+            mask = torch.zeros(b - a, b - a).masked_fill(~allowed, float("-inf"))[None, None]
+            weights = layer(xs, {"compress": rotary(xs, pos, layer_type="compress")}, pos, mask)[1][0].sum(0)  # [t, t + entries]
+            n = (b - a) // m
+            assert weights.shape == (b - a, b - a + n)
+            probs[a:b, base:base + n] = weights[:, b - a:]
+            base += n
+    return probs
+
+
+def test_compressed_sparse_attention_trains_its_indexer_by_its_loss():
+    """DeepSeek-V4's CSA indexer trained as DeepSeek sparse attention's is (index_loss): stats["index_loss"] is the mean over
+    the queries of KL(p || softmax(I)) over each query's chosen entries, p the attention's probabilities of them summed over
+    its heads (transformers' DeepseekV4Attention's attention weights, the sinks in their softmax) and renormalised, I the
+    indexer's scores of them (fmoe.layers.index_scores against its own entries); a query that sees no entry adds 0. The
+    output is the layer's without the loss; the loss's gradient reaches the indexer's weights alone (every one of them, its
+    compressor's through its entries), not x nor the attention's; and descending it lowers it."""
+    from fmoe.layers import compressed_choice, compressed_entries, index_scores
+
+    v4, hf, layer, cfg, params = _dsv4_attention_layer("compressed_sparse_attention")
+    x, cu = torch.randn(17, H).requires_grad_(), torch.tensor([0, 11, 17])
+    train = dataclasses.replace(cfg, index_loss=True)
+    ctx = _ctx(cu, cfg)
+    y, stats = attention(x, params, train, ctx)
+    with torch.no_grad():
+        torch.testing.assert_close(y, attention(x, params, cfg, ctx)[0], rtol=0, atol=0)
+        q_lat = layer.q_a_norm(layer.q_a_proj(x))  # transformers' normed q latent
+        keys, keep = compressed_entries(x, params, cfg, ctx, prefix="index_compress_")
+        slots = compressed_choice(x, q_lat, keys, params, cfg, ctx, keep)
+        scores = index_scores(x, q_lat, keys, params, cfg, ctx.cos, ctx.sin, slots=slots)
+    chosen = slots >= 0
+    assert slots.shape == (17, 2) and 0 < int(chosen.sum()) < 34  # some queries see no entry, or one
+    probs = _dsv4_entry_probs(v4, hf, layer, x.detach(), cu)
+    target = torch.where(chosen, probs.gather(1, slots.clamp(min=0)), 0.0)
+    want = 0.0
+    for t in range(17):
+        if chosen[t].any():
+            p = target[t][chosen[t]] / target[t][chosen[t]].sum()
+            want += float((p * (p.log() - scores[t][chosen[t]].log_softmax(0))).sum())
+    loss = stats["index_loss"]
+    assert loss.shape == () and loss.dtype == torch.float32
+    assert float(loss) == pytest.approx(want / 17, rel=1e-4, abs=1e-7) and float(loss) > 1e-3
+    loss.backward()
+    assert x.grad is None
+    trained = {n for n, t in params.items() if t.grad is not None}
+    assert trained == {n for n in params if n.startswith("index_")}, trained
+    assert all(float(params[n].grad.abs().max()) > 0 for n in trained)
+    indexer = {n: t for n, t in params.items() if n.startswith("index_")}
+    opt = torch.optim.Adam(list(indexer.values()), lr=3e-2)
+    for _ in range(30):
+        opt.zero_grad()
+        attention(x, params, train, ctx)[1]["index_loss"].backward()
+        opt.step()
+    with torch.enable_grad():
+        after = float(attention(x, params, train, ctx)[1]["index_loss"])
+    assert after < 0.5 * float(loss), (float(loss), after)
+
+
 def test_compressed_sparse_entries_overlap_the_previous_run():
     """fmoe.layers.compressed_entries of compressed sparse attention written out: runs of 3 tokens of documents of 7 and 6
     tokens (runs 0-2, 3-5; 7-9, 10-12); a document's first entry is a softmax over its run's second halves alone, a later
@@ -2229,15 +2297,16 @@ def test_compressed_sparse_entries_overlap_the_previous_run():
 
 
 def test_compressed_sparse_attention_bad_knobs_and_contexts():
-    """compress_topk's knobs by name (it needs compress_rate and the q latent, its indexer has no loss and rotates as the
-    keys do); its parameters' shapes; a context over gathered keys without the entries' cache (context parallel) is
+    """compress_topk's knobs by name (it needs compress_rate and the q latent, its indexer has no key norm and rotates as
+    the keys do); its parameters' shapes; a context over gathered keys without the entries' cache (context parallel) is
     refused (not built)."""
     base = dict(n_heads=2, n_kv_heads=1, head_dim=8, kv_shared=True, compress_rate=3, compress_topk=2, q_rank=6, index_heads=2, index_head_dim=8,
                 impl="torch")
     for overrides, message in ((dict(compress_rate=None), r"compress_topk: .* needs compress_rate"),
                                (dict(q_rank=None), r"compress_topk: compressed sparse attention's indexer reads the normed q latent, needs q_rank"),
                                (dict(compress_topk=0), r"compress_topk: expected >= 1, got 0"),
-                               (dict(index_loss=True), r"index_loss: a knob of DeepSeek sparse attention's indexer, needs index_topk"),
+                               (dict(index_norm_eps=1e-5), r"index_norm_eps: a knob of DeepSeek sparse attention's indexer, needs index_topk"),
+                               (dict(index_loss=1), r"index_loss: expected a bool, got 1"),
                                (dict(index_head_dim=4, rot_dim=6), r"index_head_dim: the indexer rotates rot_dim = 6 of its channels")):
         with pytest.raises(ValueError, match=message):
             AttentionConfig(**{**base, **overrides})

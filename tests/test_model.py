@@ -1648,7 +1648,7 @@ def test_deepseek_sparse_attention_trains_its_indexer_by_its_own_loss():
         model.set_index_loss_weight(-1)
     with pytest.raises(ValueError, match="index_loss_coeff: expected a finite number >= 0, got nan"):
         dataclasses.replace(cfg, index_loss_coeff=float("nan"))
-    with pytest.raises(ValueError, match="index_loss_coeff: the weight of a sparse attention's indexer loss, needs index_topk or index_topk_blocks"):
+    with pytest.raises(ValueError, match="index_loss_coeff: the weight of a sparse attention's indexer loss, needs index_topk, index_topk_blocks or csa_layers"):
         dataclasses.replace(TINY, index_loss_coeff=0.5)
     # the FLOPs: multi-latent attention's over the kept keys (2.5 per query here), and per block with an indexer
     # (blocks 0 and 1, and the MTP block's) the indexer's projections (q latent 10 -> 4 heads x 6, H 32 -> a key of
@@ -2933,8 +2933,9 @@ def test_heavily_compressed_blocks_bad_knobs():
 def test_compressed_sparse_blocks_keep_documents_apart_and_train():
     """Compressed sparse attention blocks (csa_layers) in a model: packed documents give each document's logits alone (their
     entries and the indexer's choice stay within the document), the choice matters (csa_topk), the loss's gradients reach
-    the compressor and not the indexer (frozen: requires_grad False, as an indexer without its loss), the indexer's
-    compressor bias stays float32 under a cast."""
+    the compressor, the indexer's loss (index_loss_coeff, kept as attn.index_loss) reaches the indexer's weights and nothing
+    else (weighed 0 its gradients are zero and the others' unchanged), frozen without it (index_loss_coeff 0: requires_grad
+    False), the indexer's compressor bias stays float32 under a cast."""
     model = _sharp(DSV4_CSA)
     attn = model.blocks[1].attn
     assert attn.cfg.compress_topk == 2 and attn.cfg.compress_rate == 2 and model.blocks[2].attn.cfg.compress_topk is None
@@ -2948,12 +2949,29 @@ def test_compressed_sparse_blocks_keep_documents_apart_and_train():
         assert (wider.logits(torch.cat(docs), torch.tensor([0, 9, 23], dtype=torch.int32)) - packed).abs().max() > 1e-3
     model.train()
     batch = make_batch(torch.cat(docs), torch.tensor([0, 9, 23], dtype=torch.int32), 0)
-    losses, _ = model(batch, model.context(batch))
-    (losses["lm_sum"] / losses["lm_tokens"]).backward()
+    indexer = ("index_wq", "index_w", "index_compress_wkv", "index_compress_wg", "index_compress_bias", "index_compress_norm")
+    grads = {}
+    for weight in (1.0, 0.0):
+        model.zero_grad(set_to_none=True)
+        model.set_index_loss_weight(weight)
+        losses, _ = model(batch, model.context(batch))
+        (losses["lm_sum"] / losses["lm_tokens"]).backward()
+        grads[weight] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        assert float(attn.index_loss) > 0 and model.index_loss_sum() is not None
     for name in ("compress_wkv", "compress_wg", "compress_bias", "compress_norm"):
         assert float(getattr(attn, name).grad.abs().max()) > 0, name
-    for name in ("index_wq", "index_w", "index_compress_wkv", "index_compress_wg", "index_compress_bias", "index_compress_norm"):
-        assert not getattr(attn, name).requires_grad and getattr(attn, name).grad is None, name
+    assert set(grads[1.0]) == set(grads[0.0]) == {n for n, p in model.named_parameters()}
+    for n in grads[1.0]:
+        if n.split(".")[-1] in indexer:  # its loss's gradient alone: none weighed 0
+            assert n.startswith("blocks.1.attn.") and float(grads[1.0][n].abs().max()) > 0 and float(grads[0.0][n].abs().max()) == 0, n
+        else:
+            torch.testing.assert_close(grads[1.0][n], grads[0.0][n], rtol=0, atol=0)
+    frozen = Transformer(dataclasses.replace(DSV4_CSA, index_loss_coeff=0.0))
+    losses, _ = frozen(batch, frozen.context(batch))
+    (losses["lm_sum"] / losses["lm_tokens"]).backward()
+    for name in indexer:
+        assert not getattr(frozen.blocks[1].attn, name).requires_grad and getattr(frozen.blocks[1].attn, name).grad is None, name
+    assert frozen.index_loss_sum() is None
     assert model.to(torch.bfloat16).blocks[1].attn.index_compress_bias.dtype == torch.float32
 
 

@@ -294,7 +294,10 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
     indexer's forward alone (no gradient), 2 x (its compressor's 2 H 2 Di, its queries'
     q_rank Ni Di, its head weights' H Ni, and Ni (Di + 1) per entry it scores, the products and
     their weighted sum: n_avg_csa_entries, mean_compressed_entries(cu_seqlens, csa_rate)); both
-    required."""
+    required. With its loss (cfg.index_loss_coeff > 0) the indexer adds its compressor's
+    weight gradients, 2 x 2 H 2 Di, and for each query's csa_topk chosen slots (fewer where a
+    micro-batch has fewer than csa_topk runs) their scores twice (the loss recomputes them in
+    its backward) and their backward: 6 (q_rank Ni Di + H Ni) + 8 Ni (Di + 1) csa_topk."""
     from fmoe.layers import PLAIN_ACTS  # an MLP without a gate: two matrices
 
     names = ("hidden", "n_layers", "ffn_dense", "ffn_expert", "k", "n_heads", "n_kv_heads", "head_dim", "mtp_depth", "n_experts")
@@ -382,6 +385,8 @@ def model_flops_per_token(cfg, *, n_avg_keys: float, n_avg_local_keys: Optional[
             _check_count(name, value)
         D, Ni, Di = cfg.head_dim, cfg.index_heads, cfg.index_head_dim
         csa_indexer = 2 * (2 * cfg.hidden * 2 * Di + cfg.q_rank * Ni * Di + cfg.hidden * Ni + Ni * (Di + 1) * n_avg_csa_entries)
+        if cfg.index_loss_coeff > 0:  # its loss: the compressor's dW, the chosen slots' scores twice (recomputed), their dW and products' backward
+            csa_indexer += 2 * 2 * cfg.hidden * 2 * Di + 6 * (cfg.q_rank * Ni * Di + cfg.hidden * Ni) + 8 * Ni * (Di + 1) * cfg.csa_topk
         compressed += len(cfg.csa_layers) * (6 * 2 * cfg.hidden * 2 * D + 6 * cfg.n_heads * 2 * D * n_avg_csa_chosen + csa_indexer)
     shortcut = 0.0
     if getattr(cfg, "shortcut_moe", False):  # the dense MLP beside each trunk MoE

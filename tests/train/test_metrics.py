@@ -422,9 +422,12 @@ COUNTED = {
     # heavily compressed attention in block 1 (runs of 4: 6 slots of the 24 tokens, every one scored by the math path)
     "hca": dict(n_kv_heads=1, kv_shared=True, qk_norm="head_k", window=6, compress_layers=(1,), compress_rate=4, attn_sinks=True),
     # compressed sparse attention in block 1 (overlapping runs of 4, each query's best 2 of the 6 slots by an indexer of 2 heads of
-    # 8, forward only: its scores over every slot; the attention's math path over every slot too)
+    # 8: its scores over every slot, its loss over the 2 chosen; the attention's math path over every slot too), and without the
+    # loss (the indexer's forward alone)
     "csa": dict(n_kv_heads=1, kv_shared=True, qk_norm="head_k", q_rank=10, window=6, csa_layers=(1,), csa_rate=4, csa_topk=2, index_heads=2,
                 index_head_dim=8, attn_sinks=True),
+    "csa, frozen indexer": dict(n_kv_heads=1, kv_shared=True, qk_norm="head_k", q_rank=10, window=6, csa_layers=(1,), csa_rate=4, csa_topk=2,
+                                index_heads=2, index_head_dim=8, attn_sinks=True, index_loss_coeff=0.0),
     # JetMoE's mixture of attention heads: each token's 2 of 3 experts' query and output projections (the per-expert loop
     # of impl "torch": aten.mm), its router [H, 3], in every attention block and the MTP's
     "jetmoe": dict(moa_experts=3, moa_topk=2, moe_out_bias=True),
@@ -475,6 +478,8 @@ def test_flops_per_token_matches_counted_matmuls(name):
     # the grouped output projection's group products (wo_a), batched too: N Dv r per attention block (trunk and MTP)
     blocks = cfg.n_layers - len(cfg.mixer_free_layers or ()) + cfg.mtp_depth
     sums += 6 * blocks * cfg.n_heads * (cfg.v_head_dim or cfg.head_dim) * cfg.o_rank if cfg.o_groups else 0
+    # the CSA indexer loss's products over each query's chosen slots (einsum: aten.bmm), not scaled by the counts above
+    sums += len(cfg.csa_layers or ()) * 8 * cfg.index_heads * (cfg.index_head_dim + 1) * cfg.csa_topk if cfg.index_loss_coeff > 0 else 0
     assert by_op["aten.mm"] == T * (no_scores - sums)
     assert by_op["aten.bmm"] == T * (M.model_flops_per_token(cfg, n_avg_keys=T, **local) - no_scores + sums)
 
@@ -761,7 +766,8 @@ def test_compressed_sparse_attention_flops_count_the_chosen_entries_and_the_inde
     """mean_compressed_entries with topk: each query's min(topk, its complete runs), against the count written out; a model
     with compressed sparse blocks needs both means (named), the chosen entries cost the attention's scores and values (fwd
     and bwd), each seen entry the indexer's forward scores alone, and each block adds its compressor's projections (fwd and
-    bwd) and its indexer's (forward)."""
+    bwd) and its indexer's (forward), and with the indexer's loss its backward and the csa_topk chosen slots' scores (twice
+    forward, and backward)."""
     from fmoe.model import TransformerConfig
 
     cu = [0, 7, 9, 15, 31]
@@ -787,4 +793,7 @@ def test_compressed_sparse_attention_flops_count_the_chosen_entries_and_the_inde
     plain = TransformerConfig(**{**{f: getattr(cfg, f) for f in ("vocab_size", "hidden", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                                                                    "kv_shared", "q_rank")}})
     per_block = 6 * 2 * H * 2 * D + 2 * (2 * H * 2 * Di + cfg.q_rank * Ni * Di + H * Ni)
-    assert flops(0.0, 0.0) - M.model_flops_per_token(plain, n_avg_keys=10.0) == 2 * per_block
+    loss = 2 * 2 * H * 2 * Di + 6 * (cfg.q_rank * Ni * Di + H * Ni) + 8 * Ni * (Di + 1) * cfg.csa_topk
+    assert flops(0.0, 0.0) - M.model_flops_per_token(plain, n_avg_keys=10.0) == 2 * (per_block + loss)
+    frozen = dataclasses.replace(cfg, index_loss_coeff=0.0)  # the indexer's forward alone
+    assert M.model_flops_per_token(frozen, n_avg_keys=10.0, n_avg_csa_entries=0.0, n_avg_csa_chosen=0.0) == flops(0.0, 0.0) - 2 * loss
