@@ -2264,7 +2264,8 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
         if slopes_N is not None:
             q_pos, kv_pos = _alibi_distances(ctx, *mask.shape, x.device)
             bias_NTS = slopes_N.float()[:, None, None] * (kv_pos[None, :] - q_pos[:, None]).float()
-        out_NTD, p_NTS = _attention_with_sinks(q_NTD, k_GTD, v_GTD, mask, softmax_scale(cfg), sinks, cfg.score_softcap, bias_NTS, probs=True)
+        out_NTD, target_TJ = _attention_with_sinks(q_NTD, k_GTD, v_GTD, mask, softmax_scale(cfg), sinks, cfg.score_softcap, bias_NTS,
+                                                   chosen=(slots_TJ, n_keys) if csa and train_index else None)
     elif isinstance(mask, torch.Tensor):  # the reference
         out_NTD = F.scaled_dot_product_attention(q_NTD, k_GTD, v_GTD, attn_mask=mask, scale=softmax_scale(cfg), enable_gqa=True)
     else:
@@ -2331,9 +2332,8 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
         stats["index_loss"] = block_index_loss(x.detach(), index_k_SD, mask, chosen_GTJ, target_GTJ, kv_pos, params, cfg, ctx,
                                                n_queries=mask.shape[1] if cp else x.shape[0])
     elif train_index and csa:  # the heads' attention on each query's chosen entries, the indexer's loss against it
-        with torch.no_grad():
-            target_TJ = p_NTS.detach()[:, :, n_keys:].sum(0).gather(1, slots_TJ.clamp(min=0)) * (slots_TJ >= 0)
-            if heads_mean is not None:  # tensor parallel: every rank's heads (a mean over the ranks; the scale goes in index_loss)
+        if heads_mean is not None:  # tensor parallel: every rank's heads (a mean over the ranks; the scale goes in index_loss)
+            with torch.no_grad():
                 target_TJ = heads_mean(target_TJ)
         # under context parallel this rank's share: its queries' sum over the micro-batch's count (the keys')
         stats["index_loss"] = _index_loss_blocks(x.detach(), q_index.detach(), index_keys_SD, slots_TJ, target_TJ, params, cfg, ctx,
@@ -2342,9 +2342,12 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
         with torch.no_grad():  # the attention's distribution over each query's chosen keys, summed over its heads
             if kernel:
                 target_TJ = sparse_attention_probs(q_TND, k_TGD[:, 0], slots_TJ, lse_TN, v_dim=cfg.kv_rank, scale=softmax_scale(cfg), impl=cfg.impl)
-            else:
-                p_NTS = _attention_probs(q_NTD, k_GTD, mask, softmax_scale(cfg))
-                target_TJ = p_NTS.sum(0).gather(1, slots_TJ.clamp(min=0)) * (slots_TJ >= 0)
+            else:  # the reference's probabilities, for blocks of queries (never [N, T, S] at once, as _attention_with_sinks)
+                N, T = q_NTD.shape[:2]
+                block = max(1, _SCORE_ROWS // max(1, N * k_GTD.shape[1]))
+                target_TJ = torch.cat([_attention_probs(q_NTD[:, t0:t0 + block], k_GTD, mask[t0:t0 + block], softmax_scale(cfg)).sum(0)
+                                       .gather(1, slots_TJ[t0:t0 + block].clamp(min=0)) * (slots_TJ[t0:t0 + block] >= 0)
+                                       for t0 in range(0, T, block)])
             if heads_mean is not None:  # tensor parallel: every rank's heads (a mean over the ranks; the scale goes in index_loss)
                 target_TJ = heads_mean(target_TJ)
         # under context parallel this rank's share: its queries' sum over the micro-batch's count (the keys')
@@ -2464,9 +2467,9 @@ def _masked_scores(q_NTD, k_GTD, mask_TS, scale: float, softcap: Optional[float]
     """Each head's scores [N, T, S] float32 (the kv heads repeated to the query heads), capped
     at softcap tanh(s / softcap) where softcap is set, plus bias_NTS (ALiBi's; None: none),
     -inf where mask [T, S] is False."""
-    N, G = q_NTD.shape[0], k_GTD.shape[0]
-    k_NSD = k_GTD.float().repeat_interleave(N // G, dim=0)
-    scores = q_NTD.float() @ k_NSD.transpose(1, 2) * scale
+    (N, T, D), (G, S) = q_NTD.shape, k_GTD.shape[:2]
+    # each kv head's r = N / G query heads as one [r T, D] product (never the keys repeated per head)
+    scores = (q_NTD.float().reshape(G, N // G * T, D) @ k_GTD.float().transpose(1, 2)).view(N, T, S) * scale
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     if bias_NTS is not None:
@@ -2479,21 +2482,52 @@ def _attention_probs(q_NTD, k_GTD, mask_TS, scale: float) -> torch.Tensor:
     return torch.softmax(_masked_scores(q_NTD, k_GTD, mask_TS, scale), dim=-1).nan_to_num(0.0)
 
 
+_SCORE_ROWS = 1 << 26  # the reference's scores per block of queries (float32 numbers): 256 MiB
+
+
 def _attention_with_sinks(q_NTD, k_GTD, v_GTD, mask_TS, scale: float, sinks_N, softcap: Optional[float] = None, bias_NTS=None, *,
-                          probs: bool = False):
+                          chosen: Optional[tuple] = None, rows: Optional[int] = None):
     """The reference attention with sinks (None: none), capped scores (softcap, None: none)
     and ALiBi's biases (bias_NTS, None: none): softmax over [the allowed scores, the head's
-    sink], the sink's share dropped (it has no value), in float32; [N, T, Dv] in q's dtype
-    (probs: with the probabilities [N, T, S] float32 too)."""
-    N, G = q_NTD.shape[0], k_GTD.shape[0]
-    scores_NTS = _masked_scores(q_NTD, k_GTD, mask_TS, scale, softcap, bias_NTS)
+    sink], the sink's share dropped (it has no value), in float32: (out [N, T, Dv] in q's
+    dtype, target). For blocks of queries whose scores [N, block, S] hold about `rows`
+    floats (None: _SCORE_ROWS), each recomputed in the backward where there are several
+    (torch.utils.checkpoint): the scores and probabilities of every query, [N, T, S] float32,
+    are never kept at once (5.4 GB per layer at 64 heads, T = 4096, S = 5120). chosen
+    (slots [T, J] int64, n_keys): target [T, J] float32, the heads' probabilities summed at
+    columns n_keys + slots (0 in an empty slot, -1; no gradient); None: target None."""
+    N, T = q_NTD.shape[:2]
+    block = max(1, (_SCORE_ROWS if rows is None else rows) // max(1, N * k_GTD.shape[1]))
+    fn = functools.partial(_sinks_block, k_GTD=k_GTD, v_GTD=v_GTD, scale=scale, sinks_N=sinks_N, softcap=softcap,
+                           n_keys=None if chosen is None else chosen[1])
+    slots_TJ = None if chosen is None else chosen[0]
+    if block >= T:
+        return fn(q_NTD, mask_TS, bias_NTS, slots_TJ)
+    outs, targets = [], []
+    for t0 in range(0, T, block):
+        b = slice(t0, t0 + block)
+        out, target = checkpoint(fn, q_NTD[:, b], mask_TS[b], None if bias_NTS is None else bias_NTS[:, b], None if slots_TJ is None else slots_TJ[b],
+                                 use_reentrant=False)
+        outs.append(out)
+        targets.append(target)
+    return torch.cat(outs, dim=1), None if chosen is None else torch.cat(targets)
+
+
+def _sinks_block(q_NBD, mask_BS, bias_NBS, slots_BJ, *, k_GTD, v_GTD, scale, sinks_N, softcap, n_keys):
+    """_attention_with_sinks of a block of B queries: (out [N, B, Dv], target [B, J] or None)."""
+    (N, B, _), (G, S, Dv) = q_NBD.shape, v_GTD.shape
+    scores_NBS = _masked_scores(q_NBD, k_GTD, mask_BS, scale, softcap, bias_NBS)
     if sinks_N is None:
-        probs_NTS = torch.softmax(scores_NTS, dim=-1)
+        probs_NBS = torch.softmax(scores_NBS, dim=-1)
     else:
-        sink_NT1 = sinks_N.float()[:, None, None].expand(N, scores_NTS.shape[1], 1)
-        probs_NTS = torch.softmax(torch.cat([scores_NTS, sink_NT1], dim=-1), dim=-1)[..., :-1]
-    out_NTD = (probs_NTS @ v_GTD.float().repeat_interleave(N // G, dim=0)).to(q_NTD.dtype)
-    return (out_NTD, probs_NTS) if probs else out_NTD
+        sink_NB1 = sinks_N.float()[:, None, None].expand(N, B, 1)
+        probs_NBS = torch.softmax(torch.cat([scores_NBS, sink_NB1], dim=-1), dim=-1)[..., :-1]
+    out_NBD = (probs_NBS.reshape(G, N // G * B, S) @ v_GTD.float()).view(N, B, Dv).to(q_NBD.dtype)
+    target_BJ = None
+    if slots_BJ is not None:
+        with torch.no_grad():
+            target_BJ = probs_NBS.detach()[:, :, n_keys:].sum(0).gather(1, slots_BJ.clamp(min=0)) * (slots_BJ >= 0)
+    return out_NBD, target_BJ
 
 
 def _head_layer_norm(x_THD: torch.Tensor, weight_HD: torch.Tensor, eps: float, bias_HD: Optional[torch.Tensor] = None) -> torch.Tensor:

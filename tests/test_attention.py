@@ -1236,6 +1236,11 @@ def test_the_indexer_loss_is_the_definition_s_and_trains_the_indexer_alone():
         assert (a is None and b is None) or torch.equal(a, b)
     with torch.no_grad():  # no gradients, no loss
         assert list(attention(x, p, cfg, _ctx(cu, cfg))[1].keys()) == ["index_choice"]
+    import fmoe.layers as L  # the target read for blocks of 4 queries (fmoe.layers._SCORE_ROWS): the same loss
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(L, "_SCORE_ROWS", 4 * cfg.n_heads * 17)
+        assert float(attention(x, p, cfg, _ctx(cu, cfg))[1]["index_loss"]) == pytest.approx(float(want_loss.detach()), rel=1e-5)
     # under tensor parallel the target is over every rank's heads (heads_mean: here two ranks of two heads each)
     halves = [dataclasses.replace(cfg, n_heads=2, n_kv_heads=2)] * 2
     parts = {n: [t] * 2 for n, t in p.items()}
@@ -2200,6 +2205,39 @@ def test_compressed_sparse_attention_matches_transformers_deepseek_v4():
     y.square().sum().backward()
     assert all(float(t.grad.abs().max()) > 0 for n, t in params.items() if not n.startswith("index_")), [n for n, t in params.items() if t.grad is None]
     assert all(t.grad is None for n, t in params.items() if n.startswith("index_"))
+
+
+def test_the_reference_with_sinks_runs_in_blocks_of_queries(monkeypatch):
+    """The dense reference with sinks (DeepSeek-V4's CSA layer here, its indexer's loss on: the heads' probabilities of the
+    chosen entries read block by block) over blocks of queries, each recomputed in the backward, when the scores of every
+    query hold more than fmoe.layers._SCORE_ROWS floats: the output, the indexer's loss and every gradient are the
+    whole product's, and nothing autograd keeps for the backward is as large as the scores of every query [N, T, S]
+    (S the keys and the entries), where the whole product keeps two such (the probabilities, and their copy by kv head)."""
+    import fmoe.layers as L
+
+    v4, hf, layer, cfg, params = _dsv4_attention_layer("compressed_sparse_attention")
+    cfg = dataclasses.replace(cfg, index_loss=True)
+    x, cu = torch.randn(17, H).requires_grad_(), torch.tensor([0, 11, 17])
+    N, S = cfg.n_heads, 17 + 17 // 2
+    runs = {}
+    for rows in (None, 3 * N * S):  # everything at once; blocks of 3 queries (6 blocks)
+        if rows is not None:
+            monkeypatch.setattr(L, "_SCORE_ROWS", rows)
+        kept = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t.untyped_storage().nbytes()) or t, lambda t: t):
+            y, stats = attention(x, params, cfg, _ctx(cu, cfg))
+        (y.square().sum() + stats["index_loss"]).backward()
+        runs[rows] = (y.detach(), stats["index_loss"].detach(), {n: t.grad.clone() for n, t in [("x", x), *params.items()]},
+                      sum(n >= N * 17 * S * 4 for n in kept))
+        x.grad = None
+        for t in params.values():
+            t.grad = None
+    (y0, loss0, grads0, big0), (y1, loss1, grads1, big1) = runs.values()
+    torch.testing.assert_close(y1, y0, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss1, loss0, rtol=1e-5, atol=1e-7)
+    for n, g in grads0.items():
+        torch.testing.assert_close(grads1[n], g, rtol=1e-4, atol=1e-6, msg=n)
+    assert (big0, big1) == (2, 0)
 
 
 def _dsv4_entry_probs(v4, hf, layer, x, cu):
