@@ -145,6 +145,11 @@ CASES = {
     # Qwen3-Next's blocks: a Gated DeltaNet block on each stage of the first chunk pair, zero-centred norms on both ends
     "interleaved_1f1b-gated-deltanet": (2, dict(pp=2), "interleaved_1f1b", 2, dict(QWEN3_NEXT, linear_layers=(0, 1, 3))),
     "looped_bfs": (2, dict(pp=2), "looped_bfs", 2, {}),
+    # DeepSeek-V4's attention: compressed sparse attention on stage 0 (its indexer's loss reaching the indexer through
+    # attach_loss, the stage's output its only way back), heavily compressed attention on stage 1
+    "1f1b-dsv4": (2, dict(pp=2), "1f1b", 1, dict(n_layers=2, n_kv_heads=1, kv_shared=True, qk_norm="head_k", q_rank=10, csa_layers=(0,),
+                                                 csa_rate=2, csa_topk=2, index_heads=2, index_head_dim=8, compress_layers=(1,), compress_rate=3,
+                                                 window=5, attn_sinks=True)),
     "pp2xdp2": (4, dict(pp=2), "1f1b", 1, {}),
     "pp2xep2": (4, dict(pp=2, ep=2), "1f1b", 1, {}),
     # one trunk layer per stage: the middle stages' balancing losses reach their routers
