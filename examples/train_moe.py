@@ -467,8 +467,8 @@ def main(argv: list[str]) -> None:
     # this rank's part of the model: the whole model, or its pipeline stages (each with the
     # whole model's parameter names; optimizers and checkpoints take them as a list)
     parts = pipe.chunks if pipe is not None else [model]
-    # a sparse attention's indexers trained by their loss (DeepSeek sparse attention's, block-sparse attention's)
-    index_loss = (model_cfg.index_topk is not None or model_cfg.index_topk_blocks is not None) and model_cfg.index_loss_coeff > 0
+    # a sparse attention's indexers trained by their loss (DeepSeek sparse attention's, block-sparse attention's, compressed sparse attention's)
+    index_loss = (model_cfg.index_topk is not None or model_cfg.index_topk_blocks is not None or bool(model_cfg.csa_layers)) and model_cfg.index_loss_coeff > 0
     if hf_type is not None:  # each rank reads the tensors of its own parameters (blocks of them when sharded)
         for part in parts:
             fmoe.hf.load_weights(part, cfg.init_from_hf, model_type=hf_type)

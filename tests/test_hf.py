@@ -3015,12 +3015,14 @@ def test_the_loop_warms_up_fresh_indexers_on_a_deepseek_v3_model(tmp_path):
 @pytest.mark.parametrize("family, knobs, logged, floor", [
     ("deepseek_v32", dict(index_topk=8), "index_loss", 0.0),  # sparse attention: the documents are longer than index_topk = 8
     ("minimax_m3_vl_text", {}, "index_loss", 0.0),  # block-sparse attention: two blocks of 3 keys of the micro-batch's documents
+    ("deepseek_v4", {}, "index_loss", 0.0),  # compressed sparse attention: its indexer's loss over the chosen entries
     ("jetmoe", {}, "moa_aux_loss", 0.5),  # each token's attention experts; their routers' balance loss, about 1
 ])
 def test_the_loop_fine_tunes_a_model_and_the_loss_its_attention_trains_by(family, knobs, logged, floor, tmp_path):
     """--init_from_hf of a folder whose attention trains by a loss of its own: the first step's
-    loss is the folder model's own, and that loss is logged each step: DeepSeek-V3.2's and
-    MiniMax-M3's indexers' (their weights trained by it), JetMoE's attention routers' balance."""
+    loss is the folder model's own, and that loss is logged each step: DeepSeek-V3.2's,
+    MiniMax-M3's and DeepSeek-V4's CSA indexers' (their weights trained by it), JetMoE's
+    attention routers' balance."""
     config = FAMILIES[family]()
     config.vocab_size = 260
     for name, value in knobs.items():
