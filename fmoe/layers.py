@@ -2139,7 +2139,7 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
     # the sparse kernel (fmoe.ops.sparse_attention: each query over its chosen keys alone) on the
     # absorbed form where Triton runs (training, and decoding over a cache: a prompt's
     # "expanded" latents absorbed too); the dense reference otherwise
-    kernel = sparse and params.get("sinks") is None and use_triton(cfg.impl, x)
+    kernel = sparse and use_triton(cfg.impl, x)
     block_kernel = blocks and use_triton(cfg.impl, x)  # block-sparse attention's likewise, over each query's chosen blocks' keys
     latents = "absorbed" if kernel and ctx.latents == "expanded" else ctx.latents
     # wq_b's input, made once where the indexer's queries (its normed q latent) or the gate (gate_on_q) read it too
@@ -2258,6 +2258,8 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
             out_NTD = F.scaled_dot_product_attention(q_GRTD, k_GRSD, v_GRSD, attn_mask=keep_GTS[:, None], scale=softmax_scale(cfg)).flatten(0, 1)
     elif kernel:  # every head over each query's chosen latents; the latent output to each head's values below
         o_TNC, lse_TN = sparse_attention(q_TND, k_TGD[:, 0], slots_TJ, v_dim=cfg.kv_rank, scale=softmax_scale(cfg), check=False, impl=cfg.impl)
+        if sinks is not None:  # a sink adds exp(sink) to each head's denominator: o Z / (Z + e^sink), Z = e^lse (HY-V4's)
+            o_TNC = (o_TNC.float() * torch.sigmoid(lse_TN - sinks.float())[..., None]).to(o_TNC.dtype)
         out_NTD = rearrange(o_TNC, "t n c -> n t c")
     elif isinstance(mask, torch.Tensor) and (sinks is not None or cfg.score_softcap is not None or slopes_N is not None or (csa and train_index)):
         bias_NTS = None  # the reference, with sinks, a cap or ALiBi's biases (or the probabilities the CSA indexer's loss reads)

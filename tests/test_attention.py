@@ -1344,15 +1344,19 @@ def test_deepseek_sparse_attention_under_context_parallel(impl):
         assert _rel(a, b) < 1e-5, name
 
 
-def test_deepseek_sparse_attention_kernel_is_the_reference():
+@pytest.mark.parametrize("sinks", [False, True])
+def test_deepseek_sparse_attention_kernel_is_the_reference(sinks):
     """impl="triton" (CUDA's "auto"): the absorbed queries over each one's chosen latents
     (fmoe.ops.sparse_attention), against the dense reference (impl="torch"): the output, the
     choice, the indexer's loss and every gradient (a random upstream gradient on the output,
-    the loss's own), for a layer with an indexer and one reusing its choice."""
+    the loss's own), for a layer with an indexer and one reusing its choice; with attention
+    sinks (HY-V4's) too, the kernel's output scaled by sigmoid(lse - sink) per head."""
     from fmoe.layers import index_shapes
 
     cu = torch.tensor([0, 5, 6, 17], dtype=torch.int32)
     p = _dsa_params(DSA)
+    if sinks:  # large enough to take a visible share of each head's softmax
+        p["sinks"] = (torch.randn(DSA.n_heads) + 1.0).requires_grad_()
     x = torch.randn(17, H, requires_grad=True)
     up = torch.randn(17, H)
     mla = [n for n in p if not n.startswith("index_")]

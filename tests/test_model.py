@@ -2224,6 +2224,8 @@ DECODED = {
     # hyper-connections: the [T, n H] streams through the cache's steps, collapsed before the head
     "mhc": VARIANTS["mhc"],
     "hy_v4": VARIANTS["hy_v4"],
+    # ...on the sparse kernel (the interpreter here; CUDA's "auto"): its sinks on the kernel's output, sigmoid(lse - sink)
+    "hy_v4, sparse kernel": dataclasses.replace(VARIANTS["hy_v4"], impl="triton"),
     # Phi-3's LongRoPE past 1 original position: every prompt here is longer, every call has the long factors (a
     # sequence crossing the original positions: test_decode_past_longrope_s_original_positions_recomputes_the_sequence)
     "longrope": dataclasses.replace(TINY, rope_dim=4, longrope_short_factors=(1.0, 1.5), longrope_long_factors=(3.0, 9.0),
