@@ -198,6 +198,19 @@ def cases():
     yield "sparse_attention_dkv_atomic", sparse._sparse_attention_dkv_atomic_kernel, dict(
         q_ptr="*bf16", kv_ptr="*bf16", index_ptr="*i64", do_ptr="*bf16", lse_ptr="*fp32", delta_ptr="*fp32", dkv_ptr="*fp32"), dict(
         attn_scalars, stride_dot="i32", stride_don="i32", stride_dkv="i32"), sparse._dkv_atomic_blocks(16, 576, 512)
+    # DeepSeek-V4's layers on the same kernels (fmoe.layers.attention: one kv head that is its values, 512 channels, no
+    # channels beyond the value's) at one tp rank of 4 of V4-Flash's 64 heads
+    v4_meta = sparse._blocks(16, 512, 512)
+    yield "sparse_attention_fwd v4", sparse._sparse_attention_fwd_kernel, dict(q_ptr="*bf16", kv_ptr="*bf16", index_ptr="*i64", o_ptr="*bf16",
+                                                                            lse_ptr="*fp32"), dict(attn_scalars, stride_ot="i32", stride_on="i32"), v4_meta
+    yield "sparse_attention_dq v4", sparse._sparse_attention_dq_kernel, dict(q_ptr="*bf16", kv_ptr="*bf16", index_ptr="*i64", do_ptr="*bf16",
+                                                                          lse_ptr="*fp32", delta_ptr="*fp32", dq_ptr="*bf16"), dict(
+        attn_scalars, stride_dot="i32", stride_don="i32"), v4_meta
+    yield "sparse_attention_probs v4", sparse._sparse_attention_probs_kernel, dict(q_ptr="*bf16", kv_ptr="*bf16", index_ptr="*i64",
+                                                                                lse_ptr="*fp32", p_ptr="*fp32"), attn_scalars, v4_meta
+    yield "sparse_attention_dkv_atomic v4", sparse._sparse_attention_dkv_atomic_kernel, dict(
+        q_ptr="*bf16", kv_ptr="*bf16", index_ptr="*i64", do_ptr="*bf16", lse_ptr="*fp32", delta_ptr="*fp32", dkv_ptr="*fp32"), dict(
+        attn_scalars, stride_dot="i32", stride_don="i32", stride_dkv="i32"), sparse._dkv_atomic_blocks(16, 512, 512)
     # its lightning indexer's scores (fmoe.ops.indexer_scores): 64 heads of 128 channels, bf16 and float32 (the layers' own)
     for ty, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
         yield f"indexer_scores {ty}", sparse._indexer_scores_kernel, dict(q_ptr=f"*{ty}", w_ptr="*fp32", k_ptr=f"*{ty}", out_ptr="*fp32"), dict(

@@ -806,7 +806,12 @@ class AttentionConfig:
     inverse rotation, with scaled tables, YaRN's or LongRoPE's, that scale once more, as
     DeepSeek-V4's code does), so what a key gives through its value turns with the distance
     from the query alone. Grouped-query attention only; not with k_eq_v, v_dim, v_norm, a
-    mixture of attention heads or block-sparse attention.
+    mixture of attention heads or block-sparse attention. With one kv head, a dense mask and
+    a window or compressed entries (DeepSeek-V4's layers), where Triton runs (impl "auto" on
+    CUDA, "triton") each query attends to the keys of its window and the entries it sees (or
+    chose) alone: fmoe.ops.sparse_attention over the rows [keys, entries], every head reading
+    the same, the sinks applied as sigmoid(lse - sink) (O(T (window + entries)) work, no
+    [N, T, S] scores); the dense reference elsewhere, over blocks of queries with sinks.
 
     Heavily compressed attention (DeepSeek-V4's HCA) when compress_rate m is set, on shared
     key-value heads with one kv head: besides its keys (under the layer's own mask: its
@@ -818,8 +823,8 @@ class AttentionConfig:
     with weight compress_norm [D] (eps norm_eps) and rotated as the keys are at position j m;
     it is its own value (kv_shared). The softmax spans the keys, the entries and the sinks.
     The run's slots are T // m (a bound known without reading the documents' lengths: no
-    host sync), the unused ones masked. The dense reference attends (the context's dense
-    mask: impl "torch", or "auto" off CUDA); in decoding the cache keeps the entries and the
+    host sync), the unused ones masked. The context holds a dense mask; the sparse kernel
+    attends where Triton runs (above), the dense reference elsewhere; in decoding the cache keeps the entries and the
     open run's inputs (ctx.compressed); under context parallel (ctx.gather_kv with the split's
     token_index and kv_index) every rank's compressor inputs are gathered and each rank makes
     the whole micro-batch's entries (compressed_entries); not with a softcap or ALiBi.
@@ -2241,6 +2246,11 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
         mask = torch.cat([mask, keep_TS], dim=1)
     sinks, slopes_N = params.get("sinks"), params.get("alibi")
     lse_TN = None
+    # DeepSeek-V4's layers (one kv head that is its values; a window, compressed entries) where Triton runs: each query over
+    # its window's keys and the entries it attends to alone, on the sparse kernel (O(T (window + entries)), never [N, T, S])
+    shared_kernel = (cfg.kv_shared and k_GTD.shape[0] == 1 and (cfg.window is not None or cfg.compress_rate is not None) and not sparse
+                     and not blocks and isinstance(mask, torch.Tensor) and mask.ndim == 2 and cfg.score_softcap is None and slopes_N is None
+                     and use_triton(cfg.impl, x))
     if blocks:  # each kv head's queries under its own choice of blocks
         G, r = k_GTD.shape[0], q_NTD.shape[0] // k_GTD.shape[0]
         with torch.no_grad():
@@ -2256,6 +2266,9 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
             q_GRTD = q_NTD.view(G, r, *q_NTD.shape[1:])
             k_GRSD, v_GRSD = (t[:, None].expand(G, r, *t.shape[1:]) for t in (k_GTD, v_GTD))
             out_NTD = F.scaled_dot_product_attention(q_GRTD, k_GRSD, v_GRSD, attn_mask=keep_GTS[:, None], scale=softmax_scale(cfg)).flatten(0, 1)
+    elif shared_kernel:
+        out_NTD, target_TJ = _shared_kv_by_kernel(q_NTD, k_GTD[0], mask, cfg, sinks, n_keys=n_keys if cfg.compress_rate is not None else mask.shape[1],
+                                                  chosen=slots_TJ if csa else None, target=csa and train_index)
     elif kernel:  # every head over each query's chosen latents; the latent output to each head's values below
         o_TNC, lse_TN = sparse_attention(q_TND, k_TGD[:, 0], slots_TJ, v_dim=cfg.kv_rank, scale=softmax_scale(cfg), check=False, impl=cfg.impl)
         if sinks is not None:  # a sink adds exp(sink) to each head's denominator: o Z / (Z + e^sink), Z = e^lse (HY-V4's)
@@ -2513,6 +2526,46 @@ def _attention_with_sinks(q_NTD, k_GTD, v_GTD, mask_TS, scale: float, sinks_N, s
         outs.append(out)
         targets.append(target)
     return torch.cat(outs, dim=1), None if chosen is None else torch.cat(targets)
+
+
+def _shared_kv_by_kernel(q_NTD: torch.Tensor, kv_SD: torch.Tensor, mask_TS: torch.Tensor, cfg: AttentionConfig, sinks_N, *, n_keys: int,
+                         chosen: Optional[torch.Tensor] = None, target: bool = False):
+    """Attention over one kv head that is its own values (kv_shared; DeepSeek-V4's layers) on
+    the sparse kernel (fmoe.ops.sparse_attention): each query over the rows mask [T, S]
+    allows alone, kv [S, D] the rows, every head reading the same: its keys' (the first
+    n_keys columns; compacted to cfg.window slots with a window), then the compressed
+    entries' after them: those of chosen [T, J] (compressed sparse attention's entry slots,
+    -1 empty) or, with chosen None, every entry column the mask allows. sinks [N] (None: none)
+    scale each head's output by sigmoid(lse - sink). (out [N, T, D] in q's dtype, target):
+    with target, the heads' probabilities of the chosen entries summed [T, J] float32 (the
+    sinks in their softmax; 0 in an empty slot; no gradient), as _attention_with_sinks gives
+    them; else None."""
+    device = mask_TS.device
+    with torch.no_grad():  # each query's rows: its keys (the allowed ones first, in column order), then the entries
+        keys_TS = mask_TS[:, :n_keys]
+        W = min(cfg.window, n_keys) if cfg.window is not None else n_keys
+        if W < n_keys:
+            order_TW = torch.sort(keys_TS.to(torch.uint8), dim=1, descending=True, stable=True).indices[:, :W]
+            key_slots = torch.where(keys_TS.gather(1, order_TW), order_TW, -1)
+        else:
+            key_slots = torch.where(keys_TS, torch.arange(n_keys, device=device), -1)
+        if chosen is None:
+            entry_slots = torch.where(mask_TS[:, n_keys:], torch.arange(n_keys, mask_TS.shape[1], device=device), -1)
+        else:
+            entry_slots = torch.where(chosen >= 0, chosen + n_keys, -1)
+        slots_TJ = torch.cat([key_slots, entry_slots], dim=1)
+    q_TND = rearrange(q_NTD, "n t d -> t n d")
+    kv_SD = kv_SD.to(q_TND.dtype)
+    o_TND, lse_TN = sparse_attention(q_TND, kv_SD, slots_TJ, scale=softmax_scale(cfg), check=False, impl=cfg.impl)
+    if sinks_N is not None:  # a sink adds exp(sink) to each head's denominator: o Z / (Z + e^sink), Z = e^lse
+        o_TND = (o_TND.float() * torch.sigmoid(lse_TN - sinks_N.float())[..., None]).to(o_TND.dtype)
+    target_TJ = None
+    if target:
+        with torch.no_grad():  # each chosen entry's probability summed over the heads, the sinks in the denominator
+            lse = lse_TN.detach() if sinks_N is None else torch.logaddexp(lse_TN.detach(), sinks_N.detach().float())
+            p_TJ = sparse_attention_probs(q_TND.detach(), kv_SD.detach(), slots_TJ, lse, scale=softmax_scale(cfg), impl=cfg.impl)
+            target_TJ = p_TJ[:, key_slots.shape[1]:]
+    return rearrange(o_TND, "t n d -> n t d"), target_TJ
 
 
 def _sinks_block(q_NBD, mask_BS, bias_NBS, slots_BJ, *, k_GTD, v_GTD, scale, sinks_N, softcap, n_keys):

@@ -2211,6 +2211,38 @@ def test_compressed_sparse_attention_matches_transformers_deepseek_v4():
     assert all(t.grad is None for n, t in params.items() if n.startswith("index_"))
 
 
+@pytest.mark.parametrize("kind", ["sliding_attention", "heavily_compressed_attention", "compressed_sparse_attention"])
+def test_deepseek_v4_attention_on_the_sparse_kernel_is_the_reference(kind, monkeypatch):
+    """impl="triton" (CUDA's "auto"; the interpreter here) on DeepSeek-V4's layers: each query over its window's keys and
+    the entries it attends to alone (fmoe.ops.sparse_attention, the one kv head its own values, the sinks on the kernel's
+    output), against the dense reference (impl="torch"): the output, the CSA indexer's loss (its target the kernel's
+    probabilities with the sinks) and every gradient, x's included, over two documents (of 11 and 6 tokens); the kernel
+    reads each query's window of 5 keys and its entries: 5 + 2 slots (CSA), 5 + 17 // 4 (HCA), 5."""
+    import fmoe.layers as L
+
+    slots = []
+    kernel = L.sparse_attention
+    monkeypatch.setattr(L, "sparse_attention", lambda q, kv, index, **kw: slots.append(index.shape) or kernel(q, kv, index, **kw))
+    v4, hf, layer, cfg, params = _dsv4_attention_layer(kind)
+    x, cu = torch.randn(17, H, requires_grad=True), torch.tensor([0, 11, 17])
+    up = torch.randn(17, H)
+    runs = {}
+    for impl in ("torch", "triton"):
+        run = dataclasses.replace(cfg, impl=impl, index_loss=kind == "compressed_sparse_attention")
+        y, stats = attention(x, params, run, _ctx(cu, run))
+        loss = stats["index_loss"] if "index_loss" in stats.keys() else torch.zeros(())
+        grads = torch.autograd.grad((y * up).sum() + loss, [x, *params.values()], allow_unused=True)
+        runs[impl] = (y, loss, *grads)
+    for name, a, b in zip(["y", "index_loss", "x", *params], runs["torch"], runs["triton"]):
+        if a is None:
+            assert b is None, name
+            continue
+        assert _rel(b, a) < 2e-5, name
+    assert kind != "compressed_sparse_attention" or float(runs["torch"][1]) > 1e-3
+    entries = {"sliding_attention": 0, "heavily_compressed_attention": 17 // 4, "compressed_sparse_attention": 2}[kind]
+    assert slots == [(17, 5 + entries)]
+
+
 def test_the_reference_with_sinks_runs_in_blocks_of_queries(monkeypatch):
     """The dense reference with sinks (DeepSeek-V4's CSA layer here, its indexer's loss on: the heads' probabilities of the
     chosen entries read block by block) over blocks of queries, each recomputed in the backward, when the scores of every

@@ -2977,14 +2977,16 @@ def test_compressed_sparse_blocks_keep_documents_apart_and_train():
     assert model.to(torch.bfloat16).blocks[1].attn.index_compress_bias.dtype == torch.float32
 
 
-def test_compressed_sparse_blocks_decode_as_the_whole_sequence():
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_compressed_sparse_blocks_decode_as_the_whole_sequence(impl):
     """Compressed sparse attention in decoding: the cache keeps each sequence's entries beside its indexer's, and the inputs
     of its last complete run and its open run, so a prompt and then tokens one and a few at a time give the whole
     sequence's logits (runs of 2 completed inside a call, across calls, by single tokens; each entry overlapping the run
     before it, from a previous call too; the indexer's choice of 2 among up to 6 entries); two sequences of other lengths
     decode together as each alone; the entries of the complete runs fill their rows (13 tokens: 6 runs) and the cache
-    counts their bytes; a sequence does not go back (refused by name) and restarts from 0 over stale rows."""
-    model = _sharp(DSV4_CSA)
+    counts their bytes; a sequence does not go back (refused by name) and restarts from 0 over stale rows. impl "triton"
+    (CUDA's "auto"; the interpreter here): every V4 layer on the sparse kernel, over the cache's rows, the same."""
+    model = _sharp(dataclasses.replace(DSV4_CSA, impl=impl))
     D, Di = model.cfg.head_dim, model.cfg.index_head_dim
 
     def check(cache):

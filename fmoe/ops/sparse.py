@@ -139,8 +139,12 @@ def _slot_block(q_v, q_r, kv_ptr, index_ptr, t, j0, J, stride_it, stride_kv, DV:
     idx = tl.load(index_ptr + t * stride_it + offs_j, mask=offs_j < J, other=-1).to(tl.int64)
     valid = idx >= 0
     k_v = _rows(kv_ptr, idx, valid, offs_v, 0, DV, stride_kv)
-    k_r = _rows(kv_ptr, idx, valid, offs_r, DV, DR, stride_kv)
-    s = tl.dot(q_v, tl.trans(k_v), input_precision="ieee") + tl.dot(q_r, tl.trans(k_r), input_precision="ieee")
+    s = tl.dot(q_v, tl.trans(k_v), input_precision="ieee")
+    if DR > 0:  # rows of the value channels alone (DeepSeek-V4's: the keys are the values) read and multiply nothing more
+        k_r = _rows(kv_ptr, idx, valid, offs_r, DV, DR, stride_kv)
+        s += tl.dot(q_r, tl.trans(k_r), input_precision="ieee")
+    else:
+        k_r = k_v
     return valid, k_v, k_r, s
 
 
@@ -210,10 +214,12 @@ def _sparse_attention_dq_kernel(q_ptr, kv_ptr, index_ptr, do_ptr, lse_ptr, delta
         dp = tl.dot(do, tl.trans(k_v), input_precision="ieee")
         ds = p * (dp - delta[:, None])
         dq_v += tl.dot(ds.to(k_v.dtype), k_v, input_precision="ieee")
-        dq_r += tl.dot(ds.to(k_r.dtype), k_r, input_precision="ieee")
+        if DR > 0:
+            dq_r += tl.dot(ds.to(k_r.dtype), k_r, input_precision="ieee")
     base = dq_ptr + t * stride_qt + offs_n[:, None] * stride_qn
     tl.store(base + offs_v[None, :], (dq_v * scale).to(dq_ptr.dtype.element_ty), mask=mask_n[:, None] & (offs_v[None, :] < DV))
-    tl.store(base + DV + offs_r[None, :], (dq_r * scale).to(dq_ptr.dtype.element_ty), mask=mask_n[:, None] & (offs_r[None, :] < DR))
+    if DR > 0:
+        tl.store(base + DV + offs_r[None, :], (dq_r * scale).to(dq_ptr.dtype.element_ty), mask=mask_n[:, None] & (offs_r[None, :] < DR))
 
 
 @triton.jit
@@ -231,11 +237,12 @@ def _sparse_attention_dkv_atomic_kernel(q_ptr, kv_ptr, index_ptr, do_ptr, lse_pt
         ds = p * (tl.dot(do, tl.trans(k_v), input_precision="ieee") - delta[:, None]) * scale
         ds_t = tl.trans(ds).to(q_v.dtype)
         dk_v = tl.dot(ds_t, q_v, input_precision="ieee") + tl.dot(tl.trans(p).to(do.dtype), do, input_precision="ieee")
-        dk_r = tl.dot(ds_t, q_r, input_precision="ieee")
         idx = tl.load(index_ptr + t * stride_it + j0 + tl.arange(0, BLOCK_J), mask=j0 + tl.arange(0, BLOCK_J) < J, other=-1).to(tl.int64)
         row = dkv_ptr + tl.where(valid, idx, 0)[:, None] * stride_dkv
         tl.atomic_add(row + offs_v[None, :], dk_v, mask=valid[:, None] & (offs_v[None, :] < DV), sem="relaxed")
-        tl.atomic_add(row + DV + offs_r[None, :], dk_r, mask=valid[:, None] & (offs_r[None, :] < DR), sem="relaxed")
+        if DR > 0:
+            dk_r = tl.dot(ds_t, q_r, input_precision="ieee")
+            tl.atomic_add(row + DV + offs_r[None, :], dk_r, mask=valid[:, None] & (offs_r[None, :] < DR), sem="relaxed")
 
 
 @triton.jit
