@@ -22,6 +22,7 @@
 #     bash benchmarks/gpu_lease.sh o    # MiniMax-M3's block-sparse attention: its gpu test, bench_block_sparse (not yet run)
 #     bash benchmarks/gpu_lease.sh p    # JetMoE's mixture of attention heads and grouped_matmul: their gpu tests, bench_moa (not yet run)
 #     bash benchmarks/gpu_lease.sh q    # DeepSeek-V4's routing: the sqrt(softplus) kernels' tests on CUDA, bench_routing's dsv4 cases (not yet run)
+#     bash benchmarks/gpu_lease.sh r    # DeepSeek-V4's attention on the sparse kernel: its gpu tests, bench_dsv4_attention (not yet run)
 #
 # What comes back is written to $OUT (the device tool's folder; gpu_out/ elsewhere), at most
 # 8 files: RESULTS.md (run_all.py's sections, to append to benchmarks/RESULTS.md), log.txt,
@@ -203,8 +204,18 @@ q)
     grep -E "passed|failed|^FAILED|^ERROR|^E  " "$OUT/gpu_tests.log" | tail -20
     bench --only bench_routing --timeout 200 --extra="--cases dsv4"
     ;;
+r)
+    # DeepSeek-V4's sliding, CSA and HCA layers on the compiled sparse kernel against the CPU reference (16 heads of 512,
+    # 1024 tokens, float32), then bench_dsv4_attention at one tp = 4 rank of V4-Flash, T = 4096: the kernel against the
+    # blocked dense reference and the whole one (bf16; the dense one's [16, 4096, 5120] float32 scores fit an H100)
+    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-ra --durations=5" tests/test_attention.py \
+        -k "deepseek_v4_layers_on_the_sparse_kernel or deepseek_sparse_attention" > "$OUT/gpu_tests.log" 2>&1
+    echo "gpu tests (DeepSeek-V4 attention): exit $?"
+    grep -E "passed|failed|^FAILED|^ERROR|^E  " "$OUT/gpu_tests.log" | tail -20
+    bench --only bench_dsv4_attention --timeout 300
+    ;;
 *)
-    echo "usage: bash benchmarks/gpu_lease.sh a|b|c|e|f|g|h|i|j|k|l|m|n|o|p|q" >&2
+    echo "usage: bash benchmarks/gpu_lease.sh a|b|c|e|f|g|h|i|j|k|l|m|n|o|p|q|r" >&2
     exit 2
     ;;
 esac

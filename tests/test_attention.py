@@ -1774,6 +1774,36 @@ def test_gpu_block_sparse_attention_matches_the_cpu_layer():
             assert _rel(b, a) < 1e-4
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["sliding", "csa", "hca"])
+def test_gpu_deepseek_v4_layers_on_the_sparse_kernel_match_the_cpu_layer(kind):
+    """DeepSeek-V4's layers on CUDA (16 heads of 512 sharing one kv head that is its values, RoPE on 64 channels, sinks, a
+    window of 128; CSA: runs of 4, each query's best 64 entries by an indexer of 8 heads of 64, its loss on; HCA: runs of 16)
+    over 1024 tokens in 2 documents, in float32 (the same choice): the compiled sparse kernel (impl "auto") gives the CPU
+    reference's output, indexer loss and gradients."""
+    from fmoe.layers import compress_shapes, gqa_q_shapes, out_shapes
+
+    knobs = dict(csa=dict(compress_rate=4, compress_topk=64, index_heads=8, index_head_dim=64, index_loss=True), hca=dict(compress_rate=16))
+    cfg = AttentionConfig(n_heads=16, n_kv_heads=1, head_dim=512, rot_dim=64, rope_last=True, q_rank=256, qk_norm="head_k", kv_shared=True,
+                          window=128, impl="torch", **knobs.get(kind, {}))
+    Hg, g = 512, torch.Generator().manual_seed(5)
+    shapes = {**gqa_q_shapes(Hg, cfg), "wk": (Hg, 512), **out_shapes(Hg, cfg), **compress_shapes(Hg, cfg)}
+    p = {n: torch.randn(*s, generator=g) * s[0] ** -0.5 for n, s in shapes.items()}
+    p.update(q_a_norm=torch.ones(256), k_norm=torch.ones(512), sinks=torch.randn(16, generator=g))
+    x, cu = torch.randn(1024, Hg, generator=g), torch.tensor([0, 700, 1024], dtype=torch.int32)
+    upstream = torch.randn(1024, Hg, generator=g)
+    outs = []
+    for device, impl in (("cpu", "torch"), ("cuda", "auto")):
+        q = {n: t.to(device).requires_grad_() for n, t in p.items()}
+        c = dataclasses.replace(cfg, impl=impl)
+        y, stats = attention(x.to(device), q, c, _ctx(cu.to(device), c))
+        loss = stats["index_loss"] if "index_loss" in stats.keys() else torch.zeros((), device=device)
+        grads = torch.autograd.grad((y * upstream.to(device)).sum() + loss, list(q.values()), allow_unused=True)
+        outs.append([y.cpu(), loss.cpu(), *(None if t is None else t.cpu() for t in grads)])
+    for name, a, b in zip(["y", "index_loss", *p], *outs):
+        assert (a is None and b is None) or _rel(b, a) < 1e-4, name
+
+
 def _loop_block_index_loss(x, p, cfg, cu):
     """Block-sparse attention's indexer loss query by query and kv head by kv head: the
     heads' attention mass on each chosen block (their sum, renormalised), and the indexer's
