@@ -39,13 +39,10 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from _common import (  # before torch and fmoe: with --smoke it sets TRITON_INTERPRET
-    bench,
     case_done,
     check_agree,
-    cuda_peak_bytes,
-    finish,
-    matmul_rate,
-    start,
+    run_rate_cases,
+    time_and_peak,
 )
 
 import torch  # noqa: E402
@@ -116,7 +113,7 @@ def layer_flops(case: Case, T: int) -> float:
     return T * (per_token + 4 * N * D * float(attended.mean()))
 
 
-def run_case(case: Case, device: torch.device, dtype: torch.dtype, rate: float, smoke: bool) -> list[dict]:
+def run_case(case: Case, device: torch.device, dtype: torch.dtype, rate: float) -> list[dict]:
     p = params(case, config(case, "torch"), device, dtype)
     g = torch.Generator(device=device).manual_seed(1)
     x = torch.randn(case.T, case.H, device=device, generator=g).to(dtype).requires_grad_()
@@ -153,14 +150,8 @@ def run_case(case: Case, device: torch.device, dtype: torch.dtype, rate: float, 
     rows = []
     for pass_name, step, pass_flops in (("fwd", fwd, flops), ("fwd+bwd", fwd_bwd, 3 * flops)):
         ms = {}
-        for name in cfgs:
-            try:
-                ms[name] = bench(lambda name=name: step(name), device, label=f"{case.name}-{pass_name}-{name}")
-                peak = cuda_peak_bytes(lambda name=name: step(name), device)
-            except torch.OutOfMemoryError:  # the dense scores [N, T, T + S] and their probabilities
-                print(f"{case.name} {pass_name} {name}: out of memory", flush=True)
-                ms[name] = peak = None
-                torch.cuda.empty_cache()
+        for name in cfgs:  # out of memory (the dense scores [N, T, T + S] and their probabilities): an empty row
+            ms[name], peak = time_and_peak(lambda name=name: step(name), device, f"{case.name}-{pass_name}-{name}")
             rows.append({"case": case.name, "pass": pass_name, "impl": name, "ms": ms[name], "peak_GiB": None if peak is None else peak / 2**30,
                          "floor_fraction": None if ms[name] is None else pass_flops / rate * 1e3 / ms[name], "T": case.T, "N": case.N,
                          "D": case.D, "window": case.window, "rate": case.rate, "topk": case.topk, "dtype": str(dtype).removeprefix("torch.")})
@@ -171,15 +162,5 @@ def run_case(case: Case, device: torch.device, dtype: torch.dtype, rate: float, 
     return rows
 
 
-def main() -> None:
-    args, device, dtype, bandwidth = start(__doc__.splitlines()[0])
-    rate = matmul_rate(device, dtype, 256 if args.smoke else 8192)
-    print(f"{str(dtype).removeprefix('torch.')} matmul rate: {rate / 1e12:.1f} TFLOP/s (measured now)", flush=True)
-    rows = []
-    for case in make_cases(args.smoke):
-        rows += run_case(case, device, dtype, rate, args.smoke)
-    finish(args, device, bandwidth, "bench_dsv4_attention", [(rows, COLUMNS)], matmul_TFLOPs=rate / 1e12)
-
-
 if __name__ == "__main__":
-    main()
+    run_rate_cases(__doc__, "bench_dsv4_attention", make_cases, run_case, COLUMNS)

@@ -824,10 +824,11 @@ class AttentionConfig:
     it is its own value (kv_shared). The softmax spans the keys, the entries and the sinks.
     The run's slots are T // m (a bound known without reading the documents' lengths: no
     host sync), the unused ones masked. The context holds a dense mask; the sparse kernel
-    attends where Triton runs (above), the dense reference elsewhere; in decoding the cache keeps the entries and the
-    open run's inputs (ctx.compressed); under context parallel (ctx.gather_kv with the split's
-    token_index and kv_index) every rank's compressor inputs are gathered and each rank makes
-    the whole micro-batch's entries (compressed_entries); not with a softcap or ALiBi.
+    attends where Triton runs (above), the dense reference elsewhere; in decoding the cache
+    keeps the entries and the open run's inputs (ctx.compressed); under context parallel
+    (ctx.gather_kv with the split's token_index and kv_index) every rank's compressor inputs
+    are gathered and each rank makes the whole micro-batch's entries (compressed_entries);
+    not with a softcap or ALiBi.
 
     Compressed sparse attention (DeepSeek-V4's CSA) when compress_topk is set beside
     compress_rate m: the entries overlap, entry j of a document a softmax over 2 m slots, the
@@ -848,10 +849,10 @@ class AttentionConfig:
     distribution over each query's chosen entries from the attention's, its heads'
     probabilities of them summed, the sinks' share in their softmax), whose gradient reaches
     the indexer's weights alone (its queries' index_wq, index_w, and its compressor's through
-    its entries); without it the indexer's weights stay as loaded. Needs q_rank; not with index_topk or
-    index_topk_blocks; in decoding the cache keeps both compressors' entries and the inputs of
-    the last complete and the open run (ctx.compressed); under context parallel both
-    compressors' inputs are gathered, as above.
+    its entries); without it the indexer's weights stay as loaded. Needs q_rank; not with
+    index_topk or index_topk_blocks; in decoding the cache keeps both compressors' entries and
+    the inputs of the last complete and the open run (ctx.compressed); under context parallel
+    both compressors' inputs are gathered in one all-gather, as above.
     """
 
     n_heads: int
@@ -2271,8 +2272,7 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
                                                   chosen=slots_TJ if csa else None, target=csa and train_index)
     elif kernel:  # every head over each query's chosen latents; the latent output to each head's values below
         o_TNC, lse_TN = sparse_attention(q_TND, k_TGD[:, 0], slots_TJ, v_dim=cfg.kv_rank, scale=softmax_scale(cfg), check=False, impl=cfg.impl)
-        if sinks is not None:  # a sink adds exp(sink) to each head's denominator: o Z / (Z + e^sink), Z = e^lse (HY-V4's)
-            o_TNC = (o_TNC.float() * torch.sigmoid(lse_TN - sinks.float())[..., None]).to(o_TNC.dtype)
+        o_TNC = _with_sinks(o_TNC, lse_TN, sinks)  # HY-V4's
         out_NTD = rearrange(o_TNC, "t n c -> n t c")
     elif isinstance(mask, torch.Tensor) and (sinks is not None or cfg.score_softcap is not None or slopes_N is not None or (csa and train_index)):
         bias_NTS = None  # the reference, with sinks, a cap or ALiBi's biases (or the probabilities the CSA indexer's loss reads)
@@ -2501,18 +2501,18 @@ _SCORE_ROWS = 1 << 26  # the reference's scores per block of queries (float32 nu
 
 
 def _attention_with_sinks(q_NTD, k_GTD, v_GTD, mask_TS, scale: float, sinks_N, softcap: Optional[float] = None, bias_NTS=None, *,
-                          chosen: Optional[tuple] = None, rows: Optional[int] = None):
+                          chosen: Optional[tuple] = None):
     """The reference attention with sinks (None: none), capped scores (softcap, None: none)
     and ALiBi's biases (bias_NTS, None: none): softmax over [the allowed scores, the head's
     sink], the sink's share dropped (it has no value), in float32: (out [N, T, Dv] in q's
-    dtype, target). For blocks of queries whose scores [N, block, S] hold about `rows`
-    floats (None: _SCORE_ROWS), each recomputed in the backward where there are several
+    dtype, target). For blocks of queries whose scores [N, block, S] hold about
+    _SCORE_ROWS floats, each recomputed in the backward where there are several
     (torch.utils.checkpoint): the scores and probabilities of every query, [N, T, S] float32,
     are never kept at once (5.4 GB per layer at 64 heads, T = 4096, S = 5120). chosen
     (slots [T, J] int64, n_keys): target [T, J] float32, the heads' probabilities summed at
     columns n_keys + slots (0 in an empty slot, -1; no gradient); None: target None."""
     N, T = q_NTD.shape[:2]
-    block = max(1, (_SCORE_ROWS if rows is None else rows) // max(1, N * k_GTD.shape[1]))
+    block = max(1, _SCORE_ROWS // max(1, N * k_GTD.shape[1]))
     fn = functools.partial(_sinks_block, k_GTD=k_GTD, v_GTD=v_GTD, scale=scale, sinks_N=sinks_N, softcap=softcap,
                            n_keys=None if chosen is None else chosen[1])
     slots_TJ = None if chosen is None else chosen[0]
@@ -2557,8 +2557,7 @@ def _shared_kv_by_kernel(q_NTD: torch.Tensor, kv_SD: torch.Tensor, mask_TS: torc
     q_TND = rearrange(q_NTD, "n t d -> t n d")
     kv_SD = kv_SD.to(q_TND.dtype)
     o_TND, lse_TN = sparse_attention(q_TND, kv_SD, slots_TJ, scale=softmax_scale(cfg), check=False, impl=cfg.impl)
-    if sinks_N is not None:  # a sink adds exp(sink) to each head's denominator: o Z / (Z + e^sink), Z = e^lse
-        o_TND = (o_TND.float() * torch.sigmoid(lse_TN - sinks_N.float())[..., None]).to(o_TND.dtype)
+    o_TND = _with_sinks(o_TND, lse_TN, sinks_N)
     target_TJ = None
     if target:
         with torch.no_grad():  # each chosen entry's probability summed over the heads, the sinks in the denominator
@@ -2566,6 +2565,15 @@ def _shared_kv_by_kernel(q_NTD: torch.Tensor, kv_SD: torch.Tensor, mask_TS: torc
             p_TJ = sparse_attention_probs(q_TND.detach(), kv_SD.detach(), slots_TJ, lse, scale=softmax_scale(cfg), impl=cfg.impl)
             target_TJ = p_TJ[:, key_slots.shape[1]:]
     return rearrange(o_TND, "t n d -> n t d"), target_TJ
+
+
+def _with_sinks(o_TND: torch.Tensor, lse_TN: torch.Tensor, sinks_N: Optional[torch.Tensor]) -> torch.Tensor:
+    """A kernel's output o [T, N, Dv] (its log-sum-exp lse [T, N] float32) under attention
+    sinks [N] (None: o itself): a sink adds exp(sink) to each head's denominator, o Z / (Z +
+    e^sink) with Z = e^lse, o sigmoid(lse - sink); in o's dtype, differentiable in all three."""
+    if sinks_N is None:
+        return o_TND
+    return (o_TND.float() * torch.sigmoid(lse_TN - sinks_N.float())[..., None]).to(o_TND.dtype)
 
 
 def _sinks_block(q_NBD, mask_BS, bias_NBS, slots_BJ, *, k_GTD, v_GTD, scale, sinks_N, softcap, n_keys):
