@@ -2358,8 +2358,7 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
             if kernel:
                 target_TJ = sparse_attention_probs(q_TND, k_TGD[:, 0], slots_TJ, lse_TN, v_dim=cfg.kv_rank, scale=softmax_scale(cfg), impl=cfg.impl)
             else:  # the reference's probabilities, for blocks of queries (never [N, T, S] at once, as _attention_with_sinks)
-                N, T = q_NTD.shape[:2]
-                block = max(1, _SCORE_ROWS // max(1, N * k_GTD.shape[1]))
+                T, block = q_NTD.shape[1], _query_block(q_NTD.shape[0], k_GTD.shape[1])
                 target_TJ = torch.cat([_attention_probs(q_NTD[:, t0:t0 + block], k_GTD, mask[t0:t0 + block], softmax_scale(cfg)).sum(0)
                                        .gather(1, slots_TJ[t0:t0 + block].clamp(min=0)) * (slots_TJ[t0:t0 + block] >= 0)
                                        for t0 in range(0, T, block)])
@@ -2500,6 +2499,12 @@ def _attention_probs(q_NTD, k_GTD, mask_TS, scale: float) -> torch.Tensor:
 _SCORE_ROWS = 1 << 26  # the reference's scores per block of queries (float32 numbers): 256 MiB
 
 
+def _query_block(n_heads: int, n_keys: int) -> int:
+    """The queries of a block of the dense reference: their scores [n_heads, block, n_keys]
+    hold about _SCORE_ROWS floats (at least one query)."""
+    return max(1, _SCORE_ROWS // max(1, n_heads * n_keys))
+
+
 def _attention_with_sinks(q_NTD, k_GTD, v_GTD, mask_TS, scale: float, sinks_N, softcap: Optional[float] = None, bias_NTS=None, *,
                           chosen: Optional[tuple] = None):
     """The reference attention with sinks (None: none), capped scores (softcap, None: none)
@@ -2511,8 +2516,7 @@ def _attention_with_sinks(q_NTD, k_GTD, v_GTD, mask_TS, scale: float, sinks_N, s
     are never kept at once (5.4 GB per layer at 64 heads, T = 4096, S = 5120). chosen
     (slots [T, J] int64, n_keys): target [T, J] float32, the heads' probabilities summed at
     columns n_keys + slots (0 in an empty slot, -1; no gradient); None: target None."""
-    N, T = q_NTD.shape[:2]
-    block = max(1, _SCORE_ROWS // max(1, N * k_GTD.shape[1]))
+    T, block = q_NTD.shape[1], _query_block(q_NTD.shape[0], k_GTD.shape[1])
     fn = functools.partial(_sinks_block, k_GTD=k_GTD, v_GTD=v_GTD, scale=scale, sinks_N=sinks_N, softcap=softcap,
                            n_keys=None if chosen is None else chosen[1])
     slots_TJ = None if chosen is None else chosen[0]
