@@ -1417,8 +1417,10 @@ def _use_flex(impl: str, device: torch.device) -> bool:
 class MaskRows:
     """A document mask kept as its rule, not as its [T, S] values: query t sees key s iff
     q_doc[t] == kv_doc[s] and kv_pos[s] <= q_pos[t] (and q_pos[t] - kv_pos[s] < window);
-    document_mask(rows=True) builds it. DeepSeek sparse attention's context on its kernel's
-    path: the indexer reads the mask a block of queries at a time (rows), and the kernel
+    document_mask(rows=True) builds it. The contexts of the sparse kernels' paths: DeepSeek
+    sparse attention's and block-sparse attention's indexers read the mask a block of
+    queries at a time (rows); DeepSeek-V4's layers find each query's window of keys from
+    the rule itself (and their compressed entries' visibility is one too), and the kernel
     never needs it whole. O(T + S) memory where the dense mask is T S bytes (16 GiB at
     T = S = 128K)."""
 
@@ -1628,8 +1630,11 @@ def attention_context(
             softmax attention only: linear_attention refuses it.
     Returns:
         AttentionContext(cos, sin [T, rot_dim/2] float32, mask, gather_kv): the mask is a
-        FlexAttention BlockMask when cfg.impl is "flex", or "auto" on CUDA; the dense
-        [T, T] mask otherwise ([T/cp, T] under context parallel).
+        FlexAttention BlockMask when cfg.impl is "flex", or "auto" on CUDA; its rule alone
+        (MaskRows) where a sparse kernel runs (Triton: impl "triton", or "auto" on CUDA)
+        for DeepSeek sparse attention, block-sparse attention or one kv head that is its
+        values (cfg.kv_shared, DeepSeek-V4's layers); the dense [T, T] mask otherwise
+        ([T/cp, T] under context parallel).
     """
     check_index("cu_seqlens", cu_seqlens, 1, "[n_seqs + 1]")
     check_index("positions", positions, 1, "[T]")
@@ -1648,9 +1653,12 @@ def attention_context(
                              f"got {type(linear_cp).__name__} without {missing}")
     T = positions.shape[0]
     T_kv = T if kv_index is None else kv_index.shape[0]
-    flex = _use_flex(cfg.impl, positions.device) and cfg.index_topk is None and cfg.index_topk_blocks is None  # a top-k mask is a dense one
-    # ...or, on its sparse kernel's path, the mask's rule alone (MaskRows: never T x S values)
-    rows = (cfg.index_topk is not None or cfg.index_topk_blocks is not None) and use_triton(cfg.impl, positions)
+    # one kv head that is its values (DeepSeek-V4's): its window and entries on the sparse kernel where Triton runs
+    shared_kv = cfg.kv_shared and cfg.n_kv_heads == 1 and cfg.impl != "flex" and use_triton(cfg.impl, positions)
+    flex = (_use_flex(cfg.impl, positions.device) and cfg.index_topk is None and cfg.index_topk_blocks is None  # a top-k mask is a dense one
+            and not shared_kv)
+    # ...or, on a sparse kernel's path, the mask's rule alone (MaskRows: never T x S values)
+    rows = (cfg.index_topk is not None or cfg.index_topk_blocks is not None or shared_kv) and use_triton(cfg.impl, positions)
     if window_only and ((cfg.window is None and cfg.chunk is None) or mask is not None):
         raise ValueError(f"window_only: a context of the sliding window's (chunk's) layers alone needs cfg.window or cfg.chunk and no mask, "
                          f"got window {cfg.window}, chunk {cfg.chunk}{' and a mask' if mask is not None else ''}")
@@ -1808,12 +1816,15 @@ def compressed_entries(x_TH: torch.Tensor, params, cfg: AttentionConfig, ctx: "A
     return entries_SD, keep_TS
 
 
-def _compressed_parts(parts, params, cfg: AttentionConfig, ctx: "AttentionContext") -> tuple[list, torch.Tensor]:
+def _compressed_parts(parts, params, cfg: AttentionConfig, ctx: "AttentionContext", *, rows: bool = False) -> tuple[list, object]:
     """compressed_entries of several compressors over the same runs (compressed sparse
     attention's and its indexer's), parts [(prefix, c [T, E], g [T, E])] of each one's
     inputs (compressor_inputs): ([entries [S, D] of each], keep [T, S]), the runs'
     bookkeeping made once and, under context parallel, every part's inputs in one gather
-    (each part's gradient returning through it; to the others' inputs, zeros)."""
+    (each part's gradient returning through it; to the others' inputs, zeros). rows: keep
+    as its rule (a MaskRows: entry j of a document, its position (j + 1) m - 1, seen by
+    the document's queries from that position on; an entry past the documents' runs by
+    none), never [T, S] values."""
     inputs = [(c, g) for _, c, g in parts]
     m, device = cfg.compress_rate, inputs[0][0].device
     cu, positions = ctx.cu_seqlens.long(), ctx.positions.long()
@@ -1848,6 +1859,8 @@ def _compressed_parts(parts, params, cfg: AttentionConfig, ctx: "AttentionContex
             c_SKD, logits_SKD = overlap_runs(c_TW[prev_SM], g_TW[prev_SM], c_TW[run_SM], g_TW[run_SM], valid & (j > 0), bias_ME)
         entries.append(run_entries(c_SKD, logits_SKD, cos, sin, params[prefix + "norm"], cfg, index=prefix != "compress_"))
     q_doc = torch.searchsorted(cu[1:], q_index, right=True)
+    if rows:
+        return entries, MaskRows(q_doc, positions, torch.where(valid, doc, -1), (j + 1) * m - 1)
     keep_TS = valid[None] & (doc[None] == q_doc[:, None]) & ((j[None] + 1) * m <= positions[:, None] + 1)
     return entries, keep_TS
 
@@ -2214,13 +2227,21 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
                 slots_TJ = _index_choice(x, q_index, index_k_SD, params, cfg, ctx, mask)
         if not kernel:  # the dense reference attends under the choice's mask
             mask = slots_mask(slots_TJ, mask.shape[1])
-    elif isinstance(mask, MaskRows) and not block_kernel:  # a layer without a sparse kernel in a context built for one: the dense mask
+    sinks, slopes_N = params.get("sinks"), params.get("alibi")
+    # DeepSeek-V4's layers (one kv head that is its values; a window, compressed entries) where Triton runs: each query over
+    # its window's keys and the entries it attends to alone, on the sparse kernel (O(T (window + entries)), never [N, T, S]);
+    # the context's mask may be its rule (MaskRows: never [T, S] either)
+    shared_kernel = (cfg.kv_shared and k_GTD.shape[0] == 1 and (cfg.window is not None or cfg.compress_rate is not None) and not sparse
+                     and not blocks and (isinstance(mask, MaskRows) or (isinstance(mask, torch.Tensor) and mask.ndim == 2))
+                     and cfg.score_softcap is None and slopes_N is None and cfg.impl != "flex" and use_triton(cfg.impl, x))
+    if isinstance(mask, MaskRows) and not block_kernel and not sparse and not shared_kernel:  # a layer without a sparse kernel: the dense mask
         mask = mask.rows()
     if blocks and not isinstance(mask, (torch.Tensor, MaskRows)):
         raise ValueError("ctx: block-sparse attention (cfg.index_topk_blocks) needs the dense mask or its rows; build the context with this cfg "
                          "(attention_context)")
+    keep_TS = None  # the compressed entries' mask (or rule) on the shared kernel's path; the dense path appends it to mask
     if cfg.compress_rate is not None:  # heavily compressed attention: the entries after the keys, each under its own rule
-        if not isinstance(mask, torch.Tensor) or (ctx.compressed is None and (ctx.cu_seqlens is None or ctx.positions is None)):
+        if not isinstance(mask, (torch.Tensor, MaskRows)) or (ctx.compressed is None and (ctx.cu_seqlens is None or ctx.positions is None)):
             raise ValueError("ctx: heavily compressed attention (cfg.compress_rate) needs the dense mask, the documents and the positions; "
                              "build the context with attention_context and impl 'torch' (or 'auto' off CUDA)")
         index_keys_SD = None
@@ -2237,21 +2258,16 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
             if cfg.compress_topk is not None:  # the indexer's, of the detached tokens: differentiable only for its loss
                 with torch.set_grad_enabled(train_index):
                     parts.append(("index_compress_", *compressor_inputs(x.detach(), params, cfg, prefix="index_compress_")))
-            (entries_SD, *index_part), keep_TS = _compressed_parts(parts, params, cfg, ctx)
+            (entries_SD, *index_part), keep_TS = _compressed_parts(parts, params, cfg, ctx, rows=shared_kernel)
             index_keys_SD = index_part[0] if index_part else None
         if cfg.compress_topk is not None:  # compressed sparse attention: the indexer's choice of the entries each query sees
             slots_TJ = compressed_choice(x, q_index, index_keys_SD, params, cfg, ctx, keep_TS)
-            keep_TS = slots_mask(slots_TJ, keep_TS.shape[1])
+            keep_TS = None if shared_kernel else slots_mask(slots_TJ, keep_TS.shape[1])
         k_GTD = v_GTD = torch.cat([k_GTD, entries_SD[None].to(k_GTD.dtype)], dim=1)  # their own values (kv_shared)
         n_keys = mask.shape[1]  # the entries' columns follow the keys'
-        mask = torch.cat([mask, keep_TS], dim=1)
-    sinks, slopes_N = params.get("sinks"), params.get("alibi")
+        if not shared_kernel:
+            mask = torch.cat([mask, keep_TS.rows() if isinstance(keep_TS, MaskRows) else keep_TS], dim=1)
     lse_TN = None
-    # DeepSeek-V4's layers (one kv head that is its values; a window, compressed entries) where Triton runs: each query over
-    # its window's keys and the entries it attends to alone, on the sparse kernel (O(T (window + entries)), never [N, T, S])
-    shared_kernel = (cfg.kv_shared and k_GTD.shape[0] == 1 and (cfg.window is not None or cfg.compress_rate is not None) and not sparse
-                     and not blocks and isinstance(mask, torch.Tensor) and mask.ndim == 2 and cfg.score_softcap is None and slopes_N is None
-                     and use_triton(cfg.impl, x))
     if blocks:  # each kv head's queries under its own choice of blocks
         G, r = k_GTD.shape[0], q_NTD.shape[0] // k_GTD.shape[0]
         with torch.no_grad():
@@ -2268,8 +2284,8 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
             k_GRSD, v_GRSD = (t[:, None].expand(G, r, *t.shape[1:]) for t in (k_GTD, v_GTD))
             out_NTD = F.scaled_dot_product_attention(q_GRTD, k_GRSD, v_GRSD, attn_mask=keep_GTS[:, None], scale=softmax_scale(cfg)).flatten(0, 1)
     elif shared_kernel:
-        out_NTD, target_TJ = _shared_kv_by_kernel(q_NTD, k_GTD[0], mask, cfg, sinks, n_keys=n_keys if cfg.compress_rate is not None else mask.shape[1],
-                                                  chosen=slots_TJ if csa else None, target=csa and train_index)
+        out_NTD, target_TJ = _shared_kv_by_kernel(q_NTD, k_GTD[0], mask, cfg, sinks, keep=keep_TS, chosen=slots_TJ if csa else None,
+                                                  target=csa and train_index)
     elif kernel:  # every head over each query's chosen latents; the latent output to each head's values below
         o_TNC, lse_TN = sparse_attention(q_TND, k_TGD[:, 0], slots_TJ, v_dim=cfg.kv_rank, scale=softmax_scale(cfg), check=False, impl=cfg.impl)
         o_TNC = _with_sinks(o_TNC, lse_TN, sinks)  # HY-V4's
@@ -2532,31 +2548,37 @@ def _attention_with_sinks(q_NTD, k_GTD, v_GTD, mask_TS, scale: float, sinks_N, s
     return torch.cat(outs, dim=1), None if chosen is None else torch.cat(targets)
 
 
-def _shared_kv_by_kernel(q_NTD: torch.Tensor, kv_SD: torch.Tensor, mask_TS: torch.Tensor, cfg: AttentionConfig, sinks_N, *, n_keys: int,
+def _shared_kv_by_kernel(q_NTD: torch.Tensor, kv_SD: torch.Tensor, mask_TS, cfg: AttentionConfig, sinks_N, *, keep=None,
                          chosen: Optional[torch.Tensor] = None, target: bool = False):
     """Attention over one kv head that is its own values (kv_shared; DeepSeek-V4's layers) on
-    the sparse kernel (fmoe.ops.sparse_attention): each query over the rows mask [T, S]
-    allows alone, kv [S, D] the rows, every head reading the same: its keys' (the first
-    n_keys columns; compacted to cfg.window slots with a window), then the compressed
-    entries' after them: those of chosen [T, J] (compressed sparse attention's entry slots,
-    -1 empty) or, with chosen None, every entry column the mask allows. sinks [N] (None: none)
-    scale each head's output by sigmoid(lse - sink). (out [N, T, D] in q's dtype, target):
-    with target, the heads' probabilities of the chosen entries summed [T, J] float32 (the
-    sinks in their softmax; 0 in an empty slot; no gradient), as _attention_with_sinks gives
-    them; else None."""
-    device = mask_TS.device
-    with torch.no_grad():  # each query's rows: its keys (the allowed ones first, in column order), then the entries
-        keys_TS = mask_TS[:, :n_keys]
+    the sparse kernel (fmoe.ops.sparse_attention): each query over the rows it attends to
+    alone, kv [S + S', D] the rows (the keys, then any compressed entries), every head
+    reading the same: the keys mask [T, S] allows (a bool tensor or its rule, MaskRows;
+    compacted to cfg.window slots with a window, in position order), then the entries':
+    those of chosen [T, J] (compressed sparse attention's entry slots, -1 empty) or, with
+    chosen None, every one keep [T, S'] allows (a bool tensor or a MaskRows; None: no
+    entries). sinks [N] (None: none) scale each head's output by sigmoid(lse - sink). (out
+    [N, T, D] in q's dtype, target): with target, the heads' probabilities of the chosen
+    entries summed [T, J] float32 (the sinks in their softmax; 0 in an empty slot; no
+    gradient), as _attention_with_sinks gives them; else None."""
+    device, n_keys = q_NTD.device, mask_TS.shape[1]
+    with torch.no_grad():  # each query's rows: its keys (the allowed ones first, in position order), then the entries
         W = min(cfg.window, n_keys) if cfg.window is not None else n_keys
-        if W < n_keys:
-            order_TW = torch.sort(keys_TS.to(torch.uint8), dim=1, descending=True, stable=True).indices[:, :W]
-            key_slots = torch.where(keys_TS.gather(1, order_TW), order_TW, -1)
+        if W < n_keys and isinstance(mask_TS, MaskRows):
+            key_slots = _window_slots(mask_TS, W)
+        elif W < n_keys:
+            order_TW = torch.sort(mask_TS.to(torch.uint8), dim=1, descending=True, stable=True).indices[:, :W]
+            key_slots = torch.where(mask_TS.gather(1, order_TW), order_TW, -1)
         else:
-            key_slots = torch.where(keys_TS, torch.arange(n_keys, device=device), -1)
-        if chosen is None:
-            entry_slots = torch.where(mask_TS[:, n_keys:], torch.arange(n_keys, mask_TS.shape[1], device=device), -1)
-        else:
+            rows_TS = mask_TS.rows() if isinstance(mask_TS, MaskRows) else mask_TS
+            key_slots = torch.where(rows_TS, torch.arange(n_keys, device=device), -1)
+        if chosen is not None:
             entry_slots = torch.where(chosen >= 0, chosen + n_keys, -1)
+        elif keep is not None:
+            keep_TS = keep.rows() if isinstance(keep, MaskRows) else keep
+            entry_slots = torch.where(keep_TS, torch.arange(n_keys, n_keys + keep_TS.shape[1], device=device), -1)
+        else:
+            entry_slots = key_slots[:, :0]
         slots_TJ = torch.cat([key_slots, entry_slots], dim=1)
     q_TND = rearrange(q_NTD, "n t d -> t n d")
     kv_SD = kv_SD.to(q_TND.dtype)
@@ -2569,6 +2591,21 @@ def _shared_kv_by_kernel(q_NTD: torch.Tensor, kv_SD: torch.Tensor, mask_TS: torc
             p_TJ = sparse_attention_probs(q_TND.detach(), kv_SD.detach(), slots_TJ, lse, scale=softmax_scale(cfg), impl=cfg.impl)
             target_TJ = p_TJ[:, key_slots.shape[1]:]
     return rearrange(o_TND, "t n d -> n t d"), target_TJ
+
+
+def _window_slots(mask: MaskRows, W: int) -> torch.Tensor:
+    """The keys each query of a sliding window's rule (MaskRows) sees, [T, W] int64 columns in
+    position order (-1: none): in (document, position) order they are a run from the
+    query's document's position max(0, q_pos - W + 1), each checked by the rule. O(T W + S
+    log S) time and memory, never [T, S]; like the dense mask's stable sort, the first W
+    keys where the rule allows more."""
+    span = torch.maximum(mask.kv_pos.max(), mask.q_pos.max()).long() + 1
+    key_S = mask.kv_doc.long() * span + mask.kv_pos.long()
+    sorted_S, order_S = torch.sort(key_S, stable=True)
+    first_T = torch.searchsorted(sorted_S, mask.q_doc.long() * span + (mask.q_pos.long() - W + 1).clamp(min=0))
+    run_TW = first_T[:, None] + torch.arange(W, device=first_T.device)
+    cols_TW = order_S[run_TW.clamp(max=key_S.shape[0] - 1)]
+    return torch.where((run_TW < key_S.shape[0]) & mask.at(slice(None), cols_TW), cols_TW, -1)
 
 
 def _with_sinks(o_TND: torch.Tensor, lse_TN: torch.Tensor, sinks_N: Optional[torch.Tensor]) -> torch.Tensor:

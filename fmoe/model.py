@@ -1645,10 +1645,9 @@ class TransformerConfig:
         """The AttentionConfig a micro-batch's AttentionContext is built from: the local blocks'
         (both masks) where some block is local, with the global blocks' head dim and
         proportional RoPE for the global tables (local_head_dim the local tables' width,
-        local_rot_dim)."""
+        local_rot_dim). DeepSeek-V4's (kv_shared) where Triton runs: the masks' rules
+        (MaskRows; attention_context)."""
         cfg = self.attention_config(local=self.any_local)
-        if (self.compress_layers or self.csa_layers) and cfg.impl == "auto":  # compressed attention attends by the dense reference: dense masks
-            cfg = dataclasses.replace(cfg, impl="torch")
         if not self.any_local or (self.local_head_dim is None and self.rope_proportion is None):
             return cfg
         return dataclasses.replace(cfg, head_dim=self.head_dim, rope_proportion=self.rope_proportion, local_head_dim=self.local_head_dim)

@@ -2273,6 +2273,79 @@ def test_deepseek_v4_attention_on_the_sparse_kernel_is_the_reference(kind, monke
     assert slots == [(17, 5 + entries)]
 
 
+@pytest.mark.parametrize("layout", ["tokens", "split", "ring"])
+def test_a_window_s_keys_from_its_rule_are_the_dense_mask_s(layout):
+    """A sliding window's keys per query found from its rule (MaskRows) alone, in O(T W) (fmoe.layers._window_slots, the
+    sparse kernel's slots of DeepSeek-V4's layers): the same columns as the dense mask allows, each row's in position
+    order, -1 after them; over documents of 1 to 13 tokens and windows of 1 to 9, with the keys in token order ("tokens"),
+    a context-parallel split's queries over keys gathered in rank order ("split"), and a decode's rings (keys of other
+    sequences, dead rows past the documents, repeated, and a few new tokens: "ring")."""
+    import fmoe.layers as L
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(12):
+        lengths = torch.randint(1, 14, (4,), generator=g)
+        cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+        n, W = int(cu[-1]), int(torch.randint(1, 10, (1,), generator=g))
+        kw = {}
+        if layout == "split":  # this rank's queries (every other token), the keys in a permuted order
+            kw = dict(token_index=torch.arange(trial % 2, n, 2), kv_index=torch.randperm(n, generator=g))
+        elif layout == "ring":  # rows of the last W positions of each document, dead rows (past cu[-1]), then the new ones
+            ends = cu[1:] - 1
+            held = torch.cat([torch.arange(max(int(e) - W + 1, int(s)), int(e) + 1) for s, e in zip(cu[:-1], ends)])
+            dead = torch.full((3,), n)
+            kw = dict(token_index=ends, kv_index=torch.cat([held[torch.randperm(held.numel(), generator=g)], dead]))
+            cu = torch.cat([cu, torch.tensor([n + 1])])
+        n_kv = n if "kv_index" not in kw else kw["kv_index"].numel()
+        rule = document_mask(cu, n_kv, flex=False, window=W, rows=True, **kw)
+        dense = document_mask(cu, n_kv, flex=False, window=W, **kw)
+        assert isinstance(rule, MaskRows) and dense.sum(1).max() <= W
+        slots = L._window_slots(rule, W)
+        assert slots.shape == (dense.shape[0], W)
+        for t in range(dense.shape[0]):
+            cols = slots[t][slots[t] >= 0]
+            assert (slots[t][len(cols):] == -1).all()
+            assert sorted(cols.tolist()) == dense[t].nonzero().flatten().tolist(), (layout, trial, t)
+            assert (rule.kv_pos[cols].diff() > 0).all()
+
+
+@pytest.mark.parametrize("kind", ["sliding_attention", "heavily_compressed_attention", "compressed_sparse_attention"])
+def test_deepseek_v4_attention_on_the_kernel_never_makes_a_dense_mask(kind):
+    """A context built for DeepSeek-V4's layers where the sparse kernel runs (impl "triton"; CUDA's "auto") holds the
+    masks' rules (MaskRows), and the layer, forward and backward, makes no tensor of a query per key ([..., T, keys]
+    or [..., T, keys + entries]): the window's keys come from the rule, the entries' from their own (the context and the
+    layer run under a record of every op's output; the dense reference, impl "torch", makes such tensors, so the record
+    would see one)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Shapes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.seen += [tuple(o.shape) for o in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(o, torch.Tensor)]
+            return out
+
+    _, _, _, cfg, params = _dsv4_attention_layer(kind)
+    T, cu = 17, torch.tensor([0, 11, 17])
+    entries = T // cfg.compress_rate if cfg.compress_rate else 0
+    dense_widths = {T, T + entries}
+    found = {}
+    for impl in ("torch", "triton"):
+        run = dataclasses.replace(cfg, impl=impl, index_loss=kind == "compressed_sparse_attention")
+        x = torch.randn(T, H, requires_grad=True)
+        with Shapes() as rec:
+            ctx = _ctx(cu, run)
+            y, stats = attention(x, params, run, ctx)
+            (y.square().sum() + (stats["index_loss"] if "index_loss" in stats.keys() else 0)).backward()
+        if impl == "triton":
+            assert isinstance(ctx.mask, MaskRows) and isinstance(ctx.local_mask, MaskRows)
+        found[impl] = [s for s in rec.seen if len(s) >= 2 and s[-2] == T and s[-1] in dense_widths]
+    assert found["torch"] and not found["triton"], found
+
+
 def test_the_reference_with_sinks_runs_in_blocks_of_queries(monkeypatch):
     """The dense reference with sinks (DeepSeek-V4's CSA layer here, its indexer's loss on: the heads' probabilities of the
     chosen entries read block by block) over blocks of queries, each recomputed in the backward, when the scores of every

@@ -2997,6 +2997,33 @@ def test_compressed_sparse_blocks_decode_as_the_whole_sequence(impl):
     _decodes_as_the_whole_sequence(model, check)
 
 
+def test_deepseek_v4_models_on_the_sparse_kernel_train_as_the_reference():
+    """A DeepSeek-V4 model (a sliding block, a CSA block with its indexer's loss, an HCA block, an MTP depth) with impl
+    "triton" (CUDA's "auto"; the interpreter here): its contexts hold the masks' rules (MaskRows, never [T, T]; the MTP
+    depth's shares the trunk's), every layer attends on the sparse kernel, and the loss, the indexer's loss and every
+    gradient are the dense reference's (impl "torch")."""
+    runs = {}
+    for impl in ("torch", "triton"):
+        torch.manual_seed(0)
+        cfg = dataclasses.replace(DSV4_CSA, mtp_depth=1, impl=impl)
+        model = Transformer(cfg)
+        batch = _batch(cfg, T=32, cu=(0, 7, 8, 24, 32), padding=8)
+        ctx = model.context(batch)
+        kinds = {type(c.mask).__name__ for c in ctx.attention} | {type(ctx.attention[0].local_mask).__name__}
+        assert len(ctx.attention) == 2
+        assert kinds == ({"MaskRows"} if impl == "triton" else {"Tensor"}), (impl, kinds)
+        loss = _loss(model, batch, ctx)
+        loss.backward()
+        runs[impl] = (loss.detach(), model.index_loss_sum().detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+    (loss0, index0, grads0), (loss1, index1, grads1) = runs.values()
+    assert float(index0) > 0
+    torch.testing.assert_close(loss1, loss0, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(index1, index0, rtol=1e-5, atol=1e-7)
+    assert grads1.keys() == grads0.keys()
+    for n, g in grads0.items():
+        torch.testing.assert_close(grads1[n], g, rtol=1e-4, atol=1e-6, msg=n)
+
+
 def test_compressed_sparse_blocks_bad_knobs():
     """csa_layers, csa_rate and csa_topk are checked by name; a block is one kind of compressed attention."""
     for overrides, message in ((dict(csa_rate=1), r"csa_rate: expected >= 2, got 1"),
