@@ -2356,9 +2356,11 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
         with torch.no_grad():
             if block_kernel:  # each slot's probability summed over the heads, then over each block's slots
                 target_GTJ = _blocks_target_by_kernel(q_NTD, k_GTD, v_GTD, slots_GTJ, lse_TN, cfg)
-            else:
-                p_NTS = _attention_probs(q_NTD, k_GTD, keep_GTS.repeat_interleave(r, dim=0), softmax_scale(cfg))
-                target_GTJ = block_index_target(p_NTS, chosen_GTJ, kv_pos, cfg)
+            else:  # the reference's probabilities for blocks of queries (never [N, T, S] at once)
+                T, block = q_NTD.shape[1], _query_block(q_NTD.shape[0], k_GTD.shape[1])
+                target_GTJ = torch.cat([block_index_target(_attention_probs(q_NTD[:, t0:t0 + block], k_GTD,
+                                                                            keep_GTS[:, t0:t0 + block].repeat_interleave(r, dim=0), softmax_scale(cfg)),
+                                                           chosen_GTJ[:, t0:t0 + block], kv_pos, cfg) for t0 in range(0, T, block)], dim=1)
         cp = ctx.gather_kv is not None  # under context parallel this rank's share: its queries' sum over the micro-batch's count
         stats["index_loss"] = block_index_loss(x.detach(), index_k_SD, mask, chosen_GTJ, target_GTJ, kv_pos, params, cfg, ctx,
                                                n_queries=mask.shape[1] if cp else x.shape[0])

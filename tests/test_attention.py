@@ -1833,13 +1833,19 @@ def _loop_block_index_loss(x, p, cfg, cu):
     return total / T
 
 
-def test_block_sparse_indexer_loss_matches_its_definition_and_trains_the_indexer_alone():
+@pytest.mark.parametrize("block", [None, 3])
+def test_block_sparse_indexer_loss_matches_its_definition_and_trains_the_indexer_alone(block, monkeypatch):
     """With index_loss, block-sparse attention returns its indexer's loss: for each query and
     kv head the KL divergence of the indexer's softmax over the chosen blocks' scores from
     the heads' attention mass on them, averaged over the queries; its value and its gradient
     in every indexer weight match the query-by-query definition, and it reaches nothing else
-    (the tokens and the attention's weights get none of it)."""
+    (the tokens and the attention's weights get none of it). block: the dense reference's
+    target read for blocks of that many queries (fmoe.layers._SCORE_ROWS; None: all at once)."""
+    import fmoe.layers as L
+
     cfg = dataclasses.replace(BLOCKS, index_loss=True, index_local_blocks=1, index_topk_blocks=3)
+    if block is not None:
+        monkeypatch.setattr(L, "_SCORE_ROWS", block * cfg.n_heads * 17)
     p = {n: t.detach().requires_grad_() for n, t in _block_params(cfg).items()}
     x, cu = torch.randn(17, H, requires_grad=True), torch.tensor([0, 5, 6, 17], dtype=torch.int32)
     y, stats = attention(x, p, cfg, _ctx(cu, cfg))
