@@ -2234,7 +2234,11 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
     shared_kernel = (cfg.kv_shared and k_GTD.shape[0] == 1 and (cfg.window is not None or cfg.compress_rate is not None) and not sparse
                      and not blocks and (isinstance(mask, MaskRows) or (isinstance(mask, torch.Tensor) and mask.ndim == 2))
                      and cfg.score_softcap is None and slopes_N is None and cfg.impl != "flex" and use_triton(cfg.impl, x))
-    if isinstance(mask, MaskRows) and not block_kernel and not sparse and not shared_kernel:  # a layer without a sparse kernel: the dense mask
+    # the reference with sinks, a cap, ALiBi's biases (or the probabilities the CSA indexer's loss reads): blocks of queries,
+    # each reading its rows of a MaskRows alone
+    with_sinks = sinks is not None or cfg.score_softcap is not None or slopes_N is not None or (csa and train_index)
+    if (isinstance(mask, MaskRows) and not block_kernel and not sparse and not shared_kernel
+            and (not with_sinks or cfg.compress_rate is not None)):  # a layer without a sparse kernel: the dense mask
         mask = mask.rows()
     if blocks and not isinstance(mask, (torch.Tensor, MaskRows)):
         raise ValueError("ctx: block-sparse attention (cfg.index_topk_blocks) needs the dense mask or its rows; build the context with this cfg "
@@ -2290,7 +2294,7 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
         o_TNC, lse_TN = sparse_attention(q_TND, k_TGD[:, 0], slots_TJ, v_dim=cfg.kv_rank, scale=softmax_scale(cfg), check=False, impl=cfg.impl)
         o_TNC = _with_sinks(o_TNC, lse_TN, sinks)  # HY-V4's
         out_NTD = rearrange(o_TNC, "t n c -> n t c")
-    elif isinstance(mask, torch.Tensor) and (sinks is not None or cfg.score_softcap is not None or slopes_N is not None or (csa and train_index)):
+    elif isinstance(mask, (torch.Tensor, MaskRows)) and with_sinks:
         bias_NTS = None  # the reference, with sinks, a cap or ALiBi's biases (or the probabilities the CSA indexer's loss reads)
         if slopes_N is not None:
             q_pos, kv_pos = _alibi_distances(ctx, *mask.shape, x.device)
@@ -2533,17 +2537,19 @@ def _attention_with_sinks(q_NTD, k_GTD, v_GTD, mask_TS, scale: float, sinks_N, s
     (torch.utils.checkpoint): the scores and probabilities of every query, [N, T, S] float32,
     are never kept at once (5.4 GB per layer at 64 heads, T = 4096, S = 5120). chosen
     (slots [T, J] int64, n_keys): target [T, J] float32, the heads' probabilities summed at
-    columns n_keys + slots (0 in an empty slot, -1; no gradient); None: target None."""
+    columns n_keys + slots (0 in an empty slot, -1; no gradient); None: target None. mask:
+    a [T, S] bool tensor or its rule (MaskRows), whose rows each block makes for itself
+    (never [T, S] values)."""
     T, block = q_NTD.shape[1], _query_block(q_NTD.shape[0], k_GTD.shape[1])
-    fn = functools.partial(_sinks_block, k_GTD=k_GTD, v_GTD=v_GTD, scale=scale, sinks_N=sinks_N, softcap=softcap,
+    fn = functools.partial(_sinks_block, mask_TS=mask_TS, k_GTD=k_GTD, v_GTD=v_GTD, scale=scale, sinks_N=sinks_N, softcap=softcap,
                            n_keys=None if chosen is None else chosen[1])
     slots_TJ = None if chosen is None else chosen[0]
     if block >= T:
-        return fn(q_NTD, mask_TS, bias_NTS, slots_TJ)
+        return fn(q_NTD, slice(None), bias_NTS, slots_TJ)
     outs, targets = [], []
     for t0 in range(0, T, block):
         b = slice(t0, t0 + block)
-        out, target = checkpoint(fn, q_NTD[:, b], mask_TS[b], None if bias_NTS is None else bias_NTS[:, b], None if slots_TJ is None else slots_TJ[b],
+        out, target = checkpoint(fn, q_NTD[:, b], b, None if bias_NTS is None else bias_NTS[:, b], None if slots_TJ is None else slots_TJ[b],
                                  use_reentrant=False)
         outs.append(out)
         targets.append(target)
@@ -2619,9 +2625,10 @@ def _with_sinks(o_TND: torch.Tensor, lse_TN: torch.Tensor, sinks_N: Optional[tor
     return (o_TND.float() * torch.sigmoid(lse_TN - sinks_N.float())[..., None]).to(o_TND.dtype)
 
 
-def _sinks_block(q_NBD, mask_BS, bias_NBS, slots_BJ, *, k_GTD, v_GTD, scale, sinks_N, softcap, n_keys):
-    """_attention_with_sinks of a block of B queries: (out [N, B, Dv], target [B, J] or None)."""
+def _sinks_block(q_NBD, b: slice, bias_NBS, slots_BJ, *, mask_TS, k_GTD, v_GTD, scale, sinks_N, softcap, n_keys):
+    """_attention_with_sinks of the block b of B queries: (out [N, B, Dv], target [B, J] or None)."""
     (N, B, _), (G, S, Dv) = q_NBD.shape, v_GTD.shape
+    mask_BS = mask_TS.rows(b) if isinstance(mask_TS, MaskRows) else mask_TS[b]
     scores_NBS = _masked_scores(q_NBD, k_GTD, mask_BS, scale, softcap, bias_NBS)
     if sinks_N is None:
         probs_NBS = torch.softmax(scores_NBS, dim=-1)

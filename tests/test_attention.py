@@ -2352,6 +2352,42 @@ def test_deepseek_v4_attention_on_the_kernel_never_makes_a_dense_mask(kind):
     assert found["torch"] and not found["triton"], found
 
 
+def test_the_reference_with_sinks_reads_the_mask_s_rule_a_block_at_a_time(monkeypatch):
+    """A layer with sinks that no sparse kernel takes (here DeepSeek-V4's attention without its window, as its MTP
+    block's) in a context holding the mask's rule (MaskRows: impl "triton", CUDA's "auto"): the reference attends over
+    blocks of 3 queries, each making its own rows of the mask, with the output and gradients of the dense mask's
+    (impl "torch"); no [T, T] tensor is made (the dense run's context makes one: the record would see it)."""
+    import fmoe.layers as L
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Shapes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.seen += [tuple(o.shape) for o in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(o, torch.Tensor)]
+            return out
+
+    _, _, _, cfg, params = _dsv4_attention_layer("sliding_attention")
+    T, cu = 17, torch.tensor([0, 11, 17])
+    monkeypatch.setattr(L, "_SCORE_ROWS", 3 * cfg.n_heads * T)
+    x, up = torch.randn(T, H, requires_grad=True), torch.randn(T, H)
+    runs = {}
+    for impl in ("torch", "triton"):
+        run = dataclasses.replace(cfg, window=None, impl=impl)
+        with Shapes() as rec:
+            ctx = _ctx(cu, run)
+            y, _ = attention(x, params, run, ctx)
+            grads = torch.autograd.grad((y * up).sum(), [x, *params.values()])
+        assert isinstance(ctx.mask, MaskRows) == (impl == "triton")
+        runs[impl] = (y, *grads, [s for s in rec.seen if s[-2:] == (T, T)])
+    for name, a, b in zip(["y", "x", *params], runs["torch"][:-1], runs["triton"][:-1]):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
+    assert runs["torch"][-1] and not runs["triton"][-1], (runs["torch"][-1], runs["triton"][-1])
+
+
 def test_the_reference_with_sinks_runs_in_blocks_of_queries(monkeypatch):
     """The dense reference with sinks (DeepSeek-V4's CSA layer here, its indexer's loss on: the heads' probabilities of the
     chosen entries read block by block) over blocks of queries, each recomputed in the backward, when the scores of every

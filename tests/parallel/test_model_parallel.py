@@ -431,10 +431,11 @@ CASES = {
     # latents and rotated keys, each rank's queries over its chosen ones (no MTP block: 36 s -> 15 s through the interpreter)
     "cp2-dsa-kernel": (2, dict(cp=2), dict(DSA, impl="triton", mtp_depth=0)),
     # DeepSeek-V4's layers on the sparse kernel (sliding block 0, CSA block 1): each rank's queries over their window's
-    # gathered keys (in rank order) and their chosen entries of the whole micro-batch
+    # gathered keys (in rank order, found from the mask's rule) and their chosen entries of the whole micro-batch; the MTP
+    # block, full attention with sinks, by the reference over blocks of queries, each making its rows of the rule
     "cp2-dsv4-csa-kernel": (2, dict(cp=2), dict(n_kv_heads=1, kv_shared=True, qk_norm="head_k", q_rank=10, csa_layers=(1,), csa_rate=2,
                                                 csa_topk=2, index_heads=4, index_head_dim=8, window=5, window_layers=(0,), attn_sinks=True,
-                                                impl="triton", mtp_depth=0)),
+                                                impl="triton", mtp_depth=1)),
     # a sliding window of 5 tokens in block 1 (the MoE one) with its own plain RoPE base, block
     # 0 full and without RoPE, Llama 3.1's RoPE scaling (EXAONE's layout, Mellum's bases): each
     # cp rank's keys of every rank masked by the window at their global indices, the NoPE
