@@ -2279,6 +2279,23 @@ def test_deepseek_v4_attention_on_the_sparse_kernel_is_the_reference(kind, monke
     assert slots == [(17, 5 + entries)]
 
 
+def _op_shapes_mode():
+    """A TorchDispatchMode class recording the shape of every op's tensor outputs (.seen)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class OpShapes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.seen += [tuple(o.shape) for o in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(o, torch.Tensor)]
+            return out
+
+    return OpShapes
+
+
 @pytest.mark.parametrize("layout", ["tokens", "split", "ring"])
 def test_a_window_s_keys_from_its_rule_are_the_dense_mask_s(layout):
     """A sliding window's keys per query found from its rule (MaskRows) alone, in O(T W) (fmoe.layers._window_slots, the
@@ -2322,18 +2339,6 @@ def test_deepseek_v4_attention_on_the_kernel_never_makes_a_dense_mask(kind):
     or [..., T, keys + entries]): the window's keys come from the rule, the entries' from their own (the context and the
     layer run under a record of every op's output; the dense reference, impl "torch", makes such tensors, so the record
     would see one)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Shapes(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            self.seen += [tuple(o.shape) for o in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(o, torch.Tensor)]
-            return out
-
     _, _, _, cfg, params = _dsv4_attention_layer(kind)
     T, cu = 17, torch.tensor([0, 11, 17])
     entries = T // cfg.compress_rate if cfg.compress_rate else 0
@@ -2342,7 +2347,7 @@ def test_deepseek_v4_attention_on_the_kernel_never_makes_a_dense_mask(kind):
     for impl in ("torch", "triton"):
         run = dataclasses.replace(cfg, impl=impl, index_loss=kind == "compressed_sparse_attention")
         x = torch.randn(T, H, requires_grad=True)
-        with Shapes() as rec:
+        with _op_shapes_mode()() as rec:
             ctx = _ctx(cu, run)
             y, stats = attention(x, params, run, ctx)
             (y.square().sum() + (stats["index_loss"] if "index_loss" in stats.keys() else 0)).backward()
@@ -2358,17 +2363,6 @@ def test_the_reference_with_sinks_reads_the_mask_s_rule_a_block_at_a_time(monkey
     blocks of 3 queries, each making its own rows of the mask, with the output and gradients of the dense mask's
     (impl "torch"); no [T, T] tensor is made (the dense run's context makes one: the record would see it)."""
     import fmoe.layers as L
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Shapes(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            self.seen += [tuple(o.shape) for o in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(o, torch.Tensor)]
-            return out
 
     _, _, _, cfg, params = _dsv4_attention_layer("sliding_attention")
     T, cu = 17, torch.tensor([0, 11, 17])
@@ -2377,7 +2371,7 @@ def test_the_reference_with_sinks_reads_the_mask_s_rule_a_block_at_a_time(monkey
     runs = {}
     for impl in ("torch", "triton"):
         run = dataclasses.replace(cfg, window=None, impl=impl)
-        with Shapes() as rec:
+        with _op_shapes_mode()() as rec:
             ctx = _ctx(cu, run)
             y, _ = attention(x, params, run, ctx)
             grads = torch.autograd.grad((y * up).sum(), [x, *params.values()])
