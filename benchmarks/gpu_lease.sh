@@ -206,10 +206,11 @@ q)
     ;;
 r)
     # DeepSeek-V4's sliding, CSA and HCA layers on the compiled sparse kernel against the CPU reference (16 heads of 512,
-    # 1024 tokens, float32), then bench_dsv4_attention at one tp = 4 rank of V4-Flash, T = 4096: the kernel against the
-    # blocked dense reference and the whole one (bf16; the dense one's [16, 4096, 5120] float32 scores fit an H100)
-    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-ra --durations=5" tests/test_attention.py \
-        -k "deepseek_v4_layers_on_the_sparse_kernel or deepseek_sparse_attention" > "$OUT/gpu_tests.log" 2>&1
+    # 1024 tokens, float32), its model trained and decoded on CUDA (contexts of the masks' rules) against the CPU, then
+    # bench_dsv4_attention at one tp = 4 rank of V4-Flash, T = 4096: the kernel against the blocked dense reference and
+    # the whole one (bf16; the dense one's [16, 4096, 5120] float32 scores fit an H100)
+    timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-ra --durations=5" tests/test_attention.py tests/test_model.py \
+        -k "deepseek_v4_layers_on_the_sparse_kernel or deepseek_sparse_attention or deepseek_v4_model_trains" > "$OUT/gpu_tests.log" 2>&1
     echo "gpu tests (DeepSeek-V4 attention): exit $?"
     grep -E "passed|failed|^FAILED|^ERROR|^E  " "$OUT/gpu_tests.log" | tail -20
     bench --only bench_dsv4_attention --timeout 300

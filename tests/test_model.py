@@ -2544,6 +2544,43 @@ def test_gpu_batched_decode_with_flex_attention_equals_each_sequence(name):
         torch.testing.assert_close(torch.cat(got[b]), want[b], rtol=1e-4, atol=1e-4)
 
 
+def _dsv4_on(device: str, impl: str, T: int = 256):
+    """DeepSeek-V4's model (a sliding block, a CSA block with its indexer's loss, an HCA block, an MTP depth) on `device`
+    with `impl`, the same weights and batch wherever it runs: (loss, the indexer's loss, every gradient, the logits of a
+    prompt of T - 5 tokens decoded then 5 single tokens, the whole sequence's logits), all on the CPU."""
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(DSV4_CSA, mtp_depth=1, impl=impl)
+    model = Transformer(cfg)
+    batch = _batch(cfg, T=T, cu=(0, T // 2, T // 2 + 1, T))
+    ids = torch.randint(0, cfg.vocab_size, (T,))
+    model, batch, ids = model.to(device), batch.to(device), ids.to(device)
+    loss = _loss(model, batch, model.context(batch))
+    loss.backward()
+    grads = {n: p.grad.cpu() for n, p in model.named_parameters() if p.requires_grad}
+    decoder = _sharp(dataclasses.replace(cfg, mtp_depth=0)).to(device)
+    with torch.no_grad():
+        whole = decoder.logits(ids, torch.tensor([0, T], dtype=torch.int32, device=device))
+        cache = decoder.kv_cache(T + 16)
+        steps = torch.cat([decoder.decode(ids[:T - 5], cache)] + [decoder.decode(ids[t:t + 1], cache) for t in range(T - 5, T)])
+    return loss.detach().cpu(), model.index_loss_sum().detach().cpu(), grads, steps.cpu(), whole.cpu()
+
+
+@pytest.mark.gpu
+def test_gpu_deepseek_v4_model_trains_and_decodes_as_on_the_cpu():
+    """DeepSeek-V4's model on CUDA (impl "auto": its sliding, CSA and HCA blocks on the compiled sparse kernel, the contexts
+    the masks' rules; the MTP block by the reference over the rule's rows), float32, 256 tokens in 3 documents: the loss,
+    the indexer's loss and every gradient are the CPU reference's (impl "torch"), and decoding a prompt of 251 tokens then
+    single tokens gives the whole sequence's logits."""
+    cpu, gpu = _dsv4_on("cpu", "torch"), _dsv4_on("cuda", "auto")
+    assert float(cpu[1]) > 0
+    torch.testing.assert_close(gpu[0], cpu[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(gpu[1], cpu[1], rtol=1e-3, atol=1e-6)
+    for n, g in cpu[2].items():
+        torch.testing.assert_close(gpu[2][n], g, rtol=1e-3, atol=1e-5, msg=n)
+    torch.testing.assert_close(gpu[3], gpu[4], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(gpu[4], cpu[4], rtol=1e-4, atol=1e-4)
+
+
 def test_granite_multipliers_in_the_logits_the_loss_and_decode():
     """logit_divisor d: the logits are those of the same weights without it, / d, and the LM
     loss is their cross-entropy; with every multiplier set, decode's logits are logits()'s
