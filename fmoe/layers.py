@@ -2246,8 +2246,8 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
     keep_TS = None  # the compressed entries' mask (or rule) on the shared kernel's path; the dense path appends it to mask
     if cfg.compress_rate is not None:  # heavily compressed attention: the entries after the keys, each under its own rule
         if not isinstance(mask, (torch.Tensor, MaskRows)) or (ctx.compressed is None and (ctx.cu_seqlens is None or ctx.positions is None)):
-            raise ValueError("ctx: heavily compressed attention (cfg.compress_rate) needs the dense mask, the documents and the positions; "
-                             "build the context with attention_context and impl 'torch' (or 'auto' off CUDA)")
+            raise ValueError("ctx: heavily compressed attention (cfg.compress_rate) needs the dense mask or its rule (MaskRows), the documents "
+                             "and the positions; build the context with attention_context and this cfg (not FlexAttention's block mask)")
         index_keys_SD = None
         if ctx.compressed is not None and cfg.compress_topk is not None:  # decoding: the cache's entries and the indexer's
             entries_SD, index_keys_SD, keep_TS = _decode_sparse_entries(x, params, cfg, ctx)
