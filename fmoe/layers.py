@@ -2237,8 +2237,7 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
     # the reference with sinks, a cap, ALiBi's biases (or the probabilities the CSA indexer's loss reads): blocks of queries,
     # each reading its rows of a MaskRows alone
     with_sinks = sinks is not None or cfg.score_softcap is not None or slopes_N is not None or (csa and train_index)
-    if (isinstance(mask, MaskRows) and not block_kernel and not sparse and not shared_kernel
-            and (not with_sinks or cfg.compress_rate is not None)):  # a layer without a sparse kernel: the dense mask
+    if isinstance(mask, MaskRows) and not (block_kernel or sparse or shared_kernel or with_sinks):  # no kernel, no blocks: the dense mask
         mask = mask.rows()
     if blocks and not isinstance(mask, (torch.Tensor, MaskRows)):
         raise ValueError("ctx: block-sparse attention (cfg.index_topk_blocks) needs the dense mask or its rows; build the context with this cfg "
@@ -2270,7 +2269,7 @@ def attention(x: torch.Tensor, params, cfg: AttentionConfig, ctx: AttentionConte
         k_GTD = v_GTD = torch.cat([k_GTD, entries_SD[None].to(k_GTD.dtype)], dim=1)  # their own values (kv_shared)
         n_keys = mask.shape[1]  # the entries' columns follow the keys'
         if not shared_kernel:
-            mask = torch.cat([mask, keep_TS.rows() if isinstance(keep_TS, MaskRows) else keep_TS], dim=1)
+            mask = torch.cat([_mask_rows(mask), _mask_rows(keep_TS)], dim=1)
     lse_TN = None
     if blocks:  # each kv head's queries under its own choice of blocks
         G, r = k_GTD.shape[0], q_NTD.shape[0] // k_GTD.shape[0]
@@ -2578,12 +2577,11 @@ def _shared_kv_by_kernel(q_NTD: torch.Tensor, kv_SD: torch.Tensor, mask_TS, cfg:
             order_TW = torch.sort(mask_TS.to(torch.uint8), dim=1, descending=True, stable=True).indices[:, :W]
             key_slots = torch.where(mask_TS.gather(1, order_TW), order_TW, -1)
         else:
-            rows_TS = mask_TS.rows() if isinstance(mask_TS, MaskRows) else mask_TS
-            key_slots = torch.where(rows_TS, torch.arange(n_keys, device=device), -1)
+            key_slots = torch.where(_mask_rows(mask_TS), torch.arange(n_keys, device=device), -1)
         if chosen is not None:
             entry_slots = torch.where(chosen >= 0, chosen + n_keys, -1)
         elif keep is not None:
-            keep_TS = keep.rows() if isinstance(keep, MaskRows) else keep
+            keep_TS = _mask_rows(keep)
             entry_slots = torch.where(keep_TS, torch.arange(n_keys, n_keys + keep_TS.shape[1], device=device), -1)
         else:
             entry_slots = key_slots[:, :0]
@@ -2628,7 +2626,7 @@ def _with_sinks(o_TND: torch.Tensor, lse_TN: torch.Tensor, sinks_N: Optional[tor
 def _sinks_block(q_NBD, b: slice, bias_NBS, slots_BJ, *, mask_TS, k_GTD, v_GTD, scale, sinks_N, softcap, n_keys):
     """_attention_with_sinks of the block b of B queries: (out [N, B, Dv], target [B, J] or None)."""
     (N, B, _), (G, S, Dv) = q_NBD.shape, v_GTD.shape
-    mask_BS = mask_TS.rows(b) if isinstance(mask_TS, MaskRows) else mask_TS[b]
+    mask_BS = _mask_rows(mask_TS, b)
     scores_NBS = _masked_scores(q_NBD, k_GTD, mask_BS, scale, softcap, bias_NBS)
     if sinks_N is None:
         probs_NBS = torch.softmax(scores_NBS, dim=-1)
@@ -2936,7 +2934,7 @@ def _index_choice(x_TH, q_lat_TC, keys_SD, params, cfg: AttentionConfig, ctx: At
     for t0 in range(0, T, block):
         b = slice(t0, t0 + block)
         scores_BS = index_scores(x_TH[b], q_lat_TC[b], keys_SD, params, cfg, ctx.cos[b], ctx.sin[b])
-        rows_BS = mask_TS.rows(b) if isinstance(mask_TS, MaskRows) else mask_TS[b]
+        rows_BS = _mask_rows(mask_TS, b)
         slots.append(index_slots(scores_BS, rows_BS, cfg.index_topk if topk is None else topk, key_order=ctx.key_order))
     return torch.cat(slots)
 
@@ -2995,8 +2993,8 @@ def _block_scores(q_BND: torch.Tensor, k_SD: torch.Tensor, seen_BS: torch.Tensor
     return s_BNS.new_full((B, Ni, n_blocks), float("-inf")).scatter_reduce(-1, blk_S.expand(B, Ni, -1), s_BNS, "amax")
 
 
-def _mask_rows(mask_TS, b: slice) -> torch.Tensor:
-    """Rows b of a dense mask [T, S] or of MaskRows' rule, as [len(b), S] bool."""
+def _mask_rows(mask_TS, b: slice = slice(None)) -> torch.Tensor:
+    """Rows b of a dense mask [T, S] or of MaskRows' rule, as [len(b), S] bool (every row: the dense mask)."""
     return mask_TS.rows(b) if isinstance(mask_TS, MaskRows) else mask_TS[b]
 
 
