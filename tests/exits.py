@@ -8,7 +8,6 @@ output comes back too ("out": a --help).
 """
 
 import json
-import os
 import subprocess
 import sys
 
@@ -32,10 +31,11 @@ print(json.dumps(results))
 """
 
 
-def exits(script, argvs: list[list[str]], *, threads: int = 2) -> list[dict]:
-    """[{"status": int, "text": str, "out": str}] for `script`'s main(argv) with each of `argvs`."""
+def exits(script, argvs: list[list[str]]) -> list[dict]:
+    """[{"status": int, "text": str, "out": str}] for `script`'s main(argv) with each of `argvs` (in the worker's share of the
+    cores: tests/conftest.py's OMP_NUM_THREADS)."""
     run = subprocess.run([sys.executable, "-c", _RUN, str(script), json.dumps([[str(a) for a in argv] for argv in argvs])],
-                         capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+                         capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads(run.stdout.splitlines()[-1])
     assert len(results) == len(argvs)

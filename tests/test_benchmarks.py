@@ -191,21 +191,30 @@ def test_bench_scan_times_the_implementations_named(tmp_path):
     assert out.returncode != 0 and "--impls: expected names among ['eager', 'fused', 'loop'], got 'fused,scan'" in out.stderr
 
 
+def _train_step_row(model: str, out) -> dict:
+    """The one CSV row of bench_train_step.py --smoke --model <model> --impls "fmoe eager"."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_train_step.py"), "--smoke", "--model", model, "--out", str(out),
+                          "--impls", "fmoe eager"], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    (row,) = list(csv.DictReader(open(pathlib.Path(out) / "bench_train_step.csv")))
+    return row
+
+
+@pytest.fixture(scope="module")
+def plain_train_step_row(tmp_path_factory):
+    """The default smoke model's row (--model large), run once for the hybrid models' tests."""
+    return _train_step_row("large", tmp_path_factory.mktemp("large"))
+
+
 @pytest.mark.parametrize("kind", ["falcon_h1", "jamba"])
-def test_bench_train_step_times_the_hybrid_models(kind, tmp_path):
+def test_bench_train_step_times_the_hybrid_models(kind, tmp_path, plain_train_step_row):
     """--model falcon_h1 (a Mamba-2 mixer beside the attention in both blocks) and jamba (a
     Mamba-1 mixer in block 0, the scan's kernels through the interpreter) with --smoke: the
     tiny model of its kind, eager, makes no host sync in its step; its row counts the model's
     parameters and FLOPs (the mixers': tests/train/test_metrics.py) beside the default smoke
     model's."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    rows = {}
-    for model in (kind, "large"):
-        out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_train_step.py"), "--smoke", "--model", model, "--out", str(tmp_path / model),
-                              "--impls", "fmoe eager"], capture_output=True, text=True, env=env, timeout=300)
-        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-        (rows[model],) = list(csv.DictReader(open(tmp_path / model / "bench_train_step.csv")))
-    hybrid, plain = rows[kind], rows["large"]  # --smoke: the tiny models (SMOKE_FALCON_H1 or SMOKE_JAMBA, SMOKE)
+    hybrid, plain = _train_step_row(kind, tmp_path), plain_train_step_row  # --smoke: the tiny models (SMOKE_FALCON_H1 or SMOKE_JAMBA, SMOKE)
     assert hybrid["impl"] == "fmoe eager" and int(hybrid["syncs/step"]) == 0 and int(hybrid["fwd+bwd reads"]) == 0
     assert int(hybrid["params"]) > int(plain["params"]) and float(hybrid["flops_per_token"]) > float(plain["flops_per_token"])

@@ -25,8 +25,10 @@ TINY = ["--model.hidden=32", "--model.n_layers=2", "--model.n_dense=1", "--model
         "--eval_every=10", "--eval_batches=2", "--warmup=3", "--lr=1e-2", "--min_lr=1e-3", "--z_coeff=1e-3"]
 
 
-def _train(out_dir, *args, threads=2):
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+def _train(out_dir, *args, threads=None):
+    """examples/train_moe.py with TINY and args; threads None: the worker's share of the cores (tests/conftest.py sets
+    OMP_NUM_THREADS under make test's workers: a run of 2 threads beside the other worker's spins them, 1.7x slower)."""
+    env = {**os.environ, **({} if threads is None else {"OMP_NUM_THREADS": str(threads)})}
     return subprocess.run([sys.executable, str(ROOT / "examples" / "train_moe.py"), f"--out_dir={out_dir}", *TINY, *args],
                           capture_output=True, text=True, timeout=900, env=env)
 
@@ -104,7 +106,7 @@ def test_deterministic_runs_repeat_bit_for_bit(tmp_path):
     keys = ("loss", "grad_norm", "mtp_1_loss", "z_loss", "seq_aux_loss", "val_loss")
     logs = []
     for i in range(3):
-        run = _train(tmp_path / str(i), "--steps=4", "--seed=7", "--deterministic", "--eval_every=4")
+        run = _train(tmp_path / str(i), "--steps=4", "--seed=7", "--deterministic", "--eval_every=4", threads=2)
         assert run.returncode == 0, run.stderr[-3000:]
         logs.append([[r.get(k) for k in keys] for r in _records(tmp_path / str(i))])
     assert logs[0] == logs[1] == logs[2]
@@ -221,7 +223,7 @@ def test_a_signal_stops_the_run_after_its_step_with_a_checkpoint(tmp_path):
     """SIGTERM (a scheduler's preemption) in the middle of a long run: the step ends, its
     checkpoint is written, the process exits 0."""
     run = subprocess.Popen([sys.executable, str(ROOT / "examples" / "train_moe.py"), f"--out_dir={tmp_path}", *TINY, "--steps=1000"],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         metrics, deadline = tmp_path / "metrics.jsonl", time.monotonic() + 300
         while not (metrics.exists() and metrics.read_text().strip()) and run.poll() is None and time.monotonic() < deadline:
@@ -248,7 +250,7 @@ def test_a_dense_run_upcycled_into_an_moe_starts_from_its_function(tmp_path):
     loop_knobs = [a for a in TINY if not a.startswith("--model.")]  # the model's come from the dense run
     run = subprocess.run([sys.executable, str(ROOT / "examples" / "train_moe.py"), f"--out_dir={tmp_path / 'moe'}", *loop_knobs,
                           "--steps=2", "--warmup=0", f"--upcycle_from={tmp_path / 'dense'}", *moe_knobs], capture_output=True, text=True,
-                         timeout=900, env={**os.environ, "OMP_NUM_THREADS": "2"})
+                         timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     assert f"upcycled from the dense model of {tmp_path / 'dense'}: 4 experts, each a slice of 1/2 of its FFN" in run.stdout
     # without the MoE knobs the dense run's model stays dense: refused, saying which knob makes it an MoE
@@ -388,9 +390,8 @@ def test_default_run_keeps_every_moe_layer_balanced(tmp_path):
     recipe; only checkpoints and evaluation turned off): no MoE layer collapses. With the
     old recipe (sign bias step 1e-3, sequence aux 1e-4, z-loss 1e-3) three of the four
     layers sat at load max/mean 4.0 (= E / k: one expert takes every token) from about step 25 to 100."""
-    env = {**os.environ, "OMP_NUM_THREADS": "2"}
     run = subprocess.run([sys.executable, str(ROOT / "examples" / "train_moe.py"), f"--out_dir={tmp_path}", "--stop_at=45",
-                          "--ckpt_every=1000", "--eval_every=1000"], capture_output=True, text=True, timeout=900, env=env)
+                          "--ckpt_every=1000", "--eval_every=1000"], capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     records = _records(tmp_path)
     assert len(records) == 45 and records[0]["moe_layers"] == ["layer_1", "layer_2", "layer_3", "mtp_1"]
@@ -430,7 +431,7 @@ def test_a_blend_of_prepared_token_files_trains_from_make_train(tmp_path):
     args = " ".join([*TINY, f"--data={tmp_path / 'blend.json'}", "--model.vocab_size=300", "--steps=4", "--val_percent=20",
                      "--eval_every=4", "--eval_batches=4", "--tensorboard=True"])
     run = subprocess.run(["make", "-s", "train", f"PY={sys.executable}", f"TRAIN_OUT={tmp_path / 'run'}", f"ARGS={args}"],
-                         capture_output=True, text=True, timeout=900, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "2"})
+                         capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     assert "source code: weight 0.750" in run.stdout and "source docs: weight 0.250" in run.stdout
     records = _records(tmp_path / "run")
