@@ -4,6 +4,7 @@
     interpreting()               Triton kernels run through the CPU interpreter
     interpreter_problem()        why the installed Triton interpreter cannot run the kernels, or None
     vectorize_interpreter_scans()   the interpreter's tl.associative_scan one step per position along its axis
+    share_interpreter_patches()     the interpreter's helper calls inside a kernel reuse the kernel's patched triton.language
     next_pow2(n)                 Triton block sizes
     local_tensor(t)              the local shard of a DTensor (the tensor itself otherwise)
     tanh(x)                      tanh inside a Triton kernel, from one exp (the interpreter has no tanh)
@@ -132,6 +133,59 @@ def vectorize_interpreter_scans() -> bool:
     return True
 
 
+def share_interpreter_patches() -> bool:
+    """Make a @triton.jit helper called inside a kernel that the Triton interpreter runs reuse
+    the kernel's patched triton.language instead of patching it again at each call.
+
+    The interpreter replaces triton.language's builtins with its numpy ones when it launches a
+    kernel (and puts them back after), and again at every call of a helper inside it (the
+    helper's module: the same triton.language), by inspect.getmembers over the whole module:
+    about 2.6 ms a call, which a helper inside a K loop (a GEMM's dot) pays per iteration and
+    program; a third of the grouped MLP's time on CPU. Where the helper's language modules are
+    among those patched since the launch began, nothing is done; a helper of other modules
+    (triton.language.standard's reductions use triton.language.core) is patched the first time
+    as before. The same values: the second patch only replaced patched builtins by equal ones. Applied once, on
+    import of fmoe.ops under TRITON_INTERPRET=1; False (nothing changed) where the installed
+    Triton's interpreter lacks the functions this relies on.
+    """
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    if not all(hasattr(interpreter, name) for name in ("_patch_lang", "_LangPatchScope", "GridExecutor", "InterpretedFunction")):
+        return False
+    if getattr(interpreter._patch_lang, "_fmoe", False):  # already
+        return True
+    import inspect
+
+    original, launch_grid = interpreter._patch_lang, interpreter.GridExecutor.__call__
+    state = {"launching": False, "langs": None}  # a launch is running; the language modules patched since it began
+
+    def languages(fn) -> frozenset:
+        return frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
+
+    def patch_lang(fn):
+        langs = languages(fn)
+        if state["langs"] is not None and langs <= state["langs"]:  # a helper inside the running launch: patched already
+            return interpreter._LangPatchScope()
+        scope = original(fn)
+        if state["launching"]:  # the launch's own patch (which it restores when its grid is done), or a helper's of other modules
+            state["langs"] = langs | (state["langs"] or frozenset())
+        return scope
+
+    def run_grid(self, *args, **kwargs):
+        state["launching"], state["langs"] = True, None
+        try:
+            return launch_grid(self, *args, **kwargs)
+        finally:
+            state["launching"], state["langs"] = False, None
+
+    patch_lang._fmoe, patch_lang.__wrapped__ = True, original
+    run_grid.__wrapped__ = launch_grid
+    interpreter._patch_lang, interpreter.GridExecutor.__call__ = patch_lang, run_grid
+    return True
+
+
 def local_tensor(t):
     """The local shard of a DTensor (differentiable: DTensor.to_local), the tensor itself
     otherwise (None stays None). Layers and optimizers compute on plain local tensors of
@@ -145,3 +199,4 @@ def local_tensor(t):
 INTERPRETER_PROBLEM = interpreter_problem()
 if interpreting():
     vectorize_interpreter_scans()
+    share_interpreter_patches()

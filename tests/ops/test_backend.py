@@ -104,3 +104,69 @@ def test_vectorized_interpreter_scan_gives_the_interpreter_s_own_values(axis, re
     out = torch.empty(8)
     _scan_1d_kernel[(1,)](a[0], x[0], out, L=8)
     torch.testing.assert_close(out, _recurrence_loop(a[0], x[0], 0, False)[1])
+
+
+@triton.jit
+def _doubled_plus_sum(x):
+    return 2.0 * x + tl.sum(x, axis=0)
+
+
+@triton.jit
+def _helper_loop_kernel(x_ptr, out_ptr, N: tl.constexpr, STEPS: tl.constexpr, FAIL: tl.constexpr):
+    offs = tl.arange(0, N)
+    acc = tl.load(x_ptr + offs)
+    for _ in range(STEPS):
+        acc = _doubled_plus_sum(acc) * 0.25
+    if FAIL:
+        tl.static_assert(N < 0, "fails on purpose")
+    tl.store(out_ptr + offs, acc)
+
+
+@pytest.mark.skipif(not backend.interpreting(), reason="the interpreter's patches: CPU runs only (TRITON_INTERPRET=1)")
+def test_helpers_inside_an_interpreted_kernel_reuse_its_patches(monkeypatch):
+    """share_interpreter_patches (installed on import): a kernel calling a @triton.jit helper 5
+    times in a loop (itself calling tl.sum, a helper of triton.language.core's module) patches
+    the language modules at most 3 times, with 9 calls too (the interpreter's own way: 16 and
+    28 times), with
+    the same values as the interpreter's own way and a torch loop; after a launch, and after
+    one that fails inside, triton.language's builtins are the originals again and the next
+    launch patches afresh."""
+    from triton.runtime import interpreter
+
+    assert backend.share_interpreter_patches() and interpreter._patch_lang._fmoe
+    shared = (interpreter._patch_lang, interpreter.GridExecutor.__call__)
+    own = (interpreter._patch_lang.__wrapped__, interpreter.GridExecutor.__call__.__wrapped__)
+    patches, patch_core = [], interpreter._patch_lang_core  # the interpreter's own patch: once per language module
+
+    def counted(lang, scope):
+        patches.append(lang.__name__)
+        return patch_core(lang, scope)
+
+    monkeypatch.setattr(interpreter, "_patch_lang_core", counted)
+    x = torch.randn(8, generator=torch.Generator().manual_seed(0))
+    want = x.clone()
+    for _ in range(5):
+        want = (2 * want + want.sum()) * 0.25
+    load = tl.load
+    results = {}
+    for name, (patch_lang, run_grid) in (("shared", shared), ("own", own), ("shared again", shared)):
+        monkeypatch.setattr(interpreter, "_patch_lang", patch_lang)
+        monkeypatch.setattr(interpreter.GridExecutor, "__call__", run_grid)
+        patches.clear()
+        out = torch.empty(8)
+        _helper_loop_kernel[(1,)](x, out, N=8, STEPS=5, FAIL=False)
+        results[name] = (out, len(patches))
+        patches.clear()
+        _helper_loop_kernel[(1,)](x, torch.empty(8), N=8, STEPS=9, FAIL=False)
+        results[name] += (len(patches),)
+        assert tl.load is load and triton.language.core.is_builtin(tl.load), name  # put back after the launch
+        if name == "shared":
+            with pytest.raises(Exception, match="fails on purpose"):
+                _helper_loop_kernel[(1,)](x, torch.empty(8), N=8, STEPS=5, FAIL=True)
+            assert tl.load is load
+    torch.testing.assert_close(results["shared"][0], want)
+    for name in ("own", "shared again"):
+        torch.testing.assert_close(results[name][0], results["shared"][0], rtol=0, atol=0)
+    for name in ("shared", "shared again"):  # the launch's, and at most one for the reductions' module: not one per helper call
+        assert max(results[name][1:]) <= 3, results[name]
+    assert results["own"][1:] == (16, 28)
