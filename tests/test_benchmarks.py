@@ -15,11 +15,17 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEVICE_TIMED = {"bench_loss.py", "bench_moe_layer.py", "bench_rope.py", "bench_routing.py"}  # device_ms columns
 
 
+def _script_env() -> dict:
+    """The environment a benchmark script runs in: without TRITON_INTERPRET (--smoke sets it), importing this checkout's
+    fmoe, not whichever tree the environment installed."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
 @pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "benchmarks").glob("bench_*.py")))
 def test_benchmark_smoke(script, tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # --smoke sets it
-    # the script imports this checkout's fmoe, not whichever tree the environment installed
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env = _script_env()
     out = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / script), "--smoke", "--out", str(tmp_path)],
         capture_output=True, text=True, env=env, timeout=900,
@@ -165,8 +171,7 @@ def test_select_picks_names_and_groups_in_order():
 
 
 def test_bench_train_step_refuses_an_unknown_implementation(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env = _script_env()
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_train_step.py"), "--smoke", "--out", str(tmp_path),
                           "--impls", "fmoe compiled,nope"], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode != 0 and "--impls: expected names among" in out.stderr, out.stdout[-2000:] + out.stderr[-2000:]
@@ -176,8 +181,7 @@ def test_bench_train_step_refuses_an_unknown_implementation(tmp_path):
 def test_bench_scan_times_the_implementations_named(tmp_path):
     """bench_scan --impls fused,eager: only their rows, the fused rows' speedup over eager
     filled and over the (untimed) loop empty; an unknown name is refused."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env = _script_env()
     script = str(ROOT / "benchmarks" / "bench_scan.py")
     out = subprocess.run([sys.executable, script, "--smoke", "--out", str(tmp_path), "--impls", "eager,fused"], capture_output=True, text=True,
                          env=env, timeout=300)
@@ -193,8 +197,7 @@ def test_bench_scan_times_the_implementations_named(tmp_path):
 
 def _train_step_row(model: str, out) -> dict:
     """The one CSV row of bench_train_step.py --smoke --model <model> --impls "fmoe eager"."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env = _script_env()
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_train_step.py"), "--smoke", "--model", model, "--out", str(out),
                           "--impls", "fmoe eager"], capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]

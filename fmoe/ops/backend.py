@@ -144,22 +144,22 @@ def share_interpreter_patches() -> bool:
     program; a third of the grouped MLP's time on CPU. Where the helper's language modules are
     among those patched since the launch began, nothing is done; a helper of other modules
     (triton.language.standard's reductions use triton.language.core) is patched the first time
-    as before. The same values: the second patch only replaced patched builtins by equal ones. Applied once, on
-    import of fmoe.ops under TRITON_INTERPRET=1; False (nothing changed) where the installed
-    Triton's interpreter lacks the functions this relies on.
+    as before. The same values: the second patch only replaced patched builtins by equal ones.
+    Applied once, on import of fmoe.ops under TRITON_INTERPRET=1; False (nothing changed) where
+    the installed Triton's interpreter lacks the functions this relies on.
     """
     try:
         from triton.runtime import interpreter
     except ImportError:
         return False
-    if not all(hasattr(interpreter, name) for name in ("_patch_lang", "_LangPatchScope", "GridExecutor", "InterpretedFunction")):
+    if not all(hasattr(interpreter, name) for name in ("_patch_lang", "_LangPatchScope", "GridExecutor")):
         return False
     if getattr(interpreter._patch_lang, "_fmoe", False):  # already
         return True
     import inspect
 
     original, launch_grid = interpreter._patch_lang, interpreter.GridExecutor.__call__
-    state = {"launching": False, "langs": None}  # a launch is running; the language modules patched since it began
+    state = {"langs": None}  # the language modules patched since the running launch began (None: no launch running)
 
     def languages(fn) -> frozenset:
         return frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
@@ -169,16 +169,16 @@ def share_interpreter_patches() -> bool:
         if state["langs"] is not None and langs <= state["langs"]:  # a helper inside the running launch: patched already
             return interpreter._LangPatchScope()
         scope = original(fn)
-        if state["launching"]:  # the launch's own patch (which it restores when its grid is done), or a helper's of other modules
-            state["langs"] = langs | (state["langs"] or frozenset())
+        if state["langs"] is not None:  # the launch's own patch (which it restores when its grid is done), or a helper's of other modules
+            state["langs"] |= langs
         return scope
 
     def run_grid(self, *args, **kwargs):
-        state["launching"], state["langs"] = True, None
+        state["langs"] = frozenset()
         try:
             return launch_grid(self, *args, **kwargs)
         finally:
-            state["launching"], state["langs"] = False, None
+            state["langs"] = None
 
     patch_lang._fmoe, patch_lang.__wrapped__ = True, original
     run_grid.__wrapped__ = launch_grid
