@@ -33,6 +33,14 @@ HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA and not INTERPRETING else "cpu"
 
 
+def pytest_configure(config):
+    """The slowest tests by CPU time after --durations' wall-clock list (tests/cpu_times.py)."""
+    from tests import cpu_times
+
+    if not config.pluginmanager.is_registered(cpu_times):
+        config.pluginmanager.register(cpu_times, "cpu_times")
+
+
 def pytest_report_header(config):
     """The reason Triton-interpreter tests will fail here, at the top of the run (None: none)."""
     from fmoe.ops.backend import INTERPRETER_PROBLEM
