@@ -37,8 +37,7 @@ def pytest_configure(config):
     """The slowest tests by CPU time after --durations' wall-clock list (tests/cpu_times.py)."""
     from tests import cpu_times
 
-    if not config.pluginmanager.is_registered(cpu_times):
-        config.pluginmanager.register(cpu_times, "cpu_times")
+    config.pluginmanager.register(cpu_times, "cpu_times")
 
 
 def pytest_report_header(config):
