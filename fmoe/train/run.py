@@ -171,17 +171,60 @@ class StopRequests:
         return None
 
 
-def run_script(main: Callable[[list[str]], None], argv: list[str], *, wait: float = 10.0) -> None:
+def _launch_store():
+    """The store of the torchrun launch this process is a rank of (its agent's TCPStore at
+    MASTER_ADDR:MASTER_PORT, which torchrun names with TORCHELASTIC_USE_AGENT_STORE=True),
+    its keys under this run and attempt; None outside one, or where it cannot be reached."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    try:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=timedelta(seconds=_CONNECT_SECONDS))
+    except (KeyError, ValueError, RuntimeError):
+        return None
+    attempt = f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    return dist.PrefixStore(f"fmoe.run_script/{attempt}", store)
+
+
+_CONNECT_SECONDS = 5.0  # to torchrun's store, already up when the ranks start
+_REFUSED = "rank 0 refused"  # the key rank 0 sets to its refusal, for the other ranks
+
+
+def _rank_0_refusal(store, wait: float) -> Optional[str]:
+    """What rank 0 refused with, once it has (its key in the launch's store), or None if it has
+    not within `wait` seconds, or the store has gone."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            if store.check([_REFUSED]):
+                return store.get(_REFUSED).decode()
+        except RuntimeError:
+            return None
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.05)
+
+
+def run_script(main: Callable[[list[str]], None], argv: list[str], *, wait: float = 60.0) -> None:
     """main(argv), so that under torchrun a refusal is said once, not once per rank.
 
     A script refuses bad arguments with SystemExit(message) (`sys.exit("--knob: expected ...")`,
     or an ArgumentParser below), and every rank of a launch checks the same arguments. On
-    rank 0, and outside torchrun (WORLD_SIZE unset or 1), main runs as it is. Another rank
-    that refuses holds its message back for `wait` seconds, with SIGTERM's default action
-    restored: when rank 0 refuses too, it says why, and torchrun ends the others with SIGTERM
-    during their wait. A refusal that rank 0 does not share (a file missing on one node's
-    disk) still comes out, after the wait. Exit status 0 (SystemExit(None) or (0), a
-    --help) and every other exception pass at once.
+    rank 0, and outside torchrun (WORLD_SIZE unset or 1), main runs as it is; under torchrun
+    rank 0 also leaves its refusal in the launch's store (the agent's TCPStore) before it
+    exits. Another rank that refuses (SIGTERM's default action restored first) waits for
+    rank 0's, however late its imports or checks come, up to `wait` seconds:
+      - rank 0 refused with the same message: rank 0 says it, torchrun ends this rank with
+        SIGTERM (or after another `wait`, it ends itself: status 1, not a word);
+      - rank 0 refused otherwise, or not within `wait` (a file missing on one node's disk):
+        this rank's refusal comes out.
+    Without torchrun's store (another launcher setting RANK and WORLD_SIZE) such a rank holds
+    its refusal back for `wait` seconds, for the launcher to end it once rank 0 has failed.
+    Exit status 0 (SystemExit(None) or (0), a --help) and every other exception pass at once.
     """
     if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not wait >= 0:
         raise ValueError(f"wait: expected seconds >= 0, got {wait!r}")
@@ -189,10 +232,25 @@ def run_script(main: Callable[[list[str]], None], argv: list[str], *, wait: floa
     try:
         main(argv)
     except SystemExit as stop:
-        if rank != 0 and world > 1 and stop.code not in (None, 0):
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a run's StopRequests may have noted SIGTERM instead
-            time.sleep(wait)
-        raise
+        if world <= 1 or stop.code in (None, 0):
+            raise
+        if rank == 0:
+            store = _launch_store()
+            if store is not None:
+                try:
+                    store.set(_REFUSED, str(stop.code))
+                except RuntimeError:
+                    pass  # the store has gone: the other ranks say theirs after their wait
+            raise
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a run's StopRequests may have noted SIGTERM instead
+        start, store = time.monotonic(), _launch_store()
+        if store is None:
+            time.sleep(max(0.0, wait - (time.monotonic() - start)))
+            raise
+        if _rank_0_refusal(store, max(0.0, wait - (time.monotonic() - start))) != str(stop.code):
+            raise
+        time.sleep(wait)
+        raise SystemExit(1) from None
 
 
 def nearest(name: str, names: Sequence[str], n: int = 3) -> list[str]:

@@ -324,8 +324,8 @@ def test_bad_parallel_knobs_exit_with_the_reason(tmp_path):
 
 
 def test_under_torchrun_a_bad_knob_is_said_once(tmp_path):
-    """Every rank refuses the knob; rank 0 says so and the others hold their copies back until
-    torchrun ends them (fmoe.train.run.run_script), so the message comes once, not once per rank."""
+    """Every rank refuses the knob; rank 0 says so and the others, having seen its refusal in
+    torchrun's store, leave it to rank 0 (fmoe.train.run.run_script): the message comes once."""
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                           str(ROOT / "examples" / "train_moe.py"), f"--out_dir={tmp_path}", "--stepz=4"],
                          capture_output=True, text=True, timeout=300)

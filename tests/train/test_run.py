@@ -3,13 +3,16 @@ run_script: under torchrun a refusal is said by rank 0 alone, the others hold th
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 
 import pytest
+import torch.distributed as dist
 
+import fmoe.train.run
 from fmoe.train.run import ArgumentParser, StopRequests, nearest, run_script
 
 
@@ -97,6 +100,7 @@ def _timed(main, argv, wait):
 
 @pytest.mark.parametrize("rank, world, held", [(None, None, False), ("0", "2", False), ("1", "2", True), ("3", "4", True), ("0", "1", False)])
 def test_a_refusal_is_held_back_on_ranks_other_than_0(monkeypatch, rank, world, held):
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)  # another launcher: no store to look at
     for name, value in (("RANK", rank), ("WORLD_SIZE", world)):
         monkeypatch.delenv(name, raising=False) if value is None else monkeypatch.setenv(name, value)
     code, took = _timed(_refuse, ["lr"], wait=0.5)
@@ -107,6 +111,72 @@ def test_a_refusal_is_held_back_on_ranks_other_than_0(monkeypatch, rank, world, 
     assert _timed(lambda argv: sys.exit(0), [], wait=5)[1] < 1
     with pytest.raises(KeyError):
         run_script(lambda argv: {}["x"], [], wait=5)
+
+
+@pytest.fixture
+def launch_store(monkeypatch):
+    """A store where torchrun's agent keeps its own, and the environment torchrun gives its ranks."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    for name, value in (("TORCHELASTIC_USE_AGENT_STORE", "True"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(store.port)),
+                        ("TORCHELASTIC_RUN_ID", "run7"), ("TORCHELASTIC_RESTART_COUNT", "0"), ("WORLD_SIZE", "2")):
+        monkeypatch.setenv(name, value)
+    return store
+
+
+def _rank_0_says_later(store, said, after=0.4, restart="0"):
+    key = f"fmoe.run_script/run7/{restart}/rank 0 refused"
+    thread = threading.Thread(target=lambda: (time.sleep(after), store.set(key, said)))
+    thread.start()
+    return thread
+
+
+def test_rank_0_leaves_its_refusal_in_torchrun_s_store(monkeypatch, launch_store):
+    monkeypatch.setenv("RANK", "0")
+    assert _timed(lambda argv: sys.exit(0), [], wait=5)[0] == 0 and _timed(lambda argv: None, [], wait=5)[0] == "returned"
+    assert launch_store.num_keys() == 0  # nothing left for a clean exit
+    code, took = _timed(_refuse, ["lr"], wait=5)
+    assert code == "--lr: expected a number" and took < 1, took  # said at once
+    key = "fmoe.run_script/run7/0/rank 0 refused"
+    assert launch_store.check([key]) and launch_store.get(key) == b"--lr: expected a number"
+
+
+def test_another_rank_waits_for_rank_0_however_late_and_stays_silent(monkeypatch, launch_store):
+    """Rank 0's imports can come seconds after this rank's (a loaded node, a shared file system):
+    the rank waits for rank 0's refusal, not a fixed time, then leaves the saying to it."""
+    monkeypatch.setenv("RANK", "1")
+    thread = _rank_0_says_later(launch_store, "--lr: expected a number", after=1.5)
+    code, took = _timed(_refuse, ["lr"], wait=0.5)
+    thread.join()
+    assert code == "--lr: expected a number" and took >= 0.5, took  # rank 0 refused after this rank's wait: said
+    launch_store.delete_key("fmoe.run_script/run7/0/rank 0 refused")
+    thread = _rank_0_says_later(launch_store, "--lr: expected a number", after=0.6)
+    code, took = _timed(_refuse, ["lr"], wait=1.0)
+    thread.join()
+    assert code == 1 and 1.6 <= took < 5, took  # rank 0 said it: silent, status 1, after waiting for torchrun's SIGTERM
+
+
+def test_another_rank_says_a_refusal_rank_0_does_not_share(monkeypatch, launch_store):
+    monkeypatch.setenv("RANK", "3")
+    thread = _rank_0_says_later(launch_store, "--data: no such file", after=0.3)
+    code, took = _timed(_refuse, ["lr"], wait=5)
+    thread.join()
+    assert code == "--lr: expected a number" and 0.3 <= took < 4, took  # at once after rank 0's other refusal
+    # a previous attempt's refusal (torchrun's restarts) is not this attempt's
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    thread = _rank_0_says_later(launch_store, "--lr: expected a number", after=0.0, restart="0")
+    thread.join()
+    code, took = _timed(_refuse, ["lr"], wait=0.5)
+    assert code == "--lr: expected a number" and took >= 0.5, took
+
+
+def test_without_a_reachable_store_a_rank_holds_back_for_the_wait(monkeypatch, launch_store):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(fmoe.train.run, "_CONNECT_SECONDS", 0.5)
+    with socket.socket() as unused:  # a port nothing listens on
+        unused.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("MASTER_PORT", str(unused.getsockname()[1]))
+    code, took = _timed(_refuse, ["lr"], wait=0.5)
+    assert code == "--lr: expected a number" and took >= 0.5, took
 
 
 def test_argument_parser_errors_are_system_exits_with_the_message():
@@ -140,6 +210,22 @@ def test_torchrun_s_sigterm_ends_a_rank_during_its_wait_without_a_word():
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == -signal.SIGTERM and err == "", err
+
+
+def test_under_torchrun_the_ranks_meet_in_its_agent_s_store(tmp_path):
+    """The ranks of a real launch reach the store torchrun's agent keeps, under the same run and
+    attempt: rank 1 sees what rank 0 refused with."""
+    script = ("import os, sys\nfrom datetime import timedelta\nimport fmoe.train.run as run\n"
+              "store = run._launch_store()\n"
+              "if os.environ['RANK'] == '0':\n"
+              "    try:\n        run.run_script(lambda argv: sys.exit('--x: refused'), [])\n"
+              "    finally:\n        store.wait(['seen'], timedelta(seconds=120))  # until rank 1 has looked\n"
+              "else:\n    print('rank 1 saw:', run._rank_0_refusal(store, 120), flush=True)\n    store.set('seen', '1')\n")
+    (tmp_path / "meet.py").write_text(script)
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(tmp_path / "meet.py")],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and "rank 1 saw: --x: refused\n" in run.stdout, (run.stdout, run.stderr[-3000:])
+    assert run.stderr.count("--x: refused") == 1, run.stderr[-3000:]  # rank 0's, once
 
 
 def test_nearest_names_begun_then_close():
