@@ -171,6 +171,10 @@ class StopRequests:
         return None
 
 
+_CONNECT_SECONDS = 5.0  # to torchrun's store, already up when the ranks start
+_REFUSED = "rank 0 refused"  # the key rank 0 sets to its refusal, for the other ranks
+
+
 def _launch_store():
     """The store of the torchrun launch this process is a rank of (its agent's TCPStore at
     MASTER_ADDR:MASTER_PORT, which torchrun names with TORCHELASTIC_USE_AGENT_STORE=True),
@@ -190,14 +194,9 @@ def _launch_store():
     return dist.PrefixStore(f"fmoe.run_script/{attempt}", store)
 
 
-_CONNECT_SECONDS = 5.0  # to torchrun's store, already up when the ranks start
-_REFUSED = "rank 0 refused"  # the key rank 0 sets to its refusal, for the other ranks
-
-
-def _rank_0_refusal(store, wait: float) -> Optional[str]:
+def _rank_0_refusal(store, deadline: float) -> Optional[str]:
     """What rank 0 refused with, once it has (its key in the launch's store), or None if it has
-    not within `wait` seconds, or the store has gone."""
-    deadline = time.monotonic() + wait
+    not by `deadline` (time.monotonic()), or the store has gone."""
     while True:
         try:
             if store.check([_REFUSED]):
@@ -243,11 +242,12 @@ def run_script(main: Callable[[list[str]], None], argv: list[str], *, wait: floa
                     pass  # the store has gone: the other ranks say theirs after their wait
             raise
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a run's StopRequests may have noted SIGTERM instead
-        start, store = time.monotonic(), _launch_store()
+        deadline = time.monotonic() + wait
+        store = _launch_store()
         if store is None:
-            time.sleep(max(0.0, wait - (time.monotonic() - start)))
+            time.sleep(max(0.0, deadline - time.monotonic()))
             raise
-        if _rank_0_refusal(store, max(0.0, wait - (time.monotonic() - start))) != str(stop.code):
+        if _rank_0_refusal(store, deadline) != str(stop.code):
             raise
         time.sleep(wait)
         raise SystemExit(1) from None

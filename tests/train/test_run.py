@@ -215,12 +215,12 @@ def test_torchrun_s_sigterm_ends_a_rank_during_its_wait_without_a_word():
 def test_under_torchrun_the_ranks_meet_in_its_agent_s_store(tmp_path):
     """The ranks of a real launch reach the store torchrun's agent keeps, under the same run and
     attempt: rank 1 sees what rank 0 refused with."""
-    script = ("import os, sys\nfrom datetime import timedelta\nimport fmoe.train.run as run\n"
+    script = ("import os, sys, time\nfrom datetime import timedelta\nimport fmoe.train.run as run\n"
               "store = run._launch_store()\n"
               "if os.environ['RANK'] == '0':\n"
               "    try:\n        run.run_script(lambda argv: sys.exit('--x: refused'), [])\n"
               "    finally:\n        store.wait(['seen'], timedelta(seconds=120))  # until rank 1 has looked\n"
-              "else:\n    print('rank 1 saw:', run._rank_0_refusal(store, 120), flush=True)\n    store.set('seen', '1')\n")
+              "else:\n    print('rank 1 saw:', run._rank_0_refusal(store, time.monotonic() + 120), flush=True)\n    store.set('seen', '1')\n")
     (tmp_path / "meet.py").write_text(script)
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(tmp_path / "meet.py")],
                          capture_output=True, text=True, timeout=300)
