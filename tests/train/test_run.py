@@ -123,9 +123,13 @@ def launch_store(monkeypatch):
     return store
 
 
-def _rank_0_says_later(store, said, after=0.4, restart="0"):
-    key = f"fmoe.run_script/run7/{restart}/rank 0 refused"
-    thread = threading.Thread(target=lambda: (time.sleep(after), store.set(key, said)))
+def _key(restart="0"):
+    """Where rank 0 of the fixture's run leaves its refusal, in the given attempt."""
+    return f"fmoe.run_script/run7/{restart}/rank 0 refused"
+
+
+def _rank_0_says_later(store, said, after, restart="0"):
+    thread = threading.Thread(target=lambda: (time.sleep(after), store.set(_key(restart), said)))
     thread.start()
     return thread
 
@@ -136,8 +140,7 @@ def test_rank_0_leaves_its_refusal_in_torchrun_s_store(monkeypatch, launch_store
     assert launch_store.num_keys() == 0  # nothing left for a clean exit
     code, took = _timed(_refuse, ["lr"], wait=5)
     assert code == "--lr: expected a number" and took < 1, took  # said at once
-    key = "fmoe.run_script/run7/0/rank 0 refused"
-    assert launch_store.check([key]) and launch_store.get(key) == b"--lr: expected a number"
+    assert launch_store.check([_key()]) and launch_store.get(_key()) == b"--lr: expected a number"
 
 
 def test_another_rank_waits_for_rank_0_however_late_and_stays_silent(monkeypatch, launch_store):
@@ -148,7 +151,7 @@ def test_another_rank_waits_for_rank_0_however_late_and_stays_silent(monkeypatch
     code, took = _timed(_refuse, ["lr"], wait=0.5)
     thread.join()
     assert code == "--lr: expected a number" and took >= 0.5, took  # rank 0 refused after this rank's wait: said
-    launch_store.delete_key("fmoe.run_script/run7/0/rank 0 refused")
+    launch_store.delete_key(_key())
     thread = _rank_0_says_later(launch_store, "--lr: expected a number", after=0.6)
     code, took = _timed(_refuse, ["lr"], wait=1.0)
     thread.join()
