@@ -5,6 +5,7 @@
     interpreter_problem()        why the installed Triton interpreter cannot run the kernels, or None
     vectorize_interpreter_scans()   the interpreter's tl.associative_scan one step per position along its axis
     share_interpreter_patches()     the interpreter's helper calls inside a kernel reuse the kernel's patched triton.language
+    skip_unasserted_overflow_checks()   the interpreter's integer overflow checks computed only where it asserts them
     next_pow2(n)                 Triton block sizes
     local_tensor(t)              the local shard of a DTensor (the tensor itself otherwise)
     tanh(x)                      tanh inside a Triton kernel, from one exp (the interpreter has no tanh)
@@ -186,6 +187,41 @@ def share_interpreter_patches() -> bool:
     return True
 
 
+def skip_unasserted_overflow_checks() -> bool:
+    """Make the Triton interpreter compute its integer overflow check of a +, - or * only where
+    it asserts the result: under its debug option.
+
+    The interpreter's semantic checks every int32 add, sub and mul of a kernel for overflow (its
+    sanitize_overflow option): it casts both operands to int64, applies the op again, compares
+    the result with the type's bounds and hands that to device_assert, which without the debug
+    option (the interpreter's default) returns at once. So the check is computed and dropped:
+    six more interpreted ops per integer op; the grouped MLP's forward and backward on CPU took
+    1.19 s with them and 0.72 s without (48 rows of 32, 4 experts of 24).
+    With debug on, the check runs and asserts as before. The same values either way: the check
+    writes nothing. Applied once, on import of fmoe.ops under TRITON_INTERPRET=1; False (nothing
+    changed) where the installed Triton's interpreter lacks what this relies on.
+    """
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    semantic = getattr(interpreter, "interpreter_semantic", None)
+    if semantic is None or not hasattr(semantic, "binary_op_sanitize_overflow_impl") or not hasattr(semantic, "builder"):
+        return False
+    check = semantic.binary_op_sanitize_overflow_impl
+    if getattr(check, "_fmoe", False):  # already
+        return True
+
+    def sanitize_overflow(lhs, rhs, binary_op):
+        if not semantic.builder.options.debug:  # device_assert would drop the check
+            return None
+        return check(lhs, rhs, binary_op)
+
+    sanitize_overflow._fmoe, sanitize_overflow.__wrapped__ = True, check
+    semantic.binary_op_sanitize_overflow_impl = sanitize_overflow  # the interpreter's semantic alone, not the compiler's
+    return True
+
+
 def local_tensor(t):
     """The local shard of a DTensor (differentiable: DTensor.to_local), the tensor itself
     otherwise (None stays None). Layers and optimizers compute on plain local tensors of
@@ -200,3 +236,4 @@ INTERPRETER_PROBLEM = interpreter_problem()
 if interpreting():
     vectorize_interpreter_scans()
     share_interpreter_patches()
+    skip_unasserted_overflow_checks()

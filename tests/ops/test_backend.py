@@ -170,3 +170,55 @@ def test_helpers_inside_an_interpreted_kernel_reuse_its_patches(monkeypatch):
     for name in ("shared", "shared again"):  # the launch's, and at most one for the reductions' module: not one per helper call
         assert max(results[name][1:]) <= 3, results[name]
     assert results["own"][1:] == (16, 28)
+
+
+@triton.jit
+def _int_ops_kernel(x_ptr, out_ptr, N: tl.constexpr, SCALE: tl.constexpr):
+    offs = tl.arange(0, N)
+    x = tl.load(x_ptr + offs)
+    tl.store(out_ptr + offs, x * SCALE + 1 - offs)
+
+
+@pytest.mark.skipif(not backend.interpreting(), reason="the interpreter's overflow checks: CPU runs only (TRITON_INTERPRET=1)")
+def test_the_interpreter_s_overflow_checks_run_only_where_asserted(monkeypatch):
+    """skip_unasserted_overflow_checks (installed on import): without the interpreter's debug
+    option (its default), whose device_assert drops every check, an int32 kernel's +, - and *
+    hand it nothing (the interpreter's own way: a check per op), with the same values, an
+    overflow's wrapped ones included; with debug on, an overflow stops the kernel, saying so."""
+    import dataclasses
+
+    from triton.runtime import interpreter
+
+    semantic = interpreter.interpreter_semantic
+    assert backend.skip_unasserted_overflow_checks() and semantic.binary_op_sanitize_overflow_impl._fmoe
+    skipping = semantic.binary_op_sanitize_overflow_impl
+    asserts, device_assert = [], semantic.device_assert
+
+    def counted(cond, msg, mask):
+        asserts.append(msg)
+        return device_assert(cond, msg, mask)
+
+    monkeypatch.setattr(semantic, "device_assert", counted)
+    x = torch.arange(-8, 8, dtype=torch.int32) * 1000
+    results = {}
+    for name, check, scale in (("skipping", skipping, 3), ("own", skipping.__wrapped__, 3),
+                               ("skipping, overflow", skipping, 1 << 20), ("own, overflow", skipping.__wrapped__, 1 << 20)):
+        monkeypatch.setattr(semantic, "binary_op_sanitize_overflow_impl", check)
+        asserts.clear()
+        out = torch.empty_like(x)
+        _int_ops_kernel[(1,)](x, out, N=16, SCALE=scale)
+        results[name] = (out, len(asserts))
+    for scale, names in ((3, ("skipping", "own")), (1 << 20, ("skipping, overflow", "own, overflow"))):
+        want = (x.long() * scale + 1 - torch.arange(16)).to(torch.int64)
+        want = ((want + (1 << 31)) % (1 << 32) - (1 << 31)).to(torch.int32)  # int32's wrap
+        for name in names:
+            torch.testing.assert_close(results[name][0], want, rtol=0, atol=0, msg=name)
+    assert results["skipping"][1] == results["skipping, overflow"][1] == 0, results
+    assert results["own"][1] >= 3 and results["own, overflow"][1] >= 3, results  # the *, + and - of int32 tiles
+    monkeypatch.setattr(semantic, "binary_op_sanitize_overflow_impl", skipping)
+    monkeypatch.setattr(interpreter.interpreter_builder, "options", dataclasses.replace(interpreter.interpreter_builder.options, debug=True))
+    out = torch.empty_like(x)
+    _int_ops_kernel[(1,)](x, out, N=16, SCALE=3)  # no overflow: no assert fails
+    torch.testing.assert_close(out, results["skipping"][0], rtol=0, atol=0)
+    with pytest.raises(Exception, match="int32 overflow detected for operation mul"):
+        _int_ops_kernel[(1,)](x, torch.empty_like(x), N=16, SCALE=1 << 20)
