@@ -222,3 +222,34 @@ def test_the_interpreter_s_overflow_checks_run_only_where_asserted(monkeypatch):
     torch.testing.assert_close(out, results["skipping"][0], rtol=0, atol=0)
     with pytest.raises(Exception, match="int32 overflow detected for operation mul"):
         _int_ops_kernel[(1,)](x, torch.empty_like(x), N=16, SCALE=1 << 20)
+
+
+@pytest.mark.skipif(not backend.interpreting(), reason="the interpreter's dtype table: CPU runs only (TRITON_INTERPRET=1)")
+def test_the_interpreter_s_dtype_table_gives_its_own_dtypes(monkeypatch):
+    """cache_interpreter_dtypes (installed on import): the numpy dtype of every Triton dtype, of
+    a block of it and of pointers to it is the interpreter's own, kept in a table of element
+    types (pointer types, unhashable, asked of the interpreter each time); a kernel gives the
+    same values either way."""
+    from triton.runtime import interpreter
+
+    assert backend.cache_interpreter_dtypes() and interpreter._get_np_dtype._fmoe
+    cached = interpreter._get_np_dtype
+    own = cached.__wrapped__
+    monkeypatch.setattr(cached, "table", {})
+    monkeypatch.setattr(interpreter, "_get_np_dtype", cached)
+    scalars = [tl.int1, tl.int8, tl.uint8, tl.int16, tl.uint16, tl.int32, tl.uint32, tl.int64, tl.uint64, tl.float16, tl.bfloat16,
+               tl.float32, tl.float64, tl.float8e5, tl.float8e4nv]
+    kinds = [*scalars, *(tl.block_type(t, [4, 2]) for t in scalars), *(tl.pointer_type(t) for t in scalars),
+             tl.block_type(tl.pointer_type(tl.float32), [8])]
+    for _ in range(2):
+        for kind in kinds:
+            assert cached(kind) == own(kind), kind
+    assert cached.table.keys() == set(scalars), cached.table
+    x = torch.randn(8, generator=torch.Generator().manual_seed(0))
+    results = []
+    for fn in (cached, own):
+        monkeypatch.setattr(interpreter, "_get_np_dtype", fn)
+        out = torch.empty(8)
+        _helper_loop_kernel[(1,)](x, out, N=8, STEPS=3, FAIL=False)
+        results.append(out)
+    torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
