@@ -252,6 +252,7 @@ def cache_interpreter_dtypes() -> bool:
         return False
     if getattr(original, "_fmoe", False):  # already
         return True
+
     def np_dtype(tt_dtype):
         key = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype  # a block type: unhashable, its element's
         if isinstance(key, tl.pointer_type):  # the interpreter's first answer (pointer types are unhashable too)

@@ -127,7 +127,7 @@ def own_groups():
         _clear_sharding_prop_cache = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear
 
     global _FROZEN
-    if not _FROZEN:  # the process's first cases: what lives now (torch's modules) out of every later collection's scan
+    if not _FROZEN:  # the process's first case: what lives now (torch's modules) out of every later collection's scan
         gc.collect()
         gc.freeze()
         _FROZEN = True
