@@ -1240,7 +1240,7 @@ def test_the_indexer_loss_is_the_definition_s_and_trains_the_indexer_alone():
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(L, "_SCORE_ROWS", 4 * cfg.n_heads * 17)
-        assert float(attention(x, p, cfg, _ctx(cu, cfg))[1]["index_loss"]) == pytest.approx(float(want_loss.detach()), rel=1e-5)
+        assert float(attention(x, p, cfg, _ctx(cu, cfg))[1]["index_loss"].detach()) == pytest.approx(float(want_loss.detach()), rel=1e-5)
     # under tensor parallel the target is over every rank's heads (heads_mean: here two ranks of two heads each)
     halves = [dataclasses.replace(cfg, n_heads=2, n_kv_heads=2)] * 2
     parts = {n: [t] * 2 for n, t in p.items()}
