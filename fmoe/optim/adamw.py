@@ -295,6 +295,20 @@ def _torch_rounds_factor(device: torch.device) -> bool:
 # ----------------------------------------------------------------------------------------
 
 
+def check_hyperparameters(group: dict) -> None:
+    """ValueError naming the first bad hyperparameter of an AdamW param group: lr >= 0,
+    betas two values in [0, 1), eps > 0, weight_decay >= 0 (NaN fails each)."""
+    lr, betas, eps, weight_decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+    if not lr >= 0.0:
+        raise ValueError(f"lr: expected a learning rate >= 0, got {lr}")
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"betas: expected two values in [0, 1), got {betas}")
+    if not eps > 0.0:
+        raise ValueError(f"eps: expected eps > 0, got {eps}")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"weight_decay: expected weight_decay >= 0, got {weight_decay}")
+
+
 class AdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay) with bf16 moments, float32 master weights, a fused
     multi-tensor Triton step on CUDA and DTensor parameters.
@@ -321,14 +335,6 @@ class AdamW(torch.optim.Optimizer):
         master_weights: bool = False,
         impl: str = "auto",
     ):
-        if not lr >= 0.0:
-            raise ValueError(f"lr: expected a learning rate >= 0, got {lr}")
-        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"betas: expected two values in [0, 1), got {betas}")
-        if not eps > 0.0:
-            raise ValueError(f"eps: expected eps > 0, got {eps}")
-        if not weight_decay >= 0.0:
-            raise ValueError(f"weight_decay: expected weight_decay >= 0, got {weight_decay}")
         if state_dtype not in STATE_DTYPES:
             raise ValueError(f"state_dtype: expected torch.float32 or torch.bfloat16, got {state_dtype}")
         if impl not in ("auto", "triton", "torch"):
@@ -342,6 +348,12 @@ class AdamW(torch.optim.Optimizer):
         # each parameter's step count as a Python number, beside state["step"] (a CPU tensor,
         # the checkpointed form): buckets are keyed by it without reading a tensor each step
         self._steps: dict = {}
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Checks the group's own lr, betas, eps and weight_decay as the constructor checks
+        its defaults (a ValueError naming the first bad one), then adds it."""
+        check_hyperparameters({**self.defaults, **param_group})
+        super().add_param_group(param_group)
 
     def _init_state(self, p: torch.Tensor) -> dict:
         state = self.state[p]

@@ -49,6 +49,7 @@ Legend: m rows, n cols of one matrix; E experts, H hidden, F expert FFN size.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Callable, Iterable, Optional
 
 import torch
@@ -129,15 +130,16 @@ def apply_update(w: torch.Tensor, update: torch.Tensor, *, lr: float, weight_dec
 
 def check_hyperparameters(group: dict) -> None:
     """ValueError naming the first bad hyperparameter of a Muon param group (lr,
-    momentum, weight_decay, ns_steps, scale); shared with fmoe.parallel's DistributedMuon."""
-    if group["lr"] < 0:
+    momentum, weight_decay, ns_steps, scale; NaN fails each); shared with fmoe.parallel's DistributedMuon."""
+    if not group["lr"] >= 0:
         raise ValueError(f"lr: expected >= 0, got {group['lr']}")
     if not 0 <= group["momentum"] < 1:
         raise ValueError(f"momentum: expected in [0, 1), got {group['momentum']}")
-    if group["weight_decay"] < 0:
+    if not group["weight_decay"] >= 0:
         raise ValueError(f"weight_decay: expected >= 0, got {group['weight_decay']}")
-    if group["ns_steps"] < 1:
-        raise ValueError(f"ns_steps: expected >= 1, got {group['ns_steps']}")
+    steps = group["ns_steps"]
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
+        raise ValueError(f"ns_steps: expected an int >= 1, got {steps!r}")
     if group["scale"] not in SCALES:
         raise ValueError(f"scale: expected one of {SCALES}, got {group['scale']!r}")
 

@@ -227,6 +227,7 @@ def test_grad_factor_refusals(factor, message):
     "kwargs, name",
     [
         (dict(lr=-1.0), "lr"),
+        (dict(lr=float("nan")), "lr"),
         (dict(betas=(1.0, 0.999)), "betas"),
         (dict(betas=(0.9, -0.1)), "betas"),
         (dict(eps=0.0), "eps"),
@@ -238,6 +239,14 @@ def test_grad_factor_refusals(factor, message):
 def test_validation(kwargs, name):
     with pytest.raises(ValueError, match=f"^{name}:"):
         AdamW([torch.zeros(2, requires_grad=True)], **kwargs)
+    if name in ("state_dtype", "impl"):
+        return  # optimizer-wide, not per group
+    with pytest.raises(ValueError, match=f"^{name}:"):  # a param group's own value is checked the same
+        AdamW([{"params": [torch.zeros(2, requires_grad=True)], **kwargs}])
+    opt = AdamW([torch.zeros(2, requires_grad=True)])
+    with pytest.raises(ValueError, match=f"^{name}:"):  # and so is a group added later
+        opt.add_param_group({"params": [torch.zeros(2, requires_grad=True)], **kwargs})
+    assert len(opt.param_groups) == 1
 
 
 @pytest.mark.gpu

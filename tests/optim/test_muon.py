@@ -201,8 +201,10 @@ def test_state_dict_round_trip_continues_bit_identically():
 
 @pytest.mark.parametrize(
     "kwargs, name",
-    [(dict(lr=-1.0), "lr"), (dict(momentum=1.0), "momentum"), (dict(momentum=-0.1), "momentum"),
-     (dict(weight_decay=-0.1), "weight_decay"), (dict(ns_steps=0), "ns_steps"), (dict(scale="rms"), "scale")],
+    [(dict(lr=-1.0), "lr"), (dict(lr=float("nan")), "lr"), (dict(momentum=1.0), "momentum"),
+     (dict(momentum=-0.1), "momentum"), (dict(weight_decay=-0.1), "weight_decay"),
+     (dict(weight_decay=float("nan")), "weight_decay"), (dict(ns_steps=0), "ns_steps"), (dict(ns_steps=2.5), "ns_steps"),
+     (dict(scale="rms"), "scale")],
 )
 def test_bad_hyperparameters_raise_naming_the_argument(kwargs, name):
     with pytest.raises(ValueError, match=name):
