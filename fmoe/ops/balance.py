@@ -217,7 +217,7 @@ def _(logits, k, score_code):
 
 @torch.library.custom_op("fmoe::aux_scores_bwd", mutates_args=())
 def _aux_scores_bwd(grad_scores: torch.Tensor, logits: torch.Tensor, score_code: int) -> torch.Tensor:
-    grad_logits = torch.empty_like(logits)
+    grad_logits = logits.new_empty(logits.shape)  # row-major, as the kernel writes it
     T, E = logits.shape
     if T > 0:
         grid, meta = _grid_rows(T, E)
@@ -227,7 +227,7 @@ def _aux_scores_bwd(grad_scores: torch.Tensor, logits: torch.Tensor, score_code:
 
 @_aux_scores_bwd.register_fake
 def _(grad_scores, logits, score_code):
-    return torch.empty_like(logits)
+    return logits.new_empty(logits.shape)
 
 
 def _aux_setup_context(ctx, inputs, output):
@@ -260,7 +260,7 @@ def _(logits):
 
 @torch.library.custom_op("fmoe::logsumexp_bwd", mutates_args=())
 def _lse_bwd(grad_lse: torch.Tensor, logits: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    grad_logits = torch.empty_like(logits)
+    grad_logits = logits.new_empty(logits.shape)  # row-major, as the kernel writes it
     T, E = logits.shape
     if T > 0:
         grid, meta = _grid_rows(T, E)
@@ -270,7 +270,7 @@ def _lse_bwd(grad_lse: torch.Tensor, logits: torch.Tensor, lse: torch.Tensor) ->
 
 @_lse_bwd.register_fake
 def _(grad_lse, logits, lse):
-    return torch.empty_like(logits)
+    return logits.new_empty(logits.shape)
 
 
 def _lse_setup_context(ctx, inputs, output):

@@ -571,7 +571,7 @@ def _grouped_gemm_fwd(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, t
     (with fp8: torch._scaled_grouped_mm on CUDA). fp8 (FP8_OFF, FP8_ON, FP8_FAST): x and w
     quantized over K (_fp8_gemm).
     """
-    x, w = x.contiguous(), w.contiguous()
+    x, w, offsets = x.contiguous(), w.contiguous(), offsets.contiguous()  # the kernels read offsets densely
     if x.numel() == 0 or w.numel() == 0:  # nothing to multiply: zeros (torch._grouped_mm rejects empty operands)
         return x.new_zeros(x.shape[0], w.shape[2])
     return _gemm(x, w, offsets, False, torch_gmm, fp8)
@@ -588,7 +588,7 @@ def _grouped_gemm_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx[R, K] = dy @ w[e]^T, zeros past offsets[-1], with fp8 of dy and w quantized over
     N; dw[E, K, N] = x_e^T dy_e, in x's dtype either way)."""
-    grad_y, x, w = grad_y.contiguous(), x.contiguous(), w.contiguous()
+    grad_y, x, w, offsets = grad_y.contiguous(), x.contiguous(), w.contiguous(), offsets.contiguous()
     if x.numel() == 0 or w.numel() == 0:
         return torch.zeros_like(x), torch.zeros_like(w)
     return _gemm(grad_y, w, offsets, True, torch_gmm, fp8), _gemm_dw(x, grad_y, offsets, torch_gmm)

@@ -367,7 +367,7 @@ def _route_fwd(
         return weights, experts
     meta = _fwd_blocks(E, n_groups, k)
     _route_fwd_kernel[(triton.cdiv(T, meta["BLOCK_T"]),)](
-        logits.contiguous(), expert_bias if expert_bias is not None else logits, weights, experts, T, scale,
+        logits.contiguous(), expert_bias.contiguous() if expert_bias is not None else logits, weights, experts, T, scale,
         E=E, K=k, G=n_groups, GS=E // n_groups, TOPK_GROUPS=topk_groups, PER_GROUP=per_group,
         SCORE=score_code, HAS_BIAS=expert_bias is not None, BIAS_ON_LOGITS=bias_on_logits, **meta,
     )
@@ -386,7 +386,7 @@ def _route_bwd(
 ) -> torch.Tensor:
     T, E = logits.shape
     k = experts.shape[1]
-    grad_logits = torch.empty_like(logits)
+    grad_logits = logits.new_empty(T, E)  # row-major, as the kernel writes it (empty_like would keep a transpose's strides)
     if T == 0:
         return grad_logits
     meta = _bwd_blocks(E, k)
@@ -399,7 +399,7 @@ def _route_bwd(
 
 @_route_bwd.register_fake
 def _(grad_weights, logits, experts, score_code, scale):
-    return torch.empty_like(logits)
+    return logits.new_empty(logits.shape)
 
 
 def _route_setup_context(ctx, inputs, output):

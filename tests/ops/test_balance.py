@@ -58,6 +58,28 @@ def test_aux_scores_triton_matches_reference(shape, score, dtype, device):
     torch.testing.assert_close(x_tri.grad, x_ref.grad, **tol)
 
 
+def test_transposed_logits_differentiate_as_their_copies(device):
+    """aux_scores, z_loss and its masked form on a transposed logits view: the kernels'
+    gradients equal the reference's on a contiguous copy (a gradient laid out as the view's
+    strides, where the kernels write rows, would scramble them)."""
+    E, T, k = 6, 9, 2
+    base = torch.randn(E, T, device=device)
+    keep = torch.arange(T, device=device) % 3 != 1
+    weights = torch.randn(T, E, device=device)
+    losses = {
+        "aux_scores": lambda x, impl: (F.aux_scores(x, k, score="sigmoid", impl=impl)[0] * weights).sum(),
+        "z_loss": lambda x, impl: F.z_loss(x, impl=impl),
+        "z_loss mask": lambda x, impl: F.z_loss(x, mask=keep, impl=impl),
+    }
+    for name, loss in losses.items():
+        grads = []
+        for impl, logits_of in (("triton", lambda x: x.t()), ("torch", lambda x: x.t().contiguous())):
+            x = base.clone().requires_grad_()
+            loss(logits_of(x), impl).backward()
+            grads.append(x.grad)
+        torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_aux_scores_bad_inputs():
     _raises("logits: expected a 2-D", F.aux_scores, torch.randn(3, 4, 5), 2)
     _raises(r"k: expected 1\.\.4", F.aux_scores, torch.randn(3, 4), 5)

@@ -606,6 +606,21 @@ def test_grouped_matmul_matches_per_row_brute_force(case, impl, dtype, device):
     assert torch.equal(wl.grad[empty], torch.zeros_like(wl.grad[empty]))
 
 
+@pytest.mark.parametrize("impl", ["auto", "triton"])
+def test_strided_offsets_read_as_their_copy(impl, device):
+    """offsets taken every other element of a wider tensor: grouped_matmul and grouped_mlp
+    give the outputs and gradients of its contiguous copy (the kernels read offsets densely)."""
+    (x, w_gate, w_up, w_down), offsets = _problem([5, 0, 7], 3, 32, 16, device=device)
+    strided = torch.stack([offsets, offsets.flip(0)], dim=1)[:, 0]  # stride 2, the flip between
+    assert strided.stride() == (2,) and torch.equal(strided, offsets)
+    grad_y = torch.randn(x.shape[0], 32, device=device)
+    for fn, tensors in ((grouped_mlp, (x, w_gate, w_up, w_down)), (grouped_matmul, (x, w_up @ w_down))):
+        y, grads = _run(fn, tensors, strided, grad_y, impl=impl)
+        y_want, grads_want = _run(fn, tensors, offsets, grad_y, impl=impl)
+        for actual, want in zip([y, *grads], [y_want, *grads_want]):
+            _assert_close(actual, want)
+
+
 def test_grouped_matmul_compiles_whole_and_refuses_bad_inputs():
     x, w = torch.randn(6, 12), torch.randn(2, 12, 20)
     offsets = torch.tensor([2, 6], dtype=torch.int32)
