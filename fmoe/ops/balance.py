@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from fmoe.ops.backend import next_pow2, use_triton
-from fmoe.ops.checks import check_cu_seqlens, check_float, check_index, check_positive_int, check_token_mask
+from fmoe.ops.checks import check_cu_seqlens, check_float, check_index, check_positive_int, check_token_mask, checking
 from fmoe.ops.packed import sequence_ids
 from fmoe.ops.routing import Routes, keep_slots, sqrt_softplus, sqrt_softplus_tl
 from fmoe.ops.topk import NO_ID, NO_KEY, rows_per_program, sort_desc, sort_key
@@ -60,16 +60,25 @@ def aux_scores_ref(logits_TE, k, score_code):
 
 
 def tokens_per_expert(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
-    """counts[E] int64: slots routed to each expert; ids -1 (dropped) are skipped.
+    """counts[E] int64: slots routed to each expert; ids -1 (dropped) are skipped, and so are
+    ids outside 0..E-1, as permute's unchecked ids are dropped slots.
 
     experts: [T, k] (any shape) int32/int64. No device->host sync.
     """
     if not isinstance(experts, torch.Tensor) or experts.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"experts: expected an int32/int64 tensor [T, k], got {getattr(experts, 'dtype', type(experts).__name__)}")
     check_positive_int("n_experts", n_experts)
-    flat = experts.reshape(-1).long()
+    flat, kept = _kept_ids(experts, n_experts)
     counts = torch.zeros(n_experts, dtype=torch.int64, device=experts.device)
-    return counts.scatter_add_(0, flat.clamp(min=0), (flat >= 0).long())
+    return counts.scatter_add_(0, flat, kept)
+
+
+def _kept_ids(experts: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [T k] int64 with those outside 0..E-1 set to 0, kept [T k] int64: 1 where the id
+    was inside): what the counts scatter, skipped slots adding 0."""
+    flat = experts.reshape(-1).long()
+    kept = (flat >= 0) & (flat < n_experts)
+    return torch.where(kept, flat, 0), kept.long()
 
 
 def z_loss_ref(logits_TE):
@@ -374,10 +383,11 @@ def seq_load_balancing_loss(
 
     Args:
         scores: [T, E] float from aux_scores (differentiable).
-        experts: [T, k] int ids (from aux_scores; -1 skipped).
+        experts: [T, k] int ids in -1..E-1 (from aux_scores; -1 skipped).
         cu_seqlens: [B + 1] int32/int64, 0 = c_0 <= c_1 <= ... <= c_B = T.
-        check: raise a ValueError unless cu_seqlens' values are as above (one device->host
-            sync; skipped under torch.compile).
+        check: raise a ValueError unless cu_seqlens' values are as above and the ids lie in
+            -1..E-1 (device->host syncs; skipped under torch.compile). Unchecked, ids outside
+            it are skipped as -1 is.
         mask: None, or [T] bool, False on tokens left out (padding): S_b counts only the
             tokens of b in the mask, their scores and slots are dropped (mask_tokens), and
             a sequence with none of them is left out of the mean, so the loss equals the
@@ -392,6 +402,8 @@ def seq_load_balancing_loss(
         raise ValueError(f"experts: expected shape ({T}, {k}) to match scores and k, got {tuple(experts.shape)}")
     check_token_mask("mask", mask, T)
     check_cu_seqlens(cu_seqlens, T, check=check)
+    if checking(check) and experts.numel() and (experts.min() < -1 or experts.max() >= E):
+        raise ValueError(f"experts: ids must lie in -1..{E - 1} (-1: a skipped slot), got {int(experts.min())}..{int(experts.max())}")
     cu = cu_seqlens.to(device=scores.device, dtype=torch.int64)
     B = cu.numel() - 1
     seq_T = sequence_ids(cu, T)
@@ -408,14 +420,14 @@ def seq_load_balancing_loss(
 def sequence_sums(scores: torch.Tensor, experts: torch.Tensor, seq_T: torch.Tensor, n_seq: int):
     """The two per-sequence sums of the sequence-level loss: score_sum [B, E] float32 (the
     sum of each sequence's scores, differentiable) and counts [B, E] int64 (slots of each
-    sequence routed to each expert, -1 skipped); seq_T [T] is each token's sequence in
+    sequence routed to each expert, -1 and ids outside 0..E-1 skipped); seq_T [T] is each token's sequence in
     [0, B). A caller holding part of the tokens reduces the integer counts over its group
     (fmoe.parallel.seq_load_balancing_loss_split) and keeps the score sums local."""
     E, k = scores.shape[1], experts.shape[1]
     score_sum_BE = torch.zeros(n_seq, E, dtype=torch.float32, device=scores.device).index_add_(0, seq_T, scores.float())
-    flat_e = experts.reshape(-1).long()
+    flat_e, kept = _kept_ids(experts, E)
     counts_BE = torch.zeros(n_seq * E, dtype=torch.int64, device=scores.device)
-    counts_BE.scatter_add_(0, seq_T.repeat_interleave(k) * E + flat_e.clamp(min=0), (flat_e >= 0).long())
+    counts_BE.scatter_add_(0, seq_T.repeat_interleave(k) * E + flat_e, kept)
     return score_sum_BE, counts_BE.view(n_seq, E)
 
 

@@ -95,6 +95,10 @@ def test_tokens_per_expert():
     assert F.tokens_per_expert(experts.int(), 5).dtype == torch.int64
     _raises("experts: expected an int32/int64", F.tokens_per_expert, experts.float(), 5)
     _raises("n_experts: expected", F.tokens_per_expert, experts, 0)
+    # ids outside -1..E-1 are skipped as -1 is (permute's unchecked rule), not counted on a
+    # neighbour nor an index error
+    out_of_range = torch.tensor([[0, 5], [2, -3], [7, 4]])
+    assert F.tokens_per_expert(out_of_range, 5).tolist() == [1, 0, 1, 0, 1]
 
 
 # ---------------------------------------------------------------------------- switch loss
@@ -195,6 +199,21 @@ def test_seq_loss_bad_cu_seqlens():
     _raises("cu_seqlens: expected dtype int32 or int64", F.seq_load_balancing_loss, scores, experts, torch.tensor([0.0, 10.0]), k=2)
     _raises("cu_seqlens: expected at least 2 entries", F.seq_load_balancing_loss, scores, experts, torch.tensor([0]), k=2)
     _raises(r"experts: expected shape \(10, 3\)", F.seq_load_balancing_loss, scores, experts, torch.tensor([0, 10]), k=3)
+
+
+@pytest.mark.parametrize("bad", [4, -2])
+def test_seq_loss_ids_out_of_range(bad):
+    """Checked, an id outside -1..E-1 is a ValueError; unchecked, it is skipped as -1 is
+    (an id E must not count as the next sequence's expert 0, nor index past the counts)."""
+    T, E, k = 10, 4, 2
+    scores, experts = F.aux_scores(torch.randn(T, E), k)
+    cu = torch.tensor([0, 4, T])
+    for row in (0, T - 1):  # inside the first sequence, and in the last (whose E-th id is past the end)
+        bad_experts, dropped = experts.clone(), experts.clone()
+        bad_experts[row, 0], dropped[row, 0] = bad, -1
+        _raises(rf"experts: ids must lie in -1..{E - 1}", F.seq_load_balancing_loss, scores, bad_experts, cu, k=k)
+        torch.testing.assert_close(F.seq_load_balancing_loss(scores, bad_experts, cu, k=k, check=False),
+                                   F.seq_load_balancing_loss(scores, dropped, cu, k=k))
 
 
 # ---------------------------------------------------------------------------- z-loss
