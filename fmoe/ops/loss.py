@@ -57,10 +57,12 @@ def softcap_ref(x, softcap):
 
 
 def cross_entropy_ref(logits_NV, labels_N, ignore_index, mean, softcap=None):
-    """Plain torch in float32; differentiable through torch autograd."""
-    x_NV = softcap_ref(logits_NV.float(), softcap)
-    V = x_NV.shape[1]
+    """Plain torch in float32; differentiable through torch autograd. Ignored rows' logits
+    are replaced by zeros first, so their gradient is exactly zero even where they hold inf
+    or NaN (as in the kernel), not 0 times NaN."""
     valid_N = labels_N != ignore_index
+    x_NV = softcap_ref(logits_NV.masked_fill(~valid_N[:, None], 0).float(), softcap)
+    V = x_NV.shape[1]
     # unchecked labels outside [0, V) get a NaN loss, as in the kernel, not a bad gather
     known_N = valid_N & (labels_N >= 0) & (labels_N < V)
     target_N = torch.where(known_N, labels_N, 0).long()

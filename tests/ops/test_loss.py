@@ -188,6 +188,28 @@ def test_all_rows_ignored_give_zero_loss_and_zero_gradient(reduction, impl, devi
     assert empty.item() == 0.0
 
 
+@pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_ignored_rows_holding_nan_or_inf_get_zero_gradient(impl, softcap, device):
+    """An ignored row's logits are never read into the loss: NaN or inf there leaves the loss
+    and the other rows' gradients as with finite values, and its own gradient exactly zero."""
+    logits = torch.randn(4, 50, device=device)
+    labels = torch.tensor([3, IGNORE, IGNORE, 7], device=device)
+    poisoned = logits.clone()
+    poisoned[1] = float("nan")
+    poisoned[2, 0], poisoned[2, 9] = float("inf"), -float("inf")
+    results = []
+    for x in (logits, poisoned):
+        x = x.clone().requires_grad_()
+        value = cross_entropy(x, labels, softcap=softcap, impl=impl)
+        value.backward()
+        results.append((value, x.grad))
+    (value, grad), (value_p, grad_p) = results
+    torch.testing.assert_close(value_p, value)
+    assert torch.equal(grad_p[1:3], torch.zeros_like(grad_p[1:3]))
+    torch.testing.assert_close(grad_p, grad)
+
+
 @pytest.mark.parametrize("impl", ["triton", "torch"])
 def test_sum_is_mean_times_valid_rows(impl, device):
     logits = torch.randn(20, 30, device=device)
