@@ -52,7 +52,8 @@ def aux_scores_ref(logits_TE, k, score_code):
     x_TE = logits_TE.float()
     if score_code:
         sig_TE = torch.sigmoid(x_TE) if score_code == 1 else sqrt_softplus(x_TE)
-        scores_TE = sig_TE / sig_TE.sum(dim=-1, keepdim=True)
+        total_T1 = sig_TE.sum(dim=-1, keepdim=True)
+        scores_TE = sig_TE / torch.where(total_T1 > 0, total_T1, 1.0)  # all underflowed (logits < -103): zeros, not NaN
     else:
         scores_TE = torch.softmax(x_TE, dim=-1)
     experts_TK = sort_desc(scores_TE.detach())[:, :k]
@@ -112,7 +113,8 @@ def _aux_fwd_kernel(
         s = tl.where(live, s, 0.0)
     else:
         s = tl.where(live, tl.exp(x - tl.max(x, axis=1)[:, None]), 0.0)
-    s = s / tl.sum(s, axis=1)[:, None]
+    total = tl.sum(s, axis=1)
+    s = s / tl.where(total > 0, total, 1.0)[:, None]  # every sigmoid underflowed: zeros, not 0 / 0
     tl.store(scores_ptr + off, s, mask=live)
 
     # top-k by repeated max of the scores' int32 images, lowest id on ties (routing._order)
@@ -148,6 +150,7 @@ def _aux_bwd_kernel(
             sig, dsdx = sqrt_softplus_tl(x)
             sig = tl.where(live, sig, 0.0)
         denom = tl.sum(sig, axis=1)
+        denom = tl.where(denom > 0, denom, 1.0)
         q = sig / denom[:, None]
         dx = (g - tl.sum(g * q, axis=1)[:, None]) / denom[:, None] * dsdx
     else:  # p = softmax(x): dx = p (g - sum(g p))
@@ -306,7 +309,8 @@ def aux_scores(logits: torch.Tensor, k: int, *, score: str = "softmax", return_c
         logits: [T, E] router logits (float32 / bfloat16 / float16).
         k: experts per token, 1..E.
         score: "softmax" (softmax over E), "sigmoid" (sigmoid / sum of sigmoids) or
-            "sqrtsoftplus" (sqrt(softplus) / its sum; fmoe.ops.routing.sqrt_softplus).
+            "sqrtsoftplus" (sqrt(softplus) / its sum; fmoe.ops.routing.sqrt_softplus); a sigmoid row
+            whose every value underflowed to 0 (all float32 logits below about -103) scores zeros.
         return_counts: also return counts[E] int64 of the returned top-k (the fused kernel
             computes them in the same pass).
     Returns:

@@ -58,6 +58,21 @@ def test_aux_scores_triton_matches_reference(shape, score, dtype, device):
     torch.testing.assert_close(x_tri.grad, x_ref.grad, **tol)
 
 
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_aux_scores_of_underflowed_rows_are_zeros_not_nan(impl, device):
+    """Row 0's sigmoids all underflow to 0 in float32: its scores are zeros and its gradient
+    zero, not 0 / 0; row 1, tiny but not zero, still sums to 1. (sqrt(softplus) has a floor,
+    so the same row scores 1/E each.)"""
+    logits = torch.stack([torch.full((6,), -120.0), torch.linspace(-70.0, -60.0, 6)]).to(device).requires_grad_()
+    scores, experts = F.aux_scores(logits, 2, score="sigmoid", impl=impl)
+    assert torch.equal(scores[0], torch.zeros_like(scores[0])) and experts[0].tolist() == [0, 1]
+    torch.testing.assert_close(scores[1].sum(), torch.tensor(1.0, device=device))
+    (scores * torch.randn_like(scores)).sum().backward()
+    assert torch.isfinite(logits.grad).all() and torch.equal(logits.grad[0], torch.zeros_like(logits.grad[0]))
+    floored, _ = F.aux_scores(logits.detach(), 2, score="sqrtsoftplus", impl=impl)
+    torch.testing.assert_close(floored[0], torch.full((6,), 1 / 6, device=device))
+
+
 def test_transposed_logits_differentiate_as_their_copies(device):
     """aux_scores, z_loss and its masked form on a transposed logits view: the kernels'
     gradients equal the reference's on a contiguous copy (a gradient laid out as the view's
