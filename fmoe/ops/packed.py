@@ -203,10 +203,11 @@ _roll_packed_op.register_autograd(_roll_backward, setup_context=_roll_setup_cont
 # ----------------------------------------------------------------------------------------
 
 
-def _check_fill(fill, dtype: torch.dtype) -> None:
-    """fill must be a number that x's dtype can hold (truncation of floats to ints is fine)."""
+def _check_fill(fill, dtype: torch.dtype, name: str = "fill", of: str = "x") -> None:
+    """fill must be a number that x's dtype can hold (truncation of floats to ints is fine);
+    name and of: the argument and the tensor its caller calls them."""
     if not isinstance(fill, (int, float)):
-        raise ValueError(f"fill: expected a number (int, float or bool), got {fill!r}")
+        raise ValueError(f"{name}: expected a number (int, float or bool), got {fill!r}")
     if dtype == torch.bool or dtype.is_complex:
         return
     if dtype.is_floating_point:
@@ -215,7 +216,7 @@ def _check_fill(fill, dtype: torch.dtype) -> None:
         info = torch.iinfo(dtype)
         fits = math.isfinite(fill) and info.min <= fill <= info.max
     if not fits:
-        raise ValueError(f"fill: {fill!r} does not fit x's dtype {dtype}")
+        raise ValueError(f"{name}: {fill!r} does not fit {of}'s dtype {dtype}")
 
 
 def _roll(x, cu_seqlens, shift, dim, fill, impl):
@@ -373,7 +374,7 @@ def mtp_targets(
         check_index("positions", positions, 1, "[T]")
         if positions.shape != (T,):
             raise ValueError(f"positions: expected shape ({T},), got {tuple(positions.shape)}")
-    _check_fill(ignore_index, tokens.dtype)
+    _check_fill(ignore_index, tokens.dtype, "ignore_index", "tokens")  # the labels' fill
     cu = cu_seqlens.to(tokens.device)
 
     def roll(x, k, fill):

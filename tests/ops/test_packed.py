@@ -216,6 +216,9 @@ def test_bad_inputs():
         mtp_targets(x, cu, 1, loss_mask=torch.ones(9))
     with pytest.raises(ValueError, match="positions"):
         mtp_targets(x, cu, 1, positions=torch.arange(9))
+    for bad in (2**40, "x"):  # the labels' fill is named as mtp_targets calls it
+        with pytest.raises(ValueError, match="^ignore_index: .*(fit tokens's dtype torch.int32|expected a number)"):
+            mtp_targets(x.int(), cu, 1, ignore_index=bad)
 
 
 def test_opcheck(device):
