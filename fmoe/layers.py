@@ -257,6 +257,9 @@ class MoEConfig:
             raise ValueError(f"capacity_factor: expected None or a positive finite number, got {self.capacity_factor!r}")
         if self.capacity_policy not in ("probs", "position"):
             raise ValueError(f"capacity_policy: expected 'probs' or 'position', got {self.capacity_policy!r}")
+        for name in ("pre_softmax", "random_routing", "aux_scores", "check_nan"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         check_fp8(self.fp8)
         check_fp8_fast_accum(self.fp8_fast_accum, self.fp8)
         if not isinstance(self.weights_on_input, bool):

@@ -273,6 +273,9 @@ def test_moe_bad_inputs(device):
         dataclasses.replace(cfg, weights_on_input=1)
     with pytest.raises(ValueError, match="bias_on_logits: expected a bool, got 1"):
         dataclasses.replace(cfg, score="sigmoid", bias_on_logits=1)
+    for name in ("pre_softmax", "random_routing", "aux_scores", "check_nan"):  # "no" would be truthy
+        with pytest.raises(ValueError, match=f"{name}: expected a bool, got 'no'"):
+            dataclasses.replace(cfg, **{name: "no"})
     with pytest.raises(ValueError, match="bias_on_logits: applies to score='sigmoid' only, got score='softmax'"):
         dataclasses.replace(cfg, bias_on_logits=True)
     logit_bias = dataclasses.replace(cfg, score="sigmoid", bias_on_logits=True)  # a config without the bias it moves
