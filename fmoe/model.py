@@ -2834,7 +2834,14 @@ class Transformer(nn.Module):
         from fmoe.ops import positions_from_cu_seqlens
 
         self._check_whole("logits")
-        if input_ids.ndim != 1 or cu_seqlens.ndim != 1 or int(cu_seqlens[-1]) != input_ids.shape[0] or int(cu_seqlens[0]) != 0:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 1 or input_ids.dtype not in (torch.int64, torch.int32):
+            got = f"{input_ids.dtype} {list(input_ids.shape)}" if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+            raise ValueError(f"input_ids: expected [T] int64 token ids (packed documents, cu_seqlens their bounds), got {got}")
+        if input_ids.numel():  # one host read, as cu_seqlens' below
+            lo, hi = torch.stack(torch.aminmax(input_ids)).tolist()
+            if lo < 0 or hi >= self.cfg.vocab_size:
+                raise ValueError(f"input_ids: expected ids in 0..{self.cfg.vocab_size - 1} (vocab_size), got {lo}..{hi}")
+        if cu_seqlens.ndim != 1 or int(cu_seqlens[-1]) != input_ids.shape[0] or int(cu_seqlens[0]) != 0:
             raise ValueError(f"cu_seqlens: expected 0, ..., T = {input_ids.shape[0]} for input_ids [T], got {cu_seqlens.tolist()}")
         cu_seqlens = cu_seqlens.to(device=input_ids.device, dtype=torch.int32)
         if positions is None:
@@ -2924,6 +2931,9 @@ class Transformer(nn.Module):
                              "(make the cache with model.kv_cache)")
         if input_ids.ndim not in (1, 2) or input_ids.shape[-1] < 1 or input_ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"input_ids: expected [T] or [S, T] int64 with T >= 1, got {input_ids.dtype} {list(input_ids.shape)}")
+        # no host read: an id out of range stops here (a RuntimeError naming it; on CUDA where the check runs), not in the embedding
+        torch._assert_async(((input_ids >= 0) & (input_ids < self.cfg.vocab_size)).all(),
+                            f"input_ids: an id outside 0..{self.cfg.vocab_size - 1} (vocab_size)")
         seq_list = self._decoded_seqs(input_ids, cache, seqs)
         T, M, device = input_ids.shape[-1], cache.max_tokens, input_ids.device
         for b in seq_list:

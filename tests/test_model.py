@@ -2132,6 +2132,13 @@ def test_released_model_knobs_build_what_they_say():
     assert float(losses["lm_sum"].detach()) == pytest.approx(float(want.detach()), rel=1e-5)
     with pytest.raises(ValueError, match="cu_seqlens: expected 0, ..., T = 24"):
         model.logits(batch["input_ids"], torch.tensor([0, 23]))
+    # the token ids themselves, named as input_ids (not an IndexError inside the embedding)
+    ids = batch["input_ids"]
+    for bad, message in ((ids.float(), r"\[T\] int64 token ids .* got torch.float32 \[24\]"), (ids.view(4, 6), r"\[T\] int64 .* got torch.int64 \[4, 6\]"),
+                         (torch.where(ids == ids[3], cfg.vocab_size, ids), rf"ids in 0..{cfg.vocab_size - 1} \(vocab_size\), got 0..{cfg.vocab_size}"),
+                         (ids - ids.max() - 1, rf"ids in 0..{cfg.vocab_size - 1} \(vocab_size\), got -")):
+        with pytest.raises(ValueError, match="input_ids: expected " + message):
+            model.logits(bad, batch["cu_seqlens"])
 
 
 DECODED = {
@@ -2452,6 +2459,10 @@ def test_decode_bad_inputs():
         model.decode(ids[:0], cache)
     with pytest.raises(ValueError, match=r"input_ids: expected \[T\] or \[S, T\] int64"):
         model.decode(ids.float(), cache)
+    for bad in (TINY.vocab_size, -1):  # no host read: the device's assert (on CPU, at once), before the cache is written
+        with pytest.raises(RuntimeError, match=rf"input_ids: an id outside 0..{TINY.vocab_size - 1} \(vocab_size\)"):
+            model.decode(torch.tensor([1, bad]), cache)
+    assert cache.lengths == [0]
     with pytest.raises(ValueError, match="batch: expected >= 1, got 0"):
         model.kv_cache(4, batch=0)
     pair = model.kv_cache(4, batch=2)
