@@ -34,6 +34,7 @@ Legend: T tokens, H hidden, V vocab, F expert FFN size, Fs shared FFN size, E ex
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -62,6 +63,36 @@ AC_MODES = ("none", "full", "attention", "experts")
 NORM_ROLES = ("embed", "attn_post", "mlp_post", "final")  # TransformerConfig.norm_overrides' roles
 NORM_KINDS = ("unit", "plain", "zero_centered", "prescaled")  # ... and kinds
 HC_KINDS = ("manifold", "independent")
+
+
+# the fields of the blocks' configs that TransformerConfig fills from fields of other names: a
+# block config's ValueError names the TransformerConfig field (_named_as)
+ATTENTION_FIELDS = dict(score_softcap="attn_softcap", rot_dim="rope_dim", interleaved="rope_interleaved", reversed="rope_reversed",
+                        linear_factor="rope_linear_factor", v_dim="v_head_dim", v_scale="value_scale", out_norm="attn_out_norm",
+                        k_eq_v="global_k_eq_v", latent_norm_eps="mla_norm_eps", latent_scales="mla_scales", gate_on_q="attn_gate_on_q",
+                        scale="attn_scale", gate_act="attn_gate_act", gate_per_head="attn_gate_per_head",
+                        index_interleaved="index_rope_interleaved", index_shared="index_shared_layers", index_loss="index_loss_coeff",
+                        temperature_kind="nope_temperature_kind")
+MOE_FIELDS = dict(scale="route_scale", normalize="route_normalize", weights_on_input="route_on_input", logit_softcap="router_softcap",
+                  logit_scale="router_scale", bias_on_logits="expert_bias_on_logits", glu_act="mlp_act", expert_out_norm_eps="post_norm_eps")
+LINEAR_FIELDS = dict(n_k_heads="linear_k_heads", n_v_heads="linear_v_heads", k_head_dim="linear_k_dim", v_head_dim="linear_v_dim",
+                     conv="linear_conv", norm_eps="linear_norm_eps", kind="linear_kind", full_rank="linear_full_rank",
+                     decay_bound="linear_decay_bound", dt_min="linear_dt_min", neg_eigval="linear_neg_eigval", gate_norm="linear_gate_norm",
+                     dt_rank="linear_dt_rank", dt_bc_norm="linear_dt_bc_norm")
+
+
+@contextlib.contextmanager
+def _named_as(fields: dict):
+    """A ValueError whose message starts with a key of fields ("name: ...") raised again with
+    that key's value as its name: a block config's field named as the TransformerConfig field
+    it was built from."""
+    try:
+        yield
+    except ValueError as e:
+        name, sep, rest = str(e).partition(":")
+        if not sep or name not in fields:
+            raise
+        raise ValueError(f"{fields[name]}:{rest}") from None
 
 
 def recompute(fn, *args):
@@ -1199,10 +1230,11 @@ class TransformerConfig:
             if self.expert_bias:
                 raise ValueError("expert_bias: sparsemixer routing (score='sparsemixer') takes no expert bias; set expert_bias=False")
             return
-        # the routing knobs, checked by the op itself on no tokens
-        route(torch.zeros(0, self.n_choices, device="cpu"), self.k, score=self.score, pre_softmax=self.pre_softmax,
-              n_groups=self.n_groups, topk_groups=self.topk_groups, scale=self.route_scale, group_score_topk=self.group_score_topk,
-              normalize=self.route_normalize, check=False, impl="torch")
+        # the routing knobs, checked by the op itself on no tokens (named as this config's fields)
+        with _named_as(MOE_FIELDS):
+            route(torch.zeros(0, self.n_choices, device="cpu"), self.k, score=self.score, pre_softmax=self.pre_softmax,
+                  n_groups=self.n_groups, topk_groups=self.topk_groups, scale=self.route_scale, group_score_topk=self.group_score_topk,
+                  normalize=self.route_normalize, check=False, impl="torch")
 
     def _check_hash(self) -> None:
         """hash_layers (class docstring)."""
@@ -1488,6 +1520,10 @@ class TransformerConfig:
         """The MoE blocks' config; fp8: theirs (None: the model's fp8); layer: the block's index
         (None: an MTP block), whose SwiGLU limits it carries (clamps); every_limit: both limits
         whatever the layer (to check them)."""
+        with _named_as(MOE_FIELDS):
+            return self._moe_config(fp8, layer, every_limit)
+
+    def _moe_config(self, fp8, layer, every_limit) -> MoEConfig:
         return MoEConfig(
             n_experts=self.n_experts, k=self.k, score=self.score, pre_softmax=self.pre_softmax, n_groups=self.n_groups, topk_groups=self.topk_groups,
             scale=self.route_scale, group_score_topk=self.group_score_topk, normalize=self.route_normalize, capacity_factor=self.capacity_factor, capacity_policy=self.capacity_policy, impl=self.impl,
@@ -1505,6 +1541,10 @@ class TransformerConfig:
         LFM2's short convolution ("short_conv"), MiniMax's lightning attention ("lightning"), Mamba-2's mixer ("mamba2"), or
         Mamba-1's ("mamba1");
         fp8: theirs (None: the model's fp8)."""
+        with _named_as(LINEAR_FIELDS):
+            return self._linear_attention_config(fp8)
+
+    def _linear_attention_config(self, fp8) -> LinearAttentionConfig:
         return LinearAttentionConfig(n_k_heads=self.linear_k_heads, n_v_heads=self.linear_v_heads, k_head_dim=self.linear_k_dim,
                                      v_head_dim=self.linear_v_dim, conv=self.linear_conv,
                                      # MiniMax's output norm's eps, or OLMo Hybrid's own (linear_norm_eps)
@@ -1523,9 +1563,10 @@ class TransformerConfig:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                 raise ValueError(f"{name}: expected a positive finite number, got {value!r}")
         eps = self.mla_norm_eps
-        if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf
-                                or (self.kv_rank is None and self.q_rank is None)):
-            raise ValueError(f"mla_norm_eps: the latent norms' eps (with kv_rank or q_rank), None or a finite number >= 0, got {eps!r}")
+        if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf):
+            raise ValueError(f"mla_norm_eps: the latent norms' eps, None or a finite number >= 0, got {eps!r}")
+        if eps is not None and self.kv_rank is None and self.q_rank is None:
+            raise ValueError(f"mla_norm_eps: the eps of the q and kv latents' norms, needs kv_rank or q_rank (got {eps!r})")
         if self.moe_latent_norm and self.moe_latent is None:
             raise ValueError("moe_latent_norm: the norm of a latent MoE's experts' input, needs moe_latent")
         if self.attn_out_norm and self.kv_rank is not None:
@@ -1595,6 +1636,19 @@ class TransformerConfig:
         blocks = dict(index_topk_blocks=self.index_topk_blocks, index_block_size=self.index_block_size,
                       index_local_blocks=self.index_local_blocks) if index_blocks and self.index_topk_blocks is not None else {}
         norm = rope or self.nope_qk_norm
+        prefix = "query" if self.query_temperature_floor is not None else "nope"
+        fields = dict(ATTENTION_FIELDS, temperature_floor=f"{prefix}_temperature_floor", temperature_scale=f"{prefix}_temperature_scale",
+                      local_rot_dim="local_rope_dim" if self.local_rope_dim else "local_head_dim",
+                      rot_dim="rope_dim" if self.rope_dim is not None else "head_dim")  # no rope_dim: the whole head turns
+        if csa:
+            fields.update(compress_rate="csa_rate", compress_topk="csa_topk", index_interleaved="rope_interleaved", index_rope_last="rope_last")
+        if local:
+            fields.update({name: own for name, own in (("n_heads", "local_heads"), ("n_kv_heads", "local_kv_heads"), ("head_dim", "local_head_dim"))
+                           if getattr(self, own) is not None})
+        with _named_as(fields):
+            return self._attention_config(local, rope, fp8, index_shared, compress, csa, csa_knobs, blocks, norm)
+
+    def _attention_config(self, local, rope, fp8, index_shared, compress, csa, csa_knobs, blocks, norm) -> AttentionConfig:
         return AttentionConfig(
             n_heads=self.local_heads if local and self.local_heads is not None else self.n_heads,
             n_kv_heads=self.local_kv_heads if local and self.local_kv_heads is not None else self.n_kv_heads,

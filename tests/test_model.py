@@ -562,7 +562,8 @@ def test_residual_gates_weigh_each_add_and_attn_out_norm_norms_each_head_s_outpu
                             (dict(kv_rank=6, q_rank=8, head_dim=12, rope_dim=4, n_kv_heads=4, v_head_dim=5),
                              r"attn_out_norm: each grouped-query attention head's output normed, not multi-latent attention's \(kv_rank\)"),
                             (dict(attn_out_norm=1), "attn_out_norm: expected a bool, got 1"),
-                            (dict(mla_norm_eps=1e-5), r"mla_norm_eps: the latent norms' eps \(with kv_rank or q_rank\)")):
+                            (dict(mla_norm_eps=1e-5), r"mla_norm_eps: the eps of the q and kv latents' norms, needs kv_rank or q_rank \(got 1e-05\)"),
+                            (dict(mla_norm_eps=-1.0, kv_rank=6), r"mla_norm_eps: the latent norms' eps, None or a finite number >= 0, got -1.0")):
         with pytest.raises(ValueError, match=message):
             dataclasses.replace(cfg, **change)
     # mla_norm_eps: the latents' norms' eps (HY-V4-VL's rms_norm_eps; 1e-6 by default)
@@ -626,7 +627,7 @@ def test_linear_layers_build_gated_deltanet_blocks():
         dataclasses.replace(TINY, linear_layers=(0,), window=4, window_layers=(0, 1))
     with pytest.raises(ValueError, match=r"linear_layers: expected distinct block indices in 0..2, got \(3,\)"):
         dataclasses.replace(TINY, linear_layers=(3,))
-    with pytest.raises(ValueError, match=r"n_v_heads: 3 value heads do not split over 2 key heads"):
+    with pytest.raises(ValueError, match=r"linear_v_heads: 3 value heads do not split over 2 key heads"):
         dataclasses.replace(TINY, linear_layers=(0,), linear_v_heads=3)
 
 
@@ -809,7 +810,7 @@ def test_attention_softcap_caps_every_score_before_the_softmax_on_both_paths():
         flex = attention(x, params, dataclasses.replace(sinks.cfg, impl="flex"),
                          attention_context(cu, positions, dataclasses.replace(cfg.context_config(), impl="flex")))[0]
         torch.testing.assert_close(flex, attention(x, params, sinks.cfg, ctx)[0], rtol=1e-5, atol=1e-6)
-    with pytest.raises(ValueError, match="score_softcap: expected None or a positive finite number, without index_topk"):
+    with pytest.raises(ValueError, match="attn_softcap: expected None or a positive finite number, without index_topk"):
         dataclasses.replace(VARIANTS["dsa"], attn_softcap=30.0)
 
 
@@ -1161,7 +1162,7 @@ def test_bad_configs():
         TransformerConfig(n_experts=8, zero_experts=2, n_groups=4, topk_groups=2)
     with pytest.raises(ValueError, match="n_kv_heads"):
         TransformerConfig(n_heads=4, n_kv_heads=3)
-    with pytest.raises(ValueError, match="normalize: applies to score='sigmoid' or 'sqrtsoftplus' only"):
+    with pytest.raises(ValueError, match="route_normalize: applies to score='sigmoid' or 'sqrtsoftplus' only"):
         TransformerConfig(score="softmax", expert_bias=False, route_normalize=False)
     with pytest.raises(ValueError, match="group_score_topk: applies to group-limited routing only"):
         TransformerConfig(group_score_topk=2)
@@ -1177,7 +1178,8 @@ def test_bad_configs():
                          (dict(ffn_dense=-4), "ffn_dense: expected a positive int, got -4"),
                          (dict(init_std=-0.02), "init_std: expected a finite number >= 0, got -0.02"),
                          (dict(norm_eps=float("nan")), "norm_eps: expected a finite number >= 0, got nan"),
-                         (dict(head_dim=7), r"rot_dim: expected an even number of rotated channels \(pairs\), got 7"),
+                         (dict(head_dim=7), r"head_dim: expected an even number of rotated channels \(pairs\), got 7"),
+                         (dict(rope_dim=3), r"rope_dim: expected an even int in 2..head_dim"),
                          (dict(rope_base=0.5), "rope_base: expected a finite number > 1, got 0.5"),
                          (dict(yarn_factor=0.0), "yarn_factor: expected a finite number > 0, got 0.0"),
                          (dict(yarn_factor=4.0, yarn_original_max_positions=0), "yarn_original_max_positions: "),
@@ -1190,7 +1192,17 @@ def test_bad_configs():
                          (dict(score="sparsemixer", expert_bias=False, sparsemixer_eps=-1.0), "sparsemixer_eps: expected a finite number >= 0"),
                          (dict(sparsemixer_eps=0.1), "sparsemixer_eps: the gap of sparsemixer routing, needs score='sparsemixer'"),
                          (dict(norm_bias=True), r"norm_bias: a bias on each LayerNorm, needs layer_norms"),
-                         (dict(head_bias=1), "head_bias: expected a bool, got 1")):
+                         (dict(head_bias=1), "head_bias: expected a bool, got 1"),
+                         # the blocks' configs' checks, named as the fields they were built from
+                         (dict(attn_softcap=-1.0), "attn_softcap: expected None or a positive finite number"),
+                         (dict(route_scale=0.0), "route_scale: expected a positive finite number, got 0.0"),
+                         (dict(route_normalize="x"), "route_normalize: expected a bool, got 'x'"),
+                         (dict(router_softcap=-2.0), "router_softcap: expected None or a positive finite number, got -2.0"),
+                         (dict(window=3, local_rope_base=100.0, local_rope_dim=3), r"local_rope_dim: expected an even int in 2..head_dim = 32, or None, got 3"),
+                         (dict(index_rope_interleaved=True), "index_rope_interleaved: a knob of DeepSeek sparse attention's indexer, needs index_topk"),
+                         (dict(linear_layers=(0,), linear_conv=0), "linear_conv: expected >= 1, got 0"),
+                         (dict(linear_layers=(0,), linear_kind="mamba2", linear_gate_norm="x"), "linear_gate_norm: expected one of"),
+                         (dict(query_temperature_floor=4, query_temperature_scale=float("nan")), "query_temperature_scale: expected a finite number")):
         with pytest.raises(ValueError, match=said):
             TransformerConfig(**kwargs)
     with pytest.raises(ValueError, match=r"qk_norm_after_rope: needs per-head norms \(qk_norm 'head', 'rms' or 'head_k'\), got qk_norm='proj'"):
@@ -1763,9 +1775,9 @@ def test_laguna_attention_knobs_build_what_they_say():
                                (dict(attn_gate_act="softplus"), "attn_gate_act / attn_gate_per_head: gated attention's gate, needs attn_gate=True"),
                                (dict(attn_gate=True, attn_gate_act="relu"), "gate_act: expected one of sigmoid, softplus, got 'relu'"),
                                (dict(attn_gate=True, attn_gate_per_head=1), "gate_per_head: expected a bool, got 1"),
-                               (dict(window=4, local_rope_dim=4), "local_rot_dim: the channels the local layers' own RoPE rotates, needs local_rope_base"),
-                               (dict(window=4, local_rope_base=100.0, local_rope_dim=5), r"local_rot_dim: expected an even int in 2..head_dim = 8"),
-                               (dict(router_softcap=0.0), "logit_softcap: expected None or a positive finite number, got 0.0"),
+                               (dict(window=4, local_rope_dim=4), "local_rope_dim: the channels the local layers' own RoPE rotates, needs local_rope_base"),
+                               (dict(window=4, local_rope_base=100.0, local_rope_dim=5), r"local_rope_dim: expected an even int in 2..head_dim = 8"),
+                               (dict(router_softcap=0.0), "router_softcap: expected None or a positive finite number, got 0.0"),
                                (dict(local_heads=4, local_kv_heads=3, window=4), "local_kv_heads: 4 heads do not split over 3 kv heads")):
         with pytest.raises(ValueError, match=message):
             dataclasses.replace(TINY, **overrides)
@@ -2135,7 +2147,7 @@ def test_released_model_knobs_build_what_they_say():
     # the token ids themselves, named as input_ids (not an IndexError inside the embedding)
     ids = batch["input_ids"]
     for bad, message in ((ids.float(), r"\[T\] int64 token ids .* got torch.float32 \[24\]"), (ids.view(4, 6), r"\[T\] int64 .* got torch.int64 \[4, 6\]"),
-                         (torch.where(ids == ids[3], cfg.vocab_size, ids), rf"ids in 0..{cfg.vocab_size - 1} \(vocab_size\), got 0..{cfg.vocab_size}"),
+                         (torch.where(ids == ids[3], cfg.vocab_size, ids), rf"ids in 0..{cfg.vocab_size - 1} \(vocab_size\), got \d+..{cfg.vocab_size}"),
                          (ids - ids.max() - 1, rf"ids in 0..{cfg.vocab_size - 1} \(vocab_size\), got -")):
         with pytest.raises(ValueError, match="input_ids: expected " + message):
             model.logits(bad, batch["cu_seqlens"])
@@ -3078,7 +3090,7 @@ def test_compressed_sparse_blocks_bad_knobs():
                                (dict(csa_topk=0), r"csa_topk: expected >= 1, got 0"),
                                (dict(csa_layers=(3,)), r"csa_layers: expected distinct block indices in 0\.\.2, got \(3,\)"),
                                (dict(compress_layers=(1, 2)), r"csa_layers: blocks \[1\] are in compress_layers too"),
-                               (dict(q_rank=None), r"compress_topk: compressed sparse attention's indexer reads the normed q latent, needs q_rank"),
+                               (dict(q_rank=None), r"csa_topk: compressed sparse attention's indexer reads the normed q latent, needs q_rank"),
                                (dict(linear_layers=(1,)), r"csa_layers: compressed sparse attention blocks attend \(softmax attention\)")):
         with pytest.raises(ValueError, match=message):
             dataclasses.replace(DSV4_CSA, **overrides)
