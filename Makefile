@@ -35,7 +35,7 @@ test: setup
 
 TRAIN_OUT ?= out/train_moe
 train: setup
-	$(PY) examples/train_moe.py --out_dir=$(TRAIN_OUT) $(ARGS)
+	$(PY) examples/train_moe.py --resume --out_dir=$(TRAIN_OUT) $(ARGS)
 	$(PY) -m fmoe.train.plot $(TRAIN_OUT)
 
 test-gpu: setup

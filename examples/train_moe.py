@@ -103,7 +103,7 @@ class Config:
     adamw_state_dtype: str = "float32"  # AdamW's moments: float32 | bfloat16 (half the memory)
     ns_dtype: str = "bfloat16"      # Muon's Newton-Schulz dtype (float32: bit-comparable runs)
     lr: float = 3e-3
-    min_lr: float = 3e-4
+    min_lr: float = -1.0            # the floor the schedule decays to; -1: a tenth of --lr
     init_lr: float = 0.0            # the warmup starts here
     warmup: int = -1                # steps; -1: 20, or a tenth of a shorter run
     lr_style: str = "cosine"        # constant | linear | cosine | inverse_sqrt | wsd
@@ -266,6 +266,9 @@ def parse_args(argv: list[str]) -> Config:
             sys.exit(f"--{name}: expected a number >= 0, got {getattr(cfg, name)}")
     if not cfg.clip > 0:
         sys.exit(f"--clip: expected a max norm > 0 (inf: no clipping), got {cfg.clip}")
+    if not cfg.resume and (earlier := checkpoint.latest(cfg.out_dir)):  # its checkpoints would mix with this run's
+        sys.exit(f"--out_dir: {cfg.out_dir} holds an earlier run's checkpoints (the newest {earlier.name}); --resume continues "
+                 "that run; for a new one give another --out_dir, or delete them")
     base = cfg.model
     if not 0.0 <= cfg.upcycle_drop <= 1.0 or cfg.upcycle_drop and not cfg.upcycle_from:
         sys.exit(f"--upcycle_drop: expected a fraction in [0, 1] with --upcycle_from, got {cfg.upcycle_drop!r}"
@@ -499,10 +502,18 @@ def main(argv: list[str]) -> None:
         for group in opt.param_groups:
             group["base_lr"] = group["lr"]
 
-    # the schedule gives a factor on each group's lr; checked once here, with a message
+    # the schedule gives a factor on each group's lr; checked once here, with a message in the flags' own units
+    if not cfg.lr > 0:
+        sys.exit(f"--lr: expected a positive learning rate, got {cfg.lr}")
+    for name in ("min_lr", "warmup", "wsd_decay"):
+        if getattr(cfg, name) < 0 and getattr(cfg, name) != -1:
+            sys.exit(f"--{name}: expected >= 0, or -1 for its default, got {getattr(cfg, name)}")
+    min_lr = cfg.min_lr if cfg.min_lr >= 0 else cfg.lr / 10
+    if min_lr > cfg.lr:
+        sys.exit(f"--min_lr: expected at most --lr = {cfg.lr}, got {min_lr}")
     warmup = cfg.warmup if cfg.warmup >= 0 else min(20, cfg.steps // 10)
     wsd_decay = cfg.wsd_decay if cfg.wsd_decay >= 0 else math.ceil((cfg.steps - warmup) / 5)
-    schedule = dict(max_lr=1.0, total=cfg.steps, warmup=warmup, min_lr=cfg.min_lr / cfg.lr, init_lr=cfg.init_lr / cfg.lr,
+    schedule = dict(max_lr=1.0, total=cfg.steps, warmup=warmup, min_lr=min_lr / cfg.lr, init_lr=cfg.init_lr / cfg.lr,
                     style=cfg.lr_style, wsd_decay=wsd_decay if cfg.lr_style == "wsd" else 0, wsd_style=cfg.wsd_style)
     try:
         lr_at(0, **schedule)
@@ -526,7 +537,11 @@ def main(argv: list[str]) -> None:
         except ValueError as err:  # a model of other knobs than the saved one's
             sys.exit(f"--resume: {err}")
         step, tokens_seen = extra["step"], extra["tokens_seen"]
-        sampler.load_state_dict(extra["sampler"])
+        try:
+            sampler.load_state_dict(extra["sampler"])
+        except ValueError as err:  # the data, their split or the sampler's seed changed
+            sys.exit(f"--resume: the run in {cfg.out_dir} read other data ({err}); a resumed run continues its data: give the --data, "
+                     "--seed and --val_percent it was started with, or start a new run from its weights with --init_from")
         checkpoint.set_rng_state(extra["rng"])
         if rank == 0:
             print(f"resumed from {path} at step {step}")
@@ -721,6 +736,7 @@ def main(argv: list[str]) -> None:
     # ------------------------------------------------------------------------ the loop
     last = min(cfg.steps, cfg.stop_at) if cfg.stop_at > 0 else cfg.steps
     run_start, first = time.perf_counter(), step
+    record = None  # the last step's logged values: none where a resumed run is already at its last step
     # the first of --stop_signals, or --stop_after_minutes passed, on any rank: every rank
     # stops after the same step (the requests are summed with the step's logged values)
     with stop_requests as stop:
@@ -894,7 +910,10 @@ def main(argv: list[str]) -> None:
                 break
     _report_profile(profiler.close(), rank)  # the run ended inside the profiled steps
     logger.close()
-    if rank == 0 and math.isfinite(record.get("val_loss", float("nan"))):
+    if rank == 0 and record is None:
+        print(f"done: the run in {cfg.out_dir} is at step {step}, nothing to train up to step {last} "
+              f"(--steps={cfg.steps}{f', --stop_at={cfg.stop_at}' if cfg.stop_at > 0 else ''})")
+    elif rank == 0 and math.isfinite(record.get("val_loss", float("nan"))):
         sources = record["val_loss_by_source"]
         each = "; by source: " + ", ".join(f"{name} {v:.4f}" for name, v in sources.items()) if len(sources) > 1 else ""
         unit = "byte" if corpus.byte_tokens else "token"

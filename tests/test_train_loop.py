@@ -88,6 +88,18 @@ def test_resume_reproduces_the_uninterrupted_losses(tmp_path):
     assert "resumed from" in second.stdout and "step_000006" in second.stdout
     keys = ("loss", "grad_norm", "lr", "tokens", "mtp_1_loss")
     assert [[r[k] for k in keys] for r in _records(parts)] == [[r[k] for k in keys] for r in _records(whole)]
+    # a resumed run at its last step says so and exits 0 (a job queued again); a new run refuses the earlier run's
+    # out_dir (its checkpoints would mix with the new ones); a resumed run reads the data it read
+    done = _train(parts, "--steps=10", "--resume")
+    assert done.returncode == 0 and f"done: the run in {parts} is at step 10, nothing to train up to step 10 (--steps=10)" in done.stdout, \
+        done.stderr[-3000:]
+    assert len(_records(parts)) == 10
+    run = _train(parts, "--steps=12")
+    assert run.returncode != 0 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert f"--out_dir: {parts} holds an earlier run's checkpoints (the newest step_000010); --resume continues that run" in run.stderr
+    run = _train(parts, "--steps=12", "--resume", "--seed=3")
+    assert run.returncode != 0 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert f"--resume: the run in {parts} read other data (state: seed is 0, this sampler has 3)" in run.stderr, run.stderr[-3000:]
     # --resume continues the run's model: a knob that would change it stops the run, by name, before anything is
     # read (one of how it runs does not); --init_from takes the weights into a model of the same shapes
     run = _train(parts, "--steps=12", "--resume", "--model.zero_experts=2", "--model.route_scale=2.0", "--model.ac=full")
@@ -317,6 +329,10 @@ BAD_KNOBS = [
     (["--seed=-3"], "--seed: expected an int >= 0, got -3"),
     (["--lr=-1"], "--lr: expected a number >= 0, got -1.0"),
     (["--lr=nan"], "--lr: expected a finite number, got nan"),
+    (["--lr=0"], "--lr: expected a positive learning rate, got 0.0"),
+    (["--lr=1e-3", "--min_lr=1e-2"], "--min_lr: expected at most --lr = 0.001, got 0.01"),
+    (["--min_lr=-2"], "--min_lr: expected >= 0, or -1 for its default, got -2.0"),
+    (["--warmup=-5"], "--warmup: expected >= 0, or -1 for its default, got -5"),
     (["--z_coeff=inf"], "--z_coeff: expected a finite number, got inf"),
     (["--mtp_lambda=-0.1"], "--mtp_lambda: expected a number >= 0, got -0.1"),
     (["--seq_aux_coeff=-1e-2"], "--seq_aux_coeff: expected a number >= 0, got -0.01"),
