@@ -392,9 +392,12 @@ def main(argv: list[str]) -> None:
         rank, dp_rank, dp, cp_rank = dist.get_rank(), meshes.batch.get_local_rank("dp"), meshes.dp, meshes.batch.get_local_rank("cp")
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
+    # the vocabulary of token files without an index: the model's where it is given (--model.vocab_size, or a released or
+    # upcycled model's own); a prepared file's index gives its own (the default 258 is byte data's, not a token file's)
+    given_vocab = bool(cfg.data) and (hf_type is not None or bool(cfg.upcycle_from) or "vocab_size" in cfg.model_overrides)
     try:  # one source or a weighted blend; each micro-batch comes from one source, in the weights' proportions
         corpus = load_blend(cfg.data or None, separator=cfg.separator if cfg.separator >= 0 else None,
-                            vocab_size=cfg.model.vocab_size if cfg.data else None, dtype=cfg.data_dtype or None)
+                            vocab_size=cfg.model.vocab_size if given_vocab else None, dtype=cfg.data_dtype or None)
         train_set, val_set = corpus.split(cfg.val_percent) if cfg.eval_batches else (corpus, None)
         sampler = BlendSampler(train_set, cfg.tokens_per_micro_batch, seed=cfg.seed, mtp_depth=cfg.model.mtp_depth,
                                whole_documents=cfg.whole_documents)

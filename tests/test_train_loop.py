@@ -444,7 +444,8 @@ def test_a_blend_of_prepared_token_files_trains_from_make_train(tmp_path):
                                f"--tokenizer={tmp_path / 'tokenizer.json'}"], capture_output=True, text=True, timeout=300, cwd=ROOT)
         assert prep.returncode == 0, prep.stderr[-2000:]
     (tmp_path / "blend.json").write_text(json.dumps([{"name": "code", "path": "code.u16", "weight": 3}, {"name": "docs", "path": "docs.u16", "weight": 1}]))
-    args = " ".join([*TINY, f"--data={tmp_path / 'blend.json'}", "--model.vocab_size=300", "--steps=4", "--val_percent=20",
+    # no --model.vocab_size: the files' indexes give it (300), not the default of byte data (258)
+    args = " ".join([*TINY, f"--data={tmp_path / 'blend.json'}", "--steps=4", "--val_percent=20",
                      "--eval_every=4", "--eval_batches=4", "--tensorboard=True"])
     run = subprocess.run(["make", "-s", "train", f"PY={sys.executable}", f"TRAIN_OUT={tmp_path / 'run'}", f"ARGS={args}"],
                          capture_output=True, text=True, timeout=900, cwd=ROOT)
@@ -463,7 +464,7 @@ def test_a_blend_of_prepared_token_files_trains_from_make_train(tmp_path):
     assert f"by source: code {by_source['code']:.4f}, docs {by_source['docs']:.4f}" in run.stdout
     assert f"(bits per token {records[-1]['val_loss'] / math.log(2):.3f})" in run.stdout  # BPE tokens, not bytes
     config = json.loads((tmp_path / "run" / "config.json").read_text())
-    assert [s["name"] for s in config["data_sources"]] == ["code", "docs"]
+    assert [s["name"] for s in config["data_sources"]] == ["code", "docs"] and config["vocab_size"] == 300
     assert all((tmp_path / "run" / f).is_file() for f in ("loss.png", "health.png"))
     assert any((tmp_path / "run" / "tensorboard").iterdir())
 
