@@ -254,6 +254,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
 from pathlib import Path
 from typing import Callable, Optional, Union
@@ -6502,6 +6503,13 @@ def _stored(spec: Tensor, full: torch.Tensor, dtype: torch.dtype) -> list[tuple[
     return [(spec.keys[0], _with_units(spec, stored).contiguous().to(dtype))]
 
 
+def _new_file_mode() -> int:
+    """The mode open() gives a new file here: 0o666 less the process's umask."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 class _ShardWriter:
     """Complete checkpoint tensors in, safetensors shards out: a shard is written once the
     next tensor would take it past max_bytes (a tensor larger than that is a shard alone),
@@ -6532,6 +6540,7 @@ class _ShardWriter:
 
         file = self.path / f"model-{len(self.files) + 1:05d}.partial.safetensors"
         save_file(self.shard, file, metadata={"format": "pt"})
+        file.chmod(_new_file_mode())  # safetensors writes its file owner-only (0600); others read an export as they read config.json
         self.files.append((file, list(self.shard)))
         self.shard, self.bytes = {}, 0
 

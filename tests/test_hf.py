@@ -788,6 +788,7 @@ def test_export_in_shards_loads_back_and_replaces_earlier_files(family, folders,
     n = len(files)
     assert n >= 4 and [f.name for f in files] == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
     assert not (out / "model.safetensors").exists()
+    (shard_mode,) = {f.stat().st_mode & 0o777 for f in files}
     stored = {}
     for file in files:
         with safe_open(file, "pt") as f:
@@ -808,6 +809,8 @@ def test_export_in_shards_loads_back_and_replaces_earlier_files(family, folders,
         assert _rel(model.logits(ids, cu), torch.cat([theirs(d[None]).logits[0] for d in docs])) < 1e-5
     hf.save_pretrained(model, out)  # one file again: the shards and the index are gone
     assert sorted(f.name for f in out.iterdir()) == ["config.json", "model.safetensors"]
+    # the weights readable as config.json is (a new file's mode), by a server running as another user
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == (out / "config.json").stat().st_mode & 0o777 == shard_mode
     assert filecmp.cmp(path / "model.safetensors", out / "model.safetensors", shallow=False)
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="max_shard_bytes: expected a positive int"):
