@@ -142,7 +142,8 @@ def main(argv: list[str]) -> None:
         sys.exit(f"--max_shard_gb: expected a positive number, got {args.max_shard_gb}")
     if is_hf_folder(args.path):
         sys.exit(f"path: {str(args.path)!r} is already a Hugging Face folder")
-    if args.out.resolve() == args.path.resolve() or args.path.resolve() in args.out.resolve().parents:
+    run_dir = args.path.parent if (args.path / ".metadata").is_file() else args.path  # a checkpoint: the run that holds it
+    if args.out.resolve() == run_dir.resolve() or run_dir.resolve() in args.out.resolve().parents:
         sys.exit(f"out: {str(args.out)!r} is inside the run; write the export elsewhere")
     meshes, rank = None, 0
     try:

@@ -16,6 +16,7 @@ import torch
 import transformers
 
 import fmoe.hf as hf
+from fmoe.train import checkpoint
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -168,6 +169,8 @@ def test_bad_knobs_stop_with_a_message(own_run, hf_run, tmp_path):
         ((own_run, tmp_path / "a", f"--hf_config={tmp_path}"), "--hf_config: not a Hugging Face folder"),
         ((run, tmp_path / "a", "--model_type=mixtral"), "model: its config has no mixtral equivalent"),  # another family, if it fits
         ((own_run, own_run / "hf"), "is inside the run; write the export elsewhere"),
+        # given a checkpoint, its run's folder is kept whole too (another checkpoint of it would take the export's files)
+        ((checkpoint.latest(own_run), own_run / "step_000001"), "is inside the run; write the export elsewhere"),
         ((folder, tmp_path / "a"), "is already a Hugging Face folder"),
         ((own_run, tmp_path / "a", "--model_type=glm4_moe", "--max_shard_gb=0"), "--max_shard_gb: expected a positive number, got 0.0"),
         ((tmp_path / "norun", tmp_path / "a", "--model_type=glm4_moe"), "path: '" + str(tmp_path / "norun") + "' is neither an fmoe run"),
