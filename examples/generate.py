@@ -53,6 +53,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
@@ -272,6 +273,10 @@ def generate_many(model: Transformer, prompts: list[list[int]], *, tokens: int, 
         raise ValueError("prompts: expected at least one prompt")
     if any(not prompt for prompt in prompts):
         raise ValueError("prompt: expected at least one token")
+    vocab = model.cfg.vocab_size
+    outside = sorted({t for prompt in prompts for t in prompt if not 0 <= t < vocab})
+    if outside:
+        raise ValueError(f"prompt: token ids {outside[:8]} are outside the model's vocabulary 0..{vocab - 1}")
     if tokens < 0:
         raise ValueError(f"tokens: expected >= 0 new tokens, got {tokens}")
     if temperature < 0:
@@ -356,6 +361,10 @@ def main(argv: list[str]) -> None:
         sys.exit("--system, --chat_template, --chat_template_kwargs: they shape a chat prompt, which needs --chat")
     if args.chat and args.prompt_ids:
         sys.exit("--chat: it renders --prompt's text in the chat template; give --prompt, not --prompt_ids")
+    if args.prompt and args.prompt_ids:
+        sys.exit("--prompt, --prompt_ids: the prompt as text or as token ids; give one")
+    if args.prompt_ids and not re.fullmatch(r"\s*\d+\s*(,\s*\d+\s*)*", args.prompt_ids):
+        sys.exit(f"--prompt_ids: expected comma-separated token ids (e.g. 1,2,3), got {args.prompt_ids!r}")
     try:
         device = _device(args.device if world == 1 else args.device.split(":")[0])
         if world > 1 or any(v != 1 for v in sizes.values()):  # several processes: each holds and reads its own shards

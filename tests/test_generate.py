@@ -232,9 +232,15 @@ def test_cli_samples_in_one_batch_on_a_device_and_dtype(run_dir):
     for args, message in ((["--samples=0"], "--samples: expected a positive number of continuations, got 0"),
                           (["--samples=2"], "--samples=2: greedy decoding (--temperature=0, the default) continues the prompt one way only"),
                           (["--device=cuda:7"], "--device: cuda:7 is not available here"),
-                          (["--device=nowhere"], "--device: expected cpu, cuda or cuda:N, got 'nowhere'")):
+                          (["--device=nowhere"], "--device: expected cpu, cuda or cuda:N, got 'nowhere'"),
+                          (["--prompt_ids=1,2"], "--prompt, --prompt_ids: the prompt as text or as token ids; give one")):
         bad = run("--tokens=2", *args)
         assert bad.returncode != 0 and message in bad.stderr, bad.stderr[-2000:]
+    for ids, message in (("1,,2", "--prompt_ids: expected comma-separated token ids (e.g. 1,2,3), got '1,,2'"),
+                         ("5,999999", "prompt: token ids [999999] are outside the model's vocabulary 0..257")):
+        bad = subprocess.run([sys.executable, str(ROOT / "examples" / "generate.py"), str(out), f"--prompt_ids={ids}", "--tokens=2"],
+                             capture_output=True, text=True, timeout=300)
+        assert bad.returncode != 0 and message in bad.stderr and "Traceback" not in bad.stderr, bad.stderr[-2000:]
 
 
 def test_torchrun_on_any_mesh_draws_the_one_process_tokens(run_dir):
@@ -267,6 +273,9 @@ def test_bad_sampling_knobs(run_dir, kwargs, message):
         generate.generate(run_dir[1], [1, 2], **{"tokens": 2, **kwargs})
     with pytest.raises(ValueError, match="prompt: expected at least one token"):
         generate.generate(run_dir[1], [], tokens=2)
+    vocab = run_dir[1].cfg.vocab_size
+    with pytest.raises(ValueError, match=rf"prompt: token ids \[-3, {vocab}\] are outside the model's vocabulary 0..{vocab - 1}"):
+        generate.generate(run_dir[1], [1, vocab, -3], tokens=2)
 
 
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
