@@ -271,6 +271,18 @@ def score_choices(questions: list[dict], logprobs: list[float]) -> dict:
     return dict(questions=n, accuracy=right / n, accuracy_norm=right_norm / n, logprobs=per)
 
 
+@contextlib.contextmanager
+def _working_directory(path):
+    """Run the body in directory path (None: where it is)."""
+    here = os.getcwd()
+    if path is not None:
+        os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(here)
+
+
 def main(argv: list[str]) -> None:
     from fmoe.train.data import load_blend
 
@@ -325,8 +337,11 @@ def main(argv: list[str]) -> None:
     same_data = args.data is None and bool(loop)
     try:
         separator = loop.get("separator", -1) if same_data else -1
-        corpus = load_blend(spec or None, separator=separator if separator >= 0 else None,
-                            vocab_size=model.cfg.vocab_size if spec else None, dtype=(loop.get("data_dtype") or None) if same_data else None)
+        # the run's own --data, relative to where the run started (config.json's run.cwd), wherever this runs
+        start = run.get("run", {}).get("cwd") if same_data else None
+        with _working_directory(start if start and Path(start).is_dir() else None):
+            corpus = load_blend(spec or None, separator=separator if separator >= 0 else None,
+                                vocab_size=model.cfg.vocab_size if spec else None, dtype=(loop.get("data_dtype") or None) if same_data else None)
         if corpus.vocab_size > model.cfg.vocab_size:
             raise ValueError(f"the data's {corpus.vocab_size} token ids do not fit the model's vocab_size {model.cfg.vocab_size} "
                              "(tokenize it with the model's tokenizer)")

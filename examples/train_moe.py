@@ -54,6 +54,7 @@ import textwrap
 import time
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -608,7 +609,8 @@ def main(argv: list[str]) -> None:
         write_config(cfg.out_dir, dataclasses.asdict(cfg), world_size=world, mesh=mesh_shape, device=str(device),
                      memory_plan=plan, energy={"measured": energy.available, "reason": energy.reason},
                      dtype=str(dtype), warmup=warmup, wsd_decay=schedule["wsd_decay"], vocab_size=model_cfg.vocab_size, byte_tokens=corpus.byte_tokens,
-                     data_sources=[dict(name=n, weight=w, path=None if p is None else str(p)) for n, w, p in zip(corpus.names, corpus.weights, corpus.paths)])
+                     data_sources=[dict(name=n, weight=w, path=None if p is None else str(Path(p).resolve()))
+                                   for n, w, p in zip(corpus.names, corpus.weights, corpus.paths)])
 
     def micro_batch_loss(losses, stats, batch, valid, n_micro, part):
         """One micro-batch's share of the step's loss (a tensor; None when there is nothing

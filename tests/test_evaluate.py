@@ -78,6 +78,22 @@ def docs(tmp_path_factory):
     return root
 
 
+def test_a_run_on_relative_data_evaluates_from_anywhere(tmp_path, docs):
+    """A run trained on --data relative to its working directory: evaluate.py, started in
+    another one, reads the same documents (config.json keeps the run's working directory)
+    and gives the logged validation loss."""
+    shutil.copytree(docs, tmp_path / "texts")
+    run = subprocess.run([sys.executable, str(ROOT / "examples" / "train_moe.py"), "--out_dir=run", "--data=texts", *TINY],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["run"]["cwd"] == str(tmp_path) and config["data_sources"][0]["path"] == str(tmp_path / "texts")
+    logged = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])["val_loss"]
+    cli = _cli(tmp_path / "run", "--json")  # from this process's directory
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    assert json.loads(cli.stdout)["loss"] == pytest.approx(logged, rel=1e-5)
+
+
 def test_every_whole_micro_batch_of_other_data(run_dir, docs):
     out, _ = run_dir
     cli = _cli(out, f"--data={docs}", "--split=all", "--batches=0", "--tokens_per_micro_batch=256", "--json")

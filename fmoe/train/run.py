@@ -77,7 +77,8 @@ def _git_commit(path: Path) -> Optional[str]:
 
 def run_info() -> dict:
     """torch, triton and fmoe versions, the git commit of fmoe's source tree (None outside a
-    git checkout), Python, the host and whether CUDA is available (and which GPU)."""
+    git checkout), Python, the host, the working directory (what relative paths among the
+    knobs are relative to) and whether CUDA is available (and which GPU)."""
     import triton
 
     return {
@@ -87,6 +88,7 @@ def run_info() -> dict:
         "git_commit": _git_commit(Path(fmoe.__file__).resolve().parent),
         "python": platform.python_version(),
         "host": platform.node(),
+        "cwd": os.getcwd(),
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "deterministic": torch.are_deterministic_algorithms_enabled(),
     }
