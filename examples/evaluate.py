@@ -310,6 +310,8 @@ def main(argv: list[str]) -> None:
         device = _device(args.device if world == 1 else args.device.split(":")[0])
         if args.questions < 0:
             raise ValueError(f"--questions: expected >= 0 (0: all), got {args.questions}")
+        if args.tokens_per_micro_batch is not None and args.tokens_per_micro_batch < 1:
+            raise ValueError(f"--tokens_per_micro_batch: expected >= 1 (leave it out for the run's), got {args.tokens_per_micro_batch}")
         given = [knob for knob, value in (("--data", args.data), ("--batches", args.batches), ("--whole_documents", args.whole_documents))
                  if value is not None]
         if args.choices is not None and given:
@@ -330,7 +332,7 @@ def main(argv: list[str]) -> None:
     except (OSError, ValueError, KeyError) as err:
         sys.exit(str(err) if str(err).startswith(("parallel knobs", "--")) else f"path: {err}")
     loop = run.get("config", {})
-    tokens = args.tokens_per_micro_batch or loop.get("tokens_per_micro_batch", 2048)
+    tokens = args.tokens_per_micro_batch if args.tokens_per_micro_batch is not None else loop.get("tokens_per_micro_batch", 2048)
     if args.choices is not None:
         return choices_main(args, model, run, tokens=tokens, device=device, meshes=meshes)
     spec = args.data if args.data is not None else loop.get("data", "")

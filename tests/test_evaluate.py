@@ -145,6 +145,7 @@ def test_a_hugging_face_folder_on_byte_data(tmp_path, docs):
 BAD_KNOBS = [
     (["--split=test"], "argument --split: invalid choice: 'test'"),
     (["--batches=-1"], "--batches: expected >= 0"),
+    (["--tokens_per_micro_batch=0"], "--tokens_per_micro_batch: expected >= 1 (leave it out for the run's), got 0"),
     (["--tokens_per_micro_batch=100000000", "--batches=0", "--split=val"], "--tokens_per_micro_batch: no source of the val split holds"),
     (["--batches=100000"], "n_batches: 100000 batches of 128 tokens need"),
     (["--tp=2"], "parallel knobs (--tp, --ep, --etp, --cp) for 1 process(es), the rest FSDP2: "),
