@@ -263,7 +263,9 @@ class TokenDataset:
         sampler = Sampler(self, tokens, seed=0, mtp_depth=mtp_depth, shuffle=False, whole_documents=whole_documents)
         while not sampler.epoch:
             batch = sampler.next_batch()
-            if sampler.epoch and (sampler.index, sampler.offset) != (0, 0):  # it ran into the first documents again
+            # it ran into the first documents again: past the end of the first pass, or through a whole second one (a
+            # micro-batch longer than the dataset, whole documents padded to it, can end exactly at a pass's end)
+            if sampler.epoch > 1 or sampler.epoch and (sampler.index, sampler.offset) != (0, 0):
                 return
             yield batch
 

@@ -413,3 +413,10 @@ def test_whole_documents_start_the_next_batch_instead_of_being_cut():
     assert all(_same(a, b) for a, b in zip(val, every))
     with pytest.raises(ValueError, match="each document whole, need more than the dataset's 23 documents"):
         ds.validation_batches(T, len(every) + 1, whole_documents=True)
+    # a micro-batch longer than the whole dataset: its documents once, not a second pass landing on the end again
+    small = TokenDataset(np.array([1, 2, 0, 3, 0], dtype=np.uint16), np.array([0, 3]), np.array([3, 2]), None, vocab_size=10, eos=None)
+    for whole in (True, False):
+        assert [b["input_ids"].tolist() for b in small.stored_batches(10, whole_documents=whole)] == []
+    with pytest.raises(ValueError, match="n_batches: 1 batches of 11 tokens, each document whole, need more than the dataset's 2 documents"):
+        small.validation_batches(11, 1, whole_documents=True)
+    assert [b["input_ids"].tolist() for b in small.stored_batches(5)] == [[1, 2, 0, 3, 0]]  # exactly the dataset: once
