@@ -232,7 +232,7 @@ class TokenDataset:
         val_percent. Deterministic, disjoint, and together all documents, in stored order."""
         check_positive_int("val_percent", val_percent, 0, 100)
         if self.names is not None:
-            buckets = np.array([zlib.crc32(n.encode("utf-8")) % 100 for n in self.names], dtype=np.int64)
+            buckets = np.array([zlib.crc32(n.encode("utf-8", "surrogateescape")) % 100 for n in self.names], dtype=np.int64)
         else:  # Fibonacci hashing of the index, top 32 bits (uint64 products wrap)
             prod = np.arange(len(self), dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
             buckets = ((prod >> np.uint64(32)) % np.uint64(100)).astype(np.int64)

@@ -69,7 +69,8 @@ from fmoe.ops import load_stats
 from fmoe.ops.checks import check_positive_int
 
 _PEAKS = (  # dense bf16 tensor-core peaks (NVIDIA datasheets), most specific name first
-    ("H200", 989e12),
+    ("H200 NVL", 835e12),
+    ("H200", 989e12),  # SXM
     ("H100 PCIE", 756e12),
     ("H100 NVL", 835e12),
     ("H100", 989e12),  # SXM

@@ -330,6 +330,8 @@ def prepare(src: Union[str, os.PathLike], out: Union[str, os.PathLike], *, token
             {"enable_thinking": False} (as apply_chat_template's **kwargs).
     """
     src, out, tokenizer_path = Path(src), Path(out), Path(tokenizer)
+    if out.suffix.lower() == ".npy":  # the loaders read a .npy name as numpy's array format, which this file is not
+        raise ValueError(f"out: {str(out)!r} would be read as a numpy array; name the token file .u16, .u32 or .bin")
     if not isinstance(text_key, str) or not text_key:
         raise ValueError(f"text_key: expected a non-empty field name, got {text_key!r}")
     if prompt_key is not None and (not isinstance(prompt_key, str) or not prompt_key or prompt_key == text_key):

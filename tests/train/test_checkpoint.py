@@ -220,6 +220,12 @@ def test_bad_inputs(tmp_path):
     with pytest.raises(ValueError, match="state"):
         ckpt.set_rng_state({})
     assert ckpt.latest(tmp_path / "nothing_here") is None
+    hf_folder = tmp_path / "hf"  # a config.json, not an fmoe run's
+    hf_folder.mkdir()
+    (hf_folder / "config.json").write_text('{"model_type": "llama", "hidden_size": 64}')
+    for read in (ckpt.run_config, ckpt.load_run):
+        with pytest.raises(ValueError, match=r"path: .*config.json' is not an fmoe run's config .*a Hugging Face folder: fmoe.hf.from_pretrained"):
+            read(hf_folder)
 
 
 def test_load_model_takes_the_weights_only(tmp_path):

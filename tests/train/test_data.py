@@ -1,5 +1,6 @@
 """fmoe.train.data: corpora, byte tokens, packing, MTP targets, the resumable sampler."""
 
+import os
 import pathlib
 import sysconfig
 
@@ -66,6 +67,21 @@ def test_stdlib_split_deterministic(stdlib):
     assert not set(train.names) & set(val.names)
     assert sorted(train.names + val.names) == stdlib.names
     assert 0 < len(val) < len(train)
+
+
+def test_file_names_that_are_not_utf8_split_as_the_others(tmp_path):
+    """A file name of bytes that are not UTF-8 (legal on Linux; Python keeps them as
+    surrogates): the corpus loads and splits, stably, and the name keeps its bytes."""
+    for i in range(20):
+        (tmp_path / f"{i}.txt").write_text(f"document {i}")
+    odd = os.fsencode(tmp_path) + b"/b\xffd.txt"
+    with open(odd, "wb") as f:
+        f.write(b"bad name, good text")
+    corpus = load_text_dir(tmp_path)
+    train, val = corpus.split(30)
+    again_train, again_val = load_text_dir(tmp_path).split(30)
+    assert train.names == again_train.names and val.names == again_val.names and len(train) + len(val) == 21
+    assert "b\udcffd.txt" in train.names + val.names and os.fsencode("b\udcffd.txt") == b"b\xffd.txt"
 
 
 def test_byte_round_trip():

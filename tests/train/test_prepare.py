@@ -208,6 +208,9 @@ def test_bad_inputs(src, tmp_path, tokenizer_path):
         prepare(src / "a.txt", src / "a.txt", tokenizer=tokenizer_path, progress=False)
     with pytest.raises(ValueError, match="out: .* is a directory"):
         prepare(src, tmp_path, tokenizer=tokenizer_path, progress=False)
+    with pytest.raises(ValueError, match=r"out: .*tokens.npy' would be read as a numpy array; name the token file .u16, .u32 or .bin"):
+        prepare(src, tmp_path / "tokens.npy", tokenizer=tokenizer_path, progress=False)
+    assert not (tmp_path / "tokens.npy").exists()
     empties = tmp_path / "empties"
     empties.mkdir()
     with pytest.raises(ValueError, match="src: no files under"):
