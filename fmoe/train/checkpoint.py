@@ -316,6 +316,20 @@ def _check_model_shapes(path: Path, model_state: Mapping[str, torch.Tensor], cfg
                      "build the model with the saved one's knobs")
 
 
+def _check_optimizer_state(path: Path, optim_state: Mapping) -> None:
+    """ValueError naming the optimizer state entries (flattened: state.<param>.<key>,
+    param_groups.<param>.<knob>) that checkpoint `path` lacks, before DCP reads any (its own
+    error, a CheckpointException, is a BaseException that `except Exception` lets through):
+    optimizers of another kind or set-up than the saving run's."""
+    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    missing = [name for name, value in optim_state.items()
+               if f"optim.{name}" not in stored and not (isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value))]
+    if missing:
+        more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
+        raise ValueError(f"optimizers: the checkpoint {str(path)!r} holds no {', '.join(missing[:4])}{more}: these optimizers differ from "
+                         "the saving run's (another kind, or other settings); load with the kind it saved, or load_model for the weights alone")
+
+
 def load_model(path, *, model: torch.nn.Module) -> Path:
     """Restore only the model's weights and buffers (the expert biases) from a checkpoint, to
     start a new run from them (fine-tuning, continued pre-training): the optimizer state and
@@ -417,8 +431,9 @@ def load(path, *, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optim
     The model and optimizer state may be loaded on another mesh (other ranks, other
     FSDP / TP / EP sizes): DCP reshards DTensors. A rank beyond those that saved reads rank
     0's extra, which is right when extra is the same on every rank (the train loop's is).
-    A model of other parameter names or shapes than the saved one's: a ValueError naming
-    them, before anything is read."""
+    A model of other parameter names or shapes than the saved one's, or optimizers whose
+    state entries the checkpoint lacks (another kind or set-up): a ValueError naming them,
+    before anything is read."""
     path = _checkpoint_dir(path)
     extra_file = path / f"extra_rank{_rank()}.pt"
     if not extra_file.is_file():  # resumed on more ranks than saved: rank 0's (see the docstring)
@@ -429,6 +444,7 @@ def load(path, *, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optim
     pairs = _pairs(_models(model), optimizers)
     state, parts = _state(pairs)
     _check_model_shapes(path, state["model"], getattr(pairs[0][0], "cfg", None) if pairs else None)
+    _check_optimizer_state(path, state["optim"])
     with _single_process_quiet():
         dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
     for (m, opts), (model_sd, optim_sd) in zip(pairs, parts):

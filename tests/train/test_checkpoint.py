@@ -282,6 +282,23 @@ def test_a_model_of_other_knobs_is_refused_by_name_before_anything_is_read(tmp_p
         ckpt.load_model(tmp_path, model=Transformer(TransformerConfig(**{**cfg.__dict__, "mtp_depth": 1})))
 
 
+def test_optimizers_of_another_kind_are_refused_by_name_before_anything_is_read(tmp_path):
+    """Saved with AdamW, loaded into SGD with momentum: a ValueError naming the state the
+    checkpoint lacks (DCP's own error is a BaseException), the weights untouched."""
+    model, opts = _build()
+    _train(model, opts)
+    ckpt.save(tmp_path, 1, model=model, optimizers=opts)
+    other, _ = _build()
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    sgd = [torch.optim.SGD(other.parameters(), lr=1e-2, momentum=0.9)]
+    with pytest.raises(ValueError, match=r"optimizers: the checkpoint .*step_000001' holds no state\..*momentum_buffer.*: these optimizers "
+                                         r"differ from the saving run's"):
+        ckpt.load(tmp_path / "step_000001", model=other, optimizers=sgd)
+    assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items())
+    ckpt.load_model(tmp_path / "step_000001", model=other)  # the weights alone still load
+    assert torch.equal(other["head"].weight, model["head"].weight)
+
+
 def test_model_tensors_reads_each_tensor_of_a_checkpoint_when_asked(tmp_path):
     """ModelTensors: the saved model's full tensors by name (a run's out_dir or a step
     directory), read one at a time; an unknown name is a KeyError."""
