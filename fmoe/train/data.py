@@ -532,6 +532,17 @@ def make_batch(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, mtp_depth: int
     labels: give label_mask False there too), stored as the batch's token_mask, which the
     MoE layers do not route; None stores none."""
     check_positive_int("mtp_depth", mtp_depth, 0)
+    if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 1 or input_ids.dtype.is_floating_point or input_ids.dtype.is_complex \
+            or input_ids.dtype == torch.bool:
+        got = f"{input_ids.dtype} {list(input_ids.shape)}" if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise ValueError(f"input_ids: expected [T] integer token ids, got {got}")
+    if input_ids.numel() and int(input_ids.min()) < 0:
+        raise ValueError(f"input_ids: expected token ids >= 0, got {int(input_ids.min())}")
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        got = cu_seqlens.dtype if isinstance(cu_seqlens, torch.Tensor) else type(cu_seqlens).__name__
+        raise ValueError(f"cu_seqlens: expected an int32 or int64 tensor [n + 1], got {got}")
+    if cu_seqlens.numel() and int(cu_seqlens.max()) > torch.iinfo(torch.int32).max:  # it is stored as int32
+        raise ValueError(f"cu_seqlens: values up to {int(cu_seqlens.max())} do not fit int32")
     cu_seqlens = cu_seqlens.to(torch.int32)
     for name, mask in (("label_mask", label_mask), ("token_mask", token_mask)):
         if mask is not None and (not isinstance(mask, torch.Tensor) or mask.shape != input_ids.shape):

@@ -140,6 +140,14 @@ def test_mtp_targets_hand_example():
     assert b["mtp_labels"].tolist() == [[12, -100, -100, -100, -100], [-100] * 5]
     assert b["mtp_loss_mask"].tolist() == [[True, False, False, False, False], [False] * 5]
     assert "mtp_labels" not in make_batch(ids, torch.tensor([0, 5])).keys()
+    # what make_batch is given is checked there, on the host, by name (no truncated ids, no wrapped bounds)
+    for args, message in (((ids.float(), torch.tensor([0, 5])), r"input_ids: expected \[T\] integer token ids, got torch.float32 \[5\]"),
+                          ((ids - 11, torch.tensor([0, 5])), "input_ids: expected token ids >= 0, got -1"),
+                          ((ids, [0, 5]), "cu_seqlens: expected an int32 or int64 tensor \\[n \\+ 1\\], got list"),
+                          ((ids, torch.tensor([0.0, 5.0])), "cu_seqlens: expected an int32 or int64 tensor .* got torch.float32"),
+                          ((ids, torch.tensor([0, 2**32 + 5])), "cu_seqlens: values up to 4294967301 do not fit int32")):
+        with pytest.raises(ValueError, match=message):
+            make_batch(*args)
 
 
 def test_sampler_mtp_depth():
