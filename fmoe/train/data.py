@@ -182,7 +182,13 @@ class TokenDataset:
         self.names = None if names is None else list(names)
         if self.names is not None and len(self.names) != len(self.starts):
             raise ValueError(f"names: expected {len(self.starts)} names, got {len(self.names)}")
+        if len(self.starts) and (self.starts.min() < 0 or self.lengths.min() < 0 or (self.starts + self.lengths).max() > len(data)):
+            bad = int(np.flatnonzero((self.starts < 0) | (self.lengths < 0) | (self.starts + self.lengths > len(data)))[0])
+            raise ValueError(f"starts, lengths: document {bad} spans [{self.starts[bad]}, {self.starts[bad] + self.lengths[bad]}), "
+                             f"not inside the data's {len(data)} tokens")
         self.vocab_size = check_positive_int("vocab_size", vocab_size)
+        if eos is not None:
+            check_positive_int("eos", eos, 0, self.vocab_size - 1)
         self.eos = eos
         self.doc_lens = self.lengths + (eos is not None)
 

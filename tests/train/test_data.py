@@ -84,6 +84,16 @@ def test_file_names_that_are_not_utf8_split_as_the_others(tmp_path):
     assert "b\udcffd.txt" in train.names + val.names and os.fsencode("b\udcffd.txt") == b"b\xffd.txt"
 
 
+def test_token_dataset_refuses_spans_outside_its_data_and_an_eos_outside_its_vocabulary():
+    data = np.arange(1, 6, dtype=np.uint16)
+    for starts, lengths, span in (([0, 3], [3, 3], r"\[3, 6\)"), ([-1], [2], r"\[-1, 1\)"), ([0, 2], [2, -1], r"\[2, 1\)")):
+        with pytest.raises(ValueError, match=rf"starts, lengths: document \d spans {span}, not inside the data's 5 tokens"):
+            TokenDataset(data, np.array(starts), np.array(lengths), None, vocab_size=10, eos=None)
+    with pytest.raises(ValueError, match=r"eos: expected 0..9, got 10"):
+        TokenDataset(data, np.array([0]), np.array([5]), None, vocab_size=10, eos=10)
+    assert TokenDataset(data, np.array([0, 3]), np.array([3, 2]), None, vocab_size=10, eos=9).n_tokens == 7
+
+
 def test_byte_round_trip():
     text = "héllo wörld\n\tλ → 🙂 end"
     ids = encode_text(text)
