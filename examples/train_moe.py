@@ -371,6 +371,9 @@ def main(argv: list[str]) -> None:
     world = dist.get_world_size() if caller_group else int(os.environ.get("WORLD_SIZE", "1"))
     has_experts = any(cfg.model.is_moe(i) for i in range(cfg.model.n_layers))
     sizes = dict(pp=cfg.pp, dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, cp=cfg.cp, tp=cfg.tp, ep=cfg.ep, etp=cfg.etp)
+    if cfg.tokens_per_micro_batch < cfg.model.mtp_depth + 2:  # fewer: no token has a label at the deepest MTP depth
+        sys.exit(f"--tokens_per_micro_batch: expected at least --model.mtp_depth + 2 = {cfg.model.mtp_depth + 2} (a token and the "
+                 f"{cfg.model.mtp_depth + 1} after it that it predicts), got {cfg.tokens_per_micro_batch}")
     # context parallel: 2 cp chunks per micro-batch; sequence parallel: T/(cp tp) tokens per rank
     if cfg.cp > 0 and cfg.tp > 0 and cfg.tokens_per_micro_batch % ((2 if cfg.cp > 1 else 1) * cfg.cp * cfg.tp):
         sys.exit(f"--tokens_per_micro_batch: expected a multiple of {'2 x --cp x ' if cfg.cp > 1 else ''}--tp = "

@@ -333,6 +333,7 @@ BAD_KNOBS = [
     (["--lr=1e-3", "--min_lr=1e-2"], "--min_lr: expected at most --lr = 0.001, got 0.01"),
     (["--min_lr=-2"], "--min_lr: expected >= 0, or -1 for its default, got -2.0"),
     (["--warmup=-5"], "--warmup: expected >= 0, or -1 for its default, got -5"),
+    (["--tokens_per_micro_batch=2"], "--tokens_per_micro_batch: expected at least --model.mtp_depth + 2 = 3 (a token and the 2 after it"),
     (["--z_coeff=inf"], "--z_coeff: expected a finite number, got inf"),
     (["--mtp_lambda=-0.1"], "--mtp_lambda: expected a number >= 0, got -0.1"),
     (["--seq_aux_coeff=-1e-2"], "--seq_aux_coeff: expected a number >= 0, got -0.01"),
