@@ -1521,20 +1521,17 @@ class TransformerConfig:
         (None: an MTP block), whose SwiGLU limits it carries (clamps); every_limit: both limits
         whatever the layer (to check them)."""
         with _named_as(MOE_FIELDS):
-            return self._moe_config(fp8, layer, every_limit)
-
-    def _moe_config(self, fp8, layer, every_limit) -> MoEConfig:
-        return MoEConfig(
-            n_experts=self.n_experts, k=self.k, score=self.score, pre_softmax=self.pre_softmax, n_groups=self.n_groups, topk_groups=self.topk_groups,
-            scale=self.route_scale, group_score_topk=self.group_score_topk, normalize=self.route_normalize, capacity_factor=self.capacity_factor, capacity_policy=self.capacity_policy, impl=self.impl,
-            swiglu_alpha=self.swiglu_alpha, swiglu_limit=self.swiglu_limit if every_limit or self.clamps(layer) else None, swiglu_offset=self.swiglu_offset,
-            shared_swiglu_limit=self.shared_swiglu_limit if every_limit else self.mlp_limit(layer), shared_swiglu_alpha=self.shared_swiglu_alpha,
-            shared_swiglu_offset=self.shared_swiglu_offset, weights_on_input=self.route_on_input, fp8=self.fp8 if fp8 is None else fp8,
-            fp8_fast_accum=self.fp8_fast_accum and (self.fp8 if fp8 is None else fp8), logit_softcap=self.router_softcap, shared_scale=self.shared_scale,
-            sparsemixer_eps=self.sparsemixer_eps, zero_experts=self.zero_experts, bias_on_logits=self.expert_bias_on_logits,
-            glu_act=self.mlp_act, norm_eps=self.norm_eps,  # relu2: the experts without a gate
-            logit_scale=self.router_scale, expert_out_norm_eps=self.norm_eps if self.post_norm_eps is None else self.post_norm_eps,
-        )
+            return MoEConfig(
+                n_experts=self.n_experts, k=self.k, score=self.score, pre_softmax=self.pre_softmax, n_groups=self.n_groups, topk_groups=self.topk_groups,
+                scale=self.route_scale, group_score_topk=self.group_score_topk, normalize=self.route_normalize, capacity_factor=self.capacity_factor, capacity_policy=self.capacity_policy, impl=self.impl,
+                swiglu_alpha=self.swiglu_alpha, swiglu_limit=self.swiglu_limit if every_limit or self.clamps(layer) else None, swiglu_offset=self.swiglu_offset,
+                shared_swiglu_limit=self.shared_swiglu_limit if every_limit else self.mlp_limit(layer), shared_swiglu_alpha=self.shared_swiglu_alpha,
+                shared_swiglu_offset=self.shared_swiglu_offset, weights_on_input=self.route_on_input, fp8=self.fp8 if fp8 is None else fp8,
+                fp8_fast_accum=self.fp8_fast_accum and (self.fp8 if fp8 is None else fp8), logit_softcap=self.router_softcap, shared_scale=self.shared_scale,
+                sparsemixer_eps=self.sparsemixer_eps, zero_experts=self.zero_experts, bias_on_logits=self.expert_bias_on_logits,
+                glu_act=self.mlp_act, norm_eps=self.norm_eps,  # relu2: the experts without a gate
+                logit_scale=self.router_scale, expert_out_norm_eps=self.norm_eps if self.post_norm_eps is None else self.post_norm_eps,
+            )
 
     def linear_attention_config(self, fp8: Optional[bool] = None) -> LinearAttentionConfig:
         """The linear-attention blocks' (linear_layers) Gated DeltaNet, or Kimi Delta Attention (linear_kind "kda"), or
@@ -1542,18 +1539,15 @@ class TransformerConfig:
         Mamba-1's ("mamba1");
         fp8: theirs (None: the model's fp8)."""
         with _named_as(LINEAR_FIELDS):
-            return self._linear_attention_config(fp8)
-
-    def _linear_attention_config(self, fp8) -> LinearAttentionConfig:
-        return LinearAttentionConfig(n_k_heads=self.linear_k_heads, n_v_heads=self.linear_v_heads, k_head_dim=self.linear_k_dim,
-                                     v_head_dim=self.linear_v_dim, conv=self.linear_conv,
-                                     # MiniMax's output norm's eps, or OLMo Hybrid's own (linear_norm_eps)
-                                     norm_eps=1e-6 if self.linear_kind == "lightning" else (self.linear_norm_eps or self.norm_eps),
-                                     impl="auto" if self.impl == "flex" else self.impl, kind=self.linear_kind,
-                                     full_rank=self.linear_full_rank, decay_bound=self.linear_decay_bound,
-                                     dt_min=self.linear_dt_min, neg_eigval=self.linear_neg_eigval, gate_norm=self.linear_gate_norm,
-                                     dt_rank=(self.linear_dt_rank or -(-self.hidden // 16)) if self.linear_kind == "mamba1" else self.linear_dt_rank,
-                                     dt_bc_norm=self.linear_dt_bc_norm, fp8=self.fp8 if fp8 is None else fp8)
+            return LinearAttentionConfig(n_k_heads=self.linear_k_heads, n_v_heads=self.linear_v_heads, k_head_dim=self.linear_k_dim,
+                                         v_head_dim=self.linear_v_dim, conv=self.linear_conv,
+                                         # MiniMax's output norm's eps, or OLMo Hybrid's own (linear_norm_eps)
+                                         norm_eps=1e-6 if self.linear_kind == "lightning" else (self.linear_norm_eps or self.norm_eps),
+                                         impl="auto" if self.impl == "flex" else self.impl, kind=self.linear_kind,
+                                         full_rank=self.linear_full_rank, decay_bound=self.linear_decay_bound,
+                                         dt_min=self.linear_dt_min, neg_eigval=self.linear_neg_eigval, gate_norm=self.linear_gate_norm,
+                                         dt_rank=(self.linear_dt_rank or -(-self.hidden // 16)) if self.linear_kind == "mamba1" else self.linear_dt_rank,
+                                         dt_bc_norm=self.linear_dt_bc_norm, fp8=self.fp8 if fp8 is None else fp8)
 
     def _check_scales_norms_and_gates(self) -> None:
         """router_scale, moe_latent_norm, expert_out_norm, attn_out_norm, mla_norm_eps and the
@@ -1646,42 +1640,39 @@ class TransformerConfig:
             fields.update({name: own for name, own in (("n_heads", "local_heads"), ("n_kv_heads", "local_kv_heads"), ("head_dim", "local_head_dim"))
                            if getattr(self, own) is not None})
         with _named_as(fields):
-            return self._attention_config(local, rope, fp8, index_shared, compress, csa, csa_knobs, blocks, norm)
-
-    def _attention_config(self, local, rope, fp8, index_shared, compress, csa, csa_knobs, blocks, norm) -> AttentionConfig:
-        return AttentionConfig(
-            n_heads=self.local_heads if local and self.local_heads is not None else self.n_heads,
-            n_kv_heads=self.local_kv_heads if local and self.local_kv_heads is not None else self.n_kv_heads,
-            head_dim=self.local_head_dim if local and self.local_head_dim is not None else self.head_dim, rope_base=self.rope_base,
-            v_scale=self.value_scale, clip_qkv=self.clip_qkv, v_norm=self.v_norm, out_norm=self.attn_out_norm, k_eq_v=self.global_k_eq_v and not local,
-            score_softcap=self.attn_softcap,
-            rope_proportion=None if local else self.rope_proportion,
-            rot_dim=self.rope_dim, interleaved=self.rope_interleaved, rope_last=self.rope_last, reversed=self.rope_reversed, yarn_factor=self.yarn_factor,
-            yarn_original_max_positions=self.yarn_original_max_positions, yarn_beta_fast=self.yarn_beta_fast,
-            yarn_beta_slow=self.yarn_beta_slow, yarn_mscale=self.yarn_mscale, yarn_mscale_all_dim=self.yarn_mscale_all_dim,
-            yarn_truncate=self.yarn_truncate, llama3_factor=self.llama3_factor, llama3_low_freq_factor=self.llama3_low_freq_factor,
-            llama3_high_freq_factor=self.llama3_high_freq_factor, llama3_original_max_positions=self.llama3_original_max_positions,
-            linear_factor=self.rope_linear_factor, longrope_short_factors=self.longrope_short_factors, longrope_long_factors=self.longrope_long_factors,
-            longrope_original_max_positions=self.longrope_original_max_positions, longrope_short_scale=self.longrope_short_scale,
-            longrope_long_scale=self.longrope_long_scale,
-            qk_norm=self.qk_norm if norm else None, qk_norm_bias=self.qk_norm_bias and norm, qk_norm_after_rope=self.qk_norm_after_rope and norm,
-            norm_eps=self.norm_eps,
-            impl=self.impl, q_rank=self.q_rank, kv_rank=self.kv_rank, v_dim=self.v_head_dim, window=self.window if local else None,
-            latent_scales=((self.hidden / self.q_rank) ** 0.5, (self.hidden / self.kv_rank) ** 0.5) if self.mla_scales else None,
-            q_latent_raw=self.q_latent_raw, gate_on_q=self.attn_gate_on_q, latent_norm_eps=1e-6 if self.mla_norm_eps is None else self.mla_norm_eps,
-            chunk=self.chunk if local else None, scale=self.attn_scale, rope=rope,
-            **self._temperature(rope),
-            local_rope_base=self.local_rope_base, local_rot_dim=self.local_rope_dim or self.local_head_dim,
-            local_head_dim=None if local else self.local_head_dim,
-            zero_centered_norms=self.zero_centered_norms,
-            fp8=self.fp8 if fp8 is None else fp8, gate_act=self.attn_gate_act, gate_per_head=self.attn_gate_per_head,
-            index_topk=self.index_topk, **(dict(index_heads=self.index_heads, index_head_dim=self.index_head_dim) if self.index_topk is not None or blocks else {}),
-            **({} if csa else dict(index_interleaved=self.index_rope_interleaved, index_rope_last=self.index_rope_last)),
-            index_norm_eps=self.index_norm_eps, index_shared=index_shared,
-            index_loss=(self.index_topk is not None or bool(blocks) or csa) and self.index_loss_coeff > 0 and not index_shared,
-            **blocks, moa_experts=self.moa_experts, moa_topk=self.moa_topk, o_groups=self.o_groups, o_rank=self.o_rank,
-            kv_shared=self.kv_shared, **(csa_knobs if csa else dict(compress_rate=self.compress_rate if compress else None)),
-        )
+            return AttentionConfig(
+                n_heads=self.local_heads if local and self.local_heads is not None else self.n_heads,
+                n_kv_heads=self.local_kv_heads if local and self.local_kv_heads is not None else self.n_kv_heads,
+                head_dim=self.local_head_dim if local and self.local_head_dim is not None else self.head_dim, rope_base=self.rope_base,
+                v_scale=self.value_scale, clip_qkv=self.clip_qkv, v_norm=self.v_norm, out_norm=self.attn_out_norm, k_eq_v=self.global_k_eq_v and not local,
+                score_softcap=self.attn_softcap,
+                rope_proportion=None if local else self.rope_proportion,
+                rot_dim=self.rope_dim, interleaved=self.rope_interleaved, rope_last=self.rope_last, reversed=self.rope_reversed, yarn_factor=self.yarn_factor,
+                yarn_original_max_positions=self.yarn_original_max_positions, yarn_beta_fast=self.yarn_beta_fast,
+                yarn_beta_slow=self.yarn_beta_slow, yarn_mscale=self.yarn_mscale, yarn_mscale_all_dim=self.yarn_mscale_all_dim,
+                yarn_truncate=self.yarn_truncate, llama3_factor=self.llama3_factor, llama3_low_freq_factor=self.llama3_low_freq_factor,
+                llama3_high_freq_factor=self.llama3_high_freq_factor, llama3_original_max_positions=self.llama3_original_max_positions,
+                linear_factor=self.rope_linear_factor, longrope_short_factors=self.longrope_short_factors, longrope_long_factors=self.longrope_long_factors,
+                longrope_original_max_positions=self.longrope_original_max_positions, longrope_short_scale=self.longrope_short_scale,
+                longrope_long_scale=self.longrope_long_scale,
+                qk_norm=self.qk_norm if norm else None, qk_norm_bias=self.qk_norm_bias and norm, qk_norm_after_rope=self.qk_norm_after_rope and norm,
+                norm_eps=self.norm_eps,
+                impl=self.impl, q_rank=self.q_rank, kv_rank=self.kv_rank, v_dim=self.v_head_dim, window=self.window if local else None,
+                latent_scales=((self.hidden / self.q_rank) ** 0.5, (self.hidden / self.kv_rank) ** 0.5) if self.mla_scales else None,
+                q_latent_raw=self.q_latent_raw, gate_on_q=self.attn_gate_on_q, latent_norm_eps=1e-6 if self.mla_norm_eps is None else self.mla_norm_eps,
+                chunk=self.chunk if local else None, scale=self.attn_scale, rope=rope,
+                **self._temperature(rope),
+                local_rope_base=self.local_rope_base, local_rot_dim=self.local_rope_dim or self.local_head_dim,
+                local_head_dim=None if local else self.local_head_dim,
+                zero_centered_norms=self.zero_centered_norms,
+                fp8=self.fp8 if fp8 is None else fp8, gate_act=self.attn_gate_act, gate_per_head=self.attn_gate_per_head,
+                index_topk=self.index_topk, **(dict(index_heads=self.index_heads, index_head_dim=self.index_head_dim) if self.index_topk is not None or blocks else {}),
+                **({} if csa else dict(index_interleaved=self.index_rope_interleaved, index_rope_last=self.index_rope_last)),
+                index_norm_eps=self.index_norm_eps, index_shared=index_shared,
+                index_loss=(self.index_topk is not None or bool(blocks) or csa) and self.index_loss_coeff > 0 and not index_shared,
+                **blocks, moa_experts=self.moa_experts, moa_topk=self.moa_topk, o_groups=self.o_groups, o_rank=self.o_rank,
+                kv_shared=self.kv_shared, **(csa_knobs if csa else dict(compress_rate=self.compress_rate if compress else None)),
+            )
 
     def _temperature(self, rope: bool) -> dict:
         """AttentionConfig's query temperature of a block (with or without RoPE)."""
