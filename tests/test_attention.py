@@ -2466,7 +2466,7 @@ def test_compressed_sparse_attention_trains_its_indexer_by_its_loss():
             want += float((p * (p.log() - scores[t][chosen[t]].log_softmax(0))).sum())
     loss = stats["index_loss"]
     assert loss.shape == () and loss.dtype == torch.float32
-    assert float(loss) == pytest.approx(want / 17, rel=1e-4, abs=1e-7) and float(loss) > 1e-3
+    assert float(loss.detach()) == pytest.approx(want / 17, rel=1e-4, abs=1e-7) and float(loss.detach()) > 1e-3
     loss.backward()
     assert x.grad is None
     trained = {n for n, t in params.items() if t.grad is not None}
@@ -2479,8 +2479,8 @@ def test_compressed_sparse_attention_trains_its_indexer_by_its_loss():
         attention(x, params, train, ctx)[1]["index_loss"].backward()
         opt.step()
     with torch.enable_grad():
-        after = float(attention(x, params, train, ctx)[1]["index_loss"])
-    assert after < 0.5 * float(loss), (float(loss), after)
+        after = float(attention(x, params, train, ctx)[1]["index_loss"].detach())
+    assert after < 0.5 * float(loss.detach()), (float(loss.detach()), after)
 
 
 def test_compressed_sparse_entries_overlap_the_previous_run():
