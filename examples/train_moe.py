@@ -265,6 +265,13 @@ def parse_args(argv: list[str]) -> Config:
     for name in ("lr", "init_lr", "mtp_lambda", "seq_aux_coeff", "aux_coeff", "z_coeff", "bias_rate", "weight_decay"):
         if getattr(cfg, name) < 0:
             sys.exit(f"--{name}: expected a number >= 0, got {getattr(cfg, name)}")
+    if cfg.lr == 0:  # the schedule is a factor on it
+        sys.exit(f"--lr: expected a positive learning rate, got {cfg.lr}")
+    for name in ("min_lr", "warmup", "wsd_decay"):  # -1: the default (a tenth of --lr; 20 steps or a tenth of the run; a fifth)
+        if getattr(cfg, name) < 0 and getattr(cfg, name) != -1:
+            sys.exit(f"--{name}: expected >= 0, or -1 for its default, got {getattr(cfg, name)}")
+    if cfg.min_lr > cfg.lr:
+        sys.exit(f"--min_lr: expected at most --lr = {cfg.lr}, got {cfg.min_lr}")
     if not cfg.clip > 0:
         sys.exit(f"--clip: expected a max norm > 0 (inf: no clipping), got {cfg.clip}")
     if not cfg.resume and (earlier := checkpoint.latest(cfg.out_dir)):  # its checkpoints would mix with this run's
@@ -509,15 +516,8 @@ def main(argv: list[str]) -> None:
         for group in opt.param_groups:
             group["base_lr"] = group["lr"]
 
-    # the schedule gives a factor on each group's lr; checked once here, with a message in the flags' own units
-    if not cfg.lr > 0:
-        sys.exit(f"--lr: expected a positive learning rate, got {cfg.lr}")
-    for name in ("min_lr", "warmup", "wsd_decay"):
-        if getattr(cfg, name) < 0 and getattr(cfg, name) != -1:
-            sys.exit(f"--{name}: expected >= 0, or -1 for its default, got {getattr(cfg, name)}")
+    # the schedule gives a factor on each group's lr; checked once here, with a message
     min_lr = cfg.min_lr if cfg.min_lr >= 0 else cfg.lr / 10
-    if min_lr > cfg.lr:
-        sys.exit(f"--min_lr: expected at most --lr = {cfg.lr}, got {min_lr}")
     warmup = cfg.warmup if cfg.warmup >= 0 else min(20, cfg.steps // 10)
     wsd_decay = cfg.wsd_decay if cfg.wsd_decay >= 0 else math.ceil((cfg.steps - warmup) / 5)
     schedule = dict(max_lr=1.0, total=cfg.steps, warmup=warmup, min_lr=min_lr / cfg.lr, init_lr=cfg.init_lr / cfg.lr,

@@ -286,13 +286,17 @@ def _checkpoint_or_newest(path) -> Path:
     return _checkpoint_dir(path)
 
 
-def _check_model_shapes(path: Path, model_state: Mapping[str, torch.Tensor], cfg=None) -> None:
+def _stored(path: Path) -> Mapping:
+    """The checkpoint's entries by key (DCP's metadata: each tensor's size, without its data)."""
+    return dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+
+
+def _check_model_shapes(path: Path, stored: Mapping, model_state: Mapping[str, torch.Tensor], cfg=None) -> None:
     """ValueError naming the parameters (and buffers) of model_state that checkpoint `path`
     lacks or holds in another shape (full shapes: a DTensor's global one), before DCP reads
     any of them: a model built with other knobs than the saved one's. cfg: the model's
     TransformerConfig, whose knobs that differ from the saving run's (its config.json, when
-    the checkpoint lies in a run directory) the message names too."""
-    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    the checkpoint lies in a run directory) the message names too. stored: _stored(path)."""
     bad = []
     for name, value in model_state.items():
         if not isinstance(value, torch.Tensor):
@@ -316,12 +320,11 @@ def _check_model_shapes(path: Path, model_state: Mapping[str, torch.Tensor], cfg
                      "build the model with the saved one's knobs")
 
 
-def _check_optimizer_state(path: Path, optim_state: Mapping) -> None:
+def _check_optimizer_state(path: Path, stored: Mapping, optim_state: Mapping) -> None:
     """ValueError naming the optimizer state entries (flattened: state.<param>.<key>,
     param_groups.<param>.<knob>) that checkpoint `path` lacks, before DCP reads any (its own
     error, a CheckpointException, is a BaseException that `except Exception` lets through):
-    optimizers of another kind or set-up than the saving run's."""
-    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    optimizers of another kind or set-up than the saving run's. stored: _stored(path)."""
     missing = [name for name, value in optim_state.items()
                if f"optim.{name}" not in stored and not (isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value))]
     if missing:
@@ -345,7 +348,7 @@ def load_model(path, *, model: torch.nn.Module) -> Path:
     models = _models(model)
     parts = [get_model_state_dict(m) for m in models]
     state = {"model": {k: v for part in parts for k, v in part.items()}}
-    _check_model_shapes(path, state["model"], getattr(models[0], "cfg", None))
+    _check_model_shapes(path, _stored(path), state["model"], getattr(models[0], "cfg", None))
     with _single_process_quiet():
         dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
     for m, part in zip(models, parts):
@@ -395,7 +398,7 @@ class ModelTensors(Mapping):
 
     def __init__(self, path):
         self.path = _checkpoint_or_newest(path)
-        stored = dcp.FileSystemReader(self.path).read_metadata().state_dict_metadata
+        stored = _stored(self.path)
         self._meta = {key[len("model."):]: meta for key, meta in stored.items()
                       if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
 
@@ -443,8 +446,9 @@ def load(path, *, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optim
     optimizers = _optimizers(optimizers)
     pairs = _pairs(_models(model), optimizers)
     state, parts = _state(pairs)
-    _check_model_shapes(path, state["model"], getattr(pairs[0][0], "cfg", None) if pairs else None)
-    _check_optimizer_state(path, state["optim"])
+    stored = _stored(path)  # read once for both checks
+    _check_model_shapes(path, stored, state["model"], getattr(pairs[0][0], "cfg", None) if pairs else None)
+    _check_optimizer_state(path, stored, state["optim"])
     with _single_process_quiet():
         dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
     for (m, opts), (model_sd, optim_sd) in zip(pairs, parts):
