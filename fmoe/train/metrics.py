@@ -513,6 +513,7 @@ def format_progress(step: int, total_steps: int, record: dict, *, width: int = 2
     worst MoE layer's max/mean expert load (record["load_max_over_mean"], one per layer):
     near 1 is balanced, E/k means one expert takes every token. `eta` is
     record["eta_seconds"]."""
+    _check_count("total_steps", total_steps, 1)
     done = min(max(step / total_steps, 0.0), 1.0)
     filled = int(done * width)
     parts = [f"[{'#' * filled}{'.' * (width - filled)}] step {step}/{total_steps}"]

@@ -17,6 +17,7 @@ Writes into out_dir (needs matplotlib, the `plots` extra: pip install 'fmoe[plot
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import sys
 from pathlib import Path
@@ -110,7 +111,8 @@ def _load_matrix(records: list[dict]):
     for r in rows:
         counts = r.get("tokens_per_expert")
         share = [[c * len(layer) / max(sum(layer), 1e-9) for c in layer] for layer in counts] if counts else None
-        mom.append(r.get("load_max_over_mean") or [max(s) for s in share])
+        loads = r.get("load_max_over_mean") or [max(s) for s in share]
+        mom.append([math.nan if v is None else v for v in loads])  # a non-finite load is logged as null
         shares.append(share)
         steps.append(r["step"])
     per_layer = None

@@ -151,6 +151,8 @@ def test_progress_line():
     line = M.format_progress(3, 10, {"loss": 2.0, "load_max_over_mean": [1.2, 3.4], "eta_seconds": 125.0, "val_loss": float("nan")})
     assert line == "[######..............] step 3/10 loss 2.0000 load 3.40 eta 2m05s"  # the worst layer; NaN left out
     assert M.format_progress(100, 100, {}) == "[####################] step 100/100"
+    with pytest.raises(ValueError, match="total_steps: expected a number >= 1, got 0"):
+        M.format_progress(1, 0, {})
 
 
 def test_logger_jsonl_and_resume(tmp_path, capsys):
@@ -264,6 +266,21 @@ def test_loss_plot_shows_the_losses_the_default_run_logs(tmp_path, monkeypatch):
         record["index_loss"] = 0.5 / s
     assert plot.plot_losses(records, tmp_path / "loss.png", plot._pyplot())
     assert drawn[-1] == ("index_loss", {"index_loss": ([1, 2], [0.5, 0.25])})
+
+
+def test_expert_load_plot_draws_a_diverged_layers_null_load_as_a_gap(tmp_path):
+    """A non-finite load is logged as null (strict JSON); the heatmap shows it as NaN (blank), not a TypeError."""
+    pytest.importorskip("matplotlib", reason="the plots extra (matplotlib) is not installed")
+    from fmoe.train import plot
+
+    log = M.MetricsLogger(tmp_path, total_steps=2, print_progress=False)
+    log.log(1, {"loss": 3.0, "load_max_over_mean": [1.5, float("nan")]})
+    log.log(2, {"loss": float("inf"), "load_max_over_mean": [1.4, 1.2]})
+    assert M.read_metrics(tmp_path / "metrics.jsonl")[0]["load_max_over_mean"] == [1.5, None]
+    steps, mom, per_layer = plot._load_matrix(M.read_metrics(tmp_path / "metrics.jsonl"))
+    assert steps == [1, 2] and per_layer is None
+    assert mom[0] == [1.5, 1.4] and math.isnan(mom[1][0]) and mom[1][1] == 1.2
+    assert plot.plot_run(tmp_path) == [tmp_path / "loss.png", tmp_path / "expert_load.png"]
 
 
 def test_plot_missing_metrics(tmp_path):
