@@ -822,7 +822,7 @@ class Blend:
                              f"{len(self.names)}, {len(weights)}, {len(self.paths)}")
         if len(set(self.names)) != len(self.names):
             raise ValueError(f"names: expected unique source names, got {self.names}")
-        if not all(isinstance(w, (int, float)) and math.isfinite(w) and w > 0 for w in weights):
+        if not all(not isinstance(w, bool) and isinstance(w, (int, float)) and math.isfinite(w) and w > 0 for w in weights):
             raise ValueError(f"weights: expected finite numbers > 0, got {list(weights)}")
         self.weights = [float(w) / math.fsum(weights) for w in weights]
         self._check_vocabularies()

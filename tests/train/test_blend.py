@@ -367,6 +367,8 @@ def test_blend_constructor_errors():
         Blend([_source(0), _source(1)], ["a", "a"], [1, 1])
     with pytest.raises(ValueError, match="weights: expected finite numbers > 0"):
         Blend([_source(0)], ["a"], [0])
+    with pytest.raises(ValueError, match="weights: expected finite numbers > 0, got .True, 2."):  # not a weight of 1
+        Blend([_source(0), _source(1)], ["a", "b"], [True, 2])
     with pytest.raises(ValueError, match="one entry per source"):
         Blend([_source(0)], ["a", "b"], [1])
     with pytest.raises(ValueError, match="blend: expected a Blend"):
