@@ -50,7 +50,8 @@ triangular solve and every matrix product run for all chunks at once, in torch; 
 state runs chunk after chunk (T / C steps): on CUDA in one Triton kernel that keeps it in
 registers for the whole sequence (and one for its gradient), elsewhere in torch (section
 2). No value is read on the host: documents come from cu_seqlens on the device, T is padded
-to a multiple of C with tokens that neither write nor decay.
+to a multiple of C with tokens that neither write nor decay. A g of -inf (a zero decay: the state
+forgotten) is read as LOG_DECAY_FLOOR, whose exp is 0 in float32 too.
 
 Legend: B batch rows, T tokens, N heads, Dk key (and query) dim, Dv value dim, C chunk
 tokens, M = T / C chunks.
@@ -69,6 +70,11 @@ import triton.language as tl
 from fmoe.ops.backend import next_pow2, use_triton
 from fmoe.ops.checks import check_float, check_positive_int, check_rows_and_state
 from fmoe.ops.packed import sequence_ids
+
+
+# exp(-110) is 0 in float32: the chunks read a log-decay below it (g = -inf, a state forgotten whole) as this,
+# the same zero decay, so that their differences gamma_i - gamma_j stay finite (-inf - -inf would be NaN)
+LOG_DECAY_FLOOR = -110.0
 
 
 # ----------------------------------------------------------------------------------------
@@ -444,7 +450,7 @@ def _chunked(q, k, v, g, beta, cu_seqlens, scale, initial_state, final_state: bo
         return x.reshape(B, M, C, *x.shape[2:]).movedim(3, 1)
 
     q_BNMCK, k_BNMCK, v_BNMCV = chunks(q, scale), chunks(k), chunks(v)
-    g_BNMC = chunks(g)  # [B, N, M, C, Dk] with a decay per key channel
+    g_BNMC = chunks(g.clamp_min(LOG_DECAY_FLOOR))  # [B, N, M, C, Dk] with a decay per key channel
     doc_BMC = doc_BT.reshape(B, M, C)
     prev_BM = torch.cat([doc_BMC[:, :1, 0], doc_BMC[:, :-1, -1]], 1)  # the document each chunk's S0 belongs to
     carry_B1MC = (doc_BMC == prev_BM[..., None]).float()[:, None]  # tokens continuing it

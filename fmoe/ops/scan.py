@@ -94,7 +94,8 @@ def _decays(dt_ptr, start_ptr, A, row, ts, T, C, cs, mask_c):
     mask_t = ts < T
     keep = 1.0 - tl.load(start_ptr + row * T + ts, mask=mask_t, other=0.0)
     dt = tl.load(dt_ptr + (row * T + ts)[:, None] * C + cs[None, :], mask=mask_t[:, None] & mask_c[None, :], other=0.0)
-    return tl.exp(dt[:, :, None] * A[None, :, :]) * keep[:, None, None], dt
+    decay = tl.where(mask_t[:, None, None], tl.exp(dt[:, :, None] * A[None, :, :]), 1.0)  # past T: 0 * A, NaN for A = -inf
+    return decay * keep[:, None, None], dt
 
 
 @triton.jit

@@ -135,6 +135,39 @@ def test_fast_per_channel_decay_stays_finite():
     torch.testing.assert_close(o, gated_delta_rule_loop(q, k, v, g, beta), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("channels", [False, True], ids=["per-head", "per-channel"])
+@pytest.mark.parametrize("rule", [True, False], ids=["delta", "linear"])
+def test_a_zero_decay_forgets_the_state_as_the_loop_does(channels, rule):
+    """g = -inf (exp(g) = 0: the state forgotten whole, as A = -exp(A_log) gives once A_log > 88.7)
+    at some tokens, among them several in one chunk, a chunk's first and last: the chunks equal
+    the loop, output, final state and gradients, nothing NaN (-inf - -inf inside a chunk's
+    differences was NaN)."""
+    q, k, v, g, beta = _inputs(1, 24, 2, 4, 3, seed=14, channels=channels)
+    g = g.clone()
+    g[0, [3, 5, 8, 15, 20]] = float("-inf")  # chunks of 8: two in the first, the second's first, the second's last
+    if channels:
+        g[0, 11, 0, :2] = float("-inf")  # some key channels forgotten, not others
+    xs = [x.requires_grad_() for x in (q, k, v, beta, g)]
+    state0 = torch.randn(1, 2, 4, 3)
+    fn, loop = (gated_delta_rule, gated_delta_rule_loop) if rule else (gated_linear_attention, gated_linear_attention_loop)
+
+    def run(f, **kw):
+        x = dict(zip("q k v beta g".split(), xs))
+        args = (x["q"], x["k"], x["v"], x["g"]) + ((x["beta"],) if rule else ())
+        o, state = f(*args, initial_state=state0, final_state=True, **kw)
+        grads = torch.autograd.grad((o * torch.linspace(-1, 1, o.numel()).view_as(o)).sum() + state.sum(),
+                                    xs[:3] + xs[3 if rule else 4:])
+        return o, state, grads
+
+    want, got = run(loop), run(fn, chunk_size=8)
+    assert got[0].isfinite().all() and all(t.isfinite().all() for t in got[2])
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+    assert got[2][-1][g == float("-inf")].eq(0).all()  # a zero decay's gradient: exp(g) = 0 times anything
+    for g_got, g_want in zip(got[2], want[2]):
+        torch.testing.assert_close(g_got, g_want, rtol=1e-4, atol=1e-5)
+
+
 def test_dtypes_and_scale():
     """bf16 inputs compute in float32 and return bf16; scale multiplies the queries."""
     q, k, v, g, beta = _inputs(1, 20, 2, 8, 4, seed=4)

@@ -54,6 +54,28 @@ def test_matches_the_token_loop(B, T, C, N, packed, impl):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_a_state_channel_that_forgets_at_once(impl):
+    """A = -inf in one (channel, state) pair (A = -exp(A_log) once A_log > 88.7: exp(dt A) = 0, that
+    state forgotten every token): y, the final state and the gradients equal the loop's,
+    finite (the torch path's chunks gave NaN, and the kernels' padding past T, 0 * -inf), but dt's
+    of that channel, NaN in the definition too (d exp(dt A) / d dt = A exp(dt A) = -inf * 0)."""
+    u, dt, A, b, c = _inputs(1, 20, 3, 2, seed=5)
+    A[0, 0] = float("-inf")
+    xs = [t.requires_grad_() for t in (u, dt, b, c)]
+    grad_y = torch.randn(1, 20, 3, generator=torch.Generator().manual_seed(2))
+    results = []
+    for fn, kw in ((selective_scan_loop, {}), (selective_scan, dict(impl=impl, chunk_size=8))):
+        y, h = fn(xs[0], xs[1], A, xs[2], xs[3], torch.tensor([0, 7, 20]), final_state=True, **kw)
+        results.append((y, h, *torch.autograd.grad((y * grad_y).sum() + h.sum(), xs)))
+    for name, want, got in zip(["y", "state", "du", "ddt", "db", "dc"], *results):
+        if name == "ddt":
+            assert got[..., 0].isnan().all() and got[..., 1:].isfinite().all()
+        else:
+            assert got.isfinite().all(), name
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=name == "ddt", msg=name)
+
+
 def test_the_kernels_without_states_and_in_bf16():
     """No initial state, no final state (its gradient zero), bf16 inputs: the kernels' y and
     gradients (in the inputs' dtype) follow the float32 scan of the same values."""
