@@ -10,6 +10,7 @@
     next_pow2(n)                 Triton block sizes
     local_tensor(t)              the local shard of a DTensor (the tensor itself otherwise)
     tanh(x)                      tanh inside a Triton kernel, from one exp (the interpreter has no tanh)
+    ieee_dot(a, b)               a @ b inside a Triton kernel, float32 (16-bit tiles right under the interpreter too)
 """
 
 from __future__ import annotations
@@ -41,6 +42,23 @@ def next_pow2(n: int) -> int:
 def interpreting() -> bool:
     """True when Triton kernels run through the CPU interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# Triton 3.7's interpreter multiplies bfloat16 tiles as their raw uint16 bits. Products of
+# 16-bit floats are exact in float32, so under the interpreter the kernels' dots multiply the
+# float32 upcasts: the same sums the tensor cores form. Fixed when triton is first imported,
+# as TRITON_INTERPRET itself is.
+DOT_UPCAST = tl.constexpr(interpreting())
+
+
+@triton.jit
+def ieee_dot(a, b):
+    """a @ b in float32 in a Triton kernel, float32 operands in IEEE float32 (not TF32); 16-bit
+    operands as the tensor cores multiply them, under the interpreter too (DOT_UPCAST)."""
+    if DOT_UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, input_precision="ieee")
 
 
 def use_triton(impl: str, *tensors: torch.Tensor) -> bool:

@@ -60,7 +60,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from fmoe.ops.backend import interpreting, next_pow2, use_triton
+from fmoe.ops.backend import DOT_UPCAST, interpreting, next_pow2, use_triton
 from fmoe.ops.checks import FLOAT_DTYPES, check_float, checking
 from fmoe.ops.fp8 import check_fp8, check_fp8_fast_accum, fp8_matmul, fp8_quantize
 
@@ -196,17 +196,10 @@ def grouped_mlp_ref(x_RH, w_gate_EHF, w_up_EHF, w_down_EFH, offsets_E, biases=_N
 # ----------------------------------------------------------------------------------------
 
 
-# Triton 3.7's interpreter multiplies bfloat16 tiles as their raw uint16 bits. Products of
-# 16-bit floats are exact in float32, so under the interpreter _dot multiplies the float32
-# upcasts: the same sums the tensor cores form. Fixed when triton is first imported, as
-# TRITON_INTERPRET itself is.
-_DOT_UPCAST = tl.constexpr(interpreting())
-
-
 @triton.jit
 def _dot(a, b, acc):
     """acc + a @ b in float32; float32 operands in IEEE float32, not TF32."""
-    if _DOT_UPCAST:
+    if DOT_UPCAST:  # the interpreter's 16-bit products (fmoe.ops.backend)
         a = a.to(tl.float32)
         b = b.to(tl.float32)
     return tl.dot(a, b, acc, input_precision="ieee")

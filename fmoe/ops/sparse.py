@@ -71,7 +71,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fmoe.ops.backend import next_pow2, use_triton
+from fmoe.ops.backend import ieee_dot, next_pow2, use_triton
 from fmoe.ops.checks import check_float, check_index, checking
 
 # ----------------------------------------------------------------------------------------
@@ -139,10 +139,10 @@ def _slot_block(q_v, q_r, kv_ptr, index_ptr, t, j0, J, stride_it, stride_kv, DV:
     idx = tl.load(index_ptr + t * stride_it + offs_j, mask=offs_j < J, other=-1).to(tl.int64)
     valid = idx >= 0
     k_v = _rows(kv_ptr, idx, valid, offs_v, 0, DV, stride_kv)
-    s = tl.dot(q_v, tl.trans(k_v), input_precision="ieee")
+    s = ieee_dot(q_v, tl.trans(k_v))
     if DR > 0:  # rows of the value channels alone (DeepSeek-V4's: the keys are the values) read and multiply nothing more
         k_r = _rows(kv_ptr, idx, valid, offs_r, DV, DR, stride_kv)
-        s += tl.dot(q_r, tl.trans(k_r), input_precision="ieee")
+        s += ieee_dot(q_r, tl.trans(k_r))
     else:
         k_r = k_v
     return valid, k_v, k_r, s
@@ -169,7 +169,7 @@ def _sparse_attention_fwd_kernel(q_ptr, kv_ptr, index_ptr, o_ptr, lse_ptr, N, J,
         alpha = tl.exp(m - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(k_v.dtype), k_v, input_precision="ieee")
+        acc = acc * alpha[:, None] + ieee_dot(p.to(k_v.dtype), k_v)
         m = m_new
     has = l > 0
     o = acc / tl.where(has, l, 1.0)[:, None]
@@ -211,11 +211,11 @@ def _sparse_attention_dq_kernel(q_ptr, kv_ptr, index_ptr, do_ptr, lse_ptr, delta
     for j0 in range(0, J, BLOCK_J):
         valid, k_v, k_r, s = _slot_block(q_v, q_r, kv_ptr, index_ptr, t, j0, J, stride_it, stride_kv, DV, DR, BLOCK_J, BLOCK_DV, BLOCK_DR)
         p = tl.where(valid[None, :], tl.exp(s * scale - lse[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(k_v), input_precision="ieee")
+        dp = ieee_dot(do, tl.trans(k_v))
         ds = p * (dp - delta[:, None])
-        dq_v += tl.dot(ds.to(k_v.dtype), k_v, input_precision="ieee")
+        dq_v += ieee_dot(ds.to(k_v.dtype), k_v)
         if DR > 0:
-            dq_r += tl.dot(ds.to(k_r.dtype), k_r, input_precision="ieee")
+            dq_r += ieee_dot(ds.to(k_r.dtype), k_r)
     base = dq_ptr + t * stride_qt + offs_n[:, None] * stride_qn
     tl.store(base + offs_v[None, :], (dq_v * scale).to(dq_ptr.dtype.element_ty), mask=mask_n[:, None] & (offs_v[None, :] < DV))
     if DR > 0:
@@ -234,14 +234,14 @@ def _sparse_attention_dkv_atomic_kernel(q_ptr, kv_ptr, index_ptr, do_ptr, lse_pt
     for j0 in range(0, J, BLOCK_J):
         valid, k_v, k_r, s = _slot_block(q_v, q_r, kv_ptr, index_ptr, t, j0, J, stride_it, stride_kv, DV, DR, BLOCK_J, BLOCK_DV, BLOCK_DR)
         p = tl.where(valid[None, :] & mask_n[:, None], tl.exp(s * scale - lse[:, None]), 0.0)
-        ds = p * (tl.dot(do, tl.trans(k_v), input_precision="ieee") - delta[:, None]) * scale
+        ds = p * (ieee_dot(do, tl.trans(k_v)) - delta[:, None]) * scale
         ds_t = tl.trans(ds).to(q_v.dtype)
-        dk_v = tl.dot(ds_t, q_v, input_precision="ieee") + tl.dot(tl.trans(p).to(do.dtype), do, input_precision="ieee")
+        dk_v = ieee_dot(ds_t, q_v) + ieee_dot(tl.trans(p).to(do.dtype), do)
         idx = tl.load(index_ptr + t * stride_it + j0 + tl.arange(0, BLOCK_J), mask=j0 + tl.arange(0, BLOCK_J) < J, other=-1).to(tl.int64)
         row = dkv_ptr + tl.where(valid, idx, 0)[:, None] * stride_dkv
         tl.atomic_add(row + offs_v[None, :], dk_v, mask=valid[:, None] & (offs_v[None, :] < DV), sem="relaxed")
         if DR > 0:
-            dk_r = tl.dot(ds_t, q_r, input_precision="ieee")
+            dk_r = ieee_dot(ds_t, q_r)
             tl.atomic_add(row + DV + offs_r[None, :], dk_r, mask=valid[:, None] & (offs_r[None, :] < DR), sem="relaxed")
 
 
@@ -317,7 +317,7 @@ def _indexer_scores_kernel(q_ptr, w_ptr, k_ptr, out_ptr, T, S, N, scale, stride_
     for n in range(N):
         q = tl.load(q_rows + n * stride_qn, mask=mask_t[:, None] & mask_d[None, :], other=0.0)
         w = tl.load(w_ptr + offs_t.to(tl.int64) * stride_wt + n, mask=mask_t, other=0.0).to(tl.float32)
-        prod = tl.dot(q, tl.trans(k), input_precision="ieee")
+        prod = ieee_dot(q, tl.trans(k))
         acc += w[:, None] * tl.maximum(prod * scale, 0.0)
     tl.store(out_ptr + offs_t.to(tl.int64)[:, None] * stride_ot + offs_s[None, :], acc, mask=mask_t[:, None] & mask_s[None, :])
 

@@ -132,6 +132,27 @@ def test_probabilities_of_the_slots(T, N, D, v_dim, S, J, device):
         sparse_attention_probs(q, kv[:, :-1], index, lse)
 
 
+def test_kernels_in_bf16_match_the_reference(device):
+    """bf16 q and kv: the kernels' o, lse, dq, dkv, the slots' probabilities and the indexer's
+    scores follow the reference of the same values (float32 products of bf16 numbers; under
+    the interpreter, whose own bf16 products are wrong by about 1e9, too)."""
+    from fmoe.ops import sparse_attention_probs
+
+    q, kv, index = _inputs(6, 3, 24, 20, 5, dtype=torch.bfloat16, device=device)
+    q.requires_grad_(), kv.requires_grad_()
+    go = torch.randn(6, 3, 16, device=device, dtype=torch.bfloat16)
+    got = {}
+    for impl in ("torch", "triton"):
+        o, lse = sparse_attention(q, kv, index, v_dim=16, scale=0.3, impl=impl)
+        grads = torch.autograd.grad((o * go).float().sum(), [q, kv])
+        probs = sparse_attention_probs(q, kv, index, lse, v_dim=16, scale=0.3, impl=impl)
+        got[impl] = (o.float(), lse, *(g.float() for g in grads), probs)
+    for name, want, have in zip(("o", "lse", "dq", "dkv", "probs"), got["torch"], got["triton"]):
+        torch.testing.assert_close(have, want, rtol=2e-2, atol=2e-2, msg=name)  # one bf16 ulp of the outputs
+    qi, w, k = torch.randn(5, 3, 16, device=device).bfloat16(), torch.randn(5, 3, device=device), torch.randn(7, 16, device=device).bfloat16()
+    torch.testing.assert_close(indexer_scores(qi, w, k, impl="triton"), indexer_scores(qi, w, k, impl="torch"), rtol=1e-5, atol=1e-5)
+
+
 def test_kernels_are_deterministic_when_asked(device):
     """Under torch.use_deterministic_algorithms(True) (fmoe.train.set_deterministic) the dkv
     kernel sums each key's rows in one program, in slot order: bit-identical runs. (By
@@ -238,8 +259,7 @@ def test_indexer_scores_kernel_matches_the_reference(T, N, D, S, device):
 
 def test_indexer_scores_auto_takes_the_kernel_for_16_bit_inputs_alone(monkeypatch):
     """impl="auto" where Triton runs (CUDA; here forced): the kernel for 16-bit q and k, the
-    reference (torch's float32 products, faster than the IEEE kernel) for float32. float16
-    here: the interpreter's bf16 products are wrong (bf16 runs in the gpu test below)."""
+    reference (torch's float32 products, faster than the IEEE kernel) for float32."""
     from fmoe.ops import sparse
 
     calls = []
@@ -247,8 +267,8 @@ def test_indexer_scores_auto_takes_the_kernel_for_16_bit_inputs_alone(monkeypatc
     monkeypatch.setattr(sparse, "use_triton", lambda impl, *tensors: impl != "torch")
     monkeypatch.setattr(sparse, "_indexer_scores_ref", lambda *a: calls.append(a[0].dtype) or real(*a))
     q, w, k = torch.randn(3, 2, 16), torch.randn(3, 2), torch.randn(5, 16)
-    want = real(q.half(), w, k.half(), 0.25)
-    torch.testing.assert_close(indexer_scores(q.half(), w, k.half()), want, rtol=1e-5, atol=1e-5)
+    want = real(q.bfloat16(), w, k.bfloat16(), 0.25)
+    torch.testing.assert_close(indexer_scores(q.bfloat16(), w, k.bfloat16()), want, rtol=1e-5, atol=1e-5)
     assert calls == []
     indexer_scores(q, w, k)
     indexer_scores(q, w, k, impl="triton")
