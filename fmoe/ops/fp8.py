@@ -81,7 +81,11 @@ def pow2_scale(amax: torch.Tensor) -> torch.Tensor:
 
 def _quantize(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(t_fp8 in t's layout, float32 scale with dim kept as 1): module docstring's q."""
-    scale = pow2_scale(t.abs().amax(dim=dim, keepdim=True))
+    if t.shape[dim]:
+        amax = t.abs().amax(dim=dim, keepdim=True)
+    else:  # empty slices (K = 0): amax 0, scale 1, as the kernel gives (amax of nothing is an error)
+        amax = t.new_zeros(t.shape[:dim] + (1,) + t.shape[dim:][1:])
+    scale = pow2_scale(amax)
     return (t.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
 
 
@@ -306,7 +310,7 @@ def fp8_matmul(x: torch.Tensor, w: torch.Tensor, *, impl: str = "auto") -> torch
     if impl not in IMPLS:
         raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
     fast = impl != "torch" and _fast_path(x, K, N)
-    y = _FP8MatMul.apply(x.reshape(-1, K), w, fast)
+    y = _FP8MatMul.apply(x.reshape(x.shape[:-1].numel(), K), w, fast)  # not -1: K = 0 leaves it ambiguous
     return y.reshape(*x.shape[:-1], N)
 
 

@@ -132,8 +132,11 @@ def test_quantize_kernel_gives_the_torch_bits(dtype):
     assert torch.isnan(fp8_quantize(special, 1, impl="triton")[1]).any(), "a NaN row's scale is NaN, as torch's"
     empty_fp8, empty_scale = fp8_quantize(torch.zeros(0, 4, dtype=dtype), 1, impl="triton")
     assert empty_fp8.shape == (0, 4) and empty_scale.shape == (0, 1)
-    no_values, scale = fp8_quantize(torch.zeros(3, 0, dtype=dtype), 1, impl="triton")
-    assert no_values.shape == (3, 0) and torch.equal(scale, torch.ones(3, 1)), "an empty slice's amax is 0: scale 1"
+    for impl in ("triton", "torch"):  # the reference's amax of nothing was an IndexError
+        no_values, scale = fp8_quantize(torch.zeros(3, 0, dtype=dtype), 1, impl=impl)
+        assert no_values.shape == (3, 0) and torch.equal(scale, torch.ones(3, 1)), "an empty slice's amax is 0: scale 1"
+        no_values, scale = fp8_quantize(torch.zeros(0, 3, dtype=dtype), 0, impl=impl)
+        assert no_values.shape == (0, 3) and torch.equal(scale, torch.ones(1, 3)), impl
 
 
 def test_scale_does_not_change_values_above_subnormals():
@@ -205,6 +208,13 @@ def test_matmul_shapes_and_empty():
     assert out.shape == (0, 8)
     out.sum().backward()
     assert empty.grad.shape == (0, 16)
+    # K = 0: an empty sum, zeros as x @ w (reshape(-1, 0) was ambiguous), and its gradients empty
+    x0, w0 = torch.zeros(2, 3, 0, requires_grad=True), torch.zeros(0, 4, requires_grad=True)
+    for impl in ("auto", "torch"):
+        y0 = fp8_matmul(x0, w0, impl=impl)
+        assert torch.equal(y0, torch.zeros(2, 3, 4))
+        y0.sum().backward()
+        assert x0.grad.shape == (2, 3, 0) and w0.grad.shape == (0, 4)
 
 
 def test_bad_input_names_the_argument():
