@@ -73,6 +73,8 @@ def check_rows_and_state(cu_seqlens, B: int, initial_state, shape: tuple, shape_
     (B = 1); initial_state None or a float tensor of `shape` (shape_doc: its letters) on device."""
     if cu_seqlens is not None:
         check_index("cu_seqlens", cu_seqlens, 1, "[n_docs + 1]")
+        if cu_seqlens.numel() < 2:
+            raise ValueError(f"cu_seqlens: expected at least 2 entries [0, ..., T], got {cu_seqlens.numel()}")
         if B != 1:
             raise ValueError(f"cu_seqlens: packed documents need one batch row (B = 1), got B = {B}")
     if initial_state is not None:

@@ -312,6 +312,7 @@ def test_gpu_real_shape(T, docs, channels, seed, rule):
     (lambda a: dict(a, q=a["q"].expand(2, -1, -1, -1), k=a["k"].expand(2, -1, -1, -1), v=a["v"].expand(2, -1, -1, -1),
                     g=a["g"].expand(2, -1, -1), beta=a["beta"].expand(2, -1, -1), cu_seqlens=torch.tensor([0, 6])), r"cu_seqlens: packed documents need one batch row"),
     (lambda a: dict(a, cu_seqlens=torch.tensor([0.0, 6.0])), r"cu_seqlens: expected dtype int"),
+    (lambda a: dict(a, cu_seqlens=torch.tensor([0])), r"cu_seqlens: expected at least 2 entries \[0, ..., T\], got 1"),
     (lambda a: dict(a, initial_state=torch.zeros(1, 2, 4, 4)), r"initial_state: expected \[1, 2, 8, 4\]"),
     (lambda a: dict(a, scale=0.0), r"scale: expected a positive number"),
     (lambda a: dict(a, chunk_size=0), r"chunk_size: expected >= 1"),

@@ -120,6 +120,7 @@ def test_the_kernels_pass_opcheck_and_compile():
     (lambda a: dict(a, b=a["b"].long()), r"b: expected dtype"),
     (lambda a: dict({k: v.expand(2, *v.shape[1:]) if k != "A" else v for k, v in a.items()}, cu_seqlens=torch.tensor([0, 6])),
      r"cu_seqlens: packed documents need one batch row \(B = 1\), got B = 2"),
+    (lambda a: dict(a, cu_seqlens=torch.tensor([], dtype=torch.long)), r"cu_seqlens: expected at least 2 entries \[0, ..., T\], got 0"),
     (lambda a: dict(a, initial_state=torch.zeros(1, 4, 2)), r"initial_state: expected \[1, 4, 3\]"),
     (lambda a: dict(a, impl="cuda"), r"impl: expected one of \('auto', 'triton', 'torch'\), got 'cuda'"),
 ])
