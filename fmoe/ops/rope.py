@@ -232,6 +232,8 @@ def longrope_inv_freq(dim: int, *, base: float, factors, device=None) -> torch.T
     """
     dim = _check_dim(dim)
     base = _check_number("base", base, above=1.0)
+    if isinstance(factors, torch.Tensor):  # a tensor of factors, as a list of them
+        factors = factors.tolist()
     if isinstance(factors, (str, bytes)) or not hasattr(factors, "__len__") or len(factors) != dim // 2:
         raise ValueError(f"factors: expected {dim // 2} numbers (one per frequency of dim = {dim}), got {factors!r}")
     factors_F = [_check_number(f"factors[{j}]", f, above=0.0) for j, f in enumerate(factors)]
@@ -250,9 +252,14 @@ def longrope_scale(max_positions: int, original_max_positions: int) -> float:
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     """1 if factor <= 1, else 0.1 * mscale * ln(factor) + 1."""
+    return _yarn_mscale(factor, mscale, "mscale")
+
+
+def _yarn_mscale(factor, mscale, name: str) -> float:
+    """yarn_mscale, its mscale checked under the caller's name for it (mscale_all_dim)."""
     factor = _check_number("factor", factor, above=0.0)
     if isinstance(mscale, bool) or not isinstance(mscale, (int, float)) or not math.isfinite(mscale):
-        raise ValueError(f"mscale: expected a finite number, got {mscale!r}")
+        raise ValueError(f"{name}: expected a finite number, got {mscale!r}")
     return 1.0 if factor <= 1.0 else 0.1 * mscale * math.log(factor) + 1.0
 
 
@@ -264,7 +271,7 @@ def yarn_cos_sin_scale(factor: float, *, mscale: float = 1.0, mscale_all_dim: fl
     softmax scale (yarn_softmax_scale). Plain YaRN, with 0.1 ln(s) + 1 on cos/sin and the
     usual 1/sqrt(d) softmax scale, is mscale=1, mscale_all_dim=0.
     """
-    return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    return yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim, "mscale_all_dim")
 
 
 def yarn_softmax_scale(head_dim: int, *, factor: float, mscale_all_dim: float) -> float:
@@ -274,7 +281,7 @@ def yarn_softmax_scale(head_dim: int, *, factor: float, mscale_all_dim: float) -
     mscale_all_dim, never mscale (a past Megatron bug used mscale).
     """
     check_positive_int("head_dim", head_dim)
-    return yarn_mscale(factor, mscale_all_dim) ** 2 / math.sqrt(head_dim)
+    return _yarn_mscale(factor, mscale_all_dim, "mscale_all_dim") ** 2 / math.sqrt(head_dim)
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, *, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:

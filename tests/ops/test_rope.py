@@ -303,6 +303,7 @@ def test_longrope_numbers():
     torch.testing.assert_close(inv, base_F / torch.tensor(factors), rtol=1e-7, atol=0)
     assert inv.dtype == torch.float32 and inv[3].item() == pytest.approx(10000.0 ** (-6 / 8) / 8, rel=1e-7)
     assert torch.equal(longrope_inv_freq(8, base=10000.0, factors=(1, 1, 1, 1)), base_F)
+    assert torch.equal(longrope_inv_freq(8, base=10000.0, factors=torch.tensor(factors)), inv)  # a tensor as its list
     assert longrope_scale(131072, 4096) == pytest.approx(1.19024, abs=1e-5)
     assert longrope_scale(4096, 4096) == longrope_scale(100, 4096) == 1.0
     _raises(r"factors: expected 4 numbers \(one per frequency of dim = 8\)", longrope_inv_freq, 8, base=1e4, factors=[1.0] * 3)
@@ -406,6 +407,9 @@ def test_bad_inputs():
     _raises(r"beta_slow: expected a finite number > 0", yarn_correction_range, 8, base=1e4, original_max_positions=64, beta_slow=0.0)
     _raises(r"factor: expected a finite number > 0", yarn_mscale, 0.0)
     _raises("mscale: expected a finite number", yarn_mscale, 2.0, float("nan"))
+    _raises("^mscale_all_dim: expected a finite number, got '1'", yarn_softmax_scale, 64, factor=4.0, mscale_all_dim="1")
+    _raises("^mscale_all_dim: expected a finite number, got nan", yarn_cos_sin_scale, 4.0, mscale=1.0, mscale_all_dim=math.nan)
+    _raises("^mscale: expected a finite number, got inf", yarn_cos_sin_scale, 4.0, mscale=math.inf, mscale_all_dim=1.0)
     _raises(r"head_dim: expected >= 1", yarn_softmax_scale, 0, factor=2.0, mscale_all_dim=1.0)
 
     inv = rope_inv_freq(8)
