@@ -5277,7 +5277,9 @@ def load_weights(model: Transformer, path, *, model_type: str, strict: bool = Tr
     naming the parameter for one (outside the MTP modules) that the family's checkpoints do
     not hold. With strict (the default), a checkpoint key that the model's config reads
     nowhere (unread_keys: e.g. the shared experts when loaded with n_shared=0) is a
-    ValueError naming it, checked before anything is read; strict=False loads the rest.
+    ValueError naming it, checked before anything is read; strict=False loads the rest. So is
+    an lm_head stored beside an embedding that config.json ties it to, with other values
+    (transformers reads such a head untied: tie_embeddings=False does too).
     A model with DeepSeek sparse attention (cfg.index_topk) read from a checkpoint that holds
     no indexer at all (a DeepSeek-V3 or other multi-latent attention folder: DeepSeek-V3.2's
     start) keeps its indexers as initialised, to be trained (their loss; index_topk at least
@@ -5377,6 +5379,13 @@ def load_weights(model: Transformer, path, *, model_type: str, strict: bool = Tr
         if unread:  # part of the checkpoint would be dropped without a word: refused
             raise ValueError(f"checkpoint: {len(unread)} key(s) in {str(path)!r} that the model's config reads nowhere, e.g. "
                              f"{unread[0]!r} (an option that leaves out part of the model? strict=False loads the rest)")
+        head, embed = family.renamed(family.head), family.renamed(family.embed)
+        tied_but_stored = model.cfg.tie_embeddings and head in files and embed in files and not any(head in spec.keys for spec in keys.values())
+        if strict and tied_but_stored and json.loads((path / "config.json").read_text()).get("tie_word_embeddings"):
+            if not torch.equal(open_slice(head)[:], open_slice(embed)[:]):
+                raise ValueError(f"checkpoint: {str(path)!r} holds a {head} that differs from its {embed}, but config.json ties "
+                                 f"them (tie_word_embeddings); transformers then reads the head untied: "
+                                 f"from_pretrained(path, tie_embeddings=False) does too, strict=False ties it to the embedding")
         for key, rate in constant_tensors(family, model.cfg, {"block_size": 1}).items():  # the lightning decay, xIELU's constants a folder holds
             if key.endswith(".slope_rate") and key in files and not torch.allclose(open_slice(key)[:].float(), rate, rtol=1e-5, atol=0.0):
                 raise ValueError(f"checkpoint: {key} is not the lightning decay fmoe computes for its layer "

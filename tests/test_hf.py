@@ -2879,6 +2879,16 @@ def test_checkpoint_keys_the_model_does_not_read_are_refused_unless_not_strict(f
     kept = _copy_folder(granite, tmp_path / "tied", {**g, "lm_head.weight": g["model.embed_tokens.weight"].clone(),
                                                      "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(4)})
     assert all(torch.equal(a, b) for a, b in zip(hf.from_pretrained(kept)[0].parameters(), hf.from_pretrained(granite)[0].parameters()))
+    # a tied lm_head stored with other values: transformers reads it untied; refused, not silently the embedding
+    head = g["model.embed_tokens.weight"] + 1.0
+    other = _copy_folder(granite, tmp_path / "tied_other", {**g, "lm_head.weight": head})
+    with pytest.raises(ValueError, match=r"checkpoint: .* holds a lm_head.weight that differs from its model.embed_tokens.weight, "
+                                         r"but config.json ties them .* from_pretrained\(path, tie_embeddings=False\)"):
+        hf.from_pretrained(other)
+    untied, cfg = hf.from_pretrained(other, tie_embeddings=False)
+    assert not cfg.tie_embeddings and torch.equal(untied.head, head) and torch.equal(untied.embed, g["model.embed_tokens.weight"])
+    tied = hf.from_pretrained(other, strict=False)[0]
+    assert tied.head is None and torch.equal(tied.embed, g["model.embed_tokens.weight"])
     # EXAONE's MTP layers (mtp.*) are not read, as transformers does not read them
     exaone, _ = folders["exaone_moe"]
     e = _read_all(exaone)
