@@ -5211,7 +5211,12 @@ def read_config(path) -> tuple[dict, TransformerConfig]:
     file = path / "config.json"
     if not file.is_file():
         raise FileNotFoundError(f"path: {str(path)!r} has no config.json")
-    hf = json.loads(file.read_text())
+    try:
+        hf = json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"config.json: {str(file)!r} is not valid JSON ({err})") from err
+    if not isinstance(hf, dict):
+        raise ValueError(f"config.json: {str(file)!r} holds a {type(hf).__name__}, not a JSON object of fields")
     model_type = hf.get("model_type")
     if model_type not in FAMILIES:
         raise ValueError(f"config.json: model_type {model_type!r} is not supported; expected one of {', '.join(FAMILIES)}")
@@ -5286,6 +5291,8 @@ def load_weights(model: Transformer, path, *, model_type: str, strict: bool = Tr
     the context length attends densely while they learn: DeepSeek's dense warm-up)."""
     from torch.distributed.tensor import DTensor
 
+    if not isinstance(strict, bool):
+        raise ValueError(f"strict: expected a bool, got {strict!r}")
     path = Path(path)
     files = _weight_files(path)
     family = _folder_layout(model, files, model_type)
@@ -5662,6 +5669,8 @@ def from_pretrained(path, *, dtype: torch.dtype = torch.float32, device="cpu", s
     model.hf_config keeps config.json for save_pretrained."""
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype: expected a floating torch.dtype (torch.float32, torch.bfloat16, ...), got {dtype!r}")
+    if not isinstance(strict, bool):
+        raise ValueError(f"strict: expected a bool, got {strict!r}")
     hf, cfg = read_config(path)
     family = FAMILIES[hf["model_type"]]
     if (family.mtp or family.mtp_module) and "mtp_depth" not in options:

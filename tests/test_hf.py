@@ -2836,7 +2836,18 @@ def test_bad_checkpoints_name_the_key_or_field(folders, tmp_path):
         hf.from_pretrained(path, expert_biases=True)
     with pytest.raises(FileNotFoundError, match="has no config.json"):
         hf.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"config.json: '.*config.json' is not valid JSON \(Expecting property name"):
+        hf.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"config.json: '.*config.json' holds a list, not a JSON object of fields"):
+        hf.from_pretrained(tmp_path)
+    (tmp_path / "config.json").unlink()
+    with pytest.raises(ValueError, match="strict: expected a bool, got 'no'"):  # not truthy
+        hf.from_pretrained(path, strict="no")
     model, _ = hf.from_pretrained(path)
+    with pytest.raises(ValueError, match="strict: expected a bool, got 0"):
+        hf.load_weights(model, path, model_type="mixtral", strict=0)
     del model.hf_config
     with pytest.raises(ValueError, match="model_type: needed"):
         hf.save_pretrained(model, tmp_path / "e")
