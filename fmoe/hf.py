@@ -5679,7 +5679,11 @@ def from_pretrained(path, *, dtype: torch.dtype = torch.float32, device="cpu", s
         if family.mtp_module and options["mtp_depth"]:  # its own output norm, mtp.norm
             options.setdefault("mtp_norm", True)
     if options:
-        cfg = dataclasses.replace(cfg, **options)
+        try:
+            cfg = dataclasses.replace(cfg, **options)
+        except ValueError as err:  # a field the folder set that the options no longer fit (n_dense past n_layers=...)
+            given = ", ".join(f"{name}={value!r}" for name, value in options.items())
+            raise ValueError(f"{err} (the config of {str(path)!r} with the options {given})") from err
     with torch.device("meta"):
         model = Transformer(cfg).to(dtype)
     model.to_empty(device=device)

@@ -2843,6 +2843,8 @@ def test_bad_checkpoints_name_the_key_or_field(folders, tmp_path):
     with pytest.raises(ValueError, match=r"config.json: '.*config.json' holds a list, not a JSON object of fields"):
         hf.from_pretrained(tmp_path)
     (tmp_path / "config.json").unlink()
+    with pytest.raises(ValueError, match=r"^moe_layers: .* \(the config of '.*qwen2_moe.*' with the options n_layers=1, norm_eps=1e-05\)$"):
+        hf.from_pretrained(folders["qwen2_moe"][0], n_layers=1, norm_eps=1e-5)  # its MoE layers 1, 2 past n_layers=1: the options named
     with pytest.raises(ValueError, match="strict: expected a bool, got 'no'"):  # not truthy
         hf.from_pretrained(path, strict="no")
     model, _ = hf.from_pretrained(path)
