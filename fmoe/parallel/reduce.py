@@ -229,6 +229,10 @@ def _seq_split(layers, names, T_local: int, E: int, cu_seqlens, *, k, group, sta
             )
         if token_index is not None and T_local and not (0 <= int(token_index.min()) and int(token_index.max()) < total):
             raise ValueError(f"token_index: expected indices in [0, {total}) (T from cu_seqlens), got {int(token_index.min())}..{int(token_index.max())}")
+        for name, _, experts in layers:  # as fmoe.ops.seq_load_balancing_loss's check (unchecked, such ids count nowhere)
+            if experts.numel() and (experts.min() < -1 or experts.max() >= E):
+                raise ValueError(f"experts{f'[{name!r}]' if name else ''}: ids must lie in -1..{E - 1} (-1: a skipped slot), "
+                                 f"got {int(experts.min())}..{int(experts.max())}")
     pg = process_group(group)
     if not names:  # the same on every rank (names is global): no collective to wait for
         return {}
@@ -284,6 +288,8 @@ def z_loss_split(logits: torch.Tensor, *, n_tokens: Union[int, torch.Tensor], ma
     if isinstance(n, torch.Tensor):
         n = n.to(logits.device)
     check_token_mask("mask", mask, logits.shape[0])
+    if not isinstance(n, torch.Tensor) and mask is None and n < logits.shape[0]:  # an int: checked free
+        raise ValueError(f"n_tokens: expected at least this rank's {logits.shape[0]} tokens (T over all ranks of the split), got {int(n)}")
     if logits.shape[0] == 0:  # no token here: a zero that keeps the graph (and the backward) alike
         return logits.float().sum() * 0.0
     if mask is not None:
