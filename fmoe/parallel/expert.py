@@ -512,7 +512,7 @@ class ExpertParallel:
         for name, mesh in (("ep_mesh", ep_mesh), ("etp_mesh", etp_mesh), ("tp_mesh", tp_mesh)):
             _check_mesh(name, mesh)
         if max_tokens is not None:
-            check_positive_int("max_tokens", max_tokens, low=0)
+            check_positive_int("max_tokens", max_tokens)
         check_positive_int("token_shards", token_shards)
         if token_shards > 1 and _size(tp_mesh) > 1:
             raise ValueError(f"token_shards: {token_shards} says x is already a token shard; it excludes splitting the tokens over tp_mesh (size {_size(tp_mesh)})")

@@ -49,6 +49,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from fmoe.layers import EXPERT_BIASES
 from fmoe.model import Block, HyperConnection, MoE, ResidualGate, Transformer
+from fmoe.ops.checks import check_positive_int
 from fmoe.parallel.context import ContextCapacityDrop, ContextParallel
 from fmoe.parallel.expert import ExpertParallel
 from fmoe.parallel.mesh import Meshes
@@ -66,7 +67,7 @@ def dense_data_mesh(meshes: Meshes):
     return flat if meshes.dp_replicate == 1 else meshes.dense["dp_replicate", "dp_shard_cp"]
 
 
-def shard_experts(moe: MoE, meshes: Meshes) -> None:
+def shard_experts(moe: MoE, meshes: Meshes, *, max_tokens: Optional[int] = None) -> None:
     """Replace a MoE block's expert stacks by DTensors over the expert mesh's (ep, etp):
     experts Shard(0) over ep, the FFN dim over etp (w_gate / w_up dim 2, w_down dim 1; the
     optional expert biases Shard(0) over ep, b_gate / b_up dim 1 over etp, b_down
@@ -74,7 +75,7 @@ def shard_experts(moe: MoE, meshes: Meshes) -> None:
     give the experts an ExpertParallel dispatcher. Under tp > 1 the MoE block holds this
     rank's T/tp tokens already (sequence parallel, tensor_parallel_plan), and under cp > 1
     its cp share: the dispatcher splits nothing over tp (token_shards = tp cp sizes its
-    capacity layout by the whole micro-batch)."""
+    capacity layout by the whole micro-batch); max_tokens: the dispatcher's (parallelize)."""
     E, ep, etp = moe.cfg.n_experts, meshes.ep, meshes.etp
     ffn = moe.experts.w_up.shape[-1]
     if E % ep:
@@ -93,7 +94,8 @@ def shard_experts(moe: MoE, meshes: Meshes) -> None:
         placements = [Shard(0), Replicate() if ffn_dim is None else Shard(ffn_dim)]
         sharded = distribute_tensor(param.data, mesh, placements, src_data_rank=None)
         moe.experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-    moe.experts.dispatcher = ExpertParallel(meshes.axis("ep"), etp_mesh=meshes.axis("etp"), token_shards=meshes.tp * meshes.cp)
+    moe.experts.dispatcher = ExpertParallel(meshes.axis("ep"), etp_mesh=meshes.axis("etp"), token_shards=meshes.tp * meshes.cp,
+                                            max_tokens=max_tokens)
 
 
 class _Owned(torch.autograd.Function):
@@ -206,7 +208,7 @@ def _reshards_after_forward(unit: FSDPModule) -> bool:
 
 def parallelize(
     model: Transformer, meshes: Meshes, *, param_dtype: Optional[torch.dtype] = None,
-    reduce_dtype: Optional[torch.dtype] = None, reshard_after_forward: bool = True,
+    reduce_dtype: Optional[torch.dtype] = None, reshard_after_forward: bool = True, max_tokens: Optional[int] = None,
 ) -> Transformer:
     """Tensor parallel, expert parallel, then FSDP2 over `meshes`, in place; returns model.
 
@@ -232,7 +234,16 @@ def parallelize(
     across the split too (fmoe.parallel.gated_delta_rule_cp: the states between chunks are
     exchanged, every rank's outputs equal one process's), and so does DeepSeek sparse
     attention (its indexer's keys gathered with K and V, its loss each rank's share).
+
+    With ep x etp > 1 and a capacity factor, the experts' exchange sizes each expert's slots
+    C from the micro-batch's tokens T, and every rank of an expert-parallel group must use
+    the same C: ranks whose T differ (a short last batch, prompts of other lengths) pass
+    max_tokens, the most tokens a MoE block of any of them holds (a micro-batch's T / (tp
+    cp)), and C is sized from it on every rank (ExpertParallel's max_tokens); otherwise the
+    exchange's buffers differ between ranks and the collective fails.
     """
+    if max_tokens is not None:
+        check_positive_int("max_tokens", max_tokens)
     moe_blocks = [m for m in model.modules() if isinstance(m, MoE)]
     if moe_blocks and meshes.expert is None:
         raise ValueError("meshes: the model has MoE blocks but the meshes were built with has_experts=False")
@@ -249,7 +260,7 @@ def parallelize(
     # gradients summed over the expert data mesh edp (every rank) by FSDP: no dispatcher
     if meshes.ep * meshes.etp > 1:
         for moe in moe_blocks:
-            shard_experts(moe, meshes)
+            shard_experts(moe, meshes, max_tokens=max_tokens)
     apply_fsdp(model, meshes, param_dtype=param_dtype, reduce_dtype=reduce_dtype, reshard_after_forward=reshard_after_forward)
     return model
 

@@ -331,6 +331,7 @@ def _bad_inputs_case(rank: int, world: int) -> list[str]:
     expect(r"params\['w_up'\]", lambda: run(dict(local, w_up=local["w_up"].double()), cfg), "float64 w_up")
     expect(r"ep_mesh", lambda: ExpertParallel(meshes.dense), "a 4-D mesh")
     expect(r"max_tokens", lambda: ExpertParallel(meshes.axis("ep"), max_tokens=-1), "negative max_tokens")
+    expect(r"max_tokens: expected >= 1, got 0", lambda: ExpertParallel(meshes.axis("ep"), max_tokens=0), "max_tokens = 0")
     capped = dataclasses.replace(cfg, capacity_factor=1.0)
     expect(r"^x:.*max_tokens", lambda: run(local, capped, ExpertParallel(meshes.axis("ep"), max_tokens=4)), "T > max_tokens")
     expect(r"counts_E", lambda: dispatch(x, torch.zeros(3, dtype=torch.int64), ep_mesh=meshes.axis("ep")), "counts of 3 experts")
@@ -352,6 +353,40 @@ def _bad_inputs_case(rank: int, world: int) -> list[str]:
     return fails
 
 
+def _parallelize_max_tokens_case(rank: int, world: int) -> list[str]:
+    """parallelize(max_tokens=) with ep = 2 and a capacity factor: ranks passing micro-batches
+    of other T (12 and 7 tokens) size the experts' slots alike and run (without it their
+    exchange buffers differ and gloo aborts); no slot dropped (capacity factor 4), each
+    rank's logits are one process's of its own tokens."""
+    from fmoe.model import Transformer, TransformerConfig
+    from fmoe.parallel import build_meshes, parallelize
+
+    cfg = TransformerConfig(vocab_size=32, hidden=H, n_layers=1, n_dense=0, n_experts=4, k=2, ffn_expert=F, n_heads=2,
+                            n_kv_heads=1, head_dim=4, capacity_factor=4.0, impl="torch")
+    torch.manual_seed(0)
+    whole = Transformer(cfg)
+    model = Transformer(cfg)
+    model.load_state_dict(whole.state_dict())
+    fails = []
+    try:
+        parallelize(model, build_meshes(ep=2), max_tokens=0)
+        fails.append("parallelize took max_tokens=0")
+    except ValueError as e:
+        if "max_tokens: expected >= 1, got 0" not in str(e):
+            fails.append(f"max_tokens=0: {e}")
+    parallelize(model, build_meshes(ep=2), max_tokens=12)
+    dispatchers = [m.experts.dispatcher for m in model.modules() if hasattr(getattr(m, "experts", None), "dispatcher")]
+    if [d.max_tokens for d in dispatchers] != [12]:
+        fails.append(f"dispatchers' max_tokens: {[d.max_tokens for d in dispatchers]}")
+    T = 12 if rank == 0 else 7
+    ids = torch.randint(0, 32, (T,), generator=torch.Generator().manual_seed(rank))
+    cu = torch.tensor([0, T], dtype=torch.int32)
+    with torch.no_grad():
+        got, want = model.logits(ids, cu), whole.logits(ids, cu)
+    _close(fails, "logits", got, want)
+    return fails
+
+
 def _worker(rank: int, world: int, cases: dict, round_trips: dict, bad_inputs: bool) -> dict:
     results = {}
     for name, (sizes, tokens, extra) in cases.items():
@@ -363,6 +398,8 @@ def _worker(rank: int, world: int, cases: dict, round_trips: dict, bad_inputs: b
     if bad_inputs:
         with own_groups():
             results["bad_inputs"] = _bad_inputs_case(rank, world)
+        with own_groups():
+            results["parallelize_max_tokens"] = _parallelize_max_tokens_case(rank, world)
     return results
 
 
@@ -386,7 +423,7 @@ def _assert_case(results: list[dict], name: str) -> None:
     assert not fails, f"{name}:\n" + "\n".join(fails)
 
 
-@pytest.mark.parametrize("name", [*CASES_2, *ROUND_TRIPS_2, "bad_inputs"])
+@pytest.mark.parametrize("name", [*CASES_2, *ROUND_TRIPS_2, "bad_inputs", "parallelize_max_tokens"])
 def test_world2(world2, name):
     _assert_case(world2, name)
 
