@@ -242,6 +242,10 @@ def parallelize(
     cp)), and C is sized from it on every rank (ExpertParallel's max_tokens); otherwise the
     exchange's buffers differ between ranks and the collective fails.
     """
+    if not isinstance(meshes, Meshes):
+        raise ValueError(f"meshes: expected fmoe.parallel.build_meshes(...)'s Meshes, got {type(meshes).__name__}")
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        raise ValueError("model: already parallelized (parallelize applies once, to a model built whole or on the meta device)")
     if max_tokens is not None:
         check_positive_int("max_tokens", max_tokens)
     moe_blocks = [m for m in model.modules() if isinstance(m, MoE)]
@@ -279,6 +283,8 @@ def materialize(model: nn.Module, device, *, seed: int) -> nn.Module:
     Returns model."""
     if not callable(getattr(model, "reset_parameters", None)):
         raise ValueError(f"model: expected a module with reset_parameters(seed=) (fmoe.model.Transformer), got {type(model).__name__}")
+    if isinstance(seed, bool) or not isinstance(seed, int):  # None would take each rank's own torch seed: replicas apart
+        raise ValueError(f"seed: expected an int, the same on every rank, got {seed!r}")
     model.to_empty(device=device)
     model.reset_parameters(seed=seed)
     return model

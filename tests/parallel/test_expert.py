@@ -357,7 +357,8 @@ def _parallelize_max_tokens_case(rank: int, world: int) -> list[str]:
     """parallelize(max_tokens=) with ep = 2 and a capacity factor: ranks passing micro-batches
     of other T (12 and 7 tokens) size the experts' slots alike and run (without it their
     exchange buffers differ and gloo aborts); no slot dropped (capacity factor 4), each
-    rank's logits are one process's of its own tokens."""
+    rank's logits are one process's of its own tokens. Its bad arguments, and a second
+    parallelize of the same model, are ValueErrors naming them."""
     from fmoe.model import Transformer, TransformerConfig
     from fmoe.parallel import build_meshes, parallelize
 
@@ -368,13 +369,22 @@ def _parallelize_max_tokens_case(rank: int, world: int) -> list[str]:
     model = Transformer(cfg)
     model.load_state_dict(whole.state_dict())
     fails = []
+    meshes = build_meshes(ep=2)
+    for args, message in (((model, meshes.dense), "meshes: expected fmoe.parallel.build_meshes(...)'s Meshes, got DeviceMesh"),
+                          ((model, meshes), "max_tokens: expected >= 1, got 0")):
+        try:
+            parallelize(*args, max_tokens=0)
+            fails.append(f"parallelize took {args[1]!r}, max_tokens=0")
+        except ValueError as e:
+            if message not in str(e):
+                fails.append(f"parallelize: {e}")
+    parallelize(model, meshes, max_tokens=12)
     try:
-        parallelize(model, build_meshes(ep=2), max_tokens=0)
-        fails.append("parallelize took max_tokens=0")
+        parallelize(model, meshes)
+        fails.append("parallelize applied twice")
     except ValueError as e:
-        if "max_tokens: expected >= 1, got 0" not in str(e):
-            fails.append(f"max_tokens=0: {e}")
-    parallelize(model, build_meshes(ep=2), max_tokens=12)
+        if "model: already parallelized" not in str(e):
+            fails.append(f"parallelize twice: {e}")
     dispatchers = [m.experts.dispatcher for m in model.modules() if hasattr(getattr(m, "experts", None), "dispatcher")]
     if [d.max_tokens for d in dispatchers] != [12]:
         fails.append(f"dispatchers' max_tokens: {[d.max_tokens for d in dispatchers]}")

@@ -97,3 +97,18 @@ def test_meta_init_is_bit_identical_on_every_mesh_and_never_holds_the_model():
             # cut shard, plus 5% for padding and small temporaries
             assert peak <= 1.05 * (shard + 1.25 * largest), (rank, name, peak, shard, largest)
             assert peak < model / 2
+
+
+def test_materialize_needs_an_int_seed():
+    """seed=None would initialise from each rank's own torch seed (replicas that differ); "0" is no seed either."""
+    import pytest
+
+    from fmoe.model import Transformer, TransformerConfig
+    from fmoe.parallel import materialize
+
+    with torch.device("meta"):
+        model = Transformer(TransformerConfig(**TINY))
+    for seed in (None, "0", 1.0, True):
+        with pytest.raises(ValueError, match=f"seed: expected an int, the same on every rank, got {seed!r}"):
+            materialize(model, "cpu", seed=seed)
+    assert materialize(model, "cpu", seed=3) is model and not model.embed.is_meta
