@@ -159,6 +159,13 @@ def build_meshes(
     Every rank must call it with the same arguments (it creates process groups).
     device_type: "cuda" or "cpu" (default: cuda when the backend is nccl, else cpu).
     """
+    if device_type is not None:
+        try:
+            device = torch.device(device_type) if isinstance(device_type, str) else None
+        except RuntimeError:
+            device = None
+        if device is None or device.index is not None or device.type == "meta":
+            raise ValueError(f"device_type: expected a torch device type such as 'cuda' or 'cpu' (no index), got {device_type!r}")
     if not dist.is_initialized():
         raise ValueError("build_meshes: torch.distributed is not initialised (run under torchrun and call init_process_group)")
     world = dist.get_world_size()

@@ -63,6 +63,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from fmoe.layers import attach_loss
 from fmoe.model import LayerElsewhere, PipelineChunk, Transformer, TransformerConfig
+from fmoe.ops.checks import check_positive_int
 from fmoe.parallel.mesh import Meshes
 
 # name -> (torch schedule class name, stages per rank: "one" | "loop"). torch's
@@ -111,6 +112,9 @@ def stage_layers(n_layers: int, n_stages: int, layers_per_stage: Optional[Sequen
 
 def rank_stages(pp_rank: int, pp: int, virtual: int) -> list[int]:
     """The stage indices rank `pp_rank` holds, in order: r, r + pp, ..., r + (virtual - 1) pp."""
+    check_positive_int("pp", pp)
+    check_positive_int("virtual", virtual)
+    check_positive_int("pp_rank", pp_rank, 0, pp - 1)
     return [pp_rank + v * pp for v in range(virtual)]
 
 

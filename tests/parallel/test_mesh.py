@@ -32,6 +32,15 @@ def test_invalid_sizes_say_which_product_does_not_divide_which(world, kwargs, me
 def test_build_meshes_needs_an_initialised_world():
     with pytest.raises(ValueError, match="not initialised"):
         build_meshes()
+    with pytest.raises(ValueError, match="not initialised"):
+        build_meshes(device_type="cuda")
+
+
+@pytest.mark.parametrize("device_type", ["tpu", "cuda:0", "meta", 0])
+def test_build_meshes_names_a_device_type_torch_does_not_have(device_type):
+    """Checked before anything else (meshes on "tpu" were built without a word)."""
+    with pytest.raises(ValueError, match=f"device_type: expected a torch device type such as 'cuda' or 'cpu' \\(no index\\), got {device_type!r}"):
+        build_meshes(device_type=device_type)
 
 
 def _views(rank, world):

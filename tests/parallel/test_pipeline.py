@@ -184,6 +184,10 @@ def test_stage_layers_split_evenly_or_as_asked():
     assert stage_layers(6, 3, [1, 2, 3]) == [range(0, 1), range(1, 3), range(3, 6)]
     assert rank_stages(1, 2, 2) == [1, 3]
     assert rank_stages(0, 4, 1) == [0]
+    for args, message in (((3, 2, 1), r"pp_rank: expected 0..1, got 3"), ((-1, 2, 1), r"pp_rank: expected 0..1, got -1"),
+                          ((0, 0, 1), r"pp: expected >= 1, got 0"), ((0, 2, 0), r"virtual: expected >= 1, got 0")):
+        with pytest.raises(ValueError, match=message):
+            rank_stages(*args)
 
 
 @pytest.mark.parametrize("call, message", [
