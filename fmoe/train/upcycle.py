@@ -37,8 +37,9 @@ shape otherwise (same hidden size, attention, vocabulary, layer count, MTP depth
 So the MoE model computes the dense model's function at the start, up to float rounding
 (the slices' sums are reordered), as long as no token is dropped by a capacity factor.
 Training breaks the ties: each expert of a group gets its own router-row gradient. Pre-
-softmax routing and unnormalised sigmoids (weights that do not sum to a constant),
-gpt-oss's expert biases and a non-plain SwiGLU are refused: no exact start exists there.
+softmax routing, unnormalised sigmoids and SparseMixer (weights that do not sum to a
+constant), weights on the experts' input (route_on_input), gpt-oss's expert biases and a
+non-plain SwiGLU are refused: no exact start exists there.
 With drop > 0 (Drop-Upcycling) part of each expert starts fresh instead, by design.
 """
 
@@ -79,6 +80,12 @@ def granularity(cfg: TransformerConfig, dense_cfg: TransformerConfig) -> int:
     if cfg.score == "softmax" and cfg.pre_softmax:
         raise ValueError("pre_softmax: the weights of a softmax over every expert do not sum to a constant over the k chosen; "
                          "upcycling needs the softmax after the top-k (pre_softmax=False)")
+    if cfg.score == "sparsemixer":
+        raise ValueError("score: sparsemixer's weights (each slot's own masked softmax) do not sum to a constant over the k chosen; "
+                         "upcycling needs softmax (after the top-k), sigmoid or sqrtsoftplus routing")
+    if cfg.route_on_input:
+        raise ValueError("route_on_input: the routing weight scales each expert's input, and the SwiGLU of a scaled input is not the "
+                         "scaled SwiGLU; upcycling needs the weights on the experts' output (route_on_input=False)")
     if cfg.score in ("sigmoid", "sqrtsoftplus") and not cfg.route_normalize:
         raise ValueError(f"route_normalize: unnormalised {cfg.score} weights do not sum to a constant; upcycling needs route_normalize=True")
     if dense_cfg.mlp_bias:
