@@ -108,7 +108,7 @@ class Config:
     init_lr: float = 0.0            # the warmup starts here
     warmup: int = -1                # steps; -1: 20, or a tenth of a shorter run
     lr_style: str = "cosine"        # constant | linear | cosine | inverse_sqrt | wsd
-    wsd_decay: int = -1             # wsd: steps of the final decay; -1: a fifth of the run
+    wsd_decay: int = -1             # wsd: steps of the final decay; -1: a fifth of the steps after warmup
     wsd_style: str = "linear"       # wsd: linear | cosine | exponential | minus_sqrt
     weight_decay: float = 0.1       # matrices only: never norms, biases, gates (Megatron Core's default)
     decay_embeddings: bool = True   # ...and the embedding and output head by this knob
@@ -262,12 +262,12 @@ def parse_args(argv: list[str]) -> Config:
         value = getattr(cfg, name)
         if not math.isfinite(value) and not (name == "clip" and value == math.inf):
             sys.exit(f"--{name}: expected a finite number{' (or inf: no clipping)' if name == 'clip' else ''}, got {value}")
-    for name in ("lr", "init_lr", "mtp_lambda", "seq_aux_coeff", "aux_coeff", "z_coeff", "bias_rate", "weight_decay"):
+    if not cfg.lr > 0:  # the schedule is a factor on it
+        sys.exit(f"--lr: expected a positive learning rate, got {cfg.lr}")
+    for name in ("init_lr", "mtp_lambda", "seq_aux_coeff", "aux_coeff", "z_coeff", "bias_rate", "weight_decay"):
         if getattr(cfg, name) < 0:
             sys.exit(f"--{name}: expected a number >= 0, got {getattr(cfg, name)}")
-    if cfg.lr == 0:  # the schedule is a factor on it
-        sys.exit(f"--lr: expected a positive learning rate, got {cfg.lr}")
-    for name in ("min_lr", "warmup", "wsd_decay"):  # -1: the default (a tenth of --lr; 20 steps or a tenth of the run; a fifth)
+    for name in ("min_lr", "warmup", "wsd_decay"):  # -1: the default (a tenth of --lr; 20 steps or a tenth of the run; a fifth of the rest)
         if getattr(cfg, name) < 0 and getattr(cfg, name) != -1:
             sys.exit(f"--{name}: expected >= 0, or -1 for its default, got {getattr(cfg, name)}")
     if cfg.min_lr > cfg.lr:
@@ -364,6 +364,8 @@ def main(argv: list[str]) -> None:
         profile_steps = parse_steps(cfg.profile)
         if cfg.memory_snapshot and profile_steps is None:
             raise ValueError("--memory_snapshot: records the --profile steps; set --profile=START:END")
+        if profile_steps is not None and profile_steps[0] > cfg.steps:  # nothing would be traced, without a word
+            raise ValueError(f"--profile: steps {cfg.profile} start past the run's last step (--steps={cfg.steps})")
         profiler = StepProfiler(cfg.out_dir, profile_steps, rank=int(os.environ.get("RANK", "0")), device_type=device.type,
                                 memory=cfg.memory_snapshot)
     except ValueError as err:

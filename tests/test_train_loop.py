@@ -327,7 +327,7 @@ BAD_KNOBS = [
     (["--keep_last=0"], "--keep_last: expected an int >= 1, got 0"),
     (["--eval_batches=-1"], "--eval_batches: expected an int >= 0, got -1"),
     (["--seed=-3"], "--seed: expected an int >= 0, got -3"),
-    (["--lr=-1"], "--lr: expected a number >= 0, got -1.0"),
+    (["--lr=-1"], "--lr: expected a positive learning rate, got -1.0"),  # not ">= 0", which 0 then contradicts
     (["--lr=nan"], "--lr: expected a finite number, got nan"),
     (["--lr=0"], "--lr: expected a positive learning rate, got 0.0"),
     (["--lr=1e-3", "--min_lr=1e-2"], "--min_lr: expected at most --lr = 0.001, got 0.01"),
@@ -363,6 +363,7 @@ BAD_KNOBS = [
     (["--profile=3:2"], "--profile: expected START:END steps with 1 <= START <= END (or one step N), got '3:2'"),
     (["--memory_snapshot"], "--memory_snapshot: records the --profile steps; set --profile=START:END"),
     (["--profile=1", "--memory_snapshot"], "--memory_snapshot: records the CUDA allocator; this run is on cpu"),
+    (["--steps=3", "--profile=5:6"], "--profile: steps 5:6 start past the run's last step (--steps=3)"),
 ]
 
 
