@@ -330,7 +330,7 @@ def main(argv: list[str]) -> None:
             rank = dist.get_rank()
             model, run, meshes = load_sharded(args.path, sizes, device=device, dtype=dtype, impl=impl)
     except (OSError, ValueError, KeyError) as err:
-        sys.exit(str(err) if str(err).startswith(("parallel knobs", "--")) else f"path: {err}")
+        sys.exit(str(err) if str(err).startswith(("parallel knobs", "--", "path:")) else f"path: {err}")
     loop = run.get("config", {})
     tokens = args.tokens_per_micro_batch if args.tokens_per_micro_batch is not None else loop.get("tokens_per_micro_batch", 2048)
     if args.choices is not None:

@@ -389,7 +389,7 @@ def main(argv: list[str]) -> None:
             end_ids = encode(end_of_turn, special=False) if run and end_of_turn else []
             stops += end_ids if len(end_ids) == 1 and end_ids[0] not in stops else []  # a run: the template's end of turn too
     except (OSError, ValueError, KeyError) as err:
-        sys.exit(str(err) if str(err).startswith(("parallel knobs", "--chat", "chat_template")) else f"path: {err}")
+        sys.exit(str(err) if str(err).startswith(("parallel knobs", "--chat", "chat_template", "path:")) else f"path: {err}")
     if chat is not None:
         prompt = encode(chat, special=False)  # the template writes the BOS itself, as apply_chat_template's tokenize
     elif args.prompt_ids:

@@ -300,8 +300,14 @@ def bad_exits(run_dir, tmp_path_factory):
     for i, (rows, args, _) in enumerate(BAD_CHOICES):
         (root / str(i)).mkdir()
         choices.append([run_dir[0], f"--choices={_write_jsonl(root / str(i) / 'q.jsonl', rows)}", *args])
-    got = exits(ROOT / "examples" / "evaluate.py", knobs + choices)
-    return dict(knobs=got[:len(knobs)], choices=got[len(knobs):])
+    got = exits(ROOT / "examples" / "evaluate.py", knobs + choices + [[root]])
+    return dict(knobs=got[:len(knobs)], choices=got[len(knobs):-1], not_a_run=got[-1])
+
+
+def test_a_path_that_is_no_run_is_named_once(bad_exits):
+    got = bad_exits["not_a_run"]
+    assert got["status"] != 0 and "is neither an fmoe run directory" in got["text"], got["text"][-2000:]
+    assert got["text"].count("path: ") == 1, got["text"][-2000:]  # it said "path: path: '...'"
 
 
 @pytest.mark.parametrize("case", range(len(BAD_CHOICES)), ids=[BAD_CHOICES[i][2][:40] for i in range(len(BAD_CHOICES))])
