@@ -37,6 +37,7 @@ import math
 import operator
 import re
 from decimal import Decimal
+from numbers import Real
 from typing import Sequence, Union
 
 import torch
@@ -85,7 +86,9 @@ def lr_at(
     max_lr:    peak lr, > 0;  min_lr: floor, 0 <= min_lr <= max_lr;  init_lr: warmup start, >= 0
     total:     D, the step where the decay ends (>= warmup);  warmup: W, >= 0
     style:     constant | linear | cosine | inverse_sqrt | wsd  (constant: max_lr after the
-               warmup, past total too; the others reach min_lr by total and stay there)
+               warmup, past total too; linear, cosine and wsd reach min_lr by total and stay
+               there; inverse_sqrt decays as 1/sqrt(step), floored at min_lr, and gives
+               min_lr past total)
     wsd_decay: D_wsd, the length of WSD's final decay, 0 <= D_wsd <= total - warmup (used by
                style="wsd" only);  wsd_style: linear | cosine | exponential | minus_sqrt
 
@@ -107,6 +110,9 @@ def lr_at(
         raise ValueError(f"warmup: expected at most total={total}, got {warmup}")
     if wsd_decay > total - warmup:
         raise ValueError(f"wsd_decay: expected at most total - warmup = {total - warmup}, got {wsd_decay}")
+    for name, value in (("max_lr", max_lr), ("min_lr", min_lr), ("init_lr", init_lr)):
+        if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
+            raise ValueError(f"{name}: expected a finite number, got {value!r}")
     if not max_lr > 0:
         raise ValueError(f"max_lr: expected a positive number, got {max_lr!r}")
     if not 0 <= min_lr <= max_lr:

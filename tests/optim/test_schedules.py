@@ -200,6 +200,9 @@ def test_lr_bad_arguments():
     _raises("min_lr:", lr_at, 5, max_lr=1.0, total=100, min_lr=2.0)
     _raises("min_lr:", lr_at, 5, max_lr=1.0, total=100, min_lr=-0.1)
     _raises("init_lr:", lr_at, 5, max_lr=1.0, total=100, init_lr=-0.1)
+    for name in ("max_lr", "min_lr", "init_lr"):  # inf gave inf, a string a TypeError
+        for bad in (math.inf, "1e-3", True, math.nan):
+            _raises(f"^{name}: expected a finite number, got {bad!r}$", lr_at, 5, **{"max_lr": 1.0, "total": 100, "warmup": 10, name: bad})
     _raises("style: expected one of", lr_at, 5, **kw, style="cos")
     _raises("wsd_style: expected one of", lr_at, 5, **kw, style="wsd", wsd_style="sqrt")
 
