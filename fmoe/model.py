@@ -2450,6 +2450,7 @@ class KVCache:
         self.csa_run = torch.zeros(n_s, batch, 2 * m_s, 2 * W, device=device, dtype=dtype)
         self.tokens = torch.zeros(batch, max_tokens, dtype=torch.int64, device=device) if cfg.longrope_switches else None
         self.lengths = [0] * batch
+        self.dtype = dtype  # what its keys, values and linear layers' conv inputs are stored in: the model's compute dtype
         # each sequence's length after its last decode call, what the rings and the linear states hold: a ring layer's
         # sequence goes back one token at most, a linear layer's none
         self.decoded_lengths = [0] * batch
@@ -2500,9 +2501,13 @@ class KVCache:
         return 0
 
     def reset(self, seqs=None) -> None:
-        """Start the sequences `seqs` (default: all) over, empty (their rows are overwritten
-        as they fill again)."""
-        for b in range(self.batch) if seqs is None else seqs:
+        """Start the sequences `seqs` (default: all; an int, or a list of them) over, empty
+        (their rows are overwritten as they fill again)."""
+        seq_list = list(range(self.batch)) if seqs is None else [seqs] if isinstance(seqs, int) and not isinstance(seqs, bool) else seqs
+        if not isinstance(seq_list, (list, tuple, range)) or any(isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < self.batch
+                                                                 for b in seq_list):
+            raise ValueError(f"seqs: expected None, or sequence indices in [0, {self.batch}) (an int or a list of them), got {seqs!r}")
+        for b in seq_list:
             self.lengths[b] = 0
 
     def _check_new(self, layer: int, k_TGD: torch.Tensor, v_TGD: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor) -> None:
@@ -2974,14 +2979,21 @@ class Transformer(nn.Module):
         if self.cfg.longrope_switches and cache.tokens is None:
             raise ValueError("cache: made without the token ids that the model's LongRoPE recomputes a sequence from past its original positions "
                              "(make the cache with model.kv_cache)")
-        if input_ids.ndim not in (1, 2) or input_ids.shape[-1] < 1 or input_ids.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"input_ids: expected [T] or [S, T] int64 with T >= 1, got {input_ids.dtype} {list(input_ids.shape)}")
+        if input_ids.ndim not in (1, 2) or input_ids.shape[-1] < 1 or input_ids.shape[0] < 1 or input_ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"input_ids: expected [T] or [S, T] int64 with S, T >= 1, got {input_ids.dtype} {list(input_ids.shape)}")
+        computes = self.compute_dtype or self.embed.dtype
+        if cache.dtype != computes:  # checked before any layer writes (a linear layer's states were cast into it)
+            raise ValueError(f"cache: holds {cache.dtype}, the model computes in {computes} (make the cache with model.kv_cache)")
         # no host read: an id out of range stops here (a RuntimeError naming it; on CUDA where the check runs), not in the embedding
         torch._assert_async(((input_ids >= 0) & (input_ids < self.cfg.vocab_size)).all(),
                             f"input_ids: an id outside 0..{self.cfg.vocab_size - 1} (vocab_size)")
         seq_list = self._decoded_seqs(input_ids, cache, seqs)
         T, M, device = input_ids.shape[-1], cache.max_tokens, input_ids.device
         for b in seq_list:
+            L = cache.lengths[b]
+            if isinstance(L, bool) or not isinstance(L, int) or not 0 <= L <= cache.decoded_lengths[b]:  # rows never written, or no row
+                raise ValueError(f"cache.lengths[{b}]: expected 0..{cache.decoded_lengths[b]}, the tokens decoded into sequence {b} "
+                                 f"(fewer goes back, 0 starts over), got {L!r}")
             if cache.lengths[b] + T > M:
                 raise ValueError(f"input_ids: {T} more tokens after {cache.lengths[b]} of sequence {b} exceed the cache's max_tokens = {M}")
             if cache.window_layers and 0 < cache.lengths[b] < cache.decoded_lengths[b] - 1:

@@ -2484,6 +2484,15 @@ def test_decode_bad_inputs():
         model.decode(ids.expand(2, 3), pair, seqs=[1, 1])
     with pytest.raises(ValueError, match=r"input_ids: 1 rows for the 2 sequences \[0, 1\]"):
         model.decode(ids[None], pair)
+    with pytest.raises(ValueError, match=r"input_ids: expected \[T\] or \[S, T\] int64 with S, T >= 1, got torch.int64 \[0, 1\]"):
+        model.decode(ids.new_zeros(0, 1), pair, seqs=[])  # no sequence: max() of nothing
+    for bad in ([2], [-1], "0", [True], 1.0):  # -1 reset the last sequence, 0 was a TypeError, 2 an IndexError
+        with pytest.raises(ValueError, match=r"seqs: expected None, or sequence indices in \[0, 2\) \(an int or a list of them\)"):
+            pair.reset(bad)
+    pair.lengths = [1, 2]
+    pair.reset(1)
+    assert pair.lengths == [1, 0]
+    pair.reset()
     with pytest.raises(ValueError, match=r"cache.length: the cache holds 2 sequences; use cache.lengths\[b\]"):
         pair.length  # noqa: B018
     assert pair.lengths == [0, 0]  # nothing was written by the refused calls
@@ -2491,15 +2500,23 @@ def test_decode_bad_inputs():
         model.decode(ids, (cache.k, cache.v))
     with pytest.raises(ValueError, match="cache: holds 2 layers, the model has 3"):
         model.decode(ids, KVCache(dataclasses.replace(TINY, n_layers=2), 4))
-    with pytest.raises(ValueError, match=r"cache.k: holds torch.bfloat16 \[.., 2, 8\]"):
+    with pytest.raises(ValueError, match=r"cache: holds torch.bfloat16, the model computes in torch.float32 \(make the cache with model.kv_cache\)"):
         model.decode(ids, KVCache(TINY, 4, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match=r"cache.k: holds torch.float32 \[.., 4, 8\]"):
         model.decode(ids, KVCache(dataclasses.replace(TINY, n_kv_heads=4), 4))
     with torch.no_grad():
-        model.decode(ids, cache)
+        whole = model.decode(ids, cache)
     with pytest.raises(ValueError, match="input_ids: 2 more tokens after 3 of sequence 0 exceed the cache's max_tokens = 4"):
         model.decode(ids[:2], cache)
     assert cache.length == 3
+    # a length past the tokens decoded (rows never written, read as keys) or below 0: refused; fewer goes back
+    for bad in (4, -1):
+        cache.length = bad
+        with pytest.raises(ValueError, match=rf"cache.lengths\[0\]: expected 0..3, the tokens decoded into sequence 0 \(fewer goes back, 0 starts over\), got {bad}"):
+            model.decode(ids[:1], cache)
+    cache.length = 1
+    with torch.no_grad():
+        torch.testing.assert_close(model.decode(ids[1:], cache), whole[1:])
     # sliding-window layers: a cache made for other layers is refused, and so is a sequence
     # rewound to fewer tokens (its ring no longer holds their keys); from 0 it starts over
     sliding = _sharp(dataclasses.replace(TINY, window=2, window_layers=(1,)))
@@ -2527,6 +2544,12 @@ def test_decode_bad_inputs():
             linear.decode(ids[2:], states)
         states.length = 0
         torch.testing.assert_close(linear.decode(ids, states), first)
+        # a cache of another dtype: refused before any layer writes (a linear layer's states were cast into it first)
+        half = KVCache(linear.cfg, 4, dtype=torch.bfloat16)
+        conv, state = half.conv.clone(), half.state.clone()
+        with pytest.raises(ValueError, match=r"cache: holds torch.bfloat16, the model computes in torch.float32"):
+            linear.decode(ids, half)
+        assert torch.equal(half.conv, conv) and torch.equal(half.state, state) and half.lengths == [0]
     model.pipeline_chunk = PipelineChunk(0, 2, range(2))
     with pytest.raises(ValueError, match="model: decode needs the whole model on one process"):
         model.decode(ids, model.kv_cache(4))
