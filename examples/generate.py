@@ -261,7 +261,9 @@ def generate_many(model: Transformer, prompts: list[list[int]], *, tokens: int, 
     """Each prompt + up to `tokens` new token ids, decoded as one batch: a KVCache of
     len(prompts) sequences, each prompt run alone, then one step for every unfinished
     sequence together (Transformer.decode with seqs). Greedy gives each prompt what
-    generate gives it alone; sampling draws from one generator seeded by `seed`, the
+    generate gives it alone, unless the model has a capacity_factor: a step's capacity
+    counts every sequence's token in it, so it may drop other slots than one sequence's
+    step alone (Transformer.decode); sampling draws from one generator seeded by `seed`, the
     sequences in order at each step. A sequence stops at `eos`: an id, or several (a chat
     model's end of turn and end of text). ValueError as generate's, and for no prompts.
 
