@@ -5201,7 +5201,18 @@ def is_hf_folder(path) -> bool:
     """Whether path is a Hugging Face folder (its config.json names a model_type; an fmoe
     run's config.json does not)."""
     file = Path(path) / "config.json"
-    return file.is_file() and "model_type" in json.loads(file.read_text())
+    return file.is_file() and "model_type" in _config_dict(file)
+
+
+def _config_dict(file: Path) -> dict:
+    """A config.json's fields; ValueError naming the file for one that is not a JSON object."""
+    try:
+        fields = json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"config.json: {str(file)!r} is not valid JSON ({err})") from err
+    if not isinstance(fields, dict):
+        raise ValueError(f"config.json: {str(file)!r} holds a {type(fields).__name__}, not a JSON object of fields")
+    return fields
 
 
 def read_config(path) -> tuple[dict, TransformerConfig]:
@@ -5211,12 +5222,7 @@ def read_config(path) -> tuple[dict, TransformerConfig]:
     file = path / "config.json"
     if not file.is_file():
         raise FileNotFoundError(f"path: {str(path)!r} has no config.json")
-    try:
-        hf = json.loads(file.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"config.json: {str(file)!r} is not valid JSON ({err})") from err
-    if not isinstance(hf, dict):
-        raise ValueError(f"config.json: {str(file)!r} holds a {type(hf).__name__}, not a JSON object of fields")
+    hf = _config_dict(file)
     model_type = hf.get("model_type")
     if model_type not in FAMILIES:
         raise ValueError(f"config.json: model_type {model_type!r} is not supported; expected one of {', '.join(FAMILIES)}")

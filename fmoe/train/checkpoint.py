@@ -363,10 +363,13 @@ def run_config(path, *, impl: str = "torch") -> tuple[TransformerConfig, dict]:
     run_dir = path if (path / "config.json").is_file() else path.parent
     if not (run_dir / "config.json").is_file():
         raise ValueError(f"path: {str(path)!r} is neither an fmoe run directory (config.json) nor a checkpoint inside one")
-    run = json.loads((run_dir / "config.json").read_text())
-    if not isinstance(run.get("config"), dict) or "model" not in run["config"] or "vocab_size" not in run:
+    try:
+        run = json.loads((run_dir / "config.json").read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"path: {str(run_dir / 'config.json')!r} is not valid JSON ({err})") from err
+    if not isinstance(run, dict) or not isinstance(run.get("config"), dict) or "model" not in run["config"] or "vocab_size" not in run:
         raise ValueError(f"path: {str(run_dir / 'config.json')!r} is not an fmoe run's config (no config.model and vocab_size"
-                         f"{'; a Hugging Face folder: fmoe.hf.from_pretrained reads it' if 'model_type' in run else ''})")
+                         f"{'; a Hugging Face folder: fmoe.hf.from_pretrained reads it' if isinstance(run, dict) and 'model_type' in run else ''})")
     knobs = dict(run["config"]["model"], vocab_size=run["vocab_size"])  # block lists come back as lists: the config takes them
     return TransformerConfig(**{**knobs, "impl": impl}), run
 

@@ -226,6 +226,12 @@ def test_bad_inputs(tmp_path):
     for read in (ckpt.run_config, ckpt.load_run):
         with pytest.raises(ValueError, match=r"path: .*config.json' is not an fmoe run's config .*a Hugging Face folder: fmoe.hf.from_pretrained"):
             read(hf_folder)
+    (hf_folder / "config.json").write_text('{"config": ')  # a torn file: named, not a bare JSONDecodeError
+    with pytest.raises(ValueError, match=r"path: '.*config.json' is not valid JSON \(Expecting value"):
+        ckpt.run_config(hf_folder)
+    (hf_folder / "config.json").write_text('[1, 2]')
+    with pytest.raises(ValueError, match=r"path: '.*config.json' is not an fmoe run's config \(no config.model and vocab_size\)"):
+        ckpt.run_config(hf_folder)  # an AttributeError
 
 
 def test_load_model_takes_the_weights_only(tmp_path):
