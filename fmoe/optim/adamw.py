@@ -299,6 +299,8 @@ def check_hyperparameters(group: dict) -> None:
     """ValueError naming the first bad hyperparameter of an AdamW param group: lr >= 0,
     betas two values in [0, 1), eps > 0, weight_decay >= 0 (NaN fails each)."""
     lr, betas, eps, weight_decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+    if isinstance(lr, torch.Tensor):  # the step's foreach ops and kernels take a number (it failed mid-step, the state half-updated)
+        raise ValueError(f"lr: expected a number (a tensor lr is not supported: float(lr)), got a tensor {list(lr.shape)}")
     if not lr >= 0.0:
         raise ValueError(f"lr: expected a learning rate >= 0, got {lr}")
     if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):

@@ -228,6 +228,7 @@ def test_grad_factor_refusals(factor, message):
     [
         (dict(lr=-1.0), "lr"),
         (dict(lr=float("nan")), "lr"),
+        (dict(lr=torch.tensor(1e-2)), "lr"),  # accepted, then the step failed halfway (weights decayed, moments written)
         (dict(betas=(1.0, 0.999)), "betas"),
         (dict(betas=(0.9, -0.1)), "betas"),
         (dict(eps=0.0), "eps"),
