@@ -63,6 +63,7 @@ from typing import Iterator, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -162,10 +163,14 @@ def _optimizers(optimizers) -> list[torch.optim.Optimizer]:
 
 
 def _complete(out_dir: Path) -> list[tuple[int, Path]]:
-    """(step, path) of the complete checkpoints in out_dir, oldest first."""
+    """(step, path) of the complete checkpoints in out_dir, oldest first: step_N directories
+    holding DCP's .metadata (a save writes it last, in a .tmp directory renamed when done;
+    an empty or half-copied step_N is not one, so latest() skips it and prune() keeps the
+    good ones)."""
     if not out_dir.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in out_dir.iterdir() if p.is_dir() and (m := _NAME.fullmatch(p.name))]
+    found = [(int(m.group(1)), p) for p in out_dir.iterdir()
+             if p.is_dir() and (m := _NAME.fullmatch(p.name)) and (p / ".metadata").is_file()]
     return sorted(found)
 
 
@@ -320,6 +325,22 @@ def _check_model_shapes(path: Path, stored: Mapping, model_state: Mapping[str, t
                      "build the model with the saved one's knobs")
 
 
+def _dcp_load(state: dict, path: Path, *, no_dist: Optional[bool] = None) -> None:
+    """dcp.load of `state` (in place) from checkpoint `path`. A file DCP cannot read (cut
+    short, missing) is a ValueError naming path and the first failure: DCP's own
+    CheckpointException is a BaseException that `except Exception` lets through. Every rank
+    raises it (DCP gathers the failures). Tensors read before the failure keep their new
+    values: load the model again, from another checkpoint."""
+    try:
+        with _single_process_quiet():
+            dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized() if no_dist is None else no_dist)
+    except CheckpointException as err:
+        rank, (cause, _) = next(iter(err.failures.items()))
+        raise ValueError(f"path: {str(path)!r} could not be read (rank {rank}: {type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}); "
+                         "a damaged or incomplete checkpoint? What was read before the failure is loaded: load again, from another "
+                         "checkpoint") from None
+
+
 def _check_optimizer_state(path: Path, stored: Mapping, optim_state: Mapping) -> None:
     """ValueError naming the optimizer state entries (flattened: state.<param>.<key>,
     param_groups.<param>.<knob>) that checkpoint `path` lacks, before DCP reads any (its own
@@ -349,8 +370,7 @@ def load_model(path, *, model: torch.nn.Module) -> Path:
     parts = [get_model_state_dict(m) for m in models]
     state = {"model": {k: v for part in parts for k, v in part.items()}}
     _check_model_shapes(path, _stored(path), state["model"], getattr(models[0], "cfg", None))
-    with _single_process_quiet():
-        dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+    _dcp_load(state, path)
     for m, part in zip(models, parts):
         set_model_state_dict(m, {k: state["model"][k] for k in part})
     return path
@@ -408,8 +428,7 @@ class ModelTensors(Mapping):
     def __getitem__(self, name: str) -> torch.Tensor:
         meta = self._meta[name]
         state = {"model": {name: torch.empty(meta.size, dtype=meta.properties.dtype)}}
-        with _single_process_quiet():
-            dcp.load(state, checkpoint_id=self.path, no_dist=True)
+        _dcp_load(state, self.path, no_dist=True)
         return state["model"][name]
 
     def __iter__(self) -> Iterator[str]:
@@ -452,8 +471,7 @@ def load(path, *, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optim
     stored = _stored(path)  # read once for both checks
     _check_model_shapes(path, stored, state["model"], getattr(pairs[0][0], "cfg", None) if pairs else None)
     _check_optimizer_state(path, stored, state["optim"])
-    with _single_process_quiet():
-        dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+    _dcp_load(state, path)
     for (m, opts), (model_sd, optim_sd) in zip(pairs, parts):
         loaded_model = {k: state["model"][k] for k in model_sd}
         if opts:

@@ -130,6 +130,7 @@ def test_interrupted_save_leaves_previous_usable(tmp_path, monkeypatch):
 def test_prune_keeps_newest_and_every(tmp_path):
     for step in range(0, 1100, 100):
         (tmp_path / f"step_{step:06d}").mkdir()
+        (tmp_path / f"step_{step:06d}" / ".metadata").write_bytes(b"")
     (tmp_path / "step_001200.tmp").mkdir()
     removed = ckpt.prune(tmp_path, keep_last=2, keep_every=500)
     kept = sorted(p.name for p in tmp_path.iterdir())
@@ -137,6 +138,32 @@ def test_prune_keeps_newest_and_every(tmp_path):
     assert len(removed) == 7
     ckpt.prune(tmp_path, keep_last=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_001000", "step_001200.tmp"]
+    # a step_N directory without DCP's .metadata (emptied, half copied) is no checkpoint: latest() skips it and
+    # prune() counts only the complete ones (it deleted every good one for it) and leaves it alone
+    (tmp_path / "step_001100").mkdir()
+    assert ckpt.latest(tmp_path) == tmp_path / "step_001000"
+    assert ckpt.prune(tmp_path, keep_last=1) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_001000", "step_001100", "step_001200.tmp"]
+
+
+def test_a_damaged_checkpoint_file_is_a_value_error(tmp_path):
+    """A .distcp file cut short or gone: a ValueError naming the checkpoint and the cause (DCP's
+    CheckpointException is a BaseException, which `except Exception` and the loop's `except
+    ValueError` let through), from load, load_model and ModelTensors alike."""
+    model, opts = _build()
+    path = ckpt.save(tmp_path, 1, model=model, optimizers=opts).wait()
+    (shard,) = path.glob("*.distcp")
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    fresh, fresh_opts = _build()
+    message = rf"path: '{path}' could not be read \(rank 0: RuntimeError: PytorchStreamReader failed .*\); a damaged or incomplete checkpoint\?"
+    for read in (lambda: ckpt.load(path, model=fresh, optimizers=fresh_opts), lambda: ckpt.load_model(path, model=fresh)):
+        with pytest.raises(ValueError, match=message):
+            read()
+    tensors = ckpt.ModelTensors(path)
+    shard.unlink()
+    for read in (lambda: ckpt.load_model(path, model=fresh), lambda: tensors["moe.router"]):
+        with pytest.raises(ValueError, match=rf"path: '{path}' could not be read \(rank 0: FileNotFoundError"):
+            read()
 
 
 def test_async_save_matches_sync(tmp_path):
