@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from fmoe.ops.backend import next_pow2, use_triton
-from fmoe.ops.checks import check_cu_seqlens, check_float, check_index, check_positive_int, check_token_mask, checking
+from fmoe.ops.checks import check_cu_seqlens, check_expert_ids, check_float, check_index, check_positive_int, check_token_mask, checking
 from fmoe.ops.packed import sequence_ids
 from fmoe.ops.routing import Routes, keep_slots, sqrt_softplus, sqrt_softplus_tl
 from fmoe.ops.topk import NO_ID, NO_KEY, rows_per_program, sort_desc, sort_key
@@ -406,8 +406,8 @@ def seq_load_balancing_loss(
         raise ValueError(f"experts: expected shape ({T}, {k}) to match scores and k, got {tuple(experts.shape)}")
     check_token_mask("mask", mask, T)
     check_cu_seqlens(cu_seqlens, T, check=check)
-    if checking(check) and experts.numel() and (experts.min() < -1 or experts.max() >= E):
-        raise ValueError(f"experts: ids must lie in -1..{E - 1} (-1: a skipped slot), got {int(experts.min())}..{int(experts.max())}")
+    if checking(check):
+        check_expert_ids("experts", experts, E)
     cu = cu_seqlens.to(device=scores.device, dtype=torch.int64)
     B = cu.numel() - 1
     seq_T = sequence_ids(cu, T)

@@ -111,6 +111,16 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, n_tokens: int, name: str = "cu_se
         raise ValueError(f"{name}: must end at the token count {n_tokens}, ends at {int(c[-1])}")
 
 
+def check_expert_ids(name: str, experts: torch.Tensor, n_experts: int) -> None:
+    """Expert ids in -1..n_experts - 1 (-1: a dropped or skipped slot): a value check, one
+    device->host read (their least and greatest); callers run it under checking(check)."""
+    if not experts.numel():
+        return
+    lo, hi = torch.stack(torch.aminmax(experts)).tolist()
+    if lo < -1 or hi >= n_experts:
+        raise ValueError(f"{name}: ids must lie in -1..{n_experts - 1} (-1: a dropped or skipped slot), got {lo}..{hi}")
+
+
 def check_positive_int(name: str, value, low: int = 1, high: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name}: expected an int, got {value!r}")

@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from fmoe.ops.backend import next_pow2, use_triton
-from fmoe.ops.checks import check_float, check_index, check_positive_int, checking
+from fmoe.ops.checks import check_expert_ids, check_float, check_index, check_positive_int, checking
 
 
 class PermutePlan(NamedTuple):
@@ -580,8 +580,8 @@ def permute(
     check_positive_int("n_experts", n_experts)
     if isinstance(align, bool) or not isinstance(align, int) or align < 1:
         raise ValueError(f"align: expected a positive integer (rows per expert group are padded to a multiple of it), got {align!r}")
-    if checking(check) and experts.numel() and (experts.min() < -1 or experts.max() >= n_experts):
-        raise ValueError(f"experts: ids must lie in -1..{n_experts - 1} (-1: dropped slot)")
+    if checking(check):
+        check_expert_ids("experts", experts, n_experts)
     if use_triton(impl, x, experts):
         plan = PermutePlan(*_permute_plan(experts, n_experts, align))
         return _permute_fwd(x, plan.row_of_slot, plan.slot_of_row), plan

@@ -63,7 +63,7 @@ import triton
 import triton.language as tl
 
 from fmoe.ops.backend import next_pow2, use_triton
-from fmoe.ops.checks import check_float, check_index, check_no_nan, check_positive_int, checking
+from fmoe.ops.checks import check_expert_ids, check_float, check_index, check_no_nan, check_positive_int, checking
 from fmoe.ops.dispatch import slot_ranks
 from fmoe.ops.topk import NO_ID, NO_KEY, key_score, rows_per_program, sort_desc, sort_key
 
@@ -750,8 +750,8 @@ def drop_by_capacity(
         raise ValueError(f"capacity_factor: expected a positive finite number, got {capacity_factor!r}")
     if policy not in ("probs", "position"):
         raise ValueError(f"policy: expected 'probs' or 'position', got {policy!r}")
-    if checking(check) and experts_TK.numel() and (experts_TK.max() >= n_experts or experts_TK.min() < -1):
-        raise ValueError(f"routes.experts: ids must lie in -1..{n_experts - 1}")
+    if checking(check):
+        check_expert_ids("routes.experts", experts_TK, n_experts)
 
     T, k = weights_TK.shape
     capacity = expert_capacity(T, k, n_experts, capacity_factor)

@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from fmoe.ops import load_balancing_loss, z_loss
 from fmoe.ops.balance import mask_tokens, sequence_loss_from_sums, sequence_sums
-from fmoe.ops.checks import check_cu_seqlens, check_float, check_index, check_positive_int, check_token_mask, checking
+from fmoe.ops.checks import check_cu_seqlens, check_expert_ids, check_float, check_index, check_positive_int, check_token_mask, checking
 from fmoe.ops.packed import sequence_ids
 from fmoe.optim.grads import Group, collective_device, process_group
 
@@ -230,9 +230,7 @@ def _seq_split(layers, names, T_local: int, E: int, cu_seqlens, *, k, group, sta
         if token_index is not None and T_local and not (0 <= int(token_index.min()) and int(token_index.max()) < total):
             raise ValueError(f"token_index: expected indices in [0, {total}) (T from cu_seqlens), got {int(token_index.min())}..{int(token_index.max())}")
         for name, _, experts in layers:  # as fmoe.ops.seq_load_balancing_loss's check (unchecked, such ids count nowhere)
-            if experts.numel() and (experts.min() < -1 or experts.max() >= E):
-                raise ValueError(f"experts{f'[{name!r}]' if name else ''}: ids must lie in -1..{E - 1} (-1: a skipped slot), "
-                                 f"got {int(experts.min())}..{int(experts.max())}")
+            check_expert_ids(f"experts[{name!r}]" if name else "experts", experts, E)
     pg = process_group(group)
     if not names:  # the same on every rank (names is global): no collective to wait for
         return {}

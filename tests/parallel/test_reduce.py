@@ -668,7 +668,7 @@ def test_bad_inputs_raise_value_errors_naming_the_argument():
     _raises("token_index: expected dtype int32 or int64", split, scores, experts, cu, k=2, token_index=torch.arange(6.0), group=None)
     past = experts.clone()
     past[0, 0] = 7  # an id past E = 4: refused as the unsplit op refuses it (it counted nowhere)
-    _raises(r"^experts: ids must lie in -1..3 \(-1: a skipped slot\), got 0..7$", split, scores, past, cu, k=2, start=0, group=None)
+    _raises(r"^experts: ids must lie in -1..3 \(-1: a dropped or skipped slot\), got 0..7$", split, scores, past, cu, k=2, start=0, group=None)
     layers = seq_load_balancing_losses_split
     kw = dict(k=2, group=None, names=["a", "b"], n_experts=4, start=0)
     _raises(r"scores: layer names \['c'\] are not in names", layers, {"c": scores}, {"c": experts}, cu, **kw)
@@ -677,7 +677,7 @@ def test_bad_inputs_raise_value_errors_naming_the_argument():
     _raises(r"scores\['a'\]: expected 5 experts \(n_experts\), got shape \(6, 4\)", layers, {"a": scores}, {"a": experts}, cu, **{**kw, "n_experts": 5})
     _raises(r"scores\['b'\]: expected the same 6 local tokens", layers, {"a": scores, "b": scores[:5]}, {"a": experts, "b": experts[:5]}, cu, **kw)
     _raises("names: expected unique layer names", layers, {}, {}, cu, **{**kw, "names": ["a", "a"]})
-    _raises(r"^experts\['b'\]: ids must lie in -1..3 \(-1: a skipped slot\), got -2..", layers, {"a": scores, "b": scores},
+    _raises(r"^experts\['b'\]: ids must lie in -1..3 \(-1: a dropped or skipped slot\), got -2..", layers, {"a": scores, "b": scores},
             {"a": experts, "b": experts - 2}, cu, **kw)
     _raises("scores: expected a mapping", layers, scores, experts, cu, **kw)
     _raises("n_experts: expected >= 1", layers, {}, {}, cu, **{**kw, "n_experts": 0})
