@@ -2450,10 +2450,14 @@ class KVCache:
         self.csa_run = torch.zeros(n_s, batch, 2 * m_s, 2 * W, device=device, dtype=dtype)
         self.tokens = torch.zeros(batch, max_tokens, dtype=torch.int64, device=device) if cfg.longrope_switches else None
         self.lengths = [0] * batch
-        self.dtype = dtype  # what its keys, values and linear layers' conv inputs are stored in: the model's compute dtype
         # each sequence's length after its last decode call, what the rings and the linear states hold: a ring layer's
         # sequence goes back one token at most, a linear layer's none
         self.decoded_lengths = [0] * batch
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """What its keys, values and linear layers' conv inputs are stored in: the model's compute dtype (model.kv_cache)."""
+        return self.conv.dtype
 
     @property
     def n_layers(self) -> int:
