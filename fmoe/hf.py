@@ -5302,7 +5302,8 @@ def load_weights(model: Transformer, path, *, model_type: str, strict: bool = Tr
     path = Path(path)
     files = _weight_files(path)
     family = _folder_layout(model, files, model_type)
-    folded = _folded(family, json.loads((path / "config.json").read_text()) if family.folds is not None else {})  # its multipliers
+    folder_config = _config_dict(path / "config.json") if (path / "config.json").is_file() else {}  # read once, for both uses below
+    folded = _folded(family, folder_config if family.folds is not None else {})  # its multipliers
     params = _tensors(model)
     block, packed_int = _weight_quantization(path)
     from safetensors import safe_open
@@ -5394,7 +5395,7 @@ def load_weights(model: Transformer, path, *, model_type: str, strict: bool = Tr
                              f"{unread[0]!r} (an option that leaves out part of the model? strict=False loads the rest)")
         head, embed = family.renamed(family.head), family.renamed(family.embed)
         tied_but_stored = model.cfg.tie_embeddings and head in files and embed in files and not any(head in spec.keys for spec in keys.values())
-        if strict and tied_but_stored and json.loads((path / "config.json").read_text()).get("tie_word_embeddings"):
+        if strict and tied_but_stored and folder_config.get("tie_word_embeddings"):
             if not torch.equal(open_slice(head)[:], open_slice(embed)[:]):
                 raise ValueError(f"checkpoint: {str(path)!r} holds a {head} that differs from its {embed}, but config.json ties "
                                  f"them (tie_word_embeddings); transformers then reads the head untied: "
