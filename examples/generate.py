@@ -180,6 +180,8 @@ def text_codec(path: Path, model: Transformer, run: dict) -> tuple[Optional[Call
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(tokenizer))
+    tok.no_truncation()  # a prompt is encoded whole and unpadded, whatever the tokenizer.json says
+    tok.no_padding()
     post_processing = not run  # prepare encoded a run's data without it
     return (lambda s, special=True: tok.encode(s, add_special_tokens=special and post_processing).ids), tok.decode, eos
 

@@ -282,6 +282,22 @@ CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['con
           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
 
+def test_a_prompt_is_encoded_whole_whatever_the_tokenizer_json_says(tmp_path):
+    """A tokenizer.json saved with truncation and padding on would cut a long prompt and pad a
+    short one; text_codec's encode gives every id of the text, and nothing else."""
+    from types import SimpleNamespace
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(10)} | {"[UNK]": 10}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.enable_truncation(max_length=3)
+    tok.enable_padding(pad_id=9, pad_token="w9", length=6)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    encode, decode, eos = generate.text_codec(tmp_path, SimpleNamespace(hf_config={"eos_token_id": [8, 9]}), {})
+    assert encode("w1 w2 w3 w4 w5") == [1, 2, 3, 4, 5] and encode("w4") == [4] and eos == 8
+
+
 def test_chat_renders_the_template_and_stops_at_any_end_id(tmp_path, run_dir):
     """--chat on an HF folder: --system and --prompt rendered by its chat template with the
     generation prompt (the ids of transformers' apply_chat_template), greedy tokens equal

@@ -108,9 +108,14 @@ def _load_tokenizer(path: Path):
     if not path.is_file():
         raise FileNotFoundError(f"tokenizer: {str(path)!r} does not exist")
     try:
-        return tokenizers.Tokenizer.from_file(str(path))
+        tokenizer = tokenizers.Tokenizer.from_file(str(path))
     except Exception as err:  # tokenizers raises a bare Exception for a malformed file
         raise ValueError(f"tokenizer: cannot read {str(path)!r} as a tokenizer.json ({err})") from err
+    # a tokenizer.json may carry a truncation or padding setting (a classifier's max_length, a
+    # batch pad): documents are encoded whole, unpadded, whatever the file says
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    return tokenizer
 
 
 def _separator_id(tokenizer, separator: Union[str, int, None]) -> int:

@@ -104,6 +104,21 @@ def test_single_file_and_separator_choice(tmp_path, tokenizer_path):
     assert prepare(tmp_path / "w.txt", tmp_path / "w.u16", tokenizer=sep_tok, progress=False)["separator"] == 19
 
 
+def test_a_tokenizer_that_truncates_or_pads_encodes_documents_whole(tmp_path, tokenizer_path):
+    """A tokenizer.json saved with truncation and padding on (a classifier's, a batch encoder's)
+    would cut a long document at max_length and pad a short one: prepare encodes each whole."""
+    tok = tokenizers.Tokenizer.from_file(str(tokenizer_path))
+    plain = [tok.encode(t, add_special_tokens=False).ids for t in (TEXTS["sub/b.py"][:400], "hi")]
+    assert len(plain[0]) > 8 and len(plain[1]) < 8
+    tok.enable_truncation(max_length=8)
+    tok.enable_padding(pad_id=0, pad_token=tok.id_to_token(0))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    src = _write_texts(tmp_path / "src", {"a.txt": TEXTS["sub/b.py"][:400], "b.txt": "hi"})
+    eot = prepare(src, tmp_path / "out.u16", tokenizer=tmp_path / "tokenizer.json", progress=False)["separator"]
+    ds = load_corpus(tmp_path / "out.u16")
+    assert [ds.document(i).tolist() for i in range(len(ds))] == [ids + [eot] for ids in plain]
+
+
 def test_dtype_choice(src, tmp_path, tokenizer_path):
     small = prepare(src, tmp_path / "t.bin", tokenizer=tokenizer_path, dtype="uint32", progress=False)
     assert small["dtype"] == "uint32" and (tmp_path / "t.bin").stat().st_size == 4 * small["tokens"]
