@@ -587,7 +587,8 @@ class Sampler:
     one (a batch may hold a document's pieces from two epochs when T exceeds the dataset).
 
     Args:
-        dataset: a non-empty TokenDataset.
+        dataset: a TokenDataset with at least one token; its empty documents are passed
+            over (every sequence of cu_seqlens has a token).
         tokens_per_batch: T, the tokens of every micro-batch, fixed for the sampler's life.
         seed: the shuffle seed (an int).
         mtp_depth: D, MTP targets in every batch when > 0 (see make_batch).
@@ -608,6 +609,8 @@ class Sampler:
             raise ValueError(f"dataset: expected a TokenDataset, got {type(dataset).__name__}")
         if not len(dataset):
             raise ValueError("dataset: has no documents")
+        if not dataset.n_tokens:
+            raise ValueError(f"dataset: its {len(dataset)} documents are all empty (no tokens)")
         self.dataset = dataset
         self.tokens_per_batch = check_positive_int("tokens_per_batch", tokens_per_batch)
         self.seed = check_positive_int("seed", seed, 0)
@@ -637,11 +640,12 @@ class Sampler:
                 padding = remaining
                 break
             take = min(self.dataset.doc_len(doc) - self.offset, remaining)
-            pieces.append(self.dataset.document(doc, self.offset, self.offset + take))
-            if masked:
-                masks.append(self.dataset.document_mask(doc, self.offset, self.offset + take))
-            seqlens.append(take)
-            remaining -= take
+            if take:  # an empty document (no tokens, no EOS) is passed over: no sequence of length 0
+                pieces.append(self.dataset.document(doc, self.offset, self.offset + take))
+                if masked:
+                    masks.append(self.dataset.document_mask(doc, self.offset, self.offset + take))
+                seqlens.append(take)
+                remaining -= take
             self.offset += take
             if self.offset == self.dataset.doc_len(doc):
                 self.index, self.offset = self.index + 1, 0
@@ -681,7 +685,7 @@ class Sampler:
         epoch = check_positive_int("state['epoch']", state["epoch"], 0)
         index = check_positive_int("state['index']", state["index"], 0, len(self.dataset) - 1)
         order = self._epoch_order(epoch)
-        offset = check_positive_int("state['offset']", state["offset"], 0, self.dataset.doc_len(int(order[index])) - 1)
+        offset = check_positive_int("state['offset']", state["offset"], 0, max(self.dataset.doc_len(int(order[index])) - 1, 0))
         self.epoch, self.index, self.offset, self._order = epoch, index, offset, order
 
 

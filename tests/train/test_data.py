@@ -195,6 +195,31 @@ def test_sampler_resume():
     assert all(_same(fresh.next_batch(), b) for b in batches[3:])
 
 
+def test_empty_documents_are_passed_over_and_a_dataset_of_only_empty_ones_refused():
+    """A document of no tokens (eos None: nothing follows it) makes no sequence of length 0 in
+    cu_seqlens, in a batch or at a resume that stands on it; a dataset whose documents are all
+    empty is refused where the sampler would otherwise look for a token forever."""
+    docs = [[1, 2, 3], [], [4, 5], [], [6], []]
+    lengths = np.array([len(d) for d in docs], dtype=np.int64)
+    ds = TokenDataset(np.array([t for d in docs for t in d], dtype=np.int64), np.cumsum(lengths) - lengths, lengths, None,
+                      vocab_size=10, eos=None)
+    sampler = Sampler(ds, 4, seed=0, shuffle=False)
+    first, second = sampler.next_batch(), sampler.next_batch()
+    assert first["input_ids"].tolist() == [1, 2, 3, 4] and first["cu_seqlens"].tolist() == [0, 3, 4]
+    assert second["input_ids"].tolist() == [5, 6, 1, 2] and second["cu_seqlens"].tolist() == [0, 1, 2, 4]
+    state = sampler.state_dict()
+    stream = [sampler.next_batch() for _ in range(3)]
+    for batch in stream:
+        assert (batch["cu_seqlens"].diff() > 0).all()
+    at_empty = dict(state, index=1, offset=0)  # a state standing on an empty document resumes
+    fresh = Sampler(ds, 4, seed=0, shuffle=False)
+    fresh.load_state_dict(at_empty)
+    assert fresh.next_batch()["input_ids"].tolist() == [4, 5, 6, 1]
+    empty = TokenDataset(np.zeros(0, dtype=np.int64), np.zeros(2, dtype=np.int64), np.zeros(2, dtype=np.int64), None, vocab_size=10, eos=None)
+    with pytest.raises(ValueError, match="dataset: its 2 documents are all empty"):
+        Sampler(empty, 4, seed=0)
+
+
 def test_epoch_rollover():
     ds = _synthetic(n_docs=5)
     sampler = Sampler(ds, 16, seed=2)
