@@ -812,9 +812,10 @@ class Blend:
         paths: where each source was read from (named in errors), or None.
 
     The blend's vocab_size is the largest of its sources'. Token sources may differ there
-    (ids of one tokenizer below a padded vocab_size), but byte-token sources (eos set,
-    BYTE_VOCAB_SIZE) and sources of another vocabulary are refused together: the same id
-    would mean a byte in one and a word piece in the other.
+    (ids of one tokenizer below a padded vocab_size), but byte-token sources (text read as
+    bytes: eos set, BYTE_VOCAB_SIZE) and token-id sources (eos None) are refused together,
+    whatever their vocab_size: the same id would mean a byte in one and a word piece in the
+    other.
     """
 
     def __init__(self, datasets: Sequence[TokenDataset], names: Sequence[str], weights: Sequence[float],
@@ -828,7 +829,13 @@ class Blend:
             raise ValueError(f"names: expected unique source names, got {self.names}")
         if not all(not isinstance(w, bool) and isinstance(w, (int, float)) and math.isfinite(w) and w > 0 for w in weights):
             raise ValueError(f"weights: expected finite numbers > 0, got {list(weights)}")
-        self.weights = [float(w) / math.fsum(weights) for w in weights]
+        try:
+            total = math.fsum(weights)
+        except OverflowError:
+            total = math.inf
+        if not math.isfinite(total):
+            raise ValueError(f"weights: their sum overflows a float, got {list(weights)}; give them on a smaller scale")
+        self.weights = [float(w) / total for w in weights]
         self._check_vocabularies()
         self.vocab_size = max(d.vocab_size for d in self.datasets)
 
@@ -836,7 +843,8 @@ class Blend:
         byte = [i for i, d in enumerate(self.datasets) if d.eos is not None]
         if byte:
             b = byte[0]
-            other = [i for i, d in enumerate(self.datasets) if d.vocab_size != self.datasets[b].vocab_size]
+            # a token source is refused even at the byte vocab_size: its ids are a tokenizer's
+            other = [i for i, d in enumerate(self.datasets) if d.eos is None or d.vocab_size != self.datasets[b].vocab_size]
             if other:
                 o = other[0]
                 raise ValueError(f"{self.where(b)} holds byte tokens (vocab_size {self.datasets[b].vocab_size}) and "

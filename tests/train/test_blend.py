@@ -360,6 +360,14 @@ def test_vocabularies():
                                          "token ids of vocab_size 259"):
         Blend([texts, tokens], ["text", "ids"], [1, 1])
     assert Blend([texts, _synthetic(seed=3)], ["a", "b"], [1, 1]).vocab_size == BYTE_VOCAB_SIZE
+    # token ids below the byte vocab_size are a tokenizer's all the same, in either order (byte_tokens
+    # would be the first source's word)
+    narrow = _source(0, vocab_size=BYTE_VOCAB_SIZE)
+    with pytest.raises(ValueError, match="data: source 'text' holds byte tokens .vocab_size 258. and data: source 'ids' "
+                                         "token ids of vocab_size 258"):
+        Blend([texts, narrow], ["text", "ids"], [1, 1])
+    with pytest.raises(ValueError, match="data: source 'text' holds byte tokens"):
+        Blend([narrow, texts], ["ids", "text"], [1, 1])
 
 
 def test_blend_constructor_errors():
@@ -371,6 +379,9 @@ def test_blend_constructor_errors():
         Blend([_source(0), _source(1)], ["a", "b"], [True, 2])
     with pytest.raises(ValueError, match="one entry per source"):
         Blend([_source(0)], ["a", "b"], [1])
+    with pytest.raises(ValueError, match=r"weights: their sum overflows a float, got \[1e\+308, 1e\+308\]"):
+        Blend([_source(0), _source(1)], ["a", "b"], [1e308, 1e308])
+    assert Blend([_source(0), _source(1)], ["a", "b"], [1e307, 3e307]).weights == [0.25, 0.75]
     with pytest.raises(ValueError, match="blend: expected a Blend"):
         BlendSampler(_source(0), 4, seed=0)
     with pytest.raises(ValueError, match="seed"):
