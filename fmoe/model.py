@@ -159,6 +159,74 @@ def copy_full_value(param: torch.Tensor, full: torch.Tensor) -> None:
     local.copy_(full[block])
 
 
+@torch.no_grad()
+def init_parameters(module: nn.Module, cfg: Optional["TransformerConfig"], seed: Optional[int] = None, prefix: str = "",
+                    recurse: bool = True) -> None:
+    """The reference model's start (Transformer.reset_parameters, whose docstring lists it) of
+    `module`'s parameters and buffers, each named as in a Transformer: prefix is the module's
+    place in one ("blocks.0.attn" for an Attention; the rules read the names' ends, so "attn"
+    will do). cfg: the model's (init_std, n_layers for the output projections' scale,
+    zero_centered_norms); None for a module built without one: std 0.02, no depth scale.
+    seed None: torch.initial_seed(). recurse=False leaves the submodules' parameters alone.
+    Every building block holding matrices calls it as it is built (Attention, LinearAttention,
+    DenseMLP, GatedRMSNorm, HyperConnection, MTPModule; MoE its own reset_parameters): one
+    built alone starts finite and seeded, a function of (seed, name) as the model's."""
+    seed = torch.initial_seed() if seed is None else seed
+    base = 0.02 if cfg is None else cfg.init_std
+    depth = 1 if cfg is None else 2 * cfg.n_layers  # the output projections' std is base / sqrt(depth)
+    mixers = {m: sub.cfg.kind for m, sub in module.named_modules(prefix=prefix) if isinstance(sub, LinearAttention)}
+    # each norm's gain at the start: 1 (a zero-centred one's weight 0; cfg.norm_overrides may mix the kinds)
+    zero_centered = {m + ".weight": sub.zero_centered for m, sub in module.named_modules(prefix=prefix) if isinstance(sub, RMSNorm)}
+    streams = {m: sub.n for m, sub in module.named_modules(prefix=prefix) if isinstance(sub, HyperConnection)}
+    tables = {m + ".hash_table": sub.cfg.n_experts for m, sub in module.named_modules(prefix=prefix) if isinstance(sub, MoE)}
+    for name, p in module.named_parameters(prefix=prefix, recurse=recurse):
+        if p.is_meta:
+            continue
+        mixer, _, leaf = name.rpartition(".")
+        if mixer in mixers and leaf in ("dt_bias", "A_log"):
+            copy_full_value(p, _mixer_start(mixers[mixer], leaf, lambda: torch.special.ndtr(init_value(seed, name, p.shape, 1.0)), p.shape))
+            continue
+        kind = name.replace(".attn_beside.", ".attn.")  # a parallel hybrid's attention beside the mixer: initialised as attention is
+        if name.endswith(("_hc.base", "_hc.scale", "hc_head.base", "hc_head.scale")):  # HyperConnection's biases and scales
+            if name.endswith("scale"):
+                _local(p).fill_(0.01)
+            else:  # pre ~ 1/n: sigmoid(-log(n - 1)); the post and mixing biases 0
+                n = streams[name.rpartition(".")[0]]
+                copy_full_value(p, torch.cat([torch.full((n,), -math.log(n - 1)), torch.zeros(p.shape[0] - n)]))
+            continue
+        if name.endswith(("attn.out_norm", "attn.D", "attn.dt_norm", "attn.b_norm", "attn.c_norm", "mlp.router_norm",
+                          "mlp.expert_scale")):
+            _local(p).fill_(1.0)  # Gated DeltaNet's output norm (never zero-centred); Mamba's skip and dt, B, C norms; Gemma 4's router scales
+            continue
+        if name.endswith(("xielu_alpha_p", "xielu_alpha_n")):  # xIELU's a_p = 0.8 and a_n = beta + 0.3 at the start, Apertus's
+            _local(p).fill_(math.log(math.expm1(0.8 if name.endswith("alpha_p") else 0.8 - 0.5)))
+            continue
+        if name.endswith(("norm.weight", "q_norm", "k_norm", "q_a_norm", "kv_a_norm", "compress_norm")):
+            _local(p).fill_(0.0 if zero_centered.get(name, cfg is not None and cfg.zero_centered_norms) else 1.0)
+            continue
+        if name.endswith(("mlp.latent_norm", "mlp.expert_out_norm")):  # Muse Spark's MoE norms: gains 1 + weight
+            _local(p).zero_()
+            continue
+        if kind.endswith(("attn.bq", "attn.bk", "attn.bv", "attn.bo", "attn.sinks", "attn.bg", "attn.index_k_bias", "attn.q_norm_bias", "attn.k_norm_bias",
+                          "attn.compress_bias", "attn.index_compress_bias",
+                          "router_bias", "mlp.out_bias", "norm.bias", "head_bias",
+                          "attn.conv_q_bias", "attn.conv_k_bias", "attn.conv_v_bias")
+                         + EXPERT_BIASES):
+            _local(p).zero_()
+            continue
+        std = base / depth ** 0.5 if name.endswith(("wo", "w_down")) else base
+        if name.endswith(("attn.conv_q", "attn.conv_k", "attn.conv_v")):  # K taps per channel: torch's Conv1d's spread, 1 / sqrt(3 K)
+            std = (3 * p.shape[0]) ** -0.5
+        copy_full_value(p, init_value(seed, name, p.shape, std))
+    for name, b in module.named_buffers(prefix=prefix, recurse=recurse):
+        if name.endswith("expert_bias") and not b.is_meta:
+            b.zero_()
+        if name.endswith("hash_table") and not b.is_meta:  # a function of (seed, name), as init_value's
+            b.copy_(random_hash_table(*b.shape, tables[name], name_generator(seed, name)))
+        if name.endswith("layer_scalar") and not b.is_meta:
+            b.fill_(1.0)
+
+
 class DenseMLP(nn.Module):
     """SwiGLU: (silu(x w_gate) * (x w_up)) w_down, w_gate / w_up [H, F], w_down [F, H]; with
     act "gelu_tanh" GeGLU; with act "relu2" no gate (w_gate None): relu(x w_up)^2 w_down
@@ -182,6 +250,7 @@ class DenseMLP(nn.Module):
             self.xielu_alpha_p = nn.Parameter(torch.empty(1, **kw))
             self.xielu_alpha_n = nn.Parameter(torch.empty(1, **kw))
             self.xielu = xielu
+        init_parameters(self, None, prefix="mlp")  # a model's reset_parameters sets its own start
 
     # set by fmoe.parallel.SwiGLUParallel for xIELU's scalars and b_down, held whole on each tp rank: their gradients summed over tp
     tensor_parallel = None
@@ -1771,6 +1840,7 @@ class GatedRMSNorm(RMSNorm):
         super().__init__(dim, eps)
         self.gate_down = nn.Parameter(torch.empty(dim, rank))
         self.gate_up = nn.Parameter(torch.empty(rank, dim))
+        init_parameters(self, None, prefix="norm")
 
     def forward(self, x):
         y = super().forward(x)
@@ -1821,6 +1891,7 @@ class HyperConnection(KeepsFloat32):
         self.base = nn.Parameter(torch.empty(M, dtype=torch.float32))
         self.scale = nn.Parameter(torch.empty(1 if head else 3 if self.kind == "manifold" else 2, dtype=torch.float32))
         self.sequence_parallel = None
+        init_parameters(self, cfg, prefix="hc_head" if head else "attn_hc")
 
     def _params(self):
         sp = self.sequence_parallel
@@ -1977,7 +2048,8 @@ class Attention(KeepsFloat32):
         block's, TransformerConfig.has_sinks), zero at initialisation
         (Transformer.reset_parameters), and the output gate wg [H, n_heads Dv] (attn_gate;
         [H, n_heads] with attn_gate_per_head) with its bias per head bg [n_heads] (attn_gate_bias,
-        zero at initialisation), n_heads this block's."""
+        zero at initialisation), n_heads this block's; then every parameter's start
+        (init_parameters)."""
         N = self.cfg.n_heads
         if cfg.o_bias:
             self.bo = nn.Parameter(torch.empty(cfg.hidden))
@@ -1992,6 +2064,7 @@ class Attention(KeepsFloat32):
         if cfg.attn_gate_bias:
             self.bg = nn.Parameter(torch.empty(N))
             self.names.append("bg")
+        init_parameters(self, cfg, prefix="attn")  # the last of __init__ (both kinds): a model's reset_parameters sets its own start
 
     def forward(self, x_TH, ctx: AttentionContext):
         params = {n: _local(getattr(self, n)) for n in self.names}
@@ -2057,6 +2130,7 @@ class LinearAttention(nn.Module):
         for name, shape in linear_attention_shapes(cfg.hidden, self.cfg).items():
             setattr(self, name, nn.Parameter(torch.ones(shape) if name == "out_norm" else torch.empty(shape)))
             self.names.append(name)
+        init_parameters(self, cfg, prefix="attn")
 
     def forward(self, x_TH, ctx: AttentionContext):
         params = {n: _local(getattr(self, n)) for n in self.names}
@@ -2307,6 +2381,7 @@ class MTPModule(nn.Module):
         self.proj = nn.Parameter(torch.empty(2 * cfg.hidden, cfg.hidden))
         self.block = Block(cfg, moe=any(cfg.is_moe(i) for i in range(cfg.n_layers)), fp8=cfg.is_fp8(None), sinks=cfg.has_sinks(None))
         self.out_norm = RMSNorm.of(cfg) if cfg.mtp_norm else None
+        init_parameters(self, cfg, prefix="mtp.0", recurse=False)  # proj (the block's own are the block's)
 
     def forward(self, emb_TH, h_TH, ctx: AttentionContext, token_mask: Optional[torch.Tensor] = None):
         x_TH = torch.cat([self.emb_norm(emb_TH), self.hidden_norm(h_TH)], dim=-1) @ self.proj
@@ -2671,7 +2746,6 @@ class Transformer(nn.Module):
         self.compute_dtype = None
         self.reset_parameters()
 
-    @torch.no_grad()
     def reset_parameters(self, seed: Optional[int] = None) -> None:
         """Normal(0, init_std) matrices, output projections (attention wo, MLP w_down) also
         divided by sqrt(2 * n_layers) (GPT-2: the residual stream sums 2 per block), norms 1
@@ -2698,57 +2772,7 @@ class Transformer(nn.Module):
         one parameter at a time. seed None: torch.initial_seed() (what torch.manual_seed
         set). Parameters still on the meta device are left alone.
         """
-        seed = torch.initial_seed() if seed is None else seed
-        base = self.cfg.init_std
-        n = self.cfg.hyper_connections
-        mixers = {m: module.cfg.kind for m, module in self.named_modules() if isinstance(module, LinearAttention)}
-        # each norm's gain at the start: 1 (a zero-centred one's weight 0; cfg.norm_overrides may mix the kinds)
-        zero_centered = {m + ".weight": module.zero_centered for m, module in self.named_modules() if isinstance(module, RMSNorm)}
-        for name, p in self.named_parameters():
-            if p.is_meta:
-                continue
-            mixer, _, leaf = name.rpartition(".")
-            if mixer in mixers and leaf in ("dt_bias", "A_log"):
-                copy_full_value(p, _mixer_start(mixers[mixer], leaf, lambda: torch.special.ndtr(init_value(seed, name, p.shape, 1.0)), p.shape))
-                continue
-            kind = name.replace(".attn_beside.", ".attn.")  # a parallel hybrid's attention beside the mixer: initialised as attention is
-            if name.endswith(("_hc.base", "_hc.scale", "hc_head.base", "hc_head.scale")):  # HyperConnection's biases and scales
-                if name.endswith("scale"):
-                    _local(p).fill_(0.01)
-                else:  # pre ~ 1/n: sigmoid(-log(n - 1)); the post and mixing biases 0
-                    copy_full_value(p, torch.cat([torch.full((n,), -math.log(n - 1)), torch.zeros(p.shape[0] - n)]))
-                continue
-            if name.endswith(("attn.out_norm", "attn.D", "attn.dt_norm", "attn.b_norm", "attn.c_norm", "mlp.router_norm",
-                              "mlp.expert_scale")):
-                _local(p).fill_(1.0)  # Gated DeltaNet's output norm (never zero-centred); Mamba's skip and dt, B, C norms; Gemma 4's router scales
-                continue
-            if name.endswith(("xielu_alpha_p", "xielu_alpha_n")):  # xIELU's a_p = 0.8 and a_n = beta + 0.3 at the start, Apertus's
-                _local(p).fill_(math.log(math.expm1(0.8 if name.endswith("alpha_p") else 0.8 - 0.5)))
-                continue
-            if name.endswith(("norm.weight", "q_norm", "k_norm", "q_a_norm", "kv_a_norm", "compress_norm")):
-                _local(p).fill_(0.0 if zero_centered.get(name, self.cfg.zero_centered_norms) else 1.0)
-                continue
-            if name.endswith(("mlp.latent_norm", "mlp.expert_out_norm")):  # Muse Spark's MoE norms: gains 1 + weight
-                _local(p).zero_()
-                continue
-            if kind.endswith(("attn.bq", "attn.bk", "attn.bv", "attn.bo", "attn.sinks", "attn.bg", "attn.index_k_bias", "attn.q_norm_bias", "attn.k_norm_bias",
-                              "attn.compress_bias", "attn.index_compress_bias",
-                              "router_bias", "mlp.out_bias", "norm.bias", "head_bias",
-                              "attn.conv_q_bias", "attn.conv_k_bias", "attn.conv_v_bias")
-                             + EXPERT_BIASES):
-                _local(p).zero_()
-                continue
-            std = base / (2 * self.cfg.n_layers) ** 0.5 if name.endswith(("wo", "w_down")) else base
-            if name.endswith(("attn.conv_q", "attn.conv_k", "attn.conv_v")):  # K taps per channel: torch's Conv1d's spread, 1 / sqrt(3 K)
-                std = (3 * p.shape[0]) ** -0.5
-            copy_full_value(p, init_value(seed, name, p.shape, std))
-        for name, b in self.named_buffers():
-            if name.endswith("expert_bias") and not b.is_meta:
-                b.zero_()
-            if name.endswith("hash_table") and not b.is_meta:  # a function of (seed, name), as init_value's
-                b.copy_(random_hash_table(*b.shape, self.cfg.n_experts, name_generator(seed, name)))
-            if name.endswith("layer_scalar") and not b.is_meta:
-                b.fill_(1.0)
+        init_parameters(self, self.cfg, seed)
 
     def _index_attentions(self) -> list[Attention]:
         """The attention modules with an indexer loss (DeepSeek sparse attention's, block-sparse attention's), this chunk's."""

@@ -1073,6 +1073,53 @@ def test_init_scales_output_projections_and_zeroes_biases():
     assert torch.equal(block.mlp.expert_bias, torch.zeros(TINY.n_experts))
 
 
+def _garbage_in_the_allocator():
+    """Leave freed memory full of NaN and huge numbers, as a long-running process's is."""
+    for value in (float("nan"), 3e38, -1e30):
+        junk = torch.full((1 << 16,), value)
+        del junk
+
+
+@pytest.mark.parametrize("part", ["dense mlp", "xielu mlp", "gated norm", "attention", "mla attention", "dsa attention", "gated deltanet",
+                                  "mamba2", "mamba1", "kda", "lightning", "hyper connection", "hyper head", "mtp", "block"])
+def test_a_building_block_built_alone_starts_finite_and_seeded(part):
+    """fmoe.model's blocks built outside a Transformer (a user's own model) start as the model
+    does (fmoe.model.init_parameters: a function of (torch's seed, the name)), not with the
+    allocator's leftovers: every value finite, the same build for build; a Block given its
+    place's name starts as that Transformer block."""
+    from fmoe.model import Attention, Block, DenseMLP, GatedRMSNorm, HyperConnection, LinearAttention, MTPModule, init_parameters
+
+    builds = {"dense mlp": lambda: DenseMLP(32, 48, "torch", bias=True), "xielu mlp": lambda: DenseMLP(32, 48, "torch", act="xielu"),
+              "gated norm": lambda: GatedRMSNorm(32, 1e-6, 3), "attention": lambda: Attention(dataclasses.replace(TINY, o_bias=True, qkv_bias=True)),
+              "mla attention": lambda: Attention(VARIANTS["mla, group top-2, mtp norm"]), "dsa attention": lambda: Attention(VARIANTS["dsa"]),
+              "gated deltanet": lambda: LinearAttention(VARIANTS["gated deltanet"]), "mamba2": lambda: LinearAttention(VARIANTS["granite4"]),
+              "mamba1": lambda: LinearAttention(VARIANTS["jamba"]), "kda": lambda: LinearAttention(VARIANTS["kimi linear"]),
+              "lightning": lambda: LinearAttention(VARIANTS["minimax"]), "hyper connection": lambda: HyperConnection(VARIANTS["mhc"]),
+              "hyper head": lambda: HyperConnection(VARIANTS["mhc"], head=True), "mtp": lambda: MTPModule(dataclasses.replace(TINY, mtp_depth=1)),
+              "block": lambda: Block(TINY, moe=True, depth=1)}
+    states = []
+    for _ in range(2):
+        _garbage_in_the_allocator()
+        torch.manual_seed(5)
+        states.append({n: p.detach().clone() for n, p in builds[part]().named_parameters()})
+    assert states[0].keys() == states[1].keys() and len(states[0]) > 0
+    for name, value in states[0].items():
+        assert torch.isfinite(value).all(), name
+        assert torch.equal(value, states[1][name]), name
+        if value.ndim == 2 and min(value.shape) > 1 and "conv" not in name and "A_log" not in name:  # a matrix: Normal(0, <= 0.02)
+            assert 0.001 < float(value.std()) < 0.03, name
+    if part == "dense mlp":
+        assert not states[0]["b_up"].any() and not states[0]["b_down"].any()
+    if part == "block":  # given its place's name, the model's start
+        torch.manual_seed(5)
+        block = builds[part]()
+        init_parameters(block, TINY, seed=7, prefix="blocks.1")
+        model = Transformer(TINY)
+        model.reset_parameters(seed=7)
+        theirs = dict(model.blocks[1].named_parameters())
+        assert {n: torch.equal(p, theirs[n]) for n, p in block.named_parameters()} == dict.fromkeys(theirs, True)
+
+
 def test_a_few_steps_of_training_lower_the_loss():
     torch.manual_seed(0)
     cfg = dataclasses.replace(TINY, mtp_depth=1)
