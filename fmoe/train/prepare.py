@@ -294,6 +294,11 @@ def _encode(tokenizer, pending: list[tuple], *, separator: int, vocab_size: int,
         ids = np.concatenate([head, np.asarray(encoding.ids, dtype=np.int64)])
         hits = np.flatnonzero(ids == separator)
         if len(hits):
+            if spans is not None:  # a message's text holds it, or the template writes it (an end-of-turn token)
+                raise ValueError(f"src: {where} already holds the separator id {separator} ({tokenizer.id_to_token(separator)!r}, token "
+                                 f"{int(hits[0])} of the rendered conversation): a message's text holds it or the chat template "
+                                 "writes it (as an end-of-turn token: then no conversation can be prepared with it); remove it from "
+                                 "the text, or choose a separator the template never writes with --separator=<token or id>")
             raise ValueError(f"src: {where} already holds the separator id {separator} (token {int(hits[0])} of the "
                              "document); remove it from the text or choose another --separator")
         if len(ids) and int(ids.max()) >= vocab_size:

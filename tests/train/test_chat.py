@@ -275,7 +275,11 @@ def test_template_switches_are_variables_as_in_transformers(model_dir, tmp_path)
                    "{% for m in messages %}{{ m.role[0] | upper }}:{{ m.content }}|{% endfor %}{% endif %}"),
      r"line 1: the chat template .* renders the prompt of a later assistant turn without the text of an earlier one"),
     ([{"messages": [{"role": "user", "content": "a<|endoftext|>"}, {"role": "assistant", "content": "b"}]}], {},
-     "line 1 already holds the separator id 0"),
+     "line 1 already holds the separator id 0 .'<.endoftext.>', token 6 of the rendered conversation.: a message's text holds it"),
+    # Llama 2's and Mistral's templates end each assistant turn with the EOS, the first separator prepare looks for
+    ([{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}],
+     dict(template="{% for m in messages %}{{ m.content }}{% if m.role == 'assistant' %}<|endoftext|>{% endif %}{% endfor %}"),
+     "line 1 already holds the separator id 0 .*or the chat template writes it .*choose a separator the template never writes with --separator"),
 ])
 def test_bad_conversations_and_templates_stop_with_a_message(model_dir, tmp_path, records, kwargs, match):
     folder = _tokenizer_only(model_dir, tmp_path)
