@@ -314,15 +314,17 @@ def check_expert_weights(x_TH, params, n_experts: int, *, experts: str = "expert
     H, E = x_TH.shape[1], n_experts
     first = "w_gate" if gated else "w_up"
     if not gated and params.get("w_gate") is not None:
-        raise ValueError("params['w_gate']: experts without a gate (cfg.glu_act relu2) take none, got a tensor")
+        raise ValueError(f"params['w_gate']: experts without a gate (cfg.glu_act one of {sorted(PLAIN_ACTS)}) take none, got a tensor")
     w = params.get(first)
     if not isinstance(w, torch.Tensor) or w.ndim != 3 or w.shape[:2] != (E, H):
         raise ValueError(f"params['{first}']: expected [{E}, {H}, F] ({experts}, x's hidden size, FFN), got {getattr(w, 'shape', None)}")
     F_ = w.shape[2]
+    layouts = {"w_gate": "hidden, FFN", "w_up": "hidden, FFN", "w_down": "FFN, hidden"}
     for name, shape in ((("w_gate", (E, H, F_)),) if gated else ()) + (("w_up", (E, H, F_)), ("w_down", (E, F_, H))):
         w = params.get(name)
         if not isinstance(w, torch.Tensor) or tuple(w.shape) != shape:
-            raise ValueError(f"params['{name}']: expected {list(shape)} ({experts}, hidden, FFN), got {getattr(w, 'shape', None)}")
+            raise ValueError(f"params['{name}']: expected {list(shape)} ({experts}, {layouts[name]}; FFN {F_} as params['{first}']'s), "
+                             f"got {getattr(w, 'shape', None)}")
         if w.dtype != x_TH.dtype:
             raise ValueError(f"params['{name}']: dtype {w.dtype} differs from x's {x_TH.dtype}")
     for name, shape in zip(EXPERT_BIASES, ((E, F_), (E, F_), (E, H))):
@@ -937,6 +939,8 @@ class AttentionConfig:
     compress_topk: Optional[int] = None
 
     def __post_init__(self):
+        for name in ("n_heads", "n_kv_heads", "head_dim"):
+            check_positive_int(name, getattr(self, name))
         check_fp8(self.fp8)
         self._check_index_knobs()
         self._check_moa_knobs()

@@ -350,6 +350,10 @@ def test_attention_bad_inputs():
     ctx = _ctx(cu, CFG)
     with pytest.raises(ValueError, match="cfg.n_kv_heads"):
         attention(x, p, dataclasses.replace(CFG, n_kv_heads=3), ctx)
+    for name, value, message in (("n_heads", 0, "expected >= 1, got 0"), ("n_kv_heads", -2, "expected >= 1, got -2"),
+                                 ("head_dim", 0, "expected >= 1, got 0"), ("n_heads", 2.0, "expected an int, got 2.0")):
+        with pytest.raises(ValueError, match=f"^{name}: {message}"):  # the field itself, as the config is built
+            dataclasses.replace(CFG, **{name: value})
     with pytest.raises(ValueError, match=r"params\['wk'\]: expected torch.float32 \[32, 32\]"):
         attention(x, dict(p, wk=torch.randn(H, 16)), CFG, ctx)
     with pytest.raises(ValueError, match=r"ctx: RoPE tables of shape \(5, 8\) do not fit x's 6 tokens"):

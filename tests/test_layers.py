@@ -265,8 +265,13 @@ def test_moe_bad_inputs(device):
         moe(x, dict(params, w_gate=params["w_gate"][:, :8]), cfg)
     with pytest.raises(ValueError, match=r"params\['w_gate'\]: dtype torch.bfloat16 differs from x's torch.float32"):
         moe(x, dict(params, w_gate=params["w_gate"].bfloat16()), cfg)
-    with pytest.raises(ValueError, match="w_down"):
+    F_ = params["w_gate"].shape[2]
+    with pytest.raises(ValueError, match=rf"params\['w_down'\]: expected \[4, {F_}, 32\] \(experts, FFN, hidden; FFN {F_} as params\['w_gate'\]'s\)"):
         moe(x, dict(params, w_down=params["w_down"][:, :, :8]), cfg)
+    with pytest.raises(ValueError, match=rf"params\['w_up'\]: expected \[4, 32, {F_ - 1}\] \(experts, hidden, FFN; FFN {F_ - 1} as params\['w_gate'\]'s\)"):
+        moe(x, dict(params, w_gate=params["w_gate"][:, :, 1:]), cfg)  # a gate of another FFN: up named against it
+    with pytest.raises(ValueError, match=r"params\['w_gate'\]: experts without a gate \(cfg.glu_act one of \[.*'relu'.*\]\) take none"):
+        moe(x, params, dataclasses.replace(cfg, glu_act="relu"))
     with pytest.raises(ValueError, match="align"):
         moe(x, params, dataclasses.replace(cfg, align=0))
     with pytest.raises(ValueError, match="weights_on_input: expected a bool, got 1"):
