@@ -127,6 +127,9 @@ def plot_expert_load(records: list[dict], path: Path, plt) -> bool:
     if found is None:
         return False
     steps, mom, per_layer = found
+    # the MoE layers' names as the loop logs them (moe_layers: "layer_1", ..., "mtp_1"), else their rows
+    logged = next((r["moe_layers"] for r in reversed(records) if r.get("moe_layers")), None)
+    names = list(logged) if logged is not None and len(logged) == len(mom) else [f"layer {i}" for i in range(len(mom))]
     n = 1 + (len(per_layer) if per_layer else 0)
     fig, axes = plt.subplots(n, 1, figsize=(9, 2.2 + 1.8 * n), squeeze=False)
     extent = (steps[0] - 0.5, steps[-1] + 0.5)
@@ -134,13 +137,14 @@ def plot_expert_load(records: list[dict], path: Path, plt) -> bool:
     im = ax.imshow(mom, aspect="auto", origin="lower", interpolation="nearest", cmap="magma",
                    extent=(*extent, -0.5, len(mom) - 0.5))
     ax.set_title("expert load max/mean per MoE layer")
-    ax.set_ylabel("layer")
+    ax.set_yticks(range(len(names)), names)
+    ax.set_ylabel("MoE layer")
     fig.colorbar(im, ax=ax)
     for layer, share in enumerate(per_layer or []):
         ax = axes[layer + 1, 0]
         im = ax.imshow(share, aspect="auto", origin="lower", interpolation="nearest", cmap="coolwarm",
                        vmin=0.0, vmax=2.0, extent=(*extent, -0.5, len(share) - 0.5))
-        ax.set_title(f"layer {layer}: tokens per expert / uniform")
+        ax.set_title(f"{names[layer]}: tokens per expert / uniform")
         ax.set_ylabel("expert")
         fig.colorbar(im, ax=ax)
     axes[-1, 0].set_xlabel("step")

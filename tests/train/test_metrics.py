@@ -283,6 +283,35 @@ def test_expert_load_plot_draws_a_diverged_layers_null_load_as_a_gap(tmp_path):
     assert plot.plot_run(tmp_path) == [tmp_path / "loss.png", tmp_path / "expert_load.png"]
 
 
+def test_expert_load_plot_names_the_moe_layers_as_logged(tmp_path):
+    """The panels are titled by the logged moe_layers (block 1 and the MTP module here), not
+    by their rows (which named block 1 "layer 0" and the MTP module "layer 1")."""
+    pytest.importorskip("matplotlib", reason="the plots extra (matplotlib) is not installed")
+    from fmoe.train import plot
+
+    records = [{"step": s, "loss": 3.0, "tokens_per_expert": [[3, 1, 2, 2], [2, 2, 2, 2]], "moe_layers": ["layer_1", "mtp_1"]}
+               for s in (1, 2)]
+    pyplot, figures = plot._pyplot(), []
+
+    class Keeps:  # pyplot, whose close keeps the figure to read
+        subplots = staticmethod(pyplot.subplots)
+
+        @staticmethod
+        def close(fig):
+            figures.append(fig)
+
+    assert plot.plot_expert_load(records, tmp_path / "expert_load.png", Keeps)
+    axes = [ax for ax in figures[0].axes if ax.get_title()]
+    assert [ax.get_title() for ax in axes] == ["expert load max/mean per MoE layer", "layer_1: tokens per expert / uniform",
+                                               "mtp_1: tokens per expert / uniform"]
+    assert [t.get_text() for t in axes[0].get_yticklabels()] == ["layer_1", "mtp_1"]
+    for record in records:  # a log without the names (or of another count) keeps the rows' numbers
+        del record["moe_layers"]
+    assert plot.plot_expert_load(records, tmp_path / "expert_load.png", Keeps)
+    assert [ax.get_title() for ax in figures[1].axes if ax.get_title()][1:] == [f"layer {i}: tokens per expert / uniform" for i in (0, 1)]
+    pyplot.close("all")
+
+
 def test_plot_missing_metrics(tmp_path):
     from fmoe.train import plot
 
