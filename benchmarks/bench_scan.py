@@ -45,6 +45,8 @@ from _common import (  # before torch and fmoe: with --smoke it sets TRITON_INTE
     timing_row,
 )
 
+import sys  # noqa: E402
+
 import torch  # noqa: E402
 from fmoe.ops import selective_scan  # noqa: E402
 from fmoe.ops.scan import selective_scan_loop  # noqa: E402
@@ -121,7 +123,10 @@ def run_case(case: Case, device: torch.device, dtype: torch.dtype, bandwidth: fl
 def main() -> None:
     args, device, dtype, bandwidth = start(__doc__.splitlines()[0], lambda parser: parser.add_argument(
         "--impls", default=None, help=f"comma-separated implementations to time among {IMPLS} (default all; each case checks fused against eager)"))
-    names = select(IMPLS, args.impls, "--impls")
+    try:
+        names = select(IMPLS, args.impls, "--impls")
+    except ValueError as err:
+        sys.exit(str(err))
     rows = []
     for case in make_cases(args.smoke):
         rows += run_case(case, device, dtype, bandwidth, names)

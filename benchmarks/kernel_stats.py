@@ -12,6 +12,7 @@ compiler rejects.
 
 from __future__ import annotations
 
+import argparse
 import collections
 import os
 import pathlib
@@ -247,7 +248,8 @@ def cases():
         yield name, fp8._quantize_kernel, quant_ptrs, quant_scalars, dict(num_warps=4, **{n: 1 for n in ones}, **blocks)
 
 
-def main():
+def main(argv=None):
+    argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog="It takes no options: every kernel at the benchmark shapes.").parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("kernel_stats compiles kernels: unset TRITON_INTERPRET")
     # warp-instr/row: SASS executed per row by the warps of a program; for kernels that

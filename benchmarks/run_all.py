@@ -110,7 +110,7 @@ def section(title: str, cmd: list[str], result: dict, timeout: float, tail: int 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="each benchmark's --smoke mode (CPU, tiny shapes; times are not performance numbers)")
-    parser.add_argument("--only", default="", help="comma-separated benchmark names (bench_routing,...) instead of all")
+    parser.add_argument("--only", default=None, help="comma-separated benchmark names (bench_routing,...) instead of all")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds each benchmark may run (default 600)")
     parser.add_argument("--gpu-tests", action="store_true", help="run `pytest -q -m gpu` first and record its summary")
     parser.add_argument("--results", type=Path, default=HERE / "RESULTS.md", help="the Markdown file appended to (default benchmarks/RESULTS.md)")
@@ -120,7 +120,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--extra", default="", help="more flags for each benchmark, one string (--extra=--fp8: bench_train_step's fp8 run)")
     args = parser.parse_args(argv)
     names = benchmarks()
-    chosen = [n.strip() for n in args.only.split(",") if n.strip()] or names
+    if args.only is not None and not args.only.strip(", "):
+        parser.error(f"--only: expected comma-separated benchmark names, got {args.only!r} (leave the flag out to run them all)")
+    chosen = [n.strip() for n in args.only.split(",") if n.strip()] if args.only is not None else names
     unknown = [n for n in chosen if n not in names]
     if unknown:
         parser.error(f"--only: unknown benchmarks {unknown}; expected some of {', '.join(names)}")

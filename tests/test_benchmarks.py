@@ -139,6 +139,9 @@ def test_run_all_refuses_unknown_benchmarks_and_bad_timeouts(tmp_path):
     assert bad.returncode == 2 and "--only: unknown benchmarks ['bench_nothing']" in bad.stderr
     bad = _run_all(tmp_path, "--timeout", "0")
     assert bad.returncode == 2 and "--timeout: expected a positive number of seconds, got 0" in bad.stderr
+    for empty in ("", ","):  # an unset shell variable: not every benchmark
+        bad = _run_all(tmp_path, f"--only={empty}")
+        assert bad.returncode == 2 and f"--only: expected comma-separated benchmark names, got {empty!r}" in bad.stderr
     assert not (tmp_path / "RESULTS.md").exists()
 
 
@@ -192,7 +195,7 @@ def test_bench_scan_times_the_implementations_named(tmp_path):
     assert all(float(r["speedup_vs_eager"]) > 0 and r["speedup_vs_loop"] == "" for r in fused)
     out = subprocess.run([sys.executable, script, "--smoke", "--out", str(tmp_path / "bad"), "--impls", "fused,scan"], capture_output=True,
                          text=True, env=env, timeout=300)
-    assert out.returncode != 0 and "--impls: expected names among ['eager', 'fused', 'loop'], got 'fused,scan'" in out.stderr
+    assert out.returncode == 1 and out.stderr.strip() == "--impls: expected names among ['eager', 'fused', 'loop'], got 'fused,scan'"
 
 
 def _train_step_row(model: str, out) -> dict:

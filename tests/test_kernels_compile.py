@@ -25,3 +25,12 @@ def test_kernels_compile_for_sm90_without_spills():
     for row in rows:
         name, regs, spill = row[0], int(row[-6]), int(row[-5])
         assert 0 < regs <= 255 and spill == 0, f"{name}: {regs} registers, {spill} bytes spilled"
+
+
+def test_kernel_stats_takes_no_options():
+    """--help says what it does; an unknown flag is refused (it compiled every kernel anyway)."""
+    script = str(ROOT / "benchmarks" / "kernel_stats.py")
+    helped = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, timeout=300)
+    assert helped.returncode == 0 and "Compile fmoe's Triton kernels for Hopper" in helped.stdout and "takes no options" in helped.stdout
+    bad = subprocess.run([sys.executable, script, "--bogus"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "unrecognized arguments: --bogus" in bad.stderr and not bad.stdout
