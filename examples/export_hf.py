@@ -154,7 +154,7 @@ def main(argv: list[str]) -> None:
             rank = dist.get_rank()
             model, run, meshes = load_sharded(args.path, sizes, device=device, dtype=torch.float32, impl="torch")
     except (OSError, ValueError, KeyError) as err:
-        sys.exit(str(err) if str(err).startswith("parallel knobs") else f"path: {err}")
+        sys.exit(str(err) if str(err).startswith(("parallel knobs", "path:")) else f"path: {err}")
     try:
         hf, notes, source = export_config(model.cfg, run, model_type=args.model_type, hf_folder=args.hf_config, dtype=args.dtype)
     except ValueError as err:

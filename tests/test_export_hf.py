@@ -180,6 +180,7 @@ def test_bad_knobs_stop_with_a_message(own_run, hf_run, tmp_path):
         with pytest.raises(SystemExit) as stop:
             export_hf.main(list(map(str, args)))
         assert message in str(stop.value.code), (args, stop.value.code)
+        assert not str(stop.value.code).startswith("path: path:"), stop.value.code  # named once
     assert not (tmp_path / "a").exists()
 
 
