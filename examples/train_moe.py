@@ -415,7 +415,11 @@ def main(argv: list[str]) -> None:
         sampler = BlendSampler(train_set, cfg.tokens_per_micro_batch, seed=cfg.seed, mtp_depth=cfg.model.mtp_depth,
                                whole_documents=cfg.whole_documents)
     except (OSError, ValueError) as err:
-        sys.exit(str(err) if str(err).startswith("data:") else f"data: {err}")
+        message = str(err) if str(err).startswith("data:") else f"data: {err}"
+        # the loader's arguments, as this command line spells them
+        flags = [flag for word, flag in (("separator", "--separator=ID"), ("vocab_size", "--model.vocab_size=V"),
+                                         ("dtype", "--data_dtype=uint16|uint32")) if re.search(rf"\b{word}\b", message)]
+        sys.exit(message + (f" (on this command line: {', '.join(flags)})" if flags else ""))
     val_batches, val_sources = [], []
     try:
         if val_set is not None:

@@ -347,6 +347,9 @@ BAD_KNOBS = [
     *([(["--device=cuda:0"], "--device=cuda:0: this torch sees no CUDA device")] if not torch.cuda.is_available() else []),
     (["--warmup=50", "--steps=10"], "warmup: expected at most total=10"),
     (["--data=/no/such/dir"], "data: source 'dir' (/no/such/dir): path: '/no/such/dir' does not exist"),
+    # the loader's arguments named as the command line spells them
+    ([f"--data={ROOT / 'pyproject.toml'}"], "separator, vocab_size: required for the token file"),
+    ([f"--data={ROOT / 'pyproject.toml'}"], "(on this command line: --separator=ID, --model.vocab_size=V)"),
     (["--eval_batches=100000"], "--eval_batches=100000: the validation split (5% of the documents) is too small (data: source "
                                 "'stdlib': n_batches: 100000 batches of 128 tokens need 12800000 tokens, the dataset has 857423); lower --eval_batches "
                                 "(0: no validation) or raise --val_percent"),
