@@ -42,9 +42,15 @@ import triton.testing  # noqa: E402
 from fmoe.train.profile import activities, ops_table  # noqa: E402
 
 
+def summary(doc: str) -> str:
+    """A module docstring's first paragraph on one line: what --help says the script does."""
+    return " ".join(doc.strip().split("\n\n")[0].split())
+
+
 def base_parser(description: str) -> argparse.ArgumentParser:
-    """Argument parser with the flags every benchmark takes; scripts may add their own."""
-    parser = argparse.ArgumentParser(description=description)
+    """Argument parser with the flags every benchmark takes; scripts may add their own.
+    description: the script's docstring (its first paragraph is shown)."""
+    parser = argparse.ArgumentParser(description=summary(description))
     parser.add_argument(
         "--smoke", action="store_true",
         help="run on CPU with tiny shapes, Triton kernels through the interpreter "
@@ -369,10 +375,10 @@ def select(names: list[str], spec: Optional[str], flag: str, groups: Optional[di
 
 
 def run_cases(doc: str, name: str, make_cases, run_case, columns: list[str]) -> None:
-    """The main of a benchmark of one table over its cases: start (doc's first line), then
+    """The main of a benchmark of one table over its cases: start (doc's first paragraph), then
     run_case(case, device, dtype, bandwidth) -> rows for each of make_cases(smoke), then
     finish (OUT/<name>.csv, the table of `columns`)."""
-    args, device, dtype, bandwidth = start(doc.splitlines()[0])
+    args, device, dtype, bandwidth = start(doc)
     rows = [row for case in make_cases(args.smoke) for row in run_case(case, device, dtype, bandwidth)]
     finish(args, device, bandwidth, name, [(rows, columns)])
 
@@ -380,7 +386,7 @@ def run_cases(doc: str, name: str, make_cases, run_case, columns: list[str]) -> 
 def run_rate_cases(doc: str, name: str, make_cases, run_case, columns: list[str]) -> None:
     """run_cases for a benchmark whose floor is the matmul rate: the rate measured now (printed,
     and as matmul_TFLOPs on each row) is run_case(case, device, dtype, rate)'s last argument."""
-    args, device, dtype, bandwidth = start(doc.splitlines()[0])
+    args, device, dtype, bandwidth = start(doc)
     rate = matmul_rate(device, dtype, 256 if args.smoke else 8192)
     print(f"{str(dtype).removeprefix('torch.')} matmul rate: {rate / 1e12:.1f} TFLOP/s (measured now)", flush=True)
     rows = [row for case in make_cases(args.smoke) for row in run_case(case, device, dtype, rate)]

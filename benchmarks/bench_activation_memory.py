@@ -113,7 +113,7 @@ def tp_rows(cfg, T, dtype, device) -> list:
 
 
 def main() -> None:
-    args, device, dtype, bandwidth = start(__doc__.splitlines()[0])
+    args, device, dtype, bandwidth = start(__doc__)
     # n_kv_heads a multiple of tp, so that the same model runs at tp = 1 and 2
     base = dataclasses.replace(SMOKE, impl="auto", n_kv_heads=TP) if args.smoke else SMALL
     T = 256 if args.smoke else 8192

@@ -99,7 +99,7 @@ def run_layout(name: str, cu_list: list, chunk, device, bandwidth: float, smoke:
 
 
 def main() -> None:
-    args, device, _, bandwidth = start(__doc__.splitlines()[0])
+    args, device, _, bandwidth = start(__doc__)
     rows = []
     for T in (512, 2048) if args.smoke else (8192, 16384, 32768, 65536):
         for name, (cu, chunk) in layouts(T).items():

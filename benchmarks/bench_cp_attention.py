@@ -141,7 +141,7 @@ def run_layout(name, cu_list, cfg, H, device, dtype, rate) -> list[dict]:
 
 
 def main() -> None:
-    args, device, dtype, bandwidth = start(__doc__.splitlines()[0])
+    args, device, dtype, bandwidth = start(__doc__)
     print(f"NOTE: {NOTE}", flush=True)
     rate = matmul_rate(device, dtype, 256 if args.smoke else 8192)
     print(f"matmul rate: {rate / 1e12:.3g} TFLOP/s ({dtype})", flush=True)

@@ -123,7 +123,7 @@ def run_layout(name: str, T: int, cu_list: list, N: int, D: int, device, dtype, 
 
 
 def main() -> None:
-    args, device, dtype, bandwidth = start(__doc__.splitlines()[0])
+    args, device, dtype, bandwidth = start(__doc__)
     print(f"NOTE: {NOTE}", flush=True)
     rate = matmul_rate(device, torch.float32, 256 if args.smoke else 8192)
     print(f"float32 matmul rate: {rate / 1e12:.3g} TFLOP/s (measured now)", flush=True)

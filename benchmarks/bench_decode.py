@@ -127,7 +127,7 @@ def run(name: str, cfg: TransformerConfig, device, dtype, bandwidth: float, smok
 
 
 def main() -> None:
-    args, device, dtype, bandwidth = start(__doc__.splitlines()[0])
+    args, device, dtype, bandwidth = start(__doc__)
     rows = []
     for name, cfg in configs(args.smoke).items():
         rows += run(name, cfg, device, dtype, bandwidth, args.smoke)

@@ -160,7 +160,7 @@ def main() -> None:
         parser.add_argument("--compiled", action="store_true",
                             help="also time torch.compile of the torch form (its compile takes minutes at the real shapes)")
 
-    args, device, dtype, bandwidth = start(__doc__.splitlines()[0], add_arguments)
+    args, device, dtype, bandwidth = start(__doc__, add_arguments)
     rate = matmul_rate(device, torch.float32, 256 if args.smoke else 8192)
     print(f"float32 matmul rate: {rate / 1e12:.1f} TFLOP/s (measured now)", flush=True)
     rows = []

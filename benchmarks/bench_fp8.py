@@ -146,7 +146,7 @@ def parts(R, E, H, F, device, dtype, rates, bandwidth) -> list[dict]:
 
 
 def main() -> None:
-    args, device, dtype, bandwidth = start(__doc__.splitlines()[0])
+    args, device, dtype, bandwidth = start(__doc__)
     n = 256 if args.smoke else 8192
     rates = {"bf16": matmul_rate(device, dtype, n), "fp8": fp8_rate(device, n)}
     print(f"matmul rates ({n}^3): {dtype} {rates['bf16'] / 1e12:.1f} TFLOP/s, fp8 row-wise {rates['fp8'] / 1e12:.1f} TFLOP/s", flush=True)

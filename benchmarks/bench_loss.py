@@ -159,7 +159,7 @@ def run_linear(N, H, V, chunk_rows, device) -> list[dict]:
 
 
 def main() -> None:
-    args, device, _, bandwidth = start(__doc__.splitlines()[0])  # bf16 inputs even in --smoke
+    args, device, _, bandwidth = start(__doc__)  # bf16 inputs even in --smoke
     N, V, H = (16, 1000, 32) if args.smoke else (8192, 131072, 4096)
     chunk_rows = 4 if args.smoke else None  # None: the default, 1024 rows at V = 131072 bf16
     rows = run_ce(N, V, device, bandwidth) + run_ce(N, V, device, bandwidth, softcap=30.0) + run_linear(N, H, V, chunk_rows, device)

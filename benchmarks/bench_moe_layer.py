@@ -290,7 +290,7 @@ def bw_row(shape, op: str, nbytes: int, ms: float, bandwidth: float, fn, device,
 
 
 def main() -> None:
-    args, device, dtype, bandwidth = start(__doc__.splitlines()[0])
+    args, device, dtype, bandwidth = start(__doc__)
     impl = "triton" if args.smoke else "auto"  # the smoke run exercises the kernels
     rate = matmul_rate(device, dtype, 256 if args.smoke else 8192)
     print(f"matmul rate: {rate / 1e12:.3g} TFLOP/s ({dtype})", flush=True)

@@ -111,7 +111,7 @@ def extra_rows(params, device, bandwidth) -> list[dict]:
 
 
 def main() -> None:
-    args, device, _, bandwidth = start(__doc__.splitlines()[0])
+    args, device, _, bandwidth = start(__doc__)
     params = make_params(args.smoke, device)
     n = sum(p.numel() for p in params)
     print(f"{len(params)} tensors, {n:,} parameters", flush=True)

@@ -327,7 +327,7 @@ def no_pipeline(setup: dict, device: torch.device) -> list[dict]:
 
 
 def main() -> None:
-    args, device, dtype, bandwidth = start(__doc__.splitlines()[0])
+    args, device, dtype, bandwidth = start(__doc__)
     if device.type == "cuda" and torch.cuda.device_count() < PP:
         print(f"the GPU numbers need >= {PP} GPUs (one pipeline rank per GPU, nccl); found {torch.cuda.device_count()}: "
               "nothing measured. --smoke runs the same benchmark on CPU with gloo.")

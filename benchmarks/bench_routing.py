@@ -160,7 +160,7 @@ def main() -> None:
         parser.add_argument("--cases", default=None,
                             help="comma-separated case names to run, e.g. dsv3 (both T) or 'qwen3 T=65536' (default: all)")
 
-    args, device, dtype, bandwidth = start(__doc__.splitlines()[0], add_arguments)
+    args, device, dtype, bandwidth = start(__doc__, add_arguments)
     try:
         cases = select_cases(make_cases(args.smoke, device), args.cases)
     except ValueError as err:

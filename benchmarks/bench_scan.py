@@ -121,7 +121,7 @@ def run_case(case: Case, device: torch.device, dtype: torch.dtype, bandwidth: fl
 
 
 def main() -> None:
-    args, device, dtype, bandwidth = start(__doc__.splitlines()[0], lambda parser: parser.add_argument(
+    args, device, dtype, bandwidth = start(__doc__, lambda parser: parser.add_argument(
         "--impls", default=None, help=f"comma-separated implementations to time among {IMPLS} (default all; each case checks fused against eager)"))
     try:
         names = select(IMPLS, args.impls, "--impls")

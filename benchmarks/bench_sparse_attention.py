@@ -199,7 +199,7 @@ def run_indexer(case: Case, device: torch.device, dtype: torch.dtype, rates: dic
 
 
 def main() -> None:
-    args, device, dtype, bandwidth = start(__doc__.splitlines()[0])
+    args, device, dtype, bandwidth = start(__doc__)
     rates = {ty: matmul_rate(device, ty, 256 if args.smoke else 8192) for ty in dict.fromkeys((dtype, torch.float32))}
     for ty, r in rates.items():
         print(f"{str(ty).removeprefix('torch.')} matmul rate: {r / 1e12:.1f} TFLOP/s (measured now)", flush=True)

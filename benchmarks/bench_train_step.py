@@ -166,7 +166,7 @@ def main() -> None:
         parser.add_argument("--impls", default=None,
                             help="comma-separated implementations to time, e.g. 'fmoe compiled' (default: all)")
 
-    args, device, dtype, bandwidth = start(__doc__.splitlines()[0], add_arguments)
+    args, device, dtype, bandwidth = start(__doc__, add_arguments)
     base = SMOKES.get(args.model, SMOKE) if args.smoke else MODELS[args.model]
     print(f"model: {'smoke' if args.smoke else args.model}", flush=True)
     T = 32 if args.smoke else 16384

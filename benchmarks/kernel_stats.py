@@ -249,7 +249,7 @@ def cases():
 
 
 def main(argv=None):
-    argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog="It takes no options: every kernel at the benchmark shapes.").parse_args(argv)
+    argparse.ArgumentParser(description=" ".join(__doc__.strip().split("\n\n")[0].split()), epilog="It takes no options: every kernel at the benchmark shapes.").parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("kernel_stats compiles kernels: unset TRITON_INTERPRET")
     # warp-instr/row: SASS executed per row by the warps of a program; for kernels that

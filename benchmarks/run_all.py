@@ -108,7 +108,7 @@ def section(title: str, cmd: list[str], result: dict, timeout: float, tail: int 
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.strip().split("\n\n")[0].split()))
     parser.add_argument("--smoke", action="store_true", help="each benchmark's --smoke mode (CPU, tiny shapes; times are not performance numbers)")
     parser.add_argument("--only", default=None, help="comma-separated benchmark names (bench_routing,...) instead of all")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds each benchmark may run (default 600)")

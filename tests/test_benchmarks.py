@@ -45,6 +45,27 @@ def test_benchmark_smoke(script, tmp_path):
             assert int(r["bytes"]) == want, r
 
 
+def test_help_says_what_each_benchmark_does_in_whole_sentences():
+    """--help's description is the docstring's first paragraph (it was its first line, cut
+    mid-sentence): each script hands start / run_cases its whole __doc__; one --help run end to end."""
+    import ast
+
+    summary = _common().summary
+    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        doc = ast.get_docstring(tree)
+        calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and getattr(node.func, "id", None) in
+                 ("start", "run_cases", "run_rate_cases")]
+        if path.name.startswith("bench_"):
+            assert calls and all(isinstance(c.args[0], ast.Name) and c.args[0].id == "__doc__" for c in calls), path.name
+        if calls or path.name in ("run_all.py", "kernel_stats.py"):
+            assert summary(doc).endswith(".") and "\n" not in summary(doc), (path.name, summary(doc))
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_activation_memory.py"), "--help"], capture_output=True, text=True,
+                         env=_script_env(), timeout=300)
+    assert out.returncode == 0 and " ".join(out.stdout.split()).count(
+        "its cost, and what tensor parallelism with sequence parallelism (tp = 2) leaves on each rank.") == 1, out.stdout
+
+
 def _common():
     """benchmarks/_common.py, imported the way the scripts import it."""
     if str(ROOT / "benchmarks") not in sys.path:
