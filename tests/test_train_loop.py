@@ -581,7 +581,7 @@ def test_a_corpus_of_one_file_trains_without_validation(tmp_path):
     (data / "notes.txt").write_text("def add(a, b):\n    return a + b\n" * 100)
     run = _train(tmp_path / "run", f"--data={data}", "--eval_batches=0", "--steps=2", "--warmup=1")
     assert run.returncode == 0, run.stderr[-3000:]
-    assert f"data: {data}: 1 documents, 0.0M tokens (no validation: --eval_batches=0)" in run.stdout, run.stdout
+    assert f"data: {data}: 1 documents, 3,201 tokens (no validation: --eval_batches=0)" in run.stdout, run.stdout
     assert re.search(r"^done: step 2, loss \d+\.\d{4} \(no validation: --eval_batches=0\)$", run.stdout, flags=re.M), run.stdout
     records = _records(tmp_path / "run")
     assert [r["step"] for r in records] == [1, 2] and not any("val_loss" in r for r in records)
