@@ -611,13 +611,13 @@ def unpermute(
         raise ValueError(f"plan: expected the PermutePlan returned by permute, got {type(plan).__name__}")
     R = plan.slot_of_row.shape[0]
     T, K = plan.row_of_slot.shape
-    check_float("y_perm", y_perm, 2, f"[R={R}, H]")
+    check_float("y_perm", y_perm, 2, "[R, H]")  # no size in the text: formatting one specialises it under compile
     if y_perm.shape[0] != R:
         raise ValueError(f"y_perm: expected the plan's {R} rows, got shape {tuple(y_perm.shape)}")
     _check_device("y_perm", y_perm, plan.row_of_slot.device)
     tensors = [y_perm, plan.row_of_slot, plan.slot_of_row]
     if weights is not None:
-        check_float("weights", weights, 2, f"[T={T}, k={K}]")
+        check_float("weights", weights, 2, "[T, k]")
         if weights.shape != (T, K):
             raise ValueError(f"weights: expected the plan's shape ({T}, {K}), got {tuple(weights.shape)}")
         _check_device("weights", weights, y_perm.device)

@@ -397,6 +397,27 @@ def test_compiles_without_graph_breaks(device):
     torch.testing.assert_close(w1.grad, w2.grad)
 
 
+def test_one_graph_for_every_token_count():
+    """torch.compile(dynamic=True): permute then unpermute keep one graph as T changes (a size
+    formatted into a check's message, built on every call, fixed T: a graph per T, and with
+    fullgraph=True the 9th token count failed on the recompile limit)."""
+    from torch._dynamo.utils import counters
+
+    E, k, H = 4, 2, 8
+
+    def step(x, experts, weights):
+        x_perm, plan = permute(x, experts, E, check=False)
+        return unpermute(x_perm * 2, plan, weights)
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(step, backend="eager", fullgraph=True, dynamic=True)
+    for T in (5, 7, 11, 13):
+        x, experts, weights = torch.randn(T, H), torch.randint(0, E, (T, k)), torch.rand(T, k)
+        torch.testing.assert_close(compiled(x, experts, weights), step(x, experts, weights))
+    assert counters["stats"]["unique_graphs"] == 1
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("by", ["gather", "scatter"])
 def test_gpu_real_shape(by, monkeypatch):
