@@ -156,14 +156,27 @@ def _matmul_ref(a_MK, b_KN):
     return (a_MK.float() @ b_KN.float()).to(a_MK.dtype)
 
 
+def _expert_spans(offsets_E: torch.Tensor, rows: int):
+    """(e, start, end) of each expert's rows, offsets read on the host; under torch.compile the
+    ends are unbacked sizes, and the hints tell the compiler what permute guarantees (0 <=
+    start <= end <= rows), which inductor needs to slice by them (eager, check=False runs
+    unchecked offsets as before)."""
+    compiling = torch.compiler.is_compiling()
+    start = 0
+    for e, end in enumerate(offsets_E.tolist()):
+        if compiling:
+            torch._check(end >= start)
+            torch._check(end <= rows)
+        yield e, start, end
+        start = end
+
+
 def grouped_matmul_ref(x_RK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
     """Plain-torch loop over the experts: y[r] = x[r] @ w[e] for expert e's rows, float32
     accumulation rounded to x's dtype, zeros past offsets[-1]. Reads offsets on the host."""
     y_RN = x_RK.new_zeros(x_RK.shape[0], w_EKN.shape[2])
-    start = 0
-    for e, end in enumerate(offsets_E.tolist()):
+    for e, start, end in _expert_spans(offsets_E, x_RK.shape[0]):
         y_RN[start:end] = _matmul_ref(x_RK[start:end], w_EKN[e])
-        start = end
     return y_RN
 
 
@@ -182,12 +195,10 @@ def grouped_mlp_ref(x_RH, w_gate_EHF, w_up_EHF, w_down_EFH, offsets_E, biases=_N
         return y if b_EY is None else y + b_EY[e]
 
     b_gate, b_up, b_down = biases
-    start = 0
-    for e, end in enumerate(offsets_E.tolist()):
+    for e, start, end in _expert_spans(offsets_E, x_RH.shape[0]):
         x_MH = x_RH[start:end]
         h_MF = _hidden(None if w_gate_EHF is None else project(x_MH, w_gate_EHF, b_gate, e), project(x_MH, w_up_EHF, b_up, e), glu)
         y_RH[start:end] = project(h_MF, w_down_EFH, b_down, e)
-        start = end
     return y_RH
 
 

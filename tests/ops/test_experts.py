@@ -253,6 +253,27 @@ def test_auto_on_cpu_compiles_without_graph_breaks():
         _assert_close(g_c, g_e)
 
 
+def test_the_torch_path_compiles_whole_with_inductor():
+    """impl="torch" under torch.compile(fullgraph=True) with the default backend (inductor): the
+    experts' row spans are read from offsets, sizes the compiler cannot bound by itself; it
+    refused to slice by them (GuardOnDataDependentSymNode) until told 0 <= start <= end <= rows."""
+    tensors, offsets = _problem([6, 0, 11], 4, 32, 16)
+    grad_y = torch.randn_like(tensors[0])
+    torch._dynamo.reset()
+    mlp = torch.compile(lambda *a, **kw: grouped_mlp(*a, **kw), fullgraph=True)
+    y_c, grads_c = _run(mlp, tensors, offsets, grad_y, impl="torch")
+    y_e, grads_e = _run(grouped_mlp, tensors, offsets, grad_y, impl="torch")
+    for got, want in zip([y_c, *grads_c], [y_e, *grads_e]):
+        _assert_close(got, want)
+    x, w = torch.randn(17, 32, requires_grad=True), torch.randn(3, 32, 8, requires_grad=True)
+    matmul = torch.compile(lambda x, w, o: grouped_matmul(x, w, o, impl="torch", check=False), fullgraph=True)
+    upstream = torch.randn(17, 8)
+    got = [matmul(x, w, offsets), *torch.autograd.grad((matmul(x, w, offsets) * upstream).sum(), (x, w))]
+    eager = grouped_matmul(x, w, offsets, impl="torch")
+    for g, want in zip(got, [eager, *torch.autograd.grad((eager * upstream).sum(), (x, w))]):
+        torch.testing.assert_close(g, want)
+
+
 # ---------------------------------------------------------------------------- swiglu
 
 
