@@ -44,6 +44,7 @@ and backward reads a device value on the host.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import math
 import os
@@ -512,15 +513,19 @@ def main(argv: list[str]) -> None:
         if cfg.optimizer == "adamw":
             optimizers += [AdamW(split_param_groups(part, muon=False, **groups)[1], lr=cfg.lr, state_dtype=state_dtype)]
         elif cfg.optimizer == "muon" and meshes is None:
-            optimizers += build_optimizers(part, **groups, ns_dtype=ns_dtype)
+            optimizers += build_optimizers(part, **groups, ns_dtype=ns_dtype, adamw_cls=functools.partial(AdamW, state_dtype=state_dtype))
         elif cfg.optimizer == "muon":  # each matrix orthogonalised on one rank, the result redistributed
             muon_groups, adamw_groups = split_param_groups(part, **groups)
-            optimizers += [parallel.DistributedMuon(muon_groups, lr=cfg.lr, ns_dtype=ns_dtype, model=part), torch.optim.AdamW(adamw_groups, lr=cfg.lr)]
+            optimizers += [parallel.DistributedMuon(muon_groups, lr=cfg.lr, ns_dtype=ns_dtype, model=part),
+                           AdamW(adamw_groups, lr=cfg.lr, state_dtype=state_dtype)]
         else:
             sys.exit(f"--optimizer: expected adamw or muon, got {cfg.optimizer!r}")
     for opt in optimizers:  # the schedule scales each group's own lr
         for group in opt.param_groups:
             group["base_lr"] = group["lr"]
+    # this run's knobs (--lr, --weight_decay, --ns_dtype, ...) as each group holds them: a resume puts them back after
+    # loading, or the checkpoint's param_groups would run while the log and config.json say these
+    knobs = [[{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups] for opt in optimizers]
 
     # the schedule gives a factor on each group's lr; checked once here, with a message
     min_lr = cfg.min_lr if cfg.min_lr >= 0 else cfg.lr / 10
@@ -549,6 +554,11 @@ def main(argv: list[str]) -> None:
             extra = checkpoint.load(path, model=parts, optimizers=optimizers)
         except ValueError as err:  # a model of other knobs than the saved one's
             sys.exit(f"--resume: {err}")
+        for opt, opt_knobs in zip(optimizers, knobs):
+            for group, group_knobs in zip(opt.param_groups, opt_knobs):
+                params = group["params"]
+                group.clear()
+                group.update(group_knobs, params=params)
         step, tokens_seen = extra["step"], extra["tokens_seen"]
         try:
             sampler.load_state_dict(extra["sampler"])
@@ -825,7 +835,7 @@ def main(argv: list[str]) -> None:
                 if cfg.optimizer == "adamw":  # the clip's factor goes into AdamW's step: no pass of its own
                     norm = grad_norm(counted, **groups)
                     step_kwargs = dict(grad_factor=clip_factor(norm, cfg.clip))
-                else:  # Muon and torch's AdamW: the gradients scaled in place
+                else:  # Muon and the AdamW beside it: the gradients scaled in place
                     norm, step_kwargs = clip_grad_norm(counted, cfg.clip, copies=copies, **groups), {}
                 # health: the weights' norm and how many gradient entries are exactly zero (dead
                 # experts, unused embedding rows), exact over the mesh, before the update

@@ -8,6 +8,7 @@ import math
 import os
 import pathlib
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -285,6 +286,27 @@ def test_muon_runs(tmp_path):
     run = _train(tmp_path, "--steps=3", "--optimizer=muon")
     assert run.returncode == 0, run.stderr[-3000:]
     assert len(_records(tmp_path)) == 3
+
+
+def test_muon_keeps_bf16_adamw_states_and_a_resume_runs_at_its_own_lr(tmp_path):
+    """--optimizer=muon's AdamW half (embeddings, norms, the head) keeps the moments in --adamw_state_dtype; a resumed
+    run steps with its own --lr and --weight_decay, as it logs them, not the checkpoint's param_groups."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    flags = ["--steps=4", "--optimizer=muon", "--adamw_state_dtype=bfloat16", "--ckpt_every=2", "--deterministic"]
+    first = _train(tmp_path / "same", *flags, "--stop_at=2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    stored = FileSystemReader(str(tmp_path / "same" / "step_000002")).read_metadata().state_dict_metadata
+    moments = {k: v.properties.dtype for k, v in stored.items() if k.endswith((".exp_avg", ".exp_avg_sq"))}
+    assert moments and set(moments.values()) == {torch.bfloat16}, moments
+    shutil.copytree(tmp_path / "same", tmp_path / "higher")
+    same = _train(tmp_path / "same", *flags, "--resume")
+    higher = _train(tmp_path / "higher", *flags, "--resume", "--lr=0.1", "--min_lr=1e-2", "--weight_decay=0.5")
+    assert same.returncode == 0 and higher.returncode == 0, (same.stderr + higher.stderr)[-3000:]
+    a, b = _records(tmp_path / "same"), _records(tmp_path / "higher")
+    assert [r["step"] for r in b] == [1, 2, 3, 4] and b[2]["lr"] == pytest.approx(10 * a[2]["lr"])
+    assert b[2]["loss"] == a[2]["loss"]  # step 3's loss is of step 2's weights: the same checkpoint
+    assert b[3]["loss"] != pytest.approx(a[3]["loss"], rel=1e-4)  # step 3's update ran at the new lr
 
 
 def test_hashed_moe_layers_train_beside_balanced_ones(tmp_path):
