@@ -159,7 +159,7 @@ def cases():
     yield "roll_packed ids", packed._roll_packed_kernel, dict(x_ptr="*i64", cu_ptr="*i32", fill_ptr="*i64", out_ptr="*i64"), roll_sc, packed._roll_blocks(1)
     # cross-entropy at V=131072, bf16 (linear_cross_entropy runs the same kernel on its chunks)
     ce_ptrs = dict(logits_ptr="*bf16", labels_ptr="*i64", grad_ptr="*bf16", loss_ptr="*fp32", lse_ptr="*fp32", n_valid_ptr="*i64")
-    ce_scalars = dict(N="i32", V="i32", stride_x="i32", stride_g="i32", ignore_index="i32", softcap="fp32")
+    ce_scalars = dict(N="i32", V="i32", stride_x="i32", stride_g="i32", stride_l="i32", ignore_index="i32", softcap="fp32")
     for name, write_grad, cap in (("ce_fwd grad", True, False), ("ce_fwd", False, False), ("ce_fwd grad softcap", True, True)):
         yield name, loss._ce_fwd_kernel, ce_ptrs, ce_scalars, dict(MEAN=True, WRITE_GRAD=write_grad, SOFTCAP=cap, **loss._ce_blocks(131072))
     ce_bwd_ptrs = dict(logits_ptr="*bf16", labels_ptr="*i64", lse_ptr="*fp32", grad_loss_ptr="*fp32", grad_ptr="*bf16", n_valid_ptr="*i64")

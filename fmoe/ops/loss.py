@@ -17,7 +17,7 @@ padding must not poison a sum of losses. reduction="sum" is what a train loop ne
 divides by the valid-token count of the whole global batch (DESIGN.md, Parallelism).
 
 The Triton path: the forward kernel runs an online logsumexp over each row's vocabulary in
-BLOCK_V steps and writes the row's loss and logsumexp (one read of the logits); the backward
+BLOCK_V steps and writes the row's loss, max and log-sum (one read of the logits); the backward
 kernel reads the logits once more and writes their gradient in the logits' dtype, times the
 incoming gradient, read through a pointer as |R| is (no host sync). Three passes over N x V
 in all, the fewest an exact softmax gradient takes when a row does not fit on chip (a first
@@ -66,7 +66,8 @@ def cross_entropy_ref(logits_NV, labels_N, ignore_index, mean, softcap=None):
     # unchecked labels outside [0, V) get a NaN loss, as in the kernel, not a bad gather
     known_N = valid_N & (labels_N >= 0) & (labels_N < V)
     target_N = torch.where(known_N, labels_N, 0).long()
-    row_N = torch.logsumexp(x_NV, dim=-1) - x_NV.gather(1, target_N[:, None]).squeeze(1)
+    # -log_softmax: (max - x) + log-sum, which logsumexp(x) - x would round away for huge logits
+    row_N = -torch.log_softmax(x_NV, dim=-1).gather(1, target_N[:, None]).squeeze(1)
     row_N = torch.where(known_N, row_N, float("nan"))
     total = torch.where(valid_N, row_N, 0.0).sum()
     return total / valid_N.sum().clamp(min=1) if mean else total
@@ -106,9 +107,10 @@ def _capped(x, softcap, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _ce_grad_sweep(logits_ptr, grad_ptr, x_row_R, g_row_R, row_ok_R, valid_R, target_R, lse_R, scale, V, softcap,
+def _ce_grad_sweep(logits_ptr, grad_ptr, x_row_R, g_row_R, row_ok_R, valid_R, target_R, m_R, log_s_R, scale, V, softcap,
                    SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr):
-    """grad = (softmax - onehot(target)) * scale over the rows, in BLOCK_V steps, last block
+    """grad = (softmax - onehot(target)) * scale over the rows, softmax = exp((x - m) - log s)
+    from the row's max m and log-sum log s (never m + log s rounded), in BLOCK_V steps, last block
     first (after a forward sweep the end of the row is the part most likely still in L2);
     with SOFTCAP, of the capped logits z, times the cap's derivative 1 - (z / c)^2.
     grad_ptr may be logits_ptr: each element is read before this program overwrites it."""
@@ -118,7 +120,7 @@ def _ce_grad_sweep(logits_ptr, grad_ptr, x_row_R, g_row_R, row_ok_R, valid_R, ta
         cols = (n_blocks - 1 - i) * BLOCK_V + cols_V
         live = row_ok_R[:, None] & (cols[None, :] < V)
         x = _capped(tl.load(logits_ptr + x_row_R[:, None] + cols[None, :], mask=live, other=0.0).to(tl.float32), softcap, SOFTCAP)
-        g = tl.exp(x - lse_R[:, None]) - tl.where(cols[None, :] == target_R[:, None], 1.0, 0.0)
+        g = tl.exp((x - m_R[:, None]) - log_s_R[:, None]) - tl.where(cols[None, :] == target_R[:, None], 1.0, 0.0)
         if SOFTCAP:
             g = g * (1.0 - (x / softcap) * (x / softcap))
         # ignored rows get exact zeros, even where their logits hold inf or NaN
@@ -129,18 +131,20 @@ def _ce_grad_sweep(logits_ptr, grad_ptr, x_row_R, g_row_R, row_ok_R, valid_R, ta
 @triton.jit
 def _ce_fwd_kernel(
     logits_ptr, labels_ptr, grad_ptr, loss_ptr, lse_ptr, n_valid_ptr,
-    N, V, stride_x, stride_g, ignore_index, softcap,
+    N, V, stride_x, stride_g, stride_l, ignore_index, softcap,
     MEAN: tl.constexpr, WRITE_GRAD: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """Loss and logsumexp of BLOCK_R rows and, with WRITE_GRAD (linear_cross_entropy's
-    chunks), their gradient too, in a second sweep (grad_ptr may be logits_ptr)."""
+    """Loss, max and log-sum (lse_ptr[0, n] and lse_ptr[stride_l + n]: m and log s, lse = m + log s)
+    of BLOCK_R rows and, with WRITE_GRAD (linear_cross_entropy's chunks), their gradient too, in a
+    second sweep (grad_ptr may be logits_ptr). The loss is (m - x[label]) + log s: a row of huge
+    logits (1e6, or float32's min in every column) keeps log s, which m + log s would round away."""
     rows_R, row_ok_R, valid_R, target_R = _ce_rows(labels_ptr, N, V, ignore_index, BLOCK_R)
     x_row_R = rows_R.to(tl.int64) * stride_x  # N * V can pass 2^31
     cols_V = tl.arange(0, BLOCK_V)
 
     # online logsumexp; a finite start keeps exp(m - m_new) = 1, not NaN, while a row has
-    # seen only -inf (masked vocabulary entries)
-    m_R = tl.full([BLOCK_R], -3.0e38, tl.float32)
+    # seen only -inf (masked vocabulary entries); float32's min, so a row of it starts there
+    m_R = tl.full([BLOCK_R], -3.4028234663852886e38, tl.float32)
     s_R = tl.zeros([BLOCK_R], tl.float32)
     for v0 in range(0, V, BLOCK_V):
         cols = v0 + cols_V
@@ -151,36 +155,39 @@ def _ce_fwd_kernel(
         m_new_R = tl.maximum(m_R, tl.max(x, axis=1))
         s_R = s_R * tl.exp(m_R - m_new_R) + tl.sum(tl.exp(x - m_new_R[:, None]), axis=1)
         m_R = m_new_R
-    # padding rows (past N) get lse 0: no log(0) or exp overflow on lanes never stored
-    lse_R = tl.where(row_ok_R, m_R, 0.0) + tl.log(tl.where(row_ok_R, s_R, 1.0))
+    # padding rows (past N) get m = log s = 0: no log(0) or exp overflow on lanes never stored
+    m_R = tl.where(row_ok_R, m_R, 0.0)
+    log_s_R = tl.log(tl.where(row_ok_R, s_R, 1.0))
     x_target_R = _capped(tl.load(logits_ptr + x_row_R + target_R, mask=target_R >= 0, other=0.0).to(tl.float32), softcap, SOFTCAP)
-    loss_R = tl.where(target_R >= 0, lse_R - x_target_R, float("nan"))
+    loss_R = tl.where(target_R >= 0, (m_R - x_target_R) + log_s_R, float("nan"))
     tl.store(loss_ptr + rows_R, tl.where(valid_R, loss_R, 0.0), mask=row_ok_R)
-    tl.store(lse_ptr + rows_R, lse_R, mask=row_ok_R)
+    tl.store(lse_ptr + rows_R, m_R, mask=row_ok_R)
+    tl.store(lse_ptr + stride_l + rows_R, log_s_R, mask=row_ok_R)
 
     if WRITE_GRAD:
         scale = 1.0
         if MEAN:
             scale = 1.0 / tl.maximum(tl.load(n_valid_ptr), 1).to(tl.float32)
-        _ce_grad_sweep(logits_ptr, grad_ptr, x_row_R, rows_R.to(tl.int64) * stride_g, row_ok_R, valid_R, target_R, lse_R,
-                       scale, V, softcap, SOFTCAP, BLOCK_V)
+        _ce_grad_sweep(logits_ptr, grad_ptr, x_row_R, rows_R.to(tl.int64) * stride_g, row_ok_R, valid_R, target_R, m_R,
+                       log_s_R, scale, V, softcap, SOFTCAP, BLOCK_V)
 
 
 @triton.jit
 def _ce_bwd_kernel(
     logits_ptr, labels_ptr, lse_ptr, grad_loss_ptr, grad_ptr, n_valid_ptr,
-    N, V, stride_x, stride_g, ignore_index, softcap,
+    N, V, stride_x, stride_g, stride_l, ignore_index, softcap,
     MEAN: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """The gradient of BLOCK_R rows from their logits and the forward's logsumexp, times the
     incoming gradient (a float32 scalar on the device); grad_ptr may be logits_ptr."""
     rows_R, row_ok_R, valid_R, target_R = _ce_rows(labels_ptr, N, V, ignore_index, BLOCK_R)
-    lse_R = tl.load(lse_ptr + rows_R, mask=row_ok_R, other=0.0)
+    m_R = tl.load(lse_ptr + rows_R, mask=row_ok_R, other=0.0)
+    log_s_R = tl.load(lse_ptr + stride_l + rows_R, mask=row_ok_R, other=0.0)
     scale = tl.load(grad_loss_ptr).to(tl.float32)
     if MEAN:
         scale = scale / tl.maximum(tl.load(n_valid_ptr), 1).to(tl.float32)
     _ce_grad_sweep(logits_ptr, grad_ptr, rows_R.to(tl.int64) * stride_x, rows_R.to(tl.int64) * stride_g, row_ok_R, valid_R,
-                   target_R, lse_R, scale, V, softcap, SOFTCAP, BLOCK_V)
+                   target_R, m_R, log_s_R, scale, V, softcap, SOFTCAP, BLOCK_V)
 
 
 # columns per loop step; tests lower it to run the loop over V on small vocabularies
@@ -201,29 +208,29 @@ def _ce_grid(N: int, V: int) -> tuple[tuple[int], dict]:
     return (triton.cdiv(N, meta["BLOCK_R"]),), meta
 
 
-def _launch_ce(logits_NV, labels_N, grad_NV, loss_N, lse_N, n_valid, ignore_index, mean, write_grad, softcap=0.0):
+def _launch_ce(logits_NV, labels_N, grad_NV, loss_N, lse_2N, n_valid, ignore_index, mean, write_grad, softcap=0.0):
     """Run _ce_fwd_kernel; logits_NV and grad_NV have unit column stride (may be the same);
-    softcap 0: none."""
+    lse_2N [2, N] float32 (unit column stride) gets each row's max and log-sum; softcap 0: none."""
     N, V = logits_NV.shape
     if N == 0:
         return
     grid, meta = _ce_grid(N, V)
     _ce_fwd_kernel[grid](
-        logits_NV, labels_N, grad_NV, loss_N, lse_N, n_valid,
-        N, V, logits_NV.stride(0), grad_NV.stride(0), ignore_index, softcap,
+        logits_NV, labels_N, grad_NV, loss_N, lse_2N, n_valid,
+        N, V, logits_NV.stride(0), grad_NV.stride(0), lse_2N.stride(0), ignore_index, softcap,
         MEAN=mean, WRITE_GRAD=write_grad, SOFTCAP=softcap > 0, **meta,
     )
 
 
-def _launch_ce_bwd(grad_loss, logits_NV, labels_N, lse_N, grad_NV, ignore_index, mean, softcap=0.0):
+def _launch_ce_bwd(grad_loss, logits_NV, labels_N, lse_2N, grad_NV, ignore_index, mean, softcap=0.0):
     """Run _ce_bwd_kernel; logits_NV and grad_NV have unit column stride (may be the same)."""
     N, V = logits_NV.shape
     if N == 0:
         return
     grid, meta = _ce_grid(N, V)
     _ce_bwd_kernel[grid](
-        logits_NV, labels_N, lse_N, grad_loss.float(), grad_NV, (labels_N != ignore_index).sum(),
-        N, V, logits_NV.stride(0), grad_NV.stride(0), ignore_index, softcap,
+        logits_NV, labels_N, lse_2N, grad_loss.float(), grad_NV, (labels_N != ignore_index).sum(),
+        N, V, logits_NV.stride(0), grad_NV.stride(0), lse_2N.stride(0), ignore_index, softcap,
         MEAN=mean, SOFTCAP=softcap > 0, **meta,
     )
 
@@ -245,21 +252,21 @@ def _finish(loss_N, n_valid, mean):
 
 @torch.library.custom_op("fmoe::cross_entropy_fwd", mutates_args=())
 def _ce_fwd(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, mean: bool, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss, lse [N] float32: each row's logsumexp (of the capped logits with a softcap > 0),
-    what the backward needs beside the logits)."""
+    """(loss, lse [2, N] float32: each row's max and log-sum, lse = max + log-sum its logsumexp
+    (of the capped logits with a softcap > 0), what the backward needs beside the logits)."""
     logits = _row_major(logits)
     labels = labels.contiguous()
     N = logits.shape[0]
     n_valid = (labels != ignore_index).sum()
     loss_N = torch.empty(N, dtype=torch.float32, device=logits.device)
-    lse_N = torch.empty(N, dtype=torch.float32, device=logits.device)
-    _launch_ce(logits, labels, logits, loss_N, lse_N, n_valid, ignore_index, mean, False, softcap)
-    return _finish(loss_N, n_valid, mean), lse_N
+    lse_2N = torch.empty(2, N, dtype=torch.float32, device=logits.device)
+    _launch_ce(logits, labels, logits, loss_N, lse_2N, n_valid, ignore_index, mean, False, softcap)
+    return _finish(loss_N, n_valid, mean), lse_2N
 
 
 @_ce_fwd.register_fake
 def _(logits, labels, ignore_index, mean, softcap=0.0):
-    return logits.new_empty((), dtype=torch.float32), logits.new_empty(logits.shape[0], dtype=torch.float32)
+    return logits.new_empty((), dtype=torch.float32), logits.new_empty((2, logits.shape[0]), dtype=torch.float32)
 
 
 @torch.library.custom_op("fmoe::cross_entropy_bwd", mutates_args=())
@@ -360,12 +367,12 @@ def _linear_ce_fwd(
     labels = labels.contiguous()
     n_valid = (labels != ignore_index).sum()
     loss_N = torch.empty(N, dtype=torch.float32, device=h.device)
-    lse_N = torch.empty(N, dtype=torch.float32, device=h.device)  # written by the kernel, not needed here
+    rows = max(1, min(chunk_rows, N))
+    lse_2C = torch.empty(2, rows, dtype=torch.float32, device=h.device)  # written by the kernel, not needed here
     dh_NH = torch.empty((N, H) if need_dh else (0,), dtype=h.dtype, device=h.device)
     acc_dtype = torch.float32 if fp32_accumulate else weight.dtype
     dw_VH = torch.zeros((V, H) if need_dw else (0,), dtype=acc_dtype, device=h.device)
     db_V = torch.zeros(V if need_db else 0, dtype=torch.float32, device=h.device)  # the bias's gradient: column sums, in float32
-    rows = max(1, min(chunk_rows, N))
     logits_CV = torch.empty(rows, V, dtype=h.dtype, device=h.device)  # reused by every chunk
     for start in range(0, N, rows):
         end = min(start + rows, N)
@@ -375,7 +382,7 @@ def _linear_ce_fwd(
         else:
             torch.addmm(bias, h_CH, weight.T, out=x_CV)
         # the kernel turns the chunk's logits into their gradient, in place
-        _launch_ce(x_CV, labels[start:end], x_CV, loss_N[start:end], lse_N[start:end], n_valid, ignore_index, mean,
+        _launch_ce(x_CV, labels[start:end], x_CV, loss_N[start:end], lse_2C[:, : end - start], n_valid, ignore_index, mean,
                    need_dh or need_dw or need_db, softcap)
         if need_dh:
             torch.mm(x_CV, weight, out=dh_NH[start:end])
@@ -433,6 +440,9 @@ def _check_labels(labels, n_rows, ignore_index, reduction, device):
         raise ValueError(f"labels: expected device {device}, got {labels.device}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise ValueError(f"ignore_index: expected an int, got {ignore_index!r}")
+    info = torch.iinfo(labels.dtype)
+    if not info.min <= ignore_index <= info.max:  # a comparison with labels would wrap it
+        raise ValueError(f"ignore_index: expected an int that {labels.dtype} labels can hold, in [{info.min}, {info.max}], got {ignore_index}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
 
@@ -514,6 +524,9 @@ def cross_entropy(
     if inplace_grad:
         if logits.stride(-1) != 1:
             raise ValueError(f"logits: inplace_grad needs unit column stride, got strides {logits.stride()}")
+        if N > 1 and logits.stride(0) < V:  # an expand of one row: each row's gradient would overwrite the others'
+            raise ValueError(f"logits: inplace_grad writes each row's gradient over it: rows must not share memory (row stride "
+                             f">= {V}), got strides {logits.stride()}")
         return _CrossEntropyInplace.apply(logits, labels, ignore_index, mean, cap)
     return _ce_fwd(logits, labels, ignore_index, mean, cap)[0]
 

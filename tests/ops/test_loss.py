@@ -211,6 +211,25 @@ def test_ignored_rows_holding_nan_or_inf_get_zero_gradient(impl, softcap, device
 
 
 @pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_rows_of_huge_logits_keep_their_loss_and_gradient(impl, device):
+    """The loss is (max - x[label]) + log-sum and the softmax exp((x - max) - log-sum): a row of float32's min in every
+    column (a masked row) is log V with the gradient 1/V - onehot, and adding 1e6 to every logit changes nothing beyond
+    float32's spacing there, where logsumexp(x) - x[label] lost log-sum to rounding (loss 0 or -inf, gradient 1 or inf)."""
+    torch.manual_seed(0)
+    base = torch.randn(3, 7, dtype=torch.float64, device=device)
+    labels = torch.tensor([1, 4, 6], device=device)
+    for logits in (torch.full((3, 7), torch.finfo(torch.float32).min, dtype=torch.float64, device=device), base + 1e6, base - 1e6):
+        x32 = logits.float()
+        ref_value, (ref_grad,) = _grads(lambda x: TF.cross_entropy(x, labels), (x32.double() - x32.double().amax(1, keepdim=True)).requires_grad_(),
+                                        upstream=1.0)
+        for fn in (lambda x: cross_entropy(x, labels, impl=impl),
+                   lambda x: linear_cross_entropy(x, torch.eye(7, device=device), labels, impl=impl, chunk_rows=2)):
+            value, (grad,) = _grads(fn, x32.requires_grad_(), upstream=1.0)
+            torch.testing.assert_close(value.double(), ref_value, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(grad.double(), ref_grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
 def test_sum_is_mean_times_valid_rows(impl, device):
     logits = torch.randn(20, 30, device=device)
     labels = _labels(20, 30, device)
@@ -351,6 +370,14 @@ def test_bad_inputs():
     _raises("labels: expected 4 labels, one per row, got 3", cross_entropy, x, y[:3])
     _raises("ignore_index: expected an int", cross_entropy, x, y, ignore_index=-100.0)
     _raises("ignore_index: expected an int", cross_entropy, x, y, ignore_index=True)
+    # a comparison with int32 labels would wrap 2**40 to 0 and drop row 0 (the kernel would count it): refused
+    _raises(r"ignore_index: expected an int that torch.int32 labels can hold, in \[-2147483648, 2147483647\], got 1099511627776",
+            cross_entropy, x, y.int(), ignore_index=2**40)
+    _raises("ignore_index: expected an int that torch.int64 labels can hold", linear_cross_entropy, torch.randn(4, 3), torch.randn(10, 3), y,
+            ignore_index=2**63)
+    # inplace_grad writes each row's gradient over its logits: rows sharing memory (an expand) would overwrite each other's
+    _raises(r"logits: inplace_grad writes each row's gradient over it: rows must not share memory \(row stride >= 10\), got strides \(0, 1\)",
+            cross_entropy, x[:1].expand(4, 10), y, inplace_grad=True, impl="triton")
     _raises("reduction: expected one of", cross_entropy, x, y, reduction="none")
     _raises("impl: expected one of", cross_entropy, x, y, impl="cuda")
     _raises("softcap: expected None or a positive finite number, got 0", cross_entropy, x, y, softcap=0)
