@@ -79,13 +79,24 @@ from fmoe.ops.checks import check_float, check_index, checking
 # ----------------------------------------------------------------------------------------
 
 
+def _slot_rows(kv: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """[T, J, D] float32: each slot's row of kv, zeros in an empty slot. The empty slots read
+    a row of zeros appended to kv, so that there is a row to read when kv has none (S = 0)."""
+    S, D = kv.shape
+    kv_pad = torch.cat([kv.float(), kv.new_zeros((1, D), dtype=torch.float32)])
+    return kv_pad[torch.where(index >= 0, index.long(), S)]
+
+
 def _sparse_attention_ref(q: torch.Tensor, kv: torch.Tensor, index: torch.Tensor, v_dim: int, scale: float):
     """(o [T, N, Dv] in q's dtype, lse [T, N] float32): every slot's row gathered, float32."""
     valid_TJ = index >= 0
-    rows_TJD = kv.float()[index.clamp(min=0).long()]
+    rows_TJD = _slot_rows(kv, index)
     s_TNJ = torch.einsum("tnd,tjd->tnj", q.float(), rows_TJD) * scale
     s_TNJ = s_TNJ.masked_fill(~valid_TJ[:, None, :], float("-inf"))
-    m_TN1 = s_TNJ.amax(-1, keepdim=True).detach()
+    if index.shape[1]:
+        m_TN1 = s_TNJ.amax(-1, keepdim=True).detach()
+    else:  # no slots at all (J = 0): amax has nothing to reduce; every row is one without keys
+        m_TN1 = s_TNJ.new_zeros(s_TNJ.shape[:2] + (1,))
     m_TN1 = torch.where(torch.isfinite(m_TN1), m_TN1, torch.zeros_like(m_TN1))  # a row without keys
     e_TNJ = torch.exp(s_TNJ - m_TN1)  # 0 in the empty slots
     z_TN1 = e_TNJ.sum(-1, keepdim=True)
@@ -98,7 +109,7 @@ def _sparse_attention_ref(q: torch.Tensor, kv: torch.Tensor, index: torch.Tensor
 
 def _sparse_attention_probs_ref(q, kv, index, lse, scale: float) -> torch.Tensor:
     """[T, J] float32: each slot's probability summed over the heads (0 in an empty slot)."""
-    s_TNJ = torch.einsum("tnd,tjd->tnj", q.float(), kv.float()[index.clamp(min=0).long()]) * scale
+    s_TNJ = torch.einsum("tnd,tjd->tnj", q.float(), _slot_rows(kv, index)) * scale
     lse_TN1 = torch.where(torch.isfinite(lse), lse, 0.0)[..., None]
     return torch.where(index[:, None, :] >= 0, torch.exp(s_TNJ - lse_TN1), 0.0).sum(1)
 

@@ -70,6 +70,26 @@ def test_reference_is_dense_attention_under_the_index_mask(T, N, D, v_dim, S, J)
     assert float(grads[0][0][1].abs().max()) == 0.0  # the query without keys
 
 
+@pytest.mark.parametrize("S,J", [(3, 0), (0, 2)], ids=["no slots", "no keys"])
+@pytest.mark.parametrize("impl", ["torch", "auto", "triton"])
+def test_no_slots_or_no_keys_give_zeros_and_minus_inf(S, J, impl, device):
+    """J = 0 (no slot) and S = 0 (no key: every slot -1) are valid: every query is one
+    without keys (o = 0, lse = -inf, p = 0), and the backward gives zero gradients."""
+    from fmoe.ops import sparse_attention_probs
+
+    T, N, D = 2, 2, 4
+    q = torch.randn(T, N, D, device=device, requires_grad=True)
+    kv = torch.randn(S, D, device=device, requires_grad=True)
+    index = torch.full((T, J), -1, device=device)
+    o, lse = sparse_attention(q, kv, index, impl=impl)
+    assert torch.equal(o, torch.zeros(T, N, D, device=device))
+    assert torch.equal(lse, torch.full((T, N), float("-inf"), device=device))
+    dq, dkv = torch.autograd.grad(o.sum() + torch.where(torch.isfinite(lse), lse, 0.0).sum(), [q, kv])
+    assert torch.equal(dq, torch.zeros_like(q)) and torch.equal(dkv, torch.zeros_like(kv))
+    p = sparse_attention_probs(q, kv, index, lse, impl=impl)
+    assert torch.equal(p, torch.zeros(T, J, device=device))
+
+
 @contextlib.contextmanager
 def _deterministic(enabled: bool):
     """torch.use_deterministic_algorithms(enabled) for a with block, then as it was."""
