@@ -321,7 +321,8 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, *, scale: floa
 def apply_rope_ref(x, cos_TF, sin_TF, interleaved=False):
     """Plain-torch RoPE of x [..., T, H, D] (SPEC.md section 4), float32 math, x's dtype out.
 
-    Differentiable w.r.t. x (and cos/sin, which the Triton path does not differentiate).
+    Differentiable w.r.t. x, and w.r.t. cos/sin if they require grad (apply_rope detaches
+    them on either path: it differentiates x alone).
     """
     R = 2 * cos_TF.shape[-1]
     x_f = x.float()
@@ -609,5 +610,7 @@ def apply_rope(
             return _RopeInPlace.apply(x, cos, sin, interleaved)
         _rope_(x, cos, sin, interleaved, False)
         return x
-    out = apply_rope_ref(x, cos, sin, interleaved)
+    # cos and sin detached as the kernel leaves them (no gradient), which also keeps the
+    # in-place copy below from overwriting x while autograd holds it for cos's gradient
+    out = apply_rope_ref(x, cos.detach(), sin.detach(), interleaved)
     return x.copy_(out) if inplace else out

@@ -234,6 +234,22 @@ def test_inplace_refuses_a_leaf_that_requires_grad(device):
         _raises("inplace: x is a leaf tensor that requires grad", apply_rope, x, cos, sin, inplace=True, impl=impl)
 
 
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_cos_and_sin_get_no_gradient(impl, inplace, device):
+    """cos and sin that require grad are not differentiated on either path (their gradient
+    stays None), and the in-place rotation's backward runs: x's gradient is the inverse
+    rotation of the upstream one, as without them requiring grad."""
+    cos, sin = _cos_sin(3, 4, device=device)
+    cos.requires_grad_(), sin.requires_grad_()
+    x = torch.randn(3, 2, 4, device=device, requires_grad=True)
+    y = apply_rope(x * 1.0, cos, sin, inplace=inplace, impl=impl)  # x * 1.0: a non-leaf, as inplace asks
+    grad_y = torch.randn_like(y)
+    y.backward(grad_y)
+    assert cos.grad is None and sin.grad is None
+    torch.testing.assert_close(x.grad, apply_rope_ref(grad_y, cos.detach(), -sin.detach()))
+
+
 # ---------------------------------------------------------------------------- frequencies, YaRN
 
 
