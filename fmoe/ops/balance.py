@@ -82,6 +82,14 @@ def _kept_ids(experts: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torc
     return torch.where(kept, flat, 0), kept.long()
 
 
+def _check_experts(name: str, x: torch.Tensor) -> None:
+    """x [T, E] has E >= 1: with no expert the switch loss is a sum over nothing, the
+    sequence loss's counts have no column to scatter into, and z_loss is a logsumexp over
+    nothing (-inf, squared to inf)."""
+    if x.shape[1] == 0:
+        raise ValueError(f"{name}: expected at least one expert (E >= 1), got shape {tuple(x.shape)}")
+
+
 def z_loss_ref(logits_TE):
     return torch.logsumexp(logits_TE.float(), dim=-1).square().mean()
 
@@ -317,6 +325,7 @@ def aux_scores(logits: torch.Tensor, k: int, *, score: str = "softmax", return_c
         (scores [T, E] float32, differentiable; experts [T, k] int64) and counts when asked.
     """
     check_float("logits", logits, 2, "[T, E]")
+    _check_experts("logits", logits)
     E = logits.shape[1]
     check_positive_int("k", k, 1, E)
     if score not in AUX_SCORES:
@@ -332,6 +341,7 @@ def aux_scores(logits: torch.Tensor, k: int, *, score: str = "softmax", return_c
 
 def _check_scores_counts(scores, counts):
     check_float("scores", scores, 2, "[T, E]")
+    _check_experts("scores", scores)
     E = scores.shape[1]
     if not isinstance(counts, torch.Tensor) or counts.shape != (E,):
         raise ValueError(f"counts: expected a tensor of shape ({E},), got {getattr(counts, 'shape', type(counts).__name__)}")
@@ -399,6 +409,7 @@ def seq_load_balancing_loss(
     Returns: 0-D float32 tensor.
     """
     check_float("scores", scores, 2, "[T, E]")
+    _check_experts("scores", scores)
     T, E = scores.shape
     check_index("experts", experts, 2, "[T, k]")
     check_positive_int("k", k)
@@ -446,14 +457,17 @@ def sequence_loss_from_sums(score_sum_BE, counts_BE, lengths_B, *, k: int) -> to
 def z_loss(logits: torch.Tensor, *, mask: Optional[torch.Tensor] = None, impl: str = "auto") -> torch.Tensor:
     """Router z-loss mean_t (logsumexp_e logits[t,e])^2 (ST-MoE), float32 0-D tensor.
 
-    logits: [T, E]. The fused kernel computes the row logsumexp in one pass and its
-    backward softmax * 2 lse / T in another. mask: None, or [T] bool: the mean runs over
-    the tokens where it is True only (padding left out; 0 when there is none), no host sync.
+    logits: [T, E], E >= 1, and T >= 1 without a mask (a mean over no token has no value).
+    The fused kernel computes the row logsumexp in one pass and its backward
+    softmax * 2 lse / T in another. mask: None, or [T] bool: the mean runs over the tokens
+    where it is True only (padding left out; 0 when there is none, T = 0 included, with a
+    zero gradient), no host sync.
     """
     check_float("logits", logits, 2, "[T, E]")
-    if logits.shape[0] == 0:
-        raise ValueError("logits: z_loss is a mean over tokens and needs T >= 1")
+    _check_experts("logits", logits)
     check_token_mask("mask", mask, logits.shape[0])
+    if mask is None and logits.shape[0] == 0:
+        raise ValueError("logits: z_loss is a mean over tokens and needs T >= 1 (with a mask, none in it gives 0)")
     if mask is not None:
         lse_T = _lse_fwd(logits) if use_triton(impl, logits) else torch.logsumexp(logits.float(), dim=-1)
         mask = mask.to(logits.device)

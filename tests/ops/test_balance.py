@@ -263,6 +263,35 @@ def test_z_loss_bad_inputs():
     _raises("logits: expected dtype", F.z_loss, torch.zeros(2, 3, dtype=torch.int32))
 
 
+def test_losses_refuse_no_experts():
+    """E = 0 is a caller's mistake, refused by name: z_loss would be a logsumexp over nothing
+    (-inf, squared to inf), the sequence loss indexed counts of no expert."""
+    logits = torch.randn(3, 0)
+    for impl in ("torch", "triton"):
+        _raises(r"logits: expected at least one expert \(E >= 1\), got shape \(3, 0\)", F.z_loss, logits, impl=impl)
+        _raises(r"logits: expected at least one expert", F.z_loss, logits, mask=torch.ones(3, dtype=torch.bool), impl=impl)
+        _raises(r"logits: expected at least one expert", F.aux_scores, logits, 1, impl=impl)
+    _raises(r"scores: expected at least one expert", F.load_balancing_loss, logits, torch.zeros(0), k=1, n_tokens=3)
+    _raises(r"scores: expected at least one expert", F.seq_load_balancing_loss, logits, torch.full((3, 1), -1), torch.tensor([0, 3]), k=1)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_losses_of_no_tokens_are_zero(impl, device):
+    """T = 0: z_loss with a mask (no token in it) is 0, as are the switch and sequence
+    losses, each with a zero gradient of logits' empty shape; z_loss without a mask is a
+    mean over no token and refused (test_z_loss_bad_inputs)."""
+    logits = torch.randn(0, 4, device=device, requires_grad=True)
+    z = F.z_loss(logits, mask=torch.zeros(0, dtype=torch.bool, device=device), impl=impl)
+    scores, experts = F.aux_scores(logits, 2, impl=impl)
+    counts = F.tokens_per_expert(experts, 4)
+    switch = F.load_balancing_loss(scores, counts, k=2, n_tokens=1)
+    seq = F.seq_load_balancing_loss(scores, experts, torch.tensor([0, 0], device=device), k=2)
+    for loss in (z, switch, seq):
+        assert loss.shape == () and loss.dtype == torch.float32 and float(loss.detach()) == 0.0
+        (grad,) = torch.autograd.grad(loss, logits, retain_graph=True)  # switch and seq share the scores' graph
+        assert grad.shape == (0, 4)
+
+
 # ---------------------------------------------------------------------------- token masks
 
 # a batch of 4 sequences (one empty) whose tokens 3, 8 and the whole last sequence are padding
