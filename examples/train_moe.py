@@ -275,6 +275,8 @@ def parse_args(argv: list[str]) -> Config:
         sys.exit(f"--min_lr: expected at most --lr = {cfg.lr}, got {cfg.min_lr}")
     if not cfg.clip > 0:
         sys.exit(f"--clip: expected a max norm > 0 (inf: no clipping), got {cfg.clip}")
+    if Path(cfg.out_dir).exists() and not Path(cfg.out_dir).is_dir():
+        sys.exit(f"--out_dir: {cfg.out_dir} exists and is not a directory")
     if not cfg.resume and (earlier := checkpoint.latest(cfg.out_dir)):  # its checkpoints would mix with this run's
         sys.exit(f"--out_dir: {cfg.out_dir} holds an earlier run's checkpoints (the newest {earlier.name}); --resume continues "
                  "that run; for a new one give another --out_dir, or delete them")
@@ -552,7 +554,7 @@ def main(argv: list[str]) -> None:
                      "with --init_from")
         try:
             extra = checkpoint.load(path, model=parts, optimizers=optimizers)
-        except ValueError as err:  # a model of other knobs than the saved one's
+        except (FileNotFoundError, ValueError) as err:  # a model of other knobs than the saved one's, a damaged checkpoint
             sys.exit(f"--resume: {err}")
         for opt, opt_knobs in zip(optimizers, knobs):
             for group, group_knobs in zip(opt.param_groups, opt_knobs):

@@ -376,6 +376,7 @@ BAD_KNOBS = [
                                 "'stdlib': n_batches: 100000 batches of 128 tokens need 12800000 tokens, the dataset has 857423); lower --eval_batches "
                                 "(0: no validation) or raise --val_percent"),
     (["--init_from=/no/such/run"], "--init_from: path: '/no/such/run' does not exist"),
+    ([f"--out_dir={ROOT / 'pyproject.toml'}"], f"--out_dir: {ROOT / 'pyproject.toml'} exists and is not a directory"),
     (["--optimizer=sgd", "--steps=1"], "--optimizer: expected adamw or muon"),
     (["--stop_signals=SIGTERM,SIGKILL"], "--stop_signals: signals: expected names of signals a process can catch (e.g. SIGTERM, "
                                          "SIGUSR1), got 'SIGKILL'"),

@@ -292,8 +292,13 @@ def _checkpoint_or_newest(path) -> Path:
 
 
 def _stored(path: Path) -> Mapping:
-    """The checkpoint's entries by key (DCP's metadata: each tensor's size, without its data)."""
-    return dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    """The checkpoint's entries by key (DCP's metadata: each tensor's size, without its data);
+    a .metadata that cannot be read (cut short, damaged) is a ValueError naming path."""
+    try:
+        return dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    except Exception as err:  # an UnpicklingError, EOFError, ... from the pickle DCP wrote
+        raise ValueError(f"path: {str(path)!r} could not be read (.metadata: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
+                         "a damaged or incomplete checkpoint?") from None
 
 
 def _check_model_shapes(path: Path, stored: Mapping, model_state: Mapping[str, torch.Tensor], cfg=None) -> None:
@@ -465,6 +470,11 @@ def load(path, *, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optim
         extra_file = path / "extra_rank0.pt"
     if not extra_file.is_file():
         raise FileNotFoundError(f"path: {str(path)!r} has no extra_rank0.pt (not a checkpoint of fmoe.train.checkpoint?)")
+    try:  # read first: a damaged file stops the load before the model and optimizers are overwritten
+        extra = torch.load(extra_file, weights_only=False)
+    except Exception as err:
+        raise ValueError(f"path: {str(path)!r} could not be read ({extra_file.name}: {type(err).__name__}: "
+                         f"{str(err).splitlines()[0] if str(err) else ''}); a damaged or incomplete checkpoint?") from None
     optimizers = _optimizers(optimizers)
     pairs = _pairs(_models(model), optimizers)
     state, parts = _state(pairs)
@@ -478,7 +488,7 @@ def load(path, *, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optim
             set_state_dict(m, opts, model_state_dict=loaded_model, optim_state_dict={k: state["optim"][k] for k in optim_sd}, options=_OPTIONS)
         else:
             set_model_state_dict(m, loaded_model)
-    return torch.load(extra_file, weights_only=False)
+    return extra
 
 
 def prune(out_dir, *, keep_last: int, keep_every: Optional[int] = None) -> list[Path]:

@@ -166,6 +166,30 @@ def test_a_damaged_checkpoint_file_is_a_value_error(tmp_path):
             read()
 
 
+def test_a_cut_metadata_or_extra_file_is_a_value_error_before_anything_is_loaded(tmp_path):
+    """DCP's .metadata cut short (latest() still counts the folder complete): a ValueError from load and load_model, not
+    an UnpicklingError; a cut extra_rank0.pt: a ValueError from load before the model or optimizers change."""
+    model, opts = _build()
+    _train(model, opts)
+    path = ckpt.save(tmp_path / "a", 1, model=model, optimizers=opts, extra={"step": 1}).wait()
+    meta = path / ".metadata"
+    meta.write_bytes(meta.read_bytes()[: meta.stat().st_size // 2])
+    assert ckpt.latest(tmp_path / "a") == path
+    fresh, fresh_opts = _build()
+    before = _tensors(fresh, [])
+    message = rf"path: '{path}' could not be read \(.metadata: \w+Error.*\); a damaged or incomplete checkpoint\?"
+    for read in (lambda: ckpt.load(path, model=fresh, optimizers=fresh_opts), lambda: ckpt.load_model(path, model=fresh)):
+        with pytest.raises(ValueError, match=message):
+            read()
+    path = ckpt.save(tmp_path / "b", 1, model=model, optimizers=opts, extra={"step": 1}).wait()
+    extra = path / "extra_rank0.pt"
+    extra.write_bytes(extra.read_bytes()[: extra.stat().st_size // 2])
+    with pytest.raises(ValueError, match=rf"path: '{path}' could not be read \(extra_rank0.pt: RuntimeError.*\); a damaged or incomplete"):
+        ckpt.load(path, model=fresh, optimizers=fresh_opts)
+    after = _tensors(fresh, fresh_opts)
+    _assert_identical({k: after[k] for k in before}, before)  # nothing was read into the model
+
+
 def test_async_save_matches_sync(tmp_path):
     model, opts = _build()
     _train(model, opts)
