@@ -34,6 +34,8 @@ out like them.
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -295,20 +297,27 @@ def _torch_rounds_factor(device: torch.device) -> bool:
 # ----------------------------------------------------------------------------------------
 
 
+def _check_number(name: str, value, expected: str, ok: Callable[[float], bool]) -> None:
+    """ValueError naming `name` unless value is a finite real number (not a bool, not a
+    tensor: the step's foreach ops and kernels take a number) for which ok(value) holds."""
+    if isinstance(value, torch.Tensor):  # float(lr) would read it on the host every step
+        raise ValueError(f"{name}: expected a number (a tensor {name} is not supported: float({name})), got a tensor {list(value.shape)}")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or not ok(value):
+        raise ValueError(f"{name}: expected {expected}, got {value!r}")
+
+
 def check_hyperparameters(group: dict) -> None:
     """ValueError naming the first bad hyperparameter of an AdamW param group: lr >= 0,
-    betas two values in [0, 1), eps > 0, weight_decay >= 0 (NaN fails each)."""
-    lr, betas, eps, weight_decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-    if isinstance(lr, torch.Tensor):  # the step's foreach ops and kernels take a number (it failed mid-step, the state half-updated)
-        raise ValueError(f"lr: expected a number (a tensor lr is not supported: float(lr)), got a tensor {list(lr.shape)}")
-    if not lr >= 0.0:
-        raise ValueError(f"lr: expected a learning rate >= 0, got {lr}")
-    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-        raise ValueError(f"betas: expected two values in [0, 1), got {betas}")
-    if not eps > 0.0:
-        raise ValueError(f"eps: expected eps > 0, got {eps}")
-    if not weight_decay >= 0.0:
-        raise ValueError(f"weight_decay: expected weight_decay >= 0, got {weight_decay}")
+    betas two values in [0, 1), eps > 0, weight_decay >= 0, each a finite number (NaN, inf,
+    strings and tensors fail). Plain Python: step() runs it on every group, reading nothing
+    on the host."""
+    _check_number("lr", group["lr"], "a finite learning rate >= 0", lambda v: v >= 0.0)
+    betas = group["betas"]
+    if (isinstance(betas, (str, bytes)) or not isinstance(betas, Sequence) or len(betas) != 2
+            or not all(isinstance(b, numbers.Real) and not isinstance(b, bool) and 0.0 <= b < 1.0 for b in betas)):
+        raise ValueError(f"betas: expected two values in [0, 1), got {betas!r}")
+    _check_number("eps", group["eps"], "a finite eps > 0", lambda v: v > 0.0)
+    _check_number("weight_decay", group["weight_decay"], "a finite weight_decay >= 0", lambda v: v >= 0.0)
 
 
 class AdamW(torch.optim.Optimizer):
@@ -321,7 +330,8 @@ class AdamW(torch.optim.Optimizer):
         state_dtype: dtype in which exp_avg and exp_avg_sq are stored, torch.float32 or
             torch.bfloat16 (half the state memory; the update is still float32).
         master_weights: keep a float32 copy of each non-float32 parameter in the state
-            ("master"), update it and round it into the parameter.
+            ("master"), update it and round it into the parameter. A loaded state follows
+            this setting, not the saved one (load_state_dict).
         impl: "auto" (Triton on CUDA, torch._foreach otherwise), "triton" or "torch".
     """
 
@@ -341,7 +351,11 @@ class AdamW(torch.optim.Optimizer):
             raise ValueError(f"state_dtype: expected torch.float32 or torch.bfloat16, got {state_dtype}")
         if impl not in ("auto", "triton", "torch"):
             raise ValueError(f"impl: expected 'auto', 'triton' or 'torch', got {impl!r}")
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        try:
+            betas = tuple(betas)
+        except TypeError:  # not two values: add_param_group's check names it
+            pass
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
         self.state_dtype = state_dtype
         self.master_weights = master_weights
@@ -357,6 +371,9 @@ class AdamW(torch.optim.Optimizer):
         check_hyperparameters({**self.defaults, **param_group})
         super().add_param_group(param_group)
 
+    def _wants_master(self, p: torch.Tensor) -> bool:
+        return self.master_weights and p.dtype != torch.float32
+
     def _init_state(self, p: torch.Tensor) -> dict:
         state = self.state[p]
         if not state:
@@ -364,13 +381,20 @@ class AdamW(torch.optim.Optimizer):
             self._steps[p] = 0.0
             state["exp_avg"] = torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.preserve_format)
-            if self.master_weights and p.dtype != torch.float32:
-                state["master"] = p.detach().float()
+        if "master" not in state and self._wants_master(p):
+            # a fresh state, or one loaded from a run without masters: made here, at the first
+            # step, so that it copies the parameter as loaded whatever the order of the loads
+            state["master"] = p.detach().float()
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's loader casts floating state to the parameter's dtype; here the moments
-        keep state_dtype and the master float32 (bf16 moments load bit for bit)."""
+        keep state_dtype and the master float32 (bf16 moments load bit for bit).
+
+        The masters follow this optimizer's master_weights, not the saved state's: a saved
+        master is dropped where master_weights is False (or the parameter is float32), the
+        parameter then carrying on from its own value (the master rounded, as saved); a
+        missing one is made from the parameter at the next step, as a fresh state's is."""
         super().load_state_dict(state_dict)
         self._steps = {}  # read again from the loaded state["step"] at the next step
         saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
@@ -380,6 +404,8 @@ class AdamW(torch.optim.Optimizer):
             for key, value in state_dict["state"].get(i, {}).items():
                 if key in dtypes:
                     self.state[p][key] = value.to(device=p.device, dtype=dtypes[key], copy=True)
+            if not self._wants_master(p) and p in self.state:
+                self.state[p].pop("master", None)
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None, *, grad_factor: Optional[torch.Tensor] = None):
@@ -392,9 +418,15 @@ class AdamW(torch.optim.Optimizer):
         parameters' device nothing is read on the host (another device's is copied there).
         With c = fmoe.optim.clip_factor(norm, max_norm) this is clipping without a pass of
         its own over the gradients.
+
+        Every group's lr, betas, eps and weight_decay are checked first, as add_param_group
+        checks them (a value set on a group later, by hand or by a scheduler, included): a
+        ValueError naming the first bad one, before the closure runs or anything changes.
         """
         if grad_factor is not None:
             check_float("grad_factor", grad_factor, 0, "[] (e.g. fmoe.optim.clip_factor's)")
+        for group in self.param_groups:  # values set on a group since it was added (a tensor lr failed mid-step)
+            check_hyperparameters(group)
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -233,6 +233,13 @@ def test_grad_factor_refusals(factor, message):
         (dict(betas=(0.9, -0.1)), "betas"),
         (dict(eps=0.0), "eps"),
         (dict(weight_decay=-0.1), "weight_decay"),
+        (dict(lr=float("inf")), "lr"),  # inf was accepted (and so for eps and weight_decay)
+        (dict(eps=float("inf")), "eps"),
+        (dict(weight_decay=float("inf")), "weight_decay"),
+        (dict(eps="1e-8"), "eps"),  # a TypeError from a comparison, naming nothing
+        (dict(lr=True), "lr"),
+        (dict(betas=(0.9, "0.999")), "betas"),
+        (dict(betas=0.9), "betas"),
         (dict(state_dtype=torch.float16), "state_dtype"),
         (dict(impl="cuda"), "impl"),
     ],
@@ -248,6 +255,73 @@ def test_validation(kwargs, name):
     with pytest.raises(ValueError, match=f"^{name}:"):  # and so is a group added later
         opt.add_param_group({"params": [torch.zeros(2, requires_grad=True)], **kwargs})
     assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize("name, value", [
+    ("lr", torch.tensor(1e-2)), ("lr", -1.0), ("lr", float("inf")), ("eps", 0.0), ("eps", "1e-8"),
+    ("weight_decay", float("nan")), ("betas", (0.9, 1.0)),
+])
+def test_hyperparameters_set_later_are_checked_before_the_step_changes_anything(name, value):
+    """A value set on a group after it was added (by hand, by a scheduler, by a loaded
+    state_dict) is checked at step(), before any state or parameter changes: a tensor lr
+    failed at the last foreach op with the weights decayed, the moments written and the step
+    count advanced; a negative lr was used."""
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = AdamW([w], lr=1e-2, weight_decay=0.1)
+    w.grad = torch.full((3,), 0.5)
+    opt.step()
+    before = w.detach().clone()
+    saved = {k: v.clone() for k, v in opt.state[w].items()}
+    opt.param_groups[0][name] = value
+    calls = []
+    with pytest.raises(ValueError, match=f"^{name}:"):
+        opt.step(lambda: calls.append(1))
+    assert not calls  # not even the closure ran
+    assert torch.equal(w.detach(), before)
+    assert all(torch.equal(opt.state[w][k], v) for k, v in saved.items()) and opt.state[w]["step"].item() == 1.0
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_loaded_state_follows_master_weights(impl):
+    """The masters follow the loading optimizer's master_weights: a state saved without them,
+    loaded with master_weights=True, gets one from the parameter at the next step (it had
+    none, so a bf16 parameter's small updates were lost: 20 steps of ~1e-3 left 1.0 exactly);
+    a saved master loaded with master_weights=False is dropped (it went on being used)."""
+    def bf16_param():
+        p = torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
+        p.grad = torch.full((3,), 0.5, dtype=torch.bfloat16)
+        return p
+
+    p = bf16_param()
+    plain = AdamW([p], lr=1e-3, impl=impl)
+    plain.step()
+    q = bf16_param()
+    resumed = AdamW([q], lr=1e-3, master_weights=True, impl=impl)
+    resumed.load_state_dict(plain.state_dict())
+    assert "master" not in resumed.state[q]
+    with torch.no_grad():
+        q.fill_(0.75)  # the model loaded after the optimizer: the master copies it at the step
+    resumed.step()
+    master = resumed.state[q]["master"]
+    assert master.dtype == torch.float32 and 0.748 < master[0].item() < 0.75 and torch.equal(q, master.to(q.dtype))
+    for _ in range(19):
+        resumed.step()
+    assert (q < 0.74).all()  # the ~1e-3 steps accumulated in the master and reached the parameter
+
+    r = bf16_param()
+    without = AdamW([r], lr=1e-3, master_weights=False, impl=impl)
+    without.load_state_dict(resumed.state_dict())
+    assert "master" not in without.state[r] and "master" not in without.state_dict()["state"][0]
+    with torch.no_grad():
+        r.copy_(q)
+    without.step()
+    assert torch.equal(r, q)  # a step of ~1e-3 is lost on a bf16 value without a master, as asked
+    assert "master" not in without.state[r]
+    # a float32 parameter never has a master, whatever was saved
+    f = torch.nn.Parameter(torch.ones(3))
+    as_float = AdamW([f], lr=1e-3, master_weights=True, impl=impl)
+    as_float.load_state_dict(resumed.state_dict())
+    assert "master" not in as_float.state[f]
 
 
 @pytest.mark.gpu
