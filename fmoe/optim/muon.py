@@ -130,11 +130,14 @@ def apply_update(w: torch.Tensor, update: torch.Tensor, *, lr: float, weight_dec
 
 def check_hyperparameters(group: dict) -> None:
     """ValueError naming the first bad hyperparameter of a Muon param group (lr,
-    momentum, weight_decay, ns_steps, scale; NaN fails each); shared with fmoe.parallel's DistributedMuon."""
+    momentum, nesterov, weight_decay, ns_steps, scale, ns_dtype; NaN fails each); shared
+    with fmoe.parallel's DistributedMuon."""
     if not group["lr"] >= 0:
         raise ValueError(f"lr: expected >= 0, got {group['lr']}")
     if not 0 <= group["momentum"] < 1:
         raise ValueError(f"momentum: expected in [0, 1), got {group['momentum']}")
+    if not isinstance(group["nesterov"], bool):  # "no" is truthy: it stepped as nesterov=True
+        raise ValueError(f"nesterov: expected True or False, got {group['nesterov']!r}")
     if not group["weight_decay"] >= 0:
         raise ValueError(f"weight_decay: expected >= 0, got {group['weight_decay']}")
     steps = group["ns_steps"]
@@ -142,6 +145,9 @@ def check_hyperparameters(group: dict) -> None:
         raise ValueError(f"ns_steps: expected an int >= 1, got {steps!r}")
     if group["scale"] not in SCALES:
         raise ValueError(f"scale: expected one of {SCALES}, got {group['scale']!r}")
+    dtype = group["ns_dtype"]
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:  # an int32 failed at the first step
+        raise ValueError(f"ns_dtype: expected a floating torch.dtype (torch.bfloat16, torch.float32), got {dtype!r}")
 
 
 class Muon(torch.optim.Optimizer):
@@ -168,11 +174,16 @@ class Muon(torch.optim.Optimizer):
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict) -> None:
-        """Validates the group's hyperparameters and parameter shapes, then adds it."""
+        """Validates the group's hyperparameters and parameters (matrices, each once in the
+        optimizer, as DistributedMuon requires), then adds it."""
         group = {**self.defaults, **param_group}
         check_hyperparameters(group)
         params = [group["params"]] if isinstance(group["params"], torch.Tensor) else list(group["params"])
+        seen = {id(q) for g in self.param_groups for q in g["params"]}
         for p in params:
+            if id(p) in seen:  # torch only warns within a group, and the step updated p twice
+                raise ValueError(f"params: a parameter of shape {tuple(p.shape)} appears twice")
+            seen.add(id(p))
             if p.ndim < 2:
                 raise ValueError(f"params: Muon takes matrices (ndim >= 2), got shape {tuple(p.shape)}; give it to AdamW")
             if isinstance(p, DTensor) and any(isinstance(pl, Shard) and pl.dim % p.ndim >= p.ndim - 2 for pl in p.placements):

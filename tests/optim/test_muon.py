@@ -204,13 +204,27 @@ def test_state_dict_round_trip_continues_bit_identically():
     [(dict(lr=-1.0), "lr"), (dict(lr=float("nan")), "lr"), (dict(momentum=1.0), "momentum"),
      (dict(momentum=-0.1), "momentum"), (dict(weight_decay=-0.1), "weight_decay"),
      (dict(weight_decay=float("nan")), "weight_decay"), (dict(ns_steps=0), "ns_steps"), (dict(ns_steps=2.5), "ns_steps"),
-     (dict(scale="rms"), "scale")],
+     (dict(scale="rms"), "scale"),
+     # accepted: int32 failed only at the first step, "no" stepped as nesterov=True
+     (dict(ns_dtype=torch.int32), "ns_dtype"), (dict(ns_dtype="bfloat16"), "ns_dtype"), (dict(nesterov="no"), "nesterov"),
+     (dict(nesterov=1), "nesterov")],
 )
 def test_bad_hyperparameters_raise_naming_the_argument(kwargs, name):
     with pytest.raises(ValueError, match=name):
         Muon([torch.zeros(3, 3, requires_grad=True)], **kwargs)
     with pytest.raises(ValueError, match=name):  # the same check for a param group's override
         Muon([{"params": [torch.zeros(3, 3, requires_grad=True)], **kwargs}])
+
+
+def test_a_parameter_twice_is_refused():
+    """Muon([p, p]) updated p twice per step (torch only warns); DistributedMuon refused it."""
+    p, q = torch.zeros(3, 4, requires_grad=True), torch.zeros(4, 4, requires_grad=True)
+    with pytest.raises(ValueError, match=r"^params: a parameter of shape \(3, 4\) appears twice"):
+        Muon([p, q, p])
+    opt = Muon([p])
+    with pytest.raises(ValueError, match="^params: a parameter of shape .* appears twice"):  # in a group added later
+        opt.add_param_group({"params": [q, p]})
+    assert len(opt.param_groups) == 1
 
 
 def test_vectors_are_refused():
