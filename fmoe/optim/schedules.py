@@ -46,12 +46,17 @@ STYLES = ("constant", "linear", "cosine", "inverse_sqrt", "wsd")
 WSD_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
 
 
+def _index(value) -> int:
+    """operator.index, refusing bools (True is 1 to operator.index): TypeError."""
+    if isinstance(value, bool):
+        raise TypeError(f"a bool is not an integer here: {value!r}")
+    return operator.index(value)
+
+
 def _check_count(name: str, value) -> int:
     """An integer >= 0 (numpy and torch integers pass; floats and bools do not)."""
     try:
-        if isinstance(value, bool):
-            raise TypeError
-        value = operator.index(value)
+        value = _index(value)
     except TypeError:
         raise ValueError(f"{name}: expected an integer >= 0, got {value!r}") from None
     if value < 0:
@@ -89,8 +94,9 @@ def lr_at(
                warmup, past total too; linear, cosine and wsd reach min_lr by total and stay
                there; inverse_sqrt decays as 1/sqrt(step), floored at min_lr, and gives
                min_lr past total)
-    wsd_decay: D_wsd, the length of WSD's final decay, 0 <= D_wsd <= total - warmup (used by
-               style="wsd" only);  wsd_style: linear | cosine | exponential | minus_sqrt
+    wsd_decay: D_wsd, the length of WSD's final decay, an integer >= 0; with style="wsd" (the
+               only one that uses it) at most total - warmup;  wsd_style: linear | cosine |
+               exponential | minus_sqrt
 
     >>> lr_at(0, max_lr=1.0, total=100, warmup=10)
     0.0
@@ -108,7 +114,7 @@ def lr_at(
     wsd_decay = _check_count("wsd_decay", wsd_decay)
     if warmup > total:
         raise ValueError(f"warmup: expected at most total={total}, got {warmup}")
-    if wsd_decay > total - warmup:
+    if style == "wsd" and wsd_decay > total - warmup:  # unused by the other styles: only its type is checked
         raise ValueError(f"wsd_decay: expected at most total - warmup = {total - warmup}, got {wsd_decay}")
     for name, value in (("max_lr", max_lr), ("min_lr", min_lr), ("init_lr", init_lr)):
         if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
@@ -242,7 +248,7 @@ def batch_size_at(tokens_consumed: int, schedule: BatchSchedule) -> int:
         pairs = parse_batch_schedule(schedule)
     else:
         try:
-            pairs = [(operator.index(t), operator.index(b)) for t, b in schedule]
+            pairs = [(_index(t), _index(b)) for t, b in schedule]  # (0, True) gave a batch of 1
         except (TypeError, ValueError):
             raise ValueError(
                 f"schedule: expected a string or a list of (threshold, batch) integer pairs, got {schedule!r}"

@@ -207,6 +207,18 @@ def test_lr_bad_arguments():
     _raises("wsd_style: expected one of", lr_at, 5, **kw, style="wsd", wsd_style="sqrt")
 
 
+def test_lr_wsd_decay_is_bounded_only_where_used():
+    """wsd_decay is WSD's alone: another style ignores its value (a large one was refused),
+    but not its type."""
+    kw = dict(max_lr=1.0, min_lr=0.1, total=10, warmup=2)
+    for style in ("constant", "linear", "cosine", "inverse_sqrt"):
+        assert lr_at(5, **kw, style=style, wsd_decay=50) == lr_at(5, **kw, style=style)
+        _raises("^wsd_decay: expected an integer >= 0", lr_at, 5, **kw, style=style, wsd_decay=-1)
+        _raises("^wsd_decay: expected an integer >= 0", lr_at, 5, **kw, style=style, wsd_decay=2.5)
+        _raises("^wsd_decay: expected an integer >= 0", lr_at, 5, **kw, style=style, wsd_decay=True)
+    _raises(r"^wsd_decay: expected at most total - warmup = 8, got 50", lr_at, 5, **kw, style="wsd", wsd_decay=50)
+
+
 # ---------------------------------------------------------------------------- LambdaLR adapter
 
 
@@ -287,3 +299,10 @@ def test_batch_schedule_errors():
     _raises("tokens_consumed: expected a number >= 0", batch_size_at, -1, "0:32")
     _raises("tokens_consumed:", batch_size_at, float("nan"), "0:32")
     _raises("tokens_consumed:", batch_size_at, "5", "0:32")
+
+
+def test_batch_schedule_list_refuses_bools():
+    """A bool is not an integer here: (10, True) gave a batch of 1 (operator.index(True))."""
+    _raises("^schedule: expected a string or a list", batch_size_at, 10, [(0, 4), (10, True)])
+    _raises("^schedule: expected a string or a list", batch_size_at, 10, [(False, 4), (10, 8)])
+    assert batch_size_at(10, [(0, 4), (10, 8)]) == 8
