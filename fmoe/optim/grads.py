@@ -162,6 +162,12 @@ def _as_param_list(parameters) -> list[torch.Tensor]:
     return params
 
 
+def _with_grads(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The parameters whose .grad is not None and holds elements: an empty one adds nothing
+    to a norm (an expert stack with no local experts), and torch's inf norm refuses it."""
+    return [q for q in params if q.grad is not None and q.grad.numel()]
+
+
 def _torch_path(tensors: list[Optional[torch.Tensor]], world: int) -> bool:
     """Whether torch's own single-process functions apply: one rank, plain tensors."""
     return world == 1 and not any(isinstance(t, DTensor) for t in tensors)
@@ -269,8 +275,8 @@ def grad_norm(
     holding no gradient still takes part); plain-tensor gradients are taken to be the same
     on every rank of the group.
 
-    Parameters without a .grad are skipped (as if their gradient were zero); none at all
-    gives 0. No host sync.
+    Parameters without a .grad, or with an empty one, are skipped (as if their gradient
+    were zero); none at all gives 0. No host sync.
 
     Args:
         parameters: a tensor or an iterable of tensors (their .grad: tensor or DTensor).
@@ -297,7 +303,7 @@ def grad_norm(
     pg, world = _group_and_size(group)
     grads = [q.grad for q in params]
     if pp is None and _torch_path(grads, world):
-        return torch.nn.utils.get_total_norm([g for g in grads if g is not None], p, foreach=foreach).float()
+        return torch.nn.utils.get_total_norm([q.grad for q in _with_grads(params)], p, foreach=foreach).float()
     return _distributed_norm(grads, p, pg, world, foreach, pp)
 
 
@@ -319,7 +325,7 @@ def clip_grad_norm(
     calls it; none on one process), then every local gradient (shard) is scaled by
     min(1, max_norm / (norm + 1e-6)). On one process with plain-tensor gradients this is
     torch.nn.utils.clip_grad_norm_ itself (the same bits; the norm cast to float32).
-    Parameters without a .grad are skipped. No host sync.
+    Parameters without a .grad, or with an empty one, are skipped. No host sync.
 
     Args: as grad_norm; max_norm: a positive number. copies: parameters whose gradients
         are scaled too but not counted in the norm: copies of parameters counted elsewhere
@@ -346,9 +352,10 @@ def clip_grad_norm(
     pg, world = _group_and_size(group)
     grads = [q.grad for q in params]
     if pp is None and not copies and _torch_path(grads, world):
-        present = [g for g in grads if g is not None]
+        counted = _with_grads(params)
+        present = [q.grad for q in counted]
         if foreach is False or not present or not use_triton(impl, *present):
-            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=p, foreach=foreach).float()
+            return torch.nn.utils.clip_grad_norm_(counted, max_norm, norm_type=p, foreach=foreach).float()
         # torch's norm and factor, in its dtypes (torch.nn.utils.clip_grad_norm_), and its bits
         norm = torch.nn.utils.get_total_norm(present, p, foreach=foreach)
         scale_(present, torch.clamp(max_norm / (norm + _CLIP_EPS), max=1.0), impl=impl)
@@ -501,8 +508,13 @@ class Float32GradAccumulator:
     """
 
     def __init__(self, model: torch.nn.Module, patterns: Union[str, Iterable[str]] = ("router",)):
-        patterns = [patterns] if isinstance(patterns, str) else list(patterns)
         try:
+            patterns = [patterns] if isinstance(patterns, str) else list(patterns)
+        except TypeError:  # patterns=3
+            raise ValueError(f"patterns: expected a regular expression or an iterable of them, got {patterns!r}") from None
+        try:
+            if not all(isinstance(p, str) for p in patterns):  # a bytes pattern compiles, then fails on every name
+                raise TypeError("not a string")
             regexes = [re.compile(p) for p in patterns]
         except (re.error, TypeError) as e:
             raise ValueError(f"patterns: expected regular expressions, got {patterns!r} ({e})") from None

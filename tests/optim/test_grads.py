@@ -81,6 +81,27 @@ def test_one_process_is_torch_bit_for_bit(dtype, norm_type, foreach):
     assert not torch.equal(params[0].grad, before[0])  # it did clip
 
 
+@pytest.mark.parametrize("norm_type", [2.0, INF])
+@pytest.mark.parametrize("foreach, impl", [(None, "torch"), (False, "torch"), (None, "triton")])
+def test_one_process_skips_empty_gradients(norm_type, foreach, impl):
+    """An empty gradient (an expert stack with no local experts) adds nothing, as on the
+    distributed path: torch's inf norm raised on it. The rest: torch's bits without it."""
+    params = _params_with_grads()
+    empty = torch.nn.Parameter(torch.zeros(0, 4))
+    empty.grad = torch.zeros(0, 4)
+    ref = _copies(params)
+    norm = grad_norm([params[0], empty, *params[1:]], norm_type=norm_type, foreach=foreach)
+    expected = torch.nn.utils.get_total_norm([p.grad for p in ref[:2]], norm_type, foreach=foreach)
+    assert torch.equal(norm, expected.float())
+    clipped = clip_grad_norm([params[0], empty, *params[1:]], float(norm) / 3, norm_type=norm_type, foreach=foreach, impl=impl)
+    expected = torch.nn.utils.clip_grad_norm_(ref, float(norm) / 3, norm_type=norm_type, foreach=foreach)
+    assert torch.equal(clipped, expected.float()) and empty.grad.shape == (0, 4)
+    for p, q in zip(params, ref):
+        assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad)
+    only_empty = clip_grad_norm([empty], 1.0, norm_type=norm_type, foreach=foreach, impl=impl)
+    assert only_empty.dtype == torch.float32 and float(only_empty) == 0.0
+
+
 def _mixed_tensors():
     """Every case of scale_'s buckets: float32, bf16 and fp16, sizes that are and are not
     multiples of 16, a strided tensor (the foreach fallback) and an empty one."""
@@ -441,3 +462,12 @@ def test_nested_names_and_bad_patterns():
     _raises("patterns: .* match no trainable parameter", Float32GradAccumulator, model, patterns=r"1\.router\.bias")
     _raises("patterns: expected regular expressions", Float32GradAccumulator, model, patterns=("(",))
     _raises("patterns: expected regular expressions", Float32GradAccumulator, model, patterns=(3,))
+
+
+def test_patterns_that_are_not_strings_name_the_argument():
+    """patterns=3 was a TypeError from list(3); a bytes pattern compiled, then failed on the
+    first name with a TypeError."""
+    model = torch.nn.ModuleDict({"router": torch.nn.Linear(2, 2)})
+    _raises("^patterns: expected a regular expression or an iterable of them, got 3", Float32GradAccumulator, model, patterns=3)
+    _raises("^patterns: expected regular expressions", Float32GradAccumulator, model, patterns=[b"router"])
+    _raises("^patterns: expected a regular expression or an iterable", Float32GradAccumulator, model, patterns=None)
