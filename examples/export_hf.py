@@ -140,6 +140,8 @@ def main(argv: list[str]) -> None:
     sizes = {axis: getattr(args, axis) for axis in axes}
     if args.max_shard_gb <= 0:
         sys.exit(f"--max_shard_gb: expected a positive number, got {args.max_shard_gb}")
+    if args.out.exists() and not args.out.is_dir():
+        sys.exit(f"out: {str(args.out)!r} exists and is not a directory")
     if is_hf_folder(args.path):
         sys.exit(f"path: {str(args.path)!r} is already a Hugging Face folder")
     run_dir = args.path.parent if (args.path / ".metadata").is_file() else args.path  # a checkpoint: the run that holds it

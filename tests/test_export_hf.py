@@ -172,10 +172,12 @@ def test_bad_knobs_stop_with_a_message(own_run, hf_run, tmp_path):
         # given a checkpoint, its run's folder is kept whole too (another checkpoint of it would take the export's files)
         ((checkpoint.latest(own_run), own_run / "step_000001"), "is inside the run; write the export elsewhere"),
         ((folder, tmp_path / "a"), "is already a Hugging Face folder"),
+        ((own_run, tmp_path / "file", "--model_type=glm4_moe"), f"out: '{tmp_path / 'file'}' exists and is not a directory"),
         ((own_run, tmp_path / "a", "--model_type=glm4_moe", "--max_shard_gb=0"), "--max_shard_gb: expected a positive number, got 0.0"),
         ((tmp_path / "norun", tmp_path / "a", "--model_type=glm4_moe"), "path: '" + str(tmp_path / "norun") + "' is neither an fmoe run"),
     ]
     (tmp_path / "norun").mkdir()
+    (tmp_path / "file").write_text("not a folder")
     for args, message in cases:
         with pytest.raises(SystemExit) as stop:
             export_hf.main(list(map(str, args)))
