@@ -286,8 +286,11 @@ def _checkpoint_dir(path) -> Path:
 def _checkpoint_or_newest(path) -> Path:
     """path as a complete checkpoint directory, or a run's out_dir as its newest one."""
     path = Path(path)
-    if not (path / ".metadata").is_file() and path.is_dir() and (newest := latest(path)) is not None:
-        path = newest
+    if not (path / ".metadata").is_file() and path.is_dir():
+        if (newest := latest(path)) is not None:
+            return newest
+        if any(path.glob("step_*")):  # a run whose saves were all interrupted (step_N.tmp) or emptied
+            raise FileNotFoundError(f"path: {str(path)!r} holds no complete checkpoint (a step_N folder with its .metadata)")
     return _checkpoint_dir(path)
 
 

@@ -307,6 +307,9 @@ def test_load_model_takes_the_weights_only(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="is not a complete checkpoint"):
         ckpt.load_model(tmp_path / "empty", model=fresh)
+    (tmp_path / "empty" / "step_000003.tmp").mkdir()  # a run whose one save was cut: the run holds none, not "is not one"
+    with pytest.raises(FileNotFoundError, match=r"path: '.*empty' holds no complete checkpoint \(a step_N folder with its .metadata\)"):
+        ckpt.load_model(tmp_path / "empty", model=fresh)
 
 
 def test_a_model_of_other_knobs_is_refused_by_name_before_anything_is_read(tmp_path):
