@@ -566,7 +566,8 @@ def main(argv: list[str]) -> None:
             sampler.load_state_dict(extra["sampler"])
         except ValueError as err:  # the data, their split or the sampler's seed changed
             sys.exit(f"--resume: the run in {cfg.out_dir} read other data ({err}); a resumed run continues its data: give the --data, "
-                     "--seed and --val_percent it was started with, or start a new run from its weights with --init_from")
+                     "--seed and --val_percent it was started with (and --eval_batches=0 if it was, or not: 0 holds no document out for "
+                     "validation), or start a new run from its weights with --init_from")
         checkpoint.set_rng_state(extra["rng"])
         if rank == 0:
             print(f"resumed from {path} at step {step}")

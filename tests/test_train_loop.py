@@ -101,6 +101,9 @@ def test_resume_reproduces_the_uninterrupted_losses(tmp_path):
     run = _train(parts, "--steps=12", "--resume", "--seed=3")
     assert run.returncode != 0 and "Traceback" not in run.stderr, run.stderr[-3000:]
     assert f"--resume: the run in {parts} read other data (state: seed is 0, this sampler has 3)" in run.stderr, run.stderr[-3000:]
+    run = _train(parts, "--steps=12", "--resume", "--eval_batches=0")  # no validation split: other training documents
+    assert run.returncode != 0 and "(and --eval_batches=0 if it was, or not: 0 holds no document out for validation)" in run.stderr, \
+        run.stderr[-3000:]
     # --resume continues the run's model: a knob that would change it stops the run, by name, before anything is
     # read (one of how it runs does not); --init_from takes the weights into a model of the same shapes
     run = _train(parts, "--steps=12", "--resume", "--model.zero_experts=2", "--model.route_scale=2.0", "--model.ac=full")
