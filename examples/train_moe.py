@@ -605,6 +605,7 @@ def main(argv: list[str]) -> None:
     # states; activations come on top) and whether energy can be read (NVML, CUDA only)
     plan = metrics.memory_plan(parts, optimizers, grad_dtype=torch.float32)
     energy = metrics.EnergyMeter(device)
+    last = min(cfg.steps, cfg.stop_at) if cfg.stop_at > 0 else cfg.steps
     if rank == 0:
         n_params = sum(p.numel() for p in whole.parameters())
         per_expert = 3 * model_cfg.hidden * model_cfg.ffn_expert
@@ -628,6 +629,7 @@ def main(argv: list[str]) -> None:
         print(f"memory per rank (theory, before activations): parameters {gib['params']} GiB, gradients {gib['grads']} GiB, "
               f"optimizer states {gib['optimizer']} GiB, total {gib['total']} GiB"
               + ("" if energy.available else f"; energy not measured ({energy.reason})"), flush=True)
+    if rank == 0 and step < last:  # a resumed run at its last step trains nothing: its config.json stays the run's
         write_config(cfg.out_dir, dataclasses.asdict(cfg), world_size=world, mesh=mesh_shape, device=str(device),
                      memory_plan=plan, energy={"measured": energy.available, "reason": energy.reason},
                      dtype=str(dtype), warmup=warmup, wsd_decay=schedule["wsd_decay"], vocab_size=model_cfg.vocab_size, byte_tokens=corpus.byte_tokens,
@@ -761,7 +763,6 @@ def main(argv: list[str]) -> None:
         return total, torch.stack([by_source[name] / max(val_counts[name], 1) for name in val_names])
 
     # ------------------------------------------------------------------------ the loop
-    last = min(cfg.steps, cfg.stop_at) if cfg.stop_at > 0 else cfg.steps
     run_start, first = time.perf_counter(), step
     record = None  # the last step's logged values: none where a resumed run is already at its last step
     # the first of --stop_signals, or --stop_after_minutes passed, on any rank: every rank

@@ -91,7 +91,9 @@ def test_resume_reproduces_the_uninterrupted_losses(tmp_path):
     assert [[r[k] for k in keys] for r in _records(parts)] == [[r[k] for k in keys] for r in _records(whole)]
     # a resumed run at its last step says so and exits 0 (a job queued again); a new run refuses the earlier run's
     # out_dir (its checkpoints would mix with the new ones); a resumed run reads the data it read
-    done = _train(parts, "--steps=10", "--resume")
+    config = (parts / "config.json").read_text()
+    done = _train(parts, "--steps=10", "--resume", "--lr=0.5")
+    assert (parts / "config.json").read_text() == config  # it trained nothing: the run's record stays
     assert done.returncode == 0 and f"done: the run in {parts} is at step 10, nothing to train up to step 10 (--steps=10)" in done.stdout, \
         done.stderr[-3000:]
     assert len(_records(parts)) == 10
