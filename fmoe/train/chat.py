@@ -32,6 +32,8 @@ from pathlib import Path
 from typing import Optional, Union
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
+NAMED_TEMPLATES_DIR = "additional_chat_templates"  # <name>.jinja beside chat_template.jinja (transformers 5's layout)
+TOOL_USE = "tool_use"  # the named template a record with tools is rendered by, where the folder has one
 TOKENIZER_CONFIG = "tokenizer_config.json"
 SPECIAL_TOKENS_MAP = "special_tokens_map.json"  # older folders keep their special tokens here too
 TRAINED_ROLE = "assistant"  # the role whose turns are trained
@@ -41,16 +43,35 @@ REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # a message's
 Span = tuple[int, int]  # [start, end) in characters of a rendered text
 
 
-def _template_from_config(path: Path) -> Optional[str]:
-    """The chat template of a tokenizer_config.json: its "chat_template" string, or the
-    "default" one of a list of named templates; None when it has none."""
+def _templates_from_config(path: Path) -> dict[str, str]:
+    """The chat templates of a tokenizer_config.json by name: its "chat_template" string as
+    "default", or its list of named templates; {} when it has none."""
     template = _read_json(path).get("chat_template")
     if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default")
-    if template is not None and not isinstance(template, str):
-        raise ValueError(f"chat_template: {str(path)!r} has a chat_template that is not a string or a list with a 'default' one")
-    return template
+        if named and all(isinstance(k, str) and isinstance(v, str) for k, v in named.items()):
+            return named
+    elif isinstance(template, str):
+        return {"default": template}
+    elif template is None:
+        return {}
+    raise ValueError(f"chat_template: {str(path)!r} has a chat_template that is not a string or a list of named ones "
+                     "({\"name\": ..., \"template\": ...})")
+
+
+def _folder_templates(folder: Path) -> dict[str, str]:
+    """chat_template.jinja as "default" and additional_chat_templates/<name>.jinja by name."""
+    templates = {"default": _read_text(folder / CHAT_TEMPLATE_FILE)} if (folder / CHAT_TEMPLATE_FILE).is_file() else {}
+    if (folder / NAMED_TEMPLATES_DIR).is_dir():
+        templates.update({p.stem: _read_text(p) for p in sorted((folder / NAMED_TEMPLATES_DIR).glob("*.jinja"))})
+    return templates
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"chat_template: {str(path)!r} is not UTF-8 text ({err.reason})") from None
 
 
 def _read_json(path: Path) -> dict:
@@ -125,17 +146,13 @@ class ChatTemplate:
             add_generation_prompt: the special tokens (e.g. {"bos_token": "<s>"}) and any
             switches the template reads (e.g. {"enable_thinking": False}).
         origin: where the template came from (for messages and the token file's index).
+        tool_use: the folder's "tool_use" template, if it has one: a conversation given tools
+            is rendered by it (as transformers' apply_chat_template picks it).
     """
 
-    def __init__(self, source: str, variables: Optional[dict] = None, origin: str = "<string>"):
-        import jinja2
-
-        if not isinstance(source, str) or not source.strip():
-            raise ValueError(f"chat_template: expected a non-empty Jinja template, got {source!r} from {origin}")
-        try:
-            self._template = _environment().from_string(source)
-        except jinja2.TemplateError as err:
-            raise ValueError(f"chat_template: {origin} is not a valid Jinja template ({err})") from None
+    def __init__(self, source: str, variables: Optional[dict] = None, origin: str = "<string>", tool_use: Optional[str] = None):
+        self._template = _compiled(source, origin)
+        self._tool_use = None if tool_use is None else _compiled(tool_use, f"{origin} ({TOOL_USE})")
         self.variables = check_template_variables(variables or {})
         self.origin = origin
 
@@ -143,14 +160,15 @@ class ChatTemplate:
                tools: Optional[list] = None) -> str:
         """The conversation's text, as transformers' apply_chat_template(messages, tools=tools,
         tokenize=False, add_generation_prompt=...)."""
-        import jinja2
-
-        messages = [_with_reasoning_aliases(m) for m in messages]
+        # transformers drops the keys whose value is None first (content=None beside tool calls,
+        # every schema field of a Parquet row): templates test `'key' in message`, or write "None"
+        messages = [_with_reasoning_aliases({k: v for k, v in m.items() if v is not None}) for m in messages]
+        template, origin = (self._tool_use, f"{self.origin} ({TOOL_USE})") if tools is not None and self._tool_use else (self._template, self.origin)
         try:
-            return self._template.render(messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt,
-                                         **self.variables)
-        except jinja2.TemplateError as err:
-            raise ValueError(f"chat_template: {self.origin} refused {where} ({type(err).__name__}: {err})") from None
+            return template.render(messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt,
+                                   **self.variables)
+        except Exception as err:  # a TemplateError, or a TypeError / KeyError / ... from inside the template: name the record
+            raise ValueError(f"chat_template: {origin} refused {where} ({type(err).__name__}: {err})") from None
 
     def documents(self, messages: list[dict], where: str = "a conversation", tools=None) -> list[tuple[str, list[Span]]]:
         """(text, spans) of each document of one conversation (module docstring): `spans` are
@@ -181,6 +199,17 @@ class ChatTemplate:
         if all(whole.startswith(text) for text, _ in turns):
             return [(whole, spans)] if turns else []
         return [(text, [span]) for text, span in turns]
+
+
+def _compiled(source: str, origin: str):
+    import jinja2
+
+    if not isinstance(source, str) or not source.strip():
+        raise ValueError(f"chat_template: expected a non-empty Jinja template, got {source!r} from {origin}")
+    try:
+        return _environment().from_string(source)
+    except jinja2.TemplateError as err:
+        raise ValueError(f"chat_template: {origin} is not a valid Jinja template ({err})") from None
 
 
 def check_messages(messages, where: str) -> None:
@@ -247,7 +276,9 @@ def load_chat_template(tokenizer: Union[str, Path], chat_template: Union[str, Pa
                        variables: Optional[dict] = None) -> ChatTemplate:
     """The chat template for a tokenizer.json: `chat_template` (a .jinja file, or a JSON file
     with a "chat_template" field such as a tokenizer_config.json) if given, else the model
-    folder's chat_template.jinja, else its tokenizer_config.json's; the special tokens come
+    folder's chat_template.jinja (with additional_chat_templates/*.jinja), else its
+    tokenizer_config.json's. Of named templates, "default" renders and "tool_use", where there
+    is one, renders the conversations given tools, as transformers picks them; the special tokens come
     from the tokenizer_config.json beside the tokenizer, else its special_tokens_map.json (and
     from `chat_template` when it is a JSON file). variables: more of the template's
     variables (e.g. {"enable_thinking": False}), over the special tokens where both name one,
@@ -255,28 +286,27 @@ def load_chat_template(tokenizer: Union[str, Path], chat_template: Union[str, Pa
     folder = Path(tokenizer).parent
     tokens = _special_tokens(folder / TOKENIZER_CONFIG, folder / SPECIAL_TOKENS_MAP)
     extra = check_template_variables(variables or {})
-    source = None
+    templates = {}
     if chat_template is not None:
         path = Path(chat_template)
         if not path.is_file():
             raise FileNotFoundError(f"chat_template: {str(path)!r} does not exist")
         if path.suffix.lower() == ".json":
-            source = _template_from_config(path)
-            if source is None:
+            templates = _templates_from_config(path)
+            if not templates:
                 raise ValueError(f"chat_template: {str(path)!r} has no \"chat_template\" field")
             tokens.update(_special_tokens(path))
         else:
-            try:
-                source = path.read_text(encoding="utf-8")
-            except UnicodeDecodeError as err:
-                raise ValueError(f"chat_template: {str(path)!r} is not UTF-8 text ({err.reason})") from None
-    elif (folder / CHAT_TEMPLATE_FILE).is_file():
-        path = folder / CHAT_TEMPLATE_FILE
-        source = path.read_text(encoding="utf-8")
+            templates = {"default": _read_text(path)}
+    elif templates := _folder_templates(folder):
+        path = folder / CHAT_TEMPLATE_FILE if "default" in templates else folder / NAMED_TEMPLATES_DIR
     elif (folder / TOKENIZER_CONFIG).is_file():
         path = folder / TOKENIZER_CONFIG
-        source = _template_from_config(path)
-    if source is not None:
-        return ChatTemplate(source, {**tokens, **extra}, origin=str(path))
+        templates = _templates_from_config(path)
+    if templates and "default" not in templates:
+        raise ValueError(f"chat_template: {str(path)!r} holds named chat templates ({', '.join(sorted(templates))}) and no 'default'; "
+                         "name the one to use with --chat_template=FILE")
+    if templates:
+        return ChatTemplate(templates["default"], {**tokens, **extra}, origin=str(path), tool_use=templates.get(TOOL_USE))
     raise ValueError(f"chat_template: no {CHAT_TEMPLATE_FILE} and no tokenizer_config.json with a chat_template beside "
                      f"{str(tokenizer)!r}; name one with --chat_template=FILE (.jinja, or a JSON file with a chat_template)")

@@ -215,6 +215,48 @@ def test_tools_reasoning_and_special_tokens_reach_the_template_as_in_transformer
             prepare(tmp_path / "bad.jsonl", tmp_path / "o.u16", tokenizer=folder / "tokenizer.json", messages_key="messages", progress=False)
 
 
+# a default template that reads a message's optional field (as Llama 3.1's reads 'tool_calls')
+OPTIONAL_FIELD = ("{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' }}{% if m.role == 'assistant' %}{% generation %}"
+                  "{% if 'tool_calls' in m %}{{ m.tool_calls | length }}{% endif %}{{ m.content + '<|im_end|>\\n' }}{% endgeneration %}"
+                  "{% else %}{% if 'tool_calls' in m %}{{ m.tool_calls | length }}{% endif %}{{ m.content + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+                  "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+@pytest.mark.parametrize("layout", ["tokenizer_config", "files"])
+def test_named_templates_tool_use_and_fields_of_none_as_in_transformers(model_dir, tmp_path, layout):
+    """A folder of named templates (a list in tokenizer_config.json, or transformers 5's chat_template.jinja and
+    additional_chat_templates/tool_use.jinja): a record with tools renders by "tool_use", one without by "default"; a
+    message's fields of None are dropped before rendering (a Parquet row holds every field, `tool_calls: null` beside a
+    plain turn): the ids and masks of transformers' apply_chat_template(messages, tools=...)."""
+    folder = _tokenizer_only(model_dir, tmp_path)
+    if layout == "tokenizer_config":
+        _write_config(folder, [{"name": "default", "template": OPTIONAL_FIELD}, {"name": "tool_use", "template": TOOLS}],
+                      bos_token="<|im_start|>")
+    else:
+        _write_config(folder, None, bos_token="<|im_start|>")
+        (folder / "chat_template.jinja").write_text(OPTIONAL_FIELD)
+        (folder / "additional_chat_templates").mkdir()
+        (folder / "additional_chat_templates" / "tool_use.jinja").write_text(TOOLS)
+    tools = [{"type": "function", "function": {"name": "add", "description": "a + b", "parameters": {"type": "object"}}}]
+    chats = [[{"role": "user", "content": "2+2?", "tool_calls": None}, {"role": "assistant", "content": "4", "tool_calls": None}],
+             [{"role": "user", "content": "hi", "tool_calls": None}, {"role": "assistant", "content": "yo", "tool_calls": [{"id": 1}]}]]
+    want_ids, want_mask = _transformers_documents(folder, chats, tools=[tools, None])
+    text = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json")).decode(want_ids, skip_special_tokens=False)
+    assert text.count('"name": "add"') == 1 and "<|im_start|>assistant\n1yo" in text  # the checks bite: both templates ran
+    records = [{"messages": chats[0], "tools": tools}, {"messages": chats[1]}]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    prepare(tmp_path / "c.jsonl", tmp_path / "o.u16", tokenizer=folder / "tokenizer.json", messages_key="messages", progress=False)
+    assert np.fromfile(tmp_path / "o.u16", dtype=np.uint16).tolist() == want_ids
+    assert np.fromfile(tmp_path / "o.u16.loss_mask", dtype=np.uint8).tolist() == want_mask
+    # named templates without a "default": which to use is the user's to say
+    _write_config(folder, [{"name": "tool_use", "template": TOOLS}, {"name": "rag", "template": CHATML}])
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    if layout == "files":
+        (folder / "additional_chat_templates" / "tool_use.jinja").unlink()
+    with pytest.raises(ValueError, match=r"holds named chat templates \(rag, tool_use\) and no 'default'; name the one to use with --chat_template"):
+        load_chat_template(folder / "tokenizer.json")
+
+
 def test_template_switches_are_variables_as_in_transformers(model_dir, tmp_path):
     """chat_template_kwargs (--chat_template_kwargs, a JSON object) are the template's
     variables, over a special token of the same name: Qwen3's enable_thinking=False puts an
@@ -265,6 +307,8 @@ def test_template_switches_are_variables_as_in_transformers(model_dir, tmp_path)
      dict(template="{% if messages[1].role == 'user' %}{{ raise_exception('roles must alternate') }}{% endif %}"),
      r"line 1 \(TemplateError: roles must alternate\)"),
     ([{"messages": [{"role": "user", "content": "a"}]}], dict(template="{{ messages.__class__.__mro__ }}"), r"refused .* \(SecurityError"),
+    # an error of Python's inside the template, not jinja's: the record is named too
+    ([{"messages": [{"role": "user", "content": "a"}]}], dict(template="{{ messages[0].content + 1 }}"), r"refused '.*c.jsonl' line 1 \(TypeError: can only concatenate str"),
     ([{"messages": [{"role": "user", "content": "a"}]}], dict(template="{% for %}"), "is not a valid Jinja template"),
     ([{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}],
      dict(template="{% for m in messages %}{{ m.content }}{% endfor %}{% if add_generation_prompt %}<|im_start|>{% endif %}"),
