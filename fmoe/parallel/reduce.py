@@ -39,7 +39,8 @@ Legend: T tokens (T_local on this rank), E experts, K = k slots per token, B doc
 
 from __future__ import annotations
 
-from typing import Mapping, Optional, Sequence, Union
+import numbers
+from typing import Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -68,9 +69,11 @@ def _token_count(name: str, value) -> Union[float, torch.Tensor]:
 def _check_layers(names, **layers) -> list[str]:
     """names: every MoE layer's name, unique strings (returned as a list); each keyword: a
     mapping whose keys are among names (ValueError naming the argument otherwise)."""
-    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+    if isinstance(names, str) or not isinstance(names, Iterable):
         raise ValueError(f"names: expected a sequence of layer-name strings, got {names!r}")
-    names = list(names)
+    names = list(names)  # once: a generator would be spent by the check below
+    if not all(isinstance(n, str) for n in names):
+        raise ValueError(f"names: expected a sequence of layer-name strings, got {names!r}")
     if len(set(names)) != len(names):
         raise ValueError(f"names: expected unique layer names, got {names}")
     for arg, mapping in layers.items():
@@ -428,8 +431,10 @@ def all_reduce_sums(values: Mapping[str, Union[float, torch.Tensor]], group: Gro
         if isinstance(v, torch.Tensor):
             if v.numel() != 1 or v.is_complex():
                 raise ValueError(f"values[{name!r}]: expected a real 1-element tensor, got shape {tuple(v.shape)} {v.dtype}")
-        elif isinstance(v, bool) or not isinstance(v, (int, float)):
+        elif isinstance(v, bool) or not isinstance(v, numbers.Real):  # numpy's scalars are numbers.Real too
             raise ValueError(f"values[{name!r}]: expected a number or a 1-element tensor, got {type(v).__name__}")
+    if not all(isinstance(name, str) for name in values):  # sorted below, the same order on every rank
+        raise ValueError(f"values: expected string names, got {[name for name in values if not isinstance(name, str)][:4]}")
     pg = process_group(group)
     if not values:
         return {}

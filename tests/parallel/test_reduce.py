@@ -8,6 +8,7 @@ validation runs in this process (it comes before any collective).
 """
 
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -690,6 +691,7 @@ def test_bad_inputs_raise_value_errors_naming_the_argument():
     _raises("names: expected a sequence of layer-name strings", all_reduce_counts, good, None, names="a", n_experts=4)
     _raises("n_experts: expected >= 1", all_reduce_counts, good, None, names=["a"], n_experts=0)
     _raises("group: expected", all_reduce_counts, good, None, names=["a"], n_experts=4)
+    _raises("group: expected", all_reduce_counts, good, None, names=(n for n in ["a"]), n_experts=4)  # a generator, read once
 
     counts = ops.tokens_per_expert(experts, 4)
     _raises("n_score_tokens: expected >= 1", global_load_balancing_loss, scores, counts, k=2, n_tokens=6, n_score_tokens=0)
@@ -704,4 +706,6 @@ def test_bad_inputs_raise_value_errors_naming_the_argument():
     _raises(r"values\['x'\]: expected a real 1-element tensor", all_reduce_sums, {"x": torch.ones(2)}, None)
     _raises(r"values\['x'\]: expected a number", all_reduce_sums, {"x": "1"}, None)
     _raises("group: expected", all_reduce_sums, {"x": 1.0}, None)
+    _raises("group: expected", all_reduce_sums, {"x": np.float32(1.5), "y": np.int64(2)}, None)  # numpy's scalars are numbers
+    _raises(r"values: expected string names, got \[1\]", all_reduce_sums, {"x": 1.0, 1: 2.0}, None)  # sorted: one order on every rank
     # grad_norm / clip_grad_norm's argument checks: tests/optim/test_grads.py
