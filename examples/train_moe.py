@@ -155,7 +155,7 @@ class Config:
     dp_shard: int = -1              # FSDP2 shards (-1: the rest of the world)
     cp: int = 1                     # context parallel: each micro-batch's tokens split over cp ranks
     tp: int = 1                     # tensor parallel: attention heads, dense and shared FFN columns
-    ep: int = 1                     # expert parallel, borrowing ranks from dp_shard x tp
+    ep: int = 1                     # expert parallel, borrowing ranks from dp_shard x cp x tp
     etp: int = 1                    # expert tensor parallel (the experts' FFN columns)
     pp: int = 1                     # pipeline parallel: stages of consecutive layers (the outermost axis)
     pp_schedule: str = "1f1b"       # gpipe | 1f1b | interleaved_1f1b | looped_bfs (torch.distributed.pipelining)
