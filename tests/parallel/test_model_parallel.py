@@ -745,8 +745,8 @@ MAMBA_DECAY_TOL = 2e-4
 
 
 def _tolerance(case: str, key: str) -> float:
-    if key.endswith(HC_PARAMS):  # across a cp split the head's scale moves further: 1.29e-4 on one 2-core machine (cp2-mhc)
-        return 3e-4 if case.startswith("cp") else 1e-4
+    if key.endswith(HC_PARAMS):  # the head's scale moves by 1.29e-4 across a cp split (cp2-mhc, one 2-core machine) and by
+        return 3e-4  # 4.0e-5 or 1.06e-4 under ep2xtp2-hy-v4 as the loss's reference rounds its log-sum-exp one way or another
     if case.startswith("cp") and ("granite4" in case or "falcon_h1" in case) and key.endswith(DECAY):
         return MAMBA_DECAY_TOL
     delta_rule = any(name in case for name in ("gated-deltanet", "kimi-linear", "olmo_hybrid"))  # the blocks with DECAY's parameters
