@@ -90,6 +90,7 @@ import hashlib
 import itertools
 import json
 import math
+import numbers
 import os
 import sysconfig
 import zlib
@@ -140,7 +141,10 @@ def encode_text(text: Union[str, bytes]) -> torch.Tensor:
 def decode_text(ids: Union[torch.Tensor, Sequence[int]]) -> str:
     """Text of byte tokens ids [n]: bytes 0..255 decoded as UTF-8 (invalid sequences become
     U+FFFD), the specials EOS and PAD dropped. Ids outside 0..BYTE_VOCAB_SIZE-1 are an error."""
-    ids = torch.as_tensor(ids).reshape(-1).long()
+    ids = torch.as_tensor(ids).reshape(-1)
+    if ids.numel() and (ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool):  # [] is float32
+        raise ValueError(f"ids: expected integer byte tokens, got dtype {ids.dtype}")
+    ids = ids.long()
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= BYTE_VOCAB_SIZE):
         raise ValueError(f"ids: expected byte tokens in 0..{BYTE_VOCAB_SIZE - 1}, got values in {int(ids.min())}..{int(ids.max())}")
     return bytes(ids[ids < 256].to(torch.uint8).tolist()).decode("utf-8", errors="replace")
@@ -149,6 +153,12 @@ def decode_text(ids: Union[torch.Tensor, Sequence[int]]) -> str:
 # ----------------------------------------------------------------------------------------
 # 2. Datasets
 # ----------------------------------------------------------------------------------------
+
+
+def _check_bools(**flags) -> None:
+    for name, flag in flags.items():
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name}: expected a bool, got {flag!r}")
 
 
 class TokenDataset:
@@ -162,7 +172,8 @@ class TokenDataset:
         starts, lengths: [n_docs] int64 numpy arrays, every span inside data.
         names: n_docs strings (the split keys, e.g. relative paths), or None for unnamed
             documents (split by a hash of their index).
-        vocab_size: every token id, eos included, is below it.
+        vocab_size: every token id, eos included, is below it (the file loaders check the
+            whole file; here each document is checked as it is read: a ValueError).
         eos: the token appended after each document, or None.
         label_mask: [N] numpy array aligned with data (uint8 0/1 or bool), or None: 0 where
             a token is never a label (a prompt's tokens: the loss does not count predicting
@@ -217,7 +228,11 @@ class TokenDataset:
 
     def document(self, i: int, begin: int = 0, end: Optional[int] = None) -> torch.Tensor:
         """Tokens begin..end-1 of document i (EOS included): [end - begin] int64."""
-        return self._span(self.data, i, begin, end, np.int64, self.eos)
+        tokens = self._span(self.data, i, begin, end, np.int64, self.eos)
+        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size):
+            bad = tokens[(tokens < 0) | (tokens >= self.vocab_size)][0]
+            raise ValueError(f"vocab_size: document {i} holds token {int(bad)}, not in 0..{self.vocab_size - 1}")
+        return tokens
 
     def document_mask(self, i: int, begin: int = 0, end: Optional[int] = None) -> torch.Tensor:
         """label_mask of tokens begin..end-1 of document i: [end - begin] bool (all True
@@ -234,13 +249,13 @@ class TokenDataset:
 
     def split(self, val_percent: int) -> tuple["TokenDataset", "TokenDataset"]:
         """(train, validation): a document goes to validation when its key's bucket in
-        0..99 (crc32 of its name, or a fixed hash of its index when unnamed) is below
+        0..99 (crc32 of its name, or a fixed hash of its index + 1 when unnamed) is below
         val_percent. Deterministic, disjoint, and together all documents, in stored order."""
         check_positive_int("val_percent", val_percent, 0, 100)
         if self.names is not None:
             buckets = np.array([zlib.crc32(n.encode("utf-8", "surrogateescape")) % 100 for n in self.names], dtype=np.int64)
-        else:  # Fibonacci hashing of the index, top 32 bits (uint64 products wrap)
-            prod = np.arange(len(self), dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        else:  # Fibonacci hashing of the index + 1 (index 0's product is 0), top 32 bits (uint64 products wrap)
+            prod = np.arange(1, len(self) + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
             buckets = ((prod >> np.uint64(32)) % np.uint64(100)).astype(np.int64)
         val = buckets < val_percent
         return self.subset(np.flatnonzero(~val)), self.subset(np.flatnonzero(val))
@@ -392,6 +407,8 @@ def _from_index(field: str, given, index: dict, path: Path):
     difference is refused."""
     if given is None:
         return index[field]
+    if field in ("vocab_size", "separator"):
+        check_positive_int(field, given, 1 if field == "vocab_size" else 0)
     if given != index[field] and not (field == "vocab_size" and given > index[field]):
         raise ValueError(f"{field}: {given!r} was given, the index {str(index_path(path))!r} says {index[field]!r}")
     return given
@@ -441,6 +458,9 @@ def load_token_file(path: Union[str, os.PathLike], *, separator: Optional[int] =
         raise ValueError(f"{', '.join(missing)}: required for the token file {str(path)!r} (it has no {INDEX_SUFFIX} index)"
                          + ("; it looks like text, not token ids: a directory of text files is read as their bytes "
                             "(load_text_dir), and `python -m fmoe.train.prepare` makes a token file of text" if text else ""))
+    implied = SUFFIX_DTYPES.get(path.suffix.lower())
+    if dtype in FILE_DTYPES and implied is not None and dtype != implied:
+        raise ValueError(f"dtype: {dtype!r} was given, the suffix of {str(path)!r} means {implied!r}")
     if dtype is None:
         if path.suffix.lower() not in SUFFIX_DTYPES:
             raise ValueError(f"dtype: cannot infer it from the suffix of {str(path)!r}; pass dtype='uint16' or 'uint32' "
@@ -615,7 +635,8 @@ class Sampler:
         self.tokens_per_batch = check_positive_int("tokens_per_batch", tokens_per_batch)
         self.seed = check_positive_int("seed", seed, 0)
         self.mtp_depth = check_positive_int("mtp_depth", mtp_depth, 0)
-        self.shuffle, self.whole_documents = shuffle, bool(whole_documents)
+        _check_bools(shuffle=shuffle, whole_documents=whole_documents)
+        self.shuffle, self.whole_documents = shuffle, whole_documents
         self.epoch, self.index, self.offset = 0, 0, 0
         self._order = self._epoch_order(0)
 
@@ -827,7 +848,7 @@ class Blend:
                              f"{len(self.names)}, {len(weights)}, {len(self.paths)}")
         if len(set(self.names)) != len(self.names):
             raise ValueError(f"names: expected unique source names, got {self.names}")
-        if not all(not isinstance(w, bool) and isinstance(w, (int, float)) and math.isfinite(w) and w > 0 for w in weights):
+        if not all(not isinstance(w, (bool, np.bool_)) and isinstance(w, numbers.Real) and math.isfinite(w) and w > 0 for w in weights):
             raise ValueError(f"weights: expected finite numbers > 0, got {list(weights)}")
         try:
             total = math.fsum(weights)
@@ -974,6 +995,7 @@ class BlendSampler:
         self.tokens_per_batch = check_positive_int("tokens_per_batch", tokens_per_batch)
         self.seed = check_positive_int("seed", seed, 0)
         self.mtp_depth = check_positive_int("mtp_depth", mtp_depth, 0)
+        _check_bools(shuffle=shuffle, whole_documents=whole_documents)
         self.shuffle, self.whole_documents = shuffle, whole_documents
         self.samplers = self._fresh_samplers()
         self.batches = [0] * len(blend.names)

@@ -182,8 +182,8 @@ def upcycle_(model: Union[Transformer, Sequence[Transformer]], dense_state: Mapp
                 copy_full_value(p, experts)
             elif what == "shared.w_down":  # the shared experts add nothing until trained
                 copy_full_value(p, torch.zeros(p.shape))
-            elif what is not None and what.startswith(("router_bias", "router_norm", "expert_scale", "shared.", "shared_gate")):
-                continue  # their initial values (Gemma 4's router scales: ones, each group's weights alike)
+            elif what is not None and what.startswith(("router_bias", "router_norm", "expert_scale", "shared.", "shared_gate", "out_bias")):
+                continue  # their initial values (Gemma 4's router scales: ones, each group's weights alike; the output bias: zeros)
             elif name not in dense_state:
                 raise ValueError(f"dense_state: no {name!r}: the dense model differs from the MoE model outside the MoE layers")
             else:

@@ -286,6 +286,13 @@ def test_index_conflicts(tmp_path):
         load_token_file(path, dtype="uint32")
     with pytest.raises(ValueError, match="data: source 'p.u16' .*p.u16.: separator: 7 was given"):
         load_blend(f"1:{path}", separator=7)
+    for field, bad in (("vocab_size", "64"), ("separator", -1), ("vocab_size", 2.5)):  # a JSON entry's string: named, not a TypeError
+        with pytest.raises(ValueError, match=f"data: source 'p.u16' .*p.u16.: {field}: expected an int|data: source 'p.u16' .*: {field}: expected >= 0"):
+            load_blend(f"1:{path}", **{field: bad})
+    # a dtype for every source (--data_dtype) against a token file's suffix: refused, not read as the other dtype
+    other = _write_tokens(tmp_path / "web.u32", [464, 3290, 0, 40, 0], "uint32")
+    with pytest.raises(ValueError, match=r"data: source 'web.u32' .*: dtype: 'uint16' was given, the suffix of .*web.u32' means 'uint32'"):
+        load_blend(f"0.5:{path},0.5:{other}", separator=0, vocab_size=50304, dtype="uint16")
     for stale, message in (({"tokens": 7}, "holds 6 tokens, its index says 7"), ({"documents": 2}, "holds 3 documents, its index says 2")):
         _write_tokens(path, [5, 0, 49, 7, 0, 8], "uint16", {**index, **stale})
         with pytest.raises(ValueError, match=f"{message} \\(a stale index"):
@@ -382,6 +389,9 @@ def test_blend_constructor_errors():
     with pytest.raises(ValueError, match=r"weights: their sum overflows a float, got \[1e\+308, 1e\+308\]"):
         Blend([_source(0), _source(1)], ["a", "b"], [1e308, 1e308])
     assert Blend([_source(0), _source(1)], ["a", "b"], [1e307, 3e307]).weights == [0.25, 0.75]
+    assert Blend([_source(0), _source(1)], ["a", "b"], [np.float32(0.25), np.int64(3)]).weights == [0.25 / 3.25, 3 / 3.25]  # numpy's numbers
+    with pytest.raises(ValueError, match="weights: expected finite numbers > 0"):
+        Blend([_source(0)], ["a"], [np.bool_(True)])
     with pytest.raises(ValueError, match="blend: expected a Blend"):
         BlendSampler(_source(0), 4, seed=0)
     with pytest.raises(ValueError, match="seed"):

@@ -92,6 +92,13 @@ def test_token_dataset_refuses_spans_outside_its_data_and_an_eos_outside_its_voc
     with pytest.raises(ValueError, match=r"eos: expected 0..9, got 10"):
         TokenDataset(data, np.array([0]), np.array([5]), None, vocab_size=10, eos=10)
     assert TokenDataset(data, np.array([0, 3]), np.array([3, 2]), None, vocab_size=10, eos=9).n_tokens == 7
+    # the constructor does not scan its data: a document's ids are checked as it is read, before a batch holds them
+    ds = TokenDataset(np.array([5, 900, 7], dtype=np.uint16), np.array([0, 2]), np.array([2, 1]), None, vocab_size=10, eos=None)
+    assert ds.document(1).tolist() == [7]
+    with pytest.raises(ValueError, match=r"vocab_size: document 0 holds token 900, not in 0..9"):
+        ds.document(0)
+    with pytest.raises(ValueError, match=r"vocab_size: document 0 holds token 900"):
+        Sampler(ds, 3, seed=0, shuffle=False).next_batch()
 
 
 def test_byte_round_trip():
@@ -105,6 +112,9 @@ def test_byte_round_trip():
         decode_text([1, BYTE_VOCAB_SIZE])
     with pytest.raises(ValueError, match="text"):
         encode_text(5)
+    for ids in (torch.tensor([104.7]), [104.0], torch.tensor([True])):  # not 'h'
+        with pytest.raises(ValueError, match="ids: expected integer byte tokens, got dtype torch.(float|bool)"):
+            decode_text(ids)
 
 
 # ---------------------------------------------------------------- packing and targets
@@ -254,6 +264,21 @@ def test_unnamed_split():
     assert len(train) + len(val) == 100 and 5 < len(val) < 40
     assert not set(train.starts.tolist()) & set(val.starts.tolist())
     assert ds.split(20)[1].starts.tolist() == val.starts.tolist()
+    # the hash is of the index + 1: document 0's is not 0, bucket 0, in validation whatever val_percent
+    assert 0 not in val.starts.tolist() and ds.subset(np.arange(2)).split(1)[1].starts.tolist() == []
+    one = ds.subset(np.arange(1))
+    assert len(one.split(5)[0]) == 1  # a one-document token file (no separator in it) trains
+    many = TokenDataset(np.zeros(1, dtype=np.uint16), np.zeros(10000, dtype=np.int64), np.ones(10000, dtype=np.int64), None,
+                        vocab_size=2, eos=None)
+    assert 450 < len(many.split(5)[1]) < 550  # the buckets spread evenly
+
+
+def test_sampler_flags_are_bools():
+    ds = TokenDataset(np.arange(20, dtype=np.uint16), np.arange(0, 20, 4), np.full(5, 4), None, vocab_size=20, eos=None)
+    for flag in ("shuffle", "whole_documents"):
+        for bad in ("no", 0, None):
+            with pytest.raises(ValueError, match=f"{flag}: expected a bool, got {bad!r}"):
+                Sampler(ds, 4, seed=0, **{flag: bad})
 
 
 # ---------------------------------------------------------------- user data
@@ -329,6 +354,11 @@ def test_errors(tmp_path):
     (tmp_path / "tok.bin").write_bytes(b"\x01\x00")
     with pytest.raises(ValueError, match="dtype: cannot infer.*tok.bin"):
         load_token_file(tmp_path / "tok.bin", separator=0, vocab_size=10)
+    # a dtype given against the file's suffix (a --data_dtype meant for the blend's other sources): not read as the other
+    (tmp_path / "tok.u32").write_bytes(np.array([5, 1, 3], dtype=np.uint32).tobytes())
+    with pytest.raises(ValueError, match=r"dtype: 'uint16' was given, the suffix of .*tok.u32' means 'uint32'"):
+        load_token_file(tmp_path / "tok.u32", separator=1, vocab_size=10, dtype="uint16")
+    assert load_token_file(tmp_path / "tok.u32", separator=1, vocab_size=10, dtype="uint32").document(0).tolist() == [5, 1]
     with pytest.raises(ValueError, match="not a directory"):
         load_text_dir(f)
     with pytest.raises(ValueError, match="not a regular file"):

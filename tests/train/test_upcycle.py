@@ -49,6 +49,8 @@ CASES = {
     "g2-relu2-shared-expert": _moe(ffn_expert=32, k=2, n_shared=1, mlp_act="relu2"),
     # Gemma 4's router: over its own norm, each weight times its expert's scale (both one at first)
     "g2-router-norm-expert-scale": _moe(ffn_expert=32, k=2, router_norm=True, router_expert_scale=True),
+    # a bias on the MoE blocks' output: zeros at first, kept
+    "g2-moe-out-bias": _moe(ffn_expert=32, k=2, moe_out_bias=True),
     # a dense hybrid (Bamba's: Mamba-2 mixers in blocks 0 and 2) into an MoE hybrid (Granite 4.0-H's): the mixers copied
     "g2-mamba2-hybrid": _moe(ffn_expert=32, k=2, linear_layers=(0, 2), linear_kind="mamba2", linear_k_heads=2, linear_v_heads=4, linear_k_dim=8,
                              linear_v_dim=16, linear_conv=3),
